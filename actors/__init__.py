@@ -1,0 +1,1 @@
+"""greenroom.actors: the actor tree (I/O and concurrency)."""

@@ -1,0 +1,1 @@
+"""greenroom.protocols: pure typed data and sans-IO logic; no I/O, no trio."""

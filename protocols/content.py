@@ -1,0 +1,84 @@
+"""Content blocks: the pieces of user input, model output and tool output.
+
+Every block is a frozen, slotted, keyword-only attrs class whose JSON form carries a
+``type`` tag (see :mod:`greenroom.protocols.converter`). The same classes appear in
+outputs, trace records and the model context, so a block read back from a trace is
+the block that was emitted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import attrs
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class TextBlock:
+    """Plain text, from the user, the model or a tool."""
+
+    TYPE: ClassVar[str] = "text"
+    text: str
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ImageBlock:
+    """An image given by a path (inside the workspace or the session scratchpad)."""
+
+    TYPE: ClassVar[str] = "image"
+    path: str
+    media_type: str | None = None
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ThinkingBlock:
+    """Model reasoning. ``signature`` is the provider's opaque proof, kept byte-exact
+    because Anthropic requires it when the thinking is sent back (R-RUN-9)."""
+
+    TYPE: ClassVar[str] = "thinking"
+    text: str
+    signature: str | None = None
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class RedactedThinkingBlock:
+    """Encrypted reasoning: never shown, passed back unchanged where required."""
+
+    TYPE: ClassVar[str] = "redacted_thinking"
+    data: str
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ToolCallBlock:
+    """A complete tool call from the model.
+
+    ``arguments`` is the parsed JSON object. When the model's argument text was not a
+    JSON object, ``arguments`` is empty and ``invalid_arguments`` holds the raw text, so
+    the call can be answered with an error without running the tool (R-TOOL-5).
+    """
+
+    TYPE: ClassVar[str] = "tool_call"
+    id: str
+    name: str
+    arguments: dict[str, Any]
+    invalid_arguments: str | None = None
+
+
+UserContent = TextBlock | ImageBlock
+"""What a user (prompt or steering) may send."""
+
+ModelBlock = TextBlock | ThinkingBlock | RedactedThinkingBlock | ToolCallBlock
+"""What one model response is made of."""
+
+ToolContent = TextBlock | ImageBlock
+"""What a tool may return."""
+
+
+def user_text(text: str) -> TextBlock:
+    """A user text block, the usual input of :meth:`Session.run`."""
+    return TextBlock(text=text)
+
+
+def user_image(path: str, media_type: str | None = None) -> ImageBlock:
+    """A user image block referring to a file."""
+    return ImageBlock(path=path, media_type=media_type)

@@ -1,0 +1,141 @@
+"""Typed stream events: what every provider codec turns its wire format into.
+
+The supervisor consumes only these, so it never sees a provider's format. A codec emits,
+for one response, in stream order:
+
+* ``BlockStarted`` when a content block opens, then its deltas (``TextDelta``,
+  ``ThinkingDelta``, ``ToolArgumentsDelta``);
+* ``BlockCompleted`` with the finished block once it is certain to be complete (a tool
+  call whose generation was cut by the output-token limit is reported as
+  ``ToolCallTruncated`` instead and must never run: R-TOOL-5);
+* ``UsageReported`` whenever cumulative usage changes;
+* exactly one terminal event: ``MessageCompleted`` (the stream ended properly) or
+  ``StreamFailed`` (classified error: R-RETRY-1).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+from greenroom.protocols.content import ModelBlock
+
+ErrorKind = Literal["auth", "timeout", "malformed", "failed", "context_overflow"]
+"""Classification of a model-side failure (R-RETRY-1)."""
+
+BlockKind = Literal["text", "thinking", "redacted_thinking", "tool_call"]
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class TokenUsage:
+    """Token counts of one request (cumulative within the request).
+
+    ``total`` is the size of the context the request occupied: every input token (fresh,
+    cache read, cache write) plus the output. It is what compaction compares with
+    ``max_context_length`` (R-COMPACT-2).
+    """
+
+    input: int = 0
+    output: int = 0
+    cache_read: int = 0
+    cache_write: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.input + self.output + self.cache_read + self.cache_write
+
+    def __add__(self, other: TokenUsage) -> TokenUsage:
+        return TokenUsage(
+            input=self.input + other.input,
+            output=self.output + other.output,
+            cache_read=self.cache_read + other.cache_read,
+            cache_write=self.cache_write + other.cache_write,
+        )
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ModelError:
+    """A classified model-side failure. Errors are data between actors."""
+
+    kind: ErrorKind
+    message: str
+    status_code: int | None = None
+    retry_after_s: float | None = None
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class BlockStarted:
+    index: int
+    kind: BlockKind
+    call_id: str | None = None
+    name: str | None = None
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class TextDelta:
+    index: int
+    text: str
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ThinkingDelta:
+    index: int
+    text: str
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ToolArgumentsDelta:
+    index: int
+    call_id: str
+    name: str
+    delta: str
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class BlockCompleted:
+    index: int
+    block: ModelBlock
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ToolCallTruncated:
+    """A tool call cut off by the output-token limit: never executed (R-TOOL-5)."""
+
+    index: int
+    call_id: str
+    name: str
+    partial_arguments: str
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class UsageReported:
+    usage: TokenUsage
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class MessageCompleted:
+    """The response ended properly. ``stop_reason`` is normalised to one of
+    ``end_turn``, ``tool_use``, ``max_tokens``, ``stop_sequence``, ``refusal``,
+    ``pause_turn`` or the provider's own word when unknown."""
+
+    stop_reason: str
+    usage: TokenUsage
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class StreamFailed:
+    error: ModelError
+
+
+StreamEvent = (
+    BlockStarted
+    | TextDelta
+    | ThinkingDelta
+    | ToolArgumentsDelta
+    | BlockCompleted
+    | ToolCallTruncated
+    | UsageReported
+    | MessageCompleted
+    | StreamFailed
+)

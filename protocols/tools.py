@@ -1,0 +1,330 @@
+"""Tool definitions: the ``@tool`` decorator, JSON schemas and argument validation.
+
+A tool is a plain ``async def`` whose annotations give its JSON schema and whose docstring
+gives its description. Whether it may run beside other calls is declared, never guessed
+from its name (R-TOOL-3)::
+
+    @tool(parallel=True)
+    async def lookup(key: str, limit: int = 10) -> str:
+        \"\"\"Look up a key.
+
+        Args:
+            key: what to look up.
+            limit: the most results to return.
+        \"\"\"
+
+A parameter named ``ctx`` receives a :class:`ToolContext` and is not part of the schema.
+Validation errors are ``$.path: message`` strings that go back to the model as an error
+output; the tool is not run (R-TOOL-5).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import types
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints, overload
+
+import attrs
+
+from greenroom.protocols.content import ImageBlock, TextBlock, ToolContent
+from greenroom.protocols.context import ToolSchema
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ToolContext:
+    """What a running tool may use besides its arguments.
+
+    ``report_progress`` never raises and never blocks; notes sent after the call is
+    terminal are dropped (R-TOOL-6).
+    """
+
+    call_id: str
+    workspace_dir: Path
+    scratchpad_dir: Path
+    report_progress: Callable[[str], None]
+
+
+ToolFunction = Callable[..., Awaitable[Any]]
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class Tool:
+    """A tool the model can call.
+
+    ``parallel`` — parallel-safe calls share the pool's slots; other calls run alone, in
+    call order (R-TOOL-3). ``side_effects`` — the trace is made durable before such a
+    call starts (R-TRACE-2); it defaults to ``not parallel``.
+    """
+
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+    parallel: bool
+    side_effects: bool
+    function: ToolFunction = attrs.field(eq=False, repr=False)
+    takes_ctx: bool = False
+    timeout_s: float | None = None
+
+    @property
+    def schema(self) -> ToolSchema:
+        return ToolSchema(
+            name=self.name, description=self.description, input_schema=self.input_schema
+        )
+
+    def validate(self, arguments: Mapping[str, Any]) -> list[str]:
+        """``$.path: message`` errors of ``arguments`` against the schema (empty if valid)."""
+        return validate_json(arguments, self.input_schema)
+
+
+class ToolDefinitionError(TypeError):
+    """A function cannot be turned into a tool (an annotation with no JSON form...)."""
+
+
+_TYPE_NAMES: dict[type, str] = {
+    str: "string",
+    int: "integer",
+    float: "number",
+    bool: "boolean",
+}
+
+
+def json_schema_for(annotation: Any) -> dict[str, Any]:
+    """The JSON schema of a Python annotation (str, int, float, bool, None, Literal,
+    list/tuple/set, dict[str, X], unions and Optional)."""
+    if annotation is Any:
+        return {}
+    if annotation is type(None) or annotation is None:
+        return {"type": "null"}
+    if annotation in _TYPE_NAMES:
+        return {"type": _TYPE_NAMES[annotation]}
+    if annotation in (list, tuple, set, frozenset):
+        return {"type": "array"}
+    if annotation is dict:
+        return {"type": "object"}
+    origin = get_origin(annotation)
+    args = get_args(annotation)
+    if origin is Literal:
+        schema: dict[str, Any] = {"enum": list(args)}
+        kinds = {type(a) for a in args}
+        if len(kinds) == 1 and next(iter(kinds)) in _TYPE_NAMES:
+            schema["type"] = _TYPE_NAMES[next(iter(kinds))]
+        return schema
+    if origin in (list, set, frozenset, Sequence) or (origin is tuple and len(args) == 2
+                                                      and args[1] is Ellipsis):
+        return {"type": "array", "items": json_schema_for(args[0])} if args else {"type": "array"}
+    if origin is tuple:
+        return {
+            "type": "array",
+            "prefixItems": [json_schema_for(a) for a in args],
+            "minItems": len(args),
+            "maxItems": len(args),
+        }
+    if origin in (dict, Mapping):
+        if args and args[0] is not str:
+            raise ToolDefinitionError(f"dict keys must be str, not {args[0]!r}")
+        return {"type": "object", "additionalProperties": json_schema_for(args[1])} if args else {
+            "type": "object"
+        }
+    if origin in (Union, types.UnionType):
+        members = [json_schema_for(a) for a in args]
+        return {"anyOf": members}
+    raise ToolDefinitionError(f"no JSON schema for annotation {annotation!r}")
+
+
+_ARGS_HEADER = re.compile(r"^\s*(Args|Arguments|Parameters):\s*$")
+_ARG_LINE = re.compile(r"^\s+(\w+)\s*(\([^)]*\))?:\s*(.*)$")
+
+
+def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
+    """Description (everything before ``Args:``) and per-parameter descriptions."""
+    lines = inspect.cleandoc(doc).splitlines() if doc else []
+    description: list[str] = []
+    params: dict[str, str] = {}
+    in_args = False
+    current: str | None = None
+    for line in lines:
+        if _ARGS_HEADER.match(line):
+            in_args = True
+            continue
+        if not in_args:
+            description.append(line)
+            continue
+        if line and not line[0].isspace():
+            in_args = False
+            description.append(line)
+            continue
+        match = _ARG_LINE.match(line)
+        if match and (current is None or len(line) - len(line.lstrip()) <= 4):
+            current = match.group(1)
+            params[current] = match.group(3).strip()
+        elif current is not None and line.strip():
+            params[current] = f"{params[current]} {line.strip()}".strip()
+    return "\n".join(description).strip(), params
+
+
+def make_tool(
+    function: ToolFunction,
+    *,
+    parallel: bool,
+    name: str | None = None,
+    description: str | None = None,
+    side_effects: bool | None = None,
+    timeout_s: float | None = None,
+) -> Tool:
+    """Build a :class:`Tool` from an ``async def``; see the module docstring."""
+    if not inspect.iscoroutinefunction(function):
+        raise ToolDefinitionError(f"tool {function.__name__!r} must be an async function")
+    hints = get_type_hints(function)
+    doc_description, param_docs = _parse_docstring(function.__doc__ or "")
+    properties: dict[str, Any] = {}
+    required: list[str] = []
+    takes_ctx = False
+    for param in inspect.signature(function).parameters.values():
+        if param.name == "ctx":
+            takes_ctx = True
+            continue
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise ToolDefinitionError(f"tool {function.__name__!r}: *args/**kwargs not allowed")
+        annotation = hints.get(param.name, Any)
+        schema = dict(json_schema_for(annotation))
+        if param.name in param_docs:
+            schema["description"] = param_docs[param.name]
+        if param.default is inspect.Parameter.empty:
+            required.append(param.name)
+        elif param.default is not None and isinstance(param.default, str | int | float | bool):
+            schema["default"] = param.default
+        properties[param.name] = schema
+    input_schema: dict[str, Any] = {
+        "type": "object",
+        "properties": properties,
+        "required": required,
+        "additionalProperties": False,
+    }
+    return Tool(
+        name=name or function.__name__,
+        description=description or doc_description or (name or function.__name__),
+        input_schema=input_schema,
+        parallel=parallel,
+        side_effects=(not parallel) if side_effects is None else side_effects,
+        function=function,
+        takes_ctx=takes_ctx,
+        timeout_s=timeout_s,
+    )
+
+
+@overload
+def tool(function: ToolFunction, /) -> Tool: ...
+@overload
+def tool(
+    *,
+    parallel: bool = False,
+    name: str | None = None,
+    description: str | None = None,
+    side_effects: bool | None = None,
+    timeout_s: float | None = None,
+) -> Callable[[ToolFunction], Tool]: ...
+def tool(
+    function: ToolFunction | None = None,
+    /,
+    *,
+    parallel: bool = False,
+    name: str | None = None,
+    description: str | None = None,
+    side_effects: bool | None = None,
+    timeout_s: float | None = None,
+) -> Tool | Callable[[ToolFunction], Tool]:
+    """Turn an ``async def`` into a :class:`Tool`. Bare ``@tool`` means not parallel-safe."""
+
+    def wrap(fn: ToolFunction) -> Tool:
+        return make_tool(
+            fn,
+            parallel=parallel,
+            name=name,
+            description=description,
+            side_effects=side_effects,
+            timeout_s=timeout_s,
+        )
+
+    if function is not None:
+        return wrap(function)
+    return wrap
+
+
+_JSON_TYPES: dict[str, Callable[[Any], bool]] = {
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+    "array": lambda v: isinstance(v, list),
+    "object": lambda v: isinstance(v, dict),
+}
+
+
+def validate_json(value: Any, schema: Mapping[str, Any], path: str = "$") -> list[str]:
+    """Validate ``value`` against the subset of JSON Schema that :func:`json_schema_for`
+    produces (type, enum, anyOf, properties/required/additionalProperties, items,
+    prefixItems). Returns ``$.path: message`` strings."""
+    errors: list[str] = []
+    if "anyOf" in schema:
+        if not any(not validate_json(value, sub, path) for sub in schema["anyOf"]):
+            kinds = ", ".join(sub.get("type", "value") for sub in schema["anyOf"])
+            errors.append(f"{path}: expected one of: {kinds}")
+        return errors
+    expected = schema.get("type")
+    if isinstance(expected, str) and not _JSON_TYPES[expected](value):
+        return [f"{path}: expected {expected}, got {_json_type_name(value)}"]
+    if "enum" in schema and value not in schema["enum"]:
+        return [f"{path}: expected one of {schema['enum']!r}, got {value!r}"]
+    if isinstance(value, dict):
+        properties: Mapping[str, Any] = schema.get("properties", {})
+        for key in schema.get("required", ()):
+            if key not in value:
+                errors.append(f"{path}.{key}: required property missing")
+        additional = schema.get("additionalProperties", True)
+        for key, item in value.items():
+            if key in properties:
+                errors.extend(validate_json(item, properties[key], f"{path}.{key}"))
+            elif additional is False:
+                errors.append(f"{path}.{key}: unexpected property")
+            elif isinstance(additional, dict):
+                errors.extend(validate_json(item, additional, f"{path}.{key}"))
+    if isinstance(value, list):
+        prefix = schema.get("prefixItems")
+        if prefix is not None:
+            if len(value) != len(prefix):
+                errors.append(f"{path}: expected {len(prefix)} items, got {len(value)}")
+            for i, (item, sub) in enumerate(zip(value, prefix, strict=False)):
+                errors.extend(validate_json(item, sub, f"{path}[{i}]"))
+        elif "items" in schema:
+            for i, item in enumerate(value):
+                errors.extend(validate_json(item, schema["items"], f"{path}[{i}]"))
+    return errors
+
+
+def _json_type_name(value: Any) -> str:
+    for name, check in _JSON_TYPES.items():
+        if name != "number" and check(value):
+            return name
+    return "number" if isinstance(value, float) else type(value).__name__
+
+
+def normalize_result(value: Any) -> tuple[ToolContent, ...]:
+    """A tool's return value as content blocks: a string, a block, or a sequence of them.
+
+    Anything else is turned into text with ``str()``; ``None`` becomes an empty text.
+    """
+    if value is None:
+        return (TextBlock(text=""),)
+    if isinstance(value, str):
+        return (TextBlock(text=value),)
+    if isinstance(value, TextBlock | ImageBlock):
+        return (value,)
+    if isinstance(value, list | tuple) and all(
+        isinstance(v, str | TextBlock | ImageBlock) for v in value
+    ):
+        return tuple(TextBlock(text=v) if isinstance(v, str) else v for v in value)
+    return (TextBlock(text=str(value)),)
