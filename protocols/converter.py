@@ -32,9 +32,7 @@ _TAGGED_BLOCKS: tuple[type[Any], ...] = (
     content.ToolCallBlock,
 )
 _BLOCK_BY_TAG: dict[str, type[Any]] = {cls.TYPE: cls for cls in _TAGGED_BLOCKS}
-OUTPUT_BY_TAG: dict[str, type[outputs.Output]] = {
-    cls.TYPE: cls for cls in outputs.OUTPUT_CLASSES
-}
+OUTPUT_BY_TAG: dict[str, type[outputs.Output]] = {cls.TYPE: cls for cls in outputs.OUTPUT_CLASSES}
 
 
 def _is_tagged(cls: Any) -> bool:

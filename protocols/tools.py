@@ -112,8 +112,9 @@ def json_schema_for(annotation: Any) -> dict[str, Any]:
         if len(kinds) == 1 and next(iter(kinds)) in _TYPE_NAMES:
             schema["type"] = _TYPE_NAMES[next(iter(kinds))]
         return schema
-    if origin in (list, set, frozenset, Sequence) or (origin is tuple and len(args) == 2
-                                                      and args[1] is Ellipsis):
+    if origin in (list, set, frozenset, Sequence) or (
+        origin is tuple and len(args) == 2 and args[1] is Ellipsis
+    ):
         return {"type": "array", "items": json_schema_for(args[0])} if args else {"type": "array"}
     if origin is tuple:
         return {
@@ -125,9 +126,11 @@ def json_schema_for(annotation: Any) -> dict[str, Any]:
     if origin in (dict, Mapping):
         if args and args[0] is not str:
             raise ToolDefinitionError(f"dict keys must be str, not {args[0]!r}")
-        return {"type": "object", "additionalProperties": json_schema_for(args[1])} if args else {
-            "type": "object"
-        }
+        return (
+            {"type": "object", "additionalProperties": json_schema_for(args[1])}
+            if args
+            else {"type": "object"}
+        )
     if origin in (Union, types.UnionType):
         members = [json_schema_for(a) for a in args]
         return {"anyOf": members}

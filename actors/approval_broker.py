@@ -1,0 +1,96 @@
+"""The approval broker: exactly one decision per complete tool call, one at a time.
+
+Calls arrive in call order as their blocks complete (possibly while the model still
+streams, R-TOOL-1). For each call the broker asks, in this order: the session's
+"allow for this session" rules, the host's ``approve`` callback, the session's client
+approvers (websocket clients), and otherwise denies (R-APPROVE-2). A callback that raises
+or answers nonsense denies; a request that waits longer than the timeout is denied
+(R-APPROVE-4). The decision goes to the supervisor's inbox; the supervisor emits it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from greenroom.protocols.content import ToolCallBlock
+from greenroom.protocols.messages import ApprovalDecided, ApproveCall, SupervisorMessage, Verdict
+
+ApproveFn = Callable[[ToolCallBlock], "Awaitable[Any] | Any"]
+"""A host's approval callback: returns ``"allow"``, ``"deny"``, ``"allow_session"``, or a
+bool; may be sync or async."""
+
+ClientApprover = Callable[[ToolCallBlock], Awaitable[Verdict | None]]
+"""Asks connected clients; returns None when no client can answer."""
+
+
+def _as_verdict(answer: Any) -> Verdict:
+    if answer is True:
+        return "allow"
+    if answer in ("allow", "deny", "allow_session"):
+        return answer  # type: ignore[no-any-return]
+    return "deny"
+
+
+class ApprovalBroker:
+    """Decides on tool calls for one task."""
+
+    __slots__ = ("_approve", "_ask_clients", "_inbox", "_session_rules", "_timeout_s")
+
+    def __init__(
+        self,
+        *,
+        approve: ApproveFn | None,
+        ask_clients: ClientApprover | None,
+        session_rules: set[str],
+        timeout_s: float,
+        inbox: trio.MemorySendChannel[SupervisorMessage],
+    ) -> None:
+        self._approve = approve
+        self._ask_clients = ask_clients
+        self._session_rules = session_rules
+        self._timeout_s = timeout_s
+        self._inbox = inbox
+
+    async def run(
+        self,
+        requests: trio.MemoryReceiveChannel[ApproveCall],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve approval requests until the channel closes or the task is cancelled.
+
+        A cancellation while a decision is pending leaves that call undecided; the
+        supervisor resolves it as deny when it aborts (R-APPROVE-5)."""
+        task_status.started()
+        async with requests:
+            async for request in requests:
+                decided = await self._decide(request.call)
+                self._inbox.send_nowait(decided)
+
+    async def _decide(self, call: ToolCallBlock) -> ApprovalDecided:
+        if call.name in self._session_rules:
+            return ApprovalDecided(call=call, verdict="allow", by="session_rule")
+        if self._approve is not None:
+            verdict: Verdict = "deny"
+            with trio.move_on_after(self._timeout_s):
+                try:
+                    answer = self._approve(call)
+                    if inspect.isawaitable(answer):
+                        answer = await answer
+                    verdict = _as_verdict(answer)
+                except trio.Cancelled:
+                    raise
+                except Exception:
+                    verdict = "deny"
+            return ApprovalDecided(call=call, verdict=verdict, by="host")
+        if self._ask_clients is not None:
+            client_verdict: Verdict | None = None
+            with trio.move_on_after(self._timeout_s):
+                client_verdict = await self._ask_clients(call)
+            if client_verdict is not None:
+                return ApprovalDecided(call=call, verdict=client_verdict, by="host")
+        return ApprovalDecided(call=call, verdict="deny", by="default")

@@ -1,0 +1,59 @@
+"""The public exception tree.
+
+::
+
+    GreenroomError
+    ├── Busy               the session already runs a task or compaction (409 on the wire)
+    ├── AuthLocked         the session's credentials failed; call retry_auth() (423)
+    ├── SessionNotFound    no session with that id in the data dir (404)
+    ├── SessionClosed      the session was closed or deleted
+    ├── HostClosed         the host is shut down
+    └── ConfigurationError bad settings, unknown provider, missing key…
+
+Model and tool failures are not exceptions: they are outputs (``request_end`` with a
+status, ``tool_call_output`` with ``is_error``).
+"""
+
+from __future__ import annotations
+
+
+class GreenroomError(Exception):
+    """Base of every error greenroom raises on purpose."""
+
+
+class Busy(GreenroomError):
+    """A task or compaction is already running in this session (R-HOST-2). Use
+    ``follow_up()`` to queue work instead."""
+
+    code = 409
+
+
+class AuthLocked(GreenroomError):
+    """The last request failed authentication; the session refuses new tasks until its
+    credentials are updated or ``retry_auth()`` is called (R-RETRY-6)."""
+
+    code = 423
+
+
+class SessionNotFound(GreenroomError):
+    """No session with this id exists in the host's data dir."""
+
+    code = 404
+
+
+class SessionClosed(GreenroomError):
+    """The session was closed or deleted; it accepts no more work."""
+
+    code = 410
+
+
+class HostClosed(GreenroomError):
+    """The host has shut down."""
+
+    code = 503
+
+
+class ConfigurationError(GreenroomError):
+    """Settings that cannot work: unknown provider, missing credentials, bad values."""
+
+    code = 400

@@ -1,0 +1,336 @@
+"""The host: the root of the actor tree.
+
+A :class:`Host` owns the root nursery, the shared :class:`TraceSink` (trace files and the
+usage ledger) and the provider clients, and creates, loads, lists and closes sessions
+(R-HOST-1). Sessions live in ``<data_dir>/sessions/<session_id>/``: ``session.json``
+(settings, workspace), ``trace_001.jsonl``… and ``scratch/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from greenroom.actors.errors import ConfigurationError, HostClosed, SessionNotFound
+from greenroom.actors.llm_streamer import ModelProvider
+from greenroom.actors.session import Session
+from greenroom.actors.trace_sink import TraceSink, latest_trace_file, read_trace
+from greenroom.protocols.converter import converter
+from greenroom.protocols.settings import SessionSettings
+from greenroom.protocols.tools import Tool
+from greenroom.protocols.trace import trace_file_number
+from greenroom.protocols.transcript import Transcript, rebuild
+
+SESSION_FILE = "session.json"
+
+
+def default_data_dir() -> Path:
+    """``$GREENROOM_HOME`` or ``~/.greenroom``."""
+    return Path(os.environ.get("GREENROOM_HOME") or Path.home() / ".greenroom").expanduser()
+
+
+def default_provider_name() -> str:
+    """``anthropic`` when ``ANTHROPIC_API_KEY`` is set, else the scripted model."""
+    return "anthropic" if os.environ.get("ANTHROPIC_API_KEY") else "scripted"
+
+
+@attrs.frozen(kw_only=True)
+class SessionInfo:
+    """What ``Host.list_sessions`` reports about one stored session."""
+
+    session_id: str
+    created_at: float
+    updated_at: float
+    workspace_dir: str
+    provider: str
+    model: str
+    trace_files: int
+
+
+ProviderFactory = Callable[[SessionSettings], ModelProvider]
+
+
+class Host:
+    """The root actor. Open it with ``async with Host.open(data_dir=…) as host``."""
+
+    def __init__(self, data_dir: Path, nursery: trio.Nursery, sink: TraceSink) -> None:
+        self.data_dir = data_dir
+        self._nursery = nursery
+        self._sink = sink
+        self._sessions: dict[str, Session] = {}
+        self._providers: dict[tuple[str, str | None], ModelProvider] = {}
+        self._closed = False
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, data_dir: str | Path | None = None) -> AsyncIterator[Host]:
+        """Start the host's actor tree; on exit close every session (interrupting running
+        tasks and waiting for their last records), flush the trace and stop."""
+        path = await trio.to_thread.run_sync(_prepare_data_dir, data_dir)
+        async with trio.open_nursery() as nursery:
+            sink = TraceSink(path)
+            await nursery.start(sink.run)
+            host = cls(path, nursery, sink)
+            try:
+                yield host
+            finally:
+                with trio.CancelScope(shield=True):
+                    await host.aclose()
+                    await sink.aclose()
+
+    # -- sessions -----------------------------------------------------------------------
+
+    async def create_session(
+        self,
+        *,
+        model: str | None = None,
+        tools: Iterable[Tool] = (),
+        workspace_dir: str | Path = ".",
+        provider: str | ModelProvider | None = None,
+        system: str | None = None,
+        settings: SessionSettings | None = None,
+        session_id: str | None = None,
+        **overrides: Any,
+    ) -> Session:
+        """Create a session. ``provider`` is ``anthropic``, ``openai``, ``scripted`` or a
+        provider object; ``settings`` and keyword overrides fill the rest."""
+        self._check_open()
+        base = settings or SessionSettings()
+        provider_name = (
+            provider
+            if isinstance(provider, str)
+            else getattr(provider, "name", None)
+            if provider is not None
+            else base.provider
+            if settings is not None
+            else default_provider_name()
+        )
+        changes: dict[str, Any] = dict(overrides)
+        changes["provider"] = provider_name
+        if model is not None:
+            changes["model"] = model
+        elif settings is None:
+            changes["model"] = _default_model(str(provider_name))
+        if system is not None:
+            changes["system"] = system
+        try:
+            final = attrs.evolve(base, **changes)
+        except TypeError as exc:
+            raise ConfigurationError(f"bad session settings: {exc}") from None
+        model_provider = provider if not isinstance(provider, str | None) else None
+        if model_provider is None:
+            model_provider = self._provider_for(final)
+        sid = session_id or _new_session_id()
+        directory = self.data_dir / "sessions" / sid
+        workspace = await trio.to_thread.run_sync(_resolve_dir, workspace_dir)
+        tool_list = list(tools)
+        meta = {
+            "session_id": sid,
+            "created_at": time.time(),
+            "workspace_dir": str(workspace),
+            "settings": converter.unstructure(final),
+            "tools": [t.name for t in tool_list],
+        }
+        await trio.to_thread.run_sync(_write_meta, directory, meta)
+        session = Session(
+            host=self,
+            session_id=sid,
+            directory=directory,
+            settings=final,
+            workspace_dir=workspace,
+            tools=tool_list,
+            provider=model_provider,
+            transcript=Transcript(supports_vision=final.supports_vision),
+        )
+        self._sessions[sid] = session
+        return session
+
+    async def load_session(
+        self,
+        session_id: str,
+        *,
+        tools: Iterable[Tool] = (),
+        provider: str | ModelProvider | None = None,
+        **overrides: Any,
+    ) -> Session:
+        """Load a stored session: its model context is rebuilt from the latest trace file
+        (unresolved calls interrupted, carry-over from the last abort: R-TRACE-4). Corrupt
+        trace lines are skipped and listed in ``session.load_errors``."""
+        self._check_open()
+        if session_id in self._sessions:
+            return self._sessions[session_id]
+        directory = self.data_dir / "sessions" / session_id
+        meta_path = directory / SESSION_FILE
+        try:
+            meta = json.loads(await trio.Path(meta_path).read_text())
+        except FileNotFoundError:
+            raise SessionNotFound(f"no session {session_id!r} in {self.data_dir}") from None
+        except (OSError, ValueError) as exc:
+            raise SessionNotFound(f"session {session_id!r} is unreadable: {exc}") from None
+        settings = converter.structure(meta.get("settings", {}), SessionSettings)
+        if isinstance(provider, str):
+            overrides["provider"] = provider
+        if overrides:
+            settings = attrs.evolve(settings, **overrides)
+        model_provider = provider if not isinstance(provider, str | None) else None
+        if model_provider is None:
+            model_provider = self._provider_for(settings)
+        trace_path = await trio.to_thread.run_sync(latest_trace_file, directory)
+        transcript = Transcript(supports_vision=settings.supports_vision)
+        last_seq = 0
+        number = 1
+        errors: list[str] = []
+        if trace_path is not None:
+            result = await trio.to_thread.run_sync(read_trace, trace_path)
+            errors = [str(e) for e in result.errors]
+            transcript = rebuild(result.records, supports_vision=settings.supports_vision)
+            last_seq = max((r.seq or 0 for r in result.records), default=0)
+            number = trace_file_number(trace_path.name) or 1
+        session = Session(
+            host=self,
+            session_id=session_id,
+            directory=directory,
+            settings=settings,
+            workspace_dir=Path(meta.get("workspace_dir", ".")),
+            tools=tools,
+            provider=model_provider,
+            transcript=transcript,
+            last_seq=last_seq,
+            trace_number=number,
+        )
+        session.load_errors = errors
+        self._sessions[session_id] = session
+        return session
+
+    def get_session(self, session_id: str) -> Session:
+        """An open session of this host; raises :class:`SessionNotFound`."""
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise SessionNotFound(f"session {session_id!r} is not open in this host") from None
+
+    @property
+    def sessions(self) -> tuple[Session, ...]:
+        """The sessions open in this host."""
+        return tuple(self._sessions.values())
+
+    async def list_sessions(self) -> list[SessionInfo]:
+        """Every session stored in the data dir, newest first."""
+        return await trio.to_thread.run_sync(_scan_sessions, self.data_dir / "sessions")
+
+    async def close_session(self, session_id: str) -> None:
+        """Interrupt the session's task, wait for its last record, forget it (R-HOST-3)."""
+        session = self._sessions.pop(session_id, None)
+        if session is not None:
+            await session.aclose()
+
+    async def aclose(self) -> None:
+        """Close every session (concurrently) and the provider clients."""
+        self._closed = True
+        async with trio.open_nursery() as nursery:
+            for sid in list(self._sessions):
+                nursery.start_soon(self.close_session, sid)
+        for provider in self._providers.values():
+            await provider.aclose()
+        self._providers.clear()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise HostClosed("the host is closed")
+
+    def _start_task(self, fn: Callable[[], Awaitable[None]]) -> None:
+        self._nursery.start_soon(fn)
+
+    def _provider_for(self, settings: SessionSettings) -> ModelProvider:
+        # One client per provider and endpoint: sessions share its connection pool.
+        cache_key = (settings.provider, settings.base_url)
+        provider = self._providers.get(cache_key)
+        if provider is None:
+            provider = make_provider(settings)
+            self._providers[cache_key] = provider
+        return provider
+
+
+def make_provider(settings: SessionSettings) -> ModelProvider:
+    """The provider adapter a session's settings name."""
+    if settings.provider == "scripted":
+        from greenroom.actors.provider_scripted import ScriptedProvider
+        from greenroom.actors.scripted_brain import demo_brain
+
+        return ScriptedProvider(demo_brain)
+    if settings.provider == "anthropic":
+        from greenroom.actors.provider_anthropic import AnthropicProvider
+
+        return AnthropicProvider(base_url=settings.base_url)
+    if settings.provider == "openai":
+        from greenroom.actors.provider_openai import OpenAIProvider
+
+        return OpenAIProvider(base_url=settings.base_url)
+    raise ConfigurationError(f"unknown provider {settings.provider!r}")
+
+
+def _default_model(provider: str) -> str:
+    return {
+        "anthropic": "claude-sonnet-4-5",
+        "openai": os.environ.get("OPENAI_MODEL", "gpt-4o-mini"),
+    }.get(provider, "scripted")
+
+
+def _prepare_data_dir(data_dir: str | Path | None) -> Path:
+    path = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
+    (path / "sessions").mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _resolve_dir(directory: str | Path) -> Path:
+    return Path(directory).expanduser().resolve()
+
+
+def _new_session_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+
+
+def _write_meta(directory: Path, meta: dict[str, Any]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "scratch").mkdir(exist_ok=True)
+    tmp = directory / (SESSION_FILE + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    tmp.replace(directory / SESSION_FILE)
+
+
+def _scan_sessions(root: Path) -> list[SessionInfo]:
+    infos: list[SessionInfo] = []
+    if not root.is_dir():
+        return infos
+    for meta_path in root.glob(f"*/{SESSION_FILE}"):
+        try:
+            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        traces = sorted(meta_path.parent.glob("trace_*.jsonl"))
+        updated = max((t.stat().st_mtime for t in traces), default=meta_path.stat().st_mtime)
+        settings = meta.get("settings", {})
+        infos.append(
+            SessionInfo(
+                session_id=meta.get("session_id", meta_path.parent.name),
+                created_at=float(meta.get("created_at", 0.0)),
+                updated_at=updated,
+                workspace_dir=str(meta.get("workspace_dir", "")),
+                provider=str(settings.get("provider", "")),
+                model=str(settings.get("model", "")),
+                trace_files=len(traces),
+            )
+        )
+    infos.sort(key=lambda i: i.updated_at, reverse=True)
+    return infos

@@ -1,0 +1,79 @@
+"""The LLM streamer: provider I/O for one session task, one request at a time.
+
+The supervisor starts one :meth:`LLMStreamer.stream_attempt` per attempt of a turn. The
+streamer sleeps the planned backoff first (a sleep that ``skip_wait`` ends early, R-RETRY-5),
+then drives the provider adapter and forwards every parsed batch of stream events to the
+supervisor's inbox. Providers translate their own and their libraries' errors into a
+``StreamFailed`` event at one boundary, so the streamer never sees an exception other than
+cancellation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+import trio
+
+from greenroom.protocols.context import ModelRequest
+from greenroom.protocols.messages import StreamBatch, SupervisorMessage
+from greenroom.protocols.stream import ModelError, StreamEvent, StreamFailed
+
+Deliver = Callable[[list[StreamEvent]], Awaitable[None]]
+
+
+class ModelProvider(Protocol):
+    """A model service adapter.
+
+    ``stream`` sends ``request`` and delivers the parsed events in batches (one batch per
+    network read is the intent: it amortises the cost per event). It delivers exactly one
+    terminal event (``MessageCompleted`` or ``StreamFailed``) as the last event and never
+    raises, except ``trio.Cancelled`` when the task is interrupted.
+    """
+
+    name: str
+
+    async def stream(self, request: ModelRequest, deliver: Deliver) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class LLMStreamer:
+    """Runs attempts for one task and forwards their events to the supervisor."""
+
+    __slots__ = ("_backoff_scope", "_inbox", "_provider")
+
+    def __init__(
+        self, provider: ModelProvider, inbox: trio.MemorySendChannel[SupervisorMessage]
+    ) -> None:
+        self._provider = provider
+        self._inbox = inbox
+        self._backoff_scope: trio.CancelScope | None = None
+
+    def skip_wait(self) -> bool:
+        """End the current backoff sleep early; False when no sleep is in progress."""
+        if self._backoff_scope is None:
+            return False
+        self._backoff_scope.cancel()
+        return True
+
+    async def stream_attempt(self, request: ModelRequest, attempt: int, delay_ms: int) -> None:
+        """Wait ``delay_ms``, then stream one attempt. Cancel-safe: cancellation stops the
+        sleep or the stream at once and delivers nothing more."""
+        if delay_ms > 0:
+            with trio.CancelScope() as scope:
+                self._backoff_scope = scope
+                await trio.sleep(delay_ms / 1000)
+            self._backoff_scope = None
+        inbox = self._inbox
+
+        async def deliver(events: list[StreamEvent]) -> None:
+            inbox.send_nowait(StreamBatch(attempt=attempt, events=events))
+
+        try:
+            await self._provider.stream(request, deliver)
+        except trio.Cancelled:
+            raise
+        except Exception as exc:  # a provider bug must not take the session down
+            failure = ModelError(kind="failed", message=f"provider error: {exc!r}")
+            await deliver([StreamFailed(error=failure)])

@@ -1,0 +1,332 @@
+"""Sessions: the public handle of a long-lived conversation, and the run iterator.
+
+A :class:`Session` holds data only — settings, tools, the model context
+(:class:`~greenroom.protocols.transcript.Transcript`), the trace position — so an idle
+session costs its history and little more. ``run()`` starts a
+:class:`~greenroom.actors.supervisor.SessionSupervisor` in the host's nursery; it ends
+with the work.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import trio
+
+from greenroom.actors.approval_broker import ApproveFn, ClientApprover
+from greenroom.actors.errors import AuthLocked, Busy, SessionClosed
+from greenroom.actors.supervisor import SessionSupervisor, TaskInput
+from greenroom.protocols.content import TextBlock, UserContent
+from greenroom.protocols.context import ToolSchema
+from greenroom.protocols.outputs import Output
+from greenroom.protocols.settings import SessionSettings
+from greenroom.protocols.stream import TokenUsage
+from greenroom.protocols.tools import Tool
+from greenroom.protocols.trace import UsageRow, encode_record, trace_file_name
+from greenroom.protocols.transcript import Transcript
+
+if TYPE_CHECKING:
+    from greenroom.actors.host import Host
+    from greenroom.actors.llm_streamer import ModelProvider
+
+Listener = Callable[[list[Output]], None]
+"""A subscriber: called with every batch of outputs, in order. Must not block or raise."""
+
+Compactability = Literal["ok", "unsupported", "empty", "just_compacted"]
+
+
+def _as_content(messages: Sequence[UserContent] | str) -> tuple[UserContent, ...]:
+    if isinstance(messages, str):
+        return (TextBlock(text=messages),)
+    return tuple(messages)
+
+
+class RunStream:
+    """The outputs of one ``Session.run``: an async iterator that ends after the last
+    ``task_end`` (of the task and of any follow-ups queued behind it).
+
+    Outputs arrive from the supervisor in batches over a memory channel; iterating hands
+    them out one by one. ``aclose()`` (or leaving ``async with``) interrupts the work if it
+    is still running. Breaking out of the loop without closing leaves the task running to
+    its end; its outputs still reach the trace and subscribers.
+    """
+
+    __slots__ = ("_batch", "_index", "_receive", "_supervisor")
+
+    def __init__(
+        self,
+        receive: trio.MemoryReceiveChannel[list[Output]],
+        supervisor: SessionSupervisor,
+    ) -> None:
+        self._receive = receive
+        self._supervisor = supervisor
+        self._batch: list[Output] = []
+        self._index = 0
+
+    def __aiter__(self) -> RunStream:
+        return self
+
+    async def __anext__(self) -> Output:
+        while self._index >= len(self._batch):
+            try:
+                self._batch = await self._receive.receive()
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                raise StopAsyncIteration from None
+            self._index = 0
+        output = self._batch[self._index]
+        self._index += 1
+        return output
+
+    @property
+    def run_id(self) -> str:
+        """The id of the task running now (follow-ups get their own)."""
+        return self._supervisor.run_id
+
+    async def collect(self) -> list[Output]:
+        """Every remaining output, once the run has ended."""
+        return [output async for output in self]
+
+    async def aclose(self) -> None:
+        """Interrupt the run if it is still going, and stop receiving."""
+        self._supervisor.interrupt("run closed by host")
+        await self._receive.aclose()
+
+    async def __aenter__(self) -> RunStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class Session:
+    """A conversation: model, workspace, tools, approval rules, history and trace.
+
+    Create or load sessions through :class:`~greenroom.actors.host.Host`. Methods that
+    start work are synchronous and return at once; they raise :class:`Busy`,
+    :class:`AuthLocked` or :class:`SessionClosed` instead of queueing silently.
+    """
+
+    def __init__(
+        self,
+        *,
+        host: Host,
+        session_id: str,
+        directory: Path,
+        settings: SessionSettings,
+        workspace_dir: Path,
+        tools: Iterable[Tool],
+        provider: ModelProvider,
+        transcript: Transcript,
+        last_seq: int = 0,
+        trace_number: int = 1,
+    ) -> None:
+        self.id = session_id
+        self.directory = directory
+        self.settings = settings
+        self.workspace_dir = workspace_dir
+        self.auth_locked: str | None = None
+        self.load_errors: list[str] = []
+        self._host = host
+        self._tools: dict[str, Tool] = {t.name: t for t in tools}
+        self._tool_schemas: tuple[ToolSchema, ...] = tuple(t.schema for t in self._tools.values())
+        self._provider = provider
+        self._transcript = transcript
+        self._seq = last_seq
+        self._trace_number = trace_number
+        self._trace_path = directory / trace_file_name(trace_number)
+        self._session_rules: set[str] = set()
+        self._supervisor: SessionSupervisor | None = None
+        self._follow_ups: list[TaskInput] = []
+        self._listeners: list[Listener] = []
+        self._client_approver_fn: ClientApprover | None = None
+        self._idle = trio.Event()
+        self._idle.set()
+        self._closed = False
+
+    # -- public API -----------------------------------------------------------------
+
+    @property
+    def scratchpad_dir(self) -> Path:
+        return self.directory / "scratch"
+
+    @property
+    def trace_path(self) -> Path:
+        """The current trace file (one model context: R-COMPACT-8)."""
+        return self._trace_path
+
+    @property
+    def busy(self) -> bool:
+        return self._supervisor is not None
+
+    @property
+    def tools(self) -> tuple[Tool, ...]:
+        return tuple(self._tools.values())
+
+    def run(
+        self,
+        new_messages: Sequence[UserContent] | str,
+        *,
+        approve: ApproveFn | None = None,
+        cancel: trio.Event | None = None,
+        thinking_level: str | None = None,
+    ) -> RunStream:
+        """Start a task on ``new_messages`` (R-RUN-1) and return its outputs.
+
+        ``approve`` decides each tool call (R-APPROVE); without it, and without a client
+        able to answer, calls are denied. Setting ``cancel`` interrupts the task, like
+        :meth:`interrupt`. Raises :class:`Busy` when a task or compaction is running
+        (R-HOST-2) and :class:`AuthLocked` after an auth failure (R-RETRY-6).
+        """
+        self._check_open()
+        if self.auth_locked is not None:
+            raise AuthLocked(
+                f"session {self.id} is locked by an auth failure ({self.auth_locked}); "
+                "update its credentials or call retry_auth()"
+            )
+        if self._supervisor is not None:
+            raise Busy(f"session {self.id} is already running a task; use follow_up()")
+        task = TaskInput(
+            content=_as_content(new_messages), approve=approve, thinking_level=thinking_level
+        )
+        send, receive = trio.open_memory_channel[list[Output]](float("inf"))
+        # Unbounded: a slow reader never stalls the model stream or the tools; outputs
+        # are small and a run's count is bounded by its work.
+        supervisor = SessionSupervisor(self, task, send, cancel)
+        self._supervisor = supervisor
+        self._idle = trio.Event()
+        self._host._start_task(supervisor.run)
+        return RunStream(receive, supervisor)
+
+    def steer(self, messages: Sequence[UserContent] | str) -> bool:
+        """Queue user input for the running task without interrupting it (R-STEER-1).
+        Returns False when no task is running (start a normal task instead)."""
+        if self._supervisor is None:
+            return False
+        self._supervisor.steer(_as_content(messages))
+        return True
+
+    def follow_up(
+        self,
+        messages: Sequence[UserContent] | str,
+        *,
+        approve: ApproveFn | None = None,
+        thinking_level: str | None = None,
+    ) -> bool:
+        """Queue a whole new task to run after the current one, FIFO (R-STEER-6). Its
+        outputs continue the running ``RunStream``. Returns False when idle."""
+        if self._supervisor is None:
+            return False
+        self._follow_ups.append(
+            TaskInput(content=_as_content(messages), approve=approve, thinking_level=thinking_level)
+        )
+        return True
+
+    def interrupt(self, reason: str = "interrupted by host") -> bool:
+        """Interrupt the running task (R-ABORT-1). Returns False when idle."""
+        if self._supervisor is None:
+            return False
+        self._follow_ups.clear()
+        self._supervisor.interrupt(reason)
+        return True
+
+    def skip_reconnect_wait(self) -> bool:
+        """End the current reconnect backoff early (R-RETRY-5). False when idle."""
+        if self._supervisor is None:
+            return False
+        self._supervisor.skip_reconnect_wait()
+        return True
+
+    def retry_auth(self) -> None:
+        """Unlock a session locked by an auth failure (R-RETRY-6)."""
+        self.auth_locked = None
+
+    def compactability(self) -> Compactability:
+        """Whether a manual compaction could run now (R-COMPACT-10)."""
+        if not self._transcript.messages:
+            return "empty"
+        return "unsupported"
+
+    def subscribe(self, listener: Listener) -> Callable[[], None]:
+        """Call ``listener`` with every batch of outputs from now on; returns the
+        function that unsubscribes. For websocket clients and other watchers."""
+        self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+        return unsubscribe
+
+    def set_client_approver(self, approver: ClientApprover | None) -> None:
+        """Where approvals go when a run has no ``approve`` callback (websocket clients)."""
+        self._client_approver_fn = approver
+
+    async def wait_idle(self) -> None:
+        """Return when no task is running."""
+        await self._idle.wait()
+
+    async def aclose(self) -> None:
+        """Interrupt any running task and wait until it has finished writing
+        (R-HOST-3). The session accepts no more work."""
+        self._closed = True
+        self.interrupt("session closed")
+        await self._idle.wait()
+        await self._sync_trace()
+
+    # -- used by the supervisor --------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SessionClosed(f"session {self.id} is closed")
+        self._host._check_open()
+
+    def _new_run_id(self) -> str:
+        return "run_" + uuid.uuid4().hex[:12]
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _trace(self, output: Output) -> None:
+        self._host._sink.write(self._trace_path, encode_record(output))
+
+    async def _sync_trace(self) -> None:
+        await self._host._sink.sync(self._trace_path)
+
+    def _record_usage(self, run_id: str, turn: int, usage: TokenUsage) -> None:
+        self._host._sink.record_usage(
+            UsageRow(
+                at=time.time(),
+                session_id=self.id,
+                run_id=run_id,
+                turn=turn,
+                kind="request",
+                provider=self._provider.name,
+                model=self.settings.model,
+                usage=usage,
+                status="ok",
+            )
+        )
+
+    def _publish(self, batch: list[Output]) -> None:
+        for listener in self._listeners:
+            listener(batch)
+
+    def _client_approver(self) -> ClientApprover | None:
+        return self._client_approver_fn
+
+    def _take_follow_up(self, finished: TaskInput) -> TaskInput | None:
+        return self._follow_ups.pop(0) if self._follow_ups else None
+
+    def _task_finished(self, supervisor: SessionSupervisor) -> None:
+        if self._supervisor is supervisor:
+            self._supervisor = None
+            self._follow_ups.clear()
+            self._idle.set()
+
+    def _lock_auth(self, message: str) -> None:
+        self.auth_locked = message

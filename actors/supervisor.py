@@ -1,0 +1,719 @@
+"""The session supervisor: the only owner of a task's turn state.
+
+One supervisor runs per ``Session.run`` (and the follow-ups queued behind it), as a trio
+task in the host's nursery, and ends with the work: an idle session has no task running.
+Its children — one :class:`LLMStreamer` attempt at a time, the :class:`ApprovalBroker`,
+and the :class:`ToolPool`'s call tasks — live in the task's nursery and talk to it only
+through its inbox. The supervisor decides everything that happens next, emits every
+output (to the run's channel, to subscribers and, for traced outputs, to the trace), and
+feeds traced outputs to the session's :class:`Transcript`, which owns the model context.
+
+Interrupt is cancellation: the task runs inside a cancel scope; ``interrupt()`` cancels it,
+and the supervisor settles the turn (R-ABORT-1..3) under a shielded, bounded scope before
+it emits exactly one ``task_end``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from greenroom.actors.approval_broker import ApprovalBroker, ApproveFn
+from greenroom.actors.llm_streamer import LLMStreamer
+from greenroom.actors.tool_pool import ToolPool
+from greenroom.protocols import markers
+from greenroom.protocols.content import (
+    ModelBlock,
+    TextBlock,
+    ThinkingBlock,
+    ToolCallBlock,
+    UserContent,
+)
+from greenroom.protocols.context import ModelRequest, UserMessage
+from greenroom.protocols.messages import (
+    ApprovalDecided,
+    ApproveCall,
+    BackoffSkipped,
+    RunToolCall,
+    SteeringQueued,
+    StreamBatch,
+    SupervisorMessage,
+    ToolCallFinished,
+    ToolProgressed,
+)
+from greenroom.protocols.outputs import (
+    Abort,
+    ApprovalDecision,
+    ModelMsg,
+    Output,
+    PartialText,
+    PartialThinking,
+    PartialToolCall,
+    RequestBegin,
+    RequestEnd,
+    RequestStatus,
+    TaskEnd,
+    TaskStart,
+    TaskStatus,
+    TokenUsageOutput,
+    ToolCallOutput,
+    ToolProgress,
+    ToolStatus,
+    UserMsg,
+)
+from greenroom.protocols.retry import MAX_RETRIES, backoff_ms, should_retry
+from greenroom.protocols.stream import (
+    BlockCompleted,
+    BlockStarted,
+    MessageCompleted,
+    ModelError,
+    StreamFailed,
+    TextDelta,
+    ThinkingDelta,
+    TokenUsage,
+    ToolArgumentsDelta,
+    ToolCallTruncated,
+    UsageReported,
+)
+
+if TYPE_CHECKING:
+    from greenroom.actors.session import Session
+
+ABORT_GRACE_S = 2.0
+"""Bound on the shielded teardown after an interrupt: writing ``abort`` and ``task_end``
+and syncing the trace. Well above the usual few milliseconds, far below a hang."""
+
+TRUNCATED_TEXT = (
+    "Tool call was truncated by the output token limit and was not executed. "
+    "Send it again with shorter arguments, or split the work."
+)
+
+
+@attrs.define(slots=True)
+class _Call:
+    """Bookkeeping for one complete tool call of the turn."""
+
+    block: ToolCallBlock
+    position: int
+    state: str = "approving"  # approving -> running -> done
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class TaskInput:
+    """One task to run: the prompt and the run options that apply to it."""
+
+    content: tuple[UserContent, ...]
+    approve: ApproveFn | None
+    thinking_level: str | None
+
+
+class _AttemptFailed(Exception):
+    def __init__(self, error: ModelError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class SessionSupervisor:
+    """Runs the tasks of one ``Session.run`` call; see the module docstring."""
+
+    def __init__(
+        self,
+        session: Session,
+        first: TaskInput,
+        output: trio.MemorySendChannel[list[Output]],
+        cancel: trio.Event | None,
+    ) -> None:
+        self._session = session
+        self._first = first
+        self._output = output
+        self._cancel_event = cancel
+        self._scope = trio.CancelScope()
+        self._abort_reason = "interrupted"
+        inbox_send, inbox_receive = trio.open_memory_channel[SupervisorMessage](math.inf)
+        # Unbounded on purpose: tools, approvals and the streamer report with send_nowait
+        # and must never block on the supervisor; the supervisor drains it continuously.
+        self._inbox = inbox_send
+        self._inbox_receive = inbox_receive
+        self._batch: list[Output] = []
+        self._steering: list[UserContent] = []
+        self._streamer: LLMStreamer | None = None
+        self.run_id = ""
+        # per-task state
+        self._turn = 0
+        self._usage = TokenUsage()
+        # per-attempt / per-turn state
+        self._attempt = 0
+        self._open_blocks: dict[int, list[Any]] = {}
+        self._done_blocks: list[ModelBlock] = []
+        self._stream_result: MessageCompleted | StreamFailed | None = None
+        self._last_usage: TokenUsage | None = None
+        self._calls: dict[str, _Call] = {}
+        self._call_order: list[str] = []
+        self._tool_results: dict[str, str] = {}
+        self._approvals: trio.MemorySendChannel[ApproveCall] | None = None
+        self._pool: ToolPool | None = None
+        self._nursery: trio.Nursery | None = None
+
+    # -- control from the session handle --------------------------------------------
+
+    def interrupt(self, reason: str) -> None:
+        self._abort_reason = reason
+        self._scope.cancel()
+
+    def steer(self, content: tuple[UserContent, ...]) -> None:
+        self._inbox.send_nowait(SteeringQueued(content=content))
+
+    def skip_reconnect_wait(self) -> None:
+        self._inbox.send_nowait(BackoffSkipped())
+
+    # -- the outer loop: this task, then queued follow-ups (R-STEER-6) ---------------
+
+    async def run(self) -> None:
+        """Run the first task and every follow-up queued behind it, then close the
+        output channel. Never raises except on host shutdown."""
+        session = self._session
+        try:
+            task: TaskInput | None = self._first
+            while task is not None:
+                await self._run_task(task)
+                if self._scope.cancelled_caught or session.auth_locked:
+                    break
+                task = session._take_follow_up(task)
+                self._scope = trio.CancelScope()
+        finally:
+            session._task_finished(self)
+            with trio.CancelScope(shield=True):
+                self._flush()
+                await self._output.aclose()
+
+    async def _run_task(self, task: TaskInput) -> None:
+        session = self._session
+        self.run_id = session._new_run_id()
+        started = trio.current_time()
+        self._turn = 0
+        self._usage = TokenUsage()
+        self._steering = []
+        status: TaskStatus = "failed"
+        message: str | None = None
+        # R-TRACE-3: the input is a fact of the session before the task starts.
+        prompt = self._emit(
+            UserMsg(
+                session_id=self._session.id, run_id=self.run_id, kind="prompt", content=task.content
+            )
+        )
+        self._emit(TaskStart(session_id=self._session.id, run_id=self.run_id, input_seq=prompt.seq))
+        self._flush()
+        try:
+            with self._scope:
+                status, message = await self._run_turns(task)
+        except Exception as exc:  # a bug must end the task visibly, not hang the host
+            status, message = "failed", f"internal error: {exc!r}"
+        if self._scope.cancelled_caught:
+            status, message = "aborted", self._abort_reason
+            self._settle_abort()
+        with trio.CancelScope(shield=True) as teardown:
+            teardown.deadline = trio.current_time() + ABORT_GRACE_S
+            self._emit(
+                TaskEnd(
+                    session_id=self._session.id,
+                    run_id=self.run_id,
+                    status=status,
+                    turns=self._turn,
+                    usage=self._usage,
+                    wall_ms=round((trio.current_time() - started) * 1000),
+                    message=message,
+                )
+            )
+            self._flush()
+            await session._sync_trace()
+
+    async def _run_turns(self, task: TaskInput) -> tuple[TaskStatus, str | None]:
+        session = self._session
+        settings = session.settings
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            approvals_send, approvals_receive = trio.open_memory_channel[ApproveCall](math.inf)
+            self._approvals = approvals_send
+            broker = ApprovalBroker(
+                approve=task.approve,
+                ask_clients=session._client_approver(),
+                session_rules=session._session_rules,
+                timeout_s=settings.approval_timeout_s,
+                inbox=self._inbox,
+            )
+            await nursery.start(broker.run, approvals_receive)
+            self._pool = ToolPool(
+                tools=session._tools,
+                inbox=self._inbox,
+                workspace_dir=session.workspace_dir,
+                scratchpad_dir=session.scratchpad_dir,
+                sync_trace=session._sync_trace,
+                result_budget=settings.tool_result_budget,
+            )
+            self._streamer = LLMStreamer(session._provider, self._inbox)
+            if self._cancel_event is not None:
+                nursery.start_soon(self._watch_cancel, self._cancel_event)
+            try:
+                return await self._turn_loop(task)
+            finally:
+                nursery.cancel_scope.cancel()
+
+    async def _watch_cancel(self, event: trio.Event) -> None:
+        await event.wait()
+        self.interrupt("cancelled by host")
+
+    async def _turn_loop(self, task: TaskInput) -> tuple[TaskStatus, str | None]:
+        settings = self._session.settings
+        while True:
+            if settings.max_turns >= 0 and self._turn >= settings.max_turns:
+                return "max_turns", f"stopped after max_turns={settings.max_turns} turns"
+            self._turn += 1
+            self._drain_inbox_nowait()
+            self._deliver_steering()
+            failure = await self._run_turn(task)
+            if failure is not None:
+                if failure.kind == "auth":
+                    self._session._lock_auth(failure.message)
+                    return "auth", failure.message
+                return "failed", failure.message
+            await self._session._sync_trace()  # R-TRACE-2: durable at every turn boundary
+            self._drain_inbox_nowait()
+            if not self._calls and not self._steering:
+                return "completed", None
+
+    # -- one turn ---------------------------------------------------------------
+
+    async def _run_turn(self, task: TaskInput) -> ModelError | None:
+        """Stream the turn (retrying per R-RETRY) and wait until every tool call of it is
+        terminal. Returns the final error when the turn failed."""
+        assert self._streamer is not None and self._pool is not None
+        self._calls = {}
+        self._call_order = []
+        self._tool_results = {}
+        self._pool.begin_turn()
+        retried: str | None = None
+        delay_ms = 0
+        attempt = 0
+        while True:
+            attempt += 1
+            self._begin_attempt(attempt)
+            request = self._build_request(task, retried)
+            self._nursery_start(self._streamer.stream_attempt, request, attempt, delay_ms)
+            result = await self._pump(lambda: self._stream_result is not None)
+            if isinstance(result, MessageCompleted):
+                break
+            assert isinstance(result, StreamFailed)
+            error = result.error
+            retry = should_retry(error.kind, attempt)
+            delay_ms = backoff_ms(attempt - 1, error.retry_after_s) if retry else 0
+            self._emit_request_end(
+                _request_status(error),
+                error_message=error.message,
+                retry_in_ms=delay_ms if retry else None,
+            )
+            if not retry:
+                await self._pump(self._all_calls_terminal)
+                return error
+            # R-RETRY-4: calls that already ran are reported, never run again.
+            await self._pump(self._all_calls_terminal)
+            retried = markers.render_partial(self._partial_blocks(), self._tool_results)
+            self._discard_attempt_calls()
+        await self._pump(self._all_calls_terminal)
+        return None
+
+    def _nursery_start(self, fn: Callable[..., Any], *args: Any) -> None:
+        assert self._nursery is not None
+        self._nursery.start_soon(fn, *args)
+
+    def _begin_attempt(self, attempt: int) -> None:
+        self._attempt = attempt
+        self._open_blocks = {}
+        self._done_blocks = []
+        self._stream_result = None
+        self._last_usage = None
+        self._emit(
+            RequestBegin(
+                session_id=self._session.id, run_id=self.run_id, turn=self._turn, attempt=attempt
+            )
+        )
+        self._flush()
+
+    def _build_request(self, task: TaskInput, retried: str | None) -> ModelRequest:
+        session = self._session
+        messages = session._transcript.request_messages()
+        if retried is not None:
+            note = TextBlock(text=markers.wrap(markers.TURN_RETRIED, retried))
+            last = messages[-1] if messages else None
+            if isinstance(last, UserMessage):
+                messages = (*messages[:-1], UserMessage(content=(*last.content, note)))
+            else:
+                messages = (*messages, UserMessage(content=(note,)))
+        settings = session.settings
+        return ModelRequest(
+            model=settings.model,
+            system=settings.system,
+            tools=session._tool_schemas,
+            messages=messages,
+            max_tokens=settings.max_tokens,
+            thinking_level=task.thinking_level,
+            supports_vision=settings.supports_vision,
+        )
+
+    def _discard_attempt_calls(self) -> None:
+        """After a failed attempt its calls are history: the retry starts a fresh call
+        order (their results travel in the ``[turn_retried]`` block)."""
+        assert self._pool is not None
+        self._calls = {}
+        self._call_order = []
+        self._pool.begin_turn()
+
+    def _all_calls_terminal(self) -> bool:
+        return all(c.state == "done" for c in self._calls.values())
+
+    # -- the inbox ------------------------------------------------------------------
+
+    async def _pump(self, done: Callable[[], bool]) -> Any:
+        """Handle inbox messages until ``done()``; returns the attempt's terminal event."""
+        receive = self._inbox_receive
+        while not done():
+            message = await receive.receive()
+            self._handle(message)
+            self._drain_inbox_nowait()
+            self._flush()
+        return self._stream_result
+
+    def _drain_inbox_nowait(self) -> None:
+        receive = self._inbox_receive
+        while True:
+            try:
+                message = receive.receive_nowait()
+            except trio.WouldBlock:
+                return
+            self._handle(message)
+
+    def _handle(self, message: SupervisorMessage) -> None:
+        if isinstance(message, StreamBatch):
+            if message.attempt == self._attempt and self._stream_result is None:
+                self._handle_stream(message)
+        elif isinstance(message, ToolCallFinished):
+            self._handle_tool_finished(message)
+        elif isinstance(message, ApprovalDecided):
+            self._handle_decision(message)
+        elif isinstance(message, ToolProgressed):
+            call = self._calls.get(message.call_id)
+            if call is not None and call.state == "running":  # R-TOOL-6
+                self._emit(
+                    ToolProgress(
+                        session_id=self._session.id,
+                        run_id=self.run_id,
+                        call_id=call.block.id,
+                        tool=call.block.name,
+                        message=message.message,
+                    )
+                )
+        elif isinstance(message, SteeringQueued):
+            self._steering.extend(message.content)
+        elif isinstance(message, BackoffSkipped) and self._streamer is not None:
+            self._streamer.skip_wait()
+
+    def _handle_stream(self, message: StreamBatch) -> None:
+        # The hot path: one call per network read. Keep per-event work to a type test,
+        # one output object and a list append.
+        sid = self._session.id
+        rid = self.run_id
+        emit = self._emit_live
+        open_blocks = self._open_blocks
+        for event in message.events:
+            kind = type(event)
+            if kind is TextDelta:
+                assert isinstance(event, TextDelta)
+                open_blocks[event.index][1].append(event.text)
+                emit(PartialText(session_id=sid, run_id=rid, index=event.index, text=event.text))
+            elif kind is ToolArgumentsDelta:
+                assert isinstance(event, ToolArgumentsDelta)
+                open_blocks[event.index][1].append(event.delta)
+                emit(
+                    PartialToolCall(
+                        session_id=sid,
+                        run_id=rid,
+                        index=event.index,
+                        call_id=event.call_id,
+                        name=event.name,
+                        arguments_delta=event.delta,
+                    )
+                )
+            elif kind is ThinkingDelta:
+                assert isinstance(event, ThinkingDelta)
+                open_blocks[event.index][1].append(event.text)
+                emit(
+                    PartialThinking(session_id=sid, run_id=rid, index=event.index, text=event.text)
+                )
+            elif kind is BlockStarted:
+                assert isinstance(event, BlockStarted)
+                open_blocks[event.index] = [event, []]
+            elif kind is BlockCompleted:
+                assert isinstance(event, BlockCompleted)
+                self._complete_block(event.index, event.block)
+            elif kind is ToolCallTruncated:
+                assert isinstance(event, ToolCallTruncated)
+                self._truncated_call(event)
+            elif kind is UsageReported:
+                assert isinstance(event, UsageReported)
+                self._last_usage = event.usage
+            elif kind is MessageCompleted:
+                assert isinstance(event, MessageCompleted)
+                self._stream_completed(event)
+                return
+            elif kind is StreamFailed:
+                assert isinstance(event, StreamFailed)
+                self._emit_usage()
+                self._stream_result = event
+                return
+
+    def _complete_block(self, index: int, block: ModelBlock) -> None:
+        self._open_blocks.pop(index, None)
+        self._done_blocks.append(block)
+        self._emit(
+            ModelMsg(session_id=self._session.id, run_id=self.run_id, turn=self._turn, block=block)
+        )
+        if isinstance(block, ToolCallBlock):
+            self._add_call(block)
+
+    def _add_call(self, block: ToolCallBlock) -> _Call:
+        call = _Call(block=block, position=len(self._call_order))
+        self._calls[block.id] = call
+        self._call_order.append(block.id)
+        assert self._approvals is not None
+        self._approvals.send_nowait(ApproveCall(call=block))  # R-TOOL-1: at once
+        return call
+
+    def _truncated_call(self, event: ToolCallTruncated) -> None:
+        # R-TOOL-5: never executed, but paired: it enters the context with an error result.
+        assert self._pool is not None
+        block = ToolCallBlock(
+            id=event.call_id,
+            name=event.name,
+            arguments={},
+            invalid_arguments=event.partial_arguments,
+        )
+        self._open_blocks.pop(event.index, None)
+        self._done_blocks.append(block)
+        self._emit(
+            ModelMsg(session_id=self._session.id, run_id=self.run_id, turn=self._turn, block=block)
+        )
+        call = _Call(block=block, position=len(self._call_order), state="done")
+        self._calls[block.id] = call
+        self._call_order.append(block.id)
+        self._pool.mark_terminal(call.position)
+        self._emit_tool_output(call, "truncated", TRUNCATED_TEXT)
+
+    def _stream_completed(self, event: MessageCompleted) -> None:
+        self._last_usage = event.usage
+        # Close blocks the provider left open (e.g. text cut by max_tokens).
+        for index in sorted(self._open_blocks):
+            started, pieces = self._open_blocks[index]
+            if started.kind == "text":
+                self._complete_block(index, TextBlock(text="".join(pieces)))
+            elif started.kind == "thinking":
+                self._complete_block(index, ThinkingBlock(text="".join(pieces)))
+        self._open_blocks = {}
+        self._emit_usage()
+        self._stream_result = event
+        self._emit_request_end("ok", stop_reason=event.stop_reason)  # R-RUN-3: at once
+
+    def _emit_usage(self) -> None:
+        usage = self._last_usage
+        if usage is None:
+            return
+        self._usage = self._usage + usage
+        self._emit(
+            TokenUsageOutput(
+                session_id=self._session.id, run_id=self.run_id, turn=self._turn, request=usage
+            )
+        )
+        self._session._record_usage(self.run_id, self._turn, usage)
+
+    def _emit_request_end(
+        self,
+        status: RequestStatus,
+        *,
+        stop_reason: str | None = None,
+        error_message: str | None = None,
+        retry_in_ms: int | None = None,
+    ) -> None:
+        self._emit(
+            RequestEnd(
+                session_id=self._session.id,
+                run_id=self.run_id,
+                turn=self._turn,
+                status=status,
+                attempt=self._attempt,
+                retry_in_ms=retry_in_ms,
+                error_message=error_message,
+                stop_reason=stop_reason,
+            )
+        )
+
+    def _handle_decision(self, message: ApprovalDecided) -> None:
+        call = self._calls.get(message.call.id)
+        if call is None or call.state != "approving":
+            return  # a decision for a call of a discarded attempt
+        allowed = message.verdict != "deny"
+        self._emit(
+            ApprovalDecision(
+                session_id=self._session.id,
+                run_id=self.run_id,
+                call_id=call.block.id,
+                tool=call.block.name,
+                decision="allow" if allowed else "deny",
+                by=message.by,
+            )
+        )
+        if message.verdict == "allow_session":
+            self._session._session_rules.add(call.block.name)
+        assert self._pool is not None
+        if not allowed:
+            call.state = "done"
+            self._pool.mark_terminal(call.position)
+            self._emit_tool_output(call, "denied", markers.DENIED_TEXT)  # R-APPROVE-3
+            return
+        call.state = "running"
+        command = RunToolCall(call=call.block, position=call.position)
+        self._pool.admit(command)
+        self._nursery_start(self._pool.execute, command)
+
+    def _handle_tool_finished(self, message: ToolCallFinished) -> None:
+        call = self._calls.get(message.call_id)
+        if call is None or call.state == "done":
+            return
+        call.state = "done"
+        self._emit_tool_output(call, message.status, message.content)
+
+    def _emit_tool_output(
+        self, call: _Call, status: ToolStatus, content: str | tuple[Any, ...]
+    ) -> None:
+        blocks = (TextBlock(text=content),) if isinstance(content, str) else content
+        self._tool_results[call.block.id] = " ".join(
+            b.text for b in blocks if isinstance(b, TextBlock)
+        )
+        self._emit(
+            ToolCallOutput(
+                session_id=self._session.id,
+                run_id=self.run_id,
+                call_id=call.block.id,
+                tool=call.block.name,
+                status=status,
+                is_error=status != "ok",
+                content=blocks,
+            )
+        )
+
+    # -- steering -------------------------------------------------------------------
+
+    def _deliver_steering(self) -> None:
+        """R-STEER-2: drain the queue into one steering input at input assembly."""
+        if not self._steering:
+            return
+        content = tuple(self._steering)
+        self._steering = []
+        self._emit(
+            UserMsg(
+                session_id=self._session.id, run_id=self.run_id, kind="steering", content=content
+            )
+        )
+
+    # -- abort ------------------------------------------------------------------------
+
+    def _partial_blocks(self) -> list[ModelBlock]:
+        blocks = list(self._done_blocks)
+        for index in sorted(self._open_blocks):
+            started, pieces = self._open_blocks[index]
+            if started.kind == "text":
+                blocks.append(TextBlock(text="".join(pieces)))
+            elif started.kind == "tool_call":
+                blocks.append(
+                    ToolCallBlock(
+                        id=started.call_id or "",
+                        name=started.name or "",
+                        arguments={},
+                        invalid_arguments="".join(pieces),
+                    )
+                )
+        return blocks
+
+    def _settle_abort(self) -> None:
+        """R-ABORT-1..3 and R-APPROVE-5: settle every call, record the abort."""
+        self._drain_inbox_nowait()  # results that arrived before the cancel still count
+        for call_id in self._call_order:
+            call = self._calls[call_id]
+            if call.state == "approving":
+                self._emit(
+                    ApprovalDecision(
+                        session_id=self._session.id,
+                        run_id=self.run_id,
+                        call_id=call_id,
+                        tool=call.block.name,
+                        decision="deny",
+                        by="default",
+                    )
+                )
+            if call.state != "done":
+                call.state = "done"
+                self._emit_tool_output(call, "interrupted", markers.INTERRUPTED_TEXT)
+        transcript = self._session._transcript
+        complete = transcript.message_complete
+        if not complete:
+            self._emit_request_end("aborted", error_message=self._abort_reason)
+        self._emit(
+            Abort(
+                session_id=self._session.id,
+                run_id=self.run_id,
+                reason=self._abort_reason,
+                partial=() if complete else tuple(self._partial_blocks()),
+                message_complete=complete,
+            )
+        )
+
+    # -- emitting -----------------------------------------------------------------------
+
+    def _emit_live(self, output: Output) -> None:
+        self._batch.append(output)
+
+    def _emit(self, output: Any) -> Any:
+        """Emit a traced output: assign its seq, trace it, feed the transcript."""
+        session = self._session
+        output = attrs.evolve(output, seq=session._next_seq())
+        session._trace(output)
+        session._transcript.apply(output)
+        self._batch.append(output)
+        return output
+
+    def _flush(self) -> None:
+        if not self._batch:
+            return
+        batch = self._batch
+        self._batch = []
+        self._session._publish(batch)
+        # A host that stopped reading this run loses nothing: subscribers and the trace
+        # still get every output.
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            self._output.send_nowait(batch)
+
+
+def _request_status(error: ModelError) -> RequestStatus:
+    kind = error.kind
+    if kind in ("auth", "timeout", "malformed", "failed", "context_overflow"):
+        return kind
+    return "failed"
+
+
+def iter_text(blocks: Iterable[ModelBlock]) -> str:
+    return "".join(b.text for b in blocks if isinstance(b, TextBlock))
+
+
+__all__ = ["MAX_RETRIES", "SessionSupervisor", "TaskInput"]

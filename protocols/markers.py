@@ -1,0 +1,106 @@
+"""Markers in model-visible text and the summary-extraction ladder.
+
+System markers are written ``[tag]…[/tag]``. When reading (old traces, old compaction
+prompts) the legacy angle-bracket form ``<tag>…</tag>`` is recognised too (R-COMPACT-4).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+
+from greenroom.protocols.content import (
+    ImageBlock,
+    ModelBlock,
+    RedactedThinkingBlock,
+    TextBlock,
+    ThinkingBlock,
+    ToolCallBlock,
+    UserContent,
+)
+
+USER_STEERING = "user_steering"
+TURN_ABORTED = "turn_aborted"
+TURN_RETRIED = "turn_retried"
+CONTEXT_SUMMARY = "context_summary"
+SUMMARY = "summary"
+
+DENIED_TEXT = "Tool call denied by user."
+INTERRUPTED_TEXT = "[interrupted: tool aborted by user]"
+
+
+def wrap(tag: str, body: str) -> str:
+    """``[tag]body[/tag]``."""
+    return f"[{tag}]{body}[/{tag}]"
+
+
+def steering_text(
+    blocks: Iterable[UserContent], *, supports_vision: bool
+) -> tuple[TextBlock, tuple[ImageBlock, ...]]:
+    """One ``[user_steering]`` text for queued steering input, and the images that follow
+    it (R-STEER-2). Without vision, images fold into ``[attached image: <path>]`` lines
+    inside the block, so the block stays one whole text."""
+    lines: list[str] = []
+    images: list[ImageBlock] = []
+    for block in blocks:
+        if isinstance(block, TextBlock):
+            lines.append(block.text)
+        elif supports_vision:
+            images.append(block)
+        else:
+            lines.append(f"[attached image: {block.path}]")
+    return TextBlock(text=wrap(USER_STEERING, "\n".join(lines))), tuple(images)
+
+
+def render_partial(blocks: Iterable[ModelBlock], results: Mapping[str, str] | None = None) -> str:
+    """A plain-text rendering of (partial) model output, for ``[turn_aborted]`` and
+    ``[turn_retried]`` blocks. Tool calls show their arguments and, when known, the result
+    they already produced, so the model does not run them again (R-RETRY-4)."""
+    parts: list[str] = []
+    for block in blocks:
+        if isinstance(block, TextBlock):
+            if block.text:
+                parts.append(block.text)
+        elif isinstance(block, ThinkingBlock | RedactedThinkingBlock):
+            continue
+        elif isinstance(block, ToolCallBlock):
+            args = block.invalid_arguments or json.dumps(
+                block.arguments, ensure_ascii=False, sort_keys=True
+            )
+            line = f"[tool call {block.name} {args}]"
+            if results is not None and block.id in results:
+                line += f"\n[tool result {block.name}: {results[block.id]}]"
+            parts.append(line)
+    return "\n".join(parts)
+
+
+def _tag_pattern(tag: str) -> re.Pattern[str]:
+    t = re.escape(tag)
+    return re.compile(rf"\[{t}\](.*?)\[/{t}\]|<{t}>(.*?)</{t}>", re.DOTALL)
+
+
+_SUMMARY_PAIR = _tag_pattern(SUMMARY)
+_SUMMARY_TAGS = re.compile(r"\[/?summary\]|</?summary>")
+
+
+def extract_summary(output: str) -> str:
+    """The summary in a compaction response, by the ladder of R-COMPACT-4: the first
+    non-empty ``[summary]`` pair; if every pair is empty, the text left after stripping
+    the tags; with no tags at all, the whole output. Returns "" for an empty summary."""
+    pairs = list(_SUMMARY_PAIR.finditer(output))
+    for match in pairs:
+        body = (match.group(1) if match.group(1) is not None else match.group(2)).strip()
+        if body:
+            return body
+    if pairs or _SUMMARY_TAGS.search(output):
+        return _SUMMARY_TAGS.sub("", output).strip()
+    return output.strip()
+
+
+def unwrap(tag: str, text: str) -> str | None:
+    """The body of the first ``[tag]…[/tag]`` (or legacy ``<tag>…</tag>``) in ``text``."""
+    match = _tag_pattern(tag).search(text)
+    if match is None:
+        return None
+    return match.group(1) if match.group(1) is not None else match.group(2)

@@ -1,0 +1,82 @@
+"""Messages between actors.
+
+Commands are imperatives, events are facts. Every message that crosses an actor boundary
+is one of these frozen classes; the supervisor's inbox carries :data:`SupervisorMessage`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+from greenroom.protocols.content import ToolCallBlock, ToolContent, UserContent
+from greenroom.protocols.outputs import ToolStatus
+from greenroom.protocols.stream import StreamEvent
+
+Verdict = Literal["allow", "deny", "allow_session"]
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class StreamBatch:
+    """Stream events parsed from one network read of attempt ``attempt``."""
+
+    attempt: int
+    events: list[StreamEvent]
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ApprovalDecided:
+    call: ToolCallBlock
+    verdict: Verdict
+    by: Literal["host", "session_rule", "default"]
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ToolCallFinished:
+    call_id: str
+    status: ToolStatus
+    is_error: bool
+    content: tuple[ToolContent, ...]
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ToolProgressed:
+    call_id: str
+    message: str
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class SteeringQueued:
+    content: tuple[UserContent, ...]
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class BackoffSkipped:
+    """The host asked to end the current reconnect wait (R-RETRY-5)."""
+
+
+SupervisorMessage = (
+    StreamBatch
+    | ApprovalDecided
+    | ToolCallFinished
+    | ToolProgressed
+    | SteeringQueued
+    | BackoffSkipped
+)
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ApproveCall:
+    """Command to the approval broker: decide on this call (one at a time, in order)."""
+
+    call: ToolCallBlock
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class RunToolCall:
+    """Command to the tool pool: execute this approved call. ``position`` is the call's
+    place in the turn's call order (exclusive tools wait for every earlier call)."""
+
+    call: ToolCallBlock
+    position: int

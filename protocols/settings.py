@@ -1,0 +1,41 @@
+"""Session settings: plain data with the defaults of SPEC.md."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+DEFAULT_COMPACT_PROMPT = (
+    "Summarize the conversation so far so that the work can continue in a fresh context. "
+    "Keep the user's goals, decisions, facts learned, files touched and open questions. "
+    "Write the summary between [summary] and [/summary]. Do not call any tool."
+)
+
+ProviderName = Literal["anthropic", "openai", "scripted"]
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class SessionSettings:
+    """Everything that shapes a session's behaviour; stored with the session.
+
+    ``max_turns`` (R-RUN-6) and ``max_session_turns`` (R-COMPACT-1) use -1 for no limit.
+    ``tool_result_budget`` is in bytes (R-TOOL-8). ``approval_timeout_s`` denies an
+    approval request that waits longer (R-APPROVE-4).
+    """
+
+    provider: ProviderName = "scripted"
+    model: str = "scripted"
+    base_url: str | None = None
+    system: str | None = None
+    max_tokens: int = 8192
+    max_turns: int = -1
+    max_context_length: int = 128_000
+    max_session_turns: int = -1
+    compact_mode: Literal["summarize", "discard"] = "summarize"
+    compact_prompt: str = DEFAULT_COMPACT_PROMPT
+    tool_result_budget: int = 32 * 1024
+    approval_timeout_s: float = 300.0
+    supports_vision: bool = True
+    loop_repeat_threshold: int = 3
+    loop_no_progress_threshold: int = 5

@@ -1,0 +1,224 @@
+"""The model context as a pure function of the traced outputs.
+
+:class:`Transcript` consumes traced outputs one by one and maintains the model context
+they imply. The supervisor feeds it every traced output as it emits it, and loading a
+session feeds it the trace file: both paths build the context with the same code, so a
+reloaded session continues exactly where the live one stood (R-TRACE-4).
+
+Invariants:
+
+* ``messages`` is only appended to (until a compaction starts a new context).
+* Every tool call of a committed assistant message gets exactly one result, in the
+  original call order, before the next request or as carry-over (R-TOOL-7, R-RUN-4).
+* Carry-over (R-ABORT-2) is derived from the ``abort`` record and the state before it;
+  it is never a traced message itself (R-ABORT-3).
+"""
+
+from __future__ import annotations
+
+from greenroom.protocols import markers
+from greenroom.protocols.content import ModelBlock, TextBlock, ToolCallBlock, UserContent
+from greenroom.protocols.context import AssistantMessage, Message, ToolResult, UserMessage
+from greenroom.protocols.outputs import (
+    Abort,
+    CompactionEnd,
+    ModelMsg,
+    Output,
+    RequestBegin,
+    RequestEnd,
+    TaskEnd,
+    TaskStart,
+    TokenUsageOutput,
+    ToolCallOutput,
+    UserMsg,
+)
+
+InputPart = UserContent | ToolResult
+
+
+def interrupted_result(call: ToolCallBlock) -> ToolResult:
+    """The placeholder result of a call that never finished (R-ABORT-2 case A)."""
+    return ToolResult(
+        call_id=call.id,
+        tool=call.name,
+        status="interrupted",
+        is_error=True,
+        content=(TextBlock(text=markers.INTERRUPTED_TEXT),),
+    )
+
+
+class Transcript:
+    """Model context rebuilt from traced outputs. Not thread-safe; one owner."""
+
+    __slots__ = (
+        "_attempt_active",
+        "_attempt_blocks",
+        "_open_calls",
+        "_pending",
+        "_results",
+        "carry_over",
+        "last_request_total",
+        "messages",
+        "session_turns",
+        "supports_vision",
+    )
+
+    def __init__(self, *, supports_vision: bool = True) -> None:
+        self.messages: list[Message] = []
+        self.carry_over: list[InputPart] = []
+        self.session_turns = 0
+        self.last_request_total: int | None = None
+        self.supports_vision = supports_vision
+        self._pending: list[InputPart] = []
+        self._open_calls: list[ToolCallBlock] = []
+        self._results: dict[str, ToolResult] = {}
+        self._attempt_blocks: list[ModelBlock] = []
+        self._attempt_active = False
+
+    # -- reading -------------------------------------------------------------------
+
+    @property
+    def message_complete(self) -> bool:
+        """False while a model response is being streamed (R-ABORT-2 case B)."""
+        return not self._attempt_active
+
+    @property
+    def open_calls(self) -> tuple[ToolCallBlock, ...]:
+        """Tool calls of the last committed model message still owed a result."""
+        return tuple(self._open_calls)
+
+    def result_of(self, call_id: str) -> ToolResult | None:
+        return self._results.get(call_id)
+
+    def request_messages(self) -> tuple[Message, ...]:
+        """The context of the next request: committed messages plus pending input."""
+        if not self._pending:
+            return tuple(self.messages)
+        return (*self.messages, UserMessage(content=tuple(self._pending)))
+
+    def has_pending_input(self) -> bool:
+        return bool(self._pending) or bool(self._open_calls)
+
+    # -- feeding -------------------------------------------------------------------
+
+    def apply(self, output: Output) -> None:
+        """Take one traced output into account. Live-only outputs are ignored."""
+        if isinstance(output, ModelMsg):
+            self._attempt_blocks.append(output.block)
+        elif isinstance(output, ToolCallOutput):
+            self._results[output.call_id] = ToolResult(
+                call_id=output.call_id,
+                tool=output.tool,
+                status=output.status,
+                is_error=output.is_error,
+                content=output.content,
+            )
+        elif isinstance(output, RequestBegin):
+            self._flush_results()
+            self._attempt_blocks = []
+            self._attempt_active = True
+        elif isinstance(output, RequestEnd):
+            self._end_attempt(output)
+        elif isinstance(output, TokenUsageOutput):
+            self.last_request_total = output.request.total
+        elif isinstance(output, UserMsg):
+            self._add_user(output)
+        elif isinstance(output, Abort):
+            self._abort(output)
+        elif isinstance(output, CompactionEnd) and output.status == "ok":
+            pass  # a rotation starts a new trace file, and with it a new Transcript
+
+    def _add_user(self, output: UserMsg) -> None:
+        if output.kind == "prompt":
+            self._flush_results()
+            if self.carry_over:
+                self._pending[:0] = self.carry_over
+                self.carry_over = []
+            self._pending.extend(output.content)
+            return
+        self._flush_results()
+        text, images = markers.steering_text(output.content, supports_vision=self.supports_vision)
+        self._pending.append(text)
+        self._pending.extend(images)
+
+    def _end_attempt(self, output: RequestEnd) -> None:
+        self._attempt_active = False
+        if output.status != "ok":
+            self._attempt_blocks = []
+            return
+        if self._pending:
+            self.messages.append(UserMessage(content=tuple(self._pending)))
+            self._pending = []
+        blocks = tuple(self._attempt_blocks)
+        self._attempt_blocks = []
+        self.messages.append(AssistantMessage(content=blocks))
+        self._open_calls = [b for b in blocks if isinstance(b, ToolCallBlock)]
+        self.session_turns += 1
+
+    def _flush_results(self) -> None:
+        """Move the results of the open calls, in call order, into the pending input.
+
+        A call without a result (only possible in a trace cut short by a crash) gets the
+        interrupted placeholder, so pairing holds on every path (R-TOOL-7)."""
+        if not self._open_calls:
+            return
+        for call in self._open_calls:
+            result = self._results.pop(call.id, None)
+            self._pending.append(result if result is not None else interrupted_result(call))
+        self._open_calls = []
+        self._results.clear()
+
+    def _abort(self, output: Abort) -> None:
+        if self._attempt_active:
+            # Case B: the model message was incomplete; the turn becomes one marked text.
+            known = {
+                call_id: " ".join(b.text for b in result.content if isinstance(b, TextBlock))
+                for call_id, result in self._results.items()
+            }
+            if self._pending:
+                self.messages.append(UserMessage(content=tuple(self._pending)))
+                self._pending = []
+            body = markers.render_partial(output.partial, known)
+            self.carry_over = [TextBlock(text=markers.wrap(markers.TURN_ABORTED, body))]
+            self._attempt_blocks = []
+            self._attempt_active = False
+            self._results.clear()
+            return
+        # Case A: the message was complete; finished results are carried as they are,
+        # unfinished calls get the interrupted placeholder so every call stays paired.
+        self._flush_results()
+        self.carry_over = self._pending
+        self._pending = []
+
+    def recover(self, *, session_id: str, run_id: str) -> None:
+        """Close a trace that ended without ``task_end`` (the process died mid-task):
+        the turn in flight is treated as interrupted, exactly as if an ``abort`` had been
+        recorded with what the trace holds (R-TRACE-4)."""
+        if self._attempt_active or self._open_calls:
+            self._abort(
+                Abort(
+                    session_id=session_id,
+                    run_id=run_id,
+                    reason="recovered after an unclean stop",
+                    partial=tuple(self._attempt_blocks),
+                    message_complete=not self._attempt_active,
+                )
+            )
+
+
+def rebuild(records: list[Output], *, supports_vision: bool = True) -> Transcript:
+    """A transcript from the records of one trace file (one model context). A trace whose
+    last task has no ``task_end`` is recovered as interrupted."""
+    transcript = Transcript(supports_vision=supports_vision)
+    open_run: str | None = None
+    session_id = ""
+    for record in records:
+        transcript.apply(record)
+        session_id = record.session_id
+        if isinstance(record, TaskStart):
+            open_run = record.run_id
+        elif isinstance(record, TaskEnd):
+            open_run = None
+    if open_run is not None:
+        transcript.recover(session_id=session_id, run_id=open_run)
+    return transcript

@@ -1,0 +1,400 @@
+"""Built-in tools against real files in a temporary workspace, and the --tools loader."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from greenroom.actors.builtin_tools import (
+    BUILTIN_TOOLS,
+    BuiltinToolError,
+    OutsideWorkspaceError,
+    ShellTimeoutError,
+    builtin_tools,
+    list_dir,
+    read_file,
+    run_shell,
+    search_files,
+    write_file,
+)
+from greenroom.actors.tool_loader import ToolLoadError, load_tools
+from greenroom.protocols.tools import Tool, ToolContext
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Path:
+    root = tmp_path / "ws"
+    root.mkdir()
+    return root
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    """A directory beside the workspace with one secret file."""
+    place = tmp_path / "outside"
+    place.mkdir()
+    (place / "secret.txt").write_text("top secret\n")
+    return place
+
+
+async def call(some_tool: Tool, workspace: Path, **arguments: Any) -> Any:
+    assert some_tool.validate(arguments) == []
+    ctx = ToolContext(
+        call_id="c1",
+        workspace_dir=workspace,
+        scratchpad_dir=workspace / ".scratch",
+        report_progress=lambda message: None,
+    )
+    with trio.fail_after(10):
+        return await some_tool.function(**arguments, ctx=ctx)
+
+
+def test_builtin_tool_set() -> None:
+    assert [t.name for t in BUILTIN_TOOLS] == [
+        "read_file", "list_dir", "search_files", "write_file", "run_shell"
+    ]
+    assert {t.name: t.parallel for t in BUILTIN_TOOLS} == {
+        "read_file": True,
+        "list_dir": True,
+        "search_files": True,
+        "write_file": False,
+        "run_shell": False,
+    }
+    assert all(t.takes_ctx for t in BUILTIN_TOOLS)
+    fresh = builtin_tools()
+    fresh.append(read_file)
+    assert len(BUILTIN_TOOLS) == 5 and len(builtin_tools()) == 5
+
+
+# --- read_file -----------------------------------------------------------------------
+
+
+async def test_read_file_numbers_lines(workspace: Path) -> None:
+    (workspace / "a.txt").write_text("one\ntwo\r\nthree")
+    text = await call(read_file, workspace, path="a.txt")
+    assert text == "     1\tone\n     2\ttwo\n     3\tthree"
+
+
+async def test_read_file_window_says_more_remain(workspace: Path) -> None:
+    (workspace / "long.txt").write_text("".join(f"line {i}\n" for i in range(1, 11)))
+    text = await call(read_file, workspace, path="long.txt", offset=2, limit=3)
+    lines = text.splitlines()
+    assert lines[:3] == ["     3\tline 3", "     4\tline 4", "     5\tline 5"]
+    assert "more lines remain" in lines[3] and "offset=5" in lines[3]
+    tail = await call(read_file, workspace, path="long.txt", offset=8, limit=5)
+    assert tail == "     9\tline 9\n    10\tline 10"
+    past = await call(read_file, workspace, path="long.txt", offset=20)
+    assert "has 10 lines" in past and "past the end" in past
+
+
+async def test_read_file_refuses_binary_and_bad_arguments(workspace: Path) -> None:
+    (workspace / "blob.bin").write_bytes(b"PK\x03\x04\x00\x00binary")
+    with pytest.raises(BuiltinToolError, match="binary file"):
+        await call(read_file, workspace, path="blob.bin")
+    with pytest.raises(BuiltinToolError, match="no such file"):
+        await call(read_file, workspace, path="missing.txt")
+    (workspace / "d").mkdir()
+    with pytest.raises(BuiltinToolError, match="is a directory"):
+        await call(read_file, workspace, path="d")
+    (workspace / "a.txt").write_text("x\n")
+    with pytest.raises(BuiltinToolError, match="offset"):
+        await call(read_file, workspace, path="a.txt", offset=-1)
+    with pytest.raises(BuiltinToolError, match="limit"):
+        await call(read_file, workspace, path="a.txt", limit=0)
+
+
+async def test_read_file_empty(workspace: Path) -> None:
+    (workspace / "empty.txt").write_text("")
+    assert "empty" in await call(read_file, workspace, path="empty.txt")
+
+
+# --- list_dir ------------------------------------------------------------------------
+
+
+async def test_list_dir_sorted_with_markers_and_sizes(workspace: Path) -> None:
+    (workspace / "zeta.txt").write_text("12345")
+    (workspace / "alpha").mkdir()
+    (workspace / "alpha" / "inner.txt").write_text("")
+    (workspace / "beta.py").write_text("")
+    assert await call(list_dir, workspace) == (
+        "alpha/\nbeta.py  (0 bytes)\nzeta.txt  (5 bytes)"
+    )
+    assert await call(list_dir, workspace, path="alpha") == "inner.txt  (0 bytes)"
+    with pytest.raises(BuiltinToolError, match="not a directory"):
+        await call(list_dir, workspace, path="zeta.txt")
+
+
+# --- search_files --------------------------------------------------------------------
+
+
+async def test_search_files_finds_matches_and_skips_git_and_binary(workspace: Path) -> None:
+    (workspace / "src").mkdir()
+    (workspace / "src" / "a.py").write_text("import os\ndef needle():\n    pass\n")
+    (workspace / "b.txt").write_text("no match\nanother needle here\n")
+    (workspace / ".git").mkdir()
+    (workspace / ".git" / "config").write_text("needle in git\n")
+    (workspace / "img.bin").write_bytes(b"\x00needle\x00")
+    text = await call(search_files, workspace, pattern=r"need+le")
+    assert text.splitlines() == ["b.txt:2: another needle here", "src/a.py:2: def needle():"]
+    only_src = await call(search_files, workspace, pattern="needle", path="src")
+    assert only_src == "src/a.py:2: def needle():"
+    one_file = await call(search_files, workspace, pattern="^import", path="src/a.py")
+    assert one_file == "src/a.py:1: import os"
+    assert "no matches" in await call(search_files, workspace, pattern="absent")
+
+
+async def test_search_files_caps_results(workspace: Path) -> None:
+    (workspace / "many.txt").write_text("hit\n" * 500)
+    lines = (await call(search_files, workspace, pattern="hit")).splitlines()
+    assert len(lines) == 201
+    assert lines[199] == "many.txt:200: hit"
+    assert "stopped after 200 matches" in lines[200]
+
+
+async def test_search_files_bad_regex(workspace: Path) -> None:
+    with pytest.raises(BuiltinToolError, match="invalid regular expression"):
+        await call(search_files, workspace, pattern="(unclosed")
+
+
+async def test_search_files_skips_symlinked_file_outside(workspace: Path, outside: Path) -> None:
+    (workspace / "link.txt").symlink_to(outside / "secret.txt")
+    (workspace / "linkdir").symlink_to(outside, target_is_directory=True)
+    assert "no matches" in await call(search_files, workspace, pattern="secret")
+
+
+# --- write_file ----------------------------------------------------------------------
+
+
+async def test_write_file_creates_parents_and_replaces(workspace: Path) -> None:
+    result = await call(write_file, workspace, path="deep/er/new.txt", content="héllo\n")
+    assert result == "wrote 7 bytes to deep/er/new.txt"
+    assert (workspace / "deep" / "er" / "new.txt").read_text(encoding="utf-8") == "héllo\n"
+    await call(write_file, workspace, path="deep/er/new.txt", content="short")
+    assert (workspace / "deep" / "er" / "new.txt").read_text() == "short"
+    with pytest.raises(BuiltinToolError, match="is a directory"):
+        await call(write_file, workspace, path="deep", content="x")
+
+
+# --- confinement ---------------------------------------------------------------------
+
+
+def _escapes(workspace: Path, outside: Path) -> list[str]:
+    (workspace / "out").symlink_to(outside, target_is_directory=True)
+    (workspace / "secret-link.txt").symlink_to(outside / "secret.txt")
+    return [
+        "../outside/secret.txt",
+        "sub/../../outside/secret.txt",
+        str(outside / "secret.txt"),
+        "out/secret.txt",
+        "secret-link.txt",
+    ]
+
+
+async def test_read_file_refuses_paths_outside(workspace: Path, outside: Path) -> None:
+    for path in _escapes(workspace, outside):
+        with pytest.raises(OutsideWorkspaceError, match="outside the workspace"):
+            await call(read_file, workspace, path=path)
+
+
+async def test_list_dir_refuses_paths_outside(workspace: Path, outside: Path) -> None:
+    _escapes(workspace, outside)
+    for path in ["..", "../outside", str(outside), "/", "out", "out/."]:
+        with pytest.raises(OutsideWorkspaceError, match="outside the workspace"):
+            await call(list_dir, workspace, path=path)
+
+
+async def test_search_files_refuses_paths_outside(workspace: Path, outside: Path) -> None:
+    _escapes(workspace, outside)
+    for path in ["..", str(outside), "out", "secret-link.txt"]:
+        with pytest.raises(OutsideWorkspaceError, match="outside the workspace"):
+            await call(search_files, workspace, pattern="secret", path=path)
+
+
+def _files_outside(tmp_path: Path, workspace: Path) -> list[Path]:
+    return sorted(p for p in tmp_path.rglob("*") if not p.is_relative_to(workspace))
+
+
+async def test_write_file_refuses_paths_outside(
+    workspace: Path, outside: Path, tmp_path: Path
+) -> None:
+    escapes = [*_escapes(workspace, outside), "../new.txt", "out/newdir/new.txt"]
+    before = _files_outside(tmp_path, workspace)
+    for path in escapes:
+        with pytest.raises(OutsideWorkspaceError, match="outside the workspace"):
+            await call(write_file, workspace, path=path, content="pwned")
+    assert _files_outside(tmp_path, workspace) == before
+    assert (outside / "secret.txt").read_text() == "top secret\n"
+
+
+async def test_inside_symlink_and_dotdot_are_allowed(workspace: Path) -> None:
+    (workspace / "real").mkdir()
+    (workspace / "real" / "f.txt").write_text("inside\n")
+    (workspace / "alias").symlink_to(workspace / "real", target_is_directory=True)
+    assert await call(read_file, workspace, path="alias/f.txt") == "     1\tinside"
+    assert await call(read_file, workspace, path="real/../real/f.txt") == "     1\tinside"
+    assert await call(read_file, workspace, path=str(workspace / "real" / "f.txt"))
+
+
+# --- run_shell -----------------------------------------------------------------------
+
+
+async def test_run_shell_output_and_exit_code(workspace: Path) -> None:
+    (workspace / "marker.txt").write_text("")
+    result = await call(run_shell, workspace, command="ls; echo to-err >&2; exit 3")
+    assert result.splitlines() == ["exit code: 3", "marker.txt", "to-err"]
+    assert await call(run_shell, workspace, command="true") == "exit code: 0\n"
+
+
+async def test_run_shell_caps_output_keeping_head_and_tail(workspace: Path) -> None:
+    command = "echo FIRST; head -c 1000000 /dev/zero | tr '\\0' x; echo; echo LAST"
+    result = await call(run_shell, workspace, command=command)
+    assert result.startswith("exit code: 0\nFIRST\n")
+    assert result.endswith("LAST\n")
+    assert "bytes of output omitted" in result
+    assert len(result) < 300_000
+
+
+async def _read_pid(fifo: Path) -> int:
+    # Blocks in a thread until the shell writes its child's pid into the FIFO.
+    text = await trio.to_thread.run_sync(fifo.read_text, abandon_on_cancel=True)
+    return int(text)
+
+
+async def _assert_exits_promptly(pidfd: int) -> None:
+    # A pidfd becomes readable when the process has terminated (zombie or reaped).
+    with trio.fail_after(2):
+        await trio.lowlevel.wait_readable(pidfd)
+
+
+async def test_run_shell_timeout_kills_process_group(workspace: Path) -> None:
+    fifo = workspace / "pid.fifo"
+    os.mkfifo(fifo)
+    pidfds: list[int] = []
+    failure: list[ShellTimeoutError] = []
+
+    async def runner() -> None:
+        with pytest.raises(ShellTimeoutError) as info:
+            await call(
+                run_shell, workspace, command=f"echo started; sleep 30 & echo $! > {fifo}; wait",
+                timeout_s=1.0,
+            )
+        failure.append(info.value)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(runner)
+            pid = await _read_pid(fifo)
+            pidfds.append(os.pidfd_open(pid))
+    try:
+        assert "timed out after 1 s" in str(failure[0])
+        assert "started" in str(failure[0])
+        await _assert_exits_promptly(pidfds[0])
+    finally:
+        os.close(pidfds[0])
+
+
+async def test_run_shell_cancellation_kills_process_group(workspace: Path) -> None:
+    fifo = workspace / "pid.fifo"
+    os.mkfifo(fifo)
+    finished = False
+
+    async def runner(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        nonlocal finished
+        task_status.started()
+        await call(run_shell, workspace, command=f"sleep 30 & echo $! > {fifo}; wait")
+        finished = True
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(runner)
+            pidfd = os.pidfd_open(await _read_pid(fifo))
+            nursery.cancel_scope.cancel()
+    try:
+        assert not finished
+        await _assert_exits_promptly(pidfd)
+    finally:
+        os.close(pidfd)
+
+
+async def test_run_shell_runs_in_workspace(workspace: Path) -> None:
+    (workspace / "here.txt").write_text("")
+    result = await call(run_shell, workspace, command="ls; pwd -P")
+    real = await trio.to_thread.run_sync(os.path.realpath, workspace)
+    assert result == f"exit code: 0\nhere.txt\n{real}\n"
+
+
+async def test_run_shell_rejects_nonpositive_timeout(workspace: Path) -> None:
+    with pytest.raises(BuiltinToolError, match="timeout_s"):
+        await call(run_shell, workspace, command="true", timeout_s=0)
+
+
+# --- tool_loader ---------------------------------------------------------------------
+
+TOOL_FILE = '''
+from greenroom.protocols.tools import tool
+
+@tool(parallel=True)
+async def second_defined_first() -> str:
+    """Alpha."""
+    return "a"
+
+@tool
+async def then_this(x: int) -> str:
+    """Beta."""
+    return str(x)
+
+alias = then_this
+
+async def not_a_tool() -> None:
+    pass
+'''
+
+
+async def test_load_tools_from_file(tmp_path: Path) -> None:
+    path = tmp_path / "my_tools.py"
+    path.write_text(TOOL_FILE)
+    tools = load_tools(str(path))
+    assert [t.name for t in tools] == ["second_defined_first", "then_this"]
+    assert tools[0].parallel and not tools[1].parallel
+    assert await tools[1].function(x=4) == "4"
+    # A second file of the same name is a separate module, not a cached one.
+    other = tmp_path / "other" / "my_tools.py"
+    other.parent.mkdir()
+    other.write_text("from greenroom.protocols.tools import tool\n"
+                     "@tool\nasync def different() -> None: ...\n")
+    assert [t.name for t in load_tools(str(other))] == ["different"]
+
+
+def test_load_tools_errors(tmp_path: Path) -> None:
+    with pytest.raises(ToolLoadError, match=r"tool file not found: .*missing\.py"):
+        load_tools(str(tmp_path / "missing.py"))
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('boom at import')\n")
+    with pytest.raises(ToolLoadError, match="RuntimeError: boom at import"):
+        load_tools(str(broken))
+    empty = tmp_path / "empty.py"
+    empty.write_text("X = 1\n")
+    with pytest.raises(ToolLoadError, match="defines no tools"):
+        load_tools(str(empty))
+    with pytest.raises(ToolLoadError, match="ModuleNotFoundError"):
+        load_tools("greenroom_no_such_module_xyz")
+
+
+def test_load_tools_from_module_name() -> None:
+    tools = load_tools("greenroom.actors.builtin_tools")
+    assert [t.name for t in tools] == [t.name for t in BUILTIN_TOOLS]
+
+
+def test_load_tools_rejects_two_tools_with_one_name(tmp_path: Path) -> None:
+    path = tmp_path / "clash.py"
+    path.write_text(
+        "from greenroom.protocols.tools import tool\n"
+        "@tool(name='same')\nasync def a() -> None: ...\n"
+        "@tool(name='same')\nasync def b() -> None: ...\n"
+    )
+    with pytest.raises(ToolLoadError, match="two different tools named 'same'"):
+        load_tools(str(path))
