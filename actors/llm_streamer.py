@@ -22,18 +22,26 @@ from greenroom.protocols.stream import ModelError, StreamEvent, StreamFailed
 Deliver = Callable[[list[StreamEvent]], Awaitable[None]]
 
 
-class ModelProvider(Protocol):
-    """A model service adapter.
+class ProviderTask(Protocol):
+    """A provider bound to one task: holds per-task state such as the request encoder
+    that reuses earlier turns' encodings (dropped with the task, so idle sessions keep no
+    copy of their history in wire form).
 
     ``stream`` sends ``request`` and delivers the parsed events in batches (one batch per
-    network read is the intent: it amortises the cost per event). It delivers exactly one
-    terminal event (``MessageCompleted`` or ``StreamFailed``) as the last event and never
-    raises, except ``trio.Cancelled`` when the task is interrupted.
+    network read: it amortises the cost per event). It delivers exactly one terminal
+    event (``MessageCompleted`` or ``StreamFailed``) as the last event and never raises,
+    except ``trio.Cancelled`` when the task is interrupted.
     """
+
+    async def stream(self, request: ModelRequest, deliver: Deliver) -> None: ...
+
+
+class ModelProvider(Protocol):
+    """A model service adapter, shared by the sessions of a host (one client, one pool)."""
 
     name: str
 
-    async def stream(self, request: ModelRequest, deliver: Deliver) -> None: ...
+    def open_task(self) -> ProviderTask: ...
 
     async def aclose(self) -> None: ...
 
@@ -44,7 +52,7 @@ class LLMStreamer:
     __slots__ = ("_backoff_scope", "_inbox", "_provider")
 
     def __init__(
-        self, provider: ModelProvider, inbox: trio.MemorySendChannel[SupervisorMessage]
+        self, provider: ProviderTask, inbox: trio.MemorySendChannel[SupervisorMessage]
     ) -> None:
         self._provider = provider
         self._inbox = inbox

@@ -257,6 +257,9 @@ class ScriptedProvider:
         self.requests: list[ModelRequest] = []
         self.violations: list[str] = []
 
+    def open_task(self) -> ScriptedProvider:
+        return self
+
     async def aclose(self) -> None:
         return None
 

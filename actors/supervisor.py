@@ -255,7 +255,7 @@ class SessionSupervisor:
                 sync_trace=session._sync_trace,
                 result_budget=settings.tool_result_budget,
             )
-            self._streamer = LLMStreamer(session._provider, self._inbox)
+            self._streamer = LLMStreamer(session._provider.open_task(), self._inbox)
             if self._cancel_event is not None:
                 nursery.start_soon(self._watch_cancel, self._cancel_event)
             try:

@@ -1,0 +1,209 @@
+"""The trace file format and the usage-ledger row (pure: no I/O, no trio).
+
+A session's trace is a sequence of files ``trace_001.jsonl``, ``trace_002.jsonl``, … in the
+session directory; one file is exactly one model context (a successful compaction starts the
+next file: R-COMPACT-8). Each file holds one record per line, and a record is exactly the
+JSON that :func:`greenroom.protocols.converter.to_json` gives for a traced output (a class
+with ``TRACED = True``) followed by ``"\\n"``. Live-only outputs (``partial_*``,
+``tool_progress``) are never traced (R-TRACE-1).
+
+Invariants a writer keeps and :func:`parse_trace` checks:
+
+* every line ends with ``"\\n"``; a line is never split or merged, so a crash can tear at most
+  the last line of a file (a write cut short before its newline);
+* every record has a ``seq``, strictly increasing within the file (the session's sequence
+  continues across files, so the first ``seq`` of a file is not 1 after a rotation).
+
+Reading is forgiving, because a trace is the durable record: a corrupt line (bad UTF-8, bad
+JSON, an unknown or live-only ``type``, a missing or wrong field, or a torn final line) is
+reported as a :class:`TraceLineError` naming the file and the 1-based line, and skipped;
+every other line is still read. A ``seq`` that does not increase is reported but the record
+is kept.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Literal
+
+import attrs
+
+from greenroom.protocols import converter
+from greenroom.protocols.outputs import Output, TokenUsageOutput
+from greenroom.protocols.stream import TokenUsage
+
+TRACE_FILE_PATTERN = re.compile(r"trace_(\d{3,})\.jsonl")
+"""Names of trace files: ``trace_`` + a number of at least three digits + ``.jsonl``."""
+
+
+def trace_file_name(n: int) -> str:
+    """The name of a session's ``n``-th trace file (``n`` >= 1): ``trace_001.jsonl``, …
+
+    Numbers above 999 simply get more digits; :func:`trace_file_number` reads them back.
+    Raises ValueError for ``n`` < 1.
+    """
+    if n < 1:
+        raise ValueError(f"trace file numbers start at 1, got {n}")
+    return f"trace_{n:03d}.jsonl"
+
+
+def trace_file_number(name: str) -> int | None:
+    """The number of a trace file name (the last path component), or None for any other name."""
+    match = TRACE_FILE_PATTERN.fullmatch(name)
+    if match is None:
+        return None
+    n = int(match.group(1))
+    return n if n >= 1 else None
+
+
+def encode_record(output: Output) -> str:
+    """One trace line for ``output``: its converter JSON plus ``"\\n"``.
+
+    Raises ValueError for a live-only output or an output without ``seq``: neither may reach
+    a trace (R-TRACE-1), and catching that at the writer beats finding a hole when reading.
+    """
+    if not type(output).TRACED:
+        raise ValueError(f"{type(output).TYPE!r} outputs are live-only and never traced")
+    if output.seq is None:
+        raise ValueError(f"a traced {type(output).TYPE!r} output needs a seq")
+    return converter.to_json(output) + "\n"
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class TraceLineError:
+    """A problem found at one line of one trace file (``line`` is 1-based)."""
+
+    file: str
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.message}"
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class TraceReadResult:
+    """Everything readable in a trace file, in file order, and what was wrong with the rest."""
+
+    records: list[Output]
+    errors: list[TraceLineError]
+
+
+def parse_trace(data: str | bytes, *, file: str) -> TraceReadResult:
+    """Read the records of one trace file; never raises for bad content.
+
+    ``data`` is the whole file. Given bytes, each line is decoded as UTF-8 on its own, so a
+    torn multi-byte character spoils only its line. ``file`` only names the file in errors.
+    Blank lines carry no record and are skipped silently.
+    """
+    # Split on "\n" only: with ensure_ascii=False a record may hold U+2028 and friends, which
+    # str.splitlines would treat as line ends. The part after the last "\n" is the torn tail.
+    lines: list[str | bytes] = [
+        *(data.split("\n") if isinstance(data, str) else data.split(b"\n"))
+    ]
+    records: list[Output] = []
+    errors: list[TraceLineError] = []
+    last_seq: int | None = None
+    last_index = len(lines) - 1
+    for number, raw in enumerate(lines, start=1):
+        torn = number - 1 == last_index
+        try:
+            text = raw if isinstance(raw, str) else raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            errors.append(_line_error(file, number, f"invalid UTF-8: {exc.reason}", torn))
+            continue
+        if not text.strip():
+            continue
+        try:
+            record = _parse_record(text)
+        except _BadRecord as exc:
+            errors.append(_line_error(file, number, str(exc), torn))
+            continue
+        records.append(record)
+        seq = record.seq
+        if seq is None:
+            errors.append(TraceLineError(file=file, line=number, message="record has no seq"))
+        elif last_seq is not None and seq <= last_seq:
+            errors.append(
+                TraceLineError(
+                    file=file,
+                    line=number,
+                    message=f"seq {seq} does not increase (previous record has seq {last_seq})",
+                )
+            )
+        if seq is not None:
+            last_seq = seq if last_seq is None else max(last_seq, seq)
+    return TraceReadResult(records=records, errors=errors)
+
+
+class _BadRecord(Exception):
+    pass
+
+
+def _parse_record(text: str) -> Output:
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise _BadRecord(f"invalid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise _BadRecord(f"expected a JSON object, got {type(data).__name__}")
+    tag = data.get("type")
+    cls = converter.OUTPUT_BY_TAG.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        raise _BadRecord(f"unknown type {tag!r}")
+    if not cls.TRACED:
+        raise _BadRecord(f"{tag!r} is a live-only output and is never traced")
+    try:
+        return converter.output_from_dict(data)
+    except Exception as exc:
+        # cattrs raises a zoo of errors (ClassValidationError, KeyError, TypeError, ...);
+        # any of them means this line is not a record we can use.
+        raise _BadRecord(f"invalid {tag!r} record: {converter.describe_error(exc)}") from None
+
+
+def _line_error(file: str, number: int, message: str, torn: bool) -> TraceLineError:
+    if torn:
+        message = f"torn final line (no newline; a write cut short at a crash?): {message}"
+    return TraceLineError(file=file, line=number, message=message)
+
+
+UsageKind = Literal["request", "compaction_failed", "title"]
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class UsageRow:
+    """One row of the host's usage ledger (R-TRACE-5): the raw data for cost reports.
+
+    ``kind`` is ``request`` for every ``token_usage`` of a task or compaction request,
+    ``compaction_failed`` for a compaction that ended ``failed`` (R-COMPACT-7) and ``title``
+    for a :meth:`Session.generate_title` call. ``at`` is unix time in seconds, given by the
+    caller (this module reads no clock). ``status`` and ``error_message`` are free text.
+    """
+
+    at: float
+    session_id: str
+    run_id: str | None
+    turn: int | None
+    kind: UsageKind
+    provider: str
+    model: str
+    usage: TokenUsage = attrs.field(factory=TokenUsage)
+    status: str | None = None
+    error_message: str | None = None
+
+    @classmethod
+    def for_request(
+        cls, output: TokenUsageOutput, *, at: float, provider: str, model: str
+    ) -> UsageRow:
+        """The ledger row for a traced ``token_usage`` output."""
+        return cls(
+            at=at,
+            session_id=output.session_id,
+            run_id=output.run_id,
+            turn=output.turn,
+            kind="request",
+            provider=provider,
+            model=model,
+            usage=output.request,
+        )

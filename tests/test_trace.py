@@ -1,0 +1,206 @@
+"""The trace file format (pure): encoding, forgiving parsing, seq checks, file names."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from greenroom.protocols import converter
+from greenroom.protocols.content import TextBlock, ToolCallBlock
+from greenroom.protocols.outputs import (
+    ModelMsg,
+    Output,
+    PartialText,
+    TaskEnd,
+    TaskStart,
+    TokenUsageOutput,
+    UserMsg,
+)
+from greenroom.protocols.stream import TokenUsage
+from greenroom.protocols.trace import (
+    TraceLineError,
+    UsageRow,
+    encode_record,
+    parse_trace,
+    trace_file_name,
+    trace_file_number,
+)
+
+S, R = "s1", "r1"
+
+
+def sample_records() -> list[Output]:
+    return [
+        UserMsg(session_id=S, run_id=R, seq=1, kind="prompt", content=(TextBlock(text="hi"),)),
+        TaskStart(session_id=S, run_id=R, seq=2, input_seq=1),
+        ModelMsg(
+            session_id=S,
+            run_id=R,
+            seq=3,
+            turn=1,
+            block=ToolCallBlock(id="c1", name="lookup", arguments={"key": "k\u2028v"}),
+        ),
+        TokenUsageOutput(
+            session_id=S, run_id=R, seq=4, turn=1, request=TokenUsage(input=10, output=5)
+        ),
+        TaskEnd(
+            session_id=S,
+            run_id=R,
+            seq=5,
+            status="completed",
+            turns=1,
+            usage=TokenUsage(input=10, output=5),
+            wall_ms=12,
+        ),
+    ]
+
+
+def encode_all(records: list[Output]) -> list[str]:
+    return [encode_record(r) for r in records]
+
+
+def test_encode_record_is_converter_json_plus_newline() -> None:
+    for record in sample_records():
+        line = encode_record(record)
+        assert line == converter.to_json(record) + "\n"
+        assert line.count("\n") == 1
+        assert json.loads(line)["type"] == type(record).TYPE
+
+
+def test_encode_refuses_live_only_and_seqless_outputs() -> None:
+    with pytest.raises(ValueError, match="live-only"):
+        encode_record(PartialText(session_id=S, run_id=R, index=0, text="x"))
+    with pytest.raises(ValueError, match="seq"):
+        encode_record(TaskStart(session_id=S, run_id=R, input_seq=None))
+
+
+@pytest.mark.parametrize("as_bytes", [False, True])
+def test_round_trip(as_bytes: bool) -> None:
+    records = sample_records()
+    text = "".join(encode_all(records))
+    result = parse_trace(text.encode() if as_bytes else text, file="t.jsonl")
+    assert result.errors == []
+    assert result.records == records
+
+
+def test_corrupt_line_in_the_middle_is_reported_and_skipped() -> None:
+    lines = encode_all(sample_records())
+    lines.insert(2, '{"type": "task_start", "session_id": \n')
+    result = parse_trace("".join(lines), file="sess/trace_001.jsonl")
+    assert [r.seq for r in result.records] == [1, 2, 3, 4, 5]
+    assert len(result.errors) == 1
+    error = result.errors[0]
+    assert (error.file, error.line) == ("sess/trace_001.jsonl", 3)
+    assert "invalid JSON" in error.message
+    assert str(error).startswith("sess/trace_001.jsonl:3: ")
+
+
+def test_torn_final_line_is_reported_and_the_rest_read() -> None:
+    lines = encode_all(sample_records())
+    torn = lines[-1][: len(lines[-1]) // 2]
+    result = parse_trace("".join(lines[:-1]) + torn, file="t.jsonl")
+    assert [r.seq for r in result.records] == [1, 2, 3, 4]
+    assert [(e.line, "torn final line" in e.message) for e in result.errors] == [(5, True)]
+
+
+def test_complete_final_record_without_newline_is_accepted() -> None:
+    text = "".join(encode_all(sample_records()))
+    result = parse_trace(text.rstrip("\n"), file="t.jsonl")
+    assert result.errors == []
+    assert len(result.records) == 5
+
+
+def test_torn_multibyte_character_spoils_only_its_line() -> None:
+    data = "".join(encode_all(sample_records()[:2])).encode()
+    last = encode_record(
+        UserMsg(session_id=S, run_id=R, seq=3, kind="prompt", content=(TextBlock(text="é"),))
+    ).encode()
+    cut = last.index("é".encode()) + 1  # inside the two-byte character
+    result = parse_trace(data + last[:cut], file="t.jsonl")
+    assert [r.seq for r in result.records] == [1, 2]
+    assert len(result.errors) == 1
+    assert result.errors[0].line == 3
+    assert "invalid UTF-8" in result.errors[0].message
+
+
+@pytest.mark.parametrize(
+    ("line", "fragment"),
+    [
+        ('{"type":"no_such_thing","session_id":"s1","run_id":"r1","seq":9}', "unknown type"),
+        ('{"session_id":"s1","run_id":"r1","seq":9}', "unknown type"),
+        ('{"type":"partial_text","session_id":"s1","run_id":"r1","index":0,"text":"x"}',
+         "live-only"),
+        ('{"type":"task_start","session_id":"s1","seq":9,"input_seq":1}', "run_id"),
+        ('{"type":"request_begin","session_id":"s1","run_id":"r1","seq":9,"turn":"x",'
+         '"attempt":1}', "invalid 'request_begin' record"),
+        ("[1, 2]", "expected a JSON object"),
+    ],
+)
+def test_bad_records_are_reported_by_line(line: str, fragment: str) -> None:
+    lines = encode_all(sample_records()[:2])
+    text = lines[0] + line + "\n" + lines[1]
+    result = parse_trace(text, file="t.jsonl")
+    assert [r.seq for r in result.records] == [1, 2]
+    assert len(result.errors) == 1
+    assert result.errors[0].line == 2
+    assert fragment in result.errors[0].message
+
+
+def test_blank_lines_are_skipped_silently() -> None:
+    lines = encode_all(sample_records()[:2])
+    result = parse_trace(lines[0] + "\n  \n" + lines[1], file="t.jsonl")
+    assert result.errors == []
+    assert len(result.records) == 2
+
+
+def test_seq_must_strictly_increase_but_records_are_kept() -> None:
+    records = sample_records()
+    reordered = [records[0], records[2], records[1], records[3], records[3]]
+    result = parse_trace("".join(encode_all(reordered)), file="t.jsonl")
+    assert [r.seq for r in result.records] == [1, 3, 2, 4, 4]
+    assert [e.line for e in result.errors] == [3, 5]
+    assert "seq 2 does not increase (previous record has seq 3)" in result.errors[0].message
+
+
+def test_record_without_seq_is_reported_but_kept() -> None:
+    line = converter.to_json(TaskStart(session_id=S, run_id=R, input_seq=None)) + "\n"
+    result = parse_trace(line, file="t.jsonl")
+    assert len(result.records) == 1
+    assert result.errors == [TraceLineError(file="t.jsonl", line=1, message="record has no seq")]
+
+
+def test_rotated_file_may_start_at_any_seq() -> None:
+    records = [*sample_records()][2:]
+    result = parse_trace("".join(encode_all(records)), file="trace_002.jsonl")
+    assert result.errors == []
+
+
+def test_trace_file_names() -> None:
+    assert trace_file_name(1) == "trace_001.jsonl"
+    assert trace_file_name(42) == "trace_042.jsonl"
+    assert trace_file_name(1234) == "trace_1234.jsonl"
+    for n in (1, 2, 99, 999, 1000, 123456):
+        assert trace_file_number(trace_file_name(n)) == n
+    for name in ("trace_000.jsonl", "trace_01.jsonl", "trace_001.json", "trace_abc.jsonl",
+                 "xtrace_001.jsonl", "trace_001.jsonl.tmp", "usage.sqlite", ""):
+        assert trace_file_number(name) is None
+    with pytest.raises(ValueError):
+        trace_file_name(0)
+
+
+def test_usage_row_for_request() -> None:
+    out = TokenUsageOutput(
+        session_id=S, run_id=R, seq=4, turn=2, request=TokenUsage(input=3, cache_read=4)
+    )
+    row = UsageRow.for_request(out, at=1.5, provider="scripted", model="m")
+    assert row == UsageRow(
+        at=1.5,
+        session_id=S,
+        run_id=R,
+        turn=2,
+        kind="request",
+        provider="scripted",
+        model="m",
+        usage=TokenUsage(input=3, cache_read=4),
+    )

@@ -1,0 +1,343 @@
+"""The TraceSink actor against real files and a real SQLite ledger.
+
+Worker threads run for real here, so there is no MockClock: every test is bounded by
+``fail_after`` instead, and nothing waits by sleeping.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from greenroom.actors.trace_sink import (
+    TraceSink,
+    TraceSinkClosed,
+    TraceWriteError,
+    latest_trace_file,
+    read_trace,
+    usage_totals,
+)
+from greenroom.protocols.content import TextBlock
+from greenroom.protocols.outputs import ModelMsg, TokenUsageOutput
+from greenroom.protocols.stream import TokenUsage
+from greenroom.protocols.trace import UsageRow, encode_record, trace_file_name
+
+TIMEOUT = 10
+
+
+def line(seq: int, session_id: str = "s1", text: str = "x") -> str:
+    return encode_record(
+        ModelMsg(session_id=session_id, run_id="r1", seq=seq, turn=1, block=TextBlock(text=text))
+    )
+
+
+def trace_path(root: Path, session_id: str, n: int = 1) -> Path:
+    return root / "sessions" / session_id / trace_file_name(n)
+
+
+def seqs(path: Path) -> list[int | None]:
+    result = read_trace(path)
+    assert result.errors == []
+    return [r.seq for r in result.records]
+
+
+@asynccontextmanager
+async def running_sink(data_dir: Path) -> AsyncIterator[TraceSink]:
+    sink = TraceSink(data_dir)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        yield sink
+        await sink.aclose()
+
+
+@pytest.fixture
+def fsynced(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Record the path of every file the sink fsyncs (Linux: through /proc/self/fd)."""
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("needs /proc/self/fd to name fsynced files")
+    paths: list[Path] = []
+    real_fsync: Callable[[int], None] = os.fsync
+
+    def spy(fd: int) -> None:
+        paths.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    return paths
+
+
+async def test_ready_means_ledger_open(tmp_path: Path) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with running_sink(tmp_path / "home") as sink:
+            assert sink.ledger_path == tmp_path / "home" / "usage.sqlite"
+            assert sink.ledger_path.exists()
+
+
+async def test_write_then_sync_is_on_disk_and_fsynced(tmp_path: Path, fsynced: list[Path]) -> None:
+    path = trace_path(tmp_path, "s1")
+    with trio.fail_after(TIMEOUT):
+        async with running_sink(tmp_path) as sink:
+            for seq in range(1, 4):
+                sink.write(path, line(seq))
+            await sink.sync(path)
+            assert seqs(path) == [1, 2, 3]
+            assert path in fsynced
+            # The new file's directory entry (and the new session directories) are synced too.
+            assert path.parent in fsynced
+
+
+async def test_nothing_pending_returns_at_once(tmp_path: Path, fsynced: list[Path]) -> None:
+    path = trace_path(tmp_path, "s1")
+    with trio.fail_after(TIMEOUT):
+        async with running_sink(tmp_path) as sink:
+            await sink.sync(path)
+            await sink.sync()
+            assert sink.batches_written == 0
+            sink.write(path, line(1))
+            await sink.sync(path)
+            batches = sink.batches_written
+            await sink.sync(path)
+            await sink.sync()
+            assert sink.batches_written == batches
+            assert not path.with_name("other").exists()
+
+
+async def test_unsynced_lines_are_written_with_the_next_batch(
+    tmp_path: Path, fsynced: list[Path]
+) -> None:
+    quiet, busy = trace_path(tmp_path, "quiet"), trace_path(tmp_path, "busy")
+    with trio.fail_after(TIMEOUT):
+        async with running_sink(tmp_path) as sink:
+            sink.write(quiet, line(1))
+            sink.write(busy, line(1))
+            await sink.sync(busy)
+            # Nobody synced `quiet`, yet its line went out with the batch: lines never wait
+            # for a sync. It was not fsynced, though: that is what sync is for.
+            assert seqs(quiet) == [1]
+            assert quiet not in fsynced
+            await sink.sync(quiet)
+            assert quiet in fsynced
+            # The same with files that exist already (no new directory entries involved).
+            fsynced.clear()
+            sink.write(quiet, line(2))
+            sink.write(busy, line(2))
+            await sink.sync(busy)
+            assert seqs(quiet) == [1, 2]
+            assert fsynced == [busy]
+            await sink.sync(quiet)
+            assert fsynced == [busy, quiet]
+
+
+async def test_concurrent_syncs_share_batches(tmp_path: Path) -> None:
+    writers, files, per_writer = 200, 20, 3
+    paths = [trace_path(tmp_path, f"s{i}") for i in range(files)]
+    next_seq = dict.fromkeys(paths, 0)
+
+    async def writer(i: int, sink: TraceSink) -> None:
+        path = paths[i % files]
+        for _ in range(per_writer):
+            next_seq[path] += 1
+            sink.write(path, line(next_seq[path], text=f"writer {i}"))
+        await sink.sync(path)
+        # Durable means on disk now, whatever the others do afterwards.
+        assert f"writer {i}" in path.read_text()
+
+    with trio.fail_after(TIMEOUT):
+        async with running_sink(tmp_path) as sink, trio.open_nursery() as nursery:
+            for i in range(writers):
+                nursery.start_soon(writer, i, sink)
+    for path in paths:
+        assert seqs(path) == list(range(1, writers // files * per_writer + 1))
+    # Group commit: 200 syncs rode on a handful of worker-thread batches, not 200.
+    assert 1 <= sink.batches_written <= 10, sink.batches_written
+
+
+async def test_syncs_arriving_during_a_batch_share_the_next_one(tmp_path: Path) -> None:
+    paths = [trace_path(tmp_path, f"s{i}") for i in range(50)]
+    with trio.fail_after(TIMEOUT):
+        async with running_sink(tmp_path) as sink:
+            sink.write(paths[0], line(1))
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(sink.sync, paths[0])
+                # Let the first batch be taken, then pile up writers behind it.
+                await trio.testing.wait_all_tasks_blocked()
+                for path in paths[1:]:
+                    sink.write(path, line(1))
+                    nursery.start_soon(sink.sync, path)
+            assert sink.batches_written <= 3
+            for path in paths:
+                assert seqs(path) == [1]
+
+
+async def test_usage_rows_land_in_sqlite(tmp_path: Path) -> None:
+    def usage_output(session_id: str, turn: int, usage: TokenUsage) -> TokenUsageOutput:
+        return TokenUsageOutput(session_id=session_id, run_id="r1", seq=turn, turn=turn,
+                                request=usage)
+
+    with trio.fail_after(TIMEOUT):
+        async with running_sink(tmp_path) as sink:
+            for turn in (1, 2):
+                sink.record_usage(
+                    UsageRow.for_request(
+                        usage_output("a", turn, TokenUsage(input=100, output=10, cache_read=5)),
+                        at=1000.0 + turn,
+                        provider="scripted",
+                        model="m",
+                    )
+                )
+            sink.record_usage(
+                UsageRow(at=1003.0, session_id="a", run_id="r1", turn=None,
+                         kind="compaction_failed", provider="scripted", model="m",
+                         status="failed", error_message="empty summary")
+            )
+            sink.record_usage(
+                UsageRow(at=1004.0, session_id="b", run_id=None, turn=None, kind="title",
+                         provider="scripted", model="m", usage=TokenUsage(input=7, output=3))
+            )
+            await sink.sync()
+            totals = usage_totals(sink.ledger_path)
+            assert totals == {
+                "a": {"input": 200, "output": 20, "cache_read": 10, "cache_write": 0,
+                      "total": 230, "requests": 2, "compaction_failures": 1, "titles": 0},
+                "b": {"input": 7, "output": 3, "cache_read": 0, "cache_write": 0,
+                      "total": 10, "requests": 0, "compaction_failures": 0, "titles": 1},
+            }
+            assert usage_totals(sink.ledger_path, session_id="b") == {"b": totals["b"]}
+            assert usage_totals(sink.ledger_path, session_id="zzz") == {}
+    with sqlite3.connect(sink.ledger_path) as conn:
+        columns = [row[1] for row in conn.execute("PRAGMA table_info(usage)")]
+        failed = conn.execute(
+            "SELECT kind, status, error_message, turn FROM usage WHERE kind != 'request'"
+            " ORDER BY id"
+        ).fetchall()
+    assert columns == ["id", "at", "session_id", "run_id", "turn", "kind", "provider", "model",
+                       "input", "output", "cache_read", "cache_write", "total", "status",
+                       "error_message"]
+    assert failed == [("compaction_failed", "failed", "empty summary", None),
+                      ("title", None, None, None)]
+    assert usage_totals(tmp_path / "missing.sqlite") == {}
+
+
+async def test_aclose_flushes_unsynced_lines_and_rows(
+    tmp_path: Path, fsynced: list[Path]
+) -> None:
+    path = trace_path(tmp_path, "s1")
+    with trio.fail_after(TIMEOUT):
+        async with running_sink(tmp_path) as sink:
+            for seq in range(1, 6):
+                sink.write(path, line(seq))
+            sink.record_usage(UsageRow(at=1.0, session_id="s1", run_id="r1", turn=1,
+                                       kind="request", provider="p", model="m",
+                                       usage=TokenUsage(input=1)))
+            await sink.aclose()
+            assert sink.closed
+    assert seqs(path) == [1, 2, 3, 4, 5]
+    assert path in fsynced
+    assert usage_totals(sink.ledger_path)["s1"]["input"] == 1
+
+
+async def test_cancelling_run_flushes_unsynced_lines(tmp_path: Path, fsynced: list[Path]) -> None:
+    path = trace_path(tmp_path, "s1")
+    sink = TraceSink(tmp_path)
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sink.run)
+            sink.write(path, line(1))
+            await sink.sync(path)
+            sink.write(path, line(2))
+            sink.write(path, line(3))
+            nursery.cancel_scope.cancel()
+    assert seqs(path) == [1, 2, 3]
+    assert fsynced.count(path) >= 2
+    with pytest.raises(TraceSinkClosed):
+        sink.write(path, line(4))
+
+
+async def test_write_after_close_raises(tmp_path: Path) -> None:
+    path = trace_path(tmp_path, "s1")
+    with trio.fail_after(TIMEOUT):
+        async with running_sink(tmp_path) as sink:
+            sink.write(path, line(1))
+        with pytest.raises(TraceSinkClosed, match="closed"):
+            sink.write(path, line(2))
+        with pytest.raises(TraceSinkClosed):
+            sink.record_usage(UsageRow(at=1.0, session_id="s1", run_id=None, turn=None,
+                                       kind="title", provider="p", model="m"))
+        # A barrier after close is satisfied: everything written before it is on disk.
+        await sink.sync(path)
+        await sink.aclose()
+    assert seqs(path) == [1]
+
+
+async def test_a_failing_file_does_not_stop_the_others(tmp_path: Path) -> None:
+    blocker = tmp_path / "sessions" / "bad"
+    blocker.parent.mkdir(parents=True)
+    blocker.write_text("a file where a session directory should be")
+    bad, good = blocker / trace_file_name(1), trace_path(tmp_path, "good")
+    with trio.fail_after(TIMEOUT):
+        async with running_sink(tmp_path) as sink:
+            sink.write(bad, line(1, "bad"))
+            sink.write(good, line(1, "good"))
+            with pytest.raises(TraceWriteError) as info:
+                await sink.sync(bad)
+            assert info.value.path == bad
+            assert str(bad) in str(info.value)
+            await sink.sync(good)
+            assert seqs(good) == [1]
+            # Lines were lost, so the error sticks until acknowledged, also for sync().
+            with pytest.raises(TraceWriteError):
+                await sink.sync(bad)
+            with pytest.raises(TraceWriteError):
+                await sink.sync()
+            assert set(sink.errors) == {bad}
+            sink.clear_error(bad)
+            await sink.sync(bad)
+            await sink.sync()
+            sink.write(good, line(2, "good"))
+            await sink.sync(good)
+    assert seqs(good) == [1, 2]
+
+
+async def test_torn_tail_is_terminated_before_appending(tmp_path: Path) -> None:
+    path = trace_path(tmp_path, "s1")
+    path.parent.mkdir(parents=True)
+    torn = line(2)[:10]
+    path.write_text(line(1) + torn)  # a crash cut the second record short
+    with trio.fail_after(TIMEOUT):
+        async with running_sink(tmp_path) as sink:
+            sink.write(path, line(3))
+            await sink.sync(path)
+    result = read_trace(path)
+    assert [r.seq for r in result.records] == [1, 3]
+    assert [e.line for e in result.errors] == [2]
+    assert path.read_text().splitlines()[1] == torn
+
+
+async def test_sync_waiters_that_are_cancelled_leave_the_sink_working(tmp_path: Path) -> None:
+    path = trace_path(tmp_path, "s1")
+    with trio.fail_after(TIMEOUT):
+        async with running_sink(tmp_path) as sink:
+            sink.write(path, line(1))
+            with trio.CancelScope() as scope:
+                scope.cancel()
+                await sink.sync(path)
+            sink.write(path, line(2))
+            await sink.sync(path)
+    assert seqs(path) == [1, 2]
+
+
+def test_latest_trace_file(tmp_path: Path) -> None:
+    assert latest_trace_file(tmp_path / "missing") is None
+    assert latest_trace_file(tmp_path) is None
+    for n in (1, 2, 10):
+        (tmp_path / trace_file_name(n)).write_text("")
+    (tmp_path / "trace_999.jsonl.tmp").write_text("")
+    (tmp_path / "notes.txt").write_text("")
+    assert latest_trace_file(tmp_path) == tmp_path / "trace_010.jsonl"
