@@ -1,0 +1,739 @@
+"""Sans-IO codec for OpenAI Chat Completions and OpenAI-compatible servers.
+
+Covers ``POST /v1/chat/completions`` with ``stream: true`` as spoken by OpenAI, vLLM,
+llama.cpp's ``llama-server`` and Ollama's ``/v1``. Three pieces, none of which does I/O:
+
+* :func:`build_request` / :class:`RequestEncoder` turn a :class:`ModelRequest` into the JSON
+  body. The encoding is deterministic (same context, same dicts, same JSON), so the prefix of
+  turn N+1 is byte-identical to turn N and the server's prompt cache keeps hitting.
+* :class:`OpenAIStreamDecoder` turns the raw response body into the typed events of
+  :mod:`greenroom.protocols.stream`.
+* :func:`classify_error` turns a non-200 response into a :class:`ModelError` (R-RETRY-1).
+
+Decoder invariants (what the supervisor may rely on):
+
+* Block indices are the decoder's own, assigned in order of appearance. At most one text or
+  thinking block is open at a time: a block of another kind opening completes it, so a text
+  that resumes after a tool call opened is a new block.
+* A tool call is completed only when the message is known to be complete: at a
+  ``finish_reason`` other than ``length``, or at ``data: [DONE]``. With ``length`` every
+  open tool call becomes :class:`ToolCallTruncated` instead and must never run (R-TOOL-5).
+  Tool calls complete in the order of their wire ``index`` (the model's call order).
+* Exactly one terminal event, after which all input is ignored. ``MessageCompleted`` comes at
+  ``[DONE]``; a stream that ends without ``[DONE]`` but after a ``finish_reason`` is accepted
+  too, because the finish reason already proves the model finished (llama.cpp and gateways
+  are known to drop the sentinel, and only the usage chunk can be lost). A stream that ends
+  without any finish reason is ``StreamFailed(malformed)``: a dropped connection must never
+  look like an answer, and its half-streamed tool calls are never completed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from greenroom.protocols.content import (
+    ImageBlock,
+    TextBlock,
+    ThinkingBlock,
+    ToolCallBlock,
+)
+from greenroom.protocols.context import (
+    AssistantMessage,
+    Message,
+    ModelRequest,
+    ToolResult,
+    ToolSchema,
+    UserMessage,
+)
+from greenroom.protocols.sse import SSEDecoder
+from greenroom.protocols.stream import (
+    BlockCompleted,
+    BlockStarted,
+    ErrorKind,
+    MessageCompleted,
+    ModelError,
+    StreamEvent,
+    StreamFailed,
+    TextDelta,
+    ThinkingDelta,
+    TokenUsage,
+    ToolArgumentsDelta,
+    ToolCallTruncated,
+    UsageReported,
+)
+
+__all__ = [
+    "ImageLoader",
+    "OpenAIStreamDecoder",
+    "RequestEncoder",
+    "build_request",
+    "classify_error",
+    "encode_message",
+]
+
+ImageLoader = Callable[[ImageBlock], dict[str, Any] | None]
+"""Turns an image block into one complete content part, usually
+``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``, or None when
+the image cannot be loaded (it then folds to text). It is the only place where reading the
+file happens, and it belongs to the caller: this module does no I/O."""
+
+REASONING_EFFORTS = frozenset({"minimal", "low", "medium", "high"})
+"""``thinking_level`` values passed on as ``reasoning_effort``; others are not sent."""
+
+# ---------------------------------------------------------------------------------------------
+# Requests
+# ---------------------------------------------------------------------------------------------
+
+
+def _image_as_text(image: ImageBlock) -> str:
+    return f"[attached image: {image.path}]"
+
+
+def _tool_result_text(result: ToolResult) -> str:
+    # Tool messages carry text only; images are named here (and, with vision, shown in the
+    # user message that follows).
+    return "\n".join(
+        block.text if isinstance(block, TextBlock) else _image_as_text(block)
+        for block in result.content
+    )
+
+
+def _encode_user(
+    message: UserMessage, image_loader: ImageLoader | None, vision: bool
+) -> list[dict[str, Any]]:
+    loader = image_loader if vision else None
+    encoded: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []
+    shown_tool_images: list[dict[str, Any]] = []
+    only_text = True
+    for item in message.content:
+        if isinstance(item, ToolResult):
+            # Results first and in their own order: OpenAI requires the tool messages to
+            # follow the assistant message that made the calls, with nothing in between.
+            encoded.append(
+                {"role": "tool", "tool_call_id": item.call_id, "content": _tool_result_text(item)}
+            )
+            if loader is not None:
+                # Tool messages cannot carry images: a model with vision sees them in the
+                # user message that follows (they are already named in the tool text).
+                for block in item.content:
+                    if isinstance(block, ImageBlock) and (part := loader(block)) is not None:
+                        shown_tool_images.append(part)
+        elif isinstance(item, TextBlock):
+            parts.append({"type": "text", "text": item.text})
+        else:
+            image_part = loader(item) if loader is not None else None
+            if image_part is None:
+                parts.append({"type": "text", "text": _image_as_text(item)})
+            else:
+                parts.append(image_part)
+                only_text = False
+    if shown_tool_images:
+        parts.extend(shown_tool_images)
+        only_text = False
+    if not parts:
+        if not encoded:
+            encoded.append({"role": "user", "content": ""})
+    elif only_text:
+        encoded.append({"role": "user", "content": "\n".join(p["text"] for p in parts)})
+    else:
+        encoded.append({"role": "user", "content": parts})
+    return encoded
+
+
+def _encode_assistant(message: AssistantMessage) -> dict[str, Any]:
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for block in message.content:
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ToolCallBlock):
+            # Invalid argument text is not resent: some servers parse the arguments of the
+            # history for their chat template and would reject the request. The paired tool
+            # result already tells the model what went wrong.
+            calls.append(
+                {
+                    "id": block.id,
+                    "type": "function",
+                    "function": {
+                        "name": block.name,
+                        "arguments": json.dumps(block.arguments, ensure_ascii=False),
+                    },
+                }
+            )
+        # Thinking and redacted thinking are never resent to OpenAI-style servers (R-RUN-9).
+    encoded: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts) if texts else None}
+    if calls:
+        encoded["tool_calls"] = calls
+    elif encoded["content"] is None:
+        # An assistant message needs content or tool calls (e.g. a reply that was all thinking).
+        encoded["content"] = ""
+    return encoded
+
+
+def encode_message(
+    message: Message, *, image_loader: ImageLoader | None = None, vision: bool = True
+) -> list[dict[str, Any]]:
+    """The wire messages for one context message (a user message with tool results becomes
+    several). Pure apart from calling ``image_loader``."""
+    if isinstance(message, UserMessage):
+        return _encode_user(message, image_loader, vision)
+    return [_encode_assistant(message)]
+
+
+def _encode_tool(schema: ToolSchema) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {
+            "name": schema.name,
+            "description": schema.description,
+            "parameters": schema.input_schema,
+        },
+    }
+
+
+class RequestEncoder:
+    """Builds request bodies for one model context, reusing earlier work.
+
+    Each context message's encoding is kept together with the message object itself and
+    reused while the same object sits at the same position, so a turn costs only the new
+    messages (and ``image_loader`` runs once per image, not once per turn). The context is
+    append-only (see :mod:`greenroom.protocols.context`); any other change just re-encodes
+    the positions whose object differs. Keeping the objects (not their ``id()``) means an id
+    can never be recycled into a false hit.
+
+    The returned body shares its message dicts with the cache and with earlier bodies:
+    callers serialise it and must not mutate it.
+    """
+
+    def __init__(self, *, image_loader: ImageLoader | None = None) -> None:
+        self._image_loader = image_loader
+        self._vision: bool | None = None
+        self._cache: list[tuple[Message, list[dict[str, Any]]]] = []
+        self._tools_key: tuple[ToolSchema, ...] | None = None
+        self._tools: list[dict[str, Any]] = []
+
+    def build(self, request: ModelRequest) -> dict[str, Any]:
+        """The body for ``POST /v1/chat/completions`` (streaming, usage included)."""
+        if self._vision is not request.supports_vision:
+            self._cache.clear()
+            self._vision = request.supports_vision
+        cache = self._cache
+        messages: list[dict[str, Any]] = []
+        if request.system:
+            messages.append({"role": "system", "content": request.system})
+        for position, message in enumerate(request.messages):
+            if position < len(cache) and cache[position][0] is message:
+                encoded = cache[position][1]
+            else:
+                encoded = encode_message(
+                    message, image_loader=self._image_loader, vision=request.supports_vision
+                )
+                if position < len(cache):
+                    cache[position] = (message, encoded)
+                else:
+                    cache.append((message, encoded))
+            messages.extend(encoded)
+        del cache[len(request.messages) :]
+
+        body: dict[str, Any] = {
+            "model": request.model,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            # max_tokens, not max_completion_tokens: every compatible server accepts it.
+            "max_tokens": request.max_tokens,
+            "messages": messages,
+        }
+        if request.tools:
+            if self._tools_key is not request.tools:
+                self._tools = [_encode_tool(t) for t in request.tools]
+                self._tools_key = request.tools
+            body["tools"] = self._tools
+        if request.thinking_level in REASONING_EFFORTS:
+            body["reasoning_effort"] = request.thinking_level
+        return body
+
+
+def build_request(
+    request: ModelRequest, *, image_loader: ImageLoader | None = None
+) -> dict[str, Any]:
+    """The body for ``POST /v1/chat/completions`` without caching (see :class:`RequestEncoder`).
+
+    System prompt first; tool results as ``role: tool`` messages in their order, before the
+    rest of their user message; images as parts from ``image_loader`` when the model has
+    vision, else ``[attached image: <path>]`` text; thinking never sent (R-RUN-9).
+    """
+    return RequestEncoder(image_loader=image_loader).build(request)
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+
+_OVERFLOW_CODES = frozenset({"context_length_exceeded", "exceed_context_size_error"})
+_OVERFLOW_PHRASES = ("maximum context length", "exceeds the available context size")
+_QUOTA_CODES = frozenset({"insufficient_quota"})
+_TRANSIENT_CODES = frozenset(
+    {
+        "server_error",
+        "service_unavailable_error",
+        "server_is_overloaded",
+        "overloaded_error",
+        "rate_limit_exceeded",
+    }
+)
+_MESSAGE_LIMIT = 500
+
+
+def _error_fields(payload: Any) -> tuple[str, str, str, int | None]:
+    """``(message, type, code, integer code)`` of an error payload in any known shape.
+
+    Shapes: OpenAI ``{"error": {message, type, code}}``, Ollama ``{"error": "text"}``, vLLM's
+    flat ``{"object": "error", message, type, code: 400}``, or the inner error object itself
+    (a mid-stream ``data: {"error": ...}``)."""
+    if isinstance(payload, dict) and "error" in payload:
+        payload = payload["error"]
+    if isinstance(payload, str):
+        return payload, "", "", None
+    if not isinstance(payload, dict):
+        return "", "", "", None
+    message = payload.get("message")
+    etype = payload.get("type")
+    code = payload.get("code")
+    int_code = code if isinstance(code, int) and not isinstance(code, bool) else None
+    return (
+        message if isinstance(message, str) else "",
+        etype if isinstance(etype, str) else "",
+        code if isinstance(code, str) else "",
+        int_code,
+    )
+
+
+def _header(headers: Mapping[str, str], name: str) -> str | None:
+    value = headers.get(name)
+    if value is None:
+        # Plain dicts are case-sensitive; httpx.Headers is not.
+        for key, candidate in headers.items():
+            if key.lower() == name:
+                return candidate
+    return value
+
+
+def _retry_after_s(headers: Mapping[str, str]) -> float | None:
+    """``retry-after-ms`` (milliseconds) first, then ``retry-after`` in seconds. The HTTP-date
+    form of ``retry-after`` is ignored: turning it into a wait needs the clock."""
+    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
+        raw = _header(headers, name)
+        if raw is None:
+            continue
+        try:
+            value = float(raw) * scale
+        except ValueError:
+            continue
+        if value >= 0 and value == value and value != float("inf"):
+            return value
+    return None
+
+
+def _classify(
+    status: int | None,
+    message: str,
+    etype: str,
+    code: str,
+    headers: Mapping[str, str],
+) -> ModelError:
+    text = message[:_MESSAGE_LIMIT] or (f"HTTP {status}" if status else "model error")
+    kind: ErrorKind
+    retry_after: float | None = None
+    lowered = message.lower()
+    if status in (401, 403):
+        kind = "auth"
+    elif code in _QUOTA_CODES or etype in _QUOTA_CODES:
+        kind = "failed"
+        text = f"quota exhausted: {text}"
+    elif status == 429:
+        # Checked before overflow: a rate limit must never trigger compaction (R-COMPACT-9).
+        kind = "timeout"
+        retry_after = _retry_after_s(headers)
+    elif (
+        code in _OVERFLOW_CODES
+        or etype in _OVERFLOW_CODES
+        or any(phrase in lowered for phrase in _OVERFLOW_PHRASES)
+    ):
+        kind = "context_overflow"
+    elif status is not None and (status == 408 or status >= 500):
+        kind = "timeout"
+        retry_after = _retry_after_s(headers)
+    elif status is None and (code in _TRANSIENT_CODES or etype in _TRANSIENT_CODES):
+        kind = "timeout"
+    else:
+        kind = "failed"
+    return ModelError(kind=kind, message=text, status_code=status, retry_after_s=retry_after)
+
+
+def classify_error(status: int, body: bytes | str, headers: Mapping[str, str]) -> ModelError:
+    """Classify a non-200 response (R-RETRY-1). Never raises, whatever the body.
+
+    401/403 → ``auth``; ``insufficient_quota`` (even as a 429) → ``failed`` with a message
+    saying the quota is exhausted, since waiting will not help; other 429 → ``timeout`` with
+    ``retry_after_s`` from ``retry-after-ms`` / ``retry-after``; context too long (OpenAI
+    ``context_length_exceeded``, llama.cpp ``exceed_context_size_error``, vLLM's message
+    text) → ``context_overflow``; 408 and every 5xx → ``timeout``; anything else ``failed``.
+    """
+    text = body.decode("utf-8", errors="replace") if isinstance(body, bytes) else body
+    try:
+        payload: Any = json.loads(text)
+    except (ValueError, RecursionError):
+        payload = None
+    message, etype, code, _ = _error_fields(payload)
+    if not message and payload is None:
+        message = text.strip()
+    return _classify(status, message, etype, code, headers)
+
+
+def _classify_stream_error(error: Any) -> ModelError:
+    """A ``data: {"error": ...}`` chunk inside a 200 stream. There is no HTTP status, so the
+    error's own integer ``code`` (llama.cpp) stands in for it when it looks like one."""
+    message, etype, code, int_code = _error_fields(error)
+    status = int_code if int_code is not None and 400 <= int_code <= 599 else None
+    # The response's status was 200; the payload's code only guides the classification.
+    return attrs.evolve(_classify(status, message, etype, code, {}), status_code=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stream decoding
+# ---------------------------------------------------------------------------------------------
+
+_STOP_REASONS = {
+    "stop": "end_turn",
+    "tool_calls": "tool_use",
+    "function_call": "tool_use",
+    "length": "max_tokens",
+    "content_filter": "refusal",
+}
+
+
+# The bound method of one decoder: json.loads minus its per-call argument handling.
+_decode_json = json.JSONDecoder().decode
+
+
+class _ToolCall:
+    __slots__ = ("block", "call_id", "name", "parts", "wire_index")
+
+    def __init__(self, wire_index: int, block: int, call_id: str, name: str) -> None:
+        self.wire_index = wire_index
+        self.block = block
+        self.call_id = call_id
+        self.name = name
+        self.parts: list[str] = []
+
+
+class _Malformed(Exception):
+    """Raised inside the decoder for a chunk whose shape is wrong; becomes StreamFailed."""
+
+
+def _parse_arguments(raw: str) -> tuple[dict[str, Any], str | None]:
+    """``(arguments, invalid_arguments)`` for complete argument text: empty means ``{}``;
+    anything that is not a JSON object keeps the raw text for an error output (R-TOOL-5)."""
+    if not raw.strip():
+        return {}, None
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        return {}, raw
+    if isinstance(value, dict):
+        return value, None
+    return {}, raw
+
+
+class OpenAIStreamDecoder:
+    """Turns a Chat Completions SSE body into :data:`StreamEvent` values.
+
+    Feed raw body bytes in any chunking; each call returns the events those bytes completed,
+    in stream order. Call :meth:`end_of_stream` once when the body ends (cleanly or not).
+    Never raises on any input; see the module docstring for the guarantees. One decoder per
+    attempt.
+    """
+
+    def __init__(self) -> None:
+        self._sse = SSEDecoder()
+        self._out: list[StreamEvent] = []
+        self._terminal = False
+        self._next_block = 0
+        self._text_block: int | None = None
+        self._text_parts: list[str] = []
+        self._thinking_block: int | None = None
+        self._thinking_parts: list[str] = []
+        self._tools: dict[int, _ToolCall] = {}
+        self._last_wire_index: int | None = None
+        self._completed_tool_calls = 0
+        self._finish_reason: str | None = None
+        self._usage: TokenUsage | None = None
+
+    @property
+    def usage(self) -> TokenUsage:
+        """The latest usage the server reported (zeros until it reports any)."""
+        return self._usage or TokenUsage()
+
+    @property
+    def finished(self) -> bool:
+        """True once the terminal event has been returned."""
+        return self._terminal
+
+    def feed(self, data: bytes) -> list[StreamEvent]:
+        """Events completed by ``data`` (possibly none). Empty after the terminal event."""
+        if self._terminal:
+            return []
+        out: list[StreamEvent] = []
+        self._out = out
+        # feed_raw gives (event, data) tuples: one object less per chunk on the hot path.
+        for _event, text in self._sse.feed_raw(data):
+            if not self._on_data(text):
+                break
+        return out
+
+    def end_of_stream(self) -> list[StreamEvent]:
+        """The body ended: the remaining events, always ending with the terminal event
+        (unless it was already returned)."""
+        if self._terminal:
+            return []
+        out: list[StreamEvent] = []
+        self._out = out
+        for event in self._sse.close():
+            if not self._on_data(event.data):
+                return out
+        if self._finish_reason is not None:
+            self._complete_message()
+        else:
+            reason = "connection closed mid-event" if self._sse.truncated else "no finish_reason"
+            self._fail(ModelError(kind="malformed", message=f"stream ended early ({reason})"))
+        return out
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _fail(self, error: ModelError) -> None:
+        self._out.append(StreamFailed(error=error))
+        self._terminal = True
+
+    def _on_data(self, data: str) -> bool:
+        """Handle one SSE event's data; False once the terminal event is out."""
+        if data[:1] != "{":
+            stripped = data.strip()
+            if stripped == "[DONE]":
+                self._complete_message()
+                return False
+            if not stripped:
+                return True
+        try:
+            chunk = _decode_json(data)
+        except (ValueError, RecursionError):
+            self._fail(ModelError(kind="malformed", message=f"invalid JSON: {data[:200]}"))
+            return False
+        try:
+            if chunk.__class__ is not dict:
+                raise _Malformed
+            error = chunk.get("error")
+            if error is not None:
+                self._fail(_classify_stream_error(error))
+                return False
+            choices = chunk.get("choices")
+            # Anything but usage after the finish reason is ignored: the message is complete.
+            if choices and self._finish_reason is None:
+                choice = choices[0]
+                delta = choice.get("delta")
+                if delta:
+                    self._on_delta(delta)
+                finish_reason = choice.get("finish_reason")
+                if finish_reason is not None:
+                    self._on_finish(str(finish_reason))
+            usage = chunk.get("usage")
+            if usage:
+                self._on_usage(usage)
+        except (_Malformed, AttributeError, TypeError, KeyError, IndexError, ValueError):
+            self._fail(ModelError(kind="malformed", message=f"bad chunk shape: {data[:200]}"))
+            return False
+        return True
+
+    def _on_delta(self, delta: dict[str, Any]) -> None:
+        # vLLM >= 0.11 and Ollama say "reasoning", older vLLM and llama.cpp
+        # "reasoning_content"; a server sending both sends the same text twice.
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+        if reasoning:
+            if reasoning.__class__ is not str:
+                raise _Malformed
+            self._thinking(reasoning)
+        content = delta.get("content")
+        if content:
+            if content.__class__ is not str:
+                raise _Malformed
+            self._text(content)
+        refusal = delta.get("refusal")
+        if refusal:
+            # A refusal is what the model said instead of an answer: show it as text.
+            if refusal.__class__ is not str:
+                raise _Malformed
+            self._text(refusal)
+        tool_calls = delta.get("tool_calls")
+        if tool_calls:
+            for fragment in tool_calls:
+                self._tool_fragment(fragment)
+
+    def _close_text(self) -> None:
+        if self._text_block is not None:
+            self._out.append(
+                BlockCompleted(
+                    index=self._text_block, block=TextBlock(text="".join(self._text_parts))
+                )
+            )
+            self._text_block = None
+            self._text_parts = []
+
+    def _close_thinking(self) -> None:
+        if self._thinking_block is not None:
+            self._out.append(
+                BlockCompleted(
+                    index=self._thinking_block,
+                    block=ThinkingBlock(text="".join(self._thinking_parts)),
+                )
+            )
+            self._thinking_block = None
+            self._thinking_parts = []
+
+    def _text(self, text: str) -> None:
+        index = self._text_block
+        if index is None:
+            self._close_thinking()
+            index = self._text_block = self._next_block
+            self._next_block += 1
+            self._out.append(BlockStarted(index=index, kind="text"))
+        self._text_parts.append(text)
+        self._out.append(TextDelta(index=index, text=text))
+
+    def _thinking(self, text: str) -> None:
+        index = self._thinking_block
+        if index is None:
+            self._close_text()
+            index = self._thinking_block = self._next_block
+            self._next_block += 1
+            self._out.append(BlockStarted(index=index, kind="thinking"))
+        self._thinking_parts.append(text)
+        self._out.append(ThinkingDelta(index=index, text=text))
+
+    def _tool_fragment(self, fragment: dict[str, Any]) -> None:
+        wire_index = fragment.get("index")
+        call_id = fragment.get("id")
+        if wire_index is None:
+            # Some servers omit the index: a new id opens the next call, otherwise the
+            # fragment continues the last one.
+            known = any(t.call_id == call_id for t in self._tools.values())
+            if (call_id and not known) or self._last_wire_index is None:
+                wire_index = max(self._tools, default=-1) + 1
+            else:
+                wire_index = self._last_wire_index
+        elif wire_index.__class__ is not int:
+            raise _Malformed
+        self._last_wire_index = wire_index
+        function = fragment.get("function") or {}
+        call = self._tools.get(wire_index)
+        if call is None:
+            self._close_text()
+            self._close_thinking()
+            name = function.get("name") or ""
+            if not call_id:
+                # Pairing needs a non-empty id (R-TOOL-7); ours only has to be unique here.
+                call_id = f"call_{wire_index}"
+            call = _ToolCall(wire_index, self._next_block, str(call_id), str(name))
+            self._next_block += 1
+            self._tools[wire_index] = call
+            self._out.append(
+                BlockStarted(
+                    index=call.block, kind="tool_call", call_id=call.call_id, name=call.name
+                )
+            )
+        elif not call.name and function.get("name"):
+            call.name = str(function["name"])
+        arguments = function.get("arguments")
+        if arguments:
+            if arguments.__class__ is not str:
+                # A few servers send the arguments as an object rather than JSON text.
+                arguments = json.dumps(arguments, ensure_ascii=False)
+            call.parts.append(arguments)
+            self._out.append(
+                ToolArgumentsDelta(
+                    index=call.block, call_id=call.call_id, name=call.name, delta=arguments
+                )
+            )
+
+    def _on_finish(self, finish_reason: str) -> None:
+        self._finish_reason = finish_reason
+        self._complete_blocks(truncate_tools=finish_reason == "length")
+
+    def _complete_blocks(self, *, truncate_tools: bool) -> None:
+        calls = sorted(self._tools.values(), key=lambda c: c.wire_index)
+        self._tools = {}
+        open_block = self._text_block if self._text_block is not None else self._thinking_block
+        # Keep stream order where it is known: text/thinking that began before the first
+        # open call completes before the calls.
+        if open_block is not None and (not calls or open_block < min(c.block for c in calls)):
+            self._close_text()
+            self._close_thinking()
+        out = self._out
+        for call in calls:
+            raw = "".join(call.parts)
+            if truncate_tools:
+                out.append(
+                    ToolCallTruncated(
+                        index=call.block,
+                        call_id=call.call_id,
+                        name=call.name,
+                        partial_arguments=raw,
+                    )
+                )
+                continue
+            arguments, invalid = _parse_arguments(raw)
+            out.append(
+                BlockCompleted(
+                    index=call.block,
+                    block=ToolCallBlock(
+                        id=call.call_id,
+                        name=call.name,
+                        arguments=arguments,
+                        invalid_arguments=invalid,
+                    ),
+                )
+            )
+            self._completed_tool_calls += 1
+        self._close_text()
+        self._close_thinking()
+
+    def _on_usage(self, usage: dict[str, Any]) -> None:
+        prompt = usage.get("prompt_tokens") or 0
+        details = usage.get("prompt_tokens_details")
+        cached = (details.get("cached_tokens") or 0) if details else 0
+        reported = TokenUsage(
+            input=max(prompt - cached, 0),
+            output=usage.get("completion_tokens") or 0,
+            cache_read=cached,
+        )
+        if reported != self._usage:
+            self._usage = reported
+            self._out.append(UsageReported(usage=reported))
+
+    def _complete_message(self) -> None:
+        if self._finish_reason is None:
+            # [DONE] without a finish_reason: the server says the stream ended properly.
+            self._complete_blocks(truncate_tools=False)
+            stop_reason = "tool_use" if self._completed_tool_calls else "end_turn"
+        else:
+            stop_reason = _STOP_REASONS.get(self._finish_reason, self._finish_reason)
+            if stop_reason == "end_turn" and self._completed_tool_calls:
+                # gpt-4o and older Ollama say "stop" after tool calls; the calls decide.
+                stop_reason = "tool_use"
+        self._out.append(
+            MessageCompleted(stop_reason=stop_reason, usage=self._usage or TokenUsage())
+        )
+        self._terminal = True

@@ -1,0 +1,156 @@
+"""Incremental Server-Sent-Events decoder (WHATWG HTML "event stream" interpretation).
+
+Bytes in, :class:`SSEEvent` out; no I/O. The input may be split at any byte offset: inside
+a multi-byte UTF-8 character, between the ``\\r`` and ``\\n`` of a CRLF, between the two
+newlines of an event separator. Lines are found with bytes methods on whole chunks and
+decoded once per event, because this sits on the streaming hot path.
+
+Supported: LF, CRLF and CR line endings (mixed), ``:`` comment lines, the ``event`` and
+``data`` fields (several ``data`` lines joined by ``\\n``), one optional space after the
+colon, a field line without a colon (the whole line is the field name), the ``id`` field
+(kept as :attr:`SSEDecoder.last_event_id`), a leading UTF-8 BOM. ``retry`` and unknown
+fields are ignored. Invalid UTF-8 is replaced with U+FFFD, as the standard says.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+_BOM = b"\xef\xbb\xbf"
+_LF = 0x0A
+_CR = 0x0D
+_COLON = 0x3A
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class SSEEvent:
+    """One dispatched event. ``event`` is None when the stream gave no (or an empty)
+    ``event:`` field, which the standard calls type ``message``."""
+
+    event: str | None
+    data: str
+
+
+class SSEDecoder:
+    """Turns a byte stream into events, one :meth:`feed` per network read.
+
+    Contract:
+
+    * :meth:`feed` returns the events completed by this chunk, in stream order; bytes of
+      an unfinished line or event are kept for the next call.
+    * :meth:`close` marks the end of the stream. An event without its terminating blank
+      line is discarded (the standard's rule), and :attr:`truncated` tells whether
+      anything that could have belonged to an event was discarded.
+    * Feeding after :meth:`close` is a programming error (``RuntimeError``).
+    """
+
+    __slots__ = ("_closed", "_data", "_event", "_pending", "_skip_lf", "_started",
+                 "last_event_id", "truncated")
+
+    def __init__(self) -> None:
+        # Unterminated line fragments; joined only once a line end arrives, so a long line
+        # fed in many small chunks costs linear, not quadratic, time.
+        self._pending: list[bytes] = []
+        # The previous chunk ended with CR: a LF at the start of the next chunk belongs to
+        # that CRLF and must not count as a second (blank) line.
+        self._skip_lf = False
+        self._data: list[bytes] = []
+        self._event: str | None = None
+        self._started = False
+        self._closed = False
+        self.last_event_id: str | None = None
+        self.truncated = False
+
+    def feed(self, data: bytes) -> list[SSEEvent]:
+        """Decode one chunk; returns the events it completes (possibly none)."""
+        return [SSEEvent(event=e, data=d) for e, d in self.feed_raw(data)]
+
+    def feed_raw(self, data: bytes) -> list[tuple[str | None, str]]:
+        """:meth:`feed` giving ``(event, data)`` tuples instead of :class:`SSEEvent`:
+        same contract, one allocation less per event for hot-path consumers."""
+        if self._closed:
+            raise RuntimeError("SSEDecoder.feed() after close()")
+        if not data:
+            return []
+        if self._skip_lf:
+            self._skip_lf = False
+            if data[0] == _LF:
+                data = data[1:]
+                if not data:
+                    return []
+        if b"\r" in data:
+            if data[-1] == _CR:
+                self._skip_lf = True
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        if b"\n" not in data:
+            self._pending.append(data)
+            return []
+        if self._pending:
+            self._pending.append(data)
+            data = b"".join(self._pending)
+            self._pending.clear()
+        lines = data.split(b"\n")
+        tail = lines.pop()
+        if tail:
+            self._pending.append(tail)
+        return self._lines(lines)
+
+    def close(self) -> list[SSEEvent]:
+        """End of stream. Always returns ``[]`` (an unterminated event is never
+        dispatched) and sets :attr:`truncated` when something was discarded."""
+        if self._closed:
+            return []
+        self._closed = True
+        partial = b"".join(self._pending)
+        if not self._started and partial.startswith(_BOM):
+            partial = partial[3:]
+        partial_counts = bool(partial) and partial[0] != _COLON
+        self.truncated = partial_counts or bool(self._data) or self._event is not None
+        self._pending.clear()
+        self._data = []
+        self._event = None
+        return []
+
+    def _lines(self, lines: list[bytes]) -> list[tuple[str | None, str]]:
+        if not self._started:
+            self._started = True
+            if lines[0].startswith(_BOM):
+                lines[0] = lines[0][3:]
+        events: list[tuple[str | None, str]] = []
+        data = self._data
+        event = self._event
+        for line in lines:
+            if not line:
+                if data:
+                    if len(data) == 1:
+                        text = data[0].decode("utf-8", "replace")
+                    else:
+                        text = b"\n".join(data).decode("utf-8", "replace")
+                    events.append((event, text))
+                    data = []
+                event = None
+            elif line.startswith(b"data:"):
+                value = line[5:]
+                if value[:1] == b" ":
+                    value = value[1:]
+                data.append(value)
+            elif line.startswith(b"event:"):
+                value = line[6:]
+                if value[:1] == b" ":
+                    value = value[1:]
+                event = value.decode("utf-8", "replace") or None
+            elif line[0] == _COLON:
+                continue
+            else:
+                name, colon, value = line.partition(b":")
+                if colon and value[:1] == b" ":
+                    value = value[1:]
+                if name == b"data":
+                    data.append(value)
+                elif name == b"event":
+                    event = value.decode("utf-8", "replace") or None
+                elif name == b"id" and b"\x00" not in value:
+                    self.last_event_id = value.decode("utf-8", "replace")
+        self._data = data
+        self._event = event
+        return events
