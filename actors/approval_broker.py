@@ -69,6 +69,10 @@ class ApprovalBroker:
         async with requests:
             async for request in requests:
                 decided = await self._decide(request.call)
+                if decided.verdict == "allow_session":
+                    # Recorded here, before the next call is decided, so that a later call
+                    # of the same turn already sees the rule (R-APPROVE-4).
+                    self._session_rules.add(request.call.name)
                 self._inbox.send_nowait(decided)
 
     async def _decide(self, call: ToolCallBlock) -> ApprovalDecided:

@@ -282,7 +282,7 @@ def make_provider(settings: SessionSettings) -> ModelProvider:
 
 def _default_model(provider: str) -> str:
     return {
-        "anthropic": "claude-sonnet-4-5",
+        "anthropic": "claude-sonnet-5-5",
         "openai": os.environ.get("OPENAI_MODEL", "gpt-4o-mini"),
     }.get(provider, "scripted")
 

@@ -321,7 +321,10 @@ class SessionSupervisor:
                 return error
             # R-RETRY-4: calls that already ran are reported, never run again.
             await self._pump(self._all_calls_terminal)
-            retried = markers.render_partial(self._partial_blocks(), self._tool_results)
+            # An attempt that produced nothing leaves the previous note as it was.
+            retried = (
+                markers.render_partial(self._partial_blocks(), self._tool_results) or retried
+            )
             self._discard_attempt_calls()
         await self._pump(self._all_calls_terminal)
         return None
@@ -407,7 +410,8 @@ class SessionSupervisor:
         elif isinstance(message, ToolProgressed):
             call = self._calls.get(message.call_id)
             if call is not None and call.state == "running":  # R-TOOL-6
-                self._emit(
+                # Live only: progress notes never reach the trace (R-TRACE-1).
+                self._emit_live(
                     ToolProgress(
                         session_id=self._session.id,
                         run_id=self.run_id,

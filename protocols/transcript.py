@@ -169,7 +169,10 @@ class Transcript:
         self._results.clear()
 
     def _abort(self, output: Abort) -> None:
-        if self._attempt_active:
+        # The record says which case applies: the supervisor ends the cut attempt with
+        # request_end(aborted) before it writes the abort, so the attempt is no longer
+        # active here even in case B.
+        if self._attempt_active or not output.message_complete:
             # Case B: the model message was incomplete; the turn becomes one marked text.
             known = {
                 call_id: " ".join(b.text for b in result.content if isinstance(b, TextBlock))

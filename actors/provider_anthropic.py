@@ -1,0 +1,151 @@
+"""The Anthropic provider: the official SDK's async client, parsed by our own codec.
+
+The SDK does what it is best at — authentication headers, base URL, connection pool,
+HTTP error translation — while the response body is read raw
+(``with_streaming_response``) and parsed by the sans-IO
+:class:`~greenroom.protocols.anthropic_codec.AnthropicStreamDecoder`. That keeps the per-event
+cost low (no model object per event) and lets the runtime see what the SDK would hide: a
+stream cut before ``message_stop``, a tool call truncated by ``max_tokens``, an ``error``
+event after a 200 (fixtures README). The SDK's own retries are off (``max_retries=0``): the
+runtime's schedule (R-RETRY-2) is the only one.
+
+Every library error is translated here, in :meth:`_AnthropicTask.stream`, into a
+``StreamFailed`` event.
+"""
+
+from __future__ import annotations
+
+import base64
+import mimetypes
+import os
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx2
+
+from greenroom.actors.errors import ConfigurationError
+from greenroom.actors.llm_streamer import Deliver
+from greenroom.protocols.anthropic_codec import (
+    AnthropicStreamDecoder,
+    RequestEncoder,
+    classify_error,
+)
+from greenroom.protocols.content import ImageBlock
+from greenroom.protocols.context import ModelRequest
+from greenroom.protocols.stream import ModelError, StreamFailed
+
+DEFAULT_TIMEOUT = httpx2.Timeout(connect=15.0, read=180.0, write=60.0, pool=60.0)
+"""``read`` bounds the silence between two chunks of a stream: a stalled stream becomes a
+``timeout`` failure and is retried."""
+
+
+def load_image(block: ImageBlock) -> dict[str, Any] | None:
+    """An image block as an Anthropic base64 image source; None when unreadable (the codec
+    then folds it to an ``[attached image: <path>]`` line)."""
+    path = Path(block.path)
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    media_type = block.media_type or mimetypes.guess_type(path.name)[0] or "image/png"
+    return {
+        "type": "image",
+        "source": {
+            "type": "base64",
+            "media_type": media_type,
+            "data": base64.b64encode(data).decode("ascii"),
+        },
+    }
+
+
+class AnthropicProvider:
+    """Anthropic Messages API through ``anthropic.AsyncAnthropic``; one client per host
+    and endpoint, shared by every session."""
+
+    name = "anthropic"
+
+    def __init__(
+        self,
+        *,
+        api_key: str | None = None,
+        base_url: str | None = None,
+        timeout: httpx2.Timeout = DEFAULT_TIMEOUT,
+        max_connections: int = 2000,
+    ) -> None:
+        key = api_key or os.environ.get("ANTHROPIC_API_KEY")
+        if not key:
+            raise ConfigurationError(
+                "the anthropic provider needs an API key: set ANTHROPIC_API_KEY"
+            )
+        limits = httpx2.Limits(
+            max_connections=max_connections, max_keepalive_connections=max_connections
+        )
+        self._client = anthropic.AsyncAnthropic(
+            api_key=key,
+            base_url=base_url,
+            max_retries=0,
+            timeout=timeout,
+            http_client=anthropic.DefaultAsyncHttpxClient(limits=limits, timeout=timeout),
+        )
+
+    def open_task(self) -> _AnthropicTask:
+        """Per-task state: the request encoder that reuses earlier turns' encodings."""
+        return _AnthropicTask(self._client)
+
+    async def aclose(self) -> None:
+        await self._client.close()
+
+
+class _AnthropicTask:
+    __slots__ = ("_client", "_encoder")
+
+    def __init__(self, client: anthropic.AsyncAnthropic) -> None:
+        self._client = client
+        self._encoder = RequestEncoder(image_loader=load_image)
+
+    async def stream(self, request: ModelRequest, deliver: Deliver) -> None:
+        body = self._encoder.build(request)
+        decoder = AnthropicStreamDecoder()
+        try:
+            async with self._client.messages.with_streaming_response.create(
+                **body
+            ) as response:
+                async for chunk in response.iter_bytes():
+                    events = decoder.feed(chunk)
+                    if events:
+                        await deliver(events)
+                    if decoder.finished:
+                        return
+            await deliver(decoder.end_of_stream())
+        except anthropic.APIStatusError as exc:
+            await deliver([StreamFailed(error=_status_error(exc))])
+        except anthropic.APITimeoutError:
+            await deliver([_failed("timeout", "request timed out")])
+        except anthropic.APIConnectionError as exc:
+            await deliver([_failed("timeout", f"connection failed: {_cause(exc)}")])
+        except httpx2.TimeoutException:
+            await deliver([_failed("timeout", "stream stalled: read timed out")])
+        except httpx2.TransportError as exc:
+            await deliver([_failed("timeout", f"connection dropped: {_cause(exc)}")])
+
+
+def _status_error(exc: anthropic.APIStatusError) -> ModelError:
+    response = exc.response
+    try:
+        body: bytes | str = response.content
+    except Exception:  # a streamed body that was never read
+        body = str(exc.body) if exc.body is not None else exc.message
+    return classify_error(exc.status_code, body, dict(response.headers))
+
+
+def _failed(kind: str, message: str) -> StreamFailed:
+    return StreamFailed(error=ModelError(kind=kind, message=message))  # type: ignore[arg-type]
+
+
+def _cause(exc: BaseException) -> str:
+    cause = exc.__cause__ or exc.__context__
+    text = str(exc) or type(exc).__name__
+    if cause is not None and str(cause) and str(cause) not in text:
+        text = f"{text} ({cause})"
+    return text
