@@ -67,7 +67,11 @@ async def anthropic_session(
     provider = AnthropicProvider(base_url=server.base_url, api_key="test-key")
     async with Host.open(tmp_path / "data") as host:
         yield await host.create_session(
-            tools=[lookup], provider=provider, workspace_dir=tmp_path, system="Be brief.", model="claude-sonnet-5-5",
+            tools=[lookup],
+            provider=provider,
+            workspace_dir=tmp_path,
+            system="Be brief.",
+            model="claude-sonnet-5-5",
             **settings,
         )
 
@@ -89,7 +93,7 @@ async def test_anthropic_tool_turns_through_the_sdk(tmp_path: Path) -> None:
             [
                 Thinking("I should look both up.", signature="sig-1"),
                 Text("Looking them up."),
-                ToolUse("toolu_a", "lookup", {"key": "Sáo \"1\""}),
+                ToolUse("toolu_a", "lookup", {"key": 'Sáo "1"'}),
                 ToolUse("toolu_b", "lookup", {"key": "two"}),
             ],
             stop_reason="tool_use",
@@ -115,14 +119,21 @@ async def test_anthropic_tool_turns_through_the_sdk(tmp_path: Path) -> None:
     # R-RUN-9: with thinking on, the thinking of the message whose calls are answered goes
     # back, signed.
     assert second["messages"][1]["content"][0] == {
-        "type": "thinking", "thinking": "I should look both up.", "signature": "sig-1"
+        "type": "thinking",
+        "thinking": "I should look both up.",
+        "signature": "sig-1",
     }
     # The prefix (system, tools, first user message) is byte-identical between turns.
     for key in ("system", "tools"):
         assert json.dumps(first[key]) == json.dumps(second[key])
-    strip = lambda m: json.dumps([{k: v for k, v in b.items() if k != "cache_control"}  # noqa: E731
-                                  for b in m["content"]] if isinstance(m["content"], list)
-                                 else m["content"])
+    strip = lambda m: json.dumps(
+        [
+            {k: v for k, v in b.items() if k != "cache_control"}  # noqa: E731
+            for b in m["content"]
+        ]
+        if isinstance(m["content"], list)
+        else m["content"]
+    )
     assert strip(first["messages"][0]) == strip(second["messages"][0])
 
 
@@ -140,7 +151,9 @@ async def test_overloaded_then_success_is_retried_with_turn_retried(tmp_path: Pa
         server.assert_clean()
     ends = of_type(outputs, RequestEnd)
     assert [(e.status, e.attempt, e.retry_in_ms) for e in ends] == [
-        ("timeout", 1, 250), ("timeout", 2, 500), ("ok", 3, None)
+        ("timeout", 1, 250),
+        ("timeout", 2, 500),
+        ("ok", 3, None),
     ]
     assert "overloaded" in (ends[0].error_message or "").lower()
     assert outputs[-1].status == "completed"
@@ -242,11 +255,15 @@ async def test_openai_compatible_provider_runs_tool_turns(tmp_path: Path) -> Non
     `insufficient_quota` classified `failed`, not a transient timeout."""
     ran.clear()
     async with open_mock_server(
-        ErrorReply.openai(429, "insufficient_quota", "You exceeded your quota.",
-                          code="insufficient_quota"),
+        ErrorReply.openai(
+            429, "insufficient_quota", "You exceeded your quota.", code="insufficient_quota"
+        ),
         Reply(
-            [Text("Checking."), ToolUse("call_1", "lookup", {"key": "x"}),
-             ToolUse("call_2", "lookup", {"key": "y"})],
+            [
+                Text("Checking."),
+                ToolUse("call_1", "lookup", {"key": "x"}),
+                ToolUse("call_2", "lookup", {"key": "y"}),
+            ],
             stop_reason="tool_use",
         ),
         Reply([Text("Done.")]),
@@ -268,10 +285,12 @@ async def test_openai_compatible_provider_runs_tool_turns(tmp_path: Path) -> Non
 
 async def test_wire_error_rendered_per_endpoint_is_classified(tmp_path: Path) -> None:
     """A 500 on either wire is a transient `timeout` (R-RETRY-1)."""
-    async with open_mock_server(
-        WireError(500, "api_error", "Internal server error"), Reply([Text("ok")])
-    ) as server:
-        async with anthropic_session(server, tmp_path) as session:
-            with trio.fail_after(10):
-                outputs = [o async for o in session.run("hi", approve=allow)]
+    async with (
+        open_mock_server(
+            WireError(500, "api_error", "Internal server error"), Reply([Text("ok")])
+        ) as server,
+        anthropic_session(server, tmp_path) as session,
+    ):
+        with trio.fail_after(10):
+            outputs = [o async for o in session.run("hi", approve=allow)]
     assert [e.status for e in of_type(outputs, RequestEnd)] == ["timeout", "ok"]
