@@ -126,14 +126,12 @@ async def test_anthropic_tool_turns_through_the_sdk(tmp_path: Path) -> None:
     # The prefix (system, tools, first user message) is byte-identical between turns.
     for key in ("system", "tools"):
         assert json.dumps(first[key]) == json.dumps(second[key])
-    strip = lambda m: json.dumps(
-        [
-            {k: v for k, v in b.items() if k != "cache_control"}  # noqa: E731
-            for b in m["content"]
-        ]
-        if isinstance(m["content"], list)
-        else m["content"]
-    )
+    def strip(message: dict[str, Any]) -> str:
+        content = message["content"]
+        if isinstance(content, list):
+            content = [{k: v for k, v in b.items() if k != "cache_control"} for b in content]
+        return json.dumps(content)
+
     assert strip(first["messages"][0]) == strip(second["messages"][0])
 
 
