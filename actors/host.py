@@ -25,6 +25,7 @@ from greenroom.actors.llm_streamer import ModelProvider
 from greenroom.actors.session import Session
 from greenroom.actors.trace_sink import TraceSink, latest_trace_file, read_trace
 from greenroom.protocols.converter import converter
+from greenroom.protocols.hooks import Hooks
 from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.tools import Tool
 from greenroom.protocols.trace import trace_file_number
@@ -99,10 +100,12 @@ class Host:
         system: str | None = None,
         settings: SessionSettings | None = None,
         session_id: str | None = None,
+        hooks: Hooks | None = None,
         **overrides: Any,
     ) -> Session:
         """Create a session. ``provider`` is ``anthropic``, ``openai``, ``scripted`` or a
-        provider object; ``settings`` and keyword overrides fill the rest."""
+        provider object; ``settings`` and keyword overrides (any
+        :class:`SessionSettings` field) fill the rest; ``hooks`` are its R-HOOK-1 hooks."""
         self._check_open()
         base = settings or SessionSettings()
         provider_name = (
@@ -151,6 +154,8 @@ class Host:
             provider=model_provider,
             transcript=Transcript(supports_vision=final.supports_vision),
         )
+        if hooks is not None:
+            session.hooks = hooks
         self._sessions[sid] = session
         return session
 

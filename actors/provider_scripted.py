@@ -13,6 +13,7 @@ that uses the scripted model guards R-TOOL-7.
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from collections.abc import Awaitable, Callable, Sequence
@@ -288,7 +289,10 @@ class ScriptedProvider:
         if isinstance(step, Reply):
             await self._play(step, stream)
             return
-        result = step(request, stream)  # type: ignore[call-arg]
+        if len(inspect.signature(step).parameters) == 1:
+            result = step(request)  # type: ignore[call-arg]
+        else:
+            result = step(request, stream)  # type: ignore[call-arg]
         if isinstance(result, Reply):
             await self._play(result, stream)
             return

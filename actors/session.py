@@ -22,6 +22,7 @@ from greenroom.actors.errors import AuthLocked, Busy, SessionClosed
 from greenroom.actors.supervisor import SessionSupervisor, TaskInput
 from greenroom.protocols.content import TextBlock, UserContent
 from greenroom.protocols.context import ToolSchema
+from greenroom.protocols.hooks import Hooks
 from greenroom.protocols.outputs import Output
 from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.stream import TokenUsage
@@ -146,6 +147,8 @@ class Session:
         self._idle = trio.Event()
         self._idle.set()
         self._closed = False
+        self.hooks = Hooks()
+        """Host hooks at the loop's checkpoints (R-HOOK-1); replace to change them."""
 
     # -- public API -----------------------------------------------------------------
 

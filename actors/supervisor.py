@@ -16,6 +16,7 @@ it emits exactly one ``task_end``.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -34,7 +35,9 @@ from greenroom.protocols.content import (
     ToolCallBlock,
     UserContent,
 )
-from greenroom.protocols.context import ModelRequest, UserMessage
+from greenroom.protocols.context import ModelRequest, ToolResult, UserMessage
+from greenroom.protocols.guards import LoopGuard
+from greenroom.protocols.hooks import RequestInfo, StopInfo, ToolResultsInfo
 from greenroom.protocols.messages import (
     ApprovalDecided,
     ApproveCall,
@@ -154,7 +157,7 @@ class SessionSupervisor:
         self._last_usage: TokenUsage | None = None
         self._calls: dict[str, _Call] = {}
         self._call_order: list[str] = []
-        self._tool_results: dict[str, str] = {}
+        self._results: dict[str, ToolResult] = {}
         self._approvals: trio.MemorySendChannel[ApproveCall] | None = None
         self._pool: ToolPool | None = None
         self._nursery: trio.Nursery | None = None
@@ -269,6 +272,12 @@ class SessionSupervisor:
 
     async def _turn_loop(self, task: TaskInput) -> tuple[TaskStatus, str | None]:
         settings = self._session.settings
+        hooks = self._session.hooks
+        guard = LoopGuard(
+            repeat_threshold=settings.loop_repeat_threshold,
+            no_progress_threshold=settings.loop_no_progress_threshold,
+        )
+        continuations = 0
         while True:
             if settings.max_turns >= 0 and self._turn >= settings.max_turns:
                 return "max_turns", f"stopped after max_turns={settings.max_turns} turns"
@@ -283,8 +292,40 @@ class SessionSupervisor:
                 return "failed", failure.message
             await self._session._sync_trace()  # R-TRACE-2: durable at every turn boundary
             self._drain_inbox_nowait()
-            if not self._calls and not self._steering:
-                return "completed", None
+            if self._calls:
+                results = tuple(self._results[call_id] for call_id in self._call_order)
+                await _call_hook(
+                    hooks.after_tool_results,
+                    ToolResultsInfo(
+                        session_id=self._session.id,
+                        run_id=self.run_id,
+                        turn=self._turn,
+                        results=results,
+                    ),
+                )
+                calls = [self._calls[call_id].block for call_id in self._call_order]
+                loop = guard.observe_turn(calls, (r.is_error for r in results))
+                if loop is not None:
+                    return "loop_detected", loop
+                continue
+            if self._steering:
+                continue
+            if hooks.on_stop is not None and continuations < hooks.max_stop_continuations:
+                more = await _call_hook(
+                    hooks.on_stop,
+                    StopInfo(
+                        session_id=self._session.id,
+                        run_id=self.run_id,
+                        turn=self._turn,
+                        final_message=tuple(self._done_blocks),
+                        continuations=continuations,
+                    ),
+                )
+                if isinstance(more, str) and more.strip():
+                    continuations += 1
+                    self._steering.append(TextBlock(text=more))
+                    continue
+            return "completed", None
 
     # -- one turn ---------------------------------------------------------------
 
@@ -294,7 +335,7 @@ class SessionSupervisor:
         assert self._streamer is not None and self._pool is not None
         self._calls = {}
         self._call_order = []
-        self._tool_results = {}
+        self._results = {}
         self._pool.begin_turn()
         retried: str | None = None
         delay_ms = 0
@@ -303,6 +344,16 @@ class SessionSupervisor:
             attempt += 1
             self._begin_attempt(attempt)
             request = self._build_request(task, retried)
+            await _call_hook(
+                self._session.hooks.before_request,
+                RequestInfo(
+                    session_id=self._session.id,
+                    run_id=self.run_id,
+                    turn=self._turn,
+                    attempt=attempt,
+                    request=request,
+                ),
+            )
             self._nursery_start(self._streamer.stream_attempt, request, attempt, delay_ms)
             result = await self._pump(lambda: self._stream_result is not None)
             if isinstance(result, MessageCompleted):
@@ -323,7 +374,7 @@ class SessionSupervisor:
             await self._pump(self._all_calls_terminal)
             # An attempt that produced nothing leaves the previous note as it was.
             retried = (
-                markers.render_partial(self._partial_blocks(), self._tool_results) or retried
+                markers.render_partial(self._partial_blocks(), self._result_texts()) or retried
             )
             self._discard_attempt_calls()
         await self._pump(self._all_calls_terminal)
@@ -374,6 +425,12 @@ class SessionSupervisor:
         self._calls = {}
         self._call_order = []
         self._pool.begin_turn()
+
+    def _result_texts(self) -> dict[str, str]:
+        return {
+            call_id: " ".join(b.text for b in result.content if isinstance(b, TextBlock))
+            for call_id, result in self._results.items()
+        }
 
     def _all_calls_terminal(self) -> bool:
         return all(c.state == "done" for c in self._calls.values())
@@ -602,8 +659,12 @@ class SessionSupervisor:
         self, call: _Call, status: ToolStatus, content: str | tuple[Any, ...]
     ) -> None:
         blocks = (TextBlock(text=content),) if isinstance(content, str) else content
-        self._tool_results[call.block.id] = " ".join(
-            b.text for b in blocks if isinstance(b, TextBlock)
+        self._results[call.block.id] = ToolResult(
+            call_id=call.block.id,
+            tool=call.block.name,
+            status=status,
+            is_error=status != "ok",
+            content=blocks,
         )
         self._emit(
             ToolCallOutput(
@@ -707,6 +768,19 @@ class SessionSupervisor:
         # still get every output.
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             self._output.send_nowait(batch)
+
+
+async def _call_hook(hook: Callable[[Any], Any] | None, info: Any) -> Any:
+    """Call a host hook; a hook that raises is ignored (hooks never end a task)."""
+    if hook is None:
+        return None
+    try:
+        result = hook(info)
+        if inspect.isawaitable(result):
+            result = await result
+    except Exception:
+        return None
+    return result
 
 
 def _request_status(error: ModelError) -> RequestStatus:

@@ -1,0 +1,1109 @@
+"""The ``greenroom`` command line.
+
+::
+
+    greenroom demo                      the sales-CSV task on a fresh workspace, no key needed
+    greenroom run [PROMPT] [options]    one task; PROMPT or stdin
+    greenroom serve …                   (the websocket gateway: not in this version)
+    greenroom sessions                  the sessions stored in the data dir
+    greenroom trace SESSION_ID          a session's latest trace file, one line per record
+
+Exit codes (CONTRACT.md): 0 completed, 1 failed / max_turns / loop_detected, 2 usage error
+(bad flag, unknown session, missing credentials), 3 auth, 130 aborted (Ctrl-C interrupts the
+task, which ends with ``task_end(aborted)``).
+
+Streams: with ``--json`` stdout carries exactly one JSON object per output and nothing else.
+Without it, stdout carries the conversation (streamed text, tool calls, their approval and
+results) and stderr the bookkeeping (session id, retries, the closing summary), so piping
+stdout keeps only what the agent said and did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import attrs
+import trio
+
+from greenroom.actors.approval_broker import ApproveFn
+from greenroom.actors.builtin_tools import builtin_tools
+from greenroom.actors.errors import AuthLocked, ConfigurationError, GreenroomError, SessionNotFound
+from greenroom.actors.host import SESSION_FILE, Host, default_data_dir, default_provider_name
+from greenroom.actors.session import Session
+from greenroom.actors.tool_loader import ToolLoadError, load_tools
+from greenroom.actors.trace_sink import latest_trace_file, read_trace
+from greenroom.protocols.content import (
+    ImageBlock,
+    ModelBlock,
+    RedactedThinkingBlock,
+    TextBlock,
+    ThinkingBlock,
+    ToolCallBlock,
+)
+from greenroom.protocols.converter import to_json
+from greenroom.protocols.outputs import (
+    Abort,
+    ApprovalDecision,
+    ApprovalRequest,
+    CompactionBegin,
+    CompactionEnd,
+    ModelMsg,
+    Output,
+    PartialText,
+    PartialThinking,
+    RequestBegin,
+    RequestEnd,
+    TaskEnd,
+    TaskStart,
+    TokenUsageOutput,
+    ToolCallOutput,
+    ToolProgress,
+    UserMsg,
+)
+from greenroom.protocols.tools import Tool
+
+__all__ = ["EXIT_CODES", "RunOptions", "RunResult", "build_parser", "main", "run_task"]
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_AUTH = 3
+EXIT_ABORTED = 130
+
+EXIT_CODES: dict[str, int] = {
+    "completed": EXIT_OK,
+    "failed": EXIT_FAILED,
+    "max_turns": EXIT_FAILED,
+    "loop_detected": EXIT_FAILED,
+    "auth": EXIT_AUTH,
+    "aborted": EXIT_ABORTED,
+}
+"""Process exit code for each ``task_end`` status."""
+
+PROVIDERS = ("anthropic", "openai", "scripted")
+APPROVE_MODES = ("ask", "all", "none")
+# Session ids become directory names: refuse anything that could walk out of the data dir.
+_SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+class UsageError(Exception):
+    """A command line that cannot run: the message is shown and the exit code is 2."""
+
+
+# -- argument parsing ---------------------------------------------------------------------
+
+
+def _max_turns(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value == -1 or value >= 1:
+        return value
+    raise argparse.ArgumentTypeError(f"must be -1 (no limit) or at least 1, got {value}")
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+
+
+def _port(text: str) -> int:
+    value = _int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 65535, got {value}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
+def _add_data_dir(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        help="where sessions, traces and the usage ledger live "
+        "(default: $GREENROOM_HOME or ~/.greenroom)",
+    )
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--provider",
+        choices=PROVIDERS,
+        help="model provider (default: anthropic when ANTHROPIC_API_KEY is set, else scripted)",
+    )
+    parser.add_argument("--model", metavar="NAME", help="model name")
+    parser.add_argument(
+        "--base-url",
+        metavar="URL",
+        help="provider endpoint: an Anthropic-compatible server for anthropic, any "
+        "OpenAI-compatible /v1 server (vLLM, llama.cpp, Ollama) for openai",
+    )
+
+
+def _add_session_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags ``run`` and ``serve`` share: model, workspace, data dir, tools, limits."""
+    _add_model_flags(parser)
+    parser.add_argument(
+        "--workspace", metavar="DIR", help="the directory the tools work in (default: .)"
+    )
+    _add_data_dir(parser)
+    parser.add_argument(
+        "--tools",
+        metavar="FILE_OR_MODULE",
+        action="append",
+        default=[],
+        help="load every @tool of a .py file or an importable module (repeatable)",
+    )
+    parser.add_argument(
+        "--no-builtin-tools",
+        action="store_true",
+        help="do not offer read_file, list_dir, search_files, write_file, run_shell",
+    )
+    parser.add_argument(
+        "--max-turns",
+        metavar="N",
+        type=_max_turns,
+        help="model requests per task; -1 means no limit (the default)",
+    )
+    parser.add_argument(
+        "--max-context-length",
+        metavar="N",
+        type=_int,
+        help="compact the context when a request reaches N tokens; 0 or less disables "
+        "(default 128000)",
+    )
+    parser.add_argument(
+        "--compact-mode",
+        choices=("summarize", "discard"),
+        help="how compaction shrinks the context (default summarize)",
+    )
+    parser.add_argument("--system", metavar="TEXT", help="the system prompt")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``greenroom`` and its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="greenroom",
+        description="An actor-based runtime for LLM agent loops: run tasks with tools, "
+        "streaming, approvals and durable traces.",
+    )
+    parser.add_argument("--version", action="version", version=f"greenroom {_version()}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    demo = commands.add_parser(
+        "demo",
+        help="run the sales-CSV task on a fresh workspace (no key: the built-in scripted model)",
+        description="Create a small workspace with three sales CSV files and let the agent "
+        "summarize them: list the workspace, read the files in parallel, compute revenue per "
+        "region. Without ANTHROPIC_API_KEY it runs greenroom's built-in scripted model.",
+    )
+    demo.add_argument(
+        "--workspace", metavar="DIR", help="write the demo files here (default: a temp dir)"
+    )
+    demo.add_argument("--data-dir", metavar="DIR", help="session data (default: a temp dir)")
+    demo.add_argument(
+        "--approve",
+        choices=APPROVE_MODES,
+        default="all",
+        help="tool call approval (default all: every call is allowed)",
+    )
+    _add_model_flags(demo)
+    demo.add_argument("--json", action="store_true", help="every output as one JSON line")
+
+    run = commands.add_parser(
+        "run",
+        help="run one task",
+        description="Run one task: PROMPT, or stdin when PROMPT is missing or '-'.",
+    )
+    run.add_argument("prompt", nargs="?", metavar="PROMPT", help="the task (default: stdin)")
+    run.add_argument(
+        "--json", action="store_true", help="every output as one JSON line on stdout, only that"
+    )
+    run.add_argument("--session", metavar="ID", help="continue a stored session")
+    run.add_argument(
+        "--approve",
+        choices=APPROVE_MODES,
+        help="tool call approval: ask on the terminal, allow all, or deny all "
+        "(default: ask when stdin is a terminal, else none)",
+    )
+    _add_session_flags(run)
+
+    serve = commands.add_parser(
+        "serve", help="the websocket gateway (not available in this version)"
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=_port, default=8765, help="port to listen on")
+    serve.add_argument("--token-file", metavar="F", help="file holding the bearer token")
+    serve.add_argument("--approve", choices=APPROVE_MODES, default="ask")
+    serve.add_argument("--approval-timeout", metavar="S", type=_positive_seconds, default=300.0)
+    _add_session_flags(serve)
+
+    sessions = commands.add_parser("sessions", help="list the sessions in the data dir")
+    _add_data_dir(sessions)
+    sessions.add_argument("--json", action="store_true", help="one JSON object per session")
+
+    trace = commands.add_parser(
+        "trace",
+        help="pretty-print a session's trace",
+        description="Print the session's latest trace file, one line per record. Corrupt "
+        "lines are reported on stderr as FILE:LINE: error; every other record is printed.",
+    )
+    trace.add_argument("session_id", metavar="SESSION_ID")
+    _add_data_dir(trace)
+    trace.add_argument("--json", action="store_true", help="print the records as JSON lines")
+    return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("greenroom")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+# -- entry point ------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line and return the exit code (the console script exits with it)."""
+    for stream in (sys.stdout, sys.stderr):
+        # A terminal or pipe that cannot encode a character must not crash the run.
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="backslashreplace")
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: usage errors exit 2, --help exits 0
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    try:
+        if args.command == "run":
+            return _run_command(args)
+        if args.command == "demo":
+            from greenroom.actors.demo import run_demo
+
+            return run_demo(args)
+        if args.command == "serve":
+            _error(
+                "greenroom serve: the websocket gateway is not available in this version; "
+                "use `greenroom run` or the Python API (greenroom.actors.Host)"
+            )
+            return EXIT_USAGE
+        if args.command == "sessions":
+            return trio.run(_sessions_command, args)
+        if args.command == "trace":
+            return _trace_command(args)
+    except UsageError as exc:
+        _error(f"greenroom {args.command}: {exc}")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return EXIT_ABORTED
+    parser.error(f"unknown command {args.command!r}")  # exits 2
+
+
+def _error(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _data_dir(value: str | None) -> Path:
+    return (Path(value).expanduser() if value else default_data_dir()).absolute()
+
+
+def _check_session_id(session_id: str) -> None:
+    if not _SESSION_ID.fullmatch(session_id):
+        raise UsageError(f"--session: {session_id!r} is not a session id")
+
+
+# -- run ------------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class RunOptions:
+    """Everything one task run needs, from ``run`` or ``demo``."""
+
+    prompt: str
+    data_dir: Path
+    session_id: str | None = None
+    provider: str | None = None
+    model: str | None = None
+    base_url: str | None = None
+    workspace: str | None = None
+    system: str | None = None
+    tools: tuple[Tool, ...] = ()
+    approve: str = "none"
+    json: bool = False
+    max_turns: int | None = None
+    max_context_length: int | None = None
+    compact_mode: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class RunResult:
+    """How a run went: the exit code, and where to find its record."""
+
+    exit_code: int
+    session_id: str | None = None
+    trace_path: Path | None = None
+    task_end: TaskEnd | None = None
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    prompt = args.prompt
+    if prompt is None or prompt == "-":
+        if prompt is None and sys.stdin.isatty():
+            raise UsageError("no prompt: give PROMPT or pipe it on stdin")
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise UsageError("the prompt is empty")
+    if args.session is not None:
+        _check_session_id(args.session)
+    approve = args.approve or ("ask" if sys.stdin.isatty() else "none")
+    options = RunOptions(
+        prompt=prompt,
+        data_dir=_data_dir(args.data_dir),
+        session_id=args.session,
+        provider=args.provider,
+        model=args.model,
+        base_url=args.base_url,
+        workspace=args.workspace,
+        system=args.system,
+        tools=tuple(collect_tools(args.tools, builtin=not args.no_builtin_tools)),
+        approve=approve,
+        json=args.json,
+        max_turns=args.max_turns,
+        max_context_length=args.max_context_length,
+        compact_mode=args.compact_mode,
+    )
+    return run_task(options).exit_code
+
+
+def collect_tools(specs: Sequence[str], *, builtin: bool = True) -> list[Tool]:
+    """The built-in tools (unless ``builtin`` is False) and the tools of each ``--tools``
+    spec; a tool from a spec replaces a built-in of the same name. Raises
+    :class:`UsageError` naming the spec when one cannot be loaded."""
+    tools: dict[str, Tool] = {t.name: t for t in builtin_tools()} if builtin else {}
+    for spec in specs:
+        try:
+            loaded = load_tools(spec)
+        except ToolLoadError as exc:
+            raise UsageError(f"--tools: {exc}") from None
+        for loaded_tool in loaded:
+            tools[loaded_tool.name] = loaded_tool
+    return list(tools.values())
+
+
+def run_task(options: RunOptions) -> RunResult:
+    """Open a host, create or load the session, run one task to its end and render it
+    (``greenroom run`` and ``greenroom demo``).
+
+    Raises :class:`UsageError` for a command line that cannot run (missing credentials, a
+    workspace that is not a directory); an unknown session is reported and gives exit
+    code 2 in the result."""
+    if options.workspace is not None:
+        workspace = Path(options.workspace).expanduser()
+        if not workspace.is_dir():
+            raise UsageError(f"--workspace: {options.workspace} is not a directory")
+        options = attrs.evolve(options, workspace=str(workspace.resolve()))
+    _check_credentials(options)
+    result = RunResult(exit_code=EXIT_ABORTED, session_id=options.session_id)
+    # Exceptions leave trio's nurseries wrapped in ExceptionGroups, hence except*.
+    try:
+        result = trio.run(_run_task, options)
+    except* KeyboardInterrupt:
+        # A second Ctrl-C (or one before the task started): leave at once.
+        _error("interrupted")
+    return result
+
+
+def _check_credentials(options: RunOptions) -> None:
+    provider = options.provider
+    base_url = options.base_url
+    if options.session_id is not None:
+        stored = _stored_settings(options.data_dir, options.session_id)
+        provider = provider or stored.get("provider")
+        base_url = base_url or stored.get("base_url")
+    provider = provider or default_provider_name()
+    if provider == "anthropic" and not (
+        os.environ.get("ANTHROPIC_API_KEY") or os.environ.get("ANTHROPIC_AUTH_TOKEN")
+    ):
+        raise UsageError(
+            "the anthropic provider needs ANTHROPIC_API_KEY in the environment "
+            "(or use --provider scripted for the built-in model)"
+        )
+    if provider == "openai" and not (base_url or os.environ.get("OPENAI_API_KEY")):
+        raise UsageError(
+            "the openai provider needs OPENAI_API_KEY, or --base-url for a local "
+            "OpenAI-compatible server"
+        )
+
+
+def _stored_settings(data_dir: Path, session_id: str) -> dict[str, Any]:
+    """The stored settings of a session, or {} when it cannot be read (the host then
+    reports the missing session properly)."""
+    try:
+        meta = json.loads((data_dir / "sessions" / session_id / SESSION_FILE).read_text("utf-8"))
+    except (OSError, ValueError):
+        return {}
+    settings = meta.get("settings") if isinstance(meta, dict) else None
+    return settings if isinstance(settings, dict) else {}
+
+
+async def _open_session(host: Host, options: RunOptions) -> Session:
+    overrides: dict[str, Any] = {
+        key: value
+        for key, value in (
+            ("base_url", options.base_url),
+            ("max_turns", options.max_turns),
+            ("max_context_length", options.max_context_length),
+            ("compact_mode", options.compact_mode),
+        )
+        if value is not None
+    }
+    if options.session_id is None:
+        return await host.create_session(
+            model=options.model,
+            tools=options.tools,
+            workspace_dir=options.workspace or ".",
+            provider=options.provider,
+            system=options.system,
+            **overrides,
+        )
+    if options.model is not None:
+        overrides["model"] = options.model
+    if options.system is not None:
+        overrides["system"] = options.system
+    session = await host.load_session(
+        options.session_id, tools=options.tools, provider=options.provider, **overrides
+    )
+    # run_task resolved options.workspace already.
+    if options.workspace is not None and Path(options.workspace) != session.workspace_dir:
+        _error(
+            f"warning: --workspace is ignored when continuing a session; session "
+            f"{session.id} works in {session.workspace_dir}"
+        )
+    return session
+
+
+async def _run_task(options: RunOptions) -> RunResult:
+    async with Host.open(data_dir=options.data_dir) as host:
+        # Usage problems are returned, not raised: raised, they would leave the host's
+        # nursery wrapped in an ExceptionGroup.
+        try:
+            session = await _open_session(host, options)
+        except SessionNotFound as exc:
+            _error(f"greenroom: --session: {exc}")
+            return RunResult(exit_code=EXIT_USAGE, session_id=options.session_id)
+        except (ConfigurationError, ImportError) as exc:
+            _error(f"greenroom: cannot set up the session: {exc}")
+            return RunResult(exit_code=EXIT_USAGE, session_id=options.session_id)
+        _error(f"session: {session.id}")
+        for problem in session.load_errors:
+            _error(f"warning: corrupt trace line skipped: {problem}")
+        renderer: Renderer = (
+            JsonRenderer(sys.stdout)
+            if options.json
+            else HumanRenderer(sys.stdout, sys.stderr, tools=session.tools)
+        )
+        approve = _approver(options.approve, renderer)
+        try:
+            stream = session.run(options.prompt, approve=approve)
+        except AuthLocked as exc:
+            _error(str(exc))
+            return RunResult(exit_code=EXIT_AUTH, session_id=session.id)
+        except GreenroomError as exc:
+            _error(str(exc))
+            return RunResult(exit_code=EXIT_FAILED, session_id=session.id)
+        end: TaskEnd | None = None
+        async with trio.open_nursery() as nursery:
+            await nursery.start(_interrupt_on_sigint, session)
+            async for output in stream:
+                renderer.show(output)
+                if isinstance(output, TaskEnd) and output.origin is None:
+                    end = output
+            nursery.cancel_scope.cancel()
+        trace_path = session.trace_path
+        _error(summary_line(end, trace_path, color=_color_enabled(sys.stderr)))
+        code = EXIT_CODES.get(end.status, EXIT_FAILED) if end is not None else EXIT_FAILED
+        return RunResult(exit_code=code, session_id=session.id, trace_path=trace_path, task_end=end)
+
+
+async def _interrupt_on_sigint(
+    session: Session, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """First Ctrl-C interrupts the task (it then ends as ``aborted``: exit 130); a second
+    one gives up waiting and leaves at once."""
+    with trio.open_signal_receiver(signal.SIGINT) as signals:
+        task_status.started()
+        interrupted = False
+        async for _ in signals:
+            if interrupted:
+                raise KeyboardInterrupt
+            interrupted = True
+            _error("\ninterrupting the task… (Ctrl-C again to quit at once)")
+            session.interrupt("interrupted by user (Ctrl-C)")
+
+
+# -- approval ---------------------------------------------------------------------------
+
+
+def _allow_all(call: ToolCallBlock) -> str:
+    return "allow"
+
+
+def _approver(mode: str, renderer: Renderer) -> ApproveFn | None:
+    if mode == "all":
+        return _allow_all
+    if mode == "ask":
+        return TerminalApprover(renderer)
+    return None  # R-APPROVE-2: no callback, every call is denied by default
+
+
+class _LineReader:
+    """Lines from stdin read with ``os.read`` on the file descriptor.
+
+    Unlike ``input()`` it never writes to stdout (``--json`` keeps stdout clean) and never
+    holds the ``sys.stdin`` buffer lock: a read abandoned by an interrupt leaves a blocked
+    worker thread, and one holding that lock would stall interpreter shutdown.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._buffer = b""
+        self._eof = False
+
+    def readline(self) -> str | None:
+        """The next line without its newline, or None at end of input. Blocking."""
+        while b"\n" not in self._buffer and not self._eof:
+            chunk = os.read(self._fd, 4096)
+            if not chunk:
+                self._eof = True
+            self._buffer += chunk
+        if not self._buffer:
+            return None
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line.decode("utf-8", errors="replace")
+
+
+class TerminalApprover:
+    """``--approve ask``: asks on the terminal, once per call, in call order (the broker
+    asks one call at a time). Answers: y(es) → allow, n(o) → deny, a(lways) → allow this
+    tool for the rest of the session. End of input denies."""
+
+    def __init__(self, renderer: Renderer, fd: int | None = None) -> None:
+        self._renderer = renderer
+        fd = sys.stdin.fileno() if fd is None else fd
+        self._reader = _LineReader(fd)
+        self._echoes = os.isatty(fd)
+        self._previous: str | None = None
+
+    async def __call__(self, call: ToolCallBlock) -> str:
+        # Let the renderer print the call (and the previous decision) first, so the
+        # question follows them instead of cutting into them. Bounded: a renderer that
+        # never shows them must not stall approval.
+        with trio.move_on_after(1.0):
+            if self._previous is not None:
+                await self._renderer.wait_shown(f"decision:{self._previous}")
+            await self._renderer.wait_shown(f"call:{call.id}")
+        self._previous = call.id
+        self._renderer.break_line()
+        question = (
+            f"Allow {call.name} {_arguments_text(call, 200)}? "
+            "[y]es / [n]o / [a]lways for this session: "
+        )
+        while True:
+            sys.stderr.write(question)
+            sys.stderr.flush()
+            answer = await trio.to_thread.run_sync(self._reader.readline, abandon_on_cancel=True)
+            if answer is not None and not self._echoes:
+                # Piped answers are not echoed by a terminal: show them, one per question.
+                sys.stderr.write(answer + "\n")
+            if answer is None:
+                sys.stderr.write("(no answer: denied)\n")
+                return "deny"
+            choice = answer.strip().lower()
+            if choice in ("y", "yes"):
+                return "allow"
+            if choice in ("n", "no"):
+                return "deny"
+            if choice in ("a", "always"):
+                return "allow_session"
+
+
+# -- rendering --------------------------------------------------------------------------
+
+
+class Renderer:
+    """Shows outputs as they arrive. Subclasses override :meth:`show`."""
+
+    def __init__(self) -> None:
+        self._shown_calls: dict[str, trio.Event] = {}
+
+    def show(self, output: Output) -> None:
+        raise NotImplementedError
+
+    def break_line(self) -> None:
+        """End a partly written line before something else is written (a question)."""
+
+    async def wait_shown(self, key: str) -> None:
+        """Return once ``call:<id>`` (a tool call) or ``decision:<id>`` (its approval
+        decision) has been shown."""
+        await self._shown_event(key).wait()
+
+    def _mark_shown(self, output: Output) -> None:
+        if isinstance(output, ModelMsg) and isinstance(output.block, ToolCallBlock):
+            self._shown_event(f"call:{output.block.id}").set()
+        elif isinstance(output, ApprovalDecision):
+            self._shown_event(f"decision:{output.call_id}").set()
+
+    def _shown_event(self, key: str) -> trio.Event:
+        event = self._shown_calls.get(key)
+        if event is None:
+            event = self._shown_calls[key] = trio.Event()
+        return event
+
+
+class JsonRenderer(Renderer):
+    """``--json``: each output as one JSON line (the trace's JSON form) and nothing else."""
+
+    def __init__(self, out: TextIO) -> None:
+        super().__init__()
+        self._out = out
+
+    def show(self, output: Output) -> None:
+        self._out.write(to_json(output) + "\n")
+        self._out.flush()
+        self._mark_shown(output)
+
+
+class _Style:
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def _wrap(self, code: str, text: str) -> str:
+        return f"\x1b[{code}m{text}\x1b[0m" if self.enabled and text else text
+
+    def dim(self, text: str) -> str:
+        return self._wrap("2", text)
+
+    def bold(self, text: str) -> str:
+        return self._wrap("1", text)
+
+    def red(self, text: str) -> str:
+        return self._wrap("31", text)
+
+    def green(self, text: str) -> str:
+        return self._wrap("32", text)
+
+    def yellow(self, text: str) -> str:
+        return self._wrap("33", text)
+
+    def cyan(self, text: str) -> str:
+        return self._wrap("36", text)
+
+
+def _color_enabled(stream: TextIO) -> bool:
+    return stream.isatty() and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
+
+
+class HumanRenderer(Renderer):
+    """Terminal output: text streams as it arrives, thinking is dimmed (or prefixed with
+    ``thinking:`` without colour), each tool call is shown with its arguments, then its
+    approval decision, then its result. Failed requests and other events go to stderr."""
+
+    OUTPUT_LINES = 3
+    LINE_CHARS = 100
+
+    def __init__(self, out: TextIO, err: TextIO, *, tools: Sequence[Tool] = ()) -> None:
+        super().__init__()
+        self._out = out
+        self._err = err
+        self._style = _Style(_color_enabled(out))
+        self._err_style = _Style(_color_enabled(err))
+        self._parallel = {t.name: t.parallel for t in tools}
+        self._line_open = False
+        self._streamed_text = False
+        self._streamed_thinking = False
+        self._running: set[str] = set()
+        self._after_tool = False
+
+    # writing helpers
+
+    def _write(self, text: str) -> None:
+        if not text:
+            return
+        self._out.write(text)
+        self._out.flush()
+        self._line_open = not text.endswith("\n")
+
+    def _line(self, text: str) -> None:
+        self.break_line()
+        self._write(text + "\n")
+
+    def _note(self, text: str) -> None:
+        """A line on stderr, after ending any open stdout line."""
+        self.break_line()
+        self._err.write(text + "\n")
+        self._err.flush()
+
+    def break_line(self) -> None:
+        if self._line_open:
+            self._write("\n")
+
+    # outputs
+
+    def show(self, output: Output) -> None:
+        if output.origin:
+            self._show_subagent(output)
+            return
+        if isinstance(output, PartialText):
+            if self._streamed_thinking:
+                self.break_line()
+                self._streamed_thinking = False
+            self._start_prose()
+            self._streamed_text = True
+            self._write(output.text)
+        elif isinstance(output, PartialThinking):
+            if not self._streamed_thinking:
+                self._start_prose()
+                self.break_line()
+                self._write(self._thinking_prefix())
+                self._streamed_thinking = True
+            self._write(self._style.dim(output.text))
+        elif isinstance(output, ModelMsg):
+            self._show_block(output.block)
+            self._mark_shown(output)
+        elif isinstance(output, ApprovalDecision):
+            self._show_decision(output)
+            self._mark_shown(output)
+        elif isinstance(output, ToolCallOutput):
+            self._show_tool_output(output)
+        elif isinstance(output, ToolProgress):
+            self._line(self._style.dim(f"  … {output.tool}: {output.message}"))
+        elif isinstance(output, RequestBegin):
+            if output.attempt > 1:
+                self._note(
+                    self._err_style.yellow(f"retrying turn {output.turn}: attempt {output.attempt}")
+                )
+        elif isinstance(output, RequestEnd):
+            self._show_request_end(output)
+        elif isinstance(output, UserMsg) and output.kind == "steering":
+            self._line(self._style.cyan(f"[steering] {_content_text(output.content)}"))
+        elif isinstance(output, Abort):
+            self._note(self._err_style.yellow(f"aborted: {output.reason}"))
+        elif isinstance(output, CompactionBegin):
+            self._note(self._err_style.dim(f"compacting the context ({output.reason})…"))
+        elif isinstance(output, CompactionEnd):
+            detail = (
+                f"now in {output.trace_file}" if output.status == "ok" else output.error_message
+            )
+            self._note(self._err_style.dim(f"compaction {output.status}: {detail or ''}"))
+        elif isinstance(output, TaskEnd):
+            self.break_line()
+            if output.message and output.status not in ("completed", "aborted"):
+                self._note(self._err_style.yellow(output.message))
+        # user_msg (prompt), task_start, token_usage, partial_tool_call and
+        # approval_request add nothing a reader needs here.
+
+    def _start_prose(self) -> None:
+        # A blank line between tool results and the model's next words.
+        if self._after_tool:
+            self.break_line()
+            self._write("\n")
+            self._after_tool = False
+
+    def _thinking_prefix(self) -> str:
+        return self._style.dim("thinking: ")
+
+    def _show_block(self, block: ModelBlock) -> None:
+        if isinstance(block, TextBlock):
+            if not self._streamed_text:
+                self._start_prose()
+                self._write(block.text)
+            self._streamed_text = False
+            self.break_line()
+        elif isinstance(block, ThinkingBlock):
+            if not self._streamed_thinking:
+                self.break_line()
+                self._write(self._thinking_prefix() + self._style.dim(block.text))
+            self._streamed_thinking = False
+            self.break_line()
+        elif isinstance(block, RedactedThinkingBlock):
+            self._line(self._style.dim("thinking: (redacted)"))
+        else:
+            args = _arguments_text(block, 160)
+            self._line(
+                f"{self._style.cyan('▸')} {self._style.bold(block.name)} {args}  "
+                + self._style.dim(f"[{block.id}]")
+            )
+
+    def _show_decision(self, output: ApprovalDecision) -> None:
+        if output.decision == "deny":
+            why = {
+                "default": "no approval callback: use --approve ask or all",
+                "host": "by you",
+                "session_rule": "by a session rule",
+            }[output.by]
+            self._line(
+                f"  {self._style.red('✗')} {output.tool} {self._style.red('denied')} "
+                + self._style.dim(f"({why})")
+            )
+            return
+        by = "always, this session" if output.by == "session_rule" else output.by
+        self._running.add(output.call_id)
+        if self._parallel.get(output.tool, True):
+            slots = f"running: {min(len(self._running), 5)} of 5 slots busy"
+        else:
+            slots = "exclusive: runs alone, in call order"
+        self._line(
+            f"  {self._style.green('✓')} {output.tool} {self._style.green('allowed')} "
+            + self._style.dim(f"({by}) · {slots}")
+        )
+
+    def _show_tool_output(self, output: ToolCallOutput) -> None:
+        self._running.discard(output.call_id)
+        color = self._style.green if output.status == "ok" else self._style.red
+        text = _content_text(output.content)
+        lines = text.splitlines() or [""]
+        head = [_clip(line, self.LINE_CHARS) for line in lines[: self.OUTPUT_LINES]]
+        more = len(lines) - len(head)
+        self._line(
+            f"  {color('◂')} {output.tool} {color(output.status)}  "
+            + self._style.dim(f"[{output.call_id}]")
+        )
+        for line in head:
+            self._line(self._style.dim(f"      {line}"))
+        if more > 0:
+            self._line(self._style.dim(f"      … {_plural(more, 'more line')}"))
+        self._after_tool = True
+
+    def _show_request_end(self, output: RequestEnd) -> None:
+        if output.status == "ok":
+            if output.stop_reason == "max_tokens":
+                self._note(self._err_style.yellow("the reply was cut by the output token limit"))
+            return
+        if output.status == "aborted":
+            return
+        retry = (
+            f"retrying in {output.retry_in_ms} ms"
+            if output.retry_in_ms is not None
+            else "no more retries"
+        )
+        self._note(
+            self._err_style.red(
+                f"request {output.status} (turn {output.turn}, attempt {output.attempt}): "
+                f"{output.error_message or 'no details'}; {retry}"
+            )
+        )
+
+    def _show_subagent(self, output: Output) -> None:
+        who = "/".join(output.origin or ())
+        if isinstance(output, ModelMsg):
+            block = output.block
+            if isinstance(block, TextBlock):
+                self._line(self._style.dim(f"  [{who}] {_clip(block.text, 200)}"))
+            elif isinstance(block, ToolCallBlock):
+                self._line(self._style.dim(f"  [{who}] ▸ {block.name} {_arguments_text(block)}"))
+        elif isinstance(output, ToolCallOutput):
+            self._line(self._style.dim(f"  [{who}] ◂ {output.tool} {output.status}"))
+        elif isinstance(output, TaskEnd):
+            self._line(self._style.dim(f"  [{who}] subagent {output.status}"))
+
+
+def summary_line(end: TaskEnd | None, trace_path: Path | None, *, color: bool = False) -> str:
+    """The closing one-liner: status, turns, tokens in/out, time, trace file."""
+    style = _Style(color)
+    if end is None:
+        return style.red("✗ the task ended without a task_end (see the trace)")
+    mark = style.green("✓") if end.status == "completed" else style.red("✗")
+    usage = end.usage
+    parts = [
+        f"{mark} {end.status}",
+        _plural(end.turns, "turn"),
+        f"tokens {usage.input:,} in / {usage.output:,} out",
+        f"{end.wall_ms / 1000:.1f} s",
+    ]
+    if trace_path is not None:
+        parts.append(f"trace {trace_path}")
+    return " · ".join(parts)
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _arguments_text(call: ToolCallBlock, limit: int = 120) -> str:
+    if call.invalid_arguments is not None:
+        return _clip(call.invalid_arguments, limit) + " (not valid JSON)"
+    return _clip(json.dumps(call.arguments, ensure_ascii=False), limit)
+
+
+def _content_text(content: Sequence[TextBlock | ImageBlock]) -> str:
+    return "\n".join(
+        part.text if isinstance(part, TextBlock) else f"[image {part.path}]" for part in content
+    )
+
+
+# -- sessions and trace ---------------------------------------------------------------------
+
+
+async def _sessions_command(args: argparse.Namespace) -> int:
+    async with Host.open(data_dir=_data_dir(args.data_dir)) as host:
+        infos = await host.list_sessions()
+        data_dir = host.data_dir
+    if args.json:
+        for info in infos:
+            print(json.dumps(attrs.asdict(info), ensure_ascii=False))
+        return EXIT_OK
+    if not infos:
+        _error(f"no sessions in {data_dir}")
+        return EXIT_OK
+    rows = [("SESSION", "UPDATED", "PROVIDER/MODEL", "WORKSPACE")]
+    rows.extend(
+        (
+            info.session_id,
+            time.strftime("%Y-%m-%d %H:%M", time.localtime(info.updated_at)),
+            f"{info.provider}/{info.model}",
+            info.workspace_dir,
+        )
+        for info in infos
+    )
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        print(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False))
+            + "  "
+            + row[3]
+        )
+    return EXIT_OK
+
+
+def _trace_command(args: argparse.Namespace) -> int:
+    session_id: str = args.session_id
+    if not _SESSION_ID.fullmatch(session_id):
+        raise UsageError(f"{session_id!r} is not a session id")
+    data_dir = _data_dir(args.data_dir)
+    session_dir = data_dir / "sessions" / session_id
+    if not session_dir.is_dir():
+        raise UsageError(f"no session {session_id!r} in {data_dir}")
+    path = latest_trace_file(session_dir)
+    if path is None:
+        _error(f"session {session_id} has no trace yet")
+        return EXIT_OK
+    try:
+        result = read_trace(path)
+    except OSError as exc:
+        _error(f"{path}: cannot read: {exc}")
+        return EXIT_FAILED
+    _error(f"trace: {path}")
+    for record in result.records:
+        print(to_json(record) if args.json else format_record(record))
+    sys.stdout.flush()
+    for problem in result.errors:
+        _error(str(problem))
+    return EXIT_OK
+
+
+def format_record(record: Output) -> str:
+    """One trace record as one readable line: seq, type, the key fields."""
+    seq = "-" if record.seq is None else str(record.seq)
+    detail = _record_detail(record)
+    origin = f"  (from {'/'.join(record.origin)})" if record.origin else ""
+    return f"{seq:>5}  {record.TYPE:<17} {detail}{origin}"
+
+
+def _record_detail(record: Output) -> str:
+    if isinstance(record, UserMsg):
+        return f"{record.kind}: {_clip(_one_line(_content_text(record.content)), 120)}"
+    if isinstance(record, TaskStart):
+        return f"{record.run_id} input_seq={record.input_seq}"
+    if isinstance(record, RequestBegin):
+        return f"turn {record.turn} attempt {record.attempt}"
+    if isinstance(record, ModelMsg):
+        return f"turn {record.turn} {_block_detail(record.block)}"
+    if isinstance(record, TokenUsageOutput):
+        usage = record.request
+        return (
+            f"turn {record.turn} in={usage.input} out={usage.output} "
+            f"cache_read={usage.cache_read} cache_write={usage.cache_write}"
+        )
+    if isinstance(record, RequestEnd):
+        parts = [f"turn {record.turn} {record.status} attempt {record.attempt}"]
+        if record.stop_reason:
+            parts.append(f"stop={record.stop_reason}")
+        if record.retry_in_ms is not None:
+            parts.append(f"retry_in={record.retry_in_ms}ms")
+        if record.error_message:
+            parts.append(_clip(_one_line(record.error_message), 120))
+        return " ".join(parts)
+    if isinstance(record, ApprovalRequest):
+        return f"{record.call_id} {record.tool} {_clip(json.dumps(record.arguments), 120)}"
+    if isinstance(record, ApprovalDecision):
+        return f"{record.call_id} {record.tool} {record.decision} by {record.by}"
+    if isinstance(record, ToolCallOutput):
+        text = _clip(_one_line(_content_text(record.content)), 100)
+        return f"{record.call_id} {record.tool} {record.status}: {text}"
+    if isinstance(record, Abort):
+        case = "message complete" if record.message_complete else "message incomplete"
+        return f"{record.reason} ({case}, {_plural(len(record.partial), 'partial block')})"
+    if isinstance(record, CompactionBegin):
+        return f"reason={record.reason}"
+    if isinstance(record, CompactionEnd):
+        parts = [f"{record.status} attempt {record.attempt}"]
+        if record.trace_file:
+            parts.append(f"-> {record.trace_file}")
+        if record.error_message:
+            parts.append(_clip(_one_line(record.error_message), 120))
+        return " ".join(parts)
+    if isinstance(record, TaskEnd):
+        usage = record.usage
+        text = (
+            f"{record.status} turns={record.turns} in={usage.input} out={usage.output} "
+            f"wall={record.wall_ms}ms"
+        )
+        return f"{text} {record.message}" if record.message else text
+    return ""
+
+
+def _block_detail(block: ModelBlock) -> str:
+    if isinstance(block, TextBlock):
+        return f"text: {_clip(_one_line(block.text), 120)}"
+    if isinstance(block, ThinkingBlock):
+        return f"thinking: {_clip(_one_line(block.text), 120)}"
+    if isinstance(block, RedactedThinkingBlock):
+        return "redacted_thinking"
+    return f"tool_call {block.id} {block.name} {_arguments_text(block)}"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
