@@ -23,11 +23,11 @@ from greenroom.actors.supervisor import SessionSupervisor, TaskInput
 from greenroom.protocols.content import TextBlock, UserContent
 from greenroom.protocols.context import ToolSchema
 from greenroom.protocols.hooks import Hooks
-from greenroom.protocols.outputs import Output
+from greenroom.protocols.outputs import CompactionEnd, Output
 from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.stream import TokenUsage
 from greenroom.protocols.tools import Tool
-from greenroom.protocols.trace import UsageRow, encode_record, trace_file_name
+from greenroom.protocols.trace import UsageKind, UsageRow, encode_record, trace_file_name
 from greenroom.protocols.transcript import Transcript
 
 if TYPE_CHECKING:
@@ -248,10 +248,43 @@ class Session:
         self.auth_locked = None
 
     def compactability(self) -> Compactability:
-        """Whether a manual compaction could run now (R-COMPACT-10)."""
-        if not self._transcript.messages:
+        """Whether a manual compaction could do anything now (R-COMPACT-10): ``empty``
+        (nothing to summarize), ``just_compacted`` (the context is a fresh summary),
+        ``unsupported`` (the session's model cannot be asked: locked by an auth failure),
+        else ``ok``."""
+        transcript = self._transcript
+        if self.auth_locked is not None:
+            return "unsupported"
+        if (
+            not transcript.messages
+            and not transcript.has_pending_input()
+            and not (transcript.carry_over)
+        ):
             return "empty"
-        return "unsupported"
+        if transcript.just_compacted:
+            return "just_compacted"
+        return "ok"
+
+    async def compact(self) -> CompactionEnd | None:
+        """Compact the context now (R-COMPACT-2 ``manual``) and return the
+        ``compaction_end`` output; None when :meth:`compactability` is not ``ok``. Its
+        outputs also reach subscribers and the trace. Raises :class:`Busy` while a task
+        or another compaction runs (R-COMPACT-11)."""
+        self._check_open()
+        if self._supervisor is not None:
+            raise Busy(f"session {self.id} is busy; compact when the task has ended")
+        if self.compactability() != "ok":
+            return None
+        send, receive = trio.open_memory_channel[list[Output]](float("inf"))
+        supervisor = SessionSupervisor(self, None, send, None)
+        self._supervisor = supervisor
+        self._idle = trio.Event()
+        self._host._start_task(supervisor.run)
+        end: CompactionEnd | None = None
+        async for output in RunStream(receive, supervisor):
+            if isinstance(output, CompactionEnd):
+                end = output
+        return end
 
     def subscribe(self, listener: Listener) -> Callable[[], None]:
         """Call ``listener`` with every batch of outputs from now on; returns the
@@ -300,20 +333,37 @@ class Session:
     async def _sync_trace(self) -> None:
         await self._host._sink.sync(self._trace_path)
 
-    def _record_usage(self, run_id: str, turn: int, usage: TokenUsage) -> None:
+    def _record_usage(
+        self,
+        run_id: str,
+        turn: int,
+        usage: TokenUsage,
+        *,
+        kind: UsageKind = "request",
+        status: str = "ok",
+        error_message: str | None = None,
+    ) -> None:
         self._host._sink.record_usage(
             UsageRow(
                 at=time.time(),
                 session_id=self.id,
                 run_id=run_id,
                 turn=turn,
-                kind="request",
+                kind=kind,
                 provider=self._provider.name,
                 model=self.settings.model,
                 usage=usage,
-                status="ok",
+                status=status,
+                error_message=error_message,
             )
         )
+
+    def _rotate_trace(self) -> str:
+        """Start the next trace file (after a successful compaction); returns its name."""
+        self._trace_number += 1
+        name = trace_file_name(self._trace_number)
+        self._trace_path = self.directory / name
+        return name
 
     def _publish(self, batch: list[Output]) -> None:
         for listener in self._listeners:

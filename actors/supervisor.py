@@ -25,7 +25,8 @@ import attrs
 import trio
 
 from greenroom.actors.approval_broker import ApprovalBroker, ApproveFn
-from greenroom.actors.llm_streamer import LLMStreamer
+from greenroom.actors.compactor import Compactor
+from greenroom.actors.llm_streamer import LLMStreamer, ProviderTask
 from greenroom.actors.tool_pool import ToolPool
 from greenroom.protocols import markers
 from greenroom.protocols.content import (
@@ -52,6 +53,9 @@ from greenroom.protocols.messages import (
 from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
+    CompactionBegin,
+    CompactionEnd,
+    CompactionReason,
     ModelMsg,
     Output,
     PartialText,
@@ -127,7 +131,7 @@ class SessionSupervisor:
     def __init__(
         self,
         session: Session,
-        first: TaskInput,
+        first: TaskInput | None,
         output: trio.MemorySendChannel[list[Output]],
         cancel: trio.Event | None,
     ) -> None:
@@ -145,6 +149,9 @@ class SessionSupervisor:
         self._batch: list[Output] = []
         self._steering: list[UserContent] = []
         self._streamer: LLMStreamer | None = None
+        self._provider_task: ProviderTask | None = None
+        self._compactor: Compactor | None = None
+        self._compacting = False
         self.run_id = ""
         # per-task state
         self._turn = 0
@@ -182,6 +189,8 @@ class SessionSupervisor:
         session = self._session
         try:
             task: TaskInput | None = self._first
+            if task is None:
+                await self._run_manual_compaction()
             while task is not None:
                 await self._run_task(task)
                 if self._scope.cancelled_caught or session.auth_locked:
@@ -258,7 +267,8 @@ class SessionSupervisor:
                 sync_trace=session._sync_trace,
                 result_budget=settings.tool_result_budget,
             )
-            self._streamer = LLMStreamer(session._provider.open_task(), self._inbox)
+            self._provider_task = session._provider.open_task()
+            self._streamer = LLMStreamer(self._provider_task, self._inbox)
             if self._cancel_event is not None:
                 nursery.start_soon(self._watch_cancel, self._cancel_event)
             try:
@@ -282,6 +292,10 @@ class SessionSupervisor:
             if settings.max_turns >= 0 and self._turn >= settings.max_turns:
                 return "max_turns", f"stopped after max_turns={settings.max_turns} turns"
             self._turn += 1
+            reason = self._compaction_due()
+            if reason is not None:
+                await self._compact(reason)
+            # R-STEER-5: drained at every input assembly, after a compaction too.
             self._drain_inbox_nowait()
             self._deliver_steering()
             failure = await self._run_turn(task)
@@ -340,6 +354,7 @@ class SessionSupervisor:
         retried: str | None = None
         delay_ms = 0
         attempt = 0
+        overflow_compacted = False
         while True:
             attempt += 1
             self._begin_attempt(attempt)
@@ -367,6 +382,15 @@ class SessionSupervisor:
                 error_message=error.message,
                 retry_in_ms=delay_ms if retry else None,
             )
+            if error.kind == "context_overflow" and not overflow_compacted:
+                # R-COMPACT-9: compact once and rerun the same turn, once per turn.
+                overflow_compacted = True
+                await self._pump(self._all_calls_terminal)
+                self._discard_attempt_calls()
+                if await self._compact("overflow"):
+                    attempt, delay_ms, retried = 0, 0, None
+                    continue
+                return error
             if not retry:
                 await self._pump(self._all_calls_terminal)
                 return error
@@ -379,6 +403,127 @@ class SessionSupervisor:
             self._discard_attempt_calls()
         await self._pump(self._all_calls_terminal)
         return None
+
+    # -- compaction (R-COMPACT) -----------------------------------------------------
+
+    def _compaction_due(self) -> CompactionReason | None:
+        """R-COMPACT-2: the automatic triggers, checked before each request."""
+        settings = self._session.settings
+        transcript = self._session._transcript
+        if transcript.just_compacted:
+            return None
+        total = transcript.last_request_total
+        if 0 < settings.max_context_length <= (total or 0):
+            return "context"
+        if 0 < settings.max_session_turns <= transcript.session_turns:
+            return "turns"
+        return None
+
+    async def _compact(self, reason: CompactionReason) -> bool:
+        """Run one compaction; on success rotate the trace and start the new context.
+        Returns whether it succeeded. A failure keeps the old context and trace file; the
+        next trigger tries again (R-COMPACT-7)."""
+        session = self._session
+        settings = session.settings
+        assert self._provider_task is not None
+        self._compacting = True
+        self._emit(CompactionBegin(session_id=session.id, run_id=self.run_id, reason=reason))
+        self._flush()
+        base = session._transcript.compaction_base()
+        summary: str | None = None
+        attempt = 1
+        if settings.compact_mode == "summarize":
+            self._compactor = Compactor(self._provider_task, self._compaction_usage)
+            template = self._build_request(None, None)
+            outcome = await self._compactor.run(template, base, settings.compact_prompt)
+            self._compactor = None
+            attempt = outcome.attempt
+            if outcome.summary is None:
+                error = outcome.error
+                message = error.message if error is not None else "no summary"
+                if error is not None and error.kind == "auth":
+                    session._lock_auth(error.message)
+                self._compacting = False
+                self._emit(
+                    CompactionEnd(
+                        session_id=session.id,
+                        run_id=self.run_id,
+                        status="failed",
+                        attempt=attempt,
+                        error_message=message,
+                    )
+                )
+                session._record_usage(
+                    self.run_id,
+                    self._turn,
+                    TokenUsage(),
+                    kind="compaction_failed",
+                    status="failed",
+                    error_message=message,
+                )
+                self._flush()
+                return False
+            summary = outcome.summary
+        await session._sync_trace()
+        trace_file = session._rotate_trace()  # R-COMPACT-8: one file, one context
+        self._compacting = False
+        self._emit(
+            CompactionEnd(
+                session_id=session.id,
+                run_id=self.run_id,
+                status="ok",
+                attempt=attempt,
+                trace_file=trace_file,
+                summary=summary,
+            )
+        )
+        self._flush()
+        await session._sync_trace()
+        return True
+
+    def _compaction_usage(self, usage: TokenUsage) -> None:
+        self._usage = self._usage + usage
+        self._emit(
+            TokenUsageOutput(
+                session_id=self._session.id,
+                run_id=self.run_id,
+                turn=self._turn,
+                request=usage,
+            )
+        )
+        self._session._record_usage(self.run_id, self._turn, usage)
+
+    async def _run_manual_compaction(self) -> None:
+        """``session.compact()``: a compaction on its own, as the session's one activity
+        (R-COMPACT-11). Interrupting it ends it ``failed``."""
+        session = self._session
+        self.run_id = session._new_run_id()
+        self._provider_task = session._provider.open_task()
+        try:
+            with self._scope:
+                await self._compact("manual")
+        except Exception as exc:  # a bug must end the compaction visibly
+            self._end_interrupted_compaction(f"internal error: {exc!r}")
+        if self._scope.cancelled_caught:
+            self._end_interrupted_compaction(self._abort_reason)
+        with trio.CancelScope(shield=True) as teardown:
+            teardown.deadline = trio.current_time() + ABORT_GRACE_S
+            self._flush()
+            await session._sync_trace()
+
+    def _end_interrupted_compaction(self, reason: str) -> None:
+        if not self._compacting:
+            return
+        self._compacting = False
+        self._emit(
+            CompactionEnd(
+                session_id=self._session.id,
+                run_id=self.run_id,
+                status="failed",
+                attempt=1,
+                error_message=reason,
+            )
+        )
 
     def _nursery_start(self, fn: Callable[..., Any], *args: Any) -> None:
         assert self._nursery is not None
@@ -397,7 +542,7 @@ class SessionSupervisor:
         )
         self._flush()
 
-    def _build_request(self, task: TaskInput, retried: str | None) -> ModelRequest:
+    def _build_request(self, task: TaskInput | None, retried: str | None) -> ModelRequest:
         session = self._session
         messages = session._transcript.request_messages()
         if retried is not None:
@@ -414,7 +559,7 @@ class SessionSupervisor:
             tools=session._tool_schemas,
             messages=messages,
             max_tokens=settings.max_tokens,
-            thinking_level=task.thinking_level,
+            thinking_level=task.thinking_level if task is not None else None,
             supports_vision=settings.supports_vision,
         )
 
@@ -479,8 +624,11 @@ class SessionSupervisor:
                 )
         elif isinstance(message, SteeringQueued):
             self._steering.extend(message.content)
-        elif isinstance(message, BackoffSkipped) and self._streamer is not None:
-            self._streamer.skip_wait()
+        elif isinstance(message, BackoffSkipped):
+            if self._compactor is not None:
+                self._compactor.skip_wait()
+            elif self._streamer is not None:
+                self._streamer.skip_wait()
 
     def _handle_stream(self, message: StreamBatch) -> None:
         # The hot path: one call per network read. Keep per-event work to a type test,
@@ -714,6 +862,7 @@ class SessionSupervisor:
     def _settle_abort(self) -> None:
         """R-ABORT-1..3 and R-APPROVE-5: settle every call, record the abort."""
         self._drain_inbox_nowait()  # results that arrived before the cancel still count
+        self._end_interrupted_compaction(self._abort_reason)
         for call_id in self._call_order:
             call = self._calls[call_id]
             if call.state == "approving":

@@ -236,6 +236,10 @@ class CompactionEnd:
     attempt: int
     error_message: str | None = None
     trace_file: str | None = None
+    summary: str | None = None
+    """The summary that starts the new context (``summarize`` mode, status ``ok``). A
+    successful ``compaction_end`` is the first record of the new trace file, so the file
+    alone rebuilds its context (R-COMPACT-8)."""
 
 
 @attrs.frozen(kw_only=True, slots=True)

@@ -17,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 from greenroom.protocols import markers
+from greenroom.protocols.compaction import summary_message
 from greenroom.protocols.content import ModelBlock, TextBlock, ToolCallBlock, UserContent
 from greenroom.protocols.context import AssistantMessage, Message, ToolResult, UserMessage
 from greenroom.protocols.outputs import (
@@ -34,6 +35,9 @@ from greenroom.protocols.outputs import (
 )
 
 InputPart = UserContent | ToolResult
+
+DISCARDED_TEXT = "The earlier conversation was discarded to free the context."
+"""First message of a context started by a ``discard`` compaction."""
 
 
 def interrupted_result(call: ToolCallBlock) -> ToolResult:
@@ -53,6 +57,7 @@ class Transcript:
     __slots__ = (
         "_attempt_active",
         "_attempt_blocks",
+        "_fresh_context",
         "_open_calls",
         "_pending",
         "_results",
@@ -74,6 +79,7 @@ class Transcript:
         self._results: dict[str, ToolResult] = {}
         self._attempt_blocks: list[ModelBlock] = []
         self._attempt_active = False
+        self._fresh_context = False
 
     # -- reading -------------------------------------------------------------------
 
@@ -126,7 +132,39 @@ class Transcript:
         elif isinstance(output, Abort):
             self._abort(output)
         elif isinstance(output, CompactionEnd) and output.status == "ok":
-            pass  # a rotation starts a new trace file, and with it a new Transcript
+            self._start_new_context(output.summary)
+
+    def compaction_base(self) -> tuple[Message, ...]:
+        """What a compaction summarizes: the context plus every input not yet sent —
+        pending tool results and steering, and carry-over (a manual compaction folds it
+        in). The compaction absorbs all of it (R-COMPACT-3)."""
+        self._flush_results()
+        pending = [*self.carry_over, *self._pending]
+        if not pending:
+            return tuple(self.messages)
+        return (*self.messages, UserMessage(content=tuple(pending)))
+
+    @property
+    def just_compacted(self) -> bool:
+        """True while the context is exactly a fresh compaction's first message."""
+        return (
+            self._fresh_context
+            and len(self.messages) <= 1
+            and not self._pending
+            and not self.carry_over
+        )
+
+    def _start_new_context(self, summary: str | None) -> None:
+        self.messages = [summary_message(summary if summary is not None else DISCARDED_TEXT)]
+        self._pending = []
+        self._open_calls = []
+        self._results.clear()
+        self.carry_over = []
+        self._attempt_blocks = []
+        self._attempt_active = False
+        self.session_turns = 0
+        self.last_request_total = None
+        self._fresh_context = True
 
     def _add_user(self, output: UserMsg) -> None:
         if output.kind == "prompt":
@@ -152,6 +190,7 @@ class Transcript:
         blocks = tuple(self._attempt_blocks)
         self._attempt_blocks = []
         self.messages.append(AssistantMessage(content=blocks))
+        self._fresh_context = False
         self._open_calls = [b for b in blocks if isinstance(b, ToolCallBlock)]
         self.session_turns += 1
 

@@ -1,0 +1,114 @@
+"""The compactor: runs one compaction's model requests for the supervisor.
+
+It sends the compaction request through the task's provider (same system prompt and
+tools as a normal turn: R-COMPACT-5), judges each response (R-COMPACT-6), and retries
+failures — transport failures and invalid summaries alike — on the shared reconnect budget
+and backoff of R-RETRY (R-COMPACT-7). ``auth`` stops at once. The supervisor owns
+everything that follows: outputs, the trace rotation, the new context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+import trio
+
+from greenroom.actors.llm_streamer import ProviderTask
+from greenroom.protocols import compaction
+from greenroom.protocols.content import ModelBlock
+from greenroom.protocols.context import Message, ModelRequest
+from greenroom.protocols.retry import backoff_ms, should_retry
+from greenroom.protocols.stream import (
+    BlockCompleted,
+    MessageCompleted,
+    ModelError,
+    StreamEvent,
+    StreamFailed,
+    TokenUsage,
+    UsageReported,
+)
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class CompactionOutcome:
+    """How a compaction ended: ``summary`` on success, else the last error."""
+
+    summary: str | None
+    attempt: int
+    error: ModelError | None = None
+
+
+class Compactor:
+    """One compaction at a time for one task; ``skip_wait`` ends a backoff early."""
+
+    __slots__ = ("_backoff_scope", "_on_usage", "_provider")
+
+    def __init__(
+        self, provider: ProviderTask, on_usage: Callable[[TokenUsage], None]
+    ) -> None:
+        self._provider = provider
+        self._on_usage = on_usage
+        self._backoff_scope: trio.CancelScope | None = None
+
+    def skip_wait(self) -> bool:
+        if self._backoff_scope is None:
+            return False
+        self._backoff_scope.cancel()
+        return True
+
+    async def run(
+        self, template: ModelRequest, base: tuple[Message, ...], prompt: str
+    ) -> CompactionOutcome:
+        """Summarize ``base`` (the old context plus the turn's pending input). Cancel-safe:
+        an interrupt stops the request or the backoff at once."""
+        messages: tuple[Message, ...] = (*base, compaction.prompt_message(prompt))
+        attempt = 0
+        while True:
+            attempt += 1
+            request = attrs.evolve(template, messages=messages, thinking_level=None)
+            blocks, failure = await self._attempt(request)
+            if failure is None:
+                verdict = compaction.judge(blocks)
+                if verdict.summary is not None:
+                    return CompactionOutcome(summary=verdict.summary, attempt=attempt)
+                failure = ModelError(kind="malformed", message=verdict.error or "bad summary")
+                messages = (
+                    *messages,
+                    *verdict.repair,
+                    compaction.prompt_message(prompt, correction=True),
+                )
+            if not should_retry(failure.kind, attempt):
+                return CompactionOutcome(summary=None, attempt=attempt, error=failure)
+            with trio.CancelScope() as scope:
+                self._backoff_scope = scope
+                await trio.sleep(backoff_ms(attempt - 1, failure.retry_after_s) / 1000)
+            self._backoff_scope = None
+
+    async def _attempt(
+        self, request: ModelRequest
+    ) -> tuple[tuple[ModelBlock, ...], ModelError | None]:
+        blocks: list[ModelBlock] = []
+        result: list[ModelError | None] = []
+        usage: list[TokenUsage] = []
+
+        async def deliver(events: list[StreamEvent]) -> None:
+            for event in events:
+                if isinstance(event, BlockCompleted):
+                    blocks.append(event.block)
+                elif isinstance(event, UsageReported):
+                    usage[:] = [event.usage]
+                elif isinstance(event, MessageCompleted):
+                    usage[:] = [event.usage]
+                    result.append(None)
+                elif isinstance(event, StreamFailed):
+                    result.append(event.error)
+
+        try:
+            await self._provider.stream(request, deliver)
+        finally:
+            if usage:
+                self._on_usage(usage[0])
+        if not result:
+            return (), ModelError(kind="malformed", message="stream ended without a result")
+        return tuple(blocks), result[0]
