@@ -21,11 +21,11 @@ from greenroom.actors.approval_broker import ApproveFn, ClientApprover
 from greenroom.actors.errors import AuthLocked, Busy, SessionClosed
 from greenroom.actors.supervisor import SessionSupervisor, TaskInput
 from greenroom.protocols.content import TextBlock, UserContent
-from greenroom.protocols.context import ToolSchema
+from greenroom.protocols.context import ModelRequest, ToolSchema, UserMessage
 from greenroom.protocols.hooks import Hooks
 from greenroom.protocols.outputs import CompactionEnd, Output
 from greenroom.protocols.settings import SessionSettings
-from greenroom.protocols.stream import TokenUsage
+from greenroom.protocols.stream import MessageCompleted, StreamEvent, TextDelta, TokenUsage
 from greenroom.protocols.tools import Tool
 from greenroom.protocols.trace import UsageKind, UsageRow, encode_record, trace_file_name
 from greenroom.protocols.transcript import Transcript
@@ -44,6 +44,17 @@ def _as_content(messages: Sequence[UserContent] | str) -> tuple[UserContent, ...
     if isinstance(messages, str):
         return (TextBlock(text=messages),)
     return tuple(messages)
+
+
+def _title_material(transcript: Transcript, limit: int = 2000) -> str:
+    """The first user texts of the context: what a title is made from."""
+    texts: list[str] = []
+    for message in transcript.request_messages():
+        if isinstance(message, UserMessage):
+            texts.extend(p.text for p in message.content if isinstance(p, TextBlock))
+        if sum(len(t) for t in texts) >= limit:
+            break
+    return "\n".join(texts)[:limit]
 
 
 class RunStream:
@@ -285,6 +296,47 @@ class Session:
             if isinstance(output, CompactionEnd):
                 end = output
         return end
+
+    async def generate_title(self, *, max_chars: int = 60) -> str:
+        """A short title for the conversation from a separate one-shot model call: no
+        tools, no system prompt, never written to history or trace, and independent of
+        any running task (R-HOST-5). Its usage is recorded in the ledger as ``title``.
+        Returns "" when there is nothing to title or the call fails."""
+        excerpt = _title_material(self._transcript)
+        if not excerpt:
+            return ""
+        request = ModelRequest(
+            model=self.settings.model,
+            system=None,
+            tools=(),
+            messages=(
+                UserMessage(
+                    content=(
+                        TextBlock(
+                            text="Give a short title (at most eight words) for a "
+                            "conversation that starts like this. Answer with the title "
+                            f"only.\n\n{excerpt}"
+                        ),
+                    )
+                ),
+            ),
+            max_tokens=64,
+        )
+        parts: list[str] = []
+        usage: list[TokenUsage] = []
+
+        async def deliver(events: list[StreamEvent]) -> None:
+            for event in events:
+                if isinstance(event, TextDelta):
+                    parts.append(event.text)
+                elif isinstance(event, MessageCompleted):
+                    usage.append(event.usage)
+
+        await self._provider.open_task().stream(request, deliver)
+        if usage:
+            self._record_usage("", 0, usage[0], kind="title")
+        title = " ".join("".join(parts).split()).strip().strip("\"'")
+        return title[:max_chars]
 
     def subscribe(self, listener: Listener) -> Callable[[], None]:
         """Call ``listener`` with every batch of outputs from now on; returns the

@@ -1,0 +1,78 @@
+"""R-HOST-5: generate_title is a separate one-shot call, outside history and trace."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import trio
+from conftest import collect
+
+from greenroom.actors.host import Host
+from greenroom.actors.provider_scripted import Reply, ScriptedProvider, ScriptedStream, text
+from greenroom.protocols.context import ModelRequest, UserMessage
+from greenroom.protocols.tools import tool
+
+release = trio.Event()
+
+
+@tool(parallel=True)
+async def wait_for_release() -> str:
+    """Blocks until the test releases it."""
+    await release.wait()
+    return "released"
+
+
+async def test_title_is_one_shot_and_never_traced(tmp_path: Path) -> None:
+    seen: list[ModelRequest] = []
+
+    async def title_step(request: ModelRequest, stream: ScriptedStream) -> None:
+        seen.append(request)
+        await stream.text('"Quarterly sales by region"')
+        await stream.end()
+
+    provider = ScriptedProvider([Reply(blocks=(text("Sure."),)), title_step])
+    async with Host.open(tmp_path / "data") as host:
+        session = await host.create_session(provider=provider, workspace_dir=tmp_path)
+        assert await session.generate_title() == ""  # nothing to title yet
+        await collect(session.run("Summarize the sales per region"))
+        trace_before = session.trace_path.read_text()
+        context_before = list(session._transcript.messages)
+        with trio.fail_after(10):
+            title = await session.generate_title()
+        assert title == "Quarterly sales by region"
+        (request,) = seen
+        assert request.system is None and request.tools == ()
+        assert isinstance(request.messages[0], UserMessage)
+        assert "Summarize the sales per region" in request.messages[0].content[0].text  # type: ignore[union-attr]
+        assert session._transcript.messages == context_before
+    assert session.trace_path.read_text() == trace_before
+    with sqlite3.connect(tmp_path / "data" / "usage.sqlite") as db:
+        kinds = [row[0] for row in db.execute("SELECT kind FROM usage ORDER BY id")]
+    assert kinds == ["request", "title"]
+
+
+async def test_title_does_not_wait_for_a_running_task(tmp_path: Path) -> None:
+    from greenroom.actors.provider_scripted import tool_call
+
+    provider = ScriptedProvider(
+        [
+            Reply(blocks=(text("Working."), tool_call("c1", "wait_for_release"))),
+            Reply(blocks=(text("A title"),)),
+            Reply(blocks=(text("Done."),)),
+        ]
+    )
+    async with Host.open(tmp_path / "data") as host:
+        session = await host.create_session(
+            provider=provider, tools=[wait_for_release], workspace_dir=tmp_path
+        )
+        run = session.run("first prompt", approve=lambda call: "allow")
+        async for output in run:
+            if output.TYPE == "approval_decision":
+                break
+        with trio.fail_after(10):
+            assert await session.generate_title() == "A title"
+        assert session.busy
+        release.set()
+        outputs = await collect(run)
+    assert outputs[-1].TYPE == "task_end" and outputs[-1].status == "completed"  # type: ignore[union-attr]
