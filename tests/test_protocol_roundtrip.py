@@ -1,0 +1,143 @@
+"""Every output, block, context and actor-message class survives the JSON converter
+unchanged (STYLE habit 3): what a trace line or a websocket frame says is what was emitted."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+import pytest
+
+from greenroom.protocols import content, context, messages, outputs, stream
+from greenroom.protocols.converter import converter, describe_error, output_from_dict, to_json
+
+CALL = content.ToolCallBlock(id="toolu_1", name="lookup", arguments={"key": "ä", "n": [1, 2]})
+BLOCKS: list[Any] = [
+    content.TextBlock(text="héllo"),
+    content.ImageBlock(path="/tmp/a.png", media_type="image/png"),
+    content.ThinkingBlock(text="hmm", signature="sig=="),
+    content.RedactedThinkingBlock(data="opaque"),
+    CALL,
+    content.ToolCallBlock(id="t2", name="x", arguments={}, invalid_arguments='{"a": '),
+]
+USAGE = stream.TokenUsage(input=10, output=5, cache_read=100, cache_write=7)
+COMMON = {"session_id": "s1", "run_id": "r1", "seq": 3, "origin": ("root", "child")}
+
+EXAMPLES: dict[type[Any], dict[str, Any]] = {
+    outputs.UserMsg: {"kind": "steering", "content": (BLOCKS[0], BLOCKS[1])},
+    outputs.TaskStart: {"input_seq": 2},
+    outputs.RequestBegin: {"turn": 1, "attempt": 2},
+    outputs.PartialText: {"index": 0, "text": "he"},
+    outputs.PartialThinking: {"index": 1, "text": "h"},
+    outputs.PartialToolCall: {"index": 2, "call_id": "t", "name": "n", "arguments_delta": '{"'},
+    outputs.ModelMsg: {"turn": 1, "block": CALL},
+    outputs.TokenUsageOutput: {"turn": 1, "request": USAGE},
+    outputs.RequestEnd: {
+        "turn": 1,
+        "status": "timeout",
+        "attempt": 2,
+        "retry_in_ms": 500,
+        "error_message": "overloaded",
+        "stop_reason": None,
+    },
+    outputs.ApprovalRequest: {"call_id": "t", "tool": "lookup", "arguments": {"k": 1}},
+    outputs.ApprovalDecision: {
+        "call_id": "t",
+        "tool": "lookup",
+        "decision": "deny",
+        "by": "default",
+    },
+    outputs.ToolProgress: {"call_id": "t", "tool": "lookup", "message": "50%"},
+    outputs.ToolCallOutput: {
+        "call_id": "t",
+        "tool": "lookup",
+        "status": "denied",
+        "is_error": True,
+        "content": (content.TextBlock(text="Tool call denied by user."),),
+    },
+    outputs.Abort: {"reason": "user", "partial": tuple(BLOCKS[2:]), "message_complete": False},
+    outputs.CompactionBegin: {"reason": "overflow"},
+    outputs.CompactionEnd: {
+        "status": "ok",
+        "attempt": 1,
+        "trace_file": "trace_002.jsonl",
+        "summary": "s",
+    },
+    outputs.TaskEnd: {"status": "aborted", "turns": 2, "usage": USAGE, "wall_ms": 12},
+}
+
+
+def test_every_output_class_has_an_example() -> None:
+    assert set(EXAMPLES) == set(outputs.OUTPUT_CLASSES)
+
+
+@pytest.mark.parametrize("cls", outputs.OUTPUT_CLASSES, ids=lambda c: c.TYPE)
+def test_output_round_trips(cls: type[Any]) -> None:
+    value = cls(**COMMON, **EXAMPLES[cls])
+    line = to_json(value)
+    data = json.loads(line)
+    assert next(iter(data)) == "type" and data["type"] == cls.TYPE
+    assert output_from_dict(data) == value
+    bare = cls(session_id="s", run_id="r", **EXAMPLES[cls])
+    assert "seq" not in json.loads(to_json(bare)) and "origin" not in json.loads(to_json(bare))
+
+
+def test_usage_carries_total_and_ignores_it_when_read() -> None:
+    data = converter.unstructure(USAGE)
+    assert data["total"] == 122
+    data["total"] = 999
+    assert converter.structure(data, stream.TokenUsage) == USAGE
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.TYPE)
+def test_blocks_round_trip_through_unions(block: Any) -> None:
+    data = converter.unstructure(block)
+    union: Any = content.UserContent if block.TYPE == "image" else content.ModelBlock
+    assert converter.structure(data, union) == block
+
+
+def test_context_messages_round_trip() -> None:
+    result = context.ToolResult(
+        call_id="toolu_1",
+        tool="lookup",
+        status="ok",
+        is_error=False,
+        content=(content.TextBlock(text="v"),),
+    )
+    user = context.UserMessage(content=(result, content.TextBlock(text="next")))
+    assistant = context.AssistantMessage(content=tuple(b for b in BLOCKS if b.TYPE != "image"))
+    for message in (user, assistant):
+        assert converter.structure(converter.unstructure(message), type(message)) == message
+
+
+MESSAGE_EXAMPLES: list[Any] = [
+    messages.StreamBatch(attempt=1, events=[stream.TextDelta(index=0, text="a")]),
+    messages.ApprovalDecided(call=CALL, verdict="allow_session", by="host"),
+    messages.ToolCallFinished(
+        call_id="t", status="ok", is_error=False, content=(content.TextBlock(text="x"),)
+    ),
+    messages.ToolProgressed(call_id="t", message="half"),
+    messages.SteeringQueued(content=(content.TextBlock(text="also"),)),
+    messages.BackoffSkipped(),
+    messages.ApproveCall(call=CALL),
+    messages.RunToolCall(call=CALL, position=3),
+]
+
+
+@pytest.mark.parametrize("message", MESSAGE_EXAMPLES, ids=lambda m: type(m).__name__)
+def test_actor_messages_round_trip(message: Any) -> None:
+    cls = type(message)
+    assert attrs.has(cls)
+    if cls is messages.StreamBatch:
+        return  # carries provider events in memory only; never serialised
+    assert converter.structure(converter.unstructure(message), cls) == message
+
+
+def test_bad_records_are_rejected_with_a_path() -> None:
+    with pytest.raises(Exception) as info:
+        output_from_dict({"type": "request_end", "session_id": "s", "run_id": "r", "turn": "x"})
+    text = describe_error(info.value)
+    assert "$.turn" in text or "turn" in text
+    with pytest.raises(ValueError, match="unknown type"):
+        output_from_dict({"type": "nope"})
