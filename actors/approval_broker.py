@@ -17,7 +17,13 @@ from typing import Any
 import trio
 
 from greenroom.protocols.content import ToolCallBlock
-from greenroom.protocols.messages import ApprovalDecided, ApproveCall, SupervisorMessage, Verdict
+from greenroom.protocols.messages import (
+    ApprovalAsked,
+    ApprovalDecided,
+    ApproveCall,
+    SupervisorMessage,
+    Verdict,
+)
 
 ApproveFn = Callable[[ToolCallBlock], "Awaitable[Any] | Any"]
 """A host's approval callback: returns ``"allow"``, ``"deny"``, ``"allow_session"``, or a
@@ -92,6 +98,7 @@ class ApprovalBroker:
                     verdict = "deny"
             return ApprovalDecided(call=call, verdict=verdict, by="host")
         if self._ask_clients is not None:
+            self._inbox.send_nowait(ApprovalAsked(call=call))
             client_verdict: Verdict | None = None
             with trio.move_on_after(self._timeout_s):
                 client_verdict = await self._ask_clients(call)

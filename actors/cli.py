@@ -4,6 +4,7 @@
 
     greenroom demo                      the sales-CSV task on a fresh workspace, no key needed
     greenroom run [PROMPT] [options]    one task; PROMPT or stdin
+    greenroom chat [options]            an interactive terminal on one session (actors/chat.py)
     greenroom serve …                   (the websocket gateway: not in this version)
     greenroom sessions                  the sessions stored in the data dir
     greenroom trace SESSION_ID          a session's latest trace file, one line per record
@@ -27,7 +28,7 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -248,6 +249,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_session_flags(run)
 
+    chat = commands.add_parser(
+        "chat",
+        help="an interactive terminal on a session",
+        description="A prompt on one session: a line starts a task; text typed while it "
+        "runs steers it; Ctrl-C interrupts it. Commands: /follow TEXT, /compact, /retry, "
+        "/quit (or Ctrl-D, or Ctrl-C twice at the prompt).",
+    )
+    chat.add_argument("--session", metavar="ID", help="continue a stored session")
+    chat.add_argument(
+        "--approve",
+        choices=APPROVE_MODES,
+        help="tool call approval: ask on the terminal, allow all, or deny all "
+        "(default: ask when stdin is a terminal, else none)",
+    )
+    _add_session_flags(chat)
+
     serve = commands.add_parser(
         "serve", help="the websocket gateway (not available in this version)"
     )
@@ -301,6 +318,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "run":
             return _run_command(args)
+        if args.command == "chat":
+            from greenroom.actors.chat import chat_command
+
+            return chat_command(args)
         if args.command == "demo":
             from greenroom.actors.demo import run_demo
 
@@ -378,10 +399,15 @@ def _run_command(args: argparse.Namespace) -> int:
         prompt = sys.stdin.read()
     if not prompt.strip():
         raise UsageError("the prompt is empty")
+    return run_task(run_options(args, prompt)).exit_code
+
+
+def run_options(args: argparse.Namespace, prompt: str) -> RunOptions:
+    """The options of ``run`` (and ``chat``) from the parsed command line."""
     if args.session is not None:
         _check_session_id(args.session)
     approve = args.approve or ("ask" if sys.stdin.isatty() else "none")
-    options = RunOptions(
+    return RunOptions(
         prompt=prompt,
         data_dir=_data_dir(args.data_dir),
         session_id=args.session,
@@ -392,12 +418,11 @@ def _run_command(args: argparse.Namespace) -> int:
         system=args.system,
         tools=tuple(collect_tools(args.tools, builtin=not args.no_builtin_tools)),
         approve=approve,
-        json=args.json,
+        json=getattr(args, "json", False),
         max_turns=args.max_turns,
         max_context_length=args.max_context_length,
         compact_mode=args.compact_mode,
     )
-    return run_task(options).exit_code
 
 
 def collect_tools(specs: Sequence[str], *, builtin: bool = True) -> list[Tool]:
@@ -422,12 +447,7 @@ def run_task(options: RunOptions) -> RunResult:
     Raises :class:`UsageError` for a command line that cannot run (missing credentials, a
     workspace that is not a directory); an unknown session is reported and gives exit
     code 2 in the result."""
-    if options.workspace is not None:
-        workspace = Path(options.workspace).expanduser()
-        if not workspace.is_dir():
-            raise UsageError(f"--workspace: {options.workspace} is not a directory")
-        options = attrs.evolve(options, workspace=str(workspace.resolve()))
-    _check_credentials(options)
+    options = prepare_options(options)
     result = RunResult(exit_code=EXIT_ABORTED, session_id=options.session_id)
     # Exceptions leave trio's nurseries wrapped in ExceptionGroups, hence except*.
     try:
@@ -436,6 +456,18 @@ def run_task(options: RunOptions) -> RunResult:
         # A second Ctrl-C (or one before the task started): leave at once.
         _error("interrupted")
     return result
+
+
+def prepare_options(options: RunOptions) -> RunOptions:
+    """``options`` with the workspace resolved, after checking it and the credentials;
+    raises :class:`UsageError` when either is missing."""
+    if options.workspace is not None:
+        workspace = Path(options.workspace).expanduser()
+        if not workspace.is_dir():
+            raise UsageError(f"--workspace: {options.workspace} is not a directory")
+        options = attrs.evolve(options, workspace=str(workspace.resolve()))
+    _check_credentials(options)
+    return options
 
 
 def _check_credentials(options: RunOptions) -> None:
@@ -471,7 +503,7 @@ def _stored_settings(data_dir: Path, session_id: str) -> dict[str, Any]:
     return settings if isinstance(settings, dict) else {}
 
 
-async def _open_session(host: Host, options: RunOptions) -> Session:
+async def open_session(host: Host, options: RunOptions) -> Session:
     overrides: dict[str, Any] = {
         key: value
         for key, value in (
@@ -498,7 +530,7 @@ async def _open_session(host: Host, options: RunOptions) -> Session:
     session = await host.load_session(
         options.session_id, tools=options.tools, provider=options.provider, **overrides
     )
-    # run_task resolved options.workspace already.
+    # prepare_options resolved options.workspace already.
     if options.workspace is not None and Path(options.workspace) != session.workspace_dir:
         _error(
             f"warning: --workspace is ignored when continuing a session; session "
@@ -507,21 +539,30 @@ async def _open_session(host: Host, options: RunOptions) -> Session:
     return session
 
 
+async def open_reported_session(host: Host, options: RunOptions) -> Session | None:
+    """Open the session and report its id (and any corrupt trace lines) on stderr; None,
+    after reporting why, when it cannot be opened (exit code 2)."""
+    # Usage problems are returned, not raised: raised, they would leave the host's
+    # nursery wrapped in an ExceptionGroup.
+    try:
+        session = await open_session(host, options)
+    except SessionNotFound as exc:
+        _error(f"greenroom: --session: {exc}")
+        return None
+    except (ConfigurationError, ImportError) as exc:
+        _error(f"greenroom: cannot set up the session: {exc}")
+        return None
+    _error(f"session: {session.id}")
+    for problem in session.load_errors:
+        _error(f"warning: corrupt trace line skipped: {problem}")
+    return session
+
+
 async def _run_task(options: RunOptions) -> RunResult:
     async with Host.open(data_dir=options.data_dir) as host:
-        # Usage problems are returned, not raised: raised, they would leave the host's
-        # nursery wrapped in an ExceptionGroup.
-        try:
-            session = await _open_session(host, options)
-        except SessionNotFound as exc:
-            _error(f"greenroom: --session: {exc}")
+        session = await open_reported_session(host, options)
+        if session is None:
             return RunResult(exit_code=EXIT_USAGE, session_id=options.session_id)
-        except (ConfigurationError, ImportError) as exc:
-            _error(f"greenroom: cannot set up the session: {exc}")
-            return RunResult(exit_code=EXIT_USAGE, session_id=options.session_id)
-        _error(f"session: {session.id}")
-        for problem in session.load_errors:
-            _error(f"warning: corrupt trace line skipped: {problem}")
         renderer: Renderer = (
             JsonRenderer(sys.stdout)
             if options.json
@@ -573,11 +614,11 @@ def _allow_all(call: ToolCallBlock) -> str:
     return "allow"
 
 
-def _approver(mode: str, renderer: Renderer) -> ApproveFn | None:
+def _approver(mode: str, renderer: Renderer, read_line: ReadLine | None = None) -> ApproveFn | None:
     if mode == "all":
         return _allow_all
     if mode == "ask":
-        return TerminalApprover(renderer)
+        return TerminalApprover(renderer, read_line=read_line)
     return None  # R-APPROVE-2: no callback, every call is denied by default
 
 
@@ -607,17 +648,30 @@ class _LineReader:
         return line.decode("utf-8", errors="replace")
 
 
+ReadLine = Callable[[], Awaitable[str | None]]
+"""Where an approval answer comes from: the next input line, None at end of input."""
+
+
 class TerminalApprover:
     """``--approve ask``: asks on the terminal, once per call, in call order (the broker
     asks one call at a time). Answers: y(es) → allow, n(o) → deny, a(lways) → allow this
-    tool for the rest of the session. End of input denies."""
+    tool for the rest of the session. End of input denies.
 
-    def __init__(self, renderer: Renderer, fd: int | None = None) -> None:
+    Answers are read from ``fd`` (stdin) unless ``read_line`` is given: ``greenroom chat``
+    reads every line itself and hands the approver the ones that answer it."""
+
+    def __init__(
+        self, renderer: Renderer, fd: int | None = None, *, read_line: ReadLine | None = None
+    ) -> None:
         self._renderer = renderer
         fd = sys.stdin.fileno() if fd is None else fd
         self._reader = _LineReader(fd)
+        self._read_line = read_line or self._read_from_fd
         self._echoes = os.isatty(fd)
         self._previous: str | None = None
+
+    async def _read_from_fd(self) -> str | None:
+        return await trio.to_thread.run_sync(self._reader.readline, abandon_on_cancel=True)
 
     async def __call__(self, call: ToolCallBlock) -> str:
         # Let the renderer print the call (and the previous decision) first, so the
@@ -636,7 +690,7 @@ class TerminalApprover:
         while True:
             sys.stderr.write(question)
             sys.stderr.flush()
-            answer = await trio.to_thread.run_sync(self._reader.readline, abandon_on_cancel=True)
+            answer = await self._read_line()
             if answer is not None and not self._echoes:
                 # Piped answers are not echoed by a terminal: show them, one per question.
                 sys.stderr.write(answer + "\n")

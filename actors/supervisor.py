@@ -40,6 +40,7 @@ from greenroom.protocols.context import ModelRequest, ToolResult, UserMessage
 from greenroom.protocols.guards import LoopGuard
 from greenroom.protocols.hooks import RequestInfo, StopInfo, ToolResultsInfo
 from greenroom.protocols.messages import (
+    ApprovalAsked,
     ApprovalDecided,
     ApproveCall,
     BackoffSkipped,
@@ -53,6 +54,7 @@ from greenroom.protocols.messages import (
 from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
+    ApprovalRequest,
     CompactionBegin,
     CompactionEnd,
     CompactionReason,
@@ -609,6 +611,17 @@ class SessionSupervisor:
             self._handle_tool_finished(message)
         elif isinstance(message, ApprovalDecided):
             self._handle_decision(message)
+        elif isinstance(message, ApprovalAsked):
+            asked = message.call
+            self._emit(
+                ApprovalRequest(
+                    session_id=self._session.id,
+                    run_id=self.run_id,
+                    call_id=asked.id,
+                    tool=asked.name,
+                    arguments=asked.arguments,
+                )
+            )
         elif isinstance(message, ToolProgressed):
             call = self._calls.get(message.call_id)
             if call is not None and call.state == "running":  # R-TOOL-6

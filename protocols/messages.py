@@ -33,6 +33,14 @@ class ApprovalDecided:
 
 
 @attrs.frozen(kw_only=True, slots=True)
+class ApprovalAsked:
+    """The broker is asking clients (not a host callback) about this call: the supervisor
+    emits an ``approval_request`` output so that clients can answer."""
+
+    call: ToolCallBlock
+
+
+@attrs.frozen(kw_only=True, slots=True)
 class ToolCallFinished:
     call_id: str
     status: ToolStatus
@@ -58,6 +66,7 @@ class BackoffSkipped:
 
 SupervisorMessage = (
     StreamBatch
+    | ApprovalAsked
     | ApprovalDecided
     | ToolCallFinished
     | ToolProgressed

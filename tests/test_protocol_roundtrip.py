@@ -113,6 +113,7 @@ def test_context_messages_round_trip() -> None:
 
 MESSAGE_EXAMPLES: list[Any] = [
     messages.StreamBatch(attempt=1, events=[stream.TextDelta(index=0, text="a")]),
+    messages.ApprovalAsked(call=CALL),
     messages.ApprovalDecided(call=CALL, verdict="allow_session", by="host"),
     messages.ToolCallFinished(
         call_id="t", status="ok", is_error=False, content=(content.TextBlock(text="x"),)
