@@ -42,7 +42,7 @@ class CompactionOutcome:
 class Compactor:
     """One compaction at a time for one task; ``skip_wait`` ends a backoff early."""
 
-    __slots__ = ("_backoff_scope", "_on_usage", "_provider")
+    __slots__ = ("_backoff_scope", "_on_usage", "_provider", "attempt")
 
     def __init__(
         self, provider: ProviderTask, on_usage: Callable[[TokenUsage], None]
@@ -50,6 +50,8 @@ class Compactor:
         self._provider = provider
         self._on_usage = on_usage
         self._backoff_scope: trio.CancelScope | None = None
+        self.attempt = 0
+        """The attempt in flight or last made (1-based; 0 before the first)."""
 
     def skip_wait(self) -> bool:
         if self._backoff_scope is None:
@@ -66,6 +68,7 @@ class Compactor:
         attempt = 0
         while True:
             attempt += 1
+            self.attempt = attempt
             request = attrs.evolve(template, messages=messages, thinking_level=None)
             blocks, failure = await self._attempt(request)
             if failure is None:

@@ -49,7 +49,7 @@ class ModelProvider(Protocol):
 class LLMStreamer:
     """Runs attempts for one task and forwards their events to the supervisor."""
 
-    __slots__ = ("_backoff_scope", "_inbox", "_provider")
+    __slots__ = ("_backoff_scope", "_inbox", "_provider", "_skip_pending")
 
     def __init__(
         self, provider: ProviderTask, inbox: trio.MemorySendChannel[SupervisorMessage]
@@ -57,10 +57,16 @@ class LLMStreamer:
         self._provider = provider
         self._inbox = inbox
         self._backoff_scope: trio.CancelScope | None = None
+        # A skip that arrives while no sleep is in progress — typically right after the
+        # request_end that announces the wait, before the next attempt's task has begun
+        # its sleep — applies to the next sleep; each stream start clears it.
+        self._skip_pending = False
 
     def skip_wait(self) -> bool:
-        """End the current backoff sleep early; False when no sleep is in progress."""
+        """End the current backoff sleep early; when none is in progress (yet), the next
+        one is skipped unless a stream starts first. False when no sleep was running."""
         if self._backoff_scope is None:
+            self._skip_pending = True
             return False
         self._backoff_scope.cancel()
         return True
@@ -68,7 +74,7 @@ class LLMStreamer:
     async def stream_attempt(self, request: ModelRequest, attempt: int, delay_ms: int) -> None:
         """Wait ``delay_ms``, then stream one attempt. Cancel-safe: cancellation stops the
         sleep or the stream at once and delivers nothing more."""
-        if delay_ms > 0:
+        if delay_ms > 0 and not self._skip_pending:
             with trio.CancelScope() as scope:
                 self._backoff_scope = scope
                 await trio.sleep(delay_ms / 1000)
@@ -78,6 +84,7 @@ class LLMStreamer:
         async def deliver(events: list[StreamEvent]) -> None:
             inbox.send_nowait(StreamBatch(attempt=attempt, events=events))
 
+        self._skip_pending = False
         try:
             await self._provider.stream(request, deliver)
         except trio.Cancelled:

@@ -67,15 +67,17 @@ class RunStream:
     its end; its outputs still reach the trace and subscribers.
     """
 
-    __slots__ = ("_batch", "_index", "_receive", "_supervisor")
+    __slots__ = ("_batch", "_first_run_id", "_index", "_receive", "_supervisor")
 
     def __init__(
         self,
         receive: trio.MemoryReceiveChannel[list[Output]],
         supervisor: SessionSupervisor,
+        first_run_id: str = "",
     ) -> None:
         self._receive = receive
         self._supervisor = supervisor
+        self._first_run_id = first_run_id
         self._batch: list[Output] = []
         self._index = 0
 
@@ -95,12 +97,19 @@ class RunStream:
 
     @property
     def run_id(self) -> str:
-        """The id of the task running now (follow-ups get their own)."""
-        return self._supervisor.run_id
+        """The id of the task running now (follow-ups get their own); known as soon as
+        ``Session.run`` returns, before the supervisor has started."""
+        return self._supervisor.run_id or self._first_run_id
 
     async def collect(self) -> list[Output]:
         """Every remaining output, once the run has ended."""
         return [output async for output in self]
+
+    def detach(self) -> None:
+        """Stop receiving without interrupting: the task (and its follow-ups) runs on,
+        its outputs still reach the trace and subscribers, and none pile up here. For
+        hosts that watch through ``Session.subscribe`` (the websocket gateway)."""
+        self._receive.close()
 
     async def aclose(self) -> None:
         """Interrupt the run if it is still going, and stop receiving."""
@@ -155,6 +164,7 @@ class Session:
         self._follow_ups: list[TaskInput] = []
         self._listeners: list[Listener] = []
         self._client_approver_fn: ClientApprover | None = None
+        self._next_run_id: str | None = None
         self._idle = trio.Event()
         self._idle.set()
         self._closed = False
@@ -212,8 +222,11 @@ class Session:
         supervisor = SessionSupervisor(self, task, send, cancel)
         self._supervisor = supervisor
         self._idle = trio.Event()
+        # Reserved now so that callers (the websocket gateway's ``run``) can report the
+        # run id before the supervisor task has started; its first task takes it.
+        run_id = self._next_run_id = self._new_run_id()
         self._host._start_task(supervisor.run)
-        return RunStream(receive, supervisor)
+        return RunStream(receive, supervisor, run_id)
 
     def steer(self, messages: Sequence[UserContent] | str) -> bool:
         """Queue user input for the running task without interrupting it (R-STEER-1).
@@ -373,7 +386,8 @@ class Session:
         self._host._check_open()
 
     def _new_run_id(self) -> str:
-        return "run_" + uuid.uuid4().hex[:12]
+        reserved, self._next_run_id = self._next_run_id, None
+        return reserved or "run_" + uuid.uuid4().hex[:12]
 
     def _next_seq(self) -> int:
         self._seq += 1

@@ -154,6 +154,7 @@ class SessionSupervisor:
         self._provider_task: ProviderTask | None = None
         self._compactor: Compactor | None = None
         self._compacting = False
+        self._compaction_attempt = 1
         self.run_id = ""
         # per-task state
         self._turn = 0
@@ -162,6 +163,7 @@ class SessionSupervisor:
         self._attempt = 0
         self._open_blocks: dict[int, list[Any]] = {}
         self._done_blocks: list[ModelBlock] = []
+        self._retried_blocks: list[ModelBlock] = []  # blocks behind the [turn_retried] note
         self._stream_result: MessageCompleted | StreamFailed | None = None
         self._last_usage: TokenUsage | None = None
         self._calls: dict[str, _Call] = {}
@@ -181,6 +183,10 @@ class SessionSupervisor:
         self._inbox.send_nowait(SteeringQueued(content=content))
 
     def skip_reconnect_wait(self) -> None:
+        if self._compactor is not None:
+            # A compaction does not pump the inbox while it waits: end its backoff here.
+            self._compactor.skip_wait()
+            return
         self._inbox.send_nowait(BackoffSkipped())
 
     # -- the outer loop: this task, then queued follow-ups (R-STEER-6) ---------------
@@ -198,8 +204,12 @@ class SessionSupervisor:
                 if self._scope.cancelled_caught or session.auth_locked:
                     break
                 task = session._take_follow_up(task)
+                if task is not None:
+                    self._flush()
                 self._scope = trio.CancelScope()
         finally:
+            # The session is idle before the host sees the last task_end, so a host that
+            # reacts to it by starting the next task never meets Busy.
             session._task_finished(self)
             with trio.CancelScope(shield=True):
                 self._flush()
@@ -243,7 +253,6 @@ class SessionSupervisor:
                     message=message,
                 )
             )
-            self._flush()
             await session._sync_trace()
 
     async def _run_turns(self, task: TaskInput) -> tuple[TaskStatus, str | None]:
@@ -296,7 +305,10 @@ class SessionSupervisor:
             self._turn += 1
             reason = self._compaction_due()
             if reason is not None:
-                await self._compact(reason)
+                compacted = await self._compact(reason)
+                if not compacted and self._session.auth_locked is not None:
+                    # R-COMPACT-7: auth stops at once; no request with a rejected key.
+                    return "auth", self._session.auth_locked
             # R-STEER-5: drained at every input assembly, after a compaction too.
             self._drain_inbox_nowait()
             self._deliver_steering()
@@ -353,6 +365,7 @@ class SessionSupervisor:
         self._call_order = []
         self._results = {}
         self._pool.begin_turn()
+        self._retried_blocks = []
         retried: str | None = None
         delay_ms = 0
         attempt = 0
@@ -391,7 +404,13 @@ class SessionSupervisor:
                 self._discard_attempt_calls()
                 if await self._compact("overflow"):
                     attempt, delay_ms, retried = 0, 0, None
+                    self._retried_blocks = []
+                    # R-STEER-5: the rerun is the input assembly after the compaction.
+                    self._drain_inbox_nowait()
+                    self._deliver_steering()
                     continue
+                if self._session.auth_locked is not None:
+                    return ModelError(kind="auth", message=self._session.auth_locked)
                 return error
             if not retry:
                 await self._pump(self._all_calls_terminal)
@@ -399,9 +418,10 @@ class SessionSupervisor:
             # R-RETRY-4: calls that already ran are reported, never run again.
             await self._pump(self._all_calls_terminal)
             # An attempt that produced nothing leaves the previous note as it was.
-            retried = (
-                markers.render_partial(self._partial_blocks(), self._result_texts()) or retried
-            )
+            blocks = self._partial_blocks()
+            note = markers.render_partial(blocks, self._result_texts())
+            if note:
+                retried, self._retried_blocks = note, blocks
             self._discard_attempt_calls()
         await self._pump(self._all_calls_terminal)
         return None
@@ -429,16 +449,21 @@ class SessionSupervisor:
         settings = session.settings
         assert self._provider_task is not None
         self._compacting = True
+        self._compaction_attempt = 1
         self._emit(CompactionBegin(session_id=session.id, run_id=self.run_id, reason=reason))
         self._flush()
         base = session._transcript.compaction_base()
         summary: str | None = None
         attempt = 1
         if settings.compact_mode == "summarize":
-            self._compactor = Compactor(self._provider_task, self._compaction_usage)
+            compactor = Compactor(self._provider_task, self._compaction_usage)
+            self._compactor = compactor
             template = self._build_request(None, None)
-            outcome = await self._compactor.run(template, base, settings.compact_prompt)
-            self._compactor = None
+            try:
+                outcome = await compactor.run(template, base, settings.compact_prompt)
+            finally:
+                self._compactor = None
+                self._compaction_attempt = compactor.attempt
             attempt = outcome.attempt
             if outcome.summary is None:
                 error = outcome.error
@@ -522,7 +547,7 @@ class SessionSupervisor:
                 session_id=self._session.id,
                 run_id=self.run_id,
                 status="failed",
-                attempt=1,
+                attempt=max(1, self._compaction_attempt),
                 error_message=reason,
             )
         )
@@ -901,7 +926,9 @@ class SessionSupervisor:
                 session_id=self._session.id,
                 run_id=self.run_id,
                 reason=self._abort_reason,
-                partial=() if complete else tuple(self._partial_blocks()),
+                # during a backoff the attempt in flight has nothing yet: the failed
+                # attempt's output (the retry note's blocks) is the turn's partial output
+                partial=() if complete else tuple(self._partial_blocks() or self._retried_blocks),
                 message_complete=complete,
             )
         )

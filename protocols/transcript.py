@@ -250,7 +250,8 @@ class Transcript:
 
 def rebuild(records: list[Output], *, supports_vision: bool = True) -> Transcript:
     """A transcript from the records of one trace file (one model context). A trace whose
-    last task has no ``task_end`` is recovered as interrupted."""
+    last task has no ``task_end`` (its ``task_start`` may be in the previous file, before
+    the compaction that started this one) is recovered as interrupted."""
     transcript = Transcript(supports_vision=supports_vision)
     open_run: str | None = None
     session_id = ""
@@ -261,6 +262,10 @@ def rebuild(records: list[Output], *, supports_vision: bool = True) -> Transcrip
             open_run = record.run_id
         elif isinstance(record, TaskEnd):
             open_run = None
+        elif isinstance(record, CompactionEnd) and record.status == "ok" and open_run is None:
+            # A file started by a compaction: the task that compacted (if any) has its
+            # task_start in the previous file and goes on here (R-COMPACT-8).
+            open_run = record.run_id
     if open_run is not None:
         transcript.recover(session_id=session_id, run_id=open_run)
     return transcript

@@ -325,3 +325,40 @@ class Lookup:
 @pytest.fixture
 def lookup() -> Lookup:
     return Lookup()
+
+
+# -- timing and trace helpers (retry, interrupt phases, recovery) ----------------------------
+
+
+class Timeline:
+    """Subscribes to a session and records ``(trio.current_time(), output)`` for every
+    output as it is emitted. Under a ``MockClock`` the times are exact virtual times."""
+
+    def __init__(self, session: Session) -> None:
+        self.entries: list[tuple[float, Output]] = []
+        self.unsubscribe = session.subscribe(self._on_batch)
+
+    def _on_batch(self, batch: list[Output]) -> None:
+        now = trio.current_time()
+        self.entries.extend((now, output) for output in batch)
+
+    def times_of(self, type_name: str) -> list[float]:
+        return [t for t, o in self.entries if type_name == o.TYPE]
+
+
+async def assert_trace_seq_without_gaps(session: Session) -> list[dict[str, Any]]:
+    """R-TRACE-1: the current trace file's ``seq`` runs 1, 2, 3… with no gap.
+
+    Syncs the trace first: on an autojump ``MockClock`` a task's final (bounded) sync can
+    be cut short by the clock jumping to its deadline while the writer thread works."""
+    await session._sync_trace()
+    lines = trace_lines(session)
+    assert [line["seq"] for line in lines] == list(range(1, len(lines) + 1))
+    return lines
+
+
+def model_error(kind: str, message: str | None = None, **fields: Any) -> Any:
+    """A classified model failure for a scripted ``Reply(fail=…)``."""
+    from greenroom.protocols.stream import ModelError
+
+    return ModelError(kind=kind, message=message or f"{kind} failure", **fields)  # type: ignore[arg-type]
