@@ -5,7 +5,7 @@
     greenroom demo                      the sales-CSV task on a fresh workspace, no key needed
     greenroom run [PROMPT] [options]    one task; PROMPT or stdin
     greenroom chat [options]            an interactive terminal on one session (actors/chat.py)
-    greenroom serve …                   (the websocket gateway: not in this version)
+    greenroom serve [--host H] [--port P] the websocket JSON-RPC gateway at ws://H:P/v1
     greenroom sessions                  the sessions stored in the data dir
     greenroom trace SESSION_ID          a session's latest trace file, one line per record
 
@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_session_flags(chat)
 
     serve = commands.add_parser(
-        "serve", help="the websocket gateway (not available in this version)"
+        "serve", help="serve the websocket JSON-RPC gateway at ws://HOST:PORT/v1"
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=_port, default=8765, help="port to listen on")
@@ -327,11 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_demo(args)
         if args.command == "serve":
-            _error(
-                "greenroom serve: the websocket gateway is not available in this version; "
-                "use `greenroom run` or the Python API (greenroom.actors.Host)"
-            )
-            return EXIT_USAGE
+            return _serve_command(args)
         if args.command == "sessions":
             return trio.run(_sessions_command, args)
         if args.command == "trace":
@@ -343,6 +339,58 @@ def main(argv: Sequence[str] | None = None) -> int:
         _error("interrupted")
         return EXIT_ABORTED
     parser.error(f"unknown command {args.command!r}")  # exits 2
+
+
+def _serve_command(args: argparse.Namespace) -> int:
+    """``greenroom serve``: the gateway with the session defaults given by the flags."""
+    from functools import partial
+
+    from greenroom.actors.gateway import SessionDefaults, run_serve
+
+    options = prepare_options(
+        RunOptions(
+            prompt="",
+            data_dir=_data_dir(args.data_dir),
+            provider=args.provider,
+            base_url=args.base_url,
+            workspace=args.workspace,
+        )
+    )
+    limits = (
+        ("base_url", args.base_url),
+        ("max_turns", args.max_turns),
+        ("max_context_length", args.max_context_length),
+        ("compact_mode", args.compact_mode),
+    )
+    defaults = SessionDefaults(
+        provider=args.provider,
+        model=args.model,
+        system=args.system,
+        tools=tuple(collect_tools(args.tools, builtin=not args.no_builtin_tools)),
+        workspace_dir=options.workspace or ".",
+        settings={key: value for key, value in limits if value is not None},
+        approve=args.approve,
+    )
+    try:
+        trio.run(
+            partial(
+                run_serve,
+                host=args.host,
+                port=args.port,
+                data_dir=options.data_dir,
+                token_file=args.token_file,
+                defaults=defaults,
+                approval_timeout_s=args.approval_timeout,
+            )
+        )
+    except ConfigurationError as exc:
+        raise UsageError(str(exc)) from None
+    except OSError as exc:
+        _error(f"greenroom serve: cannot listen on {args.host}:{args.port}: {exc}")
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        return EXIT_OK
+    return EXIT_OK
 
 
 def _error(message: str) -> None:

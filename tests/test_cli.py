@@ -355,10 +355,75 @@ def test_empty_prompt_exits_2(tmp_path: Path) -> None:
     assert "prompt" in result.stderr
 
 
-def test_serve_is_not_available_yet(tmp_path: Path) -> None:
-    result = greenroom(tmp_path, "serve")
-    assert result.returncode == 2
-    assert "not available in this version" in result.stderr
+async def test_serve_answers_json_rpc_and_stops_on_sigint(tmp_path: Path) -> None:
+    """`greenroom serve` end to end: a real websocket client authenticates with the token
+    the server wrote (mode 0600), creates a session and runs a task on the scripted
+    model; SIGINT stops the server cleanly."""
+    import signal
+
+    from trio_websocket import open_websocket_url
+
+    data_dir = tmp_path / "serve-data"
+    process = await trio.lowlevel.open_process(
+        [
+            *CLI,
+            "serve",
+            "--port",
+            "0",
+            "--data-dir",
+            str(data_dir),
+            "--workspace",
+            str(tmp_path),
+            "--approve",
+            "all",
+        ],
+        env=cli_env(tmp_path),
+        stderr=subprocess.PIPE,
+    )
+    assert process.stderr is not None
+    try:
+        with trio.fail_after(TIMEOUT_S):
+            seen = b""
+            while b"/v1" not in seen:
+                chunk = await process.stderr.receive_some()
+                assert chunk, f"serve exited early: {seen!r}"
+                seen += chunk
+            url = re.search(rb"ws://[\w.:]+/v1", seen).group().decode()  # type: ignore[union-attr]
+            token_file = data_dir / "serve.token"
+            assert token_file.stat().st_mode & 0o777 == 0o600
+            headers = [("Authorization", f"Bearer {token_file.read_text().strip()}")]
+            async with open_websocket_url(url, extra_headers=headers) as ws:
+
+                async def call(method: str, params: dict[str, Any], ident: int) -> Any:
+                    await ws.send_message(
+                        json.dumps(
+                            {"jsonrpc": "2.0", "id": ident, "method": method, "params": params}
+                        )
+                    )
+                    while True:
+                        frame = json.loads(await ws.get_message())
+                        if frame.get("id") == ident:
+                            return frame
+
+                created = await call("session.create", {}, 1)
+                session_id = created["result"]["session_id"]
+                await call("session.subscribe", {"session_id": session_id}, 2)
+                started = await call("run", {"session_id": session_id, "input": "hello"}, 3)
+                assert started["result"]["run_id"]
+                while True:
+                    frame = json.loads(await ws.get_message())
+                    params = frame.get("params", {})
+                    if frame.get("method") == "output" and params.get("type") == "task_end":
+                        assert params["status"] == "completed"
+                        break
+                bad = await call("no.such.method", {}, 4)
+                assert bad["error"]["code"] == -32601
+            process.send_signal(signal.SIGINT)
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
 
 
 # -- greenroom sessions / trace ---------------------------------------------------------------
