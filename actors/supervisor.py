@@ -36,7 +36,7 @@ from greenroom.protocols.content import (
     ToolCallBlock,
     UserContent,
 )
-from greenroom.protocols.context import ModelRequest, ToolResult, UserMessage
+from greenroom.protocols.context import ModelRequest, ToolResult
 from greenroom.protocols.guards import LoopGuard
 from greenroom.protocols.hooks import RequestInfo, StopInfo, ToolResultsInfo
 from greenroom.protocols.messages import (
@@ -366,14 +366,13 @@ class SessionSupervisor:
         self._results = {}
         self._pool.begin_turn()
         self._retried_blocks = []
-        retried: str | None = None
         delay_ms = 0
         attempt = 0
         overflow_compacted = False
         while True:
             attempt += 1
             self._begin_attempt(attempt)
-            request = self._build_request(task, retried)
+            request = self._build_request(task)
             await _call_hook(
                 self._session.hooks.before_request,
                 RequestInfo(
@@ -403,7 +402,7 @@ class SessionSupervisor:
                 await self._pump(self._all_calls_terminal)
                 self._discard_attempt_calls()
                 if await self._compact("overflow"):
-                    attempt, delay_ms, retried = 0, 0, None
+                    attempt, delay_ms = 0, 0
                     self._retried_blocks = []
                     # R-STEER-5: the rerun is the input assembly after the compaction.
                     self._drain_inbox_nowait()
@@ -417,11 +416,12 @@ class SessionSupervisor:
                 return error
             # R-RETRY-4: calls that already ran are reported, never run again.
             await self._pump(self._all_calls_terminal)
-            # An attempt that produced nothing leaves the previous note as it was.
+            # The transcript turns the failed attempt into the [turn_retried] note; the
+            # blocks are kept here for an abort during the backoff. An attempt that
+            # produced nothing leaves the previous ones as they were.
             blocks = self._partial_blocks()
-            note = markers.render_partial(blocks, self._result_texts())
-            if note:
-                retried, self._retried_blocks = note, blocks
+            if blocks:
+                self._retried_blocks = blocks
             self._discard_attempt_calls()
         await self._pump(self._all_calls_terminal)
         return None
@@ -452,13 +452,13 @@ class SessionSupervisor:
         self._compaction_attempt = 1
         self._emit(CompactionBegin(session_id=session.id, run_id=self.run_id, reason=reason))
         self._flush()
-        base = session._transcript.compaction_base()
+        base, kept = session._transcript.compaction_base(keep_prompt=reason != "overflow")
         summary: str | None = None
         attempt = 1
         if settings.compact_mode == "summarize":
             compactor = Compactor(self._provider_task, self._compaction_usage)
             self._compactor = compactor
-            template = self._build_request(None, None)
+            template = self._build_request(None)
             try:
                 outcome = await compactor.run(template, base, settings.compact_prompt)
             finally:
@@ -502,6 +502,7 @@ class SessionSupervisor:
                 attempt=attempt,
                 trace_file=trace_file,
                 summary=summary,
+                kept_input=kept,
             )
         )
         self._flush()
@@ -569,16 +570,11 @@ class SessionSupervisor:
         )
         self._flush()
 
-    def _build_request(self, task: TaskInput | None, retried: str | None) -> ModelRequest:
+    def _build_request(self, task: TaskInput | None) -> ModelRequest:
+        """The next request: the transcript's context (with the ``[turn_retried]`` note on
+        a retry: R-RETRY-4), the session's system prompt and tools."""
         session = self._session
         messages = session._transcript.request_messages()
-        if retried is not None:
-            note = TextBlock(text=markers.wrap(markers.TURN_RETRIED, retried))
-            last = messages[-1] if messages else None
-            if isinstance(last, UserMessage):
-                messages = (*messages[:-1], UserMessage(content=(*last.content, note)))
-            else:
-                messages = (*messages, UserMessage(content=(note,)))
         settings = session.settings
         return ModelRequest(
             model=settings.model,
@@ -597,12 +593,6 @@ class SessionSupervisor:
         self._calls = {}
         self._call_order = []
         self._pool.begin_turn()
-
-    def _result_texts(self) -> dict[str, str]:
-        return {
-            call_id: " ".join(b.text for b in result.content if isinstance(b, TextBlock))
-            for call_id, result in self._results.items()
-        }
 
     def _all_calls_terminal(self) -> bool:
         return all(c.state == "done" for c in self._calls.values())
@@ -718,6 +708,9 @@ class SessionSupervisor:
                 return
             elif kind is StreamFailed:
                 assert isinstance(event, StreamFailed)
+                # What the model wrote before the failure is a fact of the attempt: it
+                # is traced, and becomes the retry's [turn_retried] note (R-RETRY-4).
+                self._close_open_blocks()
                 self._emit_usage()
                 self._stream_result = event
                 return
@@ -761,17 +754,21 @@ class SessionSupervisor:
 
     def _stream_completed(self, event: MessageCompleted) -> None:
         self._last_usage = event.usage
-        # Close blocks the provider left open (e.g. text cut by max_tokens).
-        for index in sorted(self._open_blocks):
-            started, pieces = self._open_blocks[index]
-            if started.kind == "text":
-                self._complete_block(index, TextBlock(text="".join(pieces)))
-            elif started.kind == "thinking":
-                self._complete_block(index, ThinkingBlock(text="".join(pieces)))
-        self._open_blocks = {}
+        self._close_open_blocks()  # e.g. text cut by max_tokens
         self._emit_usage()
         self._stream_result = event
         self._emit_request_end("ok", stop_reason=event.stop_reason)  # R-RUN-3: at once
+
+    def _close_open_blocks(self) -> None:
+        """Complete the text and thinking blocks the stream left open; an unfinished tool
+        call is dropped (it never completed, so it never runs: R-TOOL-5)."""
+        for index in sorted(self._open_blocks):
+            started, pieces = self._open_blocks[index]
+            if started.kind == "text" and pieces:
+                self._complete_block(index, TextBlock(text="".join(pieces)))
+            elif started.kind == "thinking" and pieces:
+                self._complete_block(index, ThinkingBlock(text="".join(pieces)))
+        self._open_blocks = {}
 
     def _emit_usage(self) -> None:
         usage = self._last_usage

@@ -240,6 +240,9 @@ class CompactionEnd:
     """The summary that starts the new context (``summarize`` mode, status ``ok``). A
     successful ``compaction_end`` is the first record of the new trace file, so the file
     alone rebuilds its context (R-COMPACT-8)."""
+    kept_input: tuple[UserContent, ...] = ()
+    """A new prompt that was pending when the compaction ran: not summarized, it is the
+    first input of the new context."""
 
 
 @attrs.frozen(kw_only=True, slots=True)

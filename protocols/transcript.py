@@ -18,7 +18,13 @@ from __future__ import annotations
 
 from greenroom.protocols import markers
 from greenroom.protocols.compaction import summary_message
-from greenroom.protocols.content import ModelBlock, TextBlock, ToolCallBlock, UserContent
+from greenroom.protocols.content import (
+    ImageBlock,
+    ModelBlock,
+    TextBlock,
+    ToolCallBlock,
+    UserContent,
+)
 from greenroom.protocols.context import AssistantMessage, Message, ToolResult, UserMessage
 from greenroom.protocols.outputs import (
     Abort,
@@ -57,10 +63,13 @@ class Transcript:
     __slots__ = (
         "_attempt_active",
         "_attempt_blocks",
+        "_failed_blocks",
         "_fresh_context",
         "_open_calls",
         "_pending",
+        "_prompt_parts",
         "_results",
+        "_retry_note",
         "carry_over",
         "last_request_total",
         "messages",
@@ -80,6 +89,9 @@ class Transcript:
         self._attempt_blocks: list[ModelBlock] = []
         self._attempt_active = False
         self._fresh_context = False
+        self._failed_blocks: list[ModelBlock] = []
+        self._retry_note: TextBlock | None = None
+        self._prompt_parts = 0
 
     # -- reading -------------------------------------------------------------------
 
@@ -97,10 +109,17 @@ class Transcript:
         return self._results.get(call_id)
 
     def request_messages(self) -> tuple[Message, ...]:
-        """The context of the next request: committed messages plus pending input."""
-        if not self._pending:
+        """The context of the next request: committed messages plus pending input (and,
+        on a retry, the ``[turn_retried]`` note)."""
+        pending = self._input()
+        if not pending:
             return tuple(self.messages)
-        return (*self.messages, UserMessage(content=tuple(self._pending)))
+        return (*self.messages, UserMessage(content=pending))
+
+    def _input(self) -> tuple[InputPart, ...]:
+        if self._retry_note is None:
+            return tuple(self._pending)
+        return (*self._pending, self._retry_note)
 
     def has_pending_input(self) -> bool:
         return bool(self._pending) or bool(self._open_calls)
@@ -121,6 +140,7 @@ class Transcript:
             )
         elif isinstance(output, RequestBegin):
             self._flush_results()
+            self._note_failed_attempt()
             self._attempt_blocks = []
             self._attempt_active = True
         elif isinstance(output, RequestEnd):
@@ -132,17 +152,37 @@ class Transcript:
         elif isinstance(output, Abort):
             self._abort(output)
         elif isinstance(output, CompactionEnd) and output.status == "ok":
-            self._start_new_context(output.summary)
+            self._start_new_context(output.summary, output.kept_input)
+        elif isinstance(output, TaskEnd):
+            # A retry note belongs to its turn; a failed task's next task starts afresh.
+            self._failed_blocks = []
+            self._retry_note = None
 
-    def compaction_base(self) -> tuple[Message, ...]:
-        """What a compaction summarizes: the context plus every input not yet sent —
-        pending tool results and steering, and carry-over (a manual compaction folds it
-        in). The compaction absorbs all of it (R-COMPACT-3)."""
+    def compaction_base(
+        self, *, keep_prompt: bool = True
+    ) -> tuple[tuple[Message, ...], tuple[UserContent, ...]]:
+        """What a compaction summarizes, and what it keeps for after.
+
+        It absorbs the context and the input not yet sent — pending tool results and
+        carry-over (a manual compaction folds it in) — (R-COMPACT-3). With
+        ``keep_prompt``, a new prompt still pending (the first turn of a task) is kept out
+        of the summary and becomes the input after it, so the model reads the user's
+        words, not a paraphrase. (After a provider overflow the prompt may be what was too
+        long, so there it is absorbed too.)"""
         self._flush_results()
-        pending = [*self.carry_over, *self._pending]
-        if not pending:
-            return tuple(self.messages)
-        return (*self.messages, UserMessage(content=tuple(pending)))
+        kept: tuple[UserContent, ...] = ()
+        pending: list[InputPart] = list(self._pending)
+        if keep_prompt and self._prompt_parts:
+            tail = pending[-self._prompt_parts :]
+            if all(isinstance(p, TextBlock | ImageBlock) for p in tail):
+                kept = tuple(p for p in tail if isinstance(p, TextBlock | ImageBlock))
+                pending = pending[: -self._prompt_parts]
+        absorbed = [*self.carry_over, *pending]
+        if self._retry_note is not None:
+            absorbed.append(self._retry_note)
+        if not absorbed:
+            return tuple(self.messages), kept
+        return (*self.messages, UserMessage(content=tuple(absorbed))), kept
 
     @property
     def just_compacted(self) -> bool:
@@ -154,9 +194,12 @@ class Transcript:
             and not self.carry_over
         )
 
-    def _start_new_context(self, summary: str | None) -> None:
+    def _start_new_context(self, summary: str | None, kept: tuple[UserContent, ...]) -> None:
         self.messages = [summary_message(summary if summary is not None else DISCARDED_TEXT)]
-        self._pending = []
+        self._pending = list(kept)
+        self._prompt_parts = len(kept)
+        self._failed_blocks = []
+        self._retry_note = None
         self._open_calls = []
         self._results.clear()
         self.carry_over = []
@@ -173,8 +216,10 @@ class Transcript:
                 self._pending[:0] = self.carry_over
                 self.carry_over = []
             self._pending.extend(output.content)
+            self._prompt_parts = len(output.content)
             return
         self._flush_results()
+        self._prompt_parts = 0
         text, images = markers.steering_text(output.content, supports_vision=self.supports_vision)
         self._pending.append(text)
         self._pending.extend(images)
@@ -182,17 +227,40 @@ class Transcript:
     def _end_attempt(self, output: RequestEnd) -> None:
         self._attempt_active = False
         if output.status != "ok":
+            if self._attempt_blocks and output.status != "aborted":
+                self._failed_blocks = self._attempt_blocks
             self._attempt_blocks = []
             return
-        if self._pending:
-            self.messages.append(UserMessage(content=tuple(self._pending)))
+        pending = self._input()
+        if pending:
+            self.messages.append(UserMessage(content=pending))
             self._pending = []
+        self._retry_note = None
+        self._prompt_parts = 0
         blocks = tuple(self._attempt_blocks)
         self._attempt_blocks = []
         self.messages.append(AssistantMessage(content=blocks))
         self._fresh_context = False
         self._open_calls = [b for b in blocks if isinstance(b, ToolCallBlock)]
         self.session_turns += 1
+
+    def _note_failed_attempt(self) -> None:
+        """Before a retry: the failed attempt's output, and the results of the calls that
+        already ran, become the ``[turn_retried]`` note that travels with the turn's input
+        — and stays in the history once the retry succeeds, so no result is lost
+        (R-RETRY-4)."""
+        if not self._failed_blocks:
+            return
+        call_ids = {b.id for b in self._failed_blocks if isinstance(b, ToolCallBlock)}
+        known = {
+            call_id: " ".join(b.text for b in result.content if isinstance(b, TextBlock))
+            for call_id, result in self._results.items()
+            if call_id in call_ids
+        }
+        body = markers.render_partial(self._failed_blocks, known)
+        self._failed_blocks = []
+        if body:
+            self._retry_note = TextBlock(text=markers.wrap(markers.TURN_RETRIED, body))
 
     def _flush_results(self) -> None:
         """Move the results of the open calls, in call order, into the pending input.
@@ -225,12 +293,18 @@ class Transcript:
             self._attempt_blocks = []
             self._attempt_active = False
             self._results.clear()
+            self._failed_blocks = []
+            self._retry_note = None
+            self._prompt_parts = 0
             return
         # Case A: the message was complete; finished results are carried as they are,
         # unfinished calls get the interrupted placeholder so every call stays paired.
         self._flush_results()
-        self.carry_over = self._pending
+        self.carry_over = list(self._input())
         self._pending = []
+        self._failed_blocks = []
+        self._retry_note = None
+        self._prompt_parts = 0
 
     def recover(self, *, session_id: str, run_id: str) -> None:
         """Close a trace that ended without ``task_end`` (the process died mid-task):
