@@ -59,9 +59,26 @@ def load_image(block: ImageBlock) -> dict[str, Any] | None:
     }
 
 
+POOL_SHARDS = 8
+SHARD_BUSY = 64
+"""httpcore's pool scans every connection it holds for each request it places, so one pool
+of 1,000 busy connections costs O(1,000) per request. The provider starts with one client
+and adds another (up to ``shards``, sharing one SSL context) only when every client has
+``SHARD_BUSY`` requests in flight; each request goes to the least busy client. A small
+host keeps one client; at N = 1,000 a request scans about 1/8 of the open connections."""
+
+
+class _Shard:
+    __slots__ = ("active", "client")
+
+    def __init__(self, client: anthropic.AsyncAnthropic) -> None:
+        self.client = client
+        self.active = 0
+
+
 class AnthropicProvider:
-    """Anthropic Messages API through ``anthropic.AsyncAnthropic``; one client per host
-    and endpoint, shared by every session."""
+    """Anthropic Messages API through ``anthropic.AsyncAnthropic``; one provider per host
+    and endpoint, shared by every session (its clients and pools included)."""
 
     name = "anthropic"
 
@@ -72,43 +89,73 @@ class AnthropicProvider:
         base_url: str | None = None,
         timeout: httpx2.Timeout = DEFAULT_TIMEOUT,
         max_connections: int = 2000,
+        shards: int = POOL_SHARDS,
     ) -> None:
         key = api_key or os.environ.get("ANTHROPIC_API_KEY")
         if not key:
             raise ConfigurationError(
                 "the anthropic provider needs an API key: set ANTHROPIC_API_KEY"
             )
-        limits = httpx2.Limits(
-            max_connections=max_connections, max_keepalive_connections=max_connections
+        self._key = key
+        self._base_url = base_url
+        self._timeout = timeout
+        self._max_shards = max(1, shards)
+        per_shard = max(1, -(-max_connections // self._max_shards))
+        self._limits = httpx2.Limits(
+            max_connections=per_shard, max_keepalive_connections=per_shard
         )
-        self._client = anthropic.AsyncAnthropic(
-            api_key=key,
-            base_url=base_url,
+        self._ssl = httpx2.create_ssl_context()
+        self._shards: list[_Shard] = []
+        self._add_shard()
+
+    def _add_shard(self) -> _Shard:
+        client = anthropic.AsyncAnthropic(
+            api_key=self._key,
+            base_url=self._base_url,
             max_retries=0,
-            timeout=timeout,
-            http_client=anthropic.DefaultAsyncHttpxClient(limits=limits, timeout=timeout),
+            timeout=self._timeout,
+            http_client=anthropic.DefaultAsyncHttpxClient(
+                limits=self._limits, timeout=self._timeout, verify=self._ssl
+            ),
         )
+        shard = _Shard(client)
+        self._shards.append(shard)
+        return shard
+
+    def _pick(self) -> _Shard:
+        shards = self._shards
+        best = shards[0]
+        for shard in shards:
+            if shard.active < best.active:
+                best = shard
+        if best.active >= SHARD_BUSY and len(shards) < self._max_shards:
+            best = self._add_shard()
+        return best
 
     def open_task(self) -> _AnthropicTask:
         """Per-task state: the request encoder that reuses earlier turns' encodings."""
-        return _AnthropicTask(self._client)
+        return _AnthropicTask(self)
 
     async def aclose(self) -> None:
-        await self._client.close()
+        shards, self._shards = self._shards, []
+        for shard in shards:
+            await shard.client.close()
 
 
 class _AnthropicTask:
-    __slots__ = ("_client", "_encoder")
+    __slots__ = ("_encoder", "_provider")
 
-    def __init__(self, client: anthropic.AsyncAnthropic) -> None:
-        self._client = client
+    def __init__(self, provider: AnthropicProvider) -> None:
+        self._provider = provider
         self._encoder = RequestEncoder(image_loader=load_image)
 
     async def stream(self, request: ModelRequest, deliver: Deliver) -> None:
         body = self._encoder.build(request)
         decoder = AnthropicStreamDecoder()
+        shard = self._provider._pick()
+        shard.active += 1
         try:
-            async with self._client.messages.with_streaming_response.create(
+            async with shard.client.messages.with_streaming_response.create(
                 **body
             ) as response:
                 async for chunk in response.iter_bytes():
@@ -128,6 +175,8 @@ class _AnthropicTask:
             await deliver([_failed("timeout", "stream stalled: read timed out")])
         except httpx2.TransportError as exc:
             await deliver([_failed("timeout", f"connection dropped: {_cause(exc)}")])
+        finally:
+            shard.active -= 1
 
 
 def _status_error(exc: anthropic.APIStatusError) -> ModelError:

@@ -482,6 +482,55 @@ def _int(value: Any) -> int:
     return value if isinstance(value, int) else 0
 
 
+# The hot path. json.loads costs four Python calls and two regex matches per event before
+# the C scanner runs; the scanner alone is enough for one JSON object per SSE ``data``
+# (anything it does not fully consume goes through json.loads for the exact error).
+_scan_once: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+_scanstring: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
+
+
+def _loads(text: str) -> Any:
+    try:
+        value, end = _scan_once(text, 0)
+    except (StopIteration, ValueError):
+        return json.loads(text)
+    if end != len(text):
+        return json.loads(text)
+    return value
+
+
+_DELTA_PREFIX = '{"type":"content_block_delta","index":'
+_DELTA_START = len(_DELTA_PREFIX)
+_DELTA_MIDDLES: tuple[tuple[str, int, str], ...] = tuple(
+    (middle, len(middle), kind)
+    for middle, kind in (
+        (',"delta":{"type":"text_delta","text":"', "text"),
+        (',"delta":{"type":"input_json_delta","partial_json":"', "tool_call"),
+        (',"delta":{"type":"thinking_delta","thinking":"', "thinking"),
+    )
+)
+
+
+def _fast_delta(text: str) -> tuple[int, str, str] | None:
+    """``(index, block kind, value)`` of a compact ``content_block_delta`` carrying exactly
+    one text/partial_json/thinking string (the shape the API sends), else None. The caller
+    has checked the prefix."""
+    comma = text.find(",", _DELTA_START)
+    digits = text[_DELTA_START:comma]
+    if not (digits.isascii() and digits.isdigit()) or (digits[0] == "0" and len(digits) > 1):
+        return None  # also when comma < 0: digits is then not all digits or empty
+    for middle, size, kind in _DELTA_MIDDLES:
+        if text.startswith(middle, comma):
+            try:
+                value, end = _scanstring(text, comma + size)
+            except ValueError:
+                return None
+            if end != len(text) - 2 or not text.endswith("}}"):
+                return None
+            return int(digits), kind, value
+    return None
+
+
 class AnthropicStreamDecoder:
     """Decodes one streamed Messages API response body into stream events.
 
@@ -539,11 +588,33 @@ class AnthropicStreamDecoder:
         if self._done:
             return []
         out: list[StreamEvent] = []
+        blocks = self._blocks
         for name, text in self._sse.feed_raw(data):
+            # Fast path for the bulk of a stream: a delta of an open block, in the compact
+            # shape the API sends. Anything else (or any surprise) takes the full parse.
+            if name == "content_block_delta" and text.startswith(_DELTA_PREFIX):
+                fast = _fast_delta(text)
+                if fast is not None:
+                    idx, kind, value = fast
+                    blk = blocks.get(idx)
+                    if blk is not None and blk.kind == kind:
+                        if self._deferred is not None:
+                            self._flush_deferred(out)
+                        self._last_event = name
+                        if value:
+                            blk.parts.append(value)
+                            if kind == "text":
+                                out.append(TextDelta(index=idx, text=value))
+                            elif kind == "tool_call":
+                                out.append(ToolArgumentsDelta(index=idx, call_id=blk.call_id,
+                                                              name=blk.name, delta=value))
+                            else:
+                                out.append(ThinkingDelta(index=idx, text=value))
+                        continue
             if name == "ping":
                 continue
             try:
-                payload = json.loads(text)
+                payload = _loads(text)
             except ValueError as exc:
                 self._fail(out, "malformed", f"invalid JSON in {name or 'an'} event: {exc}")
                 break

@@ -20,6 +20,13 @@ _BOM = b"\xef\xbb\xbf"
 _LF = 0x0A
 _CR = 0x0D
 _COLON = 0x3A
+_EVENT_NAMES: dict[bytes, str] = {
+    n.encode(): n
+    for n in (
+        "message_start", "content_block_start", "content_block_delta", "content_block_stop",
+        "message_delta", "message_stop", "ping", "error", "message",
+    )
+}
 
 
 @attrs.frozen(kw_only=True, slots=True)
@@ -89,11 +96,48 @@ class SSEDecoder:
             self._pending.append(data)
             data = b"".join(self._pending)
             self._pending.clear()
-        lines = data.split(b"\n")
+        if not self._started or b"\n\n" not in data:
+            lines = data.split(b"\n")
+            tail = lines.pop()
+            if tail:
+                self._pending.append(tail)
+            return self._lines(lines)
+        # Whole events: the common shapes (``event: X`` + one ``data:`` line, or one
+        # ``data:`` line) are cut out with two searches each; anything else, or an event
+        # begun in an earlier chunk, goes through the line-by-line path.
+        blocks = data.split(b"\n\n")
+        rest = blocks.pop()
+        events: list[tuple[str | None, str]] = []
+        names = _EVENT_NAMES
+        for block in blocks:
+            if not self._data and self._event is None:
+                if block.startswith(b"event: "):
+                    nl = block.find(b"\n")
+                    if (
+                        nl > 0
+                        and block.startswith(b"data: ", nl + 1)
+                        and block.find(b"\n", nl + 1) < 0
+                        and b":" not in block[7:nl]
+                    ):
+                        raw = block[7:nl]
+                        name = names.get(raw)
+                        if name is None:
+                            name = raw.decode("utf-8", "replace") or None
+                        events.append((name, block[nl + 7 :].decode("utf-8", "replace")))
+                        continue
+                elif block.startswith(b"data: ") and b"\n" not in block:
+                    events.append((None, block[6:].decode("utf-8", "replace")))
+                    continue
+            lines = block.split(b"\n")
+            lines.append(b"")
+            events += self._lines(lines)
+        lines = rest.split(b"\n")
         tail = lines.pop()
         if tail:
             self._pending.append(tail)
-        return self._lines(lines)
+        if lines:
+            events += self._lines(lines)
+        return events
 
     def close(self) -> list[SSEEvent]:
         """End of stream. Always returns ``[]`` (an unterminated event is never
