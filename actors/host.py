@@ -24,6 +24,7 @@ from greenroom.actors.errors import ConfigurationError, HostClosed, SessionNotFo
 from greenroom.actors.llm_streamer import ModelProvider
 from greenroom.actors.session import Session
 from greenroom.actors.trace_sink import TraceSink, latest_trace_file, read_trace
+from greenroom.protocols.context import ToolSchema
 from greenroom.protocols.converter import converter
 from greenroom.protocols.hooks import Hooks
 from greenroom.protocols.settings import SessionSettings
@@ -69,6 +70,9 @@ class Host:
         self._sink = sink
         self._sessions: dict[str, Session] = {}
         self._providers: dict[tuple[str, str | None], ModelProvider] = {}
+        self._tool_tables: dict[tuple[int, ...], tuple[dict[str, Tool], tuple[ToolSchema, ...]]]
+        self._tool_tables = {}
+        self._paths: dict[str, Path] = {}
         self._closed = False
 
     @classmethod
@@ -149,7 +153,7 @@ class Host:
             session_id=sid,
             directory=directory,
             settings=final,
-            workspace_dir=workspace,
+            workspace_dir=self._intern_path(workspace),
             tools=tool_list,
             provider=model_provider,
             transcript=Transcript(supports_vision=final.supports_vision),
@@ -205,7 +209,7 @@ class Host:
             session_id=session_id,
             directory=directory,
             settings=settings,
-            workspace_dir=Path(meta.get("workspace_dir", ".")),
+            workspace_dir=self._intern_path(Path(meta.get("workspace_dir", "."))),
             tools=tools,
             provider=model_provider,
             transcript=transcript,
@@ -253,6 +257,23 @@ class Host:
     def _check_open(self) -> None:
         if self._closed:
             raise HostClosed("the host is closed")
+
+    def _tool_table(self, tools: Iterable[Tool]) -> tuple[dict[str, Tool], tuple[ToolSchema, ...]]:
+        """The name table and schemas of a tool list, shared by every session of this
+        host that uses the same tool objects (read-only for the sessions)."""
+        tool_list = list(tools)
+        key = tuple(id(t) for t in tool_list)
+        table = self._tool_tables.get(key)
+        if table is None:
+            by_name = {t.name: t for t in tool_list}
+            table = (by_name, tuple(t.schema for t in by_name.values()))
+            self._tool_tables[key] = table
+            # The tools stay referenced by the table, so their ids cannot be reused.
+        return table
+
+    def _intern_path(self, path: Path) -> Path:
+        """One Path object per distinct workspace, shared by its sessions."""
+        return self._paths.setdefault(str(path), path)
 
     def _start_task(self, fn: Callable[[], Awaitable[None]]) -> None:
         self._nursery.start_soon(fn)

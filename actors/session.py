@@ -21,7 +21,7 @@ from greenroom.actors.approval_broker import ApproveFn, ClientApprover
 from greenroom.actors.errors import AuthLocked, Busy, SessionClosed
 from greenroom.actors.supervisor import SessionSupervisor, TaskInput
 from greenroom.protocols.content import TextBlock, UserContent
-from greenroom.protocols.context import ModelRequest, ToolSchema, UserMessage
+from greenroom.protocols.context import ModelRequest, UserMessage
 from greenroom.protocols.hooks import Hooks
 from greenroom.protocols.outputs import CompactionEnd, Output
 from greenroom.protocols.settings import SessionSettings
@@ -33,6 +33,9 @@ from greenroom.protocols.transcript import Transcript
 if TYPE_CHECKING:
     from greenroom.actors.host import Host
     from greenroom.actors.llm_streamer import ModelProvider
+
+NO_HOOKS = Hooks()
+"""The hooks of a session that was given none (shared: Hooks is frozen)."""
 
 Listener = Callable[[list[Output]], None]
 """A subscriber: called with every batch of outputs, in order. Must not block or raise."""
@@ -131,6 +134,34 @@ class Session:
     :class:`AuthLocked` or :class:`SessionClosed` instead of queueing silently.
     """
 
+    # An idle session should cost its history and little more (thousands of sessions
+    # live in one host): slots, no trio objects until work arrives, containers created
+    # on first use, and the tool table shared by the sessions that use the same tools.
+    __slots__ = (
+        "_client_approver_fn",
+        "_closed",
+        "_follow_ups",
+        "_host",
+        "_idle",
+        "_listeners",
+        "_next_run_id",
+        "_provider",
+        "_seq",
+        "_session_rules",
+        "_supervisor",
+        "_tool_schemas",
+        "_tools",
+        "_trace_number",
+        "_transcript",
+        "auth_locked",
+        "directory",
+        "hooks",
+        "id",
+        "load_errors",
+        "settings",
+        "workspace_dir",
+    )
+
     def __init__(
         self,
         *,
@@ -150,25 +181,22 @@ class Session:
         self.settings = settings
         self.workspace_dir = workspace_dir
         self.auth_locked: str | None = None
-        self.load_errors: list[str] = []
+        self.load_errors: Sequence[str] = ()
         self._host = host
-        self._tools: dict[str, Tool] = {t.name: t for t in tools}
-        self._tool_schemas: tuple[ToolSchema, ...] = tuple(t.schema for t in self._tools.values())
+        self._tools, self._tool_schemas = host._tool_table(tools)
         self._provider = provider
         self._transcript = transcript
         self._seq = last_seq
         self._trace_number = trace_number
-        self._trace_path = directory / trace_file_name(trace_number)
-        self._session_rules: set[str] = set()
+        self._session_rules: set[str] | None = None
         self._supervisor: SessionSupervisor | None = None
-        self._follow_ups: list[TaskInput] = []
-        self._listeners: list[Listener] = []
+        self._follow_ups: list[TaskInput] | None = None
+        self._listeners: list[Listener] | None = None
         self._client_approver_fn: ClientApprover | None = None
         self._next_run_id: str | None = None
-        self._idle = trio.Event()
-        self._idle.set()
+        self._idle: trio.Event | None = None  # exists only while busy
         self._closed = False
-        self.hooks = Hooks()
+        self.hooks = NO_HOOKS
         """Host hooks at the loop's checkpoints (R-HOOK-1); replace to change them."""
 
     # -- public API -----------------------------------------------------------------
@@ -180,7 +208,7 @@ class Session:
     @property
     def trace_path(self) -> Path:
         """The current trace file (one model context: R-COMPACT-8)."""
-        return self._trace_path
+        return self.directory / trace_file_name(self._trace_number)
 
     @property
     def busy(self) -> bool:
@@ -247,6 +275,8 @@ class Session:
         outputs continue the running ``RunStream``. Returns False when idle."""
         if self._supervisor is None:
             return False
+        if self._follow_ups is None:
+            self._follow_ups = []
         self._follow_ups.append(
             TaskInput(content=_as_content(messages), approve=approve, thinking_level=thinking_level)
         )
@@ -256,7 +286,7 @@ class Session:
         """Interrupt the running task (R-ABORT-1). Returns False when idle."""
         if self._supervisor is None:
             return False
-        self._follow_ups.clear()
+        self._follow_ups = None
         self._supervisor.interrupt(reason)
         return True
 
@@ -354,10 +384,12 @@ class Session:
     def subscribe(self, listener: Listener) -> Callable[[], None]:
         """Call ``listener`` with every batch of outputs from now on; returns the
         function that unsubscribes. For websocket clients and other watchers."""
+        if self._listeners is None:
+            self._listeners = []
         self._listeners.append(listener)
 
         def unsubscribe() -> None:
-            if listener in self._listeners:
+            if self._listeners is not None and listener in self._listeners:
                 self._listeners.remove(listener)
 
         return unsubscribe
@@ -368,14 +400,16 @@ class Session:
 
     async def wait_idle(self) -> None:
         """Return when no task is running."""
-        await self._idle.wait()
+        if self._idle is not None:
+            await self._idle.wait()
 
     async def aclose(self) -> None:
         """Interrupt any running task and wait until it has finished writing
         (R-HOST-3). The session accepts no more work."""
         self._closed = True
         self.interrupt("session closed")
-        await self._idle.wait()
+        if self._idle is not None:
+            await self._idle.wait()
         await self._sync_trace()
 
     # -- used by the supervisor --------------------------------------------------------
@@ -394,10 +428,10 @@ class Session:
         return self._seq
 
     def _trace(self, output: Output) -> None:
-        self._host._sink.write(self._trace_path, encode_record(output))
+        self._host._sink.write(self.trace_path, encode_record(output))
 
     async def _sync_trace(self) -> None:
-        await self._host._sink.sync(self._trace_path)
+        await self._host._sink.sync(self.trace_path)
 
     def _record_usage(
         self,
@@ -427,13 +461,12 @@ class Session:
     def _rotate_trace(self) -> str:
         """Start the next trace file (after a successful compaction); returns its name."""
         self._trace_number += 1
-        name = trace_file_name(self._trace_number)
-        self._trace_path = self.directory / name
-        return name
+        return trace_file_name(self._trace_number)
 
     def _publish(self, batch: list[Output]) -> None:
-        for listener in self._listeners:
-            listener(batch)
+        if self._listeners:
+            for listener in self._listeners:
+                listener(batch)
 
     def _client_approver(self) -> ClientApprover | None:
         return self._client_approver_fn
@@ -441,11 +474,21 @@ class Session:
     def _take_follow_up(self, finished: TaskInput) -> TaskInput | None:
         return self._follow_ups.pop(0) if self._follow_ups else None
 
+    def _rules(self) -> set[str]:
+        """The "allow for this session" rules (R-APPROVE-4), created on first use."""
+        if self._session_rules is None:
+            self._session_rules = set()
+        return self._session_rules
+
     def _task_finished(self, supervisor: SessionSupervisor) -> None:
         if self._supervisor is supervisor:
             self._supervisor = None
-            self._follow_ups.clear()
-            self._idle.set()
+            self._follow_ups = None
+            if self._idle is not None:
+                self._idle.set()
+                self._idle = None
+            if not self._session_rules:
+                self._session_rules = None
 
     def _lock_auth(self, message: str) -> None:
         self.auth_locked = message

@@ -265,7 +265,7 @@ class SessionSupervisor:
             broker = ApprovalBroker(
                 approve=task.approve,
                 ask_clients=session._client_approver(),
-                session_rules=session._session_rules,
+                session_rules=session._rules(),
                 timeout_s=settings.approval_timeout_s,
                 inbox=self._inbox,
             )
@@ -819,7 +819,7 @@ class SessionSupervisor:
             )
         )
         if message.verdict == "allow_session":
-            self._session._session_rules.add(call.block.name)
+            self._session._rules().add(call.block.name)
         assert self._pool is not None
         if not allowed:
             call.state = "done"
