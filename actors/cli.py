@@ -40,6 +40,7 @@ from greenroom.actors.builtin_tools import builtin_tools
 from greenroom.actors.errors import AuthLocked, ConfigurationError, GreenroomError, SessionNotFound
 from greenroom.actors.host import SESSION_FILE, Host, default_data_dir, default_provider_name
 from greenroom.actors.session import Session
+from greenroom.actors.subagents import spawn_subagent
 from greenroom.actors.tool_loader import ToolLoadError, load_tools
 from greenroom.actors.trace_sink import latest_trace_file, read_trace
 from greenroom.protocols.content import (
@@ -474,10 +475,12 @@ def run_options(args: argparse.Namespace, prompt: str) -> RunOptions:
 
 
 def collect_tools(specs: Sequence[str], *, builtin: bool = True) -> list[Tool]:
-    """The built-in tools (unless ``builtin`` is False) and the tools of each ``--tools``
-    spec; a tool from a spec replaces a built-in of the same name. Raises
-    :class:`UsageError` naming the spec when one cannot be loaded."""
-    tools: dict[str, Tool] = {t.name: t for t in builtin_tools()} if builtin else {}
+    """The built-in tools and ``spawn_subagent`` (unless ``builtin`` is False) and the
+    tools of each ``--tools`` spec; a tool from a spec replaces a built-in of the same
+    name. Raises :class:`UsageError` naming the spec when one cannot be loaded."""
+    tools: dict[str, Tool] = (
+        {t.name: t for t in (*builtin_tools(), spawn_subagent)} if builtin else {}
+    )
     for spec in specs:
         try:
             loaded = load_tools(spec)

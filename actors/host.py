@@ -3,7 +3,9 @@
 A :class:`Host` owns the root nursery, the shared :class:`TraceSink` (trace files and the
 usage ledger) and the provider clients, and creates, loads, lists and closes sessions
 (R-HOST-1). Sessions live in ``<data_dir>/sessions/<session_id>/``: ``session.json``
-(settings, workspace), ``trace_001.jsonl``… and ``scratch/``.
+(settings, workspace, and ``parent_id`` for a subagent), ``trace_001.jsonl``… and
+``scratch/``. A subagent (R-HOST-4) is such a session too, created by its parent's
+``spawn_subagent`` call and forgotten by the host when its task ends (its files stay).
 """
 
 from __future__ import annotations
@@ -105,11 +107,14 @@ class Host:
         settings: SessionSettings | None = None,
         session_id: str | None = None,
         hooks: Hooks | None = None,
+        parent_id: str | None = None,
         **overrides: Any,
     ) -> Session:
         """Create a session. ``provider`` is ``anthropic``, ``openai``, ``scripted`` or a
         provider object; ``settings`` and keyword overrides (any
-        :class:`SessionSettings` field) fill the rest; ``hooks`` are its R-HOOK-1 hooks."""
+        :class:`SessionSettings` field) fill the rest; ``hooks`` are its R-HOOK-1 hooks.
+        ``parent_id`` names the session that spawned this one as a subagent (R-HOST-4);
+        it is stored in ``session.json``."""
         self._check_open()
         base = settings or SessionSettings()
         provider_name = (
@@ -147,6 +152,8 @@ class Host:
             "settings": converter.unstructure(final),
             "tools": [t.name for t in tool_list],
         }
+        if parent_id is not None:
+            meta["parent_id"] = parent_id
         await trio.to_thread.run_sync(_write_meta, directory, meta)
         session = Session(
             host=self,
@@ -157,6 +164,7 @@ class Host:
             tools=tool_list,
             provider=model_provider,
             transcript=Transcript(supports_vision=final.supports_vision),
+            parent_id=parent_id,
         )
         if hooks is not None:
             session.hooks = hooks
@@ -215,6 +223,7 @@ class Host:
             transcript=transcript,
             last_seq=last_seq,
             trace_number=number,
+            parent_id=meta.get("parent_id"),
         )
         session.load_errors = errors
         self._sessions[session_id] = session
@@ -274,6 +283,13 @@ class Host:
     def _intern_path(self, path: Path) -> Path:
         """One Path object per distinct workspace, shared by its sessions."""
         return self._paths.setdefault(str(path), path)
+
+    def _forget(self, session: Session) -> None:
+        """Drop a finished subagent session from the open sessions; it accepts no more
+        work (its files stay: ``load_session`` opens it again)."""
+        if self._sessions.get(session.id) is session:
+            del self._sessions[session.id]
+        session._closed = True
 
     def _start_task(self, fn: Callable[[], Awaitable[None]]) -> None:
         self._nursery.start_soon(fn)

@@ -145,6 +145,7 @@ class Session:
         "_idle",
         "_listeners",
         "_next_run_id",
+        "_path",
         "_provider",
         "_seq",
         "_session_rules",
@@ -158,6 +159,7 @@ class Session:
         "hooks",
         "id",
         "load_errors",
+        "parent_id",
         "settings",
         "workspace_dir",
     )
@@ -175,8 +177,11 @@ class Session:
         transcript: Transcript,
         last_seq: int = 0,
         trace_number: int = 1,
+        parent_id: str | None = None,
     ) -> None:
         self.id = session_id
+        self.parent_id = parent_id
+        """The session that spawned this one as a subagent (R-HOST-4), else None."""
         self.directory = directory
         self.settings = settings
         self.workspace_dir = workspace_dir
@@ -196,6 +201,7 @@ class Session:
         self._next_run_id: str | None = None
         self._idle: trio.Event | None = None  # exists only while busy
         self._closed = False
+        self._path: tuple[str, ...] | None = None  # set on a running subagent
         self.hooks = NO_HOOKS
         """Host hooks at the loop's checkpoints (R-HOOK-1); replace to change them."""
 
@@ -209,6 +215,13 @@ class Session:
     def trace_path(self) -> Path:
         """The current trace file (one model context: R-COMPACT-8)."""
         return self.directory / trace_file_name(self._trace_number)
+
+    @property
+    def origin_path(self) -> tuple[str, ...]:
+        """The path of session ids from the root to this session (R-HOST-4): ``(id,)``
+        for a session the host runs, ``(root_id, …, id)`` for a running subagent. Its
+        outputs reach its ancestors' streams with this as their ``origin``."""
+        return self._path or (self.id,)
 
     @property
     def busy(self) -> bool:
@@ -411,6 +424,54 @@ class Session:
         if self._idle is not None:
             await self._idle.wait()
         await self._sync_trace()
+
+    # -- subagents (R-HOST-4) -----------------------------------------------------------
+
+    async def _run_as_child(
+        self,
+        content: Sequence[UserContent] | str,
+        *,
+        approve: ApproveFn | None,
+        listener: Listener,
+        reason: str = "parent task interrupted",
+    ) -> None:
+        """Run one task as a subagent in the calling task — a tool call of the parent
+        session's task — instead of the host's nursery, and return when it has ended.
+
+        ``listener`` gets every batch of its outputs, from the first (there is no
+        ``RunStream``). Cancelling the caller interrupts the subagent with ``reason``:
+        the subagent runs shielded, so it settles and records its own ``abort`` and
+        ``task_end(aborted)`` in its trace (bounded by the supervisor's teardown grace)
+        before the cancellation goes on to the caller."""
+        self._check_open()
+        if self._supervisor is not None:
+            raise Busy(f"session {self.id} is already running a task")
+        task = TaskInput(content=_as_content(content), approve=approve, thinking_level=None)
+        send, receive = trio.open_memory_channel[list[Output]](0)
+        receive.close()  # the outputs go to the listener only
+        supervisor = SessionSupervisor(self, task, send, None)
+        self._supervisor = supervisor
+        self._idle = trio.Event()
+        unsubscribe = self.subscribe(listener)
+        finished = trio.Event()
+
+        async def run_shielded() -> None:
+            try:
+                with trio.CancelScope(shield=True):
+                    await supervisor.run()
+            finally:
+                finished.set()
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run_shielded)
+                try:
+                    await finished.wait()
+                except trio.Cancelled:
+                    supervisor.interrupt(reason)
+                    raise
+        finally:
+            unsubscribe()
 
     # -- used by the supervisor --------------------------------------------------------
 

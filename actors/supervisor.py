@@ -11,6 +11,11 @@ feeds traced outputs to the session's :class:`Transcript`, which owns the model 
 Interrupt is cancellation: the task runs inside a cancel scope; ``interrupt()`` cancels it,
 and the supervisor settles the turn (R-ABORT-1..3) under a shielded, bounded scope before
 it emits exactly one ``task_end``.
+
+A subagent (R-HOST-4, :mod:`greenroom.actors.subagents`) runs its own supervisor inside
+a ``spawn_subagent`` call's task, i.e. in this task's nursery; its outputs come back
+through :meth:`SessionSupervisor._forward` as live outputs of this run, tagged with their
+``origin`` and never traced here.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import trio
 from greenroom.actors.approval_broker import ApprovalBroker, ApproveFn
 from greenroom.actors.compactor import Compactor
 from greenroom.actors.llm_streamer import LLMStreamer, ProviderTask
+from greenroom.actors.subagents import Subagents
 from greenroom.actors.tool_pool import ToolPool
 from greenroom.protocols import markers
 from greenroom.protocols.content import (
@@ -270,6 +276,7 @@ class SessionSupervisor:
                 inbox=self._inbox,
             )
             await nursery.start(broker.run, approvals_receive)
+            subagents = Subagents(session, approve=task.approve, forward=self._forward)
             self._pool = ToolPool(
                 tools=session._tools,
                 inbox=self._inbox,
@@ -277,6 +284,7 @@ class SessionSupervisor:
                 scratchpad_dir=session.scratchpad_dir,
                 sync_trace=session._sync_trace,
                 result_budget=settings.tool_result_budget,
+                spawn=subagents.spawn,
             )
             self._provider_task = session._provider.open_task()
             self._streamer = LLMStreamer(self._provider_task, self._inbox)
@@ -827,6 +835,10 @@ class SessionSupervisor:
             self._emit_tool_output(call, "denied", markers.DENIED_TEXT)  # R-APPROVE-3
             return
         call.state = "running"
+        if self._scope.cancel_called:
+            # The interrupt came first (the decision was still in the inbox): the call
+            # never starts, and settling the abort reports it interrupted (R-ABORT-2).
+            return
         command = RunToolCall(call=call.block, position=call.position)
         self._pool.admit(command)
         self._nursery_start(self._pool.execute, command)
@@ -943,6 +955,16 @@ class SessionSupervisor:
         session._transcript.apply(output)
         self._batch.append(output)
         return output
+
+    def _forward(self, batch: list[Output], origin: tuple[str, ...]) -> None:
+        """Emit a subagent's outputs as live outputs of this run (R-HOST-4): its own get
+        ``origin`` (root first, the subagent last); a grandchild's keep theirs. Never
+        traced here: they are in the subagent's trace. Called from the subagent's task,
+        synchronously inside its flush, so it never blocks."""
+        append = self._batch.append
+        for output in batch:
+            append(output if output.origin is not None else attrs.evolve(output, origin=origin))
+        self._flush()
 
     def _flush(self) -> None:
         if not self._batch:

@@ -6,6 +6,8 @@ until every earlier call of the turn is terminal, and every later call waits for
 a timeout becomes an error result (R-TOOL-4, R-TOOL-5). Results larger than the budget are
 cut to head and tail with a marker naming the scratchpad file holding all of it (R-TOOL-8).
 Progress notes go to the supervisor, which drops those of finished calls (R-TOOL-6).
+A tool that takes ``ctx`` gets the supervisor's ``spawn`` callback there (subagents,
+R-HOST-4); the subagent then runs in the call's task, under this pool's cancellation.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class ToolPool:
         "_limiter",
         "_result_budget",
         "_scratchpad_dir",
+        "_spawn",
         "_sync_trace",
         "_terminal",
         "_tools",
@@ -56,6 +59,7 @@ class ToolPool:
         sync_trace: Callable[[], Awaitable[None]],
         result_budget: int,
         slots: int = SLOTS,
+        spawn: Callable[[str], Awaitable[str]] | None = None,
     ) -> None:
         self._tools = tools
         self._inbox = inbox
@@ -63,6 +67,7 @@ class ToolPool:
         self._scratchpad_dir = scratchpad_dir
         self._sync_trace = sync_trace
         self._result_budget = result_budget
+        self._spawn = spawn
         self._limiter = trio.CapacityLimiter(slots)
         self._terminal: list[trio.Event] = []
         self._exclusive: list[bool] = []
@@ -143,6 +148,7 @@ class ToolPool:
                 workspace_dir=self._workspace_dir,
                 scratchpad_dir=self._scratchpad_dir,
                 report_progress=report,
+                spawn=self._spawn,
             )
         try:
             if tool.timeout_s is not None:

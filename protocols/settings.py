@@ -22,6 +22,13 @@ class SessionSettings:
     ``max_turns`` (R-RUN-6) and ``max_session_turns`` (R-COMPACT-1) use -1 for no limit.
     ``tool_result_budget`` is in bytes (R-TOOL-8). ``approval_timeout_s`` denies an
     approval request that waits longer (R-APPROVE-4).
+
+    Subagents (R-HOST-4): ``max_subagents_concurrent`` children of one task run at once
+    (more wait for a slot); ``max_subagents_per_task`` children in all per task (beyond, the
+    call is an error output; -1 for no limit); ``subagent_token_budget`` total tokens (the
+    sum of its requests' ``total``) one child may use before it is interrupted and the call
+    fails (-1 for no limit); ``max_subagent_depth`` levels of subagents below a session that
+    was not spawned (1: children cannot spawn grandchildren; 0: no subagents at all).
     """
 
     provider: ProviderName = "scripted"
@@ -39,3 +46,7 @@ class SessionSettings:
     supports_vision: bool = True
     loop_repeat_threshold: int = 3
     loop_no_progress_threshold: int = 5
+    max_subagents_concurrent: int = 3
+    max_subagents_per_task: int = 8
+    subagent_token_budget: int = 200_000
+    max_subagent_depth: int = 1

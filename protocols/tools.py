@@ -39,12 +39,18 @@ class ToolContext:
 
     ``report_progress`` never raises and never blocks; notes sent after the call is
     terminal are dropped (R-TOOL-6).
+
+    ``spawn`` runs a subagent on a task inside the calling session's task and returns its
+    final answer (R-HOST-4); it raises when the subagent fails or hits a limit. It is an
+    opaque callback into the runtime, set by the tool pool; None where subagents are not
+    available (a tool run outside a session).
     """
 
     call_id: str
     workspace_dir: Path
     scratchpad_dir: Path
     report_progress: Callable[[str], None]
+    spawn: Callable[[str], Awaitable[str]] | None = None
 
 
 ToolFunction = Callable[..., Awaitable[Any]]

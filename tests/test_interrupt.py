@@ -256,3 +256,37 @@ async def test_interrupt_when_idle_returns_false(
         outputs = await collect(session.run("hi"))
         assert of_type(outputs, TaskEnd)[0].status == "completed"
         assert session.interrupt() is False
+
+
+async def test_interrupt_while_an_allow_decision_waits_in_the_inbox(
+    host, workspace: Path, providers
+) -> None:
+    """An approval that arrives after the interrupt (still in the supervisor's inbox when
+    the task settles) never starts its call: the decision is recorded and the call is
+    interrupted, paired (R-APPROVE-1, R-ABORT-2)."""
+    ran: list[str] = []
+
+    async def work() -> str:
+        """Do work."""
+        ran.append("work")
+        return "done"
+
+    from greenroom.protocols.tools import make_tool
+
+    provider = providers([Reply(blocks=(tool_call("c1", "work"),)), Reply(blocks=(text("after"),))])
+    session = await host.create_session(
+        tools=[make_tool(work, parallel=True)], provider=provider, workspace_dir=workspace
+    )
+
+    def interrupt_then_allow(call: object) -> str:
+        session.interrupt("interrupted while deciding")
+        return "allow"
+
+    outputs = await collect(session.run("go", approve=interrupt_then_allow))
+
+    assert ran == []
+    assert_one_abort_then_task_end(outputs)
+    (output,) = of_type(outputs, ToolCallOutput)
+    assert output.status == "interrupted"
+    again = await collect(session.run("next", approve=allow_all))
+    assert of_type(again, TaskEnd)[-1].status == "completed"
