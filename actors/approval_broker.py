@@ -85,18 +85,17 @@ class ApprovalBroker:
         if call.name in self._session_rules:
             return ApprovalDecided(call=call, verdict="allow", by="session_rule")
         if self._approve is not None:
-            verdict: Verdict = "deny"
+            # A callback that raises or runs out of time decided nothing: the deny is
+            # the default's (R-APPROVE-2, R-APPROVE-4), not the host's.
             with trio.move_on_after(self._timeout_s):
                 try:
                     answer = self._approve(call)
                     if inspect.isawaitable(answer):
                         answer = await answer
-                    verdict = _as_verdict(answer)
-                except trio.Cancelled:
-                    raise
                 except Exception:
-                    verdict = "deny"
-            return ApprovalDecided(call=call, verdict=verdict, by="host")
+                    return ApprovalDecided(call=call, verdict="deny", by="default")
+                return ApprovalDecided(call=call, verdict=_as_verdict(answer), by="host")
+            return ApprovalDecided(call=call, verdict="deny", by="default")
         if self._ask_clients is not None:
             self._inbox.send_nowait(ApprovalAsked(call=call))
             client_verdict: Verdict | None = None

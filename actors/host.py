@@ -36,6 +36,9 @@ from greenroom.protocols.transcript import Transcript, rebuild
 
 SESSION_FILE = "session.json"
 
+SHUTDOWN_GRACE_S = 30.0
+"""Bound on closing a host: interrupting every running task and flushing the traces."""
+
 
 def default_data_dir() -> Path:
     """``$GREENROOM_HOME`` or ``~/.greenroom``."""
@@ -90,9 +93,14 @@ class Host:
             try:
                 yield host
             finally:
-                with trio.CancelScope(shield=True):
-                    await host.aclose()
-                    await sink.aclose()
+                # Shielded so that the last records land even when the host is being
+                # cancelled; bounded so that a tool stuck in a thread cannot hang it.
+                with trio.CancelScope(shield=True) as teardown:
+                    teardown.deadline = trio.current_time() + SHUTDOWN_GRACE_S
+                    try:
+                        await host.aclose()
+                    finally:
+                        await sink.aclose()
 
     # -- sessions -----------------------------------------------------------------------
 

@@ -92,11 +92,14 @@ class AnthropicProvider:
         shards: int = POOL_SHARDS,
     ) -> None:
         key = api_key or os.environ.get("ANTHROPIC_API_KEY")
-        if not key:
+        token = None if key else os.environ.get("ANTHROPIC_AUTH_TOKEN")
+        if not key and not token:
             raise ConfigurationError(
-                "the anthropic provider needs an API key: set ANTHROPIC_API_KEY"
+                "the anthropic provider needs credentials: set ANTHROPIC_API_KEY "
+                "(or ANTHROPIC_AUTH_TOKEN)"
             )
         self._key = key
+        self._token = token
         self._base_url = base_url
         self._timeout = timeout
         self._max_shards = max(1, shards)
@@ -111,6 +114,7 @@ class AnthropicProvider:
     def _add_shard(self) -> _Shard:
         client = anthropic.AsyncAnthropic(
             api_key=self._key,
+            auth_token=self._token,
             base_url=self._base_url,
             max_retries=0,
             timeout=self._timeout,

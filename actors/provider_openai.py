@@ -93,7 +93,7 @@ class _OpenAITask:
                     error = classify_error(response.status_code, content, response.headers)
                     await deliver([StreamFailed(error=error)])
                     return
-                async for chunk in response.aiter_raw():
+                async for chunk in response.aiter_bytes():
                     events = decoder.feed(chunk)
                     if events:
                         await deliver(events)

@@ -9,6 +9,7 @@ with the work.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -20,6 +21,7 @@ import trio
 from greenroom.actors.approval_broker import ApproveFn, ClientApprover
 from greenroom.actors.errors import AuthLocked, Busy, SessionClosed
 from greenroom.actors.supervisor import SessionSupervisor, TaskInput
+from greenroom.actors.trace_sink import TraceWriteError
 from greenroom.protocols.content import TextBlock, UserContent
 from greenroom.protocols.context import ModelRequest, UserMessage
 from greenroom.protocols.hooks import Hooks
@@ -152,6 +154,7 @@ class Session:
         "_supervisor",
         "_tool_schemas",
         "_tools",
+        "_trace_file",
         "_trace_number",
         "_transcript",
         "auth_locked",
@@ -193,6 +196,7 @@ class Session:
         self._transcript = transcript
         self._seq = last_seq
         self._trace_number = trace_number
+        self._trace_file: Path | None = None
         self._session_rules: set[str] | None = None
         self._supervisor: SessionSupervisor | None = None
         self._follow_ups: list[TaskInput] | None = None
@@ -214,7 +218,11 @@ class Session:
     @property
     def trace_path(self) -> Path:
         """The current trace file (one model context: R-COMPACT-8)."""
-        return self.directory / trace_file_name(self._trace_number)
+        # Cached while a task runs (every traced output names it); dropped when idle.
+        path = self._trace_file
+        if path is None:
+            path = self._trace_file = self.directory / trace_file_name(self._trace_number)
+        return path
 
     @property
     def origin_path(self) -> tuple[str, ...]:
@@ -423,7 +431,7 @@ class Session:
         self.interrupt("session closed")
         if self._idle is not None:
             await self._idle.wait()
-        await self._sync_trace()
+        await self._sync_trace_quietly()
 
     # -- subagents (R-HOST-4) -----------------------------------------------------------
 
@@ -494,6 +502,15 @@ class Session:
     async def _sync_trace(self) -> None:
         await self._host._sink.sync(self.trace_path)
 
+    async def _sync_trace_quietly(self) -> str | None:
+        """Sync for teardown paths that must finish whatever the disk does: a write
+        failure is returned (and stays recorded in the sink), never raised."""
+        try:
+            await self._sync_trace()
+        except TraceWriteError as exc:
+            return str(exc)
+        return None
+
     def _record_usage(
         self,
         run_id: str,
@@ -522,12 +539,16 @@ class Session:
     def _rotate_trace(self) -> str:
         """Start the next trace file (after a successful compaction); returns its name."""
         self._trace_number += 1
+        self._trace_file = None
         return trace_file_name(self._trace_number)
 
     def _publish(self, batch: list[Output]) -> None:
         if self._listeners:
-            for listener in self._listeners:
-                listener(batch)
+            # A copy: a listener may unsubscribe itself. A listener that raises is a bug
+            # of its owner; it must not take the session (or the host) down.
+            for listener in tuple(self._listeners):
+                with contextlib.suppress(Exception):
+                    listener(batch)
 
     def _client_approver(self) -> ClientApprover | None:
         return self._client_approver_fn
@@ -550,6 +571,7 @@ class Session:
                 self._idle = None
             if not self._session_rules:
                 self._session_rules = None
+            self._trace_file = None
 
     def _lock_auth(self, message: str) -> None:
         self.auth_locked = message

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -149,6 +149,7 @@ class SessionSupervisor:
         self._cancel_event = cancel
         self._scope = trio.CancelScope()
         self._abort_reason = "interrupted"
+        self._stopping = False
         inbox_send, inbox_receive = trio.open_memory_channel[SupervisorMessage](math.inf)
         # Unbounded on purpose: tools, approvals and the streamer report with send_nowait
         # and must never block on the supervisor; the supervisor drains it continuously.
@@ -183,6 +184,9 @@ class SessionSupervisor:
 
     def interrupt(self, reason: str) -> None:
         self._abort_reason = reason
+        # Also stops the follow-up loop: an interrupt that lands between two tasks (the
+        # scope of the last one already exited) must not let the next one start.
+        self._stopping = True
         self._scope.cancel()
 
     def steer(self, content: tuple[UserContent, ...]) -> None:
@@ -207,7 +211,7 @@ class SessionSupervisor:
                 await self._run_manual_compaction()
             while task is not None:
                 await self._run_task(task)
-                if self._scope.cancelled_caught or session.auth_locked:
+                if self._scope.cancelled_caught or self._stopping or session.auth_locked:
                     break
                 task = session._take_follow_up(task)
                 if task is not None:
@@ -259,7 +263,9 @@ class SessionSupervisor:
                     message=message,
                 )
             )
-            await session._sync_trace()
+            # A trace that cannot be written must not cost the host: the failure stays
+            # recorded in the sink, and task_end still reaches the host.
+            await session._sync_trace_quietly()
 
     async def _run_turns(self, task: TaskInput) -> tuple[TaskStatus, str | None]:
         session = self._session
@@ -545,7 +551,7 @@ class SessionSupervisor:
         with trio.CancelScope(shield=True) as teardown:
             teardown.deadline = trio.current_time() + ABORT_GRACE_S
             self._flush()
-            await session._sync_trace()
+            await session._sync_trace_quietly()
 
     def _end_interrupted_compaction(self, reason: str) -> None:
         if not self._compacting:
@@ -996,10 +1002,6 @@ def _request_status(error: ModelError) -> RequestStatus:
     if kind in ("auth", "timeout", "malformed", "failed", "context_overflow"):
         return kind
     return "failed"
-
-
-def iter_text(blocks: Iterable[ModelBlock]) -> str:
-    return "".join(b.text for b in blocks if isinstance(b, TextBlock))
 
 
 __all__ = ["MAX_RETRIES", "SessionSupervisor", "TaskInput"]

@@ -12,7 +12,7 @@ R-HOST-4); the subagent then runs in the call's task, under this pool's cancella
 
 from __future__ import annotations
 
-import json
+import hashlib
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
@@ -45,8 +45,6 @@ class ToolPool:
         "_terminal",
         "_tools",
         "_workspace_dir",
-        "peak_running",
-        "running",
     )
 
     def __init__(
@@ -71,8 +69,6 @@ class ToolPool:
         self._limiter = trio.CapacityLimiter(slots)
         self._terminal: list[trio.Event] = []
         self._exclusive: list[bool] = []
-        self.running = 0
-        self.peak_running = 0
 
     def begin_turn(self) -> None:
         self._terminal = []
@@ -107,12 +103,13 @@ class ToolPool:
                 if exclusive or self._exclusive[earlier]:
                     await self._terminal[earlier].wait()
             async with self._limiter:
-                self.running += 1
-                self.peak_running = max(self.peak_running, self.running)
                 try:
                     status, content = await self._run(call)
-                finally:
-                    self.running -= 1
+                except Exception as exc:
+                    # Whatever fails around the tool itself (the trace sync before a side
+                    # effect, the scratchpad write of a long result) is still an error
+                    # result the model sees, never a failed task (R-TOOL-4, R-TOOL-7).
+                    status, content = "error", _text(f"{call.name} failed: {exc!r}")
         finally:
             done.set()
         self._inbox.send_nowait(
@@ -190,14 +187,14 @@ def _text(message: str) -> tuple[ToolContent, ...]:
 
 
 def _safe(call_id: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_" else "_" for c in call_id) or "call"
+    """A file-name-safe form of a call id, bounded in length (ids come from the model)."""
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in call_id) or "call"
+    if len(safe) > 80:
+        safe = safe[:60] + "-" + hashlib.sha256(call_id.encode()).hexdigest()[:16]
+    return safe
 
 
 def _write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")
 
-
-def describe_call(call: ToolCallBlock) -> str:
-    """``name {json args}`` for human output."""
-    return f"{call.name} {json.dumps(call.arguments, ensure_ascii=False)}"

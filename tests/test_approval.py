@@ -244,7 +244,7 @@ async def test_callback_that_raises_denies(
         tools=[lookup.tool], provider=provider, workspace_dir=workspace
     )
     outputs = await collect(session.run("go", approve=approve))
-    assert decisions(outputs) == [("c1", "deny", "host")]
+    assert decisions(outputs) == [("c1", "deny", "default")]
     assert of_type(outputs, ToolCallOutput)[0].content == (TextBlock(text=DENIED),)
     assert lookup.calls == []
     assert of_type(outputs, TaskEnd)[0].status == "completed"
