@@ -720,11 +720,18 @@ class TerminalApprover:
         self._read_line = read_line or self._read_from_fd
         self._echoes = os.isatty(fd)
         self._previous: str | None = None
+        self._lock = trio.Lock()
 
     async def _read_from_fd(self) -> str | None:
         return await trio.to_thread.run_sync(self._reader.readline, abandon_on_cancel=True)
 
     async def __call__(self, call: ToolCallBlock) -> str:
+        # Subagents ask through the same callback as their parent, concurrently: one
+        # terminal asks one question at a time.
+        async with self._lock:
+            return await self._ask(call)
+
+    async def _ask(self, call: ToolCallBlock) -> str:
         # Let the renderer print the call (and the previous decision) first, so the
         # question follows them instead of cutting into them. Bounded: a renderer that
         # never shows them must not stall approval.
