@@ -15,10 +15,7 @@ Every library error is translated here, in :meth:`_AnthropicTask.stream`, into a
 
 from __future__ import annotations
 
-import base64
-import mimetypes
 import os
-from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -26,6 +23,7 @@ import httpx2
 
 from greenroom.actors.errors import ConfigurationError
 from greenroom.actors.llm_streamer import Deliver
+from greenroom.actors.media import read_image
 from greenroom.protocols.anthropic_codec import (
     AnthropicStreamDecoder,
     RequestEncoder,
@@ -43,20 +41,11 @@ DEFAULT_TIMEOUT = httpx2.Timeout(connect=15.0, read=180.0, write=60.0, pool=60.0
 def load_image(block: ImageBlock) -> dict[str, Any] | None:
     """An image block as an Anthropic base64 image source; None when unreadable (the codec
     then folds it to an ``[attached image: <path>]`` line)."""
-    path = Path(block.path)
-    try:
-        data = path.read_bytes()
-    except OSError:
+    image = read_image(block)
+    if image is None:
         return None
-    media_type = block.media_type or mimetypes.guess_type(path.name)[0] or "image/png"
-    return {
-        "type": "image",
-        "source": {
-            "type": "base64",
-            "media_type": media_type,
-            "data": base64.b64encode(data).decode("ascii"),
-        },
-    }
+    media_type, data = image
+    return {"type": "image", "source": {"type": "base64", "media_type": media_type, "data": data}}
 
 
 POOL_SHARDS = 8
@@ -104,9 +93,7 @@ class AnthropicProvider:
         self._timeout = timeout
         self._max_shards = max(1, shards)
         per_shard = max(1, -(-max_connections // self._max_shards))
-        self._limits = httpx2.Limits(
-            max_connections=per_shard, max_keepalive_connections=per_shard
-        )
+        self._limits = httpx2.Limits(max_connections=per_shard, max_keepalive_connections=per_shard)
         self._ssl = httpx2.create_ssl_context()
         self._shards: list[_Shard] = []
         self._add_shard()
@@ -159,9 +146,7 @@ class _AnthropicTask:
         shard = self._provider._pick()
         shard.active += 1
         try:
-            async with shard.client.messages.with_streaming_response.create(
-                **body
-            ) as response:
+            async with shard.client.messages.with_streaming_response.create(**body) as response:
                 async for chunk in response.iter_bytes():
                     events = decoder.feed(chunk)
                     if events:

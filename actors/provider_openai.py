@@ -9,15 +9,13 @@ the finish chunk, errors inside a 200 stream). Library errors are translated to
 
 from __future__ import annotations
 
-import base64
-import mimetypes
 import os
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from greenroom.actors.llm_streamer import Deliver
+from greenroom.actors.media import read_image
 from greenroom.protocols.content import ImageBlock
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.openai_codec import OpenAIStreamDecoder, RequestEncoder, classify_error
@@ -29,14 +27,11 @@ DEFAULT_TIMEOUT = httpx.Timeout(connect=15.0, read=180.0, write=60.0, pool=60.0)
 
 def load_image(block: ImageBlock) -> dict[str, Any] | None:
     """An image block as a ``data:`` URL part; None when unreadable."""
-    path = Path(block.path)
-    try:
-        data = path.read_bytes()
-    except OSError:
+    image = read_image(block)
+    if image is None:
         return None
-    media_type = block.media_type or mimetypes.guess_type(path.name)[0] or "image/png"
-    url = f"data:{media_type};base64,{base64.b64encode(data).decode('ascii')}"
-    return {"type": "image_url", "image_url": {"url": url}}
+    media_type, data = image
+    return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{data}"}}
 
 
 class OpenAIProvider:
