@@ -5,7 +5,8 @@
     greenroom demo                      the sales-CSV task on a fresh workspace, no key needed
     greenroom run [PROMPT] [options]    one task; PROMPT or stdin
     greenroom chat [options]            an interactive terminal on one session (actors/chat.py)
-    greenroom serve [--host H] [--port P] the websocket JSON-RPC gateway at ws://H:P/v1
+    greenroom serve [--host H] [--port P] the websocket JSON-RPC gateway at ws://H:P/v1 and
+                                        the web console at http://H:P+1/
     greenroom sessions                  the sessions stored in the data dir
     greenroom trace SESSION_ID          a session's latest trace file, one line per record
 
@@ -274,6 +275,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--token-file", metavar="F", help="file holding the bearer token")
     serve.add_argument("--approve", choices=APPROVE_MODES, default="ask")
     serve.add_argument("--approval-timeout", metavar="S", type=_positive_seconds, default=300.0)
+    serve.add_argument(
+        "--console-port",
+        metavar="P",
+        type=_port,
+        help="port of the web console (default: --port + 1; 0: any free port)",
+    )
+    serve.add_argument("--no-console", action="store_true", help="do not serve the web console")
     _add_session_flags(serve)
 
     sessions = commands.add_parser("sessions", help="list the sessions in the data dir")
@@ -382,6 +390,7 @@ def _serve_command(args: argparse.Namespace) -> int:
                 token_file=args.token_file,
                 defaults=defaults,
                 approval_timeout_s=args.approval_timeout,
+                console_port=_console_port(args),
             )
         )
     except ConfigurationError as exc:
@@ -392,6 +401,16 @@ def _serve_command(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return EXIT_OK
     return EXIT_OK
+
+
+def _console_port(args: argparse.Namespace) -> int | None:
+    """None without a console; the gateway's port + 1 by default (any free port when the
+    gateway's port is 0 or the last one)."""
+    if args.no_console:
+        return None
+    if args.console_port is not None:
+        return int(args.console_port)
+    return args.port + 1 if 0 < args.port < 65535 else 0
 
 
 def _error(message: str) -> None:

@@ -1028,13 +1028,19 @@ async def run_serve(
     approval_timeout_s: float = 300.0,
     limits: GatewayLimits | None = None,
     ready: Callable[[int], None] | None = None,
+    console_port: int | None = None,
 ) -> None:
     """``greenroom serve``: open a host on ``data_dir``, serve the gateway on it, print
     ``listening on ws://HOST:PORT/v1`` and the token file on stderr, and serve until
     cancelled or until SIGINT/SIGTERM, then close connections (1001) and the host (which
     interrupts running tasks and flushes their traces). ``ready`` gets the bound port.
     Raises :class:`ConfigurationError` for an unusable token file and OSError when the
-    address cannot be bound."""
+    address cannot be bound.
+
+    ``console_port`` (None: no console; 0: any free port) also serves the web console on
+    the same host (:mod:`greenroom.actors.console_server`) and prints ``console:
+    http://HOST:PORT/?ws=…#token=…`` on stderr. The console is an extra: when its port
+    cannot be bound, a warning is printed and the gateway serves without it."""
     async with Host.open(data_dir) as opened:
         token_path = await trio.to_thread.run_sync(token_file_path, opened.data_dir, token_file)
         token = await trio.to_thread.run_sync(load_or_create_token, opened.data_dir, token_path)
@@ -1051,6 +1057,8 @@ async def run_serve(
             bound = await nursery.start(gateway.run)
             print(f"listening on {gateway.url}", file=sys.stderr, flush=True)
             print(f"token file: {token_path}", file=sys.stderr, flush=True)
+            if console_port is not None:
+                await _start_console(nursery, host, console_port, gateway.port, token)
             if ready is not None:
                 ready(bound)
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -1062,3 +1070,23 @@ async def run_serve(
                     )
                     break
             nursery.cancel_scope.cancel()
+
+
+async def _start_console(
+    nursery: trio.Nursery, host: str, port: int, gateway_port: int, token: str
+) -> None:
+    from greenroom.actors.console_server import ConsoleServer, display_host, url_host
+
+    console = ConsoleServer(listen_host=host, port=port)
+    try:
+        await nursery.start(console.run)
+    except OSError as exc:
+        print(
+            f"console: cannot listen on {host}:{port} ({exc}); serving without the console",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    # The page connects from the browser: a wildcard bind is reached through loopback.
+    ws_url = f"ws://{url_host(display_host(host))}:{gateway_port}{PATH}"
+    print(f"console: {console.url(ws_url, token)}", file=sys.stderr, flush=True)
