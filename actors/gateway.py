@@ -556,7 +556,7 @@ class Gateway:
         not told 409 Busy, and its steering or follow-up is not taken by a task that
         is ending."""
         hub = self._adopt(session)
-        if session.busy and hub.finishing and not session._follow_ups:
+        if session.busy and hub.finishing and not session.has_follow_ups:
             with trio.move_on_after(self.limits.settle_timeout_s):
                 await session.wait_idle()
         return session

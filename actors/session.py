@@ -232,6 +232,11 @@ class Session:
         return self._path or (self.id,)
 
     @property
+    def has_follow_ups(self) -> bool:
+        """Whether tasks are queued behind the running one (R-STEER-6)."""
+        return bool(self._follow_ups)
+
+    @property
     def busy(self) -> bool:
         return self._supervisor is not None
 

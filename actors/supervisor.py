@@ -247,6 +247,11 @@ class SessionSupervisor:
                 status, message = await self._run_turns(task)
         except Exception as exc:  # a bug must end the task visibly, not hang the host
             status, message = "failed", f"internal error: {exc!r}"
+            with contextlib.suppress(Exception):  # best effort: keep the record paired
+                self._end_interrupted_compaction(message)
+                self._settle_calls()
+                if not session._transcript.message_complete:
+                    self._emit_request_end("failed", error_message=message)
         if self._scope.cancelled_caught:
             status, message = "aborted", self._abort_reason
             self._settle_abort()
@@ -916,6 +921,26 @@ class SessionSupervisor:
         """R-ABORT-1..3 and R-APPROVE-5: settle every call, record the abort."""
         self._drain_inbox_nowait()  # results that arrived before the cancel still count
         self._end_interrupted_compaction(self._abort_reason)
+        self._settle_calls()
+        transcript = self._session._transcript
+        complete = transcript.message_complete
+        if not complete:
+            self._emit_request_end("aborted", error_message=self._abort_reason)
+        self._emit(
+            Abort(
+                session_id=self._session.id,
+                run_id=self.run_id,
+                reason=self._abort_reason,
+                # during a backoff the attempt in flight has nothing yet: the failed
+                # attempt's output (the retry note's blocks) is the turn's partial output
+                partial=() if complete else tuple(self._partial_blocks() or self._retried_blocks),
+                message_complete=complete,
+            )
+        )
+
+    def _settle_calls(self) -> None:
+        """Give every unsettled call of the turn its decision and its result, so every
+        tool call stays paired in outputs and trace (R-TOOL-7, R-APPROVE-5)."""
         for call_id in self._call_order:
             call = self._calls[call_id]
             if call.state == "approving":
@@ -932,21 +957,6 @@ class SessionSupervisor:
             if call.state != "done":
                 call.state = "done"
                 self._emit_tool_output(call, "interrupted", markers.INTERRUPTED_TEXT)
-        transcript = self._session._transcript
-        complete = transcript.message_complete
-        if not complete:
-            self._emit_request_end("aborted", error_message=self._abort_reason)
-        self._emit(
-            Abort(
-                session_id=self._session.id,
-                run_id=self.run_id,
-                reason=self._abort_reason,
-                # during a backoff the attempt in flight has nothing yet: the failed
-                # attempt's output (the retry note's blocks) is the turn's partial output
-                partial=() if complete else tuple(self._partial_blocks() or self._retried_blocks),
-                message_complete=complete,
-            )
-        )
 
     # -- emitting -----------------------------------------------------------------------
 
