@@ -69,7 +69,7 @@ class Compactor:
         while True:
             attempt += 1
             self.attempt = attempt
-            request = attrs.evolve(template, messages=messages, thinking_level=None)
+            request = attrs.evolve(template, messages=messages)
             blocks, failure = await self._attempt(request)
             if failure is None:
                 verdict = compaction.judge(blocks)

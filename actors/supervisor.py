@@ -161,6 +161,7 @@ class SessionSupervisor:
         self._provider_task: ProviderTask | None = None
         self._compactor: Compactor | None = None
         self._compacting = False
+        self._task: TaskInput | None = None
         self._compaction_attempt = 1
         self.run_id = ""
         # per-task state
@@ -227,6 +228,7 @@ class SessionSupervisor:
 
     async def _run_task(self, task: TaskInput) -> None:
         session = self._session
+        self._task = task
         self.run_id = session._new_run_id()
         started = trio.current_time()
         self._turn = 0
@@ -477,7 +479,9 @@ class SessionSupervisor:
         if settings.compact_mode == "summarize":
             compactor = Compactor(self._provider_task, self._compaction_usage)
             self._compactor = compactor
-            template = self._build_request(None)
+            # The task's own request settings, thinking included, so that the summary
+            # request's prefix is the one the provider has cached (R-COMPACT-5).
+            template = self._build_request(self._task)
             try:
                 outcome = await compactor.run(template, base, settings.compact_prompt)
             finally:

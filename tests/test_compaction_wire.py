@@ -357,7 +357,8 @@ async def test_rate_limits_and_output_limits_are_not_overflow(
 async def test_thinking_is_sent_back_only_on_the_current_tool_chain(tmp_path: Path) -> None:
     """R-RUN-9: with thinking on, the signed thinking of the assistant message whose tool
     calls are answered goes back; after a new prompt no earlier thinking is resent; a
-    compaction request sends none either."""
+    compaction request keeps the task's thinking setting (its prefix is the cached one,
+    R-COMPACT-5) and resends no earlier thinking either."""
     async with open_mock_server(
         Reply(
             [
@@ -389,7 +390,8 @@ async def test_thinking_is_sent_back_only_on_the_current_tool_chain(tmp_path: Pa
         for b in m["content"]
     )
     summary = bodies[3]
-    assert is_summary(server.requests[3]) and "thinking" not in summary
+    assert is_summary(server.requests[3])
+    assert summary["thinking"] == later["thinking"]
     assert not any(b["type"] == "thinking" for m in summary["messages"] for b in m["content"])
 
 
