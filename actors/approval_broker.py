@@ -44,19 +44,28 @@ def _as_verdict(answer: Any) -> Verdict:
 class ApprovalBroker:
     """Decides on tool calls for one task."""
 
-    __slots__ = ("_approve", "_ask_clients", "_inbox", "_session_rules", "_timeout_s")
+    __slots__ = (
+        "_approve",
+        "_ask_clients",
+        "_clients_present",
+        "_inbox",
+        "_session_rules",
+        "_timeout_s",
+    )
 
     def __init__(
         self,
         *,
         approve: ApproveFn | None,
         ask_clients: ClientApprover | None,
+        clients_present: Callable[[], bool] | None = None,
         session_rules: set[str],
         timeout_s: float,
         inbox: trio.MemorySendChannel[SupervisorMessage],
     ) -> None:
         self._approve = approve
         self._ask_clients = ask_clients
+        self._clients_present = clients_present
         self._session_rules = session_rules
         self._timeout_s = timeout_s
         self._inbox = inbox
@@ -96,7 +105,8 @@ class ApprovalBroker:
                     return ApprovalDecided(call=call, verdict="deny", by="default")
                 return ApprovalDecided(call=call, verdict=_as_verdict(answer), by="host")
             return ApprovalDecided(call=call, verdict="deny", by="default")
-        if self._ask_clients is not None:
+        present = self._clients_present
+        if self._ask_clients is not None and (present is None or present()):
             self._inbox.send_nowait(ApprovalAsked(call=call))
             client_verdict: Verdict | None = None
             with trio.move_on_after(self._timeout_s):

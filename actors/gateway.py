@@ -547,7 +547,7 @@ class Gateway:
         hub = _SessionHub(session)
         self._hubs[session.id] = hub
         if self.defaults.approve == "ask":
-            session.set_client_approver(hub.ask)
+            session.set_client_approver(hub.ask, present=hub.has_subscribers)
         return hub
 
     async def _settled(self, session: Session) -> Session:
@@ -982,6 +982,10 @@ class _SessionHub:
         frames = [(o.seq if o.origin is None else None, _output_frame(o)) for o in batch]
         for subscription in list(self.subscriptions):
             subscription.deliver(frames)
+
+    def has_subscribers(self) -> bool:
+        """Whether a client could answer an approval now."""
+        return bool(self.subscriptions)
 
     async def ask(self, call: ToolCallBlock) -> Verdict | None:
         """The session's client approver: None at once when nobody watches; else the

@@ -141,6 +141,7 @@ class Session:
     # on first use, and the tool table shared by the sessions that use the same tools.
     __slots__ = (
         "_client_approver_fn",
+        "_client_present",
         "_closed",
         "_follow_ups",
         "_host",
@@ -202,6 +203,7 @@ class Session:
         self._follow_ups: list[TaskInput] | None = None
         self._listeners: list[Listener] | None = None
         self._client_approver_fn: ClientApprover | None = None
+        self._client_present: Callable[[], bool] | None = None
         self._next_run_id: str | None = None
         self._idle: trio.Event | None = None  # exists only while busy
         self._closed = False
@@ -420,9 +422,14 @@ class Session:
 
         return unsubscribe
 
-    def set_client_approver(self, approver: ClientApprover | None) -> None:
-        """Where approvals go when a run has no ``approve`` callback (websocket clients)."""
+    def set_client_approver(
+        self, approver: ClientApprover | None, *, present: Callable[[], bool] | None = None
+    ) -> None:
+        """Where approvals go when a run has no ``approve`` callback (websocket clients).
+        ``present`` tells whether any client could answer right now: when it says no, the
+        call is denied by default without an ``approval_request`` (nobody is asked)."""
         self._client_approver_fn = approver
+        self._client_present = present
 
     async def wait_idle(self) -> None:
         """Return when no task is running."""

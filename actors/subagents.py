@@ -153,7 +153,7 @@ class Subagents:
             parent_id=parent.id,
         )
         child._path = (*parent.origin_path, child.id)
-        child.set_client_approver(parent._client_approver())
+        child.set_client_approver(parent._client_approver(), present=parent._client_present)
         watch = _ChildWatch(child, settings.subagent_token_budget, self._forward)
         try:
             await child._run_as_child(task, approve=self._approve, listener=watch.on_batch)

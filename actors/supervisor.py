@@ -284,6 +284,7 @@ class SessionSupervisor:
             broker = ApprovalBroker(
                 approve=task.approve,
                 ask_clients=session._client_approver(),
+                clients_present=session._client_present,
                 session_rules=session._rules(),
                 timeout_s=settings.approval_timeout_s,
                 inbox=self._inbox,

@@ -71,3 +71,23 @@ async def test_no_client_answer_denies_by_default(tmp_path: Path) -> None:
     (decision,) = of_type(outputs, ApprovalDecision)
     assert (decision.decision, decision.by) == ("deny", "default")
     assert of_type(outputs, ToolCallOutput)[0].status == "denied"
+
+
+async def test_no_client_present_means_no_request_and_default_deny(tmp_path: Path) -> None:
+    """CONTRACT: `approval_request` only where a client is asked. With nobody there to
+    answer, the call is denied by default and the approver is never awaited."""
+    asked: list[str] = []
+
+    async def clients(call: ToolCallBlock) -> Verdict | None:
+        asked.append(call.id)
+        return "allow"
+
+    async with Host.open(tmp_path / "data") as host:
+        session = await host.create_session(
+            provider=script(), tools=[lookup], workspace_dir=tmp_path
+        )
+        session.set_client_approver(clients, present=lambda: False)
+        outputs = await collect(session.run("go"))
+    assert asked == [] and of_type(outputs, ApprovalRequest) == []
+    (decision,) = of_type(outputs, ApprovalDecision)
+    assert (decision.decision, decision.by) == ("deny", "default")
