@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -258,6 +259,19 @@ class Host:
         session = self._sessions.pop(session_id, None)
         if session is not None:
             await session.aclose()
+
+    async def delete_session(self, session_id: str) -> None:
+        """Close the session — interrupting its task and waiting until its last record is
+        written (R-HOST-3) — then remove its directory: trace files, scratchpad and all.
+        Raises :class:`SessionNotFound` when it is neither open nor stored."""
+        directory = self.data_dir / "sessions" / session_id
+        if (
+            session_id not in self._sessions
+            and not await trio.Path(directory / SESSION_FILE).exists()
+        ):
+            raise SessionNotFound(f"no session {session_id!r} in {self.data_dir}")
+        await self.close_session(session_id)
+        await trio.to_thread.run_sync(shutil.rmtree, directory, True)
 
     async def aclose(self) -> None:
         """Close every session (concurrently) and the provider clients."""
