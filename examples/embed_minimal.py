@@ -16,25 +16,21 @@ import tempfile
 
 import trio
 
-from greenroom.actors.host import Host
-from greenroom.actors.provider_scripted import (
-    Reply,
-    ScriptedProvider,
-    ScriptedStream,
-    text,
-    tool_call,
-)
-from greenroom.protocols.content import TextBlock, ToolCallBlock, user_text
-from greenroom.protocols.context import ModelRequest, ToolResult
-from greenroom.protocols.outputs import (
+from greenroom.actors import Host, Reply, ScriptedProvider, ScriptedStream
+from greenroom.actors.provider_scripted import text, tool_call
+from greenroom.protocols import (
     ApprovalDecision,
     ModelMsg,
     Output,
     PartialText,
     TaskEnd,
+    TextBlock,
+    ToolCallBlock,
     ToolCallOutput,
+    tool,
+    user_text,
 )
-from greenroom.protocols.tools import tool
+from greenroom.protocols.context import ModelRequest, ToolResult
 
 PRICES = {"widget": "19.99", "gadget": "49.50", "gizmo": "120.00"}
 
