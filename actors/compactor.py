@@ -12,9 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import attrs
-import trio
 
-from greenroom.actors.llm_streamer import ProviderTask
+from greenroom.actors.llm_streamer import Backoff, ProviderTask
 from greenroom.protocols import compaction
 from greenroom.protocols.content import ModelBlock
 from greenroom.protocols.context import Message, ModelRequest
@@ -40,24 +39,18 @@ class CompactionOutcome:
 
 
 class Compactor:
-    """One compaction at a time for one task; ``skip_wait`` ends a backoff early."""
+    """One compaction at a time for one task; ``backoff.skip()`` ends a wait early."""
 
-    __slots__ = ("_backoff_scope", "_on_usage", "_provider", "attempt")
+    __slots__ = ("_on_usage", "_provider", "attempt", "backoff")
 
     def __init__(
         self, provider: ProviderTask, on_usage: Callable[[TokenUsage], None]
     ) -> None:
         self._provider = provider
         self._on_usage = on_usage
-        self._backoff_scope: trio.CancelScope | None = None
+        self.backoff = Backoff()
         self.attempt = 0
         """The attempt in flight or last made (1-based; 0 before the first)."""
-
-    def skip_wait(self) -> bool:
-        if self._backoff_scope is None:
-            return False
-        self._backoff_scope.cancel()
-        return True
 
     async def run(
         self, template: ModelRequest, base: tuple[Message, ...], prompt: str
@@ -83,10 +76,8 @@ class Compactor:
                 )
             if not should_retry(failure.kind, attempt):
                 return CompactionOutcome(summary=None, attempt=attempt, error=failure)
-            with trio.CancelScope() as scope:
-                self._backoff_scope = scope
-                await trio.sleep(backoff_ms(attempt - 1, failure.retry_after_s) / 1000)
-            self._backoff_scope = None
+            self.backoff.plan()
+            await self.backoff.sleep(backoff_ms(attempt - 1, failure.retry_after_s) / 1000)
 
     async def _attempt(
         self, request: ModelRequest

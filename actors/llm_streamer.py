@@ -1,7 +1,7 @@
 """The LLM streamer: provider I/O for one session task, one request at a time.
 
 The supervisor starts one :meth:`LLMStreamer.stream_attempt` per attempt of a turn. The
-streamer sleeps the planned backoff first (a sleep that ``skip_wait`` ends early, R-RETRY-5),
+streamer sleeps the planned backoff first (a sleep that ``backoff.skip()`` ends early, R-RETRY-5),
 then drives the provider adapter and forwards every parsed batch of stream events to the
 supervisor's inbox. Providers translate their own and their libraries' errors into a
 ``StreamFailed`` event at one boundary, so the streamer never sees an exception other than
@@ -46,45 +46,70 @@ class ModelProvider(Protocol):
     async def aclose(self) -> None: ...
 
 
+class Backoff:
+    """One reconnect wait at a time that ``skip`` can end early (R-RETRY-5), shared by
+    the streamer and the compactor so both follow one rule: a skip counts from the moment
+    a wait is planned (announced in ``request_end.retry_in_ms``) until that wait ends — a
+    skip pressed before its sleep has begun still ends it — and is ignored otherwise."""
+
+    __slots__ = ("_planned", "_scope", "_skipped")
+
+    def __init__(self) -> None:
+        self._planned = False
+        self._skipped = False
+        self._scope: trio.CancelScope | None = None
+
+    def plan(self) -> None:
+        """A wait has been decided (and announced); the next :meth:`sleep` is it."""
+        self._planned = True
+        self._skipped = False
+
+    def skip(self) -> bool:
+        """End the planned or running wait; False when there is none."""
+        if self._scope is not None:
+            self._scope.cancel()
+            return True
+        if self._planned:
+            self._skipped = True
+            return True
+        return False
+
+    async def sleep(self, seconds: float) -> None:
+        """The planned wait. Cancel-safe."""
+        try:
+            if seconds > 0 and not self._skipped:
+                with trio.CancelScope() as scope:
+                    self._scope = scope
+                    await trio.sleep(seconds)
+        finally:
+            self._scope = None
+            self._planned = False
+            self._skipped = False
+
+
 class LLMStreamer:
     """Runs attempts for one task and forwards their events to the supervisor."""
 
-    __slots__ = ("_backoff_scope", "_inbox", "_provider", "_skip_pending")
+    __slots__ = ("_inbox", "_provider", "backoff")
 
     def __init__(
         self, provider: ProviderTask, inbox: trio.MemorySendChannel[SupervisorMessage]
     ) -> None:
         self._provider = provider
         self._inbox = inbox
-        self._backoff_scope: trio.CancelScope | None = None
-        # A skip that arrives while no sleep is in progress — typically right after the
-        # request_end that announces the wait, before the next attempt's task has begun
-        # its sleep — applies to the next sleep; each stream start clears it.
-        self._skip_pending = False
-
-    def skip_wait(self) -> bool:
-        """End the current backoff sleep early; when none is in progress (yet), the next
-        one is skipped unless a stream starts first. False when no sleep was running."""
-        if self._backoff_scope is None:
-            self._skip_pending = True
-            return False
-        self._backoff_scope.cancel()
-        return True
+        self.backoff = Backoff()
+        """Planned by the supervisor when it decides to retry; skipped on request."""
 
     async def stream_attempt(self, request: ModelRequest, attempt: int, delay_ms: int) -> None:
-        """Wait ``delay_ms``, then stream one attempt. Cancel-safe: cancellation stops the
-        sleep or the stream at once and delivers nothing more."""
-        if delay_ms > 0 and not self._skip_pending:
-            with trio.CancelScope() as scope:
-                self._backoff_scope = scope
-                await trio.sleep(delay_ms / 1000)
-            self._backoff_scope = None
+        """Wait ``delay_ms`` (the planned backoff), then stream one attempt. Cancel-safe:
+        cancellation stops the sleep or the stream at once and delivers nothing more."""
+        if delay_ms > 0:
+            await self.backoff.sleep(delay_ms / 1000)
         inbox = self._inbox
 
         async def deliver(events: list[StreamEvent]) -> None:
             inbox.send_nowait(StreamBatch(attempt=attempt, events=events))
 
-        self._skip_pending = False
         try:
             await self._provider.stream(request, deliver)
         except trio.Cancelled:

@@ -196,7 +196,7 @@ class SessionSupervisor:
     def skip_reconnect_wait(self) -> None:
         if self._compactor is not None:
             # A compaction does not pump the inbox while it waits: end its backoff here.
-            self._compactor.skip_wait()
+            self._compactor.backoff.skip()
             return
         self._inbox.send_nowait(BackoffSkipped())
 
@@ -413,6 +413,8 @@ class SessionSupervisor:
             error = result.error
             retry = should_retry(error.kind, attempt)
             delay_ms = backoff_ms(attempt - 1, error.retry_after_s) if retry else 0
+            if retry:
+                self._streamer.backoff.plan()  # skippable from the moment it is announced
             self._emit_request_end(
                 _request_status(error),
                 error_message=error.message,
@@ -678,9 +680,9 @@ class SessionSupervisor:
             self._steering.extend(message.content)
         elif isinstance(message, BackoffSkipped):
             if self._compactor is not None:
-                self._compactor.skip_wait()
+                self._compactor.backoff.skip()
             elif self._streamer is not None:
-                self._streamer.skip_wait()
+                self._streamer.backoff.skip()
 
     def _handle_stream(self, message: StreamBatch) -> None:
         # The hot path: one call per network read. Keep per-event work to a type test,
@@ -842,8 +844,6 @@ class SessionSupervisor:
                 by=message.by,
             )
         )
-        if message.verdict == "allow_session":
-            self._session._rules().add(call.block.name)
         assert self._pool is not None
         if not allowed:
             call.state = "done"

@@ -457,3 +457,37 @@ async def test_context_overflow_twice_in_a_turn_ends_the_task_failed(
     assert task_end.status == "failed"
     assert task_end.message == "still too long"
     assert session.auth_locked is None
+
+
+async def test_a_skip_before_any_wait_is_planned_is_ignored(
+    host: Host, workspace: Path, providers, autojump_clock
+) -> None:
+    """R-RETRY-5 ends the *current* backoff: a skip pressed while an attempt is still
+    streaming (no wait planned yet) does not shorten the wait announced afterwards."""
+    from greenroom.actors.provider_scripted import ScriptedStream
+
+    arrivals: list[float] = []
+    streaming = trio.Event()
+    may_fail = trio.Event()
+
+    async def first(request: ModelRequest, stream: ScriptedStream) -> None:
+        arrivals.append(trio.current_time())
+        streaming.set()
+        await may_fail.wait()
+        await stream.fail(model_error("timeout", "overloaded", retry_after_s=30.0))
+
+    async def second(request: ModelRequest, stream: ScriptedStream) -> None:
+        arrivals.append(trio.current_time())
+        await stream.text("ok")
+        await stream.end()
+
+    provider = providers([first, second])
+    session = await host.create_session(provider=provider, workspace_dir=workspace)
+    run = session.run("hi")
+    await streaming.wait()
+    assert session.skip_reconnect_wait() is True  # busy: the request is taken...
+    await trio.testing.wait_all_tasks_blocked()
+    may_fail.set()
+    outputs = await collect(run, bound_s=None)
+    assert arrivals[1] - arrivals[0] == pytest.approx(30.0)  # ...but had nothing to end
+    assert of_type(outputs, TaskEnd)[0].status == "completed"
