@@ -48,7 +48,7 @@ from greenroom.protocols.stream import (
     UsageReported,
 )
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 MANIFEST: dict[str, Any] = json.loads((FIXTURES / "manifest.json").read_text())
 STREAMS = sorted(k for k in MANIFEST if k.startswith("anthropic/") and k.endswith(".sse"))
 ERRORS = sorted(k for k in MANIFEST if k.startswith("anthropic/errors/"))

@@ -44,7 +44,6 @@ from greenroom.protocols.settings import DEFAULT_COMPACT_PROMPT
 from greenroom.protocols.tools import tool
 from greenroom.protocols.transcript import rebuild
 from tests.support.mock_model_server import (
-    FIXTURES_DIR,
     Fixture,
     MockModelServer,
     RecordedRequest,
@@ -55,10 +54,6 @@ from tests.support.mock_model_server import (
     ToolUse,
     error_fixture,
     open_mock_server,
-)
-
-pytestmark = pytest.mark.skipif(
-    not (FIXTURES_DIR / "manifest.json").exists(), reason=f"no fixtures at {FIXTURES_DIR}"
 )
 
 LIMIT = 1000

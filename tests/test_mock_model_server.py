@@ -42,10 +42,6 @@ from tests.support.mock_model_server import (  # noqa: E402
     open_mock_server,
 )
 
-needs_fixtures = pytest.mark.skipif(
-    not (FIXTURES_DIR / "manifest.json").exists(), reason=f"no fixtures at {FIXTURES_DIR}"
-)
-
 USER = [{"role": "user", "content": "hi"}]
 
 
@@ -137,7 +133,6 @@ async def test_sdk_error_reply_529() -> None:
     server.assert_clean()
 
 
-@needs_fixtures
 async def test_sdk_error_fixture_429_headers() -> None:
     with trio.fail_after(10):
         async with open_mock_server(
@@ -179,7 +174,6 @@ async def test_sdk_midstream_error_raises() -> None:
     assert "overloaded_error" in str(info.value)
 
 
-@needs_fixtures
 async def test_sdk_parses_byte_rechunked_fixture() -> None:
     """Every byte in its own HTTP chunk: the SDK's SSE decoder meets every boundary."""
     expect = fixture_manifest()["anthropic/thinking_then_tool_use.sse"]["expect"]
@@ -400,7 +394,6 @@ async def test_server_rejects_an_unpaired_tool_use() -> None:
 # -- fixtures replay -----------------------------------------------------------------------------
 
 
-@needs_fixtures
 @pytest.mark.parametrize("rechunk", ["random", 7])
 async def test_rechunked_fixture_replay_is_byte_identical(rechunk: str | int) -> None:
     manifest = fixture_manifest()

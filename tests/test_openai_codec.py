@@ -39,7 +39,7 @@ from greenroom.protocols.stream import (
     UsageReported,
 )
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 MANIFEST: dict[str, Any] = json.loads((FIXTURES / "manifest.json").read_text(encoding="utf-8"))
 SSE_FIXTURES = sorted(k for k in MANIFEST if k.startswith("openai/") and k.endswith(".sse"))
 ERROR_FIXTURES = sorted(k for k in MANIFEST if k.startswith("openai/") and k.endswith(".json"))

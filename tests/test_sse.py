@@ -10,7 +10,7 @@ import pytest
 
 from greenroom.protocols.sse import SSEDecoder, SSEEvent
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 SSE_FILES = sorted(FIXTURES.glob("**/*.sse"))
 
 

@@ -30,7 +30,6 @@ from greenroom.protocols.outputs import (
 )
 from greenroom.protocols.tools import tool
 from tests.support.mock_model_server import (
-    FIXTURES_DIR,
     DropAfter,
     ErrorReply,
     Fixture,
@@ -44,10 +43,6 @@ from tests.support.mock_model_server import (
     WireError,
     error_fixture,
     open_mock_server,
-)
-
-pytestmark = pytest.mark.skipif(
-    not (FIXTURES_DIR / "manifest.json").exists(), reason=f"no fixtures at {FIXTURES_DIR}"
 )
 
 ran: list[str] = []

@@ -3,7 +3,7 @@
 Endpoints
 ---------
 * ``POST /v1/messages``: Anthropic Messages. ``"stream": true`` gets SSE (``event:`` + ``data:``
-  lines, one blank line after each event, compact JSON, like ``../shared/fixtures/anthropic``);
+  lines, one blank line after each event, compact JSON, like ``tests/fixtures/anthropic``);
   otherwise one JSON message.
 * ``POST /v1/chat/completions``: OpenAI chat completions. Streams are ``data: {chunk}`` lines,
   a finish chunk (``delta: {}`` + ``finish_reason``), a usage chunk with ``choices: []`` (always
@@ -112,12 +112,10 @@ ANTHROPIC_PATH = "/v1/messages"
 OPENAI_PATH = "/v1/chat/completions"
 
 FIXTURES_DIR = Path(
-    os.environ.get(
-        "GREENROOM_FIXTURES_DIR", Path(__file__).resolve().parents[3] / "shared" / "fixtures"
-    )
+    os.environ.get("GREENROOM_FIXTURES_DIR", Path(__file__).resolve().parents[1] / "fixtures")
 )
-"""Where :class:`Fixture` paths are resolved (``../shared/fixtures`` next to the repo, or
-``$GREENROOM_FIXTURES_DIR``). Tests that replay fixtures should skip when it is missing."""
+"""Where :class:`Fixture` paths are resolved (``tests/fixtures`` in the repository, or
+``$GREENROOM_FIXTURES_DIR``)."""
 
 _SSE_HEADERS: tuple[tuple[str, str], ...] = (
     ("content-type", "text/event-stream; charset=utf-8"),
