@@ -29,6 +29,11 @@ class SessionSettings:
     sum of its requests' ``total``) one child may use before it is interrupted and the call
     fails (-1 for no limit); ``max_subagent_depth`` levels of subagents below a session that
     was not spawned (1: children cannot spawn grandchildren; 0: no subagents at all).
+
+    ``sandbox`` confines ``run_shell`` (R-SEC-3): ``auto`` uses bubblewrap when it is
+    present, ``required`` refuses to run a command without it, ``off`` runs it unconfined
+    (the environment is allow-listed in every mode). ``shell_network`` lets sandboxed
+    commands reach the network.
     """
 
     provider: ProviderName = "scripted"
@@ -50,3 +55,5 @@ class SessionSettings:
     max_subagents_per_task: int = 8
     subagent_token_budget: int = 200_000
     max_subagent_depth: int = 1
+    sandbox: Literal["auto", "required", "off"] = "auto"
+    shell_network: bool = False
