@@ -33,11 +33,14 @@ class ImageBlock:
 @attrs.frozen(kw_only=True, slots=True)
 class ThinkingBlock:
     """Model reasoning. ``signature`` is the provider's opaque proof, kept byte-exact
-    because Anthropic requires it when the thinking is sent back (R-RUN-9)."""
+    because the provider requires it when the thinking is sent back (R-RUN-9): Anthropic's
+    signature, or the OpenAI Responses API's encrypted reasoning content, whose reasoning
+    item id is ``item_id``."""
 
     TYPE: ClassVar[str] = "thinking"
     text: str
     signature: str | None = None
+    item_id: str | None = None
 
 
 @attrs.frozen(kw_only=True, slots=True)
