@@ -1,0 +1,602 @@
+"""The turn state machine: one turn's blocks, tool calls, attempts and settlement, pure.
+
+The supervisor feeds it what happened (stream events, approval decisions, tool results, an
+interrupt) and carries out what it returns: outputs to emit and commands for the other
+actors. It does no I/O and keeps no clock, so every path can be tested with plain calls.
+
+Rules, each upheld on every path:
+
+1. A turn has attempts 1, 2, …; only the current attempt's events count. Blocks complete in
+   stream order, each as one ``model_msg`` (R-RUN-2); deltas give live ``partial_*`` outputs.
+2. Every complete tool call gets exactly one ``approval_decision`` and exactly one
+   ``tool_call_output`` (R-APPROVE-1, R-TOOL-7) — allowed and run, denied
+   (``Tool call denied by user.``), truncated by the token limit (never run, no decision:
+   R-TOOL-5), or settled by an interrupt (``[interrupted: tool aborted by user]``, with a
+   ``deny`` by ``default`` for a call still waiting for its decision: R-APPROVE-5).
+3. A call runs only after an ``allow``: the machine returns :class:`RunToolCall` exactly
+   once per allowed call, and never after the interrupt was requested.
+4. :meth:`TurnMachine.results` lists the results in the original call order, whatever order
+   the calls finished in (R-RUN-4).
+5. A failed attempt's output becomes the retry note's blocks (R-RETRY-4); the calls that ran
+   in it are not run again, and events about them that arrive late are ignored.
+6. :meth:`TurnMachine.abort` settles every call in any state (R-ABORT-1..2): nothing is left
+   unpaired.
+7. An event a call's state does not allow raises :class:`IllegalTransition` — the one
+   exception is the late report named in rule 5 and a tool result that arrives after its
+   call was settled by an interrupt (a tool may finish while it is being abandoned), which
+   are stale and dropped, as the transition table says.
+
+Call states and their transitions are the table :data:`CALL_TRANSITIONS`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from greenroom.protocols import markers
+from greenroom.protocols.content import (
+    ModelBlock,
+    TextBlock,
+    ThinkingBlock,
+    ToolCallBlock,
+    ToolContent,
+)
+from greenroom.protocols.context import ToolResult
+from greenroom.protocols.messages import ApproveCall, RunToolCall
+from greenroom.protocols.outputs import (
+    Abort,
+    ApprovalDecision,
+    DecidedBy,
+    ModelMsg,
+    Output,
+    PartialText,
+    PartialThinking,
+    PartialToolCall,
+    RequestBegin,
+    RequestEnd,
+    RequestStatus,
+    TokenUsageOutput,
+    ToolCallOutput,
+    ToolProgress,
+    ToolStatus,
+)
+from greenroom.protocols.stream import (
+    BlockCompleted,
+    BlockStarted,
+    MessageCompleted,
+    ModelError,
+    StreamEvent,
+    StreamFailed,
+    TextDelta,
+    ThinkingDelta,
+    TokenUsage,
+    ToolArgumentsDelta,
+    ToolCallTruncated,
+    UsageReported,
+)
+
+__all__ = [
+    "CALL_TRANSITIONS",
+    "TRUNCATED_TEXT",
+    "CallEvent",
+    "CallState",
+    "Effect",
+    "IllegalTransition",
+    "RecordUsage",
+    "SkipToolCall",
+    "TurnMachine",
+]
+
+TRUNCATED_TEXT = (
+    "Tool call was truncated by the output token limit and was not executed. "
+    "Send it again with shorter arguments, or split the work."
+)
+"""The result of a tool call cut off by the output-token limit (R-TOOL-5)."""
+
+
+class CallState(enum.Enum):
+    """Where one complete tool call stands."""
+
+    APPROVING = "approving"
+    """Sent to the approval broker; no decision yet."""
+    RUNNING = "running"
+    """Allowed; its result has not come back."""
+    DONE = "done"
+    """Its one result has been emitted."""
+
+
+class CallEvent(enum.Enum):
+    """What can happen to a call."""
+
+    ALLOWED = "allowed"
+    DENIED = "denied"
+    FINISHED = "finished"
+    INTERRUPTED = "interrupted"
+
+
+_STALE = None
+
+CALL_TRANSITIONS: dict[tuple[CallState, CallEvent], CallState | None] = {
+    (CallState.APPROVING, CallEvent.ALLOWED): CallState.RUNNING,
+    (CallState.APPROVING, CallEvent.DENIED): CallState.DONE,
+    (CallState.APPROVING, CallEvent.INTERRUPTED): CallState.DONE,
+    (CallState.RUNNING, CallEvent.FINISHED): CallState.DONE,
+    (CallState.RUNNING, CallEvent.INTERRUPTED): CallState.DONE,
+    # A tool that ends after the interrupt settled it (it was being abandoned): stale.
+    (CallState.DONE, CallEvent.FINISHED): _STALE,
+}
+"""``(state, event) → next state``; ``None`` marks a stale event that is dropped. Every
+pair not in the table is illegal."""
+
+
+class IllegalTransition(Exception):
+    """An event that the call's state does not allow (a bug in the caller, never input)."""
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class SkipToolCall:
+    """Command to the tool pool: the call at ``position`` will never run (denied or
+    truncated), so exclusive calls after it need not wait for it."""
+
+    position: int
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class RecordUsage:
+    """Command: add this request's usage to the task's total and the usage ledger."""
+
+    usage: TokenUsage
+
+
+Command = ApproveCall | RunToolCall | SkipToolCall | RecordUsage
+Effect = Output | Command
+"""What the machine returns: outputs to emit (traced ones have ``TRACED`` true) and
+commands, in the order they must be carried out."""
+
+
+@attrs.define(slots=True)
+class _Call:
+    block: ToolCallBlock
+    position: int
+    state: CallState
+
+
+class TurnMachine:
+    """The state of one turn. Create one per turn; see the module docstring for the rules.
+
+    Every method returns the effects of the event it was given, in order. ``feed`` is the
+    per-network-read hot path: it appends to one list and creates one output per delta.
+    """
+
+    __slots__ = (
+        "_attempt",
+        "_calls",
+        "_discarded",
+        "_done_blocks",
+        "_last_usage",
+        "_open",
+        "_order",
+        "_results",
+        "_retried_blocks",
+        "_stream_result",
+        "run_id",
+        "session_id",
+        "turn",
+    )
+
+    def __init__(self, *, session_id: str, run_id: str, turn: int) -> None:
+        self.session_id = session_id
+        self.run_id = run_id
+        self.turn = turn
+        self._attempt = 0
+        self._open: dict[int, tuple[BlockStarted, list[str]]] = {}
+        self._done_blocks: list[ModelBlock] = []
+        self._retried_blocks: list[ModelBlock] = []
+        self._stream_result: MessageCompleted | StreamFailed | None = None
+        self._last_usage: TokenUsage | None = None
+        self._calls: dict[str, _Call] = {}
+        self._order: list[str] = []
+        self._results: dict[str, ToolResult] = {}
+        self._discarded: set[str] = set()
+
+    # -- what the supervisor reads ------------------------------------------------------
+
+    @property
+    def attempt(self) -> int:
+        """The current attempt (1-based; 0 before the first)."""
+        return self._attempt
+
+    @property
+    def stream_result(self) -> MessageCompleted | StreamFailed | None:
+        """The current attempt's terminal stream event, once it came."""
+        return self._stream_result
+
+    @property
+    def has_calls(self) -> bool:
+        """Whether the turn (its current attempt) produced tool calls."""
+        return bool(self._order)
+
+    @property
+    def all_calls_terminal(self) -> bool:
+        """Whether every call of the current attempt has its result."""
+        return all(call.state is CallState.DONE for call in self._calls.values())
+
+    @property
+    def done_blocks(self) -> tuple[ModelBlock, ...]:
+        """The current attempt's completed blocks, in stream order."""
+        return tuple(self._done_blocks)
+
+    def call_state(self, call_id: str) -> CallState | None:
+        """The state of a call of the current attempt (None for an unknown id)."""
+        call = self._calls.get(call_id)
+        return call.state if call is not None else None
+
+    def calls(self) -> tuple[ToolCallBlock, ...]:
+        """The current attempt's tool calls in call order."""
+        return tuple(self._calls[call_id].block for call_id in self._order)
+
+    def results(self) -> tuple[ToolResult, ...]:
+        """The results in the original call order (R-RUN-4); complete once
+        :attr:`all_calls_terminal`."""
+        return tuple(self._results[c] for c in self._order if c in self._results)
+
+    def partial_blocks(self) -> list[ModelBlock]:
+        """What the current attempt produced so far: completed blocks, open text, and open
+        tool calls with their argument text (never run)."""
+        blocks = list(self._done_blocks)
+        for index in sorted(self._open):
+            started, pieces = self._open[index]
+            if started.kind == "text":
+                blocks.append(TextBlock(text="".join(pieces)))
+            elif started.kind == "tool_call":
+                blocks.append(
+                    ToolCallBlock(
+                        id=started.call_id or "",
+                        name=started.name or "",
+                        arguments={},
+                        invalid_arguments="".join(pieces),
+                    )
+                )
+        return blocks
+
+    # -- events ---------------------------------------------------------------------------
+
+    def begin_attempt(self, attempt: int) -> list[Effect]:
+        """A new attempt starts: ``request_begin``. Attempts count up by one; attempt 1 may
+        start again only after :meth:`restart` (a rerun after an overflow compaction)."""
+        if attempt != self._attempt + 1:
+            raise IllegalTransition(f"attempt {attempt} after attempt {self._attempt}")
+        if self._stream_result is None and self._attempt:
+            raise IllegalTransition("a new attempt while the current one is streaming")
+        if not self.all_calls_terminal:
+            raise IllegalTransition("a new attempt while tool calls are unsettled")
+        self._attempt = attempt
+        self._open = {}
+        self._done_blocks = []
+        self._stream_result = None
+        self._last_usage = None
+        return [
+            RequestBegin(
+                session_id=self.session_id, run_id=self.run_id, turn=self.turn, attempt=attempt
+            )
+        ]
+
+    def feed(self, events: Sequence[StreamEvent]) -> list[Effect]:
+        """Stream events of the current attempt (one network read's worth)."""
+        out: list[Effect] = []
+        if self._stream_result is not None:
+            return out  # nothing after the terminal event counts
+        sid = self.session_id
+        rid = self.run_id
+        open_blocks = self._open
+        for event in events:
+            kind = type(event)
+            if kind is TextDelta:
+                assert isinstance(event, TextDelta)
+                open_blocks[event.index][1].append(event.text)
+                out.append(PartialText(session_id=sid, run_id=rid, index=event.index,
+                                       text=event.text))
+            elif kind is ToolArgumentsDelta:
+                assert isinstance(event, ToolArgumentsDelta)
+                open_blocks[event.index][1].append(event.delta)
+                out.append(
+                    PartialToolCall(
+                        session_id=sid,
+                        run_id=rid,
+                        index=event.index,
+                        call_id=event.call_id,
+                        name=event.name,
+                        arguments_delta=event.delta,
+                    )
+                )
+            elif kind is ThinkingDelta:
+                assert isinstance(event, ThinkingDelta)
+                open_blocks[event.index][1].append(event.text)
+                out.append(PartialThinking(session_id=sid, run_id=rid, index=event.index,
+                                           text=event.text))
+            elif kind is BlockStarted:
+                assert isinstance(event, BlockStarted)
+                open_blocks[event.index] = (event, [])
+            elif kind is BlockCompleted:
+                assert isinstance(event, BlockCompleted)
+                self._complete_block(event.index, event.block, out)
+            elif kind is ToolCallTruncated:
+                assert isinstance(event, ToolCallTruncated)
+                self._truncated_call(event, out)
+            elif kind is UsageReported:
+                assert isinstance(event, UsageReported)
+                self._last_usage = event.usage
+            elif kind is MessageCompleted:
+                assert isinstance(event, MessageCompleted)
+                self._last_usage = event.usage
+                self._close_open_blocks(out)  # e.g. text cut by max_tokens
+                self._usage(out)
+                self._stream_result = event
+                out.append(self._request_end("ok", stop_reason=event.stop_reason))  # R-RUN-3
+                return out
+            elif kind is StreamFailed:
+                assert isinstance(event, StreamFailed)
+                # What the model wrote before the failure is a fact of the attempt: it is
+                # traced, and becomes the retry note's blocks (R-RETRY-4).
+                self._close_open_blocks(out)
+                self._usage(out)
+                self._stream_result = event
+                return out
+        return out
+
+    def fail_attempt(self, error: ModelError, *, retry_in_ms: int | None) -> list[Effect]:
+        """The attempt's stream failed with ``error``: its ``request_end`` (with the planned
+        wait when it will be retried, R-RETRY-3)."""
+        if not isinstance(self._stream_result, StreamFailed):
+            raise IllegalTransition("fail_attempt without a failed stream")
+        return [
+            self._request_end(
+                _request_status(error),
+                error_message=error.message,
+                retry_in_ms=retry_in_ms,
+            )
+        ]
+
+    def discard_attempt(self) -> None:
+        """After a failed attempt whose calls are all terminal: its output becomes the retry
+        note's blocks (an attempt that produced nothing keeps the previous ones) and its
+        calls become history — late reports about them are dropped (rule 5)."""
+        if not self.all_calls_terminal:
+            raise IllegalTransition("discard_attempt with unsettled calls")
+        blocks = self.partial_blocks()
+        if blocks:
+            self._retried_blocks = blocks
+        self._discarded.update(self._calls)
+        self._calls = {}
+        self._order = []
+
+    def restart(self) -> None:
+        """The turn runs again from attempt 1 (after an overflow compaction): the retry note
+        is dropped with the old context."""
+        self.discard_attempt()
+        self._retried_blocks = []
+        self._attempt = 0
+        self._stream_result = None
+
+    def decide(
+        self, call_id: str, *, allowed: bool, by: DecidedBy, interrupted: bool = False
+    ) -> list[Effect]:
+        """The broker's decision. ``interrupted`` says the interrupt was already requested:
+        an allowed call then never starts, and :meth:`abort` reports it interrupted."""
+        call = self._known(call_id)
+        if call is None:
+            return []
+        out: list[Effect] = []
+        self._move(call, CallEvent.ALLOWED if allowed else CallEvent.DENIED)
+        out.append(
+            ApprovalDecision(
+                session_id=self.session_id,
+                run_id=self.run_id,
+                call_id=call.block.id,
+                tool=call.block.name,
+                decision="allow" if allowed else "deny",
+                by=by,
+            )
+        )
+        if not allowed:
+            out.append(SkipToolCall(position=call.position))
+            out.append(self._result(call, "denied", markers.DENIED_TEXT))  # R-APPROVE-3
+        elif not interrupted:
+            out.append(RunToolCall(call=call.block, position=call.position))
+        return out
+
+    def finish(
+        self, call_id: str, *, status: ToolStatus, content: tuple[ToolContent, ...]
+    ) -> list[Effect]:
+        """A tool call's result came back from the pool."""
+        call = self._known(call_id)
+        if call is None:
+            return []
+        if self._move(call, CallEvent.FINISHED) is None:
+            return []
+        return [self._result(call, status, content)]
+
+    def progress(self, call_id: str, message: str) -> list[Effect]:
+        """A running tool's progress note: live only, dropped unless the call is running
+        (R-TOOL-6)."""
+        call = self._calls.get(call_id)
+        if call is None or call.state is not CallState.RUNNING:
+            return []
+        return [
+            ToolProgress(
+                session_id=self.session_id,
+                run_id=self.run_id,
+                call_id=call.block.id,
+                tool=call.block.name,
+                message=message,
+            )
+        ]
+
+    def settle(self) -> list[Effect]:
+        """Give every unsettled call its decision and result (R-TOOL-7, R-APPROVE-5): a call
+        waiting for approval is denied by default, every unfinished call is interrupted."""
+        out: list[Effect] = []
+        for call_id in self._order:
+            call = self._calls[call_id]
+            if call.state is CallState.APPROVING:
+                out.append(
+                    ApprovalDecision(
+                        session_id=self.session_id,
+                        run_id=self.run_id,
+                        call_id=call_id,
+                        tool=call.block.name,
+                        decision="deny",
+                        by="default",
+                    )
+                )
+            if call.state is not CallState.DONE:
+                self._move(call, CallEvent.INTERRUPTED)
+                out.append(self._result(call, "interrupted", markers.INTERRUPTED_TEXT))
+        return out
+
+    def abort(self, reason: str, *, message_complete: bool) -> list[Effect]:
+        """The task was interrupted: settle every call, end the attempt ``aborted`` when the
+        model message was cut, and record the ``abort`` with the partial output (R-ABORT-2;
+        during a backoff the failed attempt's output is the turn's partial output)."""
+        out = self.settle()
+        if not message_complete:
+            out.append(self._request_end("aborted", error_message=reason))
+        partial = () if message_complete else tuple(self.partial_blocks() or self._retried_blocks)
+        out.append(
+            Abort(
+                session_id=self.session_id,
+                run_id=self.run_id,
+                reason=reason,
+                partial=partial,
+                message_complete=message_complete,
+            )
+        )
+        return out
+
+    def fail(self, message: str, *, message_complete: bool) -> list[Effect]:
+        """The task ends on an internal failure: settle every call and, when the model
+        message was cut, end the attempt ``failed``."""
+        out = self.settle()
+        if not message_complete:
+            out.append(self._request_end("failed", error_message=message))
+        return out
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _known(self, call_id: str) -> _Call | None:
+        call = self._calls.get(call_id)
+        if call is None:
+            if call_id in self._discarded:
+                return None  # rule 5: a report about a discarded attempt's call
+            raise IllegalTransition(f"no tool call {call_id!r} in this turn")
+        return call
+
+    def _move(self, call: _Call, event: CallEvent) -> CallState | None:
+        key = (call.state, event)
+        if key not in CALL_TRANSITIONS:
+            raise IllegalTransition(
+                f"tool call {call.block.id!r}: {event.value} while {call.state.value}"
+            )
+        target = CALL_TRANSITIONS[key]
+        if target is not None:
+            call.state = target
+        return target
+
+    def _add_call(self, block: ToolCallBlock, state: CallState) -> _Call:
+        if block.id in self._calls:
+            raise IllegalTransition(f"tool call id {block.id!r} repeated in one message")
+        call = _Call(block=block, position=len(self._order), state=state)
+        self._calls[block.id] = call
+        self._order.append(block.id)
+        return call
+
+    def _complete_block(self, index: int, block: ModelBlock, out: list[Effect]) -> None:
+        self._open.pop(index, None)
+        self._done_blocks.append(block)
+        out.append(ModelMsg(session_id=self.session_id, run_id=self.run_id, turn=self.turn,
+                            block=block))
+        if isinstance(block, ToolCallBlock):
+            self._add_call(block, CallState.APPROVING)
+            out.append(ApproveCall(call=block))  # R-TOOL-1: at once
+
+    def _truncated_call(self, event: ToolCallTruncated, out: list[Effect]) -> None:
+        # R-TOOL-5: never executed, but paired: it enters the context with an error result.
+        block = ToolCallBlock(
+            id=event.call_id, name=event.name, arguments={},
+            invalid_arguments=event.partial_arguments,
+        )
+        self._open.pop(event.index, None)
+        self._done_blocks.append(block)
+        out.append(ModelMsg(session_id=self.session_id, run_id=self.run_id, turn=self.turn,
+                            block=block))
+        call = self._add_call(block, CallState.DONE)
+        out.append(SkipToolCall(position=call.position))
+        out.append(self._result(call, "truncated", TRUNCATED_TEXT))
+
+    def _close_open_blocks(self, out: list[Effect]) -> None:
+        """Complete the text and thinking blocks the stream left open; an unfinished tool
+        call is dropped (it never completed, so it never runs: R-TOOL-5)."""
+        for index in sorted(self._open):
+            started, pieces = self._open[index]
+            if started.kind == "text" and pieces:
+                self._complete_block(index, TextBlock(text="".join(pieces)), out)
+            elif started.kind == "thinking" and pieces:
+                self._complete_block(index, ThinkingBlock(text="".join(pieces)), out)
+        self._open = {}
+
+    def _usage(self, out: list[Effect]) -> None:
+        usage = self._last_usage
+        if usage is None:
+            return
+        out.append(TokenUsageOutput(session_id=self.session_id, run_id=self.run_id,
+                                    turn=self.turn, request=usage))
+        out.append(RecordUsage(usage=usage))
+
+    def _request_end(
+        self,
+        status: RequestStatus,
+        *,
+        stop_reason: str | None = None,
+        error_message: str | None = None,
+        retry_in_ms: int | None = None,
+    ) -> RequestEnd:
+        return RequestEnd(
+            session_id=self.session_id,
+            run_id=self.run_id,
+            turn=self.turn,
+            status=status,
+            attempt=self._attempt,
+            retry_in_ms=retry_in_ms,
+            error_message=error_message,
+            stop_reason=stop_reason,
+        )
+
+    def _result(self, call: _Call, status: ToolStatus, content: Any) -> ToolCallOutput:
+        blocks = (TextBlock(text=content),) if isinstance(content, str) else tuple(content)
+        self._results[call.block.id] = ToolResult(
+            call_id=call.block.id,
+            tool=call.block.name,
+            status=status,
+            is_error=status != "ok",
+            content=blocks,
+        )
+        return ToolCallOutput(
+            session_id=self.session_id,
+            run_id=self.run_id,
+            call_id=call.block.id,
+            tool=call.block.name,
+            status=status,
+            is_error=status != "ok",
+            content=blocks,
+        )
+
+
+def _request_status(error: ModelError) -> RequestStatus:
+    kind = error.kind
+    if kind in ("auth", "timeout", "malformed", "failed", "context_overflow"):
+        return kind
+    return "failed"

@@ -1,0 +1,302 @@
+"""The pure turn state machine (R-ACTOR-3), without trio: rules and properties."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from greenroom.protocols import markers
+from greenroom.protocols.content import TextBlock, ToolCallBlock
+from greenroom.protocols.messages import ApproveCall, RunToolCall
+from greenroom.protocols.outputs import (
+    Abort,
+    ApprovalDecision,
+    ModelMsg,
+    PartialText,
+    RequestBegin,
+    RequestEnd,
+    TokenUsageOutput,
+    ToolCallOutput,
+    ToolProgress,
+)
+from greenroom.protocols.stream import (
+    BlockCompleted,
+    BlockStarted,
+    MessageCompleted,
+    ModelError,
+    StreamFailed,
+    TextDelta,
+    TokenUsage,
+    ToolArgumentsDelta,
+    ToolCallTruncated,
+    UsageReported,
+)
+from greenroom.protocols.turn import (
+    CALL_TRANSITIONS,
+    TRUNCATED_TEXT,
+    CallEvent,
+    CallState,
+    IllegalTransition,
+    RecordUsage,
+    SkipToolCall,
+    TurnMachine,
+)
+
+OK = (TextBlock(text="ok"),)
+
+
+def machine() -> TurnMachine:
+    m = TurnMachine(session_id="s", run_id="r", turn=1)
+    (begin,) = m.begin_attempt(1)
+    assert isinstance(begin, RequestBegin) and begin.attempt == 1
+    return m
+
+
+def call_block(n: int) -> ToolCallBlock:
+    return ToolCallBlock(id=f"c{n}", name="t", arguments={"n": n})
+
+
+def stream_calls(m: TurnMachine, n: int, *, complete: bool = True) -> list[Any]:
+    events: list[Any] = []
+    for i in range(n):
+        events += [
+            BlockStarted(index=i, kind="tool_call", call_id=f"c{i}", name="t"),
+            ToolArgumentsDelta(index=i, call_id=f"c{i}", name="t", delta='{"n":'),
+            BlockCompleted(index=i, block=call_block(i)),
+        ]
+    if complete:
+        events.append(MessageCompleted(stop_reason="tool_use", usage=TokenUsage(input=3)))
+    return m.feed(events)
+
+
+def of(kind: type, effects: list[Any]) -> list[Any]:
+    return [e for e in effects if isinstance(e, kind)]
+
+
+# -- the table --------------------------------------------------------------------------------
+
+
+def test_every_pair_outside_the_table_raises() -> None:
+    for state in CallState:
+        for event in CallEvent:
+            if (state, event) in CALL_TRANSITIONS or event is CallEvent.INTERRUPTED:
+                # Only settle() interrupts, and it never touches a call that is done.
+                continue
+            m = machine()
+            stream_calls(m, 1)
+            if state is CallState.RUNNING:
+                m.decide("c0", allowed=True, by="host")
+            elif state is CallState.DONE:
+                m.decide("c0", allowed=False, by="host")
+            with pytest.raises(IllegalTransition):
+                if event is CallEvent.ALLOWED:
+                    m.decide("c0", allowed=True, by="host")
+                elif event is CallEvent.DENIED:
+                    m.decide("c0", allowed=False, by="host")
+                else:
+                    m.finish("c0", status="ok", content=OK)
+
+
+def test_an_unknown_call_is_illegal_but_a_discarded_one_is_stale() -> None:
+    m = machine()
+    with pytest.raises(IllegalTransition):
+        m.decide("nope", allowed=True, by="host")
+    stream_calls(m, 1, complete=False)
+    m.feed([StreamFailed(error=ModelError(kind="timeout", message="x"))])
+    m.decide("c0", allowed=False, by="host")
+    m.discard_attempt()
+    assert m.decide("c0", allowed=True, by="host") == []
+    assert m.finish("c0", status="ok", content=OK) == []
+
+
+# -- the rules --------------------------------------------------------------------------------
+
+
+def test_stream_gives_partials_blocks_usage_and_request_end_in_order() -> None:
+    m = machine()
+    effects = m.feed(
+        [
+            BlockStarted(index=0, kind="text"),
+            TextDelta(index=0, text="Hel"),
+            TextDelta(index=0, text="lo"),
+            BlockCompleted(index=0, block=TextBlock(text="Hello")),
+            UsageReported(usage=TokenUsage(input=5, output=2)),
+            MessageCompleted(stop_reason="end_turn", usage=TokenUsage(input=5, output=2)),
+        ]
+    )
+    assert [type(e) for e in effects] == [
+        PartialText, PartialText, ModelMsg, TokenUsageOutput, RecordUsage, RequestEnd
+    ]
+    end = effects[-1]
+    assert end.status == "ok" and end.stop_reason == "end_turn" and end.attempt == 1
+    assert m.feed([TextDelta(index=0, text="late")]) == []
+
+
+def test_calls_are_sent_for_approval_at_once_and_run_only_when_allowed() -> None:
+    m = machine()
+    effects = stream_calls(m, 2, complete=False)
+    assert [e.call.id for e in of(ApproveCall, effects)] == ["c0", "c1"]
+    allowed = m.decide("c0", allowed=True, by="host")
+    assert [type(e) for e in allowed] == [ApprovalDecision, RunToolCall]
+    denied = m.decide("c1", allowed=False, by="session_rule")
+    assert [type(e) for e in denied] == [ApprovalDecision, SkipToolCall, ToolCallOutput]
+    assert denied[-1].status == "denied" and denied[-1].content == (
+        TextBlock(text=markers.DENIED_TEXT),
+    )
+
+
+def test_an_allow_after_the_interrupt_never_starts_the_call() -> None:
+    m = machine()
+    stream_calls(m, 1)
+    effects = m.decide("c0", allowed=True, by="host", interrupted=True)
+    assert not of(RunToolCall, effects)
+    settled = m.abort("interrupted", message_complete=True)
+    assert [o.status for o in of(ToolCallOutput, settled)] == ["interrupted"]
+
+
+def test_results_are_in_call_order_whatever_the_completion_order() -> None:
+    m = machine()
+    stream_calls(m, 3)
+    for i in range(3):
+        m.decide(f"c{i}", allowed=True, by="host")
+    for i in (2, 0, 1):
+        m.finish(f"c{i}", status="ok", content=(TextBlock(text=str(i)),))
+    assert m.all_calls_terminal
+    assert [r.call_id for r in m.results()] == ["c0", "c1", "c2"]
+
+
+def test_a_truncated_call_is_paired_without_a_decision_and_never_runs() -> None:
+    m = machine()
+    effects = m.feed(
+        [
+            ToolCallTruncated(index=0, call_id="c9", name="write", partial_arguments='{"p'),
+            MessageCompleted(stop_reason="max_tokens", usage=TokenUsage()),
+        ]
+    )
+    assert not of(ApproveCall, effects) and not of(ApprovalDecision, effects)
+    (output,) = of(ToolCallOutput, effects)
+    assert output.status == "truncated" and output.content == (TextBlock(text=TRUNCATED_TEXT),)
+    assert of(SkipToolCall, effects) == [SkipToolCall(position=0)]
+    assert m.all_calls_terminal
+
+
+def test_progress_only_while_running() -> None:
+    m = machine()
+    stream_calls(m, 1)
+    assert m.progress("c0", "x") == []
+    m.decide("c0", allowed=True, by="host")
+    assert of(ToolProgress, m.progress("c0", "half")) != []
+    m.finish("c0", status="ok", content=OK)
+    assert m.progress("c0", "late") == []
+
+
+def test_a_failed_attempt_becomes_the_retry_note_and_its_calls_history() -> None:
+    m = machine()
+    stream_calls(m, 1, complete=False)
+    m.decide("c0", allowed=True, by="host")
+    m.feed([StreamFailed(error=ModelError(kind="timeout", message="dropped"))])
+    (end,) = m.fail_attempt(ModelError(kind="timeout", message="dropped"), retry_in_ms=250)
+    assert end.status == "timeout" and end.retry_in_ms == 250
+    with pytest.raises(IllegalTransition):
+        m.discard_attempt()  # the call that ran must report first (R-RETRY-4)
+    m.finish("c0", status="ok", content=OK)
+    m.discard_attempt()
+    m.begin_attempt(2)
+    assert not m.has_calls
+    aborted = m.abort("interrupted", message_complete=False)
+    (abort,) = of(Abort, aborted)
+    assert [b.id for b in abort.partial if isinstance(b, ToolCallBlock)] == ["c0"]
+
+
+def test_attempts_count_up_and_wait_for_the_stream_and_the_calls() -> None:
+    m = machine()
+    with pytest.raises(IllegalTransition):
+        m.begin_attempt(2)  # still streaming
+    m.feed([StreamFailed(error=ModelError(kind="timeout", message="x"))])
+    with pytest.raises(IllegalTransition):
+        m.begin_attempt(3)
+    m.begin_attempt(2)
+
+
+def test_abort_mid_stream_reports_the_cut_message() -> None:
+    m = machine()
+    m.feed([BlockStarted(index=0, kind="text"), TextDelta(index=0, text="half")])
+    effects = m.abort("interrupted", message_complete=False)
+    assert [type(e) for e in effects] == [RequestEnd, Abort]
+    assert effects[0].status == "aborted"
+    assert effects[1].partial == (TextBlock(text="half"),)
+
+
+# -- properties -------------------------------------------------------------------------------
+
+ACTIONS = st.lists(
+    st.tuples(st.sampled_from(["allow", "deny", "finish", "progress"]), st.integers(0, 5)),
+    max_size=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n_calls=st.integers(0, 5),
+    truncated=st.integers(0, 2),
+    complete=st.booleans(),
+    actions=ACTIONS,
+    end=st.sampled_from(["abort", "finish_all"]),
+)
+def test_every_call_is_paired_exactly_once_on_every_path(
+    n_calls: int, truncated: int, complete: bool, actions: list[tuple[str, int]], end: str
+) -> None:
+    m = machine()
+    effects = stream_calls(m, n_calls, complete=False)
+    effects += m.feed(
+        [
+            ToolCallTruncated(index=10 + k, call_id=f"t{k}", name="t", partial_arguments="{")
+            for k in range(truncated)
+        ]
+    )
+    if complete:
+        effects += m.feed([MessageCompleted(stop_reason="tool_use", usage=TokenUsage())])
+    for action, index in actions:
+        call_id = f"c{index}"
+        state = m.call_state(call_id)
+        if state is None:
+            continue
+        if action in ("allow", "deny") and state is CallState.APPROVING:
+            effects += m.decide(call_id, allowed=action == "allow", by="host")
+        elif action == "finish" and state is CallState.RUNNING:
+            effects += m.finish(call_id, status="ok", content=OK)
+        elif action == "progress":
+            effects += m.progress(call_id, "p")
+    if end == "abort":
+        effects += m.abort("interrupted", message_complete=complete)
+    else:
+        for block in m.calls():
+            if m.call_state(block.id) is CallState.APPROVING:
+                effects += m.decide(block.id, allowed=True, by="host")
+            if m.call_state(block.id) is CallState.RUNNING:
+                effects += m.finish(block.id, status="ok", content=OK)
+
+    ids = [f"c{i}" for i in range(n_calls)] + [f"t{k}" for k in range(truncated)]
+    outputs = of(ToolCallOutput, effects)
+    assert sorted(o.call_id for o in outputs) == sorted(ids)  # one result each
+    decisions = of(ApprovalDecision, effects)
+    assert sorted(d.call_id for d in decisions) == sorted(f"c{i}" for i in range(n_calls))
+    runs = [r.call.id for r in of(RunToolCall, effects)]
+    assert len(runs) == len(set(runs))
+    allowed = {d.call_id for d in decisions if d.decision == "allow"}
+    assert set(runs) <= allowed
+    for run_id in runs:  # a call runs only after its allow
+        allow_at = next(i for i, e in enumerate(effects)
+                        if isinstance(e, ApprovalDecision) and e.call_id == run_id)
+        run_at = next(i for i, e in enumerate(effects)
+                      if isinstance(e, RunToolCall) and e.call.id == run_id)
+        assert allow_at < run_at
+    assert m.all_calls_terminal
+    order = [b.id for b in m.calls()]
+    assert [r.call_id for r in m.results()] == order  # call order (R-RUN-4)
+    if end == "abort":
+        assert len(of(Abort, effects)) == 1
+        assert all(o.status in ("ok", "denied", "interrupted", "truncated") for o in outputs)
