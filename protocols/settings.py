@@ -12,7 +12,7 @@ DEFAULT_COMPACT_PROMPT = (
     "Write the summary between [summary] and [/summary]. Do not call any tool."
 )
 
-ProviderName = Literal["anthropic", "openai", "scripted"]
+ProviderName = Literal["anthropic", "openai", "openai-responses", "scripted"]
 
 
 @attrs.frozen(kw_only=True, slots=True)

@@ -1,0 +1,137 @@
+"""The provider registry: every model provider greenroom can talk to, in one table.
+
+Host, the command line, ``serve`` and the gateway all read :data:`PROVIDERS`, so adding a
+provider is one entry here and one adapter module: the flag choices, the default model,
+the credential check and the help text cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+
+import attrs
+
+from greenroom.actors.llm_streamer import ModelProvider
+from greenroom.protocols.settings import SessionSettings
+
+
+@attrs.frozen(kw_only=True)
+class ProviderSpec:
+    """How to make and check one provider.
+
+    ``factory`` builds the shared adapter from a session's settings (imported lazily, so an
+    unused provider's library is never loaded). ``default_model`` is the model a session gets
+    when it names none. ``missing_credentials`` returns None when the environment (and
+    ``base_url``) is enough to call the provider, else a sentence saying what to set.
+    """
+
+    name: str
+    help: str
+    default_model: Callable[[], str]
+    factory: Callable[[SessionSettings], ModelProvider]
+    missing_credentials: Callable[[str | None], str | None]
+
+
+def _anthropic(settings: SessionSettings) -> ModelProvider:
+    from greenroom.actors.provider_anthropic import AnthropicProvider
+
+    return AnthropicProvider(base_url=settings.base_url)
+
+
+def _openai(settings: SessionSettings) -> ModelProvider:
+    from greenroom.actors.provider_openai import OpenAIProvider
+
+    return OpenAIProvider(base_url=settings.base_url)
+
+
+def _openai_responses(settings: SessionSettings) -> ModelProvider:
+    from greenroom.actors.provider_openai_responses import OpenAIResponsesProvider
+
+    return OpenAIResponsesProvider(base_url=settings.base_url)
+
+
+def _scripted(settings: SessionSettings) -> ModelProvider:
+    from greenroom.actors.provider_scripted import ScriptedProvider
+    from greenroom.actors.scripted_brain import demo_brain
+
+    return ScriptedProvider(demo_brain)
+
+
+def anthropic_credentials() -> str | None:
+    """The Anthropic key or token from the environment (the SDK's two variables)."""
+    return os.environ.get("ANTHROPIC_API_KEY") or os.environ.get("ANTHROPIC_AUTH_TOKEN")
+
+
+def _anthropic_missing(base_url: str | None) -> str | None:
+    if anthropic_credentials():
+        return None
+    return (
+        "the anthropic provider needs ANTHROPIC_API_KEY (or ANTHROPIC_AUTH_TOKEN) in the "
+        "environment"
+    )
+
+
+def _openai_missing(base_url: str | None) -> str | None:
+    if base_url or os.environ.get("OPENAI_API_KEY"):
+        return None
+    return (
+        "the OpenAI providers need OPENAI_API_KEY, or --base-url for a local "
+        "OpenAI-compatible server"
+    )
+
+
+def _openai_model() -> str:
+    return os.environ.get("OPENAI_MODEL", "gpt-4o-mini")
+
+
+PROVIDERS: Mapping[str, ProviderSpec] = {
+    spec.name: spec
+    for spec in (
+        ProviderSpec(
+            name="anthropic",
+            help="Claude through the official anthropic SDK (ANTHROPIC_API_KEY)",
+            default_model=lambda: "claude-sonnet-5-5",
+            factory=_anthropic,
+            missing_credentials=_anthropic_missing,
+        ),
+        ProviderSpec(
+            name="openai",
+            help="any OpenAI-compatible /v1/chat/completions server (OPENAI_API_KEY or "
+            "--base-url)",
+            default_model=_openai_model,
+            factory=_openai,
+            missing_credentials=_openai_missing,
+        ),
+        ProviderSpec(
+            name="openai-responses",
+            help="OpenAI's /v1/responses API, reasoning carried across tool calls "
+            "(OPENAI_API_KEY or --base-url)",
+            default_model=_openai_model,
+            factory=_openai_responses,
+            missing_credentials=_openai_missing,
+        ),
+        ProviderSpec(
+            name="scripted",
+            help="the built-in scripted model: no key, no network",
+            default_model=lambda: "scripted",
+            factory=_scripted,
+            missing_credentials=lambda base_url: None,
+        ),
+    )
+}
+"""Every provider by name, in the order help texts list them."""
+
+
+def default_provider_name() -> str:
+    """``anthropic`` when Anthropic credentials are in the environment, else ``scripted``."""
+    return "anthropic" if anthropic_credentials() else "scripted"
+
+
+def provider_spec(name: str) -> ProviderSpec:
+    """The spec for ``name``; ``KeyError`` names the known ones."""
+    try:
+        return PROVIDERS[name]
+    except KeyError:
+        known = ", ".join(PROVIDERS)
+        raise KeyError(f"unknown provider {name!r}; known: {known}") from None
