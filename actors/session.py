@@ -349,7 +349,8 @@ class Session:
         ``approve`` decides each tool call (R-APPROVE); without it, and without a client
         able to answer, calls are denied. Setting ``cancel`` interrupts the task, like
         :meth:`interrupt`. Raises :class:`Busy` when a task or compaction is running
-        (R-HOST-2) and :class:`AuthLocked` after an auth failure (R-RETRY-6).
+        (R-HOST-2), :class:`AuthLocked` after an auth failure (R-RETRY-6), and
+        ``RuntimeError`` when called outside a trio task.
         """
         require_trio()
         self._check_open()
