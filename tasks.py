@@ -52,6 +52,10 @@ def typecheck_tree() -> Path:
         link = package / name
         if not link.is_symlink():
             link.symlink_to(ROOT / name, target_is_directory=True)
+    for name in ("__init__.py", "py.typed"):
+        link = package / name
+        if not link.is_symlink():
+            link.symlink_to(ROOT / "actors" / "_root" / name)
     return TYPECHECK_TREE
 
 
@@ -59,9 +63,9 @@ def check() -> None:
     sh(BIN / "ruff", "check", "actors", "protocols", "tests", "examples", "tasks.py")
     tree = typecheck_tree()
     env_path = str(tree)
-    print("+ mypy --strict -p greenroom.actors -p greenroom.protocols", flush=True)
+    print("+ mypy --strict -p greenroom", flush=True)
     result = subprocess.run(
-        [str(BIN / "mypy"), "-p", "greenroom.actors", "-p", "greenroom.protocols"],
+        [str(BIN / "mypy"), "-p", "greenroom"],
         cwd=ROOT,
         env={**os.environ, "MYPYPATH": env_path},
     )

@@ -1,7 +1,8 @@
 """greenroom.actors: the actor tree (I/O and concurrency).
 
 Start with :class:`Host`; it creates and loads :class:`Session` objects. Errors are the
-tree in :mod:`greenroom.actors.errors`.
+tree in :mod:`greenroom.actors.errors`. Scripts for the built-in scripted model (tests,
+examples) are built with :mod:`greenroom.actors.scripted`.
 """
 
 from greenroom.actors.errors import (
@@ -15,7 +16,7 @@ from greenroom.actors.errors import (
 )
 from greenroom.actors.host import Host, SessionInfo
 from greenroom.actors.provider_scripted import Reply, ScriptedProvider, ScriptedStream
-from greenroom.actors.session import RunStream, Session
+from greenroom.actors.session import RunResult, RunStream, Session
 
 __all__ = [
     "AuthLocked",
@@ -25,6 +26,7 @@ __all__ = [
     "Host",
     "HostClosed",
     "Reply",
+    "RunResult",
     "RunStream",
     "ScriptedProvider",
     "ScriptedStream",

@@ -25,7 +25,7 @@ import trio
 
 from greenroom.actors.errors import ConfigurationError, HostClosed, SessionNotFound
 from greenroom.actors.llm_streamer import ModelProvider
-from greenroom.actors.session import Session
+from greenroom.actors.session import Session, require_trio
 from greenroom.actors.trace_sink import TraceSink, latest_trace_file, read_trace
 from greenroom.protocols.context import ToolSchema
 from greenroom.protocols.converter import converter
@@ -85,7 +85,10 @@ class Host:
     @asynccontextmanager
     async def open(cls, data_dir: str | Path | None = None) -> AsyncIterator[Host]:
         """Start the host's actor tree; on exit close every session (interrupting running
-        tasks and waiting for their last records), flush the trace and stop."""
+        tasks and waiting for their last records), flush the trace and stop.
+
+        Raises ``RuntimeError`` when entered outside trio (under ``asyncio.run``, say)."""
+        require_trio()
         path = await trio.to_thread.run_sync(_prepare_data_dir, data_dir)
         async with trio.open_nursery() as nursery:
             sink = TraceSink(path)
@@ -123,7 +126,13 @@ class Host:
         provider object; ``settings`` and keyword overrides (any
         :class:`SessionSettings` field) fill the rest; ``hooks`` are its R-HOOK-1 hooks.
         ``parent_id`` names the session that spawned this one as a subagent (R-HOST-4);
-        it is stored in ``session.json``."""
+        it is stored in ``session.json``.
+
+        Without ``provider`` (or ``settings``), a ``claude-*`` model means ``anthropic``;
+        otherwise the provider is ``anthropic`` when ``ANTHROPIC_API_KEY`` is set, else
+        the scripted model. The ``anthropic`` provider without ``ANTHROPIC_API_KEY`` or
+        ``ANTHROPIC_AUTH_TOKEN`` raises :class:`ConfigurationError`: asking for Claude
+        never runs another model silently."""
         self._check_open()
         base = settings or SessionSettings()
         provider_name = (
@@ -133,8 +142,12 @@ class Host:
             if provider is not None
             else base.provider
             if settings is not None
+            else "anthropic"
+            if model is not None and model.startswith("claude-")
             else default_provider_name()
         )
+        if provider_name == "anthropic" and isinstance(provider, str | None):
+            _require_anthropic_credentials(model)
         changes: dict[str, Any] = dict(overrides)
         changes["provider"] = provider_name
         if model is not None:
@@ -342,6 +355,18 @@ def make_provider(settings: SessionSettings) -> ModelProvider:
 
         return OpenAIProvider(base_url=settings.base_url)
     raise ConfigurationError(f"unknown provider {settings.provider!r}")
+
+
+def _require_anthropic_credentials(model: str | None) -> None:
+    if os.environ.get("ANTHROPIC_API_KEY") or os.environ.get("ANTHROPIC_AUTH_TOKEN"):
+        return
+    asked = f"model {model!r} runs on the anthropic provider, which" if model else (
+        "the anthropic provider"
+    )
+    raise ConfigurationError(
+        f"{asked} needs ANTHROPIC_API_KEY or ANTHROPIC_AUTH_TOKEN in the environment; "
+        "pass provider='scripted' for the built-in model"
+    )
 
 
 def _default_model(provider: str) -> str:

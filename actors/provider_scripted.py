@@ -34,6 +34,7 @@ from greenroom.protocols.context import AssistantMessage, ModelRequest, ToolResu
 from greenroom.protocols.stream import (
     BlockCompleted,
     BlockStarted,
+    ErrorKind,
     MessageCompleted,
     ModelError,
     StreamEvent,
@@ -66,11 +67,40 @@ class Reply:
 
 
 def text(value: str) -> TextBlock:
+    """A text block for a :class:`Reply`: ``text("Hello")``."""
     return TextBlock(text=value)
 
 
+def thinking(value: str, signature: str | None = None) -> ThinkingBlock:
+    """A thinking (reasoning) block for a :class:`Reply`."""
+    return ThinkingBlock(text=value, signature=signature)
+
+
 def tool_call(call_id: str, name: str, **arguments: Any) -> ToolCallBlock:
+    """A tool call block for a :class:`Reply`: ``tool_call("call_1", "read_file",
+    path="a.txt")``; the keyword arguments are the call's arguments."""
     return ToolCallBlock(id=call_id, name=name, arguments=arguments)
+
+
+def invalid_tool_call(call_id: str, name: str, raw_arguments: str) -> ToolCallBlock:
+    """A tool call whose argument text is not a JSON object (``raw_arguments`` as the
+    model sent it): the runtime answers it with an error output (R-TOOL-5)."""
+    return ToolCallBlock(id=call_id, name=name, arguments={}, invalid_arguments=raw_arguments)
+
+
+def model_error(
+    kind: ErrorKind,
+    message: str,
+    *,
+    status_code: int | None = None,
+    retry_after_s: float | None = None,
+) -> ModelError:
+    """A model failure for ``Reply(fail=…)`` or ``ScriptedStream.fail``: ``kind`` is
+    ``failed``, ``timeout``, ``malformed``, ``auth`` or ``context_overflow`` (all but
+    ``auth`` are retried: R-RETRY)."""
+    return ModelError(
+        kind=kind, message=message, status_code=status_code, retry_after_s=retry_after_s
+    )
 
 
 def estimate_tokens(request: ModelRequest) -> int:
@@ -143,6 +173,7 @@ class ScriptedStream:
         self.finished = False
 
     async def text(self, value: str, *, chunk_delay_s: float = 0.0) -> None:
+        """Stream a complete text block word by word, ``chunk_delay_s`` between words."""
         index = self._next_index()
         await self._deliver([BlockStarted(index=index, kind="text")])
         for piece in _WORD.findall(value):
@@ -161,6 +192,7 @@ class ScriptedStream:
         return index
 
     async def thinking(self, value: str, signature: str | None = None) -> None:
+        """Stream a complete thinking block."""
         index = self._next_index()
         await self._deliver(
             [
@@ -171,6 +203,7 @@ class ScriptedStream:
         )
 
     async def tool_call(self, block: ToolCallBlock, *, fragments: int = 2) -> None:
+        """Stream a complete tool call, its JSON arguments cut into ``fragments``."""
         index = self._next_index()
         raw = block.invalid_arguments or json.dumps(block.arguments)
         step = max(1, -(-len(raw) // max(1, fragments)))
@@ -188,6 +221,8 @@ class ScriptedStream:
         await self._deliver(events)
 
     async def truncated_tool_call(self, block: ToolCallBlock) -> None:
+        """Stream half of a tool call's arguments, cut off as by the output-token limit
+        (follow with ``end("max_tokens")``)."""
         index = self._next_index()
         raw = json.dumps(block.arguments)
         cut = raw[: max(1, len(raw) // 2)]
@@ -202,6 +237,7 @@ class ScriptedStream:
         )
 
     async def block(self, block: ModelBlock, *, chunk_delay_s: float = 0.0) -> None:
+        """Stream any complete block, as a :class:`Reply` would."""
         if isinstance(block, TextBlock):
             await self.text(block.text, chunk_delay_s=chunk_delay_s)
         elif isinstance(block, ThinkingBlock):
@@ -213,6 +249,8 @@ class ScriptedStream:
             await self._deliver([BlockCompleted(index=index, block=block)])
 
     async def end(self, stop_reason: str = "end_turn", usage: TokenUsage | None = None) -> None:
+        """Finish the response (usage estimated from the text when not given). A step
+        that returns without calling ``end`` or ``fail`` is ended with ``end_turn``."""
         usage = usage or TokenUsage(
             input=estimate_tokens(self.request), output=max(1, self._output_chars // 4)
         )
@@ -222,6 +260,7 @@ class ScriptedStream:
         )
 
     async def fail(self, error: ModelError) -> None:
+        """End the attempt with ``error`` (see :func:`model_error`)."""
         self.finished = True
         await self._deliver([StreamFailed(error=error)])
 

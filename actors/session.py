@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+import attrs
 import trio
 
 from greenroom.actors.approval_broker import ApproveFn, ClientApprover
@@ -25,7 +26,15 @@ from greenroom.actors.trace_sink import TraceWriteError
 from greenroom.protocols.content import TextBlock, UserContent
 from greenroom.protocols.context import ModelRequest, UserMessage
 from greenroom.protocols.hooks import Hooks
-from greenroom.protocols.outputs import CompactionEnd, Output
+from greenroom.protocols.outputs import (
+    CompactionEnd,
+    ModelMsg,
+    Output,
+    RequestBegin,
+    TaskEnd,
+    TaskStart,
+    TaskStatus,
+)
 from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.stream import MessageCompleted, StreamEvent, TextDelta, TokenUsage
 from greenroom.protocols.tools import Tool
@@ -62,6 +71,37 @@ def _title_material(transcript: Transcript, limit: int = 2000) -> str:
     return "\n".join(texts)[:limit]
 
 
+TRIO_REQUIRED = "greenroom runs on trio: use trio.run(...)"
+
+
+def require_trio() -> None:
+    """Raise ``RuntimeError(TRIO_REQUIRED)`` unless called from a trio task: under
+    asyncio (or any other event loop) the actor tree cannot run, and failing at the entry
+    point says why instead of failing deep inside trio."""
+    if not trio.lowlevel.in_trio_task():
+        raise RuntimeError(TRIO_REQUIRED)
+
+
+@attrs.frozen(kw_only=True)
+class RunResult:
+    """How a run ended, for hosts that want the answer rather than the stream.
+
+    Fields:
+        text: the text of the model's last message (its text blocks joined by newlines;
+            ``""`` when that message had none, e.g. a task that ended on tool calls).
+        task_end: the run's last ``task_end`` (of the last follow-up, when there were
+            any): its ``status``, ``turns``, ``usage`` and ``wall_ms``.
+    """
+
+    text: str
+    task_end: TaskEnd
+
+    @property
+    def status(self) -> TaskStatus:
+        """``task_end.status``: ``completed`` when the task ran to its answer."""
+        return self.task_end.status
+
+
 class RunStream:
     """The outputs of one ``Session.run``: an async iterator that ends after the last
     ``task_end`` (of the task and of any follow-ups queued behind it).
@@ -70,9 +110,22 @@ class RunStream:
     them out one by one. ``aclose()`` (or leaving ``async with``) interrupts the work if it
     is still running. Breaking out of the loop without closing leaves the task running to
     its end; its outputs still reach the trace and subscribers.
+
+    While iterating, the stream keeps what most hosts would otherwise track by hand:
+    :attr:`final_text` (the text of the model's last message) and :attr:`task_end`.
+    ``await stream.result()`` reads whatever is left and returns both as a
+    :class:`RunResult`. Outputs forwarded from subagents (``origin`` set) never count.
     """
 
-    __slots__ = ("_batch", "_first_run_id", "_index", "_receive", "_supervisor")
+    __slots__ = (
+        "_batch",
+        "_first_run_id",
+        "_index",
+        "_receive",
+        "_supervisor",
+        "_task_end",
+        "_texts",
+    )
 
     def __init__(
         self,
@@ -85,6 +138,8 @@ class RunStream:
         self._first_run_id = first_run_id
         self._batch: list[Output] = []
         self._index = 0
+        self._texts: list[str] = []
+        self._task_end: TaskEnd | None = None
 
     def __aiter__(self) -> RunStream:
         return self
@@ -98,13 +153,48 @@ class RunStream:
             self._index = 0
         output = self._batch[self._index]
         self._index += 1
+        if output.origin is None:
+            self._note(output)
         return output
+
+    def _note(self, output: Output) -> None:
+        if isinstance(output, RequestBegin | TaskStart):
+            self._texts = []  # the answer is the last model message's text
+        elif isinstance(output, ModelMsg):
+            if isinstance(output.block, TextBlock):
+                self._texts.append(output.block.text)
+        elif isinstance(output, TaskEnd):
+            self._task_end = output
 
     @property
     def run_id(self) -> str:
         """The id of the task running now (follow-ups get their own); known as soon as
         ``Session.run`` returns, before the supervisor has started."""
         return self._supervisor.run_id or self._first_run_id
+
+    @property
+    def final_text(self) -> str:
+        """The text of the model's last complete message among the outputs read so far
+        (``""`` before there is one). Once the stream has ended it is the answer."""
+        return "\n".join(t for t in self._texts if t)
+
+    @property
+    def task_end(self) -> TaskEnd | None:
+        """The last ``task_end`` read so far; None while the first task runs."""
+        return self._task_end
+
+    async def result(self) -> RunResult:
+        """Read every remaining output and return the answer and the ``task_end``.
+
+        The outputs read here are not returned (they are in the trace, and subscribers
+        saw them); iterate instead to watch them. Raises ``RuntimeError`` when the
+        stream ended without a ``task_end``, which happens only after :meth:`detach`.
+        """
+        async for _ in self:
+            pass
+        if self._task_end is None:
+            raise RuntimeError("the run's outputs ended without a task_end (detached?)")
+        return RunResult(text=self.final_text, task_end=self._task_end)
 
     async def collect(self) -> list[Output]:
         """Every remaining output, once the run has ended."""
@@ -259,8 +349,10 @@ class Session:
         ``approve`` decides each tool call (R-APPROVE); without it, and without a client
         able to answer, calls are denied. Setting ``cancel`` interrupts the task, like
         :meth:`interrupt`. Raises :class:`Busy` when a task or compaction is running
-        (R-HOST-2) and :class:`AuthLocked` after an auth failure (R-RETRY-6).
+        (R-HOST-2), :class:`AuthLocked` after an auth failure (R-RETRY-6), and
+        ``RuntimeError`` when called outside a trio task.
         """
+        require_trio()
         self._check_open()
         if self.auth_locked is not None:
             raise AuthLocked(

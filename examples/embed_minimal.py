@@ -5,8 +5,8 @@ is the same every time:
 
     .venv/bin/python examples/embed_minimal.py
 
-To run it on Claude instead, set ANTHROPIC_API_KEY and drop ``provider=`` from
-``create_session`` (the host then picks the anthropic provider).
+To run it on Claude instead, set ANTHROPIC_API_KEY and replace ``provider=…`` in
+``create_session`` with ``model="claude-sonnet-4-5"``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import tempfile
 
 import trio
 
-from greenroom.actors import Host, Reply, ScriptedProvider, ScriptedStream
-from greenroom.actors.provider_scripted import text, tool_call
+from greenroom import Host, tool, user_text
+from greenroom.actors.scripted import Reply, ScriptedProvider, ScriptedStream, text, tool_call
 from greenroom.protocols import (
     ApprovalDecision,
     ModelMsg,
@@ -27,8 +27,6 @@ from greenroom.protocols import (
     TextBlock,
     ToolCallBlock,
     ToolCallOutput,
-    tool,
-    user_text,
 )
 from greenroom.protocols.context import ModelRequest, ToolResult
 
@@ -122,14 +120,15 @@ async def main() -> int:
                 tools=[lookup_price, send_email],
                 workspace_dir=".",
             )
-            status = None
-            async for output in session.run(
+            stream = session.run(
                 [user_text("What do a widget and a gizmo cost?")], approve=approve
-            ):
+            )
+            async for output in stream:
                 show(output)
-                if isinstance(output, TaskEnd):
-                    status = output.status
-    return 0 if status == "completed" else 1
+            # The stream kept the answer (result.text) and the task_end: a host that does
+            # not watch the outputs calls result() alone.
+            result = await stream.result()
+    return 0 if result.status == "completed" else 1
 
 
 if __name__ == "__main__":

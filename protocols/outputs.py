@@ -9,7 +9,7 @@ have ``seq`` None and never reach a trace.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 import attrs
 
@@ -25,9 +25,52 @@ Decision = Literal["allow", "deny"]
 DecidedBy = Literal["host", "session_rule", "default"]
 CompactionReason = Literal["context", "turns", "manual", "overflow"]
 
+COMMON_FIELDS = """
+    Every output also has:
+        type: its JSON ``type`` tag (the class's ``TYPE``).
+        session_id: the session that produced it.
+        run_id: the task it belongs to (each follow-up task has its own).
+        seq: its place in the session's trace, strictly increasing with no gaps
+            (R-TRACE-1); None for live-only outputs and before it is traced.
+        origin: for an output forwarded from a subagent, the session ids from the root
+            session down to the one that produced it (R-HOST-4); else None.
+"""
 
+
+class _Typed:
+    """The base of every output class: the JSON tag, readable as ``output.type``."""
+
+    __slots__ = ()
+    TYPE: ClassVar[str]
+
+    @property
+    def type(self) -> str:
+        """The output's JSON ``type``, the same string as the class's ``TYPE``."""
+        return self.TYPE
+
+
+_C = TypeVar("_C", bound=type)
+
+
+def _documented(cls: _C) -> _C:
+    """Appends the fields every output shares to the class docstring, so ``help()`` on
+    any output class lists all of its fields."""
+    cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n" + COMMON_FIELDS
+    return cls
+
+
+@_documented
 @attrs.frozen(kw_only=True, slots=True)
-class UserMsg:
+class UserMsg(_Typed):
+    """Input from the user: the prompt that starts a task, or steering given while it runs.
+
+    Fields:
+        kind: ``prompt`` (starts a task) or ``steering`` (delivered to the running task
+            at its next request).
+        content: the input blocks, text (``{type: text, text}``) and images
+            (``{type: image, path}``), as the model will see them.
+    """
+
     TYPE: ClassVar[str] = "user_msg"
     TRACED: ClassVar[bool] = True
     session_id: str
@@ -38,8 +81,16 @@ class UserMsg:
     content: tuple[UserContent, ...]
 
 
+@_documented
 @attrs.frozen(kw_only=True, slots=True)
-class TaskStart:
+class TaskStart(_Typed):
+    """A task began (R-RUN-1); the first output of every task after its prompt.
+
+    Fields:
+        input_seq: the ``seq`` of the ``user_msg`` that started the task (None when the
+            prompt was not traced).
+    """
+
     TYPE: ClassVar[str] = "task_start"
     TRACED: ClassVar[bool] = True
     session_id: str
@@ -49,8 +100,17 @@ class TaskStart:
     input_seq: int | None
 
 
+@_documented
 @attrs.frozen(kw_only=True, slots=True)
-class RequestBegin:
+class RequestBegin(_Typed):
+    """One attempt of a model request is about to be sent.
+
+    Fields:
+        turn: the task's turn, counted from 1; a turn is one model request and the tool
+            calls it makes.
+        attempt: which try of the turn's request this is, from 1 (R-RETRY-3).
+    """
+
     TYPE: ClassVar[str] = "request_begin"
     TRACED: ClassVar[bool] = True
     session_id: str
@@ -61,8 +121,19 @@ class RequestBegin:
     attempt: int
 
 
+@_documented
 @attrs.frozen(kw_only=True, slots=True)
-class PartialText:
+class PartialText(_Typed):
+    """A piece of text as the model streams it (live only: never traced).
+
+    The complete block follows as a ``model_msg``; hosts that only want the answer can
+    ignore these.
+
+    Fields:
+        index: the block's position in the model's message, shared by its pieces.
+        text: the new text, to append to what the block's earlier pieces gave.
+    """
+
     TYPE: ClassVar[str] = "partial_text"
     TRACED: ClassVar[bool] = False
     session_id: str
@@ -73,8 +144,16 @@ class PartialText:
     text: str
 
 
+@_documented
 @attrs.frozen(kw_only=True, slots=True)
-class PartialThinking:
+class PartialThinking(_Typed):
+    """A piece of the model's reasoning as it streams (live only: never traced).
+
+    Fields:
+        index: the block's position in the model's message, shared by its pieces.
+        text: the new reasoning text, to append to the block's earlier pieces.
+    """
+
     TYPE: ClassVar[str] = "partial_thinking"
     TRACED: ClassVar[bool] = False
     session_id: str
@@ -85,8 +164,19 @@ class PartialThinking:
     text: str
 
 
+@_documented
 @attrs.frozen(kw_only=True, slots=True)
-class PartialToolCall:
+class PartialToolCall(_Typed):
+    """A fragment of a tool call's JSON arguments as the model streams them (live only).
+
+    Fields:
+        index: the block's position in the model's message, shared by its fragments.
+        call_id: the tool call's id, the same in its ``model_msg`` and ``tool_call_output``.
+        name: the tool the model is calling.
+        arguments_delta: the next characters of the arguments' JSON text (not valid JSON
+            on its own).
+    """
+
     TYPE: ClassVar[str] = "partial_tool_call"
     TRACED: ClassVar[bool] = False
     session_id: str
@@ -99,8 +189,17 @@ class PartialToolCall:
     arguments_delta: str
 
 
+@_documented
 @attrs.frozen(kw_only=True, slots=True)
-class ModelMsg:
+class ModelMsg(_Typed):
+    """One complete block of the model's message: text, thinking or a tool call.
+
+    Fields:
+        turn: the turn whose request produced the block.
+        block: ``{type: text, text}``, ``{type: thinking, text}`` or ``{type: tool_call,
+            id, name, arguments}`` (a :data:`~greenroom.protocols.content.ModelBlock`).
+    """
+
     TYPE: ClassVar[str] = "model_msg"
     TRACED: ClassVar[bool] = True
     session_id: str
@@ -111,8 +210,17 @@ class ModelMsg:
     block: ModelBlock
 
 
+@_documented
 @attrs.frozen(kw_only=True, slots=True)
-class TokenUsageOutput:
+class TokenUsageOutput(_Typed):
+    """The tokens one model request used, as the provider reported them.
+
+    Fields:
+        turn: the turn whose request used them.
+        request: ``{input, output, cache_read, cache_write, total}`` for this request
+            alone (a :class:`~greenroom.protocols.stream.TokenUsage`).
+    """
+
     TYPE: ClassVar[str] = "token_usage"
     TRACED: ClassVar[bool] = True
     session_id: str
@@ -123,8 +231,23 @@ class TokenUsageOutput:
     request: TokenUsage
 
 
+@_documented
 @attrs.frozen(kw_only=True, slots=True)
-class RequestEnd:
+class RequestEnd(_Typed):
+    """One attempt of a model request ended (its stream did; tools may still run).
+
+    Fields:
+        turn: the turn of the request.
+        status: ``ok``, or why the attempt failed: ``failed``, ``timeout``, ``malformed``,
+            ``auth``, ``context_overflow``, ``aborted``.
+        attempt: which try of the turn's request this was, from 1.
+        retry_in_ms: the wait before the next attempt when the runtime retries (R-RETRY-3),
+            else None.
+        error_message: what went wrong, for a failed attempt.
+        stop_reason: the provider's reason the message ended (``end_turn``, ``tool_use``,
+            ``max_tokens``…), for a completed stream.
+    """
+
     TYPE: ClassVar[str] = "request_end"
     TRACED: ClassVar[bool] = True
     session_id: str
@@ -139,8 +262,17 @@ class RequestEnd:
     stop_reason: str | None = None
 
 
+@_documented
 @attrs.frozen(kw_only=True, slots=True)
-class ApprovalRequest:
+class ApprovalRequest(_Typed):
+    """A client is asked to decide a tool call (only where one can answer: ``serve``).
+
+    Fields:
+        call_id: the tool call's id; the client answers with it.
+        tool: the tool's name.
+        arguments: the call's arguments, as the model gave them.
+    """
+
     TYPE: ClassVar[str] = "approval_request"
     TRACED: ClassVar[bool] = True
     session_id: str
@@ -152,8 +284,19 @@ class ApprovalRequest:
     arguments: dict[str, Any]
 
 
+@_documented
 @attrs.frozen(kw_only=True, slots=True)
-class ApprovalDecision:
+class ApprovalDecision(_Typed):
+    """How a tool call was decided: exactly one per call (R-APPROVE-1).
+
+    Fields:
+        call_id: the tool call's id.
+        tool: the tool's name.
+        decision: ``allow`` or ``deny``.
+        by: who decided: ``host`` (the approve callback or a client), ``session_rule``
+            (an earlier ``allow_session``) or ``default`` (no one could answer: deny).
+    """
+
     TYPE: ClassVar[str] = "approval_decision"
     TRACED: ClassVar[bool] = True
     session_id: str
@@ -166,9 +309,16 @@ class ApprovalDecision:
     by: DecidedBy
 
 
+@_documented
 @attrs.frozen(kw_only=True, slots=True)
-class ToolProgress:
-    """A tool's progress note (live only; dropped once the call is terminal: R-TOOL-6)."""
+class ToolProgress(_Typed):
+    """A tool's progress note (live only; dropped once the call is terminal: R-TOOL-6).
+
+    Fields:
+        call_id: the tool call that reports it.
+        tool: the tool's name.
+        message: the note the tool gave ``ToolContext.report_progress``.
+    """
 
     TYPE: ClassVar[str] = "tool_progress"
     TRACED: ClassVar[bool] = False
@@ -181,8 +331,21 @@ class ToolProgress:
     message: str
 
 
+@_documented
 @attrs.frozen(kw_only=True, slots=True)
-class ToolCallOutput:
+class ToolCallOutput(_Typed):
+    """The result of one tool call, in completion order (R-TOOL-3).
+
+    Fields:
+        call_id: the tool call's id.
+        tool: the tool's name.
+        status: ``ok``, ``error`` (the tool raised, timed out or got bad arguments),
+            ``denied``, ``interrupted`` or ``truncated`` (the call was cut off by the
+            output-token limit and never ran).
+        is_error: whether the model is told the call failed (every status but ``ok``).
+        content: what the model receives: text and image blocks.
+    """
+
     TYPE: ClassVar[str] = "tool_call_output"
     TRACED: ClassVar[bool] = True
     session_id: str
@@ -196,11 +359,18 @@ class ToolCallOutput:
     content: tuple[ToolContent, ...]
 
 
+@_documented
 @attrs.frozen(kw_only=True, slots=True)
-class Abort:
-    """The task was interrupted. ``partial`` is what the model had produced in the turn in
-    flight; ``message_complete`` tells which carry-over case applies (R-ABORT-2), so
-    carry-over can be rebuilt from the trace after a restart (R-ABORT-3)."""
+class Abort(_Typed):
+    """The task was interrupted (R-ABORT-1); a ``task_end`` with status ``aborted`` follows.
+
+    Fields:
+        reason: why, as given to ``interrupt`` (or the host's own reason).
+        partial: what the model had produced in the turn in flight.
+        message_complete: whether that message was complete, which decides the
+            carry-over of the next task (R-ABORT-2), so it can be rebuilt from the trace
+            after a restart (R-ABORT-3).
+    """
 
     TYPE: ClassVar[str] = "abort"
     TRACED: ClassVar[bool] = True
@@ -213,8 +383,18 @@ class Abort:
     message_complete: bool = False
 
 
+@_documented
 @attrs.frozen(kw_only=True, slots=True)
-class CompactionBegin:
+class CompactionBegin(_Typed):
+    """A compaction of the model context started (R-COMPACT).
+
+    Fields:
+        reason: what triggered it: ``context`` (the last request reached
+            ``max_context_length``), ``turns`` (``max_session_turns``), ``manual``
+            (``session.compact()``) or ``overflow`` (the provider said the prompt is too
+            long).
+    """
+
     TYPE: ClassVar[str] = "compaction_begin"
     TRACED: ClassVar[bool] = True
     session_id: str
@@ -224,8 +404,23 @@ class CompactionBegin:
     reason: CompactionReason
 
 
+@_documented
 @attrs.frozen(kw_only=True, slots=True)
-class CompactionEnd:
+class CompactionEnd(_Typed):
+    """A compaction ended (R-COMPACT).
+
+    Fields:
+        status: ``ok`` or ``failed``.
+        attempt: the attempt that ended it, from 1.
+        error_message: why it failed, for status ``failed``.
+        trace_file: the trace file the new context is written to, for status ``ok``.
+        summary: the summary that starts the new context (``summarize`` mode, status
+            ``ok``). A successful ``compaction_end`` is the first record of the new trace
+            file, so the file alone rebuilds its context (R-COMPACT-8).
+        kept_input: a new prompt that was pending when the compaction ran: not
+            summarized, it is the first input of the new context.
+    """
+
     TYPE: ClassVar[str] = "compaction_end"
     TRACED: ClassVar[bool] = True
     session_id: str
@@ -237,16 +432,24 @@ class CompactionEnd:
     error_message: str | None = None
     trace_file: str | None = None
     summary: str | None = None
-    """The summary that starts the new context (``summarize`` mode, status ``ok``). A
-    successful ``compaction_end`` is the first record of the new trace file, so the file
-    alone rebuilds its context (R-COMPACT-8)."""
     kept_input: tuple[UserContent, ...] = ()
-    """A new prompt that was pending when the compaction ran: not summarized, it is the
-    first input of the new context."""
 
 
+@_documented
 @attrs.frozen(kw_only=True, slots=True)
-class TaskEnd:
+class TaskEnd(_Typed):
+    """The task ended: the last output of every task (R-RUN-7).
+
+    Fields:
+        status: ``completed``, ``aborted``, ``failed``, ``auth``, ``max_turns`` or
+            ``loop_detected``.
+        turns: how many turns the task took.
+        usage: the tokens of all its requests added up
+            (a :class:`~greenroom.protocols.stream.TokenUsage`).
+        wall_ms: how long it ran, in milliseconds.
+        message: why it ended other than ``completed``, in words (else None).
+    """
+
     TYPE: ClassVar[str] = "task_end"
     TRACED: ClassVar[bool] = True
     session_id: str

@@ -1,0 +1,116 @@
+"""``greenroom.actors.scripted``: the public way to script the built-in model, and the
+one-call answer of a run (``RunStream.result``, ``final_text``, ``task_end``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import trio
+from conftest import RUN_TIMEOUT_S, allow_all
+
+from greenroom import Host, RunResult, tool, user_text
+from greenroom.actors import scripted
+from greenroom.actors.scripted import (
+    Reply,
+    ScriptedProvider,
+    invalid_tool_call,
+    model_error,
+    text,
+    thinking,
+    tool_call,
+)
+from greenroom.protocols import ModelMsg, TaskEnd, ThinkingBlock, ToolCallOutput
+from greenroom.protocols.context import ModelRequest
+
+
+@tool(parallel=True)
+async def lookup(key: str) -> str:
+    """Look a key up."""
+    return f"value of {key}"
+
+
+def test_module_documents_every_helper() -> None:
+    doc = scripted.__doc__ or ""
+    for name in scripted.__all__:
+        assert name in doc, name
+        if name != "ScriptStep":  # a type alias: documented in the module docstring
+            assert getattr(scripted, name).__doc__, name
+
+
+async def test_result_is_the_last_message_and_the_task_end(
+    host: Host, workspace: Path, providers
+) -> None:
+    """The answer is the last model message's text, not every text of the task."""
+    provider = providers(
+        [
+            Reply(
+                blocks=(
+                    thinking("which key?"),
+                    text("Let me look."),
+                    tool_call("c1", "lookup", key="a"),
+                    invalid_tool_call("c2", "lookup", '{"key": '),
+                )
+            ),
+            Reply(fail=model_error("timeout", "slow")),
+            Reply(blocks=(text("It is"), text("value of a."))),
+        ]
+    )
+    session = await host.create_session(provider=provider, tools=[lookup], workspace_dir=workspace)
+    stream = session.run([user_text("what is a?")], approve=allow_all)
+    assert stream.final_text == "" and stream.task_end is None
+    with trio.fail_after(RUN_TIMEOUT_S):
+        result = await stream.result()
+    assert isinstance(result, RunResult)
+    assert result.text == "It is\nvalue of a."
+    assert result.status == "completed" and isinstance(result.task_end, TaskEnd)
+    assert result.task_end.turns == 2
+    assert stream.final_text == result.text and stream.task_end is result.task_end
+
+
+async def test_final_text_follows_the_stream_and_ignores_subagents(
+    host: Host, workspace: Path, providers
+) -> None:
+    """While iterating, ``final_text`` is the last complete message so far; a message
+    with no text (tool calls only) leaves it empty, so a stale text is never reported."""
+    provider = providers(
+        [
+            Reply(blocks=(text("Checking."), tool_call("c1", "lookup", key="a"))),
+            Reply(blocks=(tool_call("c2", "lookup", key="b"),)),
+        ]
+    )
+    session = await host.create_session(
+        provider=provider, tools=[lookup], workspace_dir=workspace, max_turns=2
+    )
+    seen: list[str] = []
+    with trio.fail_after(RUN_TIMEOUT_S):
+        stream = session.run("go", approve=allow_all)
+        async for output in stream:
+            if isinstance(output, ToolCallOutput):
+                seen.append(stream.final_text)
+    assert seen == ["Checking.", ""]
+    assert stream.task_end is not None and stream.task_end.status == "max_turns"
+    assert (await stream.result()).text == ""
+
+
+async def test_a_follow_up_gives_the_last_task_answer(
+    host: Host, workspace: Path, providers
+) -> None:
+    provider = providers([Reply(blocks=(text("first"),)), Reply(blocks=(text("second"),))])
+    session = await host.create_session(provider=provider, workspace_dir=workspace)
+    stream = session.run("one")
+    assert session.follow_up("two")
+    with trio.fail_after(RUN_TIMEOUT_S):
+        result = await stream.result()
+    assert result.text == "second" and result.task_end.run_id == stream.run_id
+
+
+async def test_a_request_function_answers_from_what_the_model_was_sent(
+    host: Host, workspace: Path
+) -> None:
+    def echo(request: ModelRequest) -> Reply:
+        return Reply(blocks=(thinking("easy", signature="sig"), text(str(len(request.messages)))))
+
+    session = await host.create_session(provider=ScriptedProvider(echo), workspace_dir=workspace)
+    outputs = await session.run("hi").collect()
+    blocks = [o.block for o in outputs if isinstance(o, ModelMsg)]
+    assert blocks[0] == ThinkingBlock(text="easy", signature="sig")
