@@ -14,13 +14,17 @@ and Ctrl-C then land at a known moment, never by timing luck.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
 import select
+import struct
 import subprocess
 import sys
+import termios
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -63,11 +67,159 @@ async def list_dir(path: str, ctx) -> str:
 SUMMARY_COMPLETED = "✓ completed"
 
 
+class Screen:
+    """What a terminal of ``rows`` x ``columns`` shows after the bytes fed to it: enough of
+    a VT100 for prompt_toolkit's renderer and plain output (cursor moves, erasing, line
+    wrap, scrolling; colours and modes are ignored). Scrolled-off lines are kept above.
+    ``replies`` collects what the terminal answers (cursor position reports)."""
+
+    _CSI = re.compile(r"\x1b\[([0-?]*)([ -/]*)([@-~])")
+    _OSC = re.compile(r"\x1b\][^\x07\x1b]*(\x07|\x1b\\)")
+
+    def __init__(self, rows: int, columns: int) -> None:
+        self.rows = rows
+        self.columns = columns
+        self.lines: list[list[str]] = [[]]
+        self.top = 0  # the first line on the screen
+        self.y = 0  # absolute line of the cursor
+        self.x = 0
+        self.autowrap = True
+        self.replies = ""
+        self._pending = ""
+
+    def feed(self, text: str) -> None:
+        text = self._pending + text
+        self._pending = ""
+        i = 0
+        while i < len(text):
+            char = text[i]
+            if char == "\x1b":
+                if i + 1 >= len(text):
+                    self._pending = text[i:]
+                    return
+                if text[i + 1] == "[":
+                    match = self._CSI.match(text, i)
+                    if match is None:
+                        if re.fullmatch(r"\x1b\[[0-?]*[ -/]*", text[i:]):
+                            self._pending = text[i:]
+                            return
+                        i += 2
+                        continue
+                    self._csi(match.group(1), match.group(3))
+                    i = match.end()
+                elif text[i + 1] == "]":
+                    match = self._OSC.match(text, i)
+                    if match is None:
+                        self._pending = text[i:]
+                        return
+                    i = match.end()
+                else:
+                    i += 2  # ESC = , ESC > and the like
+                continue
+            if char == "\r":
+                self.x = 0
+            elif char == "\n":
+                self._line_feed()
+            elif char == "\b":
+                self.x = max(0, self.x - 1)
+            elif char == "\t":
+                self.x = min(self.columns - 1, (self.x // 8 + 1) * 8)
+            elif char >= " ":
+                self._put(char)
+            i += 1
+
+    def _put(self, char: str) -> None:
+        if self.x >= self.columns:
+            if self.autowrap:
+                self.x = 0
+                self._line_feed()
+            else:
+                self.x = self.columns - 1
+        line = self.lines[self.y]
+        if len(line) <= self.x:
+            line.extend(" " * (self.x - len(line) + 1))
+        line[self.x] = char
+        self.x += 1
+
+    def _line_feed(self) -> None:
+        self.y += 1
+        if self.y >= len(self.lines):
+            self.lines.append([])
+        if self.y >= self.top + self.rows:
+            self.top = self.y - self.rows + 1
+
+    def _csi(self, params: str, final: str) -> None:
+        private = params.startswith("?")
+        numbers = [int(p) if p.isdigit() else 0 for p in params.lstrip("?").split(";")]
+        n = numbers[0] or 1
+        if private:
+            if numbers[0] == 7 and final in "hl":
+                self.autowrap = final == "h"
+            return
+        if final == "A":
+            self.y = max(self.top, self.y - n)
+        elif final == "B":
+            self.y = min(self.top + self.rows - 1, self.y + n)
+            while len(self.lines) <= self.y:
+                self.lines.append([])
+        elif final == "C":
+            self.x = min(self.columns - 1, self.x + n)
+        elif final == "D":
+            self.x = max(0, self.x - n)
+        elif final == "G":
+            self.x = min(self.columns - 1, n - 1)
+        elif final in "Hf":
+            row = numbers[0] or 1
+            column = numbers[1] if len(numbers) > 1 and numbers[1] else 1
+            self.y = self.top + min(self.rows, row) - 1
+            while len(self.lines) <= self.y:
+                self.lines.append([])
+            self.x = min(self.columns, column) - 1
+        elif final == "J":
+            if numbers[0] == 0:
+                del self.lines[self.y][self.x :]
+                del self.lines[self.y + 1 :]
+            elif numbers[0] == 2:
+                for y in range(self.top, len(self.lines)):
+                    self.lines[y] = []
+        elif final == "K":
+            line = self.lines[self.y]
+            if numbers[0] == 0:
+                del line[self.x :]
+            elif numbers[0] == 1:
+                line[: self.x + 1] = " " * min(len(line), self.x + 1)
+            else:
+                line.clear()
+        elif final == "n" and numbers[0] == 6:
+            self.replies += f"\x1b[{self.y - self.top + 1};{self.x + 1}R"
+
+    def line(self, y: int) -> str:
+        return "".join(self.lines[y]).rstrip() if y < len(self.lines) else ""
+
+    @property
+    def cursor_line(self) -> str:
+        """The line the cursor is on: the input line of a prompt."""
+        return self.line(self.y)
+
+    def text(self) -> str:
+        """Every line, the scrolled-off ones included."""
+        return "\n".join(self.line(y) for y in range(len(self.lines)))
+
+
 class Terminal:
-    """A child process on a pseudo-terminal, driven through the master side."""
+    """A child process on a pseudo-terminal, driven through the master side.
+
+    :meth:`expect` reads the raw output (what was written, escape sequences and all);
+    :attr:`display` is what a terminal would show, for the questions of layout (which
+    line holds what) and for text that prompt_toolkit redraws in place. Like a real
+    terminal it answers cursor position requests."""
+
+    ROWS = 40
+    COLUMNS = 200  # wide enough that no test line wraps
 
     def __init__(self, args: list[str], *, cwd: Path, env: dict[str, str]) -> None:
         master, slave = os.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", self.ROWS, self.COLUMNS, 0, 0))
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-c", CTTY_SHIM, *args],
@@ -78,6 +230,7 @@ class Terminal:
             os.close(slave)
         self.master = master
         self.screen = ""
+        self.display = Screen(self.ROWS, self.COLUMNS)
         self._seen = 0
         self._eof = False
 
@@ -94,7 +247,13 @@ class Terminal:
             data = b""
         if not data:
             self._eof = True
-        self.screen += data.decode("utf-8", errors="replace")
+        text = data.decode("utf-8", errors="replace")
+        self.screen += text
+        self.display.feed(text)
+        if self.display.replies:
+            replies, self.display.replies = self.display.replies, ""
+            with contextlib.suppress(OSError):
+                os.write(self.master, replies.encode())
 
     def expect(self, pattern: str | re.Pattern[str], timeout: float = WAIT_S) -> re.Match[str]:
         """Wait for ``pattern`` (text or regex) in the output after the last match."""
@@ -112,6 +271,26 @@ class Terminal:
                     + self.screen[self._seen - 200 if self._seen > 200 else 0 :]
                 )
             self._read(remaining)
+
+    def wait_display(
+        self, check: Callable[[Screen], bool], what: str, timeout: float = WAIT_S
+    ) -> Screen:
+        """Wait until what the terminal shows passes ``check``."""
+        deadline = time.monotonic() + timeout
+        while not check(self.display):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or (self._eof and self.process.poll() is not None):
+                raise AssertionError(
+                    f"the terminal never showed {what}; it shows:\n{self.display.text()[-3000:]}"
+                )
+            self._read(min(remaining, 0.05))
+        return self.display
+
+    def expect_prompt(self, label: str = PROMPT, typed: str = "") -> None:
+        """Wait until the input line is ``label`` followed by ``typed``."""
+        self.wait_display(
+            lambda d: d.cursor_line == (label + typed).rstrip(), f"the prompt {label!r}"
+        )
 
     def type(self, text: str) -> None:
         os.write(self.master, text.encode())
@@ -173,7 +352,7 @@ def open_chat(tmp_path: Path, workspace: Path, *args: str, **env: str) -> Termin
 def chat(tmp_path: Path, workspace: Path, gated_tools: Path) -> Iterator[Terminal]:
     terminal = open_chat(tmp_path, workspace, "--approve", "all", "--tools", str(gated_tools))
     try:
-        terminal.expect(PROMPT)
+        terminal.expect_prompt()
         yield terminal
     finally:
         terminal.close()
@@ -197,10 +376,10 @@ def test_a_prompt_streams_the_reply_then_quit_exits_0(chat: Terminal) -> None:
     chat.line("hello there")
     chat.expect('You asked: "hello there"')
     chat.expect(SUMMARY_COMPLETED)
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.line("and again")  # same session: the scripted model counts the earlier prompt
     chat.expect("This session already holds 1 earlier prompt.")
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.line("/quit")
     assert chat.wait_exit() == 0
 
@@ -214,7 +393,7 @@ def test_text_typed_while_a_task_runs_steers_it(chat: Terminal, workspace: Path)
     chat.expect('Noted: "only count the north region".')
     chat.expect("no CSV files")
     chat.expect(SUMMARY_COMPLETED)
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.type("\x04")  # Ctrl-D at the prompt
     assert chat.wait_exit() == 0
 
@@ -224,11 +403,11 @@ def test_ctrl_c_interrupts_the_task_and_the_prompt_returns(chat: Terminal) -> No
     chat.type("\x03")
     chat.expect("[interrupting…")
     chat.expect("✗ aborted")
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.line("are you still there?")  # the REPL goes on, on the same session
     chat.expect('You asked: "are you still there?"')
     chat.expect(SUMMARY_COMPLETED)
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.line("/quit")
     assert chat.wait_exit() == 0
 
@@ -236,19 +415,19 @@ def test_ctrl_c_interrupts_the_task_and_the_prompt_returns(chat: Terminal) -> No
 def test_ctrl_c_twice_at_the_prompt_exits(chat: Terminal) -> None:
     chat.type("\x03")
     chat.expect("Ctrl-C again")
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.type("\x03")
     assert chat.wait_exit() == 0
 
 
 def test_a_line_between_two_ctrl_c_keeps_the_chat_open(chat: Terminal) -> None:
     chat.type("\x03")
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.line("")
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.type("\x03")
     chat.expect("Ctrl-C again")
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     assert chat.process.poll() is None
     chat.line("/quit")
     assert chat.wait_exit() == 0
@@ -263,10 +442,10 @@ def test_follow_queues_a_task_after_the_running_one(chat: Terminal, workspace: P
     chat.expect(SUMMARY_COMPLETED)
     chat.expect('You asked: "then say goodbye"')
     chat.expect(SUMMARY_COMPLETED)
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.line("/follow at the prompt it just runs")
     chat.expect('You asked: "at the prompt it just runs"')
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.line("/quit")
     assert chat.wait_exit() == 0
 
@@ -274,16 +453,16 @@ def test_follow_queues_a_task_after_the_running_one(chat: Terminal, workspace: P
 def test_commands_at_the_prompt(chat: Terminal) -> None:
     chat.line("/retry")
     chat.expect("[retry] no task is running")
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.line("/compact")
     chat.expect(re.compile(r"\[compact\] (nothing to do: the context is empty|compaction is not)"))
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.line("/bogus")
     chat.expect("unknown command /bogus")
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.line("/help")
     chat.expect("/follow TEXT")
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.line("/quit")
     assert chat.wait_exit() == 0
 
@@ -291,10 +470,10 @@ def test_commands_at_the_prompt(chat: Terminal) -> None:
 def test_compact_after_a_task(chat: Terminal) -> None:
     chat.line("remember the number 42")
     chat.expect(SUMMARY_COMPLETED)
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.line("/compact")
     chat.expect(re.compile(r"compaction (ok|failed)|compaction is not available"))
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.line("/quit")
     assert chat.wait_exit() == 0
 
@@ -312,14 +491,14 @@ def test_approval_questions_take_the_next_line(
 ) -> None:
     terminal = open_chat(tmp_path, workspace, "--approve", "ask", "--tools", str(gated_tools))
     try:
-        terminal.expect(PROMPT)
+        terminal.expect_prompt()
         terminal.line(DEMO_PROMPT)
         terminal.expect("Allow list_dir")
         terminal.line("n")  # an answer, not steering
         terminal.expect("list_dir denied")
         terminal.expect("couldn't list the workspace")
         terminal.expect(SUMMARY_COMPLETED)
-        terminal.expect(PROMPT)
+        terminal.expect_prompt()
         assert "[steering queued]" not in terminal.screen
         terminal.line("/quit")
         assert terminal.wait_exit() == 0
@@ -350,20 +529,28 @@ async def test_retry_line_counts_down_and_retry_skips_the_wait(
                 "--approve", "none", ANTHROPIC_API_KEY="test-key",
             )  # fmt: skip
             try:
-                terminal.expect(PROMPT)
+                terminal.expect_prompt()
                 terminal.line("hi")
-                first = terminal.expect(
-                    re.compile(r"\[retry\] attempt 2/6 in (\d+\.\d) s — .*Overloaded")
+                countdown = re.compile(r"\[retry\] attempt 2/6 in (\d+\.\d) s — .*Overloaded")
+
+                def seconds_left(display: Screen) -> float | None:
+                    match = countdown.search(display.text())
+                    return None if match is None else float(match.group(1))
+
+                terminal.wait_display(lambda d: seconds_left(d) is not None, "the retry line")
+                first = seconds_left(terminal.display)
+                assert first is not None
+                # Redrawn in place (one line, not one per tick) with a smaller number.
+                terminal.wait_display(
+                    lambda d: (left := seconds_left(d)) is not None and left < first,
+                    "the countdown going down",
                 )
-                redraw = re.compile(r"\r\[retry\] attempt 2/6 in (\d+\.\d) s — .*Overloaded")
-                # Redrawn in place with a smaller number (expect() bounds the wait).
-                while float(terminal.expect(redraw).group(1)) >= float(first.group(1)):
-                    pass
+                assert len(countdown.findall(terminal.display.text())) == 1
                 terminal.line("/retry")  # a 20 s wait: the test would time out without it
                 terminal.expect("[retry] wait skipped")
                 terminal.expect("Back online.")
                 terminal.expect(SUMMARY_COMPLETED)
-                terminal.expect(PROMPT)
+                terminal.expect_prompt()
                 terminal.line("/quit")
                 assert terminal.wait_exit() == 0
             finally:
