@@ -31,8 +31,9 @@ import pytest
 import trio
 import trio.testing
 
-from greenroom.actors.chat import PROMPT, LineRouter
+from greenroom.actors.chat import APPROVAL_HINT, PROMPT, LineRouter
 from greenroom.actors.scripted_brain import DEMO_PROMPT
+from greenroom.protocols.wording import INTERRUPTED_APPROVAL, decision_words
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `tests` is not a package on pytest's default sys.path
@@ -62,6 +63,22 @@ async def list_dir(path: str, ctx) -> str:
         await trio.sleep(0.01)
     gate.unlink()
     return "notes.txt  (5 bytes)"
+'''
+
+# read_file for two CSV files: it waits for a "go" file, then reports progress and answers.
+NOISY_READ_TOOLS = '''
+import trio
+from greenroom.protocols.tools import tool
+
+
+@tool(parallel=True)
+async def read_file(path: str, ctx) -> str:
+    """Read a file (this one waits until a file named "go" is in the workspace)."""
+    gate = ctx.workspace_dir / "go"
+    while not gate.exists():
+        await trio.sleep(0.01)
+    ctx.report_progress(f"reading {path}")
+    return "     1\\tregion,units,unit_price\\n     2\\tnorth,2,3"
 '''
 
 SUMMARY_COMPLETED = "✓ completed"
@@ -495,7 +512,7 @@ def test_approval_questions_take_the_next_line(
         terminal.line(DEMO_PROMPT)
         terminal.expect("Allow list_dir")
         terminal.line("n")  # an answer, not steering
-        terminal.expect("list_dir denied")
+        terminal.expect("list_dir denied by you")
         terminal.expect("couldn't list the workspace")
         terminal.expect(SUMMARY_COMPLETED)
         terminal.expect_prompt()
@@ -576,6 +593,157 @@ def test_piped_lines_run_one_task_each_then_end_of_input_exits_0(
     )
     assert result.stderr.count(SUMMARY_COMPLETED) == 2
     assert "[steering queued]" not in result.stderr
+
+
+# -- the screen: output above, the input line below -------------------------------------------
+
+
+def lines_but_the_input_line(display: Screen) -> list[str]:
+    return [display.line(y) for y in range(len(display.lines)) if y != display.y]
+
+
+def test_keys_typed_while_output_arrives_stay_on_the_input_line(
+    chat: Terminal, workspace: Path
+) -> None:
+    hold_in_list_dir(chat)
+    chat.type("only the north")  # no Enter: half a line of steering, typed mid-task
+    chat.wait_display(lambda d: "only the north" in d.text(), "the typed text")
+    release(workspace)  # the tool's result prints, then the model streams its answer
+    chat.expect("no CSV files")
+    chat.expect(SUMMARY_COMPLETED)
+    chat.wait_display(lambda d: SUMMARY_COMPLETED in d.text(), "the summary")
+    shown = lines_but_the_input_line(chat.display)
+    assert not [line for line in shown if "only the north" in line], shown
+    assert [line for line in shown if line.startswith("  ◂ list_dir ok")], shown
+    assert [line for line in shown if line.startswith("The workspace has no CSV files")], shown
+    chat.expect_prompt(PROMPT, "only the north")  # still on the input line, still unsent
+    chat.type("\r")  # the typed line is a prompt now: it starts the next task
+    chat.expect('You asked: "only the north"')
+    chat.expect(SUMMARY_COMPLETED)
+    chat.expect_prompt()
+    chat.line("/quit")
+    assert chat.wait_exit() == 0
+
+
+def test_an_open_approval_question_stays_whole_below_output_hints_and_denies_on_ctrl_c(
+    tmp_path: Path, workspace: Path
+) -> None:
+    for name in ("a.csv", "b.csv"):
+        (workspace / name).write_text("region,units,unit_price\nnorth,2,3\n", encoding="utf-8")
+    tools = tmp_path / "noisy_read.py"
+    tools.write_text(NOISY_READ_TOOLS, encoding="utf-8")
+    terminal = open_chat(tmp_path, workspace, "--approve", "ask", "--tools", str(tools))
+    question_b = 'Allow read_file {"path": "b.csv"}? [y]es / [n]o / [a]lways for this session:'
+    try:
+        terminal.expect_prompt()
+        terminal.line(DEMO_PROMPT)
+        terminal.expect("Allow list_dir")
+        terminal.line("y")
+        terminal.expect("list_dir allowed")
+        terminal.expect('Allow read_file {"path": "a.csv"}')
+        terminal.line("y")  # a.csv runs (and waits); the question for b.csv opens
+        terminal.expect_prompt(question_b + " ")
+        release(workspace)  # a.csv reports progress and ends while b.csv's question is open
+        terminal.expect("read_file: reading a.csv")
+        terminal.expect("◂ read_file ok")
+        terminal.wait_display(lambda d: "◂ read_file ok" in d.text(), "the tool's result")
+        shown = lines_but_the_input_line(terminal.display)
+        assert [line for line in shown if line.startswith("  … read_file: reading a.csv")], shown
+        assert not [line for line in shown if "Allow read_file" in line and "b.csv" in line], shown
+        terminal.expect_prompt(question_b + " ")
+
+        terminal.type("maybe later")  # not an answer: a hint, and the same question again
+        terminal.expect_prompt(question_b + " ", "maybe later")
+        terminal.type("\r")
+        terminal.expect(APPROVAL_HINT)
+        terminal.expect_prompt(question_b + " ")
+        shown = lines_but_the_input_line(terminal.display)
+        assert shown.count(APPROVAL_HINT) == 1, shown
+        assert "[steering queued]" not in terminal.screen
+
+        terminal.type("\x03")  # Ctrl-C at the question denies this call, not the task
+        terminal.expect(f"read_file {INTERRUPTED_APPROVAL}")
+        terminal.expect(SUMMARY_COMPLETED)
+        terminal.expect_prompt()
+        assert "aborted" not in terminal.screen
+        assert f"list_dir {decision_words('allow', 'host')}" in terminal.display.text()
+        terminal.line("/quit")
+        assert terminal.wait_exit() == 0
+    finally:
+        terminal.close()
+
+
+def test_always_allows_the_tool_for_the_rest_of_the_session(
+    tmp_path: Path, workspace: Path
+) -> None:
+    terminal = open_chat(tmp_path, workspace, "--approve", "ask")
+    try:
+        terminal.expect_prompt()
+        terminal.line(DEMO_PROMPT)
+        terminal.expect("Allow list_dir")
+        terminal.line("a")
+        terminal.expect(f"list_dir {decision_words('allow', 'host')}")
+        terminal.expect(SUMMARY_COMPLETED)
+        terminal.expect_prompt()
+        terminal.line(DEMO_PROMPT)  # asked no more: the session's rule answers
+        terminal.expect(f"list_dir {decision_words('allow', 'session_rule')}")
+        terminal.expect(SUMMARY_COMPLETED)
+        terminal.expect_prompt()
+        asked = [line for line in terminal.display.text().splitlines() if "Allow list_dir" in line]
+        assert len(asked) == 1, asked
+        terminal.type("\x04")
+        assert terminal.wait_exit() == 0
+    finally:
+        terminal.close()
+
+
+def test_quit_and_ctrl_d_say_how_to_resume(tmp_path: Path, workspace: Path) -> None:
+    first = open_chat(tmp_path, workspace)
+    try:
+        session_id = first.expect(re.compile(r"session: (\S+)")).group(1)
+        first.expect_prompt()
+        first.line("/quit")
+        first.expect(f"to resume: greenroom chat --session {session_id} --data-dir")
+        assert first.wait_exit() == 0
+    finally:
+        first.close()
+    second = open_chat(tmp_path, workspace, "--session", session_id)
+    try:
+        second.expect_prompt()
+        second.type("\x04")  # Ctrl-D
+        second.expect(f"to resume: greenroom chat --session {session_id} --data-dir")
+        assert second.wait_exit() == 0
+    finally:
+        second.close()
+
+
+def test_resuming_recaps_the_last_exchange(tmp_path: Path, workspace: Path) -> None:
+    long_prompt = "remember the number 42 " + "then keep going " * 12 + "THE END"
+    first = open_chat(tmp_path, workspace)
+    try:
+        session_id = first.expect(re.compile(r"session: (\S+)")).group(1)
+        first.expect_prompt()
+        first.line(long_prompt)
+        first.expect(SUMMARY_COMPLETED)
+        first.expect_prompt()
+        first.line("/quit")
+        assert first.wait_exit() == 0
+    finally:
+        first.close()
+
+    second = open_chat(tmp_path, workspace, "--session", session_id)
+    try:
+        second.expect("last exchange:")
+        recap_you = second.expect(re.compile(r"you: (remember the number 42 [^\r\n]*)"))
+        recap_model = second.expect(re.compile(r"model: (You asked: [^\r\n]*)"))
+        second.expect_prompt()
+        for recap in (recap_you.group(1), recap_model.group(1)):
+            assert recap.endswith("…") and len(recap) <= 160, recap  # clipped to one line
+        assert "THE END" not in recap_you.group(1)
+        second.line("/quit")
+        assert second.wait_exit() == 0
+    finally:
+        second.close()
 
 
 # -- the input router ------------------------------------------------------------------------
