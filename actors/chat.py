@@ -185,6 +185,7 @@ async def _chat(options: RunOptions) -> int:
         screen = (
             TerminalScreen(sys.stdout, sys.stderr)
             if all(_is_terminal(s) for s in (sys.stdin, sys.stdout, sys.stderr))
+            and os.environ.get("TERM") != "dumb"  # no cursor movement: lines as they come
             else None
         )
         renderer = ChatRenderer(sys.stdout, sys.stderr, tools=session.tools, screen=screen)
@@ -863,15 +864,20 @@ class TerminalScreen:
         prompt = asyncio.ensure_future(session.prompt_async(handle_sigint=False))
         stopping = asyncio.ensure_future(self._stopping.wait())
         await asyncio.wait([prompt, stopping], return_when=asyncio.FIRST_COMPLETED)
-        if not prompt.done():
-            if self._app.is_running:
-                self._app.exit()
-            else:
-                prompt.cancel()
-        await asyncio.wait([prompt])
         stopping.cancel()
-        if not prompt.cancelled() and prompt.exception() is not None:
-            raise prompt.exception()  # type: ignore[misc]
+        if prompt.done():
+            # The input line ended by itself (the terminal went away): that is the end of
+            # input, or the chat would wait for keys that can no longer come.
+            failure = None if prompt.cancelled() else prompt.exception()
+            if failure is not None:
+                _error(f"greenroom chat: the terminal failed: {failure!r}")
+            self._send(_EndOfInput())
+            return
+        if self._app.is_running:
+            self._app.exit()
+        else:
+            prompt.cancel()
+        await asyncio.wait([prompt])
 
     def _stop(self) -> None:
         assert self._stopping is not None

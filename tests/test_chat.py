@@ -234,7 +234,9 @@ class Terminal:
     ROWS = 40
     COLUMNS = 200  # wide enough that no test line wraps
 
-    def __init__(self, args: list[str], *, cwd: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self, args: list[str], *, cwd: Path, env: dict[str, str], keep_slave: bool = False
+    ) -> None:
         master, slave = os.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", self.ROWS, self.COLUMNS, 0, 0))
         try:
@@ -244,7 +246,11 @@ class Terminal:
                 start_new_session=True, close_fds=True,
             )  # fmt: skip
         finally:
-            os.close(slave)
+            if not keep_slave:
+                os.close(slave)
+        # Kept open, the slave side lets a test read the terminal's mode after the child's
+        # exit (the master then sees no end of file: waits end on the exit status instead).
+        self.slave = slave if keep_slave else None
         self.master = master
         self.screen = ""
         self.display = Screen(self.ROWS, self.COLUMNS)
@@ -324,11 +330,18 @@ class Terminal:
             self._read(min(remaining, 0.05))
         return self.process.returncode
 
+    def lflag(self) -> int:
+        """The terminal's local modes now (ECHO, ICANON, …)."""
+        assert self.slave is not None
+        return int(termios.tcgetattr(self.slave)[3])
+
     def close(self) -> None:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait(timeout=WAIT_S)
         os.close(self.master)
+        if self.slave is not None:
+            os.close(self.slave)
 
 
 def chat_env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -357,11 +370,14 @@ def gated_tools(tmp_path: Path) -> Path:
     return path
 
 
-def open_chat(tmp_path: Path, workspace: Path, *args: str, **env: str) -> Terminal:
+def open_chat(
+    tmp_path: Path, workspace: Path, *args: str, keep_slave: bool = False, **env: str
+) -> Terminal:
     return Terminal(
         ["chat", "--data-dir", str(tmp_path / "data"), "--workspace", str(workspace), *args],
         cwd=tmp_path,
         env=chat_env(tmp_path, **env),
+        keep_slave=keep_slave,
     )
 
 
@@ -623,6 +639,24 @@ def test_keys_typed_while_output_arrives_stay_on_the_input_line(
     chat.expect_prompt()
     chat.line("/quit")
     assert chat.wait_exit() == 0
+
+
+def test_leaving_gives_the_terminal_back_in_its_usual_mode(
+    tmp_path: Path, workspace: Path, gated_tools: Path
+) -> None:
+    terminal = open_chat(
+        tmp_path, workspace, "--approve", "all", "--tools", str(gated_tools), keep_slave=True
+    )
+    try:
+        terminal.expect_prompt()
+        usual = termios.ECHO | termios.ICANON | termios.ISIG
+        assert terminal.lflag() & usual == 0  # raw while the chat runs: it echoes keys itself
+        hold_in_list_dir(terminal)
+        terminal.line("/quit")  # leaving mid-task, with a tool still running
+        assert terminal.wait_exit() == 0
+        assert terminal.lflag() & usual == usual
+    finally:
+        terminal.close()
 
 
 def test_an_open_approval_question_stays_whole_below_output_hints_and_denies_on_ctrl_c(
