@@ -659,6 +659,24 @@ def test_leaving_gives_the_terminal_back_in_its_usual_mode(
         terminal.close()
 
 
+def test_ctrl_c_twice_during_a_task_leaves_at_once_and_gives_the_terminal_back(
+    tmp_path: Path, workspace: Path, gated_tools: Path
+) -> None:
+    terminal = open_chat(
+        tmp_path, workspace, "--approve", "all", "--tools", str(gated_tools), keep_slave=True
+    )
+    try:
+        terminal.expect_prompt()
+        hold_in_list_dir(terminal)
+        terminal.type("\x03\x03")  # both keys before the interrupt can end the task
+        assert terminal.wait_exit() == 130
+        usual = termios.ECHO | termios.ICANON | termios.ISIG
+        assert terminal.lflag() & usual == usual
+        assert "to resume: greenroom chat --session" in terminal.screen
+    finally:
+        terminal.close()
+
+
 def test_an_open_approval_question_stays_whole_below_output_hints_and_denies_on_ctrl_c(
     tmp_path: Path, workspace: Path
 ) -> None:
@@ -778,6 +796,29 @@ def test_resuming_recaps_the_last_exchange(tmp_path: Path, workspace: Path) -> N
         assert second.wait_exit() == 0
     finally:
         second.close()
+
+
+def run_piped_chat(tmp_path: Path, workspace: Path, text: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "greenroom.actors.cli", "chat", "--data-dir",
+         str(tmp_path / "data"), "--workspace", str(workspace), "--approve", "ask"],
+        input=text, capture_output=True, text=True, cwd=tmp_path, env=chat_env(tmp_path),
+        timeout=WAIT_S,
+    )  # fmt: skip
+
+
+def test_piped_approval_answers_get_the_hint_and_the_same_words(
+    tmp_path: Path, workspace: Path
+) -> None:
+    result = run_piped_chat(tmp_path, workspace, f"{DEMO_PROMPT}\nmaybe\nn\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("Allow list_dir") == 2, result.stderr  # asked again
+    assert APPROVAL_HINT in result.stderr
+    assert f"list_dir {decision_words('deny', 'host')}" in result.stdout
+
+    result = run_piped_chat(tmp_path, workspace, f"{DEMO_PROMPT}\n")  # no answer: end of input
+    assert result.returncode == 0, result.stderr
+    assert f"list_dir {decision_words('deny', 'default')}" in result.stdout
 
 
 # -- the input router ------------------------------------------------------------------------
