@@ -757,12 +757,13 @@ class TerminalScreen:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._scheduled = False
         self._redraw_whole = False
-        # Touched by the screen's thread only.
+        # Set before the screen's thread starts, then read there.
+        self._deliver: Callable[[_Event], None] | None = None
+        self._trio_token: trio.lowlevel.TrioToken | None = None
+        # The screen's thread's own.
         self._app: Application[None] | None = None
         self._stopping: asyncio.Event | None = None
         self._reading = True
-        self._deliver: Callable[[_Event], None] | None = None
-        self._trio_token: trio.lowlevel.TrioToken | None = None
 
     # -- lifetime (trio side)
 
@@ -785,7 +786,8 @@ class TerminalScreen:
             with self._lock:
                 loop = self._loop
             if loop is not None:
-                loop.call_soon_threadsafe(self._stop)
+                with contextlib.suppress(RuntimeError):  # its loop has just closed by itself
+                    loop.call_soon_threadsafe(self._stop)
             with trio.CancelScope(shield=True):
                 # Bounded: a wedged terminal must not keep the process from ending.
                 await trio.to_thread.run_sync(thread.join, 5.0)
