@@ -3,8 +3,11 @@
 Each terminal test starts ``python -m greenroom.actors.cli chat`` on the slave side of a
 fresh pty that is the child's controlling terminal (so typing Ctrl-C there sends SIGINT,
 as in a real terminal) and talks to it through the master side: it types lines and control
-characters and reads the screen until the expected text appears. Every wait is bounded;
-the child is killed when a test fails.
+characters and reads the screen until the expected text appears. The bytes also feed a
+small model of a terminal (:class:`Screen`), which answers cursor position requests as a
+real one does and tells which line holds what: that is how the tests see that output is
+printed above the input line and never into it. Every wait is bounded; the child is
+killed when a test fails.
 
 The scripted model answers (no API key in the environment). A ``--tools`` file replaces
 ``list_dir`` by one that blocks until the test creates a ``go`` file in the workspace, so
