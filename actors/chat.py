@@ -5,18 +5,19 @@
     greenroom chat [--session ID] [the provider, model, workspace, data-dir, approve,
                                    tools and limit flags of ``greenroom run``]
 
-One session (new, or continued with ``--session``), many tasks. What a typed line does
-depends on the moment:
+One session (new, or continued with ``--session``, which first shows a recap of the last
+exchange), many tasks. What a typed line does depends on the moment:
 
 * at the prompt (``you>``, no task running) a line starts a task (``Session.run``); its
   outputs stream through the renderer of ``greenroom run`` (text on stdout, bookkeeping on
   stderr) and a summary line closes it;
-* while a task runs, a line is **steering** (``Session.steer``): it is acknowledged at once
-  with ``[steering queued]`` and reaches the model at the next input assembly, where the
-  renderer shows it as ``[steering] TEXT``; a line typed just as the task ended starts the
-  next task instead;
-* while a tool-call approval question is open (``--approve ask``) the next line answers it
-  (y / n / a), whatever else is going on.
+* while a task runs (the prompt reads ``steer>``), a line is **steering**
+  (``Session.steer``): it is acknowledged at once with ``[steering queued]`` and reaches the
+  model at the next input assembly, where the renderer shows it as ``[steering] TEXT``; a
+  line typed just as the task ended starts the next task instead;
+* while a tool-call approval question is open (``--approve ask``) the question is the
+  prompt and the next line answers it (y / n / a; anything else gets a hint and the
+  question again; Ctrl-C denies), whatever else is going on.
 
 Commands: ``/follow TEXT`` queues a whole task after the running one (``follow_up``; at
 the prompt it just runs), ``/compact`` compacts the context now (``Session.compact``, at the
@@ -29,35 +30,55 @@ carry-over is kept for the next task, and the prompt returns; a second Ctrl-C be
 ended leaves at once (exit 130). Ctrl-C at the prompt asks for confirmation: a second one in
 a row leaves. Ctrl-D (end of input) leaves at the prompt; during a task it leaves once the
 task has ended (Ctrl-C first to stop it sooner). ``/quit`` during a task interrupts it,
-then leaves. Leaving this way exits 0; usage errors exit 2.
+then leaves. Leaving this way exits 0 and says how to come back (``greenroom chat --session
+ID``); usage errors exit 2.
 
 A failed model request that will be retried shows one live line on stderr that counts down
 in place on a terminal: ``[retry] attempt 2/6 in 0.4 s — overloaded`` (once, without the
 countdown, when stderr is not a terminal). It ends when the next attempt produces output.
 
-Input is read in one place: a worker thread reads stdin lines (``os.read``, never the
-``sys.stdin`` buffer) and a trio task routes them — to a pending approval question first,
-else to the REPL — so approvals and steering never race for the terminal. Signals, lines
-and the end of each task arrive as events on one channel and are handled one at a time.
-When stdin is not a terminal (a pipe, a file) nothing is typed "while" a task runs: a
-line is read only for the prompt or an approval question, so ``printf 'task one\ntask
-two\n' | greenroom chat`` runs the two tasks one after the other, then leaves.
+The terminal. When stdin, stdout and stderr are a terminal, a :class:`TerminalScreen`
+owns it: prompt_toolkit keeps the input line at the bottom — with, above it, the line the
+model is still writing and the live retry line — and every finished output line is
+printed above that area, so keystrokes never land inside the output and an open approval
+question is never written over. prompt_toolkit runs its own asyncio loop, so it lives in a
+thread of its own; trio stays in charge of everything else and talks to it only through
+thread-safe calls (writes are queued and printed by that thread; its keys arrive as
+events). Otherwise (a pipe, a file) lines are read with ``os.read`` in a worker thread and
+nothing is typed "while" a task runs: a line is read only for the prompt or an approval
+question, so ``printf 'task one\\ntask two\\n' | greenroom chat`` runs the two tasks one
+after the other, then leaves.
+
+Either way input is routed in one place: a line goes to a pending approval question
+first, else to the REPL, so approvals and steering never race. Signals, keys, lines and
+the end of each task arrive as events on one channel and are handled one at a time.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import io
 import math
 import os
+import shlex
 import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import TextIO, cast
 
 import attrs
 import trio
+from prompt_toolkit.application import Application
+from prompt_toolkit.formatted_text import ANSI
+from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
+from prompt_toolkit.output import create_output
+from prompt_toolkit.shortcuts import PromptSession
 
+from greenroom.actors.approval_broker import ApproveFn
 from greenroom.actors.cli import (
     EXIT_ABORTED,
     EXIT_OK,
@@ -65,6 +86,7 @@ from greenroom.actors.cli import (
     HumanRenderer,
     RunOptions,
     _approver,
+    _arguments_text,
     _color_enabled,
     _error,
     _LineReader,
@@ -74,16 +96,45 @@ from greenroom.actors.cli import (
     summary_line,
 )
 from greenroom.actors.errors import GreenroomError
-from greenroom.actors.host import Host
+from greenroom.actors.host import Host, default_data_dir
 from greenroom.actors.session import RunStream, Session
-from greenroom.protocols.outputs import Output, RequestBegin, RequestEnd, TaskEnd, TaskStart
+from greenroom.actors.trace_sink import read_trace
+from greenroom.protocols.content import TextBlock, ToolCallBlock
+from greenroom.protocols.outputs import (
+    ApprovalDecision,
+    ModelMsg,
+    Output,
+    RequestBegin,
+    RequestEnd,
+    TaskEnd,
+    TaskStart,
+    UserMsg,
+)
 from greenroom.protocols.retry import MAX_RETRIES
 from greenroom.protocols.tools import Tool
+from greenroom.protocols.trace import trace_file_number
+from greenroom.protocols.wording import INTERRUPTED_APPROVAL, decision_words
 
-__all__ = ["PROMPT", "Chat", "ChatRenderer", "LineRouter", "chat_command"]
+__all__ = [
+    "PROMPT",
+    "WORKING_PROMPT",
+    "Chat",
+    "ChatApprover",
+    "ChatRenderer",
+    "LineRouter",
+    "TerminalScreen",
+    "chat_command",
+    "last_exchange",
+]
 
 PROMPT = "you> "
 """Shown on stderr when no task runs and a line would start one."""
+
+WORKING_PROMPT = "steer> "
+"""The prompt while a task runs: a line typed there steers it (terminal only)."""
+
+APPROVAL_HINT = "answer y, n or a"
+"""What an approval question says to an answer it does not understand, before asking again."""
 
 HELP = (
     "Type a task and press Enter. While it runs, what you type steers it; "
@@ -96,6 +147,9 @@ HELP = (
 
 TICK_S = 0.1
 """How often the live retry line is redrawn."""
+
+RECAP_CHARS = 160
+"""How much of the last prompt and the last reply a resumed chat shows."""
 
 _COMPACTABILITY_TEXT = {
     "empty": "the context is empty",
@@ -116,17 +170,100 @@ def chat_command(args: argparse.Namespace) -> int:
     return code
 
 
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # replaced or closed streams
+        return False
+
+
 async def _chat(options: RunOptions) -> int:
     async with Host.open(data_dir=options.data_dir) as host:
         session = await open_reported_session(host, options)
         if session is None:
             return EXIT_USAGE
-        renderer = ChatRenderer(sys.stdout, sys.stderr, tools=session.tools)
-        chat = Chat(session, renderer, approve=options.approve, fd=sys.stdin.fileno())
+        screen = (
+            TerminalScreen(sys.stdout, sys.stderr)
+            if all(_is_terminal(s) for s in (sys.stdin, sys.stdout, sys.stderr))
+            and os.environ.get("TERM") != "dumb"  # no cursor movement: lines as they come
+            else None
+        )
+        renderer = ChatRenderer(sys.stdout, sys.stderr, tools=session.tools, screen=screen)
+        if options.session_id is not None:
+            exchange = await trio.to_thread.run_sync(last_exchange, session.directory)
+            if exchange is not None:
+                renderer.recap(*exchange)
+        chat = Chat(
+            session,
+            renderer,
+            approve=options.approve,
+            fd=sys.stdin.fileno(),
+            screen=screen,
+            resume_hint=resume_command(session.id, options.data_dir),
+        )
         return await chat.run()
 
 
+def resume_command(session_id: str, data_dir: Path | None) -> str:
+    """The command that continues this session (with its data dir when not the default)."""
+    command = f"greenroom chat --session {session_id}"
+    if data_dir is not None and Path(data_dir).absolute() != default_data_dir().absolute():
+        command += f" --data-dir {shlex.quote(str(data_dir))}"
+    return command
+
+
+# -- the recap of a resumed session ---------------------------------------------------------
+
+
+def last_exchange(session_dir: Path) -> tuple[str, str] | None:
+    """The last prompt of the session and the model's last words after it, read from its
+    trace files (newest first, across compactions); None when it has no prompt yet or its
+    traces cannot be read. Blocking: call it from a worker thread inside trio."""
+    try:
+        numbered = [
+            (number, entry)
+            for entry in Path(session_dir).iterdir()
+            if (number := trace_file_number(entry.name)) is not None
+        ]
+    except OSError:
+        return None
+    reply: str | None = None
+    for _, path in sorted(numbered, reverse=True):
+        try:
+            records = read_trace(path).records
+        except OSError:
+            return None
+        for record in reversed(records):
+            if record.origin is not None:
+                continue  # a subagent's
+            if isinstance(record, ModelMsg) and isinstance(record.block, TextBlock):
+                if reply is None and record.block.text.strip():
+                    reply = record.block.text
+            elif isinstance(record, UserMsg) and record.kind == "prompt":
+                prompt = " ".join(p.text for p in record.content if isinstance(p, TextBlock))
+                return prompt, reply or ""
+    return None
+
+
+def _clip_line(text: str, limit: int = RECAP_CHARS) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
 # -- input routing ----------------------------------------------------------------------
+
+
+class Interrupted:
+    """What :meth:`LineRouter.ask` returns when Ctrl-C answered the question."""
+
+
+INTERRUPTED = Interrupted()
+
+Answer = str | Interrupted | None
+"""A typed line, Ctrl-C (:data:`INTERRUPTED`), or None at end of input."""
+
+ReadAnswer = Callable[[], Awaitable[Answer]]
+"""Where an approval question's answer comes from (:meth:`LineRouter.ask`)."""
 
 
 class LineRouter:
@@ -134,7 +271,7 @@ class LineRouter:
     the order they asked. After :meth:`close` (end of input) every question gets None."""
 
     def __init__(self, on_ask: Callable[[], None] | None = None) -> None:
-        self._waiters: list[trio.MemorySendChannel[str | None]] = []
+        self._waiters: list[trio.MemorySendChannel[Answer]] = []
         self._closed = False
         self._on_ask = on_ask
 
@@ -142,11 +279,12 @@ class LineRouter:
     def waiting(self) -> bool:
         return bool(self._waiters)
 
-    async def ask(self) -> str | None:
-        """The next line typed, or None at end of input (the approver then denies)."""
+    async def ask(self) -> Answer:
+        """The next line typed, :data:`INTERRUPTED` for Ctrl-C, or None at end of input
+        (the approver then denies)."""
         if self._closed:
             return None
-        send, receive = trio.open_memory_channel[str | None](1)
+        send, receive = trio.open_memory_channel[Answer](1)
         self._waiters.append(send)
         if self._on_ask is not None:
             self._on_ask()
@@ -156,7 +294,7 @@ class LineRouter:
             if send in self._waiters:
                 self._waiters.remove(send)
 
-    def answer(self, line: str) -> bool:
+    def answer(self, line: str | Interrupted) -> bool:
         """Give ``line`` to the oldest open question; False when none is open."""
         if not self._waiters:
             return False
@@ -167,6 +305,59 @@ class LineRouter:
         self._closed = True
         while self._waiters:
             self._waiters.pop(0).send_nowait(None)
+
+
+class ChatApprover:
+    """``--approve ask`` in the chat: one question at a time, in call order, asked through
+    the renderer (on a terminal the question is the prompt line). y(es) → allow, n(o) →
+    deny, a(lways) → allow this tool for the rest of the session; anything else gets
+    :data:`APPROVAL_HINT` and the question again. Ctrl-C denies (shown as
+    :data:`~greenroom.protocols.wording.INTERRUPTED_APPROVAL`), so does end of input."""
+
+    def __init__(self, renderer: ChatRenderer, read_answer: ReadAnswer) -> None:
+        self._renderer = renderer
+        self._read_answer = read_answer
+        self._previous: str | None = None
+        self._lock = trio.Lock()
+
+    async def __call__(self, call: ToolCallBlock) -> str:
+        # Subagents ask through the same callback as their parent, concurrently: one
+        # terminal asks one question at a time.
+        async with self._lock:
+            return await self._ask(call)
+
+    async def _ask(self, call: ToolCallBlock) -> str:
+        # Let the renderer print the call (and the previous decision) first, so the
+        # question follows them. Bounded: a renderer that never shows them must not stall
+        # approval.
+        with trio.move_on_after(1.0):
+            if self._previous is not None:
+                await self._renderer.wait_shown(f"decision:{self._previous}")
+            await self._renderer.wait_shown(f"call:{call.id}")
+        self._previous = call.id
+        question = (
+            f"Allow {call.name} {_arguments_text(call, 200)}? "
+            "[y]es / [n]o / [a]lways for this session: "
+        )
+        try:
+            while True:
+                answer = await self._renderer.ask(question, self._read_answer)
+                if isinstance(answer, Interrupted):
+                    self._renderer.decided_here(call.id, INTERRUPTED_APPROVAL)
+                    return "deny"
+                if answer is None:
+                    self._renderer.decided_here(call.id, decision_words("deny", "default"))
+                    return "deny"
+                choice = answer.strip().lower()
+                if choice in ("y", "yes"):
+                    return "allow"
+                if choice in ("n", "no"):
+                    return "deny"
+                if choice in ("a", "always"):
+                    return "allow_session"
+                self._renderer.notice(APPROVAL_HINT)
+        finally:
+            self._renderer.question_closed()
 
 
 # -- events ---------------------------------------------------------------------------
@@ -209,14 +400,30 @@ class Chat:
     """The REPL on one session; see the module docstring. :meth:`run` returns the exit
     code when the user leaves."""
 
-    def __init__(self, session: Session, renderer: ChatRenderer, *, approve: str, fd: int) -> None:
+    def __init__(
+        self,
+        session: Session,
+        renderer: ChatRenderer,
+        *,
+        approve: str,
+        fd: int,
+        screen: TerminalScreen | None = None,
+        resume_hint: str | None = None,
+    ) -> None:
         self._session = session
         self._renderer = renderer
         self._fd = fd
-        self._echoes = os.isatty(fd)
+        self._screen = screen
+        # A terminal in its usual (cooked) mode echoes typed lines and "^C" itself.
+        self._echoes = screen is None and os.isatty(fd)
+        self._interactive = screen is not None or self._echoes
         self._wanted = trio.Event()  # piped input: a prompt or a question wants a line
         self._router = LineRouter(on_ask=self._want_line)
-        self._approve = _approver(approve, renderer, read_line=self._router.ask)
+        self._approve: ApproveFn | None = (
+            ChatApprover(renderer, self._router.ask)
+            if approve == "ask"
+            else _approver(approve, renderer)
+        )
         self._send, self._events = trio.open_memory_channel[_Event](math.inf)
         self._nursery: trio.Nursery | None = None
         self._work: _Work | None = None
@@ -224,25 +431,35 @@ class Chat:
         self._ctrl_c_at_prompt = False
         self._leaving = False
         self._next_prompt: str | None = None
+        self._resume_hint = resume_hint
 
     async def run(self) -> int:
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            await nursery.start(self._watch_sigint)
-            nursery.start_soon(self._read_lines)
-            nursery.start_soon(self._renderer.run_ticker)
-            self._renderer.notice(
-                "greenroom chat · Enter starts a task · typing while it runs steers it · "
-                "Ctrl-C interrupts · /help"
-            )
-            self._show_prompt()
-            code = EXIT_OK
-            async for event in self._events:
-                result = self._handle(event)
-                if result is not None:
-                    code = result
-                    break
-            nursery.cancel_scope.cancel()
+        code = EXIT_OK
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                if self._screen is not None:
+                    await stack.enter_async_context(self._screen.open(self._send.send_nowait))
+                async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
+                    await nursery.start(self._watch_sigint)
+                    if self._screen is None:
+                        nursery.start_soon(self._read_lines)
+                    nursery.start_soon(self._renderer.run_ticker)
+                    self._renderer.notice(
+                        "greenroom chat · Enter starts a task · typing while it runs steers "
+                        "it · Ctrl-C interrupts · /help"
+                    )
+                    self._show_prompt()
+                    async for event in self._events:
+                        result = self._handle(event)
+                        if result is not None:
+                            code = result
+                            break
+                    nursery.cancel_scope.cancel()
+        finally:
+            if self._resume_hint is not None:
+                # After the screen has let go of the terminal: the last words on it.
+                _error(f"to resume: {self._resume_hint}")
         return code
 
     # event sources
@@ -263,6 +480,8 @@ class Chat:
     async def _watch_sigint(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
+        # On a TerminalScreen Ctrl-C is a key (the terminal is in raw mode); SIGINT still
+        # comes from pipes, `kill -INT` and the instants between two prompts.
         with trio.open_signal_receiver(signal.SIGINT) as signals:
             task_status.started()
             async for _ in signals:
@@ -315,7 +534,7 @@ class Chat:
         if self._router.answer(text):
             return None
         line = text.strip()
-        if self._work is None and not self._echoes and line:
+        if self._work is None and not self._interactive and line:
             self._renderer.echo(line)  # piped input: show what "was typed"
         if line.startswith("/"):
             return self._command(line)
@@ -333,6 +552,8 @@ class Chat:
         return None
 
     def _on_ctrl_c(self) -> int | None:
+        if self._router.answer(INTERRUPTED):
+            return None  # Ctrl-C at an approval question denies that call
         if self._work is not None:
             if self._interrupting:
                 raise KeyboardInterrupt  # leave now, without waiting for the task's end
@@ -347,7 +568,9 @@ class Chat:
             self._renderer.notice("")
             return EXIT_OK
         self._ctrl_c_at_prompt = True
-        self._renderer.notice("\n(Ctrl-C again, Ctrl-D or /quit to leave)")
+        self._renderer.notice(
+            ("\n" if self._echoes else "") + "(Ctrl-C again, Ctrl-D or /quit to leave)"
+        )
         self._show_prompt()
         return None
 
@@ -357,6 +580,7 @@ class Chat:
             self._renderer.notice("")
             return EXIT_OK
         self._leaving = True
+        self._renderer.leaving()
         self._renderer.notice("[end of input: leaving when the task ends; Ctrl-C stops it]")
         return None
 
@@ -385,6 +609,7 @@ class Chat:
             self._leaving = True
             self._interrupting = True
             self._session.interrupt("the user left the chat")
+            self._renderer.leaving()
             self._renderer.notice("[leaving: interrupting the task…]")
             return None
         if name == "/follow":
@@ -439,6 +664,7 @@ class Chat:
         token = _Compaction()
         self._work = token
         self._interrupting = False
+        self._renderer.working()
         assert self._nursery is not None
         self._nursery.start_soon(self._compact, token)
 
@@ -453,6 +679,7 @@ class Chat:
             return
         self._work = stream
         self._interrupting = False
+        self._renderer.working()
         assert self._nursery is not None
         self._nursery.start_soon(self._consume, stream)
 
@@ -473,6 +700,263 @@ class Chat:
         self._wanted.set()
 
 
+# -- the terminal ---------------------------------------------------------------------------
+
+
+class _ScreenStream(io.TextIOBase):
+    """One of the chat's output streams on a :class:`TerminalScreen`."""
+
+    def __init__(self, screen: TerminalScreen, target: TextIO) -> None:
+        super().__init__()
+        self._screen = screen
+        self._target = target
+
+    def write(self, text: str) -> int:
+        self._screen.write(self._target, text)
+        return len(text)
+
+    def flush(self) -> None:
+        """Writes are queued for the screen's thread, which flushes the real stream."""
+
+    def isatty(self) -> bool:
+        return _is_terminal(self._target)
+
+    def writable(self) -> bool:
+        return True
+
+
+_Chunk = tuple[TextIO, str]
+
+
+class TerminalScreen:
+    """The chat's terminal, shared by output and input through prompt_toolkit.
+
+    The bottom of the terminal is prompt_toolkit's: the line still being written (the
+    model's unfinished sentence), the live status line (the retry countdown) and the input
+    line, whose label is the prompt (``you>``, ``steer>``) or an open approval question.
+    Finished output lines are printed above it: the bottom is erased, the lines are written,
+    the bottom is drawn again below them. The terminal stays in raw mode the whole time, so
+    it never echoes a key by itself and Ctrl-C is a key, not a signal.
+
+    prompt_toolkit runs its asyncio loop in a thread of its own (:meth:`open`); everything
+    else stays in trio. From trio, :meth:`write`, :meth:`set_label`, :meth:`set_question`
+    and :meth:`set_status` are thread-safe and never block; keys come back as events
+    through the ``deliver`` callback, called in the trio thread.
+    """
+
+    def __init__(self, out: TextIO, err: TextIO) -> None:
+        self.out = cast(TextIO, _ScreenStream(self, out))
+        self.err = cast(TextIO, _ScreenStream(self, err))
+        self._err = err
+        self._lock = threading.Lock()  # guards the fields below, shared by both threads
+        self._ready: list[_Chunk] = []  # finished lines, to print above the bottom area
+        self._open: list[_Chunk] = []  # the unfinished line, shown in the bottom area
+        self._status: str | None = None
+        self._label = ""
+        self._question: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._scheduled = False
+        self._redraw_whole = False
+        # Set before the screen's thread starts, then read there.
+        self._deliver: Callable[[_Event], None] | None = None
+        self._trio_token: trio.lowlevel.TrioToken | None = None
+        # The screen's thread's own.
+        self._app: Application[None] | None = None
+        self._stopping: asyncio.Event | None = None
+        self._reading = True
+
+    # -- lifetime (trio side)
+
+    @contextlib.asynccontextmanager
+    async def open(self, deliver: Callable[[_Event], None]) -> AsyncIterator[TerminalScreen]:
+        """Run the screen's thread for the duration of the block; ``deliver`` gets typed
+        lines, Ctrl-C and end of input. On exit the input line is erased, the terminal is
+        given back in its usual mode, and output goes straight to the streams again."""
+        self._deliver = deliver
+        self._trio_token = trio.lowlevel.current_trio_token()
+        started = threading.Event()
+        thread = threading.Thread(
+            target=self._thread_main, args=(started,), name="greenroom-chat-terminal", daemon=True
+        )
+        thread.start()
+        await trio.to_thread.run_sync(started.wait)
+        try:
+            yield self
+        finally:
+            with self._lock:
+                loop = self._loop
+            if loop is not None:
+                with contextlib.suppress(RuntimeError):  # its loop has just closed by itself
+                    loop.call_soon_threadsafe(self._stop)
+            with trio.CancelScope(shield=True):
+                # Bounded: a wedged terminal must not keep the process from ending.
+                await trio.to_thread.run_sync(thread.join, 5.0)
+
+    # -- output (any thread)
+
+    def write(self, target: TextIO, text: str) -> None:
+        """Queue ``text`` for ``target``: finished lines are printed above the bottom area,
+        an unfinished one is shown in it until its end arrives."""
+        if not text:
+            return
+        with self._lock:
+            if self._loop is None:
+                target.write(text)
+                target.flush()
+                return
+            if "\n" in text:
+                head, tail = text.rsplit("\n", 1)
+                self._ready.extend(self._open)
+                self._ready.append((target, head + "\n"))
+                self._open = [(target, tail)] if tail else []
+            else:
+                self._open.append((target, text))
+            self._schedule_locked()
+
+    def set_label(self, label: str) -> None:
+        """The input line's label: the prompt."""
+        with self._lock:
+            self._label = label
+            self._redraw_whole = True  # a new prompt is written whole, not as a diff
+            self._schedule_locked()
+
+    def set_question(self, question: str | None) -> None:
+        """An approval question shown as the input line's label (None: the prompt again)."""
+        with self._lock:
+            self._question = question
+            self._redraw_whole = True
+            self._schedule_locked()
+
+    def set_status(self, status: str | None) -> None:
+        """The live line just above the input line (None: no such line)."""
+        with self._lock:
+            self._status = status
+            self._schedule_locked()
+
+    def _schedule_locked(self) -> None:
+        if self._loop is not None and not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon_threadsafe(self._refresh)
+
+    # -- the screen's thread
+
+    def _thread_main(self, started: threading.Event) -> None:
+        try:
+            asyncio.run(self._serve(started))
+        finally:
+            started.set()
+            with self._lock:
+                self._loop = None
+                chunks, self._ready, self._open = self._ready + self._open, [], []
+            self._write_chunks(chunks)
+
+    async def _serve(self, started: threading.Event) -> None:
+        self._stopping = asyncio.Event()
+        session: PromptSession[str] = PromptSession(
+            message=self._message,
+            key_bindings=self._key_bindings(),
+            output=create_output(stdout=self._err),
+            erase_when_done=True,
+            reserve_space_for_menu=0,
+        )
+        self._app = cast(Application[None], session.app)
+        with self._lock:
+            self._loop = asyncio.get_running_loop()
+        started.set()
+        prompt = asyncio.ensure_future(session.prompt_async(handle_sigint=False))
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        await asyncio.wait([prompt, stopping], return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if prompt.done():
+            # The input line ended by itself (the terminal went away): that is the end of
+            # input, or the chat would wait for keys that can no longer come.
+            failure = None if prompt.cancelled() else prompt.exception()
+            if failure is not None:
+                _error(f"greenroom chat: the terminal failed: {failure!r}")
+            self._send(_EndOfInput())
+            return
+        if self._app.is_running:
+            self._app.exit()
+        else:
+            prompt.cancel()
+        await asyncio.wait([prompt])
+
+    def _stop(self) -> None:
+        assert self._stopping is not None
+        self._stopping.set()
+
+    def _refresh(self) -> None:
+        with self._lock:
+            self._scheduled = False
+            chunks, self._ready = self._ready, []
+            whole, self._redraw_whole = self._redraw_whole, False
+        app = self._app
+        live = app is not None and app.is_running and not app.is_done
+        if (chunks or whole) and live:
+            assert app is not None
+            # The bottom area goes and the cursor is back where it began; the next render
+            # draws all of it again, below what is printed now.
+            app.renderer.erase()
+        self._write_chunks(chunks)
+        if live:
+            assert app is not None
+            app.invalidate()
+
+    @staticmethod
+    def _write_chunks(chunks: list[_Chunk]) -> None:
+        for target, text in chunks:
+            target.write(text)
+            target.flush()
+
+    def _message(self) -> ANSI:
+        with self._lock:
+            unfinished = "".join(text for _, text in self._open)
+            status = self._status
+            label = self._question if self._question is not None else self._label
+        lines = [line for line in (unfinished, status) if line]
+        return ANSI("".join(line + "\n" for line in lines) + label)
+
+    def _send(self, event: _Event) -> None:
+        assert self._trio_token is not None and self._deliver is not None
+        with contextlib.suppress(trio.RunFinishedError):  # the chat has ended already
+            self._trio_token.run_sync_soon(self._deliver, event)
+
+    def _key_bindings(self) -> KeyBindings:
+        bindings = KeyBindings()
+
+        @bindings.add("enter")
+        def _enter(event: KeyPressEvent) -> None:
+            if not self._reading:
+                return
+            buffer = event.current_buffer
+            text = buffer.text
+            buffer.reset(append_to_history=bool(text.strip()))
+            with self._lock:
+                label = self._question if self._question is not None else self._label
+                # What was typed stays on the screen, after the lines printed before it.
+                self._ready.extend(self._open)
+                self._ready.append((self._err, label + text + "\n"))
+                self._open = []
+            self._refresh()
+            self._send(_Line(text))
+
+        @bindings.add("c-c")
+        def _ctrl_c(event: KeyPressEvent) -> None:
+            event.current_buffer.reset()
+            self._send(_CtrlC())
+
+        @bindings.add("c-d")
+        def _ctrl_d(event: KeyPressEvent) -> None:
+            buffer = event.current_buffer
+            if buffer.text:
+                buffer.delete()  # as in a shell: end of input only on an empty line
+            elif self._reading:
+                self._reading = False
+                self._send(_EndOfInput())
+
+        return bindings
+
+
 # -- rendering ----------------------------------------------------------------------------
 
 
@@ -484,18 +968,31 @@ class _RetryWait:
 
 
 class ChatRenderer(HumanRenderer):
-    """The renderer of ``greenroom run`` plus what a REPL needs: the prompt, notices on
-    stderr, the per-task summary line, and the live ``[retry]`` countdown line (redrawn
-    in place by :meth:`run_ticker` when stderr is a terminal)."""
+    """The renderer of ``greenroom run`` plus what a REPL needs: the prompt, approval
+    questions, notices on stderr, the per-task summary line, the recap of a resumed
+    session, approval decisions in the words of
+    :mod:`greenroom.protocols.wording`, and the live ``[retry]`` countdown line (redrawn
+    in place by :meth:`run_ticker` when stderr is a terminal). With a ``screen`` it writes
+    through that :class:`TerminalScreen` (``out`` and ``err`` are where the screen prints)."""
 
     def __init__(
-        self, out: TextIO, err: TextIO, *, tools: Sequence[Tool] = (), live: bool | None = None
+        self,
+        out: TextIO,
+        err: TextIO,
+        *,
+        tools: Sequence[Tool] = (),
+        live: bool | None = None,
+        screen: TerminalScreen | None = None,
     ) -> None:
+        if screen is not None:
+            out, err = screen.out, screen.err
         super().__init__(out, err, tools=tools)
+        self._screen = screen
         self._live = err.isatty() if live is None else live
         self._retry: _RetryWait | None = None
         self._retry_line_open = False
         self._wake = trio.Event()
+        self._decided_here: dict[str, str] = {}
 
     def show(self, output: Output) -> None:
         if output.origin is None:
@@ -518,8 +1015,49 @@ class ChatRenderer(HumanRenderer):
     def prompt(self, text: str) -> None:
         self._end_retry()
         self.break_line()
+        if self._screen is not None:
+            self._screen.set_label(text)
+            return
         self._err.write(text)
         self._err.flush()
+
+    def working(self) -> None:
+        """Work has started: on a terminal the prompt becomes :data:`WORKING_PROMPT`."""
+        if self._screen is not None:
+            self._screen.set_label(WORKING_PROMPT)
+
+    def leaving(self) -> None:
+        """The chat ends with the current work: no prompt any more."""
+        if self._screen is not None:
+            self._screen.set_label("")
+
+    async def ask(self, question: str, read_answer: ReadAnswer) -> Answer:
+        """Show an approval question and wait for its answer (see :class:`ChatApprover`)."""
+        self.break_line()
+        if self._screen is not None:
+            self._screen.set_question(question)
+            answer: Answer = await read_answer()
+            return answer
+        self._end_retry()
+        self._err.write(question)
+        self._err.flush()
+        answer = await read_answer()
+        if isinstance(answer, str) and not os.isatty(sys.stdin.fileno()):
+            # Piped answers are not echoed by a terminal: show them, one per question.
+            self._err.write(answer + "\n")
+        elif not isinstance(answer, str):
+            self._err.write("\n")  # end the question's line
+        self._err.flush()
+        return answer
+
+    def question_closed(self) -> None:
+        if self._screen is not None:
+            self._screen.set_question(None)
+
+    def decided_here(self, call_id: str, words: str) -> None:
+        """The question was not answered by a choice (Ctrl-C, end of input): show the
+        call's decision in these words instead of the decision's own."""
+        self._decided_here[call_id] = words
 
     def notice(self, text: str) -> None:
         """A line on stderr; a live retry line stays below it."""
@@ -530,7 +1068,7 @@ class ChatRenderer(HumanRenderer):
             self.break_line()
         self._err.write(self._err_style.cyan(text) + "\n" if text else "\n")
         self._err.flush()
-        if self._retry is not None and self._live:
+        if self._retry is not None and self._live and self._screen is None:
             self._draw_retry()
 
     def echo(self, line: str) -> None:
@@ -547,6 +1085,34 @@ class ChatRenderer(HumanRenderer):
 
     def summary(self, end: TaskEnd, trace_path: Path | None) -> None:
         self._note(summary_line(end, trace_path, color=_color_enabled(self._err)))
+
+    def recap(self, prompt: str, reply: str) -> None:
+        """The last exchange of a resumed session, clipped to one line each."""
+        dim = self._err_style.dim
+        self._note(dim("last exchange:"))
+        self._note(dim(f"  you: {_clip_line(prompt)}"))
+        self._note(dim(f"  model: {_clip_line(reply) if reply else '(no reply)'}"))
+
+    def _show_decision(self, output: ApprovalDecision) -> None:
+        words = self._decided_here.pop(output.call_id, None) or decision_words(
+            output.decision, output.by
+        )
+        if output.decision == "deny":
+            hint = " (start the chat with --approve ask or all)" if output.by == "default" else ""
+            self._line(
+                f"  {self._style.red('✗')} {output.tool} {self._style.red(words)}"
+                + self._style.dim(hint)
+            )
+            return
+        self._running.add(output.call_id)
+        if self._parallel.get(output.tool, True):
+            slots = f"running: {min(len(self._running), 5)} of 5 slots busy"
+        else:
+            slots = "exclusive: runs alone, in call order"
+        self._line(
+            f"  {self._style.green('✓')} {output.tool} {self._style.green(words)} "
+            + self._style.dim(f"· {slots}")
+        )
 
     # the live retry line
 
@@ -601,11 +1167,18 @@ class ChatRenderer(HumanRenderer):
         )
 
     def _draw_retry(self) -> None:
+        if self._screen is not None:
+            self._screen.set_status(self._retry_text())
+            return
         self._err.write("\r" + self._retry_text() + "\x1b[K")
         self._err.flush()
         self._retry_line_open = True
 
     def _end_retry(self) -> None:
+        if self._screen is not None and self._retry is not None and self._live:
+            # The last state of the live line stays on the screen, as on a plain terminal.
+            self._screen.set_status(None)
+            self._err.write(self._retry_text() + "\n")
         if self._retry_line_open:
             self._err.write("\n")
             self._err.flush()

@@ -3,8 +3,11 @@
 Each terminal test starts ``python -m greenroom.actors.cli chat`` on the slave side of a
 fresh pty that is the child's controlling terminal (so typing Ctrl-C there sends SIGINT,
 as in a real terminal) and talks to it through the master side: it types lines and control
-characters and reads the screen until the expected text appears. Every wait is bounded;
-the child is killed when a test fails.
+characters and reads the screen until the expected text appears. The bytes also feed a
+small model of a terminal (:class:`Screen`), which answers cursor position requests as a
+real one does and tells which line holds what: that is how the tests see that output is
+printed above the input line and never into it. Every wait is bounded; the child is
+killed when a test fails.
 
 The scripted model answers (no API key in the environment). A ``--tools`` file replaces
 ``list_dir`` by one that blocks until the test creates a ``go`` file in the workspace, so
@@ -14,21 +17,26 @@ and Ctrl-C then land at a known moment, never by timing luck.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
 import select
+import struct
 import subprocess
 import sys
+import termios
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import trio
 import trio.testing
 
-from greenroom.actors.chat import PROMPT, LineRouter
+from greenroom.actors.chat import APPROVAL_HINT, PROMPT, LineRouter
 from greenroom.actors.scripted_brain import DEMO_PROMPT
+from greenroom.protocols.wording import INTERRUPTED_APPROVAL, decision_words
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `tests` is not a package on pytest's default sys.path
@@ -60,14 +68,180 @@ async def list_dir(path: str, ctx) -> str:
     return "notes.txt  (5 bytes)"
 '''
 
+# read_file for two CSV files: it waits for a "go" file, then reports progress and answers.
+NOISY_READ_TOOLS = '''
+import trio
+from greenroom.protocols.tools import tool
+
+
+@tool(parallel=True)
+async def read_file(path: str, ctx) -> str:
+    """Read a file (this one waits until a file named "go" is in the workspace)."""
+    gate = ctx.workspace_dir / "go"
+    while not gate.exists():
+        await trio.sleep(0.01)
+    ctx.report_progress(f"reading {path}")
+    return "     1\\tregion,units,unit_price\\n     2\\tnorth,2,3"
+'''
+
 SUMMARY_COMPLETED = "✓ completed"
 
 
-class Terminal:
-    """A child process on a pseudo-terminal, driven through the master side."""
+class Screen:
+    """What a terminal of ``rows`` x ``columns`` shows after the bytes fed to it: enough of
+    a VT100 for prompt_toolkit's renderer and plain output (cursor moves, erasing, line
+    wrap, scrolling; colours and modes are ignored). Scrolled-off lines are kept above.
+    ``replies`` collects what the terminal answers (cursor position reports)."""
 
-    def __init__(self, args: list[str], *, cwd: Path, env: dict[str, str]) -> None:
+    _CSI = re.compile(r"\x1b\[([0-?]*)([ -/]*)([@-~])")
+    _OSC = re.compile(r"\x1b\][^\x07\x1b]*(\x07|\x1b\\)")
+
+    def __init__(self, rows: int, columns: int) -> None:
+        self.rows = rows
+        self.columns = columns
+        self.lines: list[list[str]] = [[]]
+        self.top = 0  # the first line on the screen
+        self.y = 0  # absolute line of the cursor
+        self.x = 0
+        self.autowrap = True
+        self.replies = ""
+        self._pending = ""
+
+    def feed(self, text: str) -> None:
+        text = self._pending + text
+        self._pending = ""
+        i = 0
+        while i < len(text):
+            char = text[i]
+            if char == "\x1b":
+                if i + 1 >= len(text):
+                    self._pending = text[i:]
+                    return
+                if text[i + 1] == "[":
+                    match = self._CSI.match(text, i)
+                    if match is None:
+                        if re.fullmatch(r"\x1b\[[0-?]*[ -/]*", text[i:]):
+                            self._pending = text[i:]
+                            return
+                        i += 2
+                        continue
+                    self._csi(match.group(1), match.group(3))
+                    i = match.end()
+                elif text[i + 1] == "]":
+                    match = self._OSC.match(text, i)
+                    if match is None:
+                        self._pending = text[i:]
+                        return
+                    i = match.end()
+                else:
+                    i += 2  # ESC = , ESC > and the like
+                continue
+            if char == "\r":
+                self.x = 0
+            elif char == "\n":
+                self._line_feed()
+            elif char == "\b":
+                self.x = max(0, self.x - 1)
+            elif char == "\t":
+                self.x = min(self.columns - 1, (self.x // 8 + 1) * 8)
+            elif char >= " ":
+                self._put(char)
+            i += 1
+
+    def _put(self, char: str) -> None:
+        if self.x >= self.columns:
+            if self.autowrap:
+                self.x = 0
+                self._line_feed()
+            else:
+                self.x = self.columns - 1
+        line = self.lines[self.y]
+        if len(line) <= self.x:
+            line.extend(" " * (self.x - len(line) + 1))
+        line[self.x] = char
+        self.x += 1
+
+    def _line_feed(self) -> None:
+        self.y += 1
+        if self.y >= len(self.lines):
+            self.lines.append([])
+        if self.y >= self.top + self.rows:
+            self.top = self.y - self.rows + 1
+
+    def _csi(self, params: str, final: str) -> None:
+        private = params.startswith("?")
+        numbers = [int(p) if p.isdigit() else 0 for p in params.lstrip("?").split(";")]
+        n = numbers[0] or 1
+        if private:
+            if numbers[0] == 7 and final in "hl":
+                self.autowrap = final == "h"
+            return
+        if final == "A":
+            self.y = max(self.top, self.y - n)
+        elif final == "B":
+            self.y = min(self.top + self.rows - 1, self.y + n)
+            while len(self.lines) <= self.y:
+                self.lines.append([])
+        elif final == "C":
+            self.x = min(self.columns - 1, self.x + n)
+        elif final == "D":
+            self.x = max(0, self.x - n)
+        elif final == "G":
+            self.x = min(self.columns - 1, n - 1)
+        elif final in "Hf":
+            row = numbers[0] or 1
+            column = numbers[1] if len(numbers) > 1 and numbers[1] else 1
+            self.y = self.top + min(self.rows, row) - 1
+            while len(self.lines) <= self.y:
+                self.lines.append([])
+            self.x = min(self.columns, column) - 1
+        elif final == "J":
+            if numbers[0] == 0:
+                del self.lines[self.y][self.x :]
+                del self.lines[self.y + 1 :]
+            elif numbers[0] == 2:
+                for y in range(self.top, len(self.lines)):
+                    self.lines[y] = []
+        elif final == "K":
+            line = self.lines[self.y]
+            if numbers[0] == 0:
+                del line[self.x :]
+            elif numbers[0] == 1:
+                line[: self.x + 1] = " " * min(len(line), self.x + 1)
+            else:
+                line.clear()
+        elif final == "n" and numbers[0] == 6:
+            self.replies += f"\x1b[{self.y - self.top + 1};{self.x + 1}R"
+
+    def line(self, y: int) -> str:
+        return "".join(self.lines[y]).rstrip() if y < len(self.lines) else ""
+
+    @property
+    def cursor_line(self) -> str:
+        """The line the cursor is on: the input line of a prompt."""
+        return self.line(self.y)
+
+    def text(self) -> str:
+        """Every line, the scrolled-off ones included."""
+        return "\n".join(self.line(y) for y in range(len(self.lines)))
+
+
+class Terminal:
+    """A child process on a pseudo-terminal, driven through the master side.
+
+    :meth:`expect` reads the raw output (what was written, escape sequences and all);
+    :attr:`display` is what a terminal would show, for the questions of layout (which
+    line holds what) and for text that prompt_toolkit redraws in place. Like a real
+    terminal it answers cursor position requests."""
+
+    ROWS = 40
+    COLUMNS = 200  # wide enough that no test line wraps
+
+    def __init__(
+        self, args: list[str], *, cwd: Path, env: dict[str, str], keep_slave: bool = False
+    ) -> None:
         master, slave = os.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", self.ROWS, self.COLUMNS, 0, 0))
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-c", CTTY_SHIM, *args],
@@ -75,9 +249,14 @@ class Terminal:
                 start_new_session=True, close_fds=True,
             )  # fmt: skip
         finally:
-            os.close(slave)
+            if not keep_slave:
+                os.close(slave)
+        # Kept open, the slave side lets a test read the terminal's mode after the child's
+        # exit (the master then sees no end of file: waits end on the exit status instead).
+        self.slave = slave if keep_slave else None
         self.master = master
         self.screen = ""
+        self.display = Screen(self.ROWS, self.COLUMNS)
         self._seen = 0
         self._eof = False
 
@@ -94,7 +273,13 @@ class Terminal:
             data = b""
         if not data:
             self._eof = True
-        self.screen += data.decode("utf-8", errors="replace")
+        text = data.decode("utf-8", errors="replace")
+        self.screen += text
+        self.display.feed(text)
+        if self.display.replies:
+            replies, self.display.replies = self.display.replies, ""
+            with contextlib.suppress(OSError):
+                os.write(self.master, replies.encode())
 
     def expect(self, pattern: str | re.Pattern[str], timeout: float = WAIT_S) -> re.Match[str]:
         """Wait for ``pattern`` (text or regex) in the output after the last match."""
@@ -113,6 +298,26 @@ class Terminal:
                 )
             self._read(remaining)
 
+    def wait_display(
+        self, check: Callable[[Screen], bool], what: str, timeout: float = WAIT_S
+    ) -> Screen:
+        """Wait until what the terminal shows passes ``check``."""
+        deadline = time.monotonic() + timeout
+        while not check(self.display):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or (self._eof and self.process.poll() is not None):
+                raise AssertionError(
+                    f"the terminal never showed {what}; it shows:\n{self.display.text()[-3000:]}"
+                )
+            self._read(min(remaining, 0.05))
+        return self.display
+
+    def expect_prompt(self, label: str = PROMPT, typed: str = "") -> None:
+        """Wait until the input line is ``label`` followed by ``typed``."""
+        self.wait_display(
+            lambda d: d.cursor_line == (label + typed).rstrip(), f"the prompt {label!r}"
+        )
+
     def type(self, text: str) -> None:
         os.write(self.master, text.encode())
 
@@ -128,11 +333,18 @@ class Terminal:
             self._read(min(remaining, 0.05))
         return self.process.returncode
 
+    def lflag(self) -> int:
+        """The terminal's local modes now (ECHO, ICANON, …)."""
+        assert self.slave is not None
+        return int(termios.tcgetattr(self.slave)[3])
+
     def close(self) -> None:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait(timeout=WAIT_S)
         os.close(self.master)
+        if self.slave is not None:
+            os.close(self.slave)
 
 
 def chat_env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -161,11 +373,14 @@ def gated_tools(tmp_path: Path) -> Path:
     return path
 
 
-def open_chat(tmp_path: Path, workspace: Path, *args: str, **env: str) -> Terminal:
+def open_chat(
+    tmp_path: Path, workspace: Path, *args: str, keep_slave: bool = False, **env: str
+) -> Terminal:
     return Terminal(
         ["chat", "--data-dir", str(tmp_path / "data"), "--workspace", str(workspace), *args],
         cwd=tmp_path,
         env=chat_env(tmp_path, **env),
+        keep_slave=keep_slave,
     )
 
 
@@ -173,7 +388,7 @@ def open_chat(tmp_path: Path, workspace: Path, *args: str, **env: str) -> Termin
 def chat(tmp_path: Path, workspace: Path, gated_tools: Path) -> Iterator[Terminal]:
     terminal = open_chat(tmp_path, workspace, "--approve", "all", "--tools", str(gated_tools))
     try:
-        terminal.expect(PROMPT)
+        terminal.expect_prompt()
         yield terminal
     finally:
         terminal.close()
@@ -197,10 +412,10 @@ def test_a_prompt_streams_the_reply_then_quit_exits_0(chat: Terminal) -> None:
     chat.line("hello there")
     chat.expect('You asked: "hello there"')
     chat.expect(SUMMARY_COMPLETED)
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.line("and again")  # same session: the scripted model counts the earlier prompt
     chat.expect("This session already holds 1 earlier prompt.")
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.line("/quit")
     assert chat.wait_exit() == 0
 
@@ -214,7 +429,7 @@ def test_text_typed_while_a_task_runs_steers_it(chat: Terminal, workspace: Path)
     chat.expect('Noted: "only count the north region".')
     chat.expect("no CSV files")
     chat.expect(SUMMARY_COMPLETED)
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.type("\x04")  # Ctrl-D at the prompt
     assert chat.wait_exit() == 0
 
@@ -224,11 +439,11 @@ def test_ctrl_c_interrupts_the_task_and_the_prompt_returns(chat: Terminal) -> No
     chat.type("\x03")
     chat.expect("[interrupting…")
     chat.expect("✗ aborted")
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.line("are you still there?")  # the REPL goes on, on the same session
     chat.expect('You asked: "are you still there?"')
     chat.expect(SUMMARY_COMPLETED)
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.line("/quit")
     assert chat.wait_exit() == 0
 
@@ -236,19 +451,19 @@ def test_ctrl_c_interrupts_the_task_and_the_prompt_returns(chat: Terminal) -> No
 def test_ctrl_c_twice_at_the_prompt_exits(chat: Terminal) -> None:
     chat.type("\x03")
     chat.expect("Ctrl-C again")
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.type("\x03")
     assert chat.wait_exit() == 0
 
 
 def test_a_line_between_two_ctrl_c_keeps_the_chat_open(chat: Terminal) -> None:
     chat.type("\x03")
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.line("")
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.type("\x03")
     chat.expect("Ctrl-C again")
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     assert chat.process.poll() is None
     chat.line("/quit")
     assert chat.wait_exit() == 0
@@ -263,10 +478,10 @@ def test_follow_queues_a_task_after_the_running_one(chat: Terminal, workspace: P
     chat.expect(SUMMARY_COMPLETED)
     chat.expect('You asked: "then say goodbye"')
     chat.expect(SUMMARY_COMPLETED)
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.line("/follow at the prompt it just runs")
     chat.expect('You asked: "at the prompt it just runs"')
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.line("/quit")
     assert chat.wait_exit() == 0
 
@@ -274,16 +489,16 @@ def test_follow_queues_a_task_after_the_running_one(chat: Terminal, workspace: P
 def test_commands_at_the_prompt(chat: Terminal) -> None:
     chat.line("/retry")
     chat.expect("[retry] no task is running")
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.line("/compact")
     chat.expect(re.compile(r"\[compact\] (nothing to do: the context is empty|compaction is not)"))
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.line("/bogus")
     chat.expect("unknown command /bogus")
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.line("/help")
     chat.expect("/follow TEXT")
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.line("/quit")
     assert chat.wait_exit() == 0
 
@@ -291,10 +506,10 @@ def test_commands_at_the_prompt(chat: Terminal) -> None:
 def test_compact_after_a_task(chat: Terminal) -> None:
     chat.line("remember the number 42")
     chat.expect(SUMMARY_COMPLETED)
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.line("/compact")
     chat.expect(re.compile(r"compaction (ok|failed)|compaction is not available"))
-    chat.expect(PROMPT)
+    chat.expect_prompt()
     chat.line("/quit")
     assert chat.wait_exit() == 0
 
@@ -312,14 +527,14 @@ def test_approval_questions_take_the_next_line(
 ) -> None:
     terminal = open_chat(tmp_path, workspace, "--approve", "ask", "--tools", str(gated_tools))
     try:
-        terminal.expect(PROMPT)
+        terminal.expect_prompt()
         terminal.line(DEMO_PROMPT)
         terminal.expect("Allow list_dir")
         terminal.line("n")  # an answer, not steering
-        terminal.expect("list_dir denied")
+        terminal.expect("list_dir denied by you")
         terminal.expect("couldn't list the workspace")
         terminal.expect(SUMMARY_COMPLETED)
-        terminal.expect(PROMPT)
+        terminal.expect_prompt()
         assert "[steering queued]" not in terminal.screen
         terminal.line("/quit")
         assert terminal.wait_exit() == 0
@@ -350,20 +565,28 @@ async def test_retry_line_counts_down_and_retry_skips_the_wait(
                 "--approve", "none", ANTHROPIC_API_KEY="test-key",
             )  # fmt: skip
             try:
-                terminal.expect(PROMPT)
+                terminal.expect_prompt()
                 terminal.line("hi")
-                first = terminal.expect(
-                    re.compile(r"\[retry\] attempt 2/6 in (\d+\.\d) s — .*Overloaded")
+                countdown = re.compile(r"\[retry\] attempt 2/6 in (\d+\.\d) s — .*Overloaded")
+
+                def seconds_left(display: Screen) -> float | None:
+                    match = countdown.search(display.text())
+                    return None if match is None else float(match.group(1))
+
+                terminal.wait_display(lambda d: seconds_left(d) is not None, "the retry line")
+                first = seconds_left(terminal.display)
+                assert first is not None
+                # Redrawn in place (one line, not one per tick) with a smaller number.
+                terminal.wait_display(
+                    lambda d: (left := seconds_left(d)) is not None and left < first,
+                    "the countdown going down",
                 )
-                redraw = re.compile(r"\r\[retry\] attempt 2/6 in (\d+\.\d) s — .*Overloaded")
-                # Redrawn in place with a smaller number (expect() bounds the wait).
-                while float(terminal.expect(redraw).group(1)) >= float(first.group(1)):
-                    pass
+                assert len(countdown.findall(terminal.display.text())) == 1
                 terminal.line("/retry")  # a 20 s wait: the test would time out without it
                 terminal.expect("[retry] wait skipped")
                 terminal.expect("Back online.")
                 terminal.expect(SUMMARY_COMPLETED)
-                terminal.expect(PROMPT)
+                terminal.expect_prompt()
                 terminal.line("/quit")
                 assert terminal.wait_exit() == 0
             finally:
@@ -389,6 +612,216 @@ def test_piped_lines_run_one_task_each_then_end_of_input_exits_0(
     )
     assert result.stderr.count(SUMMARY_COMPLETED) == 2
     assert "[steering queued]" not in result.stderr
+
+
+# -- the screen: output above, the input line below -------------------------------------------
+
+
+def lines_but_the_input_line(display: Screen) -> list[str]:
+    return [display.line(y) for y in range(len(display.lines)) if y != display.y]
+
+
+def test_keys_typed_while_output_arrives_stay_on_the_input_line(
+    chat: Terminal, workspace: Path
+) -> None:
+    hold_in_list_dir(chat)
+    chat.type("only the north")  # no Enter: half a line of steering, typed mid-task
+    chat.wait_display(lambda d: "only the north" in d.text(), "the typed text")
+    release(workspace)  # the tool's result prints, then the model streams its answer
+    chat.expect("no CSV files")
+    chat.expect(SUMMARY_COMPLETED)
+    chat.wait_display(lambda d: SUMMARY_COMPLETED in d.text(), "the summary")
+    shown = lines_but_the_input_line(chat.display)
+    assert not [line for line in shown if "only the north" in line], shown
+    assert [line for line in shown if line.startswith("  ◂ list_dir ok")], shown
+    assert [line for line in shown if line.startswith("The workspace has no CSV files")], shown
+    chat.expect_prompt(PROMPT, "only the north")  # still on the input line, still unsent
+    chat.type("\r")  # the typed line is a prompt now: it starts the next task
+    chat.expect('You asked: "only the north"')
+    chat.expect(SUMMARY_COMPLETED)
+    chat.expect_prompt()
+    chat.line("/quit")
+    assert chat.wait_exit() == 0
+
+
+def test_leaving_gives_the_terminal_back_in_its_usual_mode(
+    tmp_path: Path, workspace: Path, gated_tools: Path
+) -> None:
+    terminal = open_chat(
+        tmp_path, workspace, "--approve", "all", "--tools", str(gated_tools), keep_slave=True
+    )
+    try:
+        terminal.expect_prompt()
+        usual = termios.ECHO | termios.ICANON | termios.ISIG
+        assert terminal.lflag() & usual == 0  # raw while the chat runs: it echoes keys itself
+        hold_in_list_dir(terminal)
+        terminal.line("/quit")  # leaving mid-task, with a tool still running
+        assert terminal.wait_exit() == 0
+        assert terminal.lflag() & usual == usual
+    finally:
+        terminal.close()
+
+
+def test_ctrl_c_twice_during_a_task_leaves_at_once_and_gives_the_terminal_back(
+    tmp_path: Path, workspace: Path, gated_tools: Path
+) -> None:
+    terminal = open_chat(
+        tmp_path, workspace, "--approve", "all", "--tools", str(gated_tools), keep_slave=True
+    )
+    try:
+        terminal.expect_prompt()
+        hold_in_list_dir(terminal)
+        terminal.type("\x03\x03")  # both keys before the interrupt can end the task
+        assert terminal.wait_exit() == 130
+        usual = termios.ECHO | termios.ICANON | termios.ISIG
+        assert terminal.lflag() & usual == usual
+        assert "to resume: greenroom chat --session" in terminal.screen
+    finally:
+        terminal.close()
+
+
+def test_an_open_approval_question_stays_whole_below_output_hints_and_denies_on_ctrl_c(
+    tmp_path: Path, workspace: Path
+) -> None:
+    for name in ("a.csv", "b.csv"):
+        (workspace / name).write_text("region,units,unit_price\nnorth,2,3\n", encoding="utf-8")
+    tools = tmp_path / "noisy_read.py"
+    tools.write_text(NOISY_READ_TOOLS, encoding="utf-8")
+    terminal = open_chat(tmp_path, workspace, "--approve", "ask", "--tools", str(tools))
+    question_b = 'Allow read_file {"path": "b.csv"}? [y]es / [n]o / [a]lways for this session:'
+    try:
+        terminal.expect_prompt()
+        terminal.line(DEMO_PROMPT)
+        terminal.expect("Allow list_dir")
+        terminal.line("y")
+        terminal.expect("list_dir allowed")
+        terminal.expect('Allow read_file {"path": "a.csv"}')
+        terminal.line("y")  # a.csv runs (and waits); the question for b.csv opens
+        terminal.expect_prompt(question_b + " ")
+        release(workspace)  # a.csv reports progress and ends while b.csv's question is open
+        terminal.expect("read_file: reading a.csv")
+        terminal.expect("◂ read_file ok")
+        terminal.wait_display(lambda d: "◂ read_file ok" in d.text(), "the tool's result")
+        shown = lines_but_the_input_line(terminal.display)
+        assert [line for line in shown if line.startswith("  … read_file: reading a.csv")], shown
+        assert not [line for line in shown if "Allow read_file" in line and "b.csv" in line], shown
+        terminal.expect_prompt(question_b + " ")
+
+        terminal.type("maybe later")  # not an answer: a hint, and the same question again
+        terminal.expect_prompt(question_b + " ", "maybe later")
+        terminal.type("\r")
+        terminal.expect(APPROVAL_HINT)
+        terminal.expect_prompt(question_b + " ")
+        shown = lines_but_the_input_line(terminal.display)
+        assert shown.count(APPROVAL_HINT) == 1, shown
+        assert "[steering queued]" not in terminal.screen
+
+        terminal.type("\x03")  # Ctrl-C at the question denies this call, not the task
+        terminal.expect(f"read_file {INTERRUPTED_APPROVAL}")
+        terminal.expect(SUMMARY_COMPLETED)
+        terminal.expect_prompt()
+        assert "aborted" not in terminal.screen
+        assert f"list_dir {decision_words('allow', 'host')}" in terminal.display.text()
+        terminal.line("/quit")
+        assert terminal.wait_exit() == 0
+    finally:
+        terminal.close()
+
+
+def test_always_allows_the_tool_for_the_rest_of_the_session(
+    tmp_path: Path, workspace: Path
+) -> None:
+    terminal = open_chat(tmp_path, workspace, "--approve", "ask")
+    try:
+        terminal.expect_prompt()
+        terminal.line(DEMO_PROMPT)
+        terminal.expect("Allow list_dir")
+        terminal.line("a")
+        terminal.expect(f"list_dir {decision_words('allow', 'host')}")
+        terminal.expect(SUMMARY_COMPLETED)
+        terminal.expect_prompt()
+        terminal.line(DEMO_PROMPT)  # asked no more: the session's rule answers
+        terminal.expect(f"list_dir {decision_words('allow', 'session_rule')}")
+        terminal.expect(SUMMARY_COMPLETED)
+        terminal.expect_prompt()
+        asked = [line for line in terminal.display.text().splitlines() if "Allow list_dir" in line]
+        assert len(asked) == 1, asked
+        terminal.type("\x04")
+        assert terminal.wait_exit() == 0
+    finally:
+        terminal.close()
+
+
+def test_quit_and_ctrl_d_say_how_to_resume(tmp_path: Path, workspace: Path) -> None:
+    first = open_chat(tmp_path, workspace)
+    try:
+        session_id = first.expect(re.compile(r"session: (\S+)")).group(1)
+        first.expect_prompt()
+        first.line("/quit")
+        first.expect(f"to resume: greenroom chat --session {session_id} --data-dir")
+        assert first.wait_exit() == 0
+    finally:
+        first.close()
+    second = open_chat(tmp_path, workspace, "--session", session_id)
+    try:
+        second.expect_prompt()
+        second.type("\x04")  # Ctrl-D
+        second.expect(f"to resume: greenroom chat --session {session_id} --data-dir")
+        assert second.wait_exit() == 0
+    finally:
+        second.close()
+
+
+def test_resuming_recaps_the_last_exchange(tmp_path: Path, workspace: Path) -> None:
+    long_prompt = "remember the number 42 " + "then keep going " * 12 + "THE END"
+    first = open_chat(tmp_path, workspace)
+    try:
+        session_id = first.expect(re.compile(r"session: (\S+)")).group(1)
+        first.expect_prompt()
+        first.line(long_prompt)
+        first.expect(SUMMARY_COMPLETED)
+        first.expect_prompt()
+        first.line("/quit")
+        assert first.wait_exit() == 0
+    finally:
+        first.close()
+
+    second = open_chat(tmp_path, workspace, "--session", session_id)
+    try:
+        second.expect("last exchange:")
+        recap_you = second.expect(re.compile(r"you: (remember the number 42 [^\r\n]*)"))
+        recap_model = second.expect(re.compile(r"model: (You asked: [^\r\n]*)"))
+        second.expect_prompt()
+        for recap in (recap_you.group(1), recap_model.group(1)):
+            assert recap.endswith("…") and len(recap) <= 160, recap  # clipped to one line
+        assert "THE END" not in recap_you.group(1)
+        second.line("/quit")
+        assert second.wait_exit() == 0
+    finally:
+        second.close()
+
+
+def run_piped_chat(tmp_path: Path, workspace: Path, text: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "greenroom.actors.cli", "chat", "--data-dir",
+         str(tmp_path / "data"), "--workspace", str(workspace), "--approve", "ask"],
+        input=text, capture_output=True, text=True, cwd=tmp_path, env=chat_env(tmp_path),
+        timeout=WAIT_S,
+    )  # fmt: skip
+
+
+def test_piped_approval_answers_get_the_hint_and_the_same_words(
+    tmp_path: Path, workspace: Path
+) -> None:
+    result = run_piped_chat(tmp_path, workspace, f"{DEMO_PROMPT}\nmaybe\nn\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("Allow list_dir") == 2, result.stderr  # asked again
+    assert APPROVAL_HINT in result.stderr
+    assert f"list_dir {decision_words('deny', 'host')}" in result.stdout
+
+    result = run_piped_chat(tmp_path, workspace, f"{DEMO_PROMPT}\n")  # no answer: end of input
+    assert result.returncode == 0, result.stderr
+    assert f"list_dir {decision_words('deny', 'default')}" in result.stdout
 
 
 # -- the input router ------------------------------------------------------------------------
