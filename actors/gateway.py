@@ -585,19 +585,23 @@ class Gateway:
 
     async def _make_title(self, session: Session) -> None:
         path = session.directory / TITLE_FILE
-        title = (await trio.to_thread.run_sync(_read_titles, [path]))[0]
-        if not title:
-            try:
-                title = repair_text(await session.generate_title())
-            except Exception:
-                logger.exception("gateway: cannot title session %s", session.id)
-                title = ""
+        title = ""
+        try:
+            title = (await trio.to_thread.run_sync(_read_titles, [path]))[0]
+            if not title:
+                try:
+                    made = repair_text(await session.generate_title())
+                except Exception:
+                    logger.exception("gateway: cannot title session %s", session.id)
+                    made = ""
+                if made:
+                    await trio.to_thread.run_sync(_write_title, path, made)
+                title = made
+        finally:
             if title:
-                await trio.to_thread.run_sync(_write_title, path, title)
-        if title:
-            self._title_of[session.id] = title
-        else:
-            self._titled.discard(session.id)  # nothing to name yet: try after the next task
+                self._title_of[session.id] = title
+            else:  # failed, empty or cancelled: try again after the next task
+                self._titled.discard(session.id)
 
     def _run_approver(self) -> Callable[[ToolCallBlock], str] | None:
         return _allow_all if self.defaults.approve == "all" else None

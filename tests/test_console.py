@@ -675,7 +675,12 @@ async def test_browser_steers_and_interrupts_a_running_task(tmp_path: Path, gate
             await page.wait_for(f"!!document.querySelector('{queued}')")
             assert await page.texts(queued) == ["Steeringqueuedalso consider this"]
             await page.wait_for("document.querySelector('#prompt').value === ''")  # answered
-            assert await page.count(queued) == 1
+            await page.type_and_send("and this too")
+            await page.wait_for("document.querySelector('#prompt').value === ''")
+            assert await page.texts(queued) == [
+                "Steeringqueuedalso consider this",
+                "Steeringqueuedand this too",
+            ]
             assert await page.count("[data-state=delivered]") == 0
             gates.release("a")
             await page.wait_for(f"!!document.querySelector('{task_end_rows('completed')}')")
@@ -684,9 +689,9 @@ async def test_browser_steers_and_interrupts_a_running_task(tmp_path: Path, gate
                 "[user_steering]" in t and "also consider this" in t
                 for t in texts_of(last_user(request))
             )
-            # ...then delivered, when its user_msg (kind steering) arrived.
+            # ...then delivered, when their one user_msg (kind steering) arrived.
             steering = await page.texts("[data-type=user_msg].steering")
-            assert steering == ["Steeringdeliveredalso consider this"]
+            assert steering == ["Steeringdeliveredalso consider this\nand this too"]
             assert await page.count(queued) == 0
             assert await page.texts("[data-type=tool_call_output]") == ["wait → okdone a"]
 
