@@ -65,6 +65,7 @@ import re
 import secrets
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -96,7 +97,8 @@ from greenroom.protocols.jsonrpc import (
     invalid,
 )
 from greenroom.protocols.messages import Verdict
-from greenroom.protocols.outputs import Output
+from greenroom.protocols.outputs import ApprovalDecision, ApprovalRequest, Output
+from greenroom.protocols.text import repair_text
 from greenroom.protocols.tools import Tool
 from greenroom.protocols.trace import trace_file_number
 
@@ -126,6 +128,8 @@ _CLIENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,63}")
 _SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _CLIENT_SETTABLE_FORBIDDEN = ("provider", "base_url")
 """Settings a client may not choose: they pick which endpoint gets the server's API key."""
+TITLE_FILE = "title.txt"
+"""A session's generated title, next to its ``session.json`` (never in its trace)."""
 
 
 def _tool_tuple(tools: Iterable[Tool]) -> tuple[Tool, ...]:
@@ -231,6 +235,10 @@ class Gateway:
 
     Start it with ``port = await nursery.start(gateway.run)``; cancel the nursery to stop.
     ``port=0`` binds a free port (reported by ``start`` and kept in :attr:`port`).
+    With ``titles``, a session whose first task through the gateway has ended is named once
+    by :meth:`Session.generate_title` (R-HOST-5, in the background: it never holds up a
+    task); the title is kept in ``title.txt`` in the session's directory and listed by
+    ``session.list``.
     """
 
     def __init__(
@@ -243,6 +251,7 @@ class Gateway:
         defaults: SessionDefaults | None = None,
         approval_timeout_s: float = 300.0,
         limits: GatewayLimits | None = None,
+        titles: bool = False,
     ) -> None:
         if not token:
             raise ConfigurationError("the gateway needs a non-empty token")
@@ -256,6 +265,10 @@ class Gateway:
         self._grants: dict[str, set[str]] = {}
         self._hubs: dict[str, _SessionHub] = {}
         self._connections: set[_Connection] = set()
+        self.titles = titles
+        self._titled: set[str] = set()
+        self._title_of: dict[str, str] = {}
+        self._nursery: trio.Nursery | None = None
         self._methods: dict[str, Callable[[_Connection, dict[str, Any]], Any]] = {
             "initialize": self._initialize,
             "session.create": self._session_create,
@@ -297,8 +310,10 @@ class Gateway:
             async with trio.open_nursery() as nursery:
                 await nursery.start(server.run)
                 self.port = listeners[0].socket.getsockname()[1]
+                self._nursery = nursery
                 task_status.started(self.port)
         finally:
+            self._nursery = None
             self._release_sessions()
 
     def _release_sessions(self) -> None:
@@ -544,7 +559,7 @@ class Gateway:
             return hub
         if hub is not None:
             hub.close()
-        hub = _SessionHub(session)
+        hub = _SessionHub(session, on_task_end=self._title_once)
         self._hubs[session.id] = hub
         if self.defaults.approve == "ask":
             session.set_client_approver(hub.ask, present=hub.has_subscribers)
@@ -560,6 +575,33 @@ class Gateway:
             with trio.move_on_after(self.limits.settle_timeout_s):
                 await session.wait_idle()
         return session
+
+    def _title_once(self, session: Session) -> None:
+        """After a task of ``session`` ended: give it a title unless it has one."""
+        if not self.titles or session.id in self._titled or self._nursery is None:
+            return
+        self._titled.add(session.id)
+        self._nursery.start_soon(self._make_title, session)
+
+    async def _make_title(self, session: Session) -> None:
+        path = session.directory / TITLE_FILE
+        title = ""
+        try:
+            title = (await trio.to_thread.run_sync(_read_titles, [path]))[0]
+            if not title:
+                try:
+                    made = repair_text(await session.generate_title())
+                except Exception:
+                    logger.exception("gateway: cannot title session %s", session.id)
+                    made = ""
+                if made:
+                    await trio.to_thread.run_sync(_write_title, path, made)
+                title = made
+        finally:
+            if title:
+                self._title_of[session.id] = title
+            else:  # failed, empty or cancelled: try again after the next task
+                self._titled.discard(session.id)
 
     def _run_approver(self) -> Callable[[ToolCallBlock], str] | None:
         return _allow_all if self.defaults.approve == "all" else None
@@ -634,18 +676,30 @@ class Gateway:
         if not owned:
             return {"sessions": []}
         open_sessions = {s.id: s for s in self.host.sessions}
+        infos = [i for i in await self.host.list_sessions() if i.session_id in owned]
+        untitled = [i.session_id for i in infos if i.session_id not in self._title_of]
+        sessions_dir = self.host.data_dir / "sessions"
+        read = await trio.to_thread.run_sync(
+            _read_titles, [sessions_dir / sid / TITLE_FILE for sid in untitled]
+        )
+        titles = {**dict(zip(untitled, read, strict=True)), **self._title_of}
         sessions: list[dict[str, Any]] = []
-        for info in await self.host.list_sessions():
-            if info.session_id in owned:
-                session = open_sessions.get(info.session_id)
-                sessions.append(
-                    {
-                        **attrs.asdict(info),
-                        "open": session is not None,
-                        "busy": session is not None and session.busy,
-                        "auth_locked": session is not None and session.auth_locked is not None,
-                    }
-                )
+        for info in infos:
+            session = open_sessions.get(info.session_id)
+            hub = self._hubs.get(info.session_id)
+            sessions.append(
+                {
+                    **attrs.asdict(info),
+                    "open": session is not None,
+                    "busy": session is not None and session.busy,
+                    "auth_locked": session is not None and session.auth_locked is not None,
+                    "title": titles.get(info.session_id, ""),
+                    "last_activity_at": max(
+                        info.updated_at, hub.last_output_at if hub is not None else 0.0
+                    ),
+                    "state": _state(session, hub),
+                }
+            )
         return {"sessions": sessions}
 
     async def _session_subscribe(self, connection: _Connection, params: dict[str, Any]) -> Any:
@@ -750,6 +804,40 @@ def _directory(value: str | Path) -> Path:
 
 def _allow_all(call: ToolCallBlock) -> str:
     return "allow"
+
+
+SessionState = Literal["idle", "running", "waiting_for_approval"]
+
+
+def _state(session: Session | None, hub: _SessionHub | None) -> SessionState:
+    """What ``session.list`` says a session is doing: a task waits on a client's answer,
+    a task runs, or nothing runs (a task that has emitted its end counts as done)."""
+    if session is None or not session.busy:
+        return "idle"
+    if hub is not None and hub.open_approvals:
+        return "waiting_for_approval"
+    if hub is not None and hub.finishing:
+        return "idle"
+    return "running"
+
+
+def _read_titles(paths: list[Path]) -> list[str]:
+    titles: list[str] = []
+    for path in paths:
+        try:
+            titles.append(" ".join(path.read_text(encoding="utf-8").split())[:200])
+        except (OSError, UnicodeDecodeError):
+            titles.append("")
+    return titles
+
+
+def _write_title(path: Path, title: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(title + "\n", encoding="utf-8")
+        tmp.replace(path)
+    except OSError as exc:  # the session may have been deleted meanwhile
+        logger.warning("gateway: cannot store the title of %s: %s", path.parent.name, exc)
 
 
 def _output_frame(output: Output) -> str:
@@ -954,13 +1042,19 @@ class _SessionHub:
     """The gateway's one listener on a session: encodes each output once and hands it to
     every subscription; holds the session's pending client approvals."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(
+        self, session: Session, on_task_end: Callable[[Session], None] | None = None
+    ) -> None:
         self.session = session
         self.subscriptions: list[_Subscription] = []
         self.pending: dict[str, _PendingApproval] = {}
         self.finishing = False
         """The last task (or compaction) has emitted its end and nothing is queued: the
         session is only syncing its trace before it turns idle."""
+        self.open_approvals: set[tuple[str, str]] = set()
+        """``(origin, call_id)`` of approval requests clients were sent and not answered."""
+        self.last_output_at = 0.0
+        self._on_task_end = on_task_end
         self._unsubscribe = session.subscribe(self._on_batch)
 
     def _on_batch(self, batch: list[Output]) -> None:
@@ -971,11 +1065,22 @@ class _SessionHub:
             logger.exception("gateway: cannot forward outputs of session %s", self.session.id)
 
     def _fan_out(self, batch: list[Output]) -> None:
+        self.last_output_at = time.time()
         for output in batch:
             if output.origin is None and output.TYPE in ("task_end", "compaction_end"):
                 self.finishing = True
             elif output.origin is None and output.TYPE in ("user_msg", "compaction_begin"):
                 self.finishing = False
+            if isinstance(output, ApprovalRequest | ApprovalDecision):
+                key = ("/".join(output.origin or ()), output.call_id)
+                if isinstance(output, ApprovalRequest):
+                    self.open_approvals.add(key)
+                else:
+                    self.open_approvals.discard(key)
+            elif output.origin is None and output.TYPE == "task_end":
+                self.open_approvals.clear()
+                if self._on_task_end is not None:
+                    self._on_task_end(self.session)
         if not self.subscriptions:
             return
         # Forwarded subagent outputs carry their own session's seq: never deduplicated.
@@ -1056,6 +1161,7 @@ async def run_serve(
             defaults=defaults,
             approval_timeout_s=approval_timeout_s,
             limits=limits,
+            titles=True,
         )
         async with trio.open_nursery() as nursery:
             bound = await nursery.start(gateway.run)

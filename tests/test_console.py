@@ -317,13 +317,15 @@ class Stack:
 @asynccontextmanager
 async def stack(
     tmp_path: Path,
-    script: Callable[[], Sequence[ScriptStep]],
+    script: Callable[[], Sequence[ScriptStep] | ScriptStep],
     *,
     tools: Sequence[Tool] = (),
     approve: str = "ask",
+    titles: bool = False,
 ) -> AsyncIterator[Stack]:
     """A host, its gateway and the console server on free ports; each session the page
-    creates plays ``script()`` on its own scripted provider."""
+    creates plays ``script()`` on its own scripted provider. ``titles`` turns on the
+    gateway's session titles (``greenroom serve`` has them on)."""
     made: list[ScriptedProvider] = []
 
     def factory() -> ScriptedProvider:
@@ -343,6 +345,7 @@ async def stack(
                 workspace_dir=workspace,
                 approve=approve,  # type: ignore[arg-type]
             ),
+            titles=titles,
         )
         console = ConsoleServer(listen_host="127.0.0.1", port=0)
         await nursery.start(console.run)
@@ -505,9 +508,22 @@ needs_chromium = pytest.mark.skipif(
 SUBSCRIBED = "document.querySelector('#log').dataset.subscribed"
 
 
-async def open_console(page: Page, server: Stack) -> str:
-    """Load the console and wait until it has created and subscribed to a session."""
+LISTED = "document.querySelector('#sessions').dataset.loaded === 'true'"
+
+
+async def open_console(page: Page, server: Stack) -> None:
+    """Load the console and wait until it is connected and has listed the sessions."""
     await page.send("Page.navigate", {"url": server.page_url})
+    await page.wait_for(
+        f"{LISTED} && document.querySelector('#status').textContent.startsWith('connected')"
+    )
+
+
+async def first_prompt(page: Page, server: Stack, prompt: str, *, enter: bool = False) -> str:
+    """Send the first prompt of a console with no session: it creates one, subscribes to
+    it and runs the prompt there. Returns the session's id."""
+    assert server.gateway.owned("default") == frozenset()
+    await page.type_and_send(prompt, enter=enter)
     session_id = str(await page.wait_for(SUBSCRIBED))
     assert server.gateway.owned("default") == {session_id}
     assert await page.js("document.querySelector('#session-id').textContent") == session_id
@@ -535,7 +551,7 @@ async def test_browser_runs_a_prompt_and_approves_a_tool_call(
             stack(tmp_path, script, tools=[lookup.tool], approve="ask") as server,
             chromium(tmp_path) as page,
         ):
-            session_id = await open_console(page, server)
+            await open_console(page, server)
             # The token left the address bar; the page's own style applies (CSP hashes).
             assert await page.js("location.hash") == ""
             assert (
@@ -546,7 +562,7 @@ async def test_browser_runs_a_prompt_and_approves_a_tool_call(
             assert await page.js("document.querySelector('#log').getAttribute('role')") == "log"
 
             # A prompt (sent with Enter): its streamed reply, then the task's summary line.
-            await page.type_and_send("Say hello", enter=True)
+            session_id = await first_prompt(page, server, "Say hello", enter=True)
             await page.wait_for(
                 f"document.querySelectorAll('{task_end_rows('completed')}').length === 1"
             )
@@ -572,8 +588,11 @@ async def test_browser_runs_a_prompt_and_approves_a_tool_call(
                 f"document.querySelectorAll('{task_end_rows('completed')}').length === 2"
             )
             assert lookup.calls == ["a"]
-            assert await page.texts("[data-type=approval_decision]") == ["Allowed lookup (host)"]
-            assert await page.js(f"document.querySelector('{allow}').disabled") is True
+            # The answer in plain words (protocols.wording), on the request and as its row.
+            assert await page.texts("[data-type=approval_decision]") == ["lookup: allowed by you"]
+            answered = "[data-type=approval_request][data-decision=allow]"
+            assert await page.texts(f"{answered} .approval-answer") == ["— allowed by you"]
+            assert await page.count(allow) == 0  # the buttons gave way to the answer
             outputs = await page.texts("[data-type=tool_call_output][data-status=ok]")
             assert outputs == ["lookup → okvalue-a"]
             calls = await page.texts("[data-type=model_msg][data-call-id=c1]")
@@ -583,8 +602,8 @@ async def test_browser_runs_a_prompt_and_approves_a_tool_call(
             assert await page.js("document.querySelector('#interrupt').disabled") is True
 
             # The session is listed; a new page load replays the same conversation.
-            listed = await page.texts("#sessions button")
-            assert len(listed) == 1 and listed[0].startswith(session_id)
+            listed = await page.texts("#sessions button .sid")
+            assert listed == [session_id]
             log_before = await page.js("document.querySelector('#log').innerText")
 
             # The gateway goes away and comes back: the page reconnects by itself and
@@ -645,13 +664,24 @@ async def test_browser_steers_and_interrupts_a_running_task(tmp_path: Path, gate
             chromium(tmp_path) as page,
         ):
             await open_console(page, server)
-            await page.type_and_send("Start waiting")
+            await first_prompt(page, server, "Start waiting")
             await gates.started("a")
             # The page knows a task runs: the button steers.
             await page.wait_for("document.querySelector('#send').textContent === 'Steer'")
             await page.wait_for("!document.querySelector('#interrupt').disabled")
             await page.type_and_send("also consider this")
+            # At once a queued row (the tool still blocks: nothing can have been delivered)...
+            queued = "[data-type=user_msg].steering[data-state=queued]"
+            await page.wait_for(f"!!document.querySelector('{queued}')")
+            assert await page.texts(queued) == ["Steeringqueuedalso consider this"]
             await page.wait_for("document.querySelector('#prompt').value === ''")  # answered
+            await page.type_and_send("and this too")
+            await page.wait_for("document.querySelector('#prompt').value === ''")
+            assert await page.texts(queued) == [
+                "Steeringqueuedalso consider this",
+                "Steeringqueuedand this too",
+            ]
+            assert await page.count("[data-state=delivered]") == 0
             gates.release("a")
             await page.wait_for(f"!!document.querySelector('{task_end_rows('completed')}')")
             request = server.providers[0].requests[1]
@@ -659,8 +689,10 @@ async def test_browser_steers_and_interrupts_a_running_task(tmp_path: Path, gate
                 "[user_steering]" in t and "also consider this" in t
                 for t in texts_of(last_user(request))
             )
+            # ...then delivered, when their one user_msg (kind steering) arrived.
             steering = await page.texts("[data-type=user_msg].steering")
-            assert steering == ["Steeringalso consider this"]
+            assert steering == ["Steeringdeliveredalso consider this\nand this too"]
+            assert await page.count(queued) == 0
             assert await page.texts("[data-type=tool_call_output]") == ["wait → okdone a"]
 
             # Interrupt: the blocked tool is cancelled and the task ends aborted.
@@ -694,7 +726,7 @@ async def test_browser_counts_down_a_retry_and_retries_now_or_stops(tmp_path: Pa
     with trio.fail_after(BROWSER_BOUND_S):
         async with stack(tmp_path, script) as server, chromium(tmp_path) as page:
             await open_console(page, server)
-            await page.type_and_send("Try it")
+            await first_prompt(page, server, "Try it")
             # The failure, its attempt and a live countdown from the 60 s retry-after.
             await page.wait_for(f"!!document.querySelector('{failed} [data-testid=retry-now]')")
             row = (await page.texts(failed))[0]
