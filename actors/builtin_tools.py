@@ -82,6 +82,8 @@ _SEARCH_SKIP_DIRS = frozenset({".git", ".hg", ".svn"})
 # The regular expression runs in this script, in its own process (see _run_search_worker).
 _SEARCH_WORKER = Path(__file__).with_name("search_worker.py")
 _SEARCH_TIME_BUDGET_S = 30.0
+_SEARCH_FIRST_BATCH = 16
+_SEARCH_BATCH = 256
 _READ_CHUNK = 64 * 1024
 # Enough bytes for _MAX_LINE_CHARS characters of any UTF-8 text.
 _KEEP_LINE_BYTES = _MAX_LINE_CHARS * 4
@@ -436,53 +438,67 @@ def _search_candidates(start: Path) -> Iterator[Path]:
             yield Path(dirpath, name)
 
 
-def _search_plan(workspace_dir: Path, path: str) -> tuple[str, list[tuple[str, str]], int]:
-    """The shown start, the ``(real path, shown name)`` of each regular file to search
-    inside the workspace, and how many hard-linked files were left out."""
-    root = workspace_dir.resolve()
-    start = resolve_in_workspace(root, path)
-    shown_start = _display(_shown(root, start))
-    if not start.exists():
-        raise BuiltinToolError(f"{shown_start}: no such file or directory")
-    census = _LinkCensus(root)
-    files: list[tuple[str, str]] = []
-    linked = 0
-    for candidate in _search_candidates(start):
-        # Lets a cancelled call stop between files instead of walking the whole tree.
-        _check_cancelled()
-        try:
-            real = candidate.resolve()
-            # A symlinked file may point anywhere; only files inside the workspace are read.
-            if not real.is_relative_to(root):
+class _SearchPlan:
+    """The files ``search_files`` may read, found by walking lazily from the start path:
+    regular files inside the workspace (symlinks resolved), never a special file, never a
+    file hard-linked from outside. Advanced from worker threads, one at a time."""
+
+    __slots__ = ("_files", "linked", "root", "shown_start")
+
+    def __init__(self, workspace_dir: Path, path: str) -> None:
+        self.root = workspace_dir.resolve()
+        start = resolve_in_workspace(self.root, path)
+        self.shown_start = _display(_shown(self.root, start))
+        if not start.exists():
+            raise BuiltinToolError(f"{self.shown_start}: no such file or directory")
+        self.linked = 0
+        self._files = self._walk(start)
+
+    def _walk(self, start: Path) -> Iterator[tuple[str, str]]:
+        root = self.root
+        census = _LinkCensus(root)
+        for candidate in _search_candidates(start):
+            try:
+                real = candidate.resolve()
+                # A symlinked file may point anywhere; only files inside are read.
+                if not real.is_relative_to(root):
+                    continue
+                info = real.stat()
+            except (OSError, RuntimeError):
                 continue
-            info = real.stat()
-        except (OSError, RuntimeError):
-            continue
-        if not stat.S_ISREG(info.st_mode):
-            continue  # FIFOs, sockets, devices: never opened
-        if not census.all_inside(info):
-            linked += 1
-            continue
-        files.append((str(real), _display(_shown(root, candidate.absolute()))))
-    return shown_start, files, linked
+            if not stat.S_ISREG(info.st_mode):
+                continue  # FIFOs, sockets, devices: never opened
+            if not census.all_inside(info):
+                self.linked += 1
+                continue
+            yield str(real), _display(_shown(root, candidate.absolute()))
+
+    def next_batch(self, size: int) -> list[tuple[str, str]]:
+        """Up to ``size`` more files; empty when the walk is over."""
+        _check_cancelled()  # an abandoned walk stops here instead of finishing the tree
+        batch: list[tuple[str, str]] = []
+        for found in self._files:
+            batch.append(found)
+            if len(batch) == size:
+                break
+        return batch
 
 
 async def _run_search_worker(
-    pattern: str, files: list[tuple[str, str]]
+    pattern: str, plan: _SearchPlan
 ) -> tuple[list[str], bool, int, bool]:
-    """Run the regular expression over ``files`` in a worker process: matches, whether
-    they were capped, files skipped for size, and whether the time ran out. Killed at
-    once when the call is cancelled (Python's ``re`` cannot be stopped in-process)."""
-    request = json.dumps(
-        {
-            "pattern": pattern,
-            "files": files,
-            "max_matches": _MAX_SEARCH_MATCHES,
-            "max_match_chars": _MAX_MATCH_CHARS,
-            "max_file_bytes": _MAX_SEARCH_FILE_BYTES,
-            "sniff_bytes": _SNIFF_BYTES,
-        }
-    ).encode("utf-8", errors="surrogateescape")
+    """Run the regular expression over the plan's files in a worker process: matches,
+    whether they were capped, files skipped for size, and whether the time ran out. Files
+    are fed to it while the walk goes on, and the walk stops when it has enough matches.
+    The worker is killed at once when the call is cancelled (Python's ``re`` holds the
+    interpreter lock while it matches, so it cannot be stopped in-process)."""
+    header = {
+        "pattern": pattern,
+        "max_matches": _MAX_SEARCH_MATCHES,
+        "max_match_chars": _MAX_MATCH_CHARS,
+        "max_file_bytes": _MAX_SEARCH_FILE_BYTES,
+        "sniff_bytes": _SNIFF_BYTES,
+    }
     received = bytearray()
 
     async def kill(process: trio.Process) -> None:
@@ -493,20 +509,33 @@ async def _run_search_worker(
             while chunk := await stream.receive_some():
                 received.extend(chunk)
 
+    async def feed(stream: trio.abc.SendStream) -> None:
+        # A worker that stopped early (enough matches) closes its end: the walk stops too.
+        with contextlib.suppress(trio.BrokenResourceError):
+            async with stream:
+                await stream.send_all(_json_line(header))
+                size = _SEARCH_FIRST_BATCH  # small, so the worker starts on it at once
+                while batch := await trio.to_thread.run_sync(
+                    plan.next_batch, size, abandon_on_cancel=True
+                ):
+                    await stream.send_all(b"".join(_json_line(item) for item in batch))
+                    size = _SEARCH_BATCH
+
     with trio.move_on_after(_SEARCH_TIME_BUDGET_S) as budget:
         async with trio.open_nursery() as nursery:
             process = await nursery.start(
                 partial(
                     trio.run_process,
                     [sys.executable, "-I", "-S", str(_SEARCH_WORKER)],
-                    stdin=request,
+                    stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.DEVNULL,
                     check=False,
                     deliver_cancel=kill,
                 )
             )
-            assert process.stdout is not None
+            assert process.stdin is not None and process.stdout is not None
+            nursery.start_soon(feed, process.stdin)
             nursery.start_soon(collect, process.stdout)
     matches: list[str] = []
     capped = False
@@ -525,6 +554,11 @@ async def _run_search_worker(
     return matches, capped, large, budget.cancelled_caught
 
 
+def _json_line(value: object) -> bytes:
+    # ASCII JSON: names that are not UTF-8 travel as escaped surrogates and come back whole.
+    return json.dumps(value).encode("ascii") + b"\n"
+
+
 @tool(parallel=True)
 async def search_files(pattern: str, path: str = ".", *, ctx: ToolContext) -> str:
     """Search text files for a regular expression (Python syntax), line by line. Results
@@ -538,11 +572,11 @@ async def search_files(pattern: str, path: str = ".", *, ctx: ToolContext) -> st
         re.compile(pattern)
     except re.error as exc:
         raise BuiltinToolError(f"invalid regular expression {pattern!r}: {exc}") from exc
-    shown_start, files, linked = await trio.to_thread.run_sync(
-        _search_plan, ctx.workspace_dir, path, abandon_on_cancel=True
+    plan = await trio.to_thread.run_sync(
+        _SearchPlan, ctx.workspace_dir, path, abandon_on_cancel=True
     )
-    ctx.report_progress(f"searching {len(files)} files")
-    matches, capped, large, out_of_time = await _run_search_worker(pattern, files)
+    ctx.report_progress(f"searching below {plan.shown_start}")
+    matches, capped, large, out_of_time = await _run_search_worker(pattern, plan)
     notes: list[str] = []
     if capped:
         notes.append(
@@ -555,10 +589,10 @@ async def search_files(pattern: str, path: str = ".", *, ctx: ToolContext) -> st
         )
     if large:
         notes.append(f"[skipped {large} files larger than {_MAX_SEARCH_FILE_BYTES} bytes]")
-    if linked:
-        notes.append(f"[skipped {linked} files with hard links outside the workspace]")
+    if plan.linked:
+        notes.append(f"[skipped {plan.linked} files with hard links outside the workspace]")
     if not matches:
-        return "\n".join([f"no matches for {pattern!r} in {shown_start}", *notes])
+        return "\n".join([f"no matches for {pattern!r} in {plan.shown_start}", *notes])
     return "\n".join(matches + notes)
 
 

@@ -5,11 +5,12 @@ with nested repetition can take exponential time; run in the host process it wou
 every session. Run here, as ``python -I -S search_worker.py``, it is killed when the call is
 cancelled or runs out of time. Standard library only, so it starts in about 20 ms.
 
-Input on stdin: one JSON object ``{pattern, files: [[path, shown], …], max_matches,
-max_match_chars, max_file_bytes, sniff_bytes}``; the caller has already confined the paths
-to the workspace. Output on stdout, one JSON array per line, flushed as found:
-``["match", "shown:line: text"]``, ``["large", shown]`` (skipped for size), ``["capped"]``
-(stopped at ``max_matches``).
+Input on stdin, one JSON value per line: first ``{pattern, max_matches, max_match_chars,
+max_file_bytes, sniff_bytes}``, then ``[path, shown]`` for each file, sent while the caller
+walks the workspace (it has already confined the paths to it). Output on stdout, one JSON
+array per line, flushed as found: ``["match", "shown:line: text"]``, ``["large", shown]``
+(skipped for size), ``["capped"]`` (stopped at ``max_matches``; the worker then exits, which
+tells the caller to stop walking).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import re
 import stat
 import sys
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 _FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY
@@ -36,12 +38,18 @@ def _clip(line: str, limit: int) -> str:
     return f"{line[:limit]}… [line cut: {len(line) - limit} more characters]"
 
 
-def search(request: dict[str, Any]) -> None:
-    """Search every file of ``request`` and write the records described above."""
+def _files(lines: Iterable[bytes]) -> Iterator[tuple[str, str]]:
+    for line in lines:
+        path, shown = json.loads(line)
+        yield path, shown
+
+
+def search(request: dict[str, Any], files: Iterable[tuple[str, str]]) -> None:
+    """Search ``files`` as ``request`` says and write the records described above."""
     regex = re.compile(request["pattern"])
     limit = request["max_matches"]
     found = 0
-    for path, shown in request["files"]:
+    for path, shown in files:
         try:
             fd = os.open(path, _FLAGS)
         except OSError:
@@ -73,4 +81,5 @@ def search(request: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    search(json.loads(sys.stdin.buffer.read()))
+    stdin = sys.stdin.buffer
+    search(json.loads(stdin.readline()), _files(stdin))
