@@ -13,12 +13,20 @@ Exceptions::
     └── ShellTimeoutError         run_shell hit its timeout; its process group was killed
 
 Other ``OSError`` s of file access are translated to :class:`BuiltinToolError` with a
-workspace-relative path. Blocking file I/O runs in one worker thread per call
-(``trio.to_thread.run_sync``); the read-only tools are parallel-safe, ``write_file`` and
-``run_shell`` are not (R-TOOL-3).
+workspace-relative path. Blocking file I/O runs in one worker thread per call that an
+interrupt abandons (``abandon_on_cancel=True``, R-SEC-2); the read-only tools are
+parallel-safe, ``write_file`` and ``run_shell`` are not (R-TOOL-3).
+
+The file tools use regular files only: special files (FIFOs, sockets, devices) are refused
+by ``lstat`` before opening and again by ``fstat`` on the descriptor, which is opened
+``O_NONBLOCK | O_NOFOLLOW`` so that nothing waits on a peer. A file with more hard links
+than names inside the workspace is refused too (:class:`_LinkCensus`). ``search_files``
+matches in a worker process (``search_worker.py``) killed on cancellation, because
+Python's ``re`` cannot be interrupted in-process. ``run_shell`` is confined as
+:mod:`greenroom.actors.sandbox` describes (R-SEC-3).
 
 Confinement is checked when the call starts: a symlink swapped in by another process
-between the check and the access is not defended against.
+between the check and the access is not defended against, except for the last component.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ bubblewrap sandbox for real — what the command can and cannot see, write and r
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -170,17 +171,25 @@ def _files_outside(tmp_path: Path, workspace: Path) -> list[Path]:
 
 @needs_bwrap
 async def test_writes_land_only_in_the_workspace(place: dict[str, Path], tmp_path: Path) -> None:
+    # Unique names in the system directories, removed should a regression create them.
+    system = [f"/usr/greenroom-{os.getpid()}", f"/etc/greenroom-{os.getpid()}"]
+    scratch_tmp = f"/tmp/greenroom-{os.getpid()}"  # the sandbox's own /tmp
     before = _files_outside(tmp_path, place["workspace"])
-    result = await shell(
-        place,
-        f"echo x > {place['outside']}/new.txt; echo x > /usr/new.txt; echo x > /etc/new.txt;"
-        f" echo x > /tmp/new.txt && cat /tmp/new.txt; echo inside > made.txt",
-    )
+    try:
+        result = await shell(
+            place,
+            f"echo x > {place['outside']}/new.txt; echo x > {system[0]}; echo x > {system[1]};"
+            f" echo x > {scratch_tmp} && cat {scratch_tmp}; echo inside > made.txt",
+        )
+        assert not any(map(os.path.exists, [*system, scratch_tmp]))
+    finally:
+        for path in [*system, scratch_tmp]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
     assert (place["workspace"] / "made.txt").read_text() == "inside\n"
     after = _files_outside(tmp_path, place["workspace"])
     new = [p for p in after if p not in before and not p.is_relative_to(place["scratchpad"])]
     assert new == []
-    assert not any(map(os.path.exists, ["/usr/new.txt", "/etc/new.txt"]))
     assert "Read-only file system" in result or "No such file" in result
 
 
