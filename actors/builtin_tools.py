@@ -40,7 +40,7 @@ import signal
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
@@ -492,14 +492,38 @@ class _SearchPlan:
         return batch
 
 
+class _SearchResults:
+    """What the worker reported, parsed line by line as it arrives."""
+
+    __slots__ = ("_partial", "capped", "large", "matches")
+
+    def __init__(self) -> None:
+        self._partial = b""
+        self.matches: list[str] = []
+        self.capped = False
+        self.large = 0
+
+    def feed(self, chunk: bytes | bytearray) -> None:
+        # A killed worker's cut last line stays partial and is never parsed.
+        *lines, self._partial = (self._partial + bytes(chunk)).split(b"\n")
+        for line in lines:
+            record = json.loads(line)
+            if record[0] == "match":
+                self.matches.append(record[1])
+            elif record[0] == "capped":
+                self.capped = True
+            elif record[0] == "large":
+                self.large += 1
+
+
 async def _run_search_worker(
-    pattern: str, plan: _SearchPlan
-) -> tuple[list[str], bool, int, bool]:
-    """Run the regular expression over the plan's files in a worker process: matches,
-    whether they were capped, files skipped for size, and whether the time ran out. Files
-    are fed to it while the walk goes on, and the walk stops when it has enough matches.
-    The worker is killed at once when the call is cancelled (Python's ``re`` holds the
-    interpreter lock while it matches, so it cannot be stopped in-process)."""
+    pattern: str, plan: _SearchPlan, report_progress: Callable[[str], None]
+) -> tuple[_SearchResults, bool]:
+    """Run the regular expression over the plan's files in a worker process; the results,
+    and whether the time ran out. Files are fed to it while the walk goes on, and the walk
+    stops when it has enough matches. The worker is killed at once when the call is
+    cancelled (Python's ``re`` holds the interpreter lock while it matches, so it cannot
+    be stopped in-process); what it reported until then is kept."""
     header = {
         "pattern": pattern,
         "max_matches": _MAX_SEARCH_MATCHES,
@@ -507,7 +531,7 @@ async def _run_search_worker(
         "max_file_bytes": _MAX_SEARCH_FILE_BYTES,
         "sniff_bytes": _SNIFF_BYTES,
     }
-    received = bytearray()
+    results = _SearchResults()
 
     async def kill(process: trio.Process) -> None:
         process.kill()
@@ -515,7 +539,11 @@ async def _run_search_worker(
     async def collect(stream: trio.abc.ReceiveStream) -> None:
         async with stream:
             while chunk := await stream.receive_some():
-                received.extend(chunk)
+                found = len(results.matches)
+                results.feed(chunk)
+                if len(results.matches) > found:
+                    count = len(results.matches)
+                    report_progress(f"{count} match{'es' if count > 1 else ''} so far")
 
     async def feed(stream: trio.abc.SendStream) -> None:
         # A worker that stopped early (enough matches) closes its end: the walk stops too.
@@ -545,21 +573,7 @@ async def _run_search_worker(
             assert process.stdin is not None and process.stdout is not None
             nursery.start_soon(feed, process.stdin)
             nursery.start_soon(collect, process.stdout)
-    matches: list[str] = []
-    capped = False
-    large = 0
-    for line in bytes(received).splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # the last line of a killed worker may be cut
-        if record[0] == "match":
-            matches.append(record[1])
-        elif record[0] == "capped":
-            capped = True
-        elif record[0] == "large":
-            large += 1
-    return matches, capped, large, budget.cancelled_caught
+    return results, budget.cancelled_caught
 
 
 def _json_line(value: object) -> bytes:
@@ -584,9 +598,10 @@ async def search_files(pattern: str, path: str = ".", *, ctx: ToolContext) -> st
         _SearchPlan, ctx.workspace_dir, path, abandon_on_cancel=True
     )
     ctx.report_progress(f"searching below {plan.shown_start}")
-    matches, capped, large, out_of_time = await _run_search_worker(pattern, plan)
+    results, out_of_time = await _run_search_worker(pattern, plan, ctx.report_progress)
+    matches, large = results.matches, results.large
     notes: list[str] = []
-    if capped:
+    if results.capped:
         notes.append(
             f"[stopped after {_MAX_SEARCH_MATCHES} matches; narrow the pattern or the path]"
         )

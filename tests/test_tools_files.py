@@ -116,7 +116,10 @@ _LINE_OF_AS = "a" * 28 + "!"
 async def test_a_backtracking_search_is_interrupted_at_once(
     host: Host, ws: Path, providers
 ) -> None:
-    (ws / "as.txt").write_text(_LINE_OF_AS + "\n")
+    """The first file matches at once; the interrupt comes when that match is reported,
+    while the worker backtracks through the second."""
+    (ws / "a-first.txt").write_text("aaaa\n")
+    (ws / "b-long.txt").write_text(_LINE_OF_AS + "\n")
     provider = providers(
         [
             Reply(blocks=(tool_call("c1", "search_files", pattern=_CATASTROPHIC),)),
@@ -126,7 +129,7 @@ async def test_a_backtracking_search_is_interrupted_at_once(
     session = await host.create_session(tools=[search_files], provider=provider, workspace_dir=ws)
     recorder = Recorder(session)
     stream = session.run("go", approve=allow_all)
-    await recorder.wait_for("tool_progress", call_id="c1")  # the worker is starting
+    await recorder.wait_for("tool_progress", call_id="c1", message="1 match so far")
     interrupted_at = trio.current_time()
     assert session.interrupt("stop")
     outputs = await collect(stream, bound_s=3)
