@@ -732,17 +732,19 @@ async def _shell_command(command: str, ctx: ToolContext) -> tuple[list[str], dic
     if status is None or status.bwrap is None:
         env = shell_environment(home=home, tmpdir=scratchpad / "tmp")
         return ["bash", "-c", command], env
-    argv = await trio.to_thread.run_sync(
-        partial(
-            bwrap_command,
-            status.bwrap,
+    bwrap = status.bwrap
+
+    def sandboxed() -> list[str]:
+        return bwrap_command(
+            bwrap,
             ["bash", "-c", command],
             workspace=workspace,
             scratchpad=scratchpad,
             network=ctx.shell_network,
-            hidden=tuple(ctx.private_dirs),
+            hidden=tuple(private.resolve() for private in ctx.private_dirs),
         )
-    )
+
+    argv = await trio.to_thread.run_sync(sandboxed)
     return argv, shell_environment(home=home, tmpdir=Path("/tmp"))
 
 

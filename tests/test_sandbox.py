@@ -10,16 +10,19 @@ from typing import Any
 
 import pytest
 import trio
-from conftest import RUN_TIMEOUT_S
+from conftest import RUN_TIMEOUT_S, allow_all, collect, of_type, open_host
 
 import greenroom.actors.builtin_tools as builtin
 from greenroom.actors.builtin_tools import BuiltinToolError, run_shell
+from greenroom.actors.provider_scripted import Reply, tool_call
 from greenroom.actors.sandbox import (
     SandboxStatus,
     sandbox_available,
     sandbox_status,
     shell_environment,
 )
+from greenroom.protocols.outputs import ToolCallOutput
+from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.tools import ToolContext
 
 SECRET = "sk-ant-test-secret-0123456789"
@@ -249,3 +252,32 @@ def test_os_can_see_bwrap_or_the_reason_says_why() -> None:
         assert STATUS.bwrap is not None and os.access(STATUS.bwrap, os.X_OK)
     else:
         assert "bubblewrap" in STATUS.reason or "Linux" in STATUS.reason
+
+
+@needs_bwrap
+@pytest.mark.parametrize("mode", ["required", "off"])
+async def test_a_session_passes_its_sandbox_settings_and_hides_its_data_dir(
+    tmp_path: Path, providers, mode: str
+) -> None:
+    """Through a real host: the session's ``sandbox`` setting reaches run_shell, and the
+    host's data dir is hidden from a sandboxed command even inside the workspace."""
+    workspace = tmp_path / "home"
+    workspace.mkdir()
+    command = "ls -A .greenroom; ls .greenroom/sessions/*/"
+    provider = providers(
+        [Reply(blocks=(tool_call("c1", "run_shell", command=command),)), Reply(blocks=())]
+    )
+    async with open_host(workspace / ".greenroom") as host:
+        session = await host.create_session(
+            tools=[run_shell],
+            provider=provider,
+            workspace_dir=workspace,
+            settings=SessionSettings(sandbox=mode),
+        )
+        outputs = await collect(session.run("go", approve=allow_all))
+    (output,) = of_type(outputs, ToolCallOutput)
+    shown = output.content[0].text  # type: ignore[union-attr]
+    if mode == "off":
+        assert "usage.sqlite" in shown and "session.json" in shown
+    else:
+        assert shown.splitlines()[1:] == ["sessions", "scratch"]
