@@ -235,7 +235,6 @@ def _write_text(path: Path, text: str) -> None:
     path.write_text(text, encoding="utf-8")
 
 
-
 class _Detached:
     """One tool function running in a system task, so that its call can stop waiting for
     it (see the module docstring). Never raises into the system nursery: every outcome of
