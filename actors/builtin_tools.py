@@ -13,28 +13,40 @@ Exceptions::
     └── ShellTimeoutError         run_shell hit its timeout; its process group was killed
 
 Other ``OSError`` s of file access are translated to :class:`BuiltinToolError` with a
-workspace-relative path. Blocking file I/O runs in one worker thread per call
-(``trio.to_thread.run_sync``); the read-only tools are parallel-safe, ``write_file`` and
-``run_shell`` are not (R-TOOL-3).
+workspace-relative path. Blocking file I/O runs in one worker thread per call that an
+interrupt abandons (``abandon_on_cancel=True``, R-SEC-2); the read-only tools are
+parallel-safe, ``write_file`` and ``run_shell`` are not (R-TOOL-3).
+
+The file tools use regular files only: special files (FIFOs, sockets, devices) are refused
+by ``lstat`` before opening and again by ``fstat`` on the descriptor, which is opened
+``O_NONBLOCK | O_NOFOLLOW`` so that nothing waits on a peer. A file with more hard links
+than names inside the workspace is refused too (:class:`_LinkCensus`). ``search_files``
+matches in a worker process (``search_worker.py``) killed on cancellation, because
+Python's ``re`` cannot be interrupted in-process. ``run_shell`` is confined as
+:mod:`greenroom.actors.sandbox` describes (R-SEC-3).
 
 Confinement is checked when the call starts: a symlink swapped in by another process
-between the check and the access is not defended against.
+between the check and the access is not defended against, except for the last component.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
+import errno
+import json
 import os
 import re
 import signal
+import stat
 import subprocess
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
 import trio
 
+from greenroom.actors.sandbox import bwrap_command, sandbox_status, shell_environment
 from greenroom.protocols.tools import Tool, ToolContext, tool
 
 __all__ = [
@@ -75,6 +87,16 @@ _MAX_SEARCH_MATCHES = 200
 _MAX_MATCH_CHARS = 500
 _MAX_SEARCH_FILE_BYTES = 10 * 1024 * 1024
 _SEARCH_SKIP_DIRS = frozenset({".git", ".hg", ".svn"})
+# The regular expression runs in this script, in its own process (see _run_search_worker).
+_SEARCH_WORKER = Path(__file__).with_name("search_worker.py")
+_SEARCH_TIME_BUDGET_S = 30.0
+_SEARCH_FIRST_BATCH = 16
+_SEARCH_BATCH = 256
+_READ_CHUNK = 64 * 1024
+# Enough bytes for _MAX_LINE_CHARS characters of any UTF-8 text.
+_KEEP_LINE_BYTES = _MAX_LINE_CHARS * 4
+# The walk that finds the other names of a hard-linked file stops here (and refuses it).
+_LINK_SCAN_ENTRIES = 100_000
 # Larger than the session result budget (R-TOOL-8, 32 KiB by default) so the scratchpad
 # copy keeps more than the model sees; the cap only bounds memory.
 _SHELL_OUTPUT_CAP = 256 * 1024
@@ -128,33 +150,205 @@ def _clip(line: str, limit: int) -> str:
     return f"{line[:limit]}… [line cut: {len(line) - limit} more characters]"
 
 
+# --- opening files safely ----------------------------------------------------------------
+
+# O_NONBLOCK: opening a FIFO or a device never waits for a peer; O_NOFOLLOW: the resolved
+# path's last component cannot be swapped for a symlink between the check and the open.
+_OPEN_FLAGS = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY
+_SPECIAL_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def _special_file(shown: str, mode: int) -> BuiltinToolError:
+    kind = next((name for test, name in _SPECIAL_KINDS if test(mode)), "not a regular file")
+    return BuiltinToolError(f"{shown} is {kind}; the file tools read and write regular files only")
+
+
+class _LinkCensus:
+    """How many names each hard-linked file has inside the workspace, counted by one
+    bounded walk of it (symlinks are not followed). A file whose link count is higher
+    than its names inside has a name elsewhere, and is refused."""
+
+    __slots__ = ("_complete", "_names", "_root")
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._names: dict[tuple[int, int], int] | None = None
+        self._complete = False
+
+    def all_inside(self, info: os.stat_result) -> bool:
+        if info.st_nlink <= 1:
+            return True
+        if self._names is None:
+            self._count()
+        assert self._names is not None
+        return self._complete and self._names.get((info.st_dev, info.st_ino), 0) >= info.st_nlink
+
+    def _count(self) -> None:
+        names: dict[tuple[int, int], int] = {}
+        self._names = names
+        stack = [str(self._root)]
+        visited = 0
+        while stack:
+            _check_cancelled()
+            try:
+                with os.scandir(stack.pop()) as scan:
+                    for entry in scan:
+                        visited += 1
+                        if visited > _LINK_SCAN_ENTRIES:
+                            return  # incomplete: every hard-linked file is refused
+                        if entry.is_dir(follow_symlinks=False):
+                            stack.append(entry.path)
+                        elif entry.is_file(follow_symlinks=False):
+                            info = entry.stat(follow_symlinks=False)
+                            if info.st_nlink > 1:
+                                key = (info.st_dev, info.st_ino)
+                                names[key] = names.get(key, 0) + 1
+            except OSError:
+                continue  # an unreadable directory: its names stay uncounted
+        self._complete = True
+
+
+def _hard_link_refusal(shown: str, info: os.stat_result) -> BuiltinToolError:
+    return BuiltinToolError(
+        f"{shown} has {info.st_nlink} hard links and not all of them are inside the "
+        "workspace; the file tools do not use files that may also live outside it"
+    )
+
+
+def _open_regular(root: Path, target: Path, shown: str, *, write: bool = False) -> int:
+    """A blocking descriptor of the regular file ``target`` (created empty when ``write``
+    and missing). Refuses directories, special files and files hard-linked from outside
+    the workspace, checked on the opened descriptor. The caller closes it."""
+    try:
+        before = os.lstat(target)
+    except FileNotFoundError:
+        if not write:
+            raise
+    else:
+        # Refuse before opening, so no device is ever opened; the fstat below decides.
+        if stat.S_ISDIR(before.st_mode):
+            raise BuiltinToolError(f"{shown}: is a directory")
+        if not stat.S_ISREG(before.st_mode) and not stat.S_ISLNK(before.st_mode):
+            raise _special_file(shown, before.st_mode)
+    flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
+    try:
+        fd = os.open(target, flags | _OPEN_FLAGS, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise BuiltinToolError(f"{shown} was replaced by a symlink; try again") from exc
+        if exc.errno == errno.ENXIO:
+            raise BuiltinToolError(f"{shown} is a FIFO or a device; refused") from exc
+        raise
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise BuiltinToolError(f"{shown}: is a directory")
+        if not stat.S_ISREG(info.st_mode):
+            raise _special_file(shown, info.st_mode)
+        if not _LinkCensus(root).all_inside(info):
+            raise _hard_link_refusal(shown, info)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_cancelled() -> None:
+    """Stop a worker thread whose call was cancelled (and abandoned) at the next step."""
+    with contextlib.suppress(RuntimeError):  # not in a trio worker thread
+        trio.from_thread.check_cancelled()
+
+
+def _display(name: str) -> str:
+    """A file name as text the model can read: bytes that are not UTF-8 as ``\\xNN``."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 # --- read_file ---------------------------------------------------------------------------
+
+
+def _read_window(fd: int, offset: int, limit: int) -> tuple[list[tuple[bytes, int]], int, bool]:
+    """Lines ``offset`` to ``offset + limit`` of the file as ``(first bytes, length)``,
+    how many lines were passed, and whether more follow. Reads in chunks: memory stays
+    within a chunk plus ``limit`` times :data:`_KEEP_LINE_BYTES` whatever the file holds."""
+    lines: list[tuple[bytes, int]] = []
+    seen = 0  # complete lines passed so far
+    head = bytearray()
+    length = 0
+    pending = False  # the current line has bytes and no newline yet
+    more = False
+    with open(fd, "rb", buffering=0, closefd=False) as raw:
+        while not more and (chunk := raw.read(_READ_CHUNK)):
+            _check_cancelled()
+            pos, size = 0, len(chunk)
+            while pos < size:
+                if seen < offset:
+                    need = offset - seen
+                    count = chunk.count(b"\n", pos)
+                    if count < need:
+                        seen += count
+                        pending = not chunk.endswith(b"\n")
+                        break
+                    for _ in range(need):
+                        pos = chunk.index(b"\n", pos) + 1
+                    seen, pending = offset, False
+                elif len(lines) >= limit:
+                    more = True
+                    break
+                else:
+                    newline = chunk.find(b"\n", pos)
+                    end = size if newline < 0 else newline
+                    room = _KEEP_LINE_BYTES - len(head)
+                    if room > 0:
+                        head += chunk[pos : min(end, pos + room)]
+                    length += end - pos
+                    pending = True
+                    if newline < 0:
+                        break
+                    lines.append((bytes(head), length))
+                    head, length, pending = bytearray(), 0, False
+                    seen += 1
+                    pos = newline + 1
+    if pending:  # a last line without a newline
+        if seen < offset:
+            seen += 1
+        elif len(lines) < limit:
+            lines.append((bytes(head), length))
+            seen += 1
+        else:
+            more = True
+    return lines, seen, more
+
+
+def _line_text(head: bytes, length: int) -> str:
+    if length <= len(head):
+        return _clip(head.decode("utf-8", errors="replace").rstrip("\r"), _MAX_LINE_CHARS)
+    shown = head.decode("utf-8", errors="replace")[:_MAX_LINE_CHARS]
+    rest = length - len(shown.encode("utf-8", errors="replace"))
+    return f"{shown}… [line cut: about {rest} more bytes]"
 
 
 def _read_file_sync(workspace_dir: Path, path: str, offset: int, limit: int) -> str:
     root = workspace_dir.resolve()
     target = resolve_in_workspace(root, path)
-    shown = _shown(root, target)
+    shown = _display(_shown(root, target))
     try:
-        with target.open("rb") as raw:
-            head = raw.read(_SNIFF_BYTES)
-            if b"\0" in head:
-                size = os.fstat(raw.fileno()).st_size
+        fd = _open_regular(root, target, shown)
+        try:
+            if b"\0" in os.pread(fd, _SNIFF_BYTES, 0):
+                size = os.fstat(fd).st_size
                 raise BuiltinToolError(
                     f"{shown} is a binary file ({size} bytes); read_file reads text files only"
                 )
-            raw.seek(0)
-            text = io.TextIOWrapper(raw, encoding="utf-8", errors="replace")
-            lines: list[str] = []
-            seen = 0
-            more = False
-            for line in text:
-                if seen >= offset + limit:
-                    more = True
-                    break
-                if seen >= offset:
-                    lines.append(line.rstrip("\r\n"))
-                seen += 1
+            lines, seen, more = _read_window(fd, offset, limit)
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise _os_error(exc, shown) from exc
     if not lines:
@@ -162,8 +356,8 @@ def _read_file_sync(workspace_dir: Path, path: str, offset: int, limit: int) -> 
             return f"[{shown} is empty]"
         return f"[{shown} has {seen} lines; offset {offset} is past the end]"
     numbered = [
-        f"{number:>6}\t{_clip(line, _MAX_LINE_CHARS)}"
-        for number, line in enumerate(lines, start=offset + 1)
+        f"{number:>6}\t{_line_text(head, length)}"
+        for number, (head, length) in enumerate(lines, start=offset + 1)
     ]
     first, last = offset + 1, offset + len(lines)
     if more:
@@ -187,7 +381,9 @@ async def read_file(path: str, offset: int = 0, limit: int = 2000, *, ctx: ToolC
         raise BuiltinToolError("offset must be 0 or more")
     if limit < 1:
         raise BuiltinToolError("limit must be 1 or more")
-    return await trio.to_thread.run_sync(_read_file_sync, ctx.workspace_dir, path, offset, limit)
+    return await trio.to_thread.run_sync(
+        _read_file_sync, ctx.workspace_dir, path, offset, limit, abandon_on_cancel=True
+    )
 
 
 # --- list_dir ----------------------------------------------------------------------------
@@ -196,7 +392,7 @@ async def read_file(path: str, offset: int = 0, limit: int = 2000, *, ctx: ToolC
 def _list_dir_sync(workspace_dir: Path, path: str) -> str:
     root = workspace_dir.resolve()
     target = resolve_in_workspace(root, path)
-    shown = _shown(root, target)
+    shown = _display(_shown(root, target))
     try:
         with os.scandir(target) as scan:
             entries = sorted(scan, key=lambda entry: entry.name)
@@ -206,16 +402,17 @@ def _list_dir_sync(workspace_dir: Path, path: str) -> str:
         return f"[{shown} is empty]"
     lines: list[str] = []
     for entry in entries[:_MAX_LIST_ENTRIES]:
+        name = _display(entry.name)
         try:
             # Follows symlinks: an entry is shown as what it points at.
             if entry.is_dir():
-                lines.append(f"{entry.name}/")
+                lines.append(f"{name}/")
             elif entry.is_file():
-                lines.append(f"{entry.name}  ({entry.stat().st_size} bytes)")
+                lines.append(f"{name}  ({entry.stat().st_size} bytes)")
             else:
-                lines.append(entry.name)
+                lines.append(name)
         except OSError:
-            lines.append(entry.name)
+            lines.append(name)
     if len(entries) > _MAX_LIST_ENTRIES:
         lines.append(f"[{len(entries) - _MAX_LIST_ENTRIES} more entries not shown]")
     return "\n".join(lines)
@@ -224,20 +421,22 @@ def _list_dir_sync(workspace_dir: Path, path: str) -> str:
 @tool(parallel=True)
 async def list_dir(path: str = ".", *, ctx: ToolContext) -> str:
     """List a directory in the workspace, sorted by name: directories end with `/`, files
-    show their size in bytes.
+    show their size in bytes. Bytes of a name that are not UTF-8 are shown as `\\xNN`.
 
     Args:
         path: directory path, relative to the workspace root.
     """
-    return await trio.to_thread.run_sync(_list_dir_sync, ctx.workspace_dir, path)
+    return await trio.to_thread.run_sync(
+        _list_dir_sync, ctx.workspace_dir, path, abandon_on_cancel=True
+    )
 
 
 # --- search_files ------------------------------------------------------------------------
 
 
 def _search_candidates(start: Path) -> Iterator[Path]:
-    """Regular files below ``start`` in sorted order, without descending into VCS
-    directories or following directory symlinks."""
+    """Files below ``start`` in sorted order, without descending into VCS directories or
+    following directory symlinks."""
     if not start.is_dir():
         yield start
         return
@@ -247,59 +446,139 @@ def _search_candidates(start: Path) -> Iterator[Path]:
             yield Path(dirpath, name)
 
 
-def _search_files_sync(workspace_dir: Path, pattern: str, path: str) -> str:
-    try:
-        regex = re.compile(pattern)
-    except re.error as exc:
-        raise BuiltinToolError(f"invalid regular expression {pattern!r}: {exc}") from exc
-    root = workspace_dir.resolve()
-    start = resolve_in_workspace(root, path)
-    shown_start = _shown(root, start)
-    if not start.exists():
-        raise BuiltinToolError(f"{shown_start}: no such file or directory")
-    results: list[str] = []
-    skipped_large = 0
-    capped = False
-    for candidate in _search_candidates(start):
-        # Lets a cancelled call stop between files instead of walking the whole tree.
-        trio.from_thread.check_cancelled()
-        real = candidate.resolve()
-        # A symlinked file may point anywhere; only files inside the workspace are read.
-        if not real.is_relative_to(root) or not real.is_file():
-            continue
-        try:
-            if real.stat().st_size > _MAX_SEARCH_FILE_BYTES:
-                skipped_large += 1
-                continue
-            with real.open("rb") as raw:
-                if b"\0" in raw.read(_SNIFF_BYTES):
+class _SearchPlan:
+    """The files ``search_files`` may read, found by walking lazily from the start path:
+    regular files inside the workspace (symlinks resolved), never a special file, never a
+    file hard-linked from outside. Advanced from worker threads, one at a time."""
+
+    __slots__ = ("_files", "linked", "root", "shown_start")
+
+    def __init__(self, workspace_dir: Path, path: str) -> None:
+        self.root = workspace_dir.resolve()
+        start = resolve_in_workspace(self.root, path)
+        self.shown_start = _display(_shown(self.root, start))
+        if not start.exists():
+            raise BuiltinToolError(f"{self.shown_start}: no such file or directory")
+        self.linked = 0
+        self._files = self._walk(start)
+
+    def _walk(self, start: Path) -> Iterator[tuple[str, str]]:
+        root = self.root
+        census = _LinkCensus(root)
+        for candidate in _search_candidates(start):
+            try:
+                real = candidate.resolve()
+                # A symlinked file may point anywhere; only files inside are read.
+                if not real.is_relative_to(root):
                     continue
-                raw.seek(0)
-                shown = _shown(root, candidate.absolute())
-                text = io.TextIOWrapper(raw, encoding="utf-8", errors="replace")
-                for number, line in enumerate(text, start=1):
-                    line = line.rstrip("\r\n")
-                    if regex.search(line):
-                        if len(results) == _MAX_SEARCH_MATCHES:
-                            capped = True
-                            break
-                        results.append(f"{shown}:{number}: {_clip(line, _MAX_MATCH_CHARS)}")
-        except OSError:
-            continue  # unreadable files are skipped like binary ones
-        if capped:
-            break
-    notes: list[str] = []
-    if capped:
-        notes.append(
-            f"[stopped after {_MAX_SEARCH_MATCHES} matches; narrow the pattern or the path]"
-        )
-    if skipped_large:
-        notes.append(
-            f"[skipped {skipped_large} files larger than {_MAX_SEARCH_FILE_BYTES} bytes]"
-        )
-    if not results:
-        return "\n".join([f"no matches for {pattern!r} in {shown_start}", *notes])
-    return "\n".join(results + notes)
+                info = real.stat()
+            except (OSError, RuntimeError):
+                continue
+            if not stat.S_ISREG(info.st_mode):
+                continue  # FIFOs, sockets, devices: never opened
+            if not census.all_inside(info):
+                self.linked += 1
+                continue
+            yield str(real), _display(_shown(root, candidate.absolute()))
+
+    def next_batch(self, size: int) -> list[tuple[str, str]]:
+        """Up to ``size`` more files; empty when the walk is over."""
+        _check_cancelled()  # an abandoned walk stops here instead of finishing the tree
+        batch: list[tuple[str, str]] = []
+        for found in self._files:
+            batch.append(found)
+            if len(batch) == size:
+                break
+        return batch
+
+
+class _SearchResults:
+    """What the worker reported, parsed line by line as it arrives."""
+
+    __slots__ = ("_partial", "capped", "large", "matches")
+
+    def __init__(self) -> None:
+        self._partial = b""
+        self.matches: list[str] = []
+        self.capped = False
+        self.large = 0
+
+    def feed(self, chunk: bytes | bytearray) -> None:
+        # A killed worker's cut last line stays partial and is never parsed.
+        *lines, self._partial = (self._partial + bytes(chunk)).split(b"\n")
+        for line in lines:
+            record = json.loads(line)
+            if record[0] == "match":
+                self.matches.append(record[1])
+            elif record[0] == "capped":
+                self.capped = True
+            elif record[0] == "large":
+                self.large += 1
+
+
+async def _run_search_worker(
+    pattern: str, plan: _SearchPlan, report_progress: Callable[[str], None]
+) -> tuple[_SearchResults, bool]:
+    """Run the regular expression over the plan's files in a worker process; the results,
+    and whether the time ran out. Files are fed to it while the walk goes on, and the walk
+    stops when it has enough matches. The worker is killed at once when the call is
+    cancelled (Python's ``re`` holds the interpreter lock while it matches, so it cannot
+    be stopped in-process); what it reported until then is kept."""
+    header = {
+        "pattern": pattern,
+        "max_matches": _MAX_SEARCH_MATCHES,
+        "max_match_chars": _MAX_MATCH_CHARS,
+        "max_file_bytes": _MAX_SEARCH_FILE_BYTES,
+        "sniff_bytes": _SNIFF_BYTES,
+    }
+    results = _SearchResults()
+
+    async def kill(process: trio.Process) -> None:
+        process.kill()
+
+    async def collect(stream: trio.abc.ReceiveStream) -> None:
+        async with stream:
+            while chunk := await stream.receive_some():
+                found = len(results.matches)
+                results.feed(chunk)
+                if len(results.matches) > found:
+                    count = len(results.matches)
+                    report_progress(f"{count} match{'es' if count > 1 else ''} so far")
+
+    async def feed(stream: trio.abc.SendStream) -> None:
+        # A worker that stopped early (enough matches) closes its end: the walk stops too.
+        with contextlib.suppress(trio.BrokenResourceError):
+            async with stream:
+                await stream.send_all(_json_line(header))
+                size = _SEARCH_FIRST_BATCH  # small, so the worker starts on it at once
+                while batch := await trio.to_thread.run_sync(
+                    plan.next_batch, size, abandon_on_cancel=True
+                ):
+                    await stream.send_all(b"".join(_json_line(item) for item in batch))
+                    size = _SEARCH_BATCH
+
+    with trio.move_on_after(_SEARCH_TIME_BUDGET_S) as budget:
+        async with trio.open_nursery() as nursery:
+            process = await nursery.start(
+                partial(
+                    trio.run_process,
+                    [sys.executable, "-I", "-S", str(_SEARCH_WORKER)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    check=False,
+                    deliver_cancel=kill,
+                )
+            )
+            assert process.stdin is not None and process.stdout is not None
+            nursery.start_soon(feed, process.stdin)
+            nursery.start_soon(collect, process.stdout)
+    return results, budget.cancelled_caught
+
+
+def _json_line(value: object) -> bytes:
+    # ASCII JSON: names that are not UTF-8 travel as escaped surrogates and come back whole.
+    return json.dumps(value).encode("ascii") + b"\n"
 
 
 @tool(parallel=True)
@@ -311,7 +590,33 @@ async def search_files(pattern: str, path: str = ".", *, ctx: ToolContext) -> st
         pattern: the regular expression to look for in each line.
         path: a directory to search below, or one file; relative to the workspace root.
     """
-    return await trio.to_thread.run_sync(_search_files_sync, ctx.workspace_dir, pattern, path)
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise BuiltinToolError(f"invalid regular expression {pattern!r}: {exc}") from exc
+    plan = await trio.to_thread.run_sync(
+        _SearchPlan, ctx.workspace_dir, path, abandon_on_cancel=True
+    )
+    ctx.report_progress(f"searching below {plan.shown_start}")
+    results, out_of_time = await _run_search_worker(pattern, plan, ctx.report_progress)
+    matches, large = results.matches, results.large
+    notes: list[str] = []
+    if results.capped:
+        notes.append(
+            f"[stopped after {_MAX_SEARCH_MATCHES} matches; narrow the pattern or the path]"
+        )
+    if out_of_time:
+        notes.append(
+            f"[search stopped after {_SEARCH_TIME_BUDGET_S:g} s, not every file was searched;"
+            " a pattern with nested repetition such as (a+)+ can take exponential time]"
+        )
+    if large:
+        notes.append(f"[skipped {large} files larger than {_MAX_SEARCH_FILE_BYTES} bytes]")
+    if plan.linked:
+        notes.append(f"[skipped {plan.linked} files with hard links outside the workspace]")
+    if not matches:
+        return "\n".join([f"no matches for {pattern!r} in {plan.shown_start}", *notes])
+    return "\n".join(matches + notes)
 
 
 # --- write_file --------------------------------------------------------------------------
@@ -320,14 +625,21 @@ async def search_files(pattern: str, path: str = ".", *, ctx: ToolContext) -> st
 def _write_file_sync(workspace_dir: Path, path: str, content: str) -> str:
     root = workspace_dir.resolve()
     target = resolve_in_workspace(root, path)
-    shown = _shown(root, target)
+    shown = _display(_shown(root, target))
     if target == root:
         raise BuiltinToolError(f"{path!r} is the workspace directory, not a file")
     data = content.encode("utf-8")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        with target.open("wb") as file:
-            file.write(data)
+        # Opened without truncation: a refused file (special, hard-linked) is left as it was.
+        fd = _open_regular(root, target, shown, write=True)
+        try:
+            os.ftruncate(fd, 0)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise _os_error(exc, shown) from exc
     return f"wrote {len(data)} bytes to {shown}"
@@ -342,9 +654,12 @@ async def write_file(path: str, content: str, *, ctx: ToolContext) -> str:
         path: file path, relative to the workspace root.
         content: the complete new content of the file.
     """
-    # Not abandoned on cancel: a cancelled call returns only once the write is over, so
-    # nothing is written after the call is reported terminal.
-    return await trio.to_thread.run_sync(_write_file_sync, ctx.workspace_dir, path, content)
+    # Abandoned on cancel like every file tool: an interrupt never waits for a stuck file
+    # system. A write already under way may still finish after the call is reported
+    # interrupted (R-ABORT-4: interrupting is not rollback).
+    return await trio.to_thread.run_sync(
+        _write_file_sync, ctx.workspace_dir, path, content, abandon_on_cancel=True
+    )
 
 
 # --- run_shell ---------------------------------------------------------------------------
@@ -397,13 +712,58 @@ async def _drain(stream: trio.abc.ReceiveStream, output: _CappedOutput,
                 output.add(chunk)
 
 
+async def _shell_command(command: str, ctx: ToolContext) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment that run ``command`` as the session's settings say
+    (R-SEC-3): under bubblewrap when it works here (``sandbox=auto``) or always
+    (``required``: refused otherwise), unconfined with ``off``; allow-listed environment
+    in every case."""
+    workspace = await trio.to_thread.run_sync(ctx.workspace_dir.resolve)
+    scratchpad = await trio.to_thread.run_sync(_prepare_scratchpad, ctx.scratchpad_dir)
+    home = scratchpad / "home"
+    status = None
+    if ctx.sandbox != "off":
+        status = await trio.to_thread.run_sync(sandbox_status, abandon_on_cancel=True)
+        if not status.available:
+            if ctx.sandbox == "required":
+                raise BuiltinToolError(
+                    f"the command was not run: sandbox=required, and {status.reason}"
+                )
+            status = None
+    if status is None or status.bwrap is None:
+        env = shell_environment(home=home, tmpdir=scratchpad / "tmp")
+        return ["bash", "-c", command], env
+    bwrap = status.bwrap
+
+    def sandboxed() -> list[str]:
+        return bwrap_command(
+            bwrap,
+            ["bash", "-c", command],
+            workspace=workspace,
+            scratchpad=scratchpad,
+            network=ctx.shell_network,
+            hidden=tuple(private.resolve() for private in ctx.private_dirs),
+        )
+
+    argv = await trio.to_thread.run_sync(sandboxed)
+    return argv, shell_environment(home=home, tmpdir=Path("/tmp"))
+
+
+def _prepare_scratchpad(scratchpad_dir: Path) -> Path:
+    """The resolved scratchpad, with the shell's ``home`` and ``tmp`` in it."""
+    for name in ("home", "tmp"):
+        (scratchpad_dir / name).mkdir(parents=True, exist_ok=True)
+    return scratchpad_dir.resolve()
+
+
 @tool(parallel=False)
 async def run_shell(command: str, timeout_s: float = 60, *, ctx: ToolContext) -> str:
     """Run a command with `bash -c` in the workspace directory. Returns the exit code
     and the combined stdout and stderr (long output keeps its start and end). stdin is
     empty. On timeout the command and every process it started are killed. A background
     job (`cmd &`) may outlive the command only if it redirects its output: the output
-    pipe is closed shortly after bash exits.
+    pipe is closed shortly after bash exits. The environment holds no credentials; where
+    the host supports it the command runs in a sandbox that sees only the workspace, the
+    scratchpad and the system's programs, without network unless the session allows it.
 
     Args:
         command: the bash command line to run.
@@ -411,9 +771,12 @@ async def run_shell(command: str, timeout_s: float = 60, *, ctx: ToolContext) ->
     """
     # Cancellation contract: when the call is cancelled while bash runs, run_process
     # delivers SIGKILL to the command's process group (its own session) and waits for
-    # bash to exit before the Cancelled propagates.
+    # bash to exit before the Cancelled propagates. Under bubblewrap the group is bwrap's;
+    # killing it kills the sandbox's first process, and with it every process inside
+    # (a PID namespace ends with its init; --die-with-parent covers the rest).
     if not timeout_s > 0:
         raise BuiltinToolError("timeout_s must be more than 0")
+    argv, env = await _shell_command(command, ctx)
     output = _CappedOutput(_SHELL_OUTPUT_CAP)
     process: trio.Process | None = None
     exited = False
@@ -422,8 +785,9 @@ async def run_shell(command: str, timeout_s: float = 60, *, ctx: ToolContext) ->
             process = await nursery.start(
                 partial(
                     trio.run_process,
-                    ["bash", "-c", command],
+                    argv,
                     cwd=ctx.workspace_dir,
+                    env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,

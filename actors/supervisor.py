@@ -299,6 +299,9 @@ class SessionSupervisor:
                 sync_trace=session._sync_trace,
                 result_budget=settings.tool_result_budget,
                 spawn=subagents.spawn,
+                sandbox=settings.sandbox,
+                shell_network=settings.shell_network,
+                private_dirs=(session._host.data_dir,),
             )
             self._provider_task = session._provider.open_task()
             self._streamer = LLMStreamer(self._provider_task, self._inbox)

@@ -8,13 +8,26 @@ cut to head and tail with a marker naming the scratchpad file holding all of it 
 Progress notes go to the supervisor, which drops those of finished calls (R-TOOL-6).
 A tool that takes ``ctx`` gets the supervisor's ``spawn`` callback there (subagents,
 R-HOST-4); the subagent then runs in the call's task, under this pool's cancellation.
+
+Abandoning (R-SEC-2, R-ABORT-1): each tool function runs in a task of its own outside the
+session's task tree (a trio system task), and the call's task waits for it. When the call
+is cancelled (interrupt) or times out, the pool cancels the tool, waits at most
+:data:`CANCEL_GRACE_S` for it to end (:data:`SUBAGENT_CANCEL_GRACE_S` while it runs a
+subagent, whose own teardown is bounded), and then stops waiting: a tool that ignores
+cancellation — shielded, or blocked in a thread that cannot be abandoned — keeps running
+on its own, unobserved, and its call is settled as interrupted (or timed out), so an
+interrupt never waits for it. What such a tool does later is not reported anywhere.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
+import math
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
+from typing import Any, Literal
 
 import trio
 
@@ -30,6 +43,17 @@ from greenroom.protocols.tools import Tool, ToolContext, normalize_result
 
 SLOTS = 5
 
+CANCEL_GRACE_S = 0.05
+"""How long a cancelled (or timed-out) tool may take to end before the pool abandons it.
+Tools that honour cancellation end in well under a millisecond; this keeps an interrupt
+under the 100 ms of R-ABORT-1 whatever a tool does."""
+
+SUBAGENT_CANCEL_GRACE_S = 3.0
+"""The same bound for a call that is running a subagent: the child records its own
+``abort`` and ``task_end`` before the parent settles (R-HOST-4), and its teardown is itself
+bounded (its tools are abandoned after :data:`CANCEL_GRACE_S`, its trace writes by the
+supervisor's own grace)."""
+
 
 class ToolPool:
     """Runs one task's tool calls. ``begin_turn`` resets the per-turn ordering."""
@@ -38,8 +62,11 @@ class ToolPool:
         "_exclusive",
         "_inbox",
         "_limiter",
+        "_private_dirs",
         "_result_budget",
+        "_sandbox",
         "_scratchpad_dir",
+        "_shell_network",
         "_spawn",
         "_sync_trace",
         "_terminal",
@@ -58,6 +85,9 @@ class ToolPool:
         result_budget: int,
         slots: int = SLOTS,
         spawn: Callable[[str], Awaitable[str]] | None = None,
+        sandbox: Literal["auto", "required", "off"] = "auto",
+        shell_network: bool = False,
+        private_dirs: tuple[Path, ...] = (),
     ) -> None:
         self._tools = tools
         self._inbox = inbox
@@ -66,6 +96,9 @@ class ToolPool:
         self._sync_trace = sync_trace
         self._result_budget = result_budget
         self._spawn = spawn
+        self._sandbox: Literal["auto", "required", "off"] = sandbox
+        self._shell_network = shell_network
+        self._private_dirs = private_dirs
         self._limiter = trio.CapacityLimiter(slots)
         self._terminal: list[trio.Event] = []
         self._exclusive: list[bool] = []
@@ -134,31 +167,34 @@ class ToolPool:
         if tool.side_effects:
             await self._sync_trace()
         inbox = self._inbox
+        running = _Detached()
 
         def report(message: str) -> None:
-            inbox.send_nowait(ToolProgressed(call_id=call.id, message=message))
+            # An abandoned tool may report after the task ended and the inbox closed.
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                inbox.send_nowait(ToolProgressed(call_id=call.id, message=message))
 
         kwargs = dict(call.arguments)
         if tool.takes_ctx:
+            spawn = self._spawn
             kwargs["ctx"] = ToolContext(
                 call_id=call.id,
                 workspace_dir=self._workspace_dir,
                 scratchpad_dir=self._scratchpad_dir,
                 report_progress=report,
-                spawn=self._spawn,
+                spawn=None if spawn is None else running.track_spawn(spawn),
+                sandbox=self._sandbox,
+                shell_network=self._shell_network,
+                private_dirs=self._private_dirs,
             )
-        try:
-            if tool.timeout_s is not None:
-                with trio.fail_after(tool.timeout_s):
-                    value = await tool.function(**kwargs)
-            else:
-                value = await tool.function(**kwargs)
-        except trio.TooSlowError:
+        running.start(tool.function, kwargs, name=f"tool {call.name} ({call.id})")
+        finished = await running.wait(tool.timeout_s)
+        if not finished:
             return "error", _text(f"{call.name} timed out after {tool.timeout_s} s")
-        except trio.Cancelled:
-            raise
-        except Exception as exc:
+        if running.error is not None:
+            exc = running.error
             return "error", _text(f"{type(exc).__name__}: {exc}")
+        value = running.value
         content = normalize_result(value)
         return "ok", await self._fit_budget(call, content)
 
@@ -198,3 +234,73 @@ def _write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")
 
+
+class _Detached:
+    """One tool function running in a system task, so that its call can stop waiting for
+    it (see the module docstring). Never raises into the system nursery: every outcome of
+    the function, exceptions included, is kept here for the waiting call."""
+
+    __slots__ = ("_done", "_scope", "_spawning", "error", "value")
+
+    def __init__(self) -> None:
+        self._done = trio.Event()
+        self._scope = trio.CancelScope()
+        self._spawning = 0
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def track_spawn(
+        self, spawn: Callable[[str], Awaitable[str]]
+    ) -> Callable[[str], Awaitable[str]]:
+        """``spawn`` that marks this call as running a subagent while it runs."""
+
+        async def tracked(task: str) -> str:
+            self._spawning += 1
+            try:
+                return await spawn(task)
+            finally:
+                self._spawning -= 1
+
+        return tracked
+
+    def start(
+        self, function: Callable[..., Awaitable[Any]], kwargs: dict[str, Any], *, name: str
+    ) -> None:
+        # A copy of the caller's context: system tasks would otherwise start without it.
+        trio.lowlevel.spawn_system_task(
+            self._body, function, kwargs, name=name, context=contextvars.copy_context()
+        )
+
+    async def _body(self, function: Callable[..., Awaitable[Any]], kwargs: dict[str, Any]) -> None:
+        try:
+            with self._scope:
+                self.value = await function(**kwargs)
+        except trio.Cancelled:
+            raise  # not ours: the run is shutting down
+        except BaseException as exc:  # SystemExit too: a tool must never end the host
+            self.error = exc
+        finally:
+            self._done.set()
+
+    async def wait(self, timeout_s: float | None) -> bool:
+        """Wait for the function to end; False when it ran past ``timeout_s`` (it is then
+        cancelled and abandoned after the grace). When the wait itself is cancelled the
+        function is cancelled too, waited for at most the grace (shielded), and Cancelled
+        propagates: the call is interrupted whether or not the function ended in time."""
+        try:
+            with trio.move_on_after(math.inf if timeout_s is None else timeout_s):
+                await self._done.wait()
+                return True
+        except trio.Cancelled:
+            self._scope.cancel()
+            with trio.CancelScope(shield=True) as grace:
+                grace.deadline = trio.current_time() + self._grace()
+                await self._done.wait()
+            raise
+        self._scope.cancel()
+        with trio.move_on_after(self._grace()):
+            await self._done.wait()
+        return False
+
+    def _grace(self) -> float:
+        return SUBAGENT_CANCEL_GRACE_S if self._spawning else CANCEL_GRACE_S

@@ -44,6 +44,10 @@ class ToolContext:
     final answer (R-HOST-4); it raises when the subagent fails or hits a limit. It is an
     opaque callback into the runtime, set by the tool pool; None where subagents are not
     available (a tool run outside a session).
+
+    ``sandbox`` and ``shell_network`` are the session's settings for ``run_shell``
+    (R-SEC-3); ``private_dirs`` are host directories (the data dir) a sandboxed command must
+    not see even when they lie inside the workspace.
     """
 
     call_id: str
@@ -51,6 +55,9 @@ class ToolContext:
     scratchpad_dir: Path
     report_progress: Callable[[str], None]
     spawn: Callable[[str], Awaitable[str]] | None = None
+    sandbox: Literal["auto", "required", "off"] = "auto"
+    shell_network: bool = False
+    private_dirs: tuple[Path, ...] = ()
 
 
 ToolFunction = Callable[..., Awaitable[Any]]

@@ -41,13 +41,16 @@ def outside(tmp_path: Path) -> Path:
     return place
 
 
-async def call(some_tool: Tool, workspace: Path, **arguments: Any) -> Any:
+async def call(
+    some_tool: Tool, workspace: Path, *, sandbox: Any = "auto", **arguments: Any
+) -> Any:
     assert some_tool.validate(arguments) == []
     ctx = ToolContext(
         call_id="c1",
         workspace_dir=workspace,
         scratchpad_dir=workspace / ".scratch",
         report_progress=lambda message: None,
+        sandbox=sandbox,
     )
     with trio.fail_after(10):
         return await some_tool.function(**arguments, ctx=ctx)
@@ -258,66 +261,69 @@ async def test_run_shell_caps_output_keeping_head_and_tail(workspace: Path) -> N
     assert len(result) < 300_000
 
 
-async def _read_pid(fifo: Path) -> int:
-    # Blocks in a thread until the shell writes its child's pid into the FIFO.
-    text = await trio.to_thread.run_sync(fifo.read_text, abandon_on_cancel=True)
-    return int(text)
+async def _read_until_every_writer_is_gone(fifo: Path, first: trio.Event) -> None:
+    """Read the FIFO until EOF, which comes only when every process holding its write end
+    has exited; ``first`` is set once the command has written to it."""
+
+    def read() -> None:
+        with fifo.open("rb") as reader:
+            if reader.readline():
+                trio.from_thread.run_sync(first.set)
+            reader.read()
+
+    await trio.to_thread.run_sync(read, abandon_on_cancel=True)
 
 
-async def _assert_exits_promptly(pidfd: int) -> None:
-    # A pidfd becomes readable when the process has terminated (zombie or reaped).
-    with trio.fail_after(2):
-        await trio.lowlevel.wait_readable(pidfd)
+# A background job holds the FIFO open (fd 3) until it is killed: EOF proves the whole
+# process group, sandbox or not, is gone.
+_HOLD_FIFO = "exec 3>{fifo}; echo started; echo running >&3; sleep 30 & wait"
 
 
-async def test_run_shell_timeout_kills_process_group(workspace: Path) -> None:
-    fifo = workspace / "pid.fifo"
+@pytest.mark.parametrize("sandbox", ["off", "auto"])
+async def test_run_shell_timeout_kills_process_group(workspace: Path, sandbox: str) -> None:
+    fifo = workspace / "held.fifo"
     os.mkfifo(fifo)
-    pidfds: list[int] = []
     failure: list[ShellTimeoutError] = []
+    first = trio.Event()
 
     async def runner() -> None:
         with pytest.raises(ShellTimeoutError) as info:
             await call(
-                run_shell, workspace, command=f"echo started; sleep 30 & echo $! > {fifo}; wait",
-                timeout_s=1.0,
+                run_shell, workspace, command=_HOLD_FIFO.format(fifo=fifo), timeout_s=1.0,
+                sandbox=sandbox,
             )
         failure.append(info.value)
 
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(runner)
-            pid = await _read_pid(fifo)
-            pidfds.append(os.pidfd_open(pid))
-    try:
-        assert "timed out after 1 s" in str(failure[0])
-        assert "started" in str(failure[0])
-        await _assert_exits_promptly(pidfds[0])
-    finally:
-        os.close(pidfds[0])
+            await _read_until_every_writer_is_gone(fifo, first)
+    assert first.is_set()
+    assert "timed out after 1 s" in str(failure[0])
+    assert "started" in str(failure[0])
 
 
-async def test_run_shell_cancellation_kills_process_group(workspace: Path) -> None:
-    fifo = workspace / "pid.fifo"
+@pytest.mark.parametrize("sandbox", ["off", "auto"])
+async def test_run_shell_cancellation_kills_process_group(workspace: Path, sandbox: str) -> None:
+    fifo = workspace / "held.fifo"
     os.mkfifo(fifo)
     finished = False
+    first = trio.Event()
 
-    async def runner(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def runner() -> None:
         nonlocal finished
-        task_status.started()
-        await call(run_shell, workspace, command=f"sleep 30 & echo $! > {fifo}; wait")
+        await call(run_shell, workspace, command=_HOLD_FIFO.format(fifo=fifo), sandbox=sandbox)
         finished = True
 
     with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(runner)
-            pidfd = os.pidfd_open(await _read_pid(fifo))
-            nursery.cancel_scope.cancel()
-    try:
-        assert not finished
-        await _assert_exits_promptly(pidfd)
-    finally:
-        os.close(pidfd)
+        async with trio.open_nursery() as reading:
+            # The reader outlives the cancelled call: it ends at EOF, when all are dead.
+            reading.start_soon(_read_until_every_writer_is_gone, fifo, first)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(runner)
+                await first.wait()
+                nursery.cancel_scope.cancel()
+    assert not finished
 
 
 async def test_run_shell_runs_in_workspace(workspace: Path) -> None:

@@ -3,12 +3,18 @@ truncated calls, progress and the result budget (R-TOOL-1..8)."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
+import pytest
 import trio
 import trio.testing
 from conftest import (
+    RUN_TIMEOUT_S,
     Gates,
     Lookup,
     Recorder,
@@ -30,8 +36,11 @@ from greenroom.actors.provider_scripted import (
     text,
     tool_call,
 )
+from greenroom.actors.session import Session
+from greenroom.actors.tool_pool import CANCEL_GRACE_S
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import AssistantMessage, ModelRequest, UserMessage
+from greenroom.protocols.markers import INTERRUPTED_TEXT
 from greenroom.protocols.outputs import (
     ApprovalDecision,
     RequestEnd,
@@ -461,4 +470,160 @@ async def test_every_call_is_paired_on_every_path(
     request = provider.requests[1]
     broken = UserMessage(content=tuple(results[1:]))
     assert check_invariants(attrs.evolve(request, messages=(*request.messages[:-1], broken)))
+    assert of_type(outputs, TaskEnd)[0].status == "completed"
+
+
+@contextlib.contextmanager
+def hang_guard(*releases: Callable[[], None]) -> Iterator[None]:
+    """Run ``releases`` in the run loop after RUN_TIMEOUT_S of real time, so a regression
+    fails the test instead of hanging the suite (a deadline would not do on an autojump
+    clock: it fires as soon as the loop idles)."""
+    token = trio.lowlevel.current_trio_token()
+
+    def release_all() -> None:
+        for release in releases:
+            release()
+
+    guard = threading.Timer(RUN_TIMEOUT_S, token.run_sync_soon, (release_all,))
+    guard.start()
+    try:
+        yield
+    finally:
+        guard.cancel()
+
+
+async def test_interrupt_abandons_tools_that_ignore_cancellation(
+    host: Host, workspace: Path, providers, autojump_clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-SEC-2, R-ABORT-1: a shielded tool and a tool blocked in a thread that cannot be
+    abandoned do not hold the interrupt. The pool waits CANCEL_GRACE_S, then abandons
+    them: the abort is recorded at once, task_end(aborted) arrives, both calls are
+    interrupted and paired, and their late endings report nothing."""
+    traced_at: dict[str, float] = {}
+    trace = Session._trace
+
+    def timed_trace(self: Session, output: Any) -> None:
+        traced_at.setdefault(output.TYPE, trio.current_time())
+        trace(self, output)
+
+    monkeypatch.setattr(Session, "_trace", timed_trace)
+    release_thread = threading.Event()
+    release_shield = trio.Event()
+    running: dict[str, trio.Event] = {"thread": trio.Event(), "shield": trio.Event()}
+    ended: dict[str, trio.Event] = {"thread": trio.Event(), "shield": trio.Event()}
+
+    @tool(parallel=True)
+    async def in_thread() -> str:
+        """Blocks in a worker thread that ignores cancellation."""
+        running["thread"].set()
+        try:
+            await trio.to_thread.run_sync(release_thread.wait, abandon_on_cancel=False)
+            return "thread done"
+        finally:
+            ended["thread"].set()
+
+    @tool(parallel=True)
+    async def shielded() -> str:
+        """Waits under a shield."""
+        try:
+            with trio.CancelScope(shield=True):
+                running["shield"].set()
+                await release_shield.wait()
+            return "shield done"
+        finally:
+            ended["shield"].set()
+
+    provider = providers(
+        [
+            Reply(blocks=(tool_call("t1", "in_thread"), tool_call("s1", "shielded"))),
+            Reply(blocks=(text("Carried on."),)),
+        ]
+    )
+    session = await host.create_session(
+        tools=[in_thread, shielded], provider=provider, workspace_dir=workspace
+    )
+    recorder = Recorder(session)
+    try:
+        stream = session.run("go", approve=allow_all)
+        await running["thread"].wait()
+        await running["shield"].wait()
+        interrupted_at = trio.current_time()
+        assert session.interrupt("stop")
+        # Virtual time: only the grace passes between the interrupt and the abort record
+        # (the clock then jumps through the trace sink's waits, which is no real time).
+        with hang_guard(release_thread.set, release_shield.set):
+            outputs = await collect(stream, bound_s=None)
+        (end,) = of_type(outputs, TaskEnd)
+        assert end.status == "aborted"
+        assert traced_at["abort"] - interrupted_at == pytest.approx(CANCEL_GRACE_S)
+        assert CANCEL_GRACE_S < 0.1
+        by_call = outputs_by_call(outputs)
+        assert set(by_call) == {"t1", "s1"}
+        for output in by_call.values():
+            assert output.status == "interrupted"
+            assert output.content == (TextBlock(text=INTERRUPTED_TEXT),)
+        assert not ended["thread"].is_set() and not ended["shield"].is_set()
+    finally:
+        release_thread.set()
+        release_shield.set()
+    await ended["thread"].wait()
+    await ended["shield"].wait()
+    # The abandoned calls ended later: nothing more was emitted for them.
+    assert len(of_type(recorder.outputs, ToolCallOutput)) == 2
+
+    again = await collect(session.run("carry on", approve=allow_all), bound_s=None)
+    assert of_type(again, TaskEnd)[0].status == "completed"
+
+
+async def test_timeout_abandons_a_tool_that_ignores_cancellation(
+    host: Host, workspace: Path, providers, autojump_clock
+) -> None:
+    """R-TOOL-4: a tool past its timeout that ignores the cancellation is abandoned after
+    the grace and answered as timed out; the task goes on."""
+    release = trio.Event()
+
+    @tool(parallel=True, timeout_s=5)
+    async def stubborn() -> str:
+        """Ignores cancellation."""
+        with trio.CancelScope(shield=True):
+            await release.wait()
+        return "late"
+
+    provider = providers(
+        [Reply(blocks=(tool_call("c1", "stubborn"),)), Reply(blocks=(text("Moving on."),))]
+    )
+    session = await host.create_session(
+        tools=[stubborn], provider=provider, workspace_dir=workspace
+    )
+    started = trio.current_time()
+    try:
+        with hang_guard(release.set):
+            outputs = await collect(session.run("go", approve=allow_all), bound_s=None)
+    finally:
+        release.set()
+    (output,) = of_type(outputs, ToolCallOutput)
+    assert output.content == (TextBlock(text="stubborn timed out after 5 s"),)
+    assert trio.current_time() - started >= 5
+    assert of_type(outputs, TaskEnd)[0].status == "completed"
+
+
+async def test_a_tool_that_exits_the_interpreter_is_an_error_output(
+    host: Host, workspace: Path, providers
+) -> None:
+    """R-SEC-1: SystemExit raised by a tool is the call's error, not the host's end."""
+
+    @tool(parallel=True)
+    async def quitter() -> str:
+        """Calls sys.exit."""
+        raise SystemExit(3)
+
+    provider = providers(
+        [Reply(blocks=(tool_call("c1", "quitter"),)), Reply(blocks=(text("Still here."),))]
+    )
+    session = await host.create_session(
+        tools=[quitter], provider=provider, workspace_dir=workspace
+    )
+    outputs = await collect(session.run("go", approve=allow_all))
+    (output,) = of_type(outputs, ToolCallOutput)
+    assert output.is_error and output.content == (TextBlock(text="SystemExit: 3"),)
     assert of_type(outputs, TaskEnd)[0].status == "completed"
