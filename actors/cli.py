@@ -418,6 +418,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: usage errors exit 2, --help exits 0
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    except BrokenPipeError:  # greenroom --help | head -1
+        _discard_output()
+        return EXIT_BROKEN_PIPE
     try:
         return _dispatch(args)
     except BaseException as exc:
