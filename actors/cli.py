@@ -460,6 +460,9 @@ def _failure_exit_code(exc: BaseException, args: argparse.Namespace) -> int | No
     then the first problem of the user's command line or environment (exit 2)."""
     leaves = list(_leaves(exc))
     if any(isinstance(leaf, KeyboardInterrupt) for leaf in leaves):
+        if args.command == "serve":
+            # Ctrl-C before the gateway listens for it: stopping is what it asks, either way.
+            return EXIT_OK
         _say_last("interrupted")
         return EXIT_ABORTED
     if any(isinstance(leaf, BrokenPipeError) for leaf in leaves):
@@ -602,22 +605,19 @@ def _serve_command(args: argparse.Namespace) -> int:
         approve=args.approve,
     )
     defaults_line = _serve_defaults_line(args)
-    try:
-        trio.run(
-            partial(
-                run_serve,
-                host=args.host,
-                port=args.port,
-                data_dir=options.data_dir,
-                token_file=args.token_file,
-                defaults=defaults,
-                approval_timeout_s=args.approval_timeout,
-                console_port=_console_port(args),
-                ready=lambda _port: _error(defaults_line),
-            )
+    trio.run(
+        partial(
+            run_serve,
+            host=args.host,
+            port=args.port,
+            data_dir=options.data_dir,
+            token_file=args.token_file,
+            defaults=defaults,
+            approval_timeout_s=args.approval_timeout,
+            console_port=_console_port(args),
+            ready=lambda _port: _error(defaults_line),
         )
-    except KeyboardInterrupt:
-        return EXIT_OK
+    )
     return EXIT_OK
 
 
