@@ -950,18 +950,30 @@ async def _run_task(options: RunOptions, out: TextIO) -> RunResult:
             return RunResult(exit_code=EXIT_FAILED, session_id=session.id)
         end: TaskEnd | None = None
         asking = approve if isinstance(approve, TerminalApprover) else None
+        reader_gone: BrokenPipeError | None = None
         async with trio.open_nursery() as nursery:
             await nursery.start(_interrupt_on_sigint, host, session, asking)
             async for output in stream:
-                renderer.show(output)
+                if reader_gone is not None:
+                    continue  # the task is ending: let it write its last records
+                try:
+                    renderer.show(output)
+                except BrokenPipeError as exc:
+                    reader_gone = exc
+                    session.interrupt(READER_GONE)
                 if isinstance(output, TaskEnd) and output.origin is None:
                     end = output
             nursery.cancel_scope.cancel()
+        if reader_gone is not None:
+            raise reader_gone  # main() ends quietly
         trace_path = session.trace_path
         _error(summary_line(end, trace_path, color=_color_enabled(sys.stderr)))
         code = EXIT_CODES.get(end.status, EXIT_FAILED) if end is not None else EXIT_FAILED
         return RunResult(exit_code=code, session_id=session.id, trace_path=trace_path, task_end=end)
 
+
+READER_GONE = "the reader of the output went away"
+"""Why a task is interrupted when its stdout pipe is closed (``greenroom run … | head``)."""
 
 LEAVE_GRACE_S = 2.0
 """Bound on finishing the trace write in progress when a second Ctrl-C leaves at once."""

@@ -86,7 +86,8 @@ def test_run_piped_to_head_exits_quietly_and_ends_the_task(
     # the task was interrupted and its record closed properly
     session_id = stderr.split("session: ", 1)[1].split()[0]
     records = trace_records(tmp_path, session_id)
-    assert records[-1]["type"] == "task_end"
+    assert [r["type"] for r in records][-2:] == ["abort", "task_end"]
+    assert records[-2]["reason"] == "the reader of the output went away"
     assert records[-1]["status"] == "aborted"
 
 
