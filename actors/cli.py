@@ -11,27 +11,37 @@
     greenroom trace SESSION_ID          a session's latest trace file, one line per record
 
 Exit codes (CONTRACT.md): 0 completed, 1 failed / max_turns / loop_detected, 2 usage error
-(bad flag, unknown session, missing credentials), 3 auth, 130 aborted (Ctrl-C interrupts the
-task, which ends with ``task_end(aborted)``).
+(bad flag, unknown session, missing credentials, a data dir or token file that cannot be
+used, an address that cannot be listened on), 3 auth, 130 aborted (Ctrl-C interrupts the
+task, which ends with ``task_end(aborted)``; a second Ctrl-C leaves at once), 141 the reader
+of stdout went away (``| head``: the task is interrupted and the command ends quietly).
 
 Streams: with ``--json`` stdout carries exactly one JSON object per output and nothing else.
 Without it, stdout carries the conversation (streamed text, tool calls, their approval and
 results) and stderr the bookkeeping (session id, retries, the closing summary), so piping
-stdout keeps only what the agent said and did.
+stdout keeps only what the agent said and did. What tools print goes to stderr: while a
+task runs, fd 1 is stderr and the renderer writes to a private duplicate of stdout.
+
+Failures are turned into exit codes in one place (``main``): exceptions come out of trio's
+nurseries wrapped in exception groups, and the boundary looks at their leaves.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import json
 import os
 import re
+import shutil
 import signal
+import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 import attrs
 import trio
@@ -39,7 +49,13 @@ import trio
 from greenroom.actors.approval_broker import ApproveFn
 from greenroom.actors.builtin_tools import builtin_tools
 from greenroom.actors.errors import AuthLocked, ConfigurationError, GreenroomError, SessionNotFound
-from greenroom.actors.host import SESSION_FILE, Host, default_data_dir, default_provider_name
+from greenroom.actors.host import (
+    SESSION_FILE,
+    Host,
+    _default_model,
+    default_data_dir,
+    default_provider_name,
+)
 from greenroom.actors.session import Session
 from greenroom.actors.subagents import spawn_subagent
 from greenroom.actors.tool_loader import ToolLoadError, load_tools
@@ -73,6 +89,7 @@ from greenroom.protocols.outputs import (
     UserMsg,
 )
 from greenroom.protocols.tools import Tool
+from greenroom.protocols.wording import INTERRUPTED_APPROVAL, decision_words
 
 __all__ = ["EXIT_CODES", "RunOptions", "RunResult", "build_parser", "main", "run_task"]
 
@@ -81,6 +98,9 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_AUTH = 3
 EXIT_ABORTED = 130
+EXIT_BROKEN_PIPE = 141
+"""The reader of stdout went away (``greenroom … | head``): 128 + SIGPIPE, as a shell
+reports for a program the closed pipe stopped."""
 
 EXIT_CODES: dict[str, int] = {
     "completed": EXIT_OK,
@@ -94,6 +114,7 @@ EXIT_CODES: dict[str, int] = {
 
 PROVIDERS = ("anthropic", "openai", "scripted")
 APPROVE_MODES = ("ask", "all", "none")
+SANDBOX_MODES = ("auto", "required", "off")
 # Session ids become directory names: refuse anything that could walk out of the data dir.
 _SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -139,6 +160,20 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """The parser of one subcommand: arguments it does not know are its own usage error,
+    reported with its usage line (argparse would leave them to the top-level parser,
+    whose usage says nothing about the subcommand's flags)."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
 def _add_data_dir(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data-dir",
@@ -154,17 +189,21 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         choices=PROVIDERS,
         help="model provider (default: anthropic when ANTHROPIC_API_KEY is set, else scripted)",
     )
-    parser.add_argument("--model", metavar="NAME", help="model name")
+    parser.add_argument(
+        "--model", metavar="NAME", help="model name (default: the provider's default model)"
+    )
     parser.add_argument(
         "--base-url",
         metavar="URL",
         help="provider endpoint: an Anthropic-compatible server for anthropic, any "
-        "OpenAI-compatible /v1 server (vLLM, llama.cpp, Ollama) for openai",
+        "OpenAI-compatible /v1 server (vLLM, llama.cpp, Ollama) for openai "
+        "(default: the provider's own)",
     )
 
 
 def _add_session_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags ``run`` and ``serve`` share: model, workspace, data dir, tools, limits."""
+    """The flags ``run``, ``chat`` and ``serve`` share: model, workspace, data dir, tools,
+    limits, the shell sandbox."""
     _add_model_flags(parser)
     parser.add_argument(
         "--workspace", metavar="DIR", help="the directory the tools work in (default: .)"
@@ -175,32 +214,45 @@ def _add_session_flags(parser: argparse.ArgumentParser) -> None:
         metavar="FILE_OR_MODULE",
         action="append",
         default=[],
-        help="load every @tool of a .py file or an importable module (repeatable)",
+        help="load every @tool of a .py file or an importable module (repeatable; default: none)",
     )
     parser.add_argument(
         "--no-builtin-tools",
         action="store_true",
-        help="do not offer read_file, list_dir, search_files, write_file, run_shell",
+        help="do not offer read_file, list_dir, search_files, write_file, run_shell, "
+        "spawn_subagent",
     )
     parser.add_argument(
         "--max-turns",
         metavar="N",
         type=_max_turns,
-        help="model requests per task; -1 means no limit (the default)",
+        help="model requests per task; -1 means no limit (default: -1)",
     )
     parser.add_argument(
         "--max-context-length",
         metavar="N",
         type=_int,
         help="compact the context when a request reaches N tokens; 0 or less disables "
-        "(default 128000)",
+        "(default: 128000)",
     )
     parser.add_argument(
         "--compact-mode",
         choices=("summarize", "discard"),
-        help="how compaction shrinks the context (default summarize)",
+        help="how compaction shrinks the context (default: summarize)",
     )
-    parser.add_argument("--system", metavar="TEXT", help="the system prompt")
+    parser.add_argument("--system", metavar="TEXT", help="the system prompt (default: none)")
+    parser.add_argument(
+        "--sandbox",
+        choices=SANDBOX_MODES,
+        help="confine run_shell with bubblewrap: auto uses it when bwrap is installed, "
+        "required refuses to run a command without it, off runs commands unconfined "
+        "(default: auto)",
+    )
+    parser.add_argument(
+        "--shell-network",
+        action=argparse.BooleanOptionalAction,
+        help="let sandboxed run_shell commands reach the network (default: no network)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -211,7 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
         "streaming, approvals and durable traces.",
     )
     parser.add_argument("--version", action="version", version=f"greenroom {_version()}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    commands = parser.add_subparsers(
+        dest="command", metavar="COMMAND", required=True, parser_class=_CommandParser
+    )
 
     demo = commands.add_parser(
         "demo",
@@ -228,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--approve",
         choices=APPROVE_MODES,
         default="all",
-        help="tool call approval (default all: every call is allowed)",
+        help="tool call approval (default: all, every call is allowed)",
     )
     _add_model_flags(demo)
     demo.add_argument("--json", action="store_true", help="every output as one JSON line")
@@ -236,9 +290,15 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser(
         "run",
         help="run one task",
-        description="Run one task: PROMPT, or stdin when PROMPT is missing or '-'.",
+        description="Run one task. The words of PROMPT make the prompt (quoting is not "
+        "needed); without PROMPT, or with '-', the prompt is read from stdin.",
     )
-    run.add_argument("prompt", nargs="?", metavar="PROMPT", help="the task (default: stdin)")
+    run.add_argument(
+        "prompt",
+        nargs="*",
+        metavar="PROMPT",
+        help="the task, in one or more words (default: stdin)",
+    )
     run.add_argument(
         "--json", action="store_true", help="every output as one JSON line on stdout, only that"
     )
@@ -268,23 +328,57 @@ def build_parser() -> argparse.ArgumentParser:
     _add_session_flags(chat)
 
     serve = commands.add_parser(
-        "serve", help="serve the websocket JSON-RPC gateway at ws://HOST:PORT/v1"
+        "serve",
+        help="serve the websocket JSON-RPC gateway at ws://HOST:PORT/v1",
+        description="Serve the websocket JSON-RPC gateway at ws://HOST:PORT/v1 and the web "
+        "console at http://HOST:PORT+1/. Clients authenticate with the bearer token of "
+        "--token-file and create sessions; the provider, model, workspace, tools and limit "
+        "flags are the defaults of the sessions they create. Ctrl-C (or SIGTERM) stops the "
+        "server, interrupting running tasks and flushing their traces.",
     )
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=_port, default=8765, help="port to listen on")
-    serve.add_argument("--token-file", metavar="F", help="file holding the bearer token")
-    serve.add_argument("--approve", choices=APPROVE_MODES, default="ask")
-    serve.add_argument("--approval-timeout", metavar="S", type=_positive_seconds, default=300.0)
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)"
+    )
+    serve.add_argument(
+        "--port",
+        type=_port,
+        default=8765,
+        help="port to listen on; 0: any free port (default: 8765)",
+    )
+    serve.add_argument(
+        "--token-file",
+        metavar="F",
+        help="file holding the bearer token, created with a new token when missing "
+        "(default: DATA_DIR/serve.token, mode 0600)",
+    )
+    serve.add_argument(
+        "--approve",
+        choices=APPROVE_MODES,
+        default="ask",
+        help="tool call approval: ask the session's subscribed clients, allow all, or deny "
+        "all (default: ask)",
+    )
+    serve.add_argument(
+        "--approval-timeout",
+        metavar="S",
+        type=_positive_seconds,
+        default=300.0,
+        help="deny a call no client has answered within S seconds (default: 300)",
+    )
     serve.add_argument(
         "--console-port",
         metavar="P",
         type=_port,
-        help="port of the web console (default: --port + 1; 0: any free port)",
+        help="port of the web console; 0: any free port (default: --port + 1)",
     )
     serve.add_argument("--no-console", action="store_true", help="do not serve the web console")
     _add_session_flags(serve)
 
-    sessions = commands.add_parser("sessions", help="list the sessions in the data dir")
+    sessions = commands.add_parser(
+        "sessions",
+        help="list the sessions in the data dir",
+        description="List the sessions stored in the data dir, most recently updated first.",
+    )
     _add_data_dir(sessions)
     sessions.add_argument("--json", action="store_true", help="one JSON object per session")
 
@@ -324,30 +418,153 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: usage errors exit 2, --help exits 0
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    except BrokenPipeError:  # greenroom --help | head -1
+        _discard_output()
+        return EXIT_BROKEN_PIPE
     try:
-        if args.command == "run":
-            return _run_command(args)
-        if args.command == "chat":
-            from greenroom.actors.chat import chat_command
+        return _dispatch(args)
+    except BaseException as exc:
+        code = _failure_exit_code(exc, args)
+        if code is None:
+            raise
+        return code
 
-            return chat_command(args)
-        if args.command == "demo":
-            from greenroom.actors.demo import run_demo
 
-            return run_demo(args)
+def _dispatch(args: argparse.Namespace) -> int:
+    _check_data_dir_of(args)
+    if args.command == "run":
+        return _run_command(args)
+    if args.command == "chat":
+        from greenroom.actors.chat import chat_command
+
+        return chat_command(args)
+    if args.command == "demo":
+        from greenroom.actors.demo import run_demo
+
+        return run_demo(args)
+    if args.command == "serve":
+        return _serve_command(args)
+    if args.command == "sessions":
+        return trio.run(_sessions_command, args)
+    if args.command == "trace":
+        return _trace_command(args)
+    raise UsageError(f"unknown command {args.command!r}")
+
+
+def _failure_exit_code(exc: BaseException, args: argparse.Namespace) -> int | None:
+    """The one place where what escaped a command becomes an exit code and at most one
+    line on stderr; None for a failure that is a bug (it is re-raised, traceback and all).
+
+    Exceptions leave trio's nurseries wrapped in exception groups, so the leaves are looked
+    at: an interrupt wins (exit 130), then a reader that went away (exit 141, quietly),
+    then the first problem of the user's command line or environment (exit 2)."""
+    leaves = list(_leaves(exc))
+    if any(isinstance(leaf, KeyboardInterrupt) for leaf in leaves):
         if args.command == "serve":
-            return _serve_command(args)
-        if args.command == "sessions":
-            return trio.run(_sessions_command, args)
-        if args.command == "trace":
-            return _trace_command(args)
-    except UsageError as exc:
-        _error(f"greenroom {args.command}: {exc}")
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        _error("interrupted")
+            # Ctrl-C before the gateway listens for it: stopping is what it asks, either way.
+            return EXIT_OK
+        _say_last("interrupted")
         return EXIT_ABORTED
-    parser.error(f"unknown command {args.command!r}")  # exits 2
+    if any(isinstance(leaf, BrokenPipeError) for leaf in leaves):
+        _discard_output()
+        return EXIT_BROKEN_PIPE
+    for leaf in leaves:
+        message = _problem_message(leaf, args)
+        if message is not None:
+            _say_last(f"greenroom {args.command}: {message}")
+            return EXIT_USAGE
+    return None
+
+
+def _leaves(exc: BaseException) -> Iterator[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield exc
+
+
+def _problem_message(exc: BaseException, args: argparse.Namespace) -> str | None:
+    """The message for a failure the user can fix (their command line, their files, their
+    network setup); None for anything else."""
+    if isinstance(exc, UsageError | ConfigurationError):
+        return str(exc)
+    if not isinstance(exc, OSError):
+        return None
+    reason = exc.strerror or str(exc)
+    if exc.filename is not None:
+        return f"{exc.filename}: {reason}"
+    if args.command == "serve":
+        # No file named: the listening socket (files always come with their name).
+        if isinstance(exc, socket.gaierror):
+            return f"--host: cannot listen on {args.host!r}: {reason}"
+        if exc.errno == errno.EADDRNOTAVAIL:
+            return f"--host: cannot listen on {args.host}: this machine has no such address"
+        if exc.errno == errno.EADDRINUSE:
+            return f"cannot listen on {args.host}:{args.port}: the port is in use"
+        return f"cannot listen on {args.host}:{args.port}: {reason}"
+    return reason
+
+
+def _say_last(message: str) -> None:
+    """A last line on stderr, when stderr may itself be a closed pipe."""
+    try:
+        _error(message)
+    except OSError:
+        _discard_output()
+
+
+def _discard_output() -> None:
+    """Point stdout and stderr at /dev/null, so that the interpreter's last flush of
+    what a closed pipe refused does not end in an error report."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            os.dup2(devnull, stream.fileno())
+    os.close(devnull)
+
+
+def _check_data_dir_of(args: argparse.Namespace) -> None:
+    """Refuse, before anything starts, a data dir the command cannot use: one line naming
+    it and what is wrong, not a traceback from deep inside the host."""
+    if args.command not in ("run", "chat", "serve", "sessions", "trace", "demo"):
+        return
+    if args.command == "demo" and args.data_dir is None:
+        return  # a fresh temp dir
+    path = _data_dir(args.data_dir)
+    problem = data_dir_problem(path, write=args.command != "trace")
+    if problem is None:
+        return
+    if args.data_dir is None:
+        problem += " (the default data dir: choose another with --data-dir or $GREENROOM_HOME)"
+    else:
+        problem = f"--data-dir: {problem}"
+    raise UsageError(problem)
+
+
+def data_dir_problem(path: Path, *, write: bool) -> str | None:
+    """Why ``path`` cannot serve as a data dir (it is a file, it cannot be created, it is
+    not writable when ``write``), or None when it can (it may not exist yet)."""
+    try:
+        existing = path
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if existing == path:
+            if not path.is_dir():
+                return f"{path} is not a directory"
+            if write and not os.access(path, os.W_OK | os.X_OK):
+                return f"{path} is not writable"
+            if not os.access(path, os.R_OK | os.X_OK):
+                return f"{path} is not readable"
+            return None
+        verb = "create" if write else "read"
+        if not existing.is_dir():
+            return f"cannot {verb} {path}: {existing} is not a directory"
+        if write and not os.access(existing, os.W_OK | os.X_OK):
+            return f"cannot create {path}: {existing} is not writable"
+        return None
+    except OSError as exc:  # an ancestor that cannot be searched, a symlink loop, …
+        return f"cannot use {path}: {exc.strerror or exc}"
 
 
 def _serve_command(args: argparse.Namespace) -> int:
@@ -356,6 +573,9 @@ def _serve_command(args: argparse.Namespace) -> int:
 
     from greenroom.actors.gateway import SessionDefaults, run_serve
 
+    if args.token_file is not None and Path(args.token_file).expanduser().is_dir():
+        raise UsageError(f"--token-file: {args.token_file} is a directory, not a file")
+    tools = tuple(collect_tools(args.tools, builtin=not args.no_builtin_tools))
     options = prepare_options(
         RunOptions(
             prompt="",
@@ -363,6 +583,8 @@ def _serve_command(args: argparse.Namespace) -> int:
             provider=args.provider,
             base_url=args.base_url,
             workspace=args.workspace,
+            tools=tools,
+            sandbox=args.sandbox,
         )
     )
     limits = (
@@ -370,37 +592,47 @@ def _serve_command(args: argparse.Namespace) -> int:
         ("max_turns", args.max_turns),
         ("max_context_length", args.max_context_length),
         ("compact_mode", args.compact_mode),
+        ("sandbox", args.sandbox),
+        ("shell_network", args.shell_network),
     )
     defaults = SessionDefaults(
         provider=args.provider,
         model=args.model,
         system=args.system,
-        tools=tuple(collect_tools(args.tools, builtin=not args.no_builtin_tools)),
+        tools=tools,
         workspace_dir=options.workspace or ".",
         settings={key: value for key, value in limits if value is not None},
         approve=args.approve,
     )
-    try:
-        trio.run(
-            partial(
-                run_serve,
-                host=args.host,
-                port=args.port,
-                data_dir=options.data_dir,
-                token_file=args.token_file,
-                defaults=defaults,
-                approval_timeout_s=args.approval_timeout,
-                console_port=_console_port(args),
-            )
+    defaults_line = _serve_defaults_line(args)
+    trio.run(
+        partial(
+            run_serve,
+            host=args.host,
+            port=args.port,
+            data_dir=options.data_dir,
+            token_file=args.token_file,
+            defaults=defaults,
+            approval_timeout_s=args.approval_timeout,
+            console_port=_console_port(args),
+            ready=lambda _port: _error(defaults_line),
         )
-    except ConfigurationError as exc:
-        raise UsageError(str(exc)) from None
-    except OSError as exc:
-        _error(f"greenroom serve: cannot listen on {args.host}:{args.port}: {exc}")
-        return EXIT_FAILED
-    except KeyboardInterrupt:
-        return EXIT_OK
+    )
     return EXIT_OK
+
+
+def _serve_defaults_line(args: argparse.Namespace) -> str:
+    """What the sessions clients create get unless they ask otherwise (printed once the
+    gateway listens)."""
+    provider = args.provider or default_provider_name()
+    model = args.model or _default_model(provider)
+    approval = {
+        "ask": f"ask (the session's clients answer; denied after {args.approval_timeout:g} s "
+        "without an answer)",
+        "all": "all (every tool call is allowed)",
+        "none": "none (every tool call is denied)",
+    }[args.approve]
+    return f"sessions: provider {provider}, model {model}, approval {approval}"
 
 
 def _console_port(args: argparse.Namespace) -> int | None:
@@ -431,7 +663,10 @@ def _check_session_id(session_id: str) -> None:
 
 @attrs.frozen(kw_only=True)
 class RunOptions:
-    """Everything one task run needs, from ``run`` or ``demo``."""
+    """Everything one task run needs, from ``run`` or ``demo``.
+
+    ``sandbox`` and ``shell_network`` are the session settings of the same names; None
+    keeps the session's own (``auto`` and no network for a new session)."""
 
     prompt: str
     data_dir: Path
@@ -447,6 +682,8 @@ class RunOptions:
     max_turns: int | None = None
     max_context_length: int | None = None
     compact_mode: str | None = None
+    sandbox: str | None = None
+    shell_network: bool | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -460,11 +697,13 @@ class RunResult:
 
 
 def _run_command(args: argparse.Namespace) -> int:
-    prompt = args.prompt
-    if prompt is None or prompt == "-":
-        if prompt is None and sys.stdin.isatty():
+    words: list[str] = args.prompt
+    if not words or words == ["-"]:
+        if not words and sys.stdin.isatty():
             raise UsageError("no prompt: give PROMPT or pipe it on stdin")
         prompt = sys.stdin.read()
+    else:
+        prompt = " ".join(words)
     if not prompt.strip():
         raise UsageError("the prompt is empty")
     return run_task(run_options(args, prompt)).exit_code
@@ -490,6 +729,8 @@ def run_options(args: argparse.Namespace, prompt: str) -> RunOptions:
         max_turns=args.max_turns,
         max_context_length=args.max_context_length,
         compact_mode=args.compact_mode,
+        sandbox=args.sandbox,
+        shell_network=args.shell_network,
     )
 
 
@@ -516,27 +757,59 @@ def run_task(options: RunOptions) -> RunResult:
 
     Raises :class:`UsageError` for a command line that cannot run (missing credentials, a
     workspace that is not a directory); an unknown session is reported and gives exit
-    code 2 in the result."""
+    code 2 in the result. What the tools print goes to stderr while the task runs: stdout
+    carries only what the renderer writes (with ``--json``, JSON lines and nothing else)."""
     options = prepare_options(options)
-    result = RunResult(exit_code=EXIT_ABORTED, session_id=options.session_id)
-    # Exceptions leave trio's nurseries wrapped in ExceptionGroups, hence except*.
+    with _stdout_for_renderer() as out:
+        return trio.run(_run_task, options, out)
+
+
+@contextlib.contextmanager
+def _stdout_for_renderer() -> Iterator[TextIO]:
+    """Keep stdout for the renderer: yield a private duplicate of it, and point fd 1 and
+    ``sys.stdout`` at stderr until the block ends, so that a tool's ``print`` (or a child
+    process it starts) cannot write into the renderer's stream."""
+    sys.stdout.flush()
     try:
-        result = trio.run(_run_task, options)
-    except* KeyboardInterrupt:
-        # A second Ctrl-C (or one before the task started): leave at once.
-        _error("interrupted")
-    return result
+        private_fd = os.dup(1)
+        saved_fd = os.dup(1)
+    except OSError:  # no stdout at all: there is nothing to protect
+        yield sys.stdout
+        return
+    out = open(  # noqa: SIM115 -- closed below, after fd 1 is restored
+        private_fd, "w", encoding="utf-8", errors="backslashreplace", closefd=True
+    )
+    real_stdout = sys.stdout
+    sys.stderr.flush()
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        yield out
+    finally:
+        sys.stdout = real_stdout
+        os.dup2(saved_fd, 1)
+        os.close(saved_fd)
+        try:
+            out.flush()
+        except OSError:  # the reader went away: drop what it did not take
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, private_fd)
+            os.close(devnull)
+        with contextlib.suppress(OSError):
+            out.close()
 
 
 def prepare_options(options: RunOptions) -> RunOptions:
     """``options`` with the workspace resolved, after checking it and the credentials;
-    raises :class:`UsageError` when either is missing."""
+    raises :class:`UsageError` when either is missing. Says on stderr when ``run_shell``
+    will run commands unconfined (or refuse them) for want of bubblewrap."""
     if options.workspace is not None:
         workspace = Path(options.workspace).expanduser()
         if not workspace.is_dir():
             raise UsageError(f"--workspace: {options.workspace} is not a directory")
         options = attrs.evolve(options, workspace=str(workspace.resolve()))
     _check_credentials(options)
+    _report_shell_confinement(options)
     return options
 
 
@@ -562,6 +835,32 @@ def _check_credentials(options: RunOptions) -> None:
         )
 
 
+def bubblewrap_available() -> bool:
+    """Whether ``run_shell`` can be confined here: bubblewrap's ``bwrap`` is on PATH."""
+    return shutil.which("bwrap") is not None
+
+
+def _report_shell_confinement(options: RunOptions) -> None:
+    """One line on stderr at start-up when ``run_shell`` is offered and bubblewrap is
+    missing: with ``auto`` its commands run unconfined, with ``required`` they are refused."""
+    if not any(t.name == "run_shell" for t in options.tools) or bubblewrap_available():
+        return
+    sandbox = options.sandbox
+    if sandbox is None and options.session_id is not None:
+        sandbox = _stored_settings(options.data_dir, options.session_id).get("sandbox")
+    sandbox = sandbox or "auto"
+    if sandbox == "auto":
+        _error(
+            "warning: run_shell is not confined: bubblewrap (bwrap) is not installed, so "
+            "its commands run with your permissions (--sandbox required refuses them instead)"
+        )
+    elif sandbox == "required":
+        _error(
+            "warning: run_shell will refuse every command: --sandbox required and "
+            "bubblewrap (bwrap) is not installed"
+        )
+
+
 def _stored_settings(data_dir: Path, session_id: str) -> dict[str, Any]:
     """The stored settings of a session, or {} when it cannot be read (the host then
     reports the missing session properly)."""
@@ -581,6 +880,8 @@ async def open_session(host: Host, options: RunOptions) -> Session:
             ("max_turns", options.max_turns),
             ("max_context_length", options.max_context_length),
             ("compact_mode", options.compact_mode),
+            ("sandbox", options.sandbox),
+            ("shell_network", options.shell_network),
         )
         if value is not None
     }
@@ -628,15 +929,15 @@ async def open_reported_session(host: Host, options: RunOptions) -> Session | No
     return session
 
 
-async def _run_task(options: RunOptions) -> RunResult:
+async def _run_task(options: RunOptions, out: TextIO) -> RunResult:
     async with Host.open(data_dir=options.data_dir) as host:
         session = await open_reported_session(host, options)
         if session is None:
             return RunResult(exit_code=EXIT_USAGE, session_id=options.session_id)
         renderer: Renderer = (
-            JsonRenderer(sys.stdout)
+            JsonRenderer(out)
             if options.json
-            else HumanRenderer(sys.stdout, sys.stderr, tools=session.tools)
+            else HumanRenderer(out, sys.stderr, tools=session.tools)
         )
         approve = _approver(options.approve, renderer)
         try:
@@ -648,33 +949,80 @@ async def _run_task(options: RunOptions) -> RunResult:
             _error(str(exc))
             return RunResult(exit_code=EXIT_FAILED, session_id=session.id)
         end: TaskEnd | None = None
+        asking = approve if isinstance(approve, TerminalApprover) else None
+        reader_gone: BrokenPipeError | None = None
         async with trio.open_nursery() as nursery:
-            await nursery.start(_interrupt_on_sigint, session)
+            await nursery.start(_interrupt_on_sigint, host, session, asking)
             async for output in stream:
-                renderer.show(output)
+                if reader_gone is not None:
+                    continue  # the task is ending: let it write its last records
+                try:
+                    renderer.show(output)
+                except BrokenPipeError as exc:
+                    reader_gone = exc
+                    session.interrupt(READER_GONE)
                 if isinstance(output, TaskEnd) and output.origin is None:
                     end = output
             nursery.cancel_scope.cancel()
+        if reader_gone is not None:
+            raise reader_gone  # main() ends quietly
         trace_path = session.trace_path
         _error(summary_line(end, trace_path, color=_color_enabled(sys.stderr)))
         code = EXIT_CODES.get(end.status, EXIT_FAILED) if end is not None else EXIT_FAILED
         return RunResult(exit_code=code, session_id=session.id, trace_path=trace_path, task_end=end)
 
 
+READER_GONE = "the reader of the output went away"
+"""Why a task is interrupted when its stdout pipe is closed (``greenroom run … | head``)."""
+
+LEAVE_GRACE_S = 2.0
+"""Bound on finishing the trace write in progress when a second Ctrl-C leaves at once."""
+
+
 async def _interrupt_on_sigint(
-    session: Session, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    host: Host,
+    session: Session,
+    approver: TerminalApprover | None = None,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """First Ctrl-C interrupts the task (it then ends as ``aborted``: exit 130); a second
-    one gives up waiting and leaves at once."""
+    """First Ctrl-C interrupts the task (it then ends as ``aborted``: exit 130) and
+    denies the approval question on screen, if one is open; a second one leaves at once
+    (R-SEC-2), without waiting for tools that ignore the interrupt."""
     with trio.open_signal_receiver(signal.SIGINT) as signals:
         task_status.started()
         interrupted = False
         async for _ in signals:
             if interrupted:
-                raise KeyboardInterrupt
+                await leave_at_once(host)
             interrupted = True
-            _error("\ninterrupting the task… (Ctrl-C again to quit at once)")
+            answered = approver is not None and approver.interrupt()
+            _error(
+                ("" if answered else "\n") + "interrupting the task… (Ctrl-C again to quit at once)"
+            )
             session.interrupt("interrupted by user (Ctrl-C)")
+
+
+async def leave_at_once(host: Host) -> NoReturn:
+    """Exit the process with code 130 now, whatever is still running.
+
+    The trace stays readable: the trace sink is closed first (shielded, bounded by
+    :data:`LEAVE_GRACE_S`), so the batch it is writing completes and no record is cut in
+    half; records of the task's end may be missing, and loading the session pairs every
+    unfinished call (R-TRACE-4). Tools that ignore cancellation are abandoned, not awaited.
+    """
+    _error("interrupted again: leaving now")
+    try:
+        with trio.CancelScope(shield=True) as scope:
+            scope.deadline = trio.current_time() + LEAVE_GRACE_S
+            # The host owns its sink; closing it is the one point where no write is in
+            # flight, and nothing after it waits for the tools.
+            await host._sink.aclose()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(EXIT_ABORTED)
 
 
 # -- approval ---------------------------------------------------------------------------
@@ -740,6 +1088,7 @@ class TerminalApprover:
         self._echoes = os.isatty(fd)
         self._previous: str | None = None
         self._lock = trio.Lock()
+        self._asking: ToolCallBlock | None = None
 
     async def _read_from_fd(self) -> str | None:
         return await trio.to_thread.run_sync(self._reader.readline, abandon_on_cancel=True)
@@ -764,6 +1113,26 @@ class TerminalApprover:
             f"Allow {call.name} {_arguments_text(call, 200)}? "
             "[y]es / [n]o / [a]lways for this session: "
         )
+        self._asking = call
+        try:
+            return await self._question(question)
+        finally:
+            # Also when the question is cancelled: Ctrl-C (see interrupt) or the task ending.
+            self._asking = None
+
+    def interrupt(self) -> bool:
+        """Ctrl-C: deny the open question on screen (the task's interrupt then resolves
+        the call as a deny, R-APPROVE-5). False when no question is open."""
+        call = self._asking
+        if call is None:
+            return False
+        self._asking = None
+        self._renderer.mark_interrupted(call.id)
+        sys.stderr.write(f"\n{INTERRUPTED_APPROVAL}\n")
+        sys.stderr.flush()
+        return True
+
+    async def _question(self, question: str) -> str:
         while True:
             sys.stderr.write(question)
             sys.stderr.flush()
@@ -791,9 +1160,21 @@ class Renderer:
 
     def __init__(self) -> None:
         self._shown_calls: dict[str, trio.Event] = {}
+        self._interrupted_approvals: set[str] = set()
 
     def show(self, output: Output) -> None:
         raise NotImplementedError
+
+    def mark_interrupted(self, call_id: str) -> None:
+        """The approval question of ``call_id`` was answered by Ctrl-C: its deny is shown
+        as :data:`~greenroom.protocols.wording.INTERRUPTED_APPROVAL`."""
+        self._interrupted_approvals.add(call_id)
+
+    def decision_text(self, output: ApprovalDecision) -> str:
+        """The decision in the words every screen uses (``--json`` keeps the values)."""
+        if output.decision == "deny" and output.call_id in self._interrupted_approvals:
+            return INTERRUPTED_APPROVAL
+        return decision_words(output.decision, output.by)
 
     def break_line(self) -> None:
         """End a partly written line before something else is written (a question)."""
@@ -865,6 +1246,8 @@ class HumanRenderer(Renderer):
     approval decision, then its result. Failed requests and other events go to stderr."""
 
     OUTPUT_LINES = 3
+    PREVIEW_LINES = {"list_dir": 12, "search_files": 8}
+    """Tools whose output is read at a glance show more of it: a short listing whole."""
     LINE_CHARS = 100
 
     def __init__(self, out: TextIO, err: TextIO, *, tools: Sequence[Tool] = ()) -> None:
@@ -879,6 +1262,7 @@ class HumanRenderer(Renderer):
         self._streamed_thinking = False
         self._running: set[str] = set()
         self._after_tool = False
+        self._hinted_default_deny = False
 
     # writing helpers
 
@@ -991,26 +1375,26 @@ class HumanRenderer(Renderer):
             )
 
     def _show_decision(self, output: ApprovalDecision) -> None:
+        words = self.decision_text(output)
         if output.decision == "deny":
-            why = {
-                "default": "no approval callback: use --approve ask or all",
-                "host": "by you",
-                "session_rule": "by a session rule",
-            }[output.by]
-            self._line(
-                f"  {self._style.red('✗')} {output.tool} {self._style.red('denied')} "
-                + self._style.dim(f"({why})")
-            )
+            self._line(f"  {self._style.red('✗')} {output.tool} {self._style.red(words)}")
+            if words == decision_words("deny", "default") and not self._hinted_default_deny:
+                self._hinted_default_deny = True
+                self._note(
+                    self._err_style.dim(
+                        "(no one can answer approval questions here: use --approve ask "
+                        "on a terminal, or --approve all)"
+                    )
+                )
             return
-        by = "always, this session" if output.by == "session_rule" else output.by
         self._running.add(output.call_id)
         if self._parallel.get(output.tool, True):
             slots = f"running: {min(len(self._running), 5)} of 5 slots busy"
         else:
             slots = "exclusive: runs alone, in call order"
         self._line(
-            f"  {self._style.green('✓')} {output.tool} {self._style.green('allowed')} "
-            + self._style.dim(f"({by}) · {slots}")
+            f"  {self._style.green('✓')} {output.tool} {self._style.green(words)} "
+            + self._style.dim(f"· {slots}")
         )
 
     def _show_tool_output(self, output: ToolCallOutput) -> None:
@@ -1018,7 +1402,10 @@ class HumanRenderer(Renderer):
         color = self._style.green if output.status == "ok" else self._style.red
         text = _content_text(output.content)
         lines = text.splitlines() or [""]
-        head = [_clip(line, self.LINE_CHARS) for line in lines[: self.OUTPUT_LINES]]
+        shown = self.PREVIEW_LINES.get(output.tool, self.OUTPUT_LINES)
+        if len(lines) <= shown + 1:
+            shown = len(lines)  # "… 1 more line" would hide nothing worth hiding
+        head = [_clip(line, self.LINE_CHARS) for line in lines[:shown]]
         more = len(lines) - len(head)
         self._line(
             f"  {color('◂')} {output.tool} {color(output.status)}  "
@@ -1196,7 +1583,7 @@ def _record_detail(record: Output) -> str:
     if isinstance(record, ApprovalRequest):
         return f"{record.call_id} {record.tool} {_clip(json.dumps(record.arguments), 120)}"
     if isinstance(record, ApprovalDecision):
-        return f"{record.call_id} {record.tool} {record.decision} by {record.by}"
+        return f"{record.call_id} {record.tool} {decision_words(record.decision, record.by)}"
     if isinstance(record, ToolCallOutput):
         text = _clip(_one_line(_content_text(record.content)), 100)
         return f"{record.call_id} {record.tool} {record.status}: {text}"

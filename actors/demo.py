@@ -26,6 +26,7 @@ from greenroom.actors.cli import (
 )
 from greenroom.actors.host import default_provider_name
 from greenroom.actors.scripted_brain import DEMO_PROMPT
+from greenroom.protocols.wording import decision_words
 
 DEMO_SYSTEM = (
     "You are a careful data assistant working in the user's workspace through tools. "
@@ -112,7 +113,10 @@ def run_demo(args: argparse.Namespace) -> int:
     elif args.approve == "ask":
         approval = "ask: you decide each tool call (y / n / a = always for this session)"
     else:
-        approval = "none: every tool call is denied (the agent has to cope without tools)"
+        approval = (
+            f"none: nobody is asked, so every tool call is "
+            f"{decision_words('deny', 'default')} (the agent has to cope without tools)"
+        )
     say(f"  approval   {approval}")
     say(f"  task       {DEMO_PROMPT}")
     say("")
