@@ -596,7 +596,7 @@ def _serve_command(args: argparse.Namespace) -> int:
         ("shell_network", args.shell_network),
     )
     defaults = SessionDefaults(
-        provider=args.provider,
+        provider=args.provider or default_provider_name(),
         model=args.model,
         system=args.system,
         tools=tools,
@@ -890,7 +890,8 @@ async def open_session(host: Host, options: RunOptions) -> Session:
             model=options.model,
             tools=options.tools,
             workspace_dir=options.workspace or ".",
-            provider=options.provider,
+            # The CLI's documented default: the scripted model when no key is set.
+            provider=options.provider or default_provider_name(),
             system=options.system,
             **overrides,
         )
