@@ -139,6 +139,13 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _add_data_dir(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data-dir",
@@ -273,6 +280,34 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=_port, default=8765, help="port to listen on")
     serve.add_argument("--token-file", metavar="F", help="file holding the bearer token")
+    serve.add_argument(
+        "--tokens-file",
+        metavar="F",
+        help="one 'CLIENT_ID TOKEN' per line ('#' comments): each token is a client that "
+        "sees and steers only its own sessions (instead of --token-file)",
+    )
+    serve.add_argument(
+        "--allow-origin",
+        metavar="ORIGIN",
+        action="append",
+        default=[],
+        help="a browser origin (http://host:port) allowed to connect besides the console's; "
+        "repeatable (other browser origins are refused with HTTP 403)",
+    )
+    serve.add_argument(
+        "--max-connections",
+        metavar="N",
+        type=_positive_int,
+        default=1024,
+        help="open connections at most; more are refused with HTTP 503 (default 1024, "
+        "lowered to what the file descriptor limit allows)",
+    )
+    serve.add_argument(
+        "--workspace-root",
+        metavar="DIR",
+        help="directory under which a client's session.create {workspace} must resolve "
+        "(default: --workspace); the data dir must be outside it",
+    )
     serve.add_argument("--approve", choices=APPROVE_MODES, default="ask")
     serve.add_argument("--approval-timeout", metavar="S", type=_positive_seconds, default=300.0)
     serve.add_argument(
@@ -379,6 +414,7 @@ def _serve_command(args: argparse.Namespace) -> int:
         workspace_dir=options.workspace or ".",
         settings={key: value for key, value in limits if value is not None},
         approve=args.approve,
+        workspace_root=args.workspace_root,
     )
     try:
         trio.run(
@@ -388,6 +424,9 @@ def _serve_command(args: argparse.Namespace) -> int:
                 port=args.port,
                 data_dir=options.data_dir,
                 token_file=args.token_file,
+                tokens_file=args.tokens_file,
+                allowed_origins=args.allow_origin,
+                max_connections=args.max_connections,
                 defaults=defaults,
                 approval_timeout_s=args.approval_timeout,
                 console_port=_console_port(args),
@@ -1106,8 +1145,11 @@ def _content_text(content: Sequence[TextBlock | ImageBlock]) -> str:
 
 async def _sessions_command(args: argparse.Namespace) -> int:
     async with Host.open(data_dir=_data_dir(args.data_dir)) as host:
-        infos = await host.list_sessions()
+        scan = await host.scan_sessions()
         data_dir = host.data_dir
+    infos = scan.sessions
+    for bad in scan.unreadable:  # one bad file never hides the others
+        _error(f"unreadable session {bad.session_id}: {bad.reason}")
     if args.json:
         for info in infos:
             print(json.dumps(attrs.asdict(info), ensure_ascii=False))

@@ -101,7 +101,7 @@ from greenroom.actors.errors import (
     GreenroomError,
     SessionNotFound,
 )
-from greenroom.actors.host import SESSION_FILE, Host
+from greenroom.actors.host import SESSION_FILE, Host, default_data_dir
 from greenroom.actors.llm_streamer import ModelProvider
 from greenroom.actors.session import Session
 from greenroom.actors.trace_sink import TraceWriteError, read_trace
@@ -1425,21 +1425,24 @@ async def run_serve(
             file=sys.stderr,
             flush=True,
         )
-    async with Host.open(data_dir) as opened:
-        token: str | None = None
-        tokens: dict[str, str] | None = None
-        if tokens_file is not None:
-            tokens = await trio.to_thread.run_sync(load_tokens_file, tokens_file)
-            token_path = await trio.to_thread.run_sync(
-                token_file_path, opened.data_dir, tokens_file
-            )
-        else:
-            token_path = await trio.to_thread.run_sync(
-                token_file_path, opened.data_dir, token_file
-            )
-            token = await trio.to_thread.run_sync(
-                load_or_create_token, opened.data_dir, token_path
-            )
+    # Configuration is checked before the host opens: a mistake is one clear error.
+    data = await trio.to_thread.run_sync(_resolved, data_dir or default_data_dir())
+    session_defaults = defaults or SessionDefaults()
+    await trio.to_thread.run_sync(
+        check_data_dir_private,
+        data,
+        session_defaults.workspace_root or session_defaults.workspace_dir,
+        session_defaults.workspace_dir,
+    )
+    token: str | None = None
+    tokens: dict[str, str] | None = None
+    if tokens_file is not None:
+        tokens = await trio.to_thread.run_sync(load_tokens_file, tokens_file)
+        token_path = await trio.to_thread.run_sync(token_file_path, data, tokens_file)
+    else:
+        token_path = await trio.to_thread.run_sync(token_file_path, data, token_file)
+        token = await trio.to_thread.run_sync(load_or_create_token, data, token_path)
+    async with Host.open(data) as opened:
         gateway = Gateway(
             opened,
             token=token,
