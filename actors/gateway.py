@@ -135,6 +135,7 @@ __all__ = [
     "connection_cap",
     "load_or_create_token",
     "load_tokens_file",
+    "raise_fd_limit",
     "run_serve",
     "token_file_path",
 ]
@@ -199,10 +200,11 @@ class GatewayLimits:
     """Per-connection limits. ``rate_per_s``/``burst``: a token bucket on calls (each batch
     entry and each bad frame is one); beyond it calls answer 429. ``max_frame_bytes``: a
     larger text frame answers -32600; ``max_message_bytes``: the websocket library closes
-    the connection (1009) beyond it. ``max_pending_frames``: frames queued for a client
-    the connection's writer has not taken while it is stuck (no send finished for
-    ``stall_timeout_s``: the socket refuses bytes) before its subscriptions are dropped;
-    ``max_pending_bytes``: the bound on what waits for one connection, stuck or not.
+    the connection (1009) beyond it. ``max_pending_frames``: how many frames the
+    connection's writer has not taken may wait while the writer is stuck (no send finished
+    for ``stall_timeout_s``: the socket refuses bytes) before its subscriptions are
+    dropped; ``max_pending_bytes``: the bound on what waits for one connection (counted in
+    characters), stuck or not.
     ``settle_timeout_s``: how long ``run`` waits for a session that has emitted
     ``task_end`` to turn idle."""
 

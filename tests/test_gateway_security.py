@@ -423,3 +423,13 @@ async def test_an_unreadable_session_file_does_not_break_the_listing(tmp_path: P
                 assert error["code"] == jsonrpc.NOT_FOUND, error
                 assert "unreadable" in error["message"]
             await client.result("run", {"session_id": good, "input": "hi"})
+
+
+def test_serve_raises_the_soft_descriptor_limit_to_the_hard_one() -> None:
+    resource = pytest.importorskip("resource")
+    from greenroom.actors.gateway import raise_fd_limit
+
+    soft = raise_fd_limit()
+    now, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert now == hard or hard == resource.RLIM_INFINITY
+    assert soft is None or soft == now
