@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 from pathlib import Path
 
 import trio
@@ -154,3 +155,71 @@ def test_sessions_lists_the_readable_ones_and_names_the_bad_one(tmp_path: Path) 
         )
         line = one_line_usage_error(resumed)
         assert "unreadable" in line, content
+
+
+def _limit_descriptors() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))
+
+
+FD_LIMIT = 320
+
+
+def _flood(port: int, count: int) -> list[socket.socket]:
+    """``count`` TCP connections that never send a handshake."""
+    sockets: list[socket.socket] = []
+    for _ in range(count):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S)
+        sockets.append(sock)
+    return sockets
+
+
+async def test_a_connection_flood_never_starves_a_session_of_descriptors(tmp_path: Path) -> None:
+    """R-SEC-4: under a descriptor limit of 320 the server caps its connections below it
+    (and says so); 600 half-open connections then wait in the kernel's backlog, and a
+    session created and run meanwhile still writes its files and completes."""
+    (tmp_path / "ws").mkdir()
+    process = await trio.lowlevel.open_process(
+        [
+            *CLI, "serve", "--port", "0", "--no-console", "--data-dir", str(tmp_path / "data"),
+            "--workspace", str(tmp_path / "ws"), "--approve", "all",
+        ],
+        env=cli_env(tmp_path),
+        stderr=-1,
+        preexec_fn=_limit_descriptors,
+    )
+    assert process.stderr is not None
+    flood: list[socket.socket] = []
+    try:
+        with trio.fail_after(TIMEOUT_S):
+            seen = b""
+            while b"/v1" not in seen:
+                chunk = await process.stderr.receive_some()
+                assert chunk, f"serve exited early: {seen!r}"
+                seen += chunk
+            assert re.search(rb"at most \d+ connections \(the file descriptor limit is 320", seen)
+            match = re.search(rb"ws://[\w.:]+:(\d+)/v1", seen)
+            assert match
+            url, port = match.group().decode(), int(match.group(1))
+            token = (tmp_path / "data" / "serve.token").read_text().strip()
+            headers = [(b"Authorization", f"Bearer {token}".encode())]
+            async with open_websocket_url(url, extra_headers=headers) as ws:
+                client = Client(ws)
+                flood = await trio.to_thread.run_sync(_flood, port, 600)
+                for _ in range(3):
+                    sid = (await client.result("session.create"))["session_id"]
+                    await client.result("session.subscribe", {"session_id": sid})
+                    await client.result("run", {"session_id": sid, "input": "hello"})
+                    outputs = client.take_outputs() + await client.outputs_until("task_end")
+                    assert outputs[-1]["status"] == "completed", outputs[-1]
+                    traces = list((tmp_path / "data" / "sessions" / sid).glob("trace_*.jsonl"))
+                    assert traces and traces[0].read_text().count("\n") >= 2
+            process.send_signal(signal.SIGINT)
+            assert await process.wait() == 0
+    finally:
+        for sock in flood:
+            sock.close()
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
