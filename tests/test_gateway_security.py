@@ -29,10 +29,11 @@ ALICE = "alice-token-0123456789"
 BOB = "bob-token-0123456789ab"
 
 
-async def raw_send(client: Client, text: str) -> Any:
-    """Send ``text`` as it is (it may spell a lone surrogate) and read one answer."""
+async def raw_send(client: Client, text: str, request_id: Any) -> Any:
+    """Send ``text`` as it is (it may spell a lone surrogate) and read its answer
+    (notifications read meanwhile are kept by the client)."""
     await client.ws.send_message(text)
-    return await client.receive()
+    return await client.response(request_id)
 
 
 # -- R-SEC-1: lone surrogates ------------------------------------------------------------------
@@ -45,7 +46,7 @@ async def test_lone_surrogates_in_frames_are_repaired_and_answers_are_sent(
         async with serving(tmp_path) as server, connect(server) as client:
             # An id holding a surrogate: the error answer must still be sendable.
             answer = await raw_send(
-                client, '{"jsonrpc":"2.0","id":"a\\ud800","method":"no\\udfffthing"}'
+                client, '{"jsonrpc":"2.0","id":"a\\ud800","method":"no\\udfffthing"}', "a\ufffd"
             )
             assert answer["id"] == "a\ufffd"
             assert answer["error"]["code"] == jsonrpc.METHOD_NOT_FOUND
@@ -53,6 +54,7 @@ async def test_lone_surrogates_in_frames_are_repaired_and_answers_are_sent(
                 client,
                 '{"jsonrpc":"2.0","id":2,"method":"session.create",'
                 '"params":{"model":"m\\ud800"}}',
+                2,
             )
             sid = created["result"]["session_id"]
             # The session file holds no surrogate: the listing works, for every client.
@@ -62,6 +64,7 @@ async def test_lone_surrogates_in_frames_are_repaired_and_answers_are_sent(
                 client,
                 '{"jsonrpc":"2.0","id":3,"method":"run",'
                 f'"params":{{"session_id":"{sid}","input":"hi \\ud83d"}}}}',
+                3,
             )
             await client.result("session.subscribe", {"session_id": sid})
             outputs = client.take_outputs()
@@ -72,6 +75,7 @@ async def test_lone_surrogates_in_frames_are_repaired_and_answers_are_sent(
             unknown = await raw_send(
                 client,
                 '{"jsonrpc":"2.0","id":4,"method":"session.list","params":{"\\udc00":1}}',
+                4,
             )
             assert "$.\ufffd: unknown parameter" in unknown["error"]["message"]
             assert (await client.result("session.list"))["sessions"][0]["session_id"] == sid
@@ -339,7 +343,7 @@ async def test_values_no_setting_can_hold_are_invalid_params(
                 {"jsonrpc": "2.0", "id": 1, "method": "session.create",
                  "params": {"settings": settings}}
             ).replace("Infinity", "1e400")
-            answer = await raw_send(client, frame)
+            answer = await raw_send(client, frame, 1)
             assert answer["error"]["code"] == jsonrpc.INVALID_PARAMS, answer
             assert answer["error"]["message"].startswith(path + ": "), answer
 
