@@ -174,6 +174,13 @@ class _CommandParser(argparse.ArgumentParser):
         return parsed, extras
 
 
+def _positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _add_data_dir(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data-dir",
@@ -364,6 +371,35 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_seconds,
         default=300.0,
         help="deny a call no client has answered within S seconds (default: 300)",
+    )
+    serve.add_argument(
+        "--tokens-file",
+        metavar="F",
+        help="one 'CLIENT_ID TOKEN' per line ('#' comments): each token is a client that "
+        "sees and steers only its own sessions, instead of --token-file (default: none)",
+    )
+    serve.add_argument(
+        "--allow-origin",
+        metavar="ORIGIN",
+        action="append",
+        default=[],
+        help="a browser origin (http://host:port) allowed to connect besides the console's; "
+        "repeatable; other browser origins are refused with HTTP 403 (default: the console's "
+        "only)",
+    )
+    serve.add_argument(
+        "--max-connections",
+        metavar="N",
+        type=_positive_int,
+        default=1024,
+        help="open connections at most; more are refused with HTTP 503, and the cap is "
+        "lowered to what the file descriptor limit allows (default: 1024)",
+    )
+    serve.add_argument(
+        "--workspace-root",
+        metavar="DIR",
+        help="directory under which a client's session.create {workspace} must resolve; "
+        "the data dir must be outside it (default: --workspace)",
     )
     serve.add_argument(
         "--console-port",
@@ -603,6 +639,7 @@ def _serve_command(args: argparse.Namespace) -> int:
         workspace_dir=options.workspace or ".",
         settings={key: value for key, value in limits if value is not None},
         approve=args.approve,
+        workspace_root=args.workspace_root,
     )
     defaults_line = _serve_defaults_line(args)
     trio.run(
@@ -614,6 +651,9 @@ def _serve_command(args: argparse.Namespace) -> int:
             token_file=args.token_file,
             defaults=defaults,
             approval_timeout_s=args.approval_timeout,
+            tokens_file=args.tokens_file,
+            allowed_origins=args.allow_origin,
+            max_connections=args.max_connections,
             console_port=_console_port(args),
             ready=lambda _port: _error(defaults_line),
         )
@@ -1494,8 +1534,11 @@ def _content_text(content: Sequence[TextBlock | ImageBlock]) -> str:
 
 async def _sessions_command(args: argparse.Namespace) -> int:
     async with Host.open(data_dir=_data_dir(args.data_dir)) as host:
-        infos = await host.list_sessions()
+        scan = await host.scan_sessions()
         data_dir = host.data_dir
+    infos = scan.sessions
+    for bad in scan.unreadable:  # one bad file never hides the others
+        _error(f"unreadable session {bad.session_id}: {bad.reason}")
     if args.json:
         for info in infos:
             print(json.dumps(attrs.asdict(info), ensure_ascii=False))

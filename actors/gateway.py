@@ -14,11 +14,15 @@ Invariants:
 
 * A session's supervisor never waits on a client. The gateway watches each session through
   one ``Session.subscribe`` listener (a :class:`_SessionHub`) that encodes every output once
-  and queues the frame on each subscribed connection's outbox without blocking. When a
-  connection has more than ``max_pending_frames`` frames not yet sent (a client that does
-  not read), its subscription is dropped with a ``subscription_dropped`` notification
-  ``{session_id, reason, last_seq}``; the client resubscribes with ``after_seq: last_seq``
-  and misses nothing. Other clients and the session are never slowed down.
+  and queues the frame on each subscribed connection's outbox without blocking. A client is
+  dropped only when it is really behind: its writer has not finished a send for
+  ``stall_timeout_s`` (the socket refuses bytes: the client does not read) while more than
+  ``max_pending_frames`` frames wait that the writer has not taken, or the frames waiting
+  exceed ``max_pending_bytes`` whatever the reason. A burst of outputs on a busy server,
+  which a prompt reader gets as soon as its writer runs, never counts. A dropped
+  subscription gets a ``subscription_dropped`` notification ``{session_id, reason,
+  last_seq}``; the client resubscribes with ``after_seq: last_seq`` and misses nothing.
+  Other clients and the session are never slowed down.
 * Runs are not read through their ``RunStream``: the gateway detaches it at once
   (``RunStream.detach``) and every output reaches clients through the subscription, so
   nothing piles up for a run nobody reads.
@@ -33,17 +37,34 @@ Invariants:
 * Sessions outlive the gateway: stopping it closes each connection with code 1001 and a
   reason, and leaves running tasks to the host.
 
-Authentication and identity: a connection is authenticated by ``Authorization: Bearer
-TOKEN`` on the handshake (a wrong token is refused with HTTP 401 before the upgrade) or by
-an ``initialize {token, client_id?}`` first call; until then every other method answers
-401 and the connection stays open (after ``max_auth_failures`` wrong tokens it is closed
-with 1008). The token is shared, so it proves only that a client may use the server; the
-*identity* that owns sessions is the ``client_id`` a client names (``initialize`` or an
-``X-Greenroom-Client`` handshake header), or ``default``. Every connection of one identity
-sees the same sessions (a reconnecting client keeps its sessions); identities separate
-cooperating clients, they are not a security boundary between holders of the token.
-A client sees only sessions its identity created or was granted (:meth:`Gateway.grant`):
-another client's session answers 403, an unknown one 404.
+Authentication and identity (R-SEC-4): a connection is authenticated by ``Authorization:
+Bearer TOKEN`` on the handshake (a wrong token is refused with HTTP 401 before the upgrade)
+or by an ``initialize {token, client_id?}`` first call; until then every other method
+answers 401 and the connection stays open, for at most ``auth_timeout_s`` (10 s: then it is
+closed with 1008; after ``max_auth_failures`` wrong tokens it is closed at once). Each token
+names one *principal* (``--tokens-file``: one ``CLIENT_ID TOKEN`` per line; ``--token-file``
+or the generated token: the principal ``default``). Tokens are compared in constant time,
+every known token each time. ``initialize {client_id}`` and the ``X-Greenroom-Client``
+header may only repeat the token's principal: naming another is refused (403). A
+principal sees only the sessions it created or was granted (:meth:`Gateway.grant`):
+another principal's session answers 403, an unknown one 404. Every connection of one
+principal sees the same sessions (a reconnecting client keeps its sessions).
+
+Admission, before any of that: a browser handshake (one with an ``Origin`` header) whose
+origin is not allowed (the console's, or one given with ``allowed_origins`` /
+:meth:`Gateway.allow_origin`) is refused with HTTP 403; beyond ``max_connections`` open
+connections the handshake is refused with HTTP 503; and the listener stops accepting
+sockets at ``max_connections + HANDSHAKE_SLACK``, so a flood of half-open connections
+waits in the kernel's backlog instead of taking the file descriptors sessions need for
+their traces. ``greenroom serve`` raises the process's soft ``RLIMIT_NOFILE`` to its hard
+limit and keeps ``FD_RESERVE`` descriptors out of the cap (:func:`connection_cap`).
+
+Workspaces (R-SEC-5): a client's ``session.create {workspace}`` must resolve (symlinks
+followed) to a directory under the workspace root (:attr:`SessionDefaults.workspace_root`,
+default: the default workspace) that is not the file system root; relative paths are
+taken from the root. The gateway refuses to start when the data dir (tokens, traces,
+ledger) lies under the workspace root or the default workspace: no session's tools could
+then reach it.
 
 Approvals (``approve="ask"``, the default of ``greenroom serve``): every session the
 gateway creates or loads gets a client approver. A tool call then emits an
@@ -59,13 +80,13 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
-import math
 import os
 import re
 import secrets
 import signal
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -81,7 +102,7 @@ from greenroom.actors.errors import (
     GreenroomError,
     SessionNotFound,
 )
-from greenroom.actors.host import SESSION_FILE, Host
+from greenroom.actors.host import SESSION_FILE, Host, default_data_dir
 from greenroom.actors.llm_streamer import ModelProvider
 from greenroom.actors.session import Session
 from greenroom.actors.trace_sink import TraceWriteError, read_trace
@@ -103,13 +124,20 @@ from greenroom.protocols.tools import Tool
 from greenroom.protocols.trace import trace_file_number
 
 __all__ = [
+    "AUTH_TIMEOUT_S",
     "DEFAULT_CLIENT",
+    "DEFAULT_MAX_CONNECTIONS",
+    "FD_RESERVE",
     "PATH",
     "TOKEN_FILE_NAME",
     "Gateway",
     "GatewayLimits",
     "SessionDefaults",
+    "check_data_dir_private",
+    "connection_cap",
     "load_or_create_token",
+    "load_tokens_file",
+    "raise_fd_limit",
     "run_serve",
     "token_file_path",
 ]
@@ -119,15 +147,24 @@ logger = logging.getLogger(__name__)
 PATH = "/v1"
 TOKEN_FILE_NAME = "serve.token"
 DEFAULT_CLIENT = "default"
-"""The identity of a connection that names no ``client_id``."""
+"""The principal of the one token of ``--token-file`` (or the generated token)."""
 CLIENT_HEADER = b"x-greenroom-client"
+AUTH_TIMEOUT_S = 10.0
+"""How long a connection may stay unauthenticated before it is closed (1008)."""
+DEFAULT_MAX_CONNECTIONS = 1024
+HANDSHAKE_SLACK = 32
+"""Sockets accepted beyond ``max_connections``: enough to answer 503 to a few at a time."""
+FD_RESERVE = 256
+"""File descriptors the connection cap leaves to sessions (traces, ledger, tools)."""
 
 ApproveMode = Literal["ask", "all", "none"]
 
 _CLIENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,63}")
 _SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_CLIENT_SETTABLE_FORBIDDEN = ("provider", "base_url")
-"""Settings a client may not choose: they pick which endpoint gets the server's API key."""
+_CLIENT_SETTABLE_FORBIDDEN = ("provider", "base_url", "sandbox", "shell_network")
+"""Settings a client may not choose: ``provider`` and ``base_url`` pick which endpoint gets
+the server's API key; ``sandbox`` and ``shell_network`` are the server's confinement of
+``run_shell`` (R-SEC-3), which a client must not loosen."""
 TITLE_FILE = "title.txt"
 """A session's generated title, next to its ``session.json`` (never in its trace)."""
 
@@ -159,6 +196,9 @@ class SessionDefaults:
     system: str | None = None
     settings: Mapping[str, Any] = attrs.field(factory=dict)
     approve: ApproveMode = "ask"
+    workspace_root: str | Path | None = None
+    """Where a client's ``session.create {workspace}`` must resolve; None: under
+    ``workspace_dir``."""
 
 
 @attrs.frozen(kw_only=True)
@@ -166,9 +206,13 @@ class GatewayLimits:
     """Per-connection limits. ``rate_per_s``/``burst``: a token bucket on calls (each batch
     entry and each bad frame is one); beyond it calls answer 429. ``max_frame_bytes``: a
     larger text frame answers -32600; ``max_message_bytes``: the websocket library closes
-    the connection (1009) beyond it. ``max_pending_frames``: frames queued for a client
-    that is not reading before its subscriptions are dropped. ``settle_timeout_s``: how long
-    ``run`` waits for a session that has emitted ``task_end`` to turn idle."""
+    the connection (1009) beyond it. ``max_pending_frames``: how many frames the
+    connection's writer has not taken may wait while the writer is stuck (no send finished
+    for ``stall_timeout_s``: the socket refuses bytes) before its subscriptions are
+    dropped; ``max_pending_bytes``: the bound on what waits for one connection (counted in
+    characters), stuck or not.
+    ``settle_timeout_s``: how long ``run`` waits for a session that has emitted
+    ``task_end`` to turn idle."""
 
     rate_per_s: float = 50.0
     burst: int = 100
@@ -176,6 +220,8 @@ class GatewayLimits:
     max_message_bytes: int = 16 << 20
     max_batch: int = 100
     max_pending_frames: int = 1000
+    max_pending_bytes: int = 64 << 20
+    stall_timeout_s: float = 2.0
     max_replay_buffer: int = 10_000
     max_auth_failures: int = 5
     handshake_timeout_s: float = 10.0
@@ -214,6 +260,83 @@ def token_file_path(data_dir: str | Path, token_file: str | Path | None = None) 
     return Path(token_file).expanduser() if token_file else Path(data_dir) / TOKEN_FILE_NAME
 
 
+def load_tokens_file(path: str | Path) -> dict[str, str]:
+    """The principals of ``serve --tokens-file``: ``{client_id: token}`` from a file of
+    ``CLIENT_ID TOKEN`` lines (``#`` starts a comment; blank lines are skipped). Raises
+    :class:`ConfigurationError` naming the file and line of a bad line, a repeated client
+    id or token, or an unreadable or empty file. Blocking."""
+    file = Path(path).expanduser()
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigurationError(f"cannot read the tokens file {file}: {exc}") from None
+    tokens: dict[str, str] = {}
+    seen: set[str] = set()
+    for number, line in enumerate(text.splitlines(), start=1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        where = f"{file}:{number}"
+        if len(fields) != 2:
+            raise ConfigurationError(
+                f"{where}: expected CLIENT_ID TOKEN, got {len(fields)} field(s)"
+            )
+        client_id, token = fields
+        if not _CLIENT_ID.fullmatch(client_id):
+            raise ConfigurationError(
+                f"{where}: bad client id (letters, digits and ._:@- only, at most 64)"
+            )
+        if client_id in tokens:
+            raise ConfigurationError(f"{where}: client id {client_id!r} given twice")
+        if token in seen:
+            raise ConfigurationError(f"{where}: this token is already another client's")
+        if len(token) < 16:
+            raise ConfigurationError(f"{where}: token shorter than 16 characters")
+        tokens[client_id] = token
+        seen.add(token)
+    if not tokens:
+        raise ConfigurationError(f"the tokens file {file} names no client")
+    return tokens
+
+
+def connection_cap(requested: int, fd_soft_limit: int | None) -> int:
+    """The connection cap that leaves ``FD_RESERVE`` descriptors (and the handshake
+    slack) free under ``fd_soft_limit`` (None: no limit known); at least 1."""
+    if fd_soft_limit is None or fd_soft_limit < 0:
+        return requested
+    return max(1, min(requested, fd_soft_limit - FD_RESERVE - HANDSHAKE_SLACK))
+
+
+def raise_fd_limit() -> int | None:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit (where the platform has one) and
+    return the soft limit now in force (None: unknown or unlimited)."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def check_data_dir_private(data_dir: str | Path, *workspaces: str | Path) -> None:
+    """Raise :class:`ConfigurationError` when the data dir lies under one of
+    ``workspaces`` (the workspace root, the default workspace): a session's tools would
+    reach the tokens and every other session's traces (R-SEC-5). Blocking."""
+    data = Path(data_dir).expanduser().resolve()
+    for workspace in workspaces:
+        root = Path(workspace).expanduser().resolve()
+        if data.is_relative_to(root):
+            raise ConfigurationError(
+                f"the data dir {data} is inside the workspace {root}, where sessions' tools "
+                f"could read it; choose a --data-dir outside {root} or another "
+                "--workspace-root/--workspace"
+            )
+
+
 def _write_private(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -239,29 +362,50 @@ class Gateway:
     by :meth:`Session.generate_title` (R-HOST-5, in the background: it never holds up a
     task); the title is kept in ``title.txt`` in the session's directory and listed by
     ``session.list``.
+
+    Principals: ``token`` is the one token of the principal ``default``; ``tokens`` maps
+    client ids to their tokens (give one or both). ``allowed_origins``: browser origins
+    (``http://host:port``) allowed besides the ones added with :meth:`allow_origin`.
+    ``auth_timeout_s``: how long a connection may stay unauthenticated.
     """
 
     def __init__(
         self,
         host: Host,
         *,
-        token: str,
+        token: str | None = None,
+        tokens: Mapping[str, str] | None = None,
         listen_host: str = "127.0.0.1",
         port: int = 8765,
         defaults: SessionDefaults | None = None,
         approval_timeout_s: float = 300.0,
         limits: GatewayLimits | None = None,
         titles: bool = False,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        allowed_origins: Iterable[str] = (),
+        auth_timeout_s: float = AUTH_TIMEOUT_S,
     ) -> None:
-        if not token:
+        principals = dict(tokens or {})
+        if token is not None:
+            principals.setdefault(DEFAULT_CLIENT, token)
+        if not principals or not all(principals.values()):
             raise ConfigurationError("the gateway needs a non-empty token")
+        if max_connections < 1:
+            raise ConfigurationError("max_connections must be at least 1")
         self.host = host
         self.listen_host = listen_host
         self.port = port
         self.defaults = defaults or SessionDefaults()
         self.approval_timeout_s = approval_timeout_s
         self.limits = limits or GatewayLimits()
-        self._token = token.encode("utf-8")
+        self.max_connections = max_connections
+        self.auth_timeout_s = auth_timeout_s
+        self._principals = tuple(
+            (secret.encode("utf-8"), client_id) for client_id, secret in principals.items()
+        )
+        self._origins = {_normal_origin(origin) for origin in allowed_origins}
+        self._admitted = 0
+        self._workspace_root: Path | None = None
         self._grants: dict[str, set[str]] = {}
         self._hubs: dict[str, _SessionHub] = {}
         self._connections: set[_Connection] = set()
@@ -291,6 +435,12 @@ class Gateway:
         """Listen and serve until cancelled; reports the bound port when it accepts
         connections. Cancelling closes every connection (1001, with a reason); sessions
         keep running in the host."""
+        defaults = self.defaults
+        root = defaults.workspace_root or defaults.workspace_dir
+        self._workspace_root = await trio.to_thread.run_sync(_resolved, root)
+        await trio.to_thread.run_sync(
+            check_data_dir_private, self.host.data_dir, root, defaults.workspace_dir
+        )
         listeners = await trio.open_tcp_listeners(self.port, host=self.listen_host)
         if self.port == 0 and len(listeners) > 1:
             # Port 0 on a name with several addresses gives each listener its own port;
@@ -298,10 +448,12 @@ class Gateway:
             for extra in listeners[1:]:
                 await extra.aclose()
             listeners = listeners[:1]
+        sockets = trio.CapacityLimiter(self.max_connections + HANDSHAKE_SLACK)
+        capped = [_CappedListener(listener, sockets) for listener in listeners]
         limits = self.limits
         server = WebSocketServer(
             self._handle,
-            listeners,
+            cast(list[trio.SocketListener], capped),  # any trio Listener serves
             max_message_size=limits.max_message_bytes,
             connect_timeout=limits.handshake_timeout_s,
             disconnect_timeout=limits.close_timeout_s,
@@ -330,6 +482,10 @@ class Gateway:
         host = f"[{self.listen_host}]" if ":" in self.listen_host else self.listen_host
         return f"ws://{host}:{self.port}{PATH}"
 
+    def allow_origin(self, origin: str) -> None:
+        """Admit browser handshakes from ``origin`` (``scheme://host[:port]``)."""
+        self._origins.add(_normal_origin(origin))
+
     def grant(self, client_id: str, session_id: str) -> None:
         """Let ``client_id`` see and steer ``session_id`` (created elsewhere or by another
         client). Grants live as long as the gateway."""
@@ -356,27 +512,51 @@ class Gateway:
             await request.reject(404, body=f"not found: the endpoint is {PATH}\n".encode())
             return
         headers = {name.lower(): value for name, value in request.headers}
+        origin = headers.get(b"origin")
+        if origin is not None and not self._origin_allowed(origin):
+            await request.reject(403, body=b"forbidden: this origin may not connect\n")
+            return
+        if self._admitted >= self.max_connections:
+            await request.reject(
+                503, body=f"too many connections (at most {self.max_connections})\n".encode()
+            )
+            return
+        claimed: str | None = None
+        named = headers.get(CLIENT_HEADER)
+        if named is not None:
+            claimed = named.decode("latin-1").strip()
+            if not _CLIENT_ID.fullmatch(claimed):
+                await request.reject(400, body=b"bad X-Greenroom-Client header\n")
+                return
         identity: str | None = None
         authorization = headers.get(b"authorization")
         if authorization is not None:
             scheme, _, token = authorization.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._token):
+            identity = self._principal_of(token.strip()) if scheme.lower() == b"bearer" else None
+            if identity is None:
                 await request.reject(
                     401,
                     extra_headers=[(b"WWW-Authenticate", b'Bearer realm="greenroom"')],
                     body=b"unauthorized: bad bearer token\n",
                 )
                 return
-            identity = DEFAULT_CLIENT
-            named = headers.get(CLIENT_HEADER)
-            if named is not None:
-                name = named.decode("latin-1").strip()
-                if not _CLIENT_ID.fullmatch(name):
-                    await request.reject(400, body=b"bad X-Greenroom-Client header\n")
-                    return
-                identity = name
-        ws = await request.accept()
+            if claimed is not None and claimed != identity:
+                await request.reject(
+                    403, body=b"forbidden: X-Greenroom-Client names another principal\n"
+                )
+                return
+        self._admitted += 1
+        try:
+            ws = await request.accept()
+            await self._serve_accepted(ws, identity, claimed)
+        finally:
+            self._admitted -= 1
+
+    async def _serve_accepted(
+        self, ws: WebSocketConnection, identity: str | None, claimed: str | None
+    ) -> None:
         connection = _Connection(ws, identity, self.limits)
+        connection.claimed = claimed
         self._connections.add(connection)
         close_code, close_reason = 1000, "bye"
         try:
@@ -397,10 +577,24 @@ class Gateway:
                 with contextlib.suppress(ConnectionClosed, trio.BrokenResourceError):
                     await ws.aclose(close_code, close_reason)
 
+    def _principal_of(self, token: bytes) -> str | None:
+        """The principal whose token this is. Every known token is compared, in constant
+        time, so the time taken says nothing about which (if any) matched."""
+        found: str | None = None
+        for secret, principal in self._principals:
+            if hmac.compare_digest(token, secret):
+                found = principal
+        return found
+
+    def _origin_allowed(self, origin: bytes) -> bool:
+        return _normal_origin(origin.decode("latin-1")) in self._origins
+
     async def _serve(self, connection: _Connection) -> None:
         async with trio.open_nursery() as nursery:
             connection.nursery = nursery
             nursery.start_soon(self._write_loop, connection, nursery.cancel_scope)
+            if connection.identity is None:
+                nursery.start_soon(self._auth_deadline, connection, nursery.cancel_scope)
             try:
                 while connection.close_with is None:
                     message = await connection.ws.get_message()
@@ -413,12 +607,23 @@ class Gateway:
                     await connection.outbox.wait_below(1)
             nursery.cancel_scope.cancel()
 
+    async def _auth_deadline(self, connection: _Connection, scope: trio.CancelScope) -> None:
+        with trio.move_on_after(self.auth_timeout_s):
+            await connection.authenticated.wait()
+            return
+        connection.close_with = (1008, f"not authenticated within {self.auth_timeout_s:g} s")
+        scope.cancel()
+
     async def _write_loop(self, connection: _Connection, scope: trio.CancelScope) -> None:
+        outbox = connection.outbox
         try:
             while True:
-                frame = await connection.outbox.get()
-                await connection.ws.send_message(frame)
-                connection.outbox.sent()
+                # Everything queued is taken at once: frames a prompt reader will get as
+                # soon as this task runs do not count against the slow-client rule.
+                for frame in await outbox.take_all():
+                    outbox.sending(trio.current_time())
+                    await connection.ws.send_message(frame)
+                    outbox.sent(frame)
         except ConnectionClosed:
             scope.cancel()
 
@@ -618,25 +823,40 @@ class Gateway:
     # -- methods ----------------------------------------------------------------------------------
 
     async def _initialize(self, connection: _Connection, params: dict[str, Any]) -> Any:
-        jsonrpc.check_params(params, ("token", "client_id"))
+        jsonrpc.check_params(params, "initialize")
         if connection.initialized or connection.calls:
             raise RpcError(jsonrpc.INVALID_REQUEST, "initialize must be the first call, once")
         token = jsonrpc.optional_str(params, "token", max_len=1000)
         client_id = jsonrpc.optional_str(params, "client_id", max_len=64)
         if client_id is not None and not _CLIENT_ID.fullmatch(client_id):
             raise invalid("$.client_id", "letters, digits and ._:@- only, at most 64")
-        good = token is not None and hmac.compare_digest(token.encode("utf-8"), self._token)
-        if (connection.identity is None or token is not None) and not good:
-            connection.auth_failures += 1
-            if connection.auth_failures >= self.limits.max_auth_failures:
-                connection.close_with = (1008, "too many failed authentication attempts")
+        principal = connection.identity
+        if token is not None:
+            principal = self._principal_of(token.encode("utf-8"))
+            if connection.identity is not None and principal != connection.identity:
+                principal = None  # the handshake's token said otherwise
+        if principal is None:
+            self._failed_auth(connection)
             raise RpcError(jsonrpc.UNAUTHORIZED, "unauthorized: bad or missing token")
+        claimed = client_id or connection.claimed
+        if claimed is not None and claimed != principal:
+            self._failed_auth(connection)
+            raise RpcError(
+                jsonrpc.FORBIDDEN,
+                f"forbidden: client_id {claimed!r} is not this token's principal",
+            )
         connection.initialized = True
-        connection.identity = client_id or connection.identity or DEFAULT_CLIENT
-        return {"client_id": connection.identity, "server": "greenroom", "path": PATH}
+        connection.identity = principal
+        connection.authenticated.set()
+        return {"client_id": principal, "server": "greenroom", "path": PATH}
+
+    def _failed_auth(self, connection: _Connection) -> None:
+        connection.auth_failures += 1
+        if connection.auth_failures >= self.limits.max_auth_failures:
+            connection.close_with = (1008, "too many failed authentication attempts")
 
     async def _session_create(self, connection: _Connection, params: dict[str, Any]) -> Any:
-        jsonrpc.check_params(params, ("workspace", "model", "settings"))
+        jsonrpc.check_params(params, "session.create")
         workspace_param = jsonrpc.optional_str(params, "workspace", max_len=4096)
         model = jsonrpc.optional_str(params, "model", max_len=200)
         raw_settings = jsonrpc.optional_object(params, "settings")
@@ -646,9 +866,14 @@ class Gateway:
             else {}
         )
         defaults = self.defaults
-        workspace = await trio.to_thread.run_sync(
-            _directory, workspace_param or defaults.workspace_dir
-        )
+        if workspace_param is None:
+            workspace = await trio.to_thread.run_sync(_directory, defaults.workspace_dir)
+        else:
+            root = self._workspace_root
+            assert root is not None  # set when the gateway starts
+            workspace = await trio.to_thread.run_sync(
+                _confined_workspace, workspace_param, root, self.host.data_dir
+            )
         overrides: dict[str, Any] = {
             **defaults.settings,
             "approval_timeout_s": self.approval_timeout_s,
@@ -671,12 +896,13 @@ class Gateway:
         return {"session_id": session.id}
 
     async def _session_list(self, connection: _Connection, params: dict[str, Any]) -> Any:
-        jsonrpc.check_params(params, ())
+        jsonrpc.check_params(params, "session.list")
         owned = self._grants.get(self._identity(connection), set())
         if not owned:
             return {"sessions": []}
         open_sessions = {s.id: s for s in self.host.sessions}
-        infos = [i for i in await self.host.list_sessions() if i.session_id in owned]
+        scan = await self.host.scan_sessions()
+        infos = [i for i in scan.sessions if i.session_id in owned]
         untitled = [i.session_id for i in infos if i.session_id not in self._title_of]
         sessions_dir = self.host.data_dir / "sessions"
         read = await trio.to_thread.run_sync(
@@ -684,7 +910,9 @@ class Gateway:
         )
         titles = {**dict(zip(untitled, read, strict=True)), **self._title_of}
         sessions: list[dict[str, Any]] = []
-        for info in infos:
+        for info in scan.sessions:
+            if info.session_id not in owned:
+                continue
             session = open_sessions.get(info.session_id)
             hub = self._hubs.get(info.session_id)
             sessions.append(
@@ -700,10 +928,18 @@ class Gateway:
                     "state": _state(session, hub),
                 }
             )
+        # The reason names a path of the server's data dir: the session id is enough.
+        unreadable = [
+            {"session_id": bad.session_id, "reason": bad.reason.removeprefix(f"{bad.path}: ")}
+            for bad in scan.unreadable
+            if bad.session_id in owned
+        ]
+        if unreadable:
+            return {"sessions": sessions, "unreadable": unreadable}
         return {"sessions": sessions}
 
     async def _session_subscribe(self, connection: _Connection, params: dict[str, Any]) -> Any:
-        jsonrpc.check_params(params, ("session_id", "after_seq"))
+        jsonrpc.check_params(params, "session.subscribe")
         session = await self._owned_session(connection, params)
         after_seq = jsonrpc.optional_int(params, "after_seq", minimum=0) or 0
         hub = self._adopt(session)
@@ -734,7 +970,7 @@ class Gateway:
         return {"session_id": session.id, "replayed": replayed, "last_seq": last_seq}
 
     async def _session_unsubscribe(self, connection: _Connection, params: dict[str, Any]) -> Any:
-        jsonrpc.check_params(params, ("session_id",))
+        jsonrpc.check_params(params, "session.unsubscribe")
         session = await self._owned_session(connection, params)
         subscription = connection.subscriptions.get(session.id)
         if subscription is not None:
@@ -742,7 +978,7 @@ class Gateway:
         return {"unsubscribed": subscription is not None}
 
     async def _run(self, connection: _Connection, params: dict[str, Any]) -> Any:
-        jsonrpc.check_params(params, ("session_id", "input"))
+        jsonrpc.check_params(params, "run")
         session = await self._settled(await self._owned_session(connection, params))
         content = await self._input(session, params)
         stream = session.run(content, approve=self._run_approver())
@@ -750,19 +986,19 @@ class Gateway:
         return {"run_id": stream.run_id}
 
     async def _steer(self, connection: _Connection, params: dict[str, Any]) -> Any:
-        jsonrpc.check_params(params, ("session_id", "input"))
+        jsonrpc.check_params(params, "steer")
         session = await self._settled(await self._owned_session(connection, params))
         content = await self._input(session, params)
         return {"queued": session.steer(content)}
 
     async def _follow_up(self, connection: _Connection, params: dict[str, Any]) -> Any:
-        jsonrpc.check_params(params, ("session_id", "input"))
+        jsonrpc.check_params(params, "follow_up")
         session = await self._settled(await self._owned_session(connection, params))
         content = await self._input(session, params)
         return {"queued": session.follow_up(content, approve=self._run_approver())}
 
     async def _approve(self, connection: _Connection, params: dict[str, Any]) -> Any:
-        jsonrpc.check_params(params, ("session_id", "call_id", "decision"))
+        jsonrpc.check_params(params, "approve")
         session = await self._owned_session(connection, params)
         call_id = jsonrpc.require_str(params, "call_id", max_len=500)
         decision = cast(
@@ -773,23 +1009,23 @@ class Gateway:
         return {}
 
     async def _interrupt(self, connection: _Connection, params: dict[str, Any]) -> Any:
-        jsonrpc.check_params(params, ("session_id",))
+        jsonrpc.check_params(params, "interrupt")
         session = await self._owned_session(connection, params)
         return {"interrupted": session.interrupt("interrupted by client")}
 
     async def _compact(self, connection: _Connection, params: dict[str, Any]) -> Any:
-        jsonrpc.check_params(params, ("session_id",))
+        jsonrpc.check_params(params, "compact")
         session = await self._settled(await self._owned_session(connection, params))
         end = await session.compact()
         return None if end is None else to_dict(end)
 
     async def _skip_reconnect_wait(self, connection: _Connection, params: dict[str, Any]) -> Any:
-        jsonrpc.check_params(params, ("session_id",))
+        jsonrpc.check_params(params, "skip_reconnect_wait")
         session = await self._owned_session(connection, params)
         return {"skipped": session.skip_reconnect_wait()}
 
     async def _retry_auth(self, connection: _Connection, params: dict[str, Any]) -> Any:
-        jsonrpc.check_params(params, ("session_id",))
+        jsonrpc.check_params(params, "retry_auth")
         session = await self._owned_session(connection, params)
         session.retry_auth()
         return {}
@@ -800,6 +1036,38 @@ def _directory(value: str | Path) -> Path:
     if not path.is_dir():
         raise invalid("$.workspace", f"not a directory: {path}")
     return path
+
+
+def _resolved(value: str | Path) -> Path:
+    return Path(value).expanduser().resolve()
+
+
+def _confined_workspace(value: str, root: Path, data_dir: Path) -> Path:
+    """A client's workspace: a directory that resolves (symlinks followed) under ``root``,
+    is not the file system root and does not hold the data dir (R-SEC-5). Relative paths
+    are taken from ``root``. Raises -32602 naming ``$.workspace``; never OSError."""
+    try:
+        path = (root / Path(value).expanduser()).resolve(strict=True)
+        is_dir = path.is_dir()
+        data = data_dir.resolve()
+    except FileNotFoundError:
+        raise invalid("$.workspace", "no such directory") from None
+    except (OSError, ValueError, RuntimeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise invalid("$.workspace", f"cannot be used: {reason}") from None
+    if path == Path(path.anchor):
+        raise invalid("$.workspace", "the file system root is never a workspace")
+    if not is_dir:
+        raise invalid("$.workspace", "not a directory")
+    if not path.is_relative_to(root):
+        raise invalid("$.workspace", f"outside the server's workspace root {root}")
+    if data.is_relative_to(path):
+        raise invalid("$.workspace", "holds the server's data dir")
+    return path
+
+
+def _normal_origin(origin: str) -> str:
+    return origin.strip().rstrip("/").lower()
 
 
 def _allow_all(call: ToolCallBlock) -> str:
@@ -853,7 +1121,10 @@ def _confine_images(
     confined: list[UserContent] = []
     for i, block in enumerate(blocks):
         if isinstance(block, ImageBlock):
-            path = (bases[0] / Path(block.path).expanduser()).resolve()
+            try:
+                path = (bases[0] / Path(block.path).expanduser()).resolve()
+            except (OSError, ValueError, RuntimeError) as exc:
+                raise invalid(f"$.input[{i}].path", f"cannot be used: {exc}") from None
             if not any(path.is_relative_to(base) for base in bases):
                 raise invalid(f"$.input[{i}].path", "outside the session's workspace")
             block = attrs.evolve(block, path=str(path))
@@ -894,6 +1165,57 @@ def _read_records(directory: Path, after_seq: int) -> list[Output]:
 # -- per-connection and per-session state ------------------------------------------------------
 
 
+class _CappedListener(trio.abc.Listener["_CountedStream"]):
+    """A listener that holds at most ``sockets.total_tokens`` accepted sockets open at once:
+    beyond that, connections wait in the kernel's backlog (no file descriptor spent)."""
+
+    def __init__(self, inner: trio.SocketListener, sockets: trio.CapacityLimiter) -> None:
+        self._inner = inner
+        self._sockets = sockets
+
+    async def accept(self) -> _CountedStream:
+        holder = object()
+        await self._sockets.acquire_on_behalf_of(holder)
+        try:
+            stream = await self._inner.accept()
+        except BaseException:
+            self._sockets.release_on_behalf_of(holder)
+            raise
+        return _CountedStream(stream, lambda: self._sockets.release_on_behalf_of(holder))
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class _CountedStream(trio.abc.HalfCloseableStream):
+    """A socket stream that gives its slot back when it is closed (trio's listener loop
+    closes every stream its handler was given)."""
+
+    def __init__(self, inner: trio.SocketStream, release: Callable[[], None]) -> None:
+        self._inner = inner
+        self._release: Callable[[], None] | None = release
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self._inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self._inner.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        await self._inner.send_eof()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        return await self._inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        try:
+            await self._inner.aclose()
+        finally:
+            release, self._release = self._release, None
+            if release is not None:
+                release()
+
+
 class _TokenBucket:
     """``rate`` tokens a second, at most ``burst`` saved up; one per call."""
 
@@ -918,35 +1240,71 @@ class _TokenBucket:
 class _Outbox:
     """Frames waiting for the connection's writer.
 
-    ``put_nowait`` never blocks (session listeners call it from the supervisor's flush);
-    ``pending`` counts frames queued and not yet sent, which is what the slow-client rule
-    and the paced replay look at. Unbounded on purpose: its growth is bounded by that rule.
+    ``put_nowait`` never blocks (session listeners call it from the supervisor's flush).
+    The writer takes every queued frame at once (:meth:`take_all`) and reports each send
+    (:meth:`sending`, :meth:`sent`). :meth:`behind` is the slow-client rule: frames the
+    writer has not taken count only while the writer is stuck in one send, because a
+    burst queued while the writer merely waits to be scheduled is sent as soon as it runs.
+    Unbounded on purpose: its growth is bounded by that rule.
     """
 
     def __init__(self) -> None:
-        self._send, self._receive = trio.open_memory_channel[str](math.inf)
-        self.pending = 0
+        self._queue: deque[str] = deque()
+        self._taken = 0
+        self.size = 0
+        """Characters of the frames queued or taken and not yet sent."""
+        self._closed = False
+        self._send_began: float | None = None
+        self._arrived = trio.Event()
         self._progress = trio.Event()
+
+    @property
+    def pending(self) -> int:
+        """Frames queued or taken and not yet sent."""
+        return len(self._queue) + self._taken
 
     def put_nowait(self, frame: str) -> None:
-        with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
-            self._send.send_nowait(frame)
-            self.pending += 1
+        if self._closed:
+            return
+        self._queue.append(frame)
+        self.size += len(frame)
+        self._arrived.set()
 
-    async def get(self) -> str:
-        return await self._receive.receive()
+    async def take_all(self) -> list[str]:
+        while not self._queue:
+            self._arrived = trio.Event()
+            await self._arrived.wait()
+        frames = list(self._queue)
+        self._queue.clear()
+        self._taken += len(frames)
+        return frames
 
-    def sent(self) -> None:
-        self.pending -= 1
+    def sending(self, now: float) -> None:
+        self._send_began = now
+
+    def sent(self, frame: str) -> None:
+        self._taken -= 1
+        self.size -= len(frame)
+        self._send_began = None
         self._progress.set()
         self._progress = trio.Event()
+
+    def behind(self, now: float, limits: GatewayLimits) -> str | None:
+        """Why this client is too far behind to keep its subscriptions, or None."""
+        if self.size > limits.max_pending_bytes:
+            return f"client too slow: more than {limits.max_pending_bytes} bytes not read"
+        stuck = self._send_began is not None and now - self._send_began >= limits.stall_timeout_s
+        if stuck and len(self._queue) > limits.max_pending_frames:
+            return "client too slow: outputs not read"
+        return None
 
     async def wait_below(self, limit: int) -> None:
         while self.pending >= limit:
             await self._progress.wait()
 
     def close(self) -> None:
-        self._send.close()
+        self._closed = True
+        self._queue.clear()
 
 
 class _Connection:
@@ -957,6 +1315,12 @@ class _Connection:
     ) -> None:
         self.ws = ws
         self.identity = identity
+        """The principal, once authenticated."""
+        self.claimed: str | None = None
+        """The client id the handshake's ``X-Greenroom-Client`` header named."""
+        self.authenticated = trio.Event()
+        if identity is not None:
+            self.authenticated.set()
         self.limits = limits
         self.initialized = False
         self.calls = 0
@@ -1005,8 +1369,9 @@ class _Subscription:
                 self.drop("too many live outputs while replaying")
             return
         outbox = self.connection.outbox
-        if outbox.pending >= self._limits.max_pending_frames:
-            self.drop("client too slow: outputs not read")
+        reason = outbox.behind(trio.current_time(), self._limits)
+        if reason is not None:
+            self.drop(reason)
             return
         for seq, frame in frames:
             outbox.put_nowait(frame)
@@ -1138,6 +1503,9 @@ async def run_serve(
     limits: GatewayLimits | None = None,
     ready: Callable[[int], None] | None = None,
     console_port: int | None = None,
+    tokens_file: str | Path | None = None,
+    allowed_origins: Iterable[str] = (),
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
 ) -> None:
     """``greenroom serve``: open a host on ``data_dir``, serve the gateway on it, print
     ``listening on ws://HOST:PORT/v1`` and the token file on stderr, and serve until
@@ -1149,26 +1517,63 @@ async def run_serve(
     ``console_port`` (None: no console; 0: any free port) also serves the web console on
     the same host (:mod:`greenroom.actors.console_server`) and prints ``console:
     http://HOST:PORT/?ws=…#token=…`` on stderr. The console is an extra: when its port
-    cannot be bound, a warning is printed and the gateway serves without it."""
-    async with Host.open(data_dir) as opened:
-        token_path = await trio.to_thread.run_sync(token_file_path, opened.data_dir, token_file)
-        token = await trio.to_thread.run_sync(load_or_create_token, opened.data_dir, token_path)
+    cannot be bound, a warning is printed and the gateway serves without it; when it is
+    served its origin is allowed to connect.
+
+    ``tokens_file`` (instead of ``token_file``) gives one principal per line
+    (:func:`load_tokens_file`); the console URL then carries no token (the page asks for
+    one). ``allowed_origins``: more browser origins allowed to connect.
+    ``max_connections`` is lowered, with a notice, to what the file descriptor limit
+    allows after the soft limit is raised to the hard one (:func:`connection_cap`)."""
+    if tokens_file is not None and token_file is not None:
+        raise ConfigurationError("give --token-file or --tokens-file, not both")
+    fd_limit = raise_fd_limit()
+    cap = connection_cap(max_connections, fd_limit)
+    if cap < max_connections:
+        print(
+            f"greenroom serve: at most {cap} connections (the file descriptor limit is "
+            f"{fd_limit}; {FD_RESERVE} are kept for sessions)",
+            file=sys.stderr,
+            flush=True,
+        )
+    # Configuration is checked before the host opens: a mistake is one clear error.
+    data = await trio.to_thread.run_sync(_resolved, data_dir or default_data_dir())
+    session_defaults = defaults or SessionDefaults()
+    await trio.to_thread.run_sync(
+        check_data_dir_private,
+        data,
+        session_defaults.workspace_root or session_defaults.workspace_dir,
+        session_defaults.workspace_dir,
+    )
+    token: str | None = None
+    tokens: dict[str, str] | None = None
+    if tokens_file is not None:
+        tokens = await trio.to_thread.run_sync(load_tokens_file, tokens_file)
+        token_path = await trio.to_thread.run_sync(token_file_path, data, tokens_file)
+    else:
+        token_path = await trio.to_thread.run_sync(token_file_path, data, token_file)
+        token = await trio.to_thread.run_sync(load_or_create_token, data, token_path)
+    async with Host.open(data) as opened:
         gateway = Gateway(
             opened,
             token=token,
+            tokens=tokens,
             listen_host=host,
             port=port,
             defaults=defaults,
             approval_timeout_s=approval_timeout_s,
             limits=limits,
             titles=True,
+            max_connections=cap,
+            allowed_origins=allowed_origins,
         )
         async with trio.open_nursery() as nursery:
             bound = await nursery.start(gateway.run)
             print(f"listening on {gateway.url}", file=sys.stderr, flush=True)
-            print(f"token file: {token_path}", file=sys.stderr, flush=True)
+            kind = "tokens" if tokens else "token"
+            print(f"{kind} file: {token_path}", file=sys.stderr, flush=True)
             if console_port is not None:
-                await _start_console(nursery, host, console_port, gateway.port, token)
+                await _start_console(nursery, gateway, host, console_port, token)
             if ready is not None:
                 ready(bound)
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -1182,11 +1587,19 @@ async def run_serve(
             nursery.cancel_scope.cancel()
 
 
+def _console_hosts(host: str) -> tuple[str, ...]:
+    """The names a local browser may use for the console's host: a loopback address is
+    also reached as ``localhost`` and the other loopback spelling."""
+    loopback = ("127.0.0.1", "localhost", "::1")
+    return loopback if host in loopback else (host,)
+
+
 async def _start_console(
-    nursery: trio.Nursery, host: str, port: int, gateway_port: int, token: str
+    nursery: trio.Nursery, gateway: Gateway, host: str, port: int, token: str | None
 ) -> None:
     from greenroom.actors.console_server import ConsoleServer, display_host, url_host
 
+    gateway_port = gateway.port
     console = ConsoleServer(listen_host=host, port=port)
     try:
         await nursery.start(console.run)
@@ -1199,4 +1612,6 @@ async def _start_console(
         return
     # The page connects from the browser: a wildcard bind is reached through loopback.
     ws_url = f"ws://{url_host(display_host(host))}:{gateway_port}{PATH}"
+    for name in _console_hosts(display_host(host)):
+        gateway.allow_origin(f"http://{url_host(name)}:{console.port}")
     print(f"console: {console.url(ws_url, token)}", file=sys.stderr, flush=True)

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import trio
@@ -31,6 +31,7 @@ from greenroom.protocols.context import ToolSchema
 from greenroom.protocols.converter import converter
 from greenroom.protocols.hooks import Hooks
 from greenroom.protocols.settings import SessionSettings
+from greenroom.protocols.text import repair_json
 from greenroom.protocols.tools import Tool
 from greenroom.protocols.trace import trace_file_number
 from greenroom.protocols.transcript import Transcript, rebuild
@@ -62,6 +63,23 @@ class SessionInfo:
     provider: str
     model: str
     trace_files: int
+
+
+@attrs.frozen(kw_only=True)
+class UnreadableSession:
+    """A stored session whose ``session.json`` cannot be used: where it is and why."""
+
+    session_id: str
+    path: str
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class SessionScan:
+    """``Host.scan_sessions``: the readable sessions (newest first) and the others."""
+
+    sessions: tuple[SessionInfo, ...]
+    unreadable: tuple[UnreadableSession, ...]
 
 
 ProviderFactory = Callable[[SessionSettings], ModelProvider]
@@ -210,12 +228,17 @@ class Host:
         directory = self.data_dir / "sessions" / session_id
         meta_path = directory / SESSION_FILE
         try:
-            meta = json.loads(await trio.Path(meta_path).read_text())
+            meta = await trio.to_thread.run_sync(_read_meta, meta_path)
+            settings = converter.structure(meta.get("settings", {}), SessionSettings)
         except FileNotFoundError:
             raise SessionNotFound(f"no session {session_id!r} in {self.data_dir}") from None
-        except (OSError, ValueError) as exc:
+        except _Unreadable as exc:
             raise SessionNotFound(f"session {session_id!r} is unreadable: {exc}") from None
-        settings = converter.structure(meta.get("settings", {}), SessionSettings)
+        except Exception as exc:  # cattrs: a field of the wrong type or value
+            raise SessionNotFound(
+                f"session {session_id!r} is unreadable: {meta_path}: bad settings: "
+                f"{_one_line(exc)}"
+            ) from None
         if isinstance(provider, str):
             overrides["provider"] = provider
         if overrides:
@@ -264,7 +287,13 @@ class Host:
         return tuple(self._sessions.values())
 
     async def list_sessions(self) -> list[SessionInfo]:
-        """Every session stored in the data dir, newest first."""
+        """Every readable session stored in the data dir, newest first."""
+        return list((await self.scan_sessions()).sessions)
+
+    async def scan_sessions(self) -> SessionScan:
+        """Every session stored in the data dir: the readable ones newest first, and each
+        one whose ``session.json`` cannot be used with its path and the reason. One bad
+        file never hides the others (R-SEC-1)."""
         return await trio.to_thread.run_sync(_scan_sessions, self.data_dir / "sessions")
 
     async def close_session(self, session_id: str) -> None:
@@ -398,28 +427,77 @@ def _write_meta(directory: Path, meta: dict[str, Any]) -> None:
     tmp.replace(directory / SESSION_FILE)
 
 
-def _scan_sessions(root: Path) -> list[SessionInfo]:
+class _Unreadable(Exception):
+    """A ``session.json`` that cannot be used; the message says where and why."""
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _read_meta(meta_path: Path) -> dict[str, Any]:
+    """A session's metadata, checked for the shape every reader relies on. Raises
+    FileNotFoundError when it is missing and :class:`_Unreadable` otherwise."""
+    try:
+        raw = meta_path.read_bytes()
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise _Unreadable(f"{meta_path}: {exc.strerror or exc}") from None
+    try:
+        meta = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise _Unreadable(f"{meta_path}: not UTF-8 text") from None
+    except (ValueError, RecursionError) as exc:
+        raise _Unreadable(f"{meta_path}: not JSON: {_one_line(exc)}") from None
+    if not isinstance(meta, dict):
+        raise _Unreadable(f"{meta_path}: expected a JSON object, got {type(meta).__name__}")
+    meta = cast(dict[str, Any], repair_json(meta))
+    expected: tuple[tuple[str, type | tuple[type, ...]], ...] = (
+        ("session_id", str),
+        ("created_at", (int, float)),
+        ("workspace_dir", str),
+        ("settings", dict),
+        ("parent_id", (str, type(None))),
+    )
+    for key, kind in expected:
+        if key in meta and (not isinstance(meta[key], kind) or isinstance(meta[key], bool)):
+            raise _Unreadable(f"{meta_path}: {key}: wrong type {type(meta[key]).__name__}")
+    return meta
+
+
+def _scan_sessions(root: Path) -> SessionScan:
     infos: list[SessionInfo] = []
+    unreadable: list[UnreadableSession] = []
     if not root.is_dir():
-        return infos
+        return SessionScan(sessions=(), unreadable=())
     for meta_path in root.glob(f"*/{SESSION_FILE}"):
         try:
-            meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            meta = _read_meta(meta_path)
+            traces = sorted(meta_path.parent.glob("trace_*.jsonl"))
+            updated = max((t.stat().st_mtime for t in traces), default=meta_path.stat().st_mtime)
+        except FileNotFoundError:
+            continue  # deleted while we looked
+        except (_Unreadable, OSError) as exc:
+            unreadable.append(
+                UnreadableSession(
+                    session_id=meta_path.parent.name, path=str(meta_path), reason=str(exc)
+                )
+            )
             continue
-        traces = sorted(meta_path.parent.glob("trace_*.jsonl"))
-        updated = max((t.stat().st_mtime for t in traces), default=meta_path.stat().st_mtime)
         settings = meta.get("settings", {})
+        created = meta.get("created_at", 0.0)
         infos.append(
             SessionInfo(
                 session_id=meta.get("session_id", meta_path.parent.name),
-                created_at=float(meta.get("created_at", 0.0)),
+                created_at=float(created) if abs(created) < 1e300 else 0.0,
                 updated_at=updated,
-                workspace_dir=str(meta.get("workspace_dir", "")),
+                workspace_dir=meta.get("workspace_dir", ""),
                 provider=str(settings.get("provider", "")),
                 model=str(settings.get("model", "")),
                 trace_files=len(traces),
             )
         )
     infos.sort(key=lambda i: i.updated_at, reverse=True)
-    return infos
+    unreadable.sort(key=lambda u: u.session_id)
+    return SessionScan(sessions=tuple(infos), unreadable=tuple(unreadable))

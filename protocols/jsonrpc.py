@@ -12,6 +12,12 @@ Invariants:
   string``), like ``cattrs.transform_error``.
 * Batches are supported (JSON-RPC 2.0 §6): an empty batch is one -32600 error; a batch of
   notifications has no response; a batch larger than ``max_batch`` is one -32600 error.
+* Text is always encodable (R-SEC-1): a decoded frame has its lone UTF-16 surrogates
+  (``"\\ud800"`` is valid JSON) replaced by U+FFFD, and :func:`encode` repairs any that
+  reach an outgoing frame, so a reply can always be sent.
+* :data:`METHODS` is the one table of the methods, their parameters and results: the
+  gateway's dispatch, the "unknown parameter" messages and the README's method table all
+  come from it.
 
 Frames are plain dicts (``result_frame`` …) turned into text by :func:`encode`.
 """
@@ -30,6 +36,7 @@ import attrs
 
 from greenroom.protocols.content import ImageBlock, TextBlock, UserContent
 from greenroom.protocols.settings import SessionSettings
+from greenroom.protocols.text import repair_json, repair_text
 
 JSONRPC_VERSION = "2.0"
 
@@ -143,6 +150,11 @@ def parse_frame(data: str | bytes, *, max_bytes: int = 1 << 20, max_batch: int =
         value = json.loads(data, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:
         return FrameError(id=None, error=RpcError(PARSE_ERROR, f"parse error: {exc}"))
+    if _nested_deeper_than(value, MAX_DEPTH):
+        return FrameError(
+            id=None, error=RpcError(INVALID_REQUEST, f"nested deeper than {MAX_DEPTH} levels")
+        )
+    value = repair_json(value)
     if isinstance(value, list):
         if not value:
             return FrameError(id=None, error=RpcError(INVALID_REQUEST, "empty batch"))
@@ -155,6 +167,26 @@ def parse_frame(data: str | bytes, *, max_bytes: int = 1 << 20, max_batch: int =
             )
         return Batch(items=tuple(parse_call(item) for item in value))
     return parse_call(value)
+
+
+MAX_DEPTH = 64
+"""How deeply a frame may nest arrays and objects; no method needs more than a few."""
+
+
+def _nested_deeper_than(value: Any, limit: int) -> bool:
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Iterable[Any] = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
 
 
 def _reject_constant(name: str) -> Any:
@@ -230,8 +262,182 @@ def notification_frame(method: str, params: Any) -> dict[str, Any]:
 
 
 def encode(frame: Mapping[str, Any] | list[Any]) -> str:
-    """One compact JSON text frame."""
-    return json.dumps(frame, ensure_ascii=False, separators=(",", ":"))
+    """One compact JSON text frame, always encodable as UTF-8: a lone surrogate anywhere in
+    it (a session file, a tool's output) becomes U+FFFD instead of failing the send."""
+    return repair_text(json.dumps(frame, ensure_ascii=False, separators=(",", ":")))
+
+
+# -- the methods -----------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class Param:
+    """One by-name parameter of a method: its JSON type as documented, and what it is."""
+
+    name: str
+    type: str
+    required: bool
+    doc: str
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class Method:
+    """A method of the gateway: its parameters, its result, and one line on what it does."""
+
+    name: str
+    params: tuple[Param, ...]
+    result: str
+    doc: str
+
+
+def _session_id(doc: str = "the session") -> Param:
+    return Param(name="session_id", type="string", required=True, doc=doc)
+
+
+_INPUT = Param(
+    name="input",
+    type="string \\| blocks",
+    required=True,
+    doc="text, or `[{type: text, text}, {type: image, path, media_type?}]`; image paths stay "
+    "in the workspace",
+)
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method(
+            name="initialize",
+            params=(
+                Param(name="token", type="string", required=False,
+                      doc="the bearer token, when the handshake carried none"),
+                Param(name="client_id", type="string", required=False,
+                      doc="the token's principal; naming another is refused (403)"),
+            ),
+            result="`{client_id, server, path}`",
+            doc="Authenticate (first call, once).",
+        ),
+        Method(
+            name="session.create",
+            params=(
+                Param(name="workspace", type="string", required=False,
+                      doc="a directory under the server's workspace root (default: the "
+                      "server's workspace)"),
+                Param(name="model", type="string", required=False, doc="the model name"),
+                Param(name="settings", type="object", required=False,
+                      doc="session settings (any but `provider`, `base_url`)"),
+            ),
+            result="`{session_id}`",
+            doc="Create a session owned by the caller's principal.",
+        ),
+        Method(
+            name="session.list",
+            params=(),
+            result="`{sessions: [{session_id, created_at, updated_at, workspace_dir, "
+            "provider, model, trace_files, open, busy, auth_locked}], unreadable?: "
+            "[{session_id, reason}]}`",
+            doc="The caller's sessions, newest first; stored ones that cannot be read are "
+            "listed apart.",
+        ),
+        Method(
+            name="session.subscribe",
+            params=(
+                _session_id(),
+                Param(name="after_seq", type="integer", required=False,
+                      doc="replay traced outputs after this seq (default 0: all)"),
+            ),
+            result="`{session_id, replayed, last_seq}`",
+            doc="Replay, then stream live outputs as `output` notifications.",
+        ),
+        Method(
+            name="session.unsubscribe",
+            params=(_session_id(),),
+            result="`{unsubscribed}`",
+            doc="Stop the session's `output` notifications.",
+        ),
+        Method(
+            name="run",
+            params=(_session_id(), _INPUT),
+            result="`{run_id}`",
+            doc="Start a task (409 while one runs).",
+        ),
+        Method(
+            name="steer",
+            params=(_session_id(), _INPUT),
+            result="`{queued}`",
+            doc="Steer the running task (false: no task runs).",
+        ),
+        Method(
+            name="follow_up",
+            params=(_session_id(), _INPUT),
+            result="`{queued}`",
+            doc="Queue a task to start after the current one (false: no task runs).",
+        ),
+        Method(
+            name="approve",
+            params=(
+                _session_id(),
+                Param(name="call_id", type="string", required=True,
+                      doc="the `call_id` of an `approval_request` output"),
+                Param(name="decision", type="`allow` \\| `deny` \\| `allow_session`",
+                      required=True, doc="`allow_session` also allows the tool for the "
+                      "rest of the session"),
+            ),
+            result="`{}`",
+            doc="Answer a pending approval request.",
+        ),
+        Method(
+            name="interrupt",
+            params=(_session_id(),),
+            result="`{interrupted}`",
+            doc="Interrupt the running task or compaction.",
+        ),
+        Method(
+            name="compact",
+            params=(_session_id(),),
+            result="the `compaction_end` output, or null",
+            doc="Compact the idle session's context (answered when done).",
+        ),
+        Method(
+            name="skip_reconnect_wait",
+            params=(_session_id(),),
+            result="`{skipped}`",
+            doc="Retry a failed model request now instead of after its backoff.",
+        ),
+        Method(
+            name="retry_auth",
+            params=(_session_id(),),
+            result="`{}`",
+            doc="Unlock a session locked by a model auth failure (423).",
+        ),
+    )
+}
+"""Every method of the gateway, in the order the README lists them."""
+
+NOTIFICATIONS: dict[str, str] = {
+    "output": "one output of a subscribed session (the same JSON as in trace files)",
+    "subscription_dropped": "`{session_id, reason, last_seq}`: the client fell behind; "
+    "resubscribe with `after_seq: last_seq` and nothing is missed",
+}
+"""What the server sends unasked."""
+
+
+def methods_markdown() -> str:
+    """The README's method table, generated from :data:`METHODS` and :data:`NOTIFICATIONS`
+    (a test keeps the README equal to it)."""
+    lines = [
+        "| method | parameters | result | |",
+        "|---|---|---|---|",
+    ]
+    for method in METHODS.values():
+        params = "<br>".join(
+            f"`{p.name}{'' if p.required else '?'}`: {p.type} — {p.doc}" for p in method.params
+        )
+        lines.append(f"| `{method.name}` | {params or '—'} | {method.result} | {method.doc} |")
+    lines.append("")
+    lines.append("| notification (server → client) | params |")
+    lines.append("|---|---|")
+    lines.extend(f"| `{name}` | {doc} |" for name, doc in NOTIFICATIONS.items())
+    return "\n".join(lines) + "\n"
 
 
 # -- parameter validation --------------------------------------------------------------------
@@ -258,11 +464,15 @@ def invalid(path: str, message: str) -> RpcError:
     return RpcError(INVALID_PARAMS, f"{path}: {message}")
 
 
-def check_params(params: Mapping[str, Any], allowed: Iterable[str]) -> None:
-    """Reject parameters a method does not take (a typo should not pass silently)."""
+def check_params(params: Mapping[str, Any], method: str) -> None:
+    """Reject parameters ``method`` (a :data:`METHODS` name) does not take, naming the ones
+    it does: a typo should not pass silently, and the error says what to send instead."""
+    spec = METHODS[method]
+    allowed = [p.name for p in spec.params]
     unknown = sorted(set(params) - set(allowed))
     if unknown:
-        raise invalid(f"$.{unknown[0]}", "unknown parameter")
+        takes = f"takes {', '.join(allowed)}" if allowed else "takes no parameters"
+        raise invalid(f"$.{unknown[0]}", f"unknown parameter; {method} {takes}")
 
 
 def require_str(params: Mapping[str, Any], name: str, *, max_len: int = 10_000) -> str:
@@ -319,6 +529,10 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+MAX_PATH_CHARS = 4096
+"""Longest path a client may name (the usual ``PATH_MAX``)."""
+
+
 def parse_input(
     value: Any, path: str = "$.input", *, max_blocks: int = 100
 ) -> tuple[UserContent, ...]:
@@ -354,6 +568,8 @@ def parse_input(
                 raise invalid(
                     f"{item_path}.path", f"expected a non-empty string, got {json_type(image_path)}"
                 )
+            if len(image_path) > MAX_PATH_CHARS:
+                raise invalid(f"{item_path}.path", f"longer than {MAX_PATH_CHARS} characters")
             media_type = item.get("media_type")
             if media_type is not None and not isinstance(media_type, str):
                 raise invalid(
@@ -374,13 +590,23 @@ def check_block(item: Mapping[str, Any], path: str, allowed: Iterable[str]) -> N
 _SETTINGS_MINIMUMS: dict[str, float] = {
     "max_tokens": 1,
     "max_turns": -1,
+    "max_context_length": 1,
     "max_session_turns": -1,
     "tool_result_budget": 1,
     "approval_timeout_s": 0,
     "loop_repeat_threshold": 1,
     "loop_no_progress_threshold": 1,
+    "max_subagents_concurrent": 0,
+    "max_subagents_per_task": 0,
+    "subagent_token_budget": 1,
+    "max_subagent_depth": 0,
 }
 _SETTINGS_STRICTLY_POSITIVE = frozenset({"approval_timeout_s"})
+MAX_SETTING_NUMBER = 2**53
+"""No setting means anything beyond this (and every float can hold it exactly)."""
+MAX_SETTING_CHARS: dict[str, int] = {"model": 200}
+MAX_SETTING_TEXT = 100_000
+"""Longest text setting (``system``, ``compact_prompt``); the frame limit bounds it too."""
 
 
 def parse_settings(
@@ -403,6 +629,13 @@ def parse_settings(
         problem = _type_problem(field_value, hints[name])
         if problem is not None:
             raise invalid(field_path, problem)
+        number = isinstance(field_value, int | float) and not isinstance(field_value, bool)
+        if number and abs(field_value) > MAX_SETTING_NUMBER:
+            raise invalid(field_path, f"out of range (at most {MAX_SETTING_NUMBER})")
+        if isinstance(field_value, str):
+            most = MAX_SETTING_CHARS.get(name, MAX_SETTING_TEXT)
+            if len(field_value) > most:
+                raise invalid(field_path, f"longer than {most} characters")
         minimum = _SETTINGS_MINIMUMS.get(name)
         if minimum is not None and isinstance(field_value, int | float):
             if name in _SETTINGS_STRICTLY_POSITIVE and field_value <= minimum:
@@ -439,7 +672,9 @@ def _type_problem(value: Any, annotation: Any) -> str | None:
     if annotation is int:
         return None if _is_int(value) else f"expected an integer, got {json_type(value)}"
     if annotation is float:
-        if (_is_int(value) or isinstance(value, float)) and math.isfinite(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"expected a finite number, got {value!r}"
+        if _is_int(value) or isinstance(value, float):
             return None
         return f"expected a number, got {json_type(value)}"
     if annotation is str:

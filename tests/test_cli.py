@@ -364,6 +364,7 @@ async def test_serve_answers_json_rpc_and_stops_on_sigint(tmp_path: Path) -> Non
     from trio_websocket import open_websocket_url
 
     data_dir = tmp_path / "serve-data"
+    (tmp_path / "ws").mkdir()  # the data dir may not be inside the workspace (R-SEC-5)
     process = await trio.lowlevel.open_process(
         [
             *CLI,
@@ -373,7 +374,7 @@ async def test_serve_answers_json_rpc_and_stops_on_sigint(tmp_path: Path) -> Non
             "--data-dir",
             str(data_dir),
             "--workspace",
-            str(tmp_path),
+            str(tmp_path / "ws"),
             "--approve",
             "all",
         ],

@@ -238,7 +238,7 @@ async def test_run_serve_prints_the_console_url(
                     host="127.0.0.1",
                     port=0,
                     data_dir=tmp_path / "data",
-                    defaults=SessionDefaults(provider="scripted", workspace_dir=tmp_path),
+                    defaults=SessionDefaults(provider="scripted", workspace_dir=tmp_path / "ws"),
                     ready=lambda port: ready.set(),
                     console_port=0,
                 )
@@ -269,7 +269,7 @@ async def test_run_serve_without_a_free_console_port_still_serves(
                     host="127.0.0.1",
                     port=0,
                     data_dir=tmp_path / "data",
-                    defaults=SessionDefaults(provider="scripted", workspace_dir=tmp_path),
+                    defaults=SessionDefaults(provider="scripted", workspace_dir=tmp_path / "ws"),
                     ready=lambda port: ready.set(),
                     console_port=busy_port,
                 )
@@ -349,6 +349,7 @@ async def stack(
         )
         console = ConsoleServer(listen_host="127.0.0.1", port=0)
         await nursery.start(console.run)
+        gateway.allow_origin(f"http://127.0.0.1:{console.port}")  # the page's origin
         server = Stack(host, gateway, console, made, nursery)
         await server.start_gateway()
         yield server

@@ -104,6 +104,8 @@ class Client:
 async def gateway_client(
     host: Host, model: Model, *, titles: bool, gates: Gates | None = None
 ) -> AsyncIterator[tuple[Gateway, Client]]:
+    workspace = host.data_dir.parent / "workspace"  # never holding the data dir (R-SEC-5)
+    workspace.mkdir(exist_ok=True)
     gateway = Gateway(
         host,
         token=TOKEN,
@@ -111,7 +113,7 @@ async def gateway_client(
         defaults=SessionDefaults(
             provider_factory=lambda: ScriptedProvider(model),
             tools=[gates.tool()] if gates else [],
-            workspace_dir=host.data_dir,
+            workspace_dir=workspace,
         ),
         titles=titles,
     )

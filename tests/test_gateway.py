@@ -64,9 +64,13 @@ async def serving(
     tools: Sequence[Tool] = (),
     approve: str = "ask",
     limits: GatewayLimits | None = None,
+    workspace_root: Path | None = None,
+    **gateway_options: Any,
 ) -> AsyncIterator[Server]:
     """A host and its gateway on a free port; each created session gets a new scripted
-    provider playing ``script()``. At exit none of them saw a broken transcript."""
+    provider playing ``script()``. At exit none of them saw a broken transcript.
+    ``gateway_options`` go to the :class:`Gateway` (the token is ``TOKEN`` unless they
+    give ``tokens``)."""
     made: list[ScriptedProvider] = []
 
     def factory() -> ScriptedProvider:
@@ -78,7 +82,7 @@ async def serving(
     async with Host.open(tmp_path / "data") as host, trio.open_nursery() as nursery:
         gateway = Gateway(
             host,
-            token=TOKEN,
+            token=None if "tokens" in gateway_options else TOKEN,
             listen_host="127.0.0.1",
             port=0,
             defaults=SessionDefaults(
@@ -86,8 +90,10 @@ async def serving(
                 tools=tools,
                 workspace_dir=workspace,
                 approve=approve,  # type: ignore[arg-type]
+                workspace_root=workspace_root,
             ),
             limits=limits,
+            **gateway_options,
         )
         port = await nursery.start(gateway.run)
         assert port == gateway.port and port > 0
@@ -254,9 +260,12 @@ async def test_initialize_authenticates_a_connection_without_a_header(tmp_path: 
             assert (await client.error("session.list"))["code"] == 401
             assert (await client.error("session.create"))["code"] == 401
             assert (await client.error("initialize", {"token": "nope"}))["code"] == 401
-            # The connection survived the failures.
-            result = await client.result("initialize", {"token": TOKEN, "client_id": "ann"})
-            assert result["client_id"] == "ann"
+            # The connection survived the failures. One token is the principal `default`:
+            # a client id naming another is refused (R-SEC-4).
+            other = await client.error("initialize", {"token": TOKEN, "client_id": "ann"})
+            assert other["code"] == jsonrpc.FORBIDDEN
+            result = await client.result("initialize", {"token": TOKEN, "client_id": "default"})
+            assert result["client_id"] == "default"
             assert (await client.result("session.list")) == {"sessions": []}
             again = await client.error("initialize", {"token": TOKEN})
             assert again["code"] == jsonrpc.INVALID_REQUEST
@@ -276,14 +285,19 @@ async def test_repeated_bad_tokens_close_the_connection(tmp_path: Path) -> None:
 # -- ownership ------------------------------------------------------------------------------------
 
 
+ALICE = "alice-token-0123456789"
+BOB = "bob-token-0123456789ab"
+
+
 async def test_sessions_belong_to_the_client_that_created_them(tmp_path: Path) -> None:
+    """R-SEC-4: each token is a principal; it sees and steers only its own sessions."""
     with trio.fail_after(BOUND_S):
         async with (
-            serving(tmp_path) as server,
+            serving(tmp_path, tokens={"alice": ALICE, "bob": BOB}) as server,
             connect(server, token=None) as alice,
-            connect(server, client_id="bob") as bob,
+            connect(server, token=BOB, client_id="bob") as bob,
         ):
-            await alice.result("initialize", {"token": TOKEN, "client_id": "alice"})
+            await alice.result("initialize", {"token": ALICE, "client_id": "alice"})
             sid = (await alice.result("session.create"))["session_id"]
             for method, params in [
                 ("session.subscribe", {}),
@@ -298,7 +312,7 @@ async def test_sessions_belong_to_the_client_that_created_them(tmp_path: Path) -
             assert missing["code"] == 404
             # Another connection of the same identity sees the session; a grant shares it.
             async with connect(server, token=None) as alice2:
-                await alice2.result("initialize", {"token": TOKEN, "client_id": "alice"})
+                await alice2.result("initialize", {"token": ALICE})
                 listed = await alice2.result("session.list")
                 assert [s["session_id"] for s in listed["sessions"]] == [sid]
             server.gateway.grant("bob", sid)
@@ -479,11 +493,12 @@ async def test_stopping_the_gateway_denies_pending_approvals(
     tmp_path: Path, lookup: Lookup
 ) -> None:
     with trio.fail_after(BOUND_S):
+        (tmp_path / "workspace").mkdir()
         async with Host.open(tmp_path / "data") as host:
             defaults = SessionDefaults(
                 provider_factory=lambda: ScriptedProvider(lookup_script()),
                 tools=[lookup.tool],
-                workspace_dir=tmp_path,
+                workspace_dir=tmp_path / "workspace",
             )
             async with trio.open_nursery() as nursery:
                 gateway = Gateway(host, token=TOKEN, port=0, defaults=defaults)
@@ -686,34 +701,6 @@ async def test_gateway_stop_closes_connections_with_a_reason(tmp_path: Path) -> 
                     assert reason.reason == "server shutting down"
 
 
-async def test_slow_subscriber_is_dropped_not_waited_for(tmp_path: Path) -> None:
-    """The outbox counts frames not yet sent; over the limit the subscription is dropped
-    with a notice naming the last queued seq, and the session never waits."""
-    from greenroom.actors import gateway as gw
-
-    async with Host.open(tmp_path / "data") as host:
-        session = await host.create_session(
-            provider=ScriptedProvider([Reply(blocks=(text("a b c d e f"),))]),
-            workspace_dir=tmp_path,
-        )
-        limits = GatewayLimits(max_pending_frames=2)
-        connection = gw._Connection(None, "default", limits)  # type: ignore[arg-type]
-        hub = gw._SessionHub(session)
-        subscription = gw._Subscription(connection, hub, 0, limits)
-        subscription.go_live(0)
-        with trio.fail_after(BOUND_S):
-            await session.run("go").collect()  # nobody sends: the writer never runs
-        assert subscription.closed and connection.subscriptions == {}
-        frames: list[dict[str, Any]] = []
-        while connection.outbox.pending:
-            frames.append(json.loads(await connection.outbox.get()))
-            connection.outbox.sent()
-        *outputs, notice = frames
-        assert notice["method"] == "subscription_dropped"
-        assert notice["params"]["last_seq"] == max(o["params"].get("seq", 0) for o in outputs)
-        assert len(outputs) >= 2
-
-
 # -- token file and run_serve ---------------------------------------------------------------------
 
 
@@ -733,6 +720,7 @@ async def test_run_serve_prints_and_serves(
 ) -> None:
     ports: list[int] = []
     ready = trio.Event()
+    (tmp_path / "workspace").mkdir()
 
     def on_ready(port: int) -> None:
         ports.append(port)
@@ -745,7 +733,9 @@ async def test_run_serve_prints_and_serves(
                     host="127.0.0.1",
                     port=0,
                     data_dir=tmp_path / "data",
-                    defaults=SessionDefaults(provider="scripted", workspace_dir=tmp_path),
+                    defaults=SessionDefaults(
+                        provider="scripted", workspace_dir=tmp_path / "workspace"
+                    ),
                     ready=on_ready,
                 )
             )
@@ -883,7 +873,7 @@ def test_param_helpers() -> None:
         (lambda: jsonrpc.require_str({"session_id": 1}, "session_id"), "$.session_id"),
         (lambda: jsonrpc.optional_int({"after_seq": -1}, "after_seq", minimum=0), "$.after_seq"),
         (lambda: jsonrpc.optional_int({"after_seq": "1"}, "after_seq"), "$.after_seq"),
-        (lambda: jsonrpc.check_params(params, ("session_id", "after_seq")), "$.n"),
+        (lambda: jsonrpc.check_params(params, "session.subscribe"), "$.n"),
         (lambda: jsonrpc.require_choice({"d": "x"}, "d", ("allow", "deny")), "$.d"),
     ]:
         with pytest.raises(jsonrpc.RpcError) as caught:

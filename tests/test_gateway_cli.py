@@ -1,0 +1,225 @@
+"""``greenroom serve`` / ``sessions`` / ``run --session`` for serving safely, as
+subprocesses: a mistake in the setup is one clear line and exit code 2, never a
+traceback (R-SEC-4, R-SEC-5, R-SEC-1)."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+from pathlib import Path
+
+import trio
+from test_cli import CLI, TIMEOUT_S, cli_env, greenroom
+from test_gateway import Client
+from trio_websocket import ConnectionRejected, open_websocket_url
+
+ALICE = "alice-token-0123456789"
+BOB = "bob-token-0123456789ab"
+
+
+def one_line_usage_error(result: object) -> str:
+    code = getattr(result, "returncode")  # noqa: B009
+    err: str = getattr(result, "stderr")  # noqa: B009
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_a_bad_tokens_file_line_is_a_usage_error(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"# clients\nalice {ALICE}\nbob\n")
+    (tmp_path / "home").mkdir()
+    result = greenroom(
+        tmp_path, "serve", "--port", "0", "--no-console", "--tokens-file", str(tokens),
+        "--data-dir", str(tmp_path / "data"), "--workspace", str(tmp_path / "home"),
+    )
+    line = one_line_usage_error(result)
+    assert f"{tokens}:3:" in line and "CLIENT_ID TOKEN" in line
+
+
+def test_token_file_and_tokens_file_together_are_a_usage_error(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"alice {ALICE}\n")
+    (tmp_path / "home").mkdir()
+    result = greenroom(
+        tmp_path, "serve", "--port", "0", "--no-console", "--tokens-file", str(tokens),
+        "--token-file", str(tmp_path / "one"), "--data-dir", str(tmp_path / "data"),
+        "--workspace", str(tmp_path / "home"),
+    )
+    assert "--tokens-file" in one_line_usage_error(result)
+
+
+def test_a_data_dir_inside_the_workspace_root_is_a_usage_error(tmp_path: Path) -> None:
+    (tmp_path / "root" / "ws").mkdir(parents=True)
+    result = greenroom(
+        tmp_path, "serve", "--port", "0", "--no-console",
+        "--data-dir", str(tmp_path / "root" / "data"),
+        "--workspace", str(tmp_path / "root" / "ws"),
+        "--workspace-root", str(tmp_path / "root"),
+    )
+    assert "data dir" in one_line_usage_error(result)
+
+
+def test_serve_flags_are_checked(tmp_path: Path) -> None:
+    result = greenroom(tmp_path, "serve", "--max-connections", "0")
+    assert result.returncode == 2 and "--max-connections" in result.stderr
+    help_text = greenroom(tmp_path, "serve", "--help").stdout
+    for flag in ("--tokens-file", "--allow-origin", "--max-connections", "--workspace-root"):
+        assert flag in help_text
+
+
+async def test_serve_with_a_tokens_file_and_an_allowed_origin(tmp_path: Path) -> None:
+    """End to end: two principals from the tokens file; a session of one is invisible
+    and forbidden to the other; a browser origin passes only when allowed."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"alice {ALICE}\nbob {BOB}\n")
+    (tmp_path / "ws").mkdir()
+    process = await trio.lowlevel.open_process(
+        [
+            *CLI, "serve", "--port", "0", "--no-console", "--tokens-file", str(tokens),
+            "--allow-origin", "http://app.example:3000", "--data-dir", str(tmp_path / "data"),
+            "--workspace", str(tmp_path / "ws"), "--approve", "all",
+        ],
+        env=cli_env(tmp_path),
+        stderr=-1,
+    )
+    assert process.stderr is not None
+    try:
+        with trio.fail_after(TIMEOUT_S):
+            seen = b""
+            while b"/v1" not in seen:
+                chunk = await process.stderr.receive_some()
+                assert chunk, f"serve exited early: {seen!r}"
+                seen += chunk
+            match = re.search(rb"ws://[\w.:]+/v1", seen)
+            assert match
+            url = match.group().decode()
+
+            def auth(token: str, origin: str | None = None) -> list[tuple[bytes, bytes]]:
+                headers = [(b"Authorization", f"Bearer {token}".encode())]
+                if origin is not None:
+                    headers.append((b"Origin", origin.encode()))
+                return headers
+
+            async with open_websocket_url(url, extra_headers=auth(ALICE)) as ws:
+                alice = Client(ws)
+                sid = (await alice.result("session.create"))["session_id"]
+            async with open_websocket_url(
+                url, extra_headers=auth(BOB, "http://app.example:3000")
+            ) as ws:
+                bob = Client(ws)
+                assert (await bob.result("session.list")) == {"sessions": []}
+                denied = await bob.error("session.subscribe", {"session_id": sid})
+                assert denied["code"] == 403
+            try:
+                async with open_websocket_url(url, extra_headers=auth(BOB, "http://evil.example")):
+                    raise AssertionError("a foreign origin was admitted")
+            except ConnectionRejected as rejected:
+                assert rejected.status_code == 403
+            process.send_signal(signal.SIGINT)
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+def test_sessions_lists_the_readable_ones_and_names_the_bad_one(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    (tmp_path / "ws").mkdir()
+    ran = greenroom(
+        tmp_path, "run", "--json", "--workspace", str(tmp_path / "ws"), "--data-dir", str(data),
+        "hello",
+    )
+    assert ran.returncode == 0, ran.stderr
+    good = json.loads(ran.stdout.splitlines()[0])["session_id"]
+    bad_dir = data / "sessions" / "20990101-000000-badbad"
+    bad_dir.mkdir()
+    (bad_dir / "session.json").write_text('{"settings": 5}')
+    listed = greenroom(tmp_path, "sessions", "--data-dir", str(data))
+    assert listed.returncode == 0, listed.stderr
+    assert good in listed.stdout
+    assert "Traceback" not in listed.stderr
+    assert "unreadable session 20990101-000000-badbad" in listed.stderr
+    assert str(bad_dir / "session.json") in listed.stderr
+    as_json = greenroom(tmp_path, "sessions", "--json", "--data-dir", str(data))
+    assert [json.loads(line)["session_id"] for line in as_json.stdout.splitlines()] == [good]
+    for content in ("[]", '"x"', '{"settings": 5}', '{"settings": {"max_turns": "x"}}'):
+        (bad_dir / "session.json").write_text(content)
+        resumed = greenroom(
+            tmp_path, "run", "--session", "20990101-000000-badbad", "--data-dir", str(data), "hi"
+        )
+        line = one_line_usage_error(resumed)
+        assert "unreadable" in line, content
+
+
+def _limit_descriptors() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))
+
+
+FD_LIMIT = 320
+
+
+def _flood(port: int, count: int) -> list[socket.socket]:
+    """``count`` TCP connections that never send a handshake."""
+    sockets: list[socket.socket] = []
+    for _ in range(count):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S)
+        sockets.append(sock)
+    return sockets
+
+
+async def test_a_connection_flood_never_starves_a_session_of_descriptors(tmp_path: Path) -> None:
+    """R-SEC-4: under a descriptor limit of 320 the server caps its connections below it
+    (and says so); 600 half-open connections then wait in the kernel's backlog, and a
+    session created and run meanwhile still writes its files and completes."""
+    (tmp_path / "ws").mkdir()
+    process = await trio.lowlevel.open_process(
+        [
+            *CLI, "serve", "--port", "0", "--no-console", "--data-dir", str(tmp_path / "data"),
+            "--workspace", str(tmp_path / "ws"), "--approve", "all",
+        ],
+        env=cli_env(tmp_path),
+        stderr=-1,
+        preexec_fn=_limit_descriptors,
+    )
+    assert process.stderr is not None
+    flood: list[socket.socket] = []
+    try:
+        with trio.fail_after(TIMEOUT_S):
+            seen = b""
+            while b"/v1" not in seen:
+                chunk = await process.stderr.receive_some()
+                assert chunk, f"serve exited early: {seen!r}"
+                seen += chunk
+            assert re.search(rb"at most \d+ connections \(the file descriptor limit is 320", seen)
+            match = re.search(rb"ws://[\w.:]+:(\d+)/v1", seen)
+            assert match
+            url, port = match.group().decode(), int(match.group(1))
+            token = (tmp_path / "data" / "serve.token").read_text().strip()
+            headers = [(b"Authorization", f"Bearer {token}".encode())]
+            async with open_websocket_url(url, extra_headers=headers) as ws:
+                client = Client(ws)
+                flood = await trio.to_thread.run_sync(_flood, port, 600)
+                for _ in range(3):
+                    sid = (await client.result("session.create"))["session_id"]
+                    await client.result("session.subscribe", {"session_id": sid})
+                    await client.result("run", {"session_id": sid, "input": "hello"})
+                    outputs = client.take_outputs() + await client.outputs_until("task_end")
+                    assert outputs[-1]["status"] == "completed", outputs[-1]
+                    traces = list((tmp_path / "data" / "sessions" / sid).glob("trace_*.jsonl"))
+                    assert traces and traces[0].read_text().count("\n") >= 2
+            process.send_signal(signal.SIGINT)
+            assert await process.wait() == 0
+    finally:
+        for sock in flood:
+            sock.close()
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
