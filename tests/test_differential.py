@@ -262,6 +262,13 @@ def openai_chunks(rng: random.Random) -> list[bytes]:
     blocks = random_blocks(rng)
     tools = [payload for kind, payload in blocks if kind == "tool"]
     finish = "tool_calls" if tools else rng.choice(["stop", "stop", "length"])
+    if tools and rng.random() < 0.15:
+        finish = "length"  # the output limit struck while the calls were streaming
+    # The one call sent as a legacy ``function_call``.
+    legacy = len(tools) == 1 and finish != "length" and rng.random() < 0.3
+    if legacy:
+        finish = "function_call"
+    reasoning_key = rng.choice(["reasoning_content", "reasoning"])
     base = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 1, "model": "m"}
     empty_finish: Any = "" if rng.random() < 0.3 else None
     every_usage = rng.random() < 0.2
@@ -270,12 +277,16 @@ def openai_chunks(rng: random.Random) -> list[bytes]:
         if kind == "text":
             deltas += [{"content": p} for p in cut_pieces(rng, payload) if p]
         elif kind == "thinking":
-            deltas += [{"reasoning_content": p} for p in cut_pieces(rng, payload[0]) if p]
+            deltas += [{reasoning_key: p} for p in cut_pieces(rng, payload[0]) if p]
     # Tool call fragments, interleaved by index while keeping each call's own order.
     queues: list[list[dict[str, Any]]] = []
     for index, (call_id, name, arguments) in enumerate(tools):
         raw = json.dumps(arguments, ensure_ascii=rng.random() < 0.5)
         parts = cut_pieces(rng, raw, 12)
+        if legacy:
+            queues.append([{"function_call": {"name": name, "arguments": parts[0]}}]
+                          + [{"function_call": {"arguments": p}} for p in parts[1:]])
+            continue
         queue = [{"index": index, "id": call_id, "type": "function",
                   "function": {"name": name, "arguments": parts[0]}}]
         queue += [{"index": index, "function": {"arguments": p}} for p in parts[1:]]
@@ -287,7 +298,8 @@ def openai_chunks(rng: random.Random) -> list[bytes]:
         queue = rng.choice(open_queues)
         if queue is queues[min(started, len(queues) - 1)] and started < len(queues):
             started += 1
-        deltas.append({"tool_calls": [queue.pop(0)]})
+        fragment = queue.pop(0)
+        deltas.append(fragment if legacy else {"tool_calls": [fragment]})
     prompt = rng.randint(1, 10**5)
     chunks: list[dict[str, Any]] = []
     for n, delta in enumerate(deltas):
@@ -336,6 +348,11 @@ def openai_oracle(pieces: list[bytes]) -> tuple[Any, bool, bool]:
     return (state.current_completion_snapshot if seen else None), done, errored
 
 
+def reasoning_of(message: Any) -> str:
+    extra = message.model_extra or {}
+    return str(extra.get("reasoning_content") or extra.get("reasoning") or "")
+
+
 def compare_openai(rng: random.Random) -> None:
     body = b"".join(openai_chunks(rng))
     if rng.random() < 0.25:
@@ -355,12 +372,13 @@ def compare_openai(rng: random.Random) -> None:
         text, thinking = streamed_text(ours)
         if choice is not None:
             assert text == (choice.message.content or "")
-            assert thinking == (getattr(choice.message, "reasoning_content", None) or "")
+            assert thinking == reasoning_of(choice.message)
         return
     assert isinstance(last, MessageCompleted), last
     assert choice is not None
     message = choice.message
-    stop = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens"}[finish]
+    stop = {"stop": "end_turn", "tool_calls": "tool_use", "function_call": "tool_use",
+            "length": "max_tokens"}[finish]
     calls = message.tool_calls or []
     if stop == "end_turn" and calls:
         stop = "tool_use"
@@ -372,11 +390,18 @@ def compare_openai(rng: random.Random) -> None:
         assert last.usage.input + last.usage.cache_read == snapshot.usage.prompt_tokens
         assert last.usage.cache_read == (cached_tokens or 0)
     expected: list[Any] = []
-    reasoning = getattr(message, "reasoning_content", None)
+    reasoning = reasoning_of(message)
     if reasoning:
         expected.append(ThinkingBlock(text=reasoning))
     if message.content:
         expected.append(TextBlock(text=message.content))
+    if message.function_call is not None:
+        # Choice: the legacy call gets an id (the SDK's has none), derived from the response.
+        (block,) = [b for b in completed_blocks(ours) if isinstance(b, ToolCallBlock)]
+        assert block.id == "call_chatcmpl-x"
+        function = message.function_call
+        expected.append(ToolCallBlock(id=block.id, name=function.name,
+                                      arguments=json.loads(function.arguments or "{}")))
     truncated = [e for e in ours if isinstance(e, ToolCallTruncated)]
     if finish == "length":
         # Choice: every call open at the output limit is truncated and never runs.

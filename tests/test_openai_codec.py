@@ -130,6 +130,7 @@ def summarise(events: list[StreamEvent]) -> dict[str, Any]:
 STOP_REASON = {
     "stop": "end_turn",
     "tool_calls": "tool_use",
+    "function_call": "tool_use",
     "length": "max_tokens",
     "content_filter": "refusal",
 }

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -365,7 +365,16 @@ A_END = [
 ]
 
 
-async def test_repeated_tool_call_id_is_a_malformed_attempt(tmp_path: Path) -> None:
+def wire_session(
+    wire: str, server: MockModelServer, tmp_path: Path
+) -> AbstractAsyncContextManager[Session]:
+    if wire == "anthropic":
+        return anthropic_session(server, tmp_path)
+    return openai_session(server, tmp_path)
+
+
+@pytest.mark.parametrize("wire", ["anthropic", "openai"])
+async def test_repeated_tool_call_id_is_a_malformed_attempt(tmp_path: Path, wire: str) -> None:
     """R-SEC-6: two calls with one id in a model message make the attempt `malformed`; it
     is retried and every request stays paired (the mock server checks each one)."""
     ran.clear()
@@ -379,7 +388,7 @@ async def test_repeated_tool_call_id_is_a_malformed_attempt(tmp_path: Path) -> N
         Reply([ToolUse("toolu_b", "lookup", {"key": "three"})], stop_reason="tool_use"),
         Reply([Text("Done.")]),
     ) as server:
-        async with anthropic_session(server, tmp_path) as session:
+        async with wire_session(wire, server, tmp_path) as session:
             with trio.fail_after(10):
                 outputs = [o async for o in session.run("go", approve=allow)]
         server.assert_clean()
@@ -390,17 +399,34 @@ async def test_repeated_tool_call_id_is_a_malformed_attempt(tmp_path: Path) -> N
     assert "two" not in ran and "three" in ran
 
 
-async def test_deeply_nested_arguments_are_that_calls_error(tmp_path: Path) -> None:
-    """R-SEC-6/R-TOOL-5: arguments nested 100,000 deep give that call an invalid-arguments
-    error output; the attempt succeeds, the other call runs, the task completes."""
+def oa_tool(index: int, call_id: str, arguments: str) -> dict[str, Any]:
+    fragment = {"index": index, "id": call_id, "type": "function",
+                "function": {"name": "lookup", "arguments": arguments}}
+    return oa_chunk({"tool_calls": [fragment]}, None)
+
+
+@pytest.mark.parametrize("depth", [100_000, 500])
+@pytest.mark.parametrize("wire", ["anthropic", "openai"])
+async def test_deeply_nested_arguments_are_that_calls_error(
+    tmp_path: Path, wire: str, depth: int
+) -> None:
+    """R-SEC-6/R-TOOL-5: arguments nested 100,000 deep (beyond what the JSON parser takes)
+    or 500 deep (which it takes) give that call an invalid-arguments error output; the
+    attempt succeeds, the other call runs, the task completes."""
     ran.clear()
-    deep = '{"key": ' + "[" * 100_000 + "]" * 100_000 + "}"
-    stream = anthropic_stream(
-        A_START, *a_tool(0, "toolu_deep", deep), *a_tool(1, "toolu_ok", '{"key": "fine"}'),
-        *A_END,
-    )
+    deep = '{"key": ' + "[" * depth + "]" * depth + "}"
+    if wire == "anthropic":
+        stream = anthropic_stream(
+            A_START, *a_tool(0, "toolu_deep", deep), *a_tool(1, "toolu_ok", '{"key": "fine"}'),
+            *A_END,
+        )
+    else:
+        stream = openai_stream(
+            oa_tool(0, "toolu_deep", deep), oa_tool(1, "toolu_ok", '{"key": "fine"}'),
+            oa_chunk({}, "tool_calls"),
+        )
     async with open_mock_server(stream, Reply([Text("Done.")])) as server:
-        async with anthropic_session(server, tmp_path) as session:
+        async with wire_session(wire, server, tmp_path) as session:
             with trio.fail_after(10):
                 outputs = [o async for o in session.run("go", approve=allow)]
         server.assert_clean()
