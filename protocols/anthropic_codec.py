@@ -761,7 +761,8 @@ class AnthropicStreamDecoder:
                     # Two calls sharing an id cannot both be answered (R-SEC-6).
                     raise ValueError(f"tool_use id {call_id[:100]!r} repeated in one message")
                 self._call_ids.add(call_id)
-                blk = _Block(idx, "tool_call", call_id, repair_text(cb["name"]), cb.get("input"))
+                blk = _Block(idx, "tool_call", repair_text(call_id), repair_text(cb["name"]),
+                             cb.get("input"))
                 self._blocks[idx] = blk
                 out.append(BlockStarted(index=idx, kind="tool_call", call_id=blk.call_id,
                                         name=blk.name))

@@ -713,13 +713,18 @@ class OpenAIStreamDecoder:
             self._close_text()
             self._close_thinking()
             name = function.get("name") or ""
-            if not call_id:
+            taken = {t.call_id for t in self._tools.values()}
+            if call_id:
+                call_id = repair_text(str(call_id))
+                if call_id in taken:
+                    # Two calls sharing an id cannot both be answered (R-SEC-6).
+                    raise _Malformed(f"tool call id {call_id[:100]!r} repeated in one message")
+            else:
                 # Pairing needs a non-empty id (R-TOOL-7); ours only has to be unique here.
                 call_id = f"call_{wire_index}"
-            elif any(t.call_id == call_id for t in self._tools.values()):
-                # Two calls sharing an id cannot both be answered (R-SEC-6).
-                raise _Malformed(f"tool call id {str(call_id)[:100]!r} repeated in one message")
-            call = _ToolCall(wire_index, self._next_block, str(call_id), str(name))
+                while call_id in taken:
+                    call_id += "_"
+            call = _ToolCall(wire_index, self._next_block, call_id, repair_text(str(name)))
             self._next_block += 1
             self._tools[wire_index] = call
             self._out.append(
@@ -728,7 +733,7 @@ class OpenAIStreamDecoder:
                 )
             )
         elif not call.name and function.get("name"):
-            call.name = str(function["name"])
+            call.name = repair_text(str(function["name"]))
         arguments = function.get("arguments")
         if arguments:
             if arguments.__class__ is not str:

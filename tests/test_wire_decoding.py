@@ -422,3 +422,17 @@ def test_anthropic_lone_surrogates_are_repaired() -> None:
     assert isinstance(events[-1], MessageCompleted)
     assert text_of(events) == "a\ufffdb"
     assert calls_of(events)[0].arguments == {"key": "\ufffd"}
+
+
+def test_synthesised_ids_never_collide_with_the_servers() -> None:
+    body = openai_body(
+        chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                               "function": {"name": "lookup", "arguments": "{}"}}]}),
+        chunk({"tool_calls": [{"index": 1, "type": "function",
+                               "function": {"name": "lookup", "arguments": "{}"}}]}),
+        chunk({}, "tool_calls"),
+    )
+    events = decode_openai(body)
+    assert isinstance(events[-1], MessageCompleted)
+    ids = [c.id for c in calls_of(events)]
+    assert ids[0] == "call_1" and len(set(ids)) == 2 and all(ids)
