@@ -74,7 +74,7 @@ class Compactor:
                     *verdict.repair,
                     compaction.prompt_message(prompt, correction=True),
                 )
-            if not should_retry(failure.kind, attempt):
+            if not should_retry(failure.kind, attempt, permanent=failure.permanent):
                 return CompactionOutcome(summary=None, attempt=attempt, error=failure)
             self.backoff.plan()
             await self.backoff.sleep(backoff_ms(attempt - 1, failure.retry_after_s) / 1000)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+import attrs
 import trio
 
 from greenroom.protocols.context import ModelRequest
@@ -20,6 +21,51 @@ from greenroom.protocols.messages import StreamBatch, SupervisorMessage
 from greenroom.protocols.stream import ModelError, StreamEvent, StreamFailed
 
 Deliver = Callable[[list[StreamEvent]], Awaitable[None]]
+
+_CONNECT_REASONS: tuple[tuple[type[OSError], str], ...] = (
+    (ConnectionRefusedError, "connection refused"),
+    (ConnectionResetError, "connection reset"),
+    (TimeoutError, "timed out"),
+)
+
+
+def cut_short(events: list[StreamEvent], exc: BaseException) -> list[StreamEvent]:
+    """The decoder's final events for a body the connection dropped part-way
+    (``decoder.end_of_stream()``): a stream cut short is ``malformed`` (R-RETRY-1) unless it
+    had already proven complete; the failure names the drop."""
+    if events and isinstance(events[-1], StreamFailed):
+        error = events[-1].error
+        reason = str(exc) or type(exc).__name__
+        failed = StreamFailed(
+            error=attrs.evolve(error, message=f"{error.message}; connection dropped: {reason}")
+        )
+        return [*events[:-1], failed]
+    return events
+
+
+def connect_failure(url: str, exc: BaseException) -> str:
+    """What the user reads when a connection to ``url`` could not be opened:
+    ``cannot connect to URL (connection refused)``, naming the operating system's reason
+    found anywhere in the exception's causes (exception groups included), else the
+    library's own words. Such a failure stays retryable: a server may be starting up."""
+    seen: set[int] = set()
+    pending: list[BaseException] = [exc]
+    gai: str | None = None
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        for cls, reason in _CONNECT_REASONS:
+            if isinstance(current, cls):
+                return f"cannot connect to {url} ({reason})"
+        if gai is None and current.__class__.__name__ == "gaierror":
+            gai = "unknown host"
+        pending.extend(getattr(current, "exceptions", ()) or ())
+        for link in (current.__cause__, current.__context__):
+            if link is not None:
+                pending.append(link)
+    return f"cannot connect to {url} ({gai or str(exc) or type(exc).__name__})"
 
 
 class ProviderTask(Protocol):

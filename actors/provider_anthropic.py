@@ -22,7 +22,7 @@ import anthropic
 import httpx2
 
 from greenroom.actors.errors import ConfigurationError
-from greenroom.actors.llm_streamer import Deliver
+from greenroom.actors.llm_streamer import Deliver, connect_failure, cut_short
 from greenroom.actors.media import read_image
 from greenroom.protocols.anthropic_codec import (
     AnthropicStreamDecoder,
@@ -147,19 +147,30 @@ class _AnthropicTask:
         shard.active += 1
         try:
             async with shard.client.messages.with_streaming_response.create(**body) as response:
-                async for chunk in response.iter_bytes():
-                    events = decoder.feed(chunk)
-                    if events:
-                        await deliver(events)
-                    if decoder.finished:
-                        return
+                try:
+                    async for chunk in response.iter_bytes():
+                        events = decoder.feed(chunk)
+                        if events:
+                            await deliver(events)
+                        if decoder.finished:
+                            return
+                except httpx2.TimeoutException:
+                    raise
+                except httpx2.TransportError as exc:
+                    # The body had begun: a stream cut short, judged by what arrived.
+                    await deliver(cut_short(decoder.end_of_stream(), exc))
+                    return
             await deliver(decoder.end_of_stream())
         except anthropic.APIStatusError as exc:
             await deliver([StreamFailed(error=_status_error(exc))])
         except anthropic.APITimeoutError:
             await deliver([_failed("timeout", "request timed out")])
         except anthropic.APIConnectionError as exc:
-            await deliver([_failed("timeout", f"connection failed: {_cause(exc)}")])
+            if _is_connect_error(exc):
+                url = str(exc.request.url) if exc.request is not None else "the server"
+                await deliver([_failed("timeout", connect_failure(url, exc))])
+            else:
+                await deliver([_failed("timeout", f"connection failed: {_cause(exc)}")])
         except httpx2.TimeoutException:
             await deliver([_failed("timeout", "stream stalled: read timed out")])
         except httpx2.TransportError as exc:
@@ -179,6 +190,16 @@ def _status_error(exc: anthropic.APIStatusError) -> ModelError:
 
 def _failed(kind: str, message: str) -> StreamFailed:
     return StreamFailed(error=ModelError(kind=kind, message=message))  # type: ignore[arg-type]
+
+
+def _is_connect_error(exc: BaseException) -> bool:
+    """Whether the connection was never opened (as opposed to dropped mid-request)."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, httpx2.ConnectError):
+            return True
+        cause = cause.__cause__
+    return False
 
 
 def _cause(exc: BaseException) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from greenroom.actors.llm_streamer import Deliver
+from greenroom.actors.llm_streamer import Deliver, connect_failure, cut_short
 from greenroom.actors.media import read_image
 from greenroom.protocols.content import ImageBlock
 from greenroom.protocols.context import ModelRequest
@@ -88,15 +88,26 @@ class _OpenAITask:
                     error = classify_error(response.status_code, content, response.headers)
                     await deliver([StreamFailed(error=error)])
                     return
-                async for chunk in response.aiter_bytes():
-                    events = decoder.feed(chunk)
-                    if events:
-                        await deliver(events)
-                    if decoder.finished:
-                        return
+                try:
+                    async for chunk in response.aiter_bytes():
+                        events = decoder.feed(chunk)
+                        if events:
+                            await deliver(events)
+                        if decoder.finished:
+                            return
+                except httpx.TimeoutException:
+                    raise
+                except httpx.TransportError as exc:
+                    # The body had begun: a stream cut short, judged by what arrived.
+                    await deliver(cut_short(decoder.end_of_stream(), exc))
+                    return
             await deliver(decoder.end_of_stream())
+        except httpx.ConnectTimeout:
+            await deliver([_failed(f"cannot connect to {self._url} (timed out)")])
         except httpx.TimeoutException:
             await deliver([_failed("request timed out or stream stalled")])
+        except httpx.ConnectError as exc:
+            await deliver([_failed(connect_failure(self._url, exc))])
         except httpx.TransportError as exc:
             await deliver([_failed(f"connection failed or dropped: {exc or type(exc).__name__}")])
 

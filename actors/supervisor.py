@@ -414,7 +414,7 @@ class SessionSupervisor:
                 break
             assert isinstance(result, StreamFailed)
             error = result.error
-            retry = should_retry(error.kind, attempt)
+            retry = should_retry(error.kind, attempt, permanent=error.permanent)
             delay_ms = backoff_ms(attempt - 1, error.retry_after_s) if retry else 0
             if retry:
                 self._streamer.backoff.plan()  # skippable from the moment it is announced

@@ -67,6 +67,8 @@ from greenroom.protocols.stream import (
     ToolCallTruncated,
     UsageReported,
 )
+from greenroom.protocols.text import repair_json, repair_text
+from greenroom.protocols.tools import MAX_ARGUMENT_DEPTH, parse_tool_arguments, value_too_deep
 
 ImageLoader = Callable[[ImageBlock], "dict[str, Any] | None"]
 """Turns an image block into an Anthropic ``image`` content block, or None when it cannot
@@ -340,6 +342,16 @@ def _kind_for_error_type(error_type: str | None, message: str) -> ErrorKind:
     return "failed"
 
 
+_PERMANENT_TYPES = frozenset({"invalid_request_error", "not_found_error", "request_too_large"})
+_PERMANENT_STATUSES = frozenset({400, 404, 413, 422})
+
+
+def _is_permanent(status: int | None, error_type: str | None) -> bool:
+    """The provider rejected the request itself (wrong model, invalid or too large): the
+    same request fails the same way, so it is not retried (R-RETRY-2)."""
+    return status in _PERMANENT_STATUSES or error_type in _PERMANENT_TYPES
+
+
 def _error_text(error_type: str | None, message: str | None) -> str:
     if error_type and message:
         return f"{error_type}: {message}"
@@ -406,7 +418,9 @@ def classify_error(
     * 408, 429, every 5xx (529 overloaded included) -> ``timeout`` (transient), with
       ``retry_after_s`` from ``retry-after-ms`` or ``retry-after`` (seconds or HTTP date,
       relative to ``now``, default the wall clock) when present;
-    * 413 and every other status -> ``failed``.
+    * every other status -> ``failed``; ``permanent`` (not retried) for 400, 404 (unknown
+      model), 413 (request too large) and 422, and for an ``invalid_request_error``,
+      ``not_found_error`` or ``request_too_large`` body whatever the status.
 
     ``message`` is the provider's error text, prefixed by its error type when known; a
     non-JSON body is used as text. ``status_code`` is ``status``.
@@ -428,7 +442,9 @@ def classify_error(
         kind = "failed"
         if status == 413:
             text = f"request too large (HTTP 413; shrink the request): {text}"
-    return ModelError(kind=kind, message=text, status_code=status, retry_after_s=retry_after)
+    permanent = kind == "failed" and _is_permanent(status, error_type)
+    return ModelError(kind=kind, message=text, status_code=status, retry_after_s=retry_after,
+                      permanent=permanent)
 
 
 # --------------------------------------------------------------------------- stream
@@ -446,7 +462,7 @@ class _Block:
         self.call_id = call_id
         self.name = name
         self.parts: list[str] = []
-        self.signature: list[str] = []
+        self.signature = ""
         self.start_input = start_input
 
 
@@ -456,26 +472,31 @@ def _completed(blk: _Block) -> BlockCompleted:
     if blk.kind == "thinking":
         return BlockCompleted(
             index=blk.index,
-            block=ThinkingBlock(text="".join(blk.parts),
-                                signature="".join(blk.signature) or None),
+            block=ThinkingBlock(text="".join(blk.parts), signature=blk.signature or None),
         )
     raw = "".join(blk.parts)
     if not raw.strip():
         # No argument text: the whole input may have come in content_block_start.
         start = blk.start_input
-        args: dict[str, Any] = dict(start) if isinstance(start, dict) else {}
+        if isinstance(start, dict) and value_too_deep(start):
+            return BlockCompleted(index=blk.index, block=ToolCallBlock(
+                id=blk.call_id, name=blk.name, arguments={},
+                invalid_arguments=f"(input nested deeper than {MAX_ARGUMENT_DEPTH} levels)"))
+        args: dict[str, Any] = dict(repair_json(start)) if isinstance(start, dict) else {}
         return BlockCompleted(
             index=blk.index, block=ToolCallBlock(id=blk.call_id, name=blk.name, arguments=args)
         )
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        value = None
-    if isinstance(value, dict):
-        call = ToolCallBlock(id=blk.call_id, name=blk.name, arguments=value)
-    else:
-        call = ToolCallBlock(id=blk.call_id, name=blk.name, arguments={}, invalid_arguments=raw)
+    arguments, invalid = parse_tool_arguments(raw)
+    call = ToolCallBlock(id=blk.call_id, name=blk.name, arguments=arguments,
+                         invalid_arguments=invalid)
     return BlockCompleted(index=blk.index, block=call)
+
+
+def _text_field(delta: Any, key: str) -> str:
+    value = delta[key]
+    if value.__class__ is not str:
+        raise TypeError(f"{key} is not a string")
+    return value if value.isascii() else repair_text(value)
 
 
 def _int(value: Any) -> int:
@@ -552,16 +573,25 @@ class AnthropicStreamDecoder:
       ``redacted_thinking`` completes at its ``content_block_start``.
     * Usage is cumulative: ``message_delta`` values replace earlier ones.
       ``UsageReported`` is produced when usage changes.
+    * One message per stream: a second ``message_start`` with another id, a
+      ``content_block_start`` at an index already started, or two ``tool_use`` blocks with
+      one id (R-SEC-6) are ``StreamFailed(malformed)``. An empty ``stop_reason`` is no
+      verdict. The last ``signature_delta`` of a thinking block stands.
+    * Text, thinking and arguments have lone UTF-16 surrogates replaced (R-SEC-1);
+      arguments nested deeper than ``MAX_ARGUMENT_DEPTH`` are invalid arguments.
     """
 
-    __slots__ = ("_blocks", "_cache_read", "_cache_write", "_deferred", "_done", "_input",
-                 "_last_event", "_output", "_skipped", "_sse", "_started", "_stop_reason",
-                 "_usage")
+    __slots__ = ("_blocks", "_cache_read", "_cache_write", "_call_ids", "_deferred", "_done",
+                 "_input", "_last_event", "_message_id", "_output", "_seen", "_skipped", "_sse",
+                 "_started", "_stop_reason", "_usage")
 
     def __init__(self) -> None:
         self._sse = SSEDecoder()
         self._blocks: dict[int, _Block] = {}
         self._skipped: set[int] = set()
+        self._seen: set[int] = set()
+        self._call_ids: set[str] = set()
+        self._message_id: Any = None
         self._deferred: _Block | None = None
         self._input = 0
         self._output = 0
@@ -602,6 +632,8 @@ class AnthropicStreamDecoder:
                             self._flush_deferred(out)
                         self._last_event = name
                         if value:
+                            if not value.isascii():
+                                value = repair_text(value)
                             blk.parts.append(value)
                             if kind == "text":
                                 out.append(TextDelta(index=idx, text=value))
@@ -615,12 +647,12 @@ class AnthropicStreamDecoder:
                 continue
             try:
                 payload = _loads(text)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
                 self._fail(out, "malformed", f"invalid JSON in {name or 'an'} event: {exc}")
                 break
             try:
                 self._handle(payload, name, out)
-            except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            except (KeyError, TypeError, AttributeError, ValueError, RecursionError) as exc:
                 self._fail(out, "malformed",
                            f"unexpected {name or 'event'} shape: {type(exc).__name__} {exc}")
             # A method call, because mypy would keep self._done narrowed to False here.
@@ -651,8 +683,10 @@ class AnthropicStreamDecoder:
     def _terminal(self) -> bool:
         return self._done
 
-    def _fail(self, out: list[StreamEvent], kind: ErrorKind, message: str) -> None:
-        out.append(StreamFailed(error=ModelError(kind=kind, message=message)))
+    def _fail(self, out: list[StreamEvent], kind: ErrorKind, message: str, *,
+              permanent: bool = False) -> None:
+        out.append(StreamFailed(error=ModelError(kind=kind, message=message,
+                                                 permanent=permanent)))
         self._done = True
 
     def _flush_deferred(self, out: list[StreamEvent]) -> None:
@@ -677,23 +711,24 @@ class AnthropicStreamDecoder:
             dtype = delta["type"]
             kind = blk.kind
             if dtype == "text_delta" and kind == "text":
-                text = delta["text"]
+                text = _text_field(delta, "text")
                 if text:
                     blk.parts.append(text)
                     out.append(TextDelta(index=idx, text=text))
             elif dtype == "input_json_delta" and kind == "tool_call":
-                part = delta["partial_json"]
+                part = _text_field(delta, "partial_json")
                 if part:
                     blk.parts.append(part)
                     out.append(ToolArgumentsDelta(index=idx, call_id=blk.call_id,
                                                   name=blk.name, delta=part))
             elif dtype == "thinking_delta" and kind == "thinking":
-                text = delta["thinking"]
+                text = _text_field(delta, "thinking")
                 if text:
                     blk.parts.append(text)
                     out.append(ThinkingDelta(index=idx, text=text))
             elif dtype == "signature_delta" and kind == "thinking":
-                blk.signature.append(delta["signature"])
+                # Each signature_delta carries the whole signature: the last one stands.
+                blk.signature = _text_field(delta, "signature")
             elif dtype in ("text_delta", "input_json_delta", "thinking_delta",
                            "signature_delta"):
                 raise ValueError(f"{dtype} for a {kind} block")
@@ -701,18 +736,33 @@ class AnthropicStreamDecoder:
         elif etype == "content_block_start":
             self._flush_deferred(out)
             idx = payload["index"]
+            if idx in self._seen:
+                # Two blocks at one index: two responses spliced together, or a replay.
+                raise ValueError(f"content_block_start for index {idx} already started")
             cb = payload["content_block"]
             btype = cb["type"]
+            if idx.__class__ is not int:
+                raise TypeError(f"block index {idx!r} is not an integer")
+            self._seen.add(idx)
             if btype == "text":
                 blk = _Block(idx, "text")
                 self._blocks[idx] = blk
                 out.append(BlockStarted(index=idx, kind="text"))
                 text = cb.get("text")
                 if text:
+                    text = repair_text(text)
                     blk.parts.append(text)
                     out.append(TextDelta(index=idx, text=text))
             elif btype == "tool_use":
-                blk = _Block(idx, "tool_call", cb["id"], cb["name"], cb.get("input"))
+                call_id = cb["id"]
+                if not call_id or call_id.__class__ is not str:
+                    raise ValueError("tool_use block without an id")
+                if call_id in self._call_ids:
+                    # Two calls sharing an id cannot both be answered (R-SEC-6).
+                    raise ValueError(f"tool_use id {call_id[:100]!r} repeated in one message")
+                self._call_ids.add(call_id)
+                blk = _Block(idx, "tool_call", repair_text(call_id), repair_text(cb["name"]),
+                             cb.get("input"))
                 self._blocks[idx] = blk
                 out.append(BlockStarted(index=idx, kind="tool_call", call_id=blk.call_id,
                                         name=blk.name))
@@ -722,11 +772,12 @@ class AnthropicStreamDecoder:
                 out.append(BlockStarted(index=idx, kind="thinking"))
                 text = cb.get("thinking")
                 if text:
+                    text = repair_text(text)
                     blk.parts.append(text)
                     out.append(ThinkingDelta(index=idx, text=text))
                 signature = cb.get("signature")
                 if signature:
-                    blk.signature.append(signature)
+                    blk.signature = signature
             elif btype == "redacted_thinking":
                 self._skipped.add(idx)
                 out.append(BlockStarted(index=idx, kind="redacted_thinking"))
@@ -751,10 +802,17 @@ class AnthropicStreamDecoder:
             self._message_delta(payload, out)
         elif etype == "message_start":
             self._flush_deferred(out)
+            message = payload["message"]
+            message_id = message.get("id")
             if self._started:
+                if message_id != self._message_id:
+                    # A second message inside one response: two streams spliced together.
+                    raise ValueError(f"second message_start (message {message_id!r} after "
+                                     f"{self._message_id!r})")
                 return
             self._started = True
-            usage = payload["message"].get("usage")
+            self._message_id = message_id
+            usage = message.get("usage")
             if isinstance(usage, dict):
                 self._input = _int(usage.get("input_tokens"))
                 self._cache_write = _int(usage.get("cache_creation_input_tokens"))
@@ -785,7 +843,8 @@ class AnthropicStreamDecoder:
             elif isinstance(err, str):
                 message = err
             kind = _kind_for_error_type(etype_s, message)
-            self._fail(out, kind, _error_text(etype_s, message))
+            self._fail(out, kind, _error_text(etype_s, message),
+                       permanent=kind == "failed" and _is_permanent(None, etype_s))
         # ping and unknown event types: ignored, and they don't settle a deferred tool call.
 
     def _report_usage(self, out: list[StreamEvent]) -> None:
@@ -813,7 +872,7 @@ class AnthropicStreamDecoder:
                 self._cache_read = value
         delta = payload.get("delta")
         stop = delta.get("stop_reason") if isinstance(delta, dict) else None
-        if not isinstance(stop, str):
+        if not isinstance(stop, str) or not stop:
             # No verdict yet: a stopped tool call stays deferred.
             self._report_usage(out)
             return

@@ -25,6 +25,13 @@ Decoder invariants (what the supervisor may rely on):
   are known to drop the sentinel, and only the usage chunk can be lost). A stream that ends
   without any finish reason is ``StreamFailed(malformed)``: a dropped connection must never
   look like an answer, and its half-streamed tool calls are never completed.
+* An empty ``finish_reason`` (sent on every chunk by some servers) is "not finished".
+* ``delta.content`` may be a string or a list of typed parts (``text``; ``thinking``, as
+  Mistral sends it); ``reasoning_content`` and ``reasoning`` are thinking; a legacy
+  ``delta.function_call`` is one tool call with an id derived from the response id.
+* Two tool calls with one id in a message are ``StreamFailed(malformed)`` (R-SEC-6);
+  arguments nested deeper than ``MAX_ARGUMENT_DEPTH`` are that call's invalid arguments.
+  Lone UTF-16 surrogates in text, thinking and arguments become U+FFFD (R-SEC-1).
 """
 
 from __future__ import annotations
@@ -65,6 +72,8 @@ from greenroom.protocols.stream import (
     ToolCallTruncated,
     UsageReported,
 )
+from greenroom.protocols.text import repair_text
+from greenroom.protocols.tools import parse_tool_arguments
 
 __all__ = [
     "ImageLoader",
@@ -286,6 +295,7 @@ _TRANSIENT_CODES = frozenset(
         "rate_limit_exceeded",
     }
 )
+_PERMANENT_STATUSES = frozenset({400, 404, 413, 422})
 _MESSAGE_LIMIT = 500
 
 
@@ -349,11 +359,13 @@ def _classify(
     text = message[:_MESSAGE_LIMIT] or (f"HTTP {status}" if status else "model error")
     kind: ErrorKind
     retry_after: float | None = None
+    permanent = False
     lowered = message.lower()
     if status in (401, 403):
         kind = "auth"
     elif code in _QUOTA_CODES or etype in _QUOTA_CODES:
         kind = "failed"
+        permanent = True
         text = f"quota exhausted: {text}"
     elif status == 429:
         # Checked before overflow: a rate limit must never trigger compaction (R-COMPACT-9).
@@ -372,7 +384,16 @@ def _classify(
         kind = "timeout"
     else:
         kind = "failed"
-    return ModelError(kind=kind, message=text, status_code=status, retry_after_s=retry_after)
+        # The server rejected the request itself (unknown model, invalid, too large): the
+        # same request fails the same way, so it is not retried (R-RETRY-2).
+        permanent = status in _PERMANENT_STATUSES
+    return ModelError(
+        kind=kind,
+        message=text,
+        status_code=status,
+        retry_after_s=retry_after,
+        permanent=permanent,
+    )
 
 
 def classify_error(status: int, body: bytes | str, headers: Mapping[str, str]) -> ModelError:
@@ -382,7 +403,8 @@ def classify_error(status: int, body: bytes | str, headers: Mapping[str, str]) -
     saying the quota is exhausted, since waiting will not help; other 429 → ``timeout`` with
     ``retry_after_s`` from ``retry-after-ms`` / ``retry-after``; context too long (OpenAI
     ``context_length_exceeded``, llama.cpp ``exceed_context_size_error``, vLLM's message
-    text) → ``context_overflow``; 408 and every 5xx → ``timeout``; anything else ``failed``.
+    text) → ``context_overflow``; 408 and every 5xx → ``timeout``; anything else ``failed``,
+    ``permanent`` (never retried) for 400, 404, 413 and 422 and for an exhausted quota.
     """
     text = body.decode("utf-8", errors="replace") if isinstance(body, bytes) else body
     try:
@@ -433,21 +455,13 @@ class _ToolCall:
 
 
 class _Malformed(Exception):
-    """Raised inside the decoder for a chunk whose shape is wrong; becomes StreamFailed."""
+    """Raised inside the decoder for a chunk whose shape is wrong; becomes StreamFailed
+    (with the exception's text when it has one)."""
 
 
-def _parse_arguments(raw: str) -> tuple[dict[str, Any], str | None]:
-    """``(arguments, invalid_arguments)`` for complete argument text: empty means ``{}``;
-    anything that is not a JSON object keeps the raw text for an error output (R-TOOL-5)."""
-    if not raw.strip():
-        return {}, None
-    try:
-        value = json.loads(raw)
-    except (ValueError, RecursionError):
-        return {}, raw
-    if isinstance(value, dict):
-        return value, None
-    return {}, raw
+_LEGACY_FUNCTION_CALL = -1
+"""Wire index of a legacy ``delta.function_call``: at most one per message, before any
+``tool_calls`` entry."""
 
 
 class OpenAIStreamDecoder:
@@ -473,6 +487,7 @@ class OpenAIStreamDecoder:
         self._completed_tool_calls = 0
         self._finish_reason: str | None = None
         self._usage: TokenUsage | None = None
+        self._response_id: str | None = None
 
     @property
     def usage(self) -> TokenUsage:
@@ -540,6 +555,10 @@ class OpenAIStreamDecoder:
             if error is not None:
                 self._fail(_classify_stream_error(error))
                 return False
+            if self._response_id is None:
+                response_id = chunk.get("id")
+                if response_id and response_id.__class__ is str:
+                    self._response_id = response_id
             choices = chunk.get("choices")
             # Anything but usage after the finish reason is ignored: the message is complete.
             if choices and self._finish_reason is None:
@@ -548,12 +567,18 @@ class OpenAIStreamDecoder:
                 if delta:
                     self._on_delta(delta)
                 finish_reason = choice.get("finish_reason")
-                if finish_reason is not None:
+                # Some servers send "finish_reason": "" on every chunk before the last:
+                # only a non-empty reason ends the message.
+                if finish_reason:
                     self._on_finish(str(finish_reason))
             usage = chunk.get("usage")
             if usage:
                 self._on_usage(usage)
-        except (_Malformed, AttributeError, TypeError, KeyError, IndexError, ValueError):
+        except _Malformed as exc:
+            message = str(exc) or f"bad chunk shape: {data[:200]}"
+            self._fail(ModelError(kind="malformed", message=message))
+            return False
+        except (AttributeError, TypeError, KeyError, IndexError, ValueError, RecursionError):
             self._fail(ModelError(kind="malformed", message=f"bad chunk shape: {data[:200]}"))
             return False
         return True
@@ -568,9 +593,12 @@ class OpenAIStreamDecoder:
             self._thinking(reasoning)
         content = delta.get("content")
         if content:
-            if content.__class__ is not str:
+            if content.__class__ is str:
+                self._text(content)
+            elif content.__class__ is list:
+                self._content_parts(content)
+            else:
                 raise _Malformed
-            self._text(content)
         refusal = delta.get("refusal")
         if refusal:
             # A refusal is what the model said instead of an answer: show it as text.
@@ -581,6 +609,46 @@ class OpenAIStreamDecoder:
         if tool_calls:
             for fragment in tool_calls:
                 self._tool_fragment(fragment)
+        function_call = delta.get("function_call")
+        if function_call:
+            # The legacy single-call form (``functions`` API, still sent by some servers):
+            # one call with no id; ours is derived from the response id, so it is the same
+            # on every event of the call.
+            if function_call.__class__ is not dict:
+                raise _Malformed
+            call_id = f"call_{self._response_id or 'function'}"
+            self._tool_fragment(
+                {"index": _LEGACY_FUNCTION_CALL, "id": call_id, "function": function_call}
+            )
+
+    def _content_parts(self, parts: list[Any]) -> None:
+        """``delta.content`` as typed parts (Mistral): text parts are text, thinking parts
+        (a string or a list of text parts) are thinking; other part types carry nothing
+        shown."""
+        for part in parts:
+            if part.__class__ is not dict:
+                raise _Malformed
+            ptype = part.get("type")
+            if ptype == "text":
+                text = part.get("text")
+                if text.__class__ is not str:
+                    raise _Malformed
+                if text:
+                    self._text(text)
+            elif ptype == "thinking":
+                thinking = part.get("thinking")
+                if thinking.__class__ is str:
+                    if thinking:
+                        self._thinking(thinking)
+                elif thinking.__class__ is list:
+                    for sub in thinking:
+                        if sub.__class__ is not dict:
+                            raise _Malformed
+                        text = sub.get("text")
+                        if text and text.__class__ is str:
+                            self._thinking(text)
+                elif thinking is not None:
+                    raise _Malformed
 
     def _close_text(self) -> None:
         if self._text_block is not None:
@@ -604,6 +672,7 @@ class OpenAIStreamDecoder:
             self._thinking_parts = []
 
     def _text(self, text: str) -> None:
+        text = repair_text(text)
         index = self._text_block
         if index is None:
             self._close_thinking()
@@ -614,6 +683,7 @@ class OpenAIStreamDecoder:
         self._out.append(TextDelta(index=index, text=text))
 
     def _thinking(self, text: str) -> None:
+        text = repair_text(text)
         index = self._thinking_block
         if index is None:
             self._close_text()
@@ -643,10 +713,18 @@ class OpenAIStreamDecoder:
             self._close_text()
             self._close_thinking()
             name = function.get("name") or ""
-            if not call_id:
+            taken = {t.call_id for t in self._tools.values()}
+            if call_id:
+                call_id = repair_text(str(call_id))
+                if call_id in taken:
+                    # Two calls sharing an id cannot both be answered (R-SEC-6).
+                    raise _Malformed(f"tool call id {call_id[:100]!r} repeated in one message")
+            else:
                 # Pairing needs a non-empty id (R-TOOL-7); ours only has to be unique here.
                 call_id = f"call_{wire_index}"
-            call = _ToolCall(wire_index, self._next_block, str(call_id), str(name))
+                while call_id in taken:
+                    call_id += "_"
+            call = _ToolCall(wire_index, self._next_block, call_id, repair_text(str(name)))
             self._next_block += 1
             self._tools[wire_index] = call
             self._out.append(
@@ -655,12 +733,13 @@ class OpenAIStreamDecoder:
                 )
             )
         elif not call.name and function.get("name"):
-            call.name = str(function["name"])
+            call.name = repair_text(str(function["name"]))
         arguments = function.get("arguments")
         if arguments:
             if arguments.__class__ is not str:
                 # A few servers send the arguments as an object rather than JSON text.
                 arguments = json.dumps(arguments, ensure_ascii=False)
+            arguments = repair_text(arguments)
             call.parts.append(arguments)
             self._out.append(
                 ToolArgumentsDelta(
@@ -694,7 +773,7 @@ class OpenAIStreamDecoder:
                     )
                 )
                 continue
-            arguments, invalid = _parse_arguments(raw)
+            arguments, invalid = parse_tool_arguments(raw)
             out.append(
                 BlockCompleted(
                     index=call.block,

@@ -28,6 +28,9 @@ def backoff_ms(retry_number: int, retry_after_s: float | None = None) -> int:
     return planned
 
 
-def should_retry(kind: ErrorKind, attempt: int) -> bool:
-    """Whether a turn whose attempt ``attempt`` (1-based) failed with ``kind`` tries again."""
-    return kind in RETRYABLE and attempt <= MAX_RETRIES
+def should_retry(kind: ErrorKind, attempt: int, *, permanent: bool = False) -> bool:
+    """Whether a turn whose attempt ``attempt`` (1-based) failed with ``kind`` tries again.
+
+    A ``permanent`` failure (:attr:`ModelError.permanent`: the provider rejected the request
+    itself) never does: the same request would be rejected the same way."""
+    return not permanent and kind in RETRYABLE and attempt <= MAX_RETRIES

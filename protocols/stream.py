@@ -56,12 +56,17 @@ class TokenUsage:
 
 @attrs.frozen(kw_only=True, slots=True)
 class ModelError:
-    """A classified model-side failure. Errors are data between actors."""
+    """A classified model-side failure. Errors are data between actors.
+
+    ``permanent`` marks a ``failed`` error the provider says no repetition of the same
+    request can cure (unknown model, a request it rejects as invalid, a request too large,
+    an exhausted quota): the turn ends at once instead of spending its retries (R-RETRY-2)."""
 
     kind: ErrorKind
     message: str
     status_code: int | None = None
     retry_after_s: float | None = None
+    permanent: bool = False
 
 
 @attrs.frozen(kw_only=True, slots=True)

@@ -21,6 +21,7 @@ output; the tool is not run (R-TOOL-5).
 from __future__ import annotations
 
 import inspect
+import json
 import re
 import types
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -31,6 +32,7 @@ import attrs
 
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolContent
 from greenroom.protocols.context import ToolSchema
+from greenroom.protocols.text import has_surrogates, repair_json
 
 
 @attrs.frozen(kw_only=True, slots=True)
@@ -88,7 +90,10 @@ class Tool:
         )
 
     def validate(self, arguments: Mapping[str, Any]) -> list[str]:
-        """``$.path: message`` errors of ``arguments`` against the schema (empty if valid)."""
+        """``$.path: message`` errors of ``arguments`` against the schema (empty if valid).
+        Arguments nested deeper than :data:`MAX_ARGUMENT_DEPTH` are one error (R-SEC-6)."""
+        if value_too_deep(arguments):
+            return [f"$: nested deeper than {MAX_ARGUMENT_DEPTH} levels"]
         return validate_json(arguments, self.input_schema)
 
 
@@ -278,6 +283,80 @@ _JSON_TYPES: dict[str, Callable[[Any], bool]] = {
     "array": lambda v: isinstance(v, list),
     "object": lambda v: isinstance(v, dict),
 }
+
+
+MAX_ARGUMENT_DEPTH = 64
+"""How deeply tool arguments may nest (objects and arrays). Deeper arguments are invalid
+arguments of that call (R-SEC-6, R-TOOL-5): every consumer of a value — validation, repair,
+encoding the next request, the trace — walks it recursively, and no tool needs more."""
+
+# A JSON string (escapes included) or one bracket: brackets inside strings never count.
+_JSON_NESTING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+
+
+def json_text_too_deep(text: str, limit: int = MAX_ARGUMENT_DEPTH) -> bool:
+    """Whether the JSON text ``text`` nests objects and arrays deeper than ``limit``.
+
+    Checked before parsing, so a hostile value costs one regular-expression scan and never a
+    recursion. Text with no more than ``limit`` brackets in all returns at once."""
+    if text.count("{") + text.count("[") <= limit:
+        return False
+    depth = 0
+    for match in _JSON_NESTING.finditer(text):
+        token = match.group()
+        if token == "{" or token == "[":
+            depth += 1
+            if depth > limit:
+                return True
+        elif token == "}" or token == "]":
+            depth -= 1
+    return False
+
+
+def value_too_deep(value: Any, limit: int = MAX_ARGUMENT_DEPTH) -> bool:
+    """Whether a decoded JSON value nests objects and arrays deeper than ``limit``
+    (iterative: safe on any depth)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_decode_json = json.JSONDecoder().decode
+
+
+def parse_tool_arguments(raw: str) -> tuple[dict[str, Any], str | None]:
+    """``(arguments, invalid_arguments)`` of a model's complete argument text.
+
+    Blank text means ``{}``. Text that is not a JSON object, or nests deeper than
+    :data:`MAX_ARGUMENT_DEPTH`, gives ``({}, raw)``: the call gets an error output and is not
+    run (R-TOOL-5, R-SEC-6). Lone UTF-16 surrogates in the value become U+FFFD (R-SEC-1); the
+    repair walk runs only when the text can hold one. Never raises."""
+    if not raw or raw.isspace():
+        return {}, None
+    if json_text_too_deep(raw):
+        return {}, raw
+    try:
+        value = _decode_json(raw)
+    except (ValueError, RecursionError):
+        return {}, raw
+    if value.__class__ is not dict:
+        return {}, raw
+    if (not raw.isascii() and has_surrogates(raw)) or (
+        "\\u" in raw and _SURROGATE_ESCAPE.search(raw) is not None
+    ):
+        value = repair_json(value)
+    return value, None
 
 
 def validate_json(value: Any, schema: Mapping[str, Any], path: str = "$") -> list[str]:

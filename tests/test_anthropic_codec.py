@@ -33,7 +33,7 @@ from greenroom.protocols.context import (
     ToolSchema,
     UserMessage,
 )
-from greenroom.protocols.retry import RETRYABLE
+from greenroom.protocols.retry import RETRYABLE, should_retry
 from greenroom.protocols.stream import (
     BlockCompleted,
     BlockStarted,
@@ -478,6 +478,9 @@ def test_error_fixtures(name: str) -> None:
     assert error.kind == KIND_OF_CLASSIFICATION[entry["expect"]["classification"]]
     assert error.status_code == entry["status"]
     assert (error.kind in RETRYABLE) or not entry["expect"]["retryable"]
+    if error.kind != "context_overflow":  # compacted and rerun instead (R-COMPACT-9)
+        retried = should_retry(error.kind, 1, permanent=error.permanent)
+        assert retried == entry["expect"]["retryable"]
     inner = json.loads(body)["error"]
     assert inner["message"] in error.message and inner["type"] in error.message
     # The same body as text gives the same answer.

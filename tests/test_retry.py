@@ -39,6 +39,7 @@ from greenroom.protocols.outputs import (
     TaskEnd,
     ToolCallOutput,
 )
+from greenroom.protocols.retry import MAX_RETRIES, should_retry
 
 SCHEDULE_MS = [250, 500, 1000, 2000, 4000]
 
@@ -491,3 +492,29 @@ async def test_a_skip_before_any_wait_is_planned_is_ignored(
     outputs = await collect(run, bound_s=None)
     assert arrivals[1] - arrivals[0] == pytest.approx(30.0)  # ...but had nothing to end
     assert of_type(outputs, TaskEnd)[0].status == "completed"
+
+
+async def test_a_permanent_failure_ends_the_turn_without_retries(
+    host: Host, workspace: Path, providers, autojump_clock
+) -> None:
+    """R-RETRY-2: a `failed` error the provider marks permanent (unknown model, invalid
+    request) would fail the same way again: one attempt, no planned wait, the task ends
+    `failed` with the provider's message; the next task starts normally."""
+    rejected = model_error("failed", "not_found_error: model: nope", permanent=True)
+    provider = providers([Reply(fail=rejected), Reply(blocks=(text("fine"),))])
+    session = await host.create_session(provider=provider, workspace_dir=workspace)
+    outputs = await collect(session.run("hi"), bound_s=None)
+    assert [(e.status, e.attempt, e.retry_in_ms) for e in of_type(outputs, RequestEnd)] == [
+        ("failed", 1, None)
+    ]
+    (end,) = of_type(outputs, TaskEnd)
+    assert end.status == "failed" and "model: nope" in (end.message or "")
+    again = await collect(session.run("again"), bound_s=None)
+    assert of_type(again, TaskEnd)[0].status == "completed"
+    assert len(provider.requests) == 2
+
+
+def test_should_retry_never_retries_a_permanent_failure() -> None:
+    for kind in ("timeout", "malformed", "failed"):
+        assert should_retry(kind, 1) and not should_retry(kind, 1, permanent=True)
+    assert not should_retry("failed", MAX_RETRIES + 1)
