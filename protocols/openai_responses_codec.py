@@ -79,7 +79,8 @@ from greenroom.protocols.stream import (
     ToolCallTruncated,
     UsageReported,
 )
-from greenroom.protocols.text import repair_json, repair_text
+from greenroom.protocols.text import repair_text
+from greenroom.protocols.tools import parse_tool_arguments
 
 __all__ = [
     "REASONING_EFFORTS",
@@ -93,9 +94,6 @@ __all__ = [
 REASONING_EFFORTS = frozenset({"minimal", "low", "medium", "high"})
 """``thinking_level`` values sent as ``reasoning.effort`` (with summaries on); others are not
 sent."""
-
-MAX_ARGUMENT_DEPTH = 64
-"""Tool arguments nested deeper than this are invalid arguments of that call (R-SEC-6)."""
 
 # ---------------------------------------------------------------------------------------------
 # Requests
@@ -361,34 +359,6 @@ class _Item:
         self.name = ""
         self.parts: list[str] = []
         self.done = False
-
-
-def _depth_ok(value: Any, limit: int) -> bool:
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        current, depth = stack.pop()
-        if depth > limit:
-            return False
-        if isinstance(current, dict):
-            stack.extend((v, depth + 1) for v in current.values())
-        elif isinstance(current, list):
-            stack.extend((v, depth + 1) for v in current)
-    return True
-
-
-def _parse_arguments(raw: str) -> tuple[dict[str, Any], str | None]:
-    """``(arguments, invalid_arguments)``: empty text means ``{}``; anything but a JSON
-    object within :data:`MAX_ARGUMENT_DEPTH` keeps the raw text for an error output."""
-    if not raw.strip():
-        return {}, None
-    try:
-        value = json.loads(raw)
-    except (ValueError, RecursionError):
-        return {}, raw
-    if isinstance(value, dict) and _depth_ok(value, MAX_ARGUMENT_DEPTH):
-        repaired: dict[str, Any] = repair_json(value)
-        return repaired, None
-    return {}, raw
 
 
 def _classify_failure(error: Any, *, status: int | None = None) -> ModelError:
@@ -660,7 +630,7 @@ class ResponsesStreamDecoder:
                     )
                 )
                 return
-            arguments, invalid = _parse_arguments(raw_arguments)
+            arguments, invalid = parse_tool_arguments(raw_arguments)
             self._out.append(
                 BlockCompleted(
                     index=item.block,

@@ -29,7 +29,6 @@ from greenroom.protocols.context import (
     UserMessage,
 )
 from greenroom.protocols.openai_responses_codec import (
-    MAX_ARGUMENT_DEPTH,
     RequestEncoder,
     ResponsesStreamDecoder,
     build_request,
@@ -47,6 +46,7 @@ from greenroom.protocols.stream import (
     ToolCallTruncated,
     UsageReported,
 )
+from greenroom.protocols.tools import MAX_ARGUMENT_DEPTH
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "openai_responses"
 
