@@ -49,13 +49,8 @@ import trio
 from greenroom.actors.approval_broker import ApproveFn
 from greenroom.actors.builtin_tools import builtin_tools
 from greenroom.actors.errors import AuthLocked, ConfigurationError, GreenroomError, SessionNotFound
-from greenroom.actors.host import (
-    SESSION_FILE,
-    Host,
-    _default_model,
-    default_data_dir,
-    default_provider_name,
-)
+from greenroom.actors.host import SESSION_FILE, Host, default_data_dir
+from greenroom.actors.provider_registry import PROVIDERS, default_provider_name, provider_spec
 from greenroom.actors.session import Session
 from greenroom.actors.subagents import spawn_subagent
 from greenroom.actors.tool_loader import ToolLoadError, load_tools
@@ -112,7 +107,6 @@ EXIT_CODES: dict[str, int] = {
 }
 """Process exit code for each ``task_end`` status."""
 
-PROVIDERS = ("anthropic", "openai", "scripted")
 APPROVE_MODES = ("ask", "all", "none")
 SANDBOX_MODES = ("auto", "required", "off")
 # Session ids become directory names: refuse anything that could walk out of the data dir.
@@ -193,8 +187,10 @@ def _add_data_dir(parser: argparse.ArgumentParser) -> None:
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--provider",
-        choices=PROVIDERS,
-        help="model provider (default: anthropic when ANTHROPIC_API_KEY is set, else scripted)",
+        choices=tuple(PROVIDERS),
+        help="model provider: "
+        + "; ".join(f"{spec.name}: {spec.help}" for spec in PROVIDERS.values())
+        + " (default: anthropic when ANTHROPIC_API_KEY is set, else scripted)",
     )
     parser.add_argument(
         "--model", metavar="NAME", help="model name (default: the provider's default model)"
@@ -665,7 +661,7 @@ def _serve_defaults_line(args: argparse.Namespace) -> str:
     """What the sessions clients create get unless they ask otherwise (printed once the
     gateway listens)."""
     provider = args.provider or default_provider_name()
-    model = args.model or _default_model(provider)
+    model = args.model or provider_spec(provider).default_model()
     approval = {
         "ask": f"ask (the session's clients answer; denied after {args.approval_timeout:g} s "
         "without an answer)",
@@ -861,18 +857,12 @@ def _check_credentials(options: RunOptions) -> None:
         provider = provider or stored.get("provider")
         base_url = base_url or stored.get("base_url")
     provider = provider or default_provider_name()
-    if provider == "anthropic" and not (
-        os.environ.get("ANTHROPIC_API_KEY") or os.environ.get("ANTHROPIC_AUTH_TOKEN")
-    ):
-        raise UsageError(
-            "the anthropic provider needs ANTHROPIC_API_KEY in the environment "
-            "(or use --provider scripted for the built-in model)"
-        )
-    if provider == "openai" and not (base_url or os.environ.get("OPENAI_API_KEY")):
-        raise UsageError(
-            "the openai provider needs OPENAI_API_KEY, or --base-url for a local "
-            "OpenAI-compatible server"
-        )
+    spec = PROVIDERS.get(provider)
+    if spec is None:
+        raise UsageError(f"session {options.session_id} names an unknown provider {provider!r}")
+    missing = spec.missing_credentials(base_url)
+    if missing is not None:
+        raise UsageError(f"{missing} (or use --provider scripted for the built-in model)")
 
 
 def bubblewrap_available() -> bool:

@@ -24,7 +24,7 @@ from greenroom.actors.cli import (
     collect_tools,
     run_task,
 )
-from greenroom.actors.host import default_provider_name
+from greenroom.actors.provider_registry import default_provider_name
 from greenroom.actors.scripted_brain import DEMO_PROMPT
 from greenroom.protocols.wording import decision_words
 

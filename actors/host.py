@@ -25,6 +25,12 @@ import trio
 
 from greenroom.actors.errors import ConfigurationError, HostClosed, SessionNotFound
 from greenroom.actors.llm_streamer import ModelProvider
+from greenroom.actors.provider_registry import (
+    PROVIDERS,
+    anthropic_credentials,
+    default_provider_name,
+    provider_spec,
+)
 from greenroom.actors.session import Session, require_trio
 from greenroom.actors.trace_sink import TraceSink, latest_trace_file, read_trace
 from greenroom.protocols.context import ToolSchema
@@ -45,11 +51,6 @@ SHUTDOWN_GRACE_S = 30.0
 def default_data_dir() -> Path:
     """``$GREENROOM_HOME`` or ``~/.greenroom``."""
     return Path(os.environ.get("GREENROOM_HOME") or Path.home() / ".greenroom").expanduser()
-
-
-def default_provider_name() -> str:
-    """``anthropic`` when ``ANTHROPIC_API_KEY`` is set, else the scripted model."""
-    return "anthropic" if os.environ.get("ANTHROPIC_API_KEY") else "scripted"
 
 
 @attrs.frozen(kw_only=True)
@@ -369,25 +370,16 @@ class Host:
 
 
 def make_provider(settings: SessionSettings) -> ModelProvider:
-    """The provider adapter a session's settings name."""
-    if settings.provider == "scripted":
-        from greenroom.actors.provider_scripted import ScriptedProvider
-        from greenroom.actors.scripted_brain import demo_brain
-
-        return ScriptedProvider(demo_brain)
-    if settings.provider == "anthropic":
-        from greenroom.actors.provider_anthropic import AnthropicProvider
-
-        return AnthropicProvider(base_url=settings.base_url)
-    if settings.provider == "openai":
-        from greenroom.actors.provider_openai import OpenAIProvider
-
-        return OpenAIProvider(base_url=settings.base_url)
-    raise ConfigurationError(f"unknown provider {settings.provider!r}")
+    """The provider adapter a session's settings name (from the provider registry)."""
+    try:
+        spec = provider_spec(settings.provider)
+    except KeyError as exc:
+        raise ConfigurationError(str(exc.args[0])) from None
+    return spec.factory(settings)
 
 
 def _require_anthropic_credentials(model: str | None) -> None:
-    if os.environ.get("ANTHROPIC_API_KEY") or os.environ.get("ANTHROPIC_AUTH_TOKEN"):
+    if anthropic_credentials():
         return
     asked = f"model {model!r} runs on the anthropic provider, which" if model else (
         "the anthropic provider"
@@ -399,10 +391,7 @@ def _require_anthropic_credentials(model: str | None) -> None:
 
 
 def _default_model(provider: str) -> str:
-    return {
-        "anthropic": "claude-sonnet-5-5",
-        "openai": os.environ.get("OPENAI_MODEL", "gpt-4o-mini"),
-    }.get(provider, "scripted")
+    return PROVIDERS[provider].default_model() if provider in PROVIDERS else "scripted"
 
 
 def _prepare_data_dir(data_dir: str | Path | None) -> Path:

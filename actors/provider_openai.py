@@ -4,13 +4,15 @@ Works with OpenAI and with local OpenAI-compatible servers (vLLM, llama.cpp, Oll
 sans-IO :class:`~greenroom.protocols.openai_codec.OpenAIStreamDecoder` accepts their
 variations (``reasoning_content`` / ``reasoning``, whole tool calls in one chunk, usage in
 the finish chunk, errors inside a 200 stream). Library errors are translated to
-``StreamFailed`` in one place, :meth:`_OpenAITask.stream`.
+``StreamFailed`` in one place, :meth:`HTTPStreamTask.stream`, which the Responses
+provider (:mod:`greenroom.actors.provider_openai_responses`) shares with its own codec.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import httpx
 
@@ -19,7 +21,7 @@ from greenroom.actors.media import read_image
 from greenroom.protocols.content import ImageBlock
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.openai_codec import OpenAIStreamDecoder, RequestEncoder, classify_error
-from greenroom.protocols.stream import ModelError, StreamFailed
+from greenroom.protocols.stream import ModelError, StreamEvent, StreamFailed
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 DEFAULT_TIMEOUT = httpx.Timeout(connect=15.0, read=180.0, write=60.0, pool=60.0)
@@ -42,6 +44,8 @@ class OpenAIProvider:
     """
 
     name = "openai"
+    endpoint = "/chat/completions"
+    """The path below the ``/v1`` root that this provider posts to."""
 
     def __init__(
         self,
@@ -54,7 +58,7 @@ class OpenAIProvider:
         key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY", "")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         root = (base_url or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
-        self._url = root + "/chat/completions"
+        self._url = root + self.endpoint
         self._client = httpx.AsyncClient(
             headers=headers,
             timeout=timeout,
@@ -63,29 +67,69 @@ class OpenAIProvider:
             ),
         )
 
-    def open_task(self) -> _OpenAITask:
-        return _OpenAITask(self._client, self._url)
+    def open_task(self) -> HTTPStreamTask:
+        """Per-task state: the request encoder that reuses earlier turns' encodings."""
+        return HTTPStreamTask(
+            self._client,
+            self._url,
+            RequestEncoder(image_loader=load_image),
+            OpenAIStreamDecoder,
+            classify_error,
+        )
 
     async def aclose(self) -> None:
+        """Close the connection pool."""
         await self._client.aclose()
 
 
-class _OpenAITask:
-    __slots__ = ("_client", "_encoder", "_url")
+class RequestBuilder(Protocol):
+    """A codec's request encoder for one task."""
 
-    def __init__(self, client: httpx.AsyncClient, url: str) -> None:
+    def build(self, request: ModelRequest) -> dict[str, Any]: ...
+
+
+class StreamDecoder(Protocol):
+    """A codec's sans-IO stream decoder for one attempt."""
+
+    @property
+    def finished(self) -> bool: ...
+
+    def feed(self, data: bytes) -> list[StreamEvent]: ...
+
+    def end_of_stream(self) -> list[StreamEvent]: ...
+
+
+ErrorClassifier = Callable[[int, bytes, Mapping[str, str]], ModelError]
+
+
+class HTTPStreamTask:
+    """Streams one attempt over httpx through a sans-IO codec; every library error becomes
+    a ``StreamFailed`` here."""
+
+    __slots__ = ("_classify", "_client", "_decoder", "_encoder", "_url")
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        url: str,
+        encoder: RequestBuilder,
+        decoder: Callable[[], StreamDecoder],
+        classify: ErrorClassifier,
+    ) -> None:
         self._client = client
         self._url = url
-        self._encoder = RequestEncoder(image_loader=load_image)
+        self._encoder = encoder
+        self._decoder = decoder
+        self._classify = classify
 
     async def stream(self, request: ModelRequest, deliver: Deliver) -> None:
         body = self._encoder.build(request)
-        decoder = OpenAIStreamDecoder()
+        decoder = self._decoder()
         try:
             async with self._client.stream("POST", self._url, json=body) as response:
                 if response.status_code >= 400:
                     content = await response.aread()
-                    error = classify_error(response.status_code, content, response.headers)
+                    error = self._classify(response.status_code, content, response.headers)
                     await deliver([StreamFailed(error=error)])
                     return
                 try:

@@ -8,6 +8,8 @@ Endpoints
 * ``POST /v1/chat/completions``: OpenAI chat completions. Streams are ``data: {chunk}`` lines,
   a finish chunk (``delta: {}`` + ``finish_reason``), a usage chunk with ``choices: []`` (always
   sent) and ``data: [DONE]``; otherwise one ``chat.completion`` JSON object.
+* ``POST /v1/responses``: the OpenAI Responses API, streamed only (see
+  :mod:`tests.support.mock_responses`); tool pairing is checked by ``call_id``.
 * ``GET /health``: ``200 ok`` (not recorded as a model request).
 
 Streamed bodies use chunked transfer encoding; connections are kept alive between requests.
@@ -74,6 +76,13 @@ from typing import Any, Literal, TypeAlias
 import h11
 import trio
 
+from tests.support.mock_responses import (
+    RESPONSES_PATH,
+    check_responses_input,
+    render_responses,
+    responses_error_event,
+)
+
 __all__ = [
     "ANTHROPIC_PATH",
     "FIXTURES_DIR",
@@ -105,7 +114,7 @@ __all__ = [
     "open_mock_server",
 ]
 
-Wire = Literal["anthropic", "openai"]
+Wire = Literal["anthropic", "openai", "responses"]
 Rechunk: TypeAlias = Literal["random"] | int | None
 
 ANTHROPIC_PATH = "/v1/messages"
@@ -366,7 +375,9 @@ class RecordedRequest:
 
     @property
     def messages(self) -> list[Any]:
-        msgs = self.body.get("messages") if isinstance(self.body, dict) else None
+        """The conversation: ``messages``, or the Responses API's ``input`` items."""
+        key = "input" if self.wire == "responses" else "messages"
+        msgs = self.body.get(key) if isinstance(self.body, dict) else None
         return msgs if isinstance(msgs, list) else []
 
     @property
@@ -391,6 +402,8 @@ class RecordedRequest:
         last = msgs[-1]
         if self.wire == "openai":
             return last.get("role") == "tool"
+        if self.wire == "responses":
+            return last.get("type") == "function_call_output"
         return last.get("role") == "user" and any(
             b.get("type") == "tool_result" for b in _blocks(last)
         )
@@ -788,6 +801,16 @@ def render_openai(reply: Reply, *, completion_id: str, default_input_tokens: int
     return events
 
 
+def render_responses_reply(reply: Reply, index: int, default_input_tokens: int) -> list[SSEEvent]:
+    """The Responses API SSE events of ``reply`` (``max_tokens`` ends it incomplete, with
+    its last tool call cut)."""
+    blocks = [_as_block(b) for b in reply.blocks]
+    usage = reply.usage or (default_input_tokens, _count_output(blocks))
+    rendered = render_responses(blocks, response_id=f"resp_mock{index:08d}", model=reply.model,
+                                stop_reason=reply.stop_reason, usage=usage)
+    return [SSEEvent(data, delta=delta, content=delta) for data, delta in rendered]
+
+
 def _non_stream_body(reply: Reply, wire: Wire, ident: str, default_input_tokens: int) -> bytes:
     blocks = [_as_block(b) for b in reply.blocks]
     inp, out = reply.usage or (default_input_tokens, _count_output(blocks))
@@ -841,7 +864,7 @@ def _openai_error_body(error_type: str, message: str, code: str | None = None) -
 
 
 def _wire_error_body(wire: Wire | None, error_type: str, message: str) -> bytes:
-    if wire == "openai":
+    if wire in ("openai", "responses"):
         return _dumps(_openai_error_body(error_type, message)).encode()
     return _dumps(_anthropic_error_body(error_type, message)).encode()
 
@@ -1241,9 +1264,9 @@ class MockModelServer:
     ) -> bool:
         method = req.method.decode()
         path = req.target.decode("latin-1").split("?", 1)[0]
-        wire: Wire | None = (
-            "anthropic" if path == ANTHROPIC_PATH else "openai" if path == OPENAI_PATH else None
-        )
+        wire: Wire | None = {
+            ANTHROPIC_PATH: "anthropic", OPENAI_PATH: "openai", RESPONSES_PATH: "responses"
+        }.get(path)
         if wire is None:
             if path == "/health":
                 return await self._send(conn, stream, _Plan(200, [("content-type", "text/plain")],
@@ -1284,7 +1307,8 @@ class MockModelServer:
         else:
             problems: list[str] = []
             if self.check_invariants:
-                check = check_anthropic_messages if wire == "anthropic" else check_openai_messages
+                check = {"anthropic": check_anthropic_messages, "openai": check_openai_messages,
+                         "responses": check_responses_input}[wire]
                 problems = check(parsed)
             if problems:
                 text = f"request #{index} ({path}) violates invariants: " + "; ".join(problems)
@@ -1307,7 +1331,7 @@ class MockModelServer:
         return await self._send(conn, stream, plan, rec)
 
     def _auth_error(self, wire: Wire) -> _Plan:
-        if wire == "openai":
+        if wire in ("openai", "responses"):
             body = _openai_error_body(
                 "invalid_request_error",
                 "Incorrect API key provided. You can find your API key at "
@@ -1326,7 +1350,7 @@ class MockModelServer:
         raise _Exhausted
 
     def _request_headers(self, rec: RecordedRequest) -> list[tuple[str, str]]:
-        if rec.wire == "openai":
+        if rec.wire in ("openai", "responses"):
             return [("x-request-id", f"req_mock{rec.index:08d}")]
         return [("request-id", f"req_mock{rec.index:08d}")]
 
@@ -1346,10 +1370,14 @@ class MockModelServer:
             if not rec.stream:
                 return _Plan(200, [("content-type", _JSON), *self._request_headers(rec)],
                              body=_non_stream_body(response, wire, ident, default_in))
-            events = (render_anthropic(response, message_id=ident, default_input_tokens=default_in)
-                      if wire == "anthropic" else
-                      render_openai(response, completion_id=ident,
-                                    default_input_tokens=default_in))
+            if wire == "responses":
+                events = render_responses_reply(response, rec.index, default_in)
+            elif wire == "anthropic":
+                events = render_anthropic(response, message_id=ident,
+                                          default_input_tokens=default_in)
+            else:
+                events = render_openai(response, completion_id=ident,
+                                       default_input_tokens=default_in)
             return _Plan(200, [*_SSE_HEADERS, *self._request_headers(rec)], events, paced=True)
         if isinstance(response, Streamed):
             return _Plan(response.status, [*response.headers, *self._request_headers(rec)],
@@ -1398,6 +1426,10 @@ class MockModelServer:
             if wire == "anthropic":
                 err = _anthropic_event("error", {"type": "error", "error": {
                     "details": None, "type": response.error_type, "message": message}})
+            elif wire == "responses":
+                code = "server_error" if response.error_type in _MIDSTREAM_MESSAGES else (
+                    response.error_type)
+                err = responses_error_event(code, message)
             else:
                 err = _openai_event(_openai_error_body(response.error_type, message))
             plan.events = [*list(plan.events or ())[: response.after_events], SSEEvent(err)]
@@ -1408,6 +1440,9 @@ class MockModelServer:
         if wire == "anthropic":
             bad = (b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
                    b'"delta":{"type":"text_delta","text":"broken}\n\n')
+        elif wire == "responses":
+            bad = (b'event: response.output_text.delta\ndata: {"type":"response.output_text'
+                   b'.delta","output_index":0,"delta":"broken}\n\n')
         else:
             bad = b'data: {"id":"chatcmpl-mock","choices":[{"index":0,"delta":{"content":\n\n'
         plan.events = [*list(plan.events or ())[: response.after_events], SSEEvent(bad)]
