@@ -207,8 +207,12 @@ def test_trace_reads_a_data_dir_it_cannot_write(
 
 
 def serve(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    # The workspace must not hold the data dir, or serve refuses that first (R-SEC-5).
+    workspace = tmp_path / "workspace"
+    workspace.mkdir(exist_ok=True)
     return greenroom(tmp_path, "serve", "--no-console", "--no-builtin-tools",
-                     "--data-dir", str(tmp_path / "data"), *args)  # fmt: skip
+                     "--data-dir", str(tmp_path / "data"), "--workspace", str(workspace),
+                     *args)  # fmt: skip
 
 
 def test_serve_on_a_port_in_use(tmp_path: Path) -> None:
