@@ -84,6 +84,11 @@ async def demo_brain(request: ModelRequest, stream: ScriptedStream) -> None:
 
 
 async def _respond(request: ModelRequest, stream: ScriptedStream, delay: float) -> None:
+    title_of = _title_request(request)
+    if title_of is not None:
+        await stream.text(_title(title_of))
+        await stream.end()
+        return
     situation = _read_situation(request.messages)
     steering = _steering(request.messages)
     if steering:
@@ -167,6 +172,24 @@ async def _after_listing(
 
 
 # -- reading the request ---------------------------------------------------------------
+
+
+def _title_request(request: ModelRequest) -> str | None:
+    """The conversation's opening when ``request`` asks for a title (R-HOST-5), else None."""
+    if request.tools or request.system is not None or len(request.messages) != 1:
+        return None
+    (message,) = request.messages
+    texts = [p.text for p in message.content if isinstance(p, TextBlock)]
+    if len(texts) != 1 or not texts[0].startswith(markers.TITLE_PROMPT):
+        return None
+    return texts[0][len(markers.TITLE_PROMPT) :].strip()
+
+
+def _title(opening: str) -> str:
+    """A title from the first words of the opening, as a model might write it."""
+    words = re.sub(r"[^\w\s'-]", " ", opening.split("\n", 1)[0]).split()[:6]
+    title = " ".join(words)
+    return title[:1].upper() + title[1:] if title else "A conversation"
 
 
 def _read_situation(messages: tuple[Message, ...]) -> _Situation:

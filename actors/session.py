@@ -23,6 +23,7 @@ from greenroom.actors.approval_broker import ApproveFn, ClientApprover
 from greenroom.actors.errors import AuthLocked, Busy, SessionClosed
 from greenroom.actors.supervisor import SessionSupervisor, TaskInput
 from greenroom.actors.trace_sink import TraceWriteError
+from greenroom.protocols import markers
 from greenroom.protocols.content import TextBlock, UserContent
 from greenroom.protocols.context import ModelRequest, UserMessage
 from greenroom.protocols.hooks import Hooks
@@ -475,11 +476,7 @@ class Session:
             messages=(
                 UserMessage(
                     content=(
-                        TextBlock(
-                            text="Give a short title (at most eight words) for a "
-                            "conversation that starts like this. Answer with the title "
-                            f"only.\n\n{excerpt}"
-                        ),
+                        TextBlock(text=f"{markers.TITLE_PROMPT}\n\n{excerpt}"),
                     )
                 ),
             ),

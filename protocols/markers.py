@@ -104,3 +104,11 @@ def unwrap(tag: str, text: str) -> str | None:
     if match is None:
         return None
     return match.group(1) if match.group(1) is not None else match.group(2)
+
+
+TITLE_PROMPT = (
+    "Give a short title (at most eight words) for a conversation that starts like this. "
+    "Answer with the title only."
+)
+"""The instruction of a title request (R-HOST-5); the conversation's opening follows it
+after a blank line."""

@@ -76,3 +76,12 @@ async def test_title_does_not_wait_for_a_running_task(tmp_path: Path) -> None:
         release.set()
         outputs = await collect(run)
     assert outputs[-1].TYPE == "task_end" and outputs[-1].status == "completed"  # type: ignore[union-attr]
+
+
+async def test_the_demo_model_answers_a_title_request_with_a_title(tmp_path: Path) -> None:
+    """The built-in model (greenroom demo, serve's default) answers R-HOST-5's request
+    with a title, not as if it were a prompt."""
+    async with Host.open(tmp_path / "data") as host:
+        session = await host.create_session(provider="scripted", workspace_dir=tmp_path)
+        await collect(session.run("Summarize the sales CSV files, please!"))
+        assert await session.generate_title() == "Summarize the sales CSV files please"
