@@ -17,7 +17,7 @@ from greenroom.actors.llm_streamer import Backoff, ProviderTask
 from greenroom.protocols import compaction
 from greenroom.protocols.content import ModelBlock
 from greenroom.protocols.context import Message, ModelRequest
-from greenroom.protocols.retry import backoff_ms, should_retry
+from greenroom.protocols.retry import decide_retry
 from greenroom.protocols.stream import (
     BlockCompleted,
     MessageCompleted,
@@ -74,10 +74,11 @@ class Compactor:
                     *verdict.repair,
                     compaction.prompt_message(prompt, correction=True),
                 )
-            if not should_retry(failure.kind, attempt, permanent=failure.permanent):
+            decision = decide_retry(failure, attempt)
+            if not decision.retry or decision.delay_ms is None:
                 return CompactionOutcome(summary=None, attempt=attempt, error=failure)
             self.backoff.plan()
-            await self.backoff.sleep(backoff_ms(attempt - 1, failure.retry_after_s) / 1000)
+            await self.backoff.sleep(decision.delay_ms / 1000)
 
     async def _attempt(
         self, request: ModelRequest

@@ -16,6 +16,7 @@ Every library error is translated here, in :meth:`_AnthropicTask.stream`, into a
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import anthropic
@@ -185,7 +186,8 @@ def _status_error(exc: anthropic.APIStatusError) -> ModelError:
         body: bytes | str = response.content
     except Exception:  # a streamed body that was never read
         body = str(exc.body) if exc.body is not None else exc.message
-    return classify_error(exc.status_code, body, dict(response.headers))
+    # The wall clock: an HTTP-date ``retry-after`` is an absolute time.
+    return classify_error(exc.status_code, body, dict(response.headers), now=time.time())
 
 
 def _failed(kind: str, message: str) -> StreamFailed:

@@ -11,6 +11,7 @@ provider (:mod:`greenroom.actors.provider_openai_responses`) shares with its own
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -99,7 +100,13 @@ class StreamDecoder(Protocol):
     def end_of_stream(self) -> list[StreamEvent]: ...
 
 
-ErrorClassifier = Callable[[int, bytes, Mapping[str, str]], ModelError]
+class ErrorClassifier(Protocol):
+    """A codec's ``classify_error``: ``now`` (the wall clock) turns an HTTP-date
+    ``retry-after`` into a wait."""
+
+    def __call__(
+        self, status: int, body: bytes, headers: Mapping[str, str], *, now: float | None = None
+    ) -> ModelError: ...
 
 
 class HTTPStreamTask:
@@ -129,7 +136,9 @@ class HTTPStreamTask:
             async with self._client.stream("POST", self._url, json=body) as response:
                 if response.status_code >= 400:
                     content = await response.aread()
-                    error = self._classify(response.status_code, content, response.headers)
+                    error = self._classify(
+                        response.status_code, content, response.headers, now=time.time()
+                    )
                     await deliver([StreamFailed(error=error)])
                     return
                 try:

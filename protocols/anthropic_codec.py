@@ -31,9 +31,7 @@ without a signature (e.g. from another provider) are never sent: Anthropic rejec
 
 from __future__ import annotations
 
-import email.utils
 import json
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -51,6 +49,7 @@ from greenroom.protocols.context import (
     ToolSchema,
     UserMessage,
 )
+from greenroom.protocols.retry import parse_retry_after
 from greenroom.protocols.sse import SSEDecoder
 from greenroom.protocols.stream import (
     BlockCompleted,
@@ -380,29 +379,6 @@ def _parse_error_body(body: bytes | str) -> tuple[str | None, str]:
     return None, msg if isinstance(msg, str) else text.strip()[:1000]
 
 
-def _retry_after(headers: Mapping[str, str], now: float | None) -> float | None:
-    lowered = {k.lower(): v for k, v in headers.items()}
-    raw_ms = lowered.get("retry-after-ms")
-    if raw_ms is not None:
-        try:
-            return max(float(raw_ms) / 1000.0, 0.0)
-        except ValueError:
-            pass
-    raw = lowered.get("retry-after")
-    if raw is None:
-        return None
-    try:
-        return max(float(raw), 0.0)
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(raw)
-    except (TypeError, ValueError, IndexError):
-        return None
-    current = time.time() if now is None else now
-    return max(when.timestamp() - current, 0.0)
-
-
 def classify_error(
     status: int,
     body: bytes | str,
@@ -416,8 +392,9 @@ def classify_error(
     * 400 whose message says the prompt is too long / input plus ``max_tokens`` exceed the
       context limit -> ``context_overflow``;
     * 408, 429, every 5xx (529 overloaded included) -> ``timeout`` (transient), with
-      ``retry_after_s`` from ``retry-after-ms`` or ``retry-after`` (seconds or HTTP date,
-      relative to ``now``, default the wall clock) when present;
+      ``retry_after_s`` from ``retry-after-ms`` or ``retry-after`` (seconds, or an HTTP date
+      relative to ``now``, the wall clock; dates are ignored without it) when present
+      (:func:`~greenroom.protocols.retry.parse_retry_after`);
     * every other status -> ``failed``; ``permanent`` (not retried) for 400, 404 (unknown
       model), 413 (request too large) and 422, and for an ``invalid_request_error``,
       ``not_found_error`` or ``request_too_large`` body whatever the status.
@@ -430,7 +407,7 @@ def classify_error(
     except Exception:  # a classifier must classify, whatever the body is
         error_type, message = None, ""
     text = _error_text(error_type, message) if (error_type or message) else f"HTTP {status}"
-    retry_after = _retry_after(headers, now)
+    retry_after = parse_retry_after(headers, now)
     kind: ErrorKind
     if status in (401, 403) or error_type in ("authentication_error", "permission_error"):
         kind = "auth"

@@ -56,6 +56,7 @@ from greenroom.protocols.context import (
     ToolSchema,
     UserMessage,
 )
+from greenroom.protocols.retry import parse_retry_after
 from greenroom.protocols.sse import SSEDecoder
 from greenroom.protocols.stream import (
     BlockCompleted,
@@ -323,38 +324,13 @@ def _error_fields(payload: Any) -> tuple[str, str, str, int | None]:
     )
 
 
-def _header(headers: Mapping[str, str], name: str) -> str | None:
-    value = headers.get(name)
-    if value is None:
-        # Plain dicts are case-sensitive; httpx.Headers is not.
-        for key, candidate in headers.items():
-            if key.lower() == name:
-                return candidate
-    return value
-
-
-def _retry_after_s(headers: Mapping[str, str]) -> float | None:
-    """``retry-after-ms`` (milliseconds) first, then ``retry-after`` in seconds. The HTTP-date
-    form of ``retry-after`` is ignored: turning it into a wait needs the clock."""
-    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
-        raw = _header(headers, name)
-        if raw is None:
-            continue
-        try:
-            value = float(raw) * scale
-        except ValueError:
-            continue
-        if value >= 0 and value == value and value != float("inf"):
-            return value
-    return None
-
-
 def _classify(
     status: int | None,
     message: str,
     etype: str,
     code: str,
     headers: Mapping[str, str],
+    now: float | None,
 ) -> ModelError:
     text = message[:_MESSAGE_LIMIT] or (f"HTTP {status}" if status else "model error")
     kind: ErrorKind
@@ -370,7 +346,7 @@ def _classify(
     elif status == 429:
         # Checked before overflow: a rate limit must never trigger compaction (R-COMPACT-9).
         kind = "timeout"
-        retry_after = _retry_after_s(headers)
+        retry_after = parse_retry_after(headers, now)
     elif (
         code in _OVERFLOW_CODES
         or etype in _OVERFLOW_CODES
@@ -379,7 +355,7 @@ def _classify(
         kind = "context_overflow"
     elif status is not None and (status == 408 or status >= 500):
         kind = "timeout"
-        retry_after = _retry_after_s(headers)
+        retry_after = parse_retry_after(headers, now)
     elif status is None and (code in _TRANSIENT_CODES or etype in _TRANSIENT_CODES):
         kind = "timeout"
     else:
@@ -396,12 +372,16 @@ def _classify(
     )
 
 
-def classify_error(status: int, body: bytes | str, headers: Mapping[str, str]) -> ModelError:
+def classify_error(
+    status: int, body: bytes | str, headers: Mapping[str, str], *, now: float | None = None
+) -> ModelError:
     """Classify a non-200 response (R-RETRY-1). Never raises, whatever the body.
 
     401/403 → ``auth``; ``insufficient_quota`` (even as a 429) → ``failed`` with a message
     saying the quota is exhausted, since waiting will not help; other 429 → ``timeout`` with
-    ``retry_after_s`` from ``retry-after-ms`` / ``retry-after``; context too long (OpenAI
+    ``retry_after_s`` from ``retry-after-ms`` / ``retry-after`` (seconds, or an HTTP date
+    relative to ``now``, the wall clock; dates are ignored without it:
+    :func:`~greenroom.protocols.retry.parse_retry_after`); context too long (OpenAI
     ``context_length_exceeded``, llama.cpp ``exceed_context_size_error``, vLLM's message
     text) → ``context_overflow``; 408 and every 5xx → ``timeout``; anything else ``failed``,
     ``permanent`` (never retried) for 400, 404, 413 and 422 and for an exhausted quota.
@@ -414,7 +394,7 @@ def classify_error(status: int, body: bytes | str, headers: Mapping[str, str]) -
     message, etype, code, _ = _error_fields(payload)
     if not message and payload is None:
         message = text.strip()
-    return _classify(status, message, etype, code, headers)
+    return _classify(status, message, etype, code, headers, now)
 
 
 def _classify_stream_error(error: Any) -> ModelError:
@@ -423,7 +403,7 @@ def _classify_stream_error(error: Any) -> ModelError:
     message, etype, code, int_code = _error_fields(error)
     status = int_code if int_code is not None and 400 <= int_code <= 599 else None
     # The response's status was 200; the payload's code only guides the classification.
-    return attrs.evolve(_classify(status, message, etype, code, {}), status_code=None)
+    return attrs.evolve(_classify(status, message, etype, code, {}, None), status_code=None)
 
 
 # ---------------------------------------------------------------------------------------------
