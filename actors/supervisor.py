@@ -81,7 +81,7 @@ from greenroom.protocols.outputs import (
     ToolStatus,
     UserMsg,
 )
-from greenroom.protocols.retry import MAX_RETRIES, backoff_ms, should_retry
+from greenroom.protocols.retry import MAX_RETRIES, decide_retry
 from greenroom.protocols.stream import (
     BlockCompleted,
     BlockStarted,
@@ -414,14 +414,15 @@ class SessionSupervisor:
                 break
             assert isinstance(result, StreamFailed)
             error = result.error
-            retry = should_retry(error.kind, attempt, permanent=error.permanent)
-            delay_ms = backoff_ms(attempt - 1, error.retry_after_s) if retry else 0
+            decision = decide_retry(error, attempt)
+            retry = decision.retry
+            delay_ms = decision.delay_ms or 0
             if retry:
                 self._streamer.backoff.plan()  # skippable from the moment it is announced
             self._emit_request_end(
                 _request_status(error),
                 error_message=error.message,
-                retry_in_ms=delay_ms if retry else None,
+                retry_in_ms=decision.delay_ms,
             )
             if error.kind == "context_overflow" and not overflow_compacted:
                 # R-COMPACT-9: compact once and rerun the same turn, once per turn.
