@@ -105,7 +105,7 @@ from greenroom.actors.errors import (
 from greenroom.actors.host import SESSION_FILE, Host, default_data_dir
 from greenroom.actors.llm_streamer import ModelProvider
 from greenroom.actors.session import Session
-from greenroom.actors.trace_sink import TraceWriteError, read_trace
+from greenroom.actors.trace_sink import read_trace
 from greenroom.protocols import jsonrpc
 from greenroom.protocols.content import ImageBlock, ToolCallBlock, UserContent
 from greenroom.protocols.converter import to_dict
@@ -1134,11 +1134,8 @@ def _confine_images(
 
 async def _replay_records(session: Session, after_seq: int) -> list[Output]:
     """The session's traced outputs with ``seq > after_seq``, from all its trace files in
-    order. The current file is synced first, so everything published before this call is
-    on disk."""
-    with contextlib.suppress(TraceWriteError):
-        # A file with a write failure has a hole already; replay what is there.
-        await session._sync_trace()
+    order. Nothing is published before its record is written to the file (R-TRACE-3), so
+    the files hold everything published before this call."""
     return await trio.to_thread.run_sync(_read_records, session.directory, after_seq)
 
 

@@ -4,12 +4,16 @@ A :class:`Host` owns the root nursery, the shared :class:`TraceSink` (trace file
 usage ledger) and the provider clients, and creates, loads, lists and closes sessions
 (R-HOST-1). Sessions live in ``<data_dir>/sessions/<session_id>/``: ``session.json``
 (settings, workspace, and ``parent_id`` for a subagent), ``trace_001.jsonl``… and
-``scratch/``. A subagent (R-HOST-4) is such a session too, created by its parent's
+``scratch/``. Traces hold tool output such as file contents, so only the owner may read
+them: the data dir, ``sessions/`` and every session directory are 0700, trace files,
+``session.json`` and the usage ledger 0600 — tightened when they exist with wider modes.
+A subagent (R-HOST-4) is such a session too, created by its parent's
 ``spawn_subagent`` call and forgotten by the host when its task ends (its files stay).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -247,6 +251,7 @@ class Host:
         model_provider = provider if not isinstance(provider, str | None) else None
         if model_provider is None:
             model_provider = self._provider_for(settings)
+        await trio.to_thread.run_sync(_tighten_session_dir, directory)
         trace_path = await trio.to_thread.run_sync(latest_trace_file, directory)
         transcript = Transcript(supports_vision=settings.supports_vision)
         last_seq = 0
@@ -394,10 +399,47 @@ def _default_model(provider: str) -> str:
     return PROVIDERS[provider].default_model() if provider in PROVIDERS else "scripted"
 
 
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+
+
 def _prepare_data_dir(data_dir: str | Path | None) -> Path:
+    """Create the data dir and ``sessions/`` (0700), or tighten them to 0700. An existing
+    data dir is tightened only when it is a greenroom data dir or empty: pointed at some
+    other directory, the host changes nothing there but what it creates (``sessions/``
+    and the ledger are private all the same)."""
     path = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
-    (path / "sessions").mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        if (path / "sessions").is_dir() or not any(path.iterdir()):
+            _tighten(path, PRIVATE_DIR_MODE)
+    else:
+        path.mkdir(parents=True, mode=PRIVATE_DIR_MODE)
+    sessions = path / "sessions"
+    sessions.mkdir(exist_ok=True, mode=PRIVATE_DIR_MODE)
+    _tighten(sessions, PRIVATE_DIR_MODE)
     return path
+
+
+def _tighten(path: Path, mode: int) -> None:
+    """Take away every permission beyond ``mode`` (never adds one)."""
+    current = path.stat().st_mode & 0o777
+    if current & ~mode:
+        os.chmod(path, current & mode)
+
+
+def _tighten_session_dir(directory: Path) -> None:
+    """A stored session's directory, scratchpad and files made private (written before
+    the host made them so); a missing one is left to ``load_session`` to report."""
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return
+    _tighten(directory, PRIVATE_DIR_MODE)
+    for entry in entries:
+        with contextlib.suppress(OSError):
+            if entry.is_symlink():
+                continue
+            _tighten(entry, PRIVATE_DIR_MODE if entry.is_dir() else PRIVATE_FILE_MODE)
 
 
 def _resolve_dir(directory: str | Path) -> Path:
@@ -409,10 +451,14 @@ def _new_session_id() -> str:
 
 
 def _write_meta(directory: Path, meta: dict[str, Any]) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "scratch").mkdir(exist_ok=True)
+    directory.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
+    _tighten(directory, PRIVATE_DIR_MODE)
+    (directory / "scratch").mkdir(exist_ok=True, mode=PRIVATE_DIR_MODE)
     tmp = directory / (SESSION_FILE + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
+    with open(fd, "w", encoding="utf-8") as f:
+        f.write(json.dumps(meta, indent=2))
+    _tighten(tmp, PRIVATE_FILE_MODE)
     tmp.replace(directory / SESSION_FILE)
 
 

@@ -22,7 +22,7 @@ import trio
 from greenroom.actors.approval_broker import ApproveFn, ClientApprover
 from greenroom.actors.errors import AuthLocked, Busy, SessionClosed
 from greenroom.actors.supervisor import SessionSupervisor, TaskInput
-from greenroom.actors.trace_sink import TraceWriteError
+from greenroom.actors.trace_sink import TraceSinkClosed, TraceWriteError
 from greenroom.protocols import markers
 from greenroom.protocols.content import TextBlock, UserContent
 from greenroom.protocols.context import ModelRequest, UserMessage
@@ -597,8 +597,9 @@ class Session:
         self._seq += 1
         return self._seq
 
-    def _trace(self, output: Output) -> None:
-        self._host._sink.write(self.trace_path, encode_record(output))
+    def _trace(self, output: Output) -> int:
+        """Write the record; returns the trace sink's batch that will hold it."""
+        return self._host._sink.write(self.trace_path, encode_record(output))
 
     async def _sync_trace(self) -> None:
         await self._host._sink.sync(self.trace_path)
@@ -608,7 +609,7 @@ class Session:
         failure is returned (and stays recorded in the sink), never raised."""
         try:
             await self._sync_trace()
-        except TraceWriteError as exc:
+        except (TraceWriteError, TraceSinkClosed) as exc:
             return str(exc)
         return None
 

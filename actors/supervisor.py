@@ -8,6 +8,15 @@ through its inbox. The supervisor decides everything that happens next, emits ev
 output (to the run's channel, to subscribers and, for traced outputs, to the trace), and
 feeds traced outputs to the session's :class:`Transcript`, which owns the model context.
 
+The trace comes first (R-RUN-8, R-TRACE-3): a batch of outputs is published — to the run's
+channel and to subscribers — only once its records are written to the trace file (handed
+to the OS: a crash of the host cannot take them out of the trace; see
+:meth:`TraceSink.commit`), batches in order; a task's input is fsynced before its
+``task_start`` is emitted. Text entering from the user (prompts, steering, follow-ups) and
+from tools is repaired here (R-SEC-1). A record that cannot be written — or encoded,
+despite the repairs — ends the task ``failed`` with the reason; the host and the other
+sessions go on.
+
 Interrupt is cancellation: the task runs inside a cancel scope; ``interrupt()`` cancels it,
 and the supervisor settles the turn (R-ABORT-1..3) under a shielded, bounded scope before
 it emits exactly one ``task_end``.
@@ -23,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +44,8 @@ from greenroom.actors.compactor import Compactor
 from greenroom.actors.llm_streamer import LLMStreamer, ProviderTask
 from greenroom.actors.subagents import Subagents
 from greenroom.actors.tool_pool import ToolPool
-from greenroom.protocols import markers
+from greenroom.actors.trace_sink import TraceSinkClosed, TraceWriteError
+from greenroom.protocols import converter, markers
 from greenroom.protocols.content import (
     ModelBlock,
     TextBlock,
@@ -95,6 +106,7 @@ from greenroom.protocols.stream import (
     ToolCallTruncated,
     UsageReported,
 )
+from greenroom.protocols.text import repair_json, repair_text
 
 if TYPE_CHECKING:
     from greenroom.actors.session import Session
@@ -156,6 +168,14 @@ class SessionSupervisor:
         self._inbox = inbox_send
         self._inbox_receive = inbox_receive
         self._batch: list[Output] = []
+        self._sink = session._host._sink
+        # The trace sink's batch that holds the last record of ``_batch`` (0: none), and
+        # the batches flushed but not yet published, in order, with theirs.
+        self._batch_ticket = 0
+        self._unpublished: deque[tuple[int, list[Output]]] = deque()
+        self._awaiting_sink = False
+        self._published: trio.Event | None = None
+        self._trace_error: str | None = None
         self._steering: list[UserContent] = []
         self._streamer: LLMStreamer | None = None
         self._provider_task: ProviderTask | None = None
@@ -212,7 +232,8 @@ class SessionSupervisor:
                 await self._run_manual_compaction()
             while task is not None:
                 await self._run_task(task)
-                if self._scope.cancelled_caught or self._stopping or session.auth_locked:
+                interrupted = self._scope.cancelled_caught and self._trace_error is None
+                if interrupted or self._stopping or session.auth_locked:
                     break
                 task = session._take_follow_up(task)
                 if task is not None:
@@ -224,6 +245,11 @@ class SessionSupervisor:
             session._task_finished(self)
             with trio.CancelScope(shield=True):
                 self._flush()
+                with trio.move_on_after(ABORT_GRACE_S):
+                    await self._wait_published()
+                # Past the bound the disk hangs: what is left still reaches its readers,
+                # the last task_end above all.
+                self._publish_unwritten()
                 await self._output.aclose()
 
     async def _run_task(self, task: TaskInput) -> None:
@@ -234,14 +260,21 @@ class SessionSupervisor:
         self._turn = 0
         self._usage = TokenUsage()
         self._steering = []
+        self._trace_error = None
         status: TaskStatus = "failed"
         message: str | None = None
-        # R-TRACE-3: the input is a fact of the session before the task starts.
+        # R-TRACE-3: the input is a fact of the session before the task starts: fsynced
+        # before task_start exists (a failure ends the task at once, in the scope below).
         prompt = self._emit(
             UserMsg(
-                session_id=self._session.id, run_id=self.run_id, kind="prompt", content=task.content
+                session_id=self._session.id,
+                run_id=self.run_id,
+                kind="prompt",
+                content=_repaired_blocks(task.content),
             )
         )
+        self._flush()
+        await self._sync()
         self._emit(TaskStart(session_id=self._session.id, run_id=self.run_id, input_seq=prompt.seq))
         self._flush()
         try:
@@ -249,12 +282,12 @@ class SessionSupervisor:
                 status, message = await self._run_turns(task)
         except Exception as exc:  # a bug must end the task visibly, not hang the host
             status, message = "failed", f"internal error: {exc!r}"
-            with contextlib.suppress(Exception):  # best effort: keep the record paired
-                self._end_interrupted_compaction(message)
-                self._settle_calls()
-                if not session._transcript.message_complete:
-                    self._emit_request_end("failed", error_message=message)
-        if self._scope.cancelled_caught:
+            self._settle_failure(message)
+        trace_error = self._trace_failure()
+        if trace_error is not None:
+            status, message = "failed", trace_error
+            self._settle_failure(trace_error)
+        elif self._scope.cancelled_caught:
             status, message = "aborted", self._abort_reason
             self._settle_abort()
         with trio.CancelScope(shield=True) as teardown:
@@ -270,9 +303,25 @@ class SessionSupervisor:
                     message=message,
                 )
             )
-            # A trace that cannot be written must not cost the host: the failure stays
-            # recorded in the sink, and task_end still reaches the host.
-            await session._sync_trace_quietly()
+            # Written now, published by run() once the session is idle; the sync below
+            # only has to fsync it.
+            self._sink.commit(session.trace_path)
+            # A trace that cannot be written must not cost the host: task_end still
+            # reaches its readers. The failure was reported by this task_end (or by an
+            # earlier one), so the next task may try the file again.
+            failure = await session._sync_trace_quietly()
+            if failure is not None or self._trace_error is not None:
+                self._sink.clear_error(session.trace_path)
+
+    def _settle_failure(self, message: str) -> None:
+        """Settle the turn of a task that failed on its own (a bug, the trace): every call
+        paired, the request ended. Best effort: the trace may be what failed."""
+        with contextlib.suppress(Exception):
+            self._drain_inbox_nowait()  # results that arrived before the failure still count
+            self._end_interrupted_compaction(message)
+            self._settle_calls()
+            if not self._session._transcript.message_complete:
+                self._emit_request_end("failed", error_message=message)
 
     async def _run_turns(self, task: TaskInput) -> tuple[TaskStatus, str | None]:
         session = self._session
@@ -343,7 +392,7 @@ class SessionSupervisor:
                     self._session._lock_auth(failure.message)
                     return "auth", failure.message
                 return "failed", failure.message
-            await self._session._sync_trace()  # R-TRACE-2: durable at every turn boundary
+            await self._sync()  # R-TRACE-2: durable at every turn boundary
             self._drain_inbox_nowait()
             if self._calls:
                 results = tuple(self._results[call_id] for call_id in self._call_order)
@@ -521,7 +570,8 @@ class SessionSupervisor:
                 self._flush()
                 return False
             summary = outcome.summary
-        await session._sync_trace()
+        self._flush()  # no batch straddles two trace files
+        await self._sync()
         trace_file = session._rotate_trace()  # R-COMPACT-8: one file, one context
         self._compacting = False
         self._emit(
@@ -536,7 +586,7 @@ class SessionSupervisor:
             )
         )
         self._flush()
-        await session._sync_trace()
+        await self._sync()
         return True
 
     def _compaction_usage(self, usage: TokenUsage) -> None:
@@ -550,6 +600,7 @@ class SessionSupervisor:
             )
         )
         self._session._record_usage(self.run_id, self._turn, usage)
+        self._flush()
 
     async def _run_manual_compaction(self) -> None:
         """``session.compact()``: a compaction on its own, as the session's one activity
@@ -562,7 +613,9 @@ class SessionSupervisor:
                 await self._compact("manual")
         except Exception as exc:  # a bug must end the compaction visibly
             self._end_interrupted_compaction(f"internal error: {exc!r}")
-        if self._scope.cancelled_caught:
+        if self._trace_error is not None:
+            self._end_interrupted_compaction(self._trace_error)
+        elif self._scope.cancelled_caught:
             self._end_interrupted_compaction(self._abort_reason)
         with trio.CancelScope(shield=True) as teardown:
             teardown.deadline = trio.current_time() + ABORT_GRACE_S
@@ -633,6 +686,9 @@ class SessionSupervisor:
         """Handle inbox messages until ``done()``; returns the attempt's terminal event."""
         receive = self._inbox_receive
         while not done():
+            # What the caller emitted is written and published before we wait: a line
+            # left buffered goes to the writer thread, and the next batch waits for it.
+            self._flush()
             message = await receive.receive()
             self._handle(message)
             self._drain_inbox_nowait()
@@ -677,11 +733,11 @@ class SessionSupervisor:
                         run_id=self.run_id,
                         call_id=call.block.id,
                         tool=call.block.name,
-                        message=message.message,
+                        message=repair_text(message.message),
                     )
                 )
         elif isinstance(message, SteeringQueued):
-            self._steering.extend(message.content)
+            self._steering.extend(_repaired_blocks(message.content))
         elif isinstance(message, BackoffSkipped):
             if self._compactor is not None:
                 self._compactor.backoff.skip()
@@ -873,7 +929,12 @@ class SessionSupervisor:
     def _emit_tool_output(
         self, call: _Call, status: ToolStatus, content: str | tuple[Any, ...]
     ) -> None:
-        blocks = (TextBlock(text=content),) if isinstance(content, str) else content
+        # Tool output is outside text (R-SEC-1): repaired before anyone encodes it.
+        blocks = (
+            (TextBlock(text=repair_text(content)),)
+            if isinstance(content, str)
+            else _repaired_blocks(content)
+        )
         self._results[call.block.id] = ToolResult(
             call_id=call.block.id,
             tool=call.block.name,
@@ -973,29 +1034,131 @@ class SessionSupervisor:
         self._batch.append(output)
 
     def _emit(self, output: Any) -> Any:
-        """Emit a traced output: assign its seq, trace it, feed the transcript."""
+        """Emit a traced output: assign its seq, trace it, feed the transcript. It is
+        published with its batch once the trace holds it (see :meth:`_flush`)."""
         session = self._session
         output = attrs.evolve(output, seq=session._next_seq())
-        session._trace(output)
+        try:
+            self._batch_ticket = session._trace(output)
+        except TraceSinkClosed as exc:
+            # The host is going down under us: the output still reaches the live stream.
+            self._trace_failed(f"cannot write the trace: {exc}")
+        except Exception as exc:
+            kept = self._trace_repaired(output, exc)
+            if kept is None:
+                return output
+            output = kept
         session._transcript.apply(output)
         self._batch.append(output)
         return output
 
+    def _trace_repaired(self, output: Any, error: Exception) -> Any:
+        """A record that could not be encoded (text past every boundary repair): the trace
+        holds it with its text repaired, if that encodes, and the task ends failed. Returns
+        the output as traced, or None when even the repaired one could not be."""
+        name = type(output).TYPE
+        try:
+            repaired = converter.output_from_dict(repair_json(converter.to_dict(output)))
+            self._batch_ticket = self._session._trace(repaired)
+        except Exception:
+            self._trace_failed(
+                f"cannot write the trace: the {name} record (seq {output.seq}) could not be "
+                f"encoded and was lost: {error}"
+            )
+            return None
+        self._trace_failed(
+            f"cannot write the trace: the {name} record (seq {output.seq}) could not be "
+            f"encoded ({error}); it was stored with the bad text replaced by U+FFFD"
+        )
+        return repaired
+
+    def _trace_failure(self) -> str | None:
+        """Why this task could not write its trace, if it could not (set by callbacks)."""
+        return self._trace_error
+
+    def _trace_failed(self, message: str) -> None:
+        """End the task failed with ``message`` (R-SEC-1): the first failure names it."""
+        if self._trace_error is None:
+            self._trace_error = message
+            self._scope.cancel()
+
+    async def _sync(self) -> None:
+        """R-TRACE-2 for the task: a sync that fails ends the task (failed) — inside its
+        scope at once, before it at the first checkpoint inside."""
+        self._flush()
+        try:
+            await self._session._sync_trace()
+        except (TraceWriteError, TraceSinkClosed) as exc:
+            self._trace_failed(f"cannot write the trace: {exc}")
+            await trio.lowlevel.checkpoint()  # the task's scope is cancelled now
+
     def _forward(self, batch: list[Output], origin: tuple[str, ...]) -> None:
         """Emit a subagent's outputs as live outputs of this run (R-HOST-4): its own get
         ``origin`` (root first, the subagent last); a grandchild's keep theirs. Never
-        traced here: they are in the subagent's trace. Called from the subagent's task,
-        synchronously inside its flush, so it never blocks."""
+        traced here: they are in the subagent's trace (and published by it only once they
+        are). Called from the subagent's publishing, synchronously, so it never blocks."""
         append = self._batch.append
         for output in batch:
             append(output if output.origin is not None else attrs.evolve(output, origin=origin))
         self._flush()
 
     def _flush(self) -> None:
+        """Hand the outputs emitted so far on as one batch: its records are written to
+        the trace file (committed) and it is published — unless the trace sink's writer
+        holds lines of the file right now, or a batch before it still waits: then it is
+        queued until the sink's batch is done. Never waits."""
         if not self._batch:
             return
         batch = self._batch
+        ticket = self._batch_ticket
         self._batch = []
+        self._batch_ticket = 0
+        written = not ticket or self._sink.commit(self._session.trace_path)
+        if not self._unpublished and (written or self._sink.batch_done(ticket)):
+            if ticket:
+                self._check_trace()
+            self._publish(batch)
+            return
+        self._unpublished.append((ticket, batch))
+        if not self._awaiting_sink:
+            self._awaiting_sink = True
+            self._sink.when_batch_done(ticket, self._on_trace_written)
+
+    def _on_trace_written(self) -> None:
+        # Called by the trace sink (its task) after a batch; must not block.
+        self._awaiting_sink = False
+        # The writer is done with the file's lines it held: the rest can be written now,
+        # and then every queued batch is (they all hold records of this one file).
+        written = self._sink.commit(self._session.trace_path)
+        self._check_trace()
+        unpublished = self._unpublished
+        batch_done = self._sink.batch_done
+        while unpublished and (written or batch_done(unpublished[0][0])):
+            self._publish(unpublished.popleft()[1])
+        if unpublished:
+            self._awaiting_sink = True
+            self._sink.when_batch_done(unpublished[0][0], self._on_trace_written)
+        elif self._published is not None:
+            self._published.set()
+
+    def _check_trace(self) -> None:
+        error = self._sink.error(self._session.trace_path)
+        if error is not None:
+            # Its outputs are published all the same: the task_end that follows says
+            # that the trace lacks them.
+            self._trace_failed(f"cannot write the trace: {error}")
+
+    async def _wait_published(self) -> None:
+        while self._unpublished:
+            self._published = trio.Event()
+            await self._published.wait()
+        self._published = None
+
+    def _publish_unwritten(self) -> None:
+        while self._unpublished:
+            self._publish(self._unpublished.popleft()[1])
+
+    def _publish(self, batch: list[Output]) -> None:
         self._session._publish(batch)
         # A host that stopped reading this run loses nothing: subscribers and the trace
         # still get every output.
@@ -1014,6 +1177,31 @@ async def _call_hook(hook: Callable[[Any], Any] | None, info: Any) -> Any:
     except Exception:
         return None
     return result
+
+
+def _repaired_blocks(blocks: tuple[Any, ...]) -> tuple[Any, ...]:
+    """User or tool content with every lone surrogate replaced (R-SEC-1); the same tuple
+    when nothing needed it (the usual case costs one ASCII check per text)."""
+    repaired: list[Any] | None = None
+    for i, block in enumerate(blocks):
+        if isinstance(block, TextBlock):
+            text = repair_text(block.text)
+            new = block if text is block.text else TextBlock(text=text)
+        else:
+            new = _repaired_value(block)
+        if new is not block and repaired is None:
+            repaired = list(blocks[:i])
+        if repaired is not None:
+            repaired.append(new)
+    return blocks if repaired is None else tuple(repaired)
+
+
+def _repaired_value(block: Any) -> Any:
+    fields = attrs.asdict(block, recurse=False)
+    changed = {k: v for k, v in fields.items() if repair_json(v) is not v}
+    if not changed:
+        return block
+    return attrs.evolve(block, **{k: repair_json(v) for k, v in changed.items()})
 
 
 def _request_status(error: ModelError) -> RequestStatus:

@@ -39,6 +39,7 @@ from greenroom.protocols.messages import (
     ToolProgressed,
 )
 from greenroom.protocols.outputs import ToolStatus
+from greenroom.protocols.text import repair_text
 from greenroom.protocols.tools import Tool, ToolContext, normalize_result
 
 SLOTS = 5
@@ -195,7 +196,11 @@ class ToolPool:
             exc = running.error
             return "error", _text(f"{type(exc).__name__}: {exc}")
         value = running.value
-        content = normalize_result(value)
+        # Outside text (R-SEC-1): repaired before it is measured, stored or traced.
+        content = tuple(
+            TextBlock(text=repair_text(b.text)) if isinstance(b, TextBlock) else b
+            for b in normalize_result(value)
+        )
         return "ok", await self._fit_budget(call, content)
 
     async def _fit_budget(

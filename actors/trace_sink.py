@@ -5,13 +5,16 @@ One sink per Host, shared by all its sessions. Sessions hand it finished lines
 appends to an in-memory buffer, and ask for durability with :meth:`TraceSink.sync` at the
 points R-TRACE-2 names (turn boundaries, before a tool with side effects starts).
 
-The writer task drains continuously: each batch takes every buffered line of every file and
-every pending usage row, and does all the blocking work in ONE worker-thread call — append to
-each file (opened and closed again in the batch, so thousands of sessions do not hold
-thousands of descriptors), fsync the files somebody is waiting on, insert the ledger rows
-with one ``executemany`` and one commit. Callers of ``sync`` that arrive while a batch is in
-flight share the next one (group commit), so the fsync rate is bounded by the disk, not by
-the number of sessions. A line is never held back for more than one batch.
+A session publishes a traced output only once its record is *written*: handed to the
+operating system (``write(2)`` returned), so that it survives the death of the process —
+SIGKILL, a crash — though not yet a power cut, which only the fsyncs above cover. To keep
+that cheap, :meth:`TraceSink.commit` appends a file's buffered lines at once, in the calling
+thread (one small append to the page cache, no fsync), unless the writer thread holds
+lines of that file at that moment; then the caller waits for that batch instead
+(:meth:`TraceSink.write` returns its number; :meth:`TraceSink.batch_done` and
+:meth:`TraceSink.when_batch_done` tell when it is done: written and its fsyncs returned,
+or failed, which :meth:`TraceSink.error` then reports for the file). So a client never sees
+a record that a crash of the host can still take out of the trace (R-RUN-8).
 
 Exceptions (the public tree)::
 
@@ -19,11 +22,17 @@ Exceptions (the public tree)::
     ├── TraceSinkClosed   write() or record_usage() after the sink was closed (our own doing)
     └── TraceWriteError   a file or the ledger could not be written (disk full, permission, …)
 
-I/O errors never crash the sink or the host: a failed file is recorded and the others go on.
-The failure is sticky per file (lines were lost, the file has a hole): every later
+No record and no I/O error ends the sink or the host: a line that cannot be encoded is refused
+by :meth:`TraceSink.write` (ValueError, before it is buffered), and any failure while a batch is
+written — an OSError, or anything else — is recorded for the files of that batch while the
+others go on. The failure is sticky per file (lines were lost, the file has a hole): every later
 ``sync(path)`` for that file, and every ``sync()``, raises :class:`TraceWriteError` until
 :meth:`TraceSink.clear_error` acknowledges it. Ledger failures are reported the same way
-under the ledger's path.
+under the ledger's path. Once the sink is closed (or its writer has stopped), ``sync``
+raises :class:`TraceSinkClosed`: nothing written after that point can be made durable.
+
+Files and modes: trace files and the ledger are created 0600 (they hold tool output such
+as file contents), directories the sink creates 0700.
 
 Usage-ledger table ``usage`` in ``<data_dir>/usage.sqlite``: ``id, at, session_id, run_id,
 turn, kind, provider, model, input, output, cache_read, cache_write, total, status,
@@ -35,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +131,7 @@ class TraceWriteError(Exception):
 class _BatchJob:
     """What one worker-thread call does. Plain data: the thread never touches the sink."""
 
-    lines: dict[Path, list[str]]
+    lines: dict[Path, list[bytes]]
     fsync: frozenset[Path]
     dir_syncs: dict[Path, frozenset[Path]]
     """For each file to fsync: directories created earlier whose entries still need fsync."""
@@ -165,7 +174,7 @@ class TraceSink:
         self.close_timeout = close_timeout
         self.batches_written = 0
 
-        self._buffers: dict[Path, list[str]] = {}
+        self._buffers: dict[Path, list[bytes]] = {}
         self._usage: list[UsageRow] = []
         self._fsync_requested: set[Path] = set()
         self._fsync_all = False
@@ -180,6 +189,10 @@ class TraceSink:
         self._batches_taken = 0
         self._batches_done = 0
         self._batch_done = trio.Event()
+        self._callbacks: dict[int, list[Callable[[], None]]] = {}
+        # Files whose last write was ours and whole: they end in a newline, so a commit
+        # appends without the torn-tail check or the directory checks.
+        self._clean_tails: set[Path] = set()
         self._wakeup: trio.Event | None = None
         self._started = False
         self._closed = False
@@ -203,13 +216,28 @@ class TraceSink:
         try:
             self._ledger = await trio.to_thread.run_sync(_open_ledger, self.ledger_path)
             task_status.started()
-            await self._writer_loop()
+            try:
+                await self._writer_loop()
+            except Exception as exc:
+                # Only a bug gets here (batch failures are recorded, not raised). It must
+                # not end the host with every session in it: the sink closes, so every
+                # later write and sync raises TraceSinkClosed and each session ends its
+                # task with that error; no waiting sync may pretend its lines are durable.
+                self._close_error = TraceWriteError(
+                    self.data_dir, f"the trace writer failed: {exc!r}"
+                )
         finally:
             self._closed = True
             with trio.CancelScope(shield=True):
-                await self._final_flush()
+                try:
+                    await self._final_flush()
+                except Exception as exc:  # a bug, as above: the sink ends, the host goes on
+                    self._close_error = TraceWriteError(
+                        self.data_dir, f"the trace writer failed: {exc!r}"
+                    )
             self._finished.set()
             self._wake_waiters()
+            self._run_callbacks(all_of_them=True)
 
     async def aclose(self) -> None:
         """Stop accepting lines, flush and fsync everything, and wait for ``run`` to end.
@@ -229,26 +257,89 @@ class TraceSink:
 
     # -- the API for sessions ---------------------------------------------------------------
 
-    def write(self, path: Path, line: str) -> None:
-        """Append ``line`` (one record ending in ``"\\n"``) to the file at ``path``.
+    def write(self, path: Path, line: str) -> int:
+        """Append ``line`` (one record ending in ``"\\n"``) to the file at ``path``; returns
+        the number of the batch that will write it (see :meth:`batch_done`).
 
-        Synchronous and O(1): it only buffers; the writer appends soon after. Files are keyed
-        by ``Path`` equality, so give each file one spelling (``sync`` uses it). Never blocks
-        and never raises for I/O (failures surface from :meth:`sync`). Raises
-        :class:`TraceSinkClosed` once the sink is closed and ValueError for a line without
-        its newline (it would merge with the next record).
+        Synchronous and O(1): it encodes and buffers; the writer appends soon after. Files
+        are keyed by ``Path`` equality, so give each file one spelling (``sync`` uses it).
+        Never blocks and never raises for I/O (failures surface from :meth:`sync` and
+        :meth:`error`). Raises :class:`TraceSinkClosed` once the sink is closed, and
+        ValueError for a line without its newline (it would merge with the next record) or
+        one that UTF-8 cannot encode (a lone surrogate): such a line is not buffered, so it
+        costs its caller that record and nothing else.
         """
         if self._closed:
             raise TraceSinkClosed(f"trace sink is closed; cannot write to {path}")
         if not line.endswith("\n"):
             raise ValueError("a trace line must end with a newline")
+        try:
+            data = line.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"a trace line must be encodable as UTF-8: {exc.reason} at offset {exc.start}"
+            ) from None
         buffer = self._buffers.get(path)
         if buffer is None:
-            self._buffers[path] = [line]
+            self._buffers[path] = [data]
         else:
-            buffer.append(line)
+            buffer.append(data)
         if self._wakeup is not None:
             self._wake_writer()
+        return self._batches_taken + 1
+
+    def commit(self, path: Path) -> bool:
+        """Hand the buffered lines of ``path`` to the operating system now, from the
+        calling thread: one append, no fsync (that stays with the group commit). Returns
+        True when no line written to ``path`` is still unwritten — or its write failed,
+        which :meth:`error` reports — and False when the writer thread holds lines of
+        ``path`` right now (wait for the batch of the last :meth:`write` then). Never
+        raises for I/O. Blocks the caller for one small append; a session calls it when it
+        publishes a batch of outputs, so that no client sees a record before it is written.
+        """
+        if path in self._inflight_lines:
+            return False
+        lines = self._buffers.pop(path, None)
+        if not lines:
+            return True
+        try:
+            if path in self._clean_tails and _append_known(path, lines):
+                created: frozenset[Path] = frozenset()
+            else:
+                created = _append(path, lines, fsync=False)
+        except Exception as exc:
+            self._errors[path] = TraceWriteError(path, _describe(exc))
+            self._not_fsynced.pop(path, None)
+            self._clean_tails.discard(path)
+            return True
+        self._clean_tails.add(path)
+        self._not_fsynced[path] = self._not_fsynced.get(path, frozenset()) | created
+        return True
+
+    def batch_done(self, batch: int) -> bool:
+        """Whether batch ``batch`` (a number from :meth:`write`)
+        is done: its lines handed to the OS and its fsyncs returned, or failed (see
+        :meth:`error`). Always true once the sink has finished."""
+        return self._batches_done >= batch or self._finished.is_set()
+
+    def when_batch_done(self, batch: int, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once batch ``batch`` is done — at once if it already is,
+        otherwise from the sink's task right after the batch (every registered callback
+        is called exactly once, at the latest when the sink finishes). It must not block;
+        an exception it raises is the callback's own bug and is ignored."""
+        if self.batch_done(batch):
+            _call_quietly(callback)
+            return
+        waiting = self._callbacks.get(batch)
+        if waiting is None:
+            self._callbacks[batch] = [callback]
+        else:
+            waiting.append(callback)
+
+    def error(self, path: Path) -> TraceWriteError | None:
+        """The unacknowledged write failure of ``path`` (see :meth:`clear_error`), or the
+        failure that stopped the sink with lines of any file unwritten; None if neither."""
+        return self._errors.get(path) or self._close_error
 
     def record_usage(self, row: UsageRow) -> None:
         """Queue one usage-ledger row (R-TRACE-5); inserted with the next batch.
@@ -269,10 +360,15 @@ class TraceSink:
 
         Concurrent callers share batches. Returns at once (after a checkpoint) when nothing
         is pending. Raises :class:`TraceWriteError` when a covered file has lost lines (see
-        the module docstring: the error is sticky until :meth:`clear_error`). Cancel-safe:
-        a cancelled caller just stops waiting; the fsync it asked for still happens. Works
-        after close too (waits for the final flush).
+        the module docstring: the error is sticky until :meth:`clear_error`), and
+        :class:`TraceSinkClosed` when the sink is closed or its writer has stopped: a
+        return is a promise that the lines are on disk. A sync that was already waiting
+        when the sink closed ends with the final flush and reports its outcome.
+        Cancel-safe: a cancelled caller just stops waiting; the fsync it asked for still
+        happens.
         """
+        if self._closed:
+            raise TraceSinkClosed("trace sink is closed; cannot make the trace durable")
         target = self._request_sync(path)
         if target is not None:
             while self._batches_done < target and not self._finished.is_set():
@@ -351,6 +447,13 @@ class TraceSink:
         self._batch_done.set()
         self._batch_done = trio.Event()
 
+    def _run_callbacks(self, *, all_of_them: bool = False) -> None:
+        done = self._batches_done
+        ready = [b for b in self._callbacks if all_of_them or b <= done]
+        for batch in sorted(ready):
+            for callback in self._callbacks.pop(batch):
+                _call_quietly(callback)
+
     def _has_work(self) -> bool:
         return bool(self._buffers or self._usage or self._fsync_requested or self._fsync_all)
 
@@ -370,7 +473,10 @@ class TraceSink:
             # cancelled (to_thread would otherwise raise Cancelled before starting the thread,
             # dropping the lines). The thread call is not abandonable anyway.
             with trio.CancelScope(shield=True):
-                result = await trio.to_thread.run_sync(_run_batch, job, self._ledger)
+                try:
+                    result = await trio.to_thread.run_sync(_run_batch, job, self._ledger)
+                except Exception as exc:
+                    result = _failed_batch(job, f"the trace writer failed: {exc!r}")
             self._finish_batch(job, result)
 
     async def _final_flush(self) -> None:
@@ -379,9 +485,12 @@ class TraceSink:
         with trio.move_on_after(self.close_timeout):
             # Abandonable so a hung disk cannot hang the host's shutdown; the abandoned thread
             # owns the ledger connection and closes it itself.
-            result = await trio.to_thread.run_sync(
-                _run_batch, job, self._ledger, abandon_on_cancel=True
-            )
+            try:
+                result = await trio.to_thread.run_sync(
+                    _run_batch, job, self._ledger, abandon_on_cancel=True
+                )
+            except Exception as exc:
+                result = _failed_batch(job, f"the trace writer failed: {exc!r}")
         self._ledger = None
         if result is None:
             self._close_error = TraceWriteError(
@@ -424,6 +533,11 @@ class TraceSink:
         for path in job.lines.keys() - job.fsync:
             dirs = result.new_dirs.get(path, frozenset())
             self._not_fsynced[path] = self._not_fsynced.get(path, frozenset()) | dirs
+        for path in job.lines:
+            if path in result.errors:
+                self._clean_tails.discard(path)
+            else:
+                self._clean_tails.add(path)
         for path, message in result.errors.items():
             self._errors[path] = TraceWriteError(path, message)
             # Failed lines are dropped (the error says so), so there is nothing left to fsync.
@@ -434,13 +548,36 @@ class TraceSink:
         self._inflight_usage = False
         self._batches_done = self._batches_taken
         self._wake_waiters()
+        self._run_callbacks()
+
+
+def _call_quietly(callback: Callable[[], None]) -> None:
+    # A callback that raises is its owner's bug; it must not take the sink (and with it
+    # every session of the host) down.
+    with contextlib.suppress(Exception):
+        callback()
+
+
+def _failed_batch(job: _BatchJob, message: str) -> _BatchResult:
+    """The result of a batch whose worker call itself failed: every file in it failed."""
+    return _BatchResult(
+        errors={path: message for path in job.lines.keys() | job.fsync},
+        new_dirs={},
+        ledger_error=message if job.usage else None,
+    )
 
 
 # -- the worker-thread side: blocking I/O only, no trio, no sink state ----------------------
 
 
 def _open_ledger(path: Path) -> sqlite3.Connection:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # Created (or tightened) 0600 before SQLite opens it: its -wal and -shm files take the
+    # database file's mode.
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    for companion in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        with contextlib.suppress(FileNotFoundError):
+            _tighten(companion, 0o600)
     # Used by one worker thread at a time (batches never overlap), but not always the same
     # thread, hence check_same_thread=False.
     conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
@@ -463,13 +600,13 @@ def _run_batch(job: _BatchJob, ledger: sqlite3.Connection | None) -> _BatchResul
         lines = job.lines.get(path)
         try:
             created = _append(path, lines, fsync=path in job.fsync)
-        except OSError as exc:
+        except Exception as exc:
             errors[path] = _describe(exc)
             continue
         if path in job.fsync:
             try:
                 _fsync_dirs(created | job.dir_syncs.get(path, frozenset()))
-            except OSError as exc:
+            except Exception as exc:
                 errors[path] = _describe(exc)
         elif created:
             new_dirs[path] = created
@@ -489,7 +626,7 @@ def _run_batch(job: _BatchJob, ledger: sqlite3.Connection | None) -> _BatchResul
     return _BatchResult(errors=errors, new_dirs=new_dirs, ledger_error=ledger_error)
 
 
-def _append(path: Path, lines: list[str] | None, *, fsync: bool) -> frozenset[Path]:
+def _append(path: Path, lines: list[bytes] | None, *, fsync: bool) -> frozenset[Path]:
     """Append ``lines`` to ``path`` (creating it and its parents), fsync if asked; return the
     directories whose entries changed (the file's parent if the file is new, and the parent
     of every new directory)."""
@@ -507,12 +644,12 @@ def _append(path: Path, lines: list[str] | None, *, fsync: bool) -> frozenset[Pa
         missing.append(parent)
         parent = parent.parent
     for directory in reversed(missing):
-        directory.mkdir(exist_ok=True)
+        directory.mkdir(exist_ok=True, mode=0o700)
         changed.add(directory.parent)
     if not path.exists():
         changed.add(path.parent)
-    data = "".join(lines).encode("utf-8")
-    with open(path, "a+b") as f:
+    data = b"".join(lines)
+    with open(path, "a+b", opener=_private_opener) as f:
         size = f.seek(0, os.SEEK_END)
         if size:
             f.seek(size - 1)
@@ -525,6 +662,34 @@ def _append(path: Path, lines: list[str] | None, *, fsync: bool) -> frozenset[Pa
         if fsync:
             os.fsync(f.fileno())
     return frozenset(changed)
+
+
+def _append_known(path: Path, lines: list[bytes]) -> bool:
+    """Append to a file this sink wrote last (it ends in a newline): open, write, close.
+    False when the file is gone (then :func:`_append` creates it again)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    except FileNotFoundError:
+        return False
+    try:
+        data = memoryview(b"".join(lines))
+        while data:
+            data = data[os.write(fd, data) :]
+    finally:
+        os.close(fd)
+    return True
+
+
+def _private_opener(path: str, flags: int) -> int:
+    """``open``'s opener for files only their owner may read (a new file is 0600)."""
+    return os.open(path, flags, 0o600)
+
+
+def _tighten(path: Path, mode: int) -> None:
+    """Take away every permission beyond ``mode`` (never adds one)."""
+    current = path.stat().st_mode & 0o777
+    if current & ~mode:
+        os.chmod(path, current & mode)
 
 
 def _fsync_dirs(directories: Iterable[Path]) -> None:
@@ -571,8 +736,10 @@ def _insert_usage(ledger: sqlite3.Connection, rows: list[UsageRow]) -> None:
         raise
 
 
-def _describe(exc: OSError) -> str:
-    return f"{exc.strerror} (errno {exc.errno})" if exc.strerror else str(exc)
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, OSError):
+        return f"{exc.strerror} (errno {exc.errno})" if exc.strerror else str(exc)
+    return f"internal error: {exc!r}"
 
 
 # -- readers (blocking; call them from a worker thread inside trio) --------------------------
@@ -640,4 +807,3 @@ def usage_totals(db_path: Path | str, *, session_id: str | None = None) -> dict[
         "titles",
     )
     return {row[0]: {k: int(v or 0) for k, v in zip(keys, row[1:], strict=True)} for row in rows}
-

@@ -270,8 +270,12 @@ async def test_write_after_close_raises(tmp_path: Path) -> None:
         with pytest.raises(TraceSinkClosed):
             sink.record_usage(UsageRow(at=1.0, session_id="s1", run_id=None, turn=None,
                                        kind="title", provider="p", model="m"))
-        # A barrier after close is satisfied: everything written before it is on disk.
-        await sink.sync(path)
+        # R-TRACE-2 is a checked promise: after close no barrier can be kept, so none is
+        # pretended (a side-effecting tool waiting on it must not start).
+        with pytest.raises(TraceSinkClosed):
+            await sink.sync(path)
+        with pytest.raises(TraceSinkClosed):
+            await sink.sync()
         await sink.aclose()
     assert seqs(path) == [1]
 

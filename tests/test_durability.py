@@ -1,0 +1,631 @@
+"""The trace as a checked promise (R-SEC-1, R-TRACE-1..3, R-RUN-8).
+
+* Text that UTF-8 cannot encode (a lone UTF-16 surrogate) is repaired where it enters the
+  supervisor — user input, tool output — and a record that still cannot be encoded, or a
+  file that cannot be written, ends only its own session's task (``failed``, with the
+  reason); the sink, the host and the other sessions go on.
+* ``sync`` never pretends: after a failed write or with the sink closed it raises, and a
+  tool with side effects then does not start (R-TRACE-2).
+* Nothing reaches a client before the trace holds it: a published traced output is in its
+  file already, and a ``task_start`` is published only once its input is fsynced.
+
+Real host, real files, real worker threads: every wait is bounded by ``fail_after``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from conftest import (
+    RUN_TIMEOUT_S,
+    Gates,
+    Recorder,
+    allow_all,
+    collect,
+    of_type,
+    open_host,
+    trace_lines,
+)
+
+import greenroom.actors.supervisor as supervisor_module
+import greenroom.actors.trace_sink as trace_sink_module
+from greenroom.actors.host import Host
+from greenroom.actors.provider_scripted import Reply, ScriptedProvider, text, tool_call
+from greenroom.actors.session import Session
+from greenroom.actors.trace_sink import TraceSink, TraceSinkClosed, TraceWriteError, read_trace
+from greenroom.protocols.content import TextBlock
+from greenroom.protocols.outputs import (
+    ModelMsg,
+    Output,
+    TaskEnd,
+    TaskStart,
+    ToolCallOutput,
+    UserMsg,
+)
+from greenroom.protocols.text import REPLACEMENT
+from greenroom.protocols.tools import make_tool
+from greenroom.protocols.trace import encode_record, trace_file_name
+
+SURROGATE = "\ud800"
+
+
+def task_end(outputs: list[Output]) -> TaskEnd:
+    ends = of_type(outputs, TaskEnd)
+    assert len(ends) == 1, outputs
+    return ends[0]
+
+
+def echo_provider(*replies: str) -> ScriptedProvider:
+    return ScriptedProvider([Reply(blocks=(text(r),)) for r in replies])
+
+
+class Marks:
+    """A side-effecting tool (not parallel-safe) that records every call it ran."""
+
+    def __init__(self) -> None:
+        self.ran: list[str] = []
+
+        async def mark(key: str) -> str:
+            """Record a mark (a side effect)."""
+            self.ran.append(key)
+            return f"marked {key}"
+
+        self.tool = make_tool(mark, parallel=False)
+
+
+async def run_all(session: Session, prompt: str, **kwargs: Any) -> list[Output]:
+    return await collect(session.run(prompt, approve=allow_all, **kwargs))
+
+
+# -- 1. lone surrogates ------------------------------------------------------------------------
+
+
+async def test_surrogates_in_user_input_and_tool_output_are_repaired(
+    host: Host, workspace: Path
+) -> None:
+    """R-SEC-1: a prompt, a steering message, a follow-up and a tool's output with a lone
+    surrogate are stored and shown with U+FFFD; the host and the trace stay whole."""
+    gates = Gates()
+
+    async def bad_output(key: str) -> str:
+        """Return text with a lone surrogate."""
+        return f"bytes {SURROGATE} of {key}"
+
+    provider = ScriptedProvider(
+        [
+            Reply(blocks=(tool_call("c1", "wait", key="k"),)),
+            Reply(blocks=(tool_call("c2", "bad_output", key="x"),)),
+            Reply(blocks=(text("done"),)),
+            Reply(blocks=(text("follow-up done"),)),
+            Reply(blocks=(text("again"),)),
+        ]
+    )
+    session = await host.create_session(
+        provider=provider,
+        workspace_dir=workspace,
+        tools=[gates.tool(), make_tool(bad_output, parallel=True)],
+    )
+    with trio.fail_after(RUN_TIMEOUT_S):
+        stream = session.run(f"prompt {SURROGATE}", approve=allow_all)
+        await gates.started("k")
+        assert session.steer(f"steer {SURROGATE}")
+        assert session.follow_up(f"follow {SURROGATE}", approve=allow_all)
+        gates.release("k")
+        outputs = await collect(stream)
+    ends = of_type(outputs, TaskEnd)
+    assert [e.status for e in ends] == ["completed", "completed"], ends
+    user_texts = [b.text for m in of_type(outputs, UserMsg) for b in m.content]
+    assert user_texts == [
+        f"prompt {REPLACEMENT}",
+        f"steer {REPLACEMENT}",
+        f"follow {REPLACEMENT}",
+    ]
+    bad = next(o for o in of_type(outputs, ToolCallOutput) if o.call_id == "c2")
+    assert bad.content == (TextBlock(text=f"bytes {REPLACEMENT} of x"),)
+    await session._sync_trace()
+    lines = trace_lines(session)
+    assert [line["seq"] for line in lines] == list(range(1, len(lines) + 1))
+    assert any(
+        line.get("content") == [{"type": "text", "text": f"bytes {REPLACEMENT} of x"}]
+        for line in lines
+    )
+    # The host still serves: another task runs on.
+    assert task_end(await run_all(session, "again")).status == "completed"
+
+
+def test_sink_refuses_an_unencodable_line_and_goes_on(tmp_path: Path) -> None:
+    """A line UTF-8 cannot encode is refused by write() itself (ValueError, nothing
+    buffered): the writer never meets it, the other lines of the file are written."""
+
+    async def main() -> None:
+        sink = TraceSink(tmp_path)
+        path = tmp_path / "sessions" / "s1" / trace_file_name(1)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sink.run)
+            sink.write(path, line(1))
+            with pytest.raises(ValueError, match="UTF-8"):
+                sink.write(path, line(2, f"bad {SURROGATE}"))
+            sink.write(path, line(2))
+            await sink.sync(path)
+            await sink.aclose()
+        assert [r.seq for r in read_trace(path).records] == [1, 2]
+
+    trio.run(main)
+
+
+def line(seq: int, value: str = "x") -> str:
+    return encode_record(
+        ModelMsg(session_id="s1", run_id="r1", seq=seq, turn=1, block=TextBlock(text=value))
+    )
+
+
+async def test_an_unencodable_record_past_the_repairs_fails_only_its_task(
+    host: Host, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-SEC-1: with the supervisor's input repair out of the way, a steering message with
+    a surrogate reaches the trace writer. The task ends failed naming the record; the
+    trace holds it repaired (no seq gap); a second session runs on meanwhile and after."""
+    monkeypatch.setattr(supervisor_module, "_repaired_blocks", lambda blocks: blocks)
+    gates = Gates()
+    bad = await host.create_session(
+        provider=ScriptedProvider(
+            [Reply(blocks=(tool_call("c1", "wait", key="v"),)), Reply(blocks=(text("no"),))]
+        ),
+        workspace_dir=workspace,
+        tools=[gates.tool()],
+    )
+    other = await host.create_session(
+        provider=ScriptedProvider(
+            [
+                Reply(blocks=(tool_call("o1", "wait", key="o"),)),
+                Reply(blocks=(text("ok"),)),
+                Reply(blocks=(text("more"),)),
+            ]
+        ),
+        workspace_dir=workspace,
+        tools=[gates.tool()],
+    )
+    with trio.fail_after(RUN_TIMEOUT_S):
+        other_stream = other.run("keep going", approve=allow_all)
+        bad_stream = bad.run("go", approve=allow_all)
+        await gates.started("v")
+        await gates.started("o")
+        assert bad.steer(f"steer {SURROGATE}")
+        gates.release("v")
+        outputs = await collect(bad_stream)
+        gates.release("o")
+        other_outputs = await collect(other_stream)
+    end = task_end(outputs)
+    assert end.status == "failed"
+    assert end.message is not None
+    assert "user_msg record" in end.message and "could not be encoded" in end.message
+    assert task_end(other_outputs).status == "completed"
+    await bad._sync_trace()
+    lines = trace_lines(bad)
+    assert [line["seq"] for line in lines] == list(range(1, len(lines) + 1))
+    steering = [line for line in lines if line.get("kind") == "steering"]
+    assert [s["content"][0]["text"] for s in steering] == [f"steer {REPLACEMENT}"]
+    assert lines[-1]["type"] == "task_end" and lines[-1]["status"] == "failed"
+    assert not host._sink.closed
+    assert task_end(await run_all(other, "more")).status == "completed"
+
+
+class DiskFault:
+    """Makes the sink's appends to one file fail with an OSError while ``on`` (the
+    worker thread checks it), optionally only when the batch fsyncs that file."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, fsync_only: bool = False) -> None:
+        self.path: Path | None = None
+        self.on = False
+        self.fsync_only = fsync_only
+        self.hits = 0
+        real = trace_sink_module._append
+
+        def append(path: Path, lines: list[bytes] | None, *, fsync: bool) -> frozenset[Path]:
+            if self.on and path == self.path and (fsync or not self.fsync_only):
+                self.hits += 1
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real(path, lines, fsync=fsync)
+
+        real_known = trace_sink_module._append_known
+
+        def append_known(path: Path, lines: list[bytes]) -> bool:
+            if self.on and path == self.path and not self.fsync_only:
+                self.hits += 1
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real_known(path, lines)
+
+        monkeypatch.setattr(trace_sink_module, "_append", append)
+        monkeypatch.setattr(trace_sink_module, "_append_known", append_known)
+
+
+async def test_a_failing_trace_file_ends_only_its_task(
+    host: Host, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-SEC-1: the disk refuses one session's file mid-task. That task ends failed with
+    the OS's reason (its task_end lands once the disk takes writes again); a session
+    running at the same time completes with a whole trace; the failed session runs again."""
+    fault = DiskFault(monkeypatch)
+    gates = Gates()
+    victim = await host.create_session(
+        provider=ScriptedProvider(
+            [
+                Reply(blocks=(tool_call("c1", "wait", key="v"),)),
+                Reply(blocks=(text("never"),)),
+                Reply(blocks=(text("ok"),)),
+            ]
+        ),
+        workspace_dir=workspace,
+        tools=[gates.tool()],
+    )
+    bystander = await host.create_session(
+        provider=ScriptedProvider(
+            [Reply(blocks=(tool_call("b1", "wait", key="b"),)), Reply(blocks=(text("ok"),))]
+        ),
+        workspace_dir=workspace,
+        tools=[gates.tool()],
+    )
+    fault.path = victim.trace_path
+    recorder = Recorder(victim)
+    with trio.fail_after(RUN_TIMEOUT_S):
+        victim_stream = victim.run("work", approve=allow_all)
+        bystander_stream = bystander.run("work too", approve=allow_all)
+        await gates.started("v")
+        await gates.started("b")
+        fault.on = True
+        gates.release("v")
+        await recorder.wait_for("tool_call_output", call_id="c1")
+        fault.on = False
+        outputs = await collect(victim_stream)
+        gates.release("b")
+        bystander_outputs = await collect(bystander_stream)
+    assert fault.hits >= 1
+    end = task_end(outputs)
+    assert end.status == "failed"
+    assert end.message is not None and "No space left on device" in end.message, end.message
+    assert task_end(bystander_outputs).status == "completed"
+    bystander_lines = trace_lines(bystander)
+    assert [line["seq"] for line in bystander_lines] == list(range(1, len(bystander_lines) + 1))
+    victim_lines = trace_lines(victim)
+    assert victim_lines[-1]["type"] == "task_end"
+    assert victim_lines[-1]["status"] == "failed"
+    assert "No space left on device" in victim_lines[-1]["message"]
+    assert not host._sink.closed
+    # The failure was reported; the next task may use the file again.
+    assert task_end(await run_all(victim, "again")).status == "completed"
+
+
+# -- 2. durable before a side effect ---------------------------------------------------------
+
+
+async def test_a_side_effect_does_not_start_when_its_call_cannot_be_made_durable(
+    host: Host, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-TRACE-2: the fsync before a side-effecting tool fails. The tool never runs, its
+    call gets an error output naming the trace failure, and the task ends failed."""
+    fault = DiskFault(monkeypatch, fsync_only=True)
+    marks = Marks()
+    session = await host.create_session(
+        provider=ScriptedProvider(
+            [Reply(blocks=(tool_call("c1", "mark", key="m1"),)), Reply(blocks=(text("x"),))]
+        ),
+        workspace_dir=workspace,
+        tools=[marks.tool],
+    )
+    fault.path = session.trace_path
+    recorder = Recorder(session)
+    with trio.fail_after(RUN_TIMEOUT_S):
+        stream = session.run("mark it", approve=allow_all)
+        await recorder.wait_for("task_start")  # its input's fsync got through
+        fault.on = True
+        outputs = await collect(stream)
+    assert marks.ran == []
+    result = next(o for o in of_type(outputs, ToolCallOutput) if o.call_id == "c1")
+    assert result.is_error and result.status == "error"
+    assert "No space left on device" in result.content[0].text  # type: ignore[union-attr]
+    end = task_end(outputs)
+    assert end.status == "failed"
+    assert end.message is not None and "cannot write the trace" in end.message
+
+
+async def test_sync_raises_once_the_writer_has_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-TRACE-2: a bug that stops the writer loop closes the sink instead of ending its
+    nursery (the host), and from then on no sync returns as if lines were durable."""
+    calls = 0
+    real = TraceSink._take_batch
+
+    def take_batch(self: TraceSink, *, final: bool) -> Any:
+        nonlocal calls
+        calls += 1
+        if not final:
+            raise RuntimeError("writer bug")
+        return real(self, final=final)
+
+    monkeypatch.setattr(TraceSink, "_take_batch", take_batch)
+    path = tmp_path / "sessions" / "s1" / trace_file_name(1)
+    sink = TraceSink(tmp_path)
+    with trio.fail_after(RUN_TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sink.run)
+            sink.write(path, line(1))
+            with pytest.raises((TraceWriteError, TraceSinkClosed)):
+                await sink.sync(path)
+            with pytest.raises(TraceSinkClosed):
+                await sink.sync(path)
+            with pytest.raises(TraceSinkClosed):
+                sink.write(path, line(2))
+            assert sink.error(path) is not None
+    assert calls >= 1
+
+
+async def test_a_stopped_writer_fails_the_task_and_starts_no_side_effect(
+    data_dir: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-SEC-1, R-TRACE-2: the writer stops while a side-effecting call waits for its
+    approval. The call never runs, the task ends failed naming the trace, and the host is
+    still up for the next session's call (which is refused the same way, not hanging)."""
+    marks = Marks()
+    decide = trio.Event()
+    asked = trio.Event()
+
+    async def approve(call: Any) -> str:
+        asked.set()
+        await decide.wait()
+        return "allow"
+
+    async with open_host(data_dir) as host:
+        session = await host.create_session(
+            provider=ScriptedProvider([Reply(blocks=(tool_call("c1", "mark", key="m1"),))]),
+            workspace_dir=workspace,
+            tools=[marks.tool],
+        )
+        with trio.fail_after(RUN_TIMEOUT_S):
+            stream = session.run("mark it", approve=approve)
+            await asked.wait()
+
+            def broken(self: TraceSink, *, final: bool) -> Any:
+                raise RuntimeError("writer bug")
+
+            monkeypatch.setattr(TraceSink, "_take_batch", broken)
+            session._trace(  # any record wakes the writer, which then stops
+                attrs_evolve_seq(
+                    ModelMsg(session_id=session.id, run_id="x", turn=1, block=TextBlock(text="w"))
+                )
+            )
+            with pytest.raises((TraceWriteError, TraceSinkClosed)):
+                await host._sink.sync(session.trace_path)
+            decide.set()
+            outputs = await collect(stream)
+        assert marks.ran == []
+        end = task_end(outputs)
+        assert end.status == "failed"
+        assert end.message is not None and "trace" in end.message
+        assert [o.status for o in of_type(outputs, ToolCallOutput)] in (
+            ["interrupted"],
+            ["error"],
+        )
+
+
+def attrs_evolve_seq(output: ModelMsg) -> ModelMsg:
+    import attrs
+
+    return attrs.evolve(output, seq=10_000)
+
+
+# -- 3. the live stream never runs ahead of the trace ----------------------------------------
+
+
+class TraceWatch:
+    """A subscriber that checks, as each batch is published, that every traced output in
+    it is in the trace file already, and that a ``task_start`` comes after an fsync of
+    the file that covered its input."""
+
+    def __init__(self, session: Session, fsyncs: list[tuple[Path, int]]) -> None:
+        self.session = session
+        self.fsyncs = fsyncs
+        self.problems: list[str] = []
+        self.checked = 0
+        session.subscribe(self.on_batch)
+
+    def on_batch(self, batch: list[Output]) -> None:
+        path = self.session.trace_path
+        traced = [o for o in batch if type(o).TRACED]
+        if not traced:
+            return
+        data = path.read_bytes() if path.exists() else b""
+        in_file = {r.seq for r in read_trace(path).records} if data else set()
+        for output in traced:
+            self.checked += 1
+            if output.seq not in in_file:
+                self.problems.append(f"{output.TYPE} seq {output.seq} published before written")
+            if isinstance(output, TaskStart):
+                prompt_end = _end_of_record(data, output.input_seq)
+                if not any(p == path and size >= prompt_end for p, size in self.fsyncs):
+                    self.problems.append(f"task_start seq {output.seq} before its input's fsync")
+
+
+def _end_of_record(data: bytes, seq: int | None) -> int:
+    """The file offset just past the record with this seq (huge when it is missing)."""
+    offset = 0
+    for raw in data.split(b"\n"):
+        offset += len(raw) + 1
+        if raw and json.loads(raw).get("seq") == seq:
+            return offset
+    return 1 << 62
+
+
+@pytest.fixture
+def fsyncs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Path, int]]:
+    """Every fsync of the process as (file, its size then); Linux (``/proc/self/fd``)."""
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("needs /proc/self/fd to name fsynced files")
+    seen: list[tuple[Path, int]] = []
+    real: Callable[[int], None] = os.fsync
+    lock = threading.Lock()
+
+    def spy(fd: int) -> None:
+        real(fd)
+        with lock:
+            seen.append((Path(os.readlink(f"/proc/self/fd/{fd}")), os.fstat(fd).st_size))
+
+    monkeypatch.setattr(os, "fsync", spy)
+    return seen
+
+
+async def test_published_outputs_are_already_in_the_trace(
+    host: Host, workspace: Path, fsyncs: list[tuple[Path, int]]
+) -> None:
+    """R-RUN-8, R-TRACE-3: at the moment any traced output reaches a subscriber (and so
+    the run iterator and the gateway, fed by the same batches) its record is in the file;
+    ``task_start`` only after an fsync covering its input. Across a follow-up too."""
+    marks = Marks()
+    session = await host.create_session(
+        provider=ScriptedProvider(
+            [
+                Reply(
+                    blocks=(
+                        text("let me"),
+                        tool_call("c1", "mark", key="a"),
+                        tool_call("c2", "mark", key="b"),
+                    )
+                ),
+                Reply(blocks=(text("done"),)),
+                Reply(blocks=(text("and the follow-up"),)),
+            ]
+        ),
+        workspace_dir=workspace,
+        tools=[marks.tool],
+    )
+    watch = TraceWatch(session, fsyncs)
+    with trio.fail_after(RUN_TIMEOUT_S):
+        stream = session.run("two marks", approve=allow_all)
+        assert session.follow_up("and then", approve=allow_all)
+        outputs = await collect(stream)
+    assert [e.status for e in of_type(outputs, TaskEnd)] == ["completed", "completed"]
+    assert marks.ran == ["a", "b"]
+    assert watch.problems == []
+    assert watch.checked == len([o for o in outputs if type(o).TRACED])
+
+
+async def test_task_start_waits_for_the_fsync_of_its_input(
+    host: Host, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-TRACE-3: while the fsync of the prompt hangs, the prompt is published (it is
+    written) but the task has not started: no task_start, no model request. Released,
+    everything follows in order."""
+    stuck = threading.Event()
+    release = threading.Event()
+    real = trace_sink_module._run_batch
+    target: list[Path] = []
+
+    def run_batch(job: Any, ledger: Any) -> Any:
+        if target and target[0] in job.fsync and not release.is_set():
+            stuck.set()
+            release.wait(RUN_TIMEOUT_S)
+        return real(job, ledger)
+
+    monkeypatch.setattr(trace_sink_module, "_run_batch", run_batch)
+    provider = ScriptedProvider([Reply(blocks=(text("hello there"),))])
+    session = await host.create_session(provider=provider, workspace_dir=workspace)
+    target.append(session.trace_path)
+    recorder = Recorder(session)
+    with trio.fail_after(RUN_TIMEOUT_S):
+        stream = session.run("hi")
+        await trio.to_thread.run_sync(stuck.wait, RUN_TIMEOUT_S)
+        await trio.testing.wait_all_tasks_blocked()
+        assert [o.TYPE for o in recorder.outputs] == ["user_msg"]
+        assert [r["type"] for r in trace_lines(session)] == ["user_msg"]
+        assert provider.requests == []
+        release.set()
+        outputs = await collect(stream)
+    assert [o.TYPE for o in outputs][:3] == ["user_msg", "task_start", "request_begin"]
+    assert recorder.outputs == outputs
+    assert task_end(outputs).status == "completed"
+
+
+# -- 4. private files ------------------------------------------------------------------------
+
+
+def mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+@pytest.fixture
+def umask_022() -> Any:
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+@pytest.mark.usefixtures("umask_022")
+async def test_data_dir_sessions_and_traces_are_private(tmp_path: Path, workspace: Path) -> None:
+    """Traces hold tool output (file contents): data dir, sessions/ and session dirs
+    0700; trace files, session.json and the usage ledger 0600."""
+    data = tmp_path / "fresh" / "data"
+    async with open_host(data) as host:
+        session = await host.create_session(provider=echo_provider("hi"), workspace_dir=workspace)
+        await run_all(session, "hello")
+        await session._sync_trace()
+        assert mode(data) == 0o700
+        assert mode(data / "sessions") == 0o700
+        assert mode(session.directory) == 0o700
+        assert mode(session.scratchpad_dir) == 0o700
+        assert mode(session.trace_path) == 0o600
+        assert mode(session.directory / "session.json") == 0o600
+    for name in ("usage.sqlite", "usage.sqlite-wal", "usage.sqlite-shm"):
+        if (data / name).exists():
+            assert mode(data / name) == 0o600, name
+
+
+@pytest.mark.usefixtures("umask_022")
+async def test_an_existing_data_dir_with_wide_modes_is_tightened(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """A data dir left with wider modes (an older version, a copy) is tightened when the
+    host opens it, and a stored session when it is loaded."""
+    data = tmp_path / "data"
+    async with open_host(data) as host:
+        session = await host.create_session(provider=echo_provider("hi"), workspace_dir=workspace)
+        await run_all(session, "hello")
+        sid = session.id
+    directory = data / "sessions" / sid
+    for path in (data, data / "sessions", directory, directory / "scratch"):
+        os.chmod(path, 0o755)
+    for path in (directory / trace_file_name(1), directory / "session.json", data / "usage.sqlite"):
+        os.chmod(path, 0o644)
+    async with open_host(data) as host:
+        assert mode(data) == 0o700
+        assert mode(data / "sessions") == 0o700
+        assert mode(data / "usage.sqlite") == 0o600
+        loaded = await host.load_session(sid, provider=echo_provider("again"))
+        assert mode(directory) == 0o700
+        assert mode(directory / "scratch") == 0o700
+        assert mode(loaded.trace_path) == 0o600
+        assert mode(directory / "session.json") == 0o600
+        assert task_end(await run_all(loaded, "more")).status == "completed"
+
+
+@pytest.mark.usefixtures("umask_022")
+async def test_a_foreign_directory_as_data_dir_keeps_its_mode(tmp_path: Path) -> None:
+    """Pointed at a directory that is neither empty nor a greenroom data dir, the host
+    leaves its mode alone and makes private only what it creates."""
+    data = tmp_path / "project"
+    data.mkdir()
+    (data / "notes.txt").write_text("mine")
+    os.chmod(data, 0o755)
+    async with open_host(data):
+        pass
+    assert mode(data) == 0o755
+    assert mode(data / "sessions") == 0o700
+    assert mode(data / "usage.sqlite") == 0o600
