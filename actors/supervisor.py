@@ -34,7 +34,7 @@ import inspect
 import math
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, assert_never
 
 import attrs
 import trio
@@ -45,15 +45,12 @@ from greenroom.actors.llm_streamer import LLMStreamer, ProviderTask
 from greenroom.actors.subagents import Subagents
 from greenroom.actors.tool_pool import ToolPool
 from greenroom.actors.trace_sink import TraceSinkClosed, TraceWriteError
-from greenroom.protocols import converter, markers
+from greenroom.protocols import converter
 from greenroom.protocols.content import (
-    ModelBlock,
     TextBlock,
-    ThinkingBlock,
-    ToolCallBlock,
     UserContent,
 )
-from greenroom.protocols.context import ModelRequest, ToolResult
+from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.guards import LoopGuard
 from greenroom.protocols.hooks import RequestInfo, StopInfo, ToolResultsInfo
 from greenroom.protocols.messages import (
@@ -69,44 +66,27 @@ from greenroom.protocols.messages import (
     ToolProgressed,
 )
 from greenroom.protocols.outputs import (
-    Abort,
-    ApprovalDecision,
     ApprovalRequest,
     CompactionBegin,
     CompactionEnd,
     CompactionReason,
-    ModelMsg,
     Output,
-    PartialText,
-    PartialThinking,
-    PartialToolCall,
-    RequestBegin,
-    RequestEnd,
     RequestStatus,
     TaskEnd,
     TaskStart,
     TaskStatus,
     TokenUsageOutput,
-    ToolCallOutput,
-    ToolProgress,
-    ToolStatus,
     UserMsg,
 )
 from greenroom.protocols.retry import MAX_RETRIES, decide_retry
 from greenroom.protocols.stream import (
-    BlockCompleted,
-    BlockStarted,
     MessageCompleted,
     ModelError,
     StreamFailed,
-    TextDelta,
-    ThinkingDelta,
     TokenUsage,
-    ToolArgumentsDelta,
-    ToolCallTruncated,
-    UsageReported,
 )
 from greenroom.protocols.text import repair_json, repair_text
+from greenroom.protocols.turn import Effect, RecordUsage, SkipToolCall, TurnMachine
 
 if TYPE_CHECKING:
     from greenroom.actors.session import Session
@@ -115,21 +95,6 @@ ABORT_GRACE_S = 2.0
 """Bound on the shielded teardown after an interrupt: writing ``abort`` and ``task_end``
 and syncing the trace. Well above the usual few milliseconds, far below a hang."""
 
-TRUNCATED_TEXT = (
-    "Tool call was truncated by the output token limit and was not executed. "
-    "Send it again with shorter arguments, or split the work."
-)
-
-
-@attrs.define(slots=True)
-class _Call:
-    """Bookkeeping for one complete tool call of the turn."""
-
-    block: ToolCallBlock
-    position: int
-    state: str = "approving"  # approving -> running -> done
-
-
 @attrs.frozen(kw_only=True, slots=True)
 class TaskInput:
     """One task to run: the prompt and the run options that apply to it."""
@@ -137,12 +102,6 @@ class TaskInput:
     content: tuple[UserContent, ...]
     approve: ApproveFn | None
     thinking_level: str | None
-
-
-class _AttemptFailed(Exception):
-    def __init__(self, error: ModelError) -> None:
-        super().__init__(error.message)
-        self.error = error
 
 
 class SessionSupervisor:
@@ -187,16 +146,9 @@ class SessionSupervisor:
         # per-task state
         self._turn = 0
         self._usage = TokenUsage()
-        # per-attempt / per-turn state
-        self._attempt = 0
-        self._open_blocks: dict[int, list[Any]] = {}
-        self._done_blocks: list[ModelBlock] = []
-        self._retried_blocks: list[ModelBlock] = []  # blocks behind the [turn_retried] note
-        self._stream_result: MessageCompleted | StreamFailed | None = None
-        self._last_usage: TokenUsage | None = None
-        self._calls: dict[str, _Call] = {}
-        self._call_order: list[str] = []
-        self._results: dict[str, ToolResult] = {}
+        # The turn's state — blocks, calls, attempts, settlement — is the pure machine's
+        # (R-ACTOR-3); one per turn.
+        self._machine = TurnMachine(session_id=session.id, run_id="", turn=0)
         self._approvals: trio.MemorySendChannel[ApproveCall] | None = None
         self._pool: ToolPool | None = None
         self._nursery: trio.Nursery | None = None
@@ -319,9 +271,8 @@ class SessionSupervisor:
         with contextlib.suppress(Exception):
             self._drain_inbox_nowait()  # results that arrived before the failure still count
             self._end_interrupted_compaction(message)
-            self._settle_calls()
-            if not self._session._transcript.message_complete:
-                self._emit_request_end("failed", error_message=message)
+            complete = self._session._transcript.message_complete
+            self._apply(self._machine.fail(message, message_complete=complete))
 
     async def _run_turns(self, task: TaskInput) -> tuple[TaskStatus, str | None]:
         session = self._session
@@ -377,6 +328,9 @@ class SessionSupervisor:
             if settings.max_turns >= 0 and self._turn >= settings.max_turns:
                 return "max_turns", f"stopped after max_turns={settings.max_turns} turns"
             self._turn += 1
+            self._machine = TurnMachine(
+                session_id=self._session.id, run_id=self.run_id, turn=self._turn
+            )
             reason = self._compaction_due()
             if reason is not None:
                 compacted = await self._compact(reason)
@@ -394,8 +348,9 @@ class SessionSupervisor:
                 return "failed", failure.message
             await self._sync()  # R-TRACE-2: durable at every turn boundary
             self._drain_inbox_nowait()
-            if self._calls:
-                results = tuple(self._results[call_id] for call_id in self._call_order)
+            machine = self._machine
+            if machine.has_calls:
+                results = machine.results()
                 await _call_hook(
                     hooks.after_tool_results,
                     ToolResultsInfo(
@@ -405,8 +360,7 @@ class SessionSupervisor:
                         results=results,
                     ),
                 )
-                calls = [self._calls[call_id].block for call_id in self._call_order]
-                loop = guard.observe_turn(calls, (r.is_error for r in results))
+                loop = guard.observe_turn(list(machine.calls()), (r.is_error for r in results))
                 if loop is not None:
                     return "loop_detected", loop
                 continue
@@ -419,7 +373,7 @@ class SessionSupervisor:
                         session_id=self._session.id,
                         run_id=self.run_id,
                         turn=self._turn,
-                        final_message=tuple(self._done_blocks),
+                        final_message=machine.done_blocks,
                         continuations=continuations,
                     ),
                 )
@@ -435,17 +389,15 @@ class SessionSupervisor:
         """Stream the turn (retrying per R-RETRY) and wait until every tool call of it is
         terminal. Returns the final error when the turn failed."""
         assert self._streamer is not None and self._pool is not None
-        self._calls = {}
-        self._call_order = []
-        self._results = {}
+        machine = self._machine
         self._pool.begin_turn()
-        self._retried_blocks = []
         delay_ms = 0
         attempt = 0
         overflow_compacted = False
         while True:
             attempt += 1
-            self._begin_attempt(attempt)
+            self._apply(machine.begin_attempt(attempt))
+            self._flush()
             request = self._build_request(task)
             await _call_hook(
                 self._session.hooks.before_request,
@@ -458,29 +410,26 @@ class SessionSupervisor:
                 ),
             )
             self._nursery_start(self._streamer.stream_attempt, request, attempt, delay_ms)
-            result = await self._pump(lambda: self._stream_result is not None)
+            result = await self._pump(lambda: machine.stream_result is not None)
             if isinstance(result, MessageCompleted):
                 break
             assert isinstance(result, StreamFailed)
             error = result.error
             decision = decide_retry(error, attempt)
-            retry = decision.retry
             delay_ms = decision.delay_ms or 0
-            if retry:
+            if decision.retry:
                 self._streamer.backoff.plan()  # skippable from the moment it is announced
-            self._emit_request_end(
-                _request_status(error),
-                error_message=error.message,
-                retry_in_ms=decision.delay_ms,
-            )
+            self._apply(machine.fail_attempt(error, retry_in_ms=decision.delay_ms))
+            # R-RETRY-4: calls that already ran are reported, never run again.
+            await self._pump(lambda: machine.all_calls_terminal)
             if error.kind == "context_overflow" and not overflow_compacted:
                 # R-COMPACT-9: compact once and rerun the same turn, once per turn.
                 overflow_compacted = True
-                await self._pump(self._all_calls_terminal)
-                self._discard_attempt_calls()
+                machine.discard_attempt()
+                self._pool.begin_turn()
                 if await self._compact("overflow"):
                     attempt, delay_ms = 0, 0
-                    self._retried_blocks = []
+                    machine.restart()
                     # R-STEER-5: the rerun is the input assembly after the compaction.
                     self._drain_inbox_nowait()
                     self._deliver_steering()
@@ -488,19 +437,13 @@ class SessionSupervisor:
                 if self._session.auth_locked is not None:
                     return ModelError(kind="auth", message=self._session.auth_locked)
                 return error
-            if not retry:
-                await self._pump(self._all_calls_terminal)
+            if not decision.retry:
                 return error
-            # R-RETRY-4: calls that already ran are reported, never run again.
-            await self._pump(self._all_calls_terminal)
             # The transcript turns the failed attempt into the [turn_retried] note; the
-            # blocks are kept here for an abort during the backoff. An attempt that
-            # produced nothing leaves the previous ones as they were.
-            blocks = self._partial_blocks()
-            if blocks:
-                self._retried_blocks = blocks
-            self._discard_attempt_calls()
-        await self._pump(self._all_calls_terminal)
+            # machine keeps its blocks for an abort during the backoff.
+            machine.discard_attempt()
+            self._pool.begin_turn()
+        await self._pump(lambda: machine.all_calls_terminal)
         return None
 
     # -- compaction (R-COMPACT) -----------------------------------------------------
@@ -640,19 +583,6 @@ class SessionSupervisor:
         assert self._nursery is not None
         self._nursery.start_soon(fn, *args)
 
-    def _begin_attempt(self, attempt: int) -> None:
-        self._attempt = attempt
-        self._open_blocks = {}
-        self._done_blocks = []
-        self._stream_result = None
-        self._last_usage = None
-        self._emit(
-            RequestBegin(
-                session_id=self._session.id, run_id=self.run_id, turn=self._turn, attempt=attempt
-            )
-        )
-        self._flush()
-
     def _build_request(self, task: TaskInput | None) -> ModelRequest:
         """The next request: the transcript's context (with the ``[turn_retried]`` note on
         a retry: R-RETRY-4), the session's system prompt and tools."""
@@ -669,17 +599,6 @@ class SessionSupervisor:
             supports_vision=settings.supports_vision,
         )
 
-    def _discard_attempt_calls(self) -> None:
-        """After a failed attempt its calls are history: the retry starts a fresh call
-        order (their results travel in the ``[turn_retried]`` block)."""
-        assert self._pool is not None
-        self._calls = {}
-        self._call_order = []
-        self._pool.begin_turn()
-
-    def _all_calls_terminal(self) -> bool:
-        return all(c.state == "done" for c in self._calls.values())
-
     # -- the inbox ------------------------------------------------------------------
 
     async def _pump(self, done: Callable[[], bool]) -> Any:
@@ -693,7 +612,7 @@ class SessionSupervisor:
             self._handle(message)
             self._drain_inbox_nowait()
             self._flush()
-        return self._stream_result
+        return self._machine.stream_result
 
     def _drain_inbox_nowait(self) -> None:
         receive = self._inbox_receive
@@ -705,254 +624,78 @@ class SessionSupervisor:
             self._handle(message)
 
     def _handle(self, message: SupervisorMessage) -> None:
-        if isinstance(message, StreamBatch):
-            if message.attempt == self._attempt and self._stream_result is None:
-                self._handle_stream(message)
-        elif isinstance(message, ToolCallFinished):
-            self._handle_tool_finished(message)
-        elif isinstance(message, ApprovalDecided):
-            self._handle_decision(message)
-        elif isinstance(message, ApprovalAsked):
-            asked = message.call
-            self._emit(
-                ApprovalRequest(
-                    session_id=self._session.id,
-                    run_id=self.run_id,
-                    call_id=asked.id,
-                    tool=asked.name,
-                    arguments=asked.arguments,
+        machine = self._machine
+        match message:
+            case StreamBatch():
+                if message.attempt == machine.attempt:
+                    # The hot path: one batch per network read.
+                    self._apply(machine.feed(message.events))
+            case ToolCallFinished():
+                # Tool output is outside text (R-SEC-1): repaired before anyone encodes it.
+                self._apply(
+                    machine.finish(
+                        message.call_id,
+                        status=message.status,
+                        content=_repaired_blocks(message.content),
+                    )
                 )
-            )
-        elif isinstance(message, ToolProgressed):
-            call = self._calls.get(message.call_id)
-            if call is not None and call.state == "running":  # R-TOOL-6
-                # Live only: progress notes never reach the trace (R-TRACE-1).
-                self._emit_live(
-                    ToolProgress(
+            case ApprovalDecided():
+                self._apply(
+                    machine.decide(
+                        message.call.id,
+                        allowed=message.verdict != "deny",
+                        by=message.by,
+                        # The interrupt came first (the decision was still in the inbox):
+                        # the call never starts, and the abort reports it interrupted.
+                        interrupted=self._scope.cancel_called,
+                    )
+                )
+            case ApprovalAsked():
+                asked = message.call
+                self._emit(
+                    ApprovalRequest(
                         session_id=self._session.id,
                         run_id=self.run_id,
-                        call_id=call.block.id,
-                        tool=call.block.name,
-                        message=repair_text(message.message),
+                        call_id=asked.id,
+                        tool=asked.name,
+                        arguments=asked.arguments,
                     )
                 )
-        elif isinstance(message, SteeringQueued):
-            self._steering.extend(_repaired_blocks(message.content))
-        elif isinstance(message, BackoffSkipped):
-            if self._compactor is not None:
-                self._compactor.backoff.skip()
-            elif self._streamer is not None:
-                self._streamer.backoff.skip()
+            case ToolProgressed():
+                # Live only: progress notes never reach the trace (R-TRACE-1, R-TOOL-6).
+                self._apply(machine.progress(message.call_id, repair_text(message.message)))
+            case SteeringQueued():
+                self._steering.extend(_repaired_blocks(message.content))
+            case BackoffSkipped():
+                if self._compactor is not None:
+                    self._compactor.backoff.skip()
+                elif self._streamer is not None:
+                    self._streamer.backoff.skip()
+            case _:
+                assert_never(message)
 
-    def _handle_stream(self, message: StreamBatch) -> None:
-        # The hot path: one call per network read. Keep per-event work to a type test,
-        # one output object and a list append.
-        sid = self._session.id
-        rid = self.run_id
-        emit = self._emit_live
-        open_blocks = self._open_blocks
-        for event in message.events:
-            kind = type(event)
-            if kind is TextDelta:
-                assert isinstance(event, TextDelta)
-                open_blocks[event.index][1].append(event.text)
-                emit(PartialText(session_id=sid, run_id=rid, index=event.index, text=event.text))
-            elif kind is ToolArgumentsDelta:
-                assert isinstance(event, ToolArgumentsDelta)
-                open_blocks[event.index][1].append(event.delta)
-                emit(
-                    PartialToolCall(
-                        session_id=sid,
-                        run_id=rid,
-                        index=event.index,
-                        call_id=event.call_id,
-                        name=event.name,
-                        arguments_delta=event.delta,
-                    )
-                )
-            elif kind is ThinkingDelta:
-                assert isinstance(event, ThinkingDelta)
-                open_blocks[event.index][1].append(event.text)
-                emit(
-                    PartialThinking(session_id=sid, run_id=rid, index=event.index, text=event.text)
-                )
-            elif kind is BlockStarted:
-                assert isinstance(event, BlockStarted)
-                open_blocks[event.index] = [event, []]
-            elif kind is BlockCompleted:
-                assert isinstance(event, BlockCompleted)
-                self._complete_block(event.index, event.block)
-            elif kind is ToolCallTruncated:
-                assert isinstance(event, ToolCallTruncated)
-                self._truncated_call(event)
-            elif kind is UsageReported:
-                assert isinstance(event, UsageReported)
-                self._last_usage = event.usage
-            elif kind is MessageCompleted:
-                assert isinstance(event, MessageCompleted)
-                self._stream_completed(event)
-                return
-            elif kind is StreamFailed:
-                assert isinstance(event, StreamFailed)
-                # What the model wrote before the failure is a fact of the attempt: it
-                # is traced, and becomes the retry's [turn_retried] note (R-RETRY-4).
-                self._close_open_blocks()
-                self._emit_usage()
-                self._stream_result = event
-                return
-
-    def _complete_block(self, index: int, block: ModelBlock) -> None:
-        self._open_blocks.pop(index, None)
-        self._done_blocks.append(block)
-        self._emit(
-            ModelMsg(session_id=self._session.id, run_id=self.run_id, turn=self._turn, block=block)
-        )
-        if isinstance(block, ToolCallBlock):
-            self._add_call(block)
-
-    def _add_call(self, block: ToolCallBlock) -> _Call:
-        call = _Call(block=block, position=len(self._call_order))
-        self._calls[block.id] = call
-        self._call_order.append(block.id)
-        assert self._approvals is not None
-        self._approvals.send_nowait(ApproveCall(call=block))  # R-TOOL-1: at once
-        return call
-
-    def _truncated_call(self, event: ToolCallTruncated) -> None:
-        # R-TOOL-5: never executed, but paired: it enters the context with an error result.
-        assert self._pool is not None
-        block = ToolCallBlock(
-            id=event.call_id,
-            name=event.name,
-            arguments={},
-            invalid_arguments=event.partial_arguments,
-        )
-        self._open_blocks.pop(event.index, None)
-        self._done_blocks.append(block)
-        self._emit(
-            ModelMsg(session_id=self._session.id, run_id=self.run_id, turn=self._turn, block=block)
-        )
-        call = _Call(block=block, position=len(self._call_order), state="done")
-        self._calls[block.id] = call
-        self._call_order.append(block.id)
-        self._pool.mark_terminal(call.position)
-        self._emit_tool_output(call, "truncated", TRUNCATED_TEXT)
-
-    def _stream_completed(self, event: MessageCompleted) -> None:
-        self._last_usage = event.usage
-        self._close_open_blocks()  # e.g. text cut by max_tokens
-        self._emit_usage()
-        self._stream_result = event
-        self._emit_request_end("ok", stop_reason=event.stop_reason)  # R-RUN-3: at once
-
-    def _close_open_blocks(self) -> None:
-        """Complete the text and thinking blocks the stream left open; an unfinished tool
-        call is dropped (it never completed, so it never runs: R-TOOL-5)."""
-        for index in sorted(self._open_blocks):
-            started, pieces = self._open_blocks[index]
-            if started.kind == "text" and pieces:
-                self._complete_block(index, TextBlock(text="".join(pieces)))
-            elif started.kind == "thinking" and pieces:
-                self._complete_block(index, ThinkingBlock(text="".join(pieces)))
-        self._open_blocks = {}
-
-    def _emit_usage(self) -> None:
-        usage = self._last_usage
-        if usage is None:
-            return
-        self._usage = self._usage + usage
-        self._emit(
-            TokenUsageOutput(
-                session_id=self._session.id, run_id=self.run_id, turn=self._turn, request=usage
-            )
-        )
-        self._session._record_usage(self.run_id, self._turn, usage)
-
-    def _emit_request_end(
-        self,
-        status: RequestStatus,
-        *,
-        stop_reason: str | None = None,
-        error_message: str | None = None,
-        retry_in_ms: int | None = None,
-    ) -> None:
-        self._emit(
-            RequestEnd(
-                session_id=self._session.id,
-                run_id=self.run_id,
-                turn=self._turn,
-                status=status,
-                attempt=self._attempt,
-                retry_in_ms=retry_in_ms,
-                error_message=error_message,
-                stop_reason=stop_reason,
-            )
-        )
-
-    def _handle_decision(self, message: ApprovalDecided) -> None:
-        call = self._calls.get(message.call.id)
-        if call is None or call.state != "approving":
-            return  # a decision for a call of a discarded attempt
-        allowed = message.verdict != "deny"
-        self._emit(
-            ApprovalDecision(
-                session_id=self._session.id,
-                run_id=self.run_id,
-                call_id=call.block.id,
-                tool=call.block.name,
-                decision="allow" if allowed else "deny",
-                by=message.by,
-            )
-        )
-        assert self._pool is not None
-        if not allowed:
-            call.state = "done"
-            self._pool.mark_terminal(call.position)
-            self._emit_tool_output(call, "denied", markers.DENIED_TEXT)  # R-APPROVE-3
-            return
-        call.state = "running"
-        if self._scope.cancel_called:
-            # The interrupt came first (the decision was still in the inbox): the call
-            # never starts, and settling the abort reports it interrupted (R-ABORT-2).
-            return
-        command = RunToolCall(call=call.block, position=call.position)
-        self._pool.admit(command)
-        self._nursery_start(self._pool.execute, command)
-
-    def _handle_tool_finished(self, message: ToolCallFinished) -> None:
-        call = self._calls.get(message.call_id)
-        if call is None or call.state == "done":
-            return
-        call.state = "done"
-        self._emit_tool_output(call, message.status, message.content)
-
-    def _emit_tool_output(
-        self, call: _Call, status: ToolStatus, content: str | tuple[Any, ...]
-    ) -> None:
-        # Tool output is outside text (R-SEC-1): repaired before anyone encodes it.
-        blocks = (
-            (TextBlock(text=repair_text(content)),)
-            if isinstance(content, str)
-            else _repaired_blocks(content)
-        )
-        self._results[call.block.id] = ToolResult(
-            call_id=call.block.id,
-            tool=call.block.name,
-            status=status,
-            is_error=status != "ok",
-            content=blocks,
-        )
-        self._emit(
-            ToolCallOutput(
-                session_id=self._session.id,
-                run_id=self.run_id,
-                call_id=call.block.id,
-                tool=call.block.name,
-                status=status,
-                is_error=status != "ok",
-                content=blocks,
-            )
-        )
+    def _apply(self, effects: list[Effect]) -> None:
+        """Carry out what the turn machine returned, in order: outputs are emitted (traced
+        ones traced), commands go to the broker, the pool and the ledger."""
+        for effect in effects:
+            match effect:
+                case ApproveCall():
+                    assert self._approvals is not None
+                    self._approvals.send_nowait(effect)  # R-TOOL-1: at once
+                case RunToolCall():
+                    assert self._pool is not None
+                    self._pool.admit(effect)
+                    self._nursery_start(self._pool.execute, effect)
+                case SkipToolCall():
+                    assert self._pool is not None
+                    self._pool.mark_terminal(effect.position)
+                case RecordUsage():
+                    self._usage = self._usage + effect.usage
+                    self._session._record_usage(self.run_id, self._turn, effect.usage)
+                case _ if effect.TRACED:
+                    self._emit(effect)
+                case _:
+                    self._batch.append(effect)
 
     # -- steering -------------------------------------------------------------------
 
@@ -970,63 +713,12 @@ class SessionSupervisor:
 
     # -- abort ------------------------------------------------------------------------
 
-    def _partial_blocks(self) -> list[ModelBlock]:
-        blocks = list(self._done_blocks)
-        for index in sorted(self._open_blocks):
-            started, pieces = self._open_blocks[index]
-            if started.kind == "text":
-                blocks.append(TextBlock(text="".join(pieces)))
-            elif started.kind == "tool_call":
-                blocks.append(
-                    ToolCallBlock(
-                        id=started.call_id or "",
-                        name=started.name or "",
-                        arguments={},
-                        invalid_arguments="".join(pieces),
-                    )
-                )
-        return blocks
-
     def _settle_abort(self) -> None:
         """R-ABORT-1..3 and R-APPROVE-5: settle every call, record the abort."""
         self._drain_inbox_nowait()  # results that arrived before the cancel still count
         self._end_interrupted_compaction(self._abort_reason)
-        self._settle_calls()
-        transcript = self._session._transcript
-        complete = transcript.message_complete
-        if not complete:
-            self._emit_request_end("aborted", error_message=self._abort_reason)
-        self._emit(
-            Abort(
-                session_id=self._session.id,
-                run_id=self.run_id,
-                reason=self._abort_reason,
-                # during a backoff the attempt in flight has nothing yet: the failed
-                # attempt's output (the retry note's blocks) is the turn's partial output
-                partial=() if complete else tuple(self._partial_blocks() or self._retried_blocks),
-                message_complete=complete,
-            )
-        )
-
-    def _settle_calls(self) -> None:
-        """Give every unsettled call of the turn its decision and its result, so every
-        tool call stays paired in outputs and trace (R-TOOL-7, R-APPROVE-5)."""
-        for call_id in self._call_order:
-            call = self._calls[call_id]
-            if call.state == "approving":
-                self._emit(
-                    ApprovalDecision(
-                        session_id=self._session.id,
-                        run_id=self.run_id,
-                        call_id=call_id,
-                        tool=call.block.name,
-                        decision="deny",
-                        by="default",
-                    )
-                )
-            if call.state != "done":
-                call.state = "done"
-                self._emit_tool_output(call, "interrupted", markers.INTERRUPTED_TEXT)
+        complete = self._session._transcript.message_complete
+        self._apply(self._machine.abort(self._abort_reason, message_complete=complete))
 
     # -- emitting -----------------------------------------------------------------------
 
