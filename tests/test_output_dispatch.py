@@ -88,11 +88,12 @@ def test_gateway_hub_follows_every_output() -> None:
 
 
 def test_transcript_takes_every_output() -> None:
-    traced = [o for o in every_output() if o.origin is None]
+    own = [o for o in every_output() if o.origin is None]
     transcript = Transcript()
-    for output in traced:
+    for output in own:
         transcript.apply(output)
-    rebuild(traced)
+    rebuilt = rebuild(own)
+    assert rebuilt.messages == transcript.messages
 
 
 def test_subagent_watch_follows_every_output() -> None:
@@ -100,6 +101,7 @@ def test_subagent_watch_follows_every_output() -> None:
     child = _FakeSession()
     watch = subagents._ChildWatch(child, -1, lambda batch, _: forwarded.append(batch))  # type: ignore[arg-type]
     watch.on_batch(list(every_output()))
+    assert len(forwarded) == 1
     assert watch.end is not None and watch.end.origin is None
     assert watch.used == EXAMPLES[outputs.TokenUsageOutput]["request"].total
     assert child.interrupts == []
