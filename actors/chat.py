@@ -68,7 +68,7 @@ import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TextIO, cast
+from typing import TextIO, assert_never, cast
 
 import attrs
 import trio
@@ -101,13 +101,23 @@ from greenroom.actors.session import RunStream, Session
 from greenroom.actors.trace_sink import read_trace
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.outputs import (
+    Abort,
     ApprovalDecision,
+    ApprovalRequest,
+    CompactionBegin,
+    CompactionEnd,
     ModelMsg,
     Output,
+    PartialText,
+    PartialThinking,
+    PartialToolCall,
     RequestBegin,
     RequestEnd,
     TaskEnd,
     TaskStart,
+    TokenUsageOutput,
+    ToolCallOutput,
+    ToolProgress,
     UserMsg,
 )
 from greenroom.protocols.retry import MAX_RETRIES
@@ -995,18 +1005,36 @@ class ChatRenderer(HumanRenderer):
         self._decided_here: dict[str, str] = {}
 
     def show(self, output: Output) -> None:
-        if output.origin is None:
-            if (
-                isinstance(output, RequestEnd)
-                and output.retry_in_ms is not None
-                and output.status not in ("ok", "aborted")
+        match output:
+            case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():
+                pass  # the most frequent outputs, tested first: nothing of the REPL's own
+            case RequestEnd(origin=None) if (
+                output.retry_in_ms is not None and output.status not in ("ok", "aborted")
             ):
                 self._begin_retry(output)
                 return
-            if isinstance(output, RequestBegin) and output.attempt > 1 and self._retry:
+            case RequestBegin(origin=None) if output.attempt > 1 and self._retry:
                 return  # the live line announces this attempt already
-            if isinstance(output, TaskStart):
+            case TaskStart(origin=None):
                 self._after_tool = False  # a new task: no gap after the last one's tools
+            case (
+                RequestEnd()
+                | RequestBegin()
+                | TaskStart()
+                | UserMsg()
+                | ModelMsg()
+                | TokenUsageOutput()
+                | ApprovalRequest()
+                | ApprovalDecision()
+                | ToolCallOutput()
+                | Abort()
+                | CompactionBegin()
+                | CompactionEnd()
+                | TaskEnd()
+            ):
+                pass  # nothing of the REPL's own: shown as ``greenroom run`` shows it
+            case _:
+                assert_never(output)
         self._end_retry()
         super().show(output)
 

@@ -41,7 +41,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TextIO
+from typing import Any, NoReturn, TextIO, assert_never
 
 import attrs
 import trio
@@ -74,6 +74,7 @@ from greenroom.protocols.outputs import (
     Output,
     PartialText,
     PartialThinking,
+    PartialToolCall,
     RequestBegin,
     RequestEnd,
     TaskEnd,
@@ -1216,10 +1217,30 @@ class Renderer:
         await self._shown_event(key).wait()
 
     def _mark_shown(self, output: Output) -> None:
-        if isinstance(output, ModelMsg) and isinstance(output.block, ToolCallBlock):
-            self._shown_event(f"call:{output.block.id}").set()
-        elif isinstance(output, ApprovalDecision):
-            self._shown_event(f"decision:{output.call_id}").set()
+        match output:
+            case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():
+                pass  # live only; first, as most outputs are these
+            case ModelMsg(block=ToolCallBlock() as call):
+                self._shown_event(f"call:{call.id}").set()
+            case ApprovalDecision():
+                self._shown_event(f"decision:{output.call_id}").set()
+            case (
+                ModelMsg()
+                | UserMsg()
+                | TaskStart()
+                | RequestBegin()
+                | TokenUsageOutput()
+                | RequestEnd()
+                | ApprovalRequest()
+                | ToolCallOutput()
+                | Abort()
+                | CompactionBegin()
+                | CompactionEnd()
+                | TaskEnd()
+            ):
+                pass  # only tool calls and their decisions are waited for
+            case _:
+                assert_never(output)
 
     def _shown_event(self, key: str) -> trio.Event:
         event = self._shown_calls.get(key)
@@ -1324,54 +1345,63 @@ class HumanRenderer(Renderer):
         if output.origin:
             self._show_subagent(output)
             return
-        if isinstance(output, PartialText):
-            if self._streamed_thinking:
-                self.break_line()
-                self._streamed_thinking = False
-            self._start_prose()
-            self._streamed_text = True
-            self._write(output.text)
-        elif isinstance(output, PartialThinking):
-            if not self._streamed_thinking:
+        match output:
+            case PartialText():
+                if self._streamed_thinking:
+                    self.break_line()
+                    self._streamed_thinking = False
                 self._start_prose()
-                self.break_line()
-                self._write(self._thinking_prefix())
-                self._streamed_thinking = True
-            self._write(self._style.dim(output.text))
-        elif isinstance(output, ModelMsg):
-            self._show_block(output.block)
-            self._mark_shown(output)
-        elif isinstance(output, ApprovalDecision):
-            self._show_decision(output)
-            self._mark_shown(output)
-        elif isinstance(output, ToolCallOutput):
-            self._show_tool_output(output)
-        elif isinstance(output, ToolProgress):
-            self._line(self._style.dim(f"  … {output.tool}: {output.message}"))
-        elif isinstance(output, RequestBegin):
-            if output.attempt > 1:
-                self._note(
-                    self._err_style.yellow(f"retrying turn {output.turn}: attempt {output.attempt}")
+                self._streamed_text = True
+                self._write(output.text)
+            case PartialThinking():
+                if not self._streamed_thinking:
+                    self._start_prose()
+                    self.break_line()
+                    self._write(self._thinking_prefix())
+                    self._streamed_thinking = True
+                self._write(self._style.dim(output.text))
+            case ModelMsg():
+                self._show_block(output.block)
+                self._mark_shown(output)
+            case ApprovalDecision():
+                self._show_decision(output)
+                self._mark_shown(output)
+            case ToolCallOutput():
+                self._show_tool_output(output)
+            case ToolProgress():
+                self._line(self._style.dim(f"  … {output.tool}: {output.message}"))
+            case RequestBegin():
+                if output.attempt > 1:
+                    self._note(
+                        self._err_style.yellow(
+                            f"retrying turn {output.turn}: attempt {output.attempt}"
+                        )
+                    )
+            case RequestEnd():
+                self._show_request_end(output)
+            case UserMsg():
+                if output.kind == "steering":
+                    self._line(self._style.cyan(f"[steering] {_content_text(output.content)}"))
+            case Abort():
+                self._note(self._err_style.yellow(f"aborted: {output.reason}"))
+            case CompactionBegin():
+                self._note(self._err_style.dim(f"compacting the context ({output.reason})…"))
+            case CompactionEnd():
+                detail = (
+                    f"now in {output.trace_file}" if output.status == "ok" else output.error_message
                 )
-        elif isinstance(output, RequestEnd):
-            self._show_request_end(output)
-        elif isinstance(output, UserMsg) and output.kind == "steering":
-            self._line(self._style.cyan(f"[steering] {_content_text(output.content)}"))
-        elif isinstance(output, Abort):
-            self._note(self._err_style.yellow(f"aborted: {output.reason}"))
-        elif isinstance(output, CompactionBegin):
-            self._note(self._err_style.dim(f"compacting the context ({output.reason})…"))
-        elif isinstance(output, CompactionEnd):
-            detail = (
-                f"now in {output.trace_file}" if output.status == "ok" else output.error_message
-            )
-            self._note(self._err_style.dim(f"compaction {output.status}: {detail or ''}"))
-        elif isinstance(output, TaskEnd):
-            self.break_line()
-            if output.message and output.status not in ("completed", "aborted"):
-                self._note(self._err_style.yellow(output.message))
-        # user_msg (prompt), task_start, token_usage, partial_tool_call and
-        # approval_request add nothing a reader needs here.
+                self._note(self._err_style.dim(f"compaction {output.status}: {detail or ''}"))
+            case TaskEnd():
+                self.break_line()
+                if output.message and output.status not in ("completed", "aborted"):
+                    self._note(self._err_style.yellow(output.message))
+            case TaskStart() | TokenUsageOutput() | PartialToolCall() | ApprovalRequest():
+                # A streaming call shows once complete, an approval request by its
+                # decision; the start of a task and its token counts add nothing a
+                # reader needs.
+                pass
+            case _:
+                assert_never(output)
 
     def _start_prose(self) -> None:
         # A blank line between tool results and the model's next words.
@@ -1469,16 +1499,33 @@ class HumanRenderer(Renderer):
 
     def _show_subagent(self, output: Output) -> None:
         who = "/".join(output.origin or ())
-        if isinstance(output, ModelMsg):
-            block = output.block
-            if isinstance(block, TextBlock):
+        match output:
+            case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():
+                pass  # the most frequent outputs, tested first: a subagent's stay quiet
+            case ModelMsg(block=TextBlock() as block):
                 self._line(self._style.dim(f"  [{who}] {_clip(block.text, 200)}"))
-            elif isinstance(block, ToolCallBlock):
+            case ModelMsg(block=ToolCallBlock() as block):
                 self._line(self._style.dim(f"  [{who}] ▸ {block.name} {_arguments_text(block)}"))
-        elif isinstance(output, ToolCallOutput):
-            self._line(self._style.dim(f"  [{who}] ◂ {output.tool} {output.status}"))
-        elif isinstance(output, TaskEnd):
-            self._line(self._style.dim(f"  [{who}] subagent {output.status}"))
+            case ToolCallOutput():
+                self._line(self._style.dim(f"  [{who}] ◂ {output.tool} {output.status}"))
+            case TaskEnd():
+                self._line(self._style.dim(f"  [{who}] subagent {output.status}"))
+            case (
+                ModelMsg()
+                | UserMsg()
+                | TaskStart()
+                | RequestBegin()
+                | TokenUsageOutput()
+                | RequestEnd()
+                | ApprovalRequest()
+                | ApprovalDecision()
+                | Abort()
+                | CompactionBegin()
+                | CompactionEnd()
+            ):
+                pass  # a subagent shows its words, its tool calls and its end, nothing more
+            case _:
+                assert_never(output)
 
 
 def summary_line(end: TaskEnd | None, trace_path: Path | None, *, color: bool = False) -> str:
@@ -1591,56 +1638,60 @@ def format_record(record: Output) -> str:
 
 
 def _record_detail(record: Output) -> str:
-    if isinstance(record, UserMsg):
-        return f"{record.kind}: {_clip(_one_line(_content_text(record.content)), 120)}"
-    if isinstance(record, TaskStart):
-        return f"{record.run_id} input_seq={record.input_seq}"
-    if isinstance(record, RequestBegin):
-        return f"turn {record.turn} attempt {record.attempt}"
-    if isinstance(record, ModelMsg):
-        return f"turn {record.turn} {_block_detail(record.block)}"
-    if isinstance(record, TokenUsageOutput):
-        usage = record.request
-        return (
-            f"turn {record.turn} in={usage.input} out={usage.output} "
-            f"cache_read={usage.cache_read} cache_write={usage.cache_write}"
-        )
-    if isinstance(record, RequestEnd):
-        parts = [f"turn {record.turn} {record.status} attempt {record.attempt}"]
-        if record.stop_reason:
-            parts.append(f"stop={record.stop_reason}")
-        if record.retry_in_ms is not None:
-            parts.append(f"retry_in={record.retry_in_ms}ms")
-        if record.error_message:
-            parts.append(_clip(_one_line(record.error_message), 120))
-        return " ".join(parts)
-    if isinstance(record, ApprovalRequest):
-        return f"{record.call_id} {record.tool} {_clip(json.dumps(record.arguments), 120)}"
-    if isinstance(record, ApprovalDecision):
-        return f"{record.call_id} {record.tool} {decision_words(record.decision, record.by)}"
-    if isinstance(record, ToolCallOutput):
-        text = _clip(_one_line(_content_text(record.content)), 100)
-        return f"{record.call_id} {record.tool} {record.status}: {text}"
-    if isinstance(record, Abort):
-        case = "message complete" if record.message_complete else "message incomplete"
-        return f"{record.reason} ({case}, {_plural(len(record.partial), 'partial block')})"
-    if isinstance(record, CompactionBegin):
-        return f"reason={record.reason}"
-    if isinstance(record, CompactionEnd):
-        parts = [f"{record.status} attempt {record.attempt}"]
-        if record.trace_file:
-            parts.append(f"-> {record.trace_file}")
-        if record.error_message:
-            parts.append(_clip(_one_line(record.error_message), 120))
-        return " ".join(parts)
-    if isinstance(record, TaskEnd):
-        usage = record.usage
-        text = (
-            f"{record.status} turns={record.turns} in={usage.input} out={usage.output} "
-            f"wall={record.wall_ms}ms"
-        )
-        return f"{text} {record.message}" if record.message else text
-    return ""
+    match record:
+        case UserMsg():
+            return f"{record.kind}: {_clip(_one_line(_content_text(record.content)), 120)}"
+        case TaskStart():
+            return f"{record.run_id} input_seq={record.input_seq}"
+        case RequestBegin():
+            return f"turn {record.turn} attempt {record.attempt}"
+        case ModelMsg():
+            return f"turn {record.turn} {_block_detail(record.block)}"
+        case TokenUsageOutput():
+            usage = record.request
+            return (
+                f"turn {record.turn} in={usage.input} out={usage.output} "
+                f"cache_read={usage.cache_read} cache_write={usage.cache_write}"
+            )
+        case RequestEnd():
+            parts = [f"turn {record.turn} {record.status} attempt {record.attempt}"]
+            if record.stop_reason:
+                parts.append(f"stop={record.stop_reason}")
+            if record.retry_in_ms is not None:
+                parts.append(f"retry_in={record.retry_in_ms}ms")
+            if record.error_message:
+                parts.append(_clip(_one_line(record.error_message), 120))
+            return " ".join(parts)
+        case ApprovalRequest():
+            return f"{record.call_id} {record.tool} {_clip(json.dumps(record.arguments), 120)}"
+        case ApprovalDecision():
+            return f"{record.call_id} {record.tool} {decision_words(record.decision, record.by)}"
+        case ToolCallOutput():
+            text = _clip(_one_line(_content_text(record.content)), 100)
+            return f"{record.call_id} {record.tool} {record.status}: {text}"
+        case Abort():
+            state = "message complete" if record.message_complete else "message incomplete"
+            return f"{record.reason} ({state}, {_plural(len(record.partial), 'partial block')})"
+        case CompactionBegin():
+            return f"reason={record.reason}"
+        case CompactionEnd():
+            parts = [f"{record.status} attempt {record.attempt}"]
+            if record.trace_file:
+                parts.append(f"-> {record.trace_file}")
+            if record.error_message:
+                parts.append(_clip(_one_line(record.error_message), 120))
+            return " ".join(parts)
+        case TaskEnd():
+            usage = record.usage
+            text = (
+                f"{record.status} turns={record.turns} in={usage.input} out={usage.output} "
+                f"wall={record.wall_ms}ms"
+            )
+            return f"{text} {record.message}" if record.message else text
+        case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():
+            return ""  # live only: never in a trace
+        case _:
+            assert_never(record)
 
 
 def _block_detail(block: ModelBlock) -> str:

@@ -89,7 +89,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, assert_never, cast
 
 import attrs
 import trio
@@ -118,7 +118,26 @@ from greenroom.protocols.jsonrpc import (
     invalid,
 )
 from greenroom.protocols.messages import Verdict
-from greenroom.protocols.outputs import ApprovalDecision, ApprovalRequest, Output
+from greenroom.protocols.outputs import (
+    Abort,
+    ApprovalDecision,
+    ApprovalRequest,
+    CompactionBegin,
+    CompactionEnd,
+    ModelMsg,
+    Output,
+    PartialText,
+    PartialThinking,
+    PartialToolCall,
+    RequestBegin,
+    RequestEnd,
+    TaskEnd,
+    TaskStart,
+    TokenUsageOutput,
+    ToolCallOutput,
+    ToolProgress,
+    UserMsg,
+)
 from greenroom.protocols.text import repair_text
 from greenroom.protocols.tools import Tool
 from greenroom.protocols.trace import trace_file_number
@@ -1429,20 +1448,36 @@ class _SessionHub:
     def _fan_out(self, batch: list[Output]) -> None:
         self.last_output_at = time.time()
         for output in batch:
-            if output.origin is None and output.TYPE in ("task_end", "compaction_end"):
-                self.finishing = True
-            elif output.origin is None and output.TYPE in ("user_msg", "compaction_begin"):
-                self.finishing = False
-            if isinstance(output, ApprovalRequest | ApprovalDecision):
-                key = ("/".join(output.origin or ()), output.call_id)
-                if isinstance(output, ApprovalRequest):
-                    self.open_approvals.add(key)
-                else:
-                    self.open_approvals.discard(key)
-            elif output.origin is None and output.TYPE == "task_end":
-                self.open_approvals.clear()
-                if self._on_task_end is not None:
-                    self._on_task_end(self.session)
+            match output:
+                case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():
+                    pass  # the most frequent outputs, tested first: live only
+                case TaskEnd(origin=None):
+                    self.finishing = True
+                    self.open_approvals.clear()
+                    if self._on_task_end is not None:
+                        self._on_task_end(self.session)
+                case CompactionEnd(origin=None):
+                    self.finishing = True
+                case UserMsg(origin=None) | CompactionBegin(origin=None):
+                    self.finishing = False
+                case ApprovalRequest():
+                    self.open_approvals.add(("/".join(output.origin or ()), output.call_id))
+                case ApprovalDecision():
+                    self.open_approvals.discard(("/".join(output.origin or ()), output.call_id))
+                case TaskEnd() | CompactionEnd() | UserMsg() | CompactionBegin():
+                    pass  # a subagent's: the root session's state is unchanged
+                case (
+                    TaskStart()
+                    | RequestBegin()
+                    | ModelMsg()
+                    | TokenUsageOutput()
+                    | RequestEnd()
+                    | ToolCallOutput()
+                    | Abort()
+                ):
+                    pass  # forwarded to the subscriptions, nothing more
+                case _:
+                    assert_never(output)
         if not self.subscriptions:
             return
         # Forwarded subagent outputs carry their own session's seq: never deduplicated.

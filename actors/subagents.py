@@ -32,7 +32,7 @@ Exceptions::
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, assert_never
 
 import attrs
 import trio
@@ -40,11 +40,24 @@ import trio
 from greenroom.actors.approval_broker import ApproveFn
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.outputs import (
+    Abort,
+    ApprovalDecision,
+    ApprovalRequest,
+    CompactionBegin,
+    CompactionEnd,
     ModelMsg,
     Output,
+    PartialText,
+    PartialThinking,
+    PartialToolCall,
     RequestBegin,
+    RequestEnd,
     TaskEnd,
+    TaskStart,
     TokenUsageOutput,
+    ToolCallOutput,
+    ToolProgress,
+    UserMsg,
 )
 from greenroom.protocols.tools import ToolContext, tool
 
@@ -183,21 +196,38 @@ class _ChildWatch:
         for output in batch:
             if output.origin is not None:
                 continue  # a grandchild's: forwarded, and no business of this watch
-            if isinstance(output, RequestBegin):
-                self._texts = []  # the answer is the last model message's text
-            elif isinstance(output, ModelMsg):
-                if isinstance(output.block, TextBlock):
-                    self._texts.append(output.block.text)
-            elif isinstance(output, TokenUsageOutput):
-                self.used += output.request.total
-                if 0 <= self._budget < self.used and not self.exceeded:
-                    self.exceeded = True
-                    self._child.interrupt(
-                        f"subagent token budget exceeded: {self.used} tokens used, "
-                        f"the budget is {self._budget}"
-                    )
-            elif isinstance(output, TaskEnd):
-                self.end = output
+            match output:
+                case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():
+                    pass  # the most frequent outputs, tested first: live only
+                case RequestBegin():
+                    self._texts = []  # the answer is the last model message's text
+                case ModelMsg(block=TextBlock() as block):
+                    self._texts.append(block.text)
+                case TokenUsageOutput():
+                    self.used += output.request.total
+                    if 0 <= self._budget < self.used and not self.exceeded:
+                        self.exceeded = True
+                        self._child.interrupt(
+                            f"subagent token budget exceeded: {self.used} tokens used, "
+                            f"the budget is {self._budget}"
+                        )
+                case TaskEnd():
+                    self.end = output
+                case (
+                    ModelMsg()
+                    | UserMsg()
+                    | TaskStart()
+                    | RequestEnd()
+                    | ApprovalRequest()
+                    | ApprovalDecision()
+                    | ToolCallOutput()
+                    | Abort()
+                    | CompactionBegin()
+                    | CompactionEnd()
+                ):
+                    pass  # forwarded above; neither the answer nor the budget needs them
+                case _:
+                    assert_never(output)
 
     def result(self) -> str:
         child_id = self._child.id

@@ -1,15 +1,20 @@
 """Outputs: everything the runtime emits to a host, a trace file or a websocket client.
 
-One frozen class per ``type`` of CONTRACT.md. Every output carries ``session_id`` and
-``run_id``; traced outputs carry the session's ``seq`` (strictly increasing, no gaps within
+One frozen class per ``type`` of CONTRACT.md, each a subclass of :class:`Envelope`, which
+declares once the fields they all carry: every output has ``session_id`` and ``run_id``;
+traced outputs carry the session's ``seq`` (strictly increasing, no gaps within
 a session: R-TRACE-1); outputs forwarded from a subagent carry ``origin``, the path of
 session ids from the root (R-HOST-4). Live-only outputs (``partial_*``, ``tool_progress``)
 have ``seq`` None and never reach a trace.
+
+:data:`Output` is the closed union of the output classes. Code that reacts to each kind
+of output dispatches with ``match`` and ends with ``case _: assert_never(output)``, so the
+type checker names every dispatcher that does not handle a newly added class.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeAlias, TypeVar, get_args
 
 import attrs
 
@@ -37,18 +42,6 @@ COMMON_FIELDS = """
 """
 
 
-class _Typed:
-    """The base of every output class: the JSON tag, readable as ``output.type``."""
-
-    __slots__ = ()
-    TYPE: ClassVar[str]
-
-    @property
-    def type(self) -> str:
-        """The output's JSON ``type``, the same string as the class's ``TYPE``."""
-        return self.TYPE
-
-
 _C = TypeVar("_C", bound=type)
 
 
@@ -61,7 +54,30 @@ def _documented(cls: _C) -> _C:
 
 @_documented
 @attrs.frozen(kw_only=True, slots=True)
-class UserMsg(_Typed):
+class Envelope:
+    """The envelope of every output: the fields all of them carry, declared once.
+
+    Each output class inherits it and adds its own fields after these (the JSON puts
+    ``type`` first and leaves ``seq`` and ``origin`` out when None). The envelope is no
+    output itself: only its subclasses have a ``TYPE`` and a place in :data:`Output`.
+    """
+
+    TYPE: ClassVar[str]
+    TRACED: ClassVar[bool]
+    session_id: str
+    run_id: str
+    seq: int | None = None
+    origin: tuple[str, ...] | None = None
+
+    @property
+    def type(self) -> str:
+        """The output's JSON ``type``, the same string as the class's ``TYPE``."""
+        return self.TYPE
+
+
+@_documented
+@attrs.frozen(kw_only=True, slots=True)
+class UserMsg(Envelope):
     """Input from the user: the prompt that starts a task, or steering given while it runs.
 
     Fields:
@@ -73,17 +89,13 @@ class UserMsg(_Typed):
 
     TYPE: ClassVar[str] = "user_msg"
     TRACED: ClassVar[bool] = True
-    session_id: str
-    run_id: str
-    seq: int | None = None
-    origin: tuple[str, ...] | None = None
     kind: Literal["prompt", "steering"]
     content: tuple[UserContent, ...]
 
 
 @_documented
 @attrs.frozen(kw_only=True, slots=True)
-class TaskStart(_Typed):
+class TaskStart(Envelope):
     """A task began (R-RUN-1); the first output of every task after its prompt.
 
     Fields:
@@ -93,16 +105,12 @@ class TaskStart(_Typed):
 
     TYPE: ClassVar[str] = "task_start"
     TRACED: ClassVar[bool] = True
-    session_id: str
-    run_id: str
-    seq: int | None = None
-    origin: tuple[str, ...] | None = None
     input_seq: int | None
 
 
 @_documented
 @attrs.frozen(kw_only=True, slots=True)
-class RequestBegin(_Typed):
+class RequestBegin(Envelope):
     """One attempt of a model request is about to be sent.
 
     Fields:
@@ -113,17 +121,13 @@ class RequestBegin(_Typed):
 
     TYPE: ClassVar[str] = "request_begin"
     TRACED: ClassVar[bool] = True
-    session_id: str
-    run_id: str
-    seq: int | None = None
-    origin: tuple[str, ...] | None = None
     turn: int
     attempt: int
 
 
 @_documented
 @attrs.frozen(kw_only=True, slots=True)
-class PartialText(_Typed):
+class PartialText(Envelope):
     """A piece of text as the model streams it (live only: never traced).
 
     The complete block follows as a ``model_msg``; hosts that only want the answer can
@@ -136,17 +140,13 @@ class PartialText(_Typed):
 
     TYPE: ClassVar[str] = "partial_text"
     TRACED: ClassVar[bool] = False
-    session_id: str
-    run_id: str
-    seq: int | None = None
-    origin: tuple[str, ...] | None = None
     index: int
     text: str
 
 
 @_documented
 @attrs.frozen(kw_only=True, slots=True)
-class PartialThinking(_Typed):
+class PartialThinking(Envelope):
     """A piece of the model's reasoning as it streams (live only: never traced).
 
     Fields:
@@ -156,17 +156,13 @@ class PartialThinking(_Typed):
 
     TYPE: ClassVar[str] = "partial_thinking"
     TRACED: ClassVar[bool] = False
-    session_id: str
-    run_id: str
-    seq: int | None = None
-    origin: tuple[str, ...] | None = None
     index: int
     text: str
 
 
 @_documented
 @attrs.frozen(kw_only=True, slots=True)
-class PartialToolCall(_Typed):
+class PartialToolCall(Envelope):
     """A fragment of a tool call's JSON arguments as the model streams them (live only).
 
     Fields:
@@ -179,10 +175,6 @@ class PartialToolCall(_Typed):
 
     TYPE: ClassVar[str] = "partial_tool_call"
     TRACED: ClassVar[bool] = False
-    session_id: str
-    run_id: str
-    seq: int | None = None
-    origin: tuple[str, ...] | None = None
     index: int
     call_id: str
     name: str
@@ -191,7 +183,7 @@ class PartialToolCall(_Typed):
 
 @_documented
 @attrs.frozen(kw_only=True, slots=True)
-class ModelMsg(_Typed):
+class ModelMsg(Envelope):
     """One complete block of the model's message: text, thinking or a tool call.
 
     Fields:
@@ -202,17 +194,13 @@ class ModelMsg(_Typed):
 
     TYPE: ClassVar[str] = "model_msg"
     TRACED: ClassVar[bool] = True
-    session_id: str
-    run_id: str
-    seq: int | None = None
-    origin: tuple[str, ...] | None = None
     turn: int
     block: ModelBlock
 
 
 @_documented
 @attrs.frozen(kw_only=True, slots=True)
-class TokenUsageOutput(_Typed):
+class TokenUsageOutput(Envelope):
     """The tokens one model request used, as the provider reported them.
 
     Fields:
@@ -223,17 +211,13 @@ class TokenUsageOutput(_Typed):
 
     TYPE: ClassVar[str] = "token_usage"
     TRACED: ClassVar[bool] = True
-    session_id: str
-    run_id: str
-    seq: int | None = None
-    origin: tuple[str, ...] | None = None
     turn: int
     request: TokenUsage
 
 
 @_documented
 @attrs.frozen(kw_only=True, slots=True)
-class RequestEnd(_Typed):
+class RequestEnd(Envelope):
     """One attempt of a model request ended (its stream did; tools may still run).
 
     Fields:
@@ -250,10 +234,6 @@ class RequestEnd(_Typed):
 
     TYPE: ClassVar[str] = "request_end"
     TRACED: ClassVar[bool] = True
-    session_id: str
-    run_id: str
-    seq: int | None = None
-    origin: tuple[str, ...] | None = None
     turn: int
     status: RequestStatus
     attempt: int
@@ -264,7 +244,7 @@ class RequestEnd(_Typed):
 
 @_documented
 @attrs.frozen(kw_only=True, slots=True)
-class ApprovalRequest(_Typed):
+class ApprovalRequest(Envelope):
     """A client is asked to decide a tool call (only where one can answer: ``serve``).
 
     Fields:
@@ -275,10 +255,6 @@ class ApprovalRequest(_Typed):
 
     TYPE: ClassVar[str] = "approval_request"
     TRACED: ClassVar[bool] = True
-    session_id: str
-    run_id: str
-    seq: int | None = None
-    origin: tuple[str, ...] | None = None
     call_id: str
     tool: str
     arguments: dict[str, Any]
@@ -286,7 +262,7 @@ class ApprovalRequest(_Typed):
 
 @_documented
 @attrs.frozen(kw_only=True, slots=True)
-class ApprovalDecision(_Typed):
+class ApprovalDecision(Envelope):
     """How a tool call was decided: exactly one per call (R-APPROVE-1).
 
     Fields:
@@ -299,10 +275,6 @@ class ApprovalDecision(_Typed):
 
     TYPE: ClassVar[str] = "approval_decision"
     TRACED: ClassVar[bool] = True
-    session_id: str
-    run_id: str
-    seq: int | None = None
-    origin: tuple[str, ...] | None = None
     call_id: str
     tool: str
     decision: Decision
@@ -311,7 +283,7 @@ class ApprovalDecision(_Typed):
 
 @_documented
 @attrs.frozen(kw_only=True, slots=True)
-class ToolProgress(_Typed):
+class ToolProgress(Envelope):
     """A tool's progress note (live only; dropped once the call is terminal: R-TOOL-6).
 
     Fields:
@@ -322,10 +294,6 @@ class ToolProgress(_Typed):
 
     TYPE: ClassVar[str] = "tool_progress"
     TRACED: ClassVar[bool] = False
-    session_id: str
-    run_id: str
-    seq: int | None = None
-    origin: tuple[str, ...] | None = None
     call_id: str
     tool: str
     message: str
@@ -333,7 +301,7 @@ class ToolProgress(_Typed):
 
 @_documented
 @attrs.frozen(kw_only=True, slots=True)
-class ToolCallOutput(_Typed):
+class ToolCallOutput(Envelope):
     """The result of one tool call, in completion order (R-TOOL-3).
 
     Fields:
@@ -348,10 +316,6 @@ class ToolCallOutput(_Typed):
 
     TYPE: ClassVar[str] = "tool_call_output"
     TRACED: ClassVar[bool] = True
-    session_id: str
-    run_id: str
-    seq: int | None = None
-    origin: tuple[str, ...] | None = None
     call_id: str
     tool: str
     status: ToolStatus
@@ -361,7 +325,7 @@ class ToolCallOutput(_Typed):
 
 @_documented
 @attrs.frozen(kw_only=True, slots=True)
-class Abort(_Typed):
+class Abort(Envelope):
     """The task was interrupted (R-ABORT-1); a ``task_end`` with status ``aborted`` follows.
 
     Fields:
@@ -374,10 +338,6 @@ class Abort(_Typed):
 
     TYPE: ClassVar[str] = "abort"
     TRACED: ClassVar[bool] = True
-    session_id: str
-    run_id: str
-    seq: int | None = None
-    origin: tuple[str, ...] | None = None
     reason: str
     partial: tuple[ModelBlock, ...] = ()
     message_complete: bool = False
@@ -385,7 +345,7 @@ class Abort(_Typed):
 
 @_documented
 @attrs.frozen(kw_only=True, slots=True)
-class CompactionBegin(_Typed):
+class CompactionBegin(Envelope):
     """A compaction of the model context started (R-COMPACT).
 
     Fields:
@@ -397,16 +357,12 @@ class CompactionBegin(_Typed):
 
     TYPE: ClassVar[str] = "compaction_begin"
     TRACED: ClassVar[bool] = True
-    session_id: str
-    run_id: str
-    seq: int | None = None
-    origin: tuple[str, ...] | None = None
     reason: CompactionReason
 
 
 @_documented
 @attrs.frozen(kw_only=True, slots=True)
-class CompactionEnd(_Typed):
+class CompactionEnd(Envelope):
     """A compaction ended (R-COMPACT).
 
     Fields:
@@ -423,10 +379,6 @@ class CompactionEnd(_Typed):
 
     TYPE: ClassVar[str] = "compaction_end"
     TRACED: ClassVar[bool] = True
-    session_id: str
-    run_id: str
-    seq: int | None = None
-    origin: tuple[str, ...] | None = None
     status: Literal["ok", "failed"]
     attempt: int
     error_message: str | None = None
@@ -437,7 +389,7 @@ class CompactionEnd(_Typed):
 
 @_documented
 @attrs.frozen(kw_only=True, slots=True)
-class TaskEnd(_Typed):
+class TaskEnd(Envelope):
     """The task ended: the last output of every task (R-RUN-7).
 
     Fields:
@@ -452,10 +404,6 @@ class TaskEnd(_Typed):
 
     TYPE: ClassVar[str] = "task_end"
     TRACED: ClassVar[bool] = True
-    session_id: str
-    run_id: str
-    seq: int | None = None
-    origin: tuple[str, ...] | None = None
     status: TaskStatus
     turns: int
     usage: TokenUsage
@@ -463,7 +411,7 @@ class TaskEnd(_Typed):
     message: str | None = None
 
 
-Output = (
+Output: TypeAlias = (
     UserMsg
     | TaskStart
     | RequestBegin
@@ -482,23 +430,8 @@ Output = (
     | CompactionEnd
     | TaskEnd
 )
+"""Every output: the closed union to ``match`` on (exhaustively, ending with
+``assert_never``)."""
 
-OUTPUT_CLASSES: tuple[type[Output], ...] = (
-    UserMsg,
-    TaskStart,
-    RequestBegin,
-    PartialText,
-    PartialThinking,
-    PartialToolCall,
-    ModelMsg,
-    TokenUsageOutput,
-    RequestEnd,
-    ApprovalRequest,
-    ApprovalDecision,
-    ToolProgress,
-    ToolCallOutput,
-    Abort,
-    CompactionBegin,
-    CompactionEnd,
-    TaskEnd,
-)
+OUTPUT_CLASSES: tuple[type[Output], ...] = get_args(Output)
+"""The classes of :data:`Output`, in the union's order."""

@@ -16,6 +16,8 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import assert_never
+
 from greenroom.protocols import markers
 from greenroom.protocols.compaction import summary_message
 from greenroom.protocols.content import (
@@ -28,15 +30,22 @@ from greenroom.protocols.content import (
 from greenroom.protocols.context import AssistantMessage, Message, ToolResult, UserMessage
 from greenroom.protocols.outputs import (
     Abort,
+    ApprovalDecision,
+    ApprovalRequest,
+    CompactionBegin,
     CompactionEnd,
     ModelMsg,
     Output,
+    PartialText,
+    PartialThinking,
+    PartialToolCall,
     RequestBegin,
     RequestEnd,
     TaskEnd,
     TaskStart,
     TokenUsageOutput,
     ToolCallOutput,
+    ToolProgress,
     UserMsg,
 )
 
@@ -128,35 +137,44 @@ class Transcript:
 
     def apply(self, output: Output) -> None:
         """Take one traced output into account. Live-only outputs are ignored."""
-        if isinstance(output, ModelMsg):
-            self._attempt_blocks.append(output.block)
-        elif isinstance(output, ToolCallOutput):
-            self._results[output.call_id] = ToolResult(
-                call_id=output.call_id,
-                tool=output.tool,
-                status=output.status,
-                is_error=output.is_error,
-                content=output.content,
-            )
-        elif isinstance(output, RequestBegin):
-            self._flush_results()
-            self._note_failed_attempt()
-            self._attempt_blocks = []
-            self._attempt_active = True
-        elif isinstance(output, RequestEnd):
-            self._end_attempt(output)
-        elif isinstance(output, TokenUsageOutput):
-            self.last_request_total = output.request.total
-        elif isinstance(output, UserMsg):
-            self._add_user(output)
-        elif isinstance(output, Abort):
-            self._abort(output)
-        elif isinstance(output, CompactionEnd) and output.status == "ok":
-            self._start_new_context(output.summary, output.kept_input)
-        elif isinstance(output, TaskEnd):
-            # A retry note belongs to its turn; a failed task's next task starts afresh.
-            self._failed_blocks = []
-            self._retry_note = None
+        match output:
+            case ModelMsg():
+                self._attempt_blocks.append(output.block)
+            case ToolCallOutput():
+                self._results[output.call_id] = ToolResult(
+                    call_id=output.call_id,
+                    tool=output.tool,
+                    status=output.status,
+                    is_error=output.is_error,
+                    content=output.content,
+                )
+            case RequestBegin():
+                self._flush_results()
+                self._note_failed_attempt()
+                self._attempt_blocks = []
+                self._attempt_active = True
+            case RequestEnd():
+                self._end_attempt(output)
+            case TokenUsageOutput():
+                self.last_request_total = output.request.total
+            case UserMsg():
+                self._add_user(output)
+            case Abort():
+                self._abort(output)
+            case CompactionEnd(status="ok"):
+                self._start_new_context(output.summary, output.kept_input)
+            case TaskEnd():
+                # A retry note belongs to its turn; a failed task's next task starts afresh.
+                self._failed_blocks = []
+                self._retry_note = None
+            case CompactionEnd() | CompactionBegin():
+                pass  # the context changes only when a compaction succeeds
+            case TaskStart() | ApprovalRequest() | ApprovalDecision():
+                pass  # the model sees the prompt and the calls' results, not these
+            case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():
+                pass  # live only: the complete block or result follows
+            case _:
+                assert_never(output)
 
     def compaction_base(
         self, *, keep_prompt: bool = True
@@ -332,14 +350,35 @@ def rebuild(records: list[Output], *, supports_vision: bool = True) -> Transcrip
     for record in records:
         transcript.apply(record)
         session_id = record.session_id
-        if isinstance(record, TaskStart):
-            open_run = record.run_id
-        elif isinstance(record, TaskEnd):
-            open_run = None
-        elif isinstance(record, CompactionEnd) and record.status == "ok" and open_run is None:
-            # A file started by a compaction: the task that compacted (if any) has its
-            # task_start in the previous file and goes on here (R-COMPACT-8).
-            open_run = record.run_id
+        match record:
+            case TaskStart():
+                open_run = record.run_id
+            case TaskEnd():
+                open_run = None
+            case CompactionEnd(status="ok") if open_run is None:
+                # A file started by a compaction: the task that compacted (if any) has its
+                # task_start in the previous file and goes on here (R-COMPACT-8).
+                open_run = record.run_id
+            case (
+                CompactionEnd()
+                | UserMsg()
+                | RequestBegin()
+                | ModelMsg()
+                | TokenUsageOutput()
+                | RequestEnd()
+                | ApprovalRequest()
+                | ApprovalDecision()
+                | ToolCallOutput()
+                | Abort()
+                | CompactionBegin()
+                | PartialText()
+                | PartialThinking()
+                | PartialToolCall()
+                | ToolProgress()
+            ):
+                pass  # inside a task, or never traced: the open task is unchanged
+            case _:
+                assert_never(record)
     if open_run is not None:
         transcript.recover(session_id=session_id, run_id=open_run)
     return transcript

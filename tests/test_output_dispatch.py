@@ -1,0 +1,207 @@
+"""Every place that reacts to each kind of output handles every kind (the output contract).
+
+The dispatchers ``match`` on :data:`~greenroom.protocols.outputs.Output` and end with
+``case _: assert_never(output)``. Two checks keep that true: each dispatcher takes one
+output of every class, root and forwarded, without raising; and mypy, run on the package
+with one more class in the union, names every dispatcher as not handling it, so adding an
+output without deciding what each screen, hub and transcript does with it fails the check.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import io
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from test_protocol_roundtrip import EXAMPLES
+
+from greenroom.actors import gateway, subagents
+from greenroom.actors.chat import ChatRenderer
+from greenroom.actors.cli import HumanRenderer, JsonRenderer, format_record
+from greenroom.protocols import outputs
+from greenroom.protocols.transcript import Transcript, rebuild
+
+ROOT = Path(__file__).resolve().parent.parent
+
+ORIGINS: list[tuple[str, ...] | None] = [None, ("root", "child")]
+
+
+def every_output() -> Iterator[outputs.Output]:
+    """One output of each class, from the session itself and forwarded from a subagent."""
+    for origin in ORIGINS:
+        for seq, cls in enumerate(outputs.OUTPUT_CLASSES, start=1):
+            traced_seq = seq if cls.TRACED else None
+            yield cls(session_id="s1", run_id="r1", seq=traced_seq, origin=origin, **EXAMPLES[cls])
+
+
+class _FakeSession:
+    id = "s1"
+    origin_path = ("root", "child")
+
+    def __init__(self) -> None:
+        self.interrupts: list[str] = []
+
+    def subscribe(self, callback: Callable[[list[outputs.Output]], None]) -> Callable[[], None]:
+        return lambda: None
+
+    def interrupt(self, reason: str) -> None:
+        self.interrupts.append(reason)
+
+
+def _terminal_renderers() -> list[Any]:
+    out, err = io.StringIO(), io.StringIO()
+    return [
+        HumanRenderer(out, err),
+        JsonRenderer(out),
+        ChatRenderer(out, err, live=False),
+    ]
+
+
+async def test_renderers_show_every_output() -> None:
+    for renderer in _terminal_renderers():
+        for output in every_output():
+            renderer.show(output)
+
+
+def test_trace_records_format_every_output() -> None:
+    lines = [format_record(output) for output in every_output()]
+    assert all(line.strip() for line in lines)
+    model_msg = next(line for line in lines if " model_msg " in line)
+    assert "tool_call toolu_1 lookup" in model_msg
+
+
+def test_gateway_hub_follows_every_output() -> None:
+    ended: list[object] = []
+    hub = gateway._SessionHub(_FakeSession(), on_task_end=ended.append)  # type: ignore[arg-type]
+    batch = list(every_output())
+    hub._fan_out(batch)
+    assert len(ended) == 1  # only the session's own task_end, not the subagent's
+    assert hub.finishing  # task_end is the last class of the union
+
+
+def test_transcript_takes_every_output() -> None:
+    own = [o for o in every_output() if o.origin is None]
+    transcript = Transcript()
+    for output in own:
+        transcript.apply(output)
+    rebuilt = rebuild(own)
+    assert rebuilt.messages == transcript.messages
+
+
+def test_subagent_watch_follows_every_output() -> None:
+    forwarded: list[list[outputs.Output]] = []
+    child = _FakeSession()
+    watch = subagents._ChildWatch(child, -1, lambda batch, _: forwarded.append(batch))  # type: ignore[arg-type]
+    watch.on_batch(list(every_output()))
+    assert len(forwarded) == 1
+    assert watch.end is not None and watch.end.origin is None
+    assert watch.used == EXAMPLES[outputs.TokenUsageOutput]["request"].total
+    assert child.interrupts == []
+
+
+# -- the static check ----------------------------------------------------------------------
+
+DISPATCHERS = {
+    ("actors/cli.py", "Renderer._mark_shown"),
+    ("actors/cli.py", "HumanRenderer.show"),
+    ("actors/cli.py", "HumanRenderer._show_subagent"),
+    ("actors/cli.py", "_record_detail"),
+    ("actors/chat.py", "ChatRenderer.show"),
+    ("actors/gateway.py", "_SessionHub._fan_out"),
+    ("actors/subagents.py", "_ChildWatch.on_batch"),
+    ("protocols/transcript.py", "Transcript.apply"),
+    ("protocols/transcript.py", "rebuild"),
+}
+
+EXTRA_OUTPUT = '''
+@_documented
+@attrs.frozen(kw_only=True, slots=True)
+class ExtraOutput(Envelope):
+    """A newly added output."""
+
+    TYPE: ClassVar[str] = "extra_output"
+    TRACED: ClassVar[bool] = True
+
+
+'''
+
+
+def _function_at(path: Path, line: int) -> str:
+    """The qualified name of the innermost function around ``line`` of ``path``."""
+    found = ""
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        nonlocal found
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                end = child.end_lineno or child.lineno
+                if child.lineno <= line <= end:
+                    found = prefix + child.name
+                    visit(child, f"{prefix}{child.name}.")
+
+    visit(ast.parse(path.read_text()), "")
+    return found
+
+
+def _typecheck_tree(base: Path) -> Path:
+    """The packages under their installed names, as ``tasks.py check`` lays them out."""
+    package = base / "greenroom"
+    package.mkdir(parents=True)
+    for name in ("actors", "protocols"):
+        (package / name).symlink_to(ROOT / name, target_is_directory=True)
+    for name in ("__init__.py", "py.typed"):
+        (package / name).symlink_to(ROOT / "actors" / "_root" / name)
+    return base
+
+
+def test_mypy_names_every_dispatcher_that_misses_a_new_output(tmp_path: Path) -> None:
+    source = (ROOT / "protocols" / "outputs.py").read_text()
+    union = "Output: TypeAlias = (\n"
+    assert source.count(union) == 1
+    shadow = tmp_path / "outputs.py"
+    shadow.write_text(source.replace(union, EXTRA_OUTPUT + union + "    ExtraOutput\n    |"))
+    tree = _typecheck_tree(tmp_path / "typecheck")
+    cache = tmp_path / "mypy_cache"
+    if (ROOT / ".mypy_cache").is_dir():
+        # A copy of the project's cache: only what depends on outputs.py is checked again.
+        # A file that a concurrent check replaces while it is copied is checked afresh.
+        with contextlib.suppress(shutil.Error):
+            shutil.copytree(ROOT / ".mypy_cache", cache)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "-p",
+            "greenroom",
+            "--cache-dir",
+            str(cache),
+            "--shadow-file",
+            str(tree / "greenroom" / "protocols" / "outputs.py"),
+            str(shadow),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "MYPYPATH": str(tree)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    errors = [line for line in result.stdout.splitlines() if ": error: " in line]
+    missed = set()
+    for line in errors:
+        match = re.match(r".*?/greenroom/(.+?):(\d+): error: (.*)", line)
+        assert match, line
+        relative, number, message = match.groups()
+        assert '"assert_never" has incompatible type "ExtraOutput"' in message, line
+        missed.add((relative, _function_at(ROOT / relative, int(number))))
+    assert missed == DISPATCHERS, result.stdout
