@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, assert_never
 
@@ -41,11 +40,10 @@ import trio
 
 from greenroom.actors.approval_broker import ApprovalBroker, ApproveFn
 from greenroom.actors.compactor import Compactor
+from greenroom.actors.emitter import OutputEmitter, repaired_blocks
 from greenroom.actors.llm_streamer import LLMStreamer, ProviderTask
 from greenroom.actors.subagents import Subagents
 from greenroom.actors.tool_pool import ToolPool
-from greenroom.actors.trace_sink import TraceSinkClosed, TraceWriteError
-from greenroom.protocols import converter
 from greenroom.protocols.content import (
     TextBlock,
     UserContent,
@@ -85,7 +83,7 @@ from greenroom.protocols.stream import (
     StreamFailed,
     TokenUsage,
 )
-from greenroom.protocols.text import repair_json, repair_text
+from greenroom.protocols.text import repair_text
 from greenroom.protocols.turn import Effect, RecordUsage, SkipToolCall, TurnMachine
 
 if TYPE_CHECKING:
@@ -126,15 +124,7 @@ class SessionSupervisor:
         # and must never block on the supervisor; the supervisor drains it continuously.
         self._inbox = inbox_send
         self._inbox_receive = inbox_receive
-        self._batch: list[Output] = []
-        self._sink = session._host._sink
-        # The trace sink's batch that holds the last record of ``_batch`` (0: none), and
-        # the batches flushed but not yet published, in order, with theirs.
-        self._batch_ticket = 0
-        self._unpublished: deque[tuple[int, list[Output]]] = deque()
-        self._awaiting_sink = False
-        self._published: trio.Event | None = None
-        self._trace_error: str | None = None
+        self._out = OutputEmitter(session, output, self._trace_failed)
         self._steering: list[UserContent] = []
         self._streamer: LLMStreamer | None = None
         self._provider_task: ProviderTask | None = None
@@ -162,6 +152,10 @@ class SessionSupervisor:
         self._stopping = True
         self._scope.cancel()
 
+    def _trace_failed(self) -> None:
+        # The emitter could not write the trace: the task ends failed (R-SEC-1).
+        self._scope.cancel()
+
     def steer(self, content: tuple[UserContent, ...]) -> None:
         self._inbox.send_nowait(SteeringQueued(content=content))
 
@@ -184,24 +178,24 @@ class SessionSupervisor:
                 await self._run_manual_compaction()
             while task is not None:
                 await self._run_task(task)
-                interrupted = self._scope.cancelled_caught and self._trace_error is None
+                interrupted = self._scope.cancelled_caught and self._out.trace_error is None
                 if interrupted or self._stopping or session.auth_locked:
                     break
                 task = session._take_follow_up(task)
                 if task is not None:
-                    self._flush()
+                    self._out.flush()
                 self._scope = trio.CancelScope()
         finally:
             # The session is idle before the host sees the last task_end, so a host that
             # reacts to it by starting the next task never meets Busy.
             session._task_finished(self)
             with trio.CancelScope(shield=True):
-                self._flush()
+                self._out.flush()
                 with trio.move_on_after(ABORT_GRACE_S):
-                    await self._wait_published()
+                    await self._out.wait_published()
                 # Past the bound the disk hangs: what is left still reaches its readers,
                 # the last task_end above all.
-                self._publish_unwritten()
+                self._out.publish_unwritten()
                 await self._output.aclose()
 
     async def _run_task(self, task: TaskInput) -> None:
@@ -212,30 +206,32 @@ class SessionSupervisor:
         self._turn = 0
         self._usage = TokenUsage()
         self._steering = []
-        self._trace_error = None
+        self._out.begin_task()
         status: TaskStatus = "failed"
         message: str | None = None
         # R-TRACE-3: the input is a fact of the session before the task starts: fsynced
         # before task_start exists (a failure ends the task at once, in the scope below).
-        prompt = self._emit(
+        prompt = self._out.emit(
             UserMsg(
                 session_id=self._session.id,
                 run_id=self.run_id,
                 kind="prompt",
-                content=_repaired_blocks(task.content),
+                content=repaired_blocks(task.content),
             )
         )
-        self._flush()
-        await self._sync()
-        self._emit(TaskStart(session_id=self._session.id, run_id=self.run_id, input_seq=prompt.seq))
-        self._flush()
+        self._out.flush()
+        await self._out.sync()
+        self._out.emit(
+            TaskStart(session_id=self._session.id, run_id=self.run_id, input_seq=prompt.seq)
+        )
+        self._out.flush()
         try:
             with self._scope:
                 status, message = await self._run_turns(task)
         except Exception as exc:  # a bug must end the task visibly, not hang the host
             status, message = "failed", f"internal error: {exc!r}"
             self._settle_failure(message)
-        trace_error = self._trace_failure()
+        trace_error = self._out.trace_error
         if trace_error is not None:
             status, message = "failed", trace_error
             self._settle_failure(trace_error)
@@ -244,7 +240,7 @@ class SessionSupervisor:
             self._settle_abort()
         with trio.CancelScope(shield=True) as teardown:
             teardown.deadline = trio.current_time() + ABORT_GRACE_S
-            self._emit(
+            self._out.emit(
                 TaskEnd(
                     session_id=self._session.id,
                     run_id=self.run_id,
@@ -256,14 +252,10 @@ class SessionSupervisor:
                 )
             )
             # Written now, published by run() once the session is idle; the sync below
-            # only has to fsync it.
-            self._sink.commit(session.trace_path)
-            # A trace that cannot be written must not cost the host: task_end still
-            # reaches its readers. The failure was reported by this task_end (or by an
-            # earlier one), so the next task may try the file again.
-            failure = await session._sync_trace_quietly()
-            if failure is not None or self._trace_error is not None:
-                self._sink.clear_error(session.trace_path)
+            # only has to fsync it. A trace that cannot be written must not cost the host:
+            # task_end still reaches its readers, and the next task may try the file again.
+            self._out.commit()
+            await self._out.sync_quietly()
 
     def _settle_failure(self, message: str) -> None:
         """Settle the turn of a task that failed on its own (a bug, the trace): every call
@@ -290,7 +282,7 @@ class SessionSupervisor:
                 inbox=self._inbox,
             )
             await nursery.start(broker.run, approvals_receive)
-            subagents = Subagents(session, approve=task.approve, forward=self._forward)
+            subagents = Subagents(session, approve=task.approve, forward=self._out.forward)
             self._pool = ToolPool(
                 tools=session._tools,
                 inbox=self._inbox,
@@ -346,7 +338,7 @@ class SessionSupervisor:
                     self._session._lock_auth(failure.message)
                     return "auth", failure.message
                 return "failed", failure.message
-            await self._sync()  # R-TRACE-2: durable at every turn boundary
+            await self._out.sync()  # R-TRACE-2: durable at every turn boundary
             self._drain_inbox_nowait()
             machine = self._machine
             if machine.has_calls:
@@ -397,7 +389,7 @@ class SessionSupervisor:
         while True:
             attempt += 1
             self._apply(machine.begin_attempt(attempt))
-            self._flush()
+            self._out.flush()
             request = self._build_request(task)
             await _call_hook(
                 self._session.hooks.before_request,
@@ -470,8 +462,8 @@ class SessionSupervisor:
         assert self._provider_task is not None
         self._compacting = True
         self._compaction_attempt = 1
-        self._emit(CompactionBegin(session_id=session.id, run_id=self.run_id, reason=reason))
-        self._flush()
+        self._out.emit(CompactionBegin(session_id=session.id, run_id=self.run_id, reason=reason))
+        self._out.flush()
         base, kept = session._transcript.compaction_base(keep_prompt=reason != "overflow")
         summary: str | None = None
         attempt = 1
@@ -493,7 +485,7 @@ class SessionSupervisor:
                 if error is not None and error.kind == "auth":
                     session._lock_auth(error.message)
                 self._compacting = False
-                self._emit(
+                self._out.emit(
                     CompactionEnd(
                         session_id=session.id,
                         run_id=self.run_id,
@@ -510,14 +502,14 @@ class SessionSupervisor:
                     status="failed",
                     error_message=message,
                 )
-                self._flush()
+                self._out.flush()
                 return False
             summary = outcome.summary
-        self._flush()  # no batch straddles two trace files
-        await self._sync()
+        self._out.flush()  # no batch straddles two trace files
+        await self._out.sync()
         trace_file = session._rotate_trace()  # R-COMPACT-8: one file, one context
         self._compacting = False
-        self._emit(
+        self._out.emit(
             CompactionEnd(
                 session_id=session.id,
                 run_id=self.run_id,
@@ -528,13 +520,13 @@ class SessionSupervisor:
                 kept_input=kept,
             )
         )
-        self._flush()
-        await self._sync()
+        self._out.flush()
+        await self._out.sync()
         return True
 
     def _compaction_usage(self, usage: TokenUsage) -> None:
         self._usage = self._usage + usage
-        self._emit(
+        self._out.emit(
             TokenUsageOutput(
                 session_id=self._session.id,
                 run_id=self.run_id,
@@ -543,7 +535,7 @@ class SessionSupervisor:
             )
         )
         self._session._record_usage(self.run_id, self._turn, usage)
-        self._flush()
+        self._out.flush()
 
     async def _run_manual_compaction(self) -> None:
         """``session.compact()``: a compaction on its own, as the session's one activity
@@ -556,20 +548,20 @@ class SessionSupervisor:
                 await self._compact("manual")
         except Exception as exc:  # a bug must end the compaction visibly
             self._end_interrupted_compaction(f"internal error: {exc!r}")
-        if self._trace_error is not None:
-            self._end_interrupted_compaction(self._trace_error)
+        if self._out.trace_error is not None:
+            self._end_interrupted_compaction(self._out.trace_error)
         elif self._scope.cancelled_caught:
             self._end_interrupted_compaction(self._abort_reason)
         with trio.CancelScope(shield=True) as teardown:
             teardown.deadline = trio.current_time() + ABORT_GRACE_S
-            self._flush()
+            self._out.flush()
             await session._sync_trace_quietly()
 
     def _end_interrupted_compaction(self, reason: str) -> None:
         if not self._compacting:
             return
         self._compacting = False
-        self._emit(
+        self._out.emit(
             CompactionEnd(
                 session_id=self._session.id,
                 run_id=self.run_id,
@@ -607,11 +599,11 @@ class SessionSupervisor:
         while not done():
             # What the caller emitted is written and published before we wait: a line
             # left buffered goes to the writer thread, and the next batch waits for it.
-            self._flush()
+            self._out.flush()
             message = await receive.receive()
             self._handle(message)
             self._drain_inbox_nowait()
-            self._flush()
+            self._out.flush()
         return self._machine.stream_result
 
     def _drain_inbox_nowait(self) -> None:
@@ -636,7 +628,7 @@ class SessionSupervisor:
                     machine.finish(
                         message.call_id,
                         status=message.status,
-                        content=_repaired_blocks(message.content),
+                        content=repaired_blocks(message.content),
                     )
                 )
             case ApprovalDecided():
@@ -652,7 +644,7 @@ class SessionSupervisor:
                 )
             case ApprovalAsked():
                 asked = message.call
-                self._emit(
+                self._out.emit(
                     ApprovalRequest(
                         session_id=self._session.id,
                         run_id=self.run_id,
@@ -665,7 +657,7 @@ class SessionSupervisor:
                 # Live only: progress notes never reach the trace (R-TRACE-1, R-TOOL-6).
                 self._apply(machine.progress(message.call_id, repair_text(message.message)))
             case SteeringQueued():
-                self._steering.extend(_repaired_blocks(message.content))
+                self._steering.extend(repaired_blocks(message.content))
             case BackoffSkipped():
                 if self._compactor is not None:
                     self._compactor.backoff.skip()
@@ -693,9 +685,9 @@ class SessionSupervisor:
                     self._usage = self._usage + effect.usage
                     self._session._record_usage(self.run_id, self._turn, effect.usage)
                 case _ if effect.TRACED:
-                    self._emit(effect)
+                    self._out.emit(effect)
                 case _:
-                    self._batch.append(effect)
+                    self._out.emit_live(effect)
 
     # -- steering -------------------------------------------------------------------
 
@@ -705,7 +697,7 @@ class SessionSupervisor:
             return
         content = tuple(self._steering)
         self._steering = []
-        self._emit(
+        self._out.emit(
             UserMsg(
                 session_id=self._session.id, run_id=self.run_id, kind="steering", content=content
             )
@@ -720,144 +712,6 @@ class SessionSupervisor:
         complete = self._session._transcript.message_complete
         self._apply(self._machine.abort(self._abort_reason, message_complete=complete))
 
-    # -- emitting -----------------------------------------------------------------------
-
-    def _emit_live(self, output: Output) -> None:
-        self._batch.append(output)
-
-    def _emit(self, output: Any) -> Any:
-        """Emit a traced output: assign its seq, trace it, feed the transcript. It is
-        published with its batch once the trace holds it (see :meth:`_flush`)."""
-        session = self._session
-        output = attrs.evolve(output, seq=session._next_seq())
-        try:
-            self._batch_ticket = session._trace(output)
-        except TraceSinkClosed as exc:
-            # The host is going down under us: the output still reaches the live stream.
-            self._trace_failed(f"cannot write the trace: {exc}")
-        except Exception as exc:
-            kept = self._trace_repaired(output, exc)
-            if kept is None:
-                return output
-            output = kept
-        session._transcript.apply(output)
-        self._batch.append(output)
-        return output
-
-    def _trace_repaired(self, output: Any, error: Exception) -> Any:
-        """A record that could not be encoded (text past every boundary repair): the trace
-        holds it with its text repaired, if that encodes, and the task ends failed. Returns
-        the output as traced, or None when even the repaired one could not be."""
-        name = type(output).TYPE
-        try:
-            repaired = converter.output_from_dict(repair_json(converter.to_dict(output)))
-            self._batch_ticket = self._session._trace(repaired)
-        except Exception:
-            self._trace_failed(
-                f"cannot write the trace: the {name} record (seq {output.seq}) could not be "
-                f"encoded and was lost: {error}"
-            )
-            return None
-        self._trace_failed(
-            f"cannot write the trace: the {name} record (seq {output.seq}) could not be "
-            f"encoded ({error}); it was stored with the bad text replaced by U+FFFD"
-        )
-        return repaired
-
-    def _trace_failure(self) -> str | None:
-        """Why this task could not write its trace, if it could not (set by callbacks)."""
-        return self._trace_error
-
-    def _trace_failed(self, message: str) -> None:
-        """End the task failed with ``message`` (R-SEC-1): the first failure names it."""
-        if self._trace_error is None:
-            self._trace_error = message
-            self._scope.cancel()
-
-    async def _sync(self) -> None:
-        """R-TRACE-2 for the task: a sync that fails ends the task (failed) — inside its
-        scope at once, before it at the first checkpoint inside."""
-        self._flush()
-        try:
-            await self._session._sync_trace()
-        except (TraceWriteError, TraceSinkClosed) as exc:
-            self._trace_failed(f"cannot write the trace: {exc}")
-            await trio.lowlevel.checkpoint()  # the task's scope is cancelled now
-
-    def _forward(self, batch: list[Output], origin: tuple[str, ...]) -> None:
-        """Emit a subagent's outputs as live outputs of this run (R-HOST-4): its own get
-        ``origin`` (root first, the subagent last); a grandchild's keep theirs. Never
-        traced here: they are in the subagent's trace (and published by it only once they
-        are). Called from the subagent's publishing, synchronously, so it never blocks."""
-        append = self._batch.append
-        for output in batch:
-            append(output if output.origin is not None else attrs.evolve(output, origin=origin))
-        self._flush()
-
-    def _flush(self) -> None:
-        """Hand the outputs emitted so far on as one batch: its records are written to
-        the trace file (committed) and it is published — unless the trace sink's writer
-        holds lines of the file right now, or a batch before it still waits: then it is
-        queued until the sink's batch is done. Never waits."""
-        if not self._batch:
-            return
-        batch = self._batch
-        ticket = self._batch_ticket
-        self._batch = []
-        self._batch_ticket = 0
-        written = not ticket or self._sink.commit(self._session.trace_path)
-        if not self._unpublished and (written or self._sink.batch_done(ticket)):
-            if ticket:
-                self._check_trace()
-            self._publish(batch)
-            return
-        self._unpublished.append((ticket, batch))
-        if not self._awaiting_sink:
-            self._awaiting_sink = True
-            self._sink.when_batch_done(ticket, self._on_trace_written)
-
-    def _on_trace_written(self) -> None:
-        # Called by the trace sink (its task) after a batch; must not block.
-        self._awaiting_sink = False
-        # The writer is done with the file's lines it held: the rest can be written now,
-        # and then every queued batch is (they all hold records of this one file).
-        written = self._sink.commit(self._session.trace_path)
-        self._check_trace()
-        unpublished = self._unpublished
-        batch_done = self._sink.batch_done
-        while unpublished and (written or batch_done(unpublished[0][0])):
-            self._publish(unpublished.popleft()[1])
-        if unpublished:
-            self._awaiting_sink = True
-            self._sink.when_batch_done(unpublished[0][0], self._on_trace_written)
-        elif self._published is not None:
-            self._published.set()
-
-    def _check_trace(self) -> None:
-        error = self._sink.error(self._session.trace_path)
-        if error is not None:
-            # Its outputs are published all the same: the task_end that follows says
-            # that the trace lacks them.
-            self._trace_failed(f"cannot write the trace: {error}")
-
-    async def _wait_published(self) -> None:
-        while self._unpublished:
-            self._published = trio.Event()
-            await self._published.wait()
-        self._published = None
-
-    def _publish_unwritten(self) -> None:
-        while self._unpublished:
-            self._publish(self._unpublished.popleft()[1])
-
-    def _publish(self, batch: list[Output]) -> None:
-        self._session._publish(batch)
-        # A host that stopped reading this run loses nothing: subscribers and the trace
-        # still get every output.
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            self._output.send_nowait(batch)
-
-
 async def _call_hook(hook: Callable[[Any], Any] | None, info: Any) -> Any:
     """Call a host hook; a hook that raises is ignored (hooks never end a task)."""
     if hook is None:
@@ -869,31 +723,6 @@ async def _call_hook(hook: Callable[[Any], Any] | None, info: Any) -> Any:
     except Exception:
         return None
     return result
-
-
-def _repaired_blocks(blocks: tuple[Any, ...]) -> tuple[Any, ...]:
-    """User or tool content with every lone surrogate replaced (R-SEC-1); the same tuple
-    when nothing needed it (the usual case costs one ASCII check per text)."""
-    repaired: list[Any] | None = None
-    for i, block in enumerate(blocks):
-        if isinstance(block, TextBlock):
-            text = repair_text(block.text)
-            new = block if text is block.text else TextBlock(text=text)
-        else:
-            new = _repaired_value(block)
-        if new is not block and repaired is None:
-            repaired = list(blocks[:i])
-        if repaired is not None:
-            repaired.append(new)
-    return blocks if repaired is None else tuple(repaired)
-
-
-def _repaired_value(block: Any) -> Any:
-    fields = attrs.asdict(block, recurse=False)
-    changed = {k: v for k, v in fields.items() if repair_json(v) is not v}
-    if not changed:
-        return block
-    return attrs.evolve(block, **{k: repair_json(v) for k, v in changed.items()})
 
 
 def _request_status(error: ModelError) -> RequestStatus:

@@ -174,7 +174,7 @@ async def test_an_unencodable_record_past_the_repairs_fails_only_its_task(
     """R-SEC-1: with the supervisor's input repair out of the way, a steering message with
     a surrogate reaches the trace writer. The task ends failed naming the record; the
     trace holds it repaired (no seq gap); a second session runs on meanwhile and after."""
-    monkeypatch.setattr(supervisor_module, "_repaired_blocks", lambda blocks: blocks)
+    monkeypatch.setattr(supervisor_module, "repaired_blocks", lambda blocks: blocks)
     gates = Gates()
     bad = await host.create_session(
         provider=ScriptedProvider(

@@ -1,0 +1,228 @@
+"""The output emitter of one running session: seq, trace, transcript, publication.
+
+Every output of a task goes through it (R-RUN-8). A traced output gets the session's next
+``seq``, its record goes to the trace sink and it is fed to the session's transcript; then
+the batch is published — to the run's channel and to subscribers — only once the trace
+sink's batch holding its last record is done (written to the OS, so a crash of the host
+cannot take it out of the trace), batches in order (R-TRACE-3). A record that cannot be
+written — or encoded, despite the repairs at the boundaries — is reported once through
+``on_failure`` (the supervisor ends the task ``failed``); the host and the other sessions
+go on (R-SEC-1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from greenroom.actors.trace_sink import TraceSinkClosed, TraceWriteError
+from greenroom.protocols import converter
+from greenroom.protocols.content import TextBlock
+from greenroom.protocols.outputs import Output
+from greenroom.protocols.text import repair_json, repair_text
+
+if TYPE_CHECKING:
+    from greenroom.actors.session import Session
+
+
+class OutputEmitter:
+    """Emits, traces and publishes the outputs of one session's run; see the module
+    docstring. ``output`` is the run's channel (closed by the supervisor); ``on_failure``
+    is called once, synchronously, at the first trace failure of a task."""
+
+    def __init__(
+        self,
+        session: Session,
+        output: trio.MemorySendChannel[list[Output]],
+        on_failure: Callable[[], None],
+    ) -> None:
+        self._session = session
+        self._output = output
+        self._on_failure = on_failure
+        self._sink = session._host._sink
+        self._batch: list[Output] = []
+        # The trace sink's batch that holds the last record of ``_batch`` (0: none), and
+        # the batches flushed but not yet published, in order, with theirs.
+        self._batch_ticket = 0
+        self._unpublished: deque[tuple[int, list[Output]]] = deque()
+        self._awaiting_sink = False
+        self._published: trio.Event | None = None
+        self.trace_error: str | None = None
+        """Why the current task could not write its trace, once it could not."""
+
+    def begin_task(self) -> None:
+        """A new task starts: its trace failures are its own."""
+        self.trace_error = None
+
+    def commit(self) -> None:
+        """Write the session's buffered records to its trace file now (no fsync)."""
+        self._sink.commit(self._session.trace_path)
+
+    async def sync_quietly(self) -> None:
+        """Fsync for teardown: a failure stays reported by the task's ``task_end`` and the
+        next task may try the file again."""
+        failure = await self._session._sync_trace_quietly()
+        if failure is not None or self.trace_error is not None:
+            self._sink.clear_error(self._session.trace_path)
+
+
+    def emit_live(self, output: Output) -> None:
+        self._batch.append(output)
+
+    def emit(self, output: Any) -> Any:
+        """Emit a traced output: assign its seq, trace it, feed the transcript. It is
+        published with its batch once the trace holds it (see :meth:`_flush`)."""
+        session = self._session
+        output = attrs.evolve(output, seq=session._next_seq())
+        try:
+            self._batch_ticket = session._trace(output)
+        except TraceSinkClosed as exc:
+            # The host is going down under us: the output still reaches the live stream.
+            self.trace_failed(f"cannot write the trace: {exc}")
+        except Exception as exc:
+            kept = self._trace_repaired(output, exc)
+            if kept is None:
+                return output
+            output = kept
+        session._transcript.apply(output)
+        self._batch.append(output)
+        return output
+
+    def _trace_repaired(self, output: Any, error: Exception) -> Any:
+        """A record that could not be encoded (text past every boundary repair): the trace
+        holds it with its text repaired, if that encodes, and the task ends failed. Returns
+        the output as traced, or None when even the repaired one could not be."""
+        name = type(output).TYPE
+        try:
+            repaired = converter.output_from_dict(repair_json(converter.to_dict(output)))
+            self._batch_ticket = self._session._trace(repaired)
+        except Exception:
+            self.trace_failed(
+                f"cannot write the trace: the {name} record (seq {output.seq}) could not be "
+                f"encoded and was lost: {error}"
+            )
+            return None
+        self.trace_failed(
+            f"cannot write the trace: the {name} record (seq {output.seq}) could not be "
+            f"encoded ({error}); it was stored with the bad text replaced by U+FFFD"
+        )
+        return repaired
+
+    def trace_failed(self, message: str) -> None:
+        """End the task failed with ``message`` (R-SEC-1): the first failure names it."""
+        if self.trace_error is None:
+            self.trace_error = message
+            self._on_failure()
+
+    async def sync(self) -> None:
+        """R-TRACE-2 for the task: a sync that fails ends the task (failed) — inside its
+        scope at once, before it at the first checkpoint inside."""
+        self.flush()
+        try:
+            await self._session._sync_trace()
+        except (TraceWriteError, TraceSinkClosed) as exc:
+            self.trace_failed(f"cannot write the trace: {exc}")
+            await trio.lowlevel.checkpoint()  # the task's scope is cancelled now
+
+    def forward(self, batch: list[Output], origin: tuple[str, ...]) -> None:
+        """Emit a subagent's outputs as live outputs of this run (R-HOST-4): its own get
+        ``origin`` (root first, the subagent last); a grandchild's keep theirs. Never
+        traced here: they are in the subagent's trace (and published by it only once they
+        are). Called from the subagent's publishing, synchronously, so it never blocks."""
+        append = self._batch.append
+        for output in batch:
+            append(output if output.origin is not None else attrs.evolve(output, origin=origin))
+        self.flush()
+
+    def flush(self) -> None:
+        """Hand the outputs emitted so far on as one batch: its records are written to
+        the trace file (committed) and it is published — unless the trace sink's writer
+        holds lines of the file right now, or a batch before it still waits: then it is
+        queued until the sink's batch is done. Never waits."""
+        if not self._batch:
+            return
+        batch = self._batch
+        ticket = self._batch_ticket
+        self._batch = []
+        self._batch_ticket = 0
+        written = not ticket or self._sink.commit(self._session.trace_path)
+        if not self._unpublished and (written or self._sink.batch_done(ticket)):
+            if ticket:
+                self._check_trace()
+            self._publish(batch)
+            return
+        self._unpublished.append((ticket, batch))
+        if not self._awaiting_sink:
+            self._awaiting_sink = True
+            self._sink.when_batch_done(ticket, self._on_trace_written)
+
+    def _on_trace_written(self) -> None:
+        # Called by the trace sink (its task) after a batch; must not block.
+        self._awaiting_sink = False
+        # The writer is done with the file's lines it held: the rest can be written now,
+        # and then every queued batch is (they all hold records of this one file).
+        written = self._sink.commit(self._session.trace_path)
+        self._check_trace()
+        unpublished = self._unpublished
+        batch_done = self._sink.batch_done
+        while unpublished and (written or batch_done(unpublished[0][0])):
+            self._publish(unpublished.popleft()[1])
+        if unpublished:
+            self._awaiting_sink = True
+            self._sink.when_batch_done(unpublished[0][0], self._on_trace_written)
+        elif self._published is not None:
+            self._published.set()
+
+    def _check_trace(self) -> None:
+        error = self._sink.error(self._session.trace_path)
+        if error is not None:
+            # Its outputs are published all the same: the task_end that follows says
+            # that the trace lacks them.
+            self.trace_failed(f"cannot write the trace: {error}")
+
+    async def wait_published(self) -> None:
+        while self._unpublished:
+            self._published = trio.Event()
+            await self._published.wait()
+        self._published = None
+
+    def publish_unwritten(self) -> None:
+        while self._unpublished:
+            self._publish(self._unpublished.popleft()[1])
+
+    def _publish(self, batch: list[Output]) -> None:
+        self._session._publish(batch)
+        # A host that stopped reading this run loses nothing: subscribers and the trace
+        # still get every output.
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            self._output.send_nowait(batch)
+
+
+def repaired_blocks(blocks: tuple[Any, ...]) -> tuple[Any, ...]:
+    """User or tool content with every lone surrogate replaced (R-SEC-1); the same tuple
+    when nothing needed it (the usual case costs one ASCII check per text)."""
+    repaired: list[Any] | None = None
+    for i, block in enumerate(blocks):
+        if isinstance(block, TextBlock):
+            text = repair_text(block.text)
+            new = block if text is block.text else TextBlock(text=text)
+        else:
+            new = _repaired_value(block)
+        if new is not block and repaired is None:
+            repaired = list(blocks[:i])
+        if repaired is not None:
+            repaired.append(new)
+    return blocks if repaired is None else tuple(repaired)
+
+
+def _repaired_value(block: Any) -> Any:
+    fields = attrs.asdict(block, recurse=False)
+    changed = {k: v for k, v in fields.items() if repair_json(v) is not v}
+    if not changed:
+        return block
+    return attrs.evolve(block, **{k: repair_json(v) for k, v in changed.items()})
