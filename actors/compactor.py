@@ -1,15 +1,19 @@
-"""The compactor: runs one compaction's model requests for the supervisor.
+"""Compaction (R-COMPACT): one compaction's lifecycle, and its model requests.
 
-It sends the compaction request through the task's provider (same system prompt and
-tools as a normal turn: R-COMPACT-5), judges each response (R-COMPACT-6), and retries
-failures — transport failures and invalid summaries alike — on the shared reconnect budget
-and backoff of R-RETRY (R-COMPACT-7). ``auth`` stops at once. The supervisor owns
-everything that follows: outputs, the trace rotation, the new context.
+:class:`Compactor` sends the compaction request through the task's provider (same system
+prompt and tools as a normal turn: R-COMPACT-5), judges each response (R-COMPACT-6), and
+retries failures — transport failures and invalid summaries alike — on the shared
+reconnect budget and backoff of R-RETRY (R-COMPACT-7). ``auth`` stops at once.
+
+:class:`Compaction` is one compaction of a session for its supervisor: the
+``compaction_begin`` / ``compaction_end`` outputs, the summary requests (or the discard),
+the trace rotation that starts the new context (R-COMPACT-8), the ledger row of a failure.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -17,6 +21,12 @@ from greenroom.actors.llm_streamer import Backoff, ProviderTask
 from greenroom.protocols import compaction
 from greenroom.protocols.content import ModelBlock
 from greenroom.protocols.context import Message, ModelRequest
+from greenroom.protocols.outputs import (
+    CompactionBegin,
+    CompactionEnd,
+    CompactionReason,
+    TokenUsageOutput,
+)
 from greenroom.protocols.retry import decide_retry
 from greenroom.protocols.stream import (
     BlockCompleted,
@@ -27,6 +37,10 @@ from greenroom.protocols.stream import (
     TokenUsage,
     UsageReported,
 )
+
+if TYPE_CHECKING:
+    from greenroom.actors.emitter import OutputEmitter
+    from greenroom.actors.session import Session
 
 
 @attrs.frozen(kw_only=True, slots=True)
@@ -107,3 +121,157 @@ class Compactor:
         if not result:
             return (), ModelError(kind="malformed", message="stream ended without a result")
         return tuple(blocks), result[0]
+
+
+def compaction_due(session: Session) -> CompactionReason | None:
+    """R-COMPACT-2: the automatic triggers, checked before each request."""
+    settings = session.settings
+    transcript = session._transcript
+    if transcript.just_compacted:
+        return None
+    total = transcript.last_request_total
+    if 0 < settings.max_context_length <= (total or 0):
+        return "context"
+    if 0 < settings.max_session_turns <= transcript.session_turns:
+        return "turns"
+    return None
+
+
+class Compaction:
+    """One compaction of ``session`` during run ``run_id`` (see the module docstring).
+    ``add_usage`` adds the summary requests' usage to the task's total."""
+
+    __slots__ = (
+        "_add_usage",
+        "_attempt",
+        "_compactor",
+        "_emitter",
+        "_provider",
+        "_run_id",
+        "_running",
+        "_session",
+        "_turn",
+    )
+
+    def __init__(
+        self,
+        *,
+        session: Session,
+        emitter: OutputEmitter,
+        provider: ProviderTask,
+        run_id: str,
+        turn: int,
+        add_usage: Callable[[TokenUsage], None],
+    ) -> None:
+        self._session = session
+        self._emitter = emitter
+        self._provider = provider
+        self._run_id = run_id
+        self._turn = turn
+        self._add_usage = add_usage
+        self._compactor: Compactor | None = None
+        self._running = False
+        self._attempt = 1
+
+    def skip_backoff(self) -> None:
+        """End the summary request's reconnect wait early (R-RETRY-5)."""
+        if self._compactor is not None:
+            self._compactor.backoff.skip()
+
+    async def run(self, reason: CompactionReason, template: ModelRequest) -> bool:
+        """Compact; on success rotate the trace and start the new context. Returns whether
+        it succeeded. A failure keeps the old context and trace file; the next trigger tries
+        again (R-COMPACT-7). ``template`` is the task's request, whose settings the summary
+        request keeps."""
+        session = self._session
+        emitter = self._emitter
+        settings = session.settings
+        self._running = True
+        emitter.emit(CompactionBegin(session_id=session.id, run_id=self._run_id, reason=reason))
+        emitter.flush()
+        base, kept = session._transcript.compaction_base(keep_prompt=reason != "overflow")
+        summary: str | None = None
+        attempt = 1
+        if settings.compact_mode == "summarize":
+            compactor = self._compactor = Compactor(self._provider, self._usage)
+            try:
+                outcome = await compactor.run(template, base, settings.compact_prompt)
+            finally:
+                self._compactor = None
+                self._attempt = compactor.attempt
+            attempt = outcome.attempt
+            if outcome.summary is None:
+                self._failed(outcome.error, attempt)
+                return False
+            summary = outcome.summary
+        emitter.flush()  # no batch straddles two trace files
+        await emitter.sync()
+        trace_file = session._rotate_trace()  # R-COMPACT-8: one file, one context
+        self._running = False
+        emitter.emit(
+            CompactionEnd(
+                session_id=session.id,
+                run_id=self._run_id,
+                status="ok",
+                attempt=attempt,
+                trace_file=trace_file,
+                summary=summary,
+                kept_input=kept,
+            )
+        )
+        emitter.flush()
+        await emitter.sync()
+        return True
+
+    def end_interrupted(self, reason: str) -> None:
+        """The task was interrupted (or failed) during the compaction: it ends failed."""
+        if not self._running:
+            return
+        self._running = False
+        self._emitter.emit(
+            CompactionEnd(
+                session_id=self._session.id,
+                run_id=self._run_id,
+                status="failed",
+                attempt=max(1, self._attempt),
+                error_message=reason,
+            )
+        )
+
+    def _failed(self, error: ModelError | None, attempt: int) -> None:
+        session = self._session
+        message = error.message if error is not None else "no summary"
+        if error is not None and error.kind == "auth":
+            session._lock_auth(error.message)
+        self._running = False
+        self._emitter.emit(
+            CompactionEnd(
+                session_id=session.id,
+                run_id=self._run_id,
+                status="failed",
+                attempt=attempt,
+                error_message=message,
+            )
+        )
+        session._record_usage(
+            self._run_id,
+            self._turn,
+            TokenUsage(),
+            kind="compaction_failed",
+            status="failed",
+            error_message=message,
+        )
+        self._emitter.flush()
+
+    def _usage(self, usage: TokenUsage) -> None:
+        self._add_usage(usage)
+        self._emitter.emit(
+            TokenUsageOutput(
+                session_id=self._session.id,
+                run_id=self._run_id,
+                turn=self._turn,
+                request=usage,
+            )
+        )
+        self._session._record_usage(self._run_id, self._turn, usage)
+        self._emitter.flush()

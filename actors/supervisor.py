@@ -39,7 +39,7 @@ import attrs
 import trio
 
 from greenroom.actors.approval_broker import ApprovalBroker, ApproveFn
-from greenroom.actors.compactor import Compactor
+from greenroom.actors.compactor import Compaction, compaction_due
 from greenroom.actors.emitter import OutputEmitter, repaired_blocks
 from greenroom.actors.llm_streamer import LLMStreamer, ProviderTask
 from greenroom.actors.subagents import Subagents
@@ -65,15 +65,12 @@ from greenroom.protocols.messages import (
 )
 from greenroom.protocols.outputs import (
     ApprovalRequest,
-    CompactionBegin,
-    CompactionEnd,
     CompactionReason,
     Output,
     RequestStatus,
     TaskEnd,
     TaskStart,
     TaskStatus,
-    TokenUsageOutput,
     UserMsg,
 )
 from greenroom.protocols.retry import MAX_RETRIES, decide_retry
@@ -128,10 +125,8 @@ class SessionSupervisor:
         self._steering: list[UserContent] = []
         self._streamer: LLMStreamer | None = None
         self._provider_task: ProviderTask | None = None
-        self._compactor: Compactor | None = None
-        self._compacting = False
+        self._compactor: Compaction | None = None
         self._task: TaskInput | None = None
-        self._compaction_attempt = 1
         self.run_id = ""
         # per-task state
         self._turn = 0
@@ -162,7 +157,7 @@ class SessionSupervisor:
     def skip_reconnect_wait(self) -> None:
         if self._compactor is not None:
             # A compaction does not pump the inbox while it waits: end its backoff here.
-            self._compactor.backoff.skip()
+            self._compactor.skip_backoff()
             return
         self._inbox.send_nowait(BackoffSkipped())
 
@@ -323,7 +318,7 @@ class SessionSupervisor:
             self._machine = TurnMachine(
                 session_id=self._session.id, run_id=self.run_id, turn=self._turn
             )
-            reason = self._compaction_due()
+            reason = compaction_due(self._session)
             if reason is not None:
                 compacted = await self._compact(reason)
                 if not compacted and self._session.auth_locked is not None:
@@ -440,102 +435,30 @@ class SessionSupervisor:
 
     # -- compaction (R-COMPACT) -----------------------------------------------------
 
-    def _compaction_due(self) -> CompactionReason | None:
-        """R-COMPACT-2: the automatic triggers, checked before each request."""
-        settings = self._session.settings
-        transcript = self._session._transcript
-        if transcript.just_compacted:
-            return None
-        total = transcript.last_request_total
-        if 0 < settings.max_context_length <= (total or 0):
-            return "context"
-        if 0 < settings.max_session_turns <= transcript.session_turns:
-            return "turns"
-        return None
+    def _compaction(self) -> Compaction:
+        assert self._provider_task is not None
+        return Compaction(
+            session=self._session,
+            emitter=self._out,
+            provider=self._provider_task,
+            run_id=self.run_id,
+            turn=self._turn,
+            add_usage=self._add_usage,
+        )
 
     async def _compact(self, reason: CompactionReason) -> bool:
-        """Run one compaction; on success rotate the trace and start the new context.
-        Returns whether it succeeded. A failure keeps the old context and trace file; the
-        next trigger tries again (R-COMPACT-7)."""
-        session = self._session
-        settings = session.settings
-        assert self._provider_task is not None
-        self._compacting = True
-        self._compaction_attempt = 1
-        self._out.emit(CompactionBegin(session_id=session.id, run_id=self.run_id, reason=reason))
-        self._out.flush()
-        base, kept = session._transcript.compaction_base(keep_prompt=reason != "overflow")
-        summary: str | None = None
-        attempt = 1
-        if settings.compact_mode == "summarize":
-            compactor = Compactor(self._provider_task, self._compaction_usage)
-            self._compactor = compactor
-            # The task's own request settings, thinking included, so that the summary
-            # request's prefix is the one the provider has cached (R-COMPACT-5).
-            template = self._build_request(self._task)
-            try:
-                outcome = await compactor.run(template, base, settings.compact_prompt)
-            finally:
-                self._compactor = None
-                self._compaction_attempt = compactor.attempt
-            attempt = outcome.attempt
-            if outcome.summary is None:
-                error = outcome.error
-                message = error.message if error is not None else "no summary"
-                if error is not None and error.kind == "auth":
-                    session._lock_auth(error.message)
-                self._compacting = False
-                self._out.emit(
-                    CompactionEnd(
-                        session_id=session.id,
-                        run_id=self.run_id,
-                        status="failed",
-                        attempt=attempt,
-                        error_message=message,
-                    )
-                )
-                session._record_usage(
-                    self.run_id,
-                    self._turn,
-                    TokenUsage(),
-                    kind="compaction_failed",
-                    status="failed",
-                    error_message=message,
-                )
-                self._out.flush()
-                return False
-            summary = outcome.summary
-        self._out.flush()  # no batch straddles two trace files
-        await self._out.sync()
-        trace_file = session._rotate_trace()  # R-COMPACT-8: one file, one context
-        self._compacting = False
-        self._out.emit(
-            CompactionEnd(
-                session_id=session.id,
-                run_id=self.run_id,
-                status="ok",
-                attempt=attempt,
-                trace_file=trace_file,
-                summary=summary,
-                kept_input=kept,
-            )
-        )
-        self._out.flush()
-        await self._out.sync()
-        return True
+        """Run one compaction (R-COMPACT); returns whether it succeeded."""
+        compaction = self._compactor = self._compaction()
+        # The task's own request settings, thinking included, so that the summary
+        # request's prefix is the one the provider has cached (R-COMPACT-5).
+        template = self._build_request(self._task)
+        # Kept while it runs: an interrupt or failure in it ends it failed (_settle_abort).
+        succeeded = await compaction.run(reason, template)
+        self._compactor = None
+        return succeeded
 
-    def _compaction_usage(self, usage: TokenUsage) -> None:
+    def _add_usage(self, usage: TokenUsage) -> None:
         self._usage = self._usage + usage
-        self._out.emit(
-            TokenUsageOutput(
-                session_id=self._session.id,
-                run_id=self.run_id,
-                turn=self._turn,
-                request=usage,
-            )
-        )
-        self._session._record_usage(self.run_id, self._turn, usage)
-        self._out.flush()
 
     async def _run_manual_compaction(self) -> None:
         """``session.compact()``: a compaction on its own, as the session's one activity
@@ -558,18 +481,9 @@ class SessionSupervisor:
             await session._sync_trace_quietly()
 
     def _end_interrupted_compaction(self, reason: str) -> None:
-        if not self._compacting:
-            return
-        self._compacting = False
-        self._out.emit(
-            CompactionEnd(
-                session_id=self._session.id,
-                run_id=self.run_id,
-                status="failed",
-                attempt=max(1, self._compaction_attempt),
-                error_message=reason,
-            )
-        )
+        if self._compactor is not None:
+            self._compactor.end_interrupted(reason)
+            self._compactor = None
 
     def _nursery_start(self, fn: Callable[..., Any], *args: Any) -> None:
         assert self._nursery is not None
@@ -660,7 +574,7 @@ class SessionSupervisor:
                 self._steering.extend(repaired_blocks(message.content))
             case BackoffSkipped():
                 if self._compactor is not None:
-                    self._compactor.backoff.skip()
+                    self._compactor.skip_backoff()
                 elif self._streamer is not None:
                     self._streamer.backoff.skip()
             case _:
