@@ -78,6 +78,9 @@ ENDPOINT_ENVS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPO
 METRICS_ENDPOINT_ENVS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
 INSTRUMENTATION = "greenroom"
 
+# greenroom's provider names that differ from the conventions' well-known values.
+_GENAI_PROVIDERS = {"openai-responses": "openai"}
+
 # Bucket boundaries the GenAI metric conventions advise.
 _TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304)
 _DURATION_BUCKETS = (
@@ -155,10 +158,11 @@ class _ToolSpan:
 class GenAIObserver:
     """Turns the outputs of the sessions it observes into GenAI spans and metrics.
 
-    ``tracer_provider`` and ``meter_provider`` default to the global ones (no-ops unless the
-    application configured them); ``capture_content`` defaults to the environment's
-    opt-in. The observer never raises into the runtime: a listener that raises is
-    swallowed by the session, and nothing here blocks."""
+    ``tracer_provider`` defaults to the global one (a no-op unless the application
+    configured it); without ``meter_provider`` no metrics are recorded; ``capture_content``
+    defaults to the environment's opt-in. Nothing here blocks or does I/O: the SDK's span
+    processor decides when and where spans go. ``gen_ai.response.model`` is the session's
+    model (the outputs do not carry the one the provider reported)."""
 
     def __init__(
         self,
@@ -223,9 +227,10 @@ class GenAIObserver:
         return agent
 
     def _common(self, session: Session, operation: str) -> dict[str, Any]:
+        provider = session.settings.provider
         return {
             "gen_ai.operation.name": operation,
-            "gen_ai.provider.name": session.settings.provider,
+            "gen_ai.provider.name": _GENAI_PROVIDERS.get(provider, provider),
             "gen_ai.request.model": session.settings.model,
         }
 
@@ -310,9 +315,9 @@ class GenAIObserver:
         block = output.block
         if isinstance(block, ToolCallBlock):
             agent.tool_calls[block.id] = (block, now)
-        elif isinstance(block, TextBlock):
-            agent.texts.append(block.text)
         if self._capture:
+            if isinstance(block, TextBlock):
+                agent.texts.append(block.text)
             agent.chat_output.append(_part(block))
 
     def _on_token_usage(self, session: Session, output: TokenUsageOutput, now: int) -> None:

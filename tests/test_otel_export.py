@@ -249,3 +249,97 @@ def test_without_the_extra(tmp_path: Path) -> None:
     assert "flag: 2" in lines
     assert "pip install 'greenroom[otel]'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def spans_of(receiver: Receiver) -> dict[str, list[Any]]:
+    by_name: dict[str, list[Any]] = {}
+    for export in receiver.traces():
+        for resource_spans in export.resource_spans:
+            for scope in resource_spans.scope_spans:
+                for span in scope.spans:
+                    by_name.setdefault(span.name, []).append(span)
+    return by_name
+
+
+def test_chat_exports_each_task(tmp_path: Path) -> None:
+    """R-OBS-1: ``greenroom chat`` exports one invoke_agent span per line it runs, and
+    flushes them when it exits."""
+    with otlp_receiver() as (receiver, endpoint):
+        result = subprocess.run(
+            [*CLI, "chat", "--provider", "scripted"],
+            cwd=tmp_path,
+            env=cli_env(tmp_path, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=f"{endpoint}/v1/traces"),
+            input="hello\nagain\n",
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
+        assert result.returncode == 0, result.stderr
+        spans = spans_of(receiver)
+    tasks = spans["invoke_agent"]
+    assert len(tasks) == 2
+    assert len({attributes(t)["gen_ai.conversation.id"] for t in tasks}) == 1
+    assert len(spans["chat scripted"]) == 2
+
+
+async def test_serve_exports_the_tasks_of_its_clients(tmp_path: Path) -> None:
+    """R-OBS-1: ``greenroom serve --otel`` exports the tasks its clients run, flushed when
+    it is stopped."""
+    import re
+    import signal
+
+    import trio
+    from test_gateway import Client
+    from trio_websocket import open_websocket_url
+
+    token = "alice-token-0123456789"
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"alice {token}\n")
+    (tmp_path / "ws").mkdir()
+    with otlp_receiver() as (receiver, endpoint):
+        process = await trio.lowlevel.open_process(
+            [
+                *CLI,
+                "serve",
+                "--port",
+                "0",
+                "--no-console",
+                "--tokens-file",
+                str(tokens),
+                "--data-dir",
+                str(tmp_path / "data"),
+                "--workspace",
+                str(tmp_path / "ws"),
+                "--provider",
+                "scripted",
+                "--otel",
+            ],
+            env=cli_env(tmp_path, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=f"{endpoint}/v1/traces"),
+            stderr=-1,
+        )
+        assert process.stderr is not None
+        try:
+            with trio.fail_after(TIMEOUT_S):
+                seen = b""
+                while b"/v1" not in seen:
+                    chunk = await process.stderr.receive_some()
+                    assert chunk, f"serve exited early: {seen!r}"
+                    seen += chunk
+                match = re.search(rb"ws://[\w.:]+/v1", seen)
+                assert match
+                headers = [(b"Authorization", f"Bearer {token}".encode())]
+                async with open_websocket_url(match.group().decode(), extra_headers=headers) as ws:
+                    client = Client(ws)
+                    sid = (await client.result("session.create"))["session_id"]
+                    await client.result("session.subscribe", {"session_id": sid})
+                    await client.result("run", {"session_id": sid, "input": "hello"})
+                    await client.outputs_until("task_end")
+                process.send_signal(signal.SIGINT)
+                assert await process.wait() == 0
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+        spans = spans_of(receiver)
+    (task,) = spans["invoke_agent"]
+    assert attributes(task)["gen_ai.conversation.id"] == sid
