@@ -16,6 +16,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+)
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
@@ -42,6 +45,18 @@ class Receiver:
                     message.ParseFromString(body)
                     found.append(message)
         return found
+
+    def metric_names(self) -> set[str]:
+        names = set()
+        with self.lock:
+            for path, _, body in self.requests:
+                if path == "/v1/metrics":
+                    message = ExportMetricsServiceRequest()
+                    message.ParseFromString(body)
+                    for resource in message.resource_metrics:
+                        for scope in resource.scope_metrics:
+                            names.update(metric.name for metric in scope.metrics)
+        return names
 
 
 @contextmanager
@@ -119,7 +134,8 @@ def attributes(item: Any) -> dict[str, Any]:
 def test_run_exports_genai_spans_over_otlp_http(tmp_path: Path) -> None:
     """R-OBS-1: with OTEL_EXPORTER_OTLP_ENDPOINT set, ``greenroom run`` exports its task,
     model requests and tool calls as GenAI spans before it exits, honouring the other
-    OTEL_* variables (headers, service name); no content without the opt-in."""
+    OTEL_* variables (headers, service name); no content without the opt-in. The general
+    endpoint also receives the GenAI metrics."""
     with otlp_receiver() as (receiver, endpoint):
         env = cli_env(
             tmp_path,
@@ -130,7 +146,9 @@ def test_run_exports_genai_spans_over_otlp_http(tmp_path: Path) -> None:
         run_sales_task(tmp_path, env)
         exports = receiver.traces()
         headers = [h for path, h, _ in receiver.requests if path == "/v1/traces"]
+        metric_names = receiver.metric_names()
     assert exports, "no spans were exported"
+    assert {"gen_ai.client.token.usage", "gen_ai.client.operation.duration"} <= metric_names
     assert all(h.get("x-team") == "greenroom" for h in headers)
     spans = []
     for export in exports:
