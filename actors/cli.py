@@ -49,7 +49,7 @@ import trio
 from greenroom.actors.approval_broker import ApproveFn
 from greenroom.actors.builtin_tools import builtin_tools
 from greenroom.actors.errors import AuthLocked, ConfigurationError, GreenroomError, SessionNotFound
-from greenroom.actors.host import SESSION_FILE, Host, default_data_dir
+from greenroom.actors.host import SESSION_FILE, Host, SessionObserver, default_data_dir
 from greenroom.actors.provider_registry import PROVIDERS, default_provider_name, provider_spec
 from greenroom.actors.session import Session
 from greenroom.actors.subagents import spawn_subagent
@@ -256,6 +256,13 @@ def _add_session_flags(parser: argparse.ArgumentParser) -> None:
         "--shell-network",
         action=argparse.BooleanOptionalAction,
         help="let sandboxed run_shell commands reach the network (default: no network)",
+    )
+    parser.add_argument(
+        "--otel",
+        action=argparse.BooleanOptionalAction,
+        help="export OpenTelemetry spans over OTLP/HTTP as the OTEL_* variables say "
+        "(needs greenroom[otel]; default: on when OTEL_EXPORTER_OTLP_ENDPOINT or "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set)",
     )
 
 
@@ -464,6 +471,39 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    with _telemetry(args) as observers:
+        args.observers = observers
+        return _dispatch_command(args)
+
+
+OTLP_ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+
+
+@contextlib.contextmanager
+def _telemetry(args: argparse.Namespace) -> Iterator[tuple[SessionObserver, ...]]:
+    """The host observers of ``--otel`` / ``--no-otel`` and the ``OTEL_*`` variables
+    (R-OBS-1); spans are flushed when the command ends. OpenTelemetry is imported only
+    when export is on."""
+    wanted = getattr(args, "otel", False)
+    if wanted is None:
+        wanted = any(os.environ.get(name) for name in OTLP_ENDPOINT_VARIABLES)
+    if not wanted:
+        yield ()
+        return
+    try:
+        from greenroom.actors.otel import exporting
+    except ImportError:
+        if args.otel:
+            raise UsageError(
+                "--otel needs the OpenTelemetry extra: pip install 'greenroom[otel]'"
+            ) from None
+        yield ()  # the variables alone: without the extra, nothing changes
+        return
+    with exporting() as observer:
+        yield (observer.observe,)
+
+
+def _dispatch_command(args: argparse.Namespace) -> int:
     _check_data_dir_of(args)
     if args.command == "run":
         return _run_command(args)
@@ -652,6 +692,7 @@ def _serve_command(args: argparse.Namespace) -> int:
             allowed_origins=args.allow_origin,
             max_connections=args.max_connections,
             console_port=_console_port(args),
+            observers=args.observers,
             ready=lambda _port: _error(defaults_line),
         )
     )
@@ -721,6 +762,7 @@ class RunOptions:
     compact_mode: str | None = None
     sandbox: str | None = None
     shell_network: bool | None = None
+    observers: tuple[SessionObserver, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -768,6 +810,7 @@ def run_options(args: argparse.Namespace, prompt: str) -> RunOptions:
         compact_mode=args.compact_mode,
         sandbox=args.sandbox,
         shell_network=args.shell_network,
+        observers=getattr(args, "observers", ()),
     )
 
 
@@ -962,7 +1005,7 @@ async def open_reported_session(host: Host, options: RunOptions) -> Session | No
 
 
 async def _run_task(options: RunOptions, out: TextIO) -> RunResult:
-    async with Host.open(data_dir=options.data_dir) as host:
+    async with Host.open(data_dir=options.data_dir, observers=options.observers) as host:
         session = await open_reported_session(host, options)
         if session is None:
             return RunResult(exit_code=EXIT_USAGE, session_id=options.session_id)

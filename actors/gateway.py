@@ -102,7 +102,7 @@ from greenroom.actors.errors import (
     GreenroomError,
     SessionNotFound,
 )
-from greenroom.actors.host import SESSION_FILE, Host, default_data_dir
+from greenroom.actors.host import SESSION_FILE, Host, SessionObserver, default_data_dir
 from greenroom.actors.llm_streamer import ModelProvider
 from greenroom.actors.session import Session
 from greenroom.actors.trace_sink import read_trace
@@ -1538,6 +1538,7 @@ async def run_serve(
     tokens_file: str | Path | None = None,
     allowed_origins: Iterable[str] = (),
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    observers: Iterable[SessionObserver] = (),
 ) -> None:
     """``greenroom serve``: open a host on ``data_dir``, serve the gateway on it, print
     ``listening on ws://HOST:PORT/v1`` and the token file on stderr, and serve until
@@ -1556,7 +1557,8 @@ async def run_serve(
     (:func:`load_tokens_file`); the console URL then carries no token (the page asks for
     one). ``allowed_origins``: more browser origins allowed to connect.
     ``max_connections`` is lowered, with a notice, to what the file descriptor limit
-    allows after the soft limit is raised to the hard one (:func:`connection_cap`)."""
+    allows after the soft limit is raised to the hard one (:func:`connection_cap`).
+    ``observers`` watch the host's sessions (:data:`~greenroom.actors.host.SessionObserver`)."""
     if tokens_file is not None and token_file is not None:
         raise ConfigurationError("give --token-file or --tokens-file, not both")
     fd_limit = raise_fd_limit()
@@ -1585,7 +1587,7 @@ async def run_serve(
     else:
         token_path = await trio.to_thread.run_sync(token_file_path, data, token_file)
         token = await trio.to_thread.run_sync(load_or_create_token, data, token_path)
-    async with Host.open(data) as opened:
+    async with Host.open(data, observers=observers) as opened:
         gateway = Gateway(
             opened,
             token=token,

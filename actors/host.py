@@ -89,12 +89,24 @@ class SessionScan:
 
 ProviderFactory = Callable[[SessionSettings], ModelProvider]
 
+SessionObserver = Callable[[Session], None]
+"""Called with each session a host creates or loads, before it runs (it may subscribe).
+Subagents are not passed: their outputs reach their parent's subscribers with ``origin``.
+Must not block or raise."""
+
 
 class Host:
     """The root actor. Open it with ``async with Host.open(data_dir=…) as host``."""
 
-    def __init__(self, data_dir: Path, nursery: trio.Nursery, sink: TraceSink) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        nursery: trio.Nursery,
+        sink: TraceSink,
+        observers: Iterable[SessionObserver] = (),
+    ) -> None:
         self.data_dir = data_dir
+        self._observers = tuple(observers)
         self._nursery = nursery
         self._sink = sink
         self._sessions: dict[str, Session] = {}
@@ -106,9 +118,14 @@ class Host:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, data_dir: str | Path | None = None) -> AsyncIterator[Host]:
+    async def open(
+        cls, data_dir: str | Path | None = None, *, observers: Iterable[SessionObserver] = ()
+    ) -> AsyncIterator[Host]:
         """Start the host's actor tree; on exit close every session (interrupting running
         tasks and waiting for their last records), flush the trace and stop.
+
+        ``observers`` see every session the host creates or loads (:data:`SessionObserver`:
+        the OpenTelemetry export subscribes through it).
 
         Raises ``RuntimeError`` when entered outside trio (under ``asyncio.run``, say)."""
         require_trio()
@@ -116,7 +133,7 @@ class Host:
         async with trio.open_nursery() as nursery:
             sink = TraceSink(path)
             await nursery.start(sink.run)
-            host = cls(path, nursery, sink)
+            host = cls(path, nursery, sink, observers)
             try:
                 yield host
             finally:
@@ -214,6 +231,8 @@ class Host:
         if hooks is not None:
             session.hooks = hooks
         self._sessions[sid] = session
+        if parent_id is None:
+            self._observe(session)
         return session
 
     async def load_session(
@@ -278,6 +297,7 @@ class Host:
         )
         session.load_errors = errors
         self._sessions[session_id] = session
+        self._observe(session)
         return session
 
     def get_session(self, session_id: str) -> Session:
@@ -336,6 +356,10 @@ class Host:
     def _check_open(self) -> None:
         if self._closed:
             raise HostClosed("the host is closed")
+
+    def _observe(self, session: Session) -> None:
+        for observe in self._observers:
+            observe(session)
 
     def _tool_table(self, tools: Iterable[Tool]) -> tuple[dict[str, Tool], tuple[ToolSchema, ...]]:
         """The name table and schemas of a tool list, shared by every session of this

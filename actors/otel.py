@@ -1,0 +1,618 @@
+"""OpenTelemetry export (R-OBS-1): tasks, model requests and tool calls as GenAI spans.
+
+An observer of outputs at the rim of the runtime, never inside it: the host calls
+:meth:`GenAIObserver.observe` with each session it creates or loads, and the observer
+subscribes to it. Subagents are not subscribed on their own: their outputs reach the
+parent's subscribers with ``origin`` (root first), so one subscription per root session
+sees the whole tree, in order.
+
+The spans (GenAI semantic conventions):
+
+    invoke_agent            task_start → task_end; gen_ai.conversation.id = session id
+      chat {model}          request_begin → request_end, one per attempt
+      execute_tool {tool}   approval_decision (or the model's tool_call) → tool_call_output
+        invoke_agent        a subagent's task, under its spawn_subagent call
+      compaction            compaction_begin → compaction_end
+
+Times are the outputs' arrival times: subscribers are called synchronously when a batch is
+published, so the batch's arrival is when it happened (to the batching's resolution).
+
+Message content (prompts, model text, tool arguments and results) is exported only when
+``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT`` is ``true``.
+
+This module imports OpenTelemetry; nothing else in greenroom imports it, so without the
+``otel`` extra (or with export off) nothing of it is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import trace
+from opentelemetry.metrics import Histogram, MeterProvider, NoOpMeterProvider
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, TracerProvider
+
+from greenroom.actors.subagents import SPAWN_SUBAGENT
+from greenroom.protocols.content import (
+    ImageBlock,
+    TextBlock,
+    ThinkingBlock,
+    ToolCallBlock,
+)
+from greenroom.protocols.outputs import (
+    Abort,
+    ApprovalDecision,
+    CompactionBegin,
+    CompactionEnd,
+    ModelMsg,
+    Output,
+    RequestBegin,
+    RequestEnd,
+    TaskEnd,
+    TaskStart,
+    TokenUsageOutput,
+    ToolCallOutput,
+    UserMsg,
+)
+from greenroom.protocols.stream import TokenUsage
+
+if TYPE_CHECKING:
+    from greenroom.actors.session import Session
+
+__all__ = [
+    "CAPTURE_CONTENT_ENV",
+    "GenAIObserver",
+    "capture_content_from_env",
+    "export_configured",
+    "exporting",
+]
+
+CAPTURE_CONTENT_ENV = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
+ENDPOINT_ENVS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+METRICS_ENDPOINT_ENVS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
+INSTRUMENTATION = "greenroom"
+
+# greenroom's provider names that differ from the conventions' well-known values.
+_GENAI_PROVIDERS = {"openai-responses": "openai"}
+
+# Bucket boundaries the GenAI metric conventions advise.
+_TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304)
+_DURATION_BUCKETS = (
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.64,
+    1.28,
+    2.56,
+    5.12,
+    10.24,
+    20.48,
+    40.96,
+    81.92,
+)
+
+
+def export_configured(environ: dict[str, str] | None = None) -> bool:
+    """Whether the standard variables name an OTLP endpoint for traces."""
+    env = os.environ if environ is None else environ
+    return any(env.get(name) for name in ENDPOINT_ENVS)
+
+
+def capture_content_from_env(environ: dict[str, str] | None = None) -> bool:
+    """Whether the user opted in to exporting message content."""
+    env = os.environ if environ is None else environ
+    return env.get(CAPTURE_CONTENT_ENV, "").strip().lower() == "true"
+
+
+class _Agent:
+    """What is open for one session's task: its spans and the tool calls it has seen."""
+
+    __slots__ = (
+        "chat",
+        "chat_began",
+        "chat_model",
+        "chat_output",
+        "child_of_call",
+        "compaction",
+        "compaction_began",
+        "prompt",
+        "task",
+        "texts",
+        "tool_calls",
+        "tools",
+    )
+
+    def __init__(self) -> None:
+        self.task: Span | None = None
+        self.chat: Span | None = None
+        self.chat_began = 0
+        self.chat_model = ""
+        self.chat_output: list[dict[str, Any]] = []
+        self.compaction: Span | None = None
+        self.compaction_began = 0
+        self.tools: dict[str, _ToolSpan] = {}
+        self.tool_calls: dict[str, tuple[ToolCallBlock, int]] = {}
+        self.prompt = ""
+        self.texts: list[str] = []
+        self.child_of_call: str | None = None
+
+
+class _ToolSpan:
+    __slots__ = ("call", "has_child", "span")
+
+    def __init__(self, span: Span, call: ToolCallBlock | None) -> None:
+        self.span = span
+        self.call = call
+        self.has_child = False
+
+
+class GenAIObserver:
+    """Turns the outputs of the sessions it observes into GenAI spans and metrics.
+
+    ``tracer_provider`` defaults to the global one (a no-op unless the application
+    configured it); without ``meter_provider`` no metrics are recorded; ``capture_content``
+    defaults to the environment's opt-in. Nothing here blocks or does I/O: the SDK's span
+    processor decides when and where spans go. ``gen_ai.response.model`` is the session's
+    model (the outputs do not carry the one the provider reported)."""
+
+    def __init__(
+        self,
+        *,
+        tracer_provider: TracerProvider | None = None,
+        meter_provider: MeterProvider | None = None,
+        capture_content: bool | None = None,
+        clock: Callable[[], int] = time.time_ns,
+    ) -> None:
+        self._tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer(INSTRUMENTATION)
+        meters = meter_provider or NoOpMeterProvider()
+        meter = meters.get_meter(INSTRUMENTATION)
+        self._metered = not isinstance(meters, NoOpMeterProvider)
+        self._tokens: Histogram = meter.create_histogram(
+            "gen_ai.client.token.usage",
+            unit="{token}",
+            description="Number of input and output tokens used",
+            explicit_bucket_boundaries_advisory=list(_TOKEN_BUCKETS),
+        )
+        self._duration: Histogram = meter.create_histogram(
+            "gen_ai.client.operation.duration",
+            unit="s",
+            description="GenAI operation duration",
+            explicit_bucket_boundaries_advisory=list(_DURATION_BUCKETS),
+        )
+        self._capture = capture_content_from_env() if capture_content is None else capture_content
+        self._clock = clock
+        self._agents: dict[str, _Agent] = {}
+
+    # -- wiring ------------------------------------------------------------------------
+
+    def observe(self, session: Session) -> None:
+        """Subscribe to ``session`` (``Host.open(observers=[observer.observe])``)."""
+        session.subscribe(lambda batch: self.on_batch(session, batch))
+
+    def on_batch(self, session: Session, batch: list[Output]) -> None:
+        """Map one published batch of ``session`` (and of its subagents, forwarded with
+        ``origin``) to spans. Live-only outputs are skipped at the cost of a lookup."""
+        now = self._clock()
+        handlers = _HANDLERS
+        for output in batch:
+            handler = handlers.get(type(output))
+            if handler is not None:
+                handler(self, session, output, now)
+
+    def close(self) -> None:
+        """End every span still open (a host closing in the middle of a task)."""
+        now = self._clock()
+        for agent in self._agents.values():
+            self._end_open(agent, now, "interrupted")
+            if agent.task is not None:
+                agent.task.set_status(Status(StatusCode.ERROR, "the host closed"))
+                agent.task.end(end_time=now)
+        self._agents.clear()
+
+    # -- the mapping -------------------------------------------------------------------
+
+    def _agent(self, session_id: str) -> _Agent:
+        agent = self._agents.get(session_id)
+        if agent is None:
+            agent = self._agents[session_id] = _Agent()
+        return agent
+
+    def _common(self, session: Session, operation: str) -> dict[str, Any]:
+        provider = session.settings.provider
+        return {
+            "gen_ai.operation.name": operation,
+            "gen_ai.provider.name": _GENAI_PROVIDERS.get(provider, provider),
+            "gen_ai.request.model": session.settings.model,
+        }
+
+    def _on_user_msg(self, session: Session, output: UserMsg, now: int) -> None:
+        if output.kind != "prompt":
+            return
+        agent = self._agent(output.session_id)
+        agent.prompt = "\n".join(b.text for b in output.content if isinstance(b, TextBlock))
+
+    def _on_task_start(self, session: Session, output: TaskStart, now: int) -> None:
+        agent = self._agent(output.session_id)
+        attributes = self._common(session, "invoke_agent")
+        attributes["gen_ai.conversation.id"] = output.session_id
+        attributes["greenroom.run_id"] = output.run_id
+        if output.origin is not None:
+            attributes["greenroom.origin"] = list(output.origin)
+        if self._capture and agent.prompt:
+            attributes["gen_ai.input.messages"] = _messages("user", [_text_part(agent.prompt)])
+        agent.texts = []
+        agent.task = self._tracer.start_span(
+            "invoke_agent",
+            context=self._parent_of_task(output, agent),
+            kind=SpanKind.INTERNAL,
+            attributes=attributes,
+            start_time=now,
+        )
+
+    def _parent_of_task(self, output: TaskStart, agent: _Agent) -> Any:
+        """A subagent's task goes under its parent's open ``spawn_subagent`` span: the one
+        whose task is the subagent's prompt, else the first without a subagent yet."""
+        origin = output.origin
+        if origin is None or len(origin) < 2:
+            return None
+        parent = self._agents.get(origin[-2])
+        if parent is None:
+            return None
+        spawns = [
+            (call_id, t)
+            for call_id, t in parent.tools.items()
+            if not t.has_child and t.call is not None and t.call.name == SPAWN_SUBAGENT
+        ]
+        chosen = next(
+            (
+                s
+                for s in spawns
+                if s[1].call is not None and s[1].call.arguments.get("task") == agent.prompt
+            ),
+            spawns[0] if spawns else None,
+        )
+        if chosen is None:
+            return trace.set_span_in_context(parent.task) if parent.task is not None else None
+        chosen[1].has_child = True
+        agent.child_of_call = chosen[0]
+        return trace.set_span_in_context(chosen[1].span)
+
+    def _task_context(self, agent: _Agent) -> Any:
+        return trace.set_span_in_context(agent.task) if agent.task is not None else None
+
+    def _on_request_begin(self, session: Session, output: RequestBegin, now: int) -> None:
+        agent = self._agent(output.session_id)
+        if agent.chat is not None:  # an attempt whose end never came: close it first
+            agent.chat.end(end_time=now)
+        model = session.settings.model
+        attributes = self._common(session, "chat")
+        attributes["gen_ai.conversation.id"] = output.session_id
+        attributes["greenroom.turn"] = output.turn
+        attributes["greenroom.attempt"] = output.attempt
+        agent.chat = self._tracer.start_span(
+            f"chat {model}",
+            context=self._task_context(agent),
+            kind=SpanKind.CLIENT,
+            attributes=attributes,
+            start_time=now,
+        )
+        agent.chat_began = now
+        agent.chat_model = model
+        agent.chat_output = []
+        agent.texts = []
+
+    def _on_model_msg(self, session: Session, output: ModelMsg, now: int) -> None:
+        agent = self._agent(output.session_id)
+        block = output.block
+        if isinstance(block, ToolCallBlock):
+            agent.tool_calls[block.id] = (block, now)
+        if self._capture:
+            if isinstance(block, TextBlock):
+                agent.texts.append(block.text)
+            agent.chat_output.append(_part(block))
+
+    def _on_token_usage(self, session: Session, output: TokenUsageOutput, now: int) -> None:
+        agent = self._agent(output.session_id)
+        span = agent.chat or agent.compaction
+        usage = output.request
+        if span is not None:
+            span.set_attributes(_usage_attributes(usage))
+        if self._metered:
+            base = self._metric_attributes(session, "chat")
+            self._tokens.record(usage.input, {**base, "gen_ai.token.type": "input"})
+            self._tokens.record(usage.output, {**base, "gen_ai.token.type": "output"})
+
+    def _on_request_end(self, session: Session, output: RequestEnd, now: int) -> None:
+        agent = self._agent(output.session_id)
+        span = agent.chat
+        if span is None:
+            return
+        agent.chat = None
+        span.set_attribute("gen_ai.response.model", agent.chat_model)
+        if output.stop_reason:
+            span.set_attribute("gen_ai.response.finish_reasons", [output.stop_reason])
+        if self._capture and agent.chat_output:
+            span.set_attribute(
+                "gen_ai.output.messages",
+                json.dumps(
+                    [
+                        {
+                            "role": "assistant",
+                            "parts": agent.chat_output,
+                            "finish_reason": output.stop_reason or output.status,
+                        }
+                    ],
+                    ensure_ascii=False,
+                ),
+            )
+        error_type = None
+        if output.status != "ok":
+            error_type = output.status
+            span.set_attribute("error.type", error_type)
+            if output.retry_in_ms is not None:
+                span.set_attribute("greenroom.retry_in_ms", output.retry_in_ms)
+            span.set_status(Status(StatusCode.ERROR, output.error_message or output.status))
+        span.end(end_time=now)
+        if self._metered:
+            attributes = self._metric_attributes(session, "chat")
+            if error_type is not None:
+                attributes["error.type"] = error_type
+            self._duration.record((now - agent.chat_began) / 1e9, attributes)
+
+    def _on_approval_decision(self, session: Session, output: ApprovalDecision, now: int) -> None:
+        agent = self._agent(output.session_id)
+        tool = self._start_tool(session, agent, output.call_id, output.tool, now)
+        tool.span.set_attribute("greenroom.approval.decision", output.decision)
+        tool.span.set_attribute("greenroom.approval.by", output.by)
+
+    def _start_tool(
+        self, session: Session, agent: _Agent, call_id: str, name: str, now: int
+    ) -> _ToolSpan:
+        existing = agent.tools.get(call_id)
+        if existing is not None:
+            return existing
+        seen = agent.tool_calls.pop(call_id, None)
+        call = seen[0] if seen is not None else None
+        attributes: dict[str, Any] = {
+            "gen_ai.operation.name": "execute_tool",
+            "gen_ai.tool.name": name,
+            "gen_ai.tool.call.id": call_id,
+            "gen_ai.tool.type": "function",
+            "gen_ai.conversation.id": session.id,
+        }
+        if self._capture and call is not None:
+            attributes["gen_ai.tool.call.arguments"] = json.dumps(
+                call.arguments, ensure_ascii=False
+            )
+        span = self._tracer.start_span(
+            f"execute_tool {name}",
+            context=self._task_context(agent),
+            kind=SpanKind.INTERNAL,
+            attributes=attributes,
+            start_time=now,
+        )
+        tool = agent.tools[call_id] = _ToolSpan(span, call)
+        return tool
+
+    def _on_tool_output(self, session: Session, output: ToolCallOutput, now: int) -> None:
+        agent = self._agent(output.session_id)
+        tool = agent.tools.pop(output.call_id, None)
+        if tool is None:
+            # No decision: the call was cut off or interrupted before it was decided, so
+            # its span starts when the model made the call.
+            seen = agent.tool_calls.get(output.call_id)
+            began = seen[1] if seen is not None else now
+            tool = self._start_tool(session, agent, output.call_id, output.tool, began)
+            agent.tools.pop(output.call_id, None)
+        span = tool.span
+        span.set_attribute("greenroom.tool.status", output.status)
+        if output.is_error:
+            span.set_attribute("error.type", output.status)
+            span.set_status(Status(StatusCode.ERROR, output.status))
+        if self._capture:
+            span.set_attribute("gen_ai.tool.call.result", _tool_result(output))
+        span.end(end_time=now)
+
+    def _on_compaction_begin(self, session: Session, output: CompactionBegin, now: int) -> None:
+        agent = self._agent(output.session_id)
+        if agent.compaction is not None:
+            agent.compaction.end(end_time=now)
+        agent.compaction = self._tracer.start_span(
+            "compaction",
+            context=self._task_context(agent),
+            kind=SpanKind.INTERNAL,
+            attributes={
+                "gen_ai.conversation.id": output.session_id,
+                "greenroom.run_id": output.run_id,
+                "greenroom.compaction.reason": output.reason,
+            },
+            start_time=now,
+        )
+        agent.compaction_began = now
+
+    def _on_compaction_end(self, session: Session, output: CompactionEnd, now: int) -> None:
+        agent = self._agent(output.session_id)
+        span = agent.compaction
+        if span is None:
+            return
+        agent.compaction = None
+        span.set_attribute("greenroom.compaction.status", output.status)
+        span.set_attribute("greenroom.compaction.attempt", output.attempt)
+        if output.status != "ok":
+            span.set_attribute("error.type", "compaction_failed")
+            span.set_status(Status(StatusCode.ERROR, output.error_message or "failed"))
+        span.end(end_time=now)
+        if agent.task is None:
+            self._agents.pop(output.session_id, None)
+
+    def _on_abort(self, session: Session, output: Abort, now: int) -> None:
+        agent = self._agent(output.session_id)
+        if agent.task is not None:
+            agent.task.add_event("abort", {"greenroom.abort.reason": output.reason}, now)
+
+    def _on_task_end(self, session: Session, output: TaskEnd, now: int) -> None:
+        agent = self._agents.pop(output.session_id, None)
+        if agent is None or agent.task is None:
+            return
+        self._end_open(agent, now, "interrupted")
+        span = agent.task
+        span.set_attributes(_usage_attributes(output.usage))
+        span.set_attribute("greenroom.task.status", output.status)
+        span.set_attribute("greenroom.task.turns", output.turns)
+        if self._capture and agent.texts:
+            span.set_attribute(
+                "gen_ai.output.messages",
+                _messages("assistant", [_text_part("\n".join(agent.texts))]),
+            )
+        if output.status != "completed":
+            span.set_attribute("error.type", output.status)
+            span.set_status(Status(StatusCode.ERROR, output.message or output.status))
+        span.end(end_time=now)
+        if self._metered:
+            attributes = self._metric_attributes(session, "invoke_agent")
+            if output.status != "completed":
+                attributes["error.type"] = output.status
+            self._duration.record(output.wall_ms / 1000, attributes)
+
+    def _end_open(self, agent: _Agent, now: int, why: str) -> None:
+        """End the spans a task left open: an attempt or calls cut short by its end."""
+        if agent.chat is not None:
+            agent.chat.set_attribute("error.type", why)
+            agent.chat.set_status(Status(StatusCode.ERROR, why))
+            agent.chat.end(end_time=now)
+            agent.chat = None
+        if agent.compaction is not None:
+            agent.compaction.set_status(Status(StatusCode.ERROR, why))
+            agent.compaction.end(end_time=now)
+            agent.compaction = None
+        for tool in agent.tools.values():
+            tool.span.set_attribute("greenroom.tool.status", why)
+            tool.span.set_attribute("error.type", why)
+            tool.span.set_status(Status(StatusCode.ERROR, why))
+            tool.span.end(end_time=now)
+        agent.tools.clear()
+
+    def _metric_attributes(self, session: Session, operation: str) -> dict[str, Any]:
+        attributes = self._common(session, operation)
+        attributes["gen_ai.response.model"] = session.settings.model
+        return attributes
+
+
+_Handler = Callable[[GenAIObserver, "Session", Any, int], None]
+_HANDLERS: dict[type, _Handler] = {
+    UserMsg: GenAIObserver._on_user_msg,
+    TaskStart: GenAIObserver._on_task_start,
+    RequestBegin: GenAIObserver._on_request_begin,
+    ModelMsg: GenAIObserver._on_model_msg,
+    TokenUsageOutput: GenAIObserver._on_token_usage,
+    RequestEnd: GenAIObserver._on_request_end,
+    ApprovalDecision: GenAIObserver._on_approval_decision,
+    ToolCallOutput: GenAIObserver._on_tool_output,
+    CompactionBegin: GenAIObserver._on_compaction_begin,
+    CompactionEnd: GenAIObserver._on_compaction_end,
+    Abort: GenAIObserver._on_abort,
+    TaskEnd: GenAIObserver._on_task_end,
+}
+
+
+def _usage_attributes(usage: TokenUsage) -> dict[str, int]:
+    return {
+        "gen_ai.usage.input_tokens": usage.input,
+        "gen_ai.usage.output_tokens": usage.output,
+        "gen_ai.usage.cache_read.input_tokens": usage.cache_read,
+        "gen_ai.usage.cache_creation.input_tokens": usage.cache_write,
+    }
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "text", "content": text}
+
+
+def _part(block: Any) -> dict[str, Any]:
+    if isinstance(block, TextBlock):
+        return _text_part(block.text)
+    if isinstance(block, ThinkingBlock):
+        return {"type": "reasoning", "content": block.text}
+    if isinstance(block, ToolCallBlock):
+        return {
+            "type": "tool_call",
+            "id": block.id,
+            "name": block.name,
+            "arguments": block.arguments,
+        }
+    return {"type": getattr(block, "type", "unknown")}
+
+
+def _messages(role: str, parts: list[dict[str, Any]]) -> str:
+    return json.dumps([{"role": role, "parts": parts}], ensure_ascii=False)
+
+
+def _tool_result(output: ToolCallOutput) -> str:
+    pieces: list[str] = []
+    for block in output.content:
+        if isinstance(block, TextBlock):
+            pieces.append(block.text)
+        elif isinstance(block, ImageBlock):
+            pieces.append(f"[image {block.path}]")
+    return "\n".join(pieces)
+
+
+@contextmanager
+def exporting(*, capture_content: bool | None = None) -> Iterator[GenAIObserver]:
+    """An observer exporting over OTLP/HTTP as the standard ``OTEL_*`` variables say
+    (endpoint, headers, timeout, compression, service name and resource attributes: the
+    SDK reads them). Spans go through a batch processor; metrics are exported too when
+    ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT`` is set and
+    ``OTEL_METRICS_EXPORTER`` is not ``none``. On exit every open span is ended and
+    everything is flushed, within the exporter's own timeout."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    defaults: dict[str, Any] = {}
+    if not os.environ.get("OTEL_SERVICE_NAME") and "service.name=" not in os.environ.get(
+        "OTEL_RESOURCE_ATTRIBUTES", ""
+    ):
+        defaults["service.name"] = "greenroom"
+    resource = Resource.create(defaults)
+    tracer_provider = SdkTracerProvider(resource=resource)
+    tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    meter_provider: Any = None
+    if any(os.environ.get(name) for name in METRICS_ENDPOINT_ENVS) and (
+        os.environ.get("OTEL_METRICS_EXPORTER", "").strip().lower() != "none"
+    ):
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+        from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        meter_provider = SdkMeterProvider(
+            resource=resource,
+            metric_readers=[PeriodicExportingMetricReader(OTLPMetricExporter())],
+        )
+    observer = GenAIObserver(
+        tracer_provider=tracer_provider,
+        meter_provider=meter_provider,
+        capture_content=capture_content,
+    )
+    try:
+        yield observer
+    finally:
+        observer.close()
+        # Side by side: an unreachable collector delays the exit by one export timeout
+        # (OTEL_EXPORTER_OTLP_TIMEOUT), not one per signal.
+        closing = threading.Thread(target=meter_provider.shutdown) if meter_provider else None
+        if closing is not None:
+            closing.start()
+        tracer_provider.shutdown()
+        if closing is not None:
+            closing.join()
