@@ -1092,7 +1092,7 @@ async def leave_at_once(host: Host) -> NoReturn:
             scope.deadline = trio.current_time() + LEAVE_GRACE_S
             # The host owns its sink; closing it is the one point where no write is in
             # flight, and nothing after it waits for the tools.
-            await host._sink.aclose()
+            await host.trace_sink.aclose()
     finally:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):

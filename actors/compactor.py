@@ -126,7 +126,7 @@ class Compactor:
 def compaction_due(session: Session) -> CompactionReason | None:
     """R-COMPACT-2: the automatic triggers, checked before each request."""
     settings = session.settings
-    transcript = session._transcript
+    transcript = session.transcript
     if transcript.just_compacted:
         return None
     total = transcript.last_request_total
@@ -189,7 +189,7 @@ class Compaction:
         self._running = True
         emitter.emit(CompactionBegin(session_id=session.id, run_id=self._run_id, reason=reason))
         emitter.flush()
-        base, kept = session._transcript.compaction_base(keep_prompt=reason != "overflow")
+        base, kept = session.transcript.compaction_base(keep_prompt=reason != "overflow")
         summary: str | None = None
         attempt = 1
         if settings.compact_mode == "summarize":
@@ -206,7 +206,7 @@ class Compaction:
             summary = outcome.summary
         emitter.flush()  # no batch straddles two trace files
         await emitter.sync()
-        trace_file = session._rotate_trace()  # R-COMPACT-8: one file, one context
+        trace_file = session.rotate_trace()  # R-COMPACT-8: one file, one context
         self._running = False
         emitter.emit(
             CompactionEnd(
@@ -242,7 +242,7 @@ class Compaction:
         session = self._session
         message = error.message if error is not None else "no summary"
         if error is not None and error.kind == "auth":
-            session._lock_auth(error.message)
+            session.lock_auth(error.message)
         self._running = False
         self._emitter.emit(
             CompactionEnd(
@@ -253,7 +253,7 @@ class Compaction:
                 error_message=message,
             )
         )
-        session._record_usage(
+        session.record_usage(
             self._run_id,
             self._turn,
             TokenUsage(),
@@ -273,5 +273,5 @@ class Compaction:
                 request=usage,
             )
         )
-        self._session._record_usage(self._run_id, self._turn, usage)
+        self._session.record_usage(self._run_id, self._turn, usage)
         self._emitter.flush()

@@ -44,7 +44,7 @@ class OutputEmitter:
         self._session = session
         self._output = output
         self._on_failure = on_failure
-        self._sink = session._host._sink
+        self._sink = session.host.trace_sink
         self._batch: list[Output] = []
         # The trace sink's batch that holds the last record of ``_batch`` (0: none), and
         # the batches flushed but not yet published, in order, with theirs.
@@ -66,7 +66,7 @@ class OutputEmitter:
     async def sync_quietly(self) -> None:
         """Fsync for teardown: a failure stays reported by the task's ``task_end`` and the
         next task may try the file again."""
-        failure = await self._session._sync_trace_quietly()
+        failure = await self._session.sync_trace_quietly()
         if failure is not None or self.trace_error is not None:
             self._sink.clear_error(self._session.trace_path)
 
@@ -78,9 +78,9 @@ class OutputEmitter:
         """Emit a traced output: assign its seq, trace it, feed the transcript. It is
         published with its batch once the trace holds it (see :meth:`_flush`)."""
         session = self._session
-        output = attrs.evolve(output, seq=session._next_seq())
+        output = attrs.evolve(output, seq=session.next_seq())
         try:
-            self._batch_ticket = session._trace(output)
+            self._batch_ticket = session.write_record(output)
         except TraceSinkClosed as exc:
             # The host is going down under us: the output still reaches the live stream.
             self.trace_failed(f"cannot write the trace: {exc}")
@@ -89,7 +89,7 @@ class OutputEmitter:
             if kept is None:
                 return output
             output = kept
-        session._transcript.apply(output)
+        session.transcript.apply(output)
         self._batch.append(output)
         return output
 
@@ -100,7 +100,7 @@ class OutputEmitter:
         name = type(output).TYPE
         try:
             repaired = converter.output_from_dict(repair_json(converter.to_dict(output)))
-            self._batch_ticket = self._session._trace(repaired)
+            self._batch_ticket = self._session.write_record(repaired)
         except Exception:
             self.trace_failed(
                 f"cannot write the trace: the {name} record (seq {output.seq}) could not be "
@@ -124,7 +124,7 @@ class OutputEmitter:
         scope at once, before it at the first checkpoint inside."""
         self.flush()
         try:
-            await self._session._sync_trace()
+            await self._session.sync_trace()
         except (TraceWriteError, TraceSinkClosed) as exc:
             self.trace_failed(f"cannot write the trace: {exc}")
             await trio.lowlevel.checkpoint()  # the task's scope is cancelled now
@@ -196,7 +196,7 @@ class OutputEmitter:
             self._publish(self._unpublished.popleft()[1])
 
     def _publish(self, batch: list[Output]) -> None:
-        self._session._publish(batch)
+        self._session.publish(batch)
         # A host that stopped reading this run loses nothing: subscribers and the trace
         # still get every output.
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):

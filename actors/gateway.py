@@ -492,7 +492,7 @@ class Gateway:
         denied and the sessions forget their client approver (they keep running)."""
         for hub in self._hubs.values():
             hub.close()
-            if hub.session._client_approver() == hub.ask:
+            if hub.session.client_approver == hub.ask:
                 hub.session.set_client_approver(None)
         self._hubs.clear()
 

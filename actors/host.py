@@ -173,7 +173,7 @@ class Host:
         the scripted model. The ``anthropic`` provider without ``ANTHROPIC_API_KEY`` or
         ``ANTHROPIC_AUTH_TOKEN`` raises :class:`ConfigurationError`: asking for Claude
         never runs another model silently."""
-        self._check_open()
+        self.check_open()
         base = settings or SessionSettings()
         provider_name = (
             provider
@@ -246,7 +246,7 @@ class Host:
         """Load a stored session: its model context is rebuilt from the latest trace file
         (unresolved calls interrupted, carry-over from the last abort: R-TRACE-4). Corrupt
         trace lines are skipped and listed in ``session.load_errors``."""
-        self._check_open()
+        self.check_open()
         if session_id in self._sessions:
             return self._sessions[session_id]
         directory = self.data_dir / "sessions" / session_id
@@ -353,7 +353,12 @@ class Host:
 
     # -- internals ---------------------------------------------------------------------
 
-    def _check_open(self) -> None:
+    @property
+    def trace_sink(self) -> TraceSink:
+        """The host's one trace sink: every session's records go through it (R-TRACE)."""
+        return self._sink
+
+    def check_open(self) -> None:
         if self._closed:
             raise HostClosed("the host is closed")
 
@@ -361,7 +366,7 @@ class Host:
         for observe in self._observers:
             observe(session)
 
-    def _tool_table(self, tools: Iterable[Tool]) -> tuple[dict[str, Tool], tuple[ToolSchema, ...]]:
+    def tool_table(self, tools: Iterable[Tool]) -> tuple[dict[str, Tool], tuple[ToolSchema, ...]]:
         """The name table and schemas of a tool list, shared by every session of this
         host that uses the same tool objects (read-only for the sessions)."""
         tool_list = list(tools)
@@ -378,14 +383,14 @@ class Host:
         """One Path object per distinct workspace, shared by its sessions."""
         return self._paths.setdefault(str(path), path)
 
-    def _forget(self, session: Session) -> None:
+    def forget(self, session: Session) -> None:
         """Drop a finished subagent session from the open sessions; it accepts no more
         work (its files stay: ``load_session`` opens it again)."""
         if self._sessions.get(session.id) is session:
             del self._sessions[session.id]
-        session._closed = True
+        session.mark_closed()
 
-    def _start_task(self, fn: Callable[[], Awaitable[None]]) -> None:
+    def start_task(self, fn: Callable[[], Awaitable[None]]) -> None:
         self._nursery.start_soon(fn)
 
     def _provider_for(self, settings: SessionSettings) -> ModelProvider:

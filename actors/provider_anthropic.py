@@ -114,7 +114,7 @@ class AnthropicProvider:
         self._shards.append(shard)
         return shard
 
-    def _pick(self) -> _Shard:
+    def pick_shard(self) -> _Shard:
         shards = self._shards
         best = shards[0]
         for shard in shards:
@@ -144,7 +144,7 @@ class _AnthropicTask:
     async def stream(self, request: ModelRequest, deliver: Deliver) -> None:
         body = self._encoder.build(request)
         decoder = AnthropicStreamDecoder()
-        shard = self._provider._pick()
+        shard = self._provider.pick_shard()
         shard.active += 1
         try:
             async with shard.client.messages.with_streaming_response.create(**body) as response:

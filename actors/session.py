@@ -25,7 +25,7 @@ from greenroom.actors.supervisor import SessionSupervisor, TaskInput
 from greenroom.actors.trace_sink import TraceSinkClosed, TraceWriteError
 from greenroom.protocols import markers
 from greenroom.protocols.content import TextBlock, UserContent
-from greenroom.protocols.context import ModelRequest, UserMessage
+from greenroom.protocols.context import ModelRequest, ToolSchema, UserMessage
 from greenroom.protocols.hooks import Hooks
 from greenroom.protocols.outputs import (
     CompactionEnd,
@@ -283,7 +283,7 @@ class Session:
         self.auth_locked: str | None = None
         self.load_errors: Sequence[str] = ()
         self._host = host
-        self._tools, self._tool_schemas = host._tool_table(tools)
+        self._tools, self._tool_schemas = host.tool_table(tools)
         self._provider = provider
         self._transcript = transcript
         self._seq = last_seq
@@ -337,6 +337,56 @@ class Session:
     def tools(self) -> tuple[Tool, ...]:
         return tuple(self._tools.values())
 
+    # -- the runtime seam ---------------------------------------------------------------
+    # What the session's supervisor, its output emitter, compaction and subagents work on
+    # while a task runs. Hosts and clients never need these.
+
+    @property
+    def transcript(self) -> Transcript:
+        """The model context as a pure function of the traced outputs (the runtime feeds
+        it; read it, never change it)."""
+        return self._transcript
+
+    @property
+    def host(self) -> Host:
+        """The host that runs this session."""
+        return self._host
+
+    @property
+    def provider(self) -> ModelProvider:
+        """The model provider adapter this session's requests go through."""
+        return self._provider
+
+    @property
+    def tool_by_name(self) -> dict[str, Tool]:
+        """The session's tools by name (shared with other sessions: read only)."""
+        return self._tools
+
+    @property
+    def tool_schemas(self) -> tuple[ToolSchema, ...]:
+        """How the session's tools are described to the model, in order."""
+        return self._tool_schemas
+
+    @property
+    def client_approver(self) -> ClientApprover | None:
+        """Where approvals go when a run has no ``approve`` callback (see
+        :meth:`set_client_approver`)."""
+        return self._client_approver_fn
+
+    @property
+    def client_present(self) -> Callable[[], bool] | None:
+        """Whether a client could answer an approval right now (None: assume so)."""
+        return self._client_present
+
+    def set_origin_path(self, path: tuple[str, ...]) -> None:
+        """Make this session a subagent whose outputs carry ``origin`` = ``path`` (the
+        session ids from the root to it, R-HOST-4)."""
+        self._path = path
+
+    def mark_closed(self) -> None:
+        """The session accepts no more work (a finished subagent the host forgot)."""
+        self._closed = True
+
     def run(
         self,
         new_messages: Sequence[UserContent] | str,
@@ -354,7 +404,7 @@ class Session:
         ``RuntimeError`` when called outside a trio task.
         """
         require_trio()
-        self._check_open()
+        self.check_open()
         if self.auth_locked is not None:
             raise AuthLocked(
                 f"session {self.id} is locked by an auth failure ({self.auth_locked}); "
@@ -373,8 +423,8 @@ class Session:
         self._idle = trio.Event()
         # Reserved now so that callers (the websocket gateway's ``run``) can report the
         # run id before the supervisor task has started; its first task takes it.
-        run_id = self._next_run_id = self._new_run_id()
-        self._host._start_task(supervisor.run)
+        run_id = self._next_run_id = self.new_run_id()
+        self._host.start_task(supervisor.run)
         return RunStream(receive, supervisor, run_id)
 
     def steer(self, messages: Sequence[UserContent] | str) -> bool:
@@ -445,7 +495,7 @@ class Session:
         ``compaction_end`` output; None when :meth:`compactability` is not ``ok``. Its
         outputs also reach subscribers and the trace. Raises :class:`Busy` while a task
         or another compaction runs (R-COMPACT-11)."""
-        self._check_open()
+        self.check_open()
         if self._supervisor is not None:
             raise Busy(f"session {self.id} is busy; compact when the task has ended")
         if self.compactability() != "ok":
@@ -454,7 +504,7 @@ class Session:
         supervisor = SessionSupervisor(self, None, send, None)
         self._supervisor = supervisor
         self._idle = trio.Event()
-        self._host._start_task(supervisor.run)
+        self._host.start_task(supervisor.run)
         end: CompactionEnd | None = None
         async for output in RunStream(receive, supervisor):
             if isinstance(output, CompactionEnd):
@@ -494,7 +544,7 @@ class Session:
 
         await self._provider.open_task().stream(request, deliver)
         if usage:
-            self._record_usage("", 0, usage[0], kind="title")
+            self.record_usage("", 0, usage[0], kind="title")
         title = " ".join("".join(parts).split()).strip().strip("\"'")
         return title[:max_chars]
 
@@ -532,11 +582,11 @@ class Session:
         self.interrupt("session closed")
         if self._idle is not None:
             await self._idle.wait()
-        await self._sync_trace_quietly()
+        await self.sync_trace_quietly()
 
     # -- subagents (R-HOST-4) -----------------------------------------------------------
 
-    async def _run_as_child(
+    async def run_as_child(
         self,
         content: Sequence[UserContent] | str,
         *,
@@ -552,7 +602,7 @@ class Session:
         the subagent runs shielded, so it settles and records its own ``abort`` and
         ``task_end(aborted)`` in its trace (bounded by the supervisor's teardown grace)
         before the cancellation goes on to the caller."""
-        self._check_open()
+        self.check_open()
         if self._supervisor is not None:
             raise Busy(f"session {self.id} is already running a task")
         task = TaskInput(content=_as_content(content), approve=approve, thinking_level=None)
@@ -584,36 +634,36 @@ class Session:
 
     # -- used by the supervisor --------------------------------------------------------
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         if self._closed:
             raise SessionClosed(f"session {self.id} is closed")
-        self._host._check_open()
+        self._host.check_open()
 
-    def _new_run_id(self) -> str:
+    def new_run_id(self) -> str:
         reserved, self._next_run_id = self._next_run_id, None
         return reserved or "run_" + uuid.uuid4().hex[:12]
 
-    def _next_seq(self) -> int:
+    def next_seq(self) -> int:
         self._seq += 1
         return self._seq
 
-    def _trace(self, output: Output) -> int:
+    def write_record(self, output: Output) -> int:
         """Write the record; returns the trace sink's batch that will hold it."""
-        return self._host._sink.write(self.trace_path, encode_record(output))
+        return self._host.trace_sink.write(self.trace_path, encode_record(output))
 
-    async def _sync_trace(self) -> None:
-        await self._host._sink.sync(self.trace_path)
+    async def sync_trace(self) -> None:
+        await self._host.trace_sink.sync(self.trace_path)
 
-    async def _sync_trace_quietly(self) -> str | None:
+    async def sync_trace_quietly(self) -> str | None:
         """Sync for teardown paths that must finish whatever the disk does: a write
         failure is returned (and stays recorded in the sink), never raised."""
         try:
-            await self._sync_trace()
+            await self.sync_trace()
         except (TraceWriteError, TraceSinkClosed) as exc:
             return str(exc)
         return None
 
-    def _record_usage(
+    def record_usage(
         self,
         run_id: str,
         turn: int,
@@ -623,7 +673,7 @@ class Session:
         status: str = "ok",
         error_message: str | None = None,
     ) -> None:
-        self._host._sink.record_usage(
+        self._host.trace_sink.record_usage(
             UsageRow(
                 at=time.time(),
                 session_id=self.id,
@@ -638,13 +688,13 @@ class Session:
             )
         )
 
-    def _rotate_trace(self) -> str:
+    def rotate_trace(self) -> str:
         """Start the next trace file (after a successful compaction); returns its name."""
         self._trace_number += 1
         self._trace_file = None
         return trace_file_name(self._trace_number)
 
-    def _publish(self, batch: list[Output]) -> None:
+    def publish(self, batch: list[Output]) -> None:
         if self._listeners:
             # A copy: a listener may unsubscribe itself. A listener that raises is a bug
             # of its owner; it must not take the session (or the host) down.
@@ -652,19 +702,16 @@ class Session:
                 with contextlib.suppress(Exception):
                     listener(batch)
 
-    def _client_approver(self) -> ClientApprover | None:
-        return self._client_approver_fn
-
-    def _take_follow_up(self, finished: TaskInput) -> TaskInput | None:
+    def take_follow_up(self, finished: TaskInput) -> TaskInput | None:
         return self._follow_ups.pop(0) if self._follow_ups else None
 
-    def _rules(self) -> set[str]:
+    def approval_rules(self) -> set[str]:
         """The "allow for this session" rules (R-APPROVE-4), created on first use."""
         if self._session_rules is None:
             self._session_rules = set()
         return self._session_rules
 
-    def _task_finished(self, supervisor: SessionSupervisor) -> None:
+    def task_finished(self, supervisor: SessionSupervisor) -> None:
         if self._supervisor is supervisor:
             self._supervisor = None
             self._follow_ups = None
@@ -675,5 +722,5 @@ class Session:
                 self._session_rules = None
             self._trace_file = None
 
-    def _lock_auth(self, message: str) -> None:
+    def lock_auth(self, message: str) -> None:
         self.auth_locked = message

@@ -155,23 +155,23 @@ class Subagents:
     async def _run_child(self, task: str, depth: int) -> str:
         parent = self._parent
         settings = parent.settings
-        host = parent._host
+        host = parent.host
         may_spawn = depth < settings.max_subagent_depth
         tools = [t for t in parent.tools if may_spawn or t.name != SPAWN_SUBAGENT]
         child = await host.create_session(
             settings=attrs.evolve(settings, system=subagent_system(settings.system)),
-            provider=parent._provider,
+            provider=parent.provider,
             tools=tools,
             workspace_dir=parent.workspace_dir,
             parent_id=parent.id,
         )
-        child._path = (*parent.origin_path, child.id)
-        child.set_client_approver(parent._client_approver(), present=parent._client_present)
+        child.set_origin_path((*parent.origin_path, child.id))
+        child.set_client_approver(parent.client_approver, present=parent.client_present)
         watch = _ChildWatch(child, settings.subagent_token_budget, self._forward)
         try:
-            await child._run_as_child(task, approve=self._approve, listener=watch.on_batch)
+            await child.run_as_child(task, approve=self._approve, listener=watch.on_batch)
         finally:
-            host._forget(child)
+            host.forget(child)
         return watch.result()
 
 

@@ -176,14 +176,14 @@ class SessionSupervisor:
                 interrupted = self._scope.cancelled_caught and self._out.trace_error is None
                 if interrupted or self._stopping or session.auth_locked:
                     break
-                task = session._take_follow_up(task)
+                task = session.take_follow_up(task)
                 if task is not None:
                     self._out.flush()
                 self._scope = trio.CancelScope()
         finally:
             # The session is idle before the host sees the last task_end, so a host that
             # reacts to it by starting the next task never meets Busy.
-            session._task_finished(self)
+            session.task_finished(self)
             with trio.CancelScope(shield=True):
                 self._out.flush()
                 with trio.move_on_after(ABORT_GRACE_S):
@@ -196,7 +196,7 @@ class SessionSupervisor:
     async def _run_task(self, task: TaskInput) -> None:
         session = self._session
         self._task = task
-        self.run_id = session._new_run_id()
+        self.run_id = session.new_run_id()
         started = trio.current_time()
         self._turn = 0
         self._usage = TokenUsage()
@@ -258,7 +258,7 @@ class SessionSupervisor:
         with contextlib.suppress(Exception):
             self._drain_inbox_nowait()  # results that arrived before the failure still count
             self._end_interrupted_compaction(message)
-            complete = self._session._transcript.message_complete
+            complete = self._session.transcript.message_complete
             self._apply(self._machine.fail(message, message_complete=complete))
 
     async def _run_turns(self, task: TaskInput) -> tuple[TaskStatus, str | None]:
@@ -270,27 +270,27 @@ class SessionSupervisor:
             self._approvals = approvals_send
             broker = ApprovalBroker(
                 approve=task.approve,
-                ask_clients=session._client_approver(),
-                clients_present=session._client_present,
-                session_rules=session._rules(),
+                ask_clients=session.client_approver,
+                clients_present=session.client_present,
+                session_rules=session.approval_rules(),
                 timeout_s=settings.approval_timeout_s,
                 inbox=self._inbox,
             )
             await nursery.start(broker.run, approvals_receive)
             subagents = Subagents(session, approve=task.approve, forward=self._out.forward)
             self._pool = ToolPool(
-                tools=session._tools,
+                tools=session.tool_by_name,
                 inbox=self._inbox,
                 workspace_dir=session.workspace_dir,
                 scratchpad_dir=session.scratchpad_dir,
-                sync_trace=session._sync_trace,
+                sync_trace=session.sync_trace,
                 result_budget=settings.tool_result_budget,
                 spawn=subagents.spawn,
                 sandbox=settings.sandbox,
                 shell_network=settings.shell_network,
-                private_dirs=(session._host.data_dir,),
+                private_dirs=(session.host.data_dir,),
             )
-            self._provider_task = session._provider.open_task()
+            self._provider_task = session.provider.open_task()
             self._streamer = LLMStreamer(self._provider_task, self._inbox)
             if self._cancel_event is not None:
                 nursery.start_soon(self._watch_cancel, self._cancel_event)
@@ -330,7 +330,7 @@ class SessionSupervisor:
             failure = await self._run_turn(task)
             if failure is not None:
                 if failure.kind == "auth":
-                    self._session._lock_auth(failure.message)
+                    self._session.lock_auth(failure.message)
                     return "auth", failure.message
                 return "failed", failure.message
             await self._out.sync()  # R-TRACE-2: durable at every turn boundary
@@ -464,8 +464,8 @@ class SessionSupervisor:
         """``session.compact()``: a compaction on its own, as the session's one activity
         (R-COMPACT-11). Interrupting it ends it ``failed``."""
         session = self._session
-        self.run_id = session._new_run_id()
-        self._provider_task = session._provider.open_task()
+        self.run_id = session.new_run_id()
+        self._provider_task = session.provider.open_task()
         try:
             with self._scope:
                 await self._compact("manual")
@@ -478,7 +478,7 @@ class SessionSupervisor:
         with trio.CancelScope(shield=True) as teardown:
             teardown.deadline = trio.current_time() + ABORT_GRACE_S
             self._out.flush()
-            await session._sync_trace_quietly()
+            await session.sync_trace_quietly()
 
     def _end_interrupted_compaction(self, reason: str) -> None:
         if self._compactor is not None:
@@ -493,12 +493,12 @@ class SessionSupervisor:
         """The next request: the transcript's context (with the ``[turn_retried]`` note on
         a retry: R-RETRY-4), the session's system prompt and tools."""
         session = self._session
-        messages = session._transcript.request_messages()
+        messages = session.transcript.request_messages()
         settings = session.settings
         return ModelRequest(
             model=settings.model,
             system=settings.system,
-            tools=session._tool_schemas,
+            tools=session.tool_schemas,
             messages=messages,
             max_tokens=settings.max_tokens,
             thinking_level=task.thinking_level if task is not None else None,
@@ -597,7 +597,7 @@ class SessionSupervisor:
                     self._pool.mark_terminal(effect.position)
                 case RecordUsage():
                     self._usage = self._usage + effect.usage
-                    self._session._record_usage(self.run_id, self._turn, effect.usage)
+                    self._session.record_usage(self.run_id, self._turn, effect.usage)
                 case _ if effect.TRACED:
                     self._out.emit(effect)
                 case _:
@@ -623,7 +623,7 @@ class SessionSupervisor:
         """R-ABORT-1..3 and R-APPROVE-5: settle every call, record the abort."""
         self._drain_inbox_nowait()  # results that arrived before the cancel still count
         self._end_interrupted_compaction(self._abort_reason)
-        complete = self._session._transcript.message_complete
+        complete = self._session.transcript.message_complete
         self._apply(self._machine.abort(self._abort_reason, message_complete=complete))
 
 async def _call_hook(hook: Callable[[Any], Any] | None, info: Any) -> Any:

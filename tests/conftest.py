@@ -351,7 +351,7 @@ async def assert_trace_seq_without_gaps(session: Session) -> list[dict[str, Any]
 
     Syncs the trace first: on an autojump ``MockClock`` a task's final (bounded) sync can
     be cut short by the clock jumping to its deadline while the writer thread works."""
-    await session._sync_trace()
+    await session.sync_trace()
     lines = trace_lines(session)
     assert [line["seq"] for line in lines] == list(range(1, len(lines) + 1))
     return lines

@@ -133,7 +133,7 @@ async def assert_one_context_per_file(
     each file alone rebuilds the context that was summarized (``summarized``: one request
     of each successful summarize compaction, in order; empty for discard) or, for the
     current file, the live context."""
-    await host._sink.sync()
+    await host.trace_sink.sync()
     files = trace_files(session)
     assert [f.name for f in files] == [trace_file_name(n) for n in range(1, len(files) + 1)]
     assert files[-1] == session.trace_path
@@ -148,7 +148,7 @@ async def assert_one_context_per_file(
         assert len(summarized) == len(files) - 1
         for recs, request in zip(per_file, summarized, strict=False):
             assert rebuild(recs).compaction_base()[0] == base_of(request.messages)
-    live = session._transcript
+    live = session.transcript
     current = rebuild(per_file[-1])
     assert current.messages == live.messages
     assert current.request_messages() == live.request_messages()
@@ -460,14 +460,14 @@ async def test_manual_compaction_folds_in_carry_over(
     await gates.started("k")
     session.interrupt("stop")
     await collect(run)
-    assert session._transcript.carry_over
+    assert session.transcript.carry_over
     assert session.compactability() == "ok"
     end = await session.compact()
     assert end is not None and end.status == "ok"
     (summary_req,) = seen
     (placeholder,) = [p for p in summary_req.messages[-2].content if isinstance(p, ToolResult)]
     assert placeholder.call_id == "c1" and placeholder.status == "interrupted"
-    assert session._transcript.carry_over == []
+    assert session.transcript.carry_over == []
     await collect(session.run("next"))
     assert provider.requests[-1].messages[0] == summary_message("interrupted wait")
     await assert_one_context_per_file(host, session, seen)
@@ -694,7 +694,7 @@ async def test_retry_budget_exhausted_keeps_the_old_context_and_the_next_trigger
     assert turn2.messages == base_of(attempts[0].messages)
     assert not is_summary_request(turn2)
 
-    await host._sink.sync()
+    await host.trace_sink.sync()
     rows = ledger_rows(host.data_dir, session.id)
     failed_rows = [r for r in rows if r["kind"] == "compaction_failed"]
     assert len(failed_rows) == 1
@@ -789,7 +789,7 @@ async def test_reload_after_rotation_uses_the_latest_file(
         session = await new_session(host, workspace, provider, [lookup.tool])
         await collect(session.run("go", approve=allow_all))
         sid = session.id
-        live = list(session._transcript.messages)
+        live = list(session.transcript.messages)
         last_seq = session._seq
     assert [f.name for f in trace_files(session)] == ["trace_001.jsonl", "trace_002.jsonl"]
 
@@ -1071,7 +1071,7 @@ async def test_crash_after_a_rotation_recovers_from_the_latest_file_alone(
     assert not any(isinstance(r, (TaskEnd, Abort)) for r in cut)
     recovered = rebuild(cut)
     assert recovered.message_complete
-    assert recovered.carry_over == rebuild(full).carry_over == session._transcript.carry_over
+    assert recovered.carry_over == rebuild(full).carry_over == session.transcript.carry_over
     assert "[turn_aborted]Partial thought.[/turn_aborted]" in texts_of(
         UserMessage(content=tuple(recovered.carry_over))
     )

@@ -464,10 +464,10 @@ async def test_fifty_turns_past_a_small_threshold_keep_going(tmp_path: Path) -> 
             for task in range(10):
                 outputs = await run(session, f"task {task}")
                 assert outputs[-1].status == "completed", outputs[-1]
-            await host._sink.sync()
+            await host.trace_sink.sync()
             files = trace_files(session)
             per_file = await assert_one_context_per_file(host, session, [])
-            schemas = session._tool_schemas
+            schemas = session.tool_schemas
         server.assert_clean()
     assert turns[0] == 50
     assert sorted(ran) == sorted(f"k{n}" for n in range(1, 51) if n % 5)

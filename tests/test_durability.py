@@ -131,7 +131,7 @@ async def test_surrogates_in_user_input_and_tool_output_are_repaired(
     ]
     bad = next(o for o in of_type(outputs, ToolCallOutput) if o.call_id == "c2")
     assert bad.content == (TextBlock(text=f"bytes {REPLACEMENT} of x"),)
-    await session._sync_trace()
+    await session.sync_trace()
     lines = trace_lines(session)
     assert [line["seq"] for line in lines] == list(range(1, len(lines) + 1))
     assert any(
@@ -209,13 +209,13 @@ async def test_an_unencodable_record_past_the_repairs_fails_only_its_task(
     assert end.message is not None
     assert "user_msg record" in end.message and "could not be encoded" in end.message
     assert task_end(other_outputs).status == "completed"
-    await bad._sync_trace()
+    await bad.sync_trace()
     lines = trace_lines(bad)
     assert [line["seq"] for line in lines] == list(range(1, len(lines) + 1))
     steering = [line for line in lines if line.get("kind") == "steering"]
     assert [s["content"][0]["text"] for s in steering] == [f"steer {REPLACEMENT}"]
     assert lines[-1]["type"] == "task_end" and lines[-1]["status"] == "failed"
-    assert not host._sink.closed
+    assert not host.trace_sink.closed
     assert task_end(await run_all(other, "more")).status == "completed"
 
 
@@ -299,7 +299,7 @@ async def test_a_failing_trace_file_ends_only_its_task(
     assert victim_lines[-1]["type"] == "task_end"
     assert victim_lines[-1]["status"] == "failed"
     assert "No space left on device" in victim_lines[-1]["message"]
-    assert not host._sink.closed
+    assert not host.trace_sink.closed
     # The failure was reported; the next task may use the file again.
     assert task_end(await run_all(victim, "again")).status == "completed"
 
@@ -398,13 +398,13 @@ async def test_a_stopped_writer_fails_the_task_and_starts_no_side_effect(
                 raise RuntimeError("writer bug")
 
             monkeypatch.setattr(TraceSink, "_take_batch", broken)
-            session._trace(  # any record wakes the writer, which then stops
+            session.write_record(  # any record wakes the writer, which then stops
                 attrs_evolve_seq(
                     ModelMsg(session_id=session.id, run_id="x", turn=1, block=TextBlock(text="w"))
                 )
             )
             with pytest.raises((TraceWriteError, TraceSinkClosed)):
-                await host._sink.sync(session.trace_path)
+                await host.trace_sink.sync(session.trace_path)
             decide.set()
             outputs = await collect(stream)
         assert marks.ran == []
@@ -576,7 +576,7 @@ async def test_data_dir_sessions_and_traces_are_private(tmp_path: Path, workspac
     async with open_host(data) as host:
         session = await host.create_session(provider=echo_provider("hi"), workspace_dir=workspace)
         await run_all(session, "hello")
-        await session._sync_trace()
+        await session.sync_trace()
         assert mode(data) == 0o700
         assert mode(data / "sessions") == 0o700
         assert mode(session.directory) == 0o700

@@ -103,7 +103,7 @@ async def test_crash_while_a_tool_runs_pairs_the_call_as_interrupted(
     await recorder.wait_for("tool_call_output", call_id="c1")
     with trio.fail_after(10):
         await hold_started.wait()
-    await session._sync_trace()
+    await session.sync_trace()
     crash_dir = tmp_path / "crashed"
     trace = copy_session(session, crash_dir)
     lines = records(trace)
@@ -155,7 +155,7 @@ async def test_crash_mid_stream_yields_turn_aborted_carry_over(
     session.run("explain")
     with trio.fail_after(10):
         await streaming.wait()
-    await session._sync_trace()
+    await session.sync_trace()
     crash_dir = tmp_path / "crashed"
     trace = copy_session(session, crash_dir)
     types = [line["type"] for line in records(trace)]

@@ -37,7 +37,7 @@ async def test_title_is_one_shot_and_never_traced(tmp_path: Path) -> None:
         assert await session.generate_title() == ""  # nothing to title yet
         await collect(session.run("Summarize the sales per region"))
         trace_before = session.trace_path.read_text()
-        context_before = list(session._transcript.messages)
+        context_before = list(session.transcript.messages)
         with trio.fail_after(10):
             title = await session.generate_title()
         assert title == "Quarterly sales by region"
@@ -45,7 +45,7 @@ async def test_title_is_one_shot_and_never_traced(tmp_path: Path) -> None:
         assert request.system is None and request.tools == ()
         assert isinstance(request.messages[0], UserMessage)
         assert "Summarize the sales per region" in request.messages[0].content[0].text  # type: ignore[union-attr]
-        assert session._transcript.messages == context_before
+        assert session.transcript.messages == context_before
     assert session.trace_path.read_text() == trace_before
     with sqlite3.connect(tmp_path / "data" / "usage.sqlite") as db:
         kinds = [row[0] for row in db.execute("SELECT kind FROM usage ORDER BY id")]

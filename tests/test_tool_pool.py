@@ -500,13 +500,13 @@ async def test_interrupt_abandons_tools_that_ignore_cancellation(
     them: the abort is recorded at once, task_end(aborted) arrives, both calls are
     interrupted and paired, and their late endings report nothing."""
     traced_at: dict[str, float] = {}
-    trace = Session._trace
+    trace = Session.write_record
 
-    def timed_trace(self: Session, output: Any) -> None:
+    def timed_trace(self: Session, output: Any) -> int:
         traced_at.setdefault(output.TYPE, trio.current_time())
-        trace(self, output)
+        return trace(self, output)
 
-    monkeypatch.setattr(Session, "_trace", timed_trace)
+    monkeypatch.setattr(Session, "write_record", timed_trace)
     release_thread = threading.Event()
     release_shield = trio.Event()
     running: dict[str, trio.Event] = {"thread": trio.Event(), "shield": trio.Event()}

@@ -1,0 +1,118 @@
+"""The shape of the runtime (R-ACTOR-1..3), checked in the source.
+
+* No code in ``actors/`` reaches into another object's private names (``other._x``): actors
+  talk through messages and public seams, never through each other's fields.
+* ``protocols/`` is pure: it imports neither trio nor an HTTP library.
+* The modules of ``actors/`` import each other without cycles (lazy imports inside
+  functions aside, which break no cycle at import time).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ACTORS = ROOT / "actors"
+PROTOCOLS = ROOT / "protocols"
+
+# Private names of the standard library that are its public API.
+ALLOWED_PRIVATE = {"os._exit", "sys._getframe"}
+
+def modules(folder: Path) -> Iterator[tuple[Path, ast.Module]]:
+    for path in sorted(folder.rglob("*.py")):
+        yield path, ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+def test_no_object_reaches_into_another_objects_private_names() -> None:
+    found: list[str] = []
+    for path, tree in modules(ACTORS):
+        # A module's own classes are not another object: a dispatch table may name their
+        # methods.
+        own_classes = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            name = node.attr
+            if not name.startswith("_") or name.startswith("__"):
+                continue
+            base = node.value
+            if isinstance(base, ast.Name) and base.id in ("self", "cls", *own_classes):
+                continue
+            text = ast.unparse(node)
+            if text in ALLOWED_PRIVATE:
+                continue
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {text}")
+    assert found == [], "\n".join(found)
+
+
+def test_protocols_import_no_io_library() -> None:
+    forbidden = {"trio", "httpx", "anthropic", "openai", "socket", "sqlite3", "asyncio"}
+    found = []
+    for path, tree in modules(PROTOCOLS):
+        for node in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            found += [
+                f"{path.relative_to(ROOT)}:{node.lineno}: {n}"
+                for n in names
+                if n.split(".")[0] in forbidden
+            ]
+    assert found == [], found
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    return "greenroom." + ".".join(parts)
+
+
+def test_actor_modules_import_each_other_without_cycles() -> None:
+    graph: dict[str, set[str]] = {}
+    for path, tree in modules(ACTORS):
+        name = _module_name(path)
+        edges = graph.setdefault(name, set())
+        # Only imports executed when the module loads: top level, not inside functions
+        # and not under TYPE_CHECKING.
+        for node in tree.body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            for child in ast.walk(node) if not isinstance(
+                node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
+            ) else ():
+                if isinstance(child, ast.ImportFrom) and child.module:
+                    if child.module.startswith("greenroom.actors"):
+                        edges.add(child.module)
+                elif isinstance(child, ast.Import):
+                    edges.update(
+                        a.name for a in child.names if a.name.startswith("greenroom.actors")
+                    )
+    # A package's __init__ re-exporting its modules is not a cycle with them.
+    for name, edges in graph.items():
+        edges.discard(name)
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in graph:
+                continue
+            if state.get(target) == 1:
+                cycles.append([*stack[stack.index(target):], target])
+            elif target not in state:
+                visit(target)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state and not node.endswith(".__init__"):
+            visit(node)
+    package_cycles = [c for c in cycles if not any(n == "greenroom.actors" for n in c)]
+    assert package_cycles == [], package_cycles
