@@ -47,7 +47,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PAGE_PATH = Path(__file__).with_name("console") / "index.html"
-"""The console page, shipped as package data of ``greenroom.actors``."""
+"""The console page, shipped as package data of ``greenroom.actors.gateway``."""
 
 _REQUEST_LINE = re.compile(rb"([A-Z]{1,16}) (\S{1,4096}) HTTP/1\.([01])")
 _HEADER_NAME = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
