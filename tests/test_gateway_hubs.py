@@ -8,6 +8,7 @@ from pathlib import Path
 
 import trio
 
+from greenroom.actors.gateway import GatewayLimits
 from greenroom.actors.gateway.hubs import Hubs
 from greenroom.actors.host import Host
 from greenroom.actors.provider_scripted import Reply, ScriptedProvider, text
@@ -16,7 +17,7 @@ from greenroom.protocols.messages import Verdict
 
 
 def hubs() -> Hubs:
-    return Hubs(approve="ask", on_task_end=None, settle_timeout_s=1.0)
+    return Hubs(approve="ask", on_task_end=None, limits=GatewayLimits())
 
 
 async def test_a_stopped_gateway_forgets_only_its_own_approver(tmp_path: Path) -> None:

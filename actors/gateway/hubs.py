@@ -224,7 +224,8 @@ class Hubs:
 
     ``approve``: with ``ask`` each new hub becomes its session's client approver.
     ``on_task_end`` is called from a session's listener when a task has ended (it must not
-    block). Holds no channel and starts no task.
+    block). Holds no channel and starts no task: a replay runs in the task of the
+    connection that subscribes, and waits for room in that connection's outbox.
     """
 
     def __init__(
@@ -232,11 +233,11 @@ class Hubs:
         *,
         approve: ApproveMode,
         on_task_end: Callable[[Session], None] | None,
-        settle_timeout_s: float,
+        limits: GatewayLimits,
     ) -> None:
         self._approve = approve
         self._on_task_end = on_task_end
-        self._settle_timeout_s = settle_timeout_s
+        self._limits = limits
         self._hubs: dict[str, SessionHub] = {}
 
     def get(self, session_id: str) -> SessionHub | None:
@@ -264,9 +265,44 @@ class Hubs:
         is ending."""
         hub = self.adopt(session)
         if session.busy and hub.finishing and not session.has_follow_ups:
-            with trio.move_on_after(self._settle_timeout_s):
+            with trio.move_on_after(self._limits.settle_timeout_s):
                 await session.wait_idle()
         return session
+
+    async def subscribe(
+        self, connection: Connection, session: Session, after_seq: int
+    ) -> tuple[int, int]:
+        """Subscribe ``connection`` to ``session`` (replacing its subscription there, if
+        any): queue the traced outputs after ``after_seq``, then, once the connection has
+        queued its answer, the live ones. Returns ``(replayed, last_seq)``."""
+        hub = self.adopt(session)
+        old = connection.subscriptions.get(session.id)
+        if old is not None:
+            old.close()
+        # Live first (buffered), then the replay: an output emitted meanwhile is in the
+        # buffer, in the trace, or in both (deduplicated by seq): never in neither.
+        subscription = Subscription(connection, hub, after_seq, self._limits)
+        try:
+            records = await replay_records(session, after_seq)
+            last_seq = after_seq
+            replayed = 0
+            # What the replay queues stays under half the slow-client bound: a long
+            # trace neither fills memory nor counts against a client that reads.
+            room = max(1, self._limits.max_pending_frames // 2)
+            for record in records:
+                if subscription.closed:
+                    break
+                await connection.outbox.wait_below(room)
+                connection.outbox.put_nowait(output_frame(record))
+                last_seq = record.seq or last_seq
+                subscription.last_seq = last_seq
+                replayed += 1
+        except BaseException:
+            subscription.close()
+            raise
+        # The answer marks the end of the replay: what follows it is live.
+        connection.after_answer.append(lambda: subscription.go_live(last_seq))
+        return replayed, last_seq
 
     def release_all(self) -> None:
         """The gateway stopped: no client can answer any more. Pending approvals are

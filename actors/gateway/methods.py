@@ -28,20 +28,13 @@ from greenroom.actors.gateway.config import (
     CLIENT_SETTABLE_FORBIDDEN,
     PATH,
     SESSION_ID,
-    GatewayLimits,
     SessionDefaults,
     confine_images,
     confined_workspace,
     directory,
 )
 from greenroom.actors.gateway.connection import Connection, Handler
-from greenroom.actors.gateway.hubs import (
-    Hubs,
-    Subscription,
-    output_frame,
-    replay_records,
-    session_state,
-)
+from greenroom.actors.gateway.hubs import Hubs, session_state
 from greenroom.actors.gateway.titles import Titles
 from greenroom.actors.host import SESSION_FILE, Host
 from greenroom.actors.llm_streamer import ModelProvider
@@ -75,7 +68,6 @@ class Methods:
         grants: Grants,
         hubs: Hubs,
         titles: Titles,
-        limits: GatewayLimits,
     ) -> None:
         self.host = host
         self.defaults = defaults
@@ -86,7 +78,6 @@ class Methods:
         self._grants = grants
         self._hubs = hubs
         self._titles = titles
-        self.limits = limits
 
     def table(self) -> dict[str, Handler]:
         """The dispatch table, in the order of ``jsonrpc.METHODS``."""
@@ -256,31 +247,7 @@ class Methods:
         jsonrpc.check_params(params, "session.subscribe")
         session = await self._owned_session(connection, params)
         after_seq = jsonrpc.optional_int(params, "after_seq", minimum=0) or 0
-        hub = self._hubs.adopt(session)
-        old = connection.subscriptions.get(session.id)
-        if old is not None:
-            old.close()
-        # Live first (buffered), then the replay: an output emitted meanwhile is in the
-        # buffer, in the trace, or in both (deduplicated by seq): never in neither.
-        subscription = Subscription(connection, hub, after_seq, self.limits)
-        try:
-            records = await replay_records(session, after_seq)
-            last_seq = after_seq
-            replayed = 0
-            room = max(1, self.limits.max_pending_frames // 2)
-            for record in records:
-                if subscription.closed:
-                    break
-                await connection.outbox.wait_below(room)
-                connection.outbox.put_nowait(output_frame(record))
-                last_seq = record.seq or last_seq
-                subscription.last_seq = last_seq
-                replayed += 1
-        except BaseException:
-            subscription.close()
-            raise
-        # The answer marks the end of the replay: what follows it is live.
-        connection.after_answer.append(lambda: subscription.go_live(last_seq))
+        replayed, last_seq = await self._hubs.subscribe(connection, session, after_seq)
         return {"session_id": session.id, "replayed": replayed, "last_seq": last_seq}
 
     async def rpc_session_unsubscribe(self, connection: Connection, params: dict[str, Any]) -> Any:

@@ -122,7 +122,7 @@ class Gateway:
         self._hubs = Hubs(
             approve=self.defaults.approve,
             on_task_end=self._titles.title_once,
-            settle_timeout_s=self.limits.settle_timeout_s,
+            limits=self.limits,
         )
         self._connections: set[Connection] = set()
         self._calls = Methods(
@@ -133,7 +133,6 @@ class Gateway:
             grants=self._grants,
             hubs=self._hubs,
             titles=self._titles,
-            limits=self.limits,
         )
         self._methods = self._calls.table()
 
