@@ -724,3 +724,11 @@ class Session:
 
     def lock_auth(self, message: str) -> None:
         self.auth_locked = message
+
+    def clear_client_approver(self, approver: ClientApprover) -> bool:
+        """Forget ``approver`` if it is still the client approver (a watcher that stops
+        never removes one another watcher installed since); True when it was."""
+        if self._client_approver_fn != approver:
+            return False
+        self.set_client_approver(None)
+        return True

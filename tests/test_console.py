@@ -1,5 +1,5 @@
-"""The web console (``actors/console/index.html``) and its HTTP server
-(``actors/console_server.py``).
+"""The web console (``actors/gateway/console/index.html``) and its HTTP server
+(``actors/gateway/console.py``).
 
 The server is tested with a raw socket client (exact bytes in, exact status out). The page
 is tested in a real headless Chromium driven over the Chrome DevTools Protocol: a gateway
@@ -33,13 +33,13 @@ from conftest import Gates, Lookup, last_user, texts_of
 from trio_websocket import WebSocketConnection, open_websocket_url
 
 from greenroom.actors.cli import _console_port, build_parser
-from greenroom.actors.console_server import (
+from greenroom.actors.gateway import Gateway, SessionDefaults, run_serve
+from greenroom.actors.gateway.console import (
     PAGE_PATH,
     ConsoleServer,
     console_url,
     content_security_policy,
 )
-from greenroom.actors.gateway import Gateway, SessionDefaults, run_serve
 from greenroom.actors.host import Host
 from greenroom.actors.provider_scripted import Reply, ScriptedProvider, ScriptStep, text, tool_call
 from greenroom.protocols.stream import ModelError

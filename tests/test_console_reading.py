@@ -29,8 +29,8 @@ from test_console import (
     task_end_rows,
 )
 
-from greenroom.actors.console_server import PAGE_PATH
 from greenroom.actors.gateway import TITLE_FILE
+from greenroom.actors.gateway.console import PAGE_PATH
 from greenroom.actors.provider_scripted import Reply, ScriptedStream, ScriptStep, text, tool_call
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import ModelRequest

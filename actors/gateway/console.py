@@ -47,7 +47,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PAGE_PATH = Path(__file__).with_name("console") / "index.html"
-"""The console page, shipped as package data of ``greenroom.actors``."""
+"""The console page, shipped as package data of ``greenroom.actors.gateway``."""
 
 _REQUEST_LINE = re.compile(rb"([A-Z]{1,16}) (\S{1,4096}) HTTP/1\.([01])")
 _HEADER_NAME = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
@@ -125,6 +125,10 @@ class ConsoleServer:
 
     Start it with ``port = await nursery.start(server.run)``; cancel the nursery to stop.
     ``page`` defaults to :data:`PAGE_PATH`'s content, read when the server starts.
+
+    Channels: none. Each connection is one task of ``trio.serve_listeners`` that reads one
+    request head (at most ``max_request_bytes``), answers it and closes; beyond
+    ``max_connections`` at once a connection is answered 503 at once.
     """
 
     def __init__(
@@ -148,6 +152,7 @@ class ConsoleServer:
         self._active = 0
 
     def url(self, ws_url: str, token: str | None = None) -> str:
+        """The page's URL for a gateway at ``ws_url`` (:func:`console_url`)."""
         return console_url(self.listen_host, self.port, ws_url, token)
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:

@@ -1,0 +1,132 @@
+"""The gateway actor: JSON-RPC 2.0 over websockets at ``ws://HOST:PORT/v1`` (CONTRACT.md).
+
+::
+
+    Gateway.run                     the listener (trio-websocket), until cancelled
+    ├── titles                      names each session once, after its first task
+    └── one handler per connection
+        ├── reader   the handler task itself: reads frames, answers requests in order
+        ├── writer   sends the connection's queued frames (responses, notifications)
+        └── compact  a detached call (it waits for a model request), answered when done
+
+The modules, by role:
+
+* :mod:`.server` — :class:`Gateway`: listening, admission (origins, the connection cap,
+  the file descriptor reserve), the handshake and its token; :func:`run_serve`.
+* :mod:`.connection` — one connection: its reader, writer, outbox, token bucket and the
+  slow-client rule.
+* :mod:`.methods` — the JSON-RPC method handlers, driven by
+  :data:`greenroom.protocols.jsonrpc.METHODS`.
+* :mod:`.hubs` — the gateway's one listener per session, subscriptions with gapless
+  replay, client approvals.
+* :mod:`.access` — principals and their tokens, and the sessions each may see.
+* :mod:`.titles` — session titles.
+* :mod:`.config` — :class:`SessionDefaults`, :class:`GatewayLimits`, tokens files,
+  workspace confinement.
+* :mod:`.console` — the web console's HTTP server and its page (``console/index.html``).
+
+Frames are read and built by :mod:`greenroom.protocols.jsonrpc`; this package does the I/O.
+
+Invariants:
+
+* A session's supervisor never waits on a client. The gateway watches each session through
+  one ``Session.subscribe`` listener that encodes every output once and queues the frame on
+  each subscribed connection's outbox without blocking. A client is dropped only when it is
+  really behind: its writer has not finished a send for ``stall_timeout_s`` (the socket
+  refuses bytes: the client does not read) while more than ``max_pending_frames`` frames
+  wait that the writer has not taken, or the frames waiting exceed ``max_pending_bytes``
+  whatever the reason. A burst of outputs on a busy server, which a prompt reader gets as
+  soon as its writer runs, never counts. A dropped subscription gets a
+  ``subscription_dropped`` notification ``{session_id, reason, last_seq}``; the client
+  resubscribes with ``after_seq: last_seq`` and misses nothing. Other clients and the
+  session are never slowed down.
+* Runs are not read through their ``RunStream``: the gateway detaches it at once
+  (``RunStream.detach``) and every output reaches clients through the subscription, so
+  nothing piles up for a run nobody reads.
+* Requests of one connection are executed in arrival order by its reader (a ``steer``
+  sent after a ``run`` lands in that run). ``compact`` alone runs in its own task, so the
+  connection keeps reading while the model summarizes (inside a batch it runs in line).
+* A bad frame is answered with an error and the connection stays open: not JSON (-32700);
+  binary, wrong shape, too large (-32600); unknown method (-32601); bad params (-32602,
+  naming the ``$.path``). The one exception is a message larger than
+  ``max_message_bytes``, which the websocket library refuses by closing (1009).
+* Batches are supported (JSON-RPC 2.0 §6); each entry counts against the rate limit.
+* Sessions outlive the gateway: stopping it closes each connection with code 1001 and a
+  reason, and leaves running tasks to the host.
+
+Authentication and identity (R-SEC-4): a connection is authenticated by ``Authorization:
+Bearer TOKEN`` on the handshake (a wrong token is refused with HTTP 401 before the upgrade)
+or by an ``initialize {token, client_id?}`` first call; until then every other method
+answers 401 and the connection stays open, for at most ``auth_timeout_s`` (10 s: then it is
+closed with 1008; after ``max_auth_failures`` wrong tokens it is closed at once). Each token
+names one *principal* (``--tokens-file``: one ``CLIENT_ID TOKEN`` per line; ``--token-file``
+or the generated token: the principal ``default``). Tokens are compared in constant time,
+every known token each time. ``initialize {client_id}`` and the ``X-Greenroom-Client``
+header may only repeat the token's principal: naming another is refused (403). A
+principal sees only the sessions it created or was granted (:meth:`Gateway.grant`):
+another principal's session answers 403, an unknown one 404. Every connection of one
+principal sees the same sessions (a reconnecting client keeps its sessions).
+
+Admission, before any of that: a browser handshake (one with an ``Origin`` header) whose
+origin is not allowed (the console's, or one given with ``allowed_origins`` /
+:meth:`Gateway.allow_origin`) is refused with HTTP 403; beyond ``max_connections`` open
+connections the handshake is refused with HTTP 503; and the listener stops accepting
+sockets at ``max_connections + HANDSHAKE_SLACK``, so a flood of half-open connections
+waits in the kernel's backlog instead of taking the file descriptors sessions need for
+their traces. ``greenroom serve`` raises the process's soft ``RLIMIT_NOFILE`` to its hard
+limit and keeps ``FD_RESERVE`` descriptors out of the cap (:func:`connection_cap`).
+
+Workspaces (R-SEC-5): a client's ``session.create {workspace}`` must resolve (symlinks
+followed) to a directory under the workspace root (:attr:`SessionDefaults.workspace_root`,
+default: the default workspace) that is not the file system root; relative paths are
+taken from the root. The gateway refuses to start when the data dir (tokens, traces,
+ledger) lies under the workspace root or the default workspace: no session's tools could
+then reach it.
+
+Approvals (``approve="ask"``, the default of ``greenroom serve``): every session the
+gateway creates or loads gets a client approver. A tool call then emits an
+``approval_request`` output and waits for an ``approve {session_id, call_id, decision}``
+call from any connection of an owning identity; when no connection is subscribed to the
+session the call is denied at once (``by: default``), and after the session's
+``approval_timeout_s`` it is denied too. A pending request survives a client's
+disconnection, so a client that reconnects and resubscribes can still answer it.
+"""
+
+from greenroom.actors.gateway.config import (
+    AUTH_TIMEOUT_S,
+    DEFAULT_CLIENT,
+    DEFAULT_MAX_CONNECTIONS,
+    FD_RESERVE,
+    PATH,
+    TOKEN_FILE_NAME,
+    GatewayLimits,
+    SessionDefaults,
+    check_data_dir_private,
+    connection_cap,
+    load_or_create_token,
+    load_tokens_file,
+    raise_fd_limit,
+    token_file_path,
+)
+from greenroom.actors.gateway.server import Gateway, run_serve
+from greenroom.actors.gateway.titles import TITLE_FILE
+
+__all__ = [
+    "AUTH_TIMEOUT_S",
+    "DEFAULT_CLIENT",
+    "DEFAULT_MAX_CONNECTIONS",
+    "FD_RESERVE",
+    "PATH",
+    "TITLE_FILE",
+    "TOKEN_FILE_NAME",
+    "Gateway",
+    "GatewayLimits",
+    "SessionDefaults",
+    "check_data_dir_private",
+    "connection_cap",
+    "load_or_create_token",
+    "load_tokens_file",
+    "raise_fd_limit",
+    "run_serve",
+    "token_file_path",
+]

@@ -1,0 +1,294 @@
+"""The gateway's configuration: what ``greenroom serve`` reads before it listens.
+
+:class:`SessionDefaults` (how sessions are made), :class:`GatewayLimits` (what one connection
+may do), the tokens files (R-SEC-4), the file descriptor budget of the connection cap, and the
+confinement of clients' workspaces and image paths (R-SEC-5). Everything here is plain data
+or blocking file work done before serving or in a worker thread; nothing here does network
+I/O.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+
+from greenroom.actors.errors import ConfigurationError
+from greenroom.actors.llm_streamer import ModelProvider
+from greenroom.protocols.content import ImageBlock, UserContent
+from greenroom.protocols.jsonrpc import invalid
+from greenroom.protocols.tools import Tool
+
+PATH = "/v1"
+TOKEN_FILE_NAME = "serve.token"
+DEFAULT_CLIENT = "default"
+"""The principal of the one token of ``--token-file`` (or the generated token)."""
+CLIENT_HEADER = b"x-greenroom-client"
+AUTH_TIMEOUT_S = 10.0
+"""How long a connection may stay unauthenticated before it is closed (1008)."""
+DEFAULT_MAX_CONNECTIONS = 1024
+HANDSHAKE_SLACK = 32
+"""Sockets accepted beyond ``max_connections``: enough to answer 503 to a few at a time."""
+FD_RESERVE = 256
+"""File descriptors the connection cap leaves to sessions (traces, ledger, tools)."""
+
+ApproveMode = Literal["ask", "all", "none"]
+
+CLIENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,63}")
+SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+CLIENT_SETTABLE_FORBIDDEN = ("provider", "base_url", "sandbox", "shell_network")
+"""Settings a client may not choose: ``provider`` and ``base_url`` pick which endpoint gets
+the server's API key; ``sandbox`` and ``shell_network`` are the server's confinement of
+``run_shell`` (R-SEC-3), which a client must not loosen."""
+
+
+def _tool_tuple(tools: Iterable[Tool]) -> tuple[Tool, ...]:
+    return tuple(tools)
+
+
+# -- configuration -----------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class SessionDefaults:
+    """How the gateway creates sessions (``greenroom serve`` fills it from its flags).
+
+    A client's ``session.create {workspace?, model?, settings?}`` overrides ``workspace_dir``,
+    ``model`` and any :class:`SessionSettings` field but ``provider`` and ``base_url``.
+    ``provider_factory``, when given, makes the provider object of each new or loaded
+    session (tests pass scripted providers this way) and wins over ``provider``.
+    ``approve``: ``ask`` (clients answer ``approval_request`` outputs), ``all`` (every call
+    is allowed), ``none`` (every call is denied).
+    """
+
+    provider: str | None = None
+    provider_factory: Callable[[], ModelProvider] | None = None
+    model: str | None = None
+    tools: tuple[Tool, ...] = attrs.field(default=(), converter=_tool_tuple)
+    workspace_dir: str | Path = "."
+    system: str | None = None
+    settings: Mapping[str, Any] = attrs.field(factory=dict)
+    approve: ApproveMode = "ask"
+    workspace_root: str | Path | None = None
+    """Where a client's ``session.create {workspace}`` must resolve; None: under
+    ``workspace_dir``."""
+
+
+@attrs.frozen(kw_only=True)
+class GatewayLimits:
+    """Per-connection limits. ``rate_per_s``/``burst``: a token bucket on calls (each batch
+    entry and each bad frame is one); beyond it calls answer 429. ``max_frame_bytes``: a
+    larger text frame answers -32600; ``max_message_bytes``: the websocket library closes
+    the connection (1009) beyond it. ``max_pending_frames``: how many frames the
+    connection's writer has not taken may wait while the writer is stuck (no send finished
+    for ``stall_timeout_s``: the socket refuses bytes) before its subscriptions are
+    dropped; ``max_pending_bytes``: the bound on what waits for one connection (counted in
+    characters), stuck or not.
+    ``settle_timeout_s``: how long ``run`` waits for a session that has emitted
+    ``task_end`` to turn idle."""
+
+    rate_per_s: float = 50.0
+    burst: int = 100
+    max_frame_bytes: int = 1 << 20
+    max_message_bytes: int = 16 << 20
+    max_batch: int = 100
+    max_pending_frames: int = 1000
+    max_pending_bytes: int = 64 << 20
+    stall_timeout_s: float = 2.0
+    max_replay_buffer: int = 10_000
+    max_auth_failures: int = 5
+    handshake_timeout_s: float = 10.0
+    close_timeout_s: float = 5.0
+    settle_timeout_s: float = 2.0
+
+
+# -- the token -----------------------------------------------------------------------------------
+
+
+def load_or_create_token(data_dir: str | Path, token_file: str | Path | None = None) -> str:
+    """The bearer token of ``greenroom serve``.
+
+    With ``token_file``: its content (stripped); a missing file is created with a new token.
+    Without: ``<data_dir>/serve.token``, reused when it exists, else created. A created
+    file holds ``secrets.token_urlsafe(32)`` and has mode 0600. Raises
+    :class:`ConfigurationError` for an empty or unreadable file. Blocking (call it before
+    ``trio.run`` or in a worker thread).
+    """
+    path = token_file_path(data_dir, token_file)
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        token = secrets.token_urlsafe(32)
+        _write_private(path, token + "\n")
+        return token
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigurationError(f"cannot read the token file {path}: {exc}") from None
+    if not token or any(c.isspace() for c in token):
+        raise ConfigurationError(f"the token file {path} holds no usable token")
+    return token
+
+
+def token_file_path(data_dir: str | Path, token_file: str | Path | None = None) -> Path:
+    """Where the token is read from: ``token_file``, else ``<data_dir>/serve.token``."""
+    return Path(token_file).expanduser() if token_file else Path(data_dir) / TOKEN_FILE_NAME
+
+
+def load_tokens_file(path: str | Path) -> dict[str, str]:
+    """The principals of ``serve --tokens-file``: ``{client_id: token}`` from a file of
+    ``CLIENT_ID TOKEN`` lines (``#`` starts a comment; blank lines are skipped). Raises
+    :class:`ConfigurationError` naming the file and line of a bad line, a repeated client
+    id or token, or an unreadable or empty file. Blocking."""
+    file = Path(path).expanduser()
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigurationError(f"cannot read the tokens file {file}: {exc}") from None
+    tokens: dict[str, str] = {}
+    seen: set[str] = set()
+    for number, line in enumerate(text.splitlines(), start=1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        where = f"{file}:{number}"
+        if len(fields) != 2:
+            raise ConfigurationError(
+                f"{where}: expected CLIENT_ID TOKEN, got {len(fields)} field(s)"
+            )
+        client_id, token = fields
+        if not CLIENT_ID.fullmatch(client_id):
+            raise ConfigurationError(
+                f"{where}: bad client id (letters, digits and ._:@- only, at most 64)"
+            )
+        if client_id in tokens:
+            raise ConfigurationError(f"{where}: client id {client_id!r} given twice")
+        if token in seen:
+            raise ConfigurationError(f"{where}: this token is already another client's")
+        if len(token) < 16:
+            raise ConfigurationError(f"{where}: token shorter than 16 characters")
+        tokens[client_id] = token
+        seen.add(token)
+    if not tokens:
+        raise ConfigurationError(f"the tokens file {file} names no client")
+    return tokens
+
+
+def connection_cap(requested: int, fd_soft_limit: int | None) -> int:
+    """The connection cap that leaves ``FD_RESERVE`` descriptors (and the handshake
+    slack) free under ``fd_soft_limit`` (None: no limit known); at least 1."""
+    if fd_soft_limit is None or fd_soft_limit < 0:
+        return requested
+    return max(1, min(requested, fd_soft_limit - FD_RESERVE - HANDSHAKE_SLACK))
+
+
+def raise_fd_limit() -> int | None:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit (where the platform has one) and
+    return the soft limit now in force (None: unknown or unlimited)."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def check_data_dir_private(data_dir: str | Path, *workspaces: str | Path) -> None:
+    """Raise :class:`ConfigurationError` when the data dir lies under one of
+    ``workspaces`` (the workspace root, the default workspace): a session's tools would
+    reach the tokens and every other session's traces (R-SEC-5). Blocking."""
+    data = Path(data_dir).expanduser().resolve()
+    for workspace in workspaces:
+        root = Path(workspace).expanduser().resolve()
+        if data.is_relative_to(root):
+            raise ConfigurationError(
+                f"the data dir {data} is inside the workspace {root}, where sessions' tools "
+                f"could read it; choose a --data-dir outside {root} or another "
+                "--workspace-root/--workspace"
+            )
+
+
+def _write_private(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
+        os.write(fd, text.encode("utf-8"))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    tmp.replace(path)
+
+
+# -- workspaces and origins --------------------------------------------------------------------
+
+
+def directory(value: str | Path) -> Path:
+    """``value`` as a directory path; -32602 naming ``$.workspace`` when it is none."""
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        raise invalid("$.workspace", f"not a directory: {path}")
+    return path
+
+
+def resolved(value: str | Path) -> Path:
+    """``value`` with ``~`` expanded and symlinks followed (blocking)."""
+    return Path(value).expanduser().resolve()
+
+
+def confined_workspace(value: str, root: Path, data_dir: Path) -> Path:
+    """A client's workspace: a directory that resolves (symlinks followed) under ``root``,
+    is not the file system root and does not hold the data dir (R-SEC-5). Relative paths
+    are taken from ``root``. Raises -32602 naming ``$.workspace``; never OSError."""
+    try:
+        path = (root / Path(value).expanduser()).resolve(strict=True)
+        is_dir = path.is_dir()
+        data = data_dir.resolve()
+    except FileNotFoundError:
+        raise invalid("$.workspace", "no such directory") from None
+    except (OSError, ValueError, RuntimeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise invalid("$.workspace", f"cannot be used: {reason}") from None
+    if path == Path(path.anchor):
+        raise invalid("$.workspace", "the file system root is never a workspace")
+    if not is_dir:
+        raise invalid("$.workspace", "not a directory")
+    if not path.is_relative_to(root):
+        raise invalid("$.workspace", f"outside the server's workspace root {root}")
+    if data.is_relative_to(path):
+        raise invalid("$.workspace", "holds the server's data dir")
+    return path
+
+
+def normal_origin(origin: str) -> str:
+    """A browser origin as it is compared: trimmed, no trailing slash, lower case."""
+    return origin.strip().rstrip("/").lower()
+
+
+def confine_images(
+    blocks: tuple[UserContent, ...], roots: Iterable[Path]
+) -> tuple[UserContent, ...]:
+    """Image paths resolved against the first root (the workspace) and kept inside one of
+    the roots: a client must not make the server read (and send to a model) any file."""
+    bases = [r.resolve() for r in roots]
+    confined: list[UserContent] = []
+    for i, block in enumerate(blocks):
+        if isinstance(block, ImageBlock):
+            try:
+                path = (bases[0] / Path(block.path).expanduser()).resolve()
+            except (OSError, ValueError, RuntimeError) as exc:
+                raise invalid(f"$.input[{i}].path", f"cannot be used: {exc}") from None
+            if not any(path.is_relative_to(base) for base in bases):
+                raise invalid(f"$.input[{i}].path", "outside the session's workspace")
+            block = attrs.evolve(block, path=str(path))
+        confined.append(block)
+    return tuple(confined)

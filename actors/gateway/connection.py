@@ -1,0 +1,337 @@
+"""One websocket client of the gateway: its reader, its writer and what lies between.
+
+::
+
+    Connection.run          the reader: the connection's handler task itself; reads frames
+    │                       and answers requests in arrival order
+    ├── writer              sends the outbox's frames (responses, notifications) in order
+    ├── auth deadline       closes an unauthenticated connection after ``auth_timeout_s``
+    └── detached calls      ``compact`` (it waits for a model request), answered when done
+
+Frames are read and built by :mod:`greenroom.protocols.jsonrpc`; a method's work is done by
+the handler the gateway's dispatch table names (:mod:`greenroom.actors.gateway.methods`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import trio
+from trio_websocket import ConnectionClosed, WebSocketConnection
+
+from greenroom.actors.errors import (
+    AuthLocked,
+    Busy,
+    ConfigurationError,
+    GreenroomError,
+    SessionNotFound,
+)
+from greenroom.actors.gateway.config import GatewayLimits
+from greenroom.protocols import jsonrpc
+from greenroom.protocols.jsonrpc import Batch, FrameError, Notification, Request, RpcError
+
+if TYPE_CHECKING:
+    from greenroom.actors.gateway.hubs import Subscription
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[["Connection", dict[str, Any]], Awaitable[Any]]
+"""A method's handler: the connection that called and the call's params; returns the
+result (raising :class:`RpcError` or a :class:`GreenroomError` to answer an error)."""
+
+
+class TokenBucket:
+    """``rate`` tokens a second, at most ``burst`` saved up; one per call."""
+
+    __slots__ = ("_last", "_rate", "_tokens", "burst")
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self._rate = rate
+        self.burst = burst
+        self._tokens = float(burst)
+        self._last: float | None = None
+
+    def take(self, now: float) -> bool:
+        """Spend one token at ``now``; False when none is left."""
+        if self._last is not None:
+            self._tokens = min(self.burst, self._tokens + (now - self._last) * self._rate)
+        self._last = now
+        if self._tokens >= 1:
+            self._tokens -= 1
+            return True
+        return False
+
+
+class Outbox:
+    """Frames waiting for the connection's writer: the connection's one channel, from its
+    reader (answers), its subscriptions (outputs, replays) and the hubs (notices) to its
+    writer, which alone takes from it.
+
+    ``put_nowait`` never blocks: session listeners call it from the supervisor's flush,
+    where waiting on a client would stall the session and every other client of it. So
+    the queue is unbounded on purpose; its growth is bounded by the slow-client rule
+    instead, which drops the connection's subscriptions (the only producers that do not
+    wait) once it holds too much. A replay waits for room (:meth:`wait_below`).
+    The writer takes every queued frame at once (:meth:`take_all`) and reports each send
+    (:meth:`sending`, :meth:`sent`). :meth:`behind` is the slow-client rule: frames the
+    writer has not taken count only while the writer is stuck in one send, because a
+    burst queued while the writer merely waits to be scheduled is sent as soon as it runs.
+    After :meth:`close` frames are discarded.
+    """
+
+    def __init__(self) -> None:
+        self._queue: deque[str] = deque()
+        self._taken = 0
+        self.size = 0
+        """Characters of the frames queued or taken and not yet sent."""
+        self._closed = False
+        self._send_began: float | None = None
+        self._arrived = trio.Event()
+        self._progress = trio.Event()
+
+    @property
+    def pending(self) -> int:
+        """Frames queued or taken and not yet sent."""
+        return len(self._queue) + self._taken
+
+    def put_nowait(self, frame: str) -> None:
+        """Queue ``frame`` for the writer (dropped once closed). Never blocks or raises."""
+        if self._closed:
+            return
+        self._queue.append(frame)
+        self.size += len(frame)
+        self._arrived.set()
+
+    async def take_all(self) -> list[str]:
+        """Every queued frame, once there is one (the writer's side)."""
+        while not self._queue:
+            self._arrived = trio.Event()
+            await self._arrived.wait()
+        frames = list(self._queue)
+        self._queue.clear()
+        self._taken += len(frames)
+        return frames
+
+    def sending(self, now: float) -> None:
+        """The writer began sending a frame at ``now``."""
+        self._send_began = now
+
+    def sent(self, frame: str) -> None:
+        """The writer has sent ``frame``."""
+        self._taken -= 1
+        self.size -= len(frame)
+        self._send_began = None
+        self._progress.set()
+        self._progress = trio.Event()
+
+    def behind(self, now: float, limits: GatewayLimits) -> str | None:
+        """Why this client is too far behind to keep its subscriptions, or None."""
+        if self.size > limits.max_pending_bytes:
+            return f"client too slow: more than {limits.max_pending_bytes} bytes not read"
+        stuck = self._send_began is not None and now - self._send_began >= limits.stall_timeout_s
+        if stuck and len(self._queue) > limits.max_pending_frames:
+            return "client too slow: outputs not read"
+        return None
+
+    async def wait_below(self, limit: int) -> None:
+        """Return once fewer than ``limit`` frames are pending."""
+        while self.pending >= limit:
+            await self._progress.wait()
+
+    def close(self) -> None:
+        """Discard what waits and whatever is put from now on."""
+        self._closed = True
+        self._queue.clear()
+
+
+
+class Connection:
+    """One websocket client: its identity, limits, outbox and subscriptions, and the
+    tasks that serve it (:meth:`run`).
+
+    Channels: the :class:`Outbox` (unbounded, see there) is the only way frames reach the
+    client; ``after_answer`` holds actions to run once the current frame's answer is
+    queued (a subscription goes live there, so that its first live output follows the
+    answer). Requests are answered in arrival order by the reader itself, so a ``steer``
+    sent after a ``run`` lands in that run; a method in ``detached`` runs in its own task
+    when it is called alone (inside a batch it runs in line).
+    """
+
+    def __init__(
+        self,
+        ws: WebSocketConnection,
+        identity: str | None,
+        limits: GatewayLimits,
+        *,
+        methods: Mapping[str, Handler],
+        detached: frozenset[str] = frozenset(),
+        auth_timeout_s: float,
+        claimed: str | None = None,
+    ) -> None:
+        self.ws = ws
+        self.identity = identity
+        """The principal, once authenticated."""
+        self.claimed = claimed
+        """The client id the handshake's ``X-Greenroom-Client`` header named."""
+        self.authenticated = trio.Event()
+        if identity is not None:
+            self.authenticated.set()
+        self.limits = limits
+        self.initialized = False
+        self.calls = 0
+        """Calls answered with a result (``initialize`` aside)."""
+        self.auth_failures = 0
+        self.close_with: tuple[int, str] | None = None
+        """Set to close the connection with this code and reason after the current frame."""
+        self.bucket = TokenBucket(limits.rate_per_s, limits.burst)
+        self.outbox = Outbox()
+        self.subscriptions: dict[str, Subscription] = {}
+        """The connection's subscriptions, by session id."""
+        self.after_answer: list[Callable[[], None]] = []
+        self._methods = methods
+        self._detached = detached
+        self._auth_timeout_s = auth_timeout_s
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self) -> None:
+        """Read and answer frames until the client closes, :attr:`close_with` is set or the
+        auth deadline passes; then let the last answer out (briefly) and stop the writer.
+        Raises what a handler's unexpected failure or the socket raise, but never
+        :class:`ConnectionClosed` from reading."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._write_loop, nursery.cancel_scope)
+            if self.identity is None:
+                nursery.start_soon(self._auth_deadline, nursery.cancel_scope)
+            try:
+                while self.close_with is None:
+                    message = await self.ws.get_message()
+                    await self._on_message(message)
+            except ConnectionClosed:
+                pass
+            if self.close_with is not None:
+                # Let the last answer (why we close) reach the client first.
+                with trio.move_on_after(self.limits.close_timeout_s):
+                    await self.outbox.wait_below(1)
+            nursery.cancel_scope.cancel()
+
+    def drop_subscriptions(self) -> None:
+        """The connection is gone: end its subscriptions and discard what waits."""
+        for subscription in list(self.subscriptions.values()):
+            subscription.close()
+        self.outbox.close()
+
+    def failed_auth(self) -> None:
+        """Count a wrong token; after ``max_auth_failures`` the connection closes (1008)."""
+        self.auth_failures += 1
+        if self.auth_failures >= self.limits.max_auth_failures:
+            self.close_with = (1008, "too many failed authentication attempts")
+
+    async def _auth_deadline(self, scope: trio.CancelScope) -> None:
+        with trio.move_on_after(self._auth_timeout_s):
+            await self.authenticated.wait()
+            return
+        self.close_with = (1008, f"not authenticated within {self._auth_timeout_s:g} s")
+        scope.cancel()
+
+    async def _write_loop(self, scope: trio.CancelScope) -> None:
+        outbox = self.outbox
+        try:
+            while True:
+                # Everything queued is taken at once: frames a prompt reader will get as
+                # soon as this task runs do not count against the slow-client rule.
+                for frame in await outbox.take_all():
+                    outbox.sending(trio.current_time())
+                    await self.ws.send_message(frame)
+                    outbox.sent(frame)
+        except ConnectionClosed:
+            scope.cancel()
+
+    def _run_after_answer(self) -> None:
+        actions, self.after_answer = self.after_answer, []
+        for action in actions:
+            action()
+
+    async def _on_message(self, message: str | bytes) -> None:
+        limits = self.limits
+        frame = jsonrpc.parse_frame(
+            message, max_bytes=limits.max_frame_bytes, max_batch=limits.max_batch
+        )
+        if isinstance(frame, Batch):
+            answers: list[dict[str, Any]] = []
+            for item in frame.items:
+                answer = await self._answer(item, detach=False)
+                if answer is not None:
+                    answers.append(answer)
+            if answers:
+                self.outbox.put_nowait(jsonrpc.encode(answers))
+        else:
+            answer = await self._answer(frame, detach=True)
+            if answer is not None:
+                self.outbox.put_nowait(jsonrpc.encode(answer))
+        self._run_after_answer()
+
+    async def _answer(
+        self, call: Request | Notification | FrameError, *, detach: bool
+    ) -> dict[str, Any] | None:
+        """The response to one call (None for a notification, or one answered later)."""
+        request_id = call.id if isinstance(call, Request | FrameError) else None
+        wants_answer = not isinstance(call, Notification)
+        if not self.bucket.take(trio.current_time()):
+            error = RpcError(
+                jsonrpc.TOO_MANY_REQUESTS,
+                f"too many requests: at most {self.limits.rate_per_s:g} per second "
+                f"(bursts of {self.limits.burst})",
+            )
+            return jsonrpc.error_frame(request_id, error) if wants_answer else None
+        if isinstance(call, FrameError):
+            return call.response()
+        if self.identity is None and call.method != "initialize":
+            error = RpcError(
+                jsonrpc.UNAUTHORIZED,
+                "unauthorized: send Authorization: Bearer TOKEN on the handshake or call "
+                "initialize {token} first",
+            )
+            return jsonrpc.error_frame(request_id, error) if wants_answer else None
+        method = self._methods.get(call.method)
+        if method is None:
+            error = RpcError(jsonrpc.METHOD_NOT_FOUND, f"method not found: {call.method!r}")
+            return jsonrpc.error_frame(request_id, error) if wants_answer else None
+        if detach and call.method in self._detached:
+            assert self._nursery is not None
+            self._nursery.start_soon(self._answer_later, call, method)
+            return None
+        return await self._call(call, method)
+
+    async def _answer_later(self, call: Request | Notification, method: Handler) -> None:
+        answer = await self._call(call, method)
+        if answer is not None:
+            self.outbox.put_nowait(jsonrpc.encode(answer))
+
+    async def _call(self, call: Request | Notification, method: Handler) -> dict[str, Any] | None:
+        error: RpcError
+        try:
+            result = await method(self, call.params)
+        except RpcError as exc:
+            error = exc
+        except (Busy, AuthLocked, SessionNotFound) as exc:
+            error = RpcError(exc.code, str(exc))
+        except ConfigurationError as exc:
+            error = RpcError(jsonrpc.INVALID_PARAMS, str(exc))
+        except GreenroomError as exc:
+            error = RpcError(getattr(exc, "code", jsonrpc.INTERNAL_ERROR), str(exc))
+        except Exception as exc:
+            logger.exception("gateway: %s failed", call.method)
+            error = RpcError(jsonrpc.INTERNAL_ERROR, f"internal error: {exc!r}")
+        else:
+            if call.method != "initialize":
+                self.calls += 1
+            if isinstance(call, Request):
+                return jsonrpc.result_frame(call.id, result)
+            return None
+        if isinstance(call, Request):
+            return jsonrpc.error_frame(call.id, error)
+        return None

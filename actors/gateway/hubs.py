@@ -1,0 +1,391 @@
+"""The gateway's side of each session: one listener that fans its outputs out to the
+connections subscribed to it, with gapless replay, and the session's client approvals.
+
+Invariants:
+
+* A session's supervisor never waits on a client. The gateway watches each session through
+  one ``Session.subscribe`` listener (a :class:`SessionHub`) that encodes every output once
+  and queues the frame on each subscribed connection's outbox without blocking. A client is
+  dropped only when it is really behind (:meth:`Outbox.behind`); a dropped subscription gets
+  a ``subscription_dropped`` notification ``{session_id, reason, last_seq}`` and the client
+  resubscribes with ``after_seq: last_seq`` and misses nothing. Other clients and the
+  session are never slowed down.
+* A subscription goes live first (buffering) and replays the trace second: an output
+  emitted meanwhile is in the buffer, in the trace, or in both (deduplicated by seq), never
+  in neither.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal, assert_never
+
+import attrs
+import trio
+
+from greenroom.actors.gateway.config import ApproveMode, GatewayLimits
+from greenroom.actors.gateway.connection import Connection
+from greenroom.actors.session import Session
+from greenroom.actors.trace_sink import read_trace
+from greenroom.protocols import jsonrpc
+from greenroom.protocols.content import ToolCallBlock
+from greenroom.protocols.converter import to_dict
+from greenroom.protocols.messages import Verdict
+from greenroom.protocols.outputs import (
+    Abort,
+    ApprovalDecision,
+    ApprovalRequest,
+    CompactionBegin,
+    CompactionEnd,
+    ModelMsg,
+    Output,
+    PartialText,
+    PartialThinking,
+    PartialToolCall,
+    RequestBegin,
+    RequestEnd,
+    TaskEnd,
+    TaskStart,
+    TokenUsageOutput,
+    ToolCallOutput,
+    ToolProgress,
+    UserMsg,
+)
+from greenroom.protocols.trace import trace_file_number
+
+logger = logging.getLogger(__name__)
+
+SessionState = Literal["idle", "running", "waiting_for_approval"]
+
+
+class Subscription:
+    """One connection watching one session. Until :meth:`go_live` it buffers live outputs
+    (the replay is being sent); then it queues them on the connection's outbox.
+
+    The buffer is bounded by ``max_replay_buffer`` frames: beyond it the subscription is
+    dropped (with a notice) rather than make the session's listener wait.
+    """
+
+    def __init__(
+        self, connection: Connection, hub: SessionHub, after_seq: int, limits: GatewayLimits
+    ) -> None:
+        self.connection = connection
+        self.hub = hub
+        self.last_seq = after_seq
+        """The seq of the last output this subscription queued for its client."""
+        self.closed = False
+        self._limits = limits
+        self._buffer: list[tuple[int | None, str]] | None = []
+        hub.subscriptions.append(self)
+        connection.subscriptions[hub.session.id] = self
+
+    def deliver(self, frames: list[tuple[int | None, str]]) -> None:
+        """Called from the session's listener: must not block or raise."""
+        if self.closed:
+            return
+        if self._buffer is not None:
+            self._buffer.extend(frames)
+            if len(self._buffer) > self._limits.max_replay_buffer:
+                self.drop("too many live outputs while replaying")
+            return
+        outbox = self.connection.outbox
+        reason = outbox.behind(trio.current_time(), self._limits)
+        if reason is not None:
+            self.drop(reason)
+            return
+        for seq, frame in frames:
+            outbox.put_nowait(frame)
+            if seq is not None:
+                self.last_seq = seq
+
+    def go_live(self, last_replayed: int) -> None:
+        """The replay has been queued up to ``last_replayed``: queue what was buffered
+        after it, and from now on every live output."""
+        buffered, self._buffer = self._buffer or [], None
+        self.deliver([(s, f) for s, f in buffered if s is None or s > last_replayed])
+
+    def drop(self, reason: str) -> None:
+        """End the subscription and tell the client why and where to resume."""
+        self.close()
+        notice = {"session_id": self.hub.session.id, "reason": reason, "last_seq": self.last_seq}
+        self.connection.outbox.put_nowait(
+            jsonrpc.encode(jsonrpc.notification_frame("subscription_dropped", notice))
+        )
+
+    def close(self) -> None:
+        """End the subscription quietly."""
+        self.closed = True
+        with contextlib.suppress(ValueError):
+            self.hub.subscriptions.remove(self)
+        if self.connection.subscriptions.get(self.hub.session.id) is self:
+            del self.connection.subscriptions[self.hub.session.id]
+
+
+@attrs.define
+class _PendingApproval:
+    event: trio.Event = attrs.field(factory=trio.Event)
+    verdict: Verdict | None = None
+
+
+class SessionHub:
+    """The gateway's one listener on a session: encodes each output once and hands it to
+    every subscription; holds the session's pending client approvals.
+
+    Its listener runs inside the supervisor's flush and never blocks: it hands frames to
+    :meth:`Subscription.deliver`. A pending approval is one event per call id, set by
+    :meth:`answer` from any connection (or by :meth:`close`), so no channel is needed.
+    """
+
+    def __init__(
+        self, session: Session, on_task_end: Callable[[Session], None] | None = None
+    ) -> None:
+        self.session = session
+        self.subscriptions: list[Subscription] = []
+        self.pending: dict[str, _PendingApproval] = {}
+        self.finishing = False
+        """The last task (or compaction) has emitted its end and nothing is queued: the
+        session is only syncing its trace before it turns idle."""
+        self.open_approvals: set[tuple[str, str]] = set()
+        """``(origin, call_id)`` of approval requests clients were sent and not answered."""
+        self.last_output_at = 0.0
+        self._on_task_end = on_task_end
+        self._approving = False
+        self._unsubscribe = session.subscribe(self._on_batch)
+
+    def _on_batch(self, batch: list[Output]) -> None:
+        # Called inside the supervisor's flush: a failure here must not reach it.
+        try:
+            self._fan_out(batch)
+        except Exception:
+            logger.exception("gateway: cannot forward outputs of session %s", self.session.id)
+
+    def _fan_out(self, batch: list[Output]) -> None:
+        self.last_output_at = time.time()
+        for output in batch:
+            match output:
+                case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():
+                    pass  # the most frequent outputs, tested first: live only
+                case TaskEnd(origin=None):
+                    self.finishing = True
+                    self.open_approvals.clear()
+                    if self._on_task_end is not None:
+                        self._on_task_end(self.session)
+                case CompactionEnd(origin=None):
+                    self.finishing = True
+                case UserMsg(origin=None) | CompactionBegin(origin=None):
+                    self.finishing = False
+                case ApprovalRequest():
+                    self.open_approvals.add(("/".join(output.origin or ()), output.call_id))
+                case ApprovalDecision():
+                    self.open_approvals.discard(("/".join(output.origin or ()), output.call_id))
+                case TaskEnd() | CompactionEnd() | UserMsg() | CompactionBegin():
+                    pass  # a subagent's: the root session's state is unchanged
+                case (
+                    TaskStart()
+                    | RequestBegin()
+                    | ModelMsg()
+                    | TokenUsageOutput()
+                    | RequestEnd()
+                    | ToolCallOutput()
+                    | Abort()
+                ):
+                    pass  # forwarded to the subscriptions, nothing more
+                case _:
+                    assert_never(output)
+        if not self.subscriptions:
+            return
+        # Forwarded subagent outputs carry their own session's seq: never deduplicated.
+        frames = [(o.seq if o.origin is None else None, output_frame(o)) for o in batch]
+        for subscription in list(self.subscriptions):
+            subscription.deliver(frames)
+
+    def has_subscribers(self) -> bool:
+        """Whether a client could answer an approval now."""
+        return bool(self.subscriptions)
+
+    def approve_through_clients(self) -> None:
+        """Make this hub the session's client approver (:meth:`ask`)."""
+        self.session.set_client_approver(self.ask, present=self.has_subscribers)
+        self._approving = True
+
+    async def ask(self, call: ToolCallBlock) -> Verdict | None:
+        """The session's client approver: None at once when nobody watches; else the
+        answer of an ``approve`` call (the broker's timeout bounds the wait)."""
+        if not self.subscriptions:
+            return None
+        pending = _PendingApproval()
+        self.pending[call.id] = pending
+        try:
+            await pending.event.wait()
+        finally:
+            if self.pending.get(call.id) is pending:
+                del self.pending[call.id]
+        return pending.verdict
+
+    def answer(self, call_id: str, verdict: Verdict | None) -> bool:
+        """Resolve a pending request (None: nobody answers, the broker denies by default);
+        False when there is none with this id."""
+        pending = self.pending.pop(call_id, None)
+        if pending is None:
+            return False
+        pending.verdict = verdict
+        pending.event.set()
+        return True
+
+    def close(self) -> None:
+        """Stop watching: subscriptions are dropped (with a notice) and pending requests
+        answered None (denied by default)."""
+        self._unsubscribe()
+        for subscription in list(self.subscriptions):
+            subscription.drop("session reloaded")
+        for call_id in list(self.pending):
+            self.answer(call_id, None)
+
+    def release(self) -> None:
+        """:meth:`close`, and the session forgets this hub as its client approver (one
+        another watcher installed since stays)."""
+        self.close()
+        if self._approving:
+            self.session.clear_client_approver(self.ask)
+            self._approving = False
+
+
+class Hubs:
+    """The hubs of the sessions the gateway serves, one per session id.
+
+    ``approve``: with ``ask`` each new hub becomes its session's client approver.
+    ``on_task_end`` is called from a session's listener when a task has ended (it must not
+    block). Holds no channel and starts no task: a replay runs in the task of the
+    connection that subscribes, and waits for room in that connection's outbox.
+    """
+
+    def __init__(
+        self,
+        *,
+        approve: ApproveMode,
+        on_task_end: Callable[[Session], None] | None,
+        limits: GatewayLimits,
+    ) -> None:
+        self._approve = approve
+        self._on_task_end = on_task_end
+        self._limits = limits
+        self._hubs: dict[str, SessionHub] = {}
+
+    def get(self, session_id: str) -> SessionHub | None:
+        """The hub of ``session_id``, when the gateway has adopted that session."""
+        return self._hubs.get(session_id)
+
+    def adopt(self, session: Session) -> SessionHub:
+        """The session's hub, made (and its client approver installed) on first use. A
+        reloaded session (a new object with the id) gets a new hub."""
+        hub = self._hubs.get(session.id)
+        if hub is not None and hub.session is session:
+            return hub
+        if hub is not None:
+            hub.close()
+        hub = SessionHub(session, on_task_end=self._on_task_end)
+        self._hubs[session.id] = hub
+        if self._approve == "ask":
+            hub.approve_through_clients()
+        return hub
+
+    async def settled(self, session: Session) -> Session:
+        """``session``, after letting a task that has already emitted its ``task_end``
+        finish syncing its trace (briefly), so that a client reacting to ``task_end`` is
+        not told 409 Busy, and its steering or follow-up is not taken by a task that
+        is ending."""
+        hub = self.adopt(session)
+        if session.busy and hub.finishing and not session.has_follow_ups:
+            with trio.move_on_after(self._limits.settle_timeout_s):
+                await session.wait_idle()
+        return session
+
+    async def subscribe(
+        self, connection: Connection, session: Session, after_seq: int
+    ) -> tuple[int, int]:
+        """Subscribe ``connection`` to ``session`` (replacing its subscription there, if
+        any): queue the traced outputs after ``after_seq``, then, once the connection has
+        queued its answer, the live ones. Returns ``(replayed, last_seq)``."""
+        hub = self.adopt(session)
+        old = connection.subscriptions.get(session.id)
+        if old is not None:
+            old.close()
+        # Live first (buffered), then the replay: an output emitted meanwhile is in the
+        # buffer, in the trace, or in both (deduplicated by seq): never in neither.
+        subscription = Subscription(connection, hub, after_seq, self._limits)
+        try:
+            records = await replay_records(session, after_seq)
+            last_seq = after_seq
+            replayed = 0
+            # What the replay queues stays under half the slow-client bound: a long
+            # trace neither fills memory nor counts against a client that reads.
+            room = max(1, self._limits.max_pending_frames // 2)
+            for record in records:
+                if subscription.closed:
+                    break
+                await connection.outbox.wait_below(room)
+                connection.outbox.put_nowait(output_frame(record))
+                last_seq = record.seq or last_seq
+                subscription.last_seq = last_seq
+                replayed += 1
+        except BaseException:
+            subscription.close()
+            raise
+        # The answer marks the end of the replay: what follows it is live.
+        connection.after_answer.append(lambda: subscription.go_live(last_seq))
+        return replayed, last_seq
+
+    def release_all(self) -> None:
+        """The gateway stopped: no client can answer any more. Pending approvals are
+        denied and the sessions forget their client approver (they keep running)."""
+        for hub in self._hubs.values():
+            hub.release()
+        self._hubs.clear()
+
+
+def session_state(session: Session | None, hub: SessionHub | None) -> SessionState:
+    """What ``session.list`` says a session is doing: a task waits on a client's answer,
+    a task runs, or nothing runs (a task that has emitted its end counts as done)."""
+    if session is None or not session.busy:
+        return "idle"
+    if hub is not None and hub.open_approvals:
+        return "waiting_for_approval"
+    if hub is not None and hub.finishing:
+        return "idle"
+    return "running"
+
+
+def output_frame(output: Output) -> str:
+    """The ``output`` notification of one output, as text."""
+    return jsonrpc.encode(jsonrpc.notification_frame("output", to_dict(output)))
+
+
+async def replay_records(session: Session, after_seq: int) -> list[Output]:
+    """The session's traced outputs with ``seq > after_seq``, from all its trace files in
+    order. Nothing is published before its record is written to the file (R-TRACE-3), so
+    the files hold everything published before this call."""
+    return await trio.to_thread.run_sync(_read_records, session.directory, after_seq)
+
+
+def _read_records(directory: Path, after_seq: int) -> list[Output]:
+    try:
+        entries = list(directory.iterdir())
+    except FileNotFoundError:
+        return []
+    numbered = sorted(
+        (number, entry)
+        for entry in entries
+        if (number := trace_file_number(entry.name)) is not None
+    )
+    records: list[Output] = []
+    for _, path in numbered:
+        try:
+            result = read_trace(path)
+        except OSError:
+            continue
+        records.extend(r for r in result.records if r.seq is not None and r.seq > after_seq)
+    return records

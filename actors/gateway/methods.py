@@ -1,0 +1,321 @@
+"""The JSON-RPC methods of the gateway, one handler each.
+
+The dispatch table is driven by :data:`greenroom.protocols.jsonrpc.METHODS`, the one table of
+the methods, their parameters and results: each method ``name`` is handled by
+``Methods.rpc_<name>`` (dots as underscores), and a method of the table without a handler
+fails when the gateway is built. Handlers check their params against the table
+(``check_params``) and answer errors by raising :class:`RpcError` or a
+:class:`GreenroomError` (the connection turns them into error responses).
+
+Ownership (R-SEC-4): a principal sees only the sessions it created or was granted; another
+principal's session answers 403, an unknown one 404. Workspaces (R-SEC-5): a client's
+``session.create {workspace}`` must resolve under the workspace root.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, cast
+
+import attrs
+import trio
+
+from greenroom.actors.errors import SessionNotFound
+from greenroom.actors.gateway.access import Grants, Principals
+from greenroom.actors.gateway.config import (
+    CLIENT_ID,
+    CLIENT_SETTABLE_FORBIDDEN,
+    PATH,
+    SESSION_ID,
+    SessionDefaults,
+    confine_images,
+    confined_workspace,
+    directory,
+)
+from greenroom.actors.gateway.connection import Connection, Handler
+from greenroom.actors.gateway.hubs import Hubs, session_state
+from greenroom.actors.gateway.titles import Titles
+from greenroom.actors.host import SESSION_FILE, Host
+from greenroom.actors.llm_streamer import ModelProvider
+from greenroom.actors.session import Session
+from greenroom.protocols import jsonrpc
+from greenroom.protocols.content import ImageBlock, ToolCallBlock, UserContent
+from greenroom.protocols.converter import to_dict
+from greenroom.protocols.jsonrpc import RpcError, invalid
+from greenroom.protocols.messages import Verdict
+
+DETACHED = frozenset({"compact"})
+"""Methods a connection runs in their own task when called alone: ``compact`` waits for a
+model request, and the connection keeps reading meanwhile."""
+
+
+class Methods:
+    """The handlers of the gateway's methods, over the host's sessions.
+
+    Holds no channel and starts no task: each handler runs in the task of the connection
+    that called it (a detached one in the connection's nursery). ``workspace_root`` is set
+    by the gateway when it starts, before any call.
+    """
+
+    def __init__(
+        self,
+        host: Host,
+        *,
+        defaults: SessionDefaults,
+        approval_timeout_s: float,
+        principals: Principals,
+        grants: Grants,
+        hubs: Hubs,
+        titles: Titles,
+    ) -> None:
+        self.host = host
+        self.defaults = defaults
+        self.approval_timeout_s = approval_timeout_s
+        self.workspace_root: Path | None = None
+        """Where clients' workspaces must resolve (set when the gateway starts)."""
+        self._principals = principals
+        self._grants = grants
+        self._hubs = hubs
+        self._titles = titles
+
+    def table(self) -> dict[str, Handler]:
+        """The dispatch table, in the order of ``jsonrpc.METHODS``."""
+        return {
+            name: cast(Handler, getattr(self, "rpc_" + name.replace(".", "_")))
+            for name in jsonrpc.METHODS
+        }
+
+    # -- sessions and ownership ------------------------------------------------------------------
+
+    async def _owned_session(self, connection: Connection, params: Mapping[str, Any]) -> Session:
+        session_id = jsonrpc.require_str(params, "session_id", max_len=200)
+        if session_id not in self._grants.owned(_identity(connection)):
+            if await self._exists(session_id):
+                raise RpcError(
+                    jsonrpc.FORBIDDEN, f"session {session_id!r} belongs to another client"
+                )
+            raise RpcError(jsonrpc.NOT_FOUND, f"no session {session_id!r}")
+        try:
+            session = self.host.get_session(session_id)
+        except SessionNotFound:
+            # Closed by the host since (or granted from the data dir): load it again.
+            session = await self.host.load_session(
+                session_id, tools=self.defaults.tools, provider=self._provider()
+            )
+        self._hubs.adopt(session)
+        return session
+
+    async def _exists(self, session_id: str) -> bool:
+        if self._grants.anyone_owns(session_id):
+            return True
+        if any(s.id == session_id for s in self.host.sessions):
+            return True
+        if not SESSION_ID.fullmatch(session_id):
+            return False
+        meta = self.host.data_dir / "sessions" / session_id / SESSION_FILE
+        return await trio.Path(meta).exists()
+
+    def _provider(self) -> str | ModelProvider | None:
+        if self.defaults.provider_factory is not None:
+            return self.defaults.provider_factory()
+        return self.defaults.provider
+
+    def _run_approver(self) -> Callable[[ToolCallBlock], str] | None:
+        return _allow_all if self.defaults.approve == "all" else None
+
+    async def _input(self, session: Session, params: Mapping[str, Any]) -> tuple[UserContent, ...]:
+        if "input" not in params:
+            raise invalid("$.input", "required")
+        blocks = jsonrpc.parse_input(params["input"])
+        if not any(isinstance(b, ImageBlock) for b in blocks):
+            return blocks
+        roots = (session.workspace_dir, session.scratchpad_dir)
+        return await trio.to_thread.run_sync(confine_images, blocks, roots)
+
+    # -- methods ----------------------------------------------------------------------------------
+
+    async def rpc_initialize(self, connection: Connection, params: dict[str, Any]) -> Any:
+        jsonrpc.check_params(params, "initialize")
+        if connection.initialized or connection.calls:
+            raise RpcError(jsonrpc.INVALID_REQUEST, "initialize must be the first call, once")
+        token = jsonrpc.optional_str(params, "token", max_len=1000)
+        client_id = jsonrpc.optional_str(params, "client_id", max_len=64)
+        if client_id is not None and not CLIENT_ID.fullmatch(client_id):
+            raise invalid("$.client_id", "letters, digits and ._:@- only, at most 64")
+        principal = connection.identity
+        if token is not None:
+            principal = self._principals.of(token.encode("utf-8"))
+            if connection.identity is not None and principal != connection.identity:
+                principal = None  # the handshake's token said otherwise
+        if principal is None:
+            connection.failed_auth()
+            raise RpcError(jsonrpc.UNAUTHORIZED, "unauthorized: bad or missing token")
+        claimed = client_id or connection.claimed
+        if claimed is not None and claimed != principal:
+            connection.failed_auth()
+            raise RpcError(
+                jsonrpc.FORBIDDEN,
+                f"forbidden: client_id {claimed!r} is not this token's principal",
+            )
+        connection.initialized = True
+        connection.identity = principal
+        connection.authenticated.set()
+        return {"client_id": principal, "server": "greenroom", "path": PATH}
+
+    async def rpc_session_create(self, connection: Connection, params: dict[str, Any]) -> Any:
+        jsonrpc.check_params(params, "session.create")
+        workspace_param = jsonrpc.optional_str(params, "workspace", max_len=4096)
+        model = jsonrpc.optional_str(params, "model", max_len=200)
+        raw_settings = jsonrpc.optional_object(params, "settings")
+        client_settings = (
+            jsonrpc.parse_settings(raw_settings, forbidden=CLIENT_SETTABLE_FORBIDDEN)
+            if raw_settings is not None
+            else {}
+        )
+        defaults = self.defaults
+        if workspace_param is None:
+            workspace = await trio.to_thread.run_sync(directory, defaults.workspace_dir)
+        else:
+            root = self.workspace_root
+            assert root is not None  # set when the gateway starts
+            workspace = await trio.to_thread.run_sync(
+                confined_workspace, workspace_param, root, self.host.data_dir
+            )
+        overrides: dict[str, Any] = {
+            **defaults.settings,
+            "approval_timeout_s": self.approval_timeout_s,
+            **client_settings,
+        }
+        # create_session takes these two as arguments (its default model would override
+        # one given in the settings).
+        model = model or overrides.pop("model", None) or defaults.model
+        system = overrides.pop("system", None) or defaults.system
+        session = await self.host.create_session(
+            model=model,
+            tools=defaults.tools,
+            workspace_dir=workspace,
+            provider=self._provider(),
+            system=system,
+            **overrides,
+        )
+        self._grants.grant(_identity(connection), session.id)
+        self._hubs.adopt(session)
+        return {"session_id": session.id}
+
+    async def rpc_session_list(self, connection: Connection, params: dict[str, Any]) -> Any:
+        jsonrpc.check_params(params, "session.list")
+        owned = self._grants.owned(_identity(connection))
+        if not owned:
+            return {"sessions": []}
+        open_sessions = {s.id: s for s in self.host.sessions}
+        scan = await self.host.scan_sessions()
+        titles = await self._titles.of(
+            (i.session_id for i in scan.sessions if i.session_id in owned),
+            self.host.data_dir / "sessions",
+        )
+        sessions: list[dict[str, Any]] = []
+        for info in scan.sessions:
+            if info.session_id not in owned:
+                continue
+            session = open_sessions.get(info.session_id)
+            hub = self._hubs.get(info.session_id)
+            sessions.append(
+                {
+                    **attrs.asdict(info),
+                    "open": session is not None,
+                    "busy": session is not None and session.busy,
+                    "auth_locked": session is not None and session.auth_locked is not None,
+                    "title": titles.get(info.session_id, ""),
+                    "last_activity_at": max(
+                        info.updated_at, hub.last_output_at if hub is not None else 0.0
+                    ),
+                    "state": session_state(session, hub),
+                }
+            )
+        # The reason names a path of the server's data dir: the session id is enough.
+        unreadable = [
+            {"session_id": bad.session_id, "reason": bad.reason.removeprefix(f"{bad.path}: ")}
+            for bad in scan.unreadable
+            if bad.session_id in owned
+        ]
+        if unreadable:
+            return {"sessions": sessions, "unreadable": unreadable}
+        return {"sessions": sessions}
+
+    async def rpc_session_subscribe(self, connection: Connection, params: dict[str, Any]) -> Any:
+        jsonrpc.check_params(params, "session.subscribe")
+        session = await self._owned_session(connection, params)
+        after_seq = jsonrpc.optional_int(params, "after_seq", minimum=0) or 0
+        replayed, last_seq = await self._hubs.subscribe(connection, session, after_seq)
+        return {"session_id": session.id, "replayed": replayed, "last_seq": last_seq}
+
+    async def rpc_session_unsubscribe(self, connection: Connection, params: dict[str, Any]) -> Any:
+        jsonrpc.check_params(params, "session.unsubscribe")
+        session = await self._owned_session(connection, params)
+        subscription = connection.subscriptions.get(session.id)
+        if subscription is not None:
+            subscription.close()
+        return {"unsubscribed": subscription is not None}
+
+    async def rpc_run(self, connection: Connection, params: dict[str, Any]) -> Any:
+        jsonrpc.check_params(params, "run")
+        session = await self._hubs.settled(await self._owned_session(connection, params))
+        content = await self._input(session, params)
+        stream = session.run(content, approve=self._run_approver())
+        stream.detach()  # clients read the outputs through their subscriptions
+        return {"run_id": stream.run_id}
+
+    async def rpc_steer(self, connection: Connection, params: dict[str, Any]) -> Any:
+        jsonrpc.check_params(params, "steer")
+        session = await self._hubs.settled(await self._owned_session(connection, params))
+        content = await self._input(session, params)
+        return {"queued": session.steer(content)}
+
+    async def rpc_follow_up(self, connection: Connection, params: dict[str, Any]) -> Any:
+        jsonrpc.check_params(params, "follow_up")
+        session = await self._hubs.settled(await self._owned_session(connection, params))
+        content = await self._input(session, params)
+        return {"queued": session.follow_up(content, approve=self._run_approver())}
+
+    async def rpc_approve(self, connection: Connection, params: dict[str, Any]) -> Any:
+        jsonrpc.check_params(params, "approve")
+        session = await self._owned_session(connection, params)
+        call_id = jsonrpc.require_str(params, "call_id", max_len=500)
+        decision = cast(
+            Verdict, jsonrpc.require_choice(params, "decision", ("allow", "deny", "allow_session"))
+        )
+        if not self._hubs.adopt(session).answer(call_id, decision):
+            raise invalid("$.call_id", f"no pending approval request {call_id!r}")
+        return {}
+
+    async def rpc_interrupt(self, connection: Connection, params: dict[str, Any]) -> Any:
+        jsonrpc.check_params(params, "interrupt")
+        session = await self._owned_session(connection, params)
+        return {"interrupted": session.interrupt("interrupted by client")}
+
+    async def rpc_compact(self, connection: Connection, params: dict[str, Any]) -> Any:
+        jsonrpc.check_params(params, "compact")
+        session = await self._hubs.settled(await self._owned_session(connection, params))
+        end = await session.compact()
+        return None if end is None else to_dict(end)
+
+    async def rpc_skip_reconnect_wait(self, connection: Connection, params: dict[str, Any]) -> Any:
+        jsonrpc.check_params(params, "skip_reconnect_wait")
+        session = await self._owned_session(connection, params)
+        return {"skipped": session.skip_reconnect_wait()}
+
+    async def rpc_retry_auth(self, connection: Connection, params: dict[str, Any]) -> Any:
+        jsonrpc.check_params(params, "retry_auth")
+        session = await self._owned_session(connection, params)
+        session.retry_auth()
+        return {}
+
+
+def _identity(connection: Connection) -> str:
+    assert connection.identity is not None  # checked before any method but initialize
+    return connection.identity
+
+
+def _allow_all(call: ToolCallBlock) -> str:
+    return "allow"

@@ -1,0 +1,470 @@
+"""The gateway's server: the listener, admission and the handshake, up to the point where
+a :class:`Connection` takes over; and ``greenroom serve`` (:func:`run_serve`).
+
+::
+
+    Gateway.run                     until cancelled
+    ├── titles                      the titler's nursery (:class:`Titles`)
+    └── the listener (trio-websocket)
+        └── one handler per connection: handshake, then :meth:`Connection.run`
+
+Admission (R-SEC-4): a browser handshake (one with an ``Origin`` header) whose origin is
+not allowed (the console's, or one given with ``allowed_origins`` /
+:meth:`Gateway.allow_origin`) is refused with HTTP 403; beyond ``max_connections`` open
+connections the handshake is refused with HTTP 503; and the listener stops accepting
+sockets at ``max_connections + HANDSHAKE_SLACK``, so a flood of half-open connections waits
+in the kernel's backlog instead of taking the file descriptors sessions need for their
+traces. ``greenroom serve`` raises the process's soft ``RLIMIT_NOFILE`` to its hard limit
+and keeps ``FD_RESERVE`` descriptors out of the cap (:func:`connection_cap`).
+
+A wrong ``Authorization: Bearer`` token is refused with HTTP 401 before the upgrade; an
+``X-Greenroom-Client`` header may only repeat the token's principal (403). A connection
+without a token on its handshake authenticates with ``initialize`` within
+``auth_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import cast
+
+import trio
+from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, WebSocketServer
+
+from greenroom.actors.errors import ConfigurationError
+from greenroom.actors.gateway.access import Grants, Principals
+from greenroom.actors.gateway.config import (
+    AUTH_TIMEOUT_S,
+    CLIENT_HEADER,
+    CLIENT_ID,
+    DEFAULT_MAX_CONNECTIONS,
+    FD_RESERVE,
+    HANDSHAKE_SLACK,
+    PATH,
+    GatewayLimits,
+    SessionDefaults,
+    check_data_dir_private,
+    connection_cap,
+    load_or_create_token,
+    load_tokens_file,
+    normal_origin,
+    raise_fd_limit,
+    resolved,
+    token_file_path,
+)
+from greenroom.actors.gateway.connection import Connection
+from greenroom.actors.gateway.console import ConsoleServer, display_host, url_host
+from greenroom.actors.gateway.hubs import Hubs
+from greenroom.actors.gateway.methods import DETACHED, Methods
+from greenroom.actors.gateway.titles import Titles
+from greenroom.actors.host import Host, SessionObserver, default_data_dir
+
+logger = logging.getLogger(__name__)
+
+
+class Gateway:
+    """The websocket JSON-RPC server of one :class:`Host`.
+
+    Start it with ``port = await nursery.start(gateway.run)``; cancel the nursery to stop.
+    ``port=0`` binds a free port (reported by ``start`` and kept in :attr:`port`).
+    With ``titles``, a session whose first task through the gateway has ended is named once
+    by :meth:`Session.generate_title` (R-HOST-5, in the background: it never holds up a
+    task); the title is kept in ``title.txt`` in the session's directory and listed by
+    ``session.list``.
+
+    Principals: ``token`` is the one token of the principal ``default``; ``tokens`` maps
+    client ids to their tokens (give one or both). ``allowed_origins``: browser origins
+    (``http://host:port``) allowed besides the ones added with :meth:`allow_origin`.
+    ``auth_timeout_s``: how long a connection may stay unauthenticated.
+
+    Channels: none of its own. Each connection's frames go through its outbox
+    (:class:`Connection`); the sessions' outputs reach the outboxes through the hubs
+    (:class:`Hubs`), which never block.
+    """
+
+    def __init__(
+        self,
+        host: Host,
+        *,
+        token: str | None = None,
+        tokens: Mapping[str, str] | None = None,
+        listen_host: str = "127.0.0.1",
+        port: int = 8765,
+        defaults: SessionDefaults | None = None,
+        approval_timeout_s: float = 300.0,
+        limits: GatewayLimits | None = None,
+        titles: bool = False,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        allowed_origins: Iterable[str] = (),
+        auth_timeout_s: float = AUTH_TIMEOUT_S,
+    ) -> None:
+        self._principals = Principals(token=token, tokens=tokens)
+        if max_connections < 1:
+            raise ConfigurationError("max_connections must be at least 1")
+        self.host = host
+        self.listen_host = listen_host
+        self.port = port
+        self.defaults = defaults or SessionDefaults()
+        self.approval_timeout_s = approval_timeout_s
+        self.limits = limits or GatewayLimits()
+        self.max_connections = max_connections
+        self.auth_timeout_s = auth_timeout_s
+        self.titles = titles
+        self._origins = {normal_origin(origin) for origin in allowed_origins}
+        self._admitted = 0
+        self._grants = Grants()
+        self._titles = Titles(enabled=titles)
+        self._hubs = Hubs(
+            approve=self.defaults.approve,
+            on_task_end=self._titles.title_once,
+            limits=self.limits,
+        )
+        self._connections: set[Connection] = set()
+        self._calls = Methods(
+            host,
+            defaults=self.defaults,
+            approval_timeout_s=approval_timeout_s,
+            principals=self._principals,
+            grants=self._grants,
+            hubs=self._hubs,
+            titles=self._titles,
+        )
+        self._methods = self._calls.table()
+
+    # -- public ----------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen and serve until cancelled; reports the bound port when it accepts
+        connections. Cancelling closes every connection (1001, with a reason); sessions
+        keep running in the host."""
+        defaults = self.defaults
+        root = defaults.workspace_root or defaults.workspace_dir
+        self._calls.workspace_root = await trio.to_thread.run_sync(resolved, root)
+        await trio.to_thread.run_sync(
+            check_data_dir_private, self.host.data_dir, root, defaults.workspace_dir
+        )
+        listeners = await trio.open_tcp_listeners(self.port, host=self.listen_host)
+        if self.port == 0 and len(listeners) > 1:
+            # Port 0 on a name with several addresses gives each listener its own port;
+            # serve one so that the reported port is the port.
+            for extra in listeners[1:]:
+                await extra.aclose()
+            listeners = listeners[:1]
+        sockets = trio.CapacityLimiter(self.max_connections + HANDSHAKE_SLACK)
+        capped = [_CappedListener(listener, sockets) for listener in listeners]
+        limits = self.limits
+        server = WebSocketServer(
+            self._handle,
+            cast(list[trio.SocketListener], capped),  # any trio Listener serves
+            max_message_size=limits.max_message_bytes,
+            connect_timeout=limits.handshake_timeout_s,
+            disconnect_timeout=limits.close_timeout_s,
+        )
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self._titles.run)
+                await nursery.start(server.run)
+                self.port = listeners[0].socket.getsockname()[1]
+                task_status.started(self.port)
+        finally:
+            self._hubs.release_all()
+
+    @property
+    def url(self) -> str:
+        """The websocket URL clients connect to (``ws://HOST:PORT/v1``)."""
+        host = f"[{self.listen_host}]" if ":" in self.listen_host else self.listen_host
+        return f"ws://{host}:{self.port}{PATH}"
+
+    def allow_origin(self, origin: str) -> None:
+        """Admit browser handshakes from ``origin`` (``scheme://host[:port]``)."""
+        self._origins.add(normal_origin(origin))
+
+    def grant(self, client_id: str, session_id: str) -> None:
+        """Let ``client_id`` see and steer ``session_id`` (created elsewhere or by another
+        client). Grants live as long as the gateway."""
+        self._grants.grant(client_id, session_id)
+
+    def owned(self, client_id: str) -> frozenset[str]:
+        """The sessions ``client_id`` created or was granted."""
+        return self._grants.owned(client_id)
+
+    @property
+    def _titled(self) -> set[str]:
+        """The sessions titled, or being titled, by this gateway."""
+        return self._titles.titling
+
+    # -- connections ---------------------------------------------------------------------------
+
+    async def _handle(self, request: WebSocketRequest) -> None:
+        """One connection, from handshake to close. Never raises but Cancelled: an
+        exception here would end the listener and every other connection."""
+        try:
+            await self._handshake_and_serve(request)
+        except ConnectionClosed:
+            pass
+        except Exception:
+            logger.exception("gateway: connection failed")
+
+    async def _handshake_and_serve(self, request: WebSocketRequest) -> None:
+        if request.path.split("?", 1)[0] != PATH:
+            await request.reject(404, body=f"not found: the endpoint is {PATH}\n".encode())
+            return
+        headers = {name.lower(): value for name, value in request.headers}
+        origin = headers.get(b"origin")
+        if origin is not None and not self._origin_allowed(origin):
+            await request.reject(403, body=b"forbidden: this origin may not connect\n")
+            return
+        if self._admitted >= self.max_connections:
+            await request.reject(
+                503, body=f"too many connections (at most {self.max_connections})\n".encode()
+            )
+            return
+        claimed: str | None = None
+        named = headers.get(CLIENT_HEADER)
+        if named is not None:
+            claimed = named.decode("latin-1").strip()
+            if not CLIENT_ID.fullmatch(claimed):
+                await request.reject(400, body=b"bad X-Greenroom-Client header\n")
+                return
+        identity: str | None = None
+        authorization = headers.get(b"authorization")
+        if authorization is not None:
+            scheme, _, token = authorization.partition(b" ")
+            identity = self._principals.of(token.strip()) if scheme.lower() == b"bearer" else None
+            if identity is None:
+                await request.reject(
+                    401,
+                    extra_headers=[(b"WWW-Authenticate", b'Bearer realm="greenroom"')],
+                    body=b"unauthorized: bad bearer token\n",
+                )
+                return
+            if claimed is not None and claimed != identity:
+                await request.reject(
+                    403, body=b"forbidden: X-Greenroom-Client names another principal\n"
+                )
+                return
+        self._admitted += 1
+        try:
+            ws = await request.accept()
+            await self._serve_accepted(ws, identity, claimed)
+        finally:
+            self._admitted -= 1
+
+    async def _serve_accepted(
+        self, ws: WebSocketConnection, identity: str | None, claimed: str | None
+    ) -> None:
+        connection = Connection(
+            ws,
+            identity,
+            self.limits,
+            methods=self._methods,
+            detached=DETACHED,
+            auth_timeout_s=self.auth_timeout_s,
+            claimed=claimed,
+        )
+        self._connections.add(connection)
+        close_code, close_reason = 1000, "bye"
+        try:
+            await connection.run()
+            if connection.close_with is not None:
+                close_code, close_reason = connection.close_with
+        except trio.Cancelled:
+            close_code, close_reason = 1001, "server shutting down"
+            raise
+        except Exception:
+            close_code, close_reason = 1011, "internal error"
+            raise
+        finally:
+            self._connections.discard(connection)
+            connection.drop_subscriptions()
+            with trio.CancelScope(shield=True) as scope:
+                scope.deadline = trio.current_time() + self.limits.close_timeout_s
+                with contextlib.suppress(ConnectionClosed, trio.BrokenResourceError):
+                    await ws.aclose(close_code, close_reason)
+
+    def _origin_allowed(self, origin: bytes) -> bool:
+        return normal_origin(origin.decode("latin-1")) in self._origins
+
+
+class _CappedListener(trio.abc.Listener["_CountedStream"]):
+    """A listener that holds at most ``sockets.total_tokens`` accepted sockets open at once:
+    beyond that, connections wait in the kernel's backlog (no file descriptor spent)."""
+
+    def __init__(self, inner: trio.SocketListener, sockets: trio.CapacityLimiter) -> None:
+        self._inner = inner
+        self._sockets = sockets
+
+    async def accept(self) -> _CountedStream:
+        holder = object()
+        await self._sockets.acquire_on_behalf_of(holder)
+        try:
+            stream = await self._inner.accept()
+        except BaseException:
+            self._sockets.release_on_behalf_of(holder)
+            raise
+        return _CountedStream(stream, lambda: self._sockets.release_on_behalf_of(holder))
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class _CountedStream(trio.abc.HalfCloseableStream):
+    """A socket stream that gives its slot back when it is closed (trio's listener loop
+    closes every stream its handler was given)."""
+
+    def __init__(self, inner: trio.SocketStream, release: Callable[[], None]) -> None:
+        self._inner = inner
+        self._release: Callable[[], None] | None = release
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self._inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self._inner.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        await self._inner.send_eof()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        return await self._inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        try:
+            await self._inner.aclose()
+        finally:
+            release, self._release = self._release, None
+            if release is not None:
+                release()
+
+
+# -- greenroom serve ---------------------------------------------------------------------------
+
+
+async def run_serve(
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8765,
+    data_dir: str | Path | None = None,
+    token_file: str | Path | None = None,
+    defaults: SessionDefaults | None = None,
+    approval_timeout_s: float = 300.0,
+    limits: GatewayLimits | None = None,
+    ready: Callable[[int], None] | None = None,
+    console_port: int | None = None,
+    tokens_file: str | Path | None = None,
+    allowed_origins: Iterable[str] = (),
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    observers: Iterable[SessionObserver] = (),
+) -> None:
+    """``greenroom serve``: open a host on ``data_dir``, serve the gateway on it, print
+    ``listening on ws://HOST:PORT/v1`` and the token file on stderr, and serve until
+    cancelled or until SIGINT/SIGTERM, then close connections (1001) and the host (which
+    interrupts running tasks and flushes their traces). ``ready`` gets the bound port.
+    Raises :class:`ConfigurationError` for an unusable token file and OSError when the
+    address cannot be bound.
+
+    ``console_port`` (None: no console; 0: any free port) also serves the web console on
+    the same host (:mod:`greenroom.actors.gateway.console`) and prints ``console:
+    http://HOST:PORT/?ws=…#token=…`` on stderr. The console is an extra: when its port
+    cannot be bound, a warning is printed and the gateway serves without it; when it is
+    served its origin is allowed to connect.
+
+    ``tokens_file`` (instead of ``token_file``) gives one principal per line
+    (:func:`load_tokens_file`); the console URL then carries no token (the page asks for
+    one). ``allowed_origins``: more browser origins allowed to connect.
+    ``max_connections`` is lowered, with a notice, to what the file descriptor limit
+    allows after the soft limit is raised to the hard one (:func:`connection_cap`).
+    ``observers`` watch the host's sessions (:data:`~greenroom.actors.host.SessionObserver`)."""
+    if tokens_file is not None and token_file is not None:
+        raise ConfigurationError("give --token-file or --tokens-file, not both")
+    fd_limit = raise_fd_limit()
+    cap = connection_cap(max_connections, fd_limit)
+    if cap < max_connections:
+        print(
+            f"greenroom serve: at most {cap} connections (the file descriptor limit is "
+            f"{fd_limit}; {FD_RESERVE} are kept for sessions)",
+            file=sys.stderr,
+            flush=True,
+        )
+    # Configuration is checked before the host opens: a mistake is one clear error.
+    data = await trio.to_thread.run_sync(resolved, data_dir or default_data_dir())
+    session_defaults = defaults or SessionDefaults()
+    await trio.to_thread.run_sync(
+        check_data_dir_private,
+        data,
+        session_defaults.workspace_root or session_defaults.workspace_dir,
+        session_defaults.workspace_dir,
+    )
+    token: str | None = None
+    tokens: dict[str, str] | None = None
+    if tokens_file is not None:
+        tokens = await trio.to_thread.run_sync(load_tokens_file, tokens_file)
+        token_path = await trio.to_thread.run_sync(token_file_path, data, tokens_file)
+    else:
+        token_path = await trio.to_thread.run_sync(token_file_path, data, token_file)
+        token = await trio.to_thread.run_sync(load_or_create_token, data, token_path)
+    async with Host.open(data, observers=observers) as opened:
+        gateway = Gateway(
+            opened,
+            token=token,
+            tokens=tokens,
+            listen_host=host,
+            port=port,
+            defaults=defaults,
+            approval_timeout_s=approval_timeout_s,
+            limits=limits,
+            titles=True,
+            max_connections=cap,
+            allowed_origins=allowed_origins,
+        )
+        async with trio.open_nursery() as nursery:
+            bound = await nursery.start(gateway.run)
+            print(f"listening on {gateway.url}", file=sys.stderr, flush=True)
+            kind = "tokens" if tokens else "token"
+            print(f"{kind} file: {token_path}", file=sys.stderr, flush=True)
+            if console_port is not None:
+                await _start_console(nursery, gateway, host, console_port, token)
+            if ready is not None:
+                ready(bound)
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    print(
+                        f"greenroom serve: {signal.Signals(signum).name}, shutting down",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    break
+            nursery.cancel_scope.cancel()
+
+
+def _console_hosts(host: str) -> tuple[str, ...]:
+    """The names a local browser may use for the console's host: a loopback address is
+    also reached as ``localhost`` and the other loopback spelling."""
+    loopback = ("127.0.0.1", "localhost", "::1")
+    return loopback if host in loopback else (host,)
+
+
+async def _start_console(
+    nursery: trio.Nursery, gateway: Gateway, host: str, port: int, token: str | None
+) -> None:
+    gateway_port = gateway.port
+    console = ConsoleServer(listen_host=host, port=port)
+    try:
+        await nursery.start(console.run)
+    except OSError as exc:
+        print(
+            f"console: cannot listen on {host}:{port} ({exc}); serving without the console",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    # The page connects from the browser: a wildcard bind is reached through loopback.
+    ws_url = f"ws://{url_host(display_host(host))}:{gateway_port}{PATH}"
+    for name in _console_hosts(display_host(host)):
+        gateway.allow_origin(f"http://{url_host(name)}:{console.port}")
+    print(f"console: {console.url(ws_url, token)}", file=sys.stderr, flush=True)

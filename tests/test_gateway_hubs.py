@@ -1,0 +1,53 @@
+"""The gateway's hubs and the session's client approver: a gateway that stops makes its
+sessions forget the approver it installed, and never one another watcher installed since
+(R-ACTOR-1: through ``Session.clear_client_approver``, not the session's fields)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import trio
+
+from greenroom.actors.gateway import GatewayLimits
+from greenroom.actors.gateway.hubs import Hubs
+from greenroom.actors.host import Host
+from greenroom.actors.provider_scripted import Reply, ScriptedProvider, text
+from greenroom.protocols.content import ToolCallBlock
+from greenroom.protocols.messages import Verdict
+
+
+def hubs() -> Hubs:
+    return Hubs(approve="ask", on_task_end=None, limits=GatewayLimits())
+
+
+async def test_a_stopped_gateway_forgets_only_its_own_approver(tmp_path: Path) -> None:
+    with trio.fail_after(10):
+        async with Host.open(tmp_path / "data") as host:
+            provider = ScriptedProvider([Reply(blocks=(text("Hi."),))])
+            session = await host.create_session(provider=provider, workspace_dir=tmp_path)
+            first, second = hubs(), hubs()
+            first.adopt(session)
+            later = second.adopt(session)  # another gateway on the same host, since
+            first.release_all()
+            assert session.clear_client_approver(later.ask), "the later approver was removed"
+
+            again = first.adopt(session)
+            first.release_all()
+            assert not session.clear_client_approver(again.ask), "the approver was kept"
+
+
+async def test_clear_client_approver_leaves_another_approver(tmp_path: Path) -> None:
+    async def mine(call: ToolCallBlock) -> Verdict | None:
+        return "allow"
+
+    async def theirs(call: ToolCallBlock) -> Verdict | None:
+        return "deny"
+
+    with trio.fail_after(10):
+        async with Host.open(tmp_path / "data") as host:
+            provider = ScriptedProvider([Reply(blocks=(text("Hi."),))])
+            session = await host.create_session(provider=provider, workspace_dir=tmp_path)
+            session.set_client_approver(theirs)
+            assert not session.clear_client_approver(mine)
+            assert session.clear_client_approver(theirs)
+            assert not session.clear_client_approver(theirs)
