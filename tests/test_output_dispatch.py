@@ -23,7 +23,8 @@ from typing import Any
 
 from test_protocol_roundtrip import EXAMPLES
 
-from greenroom.actors import gateway, subagents
+from greenroom.actors import subagents
+from greenroom.actors.gateway import hubs
 from greenroom.actors.chat import ChatRenderer
 from greenroom.actors.cli import HumanRenderer, JsonRenderer, format_record
 from greenroom.protocols import outputs
@@ -80,7 +81,7 @@ def test_trace_records_format_every_output() -> None:
 
 def test_gateway_hub_follows_every_output() -> None:
     ended: list[object] = []
-    hub = gateway._SessionHub(_FakeSession(), on_task_end=ended.append)  # type: ignore[arg-type]
+    hub = hubs.SessionHub(_FakeSession(), on_task_end=ended.append)  # type: ignore[arg-type]
     batch = list(every_output())
     hub._fan_out(batch)
     assert len(ended) == 1  # only the session's own task_end, not the subagent's
@@ -115,7 +116,7 @@ DISPATCHERS = {
     ("actors/cli.py", "HumanRenderer._show_subagent"),
     ("actors/cli.py", "_record_detail"),
     ("actors/chat.py", "ChatRenderer.show"),
-    ("actors/gateway.py", "_SessionHub._fan_out"),
+    ("actors/gateway/hubs.py", "SessionHub._fan_out"),
     ("actors/subagents.py", "_ChildWatch.on_batch"),
     ("protocols/transcript.py", "Transcript.apply"),
     ("protocols/transcript.py", "rebuild"),
