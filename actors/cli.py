@@ -5,6 +5,8 @@
     greenroom demo                      the sales-CSV task on a fresh workspace, no key needed
     greenroom run [PROMPT] [options]    one task; PROMPT or stdin
     greenroom chat [options]            an interactive terminal on one session (actors/chat.py)
+    greenroom acp [options]             an Agent Client Protocol agent on stdio, for editors
+                                        (actors/acp_agent.py)
     greenroom serve [--host H] [--port P] the websocket JSON-RPC gateway at ws://H:P/v1 and
                                         the web console at http://H:P+1/
     greenroom sessions                  the sessions stored in the data dir
@@ -330,6 +332,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_session_flags(chat)
 
+    acp = commands.add_parser(
+        "acp",
+        help="an Agent Client Protocol agent on stdin/stdout, for editors such as Zed",
+        description="Speak the Agent Client Protocol (version 1: newline-delimited JSON-RPC "
+        "2.0) on stdin and stdout, for an editor that starts this command. Each session "
+        "works in the cwd the editor gives; the flags are the defaults of the sessions it "
+        "creates. Logs go to stderr. Ends when stdin closes.",
+    )
+    acp.add_argument(
+        "--approve",
+        choices=APPROVE_MODES,
+        default="ask",
+        help="tool call approval: ask the editor (session/request_permission), allow all, "
+        "or deny all (default: ask)",
+    )
+    _add_session_flags(acp)
+
     serve = commands.add_parser(
         "serve",
         help="serve the websocket JSON-RPC gateway at ws://HOST:PORT/v1",
@@ -466,6 +485,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     _check_data_dir_of(args)
     if args.command == "run":
         return _run_command(args)
+    if args.command == "acp":
+        from greenroom.actors.acp_agent import acp_command
+
+        return acp_command(args)
     if args.command == "chat":
         from greenroom.actors.chat import chat_command
 
@@ -559,7 +582,7 @@ def _discard_output() -> None:
 def _check_data_dir_of(args: argparse.Namespace) -> None:
     """Refuse, before anything starts, a data dir the command cannot use: one line naming
     it and what is wrong, not a traceback from deep inside the host."""
-    if args.command not in ("run", "chat", "serve", "sessions", "trace", "demo"):
+    if args.command not in ("run", "chat", "acp", "serve", "sessions", "trace", "demo"):
         return
     if args.command == "demo" and args.data_dir is None:
         return  # a fresh temp dir
