@@ -183,9 +183,12 @@ class Agent:
         methods: dict[Any, str] = {}
         for event in self.events:
             message = event.message
-            if event.direction == StreamDirection.OUTGOING and "method" in message:
-                if "id" in message:
-                    methods[message["id"]] = message["method"]
+            if (
+                event.direction == StreamDirection.OUTGOING
+                and "method" in message
+                and "id" in message
+            ):
+                methods[message["id"]] = message["method"]
         for line in self.raw:
             assert line.endswith(b"\n")
             frame = json.loads(line)
