@@ -384,7 +384,9 @@ class AcpAgent:
         entry = self._session(params)
         content = await self._content(entry, params)
         session = entry.session
-        if session.busy and session.steer(content):
+        # Only while a task of this connection runs: after its last task_end the session
+        # may still look busy for a moment, and steering would reach no task.
+        if entry.pumping and entry.waiters and session.steer(content):
             # R-STEER: a prompt while a task runs joins it; answered when that task ends.
             answer = _Answer()
             entry.waiters.append(answer)
