@@ -301,8 +301,6 @@ class AcpAgent:
                 _log(f"session/cancel for an unknown session {sid!r}: ignored")
                 return
             entry.session.interrupt("cancelled by the client (session/cancel)")
-        elif note.method == "exit":
-            self.stop()
         # Other notifications (extensions this agent does not know) are ignored, as ACP asks.
 
     # -- methods ----------------------------------------------------------------------------
@@ -317,6 +315,7 @@ class AcpAgent:
         if not await trio.to_thread.run_sync(os.path.isdir, request.cwd):
             raise acp.invalid("$.cwd", f"{request.cwd} is not a directory")
         config = self._config
+        mcp_servers = self._mcp_servers(request.mcp_servers)
         try:
             session = await self._host.create_session(
                 model=config.model,
@@ -328,19 +327,22 @@ class AcpAgent:
             )
         except ConfigurationError as exc:
             raise RpcError(INTERNAL_ERROR, f"cannot set up the session: {exc}") from None
-        entry = self._add_session(session, request.mcp_servers)
+        entry = self._add_session(session, mcp_servers)
         _log(f"session {session.id} in {session.workspace_dir}")
         return {"sessionId": session.id, **_mcp_meta(entry)}
 
-    def _add_session(self, session: Session, servers: tuple[dict[str, Any], ...]) -> _AcpSession:
-        # The client's servers join those of --mcp-config; both are kept with the session.
-        mcp_servers = {**self._config.mcp_config, **acp.mcp_servers_config(servers)}
+    def _mcp_servers(self, servers: tuple[dict[str, Any], ...]) -> dict[str, dict[str, Any]]:
+        """The MCP servers of a session: those of ``--mcp-config``, then the client's (a
+        client's server replaces a configured one of the same name)."""
+        return {**self._config.mcp_config, **acp.mcp_servers_config(servers)}
+
+    def _add_session(self, session: Session, mcp_servers: dict[str, dict[str, Any]]) -> _AcpSession:
         existing = self._sessions.get(session.id)
         if existing is not None:
             existing.mcp_servers = mcp_servers
             return existing
         entry = self._sessions[session.id] = _AcpSession(session, mcp_servers)
-        if servers:
+        if mcp_servers:
             _log(
                 f"session {session.id}: MCP servers {', '.join(sorted(mcp_servers))} are "
                 "kept with the session but not connected: this greenroom has no MCP client"
@@ -370,7 +372,7 @@ class AcpAgent:
                 f"session {session_id} works in {session.workspace_dir}, not in the cwd "
                 f"{request.cwd} the client gave"
             )
-        entry = self._add_session(session, request.mcp_servers)
+        entry = self._add_session(session, self._mcp_servers(request.mcp_servers))
         records = await trio.to_thread.run_sync(_read_history, session.directory)
         replay = acp.UpdateMapper(
             live=False, workspace=str(session.workspace_dir), load_image=read_image
@@ -495,7 +497,12 @@ class AcpAgent:
         session_id = entry.session.id
         try:
             async for output in stream:
-                for update in entry.mapper.map(output):
+                try:
+                    updates = entry.mapper.map(output)
+                except Exception as exc:  # one output the mapping cannot show loses no other
+                    _log(f"cannot show a {output.type} output: {type(exc).__name__}: {exc}")
+                    updates = []
+                for update in updates:
                     await self._notify(session_id, update)
                 _note_seen(entry, output)
                 if isinstance(output, TaskEnd) and output.origin is None:

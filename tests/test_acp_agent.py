@@ -13,6 +13,7 @@ import trio
 import trio.testing
 from acp.schema import (
     Error,
+    NewSessionResponse,
     PromptResponse,
     RequestPermissionRequest,
     SessionNotification,
@@ -166,3 +167,28 @@ async def test_a_failed_task_is_a_json_rpc_error_with_its_message(tmp_path: Path
     strict(Error, answer["error"])
     assert answer["error"]["code"] == -32000
     assert "invalid x-api-key" in answer["error"]["message"]
+
+
+async def test_mcp_servers_are_accepted_and_named_in_the_answer(tmp_path: Path) -> None:
+    """session/new takes stdio and HTTP MCP servers; they are kept with the session and the
+    answer says which (they are not connected: greenroom has no MCP client)."""
+    to_agent, agent_in = trio.testing.memory_stream_one_way_pair()
+    agent_out, from_agent = trio.testing.memory_stream_one_way_pair()
+    client = Client(to_agent, from_agent)
+    servers = [
+        {"name": "fs", "command": "/usr/bin/fs-mcp", "args": [], "env": []},
+        {"type": "http", "name": "web", "url": "http://127.0.0.1:9/mcp", "headers": []},
+    ]
+    with trio.fail_after(TIMEOUT_S):
+        async with Host.open(data_dir=tmp_path / "data") as host, trio.open_nursery() as nursery:
+            agent = AcpAgent(host, AcpConfig(provider=ScriptedProvider([])), agent_out)
+            nursery.start_soon(agent.serve, agent_in)
+            await client.call("initialize", {"protocolVersion": 1})
+            created = await client.call(
+                "session/new", {"cwd": str(tmp_path), "mcpServers": servers}
+            )
+            await to_agent.aclose()
+    strict(NewSessionResponse, created["result"])
+    assert created["result"]["_meta"] == {
+        "greenroom": {"mcpServers": ["fs", "web"], "mcpConnected": False}
+    }
