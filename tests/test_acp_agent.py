@@ -4,6 +4,7 @@ validated strictly against the official ACP SDK's schema."""
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ from greenroom.actors.scripted import (
     tool_call,
 )
 from greenroom.actors.subagents import spawn_subagent
+from greenroom.protocols.content import ImageBlock
+from greenroom.protocols.context import ModelRequest
 
 TIMEOUT_S = 20
 
@@ -192,3 +195,50 @@ async def test_mcp_servers_are_accepted_and_named_in_the_answer(tmp_path: Path) 
     assert created["result"]["_meta"] == {
         "greenroom": {"mcpServers": ["fs", "web"], "mcpConnected": False}
     }
+
+
+async def test_an_image_prompt_reaches_the_model_as_a_stored_image(tmp_path: Path) -> None:
+    """promptCapabilities.image: the base64 image is stored in the session's scratchpad and
+    given to the model as an image block; the extensions answer on an idle session."""
+    png = b"\x89PNG\r\n\x1a\nnot really"
+    seen: list[bytes] = []
+
+    def look(request: ModelRequest) -> Reply:
+        for part in request.messages[-1].content:
+            if isinstance(part, ImageBlock):
+                seen.append(Path(part.path).read_bytes())
+        return Reply(blocks=(text("A picture."),))
+
+    to_agent, agent_in = trio.testing.memory_stream_one_way_pair()
+    agent_out, from_agent = trio.testing.memory_stream_one_way_pair()
+    client = Client(to_agent, from_agent)
+    with trio.fail_after(TIMEOUT_S):
+        async with Host.open(data_dir=tmp_path / "data") as host, trio.open_nursery() as nursery:
+            agent = AcpAgent(host, AcpConfig(provider=ScriptedProvider([look])), agent_out)
+            nursery.start_soon(agent.serve, agent_in)
+            await client.call("initialize", {"protocolVersion": 1})
+            created = await client.call("session/new", {"cwd": str(tmp_path), "mcpServers": []})
+            sid = created["result"]["sessionId"]
+            image = {
+                "type": "image",
+                "mimeType": "image/png",
+                "data": base64.b64encode(png).decode(),
+            }
+            prompt = [{"type": "text", "text": "what is this?"}, image]
+            answer = await client.call("session/prompt", {"sessionId": sid, "prompt": prompt})
+            bad = await client.call(
+                "session/prompt",
+                {"sessionId": sid, "prompt": [{**image, "data": "%%% not base64"}]},
+            )
+            skip = await client.call("_greenroom/skip_reconnect_wait", {"sessionId": sid})
+            steer = await client.call(
+                "_greenroom/steer", {"sessionId": sid, "prompt": [{"type": "text", "text": "x"}]}
+            )
+            unknown = await client.call("_greenroom/nothing", {"sessionId": sid})
+            await to_agent.aclose()
+    assert answer["result"] == {"stopReason": "end_turn"}
+    assert seen == [png]
+    assert bad["error"]["code"] == -32602
+    assert skip["result"] == {"skipped": False}
+    assert steer["result"] == {"queued": False}
+    assert unknown["error"]["code"] == -32601
