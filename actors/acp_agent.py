@@ -23,7 +23,6 @@ is interrupted, its trace written to the end, and the process exits 0.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import binascii
 import contextlib
@@ -70,7 +69,7 @@ from greenroom.protocols.trace import trace_file_number
 if TYPE_CHECKING:
     from greenroom.actors.llm_streamer import ModelProvider
 
-__all__ = ["AcpAgent", "AcpConfig", "acp_command"]
+__all__ = ["AcpAgent", "AcpConfig", "serve_stdio"]
 
 SHUTDOWN_GRACE_S = 5.0
 """How long the running tasks have to end and write their last records at shutdown."""
@@ -594,48 +593,12 @@ def _version() -> str:
 # -- the command ----------------------------------------------------------------------------
 
 
-def acp_command(args: argparse.Namespace) -> int:
-    """``greenroom acp``: serve one ACP client on stdin and stdout until stdin closes.
-    Exit code 0 (2 for a command line that cannot run, reported before serving)."""
-    from greenroom.actors.cli import (
-        RunOptions,
-        _data_dir,
-        _stdout_for_renderer,
-        collect_tools,
-        prepare_options,
-    )
-    from greenroom.actors.provider_registry import default_provider_name
-
-    tools = tuple(collect_tools(args.tools, builtin=not args.no_builtin_tools))
-    options = prepare_options(
-        RunOptions(
-            prompt="",
-            data_dir=_data_dir(args.data_dir),
-            provider=args.provider,
-            base_url=args.base_url,
-            tools=tools,
-            sandbox=args.sandbox,
-        )
-    )
-    limits = (
-        ("base_url", args.base_url),
-        ("max_turns", args.max_turns),
-        ("max_context_length", args.max_context_length),
-        ("compact_mode", args.compact_mode),
-        ("sandbox", args.sandbox),
-        ("shell_network", args.shell_network),
-    )
-    config = AcpConfig(
-        provider=args.provider or default_provider_name(),
-        model=args.model,
-        system=args.system,
-        tools=tools,
-        settings={key: value for key, value in limits if value is not None},
-        approve=args.approve,
-    )
-    with _stdout_for_renderer() as out, _private_stdin() as stdin_fd:
-        trio.run(_serve_stdio, config, options.data_dir, stdin_fd, out.fileno())
-    return 0
+def serve_stdio(config: AcpConfig, data_dir: Path, stdout_fd: int) -> None:
+    """Serve one ACP client on stdin and ``stdout_fd`` (a private duplicate of stdout: fd 1
+    already points at stderr) until stdin closes; fd 0 points at ``/dev/null`` meanwhile.
+    ``greenroom acp`` (actors/cli.py) prepares the config from its flags."""
+    with _private_stdin() as stdin_fd:
+        trio.run(_serve_stdio, config, data_dir, stdin_fd, stdout_fd)
 
 
 async def _serve_stdio(config: AcpConfig, data_dir: Path, stdin_fd: int, stdout_fd: int) -> None:

@@ -486,9 +486,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         return _run_command(args)
     if args.command == "acp":
-        from greenroom.actors.acp_agent import acp_command
-
-        return acp_command(args)
+        return _acp_command(args)
     if args.command == "chat":
         from greenroom.actors.chat import chat_command
 
@@ -677,6 +675,43 @@ def _serve_command(args: argparse.Namespace) -> int:
             ready=lambda _port: _error(defaults_line),
         )
     )
+    return EXIT_OK
+
+
+def _acp_command(args: argparse.Namespace) -> int:
+    """``greenroom acp``: the Agent Client Protocol agent on stdin and stdout, with the
+    session defaults of the flags (actors/acp_agent.py). stdout is the protocol's alone."""
+    from greenroom.actors.acp_agent import AcpConfig, serve_stdio
+
+    tools = tuple(collect_tools(args.tools, builtin=not args.no_builtin_tools))
+    options = prepare_options(
+        RunOptions(
+            prompt="",
+            data_dir=_data_dir(args.data_dir),
+            provider=args.provider,
+            base_url=args.base_url,
+            tools=tools,
+            sandbox=args.sandbox,
+        )
+    )
+    limits = (
+        ("base_url", args.base_url),
+        ("max_turns", args.max_turns),
+        ("max_context_length", args.max_context_length),
+        ("compact_mode", args.compact_mode),
+        ("sandbox", args.sandbox),
+        ("shell_network", args.shell_network),
+    )
+    config = AcpConfig(
+        provider=args.provider or default_provider_name(),
+        model=args.model,
+        system=args.system,
+        tools=tools,
+        settings={key: value for key, value in limits if value is not None},
+        approve=args.approve,
+    )
+    with _stdout_for_renderer() as out:
+        serve_stdio(config, options.data_dir, out.fileno())
     return EXIT_OK
 
 

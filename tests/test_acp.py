@@ -553,3 +553,16 @@ def test_stdin_closed_mid_task_interrupts_it_and_exits_0(tmp_path: Path, workspa
     trace = next((tmp_path / "data" / "sessions" / sid).glob("trace_*.jsonl"))
     records = [json.loads(line) for line in trace.read_text("utf-8").splitlines()]
     assert records[-1]["type"] == "task_end" and records[-1]["status"] == "aborted"
+
+
+def test_a_command_line_that_cannot_run_exits_2_with_nothing_on_stdout(tmp_path: Path) -> None:
+    import subprocess
+
+    for flags in (["--provider", "anthropic"], ["--tools", "no_such_file.py"], ["--bogus"]):
+        result = subprocess.run(
+            [*CLI, "acp", *flags], cwd=tmp_path, env=env_for(tmp_path), input="",
+            capture_output=True, text=True, timeout=TIMEOUT_S,
+        )  # fmt: skip
+        assert result.returncode == 2, result.stderr
+        assert result.stdout == ""
+        assert "Traceback" not in result.stderr
