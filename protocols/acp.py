@@ -600,8 +600,16 @@ class UpdateMapper:
             if output.status == "ok":
                 self.last_stop_reason = output.stop_reason
             return []
-        if isinstance(output, Abort | TaskEnd):
+        if isinstance(output, Abort):
             return self._close_open_calls()
+        if isinstance(output, TaskEnd):
+            updates = self._close_open_calls()
+            # The task's calls are all settled: a long session keeps no state per call.
+            self._calls.clear()
+            self._by_id.clear()
+            self._children.clear()
+            self._titles.clear()
+            return updates
         return []
 
     def map_all(self, outputs: Iterable[Output]) -> list[dict[str, Any]]:
