@@ -5,6 +5,8 @@
     greenroom demo                      the sales-CSV task on a fresh workspace, no key needed
     greenroom run [PROMPT] [options]    one task; PROMPT or stdin
     greenroom chat [options]            an interactive terminal on one session (actors/chat.py)
+    greenroom acp [options]             an Agent Client Protocol agent on stdio, for editors
+                                        (actors/acp_agent.py)
     greenroom serve [--host H] [--port P] the websocket JSON-RPC gateway at ws://H:P/v1 and
                                         the web console at http://H:P+1/
     greenroom sessions                  the sessions stored in the data dir
@@ -338,6 +340,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_session_flags(chat)
 
+    acp = commands.add_parser(
+        "acp",
+        help="an Agent Client Protocol agent on stdin/stdout, for editors such as Zed",
+        description="Speak the Agent Client Protocol (version 1: newline-delimited JSON-RPC "
+        "2.0) on stdin and stdout, for an editor that starts this command. Each session "
+        "works in the cwd the editor gives; the flags are the defaults of the sessions it "
+        "creates. Logs go to stderr. Ends when stdin closes.",
+    )
+    acp.add_argument(
+        "--approve",
+        choices=APPROVE_MODES,
+        default="ask",
+        help="tool call approval: ask the editor (session/request_permission), allow all, "
+        "or deny all (default: ask)",
+    )
+    _add_session_flags(acp)
+
     serve = commands.add_parser(
         "serve",
         help="serve the websocket JSON-RPC gateway at ws://HOST:PORT/v1",
@@ -507,6 +526,8 @@ def _dispatch_command(args: argparse.Namespace) -> int:
     _check_data_dir_of(args)
     if args.command == "run":
         return _run_command(args)
+    if args.command == "acp":
+        return _acp_command(args)
     if args.command == "chat":
         from greenroom.actors.chat import chat_command
 
@@ -600,7 +621,7 @@ def _discard_output() -> None:
 def _check_data_dir_of(args: argparse.Namespace) -> None:
     """Refuse, before anything starts, a data dir the command cannot use: one line naming
     it and what is wrong, not a traceback from deep inside the host."""
-    if args.command not in ("run", "chat", "serve", "sessions", "trace", "demo"):
+    if args.command not in ("run", "chat", "acp", "serve", "sessions", "trace", "demo"):
         return
     if args.command == "demo" and args.data_dir is None:
         return  # a fresh temp dir
@@ -696,6 +717,43 @@ def _serve_command(args: argparse.Namespace) -> int:
             ready=lambda _port: _error(defaults_line),
         )
     )
+    return EXIT_OK
+
+
+def _acp_command(args: argparse.Namespace) -> int:
+    """``greenroom acp``: the Agent Client Protocol agent on stdin and stdout, with the
+    session defaults of the flags (actors/acp_agent.py). stdout is the protocol's alone."""
+    from greenroom.actors.acp_agent import AcpConfig, serve_stdio
+
+    tools = tuple(collect_tools(args.tools, builtin=not args.no_builtin_tools))
+    options = prepare_options(
+        RunOptions(
+            prompt="",
+            data_dir=_data_dir(args.data_dir),
+            provider=args.provider,
+            base_url=args.base_url,
+            tools=tools,
+            sandbox=args.sandbox,
+        )
+    )
+    limits = (
+        ("base_url", args.base_url),
+        ("max_turns", args.max_turns),
+        ("max_context_length", args.max_context_length),
+        ("compact_mode", args.compact_mode),
+        ("sandbox", args.sandbox),
+        ("shell_network", args.shell_network),
+    )
+    config = AcpConfig(
+        provider=args.provider or default_provider_name(),
+        model=args.model,
+        system=args.system,
+        tools=tools,
+        settings={key: value for key, value in limits if value is not None},
+        approve=args.approve,
+    )
+    with _stdout_for_renderer() as out:
+        serve_stdio(config, options.data_dir, out.fileno())
     return EXIT_OK
 
 

@@ -24,9 +24,9 @@ from typing import Any
 from test_protocol_roundtrip import EXAMPLES
 
 from greenroom.actors import subagents
-from greenroom.actors.gateway import hubs
 from greenroom.actors.chat import ChatRenderer
 from greenroom.actors.cli import HumanRenderer, JsonRenderer, format_record
+from greenroom.actors.gateway import hubs
 from greenroom.protocols import outputs
 from greenroom.protocols.transcript import Transcript, rebuild
 

@@ -1,0 +1,686 @@
+"""``greenroom acp``: an Agent Client Protocol agent on stdin and stdout (R-ACP-1).
+
+An editor (Zed, or any ACP client) starts ``greenroom acp`` and speaks newline-delimited
+JSON-RPC 2.0 with it: ``initialize``, ``session/new``, ``session/load``, ``session/prompt``,
+``session/cancel``; greenroom answers, streams ``session/update`` notifications and asks
+``session/request_permission`` before tool calls. The frames and the mapping of outputs to
+updates are :mod:`greenroom.protocols.acp`; this module does the I/O and drives sessions
+through their public API only.
+
+Concurrency: one task reads frames and dispatches them; each request that waits (a prompt,
+a load) is answered from a task of its own, so ``session/cancel`` and the answers to
+permission requests are read while a prompt runs. Each session with a task has one pump
+task reading its run stream; it sends the updates and answers the prompts when the task
+ends, so a prompt's answer always follows its last update. Frames are written whole, one
+at a time, under one lock.
+
+stdout carries frames and nothing else: fd 1 points at stderr while the agent runs (the
+frames go to a private duplicate), and fd 0 at ``/dev/null`` (frames are read from a
+private duplicate), so neither a tool's ``print`` nor a process it starts can write into
+the protocol or read from it. When stdin closes (or on SIGTERM / SIGINT) every running task
+is interrupted, its trace written to the end, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import hashlib
+import mimetypes
+import os
+import signal
+import stat
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from greenroom.actors.approval_broker import ApproveFn
+from greenroom.actors.errors import AuthLocked, Busy, ConfigurationError, SessionNotFound
+from greenroom.actors.host import Host
+from greenroom.actors.media import read_image
+from greenroom.actors.session import RunStream, Session
+from greenroom.actors.trace_sink import read_trace
+from greenroom.protocols import acp
+from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock, UserContent
+from greenroom.protocols.jsonrpc import (
+    BUSY,
+    INTERNAL_ERROR,
+    INVALID_PARAMS,
+    INVALID_REQUEST,
+    METHOD_NOT_FOUND,
+    FrameError,
+    Notification,
+    Request,
+    RpcError,
+    encode,
+    error_frame,
+    notification_frame,
+    result_frame,
+)
+from greenroom.protocols.outputs import ModelMsg, Output, TaskEnd
+from greenroom.protocols.tools import Tool
+from greenroom.protocols.trace import trace_file_number
+
+if TYPE_CHECKING:
+    from greenroom.actors.llm_streamer import ModelProvider
+
+__all__ = ["AcpAgent", "AcpConfig", "serve_stdio"]
+
+SHUTDOWN_GRACE_S = 5.0
+"""How long the running tasks have to end and write their last records at shutdown."""
+
+SEEN_WAIT_S = 1.0
+"""How long an approval waits for its call's ``tool_call`` update to be sent first."""
+
+
+@attrs.frozen(kw_only=True)
+class AcpConfig:
+    """What the sessions the client creates get: the ``run`` flags of ``greenroom acp``.
+
+    ``settings`` are :class:`~greenroom.protocols.settings.SessionSettings` overrides;
+    ``approve`` is ``ask`` (the client answers ``session/request_permission``), ``all`` or
+    ``none``. ``mcp_config`` holds the servers of ``--mcp-config`` files, in the shape
+    :func:`greenroom.protocols.acp.mcp_servers_config` gives the client's ``mcpServers``.
+    """
+
+    provider: str | ModelProvider | None = None
+    model: str | None = None
+    system: str | None = None
+    tools: tuple[Tool, ...] = ()
+    settings: dict[str, Any] = attrs.Factory(dict)
+    approve: str = "ask"
+    mcp_config: dict[str, dict[str, Any]] = attrs.Factory(dict)
+
+
+class _Answer:
+    """A request's answer that another task gives: a result, or an error."""
+
+    __slots__ = ("_error", "_event", "_result")
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+        self._result: Any = None
+        self._error: RpcError | None = None
+
+    def give(self, result: Any = None, error: RpcError | None = None) -> None:
+        if not self._event.is_set():
+            self._result, self._error = result, error
+            self._event.set()
+
+    async def wait(self) -> Any:
+        await self._event.wait()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+class _AcpSession:
+    """One session this connection created or loaded, and its running task."""
+
+    def __init__(self, session: Session, mcp_servers: dict[str, dict[str, Any]]) -> None:
+        self.session = session
+        self.mcp_servers = mcp_servers
+        """The MCP servers the client named, kept with the session."""
+        self.mapper = acp.UpdateMapper(
+            live=True, workspace=str(session.workspace_dir), load_image=read_image
+        )
+        self.waiters: list[_Answer] = []
+        """The prompts answered when the running task ends (its prompt, steering prompts)."""
+        self.follow_ups: list[_Answer] = []
+        """One answer per queued follow-up task, FIFO."""
+        self.pumping = False
+        self.idle = trio.Event()
+        self.idle.set()
+        self._seen: dict[str, trio.Event] = {}
+
+    def seen(self, call_id: str) -> trio.Event:
+        event = self._seen.get(call_id)
+        if event is None:
+            event = self._seen[call_id] = trio.Event()
+        return event
+
+    def forget_seen(self) -> None:
+        self._seen.clear()
+
+
+class AcpAgent:
+    """One ACP connection: reads frames from ``receive``, writes frames to ``send``, on
+    sessions of ``host``. ``serve`` returns when the input ends (or :meth:`stop` is called),
+    after interrupting the running tasks and letting them write their last records."""
+
+    def __init__(self, host: Host, config: AcpConfig, send: trio.abc.SendStream) -> None:
+        self._host = host
+        self._config = config
+        self._send_stream = send
+        self._write_lock = trio.Lock()
+        self._sessions: dict[str, _AcpSession] = {}
+        self._pending: dict[int, tuple[trio.Event, list[acp.Response]]] = {}
+        self._next_id = 0
+        self._initialized = False
+        self._output_gone = False
+        self._read_scope: trio.CancelScope | None = None
+        self._nursery: trio.Nursery | None = None
+
+    # -- the connection ---------------------------------------------------------------------
+
+    async def serve(self, receive: trio.abc.ReceiveStream) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            with trio.CancelScope() as scope:
+                self._read_scope = scope
+                await self._read_frames(receive)
+            await self._shutdown()
+            nursery.cancel_scope.cancel()
+
+    def stop(self) -> None:
+        """End the connection as if its input had closed."""
+        if self._read_scope is not None:
+            self._read_scope.cancel()
+
+    async def _read_frames(self, receive: trio.abc.ReceiveStream) -> None:
+        splitter = acp.LineSplitter()
+        while True:
+            try:
+                data = await receive.receive_some(1 << 16)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                data = b""
+            pieces = splitter.feed(bytes(data)) if data else splitter.close()
+            for piece in pieces:
+                await self._handle(piece)
+            if not data:
+                return
+
+    async def _shutdown(self) -> None:
+        """Interrupt every running task and wait (bounded) for its pump to see it end."""
+        for entry in self._sessions.values():
+            entry.session.interrupt("the ACP client went away")
+        with trio.move_on_after(SHUTDOWN_GRACE_S):
+            for entry in self._sessions.values():
+                await entry.idle.wait()
+
+    async def _send(self, frame: dict[str, Any]) -> None:
+        if self._output_gone:
+            return
+        data = (encode(frame) + "\n").encode("utf-8")
+        async with self._write_lock:
+            try:
+                await self._send_stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                # The client stopped reading: nothing more can be said to it.
+                self._output_gone = True
+                _log("the client closed its end of stdout; stopping")
+                self.stop()
+
+    async def _notify(self, session_id: str, update: dict[str, Any]) -> None:
+        await self._send(
+            notification_frame("session/update", {"sessionId": session_id, "update": update})
+        )
+
+    async def _handle(self, piece: bytes | acp.TooLong) -> None:
+        if isinstance(piece, acp.TooLong):
+            await self._send(acp.too_long_error(piece).response())
+            return
+        if not piece.strip():
+            return
+        message = acp.parse_message(piece)
+        if isinstance(message, FrameError):
+            await self._send(message.response())
+        elif isinstance(message, acp.Response):
+            self._resolve(message)
+        elif isinstance(message, Notification):
+            await self._notification(message)
+        elif message.method == "initialize":
+            await self._answer(message)  # at once: what follows may rely on it
+        else:
+            assert self._nursery is not None
+            self._nursery.start_soon(self._answer, message)
+
+    def _resolve(self, response: acp.Response) -> None:
+        slot = self._pending.get(response.id) if isinstance(response.id, int) else None
+        if slot is None:
+            _log(f"ignored an answer to no pending request (id {response.id!r})")
+            return
+        event, box = slot
+        box.append(response)
+        event.set()
+
+    async def _request(self, method: str, params: dict[str, Any]) -> acp.Response:
+        """Send a request to the client and wait for its answer (cancellable)."""
+        self._next_id += 1
+        request_id = self._next_id
+        event = trio.Event()
+        box: list[acp.Response] = []
+        self._pending[request_id] = (event, box)
+        try:
+            await self._send(acp.request_frame(request_id, method, params))
+            await event.wait()
+        finally:
+            del self._pending[request_id]
+        return box[0]
+
+    async def _answer(self, request: Request) -> None:
+        handler = self._handlers().get(request.method)
+        try:
+            if handler is None:
+                raise RpcError(METHOD_NOT_FOUND, f"method not found: {request.method}")
+            if not self._initialized and request.method != "initialize":
+                raise RpcError(INVALID_REQUEST, "not initialized: call initialize first")
+            result = await handler(request.params)
+        except RpcError as exc:
+            await self._send(error_frame(request.id, exc))
+            return
+        except Exception as exc:  # never let one request end the connection
+            _log(f"{request.method} failed: {type(exc).__name__}: {exc}")
+            await self._send(error_frame(request.id, RpcError(INTERNAL_ERROR, str(exc))))
+            return
+        await self._send(result_frame(request.id, result))
+
+    def _handlers(self) -> dict[str, Callable[[dict[str, Any]], Awaitable[Any]]]:
+        return {
+            "initialize": self._initialize,
+            "session/new": self._new_session,
+            "session/load": self._load_session,
+            "session/prompt": self._prompt,
+            "_greenroom/steer": self._steer,
+            "_greenroom/follow_up": self._follow_up,
+            "_greenroom/compact": self._compact,
+            "_greenroom/skip_reconnect_wait": self._skip_reconnect_wait,
+        }
+
+    async def _notification(self, note: Notification) -> None:
+        if note.method == "session/cancel":
+            sid = note.params.get("sessionId")
+            entry = self._sessions.get(sid) if isinstance(sid, str) else None
+            if entry is None:
+                _log(f"session/cancel for an unknown session {sid!r}: ignored")
+                return
+            entry.session.interrupt("cancelled by the client (session/cancel)")
+        # Other notifications (extensions this agent does not know) are ignored, as ACP asks.
+
+    # -- methods ----------------------------------------------------------------------------
+
+    async def _initialize(self, params: dict[str, Any]) -> dict[str, Any]:
+        acp.negotiate_version(params)
+        self._initialized = True
+        return acp.initialize_result(_version())
+
+    async def _new_session(self, params: dict[str, Any]) -> dict[str, Any]:
+        request = acp.parse_new_session(params)
+        if not await trio.to_thread.run_sync(os.path.isdir, request.cwd):
+            raise acp.invalid("$.cwd", f"{request.cwd} is not a directory")
+        config = self._config
+        mcp_servers = self._mcp_servers(request.mcp_servers)
+        try:
+            session = await self._host.create_session(
+                model=config.model,
+                tools=config.tools,
+                workspace_dir=request.cwd,
+                provider=config.provider,
+                system=config.system,
+                **config.settings,
+            )
+        except ConfigurationError as exc:
+            raise RpcError(INTERNAL_ERROR, f"cannot set up the session: {exc}") from None
+        entry = self._add_session(session, mcp_servers)
+        _log(f"session {session.id} in {session.workspace_dir}")
+        return {"sessionId": session.id, **_mcp_meta(entry)}
+
+    def _mcp_servers(self, servers: tuple[dict[str, Any], ...]) -> dict[str, dict[str, Any]]:
+        """The MCP servers of a session: those of ``--mcp-config``, then the client's (a
+        client's server replaces a configured one of the same name)."""
+        return {**self._config.mcp_config, **acp.mcp_servers_config(servers)}
+
+    def _add_session(self, session: Session, mcp_servers: dict[str, dict[str, Any]]) -> _AcpSession:
+        existing = self._sessions.get(session.id)
+        if existing is not None:
+            existing.mcp_servers = mcp_servers
+            return existing
+        entry = self._sessions[session.id] = _AcpSession(session, mcp_servers)
+        if mcp_servers:
+            _log(
+                f"session {session.id}: MCP servers {', '.join(sorted(mcp_servers))} are "
+                "kept with the session but not connected: this greenroom has no MCP client"
+            )
+        return entry
+
+    async def _load_session(self, params: dict[str, Any]) -> dict[str, Any]:
+        session_id = acp.session_id_of(params)
+        request = acp.parse_new_session(params)
+        overrides: dict[str, Any] = dict(self._config.settings)
+        if self._config.model is not None:
+            overrides["model"] = self._config.model
+        if self._config.system is not None:
+            overrides["system"] = self._config.system
+        try:
+            session = await self._host.load_session(
+                session_id, tools=self._config.tools, provider=self._config.provider, **overrides
+            )
+        except SessionNotFound as exc:
+            raise RpcError(acp.RESOURCE_NOT_FOUND, str(exc)) from None
+        except ConfigurationError as exc:
+            raise RpcError(INTERNAL_ERROR, f"cannot set up the session: {exc}") from None
+        for problem in session.load_errors:
+            _log(f"session {session_id}: corrupt trace line skipped: {problem}")
+        if Path(request.cwd) != session.workspace_dir:
+            _log(
+                f"session {session_id} works in {session.workspace_dir}, not in the cwd "
+                f"{request.cwd} the client gave"
+            )
+        entry = self._add_session(session, self._mcp_servers(request.mcp_servers))
+        records = await trio.to_thread.run_sync(_read_history, session.directory)
+        replay = acp.UpdateMapper(
+            live=False, workspace=str(session.workspace_dir), load_image=read_image
+        )
+        for record in records:
+            for update in replay.map(record):
+                await self._notify(session.id, update)
+        return dict(_mcp_meta(entry))
+
+    async def _prompt(self, params: dict[str, Any]) -> dict[str, Any]:
+        entry = self._session(params)
+        content = await self._content(entry, params)
+        session = entry.session
+        # Only while a task of this connection runs: after its last task_end the session
+        # may still look busy for a moment, and steering would reach no task.
+        if entry.pumping and entry.waiters and session.steer(content):
+            # R-STEER: a prompt while a task runs joins it; answered when that task ends.
+            answer = _Answer()
+            entry.waiters.append(answer)
+            steered: dict[str, Any] = await answer.wait()
+            return steered
+        started: dict[str, Any] = await self._start(entry, content)
+        return started
+
+    async def _start(self, entry: _AcpSession, content: tuple[UserContent, ...]) -> Any:
+        # A task ending right now still holds the session for a moment: wait it out.
+        await entry.idle.wait()
+        try:
+            stream = entry.session.run(content, approve=self._approver(entry))
+        except AuthLocked as exc:
+            raise RpcError(acp.AUTH_REQUIRED, str(exc)) from None
+        except Busy as exc:
+            raise RpcError(BUSY, str(exc)) from None
+        answer = _Answer()
+        entry.waiters = [answer]
+        entry.follow_ups = []
+        entry.pumping = True
+        entry.idle = trio.Event()
+        assert self._nursery is not None
+        self._nursery.start_soon(self._pump, entry, stream)
+        return await answer.wait()
+
+    async def _steer(self, params: dict[str, Any]) -> dict[str, Any]:
+        entry = self._session(params)
+        content = await self._content(entry, params)
+        return {"queued": entry.session.steer(content)}
+
+    async def _follow_up(self, params: dict[str, Any]) -> Any:
+        entry = self._session(params)
+        content = await self._content(entry, params)
+        session = entry.session
+        if entry.pumping and session.follow_up(content, approve=self._approver(entry)):
+            answer = _Answer()
+            entry.follow_ups.append(answer)
+            return await answer.wait()
+        return await self._start(entry, content)
+
+    async def _compact(self, params: dict[str, Any]) -> dict[str, Any]:
+        session = self._session(params).session
+        try:
+            end = await session.compact()
+        except Busy as exc:
+            raise RpcError(BUSY, str(exc)) from None
+        if end is None:
+            return {"status": "skipped", "compactability": session.compactability()}
+        return {"status": end.status, "errorMessage": end.error_message}
+
+    async def _skip_reconnect_wait(self, params: dict[str, Any]) -> dict[str, Any]:
+        return {"skipped": self._session(params).session.skip_reconnect_wait()}
+
+    # -- sessions and tasks -----------------------------------------------------------------
+
+    def _session(self, params: dict[str, Any]) -> _AcpSession:
+        session_id = acp.session_id_of(params)
+        entry = self._sessions.get(session_id)
+        if entry is None:
+            raise RpcError(
+                acp.RESOURCE_NOT_FOUND,
+                f"no session {session_id!r} on this connection: create it with session/new "
+                "or open it with session/load",
+            )
+        return entry
+
+    async def _content(self, entry: _AcpSession, params: dict[str, Any]) -> tuple[UserContent, ...]:
+        parts = acp.parse_prompt(params)
+        content: list[UserContent] = []
+        for part in parts:
+            if isinstance(part, TextBlock):
+                content.append(part)
+                continue
+            try:
+                data = base64.b64decode(part.data, validate=True)
+            except (binascii.Error, ValueError):
+                raise RpcError(INVALID_PARAMS, "$.prompt: an image's data is not base64") from None
+            path = await trio.to_thread.run_sync(
+                _store_image, entry.session.scratchpad_dir, data, part.mime_type
+            )
+            content.append(ImageBlock(path=str(path), media_type=part.mime_type))
+        return tuple(content)
+
+    def _approver(self, entry: _AcpSession) -> ApproveFn | None:
+        mode = self._config.approve
+        if mode == "all":
+            return _allow_all
+        if mode == "none":
+            return None  # R-APPROVE-2: every call is denied by default
+
+        async def ask_client(call: ToolCallBlock) -> str:
+            if entry.mapper.anchor_of(call) is None:
+                # Let the pump tell the client about the call first (it is in the stream).
+                with trio.move_on_after(SEEN_WAIT_S):
+                    await entry.seen(call.id).wait()
+            params = entry.mapper.permission_params(entry.session.id, call)
+            response = await self._request("session/request_permission", params)
+            for update in entry.mapper.restore_after_permission(call):
+                await self._notify(entry.session.id, update)
+            return acp.verdict_of(response)
+
+        return ask_client
+
+    async def _pump(self, entry: _AcpSession, stream: RunStream) -> None:
+        session_id = entry.session.id
+        try:
+            async for output in stream:
+                try:
+                    updates = entry.mapper.map(output)
+                except Exception as exc:  # one output the mapping cannot show loses no other
+                    _log(f"cannot show a {output.type} output: {type(exc).__name__}: {exc}")
+                    updates = []
+                for update in updates:
+                    await self._notify(session_id, update)
+                _note_seen(entry, output)
+                if isinstance(output, TaskEnd) and output.origin is None:
+                    await self._task_ended(entry, output)
+        finally:
+            # Follow-ups an interrupt dropped never run.
+            for answer in (*entry.waiters, *entry.follow_ups):
+                answer.give({"stopReason": "cancelled"})
+            entry.waiters, entry.follow_ups = [], []
+            entry.pumping = False
+            entry.forget_seen()
+            entry.idle.set()
+
+    async def _task_ended(self, entry: _AcpSession, end: TaskEnd) -> None:
+        try:
+            reason = acp.stop_reason(end, entry.mapper.last_stop_reason)
+        except RpcError as error:
+            for answer in entry.waiters:
+                answer.give(error=error)
+        else:
+            for answer in entry.waiters:
+                answer.give({"stopReason": reason})
+        entry.waiters = [entry.follow_ups.pop(0)] if entry.follow_ups else []
+
+
+def _note_seen(entry: _AcpSession, output: Output) -> None:
+    if isinstance(output, ModelMsg) and isinstance(output.block, ToolCallBlock):
+        entry.seen(output.block.id).set()
+
+
+def _allow_all(call: ToolCallBlock) -> str:
+    return "allow"
+
+
+def _mcp_meta(entry: _AcpSession) -> dict[str, Any]:
+    if not entry.mcp_servers:
+        return {}
+    return {
+        "_meta": {acp.META_KEY: {"mcpServers": sorted(entry.mcp_servers), "mcpConnected": False}}
+    }
+
+
+def _store_image(scratchpad: Path, data: bytes, mime_type: str) -> Path:
+    """Write a prompt's image into the session's scratchpad (named by its content, so the
+    same image is stored once) and return its path. Blocking."""
+    suffix = mimetypes.guess_extension(mime_type) or ".bin"
+    directory = scratchpad / "images"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{hashlib.sha256(data).hexdigest()[:32]}{suffix}"
+    if not path.exists():
+        path.write_bytes(data)
+    return path
+
+
+def _read_history(session_dir: Path) -> list[Output]:
+    """Every record of the session's trace files, oldest file first (the conversation
+    across compactions). Unreadable files are skipped. Blocking."""
+    try:
+        entries = list(session_dir.iterdir())
+    except OSError:
+        return []
+    numbered = sorted(
+        (number, entry)
+        for entry in entries
+        if (number := trace_file_number(entry.name)) is not None
+    )
+    records: list[Output] = []
+    for _, path in numbered:
+        try:
+            records.extend(read_trace(path).records)
+        except OSError as exc:
+            _log(f"cannot read {path}: {exc}")
+    return records
+
+
+def _log(message: str) -> None:
+    print(f"greenroom acp: {message}", file=sys.stderr, flush=True)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("greenroom")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+# -- the command ----------------------------------------------------------------------------
+
+
+def serve_stdio(config: AcpConfig, data_dir: Path, stdout_fd: int) -> None:
+    """Serve one ACP client on stdin and ``stdout_fd`` (a private duplicate of stdout: fd 1
+    already points at stderr) until stdin closes; fd 0 points at ``/dev/null`` meanwhile.
+    ``greenroom acp`` (actors/cli.py) prepares the config from its flags."""
+    with _private_stdin() as stdin_fd:
+        trio.run(_serve_stdio, config, data_dir, stdin_fd, stdout_fd)
+
+
+async def _serve_stdio(config: AcpConfig, data_dir: Path, stdin_fd: int, stdout_fd: int) -> None:
+    async with Host.open(data_dir=data_dir) as host:
+        output = _fd_stream(os.dup(stdout_fd))
+        receive = _fd_stream(os.dup(stdin_fd))
+        agent = AcpAgent(host, config, output)
+        _log(f"ready (protocol version {acp.PROTOCOL_VERSION}, data dir {host.data_dir})")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_stop_on_signals, agent)
+            try:
+                await agent.serve(receive)
+            finally:
+                nursery.cancel_scope.cancel()
+                with contextlib.suppress(OSError, trio.ClosedResourceError):
+                    await output.aclose()
+                with contextlib.suppress(OSError, trio.ClosedResourceError):
+                    await receive.aclose()
+
+
+async def _stop_on_signals(agent: AcpAgent) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            _log("signal received: interrupting the running tasks and leaving")
+            agent.stop()
+
+
+@contextlib.contextmanager
+def _private_stdin() -> Iterator[int]:
+    """Yield a private duplicate of fd 0 and point fd 0 (and ``sys.stdin``) at
+    ``/dev/null`` until the block ends: the protocol's input is the agent's alone."""
+    private = os.dup(0)
+    saved = os.dup(0)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    real_stdin = sys.stdin
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    sys.stdin = open(os.devnull, encoding="utf-8")  # noqa: SIM115 -- closed below
+    try:
+        yield private
+    finally:
+        sys.stdin.close()
+        sys.stdin = real_stdin
+        os.dup2(saved, 0)
+        os.close(saved)
+        os.close(private)
+
+
+class _ThreadFdStream(trio.abc.Stream):
+    """A file descriptor read and written by worker threads: for a terminal or a file,
+    which trio's non-blocking ``FdStream`` would switch to non-blocking mode for every
+    process that shares them."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        return await trio.to_thread.run_sync(
+            os.read, self._fd, max_bytes or 1 << 16, abandon_on_cancel=True
+        )
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        def write_all() -> None:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view) :]
+
+        await trio.to_thread.run_sync(write_all)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+
+def _fd_stream(fd: int) -> trio.abc.Stream:
+    """A trio stream on ``fd``: non-blocking for pipes and sockets (what editors give),
+    worker threads for anything else (a terminal, when tried by hand)."""
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+        return trio.lowlevel.FdStream(fd)
+    return _ThreadFdStream(fd)

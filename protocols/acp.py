@@ -1,0 +1,812 @@
+"""The Agent Client Protocol (ACP, protocol version 1) for ``greenroom acp``. No I/O.
+
+Editors (Zed and other ACP clients) start ``greenroom acp`` and speak newline-delimited
+JSON-RPC 2.0 on its stdin and stdout. This module holds what does not wait for anything:
+
+* :class:`LineSplitter` cuts the byte stream into frames (one JSON value per line), and
+  :func:`parse_message` reads one frame as a call, a response to one of our own requests,
+  or a :class:`~greenroom.protocols.jsonrpc.FrameError` that already holds its answer.
+  Neither ever raises: every malformed frame gets an error answer and the connection stays.
+* The ``params`` readers (:func:`parse_new_session`, :func:`parse_prompt`, …) raise
+  :class:`~greenroom.protocols.jsonrpc.RpcError` (``-32602``) naming the bad value as a
+  ``$.path``.
+* :class:`UpdateMapper` turns greenroom outputs into ``session/update`` payloads, the same
+  way for a live task and for the replay of a stored trace (``session/load``). Outputs of a
+  subagent become updates of the parent's ``spawn_subagent`` tool call, never a stream of
+  their own.
+* :func:`stop_reason` maps a ``task_end`` to the ``{stopReason}`` answer of
+  ``session/prompt``, or to the JSON-RPC error of a failed task.
+
+Invariants: every tool call the client is told about (``tool_call``) ends with one
+``tool_call_update`` whose status is ``completed`` or ``failed`` — denied, interrupted and
+truncated calls too; a session id in a frame is checked before it names a directory.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal
+
+import attrs
+
+from greenroom.protocols.content import ImageBlock, TextBlock, ThinkingBlock, ToolCallBlock
+from greenroom.protocols.jsonrpc import (
+    INTERNAL_ERROR,
+    INVALID_PARAMS,
+    INVALID_REQUEST,
+    PARSE_ERROR,
+    Call,
+    FrameError,
+    RequestId,
+    RpcError,
+    json_type,
+    parse_call,
+)
+from greenroom.protocols.outputs import (
+    Abort,
+    ApprovalDecision,
+    ModelMsg,
+    Output,
+    PartialText,
+    PartialThinking,
+    RequestEnd,
+    TaskEnd,
+    ToolCallOutput,
+    ToolProgress,
+    UserMsg,
+)
+from greenroom.protocols.text import repair_json
+
+PROTOCOL_VERSION = 1
+"""The ACP version greenroom speaks; every ``initialize`` is answered with it."""
+
+AUTH_REQUIRED = -32000
+"""ACP's code for a failure of authentication (here: the model provider's credentials)."""
+RESOURCE_NOT_FOUND = -32002
+"""ACP's code for an unknown resource: a session id this connection does not know."""
+
+MAX_FRAME_BYTES = 64 << 20
+"""Longest frame read (images travel inline as base64); a longer line is answered -32600."""
+MAX_DEPTH = 64
+"""How deeply a frame may nest arrays and objects."""
+
+META_KEY = "greenroom"
+"""The key of greenroom's own fields inside an ACP ``_meta`` object."""
+
+StopReason = Literal["end_turn", "max_tokens", "max_turn_requests", "refusal", "cancelled"]
+ToolKind = Literal["read", "edit", "delete", "move", "search", "execute", "think", "fetch", "other"]
+
+TOOL_KINDS: dict[str, ToolKind] = {
+    "read_file": "read",
+    "list_dir": "read",
+    "search_files": "search",
+    "write_file": "edit",
+    "run_shell": "execute",
+}
+"""The ACP kind of each built-in tool (icons in the editor); other tools are ``other``."""
+
+PERMISSION_OPTIONS: tuple[dict[str, str], ...] = (
+    {"optionId": "allow", "name": "Allow", "kind": "allow_once"},
+    {"optionId": "allow_session", "name": "Always allow in this session", "kind": "allow_always"},
+    {"optionId": "deny", "name": "Deny", "kind": "reject_once"},
+)
+"""The options of every ``session/request_permission``; the option id is the verdict."""
+
+_SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+# -- frames ----------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class Response:
+    """The client's answer to a request greenroom sent (``session/request_permission``):
+    ``result`` or ``error`` (the error object as sent)."""
+
+    id: RequestId
+    result: Any = None
+    error: dict[str, Any] | None = None
+
+
+Message = Call | Response | FrameError
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class TooLong:
+    """A line longer than the splitter's limit; its bytes were dropped."""
+
+    size: int
+
+
+class LineSplitter:
+    """Cuts a byte stream into lines (without their ``\\n``), in order. A line longer than
+    ``max_bytes`` is dropped and reported once as :class:`TooLong`; the next line is read
+    normally. ``close()`` returns what followed the last newline, if anything."""
+
+    __slots__ = ("_buffer", "_dropping", "_max", "_skipped")
+
+    def __init__(self, max_bytes: int = MAX_FRAME_BYTES) -> None:
+        self._buffer = bytearray()
+        self._max = max_bytes
+        self._dropping = False
+        self._skipped = 0
+
+    def feed(self, data: bytes) -> list[bytes | TooLong]:
+        out: list[bytes | TooLong] = []
+        start = 0
+        while True:
+            end = data.find(b"\n", start)
+            if end < 0:
+                break
+            piece = data[start:end]
+            if self._dropping:
+                out.append(TooLong(size=self._skipped + len(piece)))
+                self._dropping = False
+                self._skipped = 0
+            elif len(self._buffer) + len(piece) > self._max:
+                out.append(TooLong(size=len(self._buffer) + len(piece)))
+                self._buffer.clear()
+            else:
+                self._buffer += piece
+                out.append(bytes(self._buffer))
+                self._buffer.clear()
+            start = end + 1
+        rest = data[start:]
+        if self._dropping:
+            self._skipped += len(rest)
+        elif len(self._buffer) + len(rest) > self._max:
+            self._dropping = True
+            self._skipped = len(self._buffer) + len(rest)
+            self._buffer.clear()
+        else:
+            self._buffer += rest
+        return out
+
+    def close(self) -> list[bytes | TooLong]:
+        if self._dropping:
+            return [TooLong(size=self._skipped)]
+        rest = bytes(self._buffer)
+        self._buffer.clear()
+        return [rest] if rest.strip() else []
+
+
+def too_long_error(frame: TooLong) -> FrameError:
+    return FrameError(
+        id=None,
+        error=RpcError(
+            INVALID_REQUEST, f"frame of {frame.size} bytes, larger than {MAX_FRAME_BYTES}"
+        ),
+    )
+
+
+def parse_message(line: bytes) -> Message:
+    """One frame: a request or notification from the client, a response to one of our
+    requests, or a :class:`FrameError` holding the answer (-32700 for text that is not
+    UTF-8 JSON, -32600 for JSON that is not a message; batches are not part of ACP)."""
+    try:
+        text = line.decode("utf-8")
+        value = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        return FrameError(id=None, error=RpcError(PARSE_ERROR, f"parse error: {exc}"))
+    if _too_deep(value):
+        return FrameError(
+            id=None, error=RpcError(INVALID_REQUEST, f"nested deeper than {MAX_DEPTH} levels")
+        )
+    value = repair_json(value)
+    if isinstance(value, list):
+        return FrameError(
+            id=None,
+            error=RpcError(INVALID_REQUEST, "batches are not part of ACP: one message a line"),
+        )
+    if (
+        isinstance(value, dict)
+        and "method" not in value
+        and ("result" in value or "error" in value)
+    ):
+        return _response(value)
+    return parse_call(value)
+
+
+def _response(value: dict[str, Any]) -> Message:
+    raw_id = value.get("id")
+    if isinstance(raw_id, bool) or not isinstance(raw_id, str | int):
+        return FrameError(
+            id=None, error=RpcError(INVALID_REQUEST, "$.id: a response needs the id it answers")
+        )
+    error = value.get("error")
+    if error is not None and not isinstance(error, dict):
+        return FrameError(
+            id=None,
+            error=RpcError(INVALID_REQUEST, f"$.error: expected an object, got {json_type(error)}"),
+        )
+    return Response(id=raw_id, result=value.get("result"), error=error)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _too_deep(value: Any) -> bool:
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Iterable[Any] = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > MAX_DEPTH:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+def request_frame(request_id: int, method: str, params: Any) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
+
+
+# -- params ----------------------------------------------------------------------------------
+
+
+def invalid(path: str, message: str) -> RpcError:
+    return RpcError(INVALID_PARAMS, f"{path}: {message}")
+
+
+def negotiate_version(params: Mapping[str, Any]) -> int:
+    """The version to answer ``initialize`` with: ours, whatever the client asked for
+    (ACP: the agent answers the client's version when it supports it, else its latest).
+    Raises -32602 when ``protocolVersion`` is missing."""
+    if "protocolVersion" not in params:
+        raise invalid("$.protocolVersion", "required")
+    return PROTOCOL_VERSION
+
+
+def initialize_result(version: str) -> dict[str, Any]:
+    """greenroom's answer to ``initialize``: sessions can be loaded, prompts may carry
+    images and embedded context, MCP servers may be given over stdio and HTTP."""
+    return {
+        "protocolVersion": PROTOCOL_VERSION,
+        "agentCapabilities": {
+            "loadSession": True,
+            "promptCapabilities": {"image": True, "audio": False, "embeddedContext": True},
+            "mcpCapabilities": {"http": True, "sse": False},
+        },
+        "agentInfo": {"name": "greenroom", "title": "greenroom", "version": version},
+        "authMethods": [],
+    }
+
+
+def require_str(params: Mapping[str, Any], name: str) -> str:
+    value = params.get(name)
+    if value is None:
+        raise invalid(f"$.{name}", "required")
+    if not isinstance(value, str) or not value:
+        raise invalid(f"$.{name}", f"expected a non-empty string, got {json_type(value)}")
+    return value
+
+
+def session_id_of(params: Mapping[str, Any]) -> str:
+    """``$.sessionId``, checked to be a greenroom session id (it names a directory)."""
+    value = require_str(params, "sessionId")
+    if len(value) > 200 or not _SESSION_ID.fullmatch(value):
+        raise RpcError(RESOURCE_NOT_FOUND, f"no session {value!r}")
+    return value
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class NewSession:
+    """``session/new`` (and the shared part of ``session/load``)."""
+
+    cwd: str
+    mcp_servers: tuple[dict[str, Any], ...]
+
+
+def parse_new_session(params: Mapping[str, Any]) -> NewSession:
+    cwd = require_str(params, "cwd")
+    if not posixpath.isabs(cwd):
+        raise invalid("$.cwd", f"must be an absolute path, got {cwd!r}")
+    return NewSession(cwd=cwd, mcp_servers=_mcp_servers(params.get("mcpServers", [])))
+
+
+def _mcp_servers(value: Any) -> tuple[dict[str, Any], ...]:
+    if not isinstance(value, list):
+        raise invalid("$.mcpServers", f"expected an array, got {json_type(value)}")
+    servers: list[dict[str, Any]] = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise invalid(f"$.mcpServers[{i}]", f"expected an object, got {json_type(item)}")
+        if not isinstance(item.get("name"), str) or not item["name"]:
+            raise invalid(f"$.mcpServers[{i}].name", "required")
+        servers.append(item)
+    return tuple(servers)
+
+
+def mcp_servers_config(servers: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The client's ``mcpServers`` in greenroom's ``{"NAME": {...}}`` shape (the shape of
+    an ``--mcp-config`` file): stdio servers as ``{command, args, env}``, HTTP ones as
+    ``{type: http, url, headers}``."""
+    config: dict[str, dict[str, Any]] = {}
+    for server in servers:
+        name = str(server["name"])
+        if server.get("type") in ("http", "sse"):
+            config[name] = {
+                "type": server["type"],
+                "url": server.get("url", ""),
+                "headers": {
+                    str(h.get("name")): str(h.get("value"))
+                    for h in server.get("headers", [])
+                    if isinstance(h, dict)
+                },
+            }
+        else:
+            config[name] = {
+                "command": server.get("command", ""),
+                "args": [str(a) for a in server.get("args", [])],
+                "env": {
+                    str(e.get("name")): str(e.get("value"))
+                    for e in server.get("env", [])
+                    if isinstance(e, dict)
+                },
+            }
+    return config
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class InlineImage:
+    """An image of a prompt, as the client sent it (base64); the agent stores it as a file
+    and gives the model an :class:`~greenroom.protocols.content.ImageBlock`."""
+
+    data: str
+    mime_type: str
+
+
+PromptPart = TextBlock | InlineImage
+
+
+def parse_prompt(params: Mapping[str, Any], name: str = "prompt") -> tuple[PromptPart, ...]:
+    """The content blocks of a prompt: text, images, resource links (given to the model as
+    a line naming the resource) and embedded resources (their text; an embedded image
+    becomes an image). Audio is refused: ``promptCapabilities.audio`` is false."""
+    value = params.get(name)
+    path = f"$.{name}"
+    if not isinstance(value, list):
+        raise invalid(path, f"expected an array of content blocks, got {json_type(value)}")
+    if not value:
+        raise invalid(path, "must not be empty")
+    parts: list[PromptPart] = []
+    for i, block in enumerate(value):
+        item = f"{path}[{i}]"
+        if not isinstance(block, dict):
+            raise invalid(item, f"expected an object, got {json_type(block)}")
+        kind = block.get("type")
+        if kind == "text":
+            parts.append(TextBlock(text=_field(block, "text", item)))
+        elif kind == "image":
+            parts.append(
+                InlineImage(
+                    data=_field(block, "data", item), mime_type=_field(block, "mimeType", item)
+                )
+            )
+        elif kind == "resource_link":
+            uri = _field(block, "uri", item)
+            label = block.get("name") if isinstance(block.get("name"), str) else uri
+            parts.append(TextBlock(text=f"[resource: {label}] {uri}"))
+        elif kind == "resource":
+            parts.append(_embedded(block.get("resource"), f"{item}.resource"))
+        elif kind == "audio":
+            raise invalid(f"{item}.type", "audio prompts are not supported")
+        else:
+            raise invalid(f"{item}.type", f"unknown content block type {kind!r}")
+    return tuple(parts)
+
+
+def _field(block: Mapping[str, Any], name: str, path: str) -> str:
+    value = block.get(name)
+    if not isinstance(value, str):
+        raise invalid(f"{path}.{name}", f"expected a string, got {json_type(value)}")
+    return value
+
+
+def _embedded(resource: Any, path: str) -> PromptPart:
+    if not isinstance(resource, dict):
+        raise invalid(path, f"expected an object, got {json_type(resource)}")
+    uri = _field(resource, "uri", path)
+    if isinstance(resource.get("text"), str):
+        return TextBlock(text=f"[resource: {uri}]\n{resource['text']}\n[/resource]")
+    blob = _field(resource, "blob", path)
+    mime = resource.get("mimeType")
+    if isinstance(mime, str) and mime.startswith("image/"):
+        return InlineImage(data=blob, mime_type=mime)
+    return TextBlock(text=f"[resource: {uri} ({mime or 'binary'}), not shown]")
+
+
+# -- outputs → session/update ----------------------------------------------------------------
+
+
+ImageLoader = Callable[[ImageBlock], tuple[str, str] | None]
+"""``(media_type, base64 data)`` of an image block, or None when it cannot be read."""
+
+
+def tool_kind(name: str) -> ToolKind:
+    return TOOL_KINDS.get(name, "other")
+
+
+def tool_title(call: ToolCallBlock) -> str:
+    """What the editor shows for a call: ``Read notes.txt``, ``Run `make test```, …"""
+    args = call.arguments
+
+    def arg(key: str, default: str = "") -> str:
+        value = args.get(key, default)
+        return _clip(value if isinstance(value, str) else json.dumps(value), 80)
+
+    if call.name == "read_file":
+        return f"Read {arg('path')}"
+    if call.name == "list_dir":
+        return f"List {arg('path', '.')}"
+    if call.name == "search_files":
+        return f"Search {arg('pattern')} in {arg('path', '.')}"
+    if call.name == "write_file":
+        return f"Write {arg('path')}"
+    if call.name == "run_shell":
+        return f"Run `{arg('command')}`"
+    if call.name == "spawn_subagent":
+        return f"Subagent: {arg('task')}"
+    shown = call.invalid_arguments or json.dumps(args, ensure_ascii=False)
+    return f"{call.name} {_clip(shown, 80)}"
+
+
+def _clip(text: str, limit: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+@attrs.define
+class _Call:
+    name: str
+    origin: tuple[str, ...] | None
+    anchor: str
+    """The id the client knows the call by: its own, or the ``spawn_subagent`` call that
+    runs the subagent it belongs to."""
+    closed: bool = False
+
+
+@attrs.define
+class _Child:
+    anchor: str
+    lines: list[str] = attrs.Factory(list)
+
+
+class UpdateMapper:
+    """Turns the outputs of one session into ``session/update`` payloads (the ``update``
+    object of each notification), in order.
+
+    ``live`` is False for the replay of a stored trace: then the user's messages are sent
+    as ``user_message_chunk`` and complete blocks as chunks (a live task's user input is the
+    client's own, and its text arrives as ``partial_*`` first). ``workspace`` makes the
+    ``locations`` of file tools absolute; ``load_image`` reads images of user messages and
+    tool results (none given: images are named in text).
+    """
+
+    CHILD_LINES = 40
+    """How many lines of a subagent's activity its ``spawn_subagent`` call shows."""
+
+    def __init__(
+        self,
+        *,
+        live: bool,
+        workspace: str | None = None,
+        load_image: ImageLoader | None = None,
+    ) -> None:
+        self.live = live
+        self._workspace = workspace
+        self._load_image = load_image
+        self._calls: dict[tuple[tuple[str, ...] | None, str], _Call] = {}
+        self._by_id: dict[str, _Call] = {}
+        self._children: dict[str, _Child] = {}
+        self._open_spawns: list[tuple[str, str]] = []  # (call id, task) not yet bound
+        self._titles: dict[str, str] = {}
+        self._streamed_text = False
+        self._streamed_thinking = False
+        self.last_stop_reason: str | None = None
+        """The provider's stop reason of the last completed model request (not a subagent's)."""
+
+    # -- lookups for approvals
+
+    def anchor_of(self, call: ToolCallBlock) -> tuple[str, tuple[str, ...] | None] | None:
+        """The id the client knows ``call`` by and the call's origin, once its ``model_msg``
+        has been mapped; None before."""
+        known = self._by_id.get(call.id)
+        if known is None:
+            return None
+        return known.anchor, known.origin
+
+    def permission_params(self, session_id: str, call: ToolCallBlock) -> dict[str, Any]:
+        """The params of ``session/request_permission`` for ``call``. A subagent's call is
+        asked about on its ``spawn_subagent`` call, with the call itself in ``_meta``."""
+        known = self._by_id.get(call.id)
+        tool_call: dict[str, Any] = {
+            "toolCallId": call.id,
+            "title": tool_title(call),
+            "kind": tool_kind(call.name),
+            "status": "pending",
+            "rawInput": _raw_input(call),
+        }
+        if known is not None and known.origin is not None:
+            tool_call["toolCallId"] = known.anchor
+            tool_call["title"] = f"Subagent {known.origin[-1]}: {tool_title(call)}"
+            tool_call["_meta"] = {
+                META_KEY: {"origin": list(known.origin), "callId": call.id, "tool": call.name}
+            }
+        return {
+            "sessionId": session_id,
+            "toolCall": tool_call,
+            "options": [dict(option) for option in PERMISSION_OPTIONS],
+        }
+
+    def restore_after_permission(self, call: ToolCallBlock) -> list[dict[str, Any]]:
+        """Updates that give a ``spawn_subagent`` call back its own title and kind after a
+        permission request about one of its subagent's calls changed them."""
+        known = self._by_id.get(call.id)
+        if known is None or known.origin is None:
+            return []
+        title = self._titles.get(known.anchor, "Subagent")
+        return [
+            {
+                "sessionUpdate": "tool_call_update",
+                "toolCallId": known.anchor,
+                "title": title,
+                "kind": "other",
+                "status": "in_progress",
+            }
+        ]
+
+    # -- mapping
+
+    def map(self, output: Output) -> list[dict[str, Any]]:
+        """The updates for one output (often none)."""
+        if output.origin is not None and len(output.origin) > 1:
+            return self._child(output, output.origin)
+        if isinstance(output, UserMsg):
+            if self.live:
+                return []
+            return [self._user_chunk(block) for block in output.content]
+        if isinstance(output, PartialText):
+            self._streamed_text = True
+            return [_chunk("agent_message_chunk", output.text)]
+        if isinstance(output, PartialThinking):
+            self._streamed_thinking = True
+            return [_chunk("agent_thought_chunk", output.text)]
+        if isinstance(output, ModelMsg):
+            return self._model_block(output)
+        if isinstance(output, ApprovalDecision):
+            call = self._calls.get((None, output.call_id))
+            if output.decision == "allow" and call is not None and not call.closed:
+                return [_status(output.call_id, "in_progress")]
+            return []
+        if isinstance(output, ToolProgress):
+            call = self._calls.get((None, output.call_id))
+            if call is None or call.closed:
+                return []
+            update = _status(output.call_id, "in_progress")
+            update["content"] = [_text_content(output.message)]
+            return [update]
+        if isinstance(output, ToolCallOutput):
+            return self._tool_output(output)
+        if isinstance(output, RequestEnd):
+            if output.status == "ok":
+                self.last_stop_reason = output.stop_reason
+            return []
+        if isinstance(output, Abort):
+            return self._close_open_calls()
+        if isinstance(output, TaskEnd):
+            updates = self._close_open_calls()
+            # The task's calls are all settled: a long session keeps no state per call.
+            self._calls.clear()
+            self._by_id.clear()
+            self._children.clear()
+            self._titles.clear()
+            return updates
+        return []
+
+    def map_all(self, outputs: Iterable[Output]) -> list[dict[str, Any]]:
+        updates: list[dict[str, Any]] = []
+        for output in outputs:
+            updates.extend(self.map(output))
+        return updates
+
+    def _model_block(self, output: ModelMsg) -> list[dict[str, Any]]:
+        block = output.block
+        if isinstance(block, TextBlock):
+            streamed, self._streamed_text = self._streamed_text, False
+            return [] if streamed or not block.text else [_chunk("agent_message_chunk", block.text)]
+        if isinstance(block, ToolCallBlock):
+            call = _Call(name=block.name, origin=None, anchor=block.id)
+            self._calls[(None, block.id)] = call
+            self._by_id[block.id] = call
+            title = self._titles[block.id] = tool_title(block)
+            if block.name == "spawn_subagent":
+                task = block.arguments.get("task")
+                self._open_spawns.append((block.id, task if isinstance(task, str) else ""))
+            update: dict[str, Any] = {
+                "sessionUpdate": "tool_call",
+                "toolCallId": block.id,
+                "title": title,
+                "kind": tool_kind(block.name),
+                "status": "pending",
+                "rawInput": _raw_input(block),
+            }
+            locations = self._locations(block)
+            if locations:
+                update["locations"] = locations
+            return [update]
+        if isinstance(block, ThinkingBlock):
+            streamed, self._streamed_thinking = self._streamed_thinking, False
+            return [] if streamed or not block.text else [_chunk("agent_thought_chunk", block.text)]
+        return []  # redacted thinking: nothing to show
+
+    def _locations(self, call: ToolCallBlock) -> list[dict[str, Any]]:
+        path = call.arguments.get("path")
+        if call.name not in ("read_file", "write_file", "list_dir") or not isinstance(path, str):
+            return []
+        if self._workspace is None and not posixpath.isabs(path):
+            return []
+        full = posixpath.normpath(posixpath.join(self._workspace or "/", path))
+        return [{"path": full}]
+
+    def _tool_output(self, output: ToolCallOutput) -> list[dict[str, Any]]:
+        call = self._calls.get((None, output.call_id))
+        if call is None:
+            # A result without its call (a trace cut at the start): still say how it went.
+            call = _Call(name=output.tool, origin=None, anchor=output.call_id)
+            self._calls[(None, output.call_id)] = call
+        if call.closed:
+            return []
+        call.closed = True
+        self._open_spawns = [s for s in self._open_spawns if s[0] != output.call_id]
+        update = _status(output.call_id, "completed" if output.status == "ok" else "failed")
+        update["content"] = [self._content(block) for block in output.content]
+        update["_meta"] = {META_KEY: {"status": output.status}}
+        return [update]
+
+    def _close_open_calls(self) -> list[dict[str, Any]]:
+        updates: list[dict[str, Any]] = []
+        for (origin, call_id), call in self._calls.items():
+            if origin is None and not call.closed:
+                call.closed = True
+                update = _status(call_id, "failed")
+                update["content"] = [_text_content("[interrupted: tool aborted by user]")]
+                update["_meta"] = {META_KEY: {"status": "interrupted"}}
+                updates.append(update)
+        self._open_spawns = []
+        return updates
+
+    def _child(self, output: Output, origin: tuple[str, ...]) -> list[dict[str, Any]]:
+        child_id = origin[1]
+        child = self._children.get(child_id)
+        if child is None:
+            anchor = self._bind_child(output)
+            if anchor is None:
+                return []  # no spawn_subagent call to show it on
+            child = self._children[child_id] = _Child(anchor=anchor)
+        parent = self._calls.get((None, child.anchor))
+        if parent is None or parent.closed:
+            return []
+        line = self._child_line(output, origin)
+        if line is None:
+            return []
+        child.lines.append(line)
+        del child.lines[: -self.CHILD_LINES]
+        update = _status(child.anchor, "in_progress")
+        update["content"] = [_text_content("\n".join(child.lines))]
+        update["_meta"] = {
+            META_KEY: {"origin": list(origin), "subagent": origin[-1], "type": output.type}
+        }
+        return [update]
+
+    def _bind_child(self, output: Output) -> str | None:
+        """The ``spawn_subagent`` call a new subagent belongs to: the open call whose task
+        is the subagent's prompt, else the oldest open one."""
+        if not self._open_spawns:
+            return None
+        chosen = self._open_spawns[0]
+        if isinstance(output, UserMsg):
+            text = "".join(b.text for b in output.content if isinstance(b, TextBlock))
+            for spawn in self._open_spawns:
+                if spawn[1] == text:
+                    chosen = spawn
+                    break
+        self._open_spawns.remove(chosen)
+        return chosen[0]
+
+    def _child_line(self, output: Output, origin: tuple[str, ...]) -> str | None:
+        who = "/".join(origin[1:])
+        if isinstance(output, ModelMsg):
+            block = output.block
+            if isinstance(block, TextBlock) and block.text.strip():
+                return f"[{who}] {_clip(block.text, 300)}"
+            if isinstance(block, ToolCallBlock):
+                call = _Call(
+                    name=block.name, origin=origin, anchor=self._children[origin[1]].anchor
+                )
+                self._calls[(origin, block.id)] = call
+                self._by_id[block.id] = call
+                return f"[{who}] ▸ {tool_title(block)}"
+            return None
+        if isinstance(output, ToolCallOutput):
+            return f"[{who}] ◂ {output.tool} {output.status}"
+        if isinstance(output, TaskEnd):
+            return f"[{who}] subagent {output.status}"
+        return None
+
+    def _user_chunk(self, block: TextBlock | ImageBlock) -> dict[str, Any]:
+        return {"sessionUpdate": "user_message_chunk", "content": self._block(block)}
+
+    def _content(self, block: TextBlock | ImageBlock) -> dict[str, Any]:
+        return {"type": "content", "content": self._block(block)}
+
+    def _block(self, block: TextBlock | ImageBlock) -> dict[str, Any]:
+        if isinstance(block, TextBlock):
+            return {"type": "text", "text": block.text}
+        loaded = self._load_image(block) if self._load_image is not None else None
+        if loaded is None:
+            return {"type": "text", "text": f"[image {block.path}]"}
+        media_type, data = loaded
+        return {"type": "image", "data": data, "mimeType": media_type}
+
+
+def _chunk(kind: str, text: str) -> dict[str, Any]:
+    return {"sessionUpdate": kind, "content": {"type": "text", "text": text}}
+
+
+def _status(call_id: str, status: str) -> dict[str, Any]:
+    return {"sessionUpdate": "tool_call_update", "toolCallId": call_id, "status": status}
+
+
+def _text_content(text: str) -> dict[str, Any]:
+    return {"type": "content", "content": {"type": "text", "text": text}}
+
+
+def _raw_input(call: ToolCallBlock) -> Any:
+    if call.invalid_arguments is not None:
+        return call.invalid_arguments
+    return call.arguments
+
+
+# -- the end of a task -----------------------------------------------------------------------
+
+
+def stop_reason(end: TaskEnd, last_stop_reason: str | None) -> StopReason:
+    """The ``stopReason`` of a task that ended: ``end_turn`` (completed; ``refusal`` or
+    ``max_tokens`` when the model's last message ended so), ``max_turn_requests``
+    (``max_turns``), ``cancelled`` (interrupted). Raises the :class:`RpcError` to answer
+    with for a task that failed (``auth``: -32000; ``failed``, ``loop_detected``: -32603)."""
+    if end.status == "completed":
+        if last_stop_reason == "refusal":
+            return "refusal"
+        if last_stop_reason == "max_tokens":
+            return "max_tokens"
+        return "end_turn"
+    if end.status == "max_turns":
+        return "max_turn_requests"
+    if end.status == "aborted":
+        return "cancelled"
+    code = AUTH_REQUIRED if end.status == "auth" else INTERNAL_ERROR
+    message = end.message or f"the task ended with status {end.status}"
+    raise RpcError(code, message, {"status": end.status})
+
+
+def verdict_of(response: Response | None) -> str:
+    """The approval verdict of a ``session/request_permission`` answer: the selected
+    option's id (``allow``, ``allow_session``, ``deny``); a cancelled request, an error or
+    anything else denies (R-APPROVE-2)."""
+    if response is None or response.error is not None or not isinstance(response.result, dict):
+        return "deny"
+    outcome = response.result.get("outcome")
+    if not isinstance(outcome, dict) or outcome.get("outcome") != "selected":
+        return "deny"
+    option = outcome.get("optionId")
+    return option if option in ("allow", "allow_session") else "deny"

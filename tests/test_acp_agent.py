@@ -1,0 +1,244 @@
+"""The ACP agent in-process (R-ACP-1) on memory streams, with scripted models the demo brain
+cannot play: a subagent (R-HOST-4), thinking, a refusal, a failure. Every frame is
+validated strictly against the official ACP SDK's schema."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import trio
+import trio.testing
+from acp.schema import (
+    Error,
+    NewSessionResponse,
+    PromptResponse,
+    RequestPermissionRequest,
+    SessionNotification,
+)
+
+from greenroom.actors.acp_agent import AcpAgent, AcpConfig
+from greenroom.actors.builtin_tools import builtin_tools
+from greenroom.actors.host import Host
+from greenroom.actors.scripted import (
+    Reply,
+    ScriptedProvider,
+    model_error,
+    text,
+    thinking,
+    tool_call,
+)
+from greenroom.actors.subagents import spawn_subagent
+from greenroom.protocols.content import ImageBlock
+from greenroom.protocols.context import ModelRequest
+
+TIMEOUT_S = 20
+
+
+def strict(model: type[pydantic.BaseModel], data: Any) -> None:
+    parsed = model.model_validate(data)
+    assert parsed.model_dump(mode="json", by_alias=True, exclude_unset=True) == data
+
+
+class Client:
+    """A minimal ACP client over the agent's memory streams: answers every permission
+    request with ``choice`` and keeps every frame it received."""
+
+    def __init__(self, send: trio.abc.SendStream, receive: trio.abc.ReceiveStream) -> None:
+        self._send = send
+        self._receive = receive
+        self._buffer = b""
+        self.frames: list[dict[str, Any]] = []
+        self.choice = "allow"
+        self._next = 100
+
+    async def call(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        self._next += 1
+        request_id = self._next
+        await self._write({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
+        while True:
+            frame = await self._read()
+            if frame.get("id") == request_id and "method" not in frame:
+                return frame
+            if frame.get("method") == "session/request_permission":
+                strict(RequestPermissionRequest, frame["params"])
+                await self._write(
+                    {
+                        "jsonrpc": "2.0",
+                        "id": frame["id"],
+                        "result": {"outcome": {"outcome": "selected", "optionId": self.choice}},
+                    }
+                )
+            elif frame.get("method") == "session/update":
+                strict(SessionNotification, frame["params"])
+
+    async def _write(self, frame: dict[str, Any]) -> None:
+        await self._send.send_all((json.dumps(frame) + "\n").encode())
+
+    async def _read(self) -> dict[str, Any]:
+        while b"\n" not in self._buffer:
+            data = await self._receive.receive_some()
+            assert data, "the agent closed its output"
+            self._buffer += data
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        frame: dict[str, Any] = json.loads(line)
+        self.frames.append(frame)
+        return frame
+
+    def updates(self) -> list[dict[str, Any]]:
+        return [f["params"]["update"] for f in self.frames if f.get("method") == "session/update"]
+
+
+async def converse(
+    tmp_path: Path, provider: ScriptedProvider, prompt: str, choice: str = "allow"
+) -> tuple[Client, dict[str, Any]]:
+    workspace = tmp_path / "ws"
+    workspace.mkdir(exist_ok=True)
+    (workspace / "notes.txt").write_text("one\n", encoding="utf-8")
+    to_agent, agent_in = trio.testing.memory_stream_one_way_pair()
+    agent_out, from_agent = trio.testing.memory_stream_one_way_pair()
+    client = Client(to_agent, from_agent)
+    client.choice = choice
+    config = AcpConfig(provider=provider, tools=(*builtin_tools(), spawn_subagent))
+    with trio.fail_after(TIMEOUT_S):
+        async with Host.open(data_dir=tmp_path / "data") as host, trio.open_nursery() as nursery:
+            agent = AcpAgent(host, config, agent_out)
+            nursery.start_soon(agent.serve, agent_in)
+            await client.call("initialize", {"protocolVersion": 1})
+            created = await client.call("session/new", {"cwd": str(workspace), "mcpServers": []})
+            sid = created["result"]["sessionId"]
+            answer = await client.call(
+                "session/prompt", {"sessionId": sid, "prompt": [{"type": "text", "text": prompt}]}
+            )
+            await to_agent.aclose()
+    assert provider.violations == []
+    return client, answer
+
+
+async def test_a_subagent_shows_on_its_spawn_call_and_asks_there(tmp_path: Path) -> None:
+    """R-HOST-4: the child's work and its permission request are about the parent's
+    spawn_subagent call; no tool_call of the child ever reaches the client."""
+    provider = ScriptedProvider(
+        [
+            Reply(blocks=(tool_call("p1", "spawn_subagent", task="list the workspace"),)),
+            Reply(blocks=(text("Listing."), tool_call("k1", "list_dir", path="."))),
+            Reply(blocks=(text("One file: notes.txt."),)),
+            Reply(blocks=(text("The subagent found notes.txt."),)),
+        ]
+    )
+    client, answer = await converse(tmp_path, provider, "what is there?")
+    strict(PromptResponse, answer["result"])
+    assert answer["result"] == {"stopReason": "end_turn"}
+    updates = client.updates()
+    assert [u["toolCallId"] for u in updates if u["sessionUpdate"] == "tool_call"] == ["p1"]
+    assert {u["toolCallId"] for u in updates if "toolCallId" in u} == {"p1"}
+    asked = [f["params"] for f in client.frames if f.get("method") == "session/request_permission"]
+    assert [a["toolCall"]["toolCallId"] for a in asked] == ["p1", "p1"]
+    assert asked[1]["toolCall"]["_meta"]["greenroom"]["callId"] == "k1"
+    from_child = [u for u in updates if u.get("_meta", {}).get("greenroom", {}).get("origin")]
+    assert from_child and all(u["status"] == "in_progress" for u in from_child)
+    final = [u for u in updates if u.get("status") == "completed"]
+    assert final[-1]["content"][0]["content"]["text"] == "One file: notes.txt."
+
+
+async def test_thinking_streams_as_thought_chunks(tmp_path: Path) -> None:
+    provider = ScriptedProvider([Reply(blocks=(thinking("Let me see."), text("Hello.")))])
+    client, answer = await converse(tmp_path, provider, "hi")
+    assert answer["result"] == {"stopReason": "end_turn"}
+    kinds = {u["sessionUpdate"] for u in client.updates()}
+    assert kinds == {"agent_thought_chunk", "agent_message_chunk"}
+    thought = "".join(
+        u["content"]["text"]
+        for u in client.updates()
+        if u["sessionUpdate"] == "agent_thought_chunk"
+    )
+    assert thought == "Let me see."
+
+
+async def test_a_refusal_is_the_stop_reason(tmp_path: Path) -> None:
+    provider = ScriptedProvider([Reply(blocks=(text("I can't help."),), stop_reason="refusal")])
+    _, answer = await converse(tmp_path, provider, "something bad")
+    assert answer["result"] == {"stopReason": "refusal"}
+
+
+async def test_a_failed_task_is_a_json_rpc_error_with_its_message(tmp_path: Path) -> None:
+    provider = ScriptedProvider(Reply(fail=model_error("auth", "invalid x-api-key")))
+    _, answer = await converse(tmp_path, provider, "hi")
+    strict(Error, answer["error"])
+    assert answer["error"]["code"] == -32000
+    assert "invalid x-api-key" in answer["error"]["message"]
+
+
+async def test_mcp_servers_are_accepted_and_named_in_the_answer(tmp_path: Path) -> None:
+    """session/new takes stdio and HTTP MCP servers; they are kept with the session and the
+    answer says which (they are not connected: greenroom has no MCP client)."""
+    to_agent, agent_in = trio.testing.memory_stream_one_way_pair()
+    agent_out, from_agent = trio.testing.memory_stream_one_way_pair()
+    client = Client(to_agent, from_agent)
+    servers = [
+        {"name": "fs", "command": "/usr/bin/fs-mcp", "args": [], "env": []},
+        {"type": "http", "name": "web", "url": "http://127.0.0.1:9/mcp", "headers": []},
+    ]
+    with trio.fail_after(TIMEOUT_S):
+        async with Host.open(data_dir=tmp_path / "data") as host, trio.open_nursery() as nursery:
+            agent = AcpAgent(host, AcpConfig(provider=ScriptedProvider([])), agent_out)
+            nursery.start_soon(agent.serve, agent_in)
+            await client.call("initialize", {"protocolVersion": 1})
+            created = await client.call(
+                "session/new", {"cwd": str(tmp_path), "mcpServers": servers}
+            )
+            await to_agent.aclose()
+    strict(NewSessionResponse, created["result"])
+    assert created["result"]["_meta"] == {
+        "greenroom": {"mcpServers": ["fs", "web"], "mcpConnected": False}
+    }
+
+
+async def test_an_image_prompt_reaches_the_model_as_a_stored_image(tmp_path: Path) -> None:
+    """promptCapabilities.image: the base64 image is stored in the session's scratchpad and
+    given to the model as an image block; the extensions answer on an idle session."""
+    png = b"\x89PNG\r\n\x1a\nnot really"
+    seen: list[bytes] = []
+
+    def look(request: ModelRequest) -> Reply:
+        for part in request.messages[-1].content:
+            if isinstance(part, ImageBlock):
+                seen.append(Path(part.path).read_bytes())
+        return Reply(blocks=(text("A picture."),))
+
+    to_agent, agent_in = trio.testing.memory_stream_one_way_pair()
+    agent_out, from_agent = trio.testing.memory_stream_one_way_pair()
+    client = Client(to_agent, from_agent)
+    with trio.fail_after(TIMEOUT_S):
+        async with Host.open(data_dir=tmp_path / "data") as host, trio.open_nursery() as nursery:
+            agent = AcpAgent(host, AcpConfig(provider=ScriptedProvider([look])), agent_out)
+            nursery.start_soon(agent.serve, agent_in)
+            await client.call("initialize", {"protocolVersion": 1})
+            created = await client.call("session/new", {"cwd": str(tmp_path), "mcpServers": []})
+            sid = created["result"]["sessionId"]
+            image = {
+                "type": "image",
+                "mimeType": "image/png",
+                "data": base64.b64encode(png).decode(),
+            }
+            prompt = [{"type": "text", "text": "what is this?"}, image]
+            answer = await client.call("session/prompt", {"sessionId": sid, "prompt": prompt})
+            bad = await client.call(
+                "session/prompt",
+                {"sessionId": sid, "prompt": [{**image, "data": "%%% not base64"}]},
+            )
+            skip = await client.call("_greenroom/skip_reconnect_wait", {"sessionId": sid})
+            steer = await client.call(
+                "_greenroom/steer", {"sessionId": sid, "prompt": [{"type": "text", "text": "x"}]}
+            )
+            unknown = await client.call("_greenroom/nothing", {"sessionId": sid})
+            await to_agent.aclose()
+    assert answer["result"] == {"stopReason": "end_turn"}
+    assert seen == [png]
+    assert bad["error"]["code"] == -32602
+    assert skip["result"] == {"skipped": False}
+    assert steer["result"] == {"queued": False}
+    assert unknown["error"]["code"] == -32601
