@@ -11,13 +11,20 @@ cancellation.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Protocol, assert_never
 
 import attrs
 import trio
 
 from greenroom.protocols.context import ModelRequest
-from greenroom.protocols.messages import StreamBatch, SupervisorMessage
+from greenroom.protocols.messages import (
+    PlanBackoff,
+    SkipBackoff,
+    StartAttempt,
+    StreamBatch,
+    StreamerCommand,
+    SupervisorMessage,
+)
 from greenroom.protocols.stream import ModelError, StreamEvent, StreamFailed
 
 Deliver = Callable[[list[StreamEvent]], Awaitable[None]]
@@ -134,23 +141,54 @@ class Backoff:
 
 
 class LLMStreamer:
-    """Runs attempts for one task and forwards their events to the supervisor."""
+    """The LLM streamer of one task: an actor that owns the provider task (its request
+    encoder) and the reconnect backoff, and runs one attempt at a time on command.
 
-    __slots__ = ("_inbox", "_provider", "backoff")
+    Start it with ``await nursery.start(streamer.run, commands)``; it serves
+    :data:`~greenroom.protocols.messages.StreamerCommand` messages until the channel is
+    closed or the task is cancelled, and reports to the supervisor's inbox only."""
+
+    __slots__ = ("_backoff", "_inbox", "_provider")
 
     def __init__(
         self, provider: ProviderTask, inbox: trio.MemorySendChannel[SupervisorMessage]
     ) -> None:
         self._provider = provider
         self._inbox = inbox
-        self.backoff = Backoff()
-        """Planned by the supervisor when it decides to retry; skipped on request."""
+        self._backoff = Backoff()
 
-    async def stream_attempt(self, request: ModelRequest, attempt: int, delay_ms: int) -> None:
+    async def run(
+        self,
+        commands: trio.MemoryReceiveChannel[StreamerCommand],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve commands: each attempt in a task of its own, so that a skip reaches a
+        wait while it runs. Cancel-safe."""
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            async with commands:
+                async for command in commands:
+                    match command:
+                        case StartAttempt():
+                            nursery.start_soon(
+                                self._stream_attempt,
+                                command.request,
+                                command.attempt,
+                                command.delay_ms,
+                            )
+                        case PlanBackoff():
+                            self._backoff.plan()
+                        case SkipBackoff():
+                            self._backoff.skip()
+                        case _:
+                            assert_never(command)
+
+    async def _stream_attempt(self, request: ModelRequest, attempt: int, delay_ms: int) -> None:
         """Wait ``delay_ms`` (the planned backoff), then stream one attempt. Cancel-safe:
         cancellation stops the sleep or the stream at once and delivers nothing more."""
         if delay_ms > 0:
-            await self.backoff.sleep(delay_ms / 1000)
+            await self._backoff.sleep(delay_ms / 1000)
         inbox = self._inbox
 
         async def deliver(events: list[StreamEvent]) -> None:

@@ -56,9 +56,13 @@ from greenroom.protocols.messages import (
     ApprovalDecided,
     ApproveCall,
     BackoffSkipped,
+    PlanBackoff,
     RunToolCall,
+    SkipBackoff,
+    StartAttempt,
     SteeringQueued,
     StreamBatch,
+    StreamerCommand,
     SupervisorMessage,
     ToolCallFinished,
     ToolProgressed,
@@ -123,7 +127,7 @@ class SessionSupervisor:
         self._inbox_receive = inbox_receive
         self._out = OutputEmitter(session, output, self._trace_failed)
         self._steering: list[UserContent] = []
-        self._streamer: LLMStreamer | None = None
+        self._streamer: trio.MemorySendChannel[StreamerCommand] | None = None
         self._provider_task: ProviderTask | None = None
         self._compactor: Compaction | None = None
         self._task: TaskInput | None = None
@@ -291,7 +295,11 @@ class SessionSupervisor:
                 private_dirs=(session.host.data_dir,),
             )
             self._provider_task = session.provider.open_task()
-            self._streamer = LLMStreamer(self._provider_task, self._inbox)
+            streamer = LLMStreamer(self._provider_task, self._inbox)
+            # Unbounded: the supervisor commands with send_nowait and never waits for the
+            # streamer; a turn sends a handful of commands at most.
+            self._streamer, commands = trio.open_memory_channel[StreamerCommand](math.inf)
+            await nursery.start(streamer.run, commands)
             if self._cancel_event is not None:
                 nursery.start_soon(self._watch_cancel, self._cancel_event)
             try:
@@ -396,7 +404,9 @@ class SessionSupervisor:
                     request=request,
                 ),
             )
-            self._nursery_start(self._streamer.stream_attempt, request, attempt, delay_ms)
+            self._streamer.send_nowait(
+                StartAttempt(request=request, attempt=attempt, delay_ms=delay_ms)
+            )
             result = await self._pump(lambda: machine.stream_result is not None)
             if isinstance(result, MessageCompleted):
                 break
@@ -405,7 +415,8 @@ class SessionSupervisor:
             decision = decide_retry(error, attempt)
             delay_ms = decision.delay_ms or 0
             if decision.retry:
-                self._streamer.backoff.plan()  # skippable from the moment it is announced
+                # Skippable from the moment it is announced (R-RETRY-5).
+                self._streamer.send_nowait(PlanBackoff())
             self._apply(machine.fail_attempt(error, retry_in_ms=decision.delay_ms))
             # R-RETRY-4: calls that already ran are reported, never run again.
             await self._pump(lambda: machine.all_calls_terminal)
@@ -576,7 +587,7 @@ class SessionSupervisor:
                 if self._compactor is not None:
                     self._compactor.skip_backoff()
                 elif self._streamer is not None:
-                    self._streamer.backoff.skip()
+                    self._streamer.send_nowait(SkipBackoff())
             case _:
                 assert_never(message)
 

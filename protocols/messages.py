@@ -11,6 +11,7 @@ from typing import Literal
 import attrs
 
 from greenroom.protocols.content import ToolCallBlock, ToolContent, UserContent
+from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.outputs import ToolStatus
 from greenroom.protocols.stream import StreamEvent
 
@@ -89,3 +90,29 @@ class RunToolCall:
 
     call: ToolCallBlock
     position: int
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class StartAttempt:
+    """Command to the LLM streamer: wait ``delay_ms`` (the planned backoff, skippable),
+    then stream ``request`` as attempt ``attempt`` of the turn, reporting every parsed batch
+    to the supervisor as a :class:`StreamBatch`."""
+
+    request: ModelRequest
+    attempt: int
+    delay_ms: int
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class PlanBackoff:
+    """Command to the LLM streamer: a reconnect wait has been announced; a skip from now on
+    ends it, even one that arrives before the wait begins (R-RETRY-5)."""
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class SkipBackoff:
+    """Command to the LLM streamer: end the planned or running reconnect wait now."""
+
+
+StreamerCommand = StartAttempt | PlanBackoff | SkipBackoff
+"""What the LLM streamer's inbox carries."""
