@@ -192,6 +192,8 @@ class SessionDefaults:
     provider_factory: Callable[[], ModelProvider] | None = None
     model: str | None = None
     tools: tuple[Tool, ...] = attrs.field(default=(), converter=_tool_tuple)
+    mcp_servers: Mapping[str, Any] = attrs.field(factory=dict)
+    """MCP servers whose tools every session gets (``host.create_session(mcp_servers=…)``)."""
     workspace_dir: str | Path = "."
     system: str | None = None
     settings: Mapping[str, Any] = attrs.field(factory=dict)
@@ -737,7 +739,10 @@ class Gateway:
         except SessionNotFound:
             # Closed by the host since (or granted from the data dir): load it again.
             session = await self.host.load_session(
-                session_id, tools=self.defaults.tools, provider=self._provider()
+                session_id,
+                tools=self.defaults.tools,
+                provider=self._provider(),
+                mcp_servers=self.defaults.mcp_servers,
             )
         self._adopt(session)
         return session
@@ -889,6 +894,7 @@ class Gateway:
             workspace_dir=workspace,
             provider=self._provider(),
             system=system,
+            mcp_servers=defaults.mcp_servers,
             **overrides,
         )
         self.grant(self._identity(connection), session.id)

@@ -33,7 +33,17 @@ from greenroom.protocols.mcp_config import (
 )
 from greenroom.protocols.outputs import TaskEnd, ToolCallOutput, ToolProgress
 
-SERVER = Path(__file__).resolve().parent / "support" / "mcp_server.py"
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `tests` is not a package on pytest's default sys.path
+    sys.path.insert(0, str(ROOT))
+
+from tests.support.mock_model_server import Reply as WireReply  # noqa: E402
+from tests.support.mock_model_server import Text, ToolUse, open_mock_server  # noqa: E402
+
+SERVER = ROOT / "tests" / "support" / "mcp_server.py"
+GREENROOM = str(Path(sys.executable).parent / "greenroom")
+"""The console script (``python -m greenroom.actors.cli`` would load the CLI module twice
+when ``chat`` imports it, and its errors would not be the ones ``main`` looks for)."""
 STDIO = {"command": sys.executable, "args": [str(SERVER)]}
 
 
@@ -223,7 +233,7 @@ async def test_tools_are_listed_with_schemas_and_called_end_to_end(
     images = [b for b in by_call["c3"].content if isinstance(b, ImageBlock)]
     assert len(images) == 1 and images[0].media_type == "image/png"
     assert Path(images[0].path).parent == session.scratchpad_dir
-    assert Path(images[0].path).read_bytes().startswith(b"\x89PNG")
+    assert (await trio.Path(images[0].path).read_bytes()).startswith(b"\x89PNG")
     assert "the notes" in content_text(by_call["c4"])
     assert by_call["c5"].is_error and "it broke" in content_text(by_call["c5"])
     assert [r.is_error for r in results_of(last_user(provider.requests[-1]))] == [
@@ -479,7 +489,7 @@ def test_cli_bad_config_exits_2_naming_file_and_path(tmp_path: Path, command: st
     config = tmp_path / "servers.json"
     config.write_text(json.dumps({"mcpServers": {"x": {"command": ["npx"]}}}))
     result = subprocess.run(
-        [sys.executable, "-m", "greenroom.actors.cli", command, "--mcp-config", str(config),
+        [GREENROOM, command, "--mcp-config", str(config),
          *(["hi"] if command == "run" else [])],
         cwd=tmp_path, env=cli_env(tmp_path), capture_output=True, text=True,
         timeout=RUN_TIMEOUT_S * 3, stdin=subprocess.DEVNULL,
@@ -492,10 +502,6 @@ def test_cli_bad_config_exits_2_naming_file_and_path(tmp_path: Path, command: st
 async def test_cli_run_with_stdio_and_http_servers(tmp_path: Path, workspace: Path) -> None:
     """``greenroom run --mcp-config servers.json`` end to end: an OpenAI-compatible mock
     model calls one tool of each server."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.support.mock_model_server import Reply as WireReply
-    from tests.support.mock_model_server import Text, ToolUse, open_mock_server
-
     script = [
         WireReply([ToolUse("call_1", "mcp__s__echo", {"text": "from stdio"}),
                    ToolUse("call_2", "mcp__h__echo", {"text": "from http"})],
