@@ -275,7 +275,11 @@ class McpConnection:
         except trio.Cancelled:
             error = "the host is closing"
             raise
-        except BaseException as exc:  # groups from the SDK's task groups, OSError, ...
+        except (Exception, BaseExceptionGroup) as exc:  # the SDK's task groups, OSError, …
+            if isinstance(exc, BaseExceptionGroup) and exc.subgroup(
+                (KeyboardInterrupt, SystemExit)
+            ):
+                raise
             error = _describe(exc)
         finally:
             live.ended.set()

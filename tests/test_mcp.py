@@ -423,6 +423,26 @@ async def test_a_changed_tool_list_is_picked_up_at_the_next_turn(
     assert content_text(outputs_by_call(outputs)["x1"]) == "I am extra"
 
 
+async def test_a_change_while_idle_is_applied_at_once(
+    mcp_host: Host, workspace: Path, providers: Any
+) -> None:
+    """R-MCP-4: between tasks is a turn boundary too: an idle session's table changes as
+    soon as the new list is in, and its next request offers the new tool."""
+    provider = providers([Reply(blocks=(text("done"),))])
+    session = await mcp_host.create_session(
+        provider=provider, workspace_dir=workspace, mcp_servers={"t": stdio()}
+    )
+    server = connection(mcp_host, "t")
+    listed = trio.Event()
+    server.listeners.add(listed.set)
+    await server.call("add_tool", {"tool": "later"}, None)
+    with trio.fail_after(RUN_TIMEOUT_S):
+        await listed.wait()
+    assert "mcp__t__later" in {t.name for t in session.tools}
+    await collect(session.run("go", approve=allow_all))
+    assert "mcp__t__later" in {t.name for t in provider.requests[0].tools}
+
+
 async def test_sessions_share_one_process_and_close_leaves_no_orphans(
     data_dir: Path, workspace: Path, providers: Any
 ) -> None:
