@@ -20,7 +20,13 @@ from conftest import RUN_TIMEOUT_S, Recorder, allow_all, collect, last_user, of_
 from greenroom.actors.errors import ConfigurationError
 from greenroom.actors.host import Host
 from greenroom.actors.mcp_tools import McpConnection, load_config_files
-from greenroom.actors.provider_scripted import Reply, text, tool_call
+from greenroom.actors.provider_scripted import (
+    Reply,
+    ScriptedStream,
+    model_error,
+    text,
+    tool_call,
+)
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.mcp_config import (
@@ -421,6 +427,37 @@ async def test_a_changed_tool_list_is_picked_up_at_the_next_turn(
     assert "mcp__t__extra" not in seen[0]
     assert "mcp__t__extra" in seen[1]
     assert content_text(outputs_by_call(outputs)["x1"]) == "I am extra"
+
+
+async def test_a_retry_within_a_turn_keeps_the_tool_list(
+    mcp_host: Host, workspace: Path, providers: Any
+) -> None:
+    """R-MCP-4: a list that changes between two attempts of one turn is not in the retry
+    (the request prefix stays the same); the next turn has it."""
+    seen: list[set[str]] = []
+
+    async def failing_attempt(request: ModelRequest, stream: ScriptedStream) -> None:
+        seen.append({t.name for t in request.tools})
+        server = connection(mcp_host, "t")
+        listed = trio.Event()
+        server.listeners.add(listed.set)
+        await server.call("add_tool", {"tool": "mid"}, None)
+        await listed.wait()
+        await stream.fail(model_error("timeout", "the model timed out"))
+
+    def step(request: ModelRequest) -> Reply:
+        seen.append({t.name for t in request.tools})
+        if len(seen) == 2:
+            return Reply(blocks=(tool_call("e1", "mcp__t__echo", text="x"),))
+        return Reply(blocks=(text("done"),))
+
+    provider = providers([failing_attempt, step, step])
+    session = await mcp_host.create_session(
+        provider=provider, workspace_dir=workspace, mcp_servers={"t": stdio()}
+    )
+    outputs = await collect(session.run("go", approve=allow_all))
+    assert outputs[-1].status == "completed"  # type: ignore[attr-defined]
+    assert [("mcp__t__mid" in names) for names in seen] == [False, False, True]
 
 
 async def test_a_change_while_idle_is_applied_at_once(
