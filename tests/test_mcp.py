@@ -16,8 +16,10 @@ from typing import Any
 import pytest
 import trio
 from conftest import RUN_TIMEOUT_S, Recorder, allow_all, collect, last_user, of_type, results_of
+from trio_websocket import open_websocket_url
 
 from greenroom.actors.errors import ConfigurationError
+from greenroom.actors.gateway import Gateway, SessionDefaults
 from greenroom.actors.host import Host
 from greenroom.actors.mcp_tools import McpConnection, load_config_files
 from greenroom.actors.provider_scripted import (
@@ -523,6 +525,36 @@ async def test_streamable_http_server(mcp_host: Host, workspace: Path, providers
     by_call = outputs_by_call(outputs)
     assert content_text(by_call["c1"]) == "over http"
     assert by_call["c2"].is_error and "nope" in content_text(by_call["c2"])
+
+
+async def test_gateway_sessions_get_the_servers_of_its_defaults(
+    mcp_host: Host, workspace: Path
+) -> None:
+    """``serve --mcp-config``: every session a client creates has the servers' tools, and
+    they share one process."""
+    gateway = Gateway(
+        mcp_host, token="t" * 24, listen_host="127.0.0.1", port=0,
+        defaults=SessionDefaults(provider="scripted", workspace_dir=workspace,
+                                 mcp_servers={"t": stdio()}),
+    )  # fmt: skip
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(gateway.run)
+        with trio.fail_after(RUN_TIMEOUT_S):
+            async with open_websocket_url(
+                f"ws://127.0.0.1:{port}/v1",
+                extra_headers=[(b"Authorization", b"Bearer " + b"t" * 24)],
+            ) as ws:
+                for number in (1, 2):
+                    await ws.send_message(json.dumps(
+                        {"jsonrpc": "2.0", "id": number, "method": "session.create",
+                         "params": {}}))  # fmt: skip
+                    reply = json.loads(await ws.get_message())
+                    assert "session_id" in reply["result"], reply
+        nursery.cancel_scope.cancel()
+    assert len(mcp_host.sessions) == 2
+    for session in mcp_host.sessions:
+        assert "mcp__t__echo" in {t.name for t in session.tools}
+    assert mcp_host._mcp is not None and len(mcp_host._mcp._connections()) == 1
 
 
 async def test_bad_mcp_servers_argument_is_a_configuration_error(mcp_host: Host) -> None:
