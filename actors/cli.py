@@ -41,7 +41,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TextIO, assert_never
 
@@ -52,6 +52,7 @@ from greenroom.actors.approval_broker import ApproveFn
 from greenroom.actors.builtin_tools import builtin_tools
 from greenroom.actors.errors import AuthLocked, ConfigurationError, GreenroomError, SessionNotFound
 from greenroom.actors.host import SESSION_FILE, Host, SessionObserver, default_data_dir
+from greenroom.actors.mcp_tools import McpConfigError, load_config_files
 from greenroom.actors.provider_registry import PROVIDERS, default_provider_name, provider_spec
 from greenroom.actors.session import Session
 from greenroom.actors.subagents import spawn_subagent
@@ -221,6 +222,14 @@ def _add_session_flags(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         help="load every @tool of a .py file or an importable module (repeatable; default: none)",
+    )
+    parser.add_argument(
+        "--mcp-config",
+        metavar="FILE",
+        action="append",
+        default=[],
+        help='the tools of the MCP servers of an {"mcpServers": …} file, named '
+        "mcp__<server>__<tool> (repeatable; default: none)",
     )
     parser.add_argument(
         "--no-builtin-tools",
@@ -670,6 +679,7 @@ def _serve_command(args: argparse.Namespace) -> int:
     if args.token_file is not None and Path(args.token_file).expanduser().is_dir():
         raise UsageError(f"--token-file: {args.token_file} is a directory, not a file")
     tools = tuple(collect_tools(args.tools, builtin=not args.no_builtin_tools))
+    servers = mcp_servers(args.mcp_config)
     options = prepare_options(
         RunOptions(
             prompt="",
@@ -694,6 +704,7 @@ def _serve_command(args: argparse.Namespace) -> int:
         model=args.model,
         system=args.system,
         tools=tools,
+        mcp_servers=servers,
         workspace_dir=options.workspace or ".",
         settings={key: value for key, value in limits if value is not None},
         approve=args.approve,
@@ -813,6 +824,7 @@ class RunOptions:
     workspace: str | None = None
     system: str | None = None
     tools: tuple[Tool, ...] = ()
+    mcp_servers: Mapping[str, Any] = attrs.field(factory=dict)
     approve: str = "none"
     json: bool = False
     max_turns: int | None = None
@@ -861,6 +873,7 @@ def run_options(args: argparse.Namespace, prompt: str) -> RunOptions:
         workspace=args.workspace,
         system=args.system,
         tools=tuple(collect_tools(args.tools, builtin=not args.no_builtin_tools)),
+        mcp_servers=mcp_servers(args.mcp_config),
         approve=approve,
         json=getattr(args, "json", False),
         max_turns=args.max_turns,
@@ -870,6 +883,15 @@ def run_options(args: argparse.Namespace, prompt: str) -> RunOptions:
         shell_network=args.shell_network,
         observers=getattr(args, "observers", ()),
     )
+
+
+def mcp_servers(paths: Sequence[str]) -> Mapping[str, Any]:
+    """The servers of the ``--mcp-config`` files; :class:`UsageError` naming the file and
+    the JSON path of a problem."""
+    try:
+        return load_config_files(paths)
+    except McpConfigError as exc:
+        raise UsageError(f"--mcp-config: {exc}") from None
 
 
 def collect_tools(specs: Sequence[str], *, builtin: bool = True) -> list[Tool]:
@@ -1025,6 +1047,7 @@ async def open_session(host: Host, options: RunOptions) -> Session:
             # The CLI's documented default: the scripted model when no key is set.
             provider=options.provider or default_provider_name(),
             system=options.system,
+            mcp_servers=options.mcp_servers,
             **overrides,
         )
     if options.model is not None:
@@ -1032,7 +1055,11 @@ async def open_session(host: Host, options: RunOptions) -> Session:
     if options.system is not None:
         overrides["system"] = options.system
     session = await host.load_session(
-        options.session_id, tools=options.tools, provider=options.provider, **overrides
+        options.session_id,
+        tools=options.tools,
+        provider=options.provider,
+        mcp_servers=options.mcp_servers,
+        **overrides,
     )
     # prepare_options resolved options.workspace already.
     if options.workspace is not None and Path(options.workspace) != session.workspace_dir:

@@ -19,7 +19,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, cast
@@ -29,6 +29,7 @@ import trio
 
 from greenroom.actors.errors import ConfigurationError, HostClosed, SessionNotFound
 from greenroom.actors.llm_streamer import ModelProvider
+from greenroom.actors.mcp_tools import McpConfigError, McpManager, as_configs, attach_servers
 from greenroom.actors.provider_registry import (
     PROVIDERS,
     anthropic_credentials,
@@ -50,6 +51,13 @@ SESSION_FILE = "session.json"
 
 SHUTDOWN_GRACE_S = 30.0
 """Bound on closing a host: interrupting every running task and flushing the traces."""
+
+
+def _mcp_configs(mcp_servers: Mapping[str, Any] | None) -> dict[str, Any]:
+    try:
+        return as_configs(mcp_servers) if mcp_servers else {}
+    except McpConfigError as exc:
+        raise ConfigurationError(str(exc)) from None
 
 
 def default_data_dir() -> Path:
@@ -114,6 +122,7 @@ class Host:
         self._tool_tables: dict[tuple[int, ...], tuple[dict[str, Tool], tuple[ToolSchema, ...]]]
         self._tool_tables = {}
         self._paths: dict[str, Path] = {}
+        self._mcp: McpManager | None = None  # started with the first MCP server
         self._closed = False
 
     @classmethod
@@ -160,13 +169,16 @@ class Host:
         session_id: str | None = None,
         hooks: Hooks | None = None,
         parent_id: str | None = None,
+        mcp_servers: Mapping[str, Any] | None = None,
         **overrides: Any,
     ) -> Session:
         """Create a session. ``provider`` is ``anthropic``, ``openai``, ``scripted`` or a
         provider object; ``settings`` and keyword overrides (any
         :class:`SessionSettings` field) fill the rest; ``hooks`` are its R-HOOK-1 hooks.
         ``parent_id`` names the session that spawned this one as a subagent (R-HOST-4);
-        it is stored in ``session.json``.
+        it is stored in ``session.json``. ``mcp_servers`` adds the tools of MCP servers
+        (``{"NAME": {"command": …} | {"type": "http", "url": …}}``, as in an
+        ``mcpServers`` file: R-MCP-1); a bad entry raises :class:`ConfigurationError`.
 
         Without ``provider`` (or ``settings``), a ``claude-*`` model means ``anthropic``;
         otherwise the provider is ``anthropic`` when ``ANTHROPIC_API_KEY`` is set, else
@@ -174,6 +186,7 @@ class Host:
         ``ANTHROPIC_AUTH_TOKEN`` raises :class:`ConfigurationError`: asking for Claude
         never runs another model silently."""
         self.check_open()
+        mcp_configs = _mcp_configs(mcp_servers)
         base = settings or SessionSettings()
         provider_name = (
             provider
@@ -230,6 +243,8 @@ class Host:
         )
         if hooks is not None:
             session.hooks = hooks
+        if mcp_configs:
+            await self._attach_mcp(session, mcp_configs)
         self._sessions[sid] = session
         if parent_id is None:
             self._observe(session)
@@ -241,12 +256,15 @@ class Host:
         *,
         tools: Iterable[Tool] = (),
         provider: str | ModelProvider | None = None,
+        mcp_servers: Mapping[str, Any] | None = None,
         **overrides: Any,
     ) -> Session:
         """Load a stored session: its model context is rebuilt from the latest trace file
         (unresolved calls interrupted, carry-over from the last abort: R-TRACE-4). Corrupt
-        trace lines are skipped and listed in ``session.load_errors``."""
+        trace lines are skipped and listed in ``session.load_errors``. ``mcp_servers`` as
+        for :meth:`create_session`."""
         self.check_open()
+        mcp_configs = _mcp_configs(mcp_servers)
         if session_id in self._sessions:
             return self._sessions[session_id]
         directory = self.data_dir / "sessions" / session_id
@@ -296,6 +314,8 @@ class Host:
             parent_id=meta.get("parent_id"),
         )
         session.load_errors = errors
+        if mcp_configs:
+            await self._attach_mcp(session, mcp_configs)
         self._sessions[session_id] = session
         self._observe(session)
         return session
@@ -327,6 +347,8 @@ class Host:
         session = self._sessions.pop(session_id, None)
         if session is not None:
             await session.aclose()
+            if self._mcp is not None:
+                await self._mcp.release(session_id)
 
     async def delete_session(self, session_id: str) -> None:
         """Close the session — interrupting its task and waiting until its last record is
@@ -350,6 +372,8 @@ class Host:
         for provider in self._providers.values():
             await provider.aclose()
         self._providers.clear()
+        if self._mcp is not None:
+            await self._mcp.aclose()
 
     # -- internals ---------------------------------------------------------------------
 
@@ -378,6 +402,16 @@ class Host:
             self._tool_tables[key] = table
             # The tools stay referenced by the table, so their ids cannot be reused.
         return table
+
+    async def _attach_mcp(self, session: Session, configs: dict[str, Any]) -> None:
+        """Give the session its MCP servers' tools; the manager runs in this host's
+        nursery and is started with the first server."""
+        manager = self._mcp
+        if manager is None:
+            manager = self._mcp = McpManager(self.data_dir / "mcp")
+            self._nursery.start_soon(manager.run)
+        await manager.wait_started()
+        await attach_servers(manager, session, configs)
 
     def _intern_path(self, path: Path) -> Path:
         """One Path object per distinct workspace, shared by its sessions."""

@@ -71,6 +71,8 @@ class SessionDefaults:
     provider_factory: Callable[[], ModelProvider] | None = None
     model: str | None = None
     tools: tuple[Tool, ...] = attrs.field(default=(), converter=_tool_tuple)
+    mcp_servers: Mapping[str, Any] = attrs.field(factory=dict)
+    """MCP servers whose tools every session gets (``host.create_session(mcp_servers=…)``)."""
     workspace_dir: str | Path = "."
     system: str | None = None
     settings: Mapping[str, Any] = attrs.field(factory=dict)

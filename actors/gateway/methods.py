@@ -101,7 +101,10 @@ class Methods:
         except SessionNotFound:
             # Closed by the host since (or granted from the data dir): load it again.
             session = await self.host.load_session(
-                session_id, tools=self.defaults.tools, provider=self._provider()
+                session_id,
+                tools=self.defaults.tools,
+                provider=self._provider(),
+                mcp_servers=self.defaults.mcp_servers,
             )
         self._hubs.adopt(session)
         return session
@@ -197,6 +200,7 @@ class Methods:
             workspace_dir=workspace,
             provider=self._provider(),
             system=system,
+            mcp_servers=defaults.mcp_servers,
             **overrides,
         )
         self._grants.grant(_identity(connection), session.id)

@@ -1,0 +1,843 @@
+"""Tools from MCP servers (R-MCP-1…4), through the official ``mcp`` SDK on trio.
+
+The SDK is anyio-based and runs here on anyio's trio backend: no asyncio loop is involved.
+
+Who owns what:
+
+* :class:`McpManager` lives in the host's nursery (``Host`` starts it on the first session
+  that configures a server) and owns every connection; ``aclose`` ends them all, waiting
+  for each stdio server process to exit (the SDK closes its stdin, then terminates and
+  kills its process tree, every wait bounded), so no process outlives the host.
+* :class:`McpConnection` is one configured server: one process (stdio) or one HTTP session,
+  shared by every session of the host that configures the same server identically
+  (``"scope": "session"`` gives each session its own). One task of the manager's nursery
+  holds the SDK's context managers for the connection's whole life; tool calls run in the
+  calling tool's task and only send requests on it.
+* :class:`McpBinding` ties one session to its connections: it keeps the session's tool
+  table (a :class:`LiveToolTable`, read by the pool on every call, and the schemas the
+  supervisor reads on every request) and swaps in a changed tool list only at a turn
+  boundary (R-MCP-4): at once when the session is idle, else when the running task's
+  tool results are in (the ``after_tool_results`` and ``on_stop`` hooks) or it ends.
+
+Failures are error outputs, never failed tasks (R-MCP-4): a server that cannot start, exits
+or stops answering makes its calls raise :class:`McpServerError`, which the pool turns into
+an ``is_error`` result. A server that exited is started again on its next use; one that
+failed to start is tried again after a backoff (1 s, doubling up to 60 s); one whose call
+timed out is pinged before the next call and restarted when the ping fails too.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import inspect
+import json
+import logging
+import math
+import mimetypes
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import attrs
+import mcp_types
+import trio
+from mcp import ClientSession, StdioServerParameters, stdio_client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
+from mcp.shared.exceptions import MCPError
+
+from greenroom.protocols.content import ImageBlock, TextBlock, ToolContent
+from greenroom.protocols.context import ToolSchema
+from greenroom.protocols.hooks import Hooks
+from greenroom.protocols.mcp_config import (
+    McpConfigError,
+    McpServerConfig,
+    merge_configs,
+    parse_config_text,
+    parse_servers,
+    schema_problem,
+    tool_name,
+    tool_name_problem,
+)
+from greenroom.protocols.tools import Tool, ToolContext
+
+if TYPE_CHECKING:
+    from greenroom.actors.session import Session
+
+log = logging.getLogger("greenroom.mcp")
+
+START_TIMEOUT_S = 30.0
+"""How long a server may take to start and answer ``initialize`` and ``tools/list``."""
+
+PING_TIMEOUT_S = 5.0
+"""How long a server whose last call timed out may take to answer a ping before the next
+call restarts it."""
+
+BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 60.0)
+"""Waits before trying again to start a server that failed to start, by failure count."""
+
+REFRESH_WAIT_S = 5.0
+"""How long a turn boundary waits for a changed tool list being fetched."""
+
+CLOSE_GRACE_S = 10.0
+"""Bound on closing every connection (the SDK's own stdio shutdown takes at most ~6 s)."""
+
+
+class McpServerError(Exception):
+    """A call that did not get a result from its server: the server could not be started,
+    exited, did not answer in time, or answered with a protocol error. Its message is the
+    error output the model sees."""
+
+
+class McpToolError(Exception):
+    """The server ran the tool and reported failure (``isError``); the message is what the
+    server said."""
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class McpToolInfo:
+    """One tool as the server lists it."""
+
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+    read_only: bool | None
+
+
+# -- configuration files --------------------------------------------------------------------
+
+
+def load_config_files(paths: Iterable[str | Path]) -> dict[str, McpServerConfig]:
+    """The servers of ``--mcp-config`` files, in order (blocking file reads: call it before
+    the event loop starts, or in a thread). Raises :class:`McpConfigError` naming the file
+    and, for bad content, the JSON path; a server named in two files is an error too."""
+    parts: list[tuple[str, dict[str, McpServerConfig]]] = []
+    for item in paths:
+        path = Path(item).expanduser()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise McpConfigError(f"{item}: no such file") from None
+        except IsADirectoryError:
+            raise McpConfigError(f"{item}: is a directory, not a file") from None
+        except UnicodeDecodeError:
+            raise McpConfigError(f"{item}: not UTF-8 text") from None
+        except OSError as exc:
+            raise McpConfigError(f"{item}: cannot be read: {exc.strerror or exc}") from None
+        parts.append((str(item), parse_config_text(text, str(item))))
+    return merge_configs(parts)
+
+
+def as_configs(mcp_servers: Mapping[str, Any]) -> dict[str, McpServerConfig]:
+    """``host.create_session(mcp_servers=…)``: server entries as in a config file's
+    ``mcpServers`` (dicts) or already parsed. Raises :class:`McpConfigError`."""
+    return parse_servers(mcp_servers, source="mcp_servers", path="$")
+
+
+# -- the live tool table ------------------------------------------------------------------
+
+
+class LiveToolTable(dict[str, Tool]):
+    """A session's own tool table (never shared with another session), whose content is
+    replaced in place at turn boundaries: the pool holds it for a whole task and looks
+    tools up in it call by call."""
+
+    def replace(self, tools: Mapping[str, Tool]) -> None:
+        self.clear()
+        self.update(tools)
+
+
+# -- one server -------------------------------------------------------------------------------
+
+
+class _Live:
+    """One run of a connection: from starting the server to its end."""
+
+    __slots__ = ("calls", "ended", "error", "lost", "ready", "session", "stop")
+
+    def __init__(self) -> None:
+        self.ready = trio.Event()  # set when started, or when starting failed
+        self.stop = trio.Event()  # set to end this run
+        self.ended = trio.Event()
+        self.session: ClientSession | None = None
+        self.error: str | None = None  # why starting failed
+        self.lost: str | None = None  # why a started run ended
+        self.calls: set[trio.CancelScope] = set()
+
+
+class McpConnection:
+    """One configured MCP server, shared by the sessions that use it."""
+
+    def __init__(self, config: McpServerConfig, nursery: trio.Nursery, log_dir: Path) -> None:
+        self.config = config
+        self._nursery = nursery
+        self._log_dir = log_dir
+        self._live: _Live | None = None
+        self._failures = 0
+        self._retry_at = -math.inf
+        self._last_error = ""
+        self._suspect = False
+        self._closed = False
+        self.tools: tuple[McpToolInfo, ...] | None = None
+        """The last listing; None until the server first started."""
+        self.version = 0
+        """Bumped whenever :attr:`tools` changes."""
+        self._tool_objects: tuple[int, tuple[Tool, ...]] | None = None
+        self.listeners: set[Callable[[], None]] = set()
+        """Called (synchronously) after :attr:`tools` changed."""
+        self.warnings: list[str] = []
+        self.refreshing: trio.Event | None = None
+        """Set while a changed tool list is being fetched; a turn boundary waits for it
+        (bounded), so a change the server announced during a turn is in the next one."""
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def log_path(self) -> Path:
+        """Where a stdio server's stderr goes."""
+        return self._log_dir / f"{self.name}.stderr.log"
+
+    # -- starting -----------------------------------------------------------------------
+
+    async def list_tools(self) -> tuple[McpToolInfo, ...]:
+        """The server's tools, starting it if needed. Raises :class:`McpServerError`."""
+        await self._session()
+        return self.tools or ()
+
+    async def _session(self) -> tuple[_Live, ClientSession]:
+        while True:
+            if self._closed:
+                raise McpServerError(f"MCP server {self.name!r} is closed (the host is closing)")
+            live = self._live
+            if live is None:
+                now = trio.current_time()
+                if now < self._retry_at:
+                    raise McpServerError(
+                        f"MCP server {self.name!r} could not be started: {self._last_error}; "
+                        f"next try in {self._retry_at - now:.1f} s"
+                    )
+                live = self._live = _Live()
+                self._nursery.start_soon(self._serve, live, name=f"mcp server {self.name}")
+            await live.ready.wait()
+            if live.error is not None:
+                raise McpServerError(
+                    f"MCP server {self.name!r} could not be started: {live.error}"
+                )
+            if live.stop.is_set() or live.session is None:
+                await live.ended.wait()
+                continue  # it exited or is being stopped: start it again
+            if self._suspect and not await self._answers_ping(live.session):
+                live.lost = "it stopped answering"
+                live.stop.set()
+                await live.ended.wait()
+                continue
+            return live, live.session
+
+    async def _answers_ping(self, session: ClientSession) -> bool:
+        with trio.move_on_after(PING_TIMEOUT_S):
+            try:
+                await session.send_ping()
+            except MCPError:
+                return False
+            self._suspect = False
+            return True
+        return False
+
+    async def _serve(self, live: _Live) -> None:
+        """Hold the connection open until ``live.stop``. Never raises: every failure is
+        kept on ``live`` (a task of the manager's nursery must not take the host down)."""
+        error: str | None = None
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                read, write = await stack.enter_async_context(self._transport(stack))
+                send, receive = anyio.create_memory_object_stream[Any](0)
+                nursery = await stack.enter_async_context(trio.open_nursery())
+                nursery.start_soon(self._forward, read, send, live)
+                session = await stack.enter_async_context(
+                    ClientSession(receive, write, message_handler=self._on_message)
+                )
+                with trio.fail_after(START_TIMEOUT_S):
+                    await session.initialize()
+                    tools = await self._fetch_tools(session)
+                live.session = session
+                self._set_tools(tools)
+                self._failures = 0
+                self._suspect = False
+                live.ready.set()
+                await live.stop.wait()
+                nursery.cancel_scope.cancel()
+        except trio.TooSlowError:
+            error = f"it did not answer initialize and tools/list within {START_TIMEOUT_S:g} s"
+        except trio.Cancelled:
+            error = "the host is closing"
+            raise
+        except (Exception, BaseExceptionGroup) as exc:  # the SDK's task groups, OSError, …
+            if isinstance(exc, BaseExceptionGroup) and exc.subgroup(
+                (KeyboardInterrupt, SystemExit)
+            ):
+                raise
+            error = _describe(exc)
+        finally:
+            live.ended.set()
+            if self._live is live:
+                self._live = None
+            if not live.ready.is_set():
+                live.error = self._failed(error or "it exited while starting")
+                live.ready.set()
+            elif live.lost is None:
+                live.lost = "it exited" if error is None else f"the connection failed: {error}"
+            for scope in live.calls:
+                scope.cancel()
+
+    def _failed(self, error: str) -> str:
+        if self.config.transport == "stdio" and not self._closed:
+            error += f" (its stderr is in {self.log_path})"
+        self._failures += 1
+        self._last_error = error
+        delay = BACKOFF_S[min(self._failures, len(BACKOFF_S)) - 1]
+        self._retry_at = trio.current_time() + delay
+        log.warning("MCP server %r could not be started: %s", self.name, error)
+        return error
+
+    @contextlib.asynccontextmanager
+    async def _transport(self, stack: contextlib.AsyncExitStack) -> Any:
+        config = self.config
+        if config.transport == "stdio":
+            assert config.command is not None
+            await trio.Path(self._log_dir).mkdir(parents=True, exist_ok=True)
+            errlog = await trio.to_thread.run_sync(
+                lambda: self.log_path.open("a", encoding="utf-8")
+            )
+            stack.callback(errlog.close)
+            params = StdioServerParameters(
+                command=config.command,
+                args=list(config.args),
+                env=dict(config.env) or None,
+                cwd=config.cwd,
+            )
+            async with stdio_client(params, errlog=errlog) as streams:
+                yield streams
+            return
+        assert config.url is not None
+        client = create_mcp_http_client(headers=dict(config.headers) or None)
+        async with client, streamable_http_client(config.url, http_client=client) as streams:
+            yield streams
+
+    async def _forward(self, read: Any, send: Any, live: _Live) -> None:
+        """Pass the transport's messages to the client session; when the transport's
+        stream ends (the server process exited), end this run so that waiting calls fail
+        now and the next use starts the server again."""
+        async with send:
+            try:
+                async for message in read:
+                    await send.send(message)
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream):
+                pass
+        if live.lost is None:
+            live.lost = "it exited"
+        live.stop.set()
+
+    async def _on_message(self, message: Any) -> None:
+        if isinstance(message, mcp_types.ToolListChangedNotification):
+            live = self._live
+            if live is not None and live.session is not None:
+                if self.refreshing is None:
+                    self.refreshing = trio.Event()
+                self._nursery.start_soon(self._refresh, live, live.session)
+        await trio.lowlevel.checkpoint()
+
+    async def _refresh(self, live: _Live, session: ClientSession) -> None:
+        """Fetch the changed tool list (``notifications/tools/list_changed``); sessions
+        pick it up at their next turn boundary."""
+        try:
+            with trio.fail_after(START_TIMEOUT_S):
+                tools = await self._fetch_tools(session)
+            if self._live is live:
+                self._set_tools(tools)
+        except BaseException as exc:
+            if isinstance(exc, trio.Cancelled):
+                raise
+            log.warning("MCP server %r: listing its changed tools failed: %s",
+                        self.name, _describe(exc))
+        finally:
+            refreshing, self.refreshing = self.refreshing, None
+            if refreshing is not None:
+                refreshing.set()
+
+    async def _fetch_tools(self, session: ClientSession) -> tuple[McpToolInfo, ...]:
+        tools: list[McpToolInfo] = []
+        cursor: str | None = None
+        for _ in range(1000):  # a server that pages forever is not followed forever
+            params = None if cursor is None else mcp_types.PaginatedRequestParams(cursor=cursor)
+            result = await session.list_tools(params=params)
+            for item in result.tools:
+                read_only = item.annotations.read_only_hint if item.annotations else None
+                tools.append(
+                    McpToolInfo(
+                        name=item.name,
+                        description=item.description or item.title or item.name,
+                        input_schema=item.input_schema,
+                        read_only=read_only,
+                    )
+                )
+            cursor = result.next_cursor
+            if not cursor:
+                break
+        return tuple(tools)
+
+    def _set_tools(self, tools: tuple[McpToolInfo, ...]) -> None:
+        if tools == self.tools:
+            return
+        self.tools = tools
+        self.version += 1
+        for listener in tuple(self.listeners):
+            with contextlib.suppress(Exception):
+                listener()
+
+    def kick(self) -> None:
+        """Start a server that has never started (its first start failed) in the
+        background, once its backoff has passed; its tools then reach the sessions that
+        configured it at their next turn boundary."""
+        if (
+            self.tools is None
+            and self._live is None
+            and not self._closed
+            and trio.current_time() >= self._retry_at
+        ):
+            self._nursery.start_soon(_list_quietly, self)
+
+    # -- tools --------------------------------------------------------------------------
+
+    def tool_objects(self) -> tuple[Tool, ...]:
+        """The current tools as greenroom tools (built once per listing, shared)."""
+        cached = self._tool_objects
+        if cached is not None and cached[0] == self.version:
+            return cached[1]
+        built: list[Tool] = []
+        warnings: list[str] = []
+        for info in self.tools or ():
+            problem = tool_name_problem(self.name, info.name) or schema_problem(
+                info.input_schema
+            )
+            if problem is not None:
+                warnings.append(f"MCP server {self.name!r}: tool {info.name!r} skipped: {problem}")
+                continue
+            built.append(self._tool(info))
+        for warning in warnings:
+            log.warning("%s", warning)
+        self.warnings = warnings
+        self._tool_objects = (self.version, tuple(built))
+        return self._tool_objects[1]
+
+    def _tool(self, info: McpToolInfo) -> Tool:
+        parallel = self.config.is_parallel(info.name, info.read_only)
+        # The pool passes the ToolContext as the argument ``ctx``: a tool with an argument
+        # of that name gets its own value and does without progress notes and images.
+        takes_ctx = "ctx" not in info.input_schema.get("properties", {})
+        connection = self
+
+        async def call(**arguments: Any) -> Any:
+            ctx = arguments.pop("ctx", None) if takes_ctx else None
+            return await connection.call(info.name, arguments, ctx)
+
+        return Tool(
+            name=tool_name(self.name, info.name),
+            description=info.description,
+            input_schema=info.input_schema,
+            parallel=parallel,
+            side_effects=not parallel,
+            function=call,
+            takes_ctx=takes_ctx,
+        )
+
+    async def call(
+        self, tool: str, arguments: dict[str, Any], ctx: ToolContext | None
+    ) -> tuple[ToolContent, ...]:
+        """Call ``tool`` and map its result (R-MCP-3). Cancelling the caller cancels the
+        request, which the SDK reports to the server (``notifications/cancelled``).
+        Raises :class:`McpServerError` or :class:`McpToolError`."""
+        live, session = await self._session()
+        progress = None if ctx is None else _progress_reporter(ctx)
+        scope = trio.CancelScope()
+        live.calls.add(scope)
+        timeout = self.config.timeout_s
+        try:
+            with scope:
+                with trio.move_on_after(timeout):
+                    result = await session.call_tool(
+                        tool, arguments, progress_callback=progress
+                    )
+                    return await _result_content(result, ctx)
+                self._suspect = True
+                raise McpServerError(
+                    f"MCP server {self.name!r} did not answer {tool} within {timeout:g} s "
+                    "(the call was cancelled)"
+                )
+            raise McpServerError(self._lost_message(live, tool))
+        except MCPError as exc:
+            if exc.code == mcp_types.CONNECTION_CLOSED or live.ended.is_set():
+                live.lost = live.lost or "it closed the connection"
+                live.stop.set()
+                raise McpServerError(self._lost_message(live, tool)) from None
+            raise McpServerError(
+                f"MCP server {self.name!r} refused {tool}: {exc.message} (code {exc.code})"
+            ) from None
+        finally:
+            live.calls.discard(scope)
+
+    def _lost_message(self, live: _Live, tool: str) -> str:
+        return (
+            f"MCP server {self.name!r} stopped during {tool}: {live.lost or 'it exited'}; "
+            "it is started again on its next use"
+        )
+
+    async def aclose(self) -> None:
+        """End the connection (stop the server process) and wait for it."""
+        self._closed = True
+        live = self._live
+        if live is not None:
+            live.lost = "the host is closing"
+            live.stop.set()
+            await live.ended.wait()
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for an exception, looking inside exception groups for the first cause."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        leaves = [e for e in exc.exceptions if not isinstance(e, trio.Cancelled)]
+        exc = (leaves or list(exc.exceptions))[0]
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, FileNotFoundError) and exc.filename:
+        text = f"command not found: {exc.filename}"
+    elif isinstance(exc, OSError) and exc.strerror:
+        text = exc.strerror
+    return f"{type(exc).__name__}: {text}" if not isinstance(exc, MCPError) else text
+
+
+def _progress_reporter(ctx: ToolContext) -> Any:
+    async def progress(value: float, total: float | None, message: str | None) -> None:
+        amount = f"{value:g}/{total:g}" if total else f"{value:g}"
+        ctx.report_progress(f"{message} ({amount})" if message else amount)
+
+    return progress
+
+
+async def _result_content(
+    result: mcp_types.CallToolResult, ctx: ToolContext | None
+) -> tuple[ToolContent, ...]:
+    """A ``CallToolResult`` as content blocks (R-MCP-3): text as text; images saved to the
+    scratchpad as image blocks; audio and binary resources saved there and named in a
+    text; text resources as their text; ``structuredContent`` as JSON text (unless a text
+    block already holds exactly that JSON). ``isError`` raises :class:`McpToolError`."""
+    blocks: list[ToolContent] = []
+    texts: list[str] = []
+    for index, item in enumerate(result.content):
+        if isinstance(item, mcp_types.TextContent):
+            blocks.append(TextBlock(text=item.text))
+            texts.append(item.text)
+        elif isinstance(item, mcp_types.ImageContent):
+            path = await _save(ctx, index, item.data, item.mime_type)
+            blocks.append(
+                ImageBlock(path=str(path), media_type=item.mime_type)
+                if isinstance(path, Path)
+                else TextBlock(text=f"[image {item.mime_type}: {path}]")
+            )
+        elif isinstance(item, mcp_types.AudioContent):
+            path = await _save(ctx, index, item.data, item.mime_type)
+            blocks.append(TextBlock(text=f"[audio {item.mime_type}: {path}]"))
+        elif isinstance(item, mcp_types.EmbeddedResource):
+            resource = item.resource
+            if isinstance(resource, mcp_types.TextResourceContents):
+                blocks.append(TextBlock(text=f"[resource {resource.uri}]\n{resource.text}"))
+                continue
+            mime = resource.mime_type or "application/octet-stream"
+            path = await _save(ctx, index, resource.blob, mime)
+            if isinstance(path, Path) and mime.startswith("image/"):
+                blocks.append(ImageBlock(path=str(path), media_type=mime))
+            else:
+                blocks.append(TextBlock(text=f"[resource {resource.uri} ({mime}): {path}]"))
+        elif isinstance(item, mcp_types.ResourceLink):
+            detail = ", ".join(x for x in (item.name, item.mime_type) if x)
+            blocks.append(TextBlock(text=f"[resource link {item.uri}" +
+                                    (f" ({detail})]" if detail else "]")))
+    structured = result.structured_content
+    if structured is not None and not _restates(structured, texts):
+        structured_text = json.dumps(structured, ensure_ascii=False)
+        blocks.append(TextBlock(text=structured_text))
+        texts.append(structured_text)
+    if result.is_error:
+        raise McpToolError("\n".join(texts) or "the tool reported an error")
+    return tuple(blocks) or (TextBlock(text=""),)
+
+
+def _restates(structured: dict[str, Any], texts: list[str]) -> bool:
+    """Whether the structured content only repeats the text: a text block holds the same
+    JSON (as the specification asks servers to send), or it wraps the text's value under
+    one key (``{"result": …}``, as SDK servers do for a plain return value)."""
+    if any(_json_value(text) == structured for text in texts):
+        return True
+    if len(structured) != 1 or not texts:
+        return False
+    (value,) = structured.values()
+    joined = "\n".join(texts)
+    if value == joined or _json_value(joined) == value:
+        return True
+    return isinstance(value, list) and [_json_value(t, t) for t in texts] == value
+
+
+_NO_JSON = object()
+
+
+def _json_value(text: str, default: Any = _NO_JSON) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return default
+
+
+async def _save(ctx: ToolContext | None, index: int, data: str, mime: str) -> Path | str:
+    """Write base64 ``data`` to the scratchpad; the path, or why it was not written."""
+    if ctx is None:
+        return "not saved (no scratchpad for this tool)"
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except ValueError:
+        return "not saved (its data is not valid base64)"
+    extension = mimetypes.guess_extension(mime.split(";")[0].strip()) or ".bin"
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in ctx.call_id)[:80]
+    path = ctx.scratchpad_dir / f"mcp-{safe or 'call'}-{index}{extension}"
+
+    def write() -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(raw)
+
+    try:
+        await trio.to_thread.run_sync(write)
+    except OSError as exc:
+        return f"not saved ({exc.strerror or exc})"
+    return path
+
+
+# -- the manager ----------------------------------------------------------------------------
+
+
+class McpManager:
+    """Every MCP connection of one host; runs in the host's nursery (see the module
+    docstring). Start with ``await nursery.start(manager.run)``."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self._log_dir = log_dir
+        self._nursery: trio.Nursery | None = None
+        self._shared: dict[McpServerConfig, McpConnection] = {}
+        self._private: dict[str, list[McpConnection]] = {}
+        self._bindings: dict[str, McpBinding] = {}
+        self._started = trio.Event()
+        self._closed = trio.Event()
+        self._done = trio.Event()
+
+    async def wait_started(self) -> None:
+        await self._started.wait()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        # The SDK logs transport failures; those are reported as error outputs instead,
+        # and must not reach a terminal as tracebacks (the host's logging still sees them).
+        logging.getLogger("mcp").addHandler(logging.NullHandler())
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self._started.set()
+                task_status.started()
+                await self._closed.wait()
+                with trio.move_on_after(CLOSE_GRACE_S):
+                    async with trio.open_nursery() as closing:
+                        for connection in self._connections():
+                            closing.start_soon(connection.aclose)
+                nursery.cancel_scope.cancel()
+        finally:
+            self._done.set()
+
+    def _connections(self) -> list[McpConnection]:
+        private = [c for group in self._private.values() for c in group]
+        return [*self._shared.values(), *private]
+
+    def connection(self, config: McpServerConfig, session_id: str) -> McpConnection:
+        """The connection of ``config`` for a session: the host's shared one, or (scope
+        ``session``) one of the session's own."""
+        assert self._nursery is not None, "McpManager.run has not started"
+        if config.scope == "host":
+            connection = self._shared.get(config)
+            if connection is None:
+                connection = self._shared[config] = McpConnection(
+                    config, self._nursery, self._log_dir
+                )
+            return connection
+        connection = McpConnection(config, self._nursery, self._log_dir)
+        self._private.setdefault(session_id, []).append(connection)
+        return connection
+
+    def bind(self, session_id: str, binding: McpBinding) -> None:
+        self._bindings[session_id] = binding
+
+    async def release(self, session_id: str) -> None:
+        """Forget a closed session: stop telling it about tool changes, and close its own
+        connections (``"scope": "session"``)."""
+        binding = self._bindings.pop(session_id, None)
+        if binding is not None:
+            binding.detach()
+        for connection in self._private.pop(session_id, ()):
+            await connection.aclose()
+
+    async def aclose(self) -> None:
+        """Stop every server and wait until their processes are gone (bounded)."""
+        self._closed.set()
+        await self._done.wait()
+
+
+# -- one session's binding ---------------------------------------------------------------------
+
+
+class McpBinding:
+    """The MCP tools of one session and when its tool table changes (R-MCP-4)."""
+
+    def __init__(
+        self, session: Session, static: tuple[Tool, ...], connections: list[McpConnection]
+    ) -> None:
+        self._session = session
+        self._static = static
+        self._connections = connections
+        self._versions: tuple[int, ...] = ()
+        self._pending = False
+        self._waiting = False
+        self.table = LiveToolTable({})
+        self.warnings: list[str] = []
+
+    def build(self) -> tuple[dict[str, Tool], tuple[ToolSchema, ...]]:
+        tools: dict[str, Tool] = {t.name: t for t in self._static}
+        warnings: list[str] = []
+        for connection in self._connections:
+            for item in connection.tool_objects():
+                if item.name in tools:
+                    warnings.append(f"{item.name}: a tool of that name is already given; skipped")
+                    continue
+                tools[item.name] = item
+            warnings.extend(connection.warnings)
+        self.warnings = warnings
+        self._versions = tuple(c.version for c in self._connections)
+        return tools, tuple(t.schema for t in tools.values())
+
+    def apply(self) -> None:
+        """Swap in the current tool lists. Call only at a turn boundary."""
+        self._pending = False
+        if self._versions == tuple(c.version for c in self._connections):
+            return
+        tools, schemas = self.build()
+        self.table.replace(tools)
+        self._session._tool_schemas = schemas
+
+    def changed(self) -> None:
+        """A server's tool list changed: apply it now when the session is idle, else at the
+        running task's next turn boundary (or its end)."""
+        if not self._session.busy:
+            self.apply()
+            return
+        self._pending = True
+        if not self._waiting and self._connections:
+            self._waiting = True
+            self._connections[0]._nursery.start_soon(self._apply_when_idle)
+
+    async def _apply_when_idle(self) -> None:
+        try:
+            while self._pending:
+                await self._session.wait_idle()
+                await trio.lowlevel.checkpoint()
+                if not self._session.busy:
+                    self.apply()
+        finally:
+            self._waiting = False
+
+    async def at_turn_boundary(self, _info: Any) -> None:
+        with trio.move_on_after(REFRESH_WAIT_S):
+            for connection in self._connections:
+                if connection.refreshing is not None:
+                    await connection.refreshing.wait()
+        if self._pending:
+            self.apply()
+        for connection in self._connections:
+            connection.kick()
+
+    def hooks(self, hooks: Hooks) -> Hooks:
+        """``hooks`` with this binding's turn-boundary check in front of
+        ``after_tool_results`` and ``on_stop`` (the user's hooks still run and decide)."""
+        return attrs.evolve(
+            hooks,
+            after_tool_results=_chain(self.at_turn_boundary, hooks.after_tool_results),
+            on_stop=_chain(self.at_turn_boundary, hooks.on_stop),
+        )
+
+    def detach(self) -> None:
+        for connection in self._connections:
+            connection.listeners.discard(self.changed)
+
+
+def _chain(
+    first: Callable[[Any], Awaitable[None]], then: Callable[[Any], Any] | None
+) -> Callable[[Any], Awaitable[Any]]:
+    async def hook(info: Any) -> Any:
+        await first(info)
+        if then is None:
+            return None
+        result = then(info)
+        return await result if inspect.isawaitable(result) else result
+
+    return hook
+
+
+async def attach_servers(
+    manager: McpManager,
+    session: Session,
+    configs: Mapping[str, McpServerConfig],
+) -> McpBinding:
+    """Give ``session`` the tools of ``configs``: each server is started (once per host
+    for shared servers) and its tools listed now, so the session's first request offers
+    them. A server that cannot be started contributes no tools for now (a warning is
+    logged); it is tried again, after its backoff, whenever one of its tools is listed
+    again. Never raises for a server's failure."""
+    connections = [manager.connection(config, session.id) for config in configs.values()]
+    async with trio.open_nursery() as nursery:
+        for connection in connections:
+            nursery.start_soon(_list_quietly, connection)
+    binding = McpBinding(session, session.tools, connections)
+    tools, schemas = binding.build()
+    binding.table.replace(tools)
+    session._tools = binding.table
+    session._tool_schemas = schemas
+    session.hooks = binding.hooks(session.hooks)
+    for connection in connections:
+        connection.listeners.add(binding.changed)
+    manager.bind(session.id, binding)
+    return binding
+
+
+async def _list_quietly(connection: McpConnection) -> None:
+    try:
+        await connection.list_tools()
+    except McpServerError as exc:
+        log.warning("%s", exc)
+
+
+__all__ = [
+    "LiveToolTable",
+    "McpBinding",
+    "McpConfigError",
+    "McpConnection",
+    "McpManager",
+    "McpServerError",
+    "McpToolError",
+    "as_configs",
+    "attach_servers",
+    "load_config_files",
+]

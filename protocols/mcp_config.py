@@ -1,0 +1,343 @@
+"""MCP server configuration: the ``mcpServers`` JSON that MCP clients use (R-MCP-1).
+
+A file holds ``{"mcpServers": {"NAME": SERVER, …}}`` (other top-level keys are ignored, so
+a client's whole settings file can be given). A SERVER is either stdio::
+
+    {"command": "npx", "args": ["-y", "some-server"], "env": {"KEY": "value"}, "cwd": "/dir"}
+
+or streamable HTTP (``"type": "http"``; a ``url`` without a ``type`` means HTTP too)::
+
+    {"type": "http", "url": "https://example.com/mcp", "headers": {"Authorization": "…"}}
+
+with optional keys on both: ``"parallel": true | false | ["tool", …]`` (which tools may run
+beside other calls; without it the server's ``readOnlyHint`` decides: R-MCP-2),
+``"timeout_s": N`` (how long one call may take, default :data:`DEFAULT_TIMEOUT_S`) and
+``"scope": "host" | "session"`` (one process per host shared by its sessions, the default,
+or one per session).
+
+Everything here is pure: the caller reads the file and passes its text. Every problem is an
+:class:`McpConfigError` whose message names the source and the JSON path
+(``servers.json: $.mcpServers.x.command: expected a string``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import attrs
+
+DEFAULT_TIMEOUT_S = 300.0
+"""How long one tool call may wait for its server unless ``timeout_s`` says otherwise."""
+
+MAX_TOOL_NAME = 64
+"""The longest tool name every provider accepts (OpenAI's limit; Anthropic allows more)."""
+
+_NAME_PART = re.compile(r"[A-Za-z0-9_-]+")
+_KNOWN_KEYS = ("type", "command", "args", "env", "cwd", "url", "headers", "parallel",
+               "timeout_s", "scope")
+
+
+class McpConfigError(ValueError):
+    """A server configuration that cannot be used; the message names file and JSON path."""
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class McpServerConfig:
+    """One configured MCP server. Hashable: servers of equal configuration are shared."""
+
+    name: str
+    transport: Literal["stdio", "http"]
+    command: str | None = None
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    cwd: str | None = None
+    url: str | None = None
+    headers: tuple[tuple[str, str], ...] = ()
+    parallel: bool | tuple[str, ...] | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    scope: Literal["host", "session"] = "host"
+
+    def is_parallel(self, tool: str, read_only_hint: bool | None) -> bool:
+        """Whether ``tool`` may share the pool's slots (R-MCP-2): the configuration when
+        it says, else the server's ``readOnlyHint``; never guessed."""
+        if self.parallel is None:
+            return read_only_hint is True
+        if isinstance(self.parallel, bool):
+            return self.parallel
+        return tool in self.parallel
+
+
+def valid_name_part(name: str) -> bool:
+    """Whether ``name`` may stand in ``mcp__<server>__<tool>``: letters, digits, ``_`` and
+    ``-``, and no ``__`` (which separates the parts)."""
+    return bool(_NAME_PART.fullmatch(name)) and "__" not in name
+
+
+def tool_name(server: str, tool: str) -> str:
+    """The name the model sees for ``tool`` of ``server`` (R-MCP-1)."""
+    return f"mcp__{server}__{tool}"
+
+
+def tool_name_problem(server: str, tool: str) -> str | None:
+    """Why a server's tool cannot be offered under its name, or None. Tool names may hold
+    characters (``.``, ``/``) that providers refuse; such tools are skipped, not renamed,
+    so a name in a trace always means the same tool."""
+    if not _NAME_PART.fullmatch(tool):
+        return f"its name {tool!r} has characters other than letters, digits, '_' and '-'"
+    if len(tool_name(server, tool)) > MAX_TOOL_NAME:
+        return f"{tool_name(server, tool)!r} is longer than {MAX_TOOL_NAME} characters"
+    return None
+
+
+def parse_config_text(text: str, source: str) -> dict[str, McpServerConfig]:
+    """The servers of a config file's text. Raises :class:`McpConfigError`."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise McpConfigError(
+            f"{source}: not JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
+        ) from None
+    except RecursionError:
+        raise McpConfigError(f"{source}: not JSON: nested too deeply") from None
+    if not isinstance(data, dict):
+        raise McpConfigError(f"{source}: $: expected an object with \"mcpServers\"")
+    if "mcpServers" not in data:
+        raise McpConfigError(f"{source}: $.mcpServers: required property missing")
+    return parse_servers(data["mcpServers"], source=source, path="$.mcpServers")
+
+
+def parse_servers(
+    value: Any, *, source: str = "mcp_servers", path: str = "$"
+) -> dict[str, McpServerConfig]:
+    """The servers of an ``mcpServers`` mapping (``{"NAME": {...}}``); ``source`` and
+    ``path`` prefix the error messages. Raises :class:`McpConfigError`."""
+    if not isinstance(value, Mapping):
+        raise _error(source, path, "expected an object of servers by name")
+    servers: dict[str, McpServerConfig] = {}
+    for name, entry in value.items():
+        servers[name] = parse_server(name, entry, source=source, path=f"{path}.{name}")
+    return servers
+
+
+def parse_server(name: Any, entry: Any, *, source: str, path: str) -> McpServerConfig:
+    """One server entry. Raises :class:`McpConfigError`."""
+    if not isinstance(name, str) or not valid_name_part(name):
+        raise _error(
+            source, path, f"server name {name!r} must be letters, digits, '_' and '-', "
+            "without '__' (it becomes part of the tool names mcp__<server>__<tool>)"
+        )
+    if isinstance(entry, McpServerConfig):
+        return attrs.evolve(entry, name=name)
+    if not isinstance(entry, Mapping):
+        raise _error(source, path, "expected an object")
+    for key in entry:
+        if key not in _KNOWN_KEYS:
+            raise _error(
+                source, f"{path}.{key}", f"unknown key (known: {', '.join(_KNOWN_KEYS)})"
+            )
+    kind = entry.get("type")
+    if kind is None:
+        kind = "http" if "url" in entry and "command" not in entry else "stdio"
+    if kind in ("streamable-http", "streamableHttp"):
+        kind = "http"
+    if kind not in ("stdio", "http"):
+        raise _error(source, f"{path}.type", f'expected "stdio" or "http", got {kind!r}')
+    common: dict[str, Any] = {
+        "name": name,
+        "parallel": _parallel(entry.get("parallel"), source, f"{path}.parallel"),
+        "timeout_s": _timeout(entry.get("timeout_s"), source, f"{path}.timeout_s"),
+        "scope": _scope(entry.get("scope"), source, f"{path}.scope"),
+    }
+    if kind == "stdio":
+        for key in ("url", "headers"):
+            if key in entry:
+                raise _error(source, f"{path}.{key}", "only for a server of type http")
+        command = entry.get("command")
+        if not isinstance(command, str) or not command:
+            raise _error(source, f"{path}.command", "expected a string")
+        cwd = entry.get("cwd")
+        if cwd is not None and not isinstance(cwd, str):
+            raise _error(source, f"{path}.cwd", "expected a string")
+        return McpServerConfig(
+            transport="stdio",
+            command=command,
+            args=_strings(entry.get("args", []), source, f"{path}.args"),
+            env=_string_map(entry.get("env", {}), source, f"{path}.env"),
+            cwd=cwd,
+            **common,
+        )
+    for key in ("command", "args", "env", "cwd"):
+        if key in entry:
+            raise _error(source, f"{path}.{key}", "only for a stdio server")
+    url = entry.get("url")
+    if not isinstance(url, str):
+        raise _error(source, f"{path}.url", "expected a string")
+    if not re.match(r"https?://[^/\s]+", url):
+        raise _error(source, f"{path}.url", f"expected an http:// or https:// URL, got {url!r}")
+    return McpServerConfig(
+        transport="http",
+        url=url,
+        headers=_string_map(entry.get("headers", {}), source, f"{path}.headers"),
+        **common,
+    )
+
+
+def merge_configs(
+    parts: list[tuple[str, dict[str, McpServerConfig]]],
+) -> dict[str, McpServerConfig]:
+    """The servers of several files in order; a name given twice is an error naming both
+    files (which one should win is not obvious)."""
+    merged: dict[str, McpServerConfig] = {}
+    origin: dict[str, str] = {}
+    for source, servers in parts:
+        for name, config in servers.items():
+            if name in merged:
+                raise McpConfigError(
+                    f"{source}: $.mcpServers.{name}: server {name!r} is also configured in "
+                    f"{origin[name]}"
+                )
+            merged[name] = config
+            origin[name] = source
+    return merged
+
+
+def parse_acp_servers(value: Any, *, source: str = "session/new", path: str = "$.mcpServers"
+                      ) -> dict[str, McpServerConfig]:
+    """The servers of an ACP ``session/new {mcpServers}`` list: ``{name, command, args,
+    env: [{name, value}]}`` (stdio) or ``{type: "http", name, url, headers: [{name,
+    value}]}``. Raises :class:`McpConfigError`."""
+    if not isinstance(value, list):
+        raise _error(source, path, "expected an array of servers")
+    servers: dict[str, McpServerConfig] = {}
+    for index, entry in enumerate(value):
+        where = f"{path}[{index}]"
+        if not isinstance(entry, Mapping):
+            raise _error(source, where, "expected an object")
+        name = entry.get("name")
+        if not isinstance(name, str):
+            raise _error(source, f"{where}.name", "expected a string")
+        converted: dict[str, Any] = {}
+        for key, item in entry.items():
+            if key == "name":
+                continue
+            if key in ("env", "headers"):
+                converted[key] = _name_value_pairs(item, source, f"{where}.{key}")
+            else:
+                converted[key] = item
+        if name in servers:
+            raise _error(source, f"{where}.name", f"server {name!r} is listed twice")
+        servers[name] = parse_server(name, converted, source=source, path=where)
+    return servers
+
+
+def _name_value_pairs(value: Any, source: str, path: str) -> dict[str, Any]:
+    if isinstance(value, Mapping):
+        return dict(value)
+    if not isinstance(value, list):
+        raise _error(source, path, "expected an array of {name, value}")
+    pairs: dict[str, Any] = {}
+    for index, item in enumerate(value):
+        if not isinstance(item, Mapping) or not isinstance(item.get("name"), str):
+            raise _error(source, f"{path}[{index}]", "expected {name, value}")
+        pairs[item["name"]] = item.get("value")
+    return pairs
+
+
+def _error(source: str, path: str, message: str) -> McpConfigError:
+    return McpConfigError(f"{source}: {path}: {message}")
+
+
+def _strings(value: Any, source: str, path: str) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise _error(source, path, "expected an array of strings")
+    for index, item in enumerate(value):
+        if not isinstance(item, str):
+            raise _error(source, f"{path}[{index}]", "expected a string")
+    return tuple(value)
+
+
+def _string_map(value: Any, source: str, path: str) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, Mapping):
+        raise _error(source, path, "expected an object of strings")
+    for key, item in value.items():
+        if not isinstance(item, str):
+            raise _error(source, f"{path}.{key}", "expected a string")
+    return tuple(sorted(value.items()))
+
+
+def _parallel(value: Any, source: str, path: str) -> bool | tuple[str, ...] | None:
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, list):
+        return _strings(value, source, path)
+    raise _error(source, path, "expected true, false or an array of tool names")
+
+
+def _timeout(value: Any, source: str, path: str) -> float:
+    if value is None:
+        return DEFAULT_TIMEOUT_S
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise _error(source, path, f"expected a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def _scope(value: Any, source: str, path: str) -> Literal["host", "session"]:
+    if value is None:
+        return "host"
+    if value not in ("host", "session"):
+        raise _error(source, path, f'expected "host" or "session", got {value!r}')
+    return "host" if value == "host" else "session"
+
+
+_SCHEMA_TYPES = frozenset(("string", "integer", "number", "boolean", "null", "array", "object"))
+_MAX_SCHEMA_DEPTH = 64
+
+
+def schema_problem(schema: Any) -> str | None:
+    """Why a server's input schema cannot be offered to the model, or None: the root must
+    be an object schema, and every ``type`` a JSON type (the argument check of R-TOOL-5
+    relies on both). Iterative, so any nesting is safe to inspect."""
+    if not isinstance(schema, Mapping):
+        return "its input schema is not an object"
+    if schema.get("type", "object") != "object":
+        return f"its input schema has type {schema.get('type')!r}, not 'object'"
+    properties = schema.get("properties", {})
+    if not isinstance(properties, Mapping):
+        return "its input schema's properties are not an object"
+    # (node, path, depth, whether node is a schema rather than a map of named schemas)
+    stack: list[tuple[Any, str, int, bool]] = [(schema, "$", 1, True)]
+    while stack:
+        node, path, depth, is_schema = stack.pop()
+        if depth > _MAX_SCHEMA_DEPTH:
+            return f"its input schema nests deeper than {_MAX_SCHEMA_DEPTH} levels"
+        if isinstance(node, list):
+            stack.extend((item, f"{path}[{i}]", depth + 1, True) for i, item in enumerate(node))
+            continue
+        if not isinstance(node, Mapping):
+            continue
+        if not is_schema:
+            stack.extend((child, f"{path}.{key}", depth + 1, True) for key, child in node.items())
+            continue
+        kind = node.get("type")
+        kinds = kind if isinstance(kind, list) else [kind] if kind is not None else []
+        for item in kinds:
+            if not isinstance(item, str) or item not in _SCHEMA_TYPES:
+                return f"its input schema has an unknown type {item!r} at {path}"
+        for key, child in node.items():
+            if key in _NAMED_SCHEMAS:
+                stack.append((child, f"{path}.{key}", depth + 1, False))
+            elif key in _SUBSCHEMAS:
+                stack.append((child, f"{path}.{key}", depth + 1, True))
+    return None
+
+
+_NAMED_SCHEMAS = frozenset(
+    ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+)
+_SUBSCHEMAS = frozenset(
+    ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "allOf", "not",
+     "contains", "if", "then", "else", "propertyNames", "additionalItems")
+)

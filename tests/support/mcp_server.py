@@ -1,0 +1,188 @@
+"""A small MCP server for the tests, written with the SDK's own server API (``MCPServer``).
+
+    python tests/support/mcp_server.py            # stdio
+    python tests/support/mcp_server.py --http     # streamable HTTP on 127.0.0.1, port 0:
+                                                  # prints "PORT <n>" first on stdout
+
+Tools: ``echo`` (read-only), ``structured``, ``image``, ``resource``, ``fail`` (isError),
+``crash`` (the process exits mid-call), ``pid``, ``block``/``ro_block`` (block until
+``release`` with the same key, reporting progress "started" first), ``hang`` (blocks
+forever; records its key in ``cancelled`` when the client cancels it), ``cancelled``,
+``calls`` (the names called so far), ``add_tool`` (adds a tool and sends
+``notifications/tools/list_changed``) and ``bad_schema`` (listed with an unusable schema).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from typing import Any
+
+import anyio
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp.types import (
+    EmbeddedResource,
+    ImageContent,
+    TextContent,
+    TextResourceContents,
+    ToolAnnotations,
+)
+
+READ_ONLY = ToolAnnotations(read_only_hint=True)
+PNG_1PX = (
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8DwHwAFBQIAX8jx0gAAAABJRU5ErkJggg=="
+)
+
+server = MCPServer("greenroom-test")
+events: dict[str, anyio.Event] = {}
+cancelled_keys: list[str] = []
+called: list[str] = []
+
+
+def _event(key: str) -> anyio.Event:
+    return events.setdefault(key, anyio.Event())
+
+
+@server.tool(annotations=READ_ONLY)
+def echo(text: str) -> str:
+    """Echo the text back."""
+    called.append("echo")
+    return text
+
+
+@server.tool()
+def structured(a: int, b: int) -> dict[str, int]:
+    """Add two numbers, as structured content."""
+    called.append("structured")
+    return {"sum": a + b}
+
+
+@server.tool()
+def image() -> list[Any]:
+    """A one-pixel PNG and a caption."""
+    called.append("image")
+    return [TextContent(type="text", text="a pixel"),
+            ImageContent(type="image", data=PNG_1PX, mime_type="image/png")]
+
+
+@server.tool()
+def resource() -> list[Any]:
+    """An embedded text resource."""
+    called.append("resource")
+    return [EmbeddedResource(type="resource", resource=TextResourceContents(
+        uri="file:///notes.txt", mime_type="text/plain", text="the notes"))]
+
+
+@server.tool()
+def fail(message: str) -> str:
+    """Fail with the message."""
+    called.append("fail")
+    raise ToolError(message)
+
+
+@server.tool()
+def crash() -> str:
+    """Exit the server process in the middle of the call."""
+    sys.stdout.flush()
+    os._exit(3)
+
+
+@server.tool(annotations=READ_ONLY)
+def pid() -> int:
+    """The server's process id."""
+    return os.getpid()
+
+
+async def _block(key: str, ctx: Context) -> str:
+    called.append(f"block:{key}")
+    await ctx.report_progress(0, 1, f"started {key}")
+    await _event(key).wait()
+    return f"released {key}"
+
+
+@server.tool()
+async def block(key: str, ctx: Context) -> str:
+    """Block until release(key); not read-only."""
+    return await _block(key, ctx)
+
+
+@server.tool(annotations=READ_ONLY)
+async def ro_block(key: str, ctx: Context) -> str:
+    """Block until release(key); read-only."""
+    return await _block(key, ctx)
+
+
+@server.tool(annotations=READ_ONLY)
+def release(key: str) -> str:
+    """Release the blocked calls with this key."""
+    _event(key).set()
+    return f"released {key}"
+
+
+@server.tool()
+async def hang(key: str, ctx: Context) -> str:
+    """Block forever (after a progress note); a cancellation is recorded."""
+    called.append(f"hang:{key}")
+    await ctx.report_progress(0, None, f"hanging {key}")
+    try:
+        await anyio.sleep_forever()
+    finally:
+        cancelled_keys.append(key)
+    return "never"
+
+
+@server.tool(annotations=READ_ONLY)
+def cancelled() -> str:
+    """The keys of the hang calls that were cancelled (a JSON array)."""
+    return json.dumps(cancelled_keys)
+
+
+@server.tool(annotations=READ_ONLY)
+def calls() -> str:
+    """The tools called so far (a JSON array)."""
+    return json.dumps(called)
+
+
+@server.tool()
+async def add_tool(tool: str, ctx: Context) -> str:
+    """Add a tool that answers its own name, and tell the client the list changed."""
+
+    def added() -> str:
+        return f"I am {tool}"
+
+    server.add_tool(added, name=tool, description=f"the added tool {tool}")
+    await ctx.session.send_tool_list_changed()
+    return f"added {tool}"
+
+
+@server.tool()
+def bad_schema(x: str) -> str:
+    """Listed with a schema whose property type is not a JSON type."""
+    return x
+
+
+server._tool_manager.get_tool("bad_schema").parameters = {  # type: ignore[union-attr]
+    "type": "object",
+    "properties": {"x": {"type": "file"}},
+}
+
+
+def main() -> None:
+    if "--http" not in sys.argv:
+        server.run()
+        return
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    print(f"PORT {sock.getsockname()[1]}", flush=True)
+    config = uvicorn.Config(server.streamable_http_app(), log_level="warning")
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,624 @@
+"""Tools from MCP servers (R-MCP-1…4) against real servers written with the SDK's server API
+(``tests/support/mcp_server.py``), over stdio and streamable HTTP, through real sessions
+driven by the scripted model."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from conftest import RUN_TIMEOUT_S, Recorder, allow_all, collect, last_user, of_type, results_of
+from trio_websocket import open_websocket_url
+
+from greenroom.actors.errors import ConfigurationError
+from greenroom.actors.gateway import Gateway, SessionDefaults
+from greenroom.actors.host import Host
+from greenroom.actors.mcp_tools import McpConnection, load_config_files
+from greenroom.actors.provider_scripted import (
+    Reply,
+    ScriptedStream,
+    model_error,
+    text,
+    tool_call,
+)
+from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock
+from greenroom.protocols.context import ModelRequest
+from greenroom.protocols.mcp_config import (
+    McpConfigError,
+    McpServerConfig,
+    merge_configs,
+    parse_acp_servers,
+    parse_config_text,
+    schema_problem,
+)
+from greenroom.protocols.outputs import TaskEnd, ToolCallOutput, ToolProgress
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `tests` is not a package on pytest's default sys.path
+    sys.path.insert(0, str(ROOT))
+
+from tests.support.mock_model_server import Reply as WireReply  # noqa: E402
+from tests.support.mock_model_server import Text, ToolUse, open_mock_server  # noqa: E402
+
+SERVER = ROOT / "tests" / "support" / "mcp_server.py"
+GREENROOM = str(Path(sys.executable).parent / "greenroom")
+"""The console script (``python -m greenroom.actors.cli`` would load the CLI module twice
+when ``chat`` imports it, and its errors would not be the ones ``main`` looks for)."""
+STDIO = {"command": sys.executable, "args": [str(SERVER)]}
+
+
+def stdio(**extra: Any) -> dict[str, Any]:
+    return {**STDIO, **extra}
+
+
+def connection(host: Host, name: str) -> McpConnection:
+    assert host._mcp is not None
+    return next(c for c in host._mcp._connections() if c.name == name)
+
+
+def outputs_by_call(outputs: list[Any]) -> dict[str, ToolCallOutput]:
+    return {o.call_id: o for o in of_type(outputs, ToolCallOutput)}
+
+
+def content_text(output: ToolCallOutput) -> str:
+    return "\n".join(b.text for b in output.content if isinstance(b, TextBlock))
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead but not yet reaped: it counts as gone only once reaped.
+    return Path(f"/proc/{pid}").exists()
+
+
+@contextlib.contextmanager
+def http_server() -> Iterator[str]:
+    """The test server over streamable HTTP on 127.0.0.1 (port 0); yields its URL."""
+    process = subprocess.Popen(
+        [sys.executable, str(SERVER), "--http"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert line.startswith("PORT "), line
+        yield f"http://127.0.0.1:{int(line.split()[1])}/mcp"
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+# -- configuration (pure) ------------------------------------------------------------------
+
+
+def test_config_parses_stdio_and_http_servers() -> None:
+    text_ = json.dumps({
+        "other": "ignored",
+        "mcpServers": {
+            "files": {"command": "npx", "args": ["-y", "srv"], "env": {"K": "v"}},
+            "web": {"type": "http", "url": "http://127.0.0.1:1/mcp",
+                    "headers": {"Authorization": "Bearer t"}, "parallel": ["get"],
+                    "timeout_s": 5, "scope": "session"},
+            "inferred": {"url": "https://example.test/mcp"},
+        },
+    })  # fmt: skip
+    servers = parse_config_text(text_, "servers.json")
+    assert servers["files"] == McpServerConfig(
+        name="files", transport="stdio", command="npx", args=("-y", "srv"), env=(("K", "v"),)
+    )
+    web = servers["web"]
+    assert (web.transport, web.url, web.headers) == (
+        "http", "http://127.0.0.1:1/mcp", (("Authorization", "Bearer t"),)
+    )
+    assert (web.parallel, web.timeout_s, web.scope) == (("get",), 5.0, "session")
+    assert servers["inferred"].transport == "http"
+
+
+@pytest.mark.parametrize(
+    ("servers", "message"),
+    [
+        ({"x": {"command": 3}}, "$.mcpServers.x.command: expected a string"),
+        ({"x": {}}, "$.mcpServers.x.command: expected a string"),
+        ({"x": {"command": "c", "args": ["a", 1]}}, "$.mcpServers.x.args[1]: expected a string"),
+        ({"x": {"command": "c", "env": {"A": 1}}}, "$.mcpServers.x.env.A: expected a string"),
+        ({"x": {"command": "c", "timeout_s": 0}}, "$.mcpServers.x.timeout_s: expected a positive"),
+        ({"x": {"command": "c", "parallel": "yes"}}, "$.mcpServers.x.parallel: expected true"),
+        ({"x": {"command": "c", "scope": "all"}}, "$.mcpServers.x.scope: expected"),
+        ({"x": {"command": "c", "comand": "c"}}, "$.mcpServers.x.comand: unknown key"),
+        ({"x": {"type": "sse", "url": "u"}}, "$.mcpServers.x.type: expected \"stdio\" or"),
+        ({"x": {"type": "http", "url": "ftp://h"}}, "$.mcpServers.x.url: expected an http"),
+        ({"x": {"type": "http", "url": "http://h", "command": "c"}}, "$.mcpServers.x.command"),
+        ({"a__b": {"command": "c"}}, "$.mcpServers.a__b: server name 'a__b' must be"),
+        ({"a.b": {"command": "c"}}, "$.mcpServers.a.b: server name 'a.b' must be"),
+        ([], "$.mcpServers: expected an object"),
+    ],
+)
+def test_bad_config_names_file_and_json_path(servers: Any, message: str) -> None:
+    with pytest.raises(McpConfigError) as caught:
+        parse_config_text(json.dumps({"mcpServers": servers}), "servers.json")
+    assert str(caught.value).startswith("servers.json: ")
+    assert message in str(caught.value)
+
+
+def test_config_file_problems_are_named() -> None:
+    with pytest.raises(McpConfigError, match=r"^f\.json: not JSON: .*line 1"):
+        parse_config_text("{", "f.json")
+    with pytest.raises(McpConfigError, match=r"^f\.json: \$\.mcpServers: required"):
+        parse_config_text("{}", "f.json")
+    with pytest.raises(McpConfigError, match=r"no such file"):
+        load_config_files(["/nonexistent/servers.json"])
+    one = parse_config_text('{"mcpServers": {"x": {"command": "c"}}}', "a.json")
+    with pytest.raises(McpConfigError, match=r"^b\.json: .*also configured in a\.json"):
+        merge_configs([("a.json", one), ("b.json", one)])
+
+
+def test_parallel_is_declared_never_guessed() -> None:
+    """R-MCP-2: readOnlyHint or the configuration; the configuration wins when given."""
+    base = McpServerConfig(name="s", transport="stdio", command="c")
+    assert base.is_parallel("t", True) and not base.is_parallel("t", None)
+    assert not base.is_parallel("t", False)
+    assert McpServerConfig(name="s", transport="stdio", command="c", parallel=True
+                           ).is_parallel("t", None)  # fmt: skip
+    assert not McpServerConfig(name="s", transport="stdio", command="c", parallel=False
+                               ).is_parallel("t", True)  # fmt: skip
+    listed = McpServerConfig(name="s", transport="stdio", command="c", parallel=("a",))
+    assert listed.is_parallel("a", None) and not listed.is_parallel("b", True)
+
+
+def test_schema_problems() -> None:
+    assert schema_problem({"type": "object", "properties": {"type": {"type": "string"}}}) is None
+    assert schema_problem({"type": "object", "properties": {"x": {"type": ["string", "null"]}}}
+                          ) is None  # fmt: skip
+    assert "unknown type 'file'" in (
+        schema_problem({"type": "object", "properties": {"x": {"type": "file"}}}) or ""
+    )
+    assert "not 'object'" in (schema_problem({"type": "string"}) or "")
+    assert schema_problem([]) is not None
+
+
+def test_acp_server_list_converts() -> None:
+    servers = parse_acp_servers([
+        {"name": "a", "command": "c", "args": [], "env": [{"name": "K", "value": "v"}]},
+        {"type": "http", "name": "b", "url": "http://h/mcp",
+         "headers": [{"name": "H", "value": "1"}]},
+    ])  # fmt: skip
+    assert servers["a"].env == (("K", "v"),)
+    assert servers["b"].headers == (("H", "1"),)
+    with pytest.raises(McpConfigError, match=r"\$\.mcpServers\[0\]\.command"):
+        parse_acp_servers([{"name": "a", "command": 1}])
+
+
+# -- through sessions ------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def mcp_host(data_dir: Path) -> AsyncIterator[Host]:
+    async with Host.open(data_dir) as host:
+        yield host
+
+
+async def test_tools_are_listed_with_schemas_and_called_end_to_end(
+    mcp_host: Host, workspace: Path, providers: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """R-MCP-1, R-MCP-3: names, schemas, text, structured content, images, resources,
+    isError; an unusable schema skips that tool alone with a warning."""
+    provider = providers([
+        Reply(blocks=(
+            tool_call("c1", "mcp__t__echo", text="hello"),
+            tool_call("c2", "mcp__t__structured", a=2, b=3),
+            tool_call("c3", "mcp__t__image"),
+            tool_call("c4", "mcp__t__resource"),
+            tool_call("c5", "mcp__t__fail", message="it broke"),
+        )),
+        Reply(blocks=(text("done"),)),
+    ])  # fmt: skip
+    session = await mcp_host.create_session(
+        provider=provider, workspace_dir=workspace, mcp_servers={"t": stdio()}
+    )
+    names = {t.name for t in session.tools}
+    assert {"mcp__t__echo", "mcp__t__structured", "mcp__t__hang"} <= names
+    assert "mcp__t__bad_schema" not in names
+    assert any("bad_schema" in r.getMessage() and "unknown type" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+    echo = next(t for t in session.tools if t.name == "mcp__t__echo")
+    assert echo.input_schema["properties"]["text"]["type"] == "string"
+    assert echo.description == "Echo the text back."
+    outputs = await collect(session.run("go", approve=allow_all))
+    assert outputs[-1].status == "completed"  # type: ignore[attr-defined]
+    by_call = outputs_by_call(outputs)
+    assert (by_call["c1"].status, content_text(by_call["c1"])) == ("ok", "hello")
+    assert json.loads(by_call["c2"].content[-1].text) == {"sum": 5}  # type: ignore[union-attr]
+    images = [b for b in by_call["c3"].content if isinstance(b, ImageBlock)]
+    assert len(images) == 1 and images[0].media_type == "image/png"
+    assert Path(images[0].path).parent == session.scratchpad_dir
+    assert (await trio.Path(images[0].path).read_bytes()).startswith(b"\x89PNG")
+    assert "the notes" in content_text(by_call["c4"])
+    assert by_call["c5"].is_error and "it broke" in content_text(by_call["c5"])
+    assert [r.is_error for r in results_of(last_user(provider.requests[-1]))] == [
+        False, False, False, False, True
+    ]
+
+
+async def test_approval_decides_mcp_calls(
+    mcp_host: Host, workspace: Path, providers: Any
+) -> None:
+    """R-MCP-1: MCP calls go through approval; a denied call never reaches the server."""
+    provider = providers([
+        Reply(blocks=(tool_call("c1", "mcp__t__echo", text="yes"),
+                      tool_call("c2", "mcp__t__structured", a=1, b=1))),
+        Reply(blocks=(tool_call("c3", "mcp__t__calls"),)),
+        Reply(blocks=(text("done"),)),
+    ])  # fmt: skip
+    asked: list[str] = []
+
+    def approve(call: ToolCallBlock) -> str:
+        asked.append(call.name)
+        return "deny" if call.name == "mcp__t__structured" else "allow"
+
+    session = await mcp_host.create_session(
+        provider=provider, workspace_dir=workspace, mcp_servers={"t": stdio()}
+    )
+    by_call = outputs_by_call(await collect(session.run("go", approve=approve)))
+    assert asked == ["mcp__t__echo", "mcp__t__structured", "mcp__t__calls"]
+    assert by_call["c2"].status == "denied"
+    assert json.loads(content_text(by_call["c3"])) == ["echo"]
+
+
+async def test_read_only_tools_share_slots_and_others_run_alone(
+    mcp_host: Host, workspace: Path, providers: Any
+) -> None:
+    """R-MCP-2: readOnlyHint tools run together; other tools are exclusive."""
+    provider = providers([
+        Reply(blocks=(tool_call("r1", "mcp__t__ro_block", key="a"),
+                      tool_call("r2", "mcp__t__ro_block", key="b"))),
+        Reply(blocks=(tool_call("w1", "mcp__t__block", key="c"),
+                      tool_call("w2", "mcp__t__block", key="d"))),
+        Reply(blocks=(text("done"),)),
+    ])  # fmt: skip
+    session = await mcp_host.create_session(
+        provider=provider, workspace_dir=workspace, mcp_servers={"t": stdio()}
+    )
+    tools = {t.name: t for t in session.tools}
+    assert tools["mcp__t__ro_block"].parallel and not tools["mcp__t__block"].parallel
+    recorder = Recorder(session)
+    stream = session.run("go", approve=allow_all)
+    server = connection(mcp_host, "t")
+    # Both read-only calls are running at once before either is released.
+    await recorder.wait_for("tool_progress", call_id="r1")
+    await recorder.wait_for("tool_progress", call_id="r2")
+    await server.call("release", {"key": "a"}, None)
+    await server.call("release", {"key": "b"}, None)
+    await recorder.wait_for("tool_progress", call_id="w1")
+    # The second exclusive call has not reached the server while the first runs.
+    started = await server.call("calls", {}, None)
+    assert json.loads(started[0].text)[-1] == "block:c"  # type: ignore[union-attr]
+    assert not recorder.seen("tool_progress", call_id="w2")
+    await server.call("release", {"key": "c"}, None)
+    await recorder.wait_for("tool_progress", call_id="w2")
+    await server.call("release", {"key": "d"}, None)
+    outputs = await collect(stream)
+    assert [o.status for o in of_type(outputs, ToolCallOutput)] == ["ok"] * 4
+    assert outputs[-1].status == "completed"  # type: ignore[attr-defined]
+    progress = of_type(outputs, ToolProgress)
+    assert any(p.message.startswith("started a") for p in progress)
+
+
+async def test_a_crash_mid_call_is_an_error_output_and_the_next_call_restarts_it(
+    mcp_host: Host, workspace: Path, providers: Any
+) -> None:
+    """R-MCP-4: the crashed call gets an error output, the task goes on, the next call
+    starts the server again."""
+    provider = providers([
+        Reply(blocks=(tool_call("p1", "mcp__t__pid"),)),
+        Reply(blocks=(tool_call("c1", "mcp__t__crash"),)),
+        Reply(blocks=(tool_call("p2", "mcp__t__pid"),)),
+        Reply(blocks=(text("done"),)),
+    ])  # fmt: skip
+    session = await mcp_host.create_session(
+        provider=provider, workspace_dir=workspace, mcp_servers={"t": stdio()}
+    )
+    outputs = await collect(session.run("go", approve=allow_all))
+    by_call = outputs_by_call(outputs)
+    assert by_call["c1"].is_error
+    assert "stopped during crash" in content_text(by_call["c1"])
+    assert by_call["p2"].status == "ok"
+    first, second = (int(content_text(by_call[c]).splitlines()[0]) for c in ("p1", "p2"))
+    assert first != second
+    assert not alive(first)
+    assert outputs[-1].status == "completed"  # type: ignore[attr-defined]
+
+
+async def test_a_server_that_cannot_start_gives_error_outputs(
+    mcp_host: Host, workspace: Path, providers: Any, tmp_path: Path
+) -> None:
+    """R-MCP-4: no tools from it, no failed task; its calls (by name) are error outputs."""
+    provider = providers([
+        Reply(blocks=(tool_call("c1", "mcp__gone__echo", text="x"),)),
+        Reply(blocks=(text("done"),)),
+    ])  # fmt: skip
+    session = await mcp_host.create_session(
+        provider=provider, workspace_dir=workspace,
+        mcp_servers={"gone": {"command": str(tmp_path / "no-such-server")}},
+    )  # fmt: skip
+    assert not [t for t in session.tools if t.name.startswith("mcp__gone__")]
+    outputs = await collect(session.run("go", approve=allow_all))
+    assert outputs_by_call(outputs)["c1"].is_error
+    assert outputs[-1].status == "completed"  # type: ignore[attr-defined]
+    with pytest.raises(Exception, match="could not be started"):
+        await connection(mcp_host, "gone").list_tools()
+
+
+async def test_interrupting_a_hanging_call_sends_the_cancellation(
+    mcp_host: Host, workspace: Path, providers: Any
+) -> None:
+    """R-MCP-3: interrupt → task_end aborted promptly, and the server sees the MCP
+    cancellation of its request."""
+    provider = providers([Reply(blocks=(tool_call("h1", "mcp__t__hang", key="k1"),))])
+    session = await mcp_host.create_session(
+        provider=provider, workspace_dir=workspace, mcp_servers={"t": stdio()}
+    )
+    recorder = Recorder(session)
+    stream = session.run("go", approve=allow_all)
+    await recorder.wait_for("tool_progress", call_id="h1")
+    session.interrupt()
+    with trio.fail_after(1.0):
+        outputs = await stream.collect()
+    end = of_type(outputs, TaskEnd)[-1]
+    assert end.status == "aborted"
+    server = connection(mcp_host, "t")
+    cancelled: list[str] = []
+    for _ in range(50):  # the server handles the notification in its own time
+        result = await server.call("cancelled", {}, None)
+        cancelled = json.loads(result[0].text)  # type: ignore[union-attr]
+        if cancelled:
+            break
+    assert cancelled == ["k1"]
+
+
+async def test_a_call_past_its_timeout_is_an_error_and_is_cancelled(
+    mcp_host: Host, workspace: Path, providers: Any
+) -> None:
+    """R-MCP-4: a hanging server gives an error output (timeout_s), never a hung task."""
+    provider = providers([
+        Reply(blocks=(tool_call("h1", "mcp__t__hang", key="k2"),)),
+        Reply(blocks=(tool_call("e1", "mcp__t__echo", text="still here"),)),
+        Reply(blocks=(text("done"),)),
+    ])  # fmt: skip
+    session = await mcp_host.create_session(
+        provider=provider, workspace_dir=workspace, mcp_servers={"t": stdio(timeout_s=0.5)}
+    )
+    outputs = await collect(session.run("go", approve=allow_all))
+    by_call = outputs_by_call(outputs)
+    assert by_call["h1"].is_error and "did not answer hang within 0.5 s" in content_text(
+        by_call["h1"]
+    )
+    assert content_text(by_call["e1"]) == "still here"  # pinged, answered, kept
+    assert outputs[-1].status == "completed"  # type: ignore[attr-defined]
+
+
+async def test_a_changed_tool_list_is_picked_up_at_the_next_turn(
+    mcp_host: Host, workspace: Path, providers: Any
+) -> None:
+    """R-MCP-4: the server adds a tool during turn 1; turn 1's requests keep the old list,
+    turn 2's request has the new tool, and calling it works."""
+    seen: list[set[str]] = []
+
+    def step(request: ModelRequest) -> Reply:
+        seen.append({t.name for t in request.tools})
+        if len(seen) == 1:
+            return Reply(blocks=(tool_call("a1", "mcp__t__add_tool", tool="extra"),))
+        if len(seen) == 2:
+            return Reply(blocks=(tool_call("x1", "mcp__t__extra"),))
+        return Reply(blocks=(text("done"),))
+
+    provider = providers([step, step, step])
+    session = await mcp_host.create_session(
+        provider=provider, workspace_dir=workspace, mcp_servers={"t": stdio()}
+    )
+    outputs = await collect(session.run("go", approve=allow_all))
+    assert "mcp__t__extra" not in seen[0]
+    assert "mcp__t__extra" in seen[1]
+    assert content_text(outputs_by_call(outputs)["x1"]) == "I am extra"
+
+
+async def test_a_retry_within_a_turn_keeps_the_tool_list(
+    mcp_host: Host, workspace: Path, providers: Any
+) -> None:
+    """R-MCP-4: a list that changes between two attempts of one turn is not in the retry
+    (the request prefix stays the same); the next turn has it."""
+    seen: list[set[str]] = []
+
+    async def failing_attempt(request: ModelRequest, stream: ScriptedStream) -> None:
+        seen.append({t.name for t in request.tools})
+        server = connection(mcp_host, "t")
+        listed = trio.Event()
+        server.listeners.add(listed.set)
+        await server.call("add_tool", {"tool": "mid"}, None)
+        await listed.wait()
+        await stream.fail(model_error("timeout", "the model timed out"))
+
+    def step(request: ModelRequest) -> Reply:
+        seen.append({t.name for t in request.tools})
+        if len(seen) == 2:
+            return Reply(blocks=(tool_call("e1", "mcp__t__echo", text="x"),))
+        return Reply(blocks=(text("done"),))
+
+    provider = providers([failing_attempt, step, step])
+    session = await mcp_host.create_session(
+        provider=provider, workspace_dir=workspace, mcp_servers={"t": stdio()}
+    )
+    outputs = await collect(session.run("go", approve=allow_all))
+    assert outputs[-1].status == "completed"  # type: ignore[attr-defined]
+    assert [("mcp__t__mid" in names) for names in seen] == [False, False, True]
+
+
+async def test_a_change_while_idle_is_applied_at_once(
+    mcp_host: Host, workspace: Path, providers: Any
+) -> None:
+    """R-MCP-4: between tasks is a turn boundary too: an idle session's table changes as
+    soon as the new list is in, and its next request offers the new tool."""
+    provider = providers([Reply(blocks=(text("done"),))])
+    session = await mcp_host.create_session(
+        provider=provider, workspace_dir=workspace, mcp_servers={"t": stdio()}
+    )
+    server = connection(mcp_host, "t")
+    listed = trio.Event()
+    server.listeners.add(listed.set)
+    await server.call("add_tool", {"tool": "later"}, None)
+    with trio.fail_after(RUN_TIMEOUT_S):
+        await listed.wait()
+    assert "mcp__t__later" in {t.name for t in session.tools}
+    await collect(session.run("go", approve=allow_all))
+    assert "mcp__t__later" in {t.name for t in provider.requests[0].tools}
+
+
+async def test_sessions_share_one_process_and_close_leaves_no_orphans(
+    data_dir: Path, workspace: Path, providers: Any
+) -> None:
+    """One process per host per configured server, one per session with scope session;
+    closing the host stops every server process."""
+    pids: list[int] = []
+    async with Host.open(data_dir) as host:
+        servers = {"t": stdio(), "own": stdio(scope="session")}
+        for _ in range(3):
+            provider = providers([
+                Reply(blocks=(tool_call("p1", "mcp__t__pid"), tool_call("p2", "mcp__own__pid"))),
+                Reply(blocks=(text("done"),)),
+            ])  # fmt: skip
+            session = await host.create_session(
+                provider=provider, workspace_dir=workspace, mcp_servers=servers
+            )
+            by_call = outputs_by_call(await collect(session.run("go", approve=allow_all)))
+            pids += [int(content_text(by_call[c]).splitlines()[0]) for c in ("p1", "p2")]
+        shared, own = set(pids[0::2]), set(pids[1::2])
+        assert len(shared) == 1 and len(own) == 3
+        closed = pids[1]
+        await host.close_session(host.sessions[0].id)
+        assert not alive(closed)
+        assert all(alive(pid) for pid in {*shared, *own} - {closed})
+    assert not [pid for pid in pids if alive(pid)]
+
+
+async def test_streamable_http_server(mcp_host: Host, workspace: Path, providers: Any) -> None:
+    """R-MCP-1 over streamable HTTP: listed, called, progress, isError."""
+    provider = providers([
+        Reply(blocks=(tool_call("c1", "mcp__h__echo", text="over http"),
+                      tool_call("c2", "mcp__h__fail", message="nope"))),
+        Reply(blocks=(text("done"),)),
+    ])  # fmt: skip
+    with http_server() as url:
+        session = await mcp_host.create_session(
+            provider=provider, workspace_dir=workspace,
+            mcp_servers={"h": {"type": "http", "url": url, "headers": {"X-Test": "1"}}},
+        )  # fmt: skip
+        outputs = await collect(session.run("go", approve=allow_all))
+    by_call = outputs_by_call(outputs)
+    assert content_text(by_call["c1"]) == "over http"
+    assert by_call["c2"].is_error and "nope" in content_text(by_call["c2"])
+
+
+async def test_gateway_sessions_get_the_servers_of_its_defaults(
+    mcp_host: Host, workspace: Path
+) -> None:
+    """``serve --mcp-config``: every session a client creates has the servers' tools, and
+    they share one process."""
+    gateway = Gateway(
+        mcp_host, token="t" * 24, listen_host="127.0.0.1", port=0,
+        defaults=SessionDefaults(provider="scripted", workspace_dir=workspace,
+                                 mcp_servers={"t": stdio()}),
+    )  # fmt: skip
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(gateway.run)
+        with trio.fail_after(RUN_TIMEOUT_S):
+            async with open_websocket_url(
+                f"ws://127.0.0.1:{port}/v1",
+                extra_headers=[(b"Authorization", b"Bearer " + b"t" * 24)],
+            ) as ws:
+                for number in (1, 2):
+                    await ws.send_message(json.dumps(
+                        {"jsonrpc": "2.0", "id": number, "method": "session.create",
+                         "params": {}}))  # fmt: skip
+                    reply = json.loads(await ws.get_message())
+                    assert "session_id" in reply["result"], reply
+        nursery.cancel_scope.cancel()
+    assert len(mcp_host.sessions) == 2
+    for session in mcp_host.sessions:
+        assert "mcp__t__echo" in {t.name for t in session.tools}
+    assert mcp_host._mcp is not None and len(mcp_host._mcp._connections()) == 1
+
+
+async def test_bad_mcp_servers_argument_is_a_configuration_error(mcp_host: Host) -> None:
+    with pytest.raises(ConfigurationError, match=r"\$\.x\.command: expected a string"):
+        await mcp_host.create_session(provider="scripted", mcp_servers={"x": {"command": 1}})
+
+
+# -- the command line ---------------------------------------------------------------------
+
+
+def cli_env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "OPENAI_API_KEY")}
+    env["GREENROOM_HOME"] = str(tmp_path / "home")
+    env["NO_COLOR"] = "1"
+    return env  # fmt: skip
+
+
+@pytest.mark.parametrize("command", ["run", "chat", "serve"])
+def test_cli_bad_config_exits_2_naming_file_and_path(tmp_path: Path, command: str) -> None:
+    config = tmp_path / "servers.json"
+    config.write_text(json.dumps({"mcpServers": {"x": {"command": ["npx"]}}}))
+    result = subprocess.run(
+        [GREENROOM, command, "--mcp-config", str(config),
+         *(["hi"] if command == "run" else [])],
+        cwd=tmp_path, env=cli_env(tmp_path), capture_output=True, text=True,
+        timeout=RUN_TIMEOUT_S * 3, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert f"{config}: $.mcpServers.x.command: expected a string" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+async def test_cli_run_with_stdio_and_http_servers(tmp_path: Path, workspace: Path) -> None:
+    """``greenroom run --mcp-config servers.json`` end to end: an OpenAI-compatible mock
+    model calls one tool of each server."""
+    script = [
+        WireReply([ToolUse("call_1", "mcp__s__echo", {"text": "from stdio"}),
+                   ToolUse("call_2", "mcp__h__echo", {"text": "from http"})],
+                  stop_reason="tool_use"),
+        WireReply([Text("Both answered.")]),
+    ]  # fmt: skip
+    with http_server() as url:
+        config = tmp_path / "servers.json"
+        config.write_text(json.dumps({"mcpServers": {
+            "s": stdio(), "h": {"type": "http", "url": url},
+        }}))  # fmt: skip
+        async with open_mock_server(*script) as model:
+            env = {**cli_env(tmp_path), "OPENAI_API_KEY": "test-key"}
+            with trio.fail_after(RUN_TIMEOUT_S * 3):
+                result = await trio.run_process(
+                    [sys.executable, "-m", "greenroom.actors.cli", "run", "--json",
+                     "--provider", "openai", "--model", "mock-model",
+                     "--base-url", model.base_url + "/v1", "--approve", "all",
+                     "--workspace", str(workspace), "--mcp-config", str(config), "use them"],
+                    cwd=tmp_path, env=env, capture_stdout=True, capture_stderr=True,
+                    check=False, stdin=b"",
+                )  # fmt: skip
+            model.assert_clean()
+            tool_names = {t["function"]["name"] for t in model.requests[0].body["tools"]}
+    assert result.returncode == 0, result.stderr.decode()
+    assert {"mcp__s__echo", "mcp__h__echo"} <= tool_names
+    lines = [json.loads(line) for line in result.stdout.decode().splitlines()]
+    outputs = {o["call_id"]: o for o in lines if o["type"] == "tool_call_output"}
+    assert outputs["call_1"]["content"][0]["text"] == "from stdio"
+    assert outputs["call_2"]["content"][0]["text"] == "from http"
+    assert lines[-1]["type"] == "task_end" and lines[-1]["status"] == "completed"
