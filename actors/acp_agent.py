@@ -322,6 +322,7 @@ class AcpAgent:
                 workspace_dir=request.cwd,
                 provider=config.provider,
                 system=config.system,
+                mcp_servers=mcp_servers,
                 **config.settings,
             )
         except ConfigurationError as exc:
@@ -342,10 +343,7 @@ class AcpAgent:
             return existing
         entry = self._sessions[session.id] = _AcpSession(session, mcp_servers)
         if mcp_servers:
-            _log(
-                f"session {session.id}: MCP servers {', '.join(sorted(mcp_servers))} are "
-                "kept with the session but not connected: this greenroom has no MCP client"
-            )
+            _log(f"session {session.id}: MCP servers {', '.join(sorted(mcp_servers))}")
         return entry
 
     async def _load_session(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -358,7 +356,11 @@ class AcpAgent:
             overrides["system"] = self._config.system
         try:
             session = await self._host.load_session(
-                session_id, tools=self._config.tools, provider=self._config.provider, **overrides
+                session_id,
+                tools=self._config.tools,
+                provider=self._config.provider,
+                mcp_servers=self._mcp_servers(request.mcp_servers),
+                **overrides,
             )
         except SessionNotFound as exc:
             raise RpcError(acp.RESOURCE_NOT_FOUND, str(exc)) from None
@@ -540,7 +542,7 @@ def _mcp_meta(entry: _AcpSession) -> dict[str, Any]:
     if not entry.mcp_servers:
         return {}
     return {
-        "_meta": {acp.META_KEY: {"mcpServers": sorted(entry.mcp_servers), "mcpConnected": False}}
+        "_meta": {acp.META_KEY: {"mcpServers": sorted(entry.mcp_servers), "mcpConnected": True}}
     }
 
 

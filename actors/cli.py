@@ -762,6 +762,7 @@ def _acp_command(args: argparse.Namespace) -> int:
         tools=tools,
         settings={key: value for key, value in limits if value is not None},
         approve=args.approve,
+        mcp_config=dict(mcp_servers(args.mcp_config)),
     )
     with _stdout_for_renderer() as out:
         serve_stdio(config, options.data_dir, out.fileno())

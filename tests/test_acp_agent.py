@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,8 @@ from greenroom.protocols.content import ImageBlock
 from greenroom.protocols.context import ModelRequest
 
 TIMEOUT_S = 20
+
+MCP_SERVER = Path(__file__).resolve().parent / "support" / "mcp_server.py"
 
 
 def strict(model: type[pydantic.BaseModel], data: Any) -> None:
@@ -172,17 +175,15 @@ async def test_a_failed_task_is_a_json_rpc_error_with_its_message(tmp_path: Path
     assert "invalid x-api-key" in answer["error"]["message"]
 
 
-async def test_mcp_servers_are_accepted_and_named_in_the_answer(tmp_path: Path) -> None:
-    """session/new takes stdio and HTTP MCP servers; they are kept with the session and the
-    answer says which (they are not connected: greenroom has no MCP client)."""
+async def test_mcp_servers_of_session_new_give_the_session_their_tools(tmp_path: Path) -> None:
+    """R-MCP-1 through ACP: session/new's stdio server (a real one, built with the MCP SDK)
+    gives the session its tools as mcp__<server>__<tool>; the answer names the servers."""
+    server = MCP_SERVER
     to_agent, agent_in = trio.testing.memory_stream_one_way_pair()
     agent_out, from_agent = trio.testing.memory_stream_one_way_pair()
     client = Client(to_agent, from_agent)
-    servers = [
-        {"name": "fs", "command": "/usr/bin/fs-mcp", "args": [], "env": []},
-        {"type": "http", "name": "web", "url": "http://127.0.0.1:9/mcp", "headers": []},
-    ]
-    with trio.fail_after(TIMEOUT_S):
+    servers = [{"name": "fs", "command": sys.executable, "args": [str(server)], "env": []}]
+    with trio.fail_after(30):
         async with Host.open(data_dir=tmp_path / "data") as host, trio.open_nursery() as nursery:
             agent = AcpAgent(host, AcpConfig(provider=ScriptedProvider([])), agent_out)
             nursery.start_soon(agent.serve, agent_in)
@@ -190,11 +191,14 @@ async def test_mcp_servers_are_accepted_and_named_in_the_answer(tmp_path: Path) 
             created = await client.call(
                 "session/new", {"cwd": str(tmp_path), "mcpServers": servers}
             )
+            session = host.get_session(created["result"]["sessionId"])
+            names = sorted(session.tool_by_name)
             await to_agent.aclose()
     strict(NewSessionResponse, created["result"])
     assert created["result"]["_meta"] == {
-        "greenroom": {"mcpServers": ["fs", "web"], "mcpConnected": False}
+        "greenroom": {"mcpServers": ["fs"], "mcpConnected": True}
     }
+    assert names and all(name.startswith("mcp__fs__") for name in names), names
 
 
 async def test_an_image_prompt_reaches_the_model_as_a_stored_image(tmp_path: Path) -> None:
