@@ -56,7 +56,9 @@ from greenroom.protocols.messages import (
     ApprovalDecided,
     ApproveCall,
     BackoffSkipped,
+    BeginTurn,
     PlanBackoff,
+    PoolCommand,
     RunToolCall,
     SkipBackoff,
     StartAttempt,
@@ -139,7 +141,7 @@ class SessionSupervisor:
         # (R-ACTOR-3); one per turn.
         self._machine = TurnMachine(session_id=session.id, run_id="", turn=0)
         self._approvals: trio.MemorySendChannel[ApproveCall] | None = None
-        self._pool: ToolPool | None = None
+        self._pool: trio.MemorySendChannel[PoolCommand] | None = None
         self._nursery: trio.Nursery | None = None
 
     # -- control from the session handle --------------------------------------------
@@ -282,7 +284,7 @@ class SessionSupervisor:
             )
             await nursery.start(broker.run, approvals_receive)
             subagents = Subagents(session, approve=task.approve, forward=self._out.forward)
-            self._pool = ToolPool(
+            pool = ToolPool(
                 tools=session.tool_by_name,
                 inbox=self._inbox,
                 workspace_dir=session.workspace_dir,
@@ -294,6 +296,10 @@ class SessionSupervisor:
                 shell_network=settings.shell_network,
                 private_dirs=(session.host.data_dir,),
             )
+            # Unbounded: commands are sent with send_nowait as decisions arrive and the
+            # pool only admits them; at most a turn's calls are ever queued.
+            self._pool, pool_commands = trio.open_memory_channel[PoolCommand](math.inf)
+            await nursery.start(pool.run, pool_commands)
             self._provider_task = session.provider.open_task()
             streamer = LLMStreamer(self._provider_task, self._inbox)
             # Unbounded: the supervisor commands with send_nowait and never waits for the
@@ -385,7 +391,7 @@ class SessionSupervisor:
         terminal. Returns the final error when the turn failed."""
         assert self._streamer is not None and self._pool is not None
         machine = self._machine
-        self._pool.begin_turn()
+        self._pool.send_nowait(BeginTurn())
         delay_ms = 0
         attempt = 0
         overflow_compacted = False
@@ -424,7 +430,7 @@ class SessionSupervisor:
                 # R-COMPACT-9: compact once and rerun the same turn, once per turn.
                 overflow_compacted = True
                 machine.discard_attempt()
-                self._pool.begin_turn()
+                self._pool.send_nowait(BeginTurn())
                 if await self._compact("overflow"):
                     attempt, delay_ms = 0, 0
                     machine.restart()
@@ -440,7 +446,7 @@ class SessionSupervisor:
             # The transcript turns the failed attempt into the [turn_retried] note; the
             # machine keeps its blocks for an abort during the backoff.
             machine.discard_attempt()
-            self._pool.begin_turn()
+            self._pool.send_nowait(BeginTurn())
         await self._pump(lambda: machine.all_calls_terminal)
         return None
 
@@ -601,11 +607,10 @@ class SessionSupervisor:
                     self._approvals.send_nowait(effect)  # R-TOOL-1: at once
                 case RunToolCall():
                     assert self._pool is not None
-                    self._pool.admit(effect)
-                    self._nursery_start(self._pool.execute, effect)
+                    self._pool.send_nowait(effect)
                 case SkipToolCall():
                     assert self._pool is not None
-                    self._pool.mark_terminal(effect.position)
+                    self._pool.send_nowait(effect)
                 case RecordUsage():
                     self._usage = self._usage + effect.usage
                     self._session.record_usage(self.run_id, self._turn, effect.usage)

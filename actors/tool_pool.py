@@ -27,13 +27,16 @@ import hashlib
 import math
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, assert_never
 
 import trio
 
 from greenroom.protocols.content import TextBlock, ToolCallBlock, ToolContent
 from greenroom.protocols.messages import (
+    BeginTurn,
+    PoolCommand,
     RunToolCall,
+    SkipToolCall,
     SupervisorMessage,
     ToolCallFinished,
     ToolProgressed,
@@ -104,9 +107,31 @@ class ToolPool:
         self._terminal: list[trio.Event] = []
         self._exclusive: list[bool] = []
 
-    def begin_turn(self) -> None:
-        self._terminal = []
-        self._exclusive = []
+    async def run(
+        self,
+        commands: trio.MemoryReceiveChannel[PoolCommand],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve the task's pool commands until the channel closes or the task is
+        cancelled: each admitted call runs in a task of its own, under the 5 slots
+        (R-TOOL-2) and the exclusive ordering (R-TOOL-3). Cancel-safe: on cancellation
+        nothing more is reported (the supervisor settles unfinished calls)."""
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            async with commands:
+                async for command in commands:
+                    match command:
+                        case BeginTurn():
+                            self._terminal = []
+                            self._exclusive = []
+                        case SkipToolCall():
+                            self._slot(command.position).set()
+                        case RunToolCall():
+                            self._admit(command)
+                            nursery.start_soon(self._execute, command)
+                        case _:
+                            assert_never(command)
 
     def _slot(self, position: int) -> trio.Event:
         while len(self._terminal) <= position:
@@ -114,21 +139,15 @@ class ToolPool:
             self._exclusive.append(False)
         return self._terminal[position]
 
-    def mark_terminal(self, position: int) -> None:
-        """A call that will never run here (denied, truncated) is terminal at once."""
-        self._slot(position).set()
-
-    def admit(self, command: RunToolCall) -> None:
-        """Register an approved call's place before it starts, so that later calls know
-        whether they must wait for it. Call synchronously, in call order."""
+    def _admit(self, command: RunToolCall) -> None:
+        # The call's place is known before it starts, so that later calls know whether
+        # they must wait for it; commands arrive in call order.
         tool = self._tools.get(command.call.name)
         self._slot(command.position)
         self._exclusive[command.position] = tool is not None and not tool.parallel
 
-    async def execute(self, command: RunToolCall) -> None:
-        """Run one call admitted with :meth:`admit` and report it to the supervisor.
-        Cancel-safe: on cancellation nothing is reported (the supervisor settles
-        unfinished calls)."""
+    async def _execute(self, command: RunToolCall) -> None:
+        """Run one admitted call and report it to the supervisor's inbox."""
         call, position = command.call, command.position
         done = self._slot(position)
         exclusive = self._exclusive[position]

@@ -84,6 +84,20 @@ class ApproveCall:
 
 
 @attrs.frozen(kw_only=True, slots=True)
+class BeginTurn:
+    """Command to the tool pool: a new turn (or a retry's fresh call order) begins; call
+    positions count from 0 again."""
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class SkipToolCall:
+    """Command to the tool pool: the call at ``position`` will never run (denied or
+    truncated), so exclusive calls after it need not wait for it."""
+
+    position: int
+
+
+@attrs.frozen(kw_only=True, slots=True)
 class RunToolCall:
     """Command to the tool pool: execute this approved call. ``position`` is the call's
     place in the turn's call order (exclusive tools wait for every earlier call)."""
@@ -116,3 +130,7 @@ class SkipBackoff:
 
 StreamerCommand = StartAttempt | PlanBackoff | SkipBackoff
 """What the LLM streamer's inbox carries."""
+
+
+PoolCommand = BeginTurn | RunToolCall | SkipToolCall
+"""What the tool pool's inbox carries."""

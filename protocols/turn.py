@@ -46,7 +46,7 @@ from greenroom.protocols.content import (
     ToolContent,
 )
 from greenroom.protocols.context import ToolResult
-from greenroom.protocols.messages import ApproveCall, RunToolCall
+from greenroom.protocols.messages import ApproveCall, RunToolCall, SkipToolCall
 from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
@@ -135,14 +135,6 @@ pair not in the table is illegal."""
 
 class IllegalTransition(Exception):
     """An event that the call's state does not allow (a bug in the caller, never input)."""
-
-
-@attrs.frozen(kw_only=True, slots=True)
-class SkipToolCall:
-    """Command to the tool pool: the call at ``position`` will never run (denied or
-    truncated), so exclusive calls after it need not wait for it."""
-
-    position: int
 
 
 @attrs.frozen(kw_only=True, slots=True)
