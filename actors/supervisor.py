@@ -169,10 +169,12 @@ class SessionSupervisor:
 
     # -- the outer loop: this task, then queued follow-ups (R-STEER-6) ---------------
 
-    async def run(self) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the first task and every follow-up queued behind it, then close the
-        output channel. Never raises except on host shutdown."""
+        output channel. Ready at once: its inbox exists from construction, so steering
+        sent before the first turn is kept. Never raises except on host shutdown."""
         session = self._session
+        task_status.started()
         try:
             task: TaskInput | None = self._first
             if task is None:
