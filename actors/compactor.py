@@ -12,15 +12,18 @@ the trace rotation that starts the new context (R-COMPACT-8), the ledger row of 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, assert_never
 
 import attrs
+import trio
 
 from greenroom.actors.llm_streamer import Backoff, ProviderTask
 from greenroom.protocols import compaction
 from greenroom.protocols.content import ModelBlock
 from greenroom.protocols.context import Message, ModelRequest
+from greenroom.protocols.messages import CompactorCommand, SkipBackoff, Summarize
 from greenroom.protocols.outputs import (
     CompactionBegin,
     CompactionEnd,
@@ -53,7 +56,11 @@ class CompactionOutcome:
 
 
 class Compactor:
-    """One compaction at a time for one task; ``backoff.skip()`` ends a wait early."""
+    """The compactor of one compaction: an actor that owns the summary requests and their
+    backoff. Start it with ``await nursery.start(compactor.run, commands)``; it serves
+    :data:`~greenroom.protocols.messages.CompactorCommand` messages (``Summarize``, whose
+    outcome goes to the command's reply channel, and ``SkipBackoff``) until the channel
+    closes or the task is cancelled. :meth:`summarize` is the same work as a call."""
 
     __slots__ = ("_on_usage", "_provider", "attempt", "backoff")
 
@@ -67,6 +74,30 @@ class Compactor:
         """The attempt in flight or last made (1-based; 0 before the first)."""
 
     async def run(
+        self,
+        commands: trio.MemoryReceiveChannel[CompactorCommand],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve commands; each summary in a task of its own, so that a skip reaches its
+        wait while it runs. Cancel-safe."""
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            async with commands:
+                async for command in commands:
+                    match command:
+                        case Summarize():
+                            nursery.start_soon(self._serve_summary, command)
+                        case SkipBackoff():
+                            self.backoff.skip()
+                        case _:
+                            assert_never(command)
+
+    async def _serve_summary(self, command: Summarize) -> None:
+        outcome = await self.summarize(command.template, command.base, command.prompt)
+        command.reply.send_nowait(outcome)
+
+    async def summarize(
         self, template: ModelRequest, base: tuple[Message, ...], prompt: str
     ) -> CompactionOutcome:
         """Summarize ``base`` (the old context plus the turn's pending input). Cancel-safe:
@@ -144,7 +175,7 @@ class Compaction:
     __slots__ = (
         "_add_usage",
         "_attempt",
-        "_compactor",
+        "_commands",
         "_emitter",
         "_provider",
         "_run_id",
@@ -169,14 +200,14 @@ class Compaction:
         self._run_id = run_id
         self._turn = turn
         self._add_usage = add_usage
-        self._compactor: Compactor | None = None
+        self._commands: trio.MemorySendChannel[CompactorCommand] | None = None
         self._running = False
         self._attempt = 1
 
     def skip_backoff(self) -> None:
         """End the summary request's reconnect wait early (R-RETRY-5)."""
-        if self._compactor is not None:
-            self._compactor.backoff.skip()
+        if self._commands is not None:
+            self._commands.send_nowait(SkipBackoff())
 
     async def run(self, reason: CompactionReason, template: ModelRequest) -> bool:
         """Compact; on success rotate the trace and start the new context. Returns whether
@@ -193,11 +224,26 @@ class Compaction:
         summary: str | None = None
         attempt = 1
         if settings.compact_mode == "summarize":
-            compactor = self._compactor = Compactor(self._provider, self._usage)
+            compactor = Compactor(self._provider, self._usage)
+            # Unbounded: a summary command and skips, sent with send_nowait.
+            send, commands = trio.open_memory_channel[CompactorCommand](math.inf)
+            reply_send, reply = trio.open_memory_channel[CompactionOutcome](1)
             try:
-                outcome = await compactor.run(template, base, settings.compact_prompt)
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(compactor.run, commands)
+                    self._commands = send
+                    send.send_nowait(
+                        Summarize(
+                            template=template,
+                            base=base,
+                            prompt=settings.compact_prompt,
+                            reply=reply_send,
+                        )
+                    )
+                    outcome = await reply.receive()
+                    send.close()
             finally:
-                self._compactor = None
+                self._commands = None
                 self._attempt = compactor.attempt
             attempt = outcome.attempt
             if outcome.summary is None:

@@ -192,6 +192,10 @@ class McpConnection:
         """Set while a changed tool list is being fetched; a turn boundary waits for it
         (bounded), so a change the server announced during a turn is in the next one."""
 
+    def start_soon(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """Run ``fn`` in the server manager's nursery (work that outlives a call)."""
+        self._nursery.start_soon(fn)
+
     @property
     def name(self) -> str:
         return self.config.name
@@ -736,7 +740,7 @@ class McpBinding:
             return
         tools, schemas = self.build()
         self.table.replace(tools)
-        self._session._tool_schemas = schemas
+        self._session.set_tool_table(self.table, schemas)
 
     def changed(self) -> None:
         """A server's tool list changed: apply it now when the session is idle, else at the
@@ -747,7 +751,7 @@ class McpBinding:
         self._pending = True
         if not self._waiting and self._connections:
             self._waiting = True
-            self._connections[0]._nursery.start_soon(self._apply_when_idle)
+            self._connections[0].start_soon(self._apply_when_idle)
 
     async def _apply_when_idle(self) -> None:
         try:
@@ -813,8 +817,7 @@ async def attach_servers(
     binding = McpBinding(session, session.tools, connections)
     tools, schemas = binding.build()
     binding.table.replace(tools)
-    session._tools = binding.table
-    session._tool_schemas = schemas
+    session.set_tool_table(binding.table, schemas)
     session.hooks = binding.hooks(session.hooks)
     for connection in connections:
         connection.listeners.add(binding.changed)

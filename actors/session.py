@@ -378,6 +378,12 @@ class Session:
         """Whether a client could answer an approval right now (None: assume so)."""
         return self._client_present
 
+    def set_tool_table(self, tools: dict[str, Tool], schemas: tuple[ToolSchema, ...]) -> None:
+        """Replace the session's tools (MCP servers whose tool lists changed): the next
+        request describes ``schemas`` and calls run ``tools`` (R-MCP-4)."""
+        self._tools = tools
+        self._tool_schemas = schemas
+
     def set_origin_path(self, path: tuple[str, ...]) -> None:
         """Make this session a subagent whose outputs carry ``origin`` = ``path`` (the
         session ids from the root to it, R-HOST-4)."""

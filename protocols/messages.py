@@ -6,12 +6,12 @@ is one of these frozen classes; the supervisor's inbox carries :data:`Supervisor
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 
 from greenroom.protocols.content import ToolCallBlock, ToolContent, UserContent
-from greenroom.protocols.context import ModelRequest
+from greenroom.protocols.context import Message, ModelRequest
 from greenroom.protocols.outputs import ToolStatus
 from greenroom.protocols.stream import StreamEvent
 
@@ -129,6 +129,22 @@ class SkipBackoff:
 
 
 StreamerCommand = StartAttempt | PlanBackoff | SkipBackoff
+"""What the LLM streamer's inbox carries."""
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class Summarize:
+    """Command to the compactor: summarize ``base`` with the request settings of
+    ``template`` and the compaction ``prompt``; the outcome goes to ``reply``."""
+
+    template: ModelRequest
+    base: tuple[Message, ...]
+    prompt: str
+    reply: Any = attrs.field(eq=False, repr=False)
+    """A one-shot channel's send side (``send_nowait``) for the outcome."""
+
+
+CompactorCommand = Summarize | SkipBackoff
 """What the LLM streamer's inbox carries."""
 
 

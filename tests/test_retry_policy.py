@@ -155,7 +155,7 @@ def template() -> ModelRequest:
 async def compact(script: Script) -> tuple[str | None, int, list[int]]:
     compactor = Compactor(script, lambda usage: None)
     base = (UserMessage(content=(TextBlock(text="hello"),)),)
-    outcome = await compactor.run(template(), base, "Summarize.")
+    outcome = await compactor.summarize(template(), base, "Summarize.")
     gaps = [round((b - a) * 1000) for a, b in itertools.pairwise(script.arrivals)]
     return outcome.summary, outcome.attempt, gaps
 

@@ -2,6 +2,8 @@
 
 * No code in ``actors/`` reaches into another object's private names (``other._x``): actors
   talk through messages and public seams, never through each other's fields.
+* Every actor of the card starts with ``nursery.start(actor.run, …)``: it has a ``run``
+  coroutine taking ``task_status``.
 * ``protocols/`` is pure: it imports neither trio nor an HTTP library.
 * The modules of ``actors/`` import each other without cycles (lazy imports inside
   functions aside, which break no cycle at import time).
@@ -19,6 +21,16 @@ PROTOCOLS = ROOT / "protocols"
 
 # Private names of the standard library that are its public API.
 ALLOWED_PRIVATE = {"os._exit", "sys._getframe"}
+
+CARD_ACTORS = {
+    "SessionSupervisor",
+    "LLMStreamer",
+    "ToolPool",
+    "ApprovalBroker",
+    "Compactor",
+    "TraceSink",
+}
+
 
 def modules(folder: Path) -> Iterator[tuple[Path, ast.Module]]:
     for path in sorted(folder.rglob("*.py")):
@@ -45,6 +57,24 @@ def test_no_object_reaches_into_another_objects_private_names() -> None:
                 continue
             found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {text}")
     assert found == [], "\n".join(found)
+
+
+def test_every_card_actor_has_a_run_entry_taking_task_status() -> None:
+    seen: dict[str, bool] = {}
+    for _, tree in modules(ACTORS):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.name in CARD_ACTORS:
+                runs = [
+                    item
+                    for item in node.body
+                    if isinstance(item, ast.AsyncFunctionDef) and item.name == "run"
+                ]
+                seen[node.name] = any(
+                    "task_status" in {a.arg for a in (*r.args.args, *r.args.kwonlyargs)}
+                    for r in runs
+                )
+    assert set(seen) == CARD_ACTORS, f"missing actors: {CARD_ACTORS - set(seen)}"
+    assert all(seen.values()), {name: ok for name, ok in seen.items() if not ok}
 
 
 def test_protocols_import_no_io_library() -> None:
