@@ -219,13 +219,12 @@ class RunStream:
         await self.aclose()
 
 
-class Session:
-    """A conversation: model, workspace, tools, approval rules, history and trace.
+class SessionCore:
+    """A session's data and its runtime seam: what the session's supervisor, its output
+    emitter, compaction, subagents and tool sources work on while a task runs — the model
+    context, the trace position, the tool table, the approval rules, the listeners.
+    :class:`Session` adds the public API; hosts and clients never need these."""
 
-    Create or load sessions through :class:`~greenroom.actors.host.Host`. Methods that
-    start work are synchronous and return at once; they raise :class:`Busy`,
-    :class:`AuthLocked` or :class:`SessionClosed` instead of queueing silently.
-    """
 
     # An idle session should cost its history and little more (thousands of sessions
     # live in one host): slots, no trio objects until work arrives, containers created
@@ -302,8 +301,6 @@ class Session:
         self.hooks = NO_HOOKS
         """Host hooks at the loop's checkpoints (R-HOOK-1); replace to change them."""
 
-    # -- public API -----------------------------------------------------------------
-
     @property
     def scratchpad_dir(self) -> Path:
         return self.directory / "scratch"
@@ -323,23 +320,6 @@ class Session:
         for a session the host runs, ``(root_id, …, id)`` for a running subagent. Its
         outputs reach its ancestors' streams with this as their ``origin``."""
         return self._path or (self.id,)
-
-    @property
-    def has_follow_ups(self) -> bool:
-        """Whether tasks are queued behind the running one (R-STEER-6)."""
-        return bool(self._follow_ups)
-
-    @property
-    def busy(self) -> bool:
-        return self._supervisor is not None
-
-    @property
-    def tools(self) -> tuple[Tool, ...]:
-        return tuple(self._tools.values())
-
-    # -- the runtime seam ---------------------------------------------------------------
-    # What the session's supervisor, its output emitter, compaction and subagents work on
-    # while a task runs. Hosts and clients never need these.
 
     @property
     def transcript(self) -> Transcript:
@@ -392,6 +372,123 @@ class Session:
     def mark_closed(self) -> None:
         """The session accepts no more work (a finished subagent the host forgot)."""
         self._closed = True
+
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise SessionClosed(f"session {self.id} is closed")
+        self._host.check_open()
+
+    def new_run_id(self) -> str:
+        reserved, self._next_run_id = self._next_run_id, None
+        return reserved or "run_" + uuid.uuid4().hex[:12]
+
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def write_record(self, output: Output) -> int:
+        """Write the record; returns the trace sink's batch that will hold it."""
+        return self._host.trace_sink.write(self.trace_path, encode_record(output))
+
+    async def sync_trace(self) -> None:
+        await self._host.trace_sink.sync(self.trace_path)
+
+    async def sync_trace_quietly(self) -> str | None:
+        """Sync for teardown paths that must finish whatever the disk does: a write
+        failure is returned (and stays recorded in the sink), never raised."""
+        try:
+            await self.sync_trace()
+        except (TraceWriteError, TraceSinkClosed) as exc:
+            return str(exc)
+        return None
+
+    def record_usage(
+        self,
+        run_id: str,
+        turn: int,
+        usage: TokenUsage,
+        *,
+        kind: UsageKind = "request",
+        status: str = "ok",
+        error_message: str | None = None,
+    ) -> None:
+        self._host.trace_sink.record_usage(
+            UsageRow(
+                at=time.time(),
+                session_id=self.id,
+                run_id=run_id,
+                turn=turn,
+                kind=kind,
+                provider=self._provider.name,
+                model=self.settings.model,
+                usage=usage,
+                status=status,
+                error_message=error_message,
+            )
+        )
+
+    def rotate_trace(self) -> str:
+        """Start the next trace file (after a successful compaction); returns its name."""
+        self._trace_number += 1
+        self._trace_file = None
+        return trace_file_name(self._trace_number)
+
+    def publish(self, batch: list[Output]) -> None:
+        if self._listeners:
+            # A copy: a listener may unsubscribe itself. A listener that raises is a bug
+            # of its owner; it must not take the session (or the host) down.
+            for listener in tuple(self._listeners):
+                with contextlib.suppress(Exception):
+                    listener(batch)
+
+    def take_follow_up(self, finished: TaskInput) -> TaskInput | None:
+        return self._follow_ups.pop(0) if self._follow_ups else None
+
+    def approval_rules(self) -> set[str]:
+        """The "allow for this session" rules (R-APPROVE-4), created on first use."""
+        if self._session_rules is None:
+            self._session_rules = set()
+        return self._session_rules
+
+    def task_finished(self, supervisor: SessionSupervisor) -> None:
+        if self._supervisor is supervisor:
+            self._supervisor = None
+            self._follow_ups = None
+            if self._idle is not None:
+                self._idle.set()
+                self._idle = None
+            if not self._session_rules:
+                self._session_rules = None
+            self._trace_file = None
+
+    def lock_auth(self, message: str) -> None:
+        self.auth_locked = message
+
+
+
+class Session(SessionCore):
+    """A conversation: model, workspace, tools, approval rules, history and trace.
+
+    Create or load sessions through :class:`~greenroom.actors.host.Host`. Methods that
+    start work are synchronous and return at once; they raise :class:`Busy`,
+    :class:`AuthLocked` or :class:`SessionClosed` instead of queueing silently.
+    """
+
+    __slots__ = ()
+
+    @property
+    def has_follow_ups(self) -> bool:
+        """Whether tasks are queued behind the running one (R-STEER-6)."""
+        return bool(self._follow_ups)
+
+    @property
+    def busy(self) -> bool:
+        return self._supervisor is not None
+
+    @property
+    def tools(self) -> tuple[Tool, ...]:
+        return tuple(self._tools.values())
 
     def run(
         self,
@@ -590,8 +687,6 @@ class Session:
             await self._idle.wait()
         await self.sync_trace_quietly()
 
-    # -- subagents (R-HOST-4) -----------------------------------------------------------
-
     async def run_as_child(
         self,
         content: Sequence[UserContent] | str,
@@ -637,99 +732,6 @@ class Session:
                     raise
         finally:
             unsubscribe()
-
-    # -- used by the supervisor --------------------------------------------------------
-
-    def check_open(self) -> None:
-        if self._closed:
-            raise SessionClosed(f"session {self.id} is closed")
-        self._host.check_open()
-
-    def new_run_id(self) -> str:
-        reserved, self._next_run_id = self._next_run_id, None
-        return reserved or "run_" + uuid.uuid4().hex[:12]
-
-    def next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
-
-    def write_record(self, output: Output) -> int:
-        """Write the record; returns the trace sink's batch that will hold it."""
-        return self._host.trace_sink.write(self.trace_path, encode_record(output))
-
-    async def sync_trace(self) -> None:
-        await self._host.trace_sink.sync(self.trace_path)
-
-    async def sync_trace_quietly(self) -> str | None:
-        """Sync for teardown paths that must finish whatever the disk does: a write
-        failure is returned (and stays recorded in the sink), never raised."""
-        try:
-            await self.sync_trace()
-        except (TraceWriteError, TraceSinkClosed) as exc:
-            return str(exc)
-        return None
-
-    def record_usage(
-        self,
-        run_id: str,
-        turn: int,
-        usage: TokenUsage,
-        *,
-        kind: UsageKind = "request",
-        status: str = "ok",
-        error_message: str | None = None,
-    ) -> None:
-        self._host.trace_sink.record_usage(
-            UsageRow(
-                at=time.time(),
-                session_id=self.id,
-                run_id=run_id,
-                turn=turn,
-                kind=kind,
-                provider=self._provider.name,
-                model=self.settings.model,
-                usage=usage,
-                status=status,
-                error_message=error_message,
-            )
-        )
-
-    def rotate_trace(self) -> str:
-        """Start the next trace file (after a successful compaction); returns its name."""
-        self._trace_number += 1
-        self._trace_file = None
-        return trace_file_name(self._trace_number)
-
-    def publish(self, batch: list[Output]) -> None:
-        if self._listeners:
-            # A copy: a listener may unsubscribe itself. A listener that raises is a bug
-            # of its owner; it must not take the session (or the host) down.
-            for listener in tuple(self._listeners):
-                with contextlib.suppress(Exception):
-                    listener(batch)
-
-    def take_follow_up(self, finished: TaskInput) -> TaskInput | None:
-        return self._follow_ups.pop(0) if self._follow_ups else None
-
-    def approval_rules(self) -> set[str]:
-        """The "allow for this session" rules (R-APPROVE-4), created on first use."""
-        if self._session_rules is None:
-            self._session_rules = set()
-        return self._session_rules
-
-    def task_finished(self, supervisor: SessionSupervisor) -> None:
-        if self._supervisor is supervisor:
-            self._supervisor = None
-            self._follow_ups = None
-            if self._idle is not None:
-                self._idle.set()
-                self._idle = None
-            if not self._session_rules:
-                self._session_rules = None
-            self._trace_file = None
-
-    def lock_auth(self, message: str) -> None:
-        self.auth_locked = message
 
     def clear_client_approver(self, approver: ClientApprover) -> bool:
         """Forget ``approver`` if it is still the client approver (a watcher that stops

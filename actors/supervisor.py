@@ -33,7 +33,7 @@ import contextlib
 import inspect
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, assert_never
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -44,6 +44,7 @@ from greenroom.actors.emitter import OutputEmitter, repaired_blocks
 from greenroom.actors.llm_streamer import LLMStreamer, ProviderTask
 from greenroom.actors.subagents import Subagents
 from greenroom.actors.tool_pool import ToolPool
+from greenroom.actors.turn_dispatch import TurnDispatch
 from greenroom.protocols.content import (
     TextBlock,
     UserContent,
@@ -52,25 +53,18 @@ from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.guards import LoopGuard
 from greenroom.protocols.hooks import RequestInfo, StopInfo, ToolResultsInfo
 from greenroom.protocols.messages import (
-    ApprovalAsked,
-    ApprovalDecided,
     ApproveCall,
     BackoffSkipped,
     BeginTurn,
     PlanBackoff,
     PoolCommand,
-    RunToolCall,
     SkipBackoff,
     StartAttempt,
     SteeringQueued,
-    StreamBatch,
     StreamerCommand,
     SupervisorMessage,
-    ToolCallFinished,
-    ToolProgressed,
 )
 from greenroom.protocols.outputs import (
-    ApprovalRequest,
     CompactionReason,
     Output,
     RequestStatus,
@@ -86,8 +80,7 @@ from greenroom.protocols.stream import (
     StreamFailed,
     TokenUsage,
 )
-from greenroom.protocols.text import repair_text
-from greenroom.protocols.turn import Effect, RecordUsage, SkipToolCall, TurnMachine
+from greenroom.protocols.turn import TurnMachine
 
 if TYPE_CHECKING:
     from greenroom.actors.session import Session
@@ -128,6 +121,15 @@ class SessionSupervisor:
         self._inbox = inbox_send
         self._inbox_receive = inbox_receive
         self._out = OutputEmitter(session, output, self._trace_failed)
+        self._dispatch = TurnDispatch(
+            session=session,
+            emitter=self._out,
+            inbox=inbox_receive,
+            interrupted=lambda: self._scope.cancel_called,
+            on_steering=self._steering_queued,
+            on_skip=self._skip_wait,
+            on_usage=self._add_usage,
+        )
         self._steering: list[UserContent] = []
         self._streamer: trio.MemorySendChannel[StreamerCommand] | None = None
         self._provider_task: ProviderTask | None = None
@@ -142,7 +144,6 @@ class SessionSupervisor:
         self._machine = TurnMachine(session_id=session.id, run_id="", turn=0)
         self._approvals: trio.MemorySendChannel[ApproveCall] | None = None
         self._pool: trio.MemorySendChannel[PoolCommand] | None = None
-        self._nursery: trio.Nursery | None = None
 
     # -- control from the session handle --------------------------------------------
 
@@ -204,7 +205,7 @@ class SessionSupervisor:
     async def _run_task(self, task: TaskInput) -> None:
         session = self._session
         self._task = task
-        self.run_id = session.new_run_id()
+        self.run_id = self._dispatch.run_id = session.new_run_id()
         started = trio.current_time()
         self._turn = 0
         self._usage = TokenUsage()
@@ -264,18 +265,18 @@ class SessionSupervisor:
         """Settle the turn of a task that failed on its own (a bug, the trace): every call
         paired, the request ended. Best effort: the trace may be what failed."""
         with contextlib.suppress(Exception):
-            self._drain_inbox_nowait()  # results that arrived before the failure still count
+            # Results that arrived before the failure still count.
+            self._dispatch.drain(self._machine)
             self._end_interrupted_compaction(message)
             complete = self._session.transcript.message_complete
-            self._apply(self._machine.fail(message, message_complete=complete))
+            self._dispatch.apply(self._machine.fail(message, message_complete=complete))
 
     async def _run_turns(self, task: TaskInput) -> tuple[TaskStatus, str | None]:
         session = self._session
         settings = session.settings
         async with trio.open_nursery() as nursery:
-            self._nursery = nursery
             approvals_send, approvals_receive = trio.open_memory_channel[ApproveCall](math.inf)
-            self._approvals = approvals_send
+            self._approvals = self._dispatch.approvals = approvals_send
             broker = ApprovalBroker(
                 approve=task.approve,
                 ask_clients=session.client_approver,
@@ -301,6 +302,7 @@ class SessionSupervisor:
             # Unbounded: commands are sent with send_nowait as decisions arrive and the
             # pool only admits them; at most a turn's calls are ever queued.
             self._pool, pool_commands = trio.open_memory_channel[PoolCommand](math.inf)
+            self._dispatch.pool = self._pool
             await nursery.start(pool.run, pool_commands)
             self._provider_task = session.provider.open_task()
             streamer = LLMStreamer(self._provider_task, self._inbox)
@@ -331,6 +333,7 @@ class SessionSupervisor:
             if settings.max_turns >= 0 and self._turn >= settings.max_turns:
                 return "max_turns", f"stopped after max_turns={settings.max_turns} turns"
             self._turn += 1
+            self._dispatch.turn = self._turn
             self._machine = TurnMachine(
                 session_id=self._session.id, run_id=self.run_id, turn=self._turn
             )
@@ -341,7 +344,7 @@ class SessionSupervisor:
                     # R-COMPACT-7: auth stops at once; no request with a rejected key.
                     return "auth", self._session.auth_locked
             # R-STEER-5: drained at every input assembly, after a compaction too.
-            self._drain_inbox_nowait()
+            self._dispatch.drain(self._machine)
             self._deliver_steering()
             failure = await self._run_turn(task)
             if failure is not None:
@@ -350,7 +353,7 @@ class SessionSupervisor:
                     return "auth", failure.message
                 return "failed", failure.message
             await self._out.sync()  # R-TRACE-2: durable at every turn boundary
-            self._drain_inbox_nowait()
+            self._dispatch.drain(self._machine)
             machine = self._machine
             if machine.has_calls:
                 results = machine.results()
@@ -399,9 +402,9 @@ class SessionSupervisor:
         overflow_compacted = False
         while True:
             attempt += 1
-            self._apply(machine.begin_attempt(attempt))
+            self._dispatch.apply(machine.begin_attempt(attempt))
             self._out.flush()
-            request = self._build_request(task)
+            request = build_request(self._session, task)
             await _call_hook(
                 self._session.hooks.before_request,
                 RequestInfo(
@@ -415,7 +418,8 @@ class SessionSupervisor:
             self._streamer.send_nowait(
                 StartAttempt(request=request, attempt=attempt, delay_ms=delay_ms)
             )
-            result = await self._pump(lambda: machine.stream_result is not None)
+            dispatch = self._dispatch
+            result = await dispatch.pump(machine, lambda: machine.stream_result is not None)
             if isinstance(result, MessageCompleted):
                 break
             assert isinstance(result, StreamFailed)
@@ -425,9 +429,9 @@ class SessionSupervisor:
             if decision.retry:
                 # Skippable from the moment it is announced (R-RETRY-5).
                 self._streamer.send_nowait(PlanBackoff())
-            self._apply(machine.fail_attempt(error, retry_in_ms=decision.delay_ms))
+            self._dispatch.apply(machine.fail_attempt(error, retry_in_ms=decision.delay_ms))
             # R-RETRY-4: calls that already ran are reported, never run again.
-            await self._pump(lambda: machine.all_calls_terminal)
+            await self._dispatch.pump(machine, lambda: machine.all_calls_terminal)
             if error.kind == "context_overflow" and not overflow_compacted:
                 # R-COMPACT-9: compact once and rerun the same turn, once per turn.
                 overflow_compacted = True
@@ -437,7 +441,7 @@ class SessionSupervisor:
                     attempt, delay_ms = 0, 0
                     machine.restart()
                     # R-STEER-5: the rerun is the input assembly after the compaction.
-                    self._drain_inbox_nowait()
+                    self._dispatch.drain(self._machine)
                     self._deliver_steering()
                     continue
                 if self._session.auth_locked is not None:
@@ -449,7 +453,7 @@ class SessionSupervisor:
             # machine keeps its blocks for an abort during the backoff.
             machine.discard_attempt()
             self._pool.send_nowait(BeginTurn())
-        await self._pump(lambda: machine.all_calls_terminal)
+        await self._dispatch.pump(machine, lambda: machine.all_calls_terminal)
         return None
 
     # -- compaction (R-COMPACT) -----------------------------------------------------
@@ -470,7 +474,7 @@ class SessionSupervisor:
         compaction = self._compactor = self._compaction()
         # The task's own request settings, thinking included, so that the summary
         # request's prefix is the one the provider has cached (R-COMPACT-5).
-        template = self._build_request(self._task)
+        template = build_request(self._session, self._task)
         # Kept while it runs: an interrupt or failure in it ends it failed (_settle_abort).
         succeeded = await compaction.run(reason, template)
         self._compactor = None
@@ -479,11 +483,20 @@ class SessionSupervisor:
     def _add_usage(self, usage: TokenUsage) -> None:
         self._usage = self._usage + usage
 
+    def _steering_queued(self, content: tuple[UserContent, ...]) -> None:
+        self._steering.extend(content)
+
+    def _skip_wait(self) -> None:
+        if self._compactor is not None:
+            self._compactor.skip_backoff()
+        elif self._streamer is not None:
+            self._streamer.send_nowait(SkipBackoff())
+
     async def _run_manual_compaction(self) -> None:
         """``session.compact()``: a compaction on its own, as the session's one activity
         (R-COMPACT-11). Interrupting it ends it ``failed``."""
         session = self._session
-        self.run_id = session.new_run_id()
+        self.run_id = self._dispatch.run_id = session.new_run_id()
         self._provider_task = session.provider.open_task()
         try:
             with self._scope:
@@ -504,123 +517,6 @@ class SessionSupervisor:
             self._compactor.end_interrupted(reason)
             self._compactor = None
 
-    def _nursery_start(self, fn: Callable[..., Any], *args: Any) -> None:
-        assert self._nursery is not None
-        self._nursery.start_soon(fn, *args)
-
-    def _build_request(self, task: TaskInput | None) -> ModelRequest:
-        """The next request: the transcript's context (with the ``[turn_retried]`` note on
-        a retry: R-RETRY-4), the session's system prompt and tools."""
-        session = self._session
-        messages = session.transcript.request_messages()
-        settings = session.settings
-        return ModelRequest(
-            model=settings.model,
-            system=settings.system,
-            tools=session.tool_schemas,
-            messages=messages,
-            max_tokens=settings.max_tokens,
-            thinking_level=task.thinking_level if task is not None else None,
-            supports_vision=settings.supports_vision,
-        )
-
-    # -- the inbox ------------------------------------------------------------------
-
-    async def _pump(self, done: Callable[[], bool]) -> Any:
-        """Handle inbox messages until ``done()``; returns the attempt's terminal event."""
-        receive = self._inbox_receive
-        while not done():
-            # What the caller emitted is written and published before we wait: a line
-            # left buffered goes to the writer thread, and the next batch waits for it.
-            self._out.flush()
-            message = await receive.receive()
-            self._handle(message)
-            self._drain_inbox_nowait()
-            self._out.flush()
-        return self._machine.stream_result
-
-    def _drain_inbox_nowait(self) -> None:
-        receive = self._inbox_receive
-        while True:
-            try:
-                message = receive.receive_nowait()
-            except trio.WouldBlock:
-                return
-            self._handle(message)
-
-    def _handle(self, message: SupervisorMessage) -> None:
-        machine = self._machine
-        match message:
-            case StreamBatch():
-                if message.attempt == machine.attempt:
-                    # The hot path: one batch per network read.
-                    self._apply(machine.feed(message.events))
-            case ToolCallFinished():
-                # Tool output is outside text (R-SEC-1): repaired before anyone encodes it.
-                self._apply(
-                    machine.finish(
-                        message.call_id,
-                        status=message.status,
-                        content=repaired_blocks(message.content),
-                    )
-                )
-            case ApprovalDecided():
-                self._apply(
-                    machine.decide(
-                        message.call.id,
-                        allowed=message.verdict != "deny",
-                        by=message.by,
-                        # The interrupt came first (the decision was still in the inbox):
-                        # the call never starts, and the abort reports it interrupted.
-                        interrupted=self._scope.cancel_called,
-                    )
-                )
-            case ApprovalAsked():
-                asked = message.call
-                self._out.emit(
-                    ApprovalRequest(
-                        session_id=self._session.id,
-                        run_id=self.run_id,
-                        call_id=asked.id,
-                        tool=asked.name,
-                        arguments=asked.arguments,
-                    )
-                )
-            case ToolProgressed():
-                # Live only: progress notes never reach the trace (R-TRACE-1, R-TOOL-6).
-                self._apply(machine.progress(message.call_id, repair_text(message.message)))
-            case SteeringQueued():
-                self._steering.extend(repaired_blocks(message.content))
-            case BackoffSkipped():
-                if self._compactor is not None:
-                    self._compactor.skip_backoff()
-                elif self._streamer is not None:
-                    self._streamer.send_nowait(SkipBackoff())
-            case _:
-                assert_never(message)
-
-    def _apply(self, effects: list[Effect]) -> None:
-        """Carry out what the turn machine returned, in order: outputs are emitted (traced
-        ones traced), commands go to the broker, the pool and the ledger."""
-        for effect in effects:
-            match effect:
-                case ApproveCall():
-                    assert self._approvals is not None
-                    self._approvals.send_nowait(effect)  # R-TOOL-1: at once
-                case RunToolCall():
-                    assert self._pool is not None
-                    self._pool.send_nowait(effect)
-                case SkipToolCall():
-                    assert self._pool is not None
-                    self._pool.send_nowait(effect)
-                case RecordUsage():
-                    self._usage = self._usage + effect.usage
-                    self._session.record_usage(self.run_id, self._turn, effect.usage)
-                case _ if effect.TRACED:
-                    self._out.emit(effect)
-                case _:
-                    self._out.emit_live(effect)
-
     # -- steering -------------------------------------------------------------------
 
     def _deliver_steering(self) -> None:
@@ -639,10 +535,26 @@ class SessionSupervisor:
 
     def _settle_abort(self) -> None:
         """R-ABORT-1..3 and R-APPROVE-5: settle every call, record the abort."""
-        self._drain_inbox_nowait()  # results that arrived before the cancel still count
+        self._dispatch.drain(self._machine)  # results that arrived before the cancel still count
         self._end_interrupted_compaction(self._abort_reason)
         complete = self._session.transcript.message_complete
-        self._apply(self._machine.abort(self._abort_reason, message_complete=complete))
+        self._dispatch.apply(self._machine.abort(self._abort_reason, message_complete=complete))
+
+def build_request(session: Session, task: TaskInput | None) -> ModelRequest:
+    """The next request of ``session``: the transcript's context (with the
+    ``[turn_retried]`` note on a retry: R-RETRY-4), the system prompt and tools, and the
+    task's thinking level."""
+    settings = session.settings
+    return ModelRequest(
+        model=settings.model,
+        system=settings.system,
+        tools=session.tool_schemas,
+        messages=session.transcript.request_messages(),
+        max_tokens=settings.max_tokens,
+        thinking_level=task.thinking_level if task is not None else None,
+        supports_vision=settings.supports_vision,
+    )
+
 
 async def _call_hook(hook: Callable[[Any], Any] | None, info: Any) -> Any:
     """Call a host hook; a hook that raises is ignored (hooks never end a task)."""

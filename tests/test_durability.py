@@ -38,6 +38,7 @@ from conftest import (
 
 import greenroom.actors.supervisor as supervisor_module
 import greenroom.actors.trace_sink as trace_sink_module
+import greenroom.actors.turn_dispatch as dispatch_module
 from greenroom.actors.host import Host
 from greenroom.actors.provider_scripted import Reply, ScriptedProvider, text, tool_call
 from greenroom.actors.session import Session
@@ -174,7 +175,8 @@ async def test_an_unencodable_record_past_the_repairs_fails_only_its_task(
     """R-SEC-1: with the supervisor's input repair out of the way, a steering message with
     a surrogate reaches the trace writer. The task ends failed naming the record; the
     trace holds it repaired (no seq gap); a second session runs on meanwhile and after."""
-    monkeypatch.setattr(supervisor_module, "repaired_blocks", lambda blocks: blocks)
+    for module in (supervisor_module, dispatch_module):
+        monkeypatch.setattr(module, "repaired_blocks", lambda blocks: blocks)
     gates = Gates()
     bad = await host.create_session(
         provider=ScriptedProvider(

@@ -4,6 +4,7 @@
   talk through messages and public seams, never through each other's fields.
 * Every actor of the card starts with ``nursery.start(actor.run, …)``: it has a ``run``
   coroutine taking ``task_status``.
+* No class is over about 450 lines: a class that long holds several jobs.
 * ``protocols/`` is pure: it imports neither trio nor an HTTP library.
 * The modules of ``actors/`` import each other without cycles (lazy imports inside
   functions aside, which break no cycle at import time).
@@ -15,9 +16,13 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 ACTORS = ROOT / "actors"
 PROTOCOLS = ROOT / "protocols"
+
+MAX_CLASS_LINES = 450
 
 # Private names of the standard library that are its public API.
 ALLOWED_PRIVATE = {"os._exit", "sys._getframe"}
@@ -75,6 +80,18 @@ def test_every_card_actor_has_a_run_entry_taking_task_status() -> None:
                 )
     assert set(seen) == CARD_ACTORS, f"missing actors: {CARD_ACTORS - set(seen)}"
     assert all(seen.values()), {name: ok for name, ok in seen.items() if not ok}
+
+
+@pytest.mark.parametrize("folder", [ACTORS, PROTOCOLS], ids=["actors", "protocols"])
+def test_no_class_is_over_450_lines(folder: Path) -> None:
+    long = [
+        f"{path.relative_to(ROOT)}: {node.name} ({(node.end_lineno or 0) - node.lineno + 1})"
+        for path, tree in modules(folder)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+        and (node.end_lineno or 0) - node.lineno + 1 > MAX_CLASS_LINES
+    ]
+    assert long == [], long
 
 
 def test_protocols_import_no_io_library() -> None:
