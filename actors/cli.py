@@ -51,10 +51,11 @@ import trio
 from greenroom.actors.approval_broker import ApproveFn
 from greenroom.actors.builtin_tools import builtin_tools
 from greenroom.actors.errors import AuthLocked, ConfigurationError, GreenroomError, SessionNotFound
-from greenroom.actors.host import SESSION_FILE, Host, SessionObserver, default_data_dir
+from greenroom.actors.host import Host, SessionObserver, default_data_dir
 from greenroom.actors.mcp_tools import McpConfigError, load_config_files
 from greenroom.actors.provider_registry import PROVIDERS, default_provider_name, provider_spec
 from greenroom.actors.session import Session
+from greenroom.actors.storage import SessionStore
 from greenroom.actors.subagents import spawn_subagent
 from greenroom.actors.tool_loader import ToolLoadError, load_tools
 from greenroom.actors.trace_sink import latest_trace_file, read_trace
@@ -1020,7 +1021,7 @@ def _stored_settings(data_dir: Path, session_id: str) -> dict[str, Any]:
     """The stored settings of a session, or {} when it cannot be read (the host then
     reports the missing session properly)."""
     try:
-        meta = json.loads((data_dir / "sessions" / session_id / SESSION_FILE).read_text("utf-8"))
+        meta = json.loads(SessionStore(data_dir).meta_path(session_id).read_text("utf-8"))
     except (OSError, ValueError):
         return {}
     settings = meta.get("settings") if isinstance(meta, dict) else None
@@ -1737,7 +1738,7 @@ def _trace_command(args: argparse.Namespace) -> int:
     if not _SESSION_ID.fullmatch(session_id):
         raise UsageError(f"{session_id!r} is not a session id")
     data_dir = _data_dir(args.data_dir)
-    session_dir = data_dir / "sessions" / session_id
+    session_dir = SessionStore(data_dir).session_dir(session_id)
     if not session_dir.is_dir():
         raise UsageError(f"no session {session_id!r} in {data_dir}")
     path = latest_trace_file(session_dir)

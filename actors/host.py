@@ -37,6 +37,7 @@ from greenroom.actors.provider_registry import (
     provider_spec,
 )
 from greenroom.actors.session import Session, require_trio
+from greenroom.actors.storage import SESSION_FILE, SESSIONS_DIR, SessionStore
 from greenroom.actors.trace_sink import TraceSink, latest_trace_file, read_trace
 from greenroom.protocols.context import ToolSchema
 from greenroom.protocols.converter import converter
@@ -46,8 +47,6 @@ from greenroom.protocols.text import repair_json
 from greenroom.protocols.tools import Tool
 from greenroom.protocols.trace import trace_file_number
 from greenroom.protocols.transcript import Transcript, rebuild
-
-SESSION_FILE = "session.json"
 
 SHUTDOWN_GRACE_S = 30.0
 """Bound on closing a host: interrupting every running task and flushing the traces."""
@@ -217,7 +216,7 @@ class Host:
         if model_provider is None:
             model_provider = self._provider_for(final)
         sid = session_id or _new_session_id()
-        directory = self.data_dir / "sessions" / sid
+        directory = SessionStore(self.data_dir).session_dir(sid)
         workspace = await trio.to_thread.run_sync(_resolve_dir, workspace_dir)
         tool_list = list(tools)
         meta = {
@@ -267,7 +266,7 @@ class Host:
         mcp_configs = _mcp_configs(mcp_servers)
         if session_id in self._sessions:
             return self._sessions[session_id]
-        directory = self.data_dir / "sessions" / session_id
+        directory = SessionStore(self.data_dir).session_dir(session_id)
         meta_path = directory / SESSION_FILE
         try:
             meta = await trio.to_thread.run_sync(_read_meta, meta_path)
@@ -340,7 +339,9 @@ class Host:
         """Every session stored in the data dir: the readable ones newest first, and each
         one whose ``session.json`` cannot be used with its path and the reason. One bad
         file never hides the others (R-SEC-1)."""
-        return await trio.to_thread.run_sync(_scan_sessions, self.data_dir / "sessions")
+        return await trio.to_thread.run_sync(
+            _scan_sessions, SessionStore(self.data_dir).sessions_dir
+        )
 
     async def close_session(self, session_id: str) -> None:
         """Interrupt the session's task, wait for its last record, forget it (R-HOST-3)."""
@@ -354,7 +355,7 @@ class Host:
         """Close the session — interrupting its task and waiting until its last record is
         written (R-HOST-3) — then remove its directory: trace files, scratchpad and all.
         Raises :class:`SessionNotFound` when it is neither open nor stored."""
-        directory = self.data_dir / "sessions" / session_id
+        directory = SessionStore(self.data_dir).session_dir(session_id)
         if (
             session_id not in self._sessions
             and not await trio.Path(directory / SESSION_FILE).exists()
@@ -473,11 +474,11 @@ def _prepare_data_dir(data_dir: str | Path | None) -> Path:
     and the ledger are private all the same)."""
     path = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
     if path.is_dir():
-        if (path / "sessions").is_dir() or not any(path.iterdir()):
+        if (path / SESSIONS_DIR).is_dir() or not any(path.iterdir()):
             _tighten(path, PRIVATE_DIR_MODE)
     else:
         path.mkdir(parents=True, mode=PRIVATE_DIR_MODE)
-    sessions = path / "sessions"
+    sessions = path / SESSIONS_DIR
     sessions.mkdir(exist_ok=True, mode=PRIVATE_DIR_MODE)
     _tighten(sessions, PRIVATE_DIR_MODE)
     return path

@@ -27,7 +27,7 @@ from conftest import (
     texts_of,
 )
 
-from greenroom.actors.host import SESSION_FILE, Host
+from greenroom.actors.host import Host
 from greenroom.actors.provider_scripted import (
     Reply,
     ScriptedStream,
@@ -36,6 +36,7 @@ from greenroom.actors.provider_scripted import (
     tool_call,
 )
 from greenroom.actors.session import Session
+from greenroom.actors.storage import SESSION_FILE
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import AssistantMessage, ModelRequest, UserMessage
 from greenroom.protocols.outputs import TaskEnd

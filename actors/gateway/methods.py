@@ -36,9 +36,10 @@ from greenroom.actors.gateway.config import (
 from greenroom.actors.gateway.connection import Connection, Handler
 from greenroom.actors.gateway.hubs import Hubs, session_state
 from greenroom.actors.gateway.titles import Titles
-from greenroom.actors.host import SESSION_FILE, Host
+from greenroom.actors.host import Host
 from greenroom.actors.llm_streamer import ModelProvider
 from greenroom.actors.session import Session
+from greenroom.actors.storage import SessionStore
 from greenroom.protocols import jsonrpc
 from greenroom.protocols.content import ImageBlock, ToolCallBlock, UserContent
 from greenroom.protocols.converter import to_dict
@@ -116,7 +117,7 @@ class Methods:
             return True
         if not SESSION_ID.fullmatch(session_id):
             return False
-        meta = self.host.data_dir / "sessions" / session_id / SESSION_FILE
+        meta = SessionStore(self.host.data_dir).meta_path(session_id)
         return await trio.Path(meta).exists()
 
     def _provider(self) -> str | ModelProvider | None:
@@ -216,7 +217,7 @@ class Methods:
         scan = await self.host.scan_sessions()
         titles = await self._titles.of(
             (i.session_id for i in scan.sessions if i.session_id in owned),
-            self.host.data_dir / "sessions",
+            SessionStore(self.host.data_dir).sessions_dir,
         )
         sessions: list[dict[str, Any]] = []
         for info in scan.sessions:
