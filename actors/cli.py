@@ -52,7 +52,7 @@ from greenroom.actors.approval_broker import ApproveFn
 from greenroom.actors.builtin_tools import builtin_tools
 from greenroom.actors.errors import AuthLocked, ConfigurationError, GreenroomError, SessionNotFound
 from greenroom.actors.host import Host, SessionObserver, default_data_dir
-from greenroom.actors.mcp_tools import McpConfigError, load_config_files
+from greenroom.actors.mcp_config import McpConfigError, load_config_files
 from greenroom.actors.provider_registry import PROVIDERS, default_provider_name, provider_spec
 from greenroom.actors.session import Session
 from greenroom.actors.storage import SessionStore

@@ -19,11 +19,19 @@ from typing import TYPE_CHECKING, assert_never
 import attrs
 import trio
 
-from greenroom.actors.llm_streamer import Backoff, ProviderTask
 from greenroom.protocols import compaction
 from greenroom.protocols.content import ModelBlock
 from greenroom.protocols.context import Message, ModelRequest
-from greenroom.protocols.messages import CompactorCommand, SkipBackoff, Summarize
+from greenroom.protocols.messages import (
+    CompactorCommand,
+    PlanBackoff,
+    SkipBackoff,
+    StartAttempt,
+    StreamBatch,
+    StreamerCommand,
+    Summarize,
+    SupervisorMessage,
+)
 from greenroom.protocols.outputs import (
     CompactionBegin,
     CompactionEnd,
@@ -35,7 +43,6 @@ from greenroom.protocols.stream import (
     BlockCompleted,
     MessageCompleted,
     ModelError,
-    StreamEvent,
     StreamFailed,
     TokenUsage,
     UsageReported,
@@ -62,14 +69,15 @@ class Compactor:
     outcome goes to the command's reply channel, and ``SkipBackoff``) until the channel
     closes or the task is cancelled. :meth:`summarize` is the same work as a call."""
 
-    __slots__ = ("_on_usage", "_provider", "attempt", "backoff")
+    __slots__ = ("_on_usage", "_streamer", "attempt")
 
     def __init__(
-        self, provider: ProviderTask, on_usage: Callable[[TokenUsage], None]
+        self,
+        streamer: trio.MemorySendChannel[StreamerCommand],
+        on_usage: Callable[[TokenUsage], None],
     ) -> None:
-        self._provider = provider
+        self._streamer = streamer
         self._on_usage = on_usage
-        self.backoff = Backoff()
         self.attempt = 0
         """The attempt in flight or last made (1-based; 0 before the first)."""
 
@@ -89,7 +97,7 @@ class Compactor:
                         case Summarize():
                             nursery.start_soon(self._serve_summary, command)
                         case SkipBackoff():
-                            self.backoff.skip()
+                            self._streamer.send_nowait(command)
                         case _:
                             assert_never(command)
 
@@ -104,11 +112,14 @@ class Compactor:
         an interrupt stops the request or the backoff at once."""
         messages: tuple[Message, ...] = (*base, compaction.prompt_message(prompt))
         attempt = 0
+        delay_ms = 0
         while True:
             attempt += 1
-            self.attempt = attempt
+            # During the backoff before it, the attempt that counts is the one that
+            # failed; it becomes this one when its stream answers (see _attempt).
+            self.attempt = attempt if delay_ms == 0 else attempt - 1
             request = attrs.evolve(template, messages=messages)
-            blocks, failure = await self._attempt(request)
+            blocks, failure = await self._attempt(request, attempt, delay_ms)
             if failure is None:
                 verdict = compaction.judge(blocks)
                 if verdict.summary is not None:
@@ -122,36 +133,38 @@ class Compactor:
             decision = decide_retry(failure, attempt)
             if not decision.retry or decision.delay_ms is None:
                 return CompactionOutcome(summary=None, attempt=attempt, error=failure)
-            self.backoff.plan()
-            await self.backoff.sleep(decision.delay_ms / 1000)
+            delay_ms = decision.delay_ms
+            self._streamer.send_nowait(PlanBackoff())
 
     async def _attempt(
-        self, request: ModelRequest
+        self, request: ModelRequest, attempt: int, delay_ms: int
     ) -> tuple[tuple[ModelBlock, ...], ModelError | None]:
+        """One summary request through the LLM streamer (its backoff first, R-ACTOR-4)."""
         blocks: list[ModelBlock] = []
-        result: list[ModelError | None] = []
-        usage: list[TokenUsage] = []
-
-        async def deliver(events: list[StreamEvent]) -> None:
-            for event in events:
-                if isinstance(event, BlockCompleted):
-                    blocks.append(event.block)
-                elif isinstance(event, UsageReported):
-                    usage[:] = [event.usage]
-                elif isinstance(event, MessageCompleted):
-                    usage[:] = [event.usage]
-                    result.append(None)
-                elif isinstance(event, StreamFailed):
-                    result.append(event.error)
-
+        usage: TokenUsage | None = None
+        # Unbounded: the streamer delivers with send_nowait, one batch per network read.
+        send, batches = trio.open_memory_channel[SupervisorMessage](math.inf)
+        self._streamer.send_nowait(
+            StartAttempt(request=request, attempt=attempt, delay_ms=delay_ms, reply=send)
+        )
         try:
-            await self._provider.stream(request, deliver)
+            async for batch in batches:
+                assert isinstance(batch, StreamBatch)
+                self.attempt = attempt
+                for event in batch.events:
+                    if isinstance(event, BlockCompleted):
+                        blocks.append(event.block)
+                    elif isinstance(event, UsageReported):
+                        usage = event.usage
+                    elif isinstance(event, MessageCompleted):
+                        usage = event.usage
+                        return tuple(blocks), None
+                    elif isinstance(event, StreamFailed):
+                        return tuple(blocks), event.error
         finally:
-            if usage:
-                self._on_usage(usage[0])
-        if not result:
-            return (), ModelError(kind="malformed", message="stream ended without a result")
-        return tuple(blocks), result[0]
+            if usage is not None:
+                self._on_usage(usage)
+        return (), ModelError(kind="malformed", message="stream ended without a result")
 
 
 def compaction_due(session: Session) -> CompactionReason | None:
@@ -177,10 +190,10 @@ class Compaction:
         "_attempt",
         "_commands",
         "_emitter",
-        "_provider",
         "_run_id",
         "_running",
         "_session",
+        "_streamer",
         "_turn",
     )
 
@@ -189,25 +202,20 @@ class Compaction:
         *,
         session: Session,
         emitter: OutputEmitter,
-        provider: ProviderTask,
+        streamer: trio.MemorySendChannel[StreamerCommand],
         run_id: str,
         turn: int,
         add_usage: Callable[[TokenUsage], None],
     ) -> None:
         self._session = session
         self._emitter = emitter
-        self._provider = provider
+        self._streamer = streamer
         self._run_id = run_id
         self._turn = turn
         self._add_usage = add_usage
         self._commands: trio.MemorySendChannel[CompactorCommand] | None = None
         self._running = False
         self._attempt = 1
-
-    def skip_backoff(self) -> None:
-        """End the summary request's reconnect wait early (R-RETRY-5)."""
-        if self._commands is not None:
-            self._commands.send_nowait(SkipBackoff())
 
     async def run(self, reason: CompactionReason, template: ModelRequest) -> bool:
         """Compact; on success rotate the trace and start the new context. Returns whether
@@ -224,7 +232,7 @@ class Compaction:
         summary: str | None = None
         attempt = 1
         if settings.compact_mode == "summarize":
-            compactor = Compactor(self._provider, self._usage)
+            compactor = Compactor(self._streamer, self._usage)
             # Unbounded: a summary command and skips, sent with send_nowait.
             send, commands = trio.open_memory_channel[CompactorCommand](math.inf)
             reply_send, reply = trio.open_memory_channel[CompactionOutcome](1)

@@ -22,14 +22,14 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 import trio
 
 from greenroom.actors.errors import ConfigurationError, HostClosed, SessionNotFound
 from greenroom.actors.llm_streamer import ModelProvider
-from greenroom.actors.mcp_tools import McpConfigError, McpManager, as_configs, attach_servers
+from greenroom.actors.mcp_config import McpConfigError, as_configs
 from greenroom.actors.provider_registry import (
     PROVIDERS,
     anthropic_credentials,
@@ -50,6 +50,9 @@ from greenroom.protocols.transcript import Transcript, rebuild
 
 SHUTDOWN_GRACE_S = 30.0
 """Bound on closing a host: interrupting every running task and flushing the traces."""
+
+if TYPE_CHECKING:
+    from greenroom.actors.mcp_tools import McpManager
 
 
 def _mcp_configs(mcp_servers: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -407,6 +410,9 @@ class Host:
     async def _attach_mcp(self, session: Session, configs: dict[str, Any]) -> None:
         """Give the session its MCP servers' tools; the manager runs in this host's
         nursery and is started with the first server."""
+        # Imported here: the MCP SDK is loaded only by a host that has an MCP server.
+        from greenroom.actors.mcp_tools import McpManager, attach_servers
+
         manager = self._mcp
         if manager is None:
             manager = self._mcp = McpManager(self.data_dir / "mcp")

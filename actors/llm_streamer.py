@@ -11,7 +11,7 @@ cancellation.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Protocol, assert_never
+from typing import Any, Protocol, assert_never
 
 import attrs
 import trio
@@ -176,6 +176,7 @@ class LLMStreamer:
                                 command.request,
                                 command.attempt,
                                 command.delay_ms,
+                                command.reply or self._inbox,
                             )
                         case PlanBackoff():
                             self._backoff.plan()
@@ -184,12 +185,14 @@ class LLMStreamer:
                         case _:
                             assert_never(command)
 
-    async def _stream_attempt(self, request: ModelRequest, attempt: int, delay_ms: int) -> None:
-        """Wait ``delay_ms`` (the planned backoff), then stream one attempt. Cancel-safe:
-        cancellation stops the sleep or the stream at once and delivers nothing more."""
+    async def _stream_attempt(
+        self, request: ModelRequest, attempt: int, delay_ms: int, inbox: Any
+    ) -> None:
+        """Wait ``delay_ms`` (the planned backoff), then stream one attempt into ``inbox``.
+        Cancel-safe: cancellation stops the sleep or the stream at once and delivers
+        nothing more."""
         if delay_ms > 0:
             await self._backoff.sleep(delay_ms / 1000)
-        inbox = self._inbox
 
         async def deliver(events: list[StreamEvent]) -> None:
             inbox.send_nowait(StreamBatch(attempt=attempt, events=events))

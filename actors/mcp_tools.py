@@ -35,7 +35,7 @@ import json
 import logging
 import math
 import mimetypes
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,15 +48,13 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 
+from greenroom.actors.mcp_config import as_configs, load_config_files
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolContent
 from greenroom.protocols.context import ToolSchema
 from greenroom.protocols.hooks import Hooks
 from greenroom.protocols.mcp_config import (
     McpConfigError,
     McpServerConfig,
-    merge_configs,
-    parse_config_text,
-    parse_servers,
     schema_problem,
     tool_name,
     tool_name_problem,
@@ -107,33 +105,6 @@ class McpToolInfo:
 
 
 # -- configuration files --------------------------------------------------------------------
-
-
-def load_config_files(paths: Iterable[str | Path]) -> dict[str, McpServerConfig]:
-    """The servers of ``--mcp-config`` files, in order (blocking file reads: call it before
-    the event loop starts, or in a thread). Raises :class:`McpConfigError` naming the file
-    and, for bad content, the JSON path; a server named in two files is an error too."""
-    parts: list[tuple[str, dict[str, McpServerConfig]]] = []
-    for item in paths:
-        path = Path(item).expanduser()
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise McpConfigError(f"{item}: no such file") from None
-        except IsADirectoryError:
-            raise McpConfigError(f"{item}: is a directory, not a file") from None
-        except UnicodeDecodeError:
-            raise McpConfigError(f"{item}: not UTF-8 text") from None
-        except OSError as exc:
-            raise McpConfigError(f"{item}: cannot be read: {exc.strerror or exc}") from None
-        parts.append((str(item), parse_config_text(text, str(item))))
-    return merge_configs(parts)
-
-
-def as_configs(mcp_servers: Mapping[str, Any]) -> dict[str, McpServerConfig]:
-    """``host.create_session(mcp_servers=…)``: server entries as in a config file's
-    ``mcpServers`` (dicts) or already parsed. Raises :class:`McpConfigError`."""
-    return parse_servers(mcp_servers, source="mcp_servers", path="$")
 
 
 # -- the live tool table ------------------------------------------------------------------

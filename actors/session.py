@@ -10,6 +10,7 @@ with the work.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -21,12 +22,19 @@ import trio
 
 from greenroom.actors.approval_broker import ApproveFn, ClientApprover
 from greenroom.actors.errors import AuthLocked, Busy, SessionClosed
+from greenroom.actors.llm_streamer import LLMStreamer
 from greenroom.actors.supervisor import SessionSupervisor, TaskInput
 from greenroom.actors.trace_sink import TraceSinkClosed, TraceWriteError
 from greenroom.protocols import markers
 from greenroom.protocols.content import TextBlock, UserContent
 from greenroom.protocols.context import ModelRequest, ToolSchema, UserMessage
 from greenroom.protocols.hooks import Hooks
+from greenroom.protocols.messages import (
+    StartAttempt,
+    StreamBatch,
+    StreamerCommand,
+    SupervisorMessage,
+)
 from greenroom.protocols.outputs import (
     CompactionEnd,
     ModelMsg,
@@ -37,7 +45,7 @@ from greenroom.protocols.outputs import (
     TaskStatus,
 )
 from greenroom.protocols.settings import SessionSettings
-from greenroom.protocols.stream import MessageCompleted, StreamEvent, TextDelta, TokenUsage
+from greenroom.protocols.stream import MessageCompleted, StreamFailed, TextDelta, TokenUsage
 from greenroom.protocols.tools import Tool
 from greenroom.protocols.trace import UsageKind, UsageRow, encode_record, trace_file_name
 from greenroom.protocols.transcript import Transcript
@@ -636,18 +644,30 @@ class Session(SessionCore):
             max_tokens=64,
         )
         parts: list[str] = []
-        usage: list[TokenUsage] = []
-
-        async def deliver(events: list[StreamEvent]) -> None:
-            for event in events:
-                if isinstance(event, TextDelta):
-                    parts.append(event.text)
-                elif isinstance(event, MessageCompleted):
-                    usage.append(event.usage)
-
-        await self._provider.open_task().stream(request, deliver)
-        if usage:
-            self.record_usage("", 0, usage[0], kind="title")
+        usage: TokenUsage | None = None
+        # The one path to the model (R-ACTOR-4): a streamer of its own, so the title never
+        # waits for a task's attempts. Unbounded: both sides send with send_nowait.
+        batches_send, batches = trio.open_memory_channel[SupervisorMessage](math.inf)
+        commands_send, commands = trio.open_memory_channel[StreamerCommand](math.inf)
+        streamer = LLMStreamer(self._provider.open_task(), batches_send)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(streamer.run, commands)
+            commands_send.send_nowait(StartAttempt(request=request, attempt=1, delay_ms=0))
+            completed = False
+            async for batch in batches:
+                assert isinstance(batch, StreamBatch)
+                for event in batch.events:
+                    if isinstance(event, TextDelta):
+                        parts.append(event.text)
+                    elif isinstance(event, MessageCompleted):
+                        usage, completed = event.usage, True
+                    elif isinstance(event, StreamFailed):
+                        completed = True
+                if completed:
+                    break
+            nursery.cancel_scope.cancel()
+        if usage is not None:
+            self.record_usage("", 0, usage, kind="title")
         title = " ".join("".join(parts).split()).strip().strip("\"'")
         return title[:max_chars]
 

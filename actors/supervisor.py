@@ -162,9 +162,10 @@ class SessionSupervisor:
         self._inbox.send_nowait(SteeringQueued(content=content))
 
     def skip_reconnect_wait(self) -> None:
-        if self._compactor is not None:
-            # A compaction does not pump the inbox while it waits: end its backoff here.
-            self._compactor.skip_backoff()
+        if self._compactor is not None and self._streamer is not None:
+            # A compaction does not pump the inbox while it waits: its wait is the
+            # streamer's, told directly.
+            self._streamer.send_nowait(SkipBackoff())
             return
         self._inbox.send_nowait(BackoffSkipped())
 
@@ -459,11 +460,11 @@ class SessionSupervisor:
     # -- compaction (R-COMPACT) -----------------------------------------------------
 
     def _compaction(self) -> Compaction:
-        assert self._provider_task is not None
+        assert self._streamer is not None
         return Compaction(
             session=self._session,
             emitter=self._out,
-            provider=self._provider_task,
+            streamer=self._streamer,
             run_id=self.run_id,
             turn=self._turn,
             add_usage=self._add_usage,
@@ -487,9 +488,8 @@ class SessionSupervisor:
         self._steering.extend(content)
 
     def _skip_wait(self) -> None:
-        if self._compactor is not None:
-            self._compactor.skip_backoff()
-        elif self._streamer is not None:
+        # Every reconnect wait, a compaction's too, is the streamer's (R-RETRY-5).
+        if self._streamer is not None:
             self._streamer.send_nowait(SkipBackoff())
 
     async def _run_manual_compaction(self) -> None:
@@ -497,10 +497,17 @@ class SessionSupervisor:
         (R-COMPACT-11). Interrupting it ends it ``failed``."""
         session = self._session
         self.run_id = self._dispatch.run_id = session.new_run_id()
-        self._provider_task = session.provider.open_task()
         try:
             with self._scope:
-                await self._compact("manual")
+                async with trio.open_nursery() as nursery:
+                    # The summary requests take the one path to the model (R-ACTOR-4).
+                    streamer = LLMStreamer(session.provider.open_task(), self._inbox)
+                    self._streamer, commands = trio.open_memory_channel[StreamerCommand](
+                        math.inf
+                    )
+                    await nursery.start(streamer.run, commands)
+                    await self._compact("manual")
+                    nursery.cancel_scope.cancel()
         except Exception as exc:  # a bug must end the compaction visibly
             self._end_interrupted_compaction(f"internal error: {exc!r}")
         if self._out.trace_error is not None:

@@ -115,6 +115,10 @@ class StartAttempt:
     request: ModelRequest
     attempt: int
     delay_ms: int
+    reply: Any = attrs.field(default=None, eq=False, repr=False)
+    """Where the batches go (a channel's send side); None: the supervisor's inbox. The
+    compactor and title requests name their own, so every model request takes this path
+    (R-ACTOR-4)."""
 
 
 @attrs.frozen(kw_only=True, slots=True)

@@ -13,9 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from greenroom.actors.compactor import Compactor
-from greenroom.actors.llm_streamer import Deliver
+from greenroom.actors.llm_streamer import Deliver, LLMStreamer
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import ModelRequest, UserMessage
+from greenroom.protocols.messages import StreamerCommand, SupervisorMessage
 from greenroom.protocols.retry import (
     MAX_RETRIES,
     RETRY_AFTER_CAP_S,
@@ -153,9 +154,16 @@ def template() -> ModelRequest:
 
 
 async def compact(script: Script) -> tuple[str | None, int, list[int]]:
-    compactor = Compactor(script, lambda usage: None)
-    base = (UserMessage(content=(TextBlock(text="hello"),)),)
-    outcome = await compactor.summarize(template(), base, "Summarize.")
+    """Summarize through a real LLM streamer around the script: the compactor's requests
+    and waits take the one path to the model (R-ACTOR-4)."""
+    inbox, _ = trio.open_memory_channel[SupervisorMessage](math.inf)
+    commands_send, commands = trio.open_memory_channel[StreamerCommand](math.inf)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(LLMStreamer(script, inbox).run, commands)
+        compactor = Compactor(commands_send, lambda usage: None)
+        base = (UserMessage(content=(TextBlock(text="hello"),)),)
+        outcome = await compactor.summarize(template(), base, "Summarize.")
+        nursery.cancel_scope.cancel()
     gaps = [round((b - a) * 1000) for a, b in itertools.pairwise(script.arrivals)]
     return outcome.summary, outcome.attempt, gaps
 
