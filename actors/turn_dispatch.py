@@ -31,13 +31,21 @@ from greenroom.protocols.messages import (
     ToolCallFinished,
     ToolProgressed,
 )
-from greenroom.protocols.outputs import ApprovalRequest
+from greenroom.protocols.outputs import (
+    ApprovalRequest,
+    PartialText,
+    PartialThinking,
+    PartialToolCall,
+)
 from greenroom.protocols.stream import MessageCompleted, StreamFailed, TokenUsage
 from greenroom.protocols.text import repair_text
 from greenroom.protocols.turn import Effect, RecordUsage, TurnMachine
 
 if TYPE_CHECKING:
     from greenroom.actors.session import Session
+
+
+_PARTIALS = frozenset({PartialText, PartialThinking, PartialToolCall})
 
 
 class TurnDispatch:
@@ -163,7 +171,12 @@ class TurnDispatch:
         """Carry out what the turn machine returned, in order: outputs are emitted (traced
         ones traced), commands go to the broker, the pool and the ledger."""
         emitter = self._emitter
+        emit_live = emitter.emit_live
         for effect in effects:
+            # The hot path: most effects are live partial outputs, one per token.
+            if effect.__class__ in _PARTIALS:
+                emit_live(effect)  # type: ignore[arg-type]
+                continue
             match effect:
                 case ApproveCall():
                     assert self.approvals is not None
