@@ -692,14 +692,6 @@ def _serve_command(args: argparse.Namespace) -> int:
             sandbox=args.sandbox,
         )
     )
-    limits = (
-        ("base_url", args.base_url),
-        ("max_turns", args.max_turns),
-        ("max_context_length", args.max_context_length),
-        ("compact_mode", args.compact_mode),
-        ("sandbox", args.sandbox),
-        ("shell_network", args.shell_network),
-    )
     defaults = SessionDefaults(
         provider=args.provider or default_provider_name(),
         model=args.model,
@@ -707,7 +699,7 @@ def _serve_command(args: argparse.Namespace) -> int:
         tools=tools,
         mcp_servers=servers,
         workspace_dir=options.workspace or ".",
-        settings={key: value for key, value in limits if value is not None},
+        settings=_setting_flags(args),
         approve=args.approve,
         workspace_root=args.workspace_root,
     )
@@ -732,6 +724,20 @@ def _serve_command(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _setting_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The session settings the flags of ``serve`` and ``acp`` set (the defaults of the
+    sessions their clients create): only those given."""
+    given = {
+        "base_url": args.base_url,
+        "max_turns": args.max_turns,
+        "max_context_length": args.max_context_length,
+        "compact_mode": args.compact_mode,
+        "sandbox": args.sandbox,
+        "shell_network": args.shell_network,
+    }
+    return {key: value for key, value in given.items() if value is not None}
+
+
 def _acp_command(args: argparse.Namespace) -> int:
     """``greenroom acp``: the Agent Client Protocol agent on stdin and stdout, with the
     session defaults of the flags (actors/acp_agent.py). stdout is the protocol's alone."""
@@ -748,20 +754,12 @@ def _acp_command(args: argparse.Namespace) -> int:
             sandbox=args.sandbox,
         )
     )
-    limits = (
-        ("base_url", args.base_url),
-        ("max_turns", args.max_turns),
-        ("max_context_length", args.max_context_length),
-        ("compact_mode", args.compact_mode),
-        ("sandbox", args.sandbox),
-        ("shell_network", args.shell_network),
-    )
     config = AcpConfig(
         provider=args.provider or default_provider_name(),
         model=args.model,
         system=args.system,
         tools=tools,
-        settings={key: value for key, value in limits if value is not None},
+        settings=_setting_flags(args),
         approve=args.approve,
         mcp_config=dict(mcp_servers(args.mcp_config)),
     )
