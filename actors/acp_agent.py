@@ -44,7 +44,7 @@ from greenroom.actors.errors import AuthLocked, Busy, ConfigurationError, Sessio
 from greenroom.actors.host import Host
 from greenroom.actors.media import read_image
 from greenroom.actors.session import RunStream, Session
-from greenroom.actors.trace_sink import read_trace
+from greenroom.actors.storage import read_session_records
 from greenroom.protocols import acp
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock, UserContent
 from greenroom.protocols.jsonrpc import (
@@ -64,7 +64,6 @@ from greenroom.protocols.jsonrpc import (
 )
 from greenroom.protocols.outputs import ModelMsg, Output, TaskEnd
 from greenroom.protocols.tools import Tool
-from greenroom.protocols.trace import trace_file_number
 
 if TYPE_CHECKING:
     from greenroom.actors.llm_streamer import ModelProvider
@@ -561,22 +560,9 @@ def _store_image(scratchpad: Path, data: bytes, mime_type: str) -> Path:
 def _read_history(session_dir: Path) -> list[Output]:
     """Every record of the session's trace files, oldest file first (the conversation
     across compactions). Unreadable files are skipped. Blocking."""
-    try:
-        entries = list(session_dir.iterdir())
-    except OSError:
-        return []
-    numbered = sorted(
-        (number, entry)
-        for entry in entries
-        if (number := trace_file_number(entry.name)) is not None
+    return read_session_records(
+        session_dir, on_unreadable=lambda path, exc: _log(f"cannot read {path}: {exc}")
     )
-    records: list[Output] = []
-    for _, path in numbered:
-        try:
-            records.extend(read_trace(path).records)
-        except OSError as exc:
-            _log(f"cannot read {path}: {exc}")
-    return records
 
 
 def _log(message: str) -> None:

@@ -8,11 +8,14 @@ needs one of these paths asks :class:`SessionStore`; nothing else spells the lay
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
 
-from greenroom.protocols.trace import trace_file_name
+from greenroom.actors.trace_sink import read_trace
+from greenroom.protocols.outputs import Output
+from greenroom.protocols.trace import trace_file_name, trace_file_number
 
 SESSION_FILE = "session.json"
 """A session's metadata file, in its directory."""
@@ -43,3 +46,34 @@ class SessionStore:
     def trace_path(self, session_id: str, number: int) -> Path:
         """The ``number``-th trace file (1-based) of session ``session_id``."""
         return self.session_dir(session_id) / trace_file_name(number)
+
+
+def read_session_records(
+    session_dir: Path,
+    *,
+    after_seq: int = 0,
+    on_unreadable: Callable[[Path, OSError], None] | None = None,
+) -> list[Output]:
+    """The traced outputs with ``seq > after_seq`` from every trace file of a session,
+    oldest file first (the conversation across compactions). A missing directory gives
+    none; a file that cannot be read is skipped (and reported to ``on_unreadable``).
+    Blocking: call it in a thread."""
+    try:
+        entries = list(session_dir.iterdir())
+    except OSError:
+        return []
+    numbered = sorted(
+        (number, entry)
+        for entry in entries
+        if (number := trace_file_number(entry.name)) is not None
+    )
+    records: list[Output] = []
+    for _, path in numbered:
+        try:
+            result = read_trace(path)
+        except OSError as exc:
+            if on_unreadable is not None:
+                on_unreadable(path, exc)
+            continue
+        records.extend(r for r in result.records if r.seq is not None and r.seq > after_seq)
+    return records

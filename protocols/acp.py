@@ -59,6 +59,7 @@ from greenroom.protocols.outputs import (
     UserMsg,
 )
 from greenroom.protocols.text import repair_json
+from greenroom.protocols.tools import value_too_deep
 
 PROTOCOL_VERSION = 1
 """The ACP version greenroom speaks; every ``initialize`` is answered with it."""
@@ -191,7 +192,7 @@ def parse_message(line: bytes) -> Message:
         value = json.loads(text, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:
         return FrameError(id=None, error=RpcError(PARSE_ERROR, f"parse error: {exc}"))
-    if _too_deep(value):
+    if value_too_deep(value, MAX_DEPTH):
         return FrameError(
             id=None, error=RpcError(INVALID_REQUEST, f"nested deeper than {MAX_DEPTH} levels")
         )
@@ -227,22 +228,6 @@ def _response(value: dict[str, Any]) -> Message:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
-
-
-def _too_deep(value: Any) -> bool:
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Iterable[Any] = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        if depth > MAX_DEPTH:
-            return True
-        stack.extend((child, depth + 1) for child in children)
-    return False
 
 
 def request_frame(request_id: int, method: str, params: Any) -> dict[str, Any]:

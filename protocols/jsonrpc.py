@@ -37,6 +37,7 @@ import attrs
 from greenroom.protocols.content import ImageBlock, TextBlock, UserContent
 from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.text import repair_json, repair_text
+from greenroom.protocols.tools import value_too_deep
 
 JSONRPC_VERSION = "2.0"
 
@@ -150,7 +151,7 @@ def parse_frame(data: str | bytes, *, max_bytes: int = 1 << 20, max_batch: int =
         value = json.loads(data, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:
         return FrameError(id=None, error=RpcError(PARSE_ERROR, f"parse error: {exc}"))
-    if _nested_deeper_than(value, MAX_DEPTH):
+    if value_too_deep(value, MAX_DEPTH):
         return FrameError(
             id=None, error=RpcError(INVALID_REQUEST, f"nested deeper than {MAX_DEPTH} levels")
         )
@@ -171,22 +172,6 @@ def parse_frame(data: str | bytes, *, max_bytes: int = 1 << 20, max_batch: int =
 
 MAX_DEPTH = 64
 """How deeply a frame may nest arrays and objects; no method needs more than a few."""
-
-
-def _nested_deeper_than(value: Any, limit: int) -> bool:
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Iterable[Any] = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        if depth > limit:
-            return True
-        stack.extend((child, depth + 1) for child in children)
-    return False
 
 
 def _reject_constant(name: str) -> Any:

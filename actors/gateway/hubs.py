@@ -21,7 +21,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Literal, assert_never
 
 import attrs
@@ -30,7 +29,7 @@ import trio
 from greenroom.actors.gateway.config import ApproveMode, GatewayLimits
 from greenroom.actors.gateway.connection import Connection
 from greenroom.actors.session import Session
-from greenroom.actors.trace_sink import read_trace
+from greenroom.actors.storage import read_session_records
 from greenroom.protocols import jsonrpc
 from greenroom.protocols.content import ToolCallBlock
 from greenroom.protocols.converter import to_dict
@@ -55,7 +54,6 @@ from greenroom.protocols.outputs import (
     ToolProgress,
     UserMsg,
 )
-from greenroom.protocols.trace import trace_file_number
 
 logger = logging.getLogger(__name__)
 
@@ -368,24 +366,9 @@ async def replay_records(session: Session, after_seq: int) -> list[Output]:
     """The session's traced outputs with ``seq > after_seq``, from all its trace files in
     order. Nothing is published before its record is written to the file (R-TRACE-3), so
     the files hold everything published before this call."""
-    return await trio.to_thread.run_sync(_read_records, session.directory, after_seq)
-
-
-def _read_records(directory: Path, after_seq: int) -> list[Output]:
-    try:
-        entries = list(directory.iterdir())
-    except FileNotFoundError:
-        return []
-    numbered = sorted(
-        (number, entry)
-        for entry in entries
-        if (number := trace_file_number(entry.name)) is not None
+    directory = session.directory
+    return await trio.to_thread.run_sync(
+        lambda: read_session_records(directory, after_seq=after_seq)
     )
-    records: list[Output] = []
-    for _, path in numbered:
-        try:
-            result = read_trace(path)
-        except OSError:
-            continue
-        records.extend(r for r in result.records if r.seq is not None and r.seq > after_seq)
-    return records
+
+
