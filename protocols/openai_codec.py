@@ -99,15 +99,17 @@ REASONING_EFFORTS = frozenset({"minimal", "low", "medium", "high"})
 # ---------------------------------------------------------------------------------------------
 
 
-def _image_as_text(image: ImageBlock) -> str:
+def image_as_text(image: ImageBlock) -> str:
+    """An image named in text, for places that carry text only."""
     return f"[attached image: {image.path}]"
 
 
-def _tool_result_text(result: ToolResult) -> str:
+def tool_result_text(result: ToolResult) -> str:
+    """A tool result as text, its images named."""
     # Tool messages carry text only; images are named here (and, with vision, shown in the
     # user message that follows).
     return "\n".join(
-        block.text if isinstance(block, TextBlock) else _image_as_text(block)
+        block.text if isinstance(block, TextBlock) else image_as_text(block)
         for block in result.content
     )
 
@@ -125,7 +127,7 @@ def _encode_user(
             # Results first and in their own order: OpenAI requires the tool messages to
             # follow the assistant message that made the calls, with nothing in between.
             encoded.append(
-                {"role": "tool", "tool_call_id": item.call_id, "content": _tool_result_text(item)}
+                {"role": "tool", "tool_call_id": item.call_id, "content": tool_result_text(item)}
             )
             if loader is not None:
                 # Tool messages cannot carry images: a model with vision sees them in the
@@ -138,7 +140,7 @@ def _encode_user(
         else:
             image_part = loader(item) if loader is not None else None
             if image_part is None:
-                parts.append({"type": "text", "text": _image_as_text(item)})
+                parts.append({"type": "text", "text": image_as_text(item)})
             else:
                 parts.append(image_part)
                 only_text = False

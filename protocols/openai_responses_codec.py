@@ -61,7 +61,12 @@ from greenroom.protocols.context import (
     ToolSchema,
     UserMessage,
 )
-from greenroom.protocols.openai_codec import ImageLoader
+from greenroom.protocols.openai_codec import (
+    REASONING_EFFORTS,
+    ImageLoader,
+    image_as_text,
+    tool_result_text,
+)
 from greenroom.protocols.openai_codec import classify_error as classify_error
 from greenroom.protocols.sse import SSEDecoder
 from greenroom.protocols.stream import (
@@ -91,24 +96,10 @@ __all__ = [
     "encode_message",
 ]
 
-REASONING_EFFORTS = frozenset({"minimal", "low", "medium", "high"})
-"""``thinking_level`` values sent as ``reasoning.effort`` (with summaries on); others are not
-sent."""
 
 # ---------------------------------------------------------------------------------------------
 # Requests
 # ---------------------------------------------------------------------------------------------
-
-
-def _image_as_text(image: ImageBlock) -> str:
-    return f"[attached image: {image.path}]"
-
-
-def _tool_output_text(result: ToolResult) -> str:
-    return "\n".join(
-        block.text if isinstance(block, TextBlock) else _image_as_text(block)
-        for block in result.content
-    )
 
 
 def _encode_user(
@@ -123,7 +114,7 @@ def _encode_user(
                 {
                     "type": "function_call_output",
                     "call_id": item.call_id,
-                    "output": _tool_output_text(item),
+                    "output": tool_result_text(item),
                 }
             )
             if loader is not None:
@@ -138,7 +129,7 @@ def _encode_user(
             parts.append({"type": "input_text", "text": item.text})
         else:
             part = _image_part(loader, item) if loader is not None else None
-            parts.append(part or {"type": "input_text", "text": _image_as_text(item)})
+            parts.append(part or {"type": "input_text", "text": image_as_text(item)})
     if parts:
         items.append({"type": "message", "role": "user", "content": parts})
     elif not items:
