@@ -515,9 +515,9 @@ class Session(SessionCore):
         task = TaskInput(
             content=_as_content(new_messages), approve=approve, thinking_level=thinking_level
         )
-        send, receive = trio.open_memory_channel[list[Output]](float("inf"))
         # Unbounded: a slow reader never stalls the model stream or the tools; outputs
         # are small and a run's count is bounded by its work.
+        send, receive = trio.open_memory_channel[list[Output]](float("inf"))
         supervisor = SessionSupervisor(self, task, send, cancel)
         self._supervisor = supervisor
         self._idle = trio.Event()
@@ -600,6 +600,7 @@ class Session(SessionCore):
             raise Busy(f"session {self.id} is busy; compact when the task has ended")
         if self.compactability() != "ok":
             return None
+        # Unbounded, as for run(): a slow reader never stalls the summary request.
         send, receive = trio.open_memory_channel[list[Output]](float("inf"))
         supervisor = SessionSupervisor(self, None, send, None)
         self._supervisor = supervisor
@@ -716,8 +717,10 @@ class Session(SessionCore):
         if self._supervisor is not None:
             raise Busy(f"session {self.id} is already running a task")
         task = TaskInput(content=_as_content(content), approve=approve, thinking_level=None)
+        # No buffer and no reader: the outputs go to the listener only, and the emitter
+        # ignores the closed channel (it never blocks on it).
         send, receive = trio.open_memory_channel[list[Output]](0)
-        receive.close()  # the outputs go to the listener only
+        receive.close()
         supervisor = SessionSupervisor(self, task, send, None)
         self._supervisor = supervisor
         self._idle = trio.Event()
