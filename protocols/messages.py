@@ -65,6 +65,18 @@ class BackoffSkipped:
     """The host asked to end the current reconnect wait (R-RETRY-5)."""
 
 
+@attrs.frozen(kw_only=True, slots=True)
+class InterruptTask:
+    """Command to the supervisor: interrupt the running task and drop its follow-ups
+    (R-ABORT-1); ``reason`` goes into its ``abort`` record."""
+
+    reason: str
+
+
+SessionControl = InterruptTask | SteeringQueued | BackoffSkipped
+"""What the supervisor's control inbox carries: the session handle's only way in."""
+
+
 SupervisorMessage = (
     StreamBatch
     | ApprovalAsked
@@ -149,7 +161,7 @@ class Summarize:
 
 
 CompactorCommand = Summarize | SkipBackoff
-"""What the LLM streamer's inbox carries."""
+"""What the compactor's inbox carries."""
 
 
 PoolCommand = BeginTurn | RunToolCall | SkipToolCall

@@ -121,6 +121,7 @@ MESSAGE_EXAMPLES: list[Any] = [
     messages.ToolProgressed(call_id="t", message="half"),
     messages.SteeringQueued(content=(content.TextBlock(text="also"),)),
     messages.BackoffSkipped(),
+    messages.InterruptTask(reason="interrupted by host"),
     messages.ApproveCall(call=CALL),
     messages.RunToolCall(call=CALL, position=3),
 ]

@@ -197,3 +197,35 @@ def test_the_actor_tree_is_the_folder_tree() -> None:
         assert names <= present, (folder, names - present)
     loose = {p.stem for p in ACTORS.glob("*.py")} - {"__init__", "scripted"}
     assert loose == set(), "modules outside the tree's folders"
+
+
+def test_the_session_handle_reaches_a_running_task_only_through_its_control_inbox() -> None:
+    """R-ACTOR-1: outside its module a supervisor is built, started (``run``) and sent
+    messages (``control``, the send side of its inbox) — nothing else is called or read,
+    and no object keeps the supervisor itself."""
+    misuse: list[str] = []
+    for path, tree in modules(ACTORS):
+        if path.name == "supervisor.py":
+            continue
+        supervisors: set[str] = set()
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Call)
+                and isinstance(node.value.func, ast.Name)
+                and node.value.func.id == "SessionSupervisor"
+            ):
+                for target in node.targets:
+                    if isinstance(target, ast.Name):
+                        supervisors.add(target.id)
+                    else:
+                        misuse.append(f"{path.name}:{node.lineno}: keeps a supervisor")
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in supervisors
+                and node.attr not in {"run", "control"}
+            ):
+                misuse.append(f"{path.name}:{node.lineno}: supervisor.{node.attr}")
+    assert misuse == []

@@ -30,7 +30,11 @@ from greenroom.protocols.content import TextBlock, UserContent
 from greenroom.protocols.context import ModelRequest, ToolSchema, UserMessage
 from greenroom.protocols.hooks import Hooks
 from greenroom.protocols.messages import (
+    BackoffSkipped,
+    InterruptTask,
+    SessionControl,
     StartAttempt,
+    SteeringQueued,
     StreamBatch,
     StreamerCommand,
     SupervisorMessage,
@@ -128,10 +132,10 @@ class RunStream:
 
     __slots__ = (
         "_batch",
-        "_first_run_id",
+        "_control",
         "_index",
         "_receive",
-        "_supervisor",
+        "_run_id",
         "_task_end",
         "_texts",
     )
@@ -139,12 +143,12 @@ class RunStream:
     def __init__(
         self,
         receive: trio.MemoryReceiveChannel[list[Output]],
-        supervisor: SessionSupervisor,
+        control: trio.MemorySendChannel[SessionControl],
         first_run_id: str = "",
     ) -> None:
         self._receive = receive
-        self._supervisor = supervisor
-        self._first_run_id = first_run_id
+        self._control = control
+        self._run_id = first_run_id
         self._batch: list[Output] = []
         self._index = 0
         self._texts: list[str] = []
@@ -167,6 +171,7 @@ class RunStream:
         return output
 
     def _note(self, output: Output) -> None:
+        self._run_id = output.run_id
         if isinstance(output, RequestBegin | TaskStart):
             self._texts = []  # the answer is the last model message's text
         elif isinstance(output, ModelMsg):
@@ -177,9 +182,9 @@ class RunStream:
 
     @property
     def run_id(self) -> str:
-        """The id of the task running now (follow-ups get their own); known as soon as
-        ``Session.run`` returns, before the supervisor has started."""
-        return self._supervisor.run_id or self._first_run_id
+        """The id of the task whose outputs are being read (follow-ups get their own);
+        known as soon as ``Session.run`` returns, before the supervisor has started."""
+        return self._run_id
 
     @property
     def final_text(self) -> str:
@@ -217,7 +222,7 @@ class RunStream:
 
     async def aclose(self) -> None:
         """Interrupt the run if it is still going, and stop receiving."""
-        self._supervisor.interrupt("run closed by host")
+        _send(self._control, InterruptTask(reason="run closed by host"))
         await self._receive.aclose()
 
     async def __aenter__(self) -> RunStream:
@@ -241,6 +246,7 @@ class SessionCore:
         "_client_approver_fn",
         "_client_present",
         "_closed",
+        "_control",
         "_follow_ups",
         "_host",
         "_idle",
@@ -250,7 +256,6 @@ class SessionCore:
         "_provider",
         "_seq",
         "_session_rules",
-        "_supervisor",
         "_tool_schemas",
         "_tools",
         "_transcript",
@@ -292,7 +297,8 @@ class SessionCore:
         self._transcript = transcript
         self._seq = last_seq
         self._session_rules: set[str] | None = None
-        self._supervisor: SessionSupervisor | None = None
+        # The running supervisor's control inbox: the one way into a running task.
+        self._control: trio.MemorySendChannel[SessionControl] | None = None
         self._follow_ups: list[TaskInput] | None = None
         self._listeners: list[Listener] | None = None
         self._client_approver_fn: ClientApprover | None = None
@@ -449,9 +455,9 @@ class SessionCore:
             self._session_rules = set()
         return self._session_rules
 
-    def task_finished(self, supervisor: SessionSupervisor) -> None:
-        if self._supervisor is supervisor:
-            self._supervisor = None
+    def task_finished(self, control: trio.MemorySendChannel[SessionControl]) -> None:
+        if self._control is control:
+            self._control = None
             self._follow_ups = None
             if self._idle is not None:
                 self._idle.set()
@@ -481,7 +487,7 @@ class Session(SessionCore):
 
     @property
     def busy(self) -> bool:
-        return self._supervisor is not None
+        return self._control is not None
 
     @property
     def tools(self) -> tuple[Tool, ...]:
@@ -510,7 +516,7 @@ class Session(SessionCore):
                 f"session {self.id} is locked by an auth failure ({self.auth_locked}); "
                 "update its credentials or call retry_auth()"
             )
-        if self._supervisor is not None:
+        if self._control is not None:
             raise Busy(f"session {self.id} is already running a task; use follow_up()")
         task = TaskInput(
             content=_as_content(new_messages), approve=approve, thinking_level=thinking_level
@@ -519,20 +525,20 @@ class Session(SessionCore):
         # are small and a run's count is bounded by its work.
         send, receive = trio.open_memory_channel[list[Output]](float("inf"))
         supervisor = SessionSupervisor(self, task, send, cancel)
-        self._supervisor = supervisor
+        self._control = supervisor.control
         self._idle = trio.Event()
         # Reserved now so that callers (the websocket gateway's ``run``) can report the
         # run id before the supervisor task has started; its first task takes it.
         run_id = self._next_run_id = self.new_run_id()
         self._host.start_task(supervisor.run)
-        return RunStream(receive, supervisor, run_id)
+        return RunStream(receive, supervisor.control, run_id)
 
     def steer(self, messages: Sequence[UserContent] | str) -> bool:
         """Queue user input for the running task without interrupting it (R-STEER-1).
         Returns False when no task is running (start a normal task instead)."""
-        if self._supervisor is None:
+        if self._control is None:
             return False
-        self._supervisor.steer(_as_content(messages))
+        _send(self._control, SteeringQueued(content=_as_content(messages)))
         return True
 
     def follow_up(
@@ -544,7 +550,7 @@ class Session(SessionCore):
     ) -> bool:
         """Queue a whole new task to run after the current one, FIFO (R-STEER-6). Its
         outputs continue the running ``RunStream``. Returns False when idle."""
-        if self._supervisor is None:
+        if self._control is None:
             return False
         if self._follow_ups is None:
             self._follow_ups = []
@@ -555,17 +561,17 @@ class Session(SessionCore):
 
     def interrupt(self, reason: str = "interrupted by host") -> bool:
         """Interrupt the running task (R-ABORT-1). Returns False when idle."""
-        if self._supervisor is None:
+        if self._control is None:
             return False
         self._follow_ups = None
-        self._supervisor.interrupt(reason)
+        _send(self._control, InterruptTask(reason=reason))
         return True
 
     def skip_reconnect_wait(self) -> bool:
         """End the current reconnect backoff early (R-RETRY-5). False when idle."""
-        if self._supervisor is None:
+        if self._control is None:
             return False
-        self._supervisor.skip_reconnect_wait()
+        _send(self._control, BackoffSkipped())
         return True
 
     def retry_auth(self) -> None:
@@ -596,18 +602,18 @@ class Session(SessionCore):
         outputs also reach subscribers and the trace. Raises :class:`Busy` while a task
         or another compaction runs (R-COMPACT-11)."""
         self.check_open()
-        if self._supervisor is not None:
+        if self._control is not None:
             raise Busy(f"session {self.id} is busy; compact when the task has ended")
         if self.compactability() != "ok":
             return None
         # Unbounded, as for run(): a slow reader never stalls the summary request.
         send, receive = trio.open_memory_channel[list[Output]](float("inf"))
         supervisor = SessionSupervisor(self, None, send, None)
-        self._supervisor = supervisor
+        self._control = supervisor.control
         self._idle = trio.Event()
         self._host.start_task(supervisor.run)
         end: CompactionEnd | None = None
-        async for output in RunStream(receive, supervisor):
+        async for output in RunStream(receive, supervisor.control):
             if isinstance(output, CompactionEnd):
                 end = output
         return end
@@ -714,7 +720,7 @@ class Session(SessionCore):
         ``task_end(aborted)`` in its trace (bounded by the supervisor's teardown grace)
         before the cancellation goes on to the caller."""
         self.check_open()
-        if self._supervisor is not None:
+        if self._control is not None:
             raise Busy(f"session {self.id} is already running a task")
         task = TaskInput(content=_as_content(content), approve=approve, thinking_level=None)
         # No buffer and no reader: the outputs go to the listener only, and the emitter
@@ -722,7 +728,7 @@ class Session(SessionCore):
         send, receive = trio.open_memory_channel[list[Output]](0)
         receive.close()
         supervisor = SessionSupervisor(self, task, send, None)
-        self._supervisor = supervisor
+        self._control = control = supervisor.control
         self._idle = trio.Event()
         unsubscribe = self.subscribe(listener)
         finished = trio.Event()
@@ -740,7 +746,7 @@ class Session(SessionCore):
                 try:
                     await finished.wait()
                 except trio.Cancelled:
-                    supervisor.interrupt(reason)
+                    _send(control, InterruptTask(reason=reason))
                     raise
         finally:
             unsubscribe()
@@ -752,3 +758,9 @@ class Session(SessionCore):
             return False
         self.set_client_approver(None)
         return True
+
+
+def _send(control: trio.MemorySendChannel[SessionControl], message: SessionControl) -> None:
+    # A supervisor that has just ended closed its control inbox: nothing is left to steer.
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        control.send_nowait(message)

@@ -33,7 +33,7 @@ import contextlib
 import inspect
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, assert_never
 
 import attrs
 import trio
@@ -56,8 +56,10 @@ from greenroom.protocols.messages import (
     ApproveCall,
     BackoffSkipped,
     BeginTurn,
+    InterruptTask,
     PlanBackoff,
     PoolCommand,
+    SessionControl,
     SkipBackoff,
     StartAttempt,
     SteeringQueued,
@@ -120,17 +122,23 @@ class SessionSupervisor:
         inbox_send, inbox_receive = trio.open_memory_channel[SupervisorMessage](math.inf)
         self._inbox = inbox_send
         self._inbox_receive = inbox_receive
-        self._out = OutputEmitter(session, output, self._trace_failed)
+        # Unbounded: the session handle sends with send_nowait from any task and must
+        # never block; a person or a client sends a handful per task.
+        self.control, self._control = trio.open_memory_channel[SessionControl](math.inf)
+        """The send side of the control inbox (interrupt, steer, skip the wait)."""
+        # One queue for the whole call: the dispatch extends it, delivery drains it.
+        self._steering: list[UserContent] = []
+        # A trace the emitter cannot write ends the task failed (R-SEC-1).
+        self._out = OutputEmitter(session, output, lambda: self._scope.cancel())
         self._dispatch = TurnDispatch(
             session=session,
             emitter=self._out,
             inbox=inbox_receive,
             interrupted=lambda: self._scope.cancel_called,
-            on_steering=self._steering_queued,
+            on_steering=self._steering.extend,
             on_skip=self._skip_wait,
             on_usage=self._add_usage,
         )
-        self._steering: list[UserContent] = []
         self._streamer: trio.MemorySendChannel[StreamerCommand] | None = None
         self._provider_task: ProviderTask | None = None
         self._compactor: Compaction | None = None
@@ -145,26 +153,25 @@ class SessionSupervisor:
         self._approvals: trio.MemorySendChannel[ApproveCall] | None = None
         self._pool: trio.MemorySendChannel[PoolCommand] | None = None
 
-    # -- control from the session handle --------------------------------------------
+    # -- control from the session handle (its one inbox) ------------------------------
 
-    def interrupt(self, reason: str) -> None:
-        self._abort_reason = reason
-        # Also stops the follow-up loop: an interrupt that lands between two tasks (the
-        # scope of the last one already exited) must not let the next one start.
-        self._stopping = True
-        self._scope.cancel()
+    async def _serve_control(self) -> None:
+        async for message in self._control:
+            match message:
+                case InterruptTask(reason=reason):
+                    # _stopping: an interrupt between two tasks must not start the next.
+                    self._abort_reason, self._stopping = reason, True
+                    self._scope.cancel()
+                case SteeringQueued():
+                    self._inbox.send_nowait(message)
+                case BackoffSkipped():
+                    self._skip_reconnect_wait()
+                case _:
+                    assert_never(message)
 
-    def _trace_failed(self) -> None:
-        # The emitter could not write the trace: the task ends failed (R-SEC-1).
-        self._scope.cancel()
-
-    def steer(self, content: tuple[UserContent, ...]) -> None:
-        self._inbox.send_nowait(SteeringQueued(content=content))
-
-    def skip_reconnect_wait(self) -> None:
+    def _skip_reconnect_wait(self) -> None:
         if self._compactor is not None and self._streamer is not None:
-            # A compaction does not pump the inbox while it waits: its wait is the
-            # streamer's, told directly.
+            # A compaction does not pump the inbox: its wait is the streamer's, told so.
             self._streamer.send_nowait(SkipBackoff())
             return
         self._inbox.send_nowait(BackoffSkipped())
@@ -173,10 +180,21 @@ class SessionSupervisor:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the first task and every follow-up queued behind it, then close the
-        output channel. Ready at once: its inbox exists from construction, so steering
+        output channel. Ready at once: its inboxes exist from construction, so control
         sent before the first turn is kept. Never raises except on host shutdown."""
-        session = self._session
         task_status.started()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._serve_control)
+                try:
+                    await self._run_tasks()
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            self._control.close()  # later control finds no one: the handle ignores it
+
+    async def _run_tasks(self) -> None:
+        session = self._session
         try:
             task: TaskInput | None = self._first
             if task is None:
@@ -193,7 +211,7 @@ class SessionSupervisor:
         finally:
             # The session is idle before the host sees the last task_end, so a host that
             # reacts to it by starting the next task never meets Busy.
-            session.task_finished(self)
+            session.task_finished(self.control)
             with trio.CancelScope(shield=True):
                 self._out.flush()
                 with trio.move_on_after(ABORT_GRACE_S):
@@ -210,7 +228,7 @@ class SessionSupervisor:
         started = trio.current_time()
         self._turn = 0
         self._usage = TokenUsage()
-        self._steering = []
+        self._steering.clear()
         self._out.begin_task()
         status: TaskStatus = "failed"
         message: str | None = None
@@ -307,21 +325,13 @@ class SessionSupervisor:
             self._dispatch.pool = self._pool
             await nursery.start(pool.run, pool_commands)
             self._provider_task = session.provider.open_task()
-            streamer = LLMStreamer(self._provider_task, self._inbox)
-            # Unbounded: the supervisor commands with send_nowait and never waits for the
-            # streamer; a turn sends a handful of commands at most.
-            self._streamer, commands = trio.open_memory_channel[StreamerCommand](math.inf)
-            await nursery.start(streamer.run, commands)
+            self._streamer = await start_streamer(nursery, self._provider_task, self._inbox)
             if self._cancel_event is not None:
-                nursery.start_soon(self._watch_cancel, self._cancel_event)
+                nursery.start_soon(forward_cancel, self._cancel_event, self.control)
             try:
                 return await self._turn_loop(task)
             finally:
                 nursery.cancel_scope.cancel()
-
-    async def _watch_cancel(self, event: trio.Event) -> None:
-        await event.wait()
-        self.interrupt("cancelled by host")
 
     async def _turn_loop(self, task: TaskInput) -> tuple[TaskStatus, str | None]:
         settings = self._session.settings
@@ -485,9 +495,6 @@ class SessionSupervisor:
     def _add_usage(self, usage: TokenUsage) -> None:
         self._usage = self._usage + usage
 
-    def _steering_queued(self, content: tuple[UserContent, ...]) -> None:
-        self._steering.extend(content)
-
     def _skip_wait(self) -> None:
         # Every reconnect wait, a compaction's too, is the streamer's (R-RETRY-5).
         if self._streamer is not None:
@@ -502,20 +509,14 @@ class SessionSupervisor:
             with self._scope:
                 async with trio.open_nursery() as nursery:
                     # The summary requests take the one path to the model (R-ACTOR-4).
-                    streamer = LLMStreamer(session.provider.open_task(), self._inbox)
-                    # Unbounded, as for a task's streamer: commands go with send_nowait.
-                    self._streamer, commands = trio.open_memory_channel[StreamerCommand](
-                        math.inf
-                    )
-                    await nursery.start(streamer.run, commands)
+                    provider_task = session.provider.open_task()
+                    self._streamer = await start_streamer(nursery, provider_task, self._inbox)
                     await self._compact("manual")
                     nursery.cancel_scope.cancel()
         except Exception as exc:  # a bug must end the compaction visibly
             self._end_interrupted_compaction(f"internal error: {exc!r}")
-        if self._out.trace_error is not None:
-            self._end_interrupted_compaction(self._out.trace_error)
-        elif self._scope.cancelled_caught:
-            self._end_interrupted_compaction(self._abort_reason)
+        if self._out.trace_error is not None or self._scope.cancelled_caught:
+            self._end_interrupted_compaction(self._out.trace_error or self._abort_reason)
         with trio.CancelScope(shield=True) as teardown:
             teardown.deadline = trio.current_time() + ABORT_GRACE_S
             self._out.flush()
@@ -533,7 +534,7 @@ class SessionSupervisor:
         if not self._steering:
             return
         content = tuple(self._steering)
-        self._steering = []
+        self._steering.clear()
         self._out.emit(
             UserMsg(
                 session_id=self._session.id, run_id=self.run_id, kind="steering", content=content
@@ -586,3 +587,26 @@ def _request_status(error: ModelError) -> RequestStatus:
 
 
 __all__ = ["MAX_RETRIES", "SessionSupervisor", "TaskInput"]
+
+
+async def start_streamer(
+    nursery: trio.Nursery,
+    provider_task: ProviderTask,
+    inbox: trio.MemorySendChannel[SupervisorMessage],
+) -> trio.MemorySendChannel[StreamerCommand]:
+    """Start an LLM streamer for ``provider_task`` that reports to ``inbox``; returns the
+    send side of its command inbox."""
+    streamer = LLMStreamer(provider_task, inbox)
+    # Unbounded: the supervisor commands with send_nowait and never waits for the
+    # streamer; a turn sends a handful of commands at most.
+    send, commands = trio.open_memory_channel[StreamerCommand](math.inf)
+    await nursery.start(streamer.run, commands)
+    return send
+
+
+async def forward_cancel(
+    event: trio.Event, control: trio.MemorySendChannel[SessionControl]
+) -> None:
+    """``session.run(cancel=event)``: setting the event interrupts the task."""
+    await event.wait()
+    control.send_nowait(InterruptTask(reason="cancelled by host"))
