@@ -236,7 +236,12 @@ class SessionCore:
     """A session's data and its runtime seam: what the session's supervisor, its output
     emitter, compaction, subagents and tool sources work on while a task runs — the model
     context, the trace position, the tool table, the approval rules, the listeners.
-    :class:`Session` adds the public API; hosts and clients never need these."""
+    :class:`Session` adds the public API; hosts and clients never need these.
+
+    Ownership: the data belongs to the one supervisor running a task (``Busy`` keeps it
+    to one) and to no actor while the session is idle, when an idle session is data
+    only (R-HOST-1). The public API never writes it while a task runs: control goes to the
+    supervisor's control inbox (R-ACTOR-1)."""
 
 
     # An idle session should cost its history and little more (thousands of sessions
