@@ -136,6 +136,8 @@ class LineSplitter:
         self._skipped = 0
 
     def feed(self, data: bytes) -> list[bytes | TooLong]:
+        """The lines and :class:`TooLong` reports completed by ``data``, in order; an unfinished
+        line is kept for the next call."""
         out: list[bytes | TooLong] = []
         start = 0
         while True:
@@ -167,6 +169,8 @@ class LineSplitter:
         return out
 
     def close(self) -> list[bytes | TooLong]:
+        """What is left at end of stream: the unterminated last line unless it is only whitespace,
+        or a :class:`TooLong` when that line was over the limit."""
         if self._dropping:
             return [TooLong(size=self._skipped)]
         rest = bytes(self._buffer)
@@ -175,6 +179,7 @@ class LineSplitter:
 
 
 def too_long_error(frame: TooLong) -> FrameError:
+    """The -32600 answer to a dropped over-long line (no id: the line was not read)."""
     return FrameError(
         id=None,
         error=RpcError(
@@ -231,6 +236,7 @@ def _reject_constant(name: str) -> Any:
 
 
 def request_frame(request_id: int, method: str, params: Any) -> dict[str, Any]:
+    """A request from the agent to the client (``session/request_permission``, …)."""
     return {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
 
 
@@ -238,6 +244,7 @@ def request_frame(request_id: int, method: str, params: Any) -> dict[str, Any]:
 
 
 def invalid(path: str, message: str) -> RpcError:
+    """An invalid-params error (-32602) whose message starts with the ``$.path`` at fault."""
     return RpcError(INVALID_PARAMS, f"{path}: {message}")
 
 
@@ -266,6 +273,7 @@ def initialize_result(version: str) -> dict[str, Any]:
 
 
 def require_str(params: Mapping[str, Any], name: str) -> str:
+    """``params[name]``: a non-empty string. Raises an :class:`RpcError` (-32602) otherwise."""
     value = params.get(name)
     if value is None:
         raise invalid(f"$.{name}", "required")
@@ -291,6 +299,8 @@ class NewSession:
 
 
 def parse_new_session(params: Mapping[str, Any]) -> NewSession:
+    """The checked parameters of ``session/new``: an absolute ``cwd``, ``mcpServers`` an array of
+    objects with a ``name``. Raises an :class:`RpcError` (-32602) naming the first bad field."""
     cwd = require_str(params, "cwd")
     if not posixpath.isabs(cwd):
         raise invalid("$.cwd", f"must be an absolute path, got {cwd!r}")
@@ -417,6 +427,7 @@ ImageLoader = Callable[[ImageBlock], tuple[str, str] | None]
 
 
 def tool_kind(name: str) -> ToolKind:
+    """The ACP kind of tool ``name`` (see :data:`TOOL_KINDS`); ``other`` for any other tool."""
     return TOOL_KINDS.get(name, "other")
 
 
@@ -598,6 +609,7 @@ class UpdateMapper:
         return []
 
     def map_all(self, outputs: Iterable[Output]) -> list[dict[str, Any]]:
+        """The updates for ``outputs``, in order (:meth:`map` of each)."""
         updates: list[dict[str, Any]] = []
         for output in outputs:
             updates.extend(self.map(output))

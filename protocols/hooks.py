@@ -25,6 +25,9 @@ from greenroom.protocols.context import ModelRequest, ToolResult
 
 @attrs.frozen(kw_only=True, slots=True)
 class RequestInfo:
+    """What ``before_request`` is given: the request of attempt ``attempt`` of turn ``turn``,
+    before it is sent."""
+
     session_id: str
     run_id: str
     turn: int
@@ -34,6 +37,9 @@ class RequestInfo:
 
 @attrs.frozen(kw_only=True, slots=True)
 class ToolResultsInfo:
+    """What ``after_tool_results`` is given: the results of every tool call of turn ``turn``,
+    before the next request carries them to the model."""
+
     session_id: str
     run_id: str
     turn: int
@@ -42,6 +48,10 @@ class ToolResultsInfo:
 
 @attrs.frozen(kw_only=True, slots=True)
 class StopInfo:
+    """What ``on_stop`` is given when a turn ends without tool calls: ``final_message`` is the
+    model's last message, ``continuations`` how many times ``on_stop`` already continued this
+    task (a non-empty string returned continues it, up to ``max_stop_continuations``)."""
+
     session_id: str
     run_id: str
     turn: int

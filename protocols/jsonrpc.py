@@ -115,6 +115,7 @@ class FrameError:
     error: RpcError
 
     def response(self) -> dict[str, Any]:
+        """The error response frame that answers this frame."""
         return error_frame(self.id, self.error)
 
 
@@ -232,10 +233,12 @@ def parse_call(value: Any) -> Call | FrameError:
 
 
 def result_frame(request_id: RequestId, result: Any) -> dict[str, Any]:
+    """The success response to request ``request_id``."""
     return {"jsonrpc": JSONRPC_VERSION, "id": request_id, "result": result}
 
 
 def error_frame(request_id: RequestId, error: RpcError) -> dict[str, Any]:
+    """The error response to request ``request_id`` (None when the id could not be read)."""
     body: dict[str, Any] = {"code": error.code, "message": error.message}
     if error.data is not None:
         body["data"] = error.data
@@ -243,6 +246,7 @@ def error_frame(request_id: RequestId, error: RpcError) -> dict[str, Any]:
 
 
 def notification_frame(method: str, params: Any) -> dict[str, Any]:
+    """A server-to-client notification: no ``id``, never answered."""
     return {"jsonrpc": JSONRPC_VERSION, "method": method, "params": params}
 
 
@@ -446,6 +450,7 @@ def json_type(value: Any) -> str:
 
 
 def invalid(path: str, message: str) -> RpcError:
+    """An invalid-params error (-32602) whose message starts with the ``$.path`` at fault."""
     return RpcError(INVALID_PARAMS, f"{path}: {message}")
 
 
@@ -461,12 +466,15 @@ def check_params(params: Mapping[str, Any], method: str) -> None:
 
 
 def require_str(params: Mapping[str, Any], name: str, *, max_len: int = 10_000) -> str:
+    """Parameter ``name``: a non-empty string of at most ``max_len`` characters. Raises an
+    :class:`RpcError` (-32602) when it is missing or is not one."""
     if name not in params:
         raise invalid(f"$.{name}", "required")
     return _string(params[name], f"$.{name}", max_len=max_len)
 
 
 def optional_str(params: Mapping[str, Any], name: str, *, max_len: int = 10_000) -> str | None:
+    """Parameter ``name`` as :func:`require_str` checks it, or None when absent or null."""
     if params.get(name) is None:
         return None
     return _string(params[name], f"$.{name}", max_len=max_len)
@@ -483,6 +491,8 @@ def _string(value: Any, path: str, *, max_len: int) -> str:
 
 
 def optional_int(params: Mapping[str, Any], name: str, *, minimum: int | None = None) -> int | None:
+    """Parameter ``name``: an integer (not a bool) of at least ``minimum``, or None when absent
+    or null. Raises an :class:`RpcError` (-32602) otherwise."""
     if params.get(name) is None:
         return None
     value = params[name]
@@ -494,6 +504,8 @@ def optional_int(params: Mapping[str, Any], name: str, *, minimum: int | None = 
 
 
 def optional_object(params: Mapping[str, Any], name: str) -> dict[str, Any] | None:
+    """Parameter ``name``: a JSON object, or None when absent or null. Raises an
+    :class:`RpcError` (-32602) otherwise."""
     if params.get(name) is None:
         return None
     value = params[name]
@@ -503,6 +515,8 @@ def optional_object(params: Mapping[str, Any], name: str) -> dict[str, Any] | No
 
 
 def require_choice(params: Mapping[str, Any], name: str, choices: Iterable[str]) -> str:
+    """Parameter ``name``: one of ``choices``. Raises an :class:`RpcError` (-32602) naming them
+    when it is missing or another value."""
     options = tuple(choices)
     value = require_str(params, name, max_len=100)
     if value not in options:
@@ -567,6 +581,7 @@ def parse_input(
 
 
 def check_block(item: Mapping[str, Any], path: str, allowed: Iterable[str]) -> None:
+    """Reject a field of block ``item`` (at ``path``) not in ``allowed``, as -32602 naming it."""
     unknown = sorted(set(item) - set(allowed))
     if unknown:
         raise invalid(f"{path}.{unknown[0]}", "unknown field")

@@ -28,6 +28,10 @@ class StreamBatch:
 
 @attrs.frozen(kw_only=True, slots=True)
 class ApprovalDecided:
+    """Broker → supervisor: the verdict on ``call``. ``by`` is ``host`` for the host's callback or
+    a client, ``session_rule`` for an earlier "allow for this session", ``default`` for the deny
+    given when no one decided (callback raised or timed out, no one to ask)."""
+
     call: ToolCallBlock
     verdict: Verdict
     by: Literal["host", "session_rule", "default"]
@@ -43,6 +47,8 @@ class ApprovalAsked:
 
 @attrs.frozen(kw_only=True, slots=True)
 class ToolCallFinished:
+    """Pool → supervisor: call ``call_id`` is terminal; ``content`` is the result the model sees."""
+
     call_id: str
     status: ToolStatus
     is_error: bool
@@ -51,12 +57,17 @@ class ToolCallFinished:
 
 @attrs.frozen(kw_only=True, slots=True)
 class ToolProgressed:
+    """Pool → supervisor: a progress note of running call ``call_id`` (live only, never traced)."""
+
     call_id: str
     message: str
 
 
 @attrs.frozen(kw_only=True, slots=True)
 class SteeringQueued:
+    """Command to the supervisor: user input for the running task, taken into the next request
+    without interrupting it (R-STEER-1)."""
+
     content: tuple[UserContent, ...]
 
 

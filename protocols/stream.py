@@ -43,6 +43,7 @@ class TokenUsage:
 
     @property
     def total(self) -> int:
+        """Every token of the request: fresh input, cache reads and writes, and output."""
         return self.input + self.output + self.cache_read + self.cache_write
 
     def __add__(self, other: TokenUsage) -> TokenUsage:
@@ -71,6 +72,9 @@ class ModelError:
 
 @attrs.frozen(kw_only=True, slots=True)
 class BlockStarted:
+    """Block ``index`` of the response began; ``call_id`` and ``name`` are set for a
+    ``tool_call`` block."""
+
     index: int
     kind: BlockKind
     call_id: str | None = None
@@ -79,18 +83,25 @@ class BlockStarted:
 
 @attrs.frozen(kw_only=True, slots=True)
 class TextDelta:
+    """More text of block ``index``."""
+
     index: int
     text: str
 
 
 @attrs.frozen(kw_only=True, slots=True)
 class ThinkingDelta:
+    """More thinking text of block ``index``."""
+
     index: int
     text: str
 
 
 @attrs.frozen(kw_only=True, slots=True)
 class ToolArgumentsDelta:
+    """More of the arguments of tool call ``call_id`` (block ``index``) as raw JSON text, not yet
+    parseable on its own; the parsed call arrives with :class:`BlockCompleted`."""
+
     index: int
     call_id: str
     name: str
@@ -99,6 +110,8 @@ class ToolArgumentsDelta:
 
 @attrs.frozen(kw_only=True, slots=True)
 class BlockCompleted:
+    """Block ``index`` is complete; ``block`` is the whole block as it enters the transcript."""
+
     index: int
     block: ModelBlock
 
@@ -115,6 +128,8 @@ class ToolCallTruncated:
 
 @attrs.frozen(kw_only=True, slots=True)
 class UsageReported:
+    """The request's token counts so far: cumulative, so each report replaces the last."""
+
     usage: TokenUsage
 
 
@@ -130,6 +145,8 @@ class MessageCompleted:
 
 @attrs.frozen(kw_only=True, slots=True)
 class StreamFailed:
+    """The request failed, classified in ``error``; no event of the request follows it."""
+
     error: ModelError
 
 

@@ -85,6 +85,7 @@ class Tool:
 
     @property
     def schema(self) -> ToolSchema:
+        """What the model is told of the tool: name, description and input schema."""
         return ToolSchema(
             name=self.name, description=self.description, input_schema=self.input_schema
         )

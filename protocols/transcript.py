@@ -115,6 +115,7 @@ class Transcript:
         return tuple(self._open_calls)
 
     def result_of(self, call_id: str) -> ToolResult | None:
+        """The result recorded for tool call ``call_id``, or None while it has none."""
         return self._results.get(call_id)
 
     def request_messages(self) -> tuple[Message, ...]:
@@ -131,6 +132,7 @@ class Transcript:
         return (*self._pending, self._retry_note)
 
     def has_pending_input(self) -> bool:
+        """Whether the next request has something new to carry: pending user input or open calls."""
         return bool(self._pending) or bool(self._open_calls)
 
     # -- feeding -------------------------------------------------------------------

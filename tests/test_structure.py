@@ -8,6 +8,7 @@
 * ``protocols/`` is pure: it imports neither trio nor an HTTP library.
 * The modules of ``actors/`` import each other without cycles (lazy imports inside
   functions aside, which break no cycle at import time).
+* Every public function, method and class of ``actors/`` and ``protocols/`` has a docstring.
 """
 
 from __future__ import annotations
@@ -229,3 +230,40 @@ def test_the_session_handle_reaches_a_running_task_only_through_its_control_inbo
             ):
                 misuse.append(f"{path.name}:{node.lineno}: supervisor.{node.attr}")
     assert misuse == []
+
+
+def _is_overload(node: ast.stmt) -> bool:
+    """An ``@overload`` signature: the implementation that follows carries the docstring."""
+    decorators = getattr(node, "decorator_list", [])
+    return any(
+        (isinstance(d, ast.Name) and d.id == "overload")
+        or (isinstance(d, ast.Attribute) and d.attr == "overload")
+        for d in decorators
+    )
+
+
+def _undocumented(body: list[ast.stmt], prefix: str) -> Iterator[tuple[int, str]]:
+    """``(line, dotted name)`` of each public definition of ``body`` without a docstring,
+    and of those of its classes; function bodies are not entered."""
+    for node in body:
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        if node.name.startswith("_") or _is_overload(node):
+            continue
+        name = f"{prefix}{node.name}"
+        if ast.get_docstring(node) is None:
+            yield node.lineno, name
+        if isinstance(node, ast.ClassDef):
+            yield from _undocumented(node.body, f"{name}.")
+
+
+def test_every_public_definition_has_a_docstring() -> None:
+    """Public functions, methods and classes of ``actors/`` and ``protocols/`` state their
+    contract in a docstring (functions nested inside functions are not public)."""
+    missing: list[str] = []
+    for folder in (ACTORS, PROTOCOLS):
+        for path, tree in modules(folder):
+            where = path.relative_to(ROOT)
+            for line, name in _undocumented(tree.body, ""):
+                missing.append(f"{where}:{line} {name}")
+    assert missing == []

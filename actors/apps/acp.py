@@ -167,6 +167,10 @@ class AcpAgent:
     # -- the connection ---------------------------------------------------------------------
 
     async def serve(self, receive: trio.abc.ReceiveStream) -> None:
+        """Serve the connection until ``receive`` ends (a broken stream counts as its end) or
+        :meth:`stop` is called; then interrupt the running tasks and wait (bounded) for their
+        last records. Frames are read in order; ``initialize`` is answered before the next is
+        read, other requests concurrently."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             with trio.CancelScope() as scope:

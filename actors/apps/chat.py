@@ -287,6 +287,7 @@ class LineRouter:
 
     @property
     def waiting(self) -> bool:
+        """Whether a question is waiting for a line."""
         return bool(self._waiters)
 
     async def ask(self) -> Answer:
@@ -313,6 +314,7 @@ class LineRouter:
         return True
 
     def close(self) -> None:
+        """End of input: every open question gets None now, and every later one at once."""
         self._closed = True
         while self._waiters:
             self._waiters.pop(0).send_nowait(None)
@@ -447,6 +449,8 @@ class Chat:
         self._resume_hint = resume_hint
 
     async def run(self) -> int:
+        """Run the REPL until the user leaves or input ends; returns the exit code. The resume
+        hint, if any, is printed last, after the screen has let go of the terminal."""
         code = EXIT_OK
         try:
             async with contextlib.AsyncExitStack() as stack:
@@ -1008,6 +1012,8 @@ class ChatRenderer(HumanRenderer):
         self._decided_here: dict[str, str] = {}
 
     def show(self, output: Output) -> None:
+        """Show one output as ``greenroom run`` does, plus the REPL's own: a failed request that
+        will be retried starts the live ``[retry]`` line instead of a line of its own."""
         match output:
             case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():
                 pass  # the most frequent outputs, tested first: nothing of the REPL's own
@@ -1044,6 +1050,7 @@ class ChatRenderer(HumanRenderer):
     # REPL lines
 
     def prompt(self, text: str) -> None:
+        """Show the prompt ``text``: the screen's label, or on stderr without a newline."""
         self._end_retry()
         self.break_line()
         if self._screen is not None:
@@ -1082,6 +1089,7 @@ class ChatRenderer(HumanRenderer):
         return answer
 
     def question_closed(self) -> None:
+        """The approval question is over (answered or cancelled): the screen stops showing it."""
         if self._screen is not None:
             self._screen.set_question(None)
 
@@ -1115,6 +1123,7 @@ class ChatRenderer(HumanRenderer):
             self._retry_line_open = False
 
     def summary(self, end: TaskEnd, trace_path: Path | None) -> None:
+        """The task's closing line on stderr (see :func:`summary_line`)."""
         self._note(summary_line(end, trace_path, color=_color_enabled(self._err)))
 
     def recap(self, prompt: str, reply: str) -> None:

@@ -1032,6 +1032,9 @@ def _stored_settings(data_dir: Path, session_id: str) -> dict[str, Any]:
 
 
 async def open_session(host: Host, options: RunOptions) -> Session:
+    """The session of a ``run``: a new one, or with ``--session`` the stored one, loaded with
+    the options given as overrides (a ``--workspace`` is then ignored, with a warning).
+    Raises the host's errors (a missing session, bad settings) for the caller to report."""
     overrides: dict[str, Any] = {
         key: value
         for key, value in (
@@ -1328,6 +1331,8 @@ class Renderer:
         self._interrupted_approvals: set[str] = set()
 
     def show(self, output: Output) -> None:
+        """Show one output; called for every output of the run, in order, and must not block.
+        A subclass marks what it has shown so that :meth:`wait_shown` returns."""
         raise NotImplementedError
 
     def mark_interrupted(self, call_id: str) -> None:
@@ -1390,6 +1395,7 @@ class JsonRenderer(Renderer):
         self._out = out
 
     def show(self, output: Output) -> None:
+        """Write ``output`` as one JSON line and flush."""
         self._out.write(to_json(output) + "\n")
         self._out.flush()
         self._mark_shown(output)
@@ -1469,12 +1475,15 @@ class HumanRenderer(Renderer):
         self._err.flush()
 
     def break_line(self) -> None:
+        """End the open stdout line, if any."""
         if self._line_open:
             self._write("\n")
 
     # outputs
 
     def show(self, output: Output) -> None:
+        """Show one output as the class docstring says; a subagent's (``origin`` set) are shown
+        as dimmed one-line notes tagged with its path."""
         if output.origin:
             self._show_subagent(output)
             return

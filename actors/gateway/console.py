@@ -76,6 +76,7 @@ def load_page(path: Path = PAGE_PATH) -> bytes:
 
 
 def url_host(host: str) -> str:
+    """``host`` as the host part of a URL: an IPv6 address gets its brackets."""
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 

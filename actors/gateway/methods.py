@@ -139,6 +139,9 @@ class Methods:
     # -- methods ----------------------------------------------------------------------------------
 
     async def rpc_initialize(self, connection: Connection, params: dict[str, Any]) -> Any:
+        """Authenticate the connection (R-SEC-4): its first call, exactly once. The principal is
+        the token's (which must agree with the handshake's, if any); a ``client_id`` must name
+        that principal. Answers 401 for a bad or missing token, 403 for another client id."""
         jsonrpc.check_params(params, "initialize")
         if connection.initialized or connection.calls:
             raise RpcError(jsonrpc.INVALID_REQUEST, "initialize must be the first call, once")
@@ -167,6 +170,9 @@ class Methods:
         return {"client_id": principal, "server": "greenroom", "path": PATH}
 
     async def rpc_session_create(self, connection: Connection, params: dict[str, Any]) -> Any:
+        """Create a session for the caller, who owns it: the server's defaults, then the client's
+        settings (none of ``CLIENT_SETTABLE_FORBIDDEN``); a ``workspace`` must resolve under
+        the workspace root (R-SEC-5). Returns ``{session_id}``."""
         jsonrpc.check_params(params, "session.create")
         workspace_param = jsonrpc.optional_str(params, "workspace", max_len=4096)
         model = jsonrpc.optional_str(params, "model", max_len=200)
@@ -208,6 +214,8 @@ class Methods:
         return {"session_id": session.id}
 
     async def rpc_session_list(self, connection: Connection, params: dict[str, Any]) -> Any:
+        """The caller's stored sessions with their live state (open, busy, auth lock, title, last
+        activity); those that cannot be read are listed apart, by id with the reason."""
         jsonrpc.check_params(params, "session.list")
         owned = self._grants.owned(_identity(connection))
         if not owned:
@@ -248,6 +256,8 @@ class Methods:
         return {"sessions": sessions}
 
     async def rpc_session_subscribe(self, connection: Connection, params: dict[str, Any]) -> Any:
+        """Subscribe the connection to a session it owns: the traced outputs after ``after_seq``
+        are replayed, then live ones follow. Returns ``{session_id, replayed, last_seq}``."""
         jsonrpc.check_params(params, "session.subscribe")
         session = await self._owned_session(connection, params)
         after_seq = jsonrpc.optional_int(params, "after_seq", minimum=0) or 0
@@ -255,6 +265,8 @@ class Methods:
         return {"session_id": session.id, "replayed": replayed, "last_seq": last_seq}
 
     async def rpc_session_unsubscribe(self, connection: Connection, params: dict[str, Any]) -> Any:
+        """End the connection's subscription to a session; ``unsubscribed`` is False when there
+        was none."""
         jsonrpc.check_params(params, "session.unsubscribe")
         session = await self._owned_session(connection, params)
         subscription = connection.subscriptions.get(session.id)
@@ -263,6 +275,8 @@ class Methods:
         return {"unsubscribed": subscription is not None}
 
     async def rpc_run(self, connection: Connection, params: dict[str, Any]) -> Any:
+        """Start a task on the session; its outputs reach the client through its subscription.
+        Returns ``{run_id}`` at once; a busy (409) or auth-locked (423) session refuses."""
         jsonrpc.check_params(params, "run")
         session = await self._hubs.settled(await self._owned_session(connection, params))
         content = await self._input(session, params)
@@ -271,18 +285,23 @@ class Methods:
         return {"run_id": stream.run_id}
 
     async def rpc_steer(self, connection: Connection, params: dict[str, Any]) -> Any:
+        """Steer the running task with ``input`` (R-STEER-1); ``queued`` is False when idle."""
         jsonrpc.check_params(params, "steer")
         session = await self._hubs.settled(await self._owned_session(connection, params))
         content = await self._input(session, params)
         return {"queued": session.steer(content)}
 
     async def rpc_follow_up(self, connection: Connection, params: dict[str, Any]) -> Any:
+        """Queue ``input`` as a task to run after the current one (R-STEER-6); ``queued`` is
+        False when idle (then call ``run``)."""
         jsonrpc.check_params(params, "follow_up")
         session = await self._hubs.settled(await self._owned_session(connection, params))
         content = await self._input(session, params)
         return {"queued": session.follow_up(content, approve=self._run_approver())}
 
     async def rpc_approve(self, connection: Connection, params: dict[str, Any]) -> Any:
+        """Answer the pending approval request ``call_id`` with ``decision``; -32602 when no such
+        request is pending."""
         jsonrpc.check_params(params, "approve")
         session = await self._owned_session(connection, params)
         call_id = jsonrpc.require_str(params, "call_id", max_len=500)
@@ -294,22 +313,28 @@ class Methods:
         return {}
 
     async def rpc_interrupt(self, connection: Connection, params: dict[str, Any]) -> Any:
+        """Interrupt the session's running task; ``interrupted`` is False when it was idle."""
         jsonrpc.check_params(params, "interrupt")
         session = await self._owned_session(connection, params)
         return {"interrupted": session.interrupt("interrupted by client")}
 
     async def rpc_compact(self, connection: Connection, params: dict[str, Any]) -> Any:
+        """Compact the session's context now (R-COMPACT-10) and wait for it: the
+        ``compaction_end`` output as a dict, None when there is nothing to compact; 409
+        while busy."""
         jsonrpc.check_params(params, "compact")
         session = await self._hubs.settled(await self._owned_session(connection, params))
         end = await session.compact()
         return None if end is None else to_dict(end)
 
     async def rpc_skip_reconnect_wait(self, connection: Connection, params: dict[str, Any]) -> Any:
+        """End the session's current reconnect wait (R-RETRY-5); ``skipped`` is False when idle."""
         jsonrpc.check_params(params, "skip_reconnect_wait")
         session = await self._owned_session(connection, params)
         return {"skipped": session.skip_reconnect_wait()}
 
     async def rpc_retry_auth(self, connection: Connection, params: dict[str, Any]) -> Any:
+        """Unlock a session locked by an auth failure (R-RETRY-6)."""
         jsonrpc.check_params(params, "retry_auth")
         session = await self._owned_session(connection, params)
         session.retry_auth()

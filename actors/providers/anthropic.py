@@ -115,6 +115,9 @@ class AnthropicProvider:
         return shard
 
     def pick_shard(self) -> _Shard:
+        """The least busy client for the next request, a new one when every client has
+        ``SHARD_BUSY`` requests in flight and fewer than ``shards`` exist. The caller counts its
+        request in the shard's ``active`` while it runs."""
         shards = self._shards
         best = shards[0]
         for shard in shards:
@@ -129,6 +132,7 @@ class AnthropicProvider:
         return _AnthropicTask(self)
 
     async def aclose(self) -> None:
+        """Close every client and its connection pool."""
         shards, self._shards = self._shards, []
         for shard in shards:
             await shard.client.close()

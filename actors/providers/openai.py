@@ -86,18 +86,23 @@ class OpenAIProvider:
 class RequestBuilder(Protocol):
     """A codec's request encoder for one task."""
 
-    def build(self, request: ModelRequest) -> dict[str, Any]: ...
+    def build(self, request: ModelRequest) -> dict[str, Any]:
+        """The JSON body of the request for ``request``."""
 
 
 class StreamDecoder(Protocol):
     """A codec's sans-IO stream decoder for one attempt."""
 
     @property
-    def finished(self) -> bool: ...
+    def finished(self) -> bool:
+        """True once the terminal event has been returned (the rest of the body is not read)."""
 
-    def feed(self, data: bytes) -> list[StreamEvent]: ...
+    def feed(self, data: bytes) -> list[StreamEvent]:
+        """The events completed by the next bytes of the body; none after the terminal event."""
 
-    def end_of_stream(self) -> list[StreamEvent]: ...
+    def end_of_stream(self) -> list[StreamEvent]:
+        """The body ended: the remaining events, ending with the terminal event unless it
+        was already returned (a body cut short ends with a ``StreamFailed``)."""
 
 
 class ErrorClassifier(Protocol):
@@ -130,6 +135,10 @@ class HTTPStreamTask:
         self._classify = classify
 
     async def stream(self, request: ModelRequest, deliver: Deliver) -> None:
+        """POST the encoded ``request`` and deliver the decoded events, one batch per read.
+        An HTTP error status is classified by the codec, a connection failure or timeout
+        becomes a ``StreamFailed``, and a body cut short ends as :func:`cut_short` judges what
+        arrived: no httpx error escapes."""
         body = self._encoder.build(request)
         decoder = self._decoder()
         try:

@@ -298,9 +298,11 @@ class ScriptedProvider:
         self.violations: list[str] = []
 
     def open_task(self) -> ScriptedProvider:
+        """The provider itself: the script is shared by every task."""
         return self
 
     async def aclose(self) -> None:
+        """Nothing to close."""
         return None
 
     def _next_step(self) -> ScriptStep | None:
@@ -311,6 +313,9 @@ class ScriptedProvider:
         return None
 
     async def stream(self, request: ModelRequest, deliver: Deliver) -> None:
+        """Record ``request``, check the transcript invariants and play the next step. A request
+        that breaks an invariant (kept in ``violations``) or finds the script exhausted fails
+        with a ``failed`` error instead."""
         number = len(self.requests) + 1
         self.requests.append(request)
         problems = check_invariants(request)

@@ -73,6 +73,7 @@ class OutputEmitter:
 
 
     def emit_live(self, output: Output) -> None:
+        """Add a live-only output (no seq, never traced) to the current batch."""
         self._batch.append(output)
 
     def emit(self, output: Any) -> Any:
@@ -189,12 +190,17 @@ class OutputEmitter:
             self.trace_failed(f"cannot write the trace: {error}")
 
     async def wait_published(self) -> None:
+        """Wait until every flushed batch has been published, which it is once the trace
+        store is done with its records. The current, unflushed batch is not waited for."""
         while self._unpublished:
             self._published = trio.Event()
             await self._published.wait()
         self._published = None
 
     def publish_unwritten(self) -> None:
+        """Publish at once the flushed batches still waiting for the trace, in order: teardown
+        uses it when the trace store does not answer within the bound, so readers still get
+        every output (the task's ``task_end`` above all)."""
         while self._unpublished:
             self._publish(self._unpublished.popleft()[1])
 

@@ -386,6 +386,7 @@ class Host:
         return self._store
 
     def check_open(self) -> None:
+        """Raise :class:`HostClosed` once the host has shut down."""
         if self._closed:
             raise HostClosed("the host is closed")
 
@@ -431,6 +432,8 @@ class Host:
         session.mark_closed()
 
     def start_task(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """Run ``fn`` as a task of the host's nursery, so that it outlives its caller. It must
+        not raise: an exception would end the host and every session with it."""
         self._nursery.start_soon(fn)
 
     def _provider_for(self, settings: SessionSettings) -> ModelProvider:

@@ -86,7 +86,8 @@ class ProviderTask(Protocol):
     except ``trio.Cancelled`` when the task is interrupted.
     """
 
-    async def stream(self, request: ModelRequest, deliver: Deliver) -> None: ...
+    async def stream(self, request: ModelRequest, deliver: Deliver) -> None:
+        """Send ``request`` and deliver its events through ``deliver`` (see the class docstring)."""
 
 
 class ModelProvider(Protocol):
@@ -94,9 +95,11 @@ class ModelProvider(Protocol):
 
     name: str
 
-    def open_task(self) -> ProviderTask: ...
+    def open_task(self) -> ProviderTask:
+        """A new per-task adapter; the task drops it when it ends."""
 
-    async def aclose(self) -> None: ...
+    async def aclose(self) -> None:
+        """Close the provider's clients; the host does when it shuts down."""
 
 
 class Backoff:

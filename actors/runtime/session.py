@@ -317,6 +317,7 @@ class SessionCore:
 
     @property
     def scratchpad_dir(self) -> Path:
+        """The session's scratch directory, inside its session directory."""
         return self.directory / "scratch"
 
     @property
@@ -385,15 +386,20 @@ class SessionCore:
 
 
     def check_open(self) -> None:
+        """Raise :class:`SessionClosed` when the session is closed, :class:`HostClosed` when its
+        host is."""
         if self._closed:
             raise SessionClosed(f"session {self.id} is closed")
         self._host.check_open()
 
     def new_run_id(self) -> str:
+        """The run id reserved for the next task when there is one (see :meth:`run`),
+        else a new one; the reservation is used up either way."""
         reserved, self._next_run_id = self._next_run_id, None
         return reserved or "run_" + uuid.uuid4().hex[:12]
 
     def next_seq(self) -> int:
+        """The ``seq`` of the session's next traced output (one more than the last)."""
         self._seq += 1
         return self._seq
 
@@ -403,6 +409,9 @@ class SessionCore:
         return self._host.trace_store.append(self.id, output.seq, encode_record(output))
 
     async def sync_trace(self) -> None:
+        """Wait until the session's trace is durable on disk (R-TRACE-2). Raises
+        :class:`TraceWriteError` for a write failure, :class:`TraceSinkClosed` once the sink is
+        closed."""
         await self._host.trace_store.sync(self.id)
 
     async def sync_trace_quietly(self) -> str | None:
@@ -424,6 +433,8 @@ class SessionCore:
         status: str = "ok",
         error_message: str | None = None,
     ) -> None:
+        """Record the token usage of one request (or compaction) of run ``run_id`` in the host's
+        usage table, with the session's provider and model."""
         self._host.trace_store.record_usage(
             UsageRow(
                 at=time.time(),
@@ -444,6 +455,8 @@ class SessionCore:
         return self._host.trace_store.rotate(self.id)
 
     def publish(self, batch: list[Output]) -> None:
+        """Hand an emitted batch to every subscriber, synchronously and in subscription order. A
+        subscriber that raises is ignored; it cannot reach the task that publishes."""
         if self._listeners:
             # A copy: a listener may unsubscribe itself. A listener that raises is a bug
             # of its owner; it must not take the session (or the host) down.
@@ -452,6 +465,7 @@ class SessionCore:
                     listener(batch)
 
     def take_follow_up(self, finished: TaskInput) -> TaskInput | None:
+        """The next queued follow-up task, removed from the queue, or None when none is queued."""
         return self._follow_ups.pop(0) if self._follow_ups else None
 
     def approval_rules(self) -> set[str]:
@@ -461,6 +475,8 @@ class SessionCore:
         return self._session_rules
 
     def task_finished(self, control: trio.MemorySendChannel[SessionControl]) -> None:
+        """The supervisor of ``control`` is done: the session becomes idle (:meth:`wait_idle`
+        returns) unless another task has taken it over since."""
         if self._control is control:
             self._control = None
             self._follow_ups = None
@@ -471,6 +487,8 @@ class SessionCore:
                 self._session_rules = None
 
     def lock_auth(self, message: str) -> None:
+        """Lock the session after an auth failure: no task starts until :meth:`retry_auth`
+        (R-RETRY-6)."""
         self.auth_locked = message
 
 
@@ -492,10 +510,12 @@ class Session(SessionCore):
 
     @property
     def busy(self) -> bool:
+        """Whether a task (or a manual compaction) is running."""
         return self._control is not None
 
     @property
     def tools(self) -> tuple[Tool, ...]:
+        """The session's tools, in order."""
         return tuple(self._tools.values())
 
     def run(

@@ -388,6 +388,7 @@ class TraceSink:
 
     @property
     def closed(self) -> bool:
+        """Whether the sink is closed (then ``sync`` raises :class:`TraceSinkClosed`)."""
         return self._closed
 
     # -- internals ---------------------------------------------------------------------------

@@ -116,6 +116,7 @@ class LiveToolTable(dict[str, Tool]):
     tools up in it call by call."""
 
     def replace(self, tools: Mapping[str, Tool]) -> None:
+        """Make the table hold exactly ``tools``, in place (holders of the table see the change)."""
         self.clear()
         self.update(tools)
 
@@ -169,6 +170,7 @@ class McpConnection:
 
     @property
     def name(self) -> str:
+        """The server's name in the configuration."""
         return self.config.name
 
     @property
@@ -615,11 +617,14 @@ class McpManager:
         self._done = trio.Event()
 
     async def wait_started(self) -> None:
+        """Wait until :meth:`run` is ready to open connections."""
         await self._started.wait()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         # The SDK logs transport failures; those are reported as error outputs instead,
         # and must not reach a terminal as tracebacks (the host's logging still sees them).
+        """Hold the nursery the servers run in until :meth:`aclose`; then close every connection
+        (within ``CLOSE_GRACE_S``) and cancel what is left."""
         logging.getLogger("mcp").addHandler(logging.NullHandler())
         try:
             async with trio.open_nursery() as nursery:
@@ -655,6 +660,7 @@ class McpManager:
         return connection
 
     def bind(self, session_id: str, binding: McpBinding) -> None:
+        """Keep ``binding`` as the session's, for :meth:`release` to detach."""
         self._bindings[session_id] = binding
 
     async def release(self, session_id: str) -> None:
@@ -691,6 +697,9 @@ class McpBinding:
         self.warnings: list[str] = []
 
     def build(self) -> tuple[dict[str, Tool], tuple[ToolSchema, ...]]:
+        """The session's tool table and schemas now: its own tools first, then each server's in
+        configuration order; an MCP tool whose name is taken is skipped with a warning
+        (collected in :attr:`warnings`)."""
         tools: dict[str, Tool] = {t.name: t for t in self._static}
         warnings: list[str] = []
         for connection in self._connections:
@@ -735,6 +744,8 @@ class McpBinding:
             self._waiting = False
 
     async def at_turn_boundary(self, _info: Any) -> None:
+        """The turn-boundary check (R-MCP-4): wait (at most ``REFRESH_WAIT_S``) for tool lists
+        being fetched, swap in any change, and retry servers that never started."""
         with trio.move_on_after(REFRESH_WAIT_S):
             for connection in self._connections:
                 if connection.refreshing is not None:
@@ -754,6 +765,7 @@ class McpBinding:
         )
 
     def detach(self) -> None:
+        """Stop listening to the servers' tool changes."""
         for connection in self._connections:
             connection.listeners.discard(self.changed)
 
