@@ -644,6 +644,27 @@ async def test_bad_frames_get_errors_and_the_connection_survives(tmp_path: Path)
             assert [s["session_id"] for s in listed["sessions"]] == [sid]
 
 
+async def test_a_model_given_twice_takes_the_parameter(tmp_path: Path) -> None:
+    """``session.create`` with ``model`` and ``settings.model``: the parameter wins and the
+    session is created (the settings' model used to reach create_session a second time)."""
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path) as server, connect(server) as client:
+            both = await client.result(
+                "session.create", {"model": "model-param", "settings": {"model": "model-set"}}
+            )
+            only_settings = await client.result(
+                "session.create", {"settings": {"model": "model-set"}}
+            )
+            listed = {
+                s["session_id"]: s["model"]
+                for s in (await client.result("session.list"))["sessions"]
+            }
+            assert listed == {
+                both["session_id"]: "model-param",
+                only_settings["session_id"]: "model-set",
+            }
+
+
 async def test_too_large_frame_is_an_error(tmp_path: Path) -> None:
     limits = GatewayLimits(max_frame_bytes=1000)
     with trio.fail_after(BOUND_S):

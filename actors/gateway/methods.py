@@ -198,7 +198,8 @@ class Methods:
         }
         # create_session takes these two as arguments (its default model would override
         # one given in the settings).
-        model = model or overrides.pop("model", None) or defaults.model
+        settings_model = overrides.pop("model", None)
+        model = model or settings_model or defaults.model
         system = overrides.pop("system", None) or defaults.system
         session = await self.host.create_session(
             model=model,
