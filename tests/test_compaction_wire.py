@@ -26,10 +26,10 @@ from test_compaction import (
     trace_files,
 )
 
-from greenroom.actors.host import Host
-from greenroom.actors.provider_anthropic import AnthropicProvider
-from greenroom.actors.provider_openai import OpenAIProvider
-from greenroom.actors.session import Session
+from greenroom.actors.providers.anthropic import AnthropicProvider
+from greenroom.actors.providers.openai import OpenAIProvider
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.session import Session
 from greenroom.protocols.anthropic_codec import build_request
 from greenroom.protocols.compaction import CORRECTION_NOTE, STRAY_CALL_TEXT
 from greenroom.protocols.context import ModelRequest
@@ -464,7 +464,7 @@ async def test_fifty_turns_past_a_small_threshold_keep_going(tmp_path: Path) -> 
             for task in range(10):
                 outputs = await run(session, f"task {task}")
                 assert outputs[-1].status == "completed", outputs[-1]
-            await host.trace_sink.sync()
+            await host.trace_store.sync()
             files = trace_files(session)
             per_file = await assert_one_context_per_file(host, session, [])
             schemas = session.tool_schemas

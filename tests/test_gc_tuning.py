@@ -12,9 +12,9 @@ import trio
 from conftest import RUN_TIMEOUT_S
 
 from greenroom import Host
-from greenroom.actors.cli import build_parser
+from greenroom.actors.apps.cli import build_parser
 from greenroom.actors.gateway import SessionDefaults, run_serve
-from greenroom.actors.gc_tuning import GC_THRESHOLDS, tuned_gc
+from greenroom.actors.runtime.gc_tuning import GC_THRESHOLDS, tuned_gc
 
 USER_SETTING = (1234, 5, 6)
 

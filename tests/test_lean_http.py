@@ -15,8 +15,8 @@ import pytest
 import trio
 import trio.testing
 
-from greenroom.actors.lean_http import LeanTransport
-from greenroom.actors.provider_anthropic import AnthropicProvider
+from greenroom.actors.providers.anthropic import AnthropicProvider
+from greenroom.actors.providers.lean_http import LeanTransport
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import ModelRequest, UserMessage
 from greenroom.protocols.stream import StreamEvent, StreamFailed

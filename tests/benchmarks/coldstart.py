@@ -118,9 +118,10 @@ def main() -> None:
                 flush=True,
             )
     row = {key: median(s[key] for s in samples) for key in samples[0]}
-    cli_total, cli_tops = _importtime("import greenroom.actors.cli")
+    cli_total, cli_tops = _importtime("import greenroom.actors.apps.cli")
     run_total, run_tops = _importtime(
-        "import greenroom.actors.cli, greenroom.actors.host, greenroom.actors.provider_anthropic"
+        "import greenroom.actors.apps.cli, greenroom.actors.runtime.host, "
+        "greenroom.actors.providers.anthropic"
     )
     print_table(f"greenroom run, cold (medians of {reps})", [row])
     print_table(

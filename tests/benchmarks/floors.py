@@ -18,7 +18,7 @@ the first token, N tasks at once, each sending the reference task's two requests
   :class:`~greenroom.protocols.anthropic_codec.AnthropicStreamDecoder` (the provider's work
   without the runtime above it).
 * ``sdk-lean+codec``: the same with greenroom's
-  :class:`~greenroom.actors.lean_http.LeanTransport` under the SDK's client (what
+  :class:`~greenroom.actors.providers.lean_http.LeanTransport` under the SDK's client (what
   ``AnthropicProvider(lean_http=True)`` reads through).
 
 Reported per variant: wall and its ratio to the pacing ideal, client CPU, CPU per wire

@@ -39,12 +39,11 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from greenroom.actors.approval_broker import ApproveFn
-from greenroom.actors.errors import AuthLocked, Busy, ConfigurationError, SessionNotFound
-from greenroom.actors.host import Host
-from greenroom.actors.media import read_image
-from greenroom.actors.session import RunStream, Session
-from greenroom.actors.storage import read_session_records
+from greenroom.actors.providers.media import read_image
+from greenroom.actors.runtime.approval_broker import ApproveFn
+from greenroom.actors.runtime.errors import AuthLocked, Busy, ConfigurationError, SessionNotFound
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.session import RunStream, Session
 from greenroom.protocols import acp
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock, UserContent
 from greenroom.protocols.jsonrpc import (
@@ -66,7 +65,7 @@ from greenroom.protocols.outputs import ModelMsg, Output, TaskEnd
 from greenroom.protocols.tools import Tool
 
 if TYPE_CHECKING:
-    from greenroom.actors.llm_streamer import ModelProvider
+    from greenroom.actors.runtime.llm_streamer import ModelProvider
 
 __all__ = ["AcpAgent", "AcpConfig", "serve_stdio"]
 
@@ -373,7 +372,7 @@ class AcpAgent:
                 f"{request.cwd} the client gave"
             )
         entry = self._add_session(session, self._mcp_servers(request.mcp_servers))
-        records = await trio.to_thread.run_sync(_read_history, session.directory)
+        records = await session.host.trace_store.read_after(session.id)
         replay = acp.UpdateMapper(
             live=False, workspace=str(session.workspace_dir), load_image=read_image
         )
@@ -557,14 +556,6 @@ def _store_image(scratchpad: Path, data: bytes, mime_type: str) -> Path:
     return path
 
 
-def _read_history(session_dir: Path) -> list[Output]:
-    """Every record of the session's trace files, oldest file first (the conversation
-    across compactions). Unreadable files are skipped. Blocking."""
-    return read_session_records(
-        session_dir, on_unreadable=lambda path, exc: _log(f"cannot read {path}: {exc}")
-    )
-
-
 def _log(message: str) -> None:
     print(f"greenroom acp: {message}", file=sys.stderr, flush=True)
 
@@ -584,7 +575,7 @@ def _version() -> str:
 def serve_stdio(config: AcpConfig, data_dir: Path, stdout_fd: int) -> None:
     """Serve one ACP client on stdin and ``stdout_fd`` (a private duplicate of stdout: fd 1
     already points at stderr) until stdin closes; fd 0 points at ``/dev/null`` meanwhile.
-    ``greenroom acp`` (actors/cli.py) prepares the config from its flags."""
+    ``greenroom acp`` (actors/apps/cli.py) prepares the config from its flags."""
     with _private_stdin() as stdin_fd:
         trio.run(_serve_stdio, config, data_dir, stdin_fd, stdout_fd)
 

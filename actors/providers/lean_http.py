@@ -149,7 +149,7 @@ class LeanTransport(httpx2.AsyncBaseTransport):
             raise httpx2.ConnectError(str(exc) or type(exc).__name__, request=request) from exc
         return _Connection(key, stream, tcp.socket)
 
-    def _release(self, token: object, conn: _Connection | None) -> None:
+    def release(self, token: object, conn: _Connection | None) -> None:
         """A response is done: its connection is kept for the next request (or closed)."""
         self._limiter.release_on_behalf_of(token)
         if conn is None:
@@ -366,10 +366,10 @@ class _ResponseStream(httpx2.AsyncByteStream):
         if reader is None:
             return
         if reuse:
-            self._transport._release(self._token, reader.conn)
+            self._transport.release(self._token, reader.conn)
         else:
             await _close(reader.conn)
-            self._transport._release(self._token, None)
+            self._transport.release(self._token, None)
 
     async def aclose(self) -> None:
         # Not read to its end (or it failed): the connection's state is unknown.

@@ -49,8 +49,8 @@ from greenroom.protocols.stream import (
 )
 
 if TYPE_CHECKING:
-    from greenroom.actors.emitter import OutputEmitter
-    from greenroom.actors.session import Session
+    from greenroom.actors.runtime.emitter import OutputEmitter
+    from greenroom.actors.runtime.session import Session
 
 
 @attrs.frozen(kw_only=True, slots=True)
@@ -235,6 +235,7 @@ class Compaction:
             compactor = Compactor(self._streamer, self._usage)
             # Unbounded: a summary command and skips, sent with send_nowait.
             send, commands = trio.open_memory_channel[CompactorCommand](math.inf)
+            # One slot: the compactor's one reply never waits for the reader.
             reply_send, reply = trio.open_memory_channel[CompactionOutcome](1)
             try:
                 async with trio.open_nursery() as nursery:

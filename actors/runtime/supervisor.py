@@ -21,7 +21,7 @@ Interrupt is cancellation: the task runs inside a cancel scope; ``interrupt()`` 
 and the supervisor settles the turn (R-ABORT-1..3) under a shielded, bounded scope before
 it emits exactly one ``task_end``.
 
-A subagent (R-HOST-4, :mod:`greenroom.actors.subagents`) runs its own supervisor inside
+A subagent (R-HOST-4, :mod:`greenroom.actors.runtime.subagents`) runs its own supervisor inside
 a ``spawn_subagent`` call's task, i.e. in this task's nursery; its outputs come back
 through :meth:`SessionSupervisor._forward` as live outputs of this run, tagged with their
 ``origin`` and never traced here.
@@ -38,13 +38,13 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from greenroom.actors.approval_broker import ApprovalBroker, ApproveFn
-from greenroom.actors.compactor import Compaction, compaction_due
-from greenroom.actors.emitter import OutputEmitter, repaired_blocks
-from greenroom.actors.llm_streamer import LLMStreamer, ProviderTask
-from greenroom.actors.subagents import Subagents
-from greenroom.actors.tool_pool import ToolPool
-from greenroom.actors.turn_dispatch import TurnDispatch
+from greenroom.actors.runtime.approval_broker import ApprovalBroker, ApproveFn
+from greenroom.actors.runtime.compactor import Compaction, compaction_due
+from greenroom.actors.runtime.emitter import OutputEmitter, repaired_blocks
+from greenroom.actors.runtime.llm_streamer import LLMStreamer, ProviderTask
+from greenroom.actors.runtime.subagents import Subagents
+from greenroom.actors.runtime.tool_pool import ToolPool
+from greenroom.actors.runtime.turn_dispatch import TurnDispatch
 from greenroom.protocols.content import (
     TextBlock,
     UserContent,
@@ -83,7 +83,7 @@ from greenroom.protocols.stream import (
 from greenroom.protocols.turn import TurnMachine
 
 if TYPE_CHECKING:
-    from greenroom.actors.session import Session
+    from greenroom.actors.runtime.session import Session
 
 ABORT_GRACE_S = 2.0
 """Bound on the shielded teardown after an interrupt: writing ``abort`` and ``task_end``
@@ -115,9 +115,9 @@ class SessionSupervisor:
         self._scope = trio.CancelScope()
         self._abort_reason = "interrupted"
         self._stopping = False
-        inbox_send, inbox_receive = trio.open_memory_channel[SupervisorMessage](math.inf)
         # Unbounded on purpose: tools, approvals and the streamer report with send_nowait
         # and must never block on the supervisor; the supervisor drains it continuously.
+        inbox_send, inbox_receive = trio.open_memory_channel[SupervisorMessage](math.inf)
         self._inbox = inbox_send
         self._inbox_receive = inbox_receive
         self._out = OutputEmitter(session, output, self._trace_failed)
@@ -276,6 +276,7 @@ class SessionSupervisor:
         session = self._session
         settings = session.settings
         async with trio.open_nursery() as nursery:
+            # Unbounded: asked with send_nowait; at most a turn's calls are ever queued.
             approvals_send, approvals_receive = trio.open_memory_channel[ApproveCall](math.inf)
             self._approvals = self._dispatch.approvals = approvals_send
             broker = ApprovalBroker(
@@ -502,6 +503,7 @@ class SessionSupervisor:
                 async with trio.open_nursery() as nursery:
                     # The summary requests take the one path to the model (R-ACTOR-4).
                     streamer = LLMStreamer(session.provider.open_task(), self._inbox)
+                    # Unbounded, as for a task's streamer: commands go with send_nowait.
                     self._streamer, commands = trio.open_memory_channel[StreamerCommand](
                         math.inf
                     )

@@ -22,10 +22,10 @@ from typing import Any
 import anthropic
 import httpx2
 
-from greenroom.actors.errors import ConfigurationError
-from greenroom.actors.lean_http import LeanTransport
-from greenroom.actors.llm_streamer import Deliver, connect_failure, cut_short
-from greenroom.actors.media import read_image
+from greenroom.actors.providers.lean_http import LeanTransport
+from greenroom.actors.providers.media import read_image
+from greenroom.actors.runtime.errors import ConfigurationError
+from greenroom.actors.runtime.llm_streamer import Deliver, connect_failure, cut_short
 from greenroom.protocols.anthropic_codec import (
     AnthropicStreamDecoder,
     RequestEncoder,
@@ -72,7 +72,7 @@ class AnthropicProvider:
     and endpoint, shared by every session (its clients and pools included).
 
     ``lean_http=True`` gives the SDK's client greenroom's
-    :class:`~greenroom.actors.lean_http.LeanTransport` (HTTP/1.1 on trio sockets, a
+    :class:`~greenroom.actors.providers.lean_http.LeanTransport` (HTTP/1.1 on trio sockets, a
     streamed body handed on once per network read instead of once per HTTP chunk); the
     SDK still builds, authenticates and routes the requests (proxied URLs keep its own
     transport) and raises its own errors. Off by default."""
