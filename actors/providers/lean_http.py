@@ -53,6 +53,8 @@ class _Connection:
             fd = self.socket.fileno()
             if fd < 0:
                 return True
+            if not hasattr(select, "poll"):  # Windows
+                return bool(select.select([fd], [], [], 0)[0])
             poller = select.poll()
             poller.register(fd, select.POLLIN)
             return bool(poller.poll(0))
@@ -150,7 +152,8 @@ class LeanTransport(httpx2.AsyncBaseTransport):
         return _Connection(key, stream, tcp.socket)
 
     def release(self, token: object, conn: _Connection | None) -> None:
-        """A response is done: its connection is kept for the next request (or closed)."""
+        """Called by a response's body stream when it is done: the exchange's slot is freed
+        and ``conn`` (None: it was closed) is kept for the next request to its origin."""
         self._limiter.release_on_behalf_of(token)
         if conn is None:
             return
