@@ -7,6 +7,8 @@ closed, and its chunked-body errors."""
 
 from __future__ import annotations
 
+import datetime
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -263,3 +265,102 @@ async def test_chunk_extensions_and_trailers_are_accepted() -> None:
                     got = b"".join([chunk async for chunk in r.aiter_raw()])
     assert got == b"abcde"
     await listener.aclose()
+
+
+def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    """A certificate for ``localhost`` and its key, written to ``tmp_path``."""
+    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+async def test_https_through_the_lean_transport_matches_httpx2(tmp_path: Path) -> None:
+    """TLS with the client's SSL context: the same body as httpx2's own transport, over one
+    kept-alive connection for two requests."""
+    cert, key = _self_signed(tmp_path)
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_context.load_cert_chain(cert, key)
+    client_context = ssl.create_default_context(cafile=str(cert))
+    body = (FIXTURES / "anthropic" / "text_only.sse").read_bytes()
+    chunked = b"".join(b"%x\r\n%b\r\n" % (len(p), p) for p in body.split(b"\n\n") if p)
+    response = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+        b"transfer-encoding: chunked\r\n\r\n" + chunked + b"0\r\n\r\n"
+    )
+    listener, port = await _listen()
+    connections = 0
+
+    async def serve_one(tcp: trio.SocketStream) -> None:
+        nonlocal connections
+        connections += 1
+        tls = trio.SSLStream(tcp, server_context, server_side=True)
+        try:
+            while True:
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    data = await tls.receive_some(65536)
+                    if not data:
+                        return
+                    request += data
+                head, _, rest = request.partition(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                while len(rest) < length:
+                    rest += await tls.receive_some(65536)
+                await tls.send_all(response)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return
+        finally:
+            await trio.aclose_forcefully(tls)
+
+    async def serve() -> None:
+        async with trio.open_nursery() as conns:
+            while True:
+                conns.start_soon(serve_one, await listener.accept())
+
+    url = f"https://localhost:{port}/v1/messages"
+    bodies: dict[str, list[bytes]] = {}
+    with trio.fail_after(BOUND_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve)
+            for label, client in (
+                ("httpx2", httpx2.AsyncClient(verify=client_context)),
+                ("lean", httpx2.AsyncClient(transport=LeanTransport(ssl_context=client_context))),
+            ):
+                async with client:
+                    for _ in range(2):
+                        async with client.stream("POST", url, content=b"{}") as r:
+                            assert r.status_code == 200
+                            got = b"".join([chunk async for chunk in r.aiter_bytes()])
+                        bodies.setdefault(label, []).append(got)
+            nursery.cancel_scope.cancel()
+    await listener.aclose()
+    assert bodies["lean"] == bodies["httpx2"]
+    assert bodies["lean"][0].replace(b"\n\n", b"") == body.replace(b"\n\n", b"")
+    assert connections == 2  # one per client: each kept its connection for both requests
