@@ -253,6 +253,9 @@ class Host:
         if model_provider is None:
             model_provider = self._provider_for(final)
         sid = session_id or _new_session_id()
+        while session_id is None and sid in self._sessions:
+            # Many sessions created within one second can draw the same id.
+            sid = _new_session_id()
         directory = SessionStore(self.data_dir).session_dir(sid)
         workspace = await trio.to_thread.run_sync(_resolve_dir, workspace_dir)
         tool_list = list(tools)
