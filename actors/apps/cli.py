@@ -446,6 +446,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="port of the web console; 0: any free port (default: --port + 1)",
     )
     serve.add_argument("--no-console", action="store_true", help="do not serve the web console")
+    serve.add_argument(
+        "--gc-tuning",
+        action="store_true",
+        help="run Python's cyclic garbage collector less often while serving: less CPU per "
+        "streamed event with many sessions, cyclic garbage freed later (default: off)",
+    )
     _add_session_flags(serve)
 
     sessions = commands.add_parser(
@@ -723,6 +729,7 @@ def _serve_command(args: argparse.Namespace) -> int:
             max_connections=args.max_connections,
             console_port=_console_port(args),
             observers=args.observers,
+            gc_tuning=args.gc_tuning,
             ready=lambda _port: _error(defaults_line),
         )
     )

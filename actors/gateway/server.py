@@ -360,6 +360,7 @@ async def run_serve(
     allowed_origins: Iterable[str] = (),
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     observers: Iterable[SessionObserver] = (),
+    gc_tuning: bool = False,
 ) -> None:
     """``greenroom serve``: open a host on ``data_dir``, serve the gateway on it, print
     ``listening on ws://HOST:PORT/v1`` and the token file on stderr, and serve until
@@ -380,7 +381,8 @@ async def run_serve(
     ``max_connections`` is lowered, with a notice, to what the file descriptor limit
     allows after the soft limit is raised to the hard one (:func:`connection_cap`).
     ``observers`` watch the host's sessions
-    (:data:`~greenroom.actors.runtime.host.SessionObserver`)."""
+    (:data:`~greenroom.actors.runtime.host.SessionObserver`). ``gc_tuning``: the host's
+    garbage collector setting (``Host.open(gc_tuning=…)``)."""
     if tokens_file is not None and token_file is not None:
         raise ConfigurationError("give --token-file or --tokens-file, not both")
     fd_limit = raise_fd_limit()
@@ -409,7 +411,7 @@ async def run_serve(
     else:
         token_path = await trio.to_thread.run_sync(token_file_path, data, token_file)
         token = await trio.to_thread.run_sync(load_or_create_token, data, token_path)
-    async with Host.open(data, observers=observers) as opened:
+    async with Host.open(data, observers=observers, gc_tuning=gc_tuning) as opened:
         gateway = Gateway(
             opened,
             token=token,

@@ -22,6 +22,7 @@ from typing import Any
 import anthropic
 import httpx2
 
+from greenroom.actors.providers.lean_http import LeanTransport
 from greenroom.actors.providers.media import read_image
 from greenroom.actors.runtime.errors import ConfigurationError
 from greenroom.actors.runtime.llm_streamer import Deliver, connect_failure, cut_short
@@ -68,7 +69,13 @@ class _Shard:
 
 class AnthropicProvider:
     """Anthropic Messages API through ``anthropic.AsyncAnthropic``; one provider per host
-    and endpoint, shared by every session (its clients and pools included)."""
+    and endpoint, shared by every session (its clients and pools included).
+
+    ``lean_http=True`` gives the SDK's client greenroom's
+    :class:`~greenroom.actors.providers.lean_http.LeanTransport` (HTTP/1.1 on trio sockets, a
+    streamed body handed on once per network read instead of once per HTTP chunk); the
+    SDK still builds, authenticates and routes the requests (proxied URLs keep its own
+    transport) and raises its own errors. Off by default."""
 
     name = "anthropic"
 
@@ -80,6 +87,7 @@ class AnthropicProvider:
         timeout: httpx2.Timeout = DEFAULT_TIMEOUT,
         max_connections: int = 2000,
         shards: int = POOL_SHARDS,
+        lean_http: bool = False,
     ) -> None:
         key = api_key or os.environ.get("ANTHROPIC_API_KEY")
         token = None if key else os.environ.get("ANTHROPIC_AUTH_TOKEN")
@@ -96,6 +104,12 @@ class AnthropicProvider:
         per_shard = max(1, -(-max_connections // self._max_shards))
         self._limits = httpx2.Limits(max_connections=per_shard, max_keepalive_connections=per_shard)
         self._ssl = httpx2.create_ssl_context()
+        # The lean transport's pool costs the same at any size: one client is enough.
+        self._lean = lean_http
+        if lean_http:
+            self._max_shards = 1
+            per_shard = max(1, max_connections)
+        self._per_shard = per_shard
         self._shards: list[_Shard] = []
         self._add_shard()
 
@@ -107,7 +121,12 @@ class AnthropicProvider:
             max_retries=0,
             timeout=self._timeout,
             http_client=anthropic.DefaultAsyncHttpxClient(
-                limits=self._limits, timeout=self._timeout, verify=self._ssl
+                limits=self._limits,
+                timeout=self._timeout,
+                verify=self._ssl,
+                transport=LeanTransport(ssl_context=self._ssl, max_connections=self._per_shard)
+                if self._lean
+                else None,
             ),
         )
         shard = _Shard(client)

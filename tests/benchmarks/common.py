@@ -195,20 +195,103 @@ def reset_peak_rss() -> bool:
 
 
 class Meter:
-    """``with Meter() as m: ...`` then ``m.cpu_s``, ``m.wall_s``, ``m.peak_rss``."""
+    """``with Meter() as m: ...`` then ``m.cpu_s`` (``m.sys_s`` of it in the kernel),
+    ``m.wall_s``, ``m.peak_rss``."""
 
     def __enter__(self) -> Meter:
         reset_peak_rss()
         self.rss_start = rss_bytes()
         self._wall = time.perf_counter()
         self._cpu = time.process_time()
+        self._times = os.times()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.cpu_s = time.process_time() - self._cpu
+        times = os.times()
+        self.sys_s = times.system - self._times.system
+        """Of ``cpu_s``, the kernel's share (system calls, waits, wake-ups)."""
         self.wall_s = time.perf_counter() - self._wall
         self.peak_rss = peak_rss_bytes()
         self.rss_end = rss_bytes()
+
+
+class ReadCounter:
+    """Counts the socket reads that returned data in this process (every trio
+    ``SocketStream.receive_some``: the HTTP clients of all variants read through it).
+    ``install()`` wraps the method once; the wrapper adds one call per read."""
+
+    _installed: ReadCounter | None = None
+
+    def __init__(self) -> None:
+        self.reads = 0
+        self._original: Any = None
+
+    @classmethod
+    def install(cls) -> ReadCounter:
+        import trio
+
+        counter = cls()
+        original = trio.SocketStream.receive_some
+
+        async def receive_some(stream: Any, max_bytes: int | None = None) -> Any:
+            data = await original(stream, max_bytes)
+            if data:
+                counter.reads += 1
+            return data
+
+        counter._original = original
+        trio.SocketStream.receive_some = receive_some  # type: ignore[method-assign]
+        return counter
+
+    def reset(self) -> None:
+        self.reads = 0
+
+    def uninstall(self) -> None:
+        import trio
+
+        if self._original is not None:
+            trio.SocketStream.receive_some = self._original  # type: ignore[method-assign]
+            self._original = None
+
+
+class GcMeter:
+    """Time spent in the cyclic garbage collector and collections per generation, through
+    ``gc.callbacks`` (called once per collection, so it costs nothing per event)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.collections = [0, 0, 0]
+        self.seconds_by_generation = [0.0, 0.0, 0.0]
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            spent = time.perf_counter() - self._started
+            self.seconds += spent
+            self.collections[info["generation"]] += 1
+            self.seconds_by_generation[info["generation"]] += spent
+
+    def __enter__(self) -> GcMeter:
+        import gc
+
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import gc
+
+        gc.callbacks.remove(self._callback)
+
+
+def wire_events_per_task() -> int:
+    """SSE events the mock sends for one reference task (both requests)."""
+    from tests.support.mock_model_server import Workload
+
+    workload = Workload()
+    return len(workload._anthropic(1, False, 1)) + len(workload._anthropic(2, True, 1))
 
 
 # -- statistics and reporting ----------------------------------------------------------------

@@ -1,11 +1,19 @@
-"""Scale: many concurrent paced sessions on one core.
+"""Scale: many concurrent paced sessions on one core, greenroom against the SDK loop.
 
-    .venv/bin/python -m tests.benchmarks.scale [--quick]
+    .venv/bin/python -m tests.benchmarks.scale [--quick] [--n 1000 250] [--reps 3]
+        [--variants greenroom,greenroom-gc,greenroom-lean,greenroom-gc-lean,sdk]
 
 The mock server paces the reference workload at 20 ms per token and 500 ms to the first
-token. N sessions (1,000; quick: 200) each run one task at once through greenroom. Reported:
-how many completed, wall time vs the pacing ideal, client CPU, peak RSS. Then N grows
-(x2 by default) until a run fails, the ratio passes 1.5, or the time limit is reached.
+token. For each N (1,000; quick: 200) the variants (default: greenroom, greenroom-gc-lean,
+sdk) run N tasks at once, alternately (the order rotates every repetition), ``--reps``
+times (3; quick: 1); figures are medians.
+Variants: ``greenroom`` (Host, one session per task), ``greenroom-gc`` (the same with
+``Host.open(gc_tuning=True)``), ``greenroom-lean`` (``AnthropicProvider(lean_http=True)``),
+``greenroom-gc-lean`` (both), ``sdk`` (the anthropic SDK's documented streaming loop by
+hand). Reported per variant: tasks completed, wall time and its ratio to the pacing ideal,
+client CPU, CPU per task and per wire event, socket reads and wire events per read (how
+many events the client finds at each read: about one when it keeps up, more when it
+saturates), peak RSS; then each variant's CPU as a multiple of the SDK loop's.
 
 The ideal is the pacing alone, computed from the workload the mock sends: request 1 is
 500 ms to the first content event plus 205 gaps of 20 ms between its 206 deltas (200 text
@@ -15,6 +23,7 @@ tokens, 2 calls x 3 argument fragments); the tools sleep 10 ms (concurrently); r
 
 from __future__ import annotations
 
+import gc
 import shutil
 import tempfile
 import time
@@ -25,15 +34,18 @@ import trio
 
 from tests.benchmarks.common import (
     TOOL_SLEEP_S,
-    Meter,
+    GcMeter,
     MockServer,
+    ReadCounter,
     arg_parser,
+    median,
     pin_client,
     print_machine,
     print_table,
+    wire_events_per_task,
     write_json,
 )
-from tests.benchmarks.workloads import GreenroomBench, run_sdk
+from tests.benchmarks.workloads import GreenroomBench, Run, run_sdk
 
 TOKEN_MS = 20.0
 FIRST_MS = 500.0
@@ -41,6 +53,8 @@ TEXT_TOKENS = 200
 TOOL_CALLS = 2
 FRAGMENTS = 3
 TARGET_RATIO = 1.5
+TARGET_CPU_VS_SDK = 0.5
+VARIANTS = ("greenroom", "greenroom-gc", "greenroom-lean", "greenroom-gc-lean", "sdk")
 
 
 def ideal_s(token_ms: float = TOKEN_MS, first_ms: float = FIRST_MS) -> float:
@@ -49,13 +63,25 @@ def ideal_s(token_ms: float = TOKEN_MS, first_ms: float = FIRST_MS) -> float:
     return (first + second) / 1000 + TOOL_SLEEP_S
 
 
+async def _run(variant: str, benches: dict[str, GreenroomBench], url: str, n: int) -> Run:
+    if variant == "sdk":
+        return await run_sdk(url, n)
+    return await benches[variant].run(n)
+
+
 async def main_async(args: Any) -> dict[str, Any]:
     ideal = ideal_s(args.token_ms, args.first_ms)
-    start_n = args.n or (200 if args.quick else 1000)
-    limit_s = args.time_limit or (45.0 if args.quick else 300.0)
+    ns: list[int] = args.n or [200 if args.quick else 1000]
+    reps = args.reps or (1 if args.quick else 3)
+    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    for v in variants:
+        if v not in VARIANTS:
+            choices = ", ".join(VARIANTS)
+            raise SystemExit(f"--variants: unknown variant {v!r} (choose from {choices})")
+    events_per_task = wire_events_per_task()
     data_dir = Path(tempfile.mkdtemp(prefix="greenroom-scale-"))
+    reads = ReadCounter.install()
     rows: list[dict[str, Any]] = []
-    started = time.monotonic()
     try:
         with MockServer(
             "--workload",
@@ -65,97 +91,137 @@ async def main_async(args: Any) -> dict[str, Any]:
             "--first-token-ms",
             str(args.first_ms),
         ) as server:
-            bench = GreenroomBench(server.base_url, data_dir)
-            n = start_n
-            while True:
-                server_cpu0 = server.cpu_s()
-                if args.variant == "sdk":
-                    run = await run_sdk(server.base_url, n)
-                else:
-                    run = await bench.run(n)
-                server_cpu = server.cpu_s() - server_cpu0
-                m = run.meter
-                assert m is not None
-                ratio = m.wall_s / ideal
-                row = {
-                    "N": n,
-                    "completed": run.completed,
-                    "wall_s": m.wall_s,
-                    "ideal_s": ideal,
-                    "ratio": ratio,
-                    "cpu_s": m.cpu_s,
-                    "cpu_util": m.cpu_s / m.wall_s,
-                    "cpu_ms_per_task": 1000 * m.cpu_s / n,
-                    "peak_rss_mib": m.peak_rss / 2**20,
-                    "rss_kib_per_session": (m.peak_rss - m.rss_start) / 1024 / n,
-                    "outputs": run.outputs,
-                    "server_cpu_s": server_cpu,
-                }
-                rows.append(row)
-                print(
-                    f"  N={n}: {run.completed}/{n} completed, wall {m.wall_s:.2f}s "
-                    f"(ideal {ideal:.2f}s, x{ratio:.2f}), cpu {m.cpu_s:.1f}s, "
-                    f"peak rss {m.peak_rss / 2**20:.0f} MiB, server cpu {server_cpu:.1f}s",
-                    flush=True,
+            benches = {
+                v: GreenroomBench(
+                    server.base_url, data_dir, gc_tuning="-gc" in v, lean_http="-lean" in v
                 )
-                if run.errors:
-                    print(f"    errors: {run.errors[:2]}")
-                elapsed = time.monotonic() - started
-                next_n = int(n * args.growth)
-                # Stop when broken, past the target, or the next run would not fit.
-                if (
-                    run.completed < n
-                    or ratio > TARGET_RATIO
-                    or args.no_grow
-                    or elapsed + m.wall_s * args.growth * 1.2 > limit_s
-                ):
-                    break
-                n = next_n
+                for v in VARIANTS
+                if v != "sdk"
+            }
+            for n in ns:
+                samples: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+                for rep in range(reps):
+                    order = variants[rep % len(variants) :] + variants[: rep % len(variants)]
+                    for v in order:
+                        server_cpu0 = server.cpu_s()
+                        reads.reset()
+                        gc.collect()  # the previous run's garbage is not this one's
+                        with GcMeter() as gcm:
+                            run = await _run(v, benches, server.base_url, n)
+                        server_cpu = server.cpu_s() - server_cpu0
+                        m = run.meter
+                        assert m is not None
+                        events = events_per_task * run.completed
+                        s = {
+                            "completed": run.completed,
+                            "wall_s": m.wall_s,
+                            "ratio": m.wall_s / ideal,
+                            "cpu_s": m.cpu_s,
+                            "sys_s": m.sys_s,
+                            "cpu_ms_per_task": 1000 * m.cpu_s / n,
+                            "us_per_event": 1e6 * m.cpu_s / max(1, events),
+                            "reads": reads.reads,
+                            "events_per_read": events / max(1, reads.reads),
+                            "gc_s": gcm.seconds,
+                            "gc_full": gcm.collections[2],
+                            "gc_full_s": gcm.seconds_by_generation[2],
+                            "peak_rss_mib": m.peak_rss / 2**20,
+                            "server_cpu_s": server_cpu,
+                        }
+                        samples[v].append(s)
+                        print(
+                            f"  N={n} rep {rep + 1}/{reps} {v:>12}: {run.completed}/{n} "
+                            f"completed, wall {m.wall_s:.2f}s (x{s['ratio']:.2f}), "
+                            f"cpu {m.cpu_s:.1f}s ({s['us_per_event']:.1f} us/event, "
+                            f"{s['events_per_read']:.1f} events/read), gc {gcm.seconds:.1f}s "
+                            f"({gcm.collections[2]} full), "
+                            f"peak rss {s['peak_rss_mib']:.0f} MiB, server cpu {server_cpu:.1f}s",
+                            flush=True,
+                        )
+                        if run.errors:
+                            print(f"    errors: {run.errors[:2]}")
+                for v in variants:
+                    ss = samples[v]
+                    row: dict[str, Any] = {"N": n, "variant": v, "reps": len(ss)}
+                    row["completed"] = min(s["completed"] for s in ss)
+                    for key in ss[0]:
+                        if key != "completed":
+                            row[key] = median(s[key] for s in ss)
+                    row["ratios"] = [round(s["ratio"], 2) for s in ss]
+                    rows.append(row)
+                sdk = next((r for r in rows if r["N"] == n and r["variant"] == "sdk"), None)
+                for r in rows:
+                    if r["N"] == n and sdk is not None:
+                        r["cpu_vs_sdk"] = r["cpu_s"] / sdk["cpu_s"]
     finally:
+        reads.uninstall()
         shutil.rmtree(data_dir, ignore_errors=True)
     print_table(
-        f"Paced sessions ({args.token_ms:g} ms/token, {args.first_ms:g} ms first "
-        f"token; ideal {ideal:.2f}s; target ratio <= {TARGET_RATIO})",
+        f"Paced sessions ({args.token_ms:g} ms/token, {args.first_ms:g} ms first token; "
+        f"ideal {ideal:.2f}s; {events_per_task} wire events per task; medians; target "
+        f"ratio <= {TARGET_RATIO}, cpu <= {TARGET_CPU_VS_SDK}x sdk)",
         rows,
+        [
+            "N",
+            "variant",
+            "reps",
+            "completed",
+            "wall_s",
+            "ratio",
+            "ratios",
+            "cpu_s",
+            "sys_s",
+            "cpu_vs_sdk",
+            "cpu_ms_per_task",
+            "us_per_event",
+            "events_per_read",
+            "gc_s",
+            "gc_full",
+            "gc_full_s",
+            "peak_rss_mib",
+            "server_cpu_s",
+        ],
     )
-    first = rows[0]
+    verdict = {}
+    for r in rows:
+        if r["variant"] != "sdk":
+            met = (
+                r["completed"] == r["N"]
+                and r["ratio"] <= TARGET_RATIO
+                and r.get("cpu_vs_sdk", 0.0) <= TARGET_CPU_VS_SDK
+            )
+            verdict[f"{r['variant']} N={r['N']}"] = met
+            print(f"  {r['variant']} N={r['N']}: target {'met' if met else 'not met'}")
     return {
         "quick": args.quick,
-        "variant": args.variant,
+        "variants": variants,
         "token_ms": args.token_ms,
         "first_ms": args.first_ms,
         "ideal_s": ideal,
+        "wire_events_per_task": events_per_task,
         "rows": rows,
-        "target_met_at_first_n": first["completed"] == first["N"]
-        and first["ratio"] <= TARGET_RATIO,
-        "largest_n_within_target": max(
-            (r["N"] for r in rows if r["completed"] == r["N"] and r["ratio"] <= TARGET_RATIO),
-            default=None,
-        ),
+        "target_met": verdict,
     }
 
 
 def main() -> None:
     parser = arg_parser(__doc__ or "")
-    parser.add_argument("--n", type=int, default=0, help="first N (default 1000; quick 200)")
-    parser.add_argument("--growth", type=float, default=2.0)
-    parser.add_argument("--no-grow", action="store_true")
-    parser.add_argument("--time-limit", type=float, default=0.0, help="seconds (default 300)")
+    parser.add_argument("--n", type=int, nargs="*", help="session counts (default 1000; quick 200)")
+    parser.add_argument("--reps", type=int, default=0, help="repetitions (default 3; quick 1)")
+    parser.add_argument(
+        "--variants",
+        default="greenroom,greenroom-gc-lean,sdk",
+        help=f"comma-separated, from {', '.join(VARIANTS)} (default: %(default)s)",
+    )
     parser.add_argument("--token-ms", type=float, default=TOKEN_MS)
     parser.add_argument("--first-ms", type=float, default=FIRST_MS)
-    parser.add_argument(
-        "--variant",
-        choices=["greenroom", "sdk"],
-        default="greenroom",
-        help="sdk: the hand-written anthropic SDK loop, for comparison",
-    )
     args = parser.parse_args()
     pin_client()
     print_machine()
-    with Meter() as total:
-        result = trio.run(main_async, args)
-    print(f"\ntotal wall {total.wall_s:.1f}s")
-    write_json("scale" if args.variant == "greenroom" else f"scale-{args.variant}", result)
+    started = time.perf_counter()
+    result = trio.run(main_async, args)
+    print(f"\ntotal wall {time.perf_counter() - started:.1f}s")
+    write_json("scale", result)
 
 
 if __name__ == "__main__":

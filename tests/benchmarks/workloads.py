@@ -59,10 +59,19 @@ class Run:
 class GreenroomBench:
     """A Host and a provider kept open across repetitions; fresh sessions per run."""
 
-    def __init__(self, base_url: str, data_dir: Path, tools: bool = True) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        data_dir: Path,
+        tools: bool = True,
+        gc_tuning: bool = False,
+        lean_http: bool = False,
+    ) -> None:
         self.base_url = base_url
         self.data_dir = data_dir
         self.tools = [greenroom_tool()] if tools else []
+        self.gc_tuning = gc_tuning
+        self.lean_http = lean_http
 
     async def run(self, n: int, *, measure: bool = True) -> Run:
         import time
@@ -72,10 +81,12 @@ class GreenroomBench:
         from greenroom.protocols.outputs import PartialText, TaskEnd
 
         result = Run("greenroom", n)
-        provider = AnthropicProvider(base_url=self.base_url, api_key="bench", max_connections=POOL)
+        provider = AnthropicProvider(
+            base_url=self.base_url, api_key="bench", max_connections=POOL, lean_http=self.lean_http
+        )
         data_dir = Path(tempfile.mkdtemp(prefix="run-", dir=self.data_dir))
         try:
-            async with Host.open(data_dir) as host:
+            async with Host.open(data_dir, gc_tuning=self.gc_tuning) as host:
                 cpu0 = time.process_time()
                 sessions = [
                     await host.create_session(
@@ -166,11 +177,12 @@ async def sdk_task(client: Any, result: Run) -> None:
         result.errors.append(f"stop_reason {message.stop_reason}")
 
 
-def make_sdk_client(base_url: str) -> Any:
+def make_sdk_client(base_url: str, lean_http: bool = False) -> Any:
     import anthropic
     import httpx2  # the SDK's bundled HTTP client
 
     from greenroom.actors.providers.anthropic import DEFAULT_TIMEOUT
+    from greenroom.actors.providers.lean_http import LeanTransport
 
     # Same limits and timeouts as greenroom's provider (the SDK's default connect timeout of
     # 5 s fails when 1,000 tasks share one core).
@@ -182,6 +194,7 @@ def make_sdk_client(base_url: str) -> Any:
         http_client=anthropic.DefaultAsyncHttpxClient(
             limits=httpx2.Limits(max_connections=POOL, max_keepalive_connections=POOL),
             timeout=DEFAULT_TIMEOUT,
+            transport=LeanTransport(max_connections=POOL) if lean_http else None,
         ),
     )
 

@@ -1,0 +1,148 @@
+"""Cold start: ``greenroom run`` from process start to its first output, and what it imports.
+
+    .venv/bin/python -m tests.benchmarks.coldstart [--quick] [--reps 7]
+
+Each repetition starts a fresh ``greenroom run --provider anthropic --base-url <mock>
+--approve all --json PROMPT`` (the mock model server unpaced, the reference workload) and
+measures, from just before the process is started: the first byte on its stdout (the first
+output), its exit, and its CPU (user + system of the child). Then ``python -X importtime``
+of the CLI module (what ``greenroom`` imports before it parses its arguments) and of the
+whole run, listing the largest cumulative imports. Figures are medians.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.benchmarks.common import (
+    ROOT,
+    MockServer,
+    arg_parser,
+    median,
+    print_machine,
+    print_table,
+    write_json,
+)
+
+GREENROOM = Path(sys.executable).with_name("greenroom")
+
+
+def _one_run(base_url: str, data_dir: str, workspace: str) -> dict[str, float]:
+    env = dict(os.environ, ANTHROPIC_API_KEY="bench", GREENROOM_HOME=data_dir)
+    cmd = [
+        str(GREENROOM),
+        "run",
+        "--provider",
+        "anthropic",
+        "--base-url",
+        base_url,
+        "--model",
+        "mock-model",
+        "--approve",
+        "all",
+        "--workspace",
+        workspace,
+        "--data-dir",
+        data_dir,
+        "--json",
+        "Look up keys 1 and 2 and summarise.",
+    ]
+    before = os.times()
+    started = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, cwd=workspace, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    assert proc.stdout is not None
+    proc.stdout.read(1)
+    first = time.perf_counter() - started
+    proc.stdout.read()
+    proc.wait()
+    total = time.perf_counter() - started
+    after = os.times()
+    cpu = (after.children_user - before.children_user) + (
+        after.children_system - before.children_system
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"greenroom run exited {proc.returncode}")
+    return {"first_output_s": first, "exit_s": total, "cpu_s": cpu}
+
+
+def _importtime(code: str) -> tuple[float, list[tuple[str, float]]]:
+    """Total import time of ``code`` and the largest top-level imports (cumulative)."""
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, ANTHROPIC_API_KEY="bench"),
+        check=True,
+    ).stderr
+    tops: list[tuple[str, float]] = []
+    total = 0.0
+    for line in out.splitlines():
+        match = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)", line)
+        if not match:
+            continue
+        cumulative = int(match.group(2)) / 1e6
+        depth = len(match.group(3))
+        if depth <= 1:
+            tops.append((match.group(4), cumulative))
+            total += cumulative
+    tops.sort(key=lambda t: -t[1])
+    return total, tops[:12]
+
+
+def main() -> None:
+    parser = arg_parser(__doc__ or "")
+    parser.add_argument("--reps", type=int, default=0, help="repetitions (default 7; quick 3)")
+    args = parser.parse_args()
+    reps = args.reps or (3 if args.quick else 7)
+    print_machine()
+    samples: list[dict[str, float]] = []
+    with MockServer("--workload", "reference") as server, tempfile.TemporaryDirectory() as tmp:
+        workspace = Path(tmp) / "workspace"
+        workspace.mkdir()
+        for rep in range(reps):
+            s = _one_run(server.base_url, str(Path(tmp) / "data"), str(workspace))
+            samples.append(s)
+            print(
+                f"  rep {rep + 1}/{reps}: first output {s['first_output_s'] * 1000:.0f} ms, "
+                f"exit {s['exit_s'] * 1000:.0f} ms, cpu {s['cpu_s'] * 1000:.0f} ms",
+                flush=True,
+            )
+    row = {key: median(s[key] for s in samples) for key in samples[0]}
+    cli_total, cli_tops = _importtime("import greenroom.actors.apps.cli")
+    run_total, run_tops = _importtime(
+        "import greenroom.actors.apps.cli, greenroom.actors.runtime.host, "
+        "greenroom.actors.providers.anthropic"
+    )
+    print_table(f"greenroom run, cold (medians of {reps})", [row])
+    print_table(
+        f"imports of the CLI module ({cli_total * 1000:.0f} ms in all)",
+        [{"module": m, "cumulative_ms": 1000 * t} for m, t in cli_tops],
+    )
+    print_table(
+        f"imports of a run with the anthropic provider ({run_total * 1000:.0f} ms in all)",
+        [{"module": m, "cumulative_ms": 1000 * t} for m, t in run_tops],
+    )
+    result: dict[str, Any] = {
+        "reps": reps,
+        "run": row,
+        "samples": samples,
+        "cli_import_s": cli_total,
+        "cli_imports": cli_tops,
+        "run_import_s": run_total,
+        "run_imports": run_tops,
+    }
+    write_json("coldstart", result)
+
+
+if __name__ == "__main__":
+    main()

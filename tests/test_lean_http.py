@@ -1,0 +1,366 @@
+"""The lean HTTP transport (``AnthropicProvider(lean_http=True)``) against the SDK's own
+stack: for every Anthropic wire fixture, split at the server's natural chunks, at random
+offsets and one byte per chunk, and for the failure modes the mock server can inject,
+both paths deliver the same stream events (in fewer batches on the lean one). Then what
+only the lean transport does: reusing kept-alive connections, dropping one the server
+closed, and its chunked-body errors."""
+
+from __future__ import annotations
+
+import datetime
+import ssl
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+import trio
+import trio.testing
+
+from greenroom.actors.providers.anthropic import AnthropicProvider
+from greenroom.actors.providers.lean_http import LeanTransport
+from greenroom.protocols.content import TextBlock
+from greenroom.protocols.context import ModelRequest, UserMessage
+from greenroom.protocols.stream import StreamEvent, StreamFailed
+from tests.support.mock_model_server import (
+    DropAfter,
+    Fixture,
+    Hang,
+    MalformedJSON,
+    MidStreamError,
+    Reply,
+    SlowFirstByte,
+    Text,
+    ToolUse,
+    Workload,
+    error_fixture,
+    open_mock_server,
+)
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+SSE_FIXTURES = sorted(p.name for p in (FIXTURES / "anthropic").glob("*.sse"))
+ERROR_FIXTURES = sorted(p.name for p in (FIXTURES / "anthropic" / "errors").glob("*.json"))
+BOUND_S = 15.0
+SHORT = httpx2.Timeout(connect=5.0, read=0.5, write=5.0, pool=5.0)
+
+
+def request() -> ModelRequest:
+    hello = UserMessage(content=(TextBlock(text="hi"),))
+    return ModelRequest(model="m", system=None, tools=(), messages=(hello,), max_tokens=64)
+
+
+async def stream_once(
+    response: Any, *, lean: bool, rechunk: Any = None, limits: httpx2.Timeout | None = None
+) -> tuple[list[StreamEvent], int]:
+    """The events one request delivers, and in how many batches."""
+    events: list[StreamEvent] = []
+    batches = 0
+
+    async def deliver(batch: list[StreamEvent]) -> None:
+        nonlocal batches
+        batches += 1
+        events.extend(batch)
+
+    async with open_mock_server(response, rechunk=rechunk, seed=7) as server:
+        options: dict[str, Any] = {} if limits is None else {"timeout": limits}
+        provider = AnthropicProvider(
+            base_url=server.base_url, api_key="k", lean_http=lean, **options
+        )
+        try:
+            with trio.fail_after(BOUND_S):
+                await provider.open_task().stream(request(), deliver)
+        finally:
+            await provider.aclose()
+    return events, batches
+
+
+async def same_events(response: Any, **options: Any) -> list[StreamEvent]:
+    sdk, _ = await stream_once(response, lean=False, **options)
+    lean, _ = await stream_once(response, lean=True, **options)
+    assert lean == sdk
+    return lean
+
+
+@pytest.mark.parametrize("rechunk", [None, "random", 1])
+@pytest.mark.parametrize("name", SSE_FIXTURES)
+async def test_every_stream_fixture_decodes_the_same(name: str, rechunk: Any) -> None:
+    events = await same_events(Fixture(f"anthropic/{name}"), rechunk=rechunk)
+    assert events
+
+
+@pytest.mark.parametrize("name", ERROR_FIXTURES)
+async def test_every_error_fixture_fails_the_same(name: str) -> None:
+    [failure] = await same_events(error_fixture(f"anthropic/errors/{name}"))
+    assert isinstance(failure, StreamFailed)
+
+
+REPLY = Reply([Text("one two three four five"), ToolUse("toolu_1", "lookup", {"key": "1"})])
+
+FAULTS = {
+    "drop": DropAfter(REPLY, 4),
+    "drop-at-once": DropAfter(REPLY, 0),
+    "mid-stream-error": MidStreamError(REPLY, 3),
+    "malformed-json": MalformedJSON(2),
+}
+
+
+@pytest.mark.parametrize("rechunk", [None, "random"])
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+async def test_injected_faults_end_the_same(fault: str, rechunk: Any) -> None:
+    events = await same_events(FAULTS[fault], rechunk=rechunk)
+    assert events
+
+
+@pytest.mark.parametrize("rechunk", [None, "random"])
+async def test_the_benchmark_workload_decodes_the_same(rechunk: Any) -> None:
+    sdk, _ = await stream_once(Workload(text_tokens=20), lean=False, rechunk=rechunk)
+    lean, _ = await stream_once(Workload(text_tokens=20), lean=True, rechunk=rechunk)
+    assert lean == sdk
+
+
+async def test_a_stalled_stream_times_out_the_same() -> None:
+    [failure] = await same_events(Hang(), limits=SHORT)
+    assert isinstance(failure, StreamFailed) and failure.error.kind == "timeout"
+
+
+async def test_a_slow_first_byte_times_out_the_same() -> None:
+    [failure] = await same_events(SlowFirstByte(REPLY, 2.0), limits=SHORT)
+    assert isinstance(failure, StreamFailed) and failure.error.kind == "timeout"
+
+
+async def test_a_refused_connection_fails_the_same() -> None:
+    with trio.socket.socket() as sock:
+        await sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, not listening: connections are refused
+        results = []
+        for lean in (False, True):
+            events: list[StreamEvent] = []
+
+            async def deliver(batch: list[StreamEvent], events: list[StreamEvent] = events) -> None:
+                events.extend(batch)
+
+            provider = AnthropicProvider(
+                base_url=f"http://127.0.0.1:{port}", api_key="k", lean_http=lean
+            )
+            try:
+                with trio.fail_after(BOUND_S):
+                    await provider.open_task().stream(request(), deliver)
+            finally:
+                await provider.aclose()
+            results.append(events)
+    assert results[0] == results[1]
+    [failure] = results[1]
+    assert isinstance(failure, StreamFailed)
+    assert "connection refused" in failure.error.message
+
+
+async def test_the_lean_path_batches_per_read() -> None:
+    """A body the server writes in one go, as many small HTTP chunks, reaches the decoder
+    in far fewer batches than it has chunks (the SDK's stack hands on one at a time)."""
+    reply = Reply([Text(" ".join(f"w{i}" for i in range(200)))])
+    _, sdk_batches = await stream_once(reply, lean=False, rechunk=16)
+    _, lean_batches = await stream_once(reply, lean=True, rechunk=16)
+    assert lean_batches < sdk_batches / 4
+
+
+async def test_connections_are_kept_alive_and_reused() -> None:
+    async with open_mock_server(fallback=Workload(text_tokens=5, tool_calls=0)) as server:
+        provider = AnthropicProvider(base_url=server.base_url, api_key="k", lean_http=True)
+        try:
+            for _ in range(5):
+                events: list[StreamEvent] = []
+
+                async def deliver(
+                    batch: list[StreamEvent], events: list[StreamEvent] = events
+                ) -> None:
+                    events.extend(batch)
+
+                with trio.fail_after(BOUND_S):
+                    await provider.open_task().stream(request(), deliver)
+                assert not isinstance(events[-1], StreamFailed)
+        finally:
+            await provider.aclose()
+        assert server.request_count == 5
+        assert server.connections_total == 1
+
+
+async def test_a_connection_the_server_closed_is_not_reused() -> None:
+    """``close_after_body`` fixtures end their body with the connection: the next request
+    opens another one instead of failing on the dead one."""
+    responses = [Fixture("anthropic/text_only.sse", close_after_body=True)] * 2
+    async with open_mock_server(*responses) as server:
+        provider = AnthropicProvider(base_url=server.base_url, api_key="k", lean_http=True)
+        try:
+            for _ in range(2):
+                events: list[StreamEvent] = []
+
+                async def deliver(
+                    batch: list[StreamEvent], events: list[StreamEvent] = events
+                ) -> None:
+                    events.extend(batch)
+
+                with trio.fail_after(BOUND_S):
+                    await provider.open_task().stream(request(), deliver)
+                assert not isinstance(events[-1], StreamFailed)
+        finally:
+            await provider.aclose()
+        assert server.connections_total == 2
+
+
+async def _listen() -> tuple[trio.SocketListener, int]:
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    listener = listeners[0]
+    return listener, listener.socket.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        (b"zz\r\nabc\r\n0\r\n\r\n", "illegal chunk size"),
+        (b"5\r\nab", "incomplete chunked read"),
+        (b"-5\r\nabc\r\n0\r\n\r\n", "illegal chunk size"),
+    ],
+)
+async def test_bad_chunked_bodies_are_protocol_errors(body: bytes, error: str) -> None:
+    head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+    listener, port = await _listen()
+
+    async def answer() -> None:
+        stream = await listener.accept()
+        await stream.receive_some(65536)
+        await stream.send_all(head + body)
+        await stream.aclose()
+
+    transport = LeanTransport()
+    async with httpx2.AsyncClient(transport=transport) as client:
+        with trio.fail_after(BOUND_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(answer)
+                url = f"http://127.0.0.1:{port}/"
+                with pytest.raises(httpx2.RemoteProtocolError, match=error):
+                    async with client.stream("POST", url, content=b"x") as r:
+                        async for _ in r.aiter_raw():
+                            pass
+    await listener.aclose()
+
+
+async def test_chunk_extensions_and_trailers_are_accepted() -> None:
+    body = b"3;ext=1\r\nabc\r\n2\r\nde\r\n0\r\nx-trailer: y\r\n\r\n"
+    head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+    listener, port = await _listen()
+
+    async def answer() -> None:
+        stream = await listener.accept()
+        await stream.receive_some(65536)
+        for i in range(0, len(head + body), 3):  # arbitrary read boundaries
+            await stream.send_all((head + body)[i : i + 3])
+            await trio.testing.wait_all_tasks_blocked()
+        await stream.aclose()
+
+    async with httpx2.AsyncClient(transport=LeanTransport()) as client:
+        with trio.fail_after(BOUND_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(answer)
+                async with client.stream("POST", f"http://127.0.0.1:{port}/", content=b"x") as r:
+                    got = b"".join([chunk async for chunk in r.aiter_raw()])
+    assert got == b"abcde"
+    await listener.aclose()
+
+
+def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    """A certificate for ``localhost`` and its key, written to ``tmp_path``."""
+    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+async def test_https_through_the_lean_transport_matches_httpx2(tmp_path: Path) -> None:
+    """TLS with the client's SSL context: the same body as httpx2's own transport, over one
+    kept-alive connection for two requests."""
+    cert, key = _self_signed(tmp_path)
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_context.load_cert_chain(cert, key)
+    client_context = ssl.create_default_context(cafile=str(cert))
+    body = (FIXTURES / "anthropic" / "text_only.sse").read_bytes()
+    chunked = b"".join(b"%x\r\n%b\r\n" % (len(p), p) for p in body.split(b"\n\n") if p)
+    response = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+        b"transfer-encoding: chunked\r\n\r\n" + chunked + b"0\r\n\r\n"
+    )
+    listener, port = await _listen()
+    connections = 0
+
+    async def serve_one(tcp: trio.SocketStream) -> None:
+        nonlocal connections
+        connections += 1
+        tls = trio.SSLStream(tcp, server_context, server_side=True)
+        try:
+            while True:
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    data = await tls.receive_some(65536)
+                    if not data:
+                        return
+                    request += data
+                head, _, rest = request.partition(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                while len(rest) < length:
+                    rest += await tls.receive_some(65536)
+                await tls.send_all(response)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return
+        finally:
+            await trio.aclose_forcefully(tls)
+
+    async def serve() -> None:
+        async with trio.open_nursery() as conns:
+            while True:
+                conns.start_soon(serve_one, await listener.accept())
+
+    url = f"https://localhost:{port}/v1/messages"
+    bodies: dict[str, list[bytes]] = {}
+    with trio.fail_after(BOUND_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve)
+            for label, client in (
+                ("httpx2", httpx2.AsyncClient(verify=client_context)),
+                ("lean", httpx2.AsyncClient(transport=LeanTransport(ssl_context=client_context))),
+            ):
+                async with client:
+                    for _ in range(2):
+                        async with client.stream("POST", url, content=b"{}") as r:
+                            assert r.status_code == 200
+                            got = b"".join([chunk async for chunk in r.aiter_bytes()])
+                        bodies.setdefault(label, []).append(got)
+            nursery.cancel_scope.cancel()
+    await listener.aclose()
+    assert bodies["lean"] == bodies["httpx2"]
+    assert bodies["lean"][0].replace(b"\n\n", b"") == body.replace(b"\n\n", b"")
+    assert connections == 2  # one per client: each kept its connection for both requests
