@@ -76,6 +76,9 @@ class LeanTransport(httpx2.AsyncBaseTransport):
         self._closed = False
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        """Send ``request`` on a kept-alive or new connection and return once the response
+        head is read; its body streams one network read at a time. Raises httpx2's
+        transport errors (connect, read and write failures and timeouts, a bad head)."""
         timeouts = request.extensions.get("timeout", {})
         url = request.url
         scheme = url.raw_scheme
@@ -164,6 +167,7 @@ class LeanTransport(httpx2.AsyncBaseTransport):
         self._idle.setdefault(conn.key, []).append(conn)
 
     async def aclose(self) -> None:
+        """Close every idle connection; responses still streaming close theirs at the end."""
         self._closed = True
         idle, self._idle = self._idle, {}
         for conns in idle.values():
