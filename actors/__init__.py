@@ -1,11 +1,12 @@
 """greenroom.actors: the actor tree (I/O and concurrency).
 
 Start with :class:`Host`; it creates and loads :class:`Session` objects. Errors are the
-tree in :mod:`greenroom.actors.errors`. Scripts for the built-in scripted model (tests,
+tree in :mod:`greenroom.actors.runtime.errors`. Scripts for the built-in scripted model (tests,
 examples) are built with :mod:`greenroom.actors.scripted`.
 """
 
-from greenroom.actors.errors import (
+from greenroom.actors.providers.scripted import Reply, ScriptedProvider, ScriptedStream
+from greenroom.actors.runtime.errors import (
     AuthLocked,
     Busy,
     ConfigurationError,
@@ -14,9 +15,8 @@ from greenroom.actors.errors import (
     SessionClosed,
     SessionNotFound,
 )
-from greenroom.actors.host import Host, SessionInfo
-from greenroom.actors.provider_scripted import Reply, ScriptedProvider, ScriptedStream
-from greenroom.actors.session import RunResult, RunStream, Session
+from greenroom.actors.runtime.host import Host, SessionInfo
+from greenroom.actors.runtime.session import RunResult, RunStream, Session
 
 __all__ = [
     "AuthLocked",

@@ -36,7 +36,7 @@ Block helpers: :func:`text`, :func:`thinking`, :func:`tool_call`, :func:`invalid
 (argument text that is not a JSON object); :func:`model_error` builds a failure.
 """
 
-from greenroom.actors.provider_scripted import (
+from greenroom.actors.providers.scripted import (
     Reply,
     ScriptedProvider,
     ScriptedStream,

@@ -25,10 +25,10 @@ from typing import Any, TypeVar
 import pytest
 import trio
 
-from greenroom.actors.host import Host
-from greenroom.actors.provider_scripted import ScriptedProvider, ScriptStep
-from greenroom.actors.session import RunStream, Session
-from greenroom.actors.trace_sink import LEDGER_FILE_NAME
+from greenroom.actors.providers.scripted import ScriptedProvider, ScriptStep
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.session import RunStream, Session
+from greenroom.actors.runtime.trace_sink import LEDGER_FILE_NAME
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import (
     Message,

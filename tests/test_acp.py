@@ -39,11 +39,11 @@ from acp.schema import (
     ToolCallUpdate,
 )
 
-from greenroom.actors.demo import write_demo_workspace
-from greenroom.actors.scripted_brain import DEMO_PROMPT
+from greenroom.actors.apps.demo import write_demo_workspace
+from greenroom.actors.providers.scripted_brain import DEMO_PROMPT
 
 ROOT = Path(__file__).resolve().parents[1]
-CLI = [sys.executable, "-m", "greenroom.actors.cli"]
+CLI = [sys.executable, "-m", "greenroom"]
 TIMEOUT_S = 60.0
 PROMPT_CANCEL_S = 2.0
 """A cancelled prompt must be answered well within this (R-ABORT-1 aims at 100 ms)."""
@@ -54,7 +54,7 @@ import os
 
 import trio
 
-from greenroom.actors.builtin_tools import builtin_tools
+from greenroom.actors.tools.builtin import builtin_tools
 from greenroom.protocols.tools import ToolContext, tool
 
 _REAL = {t.name: t for t in builtin_tools()}

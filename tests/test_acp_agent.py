@@ -21,9 +21,9 @@ from acp.schema import (
     SessionNotification,
 )
 
-from greenroom.actors.acp_agent import AcpAgent, AcpConfig
-from greenroom.actors.builtin_tools import builtin_tools
-from greenroom.actors.host import Host
+from greenroom.actors.apps.acp import AcpAgent, AcpConfig
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.subagents import spawn_subagent
 from greenroom.actors.scripted import (
     Reply,
     ScriptedProvider,
@@ -32,7 +32,7 @@ from greenroom.actors.scripted import (
     thinking,
     tool_call,
 )
-from greenroom.actors.subagents import spawn_subagent
+from greenroom.actors.tools.builtin import builtin_tools
 from greenroom.protocols.content import ImageBlock
 from greenroom.protocols.context import ModelRequest
 

@@ -76,7 +76,7 @@ def test_editable_install_resolves_the_root_from_the_repository(tmp_path: Path) 
     assert probed["actors"] == str(ROOT / "actors" / "__init__.py")
     assert probed["protocols"] == str(ROOT / "protocols" / "__init__.py")
     assert probed["version"] == VERSION
-    assert probed["host"] == "greenroom.actors.host"
+    assert probed["host"] == "greenroom.actors.runtime.host"
     assert probed["bare"] == ["None", "None"]
 
 

@@ -23,8 +23,8 @@ from conftest import (
     types,
 )
 
-from greenroom.actors.host import Host
-from greenroom.actors.provider_scripted import Reply, text, tool_call
+from greenroom.actors.providers.scripted import Reply, text, tool_call
+from greenroom.actors.runtime.host import Host
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.outputs import Abort, ApprovalDecision, TaskEnd, ToolCallOutput
 from greenroom.protocols.tools import tool

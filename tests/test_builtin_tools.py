@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import trio
 
-from greenroom.actors.builtin_tools import (
+from greenroom.actors.tools.builtin import (
     BUILTIN_TOOLS,
     BuiltinToolError,
     OutsideWorkspaceError,
@@ -21,7 +21,7 @@ from greenroom.actors.builtin_tools import (
     search_files,
     write_file,
 )
-from greenroom.actors.tool_loader import ToolLoadError, load_tools
+from greenroom.actors.tools.loader import ToolLoadError, load_tools
 from greenroom.protocols.tools import Tool, ToolContext
 
 
@@ -391,7 +391,7 @@ def test_load_tools_errors(tmp_path: Path) -> None:
 
 
 def test_load_tools_from_module_name() -> None:
-    tools = load_tools("greenroom.actors.builtin_tools")
+    tools = load_tools("greenroom.actors.tools.builtin")
     assert [t.name for t in tools] == [t.name for t in BUILTIN_TOOLS]
 
 

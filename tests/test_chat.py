@@ -1,6 +1,6 @@
 """``greenroom chat`` under a real pseudo-terminal, plus its input router in-process.
 
-Each terminal test starts ``python -m greenroom.actors.cli chat`` on the slave side of a
+Each terminal test starts ``python -m greenroom chat`` on the slave side of a
 fresh pty that is the child's controlling terminal (so typing Ctrl-C there sends SIGINT,
 as in a real terminal) and talks to it through the master side: it types lines and control
 characters and reads the screen until the expected text appears. The bytes also feed a
@@ -34,8 +34,8 @@ import pytest
 import trio
 import trio.testing
 
-from greenroom.actors.chat import APPROVAL_HINT, PROMPT, LineRouter
-from greenroom.actors.scripted_brain import DEMO_PROMPT
+from greenroom.actors.apps.chat import APPROVAL_HINT, PROMPT, LineRouter
+from greenroom.actors.providers.scripted_brain import DEMO_PROMPT
 from greenroom.protocols.wording import INTERRUPTED_APPROVAL, decision_words
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ WAIT_S = 20.0
 CTTY_SHIM = (
     "import fcntl, os, sys, termios; "
     "fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
-    "os.execv(sys.executable, [sys.executable, '-m', 'greenroom.actors.cli', *sys.argv[1:]])"
+    "os.execv(sys.executable, [sys.executable, '-m', 'greenroom', *sys.argv[1:]])"
 )
 
 GATED_TOOLS = '''
@@ -600,7 +600,7 @@ def test_piped_lines_run_one_task_each_then_end_of_input_exits_0(
     tmp_path: Path, workspace: Path
 ) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "greenroom.actors.cli", "chat", "--data-dir",
+        [sys.executable, "-m", "greenroom", "chat", "--data-dir",
          str(tmp_path / "data"), "--workspace", str(workspace)],
         input="first task\n/follow second task\n", capture_output=True, text=True,
         cwd=tmp_path, env=chat_env(tmp_path), timeout=WAIT_S,
@@ -803,7 +803,7 @@ def test_resuming_recaps_the_last_exchange(tmp_path: Path, workspace: Path) -> N
 
 def run_piped_chat(tmp_path: Path, workspace: Path, text: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "greenroom.actors.cli", "chat", "--data-dir",
+        [sys.executable, "-m", "greenroom", "chat", "--data-dir",
          str(tmp_path / "data"), "--workspace", str(workspace), "--approve", "ask"],
         input=text, capture_output=True, text=True, cwd=tmp_path, env=chat_env(tmp_path),
         timeout=WAIT_S,

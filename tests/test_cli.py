@@ -21,11 +21,11 @@ from typing import Any
 import pytest
 import trio
 
-from greenroom.actors.builtin_tools import builtin_tools
-from greenroom.actors.demo import SALES, write_demo_workspace
-from greenroom.actors.host import Host
-from greenroom.actors.provider_scripted import ScriptedProvider
-from greenroom.actors.scripted_brain import DEMO_PROMPT, make_demo_brain
+from greenroom.actors.apps.demo import SALES, write_demo_workspace
+from greenroom.actors.providers.scripted import ScriptedProvider
+from greenroom.actors.providers.scripted_brain import DEMO_PROMPT, make_demo_brain
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.tools.builtin import builtin_tools
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import AssistantMessage
 from greenroom.protocols.outputs import ModelMsg, Output, TaskEnd, ToolCallOutput
@@ -42,7 +42,7 @@ from tests.support.mock_model_server import (  # noqa: E402
     open_mock_server,
 )
 
-CLI = [sys.executable, "-m", "greenroom.actors.cli"]
+CLI = [sys.executable, "-m", "greenroom"]
 TIMEOUT_S = 60
 LIVE_ONLY = {"partial_text", "partial_thinking", "partial_tool_call", "tool_progress"}
 

@@ -28,10 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `tests` is not a package on pytest's default sys.path
     sys.path.insert(0, str(ROOT))
 
-from greenroom.actors.demo import write_demo_workspace  # noqa: E402
-from greenroom.actors.host import Host  # noqa: E402
-from greenroom.actors.provider_scripted import ScriptedProvider  # noqa: E402
-from greenroom.actors.scripted_brain import DEMO_PROMPT, make_demo_brain  # noqa: E402
+from greenroom.actors.apps.demo import write_demo_workspace  # noqa: E402
+from greenroom.actors.providers.scripted import ScriptedProvider  # noqa: E402
+from greenroom.actors.providers.scripted_brain import DEMO_PROMPT, make_demo_brain  # noqa: E402
+from greenroom.actors.runtime.host import Host  # noqa: E402
 from greenroom.protocols.context import ToolResult, UserMessage  # noqa: E402
 from greenroom.protocols.wording import INTERRUPTED_APPROVAL  # noqa: E402
 from tests.test_cli import CLI, TIMEOUT_S, cli_env, greenroom  # noqa: E402
@@ -43,7 +43,7 @@ EXIT_ABORTED = 130
 CTTY_SHIM = (
     "import fcntl, os, sys, termios; "
     "fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
-    "os.execv(sys.executable, [sys.executable, '-m', 'greenroom.actors.cli', *sys.argv[1:]])"
+    "os.execv(sys.executable, [sys.executable, '-m', 'greenroom', *sys.argv[1:]])"
 )
 
 

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `tests` is not a package on pytest's default sys.path
     sys.path.insert(0, str(ROOT))
 
-from greenroom.actors.scripted_brain import DEMO_PROMPT  # noqa: E402
+from greenroom.actors.providers.scripted_brain import DEMO_PROMPT  # noqa: E402
 from tests.test_cli import CLI, TIMEOUT_S, cli_env, greenroom, json_lines  # noqa: E402
 
 EXIT_BROKEN_PIPE = 141
@@ -57,7 +57,7 @@ def assert_quiet(stderr: str) -> None:
 
 @pytest.fixture
 def workspace(tmp_path: Path) -> Path:
-    from greenroom.actors.demo import write_demo_workspace
+    from greenroom.actors.apps.demo import write_demo_workspace
 
     directory = tmp_path / "ws"
     write_demo_workspace(directory)

@@ -10,8 +10,8 @@ from pathlib import Path
 import trio
 from conftest import collect, of_type
 
-from greenroom.actors.host import Host
-from greenroom.actors.provider_scripted import Reply, ScriptedProvider, text, tool_call
+from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
+from greenroom.actors.runtime.host import Host
 from greenroom.protocols.content import ToolCallBlock
 from greenroom.protocols.messages import Verdict
 from greenroom.protocols.outputs import ApprovalDecision, ApprovalRequest, ToolCallOutput

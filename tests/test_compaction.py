@@ -31,16 +31,16 @@ from conftest import (
     types,
 )
 
-from greenroom.actors.errors import Busy
-from greenroom.actors.host import Host
-from greenroom.actors.provider_scripted import (
+from greenroom.actors.providers.scripted import (
     Reply,
     ScriptedProvider,
     ScriptedStream,
     text,
     tool_call,
 )
-from greenroom.actors.session import Session
+from greenroom.actors.runtime.errors import Busy
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.session import Session
 from greenroom.protocols import compaction
 from greenroom.protocols.compaction import CORRECTION_NOTE, STRAY_CALL_TEXT, summary_message
 from greenroom.protocols.content import TextBlock

@@ -26,10 +26,10 @@ from test_compaction import (
     trace_files,
 )
 
-from greenroom.actors.host import Host
-from greenroom.actors.provider_anthropic import AnthropicProvider
-from greenroom.actors.provider_openai import OpenAIProvider
-from greenroom.actors.session import Session
+from greenroom.actors.providers.anthropic import AnthropicProvider
+from greenroom.actors.providers.openai import OpenAIProvider
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.session import Session
 from greenroom.protocols.anthropic_codec import build_request
 from greenroom.protocols.compaction import CORRECTION_NOTE, STRAY_CALL_TEXT
 from greenroom.protocols.context import ModelRequest

@@ -32,7 +32,7 @@ import trio
 from conftest import Gates, Lookup, last_user, texts_of
 from trio_websocket import WebSocketConnection, open_websocket_url
 
-from greenroom.actors.cli import _console_port, build_parser
+from greenroom.actors.apps.cli import _console_port, build_parser
 from greenroom.actors.gateway import Gateway, SessionDefaults, run_serve
 from greenroom.actors.gateway.console import (
     PAGE_PATH,
@@ -40,8 +40,8 @@ from greenroom.actors.gateway.console import (
     console_url,
     content_security_policy,
 )
-from greenroom.actors.host import Host
-from greenroom.actors.provider_scripted import Reply, ScriptedProvider, ScriptStep, text, tool_call
+from greenroom.actors.providers.scripted import Reply, ScriptedProvider, ScriptStep, text, tool_call
+from greenroom.actors.runtime.host import Host
 from greenroom.protocols.stream import ModelError
 from greenroom.protocols.tools import Tool
 

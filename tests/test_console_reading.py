@@ -31,7 +31,7 @@ from test_console import (
 
 from greenroom.actors.gateway import TITLE_FILE
 from greenroom.actors.gateway.console import PAGE_PATH
-from greenroom.actors.provider_scripted import Reply, ScriptedStream, ScriptStep, text, tool_call
+from greenroom.actors.providers.scripted import Reply, ScriptedStream, ScriptStep, text, tool_call
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.stream import BlockCompleted, TextDelta

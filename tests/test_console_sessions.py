@@ -17,8 +17,8 @@ from conftest import Gates
 from trio_websocket import WebSocketConnection, open_websocket_url
 
 from greenroom.actors.gateway import TITLE_FILE, Gateway, SessionDefaults
-from greenroom.actors.host import Host
-from greenroom.actors.provider_scripted import Reply, ScriptedProvider, text, tool_call
+from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
+from greenroom.actors.runtime.host import Host
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.stream import ModelError

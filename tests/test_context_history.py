@@ -14,8 +14,8 @@ from pathlib import Path
 
 from conftest import collect, model_error, of_type, texts_of
 
-from greenroom.actors.host import Host
-from greenroom.actors.provider_scripted import Reply, ScriptedProvider, text, tool_call
+from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
+from greenroom.actors.runtime.host import Host
 from greenroom.protocols.compaction import summary_message
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import UserMessage

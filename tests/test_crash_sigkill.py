@@ -38,9 +38,9 @@ import pytest
 import trio
 from trio_websocket import open_websocket_url
 
-from greenroom.actors.host import Host
-from greenroom.actors.provider_scripted import Reply, ScriptedProvider, text
-from greenroom.actors.trace_sink import read_trace
+from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.trace_sink import read_trace
 from greenroom.protocols.content import ToolCallBlock
 from greenroom.protocols.converter import to_dict
 from greenroom.protocols.outputs import ModelMsg, Output, TaskStart, UserMsg
@@ -98,9 +98,9 @@ async def brain(request, stream):
 
 
 if __name__ == "__main__":
-    import greenroom.actors.host as host
-    from greenroom.actors.cli import main
-    from greenroom.actors.provider_scripted import ScriptedProvider
+    import greenroom.actors.runtime.host as host
+    from greenroom.actors.apps.cli import main
+    from greenroom.actors.providers.scripted import ScriptedProvider
 
     host.make_provider = lambda settings: ScriptedProvider(brain)
     sys.exit(main(sys.argv[1:]))

@@ -9,9 +9,9 @@ import pytest
 import trio
 from conftest import collect, of_type
 
-from greenroom.actors.errors import SessionNotFound
-from greenroom.actors.host import Host
-from greenroom.actors.provider_scripted import Reply, ScriptedProvider, text, tool_call
+from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
+from greenroom.actors.runtime.errors import SessionNotFound
+from greenroom.actors.runtime.host import Host
 from greenroom.protocols.outputs import TaskEnd
 from greenroom.protocols.tools import tool
 

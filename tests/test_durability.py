@@ -36,13 +36,18 @@ from conftest import (
     trace_lines,
 )
 
-import greenroom.actors.supervisor as supervisor_module
-import greenroom.actors.trace_sink as trace_sink_module
-import greenroom.actors.turn_dispatch as dispatch_module
-from greenroom.actors.host import Host
-from greenroom.actors.provider_scripted import Reply, ScriptedProvider, text, tool_call
-from greenroom.actors.session import Session
-from greenroom.actors.trace_sink import TraceSink, TraceSinkClosed, TraceWriteError, read_trace
+import greenroom.actors.runtime.supervisor as supervisor_module
+import greenroom.actors.runtime.trace_sink as trace_sink_module
+import greenroom.actors.runtime.turn_dispatch as dispatch_module
+from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.session import Session
+from greenroom.actors.runtime.trace_sink import (
+    TraceSink,
+    TraceSinkClosed,
+    TraceWriteError,
+    read_trace,
+)
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.outputs import (
     ModelMsg,

@@ -32,8 +32,8 @@ from greenroom.actors.gateway import (
     load_or_create_token,
     run_serve,
 )
-from greenroom.actors.host import Host
-from greenroom.actors.provider_scripted import Reply, ScriptedProvider, ScriptStep, text, tool_call
+from greenroom.actors.providers.scripted import Reply, ScriptedProvider, ScriptStep, text, tool_call
+from greenroom.actors.runtime.host import Host
 from greenroom.protocols import jsonrpc
 from greenroom.protocols.content import ImageBlock, TextBlock
 from greenroom.protocols.context import ModelRequest

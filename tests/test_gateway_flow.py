@@ -16,7 +16,7 @@ import trio.testing
 from test_gateway import BOUND_S, Client, connect, serving
 
 from greenroom.actors.gateway import GatewayLimits
-from greenroom.actors.session import Session
+from greenroom.actors.runtime.session import Session
 from greenroom.protocols.outputs import Output, PartialText
 
 

@@ -16,7 +16,7 @@ import trio
 from test_gateway import BOUND_S, connect, serving
 
 from greenroom.actors.gateway import GatewayLimits
-from greenroom.actors.provider_scripted import Reply, ScriptStep, text
+from greenroom.actors.providers.scripted import Reply, ScriptStep, text
 from greenroom.protocols import jsonrpc
 
 FRAMES = 300

@@ -10,8 +10,8 @@ import trio
 
 from greenroom.actors.gateway import GatewayLimits
 from greenroom.actors.gateway.hubs import Hubs
-from greenroom.actors.host import Host
-from greenroom.actors.provider_scripted import Reply, ScriptedProvider, text
+from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
+from greenroom.actors.runtime.host import Host
 from greenroom.protocols.content import ToolCallBlock
 from greenroom.protocols.messages import Verdict
 

@@ -13,7 +13,6 @@ import trio
 from test_gateway import BOUND_S, TOKEN, Client, connect, serving
 from trio_websocket import ConnectionClosed, ConnectionRejected, open_websocket_url
 
-from greenroom.actors.errors import ConfigurationError
 from greenroom.actors.gateway import (
     FD_RESERVE,
     Gateway,
@@ -22,7 +21,8 @@ from greenroom.actors.gateway import (
     connection_cap,
     load_tokens_file,
 )
-from greenroom.actors.host import Host
+from greenroom.actors.runtime.errors import ConfigurationError
+from greenroom.actors.runtime.host import Host
 from greenroom.protocols import jsonrpc
 
 ALICE = "alice-token-0123456789"

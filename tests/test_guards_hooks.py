@@ -22,8 +22,8 @@ from conftest import (
     texts_of,
 )
 
-from greenroom.actors.host import Host
-from greenroom.actors.provider_scripted import Reply, ScriptedStream, text, tool_call
+from greenroom.actors.providers.scripted import Reply, ScriptedStream, text, tool_call
+from greenroom.actors.runtime.host import Host
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import ModelRequest, ToolSchema
 from greenroom.protocols.hooks import Hooks, RequestInfo, StopInfo, ToolResultsInfo

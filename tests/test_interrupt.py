@@ -23,7 +23,7 @@ from conftest import (
     types,
 )
 
-from greenroom.actors.provider_scripted import Reply, ScriptedStream, text, tool_call
+from greenroom.actors.providers.scripted import Reply, ScriptedStream, text, tool_call
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import AssistantMessage, ModelRequest, UserMessage
 from greenroom.protocols.outputs import Abort, RequestEnd, TaskEnd, ToolCallOutput

@@ -36,8 +36,7 @@ from conftest import (
     types,
 )
 
-from greenroom.actors.host import Host
-from greenroom.actors.provider_scripted import (
+from greenroom.actors.providers.scripted import (
     Reply,
     ScriptedProvider,
     ScriptedStream,
@@ -45,8 +44,9 @@ from greenroom.actors.provider_scripted import (
     text,
     tool_call,
 )
-from greenroom.actors.session import RunStream, Session
-from greenroom.actors.supervisor import ABORT_GRACE_S
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.session import RunStream, Session
+from greenroom.actors.runtime.supervisor import ABORT_GRACE_S
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import AssistantMessage, ModelRequest, UserMessage
 from greenroom.protocols.outputs import (

@@ -18,17 +18,17 @@ import trio
 from conftest import RUN_TIMEOUT_S, Recorder, allow_all, collect, last_user, of_type, results_of
 from trio_websocket import open_websocket_url
 
-from greenroom.actors.errors import ConfigurationError
 from greenroom.actors.gateway import Gateway, SessionDefaults
-from greenroom.actors.host import Host
-from greenroom.actors.mcp_tools import McpConnection, load_config_files
-from greenroom.actors.provider_scripted import (
+from greenroom.actors.providers.scripted import (
     Reply,
     ScriptedStream,
     model_error,
     text,
     tool_call,
 )
+from greenroom.actors.runtime.errors import ConfigurationError
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.tools.mcp import McpConnection, load_config_files
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.mcp_config import (
@@ -50,7 +50,7 @@ from tests.support.mock_model_server import Text, ToolUse, open_mock_server  # n
 
 SERVER = ROOT / "tests" / "support" / "mcp_server.py"
 GREENROOM = str(Path(sys.executable).parent / "greenroom")
-"""The console script (``python -m greenroom.actors.cli`` would load the CLI module twice
+"""The console script (``python -m greenroom.actors.apps.cli`` would load the CLI module twice
 when ``chat`` imports it, and its errors would not be the ones ``main`` looks for)."""
 STDIO = {"command": sys.executable, "args": [str(SERVER)]}
 
@@ -606,7 +606,7 @@ async def test_cli_run_with_stdio_and_http_servers(tmp_path: Path, workspace: Pa
             env = {**cli_env(tmp_path), "OPENAI_API_KEY": "test-key"}
             with trio.fail_after(RUN_TIMEOUT_S * 3):
                 result = await trio.run_process(
-                    [sys.executable, "-m", "greenroom.actors.cli", "run", "--json",
+                    [sys.executable, "-m", "greenroom", "run", "--json",
                      "--provider", "openai", "--model", "mock-model",
                      "--base-url", model.base_url + "/v1", "--approve", "all",
                      "--workspace", str(workspace), "--mcp-config", str(config), "use them"],

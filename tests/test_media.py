@@ -5,8 +5,9 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
-from greenroom.actors import provider_anthropic, provider_openai
-from greenroom.actors.media import read_image
+from greenroom.actors.providers import anthropic as provider_anthropic
+from greenroom.actors.providers import openai as provider_openai
+from greenroom.actors.providers.media import read_image
 from greenroom.protocols.content import ImageBlock
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 8

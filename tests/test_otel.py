@@ -23,11 +23,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from greenroom.actors.host import Host
-from greenroom.actors.otel import GenAIObserver
-from greenroom.actors.provider_scripted import Reply, tool_call
-from greenroom.actors.provider_scripted import text as text_block
-from greenroom.actors.subagents import SPAWN_SUBAGENT, SUBAGENT_SYSTEM, spawn_subagent
+from greenroom.actors.observers.otel import GenAIObserver
+from greenroom.actors.providers.scripted import Reply, tool_call
+from greenroom.actors.providers.scripted import text as text_block
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.subagents import SPAWN_SUBAGENT, SUBAGENT_SYSTEM, spawn_subagent
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import ModelRequest, UserMessage
 from greenroom.protocols.stream import TokenUsage

@@ -22,9 +22,9 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from greenroom.actors.demo import write_demo_workspace
+from greenroom.actors.apps.demo import write_demo_workspace
 
-CLI = [sys.executable, "-m", "greenroom.actors.cli"]
+CLI = [sys.executable, "-m", "greenroom"]
 TIMEOUT_S = 60
 SALES_PROMPT = "summarize the sales CSV files: revenue per region"
 
@@ -207,8 +207,8 @@ NO_IMPORT_SCRIPT = """
 import os, sys, tempfile
 import trio
 import greenroom
-from greenroom.actors.cli import main
-from greenroom.actors.host import Host
+from greenroom.actors.apps.cli import main
+from greenroom.actors.runtime.host import Host
 
 async def task():
     async with Host.open(tempfile.mkdtemp()) as host:
@@ -242,7 +242,7 @@ def test_without_export_nothing_of_opentelemetry_is_imported(tmp_path: Path) -> 
 WITHOUT_EXTRA_SCRIPT = """
 import os, sys
 sys.modules["opentelemetry"] = None  # as if greenroom[otel] were not installed
-from greenroom.actors.cli import main
+from greenroom.actors.apps.cli import main
 os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = "http://127.0.0.1:9"
 print("env only:", main(["run", "--provider", "scripted", "hello"]))
 print("flag:", main(["run", "--otel", "--provider", "scripted", "hello"]))

@@ -23,10 +23,10 @@ from typing import Any
 
 from test_protocol_roundtrip import EXAMPLES
 
-from greenroom.actors import subagents
-from greenroom.actors.chat import ChatRenderer
-from greenroom.actors.cli import HumanRenderer, JsonRenderer, format_record
+from greenroom.actors.apps.chat import ChatRenderer
+from greenroom.actors.apps.cli import HumanRenderer, JsonRenderer, format_record
 from greenroom.actors.gateway import hubs
+from greenroom.actors.runtime import subagents
 from greenroom.protocols import outputs
 from greenroom.protocols.transcript import Transcript, rebuild
 
@@ -111,13 +111,13 @@ def test_subagent_watch_follows_every_output() -> None:
 # -- the static check ----------------------------------------------------------------------
 
 DISPATCHERS = {
-    ("actors/cli.py", "Renderer._mark_shown"),
-    ("actors/cli.py", "HumanRenderer.show"),
-    ("actors/cli.py", "HumanRenderer._show_subagent"),
-    ("actors/cli.py", "_record_detail"),
-    ("actors/chat.py", "ChatRenderer.show"),
+    ("actors/apps/cli.py", "Renderer._mark_shown"),
+    ("actors/apps/cli.py", "HumanRenderer.show"),
+    ("actors/apps/cli.py", "HumanRenderer._show_subagent"),
+    ("actors/apps/cli.py", "_record_detail"),
+    ("actors/apps/chat.py", "ChatRenderer.show"),
     ("actors/gateway/hubs.py", "SessionHub._fan_out"),
-    ("actors/subagents.py", "_ChildWatch.on_batch"),
+    ("actors/runtime/subagents.py", "_ChildWatch.on_batch"),
     ("protocols/transcript.py", "Transcript.apply"),
     ("protocols/transcript.py", "rebuild"),
 }

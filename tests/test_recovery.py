@@ -27,16 +27,16 @@ from conftest import (
     texts_of,
 )
 
-from greenroom.actors.host import Host
-from greenroom.actors.provider_scripted import (
+from greenroom.actors.providers.scripted import (
     Reply,
     ScriptedStream,
     check_invariants,
     text,
     tool_call,
 )
-from greenroom.actors.session import Session
-from greenroom.actors.storage import SESSION_FILE
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.session import Session
+from greenroom.actors.runtime.storage import SESSION_FILE
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import AssistantMessage, ModelRequest, UserMessage
 from greenroom.protocols.outputs import TaskEnd

@@ -26,10 +26,10 @@ from conftest import (
     types,
 )
 
-from greenroom.actors.errors import AuthLocked
-from greenroom.actors.host import Host
-from greenroom.actors.provider_scripted import Reply, text, tool_call
-from greenroom.actors.supervisor import ABORT_GRACE_S
+from greenroom.actors.providers.scripted import Reply, text, tool_call
+from greenroom.actors.runtime.errors import AuthLocked
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.supervisor import ABORT_GRACE_S
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import ModelRequest, UserMessage
 from greenroom.protocols.outputs import (
@@ -465,7 +465,7 @@ async def test_a_skip_before_any_wait_is_planned_is_ignored(
 ) -> None:
     """R-RETRY-5 ends the *current* backoff: a skip pressed while an attempt is still
     streaming (no wait planned yet) does not shorten the wait announced afterwards."""
-    from greenroom.actors.provider_scripted import ScriptedStream
+    from greenroom.actors.providers.scripted import ScriptedStream
 
     arrivals: list[float] = []
     streaming = trio.Event()

@@ -16,9 +16,9 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from greenroom.actors.provider_anthropic import AnthropicProvider
-from greenroom.actors.provider_openai import OpenAIProvider
-from greenroom.actors.provider_openai_responses import OpenAIResponsesProvider
+from greenroom.actors.providers.anthropic import AnthropicProvider
+from greenroom.actors.providers.openai import OpenAIProvider
+from greenroom.actors.providers.openai_responses import OpenAIResponsesProvider
 from greenroom.protocols import anthropic_codec, openai_codec, openai_responses_codec
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import ModelRequest, UserMessage

@@ -12,8 +12,8 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from greenroom.actors.compactor import Compactor
-from greenroom.actors.llm_streamer import Deliver, LLMStreamer
+from greenroom.actors.runtime.compactor import Compactor
+from greenroom.actors.runtime.llm_streamer import Deliver, LLMStreamer
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import ModelRequest, UserMessage
 from greenroom.protocols.messages import StreamerCommand, SupervisorMessage

@@ -9,8 +9,8 @@ from pathlib import Path
 import trio
 from conftest import collect, of_type
 
-from greenroom.actors.host import Host
-from greenroom.actors.provider_scripted import Reply, ScriptedProvider, text, tool_call
+from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
+from greenroom.actors.runtime.host import Host
 from greenroom.protocols.outputs import TaskEnd, ToolCallOutput
 from greenroom.protocols.tools import tool
 

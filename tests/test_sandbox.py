@@ -12,10 +12,10 @@ import pytest
 import trio
 from conftest import RUN_TIMEOUT_S, allow_all, collect, of_type, open_host
 
-import greenroom.actors.builtin_tools as builtin
-from greenroom.actors.builtin_tools import BuiltinToolError, run_shell
-from greenroom.actors.provider_scripted import Reply, tool_call
-from greenroom.actors.sandbox import (
+import greenroom.actors.tools.builtin as builtin
+from greenroom.actors.providers.scripted import Reply, tool_call
+from greenroom.actors.tools.builtin import BuiltinToolError, run_shell
+from greenroom.actors.tools.sandbox import (
     SandboxStatus,
     sandbox_available,
     sandbox_status,

@@ -28,10 +28,10 @@ from conftest import (
     results_of,
 )
 
-from greenroom.actors.builtin_tools import read_file
-from greenroom.actors.host import Host
-from greenroom.actors.provider_scripted import Reply, ScriptedStream, text, tool_call
-from greenroom.actors.subagents import SPAWN_SUBAGENT, SUBAGENT_SYSTEM, spawn_subagent
+from greenroom.actors.providers.scripted import Reply, ScriptedStream, text, tool_call
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.subagents import SPAWN_SUBAGENT, SUBAGENT_SYSTEM, spawn_subagent
+from greenroom.actors.tools.builtin import read_file
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import ModelRequest, UserMessage
 from greenroom.protocols.outputs import (

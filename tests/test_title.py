@@ -8,8 +8,8 @@ from pathlib import Path
 import trio
 from conftest import collect
 
-from greenroom.actors.host import Host
-from greenroom.actors.provider_scripted import Reply, ScriptedProvider, ScriptedStream, text
+from greenroom.actors.providers.scripted import Reply, ScriptedProvider, ScriptedStream, text
+from greenroom.actors.runtime.host import Host
 from greenroom.protocols.context import ModelRequest, UserMessage
 from greenroom.protocols.tools import tool
 
@@ -53,7 +53,7 @@ async def test_title_is_one_shot_and_never_traced(tmp_path: Path) -> None:
 
 
 async def test_title_does_not_wait_for_a_running_task(tmp_path: Path) -> None:
-    from greenroom.actors.provider_scripted import tool_call
+    from greenroom.actors.providers.scripted import tool_call
 
     provider = ScriptedProvider(
         [

@@ -28,16 +28,16 @@ from conftest import (
     results_of,
 )
 
-from greenroom.actors.host import Host
-from greenroom.actors.provider_scripted import (
+from greenroom.actors.providers.scripted import (
     Reply,
     ScriptedStream,
     check_invariants,
     text,
     tool_call,
 )
-from greenroom.actors.session import Session
-from greenroom.actors.tool_pool import CANCEL_GRACE_S
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.session import Session
+from greenroom.actors.runtime.tool_pool import CANCEL_GRACE_S
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import AssistantMessage, ModelRequest, UserMessage
 from greenroom.protocols.markers import INTERRUPTED_TEXT

@@ -17,16 +17,16 @@ import pytest
 import trio
 from conftest import RUN_TIMEOUT_S, Recorder, allow_all, collect, of_type
 
-import greenroom.actors.builtin_tools as builtin
-from greenroom.actors.builtin_tools import (
+import greenroom.actors.tools.builtin as builtin
+from greenroom.actors.providers.scripted import Reply, text, tool_call
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.tools.builtin import (
     BuiltinToolError,
     list_dir,
     read_file,
     search_files,
     write_file,
 )
-from greenroom.actors.host import Host
-from greenroom.actors.provider_scripted import Reply, text, tool_call
 from greenroom.protocols.outputs import TaskEnd, ToolCallOutput
 from greenroom.protocols.tools import Tool, ToolContext
 

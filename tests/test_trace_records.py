@@ -19,7 +19,7 @@ from conftest import (
     traced,
 )
 
-from greenroom.actors.provider_scripted import Reply, text, tool_call
+from greenroom.actors.providers.scripted import Reply, text, tool_call
 from greenroom.protocols.converter import to_dict
 from greenroom.protocols.outputs import TaskEnd, TokenUsageOutput
 from greenroom.protocols.stream import ModelError, TokenUsage

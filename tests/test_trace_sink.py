@@ -16,7 +16,7 @@ import pytest
 import trio
 import trio.testing
 
-from greenroom.actors.trace_sink import (
+from greenroom.actors.runtime.trace_sink import (
     TraceSink,
     TraceSinkClosed,
     TraceWriteError,

@@ -24,9 +24,9 @@ from conftest import (
     types,
 )
 
-from greenroom.actors.errors import Busy
-from greenroom.actors.host import Host
-from greenroom.actors.provider_scripted import Reply, ScriptedStream, text, tool_call
+from greenroom.actors.providers.scripted import Reply, ScriptedStream, text, tool_call
+from greenroom.actors.runtime.errors import Busy
+from greenroom.actors.runtime.host import Host
 from greenroom.protocols.content import ImageBlock, TextBlock, ThinkingBlock, ToolCallBlock
 from greenroom.protocols.context import AssistantMessage, ModelRequest
 from greenroom.protocols.outputs import (

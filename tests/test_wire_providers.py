@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import trio
 
-from greenroom.actors.errors import AuthLocked
-from greenroom.actors.host import Host
-from greenroom.actors.provider_anthropic import AnthropicProvider
-from greenroom.actors.provider_openai import OpenAIProvider
-from greenroom.actors.session import Session
+from greenroom.actors.providers.anthropic import AnthropicProvider
+from greenroom.actors.providers.openai import OpenAIProvider
+from greenroom.actors.runtime.errors import AuthLocked
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.session import Session
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.outputs import (
     ModelMsg,

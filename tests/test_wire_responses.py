@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import trio
 
-from greenroom.actors.errors import AuthLocked
-from greenroom.actors.host import Host
-from greenroom.actors.provider_openai_responses import OpenAIResponsesProvider
-from greenroom.actors.session import Session
+from greenroom.actors.providers.openai_responses import OpenAIResponsesProvider
+from greenroom.actors.runtime.errors import AuthLocked
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.session import Session
 from greenroom.protocols.content import ThinkingBlock
 from greenroom.protocols.outputs import ModelMsg, Output, RequestEnd, TaskEnd, ToolCallOutput
 from greenroom.protocols.tools import tool
@@ -195,7 +195,7 @@ async def test_the_cli_runs_the_responses_provider(tmp_path: Path) -> None:
 
     async with open_mock_server(Reply([Text("Hello from responses.")])) as server:
         process = await trio.run_process(
-            [sys.executable, "-m", "greenroom.actors.cli", "run", "--json", "--provider",
+            [sys.executable, "-m", "greenroom", "run", "--json", "--provider",
              "openai-responses", "--base-url", server.base_url + "/v1", "--model", "gpt-5-mini",
              "--data-dir", str(tmp_path / "data"), "--workspace", str(tmp_path), "hi"],
             capture_stdout=True, capture_stderr=True, check=False,

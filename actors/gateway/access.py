@@ -6,8 +6,8 @@ from __future__ import annotations
 import hmac
 from collections.abc import Mapping
 
-from greenroom.actors.errors import ConfigurationError
 from greenroom.actors.gateway.config import DEFAULT_CLIENT
+from greenroom.actors.runtime.errors import ConfigurationError
 
 
 class Principals:

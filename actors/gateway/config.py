@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 import attrs
 
-from greenroom.actors.errors import ConfigurationError
-from greenroom.actors.llm_streamer import ModelProvider
+from greenroom.actors.runtime.errors import ConfigurationError
+from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.protocols.content import ImageBlock, UserContent
 from greenroom.protocols.jsonrpc import invalid
 from greenroom.protocols.tools import Tool

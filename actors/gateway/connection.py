@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
-from greenroom.actors.errors import (
+from greenroom.actors.gateway.config import GatewayLimits
+from greenroom.actors.runtime.errors import (
     AuthLocked,
     Busy,
     ConfigurationError,
     GreenroomError,
     SessionNotFound,
 )
-from greenroom.actors.gateway.config import GatewayLimits
 from greenroom.protocols import jsonrpc
 from greenroom.protocols.jsonrpc import Batch, FrameError, Notification, Request, RpcError
 

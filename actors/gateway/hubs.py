@@ -28,8 +28,8 @@ import trio
 
 from greenroom.actors.gateway.config import ApproveMode, GatewayLimits
 from greenroom.actors.gateway.connection import Connection
-from greenroom.actors.session import Session
-from greenroom.actors.storage import read_session_records
+from greenroom.actors.runtime.session import Session
+from greenroom.actors.runtime.storage import read_session_records
 from greenroom.protocols import jsonrpc
 from greenroom.protocols.content import ToolCallBlock
 from greenroom.protocols.converter import to_dict

@@ -21,7 +21,6 @@ from typing import Any, cast
 import attrs
 import trio
 
-from greenroom.actors.errors import SessionNotFound
 from greenroom.actors.gateway.access import Grants, Principals
 from greenroom.actors.gateway.config import (
     CLIENT_ID,
@@ -36,10 +35,11 @@ from greenroom.actors.gateway.config import (
 from greenroom.actors.gateway.connection import Connection, Handler
 from greenroom.actors.gateway.hubs import Hubs, session_state
 from greenroom.actors.gateway.titles import Titles
-from greenroom.actors.host import Host
-from greenroom.actors.llm_streamer import ModelProvider
-from greenroom.actors.session import Session
-from greenroom.actors.storage import SessionStore
+from greenroom.actors.runtime.errors import SessionNotFound
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.llm_streamer import ModelProvider
+from greenroom.actors.runtime.session import Session
+from greenroom.actors.runtime.storage import SessionStore
 from greenroom.protocols import jsonrpc
 from greenroom.protocols.content import ImageBlock, ToolCallBlock, UserContent
 from greenroom.protocols.converter import to_dict

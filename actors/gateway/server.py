@@ -36,7 +36,6 @@ from typing import cast
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, WebSocketServer
 
-from greenroom.actors.errors import ConfigurationError
 from greenroom.actors.gateway.access import Grants, Principals
 from greenroom.actors.gateway.config import (
     AUTH_TIMEOUT_S,
@@ -62,7 +61,8 @@ from greenroom.actors.gateway.console import ConsoleServer, display_host, url_ho
 from greenroom.actors.gateway.hubs import Hubs
 from greenroom.actors.gateway.methods import DETACHED, Methods
 from greenroom.actors.gateway.titles import Titles
-from greenroom.actors.host import Host, SessionObserver, default_data_dir
+from greenroom.actors.runtime.errors import ConfigurationError
+from greenroom.actors.runtime.host import Host, SessionObserver, default_data_dir
 
 logger = logging.getLogger(__name__)
 
@@ -379,7 +379,8 @@ async def run_serve(
     one). ``allowed_origins``: more browser origins allowed to connect.
     ``max_connections`` is lowered, with a notice, to what the file descriptor limit
     allows after the soft limit is raised to the hard one (:func:`connection_cap`).
-    ``observers`` watch the host's sessions (:data:`~greenroom.actors.host.SessionObserver`)."""
+    ``observers`` watch the host's sessions
+    (:data:`~greenroom.actors.runtime.host.SessionObserver`)."""
     if tokens_file is not None and token_file is not None:
         raise ConfigurationError("give --token-file or --tokens-file, not both")
     fd_limit = raise_fd_limit()

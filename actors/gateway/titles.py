@@ -14,7 +14,7 @@ from pathlib import Path
 
 import trio
 
-from greenroom.actors.session import Session
+from greenroom.actors.runtime.session import Session
 from greenroom.protocols.text import repair_text
 
 logger = logging.getLogger(__name__)

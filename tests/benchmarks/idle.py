@@ -134,7 +134,7 @@ def _top_sites(diff: list[Any], n: int, count: int) -> list[dict[str, Any]]:
 async def measure_idle(
     label: str, make_provider: Any, n: int, traced: bool, data_dir: Path
 ) -> dict[str, Any]:
-    from greenroom.actors.host import Host
+    from greenroom.actors.runtime.host import Host
 
     provider = make_provider()
     run_dir = Path(tempfile.mkdtemp(prefix="idle-", dir=data_dir))
@@ -174,8 +174,8 @@ async def measure_idle(
 
 
 async def measure_active(base_url: str, k: int, data_dir: Path) -> dict[str, Any]:
-    from greenroom.actors.host import Host
-    from greenroom.actors.provider_anthropic import AnthropicProvider
+    from greenroom.actors.providers.anthropic import AnthropicProvider
+    from greenroom.actors.runtime.host import Host
     from greenroom.protocols.outputs import RequestBegin
 
     provider = AnthropicProvider(base_url=base_url, api_key="bench", max_connections=4000)
@@ -229,8 +229,8 @@ async def measure_active(base_url: str, k: int, data_dir: Path) -> dict[str, Any
 
 
 async def main_async(args: Any) -> dict[str, Any]:
-    from greenroom.actors.provider_anthropic import AnthropicProvider
-    from greenroom.actors.provider_scripted import ScriptedProvider
+    from greenroom.actors.providers.anthropic import AnthropicProvider
+    from greenroom.actors.providers.scripted import ScriptedProvider
 
     n = args.n or (1000 if args.quick else 10_000)
     sample = 150 if args.quick else 1000

@@ -45,8 +45,8 @@ MID_TEXT_AFTER = 20
 
 
 async def trials(kind: str, base_url: str, data_dir: Path, count: int) -> dict[str, Any]:
-    from greenroom.actors.host import Host
-    from greenroom.actors.provider_anthropic import AnthropicProvider
+    from greenroom.actors.providers.anthropic import AnthropicProvider
+    from greenroom.actors.runtime.host import Host
     from greenroom.protocols.outputs import PartialText, TaskEnd
     from greenroom.protocols.tools import tool
 

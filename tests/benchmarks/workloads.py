@@ -67,8 +67,8 @@ class GreenroomBench:
     async def run(self, n: int, *, measure: bool = True) -> Run:
         import time
 
-        from greenroom.actors.host import Host
-        from greenroom.actors.provider_anthropic import AnthropicProvider
+        from greenroom.actors.providers.anthropic import AnthropicProvider
+        from greenroom.actors.runtime.host import Host
         from greenroom.protocols.outputs import PartialText, TaskEnd
 
         result = Run("greenroom", n)
@@ -170,7 +170,7 @@ def make_sdk_client(base_url: str) -> Any:
     import anthropic
     import httpx2  # the SDK's bundled HTTP client
 
-    from greenroom.actors.provider_anthropic import DEFAULT_TIMEOUT
+    from greenroom.actors.providers.anthropic import DEFAULT_TIMEOUT
 
     # Same limits and timeouts as greenroom's provider (the SDK's default connect timeout of
     # 5 s fails when 1,000 tasks share one core).

@@ -3,7 +3,7 @@
 :class:`TurnDispatch` owns the receive side of a running session's inbox. Each message is
 fed to the turn's :class:`~greenroom.protocols.turn.TurnMachine` (one exhaustive ``match``);
 the effects the machine returns are carried out in order — outputs emitted through the
-:class:`~greenroom.actors.emitter.OutputEmitter`, ``ApproveCall`` to the approval broker,
+:class:`~greenroom.actors.runtime.emitter.OutputEmitter`, ``ApproveCall`` to the approval broker,
 ``RunToolCall`` / ``SkipToolCall`` to the tool pool, usage to the task's total and the
 ledger. Steering and backoff skips are handed to the supervisor's callbacks.
 """
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, assert_never
 
 import trio
 
-from greenroom.actors.emitter import OutputEmitter, repaired_blocks
+from greenroom.actors.runtime.emitter import OutputEmitter, repaired_blocks
 from greenroom.protocols.content import UserContent
 from greenroom.protocols.messages import (
     ApprovalAsked,
@@ -42,7 +42,7 @@ from greenroom.protocols.text import repair_text
 from greenroom.protocols.turn import Effect, RecordUsage, TurnMachine
 
 if TYPE_CHECKING:
-    from greenroom.actors.session import Session
+    from greenroom.actors.runtime.session import Session
 
 
 _PARTIALS = frozenset({PartialText, PartialThinking, PartialToolCall})

@@ -4,9 +4,9 @@
 
     greenroom demo                      the sales-CSV task on a fresh workspace, no key needed
     greenroom run [PROMPT] [options]    one task; PROMPT or stdin
-    greenroom chat [options]            an interactive terminal on one session (actors/chat.py)
+    greenroom chat [options]            an interactive terminal on one session (actors/apps/chat.py)
     greenroom acp [options]             an Agent Client Protocol agent on stdio, for editors
-                                        (actors/acp_agent.py)
+                                        (actors/apps/acp.py)
     greenroom serve [--host H] [--port P] the websocket JSON-RPC gateway at ws://H:P/v1 and
                                         the web console at http://H:P+1/
     greenroom sessions                  the sessions stored in the data dir
@@ -48,17 +48,22 @@ from typing import Any, NoReturn, TextIO, assert_never
 import attrs
 import trio
 
-from greenroom.actors.approval_broker import ApproveFn
-from greenroom.actors.builtin_tools import builtin_tools
-from greenroom.actors.errors import AuthLocked, ConfigurationError, GreenroomError, SessionNotFound
-from greenroom.actors.host import Host, SessionObserver, default_data_dir
-from greenroom.actors.mcp_config import McpConfigError, load_config_files
-from greenroom.actors.provider_registry import PROVIDERS, default_provider_name, provider_spec
-from greenroom.actors.session import Session
-from greenroom.actors.storage import SessionStore
-from greenroom.actors.subagents import spawn_subagent
-from greenroom.actors.tool_loader import ToolLoadError, load_tools
-from greenroom.actors.trace_sink import latest_trace_file, read_trace
+from greenroom.actors.providers.registry import PROVIDERS, default_provider_name, provider_spec
+from greenroom.actors.runtime.approval_broker import ApproveFn
+from greenroom.actors.runtime.errors import (
+    AuthLocked,
+    ConfigurationError,
+    GreenroomError,
+    SessionNotFound,
+)
+from greenroom.actors.runtime.host import Host, SessionObserver, default_data_dir
+from greenroom.actors.runtime.session import Session
+from greenroom.actors.runtime.storage import SessionStore
+from greenroom.actors.runtime.subagents import spawn_subagent
+from greenroom.actors.runtime.trace_sink import latest_trace_file, read_trace
+from greenroom.actors.tools.builtin import builtin_tools
+from greenroom.actors.tools.loader import ToolLoadError, load_tools
+from greenroom.actors.tools.mcp_config import McpConfigError, load_config_files
 from greenroom.protocols.content import (
     ImageBlock,
     ModelBlock,
@@ -520,7 +525,7 @@ def _telemetry(args: argparse.Namespace) -> Iterator[tuple[SessionObserver, ...]
         yield ()
         return
     try:
-        from greenroom.actors.otel import exporting
+        from greenroom.actors.observers.otel import exporting
     except ImportError:
         if args.otel:
             raise UsageError(
@@ -539,11 +544,11 @@ def _dispatch_command(args: argparse.Namespace) -> int:
     if args.command == "acp":
         return _acp_command(args)
     if args.command == "chat":
-        from greenroom.actors.chat import chat_command
+        from greenroom.actors.apps.chat import chat_command
 
         return chat_command(args)
     if args.command == "demo":
-        from greenroom.actors.demo import run_demo
+        from greenroom.actors.apps.demo import run_demo
 
         return run_demo(args)
     if args.command == "serve":
@@ -740,8 +745,8 @@ def _setting_flags(args: argparse.Namespace) -> dict[str, Any]:
 
 def _acp_command(args: argparse.Namespace) -> int:
     """``greenroom acp``: the Agent Client Protocol agent on stdin and stdout, with the
-    session defaults of the flags (actors/acp_agent.py). stdout is the protocol's alone."""
-    from greenroom.actors.acp_agent import AcpConfig, serve_stdio
+    session defaults of the flags (actors/apps/acp.py). stdout is the protocol's alone."""
+    from greenroom.actors.apps.acp import AcpConfig, serve_stdio
 
     tools = tuple(collect_tools(args.tools, builtin=not args.no_builtin_tools))
     options = prepare_options(

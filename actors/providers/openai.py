@@ -5,7 +5,7 @@ sans-IO :class:`~greenroom.protocols.openai_codec.OpenAIStreamDecoder` accepts t
 variations (``reasoning_content`` / ``reasoning``, whole tool calls in one chunk, usage in
 the finish chunk, errors inside a 200 stream). Library errors are translated to
 ``StreamFailed`` in one place, :meth:`HTTPStreamTask.stream`, which the Responses
-provider (:mod:`greenroom.actors.provider_openai_responses`) shares with its own codec.
+provider (:mod:`greenroom.actors.providers.openai_responses`) shares with its own codec.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 import httpx
 
-from greenroom.actors.llm_streamer import Deliver, connect_failure, cut_short
-from greenroom.actors.media import read_image
+from greenroom.actors.providers.media import read_image
+from greenroom.actors.runtime.llm_streamer import Deliver, connect_failure, cut_short
 from greenroom.protocols.content import ImageBlock
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.openai_codec import OpenAIStreamDecoder, RequestEncoder, classify_error

@@ -39,12 +39,12 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from greenroom.actors.approval_broker import ApproveFn
-from greenroom.actors.errors import AuthLocked, Busy, ConfigurationError, SessionNotFound
-from greenroom.actors.host import Host
-from greenroom.actors.media import read_image
-from greenroom.actors.session import RunStream, Session
-from greenroom.actors.storage import read_session_records
+from greenroom.actors.providers.media import read_image
+from greenroom.actors.runtime.approval_broker import ApproveFn
+from greenroom.actors.runtime.errors import AuthLocked, Busy, ConfigurationError, SessionNotFound
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.session import RunStream, Session
+from greenroom.actors.runtime.storage import read_session_records
 from greenroom.protocols import acp
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock, UserContent
 from greenroom.protocols.jsonrpc import (
@@ -66,7 +66,7 @@ from greenroom.protocols.outputs import ModelMsg, Output, TaskEnd
 from greenroom.protocols.tools import Tool
 
 if TYPE_CHECKING:
-    from greenroom.actors.llm_streamer import ModelProvider
+    from greenroom.actors.runtime.llm_streamer import ModelProvider
 
 __all__ = ["AcpAgent", "AcpConfig", "serve_stdio"]
 
@@ -584,7 +584,7 @@ def _version() -> str:
 def serve_stdio(config: AcpConfig, data_dir: Path, stdout_fd: int) -> None:
     """Serve one ACP client on stdin and ``stdout_fd`` (a private duplicate of stdout: fd 1
     already points at stderr) until stdin closes; fd 0 points at ``/dev/null`` meanwhile.
-    ``greenroom acp`` (actors/cli.py) prepares the config from its flags."""
+    ``greenroom acp`` (actors/apps/cli.py) prepares the config from its flags."""
     with _private_stdin() as stdin_fd:
         trio.run(_serve_stdio, config, data_dir, stdin_fd, stdout_fd)
 

@@ -22,9 +22,9 @@ from typing import Any
 import anthropic
 import httpx2
 
-from greenroom.actors.errors import ConfigurationError
-from greenroom.actors.llm_streamer import Deliver, connect_failure, cut_short
-from greenroom.actors.media import read_image
+from greenroom.actors.providers.media import read_image
+from greenroom.actors.runtime.errors import ConfigurationError
+from greenroom.actors.runtime.llm_streamer import Deliver, connect_failure, cut_short
 from greenroom.protocols.anthropic_codec import (
     AnthropicStreamDecoder,
     RequestEncoder,

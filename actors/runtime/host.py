@@ -27,18 +27,18 @@ from typing import TYPE_CHECKING, Any, cast
 import attrs
 import trio
 
-from greenroom.actors.errors import ConfigurationError, HostClosed, SessionNotFound
-from greenroom.actors.llm_streamer import ModelProvider
-from greenroom.actors.mcp_config import McpConfigError, as_configs
-from greenroom.actors.provider_registry import (
+from greenroom.actors.providers.registry import (
     PROVIDERS,
     anthropic_credentials,
     default_provider_name,
     provider_spec,
 )
-from greenroom.actors.session import Session, require_trio
-from greenroom.actors.storage import SESSION_FILE, SESSIONS_DIR, SessionStore
-from greenroom.actors.trace_sink import TraceSink, latest_trace_file, read_trace
+from greenroom.actors.runtime.errors import ConfigurationError, HostClosed, SessionNotFound
+from greenroom.actors.runtime.llm_streamer import ModelProvider
+from greenroom.actors.runtime.session import Session, require_trio
+from greenroom.actors.runtime.storage import SESSION_FILE, SESSIONS_DIR, SessionStore
+from greenroom.actors.runtime.trace_sink import TraceSink, latest_trace_file, read_trace
+from greenroom.actors.tools.mcp_config import McpConfigError, as_configs
 from greenroom.protocols.context import ToolSchema
 from greenroom.protocols.converter import converter
 from greenroom.protocols.hooks import Hooks
@@ -52,7 +52,7 @@ SHUTDOWN_GRACE_S = 30.0
 """Bound on closing a host: interrupting every running task and flushing the traces."""
 
 if TYPE_CHECKING:
-    from greenroom.actors.mcp_tools import McpManager
+    from greenroom.actors.tools.mcp import McpManager
 
 
 def _mcp_configs(mcp_servers: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -411,7 +411,7 @@ class Host:
         """Give the session its MCP servers' tools; the manager runs in this host's
         nursery and is started with the first server."""
         # Imported here: the MCP SDK is loaded only by a host that has an MCP server.
-        from greenroom.actors.mcp_tools import McpManager, attach_servers
+        from greenroom.actors.tools.mcp import McpManager, attach_servers
 
         manager = self._mcp
         if manager is None:

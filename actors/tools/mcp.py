@@ -48,7 +48,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 
-from greenroom.actors.mcp_config import as_configs, load_config_files
+from greenroom.actors.tools.mcp_config import as_configs, load_config_files
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolContent
 from greenroom.protocols.context import ToolSchema
 from greenroom.protocols.hooks import Hooks
@@ -62,7 +62,7 @@ from greenroom.protocols.mcp_config import (
 from greenroom.protocols.tools import Tool, ToolContext
 
 if TYPE_CHECKING:
-    from greenroom.actors.session import Session
+    from greenroom.actors.runtime.session import Session
 
 log = logging.getLogger("greenroom.mcp")
 

@@ -23,7 +23,7 @@ by ``lstat`` before opening and again by ``fstat`` on the descriptor, which is o
 than names inside the workspace is refused too (:class:`_LinkCensus`). ``search_files``
 matches in a worker process (``search_worker.py``) killed on cancellation, because
 Python's ``re`` cannot be interrupted in-process. ``run_shell`` is confined as
-:mod:`greenroom.actors.sandbox` describes (R-SEC-3).
+:mod:`greenroom.actors.tools.sandbox` describes (R-SEC-3).
 
 Confinement is checked when the call starts: a symlink swapped in by another process
 between the check and the access is not defended against, except for the last component.
@@ -46,7 +46,7 @@ from pathlib import Path
 
 import trio
 
-from greenroom.actors.sandbox import bwrap_command, sandbox_status, shell_environment
+from greenroom.actors.tools.sandbox import bwrap_command, sandbox_status, shell_environment
 from greenroom.protocols.tools import Tool, ToolContext, tool
 
 __all__ = [

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, assert_never
 import attrs
 import trio
 
-from greenroom.actors.approval_broker import ApproveFn
+from greenroom.actors.runtime.approval_broker import ApproveFn
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.outputs import (
     Abort,
@@ -62,7 +62,7 @@ from greenroom.protocols.outputs import (
 from greenroom.protocols.tools import ToolContext, tool
 
 if TYPE_CHECKING:
-    from greenroom.actors.session import Session
+    from greenroom.actors.runtime.session import Session
 
 __all__ = [
     "SPAWN_SUBAGENT",

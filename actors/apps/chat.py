@@ -78,8 +78,7 @@ from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
 from prompt_toolkit.output import create_output
 from prompt_toolkit.shortcuts import PromptSession
 
-from greenroom.actors.approval_broker import ApproveFn
-from greenroom.actors.cli import (
+from greenroom.actors.apps.cli import (
     EXIT_ABORTED,
     EXIT_OK,
     EXIT_USAGE,
@@ -95,10 +94,11 @@ from greenroom.actors.cli import (
     run_options,
     summary_line,
 )
-from greenroom.actors.errors import GreenroomError
-from greenroom.actors.host import Host, default_data_dir
-from greenroom.actors.session import RunStream, Session
-from greenroom.actors.trace_sink import read_trace
+from greenroom.actors.runtime.approval_broker import ApproveFn
+from greenroom.actors.runtime.errors import GreenroomError
+from greenroom.actors.runtime.host import Host, default_data_dir
+from greenroom.actors.runtime.session import RunStream, Session
+from greenroom.actors.runtime.trace_sink import read_trace
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.outputs import (
     Abort,

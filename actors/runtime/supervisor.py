@@ -21,7 +21,7 @@ Interrupt is cancellation: the task runs inside a cancel scope; ``interrupt()`` 
 and the supervisor settles the turn (R-ABORT-1..3) under a shielded, bounded scope before
 it emits exactly one ``task_end``.
 
-A subagent (R-HOST-4, :mod:`greenroom.actors.subagents`) runs its own supervisor inside
+A subagent (R-HOST-4, :mod:`greenroom.actors.runtime.subagents`) runs its own supervisor inside
 a ``spawn_subagent`` call's task, i.e. in this task's nursery; its outputs come back
 through :meth:`SessionSupervisor._forward` as live outputs of this run, tagged with their
 ``origin`` and never traced here.
@@ -38,13 +38,13 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from greenroom.actors.approval_broker import ApprovalBroker, ApproveFn
-from greenroom.actors.compactor import Compaction, compaction_due
-from greenroom.actors.emitter import OutputEmitter, repaired_blocks
-from greenroom.actors.llm_streamer import LLMStreamer, ProviderTask
-from greenroom.actors.subagents import Subagents
-from greenroom.actors.tool_pool import ToolPool
-from greenroom.actors.turn_dispatch import TurnDispatch
+from greenroom.actors.runtime.approval_broker import ApprovalBroker, ApproveFn
+from greenroom.actors.runtime.compactor import Compaction, compaction_due
+from greenroom.actors.runtime.emitter import OutputEmitter, repaired_blocks
+from greenroom.actors.runtime.llm_streamer import LLMStreamer, ProviderTask
+from greenroom.actors.runtime.subagents import Subagents
+from greenroom.actors.runtime.tool_pool import ToolPool
+from greenroom.actors.runtime.turn_dispatch import TurnDispatch
 from greenroom.protocols.content import (
     TextBlock,
     UserContent,
@@ -83,7 +83,7 @@ from greenroom.protocols.stream import (
 from greenroom.protocols.turn import TurnMachine
 
 if TYPE_CHECKING:
-    from greenroom.actors.session import Session
+    from greenroom.actors.runtime.session import Session
 
 ABORT_GRACE_S = 2.0
 """Bound on the shielded teardown after an interrupt: writing ``abort`` and ``task_end``

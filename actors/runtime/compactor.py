@@ -49,8 +49,8 @@ from greenroom.protocols.stream import (
 )
 
 if TYPE_CHECKING:
-    from greenroom.actors.emitter import OutputEmitter
-    from greenroom.actors.session import Session
+    from greenroom.actors.runtime.emitter import OutputEmitter
+    from greenroom.actors.runtime.session import Session
 
 
 @attrs.frozen(kw_only=True, slots=True)

@@ -38,7 +38,7 @@ from opentelemetry import trace
 from opentelemetry.metrics import Histogram, MeterProvider, NoOpMeterProvider
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, TracerProvider
 
-from greenroom.actors.subagents import SPAWN_SUBAGENT
+from greenroom.actors.runtime.subagents import SPAWN_SUBAGENT
 from greenroom.protocols.content import (
     ImageBlock,
     TextBlock,
@@ -63,7 +63,7 @@ from greenroom.protocols.outputs import (
 from greenroom.protocols.stream import TokenUsage
 
 if TYPE_CHECKING:
-    from greenroom.actors.session import Session
+    from greenroom.actors.runtime.session import Session
 
 __all__ = [
     "CAPTURE_CONTENT_ENV",

@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from greenroom.actors.trace_sink import TraceSinkClosed, TraceWriteError
+from greenroom.actors.runtime.trace_sink import TraceSinkClosed, TraceWriteError
 from greenroom.protocols import converter
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.outputs import Output
 from greenroom.protocols.text import repair_json, repair_text
 
 if TYPE_CHECKING:
-    from greenroom.actors.session import Session
+    from greenroom.actors.runtime.session import Session
 
 
 class OutputEmitter:

@@ -17,15 +17,15 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from greenroom.actors.cli import (
+from greenroom.actors.apps.cli import (
     RunOptions,
     UsageError,
     _error,
     collect_tools,
     run_task,
 )
-from greenroom.actors.provider_registry import default_provider_name
-from greenroom.actors.scripted_brain import DEMO_PROMPT
+from greenroom.actors.providers.registry import default_provider_name
+from greenroom.actors.providers.scripted_brain import DEMO_PROMPT
 from greenroom.protocols.wording import decision_words
 
 DEMO_SYSTEM = (

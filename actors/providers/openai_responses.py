@@ -9,7 +9,7 @@ Completions provider's.
 
 from __future__ import annotations
 
-from greenroom.actors.provider_openai import HTTPStreamTask, OpenAIProvider, load_image
+from greenroom.actors.providers.openai import HTTPStreamTask, OpenAIProvider, load_image
 from greenroom.protocols.openai_responses_codec import (
     RequestEncoder,
     ResponsesStreamDecoder,

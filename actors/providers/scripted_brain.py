@@ -30,7 +30,7 @@ from decimal import Decimal, InvalidOperation
 
 import attrs
 
-from greenroom.actors.provider_scripted import ScriptedStream
+from greenroom.actors.providers.scripted import ScriptedStream
 from greenroom.protocols import markers
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import AssistantMessage, Message, ModelRequest, ToolResult

@@ -1,7 +1,7 @@
 """MCP server configuration as the host and the command line take it: ``--mcp-config``
 files and ``mcp_servers=`` arguments, checked into :class:`McpServerConfig` values.
 
-Kept apart from :mod:`greenroom.actors.mcp_tools` so that checking a configuration never
+Kept apart from :mod:`greenroom.actors.tools.mcp` so that checking a configuration never
 imports the MCP SDK: a host with no MCP server loads none of it.
 """
 

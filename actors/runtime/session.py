@@ -3,7 +3,7 @@
 A :class:`Session` holds data only — settings, tools, the model context
 (:class:`~greenroom.protocols.transcript.Transcript`), the trace position — so an idle
 session costs its history and little more. ``run()`` starts a
-:class:`~greenroom.actors.supervisor.SessionSupervisor` in the host's nursery; it ends
+:class:`~greenroom.actors.runtime.supervisor.SessionSupervisor` in the host's nursery; it ends
 with the work.
 """
 
@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Literal
 import attrs
 import trio
 
-from greenroom.actors.approval_broker import ApproveFn, ClientApprover
-from greenroom.actors.errors import AuthLocked, Busy, SessionClosed
-from greenroom.actors.llm_streamer import LLMStreamer
-from greenroom.actors.supervisor import SessionSupervisor, TaskInput
-from greenroom.actors.trace_sink import TraceSinkClosed, TraceWriteError
+from greenroom.actors.runtime.approval_broker import ApproveFn, ClientApprover
+from greenroom.actors.runtime.errors import AuthLocked, Busy, SessionClosed
+from greenroom.actors.runtime.llm_streamer import LLMStreamer
+from greenroom.actors.runtime.supervisor import SessionSupervisor, TaskInput
+from greenroom.actors.runtime.trace_sink import TraceSinkClosed, TraceWriteError
 from greenroom.protocols import markers
 from greenroom.protocols.content import TextBlock, UserContent
 from greenroom.protocols.context import ModelRequest, ToolSchema, UserMessage
@@ -51,8 +51,8 @@ from greenroom.protocols.trace import UsageKind, UsageRow, encode_record, trace_
 from greenroom.protocols.transcript import Transcript
 
 if TYPE_CHECKING:
-    from greenroom.actors.host import Host
-    from greenroom.actors.llm_streamer import ModelProvider
+    from greenroom.actors.runtime.host import Host
+    from greenroom.actors.runtime.llm_streamer import ModelProvider
 
 NO_HOOKS = Hooks()
 """The hooks of a session that was given none (shared: Hooks is frozen)."""
@@ -478,7 +478,7 @@ class SessionCore:
 class Session(SessionCore):
     """A conversation: model, workspace, tools, approval rules, history and trace.
 
-    Create or load sessions through :class:`~greenroom.actors.host.Host`. Methods that
+    Create or load sessions through :class:`~greenroom.actors.runtime.host.Host`. Methods that
     start work are synchronous and return at once; they raise :class:`Busy`,
     :class:`AuthLocked` or :class:`SessionClosed` instead of queueing silently.
     """

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 
 import attrs
 
-from greenroom.actors.llm_streamer import ModelProvider
+from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.protocols.settings import SessionSettings
 
 
@@ -34,26 +34,26 @@ class ProviderSpec:
 
 
 def _anthropic(settings: SessionSettings) -> ModelProvider:
-    from greenroom.actors.provider_anthropic import AnthropicProvider
+    from greenroom.actors.providers.anthropic import AnthropicProvider
 
     return AnthropicProvider(base_url=settings.base_url)
 
 
 def _openai(settings: SessionSettings) -> ModelProvider:
-    from greenroom.actors.provider_openai import OpenAIProvider
+    from greenroom.actors.providers.openai import OpenAIProvider
 
     return OpenAIProvider(base_url=settings.base_url)
 
 
 def _openai_responses(settings: SessionSettings) -> ModelProvider:
-    from greenroom.actors.provider_openai_responses import OpenAIResponsesProvider
+    from greenroom.actors.providers.openai_responses import OpenAIResponsesProvider
 
     return OpenAIResponsesProvider(base_url=settings.base_url)
 
 
 def _scripted(settings: SessionSettings) -> ModelProvider:
-    from greenroom.actors.provider_scripted import ScriptedProvider
-    from greenroom.actors.scripted_brain import demo_brain
+    from greenroom.actors.providers.scripted import ScriptedProvider
+    from greenroom.actors.providers.scripted_brain import demo_brain
 
     return ScriptedProvider(demo_brain)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import attrs
 
-from greenroom.actors.trace_sink import read_trace
+from greenroom.actors.runtime.trace_sink import read_trace
 from greenroom.protocols.outputs import Output
 from greenroom.protocols.trace import trace_file_name, trace_file_number
 

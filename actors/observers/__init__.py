@@ -1,0 +1,1 @@
+"""Observers a host can attach to watch its sessions (OpenTelemetry export)."""
