@@ -446,6 +446,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="port of the web console; 0: any free port (default: --port + 1)",
     )
     serve.add_argument("--no-console", action="store_true", help="do not serve the web console")
+    serve.add_argument(
+        "--nats",
+        metavar="URL",
+        help="join the cluster of the hosts that share this NATS JetStream server "
+        "(nats://HOST:PORT, comma-separated for a NATS cluster; needs greenroom[cluster])",
+    )
+    serve.add_argument(
+        "--host-id", metavar="ID", help="this host's id in the cluster (default: NAME-PID)"
+    )
+    serve.add_argument(
+        "--lease-ttl",
+        metavar="S",
+        type=_positive_seconds,
+        default=5.0,
+        help="seconds after which a silent host's sessions move to another host (default: 5)",
+    )
     _add_session_flags(serve)
 
     sessions = commands.add_parser(
@@ -709,6 +725,8 @@ def _serve_command(args: argparse.Namespace) -> int:
         workspace_root=args.workspace_root,
     )
     defaults_line = _serve_defaults_line(args)
+    if args.nats:
+        return _serve_in_cluster(args, run_serve, tools, options, defaults, defaults_line)
     trio.run(
         partial(
             run_serve,
@@ -726,6 +744,51 @@ def _serve_command(args: argparse.Namespace) -> int:
             ready=lambda _port: _error(defaults_line),
         )
     )
+    return EXIT_OK
+
+
+def _serve_in_cluster(
+    args: argparse.Namespace,
+    run_serve: Callable[..., Awaitable[None]],
+    tools: tuple[Tool, ...],
+    options: RunOptions,
+    defaults: Any,
+    defaults_line: str,
+) -> int:
+    """``greenroom serve --nats``: the same gateway on a host that joins a cluster."""
+    try:
+        from greenroom.actors.cluster.node import ClusterConfig
+        from greenroom.actors.cluster.serve import approve_for, default_host_id, serve_in_cluster
+    except ImportError as exc:
+        raise UsageError(
+            f"--nats needs the cluster extra: pip install 'greenroom[cluster]' ({exc})"
+        ) from None
+    from greenroom.actors.cluster.errors import ClusterError
+
+    config = ClusterConfig(
+        url=args.nats, host_id=args.host_id or default_host_id(), lease_ttl_s=args.lease_ttl
+    )
+    try:
+        serve_in_cluster(
+            config,
+            run_serve,
+            tools=tools,
+            approve=approve_for(args.approve),
+            host=args.host,
+            port=args.port,
+            data_dir=options.data_dir,
+            token_file=args.token_file,
+            defaults=defaults,
+            approval_timeout_s=args.approval_timeout,
+            tokens_file=args.tokens_file,
+            allowed_origins=args.allow_origin,
+            max_connections=args.max_connections,
+            console_port=_console_port(args),
+            observers=args.observers,
+            ready=lambda _port: _error(defaults_line),
+        )
+    except ClusterError as exc:
+        raise UsageError(f"--nats: {exc}") from None
     return EXIT_OK
 
 

@@ -59,6 +59,8 @@ class TraceRead:
     current: tuple[Output, ...]
     file: int
     last_sequence: int
+    files: tuple[tuple[int, tuple[Output, ...]], ...] = ()
+    """Every record (whatever ``after_seq``) by trace file number, oldest first."""
     errors: tuple[TraceLineError, ...] = ()
 
 
@@ -195,6 +197,7 @@ class _Fold:
         self.current: list[Output] = []
         self.file = 1
         self.errors: list[TraceLineError] = []
+        self.files: dict[int, list[Output]] = {}
         self._last_seq = 0
 
     def add(self, msg: Msg) -> list[Output]:
@@ -220,6 +223,7 @@ class _Fold:
                 continue
             self._last_seq = seq
             self.current.append(record)
+            self.files.setdefault(self.file, []).append(record)
             if seq > self._after:
                 fresh.append(record)
         self.records.extend(fresh)
@@ -231,6 +235,7 @@ class _Fold:
             current=tuple(self.current),
             file=self.file,
             last_sequence=last_sequence,
+            files=tuple((n, tuple(rs)) for n, rs in sorted(self.files.items())),
             errors=tuple(self.errors),
         )
 

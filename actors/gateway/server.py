@@ -30,6 +30,7 @@ import logging
 import signal
 import sys
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import cast
 
@@ -345,6 +346,16 @@ class _CountedStream(trio.abc.HalfCloseableStream):
 # -- greenroom serve ---------------------------------------------------------------------------
 
 
+HostOpener = Callable[[Path, Iterable[SessionObserver]], AbstractAsyncContextManager[Host]]
+"""Opens the host ``run_serve`` serves, from the data dir and the session observers."""
+
+
+def _open_local_host(
+    data_dir: Path, observers: Iterable[SessionObserver]
+) -> AbstractAsyncContextManager[Host]:
+    return Host.open(data_dir, observers=observers)
+
+
 async def run_serve(
     *,
     host: str = "127.0.0.1",
@@ -360,6 +371,7 @@ async def run_serve(
     allowed_origins: Iterable[str] = (),
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     observers: Iterable[SessionObserver] = (),
+    open_host: HostOpener | None = None,
 ) -> None:
     """``greenroom serve``: open a host on ``data_dir``, serve the gateway on it, print
     ``listening on ws://HOST:PORT/v1`` and the token file on stderr, and serve until
@@ -380,7 +392,8 @@ async def run_serve(
     ``max_connections`` is lowered, with a notice, to what the file descriptor limit
     allows after the soft limit is raised to the hard one (:func:`connection_cap`).
     ``observers`` watch the host's sessions
-    (:data:`~greenroom.actors.runtime.host.SessionObserver`)."""
+    (:data:`~greenroom.actors.runtime.host.SessionObserver`). ``open_host`` opens the host
+    instead of :meth:`Host.open` (cluster mode: a host that joins a cluster)."""
     if tokens_file is not None and token_file is not None:
         raise ConfigurationError("give --token-file or --tokens-file, not both")
     fd_limit = raise_fd_limit()
@@ -409,7 +422,8 @@ async def run_serve(
     else:
         token_path = await trio.to_thread.run_sync(token_file_path, data, token_file)
         token = await trio.to_thread.run_sync(load_or_create_token, data, token_path)
-    async with Host.open(data, observers=observers) as opened:
+    opener = open_host or _open_local_host
+    async with opener(data, observers) as opened:
         gateway = Gateway(
             opened,
             token=token,

@@ -130,19 +130,24 @@ class Host:
     @classmethod
     @asynccontextmanager
     async def open(
-        cls, data_dir: str | Path | None = None, *, observers: Iterable[SessionObserver] = ()
+        cls,
+        data_dir: str | Path | None = None,
+        *,
+        observers: Iterable[SessionObserver] = (),
+        sink_factory: Callable[[Path], TraceSink] = TraceSink,
     ) -> AsyncIterator[Host]:
         """Start the host's actor tree; on exit close every session (interrupting running
         tasks and waiting for their last records), flush the trace and stop.
 
         ``observers`` see every session the host creates or loads (:data:`SessionObserver`:
-        the OpenTelemetry export subscribes through it).
+        the OpenTelemetry export subscribes through it). ``sink_factory`` makes the trace
+        sink from the data dir (cluster mode replicates the trace through it).
 
         Raises ``RuntimeError`` when entered outside trio (under ``asyncio.run``, say)."""
         require_trio()
         path = await trio.to_thread.run_sync(_prepare_data_dir, data_dir)
         async with trio.open_nursery() as nursery:
-            sink = TraceSink(path)
+            sink = sink_factory(path)
             await nursery.start(sink.run)
             host = cls(path, nursery, sink, observers)
             try:
