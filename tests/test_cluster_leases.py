@@ -92,7 +92,7 @@ def test_the_keeper_renews_past_the_ttl_and_reports_a_lost_lease(
         lost: list[str] = []
         lost_event = trio.Event()
 
-        def on_lost(session_id: str) -> None:
+        def on_lost(session_id: str, reason: str) -> None:
             lost.append(session_id)
             lost_event.set()
 
@@ -120,7 +120,7 @@ def test_a_stall_longer_than_the_ttl_gives_the_lease_up(nats_server: NatsProcess
     async def body(conn: Connection) -> list[str]:
         table = await LeaseTable.open(conn, ttl_s=TTL_S)
         lost: list[str] = []
-        keeper = LeaseKeeper(table, lost.append)
+        keeper = LeaseKeeper(table, lambda sid, _reason: lost.append(sid))
         lease = await table.claim("s1", "host-a")
         assert lease is not None
         keeper.hold(lease)

@@ -145,15 +145,15 @@ class _Held:
 class LeaseKeeper:
     """Renews a host's leases and reports the ones it loses.
 
-    ``on_lost(session_id)`` is called (from the keeper's task, at most once per lease) when a
-    renewal is refused, or when renewals have failed for a whole TTL. Leases are added with
-    :meth:`hold` after a successful claim and dropped with :meth:`release`.
+    ``on_lost(session_id, reason)`` is called (from the keeper's task, at most once per
+    lease) when a renewal is refused, or when no renewal succeeded for a whole TTL. Leases
+    are added with :meth:`hold` after a successful claim and dropped with :meth:`release`.
     """
 
     def __init__(
         self,
         table: LeaseTable,
-        on_lost: Callable[[str], None],
+        on_lost: Callable[[str, str], None],
         *,
         renew_every_s: float | None = None,
     ) -> None:
@@ -206,19 +206,19 @@ class LeaseKeeper:
         if now - held.renewed_at >= self._table.ttl_s:
             # A stall (SIGSTOP, a blocked loop) outlived the lease: it may be someone
             # else's by now, whatever a renewal would say.
-            self._lose(session_id, held)
+            self._lose(session_id, held, f"no renewal for {now - held.renewed_at:.1f} s")
             return
         try:
             lease = await self._table.renew(held.lease)
         except LeaseLost:
-            self._lose(session_id, held)
+            self._lose(session_id, held, "the renewal was refused")
             return
         except ClusterUnavailable:
             return
         if self._held.get(session_id) is held:
             self._held[session_id] = _Held(lease, now)
 
-    def _lose(self, session_id: str, held: _Held) -> None:
+    def _lose(self, session_id: str, held: _Held, reason: str) -> None:
         if self._held.get(session_id) is held:
             del self._held[session_id]
-            self._on_lost(session_id)
+            self._on_lost(session_id, reason)

@@ -31,9 +31,9 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -74,6 +74,14 @@ CONTINUE_PROMPT = (
     "Continue the task from where it stopped."
 )
 """The input of the task that continues an interrupted one after a takeover."""
+
+
+class Grantor(Protocol):
+    """Who may see a session, at one gateway (the gateway's grants, R-SEC-4)."""
+
+    def grant(self, client_id: str, session_id: str) -> None: ...
+
+    def holders(self, session_id: str) -> frozenset[str]: ...
 
 
 @attrs.frozen(kw_only=True)
@@ -122,9 +130,10 @@ class ClusterNode:
         self._taking_over: set[str] = set()
         self._adopted: set[str] = set()
         self._running: dict[str, bool] = {}
-        send, receive = trio.open_memory_channel[tuple[str, bool]](1000)
-        # Bounded: a directory update is small and NATS is near; a full channel drops the
-        # oldest news of a session, which the next task_start or task_end corrects.
+        self._grants: Grantor | None = None
+        send, receive = trio.open_memory_channel[str](1000)
+        # Bounded: an update only names a session (its state is read when it is sent); a
+        # full channel drops one, and the next task_start or task_end sends it again.
         self._updates_send = send
         self._updates_receive = receive
 
@@ -134,6 +143,11 @@ class ClusterNode:
         """The host's trace sink (``Host.open(sink_factory=…)``)."""
         self.sink = ReplicatingTraceSink(data_dir, on_fenced=self._on_fenced)
         return self.sink
+
+    def bind_grants(self, grants: Grantor) -> None:
+        """Share the gateway's grants through the session directory: the principals that
+        may see a session here may see it on whichever host takes it over."""
+        self._grants = grants
 
     @property
     def load(self) -> int:
@@ -154,9 +168,14 @@ class ClusterNode:
     def _watch(self, session_id: str, batch: list[Output]) -> None:
         for output in batch:
             if isinstance(output, TaskStart | TaskEnd):
-                running = isinstance(output, TaskStart)
-                with contextlib.suppress(trio.WouldBlock):
-                    self._updates_send.send_nowait((session_id, running))
+                self._running[session_id] = isinstance(output, TaskStart)
+                self._announce_session(session_id)
+
+    def _announce_session(self, session_id: str) -> None:
+        """Queue a directory update; one task sends them in order, so the last one sent
+        holds the session's latest state."""
+        with contextlib.suppress(trio.WouldBlock):
+            self._updates_send.send_nowait(session_id)
 
     async def run(
         self, host: Host, streams: trio.Nursery, *, task_status: trio.TaskStatus[None]
@@ -196,12 +215,12 @@ class ClusterNode:
                 return
             self._keeper.hold(lease)
             writer = await self._traces.fence(session_id, self.host_id)
-            await self._publish_meta(session_id, running=False)
         except ClusterError as exc:
             log(f"cannot adopt session {session_id}: {exc}")
             self._give_up(session_id)
             return
         self._start_stream(session_id, writer)
+        self._announce_session(session_id)
 
     def _start_stream(self, session_id: str, writer: TraceWriter) -> None:
         assert self._streams is not None and self.sink is not None
@@ -215,8 +234,11 @@ class ClusterNode:
 
         self._streams.start_soon(stream)
 
-    def _on_lost(self, session_id: str) -> None:
-        log(f"host {self.host_id} lost the lease of session {session_id}; stopping it here")
+    def _on_lost(self, session_id: str, reason: str) -> None:
+        log(
+            f"host {self.host_id} lost the lease of session {session_id} ({reason}); "
+            "stopping it here"
+        )
         self._give_up(session_id)
 
     def _on_fenced(self, session_id: str) -> None:
@@ -237,7 +259,7 @@ class ClusterNode:
             with contextlib.suppress(RuntimeError):
                 self._work.start_soon(_close_quietly, self._host, session_id)
 
-    async def _publish_meta(self, session_id: str, *, running: bool) -> None:
+    async def _publish_meta(self, session_id: str) -> None:
         assert self._directory is not None and self._host is not None
         meta_path = SessionStore(self._host.data_dir).meta_path(session_id)
         try:
@@ -246,17 +268,19 @@ class ClusterNode:
         except (OSError, ValueError):
             known = await self._directory.get(session_id)
             meta = (known or {}).get("meta", {})
-        self._running[session_id] = running
+        running = self._running.get(session_id, False)
+        principals = sorted(self._grants.holders(session_id)) if self._grants else []
         await self._directory.put(
-            session_id, {"meta": meta, "running": running, "host": self.host_id}
+            session_id,
+            {"meta": meta, "running": running, "host": self.host_id, "principals": principals},
         )
 
     async def _directory_updates(self) -> None:
-        async for session_id, running in self._updates_receive:
+        async for session_id in self._updates_receive:
             if session_id not in self._adopted:
                 continue
             try:
-                await self._publish_meta(session_id, running=running)
+                await self._publish_meta(session_id)
             except ClusterUnavailable as exc:
                 log(f"cannot update session {session_id} in the directory: {exc}")
 
@@ -283,7 +307,13 @@ class ClusterNode:
                 continue
             for sid, owner in assign(orphans, hosts).items():
                 if owner == self.host_id:
-                    await self.take_over(sid, sessions[sid].get("meta") or {})
+                    entry = sessions[sid]
+                    # Granted once the session is rebuilt: a client's request cannot load
+                    # it here while the takeover does.
+                    if await self.take_over(sid, entry.get("meta") or {}):
+                        for principal in entry.get("principals") or ():
+                            if self._grants is not None and isinstance(principal, str):
+                                self._grants.grant(principal, sid)
 
     async def take_over(self, session_id: str, meta: dict[str, Any]) -> bool:
         """Claim ``session_id``, rebuild it from its trace and continue its task. False
@@ -306,9 +336,11 @@ class ClusterNode:
             return False
         log(f"host {self.host_id} takes session {session_id} over")
         directory = SessionStore(self._host.data_dir).session_dir(session_id)
-        await trio.to_thread.run_sync(_materialize, directory, meta, read, interrupted)
+        # From here on a gateway that loads the session (a client asking for it) gets the
+        # one this takeover rebuilds: no second adoption.
         self._taking_over.add(session_id)
         try:
+            await trio.to_thread.run_sync(_materialize, directory, meta, read, interrupted)
             assert self.sink is not None
             self.sink.replicate(session_id)
             self._start_stream(session_id, writer)
@@ -400,10 +432,8 @@ def _materialize(
     """Write the session's ``session.json`` and trace files as the trace stream has them
     (replacing what this host may have kept from an earlier ownership)."""
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    for old in directory.glob("trace_*.jsonl"):
-        old.unlink()
-    if meta:
-        _write_private(directory / "session.json", json.dumps(meta, indent=2) + "\n")
+    for old in [*directory.glob("trace_*.jsonl"), directory / "session.json"]:
+        old.unlink(missing_ok=True)
     files = [(number, list(records)) for number, records in read.files]
     if extra:
         if files and files[-1][0] == read.file:
@@ -414,6 +444,10 @@ def _materialize(
         _write_private(
             directory / trace_file_name(number), "".join(encode_record(r) for r in records)
         )
+    # Last: a session without session.json does not exist for a loader, so nobody loads
+    # it half written.
+    if meta:
+        _write_private(directory / "session.json", json.dumps(meta, indent=2) + "\n")
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -433,6 +467,7 @@ async def open_cluster_host(
     observers: Iterable[SessionObserver] = (),
     tools: Iterable[Tool] = (),
     approve: ApproveFn | None = None,
+    on_node: Callable[[ClusterNode], None] | None = None,
 ) -> AsyncIterator[Host]:
     """A :class:`Host` on ``data_dir`` that is one host of the cluster at ``config.url``.
     Raises :class:`ClusterUnavailable` when NATS cannot be reached. On exit the host closes
@@ -445,6 +480,8 @@ async def open_cluster_host(
         names=ClusterNames(prefix=config.prefix),
     )
     node = ClusterNode(conn, config, tools=tools, approve=approve)
+    if on_node is not None:
+        on_node(node)
     try:
         async with trio.open_nursery() as streams:
             async with Host.open(

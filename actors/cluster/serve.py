@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from greenroom.actors.cluster.bridge import Bridge, run
-from greenroom.actors.cluster.node import ClusterConfig, open_cluster_host
+from greenroom.actors.cluster.node import ClusterConfig, ClusterNode, Grantor, open_cluster_host
 from greenroom.actors.runtime.approval_broker import ApproveFn
 from greenroom.actors.runtime.host import Host, SessionObserver
 from greenroom.protocols.tools import Tool
@@ -53,13 +53,25 @@ def serve_in_cluster(
     tool_list = tuple(tools)
 
     async def main(bridge: Bridge) -> None:
+        nodes: list[ClusterNode] = []
+
         def open_host(
             data_dir: Path, observers: Iterable[SessionObserver]
         ) -> AbstractAsyncContextManager[Host]:
             return open_cluster_host(
-                bridge, config, data_dir, observers=observers, tools=tool_list, approve=approve
+                bridge,
+                config,
+                data_dir,
+                observers=observers,
+                tools=tool_list,
+                approve=approve,
+                on_node=nodes.append,
             )
 
-        await serve(open_host=open_host, **serve_kwargs)
+        def on_gateway(gateway: Grantor) -> None:
+            for node in nodes:
+                node.bind_grants(gateway)
+
+        await serve(open_host=open_host, on_gateway=on_gateway, **serve_kwargs)
 
     run(main)

@@ -194,6 +194,10 @@ class Gateway:
         """The sessions ``client_id`` created or was granted."""
         return self._grants.owned(client_id)
 
+    def holders(self, session_id: str) -> frozenset[str]:
+        """The principals that created or were granted ``session_id``."""
+        return self._grants.holders(session_id)
+
     @property
     def _titled(self) -> set[str]:
         """The sessions titled, or being titled, by this gateway."""
@@ -372,6 +376,7 @@ async def run_serve(
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     observers: Iterable[SessionObserver] = (),
     open_host: HostOpener | None = None,
+    on_gateway: Callable[[Gateway], None] | None = None,
 ) -> None:
     """``greenroom serve``: open a host on ``data_dir``, serve the gateway on it, print
     ``listening on ws://HOST:PORT/v1`` and the token file on stderr, and serve until
@@ -393,7 +398,8 @@ async def run_serve(
     allows after the soft limit is raised to the hard one (:func:`connection_cap`).
     ``observers`` watch the host's sessions
     (:data:`~greenroom.actors.runtime.host.SessionObserver`). ``open_host`` opens the host
-    instead of :meth:`Host.open` (cluster mode: a host that joins a cluster)."""
+    instead of :meth:`Host.open` (cluster mode: a host that joins a cluster); ``on_gateway``
+    gets the gateway before it serves (cluster mode shares its grants)."""
     if tokens_file is not None and token_file is not None:
         raise ConfigurationError("give --token-file or --tokens-file, not both")
     fd_limit = raise_fd_limit()
@@ -437,6 +443,8 @@ async def run_serve(
             max_connections=cap,
             allowed_origins=allowed_origins,
         )
+        if on_gateway is not None:
+            on_gateway(gateway)
         async with trio.open_nursery() as nursery:
             bound = await nursery.start(gateway.run)
             print(f"listening on {gateway.url}", file=sys.stderr, flush=True)

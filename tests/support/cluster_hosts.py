@@ -27,9 +27,16 @@ class HostProcess:
     url: str
     token: str
     log: list[str]
+    news: list[trio.Event]
 
     def logged(self, text: str) -> bool:
+        """Whether some line of the host's log so far contains ``text``."""
         return any(text in line for line in self.log)
+
+    async def wait_logged(self, *texts: str) -> None:
+        """Return once a line containing one of ``texts`` is logged."""
+        while not any(self.logged(t) for t in texts):
+            await self.news[0].wait()
 
 
 async def start_host(
@@ -66,6 +73,7 @@ async def start_host(
     )
     assert process.stderr is not None
     log: list[str] = []
+    news = [trio.Event()]
     ready = trio.Event()
     found: dict[str, Any] = {}
 
@@ -78,14 +86,19 @@ async def start_host(
             for raw in lines:
                 line = raw.decode(errors="replace")
                 log.append(line)
+                news[0].set()
+                news[0] = trio.Event()
                 match = _URL.search(line)
                 if match:
                     found["url"] = match.group(1)
                     ready.set()
         ready.set()
+        news[0].set()
 
     nursery.start_soon(read_log)
     await ready.wait()
     assert "url" in found, f"host {host_id} did not start: {log}"
     token = (data / "serve.token").read_text().strip()
-    return HostProcess(host_id=host_id, process=process, url=found["url"], token=token, log=log)
+    return HostProcess(
+        host_id=host_id, process=process, url=found["url"], token=token, log=log, news=news
+    )
