@@ -48,6 +48,7 @@ from greenroom.actors.runtime.trace_sink import (
     TraceWriteError,
     read_trace,
 )
+from greenroom.actors.runtime.trace_store import FileTraceStore
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.outputs import (
     ModelMsg,
@@ -62,6 +63,13 @@ from greenroom.protocols.tools import make_tool
 from greenroom.protocols.trace import encode_record, trace_file_name
 
 SURROGATE = "\ud800"
+
+
+def sink_of(host: Host) -> TraceSink:
+    """The trace sink of a host on the default file store."""
+    store = host.trace_store
+    assert isinstance(store, FileTraceStore)
+    return store.sink
 
 
 def task_end(outputs: list[Output]) -> TaskEnd:
@@ -222,7 +230,7 @@ async def test_an_unencodable_record_past_the_repairs_fails_only_its_task(
     steering = [line for line in lines if line.get("kind") == "steering"]
     assert [s["content"][0]["text"] for s in steering] == [f"steer {REPLACEMENT}"]
     assert lines[-1]["type"] == "task_end" and lines[-1]["status"] == "failed"
-    assert not host.trace_sink.closed
+    assert not sink_of(host).closed
     assert task_end(await run_all(other, "more")).status == "completed"
 
 
@@ -306,7 +314,7 @@ async def test_a_failing_trace_file_ends_only_its_task(
     assert victim_lines[-1]["type"] == "task_end"
     assert victim_lines[-1]["status"] == "failed"
     assert "No space left on device" in victim_lines[-1]["message"]
-    assert not host.trace_sink.closed
+    assert not sink_of(host).closed
     # The failure was reported; the next task may use the file again.
     assert task_end(await run_all(victim, "again")).status == "completed"
 
@@ -407,11 +415,12 @@ async def test_a_stopped_writer_fails_the_task_and_starts_no_side_effect(
             monkeypatch.setattr(TraceSink, "_take_batch", broken)
             session.write_record(  # any record wakes the writer, which then stops
                 attrs_evolve_seq(
-                    ModelMsg(session_id=session.id, run_id="x", turn=1, block=TextBlock(text="w"))
+                    ModelMsg(session_id=session.id, run_id="x", turn=1, block=TextBlock(text="w")),
+                    session.next_seq(),
                 )
             )
             with pytest.raises((TraceWriteError, TraceSinkClosed)):
-                await host.trace_sink.sync(session.trace_path)
+                await sink_of(host).sync(session.trace_path)
             decide.set()
             outputs = await collect(stream)
         assert marks.ran == []
@@ -424,10 +433,10 @@ async def test_a_stopped_writer_fails_the_task_and_starts_no_side_effect(
         )
 
 
-def attrs_evolve_seq(output: ModelMsg) -> ModelMsg:
+def attrs_evolve_seq(output: ModelMsg, seq: int) -> ModelMsg:
     import attrs
 
-    return attrs.evolve(output, seq=10_000)
+    return attrs.evolve(output, seq=seq)
 
 
 # -- 3. the live stream never runs ahead of the trace ----------------------------------------

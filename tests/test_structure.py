@@ -163,3 +163,37 @@ def test_actor_modules_import_each_other_without_cycles() -> None:
             visit(node)
     package_cycles = [c for c in cycles if not any(n == "greenroom.actors" for n in c)]
     assert package_cycles == [], package_cycles
+
+
+def test_every_memory_channel_states_why_its_buffer_is_that_size() -> None:
+    """R-ACTOR-1: a channel's buffer is a decision (an unbounded one says why nothing can
+    block there): each ``open_memory_channel`` has a comment in the three lines above."""
+    unexplained: list[str] = []
+    for path in sorted(ACTORS.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for number, line in enumerate(lines):
+            if "open_memory_channel" not in line or line.lstrip().startswith("#"):
+                continue
+            above = lines[max(0, number - 3) : number]
+            if not any(text.lstrip().startswith("#") for text in above):
+                unexplained.append(f"{path.relative_to(ROOT)}:{number + 1}")
+    assert unexplained == []
+
+
+def test_the_actor_tree_is_the_folder_tree() -> None:
+    """The layout shows the architecture: the runtime's actors, the providers, the tools,
+    the gateway, the programs and the observers each in a folder of ``actors/``."""
+    expected = {
+        "runtime": {"host", "session", "supervisor", "llm_streamer", "tool_pool",
+                    "approval_broker", "compactor", "trace_sink", "trace_store", "storage"},
+        "providers": {"registry", "anthropic", "openai", "openai_responses", "scripted"},
+        "tools": {"builtin", "sandbox", "mcp"},
+        "gateway": {"server", "connection", "methods", "hubs"},
+        "apps": {"cli", "chat", "demo", "acp"},
+        "observers": {"otel"},
+    }
+    for folder, names in expected.items():
+        present = {p.stem for p in (ACTORS / folder).glob("*.py")}
+        assert names <= present, (folder, names - present)
+    loose = {p.stem for p in ACTORS.glob("*.py")} - {"__init__", "scripted"}
+    assert loose == set(), "modules outside the tree's folders"

@@ -44,7 +44,6 @@ from greenroom.actors.runtime.approval_broker import ApproveFn
 from greenroom.actors.runtime.errors import AuthLocked, Busy, ConfigurationError, SessionNotFound
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session import RunStream, Session
-from greenroom.actors.runtime.storage import read_session_records
 from greenroom.protocols import acp
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock, UserContent
 from greenroom.protocols.jsonrpc import (
@@ -373,7 +372,7 @@ class AcpAgent:
                 f"{request.cwd} the client gave"
             )
         entry = self._add_session(session, self._mcp_servers(request.mcp_servers))
-        records = await trio.to_thread.run_sync(_read_history, session.directory)
+        records = await session.host.trace_store.read_after(session.id)
         replay = acp.UpdateMapper(
             live=False, workspace=str(session.workspace_dir), load_image=read_image
         )
@@ -555,14 +554,6 @@ def _store_image(scratchpad: Path, data: bytes, mime_type: str) -> Path:
     if not path.exists():
         path.write_bytes(data)
     return path
-
-
-def _read_history(session_dir: Path) -> list[Output]:
-    """Every record of the session's trace files, oldest file first (the conversation
-    across compactions). Unreadable files are skipped. Blocking."""
-    return read_session_records(
-        session_dir, on_unreadable=lambda path, exc: _log(f"cannot read {path}: {exc}")
-    )
 
 
 def _log(message: str) -> None:

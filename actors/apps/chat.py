@@ -294,6 +294,7 @@ class LineRouter:
         (the approver then denies)."""
         if self._closed:
             return None
+        # One slot: the prompt thread's one answer never waits for the trio side.
         send, receive = trio.open_memory_channel[Answer](1)
         self._waiters.append(send)
         if self._on_ask is not None:
@@ -434,6 +435,8 @@ class Chat:
             if approve == "ask"
             else _approver(approve, renderer)
         )
+        # Unbounded: the prompt's thread, the signal handler and finished work post with
+        # send_nowait and must never block; a person types a line at a time.
         self._send, self._events = trio.open_memory_channel[_Event](math.inf)
         self._nursery: trio.Nursery | None = None
         self._work: _Work | None = None

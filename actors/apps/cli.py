@@ -1243,9 +1243,9 @@ async def leave_at_once(host: Host) -> NoReturn:
     try:
         with trio.CancelScope(shield=True) as scope:
             scope.deadline = trio.current_time() + LEAVE_GRACE_S
-            # The host owns its sink; closing it is the one point where no write is in
+            # The host owns its trace store; closing it is the one point where no write is in
             # flight, and nothing after it waits for the tools.
-            await host.trace_sink.aclose()
+            await host.trace_store.aclose()
     finally:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):

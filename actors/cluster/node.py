@@ -4,8 +4,8 @@
 ::
 
     open_cluster_host            connects to NATS, then runs
-    ├── trace streams            one task per owned session: its lines, fenced, to JetStream
-    └── Host (ReplicatingTraceSink)
+    ├── trace streams            one task per owned session: its records, fenced, to JetStream
+    └── Host (ReplicatingTraceStore)
         └── ClusterNode.run
             ├── LeaseKeeper      renews this host's leases; a lost one stops its session
             ├── announcer        this host's load in the host registry, every TTL / 3
@@ -43,7 +43,7 @@ from greenroom.actors.cluster.connection import ClusterNames, Connection, connec
 from greenroom.actors.cluster.errors import ClusterError, ClusterUnavailable
 from greenroom.actors.cluster.leases import LeaseKeeper, LeaseTable
 from greenroom.actors.cluster.registry import HostRecord, HostRegistry, SessionDirectory, assign
-from greenroom.actors.cluster.sink import ReplicatingTraceSink
+from greenroom.actors.cluster.store import ReplicatingTraceStore
 from greenroom.actors.cluster.traces import TraceRead, TraceStream, TraceWriter
 from greenroom.actors.runtime.approval_broker import ApproveFn
 from greenroom.actors.runtime.host import Host, SessionObserver
@@ -117,7 +117,7 @@ class ClusterNode:
         self.host_id = config.host_id
         self._tools = tuple(tools)
         self._approve = approve
-        self.sink: ReplicatingTraceSink | None = None
+        self.store: ReplicatingTraceStore | None = None
         self._host: Host | None = None
         self._streams: trio.Nursery | None = None
         self._work: trio.Nursery | None = None
@@ -139,10 +139,10 @@ class ClusterNode:
 
     # -- wiring ---------------------------------------------------------------------------
 
-    def make_sink(self, data_dir: Path) -> ReplicatingTraceSink:
-        """The host's trace sink (``Host.open(sink_factory=…)``)."""
-        self.sink = ReplicatingTraceSink(data_dir, on_fenced=self._on_fenced)
-        return self.sink
+    def make_store(self, data_dir: Path) -> ReplicatingTraceStore:
+        """The host's trace store (``Host.open(trace_store=…)``)."""
+        self.store = ReplicatingTraceStore(data_dir, on_fenced=self._on_fenced)
+        return self.store
 
     def bind_grants(self, grants: Grantor) -> None:
         """Share the gateway's grants through the session directory: the principals that
@@ -156,9 +156,9 @@ class ClusterNode:
 
     def observe(self, session: Session) -> None:
         """The host's :data:`SessionObserver`: adopt every session it creates or loads."""
-        assert self.sink is not None and self._work is not None
+        assert self.store is not None and self._work is not None
         sid = session.id
-        self.sink.replicate(sid)
+        self.store.replicate(sid)
         self._adopted.add(sid)
         session.subscribe(lambda batch: self._watch(sid, batch))
         if sid not in self._taking_over:
@@ -223,14 +223,14 @@ class ClusterNode:
         self._announce_session(session_id)
 
     def _start_stream(self, session_id: str, writer: TraceWriter) -> None:
-        assert self._streams is not None and self.sink is not None
-        sink = self.sink
+        assert self._streams is not None and self.store is not None
+        store = self.store
         scope = trio.CancelScope()
         self._stream_scopes[session_id] = scope
 
         async def stream() -> None:
             with scope:
-                await sink.stream_to(session_id, writer)
+                await store.stream_to(session_id, writer)
 
         self._streams.start_soon(stream)
 
@@ -248,8 +248,8 @@ class ClusterNode:
     def _give_up(self, session_id: str) -> None:
         """Stop replicating first (nothing more reaches the cluster's trace), then close
         the session on this host."""
-        if self.sink is not None:
-            self.sink.forget(session_id)
+        if self.store is not None:
+            self.store.forget(session_id)
         scope = self._stream_scopes.pop(session_id, None)
         if scope is not None:
             scope.cancel()
@@ -341,8 +341,8 @@ class ClusterNode:
         self._taking_over.add(session_id)
         try:
             await trio.to_thread.run_sync(_materialize, directory, meta, read, interrupted)
-            assert self.sink is not None
-            self.sink.replicate(session_id)
+            assert self.store is not None
+            self.store.replicate(session_id)
             self._start_stream(session_id, writer)
             session = await self._host.load_session(session_id, tools=self._tools)
         except Exception as exc:
@@ -485,7 +485,7 @@ async def open_cluster_host(
     try:
         async with trio.open_nursery() as streams:
             async with Host.open(
-                data_dir, observers=(*observers, node.observe), sink_factory=node.make_sink
+                data_dir, observers=(*observers, node.observe), trace_store=node.make_store
             ) as host, trio.open_nursery() as nursery:
                 await nursery.start(node.run, host, streams)
                 try:

@@ -29,7 +29,6 @@ import trio
 from greenroom.actors.gateway.config import ApproveMode, GatewayLimits
 from greenroom.actors.gateway.connection import Connection
 from greenroom.actors.runtime.session import Session
-from greenroom.actors.runtime.storage import read_session_records
 from greenroom.protocols import jsonrpc
 from greenroom.protocols.content import ToolCallBlock
 from greenroom.protocols.converter import to_dict
@@ -366,9 +365,6 @@ async def replay_records(session: Session, after_seq: int) -> list[Output]:
     """The session's traced outputs with ``seq > after_seq``, from all its trace files in
     order. Nothing is published before its record is written to the file (R-TRACE-3), so
     the files hold everything published before this call."""
-    directory = session.directory
-    return await trio.to_thread.run_sync(
-        lambda: read_session_records(directory, after_seq=after_seq)
-    )
+    return await session.host.trace_store.read_after(session.id, after_seq)
 
 

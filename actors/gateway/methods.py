@@ -117,8 +117,7 @@ class Methods:
             return True
         if not SESSION_ID.fullmatch(session_id):
             return False
-        meta = SessionStore(self.host.data_dir).meta_path(session_id)
-        return await trio.Path(meta).exists()
+        return await self.host.trace_store.exists(session_id)
 
     def _provider(self) -> str | ModelProvider | None:
         if self.defaults.provider_factory is not None:

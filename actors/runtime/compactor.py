@@ -235,6 +235,7 @@ class Compaction:
             compactor = Compactor(self._streamer, self._usage)
             # Unbounded: a summary command and skips, sent with send_nowait.
             send, commands = trio.open_memory_channel[CompactorCommand](math.inf)
+            # One slot: the compactor's one reply never waits for the reader.
             reply_send, reply = trio.open_memory_channel[CompactionOutcome](1)
             try:
                 async with trio.open_nursery() as nursery:

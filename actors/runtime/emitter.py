@@ -1,9 +1,9 @@
 """The output emitter of one running session: seq, trace, transcript, publication.
 
 Every output of a task goes through it (R-RUN-8). A traced output gets the session's next
-``seq``, its record goes to the trace sink and it is fed to the session's transcript; then
+``seq``, its record goes to the trace store and it is fed to the session's transcript; then
 the batch is published — to the run's channel and to subscribers — only once the trace
-sink's batch holding its last record is done (written to the OS, so a crash of the host
+store's batch holding its last record is done (written to the OS, so a crash of the host
 cannot take it out of the trace), batches in order (R-TRACE-3). A record that cannot be
 written — or encoded, despite the repairs at the boundaries — is reported once through
 ``on_failure`` (the supervisor ends the task ``failed``); the host and the other sessions
@@ -21,6 +21,7 @@ import attrs
 import trio
 
 from greenroom.actors.runtime.trace_sink import TraceSinkClosed, TraceWriteError
+from greenroom.actors.runtime.trace_store import StaleTraceWriter
 from greenroom.protocols import converter
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.outputs import Output
@@ -44,13 +45,13 @@ class OutputEmitter:
         self._session = session
         self._output = output
         self._on_failure = on_failure
-        self._sink = session.host.trace_sink
+        self._store = session.host.trace_store
         self._batch: list[Output] = []
-        # The trace sink's batch that holds the last record of ``_batch`` (0: none), and
+        # The trace store's batch that holds the last record of ``_batch`` (0: none), and
         # the batches flushed but not yet published, in order, with theirs.
         self._batch_ticket = 0
         self._unpublished: deque[tuple[int, list[Output]]] = deque()
-        self._awaiting_sink = False
+        self._awaiting_store = False
         self._published: trio.Event | None = None
         self.trace_error: str | None = None
         """Why the current task could not write its trace, once it could not."""
@@ -61,14 +62,14 @@ class OutputEmitter:
 
     def commit(self) -> None:
         """Write the session's buffered records to its trace file now (no fsync)."""
-        self._sink.commit(self._session.trace_path)
+        self._store.commit(self._session.id)
 
     async def sync_quietly(self) -> None:
         """Fsync for teardown: a failure stays reported by the task's ``task_end`` and the
         next task may try the file again."""
         failure = await self._session.sync_trace_quietly()
         if failure is not None or self.trace_error is not None:
-            self._sink.clear_error(self._session.trace_path)
+            self._store.clear_error(self._session.id)
 
 
     def emit_live(self, output: Output) -> None:
@@ -81,8 +82,10 @@ class OutputEmitter:
         output = attrs.evolve(output, seq=session.next_seq())
         try:
             self._batch_ticket = session.write_record(output)
-        except TraceSinkClosed as exc:
-            # The host is going down under us: the output still reaches the live stream.
+        except (TraceSinkClosed, StaleTraceWriter) as exc:
+            # The host is going down under us, or the store holds a later record (another
+            # writer took the session over): the output still reaches the live stream,
+            # and the task ends failed.
             self.trace_failed(f"cannot write the trace: {exc}")
         except Exception as exc:
             kept = self._trace_repaired(output, exc)
@@ -141,45 +144,45 @@ class OutputEmitter:
 
     def flush(self) -> None:
         """Hand the outputs emitted so far on as one batch: its records are written to
-        the trace file (committed) and it is published — unless the trace sink's writer
+        the trace file (committed) and it is published — unless the trace store's writer
         holds lines of the file right now, or a batch before it still waits: then it is
-        queued until the sink's batch is done. Never waits."""
+        queued until the store's batch is done. Never waits."""
         if not self._batch:
             return
         batch = self._batch
         ticket = self._batch_ticket
         self._batch = []
         self._batch_ticket = 0
-        written = not ticket or self._sink.commit(self._session.trace_path)
-        if not self._unpublished and (written or self._sink.batch_done(ticket)):
+        written = not ticket or self._store.commit(self._session.id)
+        if not self._unpublished and (written or self._store.batch_done(ticket)):
             if ticket:
                 self._check_trace()
             self._publish(batch)
             return
         self._unpublished.append((ticket, batch))
-        if not self._awaiting_sink:
-            self._awaiting_sink = True
-            self._sink.when_batch_done(ticket, self._on_trace_written)
+        if not self._awaiting_store:
+            self._awaiting_store = True
+            self._store.when_batch_done(ticket, self._on_trace_written)
 
     def _on_trace_written(self) -> None:
-        # Called by the trace sink (its task) after a batch; must not block.
-        self._awaiting_sink = False
+        # Called by the trace store (its task) after a batch; must not block.
+        self._awaiting_store = False
         # The writer is done with the file's lines it held: the rest can be written now,
         # and then every queued batch is (they all hold records of this one file).
-        written = self._sink.commit(self._session.trace_path)
+        written = self._store.commit(self._session.id)
         self._check_trace()
         unpublished = self._unpublished
-        batch_done = self._sink.batch_done
+        batch_done = self._store.batch_done
         while unpublished and (written or batch_done(unpublished[0][0])):
             self._publish(unpublished.popleft()[1])
         if unpublished:
-            self._awaiting_sink = True
-            self._sink.when_batch_done(unpublished[0][0], self._on_trace_written)
+            self._awaiting_store = True
+            self._store.when_batch_done(unpublished[0][0], self._on_trace_written)
         elif self._published is not None:
             self._published.set()
 
     def _check_trace(self) -> None:
-        error = self._sink.error(self._session.trace_path)
+        error = self._store.error(self._session.id)
         if error is not None:
             # Its outputs are published all the same: the task_end that follows says
             # that the trace lacks them.

@@ -13,16 +13,13 @@ A subagent (R-HOST-4) is such a session too, created by its parent's
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -36,16 +33,28 @@ from greenroom.actors.providers.registry import (
 from greenroom.actors.runtime.errors import ConfigurationError, HostClosed, SessionNotFound
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.session import Session, require_trio
-from greenroom.actors.runtime.storage import SESSION_FILE, SESSIONS_DIR, SessionStore
-from greenroom.actors.runtime.trace_sink import TraceSink, latest_trace_file, read_trace
+from greenroom.actors.runtime.storage import (
+    PRIVATE_DIR_MODE,
+    SESSION_FILE,
+    SESSIONS_DIR,
+    SessionStore,
+    tighten,
+)
+from greenroom.actors.runtime.trace_store import (
+    FileTraceStore,
+    StoredSessionMissing,
+    StoredSessionUnreadable,
+    TraceStore,
+    TraceStoreFactory,
+    one_line,
+    read_meta_file,
+)
 from greenroom.actors.tools.mcp_config import McpConfigError, as_configs
 from greenroom.protocols.context import ToolSchema
 from greenroom.protocols.converter import converter
 from greenroom.protocols.hooks import Hooks
 from greenroom.protocols.settings import SessionSettings
-from greenroom.protocols.text import repair_json
 from greenroom.protocols.tools import Tool
-from greenroom.protocols.trace import trace_file_number
 from greenroom.protocols.transcript import Transcript, rebuild
 
 SHUTDOWN_GRACE_S = 30.0
@@ -112,13 +121,13 @@ class Host:
         self,
         data_dir: Path,
         nursery: trio.Nursery,
-        sink: TraceSink,
+        store: TraceStore,
         observers: Iterable[SessionObserver] = (),
     ) -> None:
         self.data_dir = data_dir
         self._observers = tuple(observers)
         self._nursery = nursery
-        self._sink = sink
+        self._store = store
         self._sessions: dict[str, Session] = {}
         self._providers: dict[tuple[str, str | None], ModelProvider] = {}
         self._tool_tables: dict[tuple[int, ...], tuple[dict[str, Tool], tuple[ToolSchema, ...]]]
@@ -134,22 +143,23 @@ class Host:
         data_dir: str | Path | None = None,
         *,
         observers: Iterable[SessionObserver] = (),
-        sink_factory: Callable[[Path], TraceSink] = TraceSink,
+        trace_store: TraceStoreFactory | None = None,
     ) -> AsyncIterator[Host]:
         """Start the host's actor tree; on exit close every session (interrupting running
         tasks and waiting for their last records), flush the trace and stop.
 
         ``observers`` see every session the host creates or loads (:data:`SessionObserver`:
-        the OpenTelemetry export subscribes through it). ``sink_factory`` makes the trace
-        sink from the data dir (cluster mode replicates the trace through it).
+        the OpenTelemetry export subscribes through it). ``trace_store`` builds where the
+        sessions are stored from the data dir (default: :class:`FileTraceStore`, files in
+        the data dir; any :class:`~greenroom.actors.runtime.trace_store.TraceStore`).
 
         Raises ``RuntimeError`` when entered outside trio (under ``asyncio.run``, say)."""
         require_trio()
         path = await trio.to_thread.run_sync(_prepare_data_dir, data_dir)
         async with trio.open_nursery() as nursery:
-            sink = sink_factory(path)
-            await nursery.start(sink.run)
-            host = cls(path, nursery, sink, observers)
+            store = (trace_store or FileTraceStore)(path)
+            await nursery.start(store.run)
+            host = cls(path, nursery, store, observers)
             try:
                 yield host
             finally:
@@ -160,7 +170,7 @@ class Host:
                     try:
                         await host.aclose()
                     finally:
-                        await sink.aclose()
+                        await store.aclose()
 
     # -- sessions -----------------------------------------------------------------------
 
@@ -236,7 +246,7 @@ class Host:
         }
         if parent_id is not None:
             meta["parent_id"] = parent_id
-        await trio.to_thread.run_sync(_write_meta, directory, meta)
+        await self._store.create(sid, meta)
         session = Session(
             host=self,
             session_id=sid,
@@ -275,18 +285,17 @@ class Host:
         if session_id in self._sessions:
             return self._sessions[session_id]
         directory = SessionStore(self.data_dir).session_dir(session_id)
-        meta_path = directory / SESSION_FILE
         try:
-            meta = await trio.to_thread.run_sync(_read_meta, meta_path)
+            meta = await self._store.read_meta(session_id)
             settings = converter.structure(meta.get("settings", {}), SessionSettings)
-        except FileNotFoundError:
-            raise SessionNotFound(f"no session {session_id!r} in {self.data_dir}") from None
-        except _Unreadable as exc:
+        except StoredSessionMissing as exc:
+            raise SessionNotFound(str(exc)) from None
+        except StoredSessionUnreadable as exc:
             raise SessionNotFound(f"session {session_id!r} is unreadable: {exc}") from None
         except Exception as exc:  # cattrs: a field of the wrong type or value
             raise SessionNotFound(
-                f"session {session_id!r} is unreadable: {meta_path}: bad settings: "
-                f"{_one_line(exc)}"
+                f"session {session_id!r} is unreadable: {directory / SESSION_FILE}: bad "
+                f"settings: {one_line(exc)}"
             ) from None
         if isinstance(provider, str):
             overrides["provider"] = provider
@@ -295,18 +304,8 @@ class Host:
         model_provider = provider if not isinstance(provider, str | None) else None
         if model_provider is None:
             model_provider = self._provider_for(settings)
-        await trio.to_thread.run_sync(_tighten_session_dir, directory)
-        trace_path = await trio.to_thread.run_sync(latest_trace_file, directory)
-        transcript = Transcript(supports_vision=settings.supports_vision)
-        last_seq = 0
-        number = 1
-        errors: list[str] = []
-        if trace_path is not None:
-            result = await trio.to_thread.run_sync(read_trace, trace_path)
-            errors = [str(e) for e in result.errors]
-            transcript = rebuild(result.records, supports_vision=settings.supports_vision)
-            last_seq = max((r.seq or 0 for r in result.records), default=0)
-            number = trace_file_number(trace_path.name) or 1
+        loaded = await self._store.load(session_id)
+        transcript = rebuild(list(loaded.records), supports_vision=settings.supports_vision)
         session = Session(
             host=self,
             session_id=session_id,
@@ -316,11 +315,10 @@ class Host:
             tools=tools,
             provider=model_provider,
             transcript=transcript,
-            last_seq=last_seq,
-            trace_number=number,
+            last_seq=loaded.last_seq,
             parent_id=meta.get("parent_id"),
         )
-        session.load_errors = errors
+        session.load_errors = list(loaded.errors)
         if mcp_configs:
             await self._attach_mcp(session, mcp_configs)
         self._sessions[session_id] = session
@@ -363,14 +361,10 @@ class Host:
         """Close the session — interrupting its task and waiting until its last record is
         written (R-HOST-3) — then remove its directory: trace files, scratchpad and all.
         Raises :class:`SessionNotFound` when it is neither open nor stored."""
-        directory = SessionStore(self.data_dir).session_dir(session_id)
-        if (
-            session_id not in self._sessions
-            and not await trio.Path(directory / SESSION_FILE).exists()
-        ):
+        if session_id not in self._sessions and not await self._store.exists(session_id):
             raise SessionNotFound(f"no session {session_id!r} in {self.data_dir}")
         await self.close_session(session_id)
-        await trio.to_thread.run_sync(shutil.rmtree, directory, True)
+        await self._store.delete(session_id)
 
     async def aclose(self) -> None:
         """Close every session (concurrently) and the provider clients."""
@@ -387,9 +381,9 @@ class Host:
     # -- internals ---------------------------------------------------------------------
 
     @property
-    def trace_sink(self) -> TraceSink:
-        """The host's one trace sink: every session's records go through it (R-TRACE)."""
-        return self._sink
+    def trace_store(self) -> TraceStore:
+        """Where the host's sessions are stored: every record goes through it (R-TRACE)."""
+        return self._store
 
     def check_open(self) -> None:
         if self._closed:
@@ -474,8 +468,6 @@ def _default_model(provider: str) -> str:
     return PROVIDERS[provider].default_model() if provider in PROVIDERS else "scripted"
 
 
-PRIVATE_DIR_MODE = 0o700
-PRIVATE_FILE_MODE = 0o600
 
 
 def _prepare_data_dir(data_dir: str | Path | None) -> Path:
@@ -486,35 +478,13 @@ def _prepare_data_dir(data_dir: str | Path | None) -> Path:
     path = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
     if path.is_dir():
         if (path / SESSIONS_DIR).is_dir() or not any(path.iterdir()):
-            _tighten(path, PRIVATE_DIR_MODE)
+            tighten(path, PRIVATE_DIR_MODE)
     else:
         path.mkdir(parents=True, mode=PRIVATE_DIR_MODE)
     sessions = path / SESSIONS_DIR
     sessions.mkdir(exist_ok=True, mode=PRIVATE_DIR_MODE)
-    _tighten(sessions, PRIVATE_DIR_MODE)
+    tighten(sessions, PRIVATE_DIR_MODE)
     return path
-
-
-def _tighten(path: Path, mode: int) -> None:
-    """Take away every permission beyond ``mode`` (never adds one)."""
-    current = path.stat().st_mode & 0o777
-    if current & ~mode:
-        os.chmod(path, current & mode)
-
-
-def _tighten_session_dir(directory: Path) -> None:
-    """A stored session's directory, scratchpad and files made private (written before
-    the host made them so); a missing one is left to ``load_session`` to report."""
-    try:
-        entries = list(directory.iterdir())
-    except OSError:
-        return
-    _tighten(directory, PRIVATE_DIR_MODE)
-    for entry in entries:
-        with contextlib.suppress(OSError):
-            if entry.is_symlink():
-                continue
-            _tighten(entry, PRIVATE_DIR_MODE if entry.is_dir() else PRIVATE_FILE_MODE)
 
 
 def _resolve_dir(directory: str | Path) -> Path:
@@ -525,57 +495,6 @@ def _new_session_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
 
 
-def _write_meta(directory: Path, meta: dict[str, Any]) -> None:
-    directory.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
-    _tighten(directory, PRIVATE_DIR_MODE)
-    (directory / "scratch").mkdir(exist_ok=True, mode=PRIVATE_DIR_MODE)
-    tmp = directory / (SESSION_FILE + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
-    with open(fd, "w", encoding="utf-8") as f:
-        f.write(json.dumps(meta, indent=2))
-    _tighten(tmp, PRIVATE_FILE_MODE)
-    tmp.replace(directory / SESSION_FILE)
-
-
-class _Unreadable(Exception):
-    """A ``session.json`` that cannot be used; the message says where and why."""
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def _read_meta(meta_path: Path) -> dict[str, Any]:
-    """A session's metadata, checked for the shape every reader relies on. Raises
-    FileNotFoundError when it is missing and :class:`_Unreadable` otherwise."""
-    try:
-        raw = meta_path.read_bytes()
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        raise _Unreadable(f"{meta_path}: {exc.strerror or exc}") from None
-    try:
-        meta = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise _Unreadable(f"{meta_path}: not UTF-8 text") from None
-    except (ValueError, RecursionError) as exc:
-        raise _Unreadable(f"{meta_path}: not JSON: {_one_line(exc)}") from None
-    if not isinstance(meta, dict):
-        raise _Unreadable(f"{meta_path}: expected a JSON object, got {type(meta).__name__}")
-    meta = cast(dict[str, Any], repair_json(meta))
-    expected: tuple[tuple[str, type | tuple[type, ...]], ...] = (
-        ("session_id", str),
-        ("created_at", (int, float)),
-        ("workspace_dir", str),
-        ("settings", dict),
-        ("parent_id", (str, type(None))),
-    )
-    for key, kind in expected:
-        if key in meta and (not isinstance(meta[key], kind) or isinstance(meta[key], bool)):
-            raise _Unreadable(f"{meta_path}: {key}: wrong type {type(meta[key]).__name__}")
-    return meta
-
-
 def _scan_sessions(root: Path) -> SessionScan:
     infos: list[SessionInfo] = []
     unreadable: list[UnreadableSession] = []
@@ -583,12 +502,12 @@ def _scan_sessions(root: Path) -> SessionScan:
         return SessionScan(sessions=(), unreadable=())
     for meta_path in root.glob(f"*/{SESSION_FILE}"):
         try:
-            meta = _read_meta(meta_path)
+            meta = read_meta_file(meta_path)
             traces = sorted(meta_path.parent.glob("trace_*.jsonl"))
             updated = max((t.stat().st_mtime for t in traces), default=meta_path.stat().st_mtime)
         except FileNotFoundError:
             continue  # deleted while we looked
-        except (_Unreadable, OSError) as exc:
+        except (StoredSessionUnreadable, OSError) as exc:
             unreadable.append(
                 UnreadableSession(
                     session_id=meta_path.parent.name, path=str(meta_path), reason=str(exc)

@@ -47,7 +47,7 @@ from greenroom.protocols.outputs import (
 from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.stream import MessageCompleted, StreamFailed, TextDelta, TokenUsage
 from greenroom.protocols.tools import Tool
-from greenroom.protocols.trace import UsageKind, UsageRow, encode_record, trace_file_name
+from greenroom.protocols.trace import UsageKind, UsageRow, encode_record
 from greenroom.protocols.transcript import Transcript
 
 if TYPE_CHECKING:
@@ -253,8 +253,6 @@ class SessionCore:
         "_supervisor",
         "_tool_schemas",
         "_tools",
-        "_trace_file",
-        "_trace_number",
         "_transcript",
         "auth_locked",
         "directory",
@@ -278,7 +276,6 @@ class SessionCore:
         provider: ModelProvider,
         transcript: Transcript,
         last_seq: int = 0,
-        trace_number: int = 1,
         parent_id: str | None = None,
     ) -> None:
         self.id = session_id
@@ -294,8 +291,6 @@ class SessionCore:
         self._provider = provider
         self._transcript = transcript
         self._seq = last_seq
-        self._trace_number = trace_number
-        self._trace_file: Path | None = None
         self._session_rules: set[str] | None = None
         self._supervisor: SessionSupervisor | None = None
         self._follow_ups: list[TaskInput] | None = None
@@ -316,11 +311,7 @@ class SessionCore:
     @property
     def trace_path(self) -> Path:
         """The current trace file (one model context: R-COMPACT-8)."""
-        # Cached while a task runs (every traced output names it); dropped when idle.
-        path = self._trace_file
-        if path is None:
-            path = self._trace_file = self.directory / trace_file_name(self._trace_number)
-        return path
+        return self._host.trace_store.location(self.id)
 
     @property
     def origin_path(self) -> tuple[str, ...]:
@@ -397,10 +388,11 @@ class SessionCore:
 
     def write_record(self, output: Output) -> int:
         """Write the record; returns the trace sink's batch that will hold it."""
-        return self._host.trace_sink.write(self.trace_path, encode_record(output))
+        assert output.seq is not None  # traced outputs carry their seq
+        return self._host.trace_store.append(self.id, output.seq, encode_record(output))
 
     async def sync_trace(self) -> None:
-        await self._host.trace_sink.sync(self.trace_path)
+        await self._host.trace_store.sync(self.id)
 
     async def sync_trace_quietly(self) -> str | None:
         """Sync for teardown paths that must finish whatever the disk does: a write
@@ -421,7 +413,7 @@ class SessionCore:
         status: str = "ok",
         error_message: str | None = None,
     ) -> None:
-        self._host.trace_sink.record_usage(
+        self._host.trace_store.record_usage(
             UsageRow(
                 at=time.time(),
                 session_id=self.id,
@@ -438,9 +430,7 @@ class SessionCore:
 
     def rotate_trace(self) -> str:
         """Start the next trace file (after a successful compaction); returns its name."""
-        self._trace_number += 1
-        self._trace_file = None
-        return trace_file_name(self._trace_number)
+        return self._host.trace_store.rotate(self.id)
 
     def publish(self, batch: list[Output]) -> None:
         if self._listeners:
@@ -468,7 +458,6 @@ class SessionCore:
                 self._idle = None
             if not self._session_rules:
                 self._session_rules = None
-            self._trace_file = None
 
     def lock_auth(self, message: str) -> None:
         self.auth_locked = message
@@ -526,9 +515,9 @@ class Session(SessionCore):
         task = TaskInput(
             content=_as_content(new_messages), approve=approve, thinking_level=thinking_level
         )
-        send, receive = trio.open_memory_channel[list[Output]](float("inf"))
         # Unbounded: a slow reader never stalls the model stream or the tools; outputs
         # are small and a run's count is bounded by its work.
+        send, receive = trio.open_memory_channel[list[Output]](float("inf"))
         supervisor = SessionSupervisor(self, task, send, cancel)
         self._supervisor = supervisor
         self._idle = trio.Event()
@@ -611,6 +600,7 @@ class Session(SessionCore):
             raise Busy(f"session {self.id} is busy; compact when the task has ended")
         if self.compactability() != "ok":
             return None
+        # Unbounded, as for run(): a slow reader never stalls the summary request.
         send, receive = trio.open_memory_channel[list[Output]](float("inf"))
         supervisor = SessionSupervisor(self, None, send, None)
         self._supervisor = supervisor
@@ -727,8 +717,10 @@ class Session(SessionCore):
         if self._supervisor is not None:
             raise Busy(f"session {self.id} is already running a task")
         task = TaskInput(content=_as_content(content), approve=approve, thinking_level=None)
+        # No buffer and no reader: the outputs go to the listener only, and the emitter
+        # ignores the closed channel (it never blocks on it).
         send, receive = trio.open_memory_channel[list[Output]](0)
-        receive.close()  # the outputs go to the listener only
+        receive.close()
         supervisor = SessionSupervisor(self, task, send, None)
         self._supervisor = supervisor
         self._idle = trio.Event()

@@ -8,6 +8,7 @@ needs one of these paths asks :class:`SessionStore`; nothing else spells the lay
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +23,19 @@ SESSION_FILE = "session.json"
 
 SESSIONS_DIR = "sessions"
 """The folder of the data dir that holds one directory per session."""
+
+PRIVATE_DIR_MODE = 0o700
+"""Directories the host creates: only its user may enter them (traces hold tool output)."""
+
+PRIVATE_FILE_MODE = 0o600
+"""Files the host creates (metadata, traces, the ledger)."""
+
+
+def tighten(path: Path, mode: int) -> None:
+    """Take away every permission beyond ``mode`` (never adds one)."""
+    current = path.stat().st_mode & 0o777
+    if current & ~mode:
+        os.chmod(path, current & mode)
 
 
 @attrs.frozen

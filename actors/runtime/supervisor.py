@@ -115,9 +115,9 @@ class SessionSupervisor:
         self._scope = trio.CancelScope()
         self._abort_reason = "interrupted"
         self._stopping = False
-        inbox_send, inbox_receive = trio.open_memory_channel[SupervisorMessage](math.inf)
         # Unbounded on purpose: tools, approvals and the streamer report with send_nowait
         # and must never block on the supervisor; the supervisor drains it continuously.
+        inbox_send, inbox_receive = trio.open_memory_channel[SupervisorMessage](math.inf)
         self._inbox = inbox_send
         self._inbox_receive = inbox_receive
         self._out = OutputEmitter(session, output, self._trace_failed)
@@ -276,6 +276,7 @@ class SessionSupervisor:
         session = self._session
         settings = session.settings
         async with trio.open_nursery() as nursery:
+            # Unbounded: asked with send_nowait; at most a turn's calls are ever queued.
             approvals_send, approvals_receive = trio.open_memory_channel[ApproveCall](math.inf)
             self._approvals = self._dispatch.approvals = approvals_send
             broker = ApprovalBroker(
@@ -502,6 +503,7 @@ class SessionSupervisor:
                 async with trio.open_nursery() as nursery:
                     # The summary requests take the one path to the model (R-ACTOR-4).
                     streamer = LLMStreamer(session.provider.open_task(), self._inbox)
+                    # Unbounded, as for a task's streamer: commands go with send_nowait.
                     self._streamer, commands = trio.open_memory_channel[StreamerCommand](
                         math.inf
                     )
