@@ -128,3 +128,27 @@ def test_trio_timeouts_work_in_guest_mode() -> None:
         return scope.cancelled_caught
 
     assert run(main) is True
+
+
+def test_only_the_bridge_runs_asyncio_and_single_host_mode_never_imports_nats() -> None:
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cluster = Path(__file__).resolve().parents[1] / "actors" / "cluster"
+    users = sorted(
+        str(path.relative_to(cluster))
+        for path in cluster.rglob("*.py")
+        if re.search(r"^\s*(import asyncio|from asyncio)", path.read_text(), re.MULTILINE)
+    )
+    assert users == ["bridge.py"]
+    probe = (
+        "import sys, greenroom.actors.apps.cli, greenroom.actors.gateway; "
+        "print(sorted(m for m in sys.modules if m == 'nats' or m.startswith('nats.')"
+        " or m.startswith('greenroom.actors.cluster')))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert result.stdout.strip() == "[]"

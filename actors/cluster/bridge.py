@@ -5,7 +5,7 @@ its connection, its reader and its subscriptions on an asyncio event loop. Rathe
 a second loop in a thread (two schedulers, locks, cross-thread wake-ups), a cluster host runs
 trio in *guest mode* on an asyncio loop (:func:`trio.lowlevel.start_guest_run`): both run
 on the main thread, trio keeps its own scheduling, cancellation and nurseries, and asyncio
-only drives the NATS client. Nothing else in greenroom starts or touches an asyncio loop.
+only drives the NATS client. No other module of the cluster touches asyncio.
 
 :func:`run` is the entry point (in place of :func:`trio.run`); the trio code it runs gets a
 :class:`Bridge`, which awaits an asyncio coroutine from trio (:meth:`Bridge.call`) and turns

@@ -131,9 +131,9 @@ class ClusterNode:
         self._adopted: set[str] = set()
         self._running: dict[str, bool] = {}
         self._grants: Grantor | None = None
-        send, receive = trio.open_memory_channel[str](1000)
         # Bounded: an update only names a session (its state is read when it is sent); a
         # full channel drops one, and the next task_start or task_end sends it again.
+        send, receive = trio.open_memory_channel[str](1000)
         self._updates_send = send
         self._updates_receive = receive
 
