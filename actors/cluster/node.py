@@ -61,13 +61,19 @@ from greenroom.protocols.outputs import (
 from greenroom.protocols.tools import Tool
 from greenroom.protocols.trace import encode_record, trace_file_name
 
-__all__ = ["HOST_LOST", "ClusterConfig", "ClusterNode", "open_cluster_host"]
+__all__ = ["HOST_LOST", "HOST_LOST_IDEMPOTENT", "ClusterConfig", "ClusterNode", "open_cluster_host"]
 
 HOST_LOST = (
     "interrupted: the host running this call was lost before its result was recorded; "
     "it was not run again"
 )
 """The result of a tool call whose host died mid-call (R-CLUSTER-2)."""
+
+HOST_LOST_IDEMPOTENT = (
+    "interrupted: the host running this call was lost before its result was recorded; "
+    "the tool is idempotent, so calling it again is safe"
+)
+"""The result of such a call to a tool declared ``@tool(idempotent=True)``."""
 
 CONTINUE_PROMPT = (
     "[host lost] The host running this task stopped; the task continues on another host. "
@@ -330,7 +336,8 @@ class ClusterNode:
             self._keeper.hold(lease)
             writer = await self._traces.fence(session_id, self.host_id)
             read = await self._traces.read(session_id)
-            interrupted = _host_lost_results(read)
+            idempotent = {t.name for t in self._tools if t.idempotent}
+            interrupted = _host_lost_results(read, idempotent)
             if interrupted:
                 await writer.append([encode_record(r) for r in interrupted])
         except ClusterError as exc:
@@ -410,9 +417,10 @@ def _open_calls(records: tuple[Output, ...]) -> list[ToolCallBlock]:
     return list(calls.values())
 
 
-def _host_lost_results(read: TraceRead) -> list[ToolCallOutput]:
+def _host_lost_results(read: TraceRead, idempotent: set[str]) -> list[ToolCallOutput]:
     """An interrupted result for each call of the open task that has none (R-CLUSTER-2:
-    such a call is not run again; the model decides)."""
+    such a call is not run again; the model decides, told when the tool is idempotent
+    and a new call is safe)."""
     if not _open_task(read.current):
         return []
     run_id = _last_run_id(read.current)
@@ -427,7 +435,9 @@ def _host_lost_results(read: TraceRead) -> list[ToolCallOutput]:
             tool=call.name,
             status="interrupted",
             is_error=True,
-            content=(TextBlock(text=HOST_LOST),),
+            content=(
+                TextBlock(text=HOST_LOST_IDEMPOTENT if call.name in idempotent else HOST_LOST),
+            ),
         )
         for n, call in enumerate(_open_calls(read.current), start=1)
     ]

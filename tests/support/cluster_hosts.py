@@ -44,15 +44,16 @@ async def start_host(
     tmp_path: Path,
     host_id: str,
     *,
-    nats_url: str,
+    nats_url: str | None,
     model_url: str,
     effects: Path,
     lease_ttl_s: float,
 ) -> HostProcess:
-    """Start host ``host_id`` and return once its gateway listens."""
+    """Start host ``host_id`` and return once its gateway listens (``nats_url`` None: a
+    single-host ``serve``, for comparisons)."""
     data = tmp_path / host_id
     workspace = tmp_path / "ws"
-    workspace.mkdir(exist_ok=True)
+    workspace.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "OPENAI_"))}
     env.update(
         ANTHROPIC_API_KEY="k",
@@ -60,10 +61,14 @@ async def start_host(
         GREENROOM_TEST_EFFECTS=str(effects),
         NO_COLOR="1",
     )
+    cluster = (
+        ["--nats", nats_url, "--host-id", host_id, "--lease-ttl", str(lease_ttl_s)]
+        if nats_url is not None
+        else []
+    )
     process = await trio.lowlevel.open_process(
         [
-            sys.executable, "-m", "greenroom", "serve", "--nats", nats_url,
-            "--host-id", host_id, "--lease-ttl", str(lease_ttl_s), "--port", "0",
+            sys.executable, "-m", "greenroom", "serve", *cluster, "--port", "0",
             "--no-console", "--data-dir", str(data), "--workspace", str(workspace),
             "--provider", "anthropic", "--base-url", model_url, "--model", "mock-model",
             "--tools", str(TOOLS), "--no-builtin-tools", "--approve", "all",
