@@ -10,8 +10,8 @@
             ├── LeaseKeeper      renews this host's leases; a lost one stops its session
             ├── announcer        this host's load in the host registry, every TTL / 3
             ├── directory        session metadata (running or idle) to the session bucket
-            └── orphan scan      every TTL / 2: sessions with a task in flight and no lease,
-                                 spread over the live hosts; this host takes over its share
+            └── orphan scan      every TTL / 2: sessions without a lease, spread over the
+                                 live hosts; this host takes over its share
 
 A session the host creates or loads is *adopted*: its lease is claimed, its trace fenced,
 its lines replicated. A session whose lease is lost (a renewal refused, a stall longer than
@@ -21,7 +21,9 @@ after that reaches the cluster's trace — and is closed on this host.
 Takeover of an orphan: claim the lease, fence the trace, read it, write it into this host's
 data dir as the session's trace files (with its ``session.json`` from the directory), load it
 (R-TRACE-4), record an ``interrupted`` result for every tool call whose result is missing (the
-call is not run again), and start a task that continues the interrupted one. Usage rows are
+call is not run again), and, when a task was in flight, start a task that continues it. An
+idle session is taken over too (loaded, nothing run), so no session is left without a host.
+A session deleted through any host leaves the cluster (metadata, trace and lease). Usage rows are
 not written again: each host's ledger holds the requests it made.
 """
 
@@ -150,7 +152,9 @@ class ClusterNode:
 
     def make_store(self, data_dir: Path) -> ReplicatingTraceStore:
         """The host's trace store (``Host.open(trace_store=…)``)."""
-        self.store = ReplicatingTraceStore(data_dir, on_fenced=self._on_fenced)
+        self.store = ReplicatingTraceStore(
+            data_dir, on_fenced=self._on_fenced, on_deleted=self._on_deleted
+        )
         return self.store
 
     def bind_grants(self, grants: Grantor) -> None:
@@ -250,6 +254,26 @@ class ClusterNode:
         )
         self._give_up(session_id)
 
+    def _on_deleted(self, session_id: str) -> None:
+        self._adopted.discard(session_id)
+        scope = self._stream_scopes.pop(session_id, None)
+        if scope is not None:
+            scope.cancel()
+        if self._work is not None:
+            with contextlib.suppress(RuntimeError):  # shutting down
+                self._work.start_soon(self._forget, session_id)
+
+    async def _forget(self, session_id: str) -> None:
+        """A deleted session leaves the cluster: metadata, trace and lease."""
+        assert self._directory is not None and self._traces is not None
+        assert self._keeper is not None
+        try:
+            await self._directory.delete(session_id)
+            await self._traces.purge(session_id)
+        except ClusterUnavailable as exc:
+            log(f"cannot remove session {session_id} from the cluster: {exc}")
+        await self._keeper.release(session_id)
+
     def _on_fenced(self, session_id: str) -> None:
         log(f"the trace of session {session_id} was fenced by another host; stopping it here")
         self._give_up(session_id)
@@ -304,10 +328,8 @@ class ClusterNode:
                 sessions = await self._directory.all()
                 orphans = [
                     sid
-                    for sid, entry in sessions.items()
-                    if entry.get("running")
-                    and sid not in self._adopted
-                    and await self._leases.holder(sid) is None
+                    for sid in sessions
+                    if sid not in self._adopted and await self._leases.holder(sid) is None
                 ]
                 if not orphans:
                     continue
@@ -337,7 +359,7 @@ class ClusterNode:
             writer = await self._traces.fence(session_id, self.host_id)
             read = await self._traces.read(session_id)
             idempotent = {t.name for t in self._tools if t.idempotent}
-            interrupted = _host_lost_results(read, idempotent)
+            interrupted = host_lost_results(read, idempotent)
             if interrupted:
                 await writer.append([encode_record(r) for r in interrupted])
         except ClusterError as exc:
@@ -417,7 +439,7 @@ def _open_calls(records: tuple[Output, ...]) -> list[ToolCallBlock]:
     return list(calls.values())
 
 
-def _host_lost_results(read: TraceRead, idempotent: set[str]) -> list[ToolCallOutput]:
+def host_lost_results(read: TraceRead, idempotent: set[str]) -> list[ToolCallOutput]:
     """An interrupted result for each call of the open task that has none (R-CLUSTER-2:
     such a call is not run again; the model decides, told when the tool is idempotent
     and a new call is safe)."""

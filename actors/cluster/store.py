@@ -65,16 +65,24 @@ class _Replica:
 class ReplicatingTraceStore:
     """The file store plus fenced JetStream appends for replicated sessions.
 
-    ``on_fenced(session_id)`` must not block or raise. Replication of a session starts with
+    ``on_fenced(session_id)`` and ``on_deleted(session_id)`` (a session deleted through
+    this host) must not block or raise. Replication of a session starts with
     :meth:`replicate` (records are queued from then on); its appends run in
     :meth:`stream_to`, one task per session, started once its lease is held and its trace
     fenced.
     """
 
-    def __init__(self, data_dir: Path, *, on_fenced: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        on_fenced: Callable[[str], None],
+        on_deleted: Callable[[str], None] = lambda _session_id: None,
+    ) -> None:
         self.files = FileTraceStore(data_dir)
         self.data_dir = data_dir
         self._on_fenced = on_fenced
+        self._on_deleted = on_deleted
         self._replicas: dict[str, _Replica] = {}
         self._pending: Counter[int] = Counter()
         self._waiters: list[tuple[int, Callable[[], None]]] = []
@@ -221,9 +229,13 @@ class ReplicatingTraceStore:
         return await self.files.read_after(session_id, after_seq)
 
     async def delete(self, session_id: str) -> None:
-        """As the file store; the session stops being replicated."""
-        self.forget(session_id)
+        """As the file store; the session stops being replicated and the cluster forgets
+        it (``on_deleted``)."""
+        replicated = self.replicated(session_id)
         await self.files.delete(session_id)
+        self.forget(session_id)
+        if replicated:
+            self._on_deleted(session_id)
 
     def location(self, session_id: str) -> Path:
         """As the file store."""

@@ -110,6 +110,17 @@ class TraceStream:
             raise ClusterUnavailable(f"cannot read the trace of {session_id}: {exc}") from exc
         return int(msg.seq or 0)
 
+    async def purge(self, session_id: str) -> None:
+        """Remove ``session_id``'s trace (the session was deleted)."""
+        try:
+            await self._conn.call(
+                self._conn.js.purge_stream(
+                    self._names.trace_stream, subject=self._names.trace_subject(session_id)
+                )
+            )
+        except nats.js.errors.APIError as exc:
+            raise ClusterUnavailable(f"cannot purge the trace of {session_id}: {exc}") from exc
+
     async def fence(self, session_id: str, host_id: str) -> TraceWriter:
         """Write a fence for ``host_id`` (which must hold the session's lease) and return
         the writer that appends after it. Every writer made before is refused from now on."""
