@@ -157,10 +157,16 @@ async def connect(
             error_cb=_ignore_error,
         )
 
-    try:
-        client = await bridge.call(attempt)
-    except Exception as exc:
-        raise ClusterUnavailable(f"cannot reach NATS at {url}: {_describe(exc)}") from exc
+    # Bounded here: once connected the client reconnects forever, and so it would
+    # retry a first connection forever too.
+    client: Client | None = None
+    with trio.move_on_after(connect_timeout_s):
+        try:
+            client = await bridge.call(attempt)
+        except Exception as exc:
+            raise ClusterUnavailable(f"cannot reach NATS at {url}: {_describe(exc)}") from exc
+    if client is None:
+        raise ClusterUnavailable(f"cannot reach NATS at {url} within {connect_timeout_s:g} s")
     return Connection(
         bridge=bridge, client=client, js=client.jetstream(), names=names or ClusterNames()
     )
