@@ -773,8 +773,12 @@ def _cluster_demo_command(args: argparse.Namespace) -> int:
         raise UsageError(
             f"cluster-demo needs the cluster extra: pip install 'greenroom[cluster]' ({exc})"
         ) from None
-    given = {"--as-host": args.as_host, "--nats": args.nats, "--data-dir": args.data_dir,
-             "--workspace": args.workspace}
+    given = {
+        "--as-host": args.as_host,
+        "--nats": args.nats,
+        "--data-dir": args.data_dir,
+        "--workspace": args.workspace,
+    }
     return cluster_demo([part for flag, value in given.items() if value for part in (flag, value)])
 
 
