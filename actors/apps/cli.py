@@ -463,7 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--nats",
         metavar="URL",
         help="join the cluster of the hosts that share this NATS JetStream server "
-        "(nats://HOST:PORT, comma-separated for a NATS cluster; needs greenroom[cluster])",
+        "(nats://HOST:PORT, comma-separated for a NATS cluster; needs greenroom[cluster]; "
+        "default: none, a single host)",
     )
     serve.add_argument(
         "--host-id", metavar="ID", help="this host's id in the cluster (default: NAME-PID)"
