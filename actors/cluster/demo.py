@@ -206,9 +206,12 @@ async def _demo(bridge: Bridge, tmp: Path) -> int:
     async with trio.open_nursery() as nursery:
         nats_url, nats = await _start_nats(nursery, tmp / "nats")
         say(f"nats-server with JetStream at {nats_url}")
-        hosts = [await _start_host(nursery, tmp, h, nats_url, ledger) for h in HOSTS]
-        conn = await connect(bridge, nats_url, name="cluster-demo")
+        hosts: list[_Host] = []
+        conn: Connection | None = None
         try:
+            for host_id in HOSTS:
+                hosts.append(await _start_host(nursery, tmp, host_id, nats_url, ledger))
+            conn = await connect(bridge, nats_url, name="cluster-demo")
             with trio.fail_after(BOUND_S):
                 ok = await _scenario(nursery, conn, hosts, ledger)
         except trio.TooSlowError:
@@ -216,7 +219,8 @@ async def _demo(bridge: Bridge, tmp: Path) -> int:
             ok = False
         finally:
             with trio.CancelScope(shield=True):
-                await conn.aclose()
+                if conn is not None:
+                    await conn.aclose()
                 for host in hosts:
                     if host.process.returncode is None:
                         host.process.send_signal(signal.SIGTERM)
@@ -424,9 +428,10 @@ async def _start_host(
         ready.set()
 
     nursery.start_soon(read)
-    with trio.fail_after(30):
+    with trio.move_on_after(30):
         await ready.wait()
     if not host.url:
+        process.kill()
         raise ClusterError(f"host {host_id} did not start")
     host.token = (data / "serve.token").read_text().strip()
     say(f"host {host_id} serves {host.url}")
