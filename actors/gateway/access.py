@@ -50,6 +50,10 @@ class Grants:
         """The sessions ``client_id`` created or was granted."""
         return frozenset(self._grants.get(client_id, ()))
 
+    def holders(self, session_id: str) -> frozenset[str]:
+        """The principals that created or were granted ``session_id``."""
+        return frozenset(c for c, owned in self._grants.items() if session_id in owned)
+
     def anyone_owns(self, session_id: str) -> bool:
         """Whether some principal created or was granted ``session_id``."""
         return any(session_id in owned for owned in self._grants.values())

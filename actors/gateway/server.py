@@ -30,6 +30,7 @@ import logging
 import signal
 import sys
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import cast
 
@@ -193,6 +194,10 @@ class Gateway:
         """The sessions ``client_id`` created or was granted."""
         return self._grants.owned(client_id)
 
+    def holders(self, session_id: str) -> frozenset[str]:
+        """The principals that created or were granted ``session_id``."""
+        return self._grants.holders(session_id)
+
     @property
     def _titled(self) -> set[str]:
         """The sessions titled, or being titled, by this gateway."""
@@ -345,6 +350,19 @@ class _CountedStream(trio.abc.HalfCloseableStream):
 # -- greenroom serve ---------------------------------------------------------------------------
 
 
+HostOpener = Callable[[Path, Iterable[SessionObserver]], AbstractAsyncContextManager[Host]]
+"""Opens the host ``run_serve`` serves, from the data dir and the session observers."""
+
+
+def _local_host_opener(gc_tuning: bool) -> HostOpener:
+    def open_local(
+        data_dir: Path, observers: Iterable[SessionObserver]
+    ) -> AbstractAsyncContextManager[Host]:
+        return Host.open(data_dir, observers=observers, gc_tuning=gc_tuning)
+
+    return open_local
+
+
 async def run_serve(
     *,
     host: str = "127.0.0.1",
@@ -361,6 +379,8 @@ async def run_serve(
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     observers: Iterable[SessionObserver] = (),
     gc_tuning: bool = False,
+    open_host: HostOpener | None = None,
+    on_gateway: Callable[[Gateway], None] | None = None,
 ) -> None:
     """``greenroom serve``: open a host on ``data_dir``, serve the gateway on it, print
     ``listening on ws://HOST:PORT/v1`` and the token file on stderr, and serve until
@@ -382,7 +402,9 @@ async def run_serve(
     allows after the soft limit is raised to the hard one (:func:`connection_cap`).
     ``observers`` watch the host's sessions
     (:data:`~greenroom.actors.runtime.host.SessionObserver`). ``gc_tuning``: the host's
-    garbage collector setting (``Host.open(gc_tuning=…)``)."""
+    garbage collector setting (``Host.open(gc_tuning=…)``). ``open_host`` opens the host
+    instead of :meth:`Host.open` (cluster mode: a host that joins a cluster); ``on_gateway``
+    gets the gateway before it serves (cluster mode shares its grants)."""
     if tokens_file is not None and token_file is not None:
         raise ConfigurationError("give --token-file or --tokens-file, not both")
     fd_limit = raise_fd_limit()
@@ -411,7 +433,8 @@ async def run_serve(
     else:
         token_path = await trio.to_thread.run_sync(token_file_path, data, token_file)
         token = await trio.to_thread.run_sync(load_or_create_token, data, token_path)
-    async with Host.open(data, observers=observers, gc_tuning=gc_tuning) as opened:
+    opener = open_host or _local_host_opener(gc_tuning)
+    async with opener(data, observers) as opened:
         gateway = Gateway(
             opened,
             token=token,
@@ -425,6 +448,8 @@ async def run_serve(
             max_connections=cap,
             allowed_origins=allowed_origins,
         )
+        if on_gateway is not None:
+            on_gateway(gateway)
         async with trio.open_nursery() as nursery:
             bound = await nursery.start(gateway.run)
             print(f"listening on {gateway.url}", file=sys.stderr, flush=True)

@@ -1,0 +1,42 @@
+"""Cluster mode: hosts that share a NATS JetStream server form one service (R-CLUSTER-1..2).
+
+::
+
+    bridge      trio as the guest of an asyncio loop: the only asyncio, for nats-py
+    connection  one host's NATS connection; the names of the buckets, stream and subjects
+    leases      session → owning host, KV with a TTL: claim, renew, expire; LeaseKeeper
+    traces      the fenced trace stream: one subject per session, replay, follow
+    registry    live hosts and their load (placement), session metadata
+    routing     requests that only a session's owner answers
+    store       the TraceStore backend that replicates a host's records to JetStream
+    node        one host of the cluster: adoption, loss, takeover; open_cluster_host
+    serve       ``greenroom serve --nats``
+    server      finding and starting a local ``nats-server``
+
+Importing this package imports nats-py (the ``cluster`` extra); single-host greenroom never
+does.
+"""
+
+from greenroom.actors.cluster.bridge import Bridge, BridgeClosed, run
+from greenroom.actors.cluster.errors import (
+    ClusterError,
+    ClusterUnavailable,
+    Fenced,
+    LeaseLost,
+    OwnerUnreachable,
+)
+from greenroom.actors.cluster.node import ClusterConfig, ClusterNode, open_cluster_host
+
+__all__ = [
+    "Bridge",
+    "BridgeClosed",
+    "ClusterConfig",
+    "ClusterError",
+    "ClusterNode",
+    "ClusterUnavailable",
+    "Fenced",
+    "LeaseLost",
+    "OwnerUnreachable",
+    "open_cluster_host",
+    "run",
+]

@@ -1,0 +1,156 @@
+"""The one place where asyncio runs: trio as a guest on an asyncio loop, for nats-py.
+
+greenroom is a trio program; the NATS client (``nats-py``) is written for asyncio and keeps
+its connection, its reader and its subscriptions on an asyncio event loop. Rather than run
+a second loop in a thread (two schedulers, locks, cross-thread wake-ups), a cluster host runs
+trio in *guest mode* on an asyncio loop (:func:`trio.lowlevel.start_guest_run`): both run
+on the main thread, trio keeps its own scheduling, cancellation and nurseries, and asyncio
+only drives the NATS client. No other module of the cluster touches asyncio.
+
+:func:`run` is the entry point (in place of :func:`trio.run`); the trio code it runs gets a
+:class:`Bridge`, which awaits an asyncio coroutine from trio (:meth:`Bridge.call`) and turns
+a NATS subscription into an async iterator for trio (:meth:`Bridge.messages`).
+
+Exceptions::
+
+    Exception
+    └── BridgeClosed   the asyncio side is gone (its loop stopped, or the coroutine was
+                       cancelled from the asyncio side): nothing more can cross
+
+An exception raised by the coroutine itself crosses unchanged; translating the client's
+errors is the business of the module that calls it (:mod:`.leases`, :mod:`.traces`, …).
+Cancellation crosses the other way: when the trio caller is cancelled, the asyncio task is
+cancelled too, and the caller does not wait for it to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Generic, ParamSpec, TypeVar
+
+import outcome
+import trio
+
+__all__ = ["Bridge", "BridgeClosed", "Messages", "run"]
+
+T = TypeVar("T")
+P = ParamSpec("P")
+
+
+class BridgeClosed(Exception):
+    """The asyncio side of the bridge is gone: its loop stopped or the awaited coroutine was
+    cancelled by someone other than the trio caller."""
+
+
+class Bridge:
+    """Lets trio code (running as the guest of ``loop``) await asyncio coroutines.
+
+    Only usable from the trio run that :func:`run` started; every method is to be called
+    from trio tasks of that run.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, token: trio.lowlevel.TrioToken) -> None:
+        self._loop = loop
+        self._token = token
+
+    async def call(
+        self, fn: Callable[P, Coroutine[Any, Any, T]], *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        """Run ``fn(*args, **kwargs)`` as an asyncio task and return its result (or raise its
+        exception). Cancel-safe: if the calling trio task is cancelled, the asyncio task is
+        cancelled and its outcome ignored."""
+        if self._loop.is_closed():
+            raise BridgeClosed("the asyncio loop is closed")
+        task = self._loop.create_task(fn(*args, **kwargs))
+        done = trio.Event()
+        task.add_done_callback(lambda _: self._wake(done))
+        try:
+            await done.wait()
+        finally:
+            if not task.done():
+                task.cancel()
+                # Retrieve the outcome once it exists, so asyncio does not report an
+                # exception "never retrieved" for a call nobody waits for any more.
+                task.add_done_callback(_swallow)
+        if task.cancelled():
+            raise BridgeClosed("the call was cancelled on the asyncio side")
+        return task.result()
+
+    def messages(self, next_message: Callable[[], Awaitable[T]]) -> Messages[T]:
+        """The items that ``next_message`` (a coroutine function such as a nats-py
+        subscription's ``next_msg`` without timeout) gives, one call each, as a trio async
+        iterator. One item is pulled at a time, so a slow trio consumer leaves the items in
+        the client's own pending buffer (with its limits) instead of in ours."""
+        return Messages(self, next_message)
+
+    def _wake(self, event: trio.Event) -> None:
+        # A call that finishes after the trio run ended has nobody to wake.
+        with contextlib.suppress(trio.RunFinishedError):
+            self._token.run_sync_soon(event.set)
+
+
+class Messages(Generic[T]):
+    """An async iterator over the items of an asyncio coroutine function, called once per
+    item through the bridge; it ends when the coroutine raises StopAsyncIteration."""
+
+    def __init__(self, bridge: Bridge, next_message: Callable[[], Awaitable[T]]) -> None:
+        self._bridge = bridge
+        self._next = next_message
+
+    def __aiter__(self) -> Messages[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        return await self._bridge.call(self._one)
+
+    async def _one(self) -> T:
+        return await self._next()
+
+
+def _swallow(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+def run(main: Callable[[Bridge], Awaitable[T]]) -> T:
+    """Run ``main(bridge)`` under trio, as the guest of a new asyncio loop, and return its
+    result (or raise its exception). Use it in place of :func:`trio.run` for a process that
+    talks to NATS. KeyboardInterrupt is delivered to trio as usual."""
+    # Not asyncio.run: its own SIGINT handler would cancel the host task under trio's feet,
+    # while trio, as the guest, turns Ctrl-C into KeyboardInterrupt in the right task.
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(_host(main))
+    finally:
+        try:
+            left = asyncio.all_tasks(loop)
+            for task in left:
+                task.cancel()
+            if left:
+                loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
+
+
+async def _host(main: Callable[[Bridge], Awaitable[T]]) -> T:
+    loop = asyncio.get_running_loop()
+    finished: asyncio.Future[outcome.Outcome[T]] = loop.create_future()
+
+    async def guest() -> T:
+        return await main(Bridge(loop, trio.lowlevel.current_trio_token()))
+
+    def on_done(result: outcome.Outcome[T]) -> None:
+        if not finished.done():
+            finished.set_result(result)
+
+    trio.lowlevel.start_guest_run(
+        guest,
+        run_sync_soon_threadsafe=loop.call_soon_threadsafe,
+        run_sync_soon_not_threadsafe=loop.call_soon,
+        done_callback=on_done,
+    )
+    result = await finished
+    return result.unwrap()

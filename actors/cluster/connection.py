@@ -1,0 +1,176 @@
+"""One host's connection to NATS and the names of the cluster's JetStream resources.
+
+A :class:`Connection` is the nats-py client and its JetStream context, reached from trio
+through the :class:`~greenroom.actors.cluster.bridge.Bridge`. :class:`ClusterNames` spells
+every bucket, stream and subject, so that several clusters (or tests) can share one server
+under different prefixes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import attrs
+import nats
+import nats.errors
+import nats.js.errors
+import trio
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from greenroom.actors.cluster.bridge import Bridge
+from greenroom.actors.cluster.errors import ClusterUnavailable
+
+__all__ = ["ClusterNames", "Connection", "check_session_id", "connect"]
+
+T = TypeVar("T")
+
+_TOKEN = re.compile(r"[A-Za-z0-9_-]+")
+_CLOSE_S = 2.0
+
+
+def check_session_id(session_id: str) -> str:
+    """``session_id`` if it can be one token of a NATS subject and a KV key; else ValueError
+    (greenroom's ids, ``20260101-120000-abcdef``, always can)."""
+    if not _TOKEN.fullmatch(session_id):
+        raise ValueError(f"session id {session_id!r} cannot be used in the cluster")
+    return session_id
+
+
+@attrs.frozen(kw_only=True)
+class ClusterNames:
+    """The JetStream buckets, stream and subjects of one cluster (``prefix`` sets them apart
+    when several share a server)."""
+
+    prefix: str = "greenroom"
+
+    def __attrs_post_init__(self) -> None:
+        if not _TOKEN.fullmatch(self.prefix):
+            raise ValueError(f"cluster prefix {self.prefix!r} must be letters, digits, - or _")
+
+    @property
+    def leases(self) -> str:
+        """The KV bucket session id → lease (with the lease TTL)."""
+        return f"{self.prefix}_leases"
+
+    @property
+    def hosts(self) -> str:
+        """The KV bucket host id → host record (load, gateway URL), with a TTL."""
+        return f"{self.prefix}_hosts"
+
+    @property
+    def sessions(self) -> str:
+        """The KV bucket session id → session metadata."""
+        return f"{self.prefix}_sessions"
+
+    @property
+    def trace_stream(self) -> str:
+        """The JetStream stream holding every session's trace."""
+        return f"{self.prefix.upper()}_TRACES"
+
+    def trace_subject(self, session_id: str) -> str:
+        """The one subject of ``session_id``'s trace records."""
+        return f"{self.prefix}.trace.{check_session_id(session_id)}"
+
+    @property
+    def trace_subjects(self) -> str:
+        """The wildcard of all trace subjects (the stream's subjects)."""
+        return f"{self.prefix}.trace.>"
+
+    def request_subject(self, session_id: str) -> str:
+        """The subject on which only ``session_id``'s owner answers requests."""
+        return f"{self.prefix}.session.{check_session_id(session_id)}"
+
+    def live_subject(self, session_id: str) -> str:
+        """The subject of ``session_id``'s live-only outputs (not stored)."""
+        return f"{self.prefix}.live.{check_session_id(session_id)}"
+
+
+@attrs.define
+class Connection:
+    """A connected NATS client. ``call`` awaits one of its coroutines from trio, translating
+    a lost connection into :class:`ClusterUnavailable`."""
+
+    bridge: Bridge
+    client: Client
+    js: JetStreamContext
+    names: ClusterNames
+
+    async def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await ``coro`` (built from :attr:`client` or :attr:`js`) on the asyncio side.
+        Connection-level failures become :class:`ClusterUnavailable`; JetStream API errors
+        cross unchanged for the caller to translate."""
+
+        async def wrapped() -> T:
+            return await coro
+
+        try:
+            return await self.bridge.call(wrapped)
+        except (
+            nats.errors.ConnectionClosedError,
+            nats.errors.ConnectionReconnectingError,
+            nats.errors.NoServersError,
+            nats.js.errors.ServiceUnavailableError,
+            nats.js.errors.NoStreamResponseError,
+            OSError,
+        ) as exc:
+            raise ClusterUnavailable(f"NATS is unavailable: {_describe(exc)}") from exc
+
+    async def aclose(self) -> None:
+        """Close the client (idempotent; errors while closing are ignored). Bounded: with
+        the server gone, the client's last flush would wait for it forever."""
+        if self.client.is_closed:
+            return
+        with trio.move_on_after(_CLOSE_S), contextlib.suppress(Exception):
+            await self.bridge.call(self.client.close)
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+async def connect(
+    bridge: Bridge,
+    url: str,
+    *,
+    name: str,
+    names: ClusterNames | None = None,
+    connect_timeout_s: float = 5.0,
+) -> Connection:
+    """Connect to the NATS server(s) at ``url`` (comma-separated for a cluster). Raises
+    :class:`ClusterUnavailable` when none can be reached within ``connect_timeout_s``."""
+    servers = [part.strip() for part in url.split(",") if part.strip()]
+
+    async def attempt() -> Client:
+        return await nats.connect(
+            servers=servers,
+            name=name,
+            connect_timeout=max(1, round(connect_timeout_s)),
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=1,
+            # Without this the client retries the first connection forever.
+            error_cb=_ignore_error,
+        )
+
+    # Bounded here: once connected the client reconnects forever, and so it would
+    # retry a first connection forever too.
+    client: Client | None = None
+    with trio.move_on_after(connect_timeout_s):
+        try:
+            client = await bridge.call(attempt)
+        except Exception as exc:
+            raise ClusterUnavailable(f"cannot reach NATS at {url}: {_describe(exc)}") from exc
+    if client is None:
+        raise ClusterUnavailable(f"cannot reach NATS at {url} within {connect_timeout_s:g} s")
+    return Connection(
+        bridge=bridge, client=client, js=client.jetstream(), names=names or ClusterNames()
+    )
+
+
+async def _ignore_error(exc: Exception) -> None:
+    """nats-py reports every transient error here; the calls that fail report them to us."""

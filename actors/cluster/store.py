@@ -1,0 +1,317 @@
+"""A host's trace store in cluster mode: the file store, and every record of a cluster
+session also appended, fenced, to the session's JetStream subject (R-CLUSTER-1, R-TRACE-2).
+
+:class:`ReplicatingTraceStore` is a :class:`~greenroom.actors.runtime.trace_store.TraceStore`
+that keeps the host's files as in single-host mode (a :class:`FileTraceStore` inside: the
+gateway's replay, loading and the usage ledger work as they do there) and queues each record
+of a *replicated* session for the session's
+:class:`~greenroom.actors.cluster.traces.TraceWriter`. A ticket is done
+(:meth:`batch_done`, :meth:`when_batch_done`) only once its records are in the file *and*
+acknowledged by JetStream, :meth:`commit` says False until then, and :meth:`sync` returns
+only then: a client never sees a record, and a tool with side effects never starts, before
+the record is in the cluster and survives this host.
+
+When JetStream refuses an append (another host fenced the trace: this host lost the
+session), nothing more of that session is appended, :meth:`error` reports a
+:class:`~greenroom.actors.runtime.trace_store.StaleTraceWriter`, and ``on_fenced(session_id)``
+is called so the host stops the session. Sessions that are not replicated (subagents) are
+stored in files only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from greenroom.actors.cluster.errors import ClusterUnavailable, Fenced
+from greenroom.actors.cluster.traces import TraceWriter
+from greenroom.actors.runtime.trace_sink import TraceWriteError
+from greenroom.actors.runtime.trace_store import (
+    FileTraceStore,
+    LoadedTrace,
+    StaleTraceWriter,
+)
+from greenroom.protocols.outputs import Output
+from greenroom.protocols.trace import UsageRow
+
+__all__ = ["ReplicatingTraceStore"]
+
+_RETRY_S = 0.5
+"""Wait before appending again after NATS was unreachable."""
+
+
+class _Replica:
+    """The records of one session waiting for JetStream, in order."""
+
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+        self.queue: list[tuple[int, int, str]] = []  # (ticket, trace number, line)
+        self.in_flight: list[tuple[int, int, str]] = []
+        self.number: int | None = None
+        self.error: TraceWriteError | None = None
+        self.wakeup = trio.Event()
+        self.idle = trio.Event()
+        self.idle.set()
+
+    def busy(self) -> bool:
+        return bool(self.queue or self.in_flight)
+
+
+class ReplicatingTraceStore:
+    """The file store plus fenced JetStream appends for replicated sessions.
+
+    ``on_fenced(session_id)`` and ``on_deleted(session_id)`` (a session deleted through
+    this host) must not block or raise. Replication of a session starts with
+    :meth:`replicate` (records are queued from then on); its appends run in
+    :meth:`stream_to`, one task per session, started once its lease is held and its trace
+    fenced.
+    """
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        on_fenced: Callable[[str], None],
+        on_deleted: Callable[[str], None] = lambda _session_id: None,
+    ) -> None:
+        self.files = FileTraceStore(data_dir)
+        self.data_dir = data_dir
+        self._on_fenced = on_fenced
+        self._on_deleted = on_deleted
+        self._replicas: dict[str, _Replica] = {}
+        self._pending: Counter[int] = Counter()
+        self._waiters: list[tuple[int, Callable[[], None]]] = []
+
+    # -- replication --------------------------------------------------------------------
+
+    def replicate(self, session_id: str) -> None:
+        """Queue every later record of ``session_id`` for JetStream."""
+        self._replicas.setdefault(session_id, _Replica(session_id))
+
+    def replicated(self, session_id: str) -> bool:
+        """Whether ``session_id``'s records go to JetStream too."""
+        return session_id in self._replicas
+
+    def forget(self, session_id: str) -> None:
+        """Stop replicating ``session_id``; records still queued are given up (their
+        tickets count as done, and the session reports the error)."""
+        replica = self._replicas.pop(session_id, None)
+        if replica is not None:
+            self._give_up(replica, replica.error or self._lost(session_id))
+
+    async def stream_to(
+        self,
+        session_id: str,
+        writer: TraceWriter,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Append ``session_id``'s queued records with ``writer`` (all that are queued at
+        once, as one message) until cancelled or fenced."""
+        self.replicate(session_id)
+        replica = self._replicas[session_id]
+        task_status.started()
+        while self._replicas.get(session_id) is replica:
+            if not replica.queue:
+                replica.idle.set()
+                replica.wakeup = trio.Event()
+                await replica.wakeup.wait()
+                continue
+            replica.in_flight, replica.queue = replica.queue, []
+            try:
+                await self._append(writer, replica)
+            except Fenced:
+                error = StaleTraceWriter(
+                    self._where(session_id),
+                    "another host took this session over: its trace is fenced",
+                )
+                self._replicas.pop(session_id, None)
+                self._give_up(replica, error)
+                self._on_fenced(session_id)
+                return
+            except ClusterUnavailable:
+                # Keep the records and their order; try again shortly.
+                replica.queue = replica.in_flight + replica.queue
+                replica.in_flight = []
+                await trio.sleep(_RETRY_S)
+                continue
+            done, replica.in_flight = replica.in_flight, []
+            self._acknowledge(done)
+
+    async def _append(self, writer: TraceWriter, replica: _Replica) -> None:
+        lines: list[str] = []
+        for _, number, line in replica.in_flight:
+            if replica.number is not None and number != replica.number:
+                if lines:
+                    await writer.append(lines)
+                    lines = []
+                await writer.rotate(number)
+            replica.number = number
+            lines.append(line)
+        if lines:
+            await writer.append(lines)
+
+    def _acknowledge(self, done: list[tuple[int, int, str]]) -> None:
+        for ticket, _, _ in done:
+            self._pending[ticket] -= 1
+            if self._pending[ticket] <= 0:
+                del self._pending[ticket]
+        self._run_waiters()
+
+    def _give_up(self, replica: _Replica, error: TraceWriteError) -> None:
+        replica.error = error
+        lost = replica.in_flight + replica.queue
+        replica.in_flight, replica.queue = [], []
+        self._acknowledge(lost)
+        replica.idle.set()
+        replica.wakeup.set()
+
+    def _js_done(self, ticket: int) -> bool:
+        return not any(pending <= ticket for pending in self._pending)
+
+    def _run_waiters(self) -> None:
+        ready = [(t, cb) for t, cb in self._waiters if self._js_done(t)]
+        if not ready:
+            return
+        self._waiters = [(t, cb) for t, cb in self._waiters if not self._js_done(t)]
+        for _, callback in ready:
+            with contextlib.suppress(Exception):
+                callback()
+
+    def _lost(self, session_id: str) -> TraceWriteError:
+        return TraceWriteError(
+            self._where(session_id),
+            "the session stopped being replicated before its trace reached the cluster",
+        )
+
+    def _where(self, session_id: str) -> Path:
+        try:
+            return self.files.location(session_id)
+        except KeyError:
+            return self.data_dir / session_id
+
+    # -- the TraceStore API ---------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the file store."""
+        await self.files.run(task_status=task_status)
+
+    async def aclose(self) -> None:
+        """Close the file store; records JetStream has not acknowledged by then are given
+        up (their tickets count as done)."""
+        await self.files.aclose()
+        for replica in list(self._replicas.values()):
+            self._give_up(replica, replica.error or self._lost(replica.session_id))
+
+    async def create(self, session_id: str, meta: dict[str, Any]) -> None:
+        """As the file store."""
+        await self.files.create(session_id, meta)
+
+    async def read_meta(self, session_id: str) -> dict[str, Any]:
+        """As the file store."""
+        return await self.files.read_meta(session_id)
+
+    async def exists(self, session_id: str) -> bool:
+        """As the file store."""
+        return await self.files.exists(session_id)
+
+    async def load(self, session_id: str) -> LoadedTrace:
+        """As the file store (a session taken over was written to files first)."""
+        return await self.files.load(session_id)
+
+    async def read_after(self, session_id: str, after_seq: int = 0) -> list[Output]:
+        """As the file store."""
+        return await self.files.read_after(session_id, after_seq)
+
+    async def delete(self, session_id: str) -> None:
+        """As the file store; the session stops being replicated and the cluster forgets
+        it (``on_deleted``)."""
+        replicated = self.replicated(session_id)
+        await self.files.delete(session_id)
+        self.forget(session_id)
+        if replicated:
+            self._on_deleted(session_id)
+
+    def location(self, session_id: str) -> Path:
+        """As the file store."""
+        return self.files.location(session_id)
+
+    def trace_number(self, session_id: str) -> int:
+        """As the file store."""
+        return self.files.trace_number(session_id)
+
+    def append(self, session_id: str, seq: int, line: str) -> int:
+        """As the file store; a replicated session's record is also queued for JetStream
+        under the same ticket. A fenced session's appends are refused."""
+        replica = self._replicas.get(session_id)
+        if replica is not None and isinstance(replica.error, StaleTraceWriter):
+            raise replica.error
+        ticket = self.files.append(session_id, seq, line)
+        if replica is not None and replica.error is None:
+            replica.queue.append((ticket, self.files.trace_number(session_id), line))
+            if replica.idle.is_set():
+                replica.idle = trio.Event()
+            self._pending[ticket] += 1
+            replica.wakeup.set()
+        return ticket
+
+    def commit(self, session_id: str) -> bool:
+        """As the file store, and False while JetStream has not acknowledged every record
+        of the session (wait for the ticket then)."""
+        written = self.files.commit(session_id)
+        replica = self._replicas.get(session_id)
+        return written and (replica is None or not replica.busy())
+
+    def batch_done(self, ticket: int) -> bool:
+        """As the file store, and JetStream acknowledged the ticket's records."""
+        return self.files.batch_done(ticket) and self._js_done(ticket)
+
+    def when_batch_done(self, ticket: int, callback: Callable[[], None]) -> None:
+        """As the file store, once JetStream acknowledged the ticket's records too."""
+
+        def after_file() -> None:
+            if self._js_done(ticket):
+                callback()
+            else:
+                self._waiters.append((ticket, callback))
+
+        self.files.when_batch_done(ticket, after_file)
+
+    def error(self, session_id: str) -> TraceWriteError | None:
+        """As the file store, or the fencing of a replicated session."""
+        local = self.files.error(session_id)
+        if local is not None:
+            return local
+        replica = self._replicas.get(session_id)
+        return replica.error if replica is not None else None
+
+    def clear_error(self, session_id: str) -> None:
+        """As the file store (a fencing stays: the session is someone else's)."""
+        self.files.clear_error(session_id)
+
+    async def sync(self, session_id: str | None = None) -> None:
+        """As the file store, and every record appended before is acknowledged by
+        JetStream (R-TRACE-2 in the cluster). Raises the fencing's StaleTraceWriter."""
+        await self.files.sync(session_id)
+        replicas = (
+            list(self._replicas.values())
+            if session_id is None
+            else [r for r in [self._replicas.get(session_id)] if r is not None]
+        )
+        for replica in replicas:
+            await replica.idle.wait()
+            if replica.error is not None:
+                raise replica.error
+
+    def rotate(self, session_id: str) -> str:
+        """As the file store; the next records go to JetStream after a rotation marker."""
+        return self.files.rotate(session_id)
+
+    def record_usage(self, row: UsageRow) -> None:
+        """Into the host's own ledger: each host counts the requests it made."""
+        self.files.record_usage(row)

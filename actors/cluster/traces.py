@@ -1,0 +1,305 @@
+"""Session traces in one JetStream stream, fenced (R-CLUSTER-1, R-TRACE-1).
+
+The stream holds one subject per session (:meth:`ClusterNames.trace_subject`). A message
+on it is one of:
+
+* a batch of trace records: the payload is exactly the JSONL lines of the trace files
+  (:func:`greenroom.protocols.trace.encode_record`), one or more, in ``seq`` order;
+* a *fence* (header ``Greenroom-Fence: <host id>``, no payload): written by a host that
+  just claimed the session, before it reads the trace to rebuild it;
+* a *rotation* (header ``Greenroom-Rotate: <n>``, no payload): the records after it belong
+  to the session's ``n``-th trace file (a compaction started a new model context).
+
+Fencing: a :class:`TraceWriter` appends with ``Nats-Expected-Last-Subject-Sequence`` set to
+the stream sequence of the subject's last message as this writer knows it. A new owner's
+fence moves that sequence on, so every later append of the previous owner (which lost its
+lease, perhaps while stopped) is refused with :class:`~.errors.Fenced`, and the records the
+new owner read up to its fence are the whole trace as far as anyone can have written it.
+
+Reading: :meth:`TraceStream.read` gives the records with ``seq`` greater than ``after_seq``
+that exist now; :meth:`TraceStream.follow` gives the same and then every record appended
+later, in order, without gap or duplicate (one ordered consumer does both).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+
+import attrs
+import nats.errors
+import nats.js.api
+import nats.js.errors
+import trio
+from nats.aio.msg import Msg
+
+from greenroom.actors.cluster.bridge import Messages
+from greenroom.actors.cluster.connection import Connection
+from greenroom.actors.cluster.errors import ClusterUnavailable, Fenced
+from greenroom.protocols.outputs import Output
+from greenroom.protocols.trace import TraceLineError, parse_trace
+
+__all__ = ["Records", "TraceRead", "TraceStream", "TraceWriter"]
+
+FENCE_HEADER = "Greenroom-Fence"
+ROTATE_HEADER = "Greenroom-Rotate"
+_EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
+_WRONG_LAST_SEQUENCE = (10071, 10164)
+_UNSUBSCRIBE_S = 2.0
+
+
+@attrs.frozen(kw_only=True)
+class TraceRead:
+    """What :meth:`TraceStream.read` found: ``records`` with ``seq > after_seq`` (all
+    files), ``current`` the records of the latest trace file (``file`` its number; the model
+    context to rebuild), ``last_sequence`` the stream sequence of the subject's last
+    message read, and the lines that could not be parsed."""
+
+    records: tuple[Output, ...]
+    current: tuple[Output, ...]
+    file: int
+    last_sequence: int
+    files: tuple[tuple[int, tuple[Output, ...]], ...] = ()
+    """Every record (whatever ``after_seq``) by trace file number, oldest first."""
+    errors: tuple[TraceLineError, ...] = ()
+
+
+class TraceStream:
+    """The cluster's trace stream. Use :meth:`open`."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._names = conn.names
+
+    @classmethod
+    async def open(cls, conn: Connection) -> TraceStream:
+        """Bind the trace stream, creating it if it does not exist."""
+        config = nats.js.api.StreamConfig(
+            name=conn.names.trace_stream,
+            subjects=[conn.names.trace_subjects],
+            storage=nats.js.api.StorageType.FILE,
+            retention=nats.js.api.RetentionPolicy.LIMITS,
+            allow_direct=True,
+            deny_delete=True,
+        )
+        try:
+            await conn.call(conn.js.stream_info(conn.names.trace_stream))
+        except nats.js.errors.NotFoundError:
+            try:
+                await conn.call(conn.js.add_stream(config))
+            except nats.js.errors.APIError as exc:
+                # Created by another host meanwhile: that is the one to use.
+                try:
+                    await conn.call(conn.js.stream_info(conn.names.trace_stream))
+                except nats.js.errors.APIError:
+                    raise ClusterUnavailable(f"cannot create the trace stream: {exc}") from exc
+        except nats.js.errors.APIError as exc:
+            raise ClusterUnavailable(f"cannot open the trace stream: {exc}") from exc
+        return cls(conn)
+
+    async def last_sequence(self, session_id: str) -> int:
+        """The stream sequence of the last message on ``session_id``'s subject (0: none)."""
+        subject = self._names.trace_subject(session_id)
+        try:
+            msg = await self._conn.call(
+                self._conn.js.get_last_msg(self._names.trace_stream, subject, direct=True)
+            )
+        except nats.js.errors.NotFoundError:
+            return 0
+        except nats.js.errors.APIError as exc:
+            raise ClusterUnavailable(f"cannot read the trace of {session_id}: {exc}") from exc
+        return int(msg.seq or 0)
+
+    async def purge(self, session_id: str) -> None:
+        """Remove ``session_id``'s trace (the session was deleted)."""
+        try:
+            await self._conn.call(
+                self._conn.js.purge_stream(
+                    self._names.trace_stream, subject=self._names.trace_subject(session_id)
+                )
+            )
+        except nats.js.errors.APIError as exc:
+            raise ClusterUnavailable(f"cannot purge the trace of {session_id}: {exc}") from exc
+
+    async def fence(self, session_id: str, host_id: str) -> TraceWriter:
+        """Write a fence for ``host_id`` (which must hold the session's lease) and return
+        the writer that appends after it. Every writer made before is refused from now on."""
+        subject = self._names.trace_subject(session_id)
+        try:
+            ack = await self._conn.call(
+                self._conn.js.publish(subject, b"", headers={FENCE_HEADER: host_id})
+            )
+        except nats.js.errors.APIError as exc:
+            raise ClusterUnavailable(f"cannot fence the trace of {session_id}: {exc}") from exc
+        return TraceWriter(self._conn, session_id, expected=ack.seq)
+
+    async def read(self, session_id: str, *, after_seq: int = 0) -> TraceRead:
+        """Every record of ``session_id`` with ``seq > after_seq`` written so far."""
+        last = await self.last_sequence(session_id)
+        folded = _Fold(after_seq)
+        if last:
+            async with self._subscription(session_id) as messages:
+                async for msg in messages:
+                    folded.add(msg)
+                    if msg.metadata.sequence.stream >= last:
+                        break
+        return folded.result(last)
+
+    @contextlib.asynccontextmanager
+    async def follow(self, session_id: str, *, after_seq: int = 0) -> AsyncIterator[Records]:
+        """An iterator over the records with ``seq > after_seq``: those written so far and
+        then each one appended later, in order, for as long as the ``async with`` lasts."""
+        async with self._subscription(session_id) as messages:
+            yield Records(messages, _Fold(after_seq))
+
+    @contextlib.asynccontextmanager
+    async def _subscription(self, session_id: str) -> AsyncIterator[Messages[Msg]]:
+        subject = self._names.trace_subject(session_id)
+        try:
+            sub = await self._conn.call(
+                self._conn.js.subscribe(
+                    subject,
+                    stream=self._names.trace_stream,
+                    ordered_consumer=True,
+                    deliver_policy=nats.js.api.DeliverPolicy.ALL,
+                )
+            )
+        except nats.js.errors.APIError as exc:
+            raise ClusterUnavailable(f"cannot read the trace of {session_id}: {exc}") from exc
+
+        async def next_message() -> Msg:
+            try:
+                return await sub.next_msg(timeout=None)
+            except nats.errors.ConnectionClosedError:
+                raise StopAsyncIteration from None
+
+        try:
+            yield self._conn.bridge.messages(next_message)
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(_UNSUBSCRIBE_S):
+                with contextlib.suppress(ClusterUnavailable, nats.errors.Error):
+                    await self._conn.call(sub.unsubscribe())
+
+
+class Records:
+    """The records of a :meth:`TraceStream.follow`, as an async iterator."""
+
+    def __init__(self, messages: Messages[Msg], fold: _Fold) -> None:
+        self._messages = messages
+        self._fold = fold
+        self._ready: list[Output] = []
+
+    def __aiter__(self) -> Records:
+        return self
+
+    async def __anext__(self) -> Output:
+        while not self._ready:
+            msg = await self._messages.__anext__()
+            self._ready = self._fold.add(msg)
+        return self._ready.pop(0)
+
+
+class _Fold:
+    """Folds stream messages into records, files and rotations."""
+
+    def __init__(self, after_seq: int) -> None:
+        self._after = after_seq
+        self.records: list[Output] = []
+        self.current: list[Output] = []
+        self.file = 1
+        self.errors: list[TraceLineError] = []
+        self.files: dict[int, list[Output]] = {}
+        self._last_seq = 0
+
+    def add(self, msg: Msg) -> list[Output]:
+        headers = msg.headers or {}
+        rotate = headers.get(ROTATE_HEADER)
+        if rotate is not None:
+            try:
+                self.file = int(rotate)
+            except ValueError:
+                self.file += 1
+            self.current = []
+            return []
+        if FENCE_HEADER in headers or not msg.data:
+            return []
+        parsed = parse_trace(msg.data, file=f"{msg.subject}@{msg.metadata.sequence.stream}")
+        self.errors.extend(parsed.errors)
+        fresh: list[Output] = []
+        for record in parsed.records:
+            seq = record.seq or 0
+            # A record at or below the last one seen is a duplicate write; skip it so
+            # readers see each seq once.
+            if seq <= self._last_seq:
+                continue
+            self._last_seq = seq
+            self.current.append(record)
+            self.files.setdefault(self.file, []).append(record)
+            if seq > self._after:
+                fresh.append(record)
+        self.records.extend(fresh)
+        return fresh
+
+    def result(self, last_sequence: int) -> TraceRead:
+        return TraceRead(
+            records=tuple(self.records),
+            current=tuple(self.current),
+            file=self.file,
+            last_sequence=last_sequence,
+            files=tuple((n, tuple(rs)) for n, rs in sorted(self.files.items())),
+            errors=tuple(self.errors),
+        )
+
+
+class TraceWriter:
+    """Appends to one session's trace after the stream sequence ``expected``; refused with
+    :class:`Fenced` once anyone else wrote to the subject. Not for concurrent use: one
+    session's appends are made one after another."""
+
+    def __init__(self, conn: Connection, session_id: str, *, expected: int) -> None:
+        self._conn = conn
+        self.session_id = session_id
+        self._subject = conn.names.trace_subject(session_id)
+        self.expected = expected
+        self.fenced = False
+
+    async def append(self, lines: Sequence[str]) -> int:
+        """Append ``lines`` (finished trace lines, each ending in ``"\\n"``) as one message;
+        return its stream sequence. Raises :class:`Fenced` when this writer is stale (and
+        from then on, without asking the server again)."""
+        if self.fenced:
+            raise Fenced(self.session_id, self.expected)
+        payload = "".join(lines).encode()
+        try:
+            ack = await self._conn.call(
+                self._conn.js.publish(
+                    self._subject, payload, headers={_EXPECTED_LAST: str(self.expected)}
+                )
+            )
+        except nats.js.errors.APIError as exc:
+            if exc.err_code in _WRONG_LAST_SEQUENCE:
+                self.fenced = True
+                raise Fenced(self.session_id, self.expected) from exc
+            raise ClusterUnavailable(f"cannot append to {self.session_id}: {exc}") from exc
+        self.expected = ack.seq
+        return ack.seq
+
+    async def rotate(self, file_number: int) -> int:
+        """Mark the start of trace file ``file_number`` (fenced like :meth:`append`)."""
+        if self.fenced:
+            raise Fenced(self.session_id, self.expected)
+        try:
+            ack = await self._conn.call(
+                self._conn.js.publish(
+                    self._subject,
+                    b"",
+                    headers={_EXPECTED_LAST: str(self.expected), ROTATE_HEADER: str(file_number)},
+                )
+            )
+        except nats.js.errors.APIError as exc:
+            if exc.err_code in _WRONG_LAST_SEQUENCE:
+                self.fenced = True
+                raise Fenced(self.session_id, self.expected) from exc
+            raise ClusterUnavailable(f"cannot rotate {self.session_id}: {exc}") from exc
+        self.expected = ack.seq
+        return ack.seq

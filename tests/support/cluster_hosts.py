@@ -1,0 +1,109 @@
+"""``greenroom serve --nats`` host processes for the cluster tests (trio, as the bridge's
+guest): started with a scripted model server and the side-effect tool, their stderr kept
+for assertions, their gateway URL and token read when they are ready."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+REPO = Path(__file__).resolve().parents[2]
+TOOLS = REPO / "tests" / "support" / "cluster_tools.py"
+_URL = re.compile(r"listening on (ws://[\w.:]+/v1)")
+
+
+@attrs.define
+class HostProcess:
+    """One host: its id, process, gateway URL, token and everything it logged."""
+
+    host_id: str
+    process: trio.Process
+    url: str
+    token: str
+    log: list[str]
+    news: list[trio.Event]
+
+    def logged(self, text: str) -> bool:
+        """Whether some line of the host's log so far contains ``text``."""
+        return any(text in line for line in self.log)
+
+    async def wait_logged(self, *texts: str) -> None:
+        """Return once a line containing one of ``texts`` is logged."""
+        while not any(self.logged(t) for t in texts):
+            await self.news[0].wait()
+
+
+async def start_host(
+    nursery: trio.Nursery,
+    tmp_path: Path,
+    host_id: str,
+    *,
+    nats_url: str | None,
+    model_url: str,
+    effects: Path,
+    lease_ttl_s: float,
+) -> HostProcess:
+    """Start host ``host_id`` and return once its gateway listens (``nats_url`` None: a
+    single-host ``serve``, for comparisons)."""
+    data = tmp_path / host_id
+    workspace = tmp_path / "ws"
+    workspace.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "OPENAI_"))}
+    env.update(
+        ANTHROPIC_API_KEY="k",
+        GREENROOM_HOME=str(tmp_path / "home"),
+        GREENROOM_TEST_EFFECTS=str(effects),
+        NO_COLOR="1",
+    )
+    cluster = (
+        ["--nats", nats_url, "--host-id", host_id, "--lease-ttl", str(lease_ttl_s)]
+        if nats_url is not None
+        else []
+    )
+    process = await trio.lowlevel.open_process(
+        [
+            sys.executable, "-m", "greenroom", "serve", *cluster, "--port", "0",
+            "--no-console", "--data-dir", str(data), "--workspace", str(workspace),
+            "--provider", "anthropic", "--base-url", model_url, "--model", "mock-model",
+            "--tools", str(TOOLS), "--no-builtin-tools", "--approve", "all",
+        ],
+        env=env,
+        stderr=-1,
+    )
+    assert process.stderr is not None
+    log: list[str] = []
+    news = [trio.Event()]
+    ready = trio.Event()
+    found: dict[str, Any] = {}
+
+    async def read_log() -> None:
+        assert process.stderr is not None
+        buffered = b""
+        async for chunk in process.stderr:
+            buffered += chunk
+            *lines, buffered = buffered.split(b"\n")
+            for raw in lines:
+                line = raw.decode(errors="replace")
+                log.append(line)
+                news[0].set()
+                news[0] = trio.Event()
+                match = _URL.search(line)
+                if match:
+                    found["url"] = match.group(1)
+                    ready.set()
+        ready.set()
+        news[0].set()
+
+    nursery.start_soon(read_log)
+    await ready.wait()
+    assert "url" in found, f"host {host_id} did not start: {log}"
+    token = (data / "serve.token").read_text().strip()
+    return HostProcess(
+        host_id=host_id, process=process, url=found["url"], token=token, log=log, news=news
+    )

@@ -1,0 +1,28 @@
+"""A tool with a side effect for the cluster tests, loaded by ``serve --tools``.
+
+``side_effect`` reports each start by connecting to the unix socket named by
+``GREENROOM_TEST_EFFECTS`` and sending its note (the test counts the starts), then waits
+until its host is killed, stopped or interrupts it: the call is in flight when the host is
+lost.
+"""
+
+from __future__ import annotations
+
+import os
+
+import trio
+
+from greenroom.protocols.tools import tool
+
+
+@tool(side_effects=True)
+async def side_effect(note: str) -> str:
+    """Do something that must not happen twice.
+
+    Args:
+        note: what to do.
+    """
+    stream = await trio.open_unix_socket(os.environ["GREENROOM_TEST_EFFECTS"])
+    await stream.send_all(f"{note}\n".encode())
+    await trio.sleep_forever()
+    return note

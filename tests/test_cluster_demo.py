@@ -1,0 +1,28 @@
+"""``greenroom cluster-demo`` runs as the README says: a local NATS server, three hosts, a
+host killed mid-payment, every session finished elsewhere, nothing paid twice; exit 0
+(R-CLUSTER-2)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.test_cli import cli_env
+
+
+def test_the_cluster_demo_passes(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "greenroom", "cluster-demo"],
+        env=cli_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "*** killing host a (SIGKILL) with 2 payments in flight" in out
+    assert out.count("paid once — ok") == 6
+    assert "takes session" in out
+    assert "no payment repeated" in out

@@ -1,0 +1,132 @@
+"""Session leases in a JetStream KV bucket with a TTL, against a real nats-server
+(R-CLUSTER-1: one owner at a time; R-CLUSTER-2: a dead host's leases expire)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import trio
+
+from greenroom.actors.cluster.connection import Connection
+from greenroom.actors.cluster.errors import LeaseLost
+from greenroom.actors.cluster.leases import LeaseKeeper, LeaseTable
+from tests.support.nats import NatsProcess, run_connected, running_nats
+
+TTL_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsProcess]:
+    with running_nats(tmp_path_factory.mktemp("nats")) as server:
+        yield server
+
+
+def test_one_claim_wins_and_the_holder_is_known(nats_server: NatsProcess) -> None:
+    async def body(conn: Connection) -> tuple[bool, bool, str | None]:
+        table = await LeaseTable.open(conn, ttl_s=TTL_S)
+        first = await table.claim("s1", "host-a")
+        second = await table.claim("s1", "host-b")
+        return first is not None, second is None, await table.holder("s1")
+
+    assert run_connected(nats_server.url, body) == (True, True, "host-a")
+
+
+def test_renewal_is_compare_and_set_on_the_revision(nats_server: NatsProcess) -> None:
+    async def body(conn: Connection) -> str:
+        table = await LeaseTable.open(conn, ttl_s=TTL_S)
+        lease = await table.claim("s1", "host-a")
+        assert lease is not None
+        renewed = await table.renew(lease)
+        assert renewed.revision > lease.revision
+        try:
+            await table.renew(lease)  # the old revision: someone else wrote since
+        except LeaseLost as exc:
+            return exc.session_id
+        return "renewed twice from one revision"
+
+    assert run_connected(nats_server.url, body) == "s1"
+
+
+def test_an_unrenewed_lease_expires_and_another_host_claims_it(nats_server: NatsProcess) -> None:
+    async def body(conn: Connection) -> tuple[str | None, str | None, bool]:
+        table = await LeaseTable.open(conn, ttl_s=TTL_S)
+        lease = await table.claim("s1", "host-a")
+        assert lease is not None
+        # host-a dies: nobody renews. Try to claim until the TTL removes the lease.
+        claimed = None
+        tries = 0
+        while claimed is None:
+            claimed = await table.claim("s1", "host-b")
+            if claimed is None:
+                tries += 1
+                await trio.sleep(TTL_S / 10)
+        holder = await table.holder("s1")
+        try:
+            await table.renew(lease)
+            stale_renewed = True
+        except LeaseLost:
+            stale_renewed = False
+        return claimed.host_id, holder, stale_renewed and tries > 0
+
+    assert run_connected(nats_server.url, body) == ("host-b", "host-b", False)
+
+
+def test_a_released_lease_is_claimable_at_once(nats_server: NatsProcess) -> None:
+    async def body(conn: Connection) -> str | None:
+        table = await LeaseTable.open(conn, ttl_s=60.0)
+        lease = await table.claim("s1", "host-a")
+        assert lease is not None
+        await table.release(lease)
+        again = await table.claim("s1", "host-b")
+        return again.host_id if again else None
+
+    assert run_connected(nats_server.url, body) == "host-b"
+
+
+def test_the_keeper_renews_past_the_ttl_and_reports_a_lost_lease(
+    nats_server: NatsProcess,
+) -> None:
+    async def body(conn: Connection) -> tuple[list[str], str | None]:
+        table = await LeaseTable.open(conn, ttl_s=TTL_S)
+        lost: list[str] = []
+        lost_event = trio.Event()
+
+        def on_lost(session_id: str, reason: str) -> None:
+            lost.append(session_id)
+            lost_event.set()
+
+        keeper = LeaseKeeper(table, on_lost)
+        lease = await table.claim("kept", "host-a")
+        stolen = await table.claim("stolen", "host-a")
+        assert lease is not None and stolen is not None
+        keeper.hold(lease)
+        keeper.hold(stolen)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(keeper.run)
+            # Another host takes "stolen" over (as after an expiry): the next renewal fails.
+            await table.release(stolen)
+            assert await table.claim("stolen", "host-b") is not None
+            await lost_event.wait()
+            # Three TTLs later "kept" is still held: the keeper renewed it.
+            await trio.sleep(3 * TTL_S)
+            nursery.cancel_scope.cancel()
+        return lost, await table.holder("kept")
+
+    assert run_connected(nats_server.url, body) == (["stolen"], "host-a")
+
+
+def test_a_stall_longer_than_the_ttl_gives_the_lease_up(nats_server: NatsProcess) -> None:
+    async def body(conn: Connection) -> list[str]:
+        table = await LeaseTable.open(conn, ttl_s=TTL_S)
+        lost: list[str] = []
+        keeper = LeaseKeeper(table, lambda sid, _reason: lost.append(sid))
+        lease = await table.claim("s1", "host-a")
+        assert lease is not None
+        keeper.hold(lease)
+        # The host was stopped for longer than the TTL (no renewal round ran meanwhile).
+        await trio.sleep(TTL_S * 1.2)
+        await keeper.renew_all()
+        return lost
+
+    assert run_connected(nats_server.url, body) == ["s1"]

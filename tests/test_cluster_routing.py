@@ -1,0 +1,98 @@
+"""Host registry, placement, session metadata and per-session requests answered only by the
+owner, against a real nats-server (R-CLUSTER-1)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import trio
+
+from greenroom.actors.cluster.connection import Connection
+from greenroom.actors.cluster.errors import OwnerUnreachable
+from greenroom.actors.cluster.registry import (
+    HostRecord,
+    HostRegistry,
+    SessionDirectory,
+    assign,
+    least_loaded,
+)
+from greenroom.actors.cluster.routing import SessionRequests
+from tests.support.nats import NatsProcess, run_connected, running_nats
+
+
+@pytest.fixture(scope="module")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsProcess]:
+    with running_nats(tmp_path_factory.mktemp("nats")) as server:
+        yield server
+
+
+def test_placement_is_the_least_loaded_host_and_spreads_orphans() -> None:
+    hosts = [
+        HostRecord(host_id="b", load=2),
+        HostRecord(host_id="a", load=2),
+        HostRecord(host_id="c", load=5),
+    ]
+    assert least_loaded(hosts) == HostRecord(host_id="a", load=2)
+    assert least_loaded([]) is None
+    assert assign(["s3", "s1", "s2"], hosts) == {"s1": "a", "s2": "b", "s3": "a"}
+    assert assign(["s1"], []) == {}
+
+
+def test_hosts_announce_themselves_and_drop_out_after_the_ttl(nats_server: NatsProcess) -> None:
+    async def body(conn: Connection) -> tuple[list[str], list[str]]:
+        registry = await HostRegistry.open(conn, ttl_s=1.0)
+        await registry.announce(HostRecord(host_id="a", load=1, gateway="ws://x/v1"))
+        await registry.announce(HostRecord(host_id="b", load=0))
+        before = [h.host_id for h in await registry.hosts()]
+        # Only "b" keeps announcing; "a" died.
+        with trio.move_on_after(2.0):
+            await registry.announce_every(lambda: HostRecord(host_id="b", load=0))
+        after = [h.host_id for h in await registry.hosts()]
+        return before, after
+
+    assert run_connected(nats_server.url, body) == (["a", "b"], ["b"])
+
+
+def test_session_metadata_round_trips(nats_server: NatsProcess) -> None:
+    async def body(conn: Connection) -> tuple[Any, Any, Any]:
+        directory = await SessionDirectory.open(conn)
+        await directory.put("s1", {"workspace": "/w", "tools": ["bash"]})
+        got = await directory.get("s1")
+        missing = await directory.get("nope")
+        return got, missing, sorted(await directory.all())
+
+    assert run_connected(nats_server.url, body) == (
+        {"workspace": "/w", "tools": ["bash"]},
+        None,
+        ["s1"],
+    )
+
+
+def test_requests_reach_the_owner_and_time_out_without_one(nats_server: NatsProcess) -> None:
+    async def body(conn: Connection) -> tuple[dict[str, Any], dict[str, Any], str]:
+        requests = SessionRequests(conn)
+
+        async def owner(message: dict[str, Any]) -> dict[str, Any]:
+            if message.get("method") == "fail":
+                raise RuntimeError("broken tool table")
+            return {"result": {"echo": message["params"]}}
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(requests.serve, "s1", owner)
+            answered = await requests.request("s1", {"method": "run", "params": {"x": 1}})
+            failed = await requests.request("s1", {"method": "fail", "params": {}})
+            nursery.cancel_scope.cancel()
+        try:
+            await requests.request("s1", {"method": "run", "params": {}}, timeout_s=0.3)
+            unreachable = "answered"
+        except OwnerUnreachable as exc:
+            unreachable = str(exc)
+        return answered, failed, unreachable
+
+    answered, failed, unreachable = run_connected(nats_server.url, body)
+    assert answered == {"result": {"echo": {"x": 1}}}
+    assert failed["error"]["code"] == -32603
+    assert "broken tool table" in failed["error"]["message"]
+    assert "no host answered for session s1" in unreachable
