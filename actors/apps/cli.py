@@ -747,26 +747,23 @@ def _serve_command(args: argparse.Namespace) -> int:
         workspace_root=args.workspace_root,
     )
     defaults_line = _serve_defaults_line(args)
+    serve_options: dict[str, Any] = {
+        "host": args.host,
+        "port": args.port,
+        "data_dir": options.data_dir,
+        "token_file": args.token_file,
+        "defaults": defaults,
+        "approval_timeout_s": args.approval_timeout,
+        "tokens_file": args.tokens_file,
+        "allowed_origins": args.allow_origin,
+        "max_connections": args.max_connections,
+        "console_port": _console_port(args),
+        "observers": args.observers,
+        "ready": lambda _port: _error(defaults_line),
+    }
     if args.nats:
-        return _serve_in_cluster(args, run_serve, tools, options, defaults, defaults_line)
-    trio.run(
-        partial(
-            run_serve,
-            host=args.host,
-            port=args.port,
-            data_dir=options.data_dir,
-            token_file=args.token_file,
-            defaults=defaults,
-            approval_timeout_s=args.approval_timeout,
-            tokens_file=args.tokens_file,
-            allowed_origins=args.allow_origin,
-            max_connections=args.max_connections,
-            console_port=_console_port(args),
-            observers=args.observers,
-            gc_tuning=args.gc_tuning,
-            ready=lambda _port: _error(defaults_line),
-        )
-    )
+        return _serve_in_cluster(args, run_serve, tools, serve_options)
+    trio.run(partial(run_serve, gc_tuning=args.gc_tuning, **serve_options))
     return EXIT_OK
 
 
@@ -794,11 +791,10 @@ def _serve_in_cluster(
     args: argparse.Namespace,
     run_serve: Callable[..., Awaitable[None]],
     tools: tuple[Tool, ...],
-    options: RunOptions,
-    defaults: Any,
-    defaults_line: str,
+    serve_options: dict[str, Any],
 ) -> int:
-    """``greenroom serve --nats``: the same gateway on a host that joins a cluster."""
+    """``greenroom serve --nats``: the same gateway on a host that joins a cluster
+    (``serve_options``: the single host's ``run_serve`` arguments)."""
     try:
         from greenroom.actors.cluster.node import ClusterConfig
         from greenroom.actors.cluster.serve import approve_for, default_host_id, serve_in_cluster
@@ -817,18 +813,7 @@ def _serve_in_cluster(
             run_serve,
             tools=tools,
             approve=approve_for(args.approve),
-            host=args.host,
-            port=args.port,
-            data_dir=options.data_dir,
-            token_file=args.token_file,
-            defaults=defaults,
-            approval_timeout_s=args.approval_timeout,
-            tokens_file=args.tokens_file,
-            allowed_origins=args.allow_origin,
-            max_connections=args.max_connections,
-            console_port=_console_port(args),
-            observers=args.observers,
-            ready=lambda _port: _error(defaults_line),
+            **serve_options,
         )
     except ClusterError as exc:
         raise UsageError(f"--nats: {exc}") from None
