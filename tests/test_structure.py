@@ -267,3 +267,18 @@ def test_every_public_definition_has_a_docstring() -> None:
             for line, name in _undocumented(tree.body, ""):
                 missing.append(f"{where}:{line} {name}")
     assert missing == []
+
+
+def test_the_apps_use_the_runtime_providers_and_tools_through_their_package_roots() -> None:
+    """The programs are built on the packages' public names (``greenroom.actors.runtime``,
+    ``…providers``, ``…tools``), not on the modules behind them."""
+    deep: list[str] = []
+    for path, tree in modules(ACTORS / "apps"):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                parts = node.module.split(".")
+                if parts[:2] == ["greenroom", "actors"] and len(parts) > 3 and parts[2] in {
+                    "runtime", "providers", "tools"
+                }:
+                    deep.append(f"{path.name}:{node.lineno}: {node.module}")
+    assert deep == []

@@ -39,11 +39,17 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from greenroom.actors.providers.media import read_image
-from greenroom.actors.runtime.approval_broker import ApproveFn
-from greenroom.actors.runtime.errors import AuthLocked, Busy, ConfigurationError, SessionNotFound
-from greenroom.actors.runtime.host import Host
-from greenroom.actors.runtime.session import RunStream, Session
+from greenroom.actors.providers import read_image
+from greenroom.actors.runtime import (
+    ApproveFn,
+    AuthLocked,
+    Busy,
+    ConfigurationError,
+    Host,
+    RunStream,
+    Session,
+    SessionNotFound,
+)
 from greenroom.protocols import acp
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock, UserContent
 from greenroom.protocols.jsonrpc import (
@@ -65,7 +71,7 @@ from greenroom.protocols.outputs import ModelMsg, Output, TaskEnd
 from greenroom.protocols.tools import Tool
 
 if TYPE_CHECKING:
-    from greenroom.actors.runtime.llm_streamer import ModelProvider
+    from greenroom.actors.runtime import ModelProvider
 
 __all__ = ["AcpAgent", "AcpConfig", "serve_stdio"]
 

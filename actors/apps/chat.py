@@ -94,11 +94,15 @@ from greenroom.actors.apps.cli import (
     run_options,
     summary_line,
 )
-from greenroom.actors.runtime.approval_broker import ApproveFn
-from greenroom.actors.runtime.errors import GreenroomError
-from greenroom.actors.runtime.host import Host, default_data_dir
-from greenroom.actors.runtime.session import RunStream, Session
-from greenroom.actors.runtime.trace_sink import read_trace
+from greenroom.actors.runtime import (
+    ApproveFn,
+    GreenroomError,
+    Host,
+    RunStream,
+    Session,
+    default_data_dir,
+    read_trace,
+)
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.outputs import (
     Abort,

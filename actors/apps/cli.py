@@ -48,22 +48,29 @@ from typing import Any, NoReturn, TextIO, assert_never
 import attrs
 import trio
 
-from greenroom.actors.providers.registry import PROVIDERS, default_provider_name, provider_spec
-from greenroom.actors.runtime.approval_broker import ApproveFn
-from greenroom.actors.runtime.errors import (
+from greenroom.actors.providers import PROVIDERS, default_provider_name, provider_spec
+from greenroom.actors.runtime import (
+    ApproveFn,
     AuthLocked,
     ConfigurationError,
     GreenroomError,
+    Host,
+    Session,
     SessionNotFound,
+    SessionObserver,
+    SessionStore,
+    default_data_dir,
+    latest_trace_file,
+    read_trace,
+    spawn_subagent,
 )
-from greenroom.actors.runtime.host import Host, SessionObserver, default_data_dir
-from greenroom.actors.runtime.session import Session
-from greenroom.actors.runtime.storage import SessionStore
-from greenroom.actors.runtime.subagents import spawn_subagent
-from greenroom.actors.runtime.trace_sink import latest_trace_file, read_trace
-from greenroom.actors.tools.builtin import builtin_tools
-from greenroom.actors.tools.loader import ToolLoadError, load_tools
-from greenroom.actors.tools.mcp_config import McpConfigError, load_config_files
+from greenroom.actors.tools import (
+    McpConfigError,
+    ToolLoadError,
+    builtin_tools,
+    load_config_files,
+    load_tools,
+)
 from greenroom.protocols.content import (
     ImageBlock,
     ModelBlock,

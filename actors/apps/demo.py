@@ -24,8 +24,7 @@ from greenroom.actors.apps.cli import (
     collect_tools,
     run_task,
 )
-from greenroom.actors.providers.registry import default_provider_name
-from greenroom.actors.providers.scripted_brain import DEMO_PROMPT
+from greenroom.actors.providers import DEMO_PROMPT, default_provider_name
 from greenroom.protocols.wording import decision_words
 
 DEMO_SYSTEM = (

@@ -5,3 +5,105 @@
 data-dir layout and ``errors`` the typed exceptions. Import the public names from
 ``greenroom.actors``.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from greenroom.actors.runtime.approval_broker import ApproveFn
+    from greenroom.actors.runtime.errors import (
+        AuthLocked,
+        Busy,
+        ConfigurationError,
+        GreenroomError,
+        HostClosed,
+        SessionClosed,
+        SessionNotFound,
+    )
+    from greenroom.actors.runtime.host import (
+        Host,
+        SessionInfo,
+        SessionObserver,
+        default_data_dir,
+    )
+    from greenroom.actors.runtime.llm_streamer import ModelProvider
+    from greenroom.actors.runtime.session import (
+        RunResult,
+        RunStream,
+        Session,
+    )
+    from greenroom.actors.runtime.storage import SessionStore
+    from greenroom.actors.runtime.subagents import spawn_subagent
+    from greenroom.actors.runtime.trace_sink import (
+        latest_trace_file,
+        read_trace,
+    )
+    from greenroom.actors.runtime.trace_store import (
+        FileTraceStore,
+        TraceStore,
+    )
+
+# Loaded on first use: the modules import each other, and importing the package must
+# not import them all (nor pay for the ones a program never uses).
+_MODULE_OF = {
+    "ApproveFn": "greenroom.actors.runtime.approval_broker",
+    "AuthLocked": "greenroom.actors.runtime.errors",
+    "Busy": "greenroom.actors.runtime.errors",
+    "ConfigurationError": "greenroom.actors.runtime.errors",
+    "GreenroomError": "greenroom.actors.runtime.errors",
+    "HostClosed": "greenroom.actors.runtime.errors",
+    "SessionClosed": "greenroom.actors.runtime.errors",
+    "SessionNotFound": "greenroom.actors.runtime.errors",
+    "Host": "greenroom.actors.runtime.host",
+    "SessionInfo": "greenroom.actors.runtime.host",
+    "SessionObserver": "greenroom.actors.runtime.host",
+    "default_data_dir": "greenroom.actors.runtime.host",
+    "ModelProvider": "greenroom.actors.runtime.llm_streamer",
+    "RunResult": "greenroom.actors.runtime.session",
+    "RunStream": "greenroom.actors.runtime.session",
+    "Session": "greenroom.actors.runtime.session",
+    "SessionStore": "greenroom.actors.runtime.storage",
+    "spawn_subagent": "greenroom.actors.runtime.subagents",
+    "latest_trace_file": "greenroom.actors.runtime.trace_sink",
+    "read_trace": "greenroom.actors.runtime.trace_sink",
+    "FileTraceStore": "greenroom.actors.runtime.trace_store",
+    "TraceStore": "greenroom.actors.runtime.trace_store",
+}
+
+__all__ = [
+    "ApproveFn",
+    "AuthLocked",
+    "Busy",
+    "ConfigurationError",
+    "FileTraceStore",
+    "GreenroomError",
+    "Host",
+    "HostClosed",
+    "ModelProvider",
+    "RunResult",
+    "RunStream",
+    "Session",
+    "SessionClosed",
+    "SessionInfo",
+    "SessionNotFound",
+    "SessionObserver",
+    "SessionStore",
+    "TraceStore",
+    "default_data_dir",
+    "latest_trace_file",
+    "read_trace",
+    "spawn_subagent",
+]
+
+
+if not TYPE_CHECKING:  # type checkers see the imports above, and no catch-all
+
+    def __getattr__(name: str) -> Any:
+        module = _MODULE_OF.get(name)
+        if module is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        from importlib import import_module
+
+        value = globals()[name] = getattr(import_module(module), name)
+        return value
