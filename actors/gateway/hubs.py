@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable
 from typing import Literal, assert_never
 
-import attrs
 import trio
 
 from greenroom.actors.gateway.config import ApproveMode, GatewayLimits
@@ -122,19 +121,13 @@ class Subscription:
             del self.connection.subscriptions[self.hub.session.id]
 
 
-@attrs.define
-class _PendingApproval:
-    event: trio.Event = attrs.field(factory=trio.Event)
-    verdict: Verdict | None = None
-
-
 class SessionHub:
     """The gateway's one listener on a session: encodes each output once and hands it to
     every subscription; holds the session's pending client approvals.
 
     Its listener runs inside the supervisor's flush and never blocks: it hands frames to
-    :meth:`Subscription.deliver`. A pending approval is one event per call id, set by
-    :meth:`answer` from any connection (or by :meth:`close`), so no channel is needed.
+    :meth:`Subscription.deliver`. A pending approval is a one-shot reply channel per call
+    id: :meth:`answer` (from any connection, or :meth:`close`) sends the verdict on it.
     """
 
     def __init__(
@@ -142,7 +135,7 @@ class SessionHub:
     ) -> None:
         self.session = session
         self.subscriptions: list[Subscription] = []
-        self.pending: dict[str, _PendingApproval] = {}
+        self.pending: dict[str, trio.MemorySendChannel[Verdict | None]] = {}
         self.finishing = False
         """The last task (or compaction) has emitted its end and nothing is queued: the
         session is only syncing its trace before it turns idle."""
@@ -214,23 +207,22 @@ class SessionHub:
         answer of an ``approve`` call (the broker's timeout bounds the wait)."""
         if not self.subscriptions:
             return None
-        pending = _PendingApproval()
-        self.pending[call.id] = pending
+        # One slot: the one answer never waits for this reader.
+        reply, verdict = trio.open_memory_channel[Verdict | None](1)
+        self.pending[call.id] = reply
         try:
-            await pending.event.wait()
+            return await verdict.receive()
         finally:
-            if self.pending.get(call.id) is pending:
+            if self.pending.get(call.id) is reply:
                 del self.pending[call.id]
-        return pending.verdict
 
     def answer(self, call_id: str, verdict: Verdict | None) -> bool:
         """Resolve a pending request (None: nobody answers, the broker denies by default);
         False when there is none with this id."""
-        pending = self.pending.pop(call_id, None)
-        if pending is None:
+        reply = self.pending.pop(call_id, None)
+        if reply is None:
             return False
-        pending.verdict = verdict
-        pending.event.set()
+        reply.send_nowait(verdict)
         return True
 
     def close(self) -> None:
