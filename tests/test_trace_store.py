@@ -46,6 +46,7 @@ class MemoryTraceStore:
         self.pending: list[tuple[str, str]] = []
         self.usage: list[UsageRow] = []
         self.syncs = 0
+        self.released: list[str] = []
         self._next_seq: dict[str, int] = {}
         self._tickets_taken = 0
         self._tickets_done = 0
@@ -102,6 +103,10 @@ class MemoryTraceStore:
         self.meta.pop(session_id, None)
         self.traces.pop(session_id, None)
         await trio.lowlevel.checkpoint()
+
+    def release(self, session_id: str) -> None:
+        self.released.append(session_id)
+        self._next_seq.pop(session_id, None)
 
     def location(self, session_id: str) -> Path:
         return Path(f"memory:{session_id}/{len(self.traces[session_id])}")
@@ -215,6 +220,7 @@ async def test_a_host_runs_reloads_and_replays_on_another_backend(tmp_path: Path
         replay = await store.read_after(session.id, after_seq=3)
         assert [o.seq for o in replay] == [o.seq for o in traced if o.seq > 3]
         await host.close_session(session.id)
+        assert store.released == [session.id]  # the host forgets what it closed
 
         again = await host.load_session(session.id, provider=ScriptedProvider([Reply(
             blocks=(text("still here"),))]))
@@ -274,6 +280,12 @@ async def test_the_file_store_refuses_a_record_it_already_holds(tmp_path: Path) 
         assert [r.seq for r in await store.read_after("s1", 1)] == [2, 3]
         with pytest.raises(StoredSessionMissing):
             await store.read_meta("nobody")
+        await store.sync("s1")
+        store.release("s1")  # closed: only the files remain, and where they are
+        assert store.location("s1") == tmp_path / "sessions" / "s1" / "trace_002.jsonl"
+        with pytest.raises(KeyError):
+            store.append("s1", 4, _line(first))
+        assert (await store.load("s1")).last_seq == 3
         await store.aclose()
 
 

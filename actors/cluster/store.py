@@ -237,6 +237,10 @@ class ReplicatingTraceStore:
         if replicated:
             self._on_deleted(session_id)
 
+    def release(self, session_id: str) -> None:
+        """Forget the closed session's file position (its replication is the node's)."""
+        self.files.release(session_id)
+
     def location(self, session_id: str) -> Path:
         """As the file store."""
         return self.files.location(session_id)

@@ -376,6 +376,7 @@ class Host:
         session = self._sessions.pop(session_id, None)
         if session is not None:
             await session.aclose()
+            self._store.release(session_id)
             if self._mcp is not None:
                 await self._mcp.release(session_id)
 

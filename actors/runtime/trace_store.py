@@ -136,6 +136,11 @@ class TraceStore(Protocol):
         """Remove the session: metadata, traces and local files."""
         ...
 
+    def release(self, session_id: str) -> None:
+        """The host closed the session: forget what the store keeps in memory for it
+        (appending again needs :meth:`load`). Its stored data stays."""
+        ...
+
     def location(self, session_id: str) -> Path:
         """Where the session's current trace is, for people (a file's path)."""
         ...
@@ -282,9 +287,18 @@ class FileTraceStore:
             shutil.rmtree, self.paths.session_dir(session_id), True
         )
 
+    def release(self, session_id: str) -> None:
+        """Drop the session's trace position (a host that opens many sessions over its
+        life keeps only the open ones')."""
+        self._positions.pop(session_id, None)
+
     def location(self, session_id: str) -> Path:
-        """The current trace file."""
-        return self._position(session_id).path
+        """The current trace file (of a released session: the latest one on disk)."""
+        position = self._positions.get(session_id)
+        if position is not None:
+            return position.path
+        latest = latest_trace_file(self.paths.session_dir(session_id))
+        return latest or self.paths.trace_path(session_id, 1)
 
     def trace_number(self, session_id: str) -> int:
         """The current trace file's number."""
