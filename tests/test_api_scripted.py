@@ -3,6 +3,8 @@ one-call answer of a run (``RunStream.result``, ``final_text``, ``task_end``).""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import trio
@@ -114,3 +116,14 @@ async def test_a_request_function_answers_from_what_the_model_was_sent(
     outputs = await session.run("hi").collect()
     blocks = [o.block for o in outputs if isinstance(o, ModelMsg)]
     assert blocks[0] == ThinkingBlock(text="easy", signature="sig")
+
+
+def test_the_example_in_examples_runs() -> None:
+    """examples/embed_minimal.py works as shipped (the README points newcomers to it)."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "embed_minimal.py"
+    result = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert "task_end: completed" in result.stdout
+    assert "send_email [denied]" in result.stdout
