@@ -864,3 +864,25 @@ async def test_router_forgets_a_cancelled_question_and_answers_none_after_close(
         router.close()
     assert answers == [None]
     assert await router.ask() is None
+
+
+@pytest.mark.parametrize("echoes", [True, False])
+async def test_a_piped_answer_is_shown_once_and_a_replaced_stdin_is_no_error(
+    echoes: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The renderer shows an approval answer only when the input does not echo it, and
+    decides that from the chat's input, not from ``sys.stdin`` (here replaced by a
+    stream without a file descriptor, which must not raise)."""
+    import io
+
+    from greenroom.actors.apps.chat import ChatRenderer
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    out, err = io.StringIO(), io.StringIO()
+    renderer = ChatRenderer(out, err, live=False, input_echoes=echoes)
+
+    async def read_answer() -> str:
+        return "y"
+
+    assert await renderer.ask("Allow? ", read_answer) == "y"
+    assert err.getvalue() == ("Allow? " if echoes else "Allow? y\n")

@@ -994,7 +994,9 @@ class ChatRenderer(HumanRenderer):
     session, approval decisions in the words of
     :mod:`greenroom.protocols.wording`, and the live ``[retry]`` countdown line (redrawn
     in place by :meth:`run_ticker` when stderr is a terminal). With a ``screen`` it writes
-    through that :class:`TerminalScreen` (``out`` and ``err`` are where the screen prints)."""
+    through that :class:`TerminalScreen` (``out`` and ``err`` are where the screen prints).
+    ``input_echoes``: whether the input shows typed answers itself (default: stdin is a
+    terminal); when it does not, the renderer shows each answer after its question."""
 
     def __init__(
         self,
@@ -1004,11 +1006,14 @@ class ChatRenderer(HumanRenderer):
         tools: Sequence[Tool] = (),
         live: bool | None = None,
         screen: TerminalScreen | None = None,
+        input_echoes: bool | None = None,
     ) -> None:
         if screen is not None:
             out, err = screen.out, screen.err
         super().__init__(out, err, tools=tools)
         self._screen = screen
+        # Whether the terminal shows what is typed: piped answers are shown by us instead.
+        self._input_echoes = _is_terminal(sys.stdin) if input_echoes is None else input_echoes
         self._live = err.isatty() if live is None else live
         self._retry: _RetryWait | None = None
         self._retry_line_open = False
@@ -1084,7 +1089,7 @@ class ChatRenderer(HumanRenderer):
         self._err.write(question)
         self._err.flush()
         answer = await read_answer()
-        if isinstance(answer, str) and not os.isatty(sys.stdin.fileno()):
+        if isinstance(answer, str) and not self._input_echoes:
             # Piped answers are not echoed by a terminal: show them, one per question.
             self._err.write(answer + "\n")
         elif not isinstance(answer, str):
