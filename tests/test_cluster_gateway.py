@@ -83,7 +83,12 @@ def test_a_client_of_one_host_works_a_session_that_runs_on_another(
                     )
                 a, b = hosts
                 async with _client(b, "alice-token-0123456789") as alice:
+                    # b is as idle as a: the first session stays on b; b runs one now, a
+                    # none, so the second is placed on a.
+                    first = (await alice.result("session.create"))["session_id"]
                     sid = (await alice.result("session.create"))["session_id"]
+                    leases = await LeaseTable.open(conn, ttl_s=LEASE_TTL_S)
+                    found["owners"] = [await leases.holder(first)]
                     found["subscribed"] = await alice.result(
                         "session.subscribe", {"session_id": sid}
                     )
@@ -97,9 +102,14 @@ def test_a_client_of_one_host_works_a_session_that_runs_on_another(
                     found["interrupted"] = await alice.result("interrupt", {"session_id": sid})
                     outputs += await alice.outputs_until("task_end")
                     found["outputs"] = outputs
-                    found["owner"] = await (await LeaseTable.open(conn, ttl_s=LEASE_TTL_S)).holder(
-                        sid
+                    found["resubscribed"] = await alice.result(
+                        "session.subscribe", {"session_id": sid, "after_seq": 2}
                     )
+                    found["replayed"] = [o["seq"] for o in alice.take_outputs()]
+                    found["bad_approve"] = await alice.error(
+                        "approve", {"session_id": sid, "call_id": "nope", "decision": "allow"}
+                    )
+                    found["owners"].append(await leases.holder(sid))
                     found["traced"] = [
                         r.seq for r in (await (await TraceStream.open(conn)).read(sid)).records
                     ]
@@ -112,6 +122,9 @@ def test_a_client_of_one_host_works_a_session_that_runs_on_another(
                                 ("interrupt", {}),
                             )
                         ]
+                    found["unknown"] = await alice.error(
+                        "run", {"session_id": "20260101-000000-abcdef", "input": "hi"}
+                    )
                     a.process.send_signal(signal.SIGSTOP)
                     began = trio.current_time()
                     found["stalled"] = await alice.error("interrupt", {"session_id": sid})
@@ -126,7 +139,7 @@ def test_a_client_of_one_host_works_a_session_that_runs_on_another(
                 nursery.cancel_scope.cancel()
 
     found = run_connected(nats_server.url, body, prefix="greenroom", timeout_s=BOUND_S)
-    assert found["owner"] == "a"  # placed on the least loaded host (ties: the lowest id)
+    assert found["owners"] == ["b", "a"]  # placed on the least loaded host
     assert found["subscribed"]["replayed"] == 0
     assert found["approved"] == {}
     assert found["interrupted"] == {"interrupted": True}
@@ -134,11 +147,19 @@ def test_a_client_of_one_host_works_a_session_that_runs_on_another(
     seqs = [o["seq"] for o in outputs]
     assert seqs == list(range(1, len(seqs) + 1)), seqs
     assert found["traced"][: len(seqs)] == seqs
+    # A subscription after seq 2: the rest of the trace, once each, before the answer.
+    assert found["replayed"] == seqs[2:]
+    assert found["resubscribed"]["last_seq"] == seqs[-1]
+    assert found["resubscribed"]["replayed"] == len(seqs) - 2
+    # The owner's error, unchanged.
+    assert found["bad_approve"]["code"] == -32602
+    assert "no pending approval request 'nope'" in found["bad_approve"]["message"]
     types = [o["type"] for o in outputs]
     assert "approval_decision" in types and "tool_call_output" in types, types
     assert outputs[-1]["status"] == "aborted", outputs[-1]
     assert found["notes"] == ["pay"]  # the approved call ran once, on a
     assert [e["code"] for e in found["refused"]] == [403, 403, 403]
+    assert found["unknown"]["code"] == 404
     stalled = found["stalled"]
     assert stalled["code"] == OWNER_UNREACHABLE
     assert "no host answered for session" in stalled["message"], stalled

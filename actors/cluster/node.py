@@ -260,6 +260,7 @@ class ClusterNode:
             registry=self._registry,
             traces=self._traces,
             serves=self.serves,
+            own_load=lambda: self.load,
             nursery=nursery,
             timeout_s=self.config.request_timeout_s or ttl,
         )
@@ -269,7 +270,7 @@ class ClusterNode:
     async def _serve_host(self, desk: OwnerDesk) -> None:
         try:
             await self._requests.serve_host(self.host_id, desk.for_host)
-        except ClusterUnavailable as exc:
+        except ClusterError as exc:
             log(f"cannot take sessions placed on host {self.host_id}: {exc}")
 
     def _record(self) -> HostRecord:
@@ -320,7 +321,7 @@ class ClusterNode:
             async with trio.open_nursery() as nursery:
                 await nursery.start(functools.partial(self._requests.serve, session_id, handler))
                 self._serving.setdefault(session_id, trio.Event()).set()
-        except ClusterUnavailable as exc:
+        except ClusterError as exc:
             log(f"cannot answer other gateways for session {session_id}: {exc}")
 
     async def _until_serving(self, session_id: str) -> None:

@@ -21,8 +21,10 @@ cluster, and the owner's side of the requests it forwards.
   client's approvals too; the ``approval_request`` arrives through the trace and the
   ``approve`` is forwarded like any call. Live-only outputs (partial text, tool progress)
   stay on the owner.
-* ``session.create`` is placed on the least loaded host (the registry's loads, as last
-  announced); on another host it is created there by a request to that host's subject.
+* ``session.create`` is placed on the least loaded host: this host's own load as it is, the
+  others' as last announced plus what this gateway placed on them since (ties: this host,
+  then the lowest id). On another host it is created there by a request to that host's
+  subject; a host that does not answer leaves the session here.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import TYPE_CHECKING, Any, cast
 import trio
 
 from greenroom.actors.cluster.errors import ClusterError, ClusterUnavailable, OwnerUnreachable
-from greenroom.actors.cluster.registry import HostRegistry, SessionDirectory, least_loaded
+from greenroom.actors.cluster.registry import HostRecord, HostRegistry, SessionDirectory
 from greenroom.actors.cluster.routing import SessionRequests
 from greenroom.actors.cluster.traces import TraceStream
 from greenroom.actors.gateway.connection import Connection as GatewayConnection
@@ -262,6 +264,7 @@ class ClusterRouter:
         registry: HostRegistry,
         traces: TraceStream,
         serves: Callable[[str], bool],
+        own_load: Callable[[], int],
         nursery: trio.Nursery,
         timeout_s: float,
     ) -> None:
@@ -272,6 +275,8 @@ class ClusterRouter:
         self._registry = registry
         self._traces = traces
         self._serves = serves
+        self._own_load = own_load
+        self._placed: dict[str, tuple[float, int]] = {}
         self._nursery = nursery
         self._timeout_s = timeout_s
 
@@ -343,10 +348,10 @@ class ClusterRouter:
         principal = connection.identity
         assert principal is not None
         try:
-            target = least_loaded(await self._registry.hosts())
+            target = self._least_loaded(await self._registry.hosts())
         except ClusterUnavailable:
             return None
-        if target is None or target.host_id == self._host_id:
+        if target is None:
             return None
         message = {"method": "session.create", "params": params, "principal": principal}
         try:
@@ -357,10 +362,32 @@ class ClusterRouter:
             log(f"cannot place a session on host {target.host_id} ({exc}); creating it here")
             return None
         result = _raise_reply(reply)
+        self._count_placed(target)
         if isinstance(result, dict) and isinstance(result.get("session_id"), str):
             # Known here before the owner's directory entry is: the next call finds it.
             self._gateway.grant(principal, result["session_id"])
         return result
+
+    def _least_loaded(self, hosts: list[HostRecord]) -> HostRecord | None:
+        """The host to place a new session on, None for this one."""
+        own = self._own_load()
+        loads = [
+            (record.load + self._placed_since(record), record.host_id, record)
+            for record in hosts
+            if record.host_id != self._host_id
+        ]
+        best = min(loads, key=lambda entry: entry[:2], default=None)
+        if best is None or best[0] >= own:
+            return None
+        return best[2]
+
+    def _placed_since(self, record: HostRecord) -> int:
+        """How many sessions this gateway placed on ``record``'s host since it announced."""
+        at, count = self._placed.get(record.host_id, (record.at, 0))
+        return count if at == record.at else 0
+
+    def _count_placed(self, record: HostRecord) -> None:
+        self._placed[record.host_id] = (record.at, self._placed_since(record) + 1)
 
     async def _subscribe(
         self, connection: GatewayConnection, principal: str, session_id: str, after_seq: int
@@ -411,6 +438,10 @@ class ClusterRouter:
                 subscription.drop("the cluster connection closed")
         except ClusterUnavailable as exc:
             subscription.drop(f"the cluster cannot be reached: {exc}")
+        except Exception as exc:
+            # Its task is the host's: a failure here ends this subscription, nothing else.
+            log(f"following session {subscription.session_id} failed: {exc!r}")
+            subscription.drop("internal error while following the session")
         finally:
             if watching:
                 with trio.CancelScope(shield=True), trio.move_on_after(_UNWATCH_S):
