@@ -263,6 +263,7 @@ class ClusterNode:
             own_load=lambda: self.load,
             nursery=nursery,
             timeout_s=self.config.request_timeout_s or ttl,
+            watch_ttl_s=ttl,
         )
         gateway.route_through(router, self._desk.watched)
         nursery.start_soon(self._serve_host, self._desk)

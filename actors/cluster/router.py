@@ -17,10 +17,11 @@ cluster, and the owner's side of the requests it forwards.
   ``503`` error saying so.
 * ``session.subscribe`` replays the session's trace subject after ``after_seq`` and then
   follows it: the same ``output`` notifications as a local subscription, each traced seq
-  once. The subscription tells the owner it watches (``watch``), so the owner asks this
-  client's approvals too; the ``approval_request`` arrives through the trace and the
-  ``approve`` is forwarded like any call. Live-only outputs (partial text, tool progress)
-  stay on the owner.
+  once. The subscription tells the owner it watches (``watch``, renewed every third of the
+  lease TTL, so a new owner after a takeover learns of it and a gateway that died is
+  forgotten after a TTL), so the owner asks this client's approvals too; the
+  ``approval_request`` arrives through the trace and the ``approve`` is forwarded like any
+  call. Live-only outputs (partial text, tool progress) stay on the owner.
 * ``session.create`` is placed on the least loaded host: this host's own load as it is, the
   others' as last announced plus what this gateway placed on them since (ties: this host,
   then the lowest id). On another host it is created there by a request to that host's
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -149,11 +151,21 @@ class OwnerDesk:
         self._serves = serves
         self._until_serving = until_serving
         self._bound_s = bound_s
-        self._watchers: dict[str, int] = {}
+        self._watchers: dict[str, dict[str, float]] = {}
+        """Session id → watch id → when that watch expires unless renewed."""
 
     def watched(self, session_id: str) -> bool:
         """Whether a client of another host's gateway subscribes to ``session_id``."""
-        return self._watchers.get(session_id, 0) > 0
+        watches = self._watchers.get(session_id)
+        if not watches:
+            return False
+        now = trio.current_time()
+        for watch_id, expires in list(watches.items()):
+            if expires <= now:
+                del watches[watch_id]
+        if not watches:
+            del self._watchers[session_id]
+        return bool(watches)
 
     def for_session(self, session_id: str) -> Callable[[dict[str, Any]], Awaitable[Any]]:
         """The handler of ``session_id``'s request subject."""
@@ -167,12 +179,14 @@ class OwnerDesk:
                     jsonrpc.INVALID_REQUEST, "a forwarded call needs params and a principal"
                 )
             if method == "watch":
-                delta = 1 if params.get("watching") is True else -1
-                count = self._watchers.get(session_id, 0) + delta
-                if count > 0:
-                    self._watchers[session_id] = count
+                watch_id = str(params.get("watch_id", ""))[:100]
+                watches = self._watchers.setdefault(session_id, {})
+                if params.get("watching") is True:
+                    watches[watch_id] = trio.current_time() + self._bound_s
                 else:
-                    self._watchers.pop(session_id, None)
+                    watches.pop(watch_id, None)
+                if not watches:
+                    del self._watchers[session_id]
                 return {"result": {}}
             if method not in FORWARDED:
                 return _error(jsonrpc.METHOD_NOT_FOUND, f"method not found: {method!r}")
@@ -219,6 +233,7 @@ class RemoteSubscription(Subscription):
         self.closed = False
         self.scope = trio.CancelScope()
         self.live = trio.Event()
+        self.watch_id = uuid.uuid4().hex
         old = connection.subscriptions.get(session_id)
         if old is not None:
             old.close()
@@ -252,7 +267,8 @@ class RemoteSubscription(Subscription):
 class ClusterRouter:
     """The gateway's :class:`~greenroom.actors.gateway.methods.Router` on one host of a
     cluster. ``serves`` says which sessions this host runs; ``nursery`` holds the followers
-    of remote subscriptions; ``timeout_s`` bounds a forwarded call."""
+    of remote subscriptions; ``timeout_s`` bounds a forwarded call; a watch is renewed
+    every third of ``watch_ttl_s`` (the owner's expiry of one)."""
 
     def __init__(
         self,
@@ -267,6 +283,7 @@ class ClusterRouter:
         own_load: Callable[[], int],
         nursery: trio.Nursery,
         timeout_s: float,
+        watch_ttl_s: float,
     ) -> None:
         self._host_id = host_id
         self._gateway = gateway
@@ -279,6 +296,7 @@ class ClusterRouter:
         self._placed: dict[str, tuple[float, int]] = {}
         self._nursery = nursery
         self._timeout_s = timeout_s
+        self._watch_ttl_s = watch_ttl_s
 
     def serves(self, session_id: str) -> bool:
         """Whether this host runs ``session_id``."""
@@ -402,39 +420,50 @@ class ClusterRouter:
                 connection.outbox.put_nowait(output_frame(record))
                 subscription.last_seq = record.seq or subscription.last_seq
                 replayed += 1
-            watching = await self._watch(session_id, principal, watching=True)
+            # Before the answer: a ``run`` the client sends next finds the owner knowing
+            # that someone can answer its approvals.
+            await self._watch(subscription, principal, watching=True)
         except BaseException:
             subscription.close()
             raise
         last_seq = subscription.last_seq
-        self._nursery.start_soon(self._follow, subscription, principal, watching)
+        self._nursery.start_soon(self._follow, subscription, principal)
         connection.after_answer.append(lambda: subscription.go_live(last_seq))
         return {"session_id": session_id, "replayed": replayed, "last_seq": last_seq}
 
-    async def _watch(self, session_id: str, principal: str, *, watching: bool) -> bool:
-        """Tell the owner a client watches (or stopped); False when it did not hear it."""
-        params = {"session_id": session_id, "watching": watching}
-        try:
-            reply = await self._forward(session_id, "watch", params, principal)
-        except RpcError:
-            return False
-        return "result" in reply
-
-    async def _follow(
-        self, subscription: RemoteSubscription, principal: str, watching: bool
+    async def _watch(
+        self, subscription: RemoteSubscription, principal: str, *, watching: bool
     ) -> None:
+        """Tell the owner a client watches (or stopped); an owner that does not hear it
+        hears the next renewal."""
+        session_id = subscription.session_id
+        params = {"session_id": session_id, "watching": watching, "watch_id": subscription.watch_id}
+        with contextlib.suppress(RpcError):
+            await self._forward(session_id, "watch", params, principal)
+
+    async def _renew_watch(self, subscription: RemoteSubscription, principal: str) -> None:
+        while True:
+            await trio.sleep(self._watch_ttl_s / 3)
+            await self._watch(subscription, principal, watching=True)
+
+    async def _follow(self, subscription: RemoteSubscription, principal: str) -> None:
         connection = subscription.connection
         room = max(1, connection.limits.max_pending_frames // 2)
         try:
             with subscription.scope:
                 await subscription.live.wait()
-                async with self._traces.follow(
-                    subscription.session_id, after_seq=subscription.last_seq
-                ) as records:
+                async with (
+                    trio.open_nursery() as renewing,
+                    self._traces.follow(
+                        subscription.session_id, after_seq=subscription.last_seq
+                    ) as records,
+                ):
+                    renewing.start_soon(self._renew_watch, subscription, principal)
                     async for record in records:
                         await connection.outbox.wait_below(room)
                         connection.outbox.put_nowait(output_frame(record))
                         subscription.last_seq = record.seq or subscription.last_seq
+                    renewing.cancel_scope.cancel()
                 subscription.drop("the cluster connection closed")
         except ClusterUnavailable as exc:
             subscription.drop(f"the cluster cannot be reached: {exc}")
@@ -443,7 +472,6 @@ class ClusterRouter:
             log(f"following session {subscription.session_id} failed: {exc!r}")
             subscription.drop("internal error while following the session")
         finally:
-            if watching:
-                with trio.CancelScope(shield=True), trio.move_on_after(_UNWATCH_S):
-                    with contextlib.suppress(Exception):
-                        await self._watch(subscription.session_id, principal, watching=False)
+            with trio.CancelScope(shield=True), trio.move_on_after(_UNWATCH_S):
+                with contextlib.suppress(Exception):
+                    await self._watch(subscription, principal, watching=False)
