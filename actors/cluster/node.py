@@ -97,9 +97,12 @@ CONTINUE_PROMPT = (
 class Grantor(Protocol):
     """Who may see a session, at one gateway (the gateway's grants, R-SEC-4)."""
 
-    def grant(self, client_id: str, session_id: str) -> None: ...
+    def grant(self, client_id: str, session_id: str) -> None:
+        """Let principal ``client_id`` see and steer session ``session_id``."""
 
-    def holders(self, session_id: str) -> frozenset[str]: ...
+    def holders(self, session_id: str) -> frozenset[str]:
+        """The principals that may see session ``session_id``."""
+        ...
 
 
 @attrs.frozen(kw_only=True)
