@@ -82,7 +82,9 @@ def test_a_client_of_one_host_works_a_session_that_runs_on_another(
                         )
                     )
                 a, b = hosts
-                async with _client(b, "alice-token-0123456789") as alice:
+                async with _client(b, "alice-token-0123456789") as alice, _client(
+                    b, "alice-token-0123456789"
+                ) as late:
                     # b is as idle as a: the first session stays on b; b runs one now, a
                     # none, so the second is placed on a.
                     first = (await alice.result("session.create"))["session_id"]
@@ -95,12 +97,19 @@ def test_a_client_of_one_host_works_a_session_that_runs_on_another(
                     await alice.result("run", {"session_id": sid, "input": "pay the invoice"})
                     outputs = await alice.outputs_until("approval_request")
                     call_id = outputs[-1]["call_id"]
+                    # A second client joins mid-task: replay after seq 1, then live.
+                    joined = await late.result(
+                        "session.subscribe", {"session_id": sid, "after_seq": 1}
+                    )
+                    late_outputs = late.take_outputs()
                     found["approved"] = await alice.result(
                         "approve", {"session_id": sid, "call_id": call_id, "decision": "allow"}
                     )
                     await effects.started.wait()
                     found["interrupted"] = await alice.result("interrupt", {"session_id": sid})
                     outputs += await alice.outputs_until("task_end")
+                    late_outputs += await late.outputs_until("task_end")
+                    found["late"] = (joined, [o["seq"] for o in late_outputs])
                     found["outputs"] = outputs
                     found["resubscribed"] = await alice.result(
                         "session.subscribe", {"session_id": sid, "after_seq": 2}
@@ -147,6 +156,9 @@ def test_a_client_of_one_host_works_a_session_that_runs_on_another(
     seqs = [o["seq"] for o in outputs]
     assert seqs == list(range(1, len(seqs) + 1)), seqs
     assert found["traced"][: len(seqs)] == seqs
+    joined, late_seqs = found["late"]
+    assert late_seqs == seqs[1:]  # no gap, no duplicate across replay and live
+    assert joined["replayed"] == joined["last_seq"] - 1 > 0
     # A subscription after seq 2: the rest of the trace, once each, before the answer.
     assert found["replayed"] == seqs[2:]
     assert found["resubscribed"]["last_seq"] == seqs[-1]
