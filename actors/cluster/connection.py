@@ -84,6 +84,11 @@ class ClusterNames:
         """The subject on which only ``session_id``'s owner answers requests."""
         return f"{self.prefix}.session.{check_session_id(session_id)}"
 
+    def host_subject(self, host_id: str) -> str:
+        """The subject on which host ``host_id`` answers requests not about one session
+        (a ``session.create`` placed on it)."""
+        return f"{self.prefix}.host.{check_session_id(host_id)}"
+
     def live_subject(self, session_id: str) -> str:
         """The subject of ``session_id``'s live-only outputs (not stored)."""
         return f"{self.prefix}.live.{check_session_id(session_id)}"

@@ -5,11 +5,14 @@
 
     open_cluster_host            connects to NATS, then runs
     ├── trace streams            one task per owned session: its records, fenced, to JetStream
+    │                    and one request server per owned session (its calls from other
+    │                    gateways, :mod:`.router`)
     └── Host (ReplicatingTraceStore)
         └── ClusterNode.run
             ├── LeaseKeeper      renews this host's leases; a lost one stops its session
             ├── announcer        this host's load in the host registry, every TTL / 3
             ├── directory        session metadata (running or idle) to the session bucket
+            ├── host requests    sessions placed on this host by other gateways
             └── orphan scan      every TTL / 2: sessions without a lease, spread over the
                                  live hosts; this host takes over its share
 
@@ -30,12 +33,13 @@ not written again: each host's ledger holds the requests it made.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import trio
@@ -45,6 +49,8 @@ from greenroom.actors.cluster.connection import ClusterNames, Connection, connec
 from greenroom.actors.cluster.errors import ClusterError, ClusterUnavailable
 from greenroom.actors.cluster.leases import LeaseKeeper, LeaseTable
 from greenroom.actors.cluster.registry import HostRecord, HostRegistry, SessionDirectory, assign
+from greenroom.actors.cluster.router import ClusterRouter, OwnerDesk
+from greenroom.actors.cluster.routing import SessionRequests
 from greenroom.actors.cluster.store import ReplicatingTraceStore
 from greenroom.actors.cluster.traces import TraceRead, TraceStream, TraceWriter
 from greenroom.actors.runtime.approval_broker import ApproveFn
@@ -62,6 +68,9 @@ from greenroom.protocols.outputs import (
 )
 from greenroom.protocols.tools import Tool
 from greenroom.protocols.trace import encode_record, trace_file_name
+
+if TYPE_CHECKING:
+    from greenroom.actors.gateway.server import Gateway
 
 __all__ = ["HOST_LOST", "HOST_LOST_IDEMPOTENT", "ClusterConfig", "ClusterNode", "open_cluster_host"]
 
@@ -106,6 +115,9 @@ class ClusterConfig:
     lease_ttl_s: float = 5.0
     prefix: str = "greenroom"
     gateway: str | None = None
+    request_timeout_s: float | None = None
+    """How long a gateway waits for a session's owner to answer a call it forwards
+    (None: the lease TTL, after which a stalled owner has lost the session)."""
 
 
 def log(message: str) -> None:
@@ -145,6 +157,11 @@ class ClusterNode:
         self._adopted: set[str] = set()
         self._running: dict[str, bool] = {}
         self._grants: Grantor | None = None
+        self._gateway: Gateway | None = None
+        self._desk: OwnerDesk | None = None
+        self._desk_ready = trio.Event()
+        self._requests = SessionRequests(conn)
+        self._serving: dict[str, trio.Event] = {}
         # Bounded: an update only names a session (its state is read when it is sent); a
         # full channel drops one, and the next task_start or task_end sends it again.
         send, receive = trio.open_memory_channel[str](1000)
@@ -164,6 +181,23 @@ class ClusterNode:
         """Share the gateway's grants through the session directory: the principals that
         may see a session here may see it on whichever host takes it over."""
         self._grants = grants
+
+    def bind_gateway(self, gateway: Gateway) -> None:
+        """Serve every session through ``gateway`` (R-CLUSTER-1): its calls on sessions
+        other hosts run are forwarded to them, and the calls other gateways forward here
+        run through its methods. Before the gateway serves."""
+        self._gateway = gateway
+        self.bind_grants(gateway)
+        self._desk = OwnerDesk(
+            gateway, self.serves, self._until_serving, bound_s=self.config.lease_ttl_s
+        )
+        self._desk_ready.set()
+        if self._work is not None:
+            self._route(gateway, self._work)
+
+    def serves(self, session_id: str) -> bool:
+        """Whether this host runs ``session_id`` (owns it, or is taking it over)."""
+        return session_id in self._adopted or session_id in self._taking_over
 
     @property
     def load(self) -> int:
@@ -208,12 +242,40 @@ class ClusterNode:
         self._directory = await SessionDirectory.open(self.conn)
         async with trio.open_nursery() as nursery:
             self._work = nursery
+            if self._gateway is not None:
+                self._route(self._gateway, nursery)
             await nursery.start(self._keeper.run)
             await nursery.start(self._registry.announce_every, self._record)
             nursery.start_soon(self._directory_updates)
             nursery.start_soon(self._scan_orphans)
             log(f"host {self.host_id} joined the cluster at {self.config.url}")
             task_status.started()
+
+    def _route(self, gateway: Gateway, nursery: trio.Nursery) -> None:
+        assert self._directory is not None and self._registry is not None
+        assert self._traces is not None and self._desk is not None
+        ttl = self.config.lease_ttl_s
+        router = ClusterRouter(
+            host_id=self.host_id,
+            gateway=gateway,
+            requests=self._requests,
+            directory=self._directory,
+            registry=self._registry,
+            traces=self._traces,
+            serves=self.serves,
+            own_load=lambda: self.load,
+            nursery=nursery,
+            timeout_s=self.config.request_timeout_s or ttl,
+            watch_ttl_s=ttl,
+        )
+        gateway.route_through(router, self._desk.watched)
+        nursery.start_soon(self._serve_host, self._desk)
+
+    async def _serve_host(self, desk: OwnerDesk) -> None:
+        try:
+            await self._requests.serve_host(self.host_id, desk.for_host)
+        except ClusterError as exc:
+            log(f"cannot take sessions placed on host {self.host_id}: {exc}")
 
     def _record(self) -> HostRecord:
         return HostRecord(host_id=self.host_id, load=self.load, gateway=self.config.gateway)
@@ -246,9 +308,29 @@ class ClusterNode:
 
         async def stream() -> None:
             with scope:
-                await store.stream_to(session_id, writer)
+                async with trio.open_nursery() as both:
+                    both.start_soon(self._serve_requests, session_id)
+                    await store.stream_to(session_id, writer)
+                    both.cancel_scope.cancel()
 
         self._streams.start_soon(stream)
+
+    async def _serve_requests(self, session_id: str) -> None:
+        """Answer the calls other gateways forward for ``session_id`` while this host owns
+        it (once a gateway is bound: a host without one answers none)."""
+        await self._desk_ready.wait()
+        assert self._desk is not None
+        handler = self._desk.for_session(session_id)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(functools.partial(self._requests.serve, session_id, handler))
+                self._serving.setdefault(session_id, trio.Event()).set()
+        except ClusterError as exc:
+            log(f"cannot answer other gateways for session {session_id}: {exc}")
+
+    async def _until_serving(self, session_id: str) -> None:
+        """Return once this host answers ``session_id``'s requests."""
+        await self._serving.setdefault(session_id, trio.Event()).wait()
 
     def _on_lost(self, session_id: str, reason: str) -> None:
         log(
@@ -259,6 +341,7 @@ class ClusterNode:
 
     def _on_deleted(self, session_id: str) -> None:
         self._adopted.discard(session_id)
+        self._serving.pop(session_id, None)
         scope = self._stream_scopes.pop(session_id, None)
         if scope is not None:
             scope.cancel()
@@ -290,6 +373,7 @@ class ClusterNode:
         if scope is not None:
             scope.cancel()
         self._adopted.discard(session_id)
+        self._serving.pop(session_id, None)
         if self._work is not None and self._host is not None:
             # During shutdown the work nursery is closed: the host closes the session.
             with contextlib.suppress(RuntimeError):
@@ -527,9 +611,12 @@ async def open_cluster_host(
         on_node(node)
     try:
         async with trio.open_nursery() as streams:
-            async with Host.open(
-                data_dir, observers=(*observers, node.observe), trace_store=node.make_store
-            ) as host, trio.open_nursery() as nursery:
+            async with (
+                Host.open(
+                    data_dir, observers=(*observers, node.observe), trace_store=node.make_store
+                ) as host,
+                trio.open_nursery() as nursery,
+            ):
                 await nursery.start(node.run, host, streams)
                 try:
                     yield host

@@ -2,7 +2,9 @@
 that holds the session's lease (R-CLUSTER-1: any host's gateway serves any session).
 
 The owner runs :meth:`SessionRequests.serve` while it holds the lease; any host
-sends with :meth:`SessionRequests.request`. Both ends speak JSON objects: a request is
+sends with :meth:`SessionRequests.request`. Each host also answers on a subject of its own
+(:meth:`SessionRequests.serve_host`, :meth:`SessionRequests.request_host`): a session placed
+on it is created there. Both ends speak JSON objects: a request is
 ``{"method": …, "params": {…}}``, a reply ``{"result": …}`` or ``{"error": {"code", "message"}}``
 (the gateway's JSON-RPC error, passed through). When no host answers in time — the owner is
 gone and nobody has taken the session over yet — :class:`~.errors.OwnerUnreachable` says so
@@ -44,13 +46,40 @@ class SessionRequests:
         """Send ``message`` to ``session_id``'s owner and return its reply. Raises
         :class:`OwnerUnreachable` when no host answers within ``timeout_s``."""
         subject = self._conn.names.request_subject(session_id)
-        payload = json.dumps(message).encode()
         try:
-            reply = await self._conn.call(
-                self._conn.client.request(subject, payload, timeout=timeout_s)
-            )
+            return await self._request(subject, message, timeout_s)
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
             raise OwnerUnreachable(session_id, timeout_s) from exc
+
+    async def request_host(
+        self, host_id: str, message: dict[str, Any], *, timeout_s: float = 5.0
+    ) -> dict[str, Any]:
+        """Send ``message`` to host ``host_id`` (:meth:`serve_host`) and return its reply.
+        Raises :class:`ClusterUnavailable` when it does not answer within ``timeout_s``."""
+        subject = self._conn.names.host_subject(host_id)
+        try:
+            return await self._request(subject, message, timeout_s)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+            raise ClusterUnavailable(
+                f"host {host_id} did not answer within {timeout_s:g} s"
+            ) from exc
+
+    async def _request(
+        self, subject: str, message: dict[str, Any], timeout_s: float
+    ) -> dict[str, Any]:
+        payload = json.dumps(message).encode()
+
+        async def ask() -> Msg | nats.errors.Error:
+            # Caught here: nats' TimeoutError is an OSError, which ``call`` takes for a
+            # lost connection.
+            try:
+                return await self._conn.client.request(subject, payload, timeout=timeout_s)
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+                return exc
+
+        reply = await self._conn.call(ask())
+        if isinstance(reply, nats.errors.Error):
+            raise reply
         try:
             decoded = json.loads(reply.data)
         except ValueError:
@@ -70,10 +99,27 @@ class SessionRequests:
         a task of its own; a handler that raises answers with an internal error, and the
         others go on). Ready once requests sent from then on reach it."""
         subject = self._conn.names.request_subject(session_id)
+        await self._serve(subject, f"session {session_id}", handler, task_status)
+
+    async def serve_host(
+        self,
+        host_id: str,
+        handler: Handler,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Answer the requests sent to host ``host_id`` with ``handler``, until cancelled
+        (as :meth:`serve`)."""
+        subject = self._conn.names.host_subject(host_id)
+        await self._serve(subject, f"host {host_id}", handler, task_status)
+
+    async def _serve(
+        self, subject: str, what: str, handler: Handler, task_status: trio.TaskStatus[None]
+    ) -> None:
         try:
             sub = await self._conn.call(self._conn.client.subscribe(subject))
         except nats.errors.Error as exc:
-            raise ClusterUnavailable(f"cannot serve session {session_id}: {exc}") from exc
+            raise ClusterUnavailable(f"cannot serve {what}: {exc}") from exc
 
         async def next_message() -> Msg:
             try:

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from greenroom.actors.cluster.bridge import Bridge, run
-from greenroom.actors.cluster.node import ClusterConfig, ClusterNode, Grantor, open_cluster_host
+from greenroom.actors.cluster.node import ClusterConfig, ClusterNode, open_cluster_host
+from greenroom.actors.gateway.server import Gateway
 from greenroom.actors.runtime.approval_broker import ApproveFn
 from greenroom.actors.runtime.host import Host, SessionObserver
 from greenroom.actors.runtime.llm_streamer import ModelProvider
@@ -73,9 +74,9 @@ def serve_in_cluster(
                 on_node=nodes.append,
             )
 
-        def on_gateway(gateway: Grantor) -> None:
+        def on_gateway(gateway: Gateway) -> None:
             for node in nodes:
-                node.bind_grants(gateway)
+                node.bind_gateway(gateway)
 
         await serve(open_host=open_host, on_gateway=on_gateway, **serve_kwargs)
 

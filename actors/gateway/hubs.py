@@ -131,9 +131,13 @@ class SessionHub:
     """
 
     def __init__(
-        self, session: Session, on_task_end: Callable[[Session], None] | None = None
+        self,
+        session: Session,
+        on_task_end: Callable[[Session], None] | None = None,
+        remote_watchers: Callable[[str], bool] | None = None,
     ) -> None:
         self.session = session
+        self._remote_watchers = remote_watchers
         self.subscriptions: list[Subscription] = []
         self.pending: dict[str, trio.MemorySendChannel[Verdict | None]] = {}
         self.finishing = False
@@ -194,8 +198,11 @@ class SessionHub:
             subscription.deliver(frames)
 
     def has_subscribers(self) -> bool:
-        """Whether a client could answer an approval now."""
-        return bool(self.subscriptions)
+        """Whether a client could answer an approval now (here, or through another
+        host's gateway)."""
+        if self.subscriptions:
+            return True
+        return self._remote_watchers is not None and self._remote_watchers(self.session.id)
 
     def approve_through_clients(self) -> None:
         """Make this hub the session's client approver (:meth:`ask`)."""
@@ -205,7 +212,7 @@ class SessionHub:
     async def ask(self, call: ToolCallBlock) -> Verdict | None:
         """The session's client approver: None at once when nobody watches; else the
         answer of an ``approve`` call (the broker's timeout bounds the wait)."""
-        if not self.subscriptions:
+        if not self.has_subscribers():
             return None
         # One slot: the one answer never waits for this reader.
         reply, verdict = trio.open_memory_channel[Verdict | None](1)
@@ -263,6 +270,8 @@ class Hubs:
         self._on_task_end = on_task_end
         self._limits = limits
         self._hubs: dict[str, SessionHub] = {}
+        self.remote_watchers: Callable[[str], bool] | None = None
+        """Whether clients of other hosts' gateways watch a session (cluster mode)."""
 
     def get(self, session_id: str) -> SessionHub | None:
         """The hub of ``session_id``, when the gateway has adopted that session."""
@@ -276,7 +285,9 @@ class Hubs:
             return hub
         if hub is not None:
             hub.close()
-        hub = SessionHub(session, on_task_end=self._on_task_end)
+        hub = SessionHub(
+            session, on_task_end=self._on_task_end, remote_watchers=self.remote_watchers
+        )
         self._hubs[session.id] = hub
         if self._approve == "ask":
             hub.approve_through_clients()

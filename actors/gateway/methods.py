@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import attrs
 import trio
@@ -45,6 +45,45 @@ from greenroom.protocols.content import ImageBlock, ToolCallBlock, UserContent
 from greenroom.protocols.converter import to_dict
 from greenroom.protocols.jsonrpc import RpcError, invalid
 from greenroom.protocols.messages import Verdict
+
+ROUTED = frozenset(
+    {
+        "session.subscribe",
+        "session.unsubscribe",
+        "run",
+        "steer",
+        "follow_up",
+        "approve",
+        "interrupt",
+        "compact",
+        "skip_reconnect_wait",
+        "retry_auth",
+    }
+)
+"""The methods on one session that a :class:`Router` may serve for a session another host
+runs."""
+
+
+class Router(Protocol):
+    """Where the gateway's calls go for sessions this host does not run (cluster mode; None
+    in single-host mode, where every session is this host's)."""
+
+    def serves(self, session_id: str) -> bool:
+        """Whether this host runs ``session_id`` (its calls are handled here as usual)."""
+        ...
+
+    async def handle(
+        self, connection: Connection, method: str, params: dict[str, Any], local: Handler
+    ) -> Any:
+        """Answer ``method`` on a session this host does not run (``local``: the gateway's
+        own handler, for a session the router does not know either)."""
+        ...
+
+    async def place(self, connection: Connection, params: dict[str, Any]) -> Any | None:
+        """The answer of a ``session.create`` placed on another host, or None to create the
+        session here."""
+        ...
+
 
 DETACHED = frozenset({"compact"})
 """Methods a connection runs in their own task when called alone: ``compact`` waits for a
@@ -79,13 +118,28 @@ class Methods:
         self._grants = grants
         self._hubs = hubs
         self._titles = titles
+        self.router: Router | None = None
+        """Serves the sessions of other hosts (cluster mode)."""
 
     def table(self) -> dict[str, Handler]:
         """The dispatch table, in the order of ``jsonrpc.METHODS``."""
-        return {
+        table = {
             name: cast(Handler, getattr(self, "rpc_" + name.replace(".", "_")))
             for name in jsonrpc.METHODS
         }
+        for name in ROUTED & table.keys():
+            table[name] = self._routed(name, table[name])
+        return table
+
+    def _routed(self, method: str, local: Handler) -> Handler:
+        async def handler(connection: Connection, params: dict[str, Any]) -> Any:
+            router = self.router
+            session_id = params.get("session_id") if isinstance(params, dict) else None
+            if router is None or not isinstance(session_id, str) or router.serves(session_id):
+                return await local(connection, params)
+            return await router.handle(connection, method, params, local)
+
+        return handler
 
     # -- sessions and ownership ------------------------------------------------------------------
 
@@ -174,6 +228,10 @@ class Methods:
         settings (none of ``CLIENT_SETTABLE_FORBIDDEN``); a ``workspace`` must resolve under
         the workspace root (R-SEC-5). Returns ``{session_id}``."""
         jsonrpc.check_params(params, "session.create")
+        if self.router is not None:
+            placed = await self.router.place(connection, params)
+            if placed is not None:
+                return placed
         workspace_param = jsonrpc.optional_str(params, "workspace", max_len=4096)
         model = jsonrpc.optional_str(params, "model", max_len=200)
         raw_settings = jsonrpc.optional_object(params, "settings")

@@ -57,10 +57,10 @@ from greenroom.actors.gateway.config import (
     resolved,
     token_file_path,
 )
-from greenroom.actors.gateway.connection import Connection
+from greenroom.actors.gateway.connection import Connection, Handler
 from greenroom.actors.gateway.console import ConsoleServer, display_host, url_host
 from greenroom.actors.gateway.hubs import Hubs
-from greenroom.actors.gateway.methods import DETACHED, Methods
+from greenroom.actors.gateway.methods import DETACHED, Methods, Router
 from greenroom.actors.gateway.titles import Titles
 from greenroom.actors.runtime.errors import ConfigurationError
 from greenroom.actors.runtime.host import Host, SessionObserver, default_data_dir
@@ -197,6 +197,18 @@ class Gateway:
     def holders(self, session_id: str) -> frozenset[str]:
         """The principals that created or were granted ``session_id``."""
         return self._grants.holders(session_id)
+
+    def route_through(self, router: Router, remote_watchers: Callable[[str], bool]) -> None:
+        """Serve the sessions of other hosts through ``router`` (cluster mode), and count
+        the clients ``remote_watchers`` reports as present for client approvals. Called
+        before the gateway serves."""
+        self._calls.router = router
+        self._hubs.remote_watchers = remote_watchers
+
+    @property
+    def methods(self) -> Mapping[str, Handler]:
+        """The dispatch table (what a request forwarded from another host runs)."""
+        return self._methods
 
     @property
     def _titled(self) -> set[str]:

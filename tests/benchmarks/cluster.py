@@ -7,6 +7,9 @@
   interrupted result), median and p99 over ``--trials`` (lease TTL 2 s, the default scan).
 * **round trip** of a request to a session's owner over NATS (``SessionRequests``: the hop a
   non-owner gateway adds), median and p99 over 500 requests.
+* **gateway round trip**: a websocket call (``interrupt`` of an idle session) from a client
+  to the gateway of the session's owner, and to the gateway of another host, which forwards
+  it (R-CLUSTER-1), median and p99 over 500 calls each.
 * **CPU per task** of a ``serve`` host process with and without ``--nats`` on the same
   workload (``--tasks`` sessions, each one task: a prompt, one text reply; 10 at a time),
   from ``/proc/<pid>/stat`` (utime + stime) around the run.
@@ -204,6 +207,44 @@ async def _round_trip(bridge: Bridge, nats_url: str, count: int) -> list[float]:
     return times
 
 
+async def _gateway_round_trip(tmp: Path, nats_url: str, count: int) -> dict[str, list[float]]:
+    """Milliseconds per call through the owner's gateway and through another host's."""
+    found: dict[str, list[float]] = {}
+    async with open_mock_server(fallback=_text_model) as model, trio.open_nursery() as nursery:
+        hosts = [
+            await start_host(
+                nursery, tmp / "gw", host_id, nats_url=nats_url, model_url=model.base_url,
+                effects=tmp / "unused.sock", lease_ttl_s=LEASE_TTL_S,
+            )
+            for host_id in ("gw-a", "gw-b")
+        ]
+        try:
+            owner, other = hosts
+            headers = [(b"Authorization", f"Bearer {owner.token}".encode())]
+            async with open_websocket_url(owner.url, extra_headers=headers) as ws:
+                ids = [0]
+                sid = (await _call(ws, ids, "session.create", {}))["session_id"]
+            # Both hosts idle: placed on the lowest id, the owner's own gateway.
+            await owner.wait_logged(f"host {owner.host_id} joined")
+            for label, host in (("owner", owner), ("non-owner", other)):
+                headers = [(b"Authorization", f"Bearer {host.token}".encode())]
+                async with open_websocket_url(host.url, extra_headers=headers) as ws:
+                    ids = [0]
+                    times: list[float] = []
+                    for _ in range(count):
+                        began = trio.current_time()
+                        await _call(ws, ids, "interrupt", {"session_id": sid})
+                        times.append((trio.current_time() - began) * 1000)
+                    found[label] = times
+        finally:
+            with trio.CancelScope(shield=True):
+                for host in hosts:
+                    host.process.kill()
+                    await host.process.wait()
+            nursery.cancel_scope.cancel()
+    return found
+
+
 async def _cpu_per_task(tmp: Path, nats_url: str, tasks: int) -> dict[str, float]:
     found: dict[str, float] = {}
     async with open_mock_server(fallback=_text_model) as model, trio.open_nursery() as nursery:
@@ -252,8 +293,12 @@ def main() -> None:
                 with trio.fail_after(PHASE_BOUND_S):
                     rtt = await _round_trip(bridge, server.url, 100 if args.quick else 500)
                 with trio.fail_after(PHASE_BOUND_S):
+                    gateway = await _gateway_round_trip(
+                        tmp, server.url, 100 if args.quick else 500
+                    )
+                with trio.fail_after(PHASE_BOUND_S):
                     cpu = await _cpu_per_task(tmp, server.url, tasks)
-                return {"kill": kill, "stop": stop, "rtt": rtt, "cpu": cpu}
+                return {"kill": kill, "stop": stop, "rtt": rtt, "gateway": gateway, "cpu": cpu}
 
             results = run(bench)
             rss = _rss_mib(server.process.pid)
@@ -267,6 +312,10 @@ def main() -> None:
     rtt_ms = [t * 1000 for t in results["rtt"]]
     rows.append({"measure": "owner round trip over NATS (ms)", "n": len(rtt_ms),
                  "median": statistics.median(rtt_ms), "p99": p99(rtt_ms)})
+    for label, values in results["gateway"].items():
+        rows.append({"measure": f"websocket call through the {label} gateway (ms)",
+                     "n": len(values), "median": statistics.median(values),
+                     "p99": p99(values)})
     print_table(f"cluster (lease TTL {LEASE_TTL_S:g} s)", rows)
     cpu = results["cpu"]
     print_table(
@@ -278,7 +327,8 @@ def main() -> None:
     print(f"\nnats-server resident memory at the end: {rss:.1f} MiB")
     write_json("cluster", {
         "lease_ttl_s": LEASE_TTL_S, "takeover_kill_s": results["kill"],
-        "takeover_stop_s": results["stop"], "round_trip_ms": rtt_ms, "cpu_ms_per_task": cpu,
+        "takeover_stop_s": results["stop"], "round_trip_ms": rtt_ms,
+        "gateway_round_trip_ms": results["gateway"], "cpu_ms_per_task": cpu,
         "nats_rss_mib": rss, "tasks": tasks,
     })
 

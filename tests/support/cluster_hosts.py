@@ -48,9 +48,12 @@ async def start_host(
     model_url: str,
     effects: Path,
     lease_ttl_s: float,
+    approve: str = "all",
+    tokens_file: Path | None = None,
 ) -> HostProcess:
     """Start host ``host_id`` and return once its gateway listens (``nats_url`` None: a
-    single-host ``serve``, for comparisons)."""
+    single-host ``serve``, for comparisons). ``approve`` is ``serve --approve``; with
+    ``tokens_file`` the host knows those principals (and ``token`` is empty)."""
     data = tmp_path / host_id
     workspace = tmp_path / "ws"
     workspace.mkdir(parents=True, exist_ok=True)
@@ -66,12 +69,13 @@ async def start_host(
         if nats_url is not None
         else []
     )
+    principals = ["--tokens-file", str(tokens_file)] if tokens_file is not None else []
     process = await trio.lowlevel.open_process(
         [
             sys.executable, "-m", "greenroom", "serve", *cluster, "--port", "0",
             "--no-console", "--data-dir", str(data), "--workspace", str(workspace),
             "--provider", "anthropic", "--base-url", model_url, "--model", "mock-model",
-            "--tools", str(TOOLS), "--no-builtin-tools", "--approve", "all",
+            "--tools", str(TOOLS), "--no-builtin-tools", "--approve", approve, *principals,
         ],
         env=env,
         stderr=-1,
@@ -103,7 +107,7 @@ async def start_host(
     nursery.start_soon(read_log)
     await ready.wait()
     assert "url" in found, f"host {host_id} did not start: {log}"
-    token = (data / "serve.token").read_text().strip()
+    token = "" if tokens_file is not None else (data / "serve.token").read_text().strip()
     return HostProcess(
         host_id=host_id, process=process, url=found["url"], token=token, log=log, news=news
     )

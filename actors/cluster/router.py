@@ -1,0 +1,477 @@
+"""Any host's gateway serves any session (R-CLUSTER-1): the gateway's :class:`Router` in a
+cluster, and the owner's side of the requests it forwards.
+
+::
+
+    client ── gateway of host B ── ClusterRouter ──► request subject of the session ──┐
+                 │                                                                     │
+                 └── RemoteSubscription ◄── the session's trace subject (JetStream)    │
+                                                                                       ▼
+                            host A (the owner) ── OwnerDesk ── A's gateway methods ────┘
+
+* A call on a session this host does not run (``run``, ``steer``, ``follow_up``, ``approve``,
+  ``interrupt``, ``compact``, ``skip_reconnect_wait``, ``retry_auth``) is checked against the
+  principals the session directory records (and this gateway's own grants), then sent to
+  the owner, which runs it through its own gateway method code as the same principal; its
+  result or JSON-RPC error is the client's answer, unchanged. No answer in time: a
+  ``503`` error saying so.
+* ``session.subscribe`` replays the session's trace subject after ``after_seq`` and then
+  follows it: the same ``output`` notifications as a local subscription, each traced seq
+  once. The subscription tells the owner it watches (``watch``, renewed every third of the
+  lease TTL, so a new owner after a takeover learns of it and a gateway that died is
+  forgotten after a TTL), so the owner asks this client's approvals too; the
+  ``approval_request`` arrives through the trace and the ``approve`` is forwarded like any
+  call. Live-only outputs (partial text, tool progress) stay on the owner.
+* ``session.create`` is placed on the least loaded host: this host's own load as it is, the
+  others' as last announced plus what this gateway placed on them since (ties: this host,
+  then the lowest id). On another host it is created there by a request to that host's
+  subject; a host that does not answer leaves the session here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, cast
+
+import trio
+
+from greenroom.actors.cluster.errors import ClusterError, ClusterUnavailable, OwnerUnreachable
+from greenroom.actors.cluster.registry import HostRecord, HostRegistry, SessionDirectory
+from greenroom.actors.cluster.routing import SessionRequests
+from greenroom.actors.cluster.traces import TraceStream
+from greenroom.actors.gateway.connection import Connection as GatewayConnection
+from greenroom.actors.gateway.connection import Handler
+from greenroom.actors.gateway.hubs import Subscription, output_frame
+from greenroom.actors.gateway.methods import ROUTED
+from greenroom.actors.runtime.errors import (
+    AuthLocked,
+    Busy,
+    ConfigurationError,
+    GreenroomError,
+    SessionNotFound,
+)
+from greenroom.protocols import jsonrpc
+from greenroom.protocols.jsonrpc import RpcError
+
+if TYPE_CHECKING:
+    from greenroom.actors.gateway.server import Gateway
+
+__all__ = [
+    "OWNER_UNREACHABLE",
+    "ClusterRouter",
+    "OwnerDesk",
+    "RemoteSubscription",
+]
+
+OWNER_UNREACHABLE = 503
+"""The JSON-RPC error code of a call whose session's owner did not answer in time."""
+
+FORWARDED = ROUTED - {"session.subscribe", "session.unsubscribe"}
+"""The calls a gateway forwards to a session's owner."""
+
+COMPACT_TIMEOUT_S = 300.0
+"""How long a forwarded ``compact`` may take (it waits for a model request)."""
+
+_UNWATCH_S = 2.0
+
+
+def log(message: str) -> None:
+    """One line on stderr (the serve process's log)."""
+    print(f"greenroom cluster: {message}", file=sys.stderr, flush=True)
+
+
+class _Forwarded:
+    """The caller of a request forwarded from another host's gateway: only a principal
+    (the forwarding gateway authenticated it)."""
+
+    forwarded = True
+
+    def __init__(self, principal: str) -> None:
+        self.identity: str | None = principal
+        self.initialized = True
+        self.calls = 0
+        self.subscriptions: dict[str, Subscription] = {}
+
+
+def _as_caller(principal: str) -> GatewayConnection:
+    # A forwarded call runs the gateway's handlers, which read only the caller's identity.
+    return cast(GatewayConnection, _Forwarded(principal))
+
+
+def _is_forwarded(connection: GatewayConnection) -> bool:
+    return getattr(connection, "forwarded", False) is True
+
+
+async def _reply(call: Awaitable[Any]) -> dict[str, Any]:
+    """A handler's result or error as a reply object (the errors a gateway connection
+    would answer, with the same codes)."""
+    error: RpcError
+    try:
+        result = await call
+    except RpcError as exc:
+        error = exc
+    except (Busy, AuthLocked, SessionNotFound) as exc:
+        error = RpcError(exc.code, str(exc))
+    except ConfigurationError as exc:
+        error = RpcError(jsonrpc.INVALID_PARAMS, str(exc))
+    except GreenroomError as exc:
+        error = RpcError(getattr(exc, "code", jsonrpc.INTERNAL_ERROR), str(exc))
+    else:
+        return {"result": result}
+    return {"error": {"code": error.code, "message": error.message}}
+
+
+def _raise_reply(reply: dict[str, Any]) -> Any:
+    """The result of a reply object, or its error raised as the client's answer."""
+    if "result" in reply:
+        return reply["result"]
+    error = reply.get("error")
+    if isinstance(error, dict) and isinstance(error.get("code"), int):
+        raise RpcError(error["code"], str(error.get("message", "")))
+    raise RpcError(jsonrpc.INTERNAL_ERROR, "the owner sent an unreadable reply")
+
+
+class OwnerDesk:
+    """The owner's side: answers the requests other gateways forward, through this host's
+    gateway methods, and counts the subscriptions other gateways hold (``watch``) so that
+    client approvals are asked when a client watches through another host."""
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        serves: Callable[[str], bool],
+        until_serving: Callable[[str], Awaitable[None]],
+        *,
+        bound_s: float,
+    ) -> None:
+        self._methods = gateway.methods
+        self._serves = serves
+        self._until_serving = until_serving
+        self._bound_s = bound_s
+        self._watchers: dict[str, dict[str, float]] = {}
+        """Session id → watch id → when that watch expires unless renewed."""
+
+    def watched(self, session_id: str) -> bool:
+        """Whether a client of another host's gateway subscribes to ``session_id``."""
+        watches = self._watchers.get(session_id)
+        if not watches:
+            return False
+        now = trio.current_time()
+        for watch_id, expires in list(watches.items()):
+            if expires <= now:
+                del watches[watch_id]
+        if not watches:
+            del self._watchers[session_id]
+        return bool(watches)
+
+    def for_session(self, session_id: str) -> Callable[[dict[str, Any]], Awaitable[Any]]:
+        """The handler of ``session_id``'s request subject."""
+
+        async def handle(message: dict[str, Any]) -> dict[str, Any]:
+            method = message.get("method")
+            params = message.get("params")
+            principal = message.get("principal")
+            if not isinstance(params, dict) or not isinstance(principal, str):
+                return _error(
+                    jsonrpc.INVALID_REQUEST, "a forwarded call needs params and a principal"
+                )
+            if method == "watch":
+                watch_id = str(params.get("watch_id", ""))[:100]
+                watches = self._watchers.setdefault(session_id, {})
+                if params.get("watching") is True:
+                    watches[watch_id] = trio.current_time() + self._bound_s
+                else:
+                    watches.pop(watch_id, None)
+                if not watches:
+                    del self._watchers[session_id]
+                return {"result": {}}
+            if method not in FORWARDED:
+                return _error(jsonrpc.METHOD_NOT_FOUND, f"method not found: {method!r}")
+            if not self._serves(session_id):
+                # Lost between the request and now: the sender tries again later.
+                return _error(OWNER_UNREACHABLE, f"session {session_id} is moving to another host")
+            params = {**params, "session_id": session_id}
+            return await _reply(self._methods[str(method)](_as_caller(principal), params))
+
+        return handle
+
+    async def for_host(self, message: dict[str, Any]) -> dict[str, Any]:
+        """The handler of this host's own subject: a ``session.create`` placed here."""
+        params = message.get("params")
+        principal = message.get("principal")
+        if message.get("method") != "session.create":
+            return _error(jsonrpc.METHOD_NOT_FOUND, f"method not found: {message.get('method')!r}")
+        if not isinstance(params, dict) or not isinstance(principal, str):
+            return _error(jsonrpc.INVALID_REQUEST, "a forwarded call needs params and a principal")
+        reply = await _reply(self._methods["session.create"](_as_caller(principal), params))
+        result = reply.get("result")
+        if isinstance(result, dict) and isinstance(result.get("session_id"), str):
+            # Answered once the new session's calls reach this host: the creator's next
+            # call is not refused for want of an owner.
+            with trio.move_on_after(self._bound_s):
+                await self._until_serving(result["session_id"])
+        return reply
+
+
+def _error(code: int, message: str) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message}}
+
+
+class RemoteSubscription(Subscription):
+    """A connection watching a session another host runs, through the session's trace
+    subject: the replay is queued before the subscribe answer, the records that follow
+    after it. Closing it (unsubscribe, the connection gone) stops its follower task."""
+
+    def __init__(self, connection: GatewayConnection, session_id: str, after_seq: int) -> None:
+        # Not a hub's subscription: only the connection's bookkeeping is shared.
+        self.connection = connection
+        self.session_id = session_id
+        self.last_seq = after_seq
+        self.closed = False
+        self.scope = trio.CancelScope()
+        self.live = trio.Event()
+        self.watch_id = uuid.uuid4().hex
+        old = connection.subscriptions.get(session_id)
+        if old is not None:
+            old.close()
+        connection.subscriptions[session_id] = self
+
+    def deliver(self, frames: list[tuple[int | None, str]]) -> None:
+        """Unused: the follower task queues the frames itself."""
+
+    def go_live(self, last_replayed: int) -> None:
+        """The subscribe answer is queued: the follower may queue what follows."""
+        self.live.set()
+
+    def drop(self, reason: str) -> None:
+        """End the subscription and tell the client why and where to resume."""
+        if self.closed:
+            return
+        self.close()
+        notice = {"session_id": self.session_id, "reason": reason, "last_seq": self.last_seq}
+        self.connection.outbox.put_nowait(
+            jsonrpc.encode(jsonrpc.notification_frame("subscription_dropped", notice))
+        )
+
+    def close(self) -> None:
+        """End the subscription quietly."""
+        self.closed = True
+        self.scope.cancel()
+        if self.connection.subscriptions.get(self.session_id) is self:
+            del self.connection.subscriptions[self.session_id]
+
+
+class ClusterRouter:
+    """The gateway's :class:`~greenroom.actors.gateway.methods.Router` on one host of a
+    cluster. ``serves`` says which sessions this host runs; ``nursery`` holds the followers
+    of remote subscriptions; ``timeout_s`` bounds a forwarded call; a watch is renewed
+    every third of ``watch_ttl_s`` (the owner's expiry of one)."""
+
+    def __init__(
+        self,
+        *,
+        host_id: str,
+        gateway: Gateway,
+        requests: SessionRequests,
+        directory: SessionDirectory,
+        registry: HostRegistry,
+        traces: TraceStream,
+        serves: Callable[[str], bool],
+        own_load: Callable[[], int],
+        nursery: trio.Nursery,
+        timeout_s: float,
+        watch_ttl_s: float,
+    ) -> None:
+        self._host_id = host_id
+        self._gateway = gateway
+        self._requests = requests
+        self._directory = directory
+        self._registry = registry
+        self._traces = traces
+        self._serves = serves
+        self._own_load = own_load
+        self._placed: dict[str, tuple[float, int]] = {}
+        self._nursery = nursery
+        self._timeout_s = timeout_s
+        self._watch_ttl_s = watch_ttl_s
+
+    def serves(self, session_id: str) -> bool:
+        """Whether this host runs ``session_id``."""
+        return self._serves(session_id)
+
+    async def handle(
+        self,
+        connection: GatewayConnection,
+        method: str,
+        params: dict[str, Any],
+        local: Handler,
+    ) -> Any:
+        """Serve ``method`` on a session another host runs (a session the cluster does not
+        know is answered by ``local``: 404, as on one host)."""
+        session_id = str(params["session_id"])
+        principal = connection.identity
+        assert principal is not None  # authenticated before any session method
+        try:
+            entry = await self._directory.get(session_id)
+        except ValueError:
+            entry = None  # not an id the cluster can hold
+        except ClusterUnavailable as exc:
+            raise RpcError(OWNER_UNREACHABLE, f"the cluster cannot be reached: {exc}") from exc
+        granted_here = session_id in self._gateway.owned(principal)
+        if entry is None and not granted_here:
+            return await local(connection, params)
+        principals = (entry or {}).get("principals") or ()
+        if principal not in principals and not granted_here:
+            raise RpcError(jsonrpc.FORBIDDEN, f"session {session_id!r} belongs to another client")
+        if method == "session.subscribe":
+            jsonrpc.check_params(params, "session.subscribe")
+            after_seq = jsonrpc.optional_int(params, "after_seq", minimum=0) or 0
+            return await self._subscribe(connection, principal, session_id, after_seq)
+        if method == "session.unsubscribe":
+            jsonrpc.check_params(params, "session.unsubscribe")
+            subscription = connection.subscriptions.get(session_id)
+            if subscription is not None:
+                subscription.close()
+            return {"unsubscribed": subscription is not None}
+        timeout = max(self._timeout_s, COMPACT_TIMEOUT_S) if method == "compact" else None
+        return _raise_reply(await self._forward(session_id, method, params, principal, timeout))
+
+    async def _forward(
+        self,
+        session_id: str,
+        method: str,
+        params: dict[str, Any],
+        principal: str,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        message = {"method": method, "params": params, "principal": principal}
+        try:
+            return await self._requests.request(
+                session_id, message, timeout_s=timeout_s or self._timeout_s
+            )
+        except OwnerUnreachable as exc:
+            raise RpcError(OWNER_UNREACHABLE, str(exc)) from exc
+        except ClusterUnavailable as exc:
+            raise RpcError(OWNER_UNREACHABLE, f"the cluster cannot be reached: {exc}") from exc
+
+    async def place(self, connection: GatewayConnection, params: dict[str, Any]) -> Any | None:
+        """Create the session on the least loaded host: None when that is this host (or
+        this call was itself placed here); else the answer of the host that created it.
+        A host that does not answer leaves the session to this host."""
+        if _is_forwarded(connection):
+            return None
+        principal = connection.identity
+        assert principal is not None
+        try:
+            target = self._least_loaded(await self._registry.hosts())
+        except ClusterUnavailable:
+            return None
+        if target is None:
+            return None
+        message = {"method": "session.create", "params": params, "principal": principal}
+        try:
+            reply = await self._requests.request_host(
+                target.host_id, message, timeout_s=self._timeout_s
+            )
+        except ClusterError as exc:
+            log(f"cannot place a session on host {target.host_id} ({exc}); creating it here")
+            return None
+        result = _raise_reply(reply)
+        self._count_placed(target)
+        if isinstance(result, dict) and isinstance(result.get("session_id"), str):
+            # Known here before the owner's directory entry is: the next call finds it.
+            self._gateway.grant(principal, result["session_id"])
+        return result
+
+    def _least_loaded(self, hosts: list[HostRecord]) -> HostRecord | None:
+        """The host to place a new session on, None for this one."""
+        own = self._own_load()
+        loads = [
+            (record.load + self._placed_since(record), record.host_id, record)
+            for record in hosts
+            if record.host_id != self._host_id
+        ]
+        best = min(loads, key=lambda entry: entry[:2], default=None)
+        if best is None or best[0] >= own:
+            return None
+        return best[2]
+
+    def _placed_since(self, record: HostRecord) -> int:
+        """How many sessions this gateway placed on ``record``'s host since it announced."""
+        at, count = self._placed.get(record.host_id, (record.at, 0))
+        return count if at == record.at else 0
+
+    def _count_placed(self, record: HostRecord) -> None:
+        self._placed[record.host_id] = (record.at, self._placed_since(record) + 1)
+
+    async def _subscribe(
+        self, connection: GatewayConnection, principal: str, session_id: str, after_seq: int
+    ) -> dict[str, Any]:
+        subscription = RemoteSubscription(connection, session_id, after_seq)
+        try:
+            read = await self._traces.read(session_id, after_seq=after_seq)
+            room = max(1, connection.limits.max_pending_frames // 2)
+            replayed = 0
+            for record in read.records:
+                await connection.outbox.wait_below(room)
+                connection.outbox.put_nowait(output_frame(record))
+                subscription.last_seq = record.seq or subscription.last_seq
+                replayed += 1
+            # Before the answer: a ``run`` the client sends next finds the owner knowing
+            # that someone can answer its approvals.
+            await self._watch(subscription, principal, watching=True)
+        except BaseException:
+            subscription.close()
+            raise
+        last_seq = subscription.last_seq
+        self._nursery.start_soon(self._follow, subscription, principal)
+        connection.after_answer.append(lambda: subscription.go_live(last_seq))
+        return {"session_id": session_id, "replayed": replayed, "last_seq": last_seq}
+
+    async def _watch(
+        self, subscription: RemoteSubscription, principal: str, *, watching: bool
+    ) -> None:
+        """Tell the owner a client watches (or stopped); an owner that does not hear it
+        hears the next renewal."""
+        session_id = subscription.session_id
+        params = {"session_id": session_id, "watching": watching, "watch_id": subscription.watch_id}
+        with contextlib.suppress(RpcError):
+            await self._forward(session_id, "watch", params, principal)
+
+    async def _renew_watch(self, subscription: RemoteSubscription, principal: str) -> None:
+        while True:
+            await trio.sleep(self._watch_ttl_s / 3)
+            await self._watch(subscription, principal, watching=True)
+
+    async def _follow(self, subscription: RemoteSubscription, principal: str) -> None:
+        connection = subscription.connection
+        room = max(1, connection.limits.max_pending_frames // 2)
+        try:
+            with subscription.scope:
+                await subscription.live.wait()
+                async with (
+                    trio.open_nursery() as renewing,
+                    self._traces.follow(
+                        subscription.session_id, after_seq=subscription.last_seq
+                    ) as records,
+                ):
+                    renewing.start_soon(self._renew_watch, subscription, principal)
+                    async for record in records:
+                        await connection.outbox.wait_below(room)
+                        connection.outbox.put_nowait(output_frame(record))
+                        subscription.last_seq = record.seq or subscription.last_seq
+                    renewing.cancel_scope.cancel()
+                subscription.drop("the cluster connection closed")
+        except ClusterUnavailable as exc:
+            subscription.drop(f"the cluster cannot be reached: {exc}")
+        except Exception as exc:
+            # Its task is the host's: a failure here ends this subscription, nothing else.
+            log(f"following session {subscription.session_id} failed: {exc!r}")
+            subscription.drop("internal error while following the session")
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(_UNWATCH_S):
+                with contextlib.suppress(Exception):
+                    await self._watch(subscription, principal, watching=False)

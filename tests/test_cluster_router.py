@@ -1,0 +1,95 @@
+"""The owner's side of forwarded calls (R-CLUSTER-1): answers as a gateway connection would,
+refuses what is not forwarded, and forgets a watch that is not renewed."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import trio
+import trio.testing
+
+from greenroom.actors.cluster.router import OWNER_UNREACHABLE, OwnerDesk
+from greenroom.actors.gateway.server import Gateway
+from greenroom.actors.runtime.errors import Busy
+from greenroom.protocols import jsonrpc
+
+BOUND_S = 3.0
+
+
+class _Gateway:
+    def __init__(self) -> None:
+        self.callers: list[str | None] = []
+
+        async def run(connection: Any, params: dict[str, Any]) -> Any:
+            self.callers.append(connection.identity)
+            if params.get("input") == "busy":
+                raise Busy("the session is running a task")
+            return {"run_id": "r1", "session_id": params["session_id"]}
+
+        self.methods = {"run": run}
+
+
+def _desk(serving: set[str]) -> tuple[OwnerDesk, _Gateway]:
+    gateway = _Gateway()
+
+    async def until_serving(_session_id: str) -> None:
+        return None
+
+    desk = OwnerDesk(
+        cast(Gateway, gateway), serving.__contains__, until_serving, bound_s=BOUND_S
+    )
+    return desk, gateway
+
+
+def test_forwarded_calls_answer_like_a_gateway_connection() -> None:
+    async def main() -> list[dict[str, Any]]:
+        desk, gateway = _desk({"s1"})
+        handle = desk.for_session("s1")
+        replies = [
+            # The session id is the subject's, whatever the params say.
+            await handle({"method": "run", "params": {"session_id": "x"}, "principal": "alice"}),
+            await handle(
+                {"method": "run", "params": {"input": "busy"}, "principal": "alice"}
+            ),
+            await handle({"method": "initialize", "params": {}, "principal": "alice"}),
+            await handle({"method": "run", "params": {}}),
+            await desk.for_session("s2")(
+                {"method": "run", "params": {}, "principal": "alice"}
+            ),
+        ]
+        assert gateway.callers == ["alice", "alice"]
+        return replies
+
+    ok, busy, not_forwarded, anonymous, elsewhere = trio.run(main)
+    assert ok == {"result": {"run_id": "r1", "session_id": "s1"}}
+    assert busy["error"]["code"] == jsonrpc.BUSY
+    assert not_forwarded["error"]["code"] == jsonrpc.METHOD_NOT_FOUND
+    assert anonymous["error"]["code"] == jsonrpc.INVALID_REQUEST
+    assert elsewhere["error"]["code"] == OWNER_UNREACHABLE
+
+
+def test_a_watch_lasts_until_withdrawn_or_not_renewed() -> None:
+    async def main() -> list[bool]:
+        desk, _ = _desk({"s1"})
+        handle = desk.for_session("s1")
+
+        async def watch(watch_id: str, watching: bool) -> None:
+            params = {"watching": watching, "watch_id": watch_id}
+            assert await handle({"method": "watch", "params": params, "principal": "p"}) == {
+                "result": {}
+            }
+
+        seen = [desk.watched("s1")]
+        await watch("w1", True)
+        await watch("w2", True)
+        seen.append(desk.watched("s1"))
+        await watch("w1", False)
+        seen.append(desk.watched("s1"))
+        await trio.sleep(BOUND_S / 2)
+        seen.append(desk.watched("s1"))
+        await trio.sleep(BOUND_S)  # w2 was not renewed: its gateway is gone
+        seen.append(desk.watched("s1"))
+        return seen
+
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    assert trio.run(main, clock=clock) == [False, True, True, True, False]
