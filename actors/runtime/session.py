@@ -464,7 +464,7 @@ class SessionCore:
                 with contextlib.suppress(Exception):
                     listener(batch)
 
-    def take_follow_up(self, finished: TaskInput) -> TaskInput | None:
+    def take_follow_up(self) -> TaskInput | None:
         """The next queued follow-up task, removed from the queue, or None when none is queued."""
         return self._follow_ups.pop(0) if self._follow_ups else None
 

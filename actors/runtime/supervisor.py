@@ -204,7 +204,7 @@ class SessionSupervisor:
                 interrupted = self._scope.cancelled_caught and self._out.trace_error is None
                 if interrupted or self._stopping or session.auth_locked:
                     break
-                task = session.take_follow_up(task)
+                task = session.take_follow_up()
                 if task is not None:
                     self._out.flush()
                 self._scope = trio.CancelScope()
