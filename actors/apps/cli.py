@@ -729,19 +729,8 @@ def _serve_command(args: argparse.Namespace) -> int:
 
     if args.token_file is not None and Path(args.token_file).expanduser().is_dir():
         raise UsageError(f"--token-file: {args.token_file} is a directory, not a file")
-    tools = tuple(collect_tools(args.tools, builtin=not args.no_builtin_tools))
+    tools, options = _service_options(args, workspace=args.workspace)
     servers = mcp_servers(args.mcp_config)
-    options = prepare_options(
-        RunOptions(
-            prompt="",
-            data_dir=_data_dir(args.data_dir),
-            provider=args.provider,
-            base_url=args.base_url,
-            workspace=args.workspace,
-            tools=tools,
-            sandbox=args.sandbox,
-        )
-    )
     defaults = SessionDefaults(
         provider=args.provider or default_provider_name(),
         model=args.model,
@@ -841,11 +830,11 @@ def _setting_flags(args: argparse.Namespace) -> dict[str, Any]:
     return {key: value for key, value in given.items() if value is not None}
 
 
-def _acp_command(args: argparse.Namespace) -> int:
-    """``greenroom acp``: the Agent Client Protocol agent on stdin and stdout, with the
-    session defaults of the flags (actors/apps/acp.py). stdout is the protocol's alone."""
-    from greenroom.actors.apps.acp import AcpConfig, serve_stdio
-
+def _service_options(
+    args: argparse.Namespace, *, workspace: str | None
+) -> tuple[tuple[Tool, ...], RunOptions]:
+    """The tools and checked run options of a command that serves sessions to clients
+    (``serve``, ``acp``): no prompt of its own, the flags' data dir, provider and sandbox."""
     tools = tuple(collect_tools(args.tools, builtin=not args.no_builtin_tools))
     options = prepare_options(
         RunOptions(
@@ -853,10 +842,20 @@ def _acp_command(args: argparse.Namespace) -> int:
             data_dir=_data_dir(args.data_dir),
             provider=args.provider,
             base_url=args.base_url,
+            workspace=workspace,
             tools=tools,
             sandbox=args.sandbox,
         )
     )
+    return tools, options
+
+
+def _acp_command(args: argparse.Namespace) -> int:
+    """``greenroom acp``: the Agent Client Protocol agent on stdin and stdout, with the
+    session defaults of the flags (actors/apps/acp.py). stdout is the protocol's alone."""
+    from greenroom.actors.apps.acp import AcpConfig, serve_stdio
+
+    tools, options = _service_options(args, workspace=None)
     config = AcpConfig(
         provider=args.provider or default_provider_name(),
         model=args.model,
