@@ -12,7 +12,7 @@ import attrs
 
 from greenroom.protocols.content import ToolCallBlock, ToolContent, UserContent
 from greenroom.protocols.context import Message, ModelRequest
-from greenroom.protocols.outputs import ToolStatus
+from greenroom.protocols.outputs import Output, ToolStatus
 from greenroom.protocols.stream import StreamEvent
 
 Verdict = Literal["allow", "deny", "allow_session"]
@@ -84,6 +84,16 @@ class InterruptTask:
     reason: str
 
 
+@attrs.frozen(kw_only=True, slots=True)
+class SubagentOutputs:
+    """A subagent → the supervisor of its parent's task: outputs the subagent published
+    (in its trace already), to be emitted as live outputs of the parent's run with
+    ``origin``, the path of session ids from the root to the subagent (R-HOST-4)."""
+
+    outputs: tuple[Output, ...]
+    origin: tuple[str, ...]
+
+
 SessionControl = InterruptTask | SteeringQueued | BackoffSkipped
 """What the supervisor's control inbox carries: the session handle's only way in."""
 
@@ -96,6 +106,7 @@ SupervisorMessage = (
     | ToolProgressed
     | SteeringQueued
     | BackoffSkipped
+    | SubagentOutputs
 )
 
 

@@ -124,6 +124,15 @@ MESSAGE_EXAMPLES: list[Any] = [
     messages.InterruptTask(reason="interrupted by host"),
     messages.ApproveCall(call=CALL),
     messages.RunToolCall(call=CALL, position=3),
+    messages.SubagentOutputs(
+        outputs=(
+            outputs.PartialText(session_id="c", run_id="r", index=0, text="hi"),
+            outputs.ToolProgress(
+                session_id="c", run_id="r", origin=("p",), call_id="t", tool="x", message="m"
+            ),
+        ),
+        origin=("p", "c"),
+    ),
 ]
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -133,13 +133,13 @@ class OutputEmitter:
             self.trace_failed(f"cannot write the trace: {exc}")
             await trio.lowlevel.checkpoint()  # the task's scope is cancelled now
 
-    def forward(self, batch: list[Output], origin: tuple[str, ...]) -> None:
+    def forward(self, outputs: Iterable[Output], origin: tuple[str, ...]) -> None:
         """Emit a subagent's outputs as live outputs of this run (R-HOST-4): its own get
         ``origin`` (root first, the subagent last); a grandchild's keep theirs. Never
-        traced here: they are in the subagent's trace (and published by it only once they
-        are). Called from the subagent's publishing, synchronously, so it never blocks."""
+        traced here: they are in the subagent's trace (and sent on by it only once they
+        are). The supervisor calls it for each ``SubagentOutputs`` in its inbox."""
         append = self._batch.append
-        for output in batch:
+        for output in outputs:
             append(output if output.origin is not None else attrs.evolve(output, origin=origin))
         self.flush()
 

@@ -733,29 +733,25 @@ class Session(SessionCore):
         content: Sequence[UserContent] | str,
         *,
         approve: ApproveFn | None,
-        listener: Listener,
+        outputs: trio.MemorySendChannel[list[Output]],
         reason: str = "parent task interrupted",
     ) -> None:
         """Run one task as a subagent in the calling task — a tool call of the parent
         session's task — instead of the host's nursery, and return when it has ended.
 
-        ``listener`` gets every batch of its outputs, from the first (there is no
-        ``RunStream``). Cancelling the caller interrupts the subagent with ``reason``:
-        the subagent runs shielded, so it settles and records its own ``abort`` and
+        Every batch of its outputs, from the first, is sent on ``outputs`` (there is no
+        ``RunStream``), which is closed when the task has ended; the caller drains it
+        concurrently. Cancelling the caller interrupts the subagent with ``reason``: the
+        subagent runs shielded, so it settles and records its own ``abort`` and
         ``task_end(aborted)`` in its trace (bounded by the supervisor's teardown grace)
         before the cancellation goes on to the caller."""
         self.check_open()
         if self._control is not None:
             raise Busy(f"session {self.id} is already running a task")
         task = TaskInput(content=_as_content(content), approve=approve, thinking_level=None)
-        # No buffer and no reader: the outputs go to the listener only, and the emitter
-        # ignores the closed channel (it never blocks on it).
-        send, receive = trio.open_memory_channel[list[Output]](0)
-        receive.close()
-        supervisor = SessionSupervisor(self, task, send, None)
+        supervisor = SessionSupervisor(self, task, outputs, None)
         self._control = control = supervisor.control
         self._idle = trio.Event()
-        unsubscribe = self.subscribe(listener)
         finished = trio.Event()
 
         async def run_shielded() -> None:
@@ -765,16 +761,13 @@ class Session(SessionCore):
             finally:
                 finished.set()
 
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(run_shielded)
-                try:
-                    await finished.wait()
-                except trio.Cancelled:
-                    _send(control, InterruptTask(reason=reason))
-                    raise
-        finally:
-            unsubscribe()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_shielded)
+            try:
+                await finished.wait()
+            except trio.Cancelled:
+                _send(control, InterruptTask(reason=reason))
+                raise
 
     def clear_client_approver(self, approver: ClientApprover) -> bool:
         """Forget ``approver`` if it is still the client approver (a watcher that stops

@@ -9,10 +9,11 @@ its own ``abort`` and ``task_end(aborted)`` before the parent settles.
 
 Every output of the subagent is forwarded to the parent's run stream and subscribers as a
 live output of the parent, with ``origin`` = the path of session ids from the root (the
-parent's path plus the child's id); it is traced only in the child's trace. The parent's
-trace has the ``spawn_subagent`` call and its ``tool_call_output``: the child's final
-answer (the text of its last model message), or an error naming the child when it failed,
-was interrupted or hit a limit.
+parent's path plus the child's id): the ``spawn_subagent`` call's task reads the child's
+run channel and sends each batch to the parent's supervisor as ``SubagentOutputs``. It is
+traced only in the child's trace. The parent's trace has the ``spawn_subagent`` call and
+its ``tool_call_output``: the child's final answer (the text of its last model message), or
+an error naming the child when it failed, was interrupted or hit a limit.
 
 Approvals inside the subagent go to the parent run's ``approve`` callback, else to the
 parent's client approvers (websocket clients answer on the parent's session), else they are
@@ -31,7 +32,8 @@ Exceptions::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import math
 from typing import TYPE_CHECKING, assert_never
 
 import attrs
@@ -39,6 +41,7 @@ import trio
 
 from greenroom.actors.runtime.approval_broker import ApproveFn
 from greenroom.protocols.content import TextBlock
+from greenroom.protocols.messages import SubagentOutputs, SupervisorMessage
 from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
@@ -84,10 +87,6 @@ SUBAGENT_SYSTEM = (
 )
 """The start of a subagent's system prompt; the parent's own system prompt follows it."""
 
-Forward = Callable[[list[Output], tuple[str, ...]], None]
-"""The parent supervisor's way to emit a child's outputs: ``(batch, origin)``; never blocks."""
-
-
 class SubagentError(Exception):
     """A subagent failed, was interrupted or hit a limit; the message is for the model."""
 
@@ -116,14 +115,21 @@ async def spawn_subagent(task: str, *, ctx: ToolContext) -> str:
 
 class Subagents:
     """The subagents of one parent task: its limits, and ``spawn`` (the callback the tool
-    pool puts in every :class:`ToolContext`)."""
+    pool puts in every :class:`ToolContext`). ``report`` is the parent supervisor's inbox:
+    the children's outputs go there as ``SubagentOutputs``."""
 
-    __slots__ = ("_approve", "_forward", "_parent", "_slots", "_started")
+    __slots__ = ("_approve", "_parent", "_report", "_slots", "_started")
 
-    def __init__(self, parent: Session, *, approve: ApproveFn | None, forward: Forward) -> None:
+    def __init__(
+        self,
+        parent: Session,
+        *,
+        approve: ApproveFn | None,
+        report: trio.MemorySendChannel[SupervisorMessage],
+    ) -> None:
         self._parent = parent
         self._approve = approve
-        self._forward = forward
+        self._report = report
         self._slots: trio.Semaphore | None = None
         self._started = 0
 
@@ -167,32 +173,53 @@ class Subagents:
         )
         child.set_origin_path((*parent.origin_path, child.id))
         child.set_client_approver(parent.client_approver, present=parent.client_present)
-        watch = _ChildWatch(child, settings.subagent_token_budget, self._forward)
+        watch = _ChildWatch(child, settings.subagent_token_budget, self._report)
+        # Unbounded: the child's supervisor publishes with send_nowait and must never wait
+        # for this task, which drains the channel continuously.
+        outputs_send, outputs = trio.open_memory_channel[list[Output]](math.inf)
         try:
-            await child.run_as_child(task, approve=self._approve, listener=watch.on_batch)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch.follow, outputs)
+                try:
+                    await child.run_as_child(task, approve=self._approve, outputs=outputs_send)
+                finally:
+                    # The child has ended (or never started): the watch reads what is left.
+                    outputs_send.close()
         finally:
             host.forget(child)
         return watch.result()
 
 
 class _ChildWatch:
-    """Listens to one child's outputs: forwards them to the parent, adds up its token
-    usage against the budget, and keeps its final answer and ``task_end``."""
+    """Reads one child's outputs: forwards them to the parent, adds up its token usage
+    against the budget, and keeps its final answer and ``task_end``."""
 
-    __slots__ = ("_budget", "_child", "_forward", "_origin", "_texts", "end", "exceeded", "used")
+    __slots__ = ("_budget", "_child", "_origin", "_report", "_texts", "end", "exceeded", "used")
 
-    def __init__(self, child: Session, budget: int, forward: Forward) -> None:
+    def __init__(
+        self, child: Session, budget: int, report: trio.MemorySendChannel[SupervisorMessage]
+    ) -> None:
         self._child = child
         self._budget = budget
-        self._forward = forward
+        self._report = report
         self._origin = child.origin_path
         self._texts: list[str] = []
         self.used = 0
         self.exceeded = False
         self.end: TaskEnd | None = None
 
-    def on_batch(self, batch: list[Output]) -> None:
-        self._forward(batch, self._origin)
+    async def follow(self, outputs: trio.MemoryReceiveChannel[list[Output]]) -> None:
+        """Handle every batch the child publishes until its channel closes. Shielded: an
+        interrupted parent still gets the child's own ``abort`` and ``task_end`` (the
+        child settles within its supervisor's teardown bound, then the channel closes)."""
+        with trio.CancelScope(shield=True):
+            async for batch in outputs:
+                self._on_batch(batch)
+
+    def _on_batch(self, batch: list[Output]) -> None:
+        # A parent supervisor that has ended closed its inbox: nobody is left to tell.
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            self._report.send_nowait(SubagentOutputs(outputs=tuple(batch), origin=self._origin))
         for output in batch:
             if output.origin is not None:
                 continue  # a grandchild's: forwarded, and no business of this watch

@@ -23,8 +23,8 @@ it emits exactly one ``task_end``.
 
 A subagent (R-HOST-4, :mod:`greenroom.actors.runtime.subagents`) runs its own supervisor inside
 a ``spawn_subagent`` call's task, i.e. in this task's nursery; its outputs come back
-through :meth:`SessionSupervisor._forward` as live outputs of this run, tagged with their
-``origin`` and never traced here.
+through this supervisor's inbox (``SubagentOutputs``) as live outputs of this run, tagged
+with their ``origin`` and never traced here.
 """
 
 from __future__ import annotations
@@ -306,7 +306,7 @@ class SessionSupervisor:
                 inbox=self._inbox,
             )
             await nursery.start(broker.run, approvals_receive)
-            subagents = Subagents(session, approve=task.approve, forward=self._out.forward)
+            subagents = Subagents(session, approve=task.approve, report=self._inbox)
             pool = ToolPool(
                 tools=session.tool_by_name,
                 inbox=self._inbox,

@@ -27,6 +27,7 @@ from greenroom.protocols.messages import (
     SkipToolCall,
     SteeringQueued,
     StreamBatch,
+    SubagentOutputs,
     SupervisorMessage,
     ToolCallFinished,
     ToolProgressed,
@@ -164,6 +165,9 @@ class TurnDispatch:
                 self._on_steering(repaired_blocks(message.content))
             case BackoffSkipped():
                 self._on_skip()
+            case SubagentOutputs():
+                # Live outputs of this run, already in the subagent's trace (R-HOST-4).
+                self._emitter.forward(message.outputs, message.origin)
             case _:
                 assert_never(message)
 
