@@ -479,7 +479,7 @@ async def test_without_an_approve_callback_the_child_denies_by_default(
     session = await host.create_session(
         tools=[lookup.tool, spawn_subagent], provider=provider, workspace_dir=workspace
     )
-    session.approval_rules().add(SPAWN_SUBAGENT)
+    session.allow_for_session(SPAWN_SUBAGENT)
     outputs = await collect(session.run("delegate"))
 
     (child_id,) = child_ids(outputs, session.id)

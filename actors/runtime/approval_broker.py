@@ -59,14 +59,16 @@ class ApprovalBroker:
         approve: ApproveFn | None,
         ask_clients: ClientApprover | None,
         clients_present: Callable[[], bool] | None = None,
-        session_rules: set[str],
+        session_rules: frozenset[str],
         timeout_s: float,
         inbox: trio.MemorySendChannel[SupervisorMessage],
     ) -> None:
         self._approve = approve
         self._ask_clients = ask_clients
         self._clients_present = clients_present
-        self._session_rules = session_rules
+        # The broker's own copy: a rule it grants applies to the task's later calls at
+        # once, and reaches the session through the supervisor (ApprovalDecided).
+        self._session_rules = set(session_rules)
         self._timeout_s = timeout_s
         self._inbox = inbox
 

@@ -468,11 +468,17 @@ class SessionCore:
         """The next queued follow-up task, removed from the queue, or None when none is queued."""
         return self._follow_ups.pop(0) if self._follow_ups else None
 
-    def approval_rules(self) -> set[str]:
-        """The "allow for this session" rules (R-APPROVE-4), created on first use."""
+    def approval_rules(self) -> frozenset[str]:
+        """The tools allowed "for this session" (R-APPROVE-4): a running task's approval
+        broker starts from these and keeps its own copy."""
+        return frozenset(self._session_rules or ())
+
+    def allow_for_session(self, tool: str) -> None:
+        """Allow ``tool`` without asking for the rest of the session (R-APPROVE-4); the
+        supervisor records each ``allow_session`` decision here."""
         if self._session_rules is None:
             self._session_rules = set()
-        return self._session_rules
+        self._session_rules.add(tool)
 
     def task_finished(self, control: trio.MemorySendChannel[SessionControl]) -> None:
         """The supervisor of ``control`` is done: the session becomes idle (:meth:`wait_idle`

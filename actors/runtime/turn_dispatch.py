@@ -137,6 +137,8 @@ class TurnDispatch:
                     )
                 )
             case ApprovalDecided():
+                if message.verdict == "allow_session":
+                    self._session.allow_for_session(message.call.name)
                 self.apply(
                     machine.decide(
                         message.call.id,
