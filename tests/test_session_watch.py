@@ -9,12 +9,11 @@ import math
 from pathlib import Path
 
 import trio
+from conftest import collect
 
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
 from greenroom.actors.runtime.host import Host
 from greenroom.protocols.outputs import Output, TaskEnd
-
-from conftest import collect
 
 BOUND_S = 10
 
