@@ -8,11 +8,14 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 import trio
+import trio.lowlevel
 from conftest import collect
 
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
 from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.session import Session
 from greenroom.protocols.outputs import Output, TaskEnd
 
 BOUND_S = 10
@@ -113,3 +116,36 @@ async def test_closing_the_session_ends_its_watches(tmp_path: Path) -> None:
             await host.close_session(session.id)
             seen = [output async for batch in receive for output in batch]
     assert seen == outputs
+
+
+async def test_the_otel_observer_maps_outputs_in_its_own_task(tmp_path: Path) -> None:
+    """R-ACTOR-1: the OpenTelemetry observer's work runs in its task, not in the task that
+    publishes, and it sees every batch, in order, before the host has closed."""
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from greenroom.actors.observers.otel import GenAIObserver
+
+    publishers: list[trio.lowlevel.Task] = []
+    mappers: list[trio.lowlevel.Task] = []
+    mapped: list[list[Output]] = []
+    heard: list[list[Output]] = []
+
+    class Recording(GenAIObserver):
+        def on_batch(self, session: Session, batch: list[Output]) -> None:
+            mappers.append(trio.lowlevel.current_task())
+            mapped.append(batch)
+            super().on_batch(session, batch)
+
+    def listen(batch: list[Output]) -> None:
+        publishers.append(trio.lowlevel.current_task())
+        heard.append(batch)
+
+    observer = Recording(tracer_provider=TracerProvider(), capture_content=False)
+    with trio.fail_after(BOUND_S):
+        async with Host.open(tmp_path / "data", observers=[observer.observe]) as host:
+            session = await host.create_session(provider=two_tasks(), workspace_dir=tmp_path)
+            session.subscribe(listen)
+            await collect(session.run("first"))
+    assert mapped == heard and len(heard) > 2
+    assert not set(mappers) & set(publishers)
