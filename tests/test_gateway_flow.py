@@ -90,9 +90,11 @@ async def test_a_client_that_stops_reading_is_dropped(
             assert rounds < 400, "the socket never filled"
         # Stuck, but not for long: frames queue up, nobody is dropped yet.
         burst(session, 10, run_id="run_wait")
+        await trio.testing.wait_all_tasks_blocked()  # the session's hub has fanned them out
         assert sid in slow.subscriptions
         mock_clock.jump(limits.stall_timeout_s)
         burst(session, 1, run_id="run_late")
+        await trio.testing.wait_all_tasks_blocked()
         assert sid not in slow.subscriptions
         # The prompt client got everything and keeps its subscription.
         notes = await notes_until_run(reader, "run_late")

@@ -26,14 +26,18 @@ async def test_a_stopped_gateway_forgets_only_its_own_approver(tmp_path: Path) -
             provider = ScriptedProvider([Reply(blocks=(text("Hi."),))])
             session = await host.create_session(provider=provider, workspace_dir=tmp_path)
             first, second = hubs(), hubs()
-            first.adopt(session)
-            later = second.adopt(session)  # another gateway on the same host, since
-            first.release_all()
-            assert session.clear_client_approver(later.ask), "the later approver was removed"
+            async with trio.open_nursery() as nursery:
+                await nursery.start(first.run)
+                await nursery.start(second.run)
+                await first.adopt(session)
+                later = await second.adopt(session)  # another gateway on the same host, since
+                first.release_all()
+                assert session.clear_client_approver(later.ask), "the later approver was removed"
 
-            again = first.adopt(session)
-            first.release_all()
-            assert not session.clear_client_approver(again.ask), "the approver was kept"
+                again = await first.adopt(session)
+                first.release_all()
+                assert not session.clear_client_approver(again.ask), "the approver was kept"
+                nursery.cancel_scope.cancel()
 
 
 async def test_clear_client_approver_leaves_another_approver(tmp_path: Path) -> None:

@@ -282,3 +282,27 @@ def test_the_apps_use_the_runtime_providers_and_tools_through_their_package_root
                 }:
                     deep.append(f"{path.name}:{node.lineno}: {node.module}")
     assert deep == []
+
+
+def test_watchers_of_a_session_are_tasks_with_their_own_inbox() -> None:
+    """R-ACTOR-1: the gateway, the observers, the cluster node and the ACP agent watch a
+    session through ``Session.watch`` (their own task drains their own inbox), never
+    through ``Session.subscribe``, whose listener runs inside the publishing task. A call
+    counts when its receiver names a session (``session``, ``self._session``,
+    ``hub.session``…): other ``subscribe`` methods (NATS subjects, the hubs) take none."""
+    watchers = [ACTORS / "gateway", ACTORS / "observers", ACTORS / "cluster"]
+    paths = [p for folder in watchers for p in sorted(folder.rglob("*.py"))]
+    paths.append(ACTORS / "apps" / "acp.py")
+    found: list[str] = []
+    for path in paths:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            receiver = node.func.value
+            last = receiver.attr if isinstance(receiver, ast.Attribute) else None
+            if isinstance(receiver, ast.Name):
+                last = receiver.id
+            if node.func.attr == "subscribe" and last and "session" in last.lower():
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert found == [], "\n".join(found)

@@ -10,9 +10,15 @@ through their public API only.
 Concurrency: one task reads frames and dispatches them; each request that waits (a prompt,
 a load) is answered from a task of its own, so ``session/cancel`` and the answers to
 permission requests are read while a prompt runs. Each session with a task has one pump
-task reading its run stream; it sends the updates and answers the prompts when the task
-ends, so a prompt's answer always follows its last update. Frames are written whole, one
-at a time, under one lock.
+task draining its run's own channel (R-ACTOR-1); it queues the updates and answers the
+prompts when the task ends, so a prompt's answer always follows its last update. Every
+frame leaves through one outbox, written whole and in order by one writer task.
+
+The pumps never wait on the client, so a client that reads slowly never holds up a task;
+what waits to be written is bounded (:data:`MAX_PENDING_BYTES`): a client that has left
+that much unread is not reading, and the agent stops as if its stdout had closed (the
+traces hold everything; ``session/load`` shows it again). Answers, requests and a loaded
+session's replay wait for room instead, so they never push a reading client over it.
 
 stdout carries frames and nothing else: fd 1 points at stderr while the agent runs (the
 frames go to a private duplicate), and fd 0 at ``/dev/null`` (frames are read from a
@@ -81,6 +87,11 @@ SHUTDOWN_GRACE_S = 5.0
 SEEN_WAIT_S = 1.0
 """How long an approval waits for its call's ``tool_call`` update to be sent first."""
 
+MAX_PENDING_BYTES = 16 * 1024 * 1024
+"""How many bytes of frames may wait for the client to read them: past it the client is
+taken as not reading and the agent stops. Far beyond what a reading client leaves
+unread (the pumps queue per network read of the model, the writer takes all at once)."""
+
 
 @attrs.frozen(kw_only=True)
 class AcpConfig:
@@ -123,6 +134,69 @@ class _Answer:
         return self._result
 
 
+class _Outbox:
+    """The frames for the client, in order, until the writer takes them: the agent's one
+    way out. :meth:`put` never waits, and says False when the frame would leave more than
+    ``limit`` bytes unwritten (one frame alone always fits); :meth:`wait_for_room` waits
+    until less than half the limit waits. After :meth:`close` frames are discarded."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.pending = 0
+        """Bytes queued or being written."""
+        self.closed = False
+        self._queue: list[bytes] = []
+        self._arrived = trio.Event()
+        self._changed = trio.Event()
+
+    def put(self, data: bytes) -> bool:
+        """Queue ``data``; False (and nothing queued) when it would go over the limit."""
+        if self.closed:
+            return True
+        if self.pending and self.pending + len(data) > self.limit:
+            return False
+        self._queue.append(data)
+        self.pending += len(data)
+        self._arrived.set()
+        return True
+
+    async def wait_for_room(self) -> None:
+        """Return once less than half the limit waits (at once, without a checkpoint,
+        when it already does)."""
+        while not self.closed and self.pending >= self.limit // 2:
+            await self.changed()
+
+    async def take(self) -> bytes:
+        """Everything queued, once there is something (the writer's side)."""
+        while not self._queue:
+            self._arrived = trio.Event()
+            await self._arrived.wait()
+        data = b"".join(self._queue)
+        self._queue.clear()
+        return data
+
+    def written(self, size: int) -> None:
+        """The writer has sent ``size`` bytes."""
+        self.pending = max(0, self.pending - size)
+        self.nudge()
+
+    async def changed(self) -> None:
+        """Return at the next :meth:`nudge`."""
+        await self._changed.wait()
+
+    def nudge(self) -> None:
+        """Wake whoever waits in :meth:`changed` (something was written or finished)."""
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def close(self) -> None:
+        """Discard what waits and whatever is put from now on."""
+        self.closed = True
+        self._queue.clear()
+        self.pending = 0
+        self.nudge()
+
+
 class _AcpSession:
     """One session this connection created or loaded, and its running task."""
 
@@ -155,13 +229,23 @@ class _AcpSession:
 class AcpAgent:
     """One ACP connection: reads frames from ``receive``, writes frames to ``send``, on
     sessions of ``host``. ``serve`` returns when the input ends (or :meth:`stop` is called),
-    after interrupting the running tasks and letting them write their last records."""
+    after interrupting the running tasks and letting them write their last records.
+    ``max_pending_bytes``: how much output the client may leave unread before the agent
+    stops (:data:`MAX_PENDING_BYTES`)."""
 
-    def __init__(self, host: Host, config: AcpConfig, send: trio.abc.SendStream) -> None:
+    def __init__(
+        self,
+        host: Host,
+        config: AcpConfig,
+        send: trio.abc.SendStream,
+        *,
+        max_pending_bytes: int = MAX_PENDING_BYTES,
+    ) -> None:
         self._host = host
         self._config = config
         self._send_stream = send
-        self._write_lock = trio.Lock()
+        self._outbox = _Outbox(max_pending_bytes)
+        self._answering = 0
         self._sessions: dict[str, _AcpSession] = {}
         self._pending: dict[int, tuple[trio.Event, list[acp.Response]]] = {}
         self._next_id = 0
@@ -179,6 +263,7 @@ class AcpAgent:
         read, other requests concurrently."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            nursery.start_soon(self._write_frames)
             with trio.CancelScope() as scope:
                 self._read_scope = scope
                 await self._read_frames(receive)
@@ -204,30 +289,54 @@ class AcpAgent:
                 return
 
     async def _shutdown(self) -> None:
-        """Interrupt every running task and wait (bounded) for its pump to see it end."""
+        """Interrupt every running task and wait (bounded) for its pump to see it end, for
+        the requests to be answered and for the answers to be written."""
         for entry in self._sessions.values():
             entry.session.interrupt("the ACP client went away")
         with trio.move_on_after(SHUTDOWN_GRACE_S):
             for entry in self._sessions.values():
                 await entry.idle.wait()
+            while self._answering or self._outbox.pending:
+                await self._outbox.changed()
 
-    async def _send(self, frame: dict[str, Any]) -> None:
-        if self._output_gone:
-            return
-        data = (encode(frame) + "\n").encode("utf-8")
-        async with self._write_lock:
+    async def _write_frames(self) -> None:
+        # The writer: the one task that waits on the client.
+        outbox = self._outbox
+        while True:
+            data = await outbox.take()
             try:
                 await self._send_stream.send_all(data)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                # The client stopped reading: nothing more can be said to it.
-                self._output_gone = True
-                _log("the client closed its end of stdout; stopping")
-                self.stop()
+                self._output_lost("the client closed its end of stdout; stopping")
+                return
+            outbox.written(len(data))
+
+    def _output_lost(self, why: str) -> None:
+        # Nothing more can be said to the client: discard what waits and stop.
+        if not self._output_gone:
+            self._output_gone = True
+            self._outbox.close()
+            _log(why)
+            self.stop()
+
+    async def _send(self, frame: dict[str, Any]) -> None:
+        """Queue a frame that may wait for room: an answer, a request, a replayed update."""
+        if self._output_gone:
+            return
+        await self._outbox.wait_for_room()
+        self._outbox.put(_frame_bytes(frame))
+
+    def _push(self, frame: dict[str, Any]) -> None:
+        """Queue a frame of a pump, which never waits on the client."""
+        if self._output_gone:
+            return
+        if not self._outbox.put(_frame_bytes(frame)):
+            self._output_lost(
+                f"the client has left {self._outbox.limit} bytes of output unread; stopping"
+            )
 
     async def _notify(self, session_id: str, update: dict[str, Any]) -> None:
-        await self._send(
-            notification_frame("session/update", {"sessionId": session_id, "update": update})
-        )
+        await self._send(_update_frame(session_id, update))
 
     async def _handle(self, piece: bytes | acp.TooLong) -> None:
         if isinstance(piece, acp.TooLong):
@@ -272,6 +381,14 @@ class AcpAgent:
         return box[0]
 
     async def _answer(self, request: Request) -> None:
+        self._answering += 1
+        try:
+            await self._answer_request(request)
+        finally:
+            self._answering -= 1
+            self._outbox.nudge()
+
+    async def _answer_request(self, request: Request) -> None:
         handler = self._handlers().get(request.method)
         try:
             if handler is None:
@@ -512,7 +629,7 @@ class AcpAgent:
                     _log(f"cannot show a {output.type} output: {type(exc).__name__}: {exc}")
                     updates = []
                 for update in updates:
-                    await self._notify(session_id, update)
+                    self._push(_update_frame(session_id, update))
                 _note_seen(entry, output)
                 if isinstance(output, TaskEnd) and output.origin is None:
                     await self._task_ended(entry, output)
@@ -535,6 +652,14 @@ class AcpAgent:
             for answer in entry.waiters:
                 answer.give({"stopReason": reason})
         entry.waiters = [entry.follow_ups.pop(0)] if entry.follow_ups else []
+
+
+def _frame_bytes(frame: dict[str, Any]) -> bytes:
+    return (encode(frame) + "\n").encode("utf-8")
+
+
+def _update_frame(session_id: str, update: dict[str, Any]) -> dict[str, Any]:
+    return notification_frame("session/update", {"sessionId": session_id, "update": update})
 
 
 def _note_seen(entry: _AcpSession, output: Output) -> None:

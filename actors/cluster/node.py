@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import sys
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -210,10 +211,24 @@ class ClusterNode:
         sid = session.id
         self.store.replicate(sid)
         self._adopted.add(sid)
-        session.subscribe(lambda batch: self._watch(sid, batch))
+        # Unbounded: the publisher never waits on the node, and the node's watcher waits
+        # on nothing but this inbox (an announcement is queued without blocking), so the
+        # inbox holds only what was published since the watcher's last turn.
+        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
+        session.watch(send)
+        session.host.start_task(functools.partial(self._follow, sid, inbox))
         if sid not in self._taking_over:
             with contextlib.suppress(RuntimeError):  # shutting down
                 self._work.start_soon(self._adopt, sid)
+
+    async def _follow(
+        self, session_id: str, inbox: trio.MemoryReceiveChannel[list[Output]]
+    ) -> None:
+        # The session's watcher, a task of the host's (R-ACTOR-1); ends when the session
+        # closes. Its work cannot fail: it records a flag and queues an update.
+        with inbox:
+            async for batch in inbox:
+                self._watch(session_id, batch)
 
     def _watch(self, session_id: str, batch: list[Output]) -> None:
         for output in batch:

@@ -1,28 +1,41 @@
-"""The gateway's side of each session: one listener that fans its outputs out to the
+"""The gateway's side of each session: one actor that fans its outputs out to the
 connections subscribed to it, with gapless replay, and the session's client approvals.
+
+::
+
+    Hubs.run                  the hubs' nursery, started by the gateway
+    └── SessionHub.run        one per adopted session: drains its inbox, a Session.watch
 
 Invariants:
 
-* A session's supervisor never waits on a client. The gateway watches each session through
-  one ``Session.subscribe`` listener (a :class:`SessionHub`) that encodes every output once
-  and queues the frame on each subscribed connection's outbox without blocking. A client is
+* A session's supervisor never waits on a client, and no gateway code runs in its task
+  (R-ACTOR-1). Each session has one :class:`SessionHub`, a task of its own whose inbox the
+  session watches (``Session.watch``): the hub encodes every output once and queues the
+  frame on each subscribed connection's outbox without blocking. A client is
   dropped only when it is really behind (:meth:`Outbox.behind`); a dropped subscription gets
   a ``subscription_dropped`` notification ``{session_id, reason, last_seq}`` and the client
   resubscribes with ``after_seq: last_seq`` and misses nothing. Other clients and the
   session are never slowed down.
 * A subscription goes live first (buffering) and replays the trace second: an output
   emitted meanwhile is in the buffer, in the trace, or in both (deduplicated by seq), never
-  in neither.
+  in neither. "Live" starts at a marker the subscription puts in its hub's inbox: the
+  inbox is FIFO, so the subscription gets exactly the batches published after it was made,
+  however far behind the hub is; one published before it and still in the inbox is in the
+  trace (it is published only once traced, R-TRACE-3) and never reaches it live. A traced
+  output the hub drains after the subscription went live and that the replay already
+  sent is skipped by its seq.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Literal, assert_never
 
+import attrs
 import trio
 
 from greenroom.actors.gateway.config import ApproveMode, GatewayLimits
@@ -59,8 +72,9 @@ SessionState = Literal["idle", "running", "waiting_for_approval"]
 
 
 class Subscription:
-    """One connection watching one session. Until :meth:`go_live` it buffers live outputs
-    (the replay is being sent); then it queues them on the connection's outbox.
+    """One connection watching one session. It gets the batches its hub drains after its
+    marker (:meth:`SessionHub.join`); until :meth:`go_live` it buffers them (the replay is
+    being sent); then it queues them on the connection's outbox.
 
     The buffer is bounded by ``max_replay_buffer`` frames: beyond it the subscription is
     dropped (with a notice) rather than make the session's listener wait.
@@ -74,14 +88,18 @@ class Subscription:
         self.last_seq = after_seq
         """The seq of the last output this subscription queued for its client."""
         self.closed = False
+        self.joined = False
+        """The hub has reached this subscription's marker: what it drains from now on was
+        published after the subscription was made."""
         self._limits = limits
         self._buffer: list[tuple[int | None, str]] | None = []
+        self._replayed = after_seq
         hub.subscriptions.append(self)
         connection.subscriptions[hub.session.id] = self
 
     def deliver(self, frames: list[tuple[int | None, str]]) -> None:
-        """Called from the session's listener: must not block or raise."""
-        if self.closed:
+        """Called from the hub's loop: must not block or raise."""
+        if self.closed or not self.joined:
             return
         if self._buffer is not None:
             self._buffer.extend(frames)
@@ -94,15 +112,18 @@ class Subscription:
             self.drop(reason)
             return
         for seq, frame in frames:
-            outbox.put_nowait(frame)
             if seq is not None:
+                if seq <= self._replayed:
+                    continue  # traced before the replay ended: the replay sent it
                 self.last_seq = seq
+            outbox.put_nowait(frame)
 
     def go_live(self, last_replayed: int) -> None:
         """The replay has been queued up to ``last_replayed``: queue what was buffered
         after it, and from now on every live output."""
         buffered, self._buffer = self._buffer or [], None
-        self.deliver([(s, f) for s, f in buffered if s is None or s > last_replayed])
+        self._replayed = max(self._replayed, last_replayed)
+        self.deliver(buffered)
 
     def drop(self, reason: str) -> None:
         """End the subscription and tell the client why and where to resume."""
@@ -121,13 +142,21 @@ class Subscription:
             del self.connection.subscriptions[self.hub.session.id]
 
 
-class SessionHub:
-    """The gateway's one listener on a session: encodes each output once and hands it to
-    every subscription; holds the session's pending client approvals.
+@attrs.frozen
+class _Join:
+    """A subscription's marker in its hub's inbox: deliver to it from here on."""
 
-    Its listener runs inside the supervisor's flush and never blocks: it hands frames to
-    :meth:`Subscription.deliver`. A pending approval is a one-shot reply channel per call
-    id: :meth:`answer` (from any connection, or :meth:`close`) sends the verdict on it.
+    subscription: Subscription
+
+
+class SessionHub:
+    """The gateway's actor for one session: watches it from its own task (:meth:`run`),
+    encodes each output once and hands it to every subscription; holds the session's
+    pending client approvals and the state ``session.list`` reports.
+
+    Its loop never blocks on a client: it hands frames to :meth:`Subscription.deliver`.
+    A pending approval is a one-shot reply channel per call id: :meth:`answer` (from any
+    connection, or :meth:`close`) sends the verdict on it.
     """
 
     def __init__(
@@ -148,10 +177,41 @@ class SessionHub:
         self.last_output_at = 0.0
         self._on_task_end = on_task_end
         self._approving = False
-        self._unsubscribe = session.subscribe(self._on_batch)
+        self._inbox: trio.MemorySendChannel[list[Output] | _Join] | None = None
+        self._scope = trio.CancelScope()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Watch the session and fan its batches out until the session closes (then the
+        subscriptions are dropped with a notice), :meth:`close` is called or the task is
+        cancelled. Ready once the watch is open: every batch published after
+        ``nursery.start`` returns reaches the hub."""
+        # Unbounded: the session publishes with send_nowait and must neither wait nor
+        # lose a batch; this loop waits on nothing but this inbox (it encodes and queues
+        # without blocking), so the inbox holds only what was published since its last turn.
+        send, inbox = trio.open_memory_channel[list[Output] | _Join](math.inf)
+        with self._scope, inbox:
+            self._inbox = send
+            self.session.watch(send)
+            task_status.started()
+            async for message in inbox:
+                if isinstance(message, _Join):
+                    message.subscription.joined = True
+                else:
+                    self._on_batch(message)
+            self.close("session closed")
+
+    def join(self, subscription: Subscription) -> None:
+        """Deliver to ``subscription`` the batches published from now on: its marker goes
+        into the hub's inbox behind every batch published before it. A hub that is not
+        running (or has ended) delivers nothing more, so the subscription is joined now."""
+        if self._inbox is not None:
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                self._inbox.send_nowait(_Join(subscription))
+                return
+        subscription.joined = True
 
     def _on_batch(self, batch: list[Output]) -> None:
-        # Called inside the supervisor's flush: a failure here must not reach it.
+        # A failure here is a bug of the gateway's: it must not end the hub's loop.
         try:
             self._fan_out(batch)
         except Exception:
@@ -232,12 +292,12 @@ class SessionHub:
         reply.send_nowait(verdict)
         return True
 
-    def close(self) -> None:
-        """Stop watching: subscriptions are dropped (with a notice) and pending requests
-        answered None (denied by default)."""
-        self._unsubscribe()
+    def close(self, reason: str = "session reloaded") -> None:
+        """Stop watching (the loop of :meth:`run` ends): subscriptions are dropped (with a
+        notice giving ``reason``) and pending requests answered None (denied by default)."""
+        self._scope.cancel()
         for subscription in list(self.subscriptions):
-            subscription.drop("session reloaded")
+            subscription.drop(reason)
         for call_id in list(self.pending):
             self.answer(call_id, None)
 
@@ -251,12 +311,13 @@ class SessionHub:
 
 
 class Hubs:
-    """The hubs of the sessions the gateway serves, one per session id.
+    """The hubs of the sessions the gateway serves, one per session id, each a task of
+    the nursery :meth:`run` holds (the gateway starts it before it serves).
 
     ``approve``: with ``ask`` each new hub becomes its session's client approver.
-    ``on_task_end`` is called from a session's listener when a task has ended (it must not
-    block). Holds no channel and starts no task: a replay runs in the task of the
-    connection that subscribes, and waits for room in that connection's outbox.
+    ``on_task_end`` is called from a hub's loop when a task has ended (it must not
+    block). A replay runs in the task of the connection that subscribes, and waits for
+    room in that connection's outbox.
     """
 
     def __init__(
@@ -272,33 +333,60 @@ class Hubs:
         self._hubs: dict[str, SessionHub] = {}
         self.remote_watchers: Callable[[str], bool] | None = None
         """Whether clients of other hosts' gateways watch a session (cluster mode)."""
+        self._nursery: trio.Nursery | None = None
+        self._running = trio.Event()
+        self._adopting = trio.Lock()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Hold the hubs' nursery until cancelled; ready at once. When it ends every hub's
+        loop has ended, and :meth:`release_all` answers what they left pending."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self._running.set()
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._nursery = None
+            self.release_all()
 
     def get(self, session_id: str) -> SessionHub | None:
         """The hub of ``session_id``, when the gateway has adopted that session."""
         return self._hubs.get(session_id)
 
-    def adopt(self, session: Session) -> SessionHub:
-        """The session's hub, made (and its client approver installed) on first use. A
-        reloaded session (a new object with the id) gets a new hub."""
+    async def adopt(self, session: Session) -> SessionHub:
+        """The session's hub, started (and its client approver installed) on first use;
+        once it returns, every batch the session publishes reaches the hub. A reloaded
+        session (a new object with the id) gets a new hub. Waits for :meth:`run` to be
+        serving; raises ``RuntimeError`` once it has stopped."""
         hub = self._hubs.get(session.id)
         if hub is not None and hub.session is session:
+            return hub  # without a checkpoint: callers rely on it (see subscribe)
+        await self._running.wait()
+        async with self._adopting:
+            hub = self._hubs.get(session.id)
+            if hub is not None and hub.session is session:
+                return hub
+            if hub is not None:
+                del self._hubs[session.id]
+                hub.close()
+            if self._nursery is None:
+                raise RuntimeError("the gateway has stopped")
+            hub = SessionHub(
+                session, on_task_end=self._on_task_end, remote_watchers=self.remote_watchers
+            )
+            await self._nursery.start(hub.run)
+            self._hubs[session.id] = hub
+            if self._approve == "ask":
+                hub.approve_through_clients()
             return hub
-        if hub is not None:
-            hub.close()
-        hub = SessionHub(
-            session, on_task_end=self._on_task_end, remote_watchers=self.remote_watchers
-        )
-        self._hubs[session.id] = hub
-        if self._approve == "ask":
-            hub.approve_through_clients()
-        return hub
 
     async def settled(self, session: Session) -> Session:
         """``session``, after letting a task that has already emitted its ``task_end``
         finish syncing its trace (briefly), so that a client reacting to ``task_end`` is
         not told 409 Busy, and its steering or follow-up is not taken by a task that
         is ending."""
-        hub = self.adopt(session)
+        hub = await self.adopt(session)
         if session.busy and hub.finishing and not session.has_follow_ups:
             with trio.move_on_after(self._limits.settle_timeout_s):
                 await session.wait_idle()
@@ -310,13 +398,15 @@ class Hubs:
         """Subscribe ``connection`` to ``session`` (replacing its subscription there, if
         any): queue the traced outputs after ``after_seq``, then, once the connection has
         queued its answer, the live ones. Returns ``(replayed, last_seq)``."""
-        hub = self.adopt(session)
+        hub = await self.adopt(session)
         old = connection.subscriptions.get(session.id)
         if old is not None:
             old.close()
         # Live first (buffered), then the replay: an output emitted meanwhile is in the
-        # buffer, in the trace, or in both (deduplicated by seq): never in neither.
+        # buffer, in the trace, or in both (deduplicated by seq): never in neither. No
+        # checkpoint between the subscription and its marker.
         subscription = Subscription(connection, hub, after_seq, self._limits)
+        hub.join(subscription)
         try:
             records = await replay_records(session, after_seq)
             last_seq = after_seq
@@ -341,7 +431,8 @@ class Hubs:
 
     def release_all(self) -> None:
         """The gateway stopped: no client can answer any more. Pending approvals are
-        denied and the sessions forget their client approver (they keep running)."""
+        denied and the sessions forget their client approver (they keep running); the
+        hubs' loops end."""
         for hub in self._hubs.values():
             hub.release()
         self._hubs.clear()

@@ -161,7 +161,7 @@ class Methods:
                 provider=self._provider(),
                 mcp_servers=self.defaults.mcp_servers,
             )
-        self._hubs.adopt(session)
+        await self._hubs.adopt(session)
         return session
 
     async def _exists(self, session_id: str) -> bool:
@@ -269,7 +269,7 @@ class Methods:
             **overrides,
         )
         self._grants.grant(_identity(connection), session.id)
-        self._hubs.adopt(session)
+        await self._hubs.adopt(session)
         return {"session_id": session.id}
 
     async def rpc_session_list(self, connection: Connection, params: dict[str, Any]) -> Any:
@@ -367,7 +367,7 @@ class Methods:
         decision = cast(
             Verdict, jsonrpc.require_choice(params, "decision", ("allow", "deny", "allow_session"))
         )
-        if not self._hubs.adopt(session).answer(call_id, decision):
+        if not (await self._hubs.adopt(session)).answer(call_id, decision):
             raise invalid("$.call_id", f"no pending approval request {call_id!r}")
         return {}
 

@@ -166,14 +166,14 @@ class Gateway:
             connect_timeout=limits.handshake_timeout_s,
             disconnect_timeout=limits.close_timeout_s,
         )
-        try:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(self._titles.run)
-                await nursery.start(server.run)
-                self.port = listeners[0].socket.getsockname()[1]
-                task_status.started(self.port)
-        finally:
-            self._hubs.release_all()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self._titles.run)
+            # Before the listener: a session is adopted only by a hub that is running.
+            # When the gateway stops, its hubs end and release what they hold.
+            await nursery.start(self._hubs.run)
+            await nursery.start(server.run)
+            self.port = listeners[0].socket.getsockname()[1]
+            task_status.started(self.port)
 
     @property
     def url(self) -> str:

@@ -2,9 +2,10 @@
 
 An observer of outputs at the rim of the runtime, never inside it: the host calls
 :meth:`GenAIObserver.observe` with each session it creates or loads, and the observer
-subscribes to it. Subagents are not subscribed on their own: their outputs reach the
-parent's subscribers with ``origin`` (root first), so one subscription per root session
-sees the whole tree, in order.
+watches it from a task of its own (``Session.watch``, R-ACTOR-1), so no span is made in
+the publishing task. Subagents are not watched on their own: their outputs reach the
+parent's watchers with ``origin`` (root first), so one watch per root session sees the
+whole tree, in order.
 
 The spans (GenAI semantic conventions):
 
@@ -14,8 +15,9 @@ The spans (GenAI semantic conventions):
         invoke_agent        a subagent's task, under its spawn_subagent call
       compaction            compaction_begin → compaction_end
 
-Times are the outputs' arrival times: subscribers are called synchronously when a batch is
-published, so the batch's arrival is when it happened (to the batching's resolution).
+Times are the outputs' arrival times at the observer's task: it waits on nothing but its
+inbox and runs as soon as the publishing task yields, so the batch's arrival is when it
+happened (to the batching's resolution).
 
 Message content (prompts, model text, tool arguments and results) is exported only when
 ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT`` is ``true``.
@@ -26,7 +28,10 @@ This module imports OpenTelemetry; nothing else in greenroom imports it, so with
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
+import math
 import os
 import threading
 import time
@@ -34,6 +39,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+import trio
 from opentelemetry import trace
 from opentelemetry.metrics import Histogram, MeterProvider, NoOpMeterProvider
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, TracerProvider
@@ -64,6 +70,8 @@ from greenroom.protocols.stream import TokenUsage
 
 if TYPE_CHECKING:
     from greenroom.actors.runtime.session import Session
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "CAPTURE_CONTENT_ENV",
@@ -195,8 +203,26 @@ class GenAIObserver:
     # -- wiring ------------------------------------------------------------------------
 
     def observe(self, session: Session) -> None:
-        """Subscribe to ``session`` (``Host.open(observers=[observer.observe])``)."""
-        session.subscribe(lambda batch: self.on_batch(session, batch))
+        """Watch ``session`` (``Host.open(observers=[observer.observe])``) from a task of
+        the host's: each batch published from now on is mapped to spans there. The task
+        ends when the session closes, after the session's last batch."""
+        # Unbounded: the publisher never waits on the observer, and the observer waits on
+        # nothing but this inbox (making spans does not block: the SDK's processor exports
+        # them), so the inbox holds only what was published since the observer's last turn.
+        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
+        session.watch(send)
+        session.host.start_task(functools.partial(self._follow, session, inbox))
+
+    async def _follow(
+        self, session: Session, inbox: trio.MemoryReceiveChannel[list[Output]]
+    ) -> None:
+        # A task of the host's: whatever fails here must not end the host.
+        with inbox:
+            async for batch in inbox:
+                try:
+                    self.on_batch(session, batch)
+                except Exception:
+                    logger.exception("otel: cannot map the outputs of session %s", session.id)
 
     def on_batch(self, session: Session, batch: list[Output]) -> None:
         """Map one published batch of ``session`` (and of its subagents, forwarded with

@@ -232,6 +232,32 @@ class RunStream:
         await self.aclose()
 
 
+class _Watch:
+    """One :meth:`Session.watch`: forwards each batch to the watcher's inbox, never
+    waiting and never raising into the publisher; ends (closes the inbox and leaves
+    ``watchers``) when the inbox is closed, broken or full."""
+
+    __slots__ = ("inbox", "watchers")
+
+    def __init__(
+        self, inbox: trio.MemorySendChannel[list[Output]], watchers: list[Listener]
+    ) -> None:
+        self.inbox = inbox
+        self.watchers = watchers
+
+    def __call__(self, batch: list[Output]) -> None:
+        try:
+            self.inbox.send_nowait(batch)
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            self.end()
+
+    def end(self) -> None:
+        """Close the inbox and leave the session's watchers."""
+        self.inbox.close()
+        with contextlib.suppress(ValueError):
+            self.watchers.remove(self)
+
+
 class SessionCore:
     """A session's data and its runtime seam: what the session's supervisor, its output
     emitter, compaction, subagents and tool sources work on while a task runs — the model
@@ -383,6 +409,7 @@ class SessionCore:
     def mark_closed(self) -> None:
         """The session accepts no more work (a finished subagent the host forgot)."""
         self._closed = True
+        self.end_watches()
 
 
     def check_open(self) -> None:
@@ -455,14 +482,22 @@ class SessionCore:
         return self._host.trace_store.rotate(self.id)
 
     def publish(self, batch: list[Output]) -> None:
-        """Hand an emitted batch to every subscriber, synchronously and in subscription order. A
-        subscriber that raises is ignored; it cannot reach the task that publishes."""
+        """Hand an emitted batch to every subscriber and watch, synchronously and in the order
+        they were added. A subscriber that raises is ignored; it cannot reach the task that
+        publishes. A watch only receives the batch on its inbox (:meth:`Session.watch`)."""
         if self._listeners:
             # A copy: a listener may unsubscribe itself. A listener that raises is a bug
             # of its owner; it must not take the session (or the host) down.
             for listener in tuple(self._listeners):
                 with contextlib.suppress(Exception):
                     listener(batch)
+
+    def end_watches(self) -> None:
+        """Close the inbox of every watch (:meth:`Session.watch`): the session publishes
+        nothing more, and each watcher's receive side ends after the batches it holds."""
+        for listener in tuple(self._listeners or ()):
+            if isinstance(listener, _Watch):
+                listener.end()
 
     def take_follow_up(self) -> TaskInput | None:
         """The next queued follow-up task, removed from the queue, or None when none is queued."""
@@ -700,7 +735,9 @@ class Session(SessionCore):
 
     def subscribe(self, listener: Listener) -> Callable[[], None]:
         """Call ``listener`` with every batch of outputs from now on; returns the
-        function that unsubscribes. For websocket clients and other watchers."""
+        function that unsubscribes. The listener runs inside the publishing task, so it
+        must neither block nor raise; a watcher that is a task of its own uses
+        :meth:`watch` instead."""
         if self._listeners is None:
             self._listeners = []
         self._listeners.append(listener)
@@ -710,6 +747,23 @@ class Session(SessionCore):
                 self._listeners.remove(listener)
 
         return unsubscribe
+
+    def watch(self, inbox: trio.MemorySendChannel[list[Output]]) -> None:
+        """Send every batch published from now on to ``inbox``, in order (R-ACTOR-1): the
+        watcher is a task of its own that opens the channel, hands the session its send
+        side and drains the receive side. The publisher never waits: each batch is sent
+        with ``send_nowait``, so the buffer the watcher chooses says what happens when it
+        falls behind.
+
+        The session owns ``inbox`` from now on and closes it when the watch ends: when
+        the watcher closes its receive side (noticed at the next batch, then forgotten),
+        when ``inbox`` is full (the watcher is cut off rather than grow: its receive side
+        ends after the batches it holds; the trace has the rest), and when the session
+        closes (:meth:`end_watches`). The watcher may send its own markers on ``inbox``
+        while the watch lasts; they keep their place among the batches (it is FIFO)."""
+        if self._listeners is None:
+            self._listeners = []
+        self._listeners.append(_Watch(inbox, self._listeners))
 
     def set_client_approver(
         self, approver: ClientApprover | None, *, present: Callable[[], bool] | None = None
@@ -733,6 +787,7 @@ class Session(SessionCore):
         if self._idle is not None:
             await self._idle.wait()
         await self.sync_trace_quietly()
+        self.end_watches()
 
     async def run_as_child(
         self,

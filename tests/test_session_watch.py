@@ -1,0 +1,151 @@
+"""Watching a session from a task of one's own (R-ACTOR-1): ``Session.watch`` sends every
+published batch to the watcher's inbox, in order, without the publisher ever waiting; a
+watch whose receive side is closed, whose inbox is full or whose session closes ends and
+is forgotten."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import trio
+import trio.lowlevel
+from conftest import collect
+
+from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.session import Session
+from greenroom.protocols.outputs import Output, TaskEnd
+
+BOUND_S = 10
+
+
+def two_tasks() -> ScriptedProvider:
+    return ScriptedProvider([Reply(blocks=(text("One."),)), Reply(blocks=(text("Two."),))])
+
+
+async def test_a_watch_gets_every_batch_in_publication_order(tmp_path: Path) -> None:
+    """Across batches and across tasks the watch sees exactly what a subscriber sees, in
+    the same order, as the batches the publisher handed out."""
+    with trio.fail_after(BOUND_S):
+        async with Host.open(tmp_path / "data") as host:
+            session = await host.create_session(provider=two_tasks(), workspace_dir=tmp_path)
+            heard: list[list[Output]] = []
+            session.subscribe(heard.append)
+            # Unbounded: the test reads only after the tasks, and must lose nothing.
+            send, receive = trio.open_memory_channel[list[Output]](math.inf)
+            session.watch(send)
+            await collect(session.run("first"))
+            await collect(session.run("second"))
+            seen: list[list[Output]] = []
+            while len(seen) < len(heard):
+                seen.append(receive.receive_nowait())
+    assert len(heard) > 2, "the tasks published several batches"
+    assert seen == heard
+    assert [b is h for b, h in zip(seen, heard, strict=True)] == [True] * len(heard)
+    ends = [o for batch in seen for o in batch if isinstance(o, TaskEnd)]
+    assert len(ends) == 2
+    seqs = [o.seq for batch in seen for o in batch if o.seq is not None]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+
+
+async def test_a_watcher_that_stops_reading_blocks_neither_the_session_nor_others(
+    tmp_path: Path,
+) -> None:
+    """A full inbox cuts its watcher off: the publisher never waits, the other watchers
+    get everything, and the stalled one reads what it holds, then the end."""
+    with trio.fail_after(BOUND_S):
+        async with Host.open(tmp_path / "data") as host:
+            session = await host.create_session(provider=two_tasks(), workspace_dir=tmp_path)
+            # One slot, never read while the tasks run: the watcher that fell behind.
+            stalled_send, stalled = trio.open_memory_channel[list[Output]](1)
+            session.watch(stalled_send)
+            # Unbounded: this watcher keeps up, and must lose nothing.
+            steady_send, steady = trio.open_memory_channel[list[Output]](math.inf)
+            session.watch(steady_send)
+            first = await collect(session.run("first"))
+            second = await collect(session.run("second"))
+            got: list[Output] = []
+            while True:
+                try:
+                    got.extend(steady.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            held = await stalled.receive()
+            try:
+                await stalled.receive()
+            except trio.EndOfChannel:
+                ended = True
+            else:
+                ended = False
+    assert got == first + second
+    assert held == got[: len(held)], "the cut-off watcher kept the first batch"
+    assert ended, "the cut-off watch ended instead of skipping batches"
+    assert stalled.statistics().open_send_channels == 0
+
+
+async def test_a_closed_watch_is_forgotten(tmp_path: Path) -> None:
+    """Closing the receive side ends the watch: at the next batch the session closes the
+    send side and forgets it, without a word to the publishing task."""
+    with trio.fail_after(BOUND_S):
+        async with Host.open(tmp_path / "data") as host:
+            session = await host.create_session(provider=two_tasks(), workspace_dir=tmp_path)
+            # Unbounded: nothing is ever sent that waits; the channel is closed at once.
+            send, receive = trio.open_memory_channel[list[Output]](math.inf)
+            session.watch(send)
+            receive.close()
+            assert receive.statistics().open_send_channels == 1
+            outputs = await collect(session.run("first"))
+            assert receive.statistics().open_send_channels == 0
+            again = await collect(session.run("second"))
+    assert isinstance(outputs[-1], TaskEnd) and outputs[-1].status == "completed"
+    assert isinstance(again[-1], TaskEnd) and again[-1].status == "completed"
+
+
+async def test_closing_the_session_ends_its_watches(tmp_path: Path) -> None:
+    """The session's inbox ends when it closes: a watcher's loop returns after the last
+    batch, so a watcher task of the host's nursery never keeps the host open."""
+    with trio.fail_after(BOUND_S):
+        async with Host.open(tmp_path / "data") as host:
+            session = await host.create_session(provider=two_tasks(), workspace_dir=tmp_path)
+            # Unbounded: the watcher drains it after the task.
+            send, receive = trio.open_memory_channel[list[Output]](math.inf)
+            session.watch(send)
+            outputs = await collect(session.run("first"))
+            await host.close_session(session.id)
+            seen = [output async for batch in receive for output in batch]
+    assert seen == outputs
+
+
+async def test_the_otel_observer_maps_outputs_in_its_own_task(tmp_path: Path) -> None:
+    """R-ACTOR-1: the OpenTelemetry observer's work runs in its task, not in the task that
+    publishes, and it sees every batch, in order, before the host has closed."""
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from greenroom.actors.observers.otel import GenAIObserver
+
+    publishers: list[trio.lowlevel.Task] = []
+    mappers: list[trio.lowlevel.Task] = []
+    mapped: list[list[Output]] = []
+    heard: list[list[Output]] = []
+
+    class Recording(GenAIObserver):
+        def on_batch(self, session: Session, batch: list[Output]) -> None:
+            mappers.append(trio.lowlevel.current_task())
+            mapped.append(batch)
+            super().on_batch(session, batch)
+
+    def listen(batch: list[Output]) -> None:
+        publishers.append(trio.lowlevel.current_task())
+        heard.append(batch)
+
+    observer = Recording(tracer_provider=TracerProvider(), capture_content=False)
+    with trio.fail_after(BOUND_S):
+        async with Host.open(tmp_path / "data", observers=[observer.observe]) as host:
+            session = await host.create_session(provider=two_tasks(), workspace_dir=tmp_path)
+            session.subscribe(listen)
+            await collect(session.run("first"))
+    assert mapped == heard and len(heard) > 2
+    assert not set(mappers) & set(publishers)
