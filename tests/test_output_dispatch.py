@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import io
+import math
 import os
 import re
 import shutil
@@ -21,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import trio
 from test_protocol_roundtrip import EXAMPLES
 
 from greenroom.actors.apps.chat import ChatRenderer
@@ -28,6 +30,7 @@ from greenroom.actors.apps.cli import HumanRenderer, JsonRenderer, format_record
 from greenroom.actors.gateway import hubs
 from greenroom.actors.runtime import subagents
 from greenroom.protocols import outputs
+from greenroom.protocols.messages import SubagentOutputs, SupervisorMessage
 from greenroom.protocols.transcript import Transcript, rebuild
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,12 +100,19 @@ def test_transcript_takes_every_output() -> None:
     assert rebuilt.messages == transcript.messages
 
 
-def test_subagent_watch_follows_every_output() -> None:
-    forwarded: list[list[outputs.Output]] = []
+async def test_subagent_watch_follows_every_output() -> None:
+    # Unbounded: the watch reports with send_nowait; the test reads afterwards.
+    report, reported = trio.open_memory_channel[SupervisorMessage](math.inf)
     child = _FakeSession()
-    watch = subagents._ChildWatch(child, -1, lambda batch, _: forwarded.append(batch))  # type: ignore[arg-type]
-    watch.on_batch(list(every_output()))
-    assert len(forwarded) == 1
+    watch = subagents._ChildWatch(child, -1, report)  # type: ignore[arg-type]
+    # Room for the one batch: sent before the watch reads.
+    batches_send, batches = trio.open_memory_channel[list[outputs.Output]](1)
+    batches_send.send_nowait(list(every_output()))
+    batches_send.close()
+    await watch.follow(batches)
+    (message,) = [reported.receive_nowait()]
+    assert isinstance(message, SubagentOutputs) and message.origin == child.origin_path
+    assert list(message.outputs) == list(every_output())
     assert watch.end is not None and watch.end.origin is None
     assert watch.used == EXAMPLES[outputs.TokenUsageOutput]["request"].total
     assert child.interrupts == []
@@ -117,7 +127,7 @@ DISPATCHERS = {
     ("actors/apps/cli.py", "_record_detail"),
     ("actors/apps/chat.py", "ChatRenderer.show"),
     ("actors/gateway/hubs.py", "SessionHub._fan_out"),
-    ("actors/runtime/subagents.py", "_ChildWatch.on_batch"),
+    ("actors/runtime/subagents.py", "_ChildWatch._on_batch"),
     ("protocols/transcript.py", "Transcript.apply"),
     ("protocols/transcript.py", "rebuild"),
 }
