@@ -42,9 +42,16 @@ from greenroom.actors.gateway.config import ApproveMode, GatewayLimits
 from greenroom.actors.gateway.connection import Connection
 from greenroom.actors.runtime.session import Session
 from greenroom.protocols import jsonrpc
-from greenroom.protocols.content import ToolCallBlock
 from greenroom.protocols.converter import to_dict
-from greenroom.protocols.messages import Verdict
+from greenroom.protocols.messages import (
+    AnswerApproval,
+    AskClients,
+    AskWithdrawn,
+    ClientApprovalMessage,
+    ClientsAsked,
+    ClientVerdict,
+    Verdict,
+)
 from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
@@ -149,6 +156,11 @@ class _Join:
     subscription: Subscription
 
 
+_HubMessage = list[Output] | _Join | ClientApprovalMessage
+"""What a hub's inbox carries: the session's batches (its watch), subscription markers,
+and the approval requests of the session's broker and the answers of its clients."""
+
+
 class SessionHub:
     """The gateway's actor for one session: watches it from its own task (:meth:`run`),
     encodes each output once and hands it to every subscription; holds the session's
@@ -168,7 +180,7 @@ class SessionHub:
         self.session = session
         self._remote_watchers = remote_watchers
         self.subscriptions: list[Subscription] = []
-        self.pending: dict[str, trio.MemorySendChannel[Verdict | None]] = {}
+        self.pending: dict[str, trio.MemorySendChannel[ClientsAsked | ClientVerdict]] = {}
         self.finishing = False
         """The last task (or compaction) has emitted its end and nothing is queued: the
         session is only syncing its trace before it turns idle."""
@@ -177,7 +189,7 @@ class SessionHub:
         self.last_output_at = 0.0
         self._on_task_end = on_task_end
         self._approving = False
-        self._inbox: trio.MemorySendChannel[list[Output] | _Join] | None = None
+        self._inbox: trio.MemorySendChannel[_HubMessage] | None = None
         self._scope = trio.CancelScope()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -188,17 +200,51 @@ class SessionHub:
         # Unbounded: the session publishes with send_nowait and must neither wait nor
         # lose a batch; this loop waits on nothing but this inbox (it encodes and queues
         # without blocking), so the inbox holds only what was published since its last turn.
-        send, inbox = trio.open_memory_channel[list[Output] | _Join](math.inf)
-        with self._scope, inbox:
-            self._inbox = send
-            self.session.watch(send)
-            task_status.started()
-            async for message in inbox:
-                if isinstance(message, _Join):
-                    message.subscription.joined = True
-                else:
-                    self._on_batch(message)
-            self.close("session closed")
+        # Approval requests and answers share it: they keep their place among the outputs.
+        send, inbox = trio.open_memory_channel[_HubMessage](math.inf)
+        with inbox:
+            with self._scope:
+                self._inbox = send
+                self.session.watch(send)
+                task_status.started()
+                async for message in inbox:
+                    self._handle(message)
+                self.close("session closed")
+            # Whatever is left is answered: no broker and no client waits for a hub that
+            # has ended.
+            self._refuse_rest(inbox)
+
+    def _handle(self, message: _HubMessage) -> None:
+        match message:
+            case list():
+                self._on_batch(message)
+            case _Join():
+                message.subscription.joined = True
+            case AskClients():
+                self._ask(message)
+            case AskWithdrawn():
+                self.pending.pop(message.call_id, None)
+            case AnswerApproval():
+                message.reply.send_nowait(self._answer(message.call_id, message.verdict))
+            case _:
+                assert_never(message)
+
+    def _refuse_rest(self, inbox: trio.MemoryReceiveChannel[_HubMessage]) -> None:
+        for call_id in list(self.pending):
+            self._answer(call_id, None)
+        while True:
+            try:
+                message = inbox.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                return
+            match message:
+                case AskClients():
+                    with contextlib.suppress(trio.BrokenResourceError):
+                        message.reply.send_nowait(ClientVerdict(verdict=None))
+                case AnswerApproval():
+                    message.reply.send_nowait(False)
+                case _:
+                    pass  # outputs and markers: nobody is subscribed any more
 
     def join(self, subscription: Subscription) -> None:
         """Deliver to ``subscription`` the batches published from now on: its marker goes
@@ -264,32 +310,53 @@ class SessionHub:
             return True
         return self._remote_watchers is not None and self._remote_watchers(self.session.id)
 
+    @property
+    def approvals(self) -> trio.MemorySendChannel[_HubMessage] | None:
+        """The hub's inbox, where the session's broker sends its approval requests
+        (None until :meth:`run` is ready)."""
+        return self._inbox
+
     def approve_through_clients(self) -> None:
-        """Make this hub the session's client approver (:meth:`ask`)."""
-        self.session.set_client_approver(self.ask, present=self.has_subscribers)
+        """Make this hub the session's client approvals: the broker's
+        :class:`AskClients` come to its inbox. Call once :meth:`run` is ready."""
+        assert self._inbox is not None
+        self.session.set_client_approvals(self._inbox)
         self._approving = True
 
-    async def ask(self, call: ToolCallBlock) -> Verdict | None:
-        """The session's client approver: None at once when nobody watches; else the
-        answer of an ``approve`` call (the broker's timeout bounds the wait)."""
-        if not self.has_subscribers():
-            return None
-        # One slot: the one answer never waits for this reader.
-        reply, verdict = trio.open_memory_channel[Verdict | None](1)
-        self.pending[call.id] = reply
+    async def answer(self, call_id: str, verdict: Verdict) -> bool:
+        """A client's answer to the pending request ``call_id``, through the hub's inbox;
+        False when no such request is pending (or the hub has ended)."""
+        # One slot: the hub's one reply never waits for this reader.
+        reply, matched = trio.open_memory_channel[bool](1)
+        if self._inbox is None:
+            return False
         try:
-            return await verdict.receive()
-        finally:
-            if self.pending.get(call.id) is reply:
-                del self.pending[call.id]
+            self._inbox.send_nowait(AnswerApproval(call_id=call_id, verdict=verdict, reply=reply))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return False
+        return await matched.receive()
 
-    def answer(self, call_id: str, verdict: Verdict | None) -> bool:
+    def _ask(self, request: AskClients) -> None:
+        """The broker asks about a call: pending when a client could answer it, else
+        None at once (the call is denied by default and no request is shown)."""
+        reply: trio.MemorySendChannel[ClientsAsked | ClientVerdict] = request.reply
+        with contextlib.suppress(trio.BrokenResourceError):
+            if not self.has_subscribers():
+                reply.send_nowait(ClientVerdict(verdict=None))
+                return
+            self.pending[request.call.id] = reply
+            reply.send_nowait(ClientsAsked())
+
+    def _answer(self, call_id: str, verdict: Verdict | None) -> bool:
         """Resolve a pending request (None: nobody answers, the broker denies by default);
-        False when there is none with this id."""
+        False when there is none with this id, or its broker has stopped waiting."""
         reply = self.pending.pop(call_id, None)
         if reply is None:
             return False
-        reply.send_nowait(verdict)
+        try:
+            reply.send_nowait(ClientVerdict(verdict=verdict))
+        except trio.BrokenResourceError:
+            return False
         return True
 
     def close(self, reason: str = "session reloaded") -> None:
@@ -299,14 +366,15 @@ class SessionHub:
         for subscription in list(self.subscriptions):
             subscription.drop(reason)
         for call_id in list(self.pending):
-            self.answer(call_id, None)
+            self._answer(call_id, None)
 
     def release(self) -> None:
         """:meth:`close`, and the session forgets this hub as its client approver (one
         another watcher installed since stays)."""
         self.close()
         if self._approving:
-            self.session.clear_client_approver(self.ask)
+            if self._inbox is not None:
+                self.session.clear_client_approvals(self._inbox)
             self._approving = False
 
 

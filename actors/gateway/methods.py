@@ -367,7 +367,7 @@ class Methods:
         decision = cast(
             Verdict, jsonrpc.require_choice(params, "decision", ("allow", "deny", "allow_session"))
         )
-        if not (await self._hubs.adopt(session)).answer(call_id, decision):
+        if not await (await self._hubs.adopt(session)).answer(call_id, decision):
             raise invalid("$.call_id", f"no pending approval request {call_id!r}")
         return {}
 

@@ -10,6 +10,7 @@ or answers nonsense denies; a request that waits longer than the timeout is deni
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -21,6 +22,10 @@ from greenroom.protocols.messages import (
     ApprovalAsked,
     ApprovalDecided,
     ApproveCall,
+    AskClients,
+    AskWithdrawn,
+    ClientsAsked,
+    ClientVerdict,
     SupervisorMessage,
     Verdict,
 )
@@ -29,8 +34,9 @@ ApproveFn = Callable[[ToolCallBlock], "Awaitable[Any] | Any"]
 """A host's approval callback: returns ``"allow"``, ``"deny"``, ``"allow_session"``, or a
 bool; may be sync or async."""
 
-ClientApprover = Callable[[ToolCallBlock], Awaitable[Verdict | None]]
-"""Asks connected clients; returns None when no client can answer."""
+ClientApprovals = trio.MemorySendChannel[AskClients | AskWithdrawn]
+"""Where a session's approvals go when a run has no ``approve`` callback: the inbox of
+the actor that asks its clients (the gateway's hub for the session)."""
 
 
 def _as_verdict(answer: Any) -> Verdict:
@@ -46,8 +52,7 @@ class ApprovalBroker:
 
     __slots__ = (
         "_approve",
-        "_ask_clients",
-        "_clients_present",
+        "_clients",
         "_inbox",
         "_session_rules",
         "_timeout_s",
@@ -57,15 +62,13 @@ class ApprovalBroker:
         self,
         *,
         approve: ApproveFn | None,
-        ask_clients: ClientApprover | None,
-        clients_present: Callable[[], bool] | None = None,
+        clients: ClientApprovals | None,
         session_rules: frozenset[str],
         timeout_s: float,
         inbox: trio.MemorySendChannel[SupervisorMessage],
     ) -> None:
         self._approve = approve
-        self._ask_clients = ask_clients
-        self._clients_present = clients_present
+        self._clients = clients
         # The broker's own copy: a rule it grants applies to the task's later calls at
         # once, and reaches the session through the supervisor (ApprovalDecided).
         self._session_rules = set(session_rules)
@@ -107,12 +110,33 @@ class ApprovalBroker:
                     return ApprovalDecided(call=call, verdict="deny", by="default")
                 return ApprovalDecided(call=call, verdict=_as_verdict(answer), by="host")
             return ApprovalDecided(call=call, verdict="deny", by="default")
-        present = self._clients_present
-        if self._ask_clients is not None and (present is None or present()):
-            self._inbox.send_nowait(ApprovalAsked(call=call))
-            client_verdict: Verdict | None = None
-            with trio.move_on_after(self._timeout_s):
-                client_verdict = await self._ask_clients(call)
-            if client_verdict is not None:
-                return ApprovalDecided(call=call, verdict=client_verdict, by="host")
+        if self._clients is not None:
+            verdict = await self._ask_clients(self._clients, call)
+            if verdict is not None:
+                return ApprovalDecided(call=call, verdict=verdict, by="host")
         return ApprovalDecided(call=call, verdict="deny", by="default")
+
+    async def _ask_clients(self, clients: ClientApprovals, call: ToolCallBlock) -> Verdict | None:
+        """The clients' verdict on ``call``; None when nobody watches or answers in time."""
+        # Room for both answers: the asking actor never waits for this reader.
+        reply, answers = trio.open_memory_channel[ClientsAsked | ClientVerdict](2)
+        try:
+            clients.send_nowait(AskClients(call=call, reply=reply))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return None  # the watcher has gone: nobody to ask
+        answered = False
+        try:
+            with answers, trio.move_on_after(self._timeout_s):
+                answer = await answers.receive()
+                if isinstance(answer, ClientsAsked):
+                    self._inbox.send_nowait(ApprovalAsked(call=call))
+                    answer = await answers.receive()
+                answered = True
+                return answer.verdict if isinstance(answer, ClientVerdict) else None
+            return None
+        except trio.EndOfChannel:
+            return None  # the asking actor ended without an answer
+        finally:
+            if not answered:
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    clients.send_nowait(AskWithdrawn(call_id=call.id))

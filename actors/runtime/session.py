@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Literal
 import attrs
 import trio
 
-from greenroom.actors.runtime.approval_broker import ApproveFn, ClientApprover
+from greenroom.actors.runtime.approval_broker import ApproveFn, ClientApprovals
 from greenroom.actors.runtime.errors import AuthLocked, Busy, SessionClosed
 from greenroom.actors.runtime.llm_streamer import LLMStreamer
 from greenroom.actors.runtime.supervisor import SessionSupervisor, TaskInput
@@ -274,8 +274,7 @@ class SessionCore:
     # live in one host): slots, no trio objects until work arrives, containers created
     # on first use, and the tool table shared by the sessions that use the same tools.
     __slots__ = (
-        "_client_approver_fn",
-        "_client_present",
+        "_client_approvals",
         "_closed",
         "_control",
         "_follow_ups",
@@ -332,8 +331,7 @@ class SessionCore:
         self._control: trio.MemorySendChannel[SessionControl] | None = None
         self._follow_ups: list[TaskInput] | None = None
         self._listeners: list[Listener] | None = None
-        self._client_approver_fn: ClientApprover | None = None
-        self._client_present: Callable[[], bool] | None = None
+        self._client_approvals: ClientApprovals | None = None
         self._next_run_id: str | None = None
         self._idle: trio.Event | None = None  # exists only while busy
         self._closed = False
@@ -385,15 +383,10 @@ class SessionCore:
         return self._tool_schemas
 
     @property
-    def client_approver(self) -> ClientApprover | None:
+    def client_approvals(self) -> ClientApprovals | None:
         """Where approvals go when a run has no ``approve`` callback (see
-        :meth:`set_client_approver`)."""
-        return self._client_approver_fn
-
-    @property
-    def client_present(self) -> Callable[[], bool] | None:
-        """Whether a client could answer an approval right now (None: assume so)."""
-        return self._client_present
+        :meth:`set_client_approvals`)."""
+        return self._client_approvals
 
     def set_tool_table(self, tools: dict[str, Tool], schemas: tuple[ToolSchema, ...]) -> None:
         """Replace the session's tools (MCP servers whose tool lists changed): the next
@@ -765,14 +758,13 @@ class Session(SessionCore):
             self._listeners = []
         self._listeners.append(_Watch(inbox, self._listeners))
 
-    def set_client_approver(
-        self, approver: ClientApprover | None, *, present: Callable[[], bool] | None = None
-    ) -> None:
-        """Where approvals go when a run has no ``approve`` callback (websocket clients).
-        ``present`` tells whether any client could answer right now: when it says no, the
-        call is denied by default without an ``approval_request`` (nobody is asked)."""
-        self._client_approver_fn = approver
-        self._client_present = present
+    def set_client_approvals(self, approvals: ClientApprovals | None) -> None:
+        """Where approvals go when a run has no ``approve`` callback: the inbox of the
+        actor that asks this session's clients (the gateway's hub for it). The broker
+        sends it :class:`~greenroom.protocols.messages.AskClients` for each call and
+        :class:`~greenroom.protocols.messages.AskWithdrawn` when it stops waiting; see
+        those messages for the answers it expects."""
+        self._client_approvals = approvals
 
     async def wait_idle(self) -> None:
         """Return when no task is running."""
@@ -830,12 +822,12 @@ class Session(SessionCore):
                 _send(control, InterruptTask(reason=reason))
                 raise
 
-    def clear_client_approver(self, approver: ClientApprover) -> bool:
-        """Forget ``approver`` if it is still the client approver (a watcher that stops
-        never removes one another watcher installed since); True when it was."""
-        if self._client_approver_fn != approver:
+    def clear_client_approvals(self, approvals: ClientApprovals) -> bool:
+        """Forget ``approvals`` if they are still where approvals go (a watcher that stops
+        never removes the one another watcher installed since); True when they were."""
+        if self._client_approvals is not approvals:
             return False
-        self.set_client_approver(None)
+        self._client_approvals = None
         return True
 
 

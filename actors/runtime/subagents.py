@@ -172,7 +172,7 @@ class Subagents:
             parent_id=parent.id,
         )
         child.set_origin_path((*parent.origin_path, child.id))
-        child.set_client_approver(parent.client_approver, present=parent.client_present)
+        child.set_client_approvals(parent.client_approvals)
         watch = _ChildWatch(child, settings.subagent_token_budget, self._report)
         # Unbounded: the child's supervisor publishes with send_nowait and must never wait
         # for this task, which drains the channel continuously.

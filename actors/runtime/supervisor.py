@@ -299,8 +299,7 @@ class SessionSupervisor:
             self._approvals = self._dispatch.approvals = approvals_send
             broker = ApprovalBroker(
                 approve=task.approve,
-                ask_clients=session.client_approver,
-                clients_present=session.client_present,
+                clients=session.client_approvals,
                 session_rules=session.approval_rules(),
                 timeout_s=settings.approval_timeout_s,
                 inbox=self._inbox,
