@@ -197,3 +197,29 @@ async def test_a_late_answer_after_the_hub_ended_is_refused(tmp_path: Path) -> N
 def test_answer_approval_carries_its_reply_out_of_equality() -> None:
     one = AnswerApproval(call_id="c1", verdict="allow", reply=object())
     assert one == AnswerApproval(call_id="c1", verdict="allow", reply=object())
+
+
+async def test_a_failing_hub_step_denies_by_timeout_and_the_hub_goes_on(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """R-SEC-1: a bug met while the hub handles one message (here the cluster's watcher
+    check raises) costs that request only: the broker denies it at its timeout, and the
+    hub keeps following the session (it sees the task end)."""
+    hubs = Hubs(approve="ask", on_task_end=None, limits=GatewayLimits())
+
+    def broken(_session_id: str) -> bool:
+        raise RuntimeError("registry bug")
+
+    hubs.remote_watchers = broken
+    async with Host.open(tmp_path / "data") as host, trio.open_nursery() as nursery:
+        await nursery.start(hubs.run)
+        session = await host.create_session(
+            provider=script(), tools=[lookup], workspace_dir=tmp_path, approval_timeout_s=5
+        )
+        hub = await hubs.adopt(session)
+        outputs = await collect(session.run("go"), bound_s=None)
+        (decision,) = of_type(outputs, ApprovalDecision)
+        assert (decision.decision, decision.by) == ("deny", "default")
+        await trio.testing.wait_all_tasks_blocked()
+        assert hub.finishing  # the hub drained the task's end after the failure
+        nursery.cancel_scope.cancel()

@@ -208,7 +208,11 @@ class SessionHub:
                 self.session.watch(send)
                 task_status.started()
                 async for message in inbox:
-                    self._handle(message)
+                    try:
+                        self._handle(message)
+                    except Exception:
+                        # A bug of the gateway's: it must not end the hub (or the gateway).
+                        logger.exception("gateway: hub of session %s", self.session.id)
                 self.close("session closed")
             # Whatever is left is answered: no broker and no client waits for a hub that
             # has ended.
@@ -217,7 +221,7 @@ class SessionHub:
     def _handle(self, message: _HubMessage) -> None:
         match message:
             case list():
-                self._on_batch(message)
+                self._fan_out(message)
             case _Join():
                 message.subscription.joined = True
             case AskClients():
@@ -225,7 +229,9 @@ class SessionHub:
             case AskWithdrawn():
                 self.pending.pop(message.call_id, None)
             case AnswerApproval():
-                message.reply.send_nowait(self._answer(message.call_id, message.verdict))
+                answered = self._answer(message.call_id, message.verdict)
+                with contextlib.suppress(trio.BrokenResourceError):
+                    message.reply.send_nowait(answered)
             case _:
                 assert_never(message)
 
@@ -242,7 +248,8 @@ class SessionHub:
                     with contextlib.suppress(trio.BrokenResourceError):
                         message.reply.send_nowait(ClientVerdict(verdict=None))
                 case AnswerApproval():
-                    message.reply.send_nowait(False)
+                    with contextlib.suppress(trio.BrokenResourceError):
+                        message.reply.send_nowait(False)
                 case _:
                     pass  # outputs and markers: nobody is subscribed any more
 
@@ -255,13 +262,6 @@ class SessionHub:
                 self._inbox.send_nowait(_Join(subscription))
                 return
         subscription.joined = True
-
-    def _on_batch(self, batch: list[Output]) -> None:
-        # A failure here is a bug of the gateway's: it must not end the hub's loop.
-        try:
-            self._fan_out(batch)
-        except Exception:
-            logger.exception("gateway: cannot forward outputs of session %s", self.session.id)
 
     def _fan_out(self, batch: list[Output]) -> None:
         self.last_output_at = time.time()
