@@ -14,6 +14,7 @@ from greenroom.protocols.content import ToolCallBlock, ToolContent, UserContent
 from greenroom.protocols.context import Message, ModelRequest
 from greenroom.protocols.outputs import Output, ToolStatus
 from greenroom.protocols.stream import StreamEvent
+from greenroom.protocols.trace import UsageRow
 
 Verdict = Literal["allow", "deny", "allow_session"]
 
@@ -236,3 +237,55 @@ CompactorCommand = Summarize | SkipBackoff
 
 PoolCommand = BeginTurn | RunToolCall | SkipToolCall
 """What the tool pool's inbox carries."""
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class SyncTraceFiles:
+    """Command to the trace sink: make ``files`` durable (fsync each, and the directories
+    in ``dirs`` whose entries they changed), then send :class:`TraceFilesSynced` on
+    ``reply``. ``ledger``: the request also covers every usage row sent before it and
+    reports the ledger's failure (a sync of the whole host). Requests that wait together
+    share one batch (group commit)."""
+
+    files: tuple[str, ...]
+    dirs: tuple[str, ...]
+    ledger: bool = False
+    reply: Any = attrs.field(default=None, eq=False, repr=False)
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class TraceFilesSynced:
+    """The trace sink's answer to :class:`SyncTraceFiles`: the files (or the ledger) that
+    could not be made durable, ``(path, why)``; empty when everything is on disk. A
+    failure is repeated in every later answer covering that path until it is
+    acknowledged (:class:`TraceErrorAcknowledged`)."""
+
+    failures: tuple[tuple[str, str], ...]
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class LedgerRow:
+    """Command to the trace sink: insert ``row`` into the usage ledger with the next batch
+    (R-TRACE-5)."""
+
+    row: UsageRow
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class TraceErrorAcknowledged:
+    """The failure of ``path`` was reported to its task: the sink stops repeating it."""
+
+    path: str
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class TraceWritten:
+    """A trace store → the emitter that asked (``when_batch_done``): the records of
+    ``ticket`` are written (or failed: the store's ``error`` says), so the batches waiting
+    for them may be published (R-TRACE-3)."""
+
+    ticket: int
+
+
+TraceSinkMessage = SyncTraceFiles | LedgerRow | TraceErrorAcknowledged
+"""What the trace sink's inbox carries."""

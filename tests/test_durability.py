@@ -45,6 +45,7 @@ from greenroom.actors.runtime.session import Session
 from greenroom.actors.runtime.trace_sink import (
     TraceSink,
     TraceSinkClosed,
+    TraceSyncer,
     TraceWriteError,
     read_trace,
 )
@@ -235,32 +236,43 @@ async def test_an_unencodable_record_past_the_repairs_fails_only_its_task(
 
 
 class DiskFault:
-    """Makes the sink's appends to one file fail with an OSError while ``on`` (the
-    worker thread checks it), optionally only when the batch fsyncs that file."""
+    """Makes the sink's appends to one file fail with an OSError while ``on``, or, with
+    ``fsync_only``, only its fsyncs (the worker thread checks it)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, *, fsync_only: bool = False) -> None:
         self.path: Path | None = None
         self.on = False
         self.fsync_only = fsync_only
         self.hits = 0
-        real = trace_sink_module._append
 
-        def append(path: Path, lines: list[bytes] | None, *, fsync: bool) -> frozenset[Path]:
-            if self.on and path == self.path and (fsync or not self.fsync_only):
+        def hit(path: Path) -> None:
+            if self.on and path == self.path:
                 self.hits += 1
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            return real(path, lines, fsync=fsync)
+
+        real = trace_sink_module._append
+
+        def append(path: Path, lines: list[bytes]) -> frozenset[Path]:
+            if not self.fsync_only:
+                hit(path)
+            return real(path, lines)
 
         real_known = trace_sink_module._append_known
 
         def append_known(path: Path, lines: list[bytes]) -> bool:
-            if self.on and path == self.path and not self.fsync_only:
-                self.hits += 1
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            if not self.fsync_only:
+                hit(path)
             return real_known(path, lines)
+
+        real_fsync = trace_sink_module._fsync_file
+
+        def fsync_file(path: Path) -> None:
+            hit(path)
+            real_fsync(path)
 
         monkeypatch.setattr(trace_sink_module, "_append", append)
         monkeypatch.setattr(trace_sink_module, "_append_known", append_known)
+        monkeypatch.setattr(trace_sink_module, "_fsync_file", fsync_file)
 
 
 async def test_a_failing_trace_file_ends_only_its_task(
@@ -358,16 +370,16 @@ async def test_sync_raises_once_the_writer_has_stopped(
     """R-TRACE-2: a bug that stops the writer loop closes the sink instead of ending its
     nursery (the host), and from then on no sync returns as if lines were durable."""
     calls = 0
-    real = TraceSink._take_batch
+    real = TraceSyncer._take_batch
 
-    def take_batch(self: TraceSink, *, final: bool) -> Any:
+    def take_batch(self: TraceSyncer, *, final: bool) -> Any:
         nonlocal calls
         calls += 1
         if not final:
             raise RuntimeError("writer bug")
         return real(self, final=final)
 
-    monkeypatch.setattr(TraceSink, "_take_batch", take_batch)
+    monkeypatch.setattr(TraceSyncer, "_take_batch", take_batch)
     path = tmp_path / "sessions" / "s1" / trace_file_name(1)
     sink = TraceSink(tmp_path)
     with trio.fail_after(RUN_TIMEOUT_S):
@@ -409,10 +421,10 @@ async def test_a_stopped_writer_fails_the_task_and_starts_no_side_effect(
             stream = session.run("mark it", approve=approve)
             await asked.wait()
 
-            def broken(self: TraceSink, *, final: bool) -> Any:
+            def broken(self: TraceSyncer, *, final: bool) -> Any:
                 raise RuntimeError("writer bug")
 
-            monkeypatch.setattr(TraceSink, "_take_batch", broken)
+            monkeypatch.setattr(TraceSyncer, "_take_batch", broken)
             session.write_record(  # any record wakes the writer, which then stops
                 attrs_evolve_seq(
                     ModelMsg(session_id=session.id, run_id="x", turn=1, block=TextBlock(text="w")),

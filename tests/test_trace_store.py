@@ -9,7 +9,6 @@ of the file backend and publish nothing before its record is stored (R-TRACE-3).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from greenroom.actors.runtime.trace_store import (
     TraceStore,
 )
 from greenroom.protocols.converter import output_from_dict
+from greenroom.protocols.messages import TraceWritten
 from greenroom.protocols.outputs import Output, TaskEnd, UserMsg
 from greenroom.protocols.tools import tool
 from greenroom.protocols.trace import UsageRow, parse_trace
@@ -50,7 +50,7 @@ class MemoryTraceStore:
         self._next_seq: dict[str, int] = {}
         self._tickets_taken = 0
         self._tickets_done = 0
-        self._callbacks: list[tuple[int, Callable[[], None]]] = []
+        self._waiting: list[tuple[int, trio.MemorySendChannel[TraceWritten]]] = []
         self._closed = trio.Event()
         self._stored = trio.Event()
 
@@ -138,20 +138,20 @@ class MemoryTraceStore:
         self.pending.clear()
         self._tickets_taken += 1
         self._tickets_done = self._tickets_taken
-        due = [cb for ticket, cb in self._callbacks if ticket <= self._tickets_done]
-        self._callbacks = [(t, cb) for t, cb in self._callbacks if t > self._tickets_done]
-        for callback in due:
-            callback()
+        due = [(t, reply) for t, reply in self._waiting if t <= self._tickets_done]
+        self._waiting = [(t, reply) for t, reply in self._waiting if t > self._tickets_done]
+        for ticket, reply in due:
+            reply.send_nowait(TraceWritten(ticket=ticket))
         self._stored.set()
 
     def batch_done(self, ticket: int) -> bool:
         return ticket <= self._tickets_done
 
-    def when_batch_done(self, ticket: int, callback: Callable[[], None]) -> None:
+    def when_batch_done(self, ticket: int, reply: trio.MemorySendChannel[TraceWritten]) -> None:
         if self.batch_done(ticket):
-            callback()
+            reply.send_nowait(TraceWritten(ticket=ticket))
         else:
-            self._callbacks.append((ticket, callback))
+            self._waiting.append((ticket, reply))
 
     def error(self, session_id: str) -> TraceWriteError | None:
         return None

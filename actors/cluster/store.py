@@ -36,6 +36,7 @@ from greenroom.actors.runtime.trace_store import (
     LoadedTrace,
     StaleTraceWriter,
 )
+from greenroom.protocols.messages import TraceWritten
 from greenroom.protocols.outputs import Output
 from greenroom.protocols.trace import UsageRow
 
@@ -85,7 +86,7 @@ class ReplicatingTraceStore:
         self._on_deleted = on_deleted
         self._replicas: dict[str, _Replica] = {}
         self._pending: Counter[int] = Counter()
-        self._waiters: list[tuple[int, Callable[[], None]]] = []
+        self._waiters: list[tuple[int, trio.MemorySendChannel[TraceWritten]]] = []
 
     # -- replication --------------------------------------------------------------------
 
@@ -175,13 +176,12 @@ class ReplicatingTraceStore:
         return not any(pending <= ticket for pending in self._pending)
 
     def _run_waiters(self) -> None:
-        ready = [(t, cb) for t, cb in self._waiters if self._js_done(t)]
+        ready = [(t, reply) for t, reply in self._waiters if self._js_done(t)]
         if not ready:
             return
-        self._waiters = [(t, cb) for t, cb in self._waiters if not self._js_done(t)]
-        for _, callback in ready:
-            with contextlib.suppress(Exception):
-                callback()
+        self._waiters = [(t, reply) for t, reply in self._waiters if not self._js_done(t)]
+        for ticket, reply in ready:
+            _tell(reply, ticket)
 
     def _lost(self, session_id: str) -> TraceWriteError:
         return TraceWriteError(
@@ -275,16 +275,12 @@ class ReplicatingTraceStore:
         """As the file store, and JetStream acknowledged the ticket's records."""
         return self.files.batch_done(ticket) and self._js_done(ticket)
 
-    def when_batch_done(self, ticket: int, callback: Callable[[], None]) -> None:
+    def when_batch_done(self, ticket: int, reply: trio.MemorySendChannel[TraceWritten]) -> None:
         """As the file store, once JetStream acknowledged the ticket's records too."""
-
-        def after_file() -> None:
-            if self._js_done(ticket):
-                callback()
-            else:
-                self._waiters.append((ticket, callback))
-
-        self.files.when_batch_done(ticket, after_file)
+        if self.files.batch_done(ticket) and self._js_done(ticket):
+            _tell(reply, ticket)
+        else:
+            self._waiters.append((ticket, reply))
 
     def error(self, session_id: str) -> TraceWriteError | None:
         """As the file store, or the fencing of a replicated session."""
@@ -319,3 +315,9 @@ class ReplicatingTraceStore:
     def record_usage(self, row: UsageRow) -> None:
         """Into the host's own ledger: each host counts the requests it made."""
         self.files.record_usage(row)
+
+
+def _tell(reply: trio.MemorySendChannel[TraceWritten], ticket: int) -> None:
+    # An emitter whose task has ended closed its inbox: nobody waits for the ticket.
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        reply.send_nowait(TraceWritten(ticket=ticket))

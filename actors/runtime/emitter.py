@@ -13,6 +13,7 @@ go on (R-SEC-1).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ from greenroom.actors.runtime.trace_sink import TraceSinkClosed, TraceWriteError
 from greenroom.actors.runtime.trace_store import StaleTraceWriter
 from greenroom.protocols import converter
 from greenroom.protocols.content import TextBlock
+from greenroom.protocols.messages import TraceWritten
 from greenroom.protocols.outputs import Output
 from greenroom.protocols.text import repair_json, repair_text
 
@@ -53,8 +55,19 @@ class OutputEmitter:
         self._unpublished: deque[tuple[int, list[Output]]] = deque()
         self._awaiting_store = False
         self._published: trio.Event | None = None
+        # Unbounded: the trace store answers with send_nowait and must never wait; it
+        # holds at most one answer, as one ticket is awaited at a time.
+        self._written_send, self._written = trio.open_memory_channel[TraceWritten](math.inf)
         self.trace_error: str | None = None
         """Why the current task could not write its trace, once it could not."""
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Publish the batches that waited for the trace store, as its ``TraceWritten``
+        answers arrive (a backend that acknowledges late: the cluster's JetStream). Runs
+        in the supervisor's nursery for the whole call, teardown included."""
+        task_status.started()
+        async for _ in self._written:
+            self._on_trace_written()
 
     def begin_task(self) -> None:
         """A new task starts: its trace failures are its own."""
@@ -163,10 +176,10 @@ class OutputEmitter:
         self._unpublished.append((ticket, batch))
         if not self._awaiting_store:
             self._awaiting_store = True
-            self._store.when_batch_done(ticket, self._on_trace_written)
+            self._store.when_batch_done(ticket, self._written_send)
 
     def _on_trace_written(self) -> None:
-        # Called by the trace store (its task) after a batch; must not block.
+        # The store's answer came: publish what it covers, and wait for the next ticket.
         self._awaiting_store = False
         # The writer is done with the file's lines it held: the rest can be written now,
         # and then every queued batch is (they all hold records of this one file).
@@ -178,7 +191,7 @@ class OutputEmitter:
             self._publish(unpublished.popleft()[1])
         if unpublished:
             self._awaiting_store = True
-            self._store.when_batch_done(unpublished[0][0], self._on_trace_written)
+            self._store.when_batch_done(unpublished[0][0], self._written_send)
         elif self._published is not None:
             self._published.set()
 

@@ -186,6 +186,7 @@ class SessionSupervisor:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._serve_control)
+                await nursery.start(self._out.run)
                 try:
                     await self._run_tasks()
                 finally:

@@ -1,4 +1,4 @@
-"""The TraceSink actor: append-only trace files and the usage ledger, with group commit.
+"""Trace files and the usage ledger: appends in the writer's task, fsyncs by the TraceSyncer.
 
 One sink per Host, shared by all its sessions. Sessions hand it finished lines
 (:func:`greenroom.protocols.trace.encode_record`) with :meth:`TraceSink.write`, which only
@@ -7,14 +7,16 @@ points R-TRACE-2 names (turn boundaries, before a tool with side effects starts)
 
 A session publishes a traced output only once its record is *written*: handed to the
 operating system (``write(2)`` returned), so that it survives the death of the process —
-SIGKILL, a crash — though not yet a power cut, which only the fsyncs above cover. To keep
-that cheap, :meth:`TraceSink.commit` appends a file's buffered lines at once, in the calling
-thread (one small append to the page cache, no fsync), unless the writer thread holds
-lines of that file at that moment; then the caller waits for that batch instead
-(:meth:`TraceSink.write` returns its number; :meth:`TraceSink.batch_done` and
-:meth:`TraceSink.when_batch_done` tell when it is done: written and its fsyncs returned,
-or failed, which :meth:`TraceSink.error` then reports for the file). So a client never sees
-a record that a crash of the host can still take out of the trace (R-RUN-8).
+SIGKILL, a crash — though not yet a power cut, which only the fsyncs cover.
+:meth:`TraceSink.commit` does that append in the calling task (one small append to the
+page cache, no fsync), so publication never waits for another task and a client never sees
+a record that a crash of the host can still take out of the trace (R-RUN-8). Only the
+fsyncs and the ledger are the :class:`TraceSyncer` actor's: :meth:`TraceSink.sync` sends
+it a :class:`~greenroom.protocols.messages.SyncTraceFiles` (the files written since their
+last fsync, with the directories created for them) and waits for its answer, and
+:meth:`TraceSink.record_usage` sends a :class:`~greenroom.protocols.messages.LedgerRow`.
+The actor serves every request waiting in its inbox with one worker-thread batch (group
+commit); a file's ``write(2)`` and another file's fsync never wait for each other.
 
 Exceptions (the public tree)::
 
@@ -22,13 +24,13 @@ Exceptions (the public tree)::
     ├── TraceSinkClosed   write() or record_usage() after the sink was closed (our own doing)
     └── TraceWriteError   a file or the ledger could not be written (disk full, permission, …)
 
-No record and no I/O error ends the sink or the host: a line that cannot be encoded is refused
-by :meth:`TraceSink.write` (ValueError, before it is buffered), and any failure while a batch is
-written — an OSError, or anything else — is recorded for the files of that batch while the
-others go on. The failure is sticky per file (lines were lost, the file has a hole): every later
+No record and no I/O error ends the sink or the host: a line that cannot be encoded is
+refused by :meth:`TraceSink.write` (ValueError, before it is buffered), and any failure to
+append or fsync — an OSError, or anything else — is recorded for that file while the others
+go on. The failure is sticky per file (lines were lost, the file has a hole): every later
 ``sync(path)`` for that file, and every ``sync()``, raises :class:`TraceWriteError` until
 :meth:`TraceSink.clear_error` acknowledges it. Ledger failures are reported the same way
-under the ledger's path. Once the sink is closed (or its writer has stopped), ``sync``
+under the ledger's path. Once the sink is closed (or its actor has stopped), ``sync``
 raises :class:`TraceSinkClosed`: nothing written after that point can be made durable.
 
 Files and modes: trace files and the ledger are created 0600 (they hold tool output such
@@ -42,15 +44,23 @@ error_message`` (see :class:`greenroom.protocols.trace.UsageRow`).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sqlite3
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, assert_never
 
 import attrs
 import trio
 
+from greenroom.protocols.messages import (
+    LedgerRow,
+    SyncTraceFiles,
+    TraceErrorAcknowledged,
+    TraceFilesSynced,
+    TraceSinkMessage,
+)
 from greenroom.protocols.trace import (
     TraceReadResult,
     UsageRow,
@@ -62,6 +72,7 @@ __all__ = [
     "LEDGER_FILE_NAME",
     "TraceSink",
     "TraceSinkClosed",
+    "TraceSyncer",
     "TraceWriteError",
     "latest_trace_file",
     "read_trace",
@@ -131,10 +142,8 @@ class TraceWriteError(Exception):
 class _BatchJob:
     """What one worker-thread call does. Plain data: the thread never touches the sink."""
 
-    lines: dict[Path, list[bytes]]
-    fsync: frozenset[Path]
-    dir_syncs: dict[Path, frozenset[Path]]
-    """For each file to fsync: directories created earlier whose entries still need fsync."""
+    fsync: dict[Path, frozenset[Path]]
+    """Files to fsync -> directories whose entries they changed (fsynced with them)."""
     usage: list[UsageRow]
     close_ledger: bool
 
@@ -142,22 +151,28 @@ class _BatchJob:
 @attrs.frozen(kw_only=True, slots=True)
 class _BatchResult:
     errors: dict[Path, str]
-    new_dirs: dict[Path, frozenset[Path]]
-    """Files written but not fsynced in this batch -> directories whose entries they changed."""
     ledger_error: str | None
 
 
 class TraceSink:
     """Append-only JSONL trace files and the SQLite usage ledger of one Host.
 
+    The handle sessions use (through the trace store) and the actor behind it:
+
+    - **Appending is the caller's own I/O.** :meth:`write` buffers a line, :meth:`commit`
+      hands a file's buffered lines to the operating system from the calling task (one
+      ``write(2)``, no fsync): publication never waits for another task.
+    - **Durability is a message.** :meth:`sync` sends :class:`SyncTraceFiles` (the files
+      written since their last fsync, and the new directories) to the :class:`TraceSyncer`
+      actor's inbox and waits for its :class:`TraceFilesSynced`; :meth:`record_usage`
+      sends a :class:`LedgerRow`. The actor groups whatever waits in its inbox into one
+      worker-thread batch (group commit).
+
     Lifetime: ``await nursery.start(sink.run)``; the sink is ready (ledger opened) when that
-    returns. It ends either by :meth:`aclose` or by cancelling ``run``; both flush every
+    returns. It ends either by :meth:`aclose` or by cancelling ``run``; both write every
     buffered line and usage row and fsync every file before ``run`` returns (shielded,
     bounded by ``close_timeout`` seconds). After that, :meth:`write` and
     :meth:`record_usage` raise :class:`TraceSinkClosed`.
-
-    ``batches_written`` counts worker-thread batches (one ``to_thread`` call each); it lets
-    tests prove that concurrent syncs share batches.
     """
 
     def __init__(
@@ -172,38 +187,35 @@ class TraceSink:
             Path(ledger_path) if ledger_path is not None else self.data_dir / LEDGER_FILE_NAME
         )
         self.close_timeout = close_timeout
-        self.batches_written = 0
-
+        self.syncer = TraceSyncer(self.ledger_path, close_timeout=close_timeout)
+        """The actor that fsyncs and keeps the ledger (its batch count is what tests see)."""
+        # Unbounded: sessions send with send_nowait and must never block on the sink; a
+        # session has at most a sync or two and a usage row per request in it.
+        self._inbox, self._inbox_receive = trio.open_memory_channel[TraceSinkMessage](math.inf)
         self._buffers: dict[Path, list[bytes]] = {}
-        self._usage: list[UsageRow] = []
-        self._fsync_requested: set[Path] = set()
-        self._fsync_all = False
-        # Files written by finished batches and not fsynced since, with the new directories
-        # whose entries must be fsynced along with them.
-        self._not_fsynced: dict[Path, frozenset[Path]] = {}
-        self._inflight_lines: frozenset[Path] = frozenset()
-        self._inflight_fsync: frozenset[Path] = frozenset()
-        self._inflight_usage = False
-        self._errors: dict[Path, TraceWriteError] = {}
-
-        self._batches_taken = 0
-        self._batches_done = 0
-        self._batch_done = trio.Event()
-        self._callbacks: dict[int, list[Callable[[], None]]] = {}
+        # Per file: how many commits wrote to it, and how many of those are known durable.
+        self._written: dict[Path, int] = {}
+        self._durable: dict[Path, int] = {}
+        # Directories created for a file since its last fsync: their entries are synced with it.
+        self._new_dirs: dict[Path, frozenset[Path]] = {}
         # Files whose last write was ours and whole: they end in a newline, so a commit
         # appends without the torn-tail check or the directory checks.
         self._clean_tails: set[Path] = set()
-        self._wakeup: trio.Event | None = None
+        self._errors: dict[Path, TraceWriteError] = {}
         self._started = False
         self._closed = False
         self._finished = trio.Event()
         self._close_error: TraceWriteError | None = None
-        self._ledger: sqlite3.Connection | None = None
 
-    # -- the actor -------------------------------------------------------------------------
+    @property
+    def batches_written(self) -> int:
+        """Worker-thread batches of the actor (one ``to_thread`` call each)."""
+        return self.syncer.batches_written
+
+    # -- lifetime ----------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The writer loop. Signals ready once the ledger is open (its errors propagate).
+        """Run the actor. Signals ready once the ledger is open (its errors propagate).
 
         Returns after :meth:`aclose`; on cancellation it flushes, then lets Cancelled
         through. Either way everything written before the close is on disk when it ends
@@ -214,30 +226,14 @@ class TraceSink:
             raise RuntimeError("TraceSink.run may be started only once")
         self._started = True
         try:
-            self._ledger = await trio.to_thread.run_sync(_open_ledger, self.ledger_path)
-            task_status.started()
-            try:
-                await self._writer_loop()
-            except Exception as exc:
-                # Only a bug gets here (batch failures are recorded, not raised). It must
-                # not end the host with every session in it: the sink closes, so every
-                # later write and sync raises TraceSinkClosed and each session ends its
-                # task with that error; no waiting sync may pretend its lines are durable.
-                self._close_error = TraceWriteError(
-                    self.data_dir, f"the trace writer failed: {exc!r}"
-                )
+            failure = await self.syncer.run(self._inbox_receive, task_status=task_status)
+            if failure is not None:
+                self._close_error = TraceWriteError(self.data_dir, failure)
         finally:
             self._closed = True
             with trio.CancelScope(shield=True):
-                try:
-                    await self._final_flush()
-                except Exception as exc:  # a bug, as above: the sink ends, the host goes on
-                    self._close_error = TraceWriteError(
-                        self.data_dir, f"the trace writer failed: {exc!r}"
-                    )
+                await self._final_flush()
             self._finished.set()
-            self._wake_waiters()
-            self._run_callbacks(all_of_them=True)
 
     async def aclose(self) -> None:
         """Stop accepting lines, flush and fsync everything, and wait for ``run`` to end.
@@ -246,28 +242,36 @@ class TraceSink:
         buffered lines are dropped). Cancel-safe: cancelling the caller does not stop the
         flush, which ``run`` completes.
         """
-        self._closed = True
         if not self._started:
+            self._closed = True
             self._finished.set()
-            self._wake_waiters()
             await trio.lowlevel.checkpoint()
             return
-        self._wake_writer()
+        if not self._closed:
+            self._closed = True
+            self._commit_all()
+            # The actor serves what is queued, then ends: its inbox is closed. One that has
+            # stopped already leaves the rest to run's final flush.
+            with contextlib.suppress(TraceSinkClosed):
+                self._request(None, ledger=True)
+            self._closed = True
+            self._inbox.close()
         await self._finished.wait()
 
     # -- the API for sessions ---------------------------------------------------------------
 
     def write(self, path: Path, line: str) -> int:
-        """Append ``line`` (one record ending in ``"\\n"``) to the file at ``path``; returns
-        the number of the batch that will write it (see :meth:`batch_done`).
+        """Append ``line`` (one record ending in ``"\\n"``) to the file at ``path``; the
+        line is handed to the OS by the next :meth:`commit` (or :meth:`sync`). Returns 1:
+        the lines of every ticket are written once committed, which is at once.
 
-        Synchronous and O(1): it encodes and buffers; the writer appends soon after. Files
-        are keyed by ``Path`` equality, so give each file one spelling (``sync`` uses it).
-        Never blocks and never raises for I/O (failures surface from :meth:`sync` and
-        :meth:`error`). Raises :class:`TraceSinkClosed` once the sink is closed, and
-        ValueError for a line without its newline (it would merge with the next record) or
-        one that UTF-8 cannot encode (a lone surrogate): such a line is not buffered, so it
-        costs its caller that record and nothing else.
+        Synchronous and O(1): it encodes and buffers. Files are keyed by ``Path``
+        equality, so give each file one spelling (``sync`` uses it). Never raises for
+        I/O (failures surface from :meth:`sync` and :meth:`error`). Raises
+        :class:`TraceSinkClosed` once the sink is closed, and ValueError for a line without
+        its newline (it would merge with the next record) or one that UTF-8 cannot encode
+        (a lone surrogate): such a line is not buffered, so it costs its caller that
+        record and nothing else.
         """
         if self._closed:
             raise TraceSinkClosed(f"trace sink is closed; cannot write to {path}")
@@ -284,21 +288,15 @@ class TraceSink:
             self._buffers[path] = [data]
         else:
             buffer.append(data)
-        if self._wakeup is not None:
-            self._wake_writer()
-        return self._batches_taken + 1
+        return 1
 
     def commit(self, path: Path) -> bool:
         """Hand the buffered lines of ``path`` to the operating system now, from the
-        calling thread: one append, no fsync (that stays with the group commit). Returns
-        True when no line written to ``path`` is still unwritten — or its write failed,
-        which :meth:`error` reports — and False when the writer thread holds lines of
-        ``path`` right now (wait for the batch of the last :meth:`write` then). Never
-        raises for I/O. Blocks the caller for one small append; a session calls it when it
-        publishes a batch of outputs, so that no client sees a record before it is written.
+        calling task: one append, no fsync (that is :meth:`sync`'s). Always True: no line
+        is left unwritten (a failed write is reported by :meth:`error`). Never raises for
+        I/O. Blocks the caller for one small append; a session calls it when it publishes
+        a batch of outputs, so that no client sees a record before it is written.
         """
-        if path in self._inflight_lines:
-            return False
         lines = self._buffers.pop(path, None)
         if not lines:
             return True
@@ -306,52 +304,32 @@ class TraceSink:
             if path in self._clean_tails and _append_known(path, lines):
                 created: frozenset[Path] = frozenset()
             else:
-                created = _append(path, lines, fsync=False)
+                created = _append(path, lines)
         except Exception as exc:
             self._errors[path] = TraceWriteError(path, _describe(exc))
-            self._not_fsynced.pop(path, None)
             self._clean_tails.discard(path)
             return True
         self._clean_tails.add(path)
-        self._not_fsynced[path] = self._not_fsynced.get(path, frozenset()) | created
+        self._written[path] = self._written.get(path, 0) + 1
+        if created:
+            self._new_dirs[path] = self._new_dirs.get(path, frozenset()) | created
         return True
-
-    def batch_done(self, batch: int) -> bool:
-        """Whether batch ``batch`` (a number from :meth:`write`)
-        is done: its lines handed to the OS and its fsyncs returned, or failed (see
-        :meth:`error`). Always true once the sink has finished."""
-        return self._batches_done >= batch or self._finished.is_set()
-
-    def when_batch_done(self, batch: int, callback: Callable[[], None]) -> None:
-        """Call ``callback()`` once batch ``batch`` is done — at once if it already is,
-        otherwise from the sink's task right after the batch (every registered callback
-        is called exactly once, at the latest when the sink finishes). It must not block;
-        an exception it raises is the callback's own bug and is ignored."""
-        if self.batch_done(batch):
-            _call_quietly(callback)
-            return
-        waiting = self._callbacks.get(batch)
-        if waiting is None:
-            self._callbacks[batch] = [callback]
-        else:
-            waiting.append(callback)
 
     def error(self, path: Path) -> TraceWriteError | None:
         """The unacknowledged write failure of ``path`` (see :meth:`clear_error`), or the
-        failure that stopped the sink with lines of any file unwritten; None if neither."""
+        failure that stopped the sink; None if neither."""
         return self._errors.get(path) or self._close_error
 
     def record_usage(self, row: UsageRow) -> None:
-        """Queue one usage-ledger row (R-TRACE-5); inserted with the next batch.
+        """Queue one usage-ledger row (R-TRACE-5); inserted with the actor's next batch.
 
         Never blocks, never raises for I/O (see :meth:`sync` with no path). Raises
         :class:`TraceSinkClosed` once the sink is closed.
         """
         if self._closed:
             raise TraceSinkClosed("trace sink is closed; cannot record usage")
-        self._usage.append(row)
-        if self._wakeup is not None:
-            self._wake_writer()
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            self._inbox.send_nowait(LedgerRow(row=row))
 
     async def sync(self, path: Path | None = None) -> None:
         """Durability barrier: return once every line written to ``path`` before this call
@@ -359,27 +337,41 @@ class TraceSink:
         and fsynced (R-TRACE-2).
 
         Concurrent callers share batches. Returns at once (after a checkpoint) when nothing
-        is pending. Raises :class:`TraceWriteError` when a covered file has lost lines (see
-        the module docstring: the error is sticky until :meth:`clear_error`), and
-        :class:`TraceSinkClosed` when the sink is closed or its writer has stopped: a
-        return is a promise that the lines are on disk. A sync that was already waiting
-        when the sink closed ends with the final flush and reports its outcome.
-        Cancel-safe: a cancelled caller just stops waiting; the fsync it asked for still
-        happens.
+        is pending. Raises :class:`TraceWriteError` when a covered file has lost lines (the
+        error is sticky until :meth:`clear_error`), and :class:`TraceSinkClosed` when the
+        sink is closed or its actor has stopped: a return is a promise that the lines are
+        on disk. A sync that was already waiting when the sink closed ends with the final
+        flush and reports its outcome. Cancel-safe: a cancelled caller just stops waiting;
+        the fsync it asked for still happens.
         """
         if self._closed:
             raise TraceSinkClosed("trace sink is closed; cannot make the trace durable")
-        target = self._request_sync(path)
-        if target is not None:
-            while self._batches_done < target and not self._finished.is_set():
-                await self._batch_done.wait()
-        else:
+        # Lines never wait for a sync: whatever is buffered, of any file, goes out now.
+        self._commit_all()
+        request = self._request(path, ledger=path is None)
+        if request is None:
             await trio.lowlevel.checkpoint()
+        else:
+            answers, covered = request
+            try:
+                answer = await answers.receive()
+            except trio.EndOfChannel:
+                raise TraceSinkClosed("the trace sink stopped before the sync") from None
+            self._take_answer(answer, covered)
         self._raise_errors(path)
 
     def clear_error(self, path: Path) -> None:
         """Acknowledge a file's write failure so ``sync`` stops raising it."""
         self._errors.pop(path, None)
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            self._inbox.send_nowait(TraceErrorAcknowledged(path=str(path)))
+
+    def forget(self, path: Path) -> None:
+        """``path`` is gone (its session was deleted): nothing of it is left to write or
+        fsync."""
+        for table in (self._buffers, self._written, self._durable, self._new_dirs):
+            table.pop(path, None)
+        self._clean_tails.discard(path)
 
     @property
     def errors(self) -> dict[Path, TraceWriteError]:
@@ -393,36 +385,54 @@ class TraceSink:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _request_sync(self, path: Path | None) -> int | None:
-        """Register a sync request; the batch number that satisfies it, or None if none is
-        needed."""
-        next_batch = self._batches_taken + 1
-        if self._finished.is_set():
+    def _commit_all(self) -> None:
+        for path in list(self._buffers):
+            self.commit(path)
+
+    def _unsynced(self, path: Path | None) -> dict[Path, int]:
+        """Files written since their last known fsync -> the commit count to reach."""
+        paths = self._written if path is None else [path] if path in self._written else []
+        return {
+            p: self._written[p] for p in paths if self._durable.get(p, 0) < self._written[p]
+        }
+
+    def _request(
+        self, path: Path | None, *, ledger: bool
+    ) -> tuple[trio.MemoryReceiveChannel[TraceFilesSynced], dict[Path, int]] | None:
+        """Ask the actor to fsync what ``path`` (all with None) needs; None when nothing
+        does. Raises :class:`TraceSinkClosed` when the actor no longer listens."""
+        covered = self._unsynced(path)
+        if not covered and not ledger:
             return None
-        if path is None:
-            if (
-                self._buffers
-                or self._usage
-                or self._inflight_lines
-                or self._inflight_usage
-                or self._not_fsynced
-            ):
-                self._fsync_all = True
-                self._wake_writer()
-                return next_batch
-            return None
-        if path in self._buffers:
-            self._fsync_requested.add(path)
-            self._wake_writer()
-            return next_batch
-        if path in self._inflight_fsync:
-            # The batch in flight took this file's last lines and fsyncs it.
-            return self._batches_taken
-        if path in self._inflight_lines or path in self._not_fsynced:
-            self._fsync_requested.add(path)
-            self._wake_writer()
-            return next_batch
-        return None
+        dirs = frozenset().union(*(self._new_dirs.get(p, frozenset()) for p in covered))
+        # One slot: the actor's one answer never waits for this reader.
+        reply, answers = trio.open_memory_channel[TraceFilesSynced](1)
+        message = SyncTraceFiles(
+            files=tuple(str(p) for p in covered),
+            dirs=tuple(str(d) for d in sorted(dirs)),
+            ledger=ledger,
+            reply=reply,
+        )
+        try:
+            self._inbox.send_nowait(message)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            # The actor has stopped (a bug, or the host is closing): nothing written from
+            # now on could be made durable, so nothing more is accepted.
+            self._closed = True
+            self._close_error = self._close_error or TraceWriteError(
+                self.data_dir, "the trace writer has stopped"
+            )
+            raise TraceSinkClosed("trace sink is closed; cannot make the trace durable") from None
+        return answers, covered
+
+    def _take_answer(self, answer: TraceFilesSynced, covered: dict[Path, int]) -> None:
+        failed = {Path(p): why for p, why in answer.failures}
+        for failed_path, why in failed.items():
+            self._errors[failed_path] = TraceWriteError(failed_path, why)
+        for path, count in covered.items():
+            if path not in failed:
+                self._durable[path] = max(self._durable.get(path, 0), count)
+                self._new_dirs.pop(path, None)
 
     def _raise_errors(self, path: Path | None) -> None:
         if path is None:
@@ -439,131 +449,177 @@ class TraceSink:
         if self._close_error is not None:
             raise self._close_error
 
-    def _wake_writer(self) -> None:
-        if self._wakeup is not None:
-            self._wakeup.set()
-            self._wakeup = None
-
-    def _wake_waiters(self) -> None:
-        self._batch_done.set()
-        self._batch_done = trio.Event()
-
-    def _run_callbacks(self, *, all_of_them: bool = False) -> None:
-        done = self._batches_done
-        ready = [b for b in self._callbacks if all_of_them or b <= done]
-        for batch in sorted(ready):
-            for callback in self._callbacks.pop(batch):
-                _call_quietly(callback)
-
-    def _has_work(self) -> bool:
-        return bool(self._buffers or self._usage or self._fsync_requested or self._fsync_all)
-
-    async def _writer_loop(self) -> None:
-        while not self._closed:
-            if not self._has_work():
-                wakeup = self._wakeup = trio.Event()
-                await wakeup.wait()
-                continue
-            job = self._take_batch(final=False)
-            if not (job.lines or job.fsync or job.usage):
-                # Only syncs of files that were already durable: nothing for a thread to do.
-                self._finish_batch(job, _BatchResult(errors={}, new_dirs={}, ledger_error=None))
-                await trio.lowlevel.checkpoint()
-                continue
-            # Shielded: once taken, a batch is written and its results applied even if we are
-            # cancelled (to_thread would otherwise raise Cancelled before starting the thread,
-            # dropping the lines). The thread call is not abandonable anyway.
-            with trio.CancelScope(shield=True):
-                try:
-                    result = await trio.to_thread.run_sync(_run_batch, job, self._ledger)
-                except Exception as exc:
-                    result = _failed_batch(job, f"the trace writer failed: {exc!r}")
-            self._finish_batch(job, result)
-
     async def _final_flush(self) -> None:
-        job = self._take_batch(final=True)
+        """Everything committed and not known durable is fsynced now (the actor has
+        ended: cancellation, or a bug), bounded by ``close_timeout``."""
+        self._commit_all()
+        covered = self._unsynced(None)
+        if not covered:
+            return
+        job = _BatchJob(
+            fsync={p: self._new_dirs.get(p, frozenset()) for p in covered},
+            usage=[],
+            close_ledger=False,
+        )
         result: _BatchResult | None = None
         with trio.move_on_after(self.close_timeout):
-            # Abandonable so a hung disk cannot hang the host's shutdown; the abandoned thread
-            # owns the ledger connection and closes it itself.
+            try:
+                result = await trio.to_thread.run_sync(
+                    _run_batch, job, None, abandon_on_cancel=True
+                )
+            except Exception as exc:
+                result = _failed_batch(job, f"the trace writer failed: {exc!r}")
+        if result is None:
+            self._close_error = TraceWriteError(
+                self.data_dir, f"final flush did not finish within {self.close_timeout}s"
+            )
+            return
+        self._take_answer(
+            TraceFilesSynced(failures=tuple((str(p), m) for p, m in result.errors.items())),
+            covered,
+        )
+
+
+class TraceSyncer:
+    """The trace sink's actor: fsyncs trace files and keeps the usage ledger, in
+    worker-thread batches that group every request waiting in its inbox.
+
+    Started by :meth:`TraceSink.run`; it serves until its inbox closes or it is
+    cancelled, and then serves what is still queued in one last batch (shielded, bounded
+    by ``close_timeout``) and closes the ledger. A failure to fsync a file is sticky: it
+    is repeated in every answer that covers the file until acknowledged.
+
+    ``batches_written`` counts worker-thread batches; it lets tests prove that concurrent
+    syncs share batches.
+    """
+
+    def __init__(self, ledger_path: Path, *, close_timeout: float) -> None:
+        self.ledger_path = ledger_path
+        self.close_timeout = close_timeout
+        self.batches_written = 0
+        self._ledger: sqlite3.Connection | None = None
+        self._pending: list[SyncTraceFiles] = []
+        self._usage: list[UsageRow] = []
+        self._errors: dict[str, str] = {}
+
+    async def run(
+        self,
+        inbox: trio.MemoryReceiveChannel[TraceSinkMessage],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> str | None:
+        """Serve ``inbox``; ready once the ledger is open. Returns None, or what stopped
+        the actor early (a bug: the batch it had taken is answered as failed)."""
+        self._ledger = await trio.to_thread.run_sync(_open_ledger, self.ledger_path)
+        task_status.started()
+        failure: str | None = None
+        try:
+            async with inbox:
+                async for message in inbox:
+                    self._take(message)
+                    while True:
+                        try:
+                            self._take(inbox.receive_nowait())
+                        except (trio.WouldBlock, trio.EndOfChannel):
+                            break
+                    try:
+                        await self._serve(final=False)
+                    except Exception as exc:
+                        # Only a bug gets here (batch failures are answered, not raised). It
+                        # must not end the host with every session in it: the actor stops,
+                        # so every later sync raises TraceSinkClosed and no waiting sync may
+                        # pretend its lines are durable.
+                        failure = f"the trace writer failed: {exc!r}"
+                        self._answer_all(failure)
+                        break
+        finally:
+            with trio.CancelScope(shield=True):
+                try:
+                    await self._serve(final=True)
+                except Exception as exc:  # a bug, as above: the actor ends, the host goes on
+                    failure = failure or f"the trace writer failed: {exc!r}"
+                    self._answer_all(failure)
+                finally:
+                    self._ledger = None
+        return failure
+
+    def _take(self, message: TraceSinkMessage) -> None:
+        match message:
+            case SyncTraceFiles():
+                self._pending.append(message)
+            case LedgerRow():
+                self._usage.append(message.row)
+            case TraceErrorAcknowledged():
+                self._errors.pop(message.path, None)
+            case _:
+                assert_never(message)
+
+    def _take_batch(self, *, final: bool) -> _BatchJob:
+        fsync: dict[Path, frozenset[Path]] = {}
+        for request in self._pending:
+            dirs = frozenset(Path(d) for d in request.dirs)
+            for file in request.files:
+                fsync[Path(file)] = fsync.get(Path(file), frozenset()) | dirs
+        usage, self._usage = self._usage, []
+        return _BatchJob(fsync=fsync, usage=usage, close_ledger=final)
+
+    async def _serve(self, *, final: bool) -> None:
+        job = self._take_batch(final=final)
+        requests, self._pending = self._pending, []
+        result = _BatchResult(errors={}, ledger_error=None)
+        if job.fsync or job.usage or job.close_ledger:
+            result = await self._run(job, final=final)
+            self.batches_written += 1
+        for path, why in result.errors.items():
+            self._errors[str(path)] = why
+        if result.ledger_error is not None:
+            self._errors[str(self.ledger_path)] = result.ledger_error
+        for request in requests:
+            covered = set(request.files)
+            if request.ledger:
+                covered = set(self._errors)
+            failures = tuple((p, why) for p, why in self._errors.items() if p in covered)
+            with contextlib.suppress(trio.BrokenResourceError):
+                request.reply.send_nowait(TraceFilesSynced(failures=failures))
+
+    async def _run(self, job: _BatchJob, *, final: bool) -> _BatchResult:
+        if not final:
+            # Shielded: once taken, a batch is written and answered even if we are cancelled
+            # (to_thread would otherwise raise Cancelled before starting the thread).
+            with trio.CancelScope(shield=True):
+                try:
+                    return await trio.to_thread.run_sync(_run_batch, job, self._ledger)
+                except Exception as exc:
+                    return _failed_batch(job, f"the trace writer failed: {exc!r}")
+        result: _BatchResult | None = None
+        with trio.move_on_after(self.close_timeout):
+            # Abandonable so a hung disk cannot hang the host's shutdown; the abandoned
+            # thread owns the ledger connection and closes it itself.
             try:
                 result = await trio.to_thread.run_sync(
                     _run_batch, job, self._ledger, abandon_on_cancel=True
                 )
             except Exception as exc:
                 result = _failed_batch(job, f"the trace writer failed: {exc!r}")
-        self._ledger = None
         if result is None:
-            self._close_error = TraceWriteError(
-                self.data_dir, f"final flush did not finish within {self.close_timeout}s"
+            message = f"final flush did not finish within {self.close_timeout}s"
+            result = _failed_batch(job, message)
+        return result
+
+    def _answer_all(self, failure: str) -> None:
+        requests, self._pending = self._pending, []
+        for request in requests:
+            failures = tuple((file, failure) for file in request.files) or (
+                (str(self.ledger_path), failure),
             )
-            self._batches_done = self._batches_taken
-            self._inflight_lines = self._inflight_fsync = frozenset()
-            self._inflight_usage = False
-            return
-        self._finish_batch(job, result)
-
-    def _take_batch(self, *, final: bool) -> _BatchJob:
-        lines, self._buffers = self._buffers, {}
-        usage, self._usage = self._usage, []
-        written = set(lines)
-        if final or self._fsync_all:
-            fsync = written | set(self._not_fsynced)
-        else:
-            fsync = self._fsync_requested & (written | set(self._not_fsynced))
-        self._fsync_requested = set()
-        self._fsync_all = False
-        self._batches_taken += 1
-        self._inflight_lines = frozenset(written)
-        self._inflight_fsync = frozenset(fsync)
-        self._inflight_usage = bool(usage)
-        return _BatchJob(
-            lines=lines,
-            fsync=frozenset(fsync),
-            dir_syncs={p: self._not_fsynced[p] for p in fsync if p in self._not_fsynced},
-            usage=usage,
-            close_ledger=final,
-        )
-
-    def _finish_batch(self, job: _BatchJob, result: _BatchResult) -> None:
-        if job.lines or job.fsync or job.usage or job.close_ledger:
-            self.batches_written += 1
-        for path in job.fsync:
-            if path not in result.errors:
-                self._not_fsynced.pop(path, None)
-        for path in job.lines.keys() - job.fsync:
-            dirs = result.new_dirs.get(path, frozenset())
-            self._not_fsynced[path] = self._not_fsynced.get(path, frozenset()) | dirs
-        for path in job.lines:
-            if path in result.errors:
-                self._clean_tails.discard(path)
-            else:
-                self._clean_tails.add(path)
-        for path, message in result.errors.items():
-            self._errors[path] = TraceWriteError(path, message)
-            # Failed lines are dropped (the error says so), so there is nothing left to fsync.
-            self._not_fsynced.pop(path, None)
-        if result.ledger_error is not None:
-            self._errors[self.ledger_path] = TraceWriteError(self.ledger_path, result.ledger_error)
-        self._inflight_lines = self._inflight_fsync = frozenset()
-        self._inflight_usage = False
-        self._batches_done = self._batches_taken
-        self._wake_waiters()
-        self._run_callbacks()
-
-
-def _call_quietly(callback: Callable[[], None]) -> None:
-    # A callback that raises is its owner's bug; it must not take the sink (and with it
-    # every session of the host) down.
-    with contextlib.suppress(Exception):
-        callback()
+            with contextlib.suppress(trio.BrokenResourceError):
+                request.reply.send_nowait(TraceFilesSynced(failures=failures))
 
 
 def _failed_batch(job: _BatchJob, message: str) -> _BatchResult:
     """The result of a batch whose worker call itself failed: every file in it failed."""
     return _BatchResult(
-        errors={path: message for path in job.lines.keys() | job.fsync},
-        new_dirs={},
+        errors=dict.fromkeys(job.fsync, message),
         ledger_error=message if job.usage else None,
     )
 
@@ -596,21 +652,12 @@ def _open_ledger(path: Path) -> sqlite3.Connection:
 
 def _run_batch(job: _BatchJob, ledger: sqlite3.Connection | None) -> _BatchResult:
     errors: dict[Path, str] = {}
-    new_dirs: dict[Path, frozenset[Path]] = {}
-    for path in job.lines.keys() | job.fsync:
-        lines = job.lines.get(path)
+    for path, dirs in job.fsync.items():
         try:
-            created = _append(path, lines, fsync=path in job.fsync)
+            _fsync_file(path)
+            _fsync_dirs(dirs)
         except Exception as exc:
             errors[path] = _describe(exc)
-            continue
-        if path in job.fsync:
-            try:
-                _fsync_dirs(created | job.dir_syncs.get(path, frozenset()))
-            except Exception as exc:
-                errors[path] = _describe(exc)
-        elif created:
-            new_dirs[path] = created
     ledger_error: str | None = None
     if ledger is not None:
         try:
@@ -624,20 +671,20 @@ def _run_batch(job: _BatchJob, ledger: sqlite3.Connection | None) -> _BatchResul
                     ledger.close()
     elif job.usage:
         ledger_error = "the usage ledger is not open"
-    return _BatchResult(errors=errors, new_dirs=new_dirs, ledger_error=ledger_error)
+    return _BatchResult(errors=errors, ledger_error=ledger_error)
 
 
-def _append(path: Path, lines: list[bytes] | None, *, fsync: bool) -> frozenset[Path]:
-    """Append ``lines`` to ``path`` (creating it and its parents), fsync if asked; return the
-    directories whose entries changed (the file's parent if the file is new, and the parent
-    of every new directory)."""
-    if not lines:
-        # Only an fsync was asked for. Never re-create a file that is gone (its session may
-        # have been deleted): nothing of ours is left in it to make durable.
-        if fsync:
-            with contextlib.suppress(FileNotFoundError), open(path, "rb+") as f:
-                os.fsync(f.fileno())
-        return frozenset()
+def _fsync_file(path: Path) -> None:
+    # Never re-create a file that is gone (its session may have been deleted): nothing of
+    # ours is left in it to make durable.
+    with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _append(path: Path, lines: list[bytes]) -> frozenset[Path]:
+    """Append ``lines`` to ``path`` (creating it and its parents); return the directories
+    whose entries changed (the file's parent if the file is new, and the parent of every
+    new directory)."""
     changed: set[Path] = set()
     missing: list[Path] = []
     parent = path.parent
@@ -660,8 +707,6 @@ def _append(path: Path, lines: list[bytes] | None, *, fsync: bool) -> frozenset[
                 data = b"\n" + data
         f.write(data)
         f.flush()
-        if fsync:
-            os.fsync(f.fileno())
     return frozenset(changed)
 
 

@@ -52,6 +52,7 @@ from greenroom.actors.runtime.trace_sink import (
     latest_trace_file,
     read_trace,
 )
+from greenroom.protocols.messages import TraceWritten
 from greenroom.protocols.outputs import Output
 from greenroom.protocols.text import repair_json
 from greenroom.protocols.trace import UsageRow, trace_file_name, trace_file_number
@@ -166,8 +167,9 @@ class TraceStore(Protocol):
         """Whether the records of ``ticket`` are written (or failed)."""
         ...
 
-    def when_batch_done(self, ticket: int, callback: Callable[[], None]) -> None:
-        """Call ``callback()`` once (from the store's task) when ``ticket`` is done."""
+    def when_batch_done(self, ticket: int, reply: trio.MemorySendChannel[TraceWritten]) -> None:
+        """Send ``TraceWritten(ticket)`` on ``reply`` once ``ticket`` is done (at once if it
+        is); never blocks (``reply`` has room)."""
         ...
 
     def error(self, session_id: str) -> TraceWriteError | None:
@@ -207,8 +209,9 @@ class _Position:
 
 class FileTraceStore:
     """The default :class:`TraceStore`: ``<data_dir>/sessions/<id>/`` with ``session.json``
-    and ``trace_NNN.jsonl`` files, written by one :class:`TraceSink` (group commit, fsync
-    barriers, the SQLite usage ledger)."""
+    and ``trace_NNN.jsonl`` files, through one :class:`TraceSink`: records are appended
+    from the session's own task, and its actor groups the fsyncs and keeps the SQLite
+    usage ledger."""
 
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
@@ -280,12 +283,15 @@ class FileTraceStore:
 
     async def delete(self, session_id: str) -> None:
         """Remove the session's directory (after its last records were synced)."""
-        with contextlib.suppress(Exception):
-            await self.sink.sync(self._positions[session_id].path)
-        self._positions.pop(session_id, None)
+        position = self._positions.pop(session_id, None)
+        if position is not None:
+            with contextlib.suppress(Exception):
+                await self.sink.sync(position.path)
         await trio.to_thread.run_sync(
             shutil.rmtree, self.paths.session_dir(session_id), True
         )
+        if position is not None:
+            self.sink.forget(position.path)
 
     def release(self, session_id: str) -> None:
         """Drop the session's trace position (a host that opens many sessions over its
@@ -324,12 +330,13 @@ class FileTraceStore:
         return self.sink.commit(self._position(session_id).path)
 
     def batch_done(self, ticket: int) -> bool:
-        """Whether the sink's batch ``ticket`` is done."""
-        return self.sink.batch_done(ticket)
+        """True: the sink writes a file's records when they are committed, at once."""
+        return True
 
-    def when_batch_done(self, ticket: int, callback: Callable[[], None]) -> None:
-        """Call back after the sink's batch ``ticket``."""
-        self.sink.when_batch_done(ticket, callback)
+    def when_batch_done(self, ticket: int, reply: trio.MemorySendChannel[TraceWritten]) -> None:
+        """At once (see :meth:`batch_done`)."""
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            reply.send_nowait(TraceWritten(ticket=ticket))
 
     def error(self, session_id: str) -> TraceWriteError | None:
         """The sink's sticky error for the current file."""
