@@ -58,7 +58,6 @@ class TurnDispatch:
     total. ``approvals`` and ``pool`` are set when the task's actors have started."""
 
     __slots__ = (
-        "_done",
         "_emitter",
         "_inbox",
         "_interrupted",
@@ -95,9 +94,7 @@ class TurnDispatch:
         self.pool: trio.MemorySendChannel[PoolCommand] | None = None
         self.run_id = ""
         self.turn = 0
-        # The machine and the end condition of a pump waiting for its inbox (see _take).
-        self._waiting: TurnMachine | None = None
-        self._done: Callable[[], bool] = bool
+        self._waiting: tuple[TurnMachine, Callable[[], bool]] | None = None
 
     async def pump(
         self, machine: TurnMachine, done: Callable[[], bool]
@@ -109,8 +106,7 @@ class TurnDispatch:
             # What the caller emitted is written and published before we wait: a line
             # left buffered goes to the writer thread, and the next batch waits for it.
             emitter.flush()
-            self._waiting = machine
-            self._done = done
+            self._waiting = (machine, done)
             try:
                 message = await receive.receive()
             finally:
@@ -126,16 +122,17 @@ class TurnDispatch:
         # The streamer's task hands over what it would send: handled here exactly as pump
         # would once woken — but only while pump waits with nothing before it, so that no
         # message is overtaken.
-        machine = self._waiting
-        if machine is None:
+        waiting = self._waiting
+        if waiting is None:
             return "declined"
         inbox = self._inbox.statistics()
         if inbox.current_buffer_used or not inbox.tasks_waiting_receive:
             return "declined"
+        machine, done = waiting
         if attempt == machine.attempt:
             self.apply(machine.feed(events))
         self._emitter.flush()
-        return "done" if self._done() else "taken"
+        return "done" if done() else "taken"
 
     def drain(self, machine: TurnMachine) -> None:
         """Handle every message already waiting, without blocking."""
