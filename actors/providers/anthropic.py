@@ -163,14 +163,11 @@ class AnthropicProvider:
 
 
 class _AnthropicTask:
-    __slots__ = ("_encoder", "_provider", "whole_reads")
+    __slots__ = ("_encoder", "_provider")
 
     def __init__(self, provider: AnthropicProvider) -> None:
         self._provider = provider
         self._encoder = RequestEncoder(image_loader=load_image)
-        # Each delivery holds one network read's events (the streamer's ProviderTask
-        # contract) only when the lean transport's body is read as it is.
-        self.whole_reads = False
 
     async def stream(self, request: ModelRequest, deliver: Deliver) -> None:
         body = self._encoder.build(request)
@@ -181,9 +178,7 @@ class _AnthropicTask:
             async with shard.client.messages.with_streaming_response.create(**body) as response:
                 # The lean transport's body is read as it is (one piece per network read);
                 # the SDK's iterators decode what that cannot (another transport, gzip).
-                raw = raw_body(response.http_response)
-                self.whole_reads = raw is not None
-                chunks = raw or response.iter_bytes()
+                chunks = raw_body(response.http_response) or response.iter_bytes()
                 try:
                     async for chunk in chunks:
                         events = decoder.feed(chunk)

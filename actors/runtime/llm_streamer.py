@@ -10,8 +10,8 @@ cancellation.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, Literal, Protocol, assert_never
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, assert_never
 
 import attrs
 import trio
@@ -28,25 +28,6 @@ from greenroom.protocols.messages import (
 from greenroom.protocols.stream import ModelError, StreamEvent, StreamFailed
 
 Deliver = Callable[[list[StreamEvent]], Awaitable[None]]
-
-TakeBatch = Callable[[int, list[StreamEvent]], Literal["declined", "taken", "done"]]
-"""A supervisor's dispatch taking an attempt's events at once (see :class:`StreamEvents`):
-``declined`` (send them), ``taken``, or ``done`` (taken, and its wait has ended: send
-it an empty batch to wake it)."""
-
-
-class StreamEvents(list[StreamEvent]):
-    """The events of a :class:`~greenroom.protocols.messages.StreamBatch` the streamer
-    sends to its supervisor's inbox. The streamer adds to the list until the dispatch has
-    handled it (the dispatch empties it), and the dispatch leaves on it, in ``take``, the
-    way to hand it the attempt's next events directly while it waits for them."""
-
-    __slots__ = ("take",)
-
-    def __init__(self, events: Iterable[StreamEvent] = ()) -> None:
-        super().__init__(events)
-        self.take: TakeBatch | None = None
-
 
 _CONNECT_REASONS: tuple[tuple[type[OSError], str], ...] = (
     (ConnectionRefusedError, "connection refused"),
@@ -103,12 +84,6 @@ class ProviderTask(Protocol):
     network read: it amortises the cost per event). It delivers exactly one terminal
     event (``MessageCompleted`` or ``StreamFailed``) as the last event and never raises,
     except ``trio.Cancelled`` when the task is interrupted.
-
-    An optional attribute ``whole_reads`` (read at each delivery; absent means False)
-    says that each delivery holds all the events of one network read, the next one coming
-    only after another read: the streamer then hands them to a waiting supervisor within
-    its own task step. A provider whose library hands on one HTTP chunk at a time leaves
-    it False.
     """
 
     async def stream(self, request: ModelRequest, deliver: Deliver) -> None:
@@ -221,39 +196,9 @@ class LLMStreamer:
         nothing more."""
         if delay_ms > 0:
             await self._backoff.sleep(delay_ms / 1000)
-        # Into the supervisor's inbox, a delivery takes the cheapest way that keeps its
-        # order: handed to the dispatch at once when it is waiting for exactly this and the
-        # provider delivers whole network reads (one task step per read instead of two),
-        # else added to the batch still waiting in the inbox, else sent as a new batch. A
-        # provider that delivers one HTTP chunk at a time is better served by the batch: the
-        # supervisor then handles all the chunks of a read in one step, and its consumer
-        # gets them as one batch. Reply channels (a compaction, a title) get every delivery
-        # as it is.
-        provider = self._provider
-        joins = inbox is self._inbox
-        waiting = StreamEvents()
-        take: TakeBatch | None = None
 
         async def deliver(events: list[StreamEvent]) -> None:
-            nonlocal waiting, take
-            if not joins:
-                inbox.send_nowait(StreamBatch(attempt=attempt, events=events))
-                return
-            if waiting:  # not handled yet
-                waiting += events
-                return
-            if take is None:
-                take = waiting.take
-            if take is not None and getattr(provider, "whole_reads", False):
-                verdict = take(attempt, events)
-                if verdict == "taken":
-                    return
-                if verdict == "done":
-                    # Handled, and the supervisor's wait is over: wake it.
-                    inbox.send_nowait(StreamBatch(attempt=attempt, events=[]))
-                    return
-            waiting = StreamEvents(events)
-            inbox.send_nowait(StreamBatch(attempt=attempt, events=waiting))
+            inbox.send_nowait(StreamBatch(attempt=attempt, events=events))
 
         try:
             await self._provider.stream(request, deliver)

@@ -11,12 +11,11 @@ ledger. Steering and backoff skips are handed to the supervisor's callbacks.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal, assert_never
+from typing import TYPE_CHECKING, assert_never
 
 import trio
 
 from greenroom.actors.runtime.emitter import OutputEmitter, repaired_blocks
-from greenroom.actors.runtime.llm_streamer import StreamEvents
 from greenroom.protocols.content import UserContent
 from greenroom.protocols.messages import (
     ApprovalAsked,
@@ -38,7 +37,7 @@ from greenroom.protocols.outputs import (
     PartialThinking,
     PartialToolCall,
 )
-from greenroom.protocols.stream import MessageCompleted, StreamEvent, StreamFailed, TokenUsage
+from greenroom.protocols.stream import MessageCompleted, StreamFailed, TokenUsage
 from greenroom.protocols.text import repair_text
 from greenroom.protocols.turn import Effect, RecordUsage, TurnMachine
 
@@ -65,7 +64,6 @@ class TurnDispatch:
         "_on_steering",
         "_on_usage",
         "_session",
-        "_waiting",
         "approvals",
         "pool",
         "run_id",
@@ -94,7 +92,6 @@ class TurnDispatch:
         self.pool: trio.MemorySendChannel[PoolCommand] | None = None
         self.run_id = ""
         self.turn = 0
-        self._waiting: tuple[TurnMachine, Callable[[], bool]] | None = None
 
     async def pump(
         self, machine: TurnMachine, done: Callable[[], bool]
@@ -106,33 +103,11 @@ class TurnDispatch:
             # What the caller emitted is written and published before we wait: a line
             # left buffered goes to the writer thread, and the next batch waits for it.
             emitter.flush()
-            self._waiting = (machine, done)
-            try:
-                message = await receive.receive()
-            finally:
-                self._waiting = None
+            message = await receive.receive()
             self.handle(machine, message)
             self.drain(machine)
             emitter.flush()
         return machine.stream_result
-
-    def _take(
-        self, attempt: int, events: list[StreamEvent]
-    ) -> Literal["declined", "taken", "done"]:
-        # The streamer's task hands over what it would send: handled here exactly as pump
-        # would once woken — but only while pump waits with nothing before it, so that no
-        # message is overtaken.
-        waiting = self._waiting
-        if waiting is None:
-            return "declined"
-        inbox = self._inbox.statistics()
-        if inbox.current_buffer_used or not inbox.tasks_waiting_receive:
-            return "declined"
-        machine, done = waiting
-        if attempt == machine.attempt:
-            self.apply(machine.feed(events))
-        self._emitter.flush()
-        return "done" if done() else "taken"
 
     def drain(self, machine: TurnMachine) -> None:
         """Handle every message already waiting, without blocking."""
@@ -148,15 +123,9 @@ class TurnDispatch:
         """One inbox message."""
         match message:
             case StreamBatch():
-                events = message.events
                 if message.attempt == machine.attempt:
-                    # The hot path: one batch per network read (or more: see below).
-                    self.apply(machine.feed(events))
-                # Handled: the streamer starts a new batch for what it delivers next
-                # instead of adding to this one, or hands it over while we wait.
-                events.clear()
-                if isinstance(events, StreamEvents) and events.take is None:
-                    events.take = self._take
+                    # The hot path: one batch per network read.
+                    self.apply(machine.feed(message.events))
             case ToolCallFinished():
                 # Tool output is outside text (R-SEC-1): repaired before anyone encodes it.
                 self.apply(
