@@ -596,7 +596,8 @@ class AnthropicStreamDecoder:
             return []
         out: list[StreamEvent] = []
         blocks = self._blocks
-        for name, text in self._sse.feed_raw(data):
+        names, texts = self._sse.feed_columns(data)
+        for name, text in zip(names, texts, strict=True):
             # Fast path for the bulk of a stream: a delta of an open block, in the compact
             # shape the API sends. Anything else (or any surprise) takes the full parse.
             if name == "content_block_delta" and text.startswith(_DELTA_PREFIX):

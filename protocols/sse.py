@@ -75,23 +75,33 @@ class SSEDecoder:
     def feed_raw(self, data: bytes) -> list[tuple[str | None, str]]:
         """:meth:`feed` giving ``(event, data)`` tuples instead of :class:`SSEEvent`:
         same contract, one allocation less per event for hot-path consumers."""
+        names, texts = self.feed_columns(data)
+        return list(zip(names, texts, strict=True))
+
+    def feed_columns(self, data: bytes) -> tuple[list[str | None], list[str]]:
+        """:meth:`feed` as two lists of one length, the events' names and their data: same
+        contract, and no object per event (strings only). A chunk completes hundreds of
+        events when the client has fallen behind, and every object that lives until the
+        chunk is decoded counts towards the cyclic collector's next collection."""
+        names: list[str | None] = []
+        texts: list[str] = []
         if self._closed:
             raise RuntimeError("SSEDecoder.feed() after close()")
         if not data:
-            return []
+            return names, texts
         if self._skip_lf:
             self._skip_lf = False
             if data[0] == _LF:
                 data = data[1:]
                 if not data:
-                    return []
+                    return names, texts
         if b"\r" in data:
             if data[-1] == _CR:
                 self._skip_lf = True
             data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         if b"\n" not in data:
             self._pending.append(data)
-            return []
+            return names, texts
         if self._pending:
             self._pending.append(data)
             data = b"".join(self._pending)
@@ -101,14 +111,16 @@ class SSEDecoder:
             tail = lines.pop()
             if tail:
                 self._pending.append(tail)
-            return self._lines(lines)
+            self._lines(lines, names, texts)
+            return names, texts
         # Whole events: the common shapes (``event: X`` + one ``data:`` line, or one
         # ``data:`` line) are cut out with two searches each; anything else, or an event
         # begun in an earlier chunk, goes through the line-by-line path.
         blocks = data.split(b"\n\n")
         rest = blocks.pop()
-        events: list[tuple[str | None, str]] = []
-        names = _EVENT_NAMES
+        known = _EVENT_NAMES
+        add_name = names.append
+        add_text = texts.append
         for block in blocks:
             if not self._data and self._event is None:
                 if block.startswith(b"event: "):
@@ -120,24 +132,26 @@ class SSEDecoder:
                         and b":" not in block[7:nl]
                     ):
                         raw = block[7:nl]
-                        name = names.get(raw)
+                        name = known.get(raw)
                         if name is None:
                             name = raw.decode("utf-8", "replace") or None
-                        events.append((name, block[nl + 7 :].decode("utf-8", "replace")))
+                        add_name(name)
+                        add_text(block[nl + 7 :].decode("utf-8", "replace"))
                         continue
                 elif block.startswith(b"data: ") and b"\n" not in block:
-                    events.append((None, block[6:].decode("utf-8", "replace")))
+                    add_name(None)
+                    add_text(block[6:].decode("utf-8", "replace"))
                     continue
             lines = block.split(b"\n")
             lines.append(b"")
-            events += self._lines(lines)
+            self._lines(lines, names, texts)
         lines = rest.split(b"\n")
         tail = lines.pop()
         if tail:
             self._pending.append(tail)
         if lines:
-            events += self._lines(lines)
-        return events
+            self._lines(lines, names, texts)
+        return names, texts
 
     def close(self) -> list[SSEEvent]:
         """End of stream. Always returns ``[]`` (an unterminated event is never
@@ -155,12 +169,11 @@ class SSEDecoder:
         self._event = None
         return []
 
-    def _lines(self, lines: list[bytes]) -> list[tuple[str | None, str]]:
+    def _lines(self, lines: list[bytes], names: list[str | None], texts: list[str]) -> None:
         if not self._started:
             self._started = True
             if lines[0].startswith(_BOM):
                 lines[0] = lines[0][3:]
-        events: list[tuple[str | None, str]] = []
         data = self._data
         event = self._event
         for line in lines:
@@ -170,7 +183,8 @@ class SSEDecoder:
                         text = data[0].decode("utf-8", "replace")
                     else:
                         text = b"\n".join(data).decode("utf-8", "replace")
-                    events.append((event, text))
+                    names.append(event)
+                    texts.append(text)
                     data = []
                 event = None
             elif line.startswith(b"data:"):
@@ -197,4 +211,3 @@ class SSEDecoder:
                     self.last_event_id = value.decode("utf-8", "replace")
         self._data = data
         self._event = event
-        return events

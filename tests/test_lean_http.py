@@ -8,6 +8,7 @@ closed, and its chunked-body errors."""
 from __future__ import annotations
 
 import datetime
+import gzip
 import ssl
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ import pytest
 import trio
 import trio.testing
 
+from greenroom.actors.providers import anthropic as anthropic_provider
+from greenroom.actors.providers import lean_http
 from greenroom.actors.providers.anthropic import AnthropicProvider
 from greenroom.actors.providers.lean_http import LeanTransport
 from greenroom.protocols.content import TextBlock
@@ -161,6 +164,53 @@ async def test_the_lean_path_batches_per_read() -> None:
     _, sdk_batches = await stream_once(reply, lean=False, rechunk=16)
     _, lean_batches = await stream_once(reply, lean=True, rechunk=16)
     assert lean_batches < sdk_batches / 4
+
+
+@pytest.mark.parametrize("encoding", ["identity", "gzip"])
+async def test_a_body_is_read_raw_unless_it_is_compressed(encoding: str) -> None:
+    """The provider reads the lean transport's body directly (no httpx2 or SDK iterator
+    around it), except a compressed one, which httpx2 decodes: both give the fixture's
+    events."""
+    text = (FIXTURES / "anthropic" / "ping_interleaved.sse").read_bytes()
+    payload = gzip.compress(text) if encoding == "gzip" else text
+    head = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+        b"content-encoding: " + encoding.encode() + b"\r\n"
+        b"content-length: " + str(len(payload)).encode() + b"\r\n\r\n"
+    )
+    listener, port = await _listen()
+
+    async def answer() -> None:
+        stream = await listener.accept()
+        await stream.receive_some(65536)
+        await stream.send_all(head + payload)
+
+    raw_reads: list[bool] = []
+    original = lean_http.raw_body
+
+    def spy(response: httpx2.Response) -> Any:
+        body = original(response)
+        raw_reads.append(body is not None)
+        return body
+
+    events: list[StreamEvent] = []
+
+    async def deliver(batch: list[StreamEvent]) -> None:
+        events.extend(batch)
+
+    provider = AnthropicProvider(base_url=f"http://127.0.0.1:{port}", api_key="k", lean_http=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(anthropic_provider, "raw_body", spy)
+        try:
+            with trio.fail_after(BOUND_S):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(answer)
+                    await provider.open_task().stream(request(), deliver)
+        finally:
+            await provider.aclose()
+            await listener.aclose()
+    assert raw_reads == [encoding == "identity"]
+    assert events == await same_events(Fixture("anthropic/ping_interleaved.sse"))
 
 
 async def test_connections_are_kept_alive_and_reused() -> None:

@@ -48,7 +48,13 @@ from typing import Any, NoReturn, TextIO, assert_never
 import attrs
 import trio
 
-from greenroom.actors.providers import PROVIDERS, default_provider_name, provider_spec
+from greenroom.actors.providers import (
+    LEAN_HTTP_VARIABLE,
+    PROVIDERS,
+    default_provider_name,
+    lean_http_enabled,
+    provider_spec,
+)
 from greenroom.actors.runtime import (
     ApproveFn,
     AuthLocked,
@@ -218,6 +224,14 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         help="provider endpoint: an Anthropic-compatible server for anthropic, any "
         "OpenAI-compatible /v1 server (vLLM, llama.cpp, Ollama) for openai "
         "(default: the provider's own)",
+    )
+    parser.add_argument(
+        "--lean-http",
+        action=argparse.BooleanOptionalAction,
+        help="anthropic provider: read streams through greenroom's lean HTTP/1.1 transport "
+        "(about half the client CPU per streamed event; the SDK still builds, authenticates "
+        "and checks the requests) instead of the SDK's own HTTP stack "
+        f"(default: ${LEAN_HTTP_VARIABLE}, else off)",
     )
 
 
@@ -468,9 +482,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-console", action="store_true", help="do not serve the web console")
     serve.add_argument(
         "--gc-tuning",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="run Python's cyclic garbage collector less often while serving: less CPU per "
-        "streamed event with many sessions, cyclic garbage freed later (default: off)",
+        "streamed event with many sessions, cyclic garbage freed later (default: on; "
+        "--no-gc-tuning keeps the interpreter's own thresholds)",
     )
     serve.add_argument(
         "--nats",
@@ -582,6 +598,7 @@ def _telemetry(args: argparse.Namespace) -> Iterator[tuple[SessionObserver, ...]
 
 def _dispatch_command(args: argparse.Namespace) -> int:
     _check_data_dir_of(args)
+    _choose_lean_http(args)
     if args.command == "run":
         return _run_command(args)
     if args.command == "acp":
@@ -676,6 +693,20 @@ def _discard_output() -> None:
         with contextlib.suppress(AttributeError, OSError, ValueError):
             os.dup2(devnull, stream.fileno())
     os.close(devnull)
+
+
+def _choose_lean_http(args: argparse.Namespace) -> None:
+    """``--lean-http`` / ``--no-lean-http`` decide for the providers this process makes
+    (through the variable the provider registry reads); without either, a malformed
+    variable is refused here in one line, before anything starts."""
+    chosen = getattr(args, "lean_http", None)
+    if chosen is not None:
+        os.environ[LEAN_HTTP_VARIABLE] = "1" if chosen else "0"
+        return
+    try:
+        lean_http_enabled()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _check_data_dir_of(args: argparse.Namespace) -> None:

@@ -8,8 +8,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from greenroom.actors.providers.media import read_image
     from greenroom.actors.providers.registry import (
+        LEAN_HTTP_VARIABLE,
         PROVIDERS,
         default_provider_name,
+        lean_http_enabled,
         provider_spec,
     )
     from greenroom.actors.providers.scripted_brain import DEMO_PROMPT
@@ -18,7 +20,9 @@ if TYPE_CHECKING:
 # not import them all (nor pay for the ones a program never uses).
 _MODULE_OF = {
     "read_image": "greenroom.actors.providers.media",
+    "LEAN_HTTP_VARIABLE": "greenroom.actors.providers.registry",
     "PROVIDERS": "greenroom.actors.providers.registry",
+    "lean_http_enabled": "greenroom.actors.providers.registry",
     "default_provider_name": "greenroom.actors.providers.registry",
     "provider_spec": "greenroom.actors.providers.registry",
     "DEMO_PROMPT": "greenroom.actors.providers.scripted_brain",
@@ -26,8 +30,10 @@ _MODULE_OF = {
 
 __all__ = [
     "DEMO_PROMPT",
+    "LEAN_HTTP_VARIABLE",
     "PROVIDERS",
     "default_provider_name",
+    "lean_http_enabled",
     "provider_spec",
     "read_image",
 ]

@@ -22,7 +22,7 @@ from typing import Any
 import anthropic
 import httpx2
 
-from greenroom.actors.providers.lean_http import LeanTransport
+from greenroom.actors.providers.lean_http import LeanTransport, raw_body
 from greenroom.actors.providers.media import read_image
 from greenroom.actors.runtime.errors import ConfigurationError
 from greenroom.actors.runtime.llm_streamer import Deliver, connect_failure, cut_short
@@ -113,6 +113,11 @@ class AnthropicProvider:
         self._shards: list[_Shard] = []
         self._add_shard()
 
+    @property
+    def lean_http(self) -> bool:
+        """Whether streams are read through the lean transport."""
+        return self._lean
+
     def _add_shard(self) -> _Shard:
         client = anthropic.AsyncAnthropic(
             api_key=self._key,
@@ -171,8 +176,11 @@ class _AnthropicTask:
         shard.active += 1
         try:
             async with shard.client.messages.with_streaming_response.create(**body) as response:
+                # The lean transport's body is read as it is (one piece per network read);
+                # the SDK's iterators decode what that cannot (another transport, gzip).
+                chunks = raw_body(response.http_response) or response.iter_bytes()
                 try:
-                    async for chunk in response.iter_bytes():
+                    async for chunk in chunks:
                         events = decoder.feed(chunk)
                         if events:
                             await deliver(events)

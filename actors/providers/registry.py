@@ -33,10 +33,34 @@ class ProviderSpec:
     missing_credentials: Callable[[str | None], str | None]
 
 
+LEAN_HTTP_VARIABLE = "GREENROOM_LEAN_HTTP"
+"""``1``/``on``/``true``/``yes`` or ``0``/``off``/``false``/``no``: whether the anthropic
+provider made from the registry reads its streams through greenroom's lean HTTP/1.1
+transport (``AnthropicProvider(lean_http=True)``); unset means off. The command line's
+``--lean-http`` / ``--no-lean-http`` set it for the process they run."""
+
+_TRUE = ("1", "on", "true", "yes")
+_FALSE = ("0", "off", "false", "no", "")
+
+
+def lean_http_enabled() -> bool:
+    """What :data:`LEAN_HTTP_VARIABLE` asks for; ``ValueError`` naming the variable and the
+    accepted words when it holds something else."""
+    value = os.environ.get(LEAN_HTTP_VARIABLE, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(
+        f"{LEAN_HTTP_VARIABLE}={os.environ[LEAN_HTTP_VARIABLE]!r}: use 1, on, true, yes "
+        "or 0, off, false, no"
+    )
+
+
 def _anthropic(settings: SessionSettings) -> ModelProvider:
     from greenroom.actors.providers.anthropic import AnthropicProvider
 
-    return AnthropicProvider(base_url=settings.base_url)
+    return AnthropicProvider(base_url=settings.base_url, lean_http=lean_http_enabled())
 
 
 def _openai(settings: SessionSettings) -> ModelProvider:

@@ -7,13 +7,15 @@ visits every live tracked object of the process: with a thousand sessions open, 
 collection walks their histories and the imported libraries' objects again, and at a
 thousand concurrent streams the collector ends up a large share of the client's CPU.
 
-:func:`tuned_gc` (``Host.open(gc_tuning=True)``, ``greenroom serve --gc-tuning``) raises the
-thresholds to :data:`GC_THRESHOLDS` while the host is open and restores the process's
-previous thresholds when the last tuned host closes. The trade-off is memory: garbage
+:func:`tuned_gc` (``Host.open(gc_tuning=True)``; ``greenroom serve``, where it is on unless
+``--no-gc-tuning``: a process greenroom owns) raises the thresholds to :data:`GC_THRESHOLDS`
+while the host is open and restores the process's previous thresholds when the last tuned
+host closes. The trade-off is memory: garbage
 that is part of a reference cycle lives until the next young collection, up to
 ``GC_THRESHOLDS[0]`` net allocations later, so a process's peak may grow by some
-megabytes. Objects without cycles are freed by reference counting as before. The host
-never changes these settings unless asked to: they are process-wide.
+megabytes. Objects without cycles are freed by reference counting as before. A host
+opened by a library user never changes these settings unless asked to: they are
+process-wide.
 """
 
 from __future__ import annotations
