@@ -55,18 +55,31 @@ class OutputEmitter:
         self._unpublished: deque[tuple[int, list[Output]]] = deque()
         self._awaiting_store = False
         self._published: trio.Event | None = None
-        # Unbounded: the trace store answers with send_nowait and must never wait; it
-        # holds at most one answer, as one ticket is awaited at a time.
-        self._written_send, self._written = trio.open_memory_channel[TraceWritten](math.inf)
+        # Made when a store first answers late (the cluster's): the file store never does,
+        # so a session on files pays for neither the channel nor the task.
+        self._nursery: trio.Nursery | None = None
+        self._written: trio.MemorySendChannel[TraceWritten] | None = None
         self.trace_error: str | None = None
         """Why the current task could not write its trace, once it could not."""
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Publish the batches that waited for the trace store, as its ``TraceWritten``
-        answers arrive (a backend that acknowledges late: the cluster's JetStream). Runs
-        in the supervisor's nursery for the whole call, teardown included."""
-        task_status.started()
-        async for _ in self._written:
+    def serve_in(self, nursery: trio.Nursery) -> None:
+        """The nursery (the supervisor's, for the whole call, teardown included) in which
+        the emitter starts its task for a store that acknowledges records late."""
+        self._nursery = nursery
+
+    def _when_written(self, ticket: int) -> None:
+        """Ask the store for ``TraceWritten(ticket)`` on the emitter's inbox; the
+        emitter's own task publishes what waited when it comes."""
+        if self._written is None:
+            assert self._nursery is not None, "serve_in() before the first output"
+            # Unbounded: the trace store answers with send_nowait and must never wait; it
+            # holds at most one answer, as one ticket is awaited at a time.
+            self._written, answers = trio.open_memory_channel[TraceWritten](math.inf)
+            self._nursery.start_soon(self._publish_written, answers)
+        self._store.when_batch_done(ticket, self._written)
+
+    async def _publish_written(self, answers: trio.MemoryReceiveChannel[TraceWritten]) -> None:
+        async for _ in answers:
             self._on_trace_written()
 
     def begin_task(self) -> None:
@@ -176,7 +189,7 @@ class OutputEmitter:
         self._unpublished.append((ticket, batch))
         if not self._awaiting_store:
             self._awaiting_store = True
-            self._store.when_batch_done(ticket, self._written_send)
+            self._when_written(ticket)
 
     def _on_trace_written(self) -> None:
         # The store's answer came: publish what it covers, and wait for the next ticket.
@@ -191,7 +204,7 @@ class OutputEmitter:
             self._publish(unpublished.popleft()[1])
         if unpublished:
             self._awaiting_store = True
-            self._store.when_batch_done(unpublished[0][0], self._written_send)
+            self._when_written(unpublished[0][0])
         elif self._published is not None:
             self._published.set()
 

@@ -186,7 +186,7 @@ class SessionSupervisor:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._serve_control)
-                await nursery.start(self._out.run)
+                self._out.serve_in(nursery)
                 try:
                     await self._run_tasks()
                 finally:
