@@ -171,9 +171,9 @@ class OutputEmitter:
 
     def flush(self) -> None:
         """Hand the outputs emitted so far on as one batch: its records are written to
-        the trace file (committed) and it is published — unless the trace store's writer
-        holds lines of the file right now, or a batch before it still waits: then it is
-        queued until the store's batch is done. Never waits."""
+        the trace (committed) and it is published — unless the store cannot write them at
+        once (it acknowledges late), or a batch before it still waits: then it is queued
+        until the store's ``TraceWritten``. Never waits."""
         if not self._batch:
             return
         batch = self._batch

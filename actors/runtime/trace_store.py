@@ -14,8 +14,9 @@ The rules every backend keeps:
   therefore not add to its trace (R-CLUSTER-1); in one process it catches a bug that would
   duplicate a record. (A record its writer could not encode leaves its ``seq`` unused.)
 - **Publication waits for the write.** :meth:`TraceStore.commit` hands a session's appended
-  records on at once when it can (a file: one ``write(2)``); when it cannot, it returns False
-  and :meth:`TraceStore.batch_done` / :meth:`TraceStore.when_batch_done` tell when the
+  records on at once when it can (a file: always, one ``write(2)`` in the caller's task);
+  when it cannot (a store that acknowledges late), it returns False, and
+  :meth:`TraceStore.when_batch_done` sends ``TraceWritten`` on the emitter's inbox once the
   ticket :meth:`TraceStore.append` returned is done. A session publishes an output only then
   (R-TRACE-3, R-RUN-8).
 - **Durability on request.** :meth:`TraceStore.sync` returns once everything appended for

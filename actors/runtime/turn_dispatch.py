@@ -101,8 +101,7 @@ class TurnDispatch:
         receive = self._inbox
         emitter = self._emitter
         while not done():
-            # What the caller emitted is written and published before we wait: a line
-            # left buffered goes to the writer thread, and the next batch waits for it.
+            # What the caller emitted is written and published before we wait.
             emitter.flush()
             message = await receive.receive()
             self.handle(machine, message)
