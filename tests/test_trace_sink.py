@@ -345,3 +345,23 @@ def test_latest_trace_file(tmp_path: Path) -> None:
     (tmp_path / "trace_999.jsonl.tmp").write_text("")
     (tmp_path / "notes.txt").write_text("")
     assert latest_trace_file(tmp_path) == tmp_path / "trace_010.jsonl"
+
+
+async def test_a_released_file_is_still_made_durable_when_it_has_unsynced_lines(
+    tmp_path: Path, fsynced: list[Path]
+) -> None:
+    """Releasing a closed session's file forgets it only once nothing of it is pending:
+    committed lines that were never fsynced are still fsynced at close."""
+    synced, pending = trace_path(tmp_path, "synced"), trace_path(tmp_path, "pending")
+    with trio.fail_after(TIMEOUT):
+        async with running_sink(tmp_path) as sink:
+            sink.write(synced, line(1))
+            await sink.sync(synced)
+            sink.write(pending, line(1))
+            sink.commit(pending)
+            sink.release(synced)
+            sink.release(pending)
+            fsynced.clear()
+    assert fsynced.count(pending) == 1
+    assert synced not in fsynced
+    assert seqs(pending) == [1]

@@ -250,11 +250,8 @@ class TraceSink:
         if not self._closed:
             self._closed = True
             self._commit_all()
-            # The actor serves what is queued, then ends: its inbox is closed. One that has
-            # stopped already leaves the rest to run's final flush.
-            with contextlib.suppress(TraceSinkClosed):
-                self._request(None, ledger=True)
-            self._closed = True
+            # The actor serves what is queued (usage rows included), then ends: its inbox
+            # is closed. run's final flush fsyncs every file written since its last fsync.
             self._inbox.close()
         await self._finished.wait()
 
@@ -365,6 +362,13 @@ class TraceSink:
         self._errors.pop(path, None)
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             self._inbox.send_nowait(TraceErrorAcknowledged(path=str(path)))
+
+    def release(self, path: Path) -> None:
+        """The session of ``path`` was closed: forget what is kept for the file once
+        nothing of it is left to write or fsync (a host that runs many sessions over its
+        life keeps only the open ones')."""
+        if path not in self._buffers and not self._unsynced(path):
+            self.forget(path)
 
     def forget(self, path: Path) -> None:
         """``path`` is gone (its session was deleted): nothing of it is left to write or

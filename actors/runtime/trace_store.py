@@ -297,7 +297,9 @@ class FileTraceStore:
     def release(self, session_id: str) -> None:
         """Drop the session's trace position (a host that opens many sessions over its
         life keeps only the open ones')."""
-        self._positions.pop(session_id, None)
+        position = self._positions.pop(session_id, None)
+        if position is not None:
+            self.sink.release(position.path)
 
     def location(self, session_id: str) -> Path:
         """The current trace file (of a released session: the latest one on disk)."""
@@ -354,6 +356,7 @@ class FileTraceStore:
     def rotate(self, session_id: str) -> str:
         """The next file, ``trace_<n+1>.jsonl``; seq numbers go on across files."""
         position = self._position(session_id)
+        self.sink.release(position.path)
         position.number += 1
         position.path = self.paths.trace_path(session_id, position.number)
         return trace_file_name(position.number)
