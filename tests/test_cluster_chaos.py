@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import random
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,11 @@ from greenroom.actors.cluster.traces import TraceStream
 from greenroom.protocols.outputs import Output, TaskEnd
 from tests.support.cluster_hosts import HostProcess, start_host
 from tests.support.mock_model_server import open_mock_server
-from tests.support.nats import NatsProcess, run_connected, running_nats
+from tests.support.nats import (  # the fixture is used as nats_server
+    NatsProcess,
+    fresh_nats_server,  # noqa: F401
+    run_connected,
+)
 from tests.test_cluster_takeover import (
     LEASE_TTL_S,
     Effects,
@@ -34,11 +37,6 @@ from tests.test_cluster_takeover import (
 ROUNDS = 2
 BOUND_S = 150.0
 
-
-@pytest.fixture
-def nats_server(tmp_path: Path) -> Iterator[NatsProcess]:
-    with running_nats(tmp_path / "nats") as server:
-        yield server
 
 
 @pytest.mark.parametrize("round_number", range(ROUNDS))

@@ -4,12 +4,11 @@ on a real nats-server; a client of host b works a session that runs on host a.""
 from __future__ import annotations
 
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import pytest
 import trio
 from trio_websocket import open_websocket_url
 
@@ -19,7 +18,11 @@ from greenroom.actors.cluster.router import OWNER_UNREACHABLE
 from greenroom.actors.cluster.traces import TraceStream
 from tests.support.cluster_hosts import HostProcess, start_host
 from tests.support.mock_model_server import RecordedRequest, Reply, Text, ToolUse, open_mock_server
-from tests.support.nats import NatsProcess, run_connected, running_nats
+from tests.support.nats import (  # the fixture is used as nats_server
+    NatsProcess,
+    fresh_nats_server,  # noqa: F401
+    run_connected,
+)
 from tests.test_cluster_takeover import Effects
 from tests.test_gateway import Client
 
@@ -27,11 +30,6 @@ LEASE_TTL_S = 3.0
 BOUND_S = 90.0
 TOKENS = "alice alice-token-0123456789\nmallory mallory-token-0123456789\n"
 
-
-@pytest.fixture
-def nats_server(tmp_path: Path) -> Iterator[NatsProcess]:
-    with running_nats(tmp_path / "nats") as server:
-        yield server
 
 
 def _model(request: RecordedRequest) -> Reply:

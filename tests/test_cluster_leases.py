@@ -3,23 +3,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
 import trio
 
 from greenroom.actors.cluster.connection import Connection
 from greenroom.actors.cluster.errors import LeaseLost
 from greenroom.actors.cluster.leases import LeaseKeeper, LeaseTable
-from tests.support.nats import NatsProcess, run_connected, running_nats
+from tests.support.nats import (  # the fixture is used as nats_server
+    NatsProcess,
+    module_nats_server,  # noqa: F401
+    run_connected,
+)
 
 TTL_S = 1.0
 
-
-@pytest.fixture(scope="module")
-def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsProcess]:
-    with running_nats(tmp_path_factory.mktemp("nats")) as server:
-        yield server
 
 
 def test_one_claim_wins_and_the_holder_is_known(nats_server: NatsProcess) -> None:

@@ -3,10 +3,8 @@ owner, against a real nats-server (R-CLUSTER-1)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 import trio
 
 from greenroom.actors.cluster.connection import Connection
@@ -19,13 +17,11 @@ from greenroom.actors.cluster.registry import (
     least_loaded,
 )
 from greenroom.actors.cluster.routing import SessionRequests
-from tests.support.nats import NatsProcess, run_connected, running_nats
-
-
-@pytest.fixture(scope="module")
-def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsProcess]:
-    with running_nats(tmp_path_factory.mktemp("nats")) as server:
-        yield server
+from tests.support.nats import (  # the fixture is used as nats_server
+    NatsProcess,
+    module_nats_server,  # noqa: F401
+    run_connected,
+)
 
 
 def test_placement_is_the_least_loaded_host_and_spreads_orphans() -> None:

@@ -5,10 +5,8 @@ finishes the session (R-CLUSTER-1..2)."""
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import trio
 from trio_websocket import open_websocket_url
 
@@ -19,17 +17,16 @@ from greenroom.actors.cluster.traces import TraceStream
 from greenroom.protocols.outputs import Output, TaskEnd, ToolCallOutput
 from tests.support.cluster_hosts import HostProcess, start_host
 from tests.support.mock_model_server import RecordedRequest, Reply, Text, ToolUse, open_mock_server
-from tests.support.nats import NatsProcess, run_connected, running_nats
+from tests.support.nats import (  # the fixture is used as nats_server
+    NatsProcess,
+    fresh_nats_server,  # noqa: F401
+    run_connected,
+)
 from tests.test_gateway import Client
 
 LEASE_TTL_S = 3.0
 BOUND_S = 60.0
 
-
-@pytest.fixture
-def nats_server(tmp_path: Path) -> Iterator[NatsProcess]:
-    with running_nats(tmp_path / "nats") as server:
-        yield server
 
 
 def _model(request: RecordedRequest) -> Reply:

@@ -4,9 +4,6 @@ without gap or duplicate on replay)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
 import trio
 
 from greenroom.actors.cluster.connection import Connection
@@ -14,15 +11,14 @@ from greenroom.actors.cluster.errors import Fenced
 from greenroom.actors.cluster.traces import TraceStream
 from greenroom.protocols.outputs import Output, TaskStart
 from greenroom.protocols.trace import encode_record
-from tests.support.nats import NatsProcess, run_connected, running_nats
+from tests.support.nats import (  # the fixture is used as nats_server
+    NatsProcess,
+    module_nats_server,  # noqa: F401
+    run_connected,
+)
 
 SID = "20260101-120000-abcdef"
 
-
-@pytest.fixture(scope="module")
-def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsProcess]:
-    with running_nats(tmp_path_factory.mktemp("nats")) as server:
-        yield server
 
 
 def _line(seq: int) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import attrs
+import pytest
 import trio
 
 from greenroom.actors.cluster.bridge import Bridge, run
@@ -111,6 +112,22 @@ def running_nats(store_dir: Path) -> Iterator[NatsProcess]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(name="nats_server")
+def fresh_nats_server(tmp_path: Path) -> Iterator[NatsProcess]:
+    """A nats-server of the test's own (a test that kills or fences hosts). Import it into
+    a test module to use it there as ``nats_server``."""
+    with running_nats(tmp_path / "nats") as server:
+        yield server
+
+
+@pytest.fixture(name="nats_server", scope="module")
+def module_nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsProcess]:
+    """One nats-server for the tests of a module (each uses names of its own). Import it
+    into a test module to use it there as ``nats_server``."""
+    with running_nats(tmp_path_factory.mktemp("nats")) as server:
+        yield server
 
 
 def run_connected(
