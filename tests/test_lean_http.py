@@ -7,6 +7,7 @@ closed, and its chunked-body errors."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gzip
 import ssl
@@ -414,3 +415,69 @@ async def test_https_through_the_lean_transport_matches_httpx2(tmp_path: Path) -
     assert bodies["lean"] == bodies["httpx2"]
     assert bodies["lean"][0].replace(b"\n\n", b"") == body.replace(b"\n\n", b"")
     assert connections == 2  # one per client: each kept its connection for both requests
+
+
+async def test_a_raw_body_times_out_after_a_read_timeout_of_silence_only(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The raw body's reads share one cancel scope, moved on lazily instead of one scope
+    per read: a stream that keeps sending outlives many read timeouts, and once it stalls
+    it fails after between one read timeout and ``1 + DEADLINE_SLACK`` of them."""
+    read_timeout = 10.0
+    gap = 6.0  # below the read timeout: each piece must keep the stream alive
+    head = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+        b"transfer-encoding: chunked\r\n\r\n"
+    )
+    start = (
+        b'event: message_start\ndata: {"type":"message_start","message":{"id":"m",'
+        b'"type":"message","role":"assistant","content":[],"model":"m","stop_reason":null,'
+        b'"stop_sequence":null,"usage":{"input_tokens":1,"output_tokens":1}}}\n\n'
+    )
+    ping = b'event: ping\ndata: {"type":"ping"}\n\n'
+    listener, port = await _listen()
+    last_sent = 0.0
+    closed = trio.Event()
+
+    def chunk(data: bytes) -> bytes:
+        return b"%x\r\n%s\r\n" % (len(data), data)
+
+    async def answer() -> None:
+        nonlocal last_sent
+        stream = await listener.accept()
+        await stream.receive_some(65536)
+        await stream.send_all(head + chunk(start))
+        for _ in range(8):
+            await trio.sleep(gap)
+            await stream.send_all(chunk(ping))
+            last_sent = trio.current_time()
+        with contextlib.suppress(trio.BrokenResourceError):
+            await stream.receive_some(65536)  # until the client gives up
+        closed.set()
+
+    failed_at: list[float] = []
+    events: list[StreamEvent] = []
+
+    async def deliver(batch: list[StreamEvent]) -> None:
+        events.extend(batch)
+        if any(isinstance(e, StreamFailed) for e in batch):
+            failed_at.append(trio.current_time())
+
+    timeout = httpx2.Timeout(connect=5.0, read=read_timeout, write=5.0, pool=5.0)
+    provider = AnthropicProvider(
+        base_url=f"http://127.0.0.1:{port}", api_key="k", lean_http=True, timeout=timeout
+    )
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(answer)
+            await provider.open_task().stream(request(), deliver)
+            await closed.wait()
+    finally:
+        await provider.aclose()
+        await listener.aclose()
+    failure = events[-1]
+    assert isinstance(failure, StreamFailed) and failure.error.kind == "timeout"
+    assert "read timed out" in failure.error.message
+    silence = failed_at[0] - last_sent
+    assert last_sent >= 8 * gap > 4 * read_timeout
+    assert read_timeout <= silence <= read_timeout * (1 + lean_http.DEADLINE_SLACK) + 0.1

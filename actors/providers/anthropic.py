@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import AsyncIterable
 from typing import Any
 
 import anthropic
@@ -176,21 +177,16 @@ class _AnthropicTask:
         shard.active += 1
         try:
             async with shard.client.messages.with_streaming_response.create(**body) as response:
-                # The lean transport's body is read as it is (one piece per network read);
-                # the SDK's iterators decode what that cannot (another transport, gzip).
-                chunks = raw_body(response.http_response) or response.iter_bytes()
-                try:
-                    async for chunk in chunks:
-                        events = decoder.feed(chunk)
-                        if events:
-                            await deliver(events)
-                        if decoder.finished:
-                            return
-                except httpx2.TimeoutException:
-                    raise
-                except httpx2.TransportError as exc:
-                    # The body had begun: a stream cut short, judged by what arrived.
-                    await deliver(cut_short(decoder.end_of_stream(), exc))
+                # The lean transport's body is read as it is (one piece per network read,
+                # one cancel scope for all its reads); the SDK's iterators decode what that
+                # cannot (another transport, gzip).
+                raw = raw_body(response.http_response)
+                if raw is None:
+                    ended = await _read_body(response.iter_bytes(), decoder, deliver)
+                else:
+                    with raw.read_deadline():
+                        ended = await _read_body(raw, decoder, deliver)
+                if ended:
                     return
             await deliver(decoder.end_of_stream())
         except anthropic.APIStatusError as exc:
@@ -209,6 +205,28 @@ class _AnthropicTask:
             await deliver([_failed("timeout", f"connection dropped: {_cause(exc)}")])
         finally:
             shard.active -= 1
+
+
+async def _read_body(
+    chunks: AsyncIterable[bytes], decoder: AnthropicStreamDecoder, deliver: Deliver
+) -> bool:
+    """Feed the body to ``decoder`` and deliver what each piece completes. True when the
+    stream has ended (its terminal event, or a cut delivered as such); False when the body
+    ended first. A read timeout propagates."""
+    try:
+        async for chunk in chunks:
+            events = decoder.feed(chunk)
+            if events:
+                await deliver(events)
+            if decoder.finished:
+                return True
+    except httpx2.TimeoutException:
+        raise
+    except httpx2.TransportError as exc:
+        # The body had begun: a stream cut short, judged by what arrived.
+        await deliver(cut_short(decoder.end_of_stream(), exc))
+        return True
+    return False
 
 
 def _status_error(exc: anthropic.APIStatusError) -> ModelError:

@@ -21,10 +21,14 @@ with httpcore's wording, so the provider reports them as it reports the SDK stac
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 import select
 import ssl
+import sys
 import time
 from collections.abc import AsyncIterator
+from types import TracebackType
 from typing import Any
 
 import httpx2
@@ -38,15 +42,29 @@ RAW_BODY = "greenroom.raw_body"
 """The response extension that holds this transport's body stream (see :func:`raw_body`)."""
 MAX_HEAD_BYTES = 65536
 _CRLF = b"\r\n"
+# A plain TCP connection is read with os.read on its descriptor, waiting for readiness
+# only after a read that drained the socket: a streamed event then costs one system call
+# and no trio socket wrapper (Windows cannot read a socket with os.read).
+_DIRECT_READS = sys.platform != "win32"
+_read = os.read
+# Reads in a row that found data without waiting before the reader yields anyway.
+_UNWAITED_READS = 16
+# A body's read deadline is moved on only once this fraction of the timeout is used up:
+# a stall still ends after between 1 and 1 + DEADLINE_SLACK read timeouts of silence.
+DEADLINE_SLACK = 0.25
 
 
 class _Connection:
-    __slots__ = ("idle_since", "key", "socket", "stream")
+    __slots__ = ("fd", "idle_since", "key", "socket", "stream")
 
-    def __init__(self, key: tuple[bytes, str, int], stream: trio.abc.Stream, sock: Any) -> None:
+    def __init__(
+        self, key: tuple[bytes, str, int], stream: trio.abc.Stream, sock: Any, *, direct: bool
+    ) -> None:
         self.key = key
         self.stream = stream
         self.socket = sock
+        # The descriptor to read directly, or -1 to read through ``stream`` (TLS).
+        self.fd: int = sock.fileno() if direct else -1
         self.idle_since = 0.0
 
     def is_readable(self) -> bool:
@@ -119,7 +137,7 @@ class LeanTransport(httpx2.AsyncBaseTransport):
         except BaseException:
             limiter.release_on_behalf_of(token)
             raise
-        stream = _ResponseStream(self, token, reader, request.method, status, headers)
+        stream = RawBody(self, token, reader, request.method, status, headers)
         return httpx2.Response(
             status,
             headers=headers,
@@ -154,7 +172,7 @@ class LeanTransport(httpx2.AsyncBaseTransport):
             raise httpx2.ConnectTimeout("timed out connecting", request=request) from None
         except (OSError, trio.BrokenResourceError, ssl.SSLError) as exc:
             raise httpx2.ConnectError(str(exc) or type(exc).__name__, request=request) from exc
-        return _Connection(key, stream, tcp.socket)
+        return _Connection(key, stream, tcp.socket, direct=_DIRECT_READS and stream is tcp)
 
     def release(self, token: object, conn: _Connection | None) -> None:
         """Called by a response's body stream when it is done: the exchange's slot is freed
@@ -177,7 +195,7 @@ class LeanTransport(httpx2.AsyncBaseTransport):
                 await _close(conn)
 
 
-def raw_body(response: httpx2.Response) -> AsyncIterator[bytes] | None:
+def raw_body(response: httpx2.Response) -> RawBody | None:
     """The body of a response this transport read, to iterate directly: per network read,
     the body bytes it completed, without httpx2's and the SDK's iterators around it (about
     a fifth of a streamed event's client CPU when every read holds one event). None when
@@ -185,12 +203,12 @@ def raw_body(response: httpx2.Response) -> AsyncIterator[bytes] | None:
     other than ``identity``: httpx2's iterators decode it). Closing the response still
     closes the stream, and a stream read to its end has already released its connection."""
     stream = response.extensions.get(RAW_BODY)
-    if not isinstance(stream, _ResponseStream):
+    if not isinstance(stream, RawBody):
         return None
     encoding = response.headers.get("content-encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):
         return None
-    return stream.__aiter__()
+    return stream
 
 
 def _seconds(value: Any) -> float:
@@ -236,34 +254,103 @@ def _close_now(conn: _Connection) -> None:
 
 
 class _Reader:
-    """The response side of one exchange: the head, then the body one read at a time."""
+    """The response side of one exchange: the head, then the body one read at a time.
 
-    __slots__ = ("_buffer", "_conn", "_eof", "_request", "_timeout", "http_11")
+    Each wait for the socket has the read timeout; while a :class:`BodyDeadline` holds the
+    body's reads, that one cancel scope times them instead of a scope per read."""
+
+    __slots__ = (
+        "_buffer",
+        "_conn",
+        "_deadline",
+        "_drained",
+        "_eof",
+        "_request",
+        "_timeout",
+        "_unwaited",
+        "http_11",
+    )
 
     def __init__(self, conn: _Connection, request: httpx2.Request, timeout: float) -> None:
         self._conn = conn
         self._request = request
         self._timeout = timeout
+        self._deadline: trio.CancelScope | None = None
         self._buffer = b""
         self._eof = False
+        self._drained = False  # the last read emptied the socket: wait before the next
+        self._unwaited = 0
         self.http_11 = True
 
     @property
     def conn(self) -> _Connection:
         return self._conn
 
+    @property
+    def request(self) -> httpx2.Request:
+        return self._request
+
+    @property
+    def timeout(self) -> float:
+        return self._timeout
+
+    def hold_deadline(self, scope: trio.CancelScope | None) -> None:
+        """Time the reads with ``scope`` (None: a scope per wait again)."""
+        self._deadline = scope
+
     async def receive(self) -> bytes:
         """One network read (b"" at the end of the connection)."""
+        fd = self._conn.fd
         try:
-            with trio.fail_after(self._timeout):
-                data = await self._conn.stream.receive_some(READ_SIZE)
-        except trio.TooSlowError:
-            raise httpx2.ReadTimeout("timed out reading", request=self._request) from None
+            data = await (self._receive_stream() if fd < 0 else self._receive_fd(fd))
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise httpx2.ReadError(str(exc) or type(exc).__name__, request=self._request) from exc
         if not data:
             self._eof = True
+        return data
+
+    async def _receive_fd(self, fd: int) -> bytes:
+        waited = False
+        if self._drained:
+            await self._timed(trio.lowlevel.wait_readable, fd)
+            waited = True
+        while True:
+            try:
+                data = _read(fd, READ_SIZE)
+            except BlockingIOError:
+                await self._timed(trio.lowlevel.wait_readable, fd)
+                waited = True
+                continue
+            break
+        self._drained = len(data) < READ_SIZE
+        if waited:
+            self._unwaited = 0
+        else:
+            # Data kept coming without a wait: a checkpoint now and then, so that one
+            # fast stream neither starves the other tasks nor defers a cancellation.
+            self._unwaited += 1
+            if self._unwaited >= _UNWAITED_READS:
+                self._unwaited = 0
+                await trio.lowlevel.checkpoint()
+        return data
+
+    async def _receive_stream(self) -> bytes:
+        data = await self._timed(self._conn.stream.receive_some, READ_SIZE)
         return bytes(data)
+
+    async def _timed(self, wait: Any, arg: Any) -> Any:
+        scope = self._deadline
+        if scope is not None:
+            now = trio.current_time()
+            if scope.deadline - now < self._timeout:
+                scope.deadline = now + self._timeout * (1 + DEADLINE_SLACK)
+            return await wait(arg)
+        if self._timeout == math.inf:
+            return await wait(arg)
+        with trio.CancelScope(deadline=trio.current_time() + self._timeout) as own:
+            return await wait(arg)
+        assert own.cancelled_caught
+        raise httpx2.ReadTimeout("timed out reading", request=self._request)
 
     async def read_head(self) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         while True:
@@ -306,9 +393,11 @@ class _Reader:
         self._buffer = data + self._buffer
 
 
-class _ResponseStream(httpx2.AsyncByteStream):
-    """The body: per network read, the body bytes it completed; then the connection goes
-    back to the pool when the body ended cleanly and may be reused, else it is closed."""
+class RawBody(httpx2.AsyncByteStream):
+    """A response body read by :class:`LeanTransport`: per network read, the body bytes it
+    completed; then the connection goes back to the pool when the body ended cleanly and
+    may be reused, else it is closed. Read it inside :meth:`read_deadline` to time all its
+    reads with one cancel scope."""
 
     def __init__(
         self,
@@ -336,6 +425,13 @@ class _ResponseStream(httpx2.AsyncByteStream):
         self._empty = method == "HEAD" or status in (204, 304)
         if not self._chunked and self._length is None and not self._empty:
             self._keep_alive = False  # the body ends with the connection
+
+    def read_deadline(self) -> BodyDeadline:
+        """A context manager that times every read of this body, inside it, with one cancel
+        scope instead of one per read: ``with body.read_deadline(): async for chunk in
+        body: …``. A stall still ends after the read timeout (at most ``DEADLINE_SLACK``
+        of it later), as :class:`httpx2.ReadTimeout` raised by the ``with`` statement."""
+        return BodyDeadline(self._reader)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         reader = self._reader
@@ -399,6 +495,44 @@ class _ResponseStream(httpx2.AsyncByteStream):
     async def aclose(self) -> None:
         # Not read to its end (or it failed): the connection's state is unknown.
         await self._finish(reuse=False)
+
+
+class BodyDeadline:
+    """See :meth:`RawBody.read_deadline`. The scope's deadline is moved on only when a wait
+    begins with less than a read timeout left, to a timeout and ``DEADLINE_SLACK`` ahead:
+    a read costs no cancel scope of its own."""
+
+    __slots__ = ("_reader", "_scope")
+
+    def __init__(self, reader: _Reader | None) -> None:
+        self._reader = reader
+        self._scope: trio.CancelScope | None = None
+
+    def __enter__(self) -> None:
+        reader = self._reader
+        if reader is None or reader.timeout == math.inf:
+            return
+        scope = trio.CancelScope(
+            deadline=trio.current_time() + reader.timeout * (1 + DEADLINE_SLACK)
+        )
+        scope.__enter__()
+        self._scope = scope
+        reader.hold_deadline(scope)
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool:
+        scope, self._scope = self._scope, None
+        if scope is None or self._reader is None:
+            return False
+        self._reader.hold_deadline(None)
+        handled = scope.__exit__(kind, exc, traceback)
+        if scope.cancelled_caught:
+            raise httpx2.ReadTimeout("timed out reading", request=self._reader.request) from None
+        return handled
 
 
 class _ChunkedBody:
@@ -466,4 +600,12 @@ class _ChunkedBody:
         return b"".join(pieces)
 
 
-__all__ = ["KEEPALIVE_EXPIRY_S", "RAW_BODY", "LeanTransport", "raw_body"]
+__all__ = [
+    "DEADLINE_SLACK",
+    "KEEPALIVE_EXPIRY_S",
+    "RAW_BODY",
+    "BodyDeadline",
+    "LeanTransport",
+    "RawBody",
+    "raw_body",
+]

@@ -217,22 +217,25 @@ class Meter:
 
 
 class ReadCounter:
-    """Counts the socket reads that returned data in this process (every trio
-    ``SocketStream.receive_some``: the HTTP clients of all variants read through it).
-    ``install()`` wraps the method once; the wrapper adds one call per read."""
-
-    _installed: ReadCounter | None = None
+    """Counts the socket reads that returned data in this process: every trio
+    ``SocketStream.receive_some`` (the SDK's stack and TLS connections read through it)
+    and every ``os.read`` of the lean transport's plain TCP connections.
+    ``install()`` wraps both once; a wrapper adds one call per read."""
 
     def __init__(self) -> None:
         self.reads = 0
         self._original: Any = None
+        self._original_read: Any = None
 
     @classmethod
     def install(cls) -> ReadCounter:
         import trio
 
+        from greenroom.actors.providers import lean_http
+
         counter = cls()
         original = trio.SocketStream.receive_some
+        original_read = lean_http._read
 
         async def receive_some(stream: Any, max_bytes: int | None = None) -> Any:
             data = await original(stream, max_bytes)
@@ -240,8 +243,16 @@ class ReadCounter:
                 counter.reads += 1
             return data
 
+        def read(fd: int, size: int) -> bytes:
+            data = original_read(fd, size)
+            if data:
+                counter.reads += 1
+            return data
+
         counter._original = original
+        counter._original_read = original_read
         trio.SocketStream.receive_some = receive_some  # type: ignore[method-assign]
+        lean_http._read = read
         return counter
 
     def reset(self) -> None:
@@ -250,8 +261,11 @@ class ReadCounter:
     def uninstall(self) -> None:
         import trio
 
+        from greenroom.actors.providers import lean_http
+
         if self._original is not None:
             trio.SocketStream.receive_some = self._original  # type: ignore[method-assign]
+            lean_http._read = self._original_read
             self._original = None
 
 
