@@ -14,6 +14,9 @@ Part 2, one long stream: one request streaming ``--long-tokens`` text tokens (10
 quick: 20,000) through the full runtime (outputs consumed, trace written) → tokens/s, with
 the SDK helper and raw httpx for reference.
 
+``--text-tokens K`` streams K text tokens per request instead of the reference workload's
+200 (a task's fixed cost shows with a small K).
+
 ``--profile`` adds a cProfile of one greenroom run and one sdk run at N=100 (written to
 ``bench-results/overhead-<variant>.pstats``, top functions printed).
 """
@@ -194,7 +197,8 @@ async def main_async(args: Any) -> dict[str, Any]:
     data_dir = Path(tempfile.mkdtemp(prefix="greenroom-bench-"))
     result: dict[str, Any] = {"quick": args.quick, "data_dir_fs": str(data_dir)}
     try:
-        with MockServer("--workload", "reference") as server:
+        tokens = ("--text-tokens", str(args.text_tokens)) if args.text_tokens else ()
+        with MockServer("--workload", "reference", *tokens) as server:
             if not args.long_only:
                 rows = await concurrent_tasks(server.base_url, data_dir, ns, reps, variants)
                 result["concurrent"] = rows
@@ -239,6 +243,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=0)
     parser.add_argument("--skip", nargs="*", choices=VARIANTS)
     parser.add_argument("--long-tokens", type=int, default=0)
+    parser.add_argument(
+        "--text-tokens",
+        type=int,
+        default=0,
+        help="text tokens per request of the concurrent tasks (default: the reference 200)",
+    )
     parser.add_argument("--no-long", action="store_true")
     parser.add_argument("--long-only", action="store_true")
     parser.add_argument("--profile", action="store_true")
