@@ -493,7 +493,8 @@ class RawBody(httpx2.AsyncByteStream):
             self._transport.release(self._token, None)
 
     async def aclose(self) -> None:
-        # Not read to its end (or it failed): the connection's state is unknown.
+        """Give the exchange up: a body not read to its end (or that failed) leaves the
+        connection in an unknown state, so it is closed, not reused."""
         await self._finish(reuse=False)
 
 
