@@ -9,8 +9,10 @@ authenticates requests, applies the base URL, routes proxied URLs to its own tra
 turns HTTP statuses into its error types, while this transport reads the socket and hands
 on, per read, every body byte that read completed — all its events at once.
 
-Scope: HTTP/1.1 over trio TCP streams (TLS with the client's SSL context), keep-alive
-connections reused per origin (an idle connection is dropped after
+Scope: HTTP/1.1 over trio TCP streams (TLS with the client's SSL context; a plain
+connection's responses are read with ``os.read`` on its descriptor, and a streamed body's
+reads share one cancel scope, see :meth:`RawBody.read_deadline`), keep-alive connections
+reused per origin (an idle connection is dropped after
 :data:`KEEPALIVE_EXPIRY_S` or when the server has closed it), bodies framed by
 ``transfer-encoding: chunked``, ``content-length`` or the connection's end. Failures are
 httpx2's exceptions (``ConnectError``, ``ConnectTimeout``, ``ReadTimeout``,
