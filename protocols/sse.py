@@ -68,6 +68,20 @@ class SSEDecoder:
         self.last_event_id: str | None = None
         self.truncated = False
 
+    @property
+    def at_event_boundary(self) -> bool:
+        """Whether everything fed so far ended with a complete event (nothing is pending,
+        not even a CR), after the stream's start: a caller that recognises a chunk's
+        leading events itself may feed only the rest."""
+        return (
+            self._started
+            and not self._pending
+            and not self._data
+            and self._event is None
+            and not self._skip_lf
+            and not self._closed
+        )
+
     def feed(self, data: bytes) -> list[SSEEvent]:
         """Decode one chunk; returns the events it completes (possibly none)."""
         return [SSEEvent(event=e, data=d) for e, d in self.feed_raw(data)]

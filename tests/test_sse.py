@@ -193,3 +193,21 @@ def test_anthropic_fixture_event_names_match_json_type(path: Path) -> None:
 def test_ping_count_of_ping_fixture() -> None:
     events, _ = decode((FIXTURES / "anthropic" / "ping_interleaved.sse").read_bytes())
     assert sum(e.event == "ping" for e in events) == 9
+
+
+def test_at_event_boundary_only_between_complete_events() -> None:
+    """What a caller may skip the decoder for: nothing pending, after the start."""
+    dec = SSEDecoder()
+    assert not dec.at_event_boundary  # the start (a BOM) is the decoder's to handle
+    dec.feed(b"event: a\ndata: 1\n\n")
+    assert dec.at_event_boundary
+    dec.feed(b"event: b\ndata")
+    assert not dec.at_event_boundary
+    dec.feed(b": 2\n\n")
+    assert dec.at_event_boundary
+    dec.feed(b"data: 3\r\n\r")
+    assert not dec.at_event_boundary  # a LF may still belong to that CR
+    dec.feed(b"\n")
+    assert dec.at_event_boundary
+    dec.close()
+    assert not dec.at_event_boundary
