@@ -630,20 +630,7 @@ class AnthropicStreamDecoder:
                     idx, kind, value = fast
                     blk = blocks.get(idx)
                     if blk is not None and blk.kind == kind:
-                        if self._deferred is not None:
-                            self._flush_deferred(out)
-                        self._last_event = name
-                        if value:
-                            if not value.isascii():
-                                value = repair_text(value)
-                            blk.parts.append(value)
-                            if kind == "text":
-                                out.append(TextDelta(index=idx, text=value))
-                            elif kind == "tool_call":
-                                out.append(ToolArgumentsDelta(index=idx, call_id=blk.call_id,
-                                                              name=blk.name, delta=value))
-                            else:
-                                out.append(ThinkingDelta(index=idx, text=value))
+                        self._add_delta(out, blk, idx, value)
                         continue
             if name == "ping":
                 continue
@@ -706,25 +693,28 @@ class AnthropicStreamDecoder:
                     value = _scanstring(value + '"', 0)[0]
                 except ValueError:
                     break
-            if self._deferred is not None:
-                self._flush_deferred(out)
-            self._last_event = "content_block_delta"
-            if value:
-                if not value.isascii():
-                    value = repair_text(value)
-                blk.parts.append(value)
-                if kind == "text":
-                    out.append(TextDelta(index=idx, text=value))
-                elif kind == "tool_call":
-                    out.append(
-                        ToolArgumentsDelta(
-                            index=idx, call_id=blk.call_id, name=blk.name, delta=value
-                        )
-                    )
-                else:
-                    out.append(ThinkingDelta(index=idx, text=value))
+            self._add_delta(out, blk, idx, value)
             pos = found.end()
         return pos
+
+    def _add_delta(self, out: list[StreamEvent], blk: _Block, idx: int, value: str) -> None:
+        """A delta of open block ``blk`` (its kind checked by the caller), from a fast path."""
+        if self._deferred is not None:
+            self._flush_deferred(out)
+        self._last_event = "content_block_delta"
+        if not value:
+            return
+        if not value.isascii():
+            value = repair_text(value)
+        blk.parts.append(value)
+        kind = blk.kind
+        if kind == "text":
+            out.append(TextDelta(index=idx, text=value))
+        elif kind == "tool_call":
+            out.append(ToolArgumentsDelta(index=idx, call_id=blk.call_id, name=blk.name,
+                                          delta=value))
+        else:
+            out.append(ThinkingDelta(index=idx, text=value))
 
     def _terminal(self) -> bool:
         return self._done
