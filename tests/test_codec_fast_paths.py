@@ -177,7 +177,8 @@ def _decode(reads: list[bytes]) -> list[Any]:
 def test_whole_delta_events_decode_as_the_general_path_does(scenario: str) -> None:
     """The byte-level path for a read that begins with whole delta events gives exactly
     what the SSE decoder and the per-event paths give: the same reads with CRLF line ends
-    (which only the general path takes), the body in one piece, one event per read."""
+    (which only the general path takes), the body in one piece, one event per read. Lone
+    surrogates, escaped or raw, come out replaced on every path (R-SEC-1)."""
     reads = READS[scenario]
     by_read = _decode([b"".join(events) for events in reads])
     crlf = _decode([b"".join(events).replace(b"\n", b"\r\n") for events in reads])
