@@ -481,3 +481,67 @@ async def test_a_raw_body_times_out_after_a_read_timeout_of_silence_only(
     silence = failed_at[0] - last_sent
     assert last_sent >= 8 * gap > 4 * read_timeout
     assert read_timeout <= silence <= read_timeout * (1 + lean_http.DEADLINE_SLACK) + 0.1
+
+
+async def test_a_body_read_without_waiting_never_times_out(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shared read deadline is moved on before every point where it could strike,
+    the reader's periodic checkpoint after reads that found data at once included: a body
+    that keeps ahead of the reader streams for many read timeouts without failing. (The
+    checkpoint comes after every such read here instead of every 16th: loopback buffers
+    hold a few full reads, not 16.)"""
+    monkeypatch.setattr(lean_http, "_UNWAITED_READS", 1)
+    read_timeout = 10.0
+    text_event = (
+        b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+        b'"delta":{"type":"text_delta","text":"' + b"x" * 400 + b'"}}\n\n'
+    )
+    events = [
+        b'event: message_start\ndata: {"type":"message_start","message":{"id":"m",'
+        b'"type":"message","role":"assistant","content":[],"model":"m","stop_reason":null,'
+        b'"stop_sequence":null,"usage":{"input_tokens":1,"output_tokens":1}}}\n\n',
+        b'event: content_block_start\ndata: {"type":"content_block_start","index":0,'
+        b'"content_block":{"type":"text","text":""}}\n\n',
+        *[text_event] * 3000,  # about 1.4 MB: 20 or more full reads
+        b'event: content_block_stop\ndata: {"type":"content_block_stop","index":0}\n\n',
+        b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":'
+        b'"end_turn"},"usage":{"output_tokens":9}}\n\n',
+        b'event: message_stop\ndata: {"type":"message_stop"}\n\n',
+    ]
+    body = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
+    head = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+        b"transfer-encoding: chunked\r\n\r\n"
+    )
+    listener, port = await _listen()
+
+    async def answer() -> None:
+        stream = await listener.accept()
+        await stream.receive_some(65536)
+        with contextlib.suppress(trio.BrokenResourceError):  # a client that gave up
+            await stream.send_all(head + body)
+            await stream.receive_some(65536)
+
+    got: list[StreamEvent] = []
+    start = trio.current_time()
+
+    async def deliver(batch: list[StreamEvent]) -> None:
+        got.extend(batch)
+        autojump_clock.jump(read_timeout)  # each read's events take a read timeout
+
+    timeout = httpx2.Timeout(connect=5.0, read=read_timeout, write=5.0, pool=5.0)
+    provider = AnthropicProvider(
+        base_url=f"http://127.0.0.1:{port}", api_key="k", lean_http=True, timeout=timeout
+    )
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(answer)
+            await provider.open_task().stream(request(), deliver)
+            nursery.cancel_scope.cancel()
+    finally:
+        await provider.aclose()
+        await listener.aclose()
+    assert not any(isinstance(e, StreamFailed) for e in got), got[-1]
+    assert type(got[-1]).__name__ == "MessageCompleted"
+    assert trio.current_time() - start > 2 * read_timeout * (1 + lean_http.DEADLINE_SLACK)

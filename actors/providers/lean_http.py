@@ -333,6 +333,7 @@ class _Reader:
             self._unwaited += 1
             if self._unwaited >= _UNWAITED_READS:
                 self._unwaited = 0
+                self._move_deadline()
                 await trio.lowlevel.checkpoint()
         return data
 
@@ -340,12 +341,18 @@ class _Reader:
         data = await self._timed(self._conn.stream.receive_some, READ_SIZE)
         return bytes(data)
 
-    async def _timed(self, wait: Any, arg: Any) -> Any:
+    def _move_deadline(self) -> None:
+        # Before every wait and checkpoint (the only places a deadline can strike) the
+        # held scope has at least a read timeout left.
         scope = self._deadline
         if scope is not None:
             now = trio.current_time()
             if scope.deadline - now < self._timeout:
                 scope.deadline = now + self._timeout * (1 + DEADLINE_SLACK)
+
+    async def _timed(self, wait: Any, arg: Any) -> Any:
+        if self._deadline is not None:
+            self._move_deadline()
             return await wait(arg)
         if self._timeout == math.inf:
             return await wait(arg)
