@@ -264,6 +264,39 @@ async def _listen() -> tuple[trio.SocketListener, int]:
     return listener, listener.socket.getsockname()[1]
 
 
+CHUNKED_SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+)
+MESSAGE_START = (
+    b'event: message_start\ndata: {"type":"message_start","message":{"id":"m",'
+    b'"type":"message","role":"assistant","content":[],"model":"m","stop_reason":null,'
+    b'"stop_sequence":null,"usage":{"input_tokens":1,"output_tokens":1}}}\n\n'
+)
+
+
+async def stream_lean(
+    listener: trio.SocketListener,
+    port: int,
+    answer: Any,
+    deliver: Any,
+    read_timeout: float,
+) -> None:
+    """One request through the lean transport with ``read_timeout``, answered by the task
+    ``answer`` on ``listener``; the server task is cancelled once the stream has ended."""
+    timeout = httpx2.Timeout(connect=5.0, read=read_timeout, write=5.0, pool=5.0)
+    provider = AnthropicProvider(
+        base_url=f"http://127.0.0.1:{port}", api_key="k", lean_http=True, timeout=timeout
+    )
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(answer)
+            await provider.open_task().stream(request(), deliver)
+            nursery.cancel_scope.cancel()
+    finally:
+        await provider.aclose()
+        await listener.aclose()
+
+
 @pytest.mark.parametrize(
     ("body", "error"),
     [
@@ -425,19 +458,9 @@ async def test_a_raw_body_times_out_after_a_read_timeout_of_silence_only(
     it fails after between one read timeout and ``1 + DEADLINE_SLACK`` of them."""
     read_timeout = 10.0
     gap = 6.0  # below the read timeout: each piece must keep the stream alive
-    head = (
-        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-        b"transfer-encoding: chunked\r\n\r\n"
-    )
-    start = (
-        b'event: message_start\ndata: {"type":"message_start","message":{"id":"m",'
-        b'"type":"message","role":"assistant","content":[],"model":"m","stop_reason":null,'
-        b'"stop_sequence":null,"usage":{"input_tokens":1,"output_tokens":1}}}\n\n'
-    )
     ping = b'event: ping\ndata: {"type":"ping"}\n\n'
     listener, port = await _listen()
     last_sent = 0.0
-    closed = trio.Event()
 
     def chunk(data: bytes) -> bytes:
         return b"%x\r\n%s\r\n" % (len(data), data)
@@ -446,14 +469,13 @@ async def test_a_raw_body_times_out_after_a_read_timeout_of_silence_only(
         nonlocal last_sent
         stream = await listener.accept()
         await stream.receive_some(65536)
-        await stream.send_all(head + chunk(start))
+        await stream.send_all(CHUNKED_SSE_HEAD + chunk(MESSAGE_START))
         for _ in range(8):
             await trio.sleep(gap)
             await stream.send_all(chunk(ping))
             last_sent = trio.current_time()
         with contextlib.suppress(trio.BrokenResourceError):
             await stream.receive_some(65536)  # until the client gives up
-        closed.set()
 
     failed_at: list[float] = []
     events: list[StreamEvent] = []
@@ -463,18 +485,7 @@ async def test_a_raw_body_times_out_after_a_read_timeout_of_silence_only(
         if any(isinstance(e, StreamFailed) for e in batch):
             failed_at.append(trio.current_time())
 
-    timeout = httpx2.Timeout(connect=5.0, read=read_timeout, write=5.0, pool=5.0)
-    provider = AnthropicProvider(
-        base_url=f"http://127.0.0.1:{port}", api_key="k", lean_http=True, timeout=timeout
-    )
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(answer)
-            await provider.open_task().stream(request(), deliver)
-            await closed.wait()
-    finally:
-        await provider.aclose()
-        await listener.aclose()
+    await stream_lean(listener, port, answer, deliver, read_timeout)
     failure = events[-1]
     assert isinstance(failure, StreamFailed) and failure.error.kind == "timeout"
     assert "read timed out" in failure.error.message
@@ -498,9 +509,7 @@ async def test_a_body_read_without_waiting_never_times_out(
         b'"delta":{"type":"text_delta","text":"' + b"x" * 400 + b'"}}\n\n'
     )
     events = [
-        b'event: message_start\ndata: {"type":"message_start","message":{"id":"m",'
-        b'"type":"message","role":"assistant","content":[],"model":"m","stop_reason":null,'
-        b'"stop_sequence":null,"usage":{"input_tokens":1,"output_tokens":1}}}\n\n',
+        MESSAGE_START,
         b'event: content_block_start\ndata: {"type":"content_block_start","index":0,'
         b'"content_block":{"type":"text","text":""}}\n\n',
         *[text_event] * 3000,  # about 1.4 MB: 20 or more full reads
@@ -510,17 +519,13 @@ async def test_a_body_read_without_waiting_never_times_out(
         b'event: message_stop\ndata: {"type":"message_stop"}\n\n',
     ]
     body = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
-    head = (
-        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-        b"transfer-encoding: chunked\r\n\r\n"
-    )
     listener, port = await _listen()
 
     async def answer() -> None:
         stream = await listener.accept()
         await stream.receive_some(65536)
         with contextlib.suppress(trio.BrokenResourceError):  # a client that gave up
-            await stream.send_all(head + body)
+            await stream.send_all(CHUNKED_SSE_HEAD + body)
             await stream.receive_some(65536)
 
     got: list[StreamEvent] = []
@@ -530,18 +535,7 @@ async def test_a_body_read_without_waiting_never_times_out(
         got.extend(batch)
         autojump_clock.jump(read_timeout)  # each read's events take a read timeout
 
-    timeout = httpx2.Timeout(connect=5.0, read=read_timeout, write=5.0, pool=5.0)
-    provider = AnthropicProvider(
-        base_url=f"http://127.0.0.1:{port}", api_key="k", lean_http=True, timeout=timeout
-    )
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(answer)
-            await provider.open_task().stream(request(), deliver)
-            nursery.cancel_scope.cancel()
-    finally:
-        await provider.aclose()
-        await listener.aclose()
+    await stream_lean(listener, port, answer, deliver, read_timeout)
     assert not any(isinstance(e, StreamFailed) for e in got), got[-1]
     assert type(got[-1]).__name__ == "MessageCompleted"
     assert trio.current_time() - start > 2 * read_timeout * (1 + lean_http.DEADLINE_SLACK)
