@@ -5,7 +5,6 @@ validated strictly against the official ACP SDK's schema."""
 from __future__ import annotations
 
 import base64
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from greenroom.actors.scripted import (
 from greenroom.actors.tools.builtin import builtin_tools
 from greenroom.protocols.content import ImageBlock
 from greenroom.protocols.context import ModelRequest
+from tests.support.ndjson import NdjsonPeer
 
 TIMEOUT_S = 20
 
@@ -51,9 +51,7 @@ class Client:
     request with ``choice`` and keeps every frame it received."""
 
     def __init__(self, send: trio.abc.SendStream, receive: trio.abc.ReceiveStream) -> None:
-        self._send = send
-        self._receive = receive
-        self._buffer = b""
+        self._peer = NdjsonPeer(send, receive)
         self.frames: list[dict[str, Any]] = []
         self.choice = "allow"
         self._next = 100
@@ -79,15 +77,10 @@ class Client:
                 strict(SessionNotification, frame["params"])
 
     async def _write(self, frame: dict[str, Any]) -> None:
-        await self._send.send_all((json.dumps(frame) + "\n").encode())
+        await self._peer.write(frame)
 
     async def _read(self) -> dict[str, Any]:
-        while b"\n" not in self._buffer:
-            data = await self._receive.receive_some()
-            assert data, "the agent closed its output"
-            self._buffer += data
-        line, _, self._buffer = self._buffer.partition(b"\n")
-        frame: dict[str, Any] = json.loads(line)
+        frame = await self._peer.read()
         self.frames.append(frame)
         return frame
 

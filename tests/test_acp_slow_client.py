@@ -7,7 +7,6 @@ agent's writer is stuck in ``send_all`` for as long as the client does not read.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from greenroom.actors.apps.acp import AcpAgent, AcpConfig
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.scripted import Reply, ScriptedProvider, text
 from greenroom.protocols.context import ModelRequest
+from tests.support.ndjson import NdjsonPeer
 
 TIMEOUT_S = 20
 PIECES = [f"{i:05d} " + "x" * 994 for i in range(300)]  # 300 text blocks of 1000 chars
@@ -28,25 +28,18 @@ class Editor:
     """Writes requests; reads frames only when asked to."""
 
     def __init__(self, send: trio.abc.SendStream, receive: trio.abc.ReceiveStream) -> None:
-        self._send = send
-        self._receive = receive
-        self._buffer = b""
+        self._peer = NdjsonPeer(send, receive)
         self._next = 0
 
     async def request(self, method: str, params: dict[str, Any]) -> int:
         self._next += 1
-        frame = {"jsonrpc": "2.0", "id": self._next, "method": method, "params": params}
-        await self._send.send_all((json.dumps(frame) + "\n").encode())
+        await self._peer.write(
+            {"jsonrpc": "2.0", "id": self._next, "method": method, "params": params}
+        )
         return self._next
 
     async def read(self) -> dict[str, Any]:
-        while b"\n" not in self._buffer:
-            data = await self._receive.receive_some()
-            assert data, "the agent closed its output"
-            self._buffer += data
-        line, _, self._buffer = self._buffer.partition(b"\n")
-        frame: dict[str, Any] = json.loads(line)
-        return frame
+        return await self._peer.read()
 
     async def answer(self, request_id: int) -> dict[str, Any]:
         while True:
