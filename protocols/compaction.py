@@ -15,6 +15,8 @@ import attrs
 from greenroom.protocols import markers
 from greenroom.protocols.content import ModelBlock, TextBlock, ToolCallBlock
 from greenroom.protocols.context import AssistantMessage, Message, ToolResult, UserMessage
+from greenroom.protocols.retry import decide_retry
+from greenroom.protocols.stream import ModelError, ResponseCollector, StreamEvent, TokenUsage
 
 CORRECTION_NOTE = (
     "That was not a valid summary: do not call tools and do not answer with an empty "
@@ -74,3 +76,80 @@ def summary_message(summary: str) -> UserMessage:
     return UserMessage(
         content=(TextBlock(text=markers.wrap(markers.CONTEXT_SUMMARY, summary)),)
     )
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class Summarized:
+    """The compaction's summary request succeeded with ``summary``."""
+
+    summary: str
+    attempt: int
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class RetrySummary:
+    """The attempt failed (transport or an invalid summary): try again after ``delay_ms``."""
+
+    attempt: int
+    delay_ms: int
+    error: ModelError
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class SummaryFailed:
+    """The compaction failed: the retry budget is spent, or ``auth`` stopped it at once
+    (R-COMPACT-7)."""
+
+    attempt: int
+    error: ModelError
+
+
+SummaryOutcome = Summarized | RetrySummary | SummaryFailed
+
+
+class SummaryRequests:
+    """The summary requests of one ``summarize`` compaction, pure: what to send, and the
+    verdict on each response (R-COMPACT-6) on the one retry policy (R-COMPACT-7).
+
+    :meth:`next_messages` gives the next request's messages (the old context, then the
+    prompt, with the failed responses and their repair before a corrected prompt);
+    :meth:`feed` takes the attempt's stream events and, once it has ended, returns its
+    outcome. ``usage`` of the attempt that just ended is kept for the caller to record."""
+
+    __slots__ = ("_collector", "_messages", "_prompt", "attempt", "usage")
+
+    def __init__(self, base: tuple[Message, ...], prompt: str) -> None:
+        self._prompt = prompt
+        self._messages: tuple[Message, ...] = (*base, prompt_message(prompt))
+        self._collector = ResponseCollector()
+        self.attempt = 0
+        self.usage: TokenUsage | None = None
+
+    def next_messages(self) -> tuple[Message, ...]:
+        """Start the next attempt; the messages its request sends."""
+        self.attempt += 1
+        self._collector = ResponseCollector()
+        self.usage = None
+        return self._messages
+
+    def feed(self, events: list[StreamEvent]) -> SummaryOutcome | None:
+        """One batch of the current attempt; its outcome once the stream ended."""
+        collector = self._collector
+        if collector.done or not collector.feed(events):
+            return None
+        self.usage = collector.usage
+        failure = collector.error
+        if failure is None:
+            verdict = judge(tuple(collector.blocks))
+            if verdict.summary is not None:
+                return Summarized(summary=verdict.summary, attempt=self.attempt)
+            failure = ModelError(kind="malformed", message=verdict.error or "bad summary")
+            self._messages = (
+                *self._messages,
+                *verdict.repair,
+                prompt_message(self._prompt, correction=True),
+            )
+        decision = decide_retry(failure, self.attempt)
+        if decision.retry and decision.delay_ms is not None:
+            return RetrySummary(attempt=self.attempt, delay_ms=decision.delay_ms, error=failure)
+        return SummaryFailed(attempt=self.attempt, error=failure)

@@ -36,6 +36,16 @@ class LoopGuard:
         self._streaks: dict[str, int] = {}
         self._no_progress = 0
 
+    @property
+    def streaks(self) -> tuple[tuple[str, int], ...]:
+        """How many turns in a row each call signature of the last turn was made."""
+        return tuple(sorted(self._streaks.items()))
+
+    @property
+    def no_progress(self) -> int:
+        """How many turns in a row ended with every call failed."""
+        return self._no_progress
+
     def observe_turn(self, calls: Iterable[ToolCallBlock], errors: Iterable[bool]) -> str | None:
         """Record one finished turn; returns the reason when a loop is detected."""
         signatures = {call_signature(c) for c in calls}

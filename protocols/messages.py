@@ -11,7 +11,7 @@ from typing import Any, Literal
 import attrs
 
 from greenroom.protocols.content import ToolCallBlock, ToolContent, UserContent
-from greenroom.protocols.context import Message, ModelRequest
+from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.outputs import Output, ToolStatus
 from greenroom.protocols.stream import StreamEvent
 from greenroom.protocols.trace import UsageRow
@@ -21,10 +21,12 @@ Verdict = Literal["allow", "deny", "allow_session"]
 
 @attrs.frozen(kw_only=True, slots=True)
 class StreamBatch:
-    """Stream events parsed from one network read of attempt ``attempt``."""
+    """Stream events parsed from one network read of the model request ``request`` (the
+    number its :class:`StartAttempt` gave), attempt ``attempt``."""
 
     attempt: int
     events: list[StreamEvent]
+    request: int = 0
 
 
 @attrs.frozen(kw_only=True, slots=True)
@@ -75,6 +77,47 @@ class SteeringQueued:
 @attrs.frozen(kw_only=True, slots=True)
 class BackoffSkipped:
     """The host asked to end the current reconnect wait (R-RETRY-5)."""
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class TaskQueued:
+    """Command to the supervisor: run ``task`` (a ``TaskInput``; None for a manual
+    compaction) after the running one, FIFO (R-STEER-6). The first task of a run reaches
+    the supervisor this way too."""
+
+    task: Any = attrs.field(eq=False)
+    kind: Literal["task", "compaction"] = "task"
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class AuthRetried:
+    """Command to the supervisor: the session's credentials were updated; unlock it
+    (R-RETRY-6)."""
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class HookAnswered:
+    """A host hook the supervisor called has returned ``answer`` (None when it raised or
+    returned nothing usable)."""
+
+    hook: Literal["before_request", "after_tool_results", "on_stop"]
+    answer: Any = attrs.field(eq=False, default=None)
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class TraceSynced:
+    """The trace sync the supervisor asked for (number ``token``) is done, or failed (a
+    :class:`TraceFailed` came first)."""
+
+    token: int
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class TraceFailed:
+    """The session's trace cannot be written: the running task ends ``failed`` with
+    ``message`` (R-SEC-1)."""
+
+    message: str
 
 
 @attrs.frozen(kw_only=True, slots=True)
@@ -143,8 +186,8 @@ ClientApprovalMessage = AskClients | AskWithdrawn | AnswerApproval
 """What a session's client approvals (its gateway hub) are sent besides its outputs."""
 
 
-SessionControl = InterruptTask | SteeringQueued | BackoffSkipped
-"""What the supervisor's control inbox carries: the session handle's only way in."""
+SessionControl = InterruptTask | SteeringQueued | BackoffSkipped | TaskQueued | AuthRetried
+"""What the session handle sends to its running supervisor: its only way in."""
 
 
 SupervisorMessage = (
@@ -153,10 +196,13 @@ SupervisorMessage = (
     | ApprovalDecided
     | ToolCallFinished
     | ToolProgressed
-    | SteeringQueued
-    | BackoffSkipped
     | SubagentOutputs
+    | HookAnswered
+    | TraceSynced
+    | TraceFailed
+    | SessionControl
 )
+"""What the supervisor's one inbox carries."""
 
 
 @attrs.frozen(kw_only=True, slots=True)
@@ -198,10 +244,12 @@ class StartAttempt:
     request: ModelRequest
     attempt: int
     delay_ms: int
+    number: int = 0
+    """The request's number, copied into its batches (``StreamBatch.request``), so that
+    the supervisor tells a turn's request from a compaction's and drops stale ones."""
     reply: Any = attrs.field(default=None, eq=False, repr=False)
-    """Where the batches go (a channel's send side); None: the supervisor's inbox. The
-    compactor and title requests name their own, so every model request takes this path
-    (R-ACTOR-4)."""
+    """Where the batches go (a channel's send side); None: the supervisor's inbox. Title
+    requests name their own, so every model request takes this path (R-ACTOR-4)."""
 
 
 @attrs.frozen(kw_only=True, slots=True)
@@ -217,22 +265,6 @@ class SkipBackoff:
 
 StreamerCommand = StartAttempt | PlanBackoff | SkipBackoff
 """What the LLM streamer's inbox carries."""
-
-
-@attrs.frozen(kw_only=True, slots=True)
-class Summarize:
-    """Command to the compactor: summarize ``base`` with the request settings of
-    ``template`` and the compaction ``prompt``; the outcome goes to ``reply``."""
-
-    template: ModelRequest
-    base: tuple[Message, ...]
-    prompt: str
-    reply: Any = attrs.field(eq=False, repr=False)
-    """A one-shot channel's send side (``send_nowait``) for the outcome."""
-
-
-CompactorCommand = Summarize | SkipBackoff
-"""What the compactor's inbox carries."""
 
 
 PoolCommand = BeginTurn | RunToolCall | SkipToolCall

@@ -271,6 +271,8 @@ class ApprovalDecision(Envelope):
         decision: ``allow`` or ``deny``.
         by: who decided: ``host`` (the approve callback or a client), ``session_rule``
             (an earlier ``allow_session``) or ``default`` (no one could answer: deny).
+        remember: the decision was ``allow_session``: the tool is allowed without asking
+            for the rest of the session (R-APPROVE-4). Left out of the JSON when false.
     """
 
     TYPE: ClassVar[str] = "approval_decision"
@@ -279,6 +281,7 @@ class ApprovalDecision(Envelope):
     tool: str
     decision: Decision
     by: DecidedBy
+    remember: bool = False
 
 
 @_documented
@@ -375,6 +378,8 @@ class CompactionEnd(Envelope):
             file, so the file alone rebuilds its context (R-COMPACT-8).
         kept_input: a new prompt that was pending when the compaction ran: not
             summarized, it is the first input of the new context.
+        error_kind: for status ``failed`` after a model error, its kind (``auth``,
+            ``timeout``…); ``auth`` locks the session (R-RETRY-6). Left out when None.
     """
 
     TYPE: ClassVar[str] = "compaction_end"
@@ -385,6 +390,7 @@ class CompactionEnd(Envelope):
     trace_file: str | None = None
     summary: str | None = None
     kept_input: tuple[UserContent, ...] = ()
+    error_kind: str | None = None
 
 
 @_documented

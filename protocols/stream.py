@@ -161,3 +161,43 @@ StreamEvent = (
     | MessageCompleted
     | StreamFailed
 )
+
+
+class ResponseCollector:
+    """One whole response gathered from its stream events, for the requests whose deltas
+    nobody watches (compaction summaries, titles): its completed blocks, its text, its
+    last usage, and how it ended. Feed it every batch; :attr:`done` once the terminal
+    event came (later events are ignored)."""
+
+    __slots__ = ("blocks", "done", "error", "texts", "usage")
+
+    def __init__(self) -> None:
+        self.blocks: list[ModelBlock] = []
+        self.texts: list[str] = []
+        self.usage: TokenUsage | None = None
+        self.error: ModelError | None = None
+        self.done = False
+
+    def feed(self, events: list[StreamEvent]) -> bool:
+        """Take one batch; returns :attr:`done`."""
+        for event in events:
+            if self.done:
+                break
+            if isinstance(event, TextDelta):
+                self.texts.append(event.text)
+            elif isinstance(event, BlockCompleted):
+                self.blocks.append(event.block)
+            elif isinstance(event, UsageReported):
+                self.usage = event.usage
+            elif isinstance(event, MessageCompleted):
+                self.usage = event.usage
+                self.done = True
+            elif isinstance(event, StreamFailed):
+                self.error = event.error
+                self.done = True
+        return self.done
+
+    @property
+    def text(self) -> str:
+        """The streamed text, every text delta joined."""
+        return "".join(self.texts)

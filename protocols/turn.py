@@ -13,7 +13,9 @@ Rules, each upheld on every path:
    (``Tool call denied by user.``), truncated by the token limit (never run, no decision:
    R-TOOL-5), or settled by an interrupt (``[interrupted: tool aborted by user]``, with a
    ``deny`` by ``default`` for a call still waiting for its decision: R-APPROVE-5).
-3. A call runs only after an ``allow``: the machine returns :class:`RunToolCall` exactly
+3. Calls are sent for approval one at a time, in call order (R-TOOL-1): the next
+   :class:`ApproveCall` is returned with the decision on the previous one.
+   A call runs only after an ``allow``: the machine returns :class:`RunToolCall` exactly
    once per allowed call, and never after the interrupt was requested.
 4. :meth:`TurnMachine.results` lists the results in the original call order, whatever order
    the calls finished in (R-RUN-4).
@@ -165,6 +167,7 @@ class TurnMachine:
     """
 
     __slots__ = (
+        "_asking",
         "_attempt",
         "_calls",
         "_discarded",
@@ -175,6 +178,7 @@ class TurnMachine:
         "_results",
         "_retried_blocks",
         "_stream_result",
+        "_to_ask",
         "run_id",
         "session_id",
         "turn",
@@ -194,6 +198,8 @@ class TurnMachine:
         self._order: list[str] = []
         self._results: dict[str, ToolResult] = {}
         self._discarded: set[str] = set()
+        self._asking: str | None = None
+        self._to_ask: list[ToolCallBlock] = []
 
     # -- what the supervisor reads ------------------------------------------------------
 
@@ -239,21 +245,7 @@ class TurnMachine:
     def partial_blocks(self) -> list[ModelBlock]:
         """What the current attempt produced so far: completed blocks, open text, and open
         tool calls with their argument text (never run)."""
-        blocks = list(self._done_blocks)
-        for index in sorted(self._open):
-            started, pieces = self._open[index]
-            if started.kind == "text":
-                blocks.append(TextBlock(text="".join(pieces)))
-            elif started.kind == "tool_call":
-                blocks.append(
-                    ToolCallBlock(
-                        id=started.call_id or "",
-                        name=started.name or "",
-                        arguments={},
-                        invalid_arguments="".join(pieces),
-                    )
-                )
-        return blocks
+        return [*self._done_blocks, *_open_blocks(self._open)]
 
     # -- events ---------------------------------------------------------------------------
 
@@ -271,6 +263,8 @@ class TurnMachine:
         self._done_blocks = []
         self._stream_result = None
         self._last_usage = None
+        self._asking = None
+        self._to_ask = []
         return [
             RequestBegin(
                 session_id=self.session_id, run_id=self.run_id, turn=self.turn, attempt=attempt
@@ -365,6 +359,8 @@ class TurnMachine:
         self._discarded.update(self._calls)
         self._calls = {}
         self._order = []
+        self._asking = None
+        self._to_ask = []
 
     def restart(self) -> None:
         """The turn runs again from attempt 1 (after an overflow compaction): the retry note
@@ -375,10 +371,18 @@ class TurnMachine:
         self._stream_result = None
 
     def decide(
-        self, call_id: str, *, allowed: bool, by: DecidedBy, interrupted: bool = False
+        self,
+        call_id: str,
+        *,
+        allowed: bool,
+        by: DecidedBy,
+        interrupted: bool = False,
+        remember: bool = False,
     ) -> list[Effect]:
-        """The broker's decision. ``interrupted`` says the interrupt was already requested:
-        an allowed call then never starts, and :meth:`abort` reports it interrupted."""
+        """The decision on the call being asked about. ``interrupted`` says the interrupt
+        was already requested: an allowed call then never starts, and :meth:`abort`
+        reports it interrupted. ``remember``: it was ``allow_session`` (R-APPROVE-4).
+        The next call waiting for approval is asked at once (rule 3)."""
         call = self._known(call_id)
         if call is None:
             return []
@@ -392,6 +396,7 @@ class TurnMachine:
                 tool=call.block.name,
                 decision="allow" if allowed else "deny",
                 by=by,
+                remember=remember and allowed,
             )
         )
         if not allowed:
@@ -399,7 +404,17 @@ class TurnMachine:
             out.append(self._result(call, "denied", markers.DENIED_TEXT))  # R-APPROVE-3
         elif not interrupted:
             out.append(RunToolCall(call=call.block, position=call.position))
+        if self._asking == call_id:
+            self._asking = None
+            self._ask_next(out)
         return out
+
+    def _ask_next(self, out: list[Effect]) -> None:
+        while self._asking is None and self._to_ask:
+            block = self._to_ask.pop(0)
+            if self._calls[block.id].state is CallState.APPROVING:
+                self._asking = block.id
+                out.append(ApproveCall(call=block))
 
     def finish(
         self, call_id: str, *, status: ToolStatus, content: tuple[ToolContent, ...]
@@ -432,6 +447,8 @@ class TurnMachine:
         """Give every unsettled call its decision and result (R-TOOL-7, R-APPROVE-5): a call
         waiting for approval is denied by default, every unfinished call is interrupted."""
         out: list[Effect] = []
+        self._asking = None
+        self._to_ask = []
         for call_id in self._order:
             call = self._calls[call_id]
             if call.state is CallState.APPROVING:
@@ -513,7 +530,8 @@ class TurnMachine:
                             block=block))
         if isinstance(block, ToolCallBlock):
             self._add_call(block, CallState.APPROVING)
-            out.append(ApproveCall(call=block))  # R-TOOL-1: at once
+            self._to_ask.append(block)
+            self._ask_next(out)  # R-TOOL-1: at once, unless an earlier call is being asked
 
     def _truncated_call(self, event: ToolCallTruncated, out: list[Effect]) -> None:
         # R-TOOL-5: never executed, but paired: it enters the context with an error result.
@@ -585,6 +603,26 @@ class TurnMachine:
             is_error=status != "ok",
             content=blocks,
         )
+
+
+def _open_blocks(open_blocks: dict[int, tuple[BlockStarted, list[str]]]) -> list[ModelBlock]:
+    """The blocks still open, in index order: text so far, and tool calls with their
+    argument text (never run)."""
+    blocks: list[ModelBlock] = []
+    for index in sorted(open_blocks):
+        started, pieces = open_blocks[index]
+        if started.kind == "text":
+            blocks.append(TextBlock(text="".join(pieces)))
+        elif started.kind == "tool_call":
+            blocks.append(
+                ToolCallBlock(
+                    id=started.call_id or "",
+                    name=started.name or "",
+                    arguments={},
+                    invalid_arguments="".join(pieces),
+                )
+            )
+    return blocks
 
 
 def _request_status(error: ModelError) -> RequestStatus:

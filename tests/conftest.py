@@ -27,6 +27,7 @@ import trio
 
 from greenroom.actors.providers.scripted import ScriptedProvider, ScriptStep
 from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.port import SessionPort
 from greenroom.actors.runtime.session import RunStream, Session
 from greenroom.actors.runtime.trace_sink import LEDGER_FILE_NAME
 from greenroom.protocols.content import TextBlock, ToolCallBlock
@@ -346,12 +347,18 @@ class Timeline:
         return [t for t, o in self.entries if type_name == o.TYPE]
 
 
+def port_of(session: Session) -> SessionPort:
+    """The session's runtime seam (:class:`SessionPort`), for tests that stand in for part
+    of the runtime: its trace, its publication."""
+    return session.host.port(session.id)
+
+
 async def assert_trace_seq_without_gaps(session: Session) -> list[dict[str, Any]]:
     """R-TRACE-1: the current trace file's ``seq`` runs 1, 2, 3… with no gap.
 
     Syncs the trace first: on an autojump ``MockClock`` a task's final (bounded) sync can
     be cut short by the clock jumping to its deadline while the writer thread works."""
-    await session.sync_trace()
+    await port_of(session).sync_trace()
     lines = trace_lines(session)
     assert [line["seq"] for line in lines] == list(range(1, len(lines) + 1))
     return lines

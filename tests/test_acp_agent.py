@@ -19,6 +19,7 @@ from acp.schema import (
     RequestPermissionRequest,
     SessionNotification,
 )
+from conftest import port_of
 
 from greenroom.actors.apps.acp import AcpAgent, AcpConfig
 from greenroom.actors.runtime.host import Host
@@ -185,7 +186,7 @@ async def test_mcp_servers_of_session_new_give_the_session_their_tools(tmp_path:
                 "session/new", {"cwd": str(tmp_path), "mcpServers": servers}
             )
             session = host.get_session(created["result"]["sessionId"])
-            names = sorted(session.tool_by_name)
+            names = sorted(port_of(session).tool_by_name)
             await to_agent.aclose()
     strict(NewSessionResponse, created["result"])
     assert created["result"]["_meta"] == {

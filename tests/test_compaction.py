@@ -27,6 +27,7 @@ from conftest import (
     model_error,
     of_type,
     open_host,
+    port_of,
     texts_of,
     types,
 )
@@ -790,14 +791,14 @@ async def test_reload_after_rotation_uses_the_latest_file(
         await collect(session.run("go", approve=allow_all))
         sid = session.id
         live = list(session.transcript.messages)
-        last_seq = session._seq
+        last_seq = port_of(session).last_seq
     assert [f.name for f in trace_files(session)] == ["trace_001.jsonl", "trace_002.jsonl"]
 
     again = providers([Reply(blocks=(text("Back."),))])
     async with open_host(data_dir) as host:
         loaded = await host.load_session(sid, tools=[lookup.tool], provider=again)
         assert loaded.trace_path.name == "trace_002.jsonl"
-        assert loaded._transcript.messages == live
+        assert loaded.transcript.messages == live
         assert loaded.compactability() == "ok"
         outputs = await collect(loaded.run("continue"))
         assert of_type(outputs, TaskEnd)[0].status == "completed"

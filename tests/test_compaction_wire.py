@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import trio
+from conftest import port_of
 from test_compaction import (
     assert_one_context_per_file,
     prompt_msg,
@@ -467,7 +468,7 @@ async def test_fifty_turns_past_a_small_threshold_keep_going(tmp_path: Path) -> 
             await host.trace_store.sync()
             files = trace_files(session)
             per_file = await assert_one_context_per_file(host, session, [])
-            schemas = session.tool_schemas
+            schemas = port_of(session).tool_schemas
         server.assert_clean()
     assert turns[0] == 50
     assert sorted(ran) == sorted(f"k{n}" for n in range(1, 51) if n % 5)

@@ -33,12 +33,12 @@ from conftest import (
     collect,
     of_type,
     open_host,
+    port_of,
     trace_lines,
 )
 
 import greenroom.actors.runtime.supervisor as supervisor_module
 import greenroom.actors.runtime.trace_sink as trace_sink_module
-import greenroom.actors.runtime.turn_dispatch as dispatch_module
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session import Session
@@ -146,7 +146,7 @@ async def test_surrogates_in_user_input_and_tool_output_are_repaired(
     ]
     bad = next(o for o in of_type(outputs, ToolCallOutput) if o.call_id == "c2")
     assert bad.content == (TextBlock(text=f"bytes {REPLACEMENT} of x"),)
-    await session.sync_trace()
+    await port_of(session).sync_trace()
     lines = trace_lines(session)
     assert [line["seq"] for line in lines] == list(range(1, len(lines) + 1))
     assert any(
@@ -189,8 +189,7 @@ async def test_an_unencodable_record_past_the_repairs_fails_only_its_task(
     """R-SEC-1: with the supervisor's input repair out of the way, a steering message with
     a surrogate reaches the trace writer. The task ends failed naming the record; the
     trace holds it repaired (no seq gap); a second session runs on meanwhile and after."""
-    for module in (supervisor_module, dispatch_module):
-        monkeypatch.setattr(module, "repaired_blocks", lambda blocks: blocks)
+    monkeypatch.setattr(supervisor_module, "repaired_blocks", lambda blocks: blocks)
     gates = Gates()
     bad = await host.create_session(
         provider=ScriptedProvider(
@@ -225,7 +224,7 @@ async def test_an_unencodable_record_past_the_repairs_fails_only_its_task(
     assert end.message is not None
     assert "user_msg record" in end.message and "could not be encoded" in end.message
     assert task_end(other_outputs).status == "completed"
-    await bad.sync_trace()
+    await port_of(bad).sync_trace()
     lines = trace_lines(bad)
     assert [line["seq"] for line in lines] == list(range(1, len(lines) + 1))
     steering = [line for line in lines if line.get("kind") == "steering"]
@@ -425,12 +424,14 @@ async def test_a_stopped_writer_fails_the_task_and_starts_no_side_effect(
                 raise RuntimeError("writer bug")
 
             monkeypatch.setattr(TraceSyncer, "_take_batch", broken)
-            session.write_record(  # any record wakes the writer, which then stops
+            port = port_of(session)
+            port.append(  # any record wakes the writer, which then stops
                 attrs_evolve_seq(
                     ModelMsg(session_id=session.id, run_id="x", turn=1, block=TextBlock(text="w")),
-                    session.next_seq(),
+                    port.next_seq(),
                 )
             )
+            port.commit()
             with pytest.raises((TraceWriteError, TraceSinkClosed)):
                 await sink_of(host).sync(session.trace_path)
             decide.set()
@@ -604,7 +605,7 @@ async def test_data_dir_sessions_and_traces_are_private(tmp_path: Path, workspac
     async with open_host(data) as host:
         session = await host.create_session(provider=echo_provider("hi"), workspace_dir=workspace)
         await run_all(session, "hello")
-        await session.sync_trace()
+        await port_of(session).sync_trace()
         assert mode(data) == 0o700
         assert mode(data / "sessions") == 0o700
         assert mode(session.directory) == 0o700

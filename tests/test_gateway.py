@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import pytest
 import trio
-from conftest import Gates, Lookup, last_user, texts_of
+from conftest import Gates, Lookup, last_user, port_of, texts_of
 from trio_websocket import (
     ConnectionClosed,
     ConnectionRejected,
@@ -512,7 +512,7 @@ async def test_stopping_the_gateway_denies_pending_approvals(
             # The session outlives the gateway and its task runs to its end.
             session = host.get_session(sid)
             await session.wait_idle()
-            await session.sync_trace()
+            await port_of(session).sync_trace()
             records = [json.loads(line) for line in session.trace_path.read_text().splitlines()]
             (decision,) = [r for r in records if r["type"] == "approval_decision"]
             assert (decision["decision"], decision["by"]) == ("deny", "default")

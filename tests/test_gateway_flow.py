@@ -13,6 +13,7 @@ from typing import Any
 
 import trio
 import trio.testing
+from conftest import port_of
 from test_gateway import BOUND_S, Client, connect, serving
 
 from greenroom.actors.gateway import GatewayLimits
@@ -25,7 +26,7 @@ def burst(session: Session, count: int, size: int = 10, *, run_id: str = "run_bu
     for i in range(count):
         text = f"{i:08d}".ljust(size, "x")
         output: Output = PartialText(session_id=session.id, run_id=run_id, index=0, text=text)
-        session.publish([output])
+        port_of(session).publish([output])
 
 
 async def notes_until_run(client: Client, run_id: str) -> list[dict[str, Any]]:

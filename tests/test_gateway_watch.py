@@ -14,6 +14,7 @@ from typing import Any, cast
 
 import trio
 import trio.testing
+from conftest import port_of
 
 from greenroom.actors.gateway import GatewayLimits
 from greenroom.actors.gateway.connection import Connection
@@ -32,11 +33,13 @@ def live(session: Session, words: str) -> Output:
 
 async def traced(session: Session, words: str) -> Output:
     """A traced output, written and synced as the emitter does before it publishes."""
+    port = port_of(session)
     output = ModelMsg(
-        session_id=session.id, run_id="run_x", turn=1, block=text(words), seq=session.next_seq()
+        session_id=session.id, run_id="run_x", turn=1, block=text(words), seq=port.next_seq()
     )
-    session.write_record(output)
-    await session.sync_trace()
+    port.append(output)
+    port.commit()
+    await port.sync_trace()
     return output
 
 
@@ -65,16 +68,16 @@ async def test_the_hop_to_the_hub_neither_loses_nor_repeats_an_output(tmp_path: 
             in_replay = await traced(session, "in the replay")
             # Published just before the subscription, still in the hub's inbox when the
             # subscription is made: its marker goes behind them.
-            session.publish([live(session, "ghost"), before])
+            port_of(session).publish([live(session, "ghost"), before])
             replayed, last_seq = await hubs.subscribe(client, session, 0)
             assert (replayed, last_seq) == (2, in_replay.seq)
             # Published after the subscription, drained by the hub only after it went live
             # (the connection queued its answer): the traced one was in the replay.
-            session.publish([live(session, "after"), in_replay])
+            port_of(session).publish([live(session, "after"), in_replay])
             for go_live in client.after_answer:
                 go_live()
             later = await traced(session, "later")
-            session.publish([later])
+            port_of(session).publish([later])
             await trio.testing.wait_all_tasks_blocked()
             frames = await sent(client)
             nursery.cancel_scope.cancel()

@@ -56,8 +56,9 @@ class _FakeSession:
     def subscribe(self, callback: Callable[[list[outputs.Output]], None]) -> Callable[[], None]:
         return lambda: None
 
-    def interrupt(self, reason: str) -> None:
-        self.interrupts.append(reason)
+    def send(self, message: Any) -> bool:
+        self.interrupts.append(message.reason)
+        return True
 
 
 def _terminal_renderers() -> list[Any]:
@@ -130,6 +131,7 @@ DISPATCHERS = {
     ("actors/runtime/subagents.py", "_ChildWatch._on_batch"),
     ("protocols/transcript.py", "Transcript.apply"),
     ("protocols/transcript.py", "rebuild"),
+    ("protocols/task.py", "TaskRecord.observe"),
 }
 
 EXTRA_OUTPUT = '''

@@ -22,6 +22,7 @@ from conftest import (
     last_user,
     of_type,
     open_host,
+    port_of,
     result_text,
     results_of,
     texts_of,
@@ -104,7 +105,7 @@ async def test_crash_while_a_tool_runs_pairs_the_call_as_interrupted(
     await recorder.wait_for("tool_call_output", call_id="c1")
     with trio.fail_after(10):
         await hold_started.wait()
-    await session.sync_trace()
+    await port_of(session).sync_trace()
     crash_dir = tmp_path / "crashed"
     trace = copy_session(session, crash_dir)
     lines = records(trace)
@@ -156,7 +157,7 @@ async def test_crash_mid_stream_yields_turn_aborted_carry_over(
     session.run("explain")
     with trio.fail_after(10):
         await streaming.wait()
-    await session.sync_trace()
+    await port_of(session).sync_trace()
     crash_dir = tmp_path / "crashed"
     trace = copy_session(session, crash_dir)
     types = [line["type"] for line in records(trace)]

@@ -7,16 +7,22 @@ import itertools
 import math
 from collections.abc import Sequence
 
+import attrs
 import pytest
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from greenroom.actors.runtime.compactor import Compactor
 from greenroom.actors.runtime.llm_streamer import Deliver, LLMStreamer
+from greenroom.protocols.compaction import RetrySummary, Summarized, SummaryRequests
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import ModelRequest, UserMessage
-from greenroom.protocols.messages import StreamerCommand, SupervisorMessage
+from greenroom.protocols.messages import (
+    StartAttempt,
+    StreamBatch,
+    StreamerCommand,
+    SupervisorMessage,
+)
 from greenroom.protocols.retry import (
     MAX_RETRIES,
     RETRY_AFTER_CAP_S,
@@ -154,18 +160,41 @@ def template() -> ModelRequest:
 
 
 async def compact(script: Script) -> tuple[str | None, int, list[int]]:
-    """Summarize through a real LLM streamer around the script: the compactor's requests
-    and waits take the one path to the model (R-ACTOR-4)."""
-    inbox, _ = trio.open_memory_channel[SupervisorMessage](math.inf)
+    """Summarize through a real LLM streamer around the script, as a compaction does: the
+    pure summary requests decide, the streamer waits — the one path to the model
+    (R-ACTOR-4)."""
+    # Unbounded, both: the streamer and this loop send with send_nowait.
+    inbox_send, inbox = trio.open_memory_channel[SupervisorMessage](math.inf)
     commands_send, commands = trio.open_memory_channel[StreamerCommand](math.inf)
+    base = (UserMessage(content=(TextBlock(text="hello"),)),)
+    requests = SummaryRequests(base, "Summarize.")
+    summary: str | None = None
     async with trio.open_nursery() as nursery:
-        await nursery.start(LLMStreamer(script, inbox).run, commands)
-        compactor = Compactor(commands_send, lambda usage: None)
-        base = (UserMessage(content=(TextBlock(text="hello"),)),)
-        outcome = await compactor.summarize(template(), base, "Summarize.")
+        await nursery.start(LLMStreamer(script, inbox_send).run, commands)
+        delay_ms = 0
+        while True:
+            messages = requests.next_messages()
+            commands_send.send_nowait(
+                StartAttempt(
+                    request=attrs.evolve(template(), messages=messages),
+                    attempt=requests.attempt,
+                    delay_ms=delay_ms,
+                )
+            )
+            outcome = None
+            while outcome is None:
+                batch = await inbox.receive()
+                assert isinstance(batch, StreamBatch)
+                outcome = requests.feed(batch.events)
+            if isinstance(outcome, RetrySummary):
+                delay_ms = outcome.delay_ms
+                continue
+            if isinstance(outcome, Summarized):
+                summary = outcome.summary
+            break
         nursery.cancel_scope.cancel()
     gaps = [round((b - a) * 1000) for a, b in itertools.pairwise(script.arrivals)]
-    return outcome.summary, outcome.attempt, gaps
+    return summary, outcome.attempt, gaps
 
 
 async def test_compactor_waits_what_the_policy_says(autojump_clock: trio.abc.Clock) -> None:

@@ -33,7 +33,7 @@ CARD_ACTORS = {
     "LLMStreamer",
     "ToolPool",
     "ApprovalBroker",
-    "Compactor",
+    "TaskWork",
     "TraceSink",
 }
 
@@ -200,9 +200,9 @@ def test_the_actor_tree_is_the_folder_tree() -> None:
     assert loose == set(), "modules outside the tree's folders"
 
 
-def test_the_session_handle_reaches_a_running_task_only_through_its_control_inbox() -> None:
+def test_the_session_handle_reaches_a_running_task_only_through_its_inbox() -> None:
     """R-ACTOR-1: outside its module a supervisor is built, started (``run``) and sent
-    messages (``control``, the send side of its inbox) — nothing else is called or read,
+    messages (``inbox``, the send side of its one inbox) — nothing else is called or read,
     and no object keeps the supervisor itself."""
     misuse: list[str] = []
     for path, tree in modules(ACTORS):
@@ -226,7 +226,7 @@ def test_the_session_handle_reaches_a_running_task_only_through_its_control_inbo
                 isinstance(node, ast.Attribute)
                 and isinstance(node.value, ast.Name)
                 and node.value.id in supervisors
-                and node.attr not in {"run", "control"}
+                and node.attr not in {"run", "inbox"}
             ):
                 misuse.append(f"{path.name}:{node.lineno}: supervisor.{node.attr}")
     assert misuse == []
@@ -306,3 +306,30 @@ def test_watchers_of_a_session_are_tasks_with_their_own_inbox() -> None:
             if node.func.attr == "subscribe" and last and "session" in last.lower():
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert found == [], "\n".join(found)
+
+
+def _imported_modules(tree: ast.Module) -> Iterator[tuple[int, str, list[str]]]:
+    """``(line, module, names)`` of every import of ``tree``, TYPE_CHECKING and function
+    bodies included."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            yield node.lineno, node.module, [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name, []
+
+
+def test_no_runtime_module_but_the_host_imports_the_session_handle() -> None:
+    """The task port is the runtime's seam (issue: the house): the supervisor, the emitter,
+    compaction, subagents and every other runtime module work on a ``SessionPort``, never
+    on the user's ``Session`` — not even for type checking. Only the host, which makes
+    sessions, and the package's re-exports name it."""
+    found: list[str] = []
+    for path, tree in modules(ACTORS / "runtime"):
+        if path.name in {"host.py", "__init__.py", "session.py"}:
+            continue
+        for line, module, _ in _imported_modules(tree):
+            if module == "greenroom.actors.runtime.session":
+                found.append(f"{path.name}:{line}")
+    assert found == []
+

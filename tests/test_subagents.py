@@ -24,6 +24,7 @@ from conftest import (
     assert_trace_seq_without_gaps,
     collect,
     of_type,
+    port_of,
     result_text,
     results_of,
 )
@@ -479,7 +480,11 @@ async def test_without_an_approve_callback_the_child_denies_by_default(
     session = await host.create_session(
         tools=[lookup.tool, spawn_subagent], provider=provider, workspace_dir=workspace
     )
-    session.allow_for_session(SPAWN_SUBAGENT)
+    # An earlier "allow for this session" of the parent, as its trace would hold it.
+    port_of(session).machine.observe(
+        ApprovalDecision(session_id=session.id, run_id="earlier", call_id="c0",
+                         tool=SPAWN_SUBAGENT, decision="allow", by="host", remember=True)
+    )
     outputs = await collect(session.run("delegate"))
 
     (child_id,) = child_ids(outputs, session.id)

@@ -36,7 +36,7 @@ from greenroom.actors.providers.scripted import (
     tool_call,
 )
 from greenroom.actors.runtime.host import Host
-from greenroom.actors.runtime.session import Session
+from greenroom.actors.runtime.port import SessionPort
 from greenroom.actors.runtime.tool_pool import CANCEL_GRACE_S
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import AssistantMessage, ModelRequest, UserMessage
@@ -500,13 +500,13 @@ async def test_interrupt_abandons_tools_that_ignore_cancellation(
     them: the abort is recorded at once, task_end(aborted) arrives, both calls are
     interrupted and paired, and their late endings report nothing."""
     traced_at: dict[str, float] = {}
-    trace = Session.write_record
+    trace = SessionPort.append
 
-    def timed_trace(self: Session, output: Any) -> int:
+    def timed_trace(self: SessionPort, output: Any) -> int:
         traced_at.setdefault(output.TYPE, trio.current_time())
         return trace(self, output)
 
-    monkeypatch.setattr(Session, "write_record", timed_trace)
+    monkeypatch.setattr(SessionPort, "append", timed_trace)
     release_thread = threading.Event()
     release_shield = trio.Event()
     running: dict[str, trio.Event] = {"thread": trio.Event(), "shield": trio.Event()}

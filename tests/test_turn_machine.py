@@ -135,12 +135,15 @@ def test_stream_gives_partials_blocks_usage_and_request_end_in_order() -> None:
     assert m.feed([TextDelta(index=0, text="late")]) == []
 
 
-def test_calls_are_sent_for_approval_at_once_and_run_only_when_allowed() -> None:
+def test_calls_are_sent_for_approval_at_once_one_at_a_time_and_run_only_when_allowed() -> None:
+    """R-TOOL-1: the first call is asked about as soon as its block completes, while the
+    model streams; the next one with the decision on the first, in call order."""
     m = machine()
     effects = stream_calls(m, 2, complete=False)
-    assert [e.call.id for e in of(ApproveCall, effects)] == ["c0", "c1"]
+    assert [e.call.id for e in of(ApproveCall, effects)] == ["c0"]
     allowed = m.decide("c0", allowed=True, by="host")
-    assert [type(e) for e in allowed] == [ApprovalDecision, RunToolCall]
+    assert [type(e) for e in allowed] == [ApprovalDecision, RunToolCall, ApproveCall]
+    assert allowed[-1].call.id == "c1"
     denied = m.decide("c1", allowed=False, by="session_rule")
     assert [type(e) for e in denied] == [ApprovalDecision, SkipToolCall, ToolCallOutput]
     assert denied[-1].status == "denied" and denied[-1].content == (

@@ -1,9 +1,10 @@
 """The runtime: the host, its sessions and each session's actor tree.
 
 ``Host`` (root nursery) → ``TraceStore`` and one ``SessionSupervisor`` per running session →
-``LLMStreamer``, ``ToolPool``, ``ApprovalBroker``, ``Compactor``; ``storage`` holds the
-data-dir layout and ``errors`` the typed exceptions. Import the public names from
-``greenroom.actors``.
+``LLMStreamer``, ``ToolPool``, ``ApprovalBroker`` (a task's ``TaskWork``); the supervisor
+drives the pure task and turn machines through ``TurnRunner`` and ``CompactionRun``, and the
+work sees a session only through its ``SessionPort``; ``storage`` holds the data-dir layout
+and ``errors`` the typed exceptions. Import the public names from ``greenroom.actors``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from greenroom.actors.runtime.approval_broker import ApproveFn
     from greenroom.actors.runtime.errors import (
         AuthLocked,
         Busy,
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         default_data_dir,
     )
     from greenroom.actors.runtime.llm_streamer import ModelProvider
+    from greenroom.actors.runtime.port import ApproveFn, SessionPort
     from greenroom.actors.runtime.session import (
         RunResult,
         RunStream,
@@ -47,7 +48,8 @@ if TYPE_CHECKING:
 # Loaded on first use: the modules import each other, and importing the package must
 # not import them all (nor pay for the ones a program never uses).
 _MODULE_OF = {
-    "ApproveFn": "greenroom.actors.runtime.approval_broker",
+    "ApproveFn": "greenroom.actors.runtime.port",
+    "SessionPort": "greenroom.actors.runtime.port",
     "AuthLocked": "greenroom.actors.runtime.errors",
     "Busy": "greenroom.actors.runtime.errors",
     "ConfigurationError": "greenroom.actors.runtime.errors",
@@ -88,6 +90,7 @@ __all__ = [
     "SessionInfo",
     "SessionNotFound",
     "SessionObserver",
+    "SessionPort",
     "SessionStore",
     "TraceStore",
     "default_data_dir",

@@ -1,9 +1,11 @@
 """The approval broker: exactly one decision per complete tool call, one at a time.
 
 Calls arrive in call order as their blocks complete (possibly while the model still
-streams, R-TOOL-1). For each call the broker asks, in this order: the session's
-"allow for this session" rules, the host's ``approve`` callback, the session's client
-approvers (websocket clients), and otherwise denies (R-APPROVE-2). A callback that raises
+streams, R-TOOL-1), one at a time: the turn machine sends the next once the previous is
+decided, and calls an earlier ``allow_session`` covers never reach the broker (the task
+machine holds those rules). For each call the broker asks the host's ``approve`` callback,
+else the session's client approvers (websocket clients), and otherwise denies
+(R-APPROVE-2). A callback that raises
 or answers nonsense denies; a request that waits longer than the timeout is denied
 (R-APPROVE-4). The decision goes to the supervisor's inbox; the supervisor emits it.
 """
@@ -12,11 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
 
+from greenroom.actors.runtime.port import ApproveFn, ClientApprovals
 from greenroom.protocols.content import ToolCallBlock
 from greenroom.protocols.messages import (
     ApprovalAsked,
@@ -30,13 +32,7 @@ from greenroom.protocols.messages import (
     Verdict,
 )
 
-ApproveFn = Callable[[ToolCallBlock], "Awaitable[Any] | Any"]
-"""A host's approval callback: returns ``"allow"``, ``"deny"``, ``"allow_session"``, or a
-bool; may be sync or async."""
-
-ClientApprovals = trio.MemorySendChannel[AskClients | AskWithdrawn]
-"""Where a session's approvals go when a run has no ``approve`` callback: the inbox of
-the actor that asks its clients (the gateway's hub for the session)."""
+__all__ = ["ApprovalBroker", "ApproveFn", "ClientApprovals"]
 
 
 def _as_verdict(answer: Any) -> Verdict:
@@ -50,28 +46,18 @@ def _as_verdict(answer: Any) -> Verdict:
 class ApprovalBroker:
     """Decides on tool calls for one task."""
 
-    __slots__ = (
-        "_approve",
-        "_clients",
-        "_inbox",
-        "_session_rules",
-        "_timeout_s",
-    )
+    __slots__ = ("_approve", "_clients", "_inbox", "_timeout_s")
 
     def __init__(
         self,
         *,
         approve: ApproveFn | None,
         clients: ClientApprovals | None,
-        session_rules: frozenset[str],
         timeout_s: float,
         inbox: trio.MemorySendChannel[SupervisorMessage],
     ) -> None:
         self._approve = approve
         self._clients = clients
-        # The broker's own copy: a rule it grants applies to the task's later calls at
-        # once, and reaches the session through the supervisor (ApprovalDecided).
-        self._session_rules = set(session_rules)
         self._timeout_s = timeout_s
         self._inbox = inbox
 
@@ -88,16 +74,9 @@ class ApprovalBroker:
         task_status.started()
         async with requests:
             async for request in requests:
-                decided = await self._decide(request.call)
-                if decided.verdict == "allow_session":
-                    # Recorded here, before the next call is decided, so that a later call
-                    # of the same turn already sees the rule (R-APPROVE-4).
-                    self._session_rules.add(request.call.name)
-                self._inbox.send_nowait(decided)
+                self._inbox.send_nowait(await self._decide(request.call))
 
     async def _decide(self, call: ToolCallBlock) -> ApprovalDecided:
-        if call.name in self._session_rules:
-            return ApprovalDecided(call=call, verdict="allow", by="session_rule")
         if self._approve is not None:
             # A callback that raises or runs out of time decided nothing: the deny is
             # the default's (R-APPROVE-2, R-APPROVE-4), not the host's.

@@ -1,7 +1,8 @@
 """The output emitter of one running session: seq, trace, transcript, publication.
 
 Every output of a task goes through it (R-RUN-8). A traced output gets the session's next
-``seq``, its record goes to the trace store and it is fed to the session's transcript; then
+``seq``, its record goes to the trace store and it is fed to the session's transcript and
+task machine (both are folds of the trace, fed here and nowhere else); then
 the batch is published — to the run's channel and to subscribers — only once the trace
 store's batch holding its last record is done (written to the OS, so a crash of the host
 cannot take it out of the trace), batches in order (R-TRACE-3). A record that cannot be
@@ -16,11 +17,12 @@ import contextlib
 import math
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import trio
 
+from greenroom.actors.runtime.port import SessionPort
 from greenroom.actors.runtime.trace_sink import TraceSinkClosed, TraceWriteError
 from greenroom.actors.runtime.trace_store import StaleTraceWriter
 from greenroom.protocols import converter
@@ -29,25 +31,22 @@ from greenroom.protocols.messages import TraceWritten
 from greenroom.protocols.outputs import Output
 from greenroom.protocols.text import repair_json, repair_text
 
-if TYPE_CHECKING:
-    from greenroom.actors.runtime.session import Session
-
 
 class OutputEmitter:
     """Emits, traces and publishes the outputs of one session's run; see the module
     docstring. ``output`` is the run's channel (closed by the supervisor); ``on_failure``
-    is called once, synchronously, at the first trace failure of a task."""
+    is called once, synchronously, with the message of the first trace failure of a task
+    (the supervisor's: it sends itself ``TraceFailed``)."""
 
     def __init__(
         self,
-        session: Session,
+        port: SessionPort,
         output: trio.MemorySendChannel[list[Output]],
-        on_failure: Callable[[], None],
+        on_failure: Callable[[str], None],
     ) -> None:
-        self._session = session
+        self._port = port
         self._output = output
         self._on_failure = on_failure
-        self._store = session.host.trace_store
         self._batch: list[Output] = []
         # The trace store's batch that holds the last record of ``_batch`` (0: none), and
         # the batches flushed but not yet published, in order, with theirs.
@@ -76,7 +75,7 @@ class OutputEmitter:
             # holds at most one answer, as one ticket is awaited at a time.
             self._written, answers = trio.open_memory_channel[TraceWritten](math.inf)
             self._nursery.start_soon(self._publish_written, answers)
-        self._store.when_batch_done(ticket, self._written)
+        self._port.when_batch_done(ticket, self._written)
 
     async def _publish_written(self, answers: trio.MemoryReceiveChannel[TraceWritten]) -> None:
         async for _ in answers:
@@ -88,14 +87,14 @@ class OutputEmitter:
 
     def commit(self) -> None:
         """Write the session's buffered records to its trace file now (no fsync)."""
-        self._store.commit(self._session.id)
+        self._port.commit()
 
     async def sync_quietly(self) -> None:
         """Fsync for teardown: a failure stays reported by the task's ``task_end`` and the
         next task may try the file again."""
-        failure = await self._session.sync_trace_quietly()
+        failure = await self._port.sync_trace_quietly()
         if failure is not None or self.trace_error is not None:
-            self._store.clear_error(self._session.id)
+            self._port.clear_trace_error()
 
 
     def emit_live(self, output: Output) -> None:
@@ -104,11 +103,11 @@ class OutputEmitter:
 
     def emit(self, output: Any) -> Any:
         """Emit a traced output: assign its seq, trace it, feed the transcript. It is
-        published with its batch once the trace holds it (see :meth:`_flush`)."""
-        session = self._session
-        output = attrs.evolve(output, seq=session.next_seq())
+        published with its batch once the trace holds it (see :meth:`flush`)."""
+        port = self._port
+        output = attrs.evolve(output, seq=port.next_seq())
         try:
-            self._batch_ticket = session.write_record(output)
+            self._batch_ticket = port.append(output)
         except (TraceSinkClosed, StaleTraceWriter) as exc:
             # The host is going down under us, or the store holds a later record (another
             # writer took the session over): the output still reaches the live stream,
@@ -119,7 +118,8 @@ class OutputEmitter:
             if kept is None:
                 return output
             output = kept
-        session.transcript.apply(output)
+        port.transcript.apply(output)
+        port.machine.observe(output)
         self._batch.append(output)
         return output
 
@@ -130,7 +130,7 @@ class OutputEmitter:
         name = type(output).TYPE
         try:
             repaired = converter.output_from_dict(repair_json(converter.to_dict(output)))
-            self._batch_ticket = self._session.write_record(repaired)
+            self._batch_ticket = self._port.append(repaired)
         except Exception:
             self.trace_failed(
                 f"cannot write the trace: the {name} record (seq {output.seq}) could not be "
@@ -147,17 +147,16 @@ class OutputEmitter:
         """End the task failed with ``message`` (R-SEC-1): the first failure names it."""
         if self.trace_error is None:
             self.trace_error = message
-            self._on_failure()
+            self._on_failure(message)
 
     async def sync(self) -> None:
         """R-TRACE-2 for the task: a sync that fails ends the task (failed) — inside its
         scope at once, before it at the first checkpoint inside."""
         self.flush()
         try:
-            await self._session.sync_trace()
+            await self._port.sync_trace()
         except (TraceWriteError, TraceSinkClosed) as exc:
             self.trace_failed(f"cannot write the trace: {exc}")
-            await trio.lowlevel.checkpoint()  # the task's scope is cancelled now
 
     def forward(self, outputs: Iterable[Output], origin: tuple[str, ...]) -> None:
         """Emit a subagent's outputs as live outputs of this run (R-HOST-4): its own get
@@ -180,8 +179,8 @@ class OutputEmitter:
         ticket = self._batch_ticket
         self._batch = []
         self._batch_ticket = 0
-        written = not ticket or self._store.commit(self._session.id)
-        if not self._unpublished and (written or self._store.batch_done(ticket)):
+        written = not ticket or self._port.commit()
+        if not self._unpublished and (written or self._port.batch_done(ticket)):
             if ticket:
                 self._check_trace()
             self._publish(batch)
@@ -196,10 +195,10 @@ class OutputEmitter:
         self._awaiting_store = False
         # The writer is done with the file's lines it held: the rest can be written now,
         # and then every queued batch is (they all hold records of this one file).
-        written = self._store.commit(self._session.id)
+        written = self._port.commit()
         self._check_trace()
         unpublished = self._unpublished
-        batch_done = self._store.batch_done
+        batch_done = self._port.batch_done
         while unpublished and (written or batch_done(unpublished[0][0])):
             self._publish(unpublished.popleft()[1])
         if unpublished:
@@ -209,7 +208,7 @@ class OutputEmitter:
             self._published.set()
 
     def _check_trace(self) -> None:
-        error = self._store.error(self._session.id)
+        error = self._port.trace_error()
         if error is not None:
             # Its outputs are published all the same: the task_end that follows says
             # that the trace lacks them.
@@ -231,7 +230,7 @@ class OutputEmitter:
             self._publish(self._unpublished.popleft()[1])
 
     def _publish(self, batch: list[Output]) -> None:
-        self._session.publish(batch)
+        self._port.publish(batch)
         # A host that stopped reading this run loses nothing: subscribers and the trace
         # still get every output.
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):

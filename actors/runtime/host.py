@@ -33,6 +33,7 @@ from greenroom.actors.providers.registry import (
 from greenroom.actors.runtime.errors import ConfigurationError, HostClosed, SessionNotFound
 from greenroom.actors.runtime.gc_tuning import tuned_gc
 from greenroom.actors.runtime.llm_streamer import ModelProvider
+from greenroom.actors.runtime.port import SessionPort
 from greenroom.actors.runtime.session import Session, require_trio
 from greenroom.actors.runtime.storage import (
     PRIVATE_DIR_MODE,
@@ -55,6 +56,7 @@ from greenroom.protocols.context import ToolSchema
 from greenroom.protocols.converter import converter
 from greenroom.protocols.hooks import Hooks
 from greenroom.protocols.settings import SessionSettings
+from greenroom.protocols.task import fold
 from greenroom.protocols.tools import Tool
 from greenroom.protocols.transcript import Transcript, rebuild
 
@@ -130,6 +132,7 @@ class Host:
         self._nursery = nursery
         self._store = store
         self._sessions: dict[str, Session] = {}
+        self._ports: dict[str, SessionPort] = {}
         self._providers: dict[tuple[str, str | None], ModelProvider] = {}
         self._tool_tables: dict[tuple[int, ...], tuple[dict[str, Tool], tuple[ToolSchema, ...]]]
         self._tool_tables = {}
@@ -269,24 +272,30 @@ class Host:
         if parent_id is not None:
             meta["parent_id"] = parent_id
         await self._store.create(sid, meta)
-        session = Session(
+        port = SessionPort(
             host=self,
             session_id=sid,
             directory=directory,
             settings=final,
             workspace_dir=self._intern_path(workspace),
-            tools=tool_list,
+            tools=self.tool_table(tool_list),
             provider=model_provider,
             transcript=Transcript(supports_vision=final.supports_vision),
             parent_id=parent_id,
         )
         if hooks is not None:
-            session.hooks = hooks
+            port.hooks = hooks
         if mcp_configs:
-            await self._attach_mcp(session, mcp_configs)
-        self._sessions[sid] = session
+            await self._attach_mcp(port, mcp_configs)
+        session = self._add(port)
         if parent_id is None:
             self._observe(session)
+        return session
+
+    def _add(self, port: SessionPort) -> Session:
+        session = Session(port, self.is_open)
+        self._sessions[port.id] = session
+        self._ports[port.id] = port
         return session
 
     async def load_session(
@@ -327,23 +336,29 @@ class Host:
         if model_provider is None:
             model_provider = self._provider_for(settings)
         loaded = await self._store.load(session_id)
-        transcript = rebuild(list(loaded.records), supports_vision=settings.supports_vision)
-        session = Session(
+        records = list(loaded.records)
+        transcript = rebuild(records, supports_vision=settings.supports_vision)
+        machine = fold(records)
+        # A task the trace leaves open (the process stopped mid-task) was recovered as
+        # interrupted by the transcript (R-TRACE-4); the task state agrees.
+        machine.recover()
+        port = SessionPort(
             host=self,
             session_id=session_id,
             directory=directory,
             settings=settings,
             workspace_dir=self._intern_path(Path(meta.get("workspace_dir", "."))),
-            tools=tools,
+            tools=self.tool_table(tools),
             provider=model_provider,
             transcript=transcript,
+            machine=machine,
             last_seq=loaded.last_seq,
             parent_id=meta.get("parent_id"),
         )
-        session.load_errors = list(loaded.errors)
+        port.load_errors = list(loaded.errors)
         if mcp_configs:
-            await self._attach_mcp(session, mcp_configs)
-        self._sessions[session_id] = session
+            await self._attach_mcp(port, mcp_configs)
+        session = self._add(port)
         self._observe(session)
         return session
 
@@ -374,6 +389,7 @@ class Host:
     async def close_session(self, session_id: str) -> None:
         """Interrupt the session's task, wait for its last record, forget it (R-HOST-3)."""
         session = self._sessions.pop(session_id, None)
+        self._ports.pop(session_id, None)
         if session is not None:
             await session.aclose()
             self._store.release(session_id)
@@ -413,6 +429,19 @@ class Host:
         if self._closed:
             raise HostClosed("the host is closed")
 
+    def is_open(self) -> bool:
+        """Whether the host still takes work."""
+        return not self._closed
+
+    def port(self, session_id: str) -> SessionPort:
+        """The runtime seam of an open session (:class:`SessionPort`): what its running
+        work uses. For integrations and tests that stand in for part of the runtime; its
+        methods are not the user API. Raises :class:`SessionNotFound`."""
+        try:
+            return self._ports[session_id]
+        except KeyError:
+            raise SessionNotFound(f"session {session_id!r} is not open in this host") from None
+
     def _observe(self, session: Session) -> None:
         for observe in self._observers:
             observe(session)
@@ -430,7 +459,7 @@ class Host:
             # The tools stay referenced by the table, so their ids cannot be reused.
         return table
 
-    async def _attach_mcp(self, session: Session, configs: dict[str, Any]) -> None:
+    async def _attach_mcp(self, session: SessionPort, configs: dict[str, Any]) -> None:
         """Give the session its MCP servers' tools; the manager runs in this host's
         nursery and is started with the first server."""
         # Imported here: the MCP SDK is loaded only by a host that has an MCP server.
@@ -447,12 +476,28 @@ class Host:
         """One Path object per distinct workspace, shared by its sessions."""
         return self._paths.setdefault(str(path), path)
 
-    def forget(self, session: Session) -> None:
+    async def create_child(
+        self, parent: SessionPort, *, settings: SessionSettings, tools: Iterable[Tool]
+    ) -> SessionPort:
+        """Create a subagent's session under ``parent`` (R-HOST-4): the parent's provider
+        and workspace, ``settings`` and ``tools``; its ``session.json`` names the parent."""
+        session = await self.create_session(
+            settings=settings,
+            provider=parent.provider,
+            tools=tools,
+            workspace_dir=parent.workspace_dir,
+            parent_id=parent.id,
+        )
+        return self._ports[session.id]
+
+    def forget_child(self, child: SessionPort) -> None:
         """Drop a finished subagent session from the open sessions; it accepts no more
         work (its files stay: ``load_session`` opens it again)."""
-        if self._sessions.get(session.id) is session:
-            del self._sessions[session.id]
-        session.mark_closed()
+        if self._ports.get(child.id) is child:
+            del self._ports[child.id]
+            self._sessions.pop(child.id, None)
+        child.closed = True
+        child.end_watches()
 
     def start_task(self, fn: Callable[[], Awaitable[None]]) -> None:
         """Run ``fn`` as a task of the host's nursery, so that it outlives its caller. It must

@@ -179,6 +179,7 @@ class LLMStreamer:
                                 command.request,
                                 command.attempt,
                                 command.delay_ms,
+                                command.number,
                                 command.reply or self._inbox,
                             )
                         case PlanBackoff():
@@ -189,7 +190,7 @@ class LLMStreamer:
                             assert_never(command)
 
     async def _stream_attempt(
-        self, request: ModelRequest, attempt: int, delay_ms: int, inbox: Any
+        self, request: ModelRequest, attempt: int, delay_ms: int, number: int, inbox: Any
     ) -> None:
         """Wait ``delay_ms`` (the planned backoff), then stream one attempt into ``inbox``.
         Cancel-safe: cancellation stops the sleep or the stream at once and delivers
@@ -198,7 +199,7 @@ class LLMStreamer:
             await self._backoff.sleep(delay_ms / 1000)
 
         async def deliver(events: list[StreamEvent]) -> None:
-            inbox.send_nowait(StreamBatch(attempt=attempt, events=events))
+            inbox.send_nowait(StreamBatch(attempt=attempt, events=events, request=number))
 
         try:
             await self._provider.stream(request, deliver)

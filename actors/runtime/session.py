@@ -1,43 +1,49 @@
 """Sessions: the public handle of a long-lived conversation, and the run iterator.
 
-A :class:`Session` holds data only — settings, tools, the model context
-(:class:`~greenroom.protocols.transcript.Transcript`), the trace position — so an idle
-session costs its history and little more. ``run()`` starts a
-:class:`~greenroom.actors.runtime.supervisor.SessionSupervisor` in the host's nursery; it ends
-with the work.
+A :class:`Session` is the user's API and nothing else. Its data — settings, tools, the
+model context, the task state, the trace position — is held by its
+:class:`~greenroom.actors.runtime.port.SessionPort`, which the runtime's work uses; so an
+idle session costs its history and little more. ``run()`` starts a
+:class:`~greenroom.actors.runtime.supervisor.SessionSupervisor` in the host's nursery, which
+ends with the work; while it runs, every method reaches it by sending a message to its
+inbox (R-ACTOR-1).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import time
-import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 import attrs
 import trio
 
-from greenroom.actors.runtime.approval_broker import ApproveFn, ClientApprovals
-from greenroom.actors.runtime.errors import AuthLocked, Busy, SessionClosed
-from greenroom.actors.runtime.llm_streamer import LLMStreamer
-from greenroom.actors.runtime.supervisor import SessionSupervisor, TaskInput
-from greenroom.actors.runtime.trace_sink import TraceSinkClosed, TraceWriteError
+from greenroom.actors.runtime.errors import AuthLocked, Busy, HostClosed, SessionClosed
+from greenroom.actors.runtime.llm_streamer import LLMStreamer, ModelProvider
+from greenroom.actors.runtime.port import (
+    ApproveFn,
+    ClientApprovals,
+    Listener,
+    SessionPort,
+    TaskInput,
+)
+from greenroom.actors.runtime.supervisor import SessionSupervisor
 from greenroom.protocols import markers
 from greenroom.protocols.content import TextBlock, UserContent
-from greenroom.protocols.context import ModelRequest, ToolSchema, UserMessage
+from greenroom.protocols.context import ModelRequest, UserMessage
 from greenroom.protocols.hooks import Hooks
 from greenroom.protocols.messages import (
+    AuthRetried,
     BackoffSkipped,
     InterruptTask,
-    SessionControl,
     StartAttempt,
     SteeringQueued,
     StreamBatch,
     StreamerCommand,
     SupervisorMessage,
+    TaskQueued,
 )
 from greenroom.protocols.outputs import (
     CompactionEnd,
@@ -49,20 +55,14 @@ from greenroom.protocols.outputs import (
     TaskStatus,
 )
 from greenroom.protocols.settings import SessionSettings
-from greenroom.protocols.stream import MessageCompleted, StreamFailed, TextDelta, TokenUsage
+from greenroom.protocols.stream import ResponseCollector
 from greenroom.protocols.tools import Tool
-from greenroom.protocols.trace import UsageKind, UsageRow, encode_record
 from greenroom.protocols.transcript import Transcript
 
 if TYPE_CHECKING:
     from greenroom.actors.runtime.host import Host
-    from greenroom.actors.runtime.llm_streamer import ModelProvider
 
-NO_HOOKS = Hooks()
-"""The hooks of a session that was given none (shared: Hooks is frozen)."""
-
-Listener = Callable[[list[Output]], None]
-"""A subscriber: called with every batch of outputs, in order. Must not block or raise."""
+__all__ = ["Compactability", "RunResult", "RunStream", "Session", "require_trio"]
 
 Compactability = Literal["ok", "unsupported", "empty", "just_compacted"]
 
@@ -143,7 +143,7 @@ class RunStream:
     def __init__(
         self,
         receive: trio.MemoryReceiveChannel[list[Output]],
-        control: trio.MemorySendChannel[SessionControl],
+        control: trio.MemorySendChannel[SupervisorMessage],
         first_run_id: str = "",
     ) -> None:
         self._receive = receive
@@ -222,7 +222,8 @@ class RunStream:
 
     async def aclose(self) -> None:
         """Interrupt the run if it is still going, and stop receiving."""
-        _send(self._control, InterruptTask(reason="run closed by host"))
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            self._control.send_nowait(InterruptTask(reason="run closed by host"))
         await self._receive.aclose()
 
     async def __aenter__(self) -> RunStream:
@@ -232,325 +233,140 @@ class RunStream:
         await self.aclose()
 
 
-class _Watch:
-    """One :meth:`Session.watch`: forwards each batch to the watcher's inbox, never
-    waiting and never raising into the publisher; ends (closes the inbox and leaves
-    ``watchers``) when the inbox is closed, broken or full."""
-
-    __slots__ = ("inbox", "watchers")
-
-    def __init__(
-        self, inbox: trio.MemorySendChannel[list[Output]], watchers: list[Listener]
-    ) -> None:
-        self.inbox = inbox
-        self.watchers = watchers
-
-    def __call__(self, batch: list[Output]) -> None:
-        try:
-            self.inbox.send_nowait(batch)
-        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-            self.end()
-
-    def end(self) -> None:
-        """Close the inbox and leave the session's watchers."""
-        self.inbox.close()
-        with contextlib.suppress(ValueError):
-            self.watchers.remove(self)
 
 
-class SessionCore:
-    """A session's data and its runtime seam: what the session's supervisor, its output
-    emitter, compaction, subagents and tool sources work on while a task runs — the model
-    context, the trace position, the tool table, the approval rules, the listeners.
-    :class:`Session` adds the public API; hosts and clients never need these.
-
-    Ownership: the data belongs to the one supervisor running a task (``Busy`` keeps it
-    to one) and to no actor while the session is idle, when an idle session is data
-    only (R-HOST-1). The public API never writes it while a task runs: control goes to the
-    supervisor's control inbox (R-ACTOR-1)."""
-
-
-    # An idle session should cost its history and little more (thousands of sessions
-    # live in one host): slots, no trio objects until work arrives, containers created
-    # on first use, and the tool table shared by the sessions that use the same tools.
-    __slots__ = (
-        "_client_approvals",
-        "_closed",
-        "_control",
-        "_follow_ups",
-        "_host",
-        "_idle",
-        "_listeners",
-        "_next_run_id",
-        "_path",
-        "_provider",
-        "_seq",
-        "_session_rules",
-        "_tool_schemas",
-        "_tools",
-        "_transcript",
-        "auth_locked",
-        "directory",
-        "hooks",
-        "id",
-        "load_errors",
-        "parent_id",
-        "settings",
-        "workspace_dir",
-    )
-
-    def __init__(
-        self,
-        *,
-        host: Host,
-        session_id: str,
-        directory: Path,
-        settings: SessionSettings,
-        workspace_dir: Path,
-        tools: Iterable[Tool],
-        provider: ModelProvider,
-        transcript: Transcript,
-        last_seq: int = 0,
-        parent_id: str | None = None,
-    ) -> None:
-        self.id = session_id
-        self.parent_id = parent_id
-        """The session that spawned this one as a subagent (R-HOST-4), else None."""
-        self.directory = directory
-        self.settings = settings
-        self.workspace_dir = workspace_dir
-        self.auth_locked: str | None = None
-        self.load_errors: Sequence[str] = ()
-        self._host = host
-        self._tools, self._tool_schemas = host.tool_table(tools)
-        self._provider = provider
-        self._transcript = transcript
-        self._seq = last_seq
-        self._session_rules: set[str] | None = None
-        # The running supervisor's control inbox: the one way into a running task.
-        self._control: trio.MemorySendChannel[SessionControl] | None = None
-        self._follow_ups: list[TaskInput] | None = None
-        self._listeners: list[Listener] | None = None
-        self._client_approvals: ClientApprovals | None = None
-        self._next_run_id: str | None = None
-        self._idle: trio.Event | None = None  # exists only while busy
-        self._closed = False
-        self._path: tuple[str, ...] | None = None  # set on a running subagent
-        self.hooks = NO_HOOKS
-        """Host hooks at the loop's checkpoints (R-HOOK-1); replace to change them."""
-
-    @property
-    def scratchpad_dir(self) -> Path:
-        """The session's scratch directory, inside its session directory."""
-        return self.directory / "scratch"
-
-    @property
-    def trace_path(self) -> Path:
-        """The current trace file (one model context: R-COMPACT-8)."""
-        return self._host.trace_store.location(self.id)
-
-    @property
-    def origin_path(self) -> tuple[str, ...]:
-        """The path of session ids from the root to this session (R-HOST-4): ``(id,)``
-        for a session the host runs, ``(root_id, …, id)`` for a running subagent. Its
-        outputs reach its ancestors' streams with this as their ``origin``."""
-        return self._path or (self.id,)
-
-    @property
-    def transcript(self) -> Transcript:
-        """The model context as a pure function of the traced outputs (the runtime feeds
-        it; read it, never change it)."""
-        return self._transcript
-
-    @property
-    def host(self) -> Host:
-        """The host that runs this session."""
-        return self._host
-
-    @property
-    def provider(self) -> ModelProvider:
-        """The model provider adapter this session's requests go through."""
-        return self._provider
-
-    @property
-    def tool_by_name(self) -> dict[str, Tool]:
-        """The session's tools by name (shared with other sessions: read only)."""
-        return self._tools
-
-    @property
-    def tool_schemas(self) -> tuple[ToolSchema, ...]:
-        """How the session's tools are described to the model, in order."""
-        return self._tool_schemas
-
-    @property
-    def client_approvals(self) -> ClientApprovals | None:
-        """Where approvals go when a run has no ``approve`` callback (see
-        :meth:`set_client_approvals`)."""
-        return self._client_approvals
-
-    def set_tool_table(self, tools: dict[str, Tool], schemas: tuple[ToolSchema, ...]) -> None:
-        """Replace the session's tools (MCP servers whose tool lists changed): the next
-        request describes ``schemas`` and calls run ``tools`` (R-MCP-4)."""
-        self._tools = tools
-        self._tool_schemas = schemas
-
-    def set_origin_path(self, path: tuple[str, ...]) -> None:
-        """Make this session a subagent whose outputs carry ``origin`` = ``path`` (the
-        session ids from the root to it, R-HOST-4)."""
-        self._path = path
-
-    def mark_closed(self) -> None:
-        """The session accepts no more work (a finished subagent the host forgot)."""
-        self._closed = True
-        self.end_watches()
-
-
-    def check_open(self) -> None:
-        """Raise :class:`SessionClosed` when the session is closed, :class:`HostClosed` when its
-        host is."""
-        if self._closed:
-            raise SessionClosed(f"session {self.id} is closed")
-        self._host.check_open()
-
-    def new_run_id(self) -> str:
-        """The run id reserved for the next task when there is one (see :meth:`run`),
-        else a new one; the reservation is used up either way."""
-        reserved, self._next_run_id = self._next_run_id, None
-        return reserved or "run_" + uuid.uuid4().hex[:12]
-
-    def next_seq(self) -> int:
-        """The ``seq`` of the session's next traced output (one more than the last)."""
-        self._seq += 1
-        return self._seq
-
-    def write_record(self, output: Output) -> int:
-        """Write the record; returns the trace sink's batch that will hold it."""
-        assert output.seq is not None  # traced outputs carry their seq
-        return self._host.trace_store.append(self.id, output.seq, encode_record(output))
-
-    async def sync_trace(self) -> None:
-        """Wait until the session's trace is durable on disk (R-TRACE-2). Raises
-        :class:`TraceWriteError` for a write failure, :class:`TraceSinkClosed` once the sink is
-        closed."""
-        await self._host.trace_store.sync(self.id)
-
-    async def sync_trace_quietly(self) -> str | None:
-        """Sync for teardown paths that must finish whatever the disk does: a write
-        failure is returned (and stays recorded in the sink), never raised."""
-        try:
-            await self.sync_trace()
-        except (TraceWriteError, TraceSinkClosed) as exc:
-            return str(exc)
-        return None
-
-    def record_usage(
-        self,
-        run_id: str,
-        turn: int,
-        usage: TokenUsage,
-        *,
-        kind: UsageKind = "request",
-        status: str = "ok",
-        error_message: str | None = None,
-    ) -> None:
-        """Record the token usage of one request (or compaction) of run ``run_id`` in the host's
-        usage table, with the session's provider and model."""
-        self._host.trace_store.record_usage(
-            UsageRow(
-                at=time.time(),
-                session_id=self.id,
-                run_id=run_id,
-                turn=turn,
-                kind=kind,
-                provider=self._provider.name,
-                model=self.settings.model,
-                usage=usage,
-                status=status,
-                error_message=error_message,
-            )
-        )
-
-    def rotate_trace(self) -> str:
-        """Start the next trace file (after a successful compaction); returns its name."""
-        return self._host.trace_store.rotate(self.id)
-
-    def publish(self, batch: list[Output]) -> None:
-        """Hand an emitted batch to every subscriber and watch, synchronously and in the order
-        they were added. A subscriber that raises is ignored; it cannot reach the task that
-        publishes. A watch only receives the batch on its inbox (:meth:`Session.watch`)."""
-        if self._listeners:
-            # A copy: a listener may unsubscribe itself. A listener that raises is a bug
-            # of its owner; it must not take the session (or the host) down.
-            for listener in tuple(self._listeners):
-                with contextlib.suppress(Exception):
-                    listener(batch)
-
-    def end_watches(self) -> None:
-        """Close the inbox of every watch (:meth:`Session.watch`): the session publishes
-        nothing more, and each watcher's receive side ends after the batches it holds."""
-        for listener in tuple(self._listeners or ()):
-            if isinstance(listener, _Watch):
-                listener.end()
-
-    def take_follow_up(self) -> TaskInput | None:
-        """The next queued follow-up task, removed from the queue, or None when none is queued."""
-        return self._follow_ups.pop(0) if self._follow_ups else None
-
-    def approval_rules(self) -> frozenset[str]:
-        """The tools allowed "for this session" (R-APPROVE-4): a running task's approval
-        broker starts from these and keeps its own copy."""
-        return frozenset(self._session_rules or ())
-
-    def allow_for_session(self, tool: str) -> None:
-        """Allow ``tool`` without asking for the rest of the session (R-APPROVE-4); the
-        supervisor records each ``allow_session`` decision here."""
-        if self._session_rules is None:
-            self._session_rules = set()
-        self._session_rules.add(tool)
-
-    def task_finished(self, control: trio.MemorySendChannel[SessionControl]) -> None:
-        """The supervisor of ``control`` is done: the session becomes idle (:meth:`wait_idle`
-        returns) unless another task has taken it over since."""
-        if self._control is control:
-            self._control = None
-            self._follow_ups = None
-            if self._idle is not None:
-                self._idle.set()
-                self._idle = None
-            if not self._session_rules:
-                self._session_rules = None
-
-    def lock_auth(self, message: str) -> None:
-        """Lock the session after an auth failure: no task starts until :meth:`retry_auth`
-        (R-RETRY-6)."""
-        self.auth_locked = message
-
-
-
-class Session(SessionCore):
+class Session:
     """A conversation: model, workspace, tools, approval rules, history and trace.
 
     Create or load sessions through :class:`~greenroom.actors.runtime.host.Host`. Methods that
     start work are synchronous and return at once; they raise :class:`Busy`,
-    :class:`AuthLocked` or :class:`SessionClosed` instead of queueing silently.
+    :class:`AuthLocked` or :class:`SessionClosed` instead of queueing silently. While a task
+    runs, every method reaches it by a message to its supervisor's inbox.
     """
 
-    __slots__ = ()
+    __slots__ = ("_host_open", "_port")
+
+    def __init__(self, port: SessionPort, host_open: Callable[[], bool]) -> None:
+        self._port = port
+        self._host_open = host_open
+
+    # -- what the session is ----------------------------------------------------------------
 
     @property
-    def has_follow_ups(self) -> bool:
-        """Whether tasks are queued behind the running one (R-STEER-6)."""
-        return bool(self._follow_ups)
+    def id(self) -> str:
+        """The session's id."""
+        return self._port.id
 
     @property
-    def busy(self) -> bool:
-        """Whether a task (or a manual compaction) is running."""
-        return self._control is not None
+    def host(self) -> Host:
+        """The host that runs this session."""
+        return cast("Host", self._port.host)
+
+    @property
+    def parent_id(self) -> str | None:
+        """The session that spawned this one as a subagent (R-HOST-4), else None."""
+        return self._port.parent_id
+
+    @property
+    def settings(self) -> SessionSettings:
+        """The session's settings (stored with it)."""
+        return self._port.settings
+
+    @property
+    def workspace_dir(self) -> Path:
+        """The directory the session's tools work in."""
+        return self._port.workspace_dir
+
+    @property
+    def directory(self) -> Path:
+        """The session's directory in the data dir (``session.json``, traces, scratch)."""
+        return self._port.directory
+
+    @property
+    def scratchpad_dir(self) -> Path:
+        """The session's scratch directory, inside its session directory."""
+        return self._port.scratchpad_dir
+
+    @property
+    def trace_path(self) -> Path:
+        """The current trace file (one model context: R-COMPACT-8)."""
+        return self._port.trace_path
+
+    @property
+    def transcript(self) -> Transcript:
+        """The model context as a pure function of the traced outputs (read it, never
+        change it)."""
+        return self._port.transcript
+
+    @property
+    def provider(self) -> ModelProvider:
+        """The model provider adapter this session's requests go through."""
+        return self._port.provider
 
     @property
     def tools(self) -> tuple[Tool, ...]:
         """The session's tools, in order."""
-        return tuple(self._tools.values())
+        return tuple(self._port.tool_by_name.values())
+
+    @property
+    def hooks(self) -> Hooks:
+        """Host hooks at the loop's checkpoints (R-HOOK-1); assign to change them (a task
+        takes them when it starts)."""
+        return self._port.hooks
+
+    @hooks.setter
+    def hooks(self, hooks: Hooks) -> None:
+        """Replace the session's hooks (the next task takes them)."""
+        self._port.hooks = hooks
+
+    @property
+    def load_errors(self) -> Sequence[str]:
+        """The trace lines that could not be read when the session was loaded."""
+        return self._port.load_errors
+
+    @property
+    def auth_locked(self) -> str | None:
+        """Why the session refuses new tasks after an auth failure (R-RETRY-6), or None."""
+        return self._port.machine.auth_locked
+
+    @property
+    def busy(self) -> bool:
+        """Whether a task (or a manual compaction) is running."""
+        return self._port.inbox is not None
+
+    @property
+    def has_follow_ups(self) -> bool:
+        """Whether tasks are queued behind the running one (R-STEER-6)."""
+        return self.busy and self._port.machine.has_queued_tasks
+
+    # -- work ---------------------------------------------------------------------------------
+
+    def check_open(self) -> None:
+        """Raise :class:`SessionClosed` when the session is closed, :class:`HostClosed`
+        when its host is."""
+        if self._port.closed:
+            raise SessionClosed(f"session {self.id} is closed")
+        if not self._host_open():
+            raise HostClosed("the host is closed")
+
+    def _start(
+        self, task: TaskInput | None, cancel: trio.Event | None
+    ) -> tuple[trio.MemoryReceiveChannel[list[Output]], SessionSupervisor, str]:
+        port = self._port
+        # Unbounded: a slow reader never stalls the model stream or the tools; outputs
+        # are small and a run's count is bounded by its work.
+        send, receive = trio.open_memory_channel[list[Output]](math.inf)
+        supervisor = SessionSupervisor(port, send, cancel)
+        supervisor.inbox.send_nowait(
+            TaskQueued(task=task, kind="task" if task is not None else "compaction")
+        )
+        port.inbox = supervisor.inbox
+        port.idle = trio.Event()
+        # Reserved now so that callers (the websocket gateway's ``run``) can report the
+        # run id before the supervisor task has started; its first task takes it.
+        run_id = port.reserve_run_id()
+        port.host.start_task(supervisor.run)
+        return receive, supervisor, run_id
 
     def run(
         self,
@@ -570,35 +386,24 @@ class Session(SessionCore):
         """
         require_trio()
         self.check_open()
-        if self.auth_locked is not None:
+        locked = self.auth_locked
+        if locked is not None:
             raise AuthLocked(
-                f"session {self.id} is locked by an auth failure ({self.auth_locked}); "
+                f"session {self.id} is locked by an auth failure ({locked}); "
                 "update its credentials or call retry_auth()"
             )
-        if self._control is not None:
+        if self.busy:
             raise Busy(f"session {self.id} is already running a task; use follow_up()")
         task = TaskInput(
             content=_as_content(new_messages), approve=approve, thinking_level=thinking_level
         )
-        # Unbounded: a slow reader never stalls the model stream or the tools; outputs
-        # are small and a run's count is bounded by its work.
-        send, receive = trio.open_memory_channel[list[Output]](float("inf"))
-        supervisor = SessionSupervisor(self, task, send, cancel)
-        self._control = supervisor.control
-        self._idle = trio.Event()
-        # Reserved now so that callers (the websocket gateway's ``run``) can report the
-        # run id before the supervisor task has started; its first task takes it.
-        run_id = self._next_run_id = self.new_run_id()
-        self._host.start_task(supervisor.run)
-        return RunStream(receive, supervisor.control, run_id)
+        receive, supervisor, run_id = self._start(task, cancel)
+        return RunStream(receive, supervisor.inbox, run_id)
 
     def steer(self, messages: Sequence[UserContent] | str) -> bool:
         """Queue user input for the running task without interrupting it (R-STEER-1).
         Returns False when no task is running (start a normal task instead)."""
-        if self._control is None:
-            return False
-        _send(self._control, SteeringQueued(content=_as_content(messages)))
-        return True
+        return self._port.send(SteeringQueued(content=_as_content(messages)))
 
     def follow_up(
         self,
@@ -609,40 +414,31 @@ class Session(SessionCore):
     ) -> bool:
         """Queue a whole new task to run after the current one, FIFO (R-STEER-6). Its
         outputs continue the running ``RunStream``. Returns False when idle."""
-        if self._control is None:
-            return False
-        if self._follow_ups is None:
-            self._follow_ups = []
-        self._follow_ups.append(
-            TaskInput(content=_as_content(messages), approve=approve, thinking_level=thinking_level)
+        task = TaskInput(
+            content=_as_content(messages), approve=approve, thinking_level=thinking_level
         )
-        return True
+        return self._port.send(TaskQueued(task=task))
 
     def interrupt(self, reason: str = "interrupted by host") -> bool:
-        """Interrupt the running task (R-ABORT-1). Returns False when idle."""
-        if self._control is None:
-            return False
-        self._follow_ups = None
-        _send(self._control, InterruptTask(reason=reason))
-        return True
+        """Interrupt the running task and drop the queued ones (R-ABORT-1). Returns False
+        when idle."""
+        return self._port.send(InterruptTask(reason=reason))
 
     def skip_reconnect_wait(self) -> bool:
         """End the current reconnect backoff early (R-RETRY-5). False when idle."""
-        if self._control is None:
-            return False
-        _send(self._control, BackoffSkipped())
-        return True
+        return self._port.send(BackoffSkipped())
 
     def retry_auth(self) -> None:
         """Unlock a session locked by an auth failure (R-RETRY-6)."""
-        self.auth_locked = None
+        if not self._port.send(AuthRetried()):
+            self._port.machine.retry_auth()
 
     def compactability(self) -> Compactability:
         """Whether a manual compaction could do anything now (R-COMPACT-10): ``empty``
         (nothing to summarize), ``just_compacted`` (the context is a fresh summary),
         ``unsupported`` (the session's model cannot be asked: locked by an auth failure),
         else ``ok``."""
-        transcript = self._transcript
+        transcript = self._port.transcript
         if self.auth_locked is not None:
             return "unsupported"
         if (
@@ -661,19 +457,14 @@ class Session(SessionCore):
         outputs also reach subscribers and the trace. Raises :class:`Busy` while a task
         or another compaction runs (R-COMPACT-11)."""
         self.check_open()
-        if self._control is not None:
+        if self.busy:
             raise Busy(f"session {self.id} is busy; compact when the task has ended")
         if self.compactability() != "ok":
             return None
-        # Unbounded, as for run(): a slow reader never stalls the summary request.
-        send, receive = trio.open_memory_channel[list[Output]](float("inf"))
-        supervisor = SessionSupervisor(self, None, send, None)
-        self._control = supervisor.control
-        self._idle = trio.Event()
-        self._host.start_task(supervisor.run)
+        receive, supervisor, _ = self._start(None, None)
         end: CompactionEnd | None = None
-        async for output in RunStream(receive, supervisor.control):
-            if isinstance(output, CompactionEnd):
+        async for output in RunStream(receive, supervisor.inbox):
+            if isinstance(output, CompactionEnd) and output.origin is None and end is None:
                 end = output
         return end
 
@@ -682,64 +473,46 @@ class Session(SessionCore):
         tools, no system prompt, never written to history or trace, and independent of
         any running task (R-HOST-5). Its usage is recorded in the ledger as ``title``.
         Returns "" when there is nothing to title or the call fails."""
-        excerpt = _title_material(self._transcript)
+        port = self._port
+        excerpt = _title_material(port.transcript)
         if not excerpt:
             return ""
         request = ModelRequest(
-            model=self.settings.model,
+            model=port.settings.model,
             system=None,
             tools=(),
             messages=(
-                UserMessage(
-                    content=(
-                        TextBlock(text=f"{markers.TITLE_PROMPT}\n\n{excerpt}"),
-                    )
-                ),
+                UserMessage(content=(TextBlock(text=f"{markers.TITLE_PROMPT}\n\n{excerpt}"),)),
             ),
             max_tokens=64,
         )
-        parts: list[str] = []
-        usage: TokenUsage | None = None
+        response = ResponseCollector()
         # The one path to the model (R-ACTOR-4): a streamer of its own, so the title never
         # waits for a task's attempts. Unbounded: both sides send with send_nowait.
         batches_send, batches = trio.open_memory_channel[SupervisorMessage](math.inf)
         commands_send, commands = trio.open_memory_channel[StreamerCommand](math.inf)
-        streamer = LLMStreamer(self._provider.open_task(), batches_send)
+        streamer = LLMStreamer(port.provider.open_task(), batches_send)
         async with trio.open_nursery() as nursery:
             await nursery.start(streamer.run, commands)
             commands_send.send_nowait(StartAttempt(request=request, attempt=1, delay_ms=0))
-            completed = False
             async for batch in batches:
                 assert isinstance(batch, StreamBatch)
-                for event in batch.events:
-                    if isinstance(event, TextDelta):
-                        parts.append(event.text)
-                    elif isinstance(event, MessageCompleted):
-                        usage, completed = event.usage, True
-                    elif isinstance(event, StreamFailed):
-                        completed = True
-                if completed:
+                if response.feed(batch.events):
                     break
             nursery.cancel_scope.cancel()
-        if usage is not None:
-            self.record_usage("", 0, usage, kind="title")
-        title = " ".join("".join(parts).split()).strip().strip("\"'")
+        if response.usage is not None:
+            port.record_usage("", 0, response.usage, kind="title")
+        title = " ".join(response.text.split()).strip().strip("\"'")
         return title[:max_chars]
+
+    # -- watching -------------------------------------------------------------------------------
 
     def subscribe(self, listener: Listener) -> Callable[[], None]:
         """Call ``listener`` with every batch of outputs from now on; returns the
         function that unsubscribes. The listener runs inside the publishing task, so it
         must neither block nor raise; a watcher that is a task of its own uses
         :meth:`watch` instead."""
-        if self._listeners is None:
-            self._listeners = []
-        self._listeners.append(listener)
-
-        def unsubscribe() -> None:
-            if self._listeners is not None and listener in self._listeners:
-                self._listeners.remove(listener)
-
-        return unsubscribe
+        return self._port.subscribe(listener)
 
     def watch(self, inbox: trio.MemorySendChannel[list[Output]]) -> None:
         """Send every batch published from now on to ``inbox``, in order (R-ACTOR-1): the
@@ -752,86 +525,44 @@ class Session(SessionCore):
         the watcher closes its receive side (noticed at the next batch, then forgotten),
         when ``inbox`` is full (the watcher is cut off rather than grow: its receive side
         ends after the batches it holds; the trace has the rest), and when the session
-        closes (:meth:`end_watches`). The watcher may send its own markers on ``inbox``
-        while the watch lasts; they keep their place among the batches (it is FIFO)."""
-        if self._listeners is None:
-            self._listeners = []
-        self._listeners.append(_Watch(inbox, self._listeners))
+        closes. The watcher may send its own markers on ``inbox`` while the watch lasts;
+        they keep their place among the batches (it is FIFO)."""
+        self._port.watch(inbox)
+
+    @property
+    def client_approvals(self) -> ClientApprovals | None:
+        """Where approvals go when a run has no ``approve`` callback (see
+        :meth:`set_client_approvals`)."""
+        return self._port.client_approvals
 
     def set_client_approvals(self, approvals: ClientApprovals | None) -> None:
         """Where approvals go when a run has no ``approve`` callback: the inbox of the
         actor that asks this session's clients (the gateway's hub for it). The broker
         sends it :class:`~greenroom.protocols.messages.AskClients` for each call and
         :class:`~greenroom.protocols.messages.AskWithdrawn` when it stops waiting; see
-        those messages for the answers it expects."""
-        self._client_approvals = approvals
-
-    async def wait_idle(self) -> None:
-        """Return when no task is running."""
-        if self._idle is not None:
-            await self._idle.wait()
-
-    async def aclose(self) -> None:
-        """Interrupt any running task and wait until it has finished writing
-        (R-HOST-3). The session accepts no more work."""
-        self._closed = True
-        self.interrupt("session closed")
-        if self._idle is not None:
-            await self._idle.wait()
-        await self.sync_trace_quietly()
-        self.end_watches()
-
-    async def run_as_child(
-        self,
-        content: Sequence[UserContent] | str,
-        *,
-        approve: ApproveFn | None,
-        outputs: trio.MemorySendChannel[list[Output]],
-        reason: str = "parent task interrupted",
-    ) -> None:
-        """Run one task as a subagent in the calling task — a tool call of the parent
-        session's task — instead of the host's nursery, and return when it has ended.
-
-        Every batch of its outputs, from the first, is sent on ``outputs`` (there is no
-        ``RunStream``), which is closed when the task has ended; the caller drains it
-        concurrently. Cancelling the caller interrupts the subagent with ``reason``: the
-        subagent runs shielded, so it settles and records its own ``abort`` and
-        ``task_end(aborted)`` in its trace (bounded by the supervisor's teardown grace)
-        before the cancellation goes on to the caller."""
-        self.check_open()
-        if self._control is not None:
-            raise Busy(f"session {self.id} is already running a task")
-        task = TaskInput(content=_as_content(content), approve=approve, thinking_level=None)
-        supervisor = SessionSupervisor(self, task, outputs, None)
-        self._control = control = supervisor.control
-        self._idle = trio.Event()
-        finished = trio.Event()
-
-        async def run_shielded() -> None:
-            try:
-                with trio.CancelScope(shield=True):
-                    await supervisor.run()
-            finally:
-                finished.set()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(run_shielded)
-            try:
-                await finished.wait()
-            except trio.Cancelled:
-                _send(control, InterruptTask(reason=reason))
-                raise
+        those messages for the answers it expects. A task takes it when it starts."""
+        self._port.client_approvals = approvals
 
     def clear_client_approvals(self, approvals: ClientApprovals) -> bool:
         """Forget ``approvals`` if they are still where approvals go (a watcher that stops
         never removes the one another watcher installed since); True when they were."""
-        if self._client_approvals is not approvals:
+        if self._port.client_approvals is not approvals:
             return False
-        self._client_approvals = None
+        self._port.client_approvals = None
         return True
 
+    async def wait_idle(self) -> None:
+        """Return when no task is running."""
+        idle = self._port.idle
+        if idle is not None:
+            await idle.wait()
 
-def _send(control: trio.MemorySendChannel[SessionControl], message: SessionControl) -> None:
-    # A supervisor that has just ended closed its control inbox: nothing is left to steer.
-    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-        control.send_nowait(message)
+    async def aclose(self) -> None:
+        """Interrupt any running task and wait until it has finished writing
+        (R-HOST-3). The session accepts no more work."""
+        port = self._port
+        port.closed = True
+        self.interrupt("session closed")
+        await self.wait_idle()
+        await port.sync_trace_quietly()
+        port.end_watches()

@@ -34,14 +34,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING, assert_never
+from collections.abc import Awaitable, Callable
+from typing import assert_never
 
 import attrs
 import trio
 
-from greenroom.actors.runtime.approval_broker import ApproveFn
+from greenroom.actors.runtime.port import ApproveFn, SessionPort, TaskInput
 from greenroom.protocols.content import TextBlock
-from greenroom.protocols.messages import SubagentOutputs, SupervisorMessage
+from greenroom.protocols.messages import InterruptTask, SubagentOutputs, SupervisorMessage
 from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
@@ -63,9 +64,6 @@ from greenroom.protocols.outputs import (
     UserMsg,
 )
 from greenroom.protocols.tools import ToolContext, tool
-
-if TYPE_CHECKING:
-    from greenroom.actors.runtime.session import Session
 
 __all__ = [
     "SPAWN_SUBAGENT",
@@ -113,23 +111,30 @@ async def spawn_subagent(task: str, *, ctx: ToolContext) -> str:
     return await ctx.spawn(task)
 
 
+RunChild = Callable[[SessionPort, TaskInput, trio.MemorySendChannel[list[Output]]], Awaitable[None]]
+"""Runs one task of a child session in the calling task (the supervisor's ``run_child``)."""
+
+
 class Subagents:
     """The subagents of one parent task: its limits, and ``spawn`` (the callback the tool
     pool puts in every :class:`ToolContext`). ``report`` is the parent supervisor's inbox:
-    the children's outputs go there as ``SubagentOutputs``."""
+    the children's outputs go there as ``SubagentOutputs``; ``run_child`` runs a child's
+    task."""
 
-    __slots__ = ("_approve", "_parent", "_report", "_slots", "_started")
+    __slots__ = ("_approve", "_parent", "_report", "_run_child", "_slots", "_started")
 
     def __init__(
         self,
-        parent: Session,
+        parent: SessionPort,
         *,
         approve: ApproveFn | None,
         report: trio.MemorySendChannel[SupervisorMessage],
+        run_child: RunChild,
     ) -> None:
         self._parent = parent
         self._approve = approve
         self._report = report
+        self._run_child = run_child
         self._slots: trio.Semaphore | None = None
         self._started = 0
 
@@ -156,23 +161,21 @@ class Subagents:
         if self._slots is None:
             self._slots = trio.Semaphore(max(1, settings.max_subagents_concurrent))
         async with self._slots:
-            return await self._run_child(task, depth + 1)
+            return await self._spawn(task, depth + 1)
 
-    async def _run_child(self, task: str, depth: int) -> str:
+    async def _spawn(self, task: str, depth: int) -> str:
         parent = self._parent
         settings = parent.settings
         host = parent.host
         may_spawn = depth < settings.max_subagent_depth
-        tools = [t for t in parent.tools if may_spawn or t.name != SPAWN_SUBAGENT]
-        child = await host.create_session(
+        tools = [t for t in parent.tool_by_name.values() if may_spawn or t.name != SPAWN_SUBAGENT]
+        child = await host.create_child(
+            parent,
             settings=attrs.evolve(settings, system=subagent_system(settings.system)),
-            provider=parent.provider,
             tools=tools,
-            workspace_dir=parent.workspace_dir,
-            parent_id=parent.id,
         )
         child.set_origin_path((*parent.origin_path, child.id))
-        child.set_client_approvals(parent.client_approvals)
+        child.client_approvals = parent.client_approvals
         watch = _ChildWatch(child, settings.subagent_token_budget, self._report)
         # Unbounded: the child's supervisor publishes with send_nowait and must never wait
         # for this task, which drains the channel continuously.
@@ -181,12 +184,20 @@ class Subagents:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(watch.follow, outputs)
                 try:
-                    await child.run_as_child(task, approve=self._approve, outputs=outputs_send)
+                    await self._run_child(
+                        child,
+                        TaskInput(
+                            content=(TextBlock(text=task),),
+                            approve=self._approve,
+                            thinking_level=None,
+                        ),
+                        outputs_send,
+                    )
                 finally:
                     # The child has ended (or never started): the watch reads what is left.
                     outputs_send.close()
         finally:
-            host.forget(child)
+            host.forget_child(child)
         return watch.result()
 
 
@@ -197,7 +208,7 @@ class _ChildWatch:
     __slots__ = ("_budget", "_child", "_origin", "_report", "_texts", "end", "exceeded", "used")
 
     def __init__(
-        self, child: Session, budget: int, report: trio.MemorySendChannel[SupervisorMessage]
+        self, child: SessionPort, budget: int, report: trio.MemorySendChannel[SupervisorMessage]
     ) -> None:
         self._child = child
         self._budget = budget
@@ -234,9 +245,11 @@ class _ChildWatch:
                     self.used += output.request.total
                     if 0 <= self._budget < self.used and not self.exceeded:
                         self.exceeded = True
-                        self._child.interrupt(
-                            f"subagent token budget exceeded: {self.used} tokens used, "
-                            f"the budget is {self._budget}"
+                        self._child.send(
+                            InterruptTask(
+                                reason=f"subagent token budget exceeded: {self.used} tokens "
+                                f"used, the budget is {self._budget}"
+                            )
                         )
                 case TaskEnd():
                     self.end = output

@@ -1,30 +1,35 @@
-"""The session supervisor: the only owner of a task's turn state.
+"""The session supervisor: one loop over one inbox, where a session's work moves on.
 
-One supervisor runs per ``Session.run`` (and the follow-ups queued behind it), as a trio
-task in the host's nursery, and ends with the work: an idle session has no task running.
-Its children — one :class:`LLMStreamer` attempt at a time, the :class:`ApprovalBroker`,
-and the :class:`ToolPool`'s call tasks — live in the task's nursery and talk to it only
-through its inbox. The supervisor decides everything that happens next, emits every
-output (to the run's channel, to subscribers and, for traced outputs, to the trace), and
-feeds traced outputs to the session's :class:`Transcript`, which owns the model context.
+One supervisor runs while a session has work — a ``Session.run`` and the tasks queued
+behind it, or a manual compaction — as a trio task in the host's nursery, and ends with
+the work: an idle session has no task running (R-HOST-1).
 
-The trace comes first (R-RUN-8, R-TRACE-3): a batch of outputs is published — to the run's
-channel and to subscribers — only once its records are written to the trace file (handed
-to the OS: a crash of the host cannot take them out of the trace; see
-:meth:`TraceSink.commit`), batches in order; a task's input is fsynced before its
-``task_start`` is emitted. Text entering from the user (prompts, steering, follow-ups) and
-from tools is repaired here (R-SEC-1). A record that cannot be written — or encoded,
-despite the repairs — ends the task ``failed`` with the reason; the host and the other
-sessions go on.
+The loop asks the session's task machine (:mod:`greenroom.protocols.task`, pure) for the
+next step and carries it out; when the step is to wait, it takes the next message from its
+one inbox. Everything reaches it there: the session handle's commands (tasks, steering,
+interrupt, skip, the auth unlock), the LLM streamer's batches (a turn's and a
+compaction's), the approval broker's decisions, the tool pool's results, subagents'
+outputs, hook answers, and trace syncs. A turn's mechanics are the pure turn machine's,
+carried out by :class:`~greenroom.actors.runtime.turn_runner.TurnRunner`; a compaction's by
+:class:`~greenroom.actors.runtime.compactor.CompactionRun`. Every traced output goes through
+the :class:`~greenroom.actors.runtime.emitter.OutputEmitter`, which feeds it to the
+transcript and the task machine: the machine learns what happened exactly as a fold of the
+trace would (invariant 1 of the task machine).
 
-Interrupt is cancellation: the task runs inside a cancel scope; ``interrupt()`` cancels it,
-and the supervisor settles the turn (R-ABORT-1..3) under a shielded, bounded scope before
-it emits exactly one ``task_end``.
+The trace comes first (R-RUN-8, R-TRACE-3): a batch is published only once its records are
+written; a task's input is durable before its ``task_start``, and the trace at every turn
+boundary (R-TRACE-2). While the supervisor waits for a sync it keeps serving its inbox, so
+neither an interrupt nor a steer waits for the disk. A record that cannot be written ends
+the task ``failed`` with the reason (R-SEC-1).
 
-A subagent (R-HOST-4, :mod:`greenroom.actors.runtime.subagents`) runs its own supervisor inside
-a ``spawn_subagent`` call's task, i.e. in this task's nursery; its outputs come back
-through this supervisor's inbox (``SubagentOutputs``) as live outputs of this run, tagged
-with their ``origin`` and never traced here.
+Interrupt is cancellation: a task's actors — broker, pool, streamer, hook calls — live in
+:class:`TaskWork`, whose cancel scope ends them together; the supervisor then settles the
+turn (R-ABORT-1..3) and emits exactly one ``task_end`` under a shielded, bounded scope.
+
+A subagent (R-HOST-4, :mod:`greenroom.actors.runtime.subagents`) runs its own supervisor
+inside a ``spawn_subagent`` call's task (:func:`run_child`); its outputs come back through
+this supervisor's inbox (``SubagentOutputs``) as live outputs of this run, tagged with their
+``origin`` and never traced here.
 """
 
 from __future__ import annotations
@@ -33,537 +38,624 @@ import contextlib
 import inspect
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, assert_never
+from typing import Any, assert_never
 
-import attrs
 import trio
 
-from greenroom.actors.runtime.approval_broker import ApprovalBroker, ApproveFn
-from greenroom.actors.runtime.compactor import Compaction, compaction_due
+from greenroom.actors.runtime.approval_broker import ApprovalBroker
+from greenroom.actors.runtime.compactor import CompactionRun
 from greenroom.actors.runtime.emitter import OutputEmitter, repaired_blocks
-from greenroom.actors.runtime.llm_streamer import LLMStreamer, ProviderTask
+from greenroom.actors.runtime.llm_streamer import LLMStreamer
+from greenroom.actors.runtime.port import SessionPort, TaskInput
 from greenroom.actors.runtime.subagents import Subagents
 from greenroom.actors.runtime.tool_pool import ToolPool
-from greenroom.actors.runtime.turn_dispatch import TurnDispatch
-from greenroom.protocols.content import (
-    TextBlock,
-    UserContent,
-)
+from greenroom.actors.runtime.turn_runner import TurnRunner
+from greenroom.protocols.content import UserContent
 from greenroom.protocols.context import ModelRequest
-from greenroom.protocols.guards import LoopGuard
 from greenroom.protocols.hooks import RequestInfo, StopInfo, ToolResultsInfo
 from greenroom.protocols.messages import (
+    ApprovalAsked,
+    ApprovalDecided,
     ApproveCall,
+    AuthRetried,
     BackoffSkipped,
-    BeginTurn,
+    HookAnswered,
     InterruptTask,
     PlanBackoff,
     PoolCommand,
-    SessionControl,
     SkipBackoff,
     StartAttempt,
     SteeringQueued,
+    StreamBatch,
     StreamerCommand,
+    SubagentOutputs,
     SupervisorMessage,
+    TaskQueued,
+    ToolCallFinished,
+    ToolProgressed,
+    TraceFailed,
+    TraceSynced,
 )
 from greenroom.protocols.outputs import (
     CompactionReason,
     Output,
-    RequestStatus,
     TaskEnd,
     TaskStart,
     TaskStatus,
     UserMsg,
 )
-from greenroom.protocols.retry import MAX_RETRIES, decide_retry
-from greenroom.protocols.stream import (
-    MessageCompleted,
-    ModelError,
-    StreamFailed,
-    TokenUsage,
+from greenroom.protocols.stream import StreamEvent, StreamFailed
+from greenroom.protocols.task import (
+    BeginAttempt,
+    BeginTurn,
+    CallHook,
+    Compact,
+    EndTask,
+    Finish,
+    Phase,
+    StartTask,
+    TaskKind,
+    Wait,
 )
-from greenroom.protocols.turn import TurnMachine
 
-if TYPE_CHECKING:
-    from greenroom.actors.runtime.session import Session
+__all__ = ["ABORT_GRACE_S", "SessionSupervisor", "TaskWork", "build_request", "run_child"]
 
 ABORT_GRACE_S = 2.0
-"""Bound on the shielded teardown after an interrupt: writing ``abort`` and ``task_end``
-and syncing the trace. Well above the usual few milliseconds, far below a hang."""
-
-@attrs.frozen(kw_only=True, slots=True)
-class TaskInput:
-    """One task to run: the prompt and the run options that apply to it."""
-
-    content: tuple[UserContent, ...]
-    approve: ApproveFn | None
-    thinking_level: str | None
+"""Bound on the shielded teardown after a task: writing its last records (``abort``,
+``task_end``) and syncing the trace. Well above the usual few milliseconds, far below a
+hang."""
 
 
-class SessionSupervisor:
-    """Runs the tasks of one ``Session.run`` call; see the module docstring."""
+class TaskWork:
+    """The actors of one task: the approval broker, the tool pool and the LLM streamer,
+    with the hook calls the supervisor starts, in one nursery whose cancel scope ends them
+    together (interrupt = cancellation). Start it with ``nursery.start(work.run)``; it
+    serves until :meth:`stop`. Each reports to the supervisor's inbox only."""
+
+    __slots__ = (
+        "_approvals",
+        "_done",
+        "_inbox",
+        "_pool",
+        "_port",
+        "_streamer",
+        "_task",
+        "approvals",
+        "nursery",
+        "pool",
+        "scope",
+        "streamer",
+    )
 
     def __init__(
         self,
-        session: Session,
-        first: TaskInput | None,
+        port: SessionPort,
+        task: TaskInput | None,
+        inbox: trio.MemorySendChannel[SupervisorMessage],
+    ) -> None:
+        self._port = port
+        self._task = task
+        self._inbox = inbox
+        self._done = trio.Event()
+        self.scope = trio.CancelScope()
+        # Unbounded, all three: the supervisor commands with send_nowait and never waits
+        # for its actors; at most a turn's calls (or a handful of stream commands) queue.
+        self.approvals, self._approvals = trio.open_memory_channel[ApproveCall](math.inf)
+        self.pool, self._pool = trio.open_memory_channel[PoolCommand](math.inf)
+        self.streamer, self._streamer = trio.open_memory_channel[StreamerCommand](math.inf)
+        self.nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start the actors; ready once they serve. Returns after :meth:`stop`."""
+        port = self._port
+        settings = port.settings
+        task = self._task
+        try:
+            with self.scope:
+                async with trio.open_nursery() as nursery:
+                    approve = task.approve if task is not None else None
+                    broker = ApprovalBroker(
+                        approve=approve,
+                        clients=port.client_approvals,
+                        timeout_s=settings.approval_timeout_s,
+                        inbox=self._inbox,
+                    )
+                    await nursery.start(broker.run, self._approvals)
+                    subagents = Subagents(
+                        port, approve=approve, report=self._inbox, run_child=run_child
+                    )
+                    pool = ToolPool(
+                        tools=port.tool_by_name,
+                        inbox=self._inbox,
+                        workspace_dir=port.workspace_dir,
+                        scratchpad_dir=port.scratchpad_dir,
+                        sync_trace=port.sync_trace,
+                        result_budget=settings.tool_result_budget,
+                        spawn=subagents.spawn,
+                        sandbox=settings.sandbox,
+                        shell_network=settings.shell_network,
+                        private_dirs=(port.host.data_dir,),
+                    )
+                    await nursery.start(pool.run, self._pool)
+                    streamer = LLMStreamer(port.provider.open_task(), self._inbox)
+                    await nursery.start(streamer.run, self._streamer)
+                    self.nursery = nursery
+                    task_status.started()
+                    await trio.sleep_forever()
+        finally:
+            self._done.set()
+
+    async def stop(self) -> None:
+        """End the actors and wait until they have: a tool that ignores cancellation is
+        abandoned after the pool's grace (R-SEC-2), so this stays bounded."""
+        self.scope.cancel()
+        await self._done.wait()
+
+
+class SessionSupervisor:
+    """Runs the work of one session while it has some; see the module docstring."""
+
+    def __init__(
+        self,
+        port: SessionPort,
         output: trio.MemorySendChannel[list[Output]],
         cancel: trio.Event | None,
     ) -> None:
-        self._session = session
-        self._first = first
+        self._port = port
+        self._machine = port.machine
         self._output = output
         self._cancel_event = cancel
-        self._scope = trio.CancelScope()
-        self._abort_reason = "interrupted"
-        self._stopping = False
-        # Unbounded on purpose: tools, approvals and the streamer report with send_nowait
-        # and must never block on the supervisor; the supervisor drains it continuously.
-        inbox_send, inbox_receive = trio.open_memory_channel[SupervisorMessage](math.inf)
-        self._inbox = inbox_send
-        self._inbox_receive = inbox_receive
-        # Unbounded: the session handle sends with send_nowait from any task and must
-        # never block; a person or a client sends a handful per task.
-        self.control, self._control = trio.open_memory_channel[SessionControl](math.inf)
-        """The send side of the control inbox (interrupt, steer, skip the wait)."""
-        # One queue for the whole call: the dispatch extends it, delivery drains it.
-        self._steering: list[UserContent] = []
-        # A trace the emitter cannot write ends the task failed (R-SEC-1).
-        self._out = OutputEmitter(session, output, lambda: self._scope.cancel())
-        self._dispatch = TurnDispatch(
-            session=session,
-            emitter=self._out,
-            inbox=inbox_receive,
-            interrupted=lambda: self._scope.cancel_called,
-            on_steering=self._steering.extend,
-            on_skip=self._skip_wait,
-            on_usage=self._add_usage,
-        )
-        self._streamer: trio.MemorySendChannel[StreamerCommand] | None = None
-        self._provider_task: ProviderTask | None = None
-        self._compactor: Compaction | None = None
+        # Unbounded on purpose: the session handle, the streamer, the broker, the pool,
+        # subagents and hook calls all send with send_nowait and must never block on the
+        # supervisor, which drains the inbox whenever it is not carrying out a step.
+        self.inbox, self._inbox = trio.open_memory_channel[SupervisorMessage](math.inf)
+        """The send side of the one inbox: the session handle's way in."""
+        self._out = OutputEmitter(port, output, self._trace_failed)
+        self._nursery: trio.Nursery | None = None
+        self._work: TaskWork | None = None
+        self._turns: TurnRunner | None = None
+        self._compaction: CompactionRun | None = None
         self._task: TaskInput | None = None
+        self._requests = 0
+        self._turn_request = 0
+        self._held_request: StartAttempt | None = None
+        self._syncs_asked = 0
+        self._syncs_done = 0
+        self._boundary_synced: tuple[str | None, int] = (None, 0)
+        self._started_at = 0.0
         self.run_id = ""
-        # per-task state
-        self._turn = 0
-        self._usage = TokenUsage()
-        # The turn's state — blocks, calls, attempts, settlement — is the pure machine's
-        # (R-ACTOR-3); one per turn.
-        self._machine = TurnMachine(session_id=session.id, run_id="", turn=0)
-        self._approvals: trio.MemorySendChannel[ApproveCall] | None = None
-        self._pool: trio.MemorySendChannel[PoolCommand] | None = None
 
-    # -- control from the session handle (its one inbox) ------------------------------
-
-    async def _serve_control(self) -> None:
-        async for message in self._control:
-            match message:
-                case InterruptTask(reason=reason):
-                    # _stopping: an interrupt between two tasks must not start the next.
-                    self._abort_reason, self._stopping = reason, True
-                    self._scope.cancel()
-                case SteeringQueued():
-                    self._inbox.send_nowait(message)
-                case BackoffSkipped():
-                    self._skip_reconnect_wait()
-                case _:
-                    assert_never(message)
-
-    def _skip_reconnect_wait(self) -> None:
-        if self._compactor is not None and self._streamer is not None:
-            # A compaction does not pump the inbox: its wait is the streamer's, told so.
-            self._streamer.send_nowait(SkipBackoff())
-            return
-        self._inbox.send_nowait(BackoffSkipped())
-
-    # -- the outer loop: this task, then queued follow-ups (R-STEER-6) ---------------
+    # -- the loop -------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run the first task and every follow-up queued behind it, then close the
-        output channel. Ready at once: its inboxes exist from construction, so control
-        sent before the first turn is kept. Never raises except on host shutdown."""
+        """Run the queued work, then close the output channel. Ready at once: the inbox
+        exists from construction, so nothing sent before the first step is lost. Never
+        raises except on host shutdown."""
         task_status.started()
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._serve_control)
-                self._out.serve_in(nursery)
-                try:
-                    await self._run_tasks()
-                finally:
-                    nursery.cancel_scope.cancel()
-        finally:
-            self._control.close()  # later control finds no one: the handle ignores it
-
-    async def _run_tasks(self) -> None:
-        session = self._session
-        try:
-            task: TaskInput | None = self._first
-            if task is None:
-                await self._run_manual_compaction()
-            while task is not None:
-                await self._run_task(task)
-                interrupted = self._scope.cancelled_caught and self._out.trace_error is None
-                if interrupted or self._stopping or session.auth_locked:
-                    break
-                task = session.take_follow_up()
-                if task is not None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            self._out.serve_in(nursery)
+            if self._cancel_event is not None:
+                nursery.start_soon(forward_cancel, self._cancel_event, self.inbox)
+            try:
+                await self._loop()
+            finally:
+                self._make_idle()
+                with trio.CancelScope(shield=True):
+                    if self._work is not None:
+                        await self._work.stop()
                     self._out.flush()
-                self._scope = trio.CancelScope()
-        finally:
-            # The session is idle before the host sees the last task_end, so a host that
-            # reacts to it by starting the next task never meets Busy.
-            session.task_finished(self.control)
-            with trio.CancelScope(shield=True):
-                self._out.flush()
-                with trio.move_on_after(ABORT_GRACE_S):
-                    await self._out.wait_published()
-                # Past the bound the disk hangs: what is left still reaches its readers,
-                # the last task_end above all.
-                self._out.publish_unwritten()
-                await self._output.aclose()
+                    with trio.move_on_after(ABORT_GRACE_S):
+                        await self._out.wait_published()
+                    # Past the bound the disk hangs: what is left still reaches its
+                    # readers, the last task_end above all.
+                    self._out.publish_unwritten()
+                    await self._output.aclose()
+                nursery.cancel_scope.cancel()
 
-    async def _run_task(self, task: TaskInput) -> None:
-        session = self._session
+    async def _loop(self) -> None:
+        # The run's own task comes first (its handle sent it before anything else could
+        # be sent): it is started before later messages are read, so an interrupt that
+        # follows at once ends it aborted rather than dropping it unseen.
+        with contextlib.suppress(trio.WouldBlock):
+            self._handle(self._inbox.receive_nowait())
+        while True:
+            try:
+                if await self._step():
+                    return
+            except Exception as exc:  # a bug must end the task visibly, not hang the host
+                if self._machine.run_id is None:
+                    raise
+                await self._end_task("failed", f"internal error: {exc!r}", crashed=True)
+
+    async def _step(self) -> bool:
+        """Carry out one step; True once the session is idle."""
+        machine = self._machine
+        if machine.run_id is None and self._work is not None:
+            # A manual compaction ended on its own record: its actors end with it.
+            work, self._work = self._work, None
+            await work.stop()
+        compaction = self._compaction
+        if compaction is not None:
+            if compaction.ready:
+                await compaction.finish(self._sync)
+            if not compaction.running:
+                self._compaction = None
+        if machine.phase is Phase.TURN_DONE and not machine.stopping:
+            boundary = (machine.run_id, machine.turn)
+            if self._boundary_synced != boundary:
+                self._boundary_synced = boundary
+                await self._sync()  # R-TRACE-2: durable at every turn boundary
+                return False
+        step = machine.next_step()
+        match step:
+            case Wait():
+                self._out.flush()
+                self._handle(await self._inbox.receive())
+                self._drain()
+                self._out.flush()
+            case StartTask(task=task, kind=kind):
+                await self._start_task(task, kind)
+            case Compact(reason=reason):
+                self._start_compaction(reason)
+            case BeginTurn(turn=turn, steering=steering):
+                self._begin_turn(turn, steering)
+            case BeginAttempt(attempt=attempt, delay_ms=delay_ms):
+                self._begin_attempt(attempt, delay_ms)
+            case CallHook():
+                self._call_hook(step)
+            case EndTask(status=status, message=message):
+                await self._end_task(status, message)
+            case Finish():
+                return self._finish()
+            case _:
+                assert_never(step)
+        return False
+
+    def _drain(self) -> None:
+        """Handle every message already waiting, without blocking."""
+        receive = self._inbox
+        while True:
+            try:
+                message = receive.receive_nowait()
+            except trio.WouldBlock:
+                return
+            self._handle(message)
+
+    def _handle(self, message: SupervisorMessage) -> None:
+        """One inbox message."""
+        match message:
+            case StreamBatch():
+                # The hot path: one batch per network read.
+                number = message.request
+                if number == self._turn_request and number:
+                    self._turn_batch(message.events)
+                elif self._compaction is not None and number == self._compaction.request:
+                    self._compaction.feed(message.events)
+            case ToolCallFinished() | ToolProgressed() | ApprovalDecided() | ApprovalAsked():
+                if self._turns is not None:
+                    self._turns.handle(message)
+            case SubagentOutputs():
+                # Live outputs of this run, already in the subagent's trace (R-HOST-4).
+                self._out.forward(message.outputs, message.origin)
+            case SteeringQueued():
+                self._machine.queue_steering(repaired_blocks(message.content))
+            case TaskQueued():
+                self._machine.queue_task(message.task, message.kind)
+            case InterruptTask():
+                self._machine.interrupt(message.reason)
+            case BackoffSkipped():
+                # Every reconnect wait, a compaction's too, is the streamer's (R-RETRY-5).
+                if self._work is not None:
+                    self._work.streamer.send_nowait(SkipBackoff())
+            case AuthRetried():
+                self._machine.retry_auth()
+            case HookAnswered():
+                self._hook_answered(message)
+            case TraceSynced():
+                self._syncs_done = max(self._syncs_done, message.token)
+            case TraceFailed():
+                self._machine.fail(message.message)
+            case _:
+                assert_never(message)
+
+    # -- steps ----------------------------------------------------------------------------
+
+    async def _start_task(self, task: TaskInput | None, kind: TaskKind) -> None:
+        port = self._port
         self._task = task
-        self.run_id = self._dispatch.run_id = session.new_run_id()
-        started = trio.current_time()
-        self._turn = 0
-        self._usage = TokenUsage()
-        self._steering.clear()
+        self.run_id = port.new_run_id()
+        self._started_at = trio.current_time()
         self._out.begin_task()
-        status: TaskStatus = "failed"
-        message: str | None = None
-        # R-TRACE-3: the input is a fact of the session before the task starts: fsynced
-        # before task_start exists (a failure ends the task at once, in the scope below).
+        self._machine.configure(port.task_limits())
+        if kind == "compaction" or task is None:
+            await self._open_work(None)
+            self._start_compaction("manual")
+            return
+        # R-TRACE-3: the input is a fact of the session before the task starts: durable
+        # before task_start exists.
         prompt = self._out.emit(
             UserMsg(
-                session_id=self._session.id,
+                session_id=port.id,
                 run_id=self.run_id,
                 kind="prompt",
                 content=repaired_blocks(task.content),
             )
         )
+        await self._sync()
+        self._out.emit(TaskStart(session_id=port.id, run_id=self.run_id, input_seq=prompt.seq))
         self._out.flush()
-        await self._out.sync()
-        self._out.emit(
-            TaskStart(session_id=self._session.id, run_id=self.run_id, input_seq=prompt.seq)
+        await self._open_work(task)
+
+    async def _open_work(self, task: TaskInput | None) -> None:
+        assert self._nursery is not None
+        work = TaskWork(self._port, task, self.inbox)
+        await self._nursery.start(work.run)
+        self._work = work
+        self._turns = TurnRunner(
+            port=self._port,
+            emitter=self._out,
+            run_id=self.run_id,
+            approvals=work.approvals,
+            pool=work.pool,
         )
+
+    def _begin_turn(self, turn: int, steering: tuple[UserContent, ...]) -> None:
+        assert self._turns is not None
+        self._turns.begin_turn(turn)
+        if steering:
+            # R-STEER-2: the queue drained into one steering input at input assembly.
+            self._out.emit(
+                UserMsg(session_id=self._port.id, run_id=self.run_id, kind="steering",
+                        content=steering)
+            )
+        self._begin_attempt(1, 0)
+
+    def _begin_attempt(self, attempt: int, delay_ms: int) -> None:
+        turns, work = self._turns, self._work
+        assert turns is not None and work is not None
+        port = self._port
+        turns.begin_attempt(attempt)
         self._out.flush()
-        try:
-            with self._scope:
-                status, message = await self._run_turns(task)
-        except Exception as exc:  # a bug must end the task visibly, not hang the host
-            status, message = "failed", f"internal error: {exc!r}"
-            self._settle_failure(message)
-        trace_error = self._out.trace_error
-        if trace_error is not None:
-            status, message = "failed", trace_error
-            self._settle_failure(trace_error)
-        elif self._scope.cancelled_caught:
-            status, message = "aborted", self._abort_reason
-            self._settle_abort()
+        request = build_request(port, self._task)
+        self._requests += 1
+        self._turn_request = self._requests
+        command = StartAttempt(
+            request=request, attempt=attempt, delay_ms=delay_ms, number=self._requests
+        )
+        hook = port.hooks.before_request
+        if hook is None:
+            work.streamer.send_nowait(command)
+            return
+        # The request waits for the hook (which sees it before it is sent).
+        self._held_request = command
+        self._run_hook(
+            "before_request",
+            hook,
+            RequestInfo(
+                session_id=port.id,
+                run_id=self.run_id,
+                turn=turns.turn,
+                attempt=attempt,
+                request=request,
+            ),
+        )
+
+    def _turn_batch(self, events: list[StreamEvent]) -> None:
+        turns, work = self._turns, self._work
+        assert turns is not None and work is not None
+        turns.feed(events)
+        result = turns.machine.stream_result
+        if result is None:
+            return
+        self._turn_request = 0
+        if isinstance(result, StreamFailed):
+            error = result.error
+            retry_in_ms = self._machine.plan_failure(error)
+            if retry_in_ms is not None:
+                # Skippable from the moment it is announced (R-RETRY-5).
+                work.streamer.send_nowait(PlanBackoff())
+            turns.fail_attempt(error, retry_in_ms)
+
+    def _start_compaction(self, reason: CompactionReason) -> None:
+        turns, work = self._turns, self._work
+        assert turns is not None and work is not None
+        if reason == "overflow":
+            turns.discard_attempt()
+        # The task's own request settings, thinking included, so that the summary
+        # request's prefix is the one the provider has cached (R-COMPACT-5).
+        template = build_request(self._port, self._task)
+        self._compaction = CompactionRun(
+            port=self._port,
+            emitter=self._out,
+            streamer=work.streamer,
+            run_id=self.run_id,
+            turn=turns.turn,
+            reason=reason,
+            template=template,
+            number=self._next_request,
+        )
+        self._compaction.start()
+
+    def _next_request(self) -> int:
+        self._requests += 1
+        return self._requests
+
+    def _call_hook(self, step: CallHook) -> None:
+        turns = self._turns
+        assert turns is not None
+        port = self._port
+        hooks = port.hooks
+        if step.hook == "after_tool_results":
+            info: Any = ToolResultsInfo(
+                session_id=port.id,
+                run_id=self.run_id,
+                turn=turns.turn,
+                results=turns.machine.results(),
+            )
+            self._run_hook(step.hook, hooks.after_tool_results, info)
+        else:
+            info = StopInfo(
+                session_id=port.id,
+                run_id=self.run_id,
+                turn=turns.turn,
+                final_message=turns.machine.done_blocks,
+                continuations=step.continuations,
+            )
+            self._run_hook(step.hook, hooks.on_stop, info)
+
+    def _run_hook(self, name: Any, hook: Callable[[Any], Any] | None, info: Any) -> None:
+        work = self._work
+        assert work is not None and work.nursery is not None
+        inbox = self.inbox
+
+        async def call() -> None:
+            answer = await _call_hook(hook, info)
+            inbox.send_nowait(HookAnswered(hook=name, answer=answer))
+
+        work.nursery.start_soon(call)
+
+    def _hook_answered(self, message: HookAnswered) -> None:
+        if message.hook == "before_request":
+            held, self._held_request = self._held_request, None
+            if held is not None and self._work is not None:
+                self._work.streamer.send_nowait(held)
+            return
+        answer = message.answer
+        self._machine.hook_answered(answer if isinstance(answer, str) else None)
+
+    async def _end_task(self, status: TaskStatus, message: str | None, *,
+                        crashed: bool = False) -> None:
+        """End the open task with ``status``: its actors stop, what is in flight is
+        settled, and its one ``task_end`` is written (R-RUN-7)."""
+        machine = self._machine
+        # The model requests in flight are over: their late batches are dropped.
+        self._turn_request = 0
+        self._held_request = None
+        compaction, self._compaction = self._compaction, None
+        if compaction is not None:
+            compaction.request = 0
+        work, self._work = self._work, None
+        if work is not None:
+            with trio.CancelScope(shield=True):
+                await work.stop()
+        # Results that arrived before the actors stopped still count.
+        with _best_effort(crashed):
+            self._drain()
+        reason = message or status
+        if machine.kind == "compaction":
+            if compaction is not None:
+                compaction.end_interrupted(reason)
+            return  # a manual compaction has no task records
+        turns = self._turns
+        best_effort = crashed or status == "failed"  # the trace may be what failed
+        with _best_effort(best_effort):
+            if compaction is not None:
+                compaction.end_interrupted(reason)
+            if turns is not None and status == "aborted":
+                turns.abort(reason)  # R-ABORT-1..3, R-APPROVE-5
+            elif turns is not None and status == "failed":
+                turns.fail(reason)
         with trio.CancelScope(shield=True) as teardown:
             teardown.deadline = trio.current_time() + ABORT_GRACE_S
             self._out.emit(
                 TaskEnd(
-                    session_id=self._session.id,
+                    session_id=self._port.id,
                     run_id=self.run_id,
                     status=status,
-                    turns=self._turn,
-                    usage=self._usage,
-                    wall_ms=round((trio.current_time() - started) * 1000),
+                    turns=machine.turn,
+                    usage=machine.usage,
+                    wall_ms=round((trio.current_time() - self._started_at) * 1000),
                     message=message,
                 )
             )
-            # Written now, published by run() once the session is idle; the sync below
-            # only has to fsync it. A trace that cannot be written must not cost the host:
-            # task_end still reaches its readers, and the next task may try the file again.
+            if machine.run_id is not None:
+                # The record could not be encoded or written: the machine still ends the
+                # task, as the trace would have told it.
+                machine.observe(
+                    TaskEnd(session_id=self._port.id, run_id=self.run_id, status=status,
+                            turns=machine.turn, usage=machine.usage, wall_ms=0,
+                            message=message)
+                )
+            # Written now, published once the session is idle or the next task runs;
+            # the sync below only fsyncs it. A trace that cannot be written must not cost
+            # the host: task_end still reaches its readers.
             self._out.commit()
             await self._out.sync_quietly()
-
-    def _settle_failure(self, message: str) -> None:
-        """Settle the turn of a task that failed on its own (a bug, the trace): every call
-        paired, the request ended. Best effort: the trace may be what failed."""
-        with contextlib.suppress(Exception):
-            # Results that arrived before the failure still count.
-            self._dispatch.drain(self._machine)
-            self._end_interrupted_compaction(message)
-            complete = self._session.transcript.message_complete
-            self._dispatch.apply(self._machine.fail(message, message_complete=complete))
-
-    async def _run_turns(self, task: TaskInput) -> tuple[TaskStatus, str | None]:
-        session = self._session
-        settings = session.settings
-        async with trio.open_nursery() as nursery:
-            # Unbounded: asked with send_nowait; at most a turn's calls are ever queued.
-            approvals_send, approvals_receive = trio.open_memory_channel[ApproveCall](math.inf)
-            self._approvals = self._dispatch.approvals = approvals_send
-            broker = ApprovalBroker(
-                approve=task.approve,
-                clients=session.client_approvals,
-                session_rules=session.approval_rules(),
-                timeout_s=settings.approval_timeout_s,
-                inbox=self._inbox,
-            )
-            await nursery.start(broker.run, approvals_receive)
-            subagents = Subagents(session, approve=task.approve, report=self._inbox)
-            pool = ToolPool(
-                tools=session.tool_by_name,
-                inbox=self._inbox,
-                workspace_dir=session.workspace_dir,
-                scratchpad_dir=session.scratchpad_dir,
-                sync_trace=session.sync_trace,
-                result_budget=settings.tool_result_budget,
-                spawn=subagents.spawn,
-                sandbox=settings.sandbox,
-                shell_network=settings.shell_network,
-                private_dirs=(session.host.data_dir,),
-            )
-            # Unbounded: commands are sent with send_nowait as decisions arrive and the
-            # pool only admits them; at most a turn's calls are ever queued.
-            self._pool, pool_commands = trio.open_memory_channel[PoolCommand](math.inf)
-            self._dispatch.pool = self._pool
-            await nursery.start(pool.run, pool_commands)
-            self._provider_task = session.provider.open_task()
-            self._streamer = await start_streamer(nursery, self._provider_task, self._inbox)
-            if self._cancel_event is not None:
-                nursery.start_soon(forward_cancel, self._cancel_event, self.control)
-            try:
-                return await self._turn_loop(task)
-            finally:
-                nursery.cancel_scope.cancel()
-
-    async def _turn_loop(self, task: TaskInput) -> tuple[TaskStatus, str | None]:
-        settings = self._session.settings
-        hooks = self._session.hooks
-        guard = LoopGuard(
-            repeat_threshold=settings.loop_repeat_threshold,
-            no_progress_threshold=settings.loop_no_progress_threshold,
-        )
-        continuations = 0
-        while True:
-            if settings.max_turns >= 0 and self._turn >= settings.max_turns:
-                return "max_turns", f"stopped after max_turns={settings.max_turns} turns"
-            self._turn += 1
-            self._dispatch.turn = self._turn
-            self._machine = TurnMachine(
-                session_id=self._session.id, run_id=self.run_id, turn=self._turn
-            )
-            reason = compaction_due(self._session)
-            if reason is not None:
-                compacted = await self._compact(reason)
-                if not compacted and self._session.auth_locked is not None:
-                    # R-COMPACT-7: auth stops at once; no request with a rejected key.
-                    return "auth", self._session.auth_locked
-            # R-STEER-5: drained at every input assembly, after a compaction too.
-            self._dispatch.drain(self._machine)
-            self._deliver_steering()
-            failure = await self._run_turn(task)
-            if failure is not None:
-                if failure.kind == "auth":
-                    self._session.lock_auth(failure.message)
-                    return "auth", failure.message
-                return "failed", failure.message
-            await self._out.sync()  # R-TRACE-2: durable at every turn boundary
-            self._dispatch.drain(self._machine)
-            machine = self._machine
-            if machine.has_calls:
-                results = machine.results()
-                await _call_hook(
-                    hooks.after_tool_results,
-                    ToolResultsInfo(
-                        session_id=self._session.id,
-                        run_id=self.run_id,
-                        turn=self._turn,
-                        results=results,
-                    ),
-                )
-                loop = guard.observe_turn(list(machine.calls()), (r.is_error for r in results))
-                if loop is not None:
-                    return "loop_detected", loop
-                continue
-            if self._steering:
-                continue
-            if hooks.on_stop is not None and continuations < hooks.max_stop_continuations:
-                more = await _call_hook(
-                    hooks.on_stop,
-                    StopInfo(
-                        session_id=self._session.id,
-                        run_id=self.run_id,
-                        turn=self._turn,
-                        final_message=machine.done_blocks,
-                        continuations=continuations,
-                    ),
-                )
-                if isinstance(more, str) and more.strip():
-                    continuations += 1
-                    self._steering.append(TextBlock(text=more))
-                    continue
-            return "completed", None
-
-    # -- one turn ---------------------------------------------------------------
-
-    async def _run_turn(self, task: TaskInput) -> ModelError | None:
-        """Stream the turn (retrying per R-RETRY) and wait until every tool call of it is
-        terminal. Returns the final error when the turn failed."""
-        assert self._streamer is not None and self._pool is not None
-        machine = self._machine
-        self._pool.send_nowait(BeginTurn())
-        delay_ms = 0
-        attempt = 0
-        overflow_compacted = False
-        while True:
-            attempt += 1
-            self._dispatch.apply(machine.begin_attempt(attempt))
+        self._turns = None
+        if machine.has_queued_tasks:
             self._out.flush()
-            request = build_request(self._session, task)
-            await _call_hook(
-                self._session.hooks.before_request,
-                RequestInfo(
-                    session_id=self._session.id,
-                    run_id=self.run_id,
-                    turn=self._turn,
-                    attempt=attempt,
-                    request=request,
-                ),
-            )
-            self._streamer.send_nowait(
-                StartAttempt(request=request, attempt=attempt, delay_ms=delay_ms)
-            )
-            dispatch = self._dispatch
-            result = await dispatch.pump(machine, lambda: machine.stream_result is not None)
-            if isinstance(result, MessageCompleted):
-                break
-            assert isinstance(result, StreamFailed)
-            error = result.error
-            decision = decide_retry(error, attempt)
-            delay_ms = decision.delay_ms or 0
-            if decision.retry:
-                # Skippable from the moment it is announced (R-RETRY-5).
-                self._streamer.send_nowait(PlanBackoff())
-            self._dispatch.apply(machine.fail_attempt(error, retry_in_ms=decision.delay_ms))
-            # R-RETRY-4: calls that already ran are reported, never run again.
-            await self._dispatch.pump(machine, lambda: machine.all_calls_terminal)
-            if error.kind == "context_overflow" and not overflow_compacted:
-                # R-COMPACT-9: compact once and rerun the same turn, once per turn.
-                overflow_compacted = True
-                machine.discard_attempt()
-                self._pool.send_nowait(BeginTurn())
-                if await self._compact("overflow"):
-                    attempt, delay_ms = 0, 0
-                    machine.restart()
-                    # R-STEER-5: the rerun is the input assembly after the compaction.
-                    self._dispatch.drain(self._machine)
-                    self._deliver_steering()
-                    continue
-                if self._session.auth_locked is not None:
-                    return ModelError(kind="auth", message=self._session.auth_locked)
-                return error
-            if not decision.retry:
-                return error
-            # The transcript turns the failed attempt into the [turn_retried] note; the
-            # machine keeps its blocks for an abort during the backoff.
-            machine.discard_attempt()
-            self._pool.send_nowait(BeginTurn())
-        await self._dispatch.pump(machine, lambda: machine.all_calls_terminal)
-        return None
 
-    # -- compaction (R-COMPACT) -----------------------------------------------------
+    def _finish(self) -> bool:
+        """No work is left: the session becomes idle — unless a task was queued since the
+        last look at the inbox. Synchronous, so nothing can arrive in between."""
+        self._drain()
+        if self._machine.busy:
+            return False
+        self._make_idle()
+        return True
 
-    def _compaction(self) -> Compaction:
-        assert self._streamer is not None
-        return Compaction(
-            session=self._session,
-            emitter=self._out,
-            streamer=self._streamer,
-            run_id=self.run_id,
-            turn=self._turn,
-            add_usage=self._add_usage,
-        )
+    def _make_idle(self) -> None:
+        port = self._port
+        if port.inbox is self.inbox:
+            # The session is idle before its readers see the last task_end, so a host that
+            # reacts to it by starting the next task never meets Busy.
+            port.inbox = None
+            idle, port.idle = port.idle, None
+            if idle is not None:
+                idle.set()
+        self.inbox.close()  # later commands find no one: the handle ignores them
 
-    async def _compact(self, reason: CompactionReason) -> bool:
-        """Run one compaction (R-COMPACT); returns whether it succeeded."""
-        compaction = self._compactor = self._compaction()
-        # The task's own request settings, thinking included, so that the summary
-        # request's prefix is the one the provider has cached (R-COMPACT-5).
-        template = build_request(self._session, self._task)
-        # Kept while it runs: an interrupt or failure in it ends it failed (_settle_abort).
-        succeeded = await compaction.run(reason, template)
-        self._compactor = None
-        return succeeded
+    # -- the trace ------------------------------------------------------------------------
 
-    def _add_usage(self, usage: TokenUsage) -> None:
-        self._usage = self._usage + usage
-
-    def _skip_wait(self) -> None:
-        # Every reconnect wait, a compaction's too, is the streamer's (R-RETRY-5).
-        if self._streamer is not None:
-            self._streamer.send_nowait(SkipBackoff())
-
-    async def _run_manual_compaction(self) -> None:
-        """``session.compact()``: a compaction on its own, as the session's one activity
-        (R-COMPACT-11). Interrupting it ends it ``failed``."""
-        session = self._session
-        self.run_id = self._dispatch.run_id = session.new_run_id()
-        try:
-            with self._scope:
-                async with trio.open_nursery() as nursery:
-                    # The summary requests take the one path to the model (R-ACTOR-4).
-                    provider_task = session.provider.open_task()
-                    self._streamer = await start_streamer(nursery, provider_task, self._inbox)
-                    await self._compact("manual")
-                    nursery.cancel_scope.cancel()
-        except Exception as exc:  # a bug must end the compaction visibly
-            self._end_interrupted_compaction(f"internal error: {exc!r}")
-        if self._out.trace_error is not None or self._scope.cancelled_caught:
-            self._end_interrupted_compaction(self._out.trace_error or self._abort_reason)
-        with trio.CancelScope(shield=True) as teardown:
-            teardown.deadline = trio.current_time() + ABORT_GRACE_S
+    async def _sync(self) -> bool:
+        """Make the trace durable (R-TRACE-2), serving the inbox meanwhile. Returns False
+        when the task was told to stop before the sync came back (it goes on unobserved);
+        a failed sync ends the task ``failed`` through ``TraceFailed``."""
+        assert self._nursery is not None
+        self._out.flush()
+        self._syncs_asked += 1
+        token = self._syncs_asked
+        self._nursery.start_soon(self._sync_and_report, token)
+        while self._syncs_done < token:
+            if self._machine.stopping:
+                return False
+            self._handle(await self._inbox.receive())
+            self._drain()
             self._out.flush()
-            await session.sync_trace_quietly()
+        return not self._machine.stopping
 
-    def _end_interrupted_compaction(self, reason: str) -> None:
-        if self._compactor is not None:
-            self._compactor.end_interrupted(reason)
-            self._compactor = None
+    async def _sync_and_report(self, token: int) -> None:
+        await self._out.sync()
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            self.inbox.send_nowait(TraceSynced(token=token))
 
-    # -- steering -------------------------------------------------------------------
+    def _trace_failed(self, message: str) -> None:
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            self.inbox.send_nowait(TraceFailed(message=message))
 
-    def _deliver_steering(self) -> None:
-        """R-STEER-2: drain the queue into one steering input at input assembly."""
-        if not self._steering:
-            return
-        content = tuple(self._steering)
-        self._steering.clear()
-        self._out.emit(
-            UserMsg(
-                session_id=self._session.id, run_id=self.run_id, kind="steering", content=content
-            )
-        )
 
-    # -- abort ------------------------------------------------------------------------
-
-    def _settle_abort(self) -> None:
-        """R-ABORT-1..3 and R-APPROVE-5: settle every call, record the abort."""
-        self._dispatch.drain(self._machine)  # results that arrived before the cancel still count
-        self._end_interrupted_compaction(self._abort_reason)
-        complete = self._session.transcript.message_complete
-        self._dispatch.apply(self._machine.abort(self._abort_reason, message_complete=complete))
-
-def build_request(session: Session, task: TaskInput | None) -> ModelRequest:
-    """The next request of ``session``: the transcript's context (with the
+def build_request(port: SessionPort, task: TaskInput | None) -> ModelRequest:
+    """The next request of the session: the transcript's context (with the
     ``[turn_retried]`` note on a retry: R-RETRY-4), the system prompt and tools, and the
     task's thinking level."""
-    settings = session.settings
+    settings = port.settings
     return ModelRequest(
         model=settings.model,
         system=settings.system,
-        tools=session.tool_schemas,
-        messages=session.transcript.request_messages(),
+        tools=port.tool_schemas,
+        messages=port.transcript.request_messages(),
         max_tokens=settings.max_tokens,
         thinking_level=task.thinking_level if task is not None else None,
         supports_vision=settings.supports_vision,
     )
+
+
+def _best_effort(ignore_errors: bool) -> contextlib.AbstractContextManager[object]:
+    """Where a failure may be what ended the task: errors there are dropped."""
+    if ignore_errors:
+        return contextlib.suppress(Exception)
+    return contextlib.nullcontext()
 
 
 async def _call_hook(hook: Callable[[Any], Any] | None, info: Any) -> Any:
@@ -579,34 +671,47 @@ async def _call_hook(hook: Callable[[Any], Any] | None, info: Any) -> Any:
     return result
 
 
-def _request_status(error: ModelError) -> RequestStatus:
-    kind = error.kind
-    if kind in ("auth", "timeout", "malformed", "failed", "context_overflow"):
-        return kind
-    return "failed"
-
-
-__all__ = ["MAX_RETRIES", "SessionSupervisor", "TaskInput"]
-
-
-async def start_streamer(
-    nursery: trio.Nursery,
-    provider_task: ProviderTask,
-    inbox: trio.MemorySendChannel[SupervisorMessage],
-) -> trio.MemorySendChannel[StreamerCommand]:
-    """Start an LLM streamer for ``provider_task`` that reports to ``inbox``; returns the
-    send side of its command inbox."""
-    streamer = LLMStreamer(provider_task, inbox)
-    # Unbounded: the supervisor commands with send_nowait and never waits for the
-    # streamer; a turn sends a handful of commands at most.
-    send, commands = trio.open_memory_channel[StreamerCommand](math.inf)
-    await nursery.start(streamer.run, commands)
-    return send
-
-
 async def forward_cancel(
-    event: trio.Event, control: trio.MemorySendChannel[SessionControl]
+    event: trio.Event, inbox: trio.MemorySendChannel[SupervisorMessage]
 ) -> None:
     """``session.run(cancel=event)``: setting the event interrupts the task."""
     await event.wait()
-    control.send_nowait(InterruptTask(reason="cancelled by host"))
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        inbox.send_nowait(InterruptTask(reason="cancelled by host"))
+
+
+async def run_child(
+    port: SessionPort,
+    task: TaskInput,
+    outputs: trio.MemorySendChannel[list[Output]],
+    *,
+    reason: str = "parent task interrupted",
+) -> None:
+    """Run one task of ``port`` as a subagent in the calling task — a tool call of the
+    parent's task — instead of the host's nursery, and return when it has ended.
+
+    Every batch of its outputs is sent on ``outputs`` (closed when the task has ended);
+    the caller drains it concurrently. Cancelling the caller interrupts the subagent with
+    ``reason``: the subagent runs shielded, so it settles and records its own ``abort``
+    and ``task_end(aborted)`` (bounded by its teardown grace) before the cancellation goes
+    on to the caller."""
+    supervisor = SessionSupervisor(port, outputs, None)
+    port.inbox = supervisor.inbox
+    port.idle = trio.Event()
+    supervisor.inbox.send_nowait(TaskQueued(task=task))
+    finished = trio.Event()
+
+    async def run_shielded() -> None:
+        try:
+            with trio.CancelScope(shield=True):
+                await supervisor.run()
+        finally:
+            finished.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_shielded)
+        try:
+            await finished.wait()
+        except trio.Cancelled:
+            port.send(InterruptTask(reason=reason))
+            raise

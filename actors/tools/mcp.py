@@ -62,7 +62,7 @@ from greenroom.protocols.mcp_config import (
 from greenroom.protocols.tools import Tool, ToolContext
 
 if TYPE_CHECKING:
-    from greenroom.actors.runtime.session import Session
+    from greenroom.actors.runtime.port import SessionPort
 
 log = logging.getLogger("greenroom.mcp")
 
@@ -685,7 +685,7 @@ class McpBinding:
     """The MCP tools of one session and when its tool table changes (R-MCP-4)."""
 
     def __init__(
-        self, session: Session, static: tuple[Tool, ...], connections: list[McpConnection]
+        self, session: SessionPort, static: tuple[Tool, ...], connections: list[McpConnection]
     ) -> None:
         self._session = session
         self._static = static
@@ -785,7 +785,7 @@ def _chain(
 
 async def attach_servers(
     manager: McpManager,
-    session: Session,
+    session: SessionPort,
     configs: Mapping[str, McpServerConfig],
 ) -> McpBinding:
     """Give ``session`` the tools of ``configs``: each server is started (once per host
@@ -797,7 +797,7 @@ async def attach_servers(
     async with trio.open_nursery() as nursery:
         for connection in connections:
             nursery.start_soon(_list_quietly, connection)
-    binding = McpBinding(session, session.tools, connections)
+    binding = McpBinding(session, tuple(session.tool_by_name.values()), connections)
     tools, schemas = binding.build()
     binding.table.replace(tools)
     session.set_tool_table(binding.table, schemas)

@@ -158,8 +158,8 @@ async def measure_idle(
             "tracemalloc": traced,
             "rss_bytes_per_session": (rss1 - rss0) / n,
             "build_s": meter.wall_s,
-            "records_per_session": sessions[0]._seq,
-            "messages_per_session": len(sessions[0]._transcript.messages),
+            "records_per_session": host.port(sessions[0].id).last_seq,
+            "messages_per_session": len(sessions[0].transcript.messages),
         }
         if traced:
             snap1 = tracemalloc.take_snapshot()

@@ -1,0 +1,420 @@
+"""The task port: the parts of a session that its running work needs, and nothing else.
+
+A :class:`SessionPort` holds a session's data — settings, tools, the model context
+(:class:`~greenroom.protocols.transcript.Transcript`), the task state
+(:class:`~greenroom.protocols.task.TaskMachine`), the trace position, the watchers — and the
+narrow surface the runners of its work use: the next ``seq``, the trace (through the host's
+one :class:`~greenroom.actors.runtime.trace_store.TraceStore`), publication, the usage ledger.
+The supervisor, the emitter, compaction, subagents and tool sources take a port; none of them
+sees the user's :class:`~greenroom.actors.runtime.session.Session` handle, which keeps only
+the public API and reaches running work by sending messages to the supervisor's inbox
+(R-ACTOR-1).
+
+Ownership: while a task runs, the data belongs to the session's one supervisor (``Busy``
+keeps it to one); while the session is idle it belongs to no actor, and the handle may read
+it and start work. Host services a port needs (creating a subagent's session, starting a
+task in the host's nursery) come through :class:`HostServices`, so that no runtime module
+needs the host or the session handle.
+
+An idle session costs its history and little more (thousands live in one host): slots,
+no trio objects until work arrives, and containers created on first use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import attrs
+import trio
+
+from greenroom.actors.runtime.trace_sink import TraceSinkClosed, TraceWriteError
+from greenroom.protocols.content import UserContent
+from greenroom.protocols.context import ToolSchema
+from greenroom.protocols.hooks import Hooks
+from greenroom.protocols.messages import (
+    AskClients,
+    AskWithdrawn,
+    SupervisorMessage,
+    TraceWritten,
+)
+from greenroom.protocols.outputs import Output
+from greenroom.protocols.settings import SessionSettings
+from greenroom.protocols.stream import TokenUsage
+from greenroom.protocols.task import TaskLimits, TaskMachine
+from greenroom.protocols.tools import Tool
+from greenroom.protocols.trace import UsageKind, UsageRow, encode_record
+from greenroom.protocols.transcript import Transcript
+
+if TYPE_CHECKING:
+    from greenroom.actors.runtime.llm_streamer import ModelProvider
+    from greenroom.actors.runtime.trace_store import TraceStore
+
+__all__ = [
+    "NO_HOOKS",
+    "ApproveFn",
+    "ClientApprovals",
+    "HostServices",
+    "Listener",
+    "SessionPort",
+    "TaskInput",
+]
+
+ApproveFn = Callable[[Any], "Awaitable[Any] | Any"]
+"""A host's approval callback: given the :class:`~greenroom.protocols.content.ToolCallBlock`,
+returns ``"allow"``, ``"deny"``, ``"allow_session"``, or a bool; may be sync or async."""
+
+ClientApprovals = trio.MemorySendChannel[AskClients | AskWithdrawn]
+"""Where a session's approvals go when a run has no ``approve`` callback: the inbox of
+the actor that asks its clients (the gateway's hub for the session)."""
+
+Listener = Callable[[list[Output]], None]
+"""A subscriber: called with every batch of outputs, in order. Must not block or raise."""
+
+NO_HOOKS = Hooks()
+"""The hooks of a session that was given none (shared: Hooks is frozen)."""
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class TaskInput:
+    """One task to run: the prompt and the run options that apply to it."""
+
+    content: tuple[UserContent, ...]
+    approve: ApproveFn | None
+    thinking_level: str | None
+
+
+class HostServices(Protocol):
+    """What a session's running work asks of its host."""
+
+    data_dir: Path
+
+    @property
+    def trace_store(self) -> TraceStore:
+        """Where the host's sessions are stored."""
+
+    def start_task(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """Run ``fn`` in the host's nursery (it must not raise)."""
+
+    async def create_child(
+        self, parent: SessionPort, *, settings: SessionSettings, tools: Iterable[Tool]
+    ) -> SessionPort:
+        """Create a subagent's session under ``parent`` (R-HOST-4) and return its port."""
+
+    def forget_child(self, child: SessionPort) -> None:
+        """A finished subagent's session leaves the host's open sessions (its files stay)."""
+
+
+class _Watch:
+    """One ``Session.watch``: forwards each batch to the watcher's inbox, never waiting
+    and never raising into the publisher; ends (closes the inbox and leaves ``watchers``)
+    when the inbox is closed, broken or full."""
+
+    __slots__ = ("inbox", "watchers")
+
+    def __init__(
+        self, inbox: trio.MemorySendChannel[list[Output]], watchers: list[Listener]
+    ) -> None:
+        self.inbox = inbox
+        self.watchers = watchers
+
+    def __call__(self, batch: list[Output]) -> None:
+        try:
+            self.inbox.send_nowait(batch)
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            self.end()
+
+    def end(self) -> None:
+        """Close the inbox and leave the session's watchers."""
+        self.inbox.close()
+        with contextlib.suppress(ValueError):
+            self.watchers.remove(self)
+
+
+class SessionPort:
+    """A session's data and the surface its running work uses; see the module docstring."""
+
+    __slots__ = (
+        "_host",
+        "_listeners",
+        "_next_run_id",
+        "_path",
+        "_seq",
+        "_tool_schemas",
+        "_tools",
+        "client_approvals",
+        "closed",
+        "directory",
+        "hooks",
+        "id",
+        "idle",
+        "inbox",
+        "load_errors",
+        "machine",
+        "parent_id",
+        "provider",
+        "settings",
+        "transcript",
+        "workspace_dir",
+    )
+
+    def __init__(
+        self,
+        *,
+        host: HostServices,
+        session_id: str,
+        directory: Path,
+        settings: SessionSettings,
+        workspace_dir: Path,
+        tools: tuple[dict[str, Tool], tuple[ToolSchema, ...]],
+        provider: ModelProvider,
+        transcript: Transcript,
+        machine: TaskMachine | None = None,
+        last_seq: int = 0,
+        parent_id: str | None = None,
+    ) -> None:
+        self.id = session_id
+        self.parent_id = parent_id
+        """The session that spawned this one as a subagent (R-HOST-4), else None."""
+        self.directory = directory
+        self.settings = settings
+        self.workspace_dir = workspace_dir
+        self.provider = provider
+        """The model provider adapter this session's requests go through."""
+        self.transcript = transcript
+        """The model context, a pure function of the traced outputs (the emitter feeds it)."""
+        self.machine = machine or TaskMachine()
+        """The task state, a pure function of the traced outputs (the emitter feeds it)."""
+        self.hooks = NO_HOOKS
+        """Host hooks at the loop's checkpoints (R-HOOK-1)."""
+        self.load_errors: Sequence[str] = ()
+        self.client_approvals: ClientApprovals | None = None
+        """Where approvals go when a run has no ``approve`` callback."""
+        self.inbox: trio.MemorySendChannel[SupervisorMessage] | None = None
+        """The running supervisor's inbox; None while the session is idle."""
+        self.idle: trio.Event | None = None
+        """Set when the running supervisor ends; exists only while busy."""
+        self.closed = False
+        self._host = host
+        self._tools, self._tool_schemas = tools
+        self._seq = last_seq
+        self._listeners: list[Listener] | None = None
+        self._next_run_id: str | None = None
+        self._path: tuple[str, ...] | None = None
+
+    # -- identity and tools ---------------------------------------------------------------
+
+    @property
+    def host(self) -> HostServices:
+        """The services of the host that runs this session."""
+        return self._host
+
+    @property
+    def scratchpad_dir(self) -> Path:
+        """The session's scratch directory, inside its session directory."""
+        return self.directory / "scratch"
+
+    @property
+    def origin_path(self) -> tuple[str, ...]:
+        """The session ids from the root to this session (R-HOST-4): ``(id,)`` for a
+        session the host runs, ``(root_id, …, id)`` for a subagent."""
+        return self._path or (self.id,)
+
+    def set_origin_path(self, path: tuple[str, ...]) -> None:
+        """Make this session a subagent whose outputs carry ``origin`` = ``path``."""
+        self._path = path
+
+    @property
+    def tool_by_name(self) -> dict[str, Tool]:
+        """The session's tools by name (shared with other sessions: read only)."""
+        return self._tools
+
+    @property
+    def tool_schemas(self) -> tuple[ToolSchema, ...]:
+        """How the session's tools are described to the model, in order."""
+        return self._tool_schemas
+
+    def set_tool_table(self, tools: dict[str, Tool], schemas: tuple[ToolSchema, ...]) -> None:
+        """Replace the session's tools (MCP servers whose tool lists changed): the next
+        request describes ``schemas`` and calls run ``tools`` (R-MCP-4)."""
+        self._tools = tools
+        self._tool_schemas = schemas
+
+    def task_limits(self) -> TaskLimits:
+        """What the task machine decides by: the settings and hooks as they are now."""
+        settings = self.settings
+        hooks = self.hooks
+        return TaskLimits(
+            max_turns=settings.max_turns,
+            max_context_length=settings.max_context_length,
+            max_session_turns=settings.max_session_turns,
+            loop_repeat_threshold=settings.loop_repeat_threshold,
+            loop_no_progress_threshold=settings.loop_no_progress_threshold,
+            has_stop_hook=hooks.on_stop is not None,
+            max_stop_continuations=hooks.max_stop_continuations,
+            has_results_hook=hooks.after_tool_results is not None,
+        )
+
+    # -- runs -----------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        """Whether a supervisor runs the session's work."""
+        return self.inbox is not None
+
+    async def wait_idle(self) -> None:
+        """Return when no supervisor runs the session's work."""
+        idle = self.idle
+        if idle is not None:
+            await idle.wait()
+
+    def reserve_run_id(self) -> str:
+        """Reserve the run id of the next task (so that a caller can report it before the
+        supervisor has started); its first task takes it."""
+        run_id = self._next_run_id = "run_" + uuid.uuid4().hex[:12]
+        return run_id
+
+    def new_run_id(self) -> str:
+        """The reserved run id when there is one (see :meth:`reserve_run_id`), else a new
+        one; the reservation is used up either way."""
+        reserved, self._next_run_id = self._next_run_id, None
+        return reserved or "run_" + uuid.uuid4().hex[:12]
+
+    def send(self, message: SupervisorMessage) -> bool:
+        """Send ``message`` to the running supervisor's inbox; False when none runs (or
+        it has just closed its inbox: nothing is left to steer)."""
+        inbox = self.inbox
+        if inbox is None:
+            return False
+        try:
+            inbox.send_nowait(message)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return False
+        return True
+
+    # -- the trace: one route to the store --------------------------------------------------
+
+    def next_seq(self) -> int:
+        """The ``seq`` of the session's next traced output (one more than the last)."""
+        self._seq += 1
+        return self._seq
+
+    @property
+    def last_seq(self) -> int:
+        """The ``seq`` of the session's last traced output (0 before any)."""
+        return self._seq
+
+    def append(self, output: Output) -> int:
+        """Append the record of a traced output; returns the store's batch holding it."""
+        assert output.seq is not None
+        return self._host.trace_store.append(self.id, output.seq, encode_record(output))
+
+    def commit(self) -> bool:
+        """Hand the appended records on now; False when the store acknowledges late."""
+        return self._host.trace_store.commit(self.id)
+
+    def batch_done(self, ticket: int) -> bool:
+        """Whether the store is done with batch ``ticket``."""
+        return self._host.trace_store.batch_done(ticket)
+
+    def when_batch_done(self, ticket: int, inbox: trio.MemorySendChannel[TraceWritten]) -> None:
+        """Ask the store for ``TraceWritten(ticket)`` on ``inbox``."""
+        self._host.trace_store.when_batch_done(ticket, inbox)
+
+    def trace_error(self) -> str | None:
+        """The session's sticky trace failure, if any."""
+        error = self._host.trace_store.error(self.id)
+        return None if error is None else str(error)
+
+    def clear_trace_error(self) -> None:
+        """Forget the session's trace failure (reported to its task)."""
+        self._host.trace_store.clear_error(self.id)
+
+    async def sync_trace(self) -> None:
+        """Wait until the session's trace is durable (R-TRACE-2). Raises
+        :class:`TraceWriteError`, or :class:`TraceSinkClosed` once the store is closed."""
+        await self._host.trace_store.sync(self.id)
+
+    async def sync_trace_quietly(self) -> str | None:
+        """Sync for teardown paths that must finish whatever the disk does: a failure is
+        returned (and stays recorded in the store), never raised."""
+        try:
+            await self.sync_trace()
+        except (TraceWriteError, TraceSinkClosed) as exc:
+            return str(exc)
+        return None
+
+    def rotate_trace(self) -> str:
+        """Start the next trace file (after a successful compaction); returns its name."""
+        return self._host.trace_store.rotate(self.id)
+
+    @property
+    def trace_path(self) -> Path:
+        """The current trace file (one model context: R-COMPACT-8)."""
+        return self._host.trace_store.location(self.id)
+
+    def record_usage(
+        self,
+        run_id: str,
+        turn: int,
+        usage: TokenUsage,
+        *,
+        kind: UsageKind = "request",
+        status: str = "ok",
+        error_message: str | None = None,
+    ) -> None:
+        """Record one request's token usage in the host's usage ledger (R-TRACE-5)."""
+        self._host.trace_store.record_usage(
+            UsageRow(
+                at=time.time(),
+                session_id=self.id,
+                run_id=run_id,
+                turn=turn,
+                kind=kind,
+                provider=self.provider.name,
+                model=self.settings.model,
+                usage=usage,
+                status=status,
+                error_message=error_message,
+            )
+        )
+
+    # -- publication ------------------------------------------------------------------------
+
+    def publish(self, batch: list[Output]) -> None:
+        """Hand an emitted batch to every subscriber and watch, synchronously and in the
+        order they were added. A subscriber that raises is ignored."""
+        if self._listeners:
+            # A copy: a listener may unsubscribe itself. A listener that raises is a bug
+            # of its owner; it must not take the session (or the host) down.
+            for listener in tuple(self._listeners):
+                with contextlib.suppress(Exception):
+                    listener(batch)
+
+    def subscribe(self, listener: Listener) -> Callable[[], None]:
+        """Add ``listener``; returns the function that removes it."""
+        if self._listeners is None:
+            self._listeners = []
+        self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            if self._listeners is not None and listener in self._listeners:
+                self._listeners.remove(listener)
+
+        return unsubscribe
+
+    def watch(self, inbox: trio.MemorySendChannel[list[Output]]) -> None:
+        """Send every batch published from now on to ``inbox`` with ``send_nowait``."""
+        if self._listeners is None:
+            self._listeners = []
+        self._listeners.append(_Watch(inbox, self._listeners))
+
+    def end_watches(self) -> None:
+        """Close the inbox of every watch: nothing more is published."""
+        for listener in tuple(self._listeners or ()):
+            if isinstance(listener, _Watch):
+                listener.end()

@@ -1,0 +1,184 @@
+"""The turns of one task, carried out: the turn machine's effects reach the actors.
+
+:class:`TurnRunner` holds the current turn's pure
+:class:`~greenroom.protocols.turn.TurnMachine` (R-ACTOR-3) and the send sides of the task's
+actors. The supervisor hands it what those actors report — stream batches, approval
+decisions, tool results and progress — and it feeds them to the machine and carries out what
+the machine returns, in order: outputs emitted through the
+:class:`~greenroom.actors.runtime.emitter.OutputEmitter`, ``ApproveCall`` to the approval
+broker (or decided at once by an earlier ``allow_session``, which the task machine holds:
+R-APPROVE-4), ``RunToolCall`` / ``SkipToolCall`` to the tool pool, usage to the ledger.
+It holds no inbox and calls nothing back: the supervisor decides what comes next.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from greenroom.actors.runtime.emitter import OutputEmitter, repaired_blocks
+from greenroom.actors.runtime.port import SessionPort
+from greenroom.protocols.messages import (
+    ApprovalAsked,
+    ApprovalDecided,
+    ApproveCall,
+    BeginTurn,
+    PoolCommand,
+    RunToolCall,
+    SkipToolCall,
+    ToolCallFinished,
+    ToolProgressed,
+)
+from greenroom.protocols.outputs import (
+    ApprovalRequest,
+    PartialText,
+    PartialThinking,
+    PartialToolCall,
+)
+from greenroom.protocols.stream import ModelError, StreamEvent
+from greenroom.protocols.text import repair_text
+from greenroom.protocols.turn import Effect, RecordUsage, TurnMachine
+
+__all__ = ["TurnRunner"]
+
+_PARTIALS = frozenset({PartialText, PartialThinking, PartialToolCall})
+
+
+class TurnRunner:
+    """The turns of one task of ``port`` (see the module docstring)."""
+
+    __slots__ = ("_approvals", "_emitter", "_pool", "_port", "machine", "run_id")
+
+    def __init__(
+        self,
+        *,
+        port: SessionPort,
+        emitter: OutputEmitter,
+        run_id: str,
+        approvals: trio.MemorySendChannel[ApproveCall],
+        pool: trio.MemorySendChannel[PoolCommand],
+    ) -> None:
+        self._port = port
+        self._emitter = emitter
+        self._approvals = approvals
+        self._pool = pool
+        self.run_id = run_id
+        self.machine = TurnMachine(session_id=port.id, run_id=run_id, turn=0)
+        """The current turn's machine (a new one per turn)."""
+
+    @property
+    def turn(self) -> int:
+        """The current turn's number."""
+        return self.machine.turn
+
+    def begin_turn(self, turn: int) -> None:
+        """Turn ``turn`` begins: a fresh machine, or the same turn again from attempt 1
+        after an overflow compaction (R-COMPACT-9)."""
+        if turn == self.machine.turn:
+            self.machine.restart()
+        else:
+            self.machine = TurnMachine(session_id=self._port.id, run_id=self.run_id, turn=turn)
+        self._pool.send_nowait(BeginTurn())
+
+    def begin_attempt(self, attempt: int) -> None:
+        """Attempt ``attempt`` of the turn starts (``request_begin``). A retry's calls
+        count from position 0 again in the pool; the failed attempt's calls are history
+        (R-RETRY-4)."""
+        machine = self.machine
+        if attempt > 1:
+            machine.discard_attempt()
+            self._pool.send_nowait(BeginTurn())
+        self.apply(machine.begin_attempt(attempt))
+
+    def discard_attempt(self) -> None:
+        """The failed attempt's calls are history (before an overflow compaction)."""
+        self.machine.discard_attempt()
+        self._pool.send_nowait(BeginTurn())
+
+    def feed(self, events: list[StreamEvent]) -> None:
+        """Stream events of the current attempt: the hot path, one batch per network read."""
+        self.apply(self.machine.feed(events))
+
+    def fail_attempt(self, error: ModelError, retry_in_ms: int | None) -> None:
+        """The attempt's stream failed: its ``request_end`` with the planned wait."""
+        self.apply(self.machine.fail_attempt(error, retry_in_ms=retry_in_ms))
+
+    def handle(
+        self, message: ToolCallFinished | ToolProgressed | ApprovalDecided | ApprovalAsked
+    ) -> None:
+        """What the pool or the broker reported."""
+        machine = self.machine
+        match message:
+            case ToolCallFinished():
+                # Tool output is outside text (R-SEC-1): repaired before anyone encodes it.
+                self.apply(
+                    machine.finish(
+                        message.call_id,
+                        status=message.status,
+                        content=repaired_blocks(message.content),
+                    )
+                )
+            case ApprovalDecided():
+                self.apply(
+                    machine.decide(
+                        message.call.id,
+                        allowed=message.verdict != "deny",
+                        by=message.by,
+                        # The interrupt came first (the decision was still in the inbox):
+                        # the call never starts, and the abort reports it interrupted.
+                        interrupted=self._port.machine.stopping,
+                        remember=message.verdict == "allow_session",
+                    )
+                )
+            case ApprovalAsked():
+                asked = message.call
+                self._emitter.emit(
+                    ApprovalRequest(
+                        session_id=self._port.id,
+                        run_id=self.run_id,
+                        call_id=asked.id,
+                        tool=asked.name,
+                        arguments=asked.arguments,
+                    )
+                )
+            case ToolProgressed():
+                # Live only: progress notes never reach the trace (R-TRACE-1, R-TOOL-6).
+                self.apply(machine.progress(message.call_id, repair_text(message.message)))
+
+    def abort(self, reason: str) -> None:
+        """Settle every call and record the ``abort`` (R-ABORT-1..3, R-APPROVE-5)."""
+        complete = self._port.transcript.message_complete
+        self.apply(self.machine.abort(reason, message_complete=complete))
+
+    def fail(self, message: str) -> None:
+        """Settle every call of a task that fails on its own (a bug, the trace)."""
+        complete = self._port.transcript.message_complete
+        self.apply(self.machine.fail(message, message_complete=complete))
+
+    def apply(self, effects: list[Effect]) -> None:
+        """Carry out what the turn machine returned, in order."""
+        emitter = self._emitter
+        emit_live = emitter.emit_live
+        for effect in effects:
+            # The hot path: most effects are live partial outputs, one per token.
+            if effect.__class__ in _PARTIALS:
+                emit_live(effect)  # type: ignore[arg-type]
+                continue
+            match effect:
+                case ApproveCall():
+                    self._ask(effect)
+                case RunToolCall() | SkipToolCall():
+                    self._pool.send_nowait(effect)
+                case RecordUsage():
+                    self._port.record_usage(self.run_id, self.machine.turn, effect.usage)
+                case _ if effect.TRACED:
+                    emitter.emit(effect)
+                case _:
+                    emitter.emit_live(effect)
+
+    def _ask(self, command: ApproveCall) -> None:
+        call = command.call
+        if self._port.machine.allowed_for_session(call.name):
+            # R-APPROVE-4: an earlier allow_session decides it at once.
+            self.apply(self.machine.decide(call.id, allowed=True, by="session_rule"))
+            return
+        self._approvals.send_nowait(command)  # R-TOOL-1

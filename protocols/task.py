@@ -1,0 +1,881 @@
+"""The task machine: what a session's work does next, as a pure function of what happened.
+
+A session runs one task at a time (R-HOST-2): a ``run`` and the follow-ups queued behind it
+(R-STEER-6), or a manual compaction (R-COMPACT-2). Inside a task the model is asked turn
+after turn until it answers without tool calls (R-RUN-5). Between those requests lie the
+decisions this machine makes, and nothing else makes them: retry an attempt or give up
+(R-RETRY), compact before a request or after an overflow (R-COMPACT-2, R-COMPACT-9), deliver
+steering (R-STEER-2..5), ask the stop hook (R-HOOK-1), stop at ``max_turns`` (R-RUN-6) or on
+a loop (R-GUARD-1), lock the session after an auth failure (R-RETRY-6), and end with exactly
+one ``task_end`` (R-RUN-7). The turn's own mechanics — blocks, tool calls, approvals — are
+the turn machine's (:mod:`greenroom.protocols.turn`).
+
+Two kinds of input, kept apart on purpose:
+
+* **Recorded facts.** :meth:`TaskMachine.observe` takes every traced output of the session,
+  in ``seq`` order, as the trace holds it. Everything the machine keeps about the session's
+  work in progress — the open task, its turn and attempt, the planned retry, the calls of
+  the turn and their results, compaction, the loop guard, the auth lock, the tools allowed
+  for the session — changes only here. So :func:`fold` over a trace rebuilds exactly the
+  state the live run had at any ``seq`` (:meth:`TaskMachine.recorded`), which is what lets a
+  task be resumed after a restart or on another host.
+* **Live inputs** that the trace records only once they take effect: steering waiting for
+  the next input assembly, tasks queued behind the running one, an interrupt, a failure to
+  write the trace, a hook's answer. They live in memory and are lost with the process, as
+  the rules allow (R-STEER-5, R-STEER-6).
+
+:meth:`TaskMachine.next_step` answers "what now?" with one :data:`Step`. A step that starts
+something (a task, a turn, an attempt, a compaction, the end) is issued once: until the
+record that confirms it is observed the machine answers :class:`Wait`, so a caller that asks
+again never does the work twice. The caller carries each step out by emitting outputs — and
+the machine learns the result by observing them, exactly as :func:`fold` would.
+
+Invariants, each kept on every path (``tests/test_task_machine.py`` checks them):
+
+1. Recorded state changes only in :meth:`TaskMachine.observe`; ``fold(trace[:k])`` equals the
+   live machine's :meth:`~TaskMachine.recorded` state after the record with ``seq`` k.
+2. A task ends with exactly one ``task_end``; after it no step of that task is issued.
+3. A new attempt or turn is issued only once every tool call of the current attempt has its
+   result (R-RUN-4, R-RETRY-4).
+4. An interrupt ends the running task and drops the queued ones; an interrupt between two
+   tasks starts none (R-ABORT-1, R-STEER-6).
+5. An overflow is answered by at most one compaction per turn (R-COMPACT-9); an automatic
+   compaction is tried at most once before each turn (R-COMPACT-7: the next trigger tries
+   again).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from typing import Any, Literal, assert_never
+
+import attrs
+
+from greenroom.protocols.content import TextBlock, ToolCallBlock, UserContent
+from greenroom.protocols.guards import LoopGuard
+from greenroom.protocols.outputs import (
+    Abort,
+    ApprovalDecision,
+    ApprovalRequest,
+    CompactionBegin,
+    CompactionEnd,
+    CompactionReason,
+    ModelMsg,
+    Output,
+    PartialText,
+    PartialThinking,
+    PartialToolCall,
+    RequestBegin,
+    RequestEnd,
+    TaskEnd,
+    TaskStart,
+    TaskStatus,
+    TokenUsageOutput,
+    ToolCallOutput,
+    ToolProgress,
+    UserMsg,
+)
+from greenroom.protocols.retry import decide_retry
+from greenroom.protocols.stream import ModelError, TokenUsage
+
+__all__ = [
+    "BeginAttempt",
+    "BeginTurn",
+    "CallHook",
+    "Compact",
+    "EndTask",
+    "Finish",
+    "HookName",
+    "Phase",
+    "RecordedState",
+    "StartTask",
+    "Step",
+    "TaskKind",
+    "TaskLimits",
+    "TaskMachine",
+    "TaskRecord",
+    "Wait",
+    "fold",
+]
+
+TaskKind = Literal["task", "compaction"]
+"""``task``: a prompt and its turns (``task_start`` … ``task_end``); ``compaction``: a
+manual compaction on its own (``compaction_begin`` … ``compaction_end``, no task records)."""
+
+HookName = Literal["after_tool_results", "on_stop"]
+
+
+class Phase(enum.Enum):
+    """Where the session's work stands, as its trace says."""
+
+    IDLE = "idle"
+    """No task is open."""
+    STARTED = "started"
+    """A task is open and its next turn has not begun (its first, or the next after a
+    compaction or a finished turn)."""
+    MODEL = "model"
+    """An attempt streams: ``request_begin`` without its ``request_end``."""
+    TOOLS = "tools"
+    """The attempt ended; some of its tool calls have no result yet."""
+    TURN_DONE = "turn_done"
+    """The attempt ended ``ok`` and every call has its result."""
+    RETRY = "retry"
+    """The attempt failed and will be tried again after ``retry_in_ms`` (its calls are
+    terminal)."""
+    FAILED = "failed"
+    """The attempt failed for good (or it overflowed the context): the turn is over, and
+    what comes next depends on the failure."""
+    COMPACTING = "compacting"
+    """``compaction_begin`` without its ``compaction_end``."""
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class TaskLimits:
+    """The settings the machine decides by, taken from the session's settings and hooks
+    when a task starts."""
+
+    max_turns: int = -1
+    max_context_length: int = 128_000
+    max_session_turns: int = -1
+    loop_repeat_threshold: int = 3
+    loop_no_progress_threshold: int = 5
+    has_stop_hook: bool = False
+    max_stop_continuations: int = 1
+    has_results_hook: bool = False
+
+
+# -- steps ------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class StartTask:
+    """Start the next queued task: for ``kind`` ``task``, record its prompt and
+    ``task_start``; for ``compaction``, start the manual compaction."""
+
+    task: Any = attrs.field(eq=False)
+    kind: TaskKind
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class Compact:
+    """Compact the context now (``compaction_begin`` … ``compaction_end``)."""
+
+    reason: CompactionReason
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class BeginTurn:
+    """Begin turn ``turn`` (attempt 1). ``steering`` is the input queued since the last
+    input assembly: record it as one ``user_msg`` of kind ``steering`` first (R-STEER-2),
+    unless it is empty. ``turn`` repeats the current turn after an overflow compaction
+    (R-COMPACT-9)."""
+
+    turn: int
+    steering: tuple[UserContent, ...]
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class BeginAttempt:
+    """Try the turn's request again as attempt ``attempt`` after ``delay_ms`` (the wait
+    announced in the failed attempt's ``request_end``: R-RETRY-3)."""
+
+    attempt: int
+    delay_ms: int
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class CallHook:
+    """Call the host's hook ``hook`` and report its answer with
+    :meth:`TaskMachine.hook_answered` (``on_stop``: a non-empty text continues the task
+    as steering; ``after_tool_results``: the answer is ignored)."""
+
+    hook: HookName
+    continuations: int
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class EndTask:
+    """End the task with ``status``: settle whatever is in flight (for ``aborted``,
+    with the ``abort`` record: R-ABORT-1..3) and record ``task_end``. For a compaction
+    task, end the compaction ``failed`` with ``message`` instead (no ``task_end``)."""
+
+    status: TaskStatus
+    message: str | None
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class Wait:
+    """Nothing to do until something happens (an output, a live input)."""
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class Finish:
+    """No task is open and none is queued: the session goes idle."""
+
+
+Step = StartTask | Compact | BeginTurn | BeginAttempt | CallHook | EndTask | Wait | Finish
+
+_WAIT = Wait()
+_FINISH = Finish()
+_NO_USAGE = TokenUsage()
+
+
+# -- recorded state ---------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class RecordedState:
+    """The machine's state as the trace determines it (invariant 1): what :func:`fold`
+    rebuilds and the live run keeps identically.
+
+    ``turn_calls`` are the tool calls of the current attempt (call order) and
+    ``turn_errors`` whether each result so far is an error, by call id; ``pending_people``
+    the calls whose ``approval_request`` waits for a person's decision."""
+
+    phase: Phase
+    run_id: str | None
+    kind: TaskKind | None
+    turn: int
+    attempt: int
+    usage: TokenUsage
+    retry_in_ms: int | None
+    failure: tuple[str, str | None] | None
+    overflow_compacted: bool
+    compacted_before_turn: bool
+    rerun_turn: bool
+    compaction_reason: CompactionReason | None
+    turn_calls: tuple[str, ...]
+    turn_errors: tuple[tuple[str, bool], ...]
+    pending_people: tuple[str, ...]
+    loop_reason: str | None
+    loop_streaks: tuple[tuple[str, int], ...]
+    loop_no_progress: int
+    session_turns: int
+    last_request_total: int | None
+    auth_locked: str | None
+    session_rules: frozenset[str]
+    last_status: TaskStatus | None
+
+
+
+class TaskRecord:
+    """The session's work as its trace records it: a fold of the traced outputs
+    (invariant 1). Its state changes only in :meth:`observe`, so :func:`fold` rebuilds it
+    exactly; the loop guard decides by ``limits`` (the same for the live run and a fold)."""
+
+    __slots__ = (
+        "_guard",
+        "_limits",
+        "_results",
+        "attempt",
+        "auth_locked",
+        "calls",
+        "compacted_before_turn",
+        "compaction_reason",
+        "failure",
+        "kind",
+        "last_request_total",
+        "last_status",
+        "loop_reason",
+        "overflow_compacted",
+        "pending_people",
+        "phase",
+        "request_ok",
+        "rerun_turn",
+        "retry_in_ms",
+        "run_id",
+        "session_rules",
+        "session_turns",
+        "turn",
+        "usage",
+    )
+
+    def __init__(self, limits: TaskLimits) -> None:
+        self._limits = limits
+        self.phase = Phase.IDLE
+        self.run_id: str | None = None
+        self.kind: TaskKind | None = None
+        self.turn = 0
+        self.attempt = 0
+        self.usage = _NO_USAGE
+        self.retry_in_ms: int | None = None
+        self.failure: tuple[str, str | None] | None = None
+        """``(request status, message)`` of the attempt that failed for good."""
+        self.overflow_compacted = False
+        self.compacted_before_turn = False
+        self.rerun_turn = False
+        self.compaction_reason: CompactionReason | None = None
+        # An idle session keeps one of these (thousands per host): containers are
+        # immutable and shared until a task fills them.
+        self.calls: tuple[ToolCallBlock, ...] = ()
+        self._results: dict[str, bool] | None = None
+        self.request_ok = False
+        self.pending_people: tuple[str, ...] = ()
+        self.loop_reason: str | None = None
+        self._guard: LoopGuard | None = None
+        self.session_turns = 0
+        self.last_request_total: int | None = None
+        self.auth_locked: str | None = None
+        self.session_rules: frozenset[str] = frozenset()
+        self.last_status: TaskStatus | None = None
+
+    def configure(self, limits: TaskLimits) -> None:
+        """Decide the loop guard of the next task by ``limits``."""
+        self._limits = limits
+
+    def _new_guard(self) -> LoopGuard:
+        limits = self._limits
+        return LoopGuard(
+            repeat_threshold=limits.loop_repeat_threshold,
+            no_progress_threshold=limits.loop_no_progress_threshold,
+        )
+
+    def unfinished_calls(self) -> list[str]:
+        """The calls of the current attempt without a result, in call order."""
+        results = self._results or {}
+        return [c.id for c in self.calls if c.id not in results]
+
+    def state(self) -> RecordedState:
+        """The recorded state, as a value."""
+        return RecordedState(
+            phase=self.phase,
+            run_id=self.run_id,
+            kind=self.kind,
+            turn=self.turn,
+            attempt=self.attempt,
+            usage=self.usage,
+            retry_in_ms=self.retry_in_ms,
+            failure=self.failure,
+            overflow_compacted=self.overflow_compacted,
+            compacted_before_turn=self.compacted_before_turn,
+            rerun_turn=self.rerun_turn,
+            compaction_reason=self.compaction_reason,
+            turn_calls=tuple(c.id for c in self.calls),
+            turn_errors=tuple(sorted((self._results or {}).items())),
+            pending_people=self.pending_people,
+            loop_reason=self.loop_reason,
+            loop_streaks=self._guard.streaks if self._guard is not None else (),
+            loop_no_progress=self._guard.no_progress if self._guard is not None else 0,
+            session_turns=self.session_turns,
+            last_request_total=self.last_request_total,
+            auth_locked=self.auth_locked,
+            session_rules=frozenset(self.session_rules),
+            last_status=self.last_status,
+        )
+
+    def observe(self, output: Output) -> None:
+        """Take one traced output into account. Live-only outputs are ignored."""
+        match output:
+            case ToolCallOutput():
+                self._call_finished(output)
+            case ModelMsg():
+                block = output.block
+                if isinstance(block, ToolCallBlock) and self.phase is Phase.MODEL:
+                    self.calls = (*self.calls, block)
+            case TokenUsageOutput():
+                self.usage = self.usage + output.request
+                self.last_request_total = output.request.total
+            case RequestBegin():
+                self._request_begun(output)
+            case RequestEnd():
+                self._request_ended(output)
+            case ApprovalRequest():
+                self.pending_people = (*self.pending_people, output.call_id)
+            case ApprovalDecision():
+                self._answered(output.call_id)
+                if output.remember:
+                    self.session_rules = self.session_rules | {output.tool}
+            case TaskStart():
+                self.start(output.run_id, "task")
+            case CompactionBegin():
+                self._compaction_begun(output)
+            case CompactionEnd():
+                self._compaction_ended(output)
+            case TaskEnd():
+                if output.status == "auth":
+                    self.auth_locked = output.message or "authentication failed"
+                self.end(output.status)
+            case UserMsg() | Abort():
+                pass  # a prompt's task_start, steering's request_begin, an abort's task_end follow
+            case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():
+                pass  # live only
+            case _:
+                assert_never(output)
+
+    def start(self, run_id: str, kind: TaskKind) -> None:
+        """A task opens (its ``task_start``, or a manual compaction's begin)."""
+        self.phase = Phase.STARTED
+        self.run_id = run_id
+        self.kind = kind
+        self.turn = 0
+        self.attempt = 0
+        self.usage = _NO_USAGE
+        self.retry_in_ms = None
+        self.failure = None
+        self.overflow_compacted = False
+        self.compacted_before_turn = False
+        self.rerun_turn = False
+        self.calls = ()
+        self._results = None
+        self.request_ok = False
+        self.pending_people = ()
+        self.loop_reason = None
+        self._guard = None
+        self.last_status = None
+
+    def end(self, status: TaskStatus | None) -> None:
+        """The open task is over (``task_end``, or a manual compaction's end)."""
+        self.phase = Phase.IDLE
+        self.run_id = None
+        self.kind = None
+        self.last_status = status
+        self.calls = ()
+        self._results = None
+        self._guard = None
+        self.request_ok = False
+        self.pending_people = ()
+        self.retry_in_ms = None
+        self.failure = None
+        self.compaction_reason = None
+        self.compacted_before_turn = False
+        self.rerun_turn = False
+
+    def _request_begun(self, output: RequestBegin) -> None:
+        if output.turn != self.turn:
+            # A new turn (a rerun after an overflow keeps its number, R-COMPACT-9).
+            self.overflow_compacted = False
+        self.turn = output.turn
+        self.attempt = output.attempt
+        self.phase = Phase.MODEL
+        self.retry_in_ms = None
+        self.failure = None
+        self.compacted_before_turn = False
+        self.rerun_turn = False
+        self.calls = ()
+        self._results = {}
+        self.request_ok = False
+        self.pending_people = ()
+
+    def _request_ended(self, output: RequestEnd) -> None:
+        if output.status == "ok":
+            self.request_ok = True
+            self.session_turns += 1
+        elif output.status == "aborted":
+            return  # the abort's task_end follows
+        elif output.retry_in_ms is not None:
+            self.retry_in_ms = output.retry_in_ms
+        else:
+            self.failure = (output.status, output.error_message)
+        self.phase = Phase.TOOLS
+        self._calls_settled()
+
+    def _answered(self, call_id: str) -> None:
+        if call_id in self.pending_people:
+            self.pending_people = tuple(c for c in self.pending_people if c != call_id)
+
+    def _call_finished(self, output: ToolCallOutput) -> None:
+        self._answered(output.call_id)
+        if self._results is not None and any(c.id == output.call_id for c in self.calls):
+            self._results[output.call_id] = output.is_error
+            if self.phase is Phase.TOOLS:
+                self._calls_settled()
+
+    def _calls_settled(self) -> None:
+        """After a ``request_end`` or a result: once every call of the attempt has its
+        result, the turn (or the failed attempt) is over."""
+        if self.unfinished_calls():
+            return
+        if self.request_ok:
+            self.phase = Phase.TURN_DONE
+            if self.calls:
+                # R-GUARD-1, once per turn with calls.
+                if self._guard is None:
+                    self._guard = self._new_guard()
+                results = self._results or {}
+                self.loop_reason = self._guard.observe_turn(
+                    self.calls, (results[c.id] for c in self.calls)
+                )
+        elif self.retry_in_ms is not None:
+            self.phase = Phase.RETRY
+        else:
+            self.phase = Phase.FAILED
+
+    def _compaction_begun(self, output: CompactionBegin) -> None:
+        if self.run_id is None:
+            self.start(output.run_id, "compaction")
+        self.phase = Phase.COMPACTING
+        self.compaction_reason = output.reason
+        if output.reason == "overflow":
+            self.overflow_compacted = True
+
+    def _compaction_ended(self, output: CompactionEnd) -> None:
+        if self.run_id is None:
+            # The first record of a trace file that a compaction started, read on its own
+            # (R-COMPACT-8): the task that compacted goes on here.
+            self.start(output.run_id, "task")
+        reason = self.compaction_reason
+        self.compaction_reason = None
+        if output.status == "ok":
+            self.session_turns = 0
+            self.last_request_total = None
+        elif output.error_kind == "auth":
+            self.auth_locked = output.error_message or "authentication failed"
+        if self.kind == "compaction":
+            self.end(None)
+            return
+        if reason == "overflow":
+            if output.status == "ok":
+                # R-COMPACT-9: the same turn runs again from attempt 1.
+                self.phase = Phase.STARTED
+                self.rerun_turn = True
+                self.failure = None
+            else:
+                self.phase = Phase.FAILED
+                if self.auth_locked is not None:
+                    self.failure = ("auth", self.auth_locked)
+            return
+        self.phase = Phase.STARTED
+        self.compacted_before_turn = True
+        if output.status != "ok" and output.error_kind == "auth":
+            self.phase = Phase.FAILED
+            self.failure = ("auth", self.auth_locked)
+
+
+class TaskMachine:
+    """The work of one session: its :class:`TaskRecord` (what the trace says) and the live
+    inputs, and the decision of what to do next (see the module docstring). One per
+    session; its recorded state continues across tasks (the session's turns, the auth
+    lock, its rules)."""
+
+    __slots__ = (
+        "_fail_message",
+        "_hook_answer",
+        "_hook_pending",
+        "_interrupt",
+        "_issued",
+        "_limits",
+        "_queued",
+        "_steering",
+        "_stop_continuations",
+        "_turn_hooked",
+        "record",
+    )
+
+    def __init__(self, limits: TaskLimits | None = None) -> None:
+        self._limits = limits or TaskLimits()
+        self.record = TaskRecord(self._limits)
+        """The recorded state (invariant 1)."""
+        self._queued: list[tuple[Any, TaskKind]] | None = None
+        self._steering: list[UserContent] | None = None
+        self._interrupt: str | None = None
+        self._fail_message: str | None = None
+        self._issued: Step | None = None
+        self._hook_pending = False
+        self._hook_answer: str | None = None
+        self._turn_hooked = False
+        self._stop_continuations = 0
+
+    # -- reading --------------------------------------------------------------------------
+
+    @property
+    def phase(self) -> Phase:
+        """Where the work stands (recorded)."""
+        return self.record.phase
+
+    @property
+    def run_id(self) -> str | None:
+        """The open task's run id; None when idle."""
+        return self.record.run_id
+
+    @property
+    def kind(self) -> TaskKind | None:
+        """The open task's kind; None when idle."""
+        return self.record.kind
+
+    @property
+    def turn(self) -> int:
+        """The open task's turn (0 before its first request)."""
+        return self.record.turn
+
+    @property
+    def usage(self) -> TokenUsage:
+        """The open task's token usage so far (the last task's once it ended)."""
+        return self.record.usage
+
+    @property
+    def auth_locked(self) -> str | None:
+        """Why the session refuses new tasks after an auth failure (R-RETRY-6), or None."""
+        return self.record.auth_locked
+
+    @property
+    def busy(self) -> bool:
+        """Whether a task is open or queued."""
+        return self.record.run_id is not None or bool(self._queued)
+
+    @property
+    def has_queued_tasks(self) -> bool:
+        """Whether tasks wait behind the open one (R-STEER-6)."""
+        return bool(self._queued)
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the open task was told to stop (an interrupt or a failure)."""
+        return self._interrupt is not None or self._fail_message is not None
+
+    @property
+    def waiting_for(self) -> Literal["model", "tools", "people", "compaction", "hook"] | None:
+        """What the open task waits for now, if anything: the model (an attempt streams or
+        its retry is due), tools (calls run), people (only approvals that a person must
+        answer are open), a compaction, or a hook."""
+        if self._hook_pending:
+            return "hook"
+        record = self.record
+        phase = record.phase
+        if phase is Phase.MODEL or phase is Phase.RETRY:
+            return "model"
+        if phase is Phase.COMPACTING:
+            return "compaction"
+        if phase is Phase.TOOLS:
+            unfinished = record.unfinished_calls()
+            if unfinished and all(c in record.pending_people for c in unfinished):
+                return "people"
+            return "tools"
+        return None
+
+    def allowed_for_session(self, tool: str) -> bool:
+        """Whether an earlier ``allow_session`` decision allows ``tool`` (R-APPROVE-4)."""
+        return tool in self.record.session_rules
+
+    def compaction_due(self) -> CompactionReason | None:
+        """R-COMPACT-2's automatic triggers, as they stand: ``context`` when the last
+        request's total reached ``max_context_length``, ``turns`` when the context holds
+        ``max_session_turns`` turns."""
+        limits = self._limits
+        record = self.record
+        if 0 < limits.max_context_length <= (record.last_request_total or 0):
+            return "context"
+        if 0 < limits.max_session_turns <= record.session_turns:
+            return "turns"
+        return None
+
+    def recorded(self) -> RecordedState:
+        """The recorded state (invariant 1)."""
+        return self.record.state()
+
+    # -- live inputs ---------------------------------------------------------------------
+
+    def configure(self, limits: TaskLimits) -> None:
+        """The limits to decide by from now on (the supervisor passes the session's when
+        a task starts)."""
+        self._limits = limits
+        self.record.configure(limits)
+
+    def queue_task(self, task: Any, kind: TaskKind = "task") -> None:
+        """Queue a task to start once the open one has ended (FIFO: R-STEER-6)."""
+        if self._queued is None:
+            self._queued = []
+        self._queued.append((task, kind))
+
+    def queue_steering(self, content: Iterable[UserContent]) -> None:
+        """Queue steering for the next input assembly of the open task (R-STEER-1)."""
+        if self._steering is None:
+            self._steering = []
+        self._steering.extend(content)
+
+    def interrupt(self, reason: str) -> None:
+        """Interrupt the open task and drop the queued ones (R-ABORT-1, R-STEER-6)."""
+        self._queued = None
+        if self._open_or_starting() and not self.stopping:
+            self._interrupt = reason
+
+    def fail(self, message: str) -> None:
+        """The open task cannot go on (its trace cannot be written, or a bug): it ends
+        ``failed`` with ``message``; the queued tasks still run."""
+        if self._open_or_starting() and not self.stopping:
+            self._fail_message = message
+
+    def _open_or_starting(self) -> bool:
+        return self.record.run_id is not None or isinstance(self._issued, StartTask)
+
+    def hook_answered(self, answer: str | None) -> None:
+        """The hook of the last :class:`CallHook` answered; for ``on_stop`` a non-empty
+        ``answer`` continues the task with it as steering."""
+        self._hook_pending = False
+        issued, self._issued = self._issued, None
+        continues = answer is not None and answer.strip()
+        if isinstance(issued, CallHook) and issued.hook == "on_stop" and continues:
+            self._stop_continuations += 1
+            self._hook_answer = answer
+
+    def retry_auth(self) -> None:
+        """Unlock the session after an auth failure (R-RETRY-6)."""
+        self.record.auth_locked = None
+
+    def recover(self) -> None:
+        """The trace ends inside a task (its process stopped): the task is over, as the
+        transcript treats it (R-TRACE-4: interrupted). Loading a session calls it; the
+        next task starts afresh."""
+        if self.record.run_id is not None:
+            self.record.end("aborted")
+
+    def plan_failure(self, error: ModelError) -> int | None:
+        """The wait to announce in the ``request_end`` of the current attempt, which failed
+        with ``error``: the retry policy's (R-RETRY-2), or None when it is not retried."""
+        return decide_retry(error, max(1, self.record.attempt)).delay_ms
+
+    # -- the decision ---------------------------------------------------------------------
+
+    def next_step(self) -> Step:
+        """What to do now (see the module docstring)."""
+        record = self.record
+        if record.run_id is None:
+            if self._issued is not None:
+                return _WAIT
+            if self._queued:
+                task, kind = self._queued.pop(0)
+                self._interrupt = self._fail_message = None
+                return self._issue(StartTask(task=task, kind=kind))
+            return _FINISH
+        if isinstance(self._issued, EndTask):
+            return _WAIT
+        if self._interrupt is not None:
+            return self._issue(EndTask(status="aborted", message=self._interrupt))
+        if self._fail_message is not None:
+            return self._issue(EndTask(status="failed", message=self._fail_message))
+        if self._issued is not None or self._hook_pending:
+            return _WAIT
+        phase = record.phase
+        if phase is Phase.STARTED:
+            return self._next_turn()
+        if phase is Phase.TURN_DONE:
+            return self._after_turn()
+        if phase is Phase.RETRY:
+            delay_ms = record.retry_in_ms or 0
+            return self._issue(BeginAttempt(attempt=record.attempt + 1, delay_ms=delay_ms))
+        if phase is Phase.FAILED:
+            return self._after_failure()
+        return _WAIT  # MODEL, TOOLS, COMPACTING: the work reports through outputs
+
+    def _issue(self, step: Step) -> Step:
+        self._issued = step
+        return step
+
+    def _next_turn(self) -> Step:
+        record = self.record
+        if record.rerun_turn:
+            # R-COMPACT-9: the turn that overflowed runs again, from attempt 1.
+            return self._issue(BeginTurn(turn=record.turn, steering=self._take_steering()))
+        limits = self._limits
+        if limits.max_turns >= 0 and record.turn >= limits.max_turns:
+            return self._issue(
+                EndTask(
+                    status="max_turns",
+                    message=f"stopped after max_turns={limits.max_turns} turns",
+                )
+            )
+        if not record.compacted_before_turn:
+            reason = self.compaction_due()
+            if reason is not None:
+                return self._issue(Compact(reason=reason))
+        return self._issue(BeginTurn(turn=record.turn + 1, steering=self._take_steering()))
+
+    def _take_steering(self) -> tuple[UserContent, ...]:
+        steering = tuple(self._steering or ())
+        self._steering = None
+        return steering
+
+    def _after_turn(self) -> Step:
+        limits = self._limits
+        record = self.record
+        if record.calls:
+            if limits.has_results_hook and not self._turn_hooked:
+                return self._call_hook("after_tool_results")
+            if record.loop_reason is not None:
+                return self._issue(EndTask(status="loop_detected", message=record.loop_reason))
+            return self._next_turn()
+        if self._hook_answer is not None:
+            self.queue_steering((TextBlock(text=self._hook_answer),))
+            self._hook_answer = None
+        if self._steering:
+            return self._next_turn()  # R-STEER-3
+        if (
+            limits.has_stop_hook
+            and not self._turn_hooked
+            and self._stop_continuations < limits.max_stop_continuations
+        ):
+            return self._call_hook("on_stop")
+        return self._issue(EndTask(status="completed", message=None))
+
+    def _call_hook(self, hook: HookName) -> Step:
+        self._turn_hooked = True
+        self._hook_pending = True
+        return self._issue(CallHook(hook=hook, continuations=self._stop_continuations))
+
+    def _after_failure(self) -> Step:
+        record = self.record
+        assert record.failure is not None
+        status, message = record.failure
+        if status == "context_overflow" and not record.overflow_compacted:
+            return self._issue(Compact(reason="overflow"))
+        if status == "auth":
+            return self._issue(EndTask(status="auth", message=message))
+        return self._issue(EndTask(status="failed", message=message))
+
+    # -- recorded facts -------------------------------------------------------------------
+
+    def observe(self, output: Output) -> None:
+        """Take one traced output into account (invariant 1): the record folds it, and a
+        step it confirms is no longer awaited."""
+        record = self.record
+        turn = record.turn
+        self.record.observe(output)
+        match output:
+            case TaskStart():
+                self._opened()
+            case CompactionBegin():
+                if isinstance(self._issued, StartTask):
+                    self._opened()
+                self._confirm(Compact)
+            case RequestBegin():
+                self._confirm(BeginTurn)
+                self._confirm(BeginAttempt)
+                if output.turn != turn:
+                    self._turn_hooked = False
+            case TaskEnd():
+                if output.status == "auth":
+                    self._queued = None  # R-RETRY-6: no task runs on a rejected key
+                self._closed()
+            case CompactionEnd():
+                if record.run_id is None:
+                    self._closed()
+            case _:
+                pass  # nothing awaited: the record alone changes
+
+    def _confirm(self, kind: type[Step]) -> None:
+        if isinstance(self._issued, kind):
+            self._issued = None
+
+    def _opened(self) -> None:
+        self._confirm(StartTask)
+        self._turn_hooked = False
+        self._stop_continuations = 0
+        self._hook_answer = None
+
+    def _closed(self) -> None:
+        self._issued = None
+        self._steering = None
+        self._interrupt = None
+        self._fail_message = None
+        self._hook_pending = False
+        self._hook_answer = None
+
+
+def fold(records: Iterable[Output], limits: TaskLimits | None = None) -> TaskMachine:
+    """A machine that has observed ``records`` (a session's trace, in ``seq`` order):
+    its :meth:`~TaskMachine.recorded` state is the live run's at the last record
+    (invariant 1)."""
+    machine = TaskMachine(limits)
+    for record in records:
+        machine.observe(record)
+    return machine
