@@ -298,7 +298,9 @@ class Connection:
             return jsonrpc.error_frame(request_id, error) if wants_answer else None
         method = self._methods.get(call.method)
         if method is None:
-            error = RpcError(jsonrpc.METHOD_NOT_FOUND, f"method not found: {call.method!r}")
+            error = RpcError(
+                jsonrpc.METHOD_NOT_FOUND, f"method not found: {jsonrpc.echo(call.method)}"
+            )
             return jsonrpc.error_frame(request_id, error) if wants_answer else None
         if detach and call.method in self._detached:
             assert self._nursery is not None
