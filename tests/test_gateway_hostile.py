@@ -10,10 +10,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 import trio
 import trio.testing
 from test_gateway import BOUND_S, TOKEN, connect, serving
+from trio_websocket import ConnectionClosed
 
+from greenroom.actors.gateway import GatewayLimits
 from greenroom.protocols import jsonrpc
 
 HUGE = 900_000
@@ -25,6 +28,53 @@ def call(request_id: Any, method: str, **params: Any) -> dict[str, Any]:
     if params:
         frame["params"] = params
     return frame
+
+
+# -- every frame counts against the outbox -----------------------------------------------------
+
+
+async def test_a_client_that_never_reads_is_cut_off_before_its_replies_pass_the_cap(
+    tmp_path: Any,
+) -> None:
+    """R-SEC-9: a client that never reads sends batches of calls with long method names
+    (each answered -32601). Its replies — not subscription outputs — fill the kernel's
+    buffers, then its outbox: once a reply does not fit under ``max_pending_bytes`` the
+    connection is closed (1008, naming the bound), and what the server held for it never
+    passed the bound. The rate limit is lifted so that only the outbox bound stops it."""
+    cap = 64 * 1024
+    # The server waits close_timeout_s for the close reply this client never reads to.
+    limits = GatewayLimits(
+        rate_per_s=1e9, burst=10**9, max_pending_bytes=cap, close_timeout_s=0.1
+    )
+    name = "m" * 9_000  # 100 of them: a frame just under the 1 MiB frame limit
+    with trio.fail_after(BOUND_S * 3):
+        async with serving(tmp_path, limits=limits) as server, connect(server) as client:
+            await client.result("session.list")
+            [connection] = server.gateway._connections
+            outbox = connection.outbox
+            sent = 0
+            with pytest.raises(ConnectionClosed):
+                while connection.close_with is None:
+                    batch = [call(f"{sent}-{i}", name) for i in range(100)]
+                    await client.send(batch)
+                    sent += 1
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert outbox.size <= cap
+                    assert sent < 2_000, "never cut off"
+                # Cut off: the server has closed the socket under the client.
+                while True:
+                    await client.send(call("after", "session.list"))
+                    await trio.testing.wait_all_tasks_blocked()
+            assert connection.close_with == (
+                1008,
+                f"client too slow: more than {cap} bytes not read",
+            )
+            assert outbox.overflowed is not None
+            assert 0 < outbox.peak <= cap
+            assert connection not in server.gateway._connections
+            # The server serves the next client as before.
+            async with connect(server) as again:
+                assert await again.result("session.list") == {"sessions": []}
 
 
 # -- echoed values stay small ------------------------------------------------------------------

@@ -34,12 +34,16 @@ Invariants:
   each subscribed connection's outbox without blocking. A client is dropped only when it is
   really behind: its writer has not finished a send for ``stall_timeout_s`` (the socket
   refuses bytes: the client does not read) while more than ``max_pending_frames`` frames
-  wait that the writer has not taken, or the frames waiting exceed ``max_pending_bytes``
-  whatever the reason. A burst of outputs on a busy server, which a prompt reader gets as
-  soon as its writer runs, never counts. A dropped subscription gets a
-  ``subscription_dropped`` notification ``{session_id, reason, last_seq}``; the client
+  wait that the writer has not taken, or an output would take what waits past
+  ``max_pending_bytes`` whatever the reason. A burst of outputs on a busy server, which a
+  prompt reader gets as soon as its writer runs, never counts. A dropped subscription gets
+  a ``subscription_dropped`` notification ``{session_id, reason, last_seq}``; the client
   resubscribes with ``after_seq: last_seq`` and misses nothing. Other clients and the
   session are never slowed down.
+* Every frame counts against ``max_pending_bytes`` (R-SEC-9): an answer, error or notice
+  that would pass it closes the connection (1008, ``client too slow: …``) instead of
+  being queued, so a client that sends and never reads is cut off rather than grow the
+  server.
 * Runs are not read through their ``RunStream``: the gateway detaches it at once
   (``RunStream.detach``) and every output reaches clients through the subscription, so
   nothing piles up for a run nobody reads.

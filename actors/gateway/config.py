@@ -90,8 +90,10 @@ class GatewayLimits:
     the connection (1009) beyond it. ``max_pending_frames``: how many frames the
     connection's writer has not taken may wait while the writer is stuck (no send finished
     for ``stall_timeout_s``: the socket refuses bytes) before its subscriptions are
-    dropped; ``max_pending_bytes``: the bound on what waits for one connection (counted in
-    characters), stuck or not.
+    dropped; ``max_pending_bytes``: the bound on everything that waits for one connection
+    (counted in characters of JSON text), stuck or not (R-SEC-9): an output that would pass
+    it drops its subscription, and any other frame (an answer, an error, a notice) that
+    would pass it closes the connection (1008).
     ``settle_timeout_s``: how long ``run`` waits for a session that has emitted
     ``task_end`` to turn idle."""
 
