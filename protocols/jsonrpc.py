@@ -64,7 +64,9 @@ BUSY = 409
 AUTH_LOCKED = 423
 """The session is locked by a model auth failure until ``retry_auth`` (R-RETRY-6)."""
 TOO_MANY_REQUESTS = 429
-"""The connection's request rate limit was exceeded."""
+"""A limit was reached: the connection's request rate, the principal's open sessions
+(``session.create``) or connections (``initialize``), or the wrong tokens of the client's
+address (``initialize``)."""
 
 ERROR_MESSAGES: dict[int, str] = {
     PARSE_ERROR: "parse error",

@@ -19,7 +19,8 @@ The modules, by role:
   :data:`greenroom.protocols.jsonrpc.METHODS`.
 * :mod:`.hubs` — the gateway's one listener per session, subscriptions with gapless
   replay, client approvals.
-* :mod:`.access` — principals and their tokens, and the sessions each may see.
+* :mod:`.access` — principals and their tokens, the sessions each may see, and admission
+  (each principal's connections, each address's wrong tokens).
 * :mod:`.titles` — session titles.
 * :mod:`.config` — :class:`SessionDefaults`, :class:`GatewayLimits`, tokens files,
   workspace confinement.
@@ -68,14 +69,21 @@ or the generated token: the principal ``default``). Tokens are compared in const
 every known token each time. ``initialize {client_id}`` and the ``X-Greenroom-Client``
 header may only repeat the token's principal: naming another is refused (403). A
 principal sees only the sessions it created or was granted (:meth:`Gateway.grant`):
-another principal's session answers 403, an unknown one 404. Every connection of one
+another principal's session answers 403, an unknown one 404. A principal holds at most
+``max_sessions_per_principal`` sessions open in the host; ``session.create`` beyond them
+answers 429. Every connection of one
 principal sees the same sessions (a reconnecting client keeps its sessions).
 
 Admission, before any of that: a browser handshake (one with an ``Origin`` header) whose
 origin is not allowed (the console's, or one given with ``allowed_origins`` /
 :meth:`Gateway.allow_origin`) is refused with HTTP 403; beyond ``max_connections`` open
-connections the handshake is refused with HTTP 503; and the listener stops accepting
-sockets at ``max_connections + HANDSHAKE_SLACK``, so a flood of half-open connections
+connections the handshake is refused with HTTP 503, and beyond its principal's
+``max_connections_per_principal`` with HTTP 429, so that one principal cannot take every
+place (R-SEC-9); a remote address (an IPv6 address's /64) that sent
+``max_auth_failures_per_address`` wrong tokens within ``auth_failure_window_s`` is refused
+with HTTP 429 and ``Retry-After`` before its token is looked at, other addresses
+unaffected; and the listener stops accepting sockets at
+``max_connections + HANDSHAKE_SLACK``, so a flood of half-open connections
 waits in the kernel's backlog instead of taking the file descriptors sessions need for
 their traces. ``greenroom serve`` raises the process's soft ``RLIMIT_NOFILE`` to its hard
 limit and keeps ``FD_RESERVE`` descriptors out of the cap (:func:`connection_cap`).

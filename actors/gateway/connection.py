@@ -200,12 +200,18 @@ class Connection:
         detached: frozenset[str] = frozenset(),
         auth_timeout_s: float,
         claimed: str | None = None,
+        address: str | None = None,
     ) -> None:
         self.ws = ws
         self.identity = identity
         """The principal, once authenticated."""
         self.claimed = claimed
         """The client id the handshake's ``X-Greenroom-Client`` header named."""
+        self.address = address
+        """The remote address wrong tokens are counted against (``access.address_key``)."""
+        self.counted: str | None = None
+        """The principal one of whose connection places this connection holds (given
+        back when it ends)."""
         self.authenticated = trio.Event()
         if identity is not None:
             self.authenticated.set()
