@@ -21,6 +21,7 @@ from trio_websocket import ConnectionClosed, ConnectionRejected, wrap_client_str
 from greenroom.actors.gateway import GatewayLimits
 from greenroom.actors.gateway.access import Admission, address_key
 from greenroom.protocols import jsonrpc
+from greenroom.protocols.outputs import PartialText
 
 ALICE = "alice-token-0123456789"
 BOB = "bob-token-0123456789ab"
@@ -112,6 +113,37 @@ async def test_a_client_that_never_reads_is_cut_off_before_its_replies_pass_the_
             # The server serves the next client as before.
             async with connect(server) as again:
                 assert await again.result("session.list") == {"sessions": []}
+
+
+async def test_outputs_that_would_pass_the_cap_drop_the_subscription_not_the_connection(
+    tmp_path: Any,
+) -> None:
+    """R-SEC-9: a burst of outputs larger than ``max_pending_bytes`` (published without a
+    checkpoint, so the writer cannot send any of it first) never takes the outbox past the
+    bound: the output that would is refused and the subscription dropped with a notice
+    naming the bound; the connection stays and answers the next call."""
+    cap = 64 * 1024
+    limits = GatewayLimits(max_pending_bytes=cap)
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, limits=limits) as server, connect(server) as client:
+            sid = (await client.result("session.create"))["session_id"]
+            await client.result("session.subscribe", {"session_id": sid})
+            [connection] = server.gateway._connections
+            session = server.host.get_session(sid)
+            for i in range(40):  # 160 KiB
+                text = f"{i:04d}".ljust(4096, "x")
+                session.publish(
+                    [PartialText(session_id=sid, run_id="run_burst", index=0, text=text)]
+                )
+            while True:
+                note = await client.notification()
+                if note["method"] == "subscription_dropped":
+                    break
+            assert note["params"]["reason"] == f"client too slow: more than {cap} bytes not read"
+            assert 0 < connection.outbox.peak <= cap
+            assert connection.close_with is None
+            assert await client.result("session.list")
+            assert sid not in connection.subscriptions
 
 
 # -- echoed values stay small ------------------------------------------------------------------

@@ -110,6 +110,11 @@ class Outbox:
         self._progress = trio.Event()
 
     @property
+    def closed(self) -> bool:
+        """Whether frames are discarded (the connection is gone or was cut off)."""
+        return self._closed
+
+    @property
     def pending(self) -> int:
         """Frames queued or taken and not yet sent."""
         return len(self._queue) + self._taken

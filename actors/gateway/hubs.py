@@ -490,6 +490,8 @@ class Hubs:
                     break
                 await connection.outbox.wait_below(room)
                 if not connection.outbox.offer(output_frame(record)):
+                    if connection.outbox.closed:
+                        break  # the connection is gone: nobody to tell
                     # Larger than half the bound by itself: the client cannot take it.
                     subscription.drop(
                         f"an output larger than {connection.outbox.max_bytes // 2} bytes"
