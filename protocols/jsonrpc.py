@@ -15,6 +15,11 @@ Invariants:
 * Text is always encodable (R-SEC-1): a decoded frame has its lone UTF-16 surrogates
   (``"\\ud800"`` is valid JSON) replaced by U+FFFD, and :func:`encode` repairs any that
   reach an outgoing frame, so a reply can always be sent.
+* Answers stay small whatever a frame holds (R-SEC-9): an ``id`` longer than
+  :data:`MAX_ID_CHARS` is not echoed (the frame is -32600 with a null id), a value an error
+  repeats (a method name, an unknown key, a rejected value) is cut to
+  :data:`MAX_ECHO_CHARS` (:func:`clip`), and no error message exceeds
+  :data:`MAX_ERROR_CHARS`.
 * :data:`METHODS` is the one table of the methods, their parameters and results: the
   gateway's dispatch, the "unknown parameter" messages and the README's method table all
   come from it.
@@ -59,7 +64,9 @@ BUSY = 409
 AUTH_LOCKED = 423
 """The session is locked by a model auth failure until ``retry_auth`` (R-RETRY-6)."""
 TOO_MANY_REQUESTS = 429
-"""The connection's request rate limit was exceeded."""
+"""A limit was reached: the connection's request rate, the principal's open sessions
+(``session.create``) or connections (``initialize``), or the wrong tokens of the client's
+address (``initialize``)."""
 
 ERROR_MESSAGES: dict[int, str] = {
     PARSE_ERROR: "parse error",
@@ -77,6 +84,29 @@ ERROR_MESSAGES: dict[int, str] = {
 
 RequestId = str | int | None
 """A request id: a string or an integer (JSON-RPC also allows null; we echo it)."""
+
+MAX_ID_CHARS = 128
+"""The longest id answered with itself: a string of at most this many characters or an
+integer of at most this many digits. A longer one is -32600 answered with a null id, so a
+client cannot make the server repeat a megabyte per call."""
+MAX_ECHO_CHARS = 128
+"""How much of a value sent by a client an error message repeats (:func:`clip`)."""
+MAX_ERROR_CHARS = 1000
+"""The longest error message sent; a longer one is cut (:func:`error_frame`)."""
+
+
+def clip(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, with a note of how many were left out: what
+    an error message repeats of a client's value stays small however large the value."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text) - limit} more characters)"
+
+
+def echo(value: Any) -> str:
+    """A client's value as an error message quotes it: its ``repr``, clipped (the frame
+    limit bounds the ``repr`` made first)."""
+    return clip(repr(value))
 
 
 class RpcError(Exception):
@@ -175,6 +205,12 @@ MAX_DEPTH = 64
 """How deeply a frame may nest arrays and objects; no method needs more than a few."""
 
 
+def _id_too_long(request_id: RequestId) -> bool:
+    if isinstance(request_id, str):
+        return len(request_id) > MAX_ID_CHARS
+    return isinstance(request_id, int) and abs(request_id) >= 10**MAX_ID_CHARS
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
@@ -200,6 +236,15 @@ def parse_call(value: Any) -> Call | FrameError:
                     f"$.id: expected a string, an integer or null, got {json_type(raw_id)}",
                 ),
             )
+        if _id_too_long(request_id):
+            return FrameError(
+                id=None,
+                error=RpcError(
+                    INVALID_REQUEST,
+                    f"$.id: longer than {MAX_ID_CHARS} characters (or digits); send a "
+                    "shorter id",
+                ),
+            )
     if value.get("jsonrpc") != JSONRPC_VERSION:
         return FrameError(
             id=request_id, error=RpcError(INVALID_REQUEST, '$.jsonrpc: must be "2.0"')
@@ -213,7 +258,7 @@ def parse_call(value: Any) -> Call | FrameError:
     extra = sorted(set(value) - {"jsonrpc", "id", "method", "params"})
     if extra:
         return FrameError(
-            id=request_id, error=RpcError(INVALID_REQUEST, f"$.{extra[0]}: unknown member")
+            id=request_id, error=RpcError(INVALID_REQUEST, f"$.{clip(extra[0])}: unknown member")
         )
     params = value.get("params", {})
     if not isinstance(params, dict):
@@ -238,8 +283,9 @@ def result_frame(request_id: RequestId, result: Any) -> dict[str, Any]:
 
 
 def error_frame(request_id: RequestId, error: RpcError) -> dict[str, Any]:
-    """The error response to request ``request_id`` (None when the id could not be read)."""
-    body: dict[str, Any] = {"code": error.code, "message": error.message}
+    """The error response to request ``request_id`` (None when the id could not be read);
+    a message longer than :data:`MAX_ERROR_CHARS` is cut."""
+    body: dict[str, Any] = {"code": error.code, "message": clip(error.message, MAX_ERROR_CHARS)}
     if error.data is not None:
         body["data"] = error.data
     return {"jsonrpc": JSONRPC_VERSION, "id": request_id, "error": body}
@@ -462,7 +508,7 @@ def check_params(params: Mapping[str, Any], method: str) -> None:
     unknown = sorted(set(params) - set(allowed))
     if unknown:
         takes = f"takes {', '.join(allowed)}" if allowed else "takes no parameters"
-        raise invalid(f"$.{unknown[0]}", f"unknown parameter; {method} {takes}")
+        raise invalid(f"$.{clip(unknown[0])}", f"unknown parameter; {method} {takes}")
 
 
 def require_str(params: Mapping[str, Any], name: str, *, max_len: int = 10_000) -> str:
@@ -520,7 +566,7 @@ def require_choice(params: Mapping[str, Any], name: str, choices: Iterable[str])
     options = tuple(choices)
     value = require_str(params, name, max_len=100)
     if value not in options:
-        raise invalid(f"$.{name}", f"expected one of {', '.join(options)}, got {value!r}")
+        raise invalid(f"$.{name}", f"expected one of {', '.join(options)}, got {echo(value)}")
     return value
 
 
@@ -576,7 +622,7 @@ def parse_input(
                 )
             blocks.append(ImageBlock(path=image_path, media_type=media_type))
         else:
-            raise invalid(f"{item_path}.type", f"expected 'text' or 'image', got {kind!r}")
+            raise invalid(f"{item_path}.type", f"expected 'text' or 'image', got {echo(kind)}")
     return tuple(blocks)
 
 
@@ -584,7 +630,7 @@ def check_block(item: Mapping[str, Any], path: str, allowed: Iterable[str]) -> N
     """Reject a field of block ``item`` (at ``path``) not in ``allowed``, as -32602 naming it."""
     unknown = sorted(set(item) - set(allowed))
     if unknown:
-        raise invalid(f"{path}.{unknown[0]}", "unknown field")
+        raise invalid(f"{path}.{clip(unknown[0])}", "unknown field")
 
 
 _SETTINGS_MINIMUMS: dict[str, float] = {
@@ -621,7 +667,7 @@ def parse_settings(
     blocked = set(forbidden)
     checked: dict[str, Any] = {}
     for name, field_value in value.items():
-        field_path = f"{path}.{name}"
+        field_path = f"{path}.{clip(name)}"
         if name not in hints:
             raise invalid(field_path, "unknown setting")
         if name in blocked:
@@ -659,7 +705,7 @@ def _type_problem(value: Any, annotation: Any) -> str | None:
         options = get_args(annotation)
         if value in options and not isinstance(value, bool):
             return None
-        return f"expected one of {', '.join(map(str, options))}, got {value!r}"
+        return f"expected one of {', '.join(map(str, options))}, got {echo(value)}"
     if origin in (typing.Union, types.UnionType):
         problems = [_type_problem(value, arm) for arm in get_args(annotation)]
         if any(p is None for p in problems):

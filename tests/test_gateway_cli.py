@@ -15,6 +15,8 @@ from test_cli import CLI, TIMEOUT_S, cli_env, greenroom
 from test_gateway import Client
 from trio_websocket import ConnectionRejected, open_websocket_url
 
+from greenroom.actors.gateway import GatewayLimits
+
 ALICE = "alice-token-0123456789"
 BOB = "bob-token-0123456789ab"
 
@@ -70,6 +72,72 @@ def test_serve_flags_are_checked(tmp_path: Path) -> None:
     help_text = greenroom(tmp_path, "serve", "--help").stdout
     for flag in ("--tokens-file", "--allow-origin", "--max-connections", "--workspace-root"):
         assert flag in help_text
+    for flag in ("--max-connections-per-principal", "--max-sessions-per-principal"):
+        assert flag in help_text
+        result = greenroom(tmp_path, "serve", flag, "0")
+        assert result.returncode == 2 and "must be at least 1" in result.stderr
+
+
+def test_the_per_principal_flags_default_to_the_gateway_limits() -> None:
+    """R-SEC-9: ``serve``'s defaults are :class:`GatewayLimits`' own."""
+    from greenroom.actors.apps.cli import build_parser
+
+    args = build_parser().parse_args(["serve"])
+    limits = GatewayLimits()
+    assert args.max_connections_per_principal == limits.max_connections_per_principal == 64
+    assert args.max_sessions_per_principal == limits.max_sessions_per_principal == 1000
+
+
+async def test_serve_caps_each_principal_as_its_flags_say(tmp_path: Path) -> None:
+    """R-SEC-9 end to end: with ``--max-connections-per-principal 1`` alice's second
+    connection is refused with HTTP 429 while bob connects; with
+    ``--max-sessions-per-principal 1`` her second ``session.create`` answers 429."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"alice {ALICE}\nbob {BOB}\n")
+    (tmp_path / "ws").mkdir()
+    process = await trio.lowlevel.open_process(
+        [
+            *CLI, "serve", "--port", "0", "--no-console", "--tokens-file", str(tokens),
+            "--max-connections-per-principal", "1", "--max-sessions-per-principal", "1",
+            "--data-dir", str(tmp_path / "data"), "--workspace", str(tmp_path / "ws"),
+        ],
+        env=cli_env(tmp_path),
+        stderr=-1,
+    )
+    assert process.stderr is not None
+    try:
+        with trio.fail_after(TIMEOUT_S):
+            seen = b""
+            while b"/v1" not in seen:
+                chunk = await process.stderr.receive_some()
+                assert chunk, f"serve exited early: {seen!r}"
+                seen += chunk
+            match = re.search(rb"ws://[\w.:]+/v1", seen)
+            assert match
+            url = match.group().decode()
+
+            def auth(token: str) -> list[tuple[bytes, bytes]]:
+                return [(b"Authorization", f"Bearer {token}".encode())]
+
+            async with open_websocket_url(url, extra_headers=auth(ALICE)) as ws:
+                alice = Client(ws)
+                await alice.result("session.create")
+                refused = await alice.error("session.create")
+                assert refused["code"] == 429 and "at most 1" in refused["message"]
+                try:
+                    async with open_websocket_url(url, extra_headers=auth(ALICE)):
+                        raise AssertionError("a second connection of alice was admitted")
+                except ConnectionRejected as rejected:
+                    assert rejected.status_code == 429
+                async with open_websocket_url(url, extra_headers=auth(BOB)) as other:
+                    bob = Client(other)
+                    await bob.result("session.create")
+            process.send_signal(signal.SIGINT)
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
 
 
 async def test_serve_with_a_tokens_file_and_an_allowed_origin(tmp_path: Path) -> None:

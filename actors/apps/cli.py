@@ -468,6 +468,22 @@ def build_parser() -> argparse.ArgumentParser:
         "lowered to what the file descriptor limit allows (default: 1024)",
     )
     serve.add_argument(
+        "--max-connections-per-principal",
+        metavar="N",
+        type=_positive_int,
+        default=64,
+        help="open connections of one client (token) at most, so that one client cannot "
+        "take every place; more are refused with HTTP 429 (default: 64)",
+    )
+    serve.add_argument(
+        "--max-sessions-per-principal",
+        metavar="N",
+        type=_positive_int,
+        default=1000,
+        help="sessions one client (token) may hold open in this server at most; "
+        "session.create beyond them answers 429 (default: 1000)",
+    )
+    serve.add_argument(
         "--workspace-root",
         metavar="DIR",
         help="directory under which a client's session.create {workspace} must resolve; "
@@ -756,7 +772,7 @@ def _serve_command(args: argparse.Namespace) -> int:
     """``greenroom serve``: the gateway with the session defaults given by the flags."""
     from functools import partial
 
-    from greenroom.actors.gateway import SessionDefaults, run_serve
+    from greenroom.actors.gateway import GatewayLimits, SessionDefaults, run_serve
 
     if args.token_file is not None and Path(args.token_file).expanduser().is_dir():
         raise UsageError(f"--token-file: {args.token_file} is a directory, not a file")
@@ -784,6 +800,10 @@ def _serve_command(args: argparse.Namespace) -> int:
         "tokens_file": args.tokens_file,
         "allowed_origins": args.allow_origin,
         "max_connections": args.max_connections,
+        "limits": GatewayLimits(
+            max_connections_per_principal=args.max_connections_per_principal,
+            max_sessions_per_principal=args.max_sessions_per_principal,
+        ),
         "console_port": _console_port(args),
         "observers": args.observers,
         "ready": lambda _port: _error(defaults_line),

@@ -19,7 +19,8 @@ The modules, by role:
   :data:`greenroom.protocols.jsonrpc.METHODS`.
 * :mod:`.hubs` — the gateway's one listener per session, subscriptions with gapless
   replay, client approvals.
-* :mod:`.access` — principals and their tokens, and the sessions each may see.
+* :mod:`.access` — principals and their tokens, the sessions each may see, and admission
+  (each principal's connections, each address's wrong tokens).
 * :mod:`.titles` — session titles.
 * :mod:`.config` — :class:`SessionDefaults`, :class:`GatewayLimits`, tokens files,
   workspace confinement.
@@ -34,12 +35,16 @@ Invariants:
   each subscribed connection's outbox without blocking. A client is dropped only when it is
   really behind: its writer has not finished a send for ``stall_timeout_s`` (the socket
   refuses bytes: the client does not read) while more than ``max_pending_frames`` frames
-  wait that the writer has not taken, or the frames waiting exceed ``max_pending_bytes``
-  whatever the reason. A burst of outputs on a busy server, which a prompt reader gets as
-  soon as its writer runs, never counts. A dropped subscription gets a
-  ``subscription_dropped`` notification ``{session_id, reason, last_seq}``; the client
+  wait that the writer has not taken, or an output would take what waits past
+  ``max_pending_bytes`` whatever the reason. A burst of outputs on a busy server, which a
+  prompt reader gets as soon as its writer runs, never counts. A dropped subscription gets
+  a ``subscription_dropped`` notification ``{session_id, reason, last_seq}``; the client
   resubscribes with ``after_seq: last_seq`` and misses nothing. Other clients and the
   session are never slowed down.
+* Every frame counts against ``max_pending_bytes`` (R-SEC-9): an answer, error or notice
+  that would pass it closes the connection (1008, ``client too slow: …``) instead of
+  being queued, so a client that sends and never reads is cut off rather than grow the
+  server.
 * Runs are not read through their ``RunStream``: the gateway detaches it at once
   (``RunStream.detach``) and every output reaches clients through the subscription, so
   nothing piles up for a run nobody reads.
@@ -64,14 +69,21 @@ or the generated token: the principal ``default``). Tokens are compared in const
 every known token each time. ``initialize {client_id}`` and the ``X-Greenroom-Client``
 header may only repeat the token's principal: naming another is refused (403). A
 principal sees only the sessions it created or was granted (:meth:`Gateway.grant`):
-another principal's session answers 403, an unknown one 404. Every connection of one
+another principal's session answers 403, an unknown one 404. A principal holds at most
+``max_sessions_per_principal`` sessions open in the host; ``session.create`` beyond them
+answers 429. Every connection of one
 principal sees the same sessions (a reconnecting client keeps its sessions).
 
 Admission, before any of that: a browser handshake (one with an ``Origin`` header) whose
 origin is not allowed (the console's, or one given with ``allowed_origins`` /
 :meth:`Gateway.allow_origin`) is refused with HTTP 403; beyond ``max_connections`` open
-connections the handshake is refused with HTTP 503; and the listener stops accepting
-sockets at ``max_connections + HANDSHAKE_SLACK``, so a flood of half-open connections
+connections the handshake is refused with HTTP 503, and beyond its principal's
+``max_connections_per_principal`` with HTTP 429, so that one principal cannot take every
+place (R-SEC-9); a remote address (an IPv6 address's /64) that sent
+``max_auth_failures_per_address`` wrong tokens within ``auth_failure_window_s`` is refused
+with HTTP 429 and ``Retry-After`` before its token is looked at, other addresses
+unaffected; and the listener stops accepting sockets at
+``max_connections + HANDSHAKE_SLACK``, so a flood of half-open connections
 waits in the kernel's backlog instead of taking the file descriptors sessions need for
 their traces. ``greenroom serve`` raises the process's soft ``RLIMIT_NOFILE`` to its hard
 limit and keeps ``FD_RESERVE`` descriptors out of the cap (:func:`connection_cap`).

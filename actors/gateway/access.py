@@ -1,12 +1,15 @@
 """Who a client is and what it may see (R-SEC-4): the principals' tokens, and the sessions
-each principal created or was granted."""
+each principal created or was granted; and who may connect (R-SEC-9): each principal's
+open connections, and the wrong tokens of each remote address."""
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
+from collections import deque
 from collections.abc import Mapping
 
-from greenroom.actors.gateway.config import DEFAULT_CLIENT
+from greenroom.actors.gateway.config import DEFAULT_CLIENT, GatewayLimits
 from greenroom.actors.runtime.errors import ConfigurationError
 
 
@@ -57,3 +60,87 @@ class Grants:
     def anyone_owns(self, session_id: str) -> bool:
         """Whether some principal created or was granted ``session_id``."""
         return any(session_id in owned for owned in self._grants.values())
+
+
+def address_key(address: str) -> str:
+    """The remote address wrong tokens are counted against: an IPv4 address itself (also
+    when written as IPv4-mapped IPv6), an IPv6 address's /64 (one host or site usually
+    holds a whole /64, and could otherwise try from each address of it); anything that
+    is not an IP address as it is."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
+
+
+class Admission:
+    """Who may connect, beyond the gateway's cap on all connections (R-SEC-9).
+
+    Connections: each principal holds at most ``limits.max_connections_per_principal``
+    open connections; :meth:`admit` takes a place, :meth:`release` gives it back (once
+    per successful :meth:`admit`).
+
+    Wrong tokens: :meth:`failed` counts one against a remote address (an
+    :func:`address_key`); once an address has ``max_auth_failures_per_address`` of them
+    within the last ``auth_failure_window_s`` seconds, :meth:`throttled` says how long it
+    must wait before the oldest of them leaves the window. Refused attempts are not
+    counted: an address gets that many guesses per window, however fast it tries.
+    Addresses are counted apart, so one address cannot throttle another; at most
+    ``max_throttled_addresses`` are remembered (the one counted least recently is
+    forgotten first). Times are the caller's clock (``trio.current_time()``). No I/O.
+    """
+
+    def __init__(self, limits: GatewayLimits) -> None:
+        self._limits = limits
+        self._connections: dict[str, int] = {}
+        self._failures: dict[str, deque[float]] = {}
+
+    def connections_of(self, principal: str) -> int:
+        """How many connections ``principal`` holds."""
+        return self._connections.get(principal, 0)
+
+    def admit(self, principal: str) -> bool:
+        """Take one of ``principal``'s places; False (nothing taken) when it has none left."""
+        held = self._connections.get(principal, 0)
+        if held >= self._limits.max_connections_per_principal:
+            return False
+        self._connections[principal] = held + 1
+        return True
+
+    def release(self, principal: str) -> None:
+        """Give back a place :meth:`admit` took."""
+        held = self._connections.get(principal, 0) - 1
+        if held > 0:
+            self._connections[principal] = held
+        else:
+            self._connections.pop(principal, None)
+
+    def throttled(self, address: str, now: float) -> float | None:
+        """Seconds until ``address`` may try a token again, or None when it may now."""
+        failures = self._failures.get(address)
+        if failures is None:
+            return None
+        window = self._limits.auth_failure_window_s
+        while failures and failures[0] <= now - window:
+            failures.popleft()
+        if not failures:
+            del self._failures[address]
+            return None
+        if len(failures) < self._limits.max_auth_failures_per_address:
+            return None
+        return failures[0] + window - now
+
+    def failed(self, address: str, now: float) -> None:
+        """Count a wrong token from ``address`` at ``now``."""
+        failures = self._failures.pop(address, None)
+        if failures is None:
+            failures = deque(maxlen=max(1, self._limits.max_auth_failures_per_address))
+            while self._failures and len(self._failures) >= self._limits.max_throttled_addresses:
+                del self._failures[next(iter(self._failures))]
+        failures.append(now)
+        self._failures[address] = failures  # last in order: counted most recently

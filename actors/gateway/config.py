@@ -90,10 +90,22 @@ class GatewayLimits:
     the connection (1009) beyond it. ``max_pending_frames``: how many frames the
     connection's writer has not taken may wait while the writer is stuck (no send finished
     for ``stall_timeout_s``: the socket refuses bytes) before its subscriptions are
-    dropped; ``max_pending_bytes``: the bound on what waits for one connection (counted in
-    characters), stuck or not.
+    dropped; ``max_pending_bytes``: the bound on everything that waits for one connection
+    (counted in characters of JSON text), stuck or not (R-SEC-9): an output that would pass
+    it drops its subscription, and any other frame (an answer, an error, a notice) that
+    would pass it closes the connection (1008).
     ``settle_timeout_s``: how long ``run`` waits for a session that has emitted
-    ``task_end`` to turn idle."""
+    ``task_end`` to turn idle.
+
+    Per principal (R-SEC-9), so that one principal cannot lock out another:
+    ``max_connections_per_principal`` open connections (a handshake beyond it is refused
+    with HTTP 429, an ``initialize`` beyond it answers 429 and closes the connection);
+    ``max_sessions_per_principal`` sessions open in this host that it created or was
+    granted (``session.create`` beyond it answers 429). Per remote address (IPv4, or the
+    /64 of an IPv6 address): after ``max_auth_failures_per_address`` wrong tokens within
+    ``auth_failure_window_s``, handshakes from that address are refused with HTTP 429
+    (and ``initialize {token}`` answers 429) until the oldest of them is that old; wrong
+    tokens are counted for at most ``max_throttled_addresses`` addresses."""
 
     rate_per_s: float = 50.0
     burst: int = 100
@@ -105,6 +117,11 @@ class GatewayLimits:
     stall_timeout_s: float = 2.0
     max_replay_buffer: int = 10_000
     max_auth_failures: int = 5
+    max_connections_per_principal: int = 64
+    max_sessions_per_principal: int = 1000
+    max_auth_failures_per_address: int = 10
+    auth_failure_window_s: float = 60.0
+    max_throttled_addresses: int = 10_000
     handshake_timeout_s: float = 10.0
     close_timeout_s: float = 5.0
     settle_timeout_s: float = 2.0

@@ -70,40 +70,75 @@ class Outbox:
     reader (answers), its subscriptions (outputs, replays) and the hubs (notices) to its
     writer, which alone takes from it.
 
-    ``put_nowait`` never blocks: session listeners call it from the supervisor's flush,
-    where waiting on a client would stall the session and every other client of it. So
-    the queue is unbounded on purpose; its growth is bounded by the slow-client rule
-    instead, which drops the connection's subscriptions (the only producers that do not
-    wait) once it holds too much. A replay waits for room (:meth:`wait_below`).
-    The writer takes every queued frame at once (:meth:`take_all`) and reports each send
-    (:meth:`sending`, :meth:`sent`). :meth:`behind` is the slow-client rule: frames the
-    writer has not taken count only while the writer is stuck in one send, because a
-    burst queued while the writer merely waits to be scheduled is sent as soon as it runs.
-    After :meth:`close` frames are discarded.
+    Nothing waits to be put: session listeners queue from the hub's loop, where waiting
+    on a client would stall the session and every other client of it. Instead every
+    frame counts against one bound, ``max_bytes`` (characters of JSON text queued or
+    taken and not yet sent; R-SEC-9), and what does not fit is refused:
+
+    * :meth:`offer` (a subscription's output) returns False, and the subscription is
+      dropped with a notice the client can resume from;
+    * :meth:`put_nowait` (an answer, an error, a notice: frames the client cannot do
+      without) cuts the client off instead: the outbox closes, discarding what waits, and
+      ``on_overflow`` is called with the reason, once. A client that never reads is
+      disconnected rather than grow the server.
+
+    A replay waits for room (:meth:`wait_below`). The writer takes every queued frame at
+    once (:meth:`take_all`) and reports each send (:meth:`sending`, :meth:`sent`).
+    :meth:`behind` is the slow-client rule for subscriptions: frames the writer has not
+    taken count only while the writer is stuck in one send, because a burst queued while
+    the writer merely waits to be scheduled is sent as soon as it runs. After
+    :meth:`close` frames are discarded.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self, max_bytes: int = 64 << 20, on_overflow: Callable[[str], None] | None = None
+    ) -> None:
+        self.max_bytes = max_bytes
+        self._on_overflow = on_overflow
         self._queue: deque[str] = deque()
         self._taken = 0
         self.size = 0
-        """Characters of the frames queued or taken and not yet sent."""
+        """Characters of the frames queued or taken and not yet sent (never more than
+        ``max_bytes``)."""
+        self.peak = 0
+        """The largest :attr:`size` so far."""
+        self.overflowed: str | None = None
+        """Why the client was cut off (a frame that had to be sent did not fit), or None."""
         self._closed = False
         self._send_began: float | None = None
         self._arrived = trio.Event()
         self._progress = trio.Event()
 
     @property
+    def closed(self) -> bool:
+        """Whether frames are discarded (the connection is gone or was cut off)."""
+        return self._closed
+
+    @property
     def pending(self) -> int:
         """Frames queued or taken and not yet sent."""
         return len(self._queue) + self._taken
 
-    def put_nowait(self, frame: str) -> None:
-        """Queue ``frame`` for the writer (dropped once closed). Never blocks or raises."""
-        if self._closed:
-            return
+    def offer(self, frame: str) -> bool:
+        """Queue ``frame`` if it fits under ``max_bytes``; False (nothing queued) if it
+        does not or the outbox is closed. Never blocks or raises."""
+        if self._closed or self.size + len(frame) > self.max_bytes:
+            return False
         self._queue.append(frame)
         self.size += len(frame)
+        self.peak = max(self.peak, self.size)
         self._arrived.set()
+        return True
+
+    def put_nowait(self, frame: str) -> None:
+        """Queue ``frame`` for the writer (dropped once closed); when it does not fit, cut
+        the client off (see the class). Never blocks or raises."""
+        if self.offer(frame) or self._closed:
+            return
+        self.overflowed = f"client too slow: more than {self.max_bytes} bytes not read"
+        self.close()
+        if self._on_overflow is not None:
+            self._on_overflow(self.overflowed)
 
     async def take_all(self) -> list[str]:
         """Every queued frame, once there is one (the writer's side)."""
@@ -128,24 +163,24 @@ class Outbox:
         self._progress = trio.Event()
 
     def behind(self, now: float, limits: GatewayLimits) -> str | None:
-        """Why this client is too far behind to keep its subscriptions, or None."""
-        if self.size > limits.max_pending_bytes:
-            return f"client too slow: more than {limits.max_pending_bytes} bytes not read"
+        """Why this client is too far behind to keep its subscriptions, or None. (The
+        bound on bytes is :meth:`offer`'s.)"""
         stuck = self._send_began is not None and now - self._send_began >= limits.stall_timeout_s
         if stuck and len(self._queue) > limits.max_pending_frames:
             return "client too slow: outputs not read"
         return None
 
     async def wait_below(self, limit: int) -> None:
-        """Return once fewer than ``limit`` frames are pending."""
-        while self.pending >= limit:
+        """Return once fewer than ``limit`` frames are pending and at most half of
+        ``max_bytes`` waits: room for a replayed output and for the answers that follow."""
+        while self.pending >= limit or self.size > self.max_bytes // 2:
             await self._progress.wait()
 
     def close(self) -> None:
         """Discard what waits and whatever is put from now on."""
         self._closed = True
+        self.size -= sum(len(frame) for frame in self._queue)
         self._queue.clear()
-
 
 
 class Connection:
@@ -170,12 +205,18 @@ class Connection:
         detached: frozenset[str] = frozenset(),
         auth_timeout_s: float,
         claimed: str | None = None,
+        address: str | None = None,
     ) -> None:
         self.ws = ws
         self.identity = identity
         """The principal, once authenticated."""
         self.claimed = claimed
         """The client id the handshake's ``X-Greenroom-Client`` header named."""
+        self.address = address
+        """The remote address wrong tokens are counted against (``access.address_key``)."""
+        self.counted: str | None = None
+        """The principal one of whose connection places this connection holds (given
+        back when it ends)."""
         self.authenticated = trio.Event()
         if identity is not None:
             self.authenticated.set()
@@ -187,7 +228,7 @@ class Connection:
         self.close_with: tuple[int, str] | None = None
         """Set to close the connection with this code and reason after the current frame."""
         self.bucket = TokenBucket(limits.rate_per_s, limits.burst)
-        self.outbox = Outbox()
+        self.outbox = Outbox(limits.max_pending_bytes, on_overflow=self._cut_off)
         self.subscriptions: dict[str, Subscription] = {}
         """The connection's subscriptions, by session id."""
         self.after_answer: list[Callable[[], None]] = []
@@ -195,10 +236,12 @@ class Connection:
         self._detached = detached
         self._auth_timeout_s = auth_timeout_s
         self._nursery: trio.Nursery | None = None
+        self._reading = trio.CancelScope()
 
     async def run(self) -> None:
-        """Read and answer frames until the client closes, :attr:`close_with` is set or the
-        auth deadline passes; then let the last answer out (briefly) and stop the writer.
+        """Read and answer frames until the client closes, :attr:`close_with` is set, the
+        auth deadline passes or the client is cut off (its outbox overflowed); then let
+        the last answer out (briefly; not to a client cut off) and stop the writer.
         Raises what a handler's unexpected failure or the socket raise, but never
         :class:`ConnectionClosed` from reading."""
         async with trio.open_nursery() as nursery:
@@ -208,11 +251,17 @@ class Connection:
                 nursery.start_soon(self._auth_deadline, nursery.cancel_scope)
             try:
                 while self.close_with is None:
-                    message = await self.ws.get_message()
+                    # Only the wait for a frame is cut short by an overflow: a handler
+                    # that has begun runs to its end.
+                    self._reading = trio.CancelScope()
+                    with self._reading:
+                        message = await self.ws.get_message()
+                    if self._reading.cancelled_caught:
+                        break
                     await self._on_message(message)
             except ConnectionClosed:
                 pass
-            if self.close_with is not None:
+            if self.close_with is not None and self.outbox.overflowed is None:
                 # Let the last answer (why we close) reach the client first.
                 with trio.move_on_after(self.limits.close_timeout_s):
                     await self.outbox.wait_below(1)
@@ -223,6 +272,13 @@ class Connection:
         for subscription in list(self.subscriptions.values()):
             subscription.close()
         self.outbox.close()
+
+    def _cut_off(self, reason: str) -> None:
+        """The outbox overflowed: close (1008) with ``reason`` as soon as the current
+        frame, if any, is handled."""
+        if self.close_with is None:
+            self.close_with = (1008, reason)
+        self._reading.cancel()
 
     def failed_auth(self) -> None:
         """Count a wrong token; after ``max_auth_failures`` the connection closes (1008)."""
@@ -298,7 +354,9 @@ class Connection:
             return jsonrpc.error_frame(request_id, error) if wants_answer else None
         method = self._methods.get(call.method)
         if method is None:
-            error = RpcError(jsonrpc.METHOD_NOT_FOUND, f"method not found: {call.method!r}")
+            error = RpcError(
+                jsonrpc.METHOD_NOT_FOUND, f"method not found: {jsonrpc.echo(call.method)}"
+            )
             return jsonrpc.error_frame(request_id, error) if wants_answer else None
         if detach and call.method in self._detached:
             assert self._nursery is not None

@@ -12,7 +12,8 @@ Invariants:
   (R-ACTOR-1). Each session has one :class:`SessionHub`, a task of its own whose inbox the
   session watches (``Session.watch``): the hub encodes every output once and queues the
   frame on each subscribed connection's outbox without blocking. A client is
-  dropped only when it is really behind (:meth:`Outbox.behind`); a dropped subscription gets
+  dropped only when it is really behind (:meth:`Outbox.behind`) or an output would take its
+  outbox past its bound (:meth:`Outbox.offer`); a dropped subscription gets
   a ``subscription_dropped`` notification ``{session_id, reason, last_seq}`` and the client
   resubscribes with ``after_seq: last_seq`` and misses nothing. Other clients and the
   session are never slowed down.
@@ -119,11 +120,13 @@ class Subscription:
             self.drop(reason)
             return
         for seq, frame in frames:
+            if seq is not None and seq <= self._replayed:
+                continue  # traced before the replay ended: the replay sent it
+            if not outbox.offer(frame):
+                self.drop(f"client too slow: more than {outbox.max_bytes} bytes not read")
+                return
             if seq is not None:
-                if seq <= self._replayed:
-                    continue  # traced before the replay ended: the replay sent it
                 self.last_seq = seq
-            outbox.put_nowait(frame)
 
     def go_live(self, last_replayed: int) -> None:
         """The replay has been queued up to ``last_replayed``: queue what was buffered
@@ -486,7 +489,14 @@ class Hubs:
                 if subscription.closed:
                     break
                 await connection.outbox.wait_below(room)
-                connection.outbox.put_nowait(output_frame(record))
+                if not connection.outbox.offer(output_frame(record)):
+                    if connection.outbox.closed:
+                        break  # the connection is gone: nobody to tell
+                    # Larger than half the bound by itself: the client cannot take it.
+                    subscription.drop(
+                        f"an output larger than {connection.outbox.max_bytes // 2} bytes"
+                    )
+                    break
                 last_seq = record.seq or last_seq
                 subscription.last_seq = last_seq
                 replayed += 1

@@ -9,11 +9,16 @@ fails when the gateway is built. Handlers check their params against the table
 
 Ownership (R-SEC-4): a principal sees only the sessions it created or was granted; another
 principal's session answers 403, an unknown one 404. Workspaces (R-SEC-5): a client's
-``session.create {workspace}`` must resolve under the workspace root.
+``session.create {workspace}`` must resolve under the workspace root. Caps (R-SEC-9): a
+principal's open sessions (``session.create`` answers 429 beyond them) and, for a
+connection that authenticates with ``initialize``, its connections; a remote address
+that sent too many wrong tokens is refused (429) before its token is looked at.
 """
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -21,12 +26,13 @@ from typing import Any, Protocol, cast
 import attrs
 import trio
 
-from greenroom.actors.gateway.access import Grants, Principals
+from greenroom.actors.gateway.access import Admission, Grants, Principals
 from greenroom.actors.gateway.config import (
     CLIENT_ID,
     CLIENT_SETTABLE_FORBIDDEN,
     PATH,
     SESSION_ID,
+    GatewayLimits,
     SessionDefaults,
     confine_images,
     confined_workspace,
@@ -108,6 +114,8 @@ class Methods:
         grants: Grants,
         hubs: Hubs,
         titles: Titles,
+        limits: GatewayLimits | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.host = host
         self.defaults = defaults
@@ -118,6 +126,10 @@ class Methods:
         self._grants = grants
         self._hubs = hubs
         self._titles = titles
+        self._limits = limits or GatewayLimits()
+        self._admission = admission or Admission(self._limits)
+        self._creating: Counter[str] = Counter()
+        """Sessions each principal is creating now (they count against its cap)."""
         self.router: Router | None = None
         """Serves the sessions of other hosts (cluster mode)."""
 
@@ -203,9 +215,21 @@ class Methods:
         client_id = jsonrpc.optional_str(params, "client_id", max_len=64)
         if client_id is not None and not CLIENT_ID.fullmatch(client_id):
             raise invalid("$.client_id", "letters, digits and ._:@- only, at most 64")
+        address = connection.address
+        now = trio.current_time()
         principal = connection.identity
         if token is not None:
+            wait = None if address is None else self._admission.throttled(address, now)
+            if wait is not None:
+                # Refused before the token is looked at, as at the handshake.
+                reason = "too many failed authentication attempts from this address"
+                connection.close_with = (1008, reason)
+                raise RpcError(
+                    jsonrpc.TOO_MANY_REQUESTS, f"{reason}; retry in {math.ceil(wait)} s"
+                )
             principal = self._principals.of(token.encode("utf-8"))
+            if principal is None and address is not None:
+                self._admission.failed(address, now)
             if connection.identity is not None and principal != connection.identity:
                 principal = None  # the handshake's token said otherwise
         if principal is None:
@@ -218,6 +242,13 @@ class Methods:
                 jsonrpc.FORBIDDEN,
                 f"forbidden: client_id {claimed!r} is not this token's principal",
             )
+        if connection.counted is None:
+            if not self._admission.admit(principal):
+                cap = self._limits.max_connections_per_principal
+                reason = f"too many connections for client {principal!r} (at most {cap})"
+                connection.close_with = (1008, reason)
+                raise RpcError(jsonrpc.TOO_MANY_REQUESTS, reason)
+            connection.counted = principal
         connection.initialized = True
         connection.identity = principal
         connection.authenticated.set()
@@ -232,6 +263,31 @@ class Methods:
             placed = await self.router.place(connection, params)
             if placed is not None:
                 return placed
+        principal = _identity(connection)
+        held = self._sessions_held(principal)
+        cap = self._limits.max_sessions_per_principal
+        if held >= cap:
+            raise RpcError(
+                jsonrpc.TOO_MANY_REQUESTS,
+                f"too many sessions: client {principal!r} holds {held} open sessions "
+                f"(at most {cap}, --max-sessions-per-principal)",
+            )
+        self._creating[principal] += 1
+        try:
+            return await self._create_session(connection, params)
+        finally:
+            self._creating[principal] -= 1
+            if not self._creating[principal]:
+                del self._creating[principal]
+
+    def _sessions_held(self, principal: str) -> int:
+        """The sessions open in this host that ``principal`` created or was granted, and
+        those it is creating now."""
+        owned = self._grants.owned(principal)
+        held = sum(1 for session in self.host.sessions if session.id in owned)
+        return held + self._creating[principal]
+
+    async def _create_session(self, connection: Connection, params: dict[str, Any]) -> Any:
         workspace_param = jsonrpc.optional_str(params, "workspace", max_len=4096)
         model = jsonrpc.optional_str(params, "model", max_len=200)
         raw_settings = jsonrpc.optional_object(params, "settings")

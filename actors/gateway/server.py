@@ -11,11 +11,15 @@ a :class:`Connection` takes over; and ``greenroom serve`` (:func:`run_serve`).
 Admission (R-SEC-4): a browser handshake (one with an ``Origin`` header) whose origin is
 not allowed (the console's, or one given with ``allowed_origins`` /
 :meth:`Gateway.allow_origin`) is refused with HTTP 403; beyond ``max_connections`` open
-connections the handshake is refused with HTTP 503; and the listener stops accepting
-sockets at ``max_connections + HANDSHAKE_SLACK``, so a flood of half-open connections waits
-in the kernel's backlog instead of taking the file descriptors sessions need for their
-traces. ``greenroom serve`` raises the process's soft ``RLIMIT_NOFILE`` to its hard limit
-and keeps ``FD_RESERVE`` descriptors out of the cap (:func:`connection_cap`).
+connections the handshake is refused with HTTP 503, and beyond its principal's
+``max_connections_per_principal`` with HTTP 429 (R-SEC-9: one principal cannot take every
+place); a remote address that sent ``max_auth_failures_per_address`` wrong tokens within
+``auth_failure_window_s`` is refused with HTTP 429 and ``Retry-After`` before its token
+is looked at (:class:`~greenroom.actors.gateway.access.Admission`); and the listener
+stops accepting sockets at ``max_connections + HANDSHAKE_SLACK``, so a flood of half-open
+connections waits in the kernel's backlog instead of taking the file descriptors sessions
+need for their traces. ``greenroom serve`` raises the process's soft ``RLIMIT_NOFILE`` to
+its hard limit and keeps ``FD_RESERVE`` descriptors out of the cap (:func:`connection_cap`).
 
 A wrong ``Authorization: Bearer`` token is refused with HTTP 401 before the upgrade; an
 ``X-Greenroom-Client`` header may only repeat the token's principal (403). A connection
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import signal
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -35,9 +40,15 @@ from pathlib import Path
 from typing import cast
 
 import trio
-from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, WebSocketServer
+from trio_websocket import (
+    ConnectionClosed,
+    Endpoint,
+    WebSocketConnection,
+    WebSocketRequest,
+    WebSocketServer,
+)
 
-from greenroom.actors.gateway.access import Grants, Principals
+from greenroom.actors.gateway.access import Admission, Grants, Principals, address_key
 from greenroom.actors.gateway.config import (
     AUTH_TIMEOUT_S,
     CLIENT_HEADER,
@@ -119,6 +130,7 @@ class Gateway:
         self._origins = {normal_origin(origin) for origin in allowed_origins}
         self._admitted = 0
         self._grants = Grants()
+        self._admission = Admission(self.limits)
         self._titles = Titles(enabled=titles)
         self._hubs = Hubs(
             approve=self.defaults.approve,
@@ -134,6 +146,8 @@ class Gateway:
             grants=self._grants,
             hubs=self._hubs,
             titles=self._titles,
+            limits=self.limits,
+            admission=self._admission,
         )
         self._methods = self._calls.table()
 
@@ -236,6 +250,18 @@ class Gateway:
         if origin is not None and not self._origin_allowed(origin):
             await request.reject(403, body=b"forbidden: this origin may not connect\n")
             return
+        address = _address(request)
+        wait = self._admission.throttled(address, trio.current_time())
+        if wait is not None:
+            # Refused before the token is looked at: a throttled address learns nothing.
+            seconds = math.ceil(wait)
+            await request.reject(
+                429,
+                extra_headers=[(b"Retry-After", str(seconds).encode())],
+                body=f"too many failed authentication attempts from this address; retry "
+                f"in {seconds} s\n".encode(),
+            )
+            return
         if self._admitted >= self.max_connections:
             await request.reject(
                 503, body=f"too many connections (at most {self.max_connections})\n".encode()
@@ -254,6 +280,7 @@ class Gateway:
             scheme, _, token = authorization.partition(b" ")
             identity = self._principals.of(token.strip()) if scheme.lower() == b"bearer" else None
             if identity is None:
+                self._admission.failed(address, trio.current_time())
                 await request.reject(
                     401,
                     extra_headers=[(b"WWW-Authenticate", b'Bearer realm="greenroom"')],
@@ -265,25 +292,36 @@ class Gateway:
                     403, body=b"forbidden: X-Greenroom-Client names another principal\n"
                 )
                 return
+        if identity is not None and not self._admission.admit(identity):
+            cap = self.limits.max_connections_per_principal
+            await request.reject(
+                429,
+                body=f"too many connections for client {identity!r} (at most {cap})\n".encode(),
+            )
+            return
         self._admitted += 1
+        connection: Connection | None = None
         try:
             ws = await request.accept()
-            await self._serve_accepted(ws, identity, claimed)
+            connection = Connection(
+                ws,
+                identity,
+                self.limits,
+                methods=self._methods,
+                detached=DETACHED,
+                auth_timeout_s=self.auth_timeout_s,
+                claimed=claimed,
+                address=address,
+            )
+            connection.counted = identity
+            await self._serve_accepted(ws, connection)
         finally:
             self._admitted -= 1
+            counted = identity if connection is None else connection.counted
+            if counted is not None:
+                self._admission.release(counted)
 
-    async def _serve_accepted(
-        self, ws: WebSocketConnection, identity: str | None, claimed: str | None
-    ) -> None:
-        connection = Connection(
-            ws,
-            identity,
-            self.limits,
-            methods=self._methods,
-            detached=DETACHED,
-            auth_timeout_s=self.auth_timeout_s,
-            claimed=claimed,
-        )
+    async def _serve_accepted(self, ws: WebSocketConnection, connection: Connection) -> None:
         self._connections.add(connection)
         close_code, close_reason = 1000, "bye"
         try:
@@ -308,6 +346,14 @@ class Gateway:
         return normal_origin(origin.decode("latin-1")) in self._origins
 
 
+def _address(request: WebSocketRequest) -> str:
+    """The key of the handshake's remote address (:func:`address_key`)."""
+    remote = request.remote
+    # Through the capped listener the stream is a _CountedStream, whose repr is the
+    # peer's address; a bare socket stream gives an Endpoint.
+    return address_key(str(remote.address) if isinstance(remote, Endpoint) else remote)
+
+
 class _CappedListener(trio.abc.Listener["_CountedStream"]):
     """A listener that holds at most ``sockets.total_tokens`` accepted sockets open at once:
     beyond that, connections wait in the kernel's backlog (no file descriptor spent)."""
@@ -324,7 +370,13 @@ class _CappedListener(trio.abc.Listener["_CountedStream"]):
         except BaseException:
             self._sockets.release_on_behalf_of(holder)
             raise
-        return _CountedStream(stream, lambda: self._sockets.release_on_behalf_of(holder))
+        try:
+            peer = str(stream.socket.getpeername()[0])
+        except (OSError, IndexError, TypeError):
+            peer = "unknown"  # gone already, or not an IP socket
+        return _CountedStream(
+            stream, lambda: self._sockets.release_on_behalf_of(holder), peer=peer
+        )
 
     async def aclose(self) -> None:
         await self._inner.aclose()
@@ -334,9 +386,17 @@ class _CountedStream(trio.abc.HalfCloseableStream):
     """A socket stream that gives its slot back when it is closed (trio's listener loop
     closes every stream its handler was given)."""
 
-    def __init__(self, inner: trio.SocketStream, release: Callable[[], None]) -> None:
+    def __init__(self, inner: trio.SocketStream, release: Callable[[], None], *, peer: str) -> None:
         self._inner = inner
         self._release: Callable[[], None] | None = release
+        self.peer = peer
+        """The address of the peer (an IP address, without the port)."""
+
+    def __repr__(self) -> str:
+        # What trio-websocket reports as a request's remote end for a stream that is not a
+        # bare socket stream (``WebSocketRequest.remote``): the gateway counts wrong
+        # tokens by it.
+        return self.peer
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         await self._inner.send_all(data)
