@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+from conftest import port_of
 from test_gateway import BOUND_S, TOKEN, Client, Server, connect, serving
 from trio_websocket import ConnectionClosed, ConnectionRejected, wrap_client_stream
 
@@ -132,7 +133,7 @@ async def test_outputs_that_would_pass_the_cap_drop_the_subscription_not_the_con
             session = server.host.get_session(sid)
             for i in range(40):  # 160 KiB
                 text = f"{i:04d}".ljust(4096, "x")
-                session.publish(
+                port_of(session).publish(
                     [PartialText(session_id=sid, run_id="run_burst", index=0, text=text)]
                 )
             while True:
