@@ -42,7 +42,15 @@ def _is_tagged(cls: Any) -> bool:
 def _make_tagged_unstructure(cls: type[Any]) -> Callable[[Any], dict[str, Any]]:
     overrides: dict[str, Any] = {}
     field_names = {f.name for f in attrs.fields(cls)}
-    for name in ("seq", "origin", "media_type", "signature", "item_id", "invalid_arguments"):
+    for name in (
+        "seq",
+        "origin",
+        "media_type",
+        "sha256",
+        "signature",
+        "item_id",
+        "invalid_arguments",
+    ):
         if name in field_names:
             overrides[name] = override(omit_if_default=True)
     inner = make_dict_unstructure_fn(cls, converter, **overrides)
