@@ -39,8 +39,10 @@ import attrs
 import trio
 
 from greenroom.actors.runtime.approval_broker import ApprovalBroker, ApproveFn
+from greenroom.actors.runtime.attachments import attach
 from greenroom.actors.runtime.compactor import Compaction, compaction_due
 from greenroom.actors.runtime.emitter import OutputEmitter, repaired_blocks
+from greenroom.actors.runtime.errors import ImageRefused
 from greenroom.actors.runtime.llm_streamer import LLMStreamer, ProviderTask
 from greenroom.actors.runtime.subagents import Subagents
 from greenroom.actors.runtime.tool_pool import ToolPool
@@ -115,6 +117,7 @@ class SessionSupervisor:
         self._output = output
         self._cancel_event = cancel
         self._scope = trio.CancelScope()
+        self._attaching = trio.CancelScope()  # the prompt's image reads, before _scope
         self._abort_reason = "interrupted"
         self._stopping = False
         # Unbounded on purpose: tools, approvals and the streamer report with send_nowait
@@ -162,6 +165,7 @@ class SessionSupervisor:
                     # _stopping: an interrupt between two tasks must not start the next.
                     self._abort_reason, self._stopping = reason, True
                     self._scope.cancel()
+                    self._attaching.cancel()
                 case SteeringQueued():
                     self._inbox.send_nowait(message)
                 case BackoffSkipped():
@@ -208,7 +212,7 @@ class SessionSupervisor:
                 task = session.take_follow_up()
                 if task is not None:
                     self._out.flush()
-                self._scope = trio.CancelScope()
+                self._scope, self._attaching = trio.CancelScope(), trio.CancelScope()
         finally:
             # The session is idle before the host sees the last task_end, so a host that
             # reacts to it by starting the next task never meets Busy.
@@ -233,22 +237,12 @@ class SessionSupervisor:
         self._out.begin_task()
         status: TaskStatus = "failed"
         message: str | None = None
-        # R-TRACE-3: the input is a fact of the session before the task starts: fsynced
-        # before task_start exists (a failure ends the task at once, in the scope below).
-        prompt = self._out.emit(
-            UserMsg(
-                session_id=self._session.id,
-                run_id=self.run_id,
-                kind="prompt",
-                content=repaired_blocks(task.content),
+        content, refused = await attach_prompt(session, task.content, self._attaching)
+        if refused is not None or self._attaching.cancelled_caught:  # nothing recorded (R-SEC-8)
+            return await self._end_task(
+                "failed" if refused else "aborted", refused or self._abort_reason, started
             )
-        )
-        self._out.flush()
-        await self._out.sync()
-        self._out.emit(
-            TaskStart(session_id=self._session.id, run_id=self.run_id, input_seq=prompt.seq)
-        )
-        self._out.flush()
+        await record_prompt(self._out, session, self.run_id, content)
         try:
             with self._scope:
                 status, message = await self._run_turns(task)
@@ -262,6 +256,9 @@ class SessionSupervisor:
         elif self._scope.cancelled_caught:
             status, message = "aborted", self._abort_reason
             self._settle_abort()
+        await self._end_task(status, message, started)
+
+    async def _end_task(self, status: TaskStatus, message: str | None, started: float) -> None:
         with trio.CancelScope(shield=True) as teardown:
             teardown.deadline = trio.current_time() + ABORT_GRACE_S
             self._out.emit(
@@ -318,6 +315,7 @@ class SessionSupervisor:
                 sandbox=settings.sandbox,
                 shell_network=settings.shell_network,
                 private_dirs=(session.host.data_dir,),
+                attachments=session.attachments,
             )
             # Unbounded: commands are sent with send_nowait as decisions arrive and the
             # pool only admits them; at most a turn's calls are ever queued.
@@ -357,7 +355,7 @@ class SessionSupervisor:
                     return "auth", self._session.auth_locked
             # R-STEER-5: drained at every input assembly, after a compaction too.
             self._dispatch.drain(self._machine)
-            self._deliver_steering()
+            await self._deliver_steering()
             failure = await self._run_turn(task)
             if failure is not None:
                 if failure.kind == "auth":
@@ -454,7 +452,7 @@ class SessionSupervisor:
                     machine.restart()
                     # R-STEER-5: the rerun is the input assembly after the compaction.
                     self._dispatch.drain(self._machine)
-                    self._deliver_steering()
+                    await self._deliver_steering()
                     continue
                 if self._session.auth_locked is not None:
                     return ModelError(kind="auth", message=self._session.auth_locked)
@@ -529,12 +527,15 @@ class SessionSupervisor:
 
     # -- steering -------------------------------------------------------------------
 
-    def _deliver_steering(self) -> None:
-        """R-STEER-2: drain the queue into one steering input at input assembly."""
+    async def _deliver_steering(self) -> None:
+        """R-STEER-2: drain the queue into one steering input at input assembly. Images not
+        attached yet are attached now (R-SEC-8); a refused one becomes a line saying so,
+        and the steering's words still count."""
         if not self._steering:
             return
-        content = tuple(self._steering)
+        queued = tuple(self._steering)
         self._steering.clear()
+        content = await attach(queued, self._session.attachments, fold=True)
         self._out.emit(
             UserMsg(
                 session_id=self._session.id, run_id=self.run_id, kind="steering", content=content
@@ -550,6 +551,39 @@ class SessionSupervisor:
         complete = self._session.transcript.message_complete
         self._dispatch.apply(self._machine.abort(self._abort_reason, message_complete=complete))
 
+async def attach_prompt(
+    session: Session, content: tuple[UserContent, ...], scope: trio.CancelScope
+) -> tuple[tuple[UserContent, ...], str | None]:
+    """The prompt with its images attached off the event loop, within ``scope`` (which an
+    interrupt cancels: the task's own scope is not entered yet), or why an image was
+    refused (R-SEC-8)."""
+    with scope:
+        try:
+            return await attach(content, session.attachments), None
+        except ImageRefused as exc:
+            return content, str(exc)
+    return content, None
+
+
+async def record_prompt(
+    out: OutputEmitter, session: Session, run_id: str, content: tuple[UserContent, ...]
+) -> None:
+    """R-TRACE-3: the input is a fact of the session before the task starts: fsynced
+    before ``task_start`` exists (a failure ends the task at once, in its scope)."""
+    prompt = out.emit(
+        UserMsg(
+            session_id=session.id,
+            run_id=run_id,
+            kind="prompt",
+            content=repaired_blocks(content),
+        )
+    )
+    out.flush()
+    await out.sync()
+    out.emit(TaskStart(session_id=session.id, run_id=run_id, input_seq=prompt.seq))
+    out.flush()
+
+
 def build_request(session: Session, task: TaskInput | None) -> ModelRequest:
     """The next request of ``session``: the transcript's context (with the
     ``[turn_retried]`` note on a retry: R-RETRY-4), the system prompt and tools, and the
@@ -563,6 +597,7 @@ def build_request(session: Session, task: TaskInput | None) -> ModelRequest:
         max_tokens=settings.max_tokens,
         thinking_level=task.thinking_level if task is not None else None,
         supports_vision=settings.supports_vision,
+        images=session.attachments.source,
     )
 
 
