@@ -12,6 +12,7 @@ from greenroom.actors.runtime.errors import (
     ConfigurationError,
     GreenroomError,
     HostClosed,
+    ImageRefused,
     SessionClosed,
     SessionNotFound,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "GreenroomError",
     "Host",
     "HostClosed",
+    "ImageRefused",
     "Reply",
     "RunResult",
     "RunStream",

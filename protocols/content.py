@@ -23,11 +23,19 @@ class TextBlock:
 
 @attrs.frozen(kw_only=True, slots=True)
 class ImageBlock:
-    """An image given by a path (inside the workspace or the session scratchpad)."""
+    """An image given by a path (inside the workspace or the session scratchpad).
+
+    The file is read once, when the block is accepted (R-SEC-8): its bytes are copied into
+    the session's private attachments, named by their SHA-256, and the accepted block
+    carries that hash in ``sha256`` (and the media type it was sent as). Every later
+    request sends that copy, never the file at ``path`` again; ``path`` stays the name the
+    user gave. A block without ``sha256`` has not been accepted yet (or comes from a trace
+    written before attachments existed)."""
 
     TYPE: ClassVar[str] = "image"
     path: str
     media_type: str | None = None
+    sha256: str | None = None
 
 
 @attrs.frozen(kw_only=True, slots=True)

@@ -12,6 +12,7 @@ from typing import Any, Literal
 import attrs
 
 from greenroom.protocols.content import ModelBlock, ToolContent, UserContent
+from greenroom.protocols.settings import DEFAULT_MAX_IMAGE_BYTES
 
 ToolResultStatus = Literal["ok", "error", "denied", "interrupted", "truncated"]
 
@@ -54,12 +55,30 @@ class ToolSchema:
 
 
 @attrs.frozen(kw_only=True, slots=True)
+class ImageSource:
+    """Where the provider reads the images of a request from (R-SEC-8).
+
+    An accepted image (its block has ``sha256``) is the file of that name in
+    ``attachments_dir``, the session's private copies; it is sent only when its bytes
+    still have that hash. An image from an older trace (no ``sha256``) is read from its
+    path as any named file is: beneath ``roots`` (the workspace, the scratchpad) without
+    following a link out of them, never through a link as its last component, regular
+    files only, at most ``max_bytes``. An image that cannot be read so is sent as its
+    ``[attached image: <path>]`` line."""
+
+    attachments_dir: str
+    roots: tuple[str, ...] = ()
+    max_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+
+
+@attrs.frozen(kw_only=True, slots=True)
 class ModelRequest:
     """Everything a provider codec needs to build one request body.
 
     ``messages`` is shared, not copied, between the session and the request for speed; it
     must not be mutated while the request is in flight (the supervisor only appends
-    between requests).
+    between requests). ``images`` says where its images are read from; without it they
+    are read from their paths with the default limit.
     """
 
     model: str
@@ -69,3 +88,4 @@ class ModelRequest:
     max_tokens: int = 8192
     thinking_level: str | None = None
     supports_vision: bool = True
+    images: ImageSource | None = None

@@ -46,6 +46,7 @@ def _make_tagged_unstructure(cls: type[Any]) -> Callable[[Any], dict[str, Any]]:
         "seq",
         "origin",
         "media_type",
+        "sha256",
         "signature",
         "item_id",
         "invalid_arguments",

@@ -333,8 +333,8 @@ _INPUT = Param(
     name="input",
     type="string \\| blocks",
     required=True,
-    doc="text, or `[{type: text, text}, {type: image, path, media_type?}]`; image paths stay "
-    "in the workspace",
+    doc="text, or `[{type: text, text}, {type: image, path, media_type?}]`; images are read "
+    "at the call, from the workspace or scratchpad",
 )
 
 METHODS: dict[str, Method] = {
@@ -583,7 +583,8 @@ def parse_input(
 ) -> tuple[UserContent, ...]:
     """User input: a non-empty string, or a non-empty list of ``{type: text, text}`` and
     ``{type: image, path, media_type?}`` blocks. Image paths are returned as given; where
-    they may point is the caller's business (the gateway confines them to the workspace)."""
+    they may point and how they are read is the caller's business (the gateway attaches
+    them from the workspace: R-SEC-8)."""
     if isinstance(value, str):
         if not value:
             raise invalid(path, "must not be empty")
@@ -646,6 +647,7 @@ _SETTINGS_MINIMUMS: dict[str, float] = {
     "max_subagents_per_task": 0,
     "subagent_token_budget": 1,
     "max_subagent_depth": 0,
+    "max_image_bytes": 1,
 }
 _SETTINGS_STRICTLY_POSITIVE = frozenset({"approval_timeout_s"})
 MAX_SETTING_NUMBER = 2**53

@@ -105,9 +105,10 @@ class HookAnswered:
 
 
 @attrs.frozen(kw_only=True, slots=True)
-class TraceSynced:
-    """The trace sync the supervisor asked for (number ``token``) is done, or failed (a
-    :class:`TraceFailed` came first)."""
+class WorkDone:
+    """A piece of the supervisor's own work that it ran in a task of its own, so as to
+    keep serving its inbox meanwhile (a trace sync, the reading of a prompt's images),
+    number ``token``, has ended."""
 
     token: int
 
@@ -198,7 +199,7 @@ SupervisorMessage = (
     | ToolProgressed
     | SubagentOutputs
     | HookAnswered
-    | TraceSynced
+    | WorkDone
     | TraceFailed
     | SessionControl
 )

@@ -14,6 +14,10 @@ DEFAULT_COMPACT_PROMPT = (
 
 ProviderName = Literal["anthropic", "openai", "openai-responses", "scripted"]
 
+DEFAULT_MAX_IMAGE_BYTES = 5 * 1024 * 1024
+"""The largest image file a session accepts (R-SEC-8): the Anthropic API's own limit per
+image, so an image that passes here is not refused there for its size."""
+
 
 @attrs.frozen(kw_only=True, slots=True)
 class SessionSettings:
@@ -34,6 +38,9 @@ class SessionSettings:
     present, ``required`` refuses to run a command without it, ``off`` runs it unconfined
     (the environment is allow-listed in every mode). ``shell_network`` lets sandboxed
     commands reach the network.
+
+    ``max_image_bytes`` is the largest image file the session accepts, in bytes (R-SEC-8):
+    a larger one is refused when it is named, never read in full or sent.
     """
 
     provider: ProviderName = "scripted"
@@ -57,3 +64,4 @@ class SessionSettings:
     max_subagent_depth: int = 1
     sandbox: Literal["auto", "required", "off"] = "auto"
     shell_network: bool = False
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES

@@ -624,6 +624,11 @@ class TaskMachine:
         return self._interrupt is not None or self._fail_message is not None
 
     @property
+    def stop_reason(self) -> str | None:
+        """Why the open task was told to stop, if it was."""
+        return self._interrupt or self._fail_message
+
+    @property
     def waiting_for(self) -> Literal["model", "tools", "people", "compaction", "hook"] | None:
         """What the open task waits for now, if anything: the model (an attempt streams or
         its retry is due), tools (calls run), people (only approvals that a person must

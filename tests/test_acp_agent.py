@@ -5,6 +5,7 @@ validated strictly against the official ACP SDK's schema."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -196,15 +197,16 @@ async def test_mcp_servers_of_session_new_give_the_session_their_tools(tmp_path:
 
 
 async def test_an_image_prompt_reaches_the_model_as_a_stored_image(tmp_path: Path) -> None:
-    """promptCapabilities.image: the base64 image is stored in the session's scratchpad and
-    given to the model as an image block; the extensions answer on an idle session."""
+    """promptCapabilities.image: the base64 image is stored in the session's private
+    attachments (R-SEC-8) and given to the model as an image block carrying its hash; the
+    extensions answer on an idle session."""
     png = b"\x89PNG\r\n\x1a\nnot really"
-    seen: list[bytes] = []
+    seen: list[ImageBlock] = []
 
     def look(request: ModelRequest) -> Reply:
         for part in request.messages[-1].content:
             if isinstance(part, ImageBlock):
-                seen.append(Path(part.path).read_bytes())
+                seen.append(part)
         return Reply(blocks=(text("A picture."),))
 
     to_agent, agent_in = trio.testing.memory_stream_one_way_pair()
@@ -235,7 +237,10 @@ async def test_an_image_prompt_reaches_the_model_as_a_stored_image(tmp_path: Pat
             unknown = await client.call("_greenroom/nothing", {"sessionId": sid})
             await to_agent.aclose()
     assert answer["result"] == {"stopReason": "end_turn"}
-    assert seen == [png]
+    (block,) = seen
+    assert block.media_type == "image/png" and block.sha256 == hashlib.sha256(png).hexdigest()
+    stored = tmp_path / "data" / "sessions" / sid / "attachments" / block.sha256
+    assert stored.read_bytes() == png
     assert bad["error"]["code"] == -32602
     assert skip["result"] == {"skipped": False}
     assert steer["result"] == {"queued": False}

@@ -222,6 +222,21 @@ def test_run_stores_the_sandbox_flags_in_the_session(tmp_path: Path) -> None:
     assert "--sandbox" in result.stderr
 
 
+def test_max_image_bytes_is_a_flag_stored_in_the_session(tmp_path: Path) -> None:
+    """R-SEC-8: ``--max-image-bytes N`` sets the session's image limit (5 MiB without it);
+    a limit below 1 is a usage error naming the flag."""
+    data = tmp_path / "data"
+    plain = greenroom(tmp_path, "run", "--json", "--data-dir", str(data), "hi")
+    flagged = greenroom(tmp_path, "run", "--json", "--max-image-bytes", "1000",
+                        "--data-dir", str(data), "hi")  # fmt: skip
+    assert plain.returncode == 0 and flagged.returncode == 0, plain.stderr + flagged.stderr
+    for result, limit in ((plain, 5 * 1024 * 1024), (flagged, 1000)):
+        session_id = json_lines(result.stdout)[0]["session_id"]
+        assert session_meta(data, session_id)["settings"]["max_image_bytes"] == limit
+    zero = greenroom(tmp_path, "run", "--max-image-bytes", "0", "hi")
+    assert zero.returncode == 2 and "--max-image-bytes" in zero.stderr
+
+
 def test_chat_stores_the_sandbox_flags_in_the_session(tmp_path: Path) -> None:
     data = tmp_path / "data"
     result = greenroom(tmp_path, "chat", "--sandbox", "off", "--shell-network",

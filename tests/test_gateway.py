@@ -5,6 +5,7 @@ never sleeps. The pure frame code (``protocols/jsonrpc.py``) is tested at the en
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
@@ -520,16 +521,24 @@ async def test_stopping_the_gateway_denies_pending_approvals(
 
 
 async def test_image_input_is_confined_to_the_workspace(tmp_path: Path) -> None:
+    """A relative image path is taken from the workspace and attached there (R-SEC-8): the
+    block keeps the client's name and carries the hash of the bytes read."""
     with trio.fail_after(BOUND_S):
         async with serving(tmp_path) as server, connect(server) as client:
             sid = (await client.result("session.create"))["session_id"]
             await client.result("session.subscribe", {"session_id": sid})
+            png = b"\x89PNG\r\n\x1a\n" + b"\x00" * 8
+            (server.host.get_session(sid).workspace_dir / "pic.png").write_bytes(png)
             blocks = [{"type": "text", "text": "see"}, {"type": "image", "path": "pic.png"}]
             await client.result("run", {"session_id": sid, "input": blocks})
             outputs = await client.outputs_until("task_end")
             image = outputs[0]["content"][1]
-            workspace = server.host.get_session(sid).workspace_dir
-            assert image == {"type": "image", "path": str(workspace.resolve() / "pic.png")}
+            assert image == {
+                "type": "image",
+                "path": "pic.png",
+                "media_type": "image/png",
+                "sha256": hashlib.sha256(png).hexdigest(),
+            }
 
 
 async def test_approve_none_denies_and_all_allows(tmp_path: Path, lookup: Lookup) -> None:

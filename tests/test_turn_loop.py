@@ -3,6 +3,7 @@ max_turns, thinking, Busy, steering and follow-ups (R-RUN, R-STEER)."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -451,8 +452,9 @@ async def test_steering_images_follow_the_block_or_fold_into_it(
     host: Host, workspace: Path, providers, gates: Gates, vision: bool
 ) -> None:
     """R-STEER-2: images in steering input follow the [user_steering] text as image
-    content; for a model without vision they fold into `[attached image: <path>]` lines
-    inside the one marked block."""
+    content (attached when the steering is taken: R-SEC-8); for a model without vision
+    they fold into `[attached image: <path>]` lines inside the one marked block."""
+    (workspace / "shot.png").write_bytes(b"\x89PNG\r\n\x1a\n")
     provider = providers(
         [Reply(blocks=(tool_call("c1", "wait", key="a"),)), Reply(blocks=(text("ok"),))]
     )
@@ -470,7 +472,11 @@ async def test_steering_images_follow_the_block_or_fold_into_it(
     if vision:
         assert content[1:] == (
             TextBlock(text="[user_steering]look at this[/user_steering]"),
-            ImageBlock(path="shot.png"),
+            ImageBlock(
+                path="shot.png",
+                media_type="image/png",
+                sha256=hashlib.sha256(b"\x89PNG\r\n\x1a\n").hexdigest(),
+            ),
         )
     else:
         assert content[1:] == (

@@ -29,11 +29,7 @@ is interrupted, its trace written to the end, and the process exits 0.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextlib
-import hashlib
-import mimetypes
 import os
 import signal
 import stat
@@ -52,6 +48,7 @@ from greenroom.actors.runtime import (
     Busy,
     ConfigurationError,
     Host,
+    ImageRefused,
     RunStream,
     Session,
     SessionNotFound,
@@ -73,7 +70,7 @@ from greenroom.protocols.jsonrpc import (
     notification_frame,
     result_frame,
 )
-from greenroom.protocols.outputs import ModelMsg, Output, TaskEnd
+from greenroom.protocols.outputs import ModelMsg, Output, TaskEnd, ToolCallOutput, UserMsg
 from greenroom.protocols.tools import Tool
 
 if TYPE_CHECKING:
@@ -204,8 +201,9 @@ class _AcpSession:
         self.session = session
         self.mcp_servers = mcp_servers
         """The MCP servers the client named, kept with the session."""
+        self.images = _OutputImages(session)
         self.mapper = acp.UpdateMapper(
-            live=True, workspace=str(session.workspace_dir), load_image=read_image
+            live=True, workspace=str(session.workspace_dir), load_image=self.images.get
         )
         self.waiters: list[_Answer] = []
         """The prompts answered when the running task ends (its prompt, steering prompts)."""
@@ -500,10 +498,12 @@ class AcpAgent:
             )
         entry = self._add_session(session, self._mcp_servers(request.mcp_servers))
         records = await session.host.trace_store.read_after(session.id)
+        images = _OutputImages(session)
         replay = acp.UpdateMapper(
-            live=False, workspace=str(session.workspace_dir), load_image=read_image
+            live=False, workspace=str(session.workspace_dir), load_image=images.get
         )
         for record in records:
+            await images.read(record)
             for update in replay.map(record):
                 await self._notify(session.id, update)
         return dict(_mcp_meta(entry))
@@ -583,20 +583,20 @@ class AcpAgent:
         return entry
 
     async def _content(self, entry: _AcpSession, params: dict[str, Any]) -> tuple[UserContent, ...]:
+        """The prompt as session input; its inline images are attached (R-SEC-8): checked
+        against the session's ``max_image_bytes`` before they are decoded, stored in its
+        private attachments off the event loop. A refused one is -32602 naming it."""
         parts = acp.parse_prompt(params)
         content: list[UserContent] = []
-        for part in parts:
+        for i, part in enumerate(parts):
             if isinstance(part, TextBlock):
                 content.append(part)
                 continue
             try:
-                data = base64.b64decode(part.data, validate=True)
-            except (binascii.Error, ValueError):
-                raise RpcError(INVALID_PARAMS, "$.prompt: an image's data is not base64") from None
-            path = await trio.to_thread.run_sync(
-                _store_image, entry.session.scratchpad_dir, data, part.mime_type
-            )
-            content.append(ImageBlock(path=str(path), media_type=part.mime_type))
+                image = await entry.session.attach_image_data(part.data, part.mime_type)
+            except ImageRefused as exc:
+                raise RpcError(INVALID_PARAMS, f"$.prompt[{i}]: {exc.reason}") from None
+            content.append(image)
         return tuple(content)
 
     def _approver(self, entry: _AcpSession) -> ApproveFn | None:
@@ -623,6 +623,7 @@ class AcpAgent:
         session_id = entry.session.id
         try:
             async for output in stream:
+                await entry.images.read(output)
                 try:
                     updates = entry.mapper.map(output)
                 except Exception as exc:  # one output the mapping cannot show loses no other
@@ -679,16 +680,37 @@ def _mcp_meta(entry: _AcpSession) -> dict[str, Any]:
     }
 
 
-def _store_image(scratchpad: Path, data: bytes, mime_type: str) -> Path:
-    """Write a prompt's image into the session's scratchpad (named by its content, so the
-    same image is stored once) and return its path. Blocking."""
-    suffix = mimetypes.guess_extension(mime_type) or ".bin"
-    directory = scratchpad / "images"
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{hashlib.sha256(data).hexdigest()[:32]}{suffix}"
-    if not path.exists():
-        path.write_bytes(data)
-    return path
+class _OutputImages:
+    """The images of the output about to be shown, read off the event loop (the mapper's
+    loader is synchronous): the session's private copies of attached images, or — in a
+    trace written before attachments — the files, read as any named file is (R-SEC-8).
+    Holds one output's images at a time."""
+
+    __slots__ = ("_current", "_source")
+
+    def __init__(self, session: Session) -> None:
+        self._source = session.attachments.source
+        self._current: dict[int, tuple[str, str] | None] = {}
+
+    async def read(self, output: Output) -> None:
+        """Read the images of ``output``, replacing those of the previous one."""
+        blocks = _images_of(output)
+        if not blocks:
+            self._current = {}
+            return
+        source = self._source
+        self._current = await trio.to_thread.run_sync(
+            lambda: {id(b): read_image(b, source) for b in blocks}, abandon_on_cancel=True
+        )
+
+    def get(self, block: ImageBlock) -> tuple[str, str] | None:
+        """An image of the output last read; None for any other."""
+        return self._current.get(id(block))
+
+
+def _images_of(output: Output) -> list[ImageBlock]:
+    content = output.content if isinstance(output, UserMsg | ToolCallOutput) else ()
+    return [b for b in content if isinstance(b, ImageBlock)]
 
 
 def _log(message: str) -> None:

@@ -278,6 +278,12 @@ def _add_session_flags(parser: argparse.ArgumentParser) -> None:
         "(default: 128000)",
     )
     parser.add_argument(
+        "--max-image-bytes",
+        metavar="N",
+        type=_positive_int,
+        help="the largest image file a session accepts, in bytes (default: 5242880, 5 MiB)",
+    )
+    parser.add_argument(
         "--compact-mode",
         choices=("summarize", "discard"),
         help="how compaction shrinks the context (default: summarize)",
@@ -874,6 +880,7 @@ def _setting_flags(args: argparse.Namespace) -> dict[str, Any]:
         "base_url": args.base_url,
         "max_turns": args.max_turns,
         "max_context_length": args.max_context_length,
+        "max_image_bytes": args.max_image_bytes,
         "compact_mode": args.compact_mode,
         "sandbox": args.sandbox,
         "shell_network": args.shell_network,
@@ -982,6 +989,7 @@ class RunOptions:
     json: bool = False
     max_turns: int | None = None
     max_context_length: int | None = None
+    max_image_bytes: int | None = None
     compact_mode: str | None = None
     sandbox: str | None = None
     shell_network: bool | None = None
@@ -1031,6 +1039,7 @@ def run_options(args: argparse.Namespace, prompt: str) -> RunOptions:
         json=getattr(args, "json", False),
         max_turns=args.max_turns,
         max_context_length=args.max_context_length,
+        max_image_bytes=args.max_image_bytes,
         compact_mode=args.compact_mode,
         sandbox=args.sandbox,
         shell_network=args.shell_network,
@@ -1189,6 +1198,7 @@ async def open_session(host: Host, options: RunOptions) -> Session:
             ("base_url", options.base_url),
             ("max_turns", options.max_turns),
             ("max_context_length", options.max_context_length),
+            ("max_image_bytes", options.max_image_bytes),
             ("compact_mode", options.compact_mode),
             ("sandbox", options.sandbox),
             ("shell_network", options.shell_network),

@@ -2,7 +2,7 @@
 
 :class:`SessionDefaults` (how sessions are made), :class:`GatewayLimits` (what one connection
 may do), the tokens files (R-SEC-4), the file descriptor budget of the connection cap, and the
-confinement of clients' workspaces and image paths (R-SEC-5). Everything here is plain data
+confinement of clients' workspaces (R-SEC-5). Everything here is plain data
 or blocking file work done before serving or in a worker thread; nothing here does network
 I/O.
 """
@@ -21,7 +21,6 @@ import attrs
 
 from greenroom.actors.runtime.errors import ConfigurationError
 from greenroom.actors.runtime.llm_streamer import ModelProvider
-from greenroom.protocols.content import ImageBlock, UserContent
 from greenroom.protocols.jsonrpc import invalid
 from greenroom.protocols.tools import Tool
 
@@ -42,10 +41,17 @@ ApproveMode = Literal["ask", "all", "none"]
 
 CLIENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,63}")
 SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-CLIENT_SETTABLE_FORBIDDEN = ("provider", "base_url", "sandbox", "shell_network")
+CLIENT_SETTABLE_FORBIDDEN = (
+    "provider",
+    "base_url",
+    "sandbox",
+    "shell_network",
+    "max_image_bytes",
+)
 """Settings a client may not choose: ``provider`` and ``base_url`` pick which endpoint gets
 the server's API key; ``sandbox`` and ``shell_network`` are the server's confinement of
-``run_shell`` (R-SEC-3), which a client must not loosen."""
+``run_shell`` (R-SEC-3), and ``max_image_bytes`` bounds what one image costs the server
+(R-SEC-8): a client must not loosen either."""
 
 
 def _tool_tuple(tools: Iterable[Tool]) -> tuple[Tool, ...]:
@@ -291,23 +297,3 @@ def confined_workspace(value: str, root: Path, data_dir: Path) -> Path:
 def normal_origin(origin: str) -> str:
     """A browser origin as it is compared: trimmed, no trailing slash, lower case."""
     return origin.strip().rstrip("/").lower()
-
-
-def confine_images(
-    blocks: tuple[UserContent, ...], roots: Iterable[Path]
-) -> tuple[UserContent, ...]:
-    """Image paths resolved against the first root (the workspace) and kept inside one of
-    the roots: a client must not make the server read (and send to a model) any file."""
-    bases = [r.resolve() for r in roots]
-    confined: list[UserContent] = []
-    for i, block in enumerate(blocks):
-        if isinstance(block, ImageBlock):
-            try:
-                path = (bases[0] / Path(block.path).expanduser()).resolve()
-            except (OSError, ValueError, RuntimeError) as exc:
-                raise invalid(f"$.input[{i}].path", f"cannot be used: {exc}") from None
-            if not any(path.is_relative_to(base) for base in bases):
-                raise invalid(f"$.input[{i}].path", "outside the session's workspace")
-            block = attrs.evolve(block, path=str(path))
-        confined.append(block)
-    return tuple(confined)

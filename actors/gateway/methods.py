@@ -34,20 +34,19 @@ from greenroom.actors.gateway.config import (
     SESSION_ID,
     GatewayLimits,
     SessionDefaults,
-    confine_images,
     confined_workspace,
     directory,
 )
 from greenroom.actors.gateway.connection import Connection, Handler
 from greenroom.actors.gateway.hubs import Hubs, session_state
 from greenroom.actors.gateway.titles import Titles
-from greenroom.actors.runtime.errors import SessionNotFound
+from greenroom.actors.runtime.errors import ImageRefused, SessionNotFound
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.session import Session
 from greenroom.actors.runtime.storage import SessionStore
 from greenroom.protocols import jsonrpc
-from greenroom.protocols.content import ImageBlock, ToolCallBlock, UserContent
+from greenroom.protocols.content import ToolCallBlock, UserContent
 from greenroom.protocols.converter import to_dict
 from greenroom.protocols.jsonrpc import RpcError, invalid
 from greenroom.protocols.messages import Verdict
@@ -194,13 +193,16 @@ class Methods:
         return _allow_all if self.defaults.approve == "all" else None
 
     async def _input(self, session: Session, params: Mapping[str, Any]) -> tuple[UserContent, ...]:
+        """The call's ``input`` with its images attached (R-SEC-8): read once, now, off the
+        event loop, from inside the workspace or scratchpad only; an image that cannot be
+        is -32602 naming the block and why, and nothing of the call is done."""
         if "input" not in params:
             raise invalid("$.input", "required")
         blocks = jsonrpc.parse_input(params["input"])
-        if not any(isinstance(b, ImageBlock) for b in blocks):
-            return blocks
-        roots = (session.workspace_dir, session.scratchpad_dir)
-        return await trio.to_thread.run_sync(confine_images, blocks, roots)
+        try:
+            return await session.attach(blocks, confine=True)
+        except ImageRefused as exc:
+            raise invalid(f"$.input[{exc.index}].path", f"{exc.path!r}: {exc.reason}") from None
 
     # -- methods ----------------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ import anthropic
 import httpx2
 
 from greenroom.actors.providers.lean_http import LeanTransport, raw_body
-from greenroom.actors.providers.media import read_image
+from greenroom.actors.providers.media import LoadedImage, TaskImages, read_image
 from greenroom.actors.runtime.errors import ConfigurationError
 from greenroom.actors.runtime.llm_streamer import Deliver, connect_failure, cut_short
 from greenroom.protocols.anthropic_codec import (
@@ -41,14 +41,18 @@ DEFAULT_TIMEOUT = httpx2.Timeout(connect=15.0, read=180.0, write=60.0, pool=60.0
 ``timeout`` failure and is retried."""
 
 
-def load_image(block: ImageBlock) -> dict[str, Any] | None:
-    """An image block as an Anthropic base64 image source; None when unreadable (the codec
-    then folds it to an ``[attached image: <path>]`` line)."""
-    image = read_image(block)
-    if image is None:
-        return None
+def image_part(image: LoadedImage) -> dict[str, Any]:
+    """A read image as an Anthropic base64 image block."""
     media_type, data = image
     return {"type": "image", "source": {"type": "base64", "media_type": media_type, "data": data}}
+
+
+def load_image(block: ImageBlock) -> dict[str, Any] | None:
+    """An image block as an Anthropic base64 image source; None when unreadable (the codec
+    then folds it to an ``[attached image: <path>]`` line). Blocking; see
+    :func:`~greenroom.actors.providers.media.read_image`."""
+    image = read_image(block)
+    return None if image is None else image_part(image)
 
 
 POOL_SHARDS = 8
@@ -164,13 +168,15 @@ class AnthropicProvider:
 
 
 class _AnthropicTask:
-    __slots__ = ("_encoder", "_provider")
+    __slots__ = ("_encoder", "_images", "_provider")
 
     def __init__(self, provider: AnthropicProvider) -> None:
         self._provider = provider
-        self._encoder = RequestEncoder(image_loader=load_image)
+        self._images = TaskImages()
+        self._encoder = RequestEncoder(image_loader=self._images.loader(image_part))
 
     async def stream(self, request: ModelRequest, deliver: Deliver) -> None:
+        await self._images.prepare(request)
         body = self._encoder.build(request)
         decoder = AnthropicStreamDecoder()
         shard = self._provider.pick_shard()

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from greenroom.actors.providers.media import read_image
+from greenroom.actors.providers.media import LoadedImage, TaskImages, read_image
 from greenroom.actors.runtime.llm_streamer import Deliver, connect_failure, cut_short
 from greenroom.protocols.content import ImageBlock
 from greenroom.protocols.context import ModelRequest
@@ -28,13 +28,17 @@ DEFAULT_BASE_URL = "https://api.openai.com/v1"
 DEFAULT_TIMEOUT = httpx.Timeout(connect=15.0, read=180.0, write=60.0, pool=60.0)
 
 
-def load_image(block: ImageBlock) -> dict[str, Any] | None:
-    """An image block as a ``data:`` URL part; None when unreadable."""
-    image = read_image(block)
-    if image is None:
-        return None
+def image_part(image: LoadedImage) -> dict[str, Any]:
+    """A read image as a chat completions ``data:`` URL part."""
     media_type, data = image
     return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{data}"}}
+
+
+def load_image(block: ImageBlock) -> dict[str, Any] | None:
+    """An image block as a ``data:`` URL part; None when unreadable. Blocking; see
+    :func:`~greenroom.actors.providers.media.read_image`."""
+    image = read_image(block)
+    return None if image is None else image_part(image)
 
 
 class OpenAIProvider:
@@ -70,12 +74,14 @@ class OpenAIProvider:
 
     def open_task(self) -> HTTPStreamTask:
         """Per-task state: the request encoder that reuses earlier turns' encodings."""
+        images = TaskImages()
         return HTTPStreamTask(
             self._client,
             self._url,
-            RequestEncoder(image_loader=load_image),
+            RequestEncoder(image_loader=images.loader(image_part)),
             OpenAIStreamDecoder,
             classify_error,
+            images,
         )
 
     async def aclose(self) -> None:
@@ -118,7 +124,7 @@ class HTTPStreamTask:
     """Streams one attempt over httpx through a sans-IO codec; every library error becomes
     a ``StreamFailed`` here."""
 
-    __slots__ = ("_classify", "_client", "_decoder", "_encoder", "_url")
+    __slots__ = ("_classify", "_client", "_decoder", "_encoder", "_images", "_url")
 
     def __init__(
         self,
@@ -127,18 +133,23 @@ class HTTPStreamTask:
         encoder: RequestBuilder,
         decoder: Callable[[], StreamDecoder],
         classify: ErrorClassifier,
+        images: TaskImages | None = None,
     ) -> None:
         self._client = client
         self._url = url
         self._encoder = encoder
         self._decoder = decoder
         self._classify = classify
+        self._images = images
 
     async def stream(self, request: ModelRequest, deliver: Deliver) -> None:
         """POST the encoded ``request`` and deliver the decoded events, one batch per read.
         An HTTP error status is classified by the codec, a connection failure or timeout
         becomes a ``StreamFailed``, and a body cut short ends as :func:`cut_short` judges what
-        arrived: no httpx error escapes."""
+        arrived: no httpx error escapes. The request's images are read first, off the
+        event loop, when the encoder has a :class:`TaskImages` loader."""
+        if self._images is not None:
+            await self._images.prepare(request)
         body = self._encoder.build(request)
         decoder = self._decoder()
         try:

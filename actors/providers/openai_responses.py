@@ -9,7 +9,8 @@ Completions provider's.
 
 from __future__ import annotations
 
-from greenroom.actors.providers.openai import HTTPStreamTask, OpenAIProvider, load_image
+from greenroom.actors.providers.media import TaskImages
+from greenroom.actors.providers.openai import HTTPStreamTask, OpenAIProvider, image_part
 from greenroom.protocols.openai_responses_codec import (
     RequestEncoder,
     ResponsesStreamDecoder,
@@ -29,10 +30,12 @@ class OpenAIResponsesProvider(OpenAIProvider):
 
     def open_task(self) -> HTTPStreamTask:
         """Per-task state: the request encoder that reuses earlier turns' input items."""
+        images = TaskImages()
         return HTTPStreamTask(
             self._client,
             self._url,
-            RequestEncoder(image_loader=load_image),
+            RequestEncoder(image_loader=images.loader(image_part)),
             ResponsesStreamDecoder,
             classify_error,
+            images,
         )

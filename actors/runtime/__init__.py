@@ -18,6 +18,7 @@ if TYPE_CHECKING:
         ConfigurationError,
         GreenroomError,
         HostClosed,
+        ImageRefused,
         SessionClosed,
         SessionNotFound,
     )
@@ -55,6 +56,7 @@ _MODULE_OF = {
     "ConfigurationError": "greenroom.actors.runtime.errors",
     "GreenroomError": "greenroom.actors.runtime.errors",
     "HostClosed": "greenroom.actors.runtime.errors",
+    "ImageRefused": "greenroom.actors.runtime.errors",
     "SessionClosed": "greenroom.actors.runtime.errors",
     "SessionNotFound": "greenroom.actors.runtime.errors",
     "Host": "greenroom.actors.runtime.host",
@@ -82,6 +84,7 @@ __all__ = [
     "GreenroomError",
     "Host",
     "HostClosed",
+    "ImageRefused",
     "ModelProvider",
     "RunResult",
     "RunStream",

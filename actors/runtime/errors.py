@@ -8,7 +8,8 @@
     ├── SessionNotFound    no session with that id in the data dir (404)
     ├── SessionClosed      the session was closed or deleted
     ├── HostClosed         the host is shut down
-    └── ConfigurationError bad settings, unknown provider, missing key…
+    ├── ConfigurationError bad settings, unknown provider, missing key…
+    └── ImageRefused       an image file that cannot be attached, and why (400)
 
 Model and tool failures are not exceptions: they are outputs (``request_end`` with a
 status, ``tool_call_output`` with ``is_error``).
@@ -57,3 +58,21 @@ class ConfigurationError(GreenroomError):
     """Settings that cannot work: unknown provider, missing credentials, bad values."""
 
     code = 400
+
+
+class ImageRefused(GreenroomError):
+    """An image named in the input cannot be attached (R-SEC-8): a symbolic link, not a
+    regular file, larger than the session's ``max_image_bytes``, missing, unreadable, or
+    outside what the caller may name. Nothing of the input was taken: correct it and send
+    it again.
+
+    ``path`` is the name as given, ``reason`` says why, ``index`` is the block's position
+    in the input (None when the image did not come from a list of blocks)."""
+
+    code = 400
+
+    def __init__(self, path: str, reason: str, index: int | None = None) -> None:
+        super().__init__(f"image {path!r} refused: {reason}")
+        self.path = path
+        self.reason = reason
+        self.index = index

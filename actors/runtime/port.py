@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import attrs
 import trio
 
+from greenroom.actors.runtime.attachments import Attachments
+from greenroom.actors.runtime.storage import ATTACHMENTS_DIR
 from greenroom.actors.runtime.trace_sink import TraceSinkClosed, TraceWriteError
 from greenroom.protocols.content import UserContent
 from greenroom.protocols.context import ToolSchema
@@ -217,6 +219,16 @@ class SessionPort:
     def scratchpad_dir(self) -> Path:
         """The session's scratch directory, inside its session directory."""
         return self.directory / "scratch"
+
+    @property
+    def attachments(self) -> Attachments:
+        """Where the session keeps its private copies of images and which directories
+        named files are walked beneath (R-SEC-8)."""
+        return Attachments(
+            directory=self.directory / ATTACHMENTS_DIR,
+            roots=(self.workspace_dir, self.scratchpad_dir),
+            max_bytes=self.settings.max_image_bytes,
+        )
 
     @property
     def origin_path(self) -> tuple[str, ...]:

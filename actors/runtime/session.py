@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Literal, cast
 import attrs
 import trio
 
+from greenroom.actors.runtime.attachments import Attachments, accept_data, attach
 from greenroom.actors.runtime.errors import AuthLocked, Busy, HostClosed, SessionClosed
 from greenroom.actors.runtime.llm_streamer import LLMStreamer, ModelProvider
 from greenroom.actors.runtime.port import (
@@ -31,7 +32,7 @@ from greenroom.actors.runtime.port import (
 )
 from greenroom.actors.runtime.supervisor import SessionSupervisor
 from greenroom.protocols import markers
-from greenroom.protocols.content import TextBlock, UserContent
+from greenroom.protocols.content import ImageBlock, TextBlock, UserContent
 from greenroom.protocols.context import ModelRequest, UserMessage
 from greenroom.protocols.hooks import Hooks
 from greenroom.protocols.messages import (
@@ -288,6 +289,12 @@ class Session:
         return self._port.scratchpad_dir
 
     @property
+    def attachments(self) -> Attachments:
+        """Where the session keeps its private copies of images and which directories
+        named files are walked beneath (R-SEC-8)."""
+        return self._port.attachments
+
+    @property
     def trace_path(self) -> Path:
         """The current trace file (one model context: R-COMPACT-8)."""
         return self._port.trace_path
@@ -383,6 +390,12 @@ class Session:
         :meth:`interrupt`. Raises :class:`Busy` when a task or compaction is running
         (R-HOST-2), :class:`AuthLocked` after an auth failure (R-RETRY-6), and
         ``RuntimeError`` when called outside a trio task.
+
+        Images not yet attached (:meth:`attach`) are attached by the task before its
+        input is recorded; one that is refused ends the task ``failed`` at once, its
+        ``task_end`` message naming the file and why, with nothing recorded or sent. The
+        same holds for :meth:`follow_up`; in :meth:`steer` input a refused image becomes
+        the text ``[image refused: <path>: <reason>]``.
         """
         require_trio()
         self.check_open()
@@ -399,6 +412,38 @@ class Session:
         )
         receive, supervisor, run_id = self._start(task, cancel)
         return RunStream(receive, supervisor.inbox, run_id)
+
+    async def attach(
+        self, messages: Sequence[UserContent] | str, *, confine: bool = False
+    ) -> tuple[UserContent, ...]:
+        """Read the images of ``messages`` now, once, and return the input ready for
+        :meth:`run`, :meth:`steer` or :meth:`follow_up` (R-SEC-8).
+
+        Each image file is read off the event loop — never through a symbolic link as its
+        last component nor through one that leads out of the workspace or scratchpad,
+        regular files only, at most ``max_image_bytes`` — and its bytes are copied into the
+        session's private attachments; the returned blocks carry their hash, and every
+        request of the session sends those bytes, whatever becomes of the file. Relative
+        paths are taken from the workspace. With ``confine``, paths outside the workspace
+        and the scratchpad are refused too (what a remote client may name).
+
+        Raises :class:`ImageRefused` naming the first image that cannot be attached and
+        why; nothing is queued or started then. Input given to ``run`` and the others
+        without this step is attached by the task when it takes it (see :meth:`run`)."""
+        self.check_open()
+        return await attach(_as_content(messages), self._port.attachments, confine=confine)
+
+    async def attach_image_data(self, data: bytes | str, media_type: str) -> ImageBlock:
+        """An image given as its bytes, or as base64 text (an editor's inline image),
+        attached like a file's (R-SEC-8): stored in the session's private attachments off
+        the event loop, the base64 text measured against ``max_image_bytes`` before it is
+        decoded. Returns the block (its path is ``inline-<hash prefix>.<ext>``); raises
+        :class:`ImageRefused` when it is not base64, empty, over the limit or not of an
+        ``image/`` type."""
+        self.check_open()
+        return await trio.to_thread.run_sync(
+            accept_data, data, media_type, self._port.attachments
+        )
 
     def steer(self, messages: Sequence[UserContent] | str) -> bool:
         """Queue user input for the running task without interrupting it (R-STEER-1).

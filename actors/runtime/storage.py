@@ -2,8 +2,10 @@
 
 ``<data_dir>/sessions/<session_id>/`` holds ``session.json`` (settings, workspace, tools,
 ``parent_id`` for a subagent), the trace files ``trace_001.jsonl``, ``trace_002.jsonl``, …
-(one model context each, R-COMPACT-8) and the scratchpad ``scratch/``. Every module that
-needs one of these paths asks :class:`SessionStore`; nothing else spells the layout.
+(one model context each, R-COMPACT-8), the scratchpad ``scratch/`` and ``attachments/``,
+the private copies of the session's images named by their SHA-256 (R-SEC-8). Every module
+that needs one of these paths asks :class:`SessionStore` or takes the names here; nothing
+else spells the layout.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from greenroom.protocols.trace import trace_file_name, trace_file_number
 
 SESSION_FILE = "session.json"
 """A session's metadata file, in its directory."""
+
+ATTACHMENTS_DIR = "attachments"
+"""The folder of a session's directory that holds its private copies of images."""
 
 SESSIONS_DIR = "sessions"
 """The folder of the data dir that holds one directory per session."""

@@ -37,14 +37,16 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-from collections.abc import Callable
-from typing import Any, assert_never
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, assert_never
 
 import trio
 
 from greenroom.actors.runtime.approval_broker import ApprovalBroker
+from greenroom.actors.runtime.attachments import attach
 from greenroom.actors.runtime.compactor import CompactionRun
 from greenroom.actors.runtime.emitter import OutputEmitter, repaired_blocks
+from greenroom.actors.runtime.errors import ImageRefused
 from greenroom.actors.runtime.llm_streamer import LLMStreamer
 from greenroom.actors.runtime.port import SessionPort, TaskInput
 from greenroom.actors.runtime.subagents import Subagents
@@ -74,7 +76,7 @@ from greenroom.protocols.messages import (
     ToolCallFinished,
     ToolProgressed,
     TraceFailed,
-    TraceSynced,
+    WorkDone,
 )
 from greenroom.protocols.outputs import (
     CompactionReason,
@@ -99,6 +101,8 @@ from greenroom.protocols.task import (
 )
 
 __all__ = ["ABORT_GRACE_S", "SessionSupervisor", "TaskWork", "build_request", "run_child"]
+
+T = TypeVar("T")
 
 ABORT_GRACE_S = 2.0
 """Bound on the shielded teardown after a task: writing its last records (``abort``,
@@ -175,6 +179,7 @@ class TaskWork:
                         sandbox=settings.sandbox,
                         shell_network=settings.shell_network,
                         private_dirs=(port.host.data_dir,),
+                        attachments=port.attachments,
                     )
                     await nursery.start(pool.run, self._pool)
                     streamer = LLMStreamer(port.provider.open_task(), self._inbox)
@@ -190,6 +195,37 @@ class TaskWork:
         abandoned after the pool's grace (R-SEC-2), so this stays bounded."""
         self.scope.cancel()
         await self._done.wait()
+
+    def request(
+        self, command: StartAttempt, hook: Callable[[Any], Any] | None, info: Any
+    ) -> None:
+        """Send ``command`` to the streamer — after the host's ``before_request`` hook has
+        seen it, when there is one, in a task of the work: the supervisor never waits for
+        a hook, and an interrupt drops the held request with the work."""
+        if hook is None:
+            self.streamer.send_nowait(command)
+            return
+        streamer = self.streamer
+
+        async def after_hook() -> None:
+            await _call_hook(hook, info)
+            streamer.send_nowait(command)
+
+        assert self.nursery is not None
+        self.nursery.start_soon(after_hook)
+
+    def call_hook(self, name: Any, hook: Callable[[Any], Any] | None, info: Any) -> None:
+        """Call a host hook in a task of the work; its answer reaches the supervisor's
+        inbox as ``HookAnswered``."""
+        inbox = self._inbox
+
+        async def call() -> None:
+            answer = await _call_hook(hook, info)
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                inbox.send_nowait(HookAnswered(hook=name, answer=answer))
+
+        assert self.nursery is not None
+        self.nursery.start_soon(call)
 
 
 class SessionSupervisor:
@@ -218,9 +254,8 @@ class SessionSupervisor:
         self._task: TaskInput | None = None
         self._requests = 0
         self._turn_request = 0
-        self._held_request: StartAttempt | None = None
-        self._syncs_asked = 0
-        self._syncs_done = 0
+        self._asked_token = 0
+        self._done_token = 0
         self._boundary_synced: tuple[str | None, int] = (None, 0)
         self._started_at = 0.0
         self.run_id = ""
@@ -299,7 +334,7 @@ class SessionSupervisor:
             case Compact(reason=reason):
                 self._start_compaction(reason)
             case BeginTurn(turn=turn, steering=steering):
-                self._begin_turn(turn, steering)
+                await self._begin_turn(turn, steering)
             case BeginAttempt(attempt=attempt, delay_ms=delay_ms):
                 self._begin_attempt(attempt, delay_ms)
             case CallHook():
@@ -351,9 +386,10 @@ class SessionSupervisor:
             case AuthRetried():
                 self._machine.retry_auth()
             case HookAnswered():
-                self._hook_answered(message)
-            case TraceSynced():
-                self._syncs_done = max(self._syncs_done, message.token)
+                answer = message.answer
+                self._machine.hook_answered(answer if isinstance(answer, str) else None)
+            case WorkDone():
+                self._done_token = max(self._done_token, message.token)
             case TraceFailed():
                 self._machine.fail(message.message)
             case _:
@@ -372,6 +408,19 @@ class SessionSupervisor:
             await self._open_work(None)
             self._start_compaction("manual")
             return
+        # R-SEC-8: the prompt's images are read now, once, before anything is recorded;
+        # one that is refused (or an interrupt meanwhile) ends the task with nothing else.
+        content = await self._serving(lambda: attach_prompt(port, task.content))
+        if content is None or isinstance(content[0], str):
+            refused = content[0] if content is not None and isinstance(content[0], str) else None
+            self._out.emit(
+                TaskEnd(session_id=port.id, run_id=self.run_id,
+                        status="aborted" if refused is None else "failed", turns=0,
+                        usage=self._machine.usage, wall_ms=0,
+                        message=refused or self._machine.stop_reason)
+            )
+            self._out.commit()
+            return
         # R-TRACE-3: the input is a fact of the session before the task starts: durable
         # before task_start exists.
         prompt = self._out.emit(
@@ -379,7 +428,7 @@ class SessionSupervisor:
                 session_id=port.id,
                 run_id=self.run_id,
                 kind="prompt",
-                content=repaired_blocks(task.content),
+                content=repaired_blocks(content[0]),
             )
         )
         await self._sync()
@@ -400,14 +449,21 @@ class SessionSupervisor:
             pool=work.pool,
         )
 
-    def _begin_turn(self, turn: int, steering: tuple[UserContent, ...]) -> None:
+    async def _begin_turn(self, turn: int, steering: tuple[UserContent, ...]) -> None:
         assert self._turns is not None
         self._turns.begin_turn(turn)
         if steering:
+            # R-SEC-8: images not attached yet are read now; a refused one becomes a line
+            # saying so, and the steering's words still count.
+            read = await self._serving(
+                lambda: attach(steering, self._port.attachments, fold=True)
+            )
+            if read is None:
+                return  # interrupted meanwhile: the task ends at the next step
             # R-STEER-2: the queue drained into one steering input at input assembly.
             self._out.emit(
                 UserMsg(session_id=self._port.id, run_id=self.run_id, kind="steering",
-                        content=steering)
+                        content=read[0])
             )
         self._begin_attempt(1, 0)
 
@@ -423,15 +479,9 @@ class SessionSupervisor:
         command = StartAttempt(
             request=request, attempt=attempt, delay_ms=delay_ms, number=self._requests
         )
-        hook = port.hooks.before_request
-        if hook is None:
-            work.streamer.send_nowait(command)
-            return
-        # The request waits for the hook (which sees it before it is sent).
-        self._held_request = command
-        self._run_hook(
-            "before_request",
-            hook,
+        work.request(
+            command,
+            port.hooks.before_request,
             RequestInfo(
                 session_id=port.id,
                 run_id=self.run_id,
@@ -482,47 +532,20 @@ class SessionSupervisor:
         return self._requests
 
     def _call_hook(self, step: CallHook) -> None:
-        turns = self._turns
-        assert turns is not None
+        turns, work = self._turns, self._work
+        assert turns is not None and work is not None
         port = self._port
-        hooks = port.hooks
+        machine = turns.machine
+        sid, rid, turn = port.id, self.run_id, turns.turn
         if step.hook == "after_tool_results":
-            info: Any = ToolResultsInfo(
-                session_id=port.id,
-                run_id=self.run_id,
-                turn=turns.turn,
-                results=turns.machine.results(),
-            )
-            self._run_hook(step.hook, hooks.after_tool_results, info)
+            results = ToolResultsInfo(session_id=sid, run_id=rid, turn=turn,
+                                      results=machine.results())
+            work.call_hook(step.hook, port.hooks.after_tool_results, results)
         else:
-            info = StopInfo(
-                session_id=port.id,
-                run_id=self.run_id,
-                turn=turns.turn,
-                final_message=turns.machine.done_blocks,
-                continuations=step.continuations,
-            )
-            self._run_hook(step.hook, hooks.on_stop, info)
-
-    def _run_hook(self, name: Any, hook: Callable[[Any], Any] | None, info: Any) -> None:
-        work = self._work
-        assert work is not None and work.nursery is not None
-        inbox = self.inbox
-
-        async def call() -> None:
-            answer = await _call_hook(hook, info)
-            inbox.send_nowait(HookAnswered(hook=name, answer=answer))
-
-        work.nursery.start_soon(call)
-
-    def _hook_answered(self, message: HookAnswered) -> None:
-        if message.hook == "before_request":
-            held, self._held_request = self._held_request, None
-            if held is not None and self._work is not None:
-                self._work.streamer.send_nowait(held)
-            return
-        answer = message.answer
-        self._machine.hook_answered(answer if isinstance(answer, str) else None)
+            stop = StopInfo(session_id=sid, run_id=rid, turn=turn,
+                            final_message=machine.done_blocks,
+                            continuations=step.continuations)
+            work.call_hook(step.hook, port.hooks.on_stop, stop)
 
     async def _end_task(self, status: TaskStatus, message: str | None, *,
                         crashed: bool = False) -> None:
@@ -531,7 +554,6 @@ class SessionSupervisor:
         machine = self._machine
         # The model requests in flight are over: their late batches are dropped.
         self._turn_request = 0
-        self._held_request = None
         compaction, self._compaction = self._compaction, None
         if compaction is not None:
             compaction.request = 0
@@ -612,23 +634,43 @@ class SessionSupervisor:
         """Make the trace durable (R-TRACE-2), serving the inbox meanwhile. Returns False
         when the task was told to stop before the sync came back (it goes on unobserved);
         a failed sync ends the task ``failed`` through ``TraceFailed``."""
-        assert self._nursery is not None
         self._out.flush()
-        self._syncs_asked += 1
-        token = self._syncs_asked
-        self._nursery.start_soon(self._sync_and_report, token)
-        while self._syncs_done < token:
+        done = await self._serving(self._out.sync)
+        return done is not None and not self._machine.stopping
+
+    async def _serving(self, work: Callable[[], Awaitable[T]]) -> tuple[T] | None:
+        """Run ``work`` in a task of its own while the supervisor keeps serving its inbox,
+        so that neither an interrupt nor a steer waits for it. Returns its result, or
+        None when the task was told to stop first (the work is then cancelled, and a
+        thread it waits on abandoned)."""
+        assert self._nursery is not None
+        self._asked_token += 1
+        token = self._asked_token
+        scope = trio.CancelScope()
+        result: list[T] = []
+        failure: list[Exception] = []
+        inbox = self.inbox
+
+        async def run() -> None:
+            try:
+                with scope:
+                    result.append(await work())
+            except Exception as exc:  # raised again in the supervisor's own task
+                failure.append(exc)
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                inbox.send_nowait(WorkDone(token=token))
+
+        self._nursery.start_soon(run)
+        while self._done_token < token:
             if self._machine.stopping:
-                return False
+                scope.cancel()
+                return None
             self._handle(await self._inbox.receive())
             self._drain()
             self._out.flush()
-        return not self._machine.stopping
-
-    async def _sync_and_report(self, token: int) -> None:
-        await self._out.sync()
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            self.inbox.send_nowait(TraceSynced(token=token))
+        if failure:
+            raise failure[0]
+        return (result[0],) if result else None
 
     def _trace_failed(self, message: str) -> None:
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
@@ -648,6 +690,7 @@ def build_request(port: SessionPort, task: TaskInput | None) -> ModelRequest:
         max_tokens=settings.max_tokens,
         thinking_level=task.thinking_level if task is not None else None,
         supports_vision=settings.supports_vision,
+        images=port.attachments.source,
     )
 
 
@@ -656,6 +699,17 @@ def _best_effort(ignore_errors: bool) -> contextlib.AbstractContextManager[objec
     if ignore_errors:
         return contextlib.suppress(Exception)
     return contextlib.nullcontext()
+
+
+async def attach_prompt(
+    port: SessionPort, content: tuple[UserContent, ...]
+) -> tuple[UserContent, ...] | str:
+    """The prompt with its images attached off the event loop, or why an image was
+    refused (R-SEC-8)."""
+    try:
+        return await attach(content, port.attachments)
+    except ImageRefused as exc:
+        return str(exc)
 
 
 async def _call_hook(hook: Callable[[Any], Any] | None, info: Any) -> Any:

@@ -31,6 +31,7 @@ from typing import Any, Literal, assert_never
 
 import trio
 
+from greenroom.actors.runtime.attachments import Attachments, attach
 from greenroom.protocols.content import TextBlock, ToolCallBlock, ToolContent
 from greenroom.protocols.messages import (
     BeginTurn,
@@ -63,6 +64,7 @@ class ToolPool:
     """Runs one task's tool calls. ``begin_turn`` resets the per-turn ordering."""
 
     __slots__ = (
+        "_attachments",
         "_exclusive",
         "_inbox",
         "_limiter",
@@ -92,8 +94,10 @@ class ToolPool:
         sandbox: Literal["auto", "required", "off"] = "auto",
         shell_network: bool = False,
         private_dirs: tuple[Path, ...] = (),
+        attachments: Attachments | None = None,
     ) -> None:
         self._tools = tools
+        self._attachments = attachments
         self._inbox = inbox
         self._workspace_dir = workspace_dir
         self._scratchpad_dir = scratchpad_dir
@@ -220,6 +224,10 @@ class ToolPool:
             TextBlock(text=repair_text(b.text)) if isinstance(b, TextBlock) else b
             for b in normalize_result(value)
         )
+        if self._attachments is not None:
+            # R-SEC-8: a returned image is read now, once; one that cannot be is a line
+            # saying why, which the model sees with the rest of the result.
+            content = await attach(content, self._attachments, fold=True)
         return "ok", await self._fit_budget(call, content)
 
     async def _fit_budget(
