@@ -52,9 +52,13 @@ def _make_tagged_unstructure(cls: type[Any]) -> Callable[[Any], dict[str, Any]]:
         "invalid_arguments",
         "remember",
         "error_kind",
+        "principal",
+        "asked_at",
     ):
         if name in field_names:
             overrides[name] = override(omit_if_default=True)
+    if cls is outputs.ApprovalRequest:
+        overrides["kind"] = override(omit_if_default=True)
     inner = make_dict_unstructure_fn(cls, converter, **overrides)
     tag = cls.TYPE
 

@@ -29,6 +29,34 @@ SUMMARY = "summary"
 DENIED_TEXT = "Tool call denied by user."
 INTERRUPTED_TEXT = "[interrupted: tool aborted by user]"
 
+HOST_LOST_TEXT = (
+    "interrupted: the host running this call was lost before its result was recorded; "
+    "it was not run again"
+)
+"""The result of a tool call whose host stopped mid-call (R-CLUSTER-2, R-HITL-4)."""
+
+HOST_LOST_IDEMPOTENT_TEXT = (
+    "interrupted: the host running this call was lost before its result was recorded; "
+    "the tool is idempotent, so calling it again is safe"
+)
+"""The same for a tool declared ``@tool(idempotent=True)``."""
+
+HOST_LOST_CONTINUATION = (
+    "[host lost] The host running this task stopped; the task continues now. "
+    "Tool calls that had not finished were not run again (their results say so). "
+    "Continue the task from where it stopped."
+)
+"""The steering a resumed task gets when its host stopped with work in flight."""
+
+NO_ANSWER_TEXT = "No one answered the question in time; go on without the answer."
+"""The result of an ``ask_user`` call whose wait for a person ran out (R-HITL-5)."""
+
+HOST_LOST_STREAM = "the host stopped while the model was answering; the request is sent again"
+"""The ``request_end`` message of an attempt its host lost (it is retried, R-RETRY-4)."""
+
+HOST_LOST_COMPACTION = "the host stopped during the compaction"
+"""The ``compaction_end`` message of a compaction its host lost."""
+
 
 def wrap(tag: str, body: str) -> str:
     """``[tag]body[/tag]``."""

@@ -42,10 +42,12 @@ class ApprovalDecided:
 
 @attrs.frozen(kw_only=True, slots=True)
 class ApprovalAsked:
-    """The broker is asking clients (not a host callback) about this call: the supervisor
-    emits an ``approval_request`` output so that clients can answer."""
+    """The broker hands this call to people (not a host callback): the supervisor records
+    an ``approval_request`` of ``kind`` (the pending state, R-HITL-1), and the answer
+    comes back as :class:`PersonAnswered`."""
 
     call: ToolCallBlock
+    kind: Literal["approval", "question"] = "approval"
 
 
 @attrs.frozen(kw_only=True, slots=True)
@@ -87,6 +89,24 @@ class TaskQueued:
 
     task: Any = attrs.field(eq=False)
     kind: Literal["task", "compaction"] = "task"
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class PersonAnswered:
+    """A person's answer to a request of the session's open task (R-HITL-2): ``verdict``
+    for an approval, ``text`` for a question (``ask_user``). ``by`` is ``client`` with
+    ``principal`` naming who, or ``default`` when the wait ran out (R-APPROVE-4).
+    ``digest``, when given, must be the call's arguments digest. ``reply`` (a one-shot
+    channel's send side, or None) gets None once the answer is taken, else why it was
+    refused."""
+
+    call_id: str
+    verdict: Verdict | None = None
+    text: str | None = None
+    by: Literal["client", "default"] = "client"
+    principal: str | None = None
+    digest: str | None = None
+    reply: Any = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen(kw_only=True, slots=True)
@@ -187,7 +207,9 @@ ClientApprovalMessage = AskClients | AskWithdrawn | AnswerApproval
 """What a session's client approvals (its gateway hub) are sent besides its outputs."""
 
 
-SessionControl = InterruptTask | SteeringQueued | BackoffSkipped | TaskQueued | AuthRetried
+SessionControl = (
+    InterruptTask | SteeringQueued | BackoffSkipped | TaskQueued | AuthRetried | PersonAnswered
+)
 """What the session handle sends to its running supervisor: its only way in."""
 
 

@@ -27,7 +27,8 @@ RequestStatus = Literal[
 TaskStatus = Literal["completed", "aborted", "failed", "auth", "max_turns", "loop_detected"]
 ToolStatus = Literal["ok", "error", "denied", "interrupted", "truncated"]
 Decision = Literal["allow", "deny"]
-DecidedBy = Literal["host", "session_rule", "default"]
+DecidedBy = Literal["host", "client", "session_rule", "default"]
+PeopleKind = Literal["approval", "question", "in_doubt"]
 CompactionReason = Literal["context", "turns", "manual", "overflow"]
 
 COMMON_FIELDS = """
@@ -245,12 +246,19 @@ class RequestEnd(Envelope):
 @_documented
 @attrs.frozen(kw_only=True, slots=True)
 class ApprovalRequest(Envelope):
-    """A client is asked to decide a tool call (only where one can answer: ``serve``).
+    """A person is asked about a tool call: to decide it, or (``kind`` ``question``) to
+    answer the model's question. The record is the pending state (R-HITL-1): it stays
+    pending across restarts, reloads and takeovers until its ``approval_decision``.
 
     Fields:
-        call_id: the tool call's id; the client answers with it.
+        call_id: the tool call's id; the person answers with it.
         tool: the tool's name.
         arguments: the call's arguments, as the model gave them.
+        kind: ``approval`` (decide the call), ``question`` (the ``ask_user`` tool: the
+            answer is its result) or ``in_doubt`` (did a call that was running when its
+            host stopped take effect?). Left out of the JSON for ``approval``.
+        asked_at: when it was asked (seconds since the epoch); the timeout policy counts
+            from it. Left out when None.
     """
 
     TYPE: ClassVar[str] = "approval_request"
@@ -258,6 +266,8 @@ class ApprovalRequest(Envelope):
     call_id: str
     tool: str
     arguments: dict[str, Any]
+    kind: PeopleKind = "approval"
+    asked_at: float | None = None
 
 
 @_documented
@@ -269,10 +279,13 @@ class ApprovalDecision(Envelope):
         call_id: the tool call's id.
         tool: the tool's name.
         decision: ``allow`` or ``deny``.
-        by: who decided: ``host`` (the approve callback or a client), ``session_rule``
-            (an earlier ``allow_session``) or ``default`` (no one could answer: deny).
+        by: who decided: ``host`` (the approve callback), ``client`` (a person, through
+            the gateway, the API, the CLI or an editor: ``principal`` names them),
+            ``session_rule`` (an earlier ``allow_session``) or ``default`` (no one could
+            answer, or the wait ran out: deny).
         remember: the decision was ``allow_session``: the tool is allowed without asking
             for the rest of the session (R-APPROVE-4). Left out of the JSON when false.
+        principal: who answered, for ``by: client`` (R-HITL-2). Left out when None.
     """
 
     TYPE: ClassVar[str] = "approval_decision"
@@ -282,6 +295,7 @@ class ApprovalDecision(Envelope):
     decision: Decision
     by: DecidedBy
     remember: bool = False
+    principal: str | None = None
 
 
 @_documented

@@ -24,8 +24,10 @@ class SessionSettings:
     """Everything that shapes a session's behaviour; stored with the session.
 
     ``max_turns`` (R-RUN-6) and ``max_session_turns`` (R-COMPACT-1) use -1 for no limit.
-    ``tool_result_budget`` is in bytes (R-TOOL-8). ``approval_timeout_s`` denies an
-    approval request that waits longer (R-APPROVE-4).
+    ``tool_result_budget`` is in bytes (R-TOOL-8). ``approval_timeout_s`` bounds the wait
+    for an approval (R-APPROVE-4) — None waits without limit, as a person may answer the
+    next day (R-HITL-1); when it runs out, ``approval_timeout_action`` ``deny`` denies the
+    call (by ``default``) and ``abort`` interrupts the task.
 
     Subagents (R-HOST-4): ``max_subagents_concurrent`` children of one task run at once
     (more wait for a slot); ``max_subagents_per_task`` children in all per task (beyond, the
@@ -54,7 +56,8 @@ class SessionSettings:
     compact_mode: Literal["summarize", "discard"] = "summarize"
     compact_prompt: str = DEFAULT_COMPACT_PROMPT
     tool_result_budget: int = 32 * 1024
-    approval_timeout_s: float = 300.0
+    approval_timeout_s: float | None = 300.0
+    approval_timeout_action: Literal["deny", "abort"] = "deny"
     supports_vision: bool = True
     loop_repeat_threshold: int = 3
     loop_no_progress_threshold: int = 5

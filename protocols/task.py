@@ -229,9 +229,10 @@ class RecordedState:
     """The machine's state as the trace determines it (invariant 1): what :func:`fold`
     rebuilds and the live run keeps identically.
 
-    ``turn_calls`` are the tool calls of the current attempt (call order) and
-    ``turn_errors`` whether each result so far is an error, by call id; ``pending_people``
-    the calls whose ``approval_request`` waits for a person's decision."""
+    ``turn_calls`` are the tool calls of the current attempt (call order),
+    ``turn_errors`` whether each result so far is an error, by call id, ``allowed`` the
+    calls allowed and still without a result; ``pending_people`` the ``approval_request``
+    records that wait for a person (R-HITL-1)."""
 
     phase: Phase
     run_id: str | None
@@ -247,7 +248,8 @@ class RecordedState:
     compaction_reason: CompactionReason | None
     turn_calls: tuple[str, ...]
     turn_errors: tuple[tuple[str, bool], ...]
-    pending_people: tuple[str, ...]
+    allowed: frozenset[str]
+    pending_people: tuple[ApprovalRequest, ...]
     loop_reason: str | None
     loop_streaks: tuple[tuple[str, int], ...]
     loop_no_progress: int
@@ -268,6 +270,7 @@ class TaskRecord:
         "_guard",
         "_limits",
         "_results",
+        "allowed",
         "attempt",
         "auth_locked",
         "calls",
@@ -311,7 +314,8 @@ class TaskRecord:
         self.calls: tuple[ToolCallBlock, ...] = ()
         self._results: dict[str, bool] | None = None
         self.request_ok = False
-        self.pending_people: tuple[str, ...] = ()
+        self.allowed: frozenset[str] = frozenset()
+        self.pending_people: tuple[ApprovalRequest, ...] = ()
         self.loop_reason: str | None = None
         self._guard: LoopGuard | None = None
         self.session_turns = 0
@@ -353,6 +357,7 @@ class TaskRecord:
             compaction_reason=self.compaction_reason,
             turn_calls=tuple(c.id for c in self.calls),
             turn_errors=tuple(sorted((self._results or {}).items())),
+            allowed=self.allowed,
             pending_people=self.pending_people,
             loop_reason=self.loop_reason,
             loop_streaks=self._guard.streaks if self._guard is not None else (),
@@ -381,9 +386,12 @@ class TaskRecord:
             case RequestEnd():
                 self._request_ended(output)
             case ApprovalRequest():
-                self.pending_people = (*self.pending_people, output.call_id)
+                self._answered(output.call_id)
+                self.pending_people = (*self.pending_people, output)
             case ApprovalDecision():
                 self._answered(output.call_id)
+                if output.decision == "allow":
+                    self.allowed = self.allowed | {output.call_id}
                 if output.remember:
                     self.session_rules = self.session_rules | {output.tool}
             case TaskStart():
@@ -419,6 +427,7 @@ class TaskRecord:
         self.calls = ()
         self._results = None
         self.request_ok = False
+        self.allowed = frozenset()
         self.pending_people = ()
         self.loop_reason = None
         self._guard = None
@@ -434,6 +443,7 @@ class TaskRecord:
         self._results = None
         self._guard = None
         self.request_ok = False
+        self.allowed = frozenset()
         self.pending_people = ()
         self.retry_in_ms = None
         self.failure = None
@@ -455,6 +465,7 @@ class TaskRecord:
         self.calls = ()
         self._results = {}
         self.request_ok = False
+        self.allowed = frozenset()
         self.pending_people = ()
 
     def _request_ended(self, output: RequestEnd) -> None:
@@ -471,11 +482,20 @@ class TaskRecord:
         self._calls_settled()
 
     def _answered(self, call_id: str) -> None:
-        if call_id in self.pending_people:
-            self.pending_people = tuple(c for c in self.pending_people if c != call_id)
+        if any(r.call_id == call_id for r in self.pending_people):
+            self.pending_people = tuple(r for r in self.pending_people if r.call_id != call_id)
+
+    def pending(self, call_id: str) -> ApprovalRequest | None:
+        """The request of ``call_id`` that waits for a person, if any."""
+        for request in self.pending_people:
+            if request.call_id == call_id:
+                return request
+        return None
 
     def _call_finished(self, output: ToolCallOutput) -> None:
         self._answered(output.call_id)
+        if output.call_id in self.allowed:
+            self.allowed = self.allowed - {output.call_id}
         if self._results is not None and any(c.id == output.call_id for c in self.calls):
             self._results[output.call_id] = output.is_error
             if self.phase is Phase.TOOLS:
@@ -642,8 +662,10 @@ class TaskMachine:
         if phase is Phase.COMPACTING:
             return "compaction"
         if phase is Phase.TOOLS:
+            # The calls not yet asked wait behind the one a person is asked about
+            # (approvals are asked one at a time); an allowed call is a tool running.
             unfinished = record.unfinished_calls()
-            if unfinished and all(c in record.pending_people for c in unfinished):
+            if record.pending_people and not any(c in record.allowed for c in unfinished):
                 return "people"
             return "tools"
         return None

@@ -342,10 +342,14 @@ class Transcript:
             )
 
 
-def rebuild(records: list[Output], *, supports_vision: bool = True) -> Transcript:
+def rebuild(
+    records: list[Output], *, supports_vision: bool = True, recover: bool = True
+) -> Transcript:
     """A transcript from the records of one trace file (one model context). A trace whose
     last task has no ``task_end`` (its ``task_start`` may be in the previous file, before
-    the compaction that started this one) is recovered as interrupted."""
+    the compaction that started this one) is recovered as interrupted — unless
+    ``recover`` is False: the task is then left open, for the runtime to take up
+    (R-HITL-4) or to recover when a new task starts (:meth:`Transcript.recover`)."""
     transcript = Transcript(supports_vision=supports_vision)
     open_run: str | None = None
     session_id = ""
@@ -381,6 +385,6 @@ def rebuild(records: list[Output], *, supports_vision: bool = True) -> Transcrip
                 pass  # inside a task, or never traced: the open task is unchanged
             case _:
                 assert_never(record)
-    if open_run is not None:
+    if open_run is not None and recover:
         transcript.recover(session_id=session_id, run_id=open_run)
     return transcript

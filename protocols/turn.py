@@ -34,7 +34,7 @@ Call states and their transitions are the table :data:`CALL_TRANSITIONS`.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -91,6 +91,7 @@ __all__ = [
     "RecordUsage",
     "SkipToolCall",
     "TurnMachine",
+    "resume_turn",
 ]
 
 TRUNCATED_TEXT = (
@@ -184,11 +185,11 @@ class TurnMachine:
         "turn",
     )
 
-    def __init__(self, *, session_id: str, run_id: str, turn: int) -> None:
+    def __init__(self, *, session_id: str, run_id: str, turn: int, attempt: int = 0) -> None:
         self.session_id = session_id
         self.run_id = run_id
         self.turn = turn
-        self._attempt = 0
+        self._attempt = attempt  # the last one: begin_attempt(attempt + 1) starts next
         self._open: dict[int, tuple[BlockStarted, list[str]]] = {}
         self._done_blocks: list[ModelBlock] = []
         self._retried_blocks: list[ModelBlock] = []
@@ -212,6 +213,11 @@ class TurnMachine:
     def stream_result(self) -> MessageCompleted | StreamFailed | None:
         """The current attempt's terminal stream event, once it came."""
         return self._stream_result
+
+    @property
+    def asking(self) -> str | None:
+        """The call being asked about (approvals go one at a time), if any."""
+        return self._asking
 
     @property
     def has_calls(self) -> bool:
@@ -378,11 +384,14 @@ class TurnMachine:
         by: DecidedBy,
         interrupted: bool = False,
         remember: bool = False,
+        principal: str | None = None,
+        answer: str | None = None,
     ) -> list[Effect]:
         """The decision on the call being asked about. ``interrupted`` says the interrupt
         was already requested: an allowed call then never starts, and :meth:`abort`
         reports it interrupted. ``remember``: it was ``allow_session`` (R-APPROVE-4).
-        The next call waiting for approval is asked at once (rule 3)."""
+        ``answer``: a person answered the call's question (R-HITL-5): that text is its
+        result and no tool runs. The next call waiting is asked at once (rule 3)."""
         call = self._known(call_id)
         if call is None:
             return []
@@ -397,11 +406,16 @@ class TurnMachine:
                 decision="allow" if allowed else "deny",
                 by=by,
                 remember=remember and allowed,
+                principal=principal,
             )
         )
         if not allowed:
             out.append(SkipToolCall(position=call.position))
             out.append(self._result(call, "denied", markers.DENIED_TEXT))  # R-APPROVE-3
+        elif answer is not None:
+            self._move(call, CallEvent.FINISHED)
+            out.append(SkipToolCall(position=call.position))
+            out.append(self._result(call, "ok", answer))
         elif not interrupted:
             out.append(RunToolCall(call=call.block, position=call.position))
         if self._asking == call_id:
@@ -586,23 +600,30 @@ class TurnMachine:
         )
 
     def _result(self, call: _Call, status: ToolStatus, content: Any) -> ToolCallOutput:
-        blocks = (TextBlock(text=content),) if isinstance(content, str) else tuple(content)
+        output = _tool_output(self.session_id, self.run_id, call.block, status, content)
         self._results[call.block.id] = ToolResult(
-            call_id=call.block.id,
-            tool=call.block.name,
+            call_id=output.call_id,
+            tool=output.tool,
             status=status,
-            is_error=status != "ok",
-            content=blocks,
+            is_error=output.is_error,
+            content=output.content,
         )
-        return ToolCallOutput(
-            session_id=self.session_id,
-            run_id=self.run_id,
-            call_id=call.block.id,
-            tool=call.block.name,
-            status=status,
-            is_error=status != "ok",
-            content=blocks,
-        )
+        return output
+
+
+def _tool_output(
+    session_id: str, run_id: str, call: ToolCallBlock, status: ToolStatus, content: Any
+) -> ToolCallOutput:
+    blocks = (TextBlock(text=content),) if isinstance(content, str) else tuple(content)
+    return ToolCallOutput(
+        session_id=session_id,
+        run_id=run_id,
+        call_id=call.id,
+        tool=call.name,
+        status=status,
+        is_error=status != "ok",
+        content=blocks,
+    )
 
 
 def _open_blocks(open_blocks: dict[int, tuple[BlockStarted, list[str]]]) -> list[ModelBlock]:
@@ -630,3 +651,55 @@ def _request_status(error: ModelError) -> RequestStatus:
     if kind in ("auth", "timeout", "malformed", "failed", "context_overflow"):
         return kind
     return "failed"
+
+
+def resume_turn(
+    *,
+    session_id: str,
+    run_id: str,
+    turn: int,
+    attempt: int,
+    calls: Sequence[ToolCallBlock],
+    results: Mapping[str, ToolResult],
+    allowed: Collection[str],
+    stream_ended: bool,
+) -> TurnMachine:
+    """A turn machine in the state a trace leaves attempt ``attempt`` of turn ``turn`` in:
+    its tool calls (call order) with their recorded ``results``, the calls ``allowed``
+    and still without a result (running when the trace stopped), and whether its stream
+    ended (``request_end`` ok) or was cut (it then ends failed, to be retried). The state
+    is reached through the machine's own events, replayed, so it is one the machine can
+    be in; what the replay returned is dropped (it is in the trace already)."""
+    machine = TurnMachine(session_id=session_id, run_id=run_id, turn=turn, attempt=attempt - 1)
+    machine.begin_attempt(attempt)
+    events: list[StreamEvent] = []
+    for index, call in enumerate(calls):
+        result = results.get(call.id)
+        if result is not None and result.status == "truncated":
+            events.append(
+                ToolCallTruncated(
+                    index=index,
+                    call_id=call.id,
+                    name=call.name,
+                    partial_arguments=call.invalid_arguments or "",
+                )
+            )
+        else:
+            events.append(BlockCompleted(index=index, block=call))
+    if stream_ended:
+        events.append(MessageCompleted(stop_reason="tool_use", usage=TokenUsage()))
+    else:
+        failure = ModelError(kind="timeout", message="the stream was cut")
+        events.append(StreamFailed(error=failure))
+    machine.feed(events)
+    for call in calls:
+        result = results.get(call.id)
+        if result is None:
+            if call.id in allowed:
+                machine.decide(call.id, allowed=True, by="host", interrupted=True)
+        elif result.status == "denied":
+            machine.decide(call.id, allowed=False, by="default")
+        elif result.status != "truncated":
+            machine.decide(call.id, allowed=True, by="host", interrupted=True)
+            machine.finish(call.id, status=result.status, content=result.content)
+    return machine

@@ -1,6 +1,7 @@
 """The words people read for runtime facts, one vocabulary for the CLI, chat and console.
 
-The JSON keeps its values (``by: host | session_rule | default``); screens show these.
+The JSON keeps its values (``by: host | client | session_rule | default``); screens show
+these.
 The web console carries the same table in its script (``DECISION_WORDS``), checked
 against this one by a test.
 """
@@ -11,9 +12,11 @@ from greenroom.protocols.outputs import DecidedBy, Decision
 
 DECISION_WORDS: dict[tuple[Decision, DecidedBy], str] = {
     ("allow", "host"): "allowed by you",
+    ("allow", "client"): "allowed by a person",
     ("allow", "session_rule"): "allowed for this session",
     ("allow", "default"): "allowed by default",
     ("deny", "host"): "denied by you",
+    ("deny", "client"): "denied by a person",
     ("deny", "session_rule"): "denied by a session rule",
     ("deny", "default"): "denied: no one to ask",
 }

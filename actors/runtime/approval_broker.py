@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from typing import Any
 
 import trio
 
-from greenroom.actors.runtime.port import ApproveFn, ClientApprovals
+from greenroom.actors.runtime.port import Approval, ApproveFn, ClientApprovals
 from greenroom.protocols.content import ToolCallBlock
 from greenroom.protocols.messages import (
     ApprovalAsked,
@@ -31,6 +32,7 @@ from greenroom.protocols.messages import (
     SupervisorMessage,
     Verdict,
 )
+from greenroom.protocols.people import ASK_USER, PEOPLE
 
 __all__ = ["ApprovalBroker", "ApproveFn", "ClientApprovals"]
 
@@ -51,14 +53,14 @@ class ApprovalBroker:
     def __init__(
         self,
         *,
-        approve: ApproveFn | None,
+        approve: Approval,
         clients: ClientApprovals | None,
-        timeout_s: float,
+        timeout_s: float | None,
         inbox: trio.MemorySendChannel[SupervisorMessage],
     ) -> None:
         self._approve = approve
         self._clients = clients
-        self._timeout_s = timeout_s
+        self._timeout_s = math.inf if timeout_s is None else timeout_s
         self._inbox = inbox
 
     async def run(
@@ -76,13 +78,22 @@ class ApprovalBroker:
             async for request in requests:
                 self._inbox.send_nowait(await self._decide(request.call))
 
-    async def _decide(self, call: ToolCallBlock) -> ApprovalDecided:
-        if self._approve is not None:
+    async def _decide(self, call: ToolCallBlock) -> ApprovalDecided | ApprovalAsked:
+        question = call.name == ASK_USER
+        if self._approve == PEOPLE:
+            # A person decides (or answers the question), from any surface, whenever they
+            # can: the request is recorded and the broker is free (R-HITL-1).
+            return ApprovalAsked(call=call, kind="question" if question else "approval")
+        if question:
+            # Nobody can answer here: the tool's own body tells the model so.
+            return ApprovalDecided(call=call, verdict="allow", by="default")
+        approve = self._approve
+        if callable(approve):
             # A callback that raises or runs out of time decided nothing: the deny is
             # the default's (R-APPROVE-2, R-APPROVE-4), not the host's.
             with trio.move_on_after(self._timeout_s):
                 try:
-                    answer = self._approve(call)
+                    answer = approve(call)
                     if inspect.isawaitable(answer):
                         answer = await answer
                 except Exception:

@@ -9,7 +9,8 @@
     ├── SessionClosed      the session was closed or deleted
     ├── HostClosed         the host is shut down
     ├── ConfigurationError bad settings, unknown provider, missing key…
-    └── ImageRefused       an image file that cannot be attached, and why (400)
+    ├── ImageRefused       an image file that cannot be attached, and why (400)
+    └── NotPending         an answer for a request no person is asked (any more) (409)
 
 Model and tool failures are not exceptions: they are outputs (``request_end`` with a
 status, ``tool_call_output`` with ``is_error``).
@@ -76,3 +77,11 @@ class ImageRefused(GreenroomError):
         self.path = path
         self.reason = reason
         self.index = index
+
+
+class NotPending(GreenroomError):
+    """An answer (``answer_approval``, ``answer_question``, a client's ``approve``) for a
+    call no person is asked about: it was answered already, it timed out, its task
+    ended, or its arguments are not the ones the person saw (R-HITL-2)."""
+
+    code = 409

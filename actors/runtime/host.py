@@ -13,6 +13,7 @@ A subagent (R-HOST-4) is such a session too, created by its parent's
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
@@ -33,6 +34,7 @@ from greenroom.actors.providers.registry import (
 from greenroom.actors.runtime.errors import ConfigurationError, HostClosed, SessionNotFound
 from greenroom.actors.runtime.gc_tuning import tuned_gc
 from greenroom.actors.runtime.llm_streamer import ModelProvider
+from greenroom.actors.runtime.people import People, answer, pending_of
 from greenroom.actors.runtime.port import SessionPort
 from greenroom.actors.runtime.session import Session, require_trio
 from greenroom.actors.runtime.storage import (
@@ -42,6 +44,8 @@ from greenroom.actors.runtime.storage import (
     SessionStore,
     tighten,
 )
+from greenroom.actors.runtime.supervisor import wake
+from greenroom.actors.runtime.trace_sink import latest_trace_file
 from greenroom.actors.runtime.trace_store import (
     FileTraceStore,
     StoredSessionMissing,
@@ -55,6 +59,8 @@ from greenroom.actors.tools.mcp_config import McpConfigError, as_configs
 from greenroom.protocols.context import ToolSchema
 from greenroom.protocols.converter import converter
 from greenroom.protocols.hooks import Hooks
+from greenroom.protocols.messages import PersonAnswered, SupervisorMessage
+from greenroom.protocols.people import PendingApproval, Verdict
 from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.task import fold
 from greenroom.protocols.tools import Tool
@@ -126,6 +132,7 @@ class Host:
         nursery: trio.Nursery,
         store: TraceStore,
         observers: Iterable[SessionObserver] = (),
+        tools: Iterable[Tool] = (),
     ) -> None:
         self.data_dir = data_dir
         self._observers = tuple(observers)
@@ -139,6 +146,8 @@ class Host:
         self._paths: dict[str, Path] = {}
         self._mcp: McpManager | None = None  # started with the first MCP server
         self._closed = False
+        self._people = People(self._ports.get)
+        self._default_tools = tuple(tools)
 
     @classmethod
     @asynccontextmanager
@@ -149,9 +158,19 @@ class Host:
         observers: Iterable[SessionObserver] = (),
         trace_store: TraceStoreFactory | None = None,
         gc_tuning: bool = False,
+        resume_tasks: bool = False,
+        tools: Iterable[Tool] = (),
     ) -> AsyncIterator[Host]:
         """Start the host's actor tree; on exit close every session (interrupting running
-        tasks and waiting for their last records), flush the trace and stop.
+        tasks and waiting for their last records; a task that waits only for people stays
+        pending in its trace), flush the trace and stop.
+
+        ``resume_tasks=True`` takes up, once the host is open, every stored task that was
+        open when its host stopped (a crash, a SIGKILL): a parked task waits on for its
+        answer, a running one goes on — calls that were running get host-lost results and
+        are not run again, a request in flight is sent again (R-HITL-4). ``tools`` are the
+        tools of the sessions the host loads on its own (resumed tasks, answers to
+        sessions that were not open).
 
         ``observers`` see every session the host creates or loads (:data:`SessionObserver`:
         the OpenTelemetry export subscribes through it). ``trace_store`` builds where the
@@ -167,7 +186,9 @@ class Host:
         require_trio()
         path = await trio.to_thread.run_sync(_prepare_data_dir, data_dir)
         with tuned_gc(gc_tuning):
-            async with cls._open(path, observers, trace_store) as host:
+            async with cls._open(path, observers, trace_store, tools) as host:
+                if resume_tasks:
+                    await host.resume_tasks()
                 yield host
 
     @classmethod
@@ -177,11 +198,13 @@ class Host:
         path: Path,
         observers: Iterable[SessionObserver],
         trace_store: TraceStoreFactory | None,
+        tools: Iterable[Tool] = (),
     ) -> AsyncIterator[Host]:
         async with trio.open_nursery() as nursery:
             store = (trace_store or FileTraceStore)(path)
             await nursery.start(store.run)
-            host = cls(path, nursery, store, observers)
+            host = cls(path, nursery, store, observers, tools)
+            await nursery.start(host.serve_people)
             try:
                 yield host
             finally:
@@ -302,7 +325,7 @@ class Host:
         self,
         session_id: str,
         *,
-        tools: Iterable[Tool] = (),
+        tools: Iterable[Tool] | None = None,
         provider: str | ModelProvider | None = None,
         mcp_servers: Mapping[str, Any] | None = None,
         **overrides: Any,
@@ -310,9 +333,16 @@ class Host:
         """Load a stored session: its model context is rebuilt from the latest trace file
         (unresolved calls interrupted, carry-over from the last abort: R-TRACE-4). Corrupt
         trace lines are skipped and listed in ``session.load_errors``. ``mcp_servers`` as
-        for :meth:`create_session`."""
+        for :meth:`create_session`; ``tools`` default to the host's (``Host.open(tools=…)``).
+
+        A task the trace leaves open (its host stopped mid-task) stays open: a task that
+        waits only for people is parked and answered like any (R-HITL-1); another is taken
+        up by :meth:`resume` (R-HITL-4), or recovered as interrupted when a new task starts
+        (R-TRACE-4)."""
         self.check_open()
         mcp_configs = _mcp_configs(mcp_servers)
+        if tools is None:
+            tools = self._default_tools
         if session_id in self._sessions:
             return self._sessions[session_id]
         directory = SessionStore(self.data_dir).session_dir(session_id)
@@ -337,11 +367,8 @@ class Host:
             model_provider = self._provider_for(settings)
         loaded = await self._store.load(session_id)
         records = list(loaded.records)
-        transcript = rebuild(records, supports_vision=settings.supports_vision)
+        transcript = rebuild(records, supports_vision=settings.supports_vision, recover=False)
         machine = fold(records)
-        # A task the trace leaves open (the process stopped mid-task) was recovered as
-        # interrupted by the transcript (R-TRACE-4); the task state agrees.
-        machine.recover()
         port = SessionPort(
             host=self,
             session_id=session_id,
@@ -391,6 +418,8 @@ class Host:
         session = self._sessions.pop(session_id, None)
         self._ports.pop(session_id, None)
         if session is not None:
+            # A task that waits only for people is not interrupted: its request stays
+            # pending in the trace, and loading the session asks it again (R-HITL-1).
             await session.aclose()
             self._store.release(session_id)
             if self._mcp is not None:
@@ -408,9 +437,13 @@ class Host:
     async def aclose(self) -> None:
         """Close every session (concurrently) and the provider clients."""
         self._closed = True
-        async with trio.open_nursery() as nursery:
-            for sid in list(self._sessions):
-                nursery.start_soon(self.close_session, sid)
+        try:
+            async with trio.open_nursery() as nursery:
+                for sid in list(self._sessions):
+                    nursery.start_soon(self.close_session, sid)
+        finally:
+            # Even past the shutdown bound: the desk must end for the host's nursery to.
+            self._people.close()
         for provider in self._providers.values():
             await provider.aclose()
         self._providers.clear()
@@ -499,6 +532,100 @@ class Host:
         child.closed = True
         child.end_watches()
 
+    # -- people (R-HITL) -----------------------------------------------------------------
+
+    async def serve_people(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Run the host's clock for requests that wait for people (their timeout policy)
+        until the host closes; :meth:`open` starts it."""
+        await self._people.run(task_status=task_status)
+
+    async def pending_approvals(self) -> list[PendingApproval]:
+        """Every request waiting for a person (approvals and questions) in this host's
+        sessions — the open ones and the stored ones whose trace leaves a task waiting,
+        which are loaded for it (R-HITL-2)."""
+        await self._load_open_tasks()
+        return [p for port in list(self._ports.values()) for p in pending_of(port)]
+
+    async def answer_approval(
+        self,
+        session_id: str,
+        call_id: str,
+        decision: Verdict,
+        by: str | None = None,
+        *,
+        digest: str | None = None,
+    ) -> None:
+        """Answer the pending approval of ``call_id``: ``allow``, ``deny`` or
+        ``allow_session``, recorded with ``by: client`` and ``principal=by`` (R-HITL-2).
+        Works whether or not the session is open or its task in memory: the task resumes
+        (a parked one wakes, a stored one is loaded). ``digest``, when given, must be the
+        arguments digest the person saw. Raises :class:`NotPending` when the call waits
+        for no decision, :class:`SessionNotFound` when there is no such session."""
+        if decision not in ("allow", "deny", "allow_session"):
+            raise ValueError(f"decision must be allow, deny or allow_session, not {decision!r}")
+        port = await self._open_port(session_id)
+        await answer(
+            port,
+            PersonAnswered(call_id=call_id, verdict=decision, principal=by, digest=digest),
+        )
+
+    async def answer_question(
+        self, session_id: str, call_id: str, text: str, by: str | None = None
+    ) -> None:
+        """Answer the model's question of ``call_id`` (the ``ask_user`` tool, R-HITL-5):
+        ``text`` is the call's result. Raises as :meth:`answer_approval` does."""
+        port = await self._open_port(session_id)
+        await answer(port, PersonAnswered(call_id=call_id, text=text, principal=by))
+
+    async def resume(self, session_id: str, **load: Any) -> Session:
+        """Take up the session's open task, if its trace leaves one: loaded (``load`` as
+        for :meth:`load_session`; the host's tools by default) and resumed (R-HITL-4).
+        Returns the session."""
+        session = await self.load_session(session_id, **load)
+        port = self._ports[session_id]
+        if port.inbox is None and port.machine.run_id is not None:
+            wake(port, None)
+        return session
+
+    async def resume_tasks(self) -> list[str]:
+        """Take up every stored task left open by a host that stopped (what
+        ``Host.open(resume_tasks=True)`` does); returns their session ids."""
+        resumed = []
+        for session_id in await self._open_task_ids():
+            try:
+                await self.resume(session_id)
+            except SessionNotFound:
+                continue  # unreadable, or deleted meanwhile: nothing to take up
+            resumed.append(session_id)
+        return resumed
+
+    def wake(self, port: SessionPort, message: SupervisorMessage | None) -> None:
+        """Start a supervisor for ``port``'s open task (see :data:`HostServices`)."""
+        wake(port, message)
+
+    def watch_approval(self, port: SessionPort, call_id: str, asked_at: float | None) -> None:
+        """Hold the wait of ``call_id`` to ``port``'s timeout policy."""
+        self._people.watch(port, call_id, asked_at)
+
+    async def _open_port(self, session_id: str) -> SessionPort:
+        if session_id not in self._ports:
+            await self.load_session(session_id)
+        return self._ports[session_id]
+
+    async def _load_open_tasks(self) -> None:
+        for session_id in await self._open_task_ids():
+            if session_id not in self._ports:
+                with contextlib.suppress(SessionNotFound):
+                    await self.load_session(session_id)
+
+    async def _open_task_ids(self) -> list[str]:
+        """Stored sessions whose latest trace does not end with a ``task_end``."""
+        return await trio.to_thread.run_sync(
+            _open_task_ids, SessionStore(self.data_dir).sessions_dir
+        )
+
     def start_task(self, fn: Callable[[], Awaitable[None]]) -> None:
         """Run ``fn`` as a task of the host's nursery, so that it outlives its caller. It must
         not raise: an exception would end the host and every session with it."""
@@ -564,6 +691,36 @@ def _resolve_dir(directory: str | Path) -> Path:
 
 def _new_session_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+
+
+def _open_task_ids(root: Path) -> list[str]:
+    """Sessions under ``root`` whose latest trace file's last record is not a
+    ``task_end``: a task may be open there (loading tells for sure)."""
+    found: list[str] = []
+    if not root.is_dir():
+        return found
+    for directory in sorted(root.iterdir()):
+        trace = latest_trace_file(directory) if directory.is_dir() else None
+        if trace is None:
+            continue
+        last = _last_line(trace)
+        if last and '"type":"task_end"' not in last:
+            found.append(directory.name)
+    return found
+
+
+def _last_line(path: Path, chunk: int = 8192) -> str:
+    """The last non-empty line of a file, read from its end."""
+    try:
+        with path.open("rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - chunk))
+            tail = handle.read()
+    except OSError:
+        return ""
+    lines = [line for line in tail.split(b"\n") if line.strip()]
+    return lines[-1].decode("utf-8", "replace") if lines else ""
 
 
 def _scan_sessions(root: Path) -> SessionScan:

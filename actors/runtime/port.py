@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import attrs
 import trio
@@ -70,6 +70,11 @@ ApproveFn = Callable[[Any], "Awaitable[Any] | Any"]
 """A host's approval callback: given the :class:`~greenroom.protocols.content.ToolCallBlock`,
 returns ``"allow"``, ``"deny"``, ``"allow_session"``, or a bool; may be sync or async."""
 
+Approval = ApproveFn | Literal["people"] | None
+"""How a task's tool calls are decided: a host callback, ``"people"`` (each call waits
+for a person's answer from any surface, durably: R-HITL), or None (denied by default,
+R-APPROVE-2)."""
+
 ClientApprovals = trio.MemorySendChannel[AskClients | AskWithdrawn]
 """Where a session's approvals go when a run has no ``approve`` callback: the inbox of
 the actor that asks its clients (the gateway's hub for the session)."""
@@ -83,11 +88,23 @@ NO_HOOKS = Hooks()
 
 @attrs.frozen(kw_only=True, slots=True)
 class TaskInput:
-    """One task to run: the prompt and the run options that apply to it."""
+    """One task to run: the prompt and the run options that apply to it. ``approve`` is a
+    callback, ``"people"`` (calls wait for a person: R-HITL) or None (denied by default)."""
 
     content: tuple[UserContent, ...]
-    approve: ApproveFn | None
+    approve: Approval
     thinking_level: str | None
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class Parked:
+    """What a task that waits only for people keeps while no supervisor runs it
+    (R-HITL-3): its run options, its run's output channel (None when nobody reads it),
+    and when it started (its ``task_end.wall_ms`` counts from there)."""
+
+    task: TaskInput
+    output: trio.MemorySendChannel[list[Output]] | None
+    started_at: float
 
 
 class HostServices(Protocol):
@@ -109,6 +126,14 @@ class HostServices(Protocol):
 
     def forget_child(self, child: SessionPort) -> None:
         """A finished subagent's session leaves the host's open sessions (its files stay)."""
+
+    def wake(self, port: SessionPort, message: SupervisorMessage | None) -> None:
+        """Start a supervisor for ``port``'s open task (parked, or loaded after its host
+        stopped), with ``message`` first in its inbox (R-HITL-2, R-HITL-4)."""
+
+    def watch_approval(self, port: SessionPort, call_id: str, asked_at: float | None) -> None:
+        """Hold the wait of ``call_id``'s request to the session's timeout policy
+        (``approval_timeout_s``, ``approval_timeout_action``); none when it is None."""
 
 
 class _Watch:
@@ -158,6 +183,7 @@ class SessionPort:
         "load_errors",
         "machine",
         "parent_id",
+        "parked_task",
         "provider",
         "settings",
         "transcript",
@@ -200,6 +226,8 @@ class SessionPort:
         """The running supervisor's inbox; None while the session is idle."""
         self.idle: trio.Event | None = None
         """Set when the running supervisor ends; exists only while busy."""
+        self.parked_task: Parked | None = None
+        """The open task's run options while it waits for people with no supervisor."""
         self.closed = False
         self._host = host
         self._tools, self._tool_schemas = tools
@@ -274,9 +302,38 @@ class SessionPort:
     # -- runs -----------------------------------------------------------------------------
 
     @property
+    def parked(self) -> bool:
+        """Whether the session's open task waits for people with no supervisor (parked
+        in this process, or loaded from a trace that left it so: R-HITL-3)."""
+        machine = self.machine
+        return self.inbox is None and machine.run_id is not None and bool(
+            machine.record.pending_people
+        )
+
+    @property
     def busy(self) -> bool:
-        """Whether a supervisor runs the session's work."""
-        return self.inbox is not None
+        """Whether the session has work: a supervisor runs it, or it is parked."""
+        return self.inbox is not None or self.parked
+
+    def deliver(self, message: SupervisorMessage) -> bool:
+        """Send ``message`` to the session's work: to the running supervisor, or to one
+        started for a parked task (it wakes: R-HITL-3). False when the session has no
+        work."""
+        if self.send(message):
+            return True
+        if not self.parked or self.closed:
+            return False
+        self._host.wake(self, message)
+        return True
+
+    def recover_open_task(self) -> None:
+        """A task the trace leaves open from a host that stopped, and that nobody took up,
+        is over: recovered as interrupted (R-TRACE-4), as a new task starts."""
+        machine = self.machine
+        run_id = machine.run_id
+        if self.inbox is None and run_id is not None and not self.parked:
+            self.transcript.recover(session_id=self.id, run_id=run_id)
+            machine.recover()
 
     async def wait_idle(self) -> None:
         """Return when no supervisor runs the session's work."""

@@ -24,7 +24,7 @@ from greenroom.actors.runtime.attachments import Attachments, accept_data, attac
 from greenroom.actors.runtime.errors import AuthLocked, Busy, HostClosed, SessionClosed
 from greenroom.actors.runtime.llm_streamer import LLMStreamer, ModelProvider
 from greenroom.actors.runtime.port import (
-    ApproveFn,
+    Approval,
     ClientApprovals,
     Listener,
     SessionPort,
@@ -338,8 +338,9 @@ class Session:
 
     @property
     def busy(self) -> bool:
-        """Whether a task (or a manual compaction) is running."""
-        return self._port.inbox is not None
+        """Whether a task (or a manual compaction) is running — or waits for a person's
+        answer with nothing in memory (parked: R-HITL-3)."""
+        return self._port.busy
 
     @property
     def has_follow_ups(self) -> bool:
@@ -379,7 +380,7 @@ class Session:
         self,
         new_messages: Sequence[UserContent] | str,
         *,
-        approve: ApproveFn | None = None,
+        approve: Approval = None,
         cancel: trio.Event | None = None,
         thinking_level: str | None = None,
     ) -> RunStream:
@@ -405,8 +406,15 @@ class Session:
                 f"session {self.id} is locked by an auth failure ({locked}); "
                 "update its credentials or call retry_auth()"
             )
+        port = self._port
+        if port.parked:
+            raise Busy(
+                f"session {self.id} has a task waiting for a person's answer "
+                "(host.pending_approvals() lists it); answer or interrupt it first"
+            )
         if self.busy:
             raise Busy(f"session {self.id} is already running a task; use follow_up()")
+        port.recover_open_task()
         task = TaskInput(
             content=_as_content(new_messages), approve=approve, thinking_level=thinking_level
         )
@@ -448,13 +456,13 @@ class Session:
     def steer(self, messages: Sequence[UserContent] | str) -> bool:
         """Queue user input for the running task without interrupting it (R-STEER-1).
         Returns False when no task is running (start a normal task instead)."""
-        return self._port.send(SteeringQueued(content=_as_content(messages)))
+        return self._port.deliver(SteeringQueued(content=_as_content(messages)))
 
     def follow_up(
         self,
         messages: Sequence[UserContent] | str,
         *,
-        approve: ApproveFn | None = None,
+        approve: Approval = None,
         thinking_level: str | None = None,
     ) -> bool:
         """Queue a whole new task to run after the current one, FIFO (R-STEER-6). Its
@@ -462,12 +470,12 @@ class Session:
         task = TaskInput(
             content=_as_content(messages), approve=approve, thinking_level=thinking_level
         )
-        return self._port.send(TaskQueued(task=task))
+        return self._port.deliver(TaskQueued(task=task))
 
     def interrupt(self, reason: str = "interrupted by host") -> bool:
         """Interrupt the running task and drop the queued ones (R-ABORT-1). Returns False
         when idle."""
-        return self._port.send(InterruptTask(reason=reason))
+        return self._port.deliver(InterruptTask(reason=reason))
 
     def skip_reconnect_wait(self) -> bool:
         """End the current reconnect backoff early (R-RETRY-5). False when idle."""
@@ -475,7 +483,7 @@ class Session:
 
     def retry_auth(self) -> None:
         """Unlock a session locked by an auth failure (R-RETRY-6)."""
-        if not self._port.send(AuthRetried()):
+        if not self._port.deliver(AuthRetried()):
             self._port.machine.retry_auth()
 
     def compactability(self) -> Compactability:
@@ -604,10 +612,13 @@ class Session:
 
     async def aclose(self) -> None:
         """Interrupt any running task and wait until it has finished writing
-        (R-HOST-3). The session accepts no more work."""
+        (R-HOST-3). The session accepts no more work. A task that waits only for people
+        (parked) is not interrupted: its request stays pending in the trace, asked again
+        when the session is loaded (R-HITL-1)."""
         port = self._port
+        if not port.parked:
+            self.interrupt("session closed")
         port.closed = True
-        self.interrupt("session closed")
         await self.wait_idle()
         await port.sync_trace_quietly()
         port.end_watches()

@@ -40,7 +40,7 @@ from typing import assert_never
 import attrs
 import trio
 
-from greenroom.actors.runtime.port import ApproveFn, SessionPort, TaskInput
+from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.messages import InterruptTask, SubagentOutputs, SupervisorMessage
 from greenroom.protocols.outputs import (
@@ -127,7 +127,7 @@ class Subagents:
         self,
         parent: SessionPort,
         *,
-        approve: ApproveFn | None,
+        approve: Approval,
         report: trio.MemorySendChannel[SupervisorMessage],
         run_child: RunChild,
     ) -> None:

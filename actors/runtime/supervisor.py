@@ -2,29 +2,30 @@
 
 One supervisor runs while a session has work — a ``Session.run`` and the tasks queued
 behind it, or a manual compaction — as a trio task in the host's nursery, and ends with
-the work: an idle session has no task running (R-HOST-1).
+the work: an idle session has no task running (R-HOST-1). A task that waits only for
+people is parked: its supervisor ends and a new one takes it up when an answer (or an
+interrupt) comes (R-HITL-3).
 
 The loop asks the session's task machine (:mod:`greenroom.protocols.task`, pure) for the
 next step and carries it out; when the step is to wait, it takes the next message from its
 one inbox. Everything reaches it there: the session handle's commands (tasks, steering,
-interrupt, skip, the auth unlock), the LLM streamer's batches (a turn's and a
-compaction's), the approval broker's decisions, the tool pool's results, subagents'
-outputs, hook answers, and trace syncs. A turn's mechanics are the pure turn machine's,
-carried out by :class:`~greenroom.actors.runtime.turn_runner.TurnRunner`; a compaction's by
-:class:`~greenroom.actors.runtime.compactor.CompactionRun`. Every traced output goes through
-the :class:`~greenroom.actors.runtime.emitter.OutputEmitter`, which feeds it to the
-transcript and the task machine: the machine learns what happened exactly as a fold of the
-trace would (invariant 1 of the task machine).
+interrupt, skip, the auth unlock, people's answers), the LLM streamer's batches (a turn's
+and a compaction's), the approval broker's decisions, the tool pool's results, subagents'
+outputs, hook answers, and the end of its own waits. The open task's parts — its actors,
+turns, compaction — are a :class:`~greenroom.actors.runtime.running_task.RunningTask`.
+Every traced output goes through the :class:`~greenroom.actors.runtime.emitter.OutputEmitter`,
+which feeds it to the transcript and the task machine: the machine learns what happened
+exactly as a fold of the trace would (invariant 1 of the task machine).
 
 The trace comes first (R-RUN-8, R-TRACE-3): a batch is published only once its records are
 written; a task's input is durable before its ``task_start``, and the trace at every turn
-boundary (R-TRACE-2). While the supervisor waits for a sync it keeps serving its inbox, so
-neither an interrupt nor a steer waits for the disk. A record that cannot be written ends
-the task ``failed`` with the reason (R-SEC-1).
+boundary (R-TRACE-2). While the supervisor waits for a sync (or for a prompt's images to be
+read) it keeps serving its inbox, so neither an interrupt nor a steer waits for the disk. A
+record that cannot be written ends the task ``failed`` with the reason (R-SEC-1).
 
-Interrupt is cancellation: a task's actors — broker, pool, streamer, hook calls — live in
-:class:`TaskWork`, whose cancel scope ends them together; the supervisor then settles the
-turn (R-ABORT-1..3) and emits exactly one ``task_end`` under a shielded, bounded scope.
+Interrupt is cancellation: a task's actors live in one cancel scope, which ending the task
+cancels; the supervisor then settles the turn (R-ABORT-1..3) and emits exactly one
+``task_end`` under a shielded, bounded scope.
 
 A subagent (R-HOST-4, :mod:`greenroom.actors.runtime.subagents`) runs its own supervisor
 inside a ``spawn_subagent`` call's task (:func:`run_child`); its outputs come back through
@@ -35,41 +36,29 @@ this supervisor's inbox (``SubagentOutputs``) as live outputs of this run, tagge
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar, assert_never
+from typing import TypeVar, assert_never
 
 import trio
 
-from greenroom.actors.runtime.approval_broker import ApprovalBroker
 from greenroom.actors.runtime.attachments import attach
-from greenroom.actors.runtime.compactor import CompactionRun
 from greenroom.actors.runtime.emitter import OutputEmitter, repaired_blocks
 from greenroom.actors.runtime.errors import ImageRefused
-from greenroom.actors.runtime.llm_streamer import LLMStreamer
 from greenroom.actors.runtime.port import SessionPort, TaskInput
-from greenroom.actors.runtime.subagents import Subagents
-from greenroom.actors.runtime.tool_pool import ToolPool
-from greenroom.actors.runtime.turn_runner import TurnRunner
+from greenroom.actors.runtime.resumption import parked_or_lost
+from greenroom.actors.runtime.running_task import RunningTask, build_request
 from greenroom.protocols.content import UserContent
-from greenroom.protocols.context import ModelRequest
-from greenroom.protocols.hooks import RequestInfo, StopInfo, ToolResultsInfo
 from greenroom.protocols.messages import (
     ApprovalAsked,
     ApprovalDecided,
-    ApproveCall,
     AuthRetried,
     BackoffSkipped,
     HookAnswered,
     InterruptTask,
-    PlanBackoff,
-    PoolCommand,
-    SkipBackoff,
-    StartAttempt,
+    PersonAnswered,
     SteeringQueued,
     StreamBatch,
-    StreamerCommand,
     SubagentOutputs,
     SupervisorMessage,
     TaskQueued,
@@ -78,15 +67,8 @@ from greenroom.protocols.messages import (
     TraceFailed,
     WorkDone,
 )
-from greenroom.protocols.outputs import (
-    CompactionReason,
-    Output,
-    TaskEnd,
-    TaskStart,
-    TaskStatus,
-    UserMsg,
-)
-from greenroom.protocols.stream import StreamEvent, StreamFailed
+from greenroom.protocols.outputs import Output, TaskStart, TaskStatus, UserMsg
+from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.task import (
     BeginAttempt,
     BeginTurn,
@@ -100,7 +82,13 @@ from greenroom.protocols.task import (
     Wait,
 )
 
-__all__ = ["ABORT_GRACE_S", "SessionSupervisor", "TaskWork", "build_request", "run_child"]
+__all__ = [
+    "ABORT_GRACE_S",
+    "SessionSupervisor",
+    "build_request",
+    "run_child",
+    "wake",
+]
 
 T = TypeVar("T")
 
@@ -108,124 +96,6 @@ ABORT_GRACE_S = 2.0
 """Bound on the shielded teardown after a task: writing its last records (``abort``,
 ``task_end``) and syncing the trace. Well above the usual few milliseconds, far below a
 hang."""
-
-
-class TaskWork:
-    """The actors of one task: the approval broker, the tool pool and the LLM streamer,
-    with the hook calls the supervisor starts, in one nursery whose cancel scope ends them
-    together (interrupt = cancellation). Start it with ``nursery.start(work.run)``; it
-    serves until :meth:`stop`. Each reports to the supervisor's inbox only."""
-
-    __slots__ = (
-        "_approvals",
-        "_done",
-        "_inbox",
-        "_pool",
-        "_port",
-        "_streamer",
-        "_task",
-        "approvals",
-        "nursery",
-        "pool",
-        "scope",
-        "streamer",
-    )
-
-    def __init__(
-        self,
-        port: SessionPort,
-        task: TaskInput | None,
-        inbox: trio.MemorySendChannel[SupervisorMessage],
-    ) -> None:
-        self._port = port
-        self._task = task
-        self._inbox = inbox
-        self._done = trio.Event()
-        self.scope = trio.CancelScope()
-        # Unbounded, all three: the supervisor commands with send_nowait and never waits
-        # for its actors; at most a turn's calls (or a handful of stream commands) queue.
-        self.approvals, self._approvals = trio.open_memory_channel[ApproveCall](math.inf)
-        self.pool, self._pool = trio.open_memory_channel[PoolCommand](math.inf)
-        self.streamer, self._streamer = trio.open_memory_channel[StreamerCommand](math.inf)
-        self.nursery: trio.Nursery | None = None
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Start the actors; ready once they serve. Returns after :meth:`stop`."""
-        port = self._port
-        settings = port.settings
-        task = self._task
-        try:
-            with self.scope:
-                async with trio.open_nursery() as nursery:
-                    approve = task.approve if task is not None else None
-                    broker = ApprovalBroker(
-                        approve=approve,
-                        clients=port.client_approvals,
-                        timeout_s=settings.approval_timeout_s,
-                        inbox=self._inbox,
-                    )
-                    await nursery.start(broker.run, self._approvals)
-                    subagents = Subagents(
-                        port, approve=approve, report=self._inbox, run_child=run_child
-                    )
-                    pool = ToolPool(
-                        tools=port.tool_by_name,
-                        inbox=self._inbox,
-                        workspace_dir=port.workspace_dir,
-                        scratchpad_dir=port.scratchpad_dir,
-                        sync_trace=port.sync_trace,
-                        result_budget=settings.tool_result_budget,
-                        spawn=subagents.spawn,
-                        sandbox=settings.sandbox,
-                        shell_network=settings.shell_network,
-                        private_dirs=(port.host.data_dir,),
-                        attachments=port.attachments,
-                    )
-                    await nursery.start(pool.run, self._pool)
-                    streamer = LLMStreamer(port.provider.open_task(), self._inbox)
-                    await nursery.start(streamer.run, self._streamer)
-                    self.nursery = nursery
-                    task_status.started()
-                    await trio.sleep_forever()
-        finally:
-            self._done.set()
-
-    async def stop(self) -> None:
-        """End the actors and wait until they have: a tool that ignores cancellation is
-        abandoned after the pool's grace (R-SEC-2), so this stays bounded."""
-        self.scope.cancel()
-        await self._done.wait()
-
-    def request(
-        self, command: StartAttempt, hook: Callable[[Any], Any] | None, info: Any
-    ) -> None:
-        """Send ``command`` to the streamer — after the host's ``before_request`` hook has
-        seen it, when there is one, in a task of the work: the supervisor never waits for
-        a hook, and an interrupt drops the held request with the work."""
-        if hook is None:
-            self.streamer.send_nowait(command)
-            return
-        streamer = self.streamer
-
-        async def after_hook() -> None:
-            await _call_hook(hook, info)
-            streamer.send_nowait(command)
-
-        assert self.nursery is not None
-        self.nursery.start_soon(after_hook)
-
-    def call_hook(self, name: Any, hook: Callable[[Any], Any] | None, info: Any) -> None:
-        """Call a host hook in a task of the work; its answer reaches the supervisor's
-        inbox as ``HookAnswered``."""
-        inbox = self._inbox
-
-        async def call() -> None:
-            answer = await _call_hook(hook, info)
-            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                inbox.send_nowait(HookAnswered(hook=name, answer=answer))
-
-        assert self.nursery is not None
-        self.nursery.start_soon(call)
 
 
 class SessionSupervisor:
@@ -248,17 +118,11 @@ class SessionSupervisor:
         """The send side of the one inbox: the session handle's way in."""
         self._out = OutputEmitter(port, output, self._trace_failed)
         self._nursery: trio.Nursery | None = None
-        self._work: TaskWork | None = None
-        self._turns: TurnRunner | None = None
-        self._compaction: CompactionRun | None = None
-        self._task: TaskInput | None = None
-        self._requests = 0
-        self._turn_request = 0
+        self._task: RunningTask | None = None
         self._asked_token = 0
         self._done_token = 0
         self._boundary_synced: tuple[str | None, int] = (None, 0)
-        self._started_at = 0.0
-        self.run_id = ""
+        self._parked = False
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -276,24 +140,32 @@ class SessionSupervisor:
                 await self._loop()
             finally:
                 self._make_idle()
+                self._pass_on_leftovers()
                 with trio.CancelScope(shield=True):
-                    if self._work is not None:
-                        await self._work.stop()
+                    if self._task is not None:
+                        await self._task.stop_work()
                     self._out.flush()
                     with trio.move_on_after(ABORT_GRACE_S):
                         await self._out.wait_published()
                     # Past the bound the disk hangs: what is left still reaches its
                     # readers, the last task_end above all.
                     self._out.publish_unwritten()
-                    await self._output.aclose()
+                    if not self._parked:
+                        # A parked task's run goes on when it wakes: its reader waits.
+                        await self._output.aclose()
                 nursery.cancel_scope.cancel()
 
     async def _loop(self) -> None:
-        # The run's own task comes first (its handle sent it before anything else could
-        # be sent): it is started before later messages are read, so an interrupt that
-        # follows at once ends it aborted rather than dropping it unseen.
-        with contextlib.suppress(trio.WouldBlock):
-            self._handle(self._inbox.receive_nowait())
+        if self._machine.run_id is not None:
+            # The open task of a woken or reloaded session: taken up before anything
+            # in the inbox (an answer, an interrupt) is read.
+            await self._resume()
+        else:
+            # The run's own task comes first (its handle sent it before anything else
+            # could be sent): it is started before later messages are read, so an
+            # interrupt that follows at once ends it aborted rather than dropping it.
+            with contextlib.suppress(trio.WouldBlock):
+                self._handle(self._inbox.receive_nowait())
         while True:
             try:
                 if await self._step():
@@ -304,18 +176,17 @@ class SessionSupervisor:
                 await self._end_task("failed", f"internal error: {exc!r}", crashed=True)
 
     async def _step(self) -> bool:
-        """Carry out one step; True once the session is idle."""
+        """Carry out one step; True once the session has no work (or it is parked)."""
         machine = self._machine
-        if machine.run_id is None and self._work is not None:
+        task = self._task
+        if machine.run_id is None and task is not None:
             # A manual compaction ended on its own record: its actors end with it.
-            work, self._work = self._work, None
-            await work.stop()
-        compaction = self._compaction
-        if compaction is not None:
-            if compaction.ready:
-                await compaction.finish(self._sync)
-            if not compaction.running:
-                self._compaction = None
+            self._task = None
+            await task.stop_work()
+        compaction = task.compaction if task is not None else None
+        if compaction is not None and compaction.ready:
+            await compaction.finish(self._sync)
+            return False
         if machine.phase is Phase.TURN_DONE and not machine.stopping:
             boundary = (machine.run_id, machine.turn)
             if self._boundary_synced != boundary:
@@ -325,20 +196,25 @@ class SessionSupervisor:
         step = machine.next_step()
         match step:
             case Wait():
+                if self._drain():
+                    return False  # what was waiting may have changed the next step
                 self._out.flush()
+                if self._may_park():
+                    await self._park()
+                    return True
                 self._handle(await self._inbox.receive())
                 self._drain()
                 self._out.flush()
-            case StartTask(task=task, kind=kind):
-                await self._start_task(task, kind)
+            case StartTask(task=input_, kind=kind):
+                await self._start_task(input_, kind)
             case Compact(reason=reason):
-                self._start_compaction(reason)
+                self._running().start_compaction(reason)
             case BeginTurn(turn=turn, steering=steering):
                 await self._begin_turn(turn, steering)
             case BeginAttempt(attempt=attempt, delay_ms=delay_ms):
-                self._begin_attempt(attempt, delay_ms)
+                self._running().begin_attempt(attempt, delay_ms)
             case CallHook():
-                self._call_hook(step)
+                self._running().call_hook(step)
             case EndTask(status=status, message=message):
                 await self._end_task(status, message)
             case Finish():
@@ -347,111 +223,106 @@ class SessionSupervisor:
                 assert_never(step)
         return False
 
-    def _drain(self) -> None:
-        """Handle every message already waiting, without blocking."""
+    def _running(self) -> RunningTask:
+        assert self._task is not None
+        return self._task
+
+    def _drain(self) -> bool:
+        """Handle every message already waiting, without blocking; whether there was
+        any."""
         receive = self._inbox
+        handled = False
         while True:
             try:
                 message = receive.receive_nowait()
             except trio.WouldBlock:
-                return
+                return handled
             self._handle(message)
+            handled = True
 
     def _handle(self, message: SupervisorMessage) -> None:
         """One inbox message."""
+        task = self._task
+        machine = self._machine
         match message:
             case StreamBatch():
                 # The hot path: one batch per network read.
-                number = message.request
-                if number == self._turn_request and number:
-                    self._turn_batch(message.events)
-                elif self._compaction is not None and number == self._compaction.request:
-                    self._compaction.feed(message.events)
+                if task is not None:
+                    task.on_batch(message)
             case ToolCallFinished() | ToolProgressed() | ApprovalDecided() | ApprovalAsked():
-                if self._turns is not None:
-                    self._turns.handle(message)
+                if task is not None:
+                    task.on_turn_message(message)
             case SubagentOutputs():
                 # Live outputs of this run, already in the subagent's trace (R-HOST-4).
                 self._out.forward(message.outputs, message.origin)
             case SteeringQueued():
-                self._machine.queue_steering(repaired_blocks(message.content))
+                machine.queue_steering(repaired_blocks(message.content))
             case TaskQueued():
-                self._machine.queue_task(message.task, message.kind)
+                machine.queue_task(message.task, message.kind)
             case InterruptTask():
-                self._machine.interrupt(message.reason)
+                machine.interrupt(message.reason)
             case BackoffSkipped():
-                # Every reconnect wait, a compaction's too, is the streamer's (R-RETRY-5).
-                if self._work is not None:
-                    self._work.streamer.send_nowait(SkipBackoff())
+                if task is not None:
+                    task.skip_backoff()
             case AuthRetried():
-                self._machine.retry_auth()
+                machine.retry_auth()
             case HookAnswered():
                 answer = message.answer
-                self._machine.hook_answered(answer if isinstance(answer, str) else None)
+                machine.hook_answered(answer if isinstance(answer, str) else None)
             case WorkDone():
                 self._done_token = max(self._done_token, message.token)
             case TraceFailed():
-                self._machine.fail(message.message)
+                machine.fail(message.message)
+            case PersonAnswered():
+                refused = (
+                    task.answer(message)
+                    if task is not None
+                    else f"session {self._port.id} has no request waiting for an answer"
+                )
+                if message.reply is not None:
+                    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                        message.reply.send_nowait(refused)
             case _:
                 assert_never(message)
 
     # -- steps ----------------------------------------------------------------------------
 
-    async def _start_task(self, task: TaskInput | None, kind: TaskKind) -> None:
+    async def _start_task(self, input_: TaskInput | None, kind: TaskKind) -> None:
         port = self._port
-        self._task = task
-        self.run_id = port.new_run_id()
-        self._started_at = trio.current_time()
+        task = self._task = RunningTask(
+            port, self._out, input_, run_id=port.new_run_id(), started_at=trio.current_time()
+        )
         self._out.begin_task()
         self._machine.configure(port.task_limits())
-        if kind == "compaction" or task is None:
-            await self._open_work(None)
-            self._start_compaction("manual")
+        if kind == "compaction" or input_ is None:
+            await self._open(task)
+            task.start_compaction("manual")
             return
         # R-SEC-8: the prompt's images are read now, once, before anything is recorded;
         # one that is refused (or an interrupt meanwhile) ends the task with nothing else.
-        content = await self._serving(lambda: attach_prompt(port, task.content))
-        if content is None or isinstance(content[0], str):
-            refused = content[0] if content is not None and isinstance(content[0], str) else None
-            self._out.emit(
-                TaskEnd(session_id=port.id, run_id=self.run_id,
-                        status="aborted" if refused is None else "failed", turns=0,
-                        usage=self._machine.usage, wall_ms=0,
-                        message=refused or self._machine.stop_reason)
-            )
+        read = await self._serving(lambda: _attach_prompt(port, input_.content))
+        content = read[0] if read is not None else None
+        if not isinstance(content, tuple):
+            refused: TaskStatus = "aborted" if content is None else "failed"
+            self._out.emit(task.task_end(refused, content or self._machine.stop_reason))
             self._out.commit()
             return
         # R-TRACE-3: the input is a fact of the session before the task starts: durable
         # before task_start exists.
         prompt = self._out.emit(
-            UserMsg(
-                session_id=port.id,
-                run_id=self.run_id,
-                kind="prompt",
-                content=repaired_blocks(content[0]),
-            )
+            UserMsg(session_id=port.id, run_id=task.run_id, kind="prompt",
+                    content=repaired_blocks(content))
         )
         await self._sync()
-        self._out.emit(TaskStart(session_id=port.id, run_id=self.run_id, input_seq=prompt.seq))
+        self._out.emit(TaskStart(session_id=port.id, run_id=task.run_id, input_seq=prompt.seq))
         self._out.flush()
-        await self._open_work(task)
+        await self._open(task)
 
-    async def _open_work(self, task: TaskInput | None) -> None:
+    async def _open(self, task: RunningTask) -> None:
         assert self._nursery is not None
-        work = TaskWork(self._port, task, self.inbox)
-        await self._nursery.start(work.run)
-        self._work = work
-        self._turns = TurnRunner(
-            port=self._port,
-            emitter=self._out,
-            run_id=self.run_id,
-            approvals=work.approvals,
-            pool=work.pool,
-        )
+        await task.open(self._nursery, self.inbox, run_child)
 
     async def _begin_turn(self, turn: int, steering: tuple[UserContent, ...]) -> None:
-        assert self._turns is not None
-        self._turns.begin_turn(turn)
         if steering:
             # R-SEC-8: images not attached yet are read now; a refused one becomes a line
             # saying so, and the steering's words still count.
@@ -460,151 +331,38 @@ class SessionSupervisor:
             )
             if read is None:
                 return  # interrupted meanwhile: the task ends at the next step
-            # R-STEER-2: the queue drained into one steering input at input assembly.
-            self._out.emit(
-                UserMsg(session_id=self._port.id, run_id=self.run_id, kind="steering",
-                        content=read[0])
-            )
-        self._begin_attempt(1, 0)
+            steering = read[0]
+        self._running().begin_turn(turn, steering)
 
-    def _begin_attempt(self, attempt: int, delay_ms: int) -> None:
-        turns, work = self._turns, self._work
-        assert turns is not None and work is not None
-        port = self._port
-        turns.begin_attempt(attempt)
-        self._out.flush()
-        request = build_request(port, self._task)
-        self._requests += 1
-        self._turn_request = self._requests
-        command = StartAttempt(
-            request=request, attempt=attempt, delay_ms=delay_ms, number=self._requests
-        )
-        work.request(
-            command,
-            port.hooks.before_request,
-            RequestInfo(
-                session_id=port.id,
-                run_id=self.run_id,
-                turn=turns.turn,
-                attempt=attempt,
-                request=request,
-            ),
-        )
-
-    def _turn_batch(self, events: list[StreamEvent]) -> None:
-        turns, work = self._turns, self._work
-        assert turns is not None and work is not None
-        turns.feed(events)
-        result = turns.machine.stream_result
-        if result is None:
-            return
-        self._turn_request = 0
-        if isinstance(result, StreamFailed):
-            error = result.error
-            retry_in_ms = self._machine.plan_failure(error)
-            if retry_in_ms is not None:
-                # Skippable from the moment it is announced (R-RETRY-5).
-                work.streamer.send_nowait(PlanBackoff())
-            turns.fail_attempt(error, retry_in_ms)
-
-    def _start_compaction(self, reason: CompactionReason) -> None:
-        turns, work = self._turns, self._work
-        assert turns is not None and work is not None
-        if reason == "overflow":
-            turns.discard_attempt()
-        # The task's own request settings, thinking included, so that the summary
-        # request's prefix is the one the provider has cached (R-COMPACT-5).
-        template = build_request(self._port, self._task)
-        self._compaction = CompactionRun(
-            port=self._port,
-            emitter=self._out,
-            streamer=work.streamer,
-            run_id=self.run_id,
-            turn=turns.turn,
-            reason=reason,
-            template=template,
-            number=self._next_request,
-        )
-        self._compaction.start()
-
-    def _next_request(self) -> int:
-        self._requests += 1
-        return self._requests
-
-    def _call_hook(self, step: CallHook) -> None:
-        turns, work = self._turns, self._work
-        assert turns is not None and work is not None
-        port = self._port
-        machine = turns.machine
-        sid, rid, turn = port.id, self.run_id, turns.turn
-        if step.hook == "after_tool_results":
-            results = ToolResultsInfo(session_id=sid, run_id=rid, turn=turn,
-                                      results=machine.results())
-            work.call_hook(step.hook, port.hooks.after_tool_results, results)
-        else:
-            stop = StopInfo(session_id=sid, run_id=rid, turn=turn,
-                            final_message=machine.done_blocks,
-                            continuations=step.continuations)
-            work.call_hook(step.hook, port.hooks.on_stop, stop)
-
-    async def _end_task(self, status: TaskStatus, message: str | None, *,
-                        crashed: bool = False) -> None:
+    async def _end_task(
+        self, status: TaskStatus, message: str | None, *, crashed: bool = False
+    ) -> None:
         """End the open task with ``status``: its actors stop, what is in flight is
         settled, and its one ``task_end`` is written (R-RUN-7)."""
         machine = self._machine
-        # The model requests in flight are over: their late batches are dropped.
-        self._turn_request = 0
-        compaction, self._compaction = self._compaction, None
-        if compaction is not None:
-            compaction.request = 0
-        work, self._work = self._work, None
-        if work is not None:
-            with trio.CancelScope(shield=True):
-                await work.stop()
+        task = self._running()
+        await task.stop_work()
         # Results that arrived before the actors stopped still count.
-        with _best_effort(crashed):
+        with contextlib.suppress(*((Exception,) if crashed else ())):
             self._drain()
-        reason = message or status
-        if machine.kind == "compaction":
-            if compaction is not None:
-                compaction.end_interrupted(reason)
+        # The trace may be what failed: settling is then best effort.
+        task.settle(status, message, best_effort=crashed or status == "failed")
+        self._task = None
+        if task.task is None:
             return  # a manual compaction has no task records
-        turns = self._turns
-        best_effort = crashed or status == "failed"  # the trace may be what failed
-        with _best_effort(best_effort):
-            if compaction is not None:
-                compaction.end_interrupted(reason)
-            if turns is not None and status == "aborted":
-                turns.abort(reason)  # R-ABORT-1..3, R-APPROVE-5
-            elif turns is not None and status == "failed":
-                turns.fail(reason)
         with trio.CancelScope(shield=True) as teardown:
             teardown.deadline = trio.current_time() + ABORT_GRACE_S
-            self._out.emit(
-                TaskEnd(
-                    session_id=self._port.id,
-                    run_id=self.run_id,
-                    status=status,
-                    turns=machine.turn,
-                    usage=machine.usage,
-                    wall_ms=round((trio.current_time() - self._started_at) * 1000),
-                    message=message,
-                )
-            )
+            end = task.task_end(status, message)
+            self._out.emit(end)
             if machine.run_id is not None:
                 # The record could not be encoded or written: the machine still ends the
                 # task, as the trace would have told it.
-                machine.observe(
-                    TaskEnd(session_id=self._port.id, run_id=self.run_id, status=status,
-                            turns=machine.turn, usage=machine.usage, wall_ms=0,
-                            message=message)
-                )
+                machine.observe(end)
             # Written now, published once the session is idle or the next task runs;
             # the sync below only fsyncs it. A trace that cannot be written must not cost
             # the host: task_end still reaches its readers.
             self._out.commit()
             await self._out.sync_quietly()
-        self._turns = None
         if machine.has_queued_tasks:
             self._out.flush()
 
@@ -617,6 +375,24 @@ class SessionSupervisor:
         self._make_idle()
         return True
 
+    def _pass_on_leftovers(self) -> None:
+        """Messages that came after the last look at the inbox (while a task parked, say)
+        reach the session's next supervisor; an answer nobody can take any more is
+        refused, so that no one waits for it."""
+        port = self._port
+        while True:
+            try:
+                message = self._inbox.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                return
+            if port.deliver(message):
+                continue
+            if isinstance(message, PersonAnswered) and message.reply is not None:
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    message.reply.send_nowait(
+                        f"session {port.id} has no task waiting for an answer"
+                    )
+
     def _make_idle(self) -> None:
         port = self._port
         if port.inbox is self.inbox:
@@ -628,7 +404,43 @@ class SessionSupervisor:
                 idle.set()
         self.inbox.close()  # later commands find no one: the handle ignores them
 
-    # -- the trace ------------------------------------------------------------------------
+    # -- people: parking and resuming (R-HITL) ----------------------------------------------
+
+    def _may_park(self) -> bool:
+        """A root task that waits only for people (and has nothing else in flight or in
+        its inbox) holds nothing while it waits (R-HITL-3)."""
+        machine = self._machine
+        if machine.waiting_for != "people" or self._port.parent_id is not None:
+            return False
+        task = self._task
+        return (
+            not machine.stopping
+            and task is not None
+            and task.task is not None
+            and task.task.approve == PEOPLE  # a broker that asks clients itself waits
+            and task.compaction is None
+        )
+
+    async def _park(self) -> None:
+        task, self._task = self._running(), None
+        self._port.parked_task = await task.park(self._output)
+        self._parked = True
+
+    async def _resume(self) -> None:
+        """Take up the session's open task: woken from parking, or loaded after its host
+        stopped (R-HITL-4; :mod:`greenroom.actors.runtime.resumption`)."""
+        port, machine = self._port, self._machine
+        input_, parked = parked_or_lost(port)
+        started = parked.started_at if parked is not None else trio.current_time()
+        task = self._task = RunningTask(
+            port, self._out, input_, run_id=machine.run_id or "", started_at=started
+        )
+        self._out.begin_task()
+        machine.configure(port.task_limits())
+        await self._open(task)
+        task.take_up(lost_host=parked is None)
+
+    # -- waits that keep the inbox served ---------------------------------------------------
 
     async def _sync(self) -> bool:
         """Make the trace durable (R-TRACE-2), serving the inbox meanwhile. Returns False
@@ -677,31 +489,7 @@ class SessionSupervisor:
             self.inbox.send_nowait(TraceFailed(message=message))
 
 
-def build_request(port: SessionPort, task: TaskInput | None) -> ModelRequest:
-    """The next request of the session: the transcript's context (with the
-    ``[turn_retried]`` note on a retry: R-RETRY-4), the system prompt and tools, and the
-    task's thinking level."""
-    settings = port.settings
-    return ModelRequest(
-        model=settings.model,
-        system=settings.system,
-        tools=port.tool_schemas,
-        messages=port.transcript.request_messages(),
-        max_tokens=settings.max_tokens,
-        thinking_level=task.thinking_level if task is not None else None,
-        supports_vision=settings.supports_vision,
-        images=port.attachments.source,
-    )
-
-
-def _best_effort(ignore_errors: bool) -> contextlib.AbstractContextManager[object]:
-    """Where a failure may be what ended the task: errors there are dropped."""
-    if ignore_errors:
-        return contextlib.suppress(Exception)
-    return contextlib.nullcontext()
-
-
-async def attach_prompt(
+async def _attach_prompt(
     port: SessionPort, content: tuple[UserContent, ...]
 ) -> tuple[UserContent, ...] | str:
     """The prompt with its images attached off the event loop, or why an image was
@@ -712,17 +500,23 @@ async def attach_prompt(
         return str(exc)
 
 
-async def _call_hook(hook: Callable[[Any], Any] | None, info: Any) -> Any:
-    """Call a host hook; a hook that raises is ignored (hooks never end a task)."""
-    if hook is None:
-        return None
-    try:
-        result = hook(info)
-        if inspect.isawaitable(result):
-            result = await result
-    except Exception:
-        return None
-    return result
+def wake(port: SessionPort, message: SupervisorMessage | None) -> None:
+    """Start a supervisor for ``port``'s open task — parked on people, or loaded after
+    its host stopped — with ``message`` first in its inbox (R-HITL-2..4). The run's
+    reader, when a parked task has one, reads on; otherwise the outputs reach the trace
+    and the session's watchers only."""
+    parked = port.parked_task
+    output = parked.output if parked is not None else None
+    if output is None:
+        # Unbounded and unread: nothing waits on it; the trace and watchers get all.
+        output, unread = trio.open_memory_channel[list[Output]](math.inf)
+        unread.close()
+    supervisor = SessionSupervisor(port, output, None)
+    port.inbox = supervisor.inbox
+    port.idle = trio.Event()
+    if message is not None:
+        supervisor.inbox.send_nowait(message)
+    port.host.start_task(supervisor.run)
 
 
 async def forward_cancel(

@@ -13,15 +13,21 @@ It holds no inbox and calls nothing back: the supervisor decides what comes next
 
 from __future__ import annotations
 
+import time
+from collections.abc import Collection
+
 import trio
 
 from greenroom.actors.runtime.emitter import OutputEmitter, repaired_blocks
 from greenroom.actors.runtime.port import SessionPort
+from greenroom.protocols import markers
+from greenroom.protocols.content import TextBlock
 from greenroom.protocols.messages import (
     ApprovalAsked,
     ApprovalDecided,
     ApproveCall,
     BeginTurn,
+    PersonAnswered,
     PoolCommand,
     RunToolCall,
     SkipToolCall,
@@ -34,9 +40,11 @@ from greenroom.protocols.outputs import (
     PartialThinking,
     PartialToolCall,
 )
+from greenroom.protocols.people import arguments_digest
 from greenroom.protocols.stream import ModelError, StreamEvent
+from greenroom.protocols.task import Phase, TaskRecord
 from greenroom.protocols.text import repair_text
-from greenroom.protocols.turn import Effect, RecordUsage, TurnMachine
+from greenroom.protocols.turn import CallState, Effect, RecordUsage, TurnMachine, resume_turn
 
 __all__ = ["TurnRunner"]
 
@@ -130,19 +138,108 @@ class TurnRunner:
                     )
                 )
             case ApprovalAsked():
+                # The request is the pending state (R-HITL-1): the answer comes back as
+                # PersonAnswered, from whichever surface a person uses.
                 asked = message.call
-                self._emitter.emit(
+                request = self._emitter.emit(
                     ApprovalRequest(
                         session_id=self._port.id,
                         run_id=self.run_id,
                         call_id=asked.id,
                         tool=asked.name,
                         arguments=asked.arguments,
+                        kind=message.kind,
+                        asked_at=time.time(),
                     )
                 )
+                self._port.host.watch_approval(self._port, asked.id, request.asked_at)
             case ToolProgressed():
                 # Live only: progress notes never reach the trace (R-TRACE-1, R-TOOL-6).
                 self.apply(machine.progress(message.call_id, repair_text(message.message)))
+
+    def answer(self, answer: PersonAnswered) -> str | None:
+        """A person's answer (or the timeout's deny) to a request of this turn: decided,
+        or the question's text recorded as the call's result (R-HITL-5). Returns why it
+        is refused, None when taken (R-HITL-2)."""
+        port = self._port
+        call_id = answer.call_id
+        request = port.machine.record.pending(call_id)
+        if request is None or self.machine.call_state(call_id) is not CallState.APPROVING:
+            return (
+                f"call {call_id!r} of session {port.id} waits for no answer: it was "
+                "answered, it timed out, or its task ended"
+            )
+        if answer.digest is not None and answer.digest != arguments_digest(request.arguments):
+            return f"call {call_id!r} has other arguments than the ones that were shown"
+        by, principal = answer.by, answer.principal
+        if request.kind == "question":
+            text = answer.text if answer.by == "client" else markers.NO_ANSWER_TEXT
+            choices = request.arguments.get("choices")
+            if text is None:
+                return f"call {call_id!r} is a question: answer it with text"
+            if answer.by == "client" and isinstance(choices, list) and choices and (
+                text not in choices
+            ):
+                return f"call {call_id!r} asks to choose one of {choices}"
+            self.apply(
+                self.machine.decide(call_id, allowed=True, answer=text, by=by, principal=principal)
+            )
+            return None
+        verdict = answer.verdict or ("deny" if answer.by == "default" else None)
+        if verdict is None:
+            return f"call {call_id!r} asks for a decision: allow, deny or allow_session"
+        self.apply(
+            self.machine.decide(
+                call_id,
+                allowed=verdict != "deny",
+                remember=verdict == "allow_session",
+                interrupted=port.machine.stopping,
+                by=by,
+                principal=principal,
+            )
+        )
+        return None
+
+    def resume(self, record: TaskRecord, idempotent: Collection[str]) -> tuple[bool, bool]:
+        """Take up the attempt the trace left open (a task woken from parking, or loaded
+        after its host stopped: R-HITL-4): the machine is rebuilt from the record and the
+        transcript; the new pool learns which calls are terminal; a call that was running
+        when the host stopped gets its host-lost result and is not run again
+        (R-CLUSTER-2); the call that was being decided is asked again unless a person
+        has it (R-HITL-1). Returns whether the attempt's stream was cut (the supervisor
+        ends it failed, to be retried) and whether a running call was lost."""
+        transcript = self._port.transcript
+        results = {c.id: r for c in record.calls if (r := transcript.result_of(c.id))}
+        cut = record.phase is Phase.MODEL
+        machine = self.machine = resume_turn(
+            session_id=self._port.id,
+            run_id=self.run_id,
+            turn=record.turn,
+            attempt=record.attempt,
+            calls=record.calls,
+            results=results,
+            allowed=record.allowed,
+            stream_ended=not cut,
+        )
+        lost_any = False
+        for position, call in enumerate(machine.calls()):
+            if call.id in record.allowed and call.id not in results:
+                lost_any = True
+                lost = (
+                    markers.HOST_LOST_IDEMPOTENT_TEXT
+                    if call.name in idempotent
+                    else markers.HOST_LOST_TEXT
+                )
+                self.apply(
+                    machine.finish(call.id, status="interrupted", content=(TextBlock(text=lost),))
+                )
+            if machine.call_state(call.id) is CallState.DONE:
+                self._pool.send_nowait(SkipToolCall(position=position))
+        asking = machine.asking
+        if asking is not None and record.pending(asking) is None:
+            (call,) = (c for c in machine.calls() if c.id == asking)
+            self._ask(ApproveCall(call=call))
+        return cut, lost_any
 
     def abort(self, reason: str) -> None:
         """Settle every call and record the ``abort`` (R-ABORT-1..3, R-APPROVE-5)."""

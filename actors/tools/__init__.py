@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from greenroom.actors.tools.ask_user import ask_user
     from greenroom.actors.tools.builtin import builtin_tools
     from greenroom.actors.tools.loader import (
         ToolLoadError,
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 # Loaded on first use: the modules import each other, and importing the package must
 # not import them all (nor pay for the ones a program never uses).
 _MODULE_OF = {
+    "ask_user": "greenroom.actors.tools.ask_user",
     "builtin_tools": "greenroom.actors.tools.builtin",
     "ToolLoadError": "greenroom.actors.tools.loader",
     "load_tools": "greenroom.actors.tools.loader",
@@ -29,6 +31,7 @@ _MODULE_OF = {
 __all__ = [
     "McpConfigError",
     "ToolLoadError",
+    "ask_user",
     "builtin_tools",
     "load_config_files",
     "load_tools",

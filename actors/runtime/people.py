@@ -1,0 +1,130 @@
+"""The host's side of people in the loop (R-HITL): the timeout clock, what is pending, and
+an answer delivered to the task that waits for it.
+
+:class:`People` belongs to a host. It runs the desk
+(:class:`~greenroom.actors.runtime.people_desk.PeopleDesk`) and, when a request's wait
+runs out, resolves it by the session's
+``approval_timeout_action`` — ``deny`` answers it with a deny by ``default``, ``abort``
+interrupts the task — if it is still pending. :func:`pending_of` lists a session's waiting
+requests; :func:`answer` hands a person's answer to the session's work (waking a parked
+task: R-HITL-3) and returns once it is taken, or raises :class:`NotPending`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+
+import attrs
+import trio
+
+from greenroom.actors.runtime.errors import NotPending
+from greenroom.actors.runtime.people_desk import PeopleDesk, WatchRequest
+from greenroom.actors.runtime.port import SessionPort
+from greenroom.protocols.messages import InterruptTask, PersonAnswered
+from greenroom.protocols.people import PendingApproval, arguments_digest
+
+__all__ = ["People", "answer", "pending_of"]
+
+
+class People:
+    """A host's clock for waiting requests; ``port_of`` finds an open session's port
+    (None when the session is not open: its requests wait in its trace until it is
+    loaded again, which watches them anew)."""
+
+    __slots__ = ("_desk", "_port_of")
+
+    def __init__(self, port_of: Callable[[str], SessionPort | None]) -> None:
+        self._port_of = port_of
+        self._desk: trio.MemorySendChannel[WatchRequest] | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the desk until :meth:`close` (or cancellation)."""
+        # Unbounded: sessions register their waits with send_nowait from their own tasks
+        # and must never block; the desk takes each at once into its heap.
+        self._desk, inbox = trio.open_memory_channel[WatchRequest](math.inf)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(PeopleDesk(self._expire).run, inbox)
+            task_status.started()
+
+    def close(self) -> None:
+        """Stop the desk: nothing expires any more (the host is closing)."""
+        if self._desk is not None:
+            self._desk.close()
+
+    def watch(self, port: SessionPort, call_id: str, asked_at: float | None) -> None:
+        """Hold ``call_id``'s wait to ``port``'s timeout policy, counted from
+        ``asked_at`` (now when None)."""
+        timeout = port.settings.approval_timeout_s
+        if timeout is None or self._desk is None:
+            return
+        since = time.time() - (asked_at if asked_at is not None else time.time())
+        deadline = trio.current_time() + max(0.0, timeout - max(0.0, since))
+        with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
+            self._desk.send_nowait(
+                WatchRequest(session_id=port.id, call_id=call_id, deadline=deadline)
+            )
+
+    def _expire(self, session_id: str, call_id: str) -> None:
+        port = self._port_of(session_id)
+        if port is None:
+            return
+        request = port.machine.record.pending(call_id)
+        if request is None:
+            return
+        settings = port.settings
+        if settings.approval_timeout_action == "abort":
+            port.deliver(
+                InterruptTask(
+                    reason=f"nobody answered the request about {request.tool} "
+                    f"(call {call_id}) within {settings.approval_timeout_s:g} s"
+                )
+            )
+        else:
+            port.deliver(PersonAnswered(call_id=call_id, by="default"))
+
+
+def pending_of(port: SessionPort) -> list[PendingApproval]:
+    """The requests of ``port``'s open task that wait for a person."""
+    return [
+        PendingApproval(
+            session_id=port.id,
+            call_id=request.call_id,
+            tool=request.tool,
+            arguments=request.arguments,
+            asked_at=request.asked_at,
+            origin=port.origin_path,
+            kind=request.kind,
+            digest=arguments_digest(request.arguments),
+        )
+        for request in port.machine.record.pending_people
+    ]
+
+
+async def answer(port: SessionPort, message: PersonAnswered) -> None:
+    """Hand ``message`` to the work of ``port`` and wait until it is taken. Raises
+    :class:`NotPending` when the call waits for no answer (or no longer), when the answer
+    names other arguments than the call's, or when it is not of the request's kind."""
+    request = port.machine.record.pending(message.call_id)
+    if request is None:
+        raise NotPending(
+            f"call {message.call_id!r} of session {port.id} waits for no answer: it was "
+            "answered, it timed out, or its task ended"
+        )
+    if message.digest is not None and message.digest != arguments_digest(request.arguments):
+        raise NotPending(
+            f"call {message.call_id!r} has other arguments than the ones that were shown"
+        )
+    # One slot: the supervisor's one reply never waits for this reader.
+    reply_send, reply = trio.open_memory_channel[str | None](1)
+    if not port.deliver(attrs.evolve(message, reply=reply_send)):
+        raise NotPending(f"session {port.id} has no task waiting for an answer")
+    with reply:
+        try:
+            refused = await reply.receive()
+        except trio.EndOfChannel:
+            refused = f"session {port.id} ended before the answer was taken"
+    if refused is not None:
+        raise NotPending(refused)

@@ -1,0 +1,71 @@
+"""The people desk: the host's one clock for requests that wait for people (R-HITL-1).
+
+A request waits in the trace (``approval_request``) whether its task runs or is parked
+(R-HITL-3). When the session's settings give waits a limit (``approval_timeout_s``), the
+desk holds the request's deadline — counted from when it was first asked, across restarts —
+and when it passes calls ``expire(session_id, call_id)``; the host then resolves the
+request by the session's ``approval_timeout_action`` if it is still pending. One actor per
+host whatever the number of waiting requests, one heap entry each; with no limit (the
+default for ``serve``) nothing is held at all.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable
+
+import attrs
+import trio
+
+__all__ = ["PeopleDesk", "WatchRequest"]
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class WatchRequest:
+    """Command to the desk: call ``expire`` for ``call_id`` of ``session_id`` at
+    ``deadline`` (trio time)."""
+
+    session_id: str
+    call_id: str
+    deadline: float
+
+
+class PeopleDesk:
+    """See the module docstring. Start it with ``nursery.start(desk.run, inbox)``; it
+    serves :class:`WatchRequest` until the inbox closes or it is cancelled. ``expire`` runs
+    in the desk's task and must not block or raise."""
+
+    __slots__ = ("_expire",)
+
+    def __init__(self, expire: Callable[[str, str], None]) -> None:
+        self._expire = expire
+
+    async def run(
+        self,
+        inbox: trio.MemoryReceiveChannel[WatchRequest],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve watch requests; expire each at its deadline. Cancel-safe."""
+        task_status.started()
+        heap: list[tuple[float, int, str, str]] = []
+        order = itertools.count()
+        async with inbox:
+            while True:
+                deadline = heap[0][0] if heap else math.inf
+                with trio.move_on_at(deadline):
+                    try:
+                        request = await inbox.receive()
+                    except trio.EndOfChannel:
+                        return
+                    heapq.heappush(
+                        heap,
+                        (request.deadline, next(order), request.session_id, request.call_id),
+                    )
+                    continue
+                now = trio.current_time()
+                while heap and heap[0][0] <= now:
+                    _, _, session_id, call_id = heapq.heappop(heap)
+                    self._expire(session_id, call_id)

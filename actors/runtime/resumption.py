@@ -1,0 +1,91 @@
+"""Taking up a task the trace leaves open (R-HITL-3, R-HITL-4, R-CLUSTER-2).
+
+A task is open when its ``task_start`` has no ``task_end``: it was parked while it waited
+only for people (no supervisor, no actors: R-HITL-3), or its host stopped under it (a
+crash, a SIGKILL, a takeover by another host). A supervisor that starts for such a session
+takes the task up where the trace left it, through :func:`take_up`:
+
+- a compaction in flight is over: ``compaction_end(failed)``;
+- the attempt in flight is rebuilt (:meth:`TurnRunner.resume`): a call that was running
+  gets its host-lost result and is not run again; a stream that was cut ends its attempt
+  failed, to be tried again (R-RETRY-4); a call being decided is asked again unless a
+  person has it;
+- every request waiting for a person keeps waiting, held to the session's timeout policy
+  from the moment it was first asked (R-HITL-1).
+
+Nothing is ever lost for a parked task (nothing was in flight); for the others the task
+goes on with the host-lost note as steering, so the model knows what happened.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from greenroom.actors.runtime.emitter import OutputEmitter
+from greenroom.actors.runtime.port import Parked, SessionPort, TaskInput
+from greenroom.actors.runtime.turn_runner import TurnRunner
+from greenroom.protocols import markers
+from greenroom.protocols.content import TextBlock
+from greenroom.protocols.messages import PlanBackoff, StreamerCommand
+from greenroom.protocols.outputs import CompactionEnd
+from greenroom.protocols.people import PEOPLE
+from greenroom.protocols.stream import ModelError
+from greenroom.protocols.task import Phase
+
+__all__ = ["parked_or_lost", "take_up"]
+
+_OPEN_ATTEMPT = frozenset({Phase.MODEL, Phase.TOOLS, Phase.RETRY, Phase.FAILED})
+"""Phases in which the trace leaves an attempt whose calls the task must know again."""
+
+
+def parked_or_lost(port: SessionPort) -> tuple[TaskInput, Parked | None]:
+    """The run options of the open task: the parked task's own, or — for a task whose
+    host stopped — ``approve="people"`` (its callback, if it had one, is gone with the
+    process; a person answers instead)."""
+    parked, port.parked_task = port.parked_task, None
+    if parked is not None:
+        return parked.task, parked
+    return TaskInput(content=(), approve=PEOPLE, thinking_level=None), None
+
+
+def take_up(
+    port: SessionPort,
+    out: OutputEmitter,
+    turns: TurnRunner,
+    streamer: trio.MemorySendChannel[StreamerCommand],
+    *,
+    run_id: str,
+    lost_host: bool,
+) -> None:
+    """Take up the open task of ``port`` with the task's fresh actors (see the module
+    docstring). ``lost_host``: the task's host stopped under it (not a parked task)."""
+    machine = port.machine
+    record = machine.record
+    lost = False
+    if record.phase is Phase.COMPACTING:
+        lost = True
+        out.emit(
+            CompactionEnd(
+                session_id=port.id,
+                run_id=run_id,
+                status="failed",
+                attempt=1,
+                error_message=markers.HOST_LOST_COMPACTION,
+            )
+        )
+    elif record.turn and record.phase in _OPEN_ATTEMPT:
+        idempotent = {t.name for t in port.tool_by_name.values() if t.idempotent}
+        cut, lost = turns.resume(record, idempotent)
+        if cut:
+            lost = True
+            error = ModelError(kind="timeout", message=markers.HOST_LOST_STREAM)
+            retry_in_ms = machine.plan_failure(error)
+            if retry_in_ms is not None:
+                # Skippable from the moment it is announced (R-RETRY-5).
+                streamer.send_nowait(PlanBackoff())
+            turns.fail_attempt(error, retry_in_ms)
+    for request in record.pending_people:
+        port.host.watch_approval(port, request.call_id, request.asked_at)
+    if lost and lost_host:
+        machine.queue_steering((TextBlock(text=markers.HOST_LOST_CONTINUATION),))
+    out.flush()

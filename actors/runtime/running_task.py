@@ -1,0 +1,453 @@
+"""One task as its supervisor carries it out, from its first step to its one teardown.
+
+A :class:`RunningTask` is a prompt and its turns, or a manual compaction (the two kinds of
+task of the task machine): its actors (:class:`TaskWork`: the approval broker, the tool
+pool, the LLM streamer and the hook calls, in one cancel scope), its turns
+(:class:`~greenroom.actors.runtime.turn_runner.TurnRunner`), its compaction
+(:class:`~greenroom.actors.runtime.compactor.CompactionRun`) and the numbers of its model
+requests. The supervisor creates one per task, hands it the steps the task machine issues
+and the inbox messages that concern it, and ends it — whatever ended it — through the one
+teardown: :meth:`stop_work`, then :meth:`settle` and the ``task_end`` (R-RUN-7), or
+:meth:`park` when the task waits only for people (R-HITL-3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from greenroom.actors.runtime.approval_broker import ApprovalBroker
+from greenroom.actors.runtime.compactor import CompactionRun
+from greenroom.actors.runtime.emitter import OutputEmitter
+from greenroom.actors.runtime.llm_streamer import LLMStreamer
+from greenroom.actors.runtime.port import Parked, SessionPort, TaskInput
+from greenroom.actors.runtime.resumption import take_up
+from greenroom.actors.runtime.subagents import RunChild, Subagents
+from greenroom.actors.runtime.tool_pool import ToolPool
+from greenroom.actors.runtime.turn_runner import TurnRunner
+from greenroom.protocols.content import UserContent
+from greenroom.protocols.context import ModelRequest
+from greenroom.protocols.hooks import RequestInfo, StopInfo, ToolResultsInfo
+from greenroom.protocols.messages import (
+    ApprovalAsked,
+    ApprovalDecided,
+    ApproveCall,
+    HookAnswered,
+    PersonAnswered,
+    PlanBackoff,
+    PoolCommand,
+    SkipBackoff,
+    StartAttempt,
+    StreamBatch,
+    StreamerCommand,
+    SupervisorMessage,
+    ToolCallFinished,
+    ToolProgressed,
+)
+from greenroom.protocols.outputs import CompactionReason, Output, TaskEnd, TaskStatus, UserMsg
+from greenroom.protocols.stream import StreamFailed
+from greenroom.protocols.task import CallHook
+
+__all__ = ["RunningTask", "TaskWork", "build_request"]
+
+
+class TaskWork:
+    """The actors of one task: the approval broker, the tool pool and the LLM streamer,
+    with the hook calls, in one nursery whose cancel scope ends them together (interrupt
+    = cancellation). Start it with ``nursery.start(work.run)``; it serves until
+    :meth:`stop`. Each reports to the supervisor's inbox only."""
+
+    __slots__ = (
+        "_approvals",
+        "_done",
+        "_inbox",
+        "_pool",
+        "_port",
+        "_run_child",
+        "_streamer",
+        "_task",
+        "approvals",
+        "nursery",
+        "pool",
+        "scope",
+        "streamer",
+    )
+
+    def __init__(
+        self,
+        port: SessionPort,
+        task: TaskInput | None,
+        inbox: trio.MemorySendChannel[SupervisorMessage],
+        run_child: RunChild,
+    ) -> None:
+        self._port = port
+        self._task = task
+        self._inbox = inbox
+        self._run_child = run_child
+        self._done = trio.Event()
+        self.scope = trio.CancelScope()
+        # Unbounded, all three: the supervisor commands with send_nowait and never waits
+        # for its actors; at most a turn's calls (or a handful of stream commands) queue.
+        self.approvals, self._approvals = trio.open_memory_channel[ApproveCall](math.inf)
+        self.pool, self._pool = trio.open_memory_channel[PoolCommand](math.inf)
+        self.streamer, self._streamer = trio.open_memory_channel[StreamerCommand](math.inf)
+        self.nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start the actors; ready once they serve. Returns after :meth:`stop`."""
+        port = self._port
+        settings = port.settings
+        approve = self._task.approve if self._task is not None else None
+        try:
+            with self.scope:
+                async with trio.open_nursery() as nursery:
+                    broker = ApprovalBroker(
+                        approve=approve,
+                        clients=port.client_approvals,
+                        timeout_s=settings.approval_timeout_s,
+                        inbox=self._inbox,
+                    )
+                    await nursery.start(broker.run, self._approvals)
+                    subagents = Subagents(
+                        port, approve=approve, report=self._inbox, run_child=self._run_child
+                    )
+                    pool = ToolPool(
+                        tools=port.tool_by_name,
+                        inbox=self._inbox,
+                        workspace_dir=port.workspace_dir,
+                        scratchpad_dir=port.scratchpad_dir,
+                        sync_trace=port.sync_trace,
+                        result_budget=settings.tool_result_budget,
+                        spawn=subagents.spawn,
+                        sandbox=settings.sandbox,
+                        shell_network=settings.shell_network,
+                        private_dirs=(port.host.data_dir,),
+                        attachments=port.attachments,
+                    )
+                    await nursery.start(pool.run, self._pool)
+                    streamer = LLMStreamer(port.provider.open_task(), self._inbox)
+                    await nursery.start(streamer.run, self._streamer)
+                    self.nursery = nursery
+                    task_status.started()
+                    await trio.sleep_forever()
+        finally:
+            self._done.set()
+
+    async def stop(self) -> None:
+        """End the actors and wait until they have: a tool that ignores cancellation is
+        abandoned after the pool's grace (R-SEC-2), so this stays bounded."""
+        self.scope.cancel()
+        await self._done.wait()
+
+    def request(
+        self, command: StartAttempt, hook: Callable[[Any], Any] | None, info: Any
+    ) -> None:
+        """Send ``command`` to the streamer — after the host's ``before_request`` hook has
+        seen it, when there is one, in a task of the work: the supervisor never waits for
+        a hook, and an interrupt drops the held request with the work."""
+        if hook is None:
+            self.streamer.send_nowait(command)
+            return
+        streamer = self.streamer
+
+        async def after_hook() -> None:
+            await call_hook(hook, info)
+            streamer.send_nowait(command)
+
+        assert self.nursery is not None
+        self.nursery.start_soon(after_hook)
+
+    def call_hook(self, name: Any, hook: Callable[[Any], Any] | None, info: Any) -> None:
+        """Call a host hook in a task of the work; its answer reaches the supervisor's
+        inbox as ``HookAnswered``."""
+        inbox = self._inbox
+
+        async def call() -> None:
+            answer = await call_hook(hook, info)
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                inbox.send_nowait(HookAnswered(hook=name, answer=answer))
+
+        assert self.nursery is not None
+        self.nursery.start_soon(call)
+
+
+class RunningTask:
+    """One task of ``port``, run ``run_id`` (see the module docstring). ``task`` is
+    None for a manual compaction."""
+
+    __slots__ = (
+        "_compaction",
+        "_out",
+        "_port",
+        "_requests",
+        "_turn_request",
+        "run_id",
+        "started_at",
+        "task",
+        "turns",
+        "work",
+    )
+
+    def __init__(
+        self,
+        port: SessionPort,
+        out: OutputEmitter,
+        task: TaskInput | None,
+        *,
+        run_id: str,
+        started_at: float,
+    ) -> None:
+        self._port = port
+        self._out = out
+        self.task = task
+        self.run_id = run_id
+        self.started_at = started_at
+        self.work: TaskWork | None = None
+        self.turns: TurnRunner | None = None
+        self._compaction: CompactionRun | None = None
+        self._requests = 0
+        self._turn_request = 0
+
+    async def open(
+        self,
+        nursery: trio.Nursery,
+        inbox: trio.MemorySendChannel[SupervisorMessage],
+        run_child: RunChild,
+    ) -> None:
+        """Start the task's actors in ``nursery`` (the supervisor's)."""
+        work = TaskWork(self._port, self.task, inbox, run_child)
+        await nursery.start(work.run)
+        self.work = work
+        self.turns = TurnRunner(
+            port=self._port,
+            emitter=self._out,
+            run_id=self.run_id,
+            approvals=work.approvals,
+            pool=work.pool,
+        )
+
+    def _actors(self) -> tuple[TurnRunner, TaskWork]:
+        assert self.turns is not None and self.work is not None
+        return self.turns, self.work
+
+    # -- steps --------------------------------------------------------------------------------
+
+    def begin_turn(self, turn: int, steering: tuple[UserContent, ...]) -> None:
+        """Begin turn ``turn``: the steering (its images attached already) recorded as one
+        input (R-STEER-2), then attempt 1."""
+        turns, _ = self._actors()
+        turns.begin_turn(turn)
+        if steering:
+            self._out.emit(
+                UserMsg(session_id=self._port.id, run_id=self.run_id, kind="steering",
+                        content=steering)
+            )
+        self.begin_attempt(1, 0)
+
+    def begin_attempt(self, attempt: int, delay_ms: int) -> None:
+        """Send attempt ``attempt`` of the turn's request after ``delay_ms``."""
+        turns, work = self._actors()
+        port = self._port
+        turns.begin_attempt(attempt)
+        self._out.flush()
+        request = build_request(port, self.task)
+        self._turn_request = self._next_request()
+        command = StartAttempt(
+            request=request, attempt=attempt, delay_ms=delay_ms, number=self._turn_request
+        )
+        info = RequestInfo(
+            session_id=port.id, run_id=self.run_id, turn=turns.turn, attempt=attempt,
+            request=request,
+        )
+        work.request(command, port.hooks.before_request, info)
+
+    def _next_request(self) -> int:
+        self._requests += 1
+        return self._requests
+
+    def start_compaction(self, reason: CompactionReason) -> None:
+        """Compact now (R-COMPACT); after an overflow the failed attempt is history."""
+        turns, work = self._actors()
+        if reason == "overflow":
+            turns.discard_attempt()
+        # The task's own request settings, thinking included, so that the summary
+        # request's prefix is the one the provider has cached (R-COMPACT-5).
+        self._compaction = CompactionRun(
+            port=self._port,
+            emitter=self._out,
+            streamer=work.streamer,
+            run_id=self.run_id,
+            turn=turns.turn,
+            reason=reason,
+            template=build_request(self._port, self.task),
+            number=self._next_request,
+        )
+        self._compaction.start()
+
+    @property
+    def compaction(self) -> CompactionRun | None:
+        """The compaction in progress, if any."""
+        compaction = self._compaction
+        if compaction is not None and not compaction.running and not compaction.ready:
+            self._compaction = compaction = None
+        return compaction
+
+    def call_hook(self, step: CallHook) -> None:
+        """Call the host's ``after_tool_results`` or ``on_stop`` hook (R-HOOK-1)."""
+        turns, work = self._actors()
+        port = self._port
+        machine = turns.machine
+        sid, rid, turn = port.id, self.run_id, turns.turn
+        if step.hook == "after_tool_results":
+            results = ToolResultsInfo(session_id=sid, run_id=rid, turn=turn,
+                                      results=machine.results())
+            work.call_hook(step.hook, port.hooks.after_tool_results, results)
+        else:
+            stop = StopInfo(session_id=sid, run_id=rid, turn=turn,
+                            final_message=machine.done_blocks,
+                            continuations=step.continuations)
+            work.call_hook(step.hook, port.hooks.on_stop, stop)
+
+    def take_up(self, *, lost_host: bool) -> None:
+        """Take up the open task the trace left (R-HITL-4): see
+        :mod:`greenroom.actors.runtime.resumption`."""
+        turns, work = self._actors()
+        take_up(self._port, self._out, turns, work.streamer, run_id=self.run_id,
+                lost_host=lost_host)
+
+    # -- what the actors report -----------------------------------------------------------
+
+    def on_batch(self, batch: StreamBatch) -> None:
+        """A stream batch: the turn's attempt's, the compaction's, or a stale one."""
+        number = batch.request
+        if number and number == self._turn_request:
+            self._turn_batch(batch)
+        elif self._compaction is not None and number == self._compaction.request:
+            self._compaction.feed(batch.events)
+
+    def _turn_batch(self, batch: StreamBatch) -> None:
+        turns, work = self._actors()
+        turns.feed(batch.events)
+        result = turns.machine.stream_result
+        if result is None:
+            return
+        self._turn_request = 0
+        if isinstance(result, StreamFailed):
+            error = result.error
+            retry_in_ms = self._port.machine.plan_failure(error)
+            if retry_in_ms is not None:
+                # Skippable from the moment it is announced (R-RETRY-5).
+                work.streamer.send_nowait(PlanBackoff())
+            turns.fail_attempt(error, retry_in_ms)
+
+    def on_turn_message(
+        self, message: ToolCallFinished | ToolProgressed | ApprovalDecided | ApprovalAsked
+    ) -> None:
+        """What the pool or the broker reported."""
+        if self.turns is not None:
+            self.turns.handle(message)
+
+    def answer(self, answer: PersonAnswered) -> str | None:
+        """A person's answer; why it was refused, or None."""
+        if self.turns is None:
+            return f"session {self._port.id} has no request waiting for an answer"
+        return self.turns.answer(answer)
+
+    def skip_backoff(self) -> None:
+        """End the reconnect wait, a turn's or a compaction's (R-RETRY-5)."""
+        if self.work is not None:
+            self.work.streamer.send_nowait(SkipBackoff())
+
+    # -- the one teardown -------------------------------------------------------------------
+
+    async def stop_work(self) -> None:
+        """Stop the task's actors (and drop its model requests: their late batches are
+        stale). The supervisor then drains what they reported before and settles."""
+        self._turn_request = 0
+        if self._compaction is not None:
+            self._compaction.request = 0
+        work, self.work = self.work, None
+        if work is not None:
+            with trio.CancelScope(shield=True):
+                await work.stop()
+
+    def settle(self, status: TaskStatus, message: str | None, *, best_effort: bool) -> None:
+        """Settle what is in flight for ``status``: a compaction ends failed, an aborted
+        task's calls are settled with its ``abort`` (R-ABORT-1..3, R-APPROVE-5), a failed
+        one's with its request ended failed."""
+        compaction, self._compaction = self._compaction, None
+        reason = message or status
+        with _best_effort(best_effort):
+            if compaction is not None:
+                compaction.end_interrupted(reason)
+            if self.task is None or self.turns is None:
+                return  # a manual compaction has no task records
+            if status == "aborted":
+                self.turns.abort(reason)
+            elif status == "failed":
+                self.turns.fail(reason)
+
+    def task_end(self, status: TaskStatus, message: str | None) -> TaskEnd:
+        """The task's one ``task_end``."""
+        machine = self._port.machine
+        return TaskEnd(
+            session_id=self._port.id,
+            run_id=self.run_id,
+            status=status,
+            turns=machine.turn,
+            usage=machine.usage,
+            wall_ms=round((trio.current_time() - self.started_at) * 1000),
+            message=message,
+        )
+
+    async def park(self, output: trio.MemorySendChannel[list[Output]]) -> Parked:
+        """The task waits only for people: its actors stop and it keeps only its run
+        options and its reader's channel (R-HITL-3)."""
+        await self.stop_work()
+        assert self.task is not None
+        # A run nobody reads any more (the gateway's, after a restart) keeps no channel.
+        reader = output.statistics().open_receive_channels > 0
+        return Parked(task=self.task, output=output if reader else None,
+                      started_at=self.started_at)
+
+
+def build_request(port: SessionPort, task: TaskInput | None) -> ModelRequest:
+    """The next request of the session: the transcript's context (with the
+    ``[turn_retried]`` note on a retry: R-RETRY-4), the system prompt and tools, and the
+    task's thinking level."""
+    settings = port.settings
+    return ModelRequest(
+        model=settings.model,
+        system=settings.system,
+        tools=port.tool_schemas,
+        messages=port.transcript.request_messages(),
+        max_tokens=settings.max_tokens,
+        thinking_level=task.thinking_level if task is not None else None,
+        supports_vision=settings.supports_vision,
+        images=port.attachments.source,
+    )
+
+
+def _best_effort(ignore_errors: bool) -> contextlib.AbstractContextManager[object]:
+    """Where a failure may be what ended the task: errors there are dropped."""
+    if ignore_errors:
+        return contextlib.suppress(Exception)
+    return contextlib.nullcontext()
+
+
+async def call_hook(hook: Callable[[Any], Any] | None, info: Any) -> Any:
+    """Call a host hook; a hook that raises is ignored (hooks never end a task)."""
+    if hook is None:
+        return None
+    try:
+        result = hook(info)
+        if inspect.isawaitable(result):
+            result = await result
+    except Exception:
+        return None
+    return result

@@ -1,0 +1,346 @@
+"""People answer when they can (R-HITL-1..5) through the Python API, with the scripted
+model: a pending approval is a record that waits — parked, holding nothing — across a
+close and a load, a restart of the host and a crash of it; anyone answers it from the host
+whether or not the task is in memory; the tool runs exactly once; a timeout policy decides
+when nobody answers; the model asks questions with ``ask_user``.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+from conftest import RUN_TIMEOUT_S, collect, of_type, open_host, port_of, trace_lines
+
+from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
+from greenroom.actors.runtime.errors import Busy, NotPending
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.tools.ask_user import NOBODY_TO_ASK, ask_user
+from greenroom.protocols.content import TextBlock
+from greenroom.protocols.context import ModelRequest, ToolResult, UserMessage
+from greenroom.protocols.outputs import (
+    ApprovalDecision,
+    ApprovalRequest,
+    TaskEnd,
+    ToolCallOutput,
+)
+from greenroom.protocols.people import PEOPLE, arguments_digest
+from greenroom.protocols.tools import make_tool
+
+
+class Ledger:
+    """A side-effecting ``pay(amount)`` tool that records each payment it makes."""
+
+    def __init__(self) -> None:
+        self.paid: list[int] = []
+
+        async def pay(amount: int) -> str:
+            """Pay an amount."""
+            self.paid.append(amount)
+            return f"paid {amount}"
+
+        self.tool = make_tool(pay, parallel=False)
+
+
+def pay_then_answer() -> list[Reply]:
+    return [
+        Reply(blocks=(text("Paying."), tool_call("p1", "pay", amount=7))),
+        Reply(blocks=(text("Done."),)),
+    ]
+
+
+async def until_parked(host: Host, session_id: str) -> None:
+    """Wait until the session's task waits for a person with no supervisor left: its
+    supervisor ends when it parks (R-HITL-3), and the session's idle wait returns."""
+    session = host.get_session(session_id)
+    with trio.fail_after(RUN_TIMEOUT_S):
+        await session.wait_idle()
+    port = host.port(session_id)
+    assert port.parked and port.inbox is None
+
+
+def last_result(request: ModelRequest) -> ToolResult:
+    message = request.messages[-1]
+    assert isinstance(message, UserMessage)
+    return [part for part in message.content if isinstance(part, ToolResult)][-1]
+
+
+async def test_a_call_waits_parked_for_a_person_and_runs_once_when_allowed(
+    host: Host, workspace: Path
+) -> None:
+    """R-HITL-1..3: with approve="people" the call is recorded as a pending request and
+    the task parks — no supervisor, no actors — while the run's reader keeps waiting;
+    host.pending_approvals lists it with its arguments; the answer (by a named person)
+    wakes the task, the tool runs once and the same stream reaches task_end."""
+    ledger = Ledger()
+    provider = ScriptedProvider(pay_then_answer())
+    session = await host.create_session(provider=provider, tools=[ledger.tool],
+                                        workspace_dir=workspace)
+    stream = session.run("pay 7", approve=PEOPLE)
+    await until_parked(host, session.id)
+
+    assert session.busy and ledger.paid == []
+    with pytest.raises(Busy):
+        session.run("something else")
+    (pending,) = await host.pending_approvals()
+    assert (pending.session_id, pending.call_id, pending.tool) == (session.id, "p1", "pay")
+    assert pending.arguments == {"amount": 7} and pending.kind == "approval"
+    assert pending.digest == arguments_digest({"amount": 7}) and pending.asked_at
+    assert pending.origin == (session.id,)
+
+    await host.answer_approval(session.id, "p1", "allow", by="alice")
+    outputs = await collect(stream)
+    assert ledger.paid == [7]
+    (decision,) = of_type(outputs, ApprovalDecision)
+    assert (decision.decision, decision.by, decision.principal) == ("allow", "client", "alice")
+    assert of_type(outputs, TaskEnd)[-1].status == "completed"
+    assert await host.pending_approvals() == []
+    assert not session.busy
+
+
+async def test_a_parked_task_holds_no_task_beyond_an_idle_sessions(
+    host: Host, workspace: Path
+) -> None:
+    """R-HITL-3: parked, a task leaves no trio task behind: the host runs as many tasks
+    as it does with the session idle."""
+    ledger = Ledger()
+    session = await host.create_session(provider=ScriptedProvider(pay_then_answer()),
+                                        tools=[ledger.tool], workspace_dir=workspace)
+    await trio.testing.wait_all_tasks_blocked()
+    idle = trio.lowlevel.current_statistics().tasks_living
+    stream = session.run("pay", approve=PEOPLE)
+    stream.detach()
+    await until_parked(host, session.id)
+    await trio.testing.wait_all_tasks_blocked()
+    assert trio.lowlevel.current_statistics().tasks_living == idle
+    await host.answer_approval(session.id, "p1", "deny")
+    await session.wait_idle()
+
+
+async def test_a_pending_approval_survives_close_and_load(
+    host: Host, workspace: Path
+) -> None:
+    """R-HITL-1: closing a session whose task waits for a person does not deny the call;
+    loading it asks again, and the answer runs the tool exactly once."""
+    ledger = Ledger()
+    session = await host.create_session(provider=ScriptedProvider(pay_then_answer()[:1]),
+                                        tools=[ledger.tool], workspace_dir=workspace)
+    session.run("pay", approve=PEOPLE).detach()
+    await until_parked(host, session.id)
+    await host.close_session(session.id)
+    assert [line["type"] for line in trace_lines(session)][-1] == "approval_request"
+
+    loaded = await host.load_session(
+        session.id, tools=[ledger.tool], provider=ScriptedProvider(pay_then_answer()[1:])
+    )
+    assert loaded.busy
+    assert [p.call_id for p in await host.pending_approvals()] == ["p1"]
+    watched: list[object] = []
+    loaded.subscribe(watched.extend)
+    await host.answer_approval(session.id, "p1", "allow", by="bob")
+    await loaded.wait_idle()
+    assert ledger.paid == [7]
+    lines = trace_lines(loaded)
+    assert [line["type"] for line in lines].count("task_start") == 1
+    assert [line["status"] for line in lines if line["type"] == "task_end"] == ["completed"]
+
+
+async def test_a_pending_approval_survives_a_restart_of_the_host(
+    data_dir: Path, workspace: Path
+) -> None:
+    """R-HITL-1, R-HITL-4: a host that closes with a task parked on a person leaves the
+    request pending in the trace; the next host (resume_tasks=True) asks it again; the
+    answer completes the task, the tool run once in all."""
+    ledger = Ledger()
+    async with open_host(data_dir) as host:
+        session = await host.create_session(provider=ScriptedProvider(pay_then_answer()[:1]),
+                                            tools=[ledger.tool], workspace_dir=workspace)
+        session.run("pay", approve=PEOPLE).detach()
+        await until_parked(host, session.id)
+        sid = session.id
+
+    async with Host.open(data_dir, resume_tasks=True, tools=[ledger.tool]) as host:
+        (pending,) = await host.pending_approvals()
+        assert pending.call_id == "p1"
+        resumed = host.get_session(sid)
+        assert resumed.busy
+        port_of(resumed).provider = ScriptedProvider(pay_then_answer()[1:])
+        await host.answer_approval(sid, "p1", "allow", digest=pending.digest)
+        await resumed.wait_idle()
+        assert ledger.paid == [7]
+        ends = [line for line in trace_lines(resumed) if line["type"] == "task_end"]
+        assert [e["status"] for e in ends] == ["completed"]
+
+
+async def test_answers_for_calls_not_pending_are_refused_clearly(
+    host: Host, workspace: Path
+) -> None:
+    """R-HITL-2: an answer for an unknown call, with other arguments than those shown,
+    or for a call already answered is refused with NotPending, and nothing changes."""
+    ledger = Ledger()
+    session = await host.create_session(provider=ScriptedProvider(pay_then_answer()),
+                                        tools=[ledger.tool], workspace_dir=workspace)
+    stream = session.run("pay", approve=PEOPLE)
+    await until_parked(host, session.id)
+    with pytest.raises(NotPending, match="waits for no answer"):
+        await host.answer_approval(session.id, "nope", "allow")
+    with pytest.raises(NotPending, match="other arguments"):
+        await host.answer_approval(session.id, "p1", "allow",
+                                   digest=arguments_digest({"amount": 700}))
+    with pytest.raises(NotPending, match="asks for a decision"):
+        await host.answer_question(session.id, "p1", "yes")
+    assert ledger.paid == [] and session.busy
+    await host.answer_approval(session.id, "p1", "deny")
+    with pytest.raises(NotPending):
+        await host.answer_approval(session.id, "p1", "allow")
+    outputs = await collect(stream)
+    assert [o.status for o in of_type(outputs, ToolCallOutput)] == ["denied"]
+    assert ledger.paid == []
+
+
+@pytest.mark.parametrize("action", ["deny", "abort"])
+async def test_the_timeout_policy_decides_when_nobody_answers(
+    host: Host, workspace: Path, action: str
+) -> None:
+    """R-HITL-1, R-APPROVE-4: with approval_timeout_s a parked request ends when its
+    time runs out: ``deny`` denies it by default and the task goes on, ``abort``
+    interrupts the task; the tool never runs. (Real time: the wait is the product's own,
+    and a mock clock would jump it while the trace's fsync thread works.)"""
+    ledger = Ledger()
+    session = await host.create_session(
+        provider=ScriptedProvider(pay_then_answer()), tools=[ledger.tool],
+        workspace_dir=workspace, approval_timeout_s=0.2, approval_timeout_action=action,
+    )
+    start = trio.current_time()
+    outputs = await collect(session.run("pay", approve=PEOPLE))
+    assert trio.current_time() - start >= 0.2
+    end = of_type(outputs, TaskEnd)[-1]
+    if action == "deny":
+        (decision,) = of_type(outputs, ApprovalDecision)
+        assert (decision.decision, decision.by) == ("deny", "default")
+        assert end.status == "completed"
+    else:
+        assert end.status == "aborted" and "within 0.2 s" in (end.message or "")
+    assert ledger.paid == []
+
+
+async def test_the_model_asks_the_person_a_question(host: Host, workspace: Path) -> None:
+    """R-HITL-5: ask_user is a durable question (approval_request kind question); the
+    person's text is the call's result; an answer outside the choices is refused."""
+    provider = ScriptedProvider(
+        [
+            Reply(blocks=(tool_call("q1", "ask_user", question="Which color?",
+                                    choices=["red", "blue"]),)),
+            Reply(blocks=(text("Blue it is."),)),
+        ]
+    )
+    session = await host.create_session(provider=provider, tools=[ask_user],
+                                        workspace_dir=workspace)
+    stream = session.run("paint it", approve=PEOPLE)
+    await until_parked(host, session.id)
+    (pending,) = await host.pending_approvals()
+    assert pending.kind == "question" and pending.arguments["question"] == "Which color?"
+    with pytest.raises(NotPending, match="choose one of"):
+        await host.answer_question(session.id, "q1", "green")
+    await host.answer_question(session.id, "q1", "blue", by="carol")
+    outputs = await collect(stream)
+    (request,) = of_type(outputs, ApprovalRequest)
+    assert request.kind == "question"
+    (result,) = of_type(outputs, ToolCallOutput)
+    assert (result.status, result.content) == ("ok", (TextBlock(text="blue"),))
+    assert last_result(provider.requests[-1]).content == (TextBlock(text="blue"),)
+    assert of_type(outputs, TaskEnd)[-1].status == "completed"
+
+
+async def test_without_people_ask_user_tells_the_model_nobody_answers(
+    host: Host, workspace: Path
+) -> None:
+    provider = ScriptedProvider(
+        [Reply(blocks=(tool_call("q1", "ask_user", question="?"),)), Reply(blocks=(text("k"),))]
+    )
+    session = await host.create_session(provider=provider, tools=[ask_user],
+                                        workspace_dir=workspace)
+    outputs = await collect(session.run("go", approve=lambda call: "allow"))
+    (result,) = of_type(outputs, ToolCallOutput)
+    assert result.content == (TextBlock(text=NOBODY_TO_ASK),)
+
+
+CRASHING_HOST = textwrap.dedent(
+    """
+    import sys, trio
+    from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
+    from greenroom.actors.runtime.host import Host
+    from greenroom.protocols.tools import make_tool
+
+    data_dir, workspace, marks = sys.argv[1:4]
+
+    async def pay(amount: int) -> str:
+        \"\"\"Pay an amount.\"\"\"
+        with open(marks, "a") as handle:
+            handle.write(f"{amount}\\n")
+        print("paying", flush=True)
+        await trio.sleep_forever()  # the host is killed while the call runs
+        return "never"
+
+    async def main():
+        async with Host.open(data_dir) as host:
+            session = await host.create_session(
+                provider=ScriptedProvider(
+                    [Reply(blocks=(text("Paying."), tool_call("p1", "pay", amount=7)))]
+                ),
+                tools=[make_tool(pay, parallel=False)], workspace_dir=workspace,
+            )
+            print(session.id, flush=True)
+            await session.run("pay", approve=lambda call: "allow").collect()
+
+    trio.run(main)
+    """
+)
+
+
+async def test_a_killed_hosts_task_resumes_without_running_its_call_again(
+    data_dir: Path, workspace: Path, tmp_path: Path
+) -> None:
+    """R-HITL-4, R-CLUSTER-2: a host SIGKILLed while a side-effecting call runs leaves
+    the task open in its trace; the next host resumes that same task: the call gets its
+    host-lost result and is not run again, the model is told ([host lost]) and answers,
+    and the trace holds one task_start and one task_end."""
+    marks = tmp_path / "marks"
+    script = tmp_path / "crash.py"
+    script.write_text(CRASHING_HOST)
+    process = await trio.lowlevel.open_process(
+        [sys.executable, str(script), str(data_dir), str(workspace), str(marks)],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert process.stdout is not None
+        lines = b""
+        with trio.fail_after(RUN_TIMEOUT_S):
+            while b"paying" not in lines:  # the session id, then the call's start
+                lines += await process.stdout.receive_some()
+        sid = lines.split()[0].decode()
+    finally:
+        process.send_signal(signal.SIGKILL)
+        await process.wait()
+
+    again = ScriptedProvider([Reply(blocks=(text("The payment may not have gone through."),))])
+    async with open_host(data_dir) as host:
+        session = await host.resume(sid, provider=again, tools=[Ledger().tool])
+        await session.wait_idle()
+        lines = trace_lines(session)
+    assert marks.read_text() == "7\n"  # run once, before the kill; never again
+    types = [line["type"] for line in lines]
+    assert types.count("task_start") == 1 and types.count("task_end") == 1
+    (lost,) = [line for line in lines if line["type"] == "tool_call_output"]
+    assert lost["status"] == "interrupted" and "was not run again" in lost["content"][0]["text"]
+    steering = [line for line in lines if line["type"] == "user_msg" and line["kind"] == "steering"]
+    assert "[host lost]" in steering[0]["content"][0]["text"]
+    assert lines[-1]["status"] == "completed"
+    (request,) = again.requests
+    assert "was not run again" in last_result(request).content[0].text  # type: ignore[union-attr]
