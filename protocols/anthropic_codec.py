@@ -50,7 +50,7 @@ from greenroom.protocols.context import (
     ToolSchema,
     UserMessage,
 )
-from greenroom.protocols.retry import parse_retry_after
+from greenroom.protocols.retry import parse_retry_after, transient_status_text
 from greenroom.protocols.sse import SSEDecoder
 from greenroom.protocols.stream import (
     BlockCompleted,
@@ -401,7 +401,9 @@ def classify_error(
       ``not_found_error`` or ``request_too_large`` body whatever the status.
 
     ``message`` is the provider's error text, prefixed by its error type when known; a
-    non-JSON body is used as text. ``status_code`` is ``status``.
+    non-JSON body is used as text. A transient status is named first, in words
+    (``rate limited (HTTP 429): …``, ``overloaded (HTTP 529): …``:
+    :func:`~greenroom.protocols.retry.transient_status_text`). ``status_code`` is ``status``.
     """
     try:
         error_type, message = _parse_error_body(body)
@@ -416,6 +418,9 @@ def classify_error(
         kind = "context_overflow"
     elif status in (408, 429) or status >= 500:
         kind = "timeout"
+        # The kind is the retry class; the words say which transient failure it was.
+        text = transient_status_text(status, _error_text(error_type, message)
+                                     if (error_type or message) else "")
     else:
         kind = "failed"
         if status == 413:
