@@ -50,7 +50,7 @@ from greenroom.protocols.context import (
     ToolSchema,
     UserMessage,
 )
-from greenroom.protocols.retry import parse_retry_after
+from greenroom.protocols.retry import parse_retry_after, transient_status_text
 from greenroom.protocols.sse import SSEDecoder
 from greenroom.protocols.stream import (
     BlockCompleted,
@@ -67,8 +67,12 @@ from greenroom.protocols.stream import (
     ToolCallTruncated,
     UsageReported,
 )
-from greenroom.protocols.text import repair_json, repair_text
-from greenroom.protocols.tools import MAX_ARGUMENT_DEPTH, parse_tool_arguments, value_too_deep
+from greenroom.protocols.text import repair_text
+from greenroom.protocols.tools import (
+    MAX_ARGUMENT_DEPTH,
+    json_error_reason,
+    parse_tool_arguments,
+)
 
 ImageLoader = Callable[[ImageBlock], "dict[str, Any] | None"]
 """Turns an image block into an Anthropic ``image`` content block, or None when it cannot
@@ -401,7 +405,9 @@ def classify_error(
       ``not_found_error`` or ``request_too_large`` body whatever the status.
 
     ``message`` is the provider's error text, prefixed by its error type when known; a
-    non-JSON body is used as text. ``status_code`` is ``status``.
+    non-JSON body is used as text. A transient status is named first, in words
+    (``rate limited (HTTP 429): …``, ``overloaded (HTTP 529): …``:
+    :func:`~greenroom.protocols.retry.transient_status_text`). ``status_code`` is ``status``.
     """
     try:
         error_type, message = _parse_error_body(body)
@@ -416,6 +422,9 @@ def classify_error(
         kind = "context_overflow"
     elif status in (408, 429) or status >= 500:
         kind = "timeout"
+        # The kind is the retry class; the words say which transient failure it was.
+        text = transient_status_text(status, _error_text(error_type, message)
+                                     if (error_type or message) else "")
     else:
         kind = "failed"
         if status == 413:
@@ -454,16 +463,18 @@ def _completed(blk: _Block) -> BlockCompleted:
         )
     raw = "".join(blk.parts)
     if not raw.strip():
-        # No argument text: the whole input may have come in content_block_start.
+        # No argument text: the whole input may have come in content_block_start. It goes
+        # through the same checks as argument text (depth, NaN, surrogates).
         start = blk.start_input
-        if isinstance(start, dict) and value_too_deep(start):
-            return BlockCompleted(index=blk.index, block=ToolCallBlock(
-                id=blk.call_id, name=blk.name, arguments={},
-                invalid_arguments=f"(input nested deeper than {MAX_ARGUMENT_DEPTH} levels)"))
-        args: dict[str, Any] = dict(repair_json(start)) if isinstance(start, dict) else {}
-        return BlockCompleted(
-            index=blk.index, block=ToolCallBlock(id=blk.call_id, name=blk.name, arguments=args)
-        )
+        if not isinstance(start, dict) or not start:
+            return BlockCompleted(
+                index=blk.index, block=ToolCallBlock(id=blk.call_id, name=blk.name, arguments={})
+            )
+        try:
+            raw = json.dumps(start, ensure_ascii=False)
+        except (RecursionError, ValueError):
+            # Deeper than the encoder goes: the text stands for "too deep" (R-SEC-6).
+            raw = "[" * (MAX_ARGUMENT_DEPTH + 1)
     arguments, invalid = parse_tool_arguments(raw)
     call = ToolCallBlock(id=blk.call_id, name=blk.name, arguments=arguments,
                          invalid_arguments=invalid)
@@ -473,7 +484,7 @@ def _completed(blk: _Block) -> BlockCompleted:
 def _text_field(delta: Any, key: str) -> str:
     value = delta[key]
     if value.__class__ is not str:
-        raise TypeError(f"{key} is not a string")
+        raise _Malformed(f"{key} is not a string")
     return value if value.isascii() else repair_text(value)
 
 
@@ -496,6 +507,24 @@ def _loads(text: str) -> Any:
     if end != len(text):
         return json.loads(text)
     return value
+
+
+class _Malformed(ValueError):
+    """An event whose shape breaks the stream's rules; its text says how."""
+
+
+def _shape_problem(exc: BaseException) -> str:
+    """What was wrong with an event's shape, in words rather than Python's: the rule an
+    event broke, a missing field, or a field of the wrong type or value."""
+    if isinstance(exc, _Malformed):
+        return str(exc)
+    if isinstance(exc, KeyError):
+        return f"missing field {exc.args[0]!r}" if exc.args else "a field is missing"
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    if isinstance(exc, ValueError):
+        return "a field has an invalid value"
+    return "a field has the wrong type"
 
 
 _DELTA_PREFIX = '{"type":"content_block_delta","index":'
@@ -637,13 +666,14 @@ class AnthropicStreamDecoder:
             try:
                 payload = _loads(text)
             except (ValueError, RecursionError) as exc:
-                self._fail(out, "malformed", f"invalid JSON in {name or 'an'} event: {exc}")
+                self._fail(out, "malformed", f"malformed JSON in the model stream: "
+                                             f"{json_error_reason(exc)} (in {name or 'an'} event)")
                 break
             try:
                 self._handle(payload, name, out)
             except (KeyError, TypeError, AttributeError, ValueError, RecursionError) as exc:
                 self._fail(out, "malformed",
-                           f"unexpected {name or 'event'} shape: {type(exc).__name__} {exc}")
+                           f"unexpected {name or 'event'} shape: {_shape_problem(exc)}")
             # A method call, because mypy would keep self._done narrowed to False here.
             if self._terminal():
                 break
@@ -742,7 +772,7 @@ class AnthropicStreamDecoder:
             if blk is None:
                 if idx in self._skipped:
                     return
-                raise ValueError(f"delta for unknown block index {idx}")
+                raise _Malformed(f"delta for unknown block index {idx}")
             delta = payload["delta"]
             dtype = delta["type"]
             kind = blk.kind
@@ -767,18 +797,18 @@ class AnthropicStreamDecoder:
                 blk.signature = _text_field(delta, "signature")
             elif dtype in ("text_delta", "input_json_delta", "thinking_delta",
                            "signature_delta"):
-                raise ValueError(f"{dtype} for a {kind} block")
+                raise _Malformed(f"{dtype} for a {kind} block")
             # Other delta types (citations_delta, future ones) carry nothing we keep.
         elif etype == "content_block_start":
             self._flush_deferred(out)
             idx = payload["index"]
             if idx in self._seen:
                 # Two blocks at one index: two responses spliced together, or a replay.
-                raise ValueError(f"content_block_start for index {idx} already started")
+                raise _Malformed(f"content_block_start for index {idx} already started")
             cb = payload["content_block"]
             btype = cb["type"]
             if idx.__class__ is not int:
-                raise TypeError(f"block index {idx!r} is not an integer")
+                raise _Malformed("block index is not an integer")
             self._seen.add(idx)
             if btype == "text":
                 blk = _Block(idx, "text")
@@ -792,10 +822,10 @@ class AnthropicStreamDecoder:
             elif btype == "tool_use":
                 call_id = cb["id"]
                 if not call_id or call_id.__class__ is not str:
-                    raise ValueError("tool_use block without an id")
+                    raise _Malformed("tool_use block without an id")
                 if call_id in self._call_ids:
                     # Two calls sharing an id cannot both be answered (R-SEC-6).
-                    raise ValueError(f"tool_use id {call_id[:100]!r} repeated in one message")
+                    raise _Malformed(f"tool_use id {call_id[:100]!r} repeated in one message")
                 self._call_ids.add(call_id)
                 blk = _Block(idx, "tool_call", repair_text(call_id), repair_text(cb["name"]),
                              cb.get("input"))
@@ -829,7 +859,7 @@ class AnthropicStreamDecoder:
             if blk is None:
                 if idx in self._skipped:
                     return
-                raise ValueError(f"content_block_stop for unknown block index {idx}")
+                raise _Malformed(f"content_block_stop for unknown block index {idx}")
             if blk.kind == "tool_call":
                 self._deferred = blk
             else:
@@ -843,7 +873,7 @@ class AnthropicStreamDecoder:
             if self._started:
                 if message_id != self._message_id:
                     # A second message inside one response: two streams spliced together.
-                    raise ValueError(f"second message_start (message {message_id!r} after "
+                    raise _Malformed(f"second message_start (message {message_id!r} after "
                                      f"{self._message_id!r})")
                 return
             self._started = True

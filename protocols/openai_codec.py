@@ -56,7 +56,7 @@ from greenroom.protocols.context import (
     ToolSchema,
     UserMessage,
 )
-from greenroom.protocols.retry import parse_retry_after
+from greenroom.protocols.retry import parse_retry_after, transient_status_text
 from greenroom.protocols.sse import SSEDecoder
 from greenroom.protocols.stream import (
     BlockCompleted,
@@ -74,7 +74,7 @@ from greenroom.protocols.stream import (
     UsageReported,
 )
 from greenroom.protocols.text import repair_text
-from greenroom.protocols.tools import parse_tool_arguments
+from greenroom.protocols.tools import json_error_reason, parse_tool_arguments
 
 __all__ = [
     "ImageLoader",
@@ -387,6 +387,8 @@ def classify_error(
     ``context_length_exceeded``, llama.cpp ``exceed_context_size_error``, vLLM's message
     text) → ``context_overflow``; 408 and every 5xx → ``timeout``; anything else ``failed``,
     ``permanent`` (never retried) for 400, 404, 413 and 422 and for an exhausted quota.
+    A ``timeout`` names its status in words first (``rate limited (HTTP 429): …``:
+    :func:`~greenroom.protocols.retry.transient_status_text`).
     """
     text = body.decode("utf-8", errors="replace") if isinstance(body, bytes) else body
     try:
@@ -396,7 +398,11 @@ def classify_error(
     message, etype, code, _ = _error_fields(payload)
     if not message and payload is None:
         message = text.strip()
-    return _classify(status, message, etype, code, headers, now)
+    error = _classify(status, message, etype, code, headers, now)
+    if error.kind == "timeout":
+        # The kind is the retry class; the words say which transient failure it was.
+        error = attrs.evolve(error, message=transient_status_text(status, message[:_MESSAGE_LIMIT]))
+    return error
 
 
 def _classify_stream_error(error: Any) -> ModelError:
@@ -527,8 +533,9 @@ class OpenAIStreamDecoder:
                 return True
         try:
             chunk = _decode_json(data)
-        except (ValueError, RecursionError):
-            self._fail(ModelError(kind="malformed", message=f"invalid JSON: {data[:200]}"))
+        except (ValueError, RecursionError) as exc:
+            message = f"malformed JSON in the model stream: {json_error_reason(exc)}"
+            self._fail(ModelError(kind="malformed", message=f"{message} (data: {data[:100]})"))
             return False
         try:
             if chunk.__class__ is not dict:

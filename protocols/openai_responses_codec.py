@@ -85,7 +85,7 @@ from greenroom.protocols.stream import (
     UsageReported,
 )
 from greenroom.protocols.text import repair_text
-from greenroom.protocols.tools import parse_tool_arguments
+from greenroom.protocols.tools import json_error_reason, parse_tool_arguments
 
 __all__ = [
     "REASONING_EFFORTS",
@@ -441,8 +441,9 @@ class ResponsesStreamDecoder:
             return True
         try:
             event = _decode_json(data)
-        except (ValueError, RecursionError):
-            self._fail(ModelError(kind="malformed", message=f"invalid JSON: {data[:200]}"))
+        except (ValueError, RecursionError) as exc:
+            message = f"malformed JSON in the model stream: {json_error_reason(exc)}"
+            self._fail(ModelError(kind="malformed", message=f"{message} (data: {data[:100]})"))
             return False
         try:
             if event.__class__ is not dict:

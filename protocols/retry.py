@@ -10,6 +10,10 @@ Two questions, each answered in one place:
   wait it returns is both the one announced in ``request_end.retry_in_ms`` and the one
   really slept, so the two can never disagree.
 
+:func:`transient_status_text` says in words what a retried HTTP status means (``rate limited
+(HTTP 429)``), so that a ``timeout`` failure's message tells what happened rather than its
+class (R-RETRY-1, R-RETRY-3).
+
 Invariants of :func:`decide_retry`: at most :data:`MAX_RETRIES` retries; the wait before
 retry ``n`` (0-based) is never below ``250 ms x 2^n`` capped at 30 s, never decreases from
 one retry to the next for the same error, and never exceeds :data:`RETRY_AFTER_CAP_S` when a
@@ -104,6 +108,28 @@ def _until(raw: str, now: float) -> float | None:
     if not math.isfinite(now):
         return None
     return max(when - now, 0.0)
+
+
+# ------------------------------------------------------------------------ words
+
+_STATUS_WORDS: dict[int, str] = {
+    408: "request timeout",
+    429: "rate limited",
+    500: "server error",
+    502: "bad gateway",
+    503: "service unavailable",
+    504: "gateway timeout",
+    529: "overloaded",
+}
+
+
+def transient_status_text(status: int, detail: str = "") -> str:
+    """A transient HTTP status in words, with the provider's ``detail`` after it when there
+    is one: ``rate limited (HTTP 429): Rate limit reached``, ``overloaded (HTTP 529)``; any
+    other 5xx is a ``server error``."""
+    words = _STATUS_WORDS.get(status) or ("server error" if 500 <= status <= 599 else "error")
+    text = f"{words} (HTTP {status})"
+    return f"{text}: {detail}" if detail else text
 
 
 # ------------------------------------------------------------------------ the policy

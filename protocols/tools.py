@@ -340,16 +340,63 @@ def value_too_deep(value: Any, limit: int = MAX_ARGUMENT_DEPTH) -> bool:
 
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-_decode_json = json.JSONDecoder().decode
+
+
+class _NotANumber(ValueError):
+    """``NaN``, ``Infinity`` or ``-Infinity`` in JSON text: Python reads them, but no JSON
+    encoder the providers use writes them back, so such arguments would make every later
+    request of the session fail."""
+
+
+def _reject_constant(name: str) -> Any:
+    raise _NotANumber(f"{name} is not a JSON number")
+
+
+_decode_json = json.JSONDecoder(parse_constant=_reject_constant).decode
+
+
+def json_error_reason(exc: BaseException) -> str:
+    """Why JSON text did not decode, in words for a person, never Python's internals:
+    ``expecting ',' delimiter at character 12``, ``number too long`` (an integer past
+    Python's digit limit), ``nested too deeply``, ``NaN is not a JSON number``."""
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    if isinstance(exc, json.JSONDecodeError):
+        msg = exc.msg
+        return f"{msg[:1].lower()}{msg[1:]} at character {exc.pos}"
+    if isinstance(exc, _NotANumber):
+        return str(exc)
+    if "integer string conversion" in str(exc):
+        return "number too long"
+    return "not valid JSON"
+
+
+def invalid_arguments_reason(raw: str) -> str:
+    """Why a call's argument text (``ToolCallBlock.invalid_arguments``) is not usable
+    arguments, in words: ``nested deeper than 64 levels``, ``malformed JSON: number too
+    long``, ``not a JSON object (got array)``. The error output of such a call says it
+    (R-TOOL-5)."""
+    if json_text_too_deep(raw):
+        return f"nested deeper than {MAX_ARGUMENT_DEPTH} levels"
+    try:
+        value = _decode_json(raw)
+    except (ValueError, RecursionError) as exc:
+        return f"malformed JSON: {json_error_reason(exc)}"
+    if value.__class__ is not dict:
+        return f"not a JSON object (got {_json_type_name(value)})"
+    return "not usable as arguments"
 
 
 def parse_tool_arguments(raw: str) -> tuple[dict[str, Any], str | None]:
     """``(arguments, invalid_arguments)`` of a model's complete argument text.
 
-    Blank text means ``{}``. Text that is not a JSON object, or nests deeper than
-    :data:`MAX_ARGUMENT_DEPTH`, gives ``({}, raw)``: the call gets an error output and is not
-    run (R-TOOL-5, R-SEC-6). Lone UTF-16 surrogates in the value become U+FFFD (R-SEC-1); the
-    repair walk runs only when the text can hold one. Never raises."""
+    Blank text means ``{}``. Text that is not a JSON object, nests deeper than
+    :data:`MAX_ARGUMENT_DEPTH`, holds a number Python cannot read (an integer past its digit
+    limit) or ``NaN``/``Infinity`` (which no request encoder writes back) gives
+    ``({}, raw)``: the call gets an error output saying why
+    (:func:`invalid_arguments_reason`) and is not run (R-TOOL-5, R-SEC-6). Lone UTF-16
+    surrogates in the value become U+FFFD (R-SEC-1); the repair walk runs only when the
+    text can hold one. Never raises."""
     if not raw or raw.isspace():
         return {}, None
     if json_text_too_deep(raw):

@@ -537,7 +537,7 @@ def test_classify_error_never_raises(status: int, body: bytes, kind: str) -> Non
 
 def test_classify_error_messages() -> None:
     assert "Bad gateway" in classify_error(502, b"<html>Bad gateway</html>", {}).message
-    assert classify_error(500, b"", {}).message == "HTTP 500"
+    assert classify_error(500, b"", {}).message == "server error (HTTP 500)"
     big = classify_error(413, b'{"error":{"type":"request_too_large","message":"Request exceeds'
                               b' the maximum size"}}', {})
     assert "too large" in big.message.lower() and "413" in big.message

@@ -272,6 +272,14 @@ MESSAGE_START = (
     b'"type":"message","role":"assistant","content":[],"model":"m","stop_reason":null,'
     b'"stop_sequence":null,"usage":{"input_tokens":1,"output_tokens":1}}}\n\n'
 )
+TEXT_START = (
+    b'event: content_block_start\ndata: {"type":"content_block_start","index":0,'
+    b'"content_block":{"type":"text","text":""}}\n\n'
+)
+TEXT_DELTA = (
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+    b'"delta":{"type":"text_delta","text":"more"}}\n\n'
+)
 
 
 async def stream_lean(
@@ -454,11 +462,11 @@ async def test_a_raw_body_times_out_after_a_read_timeout_of_silence_only(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """The raw body's reads share one cancel scope, moved on lazily instead of one scope
-    per read: a stream that keeps sending outlives many read timeouts, and once it stalls
-    it fails after between one read timeout and ``1 + DEADLINE_SLACK`` of them."""
+    per read: a stream that keeps making progress outlives many read timeouts, and once it
+    falls silent it fails after between one read timeout and ``1 + DEADLINE_SLACK`` of
+    them, as a read timeout."""
     read_timeout = 10.0
     gap = 6.0  # below the read timeout: each piece must keep the stream alive
-    ping = b'event: ping\ndata: {"type":"ping"}\n\n'
     listener, port = await _listen()
     last_sent = 0.0
 
@@ -469,10 +477,10 @@ async def test_a_raw_body_times_out_after_a_read_timeout_of_silence_only(
         nonlocal last_sent
         stream = await listener.accept()
         await stream.receive_some(65536)
-        await stream.send_all(CHUNKED_SSE_HEAD + chunk(MESSAGE_START))
+        await stream.send_all(CHUNKED_SSE_HEAD + chunk(MESSAGE_START + TEXT_START))
         for _ in range(8):
             await trio.sleep(gap)
-            await stream.send_all(chunk(ping))
+            await stream.send_all(chunk(TEXT_DELTA))
             last_sent = trio.current_time()
         with contextlib.suppress(trio.BrokenResourceError):
             await stream.receive_some(65536)  # until the client gives up
@@ -492,6 +500,56 @@ async def test_a_raw_body_times_out_after_a_read_timeout_of_silence_only(
     silence = failed_at[0] - last_sent
     assert last_sent >= 8 * gap > 4 * read_timeout
     assert read_timeout <= silence <= read_timeout * (1 + lean_http.DEADLINE_SLACK) + 0.1
+
+
+@pytest.mark.parametrize(
+    "keepalive",
+    [b'event: ping\ndata: {"type":"ping"}\n\n', b": keep-alive\n\n", b"\n"],
+    ids=["ping", "comment", "blank"],
+)
+async def test_a_raw_body_of_keepalives_times_out_like_a_silent_one(
+    autojump_clock: trio.testing.MockClock, keepalive: bytes
+) -> None:
+    """R-SEC-10 on the lean path: keep-alives well inside the read timeout do not move the
+    shared read deadline (only reads that decode to events do), so after the last event
+    the stream fails within ``1 + DEADLINE_SLACK`` read timeouts, as a ``timeout`` that
+    says it saw only keep-alives."""
+    read_timeout = 10.0
+    gap = 2.0
+    listener, port = await _listen()
+    progress_at = 0.0
+
+    def chunk(data: bytes) -> bytes:
+        return b"%x\r\n%s\r\n" % (len(data), data)
+
+    async def answer() -> None:
+        nonlocal progress_at
+        stream = await listener.accept()
+        await stream.receive_some(65536)
+        await stream.send_all(CHUNKED_SSE_HEAD + chunk(MESSAGE_START + TEXT_START))
+        await trio.sleep(gap)
+        await stream.send_all(chunk(TEXT_DELTA))
+        progress_at = trio.current_time()
+        with contextlib.suppress(trio.BrokenResourceError):
+            for _ in range(int(10 * read_timeout / gap)):  # without R-SEC-10: a cut stream
+                await trio.sleep(gap)
+                await stream.send_all(chunk(keepalive))
+        await stream.aclose()
+
+    failed_at: list[float] = []
+    events: list[StreamEvent] = []
+
+    async def deliver(batch: list[StreamEvent]) -> None:
+        events.extend(batch)
+        if any(isinstance(e, StreamFailed) for e in batch):
+            failed_at.append(trio.current_time())
+
+    await stream_lean(listener, port, answer, deliver, read_timeout)
+    failure = events[-1]
+    assert isinstance(failure, StreamFailed) and failure.error.kind == "timeout"
+    assert failure.error.message == "stream stalled: no progress for 10 s (only keep-alives)"
+    stalled = failed_at[0] - progress_at
+    assert read_timeout <= stalled <= read_timeout * (1 + lean_http.DEADLINE_SLACK) + 0.1
 
 
 async def test_a_body_read_without_waiting_never_times_out(

@@ -13,6 +13,7 @@ import anthropic
 import httpx
 import pytest
 import trio
+import trio.testing
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `tests` is not a package on pytest's default sys.path
@@ -24,6 +25,7 @@ from tests.support.mock_model_server import (  # noqa: E402
     ErrorReply,
     Fixture,
     Hang,
+    KeepAlives,
     MalformedJSON,
     MidStreamError,
     RecordedRequest,
@@ -290,6 +292,34 @@ async def test_hang_until_the_client_gives_up_and_slow_first_byte() -> None:
                                      json={"stream": False, "messages": USER})
             assert trio.current_time() - start >= 0.2
     assert late.json()["content"] == [{"type": "text", "text": "late"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "style", "keepalive"),
+    [
+        ("/v1/messages", "ping", b'event: ping\ndata: {"type":"ping"}\n\n'),
+        ("/v1/chat/completions", "comment", b": keep-alive\n\n"),
+        ("/v1/responses", "blank", b"\n"),
+    ],
+)
+async def test_keepalives_follow_the_first_events_until_the_time_is_up(
+    autojump_clock: trio.testing.MockClock, path: str, style: str, keepalive: bytes
+) -> None:
+    """:class:`KeepAlives`: the reply's first event, then a keep-alive every ``every_s``
+    seconds, and after ``for_s`` a body cut short (no chunked terminator)."""
+    async with open_mock_server(
+        KeepAlives(after_events=1, every_s=2.0, style=style, for_s=9.0)  # type: ignore[arg-type]
+    ) as server, httpx.AsyncClient(timeout=httpx.Timeout(5, read=None)) as client:
+        pieces: list[tuple[float, bytes]] = []
+        with pytest.raises(httpx.RemoteProtocolError):
+            body = {"stream": True, "messages": USER, "input": USER}
+            async with client.stream("POST", server.base_url + path, json=body) as response:
+                async for piece in response.aiter_bytes():
+                    pieces.append((trio.current_time(), piece))
+    (start, first), *rest = pieces
+    assert first.startswith((b"event: message_start", b"data: {", b"event: response.created"))
+    assert [piece for _, piece in rest] == [keepalive] * 4
+    assert [round(at - start, 3) for at, _ in rest] == [2.0, 4.0, 6.0, 8.0]
 
 
 async def test_empty_fifo_answers_500_naming_the_request() -> None:

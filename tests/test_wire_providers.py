@@ -475,8 +475,8 @@ async def test_openai_unknown_model_ends_the_turn_at_once(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("wire", ["anthropic", "openai"])
 async def test_unreachable_server_is_named_and_retried(tmp_path: Path, wire: str) -> None:
-    """A base URL nothing listens on: `cannot connect to URL (connection refused)`, a
-    `timeout` that is retried on the usual schedule."""
+    """A base URL nothing listens on: `connection refused by HOST:PORT (cannot connect to
+    URL)`, a `timeout` that is retried on the usual schedule (R-RETRY-1)."""
     listener = trio.socket.socket()
     await listener.bind(("127.0.0.1", 0))
     port = listener.getsockname()[1]
@@ -499,4 +499,4 @@ async def test_unreachable_server_is_named_and_retried(tmp_path: Path, wire: str
     assert [e.status for e in ends] == ["timeout"] * 6
     assert ends[0].retry_in_ms == 250
     message = ends[0].error_message or ""
-    assert message.startswith(f"cannot connect to {base}/") and "(connection refused)" in message
+    assert message.startswith(f"connection refused by 127.0.0.1:{port} (cannot connect to {base}/")

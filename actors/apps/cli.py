@@ -1790,10 +1790,12 @@ class HumanRenderer(Renderer):
             if output.retry_in_ms is not None
             else "no more retries"
         )
+        # The message says what happened; the status is only its retry class (a refused
+        # connection and a 429 are both `timeout`), so it is not shown as the headline.
         self._note(
             self._err_style.red(
-                f"request {output.status} (turn {output.turn}, attempt {output.attempt}): "
-                f"{output.error_message or 'no details'}; {retry}"
+                f"model request failed (turn {output.turn}, attempt {output.attempt}): "
+                f"{output.error_message or output.status}; {retry}"
             )
         )
 

@@ -15,6 +15,7 @@ Every library error is translated here, in :meth:`_AnthropicTask.stream`, into a
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import AsyncIterable
@@ -23,10 +24,20 @@ from typing import Any
 import anthropic
 import httpx2
 
-from greenroom.actors.providers.lean_http import LeanTransport, raw_body
+from greenroom.actors.providers.lean_http import LeanTransport, RawBody, raw_body
 from greenroom.actors.providers.media import LoadedImage, TaskImages, read_image
+from greenroom.actors.providers.stalls import (
+    ProgressDeadline,
+    no_response_message,
+    stalled_message,
+)
 from greenroom.actors.runtime.errors import ConfigurationError
-from greenroom.actors.runtime.llm_streamer import Deliver, connect_failure, cut_short
+from greenroom.actors.runtime.llm_streamer import (
+    Deliver,
+    connect_failure,
+    cut_short,
+    transport_failure,
+)
 from greenroom.protocols.anthropic_codec import (
     AnthropicStreamDecoder,
     RequestEncoder,
@@ -37,8 +48,9 @@ from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.stream import ModelError, StreamFailed
 
 DEFAULT_TIMEOUT = httpx2.Timeout(connect=15.0, read=180.0, write=60.0, pool=60.0)
-"""``read`` bounds the silence between two chunks of a stream: a stalled stream becomes a
-``timeout`` failure and is retried."""
+"""``read`` bounds the silence between two chunks of a stream, and how long a stream may
+send only keep-alives (R-SEC-10): a stalled stream becomes a ``timeout`` failure and is
+retried."""
 
 
 def image_part(image: LoadedImage) -> dict[str, Any]:
@@ -119,6 +131,12 @@ class AnthropicProvider:
         self._add_shard()
 
     @property
+    def read_timeout(self) -> float | None:
+        """The read timeout in seconds (None: none): the longest silence, and the longest
+        run of keep-alives without progress, a stream may have (R-SEC-10)."""
+        return self._timeout.read
+
+    @property
     def lean_http(self) -> bool:
         """Whether streams are read through the lean transport."""
         return self._lean
@@ -179,7 +197,9 @@ class _AnthropicTask:
         await self._images.prepare(request)
         body = self._encoder.build(request)
         decoder = AnthropicStreamDecoder()
-        shard = self._provider.pick_shard()
+        provider = self._provider
+        timeout = provider.read_timeout
+        shard = provider.pick_shard()
         shard.active += 1
         try:
             async with shard.client.messages.with_streaming_response.create(**body) as response:
@@ -188,49 +208,92 @@ class _AnthropicTask:
                 # cannot (another transport, gzip).
                 raw = raw_body(response.http_response)
                 if raw is None:
-                    ended = await _read_body(response.iter_bytes(), decoder, deliver)
+                    ended = await _read_body(response.iter_bytes(), decoder, deliver, timeout)
                 else:
-                    with raw.read_deadline():
-                        ended = await _read_body(raw, decoder, deliver)
+                    ended = await _read_raw(raw, decoder, deliver, timeout)
                 if ended:
                     return
             await deliver(decoder.end_of_stream())
         except anthropic.APIStatusError as exc:
             await deliver([StreamFailed(error=_status_error(exc))])
-        except anthropic.APITimeoutError:
-            await deliver([_failed("timeout", "request timed out")])
+        except anthropic.APITimeoutError as exc:
+            await deliver([_failed("timeout", _timed_out(exc, timeout))])
         except anthropic.APIConnectionError as exc:
             if _is_connect_error(exc):
                 url = str(exc.request.url) if exc.request is not None else "the server"
                 await deliver([_failed("timeout", connect_failure(url, exc))])
             else:
-                await deliver([_failed("timeout", f"connection failed: {_cause(exc)}")])
-        except httpx2.TimeoutException:
-            await deliver([_failed("timeout", "stream stalled: read timed out")])
+                await deliver([_failed("timeout", transport_failure(_cause_of(exc)))])
+        except httpx2.TimeoutException as exc:
+            await deliver([_failed("timeout", _timed_out(exc, timeout))])
         except httpx2.TransportError as exc:
-            await deliver([_failed("timeout", f"connection dropped: {_cause(exc)}")])
+            await deliver([_failed("timeout", transport_failure(exc))])
         finally:
             shard.active -= 1
 
 
 async def _read_body(
-    chunks: AsyncIterable[bytes], decoder: AnthropicStreamDecoder, deliver: Deliver
+    chunks: AsyncIterable[bytes], decoder: AnthropicStreamDecoder, deliver: Deliver,
+    read_timeout: float | None,
 ) -> bool:
     """Feed the body to ``decoder`` and deliver what each piece completes. True when the
-    stream has ended (its terminal event, or a cut delivered as such); False when the body
-    ended first. A read timeout propagates."""
+    stream has ended (its terminal event, a cut or a stall delivered as such); False when
+    the body ended first. Keep-alives alone end it after the read timeout (R-SEC-10)."""
+    keepalives = False
+    with ProgressDeadline(read_timeout) as deadline:
+        try:
+            async for chunk in chunks:
+                events = decoder.feed(chunk)
+                if events:
+                    deadline.progress()
+                    keepalives = False
+                    await deliver(events)
+                    if decoder.finished:
+                        return True
+                else:
+                    keepalives = True
+        except httpx2.TimeoutException:
+            await deliver([_failed("timeout", stalled_message(deadline.timeout,
+                                                              keepalives=False))])
+            return True
+        except httpx2.TransportError as exc:
+            # The body had begun: a stream cut short, judged by what arrived.
+            await deliver(cut_short(decoder.end_of_stream(), exc))
+            return True
+        return False
+    await deliver([_failed("timeout", stalled_message(deadline.timeout, keepalives=keepalives))])
+    return True
+
+
+async def _read_raw(
+    raw: RawBody, decoder: AnthropicStreamDecoder, deliver: Deliver,
+    read_timeout: float | None,
+) -> bool:
+    """:func:`_read_body` for the lean transport's raw body, whose one read deadline moves
+    on only when a read decodes to events: marking that costs an attribute store."""
+    keepalives = False
     try:
-        async for chunk in chunks:
-            events = decoder.feed(chunk)
-            if events:
-                await deliver(events)
-            if decoder.finished:
+        with raw.read_deadline(progress=True) as deadline:
+            try:
+                async for chunk in raw:
+                    events = decoder.feed(chunk)
+                    if events:
+                        deadline.progressed = True
+                        keepalives = False
+                        await deliver(events)
+                        if decoder.finished:
+                            return True
+                    else:
+                        keepalives = True
+            except httpx2.TimeoutException:
+                raise
+            except httpx2.TransportError as exc:
+                await deliver(cut_short(decoder.end_of_stream(), exc))
                 return True
-    except httpx2.TimeoutException:
-        raise
-    except httpx2.TransportError as exc:
-        # The body had begun: a stream cut short, judged by what arrived.
-        await deliver(cut_short(decoder.end_of_stream(), exc))
+    except httpx2.ReadTimeout:
+        # Only the held deadline raises it here, and only for a finite timeout.
+        read = math.inf if read_timeout is None else read_timeout
+        await deliver([_failed("timeout", stalled_message(read, keepalives=keepalives))])
         return True
     return False
 
@@ -259,9 +322,23 @@ def _is_connect_error(exc: BaseException) -> bool:
     return False
 
 
-def _cause(exc: BaseException) -> str:
+def _cause_of(exc: BaseException) -> BaseException:
+    """The transport error an SDK connection error wraps, else the error itself."""
     cause = exc.__cause__ or exc.__context__
-    text = str(exc) or type(exc).__name__
-    if cause is not None and str(cause) and str(cause) not in text:
-        text = f"{text} ({cause})"
-    return text
+    return cause if isinstance(cause, httpx2.TransportError) else exc
+
+
+def _timed_out(exc: BaseException, timeout: float | None) -> str:
+    """A timeout before the response's body, in words: which phase ran out of time."""
+    seen: BaseException | None = exc
+    while seen is not None and not isinstance(seen, httpx2.TimeoutException):
+        seen = seen.__cause__ or seen.__context__
+    if isinstance(seen, httpx2.ConnectTimeout):
+        return "timed out connecting to the server"
+    if isinstance(seen, httpx2.WriteTimeout):
+        return "timed out sending the request"
+    if isinstance(seen, httpx2.PoolTimeout):
+        return "timed out waiting for a free connection (too many requests in flight)"
+    if isinstance(seen, httpx2.ReadTimeout):
+        return no_response_message(timeout)
+    return "request timed out"

@@ -277,7 +277,7 @@ class _Reader:
         self._conn = conn
         self._request = request
         self._timeout = timeout
-        self._deadline: trio.CancelScope | None = None
+        self._deadline: BodyDeadline | None = None
         self._buffer = b""
         self._eof = False
         self._drained = False  # the last read emptied the socket: wait before the next
@@ -296,9 +296,9 @@ class _Reader:
     def timeout(self) -> float:
         return self._timeout
 
-    def hold_deadline(self, scope: trio.CancelScope | None) -> None:
-        """Time the reads with ``scope`` (None: a scope per wait again)."""
-        self._deadline = scope
+    def hold_deadline(self, deadline: BodyDeadline | None) -> None:
+        """Time the reads with ``deadline``'s scope (None: a scope per wait again)."""
+        self._deadline = deadline
 
     async def receive(self) -> bytes:
         """One network read (b"" at the end of the connection)."""
@@ -343,12 +343,19 @@ class _Reader:
 
     def _move_deadline(self) -> None:
         # Before every wait and checkpoint (the only places a deadline can strike) the
-        # held scope has at least a read timeout left.
-        scope = self._deadline
-        if scope is not None:
+        # held scope has at least a read timeout left after the last progress: now, unless
+        # the body's reader marks progress itself (R-SEC-10).
+        held = self._deadline
+        if held is not None:
             now = trio.current_time()
+            if held.progressed:
+                held.progressed = held.every_read
+                held.progress_at = now
+            scope = held.scope
             if scope.deadline - now < self._timeout:
-                scope.deadline = now + self._timeout * (1 + DEADLINE_SLACK)
+                deadline = held.progress_at + self._timeout * (1 + DEADLINE_SLACK)
+                if deadline > scope.deadline:
+                    scope.deadline = deadline
 
     async def _timed(self, wait: Any, arg: Any) -> Any:
         if self._deadline is not None:
@@ -435,12 +442,17 @@ class RawBody(httpx2.AsyncByteStream):
         if not self._chunked and self._length is None and not self._empty:
             self._keep_alive = False  # the body ends with the connection
 
-    def read_deadline(self) -> BodyDeadline:
+    def read_deadline(self, *, progress: bool = False) -> BodyDeadline:
         """A context manager that times every read of this body, inside it, with one cancel
         scope instead of one per read: ``with body.read_deadline(): async for chunk in
         body: …``. A stall still ends after the read timeout (at most ``DEADLINE_SLACK``
-        of it later), as :class:`httpx2.ReadTimeout` raised by the ``with`` statement."""
-        return BodyDeadline(self._reader)
+        of it later), as :class:`httpx2.ReadTimeout` raised by the ``with`` statement.
+
+        With ``progress=True`` only the reads its reader counts as progress keep the body
+        alive: ``with body.read_deadline(progress=True) as deadline:`` and
+        ``deadline.progressed = True`` after each such read. A body that sends only what the
+        reader ignores (keep-alives) then times out like a silent one (R-SEC-10)."""
+        return BodyDeadline(self._reader, every_read=not progress)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         reader = self._reader
@@ -509,25 +521,33 @@ class RawBody(httpx2.AsyncByteStream):
 
 class BodyDeadline:
     """See :meth:`RawBody.read_deadline`. The scope's deadline is moved on only when a wait
-    begins with less than a read timeout left, to a timeout and ``DEADLINE_SLACK`` ahead:
-    a read costs no cancel scope of its own."""
+    begins with less than a read timeout left, to a timeout and ``DEADLINE_SLACK`` after the
+    last progress: a read costs no cancel scope of its own, and marking progress costs one
+    attribute store (the next wait or checkpoint notes the time).
 
-    __slots__ = ("_reader", "_scope")
+    ``progressed``: set it after a read that made progress (with ``progress=True``; every
+    read counts otherwise). ``progress_at``: when progress was last noted."""
 
-    def __init__(self, reader: _Reader | None) -> None:
+    __slots__ = ("_reader", "every_read", "progress_at", "progressed", "scope")
+
+    def __init__(self, reader: _Reader | None, *, every_read: bool = True) -> None:
         self._reader = reader
-        self._scope: trio.CancelScope | None = None
+        self.every_read = every_read
+        self.progressed = every_read
+        self.progress_at = 0.0
+        self.scope = trio.CancelScope()
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> BodyDeadline:
         reader = self._reader
         if reader is None or reader.timeout == math.inf:
-            return
-        scope = trio.CancelScope(
-            deadline=trio.current_time() + reader.timeout * (1 + DEADLINE_SLACK)
-        )
+            self._reader = None
+            return self
+        self.progress_at = now = trio.current_time()
+        scope = self.scope
+        scope.deadline = now + reader.timeout * (1 + DEADLINE_SLACK)
         scope.__enter__()
-        self._scope = scope
-        reader.hold_deadline(scope)
+        reader.hold_deadline(self)
+        return self
 
     def __exit__(
         self,
@@ -535,13 +555,14 @@ class BodyDeadline:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> bool:
-        scope, self._scope = self._scope, None
-        if scope is None or self._reader is None:
+        reader, self._reader = self._reader, None
+        if reader is None:
             return False
-        self._reader.hold_deadline(None)
+        reader.hold_deadline(None)
+        scope = self.scope
         handled = scope.__exit__(kind, exc, traceback)
         if scope.cancelled_caught:
-            raise httpx2.ReadTimeout("timed out reading", request=self._reader.request) from None
+            raise httpx2.ReadTimeout("timed out reading", request=reader.request) from None
         return handled
 
 

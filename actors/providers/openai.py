@@ -12,13 +12,23 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterable, Callable, Mapping
 from typing import Any, Protocol
 
 import httpx
 
 from greenroom.actors.providers.media import LoadedImage, TaskImages, read_image
-from greenroom.actors.runtime.llm_streamer import Deliver, connect_failure, cut_short
+from greenroom.actors.providers.stalls import (
+    ProgressDeadline,
+    no_response_message,
+    stalled_message,
+)
+from greenroom.actors.runtime.llm_streamer import (
+    Deliver,
+    connect_failure,
+    cut_short,
+    transport_failure,
+)
 from greenroom.protocols.content import ImageBlock
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.openai_codec import OpenAIStreamDecoder, RequestEncoder, classify_error
@@ -26,6 +36,8 @@ from greenroom.protocols.stream import ModelError, StreamEvent, StreamFailed
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 DEFAULT_TIMEOUT = httpx.Timeout(connect=15.0, read=180.0, write=60.0, pool=60.0)
+"""``read`` bounds the silence between two chunks of a stream, and how long a stream may
+send only keep-alives (R-SEC-10)."""
 
 
 def image_part(image: LoadedImage) -> dict[str, Any]:
@@ -124,7 +136,9 @@ class HTTPStreamTask:
     """Streams one attempt over httpx through a sans-IO codec; every library error becomes
     a ``StreamFailed`` here."""
 
-    __slots__ = ("_classify", "_client", "_decoder", "_encoder", "_images", "_url")
+    __slots__ = (
+        "_classify", "_client", "_decoder", "_encoder", "_images", "_read_timeout", "_url"
+    )
 
     def __init__(
         self,
@@ -141,17 +155,21 @@ class HTTPStreamTask:
         self._decoder = decoder
         self._classify = classify
         self._images = images
+        self._read_timeout: float | None = client.timeout.read
 
     async def stream(self, request: ModelRequest, deliver: Deliver) -> None:
         """POST the encoded ``request`` and deliver the decoded events, one batch per read.
         An HTTP error status is classified by the codec, a connection failure or timeout
-        becomes a ``StreamFailed``, and a body cut short ends as :func:`cut_short` judges what
-        arrived: no httpx error escapes. The request's images are read first, off the
-        event loop, when the encoder has a :class:`TaskImages` loader."""
+        becomes a ``StreamFailed``, a body that sends only keep-alives for longer than the
+        read timeout fails as ``timeout`` (R-SEC-10), and a body cut short ends as
+        :func:`cut_short` judges what arrived: no httpx error escapes. The request's images
+        are read first, off the event loop, when the encoder has a :class:`TaskImages`
+        loader."""
         if self._images is not None:
             await self._images.prepare(request)
         body = self._encoder.build(request)
         decoder = self._decoder()
+        timeout = self._read_timeout
         try:
             async with self._client.stream("POST", self._url, json=body) as response:
                 if response.status_code >= 400:
@@ -161,28 +179,52 @@ class HTTPStreamTask:
                     )
                     await deliver([StreamFailed(error=error)])
                     return
-                try:
-                    async for chunk in response.aiter_bytes():
-                        events = decoder.feed(chunk)
-                        if events:
-                            await deliver(events)
-                        if decoder.finished:
-                            return
-                except httpx.TimeoutException:
-                    raise
-                except httpx.TransportError as exc:
-                    # The body had begun: a stream cut short, judged by what arrived.
-                    await deliver(cut_short(decoder.end_of_stream(), exc))
+                if await _read_body(response.aiter_bytes(), decoder, deliver, timeout):
                     return
             await deliver(decoder.end_of_stream())
         except httpx.ConnectTimeout:
-            await deliver([_failed(f"cannot connect to {self._url} (timed out)")])
-        except httpx.TimeoutException:
-            await deliver([_failed("request timed out or stream stalled")])
+            await deliver([_failed(f"timed out connecting to the server ({self._url})")])
+        except httpx.ReadTimeout:
+            await deliver([_failed(no_response_message(timeout))])
+        except httpx.TimeoutException as exc:
+            await deliver([_failed(transport_failure(exc))])
         except httpx.ConnectError as exc:
             await deliver([_failed(connect_failure(self._url, exc))])
         except httpx.TransportError as exc:
-            await deliver([_failed(f"connection failed or dropped: {exc or type(exc).__name__}")])
+            await deliver([_failed(transport_failure(exc))])
+
+
+async def _read_body(
+    chunks: AsyncIterable[bytes], decoder: StreamDecoder, deliver: Deliver,
+    read_timeout: float | None,
+) -> bool:
+    """Feed the body to ``decoder`` and deliver what each read completes. True when the
+    stream has ended (its terminal event, a cut or a stall delivered as such); False when
+    the body ended first. Reads that decode to nothing (keep-alives) do not keep the
+    stream alive past the read timeout (R-SEC-10)."""
+    keepalives = False
+    with ProgressDeadline(read_timeout) as deadline:
+        try:
+            async for chunk in chunks:
+                events = decoder.feed(chunk)
+                if events:
+                    deadline.progress()
+                    keepalives = False
+                    await deliver(events)
+                    if decoder.finished:
+                        return True
+                else:
+                    keepalives = True
+        except httpx.TimeoutException:
+            await deliver([_failed(stalled_message(deadline.timeout, keepalives=False))])
+            return True
+        except httpx.TransportError as exc:
+            # The body had begun: a stream cut short, judged by what arrived.
+            await deliver(cut_short(decoder.end_of_stream(), exc))
+            return True
+        return False
+    await deliver([_failed(stalled_message(deadline.timeout, keepalives=keepalives))])
+    return True
 
 
 def _failed(message: str) -> StreamFailed:

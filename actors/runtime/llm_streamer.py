@@ -10,6 +10,9 @@ cancellation.
 
 from __future__ import annotations
 
+import logging
+import re
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, assert_never
 
@@ -29,11 +32,56 @@ from greenroom.protocols.stream import ModelError, StreamEvent, StreamFailed
 
 Deliver = Callable[[list[StreamEvent]], Awaitable[None]]
 
+logger = logging.getLogger(__name__)
+
 _CONNECT_REASONS: tuple[tuple[type[OSError], str], ...] = (
-    (ConnectionRefusedError, "connection refused"),
-    (ConnectionResetError, "connection reset"),
-    (TimeoutError, "timed out"),
+    (ConnectionRefusedError, "connection refused by {where}"),
+    (ConnectionResetError, "connection reset by {where}"),
+    (TimeoutError, "connecting to {where} timed out"),
 )
+
+# What an HTTP library's transport error (httpx's and httpx2's share their class names)
+# means to someone reading a failed request, most specific class first along the MRO.
+_TRANSPORT_WORDS: dict[str, str] = {
+    "ReadError": "connection dropped while reading the response",
+    "WriteError": "connection dropped while sending the request",
+    "RemoteProtocolError": "bad HTTP from the server",
+    "LocalProtocolError": "the request could not be sent as HTTP",
+    "ProxyError": "the proxy refused the request",
+    "UnsupportedProtocol": "unsupported URL scheme",
+    "ConnectError": "cannot connect to the server",
+    "ReadTimeout": "timed out reading the response",
+    "WriteTimeout": "timed out sending the request",
+    "ConnectTimeout": "timed out connecting to the server",
+    "PoolTimeout": "timed out waiting for a free connection",
+    "NetworkError": "network error",
+    "TimeoutException": "timed out",
+}
+_ERRNO_PREFIX = re.compile(r"^\[Errno -?\d+\] ")
+_DROPPED = ("peer closed connection", "Server disconnected")
+
+
+def _detail(exc: BaseException) -> str:
+    """An exception's own words, without an ``[Errno N]`` prefix; "" when it has none."""
+    return _ERRNO_PREFIX.sub("", " ".join(str(exc).split()))
+
+
+def transport_failure(exc: BaseException) -> str:
+    """What a reader of a failed request is told about a transport error of an HTTP
+    library: what happened in words (``connection dropped while reading the response``),
+    then the library's own detail in parentheses when it has one — never a class name
+    alone, never a repr."""
+    words = "connection failed"
+    for cls in type(exc).__mro__:
+        found = _TRANSPORT_WORDS.get(cls.__name__)
+        if found is not None:
+            words = found
+            break
+    detail = _detail(exc)
+    if detail.startswith(_DROPPED):
+        # httpcore's words for a body or response the server cut off.
+        words = "connection dropped by the server"
+    return f"{words} ({detail})" if detail and detail.lower() != words else words
 
 
 def cut_short(events: list[StreamEvent], exc: BaseException) -> list[StreamEvent]:
@@ -42,22 +90,37 @@ def cut_short(events: list[StreamEvent], exc: BaseException) -> list[StreamEvent
     had already proven complete; the failure names the drop."""
     if events and isinstance(events[-1], StreamFailed):
         error = events[-1].error
-        reason = str(exc) or type(exc).__name__
         failed = StreamFailed(
-            error=attrs.evolve(error, message=f"{error.message}; connection dropped: {reason}")
+            error=attrs.evolve(error, message=f"{error.message}; {transport_failure(exc)}")
         )
         return [*events[:-1], failed]
     return events
 
 
+def _where(url: str) -> str:
+    """``host:port`` of ``url`` (the scheme's port when it names none), IPv6 in brackets."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname
+        port = parts.port or {"https": 443, "http": 80}.get(parts.scheme)
+    except ValueError:
+        return url
+    if not host:
+        return url
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{host}:{port}" if port else host
+
+
 def connect_failure(url: str, exc: BaseException) -> str:
-    """What the user reads when a connection to ``url`` could not be opened:
-    ``cannot connect to URL (connection refused)``, naming the operating system's reason
-    found anywhere in the exception's causes (exception groups included), else the
-    library's own words. Such a failure stays retryable: a server may be starting up."""
+    """What the user reads when a connection to ``url`` could not be opened: what happened,
+    naming the operating system's reason found anywhere in the exception's causes (exception
+    groups included), then the URL: ``connection refused by 127.0.0.1:8080 (cannot connect
+    to http://127.0.0.1:8080/v1/messages)``; else the library's own words. Such a failure
+    stays retryable: a server may be starting up."""
     seen: set[int] = set()
     pending: list[BaseException] = [exc]
-    gai: str | None = None
+    gai = False
     while pending:
         current = pending.pop()
         if id(current) in seen:
@@ -65,14 +128,17 @@ def connect_failure(url: str, exc: BaseException) -> str:
         seen.add(id(current))
         for cls, reason in _CONNECT_REASONS:
             if isinstance(current, cls):
-                return f"cannot connect to {url} ({reason})"
-        if gai is None and current.__class__.__name__ == "gaierror":
-            gai = "unknown host"
+                return f"{reason.format(where=_where(url))} (cannot connect to {url})"
+        if current.__class__.__name__ == "gaierror":
+            gai = True
         pending.extend(getattr(current, "exceptions", ()) or ())
         for link in (current.__cause__, current.__context__):
             if link is not None:
                 pending.append(link)
-    return f"cannot connect to {url} ({gai or str(exc) or type(exc).__name__})"
+    if gai:
+        host = urllib.parse.urlsplit(url).hostname or url
+        return f"unknown host {host} (cannot connect to {url})"
+    return f"cannot connect to {url} ({_detail(exc) or 'connection failed'})"
 
 
 class ProviderTask(Protocol):
@@ -206,5 +272,14 @@ class LLMStreamer:
         except trio.Cancelled:
             raise
         except Exception as exc:  # a provider bug must not take the session down
-            failure = ModelError(kind="failed", message=f"provider error: {exc!r}")
+            # The traceback goes to the log for whoever fixes the bug; the request's reader
+            # gets words, not a repr.
+            logger.exception("provider failed unexpectedly")
+            detail = "" if isinstance(exc, LookupError) else _detail(exc)
+            failure = ModelError(
+                kind="failed",
+                message="the provider failed unexpectedly"
+                + (f": {detail}" if detail else "")
+                + " (the traceback is in the log)",
+            )
             await deliver([StreamFailed(error=failure)])

@@ -44,7 +44,12 @@ from greenroom.protocols.messages import (
 )
 from greenroom.protocols.outputs import ToolStatus
 from greenroom.protocols.text import repair_text
-from greenroom.protocols.tools import Tool, ToolContext, normalize_result
+from greenroom.protocols.tools import (
+    Tool,
+    ToolContext,
+    invalid_arguments_reason,
+    normalize_result,
+)
 
 SLOTS = 5
 
@@ -181,9 +186,10 @@ class ToolPool:
             known = ", ".join(sorted(self._tools)) or "none"
             return "error", _text(f"Unknown tool {call.name!r}. Available tools: {known}.")
         if call.invalid_arguments is not None:
+            raw = call.invalid_arguments
             return "error", _text(
-                f"Invalid arguments for {call.name}: not a JSON object: "
-                f"{call.invalid_arguments[:500]}"
+                f"Invalid arguments for {call.name}: {invalid_arguments_reason(raw)}: "
+                f"{raw[:500]}"
             )
         problems = tool.validate(call.arguments)
         if problems:

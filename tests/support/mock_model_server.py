@@ -20,7 +20,7 @@ The server holds a FIFO of responses; every model request pops the next one. An 
 of :data:`Response`: :class:`Reply` (rendered in the wire format of the endpoint hit),
 :class:`Fixture` (a fixture file replayed byte for byte), :class:`ErrorReply` /
 :class:`WireError` (an HTTP error), a fault (:class:`DropAfter`, :class:`MidStreamError`,
-:class:`MalformedJSON`, :class:`SlowFirstByte`, :class:`Hang`), a pre-rendered
+:class:`MalformedJSON`, :class:`SlowFirstByte`, :class:`Hang`, :class:`KeepAlives`), a pre-rendered
 :class:`Streamed` body, or a callable ``(RecordedRequest) -> Response`` (dynamic scripts).
 When the FIFO is empty the ``fallback`` handler answers (for example :class:`Workload`, the
 benchmark's endless reference workload); without one the server answers 500 naming the
@@ -92,6 +92,7 @@ __all__ = [
     "Fixture",
     "Handler",
     "Hang",
+    "KeepAlives",
     "MalformedJSON",
     "MidStreamError",
     "MockModelServer",
@@ -335,6 +336,28 @@ class Hang:
     """Send 200 SSE headers, then nothing until the client closes the connection."""
 
 
+KeepAliveStyle = Literal["comment", "ping", "blank"]
+
+
+@dataclass(frozen=True, slots=True)
+class KeepAlives:
+    """Send ``after_events`` events of ``reply`` (default: a short text reply, whose first
+    event is Anthropic's ``message_start``, OpenAI chat's role chunk, or the Responses API's
+    ``response.created``), then nothing but keep-alives, one every ``every_s`` seconds, until
+    the client closes the connection. ``style``: ``comment`` (an SSE comment line,
+    ``: keep-alive``), ``ping`` (the wire's own idle event: Anthropic's ``ping``, a Chat
+    Completions chunk whose delta is empty, a Responses ``response.in_progress``), or
+    ``blank`` (an empty line). With ``for_s`` the keep-alives stop after that long and the
+    connection is closed mid-body: a client without a no-progress deadline then sees a stream
+    cut short instead of waiting for ever."""
+
+    after_events: int = 1
+    reply: StreamSource | None = None
+    every_s: float = 5.0
+    style: KeepAliveStyle = "comment"
+    for_s: float = math.inf
+
+
 Handler: TypeAlias = Callable[["RecordedRequest"], "Response"]
 """A dynamic script entry: called with the request, returns what to answer."""
 
@@ -349,6 +372,7 @@ Response: TypeAlias = (
     | MalformedJSON
     | SlowFirstByte
     | Hang
+    | KeepAlives
     | Handler
 )
 
@@ -1046,7 +1070,7 @@ class Workload:
 # The server
 # ---------------------------------------------------------------------------------------------
 
-Ending = Literal["end", "drop", "close", "hang"]
+Ending = Literal["end", "drop", "close", "hang", "keepalive"]
 
 
 @dataclass(slots=True)
@@ -1060,6 +1084,9 @@ class _Plan:
     ending: Ending = "end"
     paced: bool = False
     first_byte_delay: float = 0.0
+    keepalive: bytes = b""
+    keepalive_every_s: float = 0.0
+    keepalive_for_s: float = math.inf
 
 
 class _Pacer:
@@ -1357,7 +1384,8 @@ class MockModelServer:
     def _plan(self, response: Response, rec: RecordedRequest) -> _Plan:
         for _ in range(16):
             if isinstance(response, (Reply, Fixture, ErrorReply, WireError, Streamed, DropAfter,
-                                     MidStreamError, MalformedJSON, SlowFirstByte, Hang)):
+                                     MidStreamError, MalformedJSON, SlowFirstByte, Hang,
+                                     KeepAlives)):
                 break
             response = response(rec)
         else:
@@ -1418,6 +1446,15 @@ class MockModelServer:
             plan = self._streamed_plan(response.reply, rec)
             plan.events = list(plan.events or ())[: response.after_events]
             plan.ending = "close" if plan.ending == "close" else "drop"
+            return plan
+        if isinstance(response, KeepAlives):
+            plan = self._streamed_plan(
+                response.reply or Reply([Text("This reply never comes")]), rec)
+            plan.events = list(plan.events or ())[: response.after_events]
+            plan.ending = "keepalive"
+            plan.keepalive = _keepalive_bytes(wire, response.style)
+            plan.keepalive_every_s = response.every_s
+            plan.keepalive_for_s = response.for_s
             return plan
         if isinstance(response, MidStreamError):
             plan = self._streamed_plan(response.reply, rec)
@@ -1526,6 +1563,14 @@ class MockModelServer:
         if plan.ending == "end":
             tail = conn.send(h11.EndOfMessage())  # b"0\r\n\r\n" when chunked
         await self._write_events(stream, head, plan.events or (), frame, tail, plan.paced)
+        if plan.ending == "keepalive":
+            # Until the client gives up (a send to a closed connection ends the handler) or
+            # the time is up: then the body is cut, the connection closed.
+            until = trio.current_time() + plan.keepalive_for_s
+            while trio.current_time() + plan.keepalive_every_s <= until:
+                await trio.sleep(plan.keepalive_every_s)
+                await stream.send_all(b"".join(frame(plan.keepalive)))
+            return False
         return plan.ending == "end"
 
     async def _write_events(
@@ -1574,6 +1619,20 @@ class MockModelServer:
                 now = clock()
             buf.append(ev.data)
         await stream.send_all(b"".join([prefix, *frame(b"".join(buf)), tail]))
+
+
+def _keepalive_bytes(wire: Wire, style: KeepAliveStyle) -> bytes:
+    if style == "comment":
+        return b": keep-alive\n\n"
+    if style == "blank":
+        return b"\n"
+    if wire == "anthropic":
+        return _anthropic_event("ping", {"type": "ping"})
+    if wire == "responses":
+        return (b'event: response.in_progress\ndata: {"type":"response.in_progress",'
+                b'"response":{"id":"resp_mock","object":"response","status":"in_progress"}}\n\n')
+    return _openai_event({"id": "chatcmpl-mock", "object": "chat.completion.chunk",
+                          "choices": [{"index": 0, "delta": {}, "finish_reason": None}]})
 
 
 def _try_send(sock: Any, data: bytes) -> int:
