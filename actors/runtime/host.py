@@ -131,6 +131,7 @@ class Host:
         self._store = store
         self._sessions: dict[str, Session] = {}
         self._providers: dict[tuple[str, str | None], ModelProvider] = {}
+        self._making_provider = trio.Lock()
         self._tool_tables: dict[tuple[int, ...], tuple[dict[str, Tool], tuple[ToolSchema, ...]]]
         self._tool_tables = {}
         self._paths: dict[str, Path] = {}
@@ -251,7 +252,7 @@ class Host:
             raise ConfigurationError(f"bad session settings: {exc}") from None
         model_provider = provider if not isinstance(provider, str | None) else None
         if model_provider is None:
-            model_provider = self._provider_for(final)
+            model_provider = await self._provider_for(final)
         sid = session_id or _new_session_id()
         while session_id is None and sid in self._sessions:
             # Many sessions created within one second can draw the same id.
@@ -325,7 +326,7 @@ class Host:
             settings = attrs.evolve(settings, **overrides)
         model_provider = provider if not isinstance(provider, str | None) else None
         if model_provider is None:
-            model_provider = self._provider_for(settings)
+            model_provider = await self._provider_for(settings)
         loaded = await self._store.load(session_id)
         transcript = rebuild(list(loaded.records), supports_vision=settings.supports_vision)
         session = Session(
@@ -459,13 +460,20 @@ class Host:
         not raise: an exception would end the host and every session with it."""
         self._nursery.start_soon(fn)
 
-    def _provider_for(self, settings: SessionSettings) -> ModelProvider:
+    async def _provider_for(self, settings: SessionSettings) -> ModelProvider:
         # One client per provider and endpoint: sessions share its connection pool.
         cache_key = (settings.provider, settings.base_url)
         provider = self._providers.get(cache_key)
-        if provider is None:
-            provider = make_provider(settings)
-            self._providers[cache_key] = provider
+        if provider is not None:
+            return provider
+        async with self._making_provider:  # sessions created together share one client
+            provider = self._providers.get(cache_key)
+            if provider is None:
+                # In a worker thread: a provider's first use imports its library (the
+                # anthropic SDK: seconds on a busy machine), which on the event loop would
+                # stall every session, connection and lease renewal of the host meanwhile.
+                provider = await trio.to_thread.run_sync(make_provider, settings)
+                self._providers[cache_key] = provider
         return provider
 
 
