@@ -34,17 +34,27 @@ __all__ = ["HostRecord", "HostRegistry", "SessionDirectory", "assign", "least_lo
 @attrs.frozen(kw_only=True)
 class HostRecord:
     """One live host: ``load`` is how many sessions it runs, ``gateway`` its websocket URL
-    (None when it serves none), ``at`` when it last announced itself (epoch seconds)."""
+    (None when it serves none), ``at`` when it last announced itself (epoch seconds).
+    ``placeable``: it takes the sessions other gateways place on it (it answers on its
+    host subject and has loaded its provider); a host that has just joined, or serves no
+    gateway, is not, and placement passes it by instead of waiting for it."""
 
     host_id: str
     load: int
     gateway: str | None = None
     at: float = 0.0
+    placeable: bool = False
 
     def to_json(self) -> bytes:
         """The record as stored in the bucket."""
         return json.dumps(
-            {"host_id": self.host_id, "load": self.load, "gateway": self.gateway, "at": self.at}
+            {
+                "host_id": self.host_id,
+                "load": self.load,
+                "gateway": self.gateway,
+                "at": self.at,
+                "placeable": self.placeable,
+            }
         ).encode()
 
     @classmethod
@@ -57,6 +67,7 @@ class HostRecord:
                 load=int(raw["load"]),
                 gateway=raw.get("gateway") if isinstance(raw.get("gateway"), str) else None,
                 at=float(raw.get("at", 0.0)),
+                placeable=raw.get("placeable") is True,
             )
         except (ValueError, KeyError, TypeError):
             return None

@@ -226,15 +226,11 @@ class Host:
         mcp_configs = _mcp_configs(mcp_servers)
         base = settings or SessionSettings()
         provider_name = (
-            provider
-            if isinstance(provider, str)
-            else getattr(provider, "name", None)
-            if provider is not None
+            getattr(provider, "name", None)
+            if provider is not None and not isinstance(provider, str)
             else base.provider
-            if settings is not None
-            else "anthropic"
-            if model is not None and model.startswith("claude-")
-            else default_provider_name()
+            if provider is None and settings is not None
+            else _provider_name(provider, model)
         )
         if provider_name == "anthropic" and isinstance(provider, str | None):
             _require_anthropic_credentials(model)
@@ -460,6 +456,21 @@ class Host:
         not raise: an exception would end the host and every session with it."""
         self._nursery.start_soon(fn)
 
+    async def load_provider(
+        self, provider: str | None = None, *, model: str | None = None, base_url: str | None = None
+    ) -> None:
+        """Make the provider client that sessions created with ``provider``, ``model`` and
+        ``base_url`` will share (as :meth:`create_session` names it), unless it is made
+        already: a host that must answer its first session within a bound loads the
+        provider's library beforehand. Off the event loop. Raises
+        :class:`ConfigurationError` as :meth:`create_session` would (an unknown provider,
+        or anthropic without credentials)."""
+        name = _provider_name(provider, model)
+        if name == "anthropic":
+            _require_anthropic_credentials(model)
+        changes: dict[str, Any] = {"provider": name, "base_url": base_url}
+        await self._provider_for(attrs.evolve(SessionSettings(), **changes))
+
     async def _provider_for(self, settings: SessionSettings) -> ModelProvider:
         # One client per provider and endpoint: sessions share its connection pool.
         cache_key = (settings.provider, settings.base_url)
@@ -496,6 +507,15 @@ def _require_anthropic_credentials(model: str | None) -> None:
         f"{asked} needs ANTHROPIC_API_KEY or ANTHROPIC_AUTH_TOKEN in the environment; "
         "pass provider='scripted' for the built-in model"
     )
+
+
+def _provider_name(provider: str | None, model: str | None) -> str:
+    """The provider a session gets that names ``provider`` (or none) and no settings."""
+    if provider is not None:
+        return provider
+    if model is not None and model.startswith("claude-"):
+        return "anthropic"
+    return default_provider_name()
 
 
 def _default_model(provider: str) -> str:
