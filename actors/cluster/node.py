@@ -10,8 +10,8 @@
     └── Host (ReplicatingTraceStore)
         └── ClusterNode.run
             ├── LeaseKeeper      renews this host's leases; a lost one stops its session
-            ├── announcer        this host's load in the host registry, every TTL / 3;
-            │                    placeable once it answers placed sessions
+            ├── announcer        this host's load in the host registry, when it changes and
+            │                    every TTL / 3; placeable once it answers placed sessions
             ├── directory        session metadata (running or idle) to the session bucket
             ├── host requests    sessions placed on this host by other gateways
             └── orphan scan      every TTL / 2: sessions without a lease, spread over the
@@ -214,6 +214,7 @@ class ClusterNode:
         sid = session.id
         self.store.replicate(sid)
         self._adopted.add(sid)
+        self._load_changed()
         # Unbounded: the publisher never waits on the node, and the node's watcher waits
         # on nothing but this inbox (an announcement is queued without blocking), so the
         # inbox holds only what was published since the watcher's last turn.
@@ -314,6 +315,10 @@ class ClusterNode:
         finally:
             self._placeable = False
 
+    def _load_changed(self) -> None:
+        if self._registry is not None:
+            self._registry.changed()
+
     def _record(self) -> HostRecord:
         return HostRecord(
             host_id=self.host_id,
@@ -383,6 +388,7 @@ class ClusterNode:
 
     def _on_deleted(self, session_id: str) -> None:
         self._adopted.discard(session_id)
+        self._load_changed()
         self._serving.pop(session_id, None)
         scope = self._stream_scopes.pop(session_id, None)
         if scope is not None:
@@ -415,6 +421,7 @@ class ClusterNode:
         if scope is not None:
             scope.cancel()
         self._adopted.discard(session_id)
+        self._load_changed()
         self._serving.pop(session_id, None)
         if self._work is not None and self._host is not None:
             # During shutdown the work nursery is closed: the host closes the session.
