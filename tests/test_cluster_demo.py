@@ -4,6 +4,7 @@ host killed mid-payment, every session finished elsewhere, nothing paid twice; e
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,9 @@ def test_the_cluster_demo_passes(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
-    assert "*** killing host a (SIGKILL) with 2 payments in flight" in out
+    # Placement decides which sessions run on a: at least the first one created through it.
+    killed = re.search(r"\*\*\* killing host a \(SIGKILL\) with (\d+) payments? in flight", out)
+    assert killed is not None and int(killed.group(1)) >= 1, out
     assert out.count("paid once — ok") == 6
     assert "takes session" in out
     assert "no payment repeated" in out

@@ -3,11 +3,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+from typing import Any, cast
+
+import nats.js.errors
+import nats.js.kv
 import trio
 
 from greenroom.actors.cluster.connection import Connection
 from greenroom.actors.cluster.errors import LeaseLost
-from greenroom.actors.cluster.leases import LeaseKeeper, LeaseTable
+from greenroom.actors.cluster.leases import Lease, LeaseKeeper, LeaseTable
 from tests.support.nats import (  # the fixture is used as nats_server
     NatsProcess,
     module_nats_server,  # noqa: F401
@@ -66,6 +71,30 @@ def test_an_unrenewed_lease_expires_and_another_host_claims_it(nats_server: Nats
         return claimed.host_id, holder, stale_renewed and tries > 0
 
     assert run_connected(nats_server.url, body) == ("host-b", "host-b", False)
+
+
+def test_a_lease_that_expires_while_it_is_claimed_is_claimed() -> None:
+    """The KV's ``create`` finds the lease, then looks it up to see whether it was deleted,
+    and it has expired in between (more likely on a busy machine): nobody holds it, so the
+    claim succeeds instead of reporting the cluster unreachable (R-CLUSTER-2)."""
+
+    class Bucket:
+        creates = 0
+
+        async def create(self, key: str, value: bytes) -> int:
+            Bucket.creates += 1
+            if Bucket.creates == 1:
+                raise nats.js.errors.KeyNotFoundError
+            return 7
+
+    class Direct:
+        async def call(self, coro: Awaitable[Any]) -> Any:
+            return await coro
+
+    table = LeaseTable(cast(Connection, Direct()), cast(nats.js.kv.KeyValue, Bucket()), TTL_S)
+    assert trio.run(table.claim, "s1", "host-b") == Lease(
+        session_id="s1", host_id="host-b", revision=7
+    )
 
 
 def test_a_released_lease_is_claimable_at_once(nats_server: NatsProcess) -> None:

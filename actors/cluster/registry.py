@@ -3,7 +3,8 @@
 * :class:`HostRegistry`: host id → :class:`HostRecord` (its load and gateway URL), in a
   bucket with the lease TTL. Each host re-publishes its record every third of the TTL
   (:meth:`HostRegistry.announce_every`), so a dead host drops out of the registry as its
-  leases expire.
+  leases expire, and at once when it changes (:meth:`HostRegistry.changed`), so other
+  gateways place sessions by the load it has, not the load it had a tick ago.
 * :class:`SessionDirectory`: session id → the session's metadata (settings, workspace, tool
   names, its current host), without TTL: a session outlives every host it ran on.
 
@@ -34,17 +35,27 @@ __all__ = ["HostRecord", "HostRegistry", "SessionDirectory", "assign", "least_lo
 @attrs.frozen(kw_only=True)
 class HostRecord:
     """One live host: ``load`` is how many sessions it runs, ``gateway`` its websocket URL
-    (None when it serves none), ``at`` when it last announced itself (epoch seconds)."""
+    (None when it serves none), ``at`` when it last announced itself (epoch seconds).
+    ``placeable``: it takes the sessions other gateways place on it (it answers on its
+    host subject and has loaded its provider); a host that has just joined, or serves no
+    gateway, is not, and placement passes it by instead of waiting for it."""
 
     host_id: str
     load: int
     gateway: str | None = None
     at: float = 0.0
+    placeable: bool = False
 
     def to_json(self) -> bytes:
         """The record as stored in the bucket."""
         return json.dumps(
-            {"host_id": self.host_id, "load": self.load, "gateway": self.gateway, "at": self.at}
+            {
+                "host_id": self.host_id,
+                "load": self.load,
+                "gateway": self.gateway,
+                "at": self.at,
+                "placeable": self.placeable,
+            }
         ).encode()
 
     @classmethod
@@ -57,6 +68,7 @@ class HostRecord:
                 load=int(raw["load"]),
                 gateway=raw.get("gateway") if isinstance(raw.get("gateway"), str) else None,
                 at=float(raw.get("at", 0.0)),
+                placeable=raw.get("placeable") is True,
             )
         except (ValueError, KeyError, TypeError):
             return None
@@ -107,6 +119,7 @@ class HostRegistry:
         self._conn = conn
         self._kv = kv
         self.ttl_s = ttl_s
+        self._due = trio.Event()
 
     @classmethod
     async def open(cls, conn: Connection, *, ttl_s: float) -> HostRegistry:
@@ -133,18 +146,26 @@ class HostRegistry:
         records = (HostRecord.from_json(v) for v in (await _entries(self._conn, self._kv)).values())
         return sorted((r for r in records if r is not None), key=lambda r: r.host_id)
 
+    def changed(self) -> None:
+        """The record :meth:`announce_every` announces has changed: announce it now, not at
+        the next tick (changes made during an announcement make one more)."""
+        self._due.set()
+
     async def announce_every(
         self,
         record: Callable[[], HostRecord],
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Announce ``record()`` now and every third of the TTL, until cancelled; a failed
-        announcement is retried at the next tick."""
+        """Announce ``record()`` now, every third of the TTL and after each
+        :meth:`changed`, until cancelled; a failed announcement is retried at the next
+        tick."""
         await self.announce(record())
         task_status.started()
         while True:
-            await trio.sleep(self.ttl_s / 3)
+            with trio.move_on_after(self.ttl_s / 3):
+                await self._due.wait()
+            self._due = trio.Event()
             try:
                 await self.announce(record())
             except ClusterUnavailable:

@@ -24,7 +24,8 @@ cluster, and the owner's side of the requests it forwards.
   call. Live-only outputs (partial text, tool progress) stay on the owner.
 * ``session.create`` is placed on the least loaded host: this host's own load as it is, the
   others' as last announced plus what this gateway placed on them since (ties: this host,
-  then the lowest id). On another host it is created there by a request to that host's
+  then the lowest id), among the hosts that announce themselves placeable (ready to answer
+  on their subject). On another host it is created there by a request to that host's
   subject; a host that does not answer leaves the session here.
 """
 
@@ -392,7 +393,7 @@ class ClusterRouter:
         loads = [
             (record.load + self._placed_since(record), record.host_id, record)
             for record in hosts
-            if record.host_id != self._host_id
+            if record.host_id != self._host_id and record.placeable
         ]
         best = min(loads, key=lambda entry: entry[:2], default=None)
         if best is None or best[0] >= own:

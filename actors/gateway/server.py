@@ -219,6 +219,21 @@ class Gateway:
         self._calls.router = router
         self._hubs.remote_watchers = remote_watchers
 
+    async def load_provider(self) -> None:
+        """Load the provider client of the sessions this gateway creates (nothing to load
+        when the defaults give a provider factory), so that the first ``session.create``
+        does not wait for the provider's library. Raises :class:`ConfigurationError` as
+        that ``session.create`` would."""
+        defaults = self.defaults
+        if defaults.provider_factory is not None:
+            return
+        base_url = defaults.settings.get("base_url")
+        await self.host.load_provider(
+            defaults.provider,
+            model=defaults.model,
+            base_url=base_url if isinstance(base_url, str) else None,
+        )
+
     @property
     def methods(self) -> Mapping[str, Handler]:
         """The dispatch table (what a request forwarded from another host runs)."""

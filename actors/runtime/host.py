@@ -141,6 +141,7 @@ class Host:
         self._sessions: dict[str, Session] = {}
         self._ports: dict[str, SessionPort] = {}
         self._providers: dict[tuple[str, str | None], ModelProvider] = {}
+        self._making_provider = trio.Lock()
         self._tool_tables: dict[tuple[int, ...], tuple[dict[str, Tool], tuple[ToolSchema, ...]]]
         self._tool_tables = {}
         self._paths: dict[str, Path] = {}
@@ -251,15 +252,11 @@ class Host:
         mcp_configs = _mcp_configs(mcp_servers)
         base = settings or SessionSettings()
         provider_name = (
-            provider
-            if isinstance(provider, str)
-            else getattr(provider, "name", None)
-            if provider is not None
+            getattr(provider, "name", None)
+            if provider is not None and not isinstance(provider, str)
             else base.provider
-            if settings is not None
-            else "anthropic"
-            if model is not None and model.startswith("claude-")
-            else default_provider_name()
+            if provider is None and settings is not None
+            else _provider_name(provider, model)
         )
         if provider_name == "anthropic" and isinstance(provider, str | None):
             _require_anthropic_credentials(model)
@@ -277,7 +274,7 @@ class Host:
             raise ConfigurationError(f"bad session settings: {exc}") from None
         model_provider = provider if not isinstance(provider, str | None) else None
         if model_provider is None:
-            model_provider = self._provider_for(final)
+            model_provider = await self._provider_for(final)
         sid = session_id or _new_session_id()
         while session_id is None and sid in self._sessions:
             # Many sessions created within one second can draw the same id.
@@ -364,7 +361,7 @@ class Host:
             settings = attrs.evolve(settings, **overrides)
         model_provider = provider if not isinstance(provider, str | None) else None
         if model_provider is None:
-            model_provider = self._provider_for(settings)
+            model_provider = await self._provider_for(settings)
         loaded = await self._store.load(session_id)
         records = list(loaded.records)
         transcript = rebuild(records, supports_vision=settings.supports_vision, recover=False)
@@ -631,13 +628,35 @@ class Host:
         not raise: an exception would end the host and every session with it."""
         self._nursery.start_soon(fn)
 
-    def _provider_for(self, settings: SessionSettings) -> ModelProvider:
+    async def load_provider(
+        self, provider: str | None = None, *, model: str | None = None, base_url: str | None = None
+    ) -> None:
+        """Make the provider client that sessions created with ``provider``, ``model`` and
+        ``base_url`` will share (as :meth:`create_session` names it), unless it is made
+        already: a host that must answer its first session within a bound loads the
+        provider's library beforehand. Off the event loop. Raises
+        :class:`ConfigurationError` as :meth:`create_session` would (an unknown provider,
+        or anthropic without credentials)."""
+        name = _provider_name(provider, model)
+        if name == "anthropic":
+            _require_anthropic_credentials(model)
+        changes: dict[str, Any] = {"provider": name, "base_url": base_url}
+        await self._provider_for(attrs.evolve(SessionSettings(), **changes))
+
+    async def _provider_for(self, settings: SessionSettings) -> ModelProvider:
         # One client per provider and endpoint: sessions share its connection pool.
         cache_key = (settings.provider, settings.base_url)
         provider = self._providers.get(cache_key)
-        if provider is None:
-            provider = make_provider(settings)
-            self._providers[cache_key] = provider
+        if provider is not None:
+            return provider
+        async with self._making_provider:  # sessions created together share one client
+            provider = self._providers.get(cache_key)
+            if provider is None:
+                # In a worker thread: a provider's first use imports its library (the
+                # anthropic SDK: seconds on a busy machine), which on the event loop would
+                # stall every session, connection and lease renewal of the host meanwhile.
+                provider = await trio.to_thread.run_sync(make_provider, settings)
+                self._providers[cache_key] = provider
         return provider
 
 
@@ -660,6 +679,15 @@ def _require_anthropic_credentials(model: str | None) -> None:
         f"{asked} needs ANTHROPIC_API_KEY or ANTHROPIC_AUTH_TOKEN in the environment; "
         "pass provider='scripted' for the built-in model"
     )
+
+
+def _provider_name(provider: str | None, model: str | None) -> str:
+    """The provider a session gets that names ``provider`` (or none) and no settings."""
+    if provider is not None:
+        return provider
+    if model is not None and model.startswith("claude-"):
+        return "anthropic"
+    return default_provider_name()
 
 
 def _default_model(provider: str) -> str:

@@ -1,6 +1,7 @@
 """``greenroom serve --nats`` host processes for the cluster tests (trio, as the bridge's
 guest): started with a scripted model server and the side-effect tool, their stderr kept
-for assertions, their gateway URL and token read when they are ready."""
+for assertions, their gateway URL and token read when they are ready — a cluster host once
+it also takes sessions placed by other hosts, so a test never races a host's start."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import trio
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = REPO / "tests" / "support" / "cluster_tools.py"
 _URL = re.compile(r"listening on (ws://[\w.:]+/v1)")
+PLACEABLE = "takes sessions placed by other hosts"
+"""What a cluster host logs once other gateways may place sessions on it."""
 
 
 @attrs.define
@@ -28,14 +31,17 @@ class HostProcess:
     token: str
     log: list[str]
     news: list[trio.Event]
+    ended: trio.Event
 
     def logged(self, text: str) -> bool:
         """Whether some line of the host's log so far contains ``text``."""
         return any(text in line for line in self.log)
 
     async def wait_logged(self, *texts: str) -> None:
-        """Return once a line containing one of ``texts`` is logged."""
+        """Return once a line containing one of ``texts`` is logged; AssertionError when
+        the host's log ends without one."""
         while not any(self.logged(t) for t in texts):
+            assert not self.ended.is_set(), f"host {self.host_id} ended: {self.log}"
             await self.news[0].wait()
 
 
@@ -51,9 +57,10 @@ async def start_host(
     approve: str = "all",
     tokens_file: Path | None = None,
 ) -> HostProcess:
-    """Start host ``host_id`` and return once its gateway listens (``nats_url`` None: a
-    single-host ``serve``, for comparisons). ``approve`` is ``serve --approve``; with
-    ``tokens_file`` the host knows those principals (and ``token`` is empty)."""
+    """Start host ``host_id`` and return once its gateway listens and, in a cluster, it
+    takes placed sessions (``nats_url`` None: a single-host ``serve``, for comparisons).
+    ``approve`` is ``serve --approve``; with ``tokens_file`` the host knows those
+    principals (and ``token`` is empty)."""
     data = tmp_path / host_id
     workspace = tmp_path / "ws"
     workspace.mkdir(parents=True, exist_ok=True)
@@ -84,6 +91,7 @@ async def start_host(
     log: list[str] = []
     news = [trio.Event()]
     ready = trio.Event()
+    ended = trio.Event()
     found: dict[str, Any] = {}
 
     async def read_log() -> None:
@@ -101,6 +109,7 @@ async def start_host(
                 if match:
                     found["url"] = match.group(1)
                     ready.set()
+        ended.set()
         ready.set()
         news[0].set()
 
@@ -108,6 +117,15 @@ async def start_host(
     await ready.wait()
     assert "url" in found, f"host {host_id} did not start: {log}"
     token = "" if tokens_file is not None else (data / "serve.token").read_text().strip()
-    return HostProcess(
-        host_id=host_id, process=process, url=found["url"], token=token, log=log, news=news
+    host = HostProcess(
+        host_id=host_id,
+        process=process,
+        url=found["url"],
+        token=token,
+        log=log,
+        news=news,
+        ended=ended,
     )
+    if nats_url is not None:
+        await host.wait_logged(PLACEABLE)
+    return host
