@@ -26,3 +26,10 @@ INTERRUPTED_APPROVAL = "denied: interrupted"
 def decision_words(decision: Decision, by: DecidedBy) -> str:
     """The plain words for an approval decision, e.g. ``"allowed for this session"``."""
     return DECISION_WORDS[(decision, by)]
+
+
+def allowed_without_asking(source: str) -> str:
+    """The words for a call the host allowed without asking anyone, because ``source``
+    allows every call: ``"allowed by --approve all"``. ``allowed by you`` would claim a
+    person was asked."""
+    return f"allowed by {source}"

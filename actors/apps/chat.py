@@ -1143,9 +1143,7 @@ class ChatRenderer(HumanRenderer):
         self._note(dim(f"  model: {_clip_line(reply) if reply else '(no reply)'}"))
 
     def _show_decision(self, output: ApprovalDecision) -> None:
-        words = self._decided_here.pop(output.call_id, None) or decision_words(
-            output.decision, output.by
-        )
+        words = self._decided_here.pop(output.call_id, None) or self.decision_text(output)
         if output.decision == "deny":
             hint = " (start the chat with --approve ask or all)" if output.by == "default" else ""
             self._line(

@@ -107,7 +107,11 @@ from greenroom.protocols.outputs import (
     UserMsg,
 )
 from greenroom.protocols.tools import Tool
-from greenroom.protocols.wording import INTERRUPTED_APPROVAL, decision_words
+from greenroom.protocols.wording import (
+    INTERRUPTED_APPROVAL,
+    allowed_without_asking,
+    decision_words,
+)
 
 __all__ = ["EXIT_CODES", "RunOptions", "RunResult", "build_parser", "main", "run_task"]
 
@@ -131,6 +135,8 @@ EXIT_CODES: dict[str, int] = {
 """Process exit code for each ``task_end`` status."""
 
 APPROVE_MODES = ("ask", "all", "none")
+ALLOW_ALL_SOURCE = "--approve all"
+"""What allows every call under ``--approve all``, in the words a decision is shown with."""
 SANDBOX_MODES = ("auto", "required", "off")
 # Session ids become directory names: refuse anything that could walk out of the data dir.
 _SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -330,7 +336,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--approve",
         choices=APPROVE_MODES,
-        default="all",
         help="tool call approval (default: all, every call is allowed)",
     )
     _add_model_flags(demo)
@@ -959,6 +964,7 @@ class RunOptions:
     tools: tuple[Tool, ...] = ()
     mcp_servers: Mapping[str, Any] = attrs.field(factory=dict)
     approve: str = "none"
+    allow_all_source: str = ALLOW_ALL_SOURCE
     json: bool = False
     max_turns: int | None = None
     max_context_length: int | None = None
@@ -1235,7 +1241,9 @@ async def _run_task(options: RunOptions, out: TextIO) -> RunResult:
             if options.json
             else HumanRenderer(out, sys.stderr, tools=session.tools)
         )
-        approve = _approver(options.approve, renderer)
+        approve = _approver(
+            options.approve, renderer, allow_all_source=options.allow_all_source
+        )
         try:
             stream = session.run(options.prompt, approve=approve)
         except AuthLocked as exc:
@@ -1328,8 +1336,16 @@ def _allow_all(call: ToolCallBlock) -> str:
     return "allow"
 
 
-def _approver(mode: str, renderer: Renderer, read_line: ReadLine | None = None) -> ApproveFn | None:
+def _approver(
+    mode: str,
+    renderer: Renderer,
+    read_line: ReadLine | None = None,
+    *,
+    allow_all_source: str = ALLOW_ALL_SOURCE,
+) -> ApproveFn | None:
     if mode == "all":
+        # Nobody is asked: the screen says what allowed the calls (R-APPROVE-1).
+        renderer.allowed_without_asking = allow_all_source
         return _allow_all
     if mode == "ask":
         return TerminalApprover(renderer, read_line=read_line)
@@ -1457,6 +1473,9 @@ class Renderer:
     def __init__(self) -> None:
         self._shown_calls: dict[str, trio.Event] = {}
         self._interrupted_approvals: set[str] = set()
+        self.allowed_without_asking: str | None = None
+        """What allows every call without asking (``"--approve all"``), if anything: the
+        host's allows are then shown as its doing, not a person's."""
 
     def show(self, output: Output) -> None:
         """Show one output; called for every output of the run, in order, and must not block.
@@ -1472,6 +1491,8 @@ class Renderer:
         """The decision in the words every screen uses (``--json`` keeps the values)."""
         if output.decision == "deny" and output.call_id in self._interrupted_approvals:
             return INTERRUPTED_APPROVAL
+        if (output.decision, output.by) == ("allow", "host") and self.allowed_without_asking:
+            return allowed_without_asking(self.allowed_without_asking)
         return decision_words(output.decision, output.by)
 
     def break_line(self) -> None:

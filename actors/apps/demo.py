@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from greenroom.actors.apps.cli import (
+    ALLOW_ALL_SOURCE,
     RunOptions,
     UsageError,
     _error,
@@ -107,9 +108,12 @@ def run_demo(args: argparse.Namespace) -> int:
         say(f"Running the task on the {provider} provider.")
     say(f"  workspace  {workspace}  ({len(csv_files)} CSV files and README.txt)")
     say(f"  data dir   {data_dir}")
-    if args.approve == "all":
+    # Without --approve the demo itself allows every call, and its decisions say so.
+    approve = args.approve or "all"
+    allow_all_source = "the demo" if args.approve is None else ALLOW_ALL_SOURCE
+    if approve == "all":
         approval = "all: every tool call is allowed (try --approve ask to decide each one)"
-    elif args.approve == "ask":
+    elif approve == "ask":
         approval = "ask: you decide each tool call (y / n / a = always for this session)"
     else:
         approval = (
@@ -129,7 +133,8 @@ def run_demo(args: argparse.Namespace) -> int:
         workspace=str(workspace),
         system=DEMO_SYSTEM,
         tools=tuple(collect_tools(())),
-        approve=args.approve,
+        approve=approve,
+        allow_all_source=allow_all_source,
         json=args.json,
     )
 
