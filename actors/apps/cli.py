@@ -768,7 +768,7 @@ def _serve_command(args: argparse.Namespace) -> int:
     tools, options = _service_options(args, workspace=args.workspace)
     servers = mcp_servers(args.mcp_config)
     defaults = SessionDefaults(
-        provider=args.provider or default_provider_name(),
+        provider=provider_for(args.provider, args.model),
         model=args.model,
         system=args.system,
         tools=tools,
@@ -877,6 +877,7 @@ def _service_options(
             prompt="",
             data_dir=_data_dir(args.data_dir),
             provider=args.provider,
+            model=args.model,
             base_url=args.base_url,
             workspace=workspace,
             tools=tools,
@@ -893,7 +894,7 @@ def _acp_command(args: argparse.Namespace) -> int:
 
     tools, options = _service_options(args, workspace=None)
     config = AcpConfig(
-        provider=args.provider or default_provider_name(),
+        provider=provider_for(args.provider, args.model),
         model=args.model,
         system=args.system,
         tools=tools,
@@ -909,7 +910,7 @@ def _acp_command(args: argparse.Namespace) -> int:
 def _serve_defaults_line(args: argparse.Namespace) -> str:
     """What the sessions clients create get unless they ask otherwise (printed once the
     gateway listens)."""
-    provider = args.provider or default_provider_name()
+    provider = provider_for(args.provider, args.model)
     model = args.model or provider_spec(provider).default_model()
     approval = {
         "ask": f"ask (the session's clients answer; denied after {args.approval_timeout:g} s "
@@ -1107,25 +1108,46 @@ def prepare_options(options: RunOptions) -> RunOptions:
         if not workspace.is_dir():
             raise UsageError(f"--workspace: {options.workspace} is not a directory")
         options = attrs.evolve(options, workspace=str(workspace.resolve()))
-    _check_credentials(options)
+    check_credentials(options)
     _report_shell_confinement(options)
     return options
 
 
-def _check_credentials(options: RunOptions) -> None:
+def provider_for(provider: str | None, model: str | None) -> str:
+    """The provider a command's flags name: ``--provider`` when given, ``anthropic`` for a
+    ``claude-*`` model, else the default (``anthropic`` with a key, else ``scripted``).
+    The Python API decides the same way (``Host.create_session``)."""
+    if provider is not None:
+        return provider
+    if model is not None and model.startswith("claude-"):
+        return "anthropic"
+    return default_provider_name()
+
+
+def check_credentials(options: RunOptions) -> None:
+    """Raise :class:`UsageError` when the provider the options name (see
+    :func:`provider_for`; a continued session's own when ``--provider`` is not given) has
+    no credentials here."""
     provider = options.provider
     base_url = options.base_url
     if options.session_id is not None:
         stored = _stored_settings(options.data_dir, options.session_id)
         provider = provider or stored.get("provider")
         base_url = base_url or stored.get("base_url")
-    provider = provider or default_provider_name()
+    by_model = provider is None and provider_for(None, options.model) == "anthropic"
+    provider = provider_for(provider, options.model)
     spec = PROVIDERS.get(provider)
     if spec is None:
         raise UsageError(f"session {options.session_id} names an unknown provider {provider!r}")
     missing = spec.missing_credentials(base_url)
-    if missing is not None:
-        raise UsageError(f"{missing} (or use --provider scripted for the built-in model)")
+    if missing is None:
+        return
+    if by_model and options.model is not None:
+        # Asking for Claude never runs another model silently (as in the Python API).
+        missing = f"--model {options.model} runs on the anthropic provider, which " + (
+            missing.removeprefix("the anthropic provider ")
+        )
+    raise UsageError(f"{missing} (or use --provider scripted for the built-in model)")
 
 
 def bubblewrap_available() -> bool:
@@ -1187,7 +1209,7 @@ async def open_session(host: Host, options: RunOptions) -> Session:
             tools=options.tools,
             workspace_dir=options.workspace or ".",
             # The CLI's documented default: the scripted model when no key is set.
-            provider=options.provider or default_provider_name(),
+            provider=provider_for(options.provider, options.model),
             system=options.system,
             mcp_servers=options.mcp_servers,
             **overrides,

@@ -22,10 +22,12 @@ from greenroom.actors.apps.cli import (
     RunOptions,
     UsageError,
     _error,
+    check_credentials,
     collect_tools,
+    provider_for,
     run_task,
 )
-from greenroom.actors.providers import DEMO_PROMPT, default_provider_name
+from greenroom.actors.providers import DEMO_PROMPT
 from greenroom.protocols.wording import decision_words
 
 DEMO_SYSTEM = (
@@ -86,6 +88,15 @@ def write_demo_workspace(directory: Path) -> list[Path]:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo for ``greenroom demo``'s parsed arguments; returns the exit code."""
+    check_credentials(
+        RunOptions(
+            prompt=DEMO_PROMPT,
+            data_dir=Path(),
+            provider=args.provider,
+            model=args.model,
+            base_url=args.base_url,
+        )
+    )
     base: Path | None = None
     if args.workspace is None or args.data_dir is None:
         base = Path(tempfile.mkdtemp(prefix="greenroom-demo-"))
@@ -95,7 +106,7 @@ def run_demo(args: argparse.Namespace) -> int:
         csv_files = write_demo_workspace(workspace)
     except OSError as exc:
         raise UsageError(f"--workspace: cannot write the demo files: {exc}") from None
-    provider = args.provider or default_provider_name()
+    provider = provider_for(args.provider, args.model)
     say = _error if args.json else _say
     say("greenroom demo")
     if provider == "scripted":
