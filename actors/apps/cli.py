@@ -544,22 +544,29 @@ def _version() -> str:
 # -- entry point ------------------------------------------------------------------------
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line and return the exit code (the console script exits with it)."""
-    for stream in (sys.stdout, sys.stderr):
-        # A terminal or pipe that cannot encode a character must not crash the run.
-        reconfigure = getattr(stream, "reconfigure", None)
-        if reconfigure is not None:
-            reconfigure(errors="backslashreplace")
-    parser = build_parser()
+def main(argv: Sequence[str] | None = None, *, restore_sigint: bool = False) -> int:
+    """Run the command line and return the exit code (the console script exits with it).
+
+    ``restore_sigint``: first put Python's default SIGINT handler back, in place of the
+    one ``python -m greenroom`` installs while the command line loads; from then on a
+    Ctrl-C at any moment ends the command with exit code 130, never a traceback."""
+    args: argparse.Namespace | None = None
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse: usage errors exit 2, --help exits 0
-        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
-    except BrokenPipeError:  # greenroom --help | head -1
-        _discard_output()
-        return EXIT_BROKEN_PIPE
-    try:
+        if restore_sigint:
+            # Inside the try: a KeyboardInterrupt from here on is handled below.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        for stream in (sys.stdout, sys.stderr):
+            # A terminal or pipe that cannot encode a character must not crash the run.
+            reconfigure = getattr(stream, "reconfigure", None)
+            if reconfigure is not None:
+                reconfigure(errors="backslashreplace")
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as exc:  # argparse: usage errors exit 2, --help exits 0
+            return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+        except BrokenPipeError:  # greenroom --help | head -1
+            _discard_output()
+            return EXIT_BROKEN_PIPE
         return _dispatch(args)
     except BaseException as exc:
         code = _failure_exit_code(exc, args)
@@ -627,16 +634,17 @@ def _dispatch_command(args: argparse.Namespace) -> int:
     raise UsageError(f"unknown command {args.command!r}")
 
 
-def _failure_exit_code(exc: BaseException, args: argparse.Namespace) -> int | None:
+def _failure_exit_code(exc: BaseException, args: argparse.Namespace | None) -> int | None:
     """The one place where what escaped a command becomes an exit code and at most one
     line on stderr; None for a failure that is a bug (it is re-raised, traceback and all).
+    ``args`` is None when the command line was not parsed yet.
 
     Exceptions leave trio's nurseries wrapped in exception groups, so the leaves are looked
     at: an interrupt wins (exit 130), then a reader that went away (exit 141, quietly),
     then the first problem of the user's command line or environment (exit 2)."""
     leaves = list(_leaves(exc))
     if any(isinstance(leaf, KeyboardInterrupt) for leaf in leaves):
-        if args.command == "serve":
+        if args is not None and args.command == "serve":
             # Ctrl-C before the gateway listens for it: stopping is what it asks, either way.
             return EXIT_OK
         _say_last("interrupted")
@@ -644,6 +652,8 @@ def _failure_exit_code(exc: BaseException, args: argparse.Namespace) -> int | No
     if any(isinstance(leaf, BrokenPipeError) for leaf in leaves):
         _discard_output()
         return EXIT_BROKEN_PIPE
+    if args is None:
+        return None
     for leaf in leaves:
         message = _problem_message(leaf, args)
         if message is not None:
