@@ -34,7 +34,7 @@ import pytest
 import trio
 import trio.testing
 
-from greenroom.actors.apps.chat import APPROVAL_HINT, PROMPT, LineRouter
+from greenroom.actors.apps.chat import APPROVAL_HINT, PROMPT, WORKING_PROMPT, LineRouter
 from greenroom.actors.providers.scripted_brain import DEMO_PROMPT
 from greenroom.protocols.wording import INTERRUPTED_APPROVAL, decision_words
 
@@ -42,7 +42,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `tests` is not a package on pytest's default sys.path
     sys.path.insert(0, str(ROOT))
 
-from tests.support.mock_model_server import ErrorReply, Reply, Text, open_mock_server  # noqa: E402
+from tests.support.mock_model_server import (  # noqa: E402
+    ErrorReply,
+    Paused,
+    Reply,
+    Text,
+    open_mock_server,
+)
 
 WAIT_S = 20.0
 
@@ -642,6 +648,56 @@ def test_keys_typed_while_output_arrives_stay_on_the_input_line(
     chat.expect_prompt()
     chat.line("/quit")
     assert chat.wait_exit() == 0
+
+
+async def test_a_steer_sent_while_the_model_writes_a_line_goes_above_that_line(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """R-STEER-1: a steer submitted in the middle of the model's line starts on a line of its
+    own, above the unfinished line, and the model's line goes on whole after it."""
+    sentence = "The regions differ a lot, and the north sells the most widgets of all."
+    head = ["The regions ", "differ a lot, "]
+    resume = trio.Event()
+    held = Paused(
+        Reply([Text(sentence, chunks=[*head, sentence.removeprefix("".join(head))])]),
+        after_events=4,  # message_start, content_block_start and the first two deltas
+        resume=resume,
+    )
+    async with open_mock_server(held, Reply([Text("Only the north, then.")])) as server:
+
+        def drive() -> None:
+            terminal = open_chat(
+                tmp_path, workspace, "--provider", "anthropic", "--base-url", server.base_url,
+                "--approve", "none", ANTHROPIC_API_KEY="test-key",
+            )  # fmt: skip
+            try:
+                terminal.expect_prompt()
+                terminal.line("compare the regions")
+                terminal.wait_display(
+                    lambda d: "The regions differ a lot," in d.text(), "the first words"
+                )
+                terminal.line("only the north")  # Enter while the line is unfinished
+                terminal.expect("[steering queued]")
+                terminal.wait_display(lambda d: "[steering queued]" in d.text(), "the notice")
+                shown = lines_but_the_input_line(terminal.display)
+                typed = [line for line in shown if "only the north" in line]
+                assert typed == [WORKING_PROMPT + "only the north"], shown
+                assert not [line for line in shown if "queued" in line and "The" in line], shown
+                trio.from_thread.run_sync(resume.set)
+                terminal.expect("Only the north, then.")
+                terminal.expect(SUMMARY_COMPLETED)
+                terminal.wait_display(lambda d: SUMMARY_COMPLETED in d.text(), "the summary")
+                shown = lines_but_the_input_line(terminal.display)
+                assert sentence in shown, shown  # one line, whole
+                assert shown.index(typed[0]) < shown.index(sentence), shown
+                assert [line for line in shown if line == "[steering] only the north"], shown
+                terminal.line("/quit")
+                assert terminal.wait_exit() == 0
+            finally:
+                terminal.close()
+
+        await trio.to_thread.run_sync(drive)
+        assert len(server.requests) == 2
 
 
 def test_leaving_gives_the_terminal_back_in_its_usual_mode(

@@ -826,10 +826,14 @@ class TerminalScreen:
                 target.flush()
                 return
             if "\n" in text:
+                # This stream's unfinished line ends here; another stream's (the model's
+                # sentence on stdout, while a notice goes to stderr) stays unfinished.
                 head, tail = text.rsplit("\n", 1)
-                self._ready.extend(self._open)
+                self._ready.extend(chunk for chunk in self._open if chunk[0] is target)
                 self._ready.append((target, head + "\n"))
-                self._open = [(target, tail)] if tail else []
+                self._open = [chunk for chunk in self._open if chunk[0] is not target]
+                if tail:
+                    self._open.append((target, tail))
             else:
                 self._open.append((target, text))
             self._schedule_locked()
@@ -954,10 +958,9 @@ class TerminalScreen:
             buffer.reset(append_to_history=bool(text.strip()))
             with self._lock:
                 label = self._question if self._question is not None else self._label
-                # What was typed stays on the screen, after the lines printed before it.
-                self._ready.extend(self._open)
+                # What was typed stays on the screen, after the lines printed before it
+                # and above the model's unfinished line, which goes on below it.
                 self._ready.append((self._err, label + text + "\n"))
-                self._open = []
             self._refresh()
             self._send(_Line(text))
 
@@ -1108,11 +1111,12 @@ class ChatRenderer(HumanRenderer):
         self._decided_here[call_id] = words
 
     def notice(self, text: str) -> None:
-        """A line on stderr; a live retry line stays below it."""
+        """A line on stderr; a live retry line stays below it. On a screen the model's
+        unfinished line stays unfinished below it, and goes on whole."""
         if self._retry_line_open:
             self._err.write("\r\x1b[K")
             self._retry_line_open = False
-        else:
+        elif self._screen is None:
             self.break_line()
         self._err.write(self._err_style.cyan(text) + "\n" if text else "\n")
         self._err.flush()
@@ -1141,6 +1145,14 @@ class ChatRenderer(HumanRenderer):
         self._note(dim("last exchange:"))
         self._note(dim(f"  you: {_clip_line(prompt)}"))
         self._note(dim(f"  model: {_clip_line(reply) if reply else '(no reply)'}"))
+
+    def _note(self, text: str) -> None:
+        # The screen prints finished stderr lines above the model's unfinished line, which
+        # stays unfinished; elsewhere the two streams share one line and it must end first.
+        if self._screen is None:
+            self.break_line()
+        self._err.write(text + "\n")
+        self._err.flush()
 
     def _show_decision(self, output: ApprovalDecision) -> None:
         words = self._decided_here.pop(output.call_id, None) or self.decision_text(output)

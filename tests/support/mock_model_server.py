@@ -20,7 +20,8 @@ The server holds a FIFO of responses; every model request pops the next one. An 
 of :data:`Response`: :class:`Reply` (rendered in the wire format of the endpoint hit),
 :class:`Fixture` (a fixture file replayed byte for byte), :class:`ErrorReply` /
 :class:`WireError` (an HTTP error), a fault (:class:`DropAfter`, :class:`MidStreamError`,
-:class:`MalformedJSON`, :class:`SlowFirstByte`, :class:`Hang`), a pre-rendered
+:class:`MalformedJSON`, :class:`SlowFirstByte`, :class:`Hang`), a stream held mid-way until
+the test lets it go on (:class:`Paused`), a pre-rendered
 :class:`Streamed` body, or a callable ``(RecordedRequest) -> Response`` (dynamic scripts).
 When the FIFO is empty the ``fallback`` handler answers (for example :class:`Workload`, the
 benchmark's endless reference workload); without one the server answers 500 naming the
@@ -95,6 +96,7 @@ __all__ = [
     "MalformedJSON",
     "MidStreamError",
     "MockModelServer",
+    "Paused",
     "RecordedRequest",
     "Reply",
     "Response",
@@ -335,6 +337,18 @@ class Hang:
     """Send 200 SSE headers, then nothing until the client closes the connection."""
 
 
+@dataclass(frozen=True, slots=True)
+class Paused:
+    """Send the first ``after_events`` SSE events of ``reply``, wait until ``resume`` is set,
+    then send the rest: a stream held at a known point (say, in the middle of a line of
+    text) for as long as a test needs. Set ``resume`` from a thread with
+    ``trio.from_thread.run_sync(resume.set)``."""
+
+    reply: StreamSource
+    after_events: int
+    resume: trio.Event
+
+
 Handler: TypeAlias = Callable[["RecordedRequest"], "Response"]
 """A dynamic script entry: called with the request, returns what to answer."""
 
@@ -349,6 +363,7 @@ Response: TypeAlias = (
     | MalformedJSON
     | SlowFirstByte
     | Hang
+    | Paused
     | Handler
 )
 
@@ -1060,6 +1075,7 @@ class _Plan:
     ending: Ending = "end"
     paced: bool = False
     first_byte_delay: float = 0.0
+    pause: tuple[int, trio.Event] | None = None
 
 
 class _Pacer:
@@ -1357,7 +1373,8 @@ class MockModelServer:
     def _plan(self, response: Response, rec: RecordedRequest) -> _Plan:
         for _ in range(16):
             if isinstance(response, (Reply, Fixture, ErrorReply, WireError, Streamed, DropAfter,
-                                     MidStreamError, MalformedJSON, SlowFirstByte, Hang)):
+                                     MidStreamError, MalformedJSON, SlowFirstByte, Hang,
+                                     Paused)):
                 break
             response = response(rec)
         else:
@@ -1413,6 +1430,10 @@ class MockModelServer:
         if isinstance(response, SlowFirstByte):
             plan = self._plan(response.reply, rec)
             plan.first_byte_delay += response.delay_s
+            return plan
+        if isinstance(response, Paused):
+            plan = self._streamed_plan(response.reply, rec)
+            plan.pause = (response.after_events, response.resume)
             return plan
         if isinstance(response, DropAfter):
             plan = self._streamed_plan(response.reply, rec)
@@ -1525,7 +1546,13 @@ class MockModelServer:
         tail = b""
         if plan.ending == "end":
             tail = conn.send(h11.EndOfMessage())  # b"0\r\n\r\n" when chunked
-        await self._write_events(stream, head, plan.events or (), frame, tail, plan.paced)
+        events = plan.events or ()
+        if plan.pause is not None:
+            after, resume = plan.pause
+            await self._write_events(stream, head, events[:after], frame, b"", plan.paced)
+            await resume.wait()
+            head, events = b"", events[after:]
+        await self._write_events(stream, head, events, frame, tail, plan.paced)
         return plan.ending == "end"
 
     async def _write_events(
