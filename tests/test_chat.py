@@ -34,7 +34,13 @@ import pytest
 import trio
 import trio.testing
 
-from greenroom.actors.apps.chat import APPROVAL_HINT, PROMPT, WORKING_PROMPT, LineRouter
+from greenroom.actors.apps.chat import (
+    APPROVAL_HINT,
+    PROMPT,
+    STEERED_AT_QUESTION,
+    WORKING_PROMPT,
+    LineRouter,
+)
 from greenroom.actors.providers.scripted_brain import DEMO_PROMPT
 from greenroom.protocols.wording import INTERRUPTED_APPROVAL, decision_words
 
@@ -778,6 +784,36 @@ def test_an_open_approval_question_stays_whole_below_output_hints_and_denies_on_
         terminal.expect_prompt()
         assert "aborted" not in terminal.screen
         assert f"list_dir {decision_words('allow', 'host')}" in terminal.display.text()
+        terminal.line("/quit")
+        assert terminal.wait_exit() == 0
+    finally:
+        terminal.close()
+
+
+def test_a_steer_typed_at_an_open_approval_question_is_queued_and_the_question_stays(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """R-STEER-1, R-APPROVE-1: a line that is not an answer, typed while a question is open,
+    is steering: it is queued (and the user is told so), never thrown away, and the
+    question stays open for its answer."""
+    terminal = open_chat(tmp_path, workspace, "--approve", "ask")
+    question = 'Allow list_dir {"path": "."}? [y]es / [n]o / [a]lways for this session:'
+    try:
+        terminal.expect_prompt()
+        terminal.line(DEMO_PROMPT)
+        terminal.expect_prompt(question + " ")
+        terminal.line("only the north region, please")
+        terminal.expect(STEERED_AT_QUESTION)
+        terminal.expect(APPROVAL_HINT)
+        terminal.expect_prompt(question + " ")  # still open, still this call's
+        terminal.line("y")
+        terminal.expect(f"list_dir {decision_words('allow', 'host')}")
+        terminal.expect("[steering] only the north region, please")
+        terminal.expect(SUMMARY_COMPLETED)
+        terminal.expect_prompt()
+        steered = [line for line in terminal.display.text().splitlines()
+                   if line == "[steering] only the north region, please"]  # fmt: skip
+        assert len(steered) == 1, terminal.display.text()
         terminal.line("/quit")
         assert terminal.wait_exit() == 0
     finally:

@@ -16,8 +16,9 @@ exchange), many tasks. What a typed line does depends on the moment:
   model at the next input assembly, where the renderer shows it as ``[steering] TEXT``; a
   line typed just as the task ended starts the next task instead;
 * while a tool-call approval question is open (``--approve ask``) the question is the
-  prompt and the next line answers it (y / n / a; anything else gets a hint and the
-  question again; Ctrl-C denies), whatever else is going on.
+  prompt and the next line answers it (y / n / a; Ctrl-C denies), whatever else is going
+  on; anything else typed there is steering, queued as such with a notice, and the
+  question stays open (piped input, read a line per question, only gets the hint).
 
 Commands: ``/follow TEXT`` queues a whole task after the running one (``follow_up``; at
 the prompt it just runs), ``/compact`` compacts the context now (``Session.compact``, at the
@@ -149,6 +150,9 @@ WORKING_PROMPT = "steer> "
 
 APPROVAL_HINT = "answer y, n or a"
 """What an approval question says to an answer it does not understand, before asking again."""
+
+STEERED_AT_QUESTION = "[not an answer: sent to the model as steering; the question stays open]"
+"""What the chat says when a line typed at an open approval question is queued as steering."""
 
 HELP = (
     "Type a task and press Enter. While it runs, what you type steers it; "
@@ -329,11 +333,22 @@ class ChatApprover:
     the renderer (on a terminal the question is the prompt line). y(es) → allow, n(o) →
     deny, a(lways) → allow this tool for the rest of the session; anything else gets
     :data:`APPROVAL_HINT` and the question again. Ctrl-C denies (shown as
-    :data:`~greenroom.protocols.wording.INTERRUPTED_APPROVAL`), so does end of input."""
+    :data:`~greenroom.protocols.wording.INTERRUPTED_APPROVAL`), so does end of input.
 
-    def __init__(self, renderer: ChatRenderer, read_answer: ReadAnswer) -> None:
+    ``steer``, when given (someone types at a terminal), receives a line that is not an
+    answer (nor empty, nor a ``/`` command): it is steering typed while the question was
+    open, and is queued as such rather than thrown away (:data:`STEERED_AT_QUESTION`)."""
+
+    def __init__(
+        self,
+        renderer: ChatRenderer,
+        read_answer: ReadAnswer,
+        *,
+        steer: Callable[[str], bool] | None = None,
+    ) -> None:
         self._renderer = renderer
         self._read_answer = read_answer
+        self._steer = steer
         self._previous: str | None = None
         self._lock = trio.Lock()
 
@@ -372,6 +387,9 @@ class ChatApprover:
                     return "deny"
                 if choice in ("a", "always"):
                     return "allow_session"
+                line, steer = answer.strip(), self._steer
+                if steer is not None and line and not line.startswith("/") and steer(line):
+                    self._renderer.notice(STEERED_AT_QUESTION)
                 self._renderer.notice(APPROVAL_HINT)
         finally:
             self._renderer.question_closed()
@@ -437,7 +455,10 @@ class Chat:
         self._wanted = trio.Event()  # piped input: a prompt or a question wants a line
         self._router = LineRouter(on_ask=self._want_line)
         self._approve: ApproveFn | None = (
-            ChatApprover(renderer, self._router.ask)
+            # Piped lines are read one per question: none of them is typed "meanwhile".
+            ChatApprover(
+                renderer, self._router.ask, steer=session.steer if self._interactive else None
+            )
             if approve == "ask"
             else _approver(approve, renderer)
         )
