@@ -378,7 +378,8 @@ class TurnMachine:
         self, call_id: str, *, allowed: bool, by: DecidedBy, interrupted: bool = False
     ) -> list[Effect]:
         """The broker's decision. ``interrupted`` says the interrupt was already requested:
-        an allowed call then never starts, and :meth:`abort` reports it interrupted."""
+        an allowed call then never starts, and :meth:`abort` reports it interrupted; no
+        command for the pool comes of it either way (the pool may be gone already)."""
         call = self._known(call_id)
         if call is None:
             return []
@@ -395,7 +396,8 @@ class TurnMachine:
             )
         )
         if not allowed:
-            out.append(SkipToolCall(position=call.position))
+            if not interrupted:
+                out.append(SkipToolCall(position=call.position))
             out.append(self._result(call, "denied", markers.DENIED_TEXT))  # R-APPROVE-3
         elif not interrupted:
             out.append(RunToolCall(call=call.block, position=call.position))
