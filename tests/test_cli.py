@@ -135,13 +135,53 @@ def test_demo_exits_0_says_scripted_and_answers_with_correct_totals(tmp_path: Pa
     assert elapsed < 20, f"the demo took {elapsed:.1f} s"
 
 
-def test_demo_without_arguments_uses_a_fresh_temp_dir(tmp_path: Path) -> None:
+def test_demo_without_arguments_uses_a_fresh_temp_dir_and_removes_it(tmp_path: Path) -> None:
     result = greenroom(tmp_path, "demo")
     assert result.returncode == 0, result.stderr
-    created = list(tmp_path.glob("greenroom-demo-*"))
-    assert len(created) == 1
-    assert_table_has_totals(result.stdout, expected_totals(created[0] / "workspace"))
+    shown = re.search(r"workspace  (\S+)", result.stdout)
+    assert shown is not None, result.stdout
+    workspace = Path(shown.group(1))
+    assert workspace.parent.parent == tmp_path  # cli_env: TMPDIR is tmp_path
+    assert workspace.parent.name.startswith("greenroom-demo-")
+    assert not list(tmp_path.glob("greenroom-demo-*"))  # removed when the demo ended
+    assert "removed when the demo ends" in result.stdout
+    assert "--data-dir DIR" in result.stdout  # how to keep a trace, not a path that is gone
+    write_demo_workspace(tmp_path / "same")
+    assert_table_has_totals(result.stdout, expected_totals(tmp_path / "same"))
     assert not (tmp_path / "home").exists()  # the user's data dir is left alone
+
+
+def test_demo_removes_its_temp_dir_after_ctrl_c_and_after_a_usage_error(tmp_path: Path) -> None:
+    """Ctrl-C at the first approval question (the task is interrupted, exit 130) and a
+    workspace it cannot write (exit 2) leave no ``greenroom-demo-*`` directory behind."""
+    process = subprocess.Popen(
+        [*CLI, "demo", "--approve", "ask"], cwd=tmp_path, env=cli_env(tmp_path),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert process.stderr is not None
+    try:
+        asked = b""
+        while b"Allow list_dir" not in asked:  # the question ends without a newline
+            chunk = process.stderr.read1(4096)
+            assert chunk, asked
+            asked += chunk
+        assert len(list(tmp_path.glob("greenroom-demo-*"))) == 1  # there while it runs
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 130, err
+    assert b"Traceback" not in err
+    assert not list(tmp_path.glob("greenroom-demo-*"))
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    failed = greenroom(tmp_path, "demo", "--workspace", str(blocker / "ws"))
+    assert failed.returncode == 2, failed.stderr
+    assert "--workspace: cannot write the demo files" in failed.stderr
+    assert not list(tmp_path.glob("greenroom-demo-*"))
 
 
 # -- greenroom run --json -----------------------------------------------------------------

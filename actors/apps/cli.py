@@ -1339,6 +1339,16 @@ async def _interrupt_on_sigint(
             session.interrupt("interrupted by user (Ctrl-C)")
 
 
+_REMOVED_WHEN_LEAVING: list[Path] = []
+
+
+def remove_when_leaving(path: Path) -> None:
+    """Have :func:`leave_at_once` remove the directory ``path`` (a command's temporary
+    directory) before the process exits: leaving at once unwinds nothing, so the command's
+    own cleanup would not run."""
+    _REMOVED_WHEN_LEAVING.append(path)
+
+
 async def leave_at_once(host: Host) -> NoReturn:
     """Exit the process with code 130 now, whatever is still running.
 
@@ -1355,6 +1365,8 @@ async def leave_at_once(host: Host) -> NoReturn:
             # flight, and nothing after it waits for the tools.
             await host.trace_store.aclose()
     finally:
+        for path in _REMOVED_WHEN_LEAVING:
+            shutil.rmtree(path, ignore_errors=True)
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()

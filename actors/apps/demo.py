@@ -7,13 +7,16 @@ with a key the same task runs on Claude. The run goes through the same renderer 
 ``greenroom run``: streamed text, each tool call with its approval and its slot in the
 tool pool, the results, and a closing summary with the trace location.
 
-The workspace and the data dir go to a fresh temp directory that is kept afterwards, so
-``greenroom trace <id> --data-dir …`` can show the record of the run.
+The workspace and the data dir go to a fresh temp directory unless ``--workspace`` and
+``--data-dir`` name them. That directory is removed when the demo ends, however it ends
+(completed, failed, a usage error, Ctrl-C, the reader of its output gone); ``--data-dir``
+keeps the trace for ``greenroom trace``.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -25,6 +28,7 @@ from greenroom.actors.apps.cli import (
     check_credentials,
     collect_tools,
     provider_for,
+    remove_when_leaving,
     run_task,
 )
 from greenroom.actors.providers import DEMO_PROMPT
@@ -98,8 +102,17 @@ def run_demo(args: argparse.Namespace) -> int:
         )
     )
     base: Path | None = None
-    if args.workspace is None or args.data_dir is None:
-        base = Path(tempfile.mkdtemp(prefix="greenroom-demo-"))
+    try:
+        if args.workspace is None or args.data_dir is None:
+            base = Path(tempfile.mkdtemp(prefix="greenroom-demo-"))
+            remove_when_leaving(base)  # a second Ctrl-C leaves without unwinding
+        return _demo(args, base)
+    finally:
+        if base is not None:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def _demo(args: argparse.Namespace, base: Path | None) -> int:
     workspace = Path(args.workspace).expanduser() if args.workspace else _under(base, "workspace")
     data_dir = Path(args.data_dir).expanduser() if args.data_dir else _under(base, "data")
     try:
@@ -117,8 +130,10 @@ def run_demo(args: argparse.Namespace) -> int:
         )
     else:
         say(f"Running the task on the {provider} provider.")
-    say(f"  workspace  {workspace}  ({len(csv_files)} CSV files and README.txt)")
-    say(f"  data dir   {data_dir}")
+    temporary = "  (temporary: removed when the demo ends)"
+    say(f"  workspace  {workspace}  ({len(csv_files)} CSV files and README.txt)"
+        + (temporary if not args.workspace else ""))
+    say(f"  data dir   {data_dir}" + (temporary if not args.data_dir else ""))
     # Without --approve the demo itself allows every call, and its decisions say so.
     approve = args.approve or "all"
     allow_all_source = "the demo" if args.approve is None else ALLOW_ALL_SOURCE
@@ -150,10 +165,18 @@ def run_demo(args: argparse.Namespace) -> int:
     )
 
     result = run_task(options)
-    if result.session_id is not None and result.trace_path is not None:
-        say("")
-        say(f"The trace of this run is in {result.trace_path}")
-        say(f"  greenroom trace {result.session_id} --data-dir {data_dir}")
+    if result.session_id is None or result.trace_path is None:
+        return result.exit_code
+    say("")
+    if not args.data_dir:
+        say(
+            "The demo's temporary directory is removed now; to keep the trace of a run, "
+            "give it a place: greenroom demo --data-dir DIR"
+        )
+        return result.exit_code
+    say(f"The trace of this run is in {result.trace_path}")
+    say(f"  greenroom trace {result.session_id} --data-dir {data_dir}")
+    if args.workspace:
         say(
             f'  greenroom run --session {result.session_id} --data-dir {data_dir} "…"   '
             "(continue the session)"
