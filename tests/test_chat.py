@@ -55,6 +55,7 @@ from tests.support.mock_model_server import (  # noqa: E402
     Text,
     open_mock_server,
 )
+from tests.test_cli import TABLE_ANSWER, TABLE_SHOWN  # noqa: E402
 
 WAIT_S = 20.0
 
@@ -704,6 +705,47 @@ async def test_a_steer_sent_while_the_model_writes_a_line_goes_above_that_line(
 
         await trio.to_thread.run_sync(drive)
         assert len(server.requests) == 2
+
+
+async def test_a_markdown_table_is_shown_aligned_once_it_is_whole(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """The chat shows a streamed Markdown table with its columns aligned: the words before
+    it stream as usual, its rows wait until the table is whole."""
+    first = "Revenue per region:\n\n| Region | Units | Revenue |\n|:---|"
+    assert TABLE_ANSWER.startswith(first)
+    resume = trio.Event()
+    held = Paused(
+        Reply([Text(TABLE_ANSWER, chunks=[first, TABLE_ANSWER.removeprefix(first)])]),
+        after_events=3,  # message_start, content_block_start, the first delta
+        resume=resume,
+    )
+    async with open_mock_server(held) as server:
+
+        def drive() -> None:
+            terminal = open_chat(
+                tmp_path, workspace, "--provider", "anthropic", "--base-url", server.base_url,
+                "--approve", "none", "--no-builtin-tools", ANTHROPIC_API_KEY="test-key",
+            )  # fmt: skip
+            try:
+                terminal.expect_prompt()
+                terminal.line("the revenue, please")
+                terminal.wait_display(lambda d: "Revenue per region:" in d.text(), "the words")
+                # The same delta carried the table's first lines: held, not shown raw.
+                assert "Region" not in terminal.display.text().replace("Revenue per region", "")
+                trio.from_thread.run_sync(resume.set)
+                terminal.expect(SUMMARY_COMPLETED)
+                terminal.wait_display(lambda d: SUMMARY_COMPLETED in d.text(), "the summary")
+                shown = lines_but_the_input_line(terminal.display)
+                start = shown.index(TABLE_SHOWN[0])
+                assert shown[start : start + len(TABLE_SHOWN)] == TABLE_SHOWN, shown
+                assert "| neither | is this |" in shown
+                terminal.line("/quit")
+                assert terminal.wait_exit() == 0
+            finally:
+                terminal.close()
+
+        await trio.to_thread.run_sync(drive)
 
 
 def test_leaving_gives_the_terminal_back_in_its_usual_mode(

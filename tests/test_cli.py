@@ -88,9 +88,13 @@ def expected_totals(workspace: Path) -> dict[str, str]:
 
 
 def assert_table_has_totals(text: str, totals: dict[str, str]) -> None:
+    """The Markdown table's row for each region ends with its revenue, as the model wrote it
+    or as a terminal shows it (columns padded to one width)."""
     assert totals, "no CSV data to check against"
     for region, money in totals.items():
-        row = re.compile(rf"^\| {re.escape(region)} \|.*\| {re.escape(money)} \|$", re.MULTILINE)
+        row = re.compile(
+            rf"^\| {re.escape(region)} *\|.*\| *{re.escape(money)} \|$", re.MULTILINE
+        )
         assert row.search(text), f"no table row '{region} … {money}' in:\n{text}"
 
 
@@ -591,6 +595,46 @@ async def test_auth_failure_exits_3(tmp_path: Path) -> None:
     lines = json_lines(result.stdout.decode())
     assert lines[-1]["type"] == "task_end"
     assert lines[-1]["status"] == "auth"
+
+
+TABLE_ANSWER = (
+    "Revenue per region:\n\n"
+    "| Region | Units | Revenue |\n"
+    "|:---|---:|---:|\n"
+    "| South | 52 | 2,212.24 |\n"
+    "| West | 3 | 905.91 |\n"
+    "| Nord-Ost 北 | 145 | 15.00 |\n"
+    "\nSouth leads. A line | with a bar is no table.\n"
+    "| neither | is this |"
+)
+TABLE_SHOWN = [
+    "| Region      | Units |  Revenue |",
+    "|-------------|-------|----------|",
+    "| South       |    52 | 2,212.24 |",
+    "| West        |     3 |   905.91 |",
+    "| Nord-Ost 北 |   145 |    15.00 |",
+]
+"""How a terminal shows TABLE_ANSWER's table: columns padded to one width (北 takes two
+columns), numbers aligned as its delimiter row says, a rule under the header."""
+
+
+async def test_run_shows_a_markdown_table_aligned(tmp_path: Path) -> None:
+    """A table the model streams (split across deltas mid-row) is shown aligned once it is
+    whole; the text around it, and a line that only contains a bar, stay as written."""
+    async with open_mock_server(Reply([Text(TABLE_ANSWER)])) as server:
+        result = await greenroom_async(
+            tmp_path, "run", "--provider", "anthropic", "--base-url", server.base_url,
+            "--approve", "none", "--no-builtin-tools", "the revenue, please",
+            env={"ANTHROPIC_API_KEY": "test-key"},
+        )  # fmt: skip
+    assert result.returncode == 0, result.stderr.decode()
+    shown = result.stdout.decode().splitlines()
+    start = shown.index(TABLE_SHOWN[0])
+    assert shown[start - 2 : start] == ["Revenue per region:", ""]
+    assert shown[start : start + len(TABLE_SHOWN) + 3] == [
+        *TABLE_SHOWN, "", "South leads. A line | with a bar is no table.",
+        "| neither | is this |",
+    ]  # fmt: skip
 
 
 # -- the example ------------------------------------------------------------------------------

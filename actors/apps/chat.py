@@ -1047,6 +1047,8 @@ class ChatRenderer(HumanRenderer):
     def show(self, output: Output) -> None:
         """Show one output as ``greenroom run`` does, plus the REPL's own: a failed request that
         will be retried starts the live ``[retry]`` line instead of a line of its own."""
+        if output.origin is None and not isinstance(output, PartialText):
+            self.release_held_text()  # before the early returns below: the attempt ended
         match output:
             case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():
                 pass  # the most frequent outputs, tested first: nothing of the REPL's own

@@ -106,6 +106,7 @@ from greenroom.protocols.outputs import (
     ToolProgress,
     UserMsg,
 )
+from greenroom.protocols.tables import TableLayout
 from greenroom.protocols.tools import Tool
 from greenroom.protocols.wording import (
     INTERRUPTED_APPROVAL,
@@ -1647,6 +1648,8 @@ class HumanRenderer(Renderer):
         self._running: set[str] = set()
         self._after_tool = False
         self._hinted_default_deny = False
+        # Streamed text passes through it; Markdown tables come out aligned once whole.
+        self._tables = TableLayout()
 
     # writing helpers
 
@@ -1680,6 +1683,8 @@ class HumanRenderer(Renderer):
         if output.origin:
             self._show_subagent(output)
             return
+        if not isinstance(output, PartialText):
+            self.release_held_text()  # the text was cut off (an abort, a failed attempt)
         match output:
             case PartialText():
                 if self._streamed_thinking:
@@ -1687,7 +1692,7 @@ class HumanRenderer(Renderer):
                     self._streamed_thinking = False
                 self._start_prose()
                 self._streamed_text = True
-                self._write(output.text)
+                self._write(self._tables.feed(output.text))
             case PartialThinking():
                 if not self._streamed_thinking:
                     self._start_prose()
@@ -1748,11 +1753,18 @@ class HumanRenderer(Renderer):
     def _thinking_prefix(self) -> str:
         return self._style.dim("thinking: ")
 
+    def release_held_text(self) -> None:
+        """Write the text held back as a possible Markdown table, if any, laid out if it is
+        one: the text it belongs to has ended or was cut off."""
+        if self._tables.holding:
+            self._write(self._tables.finish())
+
     def _show_block(self, block: ModelBlock) -> None:
         if isinstance(block, TextBlock):
             if not self._streamed_text:
                 self._start_prose()
-                self._write(block.text)
+                self._write(self._tables.feed(block.text))
+            self._write(self._tables.finish())  # also: the next text starts a new line
             self._streamed_text = False
             self.break_line()
         elif isinstance(block, ThinkingBlock):
