@@ -53,6 +53,7 @@ from greenroom.protocols.stream import MessageCompleted, StreamFailed, TextDelta
 from greenroom.protocols.tools import Tool
 from greenroom.protocols.trace import UsageKind, UsageRow, encode_record
 from greenroom.protocols.transcript import Transcript
+from greenroom.protocols.wording import clip_words
 
 if TYPE_CHECKING:
     from greenroom.actors.runtime.host import Host
@@ -681,7 +682,8 @@ class Session(SessionCore):
         """A short title for the conversation from a separate one-shot model call: no
         tools, no system prompt, never written to history or trace, and independent of
         any running task (R-HOST-5). Its usage is recorded in the ledger as ``title``.
-        Returns "" when there is nothing to title or the call fails."""
+        Returns "" when there is nothing to title or the call fails; a title longer than
+        ``max_chars`` is cut at a word and ends with ``…``."""
         excerpt = _title_material(self._transcript)
         if not excerpt:
             return ""
@@ -724,7 +726,7 @@ class Session(SessionCore):
         if usage is not None:
             self.record_usage("", 0, usage, kind="title")
         title = " ".join("".join(parts).split()).strip().strip("\"'")
-        return title[:max_chars]
+        return clip_words(title, max_chars)
 
     def subscribe(self, listener: Listener) -> Callable[[], None]:
         """Call ``listener`` with every batch of outputs from now on; returns the
