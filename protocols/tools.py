@@ -104,6 +104,13 @@ class ToolDefinitionError(TypeError):
     """A function cannot be turned into a tool (an annotation with no JSON form...)."""
 
 
+class ToolFailure(Exception):
+    """Raised by a tool whose message is the whole error output: the model sees
+    ``str(exc)`` alone (R-TOOL-4). Other exceptions reach it as ``ClassName: message``,
+    which tells the author of a Python tool what went wrong but would only mislead about a
+    failure reported from elsewhere (an MCP server's own message)."""
+
+
 _TYPE_NAMES: dict[type, str] = {
     str: "string",
     int: "integer",

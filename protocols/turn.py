@@ -389,9 +389,10 @@ class TurnMachine:
     ) -> list[Effect]:
         """The decision on the call being asked about. ``interrupted`` says the interrupt
         was already requested: an allowed call then never starts, and :meth:`abort`
-        reports it interrupted. ``remember``: it was ``allow_session`` (R-APPROVE-4).
-        ``answer``: a person answered the call's question (R-HITL-5): that text is its
-        result and no tool runs. The next call waiting is asked at once (rule 3)."""
+        reports it interrupted; a deny then sends the pool nothing (it may be gone already).
+        ``remember``: it was ``allow_session`` (R-APPROVE-4). ``answer``: a person answered
+        the call's question (R-HITL-5): that text is its result and no tool runs. The next
+        call waiting is asked at once (rule 3)."""
         call = self._known(call_id)
         if call is None:
             return []
@@ -410,7 +411,8 @@ class TurnMachine:
             )
         )
         if not allowed:
-            out.append(SkipToolCall(position=call.position))
+            if not interrupted:
+                out.append(SkipToolCall(position=call.position))
             out.append(self._result(call, "denied", markers.DENIED_TEXT))  # R-APPROVE-3
         elif answer is not None:
             self._move(call, CallEvent.FINISHED)

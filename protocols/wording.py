@@ -29,3 +29,30 @@ INTERRUPTED_APPROVAL = "denied: interrupted"
 def decision_words(decision: Decision, by: DecidedBy) -> str:
     """The plain words for an approval decision, e.g. ``"allowed for this session"``."""
     return DECISION_WORDS[(decision, by)]
+
+
+def allowed_without_asking(source: str) -> str:
+    """The words for a call the host allowed without asking anyone, because ``source``
+    allows every call: ``"allowed by --approve all"``. ``allowed by you`` would claim a
+    person was asked."""
+    return f"allowed by {source}"
+
+
+ELLIPSIS = "…"
+
+
+def clip_words(text: str, limit: int) -> str:
+    """``text`` in at most ``limit`` characters: whole when it fits, else cut at the last
+    word boundary that leaves room for an ellipsis (mid-word only when the first word alone
+    is too long) and ended with ``…``, so a reader sees that something was left out."""
+    if len(text) <= limit:
+        return text
+    if limit <= 1:
+        return ELLIPSIS[:limit]
+    room = text[: limit - 1]
+    cut = room.rstrip()
+    if not room[-1].isspace() and not text[limit - 1].isspace():  # a word is cut
+        space = cut.rfind(" ")
+        if space >= limit // 2:
+            cut = cut[:space].rstrip()
+    return cut.rstrip(" ,;:.-\u2013\u2014") + ELLIPSIS

@@ -34,7 +34,13 @@ import pytest
 import trio
 import trio.testing
 
-from greenroom.actors.apps.chat import APPROVAL_HINT, PROMPT, LineRouter
+from greenroom.actors.apps.chat import (
+    APPROVAL_HINT,
+    PROMPT,
+    STEERED_AT_QUESTION,
+    WORKING_PROMPT,
+    LineRouter,
+)
 from greenroom.actors.providers.scripted_brain import DEMO_PROMPT
 from greenroom.protocols.wording import INTERRUPTED_APPROVAL, decision_words
 
@@ -42,7 +48,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `tests` is not a package on pytest's default sys.path
     sys.path.insert(0, str(ROOT))
 
-from tests.support.mock_model_server import ErrorReply, Reply, Text, open_mock_server  # noqa: E402
+from tests.support.mock_model_server import (  # noqa: E402
+    ErrorReply,
+    Paused,
+    Reply,
+    Text,
+    open_mock_server,
+)
+from tests.test_cli import TABLE_ANSWER, TABLE_SHOWN  # noqa: E402
 
 WAIT_S = 20.0
 
@@ -644,6 +657,97 @@ def test_keys_typed_while_output_arrives_stay_on_the_input_line(
     assert chat.wait_exit() == 0
 
 
+async def test_a_steer_sent_while_the_model_writes_a_line_goes_above_that_line(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """R-STEER-1: a steer submitted in the middle of the model's line starts on a line of its
+    own, above the unfinished line, and the model's line goes on whole after it."""
+    sentence = "The regions differ a lot, and the north sells the most widgets of all."
+    head = ["The regions ", "differ a lot, "]
+    resume = trio.Event()
+    held = Paused(
+        Reply([Text(sentence, chunks=[*head, sentence.removeprefix("".join(head))])]),
+        after_events=4,  # message_start, content_block_start and the first two deltas
+        resume=resume,
+    )
+    async with open_mock_server(held, Reply([Text("Only the north, then.")])) as server:
+
+        def drive() -> None:
+            terminal = open_chat(
+                tmp_path, workspace, "--provider", "anthropic", "--base-url", server.base_url,
+                "--approve", "none", ANTHROPIC_API_KEY="test-key",
+            )  # fmt: skip
+            try:
+                terminal.expect_prompt()
+                terminal.line("compare the regions")
+                terminal.wait_display(
+                    lambda d: "The regions differ a lot," in d.text(), "the first words"
+                )
+                terminal.line("only the north")  # Enter while the line is unfinished
+                terminal.expect("[steering queued]")
+                terminal.wait_display(lambda d: "[steering queued]" in d.text(), "the notice")
+                shown = lines_but_the_input_line(terminal.display)
+                typed = [line for line in shown if "only the north" in line]
+                assert typed == [WORKING_PROMPT + "only the north"], shown
+                assert not [line for line in shown if "queued" in line and "The" in line], shown
+                trio.from_thread.run_sync(resume.set)
+                terminal.expect("Only the north, then.")
+                terminal.expect(SUMMARY_COMPLETED)
+                terminal.wait_display(lambda d: SUMMARY_COMPLETED in d.text(), "the summary")
+                shown = lines_but_the_input_line(terminal.display)
+                assert sentence in shown, shown  # one line, whole
+                assert shown.index(typed[0]) < shown.index(sentence), shown
+                assert [line for line in shown if line == "[steering] only the north"], shown
+                terminal.line("/quit")
+                assert terminal.wait_exit() == 0
+            finally:
+                terminal.close()
+
+        await trio.to_thread.run_sync(drive)
+        assert len(server.requests) == 2
+
+
+async def test_a_markdown_table_is_shown_aligned_once_it_is_whole(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """The chat shows a streamed Markdown table with its columns aligned: the words before
+    it stream as usual, its rows wait until the table is whole."""
+    first = "Revenue per region:\n\n| Region | Units | Revenue |\n|:---|"
+    assert TABLE_ANSWER.startswith(first)
+    resume = trio.Event()
+    held = Paused(
+        Reply([Text(TABLE_ANSWER, chunks=[first, TABLE_ANSWER.removeprefix(first)])]),
+        after_events=3,  # message_start, content_block_start, the first delta
+        resume=resume,
+    )
+    async with open_mock_server(held) as server:
+
+        def drive() -> None:
+            terminal = open_chat(
+                tmp_path, workspace, "--provider", "anthropic", "--base-url", server.base_url,
+                "--approve", "none", "--no-builtin-tools", ANTHROPIC_API_KEY="test-key",
+            )  # fmt: skip
+            try:
+                terminal.expect_prompt()
+                terminal.line("the revenue, please")
+                terminal.wait_display(lambda d: "Revenue per region:" in d.text(), "the words")
+                # The same delta carried the table's first lines: held, not shown raw.
+                assert "Region" not in terminal.display.text().replace("Revenue per region", "")
+                trio.from_thread.run_sync(resume.set)
+                terminal.expect(SUMMARY_COMPLETED)
+                terminal.wait_display(lambda d: SUMMARY_COMPLETED in d.text(), "the summary")
+                shown = lines_but_the_input_line(terminal.display)
+                start = shown.index(TABLE_SHOWN[0])
+                assert shown[start : start + len(TABLE_SHOWN)] == TABLE_SHOWN, shown
+                assert "| neither | is this |" in shown
+                terminal.line("/quit")
+                assert terminal.wait_exit() == 0
+            finally:
+                terminal.close()
+
+        await trio.to_thread.run_sync(drive)
+
+
 def test_leaving_gives_the_terminal_back_in_its_usual_mode(
     tmp_path: Path, workspace: Path, gated_tools: Path
 ) -> None:
@@ -722,6 +826,36 @@ def test_an_open_approval_question_stays_whole_below_output_hints_and_denies_on_
         terminal.expect_prompt()
         assert "aborted" not in terminal.screen
         assert f"list_dir {decision_words('allow', 'host')}" in terminal.display.text()
+        terminal.line("/quit")
+        assert terminal.wait_exit() == 0
+    finally:
+        terminal.close()
+
+
+def test_a_steer_typed_at_an_open_approval_question_is_queued_and_the_question_stays(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """R-STEER-1, R-APPROVE-1: a line that is not an answer, typed while a question is open,
+    is steering: it is queued (and the user is told so), never thrown away, and the
+    question stays open for its answer."""
+    terminal = open_chat(tmp_path, workspace, "--approve", "ask")
+    question = 'Allow list_dir {"path": "."}? [y]es / [n]o / [a]lways for this session:'
+    try:
+        terminal.expect_prompt()
+        terminal.line(DEMO_PROMPT)
+        terminal.expect_prompt(question + " ")
+        terminal.line("only the north region, please")
+        terminal.expect(STEERED_AT_QUESTION)
+        terminal.expect(APPROVAL_HINT)
+        terminal.expect_prompt(question + " ")  # still open, still this call's
+        terminal.line("y")
+        terminal.expect(f"list_dir {decision_words('allow', 'host')}")
+        terminal.expect("[steering] only the north region, please")
+        terminal.expect(SUMMARY_COMPLETED)
+        terminal.expect_prompt()
+        steered = [line for line in terminal.display.text().splitlines()
+                   if line == "[steering] only the north region, please"]  # fmt: skip
+        assert len(steered) == 1, terminal.display.text()
         terminal.line("/quit")
         assert terminal.wait_exit() == 0
     finally:

@@ -88,9 +88,13 @@ def expected_totals(workspace: Path) -> dict[str, str]:
 
 
 def assert_table_has_totals(text: str, totals: dict[str, str]) -> None:
+    """The Markdown table's row for each region ends with its revenue, as the model wrote it
+    or as a terminal shows it (columns padded to one width)."""
     assert totals, "no CSV data to check against"
     for region, money in totals.items():
-        row = re.compile(rf"^\| {re.escape(region)} \|.*\| {re.escape(money)} \|$", re.MULTILINE)
+        row = re.compile(
+            rf"^\| {re.escape(region)} *\|.*\| *{re.escape(money)} \|$", re.MULTILINE
+        )
         assert row.search(text), f"no table row '{region} … {money}' in:\n{text}"
 
 
@@ -135,13 +139,53 @@ def test_demo_exits_0_says_scripted_and_answers_with_correct_totals(tmp_path: Pa
     assert elapsed < 20, f"the demo took {elapsed:.1f} s"
 
 
-def test_demo_without_arguments_uses_a_fresh_temp_dir(tmp_path: Path) -> None:
+def test_demo_without_arguments_uses_a_fresh_temp_dir_and_removes_it(tmp_path: Path) -> None:
     result = greenroom(tmp_path, "demo")
     assert result.returncode == 0, result.stderr
-    created = list(tmp_path.glob("greenroom-demo-*"))
-    assert len(created) == 1
-    assert_table_has_totals(result.stdout, expected_totals(created[0] / "workspace"))
+    shown = re.search(r"workspace  (\S+)", result.stdout)
+    assert shown is not None, result.stdout
+    workspace = Path(shown.group(1))
+    assert workspace.parent.parent == tmp_path  # cli_env: TMPDIR is tmp_path
+    assert workspace.parent.name.startswith("greenroom-demo-")
+    assert not list(tmp_path.glob("greenroom-demo-*"))  # removed when the demo ended
+    assert "removed when the demo ends" in result.stdout
+    assert "--data-dir DIR" in result.stdout  # how to keep a trace, not a path that is gone
+    write_demo_workspace(tmp_path / "same")
+    assert_table_has_totals(result.stdout, expected_totals(tmp_path / "same"))
     assert not (tmp_path / "home").exists()  # the user's data dir is left alone
+
+
+def test_demo_removes_its_temp_dir_after_ctrl_c_and_after_a_usage_error(tmp_path: Path) -> None:
+    """Ctrl-C at the first approval question (the task is interrupted, exit 130) and a
+    workspace it cannot write (exit 2) leave no ``greenroom-demo-*`` directory behind."""
+    process = subprocess.Popen(
+        [*CLI, "demo", "--approve", "ask"], cwd=tmp_path, env=cli_env(tmp_path),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert process.stderr is not None
+    try:
+        asked = b""
+        while b"Allow list_dir" not in asked:  # the question ends without a newline
+            chunk = process.stderr.read1(4096)
+            assert chunk, asked
+            asked += chunk
+        assert len(list(tmp_path.glob("greenroom-demo-*"))) == 1  # there while it runs
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 130, err
+    assert b"Traceback" not in err
+    assert not list(tmp_path.glob("greenroom-demo-*"))
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    failed = greenroom(tmp_path, "demo", "--workspace", str(blocker / "ws"))
+    assert failed.returncode == 2, failed.stderr
+    assert "--workspace: cannot write the demo files" in failed.stderr
+    assert not list(tmp_path.glob("greenroom-demo-*"))
 
 
 # -- greenroom run --json -----------------------------------------------------------------
@@ -551,6 +595,46 @@ async def test_auth_failure_exits_3(tmp_path: Path) -> None:
     lines = json_lines(result.stdout.decode())
     assert lines[-1]["type"] == "task_end"
     assert lines[-1]["status"] == "auth"
+
+
+TABLE_ANSWER = (
+    "Revenue per region:\n\n"
+    "| Region | Units | Revenue |\n"
+    "|:---|---:|---:|\n"
+    "| South | 52 | 2,212.24 |\n"
+    "| West | 3 | 905.91 |\n"
+    "| Nord-Ost 北 | 145 | 15.00 |\n"
+    "\nSouth leads. A line | with a bar is no table.\n"
+    "| neither | is this |"
+)
+TABLE_SHOWN = [
+    "| Region      | Units |  Revenue |",
+    "|-------------|-------|----------|",
+    "| South       |    52 | 2,212.24 |",
+    "| West        |     3 |   905.91 |",
+    "| Nord-Ost 北 |   145 |    15.00 |",
+]
+"""How a terminal shows TABLE_ANSWER's table: columns padded to one width (北 takes two
+columns), numbers aligned as its delimiter row says, a rule under the header."""
+
+
+async def test_run_shows_a_markdown_table_aligned(tmp_path: Path) -> None:
+    """A table the model streams (split across deltas mid-row) is shown aligned once it is
+    whole; the text around it, and a line that only contains a bar, stay as written."""
+    async with open_mock_server(Reply([Text(TABLE_ANSWER)])) as server:
+        result = await greenroom_async(
+            tmp_path, "run", "--provider", "anthropic", "--base-url", server.base_url,
+            "--approve", "none", "--no-builtin-tools", "the revenue, please",
+            env={"ANTHROPIC_API_KEY": "test-key"},
+        )  # fmt: skip
+    assert result.returncode == 0, result.stderr.decode()
+    shown = result.stdout.decode().splitlines()
+    start = shown.index(TABLE_SHOWN[0])
+    assert shown[start - 2 : start] == ["Revenue per region:", ""]
+    assert shown[start : start + len(TABLE_SHOWN) + 3] == [
+        *TABLE_SHOWN, "", "South leads. A line | with a bar is no table.",
+        "| neither | is this |",
+    ]  # fmt: skip
 
 
 # -- the example ------------------------------------------------------------------------------

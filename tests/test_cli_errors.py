@@ -242,3 +242,33 @@ def test_serve_with_an_empty_token_file(tmp_path: Path) -> None:
     token_file.write_text("\n")
     result = serve(tmp_path, "--port", "0", "--token-file", str(token_file))
     assert_one_line(result, "greenroom serve:", str(token_file), "no usable token")
+
+
+# -- a Claude model without a key ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["run", "--no-builtin-tools", "hi"],
+        ["chat", "--no-builtin-tools"],
+        ["serve", "--port", "0", "--no-console", "--no-builtin-tools"],
+        ["acp", "--no-builtin-tools"],
+        ["demo"],
+    ],
+    ids=lambda args: args[0],
+)
+def test_a_claude_model_without_a_key_is_refused_not_run_on_the_scripted_model(
+    tmp_path: Path, args: list[str]
+) -> None:
+    """Asking for Claude never runs another model silently: without ANTHROPIC_API_KEY or
+    ANTHROPIC_AUTH_TOKEN, ``--model claude-…`` is refused with exit 2, as
+    ``Host.create_session(model="claude-…")`` raises ConfigurationError."""
+    command = [*args, "--model", "claude-sonnet-5-5", "--data-dir", str(tmp_path / "data")]
+    result = run_cli(tmp_path, command)
+    line = assert_one_line(result, "--model claude-sonnet-5-5", "ANTHROPIC_API_KEY",
+                           "ANTHROPIC_AUTH_TOKEN", "--provider scripted")  # fmt: skip
+    assert line.startswith(f"greenroom {args[0]}: "), line
+    assert not (tmp_path / "data" / "sessions").exists() or not any(
+        (tmp_path / "data" / "sessions").iterdir()
+    )

@@ -164,6 +164,32 @@ def test_run_shows_decisions_in_plain_words(tmp_path: Path, workspace: Path) -> 
     assert by == ["host", "host", "host", "session_rule"]  # --json keeps the values
 
 
+def test_calls_nobody_was_asked_about_never_say_allowed_by_you(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """R-APPROVE-1: under ``--approve all`` (run, chat) and in the demo nobody is asked, so a
+    decision names what allowed the call; "allowed by you" is kept for a person's answer."""
+    data = ["--data-dir", str(tmp_path / "data")]
+    run = greenroom(tmp_path, "run", "--approve", "all", "--workspace", str(workspace),
+                    *data, DEMO_PROMPT)  # fmt: skip
+    demo = greenroom(tmp_path, "demo", "--workspace", str(tmp_path / "demo-ws"), *data)
+    demo_all = greenroom(tmp_path, "demo", "--approve", "all", "--workspace",
+                         str(tmp_path / "demo-ws"), *data)  # fmt: skip
+    chat = greenroom(tmp_path, "chat", "--approve", "all", "--workspace", str(workspace),
+                     *data, stdin=DEMO_PROMPT + "\n")  # fmt: skip
+    for result, words in (
+        (run, "allowed by --approve all"),
+        (demo, "allowed by the demo"),
+        (demo_all, "allowed by --approve all"),
+        (chat, "allowed by --approve all"),
+    ):
+        assert result.returncode == 0, result.stderr
+        decisions = [line.strip() for line in result.stdout.splitlines() if "✓" in line]
+        assert decisions, result.stdout
+        assert all(f" {words} · " in line for line in decisions), decisions
+        assert "by you" not in result.stdout + result.stderr
+
+
 # -- the demo's listing -----------------------------------------------------------------------
 
 

@@ -215,3 +215,57 @@ def test_a_second_sigint_exits_at_once_and_leaves_a_loadable_trace(tmp_path: Pat
         if isinstance(part, ToolResult)
     ]
     assert [(r.call_id, r.status) for r in results] == [("call_1_1", "interrupted")]
+
+
+# -- Ctrl-C while the command line loads --------------------------------------------------------
+
+GREENROOM_SCRIPT = str(Path(sys.executable).parent / "greenroom")
+"""The console script, as a user runs it."""
+
+LOAD_ATTEMPTS = 8
+
+
+def _maps_ssl(pid: int) -> bool | None:
+    """Whether the process has loaded the ssl extension (None once it is gone). trio
+    imports ``ssl`` while the command line loads, and several tenths of a second of imports
+    follow it: a SIGINT sent when it appears lands in the middle of loading."""
+    try:
+        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
+            return any("libssl" in line or "/_ssl." in line for line in maps)
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/PID/maps")
+@pytest.mark.parametrize("command", [CLI, [GREENROOM_SCRIPT]], ids=["python -m", "script"])
+def test_ctrl_c_while_the_command_line_loads_exits_130_without_a_traceback(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """Ctrl-C in the first moments of ``greenroom run`` (while its modules load, before the
+    task handles SIGINT) ends it with exit code 130 and no KeyboardInterrupt traceback.
+    Each attempt sends SIGINT as soon as the process is seen loading its modules, so it
+    lands there, not after; several attempts cover different points of the loading."""
+    outcomes: list[tuple[int, str]] = []
+    for attempt in range(LOAD_ATTEMPTS):
+        process = subprocess.Popen(
+            [*command, "run", "--data-dir", str(tmp_path / "data"), f"hello {attempt}"],
+            cwd=tmp_path, env=cli_env(tmp_path), stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + WAIT_S
+            while not (seen := _maps_ssl(process.pid)):
+                if seen is None or process.poll() is not None:
+                    pytest.skip("this Python loads ssl without a shared library to see")
+                assert time.monotonic() < deadline, "the command never loaded ssl"
+                time.sleep(0.0005)  # polling /proc: there is no event to wait on
+            process.send_signal(signal.SIGINT)
+            _, err = process.communicate(timeout=WAIT_S)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        outcomes.append((process.returncode, err.decode(errors="replace")))
+    for code, err in outcomes:
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+        assert code == EXIT_ABORTED, (code, err)

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import time
 from datetime import datetime
 from pathlib import Path
 
 import trio
-from conftest import Gates
+from conftest import Gates, port_of
 from test_console import (
     BROWSER_BOUND_S,
     LISTED,
@@ -31,10 +32,20 @@ from test_console import (
 
 from greenroom.actors.gateway import TITLE_FILE
 from greenroom.actors.gateway.console import PAGE_PATH
-from greenroom.actors.providers.scripted import Reply, ScriptedStream, ScriptStep, text, tool_call
+from greenroom.actors.providers.scripted import (
+    Reply,
+    ScriptedProvider,
+    ScriptedStream,
+    ScriptStep,
+    text,
+    tool_call,
+)
+from greenroom.actors.runtime.host import Host
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import ModelRequest
-from greenroom.protocols.stream import BlockCompleted, TextDelta
+from greenroom.protocols.outputs import Output, RequestEnd
+from greenroom.protocols.stream import BlockCompleted, ModelError, TextDelta
+from greenroom.protocols.tools import tool
 from greenroom.protocols.wording import DECISION_WORDS
 
 LOG = "document.querySelector('#log')"
@@ -333,3 +344,97 @@ async def test_browser_lists_each_session_with_its_title_activity_and_state(
             await page.send("Page.reload")
             await page.wait_for(f"{LISTED} && {SUBSCRIBED}")
             assert await page.texts("#sessions .title") == ["Quarterly sales by region"]
+
+
+# -- 5. each decision once, long results collapsed, waits that outlived their task ------------
+
+VISIBLE = "(e => { const r = e.getBoundingClientRect(); return r.width > 1 && r.height > 1; })"
+
+
+@needs_chromium
+async def test_browser_shows_a_decision_once_and_collapses_a_long_result(tmp_path: Path) -> None:
+    """An answered approval reads once on screen (on its request; the decision's own row is
+    kept for screen readers only); a tool result longer than a dozen lines shows its first
+    lines and a button that shows it all, and back."""
+
+    @tool(parallel=True)
+    async def listing() -> str:
+        """Forty lines."""
+        return "\n".join(f"line {n}" for n in range(1, 41))
+
+    def script() -> list[ScriptStep]:
+        return [
+            Reply(blocks=(tool_call("c1", "listing"),)),
+            Reply(blocks=(text("Forty lines."),)),
+        ]
+
+    result = "[data-type=tool_call_output][data-call-id=c1]"
+    with trio.fail_after(BROWSER_BOUND_S):
+        async with (
+            stack(tmp_path, script, tools=[listing], approve="ask") as server,
+            chromium(tmp_path) as page,
+        ):
+            await open_console(page, server)
+            await first_prompt(page, server, "List")
+            await page.click("[data-type=approval_request] [data-testid=approve-allow]")
+            await page.wait_for(f"!!document.querySelector('{task_end_rows('completed')}')")
+            shown = await page.js(
+                "[...document.querySelectorAll('#log .row')]"
+                f".filter({VISIBLE}).map(e => e.textContent).join('\\n')"
+            )
+            assert shown.count("allowed by you") == 1, shown
+            assert await page.texts("[data-type=approval_decision]") == ["listing: allowed by you"]
+
+            content = f"document.querySelector('{result} .content').textContent"
+            toggle = f"{result} [data-testid=expand-result]"
+            assert (await page.js(content)).splitlines() == [
+                *(f"line {n}" for n in range(1, 13)), "…"
+            ]
+            assert await page.texts(toggle) == ["Show all 40 lines"]
+            await page.click(toggle)
+            assert (await page.js(content)).splitlines() == [f"line {n}" for n in range(1, 41)]
+            assert await page.texts(toggle) == ["Show less"]
+            assert await page.js(f"document.querySelector('{toggle}').ariaExpanded") == "true"
+            await page.click(toggle)
+            assert len((await page.js(content)).splitlines()) == 13
+
+
+@needs_chromium
+async def test_browser_ends_the_retry_countdown_of_a_task_that_is_over(tmp_path: Path) -> None:
+    """A session whose trace stops in a reconnect wait (its host went away mid-wait) is idle
+    when the page opens it: the failed request is shown, but no countdown runs and no
+    "Retry now" / "Stop" is offered for a task that no longer exists."""
+    overloaded = ModelError(
+        kind="failed", message="overloaded", status_code=529, retry_after_s=60.0
+    )
+    waiting = trio.Event()
+
+    def on_batch(batch: list[Output]) -> None:
+        if any(isinstance(o, RequestEnd) and o.retry_in_ms for o in batch):
+            waiting.set()
+
+    # A first host runs the task into its 60 s wait; its session directory, copied then,
+    # is what a host that died in the wait leaves behind.
+    async with Host.open(tmp_path / "first") as first:
+        provider = ScriptedProvider(
+            [Reply(blocks=(text("Half"),), fail=overloaded, fail_after_blocks=1)]
+        )
+        session = await first.create_session(provider=provider, workspace_dir=tmp_path)
+        session.subscribe(on_batch)
+        session.run("Try it").detach()
+        with trio.fail_after(BROWSER_BOUND_S):
+            await waiting.wait()
+            await port_of(session).sync_trace()
+        shutil.copytree(session.directory, tmp_path / "data" / "sessions" / session.id)
+
+    failed = "[data-type=request_end][data-status=failed]"
+    with trio.fail_after(BROWSER_BOUND_S):
+        async with stack(tmp_path, lambda: []) as server, chromium(tmp_path) as page:
+            server.gateway.grant("default", session.id)
+            await open_console(page, server)
+            await page.wait_for(f"!!document.querySelector('{failed}')")
+            await page.wait_for(
+                f"document.querySelectorAll('{failed} button').length === 0"
+                f" && document.querySelector('{failed} .countdown').textContent === ''"
+            )
+            assert await page.js("document.querySelector('#send').textContent") == "Run"

@@ -193,6 +193,48 @@ async def test_a_failed_title_is_tried_again_after_the_next_task(tmp_path: Path)
     assert model.title_requests == 2
 
 
+async def test_a_long_title_is_cut_at_a_word_with_an_ellipsis(tmp_path: Path) -> None:
+    """R-HOST-5: a title longer than the list shows ends with "…" where it was cut, at a
+    word, never mid-word and silently."""
+    long = "Quarterly sales by region for the northern and southern districts, compared"
+    model = Model(steps("Up 4%."), titles=steps(long))
+    with trio.fail_after(BOUND_S):
+        async with (
+            Host.open(tmp_path / "data") as host,
+            gateway_client(host, model, titles=True) as (_, client),
+        ):
+            sid = (await client.result("session.create"))["session_id"]
+            await client.result("session.subscribe", {"session_id": sid})
+            await run_task(client, sid, "How did sales go?", 1)
+            entry = await client.listed_until(sid, lambda e: e["title"] != "")
+    title = entry["title"]
+    assert title == "Quarterly sales by region for the northern and southern…"
+    assert len(title) <= 60
+
+
+async def test_a_session_the_model_never_answered_is_named_after_its_first_prompt(
+    tmp_path: Path,
+) -> None:
+    """A session whose task failed before the model said anything (a bad key, a provider
+    that is down) cannot be titled by the model either: it is listed under its first
+    prompt, cut at a word, instead of "Untitled"."""
+    down = Reply(fail=ModelError(kind="failed", message="no such model", permanent=True))
+    model = Model([down], titles=[down])
+    prompt = "Summarize   the quarterly sales\nfiles per region and explain the outliers in detail"
+    with trio.fail_after(BOUND_S):
+        async with (
+            Host.open(tmp_path / "data") as host,
+            gateway_client(host, model, titles=True) as (_, client),
+        ):
+            sid = (await client.result("session.create"))["session_id"]
+            await client.result("session.subscribe", {"session_id": sid})
+            await run_task(client, sid, prompt, 1)
+            assert [o["status"] for o in client.outputs if o["type"] == "task_end"] == ["failed"]
+            entry = await client.listed_until(sid, lambda e: e["title"] != "")
+    assert entry["title"] == "Summarize the quarterly sales files per region and explain…"
+    assert model.title_requests == 1
+
+
 async def test_without_titles_the_gateway_asks_the_model_nothing_more(tmp_path: Path) -> None:
     model = Model(steps("One.", "Two."), titles=steps("A title"))
     with trio.fail_after(BOUND_S):

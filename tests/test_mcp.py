@@ -622,3 +622,34 @@ async def test_cli_run_with_stdio_and_http_servers(tmp_path: Path, workspace: Pa
     assert outputs["call_1"]["content"][0]["text"] == "from stdio"
     assert outputs["call_2"]["content"][0]["text"] == "from http"
     assert lines[-1]["type"] == "task_end" and lines[-1]["status"] == "completed"
+
+
+async def test_the_model_sees_what_the_server_said_never_a_python_class_name(
+    mcp_host: Host, workspace: Path, providers: Any, tmp_path: Path
+) -> None:
+    """R-MCP-3, R-MCP-4, R-TOOL-4: an ``isError`` result reaches the model as the server's
+    own text; a lost server as ``MCP server 'NAME' …``; a server that cannot start in
+    words. None of them is dressed as ``McpToolError: …`` or ``FileNotFoundError: …``."""
+    provider = providers([
+        Reply(blocks=(tool_call("f1", "mcp__t__fail", message="the disk is full"),)),
+        Reply(blocks=(tool_call("c1", "mcp__t__crash"),)),
+        Reply(blocks=(text("done"),)),
+    ])  # fmt: skip
+    session = await mcp_host.create_session(
+        provider=provider, workspace_dir=workspace,
+        mcp_servers={"t": stdio(), "gone": {"command": str(tmp_path / "no-such-server")}},
+    )  # fmt: skip
+    outputs = await collect(session.run("go", approve=allow_all))
+    by_call = outputs_by_call(outputs)
+    failed = content_text(by_call["f1"])  # the SDK's server words it "Error executing tool …"
+    assert by_call["f1"].is_error and failed.endswith("the disk is full")
+    assert "McpToolError" not in failed
+    assert by_call["c1"].is_error
+    assert content_text(by_call["c1"]).startswith("MCP server 't' stopped during crash: ")
+    seen = [content_text(r) for r in results_of(last_user(provider.requests[-1]))]
+    assert seen == [content_text(by_call["c1"])]
+    with pytest.raises(Exception) as caught:
+        await connection(mcp_host, "gone").call("echo", {}, None)
+    message = str(caught.value)
+    assert message.startswith("MCP server 'gone' could not be started: command not found: ")
+    assert "Error" not in message

@@ -85,3 +85,25 @@ async def test_the_demo_model_answers_a_title_request_with_a_title(tmp_path: Pat
         session = await host.create_session(provider="scripted", workspace_dir=tmp_path)
         await collect(session.run("Summarize the sales CSV files, please!"))
         assert await session.generate_title() == "Summarize the sales CSV files please"
+
+
+async def test_a_title_too_long_is_cut_at_a_word_and_says_so(tmp_path: Path) -> None:
+    """R-HOST-5: a title longer than ``max_chars`` ends with "…" where it was cut, at a
+    word boundary (a single word too long is cut inside it)."""
+    long = "Revenue, costs and margins per region: an overview of the whole year"
+    provider = ScriptedProvider(
+        [
+            Reply(blocks=(text("Sure."),)),
+            Reply(blocks=(text(long),)),
+            Reply(blocks=(text("Supercalifragilisticexpialidocious"),)),
+        ]
+    )
+    async with Host.open(tmp_path / "data") as host:
+        session = await host.create_session(provider=provider, workspace_dir=tmp_path)
+        await collect(session.run("Tell me about the year"))
+        with trio.fail_after(10):
+            title = await session.generate_title()
+            word = await session.generate_title(max_chars=12)
+    assert title == "Revenue, costs and margins per region: an overview of the…"
+    assert len(title) <= 60
+    assert word == "Supercalifr…"

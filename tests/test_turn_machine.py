@@ -160,6 +160,20 @@ def test_an_allow_after_the_interrupt_never_starts_the_call() -> None:
     assert [o.status for o in of(ToolCallOutput, settled)] == ["interrupted"]
 
 
+def test_a_deny_after_the_interrupt_sends_nothing_to_the_pool() -> None:
+    """R-APPROVE-5: Ctrl-C at an approval question denies the call and interrupts the task;
+    when the deny is handled while the abort settles, the pool has stopped: the decision
+    and the denied result are recorded, and no pool command comes of it (sending one to
+    the closed pool failed the task with BrokenResourceError)."""
+    m = machine()
+    stream_calls(m, 1)
+    effects = m.decide("c0", allowed=False, by="host", interrupted=True)
+    assert [type(e) for e in effects] == [ApprovalDecision, ToolCallOutput]
+    assert effects[-1].status == "denied"
+    settled = m.abort("interrupted", message_complete=True)
+    assert not of(ToolCallOutput, settled)  # paired once, by the deny
+
+
 def test_results_are_in_call_order_whatever_the_completion_order() -> None:
     m = machine()
     stream_calls(m, 3)

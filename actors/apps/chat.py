@@ -16,8 +16,9 @@ exchange), many tasks. What a typed line does depends on the moment:
   model at the next input assembly, where the renderer shows it as ``[steering] TEXT``; a
   line typed just as the task ended starts the next task instead;
 * while a tool-call approval question is open (``--approve ask``) the question is the
-  prompt and the next line answers it (y / n / a; anything else gets a hint and the
-  question again; Ctrl-C denies), whatever else is going on.
+  prompt and the next line answers it (y / n / a; Ctrl-C denies), whatever else is going
+  on; anything else typed there is steering, queued as such with a notice, and the
+  question stays open (piped input, read a line per question, only gets the hint).
 
 Commands: ``/follow TEXT`` queues a whole task after the running one (``follow_up``; at
 the prompt it just runs), ``/compact`` compacts the context now (``Session.compact``, at the
@@ -149,6 +150,9 @@ WORKING_PROMPT = "steer> "
 
 APPROVAL_HINT = "answer y, n or a"
 """What an approval question says to an answer it does not understand, before asking again."""
+
+STEERED_AT_QUESTION = "[not an answer: sent to the model as steering; the question stays open]"
+"""What the chat says when a line typed at an open approval question is queued as steering."""
 
 HELP = (
     "Type a task and press Enter. While it runs, what you type steers it; "
@@ -329,11 +333,22 @@ class ChatApprover:
     the renderer (on a terminal the question is the prompt line). y(es) → allow, n(o) →
     deny, a(lways) → allow this tool for the rest of the session; anything else gets
     :data:`APPROVAL_HINT` and the question again. Ctrl-C denies (shown as
-    :data:`~greenroom.protocols.wording.INTERRUPTED_APPROVAL`), so does end of input."""
+    :data:`~greenroom.protocols.wording.INTERRUPTED_APPROVAL`), so does end of input.
 
-    def __init__(self, renderer: ChatRenderer, read_answer: ReadAnswer) -> None:
+    ``steer``, when given (someone types at a terminal), receives a line that is not an
+    answer (nor empty, nor a ``/`` command): it is steering typed while the question was
+    open, and is queued as such rather than thrown away (:data:`STEERED_AT_QUESTION`)."""
+
+    def __init__(
+        self,
+        renderer: ChatRenderer,
+        read_answer: ReadAnswer,
+        *,
+        steer: Callable[[str], bool] | None = None,
+    ) -> None:
         self._renderer = renderer
         self._read_answer = read_answer
+        self._steer = steer
         self._previous: str | None = None
         self._lock = trio.Lock()
 
@@ -372,6 +387,9 @@ class ChatApprover:
                     return "deny"
                 if choice in ("a", "always"):
                     return "allow_session"
+                line, steer = answer.strip(), self._steer
+                if steer is not None and line and not line.startswith("/") and steer(line):
+                    self._renderer.notice(STEERED_AT_QUESTION)
                 self._renderer.notice(APPROVAL_HINT)
         finally:
             self._renderer.question_closed()
@@ -437,7 +455,10 @@ class Chat:
         self._wanted = trio.Event()  # piped input: a prompt or a question wants a line
         self._router = LineRouter(on_ask=self._want_line)
         self._approve: ApproveFn | None = (
-            ChatApprover(renderer, self._router.ask)
+            # Piped lines are read one per question: none of them is typed "meanwhile".
+            ChatApprover(
+                renderer, self._router.ask, steer=session.steer if self._interactive else None
+            )
             if approve == "ask"
             else _approver(approve, renderer)
         )
@@ -826,10 +847,14 @@ class TerminalScreen:
                 target.flush()
                 return
             if "\n" in text:
+                # This stream's unfinished line ends here; another stream's (the model's
+                # sentence on stdout, while a notice goes to stderr) stays unfinished.
                 head, tail = text.rsplit("\n", 1)
-                self._ready.extend(self._open)
+                self._ready.extend(chunk for chunk in self._open if chunk[0] is target)
                 self._ready.append((target, head + "\n"))
-                self._open = [(target, tail)] if tail else []
+                self._open = [chunk for chunk in self._open if chunk[0] is not target]
+                if tail:
+                    self._open.append((target, tail))
             else:
                 self._open.append((target, text))
             self._schedule_locked()
@@ -954,10 +979,9 @@ class TerminalScreen:
             buffer.reset(append_to_history=bool(text.strip()))
             with self._lock:
                 label = self._question if self._question is not None else self._label
-                # What was typed stays on the screen, after the lines printed before it.
-                self._ready.extend(self._open)
+                # What was typed stays on the screen, after the lines printed before it
+                # and above the model's unfinished line, which goes on below it.
                 self._ready.append((self._err, label + text + "\n"))
-                self._open = []
             self._refresh()
             self._send(_Line(text))
 
@@ -1023,6 +1047,8 @@ class ChatRenderer(HumanRenderer):
     def show(self, output: Output) -> None:
         """Show one output as ``greenroom run`` does, plus the REPL's own: a failed request that
         will be retried starts the live ``[retry]`` line instead of a line of its own."""
+        if output.origin is None and not isinstance(output, PartialText):
+            self.release_held_text()  # before the early returns below: the attempt ended
         match output:
             case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():
                 pass  # the most frequent outputs, tested first: nothing of the REPL's own
@@ -1108,11 +1134,12 @@ class ChatRenderer(HumanRenderer):
         self._decided_here[call_id] = words
 
     def notice(self, text: str) -> None:
-        """A line on stderr; a live retry line stays below it."""
+        """A line on stderr; a live retry line stays below it. On a screen the model's
+        unfinished line stays unfinished below it, and goes on whole."""
         if self._retry_line_open:
             self._err.write("\r\x1b[K")
             self._retry_line_open = False
-        else:
+        elif self._screen is None:
             self.break_line()
         self._err.write(self._err_style.cyan(text) + "\n" if text else "\n")
         self._err.flush()
@@ -1142,10 +1169,16 @@ class ChatRenderer(HumanRenderer):
         self._note(dim(f"  you: {_clip_line(prompt)}"))
         self._note(dim(f"  model: {_clip_line(reply) if reply else '(no reply)'}"))
 
+    def _note(self, text: str) -> None:
+        # The screen prints finished stderr lines above the model's unfinished line, which
+        # stays unfinished; elsewhere the two streams share one line and it must end first.
+        if self._screen is None:
+            self.break_line()
+        self._err.write(text + "\n")
+        self._err.flush()
+
     def _show_decision(self, output: ApprovalDecision) -> None:
-        words = self._decided_here.pop(output.call_id, None) or decision_words(
-            output.decision, output.by
-        )
+        words = self._decided_here.pop(output.call_id, None) or self.decision_text(output)
         if output.decision == "deny":
             hint = " (start the chat with --approve ask or all)" if output.by == "default" else ""
             self._line(

@@ -106,8 +106,13 @@ from greenroom.protocols.outputs import (
     ToolProgress,
     UserMsg,
 )
+from greenroom.protocols.tables import TableLayout
 from greenroom.protocols.tools import Tool
-from greenroom.protocols.wording import INTERRUPTED_APPROVAL, decision_words
+from greenroom.protocols.wording import (
+    INTERRUPTED_APPROVAL,
+    allowed_without_asking,
+    decision_words,
+)
 
 __all__ = ["EXIT_CODES", "RunOptions", "RunResult", "build_parser", "main", "run_task"]
 
@@ -131,6 +136,8 @@ EXIT_CODES: dict[str, int] = {
 """Process exit code for each ``task_end`` status."""
 
 APPROVE_MODES = ("ask", "all", "none")
+ALLOW_ALL_SOURCE = "--approve all"
+"""What allows every call under ``--approve all``, in the words a decision is shown with."""
 SANDBOX_MODES = ("auto", "required", "off")
 # Session ids become directory names: refuse anything that could walk out of the data dir.
 _SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -336,7 +343,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--approve",
         choices=APPROVE_MODES,
-        default="all",
         help="tool call approval (default: all, every call is allowed)",
     )
     _add_model_flags(demo)
@@ -561,22 +567,29 @@ def _version() -> str:
 # -- entry point ------------------------------------------------------------------------
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line and return the exit code (the console script exits with it)."""
-    for stream in (sys.stdout, sys.stderr):
-        # A terminal or pipe that cannot encode a character must not crash the run.
-        reconfigure = getattr(stream, "reconfigure", None)
-        if reconfigure is not None:
-            reconfigure(errors="backslashreplace")
-    parser = build_parser()
+def main(argv: Sequence[str] | None = None, *, restore_sigint: bool = False) -> int:
+    """Run the command line and return the exit code (the console script exits with it).
+
+    ``restore_sigint``: first put Python's default SIGINT handler back, in place of the
+    one ``python -m greenroom`` installs while the command line loads; from then on a
+    Ctrl-C at any moment ends the command with exit code 130, never a traceback."""
+    args: argparse.Namespace | None = None
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse: usage errors exit 2, --help exits 0
-        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
-    except BrokenPipeError:  # greenroom --help | head -1
-        _discard_output()
-        return EXIT_BROKEN_PIPE
-    try:
+        if restore_sigint:
+            # Inside the try: a KeyboardInterrupt from here on is handled below.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        for stream in (sys.stdout, sys.stderr):
+            # A terminal or pipe that cannot encode a character must not crash the run.
+            reconfigure = getattr(stream, "reconfigure", None)
+            if reconfigure is not None:
+                reconfigure(errors="backslashreplace")
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as exc:  # argparse: usage errors exit 2, --help exits 0
+            return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+        except BrokenPipeError:  # greenroom --help | head -1
+            _discard_output()
+            return EXIT_BROKEN_PIPE
         return _dispatch(args)
     except BaseException as exc:
         code = _failure_exit_code(exc, args)
@@ -644,16 +657,17 @@ def _dispatch_command(args: argparse.Namespace) -> int:
     raise UsageError(f"unknown command {args.command!r}")
 
 
-def _failure_exit_code(exc: BaseException, args: argparse.Namespace) -> int | None:
+def _failure_exit_code(exc: BaseException, args: argparse.Namespace | None) -> int | None:
     """The one place where what escaped a command becomes an exit code and at most one
     line on stderr; None for a failure that is a bug (it is re-raised, traceback and all).
+    ``args`` is None when the command line was not parsed yet.
 
     Exceptions leave trio's nurseries wrapped in exception groups, so the leaves are looked
     at: an interrupt wins (exit 130), then a reader that went away (exit 141, quietly),
     then the first problem of the user's command line or environment (exit 2)."""
     leaves = list(_leaves(exc))
     if any(isinstance(leaf, KeyboardInterrupt) for leaf in leaves):
-        if args.command == "serve":
+        if args is not None and args.command == "serve":
             # Ctrl-C before the gateway listens for it: stopping is what it asks, either way.
             return EXIT_OK
         _say_last("interrupted")
@@ -661,6 +675,8 @@ def _failure_exit_code(exc: BaseException, args: argparse.Namespace) -> int | No
     if any(isinstance(leaf, BrokenPipeError) for leaf in leaves):
         _discard_output()
         return EXIT_BROKEN_PIPE
+    if args is None:
+        return None
     for leaf in leaves:
         message = _problem_message(leaf, args)
         if message is not None:
@@ -785,7 +801,7 @@ def _serve_command(args: argparse.Namespace) -> int:
     tools, options = _service_options(args, workspace=args.workspace)
     servers = mcp_servers(args.mcp_config)
     defaults = SessionDefaults(
-        provider=args.provider or default_provider_name(),
+        provider=provider_for(args.provider, args.model),
         model=args.model,
         system=args.system,
         tools=tools,
@@ -899,6 +915,7 @@ def _service_options(
             prompt="",
             data_dir=_data_dir(args.data_dir),
             provider=args.provider,
+            model=args.model,
             base_url=args.base_url,
             workspace=workspace,
             tools=tools,
@@ -915,7 +932,7 @@ def _acp_command(args: argparse.Namespace) -> int:
 
     tools, options = _service_options(args, workspace=None)
     config = AcpConfig(
-        provider=args.provider or default_provider_name(),
+        provider=provider_for(args.provider, args.model),
         model=args.model,
         system=args.system,
         tools=tools,
@@ -931,7 +948,7 @@ def _acp_command(args: argparse.Namespace) -> int:
 def _serve_defaults_line(args: argparse.Namespace) -> str:
     """What the sessions clients create get unless they ask otherwise (printed once the
     gateway listens)."""
-    provider = args.provider or default_provider_name()
+    provider = provider_for(args.provider, args.model)
     model = args.model or provider_spec(provider).default_model()
     approval = {
         "ask": f"ask (the session's clients answer; denied after {args.approval_timeout:g} s "
@@ -986,6 +1003,7 @@ class RunOptions:
     tools: tuple[Tool, ...] = ()
     mcp_servers: Mapping[str, Any] = attrs.field(factory=dict)
     approve: str = "none"
+    allow_all_source: str = ALLOW_ALL_SOURCE
     json: bool = False
     max_turns: int | None = None
     max_context_length: int | None = None
@@ -1130,25 +1148,46 @@ def prepare_options(options: RunOptions) -> RunOptions:
         if not workspace.is_dir():
             raise UsageError(f"--workspace: {options.workspace} is not a directory")
         options = attrs.evolve(options, workspace=str(workspace.resolve()))
-    _check_credentials(options)
+    check_credentials(options)
     _report_shell_confinement(options)
     return options
 
 
-def _check_credentials(options: RunOptions) -> None:
+def provider_for(provider: str | None, model: str | None) -> str:
+    """The provider a command's flags name: ``--provider`` when given, ``anthropic`` for a
+    ``claude-*`` model, else the default (``anthropic`` with a key, else ``scripted``).
+    The Python API decides the same way (``Host.create_session``)."""
+    if provider is not None:
+        return provider
+    if model is not None and model.startswith("claude-"):
+        return "anthropic"
+    return default_provider_name()
+
+
+def check_credentials(options: RunOptions) -> None:
+    """Raise :class:`UsageError` when the provider the options name (see
+    :func:`provider_for`; a continued session's own when ``--provider`` is not given) has
+    no credentials here."""
     provider = options.provider
     base_url = options.base_url
     if options.session_id is not None:
         stored = _stored_settings(options.data_dir, options.session_id)
         provider = provider or stored.get("provider")
         base_url = base_url or stored.get("base_url")
-    provider = provider or default_provider_name()
+    by_model = provider is None and provider_for(None, options.model) == "anthropic"
+    provider = provider_for(provider, options.model)
     spec = PROVIDERS.get(provider)
     if spec is None:
         raise UsageError(f"session {options.session_id} names an unknown provider {provider!r}")
     missing = spec.missing_credentials(base_url)
-    if missing is not None:
-        raise UsageError(f"{missing} (or use --provider scripted for the built-in model)")
+    if missing is None:
+        return
+    if by_model and options.model is not None:
+        # Asking for Claude never runs another model silently (as in the Python API).
+        missing = f"--model {options.model} runs on the anthropic provider, which " + (
+            missing.removeprefix("the anthropic provider ")
+        )
+    raise UsageError(f"{missing} (or use --provider scripted for the built-in model)")
 
 
 def bubblewrap_available() -> bool:
@@ -1211,7 +1250,7 @@ async def open_session(host: Host, options: RunOptions) -> Session:
             tools=options.tools,
             workspace_dir=options.workspace or ".",
             # The CLI's documented default: the scripted model when no key is set.
-            provider=options.provider or default_provider_name(),
+            provider=provider_for(options.provider, options.model),
             system=options.system,
             mcp_servers=options.mcp_servers,
             **overrides,
@@ -1265,7 +1304,9 @@ async def _run_task(options: RunOptions, out: TextIO) -> RunResult:
             if options.json
             else HumanRenderer(out, sys.stderr, tools=session.tools)
         )
-        approve = _approver(options.approve, renderer)
+        approve = _approver(
+            options.approve, renderer, allow_all_source=options.allow_all_source
+        )
         try:
             stream = session.run(options.prompt, approve=approve)
         except AuthLocked as exc:
@@ -1329,6 +1370,16 @@ async def _interrupt_on_sigint(
             session.interrupt("interrupted by user (Ctrl-C)")
 
 
+_REMOVED_WHEN_LEAVING: list[Path] = []
+
+
+def remove_when_leaving(path: Path) -> None:
+    """Have :func:`leave_at_once` remove the directory ``path`` (a command's temporary
+    directory) before the process exits: leaving at once unwinds nothing, so the command's
+    own cleanup would not run."""
+    _REMOVED_WHEN_LEAVING.append(path)
+
+
 async def leave_at_once(host: Host) -> NoReturn:
     """Exit the process with code 130 now, whatever is still running.
 
@@ -1345,6 +1396,8 @@ async def leave_at_once(host: Host) -> NoReturn:
             # flight, and nothing after it waits for the tools.
             await host.trace_store.aclose()
     finally:
+        for path in _REMOVED_WHEN_LEAVING:
+            shutil.rmtree(path, ignore_errors=True)
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()
@@ -1358,8 +1411,16 @@ def _allow_all(call: ToolCallBlock) -> str:
     return "allow"
 
 
-def _approver(mode: str, renderer: Renderer, read_line: ReadLine | None = None) -> ApproveFn | None:
+def _approver(
+    mode: str,
+    renderer: Renderer,
+    read_line: ReadLine | None = None,
+    *,
+    allow_all_source: str = ALLOW_ALL_SOURCE,
+) -> ApproveFn | None:
     if mode == "all":
+        # Nobody is asked: the screen says what allowed the calls (R-APPROVE-1).
+        renderer.allowed_without_asking = allow_all_source
         return _allow_all
     if mode == "ask":
         return TerminalApprover(renderer, read_line=read_line)
@@ -1487,6 +1548,9 @@ class Renderer:
     def __init__(self) -> None:
         self._shown_calls: dict[str, trio.Event] = {}
         self._interrupted_approvals: set[str] = set()
+        self.allowed_without_asking: str | None = None
+        """What allows every call without asking (``"--approve all"``), if anything: the
+        host's allows are then shown as its doing, not a person's."""
 
     def show(self, output: Output) -> None:
         """Show one output; called for every output of the run, in order, and must not block.
@@ -1502,6 +1566,8 @@ class Renderer:
         """The decision in the words every screen uses (``--json`` keeps the values)."""
         if output.decision == "deny" and output.call_id in self._interrupted_approvals:
             return INTERRUPTED_APPROVAL
+        if (output.decision, output.by) == ("allow", "host") and self.allowed_without_asking:
+            return allowed_without_asking(self.allowed_without_asking)
         return decision_words(output.decision, output.by)
 
     def break_line(self) -> None:
@@ -1612,6 +1678,8 @@ class HumanRenderer(Renderer):
         self._running: set[str] = set()
         self._after_tool = False
         self._hinted_default_deny = False
+        # Streamed text passes through it; Markdown tables come out aligned once whole.
+        self._tables = TableLayout()
 
     # writing helpers
 
@@ -1645,6 +1713,8 @@ class HumanRenderer(Renderer):
         if output.origin:
             self._show_subagent(output)
             return
+        if not isinstance(output, PartialText):
+            self.release_held_text()  # the text was cut off (an abort, a failed attempt)
         match output:
             case PartialText():
                 if self._streamed_thinking:
@@ -1652,7 +1722,7 @@ class HumanRenderer(Renderer):
                     self._streamed_thinking = False
                 self._start_prose()
                 self._streamed_text = True
-                self._write(output.text)
+                self._write(self._tables.feed(output.text))
             case PartialThinking():
                 if not self._streamed_thinking:
                     self._start_prose()
@@ -1713,11 +1783,18 @@ class HumanRenderer(Renderer):
     def _thinking_prefix(self) -> str:
         return self._style.dim("thinking: ")
 
+    def release_held_text(self) -> None:
+        """Write the text held back as a possible Markdown table, if any, laid out if it is
+        one: the text it belongs to has ended or was cut off."""
+        if self._tables.holding:
+            self._write(self._tables.finish())
+
     def _show_block(self, block: ModelBlock) -> None:
         if isinstance(block, TextBlock):
             if not self._streamed_text:
                 self._start_prose()
-                self._write(block.text)
+                self._write(self._tables.feed(block.text))
+            self._write(self._tables.finish())  # also: the next text starts a new line
             self._streamed_text = False
             self.break_line()
         elif isinstance(block, ThinkingBlock):

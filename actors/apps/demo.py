@@ -7,24 +7,31 @@ with a key the same task runs on Claude. The run goes through the same renderer 
 ``greenroom run``: streamed text, each tool call with its approval and its slot in the
 tool pool, the results, and a closing summary with the trace location.
 
-The workspace and the data dir go to a fresh temp directory that is kept afterwards, so
-``greenroom trace <id> --data-dir …`` can show the record of the run.
+The workspace and the data dir go to a fresh temp directory unless ``--workspace`` and
+``--data-dir`` name them. That directory is removed when the demo ends, however it ends
+(completed, failed, a usage error, Ctrl-C, the reader of its output gone); ``--data-dir``
+keeps the trace for ``greenroom trace``.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import tempfile
 from pathlib import Path
 
 from greenroom.actors.apps.cli import (
+    ALLOW_ALL_SOURCE,
     RunOptions,
     UsageError,
     _error,
+    check_credentials,
     collect_tools,
+    provider_for,
+    remove_when_leaving,
     run_task,
 )
-from greenroom.actors.providers import DEMO_PROMPT, default_provider_name
+from greenroom.actors.providers import DEMO_PROMPT
 from greenroom.protocols.wording import decision_words
 
 DEMO_SYSTEM = (
@@ -85,16 +92,34 @@ def write_demo_workspace(directory: Path) -> list[Path]:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo for ``greenroom demo``'s parsed arguments; returns the exit code."""
+    check_credentials(
+        RunOptions(
+            prompt=DEMO_PROMPT,
+            data_dir=Path(),
+            provider=args.provider,
+            model=args.model,
+            base_url=args.base_url,
+        )
+    )
     base: Path | None = None
-    if args.workspace is None or args.data_dir is None:
-        base = Path(tempfile.mkdtemp(prefix="greenroom-demo-"))
+    try:
+        if args.workspace is None or args.data_dir is None:
+            base = Path(tempfile.mkdtemp(prefix="greenroom-demo-"))
+            remove_when_leaving(base)  # a second Ctrl-C leaves without unwinding
+        return _demo(args, base)
+    finally:
+        if base is not None:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def _demo(args: argparse.Namespace, base: Path | None) -> int:
     workspace = Path(args.workspace).expanduser() if args.workspace else _under(base, "workspace")
     data_dir = Path(args.data_dir).expanduser() if args.data_dir else _under(base, "data")
     try:
         csv_files = write_demo_workspace(workspace)
     except OSError as exc:
         raise UsageError(f"--workspace: cannot write the demo files: {exc}") from None
-    provider = args.provider or default_provider_name()
+    provider = provider_for(args.provider, args.model)
     say = _error if args.json else _say
     say("greenroom demo")
     if provider == "scripted":
@@ -105,11 +130,16 @@ def run_demo(args: argparse.Namespace) -> int:
         )
     else:
         say(f"Running the task on the {provider} provider.")
-    say(f"  workspace  {workspace}  ({len(csv_files)} CSV files and README.txt)")
-    say(f"  data dir   {data_dir}")
-    if args.approve == "all":
+    temporary = "  (temporary: removed when the demo ends)"
+    say(f"  workspace  {workspace}  ({len(csv_files)} CSV files and README.txt)"
+        + (temporary if not args.workspace else ""))
+    say(f"  data dir   {data_dir}" + (temporary if not args.data_dir else ""))
+    # Without --approve the demo itself allows every call, and its decisions say so.
+    approve = args.approve or "all"
+    allow_all_source = "the demo" if args.approve is None else ALLOW_ALL_SOURCE
+    if approve == "all":
         approval = "all: every tool call is allowed (try --approve ask to decide each one)"
-    elif args.approve == "ask":
+    elif approve == "ask":
         approval = "ask: you decide each tool call (y / n / a = always for this session)"
     else:
         approval = (
@@ -129,15 +159,24 @@ def run_demo(args: argparse.Namespace) -> int:
         workspace=str(workspace),
         system=DEMO_SYSTEM,
         tools=tuple(collect_tools(())),
-        approve=args.approve,
+        approve=approve,
+        allow_all_source=allow_all_source,
         json=args.json,
     )
 
     result = run_task(options)
-    if result.session_id is not None and result.trace_path is not None:
-        say("")
-        say(f"The trace of this run is in {result.trace_path}")
-        say(f"  greenroom trace {result.session_id} --data-dir {data_dir}")
+    if result.session_id is None or result.trace_path is None:
+        return result.exit_code
+    say("")
+    if not args.data_dir:
+        say(
+            "The demo's temporary directory is removed now; to keep the trace of a run, "
+            "give it a place: greenroom demo --data-dir DIR"
+        )
+        return result.exit_code
+    say(f"The trace of this run is in {result.trace_path}")
+    say(f"  greenroom trace {result.session_id} --data-dir {data_dir}")
+    if args.workspace:
         say(
             f'  greenroom run --session {result.session_id} --data-dir {data_dir} "…"   '
             "(continue the session)"

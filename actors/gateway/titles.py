@@ -2,7 +2,9 @@
 
 The title comes from :meth:`Session.generate_title` (R-HOST-5) and is kept in ``title.txt``
 next to the session's ``session.json``, never in its trace: a restarted gateway reads it and
-asks the model nothing more.
+asks the model nothing more. A session the model has never answered (its tasks failed: a
+bad key, an unreachable provider) cannot be titled by the model either; it is named after
+its first prompt instead, so a failed session is still recognisable in a list.
 """
 
 from __future__ import annotations
@@ -15,12 +17,21 @@ from pathlib import Path
 import trio
 
 from greenroom.actors.runtime.session import Session
+from greenroom.protocols.content import TextBlock
+from greenroom.protocols.context import AssistantMessage, UserMessage
 from greenroom.protocols.text import repair_text
+from greenroom.protocols.wording import clip_words
 
 logger = logging.getLogger(__name__)
 
 TITLE_FILE = "title.txt"
 """A session's generated title, next to its ``session.json`` (never in its trace)."""
+
+TITLE_CHARS = 60
+"""The longest title, its ``…`` included (a longer one is cut at a word)."""
+
+STORED_TITLE_CHARS = 200
+"""The longest title read from a ``title.txt`` (one edited by hand, say)."""
 
 
 class Titles:
@@ -74,10 +85,12 @@ class Titles:
             title = (await trio.to_thread.run_sync(read_titles, [path]))[0]
             if not title:
                 try:
-                    made = repair_text(await session.generate_title())
+                    made = repair_text(await session.generate_title(max_chars=TITLE_CHARS))
                 except Exception:
                     logger.exception("gateway: cannot title session %s", session.id)
                     made = ""
+                if not made:
+                    made = prompt_title(session)
                 if made:
                     await trio.to_thread.run_sync(_write_title, path, made)
                 title = made
@@ -88,14 +101,32 @@ class Titles:
                 self.titling.discard(session.id)
 
 
+def prompt_title(session: Session) -> str:
+    """The title of a session the model has never answered: its first prompt, on one line
+    and cut at a word with ``…`` (``""`` when the model did answer, or nothing was asked)."""
+    messages = session.transcript.request_messages()
+    if any(isinstance(message, AssistantMessage) for message in messages):
+        return ""
+    for message in messages:
+        if isinstance(message, UserMessage):
+            words = " ".join(
+                " ".join(block.text for block in message.content if isinstance(block, TextBlock))
+                .split()
+            )
+            if words:
+                return clip_words(repair_text(words), TITLE_CHARS)
+    return ""
+
+
 def read_titles(paths: list[Path]) -> list[str]:
     """The title in each file (``""`` for a missing or unreadable one). Blocking."""
     titles: list[str] = []
     for path in paths:
         try:
-            titles.append(" ".join(path.read_text(encoding="utf-8").split())[:200])
+            text = " ".join(path.read_text(encoding="utf-8").split())
         except (OSError, UnicodeDecodeError):
-            titles.append("")
+            text = ""
+        titles.append(clip_words(text, STORED_TITLE_CHARS))
     return titles
 
 

@@ -59,6 +59,7 @@ from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.stream import ResponseCollector
 from greenroom.protocols.tools import Tool
 from greenroom.protocols.transcript import Transcript
+from greenroom.protocols.wording import clip_words
 
 if TYPE_CHECKING:
     from greenroom.actors.runtime.host import Host
@@ -525,7 +526,8 @@ class Session:
         """A short title for the conversation from a separate one-shot model call: no
         tools, no system prompt, never written to history or trace, and independent of
         any running task (R-HOST-5). Its usage is recorded in the ledger as ``title``.
-        Returns "" when there is nothing to title or the call fails."""
+        Returns "" when there is nothing to title or the call fails; a title longer than
+        ``max_chars`` is cut at a word and ends with ``…``."""
         port = self._port
         excerpt = _title_material(port.transcript)
         if not excerpt:
@@ -556,7 +558,7 @@ class Session:
         if response.usage is not None:
             port.record_usage("", 0, response.usage, kind="title")
         title = " ".join(response.text.split()).strip().strip("\"'")
-        return title[:max_chars]
+        return clip_words(title, max_chars)
 
     # -- watching -------------------------------------------------------------------------------
 

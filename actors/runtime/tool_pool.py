@@ -47,6 +47,7 @@ from greenroom.protocols.text import repair_text
 from greenroom.protocols.tools import (
     Tool,
     ToolContext,
+    ToolFailure,
     invalid_arguments_reason,
     normalize_result,
 )
@@ -223,6 +224,8 @@ class ToolPool:
             return "error", _text(f"{call.name} timed out after {tool.timeout_s} s")
         if running.error is not None:
             exc = running.error
+            if isinstance(exc, ToolFailure):
+                return "error", _text(str(exc) or f"{call.name} failed")
             return "error", _text(f"{type(exc).__name__}: {exc}")
         value = running.value
         # Outside text (R-SEC-1): repaired before it is measured, stored or traced.

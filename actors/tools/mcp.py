@@ -59,7 +59,7 @@ from greenroom.protocols.mcp_config import (
     tool_name,
     tool_name_problem,
 )
-from greenroom.protocols.tools import Tool, ToolContext
+from greenroom.protocols.tools import Tool, ToolContext, ToolFailure
 
 if TYPE_CHECKING:
     from greenroom.actors.runtime.port import SessionPort
@@ -83,13 +83,13 @@ CLOSE_GRACE_S = 10.0
 """Bound on closing every connection (the SDK's own stdio shutdown takes at most ~6 s)."""
 
 
-class McpServerError(Exception):
+class McpServerError(ToolFailure):
     """A call that did not get a result from its server: the server could not be started,
     exited, did not answer in time, or answered with a protocol error. Its message is the
     error output the model sees."""
 
 
-class McpToolError(Exception):
+class McpToolError(ToolFailure):
     """The server ran the tool and reported failure (``isError``); the message is what the
     server said."""
 
@@ -483,16 +483,17 @@ class McpConnection:
 
 
 def _describe(exc: BaseException) -> str:
-    """One line for an exception, looking inside exception groups for the first cause."""
+    """One line for an exception, looking inside exception groups for the first cause.
+    The line reaches the model and the user, so it says what happened in words; a class
+    name stands only for an exception that carries no message at all."""
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         leaves = [e for e in exc.exceptions if not isinstance(e, trio.Cancelled)]
         exc = (leaves or list(exc.exceptions))[0]
-    text = str(exc) or type(exc).__name__
     if isinstance(exc, FileNotFoundError) and exc.filename:
-        text = f"command not found: {exc.filename}"
-    elif isinstance(exc, OSError) and exc.strerror:
-        text = exc.strerror
-    return f"{type(exc).__name__}: {text}" if not isinstance(exc, MCPError) else text
+        return f"command not found: {exc.filename}"
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _progress_reporter(ctx: ToolContext) -> Any:

@@ -20,7 +20,8 @@ The server holds a FIFO of responses; every model request pops the next one. An 
 of :data:`Response`: :class:`Reply` (rendered in the wire format of the endpoint hit),
 :class:`Fixture` (a fixture file replayed byte for byte), :class:`ErrorReply` /
 :class:`WireError` (an HTTP error), a fault (:class:`DropAfter`, :class:`MidStreamError`,
-:class:`MalformedJSON`, :class:`SlowFirstByte`, :class:`Hang`, :class:`KeepAlives`), a pre-rendered
+:class:`MalformedJSON`, :class:`SlowFirstByte`, :class:`Hang`, :class:`KeepAlives`), a stream
+held mid-way until the test lets it go on (:class:`Paused`), a pre-rendered
 :class:`Streamed` body, or a callable ``(RecordedRequest) -> Response`` (dynamic scripts).
 When the FIFO is empty the ``fallback`` handler answers (for example :class:`Workload`, the
 benchmark's endless reference workload); without one the server answers 500 naming the
@@ -96,6 +97,7 @@ __all__ = [
     "MalformedJSON",
     "MidStreamError",
     "MockModelServer",
+    "Paused",
     "RecordedRequest",
     "Reply",
     "Response",
@@ -358,6 +360,18 @@ class KeepAlives:
     for_s: float = math.inf
 
 
+@dataclass(frozen=True, slots=True)
+class Paused:
+    """Send the first ``after_events`` SSE events of ``reply``, wait until ``resume`` is set,
+    then send the rest: a stream held at a known point (say, in the middle of a line of
+    text) for as long as a test needs. Set ``resume`` from a thread with
+    ``trio.from_thread.run_sync(resume.set)``."""
+
+    reply: StreamSource
+    after_events: int
+    resume: trio.Event
+
+
 Handler: TypeAlias = Callable[["RecordedRequest"], "Response"]
 """A dynamic script entry: called with the request, returns what to answer."""
 
@@ -373,6 +387,7 @@ Response: TypeAlias = (
     | SlowFirstByte
     | Hang
     | KeepAlives
+    | Paused
     | Handler
 )
 
@@ -1087,6 +1102,7 @@ class _Plan:
     keepalive: bytes = b""
     keepalive_every_s: float = 0.0
     keepalive_for_s: float = math.inf
+    pause: tuple[int, trio.Event] | None = None
 
 
 class _Pacer:
@@ -1385,7 +1401,7 @@ class MockModelServer:
         for _ in range(16):
             if isinstance(response, (Reply, Fixture, ErrorReply, WireError, Streamed, DropAfter,
                                      MidStreamError, MalformedJSON, SlowFirstByte, Hang,
-                                     KeepAlives)):
+                                     KeepAlives, Paused)):
                 break
             response = response(rec)
         else:
@@ -1441,6 +1457,10 @@ class MockModelServer:
         if isinstance(response, SlowFirstByte):
             plan = self._plan(response.reply, rec)
             plan.first_byte_delay += response.delay_s
+            return plan
+        if isinstance(response, Paused):
+            plan = self._streamed_plan(response.reply, rec)
+            plan.pause = (response.after_events, response.resume)
             return plan
         if isinstance(response, DropAfter):
             plan = self._streamed_plan(response.reply, rec)
@@ -1562,7 +1582,13 @@ class MockModelServer:
         tail = b""
         if plan.ending == "end":
             tail = conn.send(h11.EndOfMessage())  # b"0\r\n\r\n" when chunked
-        await self._write_events(stream, head, plan.events or (), frame, tail, plan.paced)
+        events = plan.events or ()
+        if plan.pause is not None:
+            after, resume = plan.pause
+            await self._write_events(stream, head, events[:after], frame, b"", plan.paced)
+            await resume.wait()
+            head, events = b"", events[after:]
+        await self._write_events(stream, head, events, frame, tail, plan.paced)
         if plan.ending == "keepalive":
             # Until the client gives up (a send to a closed connection ends the handler) or
             # the time is up: then the body is cut, the connection closed.
