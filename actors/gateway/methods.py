@@ -40,11 +40,13 @@ from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.session import Session
 from greenroom.actors.runtime.storage import SessionStore
+from greenroom.actors.tools.workspace import WorkspaceError, open_workspace
 from greenroom.protocols import jsonrpc
 from greenroom.protocols.content import ImageBlock, ToolCallBlock, UserContent
 from greenroom.protocols.converter import to_dict
 from greenroom.protocols.jsonrpc import RpcError, invalid
 from greenroom.protocols.messages import Verdict
+from greenroom.protocols.tools import WorkspaceIdentity
 
 ROUTED = frozenset(
     {
@@ -188,7 +190,9 @@ class Methods:
         if not any(isinstance(b, ImageBlock) for b in blocks):
             return blocks
         roots = (session.workspace_dir, session.scratchpad_dir)
-        return await trio.to_thread.run_sync(confine_images, blocks, roots)
+        return await trio.to_thread.run_sync(
+            _confine_to_session, blocks, roots, session.workspace_identity, self.host.data_dir
+        )
 
     # -- methods ----------------------------------------------------------------------------------
 
@@ -407,3 +411,20 @@ def _identity(connection: Connection) -> str:
 
 def _allow_all(call: ToolCallBlock) -> str:
     return "allow"
+
+
+def _confine_to_session(
+    blocks: tuple[UserContent, ...],
+    roots: tuple[Path, Path],
+    identity: WorkspaceIdentity | None,
+    data_dir: Path,
+) -> tuple[UserContent, ...]:
+    """``confine_images`` once the session's workspace is known to be the directory it
+    was created with (R-SEC-7): a workspace replaced by a symlink would widen what the
+    image paths may name. Blocking."""
+    if identity is not None:
+        try:
+            open_workspace(identity, identity.path, (data_dir,)).close()
+        except WorkspaceError as exc:
+            raise invalid("$.input", str(exc)) from None
+    return confine_images(blocks, roots)

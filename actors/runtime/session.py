@@ -50,7 +50,7 @@ from greenroom.protocols.outputs import (
 )
 from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.stream import MessageCompleted, StreamFailed, TextDelta, TokenUsage
-from greenroom.protocols.tools import Tool
+from greenroom.protocols.tools import Tool, WorkspaceIdentity
 from greenroom.protocols.trace import UsageKind, UsageRow, encode_record
 from greenroom.protocols.transcript import Transcript
 
@@ -297,6 +297,7 @@ class SessionCore:
         "parent_id",
         "settings",
         "workspace_dir",
+        "workspace_identity",
     )
 
     def __init__(
@@ -312,6 +313,7 @@ class SessionCore:
         transcript: Transcript,
         last_seq: int = 0,
         parent_id: str | None = None,
+        workspace_identity: WorkspaceIdentity | None = None,
     ) -> None:
         self.id = session_id
         self.parent_id = parent_id
@@ -319,6 +321,9 @@ class SessionCore:
         self.directory = directory
         self.settings = settings
         self.workspace_dir = workspace_dir
+        self.workspace_identity = workspace_identity
+        """The directory the workspace was when the session was created (R-SEC-7); its
+        tools work only there. None only for a session built by hand."""
         self.auth_locked: str | None = None
         self.load_errors: Sequence[str] = ()
         self._host = host

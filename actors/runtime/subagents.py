@@ -168,7 +168,9 @@ class Subagents:
             settings=attrs.evolve(settings, system=subagent_system(settings.system)),
             provider=parent.provider,
             tools=tools,
-            workspace_dir=parent.workspace_dir,
+            # The parent's workspace as it was fixed (R-SEC-7), never what its path
+            # names now.
+            workspace_dir=parent.workspace_identity or parent.workspace_dir,
             parent_id=parent.id,
         )
         child.set_origin_path((*parent.origin_path, child.id))

@@ -318,6 +318,7 @@ class SessionSupervisor:
                 sandbox=settings.sandbox,
                 shell_network=settings.shell_network,
                 private_dirs=(session.host.data_dir,),
+                workspace_identity=session.workspace_identity,
             )
             # Unbounded: commands are sent with send_nowait as decisions arrive and the
             # pool only admits them; at most a turn's calls are ever queued.

@@ -43,7 +43,7 @@ from greenroom.protocols.messages import (
 )
 from greenroom.protocols.outputs import ToolStatus
 from greenroom.protocols.text import repair_text
-from greenroom.protocols.tools import Tool, ToolContext, normalize_result
+from greenroom.protocols.tools import Tool, ToolContext, WorkspaceIdentity, normalize_result
 
 SLOTS = 5
 
@@ -76,6 +76,7 @@ class ToolPool:
         "_terminal",
         "_tools",
         "_workspace_dir",
+        "_workspace_identity",
     )
 
     def __init__(
@@ -92,6 +93,7 @@ class ToolPool:
         sandbox: Literal["auto", "required", "off"] = "auto",
         shell_network: bool = False,
         private_dirs: tuple[Path, ...] = (),
+        workspace_identity: WorkspaceIdentity | None = None,
     ) -> None:
         self._tools = tools
         self._inbox = inbox
@@ -103,6 +105,7 @@ class ToolPool:
         self._sandbox: Literal["auto", "required", "off"] = sandbox
         self._shell_network = shell_network
         self._private_dirs = private_dirs
+        self._workspace_identity = workspace_identity
         self._limiter = trio.CapacityLimiter(slots)
         self._terminal: list[trio.Event] = []
         self._exclusive: list[bool] = []
@@ -206,6 +209,7 @@ class ToolPool:
                 sandbox=self._sandbox,
                 shell_network=self._shell_network,
                 private_dirs=self._private_dirs,
+                workspace_identity=self._workspace_identity,
             )
         running.start(tool.function, kwargs, name=f"tool {call.name} ({call.id})")
         finished = await running.wait(tool.timeout_s)
