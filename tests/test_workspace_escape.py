@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from greenroom.actors.runtime.errors import ConfigurationError
 from greenroom.actors.runtime.storage import SessionStore
 from greenroom.actors.runtime.subagents import spawn_subagent
 from greenroom.actors.tools.builtin import BUILTIN_TOOLS
-from greenroom.actors.tools.sandbox import sandbox_status
+from greenroom.actors.tools.sandbox import sandbox_status, workspace_guard
 from greenroom.protocols.outputs import ToolCallOutput
 from greenroom.protocols.settings import SessionSettings
 
@@ -135,7 +136,7 @@ def shown(output: ToolCallOutput) -> str:
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("target", ["root", "data"])
-@pytest.mark.parametrize("tool", ["read_file", "list_dir", "search_files", "write_file"])
+@pytest.mark.parametrize("tool", [t.name for t in BUILTIN_TOOLS])
 async def test_a_workspace_replaced_by_a_symlink_is_refused(
     tmp_path: Path, providers: Any, mode: str, target: str, tool: str
 ) -> None:
@@ -169,6 +170,7 @@ async def test_another_directory_in_the_workspace_s_place_is_refused(
                 [
                     Reply(blocks=(tool_call("b1", "list_dir", path="."),)),
                     Reply(blocks=(tool_call("b2", "write_file", path="made", content="x"),)),
+                    Reply(blocks=(tool_call("b3", "run_shell", command="ls; touch ran"),)),
                     Reply(blocks=(text("done"),)),
                 ]
             ),
@@ -178,9 +180,10 @@ async def test_another_directory_in_the_workspace_s_place_is_refused(
         place.sub.rename(tmp_path / "moved-away")
         decoy.rename(place.sub)
         outputs = of_type(await collect(b.run("go", approve=allow_all)), ToolCallOutput)
-    assert [o.is_error for o in outputs] == [True] * 2
+    assert [o.is_error for o in outputs] == [True] * 3
     assert all(REPLACED in shown(o) and "decoy" not in shown(o) for o in outputs)
     assert not (place.sub / "made").exists()
+    assert not (place.sub / "ran").exists()
 
 
 def _stored_identity(data: Path, session_id: str) -> dict[str, Any]:
@@ -340,3 +343,53 @@ async def test_a_subagent_keeps_its_parent_s_workspace(tmp_path: Path, providers
         place.sub.symlink_to("/", target_is_directory=True)
         (output,) = of_type(await collect(parent.run("go", approve=allow_all)), ToolCallOutput)
     assert output.is_error and REPLACED in shown(output), shown(output)
+
+
+def test_the_sandbox_guard_runs_the_command_only_in_the_verified_directory(
+    tmp_path: Path,
+) -> None:
+    """R-SEC-7: inside the sandbox, the command runs only when the directory bubblewrap
+    bound is the one the call verified (compared by device and inode through the
+    inherited descriptor), and the descriptor is closed before it runs."""
+    verified, other = tmp_path / "verified", tmp_path / "other"
+    verified.mkdir()
+    other.mkdir()
+    fd = os.open(verified, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        argv = workspace_guard(fd, f"echo ran; [ -e /proc/$$/fd/{fd} ] && echo leaked")
+
+        def run(where: Path) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                argv, cwd=where, pass_fds=(fd,), capture_output=True, text=True, check=False
+            )
+
+        elsewhere, there = run(other), run(verified)
+    finally:
+        os.close(fd)
+    assert elsewhere.returncode == 125 and elsewhere.stdout == ""
+    assert "did not bind the verified workspace" in elsewhere.stderr
+    assert there.stdout == "ran\n"
+
+
+@pytest.mark.skipif(not STATUS.available, reason=STATUS.reason)
+async def test_no_descriptor_of_the_host_reaches_a_sandboxed_command(
+    tmp_path: Path, providers: Any
+) -> None:
+    """R-SEC-7: the workspace descriptor bubblewrap binds from is closed before the
+    command starts (``..`` from an open directory of the host would lead out of the
+    sandbox): the command has stdin, stdout and stderr, nothing else."""
+    place = Place(tmp_path)
+    async with open_host(place.data) as host:
+        session = await host.create_session(
+            tools=BUILTIN_TOOLS,
+            provider=providers(
+                [
+                    Reply(blocks=(tool_call("c1", "run_shell", command="ls /proc/$$/fd; true"),)),
+                    Reply(blocks=()),
+                ]
+            ),
+            workspace_dir=place.sub,
+            settings=SessionSettings(sandbox="required"),
+        )
+        (output,) = of_type(await collect(session.run("go", approve=allow_all)), ToolCallOutput)
+    assert shown(output).split() == ["exit", "code:", "0", "0", "1", "2"], shown(output)

@@ -13,7 +13,7 @@ Exceptions::
     BuiltinToolError              a built-in tool refused or failed
     ├── OutsideWorkspaceError     a path argument leads outside the workspace
     ├── WorkspaceError            the session's workspace was replaced, is gone, or private
-    └── ShellTimeoutError         run_shell hit its timeout; its process group was killed
+    └── ShellTimeoutError         run_shell hit its timeout; every process it started was killed
 
 Other ``OSError`` s of file access are translated to :class:`BuiltinToolError` with a
 workspace-relative path. Blocking file I/O runs in one worker thread per call that an
@@ -27,7 +27,9 @@ than names inside the workspace is refused too (:class:`_LinkCensus`). ``search_
 matches in a worker process (``search_worker.py``) killed on cancellation, because
 Python's ``re`` cannot be interrupted in-process; it opens the files it is given from the
 verified workspace descriptor, never through a symlink. ``run_shell`` is confined as
-:mod:`greenroom.actors.tools.sandbox` describes (R-SEC-3).
+:mod:`greenroom.actors.tools.sandbox` describes (R-SEC-3) and runs under
+``shell_launcher.py``, which ends every process the command started with the call
+(R-SEC-11).
 """
 
 from __future__ import annotations
@@ -48,7 +50,12 @@ from pathlib import Path
 
 import trio
 
-from greenroom.actors.tools.sandbox import bwrap_command, sandbox_status, shell_environment
+from greenroom.actors.tools.sandbox import (
+    bwrap_command,
+    sandbox_status,
+    shell_environment,
+    workspace_guard,
+)
 from greenroom.actors.tools.workspace import (
     BuiltinToolError,
     OpenWorkspace,
@@ -78,7 +85,8 @@ __all__ = [
 
 
 class ShellTimeoutError(BuiltinToolError):
-    """``run_shell`` ran past its ``timeout_s``; the command's process group was killed.
+    """``run_shell`` ran past its ``timeout_s``; every process the command started was
+    killed.
 
     The message carries the output captured before the kill.
     """
@@ -105,9 +113,17 @@ _LINK_SCAN_ENTRIES = 100_000
 # Larger than the session result budget (R-TOOL-8, 32 KiB by default) so the scratchpad
 # copy keeps more than the model sees; the cap only bounds memory.
 _SHELL_OUTPUT_CAP = 256 * 1024
-# Background jobs can hold the output pipe open after bash exits; their output is read
-# for this long, then the call returns without them.
+# The launcher normally ends the command's last process before it exits, and with it the
+# output pipe; where it cannot (no subreaper), a process left behind holding the pipe is
+# read for this long after the command exits, then the call returns without it.
 _SHELL_DRAIN_GRACE_S = 1.0
+# The parent of every run_shell command (R-SEC-11); see its docstring.
+_SHELL_LAUNCHER = Path(__file__).with_name("shell_launcher.py")
+# How long a launcher told to stop (SIGTERM) may take to kill what the command started
+# and exit, before it is killed itself.
+_LAUNCHER_STOP_GRACE_S = 5.0
+# The descriptor of the verified workspace inside a sandboxed command (shell_launcher.py).
+_SANDBOX_WORKSPACE_FD = 3
 
 
 def resolve_in_workspace(workspace_dir: Path, path: str) -> Path:
@@ -848,11 +864,14 @@ class _CappedOutput:
         return f"{head}\n[… {omitted} bytes of output omitted …]\n{tail}"
 
 
-async def _kill_process_group(process: trio.Process) -> None:
-    """``deliver_cancel`` for ``trio.run_process``: SIGKILL to the whole group at once, so
-    a cancelled call leaves no children running (trio's default signals only the leader,
-    and waits 5 s before SIGKILL)."""
-    # ProcessLookupError: every process of the group has already exited.
+async def _stop_launcher(process: trio.Process) -> None:
+    """``deliver_cancel`` for ``trio.run_process``: SIGTERM tells the launcher to kill
+    every process of the command and exit (trio waits for that exit). A launcher that has
+    not exited after :data:`_LAUNCHER_STOP_GRACE_S` is killed itself; trio cancels this
+    function as soon as the launcher exits."""
+    with contextlib.suppress(ProcessLookupError):
+        process.send_signal(signal.SIGTERM)
+    await trio.sleep(_LAUNCHER_STOP_GRACE_S)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
 
@@ -866,12 +885,14 @@ async def _drain(stream: trio.abc.ReceiveStream, output: _CappedOutput,
                 output.add(chunk)
 
 
-async def _shell_command(command: str, ctx: ToolContext) -> tuple[list[str], dict[str, str]]:
-    """The argv and environment that run ``command`` as the session's settings say
+async def _shell_command(
+    command: str, ctx: ToolContext, workspace: OpenWorkspace
+) -> list[str]:
+    """The launcher's command line that runs ``command`` as the session's settings say
     (R-SEC-3): under bubblewrap when it works here (``sandbox=auto``) or always
     (``required``: refused otherwise), unconfined with ``off``; allow-listed environment
-    in every case."""
-    workspace = await trio.to_thread.run_sync(ctx.workspace_dir.resolve)
+    in every case. Unconfined, the command starts in the verified ``workspace`` itself
+    (its descriptor); sandboxed, bubblewrap binds the directory that descriptor holds."""
     scratchpad = await trio.to_thread.run_sync(_prepare_scratchpad, ctx.scratchpad_dir)
     home = scratchpad / "home"
     status = None
@@ -885,21 +906,42 @@ async def _shell_command(command: str, ctx: ToolContext) -> tuple[list[str], dic
             status = None
     if status is None or status.bwrap is None:
         env = shell_environment(home=home, tmpdir=scratchpad / "tmp")
-        return ["bash", "-c", command], env
+        return _launcher_command(["bash", "-c", command], env, cwd_fd=workspace.fd)
     bwrap = status.bwrap
 
     def sandboxed() -> list[str]:
         return bwrap_command(
             bwrap,
-            ["bash", "-c", command],
-            workspace=workspace,
+            workspace_guard(_SANDBOX_WORKSPACE_FD, command),
+            workspace=workspace.path,
+            workspace_fd=_SANDBOX_WORKSPACE_FD,
             scratchpad=scratchpad,
             network=ctx.shell_network,
             hidden=tuple(private.resolve() for private in ctx.private_dirs),
         )
 
     argv = await trio.to_thread.run_sync(sandboxed)
-    return argv, shell_environment(home=home, tmpdir=Path("/tmp"))
+    env = shell_environment(home=home, tmpdir=Path("/tmp"))
+    return _launcher_command(argv, env, keep_fd=workspace.fd)
+
+
+def _launcher_command(
+    argv: list[str], env: dict[str, str], *, cwd_fd: int | None = None,
+    keep_fd: int | None = None,
+) -> list[str]:
+    """``argv`` run by ``shell_launcher.py`` with the environment ``env`` (see its
+    docstring for the arguments)."""
+    return [
+        sys.executable,
+        "-I",
+        "-S",
+        str(_SHELL_LAUNCHER),
+        "-" if cwd_fd is None else str(cwd_fd),
+        "-" if keep_fd is None else str(keep_fd),
+        str(len(env)),
+        *(f"{name}={value}" for name, value in env.items()),
+        *argv,
+    ]
 
 
 def _prepare_scratchpad(scratchpad_dir: Path) -> Path:
@@ -913,51 +955,69 @@ def _prepare_scratchpad(scratchpad_dir: Path) -> Path:
 async def run_shell(command: str, timeout_s: float = 60, *, ctx: ToolContext) -> str:
     """Run a command with `bash -c` in the workspace directory. Returns the exit code
     and the combined stdout and stderr (long output keeps its start and end). stdin is
-    empty. On timeout the command and every process it started are killed. A background
-    job (`cmd &`) may outlive the command only if it redirects its output: the output
-    pipe is closed shortly after bash exits. The environment holds no credentials; where
-    the host supports it the command runs in a sandbox that sees only the workspace, the
-    scratchpad and the system's programs, without network unless the session allows it.
+    empty. Every process the command starts ends with the call: when bash exits, on
+    timeout and on interrupt, background jobs (`cmd &`, `nohup`, `setsid`) are killed
+    too, so nothing keeps running between calls. The environment holds no credentials;
+    where the host supports it the command runs in a sandbox that sees only the
+    workspace, the scratchpad and the system's programs, without network unless the
+    session allows it.
 
     Args:
         command: the bash command line to run.
         timeout_s: seconds before the command is killed.
     """
-    # Cancellation contract: when the call is cancelled while bash runs, run_process
-    # delivers SIGKILL to the command's process group (its own session) and waits for
-    # bash to exit before the Cancelled propagates. Under bubblewrap the group is bwrap's;
-    # killing it kills the sandbox's first process, and with it every process inside
-    # (a PID namespace ends with its init; --die-with-parent covers the rest).
+    # Cancellation contract: when the call is cancelled (interrupt, timeout) while the
+    # command runs, run_process sends SIGTERM to the launcher, which kills every process
+    # the command started and exits, and waits for that exit before the Cancelled
+    # propagates. Under bubblewrap the launcher's child is bwrap: killing it ends the
+    # sandbox's PID namespace, and every process in it (--die-with-parent ties the
+    # sandbox to bwrap, and bwrap to the launcher, a process that outlives no call).
     if not timeout_s > 0:
         raise BuiltinToolError("timeout_s must be more than 0")
-    argv, env = await _shell_command(command, ctx)
+    # Not abandoned on cancel: the descriptor must be closed here, and opening a
+    # directory does not hang on a working file system.
+    workspace = await trio.to_thread.run_sync(_workspace, ctx)
+    try:
+        return await _run_launched(await _shell_command(command, ctx, workspace), workspace,
+                                   timeout_s)
+    finally:
+        workspace.close()
+
+
+async def _run_launched(argv: list[str], workspace: OpenWorkspace, timeout_s: float) -> str:
     output = _CappedOutput(_SHELL_OUTPUT_CAP)
     process: trio.Process | None = None
     exited = False
-    with trio.move_on_after(timeout_s) as deadline:
-        async with trio.open_nursery() as nursery:
-            process = await nursery.start(
-                partial(
-                    trio.run_process,
-                    argv,
-                    cwd=ctx.workspace_dir,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    check=False,
-                    start_new_session=True,
-                    deliver_cancel=_kill_process_group,
+    try:
+        with trio.move_on_after(timeout_s) as deadline:
+            async with trio.open_nursery() as nursery:
+                process = await nursery.start(
+                    partial(
+                        trio.run_process,
+                        argv,
+                        # A pipe the host never writes to: its end of file tells the
+                        # launcher that the host is gone (R-SEC-11).
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                        pass_fds=(workspace.fd,),
+                        check=False,
+                        start_new_session=True,
+                        deliver_cancel=_stop_launcher,
+                    )
                 )
-            )
-            assert process.stdout is not None
-            drain_scope = trio.CancelScope()
-            nursery.start_soon(_drain, process.stdout, output, drain_scope)
-            await process.wait()
-            exited = True
-            drain_scope.deadline = trio.current_time() + _SHELL_DRAIN_GRACE_S
+                assert process.stdout is not None
+                drain_scope = trio.CancelScope()
+                nursery.start_soon(_drain, process.stdout, output, drain_scope)
+                await process.wait()
+                exited = True
+                drain_scope.deadline = trio.current_time() + _SHELL_DRAIN_GRACE_S
+    finally:
+        if process is not None and process.stdin is not None:
+            with trio.CancelScope(shield=True):
+                await process.stdin.aclose()
     if deadline.cancelled_caught and not exited:
-        # run_process killed the group when it was cancelled; nothing of it still runs.
+        # The launcher was told to stop and has exited: nothing of the command still runs.
         raise ShellTimeoutError(
             f"command timed out after {timeout_s:g} s and was killed; output so far:\n"
             f"{output.text()}"
