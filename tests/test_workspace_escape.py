@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import allow_all, collect, of_type, open_host
+import trio
+from conftest import RUN_TIMEOUT_S, allow_all, collect, of_type, open_host
+from test_gateway import connect, serving
 
 from greenroom.actors.providers.scripted import Reply, text, tool_call
 from greenroom.actors.runtime.errors import ConfigurationError
@@ -26,6 +28,7 @@ from greenroom.actors.runtime.storage import SessionStore
 from greenroom.actors.runtime.subagents import spawn_subagent
 from greenroom.actors.tools.builtin import BUILTIN_TOOLS
 from greenroom.actors.tools.sandbox import sandbox_status, workspace_guard
+from greenroom.protocols import jsonrpc
 from greenroom.protocols.outputs import ToolCallOutput
 from greenroom.protocols.settings import SessionSettings
 
@@ -393,3 +396,21 @@ async def test_no_descriptor_of_the_host_reaches_a_sandboxed_command(
         )
         (output,) = of_type(await collect(session.run("go", approve=allow_all)), ToolCallOutput)
     assert shown(output).split() == ["exit", "code:", "0", "0", "1", "2"], shown(output)
+
+
+async def test_gateway_images_are_not_confined_to_a_replaced_workspace(tmp_path: Path) -> None:
+    """R-SEC-7: a client's image paths are confined to the session's workspace only once
+    it is known to be the directory the session was created with: replaced by a symlink
+    to ``/``, it would let any file of the host through as an "image"."""
+    secret = (tmp_path / "secret.png").resolve()
+    secret.write_bytes(b"not for the model")
+    with trio.fail_after(RUN_TIMEOUT_S):
+        async with serving(tmp_path) as server, connect(server) as client:
+            sid = (await client.result("session.create"))["session_id"]
+            workspace = server.host.get_session(sid).workspace_dir
+            workspace.rename(tmp_path / "moved-away")
+            workspace.symlink_to("/", target_is_directory=True)
+            image = {"type": "image", "path": Place.from_root(secret)}
+            refused = await client.error("run", {"session_id": sid, "input": [image]})
+    assert refused["code"] == jsonrpc.INVALID_PARAMS
+    assert "$.input" in refused["message"] and REPLACED in refused["message"]
