@@ -36,6 +36,21 @@ from greenroom.protocols.text import has_surrogates, repair_json
 
 
 @attrs.frozen(kw_only=True, slots=True)
+class WorkspaceIdentity:
+    """Which directory a session's workspace is (R-SEC-7), fixed when the session is
+    created: its resolved ``path`` then, and that directory's ``device`` and ``inode``
+    numbers. A directory found at ``path`` later is the workspace only when its numbers
+    are these; anything else standing there (a symlink, another directory) is refused.
+    ``boot`` names the system boot the numbers were taken in (device numbers need not
+    survive a reboot), None where it is not known."""
+
+    path: Path
+    device: int
+    inode: int
+    boot: str | None = None
+
+
+@attrs.frozen(kw_only=True, slots=True)
 class ToolContext:
     """What a running tool may use besides its arguments.
 
@@ -48,8 +63,14 @@ class ToolContext:
     available (a tool run outside a session).
 
     ``sandbox`` and ``shell_network`` are the session's settings for ``run_shell``
-    (R-SEC-3); ``private_dirs`` are host directories (the data dir) a sandboxed command must
-    not see even when they lie inside the workspace.
+    (R-SEC-3); ``private_dirs`` are host directories (the data dir) that no tool of the
+    session may reach: a workspace that is, holds or lies inside one is refused, and a
+    sandboxed command does not see them.
+
+    ``workspace_identity`` is the directory the session's workspace was when the session
+    was created (R-SEC-7): the built-in tools work only in that directory and refuse the
+    call when another one stands at its path. None (a context built by hand) takes the
+    directory at ``workspace_dir`` when each call starts.
     """
 
     call_id: str
@@ -60,6 +81,7 @@ class ToolContext:
     sandbox: Literal["auto", "required", "off"] = "auto"
     shell_network: bool = False
     private_dirs: tuple[Path, ...] = ()
+    workspace_identity: WorkspaceIdentity | None = None
 
 
 ToolFunction = Callable[..., Awaitable[Any]]

@@ -72,7 +72,7 @@ async def test_a_host_leaves_the_collector_alone_by_default(
     tmp_path: Path, user_thresholds: tuple[int, int, int]
 ) -> None:
     with trio.fail_after(RUN_TIMEOUT_S):
-        async with Host.open(tmp_path) as host:
+        async with Host.open(tmp_path / "data") as host:
             assert gc.get_threshold() == user_thresholds
             session = await host.create_session(provider="scripted", workspace_dir=tmp_path)
             result = await session.run("hi").result()
@@ -85,7 +85,7 @@ async def test_a_tuned_host_tunes_while_open_and_restores_on_close(
     tmp_path: Path, user_thresholds: tuple[int, int, int]
 ) -> None:
     with trio.fail_after(RUN_TIMEOUT_S):
-        async with Host.open(tmp_path, gc_tuning=True) as host:
+        async with Host.open(tmp_path / "data", gc_tuning=True) as host:
             assert gc.get_threshold() == GC_THRESHOLDS
             session = await host.create_session(provider="scripted", workspace_dir=tmp_path)
             result = await session.run("hi").result()

@@ -465,3 +465,4 @@ def _identity(connection: Connection) -> str:
 
 def _allow_all(call: ToolCallBlock) -> str:
     return "allow"
+

@@ -81,6 +81,10 @@ class Attachments:
     directory: Path
     roots: tuple[Path, ...]
     max_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    workspace: tuple[int, int] | None = None
+    """The device and inode numbers the first root (the workspace) had when the session
+    was created (R-SEC-7): a directory found at its path later with other numbers — a
+    symlink put there, say — is not walked."""
 
     @property
     def source(self) -> ImageSource:
@@ -189,7 +193,11 @@ def _held(block: ImageBlock, directory: Path) -> bool:
 
 def _accept_one(block: ImageBlock, attachments: Attachments, *, confine: bool) -> ImageBlock:
     data = read_named(
-        block.path, roots=attachments.roots, max_bytes=attachments.max_bytes, confine=confine
+        block.path,
+        roots=attachments.roots,
+        max_bytes=attachments.max_bytes,
+        confine=confine,
+        workspace=attachments.workspace,
     )
     try:
         digest = store(attachments.directory, data)
@@ -203,18 +211,25 @@ def _accept_one(block: ImageBlock, attachments: Attachments, *, confine: bool) -
 
 
 def read_named(
-    path: str, *, roots: Sequence[Path], max_bytes: int, confine: bool = False
+    path: str,
+    *,
+    roots: Sequence[Path],
+    max_bytes: int,
+    confine: bool = False,
+    workspace: tuple[int, int] | None = None,
 ) -> bytes:
     """The bytes of the file named ``path``, read as the module docstring says; ``roots[0]``
-    (the workspace) is where a relative path starts. Raises :class:`Refused` naming the
+    (the workspace) is where a relative path starts, and, with ``workspace`` (its device and
+    inode numbers), it must still be that directory. Raises :class:`Refused` naming the
     reason; never another exception for what the file system holds. Blocking."""
     try:
         start = roots[0] if roots else Path.cwd()
         absolute = os.path.normpath(os.path.join(start, os.path.expanduser(path)))
-        for root in roots:
+        for index, root in enumerate(roots):
             parts = _beneath(absolute, _root_names(root))
             if parts is not None:
-                return _read_fd(_walk(root, parts), max_bytes)
+                expected = workspace if index == 0 else None
+                return _read_fd(_walk(root, parts, expected), max_bytes)
         if confine:
             raise Refused("outside the session's workspace")
         parent, name = os.path.split(absolute)
@@ -249,10 +264,10 @@ def _beneath(absolute: str, root_names: tuple[str, ...]) -> list[str] | None:
     return None
 
 
-def _walk(root: Path, parts: list[str]) -> int:
+def _walk(root: Path, parts: list[str], expected: tuple[int, int] | None = None) -> int:
     """Open the file ``parts`` below ``root`` without letting the kernel follow a link
-    (see the module docstring); returns its descriptor. Raises :class:`Refused` or
-    OSError."""
+    (see the module docstring); returns its descriptor. ``expected``: the root's device
+    and inode numbers, when known. Raises :class:`Refused` or OSError."""
     names = _root_names(root)
     links = 0
     while True:
@@ -260,6 +275,13 @@ def _walk(root: Path, parts: list[str]) -> int:
             raise Refused("a directory, not a file")
         directory = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
+            if expected is not None:
+                info = os.fstat(directory)
+                if (info.st_dev, info.st_ino) != expected:
+                    raise Refused(
+                        f"the session's workspace {root} was replaced: the directory at "
+                        "that path is not the one the session was created with"
+                    )
             walked: list[str] = []
             for i, name in enumerate(parts):
                 if i == len(parts) - 1:

@@ -3,18 +3,24 @@
 A :class:`Host` owns the root nursery, the shared :class:`TraceSink` (trace files and the
 usage ledger) and the provider clients, and creates, loads, lists and closes sessions
 (R-HOST-1). Sessions live in ``<data_dir>/sessions/<session_id>/``: ``session.json``
-(settings, workspace, and ``parent_id`` for a subagent), ``trace_001.jsonl``… and
-``scratch/``. Traces hold tool output such as file contents, so only the owner may read
-them: the data dir, ``sessions/`` and every session directory are 0700, trace files,
-``session.json`` and the usage ledger 0600 — tightened when they exist with wider modes.
-A subagent (R-HOST-4) is such a session too, created by its parent's
-``spawn_subagent`` call and forgotten by the host when its task ends (its files stay).
+(settings, workspace and its identity, and ``parent_id`` for a subagent),
+``trace_001.jsonl``… and ``scratch/``. A session's workspace is fixed when it is created
+(R-SEC-7): ``workspace_identity`` in ``session.json`` names the directory (device and
+inode numbers, and the boot they were taken in), and a loaded session keeps it; one stored
+without it, or in another boot, takes the directory found at its path when it is loaded.
+
+Traces hold tool output such as file contents, so only the owner may read them: the data
+dir, ``sessions/`` and every session directory are 0700, trace files, ``session.json`` and
+the usage ledger 0600 — tightened when they exist with wider modes. A subagent (R-HOST-4)
+is such a session too, created by its parent's ``spawn_subagent`` call and forgotten by
+the host when its task ends (its files stay).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
@@ -56,6 +62,12 @@ from greenroom.actors.runtime.trace_store import (
     read_meta_file,
 )
 from greenroom.actors.tools.mcp_config import McpConfigError, as_configs
+from greenroom.actors.tools.workspace import (
+    WorkspaceError,
+    current_boot,
+    identify_workspace,
+    open_workspace,
+)
 from greenroom.protocols.context import ToolSchema
 from greenroom.protocols.converter import converter
 from greenroom.protocols.hooks import Hooks
@@ -63,7 +75,7 @@ from greenroom.protocols.messages import PersonAnswered, SupervisorMessage
 from greenroom.protocols.people import PendingApproval, Verdict
 from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.task import fold
-from greenroom.protocols.tools import Tool
+from greenroom.protocols.tools import Tool, WorkspaceIdentity
 from greenroom.protocols.transcript import Transcript, rebuild
 
 SHUTDOWN_GRACE_S = 30.0
@@ -145,6 +157,7 @@ class Host:
         self._tool_tables: dict[tuple[int, ...], tuple[dict[str, Tool], tuple[ToolSchema, ...]]]
         self._tool_tables = {}
         self._paths: dict[str, Path] = {}
+        self._identities: dict[WorkspaceIdentity, WorkspaceIdentity] = {}
         self._mcp: McpManager | None = None  # started with the first MCP server
         self._closed = False
         self._people = People(self._ports.get)
@@ -225,7 +238,7 @@ class Host:
         *,
         model: str | None = None,
         tools: Iterable[Tool] = (),
-        workspace_dir: str | Path = ".",
+        workspace_dir: str | Path | WorkspaceIdentity = ".",
         provider: str | ModelProvider | None = None,
         system: str | None = None,
         settings: SessionSettings | None = None,
@@ -242,6 +255,13 @@ class Host:
         it is stored in ``session.json``. ``mcp_servers`` adds the tools of MCP servers
         (``{"NAME": {"command": …} | {"type": "http", "url": …}}``, as in an
         ``mcpServers`` file: R-MCP-1); a bad entry raises :class:`ConfigurationError`.
+
+        The workspace is fixed now (R-SEC-7): ``workspace_dir`` must name a directory
+        (``~`` expanded, symlinks followed) that neither is nor lies inside the host's
+        data dir (one that holds it is fine: the data dir is hidden from the session's
+        tools); a :class:`~greenroom.protocols.tools.WorkspaceIdentity` (a subagent's,
+        its parent's) must still name the directory at its path. Else
+        :class:`ConfigurationError`.
 
         Without ``provider`` (or ``settings``), a ``claude-*`` model means ``anthropic``;
         otherwise the provider is ``anthropic`` when ``ANTHROPIC_API_KEY`` is set, else
@@ -280,12 +300,19 @@ class Host:
             # Many sessions created within one second can draw the same id.
             sid = _new_session_id()
         directory = SessionStore(self.data_dir).session_dir(sid)
-        workspace = await trio.to_thread.run_sync(_resolve_dir, workspace_dir)
+        identity = self._intern_identity(
+            await trio.to_thread.run_sync(self._fixed_workspace, workspace_dir)
+        )
         tool_list = list(tools)
         meta = {
             "session_id": sid,
             "created_at": time.time(),
-            "workspace_dir": str(workspace),
+            "workspace_dir": str(identity.path),
+            "workspace_identity": {
+                "device": identity.device,
+                "inode": identity.inode,
+                "boot": identity.boot,
+            },
             "settings": converter.unstructure(final),
             "tools": [t.name for t in tool_list],
         }
@@ -297,11 +324,12 @@ class Host:
             session_id=sid,
             directory=directory,
             settings=final,
-            workspace_dir=self._intern_path(workspace),
+            workspace_dir=identity.path,
             tools=self.tool_table(tool_list),
             provider=model_provider,
             transcript=Transcript(supports_vision=final.supports_vision),
             parent_id=parent_id,
+            workspace_identity=identity,
         )
         if hooks is not None:
             port.hooks = hooks
@@ -366,18 +394,20 @@ class Host:
         records = list(loaded.records)
         transcript = rebuild(records, supports_vision=settings.supports_vision, recover=False)
         machine = fold(records)
+        identity = self._intern_identity(await trio.to_thread.run_sync(_stored_workspace, meta))
         port = SessionPort(
             host=self,
             session_id=session_id,
             directory=directory,
             settings=settings,
-            workspace_dir=self._intern_path(Path(meta.get("workspace_dir", "."))),
+            workspace_dir=identity.path,
             tools=self.tool_table(tools),
             provider=model_provider,
             transcript=transcript,
             machine=machine,
             last_seq=loaded.last_seq,
             parent_id=meta.get("parent_id"),
+            workspace_identity=identity,
         )
         port.load_errors = list(loaded.errors)
         if mcp_configs:
@@ -506,6 +536,26 @@ class Host:
         """One Path object per distinct workspace, shared by its sessions."""
         return self._paths.setdefault(str(path), path)
 
+    def _intern_identity(self, identity: WorkspaceIdentity) -> WorkspaceIdentity:
+        """One identity object per distinct workspace, shared by its sessions (idle
+        sessions stay small: R-PERF)."""
+        shared = self._identities.get(identity)
+        if shared is None:
+            shared = attrs.evolve(identity, path=self._intern_path(identity.path))
+            self._identities[shared] = shared
+        return shared
+
+    def _fixed_workspace(self, workspace: str | Path | WorkspaceIdentity) -> WorkspaceIdentity:
+        """The identity of a new session's workspace (R-SEC-7); blocking."""
+        private = (self.data_dir,)
+        try:
+            if isinstance(workspace, WorkspaceIdentity):
+                open_workspace(workspace, workspace.path, private).close()
+                return workspace
+            return identify_workspace(workspace, private)
+        except WorkspaceError as exc:
+            raise ConfigurationError(str(exc)) from None
+
     async def create_child(
         self, parent: SessionPort, *, settings: SessionSettings, tools: Iterable[Tool]
     ) -> SessionPort:
@@ -515,7 +565,9 @@ class Host:
             settings=settings,
             provider=parent.provider,
             tools=tools,
-            workspace_dir=parent.workspace_dir,
+            # The parent's workspace as it was fixed (R-SEC-7), never what its path
+            # names now.
+            workspace_dir=parent.workspace_identity or parent.workspace_dir,
             parent_id=parent.id,
         )
         return self._ports[session.id]
@@ -713,8 +765,38 @@ def _prepare_data_dir(data_dir: str | Path | None) -> Path:
     return path
 
 
-def _resolve_dir(directory: str | Path) -> Path:
-    return Path(directory).expanduser().resolve()
+_UNKNOWN_DIRECTORY = 0
+"""The device and inode numbers of a workspace that could not be identified when its
+session was loaded: no directory has inode 0, so every use of it is refused."""
+
+
+def _stored_workspace(meta: Mapping[str, Any]) -> WorkspaceIdentity:
+    """A loaded session's workspace identity: the stored one when it was taken in this
+    boot, else the directory at the stored path now (an old ``session.json``, or device
+    numbers that a reboot may have changed). A path that is now a symlink or no
+    directory gives an identity no directory has. Blocking."""
+    path = Path(meta.get("workspace_dir", "."))
+    stored = meta.get("workspace_identity")
+    boot = current_boot()
+    if isinstance(stored, dict):
+        device, inode = stored.get("device"), stored.get("inode")
+        if (
+            isinstance(device, int)
+            and isinstance(inode, int)
+            and stored.get("boot") == boot
+        ):
+            return WorkspaceIdentity(path=path, device=device, inode=inode, boot=boot)
+    try:
+        # The stored path was resolved when the session was created: a symlink there now
+        # stands in the workspace's place.
+        info = None if os.path.islink(path) else os.stat(path)
+    except (OSError, ValueError):
+        info = None
+    if info is None or not stat.S_ISDIR(info.st_mode):
+        return WorkspaceIdentity(
+            path=path, device=_UNKNOWN_DIRECTORY, inode=_UNKNOWN_DIRECTORY, boot=boot
+        )
+    return WorkspaceIdentity(path=path, device=info.st_dev, inode=info.st_ino, boot=boot)
 
 
 def _new_session_id() -> str:

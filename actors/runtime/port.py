@@ -48,7 +48,7 @@ from greenroom.protocols.outputs import Output
 from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.stream import TokenUsage
 from greenroom.protocols.task import TaskLimits, TaskMachine
-from greenroom.protocols.tools import Tool
+from greenroom.protocols.tools import Tool, WorkspaceIdentity
 from greenroom.protocols.trace import UsageKind, UsageRow, encode_record
 from greenroom.protocols.transcript import Transcript
 
@@ -188,6 +188,7 @@ class SessionPort:
         "settings",
         "transcript",
         "workspace_dir",
+        "workspace_identity",
     )
 
     def __init__(
@@ -204,6 +205,7 @@ class SessionPort:
         machine: TaskMachine | None = None,
         last_seq: int = 0,
         parent_id: str | None = None,
+        workspace_identity: WorkspaceIdentity | None = None,
     ) -> None:
         self.id = session_id
         self.parent_id = parent_id
@@ -211,6 +213,9 @@ class SessionPort:
         self.directory = directory
         self.settings = settings
         self.workspace_dir = workspace_dir
+        self.workspace_identity = workspace_identity
+        """The directory the workspace was when the session was created (R-SEC-7); its
+        tools work only there. None only for a session built by hand."""
         self.provider = provider
         """The model provider adapter this session's requests go through."""
         self.transcript = transcript
@@ -256,6 +261,9 @@ class SessionPort:
             directory=self.directory / ATTACHMENTS_DIR,
             roots=(self.workspace_dir, self.scratchpad_dir),
             max_bytes=self.settings.max_image_bytes,
+            workspace=None
+            if (identity := self.workspace_identity) is None
+            else (identity.device, identity.inode),
         )
 
     @property

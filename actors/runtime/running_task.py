@@ -127,6 +127,7 @@ class TaskWork:
                         sandbox=settings.sandbox,
                         shell_network=settings.shell_network,
                         private_dirs=(port.host.data_dir,),
+                        workspace_identity=port.workspace_identity,
                         attachments=port.attachments,
                     )
                     await nursery.start(pool.run, self._pool)

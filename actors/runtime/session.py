@@ -57,7 +57,7 @@ from greenroom.protocols.outputs import (
 )
 from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.stream import ResponseCollector
-from greenroom.protocols.tools import Tool
+from greenroom.protocols.tools import Tool, WorkspaceIdentity
 from greenroom.protocols.transcript import Transcript
 from greenroom.protocols.wording import clip_words
 
@@ -278,6 +278,12 @@ class Session:
     def workspace_dir(self) -> Path:
         """The directory the session's tools work in."""
         return self._port.workspace_dir
+
+    @property
+    def workspace_identity(self) -> WorkspaceIdentity | None:
+        """The directory the workspace was when the session was created (R-SEC-7): its
+        tools work there only, whatever later stands at its path."""
+        return self._port.workspace_identity
 
     @property
     def directory(self) -> Path:

@@ -48,6 +48,7 @@ from greenroom.protocols.tools import (
     Tool,
     ToolContext,
     ToolFailure,
+    WorkspaceIdentity,
     invalid_arguments_reason,
     normalize_result,
 )
@@ -84,6 +85,7 @@ class ToolPool:
         "_terminal",
         "_tools",
         "_workspace_dir",
+        "_workspace_identity",
     )
 
     def __init__(
@@ -101,6 +103,7 @@ class ToolPool:
         shell_network: bool = False,
         private_dirs: tuple[Path, ...] = (),
         attachments: Attachments | None = None,
+        workspace_identity: WorkspaceIdentity | None = None,
     ) -> None:
         self._tools = tools
         self._attachments = attachments
@@ -113,6 +116,7 @@ class ToolPool:
         self._sandbox: Literal["auto", "required", "off"] = sandbox
         self._shell_network = shell_network
         self._private_dirs = private_dirs
+        self._workspace_identity = workspace_identity
         self._limiter = trio.CapacityLimiter(slots)
         self._terminal: list[trio.Event] = []
         self._exclusive: list[bool] = []
@@ -217,6 +221,7 @@ class ToolPool:
                 sandbox=self._sandbox,
                 shell_network=self._shell_network,
                 private_dirs=self._private_dirs,
+                workspace_identity=self._workspace_identity,
             )
         running.start(tool.function, kwargs, name=f"tool {call.name} ({call.id})")
         finished = await running.wait(tool.timeout_s)

@@ -1,16 +1,19 @@
 """The built-in tools: read, list, search and write files in the workspace, run shell commands.
 
-Workspace confinement: every path argument is resolved against the workspace root
-(following symlinks and ``..``) and must land inside the resolved root; otherwise the tool
-raises :class:`OutsideWorkspaceError` before it reads, lists or writes anything. A raised
-exception becomes an error output to the model (R-TOOL-4), so every message here is
-written for the model to read.
+Workspace confinement (R-SEC-7, :mod:`greenroom.actors.tools.workspace`): each call first
+opens the session's workspace and checks that it is still the directory the session was
+created with (else :class:`WorkspaceError`); every path argument is then walked from that
+open directory one component at a time, symlinks read and followed only while they stay
+inside, ``..`` never above the root (else :class:`OutsideWorkspaceError`), before anything
+is read, listed or written. A raised exception becomes an error output to the model
+(R-TOOL-4), so every message here is written for the model to read.
 
 Exceptions::
 
     BuiltinToolError              a built-in tool refused or failed
-    ├── OutsideWorkspaceError     a path argument resolves outside the workspace
-    └── ShellTimeoutError         run_shell hit its timeout; its process group was killed
+    ├── OutsideWorkspaceError     a path argument leads outside the workspace
+    ├── WorkspaceError            the session's workspace was replaced, is gone, or private
+    └── ShellTimeoutError         run_shell hit its timeout; every process it started was killed
 
 Other ``OSError`` s of file access are translated to :class:`BuiltinToolError` with a
 workspace-relative path. Blocking file I/O runs in one worker thread per call that an
@@ -22,11 +25,11 @@ by ``lstat`` before opening and again by ``fstat`` on the descriptor, which is o
 ``O_NONBLOCK | O_NOFOLLOW`` so that nothing waits on a peer. A file with more hard links
 than names inside the workspace is refused too (:class:`_LinkCensus`). ``search_files``
 matches in a worker process (``search_worker.py``) killed on cancellation, because
-Python's ``re`` cannot be interrupted in-process. ``run_shell`` is confined as
-:mod:`greenroom.actors.tools.sandbox` describes (R-SEC-3).
-
-Confinement is checked when the call starts: a symlink swapped in by another process
-between the check and the access is not defended against, except for the last component.
+Python's ``re`` cannot be interrupted in-process; it opens the files it is given from the
+verified workspace descriptor, never through a symlink. ``run_shell`` is confined as
+:mod:`greenroom.actors.tools.sandbox` describes (R-SEC-3) and runs under
+``shell_launcher.py``, which ends every process the command started with the call
+(R-SEC-11).
 """
 
 from __future__ import annotations
@@ -40,13 +43,29 @@ import signal
 import stat
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Generator, Iterator
 from functools import partial
 from pathlib import Path
 
 import trio
 
-from greenroom.actors.tools.sandbox import bwrap_command, sandbox_status, shell_environment
+from greenroom.actors.tools.sandbox import (
+    bwrap_command,
+    sandbox_status,
+    shell_environment,
+    workspace_guard,
+)
+from greenroom.actors.tools.workspace import (
+    BuiltinToolError,
+    OpenWorkspace,
+    OutsideWorkspaceError,
+    Target,
+    WorkspaceError,
+    display,
+    file_error,
+    open_workspace,
+)
 from greenroom.protocols.tools import Tool, ToolContext, tool
 
 __all__ = [
@@ -54,6 +73,7 @@ __all__ = [
     "BuiltinToolError",
     "OutsideWorkspaceError",
     "ShellTimeoutError",
+    "WorkspaceError",
     "builtin_tools",
     "list_dir",
     "read_file",
@@ -64,16 +84,9 @@ __all__ = [
 ]
 
 
-class BuiltinToolError(Exception):
-    """A built-in tool refused or failed; the message is meant for the model."""
-
-
-class OutsideWorkspaceError(BuiltinToolError):
-    """A path argument resolves (after symlinks and ``..``) outside the workspace root."""
-
-
 class ShellTimeoutError(BuiltinToolError):
-    """``run_shell`` ran past its ``timeout_s``; the command's process group was killed.
+    """``run_shell`` ran past its ``timeout_s``; every process the command started was
+    killed.
 
     The message carries the output captured before the kill.
     """
@@ -100,16 +113,26 @@ _LINK_SCAN_ENTRIES = 100_000
 # Larger than the session result budget (R-TOOL-8, 32 KiB by default) so the scratchpad
 # copy keeps more than the model sees; the cap only bounds memory.
 _SHELL_OUTPUT_CAP = 256 * 1024
-# Background jobs can hold the output pipe open after bash exits; their output is read
-# for this long, then the call returns without them.
+# The launcher normally ends the command's last process before it exits, and with it the
+# output pipe; where it cannot (no subreaper), a process left behind holding the pipe is
+# read for this long after the command exits, then the call returns without it.
 _SHELL_DRAIN_GRACE_S = 1.0
+# The parent of every run_shell command (R-SEC-11); see its docstring.
+_SHELL_LAUNCHER = Path(__file__).with_name("shell_launcher.py")
+# How long a launcher told to stop (SIGTERM) may take to kill what the command started
+# and exit, before it is killed itself.
+_LAUNCHER_STOP_GRACE_S = 5.0
+# The descriptor of the verified workspace inside a sandboxed command (shell_launcher.py).
+_SANDBOX_WORKSPACE_FD = 3
 
 
 def resolve_in_workspace(workspace_dir: Path, path: str) -> Path:
     """``path`` (relative to the workspace, or absolute) resolved through symlinks and ``..``.
 
     Raises :class:`OutsideWorkspaceError` unless the result is the resolved workspace root
-    or below it. The path need not exist. Does blocking filesystem I/O (readlink).
+    or below it. The path need not exist. Does blocking filesystem I/O (readlink). A
+    check of names only: the built-in tools themselves walk paths from the verified
+    workspace descriptor (:meth:`OpenWorkspace.locate`).
     """
     root = workspace_dir.resolve()
     try:
@@ -125,23 +148,9 @@ def resolve_in_workspace(workspace_dir: Path, path: str) -> Path:
     return candidate
 
 
-def _shown(root: Path, target: Path) -> str:
-    """How a path appears to the model: relative to the workspace root, POSIX separators."""
-    relative = target.relative_to(root).as_posix()
-    return relative if relative != "." else "."
-
-
-def _os_error(exc: OSError, shown: str) -> BuiltinToolError:
-    """An ``OSError`` as a message that names the workspace-relative path only."""
-    if isinstance(exc, FileNotFoundError):
-        return BuiltinToolError(f"{shown}: no such file or directory")
-    if isinstance(exc, IsADirectoryError):
-        return BuiltinToolError(f"{shown}: is a directory")
-    if isinstance(exc, NotADirectoryError):
-        return BuiltinToolError(f"{shown}: not a directory")
-    if isinstance(exc, PermissionError):
-        return BuiltinToolError(f"{shown}: permission denied")
-    return BuiltinToolError(f"{shown}: {exc.strerror or exc}")
+def _workspace(ctx: ToolContext) -> OpenWorkspace:
+    """The call's workspace, opened and verified (R-SEC-7). Blocking."""
+    return open_workspace(ctx.workspace_identity, ctx.workspace_dir, ctx.private_dirs)
 
 
 def _clip(line: str, limit: int) -> str:
@@ -152,8 +161,8 @@ def _clip(line: str, limit: int) -> str:
 
 # --- opening files safely ----------------------------------------------------------------
 
-# O_NONBLOCK: opening a FIFO or a device never waits for a peer; O_NOFOLLOW: the resolved
-# path's last component cannot be swapped for a symlink between the check and the open.
+# O_NONBLOCK: opening a FIFO or a device never waits for a peer; O_NOFOLLOW: the last
+# component cannot be swapped for a symlink between the walk and the open.
 _OPEN_FLAGS = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY
 _SPECIAL_KINDS = (
     (stat.S_ISFIFO, "a FIFO"),
@@ -168,17 +177,26 @@ def _special_file(shown: str, mode: int) -> BuiltinToolError:
     return BuiltinToolError(f"{shown} is {kind}; the file tools read and write regular files only")
 
 
+def _is_dir(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir(follow_symlinks=False)
+    except OSError:
+        return False
+
+
 class _LinkCensus:
     """How many names each hard-linked file has inside the workspace, counted by one
-    bounded walk of it (symlinks are not followed). A file whose link count is higher
-    than its names inside has a name elsewhere, and is refused."""
+    bounded walk of it from its descriptor (symlinks are not followed). A file whose link
+    count is higher than its names inside has a name elsewhere, and is refused."""
 
-    __slots__ = ("_complete", "_names", "_root")
+    __slots__ = ("_complete", "_names", "_workspace", "refused")
 
-    def __init__(self, root: Path) -> None:
-        self._root = root
+    def __init__(self, workspace: OpenWorkspace) -> None:
+        self._workspace = workspace
         self._names: dict[tuple[int, int], int] | None = None
         self._complete = False
+        self.refused = 0
+        """Files a caller skipped because :meth:`all_inside` said no."""
 
     def all_inside(self, info: os.stat_result) -> bool:
         if info.st_nlink <= 1:
@@ -191,25 +209,51 @@ class _LinkCensus:
     def _count(self) -> None:
         names: dict[tuple[int, int], int] = {}
         self._names = names
-        stack = [str(self._root)]
+        root = self._workspace.fd
+        # Depth first, one open descriptor per level: (directory, its subdirectories left).
+        frames: list[tuple[int, list[str]]] = []
+        fd = root
         visited = 0
-        while stack:
-            _check_cancelled()
-            try:
-                with os.scandir(stack.pop()) as scan:
-                    for entry in scan:
-                        visited += 1
-                        if visited > _LINK_SCAN_ENTRIES:
-                            return  # incomplete: every hard-linked file is refused
-                        if entry.is_dir(follow_symlinks=False):
-                            stack.append(entry.path)
-                        elif entry.is_file(follow_symlinks=False):
-                            info = entry.stat(follow_symlinks=False)
-                            if info.st_nlink > 1:
-                                key = (info.st_dev, info.st_ino)
-                                names[key] = names.get(key, 0) + 1
-            except OSError:
-                continue  # an unreadable directory: its names stay uncounted
+        try:
+            while True:
+                _check_cancelled()
+                subdirs: list[str] = []
+                try:
+                    with os.scandir(fd) as scan:
+                        for entry in scan:
+                            visited += 1
+                            if visited > _LINK_SCAN_ENTRIES:
+                                return  # incomplete: every hard-linked file is refused
+                            if _is_dir(entry):
+                                if not self._workspace.is_hidden(entry):
+                                    subdirs.append(entry.name)
+                            elif entry.is_file(follow_symlinks=False):
+                                info = entry.stat(follow_symlinks=False)
+                                if info.st_nlink > 1:
+                                    key = (info.st_dev, info.st_ino)
+                                    names[key] = names.get(key, 0) + 1
+                except OSError:
+                    pass  # an unreadable directory: its names stay uncounted
+                frames.append((fd, subdirs))
+                fd = -1
+                while frames and fd < 0:
+                    top, left = frames[-1]
+                    if not left:
+                        frames.pop()
+                        if top != root:
+                            os.close(top)
+                        continue
+                    name = left.pop()
+                    with contextlib.suppress(OSError):
+                        fd = self._workspace.enter(name, top, shown=name)
+                if fd < 0:
+                    break
+        finally:
+            for top, _ in frames:
+                if top != root:
+                    os.close(top)
+            if fd not in (-1, root):
+                os.close(fd)
         self._complete = True
 
 
@@ -220,12 +264,17 @@ def _hard_link_refusal(shown: str, info: os.stat_result) -> BuiltinToolError:
     )
 
 
-def _open_regular(root: Path, target: Path, shown: str, *, write: bool = False) -> int:
+def _open_regular(
+    workspace: OpenWorkspace, target: Target, shown: str, *, write: bool = False
+) -> int:
     """A blocking descriptor of the regular file ``target`` (created empty when ``write``
     and missing). Refuses directories, special files and files hard-linked from outside
     the workspace, checked on the opened descriptor. The caller closes it."""
+    name = target.name
+    if name is None:
+        raise BuiltinToolError(f"{shown}: is a directory")
     try:
-        before = os.lstat(target)
+        before = os.stat(name, dir_fd=target.dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         if not write:
             raise
@@ -237,7 +286,7 @@ def _open_regular(root: Path, target: Path, shown: str, *, write: bool = False) 
             raise _special_file(shown, before.st_mode)
     flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
     try:
-        fd = os.open(target, flags | _OPEN_FLAGS, 0o666)
+        fd = os.open(name, flags | _OPEN_FLAGS, 0o666, dir_fd=target.dir_fd)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise BuiltinToolError(f"{shown} was replaced by a symlink; try again") from exc
@@ -250,7 +299,7 @@ def _open_regular(root: Path, target: Path, shown: str, *, write: bool = False) 
             raise BuiltinToolError(f"{shown}: is a directory")
         if not stat.S_ISREG(info.st_mode):
             raise _special_file(shown, info.st_mode)
-        if not _LinkCensus(root).all_inside(info):
+        if not _LinkCensus(workspace).all_inside(info):
             raise _hard_link_refusal(shown, info)
         os.set_blocking(fd, True)
     except BaseException:
@@ -263,11 +312,6 @@ def _check_cancelled() -> None:
     """Stop a worker thread whose call was cancelled (and abandoned) at the next step."""
     with contextlib.suppress(RuntimeError):  # not in a trio worker thread
         trio.from_thread.check_cancelled()
-
-
-def _display(name: str) -> str:
-    """A file name as text the model can read: bytes that are not UTF-8 as ``\\xNN``."""
-    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 # --- read_file ---------------------------------------------------------------------------
@@ -334,23 +378,25 @@ def _line_text(head: bytes, length: int) -> str:
     return f"{shown}… [line cut: about {rest} more bytes]"
 
 
-def _read_file_sync(workspace_dir: Path, path: str, offset: int, limit: int) -> str:
-    root = workspace_dir.resolve()
-    target = resolve_in_workspace(root, path)
-    shown = _display(_shown(root, target))
-    try:
-        fd = _open_regular(root, target, shown)
+
+def _read_file_sync(ctx: ToolContext, path: str, offset: int, limit: int) -> str:
+    with _workspace(ctx) as workspace:
+        target = workspace.locate(path)
+        shown = display(target.relative)
         try:
-            if b"\0" in os.pread(fd, _SNIFF_BYTES, 0):
-                size = os.fstat(fd).st_size
-                raise BuiltinToolError(
-                    f"{shown} is a binary file ({size} bytes); read_file reads text files only"
-                )
-            lines, seen, more = _read_window(fd, offset, limit)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise _os_error(exc, shown) from exc
+            fd = _open_regular(workspace, target, shown)
+            try:
+                if b"\0" in os.pread(fd, _SNIFF_BYTES, 0):
+                    size = os.fstat(fd).st_size
+                    raise BuiltinToolError(
+                        f"{shown} is a binary file ({size} bytes); read_file reads text files"
+                        " only"
+                    )
+                lines, seen, more = _read_window(fd, offset, limit)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise file_error(exc, shown) from exc
     if not lines:
         if seen == 0:
             return f"[{shown} is empty]"
@@ -382,37 +428,44 @@ async def read_file(path: str, offset: int = 0, limit: int = 2000, *, ctx: ToolC
     if limit < 1:
         raise BuiltinToolError("limit must be 1 or more")
     return await trio.to_thread.run_sync(
-        _read_file_sync, ctx.workspace_dir, path, offset, limit, abandon_on_cancel=True
+        _read_file_sync, ctx, path, offset, limit, abandon_on_cancel=True
     )
 
 
 # --- list_dir ----------------------------------------------------------------------------
 
 
-def _list_dir_sync(workspace_dir: Path, path: str) -> str:
-    root = workspace_dir.resolve()
-    target = resolve_in_workspace(root, path)
-    shown = _display(_shown(root, target))
-    try:
-        with os.scandir(target) as scan:
-            entries = sorted(scan, key=lambda entry: entry.name)
-    except OSError as exc:
-        raise _os_error(exc, shown) from exc
-    if not entries:
-        return f"[{shown} is empty]"
-    lines: list[str] = []
-    for entry in entries[:_MAX_LIST_ENTRIES]:
-        name = _display(entry.name)
+def _list_dir_sync(ctx: ToolContext, path: str) -> str:
+    with _workspace(ctx) as workspace:
+        target = workspace.locate(path)
+        shown = display(target.relative)
         try:
-            # Follows symlinks: an entry is shown as what it points at.
-            if entry.is_dir():
-                lines.append(f"{name}/")
-            elif entry.is_file():
-                lines.append(f"{name}  ({entry.stat().st_size} bytes)")
+            if target.name is None:
+                fd = target.dir_fd
             else:
+                fd = workspace.open_dir(target.name, target.dir_fd, shown=shown)
+            with os.scandir(fd) as scan:
+                entries = sorted(
+                    (entry for entry in scan if not workspace.is_hidden(entry)),
+                    key=lambda entry: entry.name,
+                )
+        except OSError as exc:
+            raise file_error(exc, shown) from exc
+        if not entries:
+            return f"[{shown} is empty]"
+        lines: list[str] = []
+        for entry in entries[:_MAX_LIST_ENTRIES]:
+            name = display(entry.name)
+            try:
+                # Follows symlinks: an entry is shown as what it points at.
+                if entry.is_dir():
+                    lines.append(f"{name}/")
+                elif entry.is_file():
+                    lines.append(f"{name}  ({entry.stat().st_size} bytes)")
+                else:
+                    lines.append(name)
+            except OSError:
                 lines.append(name)
-        except OSError:
-            lines.append(name)
     if len(entries) > _MAX_LIST_ENTRIES:
         lines.append(f"[{len(entries) - _MAX_LIST_ENTRIES} more entries not shown]")
     return "\n".join(lines)
@@ -426,70 +479,180 @@ async def list_dir(path: str = ".", *, ctx: ToolContext) -> str:
     Args:
         path: directory path, relative to the workspace root.
     """
-    return await trio.to_thread.run_sync(
-        _list_dir_sync, ctx.workspace_dir, path, abandon_on_cancel=True
-    )
+    return await trio.to_thread.run_sync(_list_dir_sync, ctx, path, abandon_on_cancel=True)
 
 
 # --- search_files ------------------------------------------------------------------------
 
 
-def _search_candidates(start: Path) -> Iterator[Path]:
-    """Files below ``start`` in sorted order, without descending into VCS directories or
-    following directory symlinks."""
-    if not start.is_dir():
-        yield start
+def _search_tree(
+    workspace: OpenWorkspace, start_fd: int, start: tuple[str, ...]
+) -> Iterator[tuple[int, tuple[str, ...], list[os.DirEntry[str]]]]:
+    """Each directory below ``start`` (open as ``start_fd``), top down in sorted order,
+    as its descriptor, its names from the root and its sorted entries; VCS directories
+    and directory symlinks are not entered. One descriptor is open per level, closed as
+    the walk leaves it (or when the generator is closed)."""
+    frames: list[tuple[int, tuple[str, ...], list[str]]] = []
+    fd, here = start_fd, start
+    try:
+        while True:
+            try:
+                with os.scandir(fd) as scan:
+                    entries = sorted(scan, key=lambda entry: entry.name)
+            except OSError:
+                entries = []
+            entries = [e for e in entries if not workspace.is_hidden(e)]
+            subdirs = [e.name for e in entries if e.name not in _SEARCH_SKIP_DIRS and _is_dir(e)]
+            frames.append((fd, here, subdirs[::-1]))
+            yield fd, here, entries
+            fd = -1
+            while frames and fd < 0:
+                top, top_parts, left = frames[-1]
+                if not left:
+                    frames.pop()
+                    if top != start_fd:
+                        os.close(top)
+                    continue
+                name = left.pop()
+                with contextlib.suppress(OSError):
+                    fd = workspace.enter(name, top, shown=name)
+                    here = (*top_parts, name)
+            if fd < 0:
+                return
+    finally:
+        for top, _, _ in frames:
+            if top != start_fd:
+                os.close(top)
+
+
+def _search_files_of(
+    workspace: OpenWorkspace, start: Target, census: _LinkCensus
+) -> Generator[tuple[str, str]]:
+    """The files to search as ``(path from the root, shown name)``: regular files only,
+    a symlinked file only when it leads to one inside the workspace. Files hard-linked
+    from outside are counted in ``census.refused``."""
+
+    def regular(target: Target) -> str | None:
+        if target.name is None:
+            return None
+        try:
+            info = os.stat(target.name, dir_fd=target.dir_fd, follow_symlinks=False)
+        except OSError:
+            return None
+        if not stat.S_ISREG(info.st_mode):
+            return None  # FIFOs, sockets, devices: never opened
+        if not census.all_inside(info):
+            census.refused += 1
+            return None
+        return target.relative
+
+    if start.name is not None:
+        found = regular(start)
+        if found is not None:
+            yield found, display(found)
         return
-    for dirpath, dirnames, filenames in os.walk(start):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SEARCH_SKIP_DIRS)
-        for name in sorted(filenames):
-            yield Path(dirpath, name)
+    for fd, parts, entries in _search_tree(workspace, start.dir_fd, start.parts):
+        for entry in entries:
+            if _is_dir(entry):
+                continue
+            walked = "/".join((*parts, entry.name))
+            if entry.is_symlink():
+                try:
+                    # A symlinked file may point anywhere; only files inside are read.
+                    target = workspace.locate(walked)
+                except BuiltinToolError:
+                    continue
+                resolved = regular(target)
+                workspace.release(target)
+            else:
+                resolved = regular(Target(fd, entry.name, (*parts, entry.name)))
+            if resolved is not None:
+                yield resolved, display(walked)
 
 
 class _SearchPlan:
-    """The files ``search_files`` may read, found by walking lazily from the start path:
-    regular files inside the workspace (symlinks resolved), never a special file, never a
-    file hard-linked from outside. Advanced from worker threads, one at a time."""
+    """The files ``search_files`` may read, found by walking lazily from the start path
+    in the verified workspace: regular files inside the workspace (symlinks resolved
+    from the root), never a special file, never a file hard-linked from outside.
 
-    __slots__ = ("_files", "linked", "root", "shown_start")
+    Advanced from worker threads, one at a time; :meth:`close` may come from any thread
+    at any moment and never blocks: a walk under way closes the workspace when it stops,
+    so no descriptor is closed while a thread still uses it."""
 
-    def __init__(self, workspace_dir: Path, path: str) -> None:
-        self.root = workspace_dir.resolve()
-        start = resolve_in_workspace(self.root, path)
-        self.shown_start = _display(_shown(self.root, start))
-        if not start.exists():
-            raise BuiltinToolError(f"{self.shown_start}: no such file or directory")
-        self.linked = 0
-        self._files = self._walk(start)
+    __slots__ = (
+        "_busy",
+        "_census",
+        "_closing",
+        "_files",
+        "_lock",
+        "root_fd",
+        "shown_start",
+        "workspace",
+    )
 
-    def _walk(self, start: Path) -> Iterator[tuple[str, str]]:
-        root = self.root
-        census = _LinkCensus(root)
-        for candidate in _search_candidates(start):
-            try:
-                real = candidate.resolve()
-                # A symlinked file may point anywhere; only files inside are read.
-                if not real.is_relative_to(root):
-                    continue
-                info = real.stat()
-            except (OSError, RuntimeError):
-                continue
-            if not stat.S_ISREG(info.st_mode):
-                continue  # FIFOs, sockets, devices: never opened
-            if not census.all_inside(info):
-                self.linked += 1
-                continue
-            yield str(real), _display(_shown(root, candidate.absolute()))
+    def __init__(self, ctx: ToolContext, path: str) -> None:
+        self._lock = threading.Lock()
+        self._busy = False
+        self._closing = False
+        self.workspace = workspace = _workspace(ctx)
+        self.root_fd = workspace.fd
+        try:
+            start = workspace.locate(path)
+            self.shown_start = display(start.relative)
+            if start.name is not None:
+                try:
+                    info = os.stat(start.name, dir_fd=start.dir_fd, follow_symlinks=False)
+                    if stat.S_ISDIR(info.st_mode):
+                        fd = workspace.open_dir(start.name, start.dir_fd, shown=self.shown_start)
+                        start = Target(fd, None, start.parts)
+                except OSError as exc:
+                    raise file_error(exc, self.shown_start) from exc
+            self._census = _LinkCensus(workspace)
+            self._files = _search_files_of(workspace, start, self._census)
+        except BaseException:
+            workspace.close()
+            raise
+
+    @property
+    def linked(self) -> int:
+        """How many files were skipped for hard links outside the workspace."""
+        return self._census.refused
 
     def next_batch(self, size: int) -> list[tuple[str, str]]:
-        """Up to ``size`` more files; empty when the walk is over."""
-        _check_cancelled()  # an abandoned walk stops here instead of finishing the tree
-        batch: list[tuple[str, str]] = []
-        for found in self._files:
-            batch.append(found)
-            if len(batch) == size:
-                break
-        return batch
+        """Up to ``size`` more files; empty when the walk is over (or closed)."""
+        with self._lock:
+            if self._closing:
+                return []
+            self._busy = True
+        # Released here when close() came while this batch was being walked.
+        release = self._release_if_closing
+        try:
+            _check_cancelled()  # an abandoned walk stops here instead of finishing the tree
+            batch: list[tuple[str, str]] = []
+            for found in self._files:
+                batch.append(found)
+                if len(batch) == size:
+                    break
+            return batch
+        finally:
+            release()
+
+    def close(self) -> None:
+        """Close the walk and the workspace, now or as soon as the walk under way stops."""
+        with self._lock:
+            self._closing = True
+            if not self._busy:
+                self._release()
+
+    def _release_if_closing(self) -> None:
+        with self._lock:
+            self._busy = False
+            if self._closing:
+                self._release()
+
+    def _release(self) -> None:
+        self._files.close()
+        self.workspace.close()
 
 
 class _SearchResults:
@@ -516,6 +679,8 @@ class _SearchResults:
                 self.large += 1
 
 
+
+
 async def _run_search_worker(
     pattern: str, plan: _SearchPlan, report_progress: Callable[[str], None]
 ) -> tuple[_SearchResults, bool]:
@@ -525,6 +690,7 @@ async def _run_search_worker(
     cancelled (Python's ``re`` holds the interpreter lock while it matches, so it cannot
     be stopped in-process); what it reported until then is kept."""
     header = {
+        "root_fd": plan.root_fd,
         "pattern": pattern,
         "max_matches": _MAX_SEARCH_MATCHES,
         "max_match_chars": _MAX_MATCH_CHARS,
@@ -566,6 +732,8 @@ async def _run_search_worker(
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.DEVNULL,
+                    # The worker opens each file from the verified workspace descriptor.
+                    pass_fds=(plan.root_fd,),
                     check=False,
                     deliver_cancel=kill,
                 )
@@ -594,11 +762,13 @@ async def search_files(pattern: str, path: str = ".", *, ctx: ToolContext) -> st
         re.compile(pattern)
     except re.error as exc:
         raise BuiltinToolError(f"invalid regular expression {pattern!r}: {exc}") from exc
-    plan = await trio.to_thread.run_sync(
-        _SearchPlan, ctx.workspace_dir, path, abandon_on_cancel=True
-    )
-    ctx.report_progress(f"searching below {plan.shown_start}")
-    results, out_of_time = await _run_search_worker(pattern, plan, ctx.report_progress)
+    # An abandoned plan is collected when its thread ends, and its descriptors with it.
+    plan = await trio.to_thread.run_sync(_SearchPlan, ctx, path, abandon_on_cancel=True)
+    try:
+        ctx.report_progress(f"searching below {plan.shown_start}")
+        results, out_of_time = await _run_search_worker(pattern, plan, ctx.report_progress)
+    finally:
+        plan.close()
     matches, large = results.matches, results.large
     notes: list[str] = []
     if results.capped:
@@ -622,26 +792,26 @@ async def search_files(pattern: str, path: str = ".", *, ctx: ToolContext) -> st
 # --- write_file --------------------------------------------------------------------------
 
 
-def _write_file_sync(workspace_dir: Path, path: str, content: str) -> str:
-    root = workspace_dir.resolve()
-    target = resolve_in_workspace(root, path)
-    shown = _display(_shown(root, target))
-    if target == root:
-        raise BuiltinToolError(f"{path!r} is the workspace directory, not a file")
+def _write_file_sync(ctx: ToolContext, path: str, content: str) -> str:
     data = content.encode("utf-8")
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Opened without truncation: a refused file (special, hard-linked) is left as it was.
-        fd = _open_regular(root, target, shown, write=True)
+    with _workspace(ctx) as workspace:
+        target = workspace.locate(path, make_parents=True)
+        shown = display(target.relative)
+        if target.name is None:
+            raise BuiltinToolError(f"{path!r} is the workspace directory, not a file")
         try:
-            os.ftruncate(fd, 0)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise _os_error(exc, shown) from exc
+            # Opened without truncation: a refused file (special, hard-linked) is left as it
+            # was.
+            fd = _open_regular(workspace, target, shown, write=True)
+            try:
+                os.ftruncate(fd, 0)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise file_error(exc, shown) from exc
     return f"wrote {len(data)} bytes to {shown}"
 
 
@@ -658,7 +828,7 @@ async def write_file(path: str, content: str, *, ctx: ToolContext) -> str:
     # system. A write already under way may still finish after the call is reported
     # interrupted (R-ABORT-4: interrupting is not rollback).
     return await trio.to_thread.run_sync(
-        _write_file_sync, ctx.workspace_dir, path, content, abandon_on_cancel=True
+        _write_file_sync, ctx, path, content, abandon_on_cancel=True
     )
 
 
@@ -694,11 +864,14 @@ class _CappedOutput:
         return f"{head}\n[… {omitted} bytes of output omitted …]\n{tail}"
 
 
-async def _kill_process_group(process: trio.Process) -> None:
-    """``deliver_cancel`` for ``trio.run_process``: SIGKILL to the whole group at once, so
-    a cancelled call leaves no children running (trio's default signals only the leader,
-    and waits 5 s before SIGKILL)."""
-    # ProcessLookupError: every process of the group has already exited.
+async def _stop_launcher(process: trio.Process) -> None:
+    """``deliver_cancel`` for ``trio.run_process``: SIGTERM tells the launcher to kill
+    every process of the command and exit (trio waits for that exit). A launcher that has
+    not exited after :data:`_LAUNCHER_STOP_GRACE_S` is killed itself; trio cancels this
+    function as soon as the launcher exits."""
+    with contextlib.suppress(ProcessLookupError):
+        process.send_signal(signal.SIGTERM)
+    await trio.sleep(_LAUNCHER_STOP_GRACE_S)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
 
@@ -712,12 +885,14 @@ async def _drain(stream: trio.abc.ReceiveStream, output: _CappedOutput,
                 output.add(chunk)
 
 
-async def _shell_command(command: str, ctx: ToolContext) -> tuple[list[str], dict[str, str]]:
-    """The argv and environment that run ``command`` as the session's settings say
+async def _shell_command(
+    command: str, ctx: ToolContext, workspace: OpenWorkspace
+) -> list[str]:
+    """The launcher's command line that runs ``command`` as the session's settings say
     (R-SEC-3): under bubblewrap when it works here (``sandbox=auto``) or always
     (``required``: refused otherwise), unconfined with ``off``; allow-listed environment
-    in every case."""
-    workspace = await trio.to_thread.run_sync(ctx.workspace_dir.resolve)
+    in every case. Unconfined, the command starts in the verified ``workspace`` itself
+    (its descriptor); sandboxed, bubblewrap binds the directory that descriptor holds."""
     scratchpad = await trio.to_thread.run_sync(_prepare_scratchpad, ctx.scratchpad_dir)
     home = scratchpad / "home"
     status = None
@@ -731,21 +906,42 @@ async def _shell_command(command: str, ctx: ToolContext) -> tuple[list[str], dic
             status = None
     if status is None or status.bwrap is None:
         env = shell_environment(home=home, tmpdir=scratchpad / "tmp")
-        return ["bash", "-c", command], env
+        return _launcher_command(["bash", "-c", command], env, cwd_fd=workspace.fd)
     bwrap = status.bwrap
 
     def sandboxed() -> list[str]:
         return bwrap_command(
             bwrap,
-            ["bash", "-c", command],
-            workspace=workspace,
+            workspace_guard(_SANDBOX_WORKSPACE_FD, command),
+            workspace=workspace.path,
+            workspace_fd=_SANDBOX_WORKSPACE_FD,
             scratchpad=scratchpad,
             network=ctx.shell_network,
             hidden=tuple(private.resolve() for private in ctx.private_dirs),
         )
 
     argv = await trio.to_thread.run_sync(sandboxed)
-    return argv, shell_environment(home=home, tmpdir=Path("/tmp"))
+    env = shell_environment(home=home, tmpdir=Path("/tmp"))
+    return _launcher_command(argv, env, keep_fd=workspace.fd)
+
+
+def _launcher_command(
+    argv: list[str], env: dict[str, str], *, cwd_fd: int | None = None,
+    keep_fd: int | None = None,
+) -> list[str]:
+    """``argv`` run by ``shell_launcher.py`` with the environment ``env`` (see its
+    docstring for the arguments)."""
+    return [
+        sys.executable,
+        "-I",
+        "-S",
+        str(_SHELL_LAUNCHER),
+        "-" if cwd_fd is None else str(cwd_fd),
+        "-" if keep_fd is None else str(keep_fd),
+        str(len(env)),
+        *(f"{name}={value}" for name, value in env.items()),
+        *argv,
+    ]
 
 
 def _prepare_scratchpad(scratchpad_dir: Path) -> Path:
@@ -759,51 +955,69 @@ def _prepare_scratchpad(scratchpad_dir: Path) -> Path:
 async def run_shell(command: str, timeout_s: float = 60, *, ctx: ToolContext) -> str:
     """Run a command with `bash -c` in the workspace directory. Returns the exit code
     and the combined stdout and stderr (long output keeps its start and end). stdin is
-    empty. On timeout the command and every process it started are killed. A background
-    job (`cmd &`) may outlive the command only if it redirects its output: the output
-    pipe is closed shortly after bash exits. The environment holds no credentials; where
-    the host supports it the command runs in a sandbox that sees only the workspace, the
-    scratchpad and the system's programs, without network unless the session allows it.
+    empty. Every process the command starts ends with the call: when bash exits, on
+    timeout and on interrupt, background jobs (`cmd &`, `nohup`, `setsid`) are killed
+    too, so nothing keeps running between calls. The environment holds no credentials;
+    where the host supports it the command runs in a sandbox that sees only the
+    workspace, the scratchpad and the system's programs, without network unless the
+    session allows it.
 
     Args:
         command: the bash command line to run.
         timeout_s: seconds before the command is killed.
     """
-    # Cancellation contract: when the call is cancelled while bash runs, run_process
-    # delivers SIGKILL to the command's process group (its own session) and waits for
-    # bash to exit before the Cancelled propagates. Under bubblewrap the group is bwrap's;
-    # killing it kills the sandbox's first process, and with it every process inside
-    # (a PID namespace ends with its init; --die-with-parent covers the rest).
+    # Cancellation contract: when the call is cancelled (interrupt, timeout) while the
+    # command runs, run_process sends SIGTERM to the launcher, which kills every process
+    # the command started and exits, and waits for that exit before the Cancelled
+    # propagates. Under bubblewrap the launcher's child is bwrap: killing it ends the
+    # sandbox's PID namespace, and every process in it (--die-with-parent ties the
+    # sandbox to bwrap, and bwrap to the launcher, a process that outlives no call).
     if not timeout_s > 0:
         raise BuiltinToolError("timeout_s must be more than 0")
-    argv, env = await _shell_command(command, ctx)
+    # Not abandoned on cancel: the descriptor must be closed here, and opening a
+    # directory does not hang on a working file system.
+    workspace = await trio.to_thread.run_sync(_workspace, ctx)
+    try:
+        return await _run_launched(await _shell_command(command, ctx, workspace), workspace,
+                                   timeout_s)
+    finally:
+        workspace.close()
+
+
+async def _run_launched(argv: list[str], workspace: OpenWorkspace, timeout_s: float) -> str:
     output = _CappedOutput(_SHELL_OUTPUT_CAP)
     process: trio.Process | None = None
     exited = False
-    with trio.move_on_after(timeout_s) as deadline:
-        async with trio.open_nursery() as nursery:
-            process = await nursery.start(
-                partial(
-                    trio.run_process,
-                    argv,
-                    cwd=ctx.workspace_dir,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    check=False,
-                    start_new_session=True,
-                    deliver_cancel=_kill_process_group,
+    try:
+        with trio.move_on_after(timeout_s) as deadline:
+            async with trio.open_nursery() as nursery:
+                process = await nursery.start(
+                    partial(
+                        trio.run_process,
+                        argv,
+                        # A pipe the host never writes to: its end of file tells the
+                        # launcher that the host is gone (R-SEC-11).
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                        pass_fds=(workspace.fd,),
+                        check=False,
+                        start_new_session=True,
+                        deliver_cancel=_stop_launcher,
+                    )
                 )
-            )
-            assert process.stdout is not None
-            drain_scope = trio.CancelScope()
-            nursery.start_soon(_drain, process.stdout, output, drain_scope)
-            await process.wait()
-            exited = True
-            drain_scope.deadline = trio.current_time() + _SHELL_DRAIN_GRACE_S
+                assert process.stdout is not None
+                drain_scope = trio.CancelScope()
+                nursery.start_soon(_drain, process.stdout, output, drain_scope)
+                await process.wait()
+                exited = True
+                drain_scope.deadline = trio.current_time() + _SHELL_DRAIN_GRACE_S
+    finally:
+        if process is not None and process.stdin is not None:
+            with trio.CancelScope(shield=True):
+                await process.stdin.aclose()
     if deadline.cancelled_caught and not exited:
-        # run_process killed the group when it was cancelled; nothing of it still runs.
+        # The launcher was told to stop and has exited: nothing of the command still runs.
         raise ShellTimeoutError(
             f"command timed out after {timeout_s:g} s and was killed; output so far:\n"
             f"{output.text()}"

@@ -14,6 +14,11 @@ session's scratchpad read-write at their real paths; ``/usr``, ``/bin``, ``/sbin
 are unshared (network too, unless the session allows it), every capability is dropped, the
 command runs in a new session (no terminal injection) and dies with the tool call.
 
+The workspace is bound from a descriptor of the directory the tool call verified
+(R-SEC-7), not from its path, and :func:`workspace_guard` checks inside the sandbox,
+before the command runs, that the directory bound there is that one, then closes the
+descriptor.
+
 :func:`sandbox_status` probes once whether bubblewrap is present and works here, and caches
 the answer; the probe blocks (a few milliseconds, at most :data:`PROBE_TIMEOUT_S`).
 """
@@ -38,6 +43,7 @@ __all__ = [
     "sandbox_available",
     "sandbox_status",
     "shell_environment",
+    "workspace_guard",
 ]
 
 PROBE_TIMEOUT_S = 10.0
@@ -114,18 +120,29 @@ def _probe() -> SandboxStatus:
     try:
         with tempfile.TemporaryDirectory(prefix="greenroom-probe-") as place:
             root = Path(place).resolve()
-            argv = bwrap_command(
-                bwrap, ["true"], workspace=root, scratchpad=root, network=False, hidden=()
-            )
-            done = subprocess.run(
-                argv,
-                env=shell_environment(home=root, tmpdir=Path("/tmp")),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                timeout=PROBE_TIMEOUT_S,
-                check=False,
-            )
+            fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                argv = bwrap_command(
+                    bwrap,
+                    workspace_guard(fd, "true"),
+                    workspace=root,
+                    workspace_fd=fd,
+                    scratchpad=root,
+                    network=False,
+                    hidden=(),
+                )
+                done = subprocess.run(
+                    argv,
+                    env=shell_environment(home=root, tmpdir=Path("/tmp")),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    pass_fds=(fd,),
+                    timeout=PROBE_TIMEOUT_S,
+                    check=False,
+                )
+            finally:
+                os.close(fd)
     except (OSError, subprocess.SubprocessError) as exc:
         return SandboxStatus(available=False, reason=f"bubblewrap cannot run: {exc}")
     if done.returncode != 0:
@@ -149,6 +166,20 @@ def shell_environment(
     return env
 
 
+def workspace_guard(fd: int, command: str) -> list[str]:
+    """``bash -c command``, run only when the directory it starts in (the workspace the
+    sandbox bound) is the directory open as ``fd`` (the one the tool call verified), and
+    with ``fd`` closed first: an open directory of the host must never reach the command,
+    since ``..`` from it leads out of the sandbox. Exit code 125 when the check fails."""
+    script = (
+        f"[ /proc/self/fd/{fd} -ef . ] || {{ echo 'the sandbox did not bind the verified"
+        " workspace; the command was not run' >&2; exit 125; }\n"
+        f"exec {fd}<&-\n"
+        'exec bash -c "$1"'
+    )
+    return ["bash", "-c", script, "bash", command]
+
+
 def bwrap_command(
     bwrap: str,
     command: Sequence[str],
@@ -157,11 +188,15 @@ def bwrap_command(
     scratchpad: Path,
     network: bool,
     hidden: Sequence[Path],
+    workspace_fd: int | None = None,
 ) -> list[str]:
     """The ``bwrap`` command line that runs ``command`` confined (see the module docstring).
 
     ``workspace`` and ``scratchpad`` must be resolved paths; they are mounted read-write at
-    the same paths, and the command starts in ``workspace``. Each directory of ``hidden``
+    the same paths, and the command starts in ``workspace``. With ``workspace_fd`` (a
+    descriptor bwrap inherits) the directory mounted at ``workspace`` is the one that
+    descriptor holds, whatever stands at that path by then; the command should then be a
+    :func:`workspace_guard`. Each directory of ``hidden``
     that lies inside the workspace (the data dir, say) is covered by an empty tmpfs; the
     scratchpad is mounted after, so it stays visible even inside a hidden directory.
     Looks at the file system (which system directories are symlinks).
@@ -178,7 +213,8 @@ def bwrap_command(
     for entry in _ETC_ENTRIES:
         argv += ["--ro-bind-try", entry, entry]
     argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
-    argv += ["--bind", str(workspace), str(workspace)]
+    source = str(workspace) if workspace_fd is None else f"/proc/self/fd/{workspace_fd}"
+    argv += ["--bind", source, str(workspace)]
     for private in hidden:
         # Only an existing directory: a mount point would be created in the workspace.
         if private.is_relative_to(workspace) and private != workspace and private.is_dir():

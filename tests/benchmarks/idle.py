@@ -139,7 +139,7 @@ async def measure_idle(
     provider = make_provider()
     run_dir = Path(tempfile.mkdtemp(prefix="idle-", dir=data_dir))
     async with Host.open(run_dir) as host:
-        await build_sessions(host, provider, 20, run_dir)  # warm-up: imports, caches, pools
+        await build_sessions(host, provider, 20, run_dir.parent)  # warm-up: imports, caches, pools
         for s in list(host.sessions):
             await host.close_session(s.id)
         _settle()
@@ -148,7 +148,7 @@ async def measure_idle(
             snap0 = tracemalloc.take_snapshot()
         rss0 = rss_bytes()
         with Meter() as meter:
-            sessions = await build_sessions(host, provider, n, run_dir)
+            sessions = await build_sessions(host, provider, n, run_dir.parent)
             await trio.sleep(0.2)  # let the trace sink finish its last batch
             _settle()
         rss1 = rss_bytes()
@@ -184,7 +184,7 @@ async def measure_active(base_url: str, k: int, data_dir: Path) -> dict[str, Any
     async with Host.open(run_dir) as host:
         sessions = [
             await host.create_session(
-                tools=tools, provider=provider, workspace_dir=run_dir, model=MODEL
+                tools=tools, provider=provider, workspace_dir=run_dir.parent, model=MODEL
             )
             for _ in range(k)
         ]

@@ -74,7 +74,7 @@ async def trials(kind: str, base_url: str, data_dir: Path, count: int) -> dict[s
             session = await host.create_session(
                 tools=[lookup],
                 provider=provider,
-                workspace_dir=run_dir,
+                workspace_dir=run_dir.parent,
                 model=MODEL,
                 max_tokens=MAX_TOKENS,
             )

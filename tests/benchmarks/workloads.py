@@ -92,7 +92,7 @@ class GreenroomBench:
                     await host.create_session(
                         tools=self.tools,
                         provider=provider,
-                        workspace_dir=data_dir,
+                        workspace_dir=data_dir.parent,
                         model=MODEL,
                         max_tokens=MAX_TOKENS,
                     )

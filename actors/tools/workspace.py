@@ -1,0 +1,402 @@
+"""A session's workspace, fixed when the session is created (R-SEC-7).
+
+When a session is created its workspace is resolved and identified
+(:func:`identify_workspace`: the resolved path and the directory's device and inode
+numbers, a :class:`~greenroom.protocols.tools.WorkspaceIdentity`). Every later use opens
+the directory at that path and compares its numbers (:func:`open_workspace`): a symlink
+or another directory put in its place makes the call fail with :class:`WorkspaceError`,
+so replacing a workspace never widens what its session reaches. The open directory is
+then the root of everything the call does: paths are walked from its descriptor one
+component at a time (:meth:`OpenWorkspace.locate`), never again through the workspace's
+path, so nothing swapped in after the check is followed.
+
+A private directory (the host's data dir: traces, ledger, tokens) is never reached through
+a workspace: a workspace that is one or lies inside one is refused when the session is
+created and again at each use; in a workspace that holds one, the walk refuses to enter
+it (a directory is compared by its device and inode numbers, on the open descriptor) and
+listings and searches leave it out, whatever path or symlink leads there.
+
+Exceptions::
+
+    BuiltinToolError              a built-in tool refused or failed (a message for the model)
+    ├── OutsideWorkspaceError     a path argument leads outside the workspace
+    └── WorkspaceError            the session's workspace cannot be used: replaced since
+                                  the session was created, missing, or private
+
+All functions here block (file system calls): run them in a worker thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+from collections.abc import Iterable, Sequence
+from pathlib import Path, PurePath
+
+from greenroom.protocols.tools import WorkspaceIdentity
+
+__all__ = [
+    "DIR_FLAGS",
+    "BuiltinToolError",
+    "OpenWorkspace",
+    "OutsideWorkspaceError",
+    "Target",
+    "WorkspaceError",
+    "current_boot",
+    "display",
+    "file_error",
+    "identify_workspace",
+    "open_workspace",
+    "private_relation",
+]
+
+
+class BuiltinToolError(Exception):
+    """A built-in tool refused or failed; the message is meant for the model."""
+
+
+class OutsideWorkspaceError(BuiltinToolError):
+    """A path argument leads (after symlinks and ``..``) outside the workspace root."""
+
+
+class WorkspaceError(BuiltinToolError):
+    """The session's workspace cannot be used: another directory or a symlink stands
+    where it was when the session was created, it is gone, or it is private (R-SEC-7)."""
+
+
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+"""How every directory below the workspace root is opened: never through a symlink."""
+
+_ROOT_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+# As many symlinks as Linux follows in one path before it says ELOOP.
+_MAX_LINKS = 40
+_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def current_boot() -> str | None:
+    """This boot of the system (Linux's boot id), or None where it is not known."""
+    try:
+        return _BOOT_ID.read_text(encoding="ascii").strip() or None
+    except OSError:
+        return None
+
+
+def display(name: str) -> str:
+    """A file name as text the model can read: bytes that are not UTF-8 as ``\\xNN``."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def file_error(exc: OSError, shown: str) -> BuiltinToolError:
+    """An ``OSError`` as a message that names the workspace-relative path only."""
+    if isinstance(exc, FileNotFoundError):
+        return BuiltinToolError(f"{shown}: no such file or directory")
+    if isinstance(exc, IsADirectoryError):
+        return BuiltinToolError(f"{shown}: is a directory")
+    if isinstance(exc, NotADirectoryError):
+        return BuiltinToolError(f"{shown}: not a directory")
+    if isinstance(exc, PermissionError):
+        return BuiltinToolError(f"{shown}: permission denied")
+    return BuiltinToolError(f"{shown}: {exc.strerror or exc}")
+
+
+def private_relation(workspace: Path, private_dirs: Iterable[Path]) -> str | None:
+    """Whether the resolved ``workspace`` is or lies inside one of the resolved
+    ``private_dirs``, as words for a message (``"is …"``, ``"lies inside …"``), or None.
+    A workspace that holds one is allowed: the private directory is hidden in it."""
+    for private in private_dirs:
+        if workspace == private:
+            return f"is the data dir {private}"
+        if workspace.is_relative_to(private):
+            return f"lies inside the data dir {private}"
+    return None
+
+
+def _resolved(private_dirs: Iterable[Path]) -> list[Path]:
+    return [Path(os.path.realpath(p)) for p in private_dirs]
+
+
+def identify_workspace(
+    directory: str | Path, private_dirs: Sequence[Path] = ()
+) -> WorkspaceIdentity:
+    """The identity of the directory ``directory`` names now (``~`` expanded, symlinks
+    followed). Raises :class:`WorkspaceError` when it is not a directory, cannot be
+    opened, or is or lies inside one of ``private_dirs``."""
+    try:
+        path = Path(directory).expanduser().resolve(strict=True)
+        fd = os.open(path, _ROOT_FLAGS)
+    except FileNotFoundError:
+        raise WorkspaceError(f"the workspace {directory} does not exist") from None
+    except NotADirectoryError:
+        raise WorkspaceError(f"the workspace {directory} is not a directory") from None
+    except (OSError, RuntimeError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise WorkspaceError(f"the workspace {directory} cannot be used: {reason}") from None
+    try:
+        info = os.fstat(fd)
+    finally:
+        os.close(fd)
+    relation = private_relation(path, _resolved(private_dirs))
+    if relation is not None:
+        raise WorkspaceError(
+            f"the workspace {path} {relation}; no session may work there: choose another "
+            "workspace (or another data dir)"
+        )
+    return WorkspaceIdentity(
+        path=path, device=info.st_dev, inode=info.st_ino, boot=current_boot()
+    )
+
+
+def open_workspace(
+    identity: WorkspaceIdentity | None,
+    directory: Path,
+    private_dirs: Sequence[Path] = (),
+) -> OpenWorkspace:
+    """The session's workspace, opened and checked for this call: the directory at
+    ``identity.path`` must be the one the identity names, and it must not be or lie
+    inside one of the ``private_dirs`` (those it holds are hidden). With no identity (a
+    context built by hand) the directory that ``directory`` names now is taken. Raises
+    :class:`WorkspaceError`. The caller closes the result (it is a context manager)."""
+    if identity is None:
+        identity = identify_workspace(directory, private_dirs)
+    path = identity.path
+    private = _resolved(private_dirs)
+    relation = private_relation(path, private)
+    if relation is not None:
+        raise WorkspaceError(
+            f"the session's workspace {path} {relation}; the call was not run"
+        )
+    try:
+        fd = os.open(path, _ROOT_FLAGS)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            raise WorkspaceError(
+                f"the session's workspace {path} is gone (nothing, or no directory, stands "
+                "at its path); the call was not run"
+            ) from None
+        raise WorkspaceError(
+            f"the session's workspace {path} cannot be opened: {exc.strerror or exc}"
+        ) from None
+    info = os.fstat(fd)
+    if (info.st_dev, info.st_ino) != (identity.device, identity.inode):
+        os.close(fd)
+        raise WorkspaceError(
+            f"the session's workspace {path} was replaced: the directory at that path is "
+            "not the one the session was created with (a symlink or another directory "
+            "stands there now); the call was not run, and the session's tools will not "
+            "work anywhere else"
+        )
+    hidden: set[tuple[int, int]] = set()
+    for directory in private:
+        if directory.is_relative_to(path):
+            with contextlib.suppress(OSError):
+                inner = os.stat(directory)
+                hidden.add((inner.st_dev, inner.st_ino))
+    return OpenWorkspace(fd, path, frozenset(hidden))
+
+
+class Target:
+    """Where :meth:`OpenWorkspace.locate` led: ``name`` in the directory ``dir_fd``
+    (it may not exist), or, with ``name`` None, the directory ``dir_fd`` itself.
+    ``parts`` are the names from the workspace root to it (symlinks resolved)."""
+
+    __slots__ = ("dir_fd", "name", "parts")
+
+    def __init__(self, dir_fd: int, name: str | None, parts: tuple[str, ...]) -> None:
+        self.dir_fd = dir_fd
+        self.name = name
+        self.parts = parts
+
+    @property
+    def relative(self) -> str:
+        """The path from the workspace root, POSIX separators; ``.`` for the root."""
+        return "/".join(self.parts) or "."
+
+
+class OpenWorkspace:
+    """A verified workspace held open for one call: ``fd`` is the directory, ``path``
+    its resolved path when the session was created, ``hidden`` the device and inode
+    numbers of the private directories it holds, which no walk enters. Descriptors
+    opened while walking stay open until :meth:`close` (idempotent; also run when the
+    object is collected, so that a call abandoned in a worker thread never leaks them).
+    Use from one thread at a time."""
+
+    __slots__ = ("_fds", "fd", "hidden", "path")
+
+    def __init__(
+        self, fd: int, path: Path, hidden: frozenset[tuple[int, int]] = frozenset()
+    ) -> None:
+        self.fd = fd
+        self.path = path
+        self.hidden = hidden
+        self._fds: list[int] = [fd]
+
+    def __enter__(self) -> OpenWorkspace:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the workspace and every directory opened below it."""
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def open_dir(self, name: str, dir_fd: int, *, shown: str) -> int:
+        """Open the directory ``name`` of ``dir_fd`` (never through a symlink, never a
+        hidden one); closed with the workspace. Raises ``OSError`` or
+        :class:`OutsideWorkspaceError` (naming it ``shown``)."""
+        fd = self.enter(name, dir_fd, shown=shown)
+        self._fds.append(fd)
+        return fd
+
+    def enter(self, name: str, dir_fd: int, *, shown: str) -> int:
+        """A new descriptor of the directory ``name`` of ``dir_fd``, opened without
+        following a symlink; :class:`OutsideWorkspaceError` when it is a private
+        directory the workspace holds (checked on the descriptor). The caller closes
+        it."""
+        fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+        if self.hidden:
+            info = os.fstat(fd)
+            if (info.st_dev, info.st_ino) in self.hidden:
+                os.close(fd)
+                raise OutsideWorkspaceError(
+                    f"{shown} is the host's data dir, which no session may use"
+                )
+        return fd
+
+    def is_hidden(self, entry: os.DirEntry[str]) -> bool:
+        """Whether a directory entry is a private directory (left out of listings)."""
+        if not self.hidden or not entry.is_dir(follow_symlinks=False):
+            return False
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except OSError:
+            return False
+        return (info.st_dev, info.st_ino) in self.hidden
+
+    def release(self, target: Target) -> None:
+        """Close ``target``'s directory now, unless it is the workspace root (a walk
+        that locates many files keeps few descriptors open)."""
+        if target.dir_fd != self.fd and target.dir_fd in self._fds:
+            self._fds.remove(target.dir_fd)
+            os.close(target.dir_fd)
+
+    def locate(self, path: str, *, make_parents: bool = False) -> Target:
+        """Walk ``path`` (relative to the workspace, or absolute) from the workspace
+        descriptor, one component at a time: a symlink is read and its target walked in
+        turn (an absolute one only when it points inside the workspace), ``..`` never
+        climbs above the root. Missing directories on the way are created with
+        ``make_parents``; the last component need not exist. The target's directory
+        stays open until :meth:`release` or :meth:`close`. Raises
+        :class:`OutsideWorkspaceError`, or :class:`BuiltinToolError` naming the
+        workspace-relative path."""
+        opened: list[int] = []
+        kept = self.fd
+        try:
+            target = self._walk(path, opened, make_parents)
+            kept = target.dir_fd
+            return target
+        finally:
+            for fd in opened:
+                if fd == kept:
+                    self._fds.append(fd)
+                else:
+                    os.close(fd)
+
+    def _walk(self, path: str, opened: list[int], make_parents: bool) -> Target:
+        stack = [self.fd]
+        names: list[str] = []
+        pending = list(reversed(self._parts(path, path)))
+        links = 0
+        while pending:
+            name = pending.pop()
+            if name in ("", "."):
+                continue
+            if name == "..":
+                if not names:
+                    raise _outside(path)
+                stack.pop()
+                names.pop()
+                continue
+            at = stack[-1]
+            shown = display("/".join([*names, name]))
+            try:
+                try:
+                    info = os.stat(name, dir_fd=at, follow_symlinks=False)
+                except FileNotFoundError:
+                    if not pending:
+                        return Target(at, name, (*names, name))
+                    # What is missing holds no symlink: the rest is names only, and
+                    # climbing out through it is refused like any other way out.
+                    if _climbs_out(len(names), [name, *reversed(pending)]):
+                        raise _outside(path) from None
+                    if not make_parents:
+                        raise
+                    os.mkdir(name, dir_fd=at)
+                    info = os.stat(name, dir_fd=at, follow_symlinks=False)
+                if stat.S_ISLNK(info.st_mode):
+                    links += 1
+                    if links > _MAX_LINKS:
+                        raise BuiltinToolError(f"{shown}: too many levels of symbolic links")
+                    target = os.readlink(name, dir_fd=at)
+                    if os.path.isabs(target):
+                        del stack[1:]
+                        names.clear()
+                    pending.extend(reversed(self._parts(target, path)))
+                    continue
+                if not pending:
+                    return Target(at, name, (*names, name))
+                if not stat.S_ISDIR(info.st_mode):
+                    raise NotADirectoryError(errno.ENOTDIR, "not a directory")
+                fd = self.enter(name, at, shown=shown)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:  # swapped for a symlink since the stat
+                    raise BuiltinToolError(f"{shown} changed while it was read; try again") from exc
+                raise file_error(exc, shown) from exc
+            opened.append(fd)
+            stack.append(fd)
+            names.append(name)
+        return Target(stack[-1], None, tuple(names))
+
+    def _parts(self, path: str, argument: str) -> tuple[str, ...]:
+        """The components of ``path`` to walk from the root (an absolute path must lie in
+        the workspace, spelled as its resolved path or through symlinks to it)."""
+        if "\0" in path:
+            raise BuiltinToolError(f"path {argument!r} holds a NUL character")
+        pure = PurePath(path)
+        if not pure.is_absolute():
+            return pure.parts
+        if pure.is_relative_to(self.path):
+            return pure.relative_to(self.path).parts
+        # Another spelling of a path inside (through a symlink to the workspace, say):
+        # what it resolves to is only a list of names, walked from the verified root.
+        real = Path(os.path.realpath(path))
+        if real.is_relative_to(self.path):
+            return real.relative_to(self.path).parts
+        raise _outside(argument)
+
+
+def _climbs_out(depth: int, names: Sequence[str]) -> bool:
+    """Whether ``names``, walked by name from ``depth`` levels below the root, climb
+    above it."""
+    for name in names:
+        if name == "..":
+            depth -= 1
+            if depth < 0:
+                return True
+        elif name not in ("", "."):
+            depth += 1
+    return False
+
+
+def _outside(path: str) -> OutsideWorkspaceError:
+    return OutsideWorkspaceError(
+        f"path {path!r} is outside the workspace; only paths inside the workspace may be used"
+    )
