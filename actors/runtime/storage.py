@@ -14,9 +14,20 @@ from pathlib import Path
 
 import attrs
 
+from greenroom.actors.runtime.disk import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE
 from greenroom.actors.runtime.trace_sink import read_trace
 from greenroom.protocols.outputs import Output
 from greenroom.protocols.trace import trace_file_name, trace_file_number
+
+__all__ = [
+    "PRIVATE_DIR_MODE",
+    "PRIVATE_FILE_MODE",
+    "SESSIONS_DIR",
+    "SESSION_FILE",
+    "SessionStore",
+    "read_session_records",
+    "tighten",
+]
 
 SESSION_FILE = "session.json"
 """A session's metadata file, in its directory."""
@@ -24,11 +35,6 @@ SESSION_FILE = "session.json"
 SESSIONS_DIR = "sessions"
 """The folder of the data dir that holds one directory per session."""
 
-PRIVATE_DIR_MODE = 0o700
-"""Directories the host creates: only its user may enter them (traces hold tool output)."""
-
-PRIVATE_FILE_MODE = 0o600
-"""Files the host creates (metadata, traces, the ledger)."""
 
 
 def tighten(path: Path, mode: int) -> None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +37,7 @@ from typing import Any, Protocol, cast
 import attrs
 import trio
 
+from greenroom.actors.runtime.disk import DISK, Disk
 from greenroom.actors.runtime.errors import GreenroomError
 from greenroom.actors.runtime.storage import (
     PRIVATE_DIR_MODE,
@@ -212,12 +212,13 @@ class FileTraceStore:
     """The default :class:`TraceStore`: ``<data_dir>/sessions/<id>/`` with ``session.json``
     and ``trace_NNN.jsonl`` files, through one :class:`TraceSink`: records are appended
     from the session's own task, and its actor groups the fsyncs and keeps the SQLite
-    usage ledger."""
+    usage ledger. Every byte goes through ``disk`` (the real one unless a test's)."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, *, disk: Disk = DISK) -> None:
         self.data_dir = data_dir
+        self.disk = disk
         self.paths = SessionStore(data_dir)
-        self.sink = TraceSink(data_dir)
+        self.sink = TraceSink(data_dir, disk=disk)
         """The writer of the files (its batch counters are what tests observe)."""
         self._positions: dict[str, _Position] = {}
 
@@ -234,7 +235,7 @@ class FileTraceStore:
     async def create(self, session_id: str, meta: dict[str, Any]) -> None:
         """Write ``session.json`` (0600, atomically) in a new 0700 session directory."""
         directory = self.paths.session_dir(session_id)
-        await trio.to_thread.run_sync(_write_meta, directory, meta)
+        await trio.to_thread.run_sync(_write_meta, self.disk, directory, meta)
         self._positions[session_id] = _Position(
             number=1, next_seq=1, path=self.paths.trace_path(session_id, 1)
         )
@@ -243,7 +244,7 @@ class FileTraceStore:
         """``session.json``, checked (see :func:`read_meta_file`)."""
         path = self.paths.meta_path(session_id)
         try:
-            return await trio.to_thread.run_sync(read_meta_file, path)
+            return await trio.to_thread.run_sync(read_meta_file, path, self.disk)
         except FileNotFoundError:
             raise StoredSessionMissing(
                 f"no session {session_id!r} in {self.data_dir}"
@@ -373,16 +374,14 @@ class FileTraceStore:
         return position
 
 
-def _write_meta(directory: Path, meta: dict[str, Any]) -> None:
+def _write_meta(disk: Disk, directory: Path, meta: dict[str, Any]) -> None:
     directory.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
     tighten(directory, PRIVATE_DIR_MODE)
-    (directory / "scratch").mkdir(exist_ok=True, mode=PRIVATE_DIR_MODE)
+    disk.make_dir(directory / "scratch")
     tmp = directory / (SESSION_FILE + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
-    with open(fd, "w", encoding="utf-8") as f:
-        f.write(json.dumps(meta, indent=2))
+    disk.write(tmp, json.dumps(meta, indent=2).encode("utf-8"))
     tighten(tmp, PRIVATE_FILE_MODE)
-    tmp.replace(directory / SESSION_FILE)
+    disk.replace(tmp, directory / SESSION_FILE)
 
 
 def _tighten_session_dir(directory: Path) -> None:
@@ -405,12 +404,12 @@ def one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-def read_meta_file(meta_path: Path) -> dict[str, Any]:
+def read_meta_file(meta_path: Path, disk: Disk = DISK) -> dict[str, Any]:
     """A ``session.json``, checked for the shape every reader relies on. Raises
     FileNotFoundError when it is missing and :class:`StoredSessionUnreadable` otherwise.
     Blocking."""
     try:
-        raw = meta_path.read_bytes()
+        raw = disk.read(meta_path)
     except FileNotFoundError:
         raise
     except OSError as exc:
