@@ -1,8 +1,9 @@
 """The host: the root of the actor tree.
 
-A :class:`Host` owns the root nursery, the shared :class:`TraceSink` (trace files and the
-usage ledger) and the provider clients, and creates, loads, lists and closes sessions
-(R-HOST-1). Sessions live in ``<data_dir>/sessions/<session_id>/``: ``session.json``
+A :class:`Host` owns the root nursery, the trace store (its session catalog, trace log and
+usage ledger: :mod:`~greenroom.actors.runtime.trace_store`) and the provider clients, and
+creates, loads, lists and closes sessions (R-HOST-1). With the default file store, sessions
+live in ``<data_dir>/sessions/<session_id>/``: ``session.json``
 (settings, workspace, and ``parent_id`` for a subagent), ``trace_001.jsonl``… and
 ``scratch/``. Traces hold tool output such as file contents, so only the owner may read
 them: the data dir, ``sessions/`` and every session directory are 0700, trace files,
@@ -44,12 +45,14 @@ from greenroom.actors.runtime.storage import (
 )
 from greenroom.actors.runtime.trace_store import (
     FileTraceStore,
+    StoredSession,
     StoredSessionMissing,
     StoredSessionUnreadable,
+    TraceLog,
     TraceStore,
     TraceStoreFactory,
+    UsageLedger,
     one_line,
-    read_meta_file,
 )
 from greenroom.actors.tools.mcp_config import McpConfigError, as_configs
 from greenroom.protocols.context import ToolSchema
@@ -131,6 +134,10 @@ class Host:
         self._observers = tuple(observers)
         self._nursery = nursery
         self._store = store
+        self.trace_log: TraceLog = store.log
+        """The store's trace log: the route of every record (R-TRACE), through the ports."""
+        self.usage_ledger: UsageLedger = store.ledger
+        """The store's usage ledger (R-TRACE-5)."""
         self._sessions: dict[str, Session] = {}
         self._ports: dict[str, SessionPort] = {}
         self._providers: dict[tuple[str, str | None], ModelProvider] = {}
@@ -156,7 +163,8 @@ class Host:
         ``observers`` see every session the host creates or loads (:data:`SessionObserver`:
         the OpenTelemetry export subscribes through it). ``trace_store`` builds where the
         sessions are stored from the data dir (default: :class:`FileTraceStore`, files in
-        the data dir; any :class:`~greenroom.actors.runtime.trace_store.TraceStore`).
+        the data dir; any :class:`~greenroom.actors.runtime.trace_store.TraceStore`: a
+        session catalog, a trace log and a usage ledger).
 
         ``gc_tuning=True`` runs Python's cyclic garbage collector less often while the host
         is open (:func:`~greenroom.actors.runtime.gc_tuning.tuned_gc`: process-wide thresholds,
@@ -271,7 +279,8 @@ class Host:
         }
         if parent_id is not None:
             meta["parent_id"] = parent_id
-        await self._store.create(sid, meta)
+        await self._store.catalog.create(sid, meta)
+        self.trace_log.start(sid)
         port = SessionPort(
             host=self,
             session_id=sid,
@@ -317,7 +326,7 @@ class Host:
             return self._sessions[session_id]
         directory = SessionStore(self.data_dir).session_dir(session_id)
         try:
-            meta = await self._store.read_meta(session_id)
+            meta = await self._store.catalog.read_meta(session_id)
             settings = converter.structure(meta.get("settings", {}), SessionSettings)
         except StoredSessionMissing as exc:
             raise SessionNotFound(str(exc)) from None
@@ -335,7 +344,7 @@ class Host:
         model_provider = provider if not isinstance(provider, str | None) else None
         if model_provider is None:
             model_provider = self._provider_for(settings)
-        loaded = await self._store.load(session_id)
+        loaded = await self.trace_log.load(session_id)
         records = list(loaded.records)
         transcript = rebuild(records, supports_vision=settings.supports_vision)
         machine = fold(records)
@@ -379,12 +388,10 @@ class Host:
         return list((await self.scan_sessions()).sessions)
 
     async def scan_sessions(self) -> SessionScan:
-        """Every session stored in the data dir: the readable ones newest first, and each
-        one whose ``session.json`` cannot be used with its path and the reason. One bad
-        file never hides the others (R-SEC-1)."""
-        return await trio.to_thread.run_sync(
-            _scan_sessions, SessionStore(self.data_dir).sessions_dir
-        )
+        """Every session of the store's catalog: the readable ones newest first, and each
+        one whose metadata cannot be used with where it is and the reason. One bad file
+        never hides the others (R-SEC-1)."""
+        return _session_scan(await self._store.catalog.list_sessions())
 
     async def close_session(self, session_id: str) -> None:
         """Interrupt the session's task, wait for its last record, forget it (R-HOST-3)."""
@@ -392,7 +399,7 @@ class Host:
         self._ports.pop(session_id, None)
         if session is not None:
             await session.aclose()
-            self._store.release(session_id)
+            self.trace_log.release(session_id)
             if self._mcp is not None:
                 await self._mcp.release(session_id)
 
@@ -400,10 +407,11 @@ class Host:
         """Close the session — interrupting its task and waiting until its last record is
         written (R-HOST-3) — then remove its directory: trace files, scratchpad and all.
         Raises :class:`SessionNotFound` when it is neither open nor stored."""
-        if session_id not in self._sessions and not await self._store.exists(session_id):
+        catalog = self._store.catalog
+        if session_id not in self._sessions and not await catalog.exists(session_id):
             raise SessionNotFound(f"no session {session_id!r} in {self.data_dir}")
         await self.close_session(session_id)
-        await self._store.delete(session_id)
+        await catalog.delete(session_id)
 
     async def aclose(self) -> None:
         """Close every session (concurrently) and the provider clients."""
@@ -421,7 +429,8 @@ class Host:
 
     @property
     def trace_store(self) -> TraceStore:
-        """Where the host's sessions are stored: every record goes through it (R-TRACE)."""
+        """Where the host's sessions are stored: ``.catalog`` (the sessions and their
+        metadata), ``.log`` (every record goes through it: R-TRACE), ``.ledger``."""
         return self._store
 
     def check_open(self) -> None:
@@ -566,22 +575,15 @@ def _new_session_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
 
 
-def _scan_sessions(root: Path) -> SessionScan:
+def _session_scan(stored: list[StoredSession]) -> SessionScan:
     infos: list[SessionInfo] = []
     unreadable: list[UnreadableSession] = []
-    if not root.is_dir():
-        return SessionScan(sessions=(), unreadable=())
-    for meta_path in root.glob(f"*/{SESSION_FILE}"):
-        try:
-            meta = read_meta_file(meta_path)
-            traces = sorted(meta_path.parent.glob("trace_*.jsonl"))
-            updated = max((t.stat().st_mtime for t in traces), default=meta_path.stat().st_mtime)
-        except FileNotFoundError:
-            continue  # deleted while we looked
-        except (StoredSessionUnreadable, OSError) as exc:
+    for entry in stored:
+        meta = entry.meta
+        if meta is None:
             unreadable.append(
                 UnreadableSession(
-                    session_id=meta_path.parent.name, path=str(meta_path), reason=str(exc)
+                    session_id=entry.session_id, path=entry.where, reason=entry.problem or ""
                 )
             )
             continue
@@ -589,13 +591,13 @@ def _scan_sessions(root: Path) -> SessionScan:
         created = meta.get("created_at", 0.0)
         infos.append(
             SessionInfo(
-                session_id=meta.get("session_id", meta_path.parent.name),
+                session_id=meta.get("session_id", entry.session_id),
                 created_at=float(created) if abs(created) < 1e300 else 0.0,
-                updated_at=updated,
+                updated_at=entry.updated_at,
                 workspace_dir=meta.get("workspace_dir", ""),
                 provider=str(settings.get("provider", "")),
                 model=str(settings.get("model", "")),
-                trace_files=len(traces),
+                trace_files=entry.traces,
             )
         )
     infos.sort(key=lambda i: i.updated_at, reverse=True)

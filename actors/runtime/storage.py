@@ -14,7 +14,7 @@ from pathlib import Path
 
 import attrs
 
-from greenroom.actors.runtime.disk import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE
+from greenroom.actors.runtime.disk import DISK, PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, Disk
 from greenroom.actors.runtime.trace_sink import read_trace
 from greenroom.protocols.outputs import Output
 from greenroom.protocols.trace import trace_file_name, trace_file_number
@@ -73,6 +73,7 @@ def read_session_records(
     *,
     after_seq: int = 0,
     on_unreadable: Callable[[Path, OSError], None] | None = None,
+    disk: Disk = DISK,
 ) -> list[Output]:
     """The traced outputs with ``seq > after_seq`` from every trace file of a session,
     oldest file first (the conversation across compactions). A missing directory gives
@@ -90,7 +91,7 @@ def read_session_records(
     records: list[Output] = []
     for _, path in numbered:
         try:
-            result = read_trace(path)
+            result = read_trace(path, disk=disk)
         except OSError as exc:
             if on_unreadable is not None:
                 on_unreadable(path, exc)

@@ -368,6 +368,23 @@ class TraceSink:
             self._take_answer(answer, covered)
         self._raise_errors(path)
 
+    async def flush_usage(self) -> None:
+        """Return once every usage row recorded before this call has been through the
+        ledger (inserted, or refused: that is reported by ``sync()``), so that a reader of
+        the ledger sees it. At once when the sink is closed: its rows were flushed then."""
+        if self._closed:
+            await trio.lowlevel.checkpoint()
+            return
+        # One slot: the actor's one answer never waits for this reader.
+        reply, answers = trio.open_memory_channel[TraceFilesSynced](1)
+        try:
+            self._send(SyncTraceFiles(files=(), dirs=(), ledger=True, reply=reply))
+        except TraceSinkClosed:
+            await trio.lowlevel.checkpoint()
+            return
+        with contextlib.suppress(trio.EndOfChannel):
+            await answers.receive()
+
     def clear_error(self, path: Path) -> None:
         """Acknowledge a file's write failure so ``sync`` stops raising it."""
         self._errors.pop(path, None)
@@ -428,6 +445,10 @@ class TraceSink:
             ledger=ledger,
             reply=reply,
         )
+        self._send(message)
+        return answers, covered
+
+    def _send(self, message: SyncTraceFiles) -> None:
         try:
             self._inbox.send_nowait(message)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -438,7 +459,6 @@ class TraceSink:
                 self.data_dir, "the trace writer has stopped"
             )
             raise TraceSinkClosed("trace sink is closed; cannot make the trace durable") from None
-        return answers, covered
 
     def _take_answer(self, answer: TraceFilesSynced, covered: dict[Path, int]) -> None:
         failed = {Path(p): why for p, why in answer.failures}
@@ -791,14 +811,14 @@ def _describe(exc: Exception) -> str:
 # -- readers (blocking; call them from a worker thread inside trio) --------------------------
 
 
-def read_trace(path: Path | str) -> TraceReadResult:
+def read_trace(path: Path | str, *, disk: Disk = DISK) -> TraceReadResult:
     """Read one trace file with :func:`~greenroom.protocols.trace.parse_trace`.
 
     Corrupt lines are reported in the result, not raised. Raises OSError if the file cannot
     be read at all (missing, permission). Blocking: inside trio, use ``trio.to_thread``.
     """
     path = Path(path)
-    return parse_trace(path.read_bytes(), file=str(path))
+    return parse_trace(disk.read(path), file=str(path))
 
 
 def latest_trace_file(session_dir: Path | str) -> Path | None:
