@@ -1,12 +1,13 @@
-"""The file system as the file backend uses it: one small seam for every byte it stores.
+"""The file system as the file backend uses it: one small seam for its traces and metadata.
 
 :class:`Disk` holds the blocking calls through which the trace sink and the file store
 write, make durable and read what they keep: appending records to a trace file, fsyncing a
-file or a directory, writing a file whole and putting it in place, reading one back. The
-default is the operating system itself (:data:`DISK`). A test passes a disk of its own —
-one that refuses or stalls on a given path, or records what was fsynced — to
-``FileTraceStore(data_dir, disk=…)`` or ``TraceSink(data_dir, disk=…)``, instead of
-patching the backend's functions.
+file or a directory, writing a file whole and putting it in place (``session.json``),
+reading one back. (The usage ledger is SQLite's own I/O; modes and directory listings are
+plain calls: they hold no record.) The default is the operating system itself
+(:data:`DISK`). A test passes a disk of its own — one that refuses or stalls on a given
+path, or records what was fsynced — to ``FileTraceStore(data_dir, disk=…)`` or
+``TraceSink(data_dir, disk=…)``, instead of patching the backend's functions.
 
 The contract of every method: it blocks (the trace sink calls :meth:`Disk.append` from the
 session's own task — one small append to the page cache — and everything else from a worker

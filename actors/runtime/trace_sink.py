@@ -37,8 +37,8 @@ the actor: it answers every waiting sync with the failure, and the sink closes. 
 sink is closed (or its actor has stopped), ``sync`` raises :class:`TraceSinkClosed`:
 nothing written after that point can be made durable.
 
-Every byte goes through one :class:`~greenroom.actors.runtime.disk.Disk` (the real one
-unless the sink is given another: a test's disk that refuses or stalls).
+Every append and fsync goes through one :class:`~greenroom.actors.runtime.disk.Disk` (the
+real one unless the sink is given another: a test's disk that refuses or stalls).
 
 Files and modes: trace files and the ledger are created 0600 (they hold tool output such
 as file contents), directories the sink creates 0700.

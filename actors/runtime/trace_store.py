@@ -331,8 +331,8 @@ class FileTraceStore:
     and ``trace_NNN.jsonl`` files (:class:`FileSessionCatalog`, :class:`FileTraceLog`) and
     ``<data_dir>/usage.sqlite`` (:class:`FileUsageLedger`), all written through one
     :class:`TraceSink`: records are appended from the session's own task, and its actor
-    groups the fsyncs and keeps the ledger. Every byte goes through ``disk`` (the real one
-    unless a test's: :mod:`~greenroom.actors.runtime.disk`)."""
+    groups the fsyncs and keeps the ledger. Every record and ``session.json`` goes through
+    ``disk`` (the real one unless a test's: :mod:`~greenroom.actors.runtime.disk`)."""
 
     def __init__(self, data_dir: Path, *, disk: Disk = DISK) -> None:
         self.data_dir = data_dir
