@@ -125,7 +125,7 @@ async def test_a_client_that_stops_reading_is_cut_off_at_the_bound(
             await stopped.wait()
             session = host.get_session(sid)
             await session.wait_idle()
-            records = await host.trace_store.read_after(sid, 0)
+            records = await host.trace_store.log.read_after(sid, 0)
     assert (
         f"the client has left {bound} bytes of output unread; stopping" in capsys.readouterr().err
     )

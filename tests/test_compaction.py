@@ -134,7 +134,7 @@ async def assert_one_context_per_file(
     each file alone rebuilds the context that was summarized (``summarized``: one request
     of each successful summarize compaction, in order; empty for discard) or, for the
     current file, the live context."""
-    await host.trace_store.sync()
+    await host.trace_store.log.sync()
     files = trace_files(session)
     assert [f.name for f in files] == [trace_file_name(n) for n in range(1, len(files) + 1)]
     assert files[-1] == session.trace_path
@@ -695,7 +695,7 @@ async def test_retry_budget_exhausted_keeps_the_old_context_and_the_next_trigger
     assert turn2.messages == base_of(attempts[0].messages)
     assert not is_summary_request(turn2)
 
-    await host.trace_store.sync()
+    await host.trace_store.log.sync()
     rows = ledger_rows(host.data_dir, session.id)
     failed_rows = [r for r in rows if r["kind"] == "compaction_failed"]
     assert len(failed_rows) == 1

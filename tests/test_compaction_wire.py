@@ -465,7 +465,7 @@ async def test_fifty_turns_past_a_small_threshold_keep_going(tmp_path: Path) -> 
             for task in range(10):
                 outputs = await run(session, f"task {task}")
                 assert outputs[-1].status == "completed", outputs[-1]
-            await host.trace_store.sync()
+            await host.trace_store.log.sync()
             files = trace_files(session)
             per_file = await assert_one_context_per_file(host, session, [])
             schemas = port_of(session).tool_schemas

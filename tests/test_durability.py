@@ -9,16 +9,16 @@
 * Nothing reaches a client before the trace holds it: a published traced output is in its
   file already, and a ``task_start`` is published only once its input is fsynced.
 
-Real host, real files, real worker threads: every wait is bounded by ``fail_after``.
+Real host, real files, real worker threads: every wait is bounded by ``fail_after``. The
+host's file store writes through a :class:`FaultyDisk` (the real disk unless a test arms a
+fault on it), which also records every fsync.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +38,12 @@ from conftest import (
 )
 
 import greenroom.actors.runtime.supervisor as supervisor_module
-import greenroom.actors.runtime.trace_sink as trace_sink_module
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session import Session
 from greenroom.actors.runtime.trace_sink import (
     TraceSink,
     TraceSinkClosed,
-    TraceSyncer,
     TraceWriteError,
     read_trace,
 )
@@ -62,8 +60,21 @@ from greenroom.protocols.outputs import (
 from greenroom.protocols.text import REPLACEMENT
 from greenroom.protocols.tools import make_tool
 from greenroom.protocols.trace import encode_record, trace_file_name
+from tests.support.disks import FaultyDisk
 
 SURROGATE = "\ud800"
+
+
+@pytest.fixture
+def disk() -> FaultyDisk:
+    return FaultyDisk()
+
+
+@pytest.fixture
+async def host(data_dir: Path, disk: FaultyDisk) -> AsyncIterator[Host]:
+    """A host whose file store writes through the test's ``disk``."""
+    async with Host.open(data_dir, trace_store=lambda d: FileTraceStore(d, disk=disk)) as opened:
+        yield opened
 
 
 def sink_of(host: Host) -> TraceSink:
@@ -234,53 +245,12 @@ async def test_an_unencodable_record_past_the_repairs_fails_only_its_task(
     assert task_end(await run_all(other, "more")).status == "completed"
 
 
-class DiskFault:
-    """Makes the sink's appends to one file fail with an OSError while ``on``, or, with
-    ``fsync_only``, only its fsyncs (the worker thread checks it)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, fsync_only: bool = False) -> None:
-        self.path: Path | None = None
-        self.on = False
-        self.fsync_only = fsync_only
-        self.hits = 0
-
-        def hit(path: Path) -> None:
-            if self.on and path == self.path:
-                self.hits += 1
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-        real = trace_sink_module._append
-
-        def append(path: Path, lines: list[bytes]) -> frozenset[Path]:
-            if not self.fsync_only:
-                hit(path)
-            return real(path, lines)
-
-        real_known = trace_sink_module._append_known
-
-        def append_known(path: Path, lines: list[bytes]) -> bool:
-            if not self.fsync_only:
-                hit(path)
-            return real_known(path, lines)
-
-        real_fsync = trace_sink_module._fsync_file
-
-        def fsync_file(path: Path) -> None:
-            hit(path)
-            real_fsync(path)
-
-        monkeypatch.setattr(trace_sink_module, "_append", append)
-        monkeypatch.setattr(trace_sink_module, "_append_known", append_known)
-        monkeypatch.setattr(trace_sink_module, "_fsync_file", fsync_file)
-
-
 async def test_a_failing_trace_file_ends_only_its_task(
-    host: Host, workspace: Path, monkeypatch: pytest.MonkeyPatch
+    host: Host, workspace: Path, disk: FaultyDisk
 ) -> None:
     """R-SEC-1: the disk refuses one session's file mid-task. That task ends failed with
     the OS's reason (its task_end lands once the disk takes writes again); a session
     running at the same time completes with a whole trace; the failed session runs again."""
-    fault = DiskFault(monkeypatch)
     gates = Gates()
     victim = await host.create_session(
         provider=ScriptedProvider(
@@ -300,21 +270,20 @@ async def test_a_failing_trace_file_ends_only_its_task(
         workspace_dir=workspace,
         tools=[gates.tool()],
     )
-    fault.path = victim.trace_path
     recorder = Recorder(victim)
     with trio.fail_after(RUN_TIMEOUT_S):
         victim_stream = victim.run("work", approve=allow_all)
         bystander_stream = bystander.run("work too", approve=allow_all)
         await gates.started("v")
         await gates.started("b")
-        fault.on = True
+        disk.refuse(victim.trace_path)
         gates.release("v")
         await recorder.wait_for("tool_call_output", call_id="c1")
-        fault.on = False
+        disk.mend()
         outputs = await collect(victim_stream)
         gates.release("b")
         bystander_outputs = await collect(bystander_stream)
-    assert fault.hits >= 1
+    assert disk.hits >= 1
     end = task_end(outputs)
     assert end.status == "failed"
     assert end.message is not None and "No space left on device" in end.message, end.message
@@ -334,11 +303,10 @@ async def test_a_failing_trace_file_ends_only_its_task(
 
 
 async def test_a_side_effect_does_not_start_when_its_call_cannot_be_made_durable(
-    host: Host, workspace: Path, monkeypatch: pytest.MonkeyPatch
+    host: Host, workspace: Path, disk: FaultyDisk
 ) -> None:
     """R-TRACE-2: the fsync before a side-effecting tool fails. The tool never runs, its
     call gets an error output naming the trace failure, and the task ends failed."""
-    fault = DiskFault(monkeypatch, fsync_only=True)
     marks = Marks()
     session = await host.create_session(
         provider=ScriptedProvider(
@@ -347,12 +315,11 @@ async def test_a_side_effect_does_not_start_when_its_call_cannot_be_made_durable
         workspace_dir=workspace,
         tools=[marks.tool],
     )
-    fault.path = session.trace_path
     recorder = Recorder(session)
     with trio.fail_after(RUN_TIMEOUT_S):
         stream = session.run("mark it", approve=allow_all)
         await recorder.wait_for("task_start")  # its input's fsync got through
-        fault.on = True
+        disk.refuse(session.trace_path, appends=False)
         outputs = await collect(stream)
     assert marks.ran == []
     result = next(o for o in of_type(outputs, ToolCallOutput) if o.call_id == "c1")
@@ -364,23 +331,14 @@ async def test_a_side_effect_does_not_start_when_its_call_cannot_be_made_durable
 
 
 async def test_sync_raises_once_the_writer_has_stopped(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, disk: FaultyDisk
 ) -> None:
-    """R-TRACE-2: a bug that stops the writer loop closes the sink instead of ending its
+    """R-TRACE-2: a bug that stops the writer loop (here: an fsync that raises something
+    the disk would never refuse with, not an OSError) closes the sink instead of ending its
     nursery (the host), and from then on no sync returns as if lines were durable."""
-    calls = 0
-    real = TraceSyncer._take_batch
-
-    def take_batch(self: TraceSyncer, *, final: bool) -> Any:
-        nonlocal calls
-        calls += 1
-        if not final:
-            raise RuntimeError("writer bug")
-        return real(self, final=final)
-
-    monkeypatch.setattr(TraceSyncer, "_take_batch", take_batch)
     path = tmp_path / "sessions" / "s1" / trace_file_name(1)
-    sink = TraceSink(tmp_path)
+    disk.break_writer(path)
+    sink = TraceSink(tmp_path, disk=disk)
     with trio.fail_after(RUN_TIMEOUT_S):
         async with trio.open_nursery() as nursery:
             await nursery.start(sink.run)
@@ -392,11 +350,11 @@ async def test_sync_raises_once_the_writer_has_stopped(
             with pytest.raises(TraceSinkClosed):
                 sink.write(path, line(2))
             assert sink.error(path) is not None
-    assert calls >= 1
+    assert disk.bug_hits >= 1
 
 
 async def test_a_stopped_writer_fails_the_task_and_starts_no_side_effect(
-    data_dir: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+    host: Host, workspace: Path, disk: FaultyDisk
 ) -> None:
     """R-SEC-1, R-TRACE-2: the writer stops while a side-effecting call waits for its
     approval. The call never runs, the task ends failed naming the trace, and the host is
@@ -410,40 +368,35 @@ async def test_a_stopped_writer_fails_the_task_and_starts_no_side_effect(
         await decide.wait()
         return "allow"
 
-    async with open_host(data_dir) as host:
-        session = await host.create_session(
-            provider=ScriptedProvider([Reply(blocks=(tool_call("c1", "mark", key="m1"),))]),
-            workspace_dir=workspace,
-            tools=[marks.tool],
-        )
-        with trio.fail_after(RUN_TIMEOUT_S):
-            stream = session.run("mark it", approve=approve)
-            await asked.wait()
-
-            def broken(self: TraceSyncer, *, final: bool) -> Any:
-                raise RuntimeError("writer bug")
-
-            monkeypatch.setattr(TraceSyncer, "_take_batch", broken)
-            port = port_of(session)
-            port.append(  # any record wakes the writer, which then stops
-                attrs_evolve_seq(
-                    ModelMsg(session_id=session.id, run_id="x", turn=1, block=TextBlock(text="w")),
-                    port.next_seq(),
-                )
+    session = await host.create_session(
+        provider=ScriptedProvider([Reply(blocks=(tool_call("c1", "mark", key="m1"),))]),
+        workspace_dir=workspace,
+        tools=[marks.tool],
+    )
+    with trio.fail_after(RUN_TIMEOUT_S):
+        stream = session.run("mark it", approve=approve)
+        await asked.wait()
+        disk.break_writer(session.trace_path)
+        port = port_of(session)
+        port.append(  # any record to sync wakes the writer, which then stops
+            attrs_evolve_seq(
+                ModelMsg(session_id=session.id, run_id="x", turn=1, block=TextBlock(text="w")),
+                port.next_seq(),
             )
-            port.commit()
-            with pytest.raises((TraceWriteError, TraceSinkClosed)):
-                await sink_of(host).sync(session.trace_path)
-            decide.set()
-            outputs = await collect(stream)
-        assert marks.ran == []
-        end = task_end(outputs)
-        assert end.status == "failed"
-        assert end.message is not None and "trace" in end.message
-        assert [o.status for o in of_type(outputs, ToolCallOutput)] in (
-            ["interrupted"],
-            ["error"],
         )
+        port.commit()
+        with pytest.raises((TraceWriteError, TraceSinkClosed)):
+            await sink_of(host).sync(session.trace_path)
+        decide.set()
+        outputs = await collect(stream)
+    assert marks.ran == []
+    end = task_end(outputs)
+    assert end.status == "failed"
+    assert end.message is not None and "trace" in end.message
+    assert [o.status for o in of_type(outputs, ToolCallOutput)] in (
+        ["interrupted"],
+        ["error"],
+    )
 
 
 def attrs_evolve_seq(output: ModelMsg, seq: int) -> ModelMsg:
@@ -458,7 +411,7 @@ def attrs_evolve_seq(output: ModelMsg, seq: int) -> ModelMsg:
 class TraceWatch:
     """A subscriber that checks, as each batch is published, that every traced output in
     it is in the trace file already, and that a ``task_start`` comes after an fsync of
-    the file that covered its input."""
+    the file that covered its input (``fsyncs``: the disk's record, file and size)."""
 
     def __init__(self, session: Session, fsyncs: list[tuple[Path, int]]) -> None:
         self.session = session
@@ -494,26 +447,8 @@ def _end_of_record(data: bytes, seq: int | None) -> int:
     return 1 << 62
 
 
-@pytest.fixture
-def fsyncs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Path, int]]:
-    """Every fsync of the process as (file, its size then); Linux (``/proc/self/fd``)."""
-    if not Path("/proc/self/fd").is_dir():
-        pytest.skip("needs /proc/self/fd to name fsynced files")
-    seen: list[tuple[Path, int]] = []
-    real: Callable[[int], None] = os.fsync
-    lock = threading.Lock()
-
-    def spy(fd: int) -> None:
-        real(fd)
-        with lock:
-            seen.append((Path(os.readlink(f"/proc/self/fd/{fd}")), os.fstat(fd).st_size))
-
-    monkeypatch.setattr(os, "fsync", spy)
-    return seen
-
-
 async def test_published_outputs_are_already_in_the_trace(
-    host: Host, workspace: Path, fsyncs: list[tuple[Path, int]]
+    host: Host, workspace: Path, disk: FaultyDisk
 ) -> None:
     """R-RUN-8, R-TRACE-3: at the moment any traced output reaches a subscriber (and so
     the run iterator and the gateway, fed by the same batches) its record is in the file;
@@ -536,7 +471,7 @@ async def test_published_outputs_are_already_in_the_trace(
         workspace_dir=workspace,
         tools=[marks.tool],
     )
-    watch = TraceWatch(session, fsyncs)
+    watch = TraceWatch(session, disk.fsyncs)
     with trio.fail_after(RUN_TIMEOUT_S):
         stream = session.run("two marks", approve=allow_all)
         assert session.follow_up("and then", approve=allow_all)
@@ -548,35 +483,23 @@ async def test_published_outputs_are_already_in_the_trace(
 
 
 async def test_task_start_waits_for_the_fsync_of_its_input(
-    host: Host, workspace: Path, monkeypatch: pytest.MonkeyPatch
+    host: Host, workspace: Path, disk: FaultyDisk
 ) -> None:
     """R-TRACE-3: while the fsync of the prompt hangs, the prompt is published (it is
     written) but the task has not started: no task_start, no model request. Released,
     everything follows in order."""
-    stuck = threading.Event()
-    release = threading.Event()
-    real = trace_sink_module._run_batch
-    target: list[Path] = []
-
-    def run_batch(job: Any, ledger: Any) -> Any:
-        if target and target[0] in job.fsync and not release.is_set():
-            stuck.set()
-            release.wait(RUN_TIMEOUT_S)
-        return real(job, ledger)
-
-    monkeypatch.setattr(trace_sink_module, "_run_batch", run_batch)
     provider = ScriptedProvider([Reply(blocks=(text("hello there"),))])
     session = await host.create_session(provider=provider, workspace_dir=workspace)
-    target.append(session.trace_path)
+    disk.stall(session.trace_path)
     recorder = Recorder(session)
     with trio.fail_after(RUN_TIMEOUT_S):
         stream = session.run("hi")
-        await trio.to_thread.run_sync(stuck.wait, RUN_TIMEOUT_S)
+        await trio.to_thread.run_sync(disk.stalled.wait, RUN_TIMEOUT_S)
         await trio.testing.wait_all_tasks_blocked()
         assert [o.TYPE for o in recorder.outputs] == ["user_msg"]
         assert [r["type"] for r in trace_lines(session)] == ["user_msg"]
         assert provider.requests == []
-        release.set()
+        disk.release()
         outputs = await collect(stream)
     assert [o.TYPE for o in outputs][:3] == ["user_msg", "task_start", "request_begin"]
     assert recorder.outputs == outputs

@@ -179,7 +179,7 @@ async def test_child_answer_is_the_result_and_its_outputs_are_forwarded_with_ori
     assert meta["workspace_dir"] == str(session.workspace_dir)
     assert meta["tools"] == ["read_file"]  # no spawn_subagent below max_subagent_depth=1
     assert meta["settings"]["system"] == f"{SUBAGENT_SYSTEM}\n\nBe brief."
-    await host.trace_store.sync()
+    await host.trace_store.log.sync()
     child_lines = child_trace(data_dir, child_id)
     assert [line["seq"] for line in child_lines] == list(range(1, len(child_lines) + 1))
     assert {line["session_id"] for line in child_lines} == {child_id}
@@ -360,7 +360,7 @@ async def test_token_budget_interrupts_the_child_and_fails_the_call(
     assert of_type(outputs, TaskEnd)[-1].status == "completed"
     assert [r for r in provider.requests if is_child(r)][1:] == []  # no second request
 
-    await host.trace_store.sync()
+    await host.trace_store.log.sync()
     lines = child_trace(data_dir, child_id)
     assert [line["type"] for line in lines[-2:]] == ["abort", "task_end"]
     assert "budget" in lines[-2]["reason"]
@@ -410,7 +410,7 @@ async def test_interrupting_the_parent_interrupts_the_running_child(
     assert of_type(child, Abort)[0].reason == "parent task interrupted"
     assert outputs.index(of_type(child, TaskEnd)[0]) < outputs.index(of_type(own, Abort)[0])
 
-    await host.trace_store.sync()
+    await host.trace_store.log.sync()
     lines = child_trace(data_dir, child_id)
     assert [line["type"] for line in lines[-2:]] == ["abort", "task_end"]
     assert lines[-1]["status"] == "aborted"

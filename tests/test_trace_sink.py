@@ -1,14 +1,14 @@
 """The TraceSink actor against real files and a real SQLite ledger.
 
 Worker threads run for real here, so there is no MockClock: every test is bounded by
-``fail_after`` instead, and nothing waits by sleeping.
+``fail_after`` instead, and nothing waits by sleeping. Tests that look at fsyncs give the
+sink a :class:`FaultyDisk`, which records them.
 """
 
 from __future__ import annotations
 
-import os
 import sqlite3
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -16,6 +16,7 @@ import pytest
 import trio
 import trio.testing
 
+from greenroom.actors.runtime.disk import DISK, Disk
 from greenroom.actors.runtime.trace_sink import (
     TraceSink,
     TraceSinkClosed,
@@ -28,6 +29,7 @@ from greenroom.protocols.content import TextBlock
 from greenroom.protocols.outputs import ModelMsg, TokenUsageOutput
 from greenroom.protocols.stream import TokenUsage
 from greenroom.protocols.trace import UsageRow, encode_record, trace_file_name
+from tests.support.disks import FaultyDisk
 
 TIMEOUT = 10
 
@@ -49,8 +51,8 @@ def seqs(path: Path) -> list[int | None]:
 
 
 @asynccontextmanager
-async def running_sink(data_dir: Path) -> AsyncIterator[TraceSink]:
-    sink = TraceSink(data_dir)
+async def running_sink(data_dir: Path, disk: Disk = DISK) -> AsyncIterator[TraceSink]:
+    sink = TraceSink(data_dir, disk=disk)
     async with trio.open_nursery() as nursery:
         await nursery.start(sink.run)
         yield sink
@@ -58,19 +60,14 @@ async def running_sink(data_dir: Path) -> AsyncIterator[TraceSink]:
 
 
 @pytest.fixture
-def fsynced(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
-    """Record the path of every file the sink fsyncs (Linux: through /proc/self/fd)."""
-    if not Path("/proc/self/fd").is_dir():
-        pytest.skip("needs /proc/self/fd to name fsynced files")
-    paths: list[Path] = []
-    real_fsync: Callable[[int], None] = os.fsync
+def disk() -> FaultyDisk:
+    return FaultyDisk()
 
-    def spy(fd: int) -> None:
-        paths.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
-        real_fsync(fd)
 
-    monkeypatch.setattr(os, "fsync", spy)
-    return paths
+@pytest.fixture
+def fsynced(disk: FaultyDisk) -> list[Path]:
+    """The path of every file and directory the sink fsyncs through ``disk``, in order."""
+    return disk.fsynced
 
 
 async def test_ready_means_ledger_open(tmp_path: Path) -> None:
@@ -80,10 +77,12 @@ async def test_ready_means_ledger_open(tmp_path: Path) -> None:
             assert sink.ledger_path.exists()
 
 
-async def test_write_then_sync_is_on_disk_and_fsynced(tmp_path: Path, fsynced: list[Path]) -> None:
+async def test_write_then_sync_is_on_disk_and_fsynced(
+    tmp_path: Path, disk: FaultyDisk, fsynced: list[Path]
+) -> None:
     path = trace_path(tmp_path, "s1")
     with trio.fail_after(TIMEOUT):
-        async with running_sink(tmp_path) as sink:
+        async with running_sink(tmp_path, disk) as sink:
             for seq in range(1, 4):
                 sink.write(path, line(seq))
             await sink.sync(path)
@@ -93,10 +92,12 @@ async def test_write_then_sync_is_on_disk_and_fsynced(tmp_path: Path, fsynced: l
             assert path.parent in fsynced
 
 
-async def test_nothing_pending_returns_at_once(tmp_path: Path, fsynced: list[Path]) -> None:
+async def test_nothing_pending_returns_at_once(
+    tmp_path: Path, disk: FaultyDisk, fsynced: list[Path]
+) -> None:
     path = trace_path(tmp_path, "s1")
     with trio.fail_after(TIMEOUT):
-        async with running_sink(tmp_path) as sink:
+        async with running_sink(tmp_path, disk) as sink:
             await sink.sync(path)
             await sink.sync()
             assert sink.batches_written == 0
@@ -110,11 +111,11 @@ async def test_nothing_pending_returns_at_once(tmp_path: Path, fsynced: list[Pat
 
 
 async def test_unsynced_lines_are_written_with_the_next_batch(
-    tmp_path: Path, fsynced: list[Path]
+    tmp_path: Path, disk: FaultyDisk, fsynced: list[Path]
 ) -> None:
     quiet, busy = trace_path(tmp_path, "quiet"), trace_path(tmp_path, "busy")
     with trio.fail_after(TIMEOUT):
-        async with running_sink(tmp_path) as sink:
+        async with running_sink(tmp_path, disk) as sink:
             sink.write(quiet, line(1))
             sink.write(busy, line(1))
             await sink.sync(busy)
@@ -226,11 +227,11 @@ async def test_usage_rows_land_in_sqlite(tmp_path: Path) -> None:
 
 
 async def test_aclose_flushes_unsynced_lines_and_rows(
-    tmp_path: Path, fsynced: list[Path]
+    tmp_path: Path, disk: FaultyDisk, fsynced: list[Path]
 ) -> None:
     path = trace_path(tmp_path, "s1")
     with trio.fail_after(TIMEOUT):
-        async with running_sink(tmp_path) as sink:
+        async with running_sink(tmp_path, disk) as sink:
             for seq in range(1, 6):
                 sink.write(path, line(seq))
             sink.record_usage(UsageRow(at=1.0, session_id="s1", run_id="r1", turn=1,
@@ -243,9 +244,11 @@ async def test_aclose_flushes_unsynced_lines_and_rows(
     assert usage_totals(sink.ledger_path)["s1"]["input"] == 1
 
 
-async def test_cancelling_run_flushes_unsynced_lines(tmp_path: Path, fsynced: list[Path]) -> None:
+async def test_cancelling_run_flushes_unsynced_lines(
+    tmp_path: Path, disk: FaultyDisk, fsynced: list[Path]
+) -> None:
     path = trace_path(tmp_path, "s1")
-    sink = TraceSink(tmp_path)
+    sink = TraceSink(tmp_path, disk=disk)
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
             await nursery.start(sink.run)
@@ -278,6 +281,27 @@ async def test_write_after_close_raises(tmp_path: Path) -> None:
             await sink.sync()
         await sink.aclose()
     assert seqs(path) == [1]
+
+
+async def test_a_row_the_ledger_refuses_fails_the_ledger_only(tmp_path: Path) -> None:
+    """R-SEC-1, R-TRACE-5: a usage row SQLite cannot store (a token count past 64 bits, as a
+    model server may send) fails the ledger; the trace file synced in the same batch is
+    durable, and the writer goes on."""
+    path = trace_path(tmp_path, "s1")
+    with trio.fail_after(TIMEOUT):
+        async with running_sink(tmp_path) as sink:
+            sink.write(path, line(1))
+            sink.record_usage(UsageRow(at=1.0, session_id="s1", run_id="r1", turn=1,
+                                       kind="request", provider="p", model="m",
+                                       usage=TokenUsage(input=2**70)))
+            await sink.sync(path)
+            with pytest.raises(TraceWriteError) as info:
+                await sink.sync()
+            assert info.value.path == sink.ledger_path
+            assert set(sink.errors) == {sink.ledger_path}
+            sink.write(path, line(2))
+            await sink.sync(path)
+    assert seqs(path) == [1, 2]
 
 
 async def test_a_failing_file_does_not_stop_the_others(tmp_path: Path) -> None:
@@ -348,13 +372,13 @@ def test_latest_trace_file(tmp_path: Path) -> None:
 
 
 async def test_a_released_file_is_still_made_durable_when_it_has_unsynced_lines(
-    tmp_path: Path, fsynced: list[Path]
+    tmp_path: Path, disk: FaultyDisk, fsynced: list[Path]
 ) -> None:
     """Releasing a closed session's file forgets it only once nothing of it is pending:
     committed lines that were never fsynced are still fsynced at close."""
     synced, pending = trace_path(tmp_path, "synced"), trace_path(tmp_path, "pending")
     with trio.fail_after(TIMEOUT):
-        async with running_sink(tmp_path) as sink:
+        async with running_sink(tmp_path, disk) as sink:
             sink.write(synced, line(1))
             await sink.sync(synced)
             sink.write(pending, line(1))

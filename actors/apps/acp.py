@@ -497,7 +497,7 @@ class AcpAgent:
                 f"{request.cwd} the client gave"
             )
         entry = self._add_session(session, self._mcp_servers(request.mcp_servers))
-        records = await session.host.trace_store.read_after(session.id)
+        records = await session.host.trace_store.log.read_after(session.id)
         images = _OutputImages(session)
         replay = acp.UpdateMapper(
             live=False, workspace=str(session.workspace_dir), load_image=images.get

@@ -59,6 +59,7 @@ from greenroom.actors.runtime import (
     ApproveFn,
     AuthLocked,
     ConfigurationError,
+    FileTraceStore,
     GreenroomError,
     Host,
     Session,
@@ -66,8 +67,6 @@ from greenroom.actors.runtime import (
     SessionObserver,
     SessionStore,
     default_data_dir,
-    latest_trace_file,
-    read_trace,
     spawn_subagent,
 )
 from greenroom.actors.tools import (
@@ -653,7 +652,7 @@ def _dispatch_command(args: argparse.Namespace) -> int:
     if args.command == "sessions":
         return trio.run(_sessions_command, args)
     if args.command == "trace":
-        return _trace_command(args)
+        return trio.run(_trace_command, args)
     raise UsageError(f"unknown command {args.command!r}")
 
 
@@ -1982,29 +1981,31 @@ async def _sessions_command(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _trace_command(args: argparse.Namespace) -> int:
+async def _trace_command(args: argparse.Namespace) -> int:
     session_id: str = args.session_id
     if not _SESSION_ID.fullmatch(session_id):
         raise UsageError(f"{session_id!r} is not a session id")
     data_dir = _data_dir(args.data_dir)
-    session_dir = SessionStore(data_dir).session_dir(session_id)
-    if not session_dir.is_dir():
+    # The file store itself, not a host: reading starts no writer, creates nothing and
+    # needs no write permission on the data dir.
+    store = FileTraceStore(data_dir)
+    if not await store.catalog.exists(session_id):
         raise UsageError(f"no session {session_id!r} in {data_dir}")
-    path = latest_trace_file(session_dir)
-    if path is None:
-        _error(f"session {session_id} has no trace yet")
-        return EXIT_OK
+    path = store.log.location(session_id)
     try:
-        result = read_trace(path)
+        trace = await store.log.read_latest(session_id)
     except OSError as exc:
         _error(f"{path}: cannot read: {exc}")
         return EXIT_FAILED
+    if not trace.records and not trace.errors:
+        _error(f"session {session_id} has no trace yet")
+        return EXIT_OK
     _error(f"trace: {path}")
-    for record in result.records:
+    for record in trace.records:
         print(to_json(record) if args.json else format_record(record))
     sys.stdout.flush()
-    for problem in result.errors:
-        _error(str(problem))
+    for problem in trace.errors:
+        _error(problem)
     return EXIT_OK
 
 

@@ -61,6 +61,7 @@ from greenroom.actors.runtime.host import Host, SessionObserver
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.session import Session
 from greenroom.actors.runtime.storage import SessionStore
+from greenroom.actors.runtime.trace_store import StoredSessionMissing, StoredSessionUnreadable
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.outputs import (
     ModelMsg,
@@ -212,7 +213,7 @@ class ClusterNode:
         """The host's :data:`SessionObserver`: adopt every session it creates or loads."""
         assert self.store is not None and self._work is not None
         sid = session.id
-        self.store.replicate(sid)
+        self.store.log.replicate(sid)
         self._adopted.add(sid)
         self._load_changed()
         # Unbounded: the publisher never waits on the node, and the node's watcher waits
@@ -349,7 +350,7 @@ class ClusterNode:
 
     def _start_stream(self, session_id: str, writer: TraceWriter) -> None:
         assert self._streams is not None and self.store is not None
-        store = self.store
+        log = self.store.log
         scope = trio.CancelScope()
         self._stream_scopes[session_id] = scope
 
@@ -357,7 +358,7 @@ class ClusterNode:
             with scope:
                 async with trio.open_nursery() as both:
                     both.start_soon(self._serve_requests, session_id)
-                    await store.stream_to(session_id, writer)
+                    await log.stream_to(session_id, writer)
                     both.cancel_scope.cancel()
 
         self._streams.start_soon(stream)
@@ -416,7 +417,7 @@ class ClusterNode:
         """Stop replicating first (nothing more reaches the cluster's trace), then close
         the session on this host."""
         if self.store is not None:
-            self.store.forget(session_id)
+            self.store.log.forget(session_id)
         scope = self._stream_scopes.pop(session_id, None)
         if scope is not None:
             scope.cancel()
@@ -430,11 +431,9 @@ class ClusterNode:
 
     async def _publish_meta(self, session_id: str) -> None:
         assert self._directory is not None and self._host is not None
-        meta_path = SessionStore(self._host.data_dir).meta_path(session_id)
         try:
-            text = await trio.to_thread.run_sync(meta_path.read_text)
-            meta = json.loads(text)
-        except (OSError, ValueError):
+            meta = await self._host.trace_store.catalog.read_meta(session_id)
+        except (StoredSessionMissing, StoredSessionUnreadable):
             known = await self._directory.get(session_id)
             meta = (known or {}).get("meta", {})
         running = self._running.get(session_id, False)
@@ -510,7 +509,7 @@ class ClusterNode:
         try:
             await trio.to_thread.run_sync(_materialize, directory, meta, read, interrupted)
             assert self.store is not None
-            self.store.replicate(session_id)
+            self.store.log.replicate(session_id)
             self._start_stream(session_id, writer)
             session = await self._host.load_session(
                 session_id,

@@ -2,20 +2,23 @@
 session also appended, fenced, to the session's JetStream subject (R-CLUSTER-1, R-TRACE-2).
 
 :class:`ReplicatingTraceStore` is a :class:`~greenroom.actors.runtime.trace_store.TraceStore`
-that keeps the host's files as in single-host mode (a :class:`FileTraceStore` inside: the
-gateway's replay, loading and the usage ledger work as they do there) and queues each record
-of a *replicated* session for the session's
-:class:`~greenroom.actors.cluster.traces.TraceWriter`. A ticket is done
-(:meth:`batch_done`, :meth:`when_batch_done`) only once its records are in the file *and*
-acknowledged by JetStream, :meth:`commit` says False until then, and :meth:`sync` returns
-only then: a client never sees a record, and a tool with side effects never starts, before
-the record is in the cluster and survives this host.
+that keeps the host's files as in single-host mode (a :class:`FileTraceStore` inside) and
+replaces one of its three parts: its session catalog and usage ledger are the file store's
+(deleting a session also tells the node, ``on_deleted``), its trace log is a
+:class:`ReplicatingTraceLog`. That log writes the files as the file log does (the gateway's
+replay and loading work as they do there) and queues each record of a *replicated* session
+for the session's :class:`~greenroom.actors.cluster.traces.TraceWriter`. A ticket is done
+(:meth:`~ReplicatingTraceLog.batch_done`, :meth:`~ReplicatingTraceLog.when_batch_done`) only
+once its records are in the file *and* acknowledged by JetStream,
+:meth:`~ReplicatingTraceLog.commit` says False until then, and
+:meth:`~ReplicatingTraceLog.sync` returns only then: a client never sees a record, and a tool
+with side effects never starts, before the record is in the cluster and survives this host.
 
 When JetStream refuses an append (another host fenced the trace: this host lost the
-session), nothing more of that session is appended, :meth:`error` reports a
-:class:`~greenroom.actors.runtime.trace_store.StaleTraceWriter`, and ``on_fenced(session_id)``
-is called so the host stops the session. Sessions that are not replicated (subagents) are
-stored in files only.
+session), nothing more of that session is appended, :meth:`~ReplicatingTraceLog.error`
+reports a :class:`~greenroom.actors.runtime.trace_store.StaleTraceWriter`, and
+``on_fenced(session_id)`` is called so the host stops the session. Sessions that are not
+replicated (subagents) are stored in files only.
 """
 
 from __future__ import annotations
@@ -30,17 +33,21 @@ import trio
 
 from greenroom.actors.cluster.errors import ClusterUnavailable, Fenced
 from greenroom.actors.cluster.traces import TraceWriter
+from greenroom.actors.runtime.disk import DISK, Disk
 from greenroom.actors.runtime.trace_sink import TraceWriteError
 from greenroom.actors.runtime.trace_store import (
+    FileSessionCatalog,
+    FileTraceLog,
     FileTraceStore,
+    FileUsageLedger,
     LoadedTrace,
     StaleTraceWriter,
+    StoredSession,
 )
 from greenroom.protocols.messages import TraceWritten
 from greenroom.protocols.outputs import Output
-from greenroom.protocols.trace import UsageRow
 
-__all__ = ["ReplicatingTraceStore"]
+__all__ = ["ClusterCatalog", "ReplicatingTraceLog", "ReplicatingTraceStore"]
 
 _RETRY_S = 0.5
 """Wait before appending again after NATS was unreachable."""
@@ -64,13 +71,10 @@ class _Replica:
 
 
 class ReplicatingTraceStore:
-    """The file store plus fenced JetStream appends for replicated sessions.
+    """The file store with a replicating trace log (see the module docstring).
 
     ``on_fenced(session_id)`` and ``on_deleted(session_id)`` (a session deleted through
-    this host) must not block or raise. Replication of a session starts with
-    :meth:`replicate` (records are queued from then on); its appends run in
-    :meth:`stream_to`, one task per session, started once its lease is held and its trace
-    fenced.
+    this host) must not block or raise. ``disk`` is the file store's.
     """
 
     def __init__(
@@ -79,11 +83,82 @@ class ReplicatingTraceStore:
         *,
         on_fenced: Callable[[str], None],
         on_deleted: Callable[[str], None] = lambda _session_id: None,
+        disk: Disk = DISK,
     ) -> None:
-        self.files = FileTraceStore(data_dir)
+        self.files = FileTraceStore(data_dir, disk=disk)
+        self.data_dir = data_dir
+        self.log = ReplicatingTraceLog(self.files.log, data_dir, on_fenced=on_fenced)
+        self.catalog = ClusterCatalog(self.files.catalog, self.log, on_deleted=on_deleted)
+        self.ledger: FileUsageLedger = self.files.ledger
+        """The host's own ledger: each host counts the requests it made."""
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the file store."""
+        await self.files.run(task_status=task_status)
+
+    async def aclose(self) -> None:
+        """Close the file store; records JetStream has not acknowledged by then are given
+        up (their tickets count as done)."""
+        await self.files.aclose()
+        self.log.give_up_all()
+
+
+class ClusterCatalog:
+    """The file store's session catalog; deleting a replicated session also stops its
+    replication and tells the node (``on_deleted``), which removes it from the cluster."""
+
+    def __init__(
+        self,
+        files: FileSessionCatalog,
+        log: ReplicatingTraceLog,
+        *,
+        on_deleted: Callable[[str], None],
+    ) -> None:
+        self._files = files
+        self._log = log
+        self._on_deleted = on_deleted
+
+    async def create(self, session_id: str, meta: dict[str, Any]) -> None:
+        """As the file catalog."""
+        await self._files.create(session_id, meta)
+
+    async def read_meta(self, session_id: str) -> dict[str, Any]:
+        """As the file catalog."""
+        return await self._files.read_meta(session_id)
+
+    async def exists(self, session_id: str) -> bool:
+        """As the file catalog."""
+        return await self._files.exists(session_id)
+
+    async def list_sessions(self) -> list[StoredSession]:
+        """As the file catalog (the sessions this host's data dir holds)."""
+        return await self._files.list_sessions()
+
+    async def delete(self, session_id: str) -> None:
+        """As the file catalog; the session stops being replicated and the cluster forgets
+        it (``on_deleted``)."""
+        replicated = self._log.replicated(session_id)
+        await self._files.delete(session_id)
+        self._log.forget(session_id)
+        if replicated:
+            self._on_deleted(session_id)
+
+
+class ReplicatingTraceLog:
+    """The file log plus fenced JetStream appends for replicated sessions.
+
+    ``on_fenced(session_id)`` must not block or raise. Replication of a session starts
+    with :meth:`replicate` (records are queued from then on); its appends run in
+    :meth:`stream_to`, one task per session, started once its lease is held and its trace
+    fenced.
+    """
+
+    def __init__(
+        self, files: FileTraceLog, data_dir: Path, *, on_fenced: Callable[[str], None]
+    ) -> None:
+        self.files = files
         self.data_dir = data_dir
         self._on_fenced = on_fenced
-        self._on_deleted = on_deleted
         self._replicas: dict[str, _Replica] = {}
         self._pending: Counter[int] = Counter()
         self._waiters: list[tuple[int, trio.MemorySendChannel[TraceWritten]]] = []
@@ -104,6 +179,12 @@ class ReplicatingTraceStore:
         replica = self._replicas.pop(session_id, None)
         if replica is not None:
             self._give_up(replica, replica.error or self._lost(session_id))
+
+    def give_up_all(self) -> None:
+        """The store is closed: records JetStream has not acknowledged are given up (their
+        tickets count as done)."""
+        for replica in list(self._replicas.values()):
+            self._give_up(replica, replica.error or self._lost(replica.session_id))
 
     async def stream_to(
         self,
@@ -195,62 +276,38 @@ class ReplicatingTraceStore:
         except KeyError:
             return self.data_dir / session_id
 
-    # -- the TraceStore API ---------------------------------------------------------------
+    # -- the TraceLog API -----------------------------------------------------------------
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run the file store."""
-        await self.files.run(task_status=task_status)
-
-    async def aclose(self) -> None:
-        """Close the file store; records JetStream has not acknowledged by then are given
-        up (their tickets count as done)."""
-        await self.files.aclose()
-        for replica in list(self._replicas.values()):
-            self._give_up(replica, replica.error or self._lost(replica.session_id))
-
-    async def create(self, session_id: str, meta: dict[str, Any]) -> None:
-        """As the file store."""
-        await self.files.create(session_id, meta)
-
-    async def read_meta(self, session_id: str) -> dict[str, Any]:
-        """As the file store."""
-        return await self.files.read_meta(session_id)
-
-    async def exists(self, session_id: str) -> bool:
-        """As the file store."""
-        return await self.files.exists(session_id)
+    def start(self, session_id: str) -> None:
+        """As the file log."""
+        self.files.start(session_id)
 
     async def load(self, session_id: str) -> LoadedTrace:
-        """As the file store (a session taken over was written to files first)."""
+        """As the file log (a session taken over was written to files first)."""
         return await self.files.load(session_id)
 
-    async def read_after(self, session_id: str, after_seq: int = 0) -> list[Output]:
-        """As the file store."""
-        return await self.files.read_after(session_id, after_seq)
+    async def read_latest(self, session_id: str) -> LoadedTrace:
+        """As the file log."""
+        return await self.files.read_latest(session_id)
 
-    async def delete(self, session_id: str) -> None:
-        """As the file store; the session stops being replicated and the cluster forgets
-        it (``on_deleted``)."""
-        replicated = self.replicated(session_id)
-        await self.files.delete(session_id)
-        self.forget(session_id)
-        if replicated:
-            self._on_deleted(session_id)
+    async def read_after(self, session_id: str, after_seq: int = 0) -> list[Output]:
+        """As the file log."""
+        return await self.files.read_after(session_id, after_seq)
 
     def release(self, session_id: str) -> None:
         """Forget the closed session's file position (its replication is the node's)."""
         self.files.release(session_id)
 
     def location(self, session_id: str) -> Path:
-        """As the file store."""
+        """As the file log."""
         return self.files.location(session_id)
 
     def trace_number(self, session_id: str) -> int:
-        """As the file store."""
+        """As the file log."""
         return self.files.trace_number(session_id)
 
     def append(self, session_id: str, seq: int, line: str) -> int:
-        """As the file store; a replicated session's record is also queued for JetStream
+        """As the file log; a replicated session's record is also queued for JetStream
         under the same ticket. A fenced session's appends are refused."""
         replica = self._replicas.get(session_id)
         if replica is not None and isinstance(replica.error, StaleTraceWriter):
@@ -265,25 +322,25 @@ class ReplicatingTraceStore:
         return ticket
 
     def commit(self, session_id: str) -> bool:
-        """As the file store, and False while JetStream has not acknowledged every record
+        """As the file log, and False while JetStream has not acknowledged every record
         of the session (wait for the ticket then)."""
         written = self.files.commit(session_id)
         replica = self._replicas.get(session_id)
         return written and (replica is None or not replica.busy())
 
     def batch_done(self, ticket: int) -> bool:
-        """As the file store, and JetStream acknowledged the ticket's records."""
+        """As the file log, and JetStream acknowledged the ticket's records."""
         return self.files.batch_done(ticket) and self._js_done(ticket)
 
     def when_batch_done(self, ticket: int, reply: trio.MemorySendChannel[TraceWritten]) -> None:
-        """As the file store, once JetStream acknowledged the ticket's records too."""
+        """As the file log, once JetStream acknowledged the ticket's records too."""
         if self.files.batch_done(ticket) and self._js_done(ticket):
             _tell(reply, ticket)
         else:
             self._waiters.append((ticket, reply))
 
     def error(self, session_id: str) -> TraceWriteError | None:
-        """As the file store, or the fencing of a replicated session."""
+        """As the file log, or the fencing of a replicated session."""
         local = self.files.error(session_id)
         if local is not None:
             return local
@@ -291,11 +348,11 @@ class ReplicatingTraceStore:
         return replica.error if replica is not None else None
 
     def clear_error(self, session_id: str) -> None:
-        """As the file store (a fencing stays: the session is someone else's)."""
+        """As the file log (a fencing stays: the session is someone else's)."""
         self.files.clear_error(session_id)
 
     async def sync(self, session_id: str | None = None) -> None:
-        """As the file store, and every record appended before is acknowledged by
+        """As the file log, and every record appended before is acknowledged by
         JetStream (R-TRACE-2 in the cluster). Raises the fencing's StaleTraceWriter."""
         await self.files.sync(session_id)
         replicas = (
@@ -309,12 +366,8 @@ class ReplicatingTraceStore:
                 raise replica.error
 
     def rotate(self, session_id: str) -> str:
-        """As the file store; the next records go to JetStream after a rotation marker."""
+        """As the file log; the next records go to JetStream after a rotation marker."""
         return self.files.rotate(session_id)
-
-    def record_usage(self, row: UsageRow) -> None:
-        """Into the host's own ledger: each host counts the requests it made."""
-        self.files.record_usage(row)
 
 
 def _tell(reply: trio.MemorySendChannel[TraceWritten], ticket: int) -> None:

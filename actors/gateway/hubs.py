@@ -537,6 +537,6 @@ async def replay_records(session: Session, after_seq: int) -> list[Output]:
     """The session's traced outputs with ``seq > after_seq``, from all its trace files in
     order. Nothing is published before its record is written to the file (R-TRACE-3), so
     the files hold everything published before this call."""
-    return await session.host.trace_store.read_after(session.id, after_seq)
+    return await session.host.trace_store.log.read_after(session.id, after_seq)
 
 

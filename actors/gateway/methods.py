@@ -182,7 +182,7 @@ class Methods:
             return True
         if not SESSION_ID.fullmatch(session_id):
             return False
-        return await self.host.trace_store.exists(session_id)
+        return await self.host.trace_store.catalog.exists(session_id)
 
     def _provider(self) -> str | ModelProvider | None:
         if self.defaults.provider_factory is not None:

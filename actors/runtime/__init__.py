@@ -1,10 +1,12 @@
 """The runtime: the host, its sessions and each session's actor tree.
 
-``Host`` (root nursery) → ``TraceStore`` and one ``SessionSupervisor`` per running session →
-``LLMStreamer``, ``ToolPool``, ``ApprovalBroker`` (a task's ``TaskWork``); the supervisor
-drives the pure task and turn machines through ``TurnRunner`` and ``CompactionRun``, and the
-work sees a session only through its ``SessionPort``; ``storage`` holds the data-dir layout
-and ``errors`` the typed exceptions. Import the public names from ``greenroom.actors``.
+``Host`` (root nursery) → ``TraceStore`` (a ``SessionCatalog``, a ``TraceLog`` and a
+``UsageLedger``; the file backend writes through a ``Disk``) and one ``SessionSupervisor``
+per running session → ``LLMStreamer``, ``ToolPool``, ``ApprovalBroker`` (a task's
+``TaskWork``); the supervisor drives the pure task and turn machines through ``TurnRunner``
+and ``CompactionRun``, and the work sees a session only through its ``SessionPort``;
+``storage`` holds the data-dir layout and ``errors`` the typed exceptions. Import the
+public names from ``greenroom.actors``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from greenroom.actors.runtime.disk import Disk
     from greenroom.actors.runtime.errors import (
         AuthLocked,
         Busy,
@@ -43,7 +46,10 @@ if TYPE_CHECKING:
     )
     from greenroom.actors.runtime.trace_store import (
         FileTraceStore,
+        SessionCatalog,
+        TraceLog,
         TraceStore,
+        UsageLedger,
     )
 
 # Loaded on first use: the modules import each other, and importing the package must
@@ -71,8 +77,12 @@ _MODULE_OF = {
     "spawn_subagent": "greenroom.actors.runtime.subagents",
     "latest_trace_file": "greenroom.actors.runtime.trace_sink",
     "read_trace": "greenroom.actors.runtime.trace_sink",
+    "Disk": "greenroom.actors.runtime.disk",
     "FileTraceStore": "greenroom.actors.runtime.trace_store",
+    "SessionCatalog": "greenroom.actors.runtime.trace_store",
+    "TraceLog": "greenroom.actors.runtime.trace_store",
     "TraceStore": "greenroom.actors.runtime.trace_store",
+    "UsageLedger": "greenroom.actors.runtime.trace_store",
 }
 
 __all__ = [
@@ -80,6 +90,7 @@ __all__ = [
     "AuthLocked",
     "Busy",
     "ConfigurationError",
+    "Disk",
     "FileTraceStore",
     "GreenroomError",
     "Host",
@@ -89,13 +100,16 @@ __all__ = [
     "RunResult",
     "RunStream",
     "Session",
+    "SessionCatalog",
     "SessionClosed",
     "SessionInfo",
     "SessionNotFound",
     "SessionObserver",
     "SessionPort",
     "SessionStore",
+    "TraceLog",
     "TraceStore",
+    "UsageLedger",
     "default_data_dir",
     "latest_trace_file",
     "read_trace",

@@ -1,13 +1,14 @@
 """The host: the root of the actor tree.
 
-A :class:`Host` owns the root nursery, the shared :class:`TraceSink` (trace files and the
-usage ledger) and the provider clients, and creates, loads, lists and closes sessions
-(R-HOST-1). Sessions live in ``<data_dir>/sessions/<session_id>/``: ``session.json``
-(settings, workspace and its identity, and ``parent_id`` for a subagent),
-``trace_001.jsonl``… and ``scratch/``. A session's workspace is fixed when it is created
-(R-SEC-7): ``workspace_identity`` in ``session.json`` names the directory (device and
-inode numbers, and the boot they were taken in), and a loaded session keeps it; one stored
-without it, or in another boot, takes the directory found at its path when it is loaded.
+A :class:`Host` owns the root nursery, the trace store (its session catalog, trace log and
+usage ledger: :mod:`~greenroom.actors.runtime.trace_store`) and the provider clients, and
+creates, loads, lists and closes sessions (R-HOST-1). With the default file store, sessions
+live in ``<data_dir>/sessions/<session_id>/``: ``session.json`` (settings, workspace and its
+identity, and ``parent_id`` for a subagent), ``trace_001.jsonl``… and ``scratch/``. A
+session's workspace is fixed when it is created (R-SEC-7): ``workspace_identity`` in
+``session.json`` names the directory (device and inode numbers, and the boot they were
+taken in), and a loaded session keeps it; one stored without it, or in another boot, takes
+the directory found at its path when it is loaded.
 
 Traces hold tool output such as file contents, so only the owner may read them: the data
 dir, ``sessions/`` and every session directory are 0700, trace files, ``session.json`` and
@@ -51,15 +52,16 @@ from greenroom.actors.runtime.storage import (
     tighten,
 )
 from greenroom.actors.runtime.supervisor import wake
-from greenroom.actors.runtime.trace_sink import latest_trace_file
 from greenroom.actors.runtime.trace_store import (
     FileTraceStore,
+    StoredSession,
     StoredSessionMissing,
     StoredSessionUnreadable,
+    TraceLog,
     TraceStore,
     TraceStoreFactory,
+    UsageLedger,
     one_line,
-    read_meta_file,
 )
 from greenroom.actors.tools.mcp_config import McpConfigError, as_configs
 from greenroom.actors.tools.workspace import (
@@ -150,6 +152,10 @@ class Host:
         self._observers = tuple(observers)
         self._nursery = nursery
         self._store = store
+        self.trace_log: TraceLog = store.log
+        """The store's trace log: the route of every record (R-TRACE), through the ports."""
+        self.usage_ledger: UsageLedger = store.ledger
+        """The store's usage ledger (R-TRACE-5)."""
         self._sessions: dict[str, Session] = {}
         self._ports: dict[str, SessionPort] = {}
         self._providers: dict[tuple[str, str | None], ModelProvider] = {}
@@ -161,6 +167,8 @@ class Host:
         self._mcp: McpManager | None = None  # started with the first MCP server
         self._closed = False
         self._people = People(self._ports.get)
+        self._stored_open_tasks: set[str] = set()
+        self._scanned_open_tasks = False
         self._default_tools = tuple(tools)
 
     @classmethod
@@ -189,7 +197,8 @@ class Host:
         ``observers`` see every session the host creates or loads (:data:`SessionObserver`:
         the OpenTelemetry export subscribes through it). ``trace_store`` builds where the
         sessions are stored from the data dir (default: :class:`FileTraceStore`, files in
-        the data dir; any :class:`~greenroom.actors.runtime.trace_store.TraceStore`).
+        the data dir; any :class:`~greenroom.actors.runtime.trace_store.TraceStore`: a
+        session catalog, a trace log and a usage ledger).
 
         ``gc_tuning=True`` runs Python's cyclic garbage collector less often while the host
         is open (:func:`~greenroom.actors.runtime.gc_tuning.tuned_gc`: process-wide thresholds,
@@ -318,7 +327,8 @@ class Host:
         }
         if parent_id is not None:
             meta["parent_id"] = parent_id
-        await self._store.create(sid, meta)
+        await self._store.catalog.create(sid, meta)
+        self.trace_log.start(sid)
         port = SessionPort(
             host=self,
             session_id=sid,
@@ -372,7 +382,7 @@ class Host:
             return self._sessions[session_id]
         directory = SessionStore(self.data_dir).session_dir(session_id)
         try:
-            meta = await self._store.read_meta(session_id)
+            meta = await self._store.catalog.read_meta(session_id)
             settings = converter.structure(meta.get("settings", {}), SessionSettings)
         except StoredSessionMissing as exc:
             raise SessionNotFound(str(exc)) from None
@@ -390,7 +400,7 @@ class Host:
         model_provider = provider if not isinstance(provider, str | None) else None
         if model_provider is None:
             model_provider = await self._provider_for(settings)
-        loaded = await self._store.load(session_id)
+        loaded = await self.trace_log.load(session_id)
         records = list(loaded.records)
         transcript = rebuild(records, supports_vision=settings.supports_vision, recover=False)
         machine = fold(records)
@@ -433,22 +443,24 @@ class Host:
         return list((await self.scan_sessions()).sessions)
 
     async def scan_sessions(self) -> SessionScan:
-        """Every session stored in the data dir: the readable ones newest first, and each
-        one whose ``session.json`` cannot be used with its path and the reason. One bad
-        file never hides the others (R-SEC-1)."""
-        return await trio.to_thread.run_sync(
-            _scan_sessions, SessionStore(self.data_dir).sessions_dir
-        )
+        """Every session of the store's catalog: the readable ones newest first, and each
+        one whose metadata cannot be used with where it is and the reason. One bad file
+        never hides the others (R-SEC-1)."""
+        return _session_scan(await self._store.catalog.list_sessions())
 
     async def close_session(self, session_id: str) -> None:
         """Interrupt the session's task, wait for its last record, forget it (R-HOST-3)."""
         session = self._sessions.pop(session_id, None)
-        self._ports.pop(session_id, None)
+        port = self._ports.pop(session_id, None)
         if session is not None:
             # A task that waits only for people is not interrupted: its request stays
             # pending in the trace, and loading the session asks it again (R-HITL-1).
             await session.aclose()
-            self._store.release(session_id)
+            if port is not None and port.machine.run_id is not None:
+                self._stored_open_tasks.add(session_id)
+            else:
+                self._stored_open_tasks.discard(session_id)
+            self.trace_log.release(session_id)
             if self._mcp is not None:
                 await self._mcp.release(session_id)
 
@@ -456,10 +468,12 @@ class Host:
         """Close the session — interrupting its task and waiting until its last record is
         written (R-HOST-3) — then remove its directory: trace files, scratchpad and all.
         Raises :class:`SessionNotFound` when it is neither open nor stored."""
-        if session_id not in self._sessions and not await self._store.exists(session_id):
+        catalog = self._store.catalog
+        if session_id not in self._sessions and not await catalog.exists(session_id):
             raise SessionNotFound(f"no session {session_id!r} in {self.data_dir}")
         await self.close_session(session_id)
-        await self._store.delete(session_id)
+        self._stored_open_tasks.discard(session_id)
+        await catalog.delete(session_id)
 
     async def aclose(self) -> None:
         """Close every session (concurrently) and the provider clients."""
@@ -481,7 +495,8 @@ class Host:
 
     @property
     def trace_store(self) -> TraceStore:
-        """Where the host's sessions are stored: every record goes through it (R-TRACE)."""
+        """Where the host's sessions are stored: ``.catalog`` (the sessions and their
+        metadata), ``.log`` (every record goes through it: R-TRACE), ``.ledger``."""
         return self._store
 
     def check_open(self) -> None:
@@ -670,10 +685,23 @@ class Host:
                     await self.load_session(session_id)
 
     async def _open_task_ids(self) -> list[str]:
-        """Stored sessions whose latest trace does not end with a ``task_end``."""
-        return await trio.to_thread.run_sync(
-            _open_task_ids, SessionStore(self.data_dir).sessions_dir
-        )
+        """Stored sessions, not open in this host, whose trace leaves a task open. The
+        store is read once per host (every session's latest trace); from then on the host
+        knows, as it remembers each session it closes with its task still open."""
+        if not self._scanned_open_tasks:
+            found: set[str] = set()
+            for entry in await self._store.catalog.list_sessions():
+                if entry.meta is None or entry.session_id in self._ports:
+                    continue
+                try:
+                    loaded = await self.trace_log.read_latest(entry.session_id)
+                except OSError:
+                    continue  # unreadable: listed by list_sessions, not resumed
+                if fold(list(loaded.records)).run_id is not None:
+                    found.add(entry.session_id)
+            self._stored_open_tasks |= found
+            self._scanned_open_tasks = True
+        return sorted(s for s in self._stored_open_tasks if s not in self._ports)
 
     def start_task(self, fn: Callable[[], Awaitable[None]]) -> None:
         """Run ``fn`` as a task of the host's nursery, so that it outlives its caller. It must
@@ -803,52 +831,15 @@ def _new_session_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
 
 
-def _open_task_ids(root: Path) -> list[str]:
-    """Sessions under ``root`` whose latest trace file's last record is not a
-    ``task_end``: a task may be open there (loading tells for sure)."""
-    found: list[str] = []
-    if not root.is_dir():
-        return found
-    for directory in sorted(root.iterdir()):
-        trace = latest_trace_file(directory) if directory.is_dir() else None
-        if trace is None:
-            continue
-        last = _last_line(trace)
-        if last and '"type":"task_end"' not in last:
-            found.append(directory.name)
-    return found
-
-
-def _last_line(path: Path, chunk: int = 8192) -> str:
-    """The last non-empty line of a file, read from its end."""
-    try:
-        with path.open("rb") as handle:
-            handle.seek(0, os.SEEK_END)
-            size = handle.tell()
-            handle.seek(max(0, size - chunk))
-            tail = handle.read()
-    except OSError:
-        return ""
-    lines = [line for line in tail.split(b"\n") if line.strip()]
-    return lines[-1].decode("utf-8", "replace") if lines else ""
-
-
-def _scan_sessions(root: Path) -> SessionScan:
+def _session_scan(stored: list[StoredSession]) -> SessionScan:
     infos: list[SessionInfo] = []
     unreadable: list[UnreadableSession] = []
-    if not root.is_dir():
-        return SessionScan(sessions=(), unreadable=())
-    for meta_path in root.glob(f"*/{SESSION_FILE}"):
-        try:
-            meta = read_meta_file(meta_path)
-            traces = sorted(meta_path.parent.glob("trace_*.jsonl"))
-            updated = max((t.stat().st_mtime for t in traces), default=meta_path.stat().st_mtime)
-        except FileNotFoundError:
-            continue  # deleted while we looked
-        except (StoredSessionUnreadable, OSError) as exc:
+    for entry in stored:
+        meta = entry.meta
+        if meta is None:
             unreadable.append(
                 UnreadableSession(
-                    session_id=meta_path.parent.name, path=str(meta_path), reason=str(exc)
+                    session_id=entry.session_id, path=entry.where, reason=entry.problem or ""
                 )
             )
             continue
@@ -856,13 +847,13 @@ def _scan_sessions(root: Path) -> SessionScan:
         created = meta.get("created_at", 0.0)
         infos.append(
             SessionInfo(
-                session_id=meta.get("session_id", meta_path.parent.name),
+                session_id=meta.get("session_id", entry.session_id),
                 created_at=float(created) if abs(created) < 1e300 else 0.0,
-                updated_at=updated,
+                updated_at=entry.updated_at,
                 workspace_dir=meta.get("workspace_dir", ""),
                 provider=str(settings.get("provider", "")),
                 model=str(settings.get("model", "")),
-                trace_files=len(traces),
+                trace_files=entry.traces,
             )
         )
     infos.sort(key=lambda i: i.updated_at, reverse=True)

@@ -3,8 +3,9 @@
 A :class:`SessionPort` holds a session's data — settings, tools, the model context
 (:class:`~greenroom.protocols.transcript.Transcript`), the task state
 (:class:`~greenroom.protocols.task.TaskMachine`), the trace position, the watchers — and the
-narrow surface the runners of its work use: the next ``seq``, the trace (through the host's
-one :class:`~greenroom.actors.runtime.trace_store.TraceStore`), publication, the usage ledger.
+narrow surface the runners of its work use: the next ``seq``, the trace (through the trace
+log of the host's :class:`~greenroom.actors.runtime.trace_store.TraceStore`), publication,
+the usage ledger (the store's too).
 The supervisor, the emitter, compaction, subagents and tool sources take a port; none of them
 sees the user's :class:`~greenroom.actors.runtime.session.Session` handle, which keeps only
 the public API and reaches running work by sending messages to the supervisor's inbox
@@ -54,7 +55,7 @@ from greenroom.protocols.transcript import Transcript
 
 if TYPE_CHECKING:
     from greenroom.actors.runtime.llm_streamer import ModelProvider
-    from greenroom.actors.runtime.trace_store import TraceStore
+    from greenroom.actors.runtime.trace_store import TraceLog, UsageLedger
 
 __all__ = [
     "NO_HOOKS",
@@ -112,9 +113,11 @@ class HostServices(Protocol):
 
     data_dir: Path
 
-    @property
-    def trace_store(self) -> TraceStore:
-        """Where the host's sessions are stored."""
+    trace_log: TraceLog
+    """The trace log of the host's store: every record of every session goes through it."""
+
+    usage_ledger: UsageLedger
+    """The usage ledger of the host's store."""
 
     def start_task(self, fn: Callable[[], Awaitable[None]]) -> None:
         """Run ``fn`` in the host's nursery (it must not raise)."""
@@ -373,7 +376,7 @@ class SessionPort:
             return False
         return True
 
-    # -- the trace: one route to the store --------------------------------------------------
+    # -- the trace: one route to the store's log --------------------------------------------
 
     def next_seq(self) -> int:
         """The ``seq`` of the session's next traced output (one more than the last)."""
@@ -388,33 +391,33 @@ class SessionPort:
     def append(self, output: Output) -> int:
         """Append the record of a traced output; returns the store's batch holding it."""
         assert output.seq is not None
-        return self._host.trace_store.append(self.id, output.seq, encode_record(output))
+        return self._host.trace_log.append(self.id, output.seq, encode_record(output))
 
     def commit(self) -> bool:
         """Hand the appended records on now; False when the store acknowledges late."""
-        return self._host.trace_store.commit(self.id)
+        return self._host.trace_log.commit(self.id)
 
     def batch_done(self, ticket: int) -> bool:
         """Whether the store is done with batch ``ticket``."""
-        return self._host.trace_store.batch_done(ticket)
+        return self._host.trace_log.batch_done(ticket)
 
     def when_batch_done(self, ticket: int, inbox: trio.MemorySendChannel[TraceWritten]) -> None:
         """Ask the store for ``TraceWritten(ticket)`` on ``inbox``."""
-        self._host.trace_store.when_batch_done(ticket, inbox)
+        self._host.trace_log.when_batch_done(ticket, inbox)
 
     def trace_error(self) -> str | None:
         """The session's sticky trace failure, if any."""
-        error = self._host.trace_store.error(self.id)
+        error = self._host.trace_log.error(self.id)
         return None if error is None else str(error)
 
     def clear_trace_error(self) -> None:
         """Forget the session's trace failure (reported to its task)."""
-        self._host.trace_store.clear_error(self.id)
+        self._host.trace_log.clear_error(self.id)
 
     async def sync_trace(self) -> None:
         """Wait until the session's trace is durable (R-TRACE-2). Raises
         :class:`TraceWriteError`, or :class:`TraceSinkClosed` once the store is closed."""
-        await self._host.trace_store.sync(self.id)
+        await self._host.trace_log.sync(self.id)
 
     async def sync_trace_quietly(self) -> str | None:
         """Sync for teardown paths that must finish whatever the disk does: a failure is
@@ -427,12 +430,12 @@ class SessionPort:
 
     def rotate_trace(self) -> str:
         """Start the next trace file (after a successful compaction); returns its name."""
-        return self._host.trace_store.rotate(self.id)
+        return self._host.trace_log.rotate(self.id)
 
     @property
     def trace_path(self) -> Path:
         """The current trace file (one model context: R-COMPACT-8)."""
-        return self._host.trace_store.location(self.id)
+        return self._host.trace_log.location(self.id)
 
     def record_usage(
         self,
@@ -445,7 +448,7 @@ class SessionPort:
         error_message: str | None = None,
     ) -> None:
         """Record one request's token usage in the host's usage ledger (R-TRACE-5)."""
-        self._host.trace_store.record_usage(
+        self._host.usage_ledger.record_usage(
             UsageRow(
                 at=time.time(),
                 session_id=self.id,

@@ -16,9 +16,20 @@ from pathlib import Path
 
 import attrs
 
+from greenroom.actors.runtime.disk import DISK, PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, Disk
 from greenroom.actors.runtime.trace_sink import read_trace
 from greenroom.protocols.outputs import Output
 from greenroom.protocols.trace import trace_file_name, trace_file_number
+
+__all__ = [
+    "PRIVATE_DIR_MODE",
+    "PRIVATE_FILE_MODE",
+    "SESSIONS_DIR",
+    "SESSION_FILE",
+    "SessionStore",
+    "read_session_records",
+    "tighten",
+]
 
 SESSION_FILE = "session.json"
 """A session's metadata file, in its directory."""
@@ -29,11 +40,6 @@ ATTACHMENTS_DIR = "attachments"
 SESSIONS_DIR = "sessions"
 """The folder of the data dir that holds one directory per session."""
 
-PRIVATE_DIR_MODE = 0o700
-"""Directories the host creates: only its user may enter them (traces hold tool output)."""
-
-PRIVATE_FILE_MODE = 0o600
-"""Files the host creates (metadata, traces, the ledger)."""
 
 
 def tighten(path: Path, mode: int) -> None:
@@ -72,6 +78,7 @@ def read_session_records(
     *,
     after_seq: int = 0,
     on_unreadable: Callable[[Path, OSError], None] | None = None,
+    disk: Disk = DISK,
 ) -> list[Output]:
     """The traced outputs with ``seq > after_seq`` from every trace file of a session,
     oldest file first (the conversation across compactions). A missing directory gives
@@ -89,7 +96,7 @@ def read_session_records(
     records: list[Output] = []
     for _, path in numbered:
         try:
-            result = read_trace(path)
+            result = read_trace(path, disk=disk)
         except OSError as exc:
             if on_unreadable is not None:
                 on_unreadable(path, exc)

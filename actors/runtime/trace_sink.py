@@ -25,13 +25,20 @@ Exceptions (the public tree)::
     └── TraceWriteError   a file or the ledger could not be written (disk full, permission, …)
 
 No record and no I/O error ends the sink or the host: a line that cannot be encoded is
-refused by :meth:`TraceSink.write` (ValueError, before it is buffered), and any failure to
-append or fsync — an OSError, or anything else — is recorded for that file while the others
-go on. The failure is sticky per file (lines were lost, the file has a hole): every later
-``sync(path)`` for that file, and every ``sync()``, raises :class:`TraceWriteError` until
-:meth:`TraceSink.clear_error` acknowledges it. Ledger failures are reported the same way
-under the ledger's path. Once the sink is closed (or its actor has stopped), ``sync``
-raises :class:`TraceSinkClosed`: nothing written after that point can be made durable.
+refused by :meth:`TraceSink.write` (ValueError, before it is buffered), a failure to append
+(whatever it is) and an fsync the disk refuses (an OSError) are recorded for that file
+while the others go on. The failure is sticky per file (lines were lost, the file has a
+hole): every later ``sync(path)`` for that file, and every ``sync()``, raises
+:class:`TraceWriteError` until :meth:`TraceSink.clear_error` acknowledges it. Ledger
+failures, whatever they are (SQLite refusing a row included), are reported the same way
+under the ledger's path. Anything else that goes wrong in the actor's batch — an fsync
+raising something that is not an OSError: a bug in the writer or the disk below it — stops
+the actor: it answers every waiting sync with the failure, and the sink closes. Once the
+sink is closed (or its actor has stopped), ``sync`` raises :class:`TraceSinkClosed`:
+nothing written after that point can be made durable.
+
+Every append and fsync goes through one :class:`~greenroom.actors.runtime.disk.Disk` (the
+real one unless the sink is given another: a test's disk that refuses or stalls).
 
 Files and modes: trace files and the ledger are created 0600 (they hold tool output such
 as file contents), directories the sink creates 0700.
@@ -54,6 +61,7 @@ from typing import Any, assert_never
 import attrs
 import trio
 
+from greenroom.actors.runtime.disk import DISK, PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, Disk
 from greenroom.protocols.messages import (
     LedgerRow,
     SyncTraceFiles,
@@ -181,13 +189,16 @@ class TraceSink:
         *,
         ledger_path: Path | str | None = None,
         close_timeout: float = 5.0,
+        disk: Disk = DISK,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.ledger_path = (
             Path(ledger_path) if ledger_path is not None else self.data_dir / LEDGER_FILE_NAME
         )
         self.close_timeout = close_timeout
-        self.syncer = TraceSyncer(self.ledger_path, close_timeout=close_timeout)
+        self.disk = disk
+        """Where the files are written and fsynced (the real disk unless a test's)."""
+        self.syncer = TraceSyncer(self.ledger_path, close_timeout=close_timeout, disk=disk)
         """The actor that fsyncs and keeps the ledger (its batch count is what tests see)."""
         # Unbounded: sessions send with send_nowait and must never block on the sink; a
         # session has at most a sync or two and a usage row per request in it.
@@ -298,10 +309,10 @@ class TraceSink:
         if not lines:
             return True
         try:
-            if path in self._clean_tails and _append_known(path, lines):
+            if path in self._clean_tails and _append_known(self.disk, path, lines):
                 created: frozenset[Path] = frozenset()
             else:
-                created = _append(path, lines)
+                created = _append(self.disk, path, lines)
         except Exception as exc:
             self._errors[path] = TraceWriteError(path, _describe(exc))
             self._clean_tails.discard(path)
@@ -356,6 +367,23 @@ class TraceSink:
                 raise TraceSinkClosed("the trace sink stopped before the sync") from None
             self._take_answer(answer, covered)
         self._raise_errors(path)
+
+    async def flush_usage(self) -> None:
+        """Return once every usage row recorded before this call has been through the
+        ledger (inserted, or refused: that is reported by ``sync()``), so that a reader of
+        the ledger sees it. At once when the sink is closed: its rows were flushed then."""
+        if self._closed:
+            await trio.lowlevel.checkpoint()
+            return
+        # One slot: the actor's one answer never waits for this reader.
+        reply, answers = trio.open_memory_channel[TraceFilesSynced](1)
+        try:
+            self._send(SyncTraceFiles(files=(), dirs=(), ledger=True, reply=reply))
+        except TraceSinkClosed:
+            await trio.lowlevel.checkpoint()
+            return
+        with contextlib.suppress(trio.EndOfChannel):
+            await answers.receive()
 
     def clear_error(self, path: Path) -> None:
         """Acknowledge a file's write failure so ``sync`` stops raising it."""
@@ -417,6 +445,10 @@ class TraceSink:
             ledger=ledger,
             reply=reply,
         )
+        self._send(message)
+        return answers, covered
+
+    def _send(self, message: SyncTraceFiles) -> None:
         try:
             self._inbox.send_nowait(message)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -427,7 +459,6 @@ class TraceSink:
                 self.data_dir, "the trace writer has stopped"
             )
             raise TraceSinkClosed("trace sink is closed; cannot make the trace durable") from None
-        return answers, covered
 
     def _take_answer(self, answer: TraceFilesSynced, covered: dict[Path, int]) -> None:
         failed = {Path(p): why for p, why in answer.failures}
@@ -469,7 +500,7 @@ class TraceSink:
         with trio.move_on_after(self.close_timeout):
             try:
                 result = await trio.to_thread.run_sync(
-                    _run_batch, job, None, abandon_on_cancel=True
+                    _run_batch, job, None, self.disk, abandon_on_cancel=True
                 )
             except Exception as exc:
                 result = _failed_batch(job, f"the trace writer failed: {exc!r}")
@@ -497,9 +528,10 @@ class TraceSyncer:
     syncs share batches.
     """
 
-    def __init__(self, ledger_path: Path, *, close_timeout: float) -> None:
+    def __init__(self, ledger_path: Path, *, close_timeout: float, disk: Disk = DISK) -> None:
         self.ledger_path = ledger_path
         self.close_timeout = close_timeout
+        self.disk = disk
         self.batches_written = 0
         self._ledger: sqlite3.Connection | None = None
         self._pending: list[SyncTraceFiles] = []
@@ -529,10 +561,11 @@ class TraceSyncer:
                     try:
                         await self._serve(final=False)
                     except Exception as exc:
-                        # Only a bug gets here (batch failures are answered, not raised). It
-                        # must not end the host with every session in it: the actor stops,
-                        # so every later sync raises TraceSinkClosed and no waiting sync may
-                        # pretend its lines are durable.
+                        # Only a bug gets here, in the writer or the disk below it (what the
+                        # disk refuses is answered, not raised). It must not end the host
+                        # with every session in it: the actor stops, so every later sync
+                        # raises TraceSinkClosed and no waiting sync may pretend its lines
+                        # are durable.
                         failure = f"the trace writer failed: {exc!r}"
                         self._answer_all(failure)
                         break
@@ -569,11 +602,12 @@ class TraceSyncer:
 
     async def _serve(self, *, final: bool) -> None:
         job = self._take_batch(final=final)
-        requests, self._pending = self._pending, []
         result = _BatchResult(errors={}, ledger_error=None)
         if job.fsync or job.usage or job.close_ledger:
+            # Raises only for a bug; the requests stay pending then, for run to answer.
             result = await self._run(job, final=final)
             self.batches_written += 1
+        requests, self._pending = self._pending, []
         for path, why in result.errors.items():
             self._errors[str(path)] = why
         if result.ledger_error is not None:
@@ -589,19 +623,18 @@ class TraceSyncer:
     async def _run(self, job: _BatchJob, *, final: bool) -> _BatchResult:
         if not final:
             # Shielded: once taken, a batch is written and answered even if we are cancelled
-            # (to_thread would otherwise raise Cancelled before starting the thread).
+            # (to_thread would otherwise raise Cancelled before starting the thread). What
+            # the disk refuses comes back in the result; anything raised is a bug, and run
+            # stops the actor on it.
             with trio.CancelScope(shield=True):
-                try:
-                    return await trio.to_thread.run_sync(_run_batch, job, self._ledger)
-                except Exception as exc:
-                    return _failed_batch(job, f"the trace writer failed: {exc!r}")
+                return await trio.to_thread.run_sync(_run_batch, job, self._ledger, self.disk)
         result: _BatchResult | None = None
         with trio.move_on_after(self.close_timeout):
             # Abandonable so a hung disk cannot hang the host's shutdown; the abandoned
             # thread owns the ledger connection and closes it itself.
             try:
                 result = await trio.to_thread.run_sync(
-                    _run_batch, job, self._ledger, abandon_on_cancel=True
+                    _run_batch, job, self._ledger, self.disk, abandon_on_cancel=True
                 )
             except Exception as exc:
                 result = _failed_batch(job, f"the trace writer failed: {exc!r}")
@@ -632,13 +665,13 @@ def _failed_batch(job: _BatchJob, message: str) -> _BatchResult:
 
 
 def _open_ledger(path: Path) -> sqlite3.Connection:
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
     # Created (or tightened) 0600 before SQLite opens it: its -wal and -shm files take the
     # database file's mode.
-    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE_MODE))
     for companion in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
         with contextlib.suppress(FileNotFoundError):
-            _tighten(companion, 0o600)
+            _tighten(companion, PRIVATE_FILE_MODE)
     # Used by one worker thread at a time (batches never overlap), but not always the same
     # thread, hence check_same_thread=False.
     conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
@@ -654,21 +687,23 @@ def _open_ledger(path: Path) -> sqlite3.Connection:
     return conn
 
 
-def _run_batch(job: _BatchJob, ledger: sqlite3.Connection | None) -> _BatchResult:
+def _run_batch(job: _BatchJob, ledger: sqlite3.Connection | None, disk: Disk) -> _BatchResult:
     errors: dict[Path, str] = {}
     for path, dirs in job.fsync.items():
         try:
-            _fsync_file(path)
-            _fsync_dirs(dirs)
-        except Exception as exc:
+            _fsync_file(disk, path)
+            _fsync_dirs(disk, dirs)
+        except OSError as exc:
             errors[path] = _describe(exc)
     ledger_error: str | None = None
     if ledger is not None:
         try:
             if job.usage:
                 _insert_usage(ledger, job.usage)
-        except sqlite3.Error as exc:
-            ledger_error = str(exc)
+        except Exception as exc:
+            # A row SQLite refuses (an integer past 64 bits: OverflowError) fails the
+            # ledger, not the trace files of the sessions that synced in this batch.
+            ledger_error = str(exc) or repr(exc)
         finally:
             if job.close_ledger:
                 with contextlib.suppress(sqlite3.Error):
@@ -678,14 +713,14 @@ def _run_batch(job: _BatchJob, ledger: sqlite3.Connection | None) -> _BatchResul
     return _BatchResult(errors=errors, ledger_error=ledger_error)
 
 
-def _fsync_file(path: Path) -> None:
+def _fsync_file(disk: Disk, path: Path) -> None:
     # Never re-create a file that is gone (its session may have been deleted): nothing of
     # ours is left in it to make durable.
-    with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
-        os.fsync(f.fileno())
+    with contextlib.suppress(FileNotFoundError):
+        disk.fsync(path)
 
 
-def _append(path: Path, lines: list[bytes]) -> frozenset[Path]:
+def _append(disk: Disk, path: Path, lines: list[bytes]) -> frozenset[Path]:
     """Append ``lines`` to ``path`` (creating it and its parents); return the directories
     whose entries changed (the file's parent if the file is new, and the parent of every
     new directory)."""
@@ -696,43 +731,30 @@ def _append(path: Path, lines: list[bytes]) -> frozenset[Path]:
         missing.append(parent)
         parent = parent.parent
     for directory in reversed(missing):
-        directory.mkdir(exist_ok=True, mode=0o700)
+        disk.make_dir(directory)
         changed.add(directory.parent)
-    if not path.exists():
-        changed.add(path.parent)
     data = b"".join(lines)
-    with open(path, "a+b", opener=_private_opener) as f:
-        size = f.seek(0, os.SEEK_END)
-        if size:
-            f.seek(size - 1)
-            if f.read(1) != b"\n":
-                # A torn last line (a crash or a failed write mid-line): end it, so our first
-                # record does not merge with it and only the torn line reads as corrupt.
-                data = b"\n" + data
-        f.write(data)
-        f.flush()
+    try:
+        last = disk.last_byte(path)
+    except FileNotFoundError:
+        changed.add(path.parent)
+        last = b""
+    if last not in (b"", b"\n"):
+        # A torn last line (a crash or a failed write mid-line): end it, so our first record
+        # does not merge with it and only the torn line reads as corrupt.
+        data = b"\n" + data
+    disk.append(path, data, create=True)
     return frozenset(changed)
 
 
-def _append_known(path: Path, lines: list[bytes]) -> bool:
-    """Append to a file this sink wrote last (it ends in a newline): open, write, close.
-    False when the file is gone (then :func:`_append` creates it again)."""
+def _append_known(disk: Disk, path: Path, lines: list[bytes]) -> bool:
+    """Append to a file this sink wrote last (it ends in a newline): one append. False
+    when the file is gone (then :func:`_append` creates it again)."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        disk.append(path, b"".join(lines))
     except FileNotFoundError:
         return False
-    try:
-        data = memoryview(b"".join(lines))
-        while data:
-            data = data[os.write(fd, data) :]
-    finally:
-        os.close(fd)
     return True
-
-
-def _private_opener(path: str, flags: int) -> int:
-    """``open``'s opener for files only their owner may read (a new file is 0600)."""
-    return os.open(path, flags, 0o600)
 
 
 def _tighten(path: Path, mode: int) -> None:
@@ -742,18 +764,12 @@ def _tighten(path: Path, mode: int) -> None:
         os.chmod(path, current & mode)
 
 
-def _fsync_dirs(directories: Iterable[Path]) -> None:
+def _fsync_dirs(disk: Disk, directories: Iterable[Path]) -> None:
     if os.name != "posix":
         return  # directories cannot be opened for fsync elsewhere; NTFS journals entries
     for directory in directories:
-        try:
-            fd = os.open(directory, os.O_RDONLY)
-        except FileNotFoundError:
-            continue
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            disk.fsync(directory)
 
 
 def _insert_usage(ledger: sqlite3.Connection, rows: list[UsageRow]) -> None:
@@ -795,14 +811,14 @@ def _describe(exc: Exception) -> str:
 # -- readers (blocking; call them from a worker thread inside trio) --------------------------
 
 
-def read_trace(path: Path | str) -> TraceReadResult:
+def read_trace(path: Path | str, *, disk: Disk = DISK) -> TraceReadResult:
     """Read one trace file with :func:`~greenroom.protocols.trace.parse_trace`.
 
     Corrupt lines are reported in the result, not raised. Raises OSError if the file cannot
     be read at all (missing, permission). Blocking: inside trio, use ``trio.to_thread``.
     """
     path = Path(path)
-    return parse_trace(path.read_bytes(), file=str(path))
+    return parse_trace(disk.read(path), file=str(path))
 
 
 def latest_trace_file(session_dir: Path | str) -> Path | None:

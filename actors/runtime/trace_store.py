@@ -1,35 +1,68 @@
-"""Where sessions are stored: the :class:`TraceStore` interface and its file backend.
+"""Where sessions are stored: the :class:`TraceStore` and its three parts, and the file backend.
 
-A host keeps every session it creates in one trace store: the session's metadata (what
-``session.json`` holds) and its trace — the traced outputs in ``seq`` order, one record
-each (R-TRACE), split into numbered traces at compactions (R-COMPACT-8). The actors reach
-storage only through this interface, so a second backend (the cluster's, on JetStream)
-replaces the files without touching them.
+A host keeps every session it creates in one trace store, made of three parts, each an
+interface of its own job:
 
-The rules every backend keeps:
+- the **session catalog** (:class:`SessionCatalog`): which sessions are stored, and the
+  metadata of each (what ``session.json`` holds) — create, read, exists, list, delete;
+- the **trace log** (:class:`TraceLog`): each session's traced outputs in ``seq`` order,
+  one record each (R-TRACE), split into numbered traces at compactions (R-COMPACT-8) —
+  load, replay, append fenced by ``seq``, commit and batch tickets, sync, errors, rotate;
+- the **usage ledger** (:class:`UsageLedger`): one row per model request, compaction
+  failure and title (R-TRACE-5), and the totals read from them.
 
-- **Appends are fenced by ``seq``.** :meth:`TraceStore.append` names the ``seq`` of the
-  record; it must come after every ``seq`` the store holds for that session, or the append is
-  refused with :class:`StaleTraceWriter`. A host that lost a session to another one can
+The store is one object with the three parts as attributes — ``store.catalog``,
+``store.log``, ``store.ledger`` — plus the lifetime they share (``run``, ``aclose``). This
+shape keeps the call sites simple: a host is opened with one store
+(``Host.open(trace_store=factory)``) and starts and closes it as one actor (the file
+backend's one sink writes the traces and the ledger); each caller names the part it uses
+and takes nothing else (a session's running work the log and the ledger, through its port;
+the gateway the catalog and the log's replay; ``greenroom sessions`` the catalog); and a
+backend replaces only the part it changes — the cluster's store is the file catalog and
+ledger around a log that also replicates to JetStream. The actors reach storage only
+through these interfaces, so a backend replaces the files without touching them.
+
+The rules every backend keeps (``tests/test_store_conformance.py`` runs them against the
+file, memory and JetStream backends):
+
+- **Appends are fenced by ``seq``.** :meth:`TraceLog.append` names the ``seq`` of the
+  record; it must come after every ``seq`` the log holds for that session, or the append
+  is refused with :class:`StaleTraceWriter`. A host that lost a session to another one can
   therefore not add to its trace (R-CLUSTER-1); in one process it catches a bug that would
   duplicate a record. (A record its writer could not encode leaves its ``seq`` unused.)
-- **Publication waits for the write.** :meth:`TraceStore.commit` hands a session's appended
+- **Publication waits for the write.** :meth:`TraceLog.commit` hands a session's appended
   records on at once when it can (a file: always, one ``write(2)`` in the caller's task);
-  when it cannot (a store that acknowledges late), it returns False, and
-  :meth:`TraceStore.when_batch_done` sends ``TraceWritten`` on the emitter's inbox once the
-  ticket :meth:`TraceStore.append` returned is done. A session publishes an output only then
+  when it cannot (a log that acknowledges late), it returns False, and
+  :meth:`TraceLog.when_batch_done` sends ``TraceWritten`` on the emitter's inbox once the
+  ticket :meth:`TraceLog.append` returned is done. A session publishes an output only then
   (R-TRACE-3, R-RUN-8).
-- **Durability on request.** :meth:`TraceStore.sync` returns once everything appended for
+- **Durability on request.** :meth:`TraceLog.sync` returns once everything appended for
   the session is durable (a file: fsynced), at the points R-TRACE-2 names.
-- **Failures are per session and sticky** (:meth:`TraceStore.error`, cleared by
-  :meth:`TraceStore.clear_error`); no record and no I/O error ends the store or the host.
+- **Failures are per session and sticky** (:meth:`TraceLog.error`, cleared by
+  :meth:`TraceLog.clear_error`); no record and no I/O error ends the store or the host.
+- **A trace is one model context.** :meth:`TraceLog.rotate` starts the session's next
+  numbered trace; :meth:`TraceLog.load` returns the latest one, :meth:`TraceLog.read_after`
+  reads across all of them.
+- **Metadata is checked.** :meth:`SessionCatalog.read_meta` raises
+  :class:`StoredSessionMissing` for a session the store does not hold and
+  :class:`StoredSessionUnreadable` for metadata that cannot be used; deleting a session
+  removes all of it (metadata, traces, its files).
+
+Exceptions (with the trace sink's)::
+
+    Exception
+    ├── TraceSinkClosed          an append or a sync after the store was closed
+    ├── TraceWriteError          a session's records could not be written or made durable
+    │   └── StaleTraceWriter     an append whose seq the log holds already (fenced)
+    └── GreenroomError
+        ├── StoredSessionMissing     no such session in the catalog
+        └── StoredSessionUnreadable  its metadata cannot be used (where and why)
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +71,7 @@ from typing import Any, Protocol, cast
 import attrs
 import trio
 
+from greenroom.actors.runtime.disk import DISK, Disk
 from greenroom.actors.runtime.errors import GreenroomError
 from greenroom.actors.runtime.storage import (
     PRIVATE_DIR_MODE,
@@ -52,6 +86,7 @@ from greenroom.actors.runtime.trace_sink import (
     TraceWriteError,
     latest_trace_file,
     read_trace,
+    usage_totals,
 )
 from greenroom.protocols.messages import TraceWritten
 from greenroom.protocols.outputs import Output
@@ -59,13 +94,23 @@ from greenroom.protocols.text import repair_json
 from greenroom.protocols.trace import UsageRow, trace_file_name, trace_file_number
 
 __all__ = [
+    "FileSessionCatalog",
+    "FileTraceLog",
     "FileTraceStore",
+    "FileUsageLedger",
     "LoadedTrace",
+    "SessionCatalog",
     "StaleTraceWriter",
+    "StoredSession",
     "StoredSessionMissing",
     "StoredSessionUnreadable",
+    "TraceLog",
     "TraceStore",
     "TraceStoreFactory",
+    "UsageLedger",
+    "check_meta",
+    "one_line",
+    "read_meta_file",
 ]
 
 
@@ -96,32 +141,65 @@ class LoadedTrace:
     """The highest ``seq`` in the session's trace (0: none yet)."""
 
 
-class TraceStore(Protocol):
-    """The storage of one host's sessions; see the module docstring for the rules.
+@attrs.frozen(kw_only=True)
+class StoredSession:
+    """One session of a catalog's list: its metadata (checked, as :meth:`read_meta` gives
+    it), or why that cannot be read."""
 
-    Lifetime: an actor — ``await nursery.start(store.run)``, ready when that returns;
-    :meth:`aclose` flushes and makes everything durable, then ``run`` ends.
-    """
+    session_id: str
+    """The id the session is stored under."""
+    meta: dict[str, Any] | None
+    """The metadata; None when it cannot be used (see ``problem``)."""
+    problem: str | None
+    """Why the metadata cannot be used (it names where), else None."""
+    where: str
+    """Where the metadata is, for people (a file's path)."""
+    updated_at: float
+    """When the session last changed (unix time): its latest record, else its creation."""
+    traces: int
+    """How many numbered traces it has."""
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Serve until :meth:`aclose` (or cancellation, which flushes first)."""
-        ...
 
-    async def aclose(self) -> None:
-        """Stop accepting appends, make everything durable, end :meth:`run`. Idempotent."""
-        ...
+class SessionCatalog(Protocol):
+    """The sessions a store holds and their metadata; see the module docstring."""
 
     async def create(self, session_id: str, meta: dict[str, Any]) -> None:
-        """Store a new session's metadata; its trace starts empty at number 1."""
+        """Store a new session's metadata (a JSON object)."""
         ...
 
     async def read_meta(self, session_id: str) -> dict[str, Any]:
-        """A stored session's metadata, checked for the shape readers rely on. Raises
-        :class:`StoredSessionMissing` or :class:`StoredSessionUnreadable`."""
+        """A stored session's metadata, checked for the shape readers rely on
+        (:func:`check_meta`). Raises :class:`StoredSessionMissing` or
+        :class:`StoredSessionUnreadable`."""
         ...
 
     async def exists(self, session_id: str) -> bool:
-        """Whether the store holds session ``session_id``."""
+        """Whether the catalog holds session ``session_id``."""
+        ...
+
+    async def list_sessions(self) -> list[StoredSession]:
+        """Every stored session, in no particular order; one whose metadata cannot be read
+        is listed with the reason, never hides the others (R-SEC-1)."""
+        ...
+
+    async def delete(self, session_id: str) -> None:
+        """Remove the session and everything the store keeps of it: metadata, traces,
+        files. The log forgets it (what it still writes for it is finished first); a
+        session the store does not hold is no error."""
+        ...
+
+
+class TraceLog(Protocol):
+    """Each session's trace; see the module docstring for the rules.
+
+    Appending needs the session's position: :meth:`start` for a new session, :meth:`load`
+    for a stored one; :meth:`release` forgets it. Appending for any other session is a
+    bug (KeyError).
+    """
+
+    def start(self, session_id: str) -> None:
+        """A new session (just created in the catalog): its trace is empty, number 1, and
+        appends start at ``seq`` 1."""
         ...
 
     async def load(self, session_id: str) -> LoadedTrace:
@@ -129,26 +207,15 @@ class TraceStore(Protocol):
         ``last_seq``."""
         ...
 
+    async def read_latest(self, session_id: str) -> LoadedTrace:
+        """The session's latest trace as :meth:`load` reads it, for a reader: the log
+        takes no position and changes nothing (``greenroom trace`` reads a data dir it
+        cannot write). Raises OSError when the trace cannot be read at all."""
+        ...
+
     async def read_after(self, session_id: str, after_seq: int = 0) -> list[Output]:
         """Every traced output with ``seq > after_seq``, across the session's traces,
         in order (replay for a client that reconnects: R-GW)."""
-        ...
-
-    async def delete(self, session_id: str) -> None:
-        """Remove the session: metadata, traces and local files."""
-        ...
-
-    def release(self, session_id: str) -> None:
-        """The host closed the session: forget what the store keeps in memory for it
-        (appending again needs :meth:`load`). Its stored data stays."""
-        ...
-
-    def location(self, session_id: str) -> Path:
-        """Where the session's current trace is, for people (a file's path)."""
-        ...
-
-    def trace_number(self, session_id: str) -> int:
-        """The number of the session's current trace."""
         ...
 
     def append(self, session_id: str, seq: int, line: str) -> int:
@@ -190,8 +257,65 @@ class TraceStore(Protocol):
         """Start the session's next trace (after a compaction); returns its name."""
         ...
 
+    def location(self, session_id: str) -> Path:
+        """Where the session's current trace is, for people (a file's path)."""
+        ...
+
+    def trace_number(self, session_id: str) -> int:
+        """The number of the session's current trace."""
+        ...
+
+    def release(self, session_id: str) -> None:
+        """The host closed the session: forget what the log keeps in memory for it
+        (appending again needs :meth:`load`). Its stored records stay."""
+        ...
+
+
+class UsageLedger(Protocol):
+    """The host's usage ledger (R-TRACE-5): the raw data for cost reports."""
+
     def record_usage(self, row: UsageRow) -> None:
-        """Add a row to the usage ledger (R-TRACE-5). Never blocks."""
+        """Add a row. Never blocks; never raises for I/O (a ledger that cannot be written
+        is reported by ``log.sync()``). Raises ``TraceSinkClosed`` once the store is
+        closed."""
+        ...
+
+    async def totals(self, session_id: str | None = None) -> dict[str, dict[str, int]]:
+        """Token totals per session over every row recorded so far:
+        ``{session_id: {input, output, cache_read, cache_write, total, requests,
+        compaction_failures, titles}}`` (only ``session_id``'s with it; a session without
+        rows is absent)."""
+        ...
+
+
+class TraceStore(Protocol):
+    """The storage of one host's sessions: its three parts and their one lifetime.
+
+    Lifetime: an actor — ``await nursery.start(store.run)``, ready when that returns;
+    :meth:`aclose` flushes and makes everything durable, then ``run`` ends.
+    """
+
+    @property
+    def catalog(self) -> SessionCatalog:
+        """The sessions and their metadata."""
+        ...
+
+    @property
+    def log(self) -> TraceLog:
+        """The sessions' traces."""
+        ...
+
+    @property
+    def ledger(self) -> UsageLedger:
+        """The usage ledger."""
+        ...
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until :meth:`aclose` (or cancellation, which flushes first)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Stop accepting appends, make everything durable, end :meth:`run`. Idempotent."""
         ...
 
 
@@ -199,27 +323,26 @@ TraceStoreFactory = Callable[[Path], TraceStore]
 """Builds a host's trace store from its data dir (``Host.open(trace_store=…)``)."""
 
 
-@attrs.define
-class _Position:
-    """What the file store knows of one session's trace."""
-
-    number: int
-    next_seq: int
-    path: Path
+# -- the file backend --------------------------------------------------------------------
 
 
 class FileTraceStore:
     """The default :class:`TraceStore`: ``<data_dir>/sessions/<id>/`` with ``session.json``
-    and ``trace_NNN.jsonl`` files, through one :class:`TraceSink`: records are appended
-    from the session's own task, and its actor groups the fsyncs and keeps the SQLite
-    usage ledger."""
+    and ``trace_NNN.jsonl`` files (:class:`FileSessionCatalog`, :class:`FileTraceLog`) and
+    ``<data_dir>/usage.sqlite`` (:class:`FileUsageLedger`), all written through one
+    :class:`TraceSink`: records are appended from the session's own task, and its actor
+    groups the fsyncs and keeps the ledger. Every record and ``session.json`` goes through
+    ``disk`` (the real one unless a test's: :mod:`~greenroom.actors.runtime.disk`)."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, *, disk: Disk = DISK) -> None:
         self.data_dir = data_dir
+        self.disk = disk
         self.paths = SessionStore(data_dir)
-        self.sink = TraceSink(data_dir)
+        self.sink = TraceSink(data_dir, disk=disk)
         """The writer of the files (its batch counters are what tests observe)."""
-        self._positions: dict[str, _Position] = {}
+        self.log = FileTraceLog(self.paths, self.sink)
+        self.catalog = FileSessionCatalog(self.paths, self.log)
+        self.ledger = FileUsageLedger(self.sink)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the sink; ready when its ledger is open."""
@@ -229,94 +352,112 @@ class FileTraceStore:
         """Close the sink: flush, fsync, end ``run``."""
         await self.sink.aclose()
 
-    # -- sessions -----------------------------------------------------------------------
+
+class FileSessionCatalog:
+    """The :class:`SessionCatalog` of a data dir: one directory per session with its
+    ``session.json`` (0600, replaced atomically) and ``scratch/`` (0700)."""
+
+    def __init__(self, paths: SessionStore, log: FileTraceLog) -> None:
+        self.paths = paths
+        self._log = log
+        self._disk = log.disk
 
     async def create(self, session_id: str, meta: dict[str, Any]) -> None:
-        """Write ``session.json`` (0600, atomically) in a new 0700 session directory."""
+        """Write ``session.json`` in a new 0700 session directory."""
         directory = self.paths.session_dir(session_id)
-        await trio.to_thread.run_sync(_write_meta, directory, meta)
-        self._positions[session_id] = _Position(
-            number=1, next_seq=1, path=self.paths.trace_path(session_id, 1)
-        )
+        await trio.to_thread.run_sync(_write_meta, self._disk, directory, meta)
 
     async def read_meta(self, session_id: str) -> dict[str, Any]:
         """``session.json``, checked (see :func:`read_meta_file`)."""
         path = self.paths.meta_path(session_id)
         try:
-            return await trio.to_thread.run_sync(read_meta_file, path)
+            return await trio.to_thread.run_sync(read_meta_file, path, self._disk)
         except FileNotFoundError:
             raise StoredSessionMissing(
-                f"no session {session_id!r} in {self.data_dir}"
+                f"no session {session_id!r} in {self.paths.data_dir}"
             ) from None
 
     async def exists(self, session_id: str) -> bool:
         """Whether ``session.json`` is there."""
         return await trio.Path(self.paths.meta_path(session_id)).exists()
 
+    async def list_sessions(self) -> list[StoredSession]:
+        """Every ``sessions/*/session.json``, read in one worker thread."""
+        return await trio.to_thread.run_sync(_scan, self.paths.sessions_dir, self._disk)
+
+    async def delete(self, session_id: str) -> None:
+        """Remove the session's directory, once the log has made its last records durable
+        and forgotten it."""
+        await self._log.discard(session_id)
+        await trio.to_thread.run_sync(
+            shutil.rmtree, self.paths.session_dir(session_id), True
+        )
+
+
+@attrs.define
+class _Position:
+    """What the file log knows of one session's trace."""
+
+    number: int
+    next_seq: int
+    path: Path
+
+
+class FileTraceLog:
+    """The :class:`TraceLog` of a data dir: ``trace_001.jsonl``, ``trace_002.jsonl``, … in
+    each session's directory, appended and fsynced by the :class:`TraceSink`."""
+
+    def __init__(self, paths: SessionStore, sink: TraceSink) -> None:
+        self.paths = paths
+        self.sink = sink
+        self.disk = sink.disk
+        self._positions: dict[str, _Position] = {}
+
+    def start(self, session_id: str) -> None:
+        """Appends go to ``trace_001.jsonl`` from ``seq`` 1."""
+        self._positions[session_id] = _Position(
+            number=1, next_seq=1, path=self.paths.trace_path(session_id, 1)
+        )
+
     async def load(self, session_id: str) -> LoadedTrace:
         """Tighten the directory's modes, read the latest trace file."""
         directory = self.paths.session_dir(session_id)
         await trio.to_thread.run_sync(_tighten_session_dir, directory)
-        path = await trio.to_thread.run_sync(latest_trace_file, directory)
-        if path is None:
-            loaded = LoadedTrace(records=(), errors=(), number=1, last_seq=0)
-            path = self.paths.trace_path(session_id, 1)
-        else:
-            result = await trio.to_thread.run_sync(read_trace, path)
-            loaded = LoadedTrace(
-                records=tuple(result.records),
-                errors=tuple(str(e) for e in result.errors),
-                number=trace_file_number(path.name) or 1,
-                last_seq=max((r.seq or 0 for r in result.records), default=0),
-            )
+        loaded, path = await trio.to_thread.run_sync(self._latest, session_id)
         self._positions[session_id] = _Position(
             number=loaded.number, next_seq=loaded.last_seq + 1, path=path
         )
         return loaded
+
+    async def read_latest(self, session_id: str) -> LoadedTrace:
+        """The latest trace file, read in a worker thread."""
+        loaded, _ = await trio.to_thread.run_sync(self._latest, session_id)
+        return loaded
+
+    def _latest(self, session_id: str) -> tuple[LoadedTrace, Path]:
+        path = latest_trace_file(self.paths.session_dir(session_id))
+        if path is None:
+            empty = LoadedTrace(records=(), errors=(), number=1, last_seq=0)
+            return empty, self.paths.trace_path(session_id, 1)
+        result = read_trace(path, disk=self.disk)
+        loaded = LoadedTrace(
+            records=tuple(result.records),
+            errors=tuple(str(e) for e in result.errors),
+            number=trace_file_number(path.name) or 1,
+            last_seq=max((r.seq or 0 for r in result.records), default=0),
+        )
+        return loaded, path
 
     async def read_after(self, session_id: str, after_seq: int = 0) -> list[Output]:
         """Every trace file's records after ``after_seq``, oldest file first; a file that
         cannot be read is skipped."""
         directory = self.paths.session_dir(session_id)
         return await trio.to_thread.run_sync(
-            lambda: read_session_records(directory, after_seq=after_seq)
+            lambda: read_session_records(directory, after_seq=after_seq, disk=self.disk)
         )
-
-    async def delete(self, session_id: str) -> None:
-        """Remove the session's directory (after its last records were synced)."""
-        position = self._positions.pop(session_id, None)
-        if position is not None:
-            with contextlib.suppress(Exception):
-                await self.sink.sync(position.path)
-        await trio.to_thread.run_sync(
-            shutil.rmtree, self.paths.session_dir(session_id), True
-        )
-        if position is not None:
-            self.sink.forget(position.path)
-
-    def release(self, session_id: str) -> None:
-        """Drop the session's trace position (a host that opens many sessions over its
-        life keeps only the open ones')."""
-        position = self._positions.pop(session_id, None)
-        if position is not None:
-            self.sink.release(position.path)
-
-    def location(self, session_id: str) -> Path:
-        """The current trace file (of a released session: the latest one on disk)."""
-        position = self._positions.get(session_id)
-        if position is not None:
-            return position.path
-        latest = latest_trace_file(self.paths.session_dir(session_id))
-        return latest or self.paths.trace_path(session_id, 1)
-
-    def trace_number(self, session_id: str) -> int:
-        """The current trace file's number."""
-        return self._position(session_id).number
-
-    # -- the trace ----------------------------------------------------------------------
 
     def append(self, session_id: str, seq: int, line: str) -> int:
-        """Buffer the record in the sink (see :meth:`TraceStore.append`)."""
+        """Buffer the record in the sink (see :meth:`TraceLog.append`)."""
         position = self._position(session_id)
         if seq < position.next_seq:
             raise StaleTraceWriter(
@@ -350,7 +491,7 @@ class FileTraceStore:
         self.sink.clear_error(self._position(session_id).path)
 
     async def sync(self, session_id: str | None = None) -> None:
-        """Fsync the current file (every file with None)."""
+        """Fsync the current file (every file, and the ledger, with None)."""
         await self.sink.sync(None if session_id is None else self._position(session_id).path)
 
     def rotate(self, session_id: str) -> str:
@@ -361,9 +502,33 @@ class FileTraceStore:
         position.path = self.paths.trace_path(session_id, position.number)
         return trace_file_name(position.number)
 
-    def record_usage(self, row: UsageRow) -> None:
-        """Into the sink's SQLite ledger."""
-        self.sink.record_usage(row)
+    def location(self, session_id: str) -> Path:
+        """The current trace file (of a session not open here: the latest one on disk)."""
+        position = self._positions.get(session_id)
+        if position is not None:
+            return position.path
+        latest = latest_trace_file(self.paths.session_dir(session_id))
+        return latest or self.paths.trace_path(session_id, 1)
+
+    def trace_number(self, session_id: str) -> int:
+        """The current trace file's number."""
+        return self._position(session_id).number
+
+    def release(self, session_id: str) -> None:
+        """Drop the session's trace position (a host that opens many sessions over its
+        life keeps only the open ones')."""
+        position = self._positions.pop(session_id, None)
+        if position is not None:
+            self.sink.release(position.path)
+
+    async def discard(self, session_id: str) -> None:
+        """The session is being deleted: make what was written for it durable (a failure
+        is of no use any more), then forget it, in the sink too."""
+        position = self._positions.pop(session_id, None)
+        if position is not None:
+            with contextlib.suppress(Exception):
+                await self.sink.sync(position.path)
+            self.sink.forget(position.path)
 
     def _position(self, session_id: str) -> _Position:
         position = self._positions.get(session_id)
@@ -373,16 +538,72 @@ class FileTraceStore:
         return position
 
 
-def _write_meta(directory: Path, meta: dict[str, Any]) -> None:
+class FileUsageLedger:
+    """The :class:`UsageLedger` in ``<data_dir>/usage.sqlite``: rows go to the sink's actor,
+    which inserts them with its next batch (R-TRACE-5)."""
+
+    def __init__(self, sink: TraceSink) -> None:
+        self.sink = sink
+
+    def record_usage(self, row: UsageRow) -> None:
+        """Into the sink's SQLite ledger."""
+        self.sink.record_usage(row)
+
+    async def totals(self, session_id: str | None = None) -> dict[str, dict[str, int]]:
+        """The rows queued so far are inserted first (while the sink runs), then the
+        ledger is read (:func:`~greenroom.actors.runtime.trace_sink.usage_totals`)."""
+        await self.sink.flush_usage()
+        path = self.sink.ledger_path
+        return await trio.to_thread.run_sync(
+            lambda: usage_totals(path, session_id=session_id)
+        )
+
+
+def _scan(root: Path, disk: Disk) -> list[StoredSession]:
+    found: list[StoredSession] = []
+    if not root.is_dir():
+        return found
+    for meta_path in root.glob(f"*/{SESSION_FILE}"):
+        session_id = meta_path.parent.name
+        try:
+            meta = read_meta_file(meta_path, disk)
+            traces = list(meta_path.parent.glob("trace_*.jsonl"))
+            updated = max((t.stat().st_mtime for t in traces), default=meta_path.stat().st_mtime)
+        except FileNotFoundError:
+            continue  # deleted while we looked
+        except (StoredSessionUnreadable, OSError) as exc:
+            found.append(
+                StoredSession(
+                    session_id=session_id,
+                    meta=None,
+                    problem=str(exc),
+                    where=str(meta_path),
+                    updated_at=0.0,
+                    traces=0,
+                )
+            )
+            continue
+        found.append(
+            StoredSession(
+                session_id=session_id,
+                meta=meta,
+                problem=None,
+                where=str(meta_path),
+                updated_at=updated,
+                traces=len(traces),
+            )
+        )
+    return found
+
+
+def _write_meta(disk: Disk, directory: Path, meta: dict[str, Any]) -> None:
     directory.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
     tighten(directory, PRIVATE_DIR_MODE)
-    (directory / "scratch").mkdir(exist_ok=True, mode=PRIVATE_DIR_MODE)
+    disk.make_dir(directory / "scratch")
     tmp = directory / (SESSION_FILE + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
-    with open(fd, "w", encoding="utf-8") as f:
-        f.write(json.dumps(meta, indent=2))
+    disk.write(tmp, json.dumps(meta, indent=2).encode("utf-8"))
     tighten(tmp, PRIVATE_FILE_MODE)
-    tmp.replace(directory / SESSION_FILE)
+    disk.replace(tmp, directory / SESSION_FILE)
 
 
 def _tighten_session_dir(directory: Path) -> None:
@@ -405,37 +626,46 @@ def one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-def read_meta_file(meta_path: Path) -> dict[str, Any]:
-    """A ``session.json``, checked for the shape every reader relies on. Raises
-    FileNotFoundError when it is missing and :class:`StoredSessionUnreadable` otherwise.
-    Blocking."""
+def read_meta_file(meta_path: Path, disk: Disk = DISK) -> dict[str, Any]:
+    """A ``session.json``, checked (:func:`check_meta`). Raises FileNotFoundError when it
+    is missing and :class:`StoredSessionUnreadable` otherwise. Blocking."""
     try:
-        raw = meta_path.read_bytes()
+        raw = disk.read(meta_path)
     except FileNotFoundError:
         raise
     except OSError as exc:
         raise StoredSessionUnreadable(f"{meta_path}: {exc.strerror or exc}") from None
+    return check_meta(raw, str(meta_path))
+
+
+_META_FIELDS: tuple[tuple[str, type | tuple[type, ...]], ...] = (
+    ("session_id", str),
+    ("created_at", (int, float)),
+    ("workspace_dir", str),
+    ("settings", dict),
+    ("parent_id", (str, type(None))),
+)
+
+
+def check_meta(raw: bytes, where: str) -> dict[str, Any]:
+    """Stored session metadata (``session.json``'s bytes), checked for the shape every
+    reader relies on: a JSON object (lone surrogates repaired) whose known fields have
+    their types. Raises :class:`StoredSessionUnreadable` naming ``where`` and the reason.
+    Every backend's catalog reads metadata through it."""
     try:
         meta = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
-        raise StoredSessionUnreadable(f"{meta_path}: not UTF-8 text") from None
+        raise StoredSessionUnreadable(f"{where}: not UTF-8 text") from None
     except (ValueError, RecursionError) as exc:
-        raise StoredSessionUnreadable(f"{meta_path}: not JSON: {one_line(exc)}") from None
+        raise StoredSessionUnreadable(f"{where}: not JSON: {one_line(exc)}") from None
     if not isinstance(meta, dict):
         raise StoredSessionUnreadable(
-            f"{meta_path}: expected a JSON object, got {type(meta).__name__}"
+            f"{where}: expected a JSON object, got {type(meta).__name__}"
         )
     meta = cast(dict[str, Any], repair_json(meta))
-    expected: tuple[tuple[str, type | tuple[type, ...]], ...] = (
-        ("session_id", str),
-        ("created_at", (int, float)),
-        ("workspace_dir", str),
-        ("settings", dict),
-        ("parent_id", (str, type(None))),
-    )
-    for key, kind in expected:
+    for key, kind in _META_FIELDS:
         if key in meta and (not isinstance(meta[key], kind) or isinstance(meta[key], bool)):
             raise StoredSessionUnreadable(
-                f"{meta_path}: {key}: wrong type {type(meta[key]).__name__}"
+                f"{where}: {key}: wrong type {type(meta[key]).__name__}"
             )
     return meta

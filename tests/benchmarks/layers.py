@@ -76,6 +76,7 @@ LAYERS: list[tuple[str, bool, tuple[str, ...]]] = [
             "protocols/transcript.py",
             "trace_sink.py",
             "trace_store.py",
+            "runtime/disk.py",
             "protocols/trace.py",
             "protocols/converter.py",
             "cattrs/",

@@ -1,0 +1,96 @@
+"""The file system as the file backend uses it: one small seam for its traces and metadata.
+
+:class:`Disk` holds the blocking calls through which the trace sink and the file store
+write, make durable and read what they keep: appending records to a trace file, fsyncing a
+file or a directory, writing a file whole and putting it in place (``session.json``),
+reading one back. (The usage ledger is SQLite's own I/O; modes and directory listings are
+plain calls: they hold no record.) The default is the operating system itself
+(:data:`DISK`). A test passes a disk of its own — one that refuses or stalls on a given
+path, or records what was fsynced — to ``FileTraceStore(data_dir, disk=…)`` or
+``TraceSink(data_dir, disk=…)``, instead of patching the backend's functions.
+
+The contract of every method: it blocks (the trace sink calls :meth:`Disk.append` from the
+session's own task — one small append to the page cache — and everything else from a worker
+thread), and what the disk refuses is an ``OSError``. Anything else a method raises is a bug
+below the writer: the trace sink's actor stops on it rather than go on promising durability
+(see :mod:`~greenroom.actors.runtime.trace_sink`).
+
+Files the backend creates are private to the user that runs the host: 0600, directories
+0700 (they hold tool output such as file contents: R-SEC-5).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["DISK", "PRIVATE_DIR_MODE", "PRIVATE_FILE_MODE", "Disk"]
+
+PRIVATE_DIR_MODE = 0o700
+"""Directories the host creates: only its user may enter them (traces hold tool output)."""
+
+PRIVATE_FILE_MODE = 0o600
+"""Files the host creates (metadata, traces, the ledger)."""
+
+
+class Disk:
+    """The operating system's files, as the file backend writes and reads them. Subclass
+    it to make a test's disk (override a method, call the real one through ``super()``)."""
+
+    def append(self, path: Path, data: bytes, *, create: bool = False) -> None:
+        """Write all of ``data`` at the end of the file ``path`` (``O_APPEND``). A missing
+        file raises FileNotFoundError, unless ``create``: then it is created (0600)."""
+        flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT if create else 0)
+        fd = os.open(path, flags, PRIVATE_FILE_MODE)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+
+    def last_byte(self, path: Path) -> bytes:
+        """The last byte of the file ``path`` (``b""`` when it is empty). A missing file
+        raises FileNotFoundError."""
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            if not size:
+                return b""
+            f.seek(size - 1)
+            return f.read(1)
+
+    def make_dir(self, path: Path) -> None:
+        """Create the directory ``path`` (0700) in its existing parent; one that exists
+        already is left as it is."""
+        path.mkdir(exist_ok=True, mode=PRIVATE_DIR_MODE)
+
+    def fsync(self, path: Path) -> None:
+        """Make the content of the file ``path`` — or the entries of the directory
+        ``path`` — durable. A missing one raises FileNotFoundError."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def write(self, path: Path, data: bytes) -> None:
+        """Create the file ``path`` (0600), or empty the one there, and write ``data``."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+
+    def replace(self, source: Path, target: Path) -> None:
+        """Put the file ``source`` in the place of ``target`` in one step (``rename(2)``)."""
+        os.replace(source, target)
+
+    def read(self, path: Path) -> bytes:
+        """The content of the file ``path``."""
+        return path.read_bytes()
+
+
+DISK = Disk()
+"""The real disk: what the file backend uses unless it is given another."""
