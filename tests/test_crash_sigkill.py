@@ -98,7 +98,7 @@ async def brain(request, stream):
 
 
 if __name__ == "__main__":
-    import greenroom.actors.runtime.host as host
+    import greenroom.actors.runtime.provider_clients as host
     from greenroom.actors.apps.cli import main
     from greenroom.actors.providers.scripted import ScriptedProvider
 

@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio.testing
 
-import greenroom.actors.runtime.host as host_module
+import greenroom.actors.runtime.provider_clients as host_module
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
 from greenroom.actors.runtime import Host
 from greenroom.protocols.context import ModelRequest

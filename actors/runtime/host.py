@@ -32,18 +32,20 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from greenroom.actors.providers.registry import (
-    PROVIDERS,
-    anthropic_credentials,
-    default_provider_name,
-    provider_spec,
-)
 from greenroom.actors.runtime.errors import ConfigurationError, HostClosed, SessionNotFound
 from greenroom.actors.runtime.gc_tuning import tuned_gc
 from greenroom.actors.runtime.llm_streamer import ModelProvider
+from greenroom.actors.runtime.open_tasks import OpenTaskIndex
 from greenroom.actors.runtime.people import People, answer, pending_of
 from greenroom.actors.runtime.port import SessionPort
+from greenroom.actors.runtime.provider_clients import (
+    ProviderClients,
+    default_model,
+    provider_name_for,
+    require_anthropic_credentials,
+)
 from greenroom.actors.runtime.session import Session, require_trio
+from greenroom.actors.runtime.shared_tables import SharedTables, fixed_workspace
 from greenroom.actors.runtime.storage import (
     PRIVATE_DIR_MODE,
     SESSION_FILE,
@@ -65,12 +67,8 @@ from greenroom.actors.runtime.trace_store import (
 )
 from greenroom.actors.tools.mcp_config import McpConfigError, as_configs
 from greenroom.actors.tools.workspace import (
-    WorkspaceError,
     current_boot,
-    identify_workspace,
-    open_workspace,
 )
-from greenroom.protocols.context import ToolSchema
 from greenroom.protocols.converter import converter
 from greenroom.protocols.hooks import Hooks
 from greenroom.protocols.messages import PersonAnswered, SupervisorMessage
@@ -158,17 +156,12 @@ class Host:
         """The store's usage ledger (R-TRACE-5)."""
         self._sessions: dict[str, Session] = {}
         self._ports: dict[str, SessionPort] = {}
-        self._providers: dict[tuple[str, str | None], ModelProvider] = {}
-        self._making_provider = trio.Lock()
-        self._tool_tables: dict[tuple[int, ...], tuple[dict[str, Tool], tuple[ToolSchema, ...]]]
-        self._tool_tables = {}
-        self._paths: dict[str, Path] = {}
-        self._identities: dict[WorkspaceIdentity, WorkspaceIdentity] = {}
+        self._clients = ProviderClients()
+        self._shared = SharedTables()
         self._mcp: McpManager | None = None  # started with the first MCP server
         self._closed = False
         self._people = People(self._ports.get)
-        self._stored_open_tasks: set[str] = set()
-        self._scanned_open_tasks = False
+        self._open_tasks = OpenTaskIndex(store)
         self._default_tools = tuple(tools)
 
     @classmethod
@@ -227,7 +220,7 @@ class Host:
             store = (trace_store or FileTraceStore)(path)
             await nursery.start(store.run)
             host = cls(path, nursery, store, observers, tools)
-            await nursery.start(host.serve_people)
+            await nursery.start(host._people.run)
             try:
                 yield host
             finally:
@@ -279,54 +272,20 @@ class Host:
         never runs another model silently."""
         self.check_open()
         mcp_configs = _mcp_configs(mcp_servers)
-        base = settings or SessionSettings()
-        provider_name = (
-            getattr(provider, "name", None)
-            if provider is not None and not isinstance(provider, str)
-            else base.provider
-            if provider is None and settings is not None
-            else _provider_name(provider, model)
-        )
-        if provider_name == "anthropic" and isinstance(provider, str | None):
-            _require_anthropic_credentials(model)
-        changes: dict[str, Any] = dict(overrides)
-        changes["provider"] = provider_name
-        if model is not None:
-            changes["model"] = model
-        elif settings is None:
-            changes["model"] = _default_model(str(provider_name))
-        if system is not None:
-            changes["system"] = system
-        try:
-            final = attrs.evolve(base, **changes)
-        except TypeError as exc:
-            raise ConfigurationError(f"bad session settings: {exc}") from None
+        final = _new_settings(settings, provider, model, system, overrides)
         model_provider = provider if not isinstance(provider, str | None) else None
         if model_provider is None:
-            model_provider = await self._provider_for(final)
+            model_provider = await self._clients.get(final)
         sid = session_id or _new_session_id()
         while session_id is None and sid in self._sessions:
             # Many sessions created within one second can draw the same id.
             sid = _new_session_id()
         directory = SessionStore(self.data_dir).session_dir(sid)
-        identity = self._intern_identity(
-            await trio.to_thread.run_sync(self._fixed_workspace, workspace_dir)
+        identity = self._shared.identity(
+            await trio.to_thread.run_sync(fixed_workspace, workspace_dir, self.data_dir)
         )
         tool_list = list(tools)
-        meta = {
-            "session_id": sid,
-            "created_at": time.time(),
-            "workspace_dir": str(identity.path),
-            "workspace_identity": {
-                "device": identity.device,
-                "inode": identity.inode,
-                "boot": identity.boot,
-            },
-            "settings": converter.unstructure(final),
-            "tools": [t.name for t in tool_list],
-        }
-        if parent_id is not None:
-            meta["parent_id"] = parent_id
+        meta = _new_meta(sid, identity, final, tool_list, parent_id)
         await self._store.catalog.create(sid, meta)
         self.trace_log.start(sid)
         port = SessionPort(
@@ -335,7 +294,7 @@ class Host:
             directory=directory,
             settings=final,
             workspace_dir=identity.path,
-            tools=self.tool_table(tool_list),
+            tools=self._shared.tool_table(tool_list),
             provider=model_provider,
             transcript=Transcript(supports_vision=final.supports_vision),
             parent_id=parent_id,
@@ -344,7 +303,7 @@ class Host:
         if hooks is not None:
             port.hooks = hooks
         if mcp_configs:
-            await self._attach_mcp(port, mcp_configs)
+            await _attach_mcp(self, port, mcp_configs)
         session = self._add(port)
         if parent_id is None:
             self._observe(session)
@@ -381,37 +340,26 @@ class Host:
         if session_id in self._sessions:
             return self._sessions[session_id]
         directory = SessionStore(self.data_dir).session_dir(session_id)
-        try:
-            meta = await self._store.catalog.read_meta(session_id)
-            settings = converter.structure(meta.get("settings", {}), SessionSettings)
-        except StoredSessionMissing as exc:
-            raise SessionNotFound(str(exc)) from None
-        except StoredSessionUnreadable as exc:
-            raise SessionNotFound(f"session {session_id!r} is unreadable: {exc}") from None
-        except Exception as exc:  # cattrs: a field of the wrong type or value
-            raise SessionNotFound(
-                f"session {session_id!r} is unreadable: {directory / SESSION_FILE}: bad "
-                f"settings: {one_line(exc)}"
-            ) from None
+        meta, settings = await _stored_settings(self._store, session_id, directory)
         if isinstance(provider, str):
             overrides["provider"] = provider
         if overrides:
             settings = attrs.evolve(settings, **overrides)
         model_provider = provider if not isinstance(provider, str | None) else None
         if model_provider is None:
-            model_provider = await self._provider_for(settings)
+            model_provider = await self._clients.get(settings)
         loaded = await self.trace_log.load(session_id)
         records = list(loaded.records)
         transcript = rebuild(records, supports_vision=settings.supports_vision, recover=False)
         machine = fold(records)
-        identity = self._intern_identity(await trio.to_thread.run_sync(_stored_workspace, meta))
+        identity = self._shared.identity(await trio.to_thread.run_sync(_stored_workspace, meta))
         port = SessionPort(
             host=self,
             session_id=session_id,
             directory=directory,
             settings=settings,
             workspace_dir=identity.path,
-            tools=self.tool_table(tools),
+            tools=self._shared.tool_table(list(tools)),
             provider=model_provider,
             transcript=transcript,
             machine=machine,
@@ -421,7 +369,7 @@ class Host:
         )
         port.load_errors = list(loaded.errors)
         if mcp_configs:
-            await self._attach_mcp(port, mcp_configs)
+            await _attach_mcp(self, port, mcp_configs)
         session = self._add(port)
         self._observe(session)
         return session
@@ -456,10 +404,8 @@ class Host:
             # A task that waits only for people is not interrupted: its request stays
             # pending in the trace, and loading the session asks it again (R-HITL-1).
             await session.aclose()
-            if port is not None and port.machine.run_id is not None:
-                self._stored_open_tasks.add(session_id)
-            else:
-                self._stored_open_tasks.discard(session_id)
+            task_open = port is not None and port.machine.run_id is not None
+            self._open_tasks.closed(session_id, task_open=task_open)
             self.trace_log.release(session_id)
             if self._mcp is not None:
                 await self._mcp.release(session_id)
@@ -472,7 +418,7 @@ class Host:
         if session_id not in self._sessions and not await catalog.exists(session_id):
             raise SessionNotFound(f"no session {session_id!r} in {self.data_dir}")
         await self.close_session(session_id)
-        self._stored_open_tasks.discard(session_id)
+        self._open_tasks.deleted(session_id)
         await catalog.delete(session_id)
 
     async def aclose(self) -> None:
@@ -485,9 +431,7 @@ class Host:
         finally:
             # Even past the shutdown bound: the desk must end for the host's nursery to.
             self._people.close()
-        for provider in self._providers.values():
-            await provider.aclose()
-        self._providers.clear()
+        await self._clients.aclose()
         if self._mcp is not None:
             await self._mcp.aclose()
 
@@ -521,56 +465,6 @@ class Host:
         for observe in self._observers:
             observe(session)
 
-    def tool_table(self, tools: Iterable[Tool]) -> tuple[dict[str, Tool], tuple[ToolSchema, ...]]:
-        """The name table and schemas of a tool list, shared by every session of this
-        host that uses the same tool objects (read-only for the sessions)."""
-        tool_list = list(tools)
-        key = tuple(id(t) for t in tool_list)
-        table = self._tool_tables.get(key)
-        if table is None:
-            by_name = {t.name: t for t in tool_list}
-            table = (by_name, tuple(t.schema for t in by_name.values()))
-            self._tool_tables[key] = table
-            # The tools stay referenced by the table, so their ids cannot be reused.
-        return table
-
-    async def _attach_mcp(self, session: SessionPort, configs: dict[str, Any]) -> None:
-        """Give the session its MCP servers' tools; the manager runs in this host's
-        nursery and is started with the first server."""
-        # Imported here: the MCP SDK is loaded only by a host that has an MCP server.
-        from greenroom.actors.tools.mcp import McpManager, attach_servers
-
-        manager = self._mcp
-        if manager is None:
-            manager = self._mcp = McpManager(self.data_dir / "mcp")
-            self._nursery.start_soon(manager.run)
-        await manager.wait_started()
-        await attach_servers(manager, session, configs)
-
-    def _intern_path(self, path: Path) -> Path:
-        """One Path object per distinct workspace, shared by its sessions."""
-        return self._paths.setdefault(str(path), path)
-
-    def _intern_identity(self, identity: WorkspaceIdentity) -> WorkspaceIdentity:
-        """One identity object per distinct workspace, shared by its sessions (idle
-        sessions stay small: R-PERF)."""
-        shared = self._identities.get(identity)
-        if shared is None:
-            shared = attrs.evolve(identity, path=self._intern_path(identity.path))
-            self._identities[shared] = shared
-        return shared
-
-    def _fixed_workspace(self, workspace: str | Path | WorkspaceIdentity) -> WorkspaceIdentity:
-        """The identity of a new session's workspace (R-SEC-7); blocking."""
-        private = (self.data_dir,)
-        try:
-            if isinstance(workspace, WorkspaceIdentity):
-                open_workspace(workspace, workspace.path, private).close()
-                return workspace
-            return identify_workspace(workspace, private)
-        except WorkspaceError as exc:
-            raise ConfigurationError(str(exc)) from None
-
     async def create_child(
         self, parent: SessionPort, *, settings: SessionSettings, tools: Iterable[Tool]
     ) -> SessionPort:
@@ -598,18 +492,13 @@ class Host:
 
     # -- people (R-HITL) -----------------------------------------------------------------
 
-    async def serve_people(
-        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-    ) -> None:
-        """Run the host's clock for requests that wait for people (their timeout policy)
-        until the host closes; :meth:`open` starts it."""
-        await self._people.run(task_status=task_status)
-
     async def pending_approvals(self) -> list[PendingApproval]:
         """Every request waiting for a person (approvals and questions) in this host's
         sessions — the open ones and the stored ones whose trace leaves a task waiting,
         which are loaded for it (R-HITL-2)."""
-        await self._load_open_tasks()
+        for session_id in await self._open_tasks.ids(self._ports):
+            with contextlib.suppress(SessionNotFound):
+                await self.load_session(session_id)
         return [p for port in list(self._ports.values()) for p in pending_of(port)]
 
     async def answer_approval(
@@ -627,9 +516,7 @@ class Host:
         (a parked one wakes, a stored one is loaded). ``digest``, when given, must be the
         arguments digest the person saw. Raises :class:`NotPending` when the call waits
         for no decision, :class:`SessionNotFound` when there is no such session."""
-        if decision not in ("allow", "deny", "allow_session"):
-            raise ValueError(f"decision must be allow, deny or allow_session, not {decision!r}")
-        port = await self._open_port(session_id)
+        port = self._ports[(await self.load_session(session_id)).id]
         await answer(
             port,
             PersonAnswered(call_id=call_id, verdict=decision, principal=by, digest=digest),
@@ -640,7 +527,7 @@ class Host:
     ) -> None:
         """Answer the model's question of ``call_id`` (the ``ask_user`` tool, R-HITL-5):
         ``text`` is the call's result. Raises as :meth:`answer_approval` does."""
-        port = await self._open_port(session_id)
+        port = self._ports[(await self.load_session(session_id)).id]
         await answer(port, PersonAnswered(call_id=call_id, text=text, principal=by))
 
     async def resume(self, session_id: str, **load: Any) -> Session:
@@ -657,7 +544,7 @@ class Host:
         """Take up every stored task left open by a host that stopped (what
         ``Host.open(resume_tasks=True)`` does); returns their session ids."""
         resumed = []
-        for session_id in await self._open_task_ids():
+        for session_id in await self._open_tasks.ids(self._ports):
             try:
                 await self.resume(session_id)
             except SessionNotFound:
@@ -673,36 +560,6 @@ class Host:
         """Hold the wait of ``call_id`` to ``port``'s timeout policy."""
         self._people.watch(port, call_id, asked_at)
 
-    async def _open_port(self, session_id: str) -> SessionPort:
-        if session_id not in self._ports:
-            await self.load_session(session_id)
-        return self._ports[session_id]
-
-    async def _load_open_tasks(self) -> None:
-        for session_id in await self._open_task_ids():
-            if session_id not in self._ports:
-                with contextlib.suppress(SessionNotFound):
-                    await self.load_session(session_id)
-
-    async def _open_task_ids(self) -> list[str]:
-        """Stored sessions, not open in this host, whose trace leaves a task open. The
-        store is read once per host (every session's latest trace); from then on the host
-        knows, as it remembers each session it closes with its task still open."""
-        if not self._scanned_open_tasks:
-            found: set[str] = set()
-            for entry in await self._store.catalog.list_sessions():
-                if entry.meta is None or entry.session_id in self._ports:
-                    continue
-                try:
-                    loaded = await self.trace_log.read_latest(entry.session_id)
-                except OSError:
-                    continue  # unreadable: listed by list_sessions, not resumed
-                if fold(list(loaded.records)).run_id is not None:
-                    found.add(entry.session_id)
-            self._stored_open_tasks |= found
-            self._scanned_open_tasks = True
-        return sorted(s for s in self._stored_open_tasks if s not in self._ports)
-
     def start_task(self, fn: Callable[[], Awaitable[None]]) -> None:
         """Run ``fn`` as a task of the host's nursery, so that it outlives its caller. It must
         not raise: an exception would end the host and every session with it."""
@@ -717,61 +574,8 @@ class Host:
         provider's library beforehand. Off the event loop. Raises
         :class:`ConfigurationError` as :meth:`create_session` would (an unknown provider,
         or anthropic without credentials)."""
-        name = _provider_name(provider, model)
-        if name == "anthropic":
-            _require_anthropic_credentials(model)
-        changes: dict[str, Any] = {"provider": name, "base_url": base_url}
-        await self._provider_for(attrs.evolve(SessionSettings(), **changes))
+        await self._clients.load(provider, model=model, base_url=base_url)
 
-    async def _provider_for(self, settings: SessionSettings) -> ModelProvider:
-        # One client per provider and endpoint: sessions share its connection pool.
-        cache_key = (settings.provider, settings.base_url)
-        provider = self._providers.get(cache_key)
-        if provider is not None:
-            return provider
-        async with self._making_provider:  # sessions created together share one client
-            provider = self._providers.get(cache_key)
-            if provider is None:
-                # In a worker thread: a provider's first use imports its library (the
-                # anthropic SDK: seconds on a busy machine), which on the event loop would
-                # stall every session, connection and lease renewal of the host meanwhile.
-                provider = await trio.to_thread.run_sync(make_provider, settings)
-                self._providers[cache_key] = provider
-        return provider
-
-
-def make_provider(settings: SessionSettings) -> ModelProvider:
-    """The provider adapter a session's settings name (from the provider registry)."""
-    try:
-        spec = provider_spec(settings.provider)
-    except KeyError as exc:
-        raise ConfigurationError(str(exc.args[0])) from None
-    return spec.factory(settings)
-
-
-def _require_anthropic_credentials(model: str | None) -> None:
-    if anthropic_credentials():
-        return
-    asked = f"model {model!r} runs on the anthropic provider, which" if model else (
-        "the anthropic provider"
-    )
-    raise ConfigurationError(
-        f"{asked} needs ANTHROPIC_API_KEY or ANTHROPIC_AUTH_TOKEN in the environment; "
-        "pass provider='scripted' for the built-in model"
-    )
-
-
-def _provider_name(provider: str | None, model: str | None) -> str:
-    """The provider a session gets that names ``provider`` (or none) and no settings."""
-    if provider is not None:
-        return provider
-    if model is not None and model.startswith("claude-"):
-        return "anthropic"
-    return default_provider_name()
-
-
-def _default_model(provider: str) -> str:
-    return PROVIDERS[provider].default_model() if provider in PROVIDERS else "scripted"
 
 
 
@@ -825,6 +629,95 @@ def _stored_workspace(meta: Mapping[str, Any]) -> WorkspaceIdentity:
             path=path, device=_UNKNOWN_DIRECTORY, inode=_UNKNOWN_DIRECTORY, boot=boot
         )
     return WorkspaceIdentity(path=path, device=info.st_dev, inode=info.st_ino, boot=boot)
+
+
+def _new_settings(
+    settings: SessionSettings | None,
+    provider: str | ModelProvider | None,
+    model: str | None,
+    system: str | None,
+    overrides: dict[str, Any],
+) -> SessionSettings:
+    """A new session's settings, as :meth:`Host.create_session` composes them."""
+    base = settings or SessionSettings()
+    provider_name = (
+        getattr(provider, "name", None)
+        if provider is not None and not isinstance(provider, str)
+        else base.provider
+        if provider is None and settings is not None
+        else provider_name_for(provider, model)
+    )
+    if provider_name == "anthropic" and isinstance(provider, str | None):
+        require_anthropic_credentials(model)
+    changes: dict[str, Any] = dict(overrides)
+    changes["provider"] = provider_name
+    if model is not None:
+        changes["model"] = model
+    elif settings is None:
+        changes["model"] = default_model(str(provider_name))
+    if system is not None:
+        changes["system"] = system
+    try:
+        return attrs.evolve(base, **changes)
+    except TypeError as exc:
+        raise ConfigurationError(f"bad session settings: {exc}") from None
+
+
+def _new_meta(
+    session_id: str,
+    identity: WorkspaceIdentity,
+    settings: SessionSettings,
+    tools: list[Tool],
+    parent_id: str | None,
+) -> dict[str, Any]:
+    """A new session's ``session.json``."""
+    meta: dict[str, Any] = {
+        "session_id": session_id,
+        "created_at": time.time(),
+        "workspace_dir": str(identity.path),
+        "workspace_identity": {
+            "device": identity.device,
+            "inode": identity.inode,
+            "boot": identity.boot,
+        },
+        "settings": converter.unstructure(settings),
+        "tools": [t.name for t in tools],
+    }
+    if parent_id is not None:
+        meta["parent_id"] = parent_id
+    return meta
+
+
+async def _stored_settings(
+    store: TraceStore, session_id: str, directory: Path
+) -> tuple[dict[str, Any], SessionSettings]:
+    """A stored session's metadata and settings; :class:`SessionNotFound` says why not."""
+    try:
+        meta = await store.catalog.read_meta(session_id)
+        return meta, converter.structure(meta.get("settings", {}), SessionSettings)
+    except StoredSessionMissing as exc:
+        raise SessionNotFound(str(exc)) from None
+    except StoredSessionUnreadable as exc:
+        raise SessionNotFound(f"session {session_id!r} is unreadable: {exc}") from None
+    except Exception as exc:  # cattrs: a field of the wrong type or value
+        raise SessionNotFound(
+            f"session {session_id!r} is unreadable: {directory / SESSION_FILE}: bad "
+            f"settings: {one_line(exc)}"
+        ) from None
+
+
+async def _attach_mcp(host: Host, session: SessionPort, configs: dict[str, Any]) -> None:
+    """Give the session its MCP servers' tools; the manager runs in this host's
+    nursery and is started with the first server."""
+    # Imported here: the MCP SDK is loaded only by a host that has an MCP server.
+    from greenroom.actors.tools.mcp import McpManager, attach_servers
+
+    manager = host._mcp
+    if manager is None:
+        manager = host._mcp = McpManager(host.data_dir / "mcp")
+        host._nursery.start_soon(manager.run)
+    await manager.wait_started()
+    await attach_servers(manager, session, configs)
 
 
 def _new_session_id() -> str:

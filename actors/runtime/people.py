@@ -107,6 +107,10 @@ async def answer(port: SessionPort, message: PersonAnswered) -> None:
     """Hand ``message`` to the work of ``port`` and wait until it is taken. Raises
     :class:`NotPending` when the call waits for no answer (or no longer), when the answer
     names other arguments than the call's, or when it is not of the request's kind."""
+    if message.verdict not in (None, "allow", "deny", "allow_session"):
+        raise ValueError(
+            f"decision must be allow, deny or allow_session, not {message.verdict!r}"
+        )
     request = port.machine.record.pending(message.call_id)
     if request is None:
         raise NotPending(
