@@ -12,8 +12,6 @@ DEFAULT_COMPACT_PROMPT = (
     "Write the summary between [summary] and [/summary]. Do not call any tool."
 )
 
-ProviderName = Literal["anthropic", "openai", "openai-responses", "scripted"]
-
 DEFAULT_MAX_IMAGE_BYTES = 5 * 1024 * 1024
 """The largest image file a session accepts (R-SEC-8): the Anthropic API's own limit per
 image, so an image that passes here is not refused there for its size."""
@@ -45,7 +43,9 @@ class SessionSettings:
     a larger one is refused when it is named, never read in full or sent.
     """
 
-    provider: ProviderName = "scripted"
+    provider: str = "scripted"
+    """A name of the provider registry (``greenroom.actors.providers.registry``), the one
+    authority on providers: an unknown one is refused when the session's client is made."""
     model: str = "scripted"
     base_url: str | None = None
     system: str | None = None

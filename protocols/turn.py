@@ -603,14 +603,18 @@ class TurnMachine:
 
     def _result(self, call: _Call, status: ToolStatus, content: Any) -> ToolCallOutput:
         output = _tool_output(self.session_id, self.run_id, call.block, status, content)
-        self._results[call.block.id] = ToolResult(
-            call_id=output.call_id,
-            tool=output.tool,
-            status=status,
-            is_error=output.is_error,
-            content=output.content,
-        )
+        self._results[call.block.id] = _as_result(output)
         return output
+
+
+def _as_result(output: ToolCallOutput) -> ToolResult:
+    return ToolResult(
+        call_id=output.call_id,
+        tool=output.tool,
+        status=output.status,
+        is_error=output.is_error,
+        content=output.content,
+    )
 
 
 def _tool_output(

@@ -60,8 +60,7 @@ def stdio(**extra: Any) -> dict[str, Any]:
 
 
 def connection(host: Host, name: str) -> McpConnection:
-    assert host._mcp is not None
-    return next(c for c in host._mcp._connections() if c.name == name)
+    return next(c for c in host._mcp.connections() if c.name == name)
 
 
 def outputs_by_call(outputs: list[Any]) -> dict[str, ToolCallOutput]:
@@ -554,7 +553,7 @@ async def test_gateway_sessions_get_the_servers_of_its_defaults(
     assert len(mcp_host.sessions) == 2
     for session in mcp_host.sessions:
         assert "mcp__t__echo" in {t.name for t in session.tools}
-    assert mcp_host._mcp is not None and len(mcp_host._mcp._connections()) == 1
+    assert len(mcp_host._mcp.connections()) == 1
 
 
 async def test_bad_mcp_servers_argument_is_a_configuration_error(mcp_host: Host) -> None:

@@ -24,9 +24,9 @@ import pytest
 import trio
 
 from greenroom.actors.providers.anthropic import AnthropicProvider
+from greenroom.actors.providers.base import Deliver, connect_failure, transport_failure
 from greenroom.actors.providers.openai import OpenAIProvider
 from greenroom.actors.runtime.host import Host
-from greenroom.actors.runtime.llm_streamer import Deliver, connect_failure, transport_failure
 from greenroom.actors.runtime.session import Session
 from greenroom.protocols import anthropic_codec, openai_codec
 from greenroom.protocols.anthropic_codec import AnthropicStreamDecoder

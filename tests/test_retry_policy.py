@@ -13,7 +13,8 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from greenroom.actors.runtime.llm_streamer import Deliver, LLMStreamer
+from greenroom.actors.providers.base import Deliver
+from greenroom.actors.runtime.llm_streamer import LLMStreamer
 from greenroom.protocols.compaction import RetrySummary, Summarized, SummaryRequests
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import ModelRequest, UserMessage

@@ -25,11 +25,11 @@ import trio
 import trio.testing
 
 from greenroom.actors.providers.anthropic import AnthropicProvider
+from greenroom.actors.providers.base import ProviderTask
 from greenroom.actors.providers.lean_http import DEADLINE_SLACK
 from greenroom.actors.providers.openai import OpenAIProvider
 from greenroom.actors.providers.openai_responses import OpenAIResponsesProvider
 from greenroom.actors.runtime.host import Host
-from greenroom.actors.runtime.llm_streamer import ProviderTask
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import ModelRequest, UserMessage
 from greenroom.protocols.outputs import Output, RequestEnd, TaskEnd

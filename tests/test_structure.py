@@ -333,3 +333,17 @@ def test_no_runtime_module_but_the_host_imports_the_session_handle() -> None:
                 found.append(f"{path.name}:{line}")
     assert found == []
 
+
+
+def test_provider_adapters_import_nothing_from_the_runtime() -> None:
+    """The provider seam sits at the rim (``actors/providers/base.py``): an adapter is
+    written against it and ``protocols/``, so it can be read, tested and replaced without
+    the runtime — which drives adapters through that seam only."""
+    found = [
+        f"{path.name}:{line}: {module}"
+        for path, tree in modules(ACTORS / "providers")
+        for line, module, _ in _imported_modules(tree)
+        if module.startswith("greenroom.actors.runtime")
+    ]
+    assert found == []
+

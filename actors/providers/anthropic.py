@@ -24,19 +24,18 @@ from typing import Any
 import anthropic
 import httpx2
 
+from greenroom.actors.providers.base import (
+    Deliver,
+    connect_failure,
+    cut_short,
+    transport_failure,
+)
 from greenroom.actors.providers.lean_http import LeanTransport, RawBody, raw_body
 from greenroom.actors.providers.media import LoadedImage, TaskImages, read_image
 from greenroom.actors.providers.stalls import (
     ProgressDeadline,
     no_response_message,
     stalled_message,
-)
-from greenroom.actors.runtime.errors import ConfigurationError
-from greenroom.actors.runtime.llm_streamer import (
-    Deliver,
-    connect_failure,
-    cut_short,
-    transport_failure,
 )
 from greenroom.protocols.anthropic_codec import (
     AnthropicStreamDecoder,
@@ -45,6 +44,7 @@ from greenroom.protocols.anthropic_codec import (
 )
 from greenroom.protocols.content import ImageBlock
 from greenroom.protocols.context import ModelRequest
+from greenroom.protocols.errors import ConfigurationError
 from greenroom.protocols.stream import ModelError, StreamFailed
 
 DEFAULT_TIMEOUT = httpx2.Timeout(connect=15.0, read=180.0, write=60.0, pool=60.0)

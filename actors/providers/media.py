@@ -16,7 +16,7 @@ from typing import Any
 
 import trio
 
-from greenroom.actors.runtime.attachments import image_bytes, is_sha256
+from greenroom.actors.providers.image_files import image_bytes, is_sha256
 from greenroom.protocols.content import ImageBlock
 from greenroom.protocols.context import ImageSource, ModelRequest, ToolResult, UserMessage
 

@@ -17,17 +17,17 @@ from typing import Any, Protocol
 
 import httpx
 
+from greenroom.actors.providers.base import (
+    Deliver,
+    connect_failure,
+    cut_short,
+    transport_failure,
+)
 from greenroom.actors.providers.media import LoadedImage, TaskImages, read_image
 from greenroom.actors.providers.stalls import (
     ProgressDeadline,
     no_response_message,
     stalled_message,
-)
-from greenroom.actors.runtime.llm_streamer import (
-    Deliver,
-    connect_failure,
-    cut_short,
-    transport_failure,
 )
 from greenroom.protocols.content import ImageBlock
 from greenroom.protocols.context import ModelRequest

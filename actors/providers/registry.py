@@ -12,7 +12,8 @@ from collections.abc import Callable, Mapping
 
 import attrs
 
-from greenroom.actors.runtime.llm_streamer import ModelProvider
+from greenroom.actors.providers.base import ModelProvider
+from greenroom.protocols.errors import ConfigurationError
 from greenroom.protocols.settings import SessionSettings
 
 
@@ -23,7 +24,10 @@ class ProviderSpec:
     ``factory`` builds the shared adapter from a session's settings (imported lazily, so an
     unused provider's library is never loaded). ``default_model`` is the model a session gets
     when it names none. ``missing_credentials`` returns None when the environment (and
-    ``base_url``) is enough to call the provider, else a sentence saying what to set.
+    ``base_url``) is enough to call the provider, else a sentence saying what to set;
+    with ``credentials_required`` a session is refused without them (asking for Claude
+    must never run another model silently). ``model_prefixes``: a model named with one of
+    them, and no provider, runs on this provider.
     """
 
     name: str
@@ -31,6 +35,8 @@ class ProviderSpec:
     default_model: Callable[[], str]
     factory: Callable[[SessionSettings], ModelProvider]
     missing_credentials: Callable[[str | None], str | None]
+    credentials_required: bool = False
+    model_prefixes: tuple[str, ...] = ()
 
 
 LEAN_HTTP_VARIABLE = "GREENROOM_LEAN_HTTP"
@@ -118,6 +124,8 @@ PROVIDERS: Mapping[str, ProviderSpec] = {
             default_model=lambda: "claude-sonnet-5-5",
             factory=_anthropic,
             missing_credentials=_anthropic_missing,
+            credentials_required=True,
+            model_prefixes=("claude-",),
         ),
         ProviderSpec(
             name="openai",
@@ -159,3 +167,40 @@ def provider_spec(name: str) -> ProviderSpec:
     except KeyError:
         known = ", ".join(PROVIDERS)
         raise KeyError(f"unknown provider {name!r}; known: {known}") from None
+
+
+def provider_for(provider: str | None, model: str | None) -> str:
+    """The provider of a session that names ``provider`` (or none) and ``model`` (or
+    none): the one named, else the one whose model names ``model`` has, else
+    :func:`default_provider_name`."""
+    if provider is not None:
+        return provider
+    if model is not None:
+        for spec in PROVIDERS.values():
+            if model.startswith(spec.model_prefixes or ("\0",)):
+                return spec.name
+    return default_provider_name()
+
+
+def require_credentials(provider: str, model: str | None, base_url: str | None = None) -> None:
+    """Raise :class:`ConfigurationError` when ``provider`` requires credentials that the
+    environment lacks (see :class:`ProviderSpec`); an unknown provider passes here (making
+    it fails with the known names)."""
+    spec = PROVIDERS.get(provider)
+    if spec is None or not spec.credentials_required:
+        return
+    missing = spec.missing_credentials(base_url)
+    if missing is None:
+        return
+    asked = f"model {model!r} runs on the {provider} provider, which" if model else (
+        f"the {provider} provider"
+    )
+    needs = missing.split(" needs ", 1)[-1] if " needs " in missing else missing
+    raise ConfigurationError(
+        f"{asked} needs {needs}; pass provider='scripted' for the built-in model"
+    )
+
+
+def default_model(provider: str) -> str:
+    """The registry's default model for ``provider`` (``scripted`` for one it lacks)."""
+    return PROVIDERS[provider].default_model() if provider in PROVIDERS else "scripted"

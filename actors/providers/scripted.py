@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 import trio
 
-from greenroom.actors.runtime.llm_streamer import Deliver
+from greenroom.actors.providers.base import Deliver
 from greenroom.protocols.content import (
     ModelBlock,
     RedactedThinkingBlock,

@@ -1,87 +1,29 @@
-"""The public exception tree.
-
-::
-
-    GreenroomError
-    ├── Busy               the session already runs a task or compaction (409 on the wire)
-    ├── AuthLocked         the session's credentials failed; call retry_auth() (423)
-    ├── SessionNotFound    no session with that id in the data dir (404)
-    ├── SessionClosed      the session was closed or deleted
-    ├── HostClosed         the host is shut down
-    ├── ConfigurationError bad settings, unknown provider, missing key…
-    ├── ImageRefused       an image file that cannot be attached, and why (400)
-    └── NotPending         an answer for a request no person is asked (any more) (409)
-
-Model and tool failures are not exceptions: they are outputs (``request_end`` with a
-status, ``tool_call_output`` with ``is_error``).
-"""
+"""The public exception tree, where the runtime's users import it from; defined in
+:mod:`greenroom.protocols.errors` so that every part (providers, tools, apps) raises the
+same classes without importing the runtime."""
 
 from __future__ import annotations
 
+from greenroom.protocols.errors import (
+    AuthLocked,
+    Busy,
+    ConfigurationError,
+    GreenroomError,
+    HostClosed,
+    ImageRefused,
+    NotPending,
+    SessionClosed,
+    SessionNotFound,
+)
 
-class GreenroomError(Exception):
-    """Base of every error greenroom raises on purpose."""
-
-
-class Busy(GreenroomError):
-    """A task or compaction is already running in this session (R-HOST-2). Use
-    ``follow_up()`` to queue work instead."""
-
-    code = 409
-
-
-class AuthLocked(GreenroomError):
-    """The last request failed authentication; the session refuses new tasks until its
-    credentials are updated or ``retry_auth()`` is called (R-RETRY-6)."""
-
-    code = 423
-
-
-class SessionNotFound(GreenroomError):
-    """No session with this id exists in the host's data dir."""
-
-    code = 404
-
-
-class SessionClosed(GreenroomError):
-    """The session was closed or deleted; it accepts no more work."""
-
-    code = 410
-
-
-class HostClosed(GreenroomError):
-    """The host has shut down."""
-
-    code = 503
-
-
-class ConfigurationError(GreenroomError):
-    """Settings that cannot work: unknown provider, missing credentials, bad values."""
-
-    code = 400
-
-
-class ImageRefused(GreenroomError):
-    """An image named in the input cannot be attached (R-SEC-8): a symbolic link, not a
-    regular file, larger than the session's ``max_image_bytes``, missing, unreadable, or
-    outside what the caller may name. Nothing of the input was taken: correct it and send
-    it again.
-
-    ``path`` is the name as given, ``reason`` says why, ``index`` is the block's position
-    in the input (None when the image did not come from a list of blocks)."""
-
-    code = 400
-
-    def __init__(self, path: str, reason: str, index: int | None = None) -> None:
-        super().__init__(f"image {path!r} refused: {reason}")
-        self.path = path
-        self.reason = reason
-        self.index = index
-
-
-class NotPending(GreenroomError):
-    """An answer (``answer_approval``, ``answer_question``, a client's ``approve``) for a
-    call no person is asked about: it was answered already, it timed out, its task
-    ended, or its arguments are not the ones the person saw (R-HITL-2)."""
-
-    code = 409
+__all__ = [
+    "AuthLocked",
+    "Busy",
+    "ConfigurationError",
+    "GreenroomError",
+    "HostClosed",
+    "ImageRefused",
+    "NotPending",
+    "SessionClosed",
+    "SessionNotFound",
+]

@@ -32,18 +32,15 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
+from greenroom.actors.providers.registry import default_model, provider_for, require_credentials
 from greenroom.actors.runtime.errors import ConfigurationError, HostClosed, SessionNotFound
 from greenroom.actors.runtime.gc_tuning import tuned_gc
 from greenroom.actors.runtime.llm_streamer import ModelProvider
+from greenroom.actors.runtime.mcp_servers import McpServers
 from greenroom.actors.runtime.open_tasks import OpenTaskIndex
 from greenroom.actors.runtime.people import People, answer, pending_of
 from greenroom.actors.runtime.port import SessionPort
-from greenroom.actors.runtime.provider_clients import (
-    ProviderClients,
-    default_model,
-    provider_name_for,
-    require_anthropic_credentials,
-)
+from greenroom.actors.runtime.provider_clients import ProviderClients
 from greenroom.actors.runtime.session import Session, require_trio
 from greenroom.actors.runtime.shared_tables import SharedTables, fixed_workspace
 from greenroom.actors.runtime.storage import (
@@ -82,7 +79,7 @@ SHUTDOWN_GRACE_S = 30.0
 """Bound on closing a host: interrupting every running task and flushing the traces."""
 
 if TYPE_CHECKING:
-    from greenroom.actors.tools.mcp import McpManager
+    pass
 
 
 def _mcp_configs(mcp_servers: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -158,7 +155,7 @@ class Host:
         self._ports: dict[str, SessionPort] = {}
         self._clients = ProviderClients()
         self._shared = SharedTables()
-        self._mcp: McpManager | None = None  # started with the first MCP server
+        self._mcp = McpServers(data_dir / "mcp", nursery.start_soon)
         self._closed = False
         self._people = People(self._ports.get)
         self._open_tasks = OpenTaskIndex(store)
@@ -220,7 +217,7 @@ class Host:
             store = (trace_store or FileTraceStore)(path)
             await nursery.start(store.run)
             host = cls(path, nursery, store, observers, tools)
-            await nursery.start(host._people.run)
+            await nursery.start(host.serve_people)
             try:
                 yield host
             finally:
@@ -303,7 +300,7 @@ class Host:
         if hooks is not None:
             port.hooks = hooks
         if mcp_configs:
-            await _attach_mcp(self, port, mcp_configs)
+            await self._mcp.attach(port, mcp_configs)
         session = self._add(port)
         if parent_id is None:
             self._observe(session)
@@ -369,7 +366,7 @@ class Host:
         )
         port.load_errors = list(loaded.errors)
         if mcp_configs:
-            await _attach_mcp(self, port, mcp_configs)
+            await self._mcp.attach(port, mcp_configs)
         session = self._add(port)
         self._observe(session)
         return session
@@ -407,8 +404,7 @@ class Host:
             task_open = port is not None and port.machine.run_id is not None
             self._open_tasks.closed(session_id, task_open=task_open)
             self.trace_log.release(session_id)
-            if self._mcp is not None:
-                await self._mcp.release(session_id)
+            await self._mcp.release(session_id)
 
     async def delete_session(self, session_id: str) -> None:
         """Close the session — interrupting its task and waiting until its last record is
@@ -432,8 +428,7 @@ class Host:
             # Even past the shutdown bound: the desk must end for the host's nursery to.
             self._people.close()
         await self._clients.aclose()
-        if self._mcp is not None:
-            await self._mcp.aclose()
+        await self._mcp.aclose()
 
     # -- internals ---------------------------------------------------------------------
 
@@ -491,6 +486,13 @@ class Host:
         child.end_watches()
 
     # -- people (R-HITL) -----------------------------------------------------------------
+
+    async def serve_people(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Run the host's clock for requests that wait for people until the host closes
+        (:meth:`open` starts it)."""
+        await self._people.run(task_status=task_status)
 
     async def pending_approvals(self) -> list[PendingApproval]:
         """Every request waiting for a person (approvals and questions) in this host's
@@ -645,10 +647,10 @@ def _new_settings(
         if provider is not None and not isinstance(provider, str)
         else base.provider
         if provider is None and settings is not None
-        else provider_name_for(provider, model)
+        else provider_for(provider, model)
     )
-    if provider_name == "anthropic" and isinstance(provider, str | None):
-        require_anthropic_credentials(model)
+    if isinstance(provider, str | None):
+        require_credentials(str(provider_name), model, overrides.get("base_url"))
     changes: dict[str, Any] = dict(overrides)
     changes["provider"] = provider_name
     if model is not None:
@@ -704,20 +706,6 @@ async def _stored_settings(
             f"session {session_id!r} is unreadable: {directory / SESSION_FILE}: bad "
             f"settings: {one_line(exc)}"
         ) from None
-
-
-async def _attach_mcp(host: Host, session: SessionPort, configs: dict[str, Any]) -> None:
-    """Give the session its MCP servers' tools; the manager runs in this host's
-    nursery and is started with the first server."""
-    # Imported here: the MCP SDK is loaded only by a host that has an MCP server.
-    from greenroom.actors.tools.mcp import McpManager, attach_servers
-
-    manager = host._mcp
-    if manager is None:
-        manager = host._mcp = McpManager(host.data_dir / "mcp")
-        host._nursery.start_soon(manager.run)
-    await manager.wait_started()
-    await attach_servers(manager, session, configs)
 
 
 def _new_session_id() -> str:

@@ -1,8 +1,8 @@
 """The host's provider clients: one per provider and endpoint, shared by the sessions
 that use it (its connection pool with them), made the first time one is needed — in a
 worker thread, as a provider's first use imports its library — and closed with the host.
-Which provider a session gets, and its default model, are the registry's
-(:mod:`greenroom.actors.providers.registry`)."""
+Which provider a session gets, its credentials and its default model are the registry's
+alone (:mod:`greenroom.actors.providers.registry`)."""
 
 from __future__ import annotations
 
@@ -11,23 +11,12 @@ from typing import Any
 import attrs
 import trio
 
-from greenroom.actors.providers.registry import (
-    PROVIDERS,
-    anthropic_credentials,
-    default_provider_name,
-    provider_spec,
-)
+from greenroom.actors.providers.registry import provider_for, provider_spec, require_credentials
 from greenroom.actors.runtime.errors import ConfigurationError
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.protocols.settings import SessionSettings
 
-__all__ = [
-    "ProviderClients",
-    "default_model",
-    "make_provider",
-    "provider_name_for",
-    "require_anthropic_credentials",
-]
+__all__ = ["ProviderClients", "make_provider"]
 
 
 class ProviderClients:
@@ -61,9 +50,8 @@ class ProviderClients:
     ) -> None:
         """Make the client a session created with these names would get (see
         :meth:`Host.load_provider <greenroom.actors.runtime.host.Host.load_provider>`)."""
-        name = provider_name_for(provider, model)
-        if name == "anthropic":
-            require_anthropic_credentials(model)
+        name = provider_for(provider, model)
+        require_credentials(name, model, base_url)
         changes: dict[str, Any] = {"provider": name, "base_url": base_url}
         await self.get(attrs.evolve(SessionSettings(), **changes))
 
@@ -81,31 +69,3 @@ def make_provider(settings: SessionSettings) -> ModelProvider:
     except KeyError as exc:
         raise ConfigurationError(str(exc.args[0])) from None
     return spec.factory(settings)
-
-
-def require_anthropic_credentials(model: str | None) -> None:
-    """Raise :class:`ConfigurationError` unless the environment holds Anthropic
-    credentials: a session must never run silently on another model."""
-    if anthropic_credentials():
-        return
-    asked = f"model {model!r} runs on the anthropic provider, which" if model else (
-        "the anthropic provider"
-    )
-    raise ConfigurationError(
-        f"{asked} needs ANTHROPIC_API_KEY or ANTHROPIC_AUTH_TOKEN in the environment; "
-        "pass provider='scripted' for the built-in model"
-    )
-
-
-def provider_name_for(provider: str | None, model: str | None) -> str:
-    """The provider a session gets that names ``provider`` (or none) and no settings."""
-    if provider is not None:
-        return provider
-    if model is not None and model.startswith("claude-"):
-        return "anthropic"
-    return default_provider_name()
-
-
-def default_model(provider: str) -> str:
-    """The registry's default model for ``provider`` (``scripted`` for one it lacks)."""
-    return PROVIDERS[provider].default_model() if provider in PROVIDERS else "scripted"

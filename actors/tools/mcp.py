@@ -635,13 +635,14 @@ class McpManager:
                 await self._closed.wait()
                 with trio.move_on_after(CLOSE_GRACE_S):
                     async with trio.open_nursery() as closing:
-                        for connection in self._connections():
+                        for connection in self.connections():
                             closing.start_soon(connection.aclose)
                 nursery.cancel_scope.cancel()
         finally:
             self._done.set()
 
-    def _connections(self) -> list[McpConnection]:
+    def connections(self) -> list[McpConnection]:
+        """Every connection the manager holds: the host's shared ones, then sessions' own."""
         private = [c for group in self._private.values() for c in group]
         return [*self._shared.values(), *private]
 
