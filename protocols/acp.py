@@ -28,7 +28,7 @@ import json
 import posixpath
 import re
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, assert_never
 
 import attrs
 
@@ -48,12 +48,19 @@ from greenroom.protocols.jsonrpc import (
 from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
+    ApprovalRequest,
+    CompactionBegin,
+    CompactionEnd,
     ModelMsg,
     Output,
     PartialText,
     PartialThinking,
+    PartialToolCall,
+    RequestBegin,
     RequestEnd,
     TaskEnd,
+    TaskStart,
+    TokenUsageOutput,
     ToolCallOutput,
     ToolProgress,
     UserMsg,
@@ -566,47 +573,61 @@ class UpdateMapper:
         """The updates for one output (often none)."""
         if output.origin is not None and len(output.origin) > 1:
             return self._child(output, output.origin)
-        if isinstance(output, UserMsg):
-            if self.live:
+        match output:
+            case UserMsg():
+                if self.live:
+                    return []
+                return [self._user_chunk(block) for block in output.content]
+            case PartialText():
+                self._streamed_text = True
+                return [_chunk("agent_message_chunk", output.text)]
+            case PartialThinking():
+                self._streamed_thinking = True
+                return [_chunk("agent_thought_chunk", output.text)]
+            case ModelMsg():
+                return self._model_block(output)
+            case ApprovalDecision():
+                call = self._calls.get((None, output.call_id))
+                if output.decision == "allow" and call is not None and not call.closed:
+                    return [_status(output.call_id, "in_progress")]
                 return []
-            return [self._user_chunk(block) for block in output.content]
-        if isinstance(output, PartialText):
-            self._streamed_text = True
-            return [_chunk("agent_message_chunk", output.text)]
-        if isinstance(output, PartialThinking):
-            self._streamed_thinking = True
-            return [_chunk("agent_thought_chunk", output.text)]
-        if isinstance(output, ModelMsg):
-            return self._model_block(output)
-        if isinstance(output, ApprovalDecision):
-            call = self._calls.get((None, output.call_id))
-            if output.decision == "allow" and call is not None and not call.closed:
-                return [_status(output.call_id, "in_progress")]
-            return []
-        if isinstance(output, ToolProgress):
-            call = self._calls.get((None, output.call_id))
-            if call is None or call.closed:
+            case ToolProgress():
+                call = self._calls.get((None, output.call_id))
+                if call is None or call.closed:
+                    return []
+                update = _status(output.call_id, "in_progress")
+                update["content"] = [_text_content(output.message)]
+                return [update]
+            case ToolCallOutput():
+                return self._tool_output(output)
+            case RequestEnd():
+                if output.status == "ok":
+                    self.last_stop_reason = output.stop_reason
                 return []
-            update = _status(output.call_id, "in_progress")
-            update["content"] = [_text_content(output.message)]
-            return [update]
-        if isinstance(output, ToolCallOutput):
-            return self._tool_output(output)
-        if isinstance(output, RequestEnd):
-            if output.status == "ok":
-                self.last_stop_reason = output.stop_reason
-            return []
-        if isinstance(output, Abort):
-            return self._close_open_calls()
-        if isinstance(output, TaskEnd):
-            updates = self._close_open_calls()
-            # The task's calls are all settled: a long session keeps no state per call.
-            self._calls.clear()
-            self._by_id.clear()
-            self._children.clear()
-            self._titles.clear()
-            return updates
-        return []
+            case Abort():
+                return self._close_open_calls()
+            case TaskEnd():
+                updates = self._close_open_calls()
+                # The task's calls are all settled: a long session keeps no state per call.
+                self._calls.clear()
+                self._by_id.clear()
+                self._children.clear()
+                self._titles.clear()
+                return updates
+            case (
+                TaskStart()
+                | RequestBegin()
+                | PartialToolCall()
+                | TokenUsageOutput()
+                | ApprovalRequest()
+                | CompactionBegin()
+                | CompactionEnd()
+            ):
+                # The editor learns of a call from its block, is asked to approve by the
+                # agent's own request, and sees no request, usage or compaction events.
+                return []
+            case _:
+                assert_never(output)
 
     def map_all(self, outputs: Iterable[Output]) -> list[dict[str, Any]]:
         """The updates for ``outputs``, in order (:meth:`map` of each)."""

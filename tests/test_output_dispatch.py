@@ -132,6 +132,9 @@ DISPATCHERS = {
     ("protocols/transcript.py", "Transcript.apply"),
     ("protocols/transcript.py", "rebuild"),
     ("protocols/task.py", "TaskRecord.observe"),
+    ("protocols/acp.py", "UpdateMapper.map"),
+    ("actors/observers/otel.py", "GenAIObserver._map"),
+    ("actors/runtime/session.py", "RunStream._note"),
 }
 
 EXTRA_OUTPUT = '''

@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, assert_never
 
 import trio
 from opentelemetry import trace
@@ -54,16 +54,21 @@ from greenroom.protocols.content import (
 from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
+    ApprovalRequest,
     CompactionBegin,
     CompactionEnd,
     ModelMsg,
     Output,
+    PartialText,
+    PartialThinking,
+    PartialToolCall,
     RequestBegin,
     RequestEnd,
     TaskEnd,
     TaskStart,
     TokenUsageOutput,
     ToolCallOutput,
+    ToolProgress,
     UserMsg,
 )
 from greenroom.protocols.stream import TokenUsage
@@ -226,13 +231,47 @@ class GenAIObserver:
 
     def on_batch(self, session: Session, batch: list[Output]) -> None:
         """Map one published batch of ``session`` (and of its subagents, forwarded with
-        ``origin``) to spans. Live-only outputs are skipped at the cost of a lookup."""
+        ``origin``) to spans. Live-only outputs and waits for people make no span."""
         now = self._clock()
-        handlers = _HANDLERS
         for output in batch:
-            handler = handlers.get(type(output))
-            if handler is not None:
-                handler(self, session, output, now)
+            self._map(session, output, now)
+
+    def _map(self, session: Session, output: Output, now: int) -> None:
+        match output:
+            case UserMsg():
+                self._on_user_msg(session, output, now)
+            case TaskStart():
+                self._on_task_start(session, output, now)
+            case RequestBegin():
+                self._on_request_begin(session, output, now)
+            case ModelMsg():
+                self._on_model_msg(session, output, now)
+            case TokenUsageOutput():
+                self._on_token_usage(session, output, now)
+            case RequestEnd():
+                self._on_request_end(session, output, now)
+            case ApprovalDecision():
+                self._on_approval_decision(session, output, now)
+            case ToolCallOutput():
+                self._on_tool_output(session, output, now)
+            case CompactionBegin():
+                self._on_compaction_begin(session, output, now)
+            case CompactionEnd():
+                self._on_compaction_end(session, output, now)
+            case Abort():
+                self._on_abort(session, output, now)
+            case TaskEnd():
+                self._on_task_end(session, output, now)
+            case (
+                PartialText()
+                | PartialThinking()
+                | PartialToolCall()
+                | ApprovalRequest()
+                | ToolProgress()
+            ):
+                pass  # live text, progress and a wait for a person: no span of their own
+            case _:
+                assert_never(output)
 
     def close(self) -> None:
         """End every span still open (a host closing in the middle of a task)."""
@@ -531,23 +570,6 @@ class GenAIObserver:
         attributes = self._common(session, operation)
         attributes["gen_ai.response.model"] = session.settings.model
         return attributes
-
-
-_Handler = Callable[[GenAIObserver, "Session", Any, int], None]
-_HANDLERS: dict[type, _Handler] = {
-    UserMsg: GenAIObserver._on_user_msg,
-    TaskStart: GenAIObserver._on_task_start,
-    RequestBegin: GenAIObserver._on_request_begin,
-    ModelMsg: GenAIObserver._on_model_msg,
-    TokenUsageOutput: GenAIObserver._on_token_usage,
-    RequestEnd: GenAIObserver._on_request_end,
-    ApprovalDecision: GenAIObserver._on_approval_decision,
-    ToolCallOutput: GenAIObserver._on_tool_output,
-    CompactionBegin: GenAIObserver._on_compaction_begin,
-    CompactionEnd: GenAIObserver._on_compaction_end,
-    Abort: GenAIObserver._on_abort,
-    TaskEnd: GenAIObserver._on_task_end,
-}
 
 
 def _usage_attributes(usage: TokenUsage) -> dict[str, int]:

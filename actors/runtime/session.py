@@ -15,7 +15,7 @@ import contextlib
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, Literal, assert_never, cast
 
 import attrs
 import trio
@@ -47,13 +47,25 @@ from greenroom.protocols.messages import (
     TaskQueued,
 )
 from greenroom.protocols.outputs import (
+    Abort,
+    ApprovalDecision,
+    ApprovalRequest,
+    CompactionBegin,
     CompactionEnd,
     ModelMsg,
     Output,
+    PartialText,
+    PartialThinking,
+    PartialToolCall,
     RequestBegin,
+    RequestEnd,
     TaskEnd,
     TaskStart,
     TaskStatus,
+    TokenUsageOutput,
+    ToolCallOutput,
+    ToolProgress,
+    UserMsg,
 )
 from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.stream import ResponseCollector
@@ -174,13 +186,31 @@ class RunStream:
 
     def _note(self, output: Output) -> None:
         self._run_id = output.run_id
-        if isinstance(output, RequestBegin | TaskStart):
-            self._texts = []  # the answer is the last model message's text
-        elif isinstance(output, ModelMsg):
-            if isinstance(output.block, TextBlock):
-                self._texts.append(output.block.text)
-        elif isinstance(output, TaskEnd):
-            self._task_end = output
+        match output:
+            case PartialText() | PartialThinking() | PartialToolCall():
+                pass  # first: nearly every output of a run is one of these
+            case RequestBegin() | TaskStart():
+                self._texts = []  # the answer is the last model message's text
+            case ModelMsg():
+                if isinstance(output.block, TextBlock):
+                    self._texts.append(output.block.text)
+            case TaskEnd():
+                self._task_end = output
+            case (
+                UserMsg()
+                | TokenUsageOutput()
+                | RequestEnd()
+                | ApprovalRequest()
+                | ApprovalDecision()
+                | ToolProgress()
+                | ToolCallOutput()
+                | Abort()
+                | CompactionBegin()
+                | CompactionEnd()
+            ):
+                pass
+            case _:
+                assert_never(output)
 
     @property
     def run_id(self) -> str:
