@@ -65,6 +65,7 @@ from greenroom.protocols.outputs import (
     ToolProgress,
     UserMsg,
 )
+from greenroom.protocols.people import Verdict
 from greenroom.protocols.text import repair_json
 from greenroom.protocols.tools import value_too_deep
 
@@ -550,6 +551,37 @@ class UpdateMapper:
             "options": [dict(option) for option in PERMISSION_OPTIONS],
         }
 
+    def question_params(self, session_id: str, call: ToolCallBlock) -> dict[str, Any]:
+        """The params of ``session/request_permission`` that ask the model's question
+        (``ask_user``, R-HITL-5) of the editor: the question as the title and content;
+        one option per choice (``choice:<i>``, kind ``allow_once``) or, without choices,
+        :data:`ANSWER_NEXT`; always :data:`NOT_NOW` (kind ``reject_once``). Anchored as
+        :meth:`permission_params` anchors a call."""
+        question, choices = question_of(call.arguments)
+        params = self.permission_params(session_id, call)
+        tool_call = params["toolCall"]
+        title = _clip(question, 200) or "A question"
+        known = self._by_id.get(call.id)
+        if known is not None and known.origin is not None:
+            title = f"Subagent {known.origin[-1]} asks: {title}"
+        tool_call["title"] = title
+        tool_call["kind"] = "other"
+        content = [_text_content(question)]
+        if choices:
+            options = [
+                {"optionId": f"{CHOICE_PREFIX}{i}", "name": _clip(c, 200), "kind": "allow_once"}
+                for i, c in enumerate(choices)
+            ]
+        else:
+            content.append(_text_content(ANSWER_NEXT_NOTE))
+            options = [
+                {"optionId": ANSWER_NEXT, "name": "Answer in my next message", "kind": "allow_once"}
+            ]
+        options.append({"optionId": NOT_NOW, "name": "Not now", "kind": "reject_once"})
+        tool_call["content"] = content
+        params["options"] = options
+        return params
+
     def restore_after_permission(self, call: ToolCallBlock) -> list[dict[str, Any]]:
         """Updates that give a ``spawn_subagent`` call back its own title and kind after a
         permission request about one of its subagent's calls changed them."""
@@ -817,7 +849,7 @@ def stop_reason(end: TaskEnd, last_stop_reason: str | None) -> StopReason:
     raise RpcError(code, message, {"status": end.status})
 
 
-def verdict_of(response: Response | None) -> str:
+def verdict_of(response: Response | None) -> Verdict:
     """The approval verdict of a ``session/request_permission`` answer: the selected
     option's id (``allow``, ``allow_session``, ``deny``); a cancelled request, an error or
     anything else denies (R-APPROVE-2)."""
@@ -827,4 +859,98 @@ def verdict_of(response: Response | None) -> str:
     if not isinstance(outcome, dict) or outcome.get("outcome") != "selected":
         return "deny"
     option = outcome.get("optionId")
-    return option if option in ("allow", "allow_session") else "deny"
+    if option == "allow":
+        return "allow"
+    if option == "allow_session":
+        return "allow_session"
+    return "deny"
+
+
+# -- people: approvals and questions (R-HITL) ------------------------------------------------
+
+ASK_METHOD = "_greenroom/ask"
+"""The extension request by which greenroom asks a free-text question (``ask_user``
+without ``choices``) of a client that says it answers it:
+``initialize {clientCapabilities: {_meta: {greenroom: {ask: true}}}}``. Params
+``{sessionId, toolCallId, question}``; answered ``{answer: "…"}``, or anything else (an
+error, ``{}``) to leave the question unanswered for now."""
+
+ANSWER_NEXT = "answer_next"
+"""The option of a free-text question asked with ``session/request_permission`` (a client
+without ``_greenroom/ask``): the editor's next ``session/prompt`` on the session is the
+answer."""
+
+ANSWER_NEXT_NOTE = "Choose “Answer in my next message”, then send your answer as a prompt."
+"""What a free-text question asked with ``session/request_permission`` tells the person."""
+
+NOT_NOW = "not_now"
+"""The option that leaves a question unanswered: it stays pending (R-HITL-1) and is asked
+again when the session is loaded; another surface may answer it meanwhile."""
+
+CHOICE_PREFIX = "choice:"
+"""The option ids of a question's choices: ``choice:0``, ``choice:1``, …"""
+
+
+def client_name(params: Mapping[str, Any]) -> str | None:
+    """The ``clientInfo.name`` of ``initialize`` (who answers approvals: the decisions'
+    ``principal``), when the client gives one."""
+    info = params.get("clientInfo")
+    name = info.get("name") if isinstance(info, Mapping) else None
+    return _clip(name, 100) if isinstance(name, str) and name.strip() else None
+
+
+def client_asks(params: Mapping[str, Any]) -> bool:
+    """Whether the client answers :data:`ASK_METHOD` (its ``initialize`` says so in
+    ``clientCapabilities._meta.greenroom.ask``)."""
+    capabilities = params.get("clientCapabilities")
+    meta = capabilities.get("_meta") if isinstance(capabilities, Mapping) else None
+    ours = meta.get(META_KEY) if isinstance(meta, Mapping) else None
+    return isinstance(ours, Mapping) and ours.get("ask") is True
+
+
+def question_of(arguments: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
+    """The question and its choices (none when the model gave none, or gave no list of
+    strings) of an ``ask_user`` call's arguments."""
+    question = arguments.get("question")
+    choices = arguments.get("choices")
+    listed = (
+        tuple(choices)
+        if isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)
+        else ()
+    )
+    return (question if isinstance(question, str) else ""), listed
+
+
+def selected_option(response: Response | None) -> str | None:
+    """The option id a ``session/request_permission`` answer selected; None for a
+    cancelled request, an error or anything else."""
+    if response is None or response.error is not None or not isinstance(response.result, dict):
+        return None
+    outcome = response.result.get("outcome")
+    if not isinstance(outcome, dict) or outcome.get("outcome") != "selected":
+        return None
+    option = outcome.get("optionId")
+    return option if isinstance(option, str) else None
+
+
+def choice_of(option: str | None, choices: tuple[str, ...]) -> str | None:
+    """The choice a question's selected option names (``choice:<i>``), else None."""
+    if option is None or not option.startswith(CHOICE_PREFIX):
+        return None
+    index = option[len(CHOICE_PREFIX) :]
+    if not index.isdigit() or int(index) >= len(choices):
+        return None
+    return choices[int(index)]
+
+
+def ask_params(session_id: str, call_id: str, question: str) -> dict[str, Any]:
+    """The params of :data:`ASK_METHOD`."""
+    return {"sessionId": session_id, "toolCallId": call_id, "question": question}
+
+
+def asked_answer(response: Response | None) -> str | None:
+    """The text of an :data:`ASK_METHOD` answer, None when it gives none."""
+    if response is None or response.error is not None or not isinstance(response.result, dict):
+        return None
+    answer = response.result.get("answer")
+    return answer if isinstance(answer, str) else None

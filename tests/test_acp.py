@@ -144,6 +144,8 @@ class Agent:
         self.editor = editor
         self.raw: list[bytes] = []
         self.events: list[StreamEvent] = []
+        self.traffic = asyncio.Event()
+        """Set at each message sent or received (cleared by whoever waits on it)."""
         self.stderr = bytearray()
         self._reader = asyncio.StreamReader(limit=64 << 20)
         self._tasks = [
@@ -152,8 +154,20 @@ class Agent:
         ]
         assert process.stdin is not None
         self.conn = ClientSideConnection(
-            editor, process.stdin, self._reader, observers=[self.events.append]
+            editor, process.stdin, self._reader, observers=[self._observe]
         )
+
+    def _observe(self, event: StreamEvent) -> None:
+        self.events.append(event)
+        self.traffic.set()
+
+    async def wait_sent(self, check: Callable[[dict[str, Any]], bool]) -> None:
+        """Return once a message the client has written satisfies ``check``."""
+        while not any(
+            e.direction == StreamDirection.OUTGOING and check(e.message) for e in self.events
+        ):
+            self.traffic.clear()
+            await self.traffic.wait()
 
     async def _tee(self) -> None:
         assert self.process.stdout is not None
@@ -197,6 +211,8 @@ class Agent:
                 strict(SessionNotification, frame["params"])
             elif frame.get("method") == "session/request_permission":
                 strict(RequestPermissionRequest, frame["params"])
+            elif str(frame.get("method", "")).startswith("_greenroom/"):
+                assert "id" in frame and isinstance(frame.get("params"), dict), line
             elif "error" in frame:
                 assert set(frame) == {"jsonrpc", "id", "error"}, line
                 strict(Error, frame["error"])

@@ -13,8 +13,8 @@ from trio_websocket import open_websocket_url
 
 from greenroom.actors.cluster.connection import Connection
 from greenroom.actors.cluster.leases import LeaseTable
-from greenroom.actors.cluster.node import HOST_LOST
 from greenroom.actors.cluster.traces import TraceStream
+from greenroom.protocols.markers import HOST_LOST_TEXT as HOST_LOST
 from greenroom.protocols.outputs import Output, TaskEnd, ToolCallOutput
 from tests.support.cluster_hosts import HostProcess, start_host
 from tests.support.mock_model_server import RecordedRequest, Reply, Text, ToolUse, open_mock_server

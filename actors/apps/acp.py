@@ -7,6 +7,11 @@ JSON-RPC 2.0 with it: ``initialize``, ``session/new``, ``session/load``, ``sessi
 updates are :mod:`greenroom.protocols.acp`; this module does the I/O and drives sessions
 through their public API only.
 
+People answer when they can (R-HITL): with ``--approve ask`` tasks run with
+``approve="people"``, and each request a task records is asked of the editor by
+:mod:`greenroom.actors.apps.acp_people`; ``session/load`` asks again what still waits and
+streams the updates of the task it takes up.
+
 Concurrency: one task reads frames and dispatches them; each request that waits (a prompt,
 a load) is answered from a task of its own, so ``session/cancel`` and the answers to
 permission requests are read while a prompt runs. Each session with a task has one pump
@@ -24,12 +29,14 @@ stdout carries frames and nothing else: fd 1 points at stderr while the agent ru
 frames go to a private duplicate), and fd 0 at ``/dev/null`` (frames are read from a
 private duplicate), so neither a tool's ``print`` nor a process it starts can write into
 the protocol or read from it. When stdin closes (or on SIGTERM / SIGINT) every running task
-is interrupted, its trace written to the end, and the process exits 0.
+is interrupted, its trace written to the end, and the process exits 0 — but a task that
+waits only for a person is left parked, its request pending in the trace.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import stat
@@ -41,9 +48,10 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
+from greenroom.actors.apps.acp_people import Asked, EditorPeople, OnAnswer, WatchedTask
 from greenroom.actors.providers import read_image
 from greenroom.actors.runtime import (
-    ApproveFn,
+    Approval,
     AuthLocked,
     Busy,
     ConfigurationError,
@@ -70,7 +78,9 @@ from greenroom.protocols.jsonrpc import (
     notification_frame,
     result_frame,
 )
-from greenroom.protocols.outputs import ModelMsg, Output, TaskEnd, ToolCallOutput, UserMsg
+from greenroom.protocols.outputs import ApprovalRequest, Output, TaskEnd, ToolCallOutput, UserMsg
+from greenroom.protocols.people import PEOPLE
+from greenroom.protocols.task import fold
 from greenroom.protocols.tools import Tool
 
 if TYPE_CHECKING:
@@ -80,9 +90,6 @@ __all__ = ["AcpAgent", "AcpConfig", "serve_stdio"]
 
 SHUTDOWN_GRACE_S = 5.0
 """How long the running tasks have to end and write their last records at shutdown."""
-
-SEEN_WAIT_S = 1.0
-"""How long an approval waits for its call's ``tool_call`` update to be sent first."""
 
 MAX_PENDING_BYTES = 16 * 1024 * 1024
 """How many bytes of frames may wait for the client to read them: past it the client is
@@ -212,16 +219,35 @@ class _AcpSession:
         self.pumping = False
         self.idle = trio.Event()
         self.idle.set()
-        self._seen: dict[str, trio.Event] = {}
+        self.reading: RunStream | WatchedTask | None = None
+        """What the pump reads: the run of this connection, or the watched open task."""
+        self.asked = Asked(session, self.mapper)
+        """What the editor is asked about this session (R-HITL)."""
 
-    def seen(self, call_id: str) -> trio.Event:
-        event = self._seen.get(call_id)
-        if event is None:
-            event = self._seen[call_id] = trio.Event()
-        return event
+    async def joined(self) -> dict[str, Any]:
+        """Answer a prompt that joined the running task when that task ends."""
+        if not self.pumping:
+            return {"stopReason": "end_turn"}
+        answer = _Answer()
+        self.waiters.append(answer)
+        joined: dict[str, Any] = await answer.wait()
+        return joined
 
-    def forget_seen(self) -> None:
-        self._seen.clear()
+    def stop_reading(self) -> None:
+        """End the pump without interrupting the task (it waits in the trace)."""
+        if isinstance(self.reading, RunStream):
+            self.reading.detach()
+        elif self.reading is not None:
+            self.reading.close()
+
+
+@attrs.frozen
+class _Then:
+    """A handler's result, and what to do once it is sent (``session/load``: ask the
+    editor about what waits, after the answer that ends the replay)."""
+
+    result: Any
+    after: Callable[[], None]
 
 
 class AcpAgent:
@@ -245,12 +271,13 @@ class AcpAgent:
         self._outbox = _Outbox(max_pending_bytes)
         self._answering = 0
         self._sessions: dict[str, _AcpSession] = {}
-        self._pending: dict[int, tuple[trio.Event, list[acp.Response]]] = {}
+        self._pending: dict[int, tuple[trio.Event, list[acp.Response], OnAnswer | None]] = {}
         self._next_id = 0
         self._initialized = False
         self._output_gone = False
         self._read_scope: trio.CancelScope | None = None
         self._nursery: trio.Nursery | None = None
+        self._people = EditorPeople(host, self._request, self._notify)
 
     # -- the connection ---------------------------------------------------------------------
 
@@ -288,10 +315,17 @@ class AcpAgent:
 
     async def _shutdown(self) -> None:
         """Interrupt every running task and wait (bounded) for its pump to see it end, for
-        the requests to be answered and for the answers to be written."""
+        the requests to be answered and for the answers to be written. A task that waits
+        for the editor's answer is not interrupted: once it is parked its request waits in
+        the trace, asked again when the session is loaded (R-HITL-1)."""
+        waiting = [e for e in self._sessions.values() if await e.asked.waits_for_people()]
         for entry in self._sessions.values():
-            entry.session.interrupt("the ACP client went away")
+            if entry not in waiting:
+                entry.session.interrupt("the ACP client went away")
         with trio.move_on_after(SHUTDOWN_GRACE_S):
+            for entry in waiting:
+                await entry.session.wait_idle()  # parked
+                entry.stop_reading()
             for entry in self._sessions.values():
                 await entry.idle.wait()
             while self._answering or self._outbox.pending:
@@ -360,17 +394,23 @@ class AcpAgent:
         if slot is None:
             _log(f"ignored an answer to no pending request (id {response.id!r})")
             return
-        event, box = slot
+        event, box, on_answer = slot
         box.append(response)
         event.set()
+        if on_answer is not None:
+            on_answer(response)
 
-    async def _request(self, method: str, params: dict[str, Any]) -> acp.Response:
-        """Send a request to the client and wait for its answer (cancellable)."""
+    async def _request(
+        self, method: str, params: dict[str, Any], on_answer: OnAnswer | None = None
+    ) -> acp.Response:
+        """Send a request to the client and wait for its answer (cancellable).
+        ``on_answer`` sees the answer as it is read, before the next frame is: what it
+        changes holds for every frame the client sent after its answer."""
         self._next_id += 1
         request_id = self._next_id
         event = trio.Event()
         box: list[acp.Response] = []
-        self._pending[request_id] = (event, box)
+        self._pending[request_id] = (event, box, on_answer)
         try:
             await self._send(acp.request_frame(request_id, method, params))
             await event.wait()
@@ -401,6 +441,10 @@ class AcpAgent:
             _log(f"{request.method} failed: {type(exc).__name__}: {exc}")
             await self._send(error_frame(request.id, RpcError(INTERNAL_ERROR, str(exc))))
             return
+        if isinstance(result, _Then):
+            await self._send(result_frame(request.id, result.result))
+            result.after()
+            return
         await self._send(result_frame(request.id, result))
 
     def _handlers(self) -> dict[str, Callable[[dict[str, Any]], Awaitable[Any]]]:
@@ -430,6 +474,7 @@ class AcpAgent:
     async def _initialize(self, params: dict[str, Any]) -> dict[str, Any]:
         acp.negotiate_version(params)
         self._initialized = True
+        self._people.configure(params)
         return acp.initialize_result(_version())
 
     async def _new_session(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -469,7 +514,7 @@ class AcpAgent:
             _log(f"session {session.id}: MCP servers {', '.join(sorted(mcp_servers))}")
         return entry
 
-    async def _load_session(self, params: dict[str, Any]) -> dict[str, Any]:
+    async def _load_session(self, params: dict[str, Any]) -> _Then:
         session_id = acp.session_id_of(params)
         request = acp.parse_new_session(params)
         overrides: dict[str, Any] = dict(self._config.settings)
@@ -506,12 +551,34 @@ class AcpAgent:
             await images.read(record)
             for update in replay.map(record):
                 await self._notify(session.id, update)
-        return dict(_mcp_meta(entry))
+        if not entry.pumping and fold(records).run_id is not None:
+            await self._take_up(entry)
+        pending = fold(records).record.pending_people
+
+        def ask_again() -> None:
+            # After the answer that ends the replay, so the editor knows the session.
+            assert self._nursery is not None
+            for request in pending:
+                self._people.ask_soon(self._nursery, entry.asked, request)
+
+        return _Then(dict(_mcp_meta(entry)), ask_again)
+
+    async def _take_up(self, entry: _AcpSession) -> None:
+        """Take up the open task the loaded session's trace leaves (R-HITL-4) and stream
+        its updates: a parked one waits on for its answer, one its host lost goes on (its
+        running calls get host-lost results and are not run again)."""
+        # Unbounded: the pump never waits on the client, so it drains the watch at once.
+        send, receive = trio.open_memory_channel[list[Output]](math.inf)
+        entry.session.watch(send)
+        self._pump_soon(entry, WatchedTask(receive))
+        await self._host.resume(entry.session.id, approve=_approval(self._config.approve))
 
     async def _prompt(self, params: dict[str, Any]) -> dict[str, Any]:
         entry = self._session(params)
-        content = await self._content(entry, params)
+        content = await _prompt_content(entry.session, params)
         session = entry.session
+        if await self._people.answer_with(entry.asked, content):
+            return await entry.joined()
         # Only while a task of this connection runs: after its last task_end the session
         # may still look busy for a moment, and steering would reach no task.
         if entry.pumping and entry.waiters and session.steer(content):
@@ -527,7 +594,7 @@ class AcpAgent:
         # A task ending right now still holds the session for a moment: wait it out.
         await entry.idle.wait()
         try:
-            stream = entry.session.run(content, approve=self._approver(entry))
+            stream = entry.session.run(content, approve=_approval(self._config.approve))
         except AuthLocked as exc:
             raise RpcError(acp.AUTH_REQUIRED, str(exc)) from None
         except Busy as exc:
@@ -535,22 +602,26 @@ class AcpAgent:
         answer = _Answer()
         entry.waiters = [answer]
         entry.follow_ups = []
+        self._pump_soon(entry, stream)
+        return await answer.wait()
+
+    def _pump_soon(self, entry: _AcpSession, outputs: RunStream | WatchedTask) -> None:
         entry.pumping = True
         entry.idle = trio.Event()
+        entry.reading = outputs
         assert self._nursery is not None
-        self._nursery.start_soon(self._pump, entry, stream)
-        return await answer.wait()
+        self._nursery.start_soon(self._pump, entry, outputs)
 
     async def _steer(self, params: dict[str, Any]) -> dict[str, Any]:
         entry = self._session(params)
-        content = await self._content(entry, params)
+        content = await _prompt_content(entry.session, params)
         return {"queued": entry.session.steer(content)}
 
     async def _follow_up(self, params: dict[str, Any]) -> Any:
         entry = self._session(params)
-        content = await self._content(entry, params)
+        content = await _prompt_content(entry.session, params)
         session = entry.session
-        if entry.pumping and session.follow_up(content, approve=self._approver(entry)):
+        if entry.pumping and session.follow_up(content, approve=_approval(self._config.approve)):
             answer = _Answer()
             entry.follow_ups.append(answer)
             return await answer.wait()
@@ -582,44 +653,7 @@ class AcpAgent:
             )
         return entry
 
-    async def _content(self, entry: _AcpSession, params: dict[str, Any]) -> tuple[UserContent, ...]:
-        """The prompt as session input; its inline images are attached (R-SEC-8): checked
-        against the session's ``max_image_bytes`` before they are decoded, stored in its
-        private attachments off the event loop. A refused one is -32602 naming it."""
-        parts = acp.parse_prompt(params)
-        content: list[UserContent] = []
-        for i, part in enumerate(parts):
-            if isinstance(part, TextBlock):
-                content.append(part)
-                continue
-            try:
-                image = await entry.session.attach_image_data(part.data, part.mime_type)
-            except ImageRefused as exc:
-                raise RpcError(INVALID_PARAMS, f"$.prompt[{i}]: {exc.reason}") from None
-            content.append(image)
-        return tuple(content)
-
-    def _approver(self, entry: _AcpSession) -> ApproveFn | None:
-        mode = self._config.approve
-        if mode == "all":
-            return _allow_all
-        if mode == "none":
-            return None  # R-APPROVE-2: every call is denied by default
-
-        async def ask_client(call: ToolCallBlock) -> str:
-            if entry.mapper.anchor_of(call) is None:
-                # Let the pump tell the client about the call first (it is in the stream).
-                with trio.move_on_after(SEEN_WAIT_S):
-                    await entry.seen(call.id).wait()
-            params = entry.mapper.permission_params(entry.session.id, call)
-            response = await self._request("session/request_permission", params)
-            for update in entry.mapper.restore_after_permission(call):
-                await self._notify(entry.session.id, update)
-            return acp.verdict_of(response)
-
-        return ask_client
-
-    async def _pump(self, entry: _AcpSession, stream: RunStream) -> None:
+    async def _pump(self, entry: _AcpSession, stream: RunStream | WatchedTask) -> None:
         session_id = entry.session.id
         try:
             async for output in stream:
@@ -631,7 +665,8 @@ class AcpAgent:
                     updates = []
                 for update in updates:
                     self._push(_update_frame(session_id, update))
-                _note_seen(entry, output)
+                if isinstance(output, ApprovalRequest) and self._nursery is not None:
+                    self._people.ask_soon(self._nursery, entry.asked, output)
                 if isinstance(output, TaskEnd) and output.origin is None:
                     await self._task_ended(entry, output)
         finally:
@@ -640,7 +675,7 @@ class AcpAgent:
                 answer.give({"stopReason": "cancelled"})
             entry.waiters, entry.follow_ups = [], []
             entry.pumping = False
-            entry.forget_seen()
+            entry.reading = None
             entry.idle.set()
 
     async def _task_ended(self, entry: _AcpSession, end: TaskEnd) -> None:
@@ -655,17 +690,41 @@ class AcpAgent:
         entry.waiters = [entry.follow_ups.pop(0)] if entry.follow_ups else []
 
 
+async def _prompt_content(session: Session, params: dict[str, Any]) -> tuple[UserContent, ...]:
+    """The prompt as session input; its inline images are attached (R-SEC-8): checked
+    against the session's ``max_image_bytes`` before they are decoded, stored in its
+    private attachments off the event loop. A refused one is -32602 naming it."""
+    parts = acp.parse_prompt(params)
+    content: list[UserContent] = []
+    for i, part in enumerate(parts):
+        if isinstance(part, TextBlock):
+            content.append(part)
+            continue
+        try:
+            image = await session.attach_image_data(part.data, part.mime_type)
+        except ImageRefused as exc:
+            raise RpcError(INVALID_PARAMS, f"$.prompt[{i}]: {exc.reason}") from None
+        content.append(image)
+    return tuple(content)
+
+
+def _approval(mode: str) -> Approval:
+    """How the tasks of ``--approve MODE`` decide their calls."""
+    if mode == "all":
+        return _allow_all
+    if mode == "none":
+        return None  # R-APPROVE-2: every call is denied by default
+    # The editor is asked about each approval_request the task records (the pump
+    # hands them to EditorPeople); it waits in the trace, not in this process.
+    return PEOPLE
+
+
 def _frame_bytes(frame: dict[str, Any]) -> bytes:
     return (encode(frame) + "\n").encode("utf-8")
 
 
 def _update_frame(session_id: str, update: dict[str, Any]) -> dict[str, Any]:
     return notification_frame("session/update", {"sessionId": session_id, "update": update})
-
-
-def _note_seen(entry: _AcpSession, output: Output) -> None:
-    if isinstance(output, ModelMsg) and isinstance(output.block, ToolCallBlock):
-        entry.seen(output.block.id).set()
 
 
 def _allow_all(call: ToolCallBlock) -> str:

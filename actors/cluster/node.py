@@ -23,10 +23,13 @@ the TTL) or whose append is refused (fenced) stops replicating at once — nothi
 after that reaches the cluster's trace — and is closed on this host.
 
 Takeover of an orphan: claim the lease, fence the trace, read it, write it into this host's
-data dir as the session's trace files (with its ``session.json`` from the directory), load it
-(R-TRACE-4), record an ``interrupted`` result for every tool call whose result is missing (the
-call is not run again), and, when a task was in flight, start a task that continues it. An
-idle session is taken over too (loaded, nothing run), so no session is left without a host.
+data dir as the session's trace files (with its ``session.json`` from the directory), then
+take it up as a restarted host takes up its own sessions (``Host.resume``, R-HITL-4): a
+task that was in flight goes on — every tool call whose result is missing gets its
+host-lost result and is not run again, the model is told, the task ends with one
+``task_end`` (R-CLUSTER-2) — and a task that waited for a person keeps waiting, asked again
+of whoever can answer, never denied because its host was lost (R-HITL-1). An idle session
+is taken over too (loaded, nothing run), so no session is left without a host.
 A session deleted through any host leaves the cluster (metadata, trace and lease). Usage rows are
 not written again: each host's ledger holds the requests it made.
 """
@@ -55,47 +58,22 @@ from greenroom.actors.cluster.router import ClusterRouter, OwnerDesk
 from greenroom.actors.cluster.routing import SessionRequests
 from greenroom.actors.cluster.store import ReplicatingTraceStore
 from greenroom.actors.cluster.traces import TraceRead, TraceStream, TraceWriter
-from greenroom.actors.runtime.approval_broker import ApproveFn
 from greenroom.actors.runtime.errors import ConfigurationError
 from greenroom.actors.runtime.host import Host, SessionObserver
 from greenroom.actors.runtime.llm_streamer import ModelProvider
+from greenroom.actors.runtime.port import Approval
 from greenroom.actors.runtime.session import Session
 from greenroom.actors.runtime.storage import SessionStore
 from greenroom.actors.runtime.trace_store import StoredSessionMissing, StoredSessionUnreadable
-from greenroom.protocols.content import TextBlock, ToolCallBlock
-from greenroom.protocols.outputs import (
-    ModelMsg,
-    Output,
-    TaskEnd,
-    TaskStart,
-    ToolCallOutput,
-)
+from greenroom.protocols.outputs import Output, TaskEnd, TaskStart
+from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.tools import Tool
 from greenroom.protocols.trace import encode_record, trace_file_name
 
 if TYPE_CHECKING:
     from greenroom.actors.gateway.server import Gateway
 
-__all__ = ["HOST_LOST", "HOST_LOST_IDEMPOTENT", "ClusterConfig", "ClusterNode", "open_cluster_host"]
-
-HOST_LOST = (
-    "interrupted: the host running this call was lost before its result was recorded; "
-    "it was not run again"
-)
-"""The result of a tool call whose host died mid-call (R-CLUSTER-2)."""
-
-HOST_LOST_IDEMPOTENT = (
-    "interrupted: the host running this call was lost before its result was recorded; "
-    "the tool is idempotent, so calling it again is safe"
-)
-"""The result of such a call to a tool declared ``@tool(idempotent=True)``."""
-
-CONTINUE_PROMPT = (
-    "[host lost] The host running this task stopped; the task continues on another host. "
-    "Tool calls that had not finished were not run again (their results say so). "
-    "Continue the task from where it stopped."
-)
-"""The input of the task that continues an interrupted one after a takeover."""
+__all__ = ["ClusterConfig", "ClusterNode", "open_cluster_host"]
 
 
 class Grantor(Protocol):
@@ -138,7 +116,7 @@ class ClusterNode:
         config: ClusterConfig,
         *,
         tools: Iterable[Tool] = (),
-        approve: ApproveFn | None = None,
+        approve: Approval = PEOPLE,
         provider: Callable[[], ModelProvider] | None = None,
     ) -> None:
         self.conn = conn
@@ -480,10 +458,12 @@ class ClusterNode:
                         for principal in entry.get("principals") or ():
                             if self._grants is not None and isinstance(principal, str):
                                 self._grants.grant(principal, sid)
+                        log(f"host {self.host_id} serves session {sid} now")
 
     async def take_over(self, session_id: str, meta: dict[str, Any]) -> bool:
-        """Claim ``session_id``, rebuild it from its trace and continue its task. False
-        when another host claimed it first or it could not be rebuilt."""
+        """Claim ``session_id``, rebuild it from its trace and take up its open task (see
+        the module docstring). False when another host claimed it first or it could not
+        be rebuilt."""
         assert self._leases is not None and self._keeper is not None
         assert self._traces is not None and self._host is not None
         try:
@@ -493,10 +473,6 @@ class ClusterNode:
             self._keeper.hold(lease)
             writer = await self._traces.fence(session_id, self.host_id)
             read = await self._traces.read(session_id)
-            idempotent = {t.name for t in self._tools if t.idempotent}
-            interrupted = host_lost_results(read, idempotent)
-            if interrupted:
-                await writer.append([encode_record(r) for r in interrupted])
         except ClusterError as exc:
             log(f"cannot take session {session_id} over: {exc}")
             self._give_up(session_id)
@@ -507,12 +483,17 @@ class ClusterNode:
         # one this takeover rebuilds: no second adoption.
         self._taking_over.add(session_id)
         try:
-            await trio.to_thread.run_sync(_materialize, directory, meta, read, interrupted)
+            await trio.to_thread.run_sync(_materialize, directory, meta, read)
             assert self.store is not None
+            # Replicated before it is taken up: the host-lost results and everything the
+            # task writes from here on reach the cluster's trace, fenced by this host.
             self.store.log.replicate(session_id)
             self._start_stream(session_id, writer)
-            session = await self._host.load_session(
+            # The path a restarted host takes (R-HITL-4): one way to take a task up, so a
+            # takeover neither re-runs a call nor denies a pending approval.
+            session = await self._host.resume(
                 session_id,
+                approve=self._approve,
                 tools=self._tools,
                 provider=self._provider() if self._provider is not None else None,
             )
@@ -522,11 +503,10 @@ class ClusterNode:
             return False
         finally:
             self._taking_over.discard(session_id)
-        if _open_task(read.current):
-            try:
-                session.run(CONTINUE_PROMPT, approve=self._approve).detach()
-            except Exception as exc:
-                log(f"cannot continue session {session_id}: {exc}")
+        # The task goes on without a task_start of its own: the directory learns here
+        # that it runs.
+        self._running[session_id] = session.busy
+        self._announce_session(session_id)
         return True
 
     async def release_all(self) -> None:
@@ -544,77 +524,13 @@ async def _close_quietly(host: Host, session_id: str) -> None:
         log(f"closing session {session_id} failed: {exc}")
 
 
-def _open_task(records: tuple[Output, ...]) -> bool:
-    open_run = False
-    for record in records:
-        if isinstance(record, TaskStart):
-            open_run = True
-        elif isinstance(record, TaskEnd):
-            open_run = False
-    return open_run
-
-
-def _last_run_id(records: tuple[Output, ...]) -> str:
-    for record in reversed(records):
-        if isinstance(record, TaskStart):
-            return record.run_id
-    return records[-1].run_id if records else ""
-
-
-def _open_calls(records: tuple[Output, ...]) -> list[ToolCallBlock]:
-    """The tool calls of the open task's model messages that have no result."""
-    calls: dict[str, ToolCallBlock] = {}
-    for record in records:
-        if isinstance(record, TaskStart):
-            calls = {}
-        elif isinstance(record, ModelMsg) and isinstance(record.block, ToolCallBlock):
-            calls[record.block.id] = record.block
-        elif isinstance(record, ToolCallOutput):
-            calls.pop(record.call_id, None)
-    return list(calls.values())
-
-
-def host_lost_results(read: TraceRead, idempotent: set[str]) -> list[ToolCallOutput]:
-    """An interrupted result for each call of the open task that has none (R-CLUSTER-2:
-    such a call is not run again; the model decides, told when the tool is idempotent
-    and a new call is safe)."""
-    if not _open_task(read.current):
-        return []
-    run_id = _last_run_id(read.current)
-    last_seq = max((r.seq or 0 for r in read.current), default=0)
-    session_id = read.current[-1].session_id
-    return [
-        ToolCallOutput(
-            session_id=session_id,
-            run_id=run_id,
-            seq=last_seq + n,
-            call_id=call.id,
-            tool=call.name,
-            status="interrupted",
-            is_error=True,
-            content=(
-                TextBlock(text=HOST_LOST_IDEMPOTENT if call.name in idempotent else HOST_LOST),
-            ),
-        )
-        for n, call in enumerate(_open_calls(read.current), start=1)
-    ]
-
-
-def _materialize(
-    directory: Path, meta: dict[str, Any], read: TraceRead, extra: list[ToolCallOutput]
-) -> None:
+def _materialize(directory: Path, meta: dict[str, Any], read: TraceRead) -> None:
     """Write the session's ``session.json`` and trace files as the trace stream has them
     (replacing what this host may have kept from an earlier ownership)."""
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     for old in [*directory.glob("trace_*.jsonl"), directory / "session.json"]:
         old.unlink(missing_ok=True)
-    files = [(number, list(records)) for number, records in read.files]
-    if extra:
-        if files and files[-1][0] == read.file:
-            files[-1][1].extend(extra)
-        else:
-            files.append((read.file, list(extra)))
-    for number, records in files:
+    for number, records in read.files:
         _write_private(
             directory / trace_file_name(number), "".join(encode_record(r) for r in records)
         )
@@ -640,7 +556,7 @@ async def open_cluster_host(
     *,
     observers: Iterable[SessionObserver] = (),
     tools: Iterable[Tool] = (),
-    approve: ApproveFn | None = None,
+    approve: Approval = PEOPLE,
     provider: Callable[[], ModelProvider] | None = None,
     on_node: Callable[[ClusterNode], None] | None = None,
 ) -> AsyncIterator[Host]:

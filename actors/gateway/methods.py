@@ -40,7 +40,7 @@ from greenroom.actors.gateway.config import (
 from greenroom.actors.gateway.connection import Connection, Handler
 from greenroom.actors.gateway.hubs import Hubs, session_state
 from greenroom.actors.gateway.titles import Titles
-from greenroom.actors.runtime.errors import ImageRefused, SessionNotFound
+from greenroom.actors.runtime.errors import ImageRefused, NotPending, SessionNotFound
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.session import Session
@@ -425,8 +425,17 @@ class Methods:
         decision = cast(
             Verdict, jsonrpc.require_choice(params, "decision", ("allow", "deny", "allow_session"))
         )
-        if not await (await self._hubs.adopt(session)).answer(call_id, decision):
-            raise invalid("$.call_id", f"no pending approval request {call_id!r}")
+        if await (await self._hubs.adopt(session)).answer(call_id, decision):
+            return {}
+        try:
+            # A request no client of this hub was asked: one that waits in the trace for
+            # people (a task taken over from another host or resumed after a restart,
+            # R-HITL-1), answered through the host whether or not its task is in memory.
+            await self.host.answer_approval(
+                session.id, call_id, decision, by=_identity(connection)
+            )
+        except NotPending:
+            raise invalid("$.call_id", f"no pending approval request {call_id!r}") from None
         return {}
 
     async def rpc_interrupt(self, connection: Connection, params: dict[str, Any]) -> Any:

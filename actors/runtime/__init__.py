@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         GreenroomError,
         HostClosed,
         ImageRefused,
+        NotPending,
         SessionClosed,
         SessionNotFound,
     )
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
         default_data_dir,
     )
     from greenroom.actors.runtime.llm_streamer import ModelProvider
-    from greenroom.actors.runtime.port import ApproveFn, SessionPort
+    from greenroom.actors.runtime.port import Approval, ApproveFn, SessionPort
     from greenroom.actors.runtime.session import (
         RunResult,
         RunStream,
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
 # Loaded on first use: the modules import each other, and importing the package must
 # not import them all (nor pay for the ones a program never uses).
 _MODULE_OF = {
+    "Approval": "greenroom.actors.runtime.port",
     "ApproveFn": "greenroom.actors.runtime.port",
     "SessionPort": "greenroom.actors.runtime.port",
     "AuthLocked": "greenroom.actors.runtime.errors",
@@ -63,6 +65,7 @@ _MODULE_OF = {
     "GreenroomError": "greenroom.actors.runtime.errors",
     "HostClosed": "greenroom.actors.runtime.errors",
     "ImageRefused": "greenroom.actors.runtime.errors",
+    "NotPending": "greenroom.actors.runtime.errors",
     "SessionClosed": "greenroom.actors.runtime.errors",
     "SessionNotFound": "greenroom.actors.runtime.errors",
     "Host": "greenroom.actors.runtime.host",
@@ -86,6 +89,7 @@ _MODULE_OF = {
 }
 
 __all__ = [
+    "Approval",
     "ApproveFn",
     "AuthLocked",
     "Busy",
@@ -97,6 +101,7 @@ __all__ = [
     "HostClosed",
     "ImageRefused",
     "ModelProvider",
+    "NotPending",
     "RunResult",
     "RunStream",
     "Session",

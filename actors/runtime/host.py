@@ -39,7 +39,7 @@ from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.mcp_servers import McpServers
 from greenroom.actors.runtime.open_tasks import OpenTaskIndex
 from greenroom.actors.runtime.people import People, answer, pending_of
-from greenroom.actors.runtime.port import SessionPort
+from greenroom.actors.runtime.port import Approval, SessionPort
 from greenroom.actors.runtime.provider_clients import ProviderClients
 from greenroom.actors.runtime.session import Session, require_trio
 from greenroom.actors.runtime.shared_tables import SharedTables, fixed_workspace
@@ -69,7 +69,7 @@ from greenroom.actors.tools.workspace import (
 from greenroom.protocols.converter import converter
 from greenroom.protocols.hooks import Hooks
 from greenroom.protocols.messages import PersonAnswered, SupervisorMessage
-from greenroom.protocols.people import PendingApproval, Verdict
+from greenroom.protocols.people import PEOPLE, PendingApproval, Verdict
 from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.task import fold
 from greenroom.protocols.tools import Tool, WorkspaceIdentity
@@ -532,13 +532,20 @@ class Host:
         port = self._ports[(await self.load_session(session_id)).id]
         await answer(port, PersonAnswered(call_id=call_id, text=text, principal=by))
 
-    async def resume(self, session_id: str, **load: Any) -> Session:
+    async def resume(
+        self, session_id: str, *, approve: Approval = PEOPLE, **load: Any
+    ) -> Session:
         """Take up the session's open task, if its trace leaves one: loaded (``load`` as
         for :meth:`load_session`; the host's tools by default) and resumed (R-HITL-4).
+        ``approve`` decides the calls of a task whose host stopped under it, as
+        ``session.run(approve=…)`` does (the callback it ran with went with that host):
+        ``"people"`` by default. A call that was already waiting for a person keeps
+        waiting for one, whatever ``approve`` is (R-HITL-1); a parked task keeps its own.
         Returns the session."""
         session = await self.load_session(session_id, **load)
         port = self._ports[session_id]
         if port.inbox is None and port.machine.run_id is not None:
+            port.lost_approve = approve
             wake(port, None)
         return session
 
@@ -547,11 +554,9 @@ class Host:
         ``Host.open(resume_tasks=True)`` does); returns their session ids."""
         resumed = []
         for session_id in await self._open_tasks.ids(self._ports):
-            try:
+            with contextlib.suppress(SessionNotFound):  # unreadable, or deleted meanwhile
                 await self.resume(session_id)
-            except SessionNotFound:
-                continue  # unreadable, or deleted meanwhile: nothing to take up
-            resumed.append(session_id)
+                resumed.append(session_id)
         return resumed
 
     def wake(self, port: SessionPort, message: SupervisorMessage | None) -> None:

@@ -46,6 +46,7 @@ from greenroom.protocols.messages import (
     TraceWritten,
 )
 from greenroom.protocols.outputs import Output
+from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.stream import TokenUsage
 from greenroom.protocols.task import TaskLimits, TaskMachine
@@ -184,6 +185,7 @@ class SessionPort:
         "idle",
         "inbox",
         "load_errors",
+        "lost_approve",
         "machine",
         "parent_id",
         "parked_task",
@@ -236,6 +238,9 @@ class SessionPort:
         """Set when the running supervisor ends; exists only while busy."""
         self.parked_task: Parked | None = None
         """The open task's run options while it waits for people with no supervisor."""
+        self.lost_approve: Approval = PEOPLE
+        """How the calls of an open task its host lost are decided once it is taken up:
+        its own callback went with the process (``Host.resume(approve=…)`` sets it)."""
         self.closed = False
         self._host = host
         self._tools, self._tool_schemas = tools

@@ -28,7 +28,6 @@ from greenroom.protocols import markers
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.messages import PlanBackoff, StreamerCommand
 from greenroom.protocols.outputs import CompactionEnd
-from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.stream import ModelError
 from greenroom.protocols.task import Phase
 
@@ -40,12 +39,13 @@ _OPEN_ATTEMPT = frozenset({Phase.MODEL, Phase.TOOLS, Phase.RETRY, Phase.FAILED})
 
 def parked_or_lost(port: SessionPort) -> tuple[TaskInput, Parked | None]:
     """The run options of the open task: the parked task's own, or — for a task whose
-    host stopped — ``approve="people"`` (its callback, if it had one, is gone with the
-    process; a person answers instead)."""
+    host stopped — the port's ``lost_approve``: ``"people"`` unless the host that takes
+    it up says otherwise (its callback, if it had one, is gone with the process; a person
+    answers instead)."""
     parked, port.parked_task = port.parked_task, None
     if parked is not None:
         return parked.task, parked
-    return TaskInput(content=(), approve=PEOPLE, thinking_level=None), None
+    return TaskInput(content=(), approve=port.lost_approve, thinking_level=None), None
 
 
 def take_up(

@@ -1,9 +1,9 @@
-"""A tool with a side effect for the cluster tests, loaded by ``serve --tools``.
+"""Tools with a side effect for the cluster tests, loaded by ``serve --tools``.
 
 ``side_effect`` reports each start by connecting to the unix socket named by
 ``GREENROOM_TEST_EFFECTS`` and sending its note (the test counts the starts), then waits
 until its host is killed, stopped or interrupts it: the call is in flight when the host is
-lost.
+lost. ``side_effect_once`` reports its start the same way and returns.
 """
 
 from __future__ import annotations
@@ -26,3 +26,17 @@ async def side_effect(note: str) -> str:
     await stream.send_all(f"{note}\n".encode())
     await trio.sleep_forever()
     return note
+
+
+@tool(side_effects=True)
+async def side_effect_once(note: str) -> str:
+    """Do something that must not happen twice, and finish.
+
+    Args:
+        note: what to do.
+    """
+    # Reported as side_effect is; it returns, so its task can end on the host it runs on.
+    stream = await trio.open_unix_socket(os.environ["GREENROOM_TEST_EFFECTS"])
+    await stream.send_all(f"{note}\n".encode())
+    await stream.aclose()
+    return f"done: {note}"

@@ -1,0 +1,207 @@
+"""``greenroom acp``: people answer when they can, through the editor (R-HITL).
+
+With ``--approve ask`` the agent's tasks run with ``approve="people"``: every request a
+task records (``approval_request``) waits in its trace, not in the agent, and
+:class:`EditorPeople` asks the editor about it and hands the answer to the host:
+
+- an approval: ``session/request_permission`` (allow once, always, deny), the answer to
+  ``host.answer_approval`` with the digest of the arguments the editor was shown;
+- a question of the model (``ask_user``): with choices, ``session/request_permission``
+  whose options are the choices; without, the extension request ``_greenroom/ask`` when
+  the client says it answers it (``clientCapabilities._meta.greenroom.ask``), else
+  ``session/request_permission`` with the option "Answer in my next message" (the editor's
+  next ``session/prompt`` is the answer); the answer to ``host.answer_question``. "Not
+  now", a cancelled request or no answer leaves the question pending.
+
+Answers are recorded ``by: client`` with the client's ``clientInfo.name`` (else
+``editor``) as ``principal``. An answer to a request settled meanwhile (an interrupt, the
+timeout policy, another surface) is refused by the host and only logged. A session loaded
+with its task open is taken up, and :class:`WatchedTask` reads that task's outputs from
+the session's watch, as a run's own stream would be read.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import trio
+
+from greenroom.actors.runtime import Host, NotPending, Session, SessionNotFound
+from greenroom.protocols import acp
+from greenroom.protocols.content import TextBlock, ToolCallBlock, UserContent
+from greenroom.protocols.outputs import ApprovalRequest, Output, TaskEnd
+from greenroom.protocols.people import arguments_digest
+from greenroom.protocols.task import fold
+
+__all__ = ["Asked", "EditorPeople", "OnAnswer", "WatchedTask"]
+
+OnAnswer = Callable[[acp.Response], None]
+"""Called with the client's answer to a request as it is read, before the next frame."""
+
+Request = Callable[[str, dict[str, Any], OnAnswer | None], Awaitable[acp.Response]]
+"""The agent's way to send a request to the client and wait for its answer."""
+
+Notify = Callable[[str, dict[str, Any]], Awaitable[None]]
+"""The agent's way to send a ``session/update`` of a session."""
+
+
+class Asked:
+    """What the editor is asked about one session: the calls being asked (each with
+    whether it is the root task's own, not a subagent's) and the question the next prompt
+    answers."""
+
+    def __init__(self, session: Session, mapper: acp.UpdateMapper) -> None:
+        self.session = session
+        self.mapper = mapper
+        self.asking: dict[str, bool] = {}
+        self.answer_next: tuple[str, str] | None = None
+        """The question (session id, call id) the next ``session/prompt`` answers."""
+
+    async def waits_for_people(self) -> bool:
+        """Whether the session's task waits only for people: the editor is being asked,
+        or its trace says so (a question left for later)."""
+        if any(self.asking.values()) or self.answer_next is not None:
+            return True
+        session = self.session
+        if not session.busy:
+            return False
+        records = await session.host.trace_store.log.read_after(session.id)
+        return fold(records).waiting_for == "people"
+
+
+class EditorPeople:
+    """Asks the editor of one ACP connection about what waits for people (see the module
+    docstring). ``request`` and ``notify`` are the agent's ways out; each request is
+    asked from a task of ``nursery`` (the pumps never wait on the client)."""
+
+    def __init__(self, host: Host, request: Request, notify: Notify) -> None:
+        self._host = host
+        self._request = request
+        self._notify = notify
+        self._person = "editor"
+        self._client_asks = False
+
+    def configure(self, initialize: Mapping[str, Any]) -> None:
+        """Learn from the client's ``initialize`` who answers (``clientInfo.name``) and
+        whether it answers ``_greenroom/ask``."""
+        self._person = acp.client_name(initialize) or "editor"
+        self._client_asks = acp.client_asks(initialize)
+
+    def ask_soon(self, nursery: trio.Nursery, asked: Asked, request: ApprovalRequest) -> None:
+        """Ask the editor about ``request`` from a task of ``nursery``, unless it is
+        being asked already."""
+        if request.call_id in asked.asking:
+            return
+        asked.asking[request.call_id] = request.origin is None or len(request.origin) < 2
+        nursery.start_soon(self._ask, asked, request)
+
+    async def _ask(self, asked: Asked, request: ApprovalRequest) -> None:
+        # A subagent's request is its own session's (the last of its origin).
+        session_id = request.origin[-1] if request.origin else asked.session.id
+        call = ToolCallBlock(id=request.call_id, name=request.tool, arguments=request.arguments)
+        try:
+            if request.kind == "question":
+                await self._ask_question(asked, session_id, call)
+            elif request.kind == "approval":
+                params = asked.mapper.permission_params(asked.session.id, call)
+                response = await self._request("session/request_permission", params, None)
+                await self._restore(asked, call)
+                await self._host.answer_approval(
+                    session_id,
+                    call.id,
+                    acp.verdict_of(response),
+                    by=self._person,
+                    # The decision is about the arguments the editor showed (R-HITL-2).
+                    digest=arguments_digest(request.arguments),
+                )
+            else:
+                _log(f"call {call.id} waits for a {request.kind} answer the editor cannot give")
+        except (NotPending, SessionNotFound) as exc:
+            # Answered elsewhere, timed out, or its task ended meanwhile.
+            _log(f"the answer about call {call.id} was not taken: {exc}")
+        finally:
+            asked.asking.pop(call.id, None)
+
+    async def _ask_question(self, asked: Asked, session_id: str, call: ToolCallBlock) -> None:
+        question, choices = acp.question_of(call.arguments)
+        root_id = asked.session.id
+        if not choices and self._client_asks:
+            params = acp.ask_params(root_id, call.id, question)
+            text = acp.asked_answer(await self._request(acp.ASK_METHOD, params, None))
+        else:
+
+            def answer_next(response: acp.Response) -> None:
+                # Set as the answer is read: the prompt the client sends next answers.
+                if not choices and acp.selected_option(response) == acp.ANSWER_NEXT:
+                    asked.answer_next = (session_id, call.id)
+
+            params = asked.mapper.question_params(root_id, call)
+            response = await self._request("session/request_permission", params, answer_next)
+            await self._restore(asked, call)
+            if asked.answer_next == (session_id, call.id):
+                return
+            text = acp.choice_of(acp.selected_option(response), choices)
+        if text is None:
+            _log(f"question {call.id} of session {session_id} stays unanswered for now")
+            return
+        await self._host.answer_question(session_id, call.id, text, by=self._person)
+
+    async def _restore(self, asked: Asked, call: ToolCallBlock) -> None:
+        for update in asked.mapper.restore_after_permission(call):
+            await self._notify(asked.session.id, update)
+
+    async def answer_with(self, asked: Asked, content: tuple[UserContent, ...]) -> bool:
+        """A prompt that answers the question the person chose to answer in their next
+        message: True once the question took it, False when there is none or it waits no
+        more (the prompt is then an ordinary one)."""
+        if asked.answer_next is None:
+            return False
+        session_id, call_id = asked.answer_next
+        asked.answer_next = None
+        text = "\n".join(b.text for b in content if isinstance(b, TextBlock))
+        try:
+            await self._host.answer_question(session_id, call_id, text, by=self._person)
+        except (NotPending, SessionNotFound) as exc:
+            _log(f"the prompt does not answer question {call_id}: {exc}")
+            return False
+        return True
+
+
+class WatchedTask:
+    """The outputs of a session's open task that no run of the connection reads — one
+    taken up when the session is loaded (R-HITL-4) — from the session's watch, until the
+    task's ``task_end``. An async iterator, like the run's own stream."""
+
+    def __init__(self, receive: trio.MemoryReceiveChannel[list[Output]]) -> None:
+        self._receive = receive
+        self._batch: list[Output] = []
+        self._index = 0
+
+    def __aiter__(self) -> WatchedTask:
+        return self
+
+    async def __anext__(self) -> Output:
+        while self._index >= len(self._batch):
+            try:
+                self._batch = await self._receive.receive()
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                raise StopAsyncIteration from None
+            self._index = 0
+        output = self._batch[self._index]
+        self._index += 1
+        if isinstance(output, TaskEnd) and output.origin is None:
+            # What follows belongs to later tasks, each read by its own run; the session
+            # forgets the watch at its next batch.
+            self._batch = []
+            self._receive.close()
+        return output
+
+    def close(self) -> None:
+        """Stop reading (the iterator ends)."""
+        self._receive.close()
+
+
+def _log(message: str) -> None:
+    print(f"greenroom acp: {message}", file=sys.stderr, flush=True)
