@@ -13,11 +13,8 @@ from pathlib import Path
 import trio
 from conftest import collect, of_type
 
-from greenroom.actors.gateway import GatewayLimits
-from greenroom.actors.gateway.hubs import Hubs
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
 from greenroom.actors.runtime.host import Host
-from greenroom.protocols.content import ToolCallBlock
 from greenroom.protocols.messages import (
     AnswerApproval,
     AskClients,
@@ -131,95 +128,6 @@ async def test_approvals_whose_actor_has_gone_deny_by_default(tmp_path: Path) ->
     assert (decision.decision, decision.by) == ("deny", "default")
 
 
-async def test_a_request_the_broker_stopped_waiting_for_is_withdrawn_from_the_hub(
-    tmp_path: Path, autojump_clock: trio.testing.MockClock
-) -> None:
-    """R-APPROVE-4 through the real hub: after the timeout the broker withdraws its
-    request, so a client answering late is told nothing is pending."""
-    hubs = Hubs(approve="ask", on_task_end=None, limits=GatewayLimits())
-    hubs.remote_watchers = lambda _session_id: True  # a client watches (from another host)
-    async with Host.open(tmp_path / "data") as host, trio.open_nursery() as nursery:
-        await nursery.start(hubs.run)
-        session = await host.create_session(
-            provider=script(), tools=[lookup], workspace_dir=tmp_path, approval_timeout_s=5
-        )
-        hub = await hubs.adopt(session)
-        assert session.client_approvals is hub.approvals
-        started = trio.current_time()
-        outputs = await collect(session.run("go"), bound_s=None)
-        assert trio.current_time() - started >= 5
-        assert len(of_type(outputs, ApprovalRequest)) == 1
-        (decision,) = of_type(outputs, ApprovalDecision)
-        assert (decision.decision, decision.by) == ("deny", "default")
-        assert hub.pending == {}
-        assert not await hub.answer("c1", "allow")
-        nursery.cancel_scope.cancel()
-    assert of_type(outputs, ToolCallOutput)[0].status == "denied"
-
-
-async def test_an_answer_that_meets_a_broker_gone_before_its_withdrawal_is_refused(
-    tmp_path: Path,
-) -> None:
-    """The answer reaches the hub after the broker stopped listening but before its
-    withdrawal: the hub finds the reply closed and tells the client nothing is pending."""
-    hubs = Hubs(approve="ask", on_task_end=None, limits=GatewayLimits())
-    hubs.remote_watchers = lambda _session_id: True
-    async with Host.open(tmp_path / "data") as host, trio.open_nursery() as nursery:
-        await nursery.start(hubs.run)
-        session = await host.create_session(
-            provider=script(), tools=[lookup], workspace_dir=tmp_path
-        )
-        hub = await hubs.adopt(session)
-        assert hub.approvals is not None
-        reply, answers = trio.open_memory_channel[ClientsAsked | ClientVerdict](2)
-        call = ToolCallBlock(id="c9", name="lookup", arguments={"key": "a"})
-        hub.approvals.send_nowait(AskClients(call=call, reply=reply))
-        assert isinstance(await answers.receive(), ClientsAsked)
-        answers.close()
-        assert not await hub.answer("c9", "allow")
-        nursery.cancel_scope.cancel()
-
-
-async def test_a_late_answer_after_the_hub_ended_is_refused(tmp_path: Path) -> None:
-    hubs = Hubs(approve="ask", on_task_end=None, limits=GatewayLimits())
-    async with Host.open(tmp_path / "data") as host:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(hubs.run)
-            session = await host.create_session(
-                provider=script(), tools=[lookup], workspace_dir=tmp_path
-            )
-            hub = await hubs.adopt(session)
-            nursery.cancel_scope.cancel()
-        assert not await hub.answer("c1", "allow")
-        assert session.client_approvals is None  # the stopped gateway took its own back
-
-
 def test_answer_approval_carries_its_reply_out_of_equality() -> None:
     one = AnswerApproval(call_id="c1", verdict="allow", reply=object())
     assert one == AnswerApproval(call_id="c1", verdict="allow", reply=object())
-
-
-async def test_a_failing_hub_step_denies_by_timeout_and_the_hub_goes_on(
-    tmp_path: Path, autojump_clock: trio.testing.MockClock
-) -> None:
-    """R-SEC-1: a bug met while the hub handles one message (here the cluster's watcher
-    check raises) costs that request only: the broker denies it at its timeout, and the
-    hub keeps following the session (it sees the task end)."""
-    hubs = Hubs(approve="ask", on_task_end=None, limits=GatewayLimits())
-
-    def broken(_session_id: str) -> bool:
-        raise RuntimeError("registry bug")
-
-    hubs.remote_watchers = broken
-    async with Host.open(tmp_path / "data") as host, trio.open_nursery() as nursery:
-        await nursery.start(hubs.run)
-        session = await host.create_session(
-            provider=script(), tools=[lookup], workspace_dir=tmp_path, approval_timeout_s=5
-        )
-        hub = await hubs.adopt(session)
-        outputs = await collect(session.run("go"), bound_s=None)
-        (decision,) = of_type(outputs, ApprovalDecision)
-        assert (decision.decision, decision.by) == ("deny", "default")
-        await trio.testing.wait_all_tasks_blocked()
-        assert hub.finishing  # the hub drained the task's end after the failure
-        nursery.cancel_scope.cancel()
