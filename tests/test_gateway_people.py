@@ -218,6 +218,8 @@ async def test_approve_after_the_host_was_closed_and_opened_again(
             async with connect(await serve(host, nursery)) as client:
                 (listed,) = (await client.result("approvals.list"))["approvals"]
                 assert (listed["session_id"], listed["call_id"]) == (sid, "c1")
+                (entry,) = (await client.result("session.list"))["sessions"]
+                assert entry["state"] == "waiting_for_approval"
                 await client.result("session.subscribe", {"session_id": sid})
                 await client.result(
                     "approve", {"session_id": sid, "call_id": "c1", "decision": "allow"}

@@ -177,7 +177,8 @@ class SessionHub:
         """The last task (or compaction) has emitted its end and nothing is queued: the
         session is only syncing its trace before it turns idle."""
         self.open_approvals: set[tuple[str, str]] = set()
-        """``(origin, call_id)`` of the requests waiting for a person (R-HITL-1)."""
+        """``(origin, call_id)`` of the requests asked since the hub watches and not
+        answered (a subagent's too)."""
         self.last_output_at = 0.0
         self._on_task_end = on_task_end
         self._inbox: trio.MemorySendChannel[_HubMessage] | None = None
@@ -196,7 +197,6 @@ class SessionHub:
             with self._scope:
                 self._inbox = send
                 self.session.watch(send)
-                self._note_waiting()
                 task_status.started()
                 async for message in inbox:
                     try:
@@ -205,16 +205,6 @@ class SessionHub:
                         # A bug of the gateway's: it must not end the hub (or the gateway).
                         logger.exception("gateway: hub of session %s", self.session.id)
                 self.close("session closed")
-
-    def _note_waiting(self) -> None:
-        """Note the requests the session's task already waits on (asked before this hub
-        watched: a loaded session, a restarted gateway); later ones come as outputs."""
-        session = self.session
-        try:
-            port = session.host.port(session.id)
-        except SessionNotFound:
-            return  # closed meanwhile: nothing waits here
-        self.open_approvals.update(("", request.call_id) for request in pending_of(port))
 
     def _handle(self, message: _HubMessage) -> None:
         match message:
@@ -410,11 +400,21 @@ def session_state(session: Session | None, hub: SessionHub | None) -> SessionSta
     a task runs, or nothing runs (a task that has emitted its end counts as done)."""
     if session is None or not session.busy:
         return "idle"
-    if hub is not None and hub.open_approvals:
+    if (hub is not None and hub.open_approvals) or _asks_people(session):
         return "waiting_for_approval"
     if hub is not None and hub.finishing:
         return "idle"
     return "running"
+
+
+def _asks_people(session: Session) -> bool:
+    """Whether the session's task waits for a person, whenever it asked (before the
+    gateway watched too: a restarted server, a loaded session)."""
+    try:
+        port = session.host.port(session.id)
+    except SessionNotFound:
+        return False  # closed meanwhile: nothing waits here
+    return bool(pending_of(port))
 
 
 def output_frame(output: Output) -> str:
