@@ -31,7 +31,9 @@ import greenroom.actors.runtime.provider_clients as provider_clients
 from greenroom.actors.gateway import Gateway, SessionDefaults
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, ScriptStep, text, tool_call
 from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.subagents import SPAWN_SUBAGENT, SUBAGENT_SYSTEM, spawn_subagent
 from greenroom.actors.tools.ask_user import ask_user
+from greenroom.protocols.context import ModelRequest, ToolResult
 from greenroom.protocols.people import arguments_digest
 
 TWO = {"alice": ALICE, "bob": BOB}
@@ -229,3 +231,48 @@ async def test_approve_after_the_host_was_closed_and_opened_again(
             nursery.cancel_scope.cancel()
     assert lookup.calls == ["a"]
     assert all(p.violations == [] for p in made)
+
+
+def spawn_then_look() -> ScriptStep:
+    """A parent that spawns a child, and a child that looks a key up."""
+
+    def brain(request: ModelRequest) -> Reply:
+        last = request.messages[-1]
+        answered = any(isinstance(p, ToolResult) for p in last.content)
+        if (request.system or "").startswith(SUBAGENT_SYSTEM):
+            if answered:
+                return Reply(blocks=(text("child found it"),))
+            return Reply(blocks=(tool_call("c1", "lookup", key="a"),))
+        if answered:
+            return Reply(blocks=(text("parent done"),))
+        return Reply(blocks=(tool_call("s1", SPAWN_SUBAGENT, task="look a up"),))
+
+    return brain
+
+
+async def test_a_subagents_request_is_listed_and_answered_through_its_root(
+    tmp_path: Path, lookup: Lookup
+) -> None:
+    """R-HOST-4, R-HITL-2: a request of a subagent is listed among its root's, with the
+    child's id and the origin from the root; the client, who owns the root, answers it
+    naming the root session."""
+    with trio.fail_after(BOUND_S):
+        async with (
+            serving(tmp_path, spawn_then_look, tools=[lookup.tool, spawn_subagent]) as server,
+            connect(server) as client,
+        ):
+            sid = (await client.result("session.create"))["session_id"]
+            spawning = await until_asked(client, sid)
+            assert spawning["call_id"] == "s1"
+            spawn = {"session_id": sid, "call_id": "s1", "decision": "allow"}
+            await client.result("approve", spawn)
+            looking = await client.outputs_until("approval_request", call_id="c1")
+            child = looking[-1]["session_id"]
+            assert child != sid and looking[-1]["origin"] == [sid, child]
+            (listed,) = (await client.result("approvals.list", {"session_id": sid}))["approvals"]
+            assert (listed["session_id"], listed["origin"]) == (child, [sid, child])
+            assert (await client.result("approvals.list"))["approvals"] == [listed]
+            await client.result("approve", {**spawn, "call_id": "c1"})
+            after = await client.outputs_until("task_end", session_id=sid)
+            assert after[-1]["status"] == "completed"
+    assert lookup.calls == ["a"]
