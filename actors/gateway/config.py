@@ -69,8 +69,9 @@ class SessionDefaults:
     ``model`` and any :class:`SessionSettings` field but ``provider`` and ``base_url``.
     ``provider_factory``, when given, makes the provider object of each new or loaded
     session (tests pass scripted providers this way) and wins over ``provider``.
-    ``approve``: ``ask`` (clients answer ``approval_request`` outputs), ``all`` (every call
-    is allowed), ``none`` (every call is denied).
+    ``approve``: ``ask`` (tasks run with ``approve="people"``: each call waits in the trace
+    for a person's answer, from any client, whenever they can: R-HITL), ``all`` (every
+    call is allowed), ``none`` (every call is denied).
     """
 
     provider: str | None = None
