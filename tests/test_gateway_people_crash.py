@@ -139,6 +139,8 @@ async def test_a_request_survives_sigkill_and_is_approved_after_the_restart(
                 process.kill()
                 assert await process.wait() == -signal.SIGKILL
             assert serving.payments() == []
+        meta = json.loads((tmp_path / "data" / "sessions" / sid / "session.json").read_text())
+        assert meta["settings"]["approval_timeout_s"] is None  # serve waits without limit
 
         async with serving.serve() as (process, url):
             async with client(url, ALICE) as alice, client(url, BOB) as bob:
