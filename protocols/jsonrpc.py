@@ -60,7 +60,8 @@ FORBIDDEN = 403
 NOT_FOUND = 404
 """No such session."""
 BUSY = 409
-"""The session already runs a task or a compaction (R-HOST-2)."""
+"""The session already runs a task or a compaction (R-HOST-2); or an answer names a call
+that waits for no answer (any more), or other arguments than the call's (R-HITL-2)."""
 AUTH_LOCKED = 423
 """The session is locked by a model auth failure until ``retry_auth`` (R-RETRY-6)."""
 TOO_MANY_REQUESTS = 429
@@ -408,6 +409,18 @@ METHODS: dict[str, Method] = {
             doc="Queue a task to start after the current one (false: no task runs).",
         ),
         Method(
+            name="approvals.list",
+            params=(
+                Param(name="session_id", type="string", required=False,
+                      doc="only this session's requests (and its subagents'); default: "
+                      "every session of the caller"),
+            ),
+            result="`{approvals: [{session_id, call_id, tool, arguments, asked_at, origin, "
+            "kind, digest}]}`",
+            doc="The requests waiting for a person in the caller's sessions, whether or not "
+            "their task is in memory (`kind`: `approval`, `question`).",
+        ),
+        Method(
             name="approve",
             params=(
                 _session_id(),
@@ -416,9 +429,24 @@ METHODS: dict[str, Method] = {
                 Param(name="decision", type="`allow` \\| `deny` \\| `allow_session`",
                       required=True, doc="`allow_session` also allows the tool for the "
                       "rest of the session"),
+                Param(name="digest", type="string", required=False,
+                      doc="the request's `digest` (`approvals.list`): refused (409) if the "
+                      "call's arguments are not those"),
             ),
             result="`{}`",
-            doc="Answer a pending approval request.",
+            doc="Answer a pending approval request, also after a restart (409: not pending).",
+        ),
+        Method(
+            name="answer",
+            params=(
+                _session_id(),
+                Param(name="call_id", type="string", required=True,
+                      doc="the `call_id` of an `approval_request` of kind `question`"),
+                Param(name="text", type="string", required=True,
+                      doc="the answer: the `ask_user` call's result"),
+            ),
+            result="`{}`",
+            doc="Answer the model's question (409: not pending).",
         ),
         Method(
             name="interrupt",

@@ -159,54 +159,6 @@ class SubagentOutputs:
     origin: tuple[str, ...]
 
 
-@attrs.frozen(kw_only=True, slots=True)
-class AskClients:
-    """Command from the approval broker to the session's client approvals (the gateway's
-    hub for the session): ask the watching clients about ``call``. ``reply`` (a channel's
-    send side with room for both answers) gets :class:`ClientsAsked` once the request is
-    pending, then the :class:`ClientVerdict`; only ``ClientVerdict(verdict=None)``, at
-    once, when no client watches (nobody is asked, R-APPROVE-2)."""
-
-    call: ToolCallBlock
-    reply: Any = attrs.field(eq=False, repr=False)
-
-
-@attrs.frozen(kw_only=True, slots=True)
-class ClientsAsked:
-    """Clients watch the session and the request is pending: the broker has the
-    ``approval_request`` emitted so that they can answer it."""
-
-
-@attrs.frozen(kw_only=True, slots=True)
-class ClientVerdict:
-    """The clients' answer to an :class:`AskClients`; None: nobody answers (the broker
-    denies by default)."""
-
-    verdict: Verdict | None
-
-
-@attrs.frozen(kw_only=True, slots=True)
-class AskWithdrawn:
-    """The broker stopped waiting for the clients' answer on call ``call_id`` (its timeout
-    ran out or the task was interrupted): the request is no longer pending."""
-
-    call_id: str
-
-
-@attrs.frozen(kw_only=True, slots=True)
-class AnswerApproval:
-    """A client's ``approve`` → the session's hub: answer the pending request ``call_id``
-    with ``verdict``. ``reply`` gets True when it was pending, False otherwise."""
-
-    call_id: str
-    verdict: Verdict
-    reply: Any = attrs.field(eq=False, repr=False)
-
-
-ClientApprovalMessage = AskClients | AskWithdrawn | AnswerApproval
-"""What a session's client approvals (its gateway hub) are sent besides its outputs."""
-
-
 SessionControl = (
     InterruptTask | SteeringQueued | BackoffSkipped | TaskQueued | AuthRetried | PersonAnswered
 )

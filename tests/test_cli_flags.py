@@ -88,7 +88,8 @@ def test_serve_help_describes_every_flag_and_its_default(tmp_path: Path) -> None
     text = " ".join(result.stdout.split())  # argparse wraps lines
     assert "Serve the websocket JSON-RPC gateway at ws://HOST:PORT/v1" in text
     for flag, default in [("--host", "127.0.0.1"), ("--port", "8765"), ("--approve", "ask"),
-                          ("--approval-timeout", "300"), ("--sandbox", "auto")]:  # fmt: skip
+                          ("--approval-timeout", "wait without limit"),
+                          ("--sandbox", "auto")]:  # fmt: skip
         assert re.search(rf"{flag}\b.*?\(default: {re.escape(default)}\)", text), flag
     for action in _serve_parser()._actions:
         if not action.option_strings or action.dest == "help":

@@ -162,8 +162,9 @@ def test_a_client_of_one_host_works_a_session_that_runs_on_another(
     assert found["resubscribed"]["last_seq"] == seqs[-1]
     assert found["resubscribed"]["replayed"] == len(seqs) - 2
     # The owner's error, unchanged.
-    assert found["bad_approve"]["code"] == -32602
-    assert "no pending approval request 'nope'" in found["bad_approve"]["message"]
+    assert found["bad_approve"]["code"] == 409  # not pending (R-HITL-2)
+    assert "call 'nope'" in found["bad_approve"]["message"]
+    assert "waits for no answer" in found["bad_approve"]["message"]
     types = [o["type"] for o in outputs]
     assert "approval_decision" in types and "tool_call_output" in types, types
     assert outputs[-1]["status"] == "aborted", outputs[-1]

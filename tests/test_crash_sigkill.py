@@ -16,8 +16,7 @@ every kill the data dir must show:
   the scripted model's transcript checks (R-TRACE-4).
 
 The next round continues from there: a ``run`` round continues the session the previous
-``serve`` round created (a serve round starts a session of its own: the gateway's grants
-do not outlive it).
+``serve`` round created (a serve round starts a session of its own).
 """
 
 from __future__ import annotations

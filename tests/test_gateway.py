@@ -436,7 +436,7 @@ async def test_client_approves_a_tool_call(tmp_path: Path, lookup: Lookup) -> No
             unknown = await client.error(
                 "approve", {"session_id": sid, "call_id": "nope", "decision": "allow"}
             )
-            assert unknown["code"] == jsonrpc.INVALID_PARAMS and "$.call_id" in unknown["message"]
+            assert unknown["code"] == 409 and "'nope'" in unknown["message"]
             bad = await client.error(
                 "approve", {"session_id": sid, "call_id": "c1", "decision": "maybe"}
             )
@@ -447,13 +447,19 @@ async def test_client_approves_a_tool_call(tmp_path: Path, lookup: Lookup) -> No
             assert answered == {}
             after = await client.outputs_until("task_end")
             (decision,) = [o for o in after if o["type"] == "approval_decision"]
-            assert (decision["decision"], decision["by"]) == ("allow", "host")
+            assert (decision["decision"], decision["by"]) == ("allow", "client")
+            assert decision["principal"] == "default"
             (result,) = [o for o in after if o["type"] == "tool_call_output"]
             assert result["status"] == "ok"
             assert lookup.calls == ["a"]
 
 
-async def test_no_subscriber_means_denied(tmp_path: Path, lookup: Lookup) -> None:
+async def test_a_request_nobody_watches_waits_for_a_person(
+    tmp_path: Path, lookup: Lookup
+) -> None:
+    """R-HITL-1: with no client subscribed the request is still asked and waits in the
+    trace (it used to be denied at once); a client that subscribes later finds it and
+    answers it."""
     with trio.fail_after(BOUND_S):
         async with (
             serving(tmp_path, lookup_script, tools=[lookup.tool]) as server,
@@ -461,14 +467,19 @@ async def test_no_subscriber_means_denied(tmp_path: Path, lookup: Lookup) -> Non
         ):
             sid = (await client.result("session.create"))["session_id"]
             await client.result("run", {"session_id": sid, "input": "go"})
-            await server.host.get_session(sid).wait_idle()
             await client.result("session.subscribe", {"session_id": sid})
-            outputs = client.take_outputs()
-            (decision,) = [o for o in outputs if o["type"] == "approval_decision"]
-            assert (decision["decision"], decision["by"]) == ("deny", "default")
-            (result,) = [o for o in outputs if o["type"] == "tool_call_output"]
-            assert result["status"] == "denied"
+            before = [*client.take_outputs(), *await client.outputs_until("approval_request")]
+            assert "approval_decision" not in types_of(before)
+            await server.host.get_session(sid).wait_idle()  # parked: the task holds nothing
+            assert server.host.get_session(sid).busy
+            listed = await client.result("approvals.list")
+            assert [a["call_id"] for a in listed["approvals"]] == ["c1"]
             assert lookup.calls == []
+            allow = {"session_id": sid, "call_id": "c1", "decision": "allow"}
+            await client.result("approve", allow)
+            after = await client.outputs_until("task_end")
+            (result,) = [o for o in after if o["type"] == "tool_call_output"]
+            assert result["status"] == "ok" and lookup.calls == ["a"]
 
 
 async def test_unanswered_approval_times_out(tmp_path: Path, lookup: Lookup) -> None:
@@ -490,9 +501,10 @@ async def test_unanswered_approval_times_out(tmp_path: Path, lookup: Lookup) -> 
             assert lookup.calls == []
 
 
-async def test_stopping_the_gateway_denies_pending_approvals(
-    tmp_path: Path, lookup: Lookup
-) -> None:
+async def test_a_pending_request_outlives_the_gateway(tmp_path: Path, lookup: Lookup) -> None:
+    """R-HITL-1, R-HITL-2: stopping the gateway leaves the request pending (it used to be
+    denied); a gateway started again on the host knows the session's owner from the data
+    dir, and the owner answers there."""
     with trio.fail_after(BOUND_S):
         (tmp_path / "workspace").mkdir()
         async with Host.open(tmp_path / "data") as host:
@@ -510,14 +522,25 @@ async def test_stopping_the_gateway_denies_pending_approvals(
                     await client.result("run", {"session_id": sid, "input": "go"})
                     await client.outputs_until("approval_request")
                     nursery.cancel_scope.cancel()
-            # The session outlives the gateway and its task runs to its end.
             session = host.get_session(sid)
             await session.wait_idle()
             await port_of(session).sync_trace()
             records = [json.loads(line) for line in session.trace_path.read_text().splitlines()]
-            (decision,) = [r for r in records if r["type"] == "approval_decision"]
-            assert (decision["decision"], decision["by"]) == ("deny", "default")
-            assert records[-1]["type"] == "task_end" and records[-1]["status"] == "completed"
+            assert "approval_decision" not in [r["type"] for r in records]
+            assert session.busy and lookup.calls == []
+            async with trio.open_nursery() as nursery:
+                again = Gateway(host, token=TOKEN, port=0, defaults=defaults)
+                await nursery.start(again.run)
+                assert again.owned("default") == {sid}
+                async with connect(Server(host=host, gateway=again, providers=[])) as client:
+                    await client.result("session.subscribe", {"session_id": sid})
+                    await client.result(
+                        "approve", {"session_id": sid, "call_id": "c1", "decision": "allow"}
+                    )
+                    after = await client.outputs_until("task_end")
+                    assert after[-1]["status"] == "completed"
+                nursery.cancel_scope.cancel()
+            assert lookup.calls == ["a"]
 
 
 async def test_image_input_is_confined_to_the_workspace(tmp_path: Path) -> None:

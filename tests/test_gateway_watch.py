@@ -55,7 +55,7 @@ async def sent(client: Connection) -> list[tuple[str, str]]:
 
 
 async def test_the_hop_to_the_hub_neither_loses_nor_repeats_an_output(tmp_path: Path) -> None:
-    hubs = Hubs(approve="ask", on_task_end=None, limits=GatewayLimits())
+    hubs = Hubs(on_task_end=None, limits=GatewayLimits())
     with trio.fail_after(BOUND_S):
         async with Host.open(tmp_path / "data") as host, trio.open_nursery() as nursery:
             provider = ScriptedProvider([Reply(blocks=(text("Hi."),))])
@@ -92,7 +92,7 @@ async def test_the_hop_to_the_hub_neither_loses_nor_repeats_an_output(tmp_path: 
 async def test_a_hub_ends_with_its_session_and_tells_its_clients(tmp_path: Path) -> None:
     """Closing the session ends its watch: the hub's loop drops the subscriptions with a
     notice (where to resume) and ends, instead of watching a session that is gone."""
-    hubs = Hubs(approve="ask", on_task_end=None, limits=GatewayLimits())
+    hubs = Hubs(on_task_end=None, limits=GatewayLimits())
     with trio.fail_after(BOUND_S):
         async with Host.open(tmp_path / "data") as host, trio.open_nursery() as nursery:
             provider = ScriptedProvider([Reply(blocks=(text("Hi."),))])
@@ -114,3 +114,40 @@ async def test_a_hub_ends_with_its_session_and_tells_its_clients(tmp_path: Path)
         "reason": "session closed",
         "last_seq": 0,
     }
+
+
+async def test_a_failing_hub_step_costs_one_batch_and_the_hub_goes_on(tmp_path: Path) -> None:
+    """R-SEC-1: a bug met while the hub handles one batch (here its task-end callback
+    raises) is logged; the hub keeps following the session and the next task's outputs
+    reach its client."""
+    ended: list[str] = []
+
+    def broken(session: Session) -> None:
+        ended.append(session.id)
+        if len(ended) == 1:
+            raise RuntimeError("titler bug")
+
+    hubs = Hubs(on_task_end=broken, limits=GatewayLimits())
+    with trio.fail_after(BOUND_S):
+        async with Host.open(tmp_path / "data") as host, trio.open_nursery() as nursery:
+            provider = ScriptedProvider(
+                [Reply(blocks=(text("One."),)), Reply(blocks=(text("Two."),))]
+            )
+            session = await host.create_session(provider=provider, workspace_dir=tmp_path)
+            await nursery.start(hubs.run)
+            await hubs.adopt(session)
+            await session.run("first").collect()
+            await trio.testing.wait_all_tasks_blocked()
+            client = connection()
+            _, last_seq = await hubs.subscribe(client, session, 0)
+            await client.outbox.take_all()  # the replay
+            for go_live in client.after_answer:
+                go_live()
+            await session.run("second").collect()
+            await trio.testing.wait_all_tasks_blocked()
+            notes = [json.loads(frame) for frame in await client.outbox.take_all()]
+            nursery.cancel_scope.cancel()
+    assert ended == [session.id, session.id]
+    traced_notes = [n["params"] for n in notes if "seq" in n["params"]]
+    assert traced_notes[-1]["type"] == "task_end"
+    assert all(o["seq"] > last_seq for o in traced_notes)

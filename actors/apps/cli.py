@@ -72,6 +72,7 @@ from greenroom.actors.runtime import (
 from greenroom.actors.tools import (
     McpConfigError,
     ToolLoadError,
+    ask_user,
     builtin_tools,
     load_config_files,
     load_tools,
@@ -424,7 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
         "console at http://HOST:PORT+1/. Clients authenticate with the bearer token of "
         "--token-file and create sessions; the provider, model, workspace, tools and limit "
         "flags are the defaults of the sessions they create. Ctrl-C (or SIGTERM) stops the "
-        "server, interrupting running tasks and flushing their traces.",
+        "server, interrupting running tasks and flushing their traces; started again on "
+        "the same data dir it takes up the tasks a crash left open, and requests waiting "
+        "for a person wait on.",
     )
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)"
@@ -445,15 +448,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--approve",
         choices=APPROVE_MODES,
         default="ask",
-        help="tool call approval: ask the session's subscribed clients, allow all, or deny "
-        "all (default: ask)",
+        help="tool call approval: ask a person (the request waits in the session's trace "
+        "until a client answers it: approvals.list, approve, answer), allow all, or deny all "
+        "(default: ask)",
     )
     serve.add_argument(
         "--approval-timeout",
         metavar="S",
         type=_positive_seconds,
-        default=300.0,
-        help="deny a call no client has answered within S seconds (default: 300)",
+        default=None,
+        help="deny a call nobody has answered within S seconds (default: wait without "
+        "limit)",
     )
     serve.add_argument(
         "--tokens-file",
@@ -798,6 +803,9 @@ def _serve_command(args: argparse.Namespace) -> int:
     if args.token_file is not None and Path(args.token_file).expanduser().is_dir():
         raise UsageError(f"--token-file: {args.token_file} is a directory, not a file")
     tools, options = _service_options(args, workspace=args.workspace)
+    if args.approve == "ask" and not args.no_builtin_tools:
+        # People answer here: the model may ask them a question (R-HITL-5).
+        tools = _with_builtin(tools, ask_user)
     servers = mcp_servers(args.mcp_config)
     defaults = SessionDefaults(
         provider=provider_for(args.provider, args.model),
@@ -888,6 +896,12 @@ def _serve_in_cluster(
     return EXIT_OK
 
 
+def _with_builtin(tools: tuple[Tool, ...], extra: Tool) -> tuple[Tool, ...]:
+    """``tools`` and ``extra``, unless a tool of that name is given (a ``--tools`` tool
+    replaces a built-in of its name)."""
+    return tools if any(t.name == extra.name for t in tools) else (*tools, extra)
+
+
 def _setting_flags(args: argparse.Namespace) -> dict[str, Any]:
     """The session settings the flags of ``serve`` and ``acp`` set (the defaults of the
     sessions their clients create): only those given."""
@@ -949,9 +963,11 @@ def _serve_defaults_line(args: argparse.Namespace) -> str:
     gateway listens)."""
     provider = provider_for(args.provider, args.model)
     model = args.model or provider_spec(provider).default_model()
+    limit = args.approval_timeout
     approval = {
-        "ask": f"ask (the session's clients answer; denied after {args.approval_timeout:g} s "
-        "without an answer)",
+        "ask": "ask (a person answers through any client, whenever they can"
+        + ("" if limit is None else f"; denied after {limit:g} s without an answer")
+        + ")",
         "all": "all (every tool call is allowed)",
         "none": "none (every tool call is denied)",
     }[args.approve]

@@ -266,7 +266,7 @@ class ClusterNode:
             timeout_s=self.config.request_timeout_s or ttl,
             watch_ttl_s=ttl,
         )
-        gateway.route_through(router, self._desk.watched)
+        gateway.route_through(router)
         nursery.start_soon(self._serve_host, gateway, self._desk)
 
     async def _serve_host(self, gateway: Gateway, desk: OwnerDesk) -> None:

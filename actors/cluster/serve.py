@@ -17,11 +17,11 @@ from typing import Any
 
 from greenroom.actors.cluster.bridge import Bridge, run
 from greenroom.actors.cluster.node import ClusterConfig, ClusterNode, open_cluster_host
+from greenroom.actors.gateway.config import approve_for
 from greenroom.actors.gateway.server import Gateway
 from greenroom.actors.runtime.host import Host, SessionObserver
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.port import Approval
-from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.tools import Tool
 
 __all__ = ["approve_for", "default_host_id", "serve_in_cluster"]
@@ -30,17 +30,6 @@ __all__ = ["approve_for", "default_host_id", "serve_in_cluster"]
 def default_host_id() -> str:
     """This machine's name and this process's id: unique among the hosts of a cluster."""
     return f"{socket.gethostname().split('.')[0] or 'host'}-{os.getpid()}"
-
-
-def approve_for(mode: str) -> Approval:
-    """The approval of a task that continues after a takeover, from ``serve --approve``:
-    ``all`` allows and ``none`` denies every call; ``ask`` asks people (``"people"``: the
-    request waits in the trace and any authorized client answers it, R-HITL-1)."""
-    if mode == "all":
-        return lambda _call: "allow"
-    if mode == "none":
-        return lambda _call: "deny"
-    return PEOPLE
 
 
 def serve_in_cluster(

@@ -18,9 +18,10 @@ The modules, by role:
 * :mod:`.methods` — the JSON-RPC method handlers, driven by
   :data:`greenroom.protocols.jsonrpc.METHODS`.
 * :mod:`.hubs` — the gateway's one listener per session, subscriptions with gapless
-  replay, client approvals.
-* :mod:`.access` — principals and their tokens, the sessions each may see, and admission
-  (each principal's connections, each address's wrong tokens).
+  replay.
+* :mod:`.access` — principals and their tokens, the sessions each may see (a session's
+  creator is stored with it), and admission (each principal's connections, each
+  address's wrong tokens).
 * :mod:`.titles` — session titles.
 * :mod:`.config` — :class:`SessionDefaults`, :class:`GatewayLimits`, tokens files,
   workspace confinement.
@@ -95,13 +96,16 @@ taken from the root. The gateway refuses to start when the data dir (tokens, tra
 ledger) lies under the workspace root or the default workspace: no session's tools could
 then reach it.
 
-Approvals (``approve="ask"``, the default of ``greenroom serve``): every session the
-gateway creates or loads gets a client approver. A tool call then emits an
-``approval_request`` output and waits for an ``approve {session_id, call_id, decision}``
-call from any connection of an owning identity; when no connection is subscribed to the
-session the call is denied at once (``by: default``), and after the session's
-``approval_timeout_s`` it is denied too. A pending request survives a client's
-disconnection, so a client that reconnects and resubscribes can still answer it.
+People (``approve="ask"``, the default of ``greenroom serve``): tasks run with
+``approve="people"``. A tool call's ``approval_request`` is a record of the trace that
+waits, whoever watches, until a person answers it (R-HITL-1): ``approvals.list`` lists
+the requests of the caller's sessions, ``approve {session_id, call_id, decision,
+digest?}`` and ``answer {session_id, call_id, text}`` answer them through the host as the
+caller's principal, whether or not the task is in memory (R-HITL-2). An answer for a call
+that waits for none is 409. The session's ``approval_timeout_s`` (``None``, no limit, by
+default here) denies a request nobody answers in time. Stopping the gateway, or the
+server, leaves requests pending: a gateway started again grants each stored session to
+its creator, and its host takes up the tasks left open (R-HITL-4).
 """
 
 from greenroom.actors.gateway.config import (

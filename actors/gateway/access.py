@@ -1,16 +1,28 @@
 """Who a client is and what it may see (R-SEC-4): the principals' tokens, and the sessions
 each principal created or was granted; and who may connect (R-SEC-9): each principal's
-open connections, and the wrong tokens of each remote address."""
+open connections, and the wrong tokens of each remote address.
+
+The principal that creates a session through the gateway is kept in ``owner.txt`` next to
+the session's ``session.json`` (:func:`store_owner`): a gateway that starts again on the
+data dir (after a restart, a crash) grants each stored session to its owner again
+(:func:`stored_owners`), so a client finds its sessions, and the requests waiting in them
+for a person, whatever happened to the process (R-SEC-4, R-HITL-2).
+"""
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
+import os
 from collections import deque
 from collections.abc import Mapping
+from pathlib import Path
 
-from greenroom.actors.gateway.config import DEFAULT_CLIENT, GatewayLimits
+from greenroom.actors.gateway.config import CLIENT_ID, DEFAULT_CLIENT, GatewayLimits
 from greenroom.actors.runtime.errors import ConfigurationError
+
+OWNER_FILE = "owner.txt"
+"""The principal that created a session through the gateway, next to its ``session.json``."""
 
 
 class Principals:
@@ -39,8 +51,9 @@ class Principals:
 
 
 class Grants:
-    """The sessions each principal created or was granted; they live as long as the
-    gateway."""
+    """The sessions each principal created or was granted. In memory: what outlives the
+    gateway is each session's owner, stored apart (:func:`store_owner`) and granted again
+    when a gateway starts (:func:`stored_owners`)."""
 
     def __init__(self) -> None:
         self._grants: dict[str, set[str]] = {}
@@ -60,6 +73,40 @@ class Grants:
     def anyone_owns(self, session_id: str) -> bool:
         """Whether some principal created or was granted ``session_id``."""
         return any(session_id in owned for owned in self._grants.values())
+
+
+def store_owner(session_dir: Path, principal: str) -> None:
+    """Keep ``principal`` as the owner of the session stored in ``session_dir`` (mode
+    0600, replaced at once: a reader sees the old file or the new one). Blocking; raises
+    OSError when the directory cannot be written."""
+    path = session_dir / OWNER_FILE
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, (principal + "\n").encode("utf-8"))
+    finally:
+        os.close(fd)
+    tmp.replace(path)
+
+
+def stored_owners(sessions_dir: Path) -> dict[str, str]:
+    """Session id → the owner stored for it, for every session under ``sessions_dir`` that
+    has one. A file that is unreadable or names no valid principal is skipped: that session
+    stays hidden from every client rather than be given to the wrong one. Blocking."""
+    owners: dict[str, str] = {}
+    try:
+        entries = list(os.scandir(sessions_dir))
+    except OSError:
+        return owners
+    for entry in entries:
+        try:
+            with open(os.path.join(entry.path, OWNER_FILE), encoding="utf-8") as file:
+                principal = file.read(200).strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if CLIENT_ID.fullmatch(principal):
+            owners[entry.name] = principal
+    return owners
 
 
 def address_key(address: str) -> str:

@@ -21,7 +21,9 @@ import attrs
 
 from greenroom.actors.runtime.errors import ConfigurationError
 from greenroom.actors.runtime.llm_streamer import ModelProvider
+from greenroom.actors.runtime.port import Approval
 from greenroom.protocols.jsonrpc import invalid
+from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.tools import Tool
 
 PATH = "/v1"
@@ -69,8 +71,9 @@ class SessionDefaults:
     ``model`` and any :class:`SessionSettings` field but ``provider`` and ``base_url``.
     ``provider_factory``, when given, makes the provider object of each new or loaded
     session (tests pass scripted providers this way) and wins over ``provider``.
-    ``approve``: ``ask`` (clients answer ``approval_request`` outputs), ``all`` (every call
-    is allowed), ``none`` (every call is denied).
+    ``approve``: ``ask`` (tasks run with ``approve="people"``: each call waits in the trace
+    for a person's answer, from any client, whenever they can: R-HITL), ``all`` (every
+    call is allowed), ``none`` (every call is denied).
     """
 
     provider: str | None = None
@@ -297,3 +300,15 @@ def confined_workspace(value: str, root: Path, data_dir: Path) -> Path:
 def normal_origin(origin: str) -> str:
     """A browser origin as it is compared: trimmed, no trailing slash, lower case."""
     return origin.strip().rstrip("/").lower()
+
+
+def approve_for(mode: str) -> Approval:
+    """The approval of a task that continues after a restart or a takeover, from
+    ``serve --approve``:
+    ``all`` allows and ``none`` denies every call; ``ask`` asks people (``"people"``: the
+    request waits in the trace and any authorized client answers it, R-HITL-1)."""
+    if mode == "all":
+        return lambda _call: "allow"
+    if mode == "none":
+        return lambda _call: "deny"
+    return PEOPLE

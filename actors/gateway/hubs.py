@@ -1,5 +1,5 @@
 """The gateway's side of each session: one actor that fans its outputs out to the
-connections subscribed to it, with gapless replay, and the session's client approvals.
+connections subscribed to it, with gapless replay.
 
 ::
 
@@ -25,6 +25,9 @@ Invariants:
   trace (it is published only once traced, R-TRACE-3) and never reaches it live. A traced
   output the hub drains after the subscription went live and that the replay already
   sent is skipped by its seq.
+* A hub holds no approval: a request waits in the session's trace for a person, whoever
+  watches (R-HITL-1), and is answered through the host. The hub only notes which requests
+  are open, for the state ``session.list`` reports.
 """
 
 from __future__ import annotations
@@ -39,20 +42,13 @@ from typing import Literal, assert_never
 import attrs
 import trio
 
-from greenroom.actors.gateway.config import ApproveMode, GatewayLimits
+from greenroom.actors.gateway.config import GatewayLimits
 from greenroom.actors.gateway.connection import Connection
+from greenroom.actors.runtime.errors import SessionNotFound
+from greenroom.actors.runtime.people import pending_of
 from greenroom.actors.runtime.session import Session
 from greenroom.protocols import jsonrpc
 from greenroom.protocols.converter import to_dict
-from greenroom.protocols.messages import (
-    AnswerApproval,
-    AskClients,
-    AskWithdrawn,
-    ClientApprovalMessage,
-    ClientsAsked,
-    ClientVerdict,
-    Verdict,
-)
 from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
@@ -159,39 +155,32 @@ class _Join:
     subscription: Subscription
 
 
-_HubMessage = list[Output] | _Join | ClientApprovalMessage
-"""What a hub's inbox carries: the session's batches (its watch), subscription markers,
-and the approval requests of the session's broker and the answers of its clients."""
+_HubMessage = list[Output] | _Join
+"""What a hub's inbox carries: the session's batches (its watch) and subscription
+markers."""
 
 
 class SessionHub:
     """The gateway's actor for one session: watches it from its own task (:meth:`run`),
-    encodes each output once and hands it to every subscription; holds the session's
-    pending client approvals and the state ``session.list`` reports.
+    encodes each output once and hands it to every subscription; keeps the state
+    ``session.list`` reports.
 
     Its loop never blocks on a client: it hands frames to :meth:`Subscription.deliver`.
-    A pending approval is a one-shot reply channel per call id: :meth:`answer` (from any
-    connection, or :meth:`close`) sends the verdict on it.
     """
 
     def __init__(
-        self,
-        session: Session,
-        on_task_end: Callable[[Session], None] | None = None,
-        remote_watchers: Callable[[str], bool] | None = None,
+        self, session: Session, on_task_end: Callable[[Session], None] | None = None
     ) -> None:
         self.session = session
-        self._remote_watchers = remote_watchers
         self.subscriptions: list[Subscription] = []
-        self.pending: dict[str, trio.MemorySendChannel[ClientsAsked | ClientVerdict]] = {}
         self.finishing = False
         """The last task (or compaction) has emitted its end and nothing is queued: the
         session is only syncing its trace before it turns idle."""
         self.open_approvals: set[tuple[str, str]] = set()
-        """``(origin, call_id)`` of approval requests clients were sent and not answered."""
+        """``(origin, call_id)`` of the requests asked since the hub watches and not
+        answered (a subagent's too)."""
         self.last_output_at = 0.0
         self._on_task_end = on_task_end
-        self._approving = False
         self._inbox: trio.MemorySendChannel[_HubMessage] | None = None
         self._scope = trio.CancelScope()
 
@@ -203,7 +192,6 @@ class SessionHub:
         # Unbounded: the session publishes with send_nowait and must neither wait nor
         # lose a batch; this loop waits on nothing but this inbox (it encodes and queues
         # without blocking), so the inbox holds only what was published since its last turn.
-        # Approval requests and answers share it: they keep their place among the outputs.
         send, inbox = trio.open_memory_channel[_HubMessage](math.inf)
         with inbox:
             with self._scope:
@@ -217,9 +205,6 @@ class SessionHub:
                         # A bug of the gateway's: it must not end the hub (or the gateway).
                         logger.exception("gateway: hub of session %s", self.session.id)
                 self.close("session closed")
-            # Whatever is left is answered: no broker and no client waits for a hub that
-            # has ended.
-            self._refuse_rest(inbox)
 
     def _handle(self, message: _HubMessage) -> None:
         match message:
@@ -227,34 +212,8 @@ class SessionHub:
                 self._fan_out(message)
             case _Join():
                 message.subscription.joined = True
-            case AskClients():
-                self._ask(message)
-            case AskWithdrawn():
-                self.pending.pop(message.call_id, None)
-            case AnswerApproval():
-                answered = self._answer(message.call_id, message.verdict)
-                with contextlib.suppress(trio.BrokenResourceError):
-                    message.reply.send_nowait(answered)
             case _:
                 assert_never(message)
-
-    def _refuse_rest(self, inbox: trio.MemoryReceiveChannel[_HubMessage]) -> None:
-        for call_id in list(self.pending):
-            self._answer(call_id, None)
-        while True:
-            try:
-                message = inbox.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel):
-                return
-            match message:
-                case AskClients():
-                    with contextlib.suppress(trio.BrokenResourceError):
-                        message.reply.send_nowait(ClientVerdict(verdict=None))
-                case AnswerApproval():
-                    with contextlib.suppress(trio.BrokenResourceError):
-                        message.reply.send_nowait(False)
-                case _:
-                    pass  # outputs and markers: nobody is subscribed any more
 
     def join(self, subscription: Subscription) -> None:
         """Deliver to ``subscription`` the batches published from now on: its marker goes
@@ -306,111 +265,36 @@ class SessionHub:
         for subscription in list(self.subscriptions):
             subscription.deliver(frames)
 
-    def has_subscribers(self) -> bool:
-        """Whether a client could answer an approval now (here, or through another
-        host's gateway)."""
-        if self.subscriptions:
-            return True
-        return self._remote_watchers is not None and self._remote_watchers(self.session.id)
-
-    @property
-    def approvals(self) -> trio.MemorySendChannel[_HubMessage] | None:
-        """The hub's inbox, where the session's broker sends its approval requests
-        (None until :meth:`run` is ready)."""
-        return self._inbox
-
-    def approve_through_clients(self) -> None:
-        """Make this hub the session's client approvals: the broker's
-        :class:`AskClients` come to its inbox. Call once :meth:`run` is ready."""
-        assert self._inbox is not None
-        self.session.set_client_approvals(self._inbox)
-        self._approving = True
-
-    async def answer(self, call_id: str, verdict: Verdict) -> bool:
-        """A client's answer to the pending request ``call_id``, through the hub's inbox;
-        False when no such request is pending (or the hub has ended)."""
-        # One slot: the hub's one reply never waits for this reader.
-        reply, matched = trio.open_memory_channel[bool](1)
-        if self._inbox is None:
-            return False
-        try:
-            self._inbox.send_nowait(AnswerApproval(call_id=call_id, verdict=verdict, reply=reply))
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return False
-        return await matched.receive()
-
-    def _ask(self, request: AskClients) -> None:
-        """The broker asks about a call: pending when a client could answer it, else
-        None at once (the call is denied by default and no request is shown)."""
-        reply: trio.MemorySendChannel[ClientsAsked | ClientVerdict] = request.reply
-        with contextlib.suppress(trio.BrokenResourceError):
-            if not self.has_subscribers():
-                reply.send_nowait(ClientVerdict(verdict=None))
-                return
-            self.pending[request.call.id] = reply
-            reply.send_nowait(ClientsAsked())
-
-    def _answer(self, call_id: str, verdict: Verdict | None) -> bool:
-        """Resolve a pending request (None: nobody answers, the broker denies by default);
-        False when there is none with this id, or its broker has stopped waiting."""
-        reply = self.pending.pop(call_id, None)
-        if reply is None:
-            return False
-        try:
-            reply.send_nowait(ClientVerdict(verdict=verdict))
-        except trio.BrokenResourceError:
-            return False
-        return True
-
     def close(self, reason: str = "session reloaded") -> None:
-        """Stop watching (the loop of :meth:`run` ends): subscriptions are dropped (with a
-        notice giving ``reason``) and pending requests answered None (denied by default)."""
+        """Stop watching (the loop of :meth:`run` ends): subscriptions are dropped with a
+        notice giving ``reason``. Requests waiting for a person stay pending (R-HITL-1)."""
         self._scope.cancel()
         for subscription in list(self.subscriptions):
             subscription.drop(reason)
-        for call_id in list(self.pending):
-            self._answer(call_id, None)
-
-    def release(self) -> None:
-        """:meth:`close`, and the session forgets this hub as its client approver (one
-        another watcher installed since stays)."""
-        self.close()
-        if self._approving:
-            if self._inbox is not None:
-                self.session.clear_client_approvals(self._inbox)
-            self._approving = False
 
 
 class Hubs:
     """The hubs of the sessions the gateway serves, one per session id, each a task of
     the nursery :meth:`run` holds (the gateway starts it before it serves).
 
-    ``approve``: with ``ask`` each new hub becomes its session's client approver.
     ``on_task_end`` is called from a hub's loop when a task has ended (it must not
     block). A replay runs in the task of the connection that subscribes, and waits for
     room in that connection's outbox.
     """
 
     def __init__(
-        self,
-        *,
-        approve: ApproveMode,
-        on_task_end: Callable[[Session], None] | None,
-        limits: GatewayLimits,
+        self, *, on_task_end: Callable[[Session], None] | None, limits: GatewayLimits
     ) -> None:
-        self._approve = approve
         self._on_task_end = on_task_end
         self._limits = limits
         self._hubs: dict[str, SessionHub] = {}
-        self.remote_watchers: Callable[[str], bool] | None = None
-        """Whether clients of other hosts' gateways watch a session (cluster mode)."""
         self._nursery: trio.Nursery | None = None
         self._running = trio.Event()
         self._adopting = trio.Lock()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Hold the hubs' nursery until cancelled; ready at once. When it ends every hub's
-        loop has ended, and :meth:`release_all` answers what they left pending."""
+        loop has ended and the hubs are forgotten."""
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -419,15 +303,15 @@ class Hubs:
                 await trio.sleep_forever()
         finally:
             self._nursery = None
-            self.release_all()
+            self.close_all()
 
     def get(self, session_id: str) -> SessionHub | None:
         """The hub of ``session_id``, when the gateway has adopted that session."""
         return self._hubs.get(session_id)
 
     async def adopt(self, session: Session) -> SessionHub:
-        """The session's hub, started (and its client approver installed) on first use;
-        once it returns, every batch the session publishes reaches the hub. A reloaded
+        """The session's hub, started on first use; once it returns, every batch the
+        session publishes reaches the hub. A reloaded
         session (a new object with the id) gets a new hub. Waits for :meth:`run` to be
         serving; raises ``RuntimeError`` once it has stopped."""
         hub = self._hubs.get(session.id)
@@ -443,13 +327,9 @@ class Hubs:
                 hub.close()
             if self._nursery is None:
                 raise RuntimeError("the gateway has stopped")
-            hub = SessionHub(
-                session, on_task_end=self._on_task_end, remote_watchers=self.remote_watchers
-            )
+            hub = SessionHub(session, on_task_end=self._on_task_end)
             await self._nursery.start(hub.run)
             self._hubs[session.id] = hub
-            if self._approve == "ask":
-                hub.approve_through_clients()
             return hub
 
     async def settled(self, session: Session) -> Session:
@@ -507,25 +387,34 @@ class Hubs:
         connection.after_answer.append(lambda: subscription.go_live(last_seq))
         return replayed, last_seq
 
-    def release_all(self) -> None:
-        """The gateway stopped: no client can answer any more. Pending approvals are
-        denied and the sessions forget their client approver (they keep running); the
-        hubs' loops end."""
+    def close_all(self) -> None:
+        """The gateway stopped: the hubs' loops end. The sessions keep running, and their
+        requests keep waiting for a person (R-HITL-1)."""
         for hub in self._hubs.values():
-            hub.release()
+            hub.close("the gateway stopped")
         self._hubs.clear()
 
 
 def session_state(session: Session | None, hub: SessionHub | None) -> SessionState:
-    """What ``session.list`` says a session is doing: a task waits on a client's answer,
+    """What ``session.list`` says a session is doing: a task waits for a person's answer,
     a task runs, or nothing runs (a task that has emitted its end counts as done)."""
     if session is None or not session.busy:
         return "idle"
-    if hub is not None and hub.open_approvals:
+    if (hub is not None and hub.open_approvals) or _asks_people(session):
         return "waiting_for_approval"
     if hub is not None and hub.finishing:
         return "idle"
     return "running"
+
+
+def _asks_people(session: Session) -> bool:
+    """Whether the session's task waits for a person, whenever it asked (before the
+    gateway watched too: a restarted server, a loaded session)."""
+    try:
+        port = session.host.port(session.id)
+    except SessionNotFound:
+        return False  # closed meanwhile: nothing waits here
+    return bool(pending_of(port))
 
 
 def output_frame(output: Output) -> str:

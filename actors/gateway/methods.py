@@ -8,7 +8,14 @@ fails when the gateway is built. Handlers check their params against the table
 :class:`GreenroomError` (the connection turns them into error responses).
 
 Ownership (R-SEC-4): a principal sees only the sessions it created or was granted; another
-principal's session answers 403, an unknown one 404. Workspaces (R-SEC-5): a client's
+principal's session answers 403, an unknown one 404. The creator is stored with the session
+(:func:`~greenroom.actors.gateway.access.store_owner`), so ownership outlives the gateway.
+
+People (R-HITL): under ``approve="ask"`` tasks run with ``approve="people"``: each request
+waits in the session's trace, ``approvals.list`` lists those of the caller's sessions
+(whether or not their task is in memory), and ``approve`` / ``answer`` go to the host
+(``answer_approval`` / ``answer_question``) as the caller's principal; an answer for a call
+that waits for none is 409. Workspaces (R-SEC-5): a client's
 ``session.create {workspace}`` must resolve under the workspace root. Caps (R-SEC-9): a
 principal's open sessions (``session.create`` answers 429 beyond them) and, for a
 connection that authenticates with ``initialize``, its connections; a remote address
@@ -17,16 +24,17 @@ that sent too many wrong tokens is refused (429) before its token is looked at.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol, cast
 
 import attrs
 import trio
 
-from greenroom.actors.gateway.access import Admission, Grants, Principals
+from greenroom.actors.gateway.access import Admission, Grants, Principals, store_owner
 from greenroom.actors.gateway.config import (
     CLIENT_ID,
     CLIENT_SETTABLE_FORBIDDEN,
@@ -40,16 +48,22 @@ from greenroom.actors.gateway.config import (
 from greenroom.actors.gateway.connection import Connection, Handler
 from greenroom.actors.gateway.hubs import Hubs, session_state
 from greenroom.actors.gateway.titles import Titles
-from greenroom.actors.runtime.errors import ImageRefused, NotPending, SessionNotFound
+from greenroom.actors.runtime.errors import ImageRefused, SessionNotFound
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.llm_streamer import ModelProvider
+from greenroom.actors.runtime.port import Approval
 from greenroom.actors.runtime.session import Session
 from greenroom.actors.runtime.storage import SessionStore
 from greenroom.protocols import jsonrpc
 from greenroom.protocols.content import ToolCallBlock, UserContent
 from greenroom.protocols.converter import to_dict
 from greenroom.protocols.jsonrpc import RpcError, invalid
-from greenroom.protocols.messages import Verdict
+from greenroom.protocols.people import PEOPLE, PendingApproval, Verdict
+
+logger = logging.getLogger(__name__)
+
+MAX_ANSWER_CHARS = 100_000
+"""The longest text ``answer`` takes (it becomes a tool result, R-HITL-5)."""
 
 ROUTED = frozenset(
     {
@@ -58,7 +72,9 @@ ROUTED = frozenset(
         "run",
         "steer",
         "follow_up",
+        "approvals.list",
         "approve",
+        "answer",
         "interrupt",
         "compact",
         "skip_reconnect_wait",
@@ -108,7 +124,7 @@ class Methods:
         host: Host,
         *,
         defaults: SessionDefaults,
-        approval_timeout_s: float,
+        approval_timeout_s: float | None,
         principals: Principals,
         grants: Grants,
         hubs: Hubs,
@@ -189,8 +205,24 @@ class Methods:
             return self.defaults.provider_factory()
         return self.defaults.provider
 
-    def _run_approver(self) -> Callable[[ToolCallBlock], str] | None:
-        return _allow_all if self.defaults.approve == "all" else None
+    def _run_approver(self) -> Approval:
+        approve = self.defaults.approve
+        if approve == "all":
+            return _allow_all
+        # "none": no callback and nobody asked, so every call is denied by default.
+        return PEOPLE if approve == "ask" else None
+
+    async def _asked_in(self, session: Session, call_id: str) -> str:
+        """The session of ``session``'s tree (itself or a subagent: R-HOST-4) where the
+        request ``call_id`` waits for a person; ``session``'s own id when none does (the
+        host then refuses the answer as not pending)."""
+        pending = await self.host.pending_approvals()
+        if any(p.session_id == session.id and p.call_id == call_id for p in pending):
+            return session.id
+        for request in pending:
+            if request.call_id == call_id and session.id in request.origin:
+                return request.session_id
+        return session.id
 
     async def _input(self, session: Session, params: Mapping[str, Any]) -> tuple[UserContent, ...]:
         """The call's ``input`` with its images attached (R-SEC-8): read once, now, off the
@@ -326,7 +358,13 @@ class Methods:
             mcp_servers=defaults.mcp_servers,
             **overrides,
         )
-        self._grants.grant(_identity(connection), session.id)
+        principal = _identity(connection)
+        self._grants.grant(principal, session.id)
+        try:
+            await trio.to_thread.run_sync(store_owner, session.directory, principal)
+        except OSError as exc:
+            # The session works; only a gateway started later will not know its owner.
+            logger.warning("gateway: cannot store the owner of session %s: %s", session.id, exc)
         await self._hubs.adopt(session)
         return {"session_id": session.id}
 
@@ -416,26 +454,51 @@ class Methods:
         content = await self._input(session, params)
         return {"queued": session.follow_up(content, approve=self._run_approver())}
 
+    async def rpc_approvals_list(self, connection: Connection, params: dict[str, Any]) -> Any:
+        """The requests waiting for a person (approvals and questions) in the caller's
+        sessions — or in ``session_id`` and its subagents — open or stored (R-HITL-2)."""
+        jsonrpc.check_params(params, "approvals.list")
+        if params.get("session_id") is not None:
+            session = await self._owned_session(connection, params)
+            pending = await self.host.pending_approvals()
+            listed = [p for p in pending if session.id in p.origin or p.session_id == session.id]
+        else:
+            owned = self._grants.owned(_identity(connection))
+            pending = await self.host.pending_approvals() if owned else []
+            listed = [p for p in pending if _root(p) in owned]
+        return {"approvals": [_listed(p) for p in listed]}
+
     async def rpc_approve(self, connection: Connection, params: dict[str, Any]) -> Any:
-        """Answer the pending approval request ``call_id`` with ``decision``; -32602 when no such
-        request is pending."""
+        """Answer the pending approval request ``call_id`` with ``decision``, as the caller's
+        principal, whether or not its task is in memory (R-HITL-2); a request of a
+        subagent is answered through its root's id too. 409 when the call waits for no
+        decision or its arguments are not those of ``digest``."""
         jsonrpc.check_params(params, "approve")
         session = await self._owned_session(connection, params)
         call_id = jsonrpc.require_str(params, "call_id", max_len=500)
         decision = cast(
             Verdict, jsonrpc.require_choice(params, "decision", ("allow", "deny", "allow_session"))
         )
-        if await (await self._hubs.adopt(session)).answer(call_id, decision):
-            return {}
-        try:
-            # A request no client of this hub was asked: one that waits in the trace for
-            # people (a task taken over from another host or resumed after a restart,
-            # R-HITL-1), answered through the host whether or not its task is in memory.
-            await self.host.answer_approval(
-                session.id, call_id, decision, by=_identity(connection)
-            )
-        except NotPending:
-            raise invalid("$.call_id", f"no pending approval request {call_id!r}") from None
+        digest = jsonrpc.optional_str(params, "digest", max_len=200)
+        await self.host.answer_approval(
+            await self._asked_in(session, call_id),
+            call_id,
+            decision,
+            by=_identity(connection),
+            digest=digest,
+        )
+        return {}
+
+    async def rpc_answer(self, connection: Connection, params: dict[str, Any]) -> Any:
+        """Answer the model's question ``call_id`` (``ask_user``, R-HITL-5) with ``text``, as
+        the caller's principal; 409 when the call waits for no answer."""
+        jsonrpc.check_params(params, "answer")
+        session = await self._owned_session(connection, params)
+        call_id = jsonrpc.require_str(params, "call_id", max_len=500)
+        text = jsonrpc.require_str(params, "text", max_len=MAX_ANSWER_CHARS)
+        await self.host.answer_question(
+            await self._asked_in(session, call_id), call_id, text, by=_identity(connection)
+        )
         return {}
 
     async def rpc_interrupt(self, connection: Connection, params: dict[str, Any]) -> Any:
@@ -474,4 +537,23 @@ def _identity(connection: Connection) -> str:
 
 def _allow_all(call: ToolCallBlock) -> str:
     return "allow"
+
+
+def _root(request: PendingApproval) -> str:
+    """The session a request's tree hangs from: the one clients own."""
+    return request.origin[0] if request.origin else request.session_id
+
+
+def _listed(request: PendingApproval) -> dict[str, Any]:
+    """One entry of ``approvals.list``."""
+    return {
+        "session_id": request.session_id,
+        "call_id": request.call_id,
+        "tool": request.tool,
+        "arguments": request.arguments,
+        "asked_at": request.asked_at,
+        "origin": list(request.origin),
+        "kind": request.kind,
+        "digest": request.digest,
+    }
 

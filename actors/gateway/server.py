@@ -34,8 +34,8 @@ import logging
 import math
 import signal
 import sys
-from collections.abc import Callable, Iterable, Mapping
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import cast
 
@@ -48,7 +48,13 @@ from trio_websocket import (
     WebSocketServer,
 )
 
-from greenroom.actors.gateway.access import Admission, Grants, Principals, address_key
+from greenroom.actors.gateway.access import (
+    Admission,
+    Grants,
+    Principals,
+    address_key,
+    stored_owners,
+)
 from greenroom.actors.gateway.config import (
     AUTH_TIMEOUT_S,
     CLIENT_HEADER,
@@ -57,8 +63,10 @@ from greenroom.actors.gateway.config import (
     FD_RESERVE,
     HANDSHAKE_SLACK,
     PATH,
+    ApproveMode,
     GatewayLimits,
     SessionDefaults,
+    approve_for,
     check_data_dir_private,
     connection_cap,
     load_or_create_token,
@@ -75,6 +83,8 @@ from greenroom.actors.gateway.methods import DETACHED, Methods, Router
 from greenroom.actors.gateway.titles import Titles
 from greenroom.actors.runtime.errors import ConfigurationError
 from greenroom.actors.runtime.host import Host, SessionObserver, default_data_dir
+from greenroom.actors.runtime.storage import SessionStore
+from greenroom.protocols.tools import Tool
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +100,14 @@ class Gateway:
     ``session.list``.
 
     Principals: ``token`` is the one token of the principal ``default``; ``tokens`` maps
-    client ids to their tokens (give one or both). ``allowed_origins``: browser origins
-    (``http://host:port``) allowed besides the ones added with :meth:`allow_origin`.
+    client ids to their tokens (give one or both). A session's creator is stored with it,
+    and a gateway that starts grants every stored session to its creator again.
+    ``allowed_origins``: browser origins (``http://host:port``) allowed besides the ones
+    added with :meth:`allow_origin`.
     ``auth_timeout_s``: how long a connection may stay unauthenticated.
+    ``approval_timeout_s``: the ``approval_timeout_s`` setting of the sessions it creates
+    (None: a request waits for a person without limit, R-HITL-1; a client's settings may
+    say otherwise).
 
     Channels: none of its own. Each connection's frames go through its outbox
     (:class:`Connection`); the sessions' outputs reach the outboxes through the hubs
@@ -108,7 +123,7 @@ class Gateway:
         listen_host: str = "127.0.0.1",
         port: int = 8765,
         defaults: SessionDefaults | None = None,
-        approval_timeout_s: float = 300.0,
+        approval_timeout_s: float | None = None,
         limits: GatewayLimits | None = None,
         titles: bool = False,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
@@ -132,11 +147,7 @@ class Gateway:
         self._grants = Grants()
         self._admission = Admission(self.limits)
         self._titles = Titles(enabled=titles)
-        self._hubs = Hubs(
-            approve=self.defaults.approve,
-            on_task_end=self._titles.title_once,
-            limits=self.limits,
-        )
+        self._hubs = Hubs(on_task_end=self._titles.title_once, limits=self.limits)
         self._connections: set[Connection] = set()
         self._calls = Methods(
             host,
@@ -163,6 +174,11 @@ class Gateway:
         await trio.to_thread.run_sync(
             check_data_dir_private, self.host.data_dir, root, defaults.workspace_dir
         )
+        sessions_dir = SessionStore(self.host.data_dir).sessions_dir
+        for session_id, owner in (
+            await trio.to_thread.run_sync(stored_owners, sessions_dir)
+        ).items():
+            self._grants.grant(owner, session_id)
         listeners = await trio.open_tcp_listeners(self.port, host=self.listen_host)
         if self.port == 0 and len(listeners) > 1:
             # Port 0 on a name with several addresses gives each listener its own port;
@@ -201,7 +217,8 @@ class Gateway:
 
     def grant(self, client_id: str, session_id: str) -> None:
         """Let ``client_id`` see and steer ``session_id`` (created elsewhere or by another
-        client). Grants live as long as the gateway."""
+        client). Such a grant lives as long as the gateway (a session's creator is
+        stored with it)."""
         self._grants.grant(client_id, session_id)
 
     def owned(self, client_id: str) -> frozenset[str]:
@@ -212,12 +229,10 @@ class Gateway:
         """The principals that created or were granted ``session_id``."""
         return self._grants.holders(session_id)
 
-    def route_through(self, router: Router, remote_watchers: Callable[[str], bool]) -> None:
-        """Serve the sessions of other hosts through ``router`` (cluster mode), and count
-        the clients ``remote_watchers`` reports as present for client approvals. Called
+    def route_through(self, router: Router) -> None:
+        """Serve the sessions of other hosts through ``router`` (cluster mode). Called
         before the gateway serves."""
         self._calls.router = router
-        self._hubs.remote_watchers = remote_watchers
 
     async def load_provider(self) -> None:
         """Load the provider client of the sessions this gateway creates (nothing to load
@@ -441,11 +456,24 @@ HostOpener = Callable[[Path, Iterable[SessionObserver]], AbstractAsyncContextMan
 """Opens the host ``run_serve`` serves, from the data dir and the session observers."""
 
 
-def _local_host_opener(gc_tuning: bool) -> HostOpener:
-    def open_local(
+def _local_host_opener(
+    gc_tuning: bool, tools: Iterable[Tool], approve: ApproveMode
+) -> HostOpener:
+    """The host of a single ``serve``: it takes up the tasks its last run left open (a
+    crash, a SIGKILL: R-HITL-4), their further calls decided as ``--approve`` says, and
+    gives the sessions it loads on its own the tools the gateway gives the sessions it
+    creates."""
+    tool_list = tuple(tools)
+
+    @asynccontextmanager
+    async def open_local(
         data_dir: Path, observers: Iterable[SessionObserver]
-    ) -> AbstractAsyncContextManager[Host]:
-        return Host.open(data_dir, observers=observers, gc_tuning=gc_tuning)
+    ) -> AsyncIterator[Host]:
+        async with Host.open(
+            data_dir, observers=observers, gc_tuning=gc_tuning, tools=tool_list
+        ) as host:
+            await host.resume_tasks(approve=approve_for(approve))
+            yield host
 
     return open_local
 
@@ -457,7 +485,7 @@ async def run_serve(
     data_dir: str | Path | None = None,
     token_file: str | Path | None = None,
     defaults: SessionDefaults | None = None,
-    approval_timeout_s: float = 300.0,
+    approval_timeout_s: float | None = None,
     limits: GatewayLimits | None = None,
     ready: Callable[[int], None] | None = None,
     console_port: int | None = None,
@@ -473,6 +501,11 @@ async def run_serve(
     ``listening on ws://HOST:PORT/v1`` and the token file on stderr, and serve until
     cancelled or until SIGINT/SIGTERM, then close connections (1001) and the host (which
     interrupts running tasks and flushes their traces). ``ready`` gets the bound port.
+
+    The host takes up, when it opens, the tasks left open on the data dir by a serve that
+    stopped without closing them (a crash, a SIGKILL: R-HITL-4), with the tools of
+    ``defaults``; requests waiting for a person wait on, without limit unless
+    ``approval_timeout_s`` says otherwise (R-HITL-1).
     Raises :class:`ConfigurationError` for an unusable token file and OSError when the
     address cannot be bound.
 
@@ -520,7 +553,9 @@ async def run_serve(
     else:
         token_path = await trio.to_thread.run_sync(token_file_path, data, token_file)
         token = await trio.to_thread.run_sync(load_or_create_token, data, token_path)
-    opener = open_host or _local_host_opener(gc_tuning)
+    opener = open_host or _local_host_opener(
+        gc_tuning, session_defaults.tools, session_defaults.approve
+    )
     async with opener(data, observers) as opened:
         gateway = Gateway(
             opened,

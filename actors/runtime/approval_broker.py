@@ -3,38 +3,33 @@
 Calls arrive in call order as their blocks complete (possibly while the model still
 streams, R-TOOL-1), one at a time: the turn machine sends the next once the previous is
 decided, and calls an earlier ``allow_session`` covers never reach the broker (the task
-machine holds those rules). For each call the broker asks the host's ``approve`` callback,
-else the session's client approvers (websocket clients), and otherwise denies
-(R-APPROVE-2). A callback that raises
-or answers nonsense denies; a request that waits longer than the timeout is denied
-(R-APPROVE-4). The decision goes to the supervisor's inbox; the supervisor emits it.
+machine holds those rules). For each call the broker asks the host's ``approve`` callback;
+with ``approve="people"`` it records the request for a person and is free at once
+(R-HITL-1); without either it denies (R-APPROVE-2). A callback that raises or answers
+nonsense denies, and so does one that takes longer than the timeout (R-APPROVE-4). The
+decision goes to the supervisor's inbox; the supervisor emits it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
 from typing import Any
 
 import trio
 
-from greenroom.actors.runtime.port import Approval, ApproveFn, ClientApprovals
+from greenroom.actors.runtime.port import Approval, ApproveFn
 from greenroom.protocols.content import ToolCallBlock
 from greenroom.protocols.messages import (
     ApprovalAsked,
     ApprovalDecided,
     ApproveCall,
-    AskClients,
-    AskWithdrawn,
-    ClientsAsked,
-    ClientVerdict,
     SupervisorMessage,
     Verdict,
 )
 from greenroom.protocols.people import ASK_USER, PEOPLE
 
-__all__ = ["ApprovalBroker", "ApproveFn", "ClientApprovals"]
+__all__ = ["ApprovalBroker", "ApproveFn"]
 
 
 def _as_verdict(answer: Any) -> Verdict:
@@ -48,18 +43,16 @@ def _as_verdict(answer: Any) -> Verdict:
 class ApprovalBroker:
     """Decides on tool calls for one task."""
 
-    __slots__ = ("_approve", "_clients", "_inbox", "_timeout_s")
+    __slots__ = ("_approve", "_inbox", "_timeout_s")
 
     def __init__(
         self,
         *,
         approve: Approval,
-        clients: ClientApprovals | None,
         timeout_s: float | None,
         inbox: trio.MemorySendChannel[SupervisorMessage],
     ) -> None:
         self._approve = approve
-        self._clients = clients
         self._timeout_s = math.inf if timeout_s is None else timeout_s
         self._inbox = inbox
 
@@ -100,33 +93,4 @@ class ApprovalBroker:
                     return ApprovalDecided(call=call, verdict="deny", by="default")
                 return ApprovalDecided(call=call, verdict=_as_verdict(answer), by="host")
             return ApprovalDecided(call=call, verdict="deny", by="default")
-        if self._clients is not None:
-            verdict = await self._ask_clients(self._clients, call)
-            if verdict is not None:
-                return ApprovalDecided(call=call, verdict=verdict, by="host")
         return ApprovalDecided(call=call, verdict="deny", by="default")
-
-    async def _ask_clients(self, clients: ClientApprovals, call: ToolCallBlock) -> Verdict | None:
-        """The clients' verdict on ``call``; None when nobody watches or answers in time."""
-        # Room for both answers: the asking actor never waits for this reader.
-        reply, answers = trio.open_memory_channel[ClientsAsked | ClientVerdict](2)
-        try:
-            clients.send_nowait(AskClients(call=call, reply=reply))
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return None  # the watcher has gone: nobody to ask
-        answered = False
-        try:
-            with answers, trio.move_on_after(self._timeout_s):
-                answer = await answers.receive()
-                if isinstance(answer, ClientsAsked):
-                    self._inbox.send_nowait(ApprovalAsked(call=call))
-                    answer = await answers.receive()
-                answered = True
-                return answer.verdict if isinstance(answer, ClientVerdict) else None
-            return None
-        except trio.EndOfChannel:
-            return None  # the asking actor ended without an answer
-        finally:
-            if not answered:
-                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                    clients.send_nowait(AskWithdrawn(call_id=call.id))

@@ -549,13 +549,13 @@ class Host:
             wake(port, None)
         return session
 
-    async def resume_tasks(self) -> list[str]:
+    async def resume_tasks(self, approve: Approval = PEOPLE) -> list[str]:
         """Take up every stored task left open by a host that stopped (what
-        ``Host.open(resume_tasks=True)`` does); returns their session ids."""
+        ``Host.open(resume_tasks=True)`` does; ``approve`` as for :meth:`resume`)."""
         resumed = []
         for session_id in await self._open_tasks.ids(self._ports):
             with contextlib.suppress(SessionNotFound):  # unreadable, or deleted meanwhile
-                await self.resume(session_id)
+                await self.resume(session_id, approve=approve)
                 resumed.append(session_id)
         return resumed
 

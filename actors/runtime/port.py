@@ -39,12 +39,7 @@ from greenroom.actors.runtime.trace_sink import TraceSinkClosed, TraceWriteError
 from greenroom.protocols.content import UserContent
 from greenroom.protocols.context import ToolSchema
 from greenroom.protocols.hooks import Hooks
-from greenroom.protocols.messages import (
-    AskClients,
-    AskWithdrawn,
-    SupervisorMessage,
-    TraceWritten,
-)
+from greenroom.protocols.messages import SupervisorMessage, TraceWritten
 from greenroom.protocols.outputs import Output
 from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.settings import SessionSettings
@@ -61,7 +56,6 @@ if TYPE_CHECKING:
 __all__ = [
     "NO_HOOKS",
     "ApproveFn",
-    "ClientApprovals",
     "HostServices",
     "Listener",
     "SessionPort",
@@ -76,10 +70,6 @@ Approval = ApproveFn | Literal["people"] | None
 """How a task's tool calls are decided: a host callback, ``"people"`` (each call waits
 for a person's answer from any surface, durably: R-HITL), or None (denied by default,
 R-APPROVE-2)."""
-
-ClientApprovals = trio.MemorySendChannel[AskClients | AskWithdrawn]
-"""Where a session's approvals go when a run has no ``approve`` callback: the inbox of
-the actor that asks its clients (the gateway's hub for the session)."""
 
 Listener = Callable[[list[Output]], None]
 """A subscriber: called with every batch of outputs, in order. Must not block or raise."""
@@ -177,7 +167,6 @@ class SessionPort:
         "_seq",
         "_tool_schemas",
         "_tools",
-        "client_approvals",
         "closed",
         "directory",
         "hooks",
@@ -230,7 +219,6 @@ class SessionPort:
         self.hooks = NO_HOOKS
         """Host hooks at the loop's checkpoints (R-HOOK-1)."""
         self.load_errors: Sequence[str] = ()
-        self.client_approvals: ClientApprovals | None = None
         """Where approvals go when a run has no ``approve`` callback."""
         self.inbox: trio.MemorySendChannel[SupervisorMessage] | None = None
         """The running supervisor's inbox; None while the session is idle."""

@@ -108,7 +108,6 @@ class TaskWork:
                 async with trio.open_nursery() as nursery:
                     broker = ApprovalBroker(
                         approve=approve,
-                        clients=port.client_approvals,
                         timeout_s=settings.approval_timeout_s,
                         inbox=self._inbox,
                     )

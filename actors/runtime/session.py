@@ -25,7 +25,6 @@ from greenroom.actors.runtime.errors import AuthLocked, Busy, HostClosed, Sessio
 from greenroom.actors.runtime.llm_streamer import LLMStreamer, ModelProvider
 from greenroom.actors.runtime.port import (
     Approval,
-    ClientApprovals,
     Listener,
     SessionPort,
     TaskInput,
@@ -423,8 +422,9 @@ class Session:
     ) -> RunStream:
         """Start a task on ``new_messages`` (R-RUN-1) and return its outputs.
 
-        ``approve`` decides each tool call (R-APPROVE); without it, and without a client
-        able to answer, calls are denied. Setting ``cancel`` interrupts the task, like
+        ``approve`` decides each tool call (R-APPROVE): a callback, or ``"people"`` (each
+        call waits for a person's answer, from any surface: R-HITL); without it calls are
+        denied. Setting ``cancel`` interrupts the task, like
         :meth:`interrupt`. Raises :class:`Busy` when a task or compaction is running
         (R-HOST-2), :class:`AuthLocked` after an auth failure (R-RETRY-6), and
         ``RuntimeError`` when called outside a trio task.
@@ -619,28 +619,6 @@ class Session:
         closes. The watcher may send its own markers on ``inbox`` while the watch lasts;
         they keep their place among the batches (it is FIFO)."""
         self._port.watch(inbox)
-
-    @property
-    def client_approvals(self) -> ClientApprovals | None:
-        """Where approvals go when a run has no ``approve`` callback (see
-        :meth:`set_client_approvals`)."""
-        return self._port.client_approvals
-
-    def set_client_approvals(self, approvals: ClientApprovals | None) -> None:
-        """Where approvals go when a run has no ``approve`` callback: the inbox of the
-        actor that asks this session's clients (the gateway's hub for it). The broker
-        sends it :class:`~greenroom.protocols.messages.AskClients` for each call and
-        :class:`~greenroom.protocols.messages.AskWithdrawn` when it stops waiting; see
-        those messages for the answers it expects. A task takes it when it starts."""
-        self._port.client_approvals = approvals
-
-    def clear_client_approvals(self, approvals: ClientApprovals) -> bool:
-        """Forget ``approvals`` if they are still where approvals go (a watcher that stops
-        never removes the one another watcher installed since); True when they were."""
-        if self._port.client_approvals is not approvals:
-            return False
-        self._port.client_approvals = None
-        return True
 
     async def wait_idle(self) -> None:
         """Return when no task is running."""

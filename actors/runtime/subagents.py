@@ -175,7 +175,6 @@ class Subagents:
             tools=tools,
         )
         child.set_origin_path((*parent.origin_path, child.id))
-        child.client_approvals = parent.client_approvals
         watch = _ChildWatch(child, settings.subagent_token_budget, self._report)
         # Unbounded: the child's supervisor publishes with send_nowait and must never wait
         # for this task, which drains the channel continuously.

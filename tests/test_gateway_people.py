@@ -1,0 +1,278 @@
+"""People answer through the gateway (R-HITL-1, R-HITL-2, R-HITL-5): ``approvals.list``,
+``approve`` and ``answer`` over a real websocket client against a gateway in this process,
+scripted models. A request waits in the trace; the caller sees and answers only its own
+sessions' requests; an answer for a call that is no longer pending, or for other arguments
+than the person saw, is refused with 409 and changes nothing; a session whose host was
+closed and opened again is answered like one in memory.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from conftest import Lookup
+from test_gateway import (
+    ALICE,
+    BOB,
+    BOUND_S,
+    TOKEN,
+    Client,
+    Server,
+    connect,
+    lookup_script,
+    serving,
+)
+
+import greenroom.actors.runtime.provider_clients as provider_clients
+from greenroom.actors.gateway import Gateway, SessionDefaults
+from greenroom.actors.providers.scripted import Reply, ScriptedProvider, ScriptStep, text, tool_call
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.subagents import SPAWN_SUBAGENT, SUBAGENT_SYSTEM, spawn_subagent
+from greenroom.actors.tools.ask_user import ask_user
+from greenroom.protocols.context import ModelRequest, ToolResult
+from greenroom.protocols.people import arguments_digest
+
+TWO = {"alice": ALICE, "bob": BOB}
+
+
+async def until_asked(client: Client, session_id: str, prompt: str = "go") -> dict[str, Any]:
+    """Subscribe, run ``prompt`` and return the ``approval_request`` it leads to."""
+    await client.result("session.subscribe", {"session_id": session_id})
+    await client.result("run", {"session_id": session_id, "input": prompt})
+    return (await client.outputs_until("approval_request"))[-1]
+
+
+async def test_approvals_list_approve_and_stale_answers(tmp_path: Path, lookup: Lookup) -> None:
+    """The caller's pending request is listed with what a person needs to decide it; a
+    digest of other arguments is refused and leaves it pending; the right one answers it
+    as the caller's principal; a second answer finds nothing pending (409)."""
+    asked_after = time.time()
+    with trio.fail_after(BOUND_S):
+        async with (
+            serving(tmp_path, lookup_script, tools=[lookup.tool], tokens=TWO) as server,
+            connect(server, token=ALICE) as alice,
+        ):
+            sid = (await alice.result("session.create"))["session_id"]
+            request = await until_asked(alice, sid)
+            digest = arguments_digest({"key": "a"})
+            listed = (await alice.result("approvals.list"))["approvals"]
+            assert listed == [
+                {
+                    "session_id": sid,
+                    "call_id": "c1",
+                    "tool": "lookup",
+                    "arguments": {"key": "a"},
+                    "asked_at": request["asked_at"],
+                    "origin": [sid],
+                    "kind": "approval",
+                    "digest": digest,
+                }
+            ]
+            assert asked_after <= listed[0]["asked_at"] <= time.time()
+            only = await alice.result("approvals.list", {"session_id": sid})
+            assert only["approvals"] == listed
+
+            allow = {"session_id": sid, "call_id": "c1", "decision": "allow"}
+            stale = await alice.error(
+                "approve", {**allow, "digest": arguments_digest({"key": "b"})}
+            )
+            assert stale["code"] == 409 and "other arguments" in stale["message"]
+            assert (await alice.result("approvals.list"))["approvals"] == listed
+            assert lookup.calls == []
+
+            allow["digest"] = digest
+            assert await alice.result("approve", allow) == {}
+            after = await alice.outputs_until("task_end")
+            (decision,) = [o for o in after if o["type"] == "approval_decision"]
+            assert (decision["decision"], decision["by"], decision["principal"]) == (
+                "allow",
+                "client",
+                "alice",
+            )
+            assert after[-1]["status"] == "completed" and lookup.calls == ["a"]
+            assert (await alice.result("approvals.list"))["approvals"] == []
+            again = await alice.error("approve", allow)
+            assert again["code"] == 409 and "waits for no answer" in again["message"]
+            assert lookup.calls == ["a"]
+
+
+async def test_another_principal_neither_sees_nor_answers(tmp_path: Path, lookup: Lookup) -> None:
+    """R-SEC-4: bob's list leaves alice's request out; naming her session in
+    approvals.list, approve or answer is 403, an unknown session 404; her request is still
+    pending afterwards."""
+    with trio.fail_after(BOUND_S):
+        async with (
+            serving(tmp_path, lookup_script, tools=[lookup.tool], tokens=TWO) as server,
+            connect(server, token=ALICE) as alice,
+            connect(server, token=BOB) as bob,
+        ):
+            sid = (await alice.result("session.create"))["session_id"]
+            await until_asked(alice, sid)
+            assert await bob.result("approvals.list") == {"approvals": []}
+            for method, params in [
+                ("approvals.list", {}),
+                ("approve", {"call_id": "c1", "decision": "allow"}),
+                ("answer", {"call_id": "c1", "text": "yes"}),
+            ]:
+                error = await bob.error(method, {"session_id": sid, **params})
+                assert error["code"] == 403, (method, error)
+            missing = await bob.error("approvals.list", {"session_id": "20990101-000000-abcdef"})
+            assert missing["code"] == 404
+            (still,) = (await alice.result("approvals.list"))["approvals"]
+            assert still["call_id"] == "c1" and lookup.calls == []
+
+
+def question_script() -> list[ScriptStep]:
+    return [
+        Reply(
+            blocks=(
+                tool_call("q1", "ask_user", question="Which color?", choices=["red", "blue"]),
+            )
+        ),
+        Reply(blocks=(text("Blue it is."),)),
+    ]
+
+
+async def test_a_question_is_listed_and_answered_with_text(tmp_path: Path) -> None:
+    """R-HITL-5: an ask_user call is a request of kind question, answered with ``answer``:
+    a decision or a text outside the choices is refused (409); the text is the call's
+    result; a second answer is refused."""
+    with trio.fail_after(BOUND_S):
+        async with (
+            serving(tmp_path, question_script, tools=[ask_user]) as server,
+            connect(server) as client,
+        ):
+            sid = (await client.result("session.create"))["session_id"]
+            request = await until_asked(client, sid, "paint it")
+            assert request["kind"] == "question"
+            (listed,) = (await client.result("approvals.list"))["approvals"]
+            assert (listed["kind"], listed["tool"]) == ("question", "ask_user")
+            assert listed["arguments"] == {"question": "Which color?", "choices": ["red", "blue"]}
+
+            decided = await client.error(
+                "approve", {"session_id": sid, "call_id": "q1", "decision": "allow"}
+            )
+            assert decided["code"] == 409 and "answer it with text" in decided["message"]
+            outside = await client.error(
+                "answer", {"session_id": sid, "call_id": "q1", "text": "green"}
+            )
+            assert outside["code"] == 409 and "choose one of" in outside["message"]
+            empty = await client.error("answer", {"session_id": sid, "call_id": "q1", "text": ""})
+            assert empty["code"] == -32602 and "$.text" in empty["message"]
+
+            answer = {"session_id": sid, "call_id": "q1", "text": "blue"}
+            assert await client.result("answer", answer) == {}
+            after = await client.outputs_until("task_end")
+            (result,) = [o for o in after if o["type"] == "tool_call_output"]
+            assert (result["status"], result["content"]) == (
+                "ok",
+                [{"type": "text", "text": "blue"}],
+            )
+            assert after[-1]["status"] == "completed"
+            assert (await client.error("answer", answer))["code"] == 409
+            (provider,) = server.providers
+            assert "blue" in repr(provider.requests[-1].messages[-1])
+
+
+async def test_approve_after_the_host_was_closed_and_opened_again(
+    tmp_path: Path, lookup: Lookup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-HITL-1, R-HITL-2: the host (and its gateway) stop while a request waits; a new
+    host on the data dir takes the task up and a new gateway grants the session to its
+    creator again: the client lists the request and approves it, the tool runs once."""
+    made: list[ScriptedProvider] = []
+
+    def provider(*_: Any) -> ScriptedProvider:
+        # One per host: the first host's asks for the call, the second one's answers.
+        script = lookup_script()
+        made.append(ScriptedProvider(script if not made else script[1:]))
+        return made[-1]
+
+    # Sessions the host loads on its own get their provider from their settings' name.
+    monkeypatch.setattr(provider_clients, "make_provider", provider)
+    workspace = tmp_path / "workspace"
+    workspace.mkdir()
+    defaults = SessionDefaults(provider="scripted", tools=[lookup.tool], workspace_dir=workspace)
+
+    async def serve(host: Host, nursery: trio.Nursery) -> Server:
+        gateway = Gateway(host, token=TOKEN, port=0, defaults=defaults)
+        await nursery.start(gateway.run)
+        return Server(host=host, gateway=gateway, providers=made)
+
+    with trio.fail_after(BOUND_S):
+        async with (
+            Host.open(tmp_path / "data", tools=[lookup.tool]) as host,
+            trio.open_nursery() as nursery,
+        ):
+            async with connect(await serve(host, nursery)) as client:
+                sid = (await client.result("session.create"))["session_id"]
+                await until_asked(client, sid)
+            nursery.cancel_scope.cancel()
+        assert lookup.calls == []
+        async with (
+            Host.open(tmp_path / "data", tools=[lookup.tool], resume_tasks=True) as host,
+            trio.open_nursery() as nursery,
+        ):
+            async with connect(await serve(host, nursery)) as client:
+                (listed,) = (await client.result("approvals.list"))["approvals"]
+                assert (listed["session_id"], listed["call_id"]) == (sid, "c1")
+                (entry,) = (await client.result("session.list"))["sessions"]
+                assert entry["state"] == "waiting_for_approval"
+                await client.result("session.subscribe", {"session_id": sid})
+                await client.result(
+                    "approve", {"session_id": sid, "call_id": "c1", "decision": "allow"}
+                )
+                after = await client.outputs_until("task_end")
+                assert after[-1]["status"] == "completed"
+            nursery.cancel_scope.cancel()
+    assert lookup.calls == ["a"]
+    assert all(p.violations == [] for p in made)
+
+
+def spawn_then_look() -> ScriptStep:
+    """A parent that spawns a child, and a child that looks a key up."""
+
+    def brain(request: ModelRequest) -> Reply:
+        last = request.messages[-1]
+        answered = any(isinstance(p, ToolResult) for p in last.content)
+        if (request.system or "").startswith(SUBAGENT_SYSTEM):
+            if answered:
+                return Reply(blocks=(text("child found it"),))
+            return Reply(blocks=(tool_call("c1", "lookup", key="a"),))
+        if answered:
+            return Reply(blocks=(text("parent done"),))
+        return Reply(blocks=(tool_call("s1", SPAWN_SUBAGENT, task="look a up"),))
+
+    return brain
+
+
+async def test_a_subagents_request_is_listed_and_answered_through_its_root(
+    tmp_path: Path, lookup: Lookup
+) -> None:
+    """R-HOST-4, R-HITL-2: a request of a subagent is listed among its root's, with the
+    child's id and the origin from the root; the client, who owns the root, answers it
+    naming the root session."""
+    with trio.fail_after(BOUND_S):
+        async with (
+            serving(tmp_path, spawn_then_look, tools=[lookup.tool, spawn_subagent]) as server,
+            connect(server) as client,
+        ):
+            sid = (await client.result("session.create"))["session_id"]
+            spawning = await until_asked(client, sid)
+            assert spawning["call_id"] == "s1"
+            spawn = {"session_id": sid, "call_id": "s1", "decision": "allow"}
+            await client.result("approve", spawn)
+            looking = await client.outputs_until("approval_request", call_id="c1")
+            child = looking[-1]["session_id"]
+            assert child != sid and looking[-1]["origin"] == [sid, child]
+            (listed,) = (await client.result("approvals.list", {"session_id": sid}))["approvals"]
+            assert (listed["session_id"], listed["origin"]) == (child, [sid, child])
+            assert (await client.result("approvals.list"))["approvals"] == [listed]
+            await client.result("approve", {**spawn, "call_id": "c1"})
+            after = await client.outputs_until("task_end", session_id=sid)
+            assert after[-1]["status"] == "completed"
+    assert lookup.calls == ["a"]
