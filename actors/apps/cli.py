@@ -72,6 +72,7 @@ from greenroom.actors.runtime import (
 from greenroom.actors.tools import (
     McpConfigError,
     ToolLoadError,
+    ask_user,
     builtin_tools,
     load_config_files,
     load_tools,
@@ -105,6 +106,7 @@ from greenroom.protocols.outputs import (
     ToolProgress,
     UserMsg,
 )
+from greenroom.protocols.people import ASK_USER
 from greenroom.protocols.tables import TableLayout
 from greenroom.protocols.tools import Tool
 from greenroom.protocols.wording import (
@@ -1050,7 +1052,11 @@ def run_options(args: argparse.Namespace, prompt: str) -> RunOptions:
         base_url=args.base_url,
         workspace=args.workspace,
         system=args.system,
-        tools=tuple(collect_tools(args.tools, builtin=not args.no_builtin_tools)),
+        tools=tuple(
+            collect_tools(
+                args.tools, builtin=not args.no_builtin_tools, questions=approve == "ask"
+            )
+        ),
         mcp_servers=mcp_servers(args.mcp_config),
         approve=approve,
         json=getattr(args, "json", False),
@@ -1073,13 +1079,18 @@ def mcp_servers(paths: Sequence[str]) -> Mapping[str, Any]:
         raise UsageError(f"--mcp-config: {exc}") from None
 
 
-def collect_tools(specs: Sequence[str], *, builtin: bool = True) -> list[Tool]:
-    """The built-in tools and ``spawn_subagent`` (unless ``builtin`` is False) and the
-    tools of each ``--tools`` spec; a tool from a spec replaces a built-in of the same
+def collect_tools(
+    specs: Sequence[str], *, builtin: bool = True, questions: bool = False
+) -> list[Tool]:
+    """The built-in tools and ``spawn_subagent`` (unless ``builtin`` is False) — with
+    ``ask_user`` too when ``questions`` (a person can answer the model's questions) — and
+    the tools of each ``--tools`` spec; a tool from a spec replaces a built-in of the same
     name. Raises :class:`UsageError` naming the spec when one cannot be loaded."""
     tools: dict[str, Tool] = (
         {t.name: t for t in (*builtin_tools(), spawn_subagent)} if builtin else {}
     )
+    if builtin and questions:
+        tools[ask_user.name] = ask_user
     for spec in specs:
         try:
             loaded = load_tools(spec)
@@ -1480,12 +1491,22 @@ class TerminalApprover:
         return await trio.to_thread.run_sync(self._reader.readline, abandon_on_cancel=True)
 
     async def __call__(self, call: ToolCallBlock) -> str:
+        verdict = await self.ask(call)
+        if verdict is None:
+            sys.stderr.write("(no answer: denied)\n")
+            return "deny"
+        return verdict
+
+    async def ask(self, call: ToolCallBlock) -> str | None:
+        """Ask about ``call`` and return ``allow``, ``deny`` or ``allow_session``; None at
+        end of input (the callback denies then; ``greenroom approve`` leaves the call
+        waiting)."""
         # Subagents ask through the same callback as their parent, concurrently: one
         # terminal asks one question at a time.
         async with self._lock:
             return await self._ask(call)
 
-    async def _ask(self, call: ToolCallBlock) -> str:
+    async def _ask(self, call: ToolCallBlock) -> str | None:
         # Let the renderer print the call (and the previous decision) first, so the
         # question follows them instead of cutting into them. Bounded: a renderer that
         # never shows them must not stall approval.
@@ -1506,6 +1527,38 @@ class TerminalApprover:
             # Also when the question is cancelled: Ctrl-C (see interrupt) or the task ending.
             self._asking = None
 
+    async def answer_question(self, call: ToolCallBlock) -> str | None:
+        """``ask_user`` on the terminal (R-HITL-5): the model's question and its numbered
+        choices on stderr, then the next line is the answer — a choice by its number or
+        its text; anything else gets a hint and the question again. End of input gives
+        no answer (None). One question at a time, among the approval questions."""
+        async with self._lock:
+            with trio.move_on_after(1.0):  # bounded, as for an approval question
+                await self._renderer.wait_shown(f"call:{call.id}")
+            self._renderer.break_line()
+            question, choices = question_of(call.arguments)
+            sys.stderr.write(question_block(question, choices))
+            self._asking = call
+            try:
+                return await self._answer(choices)
+            finally:
+                self._asking = None
+
+    async def _answer(self, choices: Sequence[str]) -> str | None:
+        while True:
+            sys.stderr.write(ANSWER_PROMPT)
+            sys.stderr.flush()
+            line = await self._read_line()
+            if line is not None and not self._echoes:
+                sys.stderr.write(line + "\n")
+            if line is None:
+                sys.stderr.write("(no answer)\n")
+                return None
+            answer = chosen_answer(line, choices)
+            if answer is not None:
+                return answer
+            sys.stderr.write(answer_hint(choices) + "\n")
+
     def interrupt(self) -> bool:
         """Ctrl-C: deny the open question on screen (the task's interrupt then resolves
         the call as a deny, R-APPROVE-5). False when no question is open."""
@@ -1518,7 +1571,7 @@ class TerminalApprover:
         sys.stderr.flush()
         return True
 
-    async def _question(self, question: str) -> str:
+    async def _question(self, question: str) -> str | None:
         while True:
             sys.stderr.write(question)
             sys.stderr.flush()
@@ -1527,8 +1580,7 @@ class TerminalApprover:
                 # Piped answers are not echoed by a terminal: show them, one per question.
                 sys.stderr.write(answer + "\n")
             if answer is None:
-                sys.stderr.write("(no answer: denied)\n")
-                return "deny"
+                return None
             choice = answer.strip().lower()
             if choice in ("y", "yes"):
                 return "allow"
@@ -1536,6 +1588,51 @@ class TerminalApprover:
                 return "deny"
             if choice in ("a", "always"):
                 return "allow_session"
+
+
+ANSWER_PROMPT = "answer: "
+"""The prompt of the model's question (``ask_user``) on a terminal."""
+
+
+def question_of(arguments: Mapping[str, Any]) -> tuple[str, list[str]]:
+    """The question and its choices from ``ask_user``'s arguments, as the person reads
+    them (arguments are the model's: anything missing or malformed is shown as such)."""
+    question = " ".join(str(arguments.get("question") or "").split()) or "(no question given)"
+    raw = arguments.get("choices")
+    choices = [str(choice) for choice in raw] if isinstance(raw, list) else []
+    return question, choices
+
+
+def question_block(question: str, choices: Sequence[str]) -> str:
+    """The model's question as a terminal shows it: a line, then one numbered line per
+    choice."""
+    lines = [f"The model asks: {question}"]
+    lines.extend(f"  {number}) {choice}" for number, choice in enumerate(choices, 1))
+    return "\n".join(lines) + "\n"
+
+
+def chosen_answer(line: str, choices: Sequence[str]) -> str | None:
+    """The answer a typed line gives to a question with ``choices``: the text itself when
+    there are no choices; else the choice it names (exactly, or but for case) or numbers
+    (from 1). None when it is empty or names no choice."""
+    text = line.strip()
+    if not text:
+        return None
+    if not choices or text in choices:
+        return text
+    folded = [choice for choice in choices if choice.casefold() == text.casefold()]
+    if folded:
+        return folded[0]
+    if text.isdigit() and 1 <= int(text) <= len(choices):
+        return choices[int(text) - 1]
+    return None
+
+
+def answer_hint(choices: Sequence[str]) -> str:
+    """What a question says to a line that does not answer it, before asking again."""
+    if not choices:
+        return "type an answer (end of input leaves it unanswered)"
+    return f"answer with a number from 1 to {len(choices)} or one of the choices"
 
 
 # -- rendering --------------------------------------------------------------------------
@@ -1813,6 +1910,8 @@ class HumanRenderer(Renderer):
 
     def _show_decision(self, output: ApprovalDecision) -> None:
         words = self.decision_text(output)
+        if self.show_question_decision(output):
+            return
         if output.decision == "deny":
             self._line(f"  {self._style.red('✗')} {output.tool} {self._style.red(words)}")
             if words == decision_words("deny", "default") and not self._hinted_default_deny:
@@ -1833,6 +1932,17 @@ class HumanRenderer(Renderer):
             f"  {self._style.green('✓')} {output.tool} {self._style.green(words)} "
             + self._style.dim(f"· {slots}")
         )
+
+    def show_question_decision(self, output: ApprovalDecision, words: str | None = None) -> bool:
+        """Show the decision of a question (``ask_user``) — answered, or not — and return
+        True; False for any other call. A question runs nothing: its answer is the
+        result shown next, so no slot is named. ``words`` replace the usual ones."""
+        if output.tool != ASK_USER or output.decision != "allow":
+            return False
+        if words is None:
+            words = "answered" if output.by == "client" else "not answered"
+        self._line(f"  {self._style.green('?')} {output.tool} {self._style.green(words)}")
+        return True
 
     def _show_tool_output(self, output: ToolCallOutput) -> None:
         self._running.discard(output.call_id)

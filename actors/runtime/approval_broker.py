@@ -149,8 +149,11 @@ class ApprovalBroker:
             ):
                 text = answer
         # Refused when the timeout policy answered first: nothing more to do then.
-        by = "client" if text is not None else "default"
-        self._inbox.send_nowait(PersonAnswered(call_id=call.id, text=text, by=by))
+        self._inbox.send_nowait(
+            PersonAnswered(call_id=call.id, text=text)
+            if text is not None
+            else PersonAnswered(call_id=call.id, by="default")
+        )
 
     async def _ask_clients(self, clients: ClientApprovals, call: ToolCallBlock) -> Verdict | None:
         """The clients' verdict on ``call``; None when nobody watches or answers in time."""
