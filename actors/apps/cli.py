@@ -11,6 +11,11 @@
                                         the web console at http://H:P+1/
     greenroom sessions                  the sessions stored in the data dir
     greenroom trace SESSION_ID          a session's latest trace file, one line per record
+    greenroom approvals                 what waits for a person: tool calls, the model's
+                                        questions (actors/apps/approvals.py)
+    greenroom approve SESSION_ID CALL_ID allow|deny|allow_session
+    greenroom answer SESSION_ID CALL_ID TEXT
+                                        answer one, then run its task on to its end
 
 Exit codes (CONTRACT.md): 0 completed, 1 failed / max_turns / loop_detected, 2 usage error
 (bad flag, unknown session, missing credentials, a data dir or token file that cannot be
@@ -553,7 +558,91 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("session_id", metavar="SESSION_ID")
     _add_data_dir(trace)
     trace.add_argument("--json", action="store_true", help="print the records as JSON lines")
+    _add_people_commands(commands)
     return parser
+
+
+def _add_people_commands(commands: Any) -> None:
+    """``approvals``, ``approve`` and ``answer``: people answer from the command line
+    (actors/apps/approvals.py)."""
+    approvals = commands.add_parser(
+        "approvals",
+        help="list the tool calls and questions that wait for a person",
+        description="List the requests that wait for a person in the data dir's sessions, "
+        "oldest first: tool calls to allow or deny, and the model's questions. Each comes "
+        "with the command that answers it. Reads the traces only: no model key needed.",
+    )
+    _add_data_dir(approvals)
+    approvals.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per request (session_id, call_id, tool, arguments, asked_at, "
+        "origin, kind, digest)",
+    )
+
+    approve = commands.add_parser(
+        "approve",
+        help="decide a tool call that waits for a person, then run its task on",
+        description="Answer a tool call that waits for a person (greenroom approvals lists "
+        "them) and run the session's task on to its end here, shown as greenroom run shows "
+        "it. When the task asks again, a terminal asks you at once; otherwise the request "
+        "is left waiting and the command says how to answer it.",
+    )
+    approve.add_argument("session_id", metavar="SESSION_ID")
+    approve.add_argument("call_id", metavar="CALL_ID")
+    approve.add_argument(
+        "decision",
+        metavar="allow|deny|allow_session",
+        choices=("allow", "deny", "allow_session"),
+        help="allow the call, deny it, or allow its tool for the rest of the session",
+    )
+    approve.add_argument(
+        "--digest",
+        metavar="D",
+        help="the digest of the arguments you saw (approvals --json): the answer is refused "
+        "when the call's arguments are other ones",
+    )
+    _add_answer_flags(approve)
+
+    answer = commands.add_parser(
+        "answer",
+        help="answer a question of the model that waits for a person, then run its task on",
+        description="Answer the model's question (its ask_user call: greenroom approvals "
+        "lists them) and run the session's task on to its end here. The words of TEXT make "
+        "the answer; a question with choices takes one of them, or its number.",
+    )
+    answer.add_argument("session_id", metavar="SESSION_ID")
+    answer.add_argument("call_id", metavar="CALL_ID")
+    answer.add_argument("text", nargs="+", metavar="TEXT", help="the answer")
+    _add_answer_flags(answer)
+
+
+def _add_answer_flags(parser: argparse.ArgumentParser) -> None:
+    """What ``approve`` and ``answer`` share: the data dir, JSON output, and the tools the
+    session is opened with."""
+    _add_data_dir(parser)
+    parser.add_argument(
+        "--json", action="store_true", help="every output as one JSON line on stdout, only that"
+    )
+    parser.add_argument(
+        "--tools",
+        metavar="FILE_OR_MODULE",
+        action="append",
+        default=[],
+        help="the tools of a .py file or module the session was given (repeatable)",
+    )
+    parser.add_argument(
+        "--mcp-config",
+        metavar="FILE",
+        action="append",
+        default=[],
+        help="the MCP servers' tools the session was given (repeatable)",
+    )
+    parser.add_argument(
+        "--no-builtin-tools",
+        action="store_true",
+        help="the session was created without the built-in tools",
+    )
 
 
 def _version() -> str:
@@ -655,6 +744,15 @@ def _dispatch_command(args: argparse.Namespace) -> int:
         return trio.run(_sessions_command, args)
     if args.command == "trace":
         return trio.run(_trace_command, args)
+    if args.command in ("approvals", "approve", "answer"):
+        from greenroom.actors.apps import approvals
+
+        command = {
+            "approvals": approvals.approvals_command,
+            "approve": approvals.approve_command,
+            "answer": approvals.answer_command,
+        }[args.command]
+        return command(args)
     raise UsageError(f"unknown command {args.command!r}")
 
 
@@ -751,12 +849,15 @@ def _choose_lean_http(args: argparse.Namespace) -> None:
 def _check_data_dir_of(args: argparse.Namespace) -> None:
     """Refuse, before anything starts, a data dir the command cannot use: one line naming
     it and what is wrong, not a traceback from deep inside the host."""
-    if args.command not in ("run", "chat", "acp", "serve", "sessions", "trace", "demo"):
+    if args.command not in (
+        "run", "chat", "acp", "serve", "sessions", "trace", "demo", "approvals", "approve",
+        "answer",
+    ):  # fmt: skip
         return
     if args.command == "demo" and args.data_dir is None:
         return  # a fresh temp dir
     path = _data_dir(args.data_dir)
-    problem = data_dir_problem(path, write=args.command != "trace")
+    problem = data_dir_problem(path, write=args.command not in ("trace", "approvals"))
     if problem is None:
         return
     if args.data_dir is None:
@@ -979,8 +1080,14 @@ def _data_dir(value: str | None) -> Path:
 
 
 def _check_session_id(session_id: str) -> None:
+    check_session_id(session_id)
+
+
+def check_session_id(session_id: str, *, what: str = "--session") -> None:
+    """Raise :class:`UsageError` (naming ``what`` gave it) unless ``session_id`` can name
+    a session: ids become directory names, so nothing that could walk out of the data dir."""
     if not _SESSION_ID.fullmatch(session_id):
-        raise UsageError(f"--session: {session_id!r} is not a session id")
+        raise UsageError(f"{what}: {session_id!r} is not a session id")
 
 
 # -- run ------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         GreenroomError,
         HostClosed,
         ImageRefused,
+        NotPending,
         SessionClosed,
         SessionNotFound,
     )
@@ -63,6 +64,7 @@ _MODULE_OF = {
     "GreenroomError": "greenroom.actors.runtime.errors",
     "HostClosed": "greenroom.actors.runtime.errors",
     "ImageRefused": "greenroom.actors.runtime.errors",
+    "NotPending": "greenroom.actors.runtime.errors",
     "SessionClosed": "greenroom.actors.runtime.errors",
     "SessionNotFound": "greenroom.actors.runtime.errors",
     "Host": "greenroom.actors.runtime.host",
@@ -97,6 +99,7 @@ __all__ = [
     "HostClosed",
     "ImageRefused",
     "ModelProvider",
+    "NotPending",
     "RunResult",
     "RunStream",
     "Session",
