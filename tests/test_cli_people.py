@@ -149,6 +149,12 @@ async def test_a_waiting_call_is_listed_then_approved_and_run_once_by_the_cli(
             data, workspace, server.base_url, load_tools(str(pay_tools)), "pay 7 then 8"
         )
         assert not payments.exists()
+        busy = await greenroom(
+            tmp_path, "run", "--session", sid, "--data-dir", str(data), "--tools",
+            str(pay_tools), "something else",
+        )  # fmt: skip
+        assert busy.returncode == 1
+        assert f"'greenroom approvals --data-dir {data}' lists what waits" in busy.stderr
 
         listed = await greenroom(tmp_path, "approvals", "--data-dir", str(data))
         assert listed.returncode == 0, listed.stderr

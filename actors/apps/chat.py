@@ -97,6 +97,7 @@ from greenroom.actors.apps.cli import (
     prepare_options,
     question_block,
     question_of,
+    refusal_words,
     run_options,
     summary_line,
 )
@@ -227,6 +228,7 @@ async def _chat(options: RunOptions) -> int:
             fd=sys.stdin.fileno(),
             screen=screen,
             resume_hint=resume_command(session.id, options.data_dir),
+            data_dir=options.data_dir,
         )
         return await chat.run()
 
@@ -477,8 +479,10 @@ class Chat:
         fd: int,
         screen: TerminalScreen | None = None,
         resume_hint: str | None = None,
+        data_dir: Path | None = None,
     ) -> None:
         self._session = session
+        self._data_dir = data_dir or default_data_dir()
         self._renderer = renderer
         self._fd = fd
         self._screen = screen
@@ -748,8 +752,8 @@ class Chat:
     def _start(self, text: str) -> None:
         try:
             stream = self._session.run(text, approve=self._approve)
-        except GreenroomError as exc:  # Busy, AuthLocked, SessionClosed
-            self._renderer.notice(str(exc))
+        except GreenroomError as exc:  # Busy (a task waits for a person), AuthLocked, …
+            self._renderer.notice(refusal_words(exc, self._session.id, self._data_dir))
             self._show_prompt()
             return
         self._work = stream

@@ -41,6 +41,7 @@ import errno
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -63,6 +64,7 @@ from greenroom.actors.providers import (
 from greenroom.actors.runtime import (
     ApproveFn,
     AuthLocked,
+    Busy,
     ConfigurationError,
     FileTraceStore,
     GreenroomError,
@@ -1430,7 +1432,7 @@ async def _run_task(options: RunOptions, out: TextIO) -> RunResult:
             _error(str(exc))
             return RunResult(exit_code=EXIT_AUTH, session_id=session.id)
         except GreenroomError as exc:
-            _error(str(exc))
+            _error(refusal_words(exc, session.id, options.data_dir))
             return RunResult(exit_code=EXIT_FAILED, session_id=session.id)
         end: TaskEnd | None = None
         asking = approve if isinstance(approve, TerminalApprover) else None
@@ -1454,6 +1456,22 @@ async def _run_task(options: RunOptions, out: TextIO) -> RunResult:
         _error(summary_line(end, trace_path, color=_color_enabled(sys.stderr)))
         code = EXIT_CODES.get(end.status, EXIT_FAILED) if end is not None else EXIT_FAILED
         return RunResult(exit_code=code, session_id=session.id, trace_path=trace_path, task_end=end)
+
+
+def refusal_words(exc: GreenroomError, session_id: str, data_dir: Path) -> str:
+    """Why a session refuses a new task, in the command line's words. A session that is
+    busy when a command starts one has a task waiting for a person (parked, R-HITL-3):
+    the words name the commands that list and answer what waits."""
+    if not isinstance(exc, Busy):
+        return str(exc)
+    where = ""
+    if data_dir.absolute() != default_data_dir().absolute():
+        where = f" --data-dir {shlex.quote(str(data_dir))}"
+    return (
+        f"session {session_id} has a task waiting for a person's answer: "
+        f"'greenroom approvals{where}' lists what waits, and 'greenroom approve' or "
+        "'greenroom answer' answers it and runs the task on"
+    )
 
 
 READER_GONE = "the reader of the output went away"
