@@ -166,9 +166,17 @@ async def test_a_waiting_call_is_listed_then_approved_and_run_once_by_the_cli(
         assert (row["session_id"], row["call_id"], row["tool"]) == (sid, "toolu_1", "pay")
         assert (row["arguments"], row["kind"], row["origin"]) == ({"amount": 7}, "approval", [sid])
 
+        other = await greenroom(
+            tmp_path, "approve", sid, "toolu_1", "allow", "--data-dir", str(data),
+            "--tools", str(pay_tools), "--digest", "0" * 16,
+        )  # fmt: skip
+        assert other.returncode == 1
+        assert "other arguments than the ones that were shown" in other.stderr
+        assert not payments.exists() and len(server.requests) == 1
+
         first = await greenroom(
             tmp_path, "approve", sid, "toolu_1", "allow", "--data-dir", str(data),
-            "--tools", str(pay_tools),
+            "--tools", str(pay_tools), "--digest", row["digest"],
         )  # fmt: skip
         assert first.returncode == 0, first.stderr
         assert payments.read_text() == "7\n"

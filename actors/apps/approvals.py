@@ -84,6 +84,7 @@ from greenroom.actors.runtime import (
     NotPending,
     Session,
     SessionNotFound,
+    SessionStore,
     default_data_dir,
 )
 from greenroom.actors.tools import ask_user
@@ -205,7 +206,7 @@ def describe(request: PendingApproval, data_dir: Path, *, now: float) -> str:
         lines.append(f"  in a subagent of session {request.origin[0]}")
     if request.kind == "question":
         question, choices = question_of(request.arguments)
-        lines.append(f"  The model asks: {question}")
+        lines.append("  The model asks: " + "\n    ".join(question.splitlines()))
         lines.extend(f"    {number}) {choice}" for number, choice in enumerate(choices, 1))
     else:
         lines.extend("  " + line for line in pretty_arguments(request.arguments))
@@ -312,7 +313,7 @@ def _answer_command(args: argparse.Namespace, *, verdict: str | None, text: str 
         verdict=verdict,
         text=text,
         by=_person(),
-        digest=args.digest if verdict is not None else None,
+        digest=getattr(args, "digest", None),
     )
     with _stdout_for_renderer() as out:
         return trio.run(_answer_and_follow, options, answer, args.command, out)
@@ -393,8 +394,6 @@ def _session_tools(args: argparse.Namespace, data_dir: Path, session_id: str) ->
 def _stored_tool_names(data_dir: Path, session_id: str) -> list[str]:
     """The names of the tools ``session.json`` lists; [] when it cannot be read (the host
     reports that properly when it loads the session)."""
-    from greenroom.actors.runtime import SessionStore
-
     try:
         meta = json.loads(SessionStore(data_dir).meta_path(session_id).read_text("utf-8"))
     except (OSError, ValueError):

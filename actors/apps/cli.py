@@ -1722,16 +1722,16 @@ ANSWER_PROMPT = "answer: "
 def question_of(arguments: Mapping[str, Any]) -> tuple[str, list[str]]:
     """The question and its choices from ``ask_user``'s arguments, as the person reads
     them (arguments are the model's: anything missing or malformed is shown as such)."""
-    question = " ".join(str(arguments.get("question") or "").split()) or "(no question given)"
+    question = str(arguments.get("question") or "").strip() or "(no question given)"
     raw = arguments.get("choices")
     choices = [str(choice) for choice in raw] if isinstance(raw, list) else []
     return question, choices
 
 
 def question_block(question: str, choices: Sequence[str]) -> str:
-    """The model's question as a terminal shows it: a line, then one numbered line per
-    choice."""
-    lines = [f"The model asks: {question}"]
+    """The model's question as a terminal shows it — its own lines indented under the
+    first — then one numbered line per choice."""
+    lines = ["The model asks: " + "\n  ".join(question.splitlines())]
     lines.extend(f"  {number}) {choice}" for number, choice in enumerate(choices, 1))
     return "\n".join(lines) + "\n"
 
@@ -2034,9 +2034,9 @@ class HumanRenderer(Renderer):
             )
 
     def _show_decision(self, output: ApprovalDecision) -> None:
-        words = self.decision_text(output)
         if self.show_question_decision(output):
             return
+        words = self.decision_text(output)
         if output.decision == "deny":
             self._line(f"  {self._style.red('✗')} {output.tool} {self._style.red(words)}")
             if words == decision_words("deny", "default") and not self._hinted_default_deny:
