@@ -53,6 +53,7 @@ from tests.support.mock_model_server import (  # noqa: E402
     Paused,
     Reply,
     Text,
+    ToolUse,
     open_mock_server,
 )
 from tests.test_cli import TABLE_ANSWER, TABLE_SHOWN  # noqa: E402
@@ -956,6 +957,89 @@ def test_piped_approval_answers_get_the_hint_and_the_same_words(
     result = run_piped_chat(tmp_path, workspace, f"{DEMO_PROMPT}\n")  # no answer: end of input
     assert result.returncode == 0, result.stderr
     assert f"list_dir {decision_words('deny', 'default')}" in result.stdout
+
+
+COLOR_QUESTION = {"question": "Which color?", "choices": ["red", "blue"]}
+
+
+def asks_a_color() -> tuple[Reply, Reply]:
+    """A model that asks the person a question (ask_user), then answers."""
+    return (
+        Reply([ToolUse("toolu_q", "ask_user", COLOR_QUESTION)], stop_reason="tool_use"),
+        Reply([Text("Blue it is.")]),
+    )
+
+
+def answers_of(request: object) -> list[object]:
+    """The tool results a model request to the mock server carries."""
+    messages = request.body["messages"]  # type: ignore[attr-defined]
+    return [
+        block["content"]
+        for message in messages
+        if isinstance(message["content"], list)
+        for block in message["content"]
+        if block.get("type") == "tool_result"
+    ]
+
+
+async def test_the_models_question_is_asked_on_the_terminal_and_answered_by_number(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """R-HITL-5: with --approve ask the model may ask the person (ask_user): the question
+    and its numbered choices are shown above the input line, the question's prompt is the
+    input line, a line that names no choice gets a hint, and a choice's number answers."""
+    async with open_mock_server(*asks_a_color()) as server:
+
+        def drive() -> None:
+            terminal = open_chat(
+                tmp_path, workspace, "--provider", "anthropic", "--base-url", server.base_url,
+                "--approve", "ask", ANTHROPIC_API_KEY="test-key",
+            )  # fmt: skip
+            try:
+                terminal.expect_prompt()
+                terminal.line("paint it")
+                terminal.expect("The model asks: Which color?")
+                terminal.expect("2) blue")
+                terminal.expect_prompt("answer: ")
+                terminal.line("green")
+                terminal.expect("answer with a number from 1 to 2")
+                terminal.expect_prompt("answer: ")
+                terminal.line("2")
+                terminal.expect("ask_user answered")
+                terminal.expect("Blue it is.")
+                terminal.expect(SUMMARY_COMPLETED)
+                terminal.expect_prompt()
+                terminal.line("/quit")
+                assert terminal.wait_exit() == 0
+            finally:
+                terminal.close()
+
+        await trio.to_thread.run_sync(drive)
+        assert len(server.requests) == 2
+        assert "blue" in str(answers_of(server.requests[1]))
+
+
+async def test_a_piped_answer_answers_the_models_question_and_end_of_input_none(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """Piped, the line after the prompt answers the question; at end of input the question
+    is left without an answer and the model is told so."""
+    for text, expected in (("paint it\nblue\n", "blue"), ("paint it\n", "No one answered")):
+        async with open_mock_server(*asks_a_color()) as server:
+            with trio.fail_after(WAIT_S):
+                result = await trio.run_process(
+                    [sys.executable, "-m", "greenroom", "chat", "--data-dir",
+                     str(tmp_path / "data"), "--workspace", str(workspace), "--approve", "ask",
+                     "--provider", "anthropic", "--base-url", server.base_url],
+                    stdin=text.encode(), capture_stdout=True, capture_stderr=True,
+                    cwd=tmp_path, env=chat_env(tmp_path, ANTHROPIC_API_KEY="test-key"),
+                    check=False,
+                )  # fmt: skip
+            stderr = result.stderr.decode()
+            assert result.returncode == 0, stderr
+            assert "The model asks: Which color?" in stderr
+            assert expected in str(answers_of(server.requests[1]))
+            assert "Blue it is." in result.stdout.decode()
 
 
 # -- the input router ------------------------------------------------------------------------

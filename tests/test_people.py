@@ -22,7 +22,8 @@ from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, t
 from greenroom.actors.runtime.errors import Busy, NotPending
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.tools.ask_user import NOBODY_TO_ASK, ask_user
-from greenroom.protocols.content import TextBlock
+from greenroom.protocols import markers
+from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import ModelRequest, ToolResult, UserMessage
 from greenroom.protocols.outputs import (
     ApprovalDecision,
@@ -269,6 +270,56 @@ async def test_without_people_ask_user_tells_the_model_nobody_answers(
     outputs = await collect(session.run("go", approve=lambda call: "allow"))
     (result,) = of_type(outputs, ToolCallOutput)
     assert result.content == (TextBlock(text=NOBODY_TO_ASK),)
+
+
+class TerminalLike:
+    """An approve callback that can also answer the model's questions, as a terminal
+    does: it allows every call and answers each question with ``answer``."""
+
+    def __init__(self, answer: str | None) -> None:
+        self.answer = answer
+        self.asked: list[str] = []
+
+    def __call__(self, call: object) -> str:
+        return "allow"
+
+    async def answer_question(self, call: ToolCallBlock) -> str | None:
+        self.asked.append(call.arguments["question"])
+        return self.answer
+
+
+@pytest.mark.parametrize(
+    ("answer", "result", "by"),
+    [("blue", "blue", "client"), (None, markers.NO_ANSWER_TEXT, "default"),
+     ("green", markers.NO_ANSWER_TEXT, "default")],
+)
+async def test_a_callback_that_answers_questions_answers_ask_user(
+    host: Host, workspace: Path, answer: str | None, result: str, by: str
+) -> None:
+    """R-HITL-5: with a callback that has ``answer_question`` (chat, run on a terminal)
+    the question is recorded as a request of kind question and the callback's answer is
+    the call's result; no answer, or one outside the choices, is the default's."""
+    provider = ScriptedProvider(
+        [
+            Reply(blocks=(tool_call("q1", "ask_user", question="Which color?",
+                                    choices=["red", "blue"]),)),
+            Reply(blocks=(text("Noted."),)),
+        ]
+    )
+    session = await host.create_session(provider=provider, tools=[ask_user],
+                                        workspace_dir=workspace)
+    terminal = TerminalLike(answer)
+    outputs = await collect(session.run("paint it", approve=terminal))
+    assert terminal.asked == ["Which color?"]
+    (request,) = of_type(outputs, ApprovalRequest)
+    assert (request.kind, request.call_id) == ("question", "q1")
+    (decision,) = of_type(outputs, ApprovalDecision)
+    assert (decision.decision, decision.by) == ("allow", by)
+    (output,) = of_type(outputs, ToolCallOutput)
+    assert output.content == (TextBlock(text=result),)
+    assert last_result(provider.requests[-1]).content == (TextBlock(text=result),)
+    assert of_type(outputs, TaskEnd)[-1].status == "completed"
+    assert await host.pending_approvals() == []
 
 
 CRASHING_HOST = textwrap.dedent(

@@ -80,6 +80,7 @@ from prompt_toolkit.output import create_output
 from prompt_toolkit.shortcuts import PromptSession
 
 from greenroom.actors.apps.cli import (
+    ANSWER_PROMPT,
     EXIT_ABORTED,
     EXIT_OK,
     EXIT_USAGE,
@@ -90,8 +91,13 @@ from greenroom.actors.apps.cli import (
     _color_enabled,
     _error,
     _LineReader,
+    answer_hint,
+    chosen_answer,
     open_reported_session,
     prepare_options,
+    question_block,
+    question_of,
+    refusal_words,
     run_options,
     summary_line,
 )
@@ -150,6 +156,10 @@ WORKING_PROMPT = "steer> "
 
 APPROVAL_HINT = "answer y, n or a"
 """What an approval question says to an answer it does not understand, before asking again."""
+
+NOT_ANSWERED = "not answered"
+"""How the chat shows a question of the model left without an answer (Ctrl-C, end of
+input): the model is told nobody answered."""
 
 STEERED_AT_QUESTION = "[not an answer: sent to the model as steering; the question stays open]"
 """What the chat says when a line typed at an open approval question is queued as steering."""
@@ -218,6 +228,7 @@ async def _chat(options: RunOptions) -> int:
             fd=sys.stdin.fileno(),
             screen=screen,
             resume_hint=resume_command(session.id, options.data_dir),
+            data_dir=options.data_dir,
         )
         return await chat.run()
 
@@ -394,6 +405,30 @@ class ChatApprover:
         finally:
             self._renderer.question_closed()
 
+    async def answer_question(self, call: ToolCallBlock) -> str | None:
+        """``ask_user`` (R-HITL-5): the model's question and its numbered choices as
+        notices, then the next line is the answer — a choice by its number or its text;
+        anything else gets a hint and the question again. Ctrl-C and end of input give
+        no answer (None). Asked in turn with the approval questions."""
+        async with self._lock:
+            with trio.move_on_after(1.0):  # bounded, as for an approval question
+                await self._renderer.wait_shown(f"call:{call.id}")
+            question, choices = question_of(call.arguments)
+            for line in question_block(question, choices).splitlines():
+                self._renderer.notice(line)
+            try:
+                while True:
+                    answer = await self._renderer.ask(ANSWER_PROMPT, self._read_answer)
+                    if not isinstance(answer, str):  # Ctrl-C or end of input
+                        self._renderer.decided_here(call.id, NOT_ANSWERED)
+                        return None
+                    chosen = chosen_answer(answer, choices)
+                    if chosen is not None:
+                        return chosen
+                    self._renderer.notice(answer_hint(choices))
+            finally:
+                self._renderer.question_closed()
+
 
 # -- events ---------------------------------------------------------------------------
 
@@ -444,8 +479,10 @@ class Chat:
         fd: int,
         screen: TerminalScreen | None = None,
         resume_hint: str | None = None,
+        data_dir: Path | None = None,
     ) -> None:
         self._session = session
+        self._data_dir = data_dir or default_data_dir()
         self._renderer = renderer
         self._fd = fd
         self._screen = screen
@@ -715,8 +752,8 @@ class Chat:
     def _start(self, text: str) -> None:
         try:
             stream = self._session.run(text, approve=self._approve)
-        except GreenroomError as exc:  # Busy, AuthLocked, SessionClosed
-            self._renderer.notice(str(exc))
+        except GreenroomError as exc:  # Busy (a task waits for a person), AuthLocked, …
+            self._renderer.notice(refusal_words(exc, self._session.id, self._data_dir))
             self._show_prompt()
             return
         self._work = stream
@@ -1178,7 +1215,10 @@ class ChatRenderer(HumanRenderer):
         self._err.flush()
 
     def _show_decision(self, output: ApprovalDecision) -> None:
-        words = self._decided_here.pop(output.call_id, None) or self.decision_text(output)
+        here = self._decided_here.pop(output.call_id, None)
+        if self.show_question_decision(output, here):
+            return
+        words = here or self.decision_text(output)
         if output.decision == "deny":
             hint = " (start the chat with --approve ask or all)" if output.by == "default" else ""
             self._line(

@@ -11,6 +11,11 @@
                                         the web console at http://H:P+1/
     greenroom sessions                  the sessions stored in the data dir
     greenroom trace SESSION_ID          a session's latest trace file, one line per record
+    greenroom approvals                 what waits for a person: tool calls, the model's
+                                        questions (actors/apps/approvals.py)
+    greenroom approve SESSION_ID CALL_ID allow|deny|allow_session
+    greenroom answer SESSION_ID CALL_ID TEXT
+                                        answer one, then run its task on to its end
 
 Exit codes (CONTRACT.md): 0 completed, 1 failed / max_turns / loop_detected, 2 usage error
 (bad flag, unknown session, missing credentials, a data dir or token file that cannot be
@@ -36,6 +41,7 @@ import errno
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -58,6 +64,7 @@ from greenroom.actors.providers import (
 from greenroom.actors.runtime import (
     ApproveFn,
     AuthLocked,
+    Busy,
     ConfigurationError,
     FileTraceStore,
     GreenroomError,
@@ -106,6 +113,7 @@ from greenroom.protocols.outputs import (
     ToolProgress,
     UserMsg,
 )
+from greenroom.protocols.people import ASK_USER
 from greenroom.protocols.tables import TableLayout
 from greenroom.protocols.tools import Tool
 from greenroom.protocols.wording import (
@@ -556,7 +564,91 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("session_id", metavar="SESSION_ID")
     _add_data_dir(trace)
     trace.add_argument("--json", action="store_true", help="print the records as JSON lines")
+    _add_people_commands(commands)
     return parser
+
+
+def _add_people_commands(commands: Any) -> None:
+    """``approvals``, ``approve`` and ``answer``: people answer from the command line
+    (actors/apps/approvals.py)."""
+    approvals = commands.add_parser(
+        "approvals",
+        help="list the tool calls and questions that wait for a person",
+        description="List the requests that wait for a person in the data dir's sessions, "
+        "oldest first: tool calls to allow or deny, and the model's questions. Each comes "
+        "with the command that answers it. Reads the traces only: no model key needed.",
+    )
+    _add_data_dir(approvals)
+    approvals.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per request (session_id, call_id, tool, arguments, asked_at, "
+        "origin, kind, digest)",
+    )
+
+    approve = commands.add_parser(
+        "approve",
+        help="decide a tool call that waits for a person, then run its task on",
+        description="Answer a tool call that waits for a person (greenroom approvals lists "
+        "them) and run the session's task on to its end here, shown as greenroom run shows "
+        "it. When the task asks again, a terminal asks you at once; otherwise the request "
+        "is left waiting and the command says how to answer it.",
+    )
+    approve.add_argument("session_id", metavar="SESSION_ID")
+    approve.add_argument("call_id", metavar="CALL_ID")
+    approve.add_argument(
+        "decision",
+        metavar="allow|deny|allow_session",
+        choices=("allow", "deny", "allow_session"),
+        help="allow the call, deny it, or allow its tool for the rest of the session",
+    )
+    approve.add_argument(
+        "--digest",
+        metavar="D",
+        help="the digest of the arguments you saw (approvals --json): the answer is refused "
+        "when the call's arguments are other ones",
+    )
+    _add_answer_flags(approve)
+
+    answer = commands.add_parser(
+        "answer",
+        help="answer a question of the model that waits for a person, then run its task on",
+        description="Answer the model's question (its ask_user call: greenroom approvals "
+        "lists them) and run the session's task on to its end here. The words of TEXT make "
+        "the answer; a question with choices takes one of them, or its number.",
+    )
+    answer.add_argument("session_id", metavar="SESSION_ID")
+    answer.add_argument("call_id", metavar="CALL_ID")
+    answer.add_argument("text", nargs="+", metavar="TEXT", help="the answer")
+    _add_answer_flags(answer)
+
+
+def _add_answer_flags(parser: argparse.ArgumentParser) -> None:
+    """What ``approve`` and ``answer`` share: the data dir, JSON output, and the tools the
+    session is opened with."""
+    _add_data_dir(parser)
+    parser.add_argument(
+        "--json", action="store_true", help="every output as one JSON line on stdout, only that"
+    )
+    parser.add_argument(
+        "--tools",
+        metavar="FILE_OR_MODULE",
+        action="append",
+        default=[],
+        help="the tools of a .py file or module the session was given (repeatable)",
+    )
+    parser.add_argument(
+        "--mcp-config",
+        metavar="FILE",
+        action="append",
+        default=[],
+        help="the MCP servers' tools the session was given (repeatable)",
+    )
+    parser.add_argument(
+        "--no-builtin-tools",
+        action="store_true",
+        help="the session was created without the built-in tools",
+    )
 
 
 def _version() -> str:
@@ -658,6 +750,15 @@ def _dispatch_command(args: argparse.Namespace) -> int:
         return trio.run(_sessions_command, args)
     if args.command == "trace":
         return trio.run(_trace_command, args)
+    if args.command in ("approvals", "approve", "answer"):
+        from greenroom.actors.apps import approvals
+
+        command = {
+            "approvals": approvals.approvals_command,
+            "approve": approvals.approve_command,
+            "answer": approvals.answer_command,
+        }[args.command]
+        return command(args)
     raise UsageError(f"unknown command {args.command!r}")
 
 
@@ -754,12 +855,15 @@ def _choose_lean_http(args: argparse.Namespace) -> None:
 def _check_data_dir_of(args: argparse.Namespace) -> None:
     """Refuse, before anything starts, a data dir the command cannot use: one line naming
     it and what is wrong, not a traceback from deep inside the host."""
-    if args.command not in ("run", "chat", "acp", "serve", "sessions", "trace", "demo"):
+    if args.command not in (
+        "run", "chat", "acp", "serve", "sessions", "trace", "demo", "approvals", "approve",
+        "answer",
+    ):  # fmt: skip
         return
     if args.command == "demo" and args.data_dir is None:
         return  # a fresh temp dir
     path = _data_dir(args.data_dir)
-    problem = data_dir_problem(path, write=args.command != "trace")
+    problem = data_dir_problem(path, write=args.command not in ("trace", "approvals"))
     if problem is None:
         return
     if args.data_dir is None:
@@ -993,8 +1097,14 @@ def _data_dir(value: str | None) -> Path:
 
 
 def _check_session_id(session_id: str) -> None:
+    check_session_id(session_id)
+
+
+def check_session_id(session_id: str, *, what: str = "--session") -> None:
+    """Raise :class:`UsageError` (naming ``what`` gave it) unless ``session_id`` can name
+    a session: ids become directory names, so nothing that could walk out of the data dir."""
     if not _SESSION_ID.fullmatch(session_id):
-        raise UsageError(f"--session: {session_id!r} is not a session id")
+        raise UsageError(f"{what}: {session_id!r} is not a session id")
 
 
 # -- run ------------------------------------------------------------------------------------
@@ -1066,7 +1176,11 @@ def run_options(args: argparse.Namespace, prompt: str) -> RunOptions:
         base_url=args.base_url,
         workspace=args.workspace,
         system=args.system,
-        tools=tuple(collect_tools(args.tools, builtin=not args.no_builtin_tools)),
+        tools=tuple(
+            collect_tools(
+                args.tools, builtin=not args.no_builtin_tools, questions=approve == "ask"
+            )
+        ),
         mcp_servers=mcp_servers(args.mcp_config),
         approve=approve,
         json=getattr(args, "json", False),
@@ -1089,13 +1203,18 @@ def mcp_servers(paths: Sequence[str]) -> Mapping[str, Any]:
         raise UsageError(f"--mcp-config: {exc}") from None
 
 
-def collect_tools(specs: Sequence[str], *, builtin: bool = True) -> list[Tool]:
-    """The built-in tools and ``spawn_subagent`` (unless ``builtin`` is False) and the
-    tools of each ``--tools`` spec; a tool from a spec replaces a built-in of the same
+def collect_tools(
+    specs: Sequence[str], *, builtin: bool = True, questions: bool = False
+) -> list[Tool]:
+    """The built-in tools and ``spawn_subagent`` (unless ``builtin`` is False) — with
+    ``ask_user`` too when ``questions`` (a person can answer the model's questions) — and
+    the tools of each ``--tools`` spec; a tool from a spec replaces a built-in of the same
     name. Raises :class:`UsageError` naming the spec when one cannot be loaded."""
     tools: dict[str, Tool] = (
         {t.name: t for t in (*builtin_tools(), spawn_subagent)} if builtin else {}
     )
+    if builtin and questions:
+        tools[ask_user.name] = ask_user
     for spec in specs:
         try:
             loaded = load_tools(spec)
@@ -1328,7 +1447,7 @@ async def _run_task(options: RunOptions, out: TextIO) -> RunResult:
             _error(str(exc))
             return RunResult(exit_code=EXIT_AUTH, session_id=session.id)
         except GreenroomError as exc:
-            _error(str(exc))
+            _error(refusal_words(exc, session.id, options.data_dir))
             return RunResult(exit_code=EXIT_FAILED, session_id=session.id)
         end: TaskEnd | None = None
         asking = approve if isinstance(approve, TerminalApprover) else None
@@ -1352,6 +1471,22 @@ async def _run_task(options: RunOptions, out: TextIO) -> RunResult:
         _error(summary_line(end, trace_path, color=_color_enabled(sys.stderr)))
         code = EXIT_CODES.get(end.status, EXIT_FAILED) if end is not None else EXIT_FAILED
         return RunResult(exit_code=code, session_id=session.id, trace_path=trace_path, task_end=end)
+
+
+def refusal_words(exc: GreenroomError, session_id: str, data_dir: Path) -> str:
+    """Why a session refuses a new task, in the command line's words. A session that is
+    busy when a command starts one has a task waiting for a person (parked, R-HITL-3):
+    the words name the commands that list and answer what waits."""
+    if not isinstance(exc, Busy):
+        return str(exc)
+    where = ""
+    if data_dir.absolute() != default_data_dir().absolute():
+        where = f" --data-dir {shlex.quote(str(data_dir))}"
+    return (
+        f"session {session_id} has a task waiting for a person's answer: "
+        f"'greenroom approvals{where}' lists what waits, and 'greenroom approve' or "
+        "'greenroom answer' answers it and runs the task on"
+    )
 
 
 READER_GONE = "the reader of the output went away"
@@ -1496,12 +1631,22 @@ class TerminalApprover:
         return await trio.to_thread.run_sync(self._reader.readline, abandon_on_cancel=True)
 
     async def __call__(self, call: ToolCallBlock) -> str:
+        verdict = await self.ask(call)
+        if verdict is None:
+            sys.stderr.write("(no answer: denied)\n")
+            return "deny"
+        return verdict
+
+    async def ask(self, call: ToolCallBlock) -> str | None:
+        """Ask about ``call`` and return ``allow``, ``deny`` or ``allow_session``; None at
+        end of input (the callback denies then; ``greenroom approve`` leaves the call
+        waiting)."""
         # Subagents ask through the same callback as their parent, concurrently: one
         # terminal asks one question at a time.
         async with self._lock:
             return await self._ask(call)
 
-    async def _ask(self, call: ToolCallBlock) -> str:
+    async def _ask(self, call: ToolCallBlock) -> str | None:
         # Let the renderer print the call (and the previous decision) first, so the
         # question follows them instead of cutting into them. Bounded: a renderer that
         # never shows them must not stall approval.
@@ -1522,6 +1667,38 @@ class TerminalApprover:
             # Also when the question is cancelled: Ctrl-C (see interrupt) or the task ending.
             self._asking = None
 
+    async def answer_question(self, call: ToolCallBlock) -> str | None:
+        """``ask_user`` on the terminal (R-HITL-5): the model's question and its numbered
+        choices on stderr, then the next line is the answer — a choice by its number or
+        its text; anything else gets a hint and the question again. End of input gives
+        no answer (None). One question at a time, among the approval questions."""
+        async with self._lock:
+            with trio.move_on_after(1.0):  # bounded, as for an approval question
+                await self._renderer.wait_shown(f"call:{call.id}")
+            self._renderer.break_line()
+            question, choices = question_of(call.arguments)
+            sys.stderr.write(question_block(question, choices))
+            self._asking = call
+            try:
+                return await self._answer(choices)
+            finally:
+                self._asking = None
+
+    async def _answer(self, choices: Sequence[str]) -> str | None:
+        while True:
+            sys.stderr.write(ANSWER_PROMPT)
+            sys.stderr.flush()
+            line = await self._read_line()
+            if line is not None and not self._echoes:
+                sys.stderr.write(line + "\n")
+            if line is None:
+                sys.stderr.write("(no answer)\n")
+                return None
+            answer = chosen_answer(line, choices)
+            if answer is not None:
+                return answer
+            sys.stderr.write(answer_hint(choices) + "\n")
+
     def interrupt(self) -> bool:
         """Ctrl-C: deny the open question on screen (the task's interrupt then resolves
         the call as a deny, R-APPROVE-5). False when no question is open."""
@@ -1534,7 +1711,7 @@ class TerminalApprover:
         sys.stderr.flush()
         return True
 
-    async def _question(self, question: str) -> str:
+    async def _question(self, question: str) -> str | None:
         while True:
             sys.stderr.write(question)
             sys.stderr.flush()
@@ -1543,8 +1720,7 @@ class TerminalApprover:
                 # Piped answers are not echoed by a terminal: show them, one per question.
                 sys.stderr.write(answer + "\n")
             if answer is None:
-                sys.stderr.write("(no answer: denied)\n")
-                return "deny"
+                return None
             choice = answer.strip().lower()
             if choice in ("y", "yes"):
                 return "allow"
@@ -1552,6 +1728,51 @@ class TerminalApprover:
                 return "deny"
             if choice in ("a", "always"):
                 return "allow_session"
+
+
+ANSWER_PROMPT = "answer: "
+"""The prompt of the model's question (``ask_user``) on a terminal."""
+
+
+def question_of(arguments: Mapping[str, Any]) -> tuple[str, list[str]]:
+    """The question and its choices from ``ask_user``'s arguments, as the person reads
+    them (arguments are the model's: anything missing or malformed is shown as such)."""
+    question = str(arguments.get("question") or "").strip() or "(no question given)"
+    raw = arguments.get("choices")
+    choices = [str(choice) for choice in raw] if isinstance(raw, list) else []
+    return question, choices
+
+
+def question_block(question: str, choices: Sequence[str]) -> str:
+    """The model's question as a terminal shows it — its own lines indented under the
+    first — then one numbered line per choice."""
+    lines = ["The model asks: " + "\n  ".join(question.splitlines())]
+    lines.extend(f"  {number}) {choice}" for number, choice in enumerate(choices, 1))
+    return "\n".join(lines) + "\n"
+
+
+def chosen_answer(line: str, choices: Sequence[str]) -> str | None:
+    """The answer a typed line gives to a question with ``choices``: the text itself when
+    there are no choices; else the choice it names (exactly, or but for case) or numbers
+    (from 1). None when it is empty or names no choice."""
+    text = line.strip()
+    if not text:
+        return None
+    if not choices or text in choices:
+        return text
+    folded = [choice for choice in choices if choice.casefold() == text.casefold()]
+    if folded:
+        return folded[0]
+    if text.isdigit() and 1 <= int(text) <= len(choices):
+        return choices[int(text) - 1]
+    return None
+
+
+def answer_hint(choices: Sequence[str]) -> str:
+    """What a question says to a line that does not answer it, before asking again."""
+    if not choices:
+        return "type an answer (end of input leaves it unanswered)"
+    return f"answer with a number from 1 to {len(choices)} or one of the choices"
 
 
 # -- rendering --------------------------------------------------------------------------
@@ -1828,6 +2049,8 @@ class HumanRenderer(Renderer):
             )
 
     def _show_decision(self, output: ApprovalDecision) -> None:
+        if self.show_question_decision(output):
+            return
         words = self.decision_text(output)
         if output.decision == "deny":
             self._line(f"  {self._style.red('✗')} {output.tool} {self._style.red(words)}")
@@ -1849,6 +2072,17 @@ class HumanRenderer(Renderer):
             f"  {self._style.green('✓')} {output.tool} {self._style.green(words)} "
             + self._style.dim(f"· {slots}")
         )
+
+    def show_question_decision(self, output: ApprovalDecision, words: str | None = None) -> bool:
+        """Show the decision of a question (``ask_user``) — answered, or not — and return
+        True; False for any other call. A question runs nothing: its answer is the
+        result shown next, so no slot is named. ``words`` replace the usual ones."""
+        if output.tool != ASK_USER or output.decision != "allow":
+            return False
+        if words is None:
+            words = "answered" if output.by == "client" else "not answered"
+        self._line(f"  {self._style.green('?')} {output.tool} {self._style.green(words)}")
+        return True
 
     def _show_tool_output(self, output: ToolCallOutput) -> None:
         self._running.discard(output.call_id)

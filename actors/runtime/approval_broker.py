@@ -8,6 +8,12 @@ with ``approve="people"`` it records the request for a person and is free at onc
 (R-HITL-1); without either it denies (R-APPROVE-2). A callback that raises or answers
 nonsense denies, and so does one that takes longer than the timeout (R-APPROVE-4). The
 decision goes to the supervisor's inbox; the supervisor emits it.
+
+The model's questions (``ask_user``, R-HITL-5) go to people: under ``approve="people"``
+they wait in the trace like any request; with a callback that has an
+:data:`ANSWER_QUESTION` method (a terminal that can ask the person in front of it), the
+question is recorded as an ``approval_request`` of kind ``question`` and the callback's
+text is the person's answer; otherwise nobody can answer and the tool's own body says so.
 """
 
 from __future__ import annotations
@@ -24,12 +30,19 @@ from greenroom.protocols.messages import (
     ApprovalAsked,
     ApprovalDecided,
     ApproveCall,
+    PersonAnswered,
     SupervisorMessage,
     Verdict,
 )
 from greenroom.protocols.people import ASK_USER, PEOPLE
 
-__all__ = ["ApprovalBroker", "ApproveFn"]
+__all__ = ["ANSWER_QUESTION", "ApprovalBroker", "ApproveFn"]
+
+ANSWER_QUESTION = "answer_question"
+"""The method by which an ``approve`` callback answers the model's questions: called with
+the ``ask_user`` call's :class:`~greenroom.protocols.content.ToolCallBlock` (sync or
+async), it returns the person's answer, or None when they gave none (the call then gets
+the no-answer text, as when the wait runs out)."""
 
 
 def _as_verdict(answer: Any) -> Verdict:
@@ -69,15 +82,23 @@ class ApprovalBroker:
         task_status.started()
         async with requests:
             async for request in requests:
-                self._inbox.send_nowait(await self._decide(request.call))
+                decided = await self._decide(request.call)
+                if decided is not None:
+                    self._inbox.send_nowait(decided)
 
-    async def _decide(self, call: ToolCallBlock) -> ApprovalDecided | ApprovalAsked:
+    async def _decide(self, call: ToolCallBlock) -> ApprovalDecided | ApprovalAsked | None:
+        """The message that settles ``call`` for now; None when the broker sent what
+        settles it itself (a question the callback answered)."""
         question = call.name == ASK_USER
         if self._approve == PEOPLE:
             # A person decides (or answers the question), from any surface, whenever they
             # can: the request is recorded and the broker is free (R-HITL-1).
             return ApprovalAsked(call=call, kind="question" if question else "approval")
         if question:
+            ask = getattr(self._approve, ANSWER_QUESTION, None)
+            if callable(self._approve) and callable(ask):
+                await self._ask_person(call, ask)
+                return None
             # Nobody can answer here: the tool's own body tells the model so.
             return ApprovalDecided(call=call, verdict="allow", by="default")
         approve = self._approve
@@ -94,3 +115,31 @@ class ApprovalBroker:
                 return ApprovalDecided(call=call, verdict=_as_verdict(answer), by="host")
             return ApprovalDecided(call=call, verdict="deny", by="default")
         return ApprovalDecided(call=call, verdict="deny", by="default")
+
+    async def _ask_person(self, call: ToolCallBlock, ask: Any) -> None:
+        """Ask the callback's person ``call``'s question. The question is recorded first,
+        so that it waits in the trace like any (R-HITL-5: a process that dies meanwhile
+        leaves it pending); the answer then reaches the task as any person's does. No
+        answer (end of input, a callback that raised, the wait ran out) is the default's:
+        the call gets the no-answer text; so is an answer outside the question's choices
+        (a callback offers them to its person and takes only those)."""
+        self._inbox.send_nowait(ApprovalAsked(call=call, kind="question"))
+        choices = call.arguments.get("choices")
+        text: str | None = None
+        with trio.move_on_after(self._timeout_s):
+            try:
+                answer = ask(call)
+                if inspect.isawaitable(answer):
+                    answer = await answer
+            except Exception:
+                answer = None
+            if isinstance(answer, str) and (
+                not isinstance(choices, list) or not choices or answer in choices
+            ):
+                text = answer
+        # Refused when the timeout policy answered first: nothing more to do then.
+        self._inbox.send_nowait(
+            PersonAnswered(call_id=call.id, text=text)
+            if text is not None
+            else PersonAnswered(call_id=call.id, by="default")
+        )
