@@ -129,7 +129,7 @@ def test_a_pending_approval_is_answered_on_the_host_that_took_the_session_over(
     assert found["notes_at_kill"] == []  # asked, not run, when its host died
     assert found["approved"] == {}
     assert found["end"]["status"] == "completed"
-    assert found["stale"]["code"] == -32602  # answered once: a second answer is refused
+    assert found["stale"]["code"] == 409  # answered once: a second answer is refused
     assert found["notes"] == ["pay"]  # run exactly once, on the new owner
 
     records = found["trace"]
