@@ -650,6 +650,17 @@ class TaskMachine:
         return self._interrupt is not None or self._fail_message is not None
 
     @property
+    def takes_steering(self) -> bool:
+        """Whether steering queued now reaches the open task: a task (not a manual
+        compaction) is open, and it is neither told to stop nor ending."""
+        return (
+            self.record.run_id is not None
+            and self.record.kind == "task"
+            and not self.stopping
+            and not isinstance(self._issued, EndTask)
+        )
+
+    @property
     def stop_reason(self) -> str | None:
         """Why the open task was told to stop, if it was."""
         return self._interrupt or self._fail_message

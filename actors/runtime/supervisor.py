@@ -266,8 +266,8 @@ class SessionSupervisor:
                 machine.queue_steering(repaired_blocks(message.content))
             case SubagentFinished():
                 # A background child's end (R-TREE-2): steering of a task that goes on,
-                # else a task of its own after the one that ends.
-                if machine.run_id is not None and not machine.stopping:
+                # else a task of its own after the one that ends (never dropped with it).
+                if machine.takes_steering:
                     machine.queue_steering(repaired_blocks(message.content))
                 else:
                     machine.queue_task(message.follow_up)
