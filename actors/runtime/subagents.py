@@ -191,7 +191,7 @@ class Subagents:
         # child's by the task that follows it.
         await children.slots.acquire()
         try:
-            child = await self._create(task, depth + 1, name)
+            child = await self._create(depth + 1, name)
         except BaseException:
             children.slots.release()
             raise
@@ -203,7 +203,7 @@ class Subagents:
         finally:
             children.slots.release()
 
-    async def _create(self, task: str, depth: int, name: str | None) -> SessionPort:
+    async def _create(self, depth: int, name: str | None) -> SessionPort:
         parent = self._parent
         settings = parent.settings
         may_spawn = depth < settings.max_subagent_depth
