@@ -141,12 +141,20 @@ class TraceFailed:
     message: str
 
 
+InterruptScope = Literal["tree", "node"]
+"""What an interrupt ends (R-TREE-2): ``tree`` the node's task and its whole subtree,
+background children included; ``node`` the node's task and its foreground children (whose
+own background children keep running)."""
+
+
 @attrs.frozen(kw_only=True, slots=True)
 class InterruptTask:
     """Command to the supervisor: interrupt the running task and drop its follow-ups
-    (R-ABORT-1); ``reason`` goes into its ``abort`` record."""
+    (R-ABORT-1); ``reason`` goes into its ``abort`` record. ``scope`` ``tree`` (the
+    default) also interrupts the session's background children, and theirs (R-TREE-2)."""
 
     reason: str
+    scope: InterruptScope = "tree"
 
 
 @attrs.frozen(kw_only=True, slots=True)
@@ -157,6 +165,19 @@ class SubagentOutputs:
 
     outputs: tuple[Output, ...]
     origin: tuple[str, ...]
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class SubagentFinished:
+    """A background subagent → the supervisor of its parent (R-TREE-2): the subagent
+    ``session_id`` has ended, and ``content`` (``[subagent NAME finished] …``: its answer
+    or why it failed) is input for the parent — steering of the open task, or, when no
+    task is open or it is stopping, ``follow_up`` (a ``TaskInput`` with that content),
+    queued as a new task."""
+
+    session_id: str
+    content: tuple[UserContent, ...]
+    follow_up: Any = attrs.field(eq=False, repr=False)
 
 
 SessionControl = (
@@ -172,6 +193,7 @@ SupervisorMessage = (
     | ToolCallFinished
     | ToolProgressed
     | SubagentOutputs
+    | SubagentFinished
     | HookAnswered
     | WorkDone
     | TraceFailed

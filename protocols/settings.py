@@ -31,8 +31,11 @@ class SessionSettings:
     (more wait for a slot); ``max_subagents_per_task`` children in all per task (beyond, the
     call is an error output; -1 for no limit); ``subagent_token_budget`` total tokens (the
     sum of its requests' ``total``) one child may use before it is interrupted and the call
-    fails (-1 for no limit); ``max_subagent_depth`` levels of subagents below a session that
-    was not spawned (1: children cannot spawn grandchildren; 0: no subagents at all).
+    fails (-1 for no limit); a child's budget holds for its whole subtree: its descendants'
+    tokens count against it (R-TREE-3). ``max_subagent_depth`` levels of subagents below a
+    session that was not spawned (3: children, grandchildren and great-grandchildren, the
+    last not offered ``spawn_subagent``; 1: children cannot spawn; 0: no subagents at all).
+    Background children count against the concurrency limit while they run.
 
     ``sandbox`` confines ``run_shell`` (R-SEC-3): ``auto`` uses bubblewrap when it is
     present, ``required`` refuses to run a command without it, ``off`` runs it unconfined
@@ -64,7 +67,7 @@ class SessionSettings:
     max_subagents_concurrent: int = 3
     max_subagents_per_task: int = 8
     subagent_token_budget: int = 200_000
-    max_subagent_depth: int = 1
+    max_subagent_depth: int = 3
     sandbox: Literal["auto", "required", "off"] = "auto"
     shell_network: bool = False
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES

@@ -21,8 +21,8 @@ Two kinds of input, kept apart on purpose:
   task be resumed after a restart or on another host.
 * **Live inputs** that the trace records only once they take effect: steering waiting for
   the next input assembly, tasks queued behind the running one, an interrupt, a failure to
-  write the trace, a hook's answer. They live in memory and are lost with the process, as
-  the rules allow (R-STEER-5, R-STEER-6).
+  write the trace, a hook's answer, how many background subagents of the session run. They
+  live in memory and are lost with the process, as the rules allow (R-STEER-5, R-STEER-6).
 
 :meth:`TaskMachine.next_step` answers "what now?" with one :data:`Step`. A step that starts
 something (a task, a turn, an attempt, a compaction, the end) is issued once: until the
@@ -143,6 +143,10 @@ class TaskLimits:
     has_stop_hook: bool = False
     max_stop_continuations: int = 1
     has_results_hook: bool = False
+    wait_for_children: bool = False
+    """A subagent's task (R-TREE-2): it does not end while background children of its
+    session run — their answers arrive as steering, and its answer is its last message
+    after them. A root's task ends; its children's answers come as follow-ups."""
 
 
 # -- steps ------------------------------------------------------------------------------
@@ -569,6 +573,7 @@ class TaskMachine:
     lock, its rules)."""
 
     __slots__ = (
+        "_children",
         "_fail_message",
         "_hook_answer",
         "_hook_pending",
@@ -595,6 +600,7 @@ class TaskMachine:
         self._hook_answer: str | None = None
         self._turn_hooked = False
         self._stop_continuations = 0
+        self._children = 0
 
     # -- reading --------------------------------------------------------------------------
 
@@ -644,19 +650,35 @@ class TaskMachine:
         return self._interrupt is not None or self._fail_message is not None
 
     @property
+    def takes_steering(self) -> bool:
+        """Whether steering queued now reaches the open task: a task (not a manual
+        compaction) is open, and it is neither told to stop nor ending."""
+        return (
+            self.record.run_id is not None
+            and self.record.kind == "task"
+            and not self.stopping
+            and not isinstance(self._issued, EndTask)
+        )
+
+    @property
     def stop_reason(self) -> str | None:
         """Why the open task was told to stop, if it was."""
         return self._interrupt or self._fail_message
 
     @property
-    def waiting_for(self) -> Literal["model", "tools", "people", "compaction", "hook"] | None:
+    def waiting_for(
+        self,
+    ) -> Literal["model", "tools", "people", "compaction", "hook", "children"] | None:
         """What the open task waits for now, if anything: the model (an attempt streams or
         its retry is due), tools (calls run), people (only approvals that a person must
-        answer are open), a compaction, or a hook."""
+        answer are open), a compaction, a hook, or background children (a subagent's
+        answered task holds for them: :attr:`TaskLimits.wait_for_children`)."""
         if self._hook_pending:
             return "hook"
         record = self.record
         phase = record.phase
+        if phase is Phase.TURN_DONE and self._holds_for_children():
+            return "children"
         if phase is Phase.MODEL or phase is Phase.RETRY:
             return "model"
         if phase is Phase.COMPACTING:
@@ -703,6 +725,19 @@ class TaskMachine:
         if self._queued is None:
             self._queued = []
         self._queued.append((task, kind))
+
+    def children_running(self, count: int) -> None:
+        """How many background subagents of the session run now (R-TREE-2); the
+        supervisor tells the machine before each step."""
+        self._children = count
+
+    def _holds_for_children(self) -> bool:
+        return (
+            self._limits.wait_for_children
+            and self._children > 0
+            and not self.record.calls
+            and not self._steering
+        )
 
     def queue_steering(self, content: Iterable[UserContent]) -> None:
         """Queue steering for the next input assembly of the open task (R-STEER-1)."""
@@ -826,6 +861,9 @@ class TaskMachine:
             self._hook_answer = None
         if self._steering:
             return self._next_turn()  # R-STEER-3
+        if self._holds_for_children():
+            # Not issued: the answer of a child arrives as steering, and the turn goes on.
+            return _WAIT
         if (
             limits.has_stop_hook
             and not self._turn_hooked

@@ -26,7 +26,16 @@ import re
 import types
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints, overload
+from typing import (
+    Any,
+    Literal,
+    Protocol,
+    Union,
+    get_args,
+    get_origin,
+    get_type_hints,
+    overload,
+)
 
 import attrs
 
@@ -50,6 +59,19 @@ class WorkspaceIdentity:
     boot: str | None = None
 
 
+class Spawn(Protocol):
+    """The runtime's subagent callback (:attr:`ToolContext.spawn`): run a subagent on
+    ``task`` and return its final answer, or start it in the ``background`` and return
+    ``{"session_id": …}`` as JSON (R-HOST-4, R-TREE-2). ``name`` labels it. Raises when
+    the subagent cannot run, fails or hits a limit."""
+
+    def __call__(
+        self, task: str, *, background: bool = False, name: str | None = None
+    ) -> Awaitable[str]:
+        """Spawn the subagent (see the class docstring)."""
+        ...
+
+
 @attrs.frozen(kw_only=True, slots=True)
 class ToolContext:
     """What a running tool may use besides its arguments.
@@ -58,9 +80,10 @@ class ToolContext:
     terminal are dropped (R-TOOL-6).
 
     ``spawn`` runs a subagent on a task inside the calling session's task and returns its
-    final answer (R-HOST-4); it raises when the subagent fails or hits a limit. It is an
-    opaque callback into the runtime, set by the tool pool; None where subagents are not
-    available (a tool run outside a session).
+    final answer, or starts it in the background (R-HOST-4, R-TREE-2: :class:`Spawn`); it
+    raises when the subagent fails or hits a limit. It is an opaque callback into the
+    runtime, set by the tool pool; None where subagents are not available (a tool run
+    outside a session).
 
     ``sandbox`` and ``shell_network`` are the session's settings for ``run_shell``
     (R-SEC-3); ``private_dirs`` are host directories (the data dir) that no tool of the
@@ -77,7 +100,7 @@ class ToolContext:
     workspace_dir: Path
     scratchpad_dir: Path
     report_progress: Callable[[str], None]
-    spawn: Callable[[str], Awaitable[str]] | None = None
+    spawn: Spawn | None = None
     sandbox: Literal["auto", "required", "off"] = "auto"
     shell_network: bool = False
     private_dirs: tuple[Path, ...] = ()

@@ -127,3 +127,23 @@ def test_the_example_in_examples_runs() -> None:
     assert result.returncode == 0, result.stderr
     assert "task_end: completed" in result.stdout
     assert "send_email [denied]" in result.stdout
+
+
+def test_the_orchestrator_example_merges_three_background_researchers() -> None:
+    """examples/orchestrator.py (the README's agent-tree example, R-TREE-2) works as
+    shipped: three background researchers, each answer back as input, one merged report."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "orchestrator.py"
+    result = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert out.count("calls spawn_subagent") == 3
+    for name in ("researcher-1", "researcher-2", "researcher-3"):
+        assert f"orchestrator <- [subagent {name} finished] " in out
+    report = out[out.index("orchestrator: Merged report:"):]
+    assert report.splitlines()[1:4] == [
+        "orchestrator: - tides: two highs a day, pulled by the moon",
+        "orchestrator: - glaciers: they flow, a few metres a day",
+        "orchestrator: - monsoons: seasonal winds that bring the rain",
+    ]

@@ -28,7 +28,7 @@ from test_protocol_roundtrip import EXAMPLES
 from greenroom.actors.apps.chat import ChatRenderer
 from greenroom.actors.apps.cli import HumanRenderer, JsonRenderer, format_record
 from greenroom.actors.gateway import hubs
-from greenroom.actors.runtime import subagents
+from greenroom.actors.runtime import subagents, tree
 from greenroom.protocols import outputs
 from greenroom.protocols.messages import SubagentOutputs, SupervisorMessage
 from greenroom.protocols.transcript import Transcript, rebuild
@@ -102,21 +102,52 @@ def test_transcript_takes_every_output() -> None:
 
 
 async def test_subagent_watch_follows_every_output() -> None:
-    # Unbounded: the watch reports with send_nowait; the test reads afterwards.
-    report, reported = trio.open_memory_channel[SupervisorMessage](math.inf)
+    """The watch of a child's run counts the usage of its whole subtree (its own and the
+    forwarded outputs) and keeps its own task_end."""
     child = _FakeSession()
-    watch = subagents._ChildWatch(child, -1, report)  # type: ignore[arg-type]
+    watch = subagents._ChildWatch(child, -1)  # type: ignore[arg-type]
     # Room for the one batch: sent before the watch reads.
     batches_send, batches = trio.open_memory_channel[list[outputs.Output]](1)
     batches_send.send_nowait(list(every_output()))
     batches_send.close()
     await watch.follow(batches)
-    (message,) = [reported.receive_nowait()]
-    assert isinstance(message, SubagentOutputs) and message.origin == child.origin_path
-    assert list(message.outputs) == list(every_output())
     assert watch.end is not None and watch.end.origin is None
-    assert watch.used == EXAMPLES[outputs.TokenUsageOutput]["request"].total
+    assert watch.used == 2 * EXAMPLES[outputs.TokenUsageOutput]["request"].total
     assert child.interrupts == []
+
+
+async def test_forwarding_up_takes_every_output() -> None:
+    """A child's batches reach its parent: through its supervisor's inbox while it runs,
+    else straight to its subscribers, each untagged output tagged with the child's path."""
+    parent = _FakeParent()
+    forward = tree.forward_up(_FakeSession(), parent)  # type: ignore[arg-type]
+    # Unbounded: the forwarder sends with send_nowait; the test reads afterwards.
+    parent.inbox, reported = trio.open_memory_channel[SupervisorMessage](math.inf)
+    forward(list(every_output()))
+    (message,) = [reported.receive_nowait()]
+    assert isinstance(message, SubagentOutputs) and message.origin == ("root", "child")
+    assert list(message.outputs) == list(every_output())
+    parent.inbox.close()
+    forward(list(every_output()))
+    (published,) = parent.published
+    assert [o.origin for o in published] == [("root", "child")] * len(published)
+
+
+class _FakeParent:
+    def __init__(self) -> None:
+        self.inbox: trio.MemorySendChannel[SupervisorMessage] | None = None
+        self.published: list[list[outputs.Output]] = []
+
+    def send(self, message: SupervisorMessage) -> bool:
+        assert self.inbox is not None
+        try:
+            self.inbox.send_nowait(message)
+        except trio.ClosedResourceError:
+            return False
+        return True
+
+    def publish(self, batch: list[outputs.Output]) -> None:
+        self.published.append(batch)
 
 
 # -- the static check ----------------------------------------------------------------------

@@ -122,6 +122,11 @@ MESSAGE_EXAMPLES: list[Any] = [
     messages.SteeringQueued(content=(content.TextBlock(text="also"),)),
     messages.BackoffSkipped(),
     messages.InterruptTask(reason="interrupted by host"),
+    messages.InterruptTask(reason="this node only", scope="node"),
+    messages.SubagentFinished(
+        session_id="c", content=(content.TextBlock(text="[subagent c finished] done"),),
+        follow_up=None,
+    ),
     messages.ApproveCall(call=CALL),
     messages.RunToolCall(call=CALL, position=3),
     messages.SubagentOutputs(

@@ -176,8 +176,11 @@ async def test_child_answer_is_the_result_and_its_outputs_are_forwarded_with_ori
     # The child's own session directory, session.json and trace.
     meta = json.loads((data_dir / "sessions" / child_id / "session.json").read_text())
     assert meta["parent_id"] == session.id
+    assert meta["root_id"] == session.id
+    assert meta["origin"] == [session.id, child_id]
     assert meta["workspace_dir"] == str(session.workspace_dir)
-    assert meta["tools"] == ["read_file"]  # no spawn_subagent below max_subagent_depth=1
+    # max_subagent_depth=3 by default: a child may spawn too (R-TREE-1).
+    assert meta["tools"] == ["read_file", SPAWN_SUBAGENT]
     assert meta["settings"]["system"] == f"{SUBAGENT_SYSTEM}\n\nBe brief."
     await host.trace_store.log.sync()
     child_lines = child_trace(data_dir, child_id)
@@ -188,13 +191,14 @@ async def test_child_answer_is_the_result_and_its_outputs_are_forwarded_with_ori
     assert child_lines[-1]["type"] == "task_end" and child_lines[-1]["status"] == "completed"
     child_requests = [r for r in provider.requests if is_child(r)]
     assert len(child_requests) == 1
-    assert [t.name for t in child_requests[0].tools] == ["read_file"]
+    assert [t.name for t in child_requests[0].tools] == ["read_file", SPAWN_SUBAGENT]
     assert child_requests[0].model == session.settings.model
 
     # A finished child is no longer open in the host; it can be loaded again.
     assert [s.id for s in host.sessions] == [session.id]
     loaded = await host.load_session(child_id)
     assert loaded.parent_id == session.id
+    assert (loaded.root_id, loaded.origin) == (session.id, (session.id, child_id))
 
 
 async def test_two_children_of_one_turn_run_side_by_side(

@@ -490,6 +490,35 @@ def test_a_person_asked_is_what_the_task_waits_for() -> None:
     assert seen[0] == "people"
 
 
+def test_a_subagents_answered_task_holds_while_background_children_run() -> None:
+    """R-TREE-2: with ``wait_for_children`` an answered turn waits (issues nothing) while
+    children run; their answer as steering continues the task; a root's task ends."""
+    for holds in (True, False):
+        machine = TaskMachine(TaskLimits(max_context_length=0, wait_for_children=holds))
+        machine.queue_task("t")
+        world = World(machine, [Attempt()])
+        world.start(machine.next_step())  # type: ignore[arg-type]
+        machine.children_running(1)
+        world.turn = 1
+        assert isinstance(machine.next_step(), BeginTurn)
+        world.attempt(1)
+        while world.pending:
+            world.emit(world.pending.pop(0))
+        step = machine.next_step()
+        if not holds:
+            assert isinstance(step, EndTask) and step.status == "completed"
+            assert not machine.takes_steering  # ending: steering would be lost with it
+            continue
+        assert step == Wait() and machine.waiting_for == "children"
+        assert machine.next_step() == Wait()  # nothing was issued
+        assert machine.takes_steering
+        machine.queue_steering((TextBlock(text="[subagent c finished] done"),))
+        machine.children_running(0)
+        step = machine.next_step()
+        assert isinstance(step, BeginTurn) and step.turn == 2
+        assert step.steering == (TextBlock(text="[subagent c finished] done"),)
+
+
 def test_allow_session_is_remembered_from_the_trace() -> None:
     decision = ApprovalDecision(session_id=SID, run_id="r", seq=1, call_id="c", tool="write",
                                 decision="allow", by="host", remember=True)

@@ -13,8 +13,12 @@ the directory found at its path when it is loaded.
 Traces hold tool output such as file contents, so only the owner may read them: the data
 dir, ``sessions/`` and every session directory are 0700, trace files, ``session.json`` and
 the usage ledger 0600 — tightened when they exist with wider modes. A subagent (R-HOST-4)
-is such a session too, created by its parent's ``spawn_subagent`` call and forgotten by
-the host when its task ends (its files stay).
+is such a session too, created by its parent's ``spawn_subagent`` call, open in the host
+while it runs (``get_session`` finds it: it is steered, interrupted and answered like any,
+R-TREE-1) and forgotten when it ends (its files stay). Its ``session.json`` names its
+``parent_id``, its ``root_id`` and its ``origin`` (the ids from the root), and the host
+keeps each open session's children's ids, so ``children_of`` reads the store only for a
+session loaded from it.
 """
 
 from __future__ import annotations
@@ -33,13 +37,14 @@ import attrs
 import trio
 
 from greenroom.actors.providers.registry import default_model, provider_for, require_credentials
+from greenroom.actors.runtime.child_index import ChildIndex
 from greenroom.actors.runtime.errors import ConfigurationError, HostClosed, SessionNotFound
 from greenroom.actors.runtime.gc_tuning import tuned_gc
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.mcp_servers import McpServers
 from greenroom.actors.runtime.open_tasks import OpenTaskIndex
 from greenroom.actors.runtime.people import People, answer, pending_of
-from greenroom.actors.runtime.port import Approval, SessionPort
+from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput
 from greenroom.actors.runtime.provider_clients import ProviderClients
 from greenroom.actors.runtime.session import Session, require_trio
 from greenroom.actors.runtime.shared_tables import SharedTables, fixed_workspace
@@ -50,7 +55,7 @@ from greenroom.actors.runtime.storage import (
     SessionStore,
     tighten,
 )
-from greenroom.actors.runtime.supervisor import wake
+from greenroom.actors.runtime.supervisor import start, wake
 from greenroom.actors.runtime.trace_store import (
     FileTraceStore,
     StoredSession,
@@ -69,6 +74,7 @@ from greenroom.actors.tools.workspace import (
 from greenroom.protocols.converter import converter
 from greenroom.protocols.hooks import Hooks
 from greenroom.protocols.messages import PersonAnswered, SupervisorMessage
+from greenroom.protocols.outputs import Output
 from greenroom.protocols.people import PEOPLE, PendingApproval, Verdict
 from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.task import fold
@@ -96,7 +102,9 @@ def default_data_dir() -> Path:
 
 @attrs.frozen(kw_only=True)
 class SessionInfo:
-    """What ``Host.list_sessions`` reports about one stored session."""
+    """What ``Host.list_sessions`` reports about one stored session. ``parent_id`` names
+    the session that spawned it (None for a root), ``root_id`` the root of its tree (its
+    own id for a root: R-TREE-1)."""
 
     session_id: str
     created_at: float
@@ -105,6 +113,8 @@ class SessionInfo:
     provider: str
     model: str
     trace_files: int
+    parent_id: str | None = None
+    root_id: str = ""
 
 
 @attrs.frozen(kw_only=True)
@@ -153,6 +163,7 @@ class Host:
         """The store's usage ledger (R-TRACE-5)."""
         self._sessions: dict[str, Session] = {}
         self._ports: dict[str, SessionPort] = {}
+        self._children = ChildIndex(store.catalog, self.load_session)
         self._clients = ProviderClients()
         self._shared = SharedTables()
         self._mcp = McpServers(data_dir / "mcp", nursery.start_soon)
@@ -199,36 +210,10 @@ class Host:
         require_trio()
         path = await trio.to_thread.run_sync(_prepare_data_dir, data_dir)
         with tuned_gc(gc_tuning):
-            async with cls._open(path, observers, trace_store, tools) as host:
+            async with _host_tree(cls, path, observers, trace_store, tools) as host:
                 if resume_tasks:
                     await host.resume_tasks()
                 yield host
-
-    @classmethod
-    @asynccontextmanager
-    async def _open(
-        cls,
-        path: Path,
-        observers: Iterable[SessionObserver],
-        trace_store: TraceStoreFactory | None,
-        tools: Iterable[Tool] = (),
-    ) -> AsyncIterator[Host]:
-        async with trio.open_nursery() as nursery:
-            store = (trace_store or FileTraceStore)(path)
-            await nursery.start(store.run)
-            host = cls(path, nursery, store, observers, tools)
-            await nursery.start(host.serve_people)
-            try:
-                yield host
-            finally:
-                # Shielded so that the last records land even when the host is being
-                # cancelled; bounded so that a tool stuck in a thread cannot hang it.
-                with trio.CancelScope(shield=True) as teardown:
-                    teardown.deadline = trio.current_time() + SHUTDOWN_GRACE_S
-                    try:
-                        await host.aclose()
-                    finally:
-                        await store.aclose()
 
     # -- sessions -----------------------------------------------------------------------
 
@@ -245,13 +230,15 @@ class Host:
         hooks: Hooks | None = None,
         parent_id: str | None = None,
         mcp_servers: Mapping[str, Any] | None = None,
+        name: str | None = None,
         **overrides: Any,
     ) -> Session:
         """Create a session. ``provider`` is ``anthropic``, ``openai``, ``scripted`` or a
         provider object; ``settings`` and keyword overrides (any
         :class:`SessionSettings` field) fill the rest; ``hooks`` are its R-HOOK-1 hooks.
         ``parent_id`` names the session that spawned this one as a subagent (R-HOST-4);
-        it is stored in ``session.json``. ``mcp_servers`` adds the tools of MCP servers
+        it is stored in ``session.json`` with ``root_id``, ``origin`` (the ids from the
+        root, R-TREE-1) and ``name`` (a subagent's). ``mcp_servers`` adds the tools of MCP servers
         (``{"NAME": {"command": …} | {"type": "http", "url": …}}``, as in an
         ``mcpServers`` file: R-MCP-1); a bad entry raises :class:`ConfigurationError`.
 
@@ -282,7 +269,9 @@ class Host:
             await trio.to_thread.run_sync(fixed_workspace, workspace_dir, self.data_dir)
         )
         tool_list = list(tools)
-        meta = _new_meta(sid, identity, final, tool_list, parent_id)
+        parent = None if parent_id is None else self._ports.get(parent_id)
+        origin = None if parent_id is None else _child_origin(parent, parent_id, sid)
+        meta = _new_meta(sid, identity, final, tool_list, origin, name)
         await self._store.catalog.create(sid, meta)
         self.trace_log.start(sid)
         port = SessionPort(
@@ -296,12 +285,14 @@ class Host:
             transcript=Transcript(supports_vision=final.supports_vision),
             parent_id=parent_id,
             workspace_identity=identity,
+            origin=origin,
         )
         if hooks is not None:
             port.hooks = hooks
         if mcp_configs:
             await self._mcp.attach(port, mcp_configs)
         session = self._add(port)
+        self._children.created(sid, parent_id)
         if parent_id is None:
             self._observe(session)
         return session
@@ -363,6 +354,7 @@ class Host:
             last_seq=loaded.last_seq,
             parent_id=meta.get("parent_id"),
             workspace_identity=identity,
+            origin=_stored_origin(meta, session_id),
         )
         port.load_errors = list(loaded.errors)
         if mcp_configs:
@@ -380,8 +372,13 @@ class Host:
 
     @property
     def sessions(self) -> tuple[Session, ...]:
-        """The sessions open in this host."""
+        """The sessions open in this host (running subagents included)."""
         return tuple(self._sessions.values())
+
+    async def children_of(self, session_id: str) -> list[Session]:
+        """The subagents of ``session_id``, running and finished (loaded), oldest first:
+        ``Session.children`` (R-TREE-1)."""
+        return await self._children.sessions(session_id, keep=session_id in self._sessions)
 
     async def list_sessions(self) -> list[SessionInfo]:
         """Every readable session stored in the data dir, newest first."""
@@ -397,6 +394,7 @@ class Host:
         """Interrupt the session's task, wait for its last record, forget it (R-HOST-3)."""
         session = self._sessions.pop(session_id, None)
         port = self._ports.pop(session_id, None)
+        self._children.closed(session_id)
         if session is not None:
             # A task that waits only for people is not interrupted: its request stays
             # pending in the trace, and loading the session asks it again (R-HITL-1).
@@ -461,18 +459,19 @@ class Host:
             observe(session)
 
     async def create_child(
-        self, parent: SessionPort, *, settings: SessionSettings, tools: Iterable[Tool]
+        self, parent: SessionPort, *, settings: SessionSettings, tools: Iterable[Tool],
+        name: str | None = None,
     ) -> SessionPort:
-        """Create a subagent's session under ``parent`` (R-HOST-4): the parent's provider
-        and workspace, ``settings`` and ``tools``; its ``session.json`` names the parent."""
+        """Create a subagent's session ``name`` under ``parent`` (R-HOST-4, R-TREE-1): the
+        parent's provider and workspace, ``settings`` and ``tools``."""
         session = await self.create_session(
             settings=settings,
             provider=parent.provider,
             tools=tools,
-            # The parent's workspace as it was fixed (R-SEC-7), never what its path
-            # names now.
+            # The parent's workspace as fixed (R-SEC-7), never what its path names now.
             workspace_dir=parent.workspace_identity or parent.workspace_dir,
             parent_id=parent.id,
+            name=name,
         )
         return self._ports[session.id]
 
@@ -482,8 +481,18 @@ class Host:
         if self._ports.get(child.id) is child:
             del self._ports[child.id]
             self._sessions.pop(child.id, None)
+            self._children.closed(child.id)
         child.closed = True
         child.end_watches()
+
+    def start_work(
+        self,
+        port: SessionPort,
+        task: TaskInput | None,
+        output: trio.MemorySendChannel[list[Output]],
+    ) -> None:
+        """Start ``port``'s work in the host's nursery (R-TREE-2; see HostServices)."""
+        start(port, task, output)
 
     # -- people (R-HITL) -----------------------------------------------------------------
 
@@ -587,6 +596,34 @@ class Host:
 
 
 
+@asynccontextmanager
+async def _host_tree(
+    cls: type[Host],
+    path: Path,
+    observers: Iterable[SessionObserver],
+    trace_store: TraceStoreFactory | None,
+    tools: Iterable[Tool],
+) -> AsyncIterator[Host]:
+    """The host's actor tree while it is open: its nursery, its store and its people's
+    clock; on exit every session is closed and the store flushed (``Host.open``)."""
+    async with trio.open_nursery() as nursery:
+        store = (trace_store or FileTraceStore)(path)
+        await nursery.start(store.run)
+        host = cls(path, nursery, store, observers, tools)
+        await nursery.start(host.serve_people)
+        try:
+            yield host
+        finally:
+            # Shielded so that the last records land even when the host is being
+            # cancelled; bounded so that a tool stuck in a thread cannot hang it.
+            with trio.CancelScope(shield=True) as teardown:
+                teardown.deadline = trio.current_time() + SHUTDOWN_GRACE_S
+                try:
+                    await host.aclose()
+                finally:
+                    await store.aclose()
+
+
 def _prepare_data_dir(data_dir: str | Path | None) -> Path:
     """Create the data dir and ``sessions/`` (0700), or tighten them to 0700. An existing
     data dir is tightened only when it is a greenroom data dir or empty: pointed at some
@@ -675,7 +712,8 @@ def _new_meta(
     identity: WorkspaceIdentity,
     settings: SessionSettings,
     tools: list[Tool],
-    parent_id: str | None,
+    origin: tuple[str, ...] | None,
+    name: str | None,
 ) -> dict[str, Any]:
     """A new session's ``session.json``."""
     meta: dict[str, Any] = {
@@ -690,9 +728,35 @@ def _new_meta(
         "settings": converter.unstructure(settings),
         "tools": [t.name for t in tools],
     }
-    if parent_id is not None:
-        meta["parent_id"] = parent_id
+    if origin is not None:
+        meta["parent_id"] = origin[-2]
+        meta["root_id"] = origin[0]
+        meta["origin"] = list(origin)
+    if name is not None:
+        meta["name"] = name
     return meta
+
+
+def _child_origin(parent: SessionPort | None, parent_id: str, session_id: str) -> tuple[str, ...]:
+    """A new subagent's path from its root: its parent's (just the parent's id when the
+    parent is not open here), then its own id."""
+    return (*(parent.origin_path if parent is not None else (parent_id,)), session_id)
+
+
+def _stored_origin(meta: Mapping[str, Any], session_id: str) -> tuple[str, ...] | None:
+    """A stored subagent's path from its root (``origin`` in its ``session.json``), when
+    it is one that ends with the session; else ``(parent_id, session_id)`` for a subagent
+    stored without it, None for a root."""
+    origin = meta.get("origin")
+    if (
+        isinstance(origin, list)
+        and len(origin) >= 2
+        and all(isinstance(i, str) for i in origin)
+        and origin[-1] == session_id
+    ):
+        return tuple(origin)
+    parent_id = meta.get("parent_id")
+    return (parent_id, session_id) if isinstance(parent_id, str) else None
 
 
 async def _stored_settings(
@@ -731,15 +795,23 @@ def _session_scan(stored: list[StoredSession]) -> SessionScan:
             continue
         settings = meta.get("settings", {})
         created = meta.get("created_at", 0.0)
+        session_id = meta.get("session_id", entry.session_id)
+        parent_id = meta.get("parent_id")
+        root_id = meta.get("root_id")
+        if not isinstance(root_id, str):
+            # Stored before trees had depth: a subagent's parent was its root.
+            root_id = parent_id if isinstance(parent_id, str) else session_id
         infos.append(
             SessionInfo(
-                session_id=meta.get("session_id", entry.session_id),
+                session_id=session_id,
                 created_at=float(created) if abs(created) < 1e300 else 0.0,
                 updated_at=entry.updated_at,
                 workspace_dir=meta.get("workspace_dir", ""),
                 provider=str(settings.get("provider", "")),
                 model=str(settings.get("model", "")),
                 trace_files=entry.traces,
+                parent_id=parent_id,
+                root_id=root_id,
             )
         )
     infos.sort(key=lambda i: i.updated_at, reverse=True)

@@ -52,6 +52,7 @@ from greenroom.protocols.transcript import Transcript
 if TYPE_CHECKING:
     from greenroom.actors.runtime.llm_streamer import ModelProvider
     from greenroom.actors.runtime.trace_store import TraceLog, UsageLedger
+    from greenroom.actors.runtime.tree import Children
 
 __all__ = [
     "NO_HOOKS",
@@ -114,9 +115,24 @@ class HostServices(Protocol):
         """Run ``fn`` in the host's nursery (it must not raise)."""
 
     async def create_child(
-        self, parent: SessionPort, *, settings: SessionSettings, tools: Iterable[Tool]
+        self,
+        parent: SessionPort,
+        *,
+        settings: SessionSettings,
+        tools: Iterable[Tool],
+        name: str | None = None,
     ) -> SessionPort:
-        """Create a subagent's session under ``parent`` (R-HOST-4) and return its port."""
+        """Create a subagent's session under ``parent`` (R-HOST-4, R-TREE-1), named
+        ``name`` if given, and return its port."""
+
+    def start_work(
+        self,
+        port: SessionPort,
+        task: TaskInput | None,
+        output: trio.MemorySendChannel[list[Output]],
+    ) -> None:
+        """Start a supervisor for ``port`` in the host's nursery on ``task`` (None: a
+        manual compaction), publishing on ``output``; ``port`` must be idle."""
 
     def forget_child(self, child: SessionPort) -> None:
         """A finished subagent's session leaves the host's open sessions (its files stay)."""
@@ -167,6 +183,7 @@ class SessionPort:
         "_seq",
         "_tool_schemas",
         "_tools",
+        "children",
         "closed",
         "directory",
         "hooks",
@@ -200,6 +217,7 @@ class SessionPort:
         last_seq: int = 0,
         parent_id: str | None = None,
         workspace_identity: WorkspaceIdentity | None = None,
+        origin: tuple[str, ...] | None = None,
     ) -> None:
         self.id = session_id
         self.parent_id = parent_id
@@ -230,12 +248,15 @@ class SessionPort:
         """How the calls of an open task its host lost are decided once it is taken up:
         its own callback went with the process (``Host.resume(approve=…)`` sets it)."""
         self.closed = False
+        self.children: Children | None = None
+        """The subagents running now and the slots they share (R-TREE); None until the
+        session first spawns."""
         self._host = host
         self._tools, self._tool_schemas = tools
         self._seq = last_seq
         self._listeners: list[Listener] | None = None
         self._next_run_id: str | None = None
-        self._path: tuple[str, ...] | None = None
+        self._path = origin
 
     # -- identity and tools ---------------------------------------------------------------
 
@@ -267,6 +288,11 @@ class SessionPort:
         """The session ids from the root to this session (R-HOST-4): ``(id,)`` for a
         session the host runs, ``(root_id, …, id)`` for a subagent."""
         return self._path or (self.id,)
+
+    @property
+    def root_id(self) -> str:
+        """The id of the root of this session's tree (its own for a root: R-TREE-1)."""
+        return self.origin_path[0]
 
     def set_origin_path(self, path: tuple[str, ...]) -> None:
         """Make this session a subagent whose outputs carry ``origin`` = ``path``."""
@@ -301,6 +327,7 @@ class SessionPort:
             has_stop_hook=hooks.on_stop is not None,
             max_stop_continuations=hooks.max_stop_continuations,
             has_results_hook=hooks.after_tool_results is not None,
+            wait_for_children=self.parent_id is not None,
         )
 
     # -- runs -----------------------------------------------------------------------------

@@ -112,9 +112,7 @@ class TaskWork:
                         inbox=self._inbox,
                     )
                     await nursery.start(broker.run, self._approvals)
-                    subagents = Subagents(
-                        port, approve=approve, report=self._inbox, run_child=self._run_child
-                    )
+                    subagents = Subagents(port, approve=approve, run_child=self._run_child)
                     pool = ToolPool(
                         tools=port.tool_by_name,
                         inbox=self._inbox,

@@ -29,7 +29,8 @@ from greenroom.actors.runtime.port import (
     SessionPort,
     TaskInput,
 )
-from greenroom.actors.runtime.supervisor import SessionSupervisor
+from greenroom.actors.runtime.supervisor import start
+from greenroom.actors.runtime.tree import end_subtree
 from greenroom.protocols import markers
 from greenroom.protocols.content import ImageBlock, TextBlock, UserContent
 from greenroom.protocols.context import ModelRequest, UserMessage
@@ -37,6 +38,7 @@ from greenroom.protocols.hooks import Hooks
 from greenroom.protocols.messages import (
     AuthRetried,
     BackoffSkipped,
+    InterruptScope,
     InterruptTask,
     StartAttempt,
     SteeringQueued,
@@ -299,6 +301,25 @@ class Session:
         return self._port.parent_id
 
     @property
+    def root_id(self) -> str:
+        """The root of this session's tree: its own id unless it is a subagent
+        (R-TREE-1)."""
+        return self._port.root_id
+
+    @property
+    def origin(self) -> tuple[str, ...]:
+        """The session ids from the root of its tree to this session (the ``origin`` its
+        outputs carry in its ancestors' streams)."""
+        return self._port.origin_path
+
+    async def children(self) -> list[Session]:
+        """The subagents this session spawned, running and finished, oldest first
+        (R-TREE-1): each a session of its own — steer, interrupt, watch or answer it like
+        any. A finished one is loaded (it stays open in the host until closed); one that
+        cannot be read is left out."""
+        return await self.host.children_of(self.id)
+
+    @property
     def settings(self) -> SessionSettings:
         """The session's settings (stored with it)."""
         return self._port.settings
@@ -395,22 +416,18 @@ class Session:
 
     def _start(
         self, task: TaskInput | None, cancel: trio.Event | None
-    ) -> tuple[trio.MemoryReceiveChannel[list[Output]], SessionSupervisor, str]:
+    ) -> tuple[
+        trio.MemoryReceiveChannel[list[Output]], trio.MemorySendChannel[SupervisorMessage], str
+    ]:
         port = self._port
         # Unbounded: a slow reader never stalls the model stream or the tools; outputs
         # are small and a run's count is bounded by its work.
         send, receive = trio.open_memory_channel[list[Output]](math.inf)
-        supervisor = SessionSupervisor(port, send, cancel)
-        supervisor.inbox.send_nowait(
-            TaskQueued(task=task, kind="task" if task is not None else "compaction")
-        )
-        port.inbox = supervisor.inbox
-        port.idle = trio.Event()
         # Reserved now so that callers (the websocket gateway's ``run``) can report the
         # run id before the supervisor task has started; its first task takes it.
         run_id = port.reserve_run_id()
-        port.host.start_task(supervisor.run)
-        return receive, supervisor, run_id
+        inbox = start(port, task, send, cancel)
+        return receive, inbox, run_id
 
     def run(
         self,
@@ -455,8 +472,8 @@ class Session:
         task = TaskInput(
             content=_as_content(new_messages), approve=approve, thinking_level=thinking_level
         )
-        receive, supervisor, run_id = self._start(task, cancel)
-        return RunStream(receive, supervisor.inbox, run_id)
+        receive, inbox, run_id = self._start(task, cancel)
+        return RunStream(receive, inbox, run_id)
 
     async def attach(
         self, messages: Sequence[UserContent] | str, *, confine: bool = False
@@ -509,10 +526,21 @@ class Session:
         )
         return self._port.deliver(TaskQueued(task=task))
 
-    def interrupt(self, reason: str = "interrupted by host") -> bool:
+    def interrupt(
+        self, reason: str = "interrupted by host", *, scope: InterruptScope = "tree"
+    ) -> bool:
         """Interrupt the running task and drop the queued ones (R-ABORT-1). Returns False
-        when idle."""
-        return self._port.deliver(InterruptTask(reason=reason))
+        when there was nothing to interrupt.
+
+        ``scope`` (R-TREE-2): ``tree`` (the default) also ends the session's running
+        subagents and theirs, background children included — even while the session
+        itself is idle; ``node`` ends this session's task and its foreground children
+        (their calls are interrupted), and leaves its background children running: their
+        answers still reach this session, as follow-ups."""
+        port = self._port
+        if port.deliver(InterruptTask(reason=reason, scope=scope)):
+            return True  # the supervisor ends the subtree itself, for scope tree
+        return scope == "tree" and end_subtree(port, f"parent interrupted: {reason}")
 
     def skip_reconnect_wait(self) -> bool:
         """End the current reconnect backoff early (R-RETRY-5). False when idle."""
@@ -551,9 +579,9 @@ class Session:
             raise Busy(f"session {self.id} is busy; compact when the task has ended")
         if self.compactability() != "ok":
             return None
-        receive, supervisor, _ = self._start(None, None)
+        receive, inbox, _ = self._start(None, None)
         end: CompactionEnd | None = None
-        async for output in RunStream(receive, supervisor.inbox):
+        async for output in RunStream(receive, inbox):
             if isinstance(output, CompactionEnd) and output.origin is None and end is None:
                 end = output
         return end

@@ -1,28 +1,44 @@
-"""Subagents (R-HOST-4): the ``spawn_subagent`` tool and the runtime behind it.
+"""Subagents (R-HOST-4, R-TREE): the ``spawn_subagent`` tool and the runtime behind it.
 
 A subagent is an independent session — its own id, directory, ``session.json`` (with
-``parent_id``), trace file and turn loop — created through the host with the parent's
-provider, model, workspace and tools, and a system prompt that tells it it is a subagent
-doing one task. Its supervisor runs in the task of the ``spawn_subagent`` call, so it is a
-child of the parent task's nursery: interrupting the parent interrupts it, and it records
-its own ``abort`` and ``task_end(aborted)`` before the parent settles.
+``parent_id``, ``root_id`` and ``origin``), trace file and turn loop — created through the
+host with the parent's provider, model, workspace and tools, and a system prompt that tells
+it it is a subagent doing one task. It is open in the host while it runs: anyone holding
+its handle (``host.get_session``, ``session.children()``) steers, interrupts or answers it
+like any session (R-TREE-1).
 
-Every output of the subagent is forwarded to the parent's run stream and subscribers as a
-live output of the parent, with ``origin`` = the path of session ids from the root (the
-parent's path plus the child's id): the ``spawn_subagent`` call's task reads the child's
-run channel and sends each batch to the parent's supervisor as ``SubagentOutputs``. It is
-traced only in the child's trace. The parent's trace has the ``spawn_subagent`` call and
-its ``tool_call_output``: the child's final answer (the text of its last model message), or
-an error naming the child when it failed, was interrupted or hit a limit.
+A **foreground** child (the default) runs its supervisor in the task of the
+``spawn_subagent`` call, so it is a child of the parent task's nursery: interrupting the
+parent interrupts it, and it records its own ``abort`` and ``task_end(aborted)`` before
+the parent settles. The call's result is its final answer (the text of its last model
+message), or an error naming the child when it failed, was interrupted or hit a limit.
 
-Approvals inside the subagent go to the parent run's ``approve`` callback, else to the
-parent's client approvers (websocket clients answer on the parent's session), else they are
-denied; the parent's "allow for this session" rules do not apply to the child.
+A **background** child (``background=true``, R-TREE-2) runs its supervisor in the host's
+nursery: the call returns ``{"session_id": …}`` at once and the parent goes on. When the
+child ends, a task of the host's nursery hands its answer (or why it failed) to the parent
+as input ``[subagent NAME finished] …`` (:func:`~greenroom.actors.runtime.tree.tell`):
+steering of the parent's open task, else a follow-up task, run with the approvals of the
+task that spawned it. A subagent's own task does not end while its background children
+run (it waits for their answers); a root's does.
+
+Every output of a subagent reaches its parent as a live output, with ``origin`` = the path
+of session ids from the root (:func:`~greenroom.actors.runtime.tree.forward_up`, a
+subscriber of the child's port): through the parent's supervisor while it has work, else
+to the parent's subscribers directly. It is traced only in the child's trace.
+
+Approvals inside a subagent go to the approve callback of the task that spawned it (the
+root run's, passed down the tree), else to the parent's client approvers (the root's
+clients, shared down the tree: the ``approval_request`` the child records reaches them
+with its ``origin``), else they are denied; the parent's "allow for this session" rules do
+not apply to the child. With ``approve="people"`` a child's request waits in the host's
+pending approvals with its ``origin`` until a person answers it.
 
 Limits (:class:`~greenroom.protocols.settings.SessionSettings`): ``max_subagents_concurrent``
-children of one task run at once, more wait for a slot; ``max_subagents_per_task`` in all,
-beyond that the call is an error; ``subagent_token_budget`` tokens per child, past it the
-child is interrupted and the call is an error; ``max_subagent_depth`` levels below the
+children of one session run at once, foreground and background (more wait for a slot);
+``max_subagents_per_task`` spawns per task, beyond that the call is an error;
+``subagent_token_budget`` tokens for each child's whole subtree (its descendants' count
+too, R-TREE-3), past it the child is interrupted with its subtree and its call (or its
+finished message) is an error naming the budget; ``max_subagent_depth`` levels below the
 root: ``spawn_subagent`` is not offered to a child that may not spawn.
 
 Exceptions::
@@ -32,7 +48,7 @@ Exceptions::
 
 from __future__ import annotations
 
-import contextlib
+import json
 import math
 from collections.abc import Awaitable, Callable
 from typing import assert_never
@@ -41,8 +57,9 @@ import attrs
 import trio
 
 from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput
+from greenroom.actors.runtime.tree import Children, children_of, forward_up, tell
 from greenroom.protocols.content import TextBlock
-from greenroom.protocols.messages import InterruptTask, SubagentOutputs, SupervisorMessage
+from greenroom.protocols.messages import InterruptTask, SubagentFinished
 from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
@@ -70,6 +87,7 @@ __all__ = [
     "SUBAGENT_SYSTEM",
     "SubagentError",
     "Subagents",
+    "finished_text",
     "spawn_subagent",
     "subagent_system",
 ]
@@ -85,6 +103,10 @@ SUBAGENT_SYSTEM = (
 )
 """The start of a subagent's system prompt; the parent's own system prompt follows it."""
 
+MAX_NAME_CHARS = 80
+"""The longest subagent name kept (a model writes it; it lands in markers and files)."""
+
+
 class SubagentError(Exception):
     """A subagent failed, was interrupted or hit a limit; the message is for the model."""
 
@@ -96,19 +118,33 @@ def subagent_system(parent_system: str | None) -> str:
     return SUBAGENT_SYSTEM
 
 
+def finished_text(label: str, answer: str) -> str:
+    """The input a background subagent's end gives its parent (R-TREE-2):
+    ``[subagent <label> finished] <answer or why it failed>``."""
+    return f"[subagent {label} finished] {answer}"
+
+
 @tool(parallel=True, side_effects=True)
-async def spawn_subagent(task: str, *, ctx: ToolContext) -> str:
+async def spawn_subagent(
+    task: str, background: bool = False, name: str | None = None, *, ctx: ToolContext
+) -> str:
     """Hand one self-contained task to a subagent: a separate agent with its own context
-    and the same workspace and tools. It works on the task alone and its final answer is
-    returned here. Several subagents may run side by side; give each everything it needs
-    to know, since it does not see this conversation.
+    and the same workspace and tools. It works on the task alone; give it everything it
+    needs to know, since it does not see this conversation. Several subagents may run side
+    by side.
+
+    By default the call waits and returns the subagent's final answer. With background
+    set, it returns {"session_id": ...} at once and you go on working; the subagent's
+    answer reaches you later as a message "[subagent NAME finished] ...".
 
     Args:
         task: the complete task, with the context and the answer you expect.
+        background: run it in the background instead of waiting for its answer.
+        name: a short name for the subagent, used when its answer arrives.
     """
     if ctx.spawn is None:
         raise SubagentError("subagents are not available here")
-    return await ctx.spawn(task)
+    return await ctx.spawn(task, background=background, name=name)
 
 
 RunChild = Callable[[SessionPort, TaskInput, trio.MemorySendChannel[list[Output]]], Awaitable[None]]
@@ -117,30 +153,21 @@ RunChild = Callable[[SessionPort, TaskInput, trio.MemorySendChannel[list[Output]
 
 class Subagents:
     """The subagents of one parent task: its limits, and ``spawn`` (the callback the tool
-    pool puts in every :class:`ToolContext`). ``report`` is the parent supervisor's inbox:
-    the children's outputs go there as ``SubagentOutputs``; ``run_child`` runs a child's
-    task."""
+    pool puts in every :class:`ToolContext`). ``run_child`` runs a foreground child's task
+    in the calling task; background children start in the host's nursery."""
 
-    __slots__ = ("_approve", "_parent", "_report", "_run_child", "_slots", "_started")
+    __slots__ = ("_approve", "_parent", "_run_child", "_started")
 
-    def __init__(
-        self,
-        parent: SessionPort,
-        *,
-        approve: Approval,
-        report: trio.MemorySendChannel[SupervisorMessage],
-        run_child: RunChild,
-    ) -> None:
+    def __init__(self, parent: SessionPort, *, approve: Approval, run_child: RunChild) -> None:
         self._parent = parent
         self._approve = approve
-        self._report = report
         self._run_child = run_child
-        self._slots: trio.Semaphore | None = None
         self._started = 0
 
-    async def spawn(self, task: str) -> str:
-        """Run a subagent on ``task`` in the calling task and return its final answer;
-        raises :class:`SubagentError` when it cannot run, fails or hits a limit."""
+    async def spawn(self, task: str, *, background: bool = False, name: str | None = None) -> str:
+        """Run a subagent on ``task`` and return its final answer — or, in the
+        ``background``, start it and return ``{"session_id": …}`` as JSON. Raises
+        :class:`SubagentError` when it cannot run, fails or hits a limit."""
         parent = self._parent
         settings = parent.settings
         depth = len(parent.origin_path) - 1
@@ -158,24 +185,46 @@ class Subagents:
                 f"(max_subagents_per_task={limit}); do the rest yourself"
             )
         self._started += 1
-        if self._slots is None:
-            self._slots = trio.Semaphore(max(1, settings.max_subagents_concurrent))
-        async with self._slots:
-            return await self._spawn(task, depth + 1)
+        name = " ".join((name or "").split())[:MAX_NAME_CHARS] or None
+        children = children_of(parent)
+        # A slot is held from before the child exists until it has ended: a background
+        # child's by the task that follows it.
+        await children.slots.acquire()
+        try:
+            child = await self._create(depth + 1, name)
+        except BaseException:
+            children.slots.release()
+            raise
+        if background:
+            self._start_background(children, child, task, name)
+            return json.dumps({"session_id": child.id})
+        try:
+            return await self._run_foreground(children, child, task)
+        finally:
+            children.slots.release()
 
-    async def _spawn(self, task: str, depth: int) -> str:
+    async def _create(self, depth: int, name: str | None) -> SessionPort:
         parent = self._parent
         settings = parent.settings
-        host = parent.host
         may_spawn = depth < settings.max_subagent_depth
         tools = [t for t in parent.tool_by_name.values() if may_spawn or t.name != SPAWN_SUBAGENT]
-        child = await host.create_child(
+        child = await parent.host.create_child(
             parent,
             settings=attrs.evolve(settings, system=subagent_system(settings.system)),
             tools=tools,
+            name=name,
         )
-        child.set_origin_path((*parent.origin_path, child.id))
-        watch = _ChildWatch(child, settings.subagent_token_budget, self._report)
+        child.subscribe(forward_up(child, parent))
+        return child
+
+    def _task(self, task: str) -> TaskInput:
+        return TaskInput(
+            content=(TextBlock(text=task),), approve=self._approve, thinking_level=None
+        )
+
+    async def _run_foreground(self, children: Children, child: SessionPort, task: str) -> str:
+        watch = _ChildWatch(child, self._parent.settings.subagent_token_budget)
+        children.add(child, background=False)
         # Unbounded: the child's supervisor publishes with send_nowait and must never wait
         # for this task, which drains the channel continuously.
         outputs_send, outputs = trio.open_memory_channel[list[Output]](math.inf)
@@ -183,73 +232,106 @@ class Subagents:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(watch.follow, outputs)
                 try:
-                    await self._run_child(
-                        child,
-                        TaskInput(
-                            content=(TextBlock(text=task),),
-                            approve=self._approve,
-                            thinking_level=None,
-                        ),
-                        outputs_send,
-                    )
+                    await self._run_child(child, self._task(task), outputs_send)
                 finally:
                     # The child has ended (or never started): the watch reads what is left.
                     outputs_send.close()
         finally:
-            host.forget_child(child)
+            children.remove(child.id)
+            self._parent.host.forget_child(child)
         return watch.result()
+
+    def _start_background(
+        self, children: Children, child: SessionPort, task: str, name: str | None
+    ) -> None:
+        parent = self._parent
+        host = parent.host
+        watch = _ChildWatch(child, parent.settings.subagent_token_budget)
+        children.add(child, background=True)
+        # Unbounded: the child's supervisor publishes with send_nowait; the follower task
+        # below drains it until the child's work ends.
+        outputs_send, outputs = trio.open_memory_channel[list[Output]](math.inf)
+        host.start_work(child, self._task(task), outputs_send)
+        label = name or child.id
+        approve = self._approve
+
+        async def follow() -> None:
+            try:
+                await watch.follow(outputs, shield=False)
+            finally:
+                entry = children.remove(child.id)
+                children.slots.release()
+                host.forget_child(child)
+                if entry is not None and not entry.cut:
+                    try:
+                        answer = watch.result()
+                    except SubagentError as exc:
+                        answer = str(exc)
+                    content = (TextBlock(text=finished_text(label, answer)),)
+                    # The follow-up it starts when the parent is idle runs with the
+                    # approvals of the task that spawned it.
+                    follow_up = TaskInput(content=content, approve=approve, thinking_level=None)
+                    tell(
+                        parent,
+                        SubagentFinished(
+                            session_id=child.id, content=content, follow_up=follow_up
+                        ),
+                    )
+
+        host.start_task(follow)
 
 
 class _ChildWatch:
-    """Reads one child's outputs: forwards them to the parent, adds up its token usage
-    against the budget, and keeps its final answer and ``task_end``."""
+    """Reads one child's run: adds up the token usage of its subtree (its own requests
+    and its descendants', forwarded through it) against the budget, and keeps its final
+    answer and ``task_end``."""
 
-    __slots__ = ("_budget", "_child", "_origin", "_report", "_texts", "end", "exceeded", "used")
+    __slots__ = ("_budget", "_child", "_texts", "end", "exceeded", "used")
 
-    def __init__(
-        self, child: SessionPort, budget: int, report: trio.MemorySendChannel[SupervisorMessage]
-    ) -> None:
+    def __init__(self, child: SessionPort, budget: int) -> None:
         self._child = child
         self._budget = budget
-        self._report = report
-        self._origin = child.origin_path
         self._texts: list[str] = []
         self.used = 0
         self.exceeded = False
         self.end: TaskEnd | None = None
 
-    async def follow(self, outputs: trio.MemoryReceiveChannel[list[Output]]) -> None:
-        """Handle every batch the child publishes until its channel closes. Shielded: an
-        interrupted parent still gets the child's own ``abort`` and ``task_end`` (the
-        child settles within its supervisor's teardown bound, then the channel closes)."""
-        with trio.CancelScope(shield=True):
+    async def follow(
+        self, outputs: trio.MemoryReceiveChannel[list[Output]], *, shield: bool = True
+    ) -> None:
+        """Handle every batch the child publishes until its channel closes. Shielded for a
+        foreground child: an interrupted parent still gets the child's own ``abort`` and
+        ``task_end`` (the child settles within its supervisor's teardown bound, then the
+        channel closes)."""
+        with trio.CancelScope(shield=shield):
             async for batch in outputs:
                 self._on_batch(batch)
 
     def _on_batch(self, batch: list[Output]) -> None:
-        # A parent supervisor that has ended closed its inbox: nobody is left to tell.
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            self._report.send_nowait(SubagentOutputs(outputs=tuple(batch), origin=self._origin))
         for output in batch:
-            if output.origin is not None:
-                continue  # a grandchild's: forwarded, and no business of this watch
             match output:
                 case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():
                     pass  # the most frequent outputs, tested first: live only
-                case RequestBegin():
-                    self._texts = []  # the answer is the last model message's text
-                case ModelMsg(block=TextBlock() as block):
-                    self._texts.append(block.text)
                 case TokenUsageOutput():
+                    if self.exceeded:
+                        continue  # counted up to the request that passed the budget
+                    # R-TREE-3: a descendant's requests count against this child's budget.
                     self.used += output.request.total
-                    if 0 <= self._budget < self.used and not self.exceeded:
+                    if 0 <= self._budget < self.used:
                         self.exceeded = True
                         self._child.send(
                             InterruptTask(
                                 reason=f"subagent token budget exceeded: {self.used} tokens "
-                                f"used, the budget is {self._budget}"
+                                f"used, the budget is {self._budget}",
+                                scope="tree",
                             )
                         )
+                case _ if output.origin is not None:
+                    pass  # a descendant's: neither the answer nor the end of this child
+                case RequestBegin():
+                    self._texts = []  # the answer is the last model message's text
+                case ModelMsg(block=TextBlock() as block):
+                    self._texts.append(block.text)
                 case TaskEnd():
                     self.end = output
                 case (
@@ -264,16 +346,18 @@ class _ChildWatch:
                     | CompactionBegin()
                     | CompactionEnd()
                 ):
-                    pass  # forwarded above; neither the answer nor the budget needs them
+                    pass  # neither the answer nor the budget needs them
                 case _:
                     assert_never(output)
 
     def result(self) -> str:
+        """The child's answer; raises :class:`SubagentError` naming the child and why it
+        has none (its budget, its status)."""
         child_id = self._child.id
         if self.exceeded:
             raise SubagentError(
-                f"subagent {child_id} was interrupted: it used {self.used} tokens, over its "
-                f"budget of {self._budget} (subagent_token_budget)"
+                f"subagent {child_id} was interrupted: it and its subagents used {self.used} "
+                f"tokens, over its budget of {self._budget} (subagent_token_budget)"
             )
         end = self.end
         if end is None:

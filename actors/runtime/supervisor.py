@@ -28,9 +28,12 @@ cancels; the supervisor then settles the turn (R-ABORT-1..3) and emits exactly o
 ``task_end`` under a shielded, bounded scope.
 
 A subagent (R-HOST-4, :mod:`greenroom.actors.runtime.subagents`) runs its own supervisor
-inside a ``spawn_subagent`` call's task (:func:`run_child`); its outputs come back through
-this supervisor's inbox (``SubagentOutputs``) as live outputs of this run, tagged with their
-``origin`` and never traced here.
+inside a ``spawn_subagent`` call's task (:func:`run_child`), or, in the background, in the
+host's nursery like any session's (:func:`start`); its outputs come back through this
+supervisor's inbox (``SubagentOutputs``) as live outputs of this run, tagged with their
+``origin`` and never traced here, and a background child's end as ``SubagentFinished``:
+steering of the open task, or a follow-up (R-TREE-2). An interrupt of scope ``tree`` ends
+the session's running children too (:func:`~greenroom.actors.runtime.tree.end_subtree`).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from greenroom.actors.runtime.errors import ImageRefused
 from greenroom.actors.runtime.port import SessionPort, TaskInput
 from greenroom.actors.runtime.resumption import parked_or_lost
 from greenroom.actors.runtime.running_task import RunningTask, build_request
+from greenroom.actors.runtime.tree import background_count, end_subtree, tell
 from greenroom.protocols.content import UserContent
 from greenroom.protocols.messages import (
     ApprovalAsked,
@@ -59,6 +63,7 @@ from greenroom.protocols.messages import (
     PersonAnswered,
     SteeringQueued,
     StreamBatch,
+    SubagentFinished,
     SubagentOutputs,
     SupervisorMessage,
     TaskQueued,
@@ -87,6 +92,7 @@ __all__ = [
     "SessionSupervisor",
     "build_request",
     "run_child",
+    "start",
     "wake",
 ]
 
@@ -193,6 +199,7 @@ class SessionSupervisor:
                 self._boundary_synced = boundary
                 await self._sync()  # R-TRACE-2: durable at every turn boundary
                 return False
+        machine.children_running(background_count(self._port))
         step = machine.next_step()
         match step:
             case Wait():
@@ -257,10 +264,19 @@ class SessionSupervisor:
                 self._out.forward(message.outputs, message.origin)
             case SteeringQueued():
                 machine.queue_steering(repaired_blocks(message.content))
+            case SubagentFinished():
+                # A background child's end (R-TREE-2): steering of a task that goes on,
+                # else a task of its own after the one that ends (never dropped with it).
+                if machine.takes_steering:
+                    machine.queue_steering(repaired_blocks(message.content))
+                else:
+                    machine.queue_task(message.follow_up)
             case TaskQueued():
                 machine.queue_task(message.task, message.kind)
             case InterruptTask():
                 machine.interrupt(message.reason)
+                if message.scope == "tree":
+                    end_subtree(self._port, "parent task interrupted")
             case BackoffSkipped():
                 if task is not None:
                     task.skip_backoff()
@@ -387,6 +403,9 @@ class SessionSupervisor:
                 return
             if port.deliver(message):
                 continue
+            if isinstance(message, SubagentFinished):
+                tell(port, message)  # the session is idle now: a follow-up of its own
+                continue
             if isinstance(message, PersonAnswered) and message.reply is not None:
                 with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                     message.reply.send_nowait(
@@ -500,6 +519,27 @@ async def _attach_prompt(
         return str(exc)
 
 
+def start(
+    port: SessionPort,
+    task: TaskInput | None,
+    output: trio.MemorySendChannel[list[Output]],
+    cancel: trio.Event | None = None,
+) -> trio.MemorySendChannel[SupervisorMessage]:
+    """Start a supervisor for idle ``port`` in the host's nursery, on ``task`` (None: a
+    manual compaction), publishing every batch on ``output`` (which it closes when the
+    work ends); setting ``cancel`` interrupts the work. Returns the supervisor's inbox,
+    which is the port's from now on. What ``Session.run`` and ``compact`` do, and how a
+    background subagent and a parent's follow-up start (R-TREE-2)."""
+    supervisor = SessionSupervisor(port, output, cancel)
+    supervisor.inbox.send_nowait(
+        TaskQueued(task=task, kind="task" if task is not None else "compaction")
+    )
+    port.inbox = supervisor.inbox
+    port.idle = trio.Event()
+    port.host.start_task(supervisor.run)
+    return supervisor.inbox
+
+
 def wake(port: SessionPort, message: SupervisorMessage | None) -> None:
     """Start a supervisor for ``port``'s open task — parked on people, or loaded after
     its host stopped — with ``message`` first in its inbox (R-HITL-2..4). The run's
@@ -540,9 +580,10 @@ async def run_child(
 
     Every batch of its outputs is sent on ``outputs`` (closed when the task has ended);
     the caller drains it concurrently. Cancelling the caller interrupts the subagent with
-    ``reason``: the subagent runs shielded, so it settles and records its own ``abort``
-    and ``task_end(aborted)`` (bounded by its teardown grace) before the cancellation goes
-    on to the caller."""
+    ``reason`` and scope ``node`` (its background children run on, unless the parent's
+    interrupt was of scope ``tree``, which has reached them already): the subagent runs
+    shielded, so it settles and records its own ``abort`` and ``task_end(aborted)``
+    (bounded by its teardown grace) before the cancellation goes on to the caller."""
     supervisor = SessionSupervisor(port, outputs, None)
     port.inbox = supervisor.inbox
     port.idle = trio.Event()
@@ -561,5 +602,5 @@ async def run_child(
         try:
             await finished.wait()
         except trio.Cancelled:
-            port.send(InterruptTask(reason=reason))
+            port.send(InterruptTask(reason=reason, scope="node"))
             raise

@@ -45,6 +45,7 @@ from greenroom.protocols.messages import (
 from greenroom.protocols.outputs import ToolStatus
 from greenroom.protocols.text import repair_text
 from greenroom.protocols.tools import (
+    Spawn,
     Tool,
     ToolContext,
     ToolFailure,
@@ -98,7 +99,7 @@ class ToolPool:
         sync_trace: Callable[[], Awaitable[None]],
         result_budget: int,
         slots: int = SLOTS,
-        spawn: Callable[[str], Awaitable[str]] | None = None,
+        spawn: Spawn | None = None,
         sandbox: Literal["auto", "required", "off"] = "auto",
         shell_network: bool = False,
         private_dirs: tuple[Path, ...] = (),
@@ -295,15 +296,15 @@ class _Detached:
         self.value: Any = None
         self.error: BaseException | None = None
 
-    def track_spawn(
-        self, spawn: Callable[[str], Awaitable[str]]
-    ) -> Callable[[str], Awaitable[str]]:
+    def track_spawn(self, spawn: Spawn) -> Spawn:
         """``spawn`` that marks this call as running a subagent while it runs."""
 
-        async def tracked(task: str) -> str:
+        async def tracked(
+            task: str, *, background: bool = False, name: str | None = None
+        ) -> str:
             self._spawning += 1
             try:
-                return await spawn(task)
+                return await spawn(task, background=background, name=name)
             finally:
                 self._spawning -= 1
 

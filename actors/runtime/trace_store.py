@@ -644,6 +644,7 @@ _META_FIELDS: tuple[tuple[str, type | tuple[type, ...]], ...] = (
     ("workspace_dir", str),
     ("settings", dict),
     ("parent_id", (str, type(None))),
+    ("root_id", (str, type(None))),
 )
 
 

@@ -1,0 +1,141 @@
+"""Agent trees (R-TREE): a session's live subagents, and what crosses the tree's edges.
+
+Every node of a tree is a session (R-TREE-1). A session that spawns keeps a
+:class:`Children` on its port, made at its first spawn: the concurrency slots its children
+share — foreground and background, across its tasks, so that a background child holds its
+slot until it ends — and the children that run now, each marked foreground or background.
+
+What crosses an edge:
+
+* **Outputs, up.** A child's port has :func:`forward_up` among its subscribers from its
+  creation: each batch it publishes goes to its parent's supervisor as ``SubagentOutputs``
+  (emitted as live outputs of the parent's run, with ``origin``) while the parent has
+  work, and straight to the parent's own subscribers, tagged with ``origin``, while it has
+  none. The parent's own forwarder takes them on up, so the root's watchers see every
+  node's outputs, whatever each node is doing (R-TREE-1, R-HOST-4).
+* **Answers, up.** A background child's end reaches its parent as input (R-TREE-2):
+  :func:`tell` hands ``SubagentFinished`` to the parent's work — steering of its open task —
+  or, when it is idle, starts a follow-up task through the host.
+* **Interrupts, down.** :func:`end_subtree` interrupts every live child with scope
+  ``tree`` (each does the same for its own): what an interrupt of scope ``tree`` does
+  besides ending the node's own task. A child ended so is ``cut``: its answer is for
+  nobody. An interrupt of scope ``node`` ends the node's task alone; its foreground
+  children end with their calls, its background children run on.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import trio
+
+from greenroom.actors.runtime.port import Listener, SessionPort
+from greenroom.protocols.messages import InterruptTask, SubagentFinished, SubagentOutputs
+from greenroom.protocols.outputs import Output
+
+__all__ = ["Children", "LiveChild", "children_of", "end_subtree", "forward_up", "tell"]
+
+
+class LiveChild:
+    """One running subagent of a session: its port, whether it runs in the background
+    (its spawning call has returned), and whether an ancestor's tree interrupt ended it
+    (``cut``: its answer goes to nobody)."""
+
+    __slots__ = ("background", "cut", "port")
+
+    def __init__(self, port: SessionPort, *, background: bool) -> None:
+        self.port = port
+        self.background = background
+        self.cut = False
+
+
+class Children:
+    """The running subagents of one session and the slots they share
+    (``max_subagents_concurrent``; see the module docstring)."""
+
+    __slots__ = ("live", "slots")
+
+    def __init__(self, concurrent: int) -> None:
+        self.slots = trio.Semaphore(max(1, concurrent))
+        """Held by each running child, foreground or background, from before it is
+        created until it has ended."""
+        self.live: dict[str, LiveChild] = {}
+        """The running children by session id, in the order they started."""
+
+    @property
+    def background(self) -> int:
+        """How many background children run now."""
+        return sum(1 for child in self.live.values() if child.background)
+
+    def add(self, port: SessionPort, *, background: bool) -> LiveChild:
+        """``port`` runs as a child from now on."""
+        child = self.live[port.id] = LiveChild(port, background=background)
+        return child
+
+    def remove(self, session_id: str) -> LiveChild | None:
+        """The child has ended; returns its entry (None when it was not running)."""
+        return self.live.pop(session_id, None)
+
+
+def children_of(port: SessionPort) -> Children:
+    """``port``'s running children, made (with the session's concurrency limit) at the
+    first spawn."""
+    children = port.children
+    if children is None:
+        children = port.children = Children(port.settings.max_subagents_concurrent)
+    return children
+
+
+def background_count(port: SessionPort) -> int:
+    """How many background children of ``port`` run now (0 for a session that never
+    spawned)."""
+    children = port.children
+    return 0 if children is None else children.background
+
+
+def forward_up(child: SessionPort, parent: SessionPort) -> Listener:
+    """The subscriber that takes ``child``'s outputs to ``parent`` (see the module
+    docstring): never blocks, never raises."""
+    origin = child.origin_path
+
+    def forward(batch: list[Output]) -> None:
+        if parent.send(SubagentOutputs(outputs=tuple(batch), origin=origin)):
+            return
+        # No supervisor reads the parent's inbox (it is idle, or parked): its watchers
+        # still see the child, tagged as the supervisor's emitter would have tagged it.
+        parent.publish(
+            [o if o.origin is not None else attrs.evolve(o, origin=origin) for o in batch]
+        )
+
+    return forward
+
+
+def end_subtree(port: SessionPort, reason: str) -> bool:
+    """Interrupt every running child of ``port`` with scope ``tree`` and mark it ``cut``;
+    True when one of them had work to interrupt."""
+    children = port.children
+    if children is None:
+        return False
+    hit = False
+    for child in list(children.live.values()):
+        child.cut = True
+        hit = child.port.deliver(InterruptTask(reason=reason, scope="tree")) or hit
+    return hit
+
+
+def tell(parent: SessionPort, message: SubagentFinished) -> bool:
+    """Hand a background child's end to ``parent``: to its work when it has some (a
+    parked task wakes for it), else as a follow-up task the host starts. False when the
+    parent takes no more work (closed, or locked by an auth failure)."""
+    if parent.deliver(message):
+        return True
+    if parent.closed or parent.machine.auth_locked is not None or parent.busy:
+        return False
+    parent.recover_open_task()
+    # Unbounded and unread: nobody runs this task but the tree; the trace and the
+    # parent's watchers get its outputs.
+    output, unread = trio.open_memory_channel[list[Output]](math.inf)
+    unread.close()
+    parent.host.start_work(parent, message.follow_up, output)
+    return True
