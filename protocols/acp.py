@@ -13,7 +13,8 @@ JSON-RPC 2.0 on its stdin and stdout. This module holds what does not wait for a
 * :class:`UpdateMapper` turns greenroom outputs into ``session/update`` payloads, the same
   way for a live task and for the replay of a stored trace (``session/load``). Outputs of a
   subagent become updates of the parent's ``spawn_subagent`` tool call, never a stream of
-  their own.
+  their own. A background subagent (R-TREE-2), whose spawning call returns at once, gets a
+  tool call of its own instead (:meth:`UpdateMapper.note`, :data:`BACKGROUND_PREFIX`).
 * :func:`stop_reason` maps a ``task_end`` to the ``{stopReason}`` answer of
   ``session/prompt``, or to the JSON-RPC error of a failed task.
 
@@ -84,6 +85,10 @@ MAX_DEPTH = 64
 
 META_KEY = "greenroom"
 """The key of greenroom's own fields inside an ACP ``_meta`` object."""
+
+BACKGROUND_PREFIX = "subagent:"
+"""The ``toolCallId`` of a background subagent's own tool call is this prefix and the
+subagent's session id (its node id, for ``_greenroom/steer``)."""
 
 StopReason = Literal["end_turn", "max_tokens", "max_turn_requests", "refusal", "cancelled"]
 ToolKind = Literal["read", "edit", "delete", "move", "search", "execute", "think", "fetch", "other"]
@@ -484,6 +489,15 @@ class _Child:
     lines: list[str] = attrs.Factory(list)
 
 
+@attrs.define
+class _Background:
+    """A background subagent of the session, shown on its own call until it ends."""
+
+    anchor: str
+    name: str
+    lines: list[str] = attrs.Factory(list)
+
+
 class UpdateMapper:
     """Turns the outputs of one session into ``session/update`` payloads (the ``update``
     object of each notification), in order.
@@ -512,6 +526,9 @@ class UpdateMapper:
         self._by_id: dict[str, _Call] = {}
         self._children: dict[str, _Child] = {}
         self._open_spawns: list[tuple[str, str]] = []  # (call id, task) not yet bound
+        # call id → (name, task) of a background spawn whose result is not yet seen
+        self._background_spawns: dict[str, tuple[str, str]] = {}
+        self._background: dict[str, _Background] = {}  # child id → its own call
         self._titles: dict[str, str] = {}
         self._streamed_text = False
         self._streamed_thinking = False
@@ -602,8 +619,11 @@ class UpdateMapper:
     # -- mapping
 
     def map(self, output: Output) -> list[dict[str, Any]]:
-        """The updates for one output (often none)."""
+        """The updates for one output (often none). The outputs of a background subagent
+        known to :meth:`note` give none here: :meth:`note` shows them."""
         if output.origin is not None and len(output.origin) > 1:
+            if self._is_bg(output.origin):
+                return []
             return self._child(output, output.origin)
         match output:
             case UserMsg():
@@ -641,8 +661,9 @@ class UpdateMapper:
             case TaskEnd():
                 updates = self._close_open_calls()
                 # The task's calls are all settled: a long session keeps no state per call.
-                self._calls.clear()
-                self._by_id.clear()
+                # Background children outlive the task: their calls stay known (approvals).
+                self._calls = {k: c for k, c in self._calls.items() if self._is_bg(c.origin)}
+                self._by_id = {k: c for k, c in self._by_id.items() if self._is_bg(c.origin)}
                 self._children.clear()
                 self._titles.clear()
                 return updates
@@ -660,6 +681,95 @@ class UpdateMapper:
                 return []
             case _:
                 assert_never(output)
+
+    def is_background(self, output: Output) -> bool:
+        """Whether ``output`` comes from a background subagent :meth:`note` shows (or
+        from one of its descendants)."""
+        return self._is_bg(output.origin)
+
+    def _is_bg(self, origin: tuple[str, ...] | None) -> bool:
+        return origin is not None and len(origin) > 1 and origin[1] in self._background
+
+    def note(self, output: Output) -> list[dict[str, Any]]:
+        """The updates that show the session's background subagents (R-TREE-2), for every
+        output the session publishes, as it is published — whether or not a prompt of the
+        client runs, since a background child outlives the call and the task that spawned
+        it. :meth:`map` shows everything else.
+
+        A ``spawn_subagent`` call with ``background: true`` returns the child's session id;
+        from that result on the child has a ``tool_call`` of its own: ``toolCallId``
+        :data:`BACKGROUND_PREFIX` + its id, kind ``think``, ``rawInput`` its task and
+        ``sessionId``, ``_meta.greenroom`` ``{nodeId, origin, background: true}``. Its
+        activity (and its descendants') is that call's ``in_progress`` updates — its last
+        :data:`CHILD_LINES` lines, ``_meta.greenroom`` ``{nodeId, origin, subagent,
+        type}`` — and its own ``task_end`` closes it ``completed`` or ``failed``."""
+        origin = output.origin
+        if origin is None:
+            if isinstance(output, ModelMsg) and isinstance(output.block, ToolCallBlock):
+                block = output.block
+                if block.name == "spawn_subagent" and block.arguments.get("background") is True:
+                    name, task = block.arguments.get("name"), block.arguments.get("task")
+                    self._background_spawns[block.id] = (
+                        name if isinstance(name, str) else "",
+                        task if isinstance(task, str) else "",
+                    )
+            elif isinstance(output, ToolCallOutput) and output.call_id in self._background_spawns:
+                return self._background_started(output)
+            return []
+        if len(origin) < 2:
+            return []
+        child = self._background.get(origin[1])
+        if child is None:
+            return []
+        line = self._child_line(output, origin, child.anchor)
+        if line is not None:
+            child.lines.append(line)
+            del child.lines[: -self.CHILD_LINES]
+        node = origin[-1]
+        meta: dict[str, Any] = {"nodeId": node, "origin": list(origin), "subagent": node}
+        if isinstance(output, TaskEnd) and len(origin) == 2:
+            # Its own end: the call closes, as every call the client was told about does.
+            del self._background[origin[1]]
+            ok = output.status == "completed"
+            update = _status(child.anchor, "completed" if ok else "failed")
+            meta["status"] = output.status
+        elif line is None:
+            return []
+        else:
+            update = _status(child.anchor, "in_progress")
+        update["content"] = [_text_content("\n".join(child.lines))]
+        update["_meta"] = {META_KEY: {**meta, "type": output.type}}
+        return [update]
+
+    def _background_started(self, output: ToolCallOutput) -> list[dict[str, Any]]:
+        name, task = self._background_spawns.pop(output.call_id)
+        said = "".join(b.text for b in output.content if isinstance(b, TextBlock))
+        try:
+            child_id = json.loads(said)["session_id"] if output.status == "ok" else None
+        except (ValueError, TypeError, KeyError):
+            child_id = None
+        if not isinstance(child_id, str):
+            return []  # it did not start: the spawning call says why
+        anchor = f"{BACKGROUND_PREFIX}{child_id}"
+        label = name or child_id
+        self._background[child_id] = _Background(anchor=anchor, name=label)
+        return [
+            {
+                "sessionUpdate": "tool_call",
+                "toolCallId": anchor,
+                "title": f"Subagent {label} (background)",
+                "kind": "think",
+                "status": "in_progress",
+                "rawInput": {"task": task, "sessionId": child_id},
+                "_meta": {
+                    META_KEY: {
+                        "nodeId": child_id,
+                        "background": True,
+                        "spawnCallId": output.call_id,
+                    }
+                },
+            }
+        ]
 
     def map_all(self, outputs: Iterable[Output]) -> list[dict[str, Any]]:
         """The updates for ``outputs``, in order (:meth:`map` of each)."""
@@ -745,7 +855,7 @@ class UpdateMapper:
         parent = self._calls.get((None, child.anchor))
         if parent is None or parent.closed:
             return []
-        line = self._child_line(output, origin)
+        line = self._child_line(output, origin, child.anchor)
         if line is None:
             return []
         child.lines.append(line)
@@ -772,16 +882,14 @@ class UpdateMapper:
         self._open_spawns.remove(chosen)
         return chosen[0]
 
-    def _child_line(self, output: Output, origin: tuple[str, ...]) -> str | None:
+    def _child_line(self, output: Output, origin: tuple[str, ...], anchor: str) -> str | None:
         who = "/".join(origin[1:])
         if isinstance(output, ModelMsg):
             block = output.block
             if isinstance(block, TextBlock) and block.text.strip():
                 return f"[{who}] {_clip(block.text, 300)}"
             if isinstance(block, ToolCallBlock):
-                call = _Call(
-                    name=block.name, origin=origin, anchor=self._children[origin[1]].anchor
-                )
+                call = _Call(name=block.name, origin=origin, anchor=anchor)
                 self._calls[(origin, block.id)] = call
                 self._by_id[block.id] = call
                 return f"[{who}] ▸ {tool_title(block)}"

@@ -19,6 +19,14 @@ task draining its run's own channel (R-ACTOR-1); it queues the updates and answe
 prompts when the task ends, so a prompt's answer always follows its last update. Every
 frame leaves through one outbox, written whole and in order by one writer task.
 
+Agent trees (R-TREE): a background subagent outlives its spawning call and the task that
+spawned it, so each session also has a subscriber that sees what the session publishes
+as it is published: it shows the background children on calls of their own
+(:meth:`~greenroom.protocols.acp.UpdateMapper.note`), asks the editor about their
+approvals, and, when the session starts a task no request of this connection started (a
+child's ``[subagent NAME finished]`` follow-up), streams that task through a pump like any
+other. ``_greenroom/steer`` with a ``nodeId`` steers any running node of the session's tree.
+
 The pumps never wait on the client, so a client that reads slowly never holds up a task;
 what waits to be written is bounded (:data:`MAX_PENDING_BYTES`): a client that has left
 that much unread is not reading, and the agent stops as if its stdout had closed (the
@@ -78,7 +86,14 @@ from greenroom.protocols.jsonrpc import (
     notification_frame,
     result_frame,
 )
-from greenroom.protocols.outputs import ApprovalRequest, Output, TaskEnd, ToolCallOutput, UserMsg
+from greenroom.protocols.outputs import (
+    ApprovalRequest,
+    Output,
+    TaskEnd,
+    TaskStart,
+    ToolCallOutput,
+    UserMsg,
+)
 from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.task import fold
 from greenroom.protocols.tools import Tool
@@ -510,6 +525,7 @@ class AcpAgent:
             existing.mcp_servers = mcp_servers
             return existing
         entry = self._sessions[session.id] = _AcpSession(session, mcp_servers)
+        session.subscribe(lambda batch: self._published(entry, batch))
         if mcp_servers:
             _log(f"session {session.id}: MCP servers {', '.join(sorted(mcp_servers))}")
         return entry
@@ -605,6 +621,29 @@ class AcpAgent:
         self._pump_soon(entry, stream)
         return await answer.wait()
 
+    def _published(self, entry: _AcpSession, batch: list[Output]) -> None:
+        """A batch the session published, as it is published (it must neither wait nor
+        raise): background children shown and asked about; a task that no request of this
+        connection started (a background child's finished message) pumped from its start."""
+        if self._output_gone:
+            return
+        mapper = entry.mapper
+        for output in batch:
+            for update in mapper.note(output):
+                self._push(_update_frame(entry.session.id, update))
+            if (
+                isinstance(output, ApprovalRequest)
+                and mapper.is_background(output)
+                and self._nursery is not None
+            ):
+                self._people.ask_soon(self._nursery, entry.asked, output)
+        if not entry.pumping and any(isinstance(o, TaskStart) and o.origin is None for o in batch):
+            # Unbounded: the pump never waits on the client, so it drains the watch at once.
+            send, receive = trio.open_memory_channel[list[Output]](math.inf)
+            send.send_nowait(batch)  # the watch starts with the next batch
+            entry.session.watch(send)
+            self._pump_soon(entry, WatchedTask(receive))
+
     def _pump_soon(self, entry: _AcpSession, outputs: RunStream | WatchedTask) -> None:
         entry.pumping = True
         entry.idle = trio.Event()
@@ -613,9 +652,35 @@ class AcpAgent:
         self._nursery.start_soon(self._pump, entry, outputs)
 
     async def _steer(self, params: dict[str, Any]) -> dict[str, Any]:
+        """``_greenroom/steer {sessionId, nodeId?, text | prompt}`` → ``{queued}``: steering
+        for the running task of the session, or of ``nodeId``, a running node of its tree
+        (R-TREE-1: a subagent whose ``root_id`` is the session). ``queued`` is False when
+        that node runs no task. An id that names no running node of the tree is -32002."""
         entry = self._session(params)
-        content = await _prompt_content(entry.session, params)
-        return {"queued": entry.session.steer(content)}
+        node = self._node(entry, params.get("nodeId"))
+        if "text" in params:
+            content: tuple[UserContent, ...] = (TextBlock(text=acp.require_str(params, "text")),)
+        else:
+            content = await _prompt_content(node, params)
+        return {"queued": node.steer(content)}
+
+    def _node(self, entry: _AcpSession, node_id: Any) -> Session:
+        """The session ``node_id`` names in ``entry``'s tree (the session itself when None)."""
+        if node_id is None or node_id == entry.session.id:
+            return entry.session
+        if not isinstance(node_id, str):
+            raise acp.invalid("$.nodeId", f"expected a string, got {type(node_id).__name__}")
+        try:
+            node = self._host.get_session(node_id)
+        except SessionNotFound:
+            node = None
+        # Only a node of this session's tree: another session's subagent is not found.
+        if node is None or node.root_id != entry.session.id:
+            raise RpcError(
+                acp.RESOURCE_NOT_FOUND,
+                f"no running node {node_id[:100]!r} in the tree of session {entry.session.id}",
+            )
+        return node
 
     async def _follow_up(self, params: dict[str, Any]) -> Any:
         entry = self._session(params)
@@ -665,7 +730,11 @@ class AcpAgent:
                     updates = []
                 for update in updates:
                     self._push(_update_frame(session_id, update))
-                if isinstance(output, ApprovalRequest) and self._nursery is not None:
+                if (
+                    isinstance(output, ApprovalRequest)
+                    and self._nursery is not None
+                    and not entry.mapper.is_background(output)  # _published asks those
+                ):
                     self._people.ask_soon(self._nursery, entry.asked, output)
                 if isinstance(output, TaskEnd) and output.origin is None:
                     await self._task_ended(entry, output)
