@@ -330,6 +330,8 @@ def _session_id(doc: str = "the session") -> Param:
     return Param(name="session_id", type="string", required=True, doc=doc)
 
 
+_NODE = "the session, or a subagent at any depth of a tree the caller owns"
+
 _INPUT = Param(
     name="input",
     type="string \\| blocks",
@@ -369,15 +371,15 @@ METHODS: dict[str, Method] = {
             name="session.list",
             params=(),
             result="`{sessions: [{session_id, created_at, updated_at, workspace_dir, "
-            "provider, model, trace_files, open, busy, auth_locked}], unreadable?: "
-            "[{session_id, reason}]}`",
-            doc="The caller's sessions, newest first; stored ones that cannot be read are "
-            "listed apart.",
+            "provider, model, trace_files, parent_id, root_id, open, busy, auth_locked, "
+            "title, last_activity_at, state}], unreadable?: [{session_id, reason}]}`",
+            doc="The caller's sessions and the subagents of their trees, newest first; "
+            "stored ones that cannot be read are listed apart.",
         ),
         Method(
             name="session.subscribe",
             params=(
-                _session_id(),
+                _session_id(_NODE),
                 Param(name="after_seq", type="integer", required=False,
                       doc="replay traced outputs after this seq (default 0: all)"),
             ),
@@ -386,7 +388,7 @@ METHODS: dict[str, Method] = {
         ),
         Method(
             name="session.unsubscribe",
-            params=(_session_id(),),
+            params=(_session_id(_NODE),),
             result="`{unsubscribed}`",
             doc="Stop the session's `output` notifications.",
         ),
@@ -398,7 +400,7 @@ METHODS: dict[str, Method] = {
         ),
         Method(
             name="steer",
-            params=(_session_id(), _INPUT),
+            params=(_session_id(_NODE), _INPUT),
             result="`{queued}`",
             doc="Steer the running task (false: no task runs).",
         ),
@@ -423,7 +425,7 @@ METHODS: dict[str, Method] = {
         Method(
             name="approve",
             params=(
-                _session_id(),
+                _session_id(_NODE),
                 Param(name="call_id", type="string", required=True,
                       doc="the `call_id` of an `approval_request` output"),
                 Param(name="decision", type="`allow` \\| `deny` \\| `allow_session`",
@@ -439,7 +441,7 @@ METHODS: dict[str, Method] = {
         Method(
             name="answer",
             params=(
-                _session_id(),
+                _session_id(_NODE),
                 Param(name="call_id", type="string", required=True,
                       doc="the `call_id` of an `approval_request` of kind `question`"),
                 Param(name="text", type="string", required=True,
@@ -450,7 +452,12 @@ METHODS: dict[str, Method] = {
         ),
         Method(
             name="interrupt",
-            params=(_session_id(),),
+            params=(
+                _session_id(_NODE),
+                Param(name="scope", type="string", required=False,
+                      doc="`tree` (default): the node and its whole subtree, background "
+                      "children included; `node`: the node and its foreground children"),
+            ),
             result="`{interrupted}`",
             doc="Interrupt the running task or compaction.",
         ),

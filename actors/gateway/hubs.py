@@ -327,7 +327,10 @@ class Hubs:
                 hub.close()
             if self._nursery is None:
                 raise RuntimeError("the gateway has stopped")
-            hub = SessionHub(session, on_task_end=self._on_task_end)
+            # A subagent is not titled: it is named by its spawning call, and a title
+            # would cost its tree a model request it did not ask for.
+            on_task_end = self._on_task_end if session.parent_id is None else None
+            hub = SessionHub(session, on_task_end=on_task_end)
             await self._nursery.start(hub.run)
             self._hubs[session.id] = hub
             return hub

@@ -49,15 +49,17 @@ from greenroom.actors.gateway.connection import Connection, Handler
 from greenroom.actors.gateway.hubs import Hubs, session_state
 from greenroom.actors.gateway.titles import Titles
 from greenroom.actors.runtime.errors import ImageRefused, SessionNotFound
-from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.host import Host, stored_root
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.port import Approval
 from greenroom.actors.runtime.session import Session
 from greenroom.actors.runtime.storage import SessionStore
+from greenroom.actors.runtime.trace_store import StoredSessionMissing, StoredSessionUnreadable
 from greenroom.protocols import jsonrpc
 from greenroom.protocols.content import ToolCallBlock, UserContent
 from greenroom.protocols.converter import to_dict
 from greenroom.protocols.jsonrpc import RpcError, invalid
+from greenroom.protocols.messages import InterruptScope
 from greenroom.protocols.people import PEOPLE, PendingApproval, Verdict
 
 logger = logging.getLogger(__name__)
@@ -170,18 +172,37 @@ class Methods:
 
     # -- sessions and ownership ------------------------------------------------------------------
 
-    async def _owned_session(self, connection: Connection, params: Mapping[str, Any]) -> Session:
+    async def _owned_session(
+        self, connection: Connection, params: Mapping[str, Any], *, node: bool = True
+    ) -> Session:
+        """The session ``params`` names, when the caller may use it: one it created or was
+        granted, or (``node``) a subagent at any depth of such a tree (R-TREE-1: the root
+        authorizes its nodes). A session that is not open (a finished subagent, a root the
+        host closed) is loaded. 403 for another principal's, 404 for an unknown one;
+        -32602 for a subagent where ``node`` is false (the call starts work: it goes to
+        the root)."""
         session_id = jsonrpc.require_str(params, "session_id", max_len=200)
-        if session_id not in self._grants.owned(_identity(connection)):
-            if await self._exists(session_id):
-                raise RpcError(
-                    jsonrpc.FORBIDDEN, f"session {session_id!r} belongs to another client"
+        owned = self._grants.owned(_identity(connection))
+        if session_id not in owned:
+            root_id = await self._root_of(session_id)
+            if root_id is None or root_id == session_id or root_id not in owned:
+                if root_id is not None or await self._exists(session_id):
+                    raise RpcError(
+                        jsonrpc.FORBIDDEN, f"session {session_id!r} belongs to another client"
+                    )
+                raise RpcError(jsonrpc.NOT_FOUND, f"no session {session_id!r}")
+            if not node:
+                raise invalid(
+                    "$.session_id",
+                    f"{session_id!r} is a subagent of the tree of {root_id!r}: call this "
+                    "method on the root (a node takes session.subscribe, steer, interrupt, "
+                    "approve, answer)",
                 )
-            raise RpcError(jsonrpc.NOT_FOUND, f"no session {session_id!r}")
         try:
             session = self.host.get_session(session_id)
         except SessionNotFound:
-            # Closed by the host since (or granted from the data dir): load it again.
+            # Closed by the host since (or granted from the data dir), or a finished
+            # subagent: load it again.
             session = await self.host.load_session(
                 session_id,
                 tools=self.defaults.tools,
@@ -190,6 +211,21 @@ class Methods:
             )
         await self._hubs.adopt(session)
         return session
+
+    async def _root_of(self, session_id: str) -> str | None:
+        """The root of ``session_id``'s tree (its own id for a root), from the open session
+        or its stored ``session.json``; None when there is no such session."""
+        try:
+            return self.host.get_session(session_id).root_id
+        except SessionNotFound:
+            pass
+        if not SESSION_ID.fullmatch(session_id):
+            return None
+        try:
+            meta = await self.host.trace_store.catalog.read_meta(session_id)
+        except (StoredSessionMissing, StoredSessionUnreadable):
+            return None
+        return stored_root(meta, session_id)
 
     async def _exists(self, session_id: str) -> bool:
         if self._grants.anyone_owns(session_id):
@@ -370,7 +406,8 @@ class Methods:
 
     async def rpc_session_list(self, connection: Connection, params: dict[str, Any]) -> Any:
         """The caller's stored sessions with their live state (open, busy, auth lock, title, last
-        activity); those that cannot be read are listed apart, by id with the reason."""
+        activity), and the subagents of their trees (``parent_id``, ``root_id``: R-TREE-1);
+        those that cannot be read are listed apart, by id with the reason."""
         jsonrpc.check_params(params, "session.list")
         owned = self._grants.owned(_identity(connection))
         if not owned:
@@ -383,7 +420,8 @@ class Methods:
         )
         sessions: list[dict[str, Any]] = []
         for info in scan.sessions:
-            if info.session_id not in owned:
+            # A subagent is listed with its tree (R-TREE-1): the caller owns its root.
+            if info.session_id not in owned and info.root_id not in owned:
                 continue
             session = open_sessions.get(info.session_id)
             hub = self._hubs.get(info.session_id)
@@ -433,7 +471,9 @@ class Methods:
         """Start a task on the session; its outputs reach the client through its subscription.
         Returns ``{run_id}`` at once; a busy (409) or auth-locked (423) session refuses."""
         jsonrpc.check_params(params, "run")
-        session = await self._hubs.settled(await self._owned_session(connection, params))
+        session = await self._hubs.settled(
+            await self._owned_session(connection, params, node=False)
+        )
         content = await self._input(session, params)
         stream = session.run(content, approve=self._run_approver())
         stream.detach()  # clients read the outputs through their subscriptions
@@ -450,7 +490,9 @@ class Methods:
         """Queue ``input`` as a task to run after the current one (R-STEER-6); ``queued`` is
         False when idle (then call ``run``)."""
         jsonrpc.check_params(params, "follow_up")
-        session = await self._hubs.settled(await self._owned_session(connection, params))
+        session = await self._hubs.settled(
+            await self._owned_session(connection, params, node=False)
+        )
         content = await self._input(session, params)
         return {"queued": session.follow_up(content, approve=self._run_approver())}
 
@@ -502,17 +544,24 @@ class Methods:
         return {}
 
     async def rpc_interrupt(self, connection: Connection, params: dict[str, Any]) -> Any:
-        """Interrupt the session's running task; ``interrupted`` is False when it was idle."""
+        """Interrupt the session's running task; ``interrupted`` is False when it was idle.
+        ``scope`` (R-TREE-2): ``tree`` (the default) ends the whole subtree, background
+        children included; ``node`` ends the node's task and its foreground children."""
         jsonrpc.check_params(params, "interrupt")
+        scope: InterruptScope = "tree"
+        if params.get("scope") is not None:
+            scope = cast(InterruptScope, jsonrpc.require_choice(params, "scope", ("tree", "node")))
         session = await self._owned_session(connection, params)
-        return {"interrupted": session.interrupt("interrupted by client")}
+        return {"interrupted": session.interrupt("interrupted by client", scope=scope)}
 
     async def rpc_compact(self, connection: Connection, params: dict[str, Any]) -> Any:
         """Compact the session's context now (R-COMPACT-10) and wait for it: the
         ``compaction_end`` output as a dict, None when there is nothing to compact; 409
         while busy."""
         jsonrpc.check_params(params, "compact")
-        session = await self._hubs.settled(await self._owned_session(connection, params))
+        session = await self._hubs.settled(
+            await self._owned_session(connection, params, node=False)
+        )
         end = await session.compact()
         return None if end is None else to_dict(end)
 
@@ -556,4 +605,3 @@ def _listed(request: PendingApproval) -> dict[str, Any]:
         "kind": request.kind,
         "digest": request.digest,
     }
-

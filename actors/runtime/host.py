@@ -743,6 +743,17 @@ def _child_origin(parent: SessionPort | None, parent_id: str, session_id: str) -
     return (*(parent.origin_path if parent is not None else (parent_id,)), session_id)
 
 
+def stored_root(meta: Mapping[str, Any], session_id: str) -> str:
+    """The root of a stored session's tree (R-TREE-1), from its ``session.json``: its
+    ``root_id``; for a subagent stored before trees had depth, its parent (then always
+    the root); a root's own id."""
+    root_id = meta.get("root_id")
+    if isinstance(root_id, str):
+        return root_id
+    parent_id = meta.get("parent_id")
+    return parent_id if isinstance(parent_id, str) else session_id
+
+
 def _stored_origin(meta: Mapping[str, Any], session_id: str) -> tuple[str, ...] | None:
     """A stored subagent's path from its root (``origin`` in its ``session.json``), when
     it is one that ends with the session; else ``(parent_id, session_id)`` for a subagent
@@ -797,10 +808,7 @@ def _session_scan(stored: list[StoredSession]) -> SessionScan:
         created = meta.get("created_at", 0.0)
         session_id = meta.get("session_id", entry.session_id)
         parent_id = meta.get("parent_id")
-        root_id = meta.get("root_id")
-        if not isinstance(root_id, str):
-            # Stored before trees had depth: a subagent's parent was its root.
-            root_id = parent_id if isinstance(parent_id, str) else session_id
+        root_id = stored_root(meta, session_id)
         infos.append(
             SessionInfo(
                 session_id=session_id,
