@@ -123,6 +123,48 @@ async def test_a_parked_task_holds_no_task_beyond_an_idle_sessions(
     await session.wait_idle()
 
 
+async def test_closing_a_parked_runs_stream_interrupts_it_parked_or_woken(
+    host: Host, workspace: Path
+) -> None:
+    """RunStream.aclose interrupts its run however far it went: parked (the task wakes
+    to end aborted, the call denied) and, after an answer woke it, while its tool runs
+    under the supervisor that took it up — not the first supervisor's closed inbox."""
+    ledger = Ledger()
+    session = await host.create_session(provider=ScriptedProvider(pay_then_answer()),
+                                        tools=[ledger.tool], workspace_dir=workspace)
+    stream = session.run("pay", approve=PEOPLE)
+    await until_parked(host, session.id)
+    await stream.aclose()
+    with trio.fail_after(RUN_TIMEOUT_S):
+        await session.wait_idle()
+    assert not session.busy and ledger.paid == []
+    ends = [line for line in trace_lines(session) if line["type"] == "task_end"]
+    assert [e["status"] for e in ends] == ["aborted"]
+
+    started, release = trio.Event(), trio.Event()
+
+    async def pay(amount: int) -> str:
+        """Pay an amount."""
+        started.set()
+        await release.wait()
+        return "paid"
+
+    slow = await host.create_session(
+        provider=ScriptedProvider(pay_then_answer()),
+        tools=[make_tool(pay, parallel=False)], workspace_dir=workspace,
+    )
+    stream = slow.run("pay", approve=PEOPLE)
+    await until_parked(host, slow.id)
+    await host.answer_approval(slow.id, "p1", "allow")
+    with trio.fail_after(RUN_TIMEOUT_S):
+        await started.wait()
+        await stream.aclose()
+        await slow.wait_idle()
+    assert not slow.busy
+    ends = [line for line in trace_lines(slow) if line["type"] == "task_end"]
+    assert [e["status"] for e in ends] == ["aborted"]
+
+
 async def test_a_pending_approval_survives_close_and_load(
     host: Host, workspace: Path
 ) -> None:
@@ -344,3 +386,4 @@ async def test_a_killed_hosts_task_resumes_without_running_its_call_again(
     assert lines[-1]["status"] == "completed"
     (request,) = again.requests
     assert "was not run again" in last_result(request).content[0].text  # type: ignore[union-attr]
+
