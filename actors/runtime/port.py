@@ -317,9 +317,12 @@ class SessionPort:
         """Whether the session's open task waits for people with no supervisor (parked
         in this process, or loaded from a trace that left it so: R-HITL-3)."""
         machine = self.machine
-        return self.inbox is None and machine.run_id is not None and bool(
-            machine.record.pending_people
-        )
+        if self.inbox is not None or machine.run_id is None:
+            return False
+        record = machine.record
+        # A question of a call that was running (allowed, no result) went with the host
+        # that ran the call: resuming settles the call; it is nobody's to answer.
+        return any(r.call_id not in record.allowed for r in record.pending_people)
 
     @property
     def busy(self) -> bool:

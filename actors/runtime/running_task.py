@@ -41,6 +41,7 @@ from greenroom.protocols.messages import (
     PersonAnswered,
     PlanBackoff,
     PoolCommand,
+    QuestionAsked,
     SkipBackoff,
     StartAttempt,
     StreamBatch,
@@ -50,6 +51,7 @@ from greenroom.protocols.messages import (
     ToolProgressed,
 )
 from greenroom.protocols.outputs import CompactionReason, Output, TaskEnd, TaskStatus, UserMsg
+from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.stream import StreamFailed
 from greenroom.protocols.task import CallHook
 
@@ -129,6 +131,7 @@ class TaskWork:
                         private_dirs=(port.host.data_dir,),
                         workspace_identity=port.workspace_identity,
                         attachments=port.attachments,
+                        people=approve == PEOPLE,
                     )
                     await nursery.start(pool.run, self._pool)
                     streamer = LLMStreamer(port.provider.open_task(), self._inbox)
@@ -347,7 +350,9 @@ class RunningTask:
             turns.fail_attempt(error, retry_in_ms)
 
     def on_turn_message(
-        self, message: ToolCallFinished | ToolProgressed | ApprovalDecided | ApprovalAsked
+        self,
+        message: ToolCallFinished | ToolProgressed | ApprovalDecided | ApprovalAsked
+        | QuestionAsked,
     ) -> None:
         """What the pool or the broker reported."""
         if self.turns is not None:

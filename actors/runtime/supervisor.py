@@ -10,9 +10,10 @@ The loop asks the session's task machine (:mod:`greenroom.protocols.task`, pure)
 next step and carries it out; when the step is to wait, it takes the next message from its
 one inbox. Everything reaches it there: the session handle's commands (tasks, steering,
 interrupt, skip, the auth unlock, people's answers), the LLM streamer's batches (a turn's
-and a compaction's), the approval broker's decisions, the tool pool's results, subagents'
-outputs, hook answers, and the end of its own waits. The open task's parts — its actors,
-turns, compaction — are a :class:`~greenroom.actors.runtime.running_task.RunningTask`.
+and a compaction's), the approval broker's decisions, the tool pool's results and its
+calls' questions to people, subagents' outputs, hook answers, and the end of its own
+waits. The open task's parts — its actors, turns, compaction — are a
+:class:`~greenroom.actors.runtime.running_task.RunningTask`.
 Every traced output goes through the :class:`~greenroom.actors.runtime.emitter.OutputEmitter`,
 which feeds it to the transcript and the task machine: the machine learns what happened
 exactly as a fold of the trace would (invariant 1 of the task machine).
@@ -57,6 +58,8 @@ from greenroom.protocols.messages import (
     HookAnswered,
     InterruptTask,
     PersonAnswered,
+    QuestionAnswered,
+    QuestionAsked,
     SteeringQueued,
     StreamBatch,
     SubagentOutputs,
@@ -252,6 +255,12 @@ class SessionSupervisor:
             case ToolCallFinished() | ToolProgressed() | ApprovalDecided() | ApprovalAsked():
                 if task is not None:
                     task.on_turn_message(message)
+            case QuestionAsked():
+                if task is not None:
+                    task.on_turn_message(message)
+                else:  # the call's task has ended: nobody is asked
+                    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                        message.reply.send_nowait(QuestionAnswered(action="cancel"))
             case SubagentOutputs():
                 # Live outputs of this run, already in the subagent's trace (R-HOST-4).
                 self._out.forward(message.outputs, message.origin)
