@@ -165,6 +165,26 @@ async def test_closing_a_parked_runs_stream_interrupts_it_parked_or_woken(
     assert [e["status"] for e in ends] == ["aborted"]
 
 
+async def test_a_runs_cancel_event_set_while_it_is_parked_ends_it_when_it_wakes(
+    host: Host, workspace: Path
+) -> None:
+    """session.run(cancel=event): no task watches the event while the run is parked
+    (R-HITL-3); set by then, it ends the task as soon as an answer wakes it — aborted,
+    and the allowed call never runs."""
+    ledger = Ledger()
+    session = await host.create_session(provider=ScriptedProvider(pay_then_answer()),
+                                        tools=[ledger.tool], workspace_dir=workspace)
+    cancel = trio.Event()
+    stream = session.run("pay", approve=PEOPLE, cancel=cancel)
+    await until_parked(host, session.id)
+    cancel.set()
+    await host.answer_approval(session.id, "p1", "allow")
+    outputs = await collect(stream)
+    end = of_type(outputs, TaskEnd)[-1]
+    assert (end.status, end.message) == ("aborted", "cancelled by host")
+    assert ledger.paid == []
+
+
 async def test_a_pending_approval_survives_close_and_load(
     host: Host, workspace: Path
 ) -> None:

@@ -101,11 +101,14 @@ class TaskInput:
 class Parked:
     """What a task that waits only for people keeps while no supervisor runs it
     (R-HITL-3): its run options, its run's output channel (None when nobody reads it),
-    and when it started (its ``task_end.wall_ms`` counts from there)."""
+    when it started (its ``task_end.wall_ms`` counts from there), and its run's
+    ``cancel`` event, if any: no task watches it while the task is parked; set by then,
+    it interrupts the task as soon as something wakes it."""
 
     task: TaskInput
     output: trio.MemorySendChannel[list[Output]] | None
     started_at: float
+    cancel: trio.Event | None = None
 
 
 class HostServices(Protocol):

@@ -411,15 +411,17 @@ class RunningTask:
             message=message,
         )
 
-    async def park(self, output: trio.MemorySendChannel[list[Output]]) -> Parked:
+    async def park(
+        self, output: trio.MemorySendChannel[list[Output]], cancel: trio.Event | None
+    ) -> Parked:
         """The task waits only for people: its actors stop and it keeps only its run
-        options and its reader's channel (R-HITL-3)."""
+        options, its reader's channel and its run's cancel event (R-HITL-3)."""
         await self.stop_work()
         assert self.task is not None
         # A run nobody reads any more (the gateway's, after a restart) keeps no channel.
         reader = output.statistics().open_receive_channels > 0
         return Parked(task=self.task, output=output if reader else None,
-                      started_at=self.started_at)
+                      started_at=self.started_at, cancel=cancel)
 
 
 def build_request(port: SessionPort, task: TaskInput | None) -> ModelRequest:

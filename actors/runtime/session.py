@@ -401,9 +401,10 @@ class Session:
 
         ``approve`` decides each tool call (R-APPROVE); without it, and without a client
         able to answer, calls are denied. Setting ``cancel`` interrupts the task, like
-        :meth:`interrupt`. Raises :class:`Busy` when a task or compaction is running
-        (R-HOST-2), :class:`AuthLocked` after an auth failure (R-RETRY-6), and
-        ``RuntimeError`` when called outside a trio task.
+        :meth:`interrupt` — a task parked on people (``approve="people"``) when something
+        wakes it, since nothing watches the event meanwhile. Raises :class:`Busy` when a
+        task or compaction is running (R-HOST-2), :class:`AuthLocked` after an auth
+        failure (R-RETRY-6), and ``RuntimeError`` when called outside a trio task.
 
         Images not yet attached (:meth:`attach`) are attached by the task before its
         input is recorded; one that is refused ends the task ``failed`` at once, its

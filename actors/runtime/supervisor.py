@@ -95,6 +95,9 @@ __all__ = [
 
 T = TypeVar("T")
 
+CANCELLED_BY_HOST = "cancelled by host"
+"""The interrupt reason of a run whose ``cancel`` event was set."""
+
 ABORT_GRACE_S = 2.0
 """Bound on the shielded teardown after a task: writing its last records (``abort``,
 ``task_end``) and syncing the trace. Well above the usual few milliseconds, far below a
@@ -432,7 +435,7 @@ class SessionSupervisor:
 
     async def _park(self) -> None:
         task, self._task = self._running(), None
-        self._port.parked_task = await task.park(self._output)
+        self._port.parked_task = await task.park(self._output, self._cancel_event)
         self._parked = True
 
     async def _resume(self) -> None:
@@ -448,6 +451,11 @@ class SessionSupervisor:
         machine.configure(port.task_limits())
         await self._open(task)
         task.take_up(lost_host=parked is None)
+        cancel = self._cancel_event
+        if cancel is not None and cancel.is_set():
+            # Set while the task was parked (nothing watched it then): the task ends
+            # before anything in the inbox — an answer above all — can start a call.
+            machine.interrupt(CANCELLED_BY_HOST)
 
     # -- waits that keep the inbox served ---------------------------------------------------
 
@@ -520,7 +528,7 @@ def wake(port: SessionPort, message: SupervisorMessage | None) -> None:
         # Unbounded and unread: nothing waits on it; the trace and watchers get all.
         output, unread = trio.open_memory_channel[list[Output]](math.inf)
         unread.close()
-    supervisor = SessionSupervisor(port, output, None)
+    supervisor = SessionSupervisor(port, output, parked.cancel if parked is not None else None)
     port.inbox = supervisor.inbox
     port.idle = trio.Event()
     if message is not None:
@@ -534,7 +542,7 @@ async def forward_cancel(
     """``session.run(cancel=event)``: setting the event interrupts the task."""
     await event.wait()
     with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-        inbox.send_nowait(InterruptTask(reason="cancelled by host"))
+        inbox.send_nowait(InterruptTask(reason=CANCELLED_BY_HOST))
 
 
 async def run_child(
