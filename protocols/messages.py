@@ -110,6 +110,32 @@ class PersonAnswered:
 
 
 @attrs.frozen(kw_only=True, slots=True)
+class QuestionAsked:
+    """A running call → the supervisor: the tool asks the session's people a question
+    while it runs (an MCP server's elicitation: R-HITL-5), ``arguments`` as a person is
+    shown them (``question``, and what else the tool gives: ``requested_schema``,
+    ``server``). The supervisor records an ``approval_request`` of kind ``question`` for
+    the call, which holds its slot meanwhile (it is not parked: R-HITL-3). ``reply`` (a
+    one-shot channel's send side) gets exactly one :class:`QuestionAnswered`: the
+    person's answer, a decline, or a cancel when the wait ran out, the call has a
+    question open already, or it is not running."""
+
+    call_id: str
+    arguments: dict[str, Any]
+    reply: Any = attrs.field(default=None, eq=False, repr=False)
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class QuestionAnswered:
+    """The supervisor → the call that asked (:class:`QuestionAsked`): ``accept`` with the
+    person's ``text``, ``decline`` (a person said no: a ``deny`` answer), or ``cancel``
+    (nobody answered: the wait ran out, the call or its task ended first)."""
+
+    action: Literal["accept", "decline", "cancel"]
+    text: str | None = None
+
+
+@attrs.frozen(kw_only=True, slots=True)
 class AuthRetried:
     """Command to the supervisor: the session's credentials were updated; unlock it
     (R-RETRY-6)."""
@@ -192,6 +218,7 @@ SupervisorMessage = (
     | ApprovalDecided
     | ToolCallFinished
     | ToolProgressed
+    | QuestionAsked
     | SubagentOutputs
     | SubagentFinished
     | HookAnswered

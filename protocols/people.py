@@ -6,6 +6,13 @@ A request waits in the trace as an ``approval_request`` record until its
 the CLI and the console list it. An answer names the call and may name the digest of the
 arguments it was given (:func:`arguments_digest`): a call no longer pending, or whose
 arguments are not those the person saw, is refused (R-HITL-2).
+
+A question's answer is text. It must be one of the question's ``choices`` when it has
+some (``ask_user``), and fit its ``requested_schema`` when it has one (an MCP server's
+elicitation, R-HITL-5): :func:`answer_problem` says why an answer does not,
+:func:`form_content` turns one that does into the object the schema describes — a JSON
+object, or, for a schema of one field, that field's value written plainly (``M``, ``3``,
+``yes``).
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ __all__ = [
     "PEOPLE",
     "PendingApproval",
     "Verdict",
+    "answer_problem",
     "arguments_digest",
+    "form_content",
 ]
 
 ASK_USER = "ask_user"
@@ -68,3 +77,137 @@ class PendingApproval:
     origin: tuple[str, ...]
     kind: PeopleKind = "approval"
     digest: str = ""
+
+
+def answer_problem(arguments: dict[str, Any], text: str) -> str | None:
+    """Why ``text`` cannot answer the question asked with ``arguments`` (None when it
+    can): not one of its ``choices``, or not fitting its ``requested_schema``."""
+    choices = arguments.get("choices")
+    if isinstance(choices, list) and choices and text not in choices:
+        return f"asks to choose one of {choices}"
+    schema = arguments.get("requested_schema")
+    if isinstance(schema, dict):
+        content = form_content(schema, text)
+        if isinstance(content, str):
+            return content
+    return None
+
+
+_TRUE = frozenset({"true", "yes", "y", "1", "on"})
+_FALSE = frozenset({"false", "no", "n", "0", "off"})
+
+
+def form_content(schema: dict[str, Any], text: str) -> dict[str, Any] | str:
+    """The object that ``text`` gives for an elicitation's ``requested_schema`` (a flat
+    object of strings, numbers, booleans and enums), or why it gives none. ``text`` is a
+    JSON object; or, when the schema has exactly one field, that field's value written
+    plainly."""
+    properties = schema.get("properties")
+    fields: dict[str, Any] = properties if isinstance(properties, dict) else {}
+    stripped = text.strip()
+    value: Any = None
+    if stripped.startswith("{"):
+        try:
+            value = json.loads(stripped)
+        except ValueError as exc:
+            return f"the answer is not a JSON object: {exc}"
+    if isinstance(value, dict):
+        content = value
+    elif len(fields) == 1:
+        ((name, field),) = fields.items()
+        plain = _plain_value(field if isinstance(field, dict) else {}, stripped)
+        if isinstance(plain, _Refused):
+            return f"{name}: {plain.why}"
+        content = {name: plain}
+    elif not fields:
+        content = {}
+    else:
+        return f"answer with a JSON object of the fields {sorted(fields)}"
+    required = schema.get("required")
+    for name in required if isinstance(required, list) else ():
+        if name not in content:
+            return f"{name} is required"
+    for name, item in content.items():
+        field = fields.get(name)
+        if not isinstance(field, dict):
+            return f"{name} is not a field of the form (its fields: {sorted(fields)})"
+        why = _value_problem(field, item)
+        if why is not None:
+            return f"{name}: {why}"
+    return content
+
+
+@attrs.frozen
+class _Refused:
+    why: str
+
+
+def _options(field: dict[str, Any]) -> list[Any] | None:
+    """The values an enum field allows (``enum``, or ``oneOf``/``anyOf`` of ``const``)."""
+    if isinstance(field.get("enum"), list):
+        return list(field["enum"])
+    for key in ("oneOf", "anyOf"):
+        items = field.get(key)
+        if isinstance(items, list):
+            return [i.get("const") for i in items if isinstance(i, dict) and "const" in i]
+    return None
+
+
+def _plain_value(field: dict[str, Any], text: str) -> Any:
+    """A field's value written plainly, converted to the field's type."""
+    kind = field.get("type")
+    if kind == "boolean":
+        lowered = text.lower()
+        if lowered in _TRUE or lowered in _FALSE:
+            return lowered in _TRUE
+        return _Refused("answer yes or no")
+    if kind in ("integer", "number"):
+        try:
+            number = float(text)
+        except ValueError:
+            return _Refused(f"answer with a number, not {text!r}")
+        if kind == "integer" or number.is_integer():
+            if not number.is_integer():
+                return _Refused(f"answer with a whole number, not {text!r}")
+            return int(number)
+        return number
+    if kind == "array":
+        return [part.strip() for part in text.split(",") if part.strip()]
+    return text
+
+
+def _value_problem(field: dict[str, Any], value: Any) -> str | None:
+    kind = field.get("type")
+    options = _options(field)
+    if kind == "array":
+        items = field.get("items")
+        allowed = _options(items) if isinstance(items, dict) else None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            return "expected a list of strings"
+        if allowed is not None and any(v not in allowed for v in value):
+            return f"choose among {allowed}"
+        return None
+    if options is not None:
+        return None if value in options else f"choose one of {options}"
+    if kind == "string":
+        if not isinstance(value, str):
+            return "expected a string"
+        low, high = field.get("minLength"), field.get("maxLength")
+        if isinstance(low, int) and len(value) < low:
+            return f"at least {low} characters"
+        if isinstance(high, int) and len(value) > high:
+            return f"at most {high} characters"
+        return None
+    if kind == "boolean":
+        return None if isinstance(value, bool) else "expected true or false"
+    if kind in ("integer", "number"):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return "expected a number"
+        if kind == "integer" and not float(value).is_integer():
+            return "expected a whole number"
+        low, high = field.get("minimum"), field.get("maximum")
+        if isinstance(low, int | float) and value < low:
+            return f"at least {low:g}"
+        if isinstance(high, int | float) and value > high:
+            return f"at most {high:g}"
+    return None

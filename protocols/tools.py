@@ -41,6 +41,7 @@ import attrs
 
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolContent
 from greenroom.protocols.context import ToolSchema
+from greenroom.protocols.messages import QuestionAnswered
 from greenroom.protocols.text import has_surrogates, repair_json
 
 
@@ -94,6 +95,14 @@ class ToolContext:
     was created (R-SEC-7): the built-in tools work only in that directory and refuse the
     call when another one stands at its path. None (a context built by hand) takes the
     directory at ``workspace_dir`` when each call starts.
+
+    ``ask`` asks the session's people a question while the call runs (an MCP server's
+    elicitation: R-HITL-5), given the ``arguments`` a person is shown (``question`` at
+    least), and returns their :class:`~greenroom.protocols.messages.QuestionAnswered`.
+    The question is durable like any request of the task, but it lasts only as long as
+    the call: it is cancelled when the call ends, and a call lost with its host is not
+    run again. One question at a time per call. None where nobody answers questions (the
+    task's calls are not decided by people).
     """
 
     call_id: str
@@ -105,6 +114,7 @@ class ToolContext:
     shell_network: bool = False
     private_dirs: tuple[Path, ...] = ()
     workspace_identity: WorkspaceIdentity | None = None
+    ask: Callable[[dict[str, Any]], Awaitable[QuestionAnswered]] | None = None
 
 
 ToolFunction = Callable[..., Awaitable[Any]]

@@ -26,7 +26,7 @@ from greenroom.actors.providers.scripted import (
     text,
     tool_call,
 )
-from greenroom.actors.runtime.errors import ConfigurationError
+from greenroom.actors.runtime.errors import ConfigurationError, NotPending
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.tools.mcp import McpConnection, load_config_files
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock
@@ -39,7 +39,14 @@ from greenroom.protocols.mcp_config import (
     parse_config_text,
     schema_problem,
 )
-from greenroom.protocols.outputs import TaskEnd, ToolCallOutput, ToolProgress
+from greenroom.protocols.outputs import (
+    ApprovalDecision,
+    ApprovalRequest,
+    TaskEnd,
+    ToolCallOutput,
+    ToolProgress,
+)
+from greenroom.protocols.people import PEOPLE, PendingApproval
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `tests` is not a package on pytest's default sys.path
@@ -652,3 +659,142 @@ async def test_the_model_sees_what_the_server_said_never_a_python_class_name(
     message = str(caught.value)
     assert message.startswith("MCP server 'gone' could not be started: command not found: ")
     assert "Error" not in message
+
+
+# -- elicitation: a server's question is a question to people (R-HITL-5) ---------------------
+
+
+def order_then(*replies: Reply) -> list[Reply]:
+    return [Reply(blocks=(tool_call("o1", "mcp__t__order", item="shirt"),)), *replies]
+
+
+async def asked_during_call(host: Host, session: Any, recorder: Recorder) -> PendingApproval:
+    """Allow the ``order`` call o1 (a person decides it), and wait until the server's
+    elicitation is the question pending on it."""
+    await recorder.wait_for("approval_request", call_id="o1", kind="approval")
+    await host.answer_approval(session.id, "o1", "allow", by="alice")
+    await recorder.wait_for("approval_request", call_id="o1", kind="question")
+    (pending,) = await host.pending_approvals()
+    return pending
+
+
+@contextlib.contextmanager
+def server_config(transport: str) -> Iterator[dict[str, Any]]:
+    if transport == "stdio":
+        yield stdio()
+        return
+    with http_server() as url:
+        yield {"type": "http", "url": url}
+
+
+@pytest.mark.parametrize("transport", ["stdio", "http"])
+async def test_an_elicitation_is_a_question_people_answer_while_the_call_runs(
+    mcp_host: Host, workspace: Path, providers: Any, transport: str
+) -> None:
+    """R-HITL-5, R-MCP-5: the server's elicitation/create during a call is recorded as an
+    approval_request of kind question on that call (its message, the requested schema,
+    the server), listed by pending_approvals while the call holds its slot (the task is
+    not parked); an answer that does not fit the schema is refused and the question stays;
+    the answer that fits reaches the server as the accepted content, and the tool's result
+    says what it was told. Over stdio and streamable HTTP."""
+    provider = providers(order_then(Reply(blocks=(text("done"),))))
+    with server_config(transport) as config:
+        session = await mcp_host.create_session(
+            provider=provider, workspace_dir=workspace, mcp_servers={"t": config}
+        )
+        await answer_the_order(mcp_host, session)
+
+
+async def answer_the_order(mcp_host: Host, session: Any) -> None:
+    recorder = Recorder(session)
+    stream = session.run("order a shirt", approve=PEOPLE)
+    pending = await asked_during_call(mcp_host, session, recorder)
+    assert (pending.call_id, pending.tool, pending.kind) == ("o1", "mcp__t__order", "question")
+    assert pending.arguments["question"] == "Which size of shirt?"
+    assert pending.arguments["server"] == "t"
+    schema = pending.arguments["requested_schema"]
+    assert schema["properties"]["size"]["enum"] == ["S", "M", "L"]
+    port = mcp_host.port(session.id)
+    assert session.busy and not port.parked and port.inbox is not None
+
+    with pytest.raises(NotPending, match="JSON object of the fields"):
+        await mcp_host.answer_question(session.id, "o1", "M")
+    with pytest.raises(NotPending, match="size: choose one of"):
+        await mcp_host.answer_question(session.id, "o1", '{"size": "XL"}')
+    assert [p.call_id for p in await mcp_host.pending_approvals()] == ["o1"]
+    await mcp_host.answer_question(session.id, "o1", '{"size": "M", "quantity": 2}', by="bob")
+
+    outputs = await collect(stream)
+    result = outputs_by_call(outputs)["o1"]
+    assert (result.status, content_text(result)) == ("ok", "ordered 2 M shirt")
+    decisions = [(d.decision, d.by, d.principal) for d in of_type(outputs, ApprovalDecision)]
+    assert decisions == [("allow", "client", "alice"), ("allow", "client", "bob")]
+    assert of_type(outputs, TaskEnd)[-1].status == "completed"
+    assert await mcp_host.pending_approvals() == []
+
+
+async def test_a_declined_or_interrupted_elicitation_reaches_the_server(
+    mcp_host: Host, workspace: Path, providers: Any
+) -> None:
+    """R-HITL-5: a person's deny declines the elicitation (the server says so); an
+    interrupt while the question waits ends the task aborted, the server's call is
+    cancelled, and nothing is left pending."""
+    provider = providers([
+        *order_then(Reply(blocks=(tool_call("o2", "mcp__t__order", item="hat"),))),
+    ])  # fmt: skip
+    session = await mcp_host.create_session(
+        provider=provider, workspace_dir=workspace, mcp_servers={"t": stdio()}
+    )
+    recorder = Recorder(session)
+    stream = session.run("order", approve=PEOPLE)
+    await asked_during_call(mcp_host, session, recorder)
+    await mcp_host.answer_approval(session.id, "o1", "deny", by="alice")
+    declined = await recorder.wait_for("tool_call_output", call_id="o1")
+    assert content_text(declined) == "declined"  # type: ignore[arg-type]
+
+    await recorder.wait_for("approval_request", call_id="o2", kind="approval")
+    await mcp_host.answer_approval(session.id, "o2", "allow")
+    await recorder.wait_for("approval_request", call_id="o2", kind="question")
+    session.interrupt()
+    outputs = await stream.collect()
+    assert of_type(outputs, TaskEnd)[-1].status == "aborted"
+    assert outputs_by_call(outputs)["o2"].status == "interrupted"
+    assert await mcp_host.pending_approvals() == []
+    server = connection(mcp_host, "t")
+    cancelled: list[str] = []
+    for _ in range(50):  # the server handles the cancellation in its own time
+        result = await server.call("cancelled", {}, None)
+        cancelled = json.loads(result[0].text)  # type: ignore[union-attr]
+        if cancelled:
+            break
+    assert cancelled == ["order:hat"]
+
+
+async def test_an_elicitation_nobody_can_answer_is_declined_and_one_unanswered_cancelled(
+    mcp_host: Host, workspace: Path, providers: Any
+) -> None:
+    """R-HITL-5, R-APPROVE-4: where a callback decides the calls, nobody answers
+    questions: the elicitation is declined at once. Where people do, a question nobody
+    answers within approval_timeout_s is cancelled, and the call's own timeout_s does not
+    count the wait. (Real time: the wait is the product's own, as in test_people.)"""
+    provider = providers(order_then(Reply(blocks=(text("ok"),))))
+    session = await mcp_host.create_session(
+        provider=provider, workspace_dir=workspace, mcp_servers={"t": stdio()}
+    )
+    outputs = await collect(session.run("order", approve=allow_all))
+    assert content_text(outputs_by_call(outputs)["o1"]) == "declined"
+    assert not of_type(outputs, ApprovalRequest)
+
+    provider = providers(order_then(Reply(blocks=(text("ok"),))))
+    session = await mcp_host.create_session(
+        provider=provider, workspace_dir=workspace,
+        mcp_servers={"t": stdio(timeout_s=0.5)}, approval_timeout_s=1.0,
+    )
+    recorder = Recorder(session)
+    stream = session.run("order", approve=PEOPLE)
+    await asked_during_call(mcp_host, session, recorder)
+    outputs = await stream.collect()
+    result = outputs_by_call(outputs)["o1"]
+    assert (result.status, content_text(result)) == ("ok", "cancelled")
+    (_, unanswered) = of_type(outputs, ApprovalDecision)
+    assert (unanswered.decision, unanswered.by) == ("deny", "default")

@@ -31,7 +31,7 @@ from greenroom.protocols.outputs import (
     TaskEnd,
     ToolCallOutput,
 )
-from greenroom.protocols.people import PEOPLE, arguments_digest
+from greenroom.protocols.people import PEOPLE, answer_problem, arguments_digest, form_content
 from greenroom.protocols.tools import make_tool
 
 
@@ -122,6 +122,68 @@ async def test_a_parked_task_holds_no_task_beyond_an_idle_sessions(
     assert trio.lowlevel.current_statistics().tasks_living == idle
     await host.answer_approval(session.id, "p1", "deny")
     await session.wait_idle()
+
+
+async def test_closing_a_parked_runs_stream_interrupts_it_parked_or_woken(
+    host: Host, workspace: Path
+) -> None:
+    """RunStream.aclose interrupts its run however far it went: parked (the task wakes
+    to end aborted, the call denied) and, after an answer woke it, while its tool runs
+    under the supervisor that took it up — not the first supervisor's closed inbox."""
+    ledger = Ledger()
+    session = await host.create_session(provider=ScriptedProvider(pay_then_answer()),
+                                        tools=[ledger.tool], workspace_dir=workspace)
+    stream = session.run("pay", approve=PEOPLE)
+    await until_parked(host, session.id)
+    await stream.aclose()
+    with trio.fail_after(RUN_TIMEOUT_S):
+        await session.wait_idle()
+    assert not session.busy and ledger.paid == []
+    ends = [line for line in trace_lines(session) if line["type"] == "task_end"]
+    assert [e["status"] for e in ends] == ["aborted"]
+
+    started, release = trio.Event(), trio.Event()
+
+    async def pay(amount: int) -> str:
+        """Pay an amount."""
+        started.set()
+        await release.wait()
+        return "paid"
+
+    slow = await host.create_session(
+        provider=ScriptedProvider(pay_then_answer()),
+        tools=[make_tool(pay, parallel=False)], workspace_dir=workspace,
+    )
+    stream = slow.run("pay", approve=PEOPLE)
+    await until_parked(host, slow.id)
+    await host.answer_approval(slow.id, "p1", "allow")
+    with trio.fail_after(RUN_TIMEOUT_S):
+        await started.wait()
+        await stream.aclose()
+        await slow.wait_idle()
+    assert not slow.busy
+    ends = [line for line in trace_lines(slow) if line["type"] == "task_end"]
+    assert [e["status"] for e in ends] == ["aborted"]
+
+
+async def test_a_runs_cancel_event_set_while_it_is_parked_ends_it_when_it_wakes(
+    host: Host, workspace: Path
+) -> None:
+    """session.run(cancel=event): no task watches the event while the run is parked
+    (R-HITL-3); set by then, it ends the task as soon as an answer wakes it — aborted,
+    and the allowed call never runs."""
+    ledger = Ledger()
+    session = await host.create_session(provider=ScriptedProvider(pay_then_answer()),
+                                        tools=[ledger.tool], workspace_dir=workspace)
+    cancel = trio.Event()
+    stream = session.run("pay", approve=PEOPLE, cancel=cancel)
+    await until_parked(host, session.id)
+    cancel.set()
+    await host.answer_approval(session.id, "p1", "allow")
+    outputs = await collect(stream)
+    end = of_type(outputs, TaskEnd)[-1]
+    assert (end.status, end.message) == ("aborted", "cancelled by host")
+    assert ledger.paid == []
 
 
 async def test_a_pending_approval_survives_close_and_load(
@@ -395,3 +457,127 @@ async def test_a_killed_hosts_task_resumes_without_running_its_call_again(
     assert lines[-1]["status"] == "completed"
     (request,) = again.requests
     assert "was not run again" in last_result(request).content[0].text  # type: ignore[union-attr]
+
+
+ASKING_HOST = textwrap.dedent(
+    """
+    import sys, trio
+    from greenroom.actors.providers.scripted import Reply, ScriptedProvider, tool_call
+    from greenroom.actors.runtime.host import Host
+    from greenroom.protocols.people import PEOPLE
+    from greenroom.protocols.tools import tool
+
+    data_dir, workspace = sys.argv[1:3]
+
+    @tool(parallel=False, name="confirm")
+    async def confirm(ctx) -> str:
+        \"\"\"Ask the person to confirm, while the call runs.\"\"\"
+        answer = await ctx.ask({"question": "Really?"})
+        return answer.action
+
+    def on_batch(batch):
+        for out in batch:  # published once written: the question is in the trace
+            if out.TYPE == "approval_request" and out.kind == "question":
+                print("asked", flush=True)
+
+    async def main():
+        async with Host.open(data_dir) as host:
+            session = await host.create_session(
+                provider=ScriptedProvider([Reply(blocks=(tool_call("c1", "confirm"),))]),
+                tools=[confirm], workspace_dir=workspace,
+            )
+            print(session.id, flush=True)
+            session.subscribe(on_batch)
+            session.run("go", approve=PEOPLE).detach()
+            await session.wait_idle()  # parked on the call's approval
+            await host.answer_approval(session.id, "c1", "allow")
+            await trio.sleep_forever()  # killed while the call's question waits
+
+    trio.run(main)
+    """
+)
+
+
+async def test_a_running_calls_question_goes_with_its_host(
+    data_dir: Path, workspace: Path, tmp_path: Path
+) -> None:
+    """R-HITL-5, R-HITL-4: a question a running call asks (ctx.ask: an MCP elicitation)
+    is recorded, but it lasts only as long as its call, and a call cannot outlive its
+    host: after a SIGKILL the next host lists no question to answer (the session is not
+    parked on it), and resuming settles the call as lost — not run again — and the
+    question with it."""
+    script = tmp_path / "ask.py"
+    script.write_text(ASKING_HOST)
+    process = await trio.lowlevel.open_process(
+        [sys.executable, str(script), str(data_dir), str(workspace)], stdout=subprocess.PIPE
+    )
+    try:
+        assert process.stdout is not None
+        lines = b""
+        with trio.fail_after(RUN_TIMEOUT_S):
+            while b"asked" not in lines:
+                lines += await process.stdout.receive_some()
+        sid = lines.split()[0].decode()
+    finally:
+        process.send_signal(signal.SIGKILL)
+        await process.wait()
+
+    again = ScriptedProvider([Reply(blocks=(text("It may not have been confirmed."),))])
+    async with open_host(data_dir) as host:
+        assert await host.pending_approvals() == []
+        loaded = host.get_session(sid)
+        assert not host.port(sid).parked
+        with pytest.raises(NotPending):
+            await host.answer_question(sid, "c1", "yes")
+        session = await host.resume(sid, provider=again, tools=[])
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await session.wait_idle()
+        assert session is loaded and await host.pending_approvals() == []
+        lines = trace_lines(session)
+    types = [line["type"] for line in lines]
+    assert types.count("approval_request") == 2 and types.count("task_end") == 1
+    (lost,) = [line for line in lines if line["type"] == "tool_call_output"]
+    assert lost["status"] == "interrupted" and "was not run again" in lost["content"][0]["text"]
+    assert lines[-1]["status"] == "completed"
+
+
+SIZE_FORM = {
+    "type": "object",
+    "properties": {
+        "size": {"type": "string", "enum": ["S", "M", "L"]},
+        "quantity": {"type": "integer", "minimum": 1},
+    },
+    "required": ["size"],
+}
+
+
+@pytest.mark.parametrize(
+    ("schema", "text", "expected"),
+    [
+        (SIZE_FORM, '{"size": "M", "quantity": 2}', {"size": "M", "quantity": 2}),
+        (SIZE_FORM, '{"size": "M"}', {"size": "M"}),
+        (SIZE_FORM, "M", "answer with a JSON object of the fields ['quantity', 'size']"),
+        (SIZE_FORM, '{"quantity": 2}', "size is required"),
+        (SIZE_FORM, '{"size": "XL"}', "size: choose one of ['S', 'M', 'L']"),
+        (SIZE_FORM, '{"size": "M", "quantity": 0}', "quantity: at least 1"),
+        (SIZE_FORM, '{"size": "M", "colour": "red"}', "colour is not a field of the form"),
+        ({"properties": {"n": {"type": "integer"}}}, " 3 ", {"n": 3}),
+        ({"properties": {"n": {"type": "integer"}}}, "3.5", "n: answer with a whole number"),
+        ({"properties": {"ok": {"type": "boolean"}}}, "Yes", {"ok": True}),
+        ({"properties": {"ok": {"type": "boolean"}}}, "maybe", "ok: answer yes or no"),
+        ({"properties": {"why": {"type": "string"}}}, "because", {"why": "because"}),
+        ({"type": "object", "properties": {}}, "fine", {}),
+    ],
+)
+def test_an_answer_is_checked_against_the_form_a_question_asks_for(
+    schema: dict[str, object], text: str, expected: object
+) -> None:
+    """R-HITL-5: an elicitation's answer is a JSON object of the requested schema's fields
+    (or one field's value written plainly); what does not fit says why."""
+    content = form_content(schema, text)
+    if isinstance(expected, str):
+        assert isinstance(content, str) and content.startswith(expected)
+        assert answer_problem({"requested_schema": schema}, text) == content
+    else:
+        assert content == expected
+        assert answer_problem({"requested_schema": schema}, text) is None

@@ -119,6 +119,8 @@ MESSAGE_EXAMPLES: list[Any] = [
         call_id="t", status="ok", is_error=False, content=(content.TextBlock(text="x"),)
     ),
     messages.ToolProgressed(call_id="t", message="half"),
+    messages.QuestionAsked(call_id="t", arguments={"question": "Which size?"}),
+    messages.QuestionAnswered(action="accept", text="M"),
     messages.SteeringQueued(content=(content.TextBlock(text="also"),)),
     messages.BackoffSkipped(),
     messages.InterruptTask(reason="interrupted by host"),

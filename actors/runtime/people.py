@@ -87,7 +87,12 @@ class People:
 
 
 def pending_of(port: SessionPort) -> list[PendingApproval]:
-    """The requests of ``port``'s open task that wait for a person."""
+    """The requests of ``port``'s open task that wait for a person. A running call's
+    question (an MCP elicitation) counts only while a supervisor runs the call: one that
+    a stopped host left in the trace is settled when the task resumes (the call is not
+    run again), and nobody can answer it."""
+    record = port.machine.record
+    running = port.inbox is not None
     return [
         PendingApproval(
             session_id=port.id,
@@ -99,7 +104,8 @@ def pending_of(port: SessionPort) -> list[PendingApproval]:
             kind=request.kind,
             digest=arguments_digest(request.arguments),
         )
-        for request in port.machine.record.pending_people
+        for request in record.pending_people
+        if running or request.call_id not in record.allowed
     ]
 
 

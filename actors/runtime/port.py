@@ -93,11 +93,14 @@ class TaskInput:
 class Parked:
     """What a task that waits only for people keeps while no supervisor runs it
     (R-HITL-3): its run options, its run's output channel (None when nobody reads it),
-    and when it started (its ``task_end.wall_ms`` counts from there)."""
+    when it started (its ``task_end.wall_ms`` counts from there), and its run's
+    ``cancel`` event, if any: no task watches it while the task is parked; set by then,
+    it interrupts the task as soon as something wakes it."""
 
     task: TaskInput
     output: trio.MemorySendChannel[list[Output]] | None
     started_at: float
+    cancel: trio.Event | None = None
 
 
 class HostServices(Protocol):
@@ -337,9 +340,12 @@ class SessionPort:
         """Whether the session's open task waits for people with no supervisor (parked
         in this process, or loaded from a trace that left it so: R-HITL-3)."""
         machine = self.machine
-        return self.inbox is None and machine.run_id is not None and bool(
-            machine.record.pending_people
-        )
+        if self.inbox is not None or machine.run_id is None:
+            return False
+        record = machine.record
+        # A question of a call that was running (allowed, no result) went with the host
+        # that ran the call: resuming settles the call; it is nobody's to answer.
+        return any(r.call_id not in record.allowed for r in record.pending_people)
 
     @property
     def busy(self) -> bool:

@@ -41,6 +41,7 @@ from greenroom.protocols.messages import (
     PersonAnswered,
     PlanBackoff,
     PoolCommand,
+    QuestionAsked,
     SkipBackoff,
     StartAttempt,
     StreamBatch,
@@ -50,6 +51,7 @@ from greenroom.protocols.messages import (
     ToolProgressed,
 )
 from greenroom.protocols.outputs import CompactionReason, Output, TaskEnd, TaskStatus, UserMsg
+from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.stream import StreamFailed
 from greenroom.protocols.task import CallHook
 
@@ -126,6 +128,7 @@ class TaskWork:
                         private_dirs=(port.host.data_dir,),
                         workspace_identity=port.workspace_identity,
                         attachments=port.attachments,
+                        people=approve == PEOPLE,
                     )
                     await nursery.start(pool.run, self._pool)
                     streamer = LLMStreamer(port.provider.open_task(), self._inbox)
@@ -344,7 +347,9 @@ class RunningTask:
             turns.fail_attempt(error, retry_in_ms)
 
     def on_turn_message(
-        self, message: ToolCallFinished | ToolProgressed | ApprovalDecided | ApprovalAsked
+        self,
+        message: ToolCallFinished | ToolProgressed | ApprovalDecided | ApprovalAsked
+        | QuestionAsked,
     ) -> None:
         """What the pool or the broker reported."""
         if self.turns is not None:
@@ -403,15 +408,17 @@ class RunningTask:
             message=message,
         )
 
-    async def park(self, output: trio.MemorySendChannel[list[Output]]) -> Parked:
+    async def park(
+        self, output: trio.MemorySendChannel[list[Output]], cancel: trio.Event | None
+    ) -> Parked:
         """The task waits only for people: its actors stop and it keeps only its run
-        options and its reader's channel (R-HITL-3)."""
+        options, its reader's channel and its run's cancel event (R-HITL-3)."""
         await self.stop_work()
         assert self.task is not None
         # A run nobody reads any more (the gateway's, after a restart) keeps no channel.
         reader = output.statistics().open_receive_channels > 0
         return Parked(task=self.task, output=output if reader else None,
-                      started_at=self.started_at)
+                      started_at=self.started_at, cancel=cancel)
 
 
 def build_request(port: SessionPort, task: TaskInput | None) -> ModelRequest:

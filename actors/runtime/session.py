@@ -11,7 +11,6 @@ inbox (R-ACTOR-1).
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -147,7 +146,7 @@ class RunStream:
 
     __slots__ = (
         "_batch",
-        "_control",
+        "_deliver",
         "_index",
         "_receive",
         "_run_id",
@@ -158,11 +157,15 @@ class RunStream:
     def __init__(
         self,
         receive: trio.MemoryReceiveChannel[list[Output]],
-        control: trio.MemorySendChannel[SupervisorMessage],
+        deliver: Callable[[SupervisorMessage], bool],
         first_run_id: str = "",
     ) -> None:
         self._receive = receive
-        self._control = control
+        # The session's way to its work (``SessionPort.deliver``), not one supervisor's
+        # inbox: a run that parks on people is taken up by another supervisor (R-HITL-3),
+        # and a reader holding the first one's inbox would keep that dead channel alive
+        # and could no longer interrupt its own run.
+        self._deliver = deliver
         self._run_id = first_run_id
         self._batch: list[Output] = []
         self._index = 0
@@ -254,9 +257,12 @@ class RunStream:
         self._receive.close()
 
     async def aclose(self) -> None:
-        """Interrupt the run if it is still going, and stop receiving."""
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            self._control.send_nowait(InterruptTask(reason="run closed by host"))
+        """Interrupt the run if it is still going — running, or parked on a person's
+        answer (it wakes to end) — and stop receiving."""
+        if self._receive.statistics().open_send_channels:
+            # The run's work still holds the other end (its supervisor, or the parked
+            # task: R-HITL-3), so the session's work is this run's.
+            self._deliver(InterruptTask(reason="run closed by host"))
         await self._receive.aclose()
 
     async def __aenter__(self) -> RunStream:
@@ -416,9 +422,7 @@ class Session:
 
     def _start(
         self, task: TaskInput | None, cancel: trio.Event | None
-    ) -> tuple[
-        trio.MemoryReceiveChannel[list[Output]], trio.MemorySendChannel[SupervisorMessage], str
-    ]:
+    ) -> tuple[trio.MemoryReceiveChannel[list[Output]], str]:
         port = self._port
         # Unbounded: a slow reader never stalls the model stream or the tools; outputs
         # are small and a run's count is bounded by its work.
@@ -426,8 +430,8 @@ class Session:
         # Reserved now so that callers (the websocket gateway's ``run``) can report the
         # run id before the supervisor task has started; its first task takes it.
         run_id = port.reserve_run_id()
-        inbox = start(port, task, send, cancel)
-        return receive, inbox, run_id
+        start(port, task, send, cancel)
+        return receive, run_id
 
     def run(
         self,
@@ -441,10 +445,11 @@ class Session:
 
         ``approve`` decides each tool call (R-APPROVE): a callback, or ``"people"`` (each
         call waits for a person's answer, from any surface: R-HITL); without it calls are
-        denied. Setting ``cancel`` interrupts the task, like
-        :meth:`interrupt`. Raises :class:`Busy` when a task or compaction is running
-        (R-HOST-2), :class:`AuthLocked` after an auth failure (R-RETRY-6), and
-        ``RuntimeError`` when called outside a trio task.
+        denied. Setting ``cancel`` interrupts the task, like :meth:`interrupt` — a task
+        parked on people when something wakes it, since nothing watches the event
+        meanwhile. Raises :class:`Busy` when a task or compaction is running (R-HOST-2),
+        :class:`AuthLocked` after an auth failure (R-RETRY-6), and ``RuntimeError`` when
+        called outside a trio task.
 
         Images not yet attached (:meth:`attach`) are attached by the task before its
         input is recorded; one that is refused ends the task ``failed`` at once, its
@@ -472,8 +477,8 @@ class Session:
         task = TaskInput(
             content=_as_content(new_messages), approve=approve, thinking_level=thinking_level
         )
-        receive, inbox, run_id = self._start(task, cancel)
-        return RunStream(receive, inbox, run_id)
+        receive, run_id = self._start(task, cancel)
+        return RunStream(receive, self._port.deliver, run_id)
 
     async def attach(
         self, messages: Sequence[UserContent] | str, *, confine: bool = False
@@ -579,9 +584,9 @@ class Session:
             raise Busy(f"session {self.id} is busy; compact when the task has ended")
         if self.compactability() != "ok":
             return None
-        receive, inbox, _ = self._start(None, None)
+        receive, _ = self._start(None, None)
         end: CompactionEnd | None = None
-        async for output in RunStream(receive, inbox):
+        async for output in RunStream(receive, self._port.deliver):
             if isinstance(output, CompactionEnd) and output.origin is None and end is None:
                 end = output
         return end

@@ -10,9 +10,10 @@ The loop asks the session's task machine (:mod:`greenroom.protocols.task`, pure)
 next step and carries it out; when the step is to wait, it takes the next message from its
 one inbox. Everything reaches it there: the session handle's commands (tasks, steering,
 interrupt, skip, the auth unlock, people's answers), the LLM streamer's batches (a turn's
-and a compaction's), the approval broker's decisions, the tool pool's results, subagents'
-outputs, hook answers, and the end of its own waits. The open task's parts — its actors,
-turns, compaction — are a :class:`~greenroom.actors.runtime.running_task.RunningTask`.
+and a compaction's), the approval broker's decisions, the tool pool's results and its
+calls' questions to people, subagents' outputs, hook answers, and the end of its own
+waits. The open task's parts — its actors, turns, compaction — are a
+:class:`~greenroom.actors.runtime.running_task.RunningTask`.
 Every traced output goes through the :class:`~greenroom.actors.runtime.emitter.OutputEmitter`,
 which feeds it to the transcript and the task machine: the machine learns what happened
 exactly as a fold of the trace would (invariant 1 of the task machine).
@@ -61,6 +62,8 @@ from greenroom.protocols.messages import (
     HookAnswered,
     InterruptTask,
     PersonAnswered,
+    QuestionAnswered,
+    QuestionAsked,
     SteeringQueued,
     StreamBatch,
     SubagentFinished,
@@ -97,6 +100,9 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+CANCELLED_BY_HOST = "cancelled by host"
+"""The interrupt reason of a run whose ``cancel`` event was set."""
 
 ABORT_GRACE_S = 2.0
 """Bound on the shielded teardown after a task: writing its last records (``abort``,
@@ -259,6 +265,12 @@ class SessionSupervisor:
             case ToolCallFinished() | ToolProgressed() | ApprovalDecided() | ApprovalAsked():
                 if task is not None:
                     task.on_turn_message(message)
+            case QuestionAsked():
+                if task is not None:
+                    task.on_turn_message(message)
+                else:  # the call's task has ended: nobody is asked
+                    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                        message.reply.send_nowait(QuestionAnswered(action="cancel"))
             case SubagentOutputs():
                 # Live outputs of this run, already in the subagent's trace (R-HOST-4).
                 self._out.forward(message.outputs, message.origin)
@@ -442,7 +454,7 @@ class SessionSupervisor:
 
     async def _park(self) -> None:
         task, self._task = self._running(), None
-        self._port.parked_task = await task.park(self._output)
+        self._port.parked_task = await task.park(self._output, self._cancel_event)
         self._parked = True
 
     async def _resume(self) -> None:
@@ -458,6 +470,11 @@ class SessionSupervisor:
         machine.configure(port.task_limits())
         await self._open(task)
         task.take_up(lost_host=parked is None)
+        cancel = self._cancel_event
+        if cancel is not None and cancel.is_set():
+            # Set while the task was parked (nothing watched it then): the task ends
+            # before anything in the inbox — an answer above all — can start a call.
+            machine.interrupt(CANCELLED_BY_HOST)
 
     # -- waits that keep the inbox served ---------------------------------------------------
 
@@ -551,7 +568,7 @@ def wake(port: SessionPort, message: SupervisorMessage | None) -> None:
         # Unbounded and unread: nothing waits on it; the trace and watchers get all.
         output, unread = trio.open_memory_channel[list[Output]](math.inf)
         unread.close()
-    supervisor = SessionSupervisor(port, output, None)
+    supervisor = SessionSupervisor(port, output, parked.cancel if parked is not None else None)
     port.inbox = supervisor.inbox
     port.idle = trio.Event()
     if message is not None:
@@ -565,7 +582,7 @@ async def forward_cancel(
     """``session.run(cancel=event)``: setting the event interrupts the task."""
     await event.wait()
     with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-        inbox.send_nowait(InterruptTask(reason="cancelled by host"))
+        inbox.send_nowait(InterruptTask(reason=CANCELLED_BY_HOST))
 
 
 async def run_child(

@@ -8,6 +8,9 @@ cut to head and tail with a marker naming the scratchpad file holding all of it 
 Progress notes go to the supervisor, which drops those of finished calls (R-TOOL-6).
 A tool that takes ``ctx`` gets the supervisor's ``spawn`` callback there (subagents,
 R-HOST-4); the subagent then runs in the call's task, under this pool's cancellation.
+Where people answer the task's requests, ``ctx.ask`` puts a question to them through the
+supervisor (``QuestionAsked``: an MCP server's elicitation, R-HITL-5); the call keeps its
+slot while it waits.
 
 Abandoning (R-SEC-2, R-ABORT-1): each tool function runs in a task of its own outside the
 session's task tree (a trio system task), and the call's task waits for it. When the call
@@ -36,6 +39,8 @@ from greenroom.protocols.content import TextBlock, ToolCallBlock, ToolContent
 from greenroom.protocols.messages import (
     BeginTurn,
     PoolCommand,
+    QuestionAnswered,
+    QuestionAsked,
     RunToolCall,
     SkipToolCall,
     SupervisorMessage,
@@ -76,6 +81,7 @@ class ToolPool:
         "_exclusive",
         "_inbox",
         "_limiter",
+        "_people",
         "_private_dirs",
         "_result_budget",
         "_sandbox",
@@ -105,8 +111,10 @@ class ToolPool:
         private_dirs: tuple[Path, ...] = (),
         attachments: Attachments | None = None,
         workspace_identity: WorkspaceIdentity | None = None,
+        people: bool = False,
     ) -> None:
         self._tools = tools
+        self._people = people
         self._attachments = attachments
         self._inbox = inbox
         self._workspace_dir = workspace_dir
@@ -223,6 +231,7 @@ class ToolPool:
                 shell_network=self._shell_network,
                 private_dirs=self._private_dirs,
                 workspace_identity=self._workspace_identity,
+                ask=_asker(inbox, call.id) if self._people else None,
             )
         running.start(tool.function, kwargs, name=f"tool {call.name} ({call.id})")
         finished = await running.wait(tool.timeout_s)
@@ -351,3 +360,31 @@ class _Detached:
 
     def _grace(self) -> float:
         return SUBAGENT_CANCEL_GRACE_S if self._spawning else CANCEL_GRACE_S
+
+
+_UNANSWERED = QuestionAnswered(action="cancel")
+
+
+def _asker(
+    inbox: trio.MemorySendChannel[SupervisorMessage], call_id: str
+) -> Callable[[dict[str, Any]], Awaitable[QuestionAnswered]]:
+    """``ctx.ask`` of call ``call_id``: the question goes to the supervisor, which records
+    it and replies once (see ``QuestionAsked``). A task that has ended (its inbox closed)
+    or a supervisor that drops the reply answers ``cancel``."""
+
+    async def ask(arguments: dict[str, Any]) -> QuestionAnswered:
+        # One slot: the supervisor's one reply never waits for this reader.
+        reply_send, reply = trio.open_memory_channel[QuestionAnswered](1)
+        try:
+            inbox.send_nowait(QuestionAsked(call_id=call_id, arguments=arguments,
+                                            reply=reply_send))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return _UNANSWERED
+        try:
+            return await reply.receive()
+        except trio.EndOfChannel:
+            return _UNANSWERED
+        finally:
+            reply.close()
+
+    return ask

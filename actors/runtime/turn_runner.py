@@ -9,12 +9,20 @@ the machine returns, in order: outputs emitted through the
 broker (or decided at once by an earlier ``allow_session``, which the task machine holds:
 R-APPROVE-4), ``RunToolCall`` / ``SkipToolCall`` to the tool pool, usage to the ledger.
 It holds no inbox and calls nothing back: the supervisor decides what comes next.
+
+A running call may ask people a question (``QuestionAsked``: an MCP server's elicitation,
+R-HITL-5). The runner records it as an ``approval_request`` of kind ``question`` under the
+call's id and keeps the call's reply channel until a person answers (the answer is
+recorded as the request's ``approval_decision``), the wait runs out, or the call ends —
+its result settles the request in the trace, as any result settles its call's requests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Collection
+from typing import Any
 
 import trio
 
@@ -29,32 +37,45 @@ from greenroom.protocols.messages import (
     BeginTurn,
     PersonAnswered,
     PoolCommand,
+    QuestionAnswered,
+    QuestionAsked,
     RunToolCall,
     SkipToolCall,
     ToolCallFinished,
     ToolProgressed,
 )
 from greenroom.protocols.outputs import (
+    ApprovalDecision,
     ApprovalRequest,
     PartialText,
     PartialThinking,
     PartialToolCall,
 )
-from greenroom.protocols.people import arguments_digest
+from greenroom.protocols.people import answer_problem, arguments_digest
 from greenroom.protocols.stream import ModelError, StreamEvent
 from greenroom.protocols.task import Phase, TaskRecord
-from greenroom.protocols.text import repair_text
+from greenroom.protocols.text import repair_json, repair_text
 from greenroom.protocols.turn import CallState, Effect, RecordUsage, TurnMachine, resume_turn
 
 __all__ = ["TurnRunner"]
 
 _PARTIALS = frozenset({PartialText, PartialThinking, PartialToolCall})
+_CANCELLED = QuestionAnswered(action="cancel")
+
+
+def _reply(reply: Any, answer: QuestionAnswered) -> None:
+    """Send a question's one answer; the asker may have gone (its call ended)."""
+    if reply is None:
+        return
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        reply.send_nowait(answer)
+    reply.close()
 
 
 class TurnRunner:
     """The turns of one task of ``port`` (see the module docstring)."""
 
-    __slots__ = ("_approvals", "_emitter", "_pool", "_port", "machine", "run_id")
+    __slots__ = ("_approvals", "_emitter", "_pool", "_port", "_questions", "machine", "run_id")
 
     def __init__(
         self,
@@ -69,6 +90,8 @@ class TurnRunner:
         self._emitter = emitter
         self._approvals = approvals
         self._pool = pool
+        self._questions: dict[str, Any] | None = None
+        """The reply channels of running calls' open questions, by call id."""
         self.run_id = run_id
         self.machine = TurnMachine(session_id=port.id, run_id=run_id, turn=0)
         """The current turn's machine (a new one per turn)."""
@@ -81,6 +104,7 @@ class TurnRunner:
     def begin_turn(self, turn: int) -> None:
         """Turn ``turn`` begins: a fresh machine, or the same turn again from attempt 1
         after an overflow compaction (R-COMPACT-9)."""
+        self._end_questions()
         if turn == self.machine.turn:
             self.machine.restart()
         else:
@@ -99,6 +123,7 @@ class TurnRunner:
 
     def discard_attempt(self) -> None:
         """The failed attempt's calls are history (before an overflow compaction)."""
+        self._end_questions()
         self.machine.discard_attempt()
         self._pool.send_nowait(BeginTurn())
 
@@ -111,12 +136,16 @@ class TurnRunner:
         self.apply(self.machine.fail_attempt(error, retry_in_ms=retry_in_ms))
 
     def handle(
-        self, message: ToolCallFinished | ToolProgressed | ApprovalDecided | ApprovalAsked
+        self,
+        message: ToolCallFinished | ToolProgressed | ApprovalDecided | ApprovalAsked
+        | QuestionAsked,
     ) -> None:
         """What the pool or the broker reported."""
         machine = self.machine
         match message:
             case ToolCallFinished():
+                # A question still open ends with its call (the result settles it).
+                self._end_question(message.call_id)
                 # Tool output is outside text (R-SEC-1): repaired before anyone encodes it.
                 self.apply(
                     machine.finish(
@@ -156,6 +185,47 @@ class TurnRunner:
             case ToolProgressed():
                 # Live only: progress notes never reach the trace (R-TRACE-1, R-TOOL-6).
                 self.apply(machine.progress(message.call_id, repair_text(message.message)))
+            case QuestionAsked():
+                self._question(message)
+
+    def _question(self, asked: QuestionAsked) -> None:
+        """A running call asks people a question: recorded (the pending state), its
+        reply kept; one at a time per call, and only while the call runs."""
+        call_id = asked.call_id
+        questions = self._questions
+        if self.machine.call_state(call_id) is not CallState.RUNNING or (
+            questions is not None and call_id in questions
+        ):
+            _reply(asked.reply, _CANCELLED)
+            return
+        (call,) = (c for c in self.machine.calls() if c.id == call_id)
+        request = self._emitter.emit(
+            ApprovalRequest(
+                session_id=self._port.id,
+                run_id=self.run_id,
+                call_id=call_id,
+                tool=call.name,
+                # Outside text (R-SEC-1), as the call's output is.
+                arguments=repair_json(asked.arguments),
+                kind="question",
+                asked_at=time.time(),
+            )
+        )
+        if questions is None:
+            questions = self._questions = {}
+        questions[call_id] = asked.reply
+        self._port.host.watch_approval(self._port, call_id, request.asked_at)
+
+    def _end_question(self, call_id: str, answer: QuestionAnswered | None = None) -> None:
+        questions = self._questions
+        if questions is not None and call_id in questions:
+            _reply(questions.pop(call_id), answer or _CANCELLED)
+
+    def _end_questions(self) -> None:
+        """The calls are over (the task stops, the attempt is history): no question of
+        theirs waits any more."""
+        for call_id in list(self._questions or ()):
+            self._end_question(call_id)
 
     def answer(self, answer: PersonAnswered) -> str | None:
         """A person's answer (or the timeout's deny) to a request of this turn: decided,
@@ -164,6 +234,8 @@ class TurnRunner:
         port = self._port
         call_id = answer.call_id
         request = port.machine.record.pending(call_id)
+        if request is not None and call_id in (self._questions or ()):
+            return self._answer_question(request, answer)
         if request is None or self.machine.call_state(call_id) is not CallState.APPROVING:
             return (
                 f"call {call_id!r} of session {port.id} waits for no answer: it was "
@@ -174,13 +246,11 @@ class TurnRunner:
         by, principal = answer.by, answer.principal
         if request.kind == "question":
             text = answer.text if answer.by == "client" else markers.NO_ANSWER_TEXT
-            choices = request.arguments.get("choices")
             if text is None:
                 return f"call {call_id!r} is a question: answer it with text"
-            if answer.by == "client" and isinstance(choices, list) and choices and (
-                text not in choices
-            ):
-                return f"call {call_id!r} asks to choose one of {choices}"
+            problem = answer_problem(request.arguments, text) if answer.by == "client" else None
+            if problem is not None:
+                return f"call {call_id!r} {problem}"
             self.apply(
                 self.machine.decide(call_id, allowed=True, answer=text, by=by, principal=principal)
             )
@@ -198,6 +268,42 @@ class TurnRunner:
                 principal=principal,
             )
         )
+        return None
+
+    def _answer_question(self, request: ApprovalRequest, answer: PersonAnswered) -> str | None:
+        """A person's answer to a running call's question (or the timeout's): recorded as
+        the request's decision (``allow`` for an answer, ``deny`` for a decline or no
+        answer), and the call gets it. Returns why it is refused, None when taken."""
+        call_id = request.call_id
+        if answer.digest is not None and answer.digest != arguments_digest(request.arguments):
+            return f"call {call_id!r} has other arguments than the ones that were shown"
+        reply: QuestionAnswered
+        if answer.by == "default":
+            reply = _CANCELLED
+        elif answer.verdict == "deny":
+            reply = QuestionAnswered(action="decline")
+        elif answer.text is None:
+            return (
+                f"call {call_id!r} asks a question while it runs: answer it with text, "
+                "or deny it to decline"
+            )
+        else:
+            problem = answer_problem(request.arguments, answer.text)
+            if problem is not None:
+                return f"call {call_id!r}: the answer does not fit: {problem}"
+            reply = QuestionAnswered(action="accept", text=answer.text)
+        self._emitter.emit(
+            ApprovalDecision(
+                session_id=self._port.id,
+                run_id=self.run_id,
+                call_id=call_id,
+                tool=request.tool,
+                decision="allow" if reply.action == "accept" else "deny",
+                by=answer.by,
+                principal=answer.principal,
+            )
+        )
+        self._end_question(call_id, reply)
         return None
 
     def resume(self, record: TaskRecord, idempotent: Collection[str]) -> tuple[bool, bool]:
@@ -243,11 +349,13 @@ class TurnRunner:
 
     def abort(self, reason: str) -> None:
         """Settle every call and record the ``abort`` (R-ABORT-1..3, R-APPROVE-5)."""
+        self._end_questions()
         complete = self._port.transcript.message_complete
         self.apply(self.machine.abort(reason, message_complete=complete))
 
     def fail(self, message: str) -> None:
         """Settle every call of a task that fails on its own (a bug, the trace)."""
+        self._end_questions()
         complete = self._port.transcript.message_complete
         self.apply(self.machine.fail(message, message_complete=complete))
 

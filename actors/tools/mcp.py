@@ -19,6 +19,21 @@ Who owns what:
   boundary (R-MCP-4): at once when the session is idle, else when the running task's
   tool results are in (the ``after_tool_results`` and ``on_stop`` hooks) or it ends.
 
+Elicitation (R-HITL-5, R-MCP-5): a server that asks for input during a call
+(``elicitation/create``, form mode) has its request put to the people of the session whose
+call it is, through the call's ``ToolContext.ask``: a durable question in the session's
+trace (``approval_request`` of kind ``question`` under the call's id), answered with
+``host.answer_question`` (or declined with a ``deny``). The answer goes back as the
+elicitation's result: ``accept`` with the content the answer gives for the requested schema
+(:func:`~greenroom.protocols.people.form_content`), ``decline``, or ``cancel`` when nobody
+answered in time or the call ended first. Nothing on the stdio wire says which request an
+elicitation belongs to, so it is put to the one call in flight on its connection; with no
+call or several in flight, with nobody to ask (the task's calls are not decided by people),
+and for URL mode, it is declined. The time a person takes does not count against the call's
+``timeout_s``. A question lasts only as long as its call: a call cannot outlive the host
+that runs it, so a host that stops while a question waits leaves the call to be settled as
+lost when the task resumes (it is not run again), and the question with it.
+
 Failures are error outputs, never failed tasks (R-MCP-4): a server that cannot start, exits
 or stops answering makes its calls raise :class:`McpServerError`, which the pool turns into
 an ``is_error`` result. A server that exited is started again on its next use; one that
@@ -44,6 +59,7 @@ import attrs
 import mcp_types
 import trio
 from mcp import ClientSession, StdioServerParameters, stdio_client
+from mcp.client import ClientRequestContext
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
@@ -59,6 +75,8 @@ from greenroom.protocols.mcp_config import (
     tool_name,
     tool_name_problem,
 )
+from greenroom.protocols.messages import QuestionAnswered
+from greenroom.protocols.people import form_content
 from greenroom.protocols.tools import Tool, ToolContext, ToolFailure
 
 if TYPE_CHECKING:
@@ -124,6 +142,35 @@ class LiveToolTable(dict[str, Tool]):
 # -- one server -------------------------------------------------------------------------------
 
 
+class _Call:
+    """One tool call in flight on a connection: its cancel scope, its timeout, the
+    context of the greenroom call that made it (None for a tool that takes its own
+    ``ctx``), and the elicitations it waits on (each wait's cancel scope)."""
+
+    __slots__ = ("_left", "ctx", "questions", "scope", "timeout")
+
+    def __init__(self, ctx: ToolContext | None) -> None:
+        self.ctx = ctx
+        self.scope = trio.CancelScope()
+        self.timeout: trio.CancelScope | None = None
+        self.questions: set[trio.CancelScope] = set()
+        self._left = 0.0
+
+    def pause_timeout(self) -> None:
+        """A question begins: the time people take does not count against the server
+        (the call's timeout stops while any question of it waits)."""
+        timeout = self.timeout
+        if timeout is not None and not self.questions:
+            self._left = timeout.deadline - trio.current_time()
+            timeout.deadline = math.inf
+
+    def resume_timeout(self) -> None:
+        """The last question has ended: the call's timeout counts on from where it was."""
+        timeout = self.timeout
+        if timeout is not None and not self.questions:
+            timeout.deadline = trio.current_time() + self._left
+
+
 class _Live:
     """One run of a connection: from starting the server to its end."""
 
@@ -136,7 +183,7 @@ class _Live:
         self.session: ClientSession | None = None
         self.error: str | None = None  # why starting failed
         self.lost: str | None = None  # why a started run ended
-        self.calls: set[trio.CancelScope] = set()
+        self.calls: set[_Call] = set()
 
 
 class McpConnection:
@@ -235,7 +282,12 @@ class McpConnection:
                 nursery = await stack.enter_async_context(trio.open_nursery())
                 nursery.start_soon(self._forward, read, send, live)
                 session = await stack.enter_async_context(
-                    ClientSession(receive, write, message_handler=self._on_message)
+                    ClientSession(
+                        receive,
+                        write,
+                        message_handler=self._on_message,
+                        elicitation_callback=self._on_elicit,
+                    )
                 )
                 with trio.fail_after(START_TIMEOUT_S):
                     await session.initialize()
@@ -267,8 +319,8 @@ class McpConnection:
                 live.ready.set()
             elif live.lost is None:
                 live.lost = "it exited" if error is None else f"the connection failed: {error}"
-            for scope in live.calls:
-                scope.cancel()
+            for call in live.calls:
+                call.scope.cancel()
 
     def _failed(self, error: str) -> str:
         if self.config.transport == "stdio" and not self._closed:
@@ -326,6 +378,55 @@ class McpConnection:
                     self.refreshing = trio.Event()
                 self._nursery.start_soon(self._refresh, live, live.session)
         await trio.lowlevel.checkpoint()
+
+    async def _on_elicit(
+        self, context: ClientRequestContext, params: mcp_types.ElicitRequestParams
+    ) -> mcp_types.ElicitResult:
+        """An ``elicitation/create`` from the server: put to the people of the one call
+        in flight (see the module docstring), else declined. Runs in the SDK's task for
+        the request; the wait ends with the call."""
+        asker = self._asker(params)
+        if isinstance(asker, str):
+            log.info("MCP server %r: an elicitation was declined: %s", self.name, asker)
+            return mcp_types.ElicitResult(action="decline")
+        call, ask = asker
+        assert isinstance(params, mcp_types.ElicitRequestFormParams)
+        schema = params.requested_schema
+        arguments = {"question": params.message, "requested_schema": schema,
+                     "server": self.name}
+        answer = None
+        with trio.CancelScope() as waiting:
+            call.pause_timeout()
+            call.questions.add(waiting)
+            try:
+                answer = await ask(arguments)
+            finally:
+                call.questions.discard(waiting)
+                call.resume_timeout()
+        if answer is None or answer.action == "cancel":
+            return mcp_types.ElicitResult(action="cancel")
+        if answer.action == "decline" or answer.text is None:
+            return mcp_types.ElicitResult(action="decline")
+        content = form_content(schema, answer.text)
+        if isinstance(content, str):  # checked when the answer was taken; never here
+            return mcp_types.ElicitResult(action="decline")
+        return mcp_types.ElicitResult(action="accept", content=content)
+
+    def _asker(
+        self, params: mcp_types.ElicitRequestParams
+    ) -> tuple[_Call, Callable[[dict[str, Any]], Awaitable[QuestionAnswered]]] | str:
+        """The call whose people an elicitation is put to and their ``ask``, or why
+        there is none."""
+        if not isinstance(params, mcp_types.ElicitRequestFormParams):
+            return "it asks for a URL to be opened (URL mode)"
+        live = self._live
+        calls = list(live.calls) if live is not None else []
+        if len(calls) != 1:
+            return f"{len(calls)} calls are in flight on its connection, not one"
+        (call,) = calls
+        if call.ctx is None or call.ctx.ask is None:
+            return "nobody answers the questions of the call's task"
+        return call, call.ctx.ask
 
     async def _refresh(self, live: _Live, session: ClientSession) -> None:
         """Fetch the changed tool list (``notifications/tools/list_changed``); sessions
@@ -439,12 +540,12 @@ class McpConnection:
         Raises :class:`McpServerError` or :class:`McpToolError`."""
         live, session = await self._session()
         progress = None if ctx is None else _progress_reporter(ctx)
-        scope = trio.CancelScope()
-        live.calls.add(scope)
+        entry = _Call(ctx)
+        live.calls.add(entry)
         timeout = self.config.timeout_s
         try:
-            with scope:
-                with trio.move_on_after(timeout):
+            with entry.scope:
+                with trio.move_on_after(timeout) as entry.timeout:
                     result = await session.call_tool(
                         tool, arguments, progress_callback=progress
                     )
@@ -464,7 +565,9 @@ class McpConnection:
                 f"MCP server {self.name!r} refused {tool}: {exc.message} (code {exc.code})"
             ) from None
         finally:
-            live.calls.discard(scope)
+            live.calls.discard(entry)
+            for question in entry.questions:
+                question.cancel()  # the call is over: so is what it asked
 
     def _lost_message(self, live: _Live, tool: str) -> str:
         return (

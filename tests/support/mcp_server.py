@@ -9,7 +9,9 @@ Tools: ``echo`` (read-only), ``structured``, ``image``, ``resource``, ``fail`` (
 ``release`` with the same key, reporting progress "started" first), ``hang`` (blocks
 forever; records its key in ``cancelled`` when the client cancels it), ``cancelled``,
 ``calls`` (the names called so far), ``add_tool`` (adds a tool and sends
-``notifications/tools/list_changed``) and ``bad_schema`` (listed with an unusable schema).
+``notifications/tools/list_changed``), ``bad_schema`` (listed with an unusable schema) and
+``order`` (asks the client which size and how many, by elicitation, and says what it was
+told; a cancellation is recorded in ``cancelled`` as ``order:<item>``).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import json
 import os
 import socket
 import sys
-from typing import Any
+from typing import Any, Literal
 
 import anyio
+from mcp.server.elicitation import AcceptedElicitation, DeclinedElicitation
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import (
@@ -30,6 +33,7 @@ from mcp.types import (
     TextResourceContents,
     ToolAnnotations,
 )
+from pydantic import BaseModel, Field
 
 READ_ONLY = ToolAnnotations(read_only_hint=True)
 PNG_1PX = (
@@ -132,6 +136,25 @@ async def hang(key: str, ctx: Context) -> str:
     finally:
         cancelled_keys.append(key)
     return "never"
+
+
+class Size(BaseModel):
+    size: Literal["S", "M", "L"] = Field(description="The size")
+    quantity: int = Field(default=1, ge=1, description="How many")
+
+
+@server.tool()
+async def order(item: str, ctx: Context) -> str:
+    """Order an item, asking the client which size and how many (elicitation)."""
+    called.append(f"order:{item}")
+    try:
+        answer = await ctx.elicit(f"Which size of {item}?", schema=Size)
+    except anyio.get_cancelled_exc_class():
+        cancelled_keys.append(f"order:{item}")
+        raise
+    if isinstance(answer, AcceptedElicitation):
+        return f"ordered {answer.data.quantity} {answer.data.size} {item}"
+    return "declined" if isinstance(answer, DeclinedElicitation) else "cancelled"
 
 
 @server.tool(annotations=READ_ONLY)
