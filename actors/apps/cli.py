@@ -31,6 +31,12 @@ task runs, fd 1 is stderr and the renderer writes to a private duplicate of stdo
 
 Failures are turned into exit codes in one place (``main``): exceptions come out of trio's
 nurseries wrapped in exception groups, and the boundary looks at their leaves.
+
+This module is only the entry point: the arguments are in ``parser``, each command in
+its own module (``run``, ``chat``, ``demo``, ``approvals``, ``serve_command``,
+``trace_command``), what they show in ``render``, what they ask in ``asking``, the exit
+codes in ``exits``. ``chat``, ``demo`` and ``approvals`` are imported only when their
+command runs (``chat`` loads prompt_toolkit, which no other command needs).
 """
 
 from __future__ import annotations
