@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `tests` is not a package on pytest's default sys.path
     sys.path.insert(0, str(ROOT))
 
-from greenroom.actors.apps.cli import build_parser  # noqa: E402
 from greenroom.actors.apps.demo import SALES, write_demo_workspace  # noqa: E402
+from greenroom.actors.apps.parser import build_parser  # noqa: E402
 from greenroom.actors.providers.scripted_brain import DEMO_PROMPT  # noqa: E402
 from tests.test_cli import CLI, TIMEOUT_S, cli_env, greenroom, json_lines  # noqa: E402
 

@@ -32,7 +32,8 @@ import trio
 from conftest import Gates, Lookup, last_user, texts_of
 from trio_websocket import WebSocketConnection, open_websocket_url
 
-from greenroom.actors.apps.cli import _console_port, build_parser
+from greenroom.actors.apps.parser import build_parser
+from greenroom.actors.apps.serve_command import console_port
 from greenroom.actors.gateway import Gateway, SessionDefaults, run_serve
 from greenroom.actors.gateway.console import (
     PAGE_PATH,
@@ -216,7 +217,7 @@ def test_serve_flags_choose_the_console_port() -> None:
     parser = build_parser()
 
     def port_of(*argv: str) -> int | None:
-        return _console_port(parser.parse_args(["serve", *argv]))
+        return console_port(parser.parse_args(["serve", *argv]))
 
     assert port_of() == 8766
     assert port_of("--port", "9000") == 9001

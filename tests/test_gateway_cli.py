@@ -80,7 +80,7 @@ def test_serve_flags_are_checked(tmp_path: Path) -> None:
 
 def test_the_per_principal_flags_default_to_the_gateway_limits() -> None:
     """R-SEC-9: ``serve``'s defaults are :class:`GatewayLimits`' own."""
-    from greenroom.actors.apps.cli import build_parser
+    from greenroom.actors.apps.parser import build_parser
 
     args = build_parser().parse_args(["serve"])
     limits = GatewayLimits()

@@ -13,7 +13,7 @@ import trio
 from conftest import RUN_TIMEOUT_S
 
 from greenroom import Host
-from greenroom.actors.apps.cli import build_parser
+from greenroom.actors.apps.parser import build_parser
 from greenroom.actors.gateway import SessionDefaults, run_serve
 from greenroom.actors.runtime.gc_tuning import GC_THRESHOLDS, tuned_gc
 

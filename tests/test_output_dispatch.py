@@ -26,7 +26,7 @@ import trio
 from test_protocol_roundtrip import EXAMPLES
 
 from greenroom.actors.apps.chat import ChatRenderer
-from greenroom.actors.apps.cli import HumanRenderer, JsonRenderer, format_record
+from greenroom.actors.apps.render import HumanRenderer, JsonRenderer, format_record
 from greenroom.actors.gateway import hubs
 from greenroom.actors.runtime import subagents, tree
 from greenroom.protocols import outputs
@@ -153,10 +153,10 @@ class _FakeParent:
 # -- the static check ----------------------------------------------------------------------
 
 DISPATCHERS = {
-    ("actors/apps/cli.py", "Renderer._mark_shown"),
-    ("actors/apps/cli.py", "HumanRenderer.show"),
-    ("actors/apps/cli.py", "HumanRenderer._show_subagent"),
-    ("actors/apps/cli.py", "_record_detail"),
+    ("actors/apps/render.py", "Renderer._mark_shown"),
+    ("actors/apps/render.py", "HumanRenderer.show"),
+    ("actors/apps/render.py", "HumanRenderer._show_subagent"),
+    ("actors/apps/render.py", "_record_detail"),
     ("actors/apps/chat.py", "ChatRenderer.show"),
     ("actors/gateway/hubs.py", "SessionHub._fan_out"),
     ("actors/runtime/subagents.py", "_ChildWatch._on_batch"),

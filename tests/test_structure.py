@@ -190,7 +190,8 @@ def test_the_actor_tree_is_the_folder_tree() -> None:
         "providers": {"registry", "anthropic", "openai", "openai_responses", "scripted"},
         "tools": {"builtin", "sandbox", "mcp"},
         "gateway": {"server", "connection", "methods", "hubs"},
-        "apps": {"cli", "chat", "demo", "acp"},
+        "apps": {"cli", "parser", "run", "render", "asking", "exits", "serve_command",
+                 "trace_command", "approvals", "chat", "demo", "acp"},
         "observers": {"otel"},
     }
     for folder, names in expected.items():
@@ -317,6 +318,59 @@ def _imported_modules(tree: ast.Module) -> Iterator[tuple[int, str, list[str]]]:
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 yield node.lineno, alias.name, []
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    """A name with a leading underscore is its module's own: importing it from another
+    module couples the two behind their public names' backs."""
+    found = [
+        f"{path.relative_to(ROOT)}:{line}: {module}.{name}"
+        for folder in (ACTORS, PROTOCOLS)
+        for path, tree in modules(folder)
+        for line, module, names in _imported_modules(tree)
+        if module.startswith("greenroom.")
+        for name in names
+        if name.startswith("_") and not name.startswith("__")
+    ]
+    assert found == []
+
+
+def test_the_apps_import_each_other_without_cycles_even_lazily() -> None:
+    """The programs are layered (issue: the house, item 5): ``cli`` dispatches to the
+    commands, the commands build on ``run``, ``asking`` and ``render``, and those on
+    ``exits`` and ``parser``; nothing below imports what is above it. Unlike the package
+    wide check, imports inside functions count: a lazy import that closes a cycle still
+    ties the two modules into one."""
+    apps = "greenroom.actors.apps."
+    graph: dict[str, set[str]] = {}
+    for path, tree in modules(ACTORS / "apps"):
+        name = _module_name(path)
+        graph[name] = set()
+        for _, module, names in _imported_modules(tree):
+            if module == "greenroom.actors.apps":
+                graph[name].update(apps + n for n in names)
+            elif module.startswith(apps):
+                graph[name].add(module)
+        graph[name].discard(name)
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                cycles.append([*stack[stack.index(target):], target])
+            elif target not in state and target in graph:
+                visit(target)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    assert cycles == []
 
 
 def test_no_runtime_module_but_the_host_imports_the_session_handle() -> None:

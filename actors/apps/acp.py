@@ -860,7 +860,7 @@ def _version() -> str:
 def serve_stdio(config: AcpConfig, data_dir: Path, stdout_fd: int) -> None:
     """Serve one ACP client on stdin and ``stdout_fd`` (a private duplicate of stdout: fd 1
     already points at stderr) until stdin closes; fd 0 points at ``/dev/null`` meanwhile.
-    ``greenroom acp`` (actors/apps/cli.py) prepares the config from its flags."""
+    ``greenroom acp`` (actors/apps/serve_command.py) prepares the config from its flags."""
     with _private_stdin() as stdin_fd:
         trio.run(_serve_stdio, config, data_dir, stdin_fd, stdout_fd)
 

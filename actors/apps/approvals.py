@@ -50,32 +50,33 @@ from typing import Any, TextIO
 import attrs
 import trio
 
-from greenroom.actors.apps.cli import (
+from greenroom.actors.apps.asking import TerminalApprover, answer_hint, chosen_answer, question_of
+from greenroom.actors.apps.exits import (
     EXIT_CODES,
     EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
-    READER_GONE,
+    UsageError,
+    print_error,
+)
+from greenroom.actors.apps.parser import check_session_id
+from greenroom.actors.apps.render import (
     HumanRenderer,
     JsonRenderer,
     Renderer,
+    clip,
+    color_enabled,
+    summary_line,
+)
+from greenroom.actors.apps.run import (
+    READER_GONE,
     RunOptions,
-    TerminalApprover,
-    UsageError,
-    _clip,
-    _color_enabled,
-    _data_dir,
-    _error,
-    _interrupt_on_sigint,
-    _stdout_for_renderer,
-    answer_hint,
-    check_session_id,
-    chosen_answer,
     collect_tools,
+    data_dir_from,
+    interrupt_on_sigint,
     mcp_servers,
     prepare_options,
-    question_of,
-    summary_line,
+    stdout_for_renderer,
 )
 from greenroom.actors.runtime import (
     ConfigurationError,
@@ -178,16 +179,16 @@ def _origin(session_id: str, parents: Mapping[str, Any]) -> tuple[str, ...]:
 def approvals_command(args: argparse.Namespace) -> int:
     """``greenroom approvals``: what waits for a person, one block per request (``--json``:
     one object per request, the fields of :class:`PendingApproval`); exit 0."""
-    data_dir = _data_dir(args.data_dir)
+    data_dir = data_dir_from(args.data_dir)
     stored = trio.run(stored_requests, data_dir)
     for problem in stored.problems:  # one bad session never hides the others
-        _error(problem)
+        print_error(problem)
     if args.json:
         for request in stored.requests:
             print(json.dumps(attrs.asdict(request), ensure_ascii=False))
         return EXIT_OK
     if not stored.requests:
-        _error(f"no approvals or questions wait for a person in {data_dir}")
+        print_error(f"no approvals or questions wait for a person in {data_dir}")
         return EXIT_OK
     now = time.time()
     print("\n\n".join(describe(request, data_dir, now=now) for request in stored.requests))
@@ -218,7 +219,7 @@ def pretty_arguments(arguments: Mapping[str, Any]) -> list[str]:
     """A call's arguments as indented JSON, long strings clipped and at most
     :data:`ARGUMENT_LINES` lines (the rest counted): readable at a glance, never a page."""
     text = json.dumps(_clipped(arguments), indent=2, ensure_ascii=False)
-    lines = [_clip(line, ARGUMENT_CHARS + 40) for line in text.splitlines()]
+    lines = [clip(line, ARGUMENT_CHARS + 40) for line in text.splitlines()]
     if len(lines) > ARGUMENT_LINES + 1:
         more = len(lines) - ARGUMENT_LINES
         lines = [*lines[:ARGUMENT_LINES], f"… {more} more lines"]
@@ -227,7 +228,7 @@ def pretty_arguments(arguments: Mapping[str, Any]) -> list[str]:
 
 def _clipped(value: Any) -> Any:
     if isinstance(value, str):
-        return _clip(value, ARGUMENT_CHARS)
+        return clip(value, ARGUMENT_CHARS)
     if isinstance(value, Mapping):
         return {key: _clipped(item) for key, item in value.items()}
     if isinstance(value, list):
@@ -289,10 +290,10 @@ class _Answer:
 def _answer_command(args: argparse.Namespace, *, verdict: str | None, text: str | None) -> int:
     session_id: str = args.session_id
     check_session_id(session_id, what="SESSION_ID")
-    data_dir = _data_dir(args.data_dir)
+    data_dir = data_dir_from(args.data_dir)
     request = trio.run(_waiting_request, data_dir, session_id, args.call_id)
     if isinstance(request, str):
-        _error(f"greenroom {args.command}: {request}")
+        print_error(f"greenroom {args.command}: {request}")
         return EXIT_FAILED
     text = _checked_answer(request, verdict, text, data_dir)
     tools = _session_tools(args, data_dir, session_id)
@@ -315,7 +316,7 @@ def _answer_command(args: argparse.Namespace, *, verdict: str | None, text: str 
         by=_person(),
         digest=getattr(args, "digest", None),
     )
-    with _stdout_for_renderer() as out:
+    with stdout_for_renderer() as out:
         return trio.run(_answer_and_follow, options, answer, args.command, out)
 
 
@@ -384,7 +385,7 @@ def _session_tools(args: argparse.Namespace, data_dir: Path, session_id: str) ->
         if name not in offered and not (name.startswith("mcp__") and args.mcp_config)
     ]
     if missing:
-        _error(
+        print_error(
             f"warning: session {session_id} was created with tools not offered now: "
             f"{', '.join(missing)} (give them with --tools or --mcp-config)"
         )
@@ -421,12 +422,12 @@ async def _answer_and_follow(
                 answer.session_id, mcp_servers=options.mcp_servers
             )
         except SessionNotFound as exc:
-            _error(f"greenroom {command}: {exc}")
+            print_error(f"greenroom {command}: {exc}")
             return EXIT_USAGE
         except (ConfigurationError, ImportError) as exc:
-            _error(f"greenroom {command}: cannot set up the session: {exc}")
+            print_error(f"greenroom {command}: cannot set up the session: {exc}")
             return EXIT_USAGE
-        _error(f"session: {session.id}")
+        print_error(f"session: {session.id}")
         renderer: Renderer = (
             JsonRenderer(out)
             if options.json
@@ -457,7 +458,7 @@ async def _answer_and_follow(
         try:
             return await follower.run(give)
         except NotPending as exc:
-            _error(f"greenroom {command}: {exc}")
+            print_error(f"greenroom {command}: {exc}")
             return EXIT_FAILED
 
 
@@ -514,7 +515,7 @@ class Follower:
         await give()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            await nursery.start(_interrupt_on_sigint, self._host, session, self._asker)
+            await nursery.start(interrupt_on_sigint, self._host, session, self._asker)
             self._expect_idle()
             parked = await self._follow()
             nursery.cancel_scope.cancel()
@@ -524,7 +525,7 @@ class Follower:
             self._report_waiting()
             return EXIT_OK
         end = self._end
-        _error(summary_line(end, session.trace_path, color=_color_enabled(sys.stderr)))
+        print_error(summary_line(end, session.trace_path, color=color_enabled(sys.stderr)))
         return EXIT_CODES.get(end.status, EXIT_FAILED) if end is not None else EXIT_FAILED
 
     async def _follow(self) -> bool:
@@ -579,7 +580,7 @@ class Follower:
             self._nursery.start_soon(self._ask, self._asker, request)
         elif request.origin is not None:
             # A subagent's task never parks: nobody could answer it once this command ends.
-            _error(
+            print_error(
                 f"a subagent asks about {request.tool} (call {request.call_id}) and no one "
                 "can answer it here: the task is interrupted (answer on a terminal instead)"
             )
@@ -605,7 +606,7 @@ class Follower:
                         by,
                     )
         except NotPending as exc:  # answered meanwhile: the timeout policy, an interrupt
-            _error(f"not answered: {exc}")
+            print_error(f"not answered: {exc}")
         finally:
             self._asking -= 1
             self._expect_idle()
@@ -624,7 +625,7 @@ class Follower:
     def _report_waiting(self) -> None:
         waiting = list(self._waiting.values())
         if not waiting:
-            _error("the task waits for a person: greenroom approvals lists what")
+            print_error("the task waits for a person: greenroom approvals lists what")
             return
         for request in waiting:
             pending = PendingApproval(
@@ -637,7 +638,7 @@ class Follower:
                 kind=request.kind,
             )
             what = "a question" if request.kind == "question" else f"{request.tool}"
-            _error(
+            print_error(
                 f"waiting for a person: {what} (call {request.call_id}); answer with: "
                 + how_to_answer(pending, self._data_dir)
             )

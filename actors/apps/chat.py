@@ -79,27 +79,23 @@ from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
 from prompt_toolkit.output import create_output
 from prompt_toolkit.shortcuts import PromptSession
 
-from greenroom.actors.apps.cli import (
+from greenroom.actors.apps.asking import (
     ANSWER_PROMPT,
-    EXIT_ABORTED,
-    EXIT_OK,
-    EXIT_USAGE,
-    HumanRenderer,
-    RunOptions,
-    _approver,
-    _arguments_text,
-    _color_enabled,
-    _error,
-    _LineReader,
+    LineReader,
     answer_hint,
+    approver_for,
     chosen_answer,
-    open_reported_session,
-    prepare_options,
     question_block,
     question_of,
+)
+from greenroom.actors.apps.exits import EXIT_ABORTED, EXIT_OK, EXIT_USAGE, print_error
+from greenroom.actors.apps.render import HumanRenderer, arguments_text, color_enabled, summary_line
+from greenroom.actors.apps.run import (
+    RunOptions,
+    open_reported_session,
+    prepare_options,
     refusal_words,
     run_options,
-    summary_line,
 )
 from greenroom.actors.runtime import (
     ApproveFn,
@@ -194,7 +190,7 @@ def chat_command(args: argparse.Namespace) -> int:
     try:
         code = trio.run(_chat, options)
     except* KeyboardInterrupt:
-        _error("interrupted")
+        print_error("interrupted")
     return code
 
 
@@ -379,7 +375,7 @@ class ChatApprover:
             await self._renderer.wait_shown(f"call:{call.id}")
         self._previous = call.id
         question = (
-            f"Allow {call.name} {_arguments_text(call, 200)}? "
+            f"Allow {call.name} {arguments_text(call, 200)}? "
             "[y]es / [n]o / [a]lways for this session: "
         )
         try:
@@ -497,7 +493,7 @@ class Chat:
                 renderer, self._router.ask, steer=session.steer if self._interactive else None
             )
             if approve == "ask"
-            else _approver(approve, renderer)
+            else approver_for(approve, renderer)
         )
         # Unbounded: the prompt's thread, the signal handler and finished work post with
         # send_nowait and must never block; a person types a line at a time.
@@ -538,13 +534,13 @@ class Chat:
         finally:
             if self._resume_hint is not None:
                 # After the screen has let go of the terminal: the last words on it.
-                _error(f"to resume: {self._resume_hint}")
+                print_error(f"to resume: {self._resume_hint}")
         return code
 
     # event sources
 
     async def _read_lines(self) -> None:
-        reader = _LineReader(self._fd)
+        reader = LineReader(self._fd)
         while True:
             if not self._echoes:  # not a terminal: one line per prompt or question
                 await self._wanted.wait()
@@ -955,7 +951,7 @@ class TerminalScreen:
             # input, or the chat would wait for keys that can no longer come.
             failure = None if prompt.cancelled() else prompt.exception()
             if failure is not None:
-                _error(f"greenroom chat: the terminal failed: {failure!r}")
+                print_error(f"greenroom chat: the terminal failed: {failure!r}")
             self._send(_EndOfInput())
             return
         if self._app.is_running:
@@ -1197,7 +1193,7 @@ class ChatRenderer(HumanRenderer):
 
     def summary(self, end: TaskEnd, trace_path: Path | None) -> None:
         """The task's closing line on stderr (see :func:`summary_line`)."""
-        self._note(summary_line(end, trace_path, color=_color_enabled(self._err)))
+        self._note(summary_line(end, trace_path, color=color_enabled(self._err)))
 
     def recap(self, prompt: str, reply: str) -> None:
         """The last exchange of a resumed session, clipped to one line each."""

@@ -20,11 +20,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from greenroom.actors.apps.cli import (
-    ALLOW_ALL_SOURCE,
+from greenroom.actors.apps.exits import UsageError, print_error
+from greenroom.actors.apps.parser import ALLOW_ALL_SOURCE
+from greenroom.actors.apps.run import (
     RunOptions,
-    UsageError,
-    _error,
     check_credentials,
     collect_tools,
     provider_for,
@@ -120,7 +119,7 @@ def _demo(args: argparse.Namespace, base: Path | None) -> int:
     except OSError as exc:
         raise UsageError(f"--workspace: cannot write the demo files: {exc}") from None
     provider = provider_for(args.provider, args.model)
-    say = _error if args.json else _say
+    say = print_error if args.json else _say
     say("greenroom demo")
     if provider == "scripted":
         say(

@@ -1,0 +1,535 @@
+"""The ``greenroom`` command line's arguments: :func:`build_parser` and the checks of
+what the flags hold (session ids become directory names)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from greenroom.actors.apps.exits import UsageError
+from greenroom.actors.providers import (
+    LEAN_HTTP_VARIABLE,
+    PROVIDERS,
+)
+
+APPROVE_MODES = ("ask", "all", "none")
+ALLOW_ALL_SOURCE = "--approve all"
+"""What allows every call under ``--approve all``, in the words a decision is shown with."""
+SANDBOX_MODES = ("auto", "required", "off")
+# Session ids become directory names: refuse anything that could walk out of the data dir.
+SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+"""What a session id may be: it becomes a directory name in the data dir."""
+
+
+# -- argument parsing ---------------------------------------------------------------------
+
+
+def _max_turns(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value == -1 or value >= 1:
+        return value
+    raise argparse.ArgumentTypeError(f"must be -1 (no limit) or at least 1, got {value}")
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+
+
+def _port(text: str) -> int:
+    value = _int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 65535, got {value}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
+class _CommandParser(argparse.ArgumentParser):
+    """The parser of one subcommand: arguments it does not know are its own usage error,
+    reported with its usage line (argparse would leave them to the top-level parser,
+    whose usage says nothing about the subcommand's flags)."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
+def _positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _add_data_dir(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        help="where sessions, traces and the usage ledger live "
+        "(default: $GREENROOM_HOME or ~/.greenroom)",
+    )
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--provider",
+        choices=tuple(PROVIDERS),
+        help="model provider: "
+        + "; ".join(f"{spec.name}: {spec.help}" for spec in PROVIDERS.values())
+        + " (default: anthropic when ANTHROPIC_API_KEY is set, else scripted)",
+    )
+    parser.add_argument(
+        "--model", metavar="NAME", help="model name (default: the provider's default model)"
+    )
+    parser.add_argument(
+        "--base-url",
+        metavar="URL",
+        help="provider endpoint: an Anthropic-compatible server for anthropic, any "
+        "OpenAI-compatible /v1 server (vLLM, llama.cpp, Ollama) for openai "
+        "(default: the provider's own)",
+    )
+    parser.add_argument(
+        "--lean-http",
+        action=argparse.BooleanOptionalAction,
+        help="anthropic provider: read streams through greenroom's lean HTTP/1.1 transport "
+        "(about half the client CPU per streamed event; the SDK still builds, authenticates "
+        "and checks the requests) instead of the SDK's own HTTP stack "
+        f"(default: ${LEAN_HTTP_VARIABLE}, else off)",
+    )
+
+
+def _add_session_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags ``run``, ``chat`` and ``serve`` share: model, workspace, data dir, tools,
+    limits, the shell sandbox."""
+    _add_model_flags(parser)
+    parser.add_argument(
+        "--workspace", metavar="DIR", help="the directory the tools work in (default: .)"
+    )
+    _add_data_dir(parser)
+    parser.add_argument(
+        "--tools",
+        metavar="FILE_OR_MODULE",
+        action="append",
+        default=[],
+        help="load every @tool of a .py file or an importable module (repeatable; default: none)",
+    )
+    parser.add_argument(
+        "--mcp-config",
+        metavar="FILE",
+        action="append",
+        default=[],
+        help='the tools of the MCP servers of an {"mcpServers": …} file, named '
+        "mcp__<server>__<tool> (repeatable; default: none)",
+    )
+    parser.add_argument(
+        "--no-builtin-tools",
+        action="store_true",
+        help="do not offer read_file, list_dir, search_files, write_file, run_shell, "
+        "spawn_subagent",
+    )
+    parser.add_argument(
+        "--max-turns",
+        metavar="N",
+        type=_max_turns,
+        help="model requests per task; -1 means no limit (default: -1)",
+    )
+    parser.add_argument(
+        "--max-context-length",
+        metavar="N",
+        type=_int,
+        help="compact the context when a request reaches N tokens; 0 or less disables "
+        "(default: 128000)",
+    )
+    parser.add_argument(
+        "--max-image-bytes",
+        metavar="N",
+        type=_positive_int,
+        help="the largest image file a session accepts, in bytes (default: 5242880, 5 MiB)",
+    )
+    parser.add_argument(
+        "--compact-mode",
+        choices=("summarize", "discard"),
+        help="how compaction shrinks the context (default: summarize)",
+    )
+    parser.add_argument("--system", metavar="TEXT", help="the system prompt (default: none)")
+    parser.add_argument(
+        "--sandbox",
+        choices=SANDBOX_MODES,
+        help="confine run_shell with bubblewrap: auto uses it when bwrap is installed, "
+        "required refuses to run a command without it, off runs commands unconfined "
+        "(default: auto)",
+    )
+    parser.add_argument(
+        "--shell-network",
+        action=argparse.BooleanOptionalAction,
+        help="let sandboxed run_shell commands reach the network (default: no network)",
+    )
+    parser.add_argument(
+        "--otel",
+        action=argparse.BooleanOptionalAction,
+        help="export OpenTelemetry spans over OTLP/HTTP as the OTEL_* variables say "
+        "(needs greenroom[otel]; default: on when OTEL_EXPORTER_OTLP_ENDPOINT or "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``greenroom`` and its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="greenroom",
+        description="An actor-based runtime for LLM agent loops: run tasks with tools, "
+        "streaming, approvals and durable traces.",
+    )
+    parser.add_argument("--version", action="version", version=f"greenroom {_version()}")
+    commands = parser.add_subparsers(
+        dest="command", metavar="COMMAND", required=True, parser_class=_CommandParser
+    )
+
+    demo = commands.add_parser(
+        "demo",
+        help="run the sales-CSV task on a fresh workspace (no key: the built-in scripted model)",
+        description="Create a small workspace with three sales CSV files and let the agent "
+        "summarize them: list the workspace, read the files in parallel, compute revenue per "
+        "region. Without ANTHROPIC_API_KEY it runs greenroom's built-in scripted model.",
+    )
+    demo.add_argument(
+        "--workspace", metavar="DIR", help="write the demo files here (default: a temp dir)"
+    )
+    demo.add_argument("--data-dir", metavar="DIR", help="session data (default: a temp dir)")
+    demo.add_argument(
+        "--approve",
+        choices=APPROVE_MODES,
+        help="tool call approval (default: all, every call is allowed)",
+    )
+    _add_model_flags(demo)
+    demo.add_argument("--json", action="store_true", help="every output as one JSON line")
+
+    cluster_demo = commands.add_parser(
+        "cluster-demo",
+        help="three hosts on a local NATS server: kill one mid-run, its sessions finish "
+        "elsewhere (needs greenroom[cluster])",
+        description="Start a local nats-server with JetStream and three hosts, run six "
+        "sessions that each pay an invoice with a side-effecting tool, kill one host while "
+        "its payments are in flight, and show each session finishing on another host "
+        "without paying twice. Exit 0 when all of that held.",
+    )
+    # The demo starts its hosts as this command with these (internal) flags.
+    for hidden in ("--as-host", "--nats", "--data-dir", "--workspace"):
+        cluster_demo.add_argument(hidden, help=argparse.SUPPRESS)
+
+    run = commands.add_parser(
+        "run",
+        help="run one task",
+        description="Run one task. The words of PROMPT make the prompt (quoting is not "
+        "needed); without PROMPT, or with '-', the prompt is read from stdin.",
+    )
+    run.add_argument(
+        "prompt",
+        nargs="*",
+        metavar="PROMPT",
+        help="the task, in one or more words (default: stdin)",
+    )
+    run.add_argument(
+        "--json", action="store_true", help="every output as one JSON line on stdout, only that"
+    )
+    run.add_argument("--session", metavar="ID", help="continue a stored session")
+    run.add_argument(
+        "--approve",
+        choices=APPROVE_MODES,
+        help="tool call approval: ask on the terminal, allow all, or deny all "
+        "(default: ask when stdin is a terminal, else none)",
+    )
+    _add_session_flags(run)
+
+    chat = commands.add_parser(
+        "chat",
+        help="an interactive terminal on a session",
+        description="A prompt on one session: a line starts a task; text typed while it "
+        "runs steers it; Ctrl-C interrupts it. Commands: /follow TEXT, /compact, /retry, "
+        "/quit (or Ctrl-D, or Ctrl-C twice at the prompt).",
+    )
+    chat.add_argument("--session", metavar="ID", help="continue a stored session")
+    chat.add_argument(
+        "--approve",
+        choices=APPROVE_MODES,
+        help="tool call approval: ask on the terminal, allow all, or deny all "
+        "(default: ask when stdin is a terminal, else none)",
+    )
+    _add_session_flags(chat)
+
+    acp = commands.add_parser(
+        "acp",
+        help="an Agent Client Protocol agent on stdin/stdout, for editors such as Zed",
+        description="Speak the Agent Client Protocol (version 1: newline-delimited JSON-RPC "
+        "2.0) on stdin and stdout, for an editor that starts this command. Each session "
+        "works in the cwd the editor gives; the flags are the defaults of the sessions it "
+        "creates. Logs go to stderr. Ends when stdin closes.",
+    )
+    acp.add_argument(
+        "--approve",
+        choices=APPROVE_MODES,
+        default="ask",
+        help="tool call approval: ask the editor (session/request_permission), allow all, "
+        "or deny all (default: ask)",
+    )
+    _add_session_flags(acp)
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve the websocket JSON-RPC gateway at ws://HOST:PORT/v1",
+        description="Serve the websocket JSON-RPC gateway at ws://HOST:PORT/v1 and the web "
+        "console at http://HOST:PORT+1/. Clients authenticate with the bearer token of "
+        "--token-file and create sessions; the provider, model, workspace, tools and limit "
+        "flags are the defaults of the sessions they create. Ctrl-C (or SIGTERM) stops the "
+        "server, interrupting running tasks and flushing their traces; started again on "
+        "the same data dir it takes up the tasks a crash left open, and requests waiting "
+        "for a person wait on.",
+    )
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)"
+    )
+    serve.add_argument(
+        "--port",
+        type=_port,
+        default=8765,
+        help="port to listen on; 0: any free port (default: 8765)",
+    )
+    serve.add_argument(
+        "--token-file",
+        metavar="F",
+        help="file holding the bearer token, created with a new token when missing "
+        "(default: DATA_DIR/serve.token, mode 0600)",
+    )
+    serve.add_argument(
+        "--approve",
+        choices=APPROVE_MODES,
+        default="ask",
+        help="tool call approval: ask a person (the request waits in the session's trace "
+        "until a client answers it: approvals.list, approve, answer), allow all, or deny all "
+        "(default: ask)",
+    )
+    serve.add_argument(
+        "--approval-timeout",
+        metavar="S",
+        type=_positive_seconds,
+        default=None,
+        help="deny a call nobody has answered within S seconds (default: wait without "
+        "limit)",
+    )
+    serve.add_argument(
+        "--tokens-file",
+        metavar="F",
+        help="one 'CLIENT_ID TOKEN' per line ('#' comments): each token is a client that "
+        "sees and steers only its own sessions, instead of --token-file (default: none)",
+    )
+    serve.add_argument(
+        "--allow-origin",
+        metavar="ORIGIN",
+        action="append",
+        default=[],
+        help="a browser origin (http://host:port) allowed to connect besides the console's; "
+        "repeatable; other browser origins are refused with HTTP 403 (default: the console's "
+        "only)",
+    )
+    serve.add_argument(
+        "--max-connections",
+        metavar="N",
+        type=_positive_int,
+        default=1024,
+        help="open connections at most; more are refused with HTTP 503, and the cap is "
+        "lowered to what the file descriptor limit allows (default: 1024)",
+    )
+    serve.add_argument(
+        "--max-connections-per-principal",
+        metavar="N",
+        type=_positive_int,
+        default=64,
+        help="open connections of one client (token) at most, so that one client cannot "
+        "take every place; more are refused with HTTP 429 (default: 64)",
+    )
+    serve.add_argument(
+        "--max-sessions-per-principal",
+        metavar="N",
+        type=_positive_int,
+        default=1000,
+        help="sessions one client (token) may hold open in this server at most; "
+        "session.create beyond them answers 429 (default: 1000)",
+    )
+    serve.add_argument(
+        "--workspace-root",
+        metavar="DIR",
+        help="directory under which a client's session.create {workspace} must resolve; "
+        "the data dir must be outside it (default: --workspace)",
+    )
+    serve.add_argument(
+        "--console-port",
+        metavar="P",
+        type=_port,
+        help="port of the web console; 0: any free port (default: --port + 1)",
+    )
+    serve.add_argument("--no-console", action="store_true", help="do not serve the web console")
+    serve.add_argument(
+        "--gc-tuning",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run Python's cyclic garbage collector less often while serving: less CPU per "
+        "streamed event with many sessions, cyclic garbage freed later (default: on; "
+        "--no-gc-tuning keeps the interpreter's own thresholds)",
+    )
+    serve.add_argument(
+        "--nats",
+        metavar="URL",
+        help="join the cluster of the hosts that share this NATS JetStream server "
+        "(nats://HOST:PORT, comma-separated for a NATS cluster; needs greenroom[cluster]; "
+        "default: none, a single host)",
+    )
+    serve.add_argument(
+        "--host-id", metavar="ID", help="this host's id in the cluster (default: NAME-PID)"
+    )
+    serve.add_argument(
+        "--lease-ttl",
+        metavar="S",
+        type=_positive_seconds,
+        default=5.0,
+        help="seconds after which a silent host's sessions move to another host (default: 5)",
+    )
+    _add_session_flags(serve)
+
+    sessions = commands.add_parser(
+        "sessions",
+        help="list the sessions in the data dir",
+        description="List the sessions stored in the data dir, most recently updated first.",
+    )
+    _add_data_dir(sessions)
+    sessions.add_argument("--json", action="store_true", help="one JSON object per session")
+
+    trace = commands.add_parser(
+        "trace",
+        help="pretty-print a session's trace",
+        description="Print the session's latest trace file, one line per record. Corrupt "
+        "lines are reported on stderr as FILE:LINE: error; every other record is printed.",
+    )
+    trace.add_argument("session_id", metavar="SESSION_ID")
+    _add_data_dir(trace)
+    trace.add_argument("--json", action="store_true", help="print the records as JSON lines")
+    _add_people_commands(commands)
+    return parser
+
+
+def _add_people_commands(commands: Any) -> None:
+    """``approvals``, ``approve`` and ``answer``: people answer from the command line
+    (actors/apps/approvals.py)."""
+    approvals = commands.add_parser(
+        "approvals",
+        help="list the tool calls and questions that wait for a person",
+        description="List the requests that wait for a person in the data dir's sessions, "
+        "oldest first: tool calls to allow or deny, and the model's questions. Each comes "
+        "with the command that answers it. Reads the traces only: no model key needed.",
+    )
+    _add_data_dir(approvals)
+    approvals.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per request (session_id, call_id, tool, arguments, asked_at, "
+        "origin, kind, digest)",
+    )
+
+    approve = commands.add_parser(
+        "approve",
+        help="decide a tool call that waits for a person, then run its task on",
+        description="Answer a tool call that waits for a person (greenroom approvals lists "
+        "them) and run the session's task on to its end here, shown as greenroom run shows "
+        "it. When the task asks again, a terminal asks you at once; otherwise the request "
+        "is left waiting and the command says how to answer it.",
+    )
+    approve.add_argument("session_id", metavar="SESSION_ID")
+    approve.add_argument("call_id", metavar="CALL_ID")
+    approve.add_argument(
+        "decision",
+        metavar="allow|deny|allow_session",
+        choices=("allow", "deny", "allow_session"),
+        help="allow the call, deny it, or allow its tool for the rest of the session",
+    )
+    approve.add_argument(
+        "--digest",
+        metavar="D",
+        help="the digest of the arguments you saw (approvals --json): the answer is refused "
+        "when the call's arguments are other ones",
+    )
+    _add_answer_flags(approve)
+
+    answer = commands.add_parser(
+        "answer",
+        help="answer a question of the model that waits for a person, then run its task on",
+        description="Answer the model's question (its ask_user call: greenroom approvals "
+        "lists them) and run the session's task on to its end here. The words of TEXT make "
+        "the answer; a question with choices takes one of them, or its number.",
+    )
+    answer.add_argument("session_id", metavar="SESSION_ID")
+    answer.add_argument("call_id", metavar="CALL_ID")
+    answer.add_argument("text", nargs="+", metavar="TEXT", help="the answer")
+    _add_answer_flags(answer)
+
+
+def _add_answer_flags(parser: argparse.ArgumentParser) -> None:
+    """What ``approve`` and ``answer`` share: the data dir, JSON output, and the tools the
+    session is opened with."""
+    _add_data_dir(parser)
+    parser.add_argument(
+        "--json", action="store_true", help="every output as one JSON line on stdout, only that"
+    )
+    parser.add_argument(
+        "--tools",
+        metavar="FILE_OR_MODULE",
+        action="append",
+        default=[],
+        help="the tools of a .py file or module the session was given (repeatable)",
+    )
+    parser.add_argument(
+        "--mcp-config",
+        metavar="FILE",
+        action="append",
+        default=[],
+        help="the MCP servers' tools the session was given (repeatable)",
+    )
+    parser.add_argument(
+        "--no-builtin-tools",
+        action="store_true",
+        help="the session was created without the built-in tools",
+    )
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("greenroom")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def check_session_id(session_id: str, *, what: str = "--session") -> None:
+    """Raise :class:`UsageError` (naming ``what`` gave it) unless ``session_id`` can name
+    a session: ids become directory names, so nothing that could walk out of the data dir."""
+    if not SESSION_ID.fullmatch(session_id):
+        raise UsageError(f"{what}: {session_id!r} is not a session id")

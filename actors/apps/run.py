@@ -1,0 +1,521 @@
+"""One task from the terminal: ``greenroom run`` and what ``demo`` and ``chat`` share with
+it — the options, the tools, the session opened or continued, Ctrl-C and a reader that
+went away."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NoReturn, TextIO
+
+import attrs
+import trio
+
+from greenroom.actors.apps.asking import TerminalApprover, approver_for
+from greenroom.actors.apps.exits import (
+    EXIT_ABORTED,
+    EXIT_AUTH,
+    EXIT_CODES,
+    EXIT_FAILED,
+    EXIT_USAGE,
+    UsageError,
+    print_error,
+)
+from greenroom.actors.apps.parser import ALLOW_ALL_SOURCE, check_session_id
+from greenroom.actors.apps.render import (
+    HumanRenderer,
+    JsonRenderer,
+    Renderer,
+    color_enabled,
+    summary_line,
+)
+from greenroom.actors.providers import (
+    PROVIDERS,
+    default_provider_name,
+)
+from greenroom.actors.runtime import (
+    AuthLocked,
+    Busy,
+    ConfigurationError,
+    GreenroomError,
+    Host,
+    Session,
+    SessionNotFound,
+    SessionObserver,
+    SessionStore,
+    default_data_dir,
+    spawn_subagent,
+)
+from greenroom.actors.tools import (
+    McpConfigError,
+    ToolLoadError,
+    ask_user,
+    builtin_tools,
+    load_config_files,
+    load_tools,
+)
+from greenroom.protocols.outputs import (
+    TaskEnd,
+)
+from greenroom.protocols.tools import Tool
+
+
+def data_dir_from(value: str | None) -> Path:
+    """The absolute data dir ``--data-dir`` names, or the default one when it names none."""
+    return (Path(value).expanduser() if value else default_data_dir()).absolute()
+
+
+# -- run ------------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class RunOptions:
+    """Everything one task run needs, from ``run`` or ``demo``.
+
+    ``sandbox`` and ``shell_network`` are the session settings of the same names; None
+    keeps the session's own (``auto`` and no network for a new session)."""
+
+    prompt: str
+    data_dir: Path
+    session_id: str | None = None
+    provider: str | None = None
+    model: str | None = None
+    base_url: str | None = None
+    workspace: str | None = None
+    system: str | None = None
+    tools: tuple[Tool, ...] = ()
+    mcp_servers: Mapping[str, Any] = attrs.field(factory=dict)
+    approve: str = "none"
+    allow_all_source: str = ALLOW_ALL_SOURCE
+    json: bool = False
+    max_turns: int | None = None
+    max_context_length: int | None = None
+    max_image_bytes: int | None = None
+    compact_mode: str | None = None
+    sandbox: str | None = None
+    shell_network: bool | None = None
+    observers: tuple[SessionObserver, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class RunResult:
+    """How a run went: the exit code, and where to find its record."""
+
+    exit_code: int
+    session_id: str | None = None
+    trace_path: Path | None = None
+    task_end: TaskEnd | None = None
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """``greenroom run``: one task on the prompt of the arguments or stdin; its exit code."""
+    words: list[str] = args.prompt
+    if not words or words == ["-"]:
+        if not words and sys.stdin.isatty():
+            raise UsageError("no prompt: give PROMPT or pipe it on stdin")
+        prompt = sys.stdin.read()
+    else:
+        prompt = " ".join(words)
+    if not prompt.strip():
+        raise UsageError("the prompt is empty")
+    return run_task(run_options(args, prompt)).exit_code
+
+
+def run_options(args: argparse.Namespace, prompt: str) -> RunOptions:
+    """The options of ``run`` (and ``chat``) from the parsed command line."""
+    if args.session is not None:
+        check_session_id(args.session)
+    approve = args.approve or ("ask" if sys.stdin.isatty() else "none")
+    return RunOptions(
+        prompt=prompt,
+        data_dir=data_dir_from(args.data_dir),
+        session_id=args.session,
+        provider=args.provider,
+        model=args.model,
+        base_url=args.base_url,
+        workspace=args.workspace,
+        system=args.system,
+        tools=tuple(
+            collect_tools(
+                args.tools, builtin=not args.no_builtin_tools, questions=approve == "ask"
+            )
+        ),
+        mcp_servers=mcp_servers(args.mcp_config),
+        approve=approve,
+        json=getattr(args, "json", False),
+        max_turns=args.max_turns,
+        max_context_length=args.max_context_length,
+        max_image_bytes=args.max_image_bytes,
+        compact_mode=args.compact_mode,
+        sandbox=args.sandbox,
+        shell_network=args.shell_network,
+        observers=getattr(args, "observers", ()),
+    )
+
+
+def mcp_servers(paths: Sequence[str]) -> Mapping[str, Any]:
+    """The servers of the ``--mcp-config`` files; :class:`UsageError` naming the file and
+    the JSON path of a problem."""
+    try:
+        return load_config_files(paths)
+    except McpConfigError as exc:
+        raise UsageError(f"--mcp-config: {exc}") from None
+
+
+def collect_tools(
+    specs: Sequence[str], *, builtin: bool = True, questions: bool = False
+) -> list[Tool]:
+    """The built-in tools and ``spawn_subagent`` (unless ``builtin`` is False) — with
+    ``ask_user`` too when ``questions`` (a person can answer the model's questions) — and
+    the tools of each ``--tools`` spec; a tool from a spec replaces a built-in of the same
+    name. Raises :class:`UsageError` naming the spec when one cannot be loaded."""
+    tools: dict[str, Tool] = (
+        {t.name: t for t in (*builtin_tools(), spawn_subagent)} if builtin else {}
+    )
+    if builtin and questions:
+        tools[ask_user.name] = ask_user
+    for spec in specs:
+        try:
+            loaded = load_tools(spec)
+        except ToolLoadError as exc:
+            raise UsageError(f"--tools: {exc}") from None
+        for loaded_tool in loaded:
+            tools[loaded_tool.name] = loaded_tool
+    return list(tools.values())
+
+
+def run_task(options: RunOptions) -> RunResult:
+    """Open a host, create or load the session, run one task to its end and render it
+    (``greenroom run`` and ``greenroom demo``).
+
+    Raises :class:`UsageError` for a command line that cannot run (missing credentials, a
+    workspace that is not a directory); an unknown session is reported and gives exit
+    code 2 in the result. What the tools print goes to stderr while the task runs: stdout
+    carries only what the renderer writes (with ``--json``, JSON lines and nothing else)."""
+    options = prepare_options(options)
+    with stdout_for_renderer() as out:
+        return trio.run(_run_task, options, out)
+
+
+@contextlib.contextmanager
+def stdout_for_renderer() -> Iterator[TextIO]:
+    """Keep stdout for the renderer: yield a private duplicate of it, and point fd 1 and
+    ``sys.stdout`` at stderr until the block ends, so that a tool's ``print`` (or a child
+    process it starts) cannot write into the renderer's stream."""
+    sys.stdout.flush()
+    try:
+        private_fd = os.dup(1)
+        saved_fd = os.dup(1)
+    except OSError:  # no stdout at all: there is nothing to protect
+        yield sys.stdout
+        return
+    out = open(  # noqa: SIM115 -- closed below, after fd 1 is restored
+        private_fd, "w", encoding="utf-8", errors="backslashreplace", closefd=True
+    )
+    real_stdout = sys.stdout
+    sys.stderr.flush()
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        yield out
+    finally:
+        sys.stdout = real_stdout
+        os.dup2(saved_fd, 1)
+        os.close(saved_fd)
+        try:
+            out.flush()
+        except OSError:  # the reader went away: drop what it did not take
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, private_fd)
+            os.close(devnull)
+        with contextlib.suppress(OSError):
+            out.close()
+
+
+def prepare_options(options: RunOptions) -> RunOptions:
+    """``options`` with the workspace resolved, after checking it and the credentials;
+    raises :class:`UsageError` when either is missing. Says on stderr when ``run_shell``
+    will run commands unconfined (or refuse them) for want of bubblewrap."""
+    if options.workspace is not None:
+        workspace = Path(options.workspace).expanduser()
+        if not workspace.is_dir():
+            raise UsageError(f"--workspace: {options.workspace} is not a directory")
+        options = attrs.evolve(options, workspace=str(workspace.resolve()))
+    check_credentials(options)
+    _report_shell_confinement(options)
+    return options
+
+
+def provider_for(provider: str | None, model: str | None) -> str:
+    """The provider a command's flags name: ``--provider`` when given, ``anthropic`` for a
+    ``claude-*`` model, else the default (``anthropic`` with a key, else ``scripted``).
+    The Python API decides the same way (``Host.create_session``)."""
+    if provider is not None:
+        return provider
+    if model is not None and model.startswith("claude-"):
+        return "anthropic"
+    return default_provider_name()
+
+
+def check_credentials(options: RunOptions) -> None:
+    """Raise :class:`UsageError` when the provider the options name (see
+    :func:`provider_for`; a continued session's own when ``--provider`` is not given) has
+    no credentials here."""
+    provider = options.provider
+    base_url = options.base_url
+    if options.session_id is not None:
+        stored = _stored_settings(options.data_dir, options.session_id)
+        provider = provider or stored.get("provider")
+        base_url = base_url or stored.get("base_url")
+    by_model = provider is None and provider_for(None, options.model) == "anthropic"
+    provider = provider_for(provider, options.model)
+    spec = PROVIDERS.get(provider)
+    if spec is None:
+        raise UsageError(f"session {options.session_id} names an unknown provider {provider!r}")
+    missing = spec.missing_credentials(base_url)
+    if missing is None:
+        return
+    if by_model and options.model is not None:
+        # Asking for Claude never runs another model silently (as in the Python API).
+        missing = f"--model {options.model} runs on the anthropic provider, which " + (
+            missing.removeprefix("the anthropic provider ")
+        )
+    raise UsageError(f"{missing} (or use --provider scripted for the built-in model)")
+
+
+def bubblewrap_available() -> bool:
+    """Whether ``run_shell`` can be confined here: bubblewrap's ``bwrap`` is on PATH."""
+    return shutil.which("bwrap") is not None
+
+
+def _report_shell_confinement(options: RunOptions) -> None:
+    """One line on stderr at start-up when ``run_shell`` is offered and bubblewrap is
+    missing: with ``auto`` its commands run unconfined, with ``required`` they are refused."""
+    if not any(t.name == "run_shell" for t in options.tools) or bubblewrap_available():
+        return
+    sandbox = options.sandbox
+    if sandbox is None and options.session_id is not None:
+        sandbox = _stored_settings(options.data_dir, options.session_id).get("sandbox")
+    sandbox = sandbox or "auto"
+    if sandbox == "auto":
+        print_error(
+            "warning: run_shell is not confined: bubblewrap (bwrap) is not installed, so "
+            "its commands run with your permissions (--sandbox required refuses them instead)"
+        )
+    elif sandbox == "required":
+        print_error(
+            "warning: run_shell will refuse every command: --sandbox required and "
+            "bubblewrap (bwrap) is not installed"
+        )
+
+
+def _stored_settings(data_dir: Path, session_id: str) -> dict[str, Any]:
+    """The stored settings of a session, or {} when it cannot be read (the host then
+    reports the missing session properly)."""
+    try:
+        meta = json.loads(SessionStore(data_dir).meta_path(session_id).read_text("utf-8"))
+    except (OSError, ValueError):
+        return {}
+    settings = meta.get("settings") if isinstance(meta, dict) else None
+    return settings if isinstance(settings, dict) else {}
+
+
+async def open_session(host: Host, options: RunOptions) -> Session:
+    """The session of a ``run``: a new one, or with ``--session`` the stored one, loaded with
+    the options given as overrides (a ``--workspace`` is then ignored, with a warning).
+    Raises the host's errors (a missing session, bad settings) for the caller to report."""
+    overrides: dict[str, Any] = {
+        key: value
+        for key, value in (
+            ("base_url", options.base_url),
+            ("max_turns", options.max_turns),
+            ("max_context_length", options.max_context_length),
+            ("max_image_bytes", options.max_image_bytes),
+            ("compact_mode", options.compact_mode),
+            ("sandbox", options.sandbox),
+            ("shell_network", options.shell_network),
+        )
+        if value is not None
+    }
+    if options.session_id is None:
+        return await host.create_session(
+            model=options.model,
+            tools=options.tools,
+            workspace_dir=options.workspace or ".",
+            # The CLI's documented default: the scripted model when no key is set.
+            provider=provider_for(options.provider, options.model),
+            system=options.system,
+            mcp_servers=options.mcp_servers,
+            **overrides,
+        )
+    if options.model is not None:
+        overrides["model"] = options.model
+    if options.system is not None:
+        overrides["system"] = options.system
+    session = await host.load_session(
+        options.session_id,
+        tools=options.tools,
+        provider=options.provider,
+        mcp_servers=options.mcp_servers,
+        **overrides,
+    )
+    # prepare_options resolved options.workspace already.
+    if options.workspace is not None and Path(options.workspace) != session.workspace_dir:
+        print_error(
+            f"warning: --workspace is ignored when continuing a session; session "
+            f"{session.id} works in {session.workspace_dir}"
+        )
+    return session
+
+
+async def open_reported_session(host: Host, options: RunOptions) -> Session | None:
+    """Open the session and report its id (and any corrupt trace lines) on stderr; None,
+    after reporting why, when it cannot be opened (exit code 2)."""
+    # Usage problems are returned, not raised: raised, they would leave the host's
+    # nursery wrapped in an ExceptionGroup.
+    try:
+        session = await open_session(host, options)
+    except SessionNotFound as exc:
+        print_error(f"greenroom: --session: {exc}")
+        return None
+    except (ConfigurationError, ImportError) as exc:
+        print_error(f"greenroom: cannot set up the session: {exc}")
+        return None
+    print_error(f"session: {session.id}")
+    for problem in session.load_errors:
+        print_error(f"warning: corrupt trace line skipped: {problem}")
+    return session
+
+
+async def _run_task(options: RunOptions, out: TextIO) -> RunResult:
+    async with Host.open(data_dir=options.data_dir, observers=options.observers) as host:
+        session = await open_reported_session(host, options)
+        if session is None:
+            return RunResult(exit_code=EXIT_USAGE, session_id=options.session_id)
+        renderer: Renderer = (
+            JsonRenderer(out)
+            if options.json
+            else HumanRenderer(out, sys.stderr, tools=session.tools)
+        )
+        approve = approver_for(
+            options.approve, renderer, allow_all_source=options.allow_all_source
+        )
+        try:
+            stream = session.run(options.prompt, approve=approve)
+        except AuthLocked as exc:
+            print_error(str(exc))
+            return RunResult(exit_code=EXIT_AUTH, session_id=session.id)
+        except GreenroomError as exc:
+            print_error(refusal_words(exc, session.id, options.data_dir))
+            return RunResult(exit_code=EXIT_FAILED, session_id=session.id)
+        end: TaskEnd | None = None
+        asking = approve if isinstance(approve, TerminalApprover) else None
+        reader_gone: BrokenPipeError | None = None
+        async with trio.open_nursery() as nursery:
+            await nursery.start(interrupt_on_sigint, host, session, asking)
+            async for output in stream:
+                if reader_gone is not None:
+                    continue  # the task is ending: let it write its last records
+                try:
+                    renderer.show(output)
+                except BrokenPipeError as exc:
+                    reader_gone = exc
+                    session.interrupt(READER_GONE)
+                if isinstance(output, TaskEnd) and output.origin is None:
+                    end = output
+            nursery.cancel_scope.cancel()
+        if reader_gone is not None:
+            raise reader_gone  # main() ends quietly
+        trace_path = session.trace_path
+        print_error(summary_line(end, trace_path, color=color_enabled(sys.stderr)))
+        code = EXIT_CODES.get(end.status, EXIT_FAILED) if end is not None else EXIT_FAILED
+        return RunResult(exit_code=code, session_id=session.id, trace_path=trace_path, task_end=end)
+
+
+def refusal_words(exc: GreenroomError, session_id: str, data_dir: Path) -> str:
+    """Why a session refuses a new task, in the command line's words. A session that is
+    busy when a command starts one has a task waiting for a person (parked, R-HITL-3):
+    the words name the commands that list and answer what waits."""
+    if not isinstance(exc, Busy):
+        return str(exc)
+    where = ""
+    if data_dir.absolute() != default_data_dir().absolute():
+        where = f" --data-dir {shlex.quote(str(data_dir))}"
+    return (
+        f"session {session_id} has a task waiting for a person's answer: "
+        f"'greenroom approvals{where}' lists what waits, and 'greenroom approve' or "
+        "'greenroom answer' answers it and runs the task on"
+    )
+
+
+READER_GONE = "the reader of the output went away"
+"""Why a task is interrupted when its stdout pipe is closed (``greenroom run … | head``)."""
+
+LEAVE_GRACE_S = 2.0
+"""Bound on finishing the trace write in progress when a second Ctrl-C leaves at once."""
+
+
+async def interrupt_on_sigint(
+    host: Host,
+    session: Session,
+    approver: TerminalApprover | None = None,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """First Ctrl-C interrupts the task (it then ends as ``aborted``: exit 130) and
+    denies the approval question on screen, if one is open; a second one leaves at once
+    (R-SEC-2), without waiting for tools that ignore the interrupt."""
+    with trio.open_signal_receiver(signal.SIGINT) as signals:
+        task_status.started()
+        interrupted = False
+        async for _ in signals:
+            if interrupted:
+                await leave_at_once(host)
+            interrupted = True
+            answered = approver is not None and approver.interrupt()
+            print_error(
+                ("" if answered else "\n") + "interrupting the task… (Ctrl-C again to quit at once)"
+            )
+            session.interrupt("interrupted by user (Ctrl-C)")
+
+
+_REMOVED_WHEN_LEAVING: list[Path] = []
+
+
+def remove_when_leaving(path: Path) -> None:
+    """Have :func:`leave_at_once` remove the directory ``path`` (a command's temporary
+    directory) before the process exits: leaving at once unwinds nothing, so the command's
+    own cleanup would not run."""
+    _REMOVED_WHEN_LEAVING.append(path)
+
+
+async def leave_at_once(host: Host) -> NoReturn:
+    """Exit the process with code 130 now, whatever is still running.
+
+    The trace stays readable: the trace sink is closed first (shielded, bounded by
+    :data:`LEAVE_GRACE_S`), so the batch it is writing completes and no record is cut in
+    half; records of the task's end may be missing, and loading the session pairs every
+    unfinished call (R-TRACE-4). Tools that ignore cancellation are abandoned, not awaited.
+    """
+    print_error("interrupted again: leaving now")
+    try:
+        with trio.CancelScope(shield=True) as scope:
+            scope.deadline = trio.current_time() + LEAVE_GRACE_S
+            # The host owns its trace store; closing it is the one point where no write is in
+            # flight, and nothing after it waits for the tools.
+            await host.trace_store.aclose()
+    finally:
+        for path in _REMOVED_WHEN_LEAVING:
+            shutil.rmtree(path, ignore_errors=True)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(EXIT_ABORTED)
