@@ -20,12 +20,12 @@ prompts when the task ends, so a prompt's answer always follows its last update.
 frame leaves through one outbox, written whole and in order by one writer task.
 
 Agent trees (R-TREE): a background subagent outlives its spawning call and the task that
-spawned it, so each session also has a subscriber that sees what the session publishes
-as it is published: it shows the background children on calls of their own
-(:meth:`~greenroom.protocols.acp.UpdateMapper.note`), asks the editor about their
-approvals, and, when the session starts a task no request of this connection started (a
-child's ``[subagent NAME finished]`` follow-up), streams that task through a pump like any
-other. ``_greenroom/steer`` with a ``nodeId`` steers any running node of the session's tree.
+spawned it, so each session also has a watch of its own, a task that drains what the
+session publishes (:mod:`greenroom.actors.apps.acp_tree`): it shows the background
+children, asks the editor about their approvals and hands a task no request of this
+connection started (a child's ``[subagent NAME finished]`` follow-up) to a pump like any
+other. A pump handles an output only once that watch has, as both use the session's one
+mapper. ``_greenroom/steer`` with a ``nodeId`` steers any running node of the session's tree.
 
 The pumps never wait on the client, so a client that reads slowly never holds up a task;
 what waits to be written is bounded (:data:`MAX_PENDING_BYTES`): a client that has left
@@ -57,6 +57,7 @@ import attrs
 import trio
 
 from greenroom.actors.apps.acp_people import Asked, EditorPeople, OnAnswer, WatchedTask
+from greenroom.actors.apps.acp_tree import TreeWatch, steer
 from greenroom.actors.providers import read_image
 from greenroom.actors.runtime import (
     Approval,
@@ -90,7 +91,6 @@ from greenroom.protocols.outputs import (
     ApprovalRequest,
     Output,
     TaskEnd,
-    TaskStart,
     ToolCallOutput,
     UserMsg,
 )
@@ -217,9 +217,15 @@ class _Outbox:
 
 
 class _AcpSession:
-    """One session this connection created or loaded, and its running task."""
+    """One session this connection created or loaded, and its running task. ``watch``
+    starts the watch of its tree, given the session once the rest is set up."""
 
-    def __init__(self, session: Session, mcp_servers: dict[str, dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        session: Session,
+        mcp_servers: dict[str, dict[str, Any]],
+        watch: Callable[[_AcpSession], TreeWatch],
+    ) -> None:
         self.session = session
         self.mcp_servers = mcp_servers
         """The MCP servers the client named, kept with the session."""
@@ -238,6 +244,8 @@ class _AcpSession:
         """What the pump reads: the run of this connection, or the watched open task."""
         self.asked = Asked(session, self.mapper)
         """What the editor is asked about this session (R-HITL)."""
+        self.tree = watch(self)
+        """The watch of the session's tree (R-TREE), which a pump never gets ahead of."""
 
     async def joined(self) -> dict[str, Any]:
         """Answer a prompt that joined the running task when that task ends."""
@@ -524,8 +532,7 @@ class AcpAgent:
         if existing is not None:
             existing.mcp_servers = mcp_servers
             return existing
-        entry = self._sessions[session.id] = _AcpSession(session, mcp_servers)
-        session.subscribe(lambda batch: self._published(entry, batch))
+        entry = self._sessions[session.id] = _AcpSession(session, mcp_servers, self._watch_tree)
         if mcp_servers:
             _log(f"session {session.id}: MCP servers {', '.join(sorted(mcp_servers))}")
         return entry
@@ -558,15 +565,7 @@ class AcpAgent:
                 f"{request.cwd} the client gave"
             )
         entry = self._add_session(session, self._mcp_servers(request.mcp_servers))
-        records = await session.host.trace_store.log.read_after(session.id)
-        images = _OutputImages(session)
-        replay = acp.UpdateMapper(
-            live=False, workspace=str(session.workspace_dir), load_image=images.get
-        )
-        for record in records:
-            await images.read(record)
-            for update in replay.map(record):
-                await self._notify(session.id, update)
+        records = await _replay(session, self._notify)
         if not entry.pumping and fold(records).run_id is not None:
             await self._take_up(entry)
         pending = fold(records).record.pending_people
@@ -621,28 +620,21 @@ class AcpAgent:
         self._pump_soon(entry, stream)
         return await answer.wait()
 
-    def _published(self, entry: _AcpSession, batch: list[Output]) -> None:
-        """A batch the session published, as it is published (it must neither wait nor
-        raise): background children shown and asked about; a task that no request of this
-        connection started (a background child's finished message) pumped from its start."""
-        if self._output_gone:
-            return
-        mapper = entry.mapper
-        for output in batch:
-            for update in mapper.note(output):
-                self._push(_update_frame(entry.session.id, update))
-            if (
-                isinstance(output, ApprovalRequest)
-                and mapper.is_background(output)
-                and self._nursery is not None
-            ):
-                self._people.ask_soon(self._nursery, entry.asked, output)
-        if not entry.pumping and any(isinstance(o, TaskStart) and o.origin is None for o in batch):
-            # Unbounded: the pump never waits on the client, so it drains the watch at once.
-            send, receive = trio.open_memory_channel[list[Output]](math.inf)
-            send.send_nowait(batch)  # the watch starts with the next batch
-            entry.session.watch(send)
-            self._pump_soon(entry, WatchedTask(receive))
+    def _watch_tree(self, entry: _AcpSession) -> TreeWatch:
+        """Watch the tree of ``entry``'s session from now on, from a task of the agent."""
+        assert self._nursery is not None
+        nursery, session_id = self._nursery, entry.session.id
+        tree = TreeWatch(
+            entry.session,
+            entry.mapper,
+            live=lambda: not self._output_gone,
+            pumping=lambda: entry.pumping,
+            show=lambda update: self._push(_update_frame(session_id, update)),
+            ask=lambda request: self._people.ask_soon(nursery, entry.asked, request),
+            pump=lambda task: self._pump_soon(entry, task),
+        )
+        nursery.start_soon(tree.run)
+        return tree
 
     def _pump_soon(self, entry: _AcpSession, outputs: RunStream | WatchedTask) -> None:
         entry.pumping = True
@@ -652,35 +644,7 @@ class AcpAgent:
         self._nursery.start_soon(self._pump, entry, outputs)
 
     async def _steer(self, params: dict[str, Any]) -> dict[str, Any]:
-        """``_greenroom/steer {sessionId, nodeId?, text | prompt}`` → ``{queued}``: steering
-        for the running task of the session, or of ``nodeId``, a running node of its tree
-        (R-TREE-1: a subagent whose ``root_id`` is the session). ``queued`` is False when
-        that node runs no task. An id that names no running node of the tree is -32002."""
-        entry = self._session(params)
-        node = self._node(entry, params.get("nodeId"))
-        if "text" in params:
-            content: tuple[UserContent, ...] = (TextBlock(text=acp.require_str(params, "text")),)
-        else:
-            content = await _prompt_content(node, params)
-        return {"queued": node.steer(content)}
-
-    def _node(self, entry: _AcpSession, node_id: Any) -> Session:
-        """The session ``node_id`` names in ``entry``'s tree (the session itself when None)."""
-        if node_id is None or node_id == entry.session.id:
-            return entry.session
-        if not isinstance(node_id, str):
-            raise acp.invalid("$.nodeId", f"expected a string, got {type(node_id).__name__}")
-        try:
-            node = self._host.get_session(node_id)
-        except SessionNotFound:
-            node = None
-        # Only a node of this session's tree: another session's subagent is not found.
-        if node is None or node.root_id != entry.session.id:
-            raise RpcError(
-                acp.RESOURCE_NOT_FOUND,
-                f"no running node {node_id[:100]!r} in the tree of session {entry.session.id}",
-            )
-        return node
+        return await steer(self._host, self._session(params).session, params, _prompt_content)
 
     async def _follow_up(self, params: dict[str, Any]) -> Any:
         entry = self._session(params)
@@ -722,6 +686,7 @@ class AcpAgent:
         session_id = entry.session.id
         try:
             async for output in stream:
+                await entry.tree.caught_up()  # the tree watch first, as inside publish
                 await entry.images.read(output)
                 try:
                     updates = entry.mapper.map(output)
@@ -733,7 +698,7 @@ class AcpAgent:
                 if (
                     isinstance(output, ApprovalRequest)
                     and self._nursery is not None
-                    and not entry.mapper.is_background(output)  # _published asks those
+                    and not entry.mapper.is_background(output)  # the tree watch asks those
                 ):
                     self._people.ask_soon(self._nursery, entry.asked, output)
                 if isinstance(output, TaskEnd) and output.origin is None:
@@ -775,6 +740,24 @@ async def _prompt_content(session: Session, params: dict[str, Any]) -> tuple[Use
             raise RpcError(INVALID_PARAMS, f"$.prompt[{i}]: {exc.reason}") from None
         content.append(image)
     return tuple(content)
+
+
+async def _replay(
+    session: Session, notify: Callable[[str, dict[str, Any]], Awaitable[None]]
+) -> list[Output]:
+    """Show a loaded session's trace again (``session/load``), each update through
+    ``notify``, with a mapper of its own that knows the trace is no live task; the
+    records read."""
+    records = await session.host.trace_store.log.read_after(session.id)
+    images = _OutputImages(session)
+    replay = acp.UpdateMapper(
+        live=False, workspace=str(session.workspace_dir), load_image=images.get
+    )
+    for record in records:
+        await images.read(record)
+        for update in replay.map(record):
+            await notify(session.id, update)
+    return records
 
 
 def _approval(mode: str) -> Approval:

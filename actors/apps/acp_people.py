@@ -171,8 +171,9 @@ class EditorPeople:
 
 class WatchedTask:
     """The outputs of a session's open task that no run of the connection reads — one
-    taken up when the session is loaded (R-HITL-4) — from the session's watch, until the
-    task's ``task_end``. An async iterator, like the run's own stream."""
+    taken up when the session is loaded (R-HITL-4), one a background child's answer
+    started — from a watch of the session, until the task's ``task_end``. An async
+    iterator, like the run's own stream."""
 
     def __init__(self, receive: trio.MemoryReceiveChannel[list[Output]]) -> None:
         self._receive = receive
