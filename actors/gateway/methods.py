@@ -39,7 +39,6 @@ from greenroom.actors.gateway.config import (
     CLIENT_ID,
     CLIENT_SETTABLE_FORBIDDEN,
     PATH,
-    SESSION_ID,
     GatewayLimits,
     SessionDefaults,
     confined_workspace,
@@ -47,14 +46,14 @@ from greenroom.actors.gateway.config import (
 )
 from greenroom.actors.gateway.connection import Connection, Handler
 from greenroom.actors.gateway.hubs import Hubs, session_state
+from greenroom.actors.gateway.nodes import Nodes
 from greenroom.actors.gateway.titles import Titles
 from greenroom.actors.runtime.errors import ImageRefused, SessionNotFound
-from greenroom.actors.runtime.host import Host, stored_root
+from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.port import Approval
 from greenroom.actors.runtime.session import Session
 from greenroom.actors.runtime.storage import SessionStore
-from greenroom.actors.runtime.trace_store import StoredSessionMissing, StoredSessionUnreadable
 from greenroom.protocols import jsonrpc
 from greenroom.protocols.content import ToolCallBlock, UserContent
 from greenroom.protocols.converter import to_dict
@@ -141,6 +140,7 @@ class Methods:
         """Where clients' workspaces must resolve (set when the gateway starts)."""
         self._principals = principals
         self._grants = grants
+        self._nodes = Nodes(host, grants)
         self._hubs = hubs
         self._titles = titles
         self._limits = limits or GatewayLimits()
@@ -184,9 +184,9 @@ class Methods:
         session_id = jsonrpc.require_str(params, "session_id", max_len=200)
         owned = self._grants.owned(_identity(connection))
         if session_id not in owned:
-            root_id = await self._root_of(session_id)
+            root_id = await self._nodes.root_of(session_id)
             if root_id is None or root_id == session_id or root_id not in owned:
-                if root_id is not None or await self._exists(session_id):
+                if root_id is not None or await self._nodes.exists(session_id):
                     raise RpcError(
                         jsonrpc.FORBIDDEN, f"session {session_id!r} belongs to another client"
                     )
@@ -212,30 +212,6 @@ class Methods:
         await self._hubs.adopt(session)
         return session
 
-    async def _root_of(self, session_id: str) -> str | None:
-        """The root of ``session_id``'s tree (its own id for a root), from the open session
-        or its stored ``session.json``; None when there is no such session."""
-        try:
-            return self.host.get_session(session_id).root_id
-        except SessionNotFound:
-            pass
-        if not SESSION_ID.fullmatch(session_id):
-            return None
-        try:
-            meta = await self.host.trace_store.catalog.read_meta(session_id)
-        except (StoredSessionMissing, StoredSessionUnreadable):
-            return None
-        return stored_root(meta, session_id)
-
-    async def _exists(self, session_id: str) -> bool:
-        if self._grants.anyone_owns(session_id):
-            return True
-        if any(s.id == session_id for s in self.host.sessions):
-            return True
-        if not SESSION_ID.fullmatch(session_id):
-            return False
-        return await self.host.trace_store.catalog.exists(session_id)
-
     def _provider(self) -> str | ModelProvider | None:
         if self.defaults.provider_factory is not None:
             return self.defaults.provider_factory()
@@ -247,18 +223,6 @@ class Methods:
             return _allow_all
         # "none": no callback and nobody asked, so every call is denied by default.
         return PEOPLE if approve == "ask" else None
-
-    async def _asked_in(self, session: Session, call_id: str) -> str:
-        """The session of ``session``'s tree (itself or a subagent: R-HOST-4) where the
-        request ``call_id`` waits for a person; ``session``'s own id when none does (the
-        host then refuses the answer as not pending)."""
-        pending = await self.host.pending_approvals()
-        if any(p.session_id == session.id and p.call_id == call_id for p in pending):
-            return session.id
-        for request in pending:
-            if request.call_id == call_id and session.id in request.origin:
-                return request.session_id
-        return session.id
 
     async def _input(self, session: Session, params: Mapping[str, Any]) -> tuple[UserContent, ...]:
         """The call's ``input`` with its images attached (R-SEC-8): read once, now, off the
@@ -523,7 +487,7 @@ class Methods:
         )
         digest = jsonrpc.optional_str(params, "digest", max_len=200)
         await self.host.answer_approval(
-            await self._asked_in(session, call_id),
+            await self._nodes.asked_in(session, call_id),
             call_id,
             decision,
             by=_identity(connection),
@@ -539,7 +503,7 @@ class Methods:
         call_id = jsonrpc.require_str(params, "call_id", max_len=500)
         text = jsonrpc.require_str(params, "text", max_len=MAX_ANSWER_CHARS)
         await self.host.answer_question(
-            await self._asked_in(session, call_id), call_id, text, by=_identity(connection)
+            await self._nodes.asked_in(session, call_id), call_id, text, by=_identity(connection)
         )
         return {}
 
