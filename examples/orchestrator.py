@@ -38,7 +38,9 @@ NOTES = {
     "monsoons": "seasonal winds that bring the rain",
 }
 
-FINISHED = re.compile(r"\[subagent (\S+) finished\] (.*)")
+FINISHED = re.compile(r"\[subagent (\S+) finished\] (.*?)(?:\[/user_steering\])?$")
+"""An answer as the orchestrator reads it: a finished-message that arrives while its task
+still runs is steering, and the steering's closing tag may end the answer's line."""
 
 
 @tool(parallel=True)
