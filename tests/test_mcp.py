@@ -67,7 +67,7 @@ def stdio(**extra: Any) -> dict[str, Any]:
 
 
 def connection(host: Host, name: str) -> McpConnection:
-    return next(c for c in host._mcp.connections() if c.name == name)
+    return next(c for c in host._builder.mcp.connections() if c.name == name)
 
 
 def outputs_by_call(outputs: list[Any]) -> dict[str, ToolCallOutput]:
@@ -560,7 +560,7 @@ async def test_gateway_sessions_get_the_servers_of_its_defaults(
     assert len(mcp_host.sessions) == 2
     for session in mcp_host.sessions:
         assert "mcp__t__echo" in {t.name for t in session.tools}
-    assert len(mcp_host._mcp.connections()) == 1
+    assert len(mcp_host._builder.mcp.connections()) == 1
 
 
 async def test_bad_mcp_servers_argument_is_a_configuration_error(mcp_host: Host) -> None:

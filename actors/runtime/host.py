@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import stat
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
@@ -41,58 +40,37 @@ from greenroom.actors.runtime.child_index import ChildIndex
 from greenroom.actors.runtime.errors import ConfigurationError, HostClosed, SessionNotFound
 from greenroom.actors.runtime.gc_tuning import tuned_gc
 from greenroom.actors.runtime.llm_streamer import ModelProvider
-from greenroom.actors.runtime.mcp_servers import McpServers
 from greenroom.actors.runtime.open_tasks import OpenTaskIndex
 from greenroom.actors.runtime.people import People, answer, pending_of
 from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput
-from greenroom.actors.runtime.provider_clients import ProviderClients
+from greenroom.actors.runtime.port_builder import PortBuilder
 from greenroom.actors.runtime.session import Session, require_trio
-from greenroom.actors.runtime.shared_tables import SharedTables, fixed_workspace
 from greenroom.actors.runtime.storage import (
     PRIVATE_DIR_MODE,
-    SESSION_FILE,
     SESSIONS_DIR,
-    SessionStore,
     tighten,
 )
 from greenroom.actors.runtime.supervisor import start, wake
 from greenroom.actors.runtime.trace_store import (
     FileTraceStore,
     StoredSession,
-    StoredSessionMissing,
-    StoredSessionUnreadable,
     TraceLog,
     TraceStore,
     TraceStoreFactory,
     UsageLedger,
-    one_line,
 )
-from greenroom.actors.tools.mcp_config import McpConfigError, as_configs
-from greenroom.actors.tools.workspace import (
-    current_boot,
-)
-from greenroom.protocols.converter import converter
 from greenroom.protocols.hooks import Hooks
 from greenroom.protocols.messages import PersonAnswered, SupervisorMessage
 from greenroom.protocols.outputs import Output
 from greenroom.protocols.people import PEOPLE, PendingApproval, Verdict
 from greenroom.protocols.settings import SessionSettings
-from greenroom.protocols.task import fold
 from greenroom.protocols.tools import Tool, WorkspaceIdentity
-from greenroom.protocols.transcript import Transcript, rebuild
 
 SHUTDOWN_GRACE_S = 30.0
 """Bound on closing a host: interrupting every running task and flushing the traces."""
 
 if TYPE_CHECKING:
     pass
-
-
-def _mcp_configs(mcp_servers: Mapping[str, Any] | None) -> dict[str, Any]:
-    try:
-        return as_configs(mcp_servers) if mcp_servers else {}
-    except McpConfigError as exc:
-        raise ConfigurationError(str(exc)) from None
 
 
 def default_data_dir() -> Path:
@@ -164,9 +142,7 @@ class Host:
         self._sessions: dict[str, Session] = {}
         self._ports: dict[str, SessionPort] = {}
         self._children = ChildIndex(store.catalog, self.load_session)
-        self._clients = ProviderClients()
-        self._shared = SharedTables()
-        self._mcp = McpServers(data_dir / "mcp", nursery.start_soon)
+        self._builder = PortBuilder(self, data_dir, store, nursery.start_soon)
         self._closed = False
         self._people = People(self._ports.get)
         self._open_tasks = OpenTaskIndex(store)
@@ -255,42 +231,22 @@ class Host:
         ``ANTHROPIC_AUTH_TOKEN`` raises :class:`ConfigurationError`: asking for Claude
         never runs another model silently."""
         self.check_open()
-        mcp_configs = _mcp_configs(mcp_servers)
-        final = _new_settings(settings, provider, model, system, overrides)
-        model_provider = provider if not isinstance(provider, str | None) else None
-        if model_provider is None:
-            model_provider = await self._clients.get(final)
         sid = session_id or _new_session_id()
         while session_id is None and sid in self._sessions:
             # Many sessions created within one second can draw the same id.
             sid = _new_session_id()
-        directory = SessionStore(self.data_dir).session_dir(sid)
-        identity = self._shared.identity(
-            await trio.to_thread.run_sync(fixed_workspace, workspace_dir, self.data_dir)
-        )
-        tool_list = list(tools)
-        parent = None if parent_id is None else self._ports.get(parent_id)
-        origin = None if parent_id is None else _child_origin(parent, parent_id, sid)
-        meta = _new_meta(sid, identity, final, tool_list, origin, name)
-        await self._store.catalog.create(sid, meta)
-        self.trace_log.start(sid)
-        port = SessionPort(
-            host=self,
-            session_id=sid,
-            directory=directory,
-            settings=final,
-            workspace_dir=identity.path,
-            tools=self._shared.tool_table(tool_list),
-            provider=model_provider,
-            transcript=Transcript(supports_vision=final.supports_vision),
+        port = await self._builder.new(
+            sid,
+            parent=None if parent_id is None else self._ports.get(parent_id),
             parent_id=parent_id,
-            workspace_identity=identity,
-            origin=origin,
+            settings=_new_settings(settings, provider, model, system, overrides),
+            provider=provider if not isinstance(provider, str | None) else None,
+            tools=list(tools),
+            workspace_dir=workspace_dir,
+            name=name,
+            hooks=hooks,
+            mcp_servers=mcp_servers,
         )
-        if hooks is not None:
-            port.hooks = hooks
-        if mcp_configs:
-            await self._mcp.attach(port, mcp_configs)
         session = self._add(port)
         self._children.created(sid, parent_id)
         if parent_id is None:
@@ -322,43 +278,15 @@ class Host:
         up by :meth:`resume` (R-HITL-4), or recovered as interrupted when a new task starts
         (R-TRACE-4)."""
         self.check_open()
-        mcp_configs = _mcp_configs(mcp_servers)
-        if tools is None:
-            tools = self._default_tools
         if session_id in self._sessions:
             return self._sessions[session_id]
-        directory = SessionStore(self.data_dir).session_dir(session_id)
-        meta, settings = await _stored_settings(self._store, session_id, directory)
-        if isinstance(provider, str):
-            overrides["provider"] = provider
-        if overrides:
-            settings = attrs.evolve(settings, **overrides)
-        model_provider = provider if not isinstance(provider, str | None) else None
-        if model_provider is None:
-            model_provider = await self._clients.get(settings)
-        loaded = await self.trace_log.load(session_id)
-        records = list(loaded.records)
-        transcript = rebuild(records, supports_vision=settings.supports_vision, recover=False)
-        machine = fold(records)
-        identity = self._shared.identity(await trio.to_thread.run_sync(_stored_workspace, meta))
-        port = SessionPort(
-            host=self,
-            session_id=session_id,
-            directory=directory,
-            settings=settings,
-            workspace_dir=identity.path,
-            tools=self._shared.tool_table(list(tools)),
-            provider=model_provider,
-            transcript=transcript,
-            machine=machine,
-            last_seq=loaded.last_seq,
-            parent_id=meta.get("parent_id"),
-            workspace_identity=identity,
-            origin=_stored_origin(meta, session_id),
+        port = await self._builder.stored(
+            session_id,
+            tools=self._default_tools if tools is None else tools,
+            provider=provider,
+            mcp_servers=mcp_servers,
+            overrides=overrides,
         )
-        port.load_errors = list(loaded.errors)
-        if mcp_configs:
-            await self._mcp.attach(port, mcp_configs)
         session = self._add(port)
         self._observe(session)
         return session
@@ -402,7 +330,7 @@ class Host:
             task_open = port is not None and port.machine.run_id is not None
             self._open_tasks.closed(session_id, task_open=task_open)
             self.trace_log.release(session_id)
-            await self._mcp.release(session_id)
+            await self._builder.release(session_id)
 
     async def delete_session(self, session_id: str) -> None:
         """Close the session — interrupting its task and waiting until its last record is
@@ -425,8 +353,7 @@ class Host:
         finally:
             # Even past the shutdown bound: the desk must end for the host's nursery to.
             self._people.close()
-        await self._clients.aclose()
-        await self._mcp.aclose()
+        await self._builder.aclose()
 
     # -- internals ---------------------------------------------------------------------
 
@@ -459,7 +386,11 @@ class Host:
             observe(session)
 
     async def create_child(
-        self, parent: SessionPort, *, settings: SessionSettings, tools: Iterable[Tool],
+        self,
+        parent: SessionPort,
+        *,
+        settings: SessionSettings,
+        tools: Iterable[Tool],
         name: str | None = None,
     ) -> SessionPort:
         """Create a subagent's session ``name`` under ``parent`` (R-HOST-4, R-TREE-1): the
@@ -541,9 +472,7 @@ class Host:
         port = self._ports[(await self.load_session(session_id)).id]
         await answer(port, PersonAnswered(call_id=call_id, text=text, principal=by))
 
-    async def resume(
-        self, session_id: str, *, approve: Approval = PEOPLE, **load: Any
-    ) -> Session:
+    async def resume(self, session_id: str, *, approve: Approval = PEOPLE, **load: Any) -> Session:
         """Take up the session's open task, if its trace leaves one: loaded (``load`` as
         for :meth:`load_session`; the host's tools by default) and resumed (R-HITL-4).
         ``approve`` decides the calls of a task whose host stopped under it, as
@@ -590,10 +519,7 @@ class Host:
         provider's library beforehand. Off the event loop. Raises
         :class:`ConfigurationError` as :meth:`create_session` would (an unknown provider,
         or anthropic without credentials)."""
-        await self._clients.load(provider, model=model, base_url=base_url)
-
-
-
+        await self._builder.clients.load(provider, model=model, base_url=base_url)
 
 
 @asynccontextmanager
@@ -641,40 +567,6 @@ def _prepare_data_dir(data_dir: str | Path | None) -> Path:
     return path
 
 
-_UNKNOWN_DIRECTORY = 0
-"""The device and inode numbers of a workspace that could not be identified when its
-session was loaded: no directory has inode 0, so every use of it is refused."""
-
-
-def _stored_workspace(meta: Mapping[str, Any]) -> WorkspaceIdentity:
-    """A loaded session's workspace identity: the stored one when it was taken in this
-    boot, else the directory at the stored path now (an old ``session.json``, or device
-    numbers that a reboot may have changed). A path that is now a symlink or no
-    directory gives an identity no directory has. Blocking."""
-    path = Path(meta.get("workspace_dir", "."))
-    stored = meta.get("workspace_identity")
-    boot = current_boot()
-    if isinstance(stored, dict):
-        device, inode = stored.get("device"), stored.get("inode")
-        if (
-            isinstance(device, int)
-            and isinstance(inode, int)
-            and stored.get("boot") == boot
-        ):
-            return WorkspaceIdentity(path=path, device=device, inode=inode, boot=boot)
-    try:
-        # The stored path was resolved when the session was created: a symlink there now
-        # stands in the workspace's place.
-        info = None if os.path.islink(path) else os.stat(path)
-    except (OSError, ValueError):
-        info = None
-    if info is None or not stat.S_ISDIR(info.st_mode):
-        return WorkspaceIdentity(
-            path=path, device=_UNKNOWN_DIRECTORY, inode=_UNKNOWN_DIRECTORY, boot=boot
-        )
-    return WorkspaceIdentity(path=path, device=info.st_dev, inode=info.st_ino, boot=boot)
-
-
 def _new_settings(
     settings: SessionSettings | None,
     provider: str | ModelProvider | None,
@@ -707,42 +599,6 @@ def _new_settings(
         raise ConfigurationError(f"bad session settings: {exc}") from None
 
 
-def _new_meta(
-    session_id: str,
-    identity: WorkspaceIdentity,
-    settings: SessionSettings,
-    tools: list[Tool],
-    origin: tuple[str, ...] | None,
-    name: str | None,
-) -> dict[str, Any]:
-    """A new session's ``session.json``."""
-    meta: dict[str, Any] = {
-        "session_id": session_id,
-        "created_at": time.time(),
-        "workspace_dir": str(identity.path),
-        "workspace_identity": {
-            "device": identity.device,
-            "inode": identity.inode,
-            "boot": identity.boot,
-        },
-        "settings": converter.unstructure(settings),
-        "tools": [t.name for t in tools],
-    }
-    if origin is not None:
-        meta["parent_id"] = origin[-2]
-        meta["root_id"] = origin[0]
-        meta["origin"] = list(origin)
-    if name is not None:
-        meta["name"] = name
-    return meta
-
-
-def _child_origin(parent: SessionPort | None, parent_id: str, session_id: str) -> tuple[str, ...]:
-    """A new subagent's path from its root: its parent's (just the parent's id when the
-    parent is not open here), then its own id."""
-    return (*(parent.origin_path if parent is not None else (parent_id,)), session_id)
-
-
 def stored_root(meta: Mapping[str, Any], session_id: str) -> str:
     """The root of a stored session's tree (R-TREE-1), from its ``session.json``: its
     ``root_id``; for a subagent stored before trees had depth, its parent (then always
@@ -752,40 +608,6 @@ def stored_root(meta: Mapping[str, Any], session_id: str) -> str:
         return root_id
     parent_id = meta.get("parent_id")
     return parent_id if isinstance(parent_id, str) else session_id
-
-
-def _stored_origin(meta: Mapping[str, Any], session_id: str) -> tuple[str, ...] | None:
-    """A stored subagent's path from its root (``origin`` in its ``session.json``), when
-    it is one that ends with the session; else ``(parent_id, session_id)`` for a subagent
-    stored without it, None for a root."""
-    origin = meta.get("origin")
-    if (
-        isinstance(origin, list)
-        and len(origin) >= 2
-        and all(isinstance(i, str) for i in origin)
-        and origin[-1] == session_id
-    ):
-        return tuple(origin)
-    parent_id = meta.get("parent_id")
-    return (parent_id, session_id) if isinstance(parent_id, str) else None
-
-
-async def _stored_settings(
-    store: TraceStore, session_id: str, directory: Path
-) -> tuple[dict[str, Any], SessionSettings]:
-    """A stored session's metadata and settings; :class:`SessionNotFound` says why not."""
-    try:
-        meta = await store.catalog.read_meta(session_id)
-        return meta, converter.structure(meta.get("settings", {}), SessionSettings)
-    except StoredSessionMissing as exc:
-        raise SessionNotFound(str(exc)) from None
-    except StoredSessionUnreadable as exc:
-        raise SessionNotFound(f"session {session_id!r} is unreadable: {exc}") from None
-    except Exception as exc:  # cattrs: a field of the wrong type or value
-        raise SessionNotFound(
-            f"session {session_id!r} is unreadable: {directory / SESSION_FILE}: bad "
-            f"settings: {one_line(exc)}"
-        ) from None
 
 
 def _new_session_id() -> str:

@@ -1,0 +1,272 @@
+"""How a host makes the runtime seam of a session it creates or loads
+(:class:`~greenroom.actors.runtime.port.SessionPort`): its provider client, its fixed
+workspace (R-SEC-7), its shared tool table, its ``session.json`` (new) or rebuilt
+transcript and task state (stored), and its MCP servers. It owns what sessions share for
+this: the provider clients, the shared tables and the MCP connections."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from greenroom.actors.runtime.errors import ConfigurationError, SessionNotFound
+from greenroom.actors.runtime.llm_streamer import ModelProvider
+from greenroom.actors.runtime.mcp_servers import McpServers
+from greenroom.actors.runtime.port import SessionPort
+from greenroom.actors.runtime.provider_clients import ProviderClients
+from greenroom.actors.runtime.shared_tables import SharedTables, fixed_workspace
+from greenroom.actors.runtime.storage import SESSION_FILE, SessionStore
+from greenroom.actors.runtime.trace_store import (
+    StoredSessionMissing,
+    StoredSessionUnreadable,
+    TraceStore,
+    one_line,
+)
+from greenroom.actors.tools.mcp_config import McpConfigError, as_configs
+from greenroom.actors.tools.workspace import current_boot
+from greenroom.protocols.converter import converter
+from greenroom.protocols.hooks import Hooks
+from greenroom.protocols.settings import SessionSettings
+from greenroom.protocols.task import fold
+from greenroom.protocols.tools import Tool, WorkspaceIdentity
+from greenroom.protocols.transcript import Transcript, rebuild
+
+if TYPE_CHECKING:
+    from greenroom.actors.runtime.host import Host
+
+__all__ = ["PortBuilder"]
+
+
+class PortBuilder:
+    """Makes the ports of one host's sessions; see the module docstring."""
+
+    __slots__ = ("_data_dir", "_host", "_shared", "_store", "clients", "mcp")
+
+    def __init__(
+        self,
+        host: Host,
+        data_dir: Path,
+        store: TraceStore,
+        start_soon: Callable[..., Any],
+    ) -> None:
+        self._host = host
+        self._data_dir = data_dir
+        self._store = store
+        self.clients = ProviderClients()
+        """The host's provider clients, one per provider and endpoint."""
+        self._shared = SharedTables()
+        self.mcp = McpServers(data_dir / "mcp", start_soon)
+        """The MCP server connections of the host's sessions."""
+
+    async def new(
+        self,
+        session_id: str,
+        *,
+        parent: SessionPort | None,
+        parent_id: str | None,
+        settings: SessionSettings,
+        provider: ModelProvider | None,
+        tools: list[Tool],
+        workspace_dir: str | Path | WorkspaceIdentity,
+        name: str | None,
+        hooks: Hooks | None,
+        mcp_servers: Mapping[str, Any] | None,
+    ) -> SessionPort:
+        """A new session's port, its ``session.json`` written and its trace started (see
+        :meth:`Host.create_session <greenroom.actors.runtime.host.Host.create_session>`
+        for what each argument means and what raises)."""
+        mcp_configs = _mcp_configs(mcp_servers)
+        model_provider = provider or await self.clients.get(settings)
+        identity = self._shared.identity(
+            await trio.to_thread.run_sync(fixed_workspace, workspace_dir, self._data_dir)
+        )
+        origin = None if parent_id is None else _child_origin(parent, parent_id, session_id)
+        meta = _new_meta(session_id, identity, settings, tools, origin, name)
+        await self._store.catalog.create(session_id, meta)
+        self._store.log.start(session_id)
+        port = SessionPort(
+            host=self._host,
+            session_id=session_id,
+            directory=SessionStore(self._data_dir).session_dir(session_id),
+            settings=settings,
+            workspace_dir=identity.path,
+            tools=self._shared.tool_table(tools),
+            provider=model_provider,
+            transcript=Transcript(supports_vision=settings.supports_vision),
+            parent_id=parent_id,
+            workspace_identity=identity,
+            origin=origin,
+        )
+        if hooks is not None:
+            port.hooks = hooks
+        if mcp_configs:
+            await self.mcp.attach(port, mcp_configs)
+        return port
+
+    async def stored(
+        self,
+        session_id: str,
+        *,
+        tools: Iterable[Tool],
+        provider: str | ModelProvider | None,
+        mcp_servers: Mapping[str, Any] | None,
+        overrides: dict[str, Any],
+    ) -> SessionPort:
+        """A stored session's port: settings from its ``session.json`` (``overrides``
+        applied), transcript and task state folded from its latest trace file (see
+        :meth:`Host.load_session <greenroom.actors.runtime.host.Host.load_session>`)."""
+        mcp_configs = _mcp_configs(mcp_servers)
+        directory = SessionStore(self._data_dir).session_dir(session_id)
+        meta, settings = await _stored_settings(self._store, session_id, directory)
+        if isinstance(provider, str):
+            overrides["provider"] = provider
+        if overrides:
+            settings = attrs.evolve(settings, **overrides)
+        model_provider = provider if not isinstance(provider, str | None) else None
+        if model_provider is None:
+            model_provider = await self.clients.get(settings)
+        loaded = await self._store.log.load(session_id)
+        records = list(loaded.records)
+        identity = self._shared.identity(await trio.to_thread.run_sync(_stored_workspace, meta))
+        port = SessionPort(
+            host=self._host,
+            session_id=session_id,
+            directory=directory,
+            settings=settings,
+            workspace_dir=identity.path,
+            tools=self._shared.tool_table(list(tools)),
+            provider=model_provider,
+            transcript=rebuild(records, supports_vision=settings.supports_vision, recover=False),
+            machine=fold(records),
+            last_seq=loaded.last_seq,
+            parent_id=meta.get("parent_id"),
+            workspace_identity=identity,
+            origin=_stored_origin(meta, session_id),
+        )
+        port.load_errors = list(loaded.errors)
+        if mcp_configs:
+            await self.mcp.attach(port, mcp_configs)
+        return port
+
+    async def release(self, session_id: str) -> None:
+        """``session_id`` closed: its private MCP connections close."""
+        await self.mcp.release(session_id)
+
+    async def aclose(self) -> None:
+        """Close the provider clients and the MCP connections (the host is closing)."""
+        await self.clients.aclose()
+        await self.mcp.aclose()
+
+
+def _mcp_configs(mcp_servers: Mapping[str, Any] | None) -> dict[str, Any]:
+    try:
+        return as_configs(mcp_servers) if mcp_servers else {}
+    except McpConfigError as exc:
+        raise ConfigurationError(str(exc)) from None
+
+
+_UNKNOWN_DIRECTORY = 0
+"""The device and inode numbers of a workspace that could not be identified when its
+session was loaded: no directory has inode 0, so every use of it is refused."""
+
+
+def _stored_workspace(meta: Mapping[str, Any]) -> WorkspaceIdentity:
+    """A loaded session's workspace identity: the stored one when it was taken in this
+    boot, else the directory at the stored path now (an old ``session.json``, or device
+    numbers that a reboot may have changed). A path that is now a symlink or no
+    directory gives an identity no directory has. Blocking."""
+    path = Path(meta.get("workspace_dir", "."))
+    stored = meta.get("workspace_identity")
+    boot = current_boot()
+    if isinstance(stored, dict):
+        device, inode = stored.get("device"), stored.get("inode")
+        if isinstance(device, int) and isinstance(inode, int) and stored.get("boot") == boot:
+            return WorkspaceIdentity(path=path, device=device, inode=inode, boot=boot)
+    try:
+        # The stored path was resolved when the session was created: a symlink there now
+        # stands in the workspace's place.
+        info = None if os.path.islink(path) else os.stat(path)
+    except (OSError, ValueError):
+        info = None
+    if info is None or not stat.S_ISDIR(info.st_mode):
+        return WorkspaceIdentity(
+            path=path, device=_UNKNOWN_DIRECTORY, inode=_UNKNOWN_DIRECTORY, boot=boot
+        )
+    return WorkspaceIdentity(path=path, device=info.st_dev, inode=info.st_ino, boot=boot)
+
+
+def _new_meta(
+    session_id: str,
+    identity: WorkspaceIdentity,
+    settings: SessionSettings,
+    tools: list[Tool],
+    origin: tuple[str, ...] | None,
+    name: str | None,
+) -> dict[str, Any]:
+    """A new session's ``session.json``."""
+    meta: dict[str, Any] = {
+        "session_id": session_id,
+        "created_at": time.time(),
+        "workspace_dir": str(identity.path),
+        "workspace_identity": {
+            "device": identity.device,
+            "inode": identity.inode,
+            "boot": identity.boot,
+        },
+        "settings": converter.unstructure(settings),
+        "tools": [t.name for t in tools],
+    }
+    if origin is not None:
+        meta["parent_id"] = origin[-2]
+        meta["root_id"] = origin[0]
+        meta["origin"] = list(origin)
+    if name is not None:
+        meta["name"] = name
+    return meta
+
+
+def _child_origin(parent: SessionPort | None, parent_id: str, session_id: str) -> tuple[str, ...]:
+    """A new subagent's path from its root: its parent's (just the parent's id when the
+    parent is not open here), then its own id."""
+    return (*(parent.origin_path if parent is not None else (parent_id,)), session_id)
+
+
+def _stored_origin(meta: Mapping[str, Any], session_id: str) -> tuple[str, ...] | None:
+    """A stored subagent's path from its root (``origin`` in its ``session.json``), when
+    it is one that ends with the session; else ``(parent_id, session_id)`` for a subagent
+    stored without it, None for a root."""
+    origin = meta.get("origin")
+    if (
+        isinstance(origin, list)
+        and len(origin) >= 2
+        and all(isinstance(i, str) for i in origin)
+        and origin[-1] == session_id
+    ):
+        return tuple(origin)
+    parent_id = meta.get("parent_id")
+    return (parent_id, session_id) if isinstance(parent_id, str) else None
+
+
+async def _stored_settings(
+    store: TraceStore, session_id: str, directory: Path
+) -> tuple[dict[str, Any], SessionSettings]:
+    """A stored session's metadata and settings; :class:`SessionNotFound` says why not."""
+    try:
+        meta = await store.catalog.read_meta(session_id)
+        return meta, converter.structure(meta.get("settings", {}), SessionSettings)
+    except StoredSessionMissing as exc:
+        raise SessionNotFound(str(exc)) from None
+    except StoredSessionUnreadable as exc:
+        raise SessionNotFound(f"session {session_id!r} is unreadable: {exc}") from None
+    except Exception as exc:  # cattrs: a field of the wrong type or value
+        raise SessionNotFound(
+            f"session {session_id!r} is unreadable: {directory / SESSION_FILE}: bad "
+            f"settings: {one_line(exc)}"
+        ) from None
