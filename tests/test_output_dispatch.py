@@ -105,7 +105,7 @@ async def test_subagent_watch_follows_every_output() -> None:
     """The watch of a child's run counts the usage of its whole subtree (its own and the
     forwarded outputs) and keeps its own task_end."""
     child = _FakeSession()
-    watch = subagents._ChildWatch(child, -1)  # type: ignore[arg-type]
+    watch = subagents.ChildWatch(child, -1)  # type: ignore[arg-type]
     # Room for the one batch: sent before the watch reads.
     batches_send, batches = trio.open_memory_channel[list[outputs.Output]](1)
     batches_send.send_nowait(list(every_output()))
@@ -159,7 +159,7 @@ DISPATCHERS = {
     ("actors/apps/render.py", "_record_detail"),
     ("actors/apps/chat.py", "ChatRenderer.show"),
     ("actors/gateway/hubs.py", "SessionHub._fan_out"),
-    ("actors/runtime/subagents.py", "_ChildWatch._on_batch"),
+    ("actors/runtime/subagents.py", "ChildWatch.on_batch"),
     ("protocols/transcript.py", "Transcript.apply"),
     ("protocols/transcript.py", "rebuild"),
     ("protocols/task.py", "TaskRecord.observe"),

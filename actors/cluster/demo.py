@@ -320,9 +320,7 @@ async def _scenario(
     # a side effect whose result the trace does not hold.
     await confirmations.wait_written({s.invoice for s in victims})
     payments = "payment" if len(victims) == 1 else "payments"
-    say(
-        f"*** killing host {victim.host_id} (SIGKILL) with {len(victims)} {payments} in flight"
-    )
+    say(f"*** killing host {victim.host_id} (SIGKILL) with {len(victims)} {payments} in flight")
     victim.process.send_signal(signal.SIGKILL)
     confirmations.confirm_all()
     for session in sessions:
@@ -476,8 +474,18 @@ async def _start_host(
     }
     process = await trio.lowlevel.open_process(
         [
-            sys.executable, "-m", "greenroom", "cluster-demo", "--as-host", host_id,
-            "--nats", nats_url, "--data-dir", str(data), "--workspace", str(workspace),
+            sys.executable,
+            "-m",
+            "greenroom",
+            "cluster-demo",
+            "--as-host",
+            host_id,
+            "--nats",
+            nats_url,
+            "--data-dir",
+            str(data),
+            "--workspace",
+            str(workspace),
         ],
         env=env,
         stderr=-1,

@@ -58,6 +58,7 @@ from greenroom.actors.cluster.router import ClusterRouter, OwnerDesk
 from greenroom.actors.cluster.routing import SessionRequests
 from greenroom.actors.cluster.store import ReplicatingTraceStore
 from greenroom.actors.cluster.traces import TraceRead, TraceStream, TraceWriter
+from greenroom.actors.cluster.tree_link import ParentLink
 from greenroom.actors.runtime.errors import ConfigurationError
 from greenroom.actors.runtime.host import Host, SessionObserver
 from greenroom.actors.runtime.llm_streamer import ModelProvider
@@ -172,11 +173,20 @@ class ClusterNode:
         self._gateway = gateway
         self.bind_grants(gateway)
         self._desk = OwnerDesk(
-            gateway, self.serves, self._until_serving, bound_s=self.config.lease_ttl_s
+            gateway,
+            self.serves,
+            self._until_serving,
+            bound_s=self.config.lease_ttl_s,
+            reports=self._take_report,
         )
         self._desk_ready.set()
         if self._work is not None:
             self._route(gateway, self._work)
+
+    async def _take_report(self, session_id: str, params: dict[str, Any]) -> dict[str, Any]:
+        """A background subagent's answer for ``session_id``, sent by another host."""
+        assert self._host is not None
+        return await ParentLink(self._requests, self._host, self._approve).take(session_id, params)
 
     def serves(self, session_id: str) -> bool:
         """Whether this host runs ``session_id`` (owns it, or is taking it over)."""
@@ -238,6 +248,9 @@ class ClusterNode:
         self._traces = await TraceStream.open(self.conn)
         self._registry = await HostRegistry.open(self.conn, ttl_s=self._leases.ttl_s)
         self._directory = await SessionDirectory.open(self.conn)
+        link = ParentLink(self._requests, host, self._approve, timeout_s=ttl)
+        host.child_reports.link = link.send
+        host.child_reports.retry_s = ttl / 2
         async with trio.open_nursery() as nursery:
             self._work = nursery
             if self._gateway is not None:

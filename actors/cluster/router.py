@@ -62,12 +62,17 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OWNER_UNREACHABLE",
+    "REPORT_METHOD",
     "ClusterRouter",
     "OwnerDesk",
     "RemoteSubscription",
 ]
 
 OWNER_UNREACHABLE = 503
+
+REPORT_METHOD = "subagent.finished"
+"""The request a host sends a parent's owner with a background subagent's answer:
+params ``{"child_id", "text"}`` (R-TREE-4)."""
 """The JSON-RPC error code of a call whose session's owner did not answer in time."""
 
 FORWARDED = ROUTED - {"session.subscribe", "session.unsubscribe"}
@@ -147,8 +152,10 @@ class OwnerDesk:
         until_serving: Callable[[str], Awaitable[None]],
         *,
         bound_s: float,
+        reports: Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]] | None = None,
     ) -> None:
         self._methods = gateway.methods
+        self._reports = reports
         self._serves = serves
         self._until_serving = until_serving
         self._bound_s = bound_s
@@ -179,6 +186,12 @@ class OwnerDesk:
                 return _error(
                     jsonrpc.INVALID_REQUEST, "a forwarded call needs params and a principal"
                 )
+            if method == REPORT_METHOD:
+                # Between hosts only (a gateway forwards none but FORWARDED): a background
+                # subagent's answer for this session, its parent (R-TREE-4).
+                if self._reports is None or not self._serves(session_id):
+                    return _error(OWNER_UNREACHABLE, f"session {session_id} takes no reports here")
+                return await self._reports(session_id, params)
             if method == "watch":
                 watch_id = str(params.get("watch_id", ""))[:100]
                 watches = self._watchers.setdefault(session_id, {})

@@ -210,7 +210,10 @@ class GenAIObserver:
     def observe(self, session: Session) -> None:
         """Watch ``session`` (``Host.open(observers=[observer.observe])``) from a task of
         the host's: each batch published from now on is mapped to spans there. The task
-        ends when the session closes, after the session's last batch."""
+        ends when the session closes, after the session's last batch. A subagent is not
+        watched on its own: its outputs reach its root's spans through its parent."""
+        if session.parent_id is not None:
+            return
         # Unbounded: the publisher never waits on the observer, and the observer waits on
         # nothing but this inbox (making spans does not block: the SDK's processor exports
         # them), so the inbox holds only what was published since the observer's last turn.

@@ -37,6 +37,7 @@ import trio
 
 from greenroom.actors.providers.registry import default_model, provider_for, require_credentials
 from greenroom.actors.runtime.child_index import ChildIndex
+from greenroom.actors.runtime.child_reports import ChildReports
 from greenroom.actors.runtime.errors import ConfigurationError, HostClosed, SessionNotFound
 from greenroom.actors.runtime.gc_tuning import tuned_gc
 from greenroom.actors.runtime.llm_streamer import ModelProvider
@@ -143,6 +144,8 @@ class Host:
         self._ports: dict[str, SessionPort] = {}
         self._children = ChildIndex(store.catalog, self.load_session)
         self._builder = PortBuilder(self, data_dir, store, nursery.start_soon)
+        self.child_reports = ChildReports(self)
+        """Reports of background subagents taken up by this host (R-TREE-2, R-TREE-4)."""
         self._closed = False
         self._people = People(self._ports.get)
         self._open_tasks = OpenTaskIndex(store)
@@ -247,16 +250,17 @@ class Host:
             hooks=hooks,
             mcp_servers=mcp_servers,
         )
-        session = self._add(port)
-        self._children.created(sid, parent_id)
-        if parent_id is None:
-            self._observe(session)
-        return session
+        return self._add(port, created=True)
 
-    def _add(self, port: SessionPort) -> Session:
+    def _add(self, port: SessionPort, *, created: bool = False) -> Session:
+        """Open ``port``'s session here and show it to the observers (every node of a
+        tree: in a cluster a child is a session like any other, R-TREE-4)."""
         session = Session(port, self.is_open)
         self._sessions[port.id] = session
         self._ports[port.id] = port
+        if created:
+            self._children.created(port.id, port.parent_id)
+        self._observe(session)
         return session
 
     async def load_session(
@@ -287,9 +291,7 @@ class Host:
             mcp_servers=mcp_servers,
             overrides=overrides,
         )
-        session = self._add(port)
-        self._observe(session)
-        return session
+        return self._add(port)
 
     def get_session(self, session_id: str) -> Session:
         """An open session of this host; raises :class:`SessionNotFound`."""
@@ -392,19 +394,31 @@ class Host:
         settings: SessionSettings,
         tools: Iterable[Tool],
         name: str | None = None,
+        background: bool = False,
     ) -> SessionPort:
         """Create a subagent's session ``name`` under ``parent`` (R-HOST-4, R-TREE-1): the
-        parent's provider and workspace, ``settings`` and ``tools``."""
-        session = await self.create_session(
+        parent's provider and workspace, ``settings`` and ``tools``; ``background`` is
+        recorded in its ``session.json`` (R-TREE-2)."""
+        self.check_open()
+        sid = _new_session_id()
+        while sid in self._sessions:
+            sid = _new_session_id()
+        port = await self._builder.new(
+            sid,
+            parent=parent,
+            parent_id=parent.id,
             settings=settings,
             provider=parent.provider,
-            tools=tools,
+            tools=list(tools),
             # The parent's workspace as fixed (R-SEC-7), never what its path names now.
             workspace_dir=parent.workspace_identity or parent.workspace_dir,
-            parent_id=parent.id,
             name=name,
+            hooks=None,
+            mcp_servers=None,
+            background=background,
         )
-        return self._ports[session.id]
+        self._add(port, created=True)
+        return port
 
     def forget_child(self, child: SessionPort) -> None:
         """Drop a finished subagent session from the open sessions; it accepts no more
@@ -479,10 +493,19 @@ class Host:
         ``session.run(approve=…)`` does (the callback it ran with went with that host):
         ``"people"`` by default. A call that was already waiting for a person keeps
         waiting for one, whatever ``approve`` is (R-HITL-1); a parked task keeps its own.
-        Returns the session."""
+        A background subagent's task goes on and its answer reaches its parent when it
+        ends (:mod:`~greenroom.actors.runtime.child_reports`); a foreground subagent's is
+        left to its trace (its parent's call ended with the host). Returns the session."""
         session = await self.load_session(session_id, **load)
         port = self._ports[session_id]
         if port.inbox is None and port.machine.run_id is not None:
+            if port.parent_id is not None:
+                # A subagent's task (R-TREE-4): a background child goes on and reports
+                # to its parent; a foreground one ended with its parent's call.
+                meta = await self._store.catalog.read_meta(session_id)
+                if not meta.get("background"):
+                    return session
+                self.child_reports.follow(port, meta, approve)
             port.lost_approve = approve
             wake(port, None)
         return session

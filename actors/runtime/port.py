@@ -124,9 +124,10 @@ class HostServices(Protocol):
         settings: SessionSettings,
         tools: Iterable[Tool],
         name: str | None = None,
+        background: bool = False,
     ) -> SessionPort:
         """Create a subagent's session under ``parent`` (R-HOST-4, R-TREE-1), named
-        ``name`` if given, and return its port."""
+        ``name`` if given, run in the ``background`` or not, and return its port."""
 
     def start_work(
         self,

@@ -78,6 +78,7 @@ class PortBuilder:
         name: str | None,
         hooks: Hooks | None,
         mcp_servers: Mapping[str, Any] | None,
+        background: bool = False,
     ) -> SessionPort:
         """A new session's port, its ``session.json`` written and its trace started (see
         :meth:`Host.create_session <greenroom.actors.runtime.host.Host.create_session>`
@@ -89,6 +90,8 @@ class PortBuilder:
         )
         origin = None if parent_id is None else _child_origin(parent, parent_id, session_id)
         meta = _new_meta(session_id, identity, settings, tools, origin, name)
+        if background:
+            meta["background"] = True
         await self._store.catalog.create(session_id, meta)
         self._store.log.start(session_id)
         port = SessionPort(

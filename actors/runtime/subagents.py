@@ -85,6 +85,7 @@ from greenroom.protocols.tools import ToolContext, tool
 __all__ = [
     "SPAWN_SUBAGENT",
     "SUBAGENT_SYSTEM",
+    "ChildWatch",
     "SubagentError",
     "Subagents",
     "finished_text",
@@ -191,7 +192,7 @@ class Subagents:
         # child's by the task that follows it.
         await children.slots.acquire()
         try:
-            child = await self._create(depth + 1, name)
+            child = await self._create(depth + 1, name, background=background)
         except BaseException:
             children.slots.release()
             raise
@@ -203,7 +204,7 @@ class Subagents:
         finally:
             children.slots.release()
 
-    async def _create(self, depth: int, name: str | None) -> SessionPort:
+    async def _create(self, depth: int, name: str | None, *, background: bool) -> SessionPort:
         parent = self._parent
         settings = parent.settings
         may_spawn = depth < settings.max_subagent_depth
@@ -213,6 +214,7 @@ class Subagents:
             settings=attrs.evolve(settings, system=subagent_system(settings.system)),
             tools=tools,
             name=name,
+            background=background,
         )
         child.subscribe(forward_up(child, parent))
         return child
@@ -223,7 +225,7 @@ class Subagents:
         )
 
     async def _run_foreground(self, children: Children, child: SessionPort, task: str) -> str:
-        watch = _ChildWatch(child, self._parent.settings.subagent_token_budget)
+        watch = ChildWatch(child, self._parent.settings.subagent_token_budget)
         children.add(child, background=False)
         # Unbounded: the child's supervisor publishes with send_nowait and must never wait
         # for this task, which drains the channel continuously.
@@ -246,7 +248,7 @@ class Subagents:
     ) -> None:
         parent = self._parent
         host = parent.host
-        watch = _ChildWatch(child, parent.settings.subagent_token_budget)
+        watch = ChildWatch(child, parent.settings.subagent_token_budget)
         children.add(child, background=True)
         # Unbounded: the child's supervisor publishes with send_nowait; the follower task
         # below drains it until the child's work ends.
@@ -273,15 +275,13 @@ class Subagents:
                     follow_up = TaskInput(content=content, approve=approve, thinking_level=None)
                     tell(
                         parent,
-                        SubagentFinished(
-                            session_id=child.id, content=content, follow_up=follow_up
-                        ),
+                        SubagentFinished(session_id=child.id, content=content, follow_up=follow_up),
                     )
 
         host.start_task(follow)
 
 
-class _ChildWatch:
+class ChildWatch:
     """Reads one child's run: adds up the token usage of its subtree (its own requests
     and its descendants', forwarded through it) against the budget, and keeps its final
     answer and ``task_end``."""
@@ -305,9 +305,10 @@ class _ChildWatch:
         channel closes)."""
         with trio.CancelScope(shield=shield):
             async for batch in outputs:
-                self._on_batch(batch)
+                self.on_batch(batch)
 
-    def _on_batch(self, batch: list[Output]) -> None:
+    def on_batch(self, batch: list[Output]) -> None:
+        """Take one batch of the child's outputs (its own and its descendants')."""
         for output in batch:
             match output:
                 case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():

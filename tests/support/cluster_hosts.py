@@ -56,11 +56,12 @@ async def start_host(
     lease_ttl_s: float,
     approve: str = "all",
     tokens_file: Path | None = None,
+    extra_tools: tuple[str, ...] = (),
 ) -> HostProcess:
     """Start host ``host_id`` and return once its gateway listens and, in a cluster, it
     takes placed sessions (``nats_url`` None: a single-host ``serve``, for comparisons).
     ``approve`` is ``serve --approve``; with ``tokens_file`` the host knows those
-    principals (and ``token`` is empty)."""
+    principals (and ``token`` is empty); ``extra_tools`` are more ``serve --tools`` beside the side-effect tools."""
     data = tmp_path / host_id
     workspace = tmp_path / "ws"
     workspace.mkdir(parents=True, exist_ok=True)
@@ -79,10 +80,31 @@ async def start_host(
     principals = ["--tokens-file", str(tokens_file)] if tokens_file is not None else []
     process = await trio.lowlevel.open_process(
         [
-            sys.executable, "-m", "greenroom", "serve", *cluster, "--port", "0",
-            "--no-console", "--data-dir", str(data), "--workspace", str(workspace),
-            "--provider", "anthropic", "--base-url", model_url, "--model", "mock-model",
-            "--tools", str(TOOLS), "--no-builtin-tools", "--approve", approve, *principals,
+            sys.executable,
+            "-m",
+            "greenroom",
+            "serve",
+            *cluster,
+            "--port",
+            "0",
+            "--no-console",
+            "--data-dir",
+            str(data),
+            "--workspace",
+            str(workspace),
+            "--provider",
+            "anthropic",
+            "--base-url",
+            model_url,
+            "--model",
+            "mock-model",
+            "--tools",
+            str(TOOLS),
+            *(f"--tools={t}" for t in extra_tools),
+            "--no-builtin-tools",
+            "--approve",
+            approve,
+            *principals,
         ],
         env=env,
         stderr=-1,

@@ -1,0 +1,137 @@
+"""A background subagent's answer when the run that spawned it is gone (R-TREE-2, R-TREE-4).
+
+While the host run that spawned a background child runs it, the spawning side follows the
+child and hands its answer to the parent (:mod:`~greenroom.actors.runtime.subagents`). A
+child whose task is taken up by another run — a restarted host (R-HITL-4) or, in a cluster,
+the host that took it over when its own was lost (R-TREE-4) — has no such follower:
+:meth:`ChildReports.follow` gives it one. When the child's task ends, its answer (or why it
+failed) goes to its parent as ``[subagent NAME finished] …``: to the parent open in this
+host; else, in a cluster, to the parent's owner through :attr:`ChildReports.link` (tried
+again while the parent has no owner yet, as during its own takeover); else to the parent
+loaded here. The parent takes it as it takes a live child's: steering of its open task,
+else a follow-up task.
+
+A foreground child is not taken up: the call that ran it got its host-lost result with the
+rest of its parent's task (R-CLUSTER-2), so its answer would reach nobody. Its task stays
+open in its trace, recovered as interrupted when the session is next used (R-TRACE-4).
+
+A report is sent once, when the child's taken-up task ends. A child whose task ended on the
+lost host a moment before that host could send the report sends none: the answer is in
+the child's trace (``session.children()`` finds it), not in the parent's input.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from greenroom.actors.runtime.errors import SessionNotFound
+from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput
+from greenroom.actors.runtime.subagents import ChildWatch, SubagentError, finished_text
+from greenroom.actors.runtime.tree import tell
+from greenroom.protocols.content import TextBlock
+from greenroom.protocols.messages import SubagentFinished
+from greenroom.protocols.outputs import Output
+
+if TYPE_CHECKING:
+    from greenroom.actors.runtime.host import Host
+
+__all__ = ["ChildReports", "ParentLink"]
+
+logger = logging.getLogger(__name__)
+
+ParentLink = Callable[[str, str, str], Awaitable[bool]]
+"""Hands a report to the host that owns its parent, in a cluster: ``(parent_id, child_id,
+text)`` → True once that host has taken it, False when no host owns the parent now (the
+report is offered again later)."""
+
+LINK_ATTEMPTS = 20
+"""How often a report is offered to a parent that has no owner, before it is given up
+(logged): a parent whose host was lost with its child's gets a new owner within a few
+lease periods."""
+
+
+class ChildReports:
+    """A host's reports of taken-up background children; see the module docstring."""
+
+    __slots__ = ("_host", "link", "retry_s")
+
+    def __init__(self, host: Host) -> None:
+        self._host = host
+        self.link: ParentLink | None = None
+        """The cluster's way to a parent owned by another host (set by a cluster host)."""
+        self.retry_s = 1.0
+        """How long to wait before offering a report again to a parent without owner."""
+
+    def follow(self, port: SessionPort, meta: dict[str, Any], approve: Approval) -> None:
+        """Follow the background child ``port`` (its ``session.json`` is ``meta``) from
+        now on and report its answer when its task ends; ``approve`` decides the calls of
+        the follow-up task the report may start in its parent."""
+        parent_id = port.parent_id
+        if parent_id is None:
+            return
+        name = meta.get("name")
+        label = name if isinstance(name, str) and name else port.id
+        # Unbounded: the publisher never waits on this follower, which drains it until
+        # the child's task ends.
+        send, outputs = trio.open_memory_channel[list[Output]](math.inf)
+        port.watch(send)
+        watch = ChildWatch(port, budget=-1)
+
+        async def report() -> None:
+            with outputs:
+                async for batch in outputs:
+                    watch.on_batch(batch)
+                    if watch.end is not None:
+                        break
+            if watch.end is None:
+                return  # the session closed with its task open: taken up again later
+            try:
+                answer = watch.result()
+            except SubagentError as exc:
+                answer = str(exc)
+            text = finished_text(label, answer)
+            try:
+                await self.deliver(parent_id, port.id, text, approve)
+            except Exception:  # a task of the host's: it must not end the host
+                logger.exception("the answer of subagent %s could not reach %s", port.id, parent_id)
+
+        self._host.start_task(report)
+
+    async def deliver(self, parent_id: str, child_id: str, text: str, approve: Approval) -> None:
+        """Hand child ``child_id``'s report ``text`` to ``parent_id`` (see the module
+        docstring)."""
+        if self.link is not None and not self._is_open(parent_id):
+            for _ in range(LINK_ATTEMPTS):
+                if await self.link(parent_id, child_id, text):
+                    return
+                await trio.sleep(self.retry_s)
+            logger.warning(
+                "subagent %s finished, but no host took its answer for %s", child_id, parent_id
+            )
+            return
+        await self.take(parent_id, child_id, text, approve)
+
+    def _is_open(self, session_id: str) -> bool:
+        try:
+            self._host.get_session(session_id)
+        except SessionNotFound:
+            return False
+        return True
+
+    async def take(self, parent_id: str, child_id: str, text: str, approve: Approval) -> None:
+        """The parent's side: ``parent_id`` (open here, or loaded) takes the report as
+        steering of its open task, else as a follow-up task run with ``approve``. Raises
+        :class:`SessionNotFound` when there is no such session."""
+        await self._host.load_session(parent_id)
+        parent = self._host.port(parent_id)
+        content = (TextBlock(text=text),)
+        follow_up = TaskInput(content=content, approve=approve, thinking_level=None)
+        if not tell(
+            parent, SubagentFinished(session_id=child_id, content=content, follow_up=follow_up)
+        ):
+            raise SessionNotFound(f"session {parent_id} takes no more work")

@@ -1,0 +1,208 @@
+"""A tree whose host is killed (R-TREE-2, R-TREE-4, R-HITL-4), with the scripted model: a
+background subagent taken up by the next host goes on — its call in flight gets its
+host-lost result and is not run again — and its answer reaches its parent as input; a
+foreground subagent is not taken up (its parent's call ended with the host). The same over
+a cluster with a real nats-server is in tests/test_cluster_tree.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import trio
+from conftest import RUN_TIMEOUT_S, open_host, trace_lines
+
+from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.subagents import SUBAGENT_SYSTEM, spawn_subagent
+from greenroom.protocols.context import ModelRequest, ToolResult, UserMessage
+from greenroom.protocols.outputs import Output, TaskEnd, UserMsg
+from greenroom.protocols.tools import make_tool
+
+MODEL = textwrap.dedent(
+    """
+    from greenroom.actors.providers.scripted import Reply, text
+    from greenroom.actors.runtime.subagents import SUBAGENT_SYSTEM
+    from greenroom.protocols.content import ToolCallBlock
+    from greenroom.protocols.context import ToolResult, UserMessage
+
+    def model(request, background):
+        results = [
+            b for m in request.messages if isinstance(m, UserMessage)
+            for b in m.content if isinstance(b, ToolResult)
+        ]
+        if (request.system or "").startswith(SUBAGENT_SYSTEM):
+            if results:
+                return Reply(blocks=(text("paid, as far as I know"),))
+            return Reply(blocks=(ToolCallBlock(id="p1", name="pay", arguments={"amount": 7}),))
+        if results:
+            return Reply(blocks=(text("the payer works on it"),))
+        spawn = {"task": "pay 7", "background": background, "name": "payer"}
+        return Reply(blocks=(ToolCallBlock(id="s1", name="spawn_subagent", arguments=spawn),))
+    """
+)
+
+CRASHING_HOST = MODEL + textwrap.dedent(
+    """
+    import sys, trio
+    from greenroom.actors.providers.scripted import ScriptedProvider
+    from greenroom.actors.runtime.host import Host
+    from greenroom.actors.runtime.subagents import spawn_subagent
+    from greenroom.protocols.tools import make_tool
+
+    data_dir, workspace, marks, background = sys.argv[1:5]
+
+    async def pay(amount: int) -> str:
+        \"\"\"Pay an amount.\"\"\"
+        with open(marks, "a") as handle:
+            handle.write(f"{amount}\\n")
+        print("paying", flush=True)
+        await trio.sleep_forever()  # the host is killed while the call runs
+        return "never"
+
+    async def main():
+        async with Host.open(data_dir) as host:
+            session = await host.create_session(
+                provider=ScriptedProvider(lambda r: model(r, background == "yes")),
+                tools=[make_tool(pay, parallel=False), spawn_subagent],
+                workspace_dir=workspace,
+            )
+            print(session.id, flush=True)
+            await session.run("pay 7 through a subagent", approve=lambda call: "allow").collect()
+            await trio.sleep_forever()
+
+    trio.run(main)
+    """
+)
+
+
+def _results(request: ModelRequest) -> list[ToolResult]:
+    return [
+        b
+        for m in request.messages
+        if isinstance(m, UserMessage)
+        for b in m.content
+        if isinstance(b, ToolResult)
+    ]
+
+
+def _after_takeup(request: ModelRequest) -> Reply:
+    """The model once the host is back: the child sums up its host-lost call; the root
+    merges the child's answer when it arrives as input."""
+    if (request.system or "").startswith(SUBAGENT_SYSTEM):
+        return Reply(blocks=(text("paid, as far as I know"),))
+    last = request.messages[-1]
+    said = str(last.content) if isinstance(last, UserMessage) else ""
+    if "[subagent payer finished]" in said:
+        return Reply(blocks=(text("merged: the payer is done"),))
+    return Reply(blocks=(text("unexpected request"),))
+
+
+async def _crash_mid_child_call(
+    data_dir: Path, workspace: Path, tmp_path: Path, *, background: bool
+) -> str:
+    """Run the crashing host until the child's ``pay`` runs, SIGKILL it; the root's id."""
+    marks = tmp_path / "marks"
+    script = tmp_path / "crash.py"
+    script.write_text(CRASHING_HOST)
+    process = await trio.lowlevel.open_process(
+        [
+            sys.executable,
+            str(script),
+            str(data_dir),
+            str(workspace),
+            str(marks),
+            "yes" if background else "no",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert process.stdout is not None
+        lines = b""
+        with trio.fail_after(RUN_TIMEOUT_S):
+            while b"paying" not in lines:  # the root's id, then the child's call starts
+                lines += await process.stdout.receive_some()
+        return lines.split()[0].decode()
+    finally:
+        process.send_signal(signal.SIGKILL)
+        await process.wait()
+
+
+def _pay_tool(paid: list[int]) -> object:
+    async def pay(amount: int) -> str:
+        """Pay an amount."""
+        paid.append(amount)
+        return "paid"
+
+    return make_tool(pay, parallel=False)
+
+
+async def _child_of(host: Host, root_id: str) -> str:
+    (child_id,) = [i.session_id for i in await host.list_sessions() if i.parent_id == root_id]
+    return child_id
+
+
+async def _until_task_end(inbox: trio.MemoryReceiveChannel[list[Output]]) -> list[Output]:
+    seen: list[Output] = []
+    async for batch in inbox:
+        seen.extend(batch)
+        if any(isinstance(o, TaskEnd) and o.origin is None for o in batch):
+            return seen
+    raise AssertionError("the session closed before its task ended")
+
+
+async def test_a_background_child_taken_up_after_a_crash_reports_to_its_parent(
+    data_dir: Path, workspace: Path, tmp_path: Path
+) -> None:
+    """R-TREE-2, R-TREE-4: the host dies while a background child's side-effecting call
+    runs (its root's task has ended). The next host takes the child up: its call gets the
+    host-lost result and is not run again, the child answers, and the answer reaches the
+    root as a follow-up task that the root answers."""
+    root_id = await _crash_mid_child_call(data_dir, workspace, tmp_path, background=True)
+    paid: list[int] = []
+    model = ScriptedProvider(_after_takeup)
+    tools = [_pay_tool(paid), spawn_subagent]
+    async with open_host(data_dir) as host:
+        root = await host.load_session(root_id, provider=model, tools=tools)
+        child_id = await _child_of(host, root_id)
+        meta = json.loads((data_dir / "sessions" / child_id / "session.json").read_text())
+        assert meta["background"] is True and meta["parent_id"] == root_id
+        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
+        root.watch(send)
+        await host.resume(child_id, provider=model, tools=tools, approve=lambda call: "allow")
+        with trio.fail_after(RUN_TIMEOUT_S):
+            seen = await _until_task_end(inbox)
+        child_lines = trace_lines(await host.load_session(child_id))
+        root_lines = trace_lines(root)
+    assert paid == [] and (tmp_path / "marks").read_text() == "7\n"  # run once, never again
+    (lost,) = [line for line in child_lines if line["type"] == "tool_call_output"]
+    assert lost["status"] == "interrupted" and "was not run again" in lost["content"][0]["text"]
+    assert child_lines[-1]["type"] == "task_end" and child_lines[-1]["status"] == "completed"
+    prompts = [o for o in seen if isinstance(o, UserMsg) and o.origin is None]
+    assert [p.content[0].text for p in prompts] == [  # type: ignore[union-attr]
+        "[subagent payer finished] paid, as far as I know"
+    ]
+    assert root_lines[-1]["type"] == "task_end" and root_lines[-1]["status"] == "completed"
+    assert [line["type"] for line in root_lines].count("task_start") == 2
+
+
+async def test_a_foreground_child_is_not_taken_up_after_a_crash(
+    data_dir: Path, workspace: Path, tmp_path: Path
+) -> None:
+    """R-TREE-4: a foreground child's call ended with its parent's task, so the next host
+    does not take the child up: nothing of it runs again, its task is left to its trace."""
+    root_id = await _crash_mid_child_call(data_dir, workspace, tmp_path, background=False)
+    paid: list[int] = []
+    model = ScriptedProvider(_after_takeup)
+    tools = [_pay_tool(paid), spawn_subagent]
+    async with open_host(data_dir) as host:
+        await host.load_session(root_id, provider=model, tools=tools)
+        child = await host.resume(await _child_of(host, root_id), provider=model, tools=tools)
+        assert not child.busy
+        assert model.requests == []
+    assert paid == [] and (tmp_path / "marks").read_text() == "7\n"
