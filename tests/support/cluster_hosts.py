@@ -61,7 +61,8 @@ async def start_host(
     """Start host ``host_id`` and return once its gateway listens and, in a cluster, it
     takes placed sessions (``nats_url`` None: a single-host ``serve``, for comparisons).
     ``approve`` is ``serve --approve``; with ``tokens_file`` the host knows those
-    principals (and ``token`` is empty); ``extra_tools`` are more ``serve --tools`` beside the side-effect tools."""
+    principals (and ``token`` is empty); ``extra_tools`` are more ``serve --tools``
+    beside the side-effect tools."""
     data = tmp_path / host_id
     workspace = tmp_path / "ws"
     workspace.mkdir(parents=True, exist_ok=True)
