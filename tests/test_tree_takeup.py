@@ -17,11 +17,14 @@ from pathlib import Path
 import trio
 from conftest import RUN_TIMEOUT_S, open_host, trace_lines
 
-from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
+from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
 from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.session import RunStream, Session
 from greenroom.actors.runtime.subagents import SUBAGENT_SYSTEM, spawn_subagent
+from greenroom.protocols.content import ToolCallBlock
 from greenroom.protocols.context import ModelRequest, ToolResult, UserMessage
-from greenroom.protocols.outputs import Output, TaskEnd, UserMsg
+from greenroom.protocols.outputs import ApprovalRequest, Output, TaskEnd, UserMsg
+from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.tools import make_tool
 
 MODEL = textwrap.dedent(
@@ -206,3 +209,104 @@ async def test_a_foreground_child_is_not_taken_up_after_a_crash(
         assert not child.busy
         assert model.requests == []
     assert paid == [] and (tmp_path / "marks").read_text() == "7\n"
+
+
+def _payer_model(request: ModelRequest) -> Reply:
+    """The root spawns the payer in the background and merges its answer; the payer pays
+    (a call that needs a person's approval) and says so."""
+    if (request.system or "").startswith(SUBAGENT_SYSTEM):
+        if _results(request):
+            return Reply(blocks=(text("paid 7"),))
+        return Reply(blocks=(tool_call("p1", "pay", amount=7),))
+    last = request.messages[-1]
+    if isinstance(last, UserMessage) and "[subagent payer finished]" in str(last.content):
+        return Reply(blocks=(text("merged: the payer is done"),))
+    if _results(request):
+        return Reply(blocks=(text("the payer works on it"),))
+    spawn = {"task": "pay 7", "background": True, "name": "payer"}
+    return Reply(blocks=(ToolCallBlock(id="s1", name="spawn_subagent", arguments=spawn),))
+
+
+async def _run_until_child_parked(host: Host, root: Session) -> str:
+    """Run the root's first task with ``approve="people"`` (a person allows its spawn);
+    return its one child's id once the root's task has ended and the child's call waits
+    for a person with no supervisor left."""
+    send, inbox = trio.open_memory_channel[list[Output]](math.inf)
+    root.watch(send)
+    with trio.fail_after(RUN_TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_collect, root.run("pay 7 through a subagent", approve=PEOPLE))
+            async for batch in inbox:
+                if any(isinstance(o, ApprovalRequest) and o.origin is None for o in batch):
+                    break
+            await host.answer_approval(root.id, "s1", "allow")
+        (child,) = await root.children()
+        await child.wait_idle()
+    inbox.close()
+    port = host.port(child.id)
+    assert port.parked and port.inbox is None  # R-HITL-3: it holds nothing
+    return child.id
+
+
+async def _collect(run: RunStream) -> None:
+    await run.collect()
+
+
+def _reports(seen: list[Output]) -> list[str]:
+    return [
+        o.content[0].text  # type: ignore[union-attr]
+        for o in seen
+        if isinstance(o, UserMsg) and o.origin is None and "[subagent" in str(o.content)
+    ]
+
+
+async def test_a_background_child_waiting_for_a_person_parks_and_reports_once_answered(
+    data_dir: Path, workspace: Path
+) -> None:
+    """R-HITL-3, R-TREE-2: a background child whose call waits for a person parks (no
+    supervisor, no slot of its parent's task); answered, it runs the call once and its
+    answer reaches the root, idle by then, as a follow-up task."""
+    paid: list[int] = []
+    model = ScriptedProvider(_payer_model)
+    async with open_host(data_dir) as host:
+        root = await host.create_session(
+            provider=model, tools=[_pay_tool(paid), spawn_subagent], workspace_dir=workspace
+        )
+        child_id = await _run_until_child_parked(host, root)
+        (pending,) = await host.pending_approvals()
+        assert pending.session_id == child_id and pending.origin == (root.id, child_id)
+        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
+        root.watch(send)
+        await host.answer_approval(child_id, pending.call_id, "allow")
+        with trio.fail_after(RUN_TIMEOUT_S):
+            seen = await _until_task_end(inbox)
+    assert paid == [7]
+    assert _reports(seen) == ["[subagent payer finished] paid 7"]
+
+
+async def test_a_parked_background_child_answered_after_a_restart_reports_once(
+    data_dir: Path, workspace: Path
+) -> None:
+    """R-HITL-1, R-TREE-4: the host closes while a background child waits for a person;
+    the next host answers it: the call runs once and the child's answer reaches the root
+    once (the close reported nothing)."""
+    paid: list[int] = []
+    model = ScriptedProvider(_payer_model)
+    tools = [_pay_tool(paid), spawn_subagent]
+    async with open_host(data_dir) as host:
+        root = await host.create_session(provider=model, tools=tools, workspace_dir=workspace)
+        root_id, child_id = root.id, await _run_until_child_parked(host, root)
+    async with open_host(data_dir) as host:
+        root = await host.load_session(root_id, provider=model, tools=tools)
+        await host.load_session(child_id, provider=model, tools=tools)
+        (pending,) = await host.pending_approvals()
+        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
+        root.watch(send)
+        await host.answer_approval(child_id, pending.call_id, "allow")
+        with trio.fail_after(RUN_TIMEOUT_S):
+            seen = await _until_task_end(inbox)
+        root_lines = trace_lines(root)
+    assert paid == [7]
+    assert _reports(seen) == ["[subagent payer finished] paid 7"]
+    prompts = [line for line in root_lines if line["type"] == "user_msg"]
+    assert len(prompts) == 2  # the first task's prompt and the one report

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -67,15 +67,13 @@ class ChildReports:
         self.retry_s = 1.0
         """How long to wait before offering a report again to a parent without owner."""
 
-    def follow(self, port: SessionPort, meta: dict[str, Any], approve: Approval) -> None:
-        """Follow the background child ``port`` (its ``session.json`` is ``meta``) from
-        now on and report its answer when its task ends; ``approve`` decides the calls of
-        the follow-up task the report may start in its parent."""
-        parent_id = port.parent_id
-        if parent_id is None:
+    def follow(self, port: SessionPort) -> None:
+        """Follow the background child ``port`` from now on and report its answer when
+        its task ends; the follow-up task the report may start in its parent is decided
+        as ``port.lost_approve`` says (``Host.resume(approve=…)``)."""
+        parent_id, label = port.parent_id, port.report_as
+        if parent_id is None or label is None:
             return
-        name = meta.get("name")
-        label = name if isinstance(name, str) and name else port.id
         # Unbounded: the publisher never waits on this follower, which drains it until
         # the child's task ends.
         send, outputs = trio.open_memory_channel[list[Output]](math.inf)
@@ -96,7 +94,7 @@ class ChildReports:
                 answer = str(exc)
             text = finished_text(label, answer)
             try:
-                await self.deliver(parent_id, port.id, text, approve)
+                await self.deliver(parent_id, port.id, text, port.lost_approve)
             except Exception:  # a task of the host's: it must not end the host
                 logger.exception("the answer of subagent %s could not reach %s", port.id, parent_id)
 

@@ -291,6 +291,10 @@ class Host:
             mcp_servers=mcp_servers,
             overrides=overrides,
         )
+        if port.report_as is not None and port.machine.run_id is not None:
+            # A background subagent's open task: its answer reaches its parent when it
+            # ends, whoever takes it up (R-TREE-4).
+            self.child_reports.follow(port)
         return self._add(port)
 
     def get_session(self, session_id: str) -> Session:
@@ -499,13 +503,8 @@ class Host:
         session = await self.load_session(session_id, **load)
         port = self._ports[session_id]
         if port.inbox is None and port.machine.run_id is not None:
-            if port.parent_id is not None:
-                # A subagent's task (R-TREE-4): a background child goes on and reports
-                # to its parent; a foreground one ended with its parent's call.
-                meta = await self._store.catalog.read_meta(session_id)
-                if not meta.get("background"):
-                    return session
-                self.child_reports.follow(port, meta, approve)
+            if port.parent_id is not None and port.report_as is None:
+                return session  # a foreground subagent's call ended with its host
             port.lost_approve = approve
             wake(port, None)
         return session

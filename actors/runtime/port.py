@@ -117,6 +117,10 @@ class HostServices(Protocol):
     def start_task(self, fn: Callable[[], Awaitable[None]]) -> None:
         """Run ``fn`` in the host's nursery (it must not raise)."""
 
+    def is_open(self) -> bool:
+        """Whether the host still takes work (False while it closes)."""
+        ...
+
     async def create_child(
         self,
         parent: SessionPort,
@@ -200,6 +204,7 @@ class SessionPort:
         "parent_id",
         "parked_task",
         "provider",
+        "report_as",
         "settings",
         "transcript",
         "workspace_dir",
@@ -252,6 +257,10 @@ class SessionPort:
         """How the calls of an open task its host lost are decided once it is taken up:
         its own callback went with the process (``Host.resume(approve=…)`` sets it)."""
         self.closed = False
+        self.report_as: str | None = None
+        """For a background subagent, the name its answer goes to its parent under (its
+        ``name``, else its id: ``[subagent NAME finished]``, R-TREE-2); None for a root
+        or a foreground subagent."""
         self.children: Children | None = None
         """The subagents running now and the slots they share (R-TREE); None until the
         session first spawns."""

@@ -107,6 +107,8 @@ class PortBuilder:
             workspace_identity=identity,
             origin=origin,
         )
+        if background:
+            port.report_as = name or session_id
         if hooks is not None:
             port.hooks = hooks
         if mcp_configs:
@@ -154,6 +156,9 @@ class PortBuilder:
             origin=_stored_origin(meta, session_id),
         )
         port.load_errors = list(loaded.errors)
+        if meta.get("background") is True and port.parent_id is not None:
+            name = meta.get("name")
+            port.report_as = name if isinstance(name, str) and name else session_id
         if mcp_configs:
             await self.mcp.attach(port, mcp_configs)
         return port

@@ -238,12 +238,16 @@ class RunStream:
 
         The outputs read here are not returned (they are in the trace, and subscribers
         saw them); iterate instead to watch them. Raises ``RuntimeError`` when the
-        stream ended without a ``task_end``, which happens only after :meth:`detach`.
+        stream ended without a ``task_end``: after :meth:`detach`, or when the session
+        closed while the task waited for people (the task stays pending in its trace).
         """
         async for _ in self:
             pass
         if self._task_end is None:
-            raise RuntimeError("the run's outputs ended without a task_end (detached?)")
+            raise RuntimeError(
+                "the run's outputs ended without a task_end (detached, or the session "
+                "closed while the task waited for people)"
+            )
         return RunResult(text=self.final_text, task_end=self._task_end)
 
     async def collect(self) -> list[Output]:
@@ -666,7 +670,13 @@ class Session:
         when the session is loaded (R-HITL-1)."""
         port = self._port
         if not port.parked:
-            self.interrupt("session closed")
+            # A closing host closes every node on its own (a parked one stays pending);
+            # closing one session ends its whole subtree with it.
+            self.interrupt("session closed", scope="tree" if self._host_open() else "node")
+        elif port.parked_task is not None and port.parked_task.output is not None:
+            # Whoever reads the parked run (a caller's RunStream, a background subagent's
+            # follower) stops here: the task goes on only where the session is loaded again.
+            port.parked_task.output.close()
         port.closed = True
         await self.wait_idle()
         await port.sync_trace_quietly()

@@ -264,7 +264,15 @@ class Subagents:
                 entry = children.remove(child.id)
                 children.slots.release()
                 host.forget_child(child)
-                if entry is not None and not entry.cut:
+                # No end: the host closed while the child's task waited for people; the
+                # task is open in its trace, and whoever takes it up reports its answer.
+                # A closing host starts no follow-up in the parent.
+                if (
+                    entry is not None
+                    and not entry.cut
+                    and watch.end is not None
+                    and host.is_open()
+                ):
                     try:
                         answer = watch.result()
                     except SubagentError as exc:

@@ -438,10 +438,13 @@ class SessionSupervisor:
     # -- people: parking and resuming (R-HITL) ----------------------------------------------
 
     def _may_park(self) -> bool:
-        """A root task that waits only for people (and has nothing else in flight or in
-        its inbox) holds nothing while it waits (R-HITL-3)."""
-        machine = self._machine
-        if machine.waiting_for != "people" or self._port.parent_id is not None:
+        """A task that waits only for people (and has nothing else in flight or in its
+        inbox) holds nothing while it waits (R-HITL-3): a root's, or a background
+        subagent's (its spawning call has returned; a foreground one's runs in that call)."""
+        machine, port = self._machine, self._port
+        if machine.waiting_for != "people" or (
+            port.parent_id is not None and port.report_as is None
+        ):
             return False
         task = self._task
         return (
