@@ -13,9 +13,11 @@ never for a length of time.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import trio
 import trio.testing
 from conftest import (
@@ -43,6 +45,7 @@ from test_subagents import (
     task_of,
 )
 
+from greenroom.actors.apps.asking import TerminalApprover
 from greenroom.actors.providers.scripted import Reply, ScriptedStream, text, tool_call
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session import Session
@@ -133,13 +136,14 @@ async def test_three_levels_below_the_root_by_default_the_last_may_not_spawn(
 ) -> None:
     """max_subagent_depth defaults to 3: root → child → grandchild → great-grandchild,
     each offered spawn_subagent but the last; each node's outputs reach the root with its
-    full path; the leaf's call is decided by the root run's approve callback and its
-    decision reaches the root marked with the leaf's origin."""
+    full path; the leaf's call is decided by the root run's approve callback, which is
+    told which node asks (its ``origin`` keyword), and its decision reaches the root
+    marked with the leaf's origin."""
     chain = {"root job": "child job", "child job": "grandchild job", "grandchild job": "leaf"}
-    asked: list[str] = []
+    asked: list[tuple[str, tuple[str, ...]]] = []
 
-    def approve(call: ToolCallBlock) -> str:
-        asked.append(call.name)
+    def approve(call: ToolCallBlock, origin: tuple[str, ...] = ()) -> str:
+        asked.append((call.name, origin))
         return "allow"
 
     def brain(request: ModelRequest) -> Reply:
@@ -173,11 +177,44 @@ async def test_three_levels_below_the_root_by_default_the_last_may_not_spawn(
     }
     (decision,) = of_type(outputs_from(outputs, leaf), ApprovalDecision)
     assert (decision.tool, decision.by, decision.origin) == ("lookup", "host", path)
-    assert asked == [SPAWN_SUBAGENT] * 3 + ["lookup"]
+    assert asked == [(SPAWN_SUBAGENT, path[:depth]) for depth in (1, 2, 3)] + [("lookup", path)]
     meta = json.loads((data_dir / "sessions" / leaf / "session.json").read_text())
     assert (meta["parent_id"], meta["root_id"], meta["origin"]) == (
-        grandchild, session.id, list(path)
+        grandchild,
+        session.id,
+        list(path),
     )
+
+
+class _ShownRenderer:
+    """A renderer that has shown everything already (the terminal question comes next)."""
+
+    def break_line(self) -> None:
+        pass
+
+    async def wait_shown(self, key: str) -> None:
+        pass
+
+
+async def test_the_terminal_question_names_the_subagent_that_asks(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--approve ask``: a subagent's call is asked with the node it comes from."""
+    answers = iter(["y", "n"])
+
+    async def read_line() -> str | None:
+        return next(answers)
+
+    read_end, write_end = os.pipe()  # the approver's fd; answers come from read_line
+    approver = TerminalApprover(_ShownRenderer(), read_end, read_line=read_line)  # type: ignore[arg-type]
+    os.close(write_end)
+    call = ToolCallBlock(id="c1", name="lookup", arguments={"key": "k"})
+    assert await approver(call, origin=("root-id", "child-id")) == "allow"
+    assert await approver(call, origin=("root-id",)) == "deny"
+    asked = capsys.readouterr().err
+    assert "subagent child-id: Allow lookup" in asked
+    assert asked.count("subagent") == 1  # the root's own call names no node
+    os.close(read_end)
 
 
 # -- every node a session (R-TREE-1) -----------------------------------------------------
@@ -222,7 +259,8 @@ async def test_steering_a_grandchild_through_its_own_handle(
     (spawned,) = spawn_outputs(outputs, session.id)
     assert "heard:" in output_text(spawned) and "look in the attic" in output_text(spawned)
     steering = [
-        o for o in outputs_from(outputs, grandchild.id)
+        o
+        for o in outputs_from(outputs, grandchild.id)
         if isinstance(o, UserMsg) and o.kind == "steering"
     ]
     assert len(steering) == 1 and steering[0].origin == grandchild.origin
@@ -335,9 +373,7 @@ async def test_a_background_answer_reaches_the_running_parent_as_steering(
     assert not is_child(final) and "[subagent scout finished] found 42" in last_texts(final)
     assert of_type(outputs, ModelMsg)[-1].block == text(f"parent saw: {last_texts(final)}")
     # The child's outputs reached the run with their origin, its task_end among them.
-    assert [e.status for e in of_type(outputs_from(outputs, child_id), TaskEnd)] == [
-        "completed"
-    ]
+    assert [e.status for e in of_type(outputs_from(outputs, child_id), TaskEnd)] == ["completed"]
 
 
 def output_texts(message: UserMsg) -> str:
@@ -382,7 +418,8 @@ async def test_a_background_answer_starts_a_follow_up_when_the_parent_is_idle(
     follow_up = [o for o in recorder.outputs if o.origin is None]
     prompts = [o for o in follow_up if isinstance(o, UserMsg)]
     assert [output_texts(p) for p in prompts] == [
-        "go", "[subagent researcher finished] the sources agree"
+        "go",
+        "[subagent researcher finished] the sources agree",
     ]
     assert [p.kind for p in prompts] == ["prompt", "prompt"]
     answer = of_type(follow_up, ModelMsg)[-1]
@@ -481,7 +518,8 @@ async def test_a_node_scoped_interrupt_of_a_child_leaves_its_sibling_and_the_roo
 
     assert [e.status for e in of_type(outputs, TaskEnd) if e.origin is None] == ["completed"]
     steering = "\n".join(
-        output_texts(o) for o in outputs
+        output_texts(o)
+        for o in outputs
         if isinstance(o, UserMsg) and o.origin is None and o.kind == "steering"
     )
     assert f"[subagent a finished] subagent {alpha} ended with status aborted: enough" in steering
@@ -627,7 +665,9 @@ async def test_background_children_hold_a_concurrency_slot_until_they_end(
 
     provider = providers(brain)
     session = await host.create_session(
-        tools=[spawn_subagent], provider=provider, workspace_dir=workspace,
+        tools=[spawn_subagent],
+        provider=provider,
+        workspace_dir=workspace,
         max_subagents_concurrent=1,
     )
     stream = session.run("go", approve=allow_all)
@@ -656,14 +696,19 @@ async def test_a_token_budget_holds_for_a_whole_subtree(
                 return Reply(blocks=(text("root done"),))
             return Reply(blocks=(spawn("s1", "child job"),))
         if task == "child job":
-            return Reply(blocks=(spawn("g1", "grandchild job"),),
-                         usage=TokenUsage(input=20, output=10))
-        return Reply(blocks=(tool_call(f"l{len(request.messages)}", "lookup", key="k"),),
-                     usage=TokenUsage(input=30, output=10))
+            return Reply(
+                blocks=(spawn("g1", "grandchild job"),), usage=TokenUsage(input=20, output=10)
+            )
+        return Reply(
+            blocks=(tool_call(f"l{len(request.messages)}", "lookup", key="k"),),
+            usage=TokenUsage(input=30, output=10),
+        )
 
     provider = providers(brain)
     session = await host.create_session(
-        tools=[lookup.tool, spawn_subagent], provider=provider, workspace_dir=workspace,
+        tools=[lookup.tool, spawn_subagent],
+        provider=provider,
+        workspace_dir=workspace,
         subagent_token_budget=100,
     )
     outputs = await collect(session.run("root job", approve=allow_all))

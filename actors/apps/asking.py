@@ -100,23 +100,23 @@ class TerminalApprover:
     async def _read_from_fd(self) -> str | None:
         return await trio.to_thread.run_sync(self._reader.readline, abandon_on_cancel=True)
 
-    async def __call__(self, call: ToolCallBlock) -> str:
-        verdict = await self.ask(call)
+    async def __call__(self, call: ToolCallBlock, origin: tuple[str, ...] = ()) -> str:
+        verdict = await self.ask(call, origin)
         if verdict is None:
             sys.stderr.write("(no answer: denied)\n")
             return "deny"
         return verdict
 
-    async def ask(self, call: ToolCallBlock) -> str | None:
-        """Ask about ``call`` and return ``allow``, ``deny`` or ``allow_session``; None at
-        end of input (the callback denies then; ``greenroom approve`` leaves the call
-        waiting)."""
+    async def ask(self, call: ToolCallBlock, origin: tuple[str, ...] = ()) -> str | None:
+        """Ask about ``call`` (of the node at ``origin``, when it is a subagent's) and
+        return ``allow``, ``deny`` or ``allow_session``; None at end of input (the
+        callback denies then; ``greenroom approve`` leaves the call waiting)."""
         # Subagents ask through the same callback as their parent, concurrently: one
         # terminal asks one question at a time.
         async with self._lock:
-            return await self._ask(call)
+            return await self._ask(call, origin)
 
-    async def _ask(self, call: ToolCallBlock) -> str | None:
+    async def _ask(self, call: ToolCallBlock, origin: tuple[str, ...]) -> str | None:
         # Let the renderer print the call (and the previous decision) first, so the
         # question follows them instead of cutting into them. Bounded: a renderer that
         # never shows them must not stall approval.
@@ -126,8 +126,9 @@ class TerminalApprover:
             await self._renderer.wait_shown(f"call:{call.id}")
         self._previous = call.id
         self._renderer.break_line()
+        who = f"subagent {origin[-1]}: " if len(origin) > 1 else ""
         question = (
-            f"Allow {call.name} {arguments_text(call, 200)}? "
+            f"{who}Allow {call.name} {arguments_text(call, 200)}? "
             "[y]es / [n]o / [a]lways for this session: "
         )
         self._asking = call

@@ -45,6 +45,18 @@ async), it returns the person's answer, or None when they gave none (the call th
 the no-answer text, as when the wait runs out)."""
 
 
+def _takes_origin(approve: ApproveFn) -> bool:
+    """Whether an ``approve`` callback takes the ``origin`` keyword: the path of session
+    ids from the root to the node whose call it decides (R-TREE-1)."""
+    try:
+        parameters = inspect.signature(approve).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: called with the call alone
+        return False
+    return any(
+        p.name == "origin" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters
+    )
+
+
 def _as_verdict(answer: Any) -> Verdict:
     if answer is True:
         return "allow"
@@ -56,7 +68,7 @@ def _as_verdict(answer: Any) -> Verdict:
 class ApprovalBroker:
     """Decides on tool calls for one task."""
 
-    __slots__ = ("_approve", "_inbox", "_timeout_s")
+    __slots__ = ("_approve", "_inbox", "_origin", "_timeout_s")
 
     def __init__(
         self,
@@ -64,8 +76,10 @@ class ApprovalBroker:
         approve: Approval,
         timeout_s: float | None,
         inbox: trio.MemorySendChannel[SupervisorMessage],
+        origin: tuple[str, ...] = (),
     ) -> None:
         self._approve = approve
+        self._origin = origin
         self._timeout_s = math.inf if timeout_s is None else timeout_s
         self._inbox = inbox
 
@@ -107,7 +121,11 @@ class ApprovalBroker:
             # the default's (R-APPROVE-2, R-APPROVE-4), not the host's.
             with trio.move_on_after(self._timeout_s):
                 try:
-                    answer = approve(call)
+                    if _takes_origin(approve):
+                        takes_origin: Any = approve
+                        answer = takes_origin(call, origin=self._origin)
+                    else:
+                        answer = approve(call)
                     if inspect.isawaitable(answer):
                         answer = await answer
                 except Exception:

@@ -112,6 +112,7 @@ class TaskWork:
                         approve=approve,
                         timeout_s=settings.approval_timeout_s,
                         inbox=self._inbox,
+                        origin=port.origin_path,
                     )
                     await nursery.start(broker.run, self._approvals)
                     subagents = Subagents(port, approve=approve, run_child=self._run_child)
