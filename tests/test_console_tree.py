@@ -1,6 +1,6 @@
 """The console shows an agent tree and steers one node of it (R-TREE-1): the session list
 nests each subagent under its parent (from ``session.list``'s ``parent_id``), folds and
-unfolds a node's children, shows each node's state; selecting the grandchild watches it
+unfolds a node's children, shows each node's state and tokens; selecting the grandchild watches it
 alone and the prompt box steers it — its next model request carries the text.
 
 Driven in headless Chromium like ``tests/test_console.py``; the tree is started by a
@@ -86,3 +86,14 @@ async def test_browser_nests_the_tree_folds_it_and_steers_the_grandchild(
             await page.wait_for("!!document.querySelector('[data-type=task_end]')")
             assert len(tree.grandchild_saw) == 1 and STEERING in tree.grandchild_saw[0]
             await other.result("interrupt", {"session_id": root})
+
+            # Each node shows the tokens of its own requests, as session.list has them.
+            listed = (await other.result("session.list"))["sessions"]
+            tokens = {s["session_id"]: s["usage"]["tokens"] for s in listed}
+            assert all(tokens[n] > 0 for n in (root, child, grandchild))
+            await page.js("document.querySelector('#refresh').click()")
+            for session_id in (root, child, grandchild):
+                shown = f"{node(session_id)} > .node-row button.node .tokens"
+                await page.wait_for(
+                    f"document.querySelector(`{shown}`)?.dataset.tokens === '{tokens[session_id]}'"
+                )

@@ -370,8 +370,9 @@ class Methods:
 
     async def rpc_session_list(self, connection: Connection, params: dict[str, Any]) -> Any:
         """The caller's stored sessions with their live state (open, busy, auth lock, title, last
-        activity), and the subagents of their trees (``parent_id``, ``root_id``: R-TREE-1);
-        those that cannot be read are listed apart, by id with the reason."""
+        activity) and ``usage`` (``tokens`` of every request so far), and the subagents of
+        their trees (``parent_id``, ``root_id``: R-TREE-1); those that cannot be read are
+        listed apart, by id with the reason."""
         jsonrpc.check_params(params, "session.list")
         owned = self._grants.owned(_identity(connection))
         if not owned:
@@ -382,6 +383,7 @@ class Methods:
             (i.session_id for i in scan.sessions if i.session_id in owned),
             SessionStore(self.host.data_dir).sessions_dir,
         )
+        totals = await self.host.usage_ledger.totals()
         sessions: list[dict[str, Any]] = []
         for info in scan.sessions:
             # A subagent is listed with its tree (R-TREE-1): the caller owns its root.
@@ -400,6 +402,7 @@ class Methods:
                         info.updated_at, hub.last_output_at if hub is not None else 0.0
                     ),
                     "state": session_state(session, hub),
+                    "usage": _usage_entry(totals.get(info.session_id)),
                 }
             )
         # The reason names a path of the server's data dir: the session id is enough.
@@ -569,3 +572,8 @@ def _listed(request: PendingApproval) -> dict[str, Any]:
         "kind": request.kind,
         "digest": request.digest,
     }
+
+
+def _usage_entry(totals: dict[str, Any] | None) -> dict[str, Any]:
+    """A session's ``usage`` in ``session.list``: its tokens over every request so far."""
+    return {"tokens": int((totals or {}).get("total", 0))}
