@@ -17,7 +17,8 @@
     greenroom answer SESSION_ID CALL_ID TEXT
                                         answer one, then run its task on to its end
 
-Exit codes (CONTRACT.md): 0 completed, 1 failed / max_turns / loop_detected, 2 usage error
+Exit codes (CONTRACT.md): 0 completed, 1 failed / max_turns / loop_detected / budget_exceeded
+(a limit stopped the task, as max_turns does), 2 usage error
 (bad flag, unknown session, missing credentials, a data dir or token file that cannot be
 used, an address that cannot be listened on), 3 auth, 130 aborted (Ctrl-C interrupts the
 task, which ends with ``task_end(aborted)``; a second Ctrl-C leaves at once), 141 the reader
