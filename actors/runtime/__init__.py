@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from greenroom.actors.runtime.accounting import PrincipalBudget
     from greenroom.actors.runtime.disk import Disk
     from greenroom.actors.runtime.errors import (
         AuthLocked,
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from greenroom.actors.runtime.trace_sink import (
         latest_trace_file,
         read_trace,
+        usage_report,
     )
     from greenroom.actors.runtime.trace_store import (
         FileTraceStore,
@@ -56,6 +58,7 @@ if TYPE_CHECKING:
 # Loaded on first use: the modules import each other, and importing the package must
 # not import them all (nor pay for the ones a program never uses).
 _MODULE_OF = {
+    "PrincipalBudget": "greenroom.actors.runtime.accounting",
     "Approval": "greenroom.actors.runtime.port",
     "ApproveFn": "greenroom.actors.runtime.port",
     "SessionPort": "greenroom.actors.runtime.port",
@@ -80,6 +83,7 @@ _MODULE_OF = {
     "spawn_subagent": "greenroom.actors.runtime.subagents",
     "latest_trace_file": "greenroom.actors.runtime.trace_sink",
     "read_trace": "greenroom.actors.runtime.trace_sink",
+    "usage_report": "greenroom.actors.runtime.trace_sink",
     "Disk": "greenroom.actors.runtime.disk",
     "FileTraceStore": "greenroom.actors.runtime.trace_store",
     "SessionCatalog": "greenroom.actors.runtime.trace_store",
@@ -102,6 +106,7 @@ __all__ = [
     "ImageRefused",
     "ModelProvider",
     "NotPending",
+    "PrincipalBudget",
     "RunResult",
     "RunStream",
     "Session",
@@ -119,6 +124,7 @@ __all__ = [
     "latest_trace_file",
     "read_trace",
     "spawn_subagent",
+    "usage_report",
 ]
 
 
