@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from greenroom.actors.runtime.storage import SessionStore
     from greenroom.actors.runtime.subagents import spawn_subagent
     from greenroom.actors.runtime.trace_sink import (
+        LEDGER_FILE_NAME,
         latest_trace_file,
         read_trace,
         usage_report,
@@ -83,6 +84,7 @@ _MODULE_OF = {
     "spawn_subagent": "greenroom.actors.runtime.subagents",
     "latest_trace_file": "greenroom.actors.runtime.trace_sink",
     "read_trace": "greenroom.actors.runtime.trace_sink",
+    "LEDGER_FILE_NAME": "greenroom.actors.runtime.trace_sink",
     "usage_report": "greenroom.actors.runtime.trace_sink",
     "Disk": "greenroom.actors.runtime.disk",
     "FileTraceStore": "greenroom.actors.runtime.trace_store",
@@ -93,6 +95,7 @@ _MODULE_OF = {
 }
 
 __all__ = [
+    "LEDGER_FILE_NAME",
     "Approval",
     "ApproveFn",
     "AuthLocked",
