@@ -9,11 +9,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 from test_gateway import BOUND_S, Client, connect, serving
 
+from greenroom.actors.gateway.config import check_budgets
 from greenroom.actors.providers.scripted import Reply, text
 from greenroom.actors.runtime.accounting import PrincipalBudget
+from greenroom.protocols import jsonrpc
+from greenroom.protocols.jsonrpc import RpcError
 from greenroom.protocols.stream import TokenUsage
 from greenroom.protocols.trace import UsageQuery
 
@@ -69,3 +73,34 @@ async def test_a_principal_budget_ends_its_next_task_and_spares_the_others(
     assert second["usage"]["cost_usd"] == 0.0
     assert theirs["status"] == "completed"
     assert [(line.key, line.cost_usd) for line in ledger] == [("alice", 1.0), ("bob", 1.0)]
+
+
+async def test_a_client_sets_its_session_budget_through_session_create(tmp_path: Path) -> None:
+    """max_cost_usd in session.create's settings: once the session spent $1 of 0.5, its
+    next task ends budget_exceeded before any request."""
+    with trio.fail_after(BOUND_S):
+        async with (
+            serving(tmp_path, a_dollar_reply, host_options={"prices": PRICES}) as server,
+            connect(server) as client,
+        ):
+            settings = {"max_tokens": 100, "max_cost_usd": 0.5}
+            sid = (await client.result("session.create", {"settings": settings}))["session_id"]
+            await client.result("session.subscribe", {"session_id": sid})
+            await client.result("run", {"session_id": sid, "input": "one"})
+            first = (await client.outputs_until("task_end"))[-1]
+            await client.result("run", {"session_id": sid, "input": "two"})
+            second = (await client.outputs_until("task_end"))[-1]
+    assert first["status"] == "completed"
+    assert second["status"] == "budget_exceeded" and second["turns"] == 0
+    assert f"max_cost_usd=0.5 of session {sid}" in second["message"]
+
+
+def test_a_client_may_lower_the_servers_budget_but_not_lift_it() -> None:
+    server = {"max_cost_usd": 2.0}
+    check_budgets({"max_cost_usd": 1.0, "tree_cost_budget_usd": None}, server)
+    check_budgets({"max_cost_usd": 5.0}, {})  # no server budget: the client's own
+    for asked in (3.0, None):
+        with pytest.raises(RpcError) as refused:
+            check_budgets({"max_cost_usd": asked}, server)
+        assert refused.value.code == jsonrpc.INVALID_PARAMS
+        assert refused.value.message == "$.settings.max_cost_usd: at most the server's 2"

@@ -39,6 +39,7 @@ from greenroom.actors.gateway.config import (
     CLIENT_ID,
     CLIENT_SETTABLE_FORBIDDEN,
     PATH,
+    check_budgets,
     GatewayLimits,
     SessionDefaults,
     confined_workspace,
@@ -331,6 +332,7 @@ class Methods:
             else {}
         )
         defaults = self.defaults
+        check_budgets(client_settings, defaults.settings)
         if workspace_param is None:
             workspace = await trio.to_thread.run_sync(directory, defaults.workspace_dir)
         else:
