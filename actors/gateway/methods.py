@@ -39,9 +39,9 @@ from greenroom.actors.gateway.config import (
     CLIENT_ID,
     CLIENT_SETTABLE_FORBIDDEN,
     PATH,
-    check_budgets,
     GatewayLimits,
     SessionDefaults,
+    check_budgets,
     confined_workspace,
     directory,
 )
