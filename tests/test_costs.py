@@ -217,3 +217,22 @@ async def test_a_principal_budget_spans_its_sessions_and_outlives_the_host(
         end = the_end(await collect(again.run("four")))
         assert end.status == "budget_exceeded"
         assert "$1.60 spent of $1.50" in (end.message or "")
+
+
+async def test_an_automatic_compaction_is_a_request_the_budget_checks_too(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """R-SHARE-4: the context of 100,000 tokens calls for a compaction before turn 2; its
+    summary request could pass the budget, so it is not started: the task ends
+    budget_exceeded with no compaction recorded."""
+    provider = ScriptedProvider([noting("c1"), answer("summary")])
+    async with Host.open(tmp_path / "data", prices=PRICES) as host:
+        session = await host.create_session(
+            provider=provider, tools=[note], workspace_dir=workspace, max_cost_usd=1.5,
+            max_context_length=50_000, **SMALL,
+        )
+        outputs = await collect(session.run("go", approve=allow_all))
+    end = the_end(outputs)
+    assert end.status == "budget_exceeded" and "max_cost_usd=1.5" in (end.message or "")
+    assert not [o for o in outputs if o.TYPE.startswith("compaction")]
+    assert len(provider.requests) == 1
