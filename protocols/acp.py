@@ -941,7 +941,8 @@ def stop_reason(end: TaskEnd, last_stop_reason: str | None) -> StopReason:
     """The ``stopReason`` of a task that ended: ``end_turn`` (completed; ``refusal`` or
     ``max_tokens`` when the model's last message ended so), ``max_turn_requests``
     (``max_turns``), ``cancelled`` (interrupted). Raises the :class:`RpcError` to answer
-    with for a task that failed (``auth``: -32000; ``failed``, ``loop_detected``: -32603)."""
+    with for a task that failed (``auth``: -32000; ``failed``, ``loop_detected``,
+    ``budget_exceeded``: -32603, its message naming the budget)."""
     if end.status == "completed":
         if last_stop_reason == "refusal":
             return "refusal"

@@ -3,7 +3,8 @@
 Every tagged class (a class with a ``TYPE`` class variable) becomes a JSON object whose
 first key is ``type``; unions of tagged classes are structured by that tag. ``seq`` and
 ``origin`` are left out when None (live-only outputs, outputs not from a subagent).
-``TokenUsage`` also writes its derived ``total``. Invalid input raises a
+``TokenUsage`` also writes its derived ``total``, and always its ``cost_usd`` (null when
+unknown; a record written before costs were computed reads back with None). Invalid input raises a
 ``cattrs`` error; :func:`describe_error` renders it as ``$.path`` messages.
 """
 
@@ -116,22 +117,27 @@ converter.register_unstructure_hook(
 _register_union(content.UserContent | context.ToolResult, _user_parts)
 
 
-def _usage_unstructure(usage: TokenUsage) -> dict[str, int]:
+def _usage_unstructure(usage: TokenUsage) -> dict[str, int | float | None]:
     return {
         "input": usage.input,
         "output": usage.output,
         "cache_read": usage.cache_read,
         "cache_write": usage.cache_write,
         "total": usage.total,
+        "cost_usd": usage.cost_usd,
     }
 
 
 def _usage_structure(data: Any, _: Any) -> TokenUsage:
+    cost = data.get("cost_usd")
+    if cost is not None and (isinstance(cost, bool) or not isinstance(cost, int | float)):
+        raise ValueError(f"cost_usd: expected a number or null, got {cost!r}")
     return TokenUsage(
         input=int(data.get("input", 0)),
         output=int(data.get("output", 0)),
         cache_read=int(data.get("cache_read", 0)),
         cache_write=int(data.get("cache_write", 0)),
+        cost_usd=None if cost is None else float(cost),
     )
 
 

@@ -684,6 +684,8 @@ _SETTINGS_MINIMUMS: dict[str, float] = {
     "subagent_token_budget": 1,
     "max_subagent_depth": 0,
     "max_image_bytes": 1,
+    "max_cost_usd": 0,
+    "tree_cost_budget_usd": 0,
 }
 _SETTINGS_STRICTLY_POSITIVE = frozenset({"approval_timeout_s"})
 MAX_SETTING_NUMBER = 2**53

@@ -24,7 +24,9 @@ from greenroom.protocols.stream import TokenUsage
 RequestStatus = Literal[
     "ok", "failed", "timeout", "malformed", "auth", "context_overflow", "aborted"
 ]
-TaskStatus = Literal["completed", "aborted", "failed", "auth", "max_turns", "loop_detected"]
+TaskStatus = Literal[
+    "completed", "aborted", "failed", "auth", "max_turns", "loop_detected", "budget_exceeded"
+]
 ToolStatus = Literal["ok", "error", "denied", "interrupted", "truncated"]
 Decision = Literal["allow", "deny"]
 DecidedBy = Literal["host", "client", "session_rule", "default"]
@@ -206,8 +208,10 @@ class TokenUsageOutput(Envelope):
 
     Fields:
         turn: the turn whose request used them.
-        request: ``{input, output, cache_read, cache_write, total}`` for this request
-            alone (a :class:`~greenroom.protocols.stream.TokenUsage`).
+        request: ``{input, output, cache_read, cache_write, total, cost_usd}`` for this
+            request alone (a :class:`~greenroom.protocols.stream.TokenUsage`); ``cost_usd``
+            is its cost in USD at the model's price, null when the price is unknown
+            (R-SHARE-3).
     """
 
     TYPE: ClassVar[str] = "token_usage"
@@ -413,11 +417,13 @@ class TaskEnd(Envelope):
     """The task ended: the last output of every task (R-RUN-7).
 
     Fields:
-        status: ``completed``, ``aborted``, ``failed``, ``auth``, ``max_turns`` or
-            ``loop_detected``.
+        status: ``completed``, ``aborted``, ``failed``, ``auth``, ``max_turns``,
+            ``loop_detected`` or ``budget_exceeded`` (its next request would have passed
+            a cost budget: R-SHARE-4; ``message`` names the budget).
         turns: how many turns the task took.
         usage: the tokens of all its requests added up
-            (a :class:`~greenroom.protocols.stream.TokenUsage`).
+            (a :class:`~greenroom.protocols.stream.TokenUsage`), with their ``cost_usd``
+            (null when one request's price is unknown).
         wall_ms: how long it ran, in milliseconds.
         message: why it ended other than ``completed``, in words (else None).
     """

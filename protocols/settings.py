@@ -37,6 +37,13 @@ class SessionSettings:
     last not offered ``spawn_subagent``; 1: children cannot spawn; 0: no subagents at all).
     Background children count against the concurrency limit while they run.
 
+    Cost budgets (R-SHARE-4, in USD at the prices of :mod:`greenroom.protocols.prices`;
+    None for no limit): ``max_cost_usd`` is what the session may spend over its whole life,
+    its subagents' requests included (every request the ledger records for its tree:
+    turns, compactions, titles); ``tree_cost_budget_usd`` is what each subagent it spawns
+    may spend with its own subagents, as ``subagent_token_budget`` is for tokens. A task
+    whose next request could pass a budget ends ``budget_exceeded`` before sending it.
+
     ``sandbox`` confines ``run_shell`` (R-SEC-3): ``auto`` uses bubblewrap when it is
     present, ``required`` refuses to run a command without it, ``off`` runs it unconfined
     (the environment is allow-listed in every mode). ``shell_network`` lets sandboxed
@@ -68,6 +75,8 @@ class SessionSettings:
     max_subagents_per_task: int = 8
     subagent_token_budget: int = 200_000
     max_subagent_depth: int = 3
+    max_cost_usd: float | None = None
+    tree_cost_budget_usd: float | None = None
     sandbox: Literal["auto", "required", "off"] = "auto"
     shell_network: bool = False
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES

@@ -29,17 +29,23 @@ BlockKind = Literal["text", "thinking", "redacted_thinking", "tool_call"]
 
 @attrs.frozen(kw_only=True, slots=True)
 class TokenUsage:
-    """Token counts of one request (cumulative within the request).
+    """Token counts of one request (cumulative within the request), and what they cost.
 
     ``total`` is the size of the context the request occupied: every input token (fresh,
     cache read, cache write) plus the output. It is what compaction compares with
     ``max_context_length`` (R-COMPACT-2).
+
+    ``cost_usd`` is what the tokens cost in USD at the model's price (R-SHARE-3,
+    :mod:`greenroom.protocols.prices`); None when the price is unknown. Codecs report
+    tokens only: the runtime prices a request's usage before it is emitted. A sum is
+    None as soon as one of its terms is (a partial sum would understate the cost).
     """
 
     input: int = 0
     output: int = 0
     cache_read: int = 0
     cache_write: int = 0
+    cost_usd: float | None = None
 
     @property
     def total(self) -> int:
@@ -47,11 +53,13 @@ class TokenUsage:
         return self.input + self.output + self.cache_read + self.cache_write
 
     def __add__(self, other: TokenUsage) -> TokenUsage:
+        cost, more = self.cost_usd, other.cost_usd
         return TokenUsage(
             input=self.input + other.input,
             output=self.output + other.output,
             cache_read=self.cache_read + other.cache_read,
             cache_write=self.cache_write + other.cache_write,
+            cost_usd=None if cost is None or more is None else cost + more,
         )
 
 

@@ -5,10 +5,10 @@ A session runs one task at a time (R-HOST-2): a ``run`` and the follow-ups queue
 after turn until it answers without tool calls (R-RUN-5). Between those requests lie the
 decisions this machine makes, and nothing else makes them: retry an attempt or give up
 (R-RETRY), compact before a request or after an overflow (R-COMPACT-2, R-COMPACT-9), deliver
-steering (R-STEER-2..5), ask the stop hook (R-HOOK-1), stop at ``max_turns`` (R-RUN-6) or on
-a loop (R-GUARD-1), lock the session after an auth failure (R-RETRY-6), and end with exactly
-one ``task_end`` (R-RUN-7). The turn's own mechanics — blocks, tool calls, approvals — are
-the turn machine's (:mod:`greenroom.protocols.turn`).
+steering (R-STEER-2..5), ask the stop hook (R-HOOK-1), stop at ``max_turns`` (R-RUN-6), on
+a loop (R-GUARD-1) or at a cost budget (R-SHARE-4), lock the session after an auth failure
+(R-RETRY-6), and end with exactly one ``task_end`` (R-RUN-7). The turn's own mechanics —
+blocks, tool calls, approvals — are the turn machine's (:mod:`greenroom.protocols.turn`).
 
 Two kinds of input, kept apart on purpose:
 
@@ -21,7 +21,8 @@ Two kinds of input, kept apart on purpose:
   task be resumed after a restart or on another host.
 * **Live inputs** that the trace records only once they take effect: steering waiting for
   the next input assembly, tasks queued behind the running one, an interrupt, a failure to
-  write the trace, a hook's answer, how many background subagents of the session run. They
+  write the trace, a cost budget the next request would pass, a hook's answer, how many
+  background subagents of the session run. They
   live in memory and are lost with the process, as the rules allow (R-STEER-5, R-STEER-6).
 
 :meth:`TaskMachine.next_step` answers "what now?" with one :data:`Step`. A step that starts
@@ -223,6 +224,9 @@ Step = StartTask | Compact | BeginTurn | BeginAttempt | CallHook | EndTask | Wai
 _WAIT = Wait()
 _FINISH = Finish()
 _NO_USAGE = TokenUsage()
+_NOTHING_SPENT = TokenUsage(cost_usd=0.0)
+"""A new task's usage: no tokens yet, and no cost (its first unpriced request makes the
+sum unknown)."""
 
 
 # -- recorded state ---------------------------------------------------------------------
@@ -422,7 +426,7 @@ class TaskRecord:
         self.kind = kind
         self.turn = 0
         self.attempt = 0
-        self.usage = _NO_USAGE
+        self.usage = _NOTHING_SPENT
         self.retry_in_ms = None
         self.failure = None
         self.overflow_compacted = False
@@ -573,6 +577,7 @@ class TaskMachine:
     lock, its rules)."""
 
     __slots__ = (
+        "_budget_message",
         "_children",
         "_fail_message",
         "_hook_answer",
@@ -595,6 +600,7 @@ class TaskMachine:
         self._steering: list[UserContent] | None = None
         self._interrupt: str | None = None
         self._fail_message: str | None = None
+        self._budget_message: str | None = None
         self._issued: Step | None = None
         self._hook_pending = False
         self._hook_answer: str | None = None
@@ -646,8 +652,12 @@ class TaskMachine:
 
     @property
     def stopping(self) -> bool:
-        """Whether the open task was told to stop (an interrupt or a failure)."""
-        return self._interrupt is not None or self._fail_message is not None
+        """Whether the open task was told to stop (an interrupt, a failure or a budget)."""
+        return (
+            self._interrupt is not None
+            or self._fail_message is not None
+            or self._budget_message is not None
+        )
 
     @property
     def takes_steering(self) -> bool:
@@ -663,7 +673,7 @@ class TaskMachine:
     @property
     def stop_reason(self) -> str | None:
         """Why the open task was told to stop, if it was."""
-        return self._interrupt or self._fail_message
+        return self._interrupt or self._fail_message or self._budget_message
 
     @property
     def waiting_for(
@@ -757,6 +767,14 @@ class TaskMachine:
         if self._open_or_starting() and not self.stopping:
             self._fail_message = message
 
+    def exceed_budget(self, message: str) -> None:
+        """The open task's next request would pass a cost budget (R-SHARE-4): it ends
+        ``budget_exceeded`` with ``message``, which names the budget, instead of sending
+        it; the queued tasks still run (each meets the budget before its first request).
+        The caller has not carried out the step it was given (the request is not sent)."""
+        if self._open_or_starting() and not self.stopping:
+            self._budget_message = message
+
     def _open_or_starting(self) -> bool:
         return self.record.run_id is not None or isinstance(self._issued, StartTask)
 
@@ -796,7 +814,7 @@ class TaskMachine:
                 return _WAIT
             if self._queued:
                 task, kind = self._queued.pop(0)
-                self._interrupt = self._fail_message = None
+                self._interrupt = self._fail_message = self._budget_message = None
                 return self._issue(StartTask(task=task, kind=kind))
             return _FINISH
         if isinstance(self._issued, EndTask):
@@ -805,6 +823,8 @@ class TaskMachine:
             return self._issue(EndTask(status="aborted", message=self._interrupt))
         if self._fail_message is not None:
             return self._issue(EndTask(status="failed", message=self._fail_message))
+        if self._budget_message is not None:
+            return self._issue(EndTask(status="budget_exceeded", message=self._budget_message))
         if self._issued is not None or self._hook_pending:
             return _WAIT
         phase = record.phase
@@ -932,6 +952,7 @@ class TaskMachine:
         self._steering = None
         self._interrupt = None
         self._fail_message = None
+        self._budget_message = None
         self._hook_pending = False
         self._hook_answer = None
 

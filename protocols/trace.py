@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from typing import Literal
 
 import attrs
@@ -179,6 +180,10 @@ class UsageRow:
     ``compaction_failed`` for a compaction that ended ``failed`` (R-COMPACT-7) and ``title``
     for a :meth:`Session.generate_title` call. ``at`` is unix time in seconds, given by the
     caller (this module reads no clock). ``status`` and ``error_message`` are free text.
+    ``usage.cost_usd`` is the request's cost (None: the model's price is unknown, or a row
+    written before costs were computed); ``principal`` the gateway client the session
+    belongs to (None outside the gateway); ``root_id`` the root of the session's tree
+    (R-TREE-1; None in rows written before it was recorded).
     """
 
     at: float
@@ -191,6 +196,8 @@ class UsageRow:
     usage: TokenUsage = attrs.field(factory=TokenUsage)
     status: str | None = None
     error_message: str | None = None
+    principal: str | None = None
+    root_id: str | None = None
 
     @classmethod
     def for_request(
@@ -207,3 +214,100 @@ class UsageRow:
             model=model,
             usage=output.request,
         )
+
+
+UsageGrouping = Literal["session", "principal", "model"]
+"""What a usage report adds up by: each session, each principal, or each model."""
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class UsageQuery:
+    """Which ledger rows a report covers and how it groups them (every filter optional).
+
+    ``since`` (inclusive) and ``until`` (exclusive) bound ``at`` (unix seconds);
+    ``principal`` keeps that principal's rows; ``tree`` keeps the rows of that session and
+    of every session whose root it is (a root's whole tree; a subagent's own rows). ``by``
+    groups the lines (None: one line for everything, even when no row matches)."""
+
+    since: float | None = None
+    until: float | None = None
+    principal: str | None = None
+    tree: str | None = None
+    by: UsageGrouping | None = "session"
+
+    def matches(self, row: UsageRow) -> bool:
+        """Whether ``row`` is one the report covers."""
+        return (
+            (self.since is None or row.at >= self.since)
+            and (self.until is None or row.at < self.until)
+            and (self.principal is None or row.principal == self.principal)
+            and (self.tree is None or self.tree in (row.session_id, row.root_id))
+        )
+
+    def key_of(self, row: UsageRow) -> str | None:
+        """The group ``row`` is added to (None: no principal, or no grouping)."""
+        if self.by == "session":
+            return row.session_id
+        if self.by == "principal":
+            return row.principal
+        if self.by == "model":
+            return row.model
+        return None
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class UsageLine:
+    """One group of a usage report: its ``key`` (a session id, a principal, a model; None
+    for rows without a principal, or for an ungrouped report), how many model ``requests``
+    it holds (``request`` and ``title`` rows), their tokens, and their cost: ``cost_usd``
+    adds up the priced requests, ``unpriced`` counts the others (their price was unknown),
+    so the cost is complete only when ``unpriced`` is 0."""
+
+    key: str | None
+    requests: int = 0
+    input: int = 0
+    output: int = 0
+    cache_read: int = 0
+    cache_write: int = 0
+    total: int = 0
+    cost_usd: float = 0.0
+    unpriced: int = 0
+
+
+def summarize_usage(rows: Iterable[UsageRow], query: UsageQuery) -> list[UsageLine]:
+    """The report of ``query`` over ``rows``: one line per group, sorted by key (None
+    first). What every ledger answers for :meth:`UsageLedger.report` (a SQL backend adds
+    up in SQL; the conformance suite checks they agree)."""
+    sums: dict[str | None, list[float]] = {}
+    if query.by is None:
+        sums[None] = [0.0] * 8
+    for row in rows:
+        if not query.matches(row):
+            continue
+        entry = sums.setdefault(query.key_of(row), [0.0] * 8)
+        usage = row.usage
+        request = row.kind != "compaction_failed"
+        entry[0] += request
+        entry[1] += usage.input
+        entry[2] += usage.output
+        entry[3] += usage.cache_read
+        entry[4] += usage.cache_write
+        entry[5] += usage.total
+        if usage.cost_usd is not None:
+            entry[6] += usage.cost_usd
+        elif request:
+            entry[7] += 1
+    return [
+        UsageLine(
+            key=key,
+            requests=int(s[0]),
+            input=int(s[1]),
+            output=int(s[2]),
+            cache_read=int(s[3]),
+            cache_write=int(s[4]),
+            total=int(s[5]),
+            cost_usd=s[6],
+            unpriced=int(s[7]),
+        )
+        for key, s in sorted(sums.items(), key=lambda item: (item[0] is not None, item[0] or ""))
+    ]

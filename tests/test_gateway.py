@@ -10,7 +10,7 @@ import json
 import os
 import stat
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -66,12 +66,13 @@ async def serving(
     approve: str = "ask",
     limits: GatewayLimits | None = None,
     workspace_root: Path | None = None,
+    host_options: Mapping[str, Any] | None = None,
     **gateway_options: Any,
 ) -> AsyncIterator[Server]:
     """A host and its gateway on a free port; each created session gets a new scripted
     provider playing ``script()``. At exit none of them saw a broken transcript.
-    ``gateway_options`` go to the :class:`Gateway` (the token is ``TOKEN`` unless they
-    give ``tokens``)."""
+    ``host_options`` go to :meth:`Host.open`, ``gateway_options`` to the :class:`Gateway`
+    (the token is ``TOKEN`` unless they give ``tokens``)."""
     made: list[ScriptedProvider] = []
 
     def factory() -> ScriptedProvider:
@@ -80,7 +81,10 @@ async def serving(
 
     workspace = tmp_path / "workspace"
     workspace.mkdir(parents=True, exist_ok=True)
-    async with Host.open(tmp_path / "data") as host, trio.open_nursery() as nursery:
+    async with (
+        Host.open(tmp_path / "data", **(host_options or {})) as host,
+        trio.open_nursery() as nursery,
+    ):
         gateway = Gateway(
             host,
             token=None if "tokens" in gateway_options else TOKEN,

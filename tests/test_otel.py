@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 from conftest import RUN_TIMEOUT_S, Gates, allow_all, collect, model_error
 from opentelemetry.sdk.metrics import MeterProvider
@@ -23,7 +24,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from greenroom.actors.observers.otel import GenAIObserver
+from greenroom.actors.observers.otel import COST_ATTRIBUTE, GenAIObserver
 from greenroom.actors.providers.scripted import Reply, tool_call
 from greenroom.actors.providers.scripted import text as text_block
 from greenroom.actors.runtime.host import Host
@@ -69,7 +70,9 @@ class Telemetry:
 
 
 @asynccontextmanager
-async def observed(data_dir: Path, *, capture_content: bool = False) -> AsyncIterator[Telemetry]:
+async def observed(
+    data_dir: Path, *, capture_content: bool = False, prices: dict[str, Any] | None = None
+) -> AsyncIterator[Telemetry]:
     exporter = InMemorySpanExporter()
     tracer_provider = TracerProvider()
     tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -79,7 +82,7 @@ async def observed(data_dir: Path, *, capture_content: bool = False) -> AsyncIte
         meter_provider=MeterProvider(metric_readers=[reader]),
         capture_content=capture_content,
     )
-    async with Host.open(data_dir, observers=[observer.observe]) as host:
+    async with Host.open(data_dir, observers=[observer.observe], prices=prices) as host:
         yield Telemetry(host, exporter, reader)
 
 
@@ -168,6 +171,36 @@ async def test_task_chat_and_tool_spans_with_genai_attributes(
 
     for span in seen.spans():
         assert not set(CONTENT_KEYS) & set(attrs_of(span)), span.name
+
+
+async def test_spans_carry_the_cost_when_the_price_is_known(
+    data_dir: Path, workspace: Path, providers
+) -> None:
+    """R-SHARE-3: each chat span carries its request's cost and the invoke_agent span the
+    task's, as greenroom.usage.cost_usd; with no price, no such attribute."""
+    prices = {"scripted": {"input": 2.0, "output": 10.0, "cache_read": 0.5}}
+    provider = providers(tool_then_answer(tool_call("c1", "echo", word="hi")))
+    async with observed(data_dir, prices=prices) as seen:
+        session = await seen.host.create_session(
+            tools=[echo_tool()], provider=provider, workspace_dir=workspace
+        )
+        await collect(session.run("say hi", approve=allow_all))
+    (task,) = seen.named("invoke_agent")
+    chats = seen.named("chat ")
+    first = (20 * 2.0 + 6 * 10.0 + 5 * 0.5) / 1e6
+    second = (30 * 2.0 + 4 * 10.0) / 1e6
+    assert [attrs_of(c)[COST_ATTRIBUTE] for c in chats] == [
+        pytest.approx(first), pytest.approx(second)
+    ]
+    assert attrs_of(task)[COST_ATTRIBUTE] == pytest.approx(first + second)
+    async with observed(data_dir / "unpriced") as seen:
+        session = await seen.host.create_session(
+            tools=[echo_tool()],
+            provider=providers(tool_then_answer(tool_call("c1", "echo", word="hi"))),
+            workspace_dir=workspace,
+        )
+        await collect(session.run("say hi", approve=allow_all))
+    assert all(COST_ATTRIBUTE not in attrs_of(span) for span in seen.spans())
 
 
 async def test_message_content_only_when_opted_in(

@@ -90,6 +90,21 @@ def test_usage_carries_total_and_ignores_it_when_read() -> None:
     assert converter.structure(data, stream.TokenUsage) == USAGE
 
 
+def test_usage_carries_its_cost_or_null_and_reads_one_without() -> None:
+    """R-SHARE-3: ``cost_usd`` is always written (null when unknown); a record from
+    before costs reads as unknown; a sum is unknown once one term is."""
+    priced = stream.TokenUsage(input=1, output=2, cost_usd=0.25)
+    assert converter.unstructure(priced)["cost_usd"] == 0.25
+    assert converter.unstructure(USAGE)["cost_usd"] is None
+    assert converter.structure(converter.unstructure(priced), stream.TokenUsage) == priced
+    old = {"input": 1, "output": 2, "cache_read": 0, "cache_write": 0, "total": 3}
+    assert converter.structure(old, stream.TokenUsage).cost_usd is None
+    assert (priced + priced).cost_usd == 0.5
+    assert (priced + stream.TokenUsage(input=1)).cost_usd is None
+    with pytest.raises(ValueError, match="cost_usd"):
+        converter.structure({**old, "cost_usd": "0.1"}, stream.TokenUsage)
+
+
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.TYPE)
 def test_blocks_round_trip_through_unions(block: Any) -> None:
     data = converter.unstructure(block)

@@ -34,7 +34,7 @@ from greenroom.protocols.content import TextBlock
 from greenroom.protocols.messages import TraceWritten
 from greenroom.protocols.outputs import UserMsg
 from greenroom.protocols.stream import TokenUsage
-from greenroom.protocols.trace import UsageRow, encode_record
+from greenroom.protocols.trace import UsageLine, UsageQuery, UsageRow, encode_record
 from tests.support.store_backends import KINDS, Backend, Runner
 
 
@@ -440,16 +440,28 @@ def test_delete_removes_everything(backend: Runner) -> None:
 # -- the usage ledger ----------------------------------------------------------------------
 
 
-def usage_row(session_id: str, kind: Any, **tokens: int) -> UsageRow:
+def usage_row(
+    session_id: str,
+    kind: Any,
+    *,
+    at: float = 1_700_000_000.0,
+    model: str = "m",
+    cost_usd: float | None = None,
+    principal: str | None = None,
+    root_id: str | None = None,
+    **tokens: int,
+) -> UsageRow:
     return UsageRow(
-        at=1_700_000_000.0,
+        at=at,
         session_id=session_id,
         run_id="r1",
         turn=1,
         kind=kind,
         provider="scripted",
-        model="m",
-        usage=TokenUsage(**tokens),
+        model=model,
+        usage=TokenUsage(**tokens, cost_usd=cost_usd),
+        principal=principal,
+        root_id=root_id,
     )
 
 
@@ -472,5 +484,62 @@ def test_the_ledger_records_rows(backend: Runner) -> None:
         }  # fmt: skip
         assert await ledger.totals("b") == {"b": totals["b"]}
         assert await ledger.totals("nobody") == {}
+
+    backend.run(contract)
+
+
+def test_the_ledger_reports_cost_by_session_principal_model_and_time(backend: Runner) -> None:
+    """R-SHARE-3: a report adds up the rows a query covers — a time range (since
+    inclusive, until exclusive), a principal, a tree — per session, principal or model,
+    with their cost; requests of unknown price are counted apart, never priced."""
+    day = 86_400.0
+    t0 = 1_700_000_000.0
+
+    async def contract(b: Backend) -> None:
+        ledger = b.store.ledger
+        assert await ledger.report(UsageQuery()) == []
+        assert await ledger.report(UsageQuery(by=None)) == [UsageLine(key=None)]
+        rows = [
+            usage_row("a", "request", at=t0, model="m1", cost_usd=0.5, principal="alice",
+                      root_id="a", input=100, output=10),
+            usage_row("a", "request", at=t0 + day, model="m2", principal="alice",
+                      root_id="a", input=7, output=1),
+            usage_row("a.child", "request", at=t0 + day, model="m1", cost_usd=0.25,
+                      principal="alice", root_id="a", input=40, output=4),
+            usage_row("b", "title", at=t0 + 2 * day, model="m1", cost_usd=0.125,
+                      principal="bob", root_id="b", input=20, output=2),
+            usage_row("b", "compaction_failed", at=t0 + 2 * day, principal="bob",
+                      root_id="b"),
+            usage_row("old", "request", at=t0 - day, model="m1", input=5, output=5),
+        ]  # fmt: skip
+        for row in rows:
+            ledger.record_usage(row)
+        by_session = await ledger.report(UsageQuery())
+        assert [(line.key, line.requests, line.cost_usd, line.unpriced) for line in by_session] == [
+            ("a", 2, 0.5, 1),
+            ("a.child", 1, 0.25, 0),
+            ("b", 1, 0.125, 0),
+            ("old", 1, 0.0, 1),
+        ]
+        assert by_session[0] == UsageLine(
+            key="a", requests=2, input=107, output=11, total=118, cost_usd=0.5, unpriced=1
+        )
+        by_principal = await ledger.report(UsageQuery(by="principal"))
+        assert [(line.key, line.cost_usd) for line in by_principal] == [
+            (None, 0.0), ("alice", 0.75), ("bob", 0.125)
+        ]
+        by_model = await ledger.report(UsageQuery(by="model", since=t0, until=t0 + 2 * day))
+        assert [(line.key, line.requests, line.cost_usd) for line in by_model] == [
+            ("m1", 2, 0.75), ("m2", 1, 0.0)
+        ]
+        alice_today = await ledger.report(UsageQuery(by=None, principal="alice", since=t0 + day))
+        assert alice_today == [
+            UsageLine(key=None, requests=2, input=47, output=5, total=52, cost_usd=0.25,
+                      unpriced=1)
+        ]  # fmt: skip
+        tree = await ledger.report(UsageQuery(by=None, tree="a"))
+        assert (tree[0].requests, tree[0].cost_usd) == (3, 0.75)
+        child = await ledger.report(UsageQuery(by=None, tree="a.child"))
+        assert (child[0].requests, child[0].cost_usd) == (1, 0.25)
 
     backend.run(contract)

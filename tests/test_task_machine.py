@@ -456,6 +456,27 @@ def test_a_trace_failure_ends_the_task_failed_and_the_follow_ups_still_run() -> 
     assert ends(world) == [("failed", "cannot write the trace"), ("completed", None)]
 
 
+def test_a_budget_ends_the_task_before_the_turn_it_was_issued_and_follow_ups_still_run() -> None:
+    """R-SHARE-4: told, instead of carrying out its BeginTurn, that the request could pass
+    a budget, the machine ends the task budget_exceeded with the budget's words; no
+    request of that turn is recorded; the next task still starts (and may meet it too)."""
+    machine = TaskMachine(TaskLimits(max_context_length=0))
+    machine.queue_task("t")
+    machine.queue_task("after")
+    assert isinstance(machine.next_step(), StartTask)
+    machine.observe(TaskStart(session_id=SID, run_id="r", seq=1, input_seq=None))
+    assert isinstance(machine.next_step(), BeginTurn)
+    machine.exceed_budget("budget exceeded: max_cost_usd=1")
+    assert machine.stopping and machine.stop_reason == "budget exceeded: max_cost_usd=1"
+    step = machine.next_step()
+    assert step == EndTask(status="budget_exceeded", message="budget exceeded: max_cost_usd=1")
+    machine.observe(TaskEnd(session_id=SID, run_id="r", seq=2, status="budget_exceeded",
+                            turns=0, usage=machine.usage, wall_ms=0, message=step.message))
+    assert machine.usage == TokenUsage(cost_usd=0.0)  # a task that spent nothing
+    assert isinstance(machine.next_step(), StartTask)
+    assert not machine.stopping
+
+
 def test_a_manual_compaction_is_a_task_without_task_records() -> None:
     machine = TaskMachine()
     machine.queue_task(None, "compaction")

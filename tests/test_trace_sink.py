@@ -18,17 +18,25 @@ import trio.testing
 
 from greenroom.actors.runtime.disk import DISK, Disk
 from greenroom.actors.runtime.trace_sink import (
+    LEDGER_FILE_NAME,
     TraceSink,
     TraceSinkClosed,
     TraceWriteError,
     latest_trace_file,
     read_trace,
+    usage_report,
     usage_totals,
 )
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.outputs import ModelMsg, TokenUsageOutput
 from greenroom.protocols.stream import TokenUsage
-from greenroom.protocols.trace import UsageRow, encode_record, trace_file_name
+from greenroom.protocols.trace import (
+    UsageLine,
+    UsageQuery,
+    UsageRow,
+    encode_record,
+    trace_file_name,
+)
 from tests.support.disks import FaultyDisk
 
 TIMEOUT = 10
@@ -220,10 +228,54 @@ async def test_usage_rows_land_in_sqlite(tmp_path: Path) -> None:
         ).fetchall()
     assert columns == ["id", "at", "session_id", "run_id", "turn", "kind", "provider", "model",
                        "input", "output", "cache_read", "cache_write", "total", "status",
-                       "error_message"]
+                       "error_message", "cost_usd", "principal", "root_id"]
     assert failed == [("compaction_failed", "failed", "empty summary", None),
                       ("title", None, None, None)]
     assert usage_totals(tmp_path / "missing.sqlite") == {}
+
+
+OLD_LEDGER = """
+CREATE TABLE usage (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, session_id TEXT NOT NULL,
+    run_id TEXT, turn INTEGER, kind TEXT NOT NULL, provider TEXT NOT NULL, model TEXT NOT NULL,
+    input INTEGER NOT NULL DEFAULT 0, output INTEGER NOT NULL DEFAULT 0,
+    cache_read INTEGER NOT NULL DEFAULT 0, cache_write INTEGER NOT NULL DEFAULT 0,
+    total INTEGER NOT NULL DEFAULT 0, status TEXT, error_message TEXT
+)
+"""
+
+
+async def test_a_ledger_from_before_costs_is_read_and_migrated(tmp_path: Path) -> None:
+    """R-SHARE-3: a ledger written before costs were recorded reads as rows of unknown
+    cost (read-only, unchanged), and the sink that opens it adds the new columns: its old
+    rows keep no cost, new rows carry theirs."""
+    ledger = tmp_path / LEDGER_FILE_NAME
+    with sqlite3.connect(ledger) as conn:
+        conn.execute(OLD_LEDGER)
+        conn.execute(
+            "INSERT INTO usage (at, session_id, kind, provider, model, input, output, total)"
+            " VALUES (10.0, 'old', 'request', 'anthropic', 'claude-sonnet-4-5', 1000, 100, 1100)"
+        )
+    conn.close()
+    before = usage_report(ledger, UsageQuery(by="principal"))
+    assert before == [UsageLine(key=None, requests=1, input=1000, output=100, total=1100,
+                                unpriced=1)]  # fmt: skip
+    with trio.fail_after(TIMEOUT):
+        async with running_sink(tmp_path) as sink:
+            sink.record_usage(
+                UsageRow(at=20.0, session_id="new", run_id="r1", turn=1, kind="request",
+                         provider="anthropic", model="claude-sonnet-4-5",
+                         usage=TokenUsage(input=1000, output=100, cost_usd=0.0045),
+                         principal="alice", root_id="new")
+            )
+            await sink.sync()
+    after = usage_report(ledger, UsageQuery())
+    assert [(line.key, line.cost_usd, line.unpriced) for line in after] == [
+        ("new", 0.0045, 0), ("old", 0.0, 1)
+    ]
+    alice = usage_report(ledger, UsageQuery(by=None, principal="alice", since=15.0))
+    assert (alice[0].requests, alice[0].cost_usd) == (1, 0.0045)
+    assert usage_report(tmp_path / "missing.sqlite", UsageQuery()) == []
 
 
 async def test_aclose_flushes_unsynced_lines_and_rows(

@@ -49,7 +49,7 @@ import os
 import signal
 import stat
 import sys
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -95,6 +95,7 @@ from greenroom.protocols.outputs import (
     UserMsg,
 )
 from greenroom.protocols.people import PEOPLE
+from greenroom.protocols.prices import Price
 from greenroom.protocols.task import fold
 from greenroom.protocols.tools import Tool
 
@@ -129,6 +130,8 @@ class AcpConfig:
     settings: dict[str, Any] = attrs.Factory(dict)
     approve: str = "ask"
     mcp_config: dict[str, dict[str, Any]] = attrs.Factory(dict)
+    prices: Mapping[str, Price] | None = None
+    """Model prices over the built-in table (``--prices``: R-SHARE-3)."""
 
 
 class _Answer:
@@ -849,7 +852,7 @@ def serve_stdio(config: AcpConfig, data_dir: Path, stdout_fd: int) -> None:
 
 
 async def _serve_stdio(config: AcpConfig, data_dir: Path, stdin_fd: int, stdout_fd: int) -> None:
-    async with Host.open(data_dir=data_dir) as host:
+    async with Host.open(data_dir=data_dir, prices=config.prices) as host:
         output = _fd_stream(os.dup(stdout_fd))
         receive = _fd_stream(os.dup(stdin_fd))
         agent = AcpAgent(host, config, output)

@@ -202,7 +202,9 @@ def _is_terminal(stream: TextIO) -> bool:
 
 
 async def _chat(options: RunOptions) -> int:
-    async with Host.open(data_dir=options.data_dir, observers=options.observers) as host:
+    async with Host.open(
+        data_dir=options.data_dir, observers=options.observers, prices=options.prices
+    ) as host:
         session = await open_reported_session(host, options)
         if session is None:
             return EXIT_USAGE

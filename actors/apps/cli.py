@@ -11,13 +11,17 @@
                                         the web console at http://H:P+1/
     greenroom sessions                  the sessions stored in the data dir
     greenroom trace SESSION_ID          a session's latest trace file, one line per record
+    greenroom usage [--since WHEN] [--until WHEN] [--by session|principal|model]
+                                        what the sessions cost, from the usage ledger
+                                        (actors/apps/usage_command.py)
     greenroom approvals                 what waits for a person: tool calls, the model's
                                         questions (actors/apps/approvals.py)
     greenroom approve SESSION_ID CALL_ID allow|deny|allow_session
     greenroom answer SESSION_ID CALL_ID TEXT
                                         answer one, then run its task on to its end
 
-Exit codes (CONTRACT.md): 0 completed, 1 failed / max_turns / loop_detected, 2 usage error
+Exit codes (CONTRACT.md): 0 completed, 1 failed / max_turns / loop_detected / budget_exceeded
+(a limit stopped the task, as max_turns does), 2 usage error
 (bad flag, unknown session, missing credentials, a data dir or token file that cannot be
 used, an address that cannot be listened on), 3 auth, 130 aborted (Ctrl-C interrupts the
 task, which ends with ``task_end(aborted)``; a second Ctrl-C leaves at once), 141 the reader
@@ -164,6 +168,10 @@ def _dispatch_command(args: argparse.Namespace) -> int:
         return trio.run(sessions_command, args)
     if args.command == "trace":
         return trio.run(trace_command, args)
+    if args.command == "usage":
+        from greenroom.actors.apps.usage_command import usage_command
+
+        return usage_command(args)
     if args.command in ("approvals", "approve", "answer"):
         from greenroom.actors.apps import approvals
 
@@ -271,13 +279,13 @@ def _check_data_dir_of(args: argparse.Namespace) -> None:
     it and what is wrong, not a traceback from deep inside the host."""
     if args.command not in (
         "run", "chat", "acp", "serve", "sessions", "trace", "demo", "approvals", "approve",
-        "answer",
+        "answer", "usage",
     ):  # fmt: skip
         return
     if args.command == "demo" and args.data_dir is None:
         return  # a fresh temp dir
     path = data_dir_from(args.data_dir)
-    problem = data_dir_problem(path, write=args.command not in ("trace", "approvals"))
+    problem = data_dir_problem(path, write=args.command not in ("trace", "approvals", "usage"))
     if problem is None:
         return
     if args.data_dir is None:

@@ -19,6 +19,7 @@ EXIT_CODES: dict[str, int] = {
     "failed": EXIT_FAILED,
     "max_turns": EXIT_FAILED,
     "loop_detected": EXIT_FAILED,
+    "budget_exceeded": EXIT_FAILED,
     "auth": EXIT_AUTH,
     "aborted": EXIT_ABORTED,
 }

@@ -50,6 +50,16 @@ def _port(text: str) -> int:
     return value
 
 
+def _usd(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an amount of USD, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -183,6 +193,20 @@ def _add_session_flags(parser: argparse.ArgumentParser) -> None:
         "--shell-network",
         action=argparse.BooleanOptionalAction,
         help="let sandboxed run_shell commands reach the network (default: no network)",
+    )
+    parser.add_argument(
+        "--prices",
+        metavar="FILE",
+        help='model prices over the built-in table: JSON {"MODEL": {"input": USD, "output": '
+        'USD, "cache_read": USD, "cache_write": USD}} per million tokens (the cache rates '
+        "default to input; default: the built-in prices only)",
+    )
+    parser.add_argument(
+        "--max-cost-usd",
+        metavar="N",
+        type=_usd,
+        help="the most a session (with its subagents) may spend, in USD: a task ends "
+        "budget_exceeded before a request that could pass it (default: no limit)",
     )
     parser.add_argument(
         "--otel",
@@ -376,6 +400,21 @@ def build_parser() -> argparse.ArgumentParser:
         "session.create beyond them answers 429 (default: 1000)",
     )
     serve.add_argument(
+        "--principal-budget-usd",
+        metavar="N",
+        type=_usd,
+        help="the most each client (token) may spend in USD per period, over all its "
+        "sessions, as the usage ledger counts it: a task ends budget_exceeded before a "
+        "request that could pass it (default: no limit)",
+    )
+    serve.add_argument(
+        "--principal-budget-period",
+        choices=("day", "month"),
+        default="day",
+        help="the period of --principal-budget-usd: the calendar day or month, in UTC "
+        "(default: day)",
+    )
+    serve.add_argument(
         "--workspace-root",
         metavar="DIR",
         help="directory under which a client's session.create {workspace} must resolve; "
@@ -432,6 +471,38 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("session_id", metavar="SESSION_ID")
     _add_data_dir(trace)
     trace.add_argument("--json", action="store_true", help="print the records as JSON lines")
+
+    usage = commands.add_parser(
+        "usage",
+        help="what the sessions cost: requests, tokens and USD per session, principal or model",
+        description="Add up the data dir's usage ledger over a time range: model requests, "
+        "their tokens and their cost in USD (priced when each request was made), one line "
+        "per session, principal or model, and a total. WHEN is an ISO date or time "
+        "(2026-12-01, 2026-12-01T09:30Z; UTC without an offset), 'today' (since 00:00 UTC) "
+        "or an age (90m, 24h, 7d). Requests whose model had no price are counted apart. "
+        "Reads the ledger only: it works while a server writes it.",
+    )
+    _add_data_dir(usage)
+    usage.add_argument(
+        "--since", metavar="WHEN", help="from WHEN, included (default: the first request)"
+    )
+    usage.add_argument("--until", metavar="WHEN", help="up to WHEN, excluded (default: now)")
+    usage.add_argument(
+        "--by",
+        choices=("session", "principal", "model"),
+        default="session",
+        help="one line per session, per principal (gateway client) or per model "
+        "(default: session)",
+    )
+    usage.add_argument(
+        "--principal", metavar="ID", help="only the requests charged to this gateway client"
+    )
+    usage.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per line: {BY, requests, input, output, cache_read, "
+        "cache_write, total, cost_usd, unpriced}",
+    )
     _add_people_commands(commands)
     return parser
 

@@ -11,6 +11,7 @@ from typing import TextIO, assert_never
 
 import trio
 
+from greenroom.protocols.budgets import usd
 from greenroom.protocols.content import (
     ImageBlock,
     ModelBlock,
@@ -432,7 +433,8 @@ class HumanRenderer(Renderer):
 
 
 def summary_line(end: TaskEnd | None, trace_path: Path | None, *, color: bool = False) -> str:
-    """The closing one-liner: status, turns, tokens in/out, time, trace file."""
+    """The closing one-liner: status, turns, tokens in/out, cost (R-SHARE-3), time, trace
+    file."""
     style = _Style(color)
     if end is None:
         return style.red("✗ the task ended without a task_end (see the trace)")
@@ -442,6 +444,7 @@ def summary_line(end: TaskEnd | None, trace_path: Path | None, *, color: bool = 
         f"{mark} {end.status}",
         _plural(end.turns, "turn"),
         f"tokens {usage.input:,} in / {usage.output:,} out",
+        "cost unknown" if usage.cost_usd is None else usd(usage.cost_usd),
         f"{end.wall_ms / 1000:.1f} s",
     ]
     if trace_path is not None:

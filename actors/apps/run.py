@@ -65,6 +65,7 @@ from greenroom.actors.tools import (
 from greenroom.protocols.outputs import (
     TaskEnd,
 )
+from greenroom.protocols.prices import Price, PriceError, parse_prices
 from greenroom.protocols.tools import Tool
 
 
@@ -103,6 +104,8 @@ class RunOptions:
     sandbox: str | None = None
     shell_network: bool | None = None
     observers: tuple[SessionObserver, ...] = ()
+    prices: Mapping[str, Price] | None = None
+    max_cost_usd: float | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -158,7 +161,29 @@ def run_options(args: argparse.Namespace, prompt: str) -> RunOptions:
         sandbox=args.sandbox,
         shell_network=args.shell_network,
         observers=getattr(args, "observers", ()),
+        prices=prices_file(args.prices),
+        max_cost_usd=args.max_cost_usd,
     )
+
+
+def prices_file(path: str | None) -> dict[str, Price] | None:
+    """The prices of a ``--prices`` file (R-SHARE-3), None without one; a file that cannot
+    be read or used is a :class:`UsageError` naming it and the problem."""
+    if path is None:
+        return None
+    try:
+        raw = Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise UsageError(f"--prices: {path}: cannot read it: {reason}") from None
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise UsageError(f"--prices: {path}: not JSON: {exc}") from None
+    try:
+        return parse_prices(data)
+    except PriceError as exc:
+        raise UsageError(f"--prices: {path}: {exc}") from None
 
 
 def mcp_servers(paths: Sequence[str]) -> Mapping[str, Any]:
@@ -342,6 +367,7 @@ async def open_session(host: Host, options: RunOptions) -> Session:
             ("compact_mode", options.compact_mode),
             ("sandbox", options.sandbox),
             ("shell_network", options.shell_network),
+            ("max_cost_usd", options.max_cost_usd),
         )
         if value is not None
     }
@@ -396,7 +422,9 @@ async def open_reported_session(host: Host, options: RunOptions) -> Session | No
 
 
 async def _run_task(options: RunOptions, out: TextIO) -> RunResult:
-    async with Host.open(data_dir=options.data_dir, observers=options.observers) as host:
+    async with Host.open(
+        data_dir=options.data_dir, observers=options.observers, prices=options.prices
+    ) as host:
         session = await open_reported_session(host, options)
         if session is None:
             return RunResult(exit_code=EXIT_USAGE, session_id=options.session_id)

@@ -17,12 +17,14 @@ from greenroom.actors.apps.run import (
     data_dir_from,
     mcp_servers,
     prepare_options,
+    prices_file,
     provider_for,
     stdout_for_renderer,
 )
 from greenroom.actors.providers import (
     provider_spec,
 )
+from greenroom.actors.runtime import PrincipalBudget
 from greenroom.actors.tools import (
     ask_user,
 )
@@ -70,6 +72,10 @@ def serve_command(args: argparse.Namespace) -> int:
         ),
         "console_port": console_port(args),
         "observers": args.observers,
+        "prices": prices_file(args.prices),
+        "principal_budget": None
+        if args.principal_budget_usd is None
+        else PrincipalBudget(usd=args.principal_budget_usd, period=args.principal_budget_period),
         "ready": lambda _port: print_error(defaults_line),
     }
     if args.nats:
@@ -148,6 +154,7 @@ def _setting_flags(args: argparse.Namespace) -> dict[str, Any]:
         "compact_mode": args.compact_mode,
         "sandbox": args.sandbox,
         "shell_network": args.shell_network,
+        "max_cost_usd": args.max_cost_usd,
     }
     return {key: value for key, value in given.items() if value is not None}
 
@@ -187,6 +194,7 @@ def acp_command(args: argparse.Namespace) -> int:
         settings=_setting_flags(args),
         approve=args.approve,
         mcp_config=dict(mcp_servers(args.mcp_config)),
+        prices=prices_file(args.prices),
     )
     with stdout_for_renderer() as out:
         serve_stdio(config, options.data_dir, out.fileno())

@@ -42,7 +42,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -59,6 +59,7 @@ from greenroom.actors.cluster.routing import SessionRequests
 from greenroom.actors.cluster.store import ReplicatingTraceStore
 from greenroom.actors.cluster.traces import TraceRead, TraceStream, TraceWriter
 from greenroom.actors.cluster.tree_link import ParentLink
+from greenroom.actors.runtime.accounting import PrincipalBudget
 from greenroom.actors.runtime.errors import ConfigurationError
 from greenroom.actors.runtime.host import Host, SessionObserver
 from greenroom.actors.runtime.llm_streamer import ModelProvider
@@ -572,6 +573,8 @@ async def open_cluster_host(
     approve: Approval = PEOPLE,
     provider: Callable[[], ModelProvider] | None = None,
     on_node: Callable[[ClusterNode], None] | None = None,
+    prices: Mapping[str, Any] | None = None,
+    principal_budget: PrincipalBudget | None = None,
 ) -> AsyncIterator[Host]:
     """A :class:`Host` on ``data_dir`` that is one host of the cluster at ``config.url``.
     Raises :class:`ClusterUnavailable` when NATS cannot be reached. On exit the host closes
@@ -590,7 +593,11 @@ async def open_cluster_host(
         async with trio.open_nursery() as streams:
             async with (
                 Host.open(
-                    data_dir, observers=(*observers, node.observe), trace_store=node.make_store
+                    data_dir,
+                    observers=(*observers, node.observe),
+                    trace_store=node.make_store,
+                    prices=prices,
+                    principal_budget=principal_budget,
                 ) as host,
                 trio.open_nursery() as nursery,
             ):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ from greenroom.actors.cluster.bridge import Bridge, run
 from greenroom.actors.cluster.node import ClusterConfig, ClusterNode, open_cluster_host
 from greenroom.actors.gateway.config import approve_for
 from greenroom.actors.gateway.server import Gateway
+from greenroom.actors.runtime.accounting import PrincipalBudget
 from greenroom.actors.runtime.host import Host, SessionObserver
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.port import Approval
@@ -39,12 +40,15 @@ def serve_in_cluster(
     tools: Iterable[Tool],
     approve: Approval,
     provider: Callable[[], ModelProvider] | None = None,
+    prices: Mapping[str, Any] | None = None,
+    principal_budget: PrincipalBudget | None = None,
     **serve_kwargs: Any,
 ) -> None:
     """Run ``serve(open_host=…, **serve_kwargs)`` (the gateway's ``run_serve``) on a host
     of the cluster ``config`` names; sessions taken over get ``tools`` and a provider from
-    ``provider()`` (else the one their settings name). Raises ClusterUnavailable when NATS
-    is unreachable."""
+    ``provider()`` (else the one their settings name). ``prices`` and ``principal_budget``
+    are the host's (R-SHARE; each host counts its own ledger). Raises ClusterUnavailable
+    when NATS is unreachable."""
     tool_list = tuple(tools)
 
     async def main(bridge: Bridge) -> None:
@@ -62,6 +66,8 @@ def serve_in_cluster(
                 approve=approve,
                 provider=provider,
                 on_node=nodes.append,
+                prices=prices,
+                principal_budget=principal_budget,
             )
 
         def on_gateway(gateway: Gateway) -> None:

@@ -55,6 +55,22 @@ the server's API key; ``sandbox`` and ``shell_network`` are the server's confine
 ``run_shell`` (R-SEC-3), and ``max_image_bytes`` bounds what one image costs the server
 (R-SEC-8): a client must not loosen either."""
 
+CLIENT_LOWERABLE = ("max_cost_usd", "tree_cost_budget_usd")
+"""Cost budgets (R-SHARE-4) a client may set for its sessions, but not above what the
+server gives them (``serve --max-cost-usd``): a server's budget is a limit, not a default."""
+
+
+def check_budgets(client: Mapping[str, Any], server: Mapping[str, Any]) -> None:
+    """Refuse (-32602 naming the setting) a client's cost budget that lifts the server's:
+    null, or more than it, where the server sets one."""
+    for name in CLIENT_LOWERABLE:
+        limit = server.get(name)
+        if limit is None or name not in client:
+            continue
+        asked = client[name]
+        if asked is None or asked > limit:
+            raise invalid(f"$.settings.{name}", f"at most the server's {limit:g}")
+
 
 def _tool_tuple(tools: Iterable[Tool]) -> tuple[Tool, ...]:
     return tuple(tools)

@@ -41,6 +41,7 @@ from greenroom.actors.gateway.config import (
     PATH,
     GatewayLimits,
     SessionDefaults,
+    check_budgets,
     confined_workspace,
     directory,
 )
@@ -331,6 +332,7 @@ class Methods:
             else {}
         )
         defaults = self.defaults
+        check_budgets(client_settings, defaults.settings)
         if workspace_param is None:
             workspace = await trio.to_thread.run_sync(directory, defaults.workspace_dir)
         else:
@@ -349,6 +351,7 @@ class Methods:
         settings_model = overrides.pop("model", None)
         model = model or settings_model or defaults.model
         system = overrides.pop("system", None) or defaults.system
+        principal = _identity(connection)
         session = await self.host.create_session(
             model=model,
             tools=defaults.tools,
@@ -356,9 +359,10 @@ class Methods:
             provider=self._provider(),
             system=system,
             mcp_servers=defaults.mcp_servers,
+            # Its costs count against the caller's budget (R-SHARE-4).
+            principal=principal,
             **overrides,
         )
-        principal = _identity(connection)
         self._grants.grant(principal, session.id)
         try:
             await trio.to_thread.run_sync(store_owner, session.directory, principal)

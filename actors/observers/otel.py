@@ -19,6 +19,10 @@ Times are the outputs' arrival times at the observer's task: it waits on nothing
 inbox and runs as soon as the publishing task yields, so the batch's arrival is when it
 happened (to the batching's resolution).
 
+Token counts are the conventions' ``gen_ai.usage.*`` attributes of the chat and
+invoke_agent spans; their cost in USD (R-SHARE-3), which the conventions do not define, is
+``greenroom.usage.cost_usd`` on the same spans, absent when the model's price is unknown.
+
 Message content (prompts, model text, tool arguments and results) is exported only when
 ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT`` is ``true``.
 
@@ -76,10 +80,14 @@ from greenroom.protocols.stream import TokenUsage
 if TYPE_CHECKING:
     from greenroom.actors.runtime.session import Session
 
+COST_ATTRIBUTE = "greenroom.usage.cost_usd"
+"""The span attribute holding a request's (chat) or a task's (invoke_agent) cost in USD."""
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "CAPTURE_CONTENT_ENV",
+    "COST_ATTRIBUTE",
     "GenAIObserver",
     "capture_content_from_env",
     "export_configured",
@@ -575,13 +583,18 @@ class GenAIObserver:
         return attributes
 
 
-def _usage_attributes(usage: TokenUsage) -> dict[str, int]:
-    return {
+def _usage_attributes(usage: TokenUsage) -> dict[str, int | float]:
+    attributes: dict[str, int | float] = {
         "gen_ai.usage.input_tokens": usage.input,
         "gen_ai.usage.output_tokens": usage.output,
         "gen_ai.usage.cache_read.input_tokens": usage.cache_read,
         "gen_ai.usage.cache_creation.input_tokens": usage.cache_write,
     }
+    if usage.cost_usd is not None:
+        # The GenAI conventions define no cost attribute: ours, in greenroom's namespace,
+        # left out when the price is unknown (R-SHARE-3).
+        attributes[COST_ATTRIBUTE] = usage.cost_usd
+    return attributes
 
 
 def _text_part(text: str) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from greenroom.actors.runtime.accounting import PrincipalBudget
     from greenroom.actors.runtime.disk import Disk
     from greenroom.actors.runtime.errors import (
         AuthLocked,
@@ -42,8 +43,10 @@ if TYPE_CHECKING:
     from greenroom.actors.runtime.storage import SessionStore
     from greenroom.actors.runtime.subagents import spawn_subagent
     from greenroom.actors.runtime.trace_sink import (
+        LEDGER_FILE_NAME,
         latest_trace_file,
         read_trace,
+        usage_report,
     )
     from greenroom.actors.runtime.trace_store import (
         FileTraceStore,
@@ -56,6 +59,7 @@ if TYPE_CHECKING:
 # Loaded on first use: the modules import each other, and importing the package must
 # not import them all (nor pay for the ones a program never uses).
 _MODULE_OF = {
+    "PrincipalBudget": "greenroom.actors.runtime.accounting",
     "Approval": "greenroom.actors.runtime.port",
     "ApproveFn": "greenroom.actors.runtime.port",
     "SessionPort": "greenroom.actors.runtime.port",
@@ -80,6 +84,8 @@ _MODULE_OF = {
     "spawn_subagent": "greenroom.actors.runtime.subagents",
     "latest_trace_file": "greenroom.actors.runtime.trace_sink",
     "read_trace": "greenroom.actors.runtime.trace_sink",
+    "LEDGER_FILE_NAME": "greenroom.actors.runtime.trace_sink",
+    "usage_report": "greenroom.actors.runtime.trace_sink",
     "Disk": "greenroom.actors.runtime.disk",
     "FileTraceStore": "greenroom.actors.runtime.trace_store",
     "SessionCatalog": "greenroom.actors.runtime.trace_store",
@@ -89,6 +95,7 @@ _MODULE_OF = {
 }
 
 __all__ = [
+    "LEDGER_FILE_NAME",
     "Approval",
     "ApproveFn",
     "AuthLocked",
@@ -102,6 +109,7 @@ __all__ = [
     "ImageRefused",
     "ModelProvider",
     "NotPending",
+    "PrincipalBudget",
     "RunResult",
     "RunStream",
     "Session",
@@ -119,6 +127,7 @@ __all__ = [
     "latest_trace_file",
     "read_trace",
     "spawn_subagent",
+    "usage_report",
 ]
 
 

@@ -210,6 +210,7 @@ class CompactionRun:
 
     def _usage(self, usage: TokenUsage) -> None:
         port = self._port
+        usage = port.account.priced(usage)  # R-SHARE-3: a summary request costs too
         self._emitter.emit(
             TokenUsageOutput(session_id=port.id, run_id=self._run_id, turn=self._turn,
                              request=usage)

@@ -36,6 +36,7 @@ import attrs
 import trio
 
 from greenroom.actors.providers.registry import default_model, provider_for, require_credentials
+from greenroom.actors.runtime.accounting import Accounting, PrincipalBudget, price_overrides
 from greenroom.actors.runtime.child_index import ChildIndex
 from greenroom.actors.runtime.child_reports import ChildReports
 from greenroom.actors.runtime.errors import ConfigurationError, HostClosed, SessionNotFound
@@ -131,6 +132,7 @@ class Host:
         store: TraceStore,
         observers: Iterable[SessionObserver] = (),
         tools: Iterable[Tool] = (),
+        accounting: Accounting | None = None,
     ) -> None:
         self.data_dir = data_dir
         self._observers = tuple(observers)
@@ -143,7 +145,7 @@ class Host:
         self._sessions: dict[str, Session] = {}
         self._ports: dict[str, SessionPort] = {}
         self._children = ChildIndex(store.catalog, self.load_session)
-        self._builder = PortBuilder(self, data_dir, store, nursery.start_soon)
+        self._builder = PortBuilder(self, data_dir, store, nursery.start_soon, accounting)
         self.child_reports = ChildReports(self)
         """Reports of background subagents taken up by this host (R-TREE-2, R-TREE-4)."""
         self._closed = False
@@ -162,6 +164,8 @@ class Host:
         gc_tuning: bool = False,
         resume_tasks: bool = False,
         tools: Iterable[Tool] = (),
+        prices: Mapping[str, Any] | None = None,
+        principal_budget: PrincipalBudget | None = None,
     ) -> AsyncIterator[Host]:
         """Start the host's actor tree; on exit close every session (interrupting running
         tasks and waiting for their last records; a task that waits only for people stays
@@ -185,11 +189,18 @@ class Host:
         restored on exit): less CPU per streamed event for a host serving many sessions,
         cyclic garbage kept a little longer. Off by default.
 
+        Costs (R-SHARE-3, :mod:`~greenroom.actors.runtime.accounting`): ``prices`` gives
+        model prices over the built-in table (``{model: {input, output, cache_read,
+        cache_write}}`` in USD per million tokens, or :class:`~greenroom.protocols.prices.
+        Price` values; a bad one raises :class:`ConfigurationError`); ``principal_budget``
+        is what each principal may spend per UTC day or month (R-SHARE-4).
+
         Raises ``RuntimeError`` when entered outside trio (under ``asyncio.run``, say)."""
         require_trio()
+        costs = {"prices": price_overrides(prices), "principal_budget": principal_budget}
         path = await trio.to_thread.run_sync(_prepare_data_dir, data_dir)
         with tuned_gc(gc_tuning):
-            async with _host_tree(cls, path, observers, trace_store, tools) as host:
+            async with _host_tree(cls, path, observers, trace_store, tools, costs) as host:
                 if resume_tasks:
                     await host.resume_tasks()
                 yield host
@@ -210,6 +221,7 @@ class Host:
         parent_id: str | None = None,
         mcp_servers: Mapping[str, Any] | None = None,
         name: str | None = None,
+        principal: str | None = None,
         **overrides: Any,
     ) -> Session:
         """Create a session. ``provider`` is ``anthropic``, ``openai``, ``scripted`` or a
@@ -220,6 +232,8 @@ class Host:
         root, R-TREE-1) and ``name`` (a subagent's). ``mcp_servers`` adds the tools of MCP servers
         (``{"NAME": {"command": …} | {"type": "http", "url": …}}``, as in an
         ``mcpServers`` file: R-MCP-1); a bad entry raises :class:`ConfigurationError`.
+        ``principal`` names who the session's costs are charged to (a gateway client:
+        R-SHARE-4), kept in ``session.json``; a subagent is charged to its parent's.
 
         The workspace is fixed now (R-SEC-7): ``workspace_dir`` must name a directory
         (``~`` expanded, symlinks followed) that neither is nor lies inside the host's
@@ -249,6 +263,7 @@ class Host:
             name=name,
             hooks=hooks,
             mcp_servers=mcp_servers,
+            principal=principal,
         )
         return self._add(port, created=True)
 
@@ -551,13 +566,16 @@ async def _host_tree(
     observers: Iterable[SessionObserver],
     trace_store: TraceStoreFactory | None,
     tools: Iterable[Tool],
+    costs: Mapping[str, Any],
 ) -> AsyncIterator[Host]:
     """The host's actor tree while it is open: its nursery, its store and its people's
-    clock; on exit every session is closed and the store flushed (``Host.open``)."""
+    clock; on exit every session is closed and the store flushed (``Host.open``).
+    ``costs`` are the :class:`Accounting` options, checked already."""
     async with trio.open_nursery() as nursery:
         store = (trace_store or FileTraceStore)(path)
+        accounting = Accounting(store.ledger, **costs)
         await nursery.start(store.run)
-        host = cls(path, nursery, store, observers, tools)
+        host = cls(path, nursery, store, observers, tools, accounting)
         await nursery.start(host.serve_people)
         try:
             yield host

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import attrs
 import trio
 
+from greenroom.actors.runtime.accounting import NO_ACCOUNT, Account
 from greenroom.actors.runtime.attachments import Attachments
 from greenroom.actors.runtime.storage import ATTACHMENTS_DIR
 from greenroom.actors.runtime.trace_sink import TraceSinkClosed, TraceWriteError
@@ -191,6 +192,7 @@ class SessionPort:
         "_seq",
         "_tool_schemas",
         "_tools",
+        "account",
         "children",
         "closed",
         "directory",
@@ -227,6 +229,7 @@ class SessionPort:
         parent_id: str | None = None,
         workspace_identity: WorkspaceIdentity | None = None,
         origin: tuple[str, ...] | None = None,
+        account: Account = NO_ACCOUNT,
     ) -> None:
         self.id = session_id
         self.parent_id = parent_id
@@ -239,6 +242,9 @@ class SessionPort:
         tools work only there. None only for a session built by hand."""
         self.provider = provider
         """The model provider adapter this session's requests go through."""
+        self.account = account
+        """The price of the session's model, its principal and the cost budgets its
+        requests count against (R-SHARE-3, R-SHARE-4)."""
         self.transcript = transcript
         """The model context, a pure function of the traced outputs (the emitter feeds it)."""
         self.machine = machine or TaskMachine()
@@ -483,7 +489,12 @@ class SessionPort:
         status: str = "ok",
         error_message: str | None = None,
     ) -> None:
-        """Record one request's token usage in the host's usage ledger (R-TRACE-5)."""
+        """Record one request's token usage in the host's usage ledger (R-TRACE-5), priced
+        at the session's model's price when it is not yet, and count its cost against the
+        session's budgets (R-SHARE-3, R-SHARE-4)."""
+        account = self.account
+        usage = account.priced(usage)
+        account.spend(usage.cost_usd)
         self._host.usage_ledger.record_usage(
             UsageRow(
                 at=time.time(),
@@ -496,6 +507,8 @@ class SessionPort:
                 usage=usage,
                 status=status,
                 error_message=error_message,
+                principal=account.principal,
+                root_id=self.root_id,
             )
         )
 

@@ -1,8 +1,10 @@
 """How a host makes the runtime seam of a session it creates or loads
 (:class:`~greenroom.actors.runtime.port.SessionPort`): its provider client, its fixed
 workspace (R-SEC-7), its shared tool table, its ``session.json`` (new) or rebuilt
-transcript and task state (stored), and its MCP servers. It owns what sessions share for
-this: the provider clients, the shared tables and the MCP connections."""
+transcript and task state (stored), its MCP servers, and its account: the price of its
+model, its principal and its cost budgets (:mod:`~greenroom.actors.runtime.accounting`).
+It owns what sessions share for this: the provider clients, the shared tables, the MCP
+connections and the accounting."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
+from greenroom.actors.runtime.accounting import Accounting
 from greenroom.actors.runtime.errors import ConfigurationError, SessionNotFound
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.mcp_servers import McpServers
@@ -47,7 +50,7 @@ __all__ = ["PortBuilder"]
 class PortBuilder:
     """Makes the ports of one host's sessions; see the module docstring."""
 
-    __slots__ = ("_data_dir", "_host", "_shared", "_store", "clients", "mcp")
+    __slots__ = ("_data_dir", "_host", "_shared", "_store", "accounting", "clients", "mcp")
 
     def __init__(
         self,
@@ -55,6 +58,7 @@ class PortBuilder:
         data_dir: Path,
         store: TraceStore,
         start_soon: Callable[..., Any],
+        accounting: Accounting | None = None,
     ) -> None:
         self._host = host
         self._data_dir = data_dir
@@ -64,6 +68,8 @@ class PortBuilder:
         self._shared = SharedTables()
         self.mcp = McpServers(data_dir / "mcp", start_soon)
         """The MCP server connections of the host's sessions."""
+        self.accounting = accounting or Accounting(store.ledger)
+        """The host's prices and the principals' budgets (R-SHARE-3, R-SHARE-4)."""
 
     async def new(
         self,
@@ -79,12 +85,20 @@ class PortBuilder:
         hooks: Hooks | None,
         mcp_servers: Mapping[str, Any] | None,
         background: bool = False,
+        principal: str | None = None,
     ) -> SessionPort:
         """A new session's port, its ``session.json`` written and its trace started (see
         :meth:`Host.create_session <greenroom.actors.runtime.host.Host.create_session>`
-        for what each argument means and what raises)."""
+        for what each argument means and what raises). A subagent is charged to its
+        parent's principal."""
         mcp_configs = _mcp_configs(mcp_servers)
         model_provider = provider or await self.clients.get(settings)
+        account = await self.accounting.account(
+            session_id,
+            settings,
+            principal=principal,
+            parent=None if parent is None else (parent.settings, parent.account),
+        )
         identity = self._shared.identity(
             await trio.to_thread.run_sync(fixed_workspace, workspace_dir, self._data_dir)
         )
@@ -92,6 +106,8 @@ class PortBuilder:
         meta = _new_meta(session_id, identity, settings, tools, origin, name)
         if background:
             meta["background"] = True
+        if account.principal is not None:
+            meta["principal"] = account.principal
         await self._store.catalog.create(session_id, meta)
         self._store.log.start(session_id)
         port = SessionPort(
@@ -106,6 +122,7 @@ class PortBuilder:
             parent_id=parent_id,
             workspace_identity=identity,
             origin=origin,
+            account=account,
         )
         if background:
             port.report_as = name or session_id
@@ -137,6 +154,13 @@ class PortBuilder:
         model_provider = provider if not isinstance(provider, str | None) else None
         if model_provider is None:
             model_provider = await self.clients.get(settings)
+        principal = meta.get("principal")
+        account = await self.accounting.account(
+            session_id,
+            settings,
+            principal=principal if isinstance(principal, str) else None,
+            stored=True,
+        )
         loaded = await self._store.log.load(session_id)
         records = list(loaded.records)
         identity = self._shared.identity(await trio.to_thread.run_sync(_stored_workspace, meta))
@@ -154,6 +178,7 @@ class PortBuilder:
             parent_id=meta.get("parent_id"),
             workspace_identity=identity,
             origin=_stored_origin(meta, session_id),
+            account=account,
         )
         port.load_errors = list(loaded.errors)
         if meta.get("background") is True and port.parent_id is not None:

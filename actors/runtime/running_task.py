@@ -9,6 +9,11 @@ requests. The supervisor creates one per task, hands it the steps the task machi
 and the inbox messages that concern it, and ends it — whatever ended it — through the one
 teardown: :meth:`stop_work`, then :meth:`settle` and the ``task_end`` (R-RUN-7), or
 :meth:`park` when the task waits only for people (R-HITL-3).
+
+Before each model request it sends — a turn's attempt, an automatic compaction's summary —
+it asks the session's account whether the request could pass a cost budget (R-SHARE-4,
+:mod:`~greenroom.protocols.budgets`); if so the request is not sent and the task machine is
+told, which ends the task ``budget_exceeded``.
 """
 
 from __future__ import annotations
@@ -241,18 +246,40 @@ class RunningTask:
 
     def begin_turn(self, turn: int, steering: tuple[UserContent, ...]) -> None:
         """Begin turn ``turn``: the steering (its images attached already) recorded as one
-        input (R-STEER-2), then attempt 1."""
+        input (R-STEER-2), then attempt 1 — unless its request could pass a budget."""
         turns, _ = self._actors()
+        if self._over_budget():
+            return
         turns.begin_turn(turn)
         if steering:
             self._out.emit(
                 UserMsg(session_id=self._port.id, run_id=self.run_id, kind="steering",
                         content=steering)
             )
-        self.begin_attempt(1, 0)
+        self._send_attempt(1, 0)
 
     def begin_attempt(self, attempt: int, delay_ms: int) -> None:
-        """Send attempt ``attempt`` of the turn's request after ``delay_ms``."""
+        """Send attempt ``attempt`` of the turn's request after ``delay_ms`` — unless it
+        could pass a budget."""
+        if not self._over_budget():
+            self._send_attempt(attempt, delay_ms)
+
+    def _over_budget(self) -> bool:
+        """Whether the session's next request could pass one of its cost budgets; if so
+        the task machine has been told (it ends the task ``budget_exceeded``)."""
+        port = self._port
+        account = port.account
+        if not account.limits:
+            return False  # the usual case: no budget, nothing to estimate
+        machine = port.machine
+        refusal = account.refusal(
+            build_request(port, self.task), machine.record.last_request_total
+        )
+        if refusal is not None:
+            machine.exceed_budget(refusal)
+        return refusal is not None
+
+    def _send_attempt(self, attempt: int, delay_ms: int) -> None:
         turns, work = self._actors()
         port = self._port
         turns.begin_attempt(attempt)
@@ -273,8 +300,12 @@ class RunningTask:
         return self._requests
 
     def start_compaction(self, reason: CompactionReason) -> None:
-        """Compact now (R-COMPACT); after an overflow the failed attempt is history."""
+        """Compact now (R-COMPACT); after an overflow the failed attempt is history. An
+        automatic compaction's request is checked against the budgets as a turn's is (a
+        manual one is the user's own request)."""
         turns, work = self._actors()
+        if reason != "manual" and self._over_budget():
+            return
         if reason == "overflow":
             turns.discard_attempt()
         # The task's own request settings, thinking included, so that the summary

@@ -38,8 +38,13 @@ children of one session run at once, foreground and background (more wait for a 
 ``max_subagents_per_task`` spawns per task, beyond that the call is an error;
 ``subagent_token_budget`` tokens for each child's whole subtree (its descendants' count
 too, R-TREE-3), past it the child is interrupted with its subtree and its call (or its
-finished message) is an error naming the budget; ``max_subagent_depth`` levels below the
-root: ``spawn_subagent`` is not offered to a child that may not spawn.
+finished message) is an error naming the budget; ``tree_cost_budget_usd`` USD for each
+child's subtree, checked before each of its requests rather than counted here (the child's
+account holds the limit, shared with its descendants:
+:mod:`~greenroom.actors.runtime.accounting`), so the node whose next request could pass
+it ends ``budget_exceeded`` and its call is an error naming the budget (R-SHARE-4);
+``max_subagent_depth`` levels below the root: ``spawn_subagent`` is not offered to a child
+that may not spawn.
 
 Exceptions::
 

@@ -45,7 +45,10 @@ as file contents), directories the sink creates 0700.
 
 Usage-ledger table ``usage`` in ``<data_dir>/usage.sqlite``: ``id, at, session_id, run_id,
 turn, kind, provider, model, input, output, cache_read, cache_write, total, status,
-error_message`` (see :class:`greenroom.protocols.trace.UsageRow`).
+error_message, cost_usd, principal, root_id`` (see :class:`greenroom.protocols.trace.UsageRow`).
+The last three came with cost accounting (R-SHARE-3): opening an older ledger adds them
+(``ALTER TABLE``; its rows keep NULL there, an unknown cost), and the readers take a
+ledger that was never opened since as having NULL in them.
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ from greenroom.protocols.messages import (
 )
 from greenroom.protocols.trace import (
     TraceReadResult,
+    UsageLine,
+    UsageQuery,
     UsageRow,
     parse_trace,
     trace_file_number,
@@ -84,6 +89,7 @@ __all__ = [
     "TraceWriteError",
     "latest_trace_file",
     "read_trace",
+    "usage_report",
     "usage_totals",
 ]
 
@@ -104,7 +110,12 @@ _USAGE_COLUMNS = (
     "total",
     "status",
     "error_message",
+    "cost_usd",
+    "principal",
+    "root_id",
 )
+_ADDED_COLUMNS = (("cost_usd", "REAL"), ("principal", "TEXT"), ("root_id", "TEXT"))
+"""Columns a ledger made before cost accounting lacks, with their types (all NULL-able)."""
 _CREATE_USAGE = """
 CREATE TABLE IF NOT EXISTS usage (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -121,7 +132,10 @@ CREATE TABLE IF NOT EXISTS usage (
     cache_write INTEGER NOT NULL DEFAULT 0,
     total INTEGER NOT NULL DEFAULT 0,
     status TEXT,
-    error_message TEXT
+    error_message TEXT,
+    cost_usd REAL,
+    principal TEXT,
+    root_id TEXT
 )
 """
 _INSERT_USAGE = (
@@ -680,7 +694,14 @@ def _open_ledger(path: Path) -> sqlite3.Connection:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")
         conn.execute(_CREATE_USAGE)
+        present = _columns(conn)
+        for name, kind in _ADDED_COLUMNS:
+            if name not in present:
+                conn.execute(f"ALTER TABLE usage ADD COLUMN {name} {kind}")
         conn.execute("CREATE INDEX IF NOT EXISTS usage_session ON usage (session_id)")
+        # Reports by time, and a principal's spending since the start of its period.
+        conn.execute("CREATE INDEX IF NOT EXISTS usage_at ON usage (at)")
+        conn.execute("CREATE INDEX IF NOT EXISTS usage_principal ON usage (principal, at)")
     except BaseException:
         conn.close()
         raise
@@ -789,6 +810,9 @@ def _insert_usage(ledger: sqlite3.Connection, rows: list[UsageRow]) -> None:
             row.usage.total,
             row.status,
             row.error_message,
+            row.usage.cost_usd,
+            row.principal,
+            row.root_id,
         )
         for row in rows
     ]
@@ -873,3 +897,79 @@ def usage_totals(db_path: Path | str, *, session_id: str | None = None) -> dict[
         "titles",
     )
     return {row[0]: {k: int(v or 0) for k, v in zip(keys, row[1:], strict=True)} for row in rows}
+
+
+def _columns(conn: sqlite3.Connection) -> set[str]:
+    return {str(row[1]) for row in conn.execute("PRAGMA table_info(usage)")}
+
+
+_GROUP_COLUMNS = {"session": "session_id", "principal": "principal", "model": "model"}
+_REPORTED_COLUMNS = (
+    "at", "session_id", "kind", "model", "input", "output", "cache_read", "cache_write", "total"
+)
+
+
+def usage_report(db_path: Path | str, query: UsageQuery) -> list[UsageLine]:
+    """The report of ``query`` over a usage ledger (as
+    :func:`~greenroom.protocols.trace.summarize_usage` adds up rows): one line per group,
+    sorted by key (NULL first). A missing ledger has no rows; one written before cost
+    accounting reads as if its rows had no cost, principal or root. Opens the database
+    read-only; blocking."""
+    path = Path(db_path)
+    conn = (
+        sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        if path.exists()
+        else None
+    )
+    rows: list[Any] = []
+    try:
+        if conn is not None:
+            present = _columns(conn)
+            added = (name if name in present else f"NULL AS {name}" for name, _ in _ADDED_COLUMNS)
+            columns = ", ".join((*_REPORTED_COLUMNS, *added))
+            key = _GROUP_COLUMNS[query.by] if query.by is not None else "NULL"
+            where, params = _report_filter(query)
+            rows = conn.execute(
+                f"SELECT {key}, SUM(kind != 'compaction_failed'), SUM(input), SUM(output),"
+                " SUM(cache_read), SUM(cache_write), SUM(total), TOTAL(cost_usd),"
+                " SUM(kind != 'compaction_failed' AND cost_usd IS NULL)"
+                f" FROM (SELECT {columns} FROM usage) {where} GROUP BY {key} ORDER BY {key}",
+                params,
+            ).fetchall()
+    finally:
+        if conn is not None:
+            conn.close()
+    if query.by is None and not rows:
+        return [UsageLine(key=None)]
+    return [
+        UsageLine(
+            key=row[0],
+            requests=int(row[1] or 0),
+            input=int(row[2] or 0),
+            output=int(row[3] or 0),
+            cache_read=int(row[4] or 0),
+            cache_write=int(row[5] or 0),
+            total=int(row[6] or 0),
+            cost_usd=float(row[7] or 0.0),
+            unpriced=int(row[8] or 0),
+        )
+        for row in rows
+    ]
+
+
+def _report_filter(query: UsageQuery) -> tuple[str, tuple[Any, ...]]:
+    clauses: list[str] = []
+    params: list[Any] = []
+    if query.since is not None:
+        clauses.append("at >= ?")
+        params.append(query.since)
+    if query.until is not None:
+        clauses.append("at < ?")
+        params.append(query.until)
+    if query.principal is not None:
+        clauses.append("principal = ?")
+        params.append(query.principal)
+    if query.tree is not None:
+        clauses.append("(session_id = ? OR root_id = ?)")
+        params.extend((query.tree, query.tree))
+    return ("WHERE " + " AND ".join(clauses) if clauses else ""), tuple(params)

@@ -9,7 +9,8 @@ interface of its own job:
   one record each (R-TRACE), split into numbered traces at compactions (R-COMPACT-8) —
   load, replay, append fenced by ``seq``, commit and batch tickets, sync, errors, rotate;
 - the **usage ledger** (:class:`UsageLedger`): one row per model request, compaction
-  failure and title (R-TRACE-5), and the totals read from them.
+  failure and title (R-TRACE-5), with its cost (R-SHARE-3), and the totals and reports
+  read from them.
 
 The store is one object with the three parts as attributes — ``store.catalog``,
 ``store.log``, ``store.ledger`` — plus the lifetime they share (``run``, ``aclose``). This
@@ -86,12 +87,19 @@ from greenroom.actors.runtime.trace_sink import (
     TraceWriteError,
     latest_trace_file,
     read_trace,
+    usage_report,
     usage_totals,
 )
 from greenroom.protocols.messages import TraceWritten
 from greenroom.protocols.outputs import Output
 from greenroom.protocols.text import repair_json
-from greenroom.protocols.trace import UsageRow, trace_file_name, trace_file_number
+from greenroom.protocols.trace import (
+    UsageLine,
+    UsageQuery,
+    UsageRow,
+    trace_file_name,
+    trace_file_number,
+)
 
 __all__ = [
     "FileSessionCatalog",
@@ -285,6 +293,12 @@ class UsageLedger(Protocol):
         ``{session_id: {input, output, cache_read, cache_write, total, requests,
         compaction_failures, titles}}`` (only ``session_id``'s with it; a session without
         rows is absent)."""
+        ...
+
+    async def report(self, query: UsageQuery) -> list[UsageLine]:
+        """The rows recorded so far that ``query`` covers, added up per group with their
+        cost, as :func:`~greenroom.protocols.trace.summarize_usage` defines it (the
+        ``greenroom usage`` report; a budget's spending since a point in time)."""
         ...
 
 
@@ -557,6 +571,13 @@ class FileUsageLedger:
         return await trio.to_thread.run_sync(
             lambda: usage_totals(path, session_id=session_id)
         )
+
+    async def report(self, query: UsageQuery) -> list[UsageLine]:
+        """The rows queued so far are inserted first (while the sink runs), then the
+        ledger is read (:func:`~greenroom.actors.runtime.trace_sink.usage_report`)."""
+        await self.sink.flush_usage()
+        path = self.sink.ledger_path
+        return await trio.to_thread.run_sync(usage_report, path, query)
 
 
 def _scan(root: Path, disk: Disk) -> list[StoredSession]:

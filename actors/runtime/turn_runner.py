@@ -7,7 +7,9 @@ decisions, tool results and progress — and it feeds them to the machine and ca
 the machine returns, in order: outputs emitted through the
 :class:`~greenroom.actors.runtime.emitter.OutputEmitter`, ``ApproveCall`` to the approval
 broker (or decided at once by an earlier ``allow_session``, which the task machine holds:
-R-APPROVE-4), ``RunToolCall`` / ``SkipToolCall`` to the tool pool, usage to the ledger.
+R-APPROVE-4), ``RunToolCall`` / ``SkipToolCall`` to the tool pool, usage to the ledger. The
+machine counts a request's tokens; the runner prices them at the session's model's price
+before the ``token_usage`` is emitted (R-SHARE-3).
 It holds no inbox and calls nothing back: the supervisor decides what comes next.
 
 A running call may ask people a question (``QuestionAsked``: an MCP server's elicitation,
@@ -24,6 +26,7 @@ import time
 from collections.abc import Collection
 from typing import Any
 
+import attrs
 import trio
 
 from greenroom.actors.runtime.emitter import OutputEmitter, repaired_blocks
@@ -50,6 +53,7 @@ from greenroom.protocols.outputs import (
     PartialText,
     PartialThinking,
     PartialToolCall,
+    TokenUsageOutput,
 )
 from greenroom.protocols.people import answer_problem, arguments_digest
 from greenroom.protocols.stream import ModelError, StreamEvent
@@ -375,6 +379,10 @@ class TurnRunner:
                     self._pool.send_nowait(effect)
                 case RecordUsage():
                     self._port.record_usage(self.run_id, self.machine.turn, effect.usage)
+                case TokenUsageOutput():
+                    priced = self._port.account.priced(effect.request)
+                    same = priced is effect.request
+                    emitter.emit(effect if same else attrs.evolve(effect, request=priced))
                 case _ if effect.TRACED:
                     emitter.emit(effect)
                 case _:

@@ -35,7 +35,13 @@ from greenroom.actors.runtime.trace_store import (
 )
 from greenroom.protocols.messages import TraceWritten
 from greenroom.protocols.outputs import Output
-from greenroom.protocols.trace import UsageRow, parse_trace
+from greenroom.protocols.trace import (
+    UsageLine,
+    UsageQuery,
+    UsageRow,
+    parse_trace,
+    summarize_usage,
+)
 
 __all__ = ["MemoryCatalog", "MemoryLedger", "MemoryTraceLog", "MemoryTraceStore"]
 
@@ -294,6 +300,10 @@ class MemoryLedger:
                     "title": "titles"}[row.kind]  # fmt: skip
             entry[kind] += 1
         return dict(sorted(totals.items()))
+
+    async def report(self, query: UsageQuery) -> list[UsageLine]:
+        await trio.lowlevel.checkpoint()
+        return summarize_usage(self.rows, query)
 
 
 class MemoryTraceStore:

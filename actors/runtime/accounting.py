@@ -1,0 +1,213 @@
+"""What a host's sessions spend (R-SHARE-3) and the budgets it counts against (R-SHARE-4,
+R-TREE-3).
+
+:class:`Accounting` is the host's: its :class:`~greenroom.protocols.prices.PriceTable` (the
+built-in prices with ``Host.open(prices=…)`` over them) and the budget of each principal
+(``Host.open(principal_budget=…)``). It gives every session it makes a port for an
+:class:`Account`: the price of the session's model, looked up once, the principal the
+session is charged to, and the :class:`~greenroom.protocols.budgets.SpendLimit` objects its
+requests count against, shared with the sessions they cover:
+
+* the session's own ``max_cost_usd``, for a root (its subagents inherit the object, so it
+  covers the whole tree);
+* for a subagent, every limit of its parent, and ``tree_cost_budget_usd`` of the parent's
+  settings as a new limit of the subagent's subtree;
+* the principal's budget over its current UTC day or month, one object per principal
+  for every session of the host.
+
+Spending already recorded comes from the usage ledger, once: a stored root's limit starts
+at what its tree spent, a principal's at what it spent since its period began. From then
+on every priced request adds its cost to its account's limits as it is recorded, so a
+check before a request (:meth:`Account.refusal`) reads memory only. The ledger of one host
+is what is counted: a cluster's hosts each count the requests they made.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from greenroom.actors.runtime.errors import ConfigurationError
+from greenroom.protocols.budgets import BudgetPeriod, SpendLimit, period_start, request_bound
+from greenroom.protocols.context import ModelRequest
+from greenroom.protocols.prices import Price, PriceError, PriceTable, parse_prices
+from greenroom.protocols.settings import SessionSettings
+from greenroom.protocols.stream import TokenUsage
+from greenroom.protocols.trace import UsageQuery
+
+if TYPE_CHECKING:
+    from greenroom.actors.runtime.trace_store import UsageLedger
+
+__all__ = ["NO_ACCOUNT", "Account", "Accounting", "PrincipalBudget", "price_overrides"]
+
+
+@attrs.frozen(kw_only=True)
+class PrincipalBudget:
+    """What each principal (a gateway client) may spend in USD per UTC ``period``
+    (``day`` or ``month``), over every session of the host (``serve
+    --principal-budget-usd``)."""
+
+    usd: float
+    period: BudgetPeriod = "day"
+
+    def __attrs_post_init__(self) -> None:
+        if not self.usd >= 0:
+            raise ConfigurationError(f"principal budget: expected USD >= 0, got {self.usd!r}")
+        if self.period not in ("day", "month"):
+            raise ConfigurationError(
+                f"principal budget: period must be day or month, got {self.period!r}"
+            )
+
+
+def price_overrides(prices: Mapping[str, Any] | None) -> dict[str, Price]:
+    """``Host.open(prices=…)``: a mapping of :class:`Price` values, or the JSON shape
+    ``{model: {input, output, cache_read, cache_write}}``; raises
+    :class:`ConfigurationError` naming the place of a problem."""
+    if not prices:
+        return {}
+    if all(isinstance(v, Price) for v in prices.values()):
+        return {str(k): v for k, v in prices.items()}
+    try:
+        return parse_prices(prices)
+    except PriceError as exc:
+        raise ConfigurationError(f"prices: {exc}") from None
+
+
+class Account:
+    """One session's price, principal and budgets (see the module docstring)."""
+
+    __slots__ = ("limits", "price", "principal")
+
+    def __init__(
+        self,
+        price: Price | None = None,
+        principal: str | None = None,
+        limits: tuple[SpendLimit, ...] = (),
+    ) -> None:
+        self.price = price
+        """The price of the session's model; None when it is unknown."""
+        self.principal = principal
+        """The gateway client the session's requests are charged to, if any."""
+        self.limits = limits
+        """The budgets the session's requests count against, broadest last."""
+
+    def priced(self, usage: TokenUsage) -> TokenUsage:
+        """``usage`` with its cost at the session's price (unchanged when it has one, or
+        when the price is unknown)."""
+        price = self.price
+        if price is None or usage.cost_usd is not None:
+            return usage
+        return attrs.evolve(usage, cost_usd=price.cost(usage))
+
+    def spend(self, cost_usd: float | None) -> None:
+        """A request of the session cost ``cost_usd`` (None: unknown, not counted)."""
+        if cost_usd is None or not self.limits:
+            return
+        now = time.time()
+        for limit in self.limits:
+            limit.spend(cost_usd, now)
+
+    def refusal(self, request: ModelRequest, last_context: int | None) -> str | None:
+        """Why ``request`` may not be sent — it could pass one of the budgets, named in
+        the words — or None. Never refuses a request of unknown price."""
+        price = self.price
+        if not self.limits or price is None:
+            return None
+        bound = request_bound(price, request, last_context)
+        now = time.time()
+        for limit in self.limits:
+            refusal = limit.refusal(bound, now)
+            if refusal is not None:
+                return refusal
+        return None
+
+
+NO_ACCOUNT = Account()
+"""The account of a session built without a host's accounting: no price, no budget."""
+
+
+class Accounting:
+    """A host's prices and principals' budgets; makes each session's :class:`Account`
+    (see the module docstring)."""
+
+    __slots__ = ("_ledger", "_principals", "prices", "principal_budget")
+
+    def __init__(
+        self,
+        ledger: UsageLedger,
+        *,
+        prices: Mapping[str, Any] | None = None,
+        principal_budget: PrincipalBudget | None = None,
+    ) -> None:
+        self._ledger = ledger
+        self.prices = PriceTable(price_overrides(prices))
+        """The built-in prices with the host's overrides."""
+        self.principal_budget = principal_budget
+        self._principals: dict[str, tuple[SpendLimit, trio.Event]] = {}
+
+    async def account(
+        self,
+        session_id: str,
+        settings: SessionSettings,
+        *,
+        principal: str | None,
+        parent: tuple[SessionSettings, Account] | None = None,
+        stored: bool = False,
+    ) -> Account:
+        """The account of session ``session_id``: new, or ``stored`` (its root's spending
+        is read from the ledger); ``parent`` gives a subagent's parent's settings and
+        account (the subagent inherits its limits and its principal)."""
+        price = self.prices.price_of(settings.model)
+        if parent is not None:
+            parent_settings, parent_account = parent
+            limits = parent_account.limits
+            tree_budget = parent_settings.tree_cost_budget_usd
+            if tree_budget is not None:
+                name = (
+                    f"tree_cost_budget_usd={tree_budget:g} of subagent {session_id} "
+                    "and its subagents"
+                )
+                limits = (SpendLimit(name, tree_budget), *limits)
+            return Account(price, parent_account.principal, limits)
+        limits = ()
+        if settings.max_cost_usd is not None:
+            name = (
+                f"max_cost_usd={settings.max_cost_usd:g} of session {session_id} "
+                "and its subagents"
+            )
+            spent = await self._spent(UsageQuery(by=None, tree=session_id)) if stored else 0.0
+            limits = (SpendLimit(name, settings.max_cost_usd, spent_usd=spent),)
+        if principal is not None and self.principal_budget is not None:
+            limits = (*limits, await self._principal_limit(principal, self.principal_budget))
+        return Account(price, principal, limits)
+
+    async def _principal_limit(self, principal: str, budget: PrincipalBudget) -> SpendLimit:
+        known = self._principals.get(principal)
+        if known is not None:
+            limit, seeded = known
+            await seeded.wait()
+            return limit
+        now = time.time()
+        since = period_start(budget.period, now)
+        name = f"budget of principal {principal!r} ({budget.usd:g} USD per UTC {budget.period})"
+        limit = SpendLimit(name, budget.usd, period=budget.period, since=since)
+        seeded = trio.Event()
+        self._principals[principal] = (limit, seeded)
+        try:
+            # Rows from before ``now`` are the ledger's to count; later ones are spent live.
+            limit.spend(await self._spent(UsageQuery(by=None, principal=principal,
+                                                     since=since, until=now)), now)
+        except BaseException:
+            del self._principals[principal]
+            raise
+        finally:
+            seeded.set()
+        return limit
+
+    async def _spent(self, query: UsageQuery) -> float:
+        (line,) = await self._ledger.report(query)
+        return line.cost_usd

@@ -1,0 +1,91 @@
+"""What a recorded task costs on each provider's wire (R-SHARE-3): the real clients
+against the loopback mock server replaying recorded streams; each request's cost in
+``token_usage`` and the task's in ``task_end`` match a hand computation at the model's
+list price (its dated name found through its alias)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import trio
+
+from greenroom.actors.providers.anthropic import AnthropicProvider
+from greenroom.actors.providers.openai import OpenAIProvider
+from greenroom.actors.providers.openai_responses import OpenAIResponsesProvider
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.llm_streamer import ModelProvider
+from greenroom.protocols.outputs import Output, TaskEnd, TokenUsageOutput
+from tests.support.mock_model_server import Fixture, open_mock_server
+
+SSE = {"content-type": "text/event-stream"}
+
+
+def allow(_: object) -> str:
+    return "allow"
+
+
+def per_million(*terms: tuple[int, float]) -> float:
+    return sum(tokens * rate for tokens, rate in terms) / 1_000_000
+
+
+CASES: list[tuple[str, str, list[Fixture], Callable[[str], ModelProvider], list[float]]] = [
+    (
+        "anthropic",
+        "claude-sonnet-4-5-20250929",
+        [Fixture("anthropic/thinking_then_tool_use.sse"), Fixture("anthropic/text_only.sse")],
+        lambda url: AnthropicProvider(base_url=url, api_key="test-key"),
+        # Sonnet 4.5: $3 input, $15 output, $0.30 cache read, $3.75 cache write:
+        # $0.004596 + $0.002805 + $0.003072 + $0.00768 = $0.018153, then $0.0003.
+        [
+            per_million((1532, 3.0), (187, 15.0), (10240, 0.30), (2048, 3.75)),
+            per_million((25, 3.0), (15, 15.0)),
+        ],
+    ),
+    (
+        "openai",
+        "gpt-4o-2024-08-06",
+        [Fixture("openai/parallel_tool_calls.sse"), Fixture("openai/text_only.sse")],
+        lambda url: OpenAIProvider(base_url=url + "/v1", api_key="k"),
+        # gpt-4o: $2.50 input, $10 output.
+        [per_million((149, 2.5), (60, 10.0)), per_million((19, 2.5), (10, 10.0))],
+    ),
+    (
+        "openai-responses",
+        "gpt-5-mini",
+        [
+            Fixture("openai_responses/reasoning_tool_call.sse", status=200, headers=SSE),
+            Fixture("openai_responses/text_only.sse", status=200, headers=SSE),
+        ],
+        lambda url: OpenAIResponsesProvider(base_url=url + "/v1", api_key="k"),
+        # gpt-5-mini: $0.25 input, $2 output (reasoning included), $0.025 cached input.
+        [per_million((120, 0.25), (60, 2.0)), per_million((20, 0.25), (10, 0.025), (8, 2.0))],
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "model", "replies", "make", "expected"), CASES,
+                         ids=[case[0] for case in CASES])  # fmt: skip
+async def test_a_recorded_task_costs_its_tokens_at_the_list_price(
+    tmp_path: Path,
+    name: str,
+    model: str,
+    replies: list[Fixture],
+    make: Callable[[str], ModelProvider],
+    expected: list[float],
+) -> None:
+    async with open_mock_server(*replies) as server:
+        async with Host.open(tmp_path / "data") as host:
+            session = await host.create_session(
+                provider=make(server.base_url), model=model, workspace_dir=tmp_path
+            )
+            with trio.fail_after(10):
+                outputs: list[Output] = [o async for o in session.run("go", approve=allow)]
+        server.assert_clean()
+    costs = [o.request.cost_usd for o in outputs if isinstance(o, TokenUsageOutput)]
+    assert costs == [pytest.approx(cost, rel=1e-12) for cost in expected]
+    end = outputs[-1]
+    assert isinstance(end, TaskEnd) and end.turns == 2, end
+    assert end.usage.cost_usd == pytest.approx(sum(expected), rel=1e-12)
+
