@@ -372,7 +372,7 @@ METHODS: dict[str, Method] = {
             params=(),
             result="`{sessions: [{session_id, created_at, updated_at, workspace_dir, "
             "provider, model, trace_files, parent_id, root_id, open, busy, auth_locked, "
-            "title, last_activity_at, state, usage: {tokens}}], "
+            "title, last_activity_at, state, usage: {tokens, cost_usd}}], "
             "unreadable?: [{session_id, reason}]}`",
             doc="The caller's sessions and the subagents of their trees, newest first; "
             "stored ones that cannot be read are listed apart.",

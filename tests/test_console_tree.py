@@ -91,9 +91,13 @@ async def test_browser_nests_the_tree_folds_it_and_steers_the_grandchild(
             listed = (await other.result("session.list"))["sessions"]
             tokens = {s["session_id"]: s["usage"]["tokens"] for s in listed}
             assert all(tokens[n] > 0 for n in (root, child, grandchild))
+            # The scripted model has no price: its cost is unknown, never a guess.
+            assert {s["usage"]["cost_usd"] for s in listed} == {None}
             await page.js("document.querySelector('#refresh').click()")
             for session_id in (root, child, grandchild):
                 shown = f"{node(session_id)} > .node-row button.node .tokens"
                 await page.wait_for(
                     f"document.querySelector(`{shown}`)?.dataset.tokens === '{tokens[session_id]}'"
                 )
+                cost = f"{node(session_id)} > .node-row button.node .cost"
+                assert await page.texts(cost) == ["cost unknown"]

@@ -63,6 +63,9 @@ async def test_a_principal_budget_ends_its_next_task_and_spares_the_others(
                 assert first["usage"]["cost_usd"] == 1.0
                 # A new session of the same principal: $1 spent leaves no room.
                 second = await run_task(alice, "two")
+                # session.list shows each session's own tokens and cost (R-SHARE-3).
+                listed = (await alice.result("session.list"))["sessions"]
+                usage = {s["session_id"]: s["usage"] for s in listed}
             async with connect(server, token=BOB) as bob:
                 theirs = await run_task(bob, "mine")
             ledger = await server.host.usage_ledger.report(UsageQuery(by="principal"))
@@ -72,6 +75,9 @@ async def test_a_principal_budget_ends_its_next_task_and_spares_the_others(
     assert "$1.00 spent of $1.00" in second["message"]
     assert second["usage"]["cost_usd"] == 0.0
     assert theirs["status"] == "completed"
+    assert usage[first["session_id"]]["cost_usd"] == 1.0
+    assert usage[first["session_id"]]["tokens"] >= 100_000
+    assert usage[second["session_id"]] == {"tokens": 0, "cost_usd": 0.0}
     assert [(line.key, line.cost_usd) for line in ledger] == [("alice", 1.0), ("bob", 1.0)]
 
 

@@ -61,6 +61,7 @@ from greenroom.protocols.converter import to_dict
 from greenroom.protocols.jsonrpc import RpcError, invalid
 from greenroom.protocols.messages import InterruptScope
 from greenroom.protocols.people import PEOPLE, PendingApproval, Verdict
+from greenroom.protocols.trace import UsageLine, UsageQuery
 
 logger = logging.getLogger(__name__)
 
@@ -259,9 +260,7 @@ class Methods:
                 # Refused before the token is looked at, as at the handshake.
                 reason = "too many failed authentication attempts from this address"
                 connection.close_with = (1008, reason)
-                raise RpcError(
-                    jsonrpc.TOO_MANY_REQUESTS, f"{reason}; retry in {math.ceil(wait)} s"
-                )
+                raise RpcError(jsonrpc.TOO_MANY_REQUESTS, f"{reason}; retry in {math.ceil(wait)} s")
             principal = self._principals.of(token.encode("utf-8"))
             if principal is None and address is not None:
                 self._admission.failed(address, now)
@@ -374,7 +373,7 @@ class Methods:
 
     async def rpc_session_list(self, connection: Connection, params: dict[str, Any]) -> Any:
         """The caller's stored sessions with their live state (open, busy, auth lock, title, last
-        activity) and ``usage`` (``tokens`` of every request so far), and the subagents of
+        activity) and ``usage`` (``tokens`` and ``cost_usd`` of its requests), and the subagents of
         their trees (``parent_id``, ``root_id``: R-TREE-1); those that cannot be read are
         listed apart, by id with the reason."""
         jsonrpc.check_params(params, "session.list")
@@ -387,7 +386,9 @@ class Methods:
             (i.session_id for i in scan.sessions if i.session_id in owned),
             SessionStore(self.host.data_dir).sessions_dir,
         )
-        totals = await self.host.usage_ledger.totals()
+        usage = {
+            line.key: line for line in await self.host.usage_ledger.report(UsageQuery(by="session"))
+        }
         sessions: list[dict[str, Any]] = []
         for info in scan.sessions:
             # A subagent is listed with its tree (R-TREE-1): the caller owns its root.
@@ -406,7 +407,7 @@ class Methods:
                         info.updated_at, hub.last_output_at if hub is not None else 0.0
                     ),
                     "state": session_state(session, hub),
-                    "usage": _usage_entry(totals.get(info.session_id)),
+                    "usage": _usage_entry(usage.get(info.session_id)),
                 }
             )
         # The reason names a path of the server's data dir: the session id is enough.
@@ -578,6 +579,9 @@ def _listed(request: PendingApproval) -> dict[str, Any]:
     }
 
 
-def _usage_entry(totals: dict[str, Any] | None) -> dict[str, Any]:
-    """A session's ``usage`` in ``session.list``: its tokens over every request so far."""
-    return {"tokens": int((totals or {}).get("total", 0))}
+def _usage_entry(line: UsageLine | None) -> dict[str, Any]:
+    """A session's ``usage`` in ``session.list``: the tokens and cost of its own requests
+    so far; ``cost_usd`` is null when a price was unknown (R-SHARE-3)."""
+    if line is None:
+        return {"tokens": 0, "cost_usd": 0.0}
+    return {"tokens": line.total, "cost_usd": None if line.unpriced else line.cost_usd}
