@@ -749,6 +749,14 @@ class TaskMachine:
             and not self._steering
         )
 
+    def hold(self) -> None:
+        """The host drains (R-DRAIN-1): the step just issued — a turn's first request,
+        or a retry — is not carried out here. The task stays open at this boundary, as
+        its trace has it, for whoever takes it up; the steering the turn took is the
+        caller's to record."""
+        if isinstance(self._issued, BeginTurn | BeginAttempt):
+            self._issued = None
+
     def queue_steering(self, content: Iterable[UserContent]) -> None:
         """Queue steering for the next input assembly of the open task (R-STEER-1)."""
         if self._steering is None:

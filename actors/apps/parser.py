@@ -446,6 +446,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--host-id", metavar="ID", help="this host's id in the cluster (default: NAME-PID)"
     )
     serve.add_argument(
+        "--drain-grace",
+        metavar="S",
+        type=_positive_seconds,
+        default=30.0,
+        help="on SIGTERM, how long running tasks may go on to their next turn boundary, "
+        "where they stop for the next start (or, in a cluster, another host) to take up; "
+        "SIGINT stops at once (default: 30)",
+    )
+    serve.add_argument(
         "--lease-ttl",
         metavar="S",
         type=_positive_seconds,

@@ -63,6 +63,7 @@ def serve_command(args: argparse.Namespace) -> int:
         "token_file": args.token_file,
         "defaults": defaults,
         "approval_timeout_s": args.approval_timeout,
+        "drain_grace_s": args.drain_grace,
         "tokens_file": args.tokens_file,
         "allowed_origins": args.allow_origin,
         "max_connections": args.max_connections,

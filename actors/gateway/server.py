@@ -405,9 +405,7 @@ class _CappedListener(trio.abc.Listener["_CountedStream"]):
             peer = str(stream.socket.getpeername()[0])
         except (OSError, IndexError, TypeError):
             peer = "unknown"  # gone already, or not an IP socket
-        return _CountedStream(
-            stream, lambda: self._sockets.release_on_behalf_of(holder), peer=peer
-        )
+        return _CountedStream(stream, lambda: self._sockets.release_on_behalf_of(holder), peer=peer)
 
     async def aclose(self) -> None:
         await self._inner.aclose()
@@ -453,6 +451,10 @@ class _CountedStream(trio.abc.HalfCloseableStream):
 # -- greenroom serve ---------------------------------------------------------------------------
 
 
+DRAIN_GRACE_S = 30.0
+"""How long a SIGTERM drain waits for running tasks to reach a turn boundary
+(``serve --drain-grace``)."""
+
 HostOpener = Callable[[Path, Iterable[SessionObserver]], AbstractAsyncContextManager[Host]]
 """Opens the host ``run_serve`` serves, from the data dir and the session observers."""
 
@@ -491,6 +493,7 @@ async def run_serve(
     defaults: SessionDefaults | None = None,
     approval_timeout_s: float | None = None,
     limits: GatewayLimits | None = None,
+    drain_grace_s: float = DRAIN_GRACE_S,
     ready: Callable[[int], None] | None = None,
     console_port: int | None = None,
     tokens_file: str | Path | None = None,
@@ -506,7 +509,9 @@ async def run_serve(
     """``greenroom serve``: open a host on ``data_dir``, serve the gateway on it, print
     ``listening on ws://HOST:PORT/v1`` and the token file on stderr, and serve until
     cancelled or until SIGINT/SIGTERM, then close connections (1001) and the host (which
-    interrupts running tasks and flushes their traces). ``ready`` gets the bound port.
+    interrupts running tasks and flushes their traces). SIGTERM drains first
+    (:meth:`Host.drain`, up to ``drain_grace_s``): running tasks stop at their next turn
+    boundary, to be taken up by the next start. ``ready`` gets the bound port.
 
     The host takes up, when it opens, the tasks left open on the data dir by a serve that
     stopped without closing them (a crash, a SIGKILL: R-HITL-4), with the tools of
@@ -595,12 +600,36 @@ async def run_serve(
                 ready(bound)
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for signum in signals:
-                    print(
-                        f"greenroom serve: {signal.Signals(signum).name}, shutting down",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    if signum == signal.SIGTERM:
+                        await _drain(opened, drain_grace_s)
+                    else:
+                        _say("SIGINT, shutting down")
                     break
+            nursery.cancel_scope.cancel()
+
+
+def _say(words: str) -> None:
+    print(f"greenroom serve: {words}", file=sys.stderr, flush=True)
+
+
+async def _drain(host: Host, grace_s: float) -> None:
+    """SIGTERM (a deploy): drain before stopping (R-DRAIN-1). A second SIGTERM or a
+    SIGINT meanwhile stops at once."""
+    _say(
+        f"SIGTERM, draining (running tasks stop at their next turn boundary, {grace_s:g} s at most)"
+    )
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as again:
+        async with trio.open_nursery() as nursery:
+
+            async def stop_early() -> None:
+                async for signum in again:
+                    _say(f"{signal.Signals(signum).name} while draining, shutting down now")
+                    nursery.cancel_scope.cancel()
+
+            nursery.start_soon(stop_early)
+            held = await host.drain(grace_s)
+            plural = "" if len(held) == 1 else "s"
+            _say(f"drained: {len(held)} task{plural} held for the next start, shutting down")
             nursery.cancel_scope.cancel()
 
 

@@ -149,6 +149,8 @@ class Host:
         self.child_reports = ChildReports(self)
         """Reports of background subagents taken up by this host (R-TREE-2, R-TREE-4)."""
         self._closed = False
+        self.draining = False
+        """Whether the host drains (:meth:`drain`, R-DRAIN-1)."""
         self._people = People(self._ports.get)
         self._open_tasks = OpenTaskIndex(store)
         self._default_tools = tuple(tools)
@@ -363,6 +365,19 @@ class Host:
         await self.close_session(session_id)
         self._open_tasks.deleted(session_id)
         await catalog.delete(session_id)
+
+    async def drain(self, grace_s: float) -> list[str]:
+        """Drain before a stop (R-DRAIN-1): users get no new task (``run``, ``follow_up``,
+        ``compact`` raise :class:`HostClosed`); every running task goes on until its next
+        turn boundary and stops there, open in its trace with its steering recorded, for
+        the next host to take up (``resume_tasks``; in a cluster, the host it is handed
+        to): nothing re-run, no request wasted. Returns within ``grace_s`` the ids of the
+        sessions held so; what still runs is interrupted when the host closes."""
+        self.draining = True
+        with trio.move_on_after(grace_s):
+            for session in list(self._sessions.values()):
+                await session.wait_idle()
+        return [sid for sid, port in self._ports.items() if port.held]
 
     async def aclose(self) -> None:
         """Close every session (concurrently) and the provider clients."""

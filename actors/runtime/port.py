@@ -115,6 +115,10 @@ class HostServices(Protocol):
     usage_ledger: UsageLedger
     """The usage ledger of the host's store."""
 
+    draining: bool
+    """Whether the host drains (R-DRAIN-1): running tasks stop at their next turn
+    boundary, open in their traces, and no new task is taken from users."""
+
     def start_task(self, fn: Callable[[], Awaitable[None]]) -> None:
         """Run ``fn`` in the host's nursery (it must not raise)."""
 
@@ -196,6 +200,7 @@ class SessionPort:
         "children",
         "closed",
         "directory",
+        "held",
         "hooks",
         "id",
         "idle",
@@ -259,6 +264,10 @@ class SessionPort:
         """Set when the running supervisor ends; exists only while busy."""
         self.parked_task: Parked | None = None
         """The open task's run options while it waits for people with no supervisor."""
+        self.held = False
+        """The open task stopped at a turn boundary because the host drains (R-DRAIN-1):
+        its run options are kept as a parked task's are, a message wakes it, and closing
+        the session leaves it open in its trace for the next host."""
         self.lost_approve: Approval = PEOPLE
         """How the calls of an open task its host lost are decided once it is taken up:
         its own callback went with the process (``Host.resume(approve=…)`` sets it)."""
@@ -374,7 +383,7 @@ class SessionPort:
         work."""
         if self.send(message):
             return True
-        if not self.parked or self.closed:
+        if not (self.parked or self.held) or self.closed:
             return False
         self._host.wake(self, message)
         return True
@@ -384,7 +393,7 @@ class SessionPort:
         is over: recovered as interrupted (R-TRACE-4), as a new task starts."""
         machine = self.machine
         run_id = machine.run_id
-        if self.inbox is None and run_id is not None and not self.parked:
+        if self.inbox is None and run_id is not None and not (self.parked or self.held):
             self.transcript.recover(session_id=self.id, run_id=run_id)
             machine.recover()
 

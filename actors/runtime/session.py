@@ -276,8 +276,6 @@ class RunStream:
         await self.aclose()
 
 
-
-
 class Session:
     """A conversation: model, workspace, tools, approval rules, history and trace.
 
@@ -424,6 +422,15 @@ class Session:
         if not self._host_open():
             raise HostClosed("the host is closed")
 
+    def _check_takes_tasks(self) -> None:
+        """:meth:`check_open`, and :class:`HostClosed` while the host drains (R-DRAIN-1)."""
+        self.check_open()
+        if self._port.host.draining:
+            raise HostClosed(
+                "the host is shutting down (draining): run the task again once it is back, "
+                "or on another host"
+            )
+
     def _start(
         self, task: TaskInput | None, cancel: trio.Event | None
     ) -> tuple[trio.MemoryReceiveChannel[list[Output]], str]:
@@ -462,7 +469,7 @@ class Session:
         the text ``[image refused: <path>: <reason>]``.
         """
         require_trio()
-        self.check_open()
+        self._check_takes_tasks()
         locked = self.auth_locked
         if locked is not None:
             raise AuthLocked(
@@ -512,9 +519,7 @@ class Session:
         :class:`ImageRefused` when it is not base64, empty, over the limit or not of an
         ``image/`` type."""
         self.check_open()
-        return await trio.to_thread.run_sync(
-            accept_data, data, media_type, self._port.attachments
-        )
+        return await trio.to_thread.run_sync(accept_data, data, media_type, self._port.attachments)
 
     def steer(self, messages: Sequence[UserContent] | str) -> bool:
         """Queue user input for the running task without interrupting it (R-STEER-1).
@@ -529,7 +534,10 @@ class Session:
         thinking_level: str | None = None,
     ) -> bool:
         """Queue a whole new task to run after the current one, FIFO (R-STEER-6). Its
-        outputs continue the running ``RunStream``. Returns False when idle."""
+        outputs continue the running ``RunStream``. Returns False when idle; raises
+        :class:`HostClosed` while the host drains (a queued task would be lost with it)."""
+        if self._port.host.draining:
+            self._check_takes_tasks()
         task = TaskInput(
             content=_as_content(messages), approve=approve, thinking_level=thinking_level
         )
@@ -583,7 +591,7 @@ class Session:
         ``compaction_end`` output; None when :meth:`compactability` is not ``ok``. Its
         outputs also reach subscribers and the trace. Raises :class:`Busy` while a task
         or another compaction runs (R-COMPACT-11)."""
-        self.check_open()
+        self._check_takes_tasks()
         if self.busy:
             raise Busy(f"session {self.id} is busy; compact when the task has ended")
         if self.compactability() != "ok":
@@ -669,7 +677,7 @@ class Session:
         (parked) is not interrupted: its request stays pending in the trace, asked again
         when the session is loaded (R-HITL-1)."""
         port = self._port
-        if not port.parked:
+        if not (port.parked or port.held):
             # A closing host closes every node on its own (a parked one stays pending);
             # closing one session ends its whole subtree with it.
             self.interrupt("session closed", scope="tree" if self._host_open() else "node")

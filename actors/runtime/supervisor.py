@@ -152,7 +152,7 @@ class SessionSupervisor:
                 await self._loop()
             finally:
                 self._make_idle()
-                self._pass_on_leftovers()
+                _pass_on_leftovers(self._port, self._inbox)
                 with trio.CancelScope(shield=True):
                     if self._task is not None:
                         await self._task.stop_work()
@@ -223,8 +223,12 @@ class SessionSupervisor:
             case Compact(reason=reason):
                 self._running().start_compaction(reason)
             case BeginTurn(turn=turn, steering=steering):
+                if self._port.host.draining:
+                    return await self._hold(steering)
                 await self._begin_turn(turn, steering)
             case BeginAttempt(attempt=attempt, delay_ms=delay_ms):
+                if self._port.host.draining:
+                    return await self._hold(())
                 self._running().begin_attempt(attempt, delay_ms)
             case CallHook():
                 self._running().call_hook(step)
@@ -338,8 +342,12 @@ class SessionSupervisor:
         # R-TRACE-3: the input is a fact of the session before the task starts: durable
         # before task_start exists.
         prompt = self._out.emit(
-            UserMsg(session_id=port.id, run_id=task.run_id, kind="prompt",
-                    content=repaired_blocks(content))
+            UserMsg(
+                session_id=port.id,
+                run_id=task.run_id,
+                kind="prompt",
+                content=repaired_blocks(content),
+            )
         )
         await self._sync()
         self._out.emit(TaskStart(session_id=port.id, run_id=task.run_id, input_seq=prompt.seq))
@@ -351,16 +359,46 @@ class SessionSupervisor:
         await task.open(self._nursery, self.inbox, run_child)
 
     async def _begin_turn(self, turn: int, steering: tuple[UserContent, ...]) -> None:
-        if steering:
-            # R-SEC-8: images not attached yet are read now; a refused one becomes a line
-            # saying so, and the steering's words still count.
-            read = await self._serving(
-                lambda: attach(steering, self._port.attachments, fold=True)
+        attached = await self._attached(steering)
+        if attached is not None:
+            self._running().begin_turn(turn, attached)
+
+    async def _attached(self, steering: tuple[UserContent, ...]) -> tuple[UserContent, ...] | None:
+        """``steering`` with its images attached; None when interrupted meanwhile (the
+        task ends at the next step)."""
+        if not steering:
+            return steering
+        # R-SEC-8: images not attached yet are read now; a refused one becomes a line
+        # saying so, and the steering's words still count.
+        read = await self._serving(lambda: attach(steering, self._port.attachments, fold=True))
+        return None if read is None else read[0]
+
+    async def _hold(self, steering: tuple[UserContent, ...]) -> bool:
+        """The host drains (R-DRAIN-1): the task stops at this boundary instead of sending
+        its next request, open in its trace with the steering the turn took recorded, and
+        holds nothing — like a parked task, a message wakes it. The next host (or this
+        one, woken) takes it up with nothing lost and nothing re-run. False when an
+        interrupt came meanwhile (the task ends at the next step)."""
+        attached = await self._attached(steering)
+        machine, port = self._machine, self._port
+        if attached is None:
+            return False
+        machine.hold()
+        if attached:
+            self._out.emit(
+                UserMsg(
+                    session_id=port.id,
+                    run_id=machine.run_id or "",
+                    kind="steering",
+                    content=attached,
+                )
             )
-            if read is None:
-                return  # interrupted meanwhile: the task ends at the next step
-            steering = read[0]
-        self._running().begin_turn(turn, steering)
+        await self._sync()
+        task, self._task = self._running(), None
+        port.parked_task = await task.park(self._output, self._cancel_event)
+        port.held = True
+        self._parked = True
+        return True
 
     async def _end_task(
         self, status: TaskStatus, message: str | None, *, crashed: bool = False
@@ -403,27 +441,6 @@ class SessionSupervisor:
         self._make_idle()
         return True
 
-    def _pass_on_leftovers(self) -> None:
-        """Messages that came after the last look at the inbox (while a task parked, say)
-        reach the session's next supervisor; an answer nobody can take any more is
-        refused, so that no one waits for it."""
-        port = self._port
-        while True:
-            try:
-                message = self._inbox.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel):
-                return
-            if port.deliver(message):
-                continue
-            if isinstance(message, SubagentFinished):
-                tell(port, message)  # the session is idle now: a follow-up of its own
-                continue
-            if isinstance(message, PersonAnswered) and message.reply is not None:
-                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                    message.reply.send_nowait(
-                        f"session {port.id} has no task waiting for an answer"
-                    )
-
     def _make_idle(self) -> None:
         port = self._port
         if port.inbox is self.inbox:
@@ -464,6 +481,7 @@ class SessionSupervisor:
         """Take up the session's open task: woken from parking, or loaded after its host
         stopped (R-HITL-4; :mod:`greenroom.actors.runtime.resumption`)."""
         port, machine = self._port, self._machine
+        port.held = False
         input_, parked = parked_or_lost(port)
         started = parked.started_at if parked is not None else trio.current_time()
         task = self._task = RunningTask(
@@ -558,6 +576,27 @@ def start(
     port.idle = trio.Event()
     port.host.start_task(supervisor.run)
     return supervisor.inbox
+
+
+def _pass_on_leftovers(
+    port: SessionPort, inbox: trio.MemoryReceiveChannel[SupervisorMessage]
+) -> None:
+    """Messages that came after the last look at the inbox (while a task parked, say)
+    reach the session's next supervisor; an answer nobody can take any more is
+    refused, so that no one waits for it."""
+    while True:
+        try:
+            message = inbox.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel):
+            return
+        if port.deliver(message):
+            continue
+        if isinstance(message, SubagentFinished):
+            tell(port, message)  # the session is idle now: a follow-up of its own
+            continue
+        if isinstance(message, PersonAnswered) and message.reply is not None:
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                message.reply.send_nowait(f"session {port.id} has no task waiting for an answer")
 
 
 def wake(port: SessionPort, message: SupervisorMessage | None) -> None:

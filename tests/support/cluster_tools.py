@@ -3,7 +3,8 @@
 ``side_effect`` reports each start by connecting to the unix socket named by
 ``GREENROOM_TEST_EFFECTS`` and sending its note (the test counts the starts), then waits
 until its host is killed, stopped or interrupts it: the call is in flight when the host is
-lost. ``side_effect_once`` reports its start the same way and returns.
+lost. ``side_effect_once`` reports its start the same way and returns; ``gated`` reports its
+start and returns once the test answers on its connection.
 """
 
 from __future__ import annotations
@@ -38,5 +39,21 @@ async def side_effect_once(note: str) -> str:
     # Reported as side_effect is; it returns, so its task can end on the host it runs on.
     stream = await trio.open_unix_socket(os.environ["GREENROOM_TEST_EFFECTS"])
     await stream.send_all(f"{note}\n".encode())
+    await stream.aclose()
+    return f"done: {note}"
+
+
+@tool(side_effects=True)
+async def gated(note: str) -> str:
+    """Do something that must not happen twice, once allowed to finish.
+
+    Args:
+        note: what to do.
+    """
+    # Reported as side_effect is; then it waits for the test to say "go" on the same
+    # connection: the call is in flight until the test lets it end.
+    stream = await trio.open_unix_socket(os.environ["GREENROOM_TEST_EFFECTS"])
+    await stream.send_all(f"{note}\n".encode())
+    await stream.receive_some()
     await stream.aclose()
     return f"done: {note}"

@@ -1,0 +1,103 @@
+"""Draining a host before it stops (R-DRAIN-1), with the scripted model: running tasks go
+on until their next turn boundary — the call in flight finishes, no next request is sent —
+and stop there open in their traces, steering given meanwhile recorded; users get no new
+task; the next host takes each held task up with nothing re-run, nothing lost, no
+host-lost note and no request wasted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+from conftest import RUN_TIMEOUT_S, allow_all, open_host, trace_lines
+
+from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
+from greenroom.actors.runtime.errors import HostClosed
+from greenroom.protocols import markers
+from greenroom.protocols.context import ModelRequest, UserMessage
+from greenroom.protocols.tools import make_tool
+
+
+class SlowTool:
+    """``slow(x)``: runs until the test releases it, and records each run."""
+
+    def __init__(self) -> None:
+        self.started = trio.Event()
+        self.release = trio.Event()
+        self.ran: list[int] = []
+
+        async def slow(x: int) -> str:
+            """Work slowly on x."""
+            self.started.set()
+            await self.release.wait()
+            self.ran.append(x)
+            return f"worked on {x}"
+
+        self.tool = make_tool(slow, parallel=False)
+
+
+def _said(request: ModelRequest) -> str:
+    last = request.messages[-1]
+    return str(last.content) if isinstance(last, UserMessage) else ""
+
+
+async def test_a_drained_task_stops_at_its_turn_boundary_and_the_next_host_finishes_it(
+    data_dir: Path, workspace: Path
+) -> None:
+    slow = SlowTool()
+    first = ScriptedProvider([Reply(blocks=(text("Working."), tool_call("c1", "slow", x=1)))])
+    async with open_host(data_dir) as host:
+        session = await host.create_session(
+            provider=first, tools=[slow.tool], workspace_dir=workspace
+        )
+        session.run("work on 1", approve=allow_all)
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await slow.started.wait()
+            async with trio.open_nursery() as nursery:
+                held: list[str] = []
+
+                async def drain() -> None:
+                    held.extend(await host.drain(grace_s=RUN_TIMEOUT_S))
+
+                nursery.start_soon(drain)
+                await trio.testing.wait_all_tasks_blocked()
+                assert host.draining
+                with pytest.raises(HostClosed, match="draining"):
+                    session.run("something new")
+                assert session.steer("and mind the edges")
+                slow.release.set()
+        assert held == [session.id]
+        assert len(first.requests) == 1  # the boundary sent no request
+        assert slow.ran == [1]
+        sid = session.id
+
+    again = ScriptedProvider([Reply(blocks=(text("Done, edges minded."),))])
+    async with open_host(data_dir) as host:
+        session = await host.resume(sid, provider=again, tools=[slow.tool])
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await session.wait_idle()
+        lines = trace_lines(session)
+    assert slow.ran == [1]  # not run again
+    types = [line["type"] for line in lines]
+    assert types.count("task_start") == 1 and types.count("task_end") == 1
+    assert lines[-1]["status"] == "completed"
+    steering = [line for line in lines if line["type"] == "user_msg" and line["kind"] == "steering"]
+    assert [s["content"][0]["text"] for s in steering] == ["and mind the edges"]
+    assert not any(markers.HOST_LOST_CONTINUATION in str(line) for line in lines)
+    (request,) = again.requests
+    assert "and mind the edges" in _said(request) and "worked on 1" in str(request.messages)
+
+
+async def test_a_drain_leaves_idle_and_parked_sessions_as_they_are(
+    data_dir: Path, workspace: Path
+) -> None:
+    """Nothing to hold: a drain of a host with only idle sessions returns at once."""
+    async with open_host(data_dir) as host:
+        session = await host.create_session(
+            provider=ScriptedProvider([Reply(blocks=(text("Hi."),))]), workspace_dir=workspace
+        )
+        await session.run("hello", approve=allow_all).result()
+        with trio.fail_after(RUN_TIMEOUT_S):
+            assert await host.drain(grace_s=RUN_TIMEOUT_S) == []
