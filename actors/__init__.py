@@ -6,6 +6,7 @@ examples) are built with :mod:`greenroom.actors.scripted`.
 """
 
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, ScriptedStream
+from greenroom.actors.runtime.admission import ProviderLimits
 from greenroom.actors.runtime.errors import (
     AuthLocked,
     Busy,
@@ -27,6 +28,7 @@ __all__ = [
     "Host",
     "HostClosed",
     "ImageRefused",
+    "ProviderLimits",
     "Reply",
     "RunResult",
     "RunStream",

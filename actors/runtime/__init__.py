@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from greenroom.actors.runtime.admission import ProviderLimits
     from greenroom.actors.runtime.disk import Disk
     from greenroom.actors.runtime.errors import (
         AuthLocked,
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
 # Loaded on first use: the modules import each other, and importing the package must
 # not import them all (nor pay for the ones a program never uses).
 _MODULE_OF = {
+    "ProviderLimits": "greenroom.actors.runtime.admission",
     "Approval": "greenroom.actors.runtime.port",
     "ApproveFn": "greenroom.actors.runtime.port",
     "SessionPort": "greenroom.actors.runtime.port",
@@ -102,6 +104,7 @@ __all__ = [
     "ImageRefused",
     "ModelProvider",
     "NotPending",
+    "ProviderLimits",
     "RunResult",
     "RunStream",
     "Session",
