@@ -36,6 +36,7 @@ import attrs
 import trio
 
 from greenroom.actors.providers.registry import default_model, provider_for, require_credentials
+from greenroom.actors.runtime.admission import ProviderLimits
 from greenroom.actors.runtime.child_index import ChildIndex
 from greenroom.actors.runtime.errors import ConfigurationError, HostClosed, SessionNotFound
 from greenroom.actors.runtime.gc_tuning import tuned_gc
@@ -130,6 +131,7 @@ class Host:
         store: TraceStore,
         observers: Iterable[SessionObserver] = (),
         tools: Iterable[Tool] = (),
+        limits: ProviderLimits | None = None,
     ) -> None:
         self.data_dir = data_dir
         self._observers = tuple(observers)
@@ -142,7 +144,7 @@ class Host:
         self._sessions: dict[str, Session] = {}
         self._ports: dict[str, SessionPort] = {}
         self._children = ChildIndex(store.catalog, self.load_session)
-        self._builder = PortBuilder(self, data_dir, store, nursery.start_soon)
+        self._builder = PortBuilder(self, data_dir, store, nursery.start_soon, limits)
         self._closed = False
         self._people = People(self._ports.get)
         self._open_tasks = OpenTaskIndex(store)
@@ -159,6 +161,7 @@ class Host:
         gc_tuning: bool = False,
         resume_tasks: bool = False,
         tools: Iterable[Tool] = (),
+        limits: ProviderLimits | None = None,
     ) -> AsyncIterator[Host]:
         """Start the host's actor tree; on exit close every session (interrupting running
         tasks and waiting for their last records; a task that waits only for people stays
@@ -182,11 +185,15 @@ class Host:
         restored on exit): less CPU per streamed event for a host serving many sessions,
         cyclic garbage kept a little longer. Off by default.
 
+        ``limits`` (:class:`~greenroom.actors.runtime.admission.ProviderLimits`) hold for
+        each provider endpoint across every session of the host (R-SHARE-1); limits the
+        provider makes known (a 429 or 529 with ``retry-after``) hold without them.
+
         Raises ``RuntimeError`` when entered outside trio (under ``asyncio.run``, say)."""
         require_trio()
         path = await trio.to_thread.run_sync(_prepare_data_dir, data_dir)
         with tuned_gc(gc_tuning):
-            async with _host_tree(cls, path, observers, trace_store, tools) as host:
+            async with _host_tree(cls, path, observers, trace_store, tools, limits) as host:
                 if resume_tasks:
                     await host.resume_tasks()
                 yield host
@@ -207,6 +214,7 @@ class Host:
         parent_id: str | None = None,
         mcp_servers: Mapping[str, Any] | None = None,
         name: str | None = None,
+        principal: str | None = None,
         **overrides: Any,
     ) -> Session:
         """Create a session. ``provider`` is ``anthropic``, ``openai``, ``scripted`` or a
@@ -217,6 +225,8 @@ class Host:
         root, R-TREE-1) and ``name`` (a subagent's). ``mcp_servers`` adds the tools of MCP servers
         (``{"NAME": {"command": …} | {"type": "http", "url": …}}``, as in an
         ``mcpServers`` file: R-MCP-1); a bad entry raises :class:`ConfigurationError`.
+        ``principal`` is who its model requests are admitted for, in turn with other
+        principals (R-SHARE-2; a subagent takes its parent's; default: none).
 
         The workspace is fixed now (R-SEC-7): ``workspace_dir`` must name a directory
         (``~`` expanded, symlinks followed) that neither is nor lies inside the host's
@@ -246,6 +256,7 @@ class Host:
             name=name,
             hooks=hooks,
             mcp_servers=mcp_servers,
+            principal=principal,
         )
         session = self._add(port)
         self._children.created(sid, parent_id)
@@ -266,12 +277,14 @@ class Host:
         tools: Iterable[Tool] | None = None,
         provider: str | ModelProvider | None = None,
         mcp_servers: Mapping[str, Any] | None = None,
+        principal: str | None = None,
         **overrides: Any,
     ) -> Session:
         """Load a stored session: its model context is rebuilt from the latest trace file
         (unresolved calls interrupted, carry-over from the last abort: R-TRACE-4). Corrupt
-        trace lines are skipped and listed in ``session.load_errors``. ``mcp_servers`` as
-        for :meth:`create_session`; ``tools`` default to the host's (``Host.open(tools=…)``).
+        trace lines are skipped and listed in ``session.load_errors``. ``mcp_servers`` and
+        ``principal`` as for :meth:`create_session` (an open session keeps its own);
+        ``tools`` default to the host's (``Host.open(tools=…)``).
 
         A task the trace leaves open (its host stopped mid-task) stays open: a task that
         waits only for people is parked and answered like any (R-HITL-1); another is taken
@@ -286,6 +299,7 @@ class Host:
             provider=provider,
             mcp_servers=mcp_servers,
             overrides=overrides,
+            principal=principal,
         )
         session = self._add(port)
         self._observe(session)
@@ -529,13 +543,14 @@ async def _host_tree(
     observers: Iterable[SessionObserver],
     trace_store: TraceStoreFactory | None,
     tools: Iterable[Tool],
+    limits: ProviderLimits | None,
 ) -> AsyncIterator[Host]:
     """The host's actor tree while it is open: its nursery, its store and its people's
     clock; on exit every session is closed and the store flushed (``Host.open``)."""
     async with trio.open_nursery() as nursery:
         store = (trace_store or FileTraceStore)(path)
         await nursery.start(store.run)
-        host = cls(path, nursery, store, observers, tools)
+        host = cls(path, nursery, store, observers, tools, limits)
         await nursery.start(host.serve_people)
         try:
             yield host

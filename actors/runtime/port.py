@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import attrs
 import trio
 
+from greenroom.actors.runtime.admission import EndpointAdmission, Requester
 from greenroom.actors.runtime.attachments import Attachments
 from greenroom.actors.runtime.storage import ATTACHMENTS_DIR
 from greenroom.actors.runtime.trace_sink import TraceSinkClosed, TraceWriteError
@@ -186,6 +187,7 @@ class SessionPort:
         "_seq",
         "_tool_schemas",
         "_tools",
+        "admission",
         "children",
         "closed",
         "directory",
@@ -198,6 +200,7 @@ class SessionPort:
         "machine",
         "parent_id",
         "parked_task",
+        "principal",
         "provider",
         "settings",
         "transcript",
@@ -221,6 +224,8 @@ class SessionPort:
         parent_id: str | None = None,
         workspace_identity: WorkspaceIdentity | None = None,
         origin: tuple[str, ...] | None = None,
+        admission: EndpointAdmission | None = None,
+        principal: str = "",
     ) -> None:
         self.id = session_id
         self.parent_id = parent_id
@@ -233,6 +238,13 @@ class SessionPort:
         tools work only there. None only for a session built by hand."""
         self.provider = provider
         """The model provider adapter this session's requests go through."""
+        self.admission = admission or EndpointAdmission()
+        """The admission point of the provider's endpoint, shared with every session of
+        the host that uses it (R-SHARE-1); a port built by hand has one of its own."""
+        self.principal = principal
+        """Who the session's requests are admitted for, in turn with other principals
+        (R-SHARE-2): the gateway client that owns it, its root's for a subagent; "" for
+        none."""
         self.transcript = transcript
         """The model context, a pure function of the traced outputs (the emitter feeds it)."""
         self.machine = machine or TaskMachine()
@@ -296,6 +308,10 @@ class SessionPort:
     def root_id(self) -> str:
         """The id of the root of this session's tree (its own for a root: R-TREE-1)."""
         return self.origin_path[0]
+
+    def requester(self) -> Requester:
+        """The session's place at its endpoint's admission (for its LLM streamers)."""
+        return Requester(self.admission, self.principal, self.id)
 
     def set_origin_path(self, path: tuple[str, ...]) -> None:
         """Make this session a subagent whose outputs carry ``origin`` = ``path``."""

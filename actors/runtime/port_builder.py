@@ -1,8 +1,9 @@
 """How a host makes the runtime seam of a session it creates or loads
 (:class:`~greenroom.actors.runtime.port.SessionPort`): its provider client, its fixed
 workspace (R-SEC-7), its shared tool table, its ``session.json`` (new) or rebuilt
-transcript and task state (stored), and its MCP servers. It owns what sessions share for
-this: the provider clients, the shared tables and the MCP connections."""
+transcript and task state (stored), its MCP servers, and its place at its provider
+endpoint's admission (R-SHARE-1). It owns what sessions share for this: the provider
+clients and their admission points, the shared tables and the MCP connections."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
+from greenroom.actors.runtime.admission import ProviderAdmissions, ProviderLimits
 from greenroom.actors.runtime.errors import ConfigurationError, SessionNotFound
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.mcp_servers import McpServers
@@ -47,7 +49,7 @@ __all__ = ["PortBuilder"]
 class PortBuilder:
     """Makes the ports of one host's sessions; see the module docstring."""
 
-    __slots__ = ("_data_dir", "_host", "_shared", "_store", "clients", "mcp")
+    __slots__ = ("_data_dir", "_host", "_shared", "_store", "admissions", "clients", "mcp")
 
     def __init__(
         self,
@@ -55,12 +57,15 @@ class PortBuilder:
         data_dir: Path,
         store: TraceStore,
         start_soon: Callable[..., Any],
+        limits: ProviderLimits | None = None,
     ) -> None:
         self._host = host
         self._data_dir = data_dir
         self._store = store
         self.clients = ProviderClients()
         """The host's provider clients, one per provider and endpoint."""
+        self.admissions = ProviderAdmissions(limits)
+        """The admission point of each provider client, under the host's limits."""
         self._shared = SharedTables()
         self.mcp = McpServers(data_dir / "mcp", start_soon)
         """The MCP server connections of the host's sessions."""
@@ -78,10 +83,12 @@ class PortBuilder:
         name: str | None,
         hooks: Hooks | None,
         mcp_servers: Mapping[str, Any] | None,
+        principal: str | None = None,
     ) -> SessionPort:
         """A new session's port, its ``session.json`` written and its trace started (see
         :meth:`Host.create_session <greenroom.actors.runtime.host.Host.create_session>`
-        for what each argument means and what raises)."""
+        for what each argument means and what raises). A subagent's requests are admitted
+        for its parent's principal."""
         mcp_configs = _mcp_configs(mcp_servers)
         model_provider = provider or await self.clients.get(settings)
         identity = self._shared.identity(
@@ -103,6 +110,8 @@ class PortBuilder:
             parent_id=parent_id,
             workspace_identity=identity,
             origin=origin,
+            admission=self.admissions.of(model_provider),
+            principal=principal or (parent.principal if parent is not None else ""),
         )
         if hooks is not None:
             port.hooks = hooks
@@ -118,6 +127,7 @@ class PortBuilder:
         provider: str | ModelProvider | None,
         mcp_servers: Mapping[str, Any] | None,
         overrides: dict[str, Any],
+        principal: str | None = None,
     ) -> SessionPort:
         """A stored session's port: settings from its ``session.json`` (``overrides``
         applied), transcript and task state folded from its latest trace file (see
@@ -149,6 +159,8 @@ class PortBuilder:
             parent_id=meta.get("parent_id"),
             workspace_identity=identity,
             origin=_stored_origin(meta, session_id),
+            admission=self.admissions.of(model_provider),
+            principal=principal or "",
         )
         port.load_errors = list(loaded.errors)
         if mcp_configs:
