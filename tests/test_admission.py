@@ -358,3 +358,19 @@ def test_limits_are_whole_numbers_of_at_least_one(value: object) -> None:
     with pytest.raises(ConfigurationError, match="max_concurrent_requests must be a whole"):
         ProviderLimits(max_concurrent_requests=value)  # type: ignore[arg-type]
     assert ProviderLimits(requests_per_minute=None).requests_per_minute is None
+
+
+async def test_an_exhausted_quota_teaches_the_endpoint_nothing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A 429 that says the quota is exhausted (permanent: no wait cures it) neither pauses
+    the endpoint nor narrows its window."""
+    admission = EndpointAdmission()
+    permits = [await admission.admit("", f"s{n}") for n in range(3)]
+    quota = ModelError(kind="failed", message="quota exhausted", status_code=429,
+                       retry_after_s=30.0, permanent=True)
+    permits[0].observe([StreamFailed(error=quota)])
+    assert admission.rate_limit_answers == 0
+    assert admission.window == INITIAL_WINDOW and admission.pause_remaining() == 0.0
+    for permit in permits:
+        permit.release()

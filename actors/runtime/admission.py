@@ -273,7 +273,8 @@ class RequestPermit:
         """The request failed with ``error``: a rate-limit answer teaches the endpoint; a
         request refused before it was read counts no tokens. Returns ``error``, with the
         endpoint's pause as its wait when that is longer."""
-        if error.status_code in RATE_LIMIT_STATUSES:
+        # An exhausted quota comes as a 429 too, but no wait cures it: it teaches nothing.
+        if error.status_code in RATE_LIMIT_STATUSES and not error.permanent:
             self.rate_limited(error.retry_after_s)
         if not self.is_accepted:
             self._admission.settle(self, 0, 0)
