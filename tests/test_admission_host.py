@@ -214,3 +214,23 @@ async def test_subagents_are_admitted_for_their_parent_s_principal(tmp_path: Pat
         assert child.admission is port.admission is host.port(alone.id).admission
         requester = child.requester()
         assert (requester.principal, requester.session_id) == ("alice", child.id)
+
+
+async def test_the_gateway_admits_a_session_s_requests_for_the_client_that_owns_it(
+    tmp_path: Path,
+) -> None:
+    """R-SHARE-2: sessions created through the gateway are their client's (principal)
+    for admission; one the gateway loads again is the loading client's."""
+    from test_gateway import BOUND_S, connect, serving
+
+    alice_token, bob_token = "alice-token-0123456789", "bob-token-0123456789ab"
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, tokens={"alice": alice_token, "bob": bob_token}) as server:
+            async with connect(server, token=alice_token) as alice:
+                sid_alice = (await alice.result("session.create"))["session_id"]
+            async with connect(server, token=bob_token) as bob:
+                sid_bob = (await bob.result("session.create"))["session_id"]
+                await server.host.close_session(sid_bob)
+                await bob.result("session.subscribe", {"session_id": sid_bob})
+            assert server.host.port(sid_alice).principal == "alice"
+            assert server.host.port(sid_bob).principal == "bob"

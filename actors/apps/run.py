@@ -47,6 +47,7 @@ from greenroom.actors.runtime import (
     ConfigurationError,
     GreenroomError,
     Host,
+    ProviderLimits,
     Session,
     SessionNotFound,
     SessionObserver,
@@ -103,6 +104,7 @@ class RunOptions:
     sandbox: str | None = None
     shell_network: bool | None = None
     observers: tuple[SessionObserver, ...] = ()
+    provider_limits: ProviderLimits | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -158,7 +160,18 @@ def run_options(args: argparse.Namespace, prompt: str) -> RunOptions:
         sandbox=args.sandbox,
         shell_network=args.shell_network,
         observers=getattr(args, "observers", ()),
+        provider_limits=provider_limits(args),
     )
+
+
+def provider_limits(args: argparse.Namespace) -> ProviderLimits | None:
+    """The limits of ``--max-concurrent-requests`` and ``--requests-per-minute`` (``run``,
+    ``serve``); None when neither is given (or the command has neither)."""
+    concurrent = getattr(args, "max_concurrent_requests", None)
+    per_minute = getattr(args, "requests_per_minute", None)
+    if concurrent is None and per_minute is None:
+        return None
+    return ProviderLimits(max_concurrent_requests=concurrent, requests_per_minute=per_minute)
 
 
 def mcp_servers(paths: Sequence[str]) -> Mapping[str, Any]:
@@ -396,7 +409,9 @@ async def open_reported_session(host: Host, options: RunOptions) -> Session | No
 
 
 async def _run_task(options: RunOptions, out: TextIO) -> RunResult:
-    async with Host.open(data_dir=options.data_dir, observers=options.observers) as host:
+    async with Host.open(
+        data_dir=options.data_dir, observers=options.observers, limits=options.provider_limits
+    ) as host:
         session = await open_reported_session(host, options)
         if session is None:
             return RunResult(exit_code=EXIT_USAGE, session_id=options.session_id)

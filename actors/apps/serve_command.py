@@ -18,6 +18,7 @@ from greenroom.actors.apps.run import (
     mcp_servers,
     prepare_options,
     provider_for,
+    provider_limits,
     stdout_for_renderer,
 )
 from greenroom.actors.providers import (
@@ -68,6 +69,7 @@ def serve_command(args: argparse.Namespace) -> int:
             max_connections_per_principal=args.max_connections_per_principal,
             max_sessions_per_principal=args.max_sessions_per_principal,
         ),
+        "provider_limits": provider_limits(args),
         "console_port": console_port(args),
         "observers": args.observers,
         "ready": lambda _port: print_error(defaults_line),

@@ -58,6 +58,7 @@ from greenroom.actors.cluster.router import ClusterRouter, OwnerDesk
 from greenroom.actors.cluster.routing import SessionRequests
 from greenroom.actors.cluster.store import ReplicatingTraceStore
 from greenroom.actors.cluster.traces import TraceRead, TraceStream, TraceWriter
+from greenroom.actors.runtime.admission import ProviderLimits
 from greenroom.actors.runtime.errors import ConfigurationError
 from greenroom.actors.runtime.host import Host, SessionObserver
 from greenroom.actors.runtime.llm_streamer import ModelProvider
@@ -559,11 +560,12 @@ async def open_cluster_host(
     approve: Approval = PEOPLE,
     provider: Callable[[], ModelProvider] | None = None,
     on_node: Callable[[ClusterNode], None] | None = None,
+    limits: ProviderLimits | None = None,
 ) -> AsyncIterator[Host]:
     """A :class:`Host` on ``data_dir`` that is one host of the cluster at ``config.url``.
     Raises :class:`ClusterUnavailable` when NATS cannot be reached. On exit the host closes
     as in single-host mode (its last records reach the cluster's trace) and its leases are
-    released."""
+    released. ``limits``: the host's ``Host.open(limits=…)`` (this host's requests only)."""
     conn = await connect(
         bridge,
         config.url,
@@ -577,7 +579,10 @@ async def open_cluster_host(
         async with trio.open_nursery() as streams:
             async with (
                 Host.open(
-                    data_dir, observers=(*observers, node.observe), trace_store=node.make_store
+                    data_dir,
+                    observers=(*observers, node.observe),
+                    trace_store=node.make_store,
+                    limits=limits,
                 ) as host,
                 trio.open_nursery() as nursery,
             ):

@@ -19,6 +19,7 @@ from greenroom.actors.cluster.bridge import Bridge, run
 from greenroom.actors.cluster.node import ClusterConfig, ClusterNode, open_cluster_host
 from greenroom.actors.gateway.config import approve_for
 from greenroom.actors.gateway.server import Gateway
+from greenroom.actors.runtime.admission import ProviderLimits
 from greenroom.actors.runtime.host import Host, SessionObserver
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.port import Approval
@@ -39,12 +40,14 @@ def serve_in_cluster(
     tools: Iterable[Tool],
     approve: Approval,
     provider: Callable[[], ModelProvider] | None = None,
+    provider_limits: ProviderLimits | None = None,
     **serve_kwargs: Any,
 ) -> None:
     """Run ``serve(open_host=…, **serve_kwargs)`` (the gateway's ``run_serve``) on a host
     of the cluster ``config`` names; sessions taken over get ``tools`` and a provider from
-    ``provider()`` (else the one their settings name). Raises ClusterUnavailable when NATS
-    is unreachable."""
+    ``provider()`` (else the one their settings name). ``provider_limits`` hold for this
+    host's requests to each endpoint (not yet for the cluster's together). Raises
+    ClusterUnavailable when NATS is unreachable."""
     tool_list = tuple(tools)
 
     async def main(bridge: Bridge) -> None:
@@ -62,6 +65,7 @@ def serve_in_cluster(
                 approve=approve,
                 provider=provider,
                 on_node=nodes.append,
+                limits=provider_limits,
             )
 
         def on_gateway(gateway: Gateway) -> None:

@@ -208,6 +208,8 @@ class Methods:
                 tools=self.defaults.tools,
                 provider=self._provider(),
                 mcp_servers=self.defaults.mcp_servers,
+                # Its requests are admitted in turn as this client's (R-SHARE-2).
+                principal=_identity(connection),
             )
         await self._hubs.adopt(session)
         return session
@@ -349,6 +351,7 @@ class Methods:
         settings_model = overrides.pop("model", None)
         model = model or settings_model or defaults.model
         system = overrides.pop("system", None) or defaults.system
+        principal = _identity(connection)
         session = await self.host.create_session(
             model=model,
             tools=defaults.tools,
@@ -356,9 +359,9 @@ class Methods:
             provider=self._provider(),
             system=system,
             mcp_servers=defaults.mcp_servers,
+            principal=principal,
             **overrides,
         )
-        principal = _identity(connection)
         self._grants.grant(principal, session.id)
         try:
             await trio.to_thread.run_sync(store_owner, session.directory, principal)

@@ -81,6 +81,7 @@ from greenroom.actors.gateway.console import ConsoleServer, display_host, url_ho
 from greenroom.actors.gateway.hubs import Hubs
 from greenroom.actors.gateway.methods import DETACHED, Methods, Router
 from greenroom.actors.gateway.titles import Titles
+from greenroom.actors.runtime.admission import ProviderLimits
 from greenroom.actors.runtime.errors import ConfigurationError
 from greenroom.actors.runtime.host import Host, SessionObserver, default_data_dir
 from greenroom.actors.runtime.storage import SessionStore
@@ -457,12 +458,15 @@ HostOpener = Callable[[Path, Iterable[SessionObserver]], AbstractAsyncContextMan
 
 
 def _local_host_opener(
-    gc_tuning: bool, tools: Iterable[Tool], approve: ApproveMode
+    gc_tuning: bool,
+    tools: Iterable[Tool],
+    approve: ApproveMode,
+    provider_limits: ProviderLimits | None = None,
 ) -> HostOpener:
     """The host of a single ``serve``: it takes up the tasks its last run left open (a
-    crash, a SIGKILL: R-HITL-4), their further calls decided as ``--approve`` says, and
-    gives the sessions it loads on its own the tools the gateway gives the sessions it
-    creates."""
+    crash, a SIGKILL: R-HITL-4), their further calls decided as ``--approve`` says, gives
+    the sessions it loads on its own the tools the gateway gives the sessions it creates,
+    and holds every provider endpoint to ``provider_limits`` (R-SHARE-1)."""
     tool_list = tuple(tools)
 
     @asynccontextmanager
@@ -470,7 +474,11 @@ def _local_host_opener(
         data_dir: Path, observers: Iterable[SessionObserver]
     ) -> AsyncIterator[Host]:
         async with Host.open(
-            data_dir, observers=observers, gc_tuning=gc_tuning, tools=tool_list
+            data_dir,
+            observers=observers,
+            gc_tuning=gc_tuning,
+            tools=tool_list,
+            limits=provider_limits,
         ) as host:
             await host.resume_tasks(approve=approve_for(approve))
             yield host
@@ -496,6 +504,7 @@ async def run_serve(
     gc_tuning: bool = False,
     open_host: HostOpener | None = None,
     on_gateway: Callable[[Gateway], None] | None = None,
+    provider_limits: ProviderLimits | None = None,
 ) -> None:
     """``greenroom serve``: open a host on ``data_dir``, serve the gateway on it, print
     ``listening on ws://HOST:PORT/v1`` and the token file on stderr, and serve until
@@ -524,7 +533,9 @@ async def run_serve(
     (:data:`~greenroom.actors.runtime.host.SessionObserver`). ``gc_tuning``: the host's
     garbage collector setting (``Host.open(gc_tuning=…)``). ``open_host`` opens the host
     instead of :meth:`Host.open` (cluster mode: a host that joins a cluster); ``on_gateway``
-    gets the gateway before it serves (cluster mode shares its grants)."""
+    gets the gateway before it serves (cluster mode shares its grants).
+    ``provider_limits`` hold for each provider endpoint across the host's sessions
+    (``Host.open(limits=…)``; an ``open_host`` applies its own)."""
     if tokens_file is not None and token_file is not None:
         raise ConfigurationError("give --token-file or --tokens-file, not both")
     fd_limit = raise_fd_limit()
@@ -554,7 +565,7 @@ async def run_serve(
         token_path = await trio.to_thread.run_sync(token_file_path, data, token_file)
         token = await trio.to_thread.run_sync(load_or_create_token, data, token_path)
     opener = open_host or _local_host_opener(
-        gc_tuning, session_defaults.tools, session_defaults.approve
+        gc_tuning, session_defaults.tools, session_defaults.approve, provider_limits
     )
     async with opener(data, observers) as opened:
         gateway = Gateway(
