@@ -593,12 +593,13 @@ async def test_the_workload_takes_as_many_tool_rounds_as_asked() -> None:
             sdk(server) as client,
         ):
             messages: list[Any] = [{"role": "user", "content": "go"}]
-            stops = []
+            stops, keys = [], []
             for _ in range(5):
                 async with client.messages.stream(model="m", max_tokens=10,
                                                   messages=messages) as s:
                     message = await s.get_final_message()
                 stops.append(message.stop_reason)
+                keys += [b.input["key"] for b in message.content if b.type == "tool_use"]
                 if message.stop_reason == "end_turn":
                     break
                 messages += [
@@ -606,4 +607,5 @@ async def test_the_workload_takes_as_many_tool_rounds_as_asked() -> None:
                     {"role": "user", "content": tool_results_for(message)},
                 ]
     assert stops == ["tool_use", "tool_use", "tool_use", "end_turn"]
+    assert keys == ["1", "2", "3", "4", "5", "6"]  # each round calls with new arguments
     server.assert_clean()

@@ -994,7 +994,8 @@ class Workload:
     arguments in ``fragments`` pieces, ``stop_reason`` ``tool_use``; a request whose last
     message carries tool results gets ``text_tokens`` deltas and ``end_turn`` — once its
     conversation has had ``rounds`` rounds of tool calls (Anthropic and OpenAI wires;
-    default one), else more tool calls. Both wire
+    default one), else more tool calls (on the Anthropic wire with the next keys: 3, 4…).
+    Both wire
     formats. Event bytes are rendered once; per request only the message/tool ids (and, on
     OpenAI, the completion id prefix of each chunk) are filled in. Tool ids are unique per
     request. Non-streaming requests get the equivalent JSON body."""
@@ -1020,12 +1021,19 @@ class Workload:
         text_block = Text("".join(self._tokens), chunks=self._tokens)
         # Anthropic: everything except message_start and the tool_use starts is static.
         self._a_text = _anthropic_block_events(0, text_block) if text_tokens else []
-        self._a_tools: list[tuple[bytes, bytes, list[SSEEvent]]] = []
+        # One set of calls per round, their keys numbered on (1, 2 in the first round, 3, 4
+        # in the next…): a model that repeated the very same call would look stuck.
+        self._a_rounds: list[list[tuple[bytes, bytes, list[SSEEvent]]]] = []
         base = 1 if text_tokens else 0
-        for n, inp in enumerate(self._inputs):
-            evs = _anthropic_block_events(base + n, ToolUse("@ID@", tool_name, inp, fragments))
-            before, after = evs[0].data.split(b"@ID@")
-            self._a_tools.append((before, after, evs[1:]))
+        for done in range(max(1, rounds)):
+            calls: list[tuple[bytes, bytes, list[SSEEvent]]] = []
+            for n in range(tool_calls):
+                inp = {"key": str(done * tool_calls + n + 1)}
+                evs = _anthropic_block_events(base + n,
+                                              ToolUse("@ID@", tool_name, inp, fragments))
+                before, after = evs[0].data.split(b"@ID@")
+                calls.append((before, after, evs[1:]))
+            self._a_rounds.append(calls)
         out_tool = max(1, text_tokens + tool_calls * fragments)
         out_final = max(1, text_tokens)
         self._a_end_tool = _anthropic_message_end("tool_use", None, 0, out_tool)
@@ -1059,7 +1067,8 @@ class Workload:
             return self._reply(n, final)
         if request.wire == "openai":
             return Streamed(self._openai(n, final))
-        return Streamed(self._anthropic(n, final, max(1, len(request.raw_body) // 4)))
+        done = min(request.tool_rounds(), len(self._a_rounds) - 1) if self.rounds > 1 else 0
+        return Streamed(self._anthropic(n, final, max(1, len(request.raw_body) // 4), done))
 
     def _reply(self, n: int, final: bool) -> Reply:
         blocks: list[Block] = [Text("".join(self._tokens), chunks=self._tokens)]
@@ -1070,14 +1079,16 @@ class Workload:
             ]
         return Reply(blocks, "end_turn" if final else "tool_use", model=self.model)
 
-    def _anthropic(self, n: int, final: bool, input_tokens: int) -> list[SSEEvent]:
+    def _anthropic(
+        self, n: int, final: bool, input_tokens: int, done: int = 0
+    ) -> list[SSEEvent]:
         events = [SSEEvent(_anthropic_message_start(f"msg_mock{n:08d}", self.model,
                                                     input_tokens))]
         events += self._a_text
         if final:
             events += self._a_end_final
             return events
-        for k, (before, after, rest) in enumerate(self._a_tools, 1):
+        for k, (before, after, rest) in enumerate(self._a_rounds[done], 1):
             tid = f"toolu_mock{n:08d}_{k}".encode()
             events.append(SSEEvent(before + tid + after, content=True))
             events += rest
