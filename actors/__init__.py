@@ -7,6 +7,7 @@ examples) are built with :mod:`greenroom.actors.scripted`.
 
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, ScriptedStream
 from greenroom.actors.runtime.accounting import PrincipalBudget
+from greenroom.actors.runtime.admission import ProviderLimits
 from greenroom.actors.runtime.errors import (
     AuthLocked,
     Busy,
@@ -29,6 +30,7 @@ __all__ = [
     "HostClosed",
     "ImageRefused",
     "PrincipalBudget",
+    "ProviderLimits",
     "Reply",
     "RunResult",
     "RunStream",

@@ -50,7 +50,11 @@ from greenroom.protocols.context import (
     ToolSchema,
     UserMessage,
 )
-from greenroom.protocols.retry import parse_retry_after, transient_status_text
+from greenroom.protocols.retry import (
+    parse_rate_limit_reset,
+    parse_retry_after,
+    transient_status_text,
+)
 from greenroom.protocols.sse import SSEDecoder
 from greenroom.protocols.stream import (
     BlockCompleted,
@@ -399,7 +403,9 @@ def classify_error(
     * 408, 429, every 5xx (529 overloaded included) -> ``timeout`` (transient), with
       ``retry_after_s`` from ``retry-after-ms`` or ``retry-after`` (seconds, or an HTTP date
       relative to ``now``, the wall clock; dates are ignored without it) when present
-      (:func:`~greenroom.protocols.retry.parse_retry_after`);
+      (:func:`~greenroom.protocols.retry.parse_retry_after`), for a 429 without them
+      when its exhausted rate limit resets
+      (:func:`~greenroom.protocols.retry.parse_rate_limit_reset`);
     * every other status -> ``failed``; ``permanent`` (not retried) for 400, 404 (unknown
       model), 413 (request too large) and 422, and for an ``invalid_request_error``,
       ``not_found_error`` or ``request_too_large`` body whatever the status.
@@ -415,6 +421,8 @@ def classify_error(
         error_type, message = None, ""
     text = _error_text(error_type, message) if (error_type or message) else f"HTTP {status}"
     retry_after = parse_retry_after(headers, now)
+    if retry_after is None and status == 429:
+        retry_after = parse_rate_limit_reset(headers, now)
     kind: ErrorKind
     if status in (401, 403) or error_type in ("authentication_error", "permission_error"):
         kind = "auth"

@@ -56,7 +56,11 @@ from greenroom.protocols.context import (
     ToolSchema,
     UserMessage,
 )
-from greenroom.protocols.retry import parse_retry_after, transient_status_text
+from greenroom.protocols.retry import (
+    parse_rate_limit_reset,
+    parse_retry_after,
+    transient_status_text,
+)
 from greenroom.protocols.sse import SSEDecoder
 from greenroom.protocols.stream import (
     BlockCompleted,
@@ -349,6 +353,8 @@ def _classify(
         # Checked before overflow: a rate limit must never trigger compaction (R-COMPACT-9).
         kind = "timeout"
         retry_after = parse_retry_after(headers, now)
+        if retry_after is None:
+            retry_after = parse_rate_limit_reset(headers, now)
     elif (
         code in _OVERFLOW_CODES
         or etype in _OVERFLOW_CODES
@@ -383,7 +389,9 @@ def classify_error(
     saying the quota is exhausted, since waiting will not help; other 429 → ``timeout`` with
     ``retry_after_s`` from ``retry-after-ms`` / ``retry-after`` (seconds, or an HTTP date
     relative to ``now``, the wall clock; dates are ignored without it:
-    :func:`~greenroom.protocols.retry.parse_retry_after`); context too long (OpenAI
+    :func:`~greenroom.protocols.retry.parse_retry_after`), else from the reset of its
+    exhausted rate limit (:func:`~greenroom.protocols.retry.parse_rate_limit_reset`);
+    context too long (OpenAI
     ``context_length_exceeded``, llama.cpp ``exceed_context_size_error``, vLLM's message
     text) → ``context_overflow``; 408 and every 5xx → ``timeout``; anything else ``failed``,
     ``permanent`` (never retried) for 400, 404, 413 and 422 and for an exhausted quota.

@@ -4,7 +4,8 @@ Two questions, each answered in one place:
 
 * :func:`parse_retry_after` — how long a provider asks us to wait, from its response
   headers. Every codec's ``classify_error`` uses it, so the same headers give the same
-  ``ModelError.retry_after_s`` whichever provider sent them.
+  ``ModelError.retry_after_s`` whichever provider sent them; for a 429 without it,
+  :func:`parse_rate_limit_reset` reads when the exhausted rate limit resets.
 * :func:`decide_retry` — whether a failed attempt is retried and after how long. Every
   caller that retries a model request (a turn's attempts, a compaction's) asks it, and the
   wait it returns is both the one announced in ``request_end.retry_in_ms`` and the one
@@ -23,8 +24,10 @@ provider asks for longer.
 from __future__ import annotations
 
 import calendar
+import datetime
 import email.utils
 import math
+import re
 from collections.abc import Mapping
 
 import attrs
@@ -73,6 +76,66 @@ def parse_retry_after(headers: Mapping[str, str], now: float | None) -> float | 
     if value is None and now is not None:
         value = _until(raw, now)
     return None if value is None else min(value, RETRY_AFTER_CAP_S)
+
+
+_RESET_HEADERS: tuple[tuple[str, str], ...] = (
+    *(
+        (f"anthropic-ratelimit-{limit}-remaining", f"anthropic-ratelimit-{limit}-reset")
+        for limit in ("requests", "tokens", "input-tokens", "output-tokens")
+    ),
+    *(
+        (f"x-ratelimit-remaining-{limit}", f"x-ratelimit-reset-{limit}")
+        for limit in ("requests", "tokens")
+    ),
+)
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
+_DURATION_UNIT_S = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+
+
+def parse_rate_limit_reset(headers: Mapping[str, str], now: float | None) -> float | None:
+    """How long until the provider's exhausted rate limit resets, from the rate-limit
+    headers of a 429 that has no ``retry-after``: the latest reset among the limits whose
+    remaining count is 0 — Anthropic's ``anthropic-ratelimit-<limit>-remaining`` and
+    ``-reset`` (an RFC 3339 time, counted from ``now``, the wall clock; ignored without
+    it), OpenAI's ``x-ratelimit-remaining-<limit>`` and ``x-ratelimit-reset-<limit>`` (a
+    duration: ``1s``, ``6m0s``, ``250ms``). None when no limit says it is exhausted or
+    none of their resets can be read; capped at :data:`RETRY_AFTER_CAP_S`. Never raises.
+    """
+    latest: float | None = None
+    for remaining_name, reset_name in _RESET_HEADERS:
+        remaining = _header(headers, remaining_name)
+        reset = _header(headers, reset_name)
+        if remaining is None or reset is None or remaining.strip() != "0":
+            continue
+        wait = _duration(reset.strip())
+        if wait is None and now is not None and math.isfinite(now):
+            wait = _until_rfc3339(reset.strip(), now)
+        if wait is not None and (latest is None or wait > latest):
+            latest = wait
+    return None if latest is None else min(latest, RETRY_AFTER_CAP_S)
+
+
+def _duration(raw: str) -> float | None:
+    """A Go-style duration (``1h2m3.5s``, ``250ms``) in seconds, else None."""
+    parts = _DURATION_PART.findall(raw)
+    if not parts or "".join(number + unit for number, unit in parts) != raw:
+        return None
+    total = sum(float(number) * _DURATION_UNIT_S[unit] for number, unit in parts)
+    return total if math.isfinite(total) else None
+
+
+def _until_rfc3339(raw: str, now: float) -> float | None:
+    """Seconds from ``now`` to the RFC 3339 time ``raw`` (0 when past), None when not one."""
+    try:
+        when = datetime.datetime.fromisoformat(raw)
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.UTC)
+    try:
+        return max(when.timestamp() - now, 0.0)
+    except (OverflowError, ValueError):
+        return None
 
 
 def _header(headers: Mapping[str, str], name: str) -> str | None:

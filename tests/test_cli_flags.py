@@ -332,3 +332,45 @@ async def test_serve_gives_its_sessions_the_sandbox_flags(tmp_path: Path) -> Non
     assert (settings["sandbox"], settings["shell_network"]) == ("off", True)
     # --sandbox off asked for it: no warning about a missing bubblewrap
     assert UNCONFINED not in seen.decode()
+
+
+# -- shared provider limits (R-SHARE-1) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_provider_limit_flags_become_the_host_s_limits(command: str) -> None:
+    from greenroom import ProviderLimits
+    from greenroom.actors.apps.run import provider_limits
+
+    parser = build_parser()
+    extra = ["hi"] if command == "run" else []
+    given = parser.parse_args(
+        [command, "--max-concurrent-requests", "8", "--requests-per-minute", "50", *extra]
+    )
+    assert provider_limits(given) == ProviderLimits(
+        max_concurrent_requests=8, requests_per_minute=50
+    )
+    assert provider_limits(parser.parse_args([command, *extra])) is None
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "words"),
+    [("--max-concurrent-requests", "0", "must be at least 1, got 0"),
+     ("--requests-per-minute", "many", "expected a whole number, got 'many'")],
+)  # fmt: skip
+def test_a_bad_provider_limit_is_a_usage_error_not_a_traceback(
+    tmp_path: Path, flag: str, value: str, words: str
+) -> None:
+    result = greenroom(tmp_path, "run", flag, value, "hi")
+    assert result.returncode == 2
+    assert f"greenroom run: error: argument {flag}: {words}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_run_with_provider_limits_completes_its_task(tmp_path: Path) -> None:
+    result = greenroom(
+        tmp_path, "run", "--json", "--max-concurrent-requests", "1", "--requests-per-minute",
+        "5", "hello",
+    )
+    assert result.returncode == 0, result.stderr
+    assert json_lines(result.stdout)[-1]["status"] == "completed"

@@ -28,6 +28,7 @@ from tests.support.mock_model_server import (  # noqa: E402
     KeepAlives,
     MalformedJSON,
     MidStreamError,
+    Paused,
     RecordedRequest,
     Reply,
     Response,
@@ -556,3 +557,55 @@ async def test_subprocess_prints_port_and_serves_the_reference_workload() -> Non
     assert first.stop_reason == "tool_use" and len(first.content) == 3
     assert second.stop_reason == "end_turn"
     assert "STATS requests=2 violations=0 errors=0" in stderr.decode(), stderr
+
+
+async def test_max_streams_answers_429_with_retry_after_beyond_k_at_once() -> None:
+    """``max_streams=1``: while one response is being written, another request gets 429
+    ``rate_limit_error`` with the configured ``retry-after`` (the FIFO is not popped);
+    once it ends, the next request is answered."""
+    resume = trio.Event()
+    with trio.fail_after(10):
+        async with (
+            open_mock_server(Paused(Reply([Text("one two")]), 2, resume), Reply([Text("ok")]),
+                             max_streams=1, limit_retry_after=2.5) as server,
+            httpx.AsyncClient(base_url=server.base_url) as client,
+        ):
+            body = {"model": "m", "max_tokens": 10, "stream": True, "messages": USER}
+            async with client.stream("POST", "/v1/messages", json=body) as held:
+                chunks = held.aiter_bytes()
+                await chunks.__anext__()  # the first events arrived: it is being written
+                refused = await client.post("/v1/messages", json=body)
+                resume.set()
+                rest = b"".join([chunk async for chunk in chunks])
+            assert b"message_stop" in rest
+            answered = await client.post("/v1/messages", json=body)
+    assert refused.status_code == 429
+    assert refused.headers["retry-after"] == "2.5"
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    assert answered.status_code == 200 and b"ok" in answered.content
+    assert (server.rate_limited, server.request_count, server.peak_streams) == (1, 3, 1)
+
+
+async def test_the_workload_takes_as_many_tool_rounds_as_asked() -> None:
+    with trio.fail_after(10):
+        async with (
+            open_mock_server(fallback=Workload(text_tokens=2, rounds=3)) as server,
+            sdk(server) as client,
+        ):
+            messages: list[Any] = [{"role": "user", "content": "go"}]
+            stops, keys = [], []
+            for _ in range(5):
+                async with client.messages.stream(model="m", max_tokens=10,
+                                                  messages=messages) as s:
+                    message = await s.get_final_message()
+                stops.append(message.stop_reason)
+                keys += [b.input["key"] for b in message.content if b.type == "tool_use"]
+                if message.stop_reason == "end_turn":
+                    break
+                messages += [
+                    {"role": "assistant", "content": [b.model_dump() for b in message.content]},
+                    {"role": "user", "content": tool_results_for(message)},
+                ]
+    assert stops == ["tool_use", "tool_use", "tool_use", "end_turn"]
+    assert keys == ["1", "2", "3", "4", "5", "6"]  # each round calls with new arguments
+    server.assert_clean()

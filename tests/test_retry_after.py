@@ -22,7 +22,11 @@ from greenroom.actors.providers.openai_responses import OpenAIResponsesProvider
 from greenroom.protocols import anthropic_codec, openai_codec, openai_responses_codec
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import ModelRequest, UserMessage
-from greenroom.protocols.retry import RETRY_AFTER_CAP_S, parse_retry_after
+from greenroom.protocols.retry import (
+    RETRY_AFTER_CAP_S,
+    parse_rate_limit_reset,
+    parse_retry_after,
+)
 from greenroom.protocols.stream import StreamEvent, StreamFailed
 from tests.support.mock_model_server import WireError, open_mock_server
 
@@ -152,3 +156,76 @@ async def test_providers_pass_the_clock_so_http_dates_count(name: str, tmp_path:
     assert failure.error.kind == "timeout"
     assert failure.error.retry_after_s is not None
     assert 60.0 < failure.error.retry_after_s <= 120.0
+
+
+AT_30_S = "2026-01-01T00:00:30Z"
+
+RESET_CASES: list[tuple[dict[str, str], float | None, float | None]] = [
+    # Anthropic: RFC 3339 times, counted from the wall clock; only exhausted limits count.
+    ({"anthropic-ratelimit-requests-remaining": "0",
+      "anthropic-ratelimit-requests-reset": AT_30_S}, NOW, 30.0),
+    ({"anthropic-ratelimit-requests-remaining": "0",
+      "anthropic-ratelimit-requests-reset": AT_30_S}, None, None),
+    ({"anthropic-ratelimit-requests-remaining": "12",
+      "anthropic-ratelimit-requests-reset": AT_30_S}, NOW, None),
+    ({"anthropic-ratelimit-input-tokens-remaining": "0",
+      "anthropic-ratelimit-input-tokens-reset": "2026-01-01T00:00:10+00:00",
+      "anthropic-ratelimit-output-tokens-remaining": "0",
+      "anthropic-ratelimit-output-tokens-reset": "2026-01-01T00:00:45Z"}, NOW, 45.0),
+    ({"anthropic-ratelimit-tokens-remaining": "0",
+      "anthropic-ratelimit-tokens-reset": "2025-12-31T23:00:00Z"}, NOW, 0.0),
+    ({"anthropic-ratelimit-tokens-remaining": "0",
+      "anthropic-ratelimit-tokens-reset": "next tuesday"}, NOW, None),
+    # OpenAI: durations.
+    ({"x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": "1s"}, None, 1.0),
+    ({"x-ratelimit-remaining-tokens": "0", "x-ratelimit-reset-tokens": "6m0s"}, None, 360.0),
+    ({"X-RateLimit-Remaining-Tokens": "0", "X-RateLimit-Reset-Tokens": "250ms"}, None, 0.25),
+    ({"x-ratelimit-remaining-tokens": "0", "x-ratelimit-reset-tokens": "2m3.5s"}, None, 123.5),
+    ({"x-ratelimit-remaining-tokens": "0", "x-ratelimit-reset-tokens": "2h"}, None,
+     RETRY_AFTER_CAP_S),
+    ({"x-ratelimit-remaining-tokens": "0", "x-ratelimit-reset-tokens": "1x"}, None, None),
+    ({"x-ratelimit-remaining-tokens": "5", "x-ratelimit-reset-tokens": "9s"}, None, None),
+    ({}, NOW, None),
+]
+
+
+@pytest.mark.parametrize(("headers", "now", "expected"), RESET_CASES)
+def test_parse_rate_limit_reset(
+    headers: dict[str, str], now: float | None, expected: float | None
+) -> None:
+    assert parse_rate_limit_reset(headers, now) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from([
+            "anthropic-ratelimit-tokens-remaining", "anthropic-ratelimit-tokens-reset",
+            "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests",
+        ]),
+        st.one_of(st.just("0"), st.text(max_size=30), st.floats().map(str),
+                  st.datetimes().map(lambda d: d.isoformat())),
+    ),
+    st.one_of(st.none(), st.floats()),
+)
+def test_parse_rate_limit_reset_never_raises_and_stays_in_range(
+    headers: dict[str, str], now: float | None
+) -> None:
+    value = parse_rate_limit_reset(headers, now)
+    assert value is None or 0.0 <= value <= RETRY_AFTER_CAP_S
+
+
+@pytest.mark.parametrize("name", sorted(CLASSIFIERS))
+def test_a_429_without_retry_after_waits_for_its_rate_limit_to_reset(name: str) -> None:
+    """Every codec: a 429 that names no wait but says which limit is exhausted waits
+    until it resets; a ``retry-after`` still comes first; a 500 does not read them."""
+    headers = {
+        "anthropic-ratelimit-requests-remaining": "0",
+        "anthropic-ratelimit-requests-reset": AT_30_S,
+        "x-ratelimit-remaining-requests": "0",
+        "x-ratelimit-reset-requests": "20s",
+    }
+    classify = CLASSIFIERS[name]
+    assert classify(429, b"", headers, now=NOW).retry_after_s == 30.0
+    assert classify(429, b"", {**headers, "retry-after": "3"}, now=NOW).retry_after_s == 3.0
+    assert classify(500, b"", headers, now=NOW).retry_after_s is None

@@ -128,6 +128,26 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_provider_limit_flags(parser: argparse.ArgumentParser) -> None:
+    """The limits every model request of the process's host shares, per provider endpoint
+    (``run``, ``serve``: R-SHARE-1)."""
+    parser.add_argument(
+        "--max-concurrent-requests",
+        metavar="N",
+        type=_positive_int,
+        help="model requests in flight at once, per provider endpoint, across every "
+        "session and subagent (default: no limit; a 429 or 529 from the provider still "
+        "slows the endpoint for all of them)",
+    )
+    parser.add_argument(
+        "--requests-per-minute",
+        metavar="N",
+        type=_positive_int,
+        help="model requests sent in any minute, per provider endpoint, across every "
+        "session and subagent (default: no limit)",
+    )
+
+
 def _add_session_flags(parser: argparse.ArgumentParser) -> None:
     """The flags ``run``, ``chat`` and ``serve`` share: model, workspace, data dir, tools,
     limits, the shell sandbox."""
@@ -273,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PROMPT",
         help="the task, in one or more words (default: stdin)",
     )
+    _add_provider_limit_flags(run)
     run.add_argument(
         "--json", action="store_true", help="every output as one JSON line on stdout, only that"
     )
@@ -427,6 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="port of the web console; 0: any free port (default: --port + 1)",
     )
     serve.add_argument("--no-console", action="store_true", help="do not serve the web console")
+    _add_provider_limit_flags(serve)
     serve.add_argument(
         "--gc-tuning",
         action=argparse.BooleanOptionalAction,

@@ -47,6 +47,7 @@ from greenroom.actors.runtime import (
     ConfigurationError,
     GreenroomError,
     Host,
+    ProviderLimits,
     Session,
     SessionNotFound,
     SessionObserver,
@@ -106,6 +107,7 @@ class RunOptions:
     observers: tuple[SessionObserver, ...] = ()
     prices: Mapping[str, Price] | None = None
     max_cost_usd: float | None = None
+    provider_limits: ProviderLimits | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -163,6 +165,7 @@ def run_options(args: argparse.Namespace, prompt: str) -> RunOptions:
         observers=getattr(args, "observers", ()),
         prices=prices_file(args.prices),
         max_cost_usd=args.max_cost_usd,
+        provider_limits=provider_limits(args),
     )
 
 
@@ -184,6 +187,18 @@ def prices_file(path: str | None) -> dict[str, Price] | None:
         return parse_prices(data)
     except PriceError as exc:
         raise UsageError(f"--prices: {path}: {exc}") from None
+
+
+
+
+def provider_limits(args: argparse.Namespace) -> ProviderLimits | None:
+    """The limits of ``--max-concurrent-requests`` and ``--requests-per-minute`` (``run``,
+    ``serve``); None when neither is given (or the command has neither)."""
+    concurrent = getattr(args, "max_concurrent_requests", None)
+    per_minute = getattr(args, "requests_per_minute", None)
+    if concurrent is None and per_minute is None:
+        return None
+    return ProviderLimits(max_concurrent_requests=concurrent, requests_per_minute=per_minute)
 
 
 def mcp_servers(paths: Sequence[str]) -> Mapping[str, Any]:
@@ -423,7 +438,10 @@ async def open_reported_session(host: Host, options: RunOptions) -> Session | No
 
 async def _run_task(options: RunOptions, out: TextIO) -> RunResult:
     async with Host.open(
-        data_dir=options.data_dir, observers=options.observers, prices=options.prices
+        data_dir=options.data_dir,
+        observers=options.observers,
+        prices=options.prices,
+        limits=options.provider_limits,
     ) as host:
         session = await open_reported_session(host, options)
         if session is None:

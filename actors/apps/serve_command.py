@@ -19,6 +19,7 @@ from greenroom.actors.apps.run import (
     prepare_options,
     prices_file,
     provider_for,
+    provider_limits,
     stdout_for_renderer,
 )
 from greenroom.actors.providers import (
@@ -71,6 +72,7 @@ def serve_command(args: argparse.Namespace) -> int:
             max_connections_per_principal=args.max_connections_per_principal,
             max_sessions_per_principal=args.max_sessions_per_principal,
         ),
+        "provider_limits": provider_limits(args),
         "console_port": console_port(args),
         "observers": args.observers,
         "prices": prices_file(args.prices),

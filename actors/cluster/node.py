@@ -60,6 +60,7 @@ from greenroom.actors.cluster.store import ReplicatingTraceStore
 from greenroom.actors.cluster.traces import TraceRead, TraceStream, TraceWriter
 from greenroom.actors.cluster.tree_link import ParentLink
 from greenroom.actors.runtime.accounting import PrincipalBudget
+from greenroom.actors.runtime.admission import ProviderLimits
 from greenroom.actors.runtime.errors import ConfigurationError
 from greenroom.actors.runtime.host import Host, SessionObserver
 from greenroom.actors.runtime.llm_streamer import ModelProvider
@@ -575,11 +576,12 @@ async def open_cluster_host(
     on_node: Callable[[ClusterNode], None] | None = None,
     prices: Mapping[str, Any] | None = None,
     principal_budget: PrincipalBudget | None = None,
+    limits: ProviderLimits | None = None,
 ) -> AsyncIterator[Host]:
     """A :class:`Host` on ``data_dir`` that is one host of the cluster at ``config.url``.
     Raises :class:`ClusterUnavailable` when NATS cannot be reached. On exit the host closes
     as in single-host mode (its last records reach the cluster's trace) and its leases are
-    released."""
+    released. ``limits``: the host's ``Host.open(limits=…)`` (this host's requests only)."""
     conn = await connect(
         bridge,
         config.url,
@@ -598,6 +600,7 @@ async def open_cluster_host(
                     trace_store=node.make_store,
                     prices=prices,
                     principal_budget=principal_budget,
+                    limits=limits,
                 ) as host,
                 trio.open_nursery() as nursery,
             ):

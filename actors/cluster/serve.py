@@ -20,6 +20,7 @@ from greenroom.actors.cluster.node import ClusterConfig, ClusterNode, open_clust
 from greenroom.actors.gateway.config import approve_for
 from greenroom.actors.gateway.server import Gateway
 from greenroom.actors.runtime.accounting import PrincipalBudget
+from greenroom.actors.runtime.admission import ProviderLimits
 from greenroom.actors.runtime.host import Host, SessionObserver
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.port import Approval
@@ -42,13 +43,15 @@ def serve_in_cluster(
     provider: Callable[[], ModelProvider] | None = None,
     prices: Mapping[str, Any] | None = None,
     principal_budget: PrincipalBudget | None = None,
+    provider_limits: ProviderLimits | None = None,
     **serve_kwargs: Any,
 ) -> None:
     """Run ``serve(open_host=…, **serve_kwargs)`` (the gateway's ``run_serve``) on a host
     of the cluster ``config`` names; sessions taken over get ``tools`` and a provider from
     ``provider()`` (else the one their settings name). ``prices`` and ``principal_budget``
-    are the host's (R-SHARE; each host counts its own ledger). Raises ClusterUnavailable
-    when NATS is unreachable."""
+    are the host's (R-SHARE; each host counts its own ledger); ``provider_limits`` hold for
+    this host's requests to each endpoint (not yet for the cluster's together). Raises
+    ClusterUnavailable when NATS is unreachable."""
     tool_list = tuple(tools)
 
     async def main(bridge: Bridge) -> None:
@@ -68,6 +71,7 @@ def serve_in_cluster(
                 on_node=nodes.append,
                 prices=prices,
                 principal_budget=principal_budget,
+                limits=provider_limits,
             )
 
         def on_gateway(gateway: Gateway) -> None:

@@ -210,6 +210,8 @@ class Methods:
                 tools=self.defaults.tools,
                 provider=self._provider(),
                 mcp_servers=self.defaults.mcp_servers,
+                # Its requests are admitted in turn as this client's (R-SHARE-2).
+                principal=_identity(connection),
             )
         await self._hubs.adopt(session)
         return session

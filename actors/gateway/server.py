@@ -82,6 +82,7 @@ from greenroom.actors.gateway.hubs import Hubs
 from greenroom.actors.gateway.methods import DETACHED, Methods, Router
 from greenroom.actors.gateway.titles import Titles
 from greenroom.actors.runtime.accounting import PrincipalBudget
+from greenroom.actors.runtime.admission import ProviderLimits
 from greenroom.actors.runtime.errors import ConfigurationError
 from greenroom.actors.runtime.host import Host, SessionObserver, default_data_dir
 from greenroom.actors.runtime.storage import SessionStore
@@ -464,11 +465,13 @@ def _local_host_opener(
     tools: Iterable[Tool],
     approve: ApproveMode,
     costs: Mapping[str, Any],
+    provider_limits: ProviderLimits | None = None,
 ) -> HostOpener:
     """The host of a single ``serve``: it takes up the tasks its last run left open (a
-    crash, a SIGKILL: R-HITL-4), their further calls decided as ``--approve`` says, and
-    gives the sessions it loads on its own the tools the gateway gives the sessions it
-    creates; ``costs`` are its ``prices`` and ``principal_budget`` (R-SHARE)."""
+    crash, a SIGKILL: R-HITL-4), their further calls decided as ``--approve`` says, gives
+    the sessions it loads on its own the tools the gateway gives the sessions it creates,
+    and holds every provider endpoint to ``provider_limits`` (R-SHARE-1); ``costs`` are its
+    ``prices`` and ``principal_budget`` (R-SHARE-3, R-SHARE-4)."""
     tool_list = tuple(tools)
 
     @asynccontextmanager
@@ -476,7 +479,12 @@ def _local_host_opener(
         data_dir: Path, observers: Iterable[SessionObserver]
     ) -> AsyncIterator[Host]:
         async with Host.open(
-            data_dir, observers=observers, gc_tuning=gc_tuning, tools=tool_list, **costs
+            data_dir,
+            observers=observers,
+            gc_tuning=gc_tuning,
+            tools=tool_list,
+            limits=provider_limits,
+            **costs,
         ) as host:
             await host.resume_tasks(approve=approve_for(approve))
             yield host
@@ -505,6 +513,7 @@ async def run_serve(
     on_gateway: Callable[[Gateway], None] | None = None,
     prices: Mapping[str, Any] | None = None,
     principal_budget: PrincipalBudget | None = None,
+    provider_limits: ProviderLimits | None = None,
 ) -> None:
     """``greenroom serve``: open a host on ``data_dir``, serve the gateway on it, print
     ``listening on ws://HOST:PORT/v1`` and the token file on stderr, and serve until
@@ -538,7 +547,9 @@ async def run_serve(
     gets the gateway before it serves (cluster mode shares its grants).
 
     ``prices`` and ``principal_budget`` are the host's (``Host.open``: R-SHARE-3,
-    R-SHARE-4); each session a client creates is charged to the client's principal."""
+    R-SHARE-4); each session a client creates is charged to the client's principal.
+    ``provider_limits`` hold for each provider endpoint across the host's sessions
+    (``Host.open(limits=…)``; an ``open_host`` applies its own)."""
     if tokens_file is not None and token_file is not None:
         raise ConfigurationError("give --token-file or --tokens-file, not both")
     fd_limit = raise_fd_limit()
@@ -572,6 +583,7 @@ async def run_serve(
         session_defaults.tools,
         session_defaults.approve,
         {"prices": prices, "principal_budget": principal_budget},
+        provider_limits,
     )
     async with opener(data, observers) as opened:
         gateway = Gateway(

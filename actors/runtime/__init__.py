@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from greenroom.actors.runtime.accounting import PrincipalBudget
+    from greenroom.actors.runtime.admission import ProviderLimits
     from greenroom.actors.runtime.disk import Disk
     from greenroom.actors.runtime.errors import (
         AuthLocked,
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
 # not import them all (nor pay for the ones a program never uses).
 _MODULE_OF = {
     "PrincipalBudget": "greenroom.actors.runtime.accounting",
+    "ProviderLimits": "greenroom.actors.runtime.admission",
     "Approval": "greenroom.actors.runtime.port",
     "ApproveFn": "greenroom.actors.runtime.port",
     "SessionPort": "greenroom.actors.runtime.port",
@@ -110,6 +112,7 @@ __all__ = [
     "ModelProvider",
     "NotPending",
     "PrincipalBudget",
+    "ProviderLimits",
     "RunResult",
     "RunStream",
     "Session",

@@ -37,6 +37,7 @@ import trio
 
 from greenroom.actors.providers.registry import default_model, provider_for, require_credentials
 from greenroom.actors.runtime.accounting import Accounting, PrincipalBudget, price_overrides
+from greenroom.actors.runtime.admission import ProviderLimits
 from greenroom.actors.runtime.child_index import ChildIndex
 from greenroom.actors.runtime.child_reports import ChildReports
 from greenroom.actors.runtime.errors import ConfigurationError, HostClosed, SessionNotFound
@@ -133,6 +134,7 @@ class Host:
         observers: Iterable[SessionObserver] = (),
         tools: Iterable[Tool] = (),
         accounting: Accounting | None = None,
+        limits: ProviderLimits | None = None,
     ) -> None:
         self.data_dir = data_dir
         self._observers = tuple(observers)
@@ -145,7 +147,7 @@ class Host:
         self._sessions: dict[str, Session] = {}
         self._ports: dict[str, SessionPort] = {}
         self._children = ChildIndex(store.catalog, self.load_session)
-        self._builder = PortBuilder(self, data_dir, store, nursery.start_soon, accounting)
+        self._builder = PortBuilder(self, data_dir, store, nursery.start_soon, accounting, limits)
         self.child_reports = ChildReports(self)
         """Reports of background subagents taken up by this host (R-TREE-2, R-TREE-4)."""
         self._closed = False
@@ -168,6 +170,7 @@ class Host:
         tools: Iterable[Tool] = (),
         prices: Mapping[str, Any] | None = None,
         principal_budget: PrincipalBudget | None = None,
+        limits: ProviderLimits | None = None,
     ) -> AsyncIterator[Host]:
         """Start the host's actor tree; on exit close every session (interrupting running
         tasks and waiting for their last records; a task that waits only for people stays
@@ -196,13 +199,16 @@ class Host:
         cache_write}}`` in USD per million tokens, or :class:`~greenroom.protocols.prices.
         Price` values; a bad one raises :class:`ConfigurationError`); ``principal_budget``
         is what each principal may spend per UTC day or month (R-SHARE-4).
+        ``limits`` (:class:`~greenroom.actors.runtime.admission.ProviderLimits`) hold for
+        each provider endpoint across every session of the host (R-SHARE-1); limits the
+        provider makes known (a 429 or 529 with ``retry-after``) hold without them.
 
         Raises ``RuntimeError`` when entered outside trio (under ``asyncio.run``, say)."""
         require_trio()
         costs = {"prices": price_overrides(prices), "principal_budget": principal_budget}
         path = await trio.to_thread.run_sync(_prepare_data_dir, data_dir)
         with tuned_gc(gc_tuning):
-            async with _host_tree(cls, path, observers, trace_store, tools, costs) as host:
+            async with _host_tree(cls, path, observers, trace_store, tools, costs, limits) as host:
                 if resume_tasks:
                     await host.resume_tasks()
                 yield host
@@ -234,8 +240,9 @@ class Host:
         root, R-TREE-1) and ``name`` (a subagent's). ``mcp_servers`` adds the tools of MCP servers
         (``{"NAME": {"command": …} | {"type": "http", "url": …}}``, as in an
         ``mcpServers`` file: R-MCP-1); a bad entry raises :class:`ConfigurationError`.
-        ``principal`` names who the session's costs are charged to (a gateway client:
-        R-SHARE-4), kept in ``session.json``; a subagent is charged to its parent's.
+        ``principal`` (a gateway client) is who the session's costs are charged to
+        (R-SHARE-4) and its requests admitted for, in turn with other principals
+        (R-SHARE-2); kept in ``session.json``; a subagent takes its parent's.
 
         The workspace is fixed now (R-SEC-7): ``workspace_dir`` must name a directory
         (``~`` expanded, symlinks followed) that neither is nor lies inside the host's
@@ -250,12 +257,8 @@ class Host:
         ``ANTHROPIC_AUTH_TOKEN`` raises :class:`ConfigurationError`: asking for Claude
         never runs another model silently."""
         self.check_open()
-        sid = session_id or _new_session_id()
-        while session_id is None and sid in self._sessions:
-            # Many sessions created within one second can draw the same id.
-            sid = _new_session_id()
         port = await self._builder.new(
-            sid,
+            self._fresh_id(session_id),
             parent=None if parent_id is None else self._ports.get(parent_id),
             parent_id=parent_id,
             settings=_new_settings(settings, provider, model, system, overrides),
@@ -268,6 +271,14 @@ class Host:
             principal=principal,
         )
         return self._add(port, created=True)
+
+    def _fresh_id(self, session_id: str | None) -> str:
+        """``session_id``, else a new id no open session has (many sessions created
+        within one second can draw the same)."""
+        sid = session_id or _new_session_id()
+        while session_id is None and sid in self._sessions:
+            sid = _new_session_id()
+        return sid
 
     def _add(self, port: SessionPort, *, created: bool = False) -> Session:
         """Open ``port``'s session here and show it to the observers (every node of a
@@ -287,12 +298,14 @@ class Host:
         tools: Iterable[Tool] | None = None,
         provider: str | ModelProvider | None = None,
         mcp_servers: Mapping[str, Any] | None = None,
+        principal: str | None = None,
         **overrides: Any,
     ) -> Session:
         """Load a stored session: its model context is rebuilt from the latest trace file
         (unresolved calls interrupted, carry-over from the last abort: R-TRACE-4). Corrupt
-        trace lines are skipped and listed in ``session.load_errors``. ``mcp_servers`` as
-        for :meth:`create_session`; ``tools`` default to the host's (``Host.open(tools=…)``).
+        trace lines are skipped and listed in ``session.load_errors``. ``mcp_servers`` and
+        ``principal`` as for :meth:`create_session` (an open session keeps its own);
+        ``tools`` default to the host's (``Host.open(tools=…)``).
 
         A task the trace leaves open (its host stopped mid-task) stays open: a task that
         waits only for people is parked and answered like any (R-HITL-1); another is taken
@@ -307,6 +320,7 @@ class Host:
             provider=provider,
             mcp_servers=mcp_servers,
             overrides=overrides,
+            principal=principal,
         )
         if port.report_as is not None and port.machine.run_id is not None:
             # A background subagent's open task: its answer reaches its parent when it
@@ -434,22 +448,8 @@ class Host:
         parent's provider and workspace, ``settings`` and ``tools``; ``background`` is
         recorded in its ``session.json`` (R-TREE-2)."""
         self.check_open()
-        sid = _new_session_id()
-        while sid in self._sessions:
-            sid = _new_session_id()
-        port = await self._builder.new(
-            sid,
-            parent=parent,
-            parent_id=parent.id,
-            settings=settings,
-            provider=parent.provider,
-            tools=list(tools),
-            # The parent's workspace as fixed (R-SEC-7), never what its path names now.
-            workspace_dir=parent.workspace_identity or parent.workspace_dir,
-            name=name,
-            hooks=None,
-            mcp_servers=None,
-            background=background,
+        port = await self._builder.child(
+            self._fresh_id(None), parent, settings, list(tools), name, background
         )
         self._add(port, created=True)
         return port
@@ -582,6 +582,7 @@ async def _host_tree(
     trace_store: TraceStoreFactory | None,
     tools: Iterable[Tool],
     costs: Mapping[str, Any],
+    limits: ProviderLimits | None,
 ) -> AsyncIterator[Host]:
     """The host's actor tree while it is open: its nursery, its store and its people's
     clock; on exit every session is closed and the store flushed (``Host.open``).
@@ -590,7 +591,7 @@ async def _host_tree(
         store = (trace_store or FileTraceStore)(path)
         accounting = Accounting(store.ledger, **costs)
         await nursery.start(store.run)
-        host = cls(path, nursery, store, observers, tools, accounting)
+        host = cls(path, nursery, store, observers, tools, accounting, limits)
         await nursery.start(host.serve_people)
         try:
             yield host

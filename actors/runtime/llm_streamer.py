@@ -2,10 +2,19 @@
 
 The supervisor starts one :meth:`LLMStreamer.stream_attempt` per attempt of a turn. The
 streamer sleeps the planned backoff first (a sleep that ``backoff.skip()`` ends early, R-RETRY-5),
-then drives the provider adapter and forwards every parsed batch of stream events to the
-supervisor's inbox. Providers translate their own and their libraries' errors into a
+then waits for the endpoint's admission (:mod:`~greenroom.actors.runtime.admission`,
+R-SHARE-1), then drives the provider adapter and forwards every parsed batch of stream events
+to the supervisor's inbox. Providers translate their own and their libraries' errors into a
 ``StreamFailed`` event at one boundary, so the streamer never sees an exception other than
 cancellation.
+
+The admission wait is part of the attempt, after its ``request_begin``: it is never a failed
+attempt and spends none of the retries, and an interrupt ends it at once, as it ends a
+backoff. A skip ends the session's own backoff only: a pause the provider asked of the
+endpoint, and the configured limits, hold for every session alike. After a failed attempt
+the planned backoff already covers the endpoint's pause (the failure carries it as its
+``retry_after_s``), so the wait shows in ``request_end.retry_in_ms``; a wait before an
+attempt that follows no failure shows as a later first token.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from typing import Any, assert_never
 import trio
 
 from greenroom.actors.providers.base import ModelProvider, ProviderTask, exception_words
+from greenroom.actors.runtime.admission import EndpointAdmission, Requester
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.messages import (
     PlanBackoff,
@@ -25,11 +35,13 @@ from greenroom.protocols.messages import (
     StreamerCommand,
     SupervisorMessage,
 )
-from greenroom.protocols.stream import ModelError, StreamEvent, StreamFailed
+from greenroom.protocols.stream import MessageCompleted, ModelError, StreamEvent, StreamFailed
 
 __all__ = ["Backoff", "LLMStreamer", "ModelProvider", "ProviderTask"]
 
 logger = logging.getLogger(__name__)
+
+_ENDINGS = frozenset({MessageCompleted, StreamFailed})
 
 
 class Backoff:
@@ -79,16 +91,22 @@ class LLMStreamer:
 
     Start it with ``await nursery.start(streamer.run, commands)``; it serves
     :data:`~greenroom.protocols.messages.StreamerCommand` messages until the channel is
-    closed or the task is cancelled, and reports to the supervisor's inbox only."""
+    closed or the task is cancelled, and reports to the supervisor's inbox only.
+    ``requester`` is the session's place at its endpoint's admission; without one the
+    streamer has an admission point of its own."""
 
-    __slots__ = ("_backoff", "_inbox", "_provider")
+    __slots__ = ("_backoff", "_inbox", "_provider", "_requester")
 
     def __init__(
-        self, provider: ProviderTask, inbox: trio.MemorySendChannel[SupervisorMessage]
+        self,
+        provider: ProviderTask,
+        inbox: trio.MemorySendChannel[SupervisorMessage],
+        requester: Requester | None = None,
     ) -> None:
         self._provider = provider
         self._inbox = inbox
         self._backoff = Backoff()
+        self._requester = requester or Requester(EndpointAdmission(), "", "")
 
     async def run(
         self,
@@ -122,13 +140,21 @@ class LLMStreamer:
     async def _stream_attempt(
         self, request: ModelRequest, attempt: int, delay_ms: int, number: int, inbox: Any
     ) -> None:
-        """Wait ``delay_ms`` (the planned backoff), then stream one attempt into ``inbox``.
-        Cancel-safe: cancellation stops the sleep or the stream at once and delivers
-        nothing more."""
+        """Wait ``delay_ms`` (the planned backoff) and the endpoint's admission, then stream
+        one attempt into ``inbox``. Cancel-safe: cancellation stops the sleep, the wait or
+        the stream at once and delivers nothing more."""
         if delay_ms > 0:
             await self._backoff.sleep(delay_ms / 1000)
+        permit = self._requester.admit_now()
+        if permit is None:
+            permit = await self._requester.admit(request)
+        observe = permit.observe
 
         async def deliver(events: list[StreamEvent]) -> None:
+            # The endpoint learns from a request's first batch and from its last, before
+            # the supervisor sees them (a rate limit pauses the endpoint first).
+            if permit.watching or (events and events[-1].__class__ in _ENDINGS):
+                events = observe(events)
             inbox.send_nowait(StreamBatch(attempt=attempt, events=events, request=number))
 
         try:
@@ -147,3 +173,5 @@ class LLMStreamer:
                 + " (the traceback is in the log)",
             )
             await deliver([StreamFailed(error=failure)])
+        finally:
+            permit.release()

@@ -34,6 +34,7 @@ import attrs
 import trio
 
 from greenroom.actors.runtime.accounting import NO_ACCOUNT, Account
+from greenroom.actors.runtime.admission import EndpointAdmission, Requester
 from greenroom.actors.runtime.attachments import Attachments
 from greenroom.actors.runtime.storage import ATTACHMENTS_DIR
 from greenroom.actors.runtime.trace_sink import TraceSinkClosed, TraceWriteError
@@ -197,6 +198,7 @@ class SessionPort:
         "_tool_schemas",
         "_tools",
         "account",
+        "admission",
         "children",
         "closed",
         "directory",
@@ -210,6 +212,7 @@ class SessionPort:
         "machine",
         "parent_id",
         "parked_task",
+        "principal",
         "provider",
         "report_as",
         "settings",
@@ -235,6 +238,8 @@ class SessionPort:
         workspace_identity: WorkspaceIdentity | None = None,
         origin: tuple[str, ...] | None = None,
         account: Account = NO_ACCOUNT,
+        admission: EndpointAdmission | None = None,
+        principal: str = "",
     ) -> None:
         self.id = session_id
         self.parent_id = parent_id
@@ -250,6 +255,13 @@ class SessionPort:
         self.account = account
         """The price of the session's model, its principal and the cost budgets its
         requests count against (R-SHARE-3, R-SHARE-4)."""
+        self.admission = admission or EndpointAdmission()
+        """The admission point of the provider's endpoint, shared with every session of
+        the host that uses it (R-SHARE-1); a port built by hand has one of its own."""
+        self.principal = principal
+        """Who the session's requests are admitted for, in turn with other principals
+        (R-SHARE-2): the gateway client that owns it, its root's for a subagent; "" for
+        none."""
         self.transcript = transcript
         """The model context, a pure function of the traced outputs (the emitter feeds it)."""
         self.machine = machine or TaskMachine()
@@ -321,6 +333,10 @@ class SessionPort:
     def root_id(self) -> str:
         """The id of the root of this session's tree (its own for a root: R-TREE-1)."""
         return self.origin_path[0]
+
+    def requester(self) -> Requester:
+        """The session's place at its endpoint's admission (for its LLM streamers)."""
+        return Requester(self.admission, self.principal, self.id)
 
     def set_origin_path(self, path: tuple[str, ...]) -> None:
         """Make this session a subagent whose outputs carry ``origin`` = ``path``."""

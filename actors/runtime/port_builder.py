@@ -1,10 +1,11 @@
 """How a host makes the runtime seam of a session it creates or loads
 (:class:`~greenroom.actors.runtime.port.SessionPort`): its provider client, its fixed
 workspace (R-SEC-7), its shared tool table, its ``session.json`` (new) or rebuilt
-transcript and task state (stored), its MCP servers, and its account: the price of its
-model, its principal and its cost budgets (:mod:`~greenroom.actors.runtime.accounting`).
-It owns what sessions share for this: the provider clients, the shared tables, the MCP
-connections and the accounting."""
+transcript and task state (stored), its MCP servers, its account (the price of its
+model, its principal and its cost budgets: :mod:`~greenroom.actors.runtime.accounting`)
+and its place at its provider endpoint's admission (R-SHARE-1). It owns what sessions
+share for this: the provider clients and their admission points, the shared tables, the
+MCP connections and the accounting."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import attrs
 import trio
 
 from greenroom.actors.runtime.accounting import Accounting
+from greenroom.actors.runtime.admission import ProviderAdmissions, ProviderLimits
 from greenroom.actors.runtime.errors import ConfigurationError, SessionNotFound
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.mcp_servers import McpServers
@@ -50,7 +52,16 @@ __all__ = ["PortBuilder"]
 class PortBuilder:
     """Makes the ports of one host's sessions; see the module docstring."""
 
-    __slots__ = ("_data_dir", "_host", "_shared", "_store", "accounting", "clients", "mcp")
+    __slots__ = (
+        "_data_dir",
+        "_host",
+        "_shared",
+        "_store",
+        "accounting",
+        "admissions",
+        "clients",
+        "mcp",
+    )
 
     def __init__(
         self,
@@ -59,12 +70,15 @@ class PortBuilder:
         store: TraceStore,
         start_soon: Callable[..., Any],
         accounting: Accounting | None = None,
+        limits: ProviderLimits | None = None,
     ) -> None:
         self._host = host
         self._data_dir = data_dir
         self._store = store
         self.clients = ProviderClients()
         """The host's provider clients, one per provider and endpoint."""
+        self.admissions = ProviderAdmissions(limits)
+        """The admission point of each provider client, under the host's limits."""
         self._shared = SharedTables()
         self.mcp = McpServers(data_dir / "mcp", start_soon)
         """The MCP server connections of the host's sessions."""
@@ -90,7 +104,7 @@ class PortBuilder:
         """A new session's port, its ``session.json`` written and its trace started (see
         :meth:`Host.create_session <greenroom.actors.runtime.host.Host.create_session>`
         for what each argument means and what raises). A subagent is charged to its
-        parent's principal."""
+        parent's principal, and its requests are admitted for it."""
         mcp_configs = _mcp_configs(mcp_servers)
         model_provider = provider or await self.clients.get(settings)
         account = await self.accounting.account(
@@ -123,6 +137,8 @@ class PortBuilder:
             workspace_identity=identity,
             origin=origin,
             account=account,
+            admission=self.admissions.of(model_provider),
+            principal=account.principal or "",
         )
         if background:
             port.report_as = name or session_id
@@ -132,6 +148,32 @@ class PortBuilder:
             await self.mcp.attach(port, mcp_configs)
         return port
 
+    async def child(
+        self,
+        session_id: str,
+        parent: SessionPort,
+        settings: SessionSettings,
+        tools: list[Tool],
+        name: str | None,
+        background: bool,
+    ) -> SessionPort:
+        """A subagent's new port under ``parent`` (R-HOST-4, R-TREE-1): the parent's
+        provider and workspace; ``background`` is recorded in its ``session.json``."""
+        return await self.new(
+            session_id,
+            parent=parent,
+            parent_id=parent.id,
+            settings=settings,
+            provider=parent.provider,
+            tools=tools,
+            # The parent's workspace as fixed (R-SEC-7), never what its path names now.
+            workspace_dir=parent.workspace_identity or parent.workspace_dir,
+            name=name,
+            hooks=None,
+            mcp_servers=None,
+            background=background,
+        )
+
     async def stored(
         self,
         session_id: str,
@@ -140,6 +182,7 @@ class PortBuilder:
         provider: str | ModelProvider | None,
         mcp_servers: Mapping[str, Any] | None,
         overrides: dict[str, Any],
+        principal: str | None = None,
     ) -> SessionPort:
         """A stored session's port: settings from its ``session.json`` (``overrides``
         applied), transcript and task state folded from its latest trace file (see
@@ -154,11 +197,11 @@ class PortBuilder:
         model_provider = provider if not isinstance(provider, str | None) else None
         if model_provider is None:
             model_provider = await self.clients.get(settings)
-        principal = meta.get("principal")
+        stored_principal = meta.get("principal")
         account = await self.accounting.account(
             session_id,
             settings,
-            principal=principal if isinstance(principal, str) else None,
+            principal=stored_principal if isinstance(stored_principal, str) else principal,
             stored=True,
         )
         loaded = await self._store.log.load(session_id)
@@ -179,6 +222,8 @@ class PortBuilder:
             workspace_identity=identity,
             origin=_stored_origin(meta, session_id),
             account=account,
+            admission=self.admissions.of(model_provider),
+            principal=account.principal or "",
         )
         port.load_errors = list(loaded.errors)
         if meta.get("background") is True and port.parent_id is not None:

@@ -137,7 +137,9 @@ class TaskWork:
                         people=approve == PEOPLE,
                     )
                     await nursery.start(pool.run, self._pool)
-                    streamer = LLMStreamer(port.provider.open_task(), self._inbox)
+                    streamer = LLMStreamer(
+                        port.provider.open_task(), self._inbox, port.requester()
+                    )
                     await nursery.start(streamer.run, self._streamer)
                     self.nursery = nursery
                     task_status.started()

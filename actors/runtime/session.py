@@ -627,7 +627,7 @@ class Session:
         # waits for a task's attempts. Unbounded: both sides send with send_nowait.
         batches_send, batches = trio.open_memory_channel[SupervisorMessage](math.inf)
         commands_send, commands = trio.open_memory_channel[StreamerCommand](math.inf)
-        streamer = LLMStreamer(port.provider.open_task(), batches_send)
+        streamer = LLMStreamer(port.provider.open_task(), batches_send, port.requester())
         async with trio.open_nursery() as nursery:
             await nursery.start(streamer.run, commands)
             commands_send.send_nowait(StartAttempt(request=request, attempt=1, delay_ms=0))

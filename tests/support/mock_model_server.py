@@ -49,7 +49,10 @@ Subprocess use (benchmarks)::
         --token-delay-ms 20 --first-token-ms 500
 
 prints ``PORT <n>`` as its first stdout line (flushed), serves until SIGTERM/SIGINT, then
-prints ``STATS requests=.. violations=.. connections=..`` on stderr. Violations are logged to
+prints ``STATS requests=.. violations=.. errors=.. connections=.. rate_limited=..
+peak_streams=..`` on stderr. ``--max-streams K --limit-retry-after S`` make it a provider
+that takes K requests at once and answers 429 beyond; ``--tool-rounds N`` gives the
+reference workload N rounds of tool calls before its final answer. Violations are logged to
 stderr as they happen (nothing is recorded in this mode).
 """
 
@@ -446,6 +449,18 @@ class RecordedRequest:
         return last.get("role") == "user" and any(
             b.get("type") == "tool_result" for b in _blocks(last)
         )
+
+
+    def tool_rounds(self) -> int:
+        """How many rounds of tool calls the conversation has had: Anthropic user messages
+        with ``tool_result`` blocks, OpenAI assistant messages with ``tool_calls``."""
+        if self.wire == "openai":
+            return sum(1 for m in self.messages
+                       if isinstance(m, dict) and m.get("role") == "assistant"
+                       and m.get("tool_calls"))
+        return sum(1 for m in self.messages
+                   if isinstance(m, dict) and m.get("role") == "user"
+                   and any(b.get("type") == "tool_result" for b in _blocks(m)))
 
 
 def _blocks(message: Any) -> list[dict[str, Any]]:
@@ -977,7 +992,10 @@ class Workload:
     A request whose last message carries no tool results gets ``text_tokens`` text deltas then
     ``tool_calls`` calls of ``tool_name`` with input ``{"key": "<n>"}`` (n = 1, 2, ...), their
     arguments in ``fragments`` pieces, ``stop_reason`` ``tool_use``; a request whose last
-    message carries tool results gets ``text_tokens`` deltas and ``end_turn``. Both wire
+    message carries tool results gets ``text_tokens`` deltas and ``end_turn`` — once its
+    conversation has had ``rounds`` rounds of tool calls (Anthropic and OpenAI wires;
+    default one), else more tool calls (on the Anthropic wire with the next keys: 3, 4…).
+    Both wire
     formats. Event bytes are rendered once; per request only the message/tool ids (and, on
     OpenAI, the completion id prefix of each chunk) are filled in. Tool ids are unique per
     request. Non-streaming requests get the equivalent JSON body."""
@@ -989,7 +1007,9 @@ class Workload:
         fragments: int = 3,
         tool_name: str = "lookup",
         model: str = "mock-model",
+        rounds: int = 1,
     ) -> None:
+        self.rounds = rounds
         self.text_tokens = text_tokens
         self.tool_calls = tool_calls
         self.fragments = fragments
@@ -1001,12 +1021,19 @@ class Workload:
         text_block = Text("".join(self._tokens), chunks=self._tokens)
         # Anthropic: everything except message_start and the tool_use starts is static.
         self._a_text = _anthropic_block_events(0, text_block) if text_tokens else []
-        self._a_tools: list[tuple[bytes, bytes, list[SSEEvent]]] = []
+        # One set of calls per round, their keys numbered on (1, 2 in the first round, 3, 4
+        # in the next…): a model that repeated the very same call would look stuck.
+        self._a_rounds: list[list[tuple[bytes, bytes, list[SSEEvent]]]] = []
         base = 1 if text_tokens else 0
-        for n, inp in enumerate(self._inputs):
-            evs = _anthropic_block_events(base + n, ToolUse("@ID@", tool_name, inp, fragments))
-            before, after = evs[0].data.split(b"@ID@")
-            self._a_tools.append((before, after, evs[1:]))
+        for done in range(max(1, rounds)):
+            calls: list[tuple[bytes, bytes, list[SSEEvent]]] = []
+            for n in range(tool_calls):
+                inp = {"key": str(done * tool_calls + n + 1)}
+                evs = _anthropic_block_events(base + n,
+                                              ToolUse("@ID@", tool_name, inp, fragments))
+                before, after = evs[0].data.split(b"@ID@")
+                calls.append((before, after, evs[1:]))
+            self._a_rounds.append(calls)
         out_tool = max(1, text_tokens + tool_calls * fragments)
         out_final = max(1, text_tokens)
         self._a_end_tool = _anthropic_message_end("tool_use", None, 0, out_tool)
@@ -1032,12 +1059,16 @@ class Workload:
 
     def __call__(self, request: RecordedRequest) -> Response:
         n = next(self._counter)
-        final = self.tool_calls == 0 or request.last_message_has_tool_results()
+        final = self.tool_calls == 0 or (
+            request.last_message_has_tool_results()
+            and (self.rounds <= 1 or request.tool_rounds() >= self.rounds)
+        )
         if not request.stream:
             return self._reply(n, final)
         if request.wire == "openai":
             return Streamed(self._openai(n, final))
-        return Streamed(self._anthropic(n, final, max(1, len(request.raw_body) // 4)))
+        done = min(request.tool_rounds(), len(self._a_rounds) - 1) if self.rounds > 1 else 0
+        return Streamed(self._anthropic(n, final, max(1, len(request.raw_body) // 4), done))
 
     def _reply(self, n: int, final: bool) -> Reply:
         blocks: list[Block] = [Text("".join(self._tokens), chunks=self._tokens)]
@@ -1048,14 +1079,16 @@ class Workload:
             ]
         return Reply(blocks, "end_turn" if final else "tool_use", model=self.model)
 
-    def _anthropic(self, n: int, final: bool, input_tokens: int) -> list[SSEEvent]:
+    def _anthropic(
+        self, n: int, final: bool, input_tokens: int, done: int = 0
+    ) -> list[SSEEvent]:
         events = [SSEEvent(_anthropic_message_start(f"msg_mock{n:08d}", self.model,
                                                     input_tokens))]
         events += self._a_text
         if final:
             events += self._a_end_final
             return events
-        for k, (before, after, rest) in enumerate(self._a_tools, 1):
+        for k, (before, after, rest) in enumerate(self._a_rounds[done], 1):
             tid = f"toolu_mock{n:08d}_{k}".encode()
             events.append(SSEEvent(before + tid + after, content=True))
             events += rest
@@ -1173,10 +1206,14 @@ class MockModelServer:
     (:class:`Reply`, :class:`Workload`; not fixtures), with catch-up batching when the server
     falls behind (streams wake on a shared ``pacing_tick_ms`` grid, one timer for all; 0
     means one trio sleep per wait); ``check_invariants`` enables the tool-pairing check;
-    ``record=False`` keeps no :class:`RecordedRequest` (long benchmark runs).
+    ``record=False`` keeps no :class:`RecordedRequest` (long benchmark runs);
+    ``max_streams`` answers a model request that comes while that many responses are being
+    written with 429 ``rate_limit_error`` and ``retry-after: limit_retry_after`` (a provider
+    that takes K requests at once: the FIFO is not popped), counted in ``rate_limited``.
 
     Public state: ``requests``, ``violations`` (strings naming the request number),
     ``errors`` (empty FIFO, handler exceptions, bad JSON), ``request_count``,
+    ``rate_limited``, ``active_streams``, ``peak_streams``,
     ``connections_total``, ``connections_open``, ``port``, ``base_url``, ``pending``.
     """
 
@@ -1197,7 +1234,14 @@ class MockModelServer:
         fixtures_dir: Path | None = None,
         log_problems: bool = False,
         pacing_tick_ms: float = 1.0,
+        max_streams: int | None = None,
+        limit_retry_after: float = 1.0,
     ) -> None:
+        self.max_streams = max_streams
+        self.limit_retry_after = limit_retry_after
+        self.rate_limited = 0
+        self.active_streams = 0
+        self.peak_streams = 0
         self.queue: deque[Response] = deque(responses)
         self.fallback = fallback
         self.host = host
@@ -1340,6 +1384,13 @@ class MockModelServer:
             return _Plan(status, [("content-type", _JSON), *extra.items()],
                          body=_wire_error_body(wire, error_type, message))
 
+        if self.max_streams is not None and self.active_streams >= self.max_streams:
+            self.rate_limited += 1
+            retry_after = f"{self.limit_retry_after:g}"
+            plan = error(429, "rate_limit_error",
+                         f"mock model server: {self.max_streams} requests at once at most",
+                         **{"retry-after": retry_after})
+            return await self._send(conn, stream, plan, rec)
         if method != "POST":
             plan = error(405, "invalid_request_error", f"{method} not allowed on {path}")
         elif bad_json is not None:
@@ -1371,7 +1422,12 @@ class MockModelServer:
                     self._problem(self.errors, text)
                     plan = error(500, "api_error", "mock model server: " + text,
                                  **{"x-should-retry": "false"})
-        return await self._send(conn, stream, plan, rec)
+        self.active_streams += 1
+        self.peak_streams = max(self.peak_streams, self.active_streams)
+        try:
+            return await self._send(conn, stream, plan, rec)
+        finally:
+            self.active_streams -= 1
 
     def _auth_error(self, wire: Wire) -> _Plan:
         if wire in ("openai", "responses"):
@@ -1725,10 +1781,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--require-api-key", default=None)
     parser.add_argument("--no-invariants", action="store_true")
+    parser.add_argument("--tool-rounds", type=int, default=1)
+    parser.add_argument("--max-streams", type=int, default=None)
+    parser.add_argument("--limit-retry-after", type=float, default=1.0)
     args = parser.parse_args(argv)
     fallback: Handler | None = None
     if args.workload == "reference":
-        fallback = Workload(args.text_tokens, args.tool_calls, args.fragments)
+        fallback = Workload(args.text_tokens, args.tool_calls, args.fragments,
+                            rounds=args.tool_rounds)
     server = MockModelServer(
         fallback=fallback,
         host=args.host,
@@ -1741,11 +1801,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_invariants=not args.no_invariants,
         record=False,
         log_problems=True,
+        max_streams=args.max_streams,
+        limit_retry_after=args.limit_retry_after,
     )
     trio.run(_run_cli, server)
     print(
         f"STATS requests={server.request_count} violations={len(server.violations)} "
-        f"errors={len(server.errors)} connections={server.connections_total}",
+        f"errors={len(server.errors)} connections={server.connections_total} "
+        f"rate_limited={server.rate_limited} peak_streams={server.peak_streams}",
         file=sys.stderr,
         flush=True,
     )
