@@ -52,6 +52,7 @@ import trio
 from greenroom.actors.cluster.bridge import Bridge
 from greenroom.actors.cluster.connection import ClusterNames, Connection, connect
 from greenroom.actors.cluster.errors import ClusterError, ClusterUnavailable
+from greenroom.actors.cluster.handover import hand_over
 from greenroom.actors.cluster.leases import LeaseKeeper, LeaseTable
 from greenroom.actors.cluster.registry import HostRecord, HostRegistry, SessionDirectory, assign
 from greenroom.actors.cluster.router import ClusterRouter, OwnerDesk
@@ -180,6 +181,7 @@ class ClusterNode:
             self._until_serving,
             bound_s=self.config.lease_ttl_s,
             reports=self._take_report,
+            takes=self._take_handed,
         )
         self._desk_ready.set()
         if self._work is not None:
@@ -253,6 +255,7 @@ class ClusterNode:
         link = ParentLink(self._requests, host, self._approve, timeout_s=ttl)
         host.child_reports.link = link.send
         host.child_reports.retry_s = ttl / 2
+        host.hand_over = self.hand_over
         async with trio.open_nursery() as nursery:
             self._work = nursery
             if self._gateway is not None:
@@ -466,14 +469,42 @@ class ClusterNode:
                 continue
             for sid, owner in assign(orphans, hosts).items():
                 if owner == self.host_id:
-                    entry = sessions[sid]
-                    # Granted once the session is rebuilt: a client's request cannot load
-                    # it here while the takeover does.
-                    if await self.take_over(sid, entry.get("meta") or {}):
-                        for principal in entry.get("principals") or ():
-                            if self._grants is not None and isinstance(principal, str):
-                                self._grants.grant(principal, sid)
-                        log(f"host {self.host_id} serves session {sid} now")
+                    await self._take_entry(sid, sessions[sid])
+
+    async def _take_entry(self, session_id: str, entry: dict[str, Any]) -> bool:
+        """Take ``session_id`` over from its directory ``entry``, then grant it to the
+        principals it had: granted once the session is rebuilt, so a client's request
+        cannot load it here while the takeover does."""
+        if not await self.take_over(session_id, entry.get("meta") or {}):
+            return False
+        for principal in entry.get("principals") or ():
+            if self._grants is not None and isinstance(principal, str):
+                self._grants.grant(principal, session_id)
+        log(f"host {self.host_id} serves session {session_id} now")
+        return True
+
+    async def _take_handed(self, session_id: str) -> bool:
+        """A draining host handed ``session_id`` over (R-DRAIN-2): take it over now."""
+        assert self._directory is not None
+        with contextlib.suppress(ClusterUnavailable):
+            entry = await self._directory.get(session_id)
+            return entry is not None and await self._take_entry(session_id, entry)
+        return False
+
+    async def hand_over(self, session_id: str) -> None:
+        """Hand a session held for a drain (or parked) to another host now (R-DRAIN-2:
+        :func:`~greenroom.actors.cluster.handover.hand_over`)."""
+        assert self._registry is not None and self._keeper is not None
+        if session_id in self._adopted:
+            await hand_over(
+                session_id,
+                own_id=self.host_id,
+                registry=self._registry,
+                keeper=self._keeper,
+                requests=self._requests,
+                give_up=self._give_up,
+                timeout_s=self.config.lease_ttl_s,
+            )
 
     async def take_over(self, session_id: str, meta: dict[str, Any]) -> bool:
         """Claim ``session_id``, rebuild it from its trace and take up its open task (see

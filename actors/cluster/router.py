@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from greenroom.actors.gateway.server import Gateway
 
 __all__ = [
+    "HAND_OVER_METHOD",
     "OWNER_UNREACHABLE",
     "REPORT_METHOD",
     "ClusterRouter",
@@ -69,6 +70,10 @@ __all__ = [
 ]
 
 OWNER_UNREACHABLE = 503
+
+HAND_OVER_METHOD = "session.take"
+"""The request a draining host sends the host it hands a session to (R-DRAIN-2): params
+``{"session_id"}``; the reply's ``taken`` says whether that host took it over."""
 
 REPORT_METHOD = "subagent.finished"
 """The request a host sends a parent's owner with a background subagent's answer:
@@ -153,9 +158,11 @@ class OwnerDesk:
         *,
         bound_s: float,
         reports: Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]] | None = None,
+        takes: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
         self._methods = gateway.methods
         self._reports = reports
+        self._takes = takes
         self._serves = serves
         self._until_serving = until_serving
         self._bound_s = bound_s
@@ -213,9 +220,15 @@ class OwnerDesk:
         return handle
 
     async def for_host(self, message: dict[str, Any]) -> dict[str, Any]:
-        """The handler of this host's own subject: a ``session.create`` placed here."""
+        """The handler of this host's own subject: a ``session.create`` placed here, or
+        a session another host hands over as it drains (``session.take``, R-DRAIN-2)."""
         params = message.get("params")
         principal = message.get("principal")
+        if message.get("method") == HAND_OVER_METHOD and isinstance(params, dict):
+            session_id = params.get("session_id")
+            if self._takes is None or not isinstance(session_id, str):
+                return _error(jsonrpc.INVALID_REQUEST, "session.take needs a session_id")
+            return {"result": {"taken": await self._takes(session_id)}}
         if message.get("method") != "session.create":
             return _error(jsonrpc.METHOD_NOT_FOUND, f"method not found: {message.get('method')!r}")
         if not isinstance(params, dict) or not isinstance(principal, str):

@@ -40,6 +40,7 @@ from greenroom.actors.runtime.accounting import Accounting, PrincipalBudget, pri
 from greenroom.actors.runtime.admission import ProviderLimits
 from greenroom.actors.runtime.child_index import ChildIndex
 from greenroom.actors.runtime.child_reports import ChildReports
+from greenroom.actors.runtime.drain import HandOver, drain_sessions
 from greenroom.actors.runtime.errors import ConfigurationError, HostClosed, SessionNotFound
 from greenroom.actors.runtime.gc_tuning import tuned_gc
 from greenroom.actors.runtime.llm_streamer import ModelProvider
@@ -153,6 +154,8 @@ class Host:
         self._closed = False
         self.draining = False
         """Whether the host drains (:meth:`drain`, R-DRAIN-1)."""
+        self.hand_over: HandOver | None = None
+        """Where :meth:`drain` hands held sessions (a cluster host's: R-DRAIN-2)."""
         self._people = People(self._ports.get)
         self._open_tasks = OpenTaskIndex(store)
         self._default_tools = tuple(tools)
@@ -381,17 +384,13 @@ class Host:
         await catalog.delete(session_id)
 
     async def drain(self, grace_s: float) -> list[str]:
-        """Drain before a stop (R-DRAIN-1): users get no new task (``run``, ``follow_up``,
-        ``compact`` raise :class:`HostClosed`); every running task goes on until its next
-        turn boundary and stops there, open in its trace with its steering recorded, for
-        the next host to take up (``resume_tasks``; in a cluster, the host it is handed
-        to): nothing re-run, no request wasted. Returns within ``grace_s`` the ids of the
-        sessions held so; what still runs is interrupted when the host closes."""
+        """Drain before a stop (R-DRAIN-1, :mod:`~greenroom.actors.runtime.drain`): users
+        get no new task (``run``, ``follow_up``, ``compact`` raise :class:`HostClosed`);
+        running tasks stop at their next turn boundary, open in their traces, handed over
+        by ``hand_over`` (a cluster host's) or taken up by the next host: nothing re-run,
+        no request wasted. Returns within ``grace_s`` the ids of the sessions held so."""
         self.draining = True
-        with trio.move_on_after(grace_s):
-            for session in list(self._sessions.values()):
-                await session.wait_idle()
-        return [sid for sid, port in self._ports.items() if port.held]
+        return await drain_sessions(list(self._ports.values()), grace_s, self.hand_over)
 
     async def aclose(self) -> None:
         """Close every session (concurrently) and the provider clients."""

@@ -47,6 +47,7 @@ from typing import TypeVar, assert_never
 import trio
 
 from greenroom.actors.runtime.attachments import attach
+from greenroom.actors.runtime.drain import holds_for_drain
 from greenroom.actors.runtime.emitter import OutputEmitter, repaired_blocks
 from greenroom.actors.runtime.errors import ImageRefused
 from greenroom.actors.runtime.port import SessionPort, TaskInput
@@ -223,11 +224,11 @@ class SessionSupervisor:
             case Compact(reason=reason):
                 self._running().start_compaction(reason)
             case BeginTurn(turn=turn, steering=steering):
-                if self._port.host.draining:
+                if holds_for_drain(self._port):
                     return await self._hold(steering)
                 await self._begin_turn(turn, steering)
             case BeginAttempt(attempt=attempt, delay_ms=delay_ms):
-                if self._port.host.draining:
+                if holds_for_drain(self._port):
                     return await self._hold(())
                 self._running().begin_attempt(attempt, delay_ms)
             case CallHook():
