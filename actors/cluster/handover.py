@@ -27,7 +27,6 @@ __all__ = ["hand_over"]
 
 async def hand_over(
     session_id: str,
-    *,
     own_id: str,
     registry: HostRegistry,
     keeper: LeaseKeeper,

@@ -455,6 +455,8 @@ class ClusterNode:
         assert self._registry is not None
         while True:
             await trio.sleep(self.config.lease_ttl_s / 2)
+            if self._host is not None and self._host.draining:
+                return  # a draining host takes nothing over (R-DRAIN-2)
             try:
                 sessions = await self._directory.all()
                 orphans = [
@@ -485,9 +487,9 @@ class ClusterNode:
 
     async def _take_handed(self, session_id: str) -> bool:
         """A draining host handed ``session_id`` over (R-DRAIN-2): take it over now."""
-        assert self._directory is not None
-        with contextlib.suppress(ClusterUnavailable):
-            entry = await self._directory.get(session_id)
+        assert self._directory is not None and self._host is not None
+        with contextlib.suppress(ClusterUnavailable):  # unless this host drains too
+            entry = None if self._host.draining else await self._directory.get(session_id)
             return entry is not None and await self._take_entry(session_id, entry)
         return False
 
@@ -496,15 +498,8 @@ class ClusterNode:
         :func:`~greenroom.actors.cluster.handover.hand_over`)."""
         assert self._registry is not None and self._keeper is not None
         if session_id in self._adopted:
-            await hand_over(
-                session_id,
-                own_id=self.host_id,
-                registry=self._registry,
-                keeper=self._keeper,
-                requests=self._requests,
-                give_up=self._give_up,
-                timeout_s=self.config.lease_ttl_s,
-            )
+            parts = (self._registry, self._keeper, self._requests, self._give_up)
+            await hand_over(session_id, self.host_id, *parts, self.config.lease_ttl_s)
 
     async def take_over(self, session_id: str, meta: dict[str, Any]) -> bool:
         """Claim ``session_id``, rebuild it from its trace and take up its open task (see

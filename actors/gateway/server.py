@@ -641,7 +641,10 @@ async def _drain(host: Host, grace_s: float) -> None:
             nursery.start_soon(stop_early)
             held = await host.drain(grace_s)
             plural = "" if len(held) == 1 else "s"
-            _say(f"drained: {len(held)} task{plural} held for the next start, shutting down")
+            _say(
+                f"drained: {len(held)} task{plural} held at a turn boundary, for another "
+                "host or the next start to take up; shutting down"
+            )
             nursery.cancel_scope.cancel()
 
 
