@@ -150,8 +150,13 @@ async def test_input_tokens_per_minute_are_settled_by_the_real_usage(
         await queue_up(nursery, admission, "", "b", admitted, input_tokens=800)
         assert admitted == []
         before = trio.current_time()
-        first.observe([MessageCompleted(stop_reason="end_turn",
-                                        usage=TokenUsage(input=60, cache_write=40, output=5))])
+        first.observe(
+            [
+                MessageCompleted(
+                    stop_reason="end_turn", usage=TokenUsage(input=60, cache_write=40, output=5)
+                )
+            ]
+        )
         await trio.testing.wait_all_tasks_blocked()
         assert admitted == ["b"] and trio.current_time() == before
     first.release()
@@ -174,8 +179,9 @@ async def test_output_tokens_count_max_tokens_until_the_response_says(
     admission = EndpointAdmission(ProviderLimits(output_tokens_per_minute=1000))
     requester = Requester(admission, "p", "s")
     hello = UserMessage(content=(TextBlock(text="hi " * 40),))
-    request = ModelRequest(model="m", system="be brief", tools=(), messages=(hello,),
-                           max_tokens=600)
+    request = ModelRequest(
+        model="m", system="be brief", tools=(), messages=(hello,), max_tokens=600
+    )
     first = await requester.admit(request)
     admitted: list[str] = []
     async with trio.open_nursery() as nursery:
@@ -196,6 +202,35 @@ async def test_output_tokens_count_max_tokens_until_the_response_says(
     assert estimate_input_tokens(request) == (len("be brief") + len("hi " * 40)) // 4
 
 
+async def test_retry_now_goes_past_the_pause_and_an_accepted_one_lifts_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """R-RETRY-5 with R-SHARE-1: a person's "retry now" sends one request past the pause
+    the provider asked for; when the provider accepts it, the pause is over for everyone;
+    one the provider refuses again leaves the endpoint paused."""
+    admission = EndpointAdmission()
+    refused = await admission.admit("", "a")
+    error = ModelError(kind="timeout", message="overloaded", status_code=529, retry_after_s=60.0)
+    refused.observe([StreamFailed(error=error)])
+    refused.release()
+    assert admission.admit_now() is None  # paused for everyone
+
+    again = admission.admit_past_pause()
+    assert again is not None
+    again.observe([StreamFailed(error=error)])  # refused again: still paused
+    again.release()
+    assert admission.pause_remaining() == 60.0
+
+    retried = admission.admit_past_pause()
+    assert retried is not None
+    retried.observe([TextDelta(index=0, text="x")])  # accepted
+    assert admission.pause_remaining() == 0.0
+    retried.release()  # (the 529 also taught the endpoint to send one at a time)
+    other = admission.admit_now()
+    assert other is not None
+    other.release()
+
+
 async def test_a_429_pauses_everyone_for_the_wait_the_provider_asked(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -206,8 +241,7 @@ async def test_a_429_pauses_everyone_for_the_wait_the_provider_asked(
     admission = EndpointAdmission()
     refused = await admission.admit("", "a")
     other = await admission.admit("", "c")
-    error = ModelError(kind="timeout", message="rate limited", status_code=429,
-                       retry_after_s=5.0)
+    error = ModelError(kind="timeout", message="rate limited", status_code=429, retry_after_s=5.0)
     start = trio.current_time()
     batch = refused.observe([StreamFailed(error=error)])
     assert batch == [StreamFailed(error=error)]
@@ -285,8 +319,7 @@ async def test_a_learned_window_grows_again_a_minute_after_the_last_429(
     admission = EndpointAdmission()
     first, second = await admission.admit("", "a"), await admission.admit("", "b")
     first.observe([TextDelta(index=0, text="ok")])
-    second.observe([StreamFailed(error=ModelError(kind="timeout", message="529",
-                                                  status_code=529))])
+    second.observe([StreamFailed(error=ModelError(kind="timeout", message="529", status_code=529))])
     second.release()
     assert admission.window == 1 and admission.pause_remaining() == 0.0
     first.release()
@@ -367,8 +400,13 @@ async def test_an_exhausted_quota_teaches_the_endpoint_nothing(
     the endpoint nor narrows its window."""
     admission = EndpointAdmission()
     permits = [await admission.admit("", f"s{n}") for n in range(3)]
-    quota = ModelError(kind="failed", message="quota exhausted", status_code=429,
-                       retry_after_s=30.0, permanent=True)
+    quota = ModelError(
+        kind="failed",
+        message="quota exhausted",
+        status_code=429,
+        retry_after_s=30.0,
+        permanent=True,
+    )
     permits[0].observe([StreamFailed(error=quota)])
     assert admission.rate_limit_answers == 0
     assert admission.window == INITIAL_WINDOW and admission.pause_remaining() == 0.0

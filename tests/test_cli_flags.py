@@ -75,9 +75,7 @@ def test_an_unknown_flag_is_reported_with_the_subcommand_usage(
 
 
 def _serve_parser() -> argparse.ArgumentParser:
-    commands = next(
-        a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
-    )
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     parser: argparse.ArgumentParser = commands.choices["serve"]
     return parser
 
@@ -92,8 +90,8 @@ def test_serve_help_describes_every_flag_and_its_default(tmp_path: Path) -> None
                           ("--sandbox", "auto")]:  # fmt: skip
         assert re.search(rf"{flag}\b.*?\(default: {re.escape(default)}\)", text), flag
     for action in _serve_parser()._actions:
-        if not action.option_strings or action.dest == "help":
-            continue
+        if not action.option_strings or action.dest == "help" or action.help == argparse.SUPPRESS:
+            continue  # SUPPRESS: a flag serve gives itself (its workers'), not a user's
         assert action.help, f"{action.option_strings} has no help"
         assert action.option_strings[0] in text
         takes_value = action.nargs != 0 and not isinstance(action, argparse.BooleanOptionalAction)
@@ -369,8 +367,14 @@ def test_a_bad_provider_limit_is_a_usage_error_not_a_traceback(
 
 def test_run_with_provider_limits_completes_its_task(tmp_path: Path) -> None:
     result = greenroom(
-        tmp_path, "run", "--json", "--max-concurrent-requests", "1", "--requests-per-minute",
-        "5", "hello",
+        tmp_path,
+        "run",
+        "--json",
+        "--max-concurrent-requests",
+        "1",
+        "--requests-per-minute",
+        "5",
+        "hello",
     )
     assert result.returncode == 0, result.stderr
     assert json_lines(result.stdout)[-1]["status"] == "completed"

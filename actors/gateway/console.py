@@ -34,6 +34,8 @@ from pathlib import Path
 
 import trio
 
+from greenroom.actors.gateway.listeners import open_listeners
+
 __all__ = [
     "PAGE_PATH",
     "ConsoleServer",
@@ -142,7 +144,10 @@ class ConsoleServer:
         read_timeout_s: float = 10.0,
         write_timeout_s: float = 10.0,
         max_connections: int = 64,
+        reuse_port: bool = False,
     ) -> None:
+        self.reuse_port = reuse_port
+        """Share the port with other processes (``serve --workers``: ``SO_REUSEPORT``)."""
         self.listen_host = listen_host
         self.port = port
         self.page = page
@@ -160,12 +165,9 @@ class ConsoleServer:
         """Listen and serve until cancelled; reports the bound port once listening."""
         if self.page is None:
             self.page = await trio.to_thread.run_sync(load_page)
-        listeners = await trio.open_tcp_listeners(self.port, host=self.listen_host or None)
-        if self.port == 0 and len(listeners) > 1:
-            # Each listener of a multi-address name got its own free port: keep one.
-            for extra in listeners[1:]:
-                await extra.aclose()
-            listeners = listeners[:1]
+        listeners = await open_listeners(
+            self.port, self.listen_host or None, reuse_port=self.reuse_port
+        )
         self.port = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:
             await nursery.start(trio.serve_listeners, self._handle, listeners)

@@ -430,5 +430,3 @@ async def replay_records(session: Session, after_seq: int) -> list[Output]:
     order. Nothing is published before its record is written to the file (R-TRACE-3), so
     the files hold everything published before this call."""
     return await session.host.trace_store.log.read_after(session.id, after_seq)
-
-

@@ -79,6 +79,7 @@ from greenroom.actors.gateway.config import (
 from greenroom.actors.gateway.connection import Connection, Handler
 from greenroom.actors.gateway.console import ConsoleServer, display_host, url_host
 from greenroom.actors.gateway.hubs import Hubs
+from greenroom.actors.gateway.listeners import open_listeners
 from greenroom.actors.gateway.methods import DETACHED, Methods, Router
 from greenroom.actors.gateway.titles import Titles
 from greenroom.actors.runtime.accounting import PrincipalBudget
@@ -131,8 +132,11 @@ class Gateway:
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         allowed_origins: Iterable[str] = (),
         auth_timeout_s: float = AUTH_TIMEOUT_S,
+        reuse_port: bool = False,
     ) -> None:
         self._principals = Principals(token=token, tokens=tokens)
+        self.reuse_port = reuse_port
+        """Share the port with other processes (``serve --workers``: ``SO_REUSEPORT``)."""
         if max_connections < 1:
             raise ConfigurationError("max_connections must be at least 1")
         self.host = host
@@ -181,13 +185,7 @@ class Gateway:
             await trio.to_thread.run_sync(stored_owners, sessions_dir)
         ).items():
             self._grants.grant(owner, session_id)
-        listeners = await trio.open_tcp_listeners(self.port, host=self.listen_host)
-        if self.port == 0 and len(listeners) > 1:
-            # Port 0 on a name with several addresses gives each listener its own port;
-            # serve one so that the reported port is the port.
-            for extra in listeners[1:]:
-                await extra.aclose()
-            listeners = listeners[:1]
+        listeners = await open_listeners(self.port, self.listen_host, reuse_port=self.reuse_port)
         sockets = trio.CapacityLimiter(self.max_connections + HANDSHAKE_SLACK)
         capped = [_CappedListener(listener, sockets) for listener in listeners]
         limits = self.limits
@@ -514,6 +512,7 @@ async def run_serve(
     prices: Mapping[str, Any] | None = None,
     principal_budget: PrincipalBudget | None = None,
     provider_limits: ProviderLimits | None = None,
+    reuse_port: bool = False,
 ) -> None:
     """``greenroom serve``: open a host on ``data_dir``, serve the gateway on it, print
     ``listening on ws://HOST:PORT/v1`` and the token file on stderr, and serve until
@@ -598,6 +597,7 @@ async def run_serve(
             titles=True,
             max_connections=cap,
             allowed_origins=allowed_origins,
+            reuse_port=reuse_port,
         )
         if on_gateway is not None:
             on_gateway(gateway)
@@ -607,7 +607,7 @@ async def run_serve(
             kind = "tokens" if tokens else "token"
             print(f"{kind} file: {token_path}", file=sys.stderr, flush=True)
             if console_port is not None:
-                await _start_console(nursery, gateway, host, console_port, token)
+                await _start_console(nursery, gateway, host, console_port, token, reuse_port)
             if ready is not None:
                 ready(bound)
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -656,10 +656,15 @@ def _console_hosts(host: str) -> tuple[str, ...]:
 
 
 async def _start_console(
-    nursery: trio.Nursery, gateway: Gateway, host: str, port: int, token: str | None
+    nursery: trio.Nursery,
+    gateway: Gateway,
+    host: str,
+    port: int,
+    token: str | None,
+    reuse_port: bool,
 ) -> None:
     gateway_port = gateway.port
-    console = ConsoleServer(listen_host=host, port=port)
+    console = ConsoleServer(listen_host=host, port=port, reuse_port=reuse_port)
     try:
         await nursery.start(console.run)
     except OSError as exc:

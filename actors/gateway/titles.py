@@ -110,8 +110,9 @@ def prompt_title(session: Session) -> str:
     for message in messages:
         if isinstance(message, UserMessage):
             words = " ".join(
-                " ".join(block.text for block in message.content if isinstance(block, TextBlock))
-                .split()
+                " ".join(
+                    block.text for block in message.content if isinstance(block, TextBlock)
+                ).split()
             )
             if words:
                 return clip_words(repair_text(words), TITLE_CHARS)

@@ -223,12 +223,14 @@ class RequestPermit:
     :meth:`rate_limited` directly."""
 
     __slots__ = ("_admission", "_released", "input_counted", "is_accepted", "output_counted",
-                 "watching")
+                 "past_pause", "watching")
 
     def __init__(self, admission: EndpointAdmission) -> None:
         self._admission = admission
         self._released = False
         self.is_accepted = False
+        self.past_pause = False
+        """Sent while the provider's pause was in force, because a person asked to."""
         self.watching = True
         """True until the request's first batch has been observed."""
         self.input_counted: _Counted | None = None
@@ -263,6 +265,9 @@ class RequestPermit:
         if not self.is_accepted and not self._released:
             self.is_accepted = True
             self._admission.accepted()
+            if self.past_pause:
+                # Sent past the pause and accepted: the provider's pause is over.
+                self._admission.lift_pause()
 
     def settle(self, usage: TokenUsage) -> None:
         """The request's real usage replaces its estimate in the per-minute windows (input
@@ -400,6 +405,24 @@ class EndpointAdmission:
         if not self._fits(0, 0):
             return None
         return self._grant(0, 0)
+
+    def admit_past_pause(self) -> RequestPermit | None:
+        """A place at once for a request a person asked to send now (R-RETRY-5: "retry
+        now"), whatever pause the provider asked for, within the concurrency cap; else
+        None (nothing taken)."""
+        if self._in_flight >= self._limit:
+            return None
+        permit = self._grant(0, 0)
+        permit.past_pause = True
+        return permit
+
+    def lift_pause(self) -> None:
+        """The provider's pause is over before the time it said (it accepted a request)."""
+        if self._paused_until:
+            self._paused_until = 0.0
+            self._timed = self._has_windows()
+            if self._waiting:
+                self._dispatch()
 
     async def _wait(self, waiter: _Waiter) -> RequestPermit:
         self._enqueue(waiter)

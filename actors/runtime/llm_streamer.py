@@ -72,13 +72,17 @@ class Backoff:
             return True
         return False
 
-    async def sleep(self, seconds: float) -> None:
-        """The planned wait. Cancel-safe."""
+    async def sleep(self, seconds: float) -> bool:
+        """The planned wait; True when a skip ended it (or came before it). Cancel-safe."""
         try:
-            if seconds > 0 and not self._skipped:
+            if self._skipped:
+                return True
+            if seconds > 0:
                 with trio.CancelScope() as scope:
                     self._scope = scope
                     await trio.sleep(seconds)
+                return scope.cancelled_caught
+            return False
         finally:
             self._scope = None
             self._planned = False
@@ -143,9 +147,12 @@ class LLMStreamer:
         """Wait ``delay_ms`` (the planned backoff) and the endpoint's admission, then stream
         one attempt into ``inbox``. Cancel-safe: cancellation stops the sleep, the wait or
         the stream at once and delivers nothing more."""
-        if delay_ms > 0:
-            await self._backoff.sleep(delay_ms / 1000)
+        skipped = delay_ms > 0 and await self._backoff.sleep(delay_ms / 1000)
         permit = self._requester.admit_now()
+        if permit is None and skipped:
+            # A person asked to retry now (R-RETRY-5): the provider's pause does not hold
+            # this one request back; a new refusal pauses the endpoint again.
+            permit = self._requester.admission.admit_past_pause()
         if permit is None:
             permit = await self._requester.admit(request)
         observe = permit.observe
