@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from typing import Any, Literal
 
 import attrs
 
-from greenroom.protocols.outputs import PeopleKind
+from greenroom.protocols.outputs import ApprovalRequest, PeopleKind
 
 __all__ = [
     "ASK_USER",
@@ -33,6 +35,7 @@ __all__ = [
     "answer_problem",
     "arguments_digest",
     "form_content",
+    "waiting_requests",
 ]
 
 ASK_USER = "ask_user"
@@ -211,3 +214,33 @@ def _value_problem(field: dict[str, Any], value: Any) -> str | None:
         if isinstance(high, int | float) and value > high:
             return f"at most {high:g}"
     return None
+
+
+def waiting_requests(
+    pending: Iterable[ApprovalRequest],
+    allowed: AbstractSet[str],
+    *,
+    session_id: str,
+    origin: tuple[str, ...],
+    running: bool,
+) -> list[PendingApproval]:
+    """The requests of a session's open task that wait for a person, as every reader lists
+    them (the host's ``pending_approvals``, ``greenroom approvals``): its ``pending``
+    ``approval_request`` records, less the questions of calls that were ``allowed`` and
+    running (an MCP elicitation) unless a supervisor still runs them (``running``): one
+    that a stopped host left in the trace is settled when the task resumes (the call is
+    not run again), and nobody can answer it."""
+    return [
+        PendingApproval(
+            session_id=session_id,
+            call_id=request.call_id,
+            tool=request.tool,
+            arguments=request.arguments,
+            asked_at=request.asked_at,
+            origin=origin,
+            kind=request.kind,
+            digest=arguments_digest(request.arguments),
+        )
+        for request in pending
+        if running or request.call_id not in allowed
+    ]

@@ -91,7 +91,7 @@ from greenroom.actors.runtime import (
 from greenroom.actors.tools import ask_user
 from greenroom.protocols.content import ToolCallBlock
 from greenroom.protocols.outputs import ApprovalDecision, ApprovalRequest, Output, TaskEnd
-from greenroom.protocols.people import ASK_USER, PendingApproval, arguments_digest
+from greenroom.protocols.people import ASK_USER, PendingApproval, waiting_requests
 from greenroom.protocols.task import fold
 
 __all__ = [
@@ -145,19 +145,14 @@ async def stored_requests(data_dir: Path, session_id: str | None = None) -> Stor
         recorded = fold(trace.records).recorded()
         if recorded.run_id is None:
             continue  # no task open: nothing can wait
-        origin = _origin(entry.session_id, parents)
         found.extend(
-            PendingApproval(
+            waiting_requests(
+                recorded.pending_people,
+                recorded.allowed,
                 session_id=entry.session_id,
-                call_id=request.call_id,
-                tool=request.tool,
-                arguments=request.arguments,
-                asked_at=request.asked_at,
-                origin=origin,
-                kind=request.kind,
-                digest=arguments_digest(request.arguments),
+                origin=_origin(entry.session_id, parents),
+                running=False,  # read from the trace: no supervisor runs its calls here
             )
-            for request in recorded.pending_people
         )
     found.sort(key=lambda p: (p.asked_at or 0.0, p.session_id, p.call_id))
     return StoredRequests(requests=tuple(found), problems=tuple(problems))
@@ -418,9 +413,7 @@ async def _answer_and_follow(
         data_dir=options.data_dir, observers=options.observers, tools=options.tools
     ) as host:
         try:
-            session = await host.load_session(
-                answer.session_id, mcp_servers=options.mcp_servers
-            )
+            session = await host.load_session(answer.session_id, mcp_servers=options.mcp_servers)
         except SessionNotFound as exc:
             print_error(f"greenroom {command}: {exc}")
             return EXIT_USAGE
@@ -642,4 +635,3 @@ class Follower:
                 f"waiting for a person: {what} (call {request.call_id}); answer with: "
                 + how_to_answer(pending, self._data_dir)
             )
-

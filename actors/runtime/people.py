@@ -24,7 +24,7 @@ from greenroom.actors.runtime.errors import NotPending
 from greenroom.actors.runtime.people_desk import PeopleDesk, WatchRequest
 from greenroom.actors.runtime.port import SessionPort
 from greenroom.protocols.messages import InterruptTask, PersonAnswered
-from greenroom.protocols.people import PendingApproval, arguments_digest
+from greenroom.protocols.people import PendingApproval, arguments_digest, waiting_requests
 
 __all__ = ["People", "answer", "pending_of"]
 
@@ -87,26 +87,16 @@ class People:
 
 
 def pending_of(port: SessionPort) -> list[PendingApproval]:
-    """The requests of ``port``'s open task that wait for a person. A running call's
-    question (an MCP elicitation) counts only while a supervisor runs the call: one that
-    a stopped host left in the trace is settled when the task resumes (the call is not
-    run again), and nobody can answer it."""
+    """The requests of ``port``'s open task that wait for a person
+    (:func:`~greenroom.protocols.people.waiting_requests`)."""
     record = port.machine.record
-    running = port.inbox is not None
-    return [
-        PendingApproval(
-            session_id=port.id,
-            call_id=request.call_id,
-            tool=request.tool,
-            arguments=request.arguments,
-            asked_at=request.asked_at,
-            origin=port.origin_path,
-            kind=request.kind,
-            digest=arguments_digest(request.arguments),
-        )
-        for request in record.pending_people
-        if running or request.call_id not in record.allowed
-    ]
+    return waiting_requests(
+        record.pending_people,
+        record.allowed,
+        session_id=port.id,
+        origin=port.origin_path,
+        running=port.inbox is not None,
+    )
 
 
 async def answer(port: SessionPort, message: PersonAnswered) -> None:
@@ -114,9 +104,7 @@ async def answer(port: SessionPort, message: PersonAnswered) -> None:
     :class:`NotPending` when the call waits for no answer (or no longer), when the answer
     names other arguments than the call's, or when it is not of the request's kind."""
     if message.verdict not in (None, "allow", "deny", "allow_session"):
-        raise ValueError(
-            f"decision must be allow, deny or allow_session, not {message.verdict!r}"
-        )
+        raise ValueError(f"decision must be allow, deny or allow_session, not {message.verdict!r}")
     request = port.machine.record.pending(message.call_id)
     if request is None:
         raise NotPending(
