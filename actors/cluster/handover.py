@@ -44,16 +44,20 @@ async def hand_over(
     others = [h for h in hosts if h.host_id != own_id and h.placeable]
     if not others:
         return
-    target = min(others, key=lambda h: h.load)
     give_up(session_id)
     await keeper.release(session_id)
     message = {"method": HAND_OVER_METHOD, "params": {"session_id": session_id}, "principal": ""}
-    try:
-        await requests.request_host(target.host_id, message, timeout_s=timeout_s)
-    except ClusterError as exc:
-        _log(f"cannot hand session {session_id} to host {target.host_id}: {exc}")
-        return
-    _log(f"host {own_id} handed session {session_id} to host {target.host_id}")
+    # The least loaded first; one that does not take it (it left, it drains too) is passed.
+    for target in sorted(others, key=lambda h: h.load):
+        try:
+            reply = await requests.request_host(target.host_id, message, timeout_s=timeout_s)
+        except ClusterError as exc:
+            _log(f"cannot hand session {session_id} to host {target.host_id}: {exc}")
+            continue
+        if (reply.get("result") or {}).get("taken"):
+            _log(f"host {own_id} handed session {session_id} to host {target.host_id}")
+            return
+    _log(f"no host took session {session_id}; the next to scan for orphans will")
 
 
 def _log(message: str) -> None:

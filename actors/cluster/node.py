@@ -554,6 +554,10 @@ class ClusterNode:
         """Give every lease up (a clean shutdown: others need not wait for the TTL)."""
         if self._keeper is None:
             return
+        if self._registry is not None:
+            # Gone from the registry at once: no host hands it a session meanwhile.
+            with contextlib.suppress(ClusterUnavailable):
+                await self._registry.withdraw(self.host_id)
         for session_id in self._keeper.held():
             await self._keeper.release(session_id)
 
