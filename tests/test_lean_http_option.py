@@ -22,7 +22,7 @@ from tests.test_cli import greenroom_async, json_lines  # noqa: E402
 
 @pytest.mark.parametrize(
     ("value", "lean"),
-    [(None, False), ("1", True), ("on", True), ("TRUE", True), ("0", False), ("off", False)],
+    [(None, True), ("1", True), ("on", True), ("TRUE", True), ("0", False), ("off", False)],
 )
 async def test_the_registry_reads_the_variable(
     monkeypatch: pytest.MonkeyPatch, value: str | None, lean: bool

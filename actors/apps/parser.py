@@ -139,7 +139,7 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         help="anthropic provider: read streams through greenroom's lean HTTP/1.1 transport "
         "(about half the client CPU per streamed event; the SDK still builds, authenticates "
         "and checks the requests) instead of the SDK's own HTTP stack "
-        f"(default: ${LEAN_HTTP_VARIABLE}, else off)",
+        f"(default: ${LEAN_HTTP_VARIABLE}, else on)",
     )
 
 

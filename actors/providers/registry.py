@@ -42,16 +42,17 @@ class ProviderSpec:
 LEAN_HTTP_VARIABLE = "GREENROOM_LEAN_HTTP"
 """``1``/``on``/``true``/``yes`` or ``0``/``off``/``false``/``no``: whether the anthropic
 provider made from the registry reads its streams through greenroom's lean HTTP/1.1
-transport (``AnthropicProvider(lean_http=True)``); unset means off. The command line's
-``--lean-http`` / ``--no-lean-http`` set it for the process they run."""
+transport (``AnthropicProvider(lean_http=True)``); unset (or empty) means on: the defaults
+are the fast path (R-PERF-1). The command line's ``--lean-http`` / ``--no-lean-http`` set
+it for the process they run."""
 
-_TRUE = ("1", "on", "true", "yes")
-_FALSE = ("0", "off", "false", "no", "")
+_TRUE = ("1", "on", "true", "yes", "")
+_FALSE = ("0", "off", "false", "no")
 
 
 def lean_http_enabled() -> bool:
-    """What :data:`LEAN_HTTP_VARIABLE` asks for; ``ValueError`` naming the variable and the
-    accepted words when it holds something else."""
+    """What :data:`LEAN_HTTP_VARIABLE` asks for (on when unset); ``ValueError`` naming the
+    variable and the accepted words when it holds something else."""
     value = os.environ.get(LEAN_HTTP_VARIABLE, "").strip().lower()
     if value in _TRUE:
         return True

@@ -1,16 +1,20 @@
 """Scale: many concurrent paced sessions on one core, greenroom against the SDK loop.
 
     .venv/bin/python -m tests.benchmarks.scale [--quick] [--n 1000 250] [--reps 3]
-        [--variants greenroom,greenroom-gc,greenroom-lean,greenroom-gc-lean,sdk]
+        [--variants greenroom,greenroom-gc,greenroom-lean,greenroom-gc-lean,
+                    greenroom-sdk-http,sdk]
 
 The mock server paces the reference workload at 20 ms per token and 500 ms to the first
 token. For each N (1,000; quick: 200) the variants (default: greenroom, greenroom-gc-lean,
 sdk) run N tasks at once, alternately (the order rotates every repetition), ``--reps``
 times (3; quick: 1); figures are medians.
-Variants: ``greenroom`` (Host, one session per task), ``greenroom-gc`` (the same with
-``Host.open(gc_tuning=True)``), ``greenroom-lean`` (``AnthropicProvider(lean_http=True)``),
-``greenroom-gc-lean`` (both), ``sdk`` (the anthropic SDK's documented streaming loop by
-hand). Reported per variant: tasks completed, wall time and its ratio to the pacing ideal,
+Variants: ``greenroom`` (Host, one session per task, the defaults: the provider's
+transport as the registry makes it, lean unless ``GREENROOM_LEAN_HTTP=0``),
+``greenroom-gc`` (the same with ``Host.open(gc_tuning=True)``), ``greenroom-lean``
+(``AnthropicProvider(lean_http=True)``), ``greenroom-gc-lean`` (both),
+``greenroom-sdk-http`` (the SDK's own HTTP stack, the default before the lean transport
+was), ``sdk`` (the anthropic SDK's documented streaming loop by hand). Reported per variant:
+tasks completed, wall time and its ratio to the pacing ideal,
 client CPU, CPU per task and per wire event, socket reads and wire events per read (how
 many events the client finds at each read: about one when it keeps up, more when it
 saturates), peak RSS; then each variant's CPU as a multiple of the SDK loop's.
@@ -54,7 +58,24 @@ TOOL_CALLS = 2
 FRAGMENTS = 3
 TARGET_RATIO = 1.5
 TARGET_CPU_VS_SDK = 0.5
-VARIANTS = ("greenroom", "greenroom-gc", "greenroom-lean", "greenroom-gc-lean", "sdk")
+VARIANTS = (
+    "greenroom",
+    "greenroom-gc",
+    "greenroom-lean",
+    "greenroom-gc-lean",
+    "greenroom-sdk-http",
+    "sdk",
+)
+
+
+def _transport(variant: str) -> bool | None:
+    """The anthropic provider's transport of ``variant``: lean, the SDK's own HTTP stack
+    (``-sdk-http``), else the defaults' (the registry's)."""
+    if "-lean" in variant:
+        return True
+    if "-sdk-http" in variant:
+        return False
+    return None
 
 
 def ideal_s(token_ms: float = TOKEN_MS, first_ms: float = FIRST_MS) -> float:
@@ -93,7 +114,7 @@ async def main_async(args: Any) -> dict[str, Any]:
         ) as server:
             benches = {
                 v: GreenroomBench(
-                    server.base_url, data_dir, gc_tuning="-gc" in v, lean_http="-lean" in v
+                    server.base_url, data_dir, gc_tuning="-gc" in v, lean_http=_transport(v)
                 )
                 for v in VARIANTS
                 if v != "sdk"

@@ -65,7 +65,7 @@ class GreenroomBench:
         data_dir: Path,
         tools: bool = True,
         gc_tuning: bool = False,
-        lean_http: bool = False,
+        lean_http: bool | None = None,
     ) -> None:
         self.base_url = base_url
         self.data_dir = data_dir
@@ -77,12 +77,15 @@ class GreenroomBench:
         import time
 
         from greenroom.actors.providers.anthropic import AnthropicProvider
+        from greenroom.actors.providers.registry import lean_http_enabled
         from greenroom.actors.runtime.host import Host
         from greenroom.protocols.outputs import PartialText, TaskEnd
 
         result = Run("greenroom", n)
+        # None: what a session of Host.open() gets from the provider registry (the defaults).
+        lean = lean_http_enabled() if self.lean_http is None else self.lean_http
         provider = AnthropicProvider(
-            base_url=self.base_url, api_key="bench", max_connections=POOL, lean_http=self.lean_http
+            base_url=self.base_url, api_key="bench", max_connections=POOL, lean_http=lean
         )
         data_dir = Path(tempfile.mkdtemp(prefix="run-", dir=self.data_dir))
         try:
