@@ -89,8 +89,9 @@ class People:
 def pending_of(port: SessionPort) -> list[PendingApproval]:
     """The requests of ``port``'s open task that wait for a person. A running call's
     question (an MCP elicitation) counts only while a supervisor runs the call: one that
-    a stopped host left in the trace is settled when the task resumes (the call is not
-    run again), and nobody can answer it."""
+    a stopped host left in the trace is settled when the task resumes (the call is in
+    doubt), and nobody can answer it. The question about a call in doubt counts always
+    (R-EFFECT-2)."""
     record = port.machine.record
     running = port.inbox is not None
     return [
@@ -105,7 +106,9 @@ def pending_of(port: SessionPort) -> list[PendingApproval]:
             digest=arguments_digest(request.arguments),
         )
         for request in record.pending_people
-        if running or request.call_id not in record.allowed
+        if running
+        or request.call_id not in record.allowed
+        or record.waits_for_person(request.call_id)
     ]
 
 

@@ -47,6 +47,7 @@ from greenroom.protocols.messages import (
     StreamBatch,
     StreamerCommand,
     SupervisorMessage,
+    ToolCallChecked,
     ToolCallFinished,
     ToolProgressed,
 )
@@ -231,6 +232,7 @@ class RunningTask:
             run_id=self.run_id,
             approvals=work.approvals,
             pool=work.pool,
+            people=self.task is not None and self.task.approve == PEOPLE,
         )
 
     def _actors(self) -> tuple[TurnRunner, TaskWork]:
@@ -350,7 +352,7 @@ class RunningTask:
     def on_turn_message(
         self,
         message: ToolCallFinished | ToolProgressed | ApprovalDecided | ApprovalAsked
-        | QuestionAsked,
+        | QuestionAsked | ToolCallChecked,
     ) -> None:
         """What the pool or the broker reported."""
         if self.turns is not None:

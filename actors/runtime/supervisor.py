@@ -70,6 +70,7 @@ from greenroom.protocols.messages import (
     SubagentOutputs,
     SupervisorMessage,
     TaskQueued,
+    ToolCallChecked,
     ToolCallFinished,
     ToolProgressed,
     TraceFailed,
@@ -262,7 +263,13 @@ class SessionSupervisor:
                 # The hot path: one batch per network read.
                 if task is not None:
                     task.on_batch(message)
-            case ToolCallFinished() | ToolProgressed() | ApprovalDecided() | ApprovalAsked():
+            case (
+                ToolCallFinished()
+                | ToolProgressed()
+                | ApprovalDecided()
+                | ApprovalAsked()
+                | ToolCallChecked()
+            ):
                 if task is not None:
                     task.on_turn_message(message)
             case QuestionAsked():
