@@ -31,6 +31,7 @@ __all__ = [
     "PendingApproval",
     "Verdict",
     "answer_problem",
+    "answered_with_text",
     "arguments_digest",
     "form_content",
 ]
@@ -65,7 +66,8 @@ class PendingApproval:
         arguments: the call's arguments.
         asked_at: when it was asked (seconds since the epoch), or None.
         origin: the session ids from the root to ``session_id`` (R-HOST-4).
-        kind: ``approval``, ``question`` (``ask_user``: answer with text) or ``in_doubt``.
+        kind: ``approval``, ``question`` (``ask_user``: answer with text) or ``in_doubt``
+            (a call its host lost: answer ``done``, ``not done`` or ``run again``).
         digest: :func:`arguments_digest` of ``arguments``; an answer may name it.
     """
 
@@ -77,6 +79,13 @@ class PendingApproval:
     origin: tuple[str, ...]
     kind: PeopleKind = "approval"
     digest: str = ""
+
+
+def answered_with_text(kind: PeopleKind) -> bool:
+    """Whether a request of ``kind`` is answered with text (``host.answer_question``, the
+    gateway's ``answer``): a question (``ask_user``, an elicitation) or a call in doubt
+    (``done``, ``not done``, ``run again``: R-EFFECT-2); an approval is decided."""
+    return kind != "approval"
 
 
 def answer_problem(arguments: dict[str, Any], text: str) -> str | None:
