@@ -50,6 +50,8 @@ from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
     ApprovalRequest,
+    CallInDoubt,
+    CallResolved,
     CompactionBegin,
     CompactionEnd,
     ModelMsg,
@@ -675,9 +677,12 @@ class UpdateMapper:
                 | ApprovalRequest()
                 | CompactionBegin()
                 | CompactionEnd()
+                | CallInDoubt()
+                | CallResolved()
             ):
                 # The editor learns of a call from its block, is asked to approve by the
-                # agent's own request, and sees no request, usage or compaction events.
+                # agent's own request, and sees no request, usage or compaction events;
+                # a call in doubt ends with its result as any call does.
                 return []
             case _:
                 assert_never(output)

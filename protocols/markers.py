@@ -41,9 +41,29 @@ HOST_LOST_IDEMPOTENT_TEXT = (
 )
 """The same for a tool declared ``@tool(idempotent=True)``."""
 
+IN_DOUBT_FOUND_TEXT = (
+    "the host running this call was lost before its result was recorded; the tool's "
+    "check found that it had taken effect, and reported:"
+)
+"""The start of the result of a call in doubt whose ``check`` found its effect
+(R-EFFECT-2); what the check reported follows."""
+
+IN_DOUBT_DONE_TEXT = (
+    "the host running this call was lost before its result was recorded; a person "
+    "confirmed that it took effect (its own result is not known)"
+)
+"""The result of a call in doubt that a person said took effect (R-EFFECT-2)."""
+
+IN_DOUBT_NOT_DONE_TEXT = (
+    "the host running this call was lost before its result was recorded; a person "
+    "confirmed that it did not take effect, and it was not run again"
+)
+"""The result of a call in doubt that a person said did not take effect (R-EFFECT-2)."""
+
 HOST_LOST_CONTINUATION = (
     "[host lost] The host running this task stopped; the task continues now. "
-    "Tool calls that had not finished were not run again (their results say so). "
+    "Tool calls that had not finished say in their results what became of them: not run "
+    "again, found done, or run again. "
     "Continue the task from where it stopped."
 )
 """The steering a resumed task gets when its host stopped with work in flight."""

@@ -61,6 +61,20 @@ class ToolCallFinished:
 
 
 @attrs.frozen(kw_only=True, slots=True)
+class ToolCallChecked:
+    """Pool → supervisor: the ``check`` of call ``call_id``, in doubt, has answered
+    (R-EFFECT-2): ``done`` with what it found (``status`` and ``content``: the call's
+    result), ``not_done`` (the call runs again), or ``failed`` with ``error`` (the check
+    raised or ran out of time, or the tool has none now: another resolves the call)."""
+
+    call_id: str
+    outcome: Literal["done", "not_done", "failed"]
+    status: ToolStatus = "ok"
+    content: tuple[ToolContent, ...] = ()
+    error: str | None = None
+
+
+@attrs.frozen(kw_only=True, slots=True)
 class ToolProgressed:
     """Pool → supervisor: a progress note of running call ``call_id`` (live only, never traced)."""
 
@@ -217,6 +231,7 @@ SupervisorMessage = (
     | ApprovalAsked
     | ApprovalDecided
     | ToolCallFinished
+    | ToolCallChecked
     | ToolProgressed
     | QuestionAsked
     | SubagentOutputs
@@ -253,10 +268,24 @@ class SkipToolCall:
 @attrs.frozen(kw_only=True, slots=True)
 class RunToolCall:
     """Command to the tool pool: execute this approved call. ``position`` is the call's
-    place in the turn's call order (exclusive tools wait for every earlier call)."""
+    place in the turn's call order (exclusive tools wait for every earlier call);
+    ``idempotency_key`` is the call's (R-EFFECT-1), given to the tool in its context."""
 
     call: ToolCallBlock
     position: int
+    idempotency_key: str = ""
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class CheckToolCall:
+    """Command to the tool pool: ask the tool's ``check`` whether this call, in doubt,
+    took effect (R-EFFECT-2), by its ``idempotency_key``; the answer comes back as
+    :class:`ToolCallChecked`. The call keeps its ``position``: exclusive calls after it
+    wait until it runs again or is skipped."""
+
+    call: ToolCallBlock
+    position: int
+    idempotency_key: str
 
 
 @attrs.frozen(kw_only=True, slots=True)
@@ -291,7 +320,7 @@ StreamerCommand = StartAttempt | PlanBackoff | SkipBackoff
 """What the LLM streamer's inbox carries."""
 
 
-PoolCommand = BeginTurn | RunToolCall | SkipToolCall
+PoolCommand = BeginTurn | RunToolCall | SkipToolCall | CheckToolCall
 """What the tool pool's inbox carries."""
 
 

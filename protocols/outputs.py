@@ -32,6 +32,8 @@ Decision = Literal["allow", "deny"]
 DecidedBy = Literal["host", "client", "session_rule", "default"]
 PeopleKind = Literal["approval", "question", "in_doubt"]
 CompactionReason = Literal["context", "turns", "manual", "overflow"]
+ResolvedBy = Literal["check", "person", "note"]
+Resolution = Literal["done", "not_done", "rerun", "unknown"]
 
 COMMON_FIELDS = """
     Every output also has:
@@ -260,7 +262,9 @@ class ApprovalRequest(Envelope):
         arguments: the call's arguments, as the model gave them.
         kind: ``approval`` (decide the call), ``question`` (the ``ask_user`` tool: the
             answer is its result) or ``in_doubt`` (did a call that was running when its
-            host stopped take effect?). Left out of the JSON for ``approval``.
+            host stopped take effect? ``arguments`` are then the question's: ``question``,
+            ``choices``, the call's ``arguments`` and its ``idempotency_key``: R-EFFECT-2).
+            Left out of the JSON for ``approval``.
         asked_at: when it was asked (seconds since the epoch); the timeout policy counts
             from it. Left out when None.
     """
@@ -413,6 +417,58 @@ class CompactionEnd(Envelope):
 
 @_documented
 @attrs.frozen(kw_only=True, slots=True)
+class CallInDoubt(Envelope):
+    """A tool call that was allowed but has no recorded result when its task was taken up
+    — its host was lost, killed or crashed while the call ran or was about to: whether it
+    took effect is not known (R-EFFECT-2). A ``call_resolved`` follows, once.
+
+    Fields:
+        call_id: the tool call's id.
+        tool: the tool's name.
+        idempotency_key: the call's key (R-EFFECT-1), the one it was run with: what its
+            check, and a person, look the effect up by.
+    """
+
+    TYPE: ClassVar[str] = "call_in_doubt"
+    TRACED: ClassVar[bool] = True
+    call_id: str
+    tool: str
+    idempotency_key: str
+
+
+@_documented
+@attrs.frozen(kw_only=True, slots=True)
+class CallResolved(Envelope):
+    """How a call in doubt (``call_in_doubt``) was resolved (R-EFFECT-2): exactly one per
+    ``call_in_doubt``, followed by the call's ``tool_call_output`` or, for ``rerun``, by
+    the call running once more with the same key.
+
+    Fields:
+        call_id: the tool call's id.
+        tool: the tool's name.
+        by: ``check`` (the tool's ``check`` asked the outside world), ``person`` (someone
+            answered the in-doubt question: ``principal`` names them) or ``note`` (nothing
+            could tell: the model is told the call was lost and not run again).
+        outcome: ``done`` (it took effect), ``not_done`` (it did not; not run again),
+            ``rerun`` (it did not, or a person chose so: it runs again) or ``unknown``
+            (the note's).
+        principal: who answered, for ``by: person``. Left out when None.
+        check_error: why the tool's check gave no answer (it raised or ran out of time),
+            when it was asked and another resolved the call. Left out when None.
+    """
+
+    TYPE: ClassVar[str] = "call_resolved"
+    TRACED: ClassVar[bool] = True
+    call_id: str
+    tool: str
+    by: ResolvedBy
+    outcome: Resolution
+    principal: str | None = None
+    check_error: str | None = None
+
+
+@_documented
+@attrs.frozen(kw_only=True, slots=True)
 class TaskEnd(Envelope):
     """The task ended: the last output of every task (R-RUN-7).
 
@@ -454,6 +510,8 @@ Output: TypeAlias = (
     | Abort
     | CompactionBegin
     | CompactionEnd
+    | CallInDoubt
+    | CallResolved
     | TaskEnd
 )
 """Every output: the closed union to ``match`` on (exhaustively, ending with

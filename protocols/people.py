@@ -33,6 +33,7 @@ __all__ = [
     "PendingApproval",
     "Verdict",
     "answer_problem",
+    "answered_with_text",
     "arguments_digest",
     "form_content",
     "waiting_requests",
@@ -68,7 +69,8 @@ class PendingApproval:
         arguments: the call's arguments.
         asked_at: when it was asked (seconds since the epoch), or None.
         origin: the session ids from the root to ``session_id`` (R-HOST-4).
-        kind: ``approval``, ``question`` (``ask_user``: answer with text) or ``in_doubt``.
+        kind: ``approval``, ``question`` (``ask_user``: answer with text) or ``in_doubt``
+            (a call its host lost: answer ``done``, ``not done`` or ``run again``).
         digest: :func:`arguments_digest` of ``arguments``; an answer may name it.
     """
 
@@ -80,6 +82,13 @@ class PendingApproval:
     origin: tuple[str, ...]
     kind: PeopleKind = "approval"
     digest: str = ""
+
+
+def answered_with_text(kind: PeopleKind) -> bool:
+    """Whether a request of ``kind`` is answered with text (``host.answer_question``, the
+    gateway's ``answer``): a question (``ask_user``, an elicitation) or a call in doubt
+    (``done``, ``not done``, ``run again``: R-EFFECT-2); an approval is decided."""
+    return kind != "approval"
 
 
 def answer_problem(arguments: dict[str, Any], text: str) -> str | None:
@@ -229,7 +238,8 @@ def waiting_requests(
     ``approval_request`` records, less the questions of calls that were ``allowed`` and
     running (an MCP elicitation) unless a supervisor still runs them (``running``): one
     that a stopped host left in the trace is settled when the task resumes (the call is
-    not run again), and nobody can answer it."""
+    in doubt), and nobody can answer it. The question about a call in doubt counts always
+    (R-EFFECT-2)."""
     return [
         PendingApproval(
             session_id=session_id,
@@ -242,5 +252,5 @@ def waiting_requests(
             digest=arguments_digest(request.arguments),
         )
         for request in pending
-        if running or request.call_id not in allowed
+        if running or request.call_id not in allowed or request.kind == "in_doubt"
     ]

@@ -59,6 +59,8 @@ from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
     ApprovalRequest,
+    CallInDoubt,
+    CallResolved,
     CompactionBegin,
     CompactionEnd,
     CompactionReason,
@@ -237,10 +239,13 @@ class RecordedState:
     """The machine's state as the trace determines it (invariant 1): what :func:`fold`
     rebuilds and the live run keeps identically.
 
-    ``turn_calls`` are the tool calls of the current attempt (call order),
-    ``turn_errors`` whether each result so far is an error, by call id, ``allowed`` the
-    calls allowed and still without a result; ``pending_people`` the ``approval_request``
-    records that wait for a person (R-HITL-1)."""
+    ``turn_calls`` are the tool calls of the current attempt (call order) and
+    ``turn_call_seqs`` the ``seq`` of each one's ``model_msg`` (what its idempotency key
+    is derived from: R-EFFECT-1), ``turn_errors`` whether each result so far is an error,
+    by call id, ``allowed`` the calls allowed and still without a result, ``in_doubt``
+    those of them recorded in doubt and not yet resolved (R-EFFECT-2);
+    ``pending_people`` the ``approval_request`` records that wait for a person
+    (R-HITL-1)."""
 
     phase: Phase
     run_id: str | None
@@ -255,8 +260,10 @@ class RecordedState:
     rerun_turn: bool
     compaction_reason: CompactionReason | None
     turn_calls: tuple[str, ...]
+    turn_call_seqs: tuple[int | None, ...]
     turn_errors: tuple[tuple[str, bool], ...]
     allowed: frozenset[str]
+    in_doubt: frozenset[str]
     pending_people: tuple[ApprovalRequest, ...]
     loop_reason: str | None
     loop_streaks: tuple[tuple[str, int], ...]
@@ -281,10 +288,12 @@ class TaskRecord:
         "allowed",
         "attempt",
         "auth_locked",
+        "call_seqs",
         "calls",
         "compacted_before_turn",
         "compaction_reason",
         "failure",
+        "in_doubt",
         "kind",
         "last_request_total",
         "last_status",
@@ -320,9 +329,13 @@ class TaskRecord:
         # An idle session keeps one of these (thousands per host): containers are
         # immutable and shared until a task fills them.
         self.calls: tuple[ToolCallBlock, ...] = ()
+        self.call_seqs: tuple[int | None, ...] = ()
+        """The ``seq`` of each call's ``model_msg``, in the order of :attr:`calls`."""
         self._results: dict[str, bool] | None = None
         self.request_ok = False
         self.allowed: frozenset[str] = frozenset()
+        self.in_doubt: frozenset[str] = frozenset()
+        """Allowed calls recorded in doubt (``call_in_doubt``) and not resolved yet."""
         self.pending_people: tuple[ApprovalRequest, ...] = ()
         self.loop_reason: str | None = None
         self._guard: LoopGuard | None = None
@@ -348,6 +361,22 @@ class TaskRecord:
         results = self._results or {}
         return [c.id for c in self.calls if c.id not in results]
 
+    def call_seq(self, call_id: str) -> int | None:
+        """The ``seq`` of the ``model_msg`` of the current attempt's call ``call_id``
+        (None for a call the trace does not hold)."""
+        for call, seq in zip(self.calls, self.call_seqs, strict=True):
+            if call.id == call_id:
+                return seq
+        return None
+
+    def waits_for_person(self, call_id: str) -> bool:
+        """Whether ``call_id`` is in doubt and waits for a person to say what became of
+        it: it runs nothing meanwhile (R-EFFECT-2, R-HITL-3)."""
+        if call_id not in self.in_doubt:
+            return False
+        request = self.pending(call_id)
+        return request is not None and request.kind == "in_doubt"
+
     def state(self) -> RecordedState:
         """The recorded state, as a value."""
         return RecordedState(
@@ -364,8 +393,10 @@ class TaskRecord:
             rerun_turn=self.rerun_turn,
             compaction_reason=self.compaction_reason,
             turn_calls=tuple(c.id for c in self.calls),
+            turn_call_seqs=self.call_seqs,
             turn_errors=tuple(sorted((self._results or {}).items())),
             allowed=self.allowed,
+            in_doubt=self.in_doubt,
             pending_people=self.pending_people,
             loop_reason=self.loop_reason,
             loop_streaks=self._guard.streaks if self._guard is not None else (),
@@ -386,6 +417,7 @@ class TaskRecord:
                 block = output.block
                 if isinstance(block, ToolCallBlock) and self.phase is Phase.MODEL:
                     self.calls = (*self.calls, block)
+                    self.call_seqs = (*self.call_seqs, output.seq)
             case TokenUsageOutput():
                 self.usage = self.usage + output.request
                 self.last_request_total = output.request.total
@@ -402,6 +434,14 @@ class TaskRecord:
                     self.allowed = self.allowed | {output.call_id}
                 if output.remember:
                     self.session_rules = self.session_rules | {output.tool}
+            case CallInDoubt():
+                if output.call_id in self.allowed:
+                    self.in_doubt = self.in_doubt | {output.call_id}
+            case CallResolved():
+                # Its question (if a person was asked) is answered; a rerun makes it a
+                # running call again, any other outcome's result follows.
+                self._answered(output.call_id)
+                self.in_doubt = self.in_doubt - {output.call_id}
             case TaskStart():
                 self.start(output.run_id, "task")
             case CompactionBegin():
@@ -433,9 +473,11 @@ class TaskRecord:
         self.compacted_before_turn = False
         self.rerun_turn = False
         self.calls = ()
+        self.call_seqs = ()
         self._results = None
         self.request_ok = False
         self.allowed = frozenset()
+        self.in_doubt = frozenset()
         self.pending_people = ()
         self.loop_reason = None
         self._guard = None
@@ -448,10 +490,12 @@ class TaskRecord:
         self.kind = None
         self.last_status = status
         self.calls = ()
+        self.call_seqs = ()
         self._results = None
         self._guard = None
         self.request_ok = False
         self.allowed = frozenset()
+        self.in_doubt = frozenset()
         self.pending_people = ()
         self.retry_in_ms = None
         self.failure = None
@@ -471,9 +515,11 @@ class TaskRecord:
         self.compacted_before_turn = False
         self.rerun_turn = False
         self.calls = ()
+        self.call_seqs = ()
         self._results = {}
         self.request_ok = False
         self.allowed = frozenset()
+        self.in_doubt = frozenset()
         self.pending_people = ()
 
     def _request_ended(self, output: RequestEnd) -> None:
@@ -504,6 +550,7 @@ class TaskRecord:
         self._answered(output.call_id)
         if output.call_id in self.allowed:
             self.allowed = self.allowed - {output.call_id}
+            self.in_doubt = self.in_doubt - {output.call_id}
         if self._results is not None and any(c.id == output.call_id for c in self.calls):
             self._results[output.call_id] = output.is_error
             if self.phase is Phase.TOOLS:
@@ -695,9 +742,13 @@ class TaskMachine:
             return "compaction"
         if phase is Phase.TOOLS:
             # The calls not yet asked wait behind the one a person is asked about
-            # (approvals are asked one at a time); an allowed call is a tool running.
+            # (approvals are asked one at a time); an allowed call is a tool running —
+            # or, in doubt, a check asking about it — unless a person is asked what
+            # became of it (R-EFFECT-2).
             unfinished = record.unfinished_calls()
-            if record.pending_people and not any(c in record.allowed for c in unfinished):
+            if record.pending_people and not any(
+                c in record.allowed and not record.waits_for_person(c) for c in unfinished
+            ):
                 return "people"
             return "tools"
         return None

@@ -14,6 +14,20 @@ from its name (R-TOOL-3)::
         \"\"\"
 
 A parameter named ``ctx`` receives a :class:`ToolContext` and is not part of the schema.
+Its ``idempotency_key`` names the call for the outside world (R-EFFECT-1): the same on
+every attempt, host and restart, different for every other call — a payment API's
+``Idempotency-Key`` header (``ctx.idempotency_headers()``). A tool whose effect may have
+happened when its host was lost says how to find out with ``check`` (R-EFFECT-2)::
+
+    async def find_payment(key: str) -> str | None:
+        payment = await payments.lookup(key)            # the key the call sent
+        return f"paid {payment.amount}" if payment else None
+
+    @tool(check=find_payment)
+    async def pay(amount: int, ctx: ToolContext) -> str:
+        \"\"\"Pay an amount.\"\"\"
+        return await payments.pay(amount, headers=ctx.idempotency_headers())
+
 Validation errors are ``$.path: message`` strings that go back to the model as an error
 output; the tool is not run (R-TOOL-5).
 """
@@ -96,6 +110,12 @@ class ToolContext:
     call when another one stands at its path. None (a context built by hand) takes the
     directory at ``workspace_dir`` when each call starts.
 
+    ``idempotency_key`` names the call outside the runtime (R-EFFECT-1): the same for
+    every attempt of this call — run again after its host was lost, on any host, after
+    any restart — and different for every other call; send it where an effect is made
+    (:meth:`idempotency_headers`, an MCP call's ``_meta``). A context built by hand has
+    its ``call_id``.
+
     ``ask`` asks the session's people a question while the call runs (an MCP server's
     elicitation: R-HITL-5), given the ``arguments`` a person is shown (``question`` at
     least), and returns their :class:`~greenroom.protocols.messages.QuestionAnswered`.
@@ -115,6 +135,28 @@ class ToolContext:
     private_dirs: tuple[Path, ...] = ()
     workspace_identity: WorkspaceIdentity | None = None
     ask: Callable[[dict[str, Any]], Awaitable[QuestionAnswered]] | None = None
+    idempotency_key: str = attrs.field(
+        default=attrs.Factory(lambda ctx: ctx.call_id, takes_self=True)
+    )
+
+    def idempotency_headers(self) -> dict[str, str]:
+        """``{"Idempotency-Key": key}``: the HTTP header by which payment and other APIs
+        (Stripe, Adyen, the IETF draft) make a request that is sent again take effect
+        once. Merge it into the headers of the request that makes the effect."""
+        return {IDEMPOTENCY_HEADER: self.idempotency_key}
+
+
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+"""The HTTP header :meth:`ToolContext.idempotency_headers` sets (IETF
+draft-ietf-httpapi-idempotency-key-header)."""
+
+InDoubtCheck = Callable[[str], Awaitable[Any]]
+"""``@tool(check=fn)``: ``async def fn(idempotency_key) -> result | None``, asked after a
+crash whether the call with that key took effect (R-EFFECT-2). A result — a string,
+content blocks as a tool returns them, or a
+:class:`~greenroom.protocols.context.ToolResult` (its ``content`` and ``is_error``) — is
+recorded as the call's result; None means it did not take effect, and the call runs again
+once. A check that raises or runs out of time answers nothing."""
 
 
 ToolFunction = Callable[..., Awaitable[Any]]
@@ -127,7 +169,9 @@ class Tool:
     ``parallel`` — parallel-safe calls share the pool's slots; other calls run alone, in
     call order (R-TOOL-3). ``side_effects`` — the trace is made durable before such a
     call starts (R-TRACE-2); it defaults to ``not parallel``. ``idempotent`` — running the
-    call again after its host was lost is safe (R-CLUSTER-2).
+    call again after its host was lost is safe (R-CLUSTER-2): the model is told so and
+    may call it again. ``check`` — asks the outside world whether a call its host lost
+    took effect (:data:`InDoubtCheck`, R-EFFECT-2).
     """
 
     name: str
@@ -139,6 +183,7 @@ class Tool:
     takes_ctx: bool = False
     timeout_s: float | None = None
     idempotent: bool = False
+    check: InDoubtCheck | None = attrs.field(default=None, eq=False, repr=False)
 
     @property
     def schema(self) -> ToolSchema:
@@ -260,10 +305,16 @@ def make_tool(
     side_effects: bool | None = None,
     timeout_s: float | None = None,
     idempotent: bool = False,
+    check: InDoubtCheck | None = None,
 ) -> Tool:
     """Build a :class:`Tool` from an ``async def``; see the module docstring."""
     if not inspect.iscoroutinefunction(function):
         raise ToolDefinitionError(f"tool {function.__name__!r} must be an async function")
+    if check is not None and not inspect.iscoroutinefunction(check):
+        raise ToolDefinitionError(
+            f"tool {function.__name__!r}: its check must be an async function of the "
+            "idempotency key"
+        )
     hints = get_type_hints(function)
     doc_description, param_docs = _parse_docstring(function.__doc__ or "")
     properties: dict[str, Any] = {}
@@ -300,6 +351,7 @@ def make_tool(
         takes_ctx=takes_ctx,
         timeout_s=timeout_s,
         idempotent=idempotent,
+        check=check,
     )
 
 
@@ -314,6 +366,7 @@ def tool(
     side_effects: bool | None = None,
     timeout_s: float | None = None,
     idempotent: bool = False,
+    check: InDoubtCheck | None = None,
 ) -> Callable[[ToolFunction], Tool]: ...
 def tool(
     function: ToolFunction | None = None,
@@ -325,8 +378,10 @@ def tool(
     side_effects: bool | None = None,
     timeout_s: float | None = None,
     idempotent: bool = False,
+    check: InDoubtCheck | None = None,
 ) -> Tool | Callable[[ToolFunction], Tool]:
-    """Turn an ``async def`` into a :class:`Tool`. Bare ``@tool`` means not parallel-safe."""
+    """Turn an ``async def`` into a :class:`Tool`. Bare ``@tool`` means not parallel-safe;
+    the other options are :class:`Tool`'s."""
 
     def wrap(fn: ToolFunction) -> Tool:
         return make_tool(
@@ -337,6 +392,7 @@ def tool(
             side_effects=side_effects,
             timeout_s=timeout_s,
             idempotent=idempotent,
+            check=check,
         )
 
     if function is not None:

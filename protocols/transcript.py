@@ -32,6 +32,8 @@ from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
     ApprovalRequest,
+    CallInDoubt,
+    CallResolved,
     CompactionBegin,
     CompactionEnd,
     ModelMsg,
@@ -171,7 +173,10 @@ class Transcript:
                 self._retry_note = None
             case CompactionEnd() | CompactionBegin():
                 pass  # the context changes only when a compaction succeeds
-            case TaskStart() | ApprovalRequest() | ApprovalDecision():
+            case (
+                TaskStart() | ApprovalRequest() | ApprovalDecision() | CallInDoubt()
+                | CallResolved()
+            ):
                 pass  # the model sees the prompt and the calls' results, not these
             case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():
                 pass  # live only: the complete block or result follows
@@ -377,6 +382,8 @@ def rebuild(
                 | ToolCallOutput()
                 | Abort()
                 | CompactionBegin()
+                | CallInDoubt()
+                | CallResolved()
                 | PartialText()
                 | PartialThinking()
                 | PartialToolCall()

@@ -8,7 +8,7 @@ against this one by a test.
 
 from __future__ import annotations
 
-from greenroom.protocols.outputs import DecidedBy, Decision
+from greenroom.protocols.outputs import CallInDoubt, CallResolved, DecidedBy, Decision
 
 DECISION_WORDS: dict[tuple[Decision, DecidedBy], str] = {
     ("allow", "host"): "allowed by you",
@@ -36,6 +36,35 @@ def allowed_without_asking(source: str) -> str:
     allows every call: ``"allowed by --approve all"``. ``allowed by you`` would claim a
     person was asked."""
     return f"allowed by {source}"
+
+
+def in_doubt_words(output: CallInDoubt) -> str:
+    """A call in doubt in plain words (R-EFFECT-2)."""
+    return (
+        f"{output.tool} (call {output.call_id}) is in doubt: its host was lost before its "
+        "result was recorded"
+    )
+
+
+_RESOLVED_WORDS = {
+    ("check", "done"): "its check found it done",
+    ("check", "rerun"): "its check found it not done: it runs again",
+    ("person", "done"): "{who} says it took effect",
+    ("person", "not_done"): "{who} says it did not take effect: not run again",
+    ("person", "rerun"): "{who} has it run again",
+}
+
+
+def resolved_words(output: CallResolved) -> str:
+    """How a call in doubt was resolved, in plain words (R-EFFECT-2)."""
+    who = output.principal or "a person"
+    words = _RESOLVED_WORDS.get(
+        (output.by, output.outcome), "nothing could tell whether it took effect: not run again"
+    ).format(who=who)
+    line = f"{output.tool} (call {output.call_id}): {words}"
+    if output.check_error:
+        line += f" (its check gave no answer: {output.check_error})"
+    return line
 
 
 ELLIPSIS = "…"

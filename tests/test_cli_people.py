@@ -26,7 +26,7 @@ from greenroom.actors.runtime.host import Host
 from greenroom.actors.tools import ask_user, load_tools
 from greenroom.protocols.outputs import ApprovalRequest
 from greenroom.protocols.people import PEOPLE
-from greenroom.protocols.tools import Tool
+from greenroom.protocols.tools import Tool, ToolContext, make_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `tests` is not a package on pytest's default sys.path
@@ -41,6 +41,7 @@ from tests.support.mock_model_server import (  # noqa: E402
 )
 from tests.test_chat import Terminal, chat_env  # noqa: E402
 from tests.test_cli import CLI, TIMEOUT_S, cli_env, json_lines  # noqa: E402
+from tests.test_recovery import copy_session  # noqa: E402
 
 KEY = {"ANTHROPIC_API_KEY": "test-key"}
 
@@ -262,6 +263,76 @@ async def test_answer_gives_the_models_question_its_text_and_runs_the_task_on(
         assert "? ask_user answered" in answered.stdout
         assert "Blue it is." in answered.stdout
         assert tool_results(server.requests[1]) == {"toolu_q": "blue"}
+
+
+async def test_answer_resolves_a_call_in_doubt_and_runs_it_once_more(
+    tmp_path: Path, workspace: Path, pay_tools: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-EFFECT-2, R-HITL-2: a host lost in the middle of a payment (the copy of its
+    files, taken while the call ran); the next host asks a person what became of the
+    call and stops. ``approvals`` lists the question with its choices, the call's
+    arguments and key; a decision is a usage error; ``answer … 3`` (run again) runs the
+    call once, with its key, and the task on to its end."""
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "test-key")
+    started = trio.Event()
+
+    async def pay(amount: int, ctx: ToolContext) -> str:
+        """Pay an amount (killed with its host before it ends)."""
+        started.set()
+        await trio.sleep_forever()
+        return "never"  # pragma: no cover
+
+    script = (
+        Reply([Text("Paying 7."), ToolUse("toolu_1", "pay", {"amount": 7})],
+              stop_reason="tool_use"),
+        Reply([Text("Paid 7 after all.")]),
+    )  # fmt: skip
+    data = tmp_path / "crashed"
+    async with open_mock_server(*script) as server:
+        async with Host.open(tmp_path / "first") as first:
+            session = await first.create_session(
+                provider="anthropic", model="mock-model", base_url=server.base_url,
+                tools=[make_tool(pay, parallel=False)], workspace_dir=workspace,
+                approval_timeout_s=None,
+            )  # fmt: skip
+            session.run("pay 7", approve=lambda call: "allow")
+            with trio.fail_after(TIMEOUT_S):
+                await started.wait()
+            await first.port(session.id).sync_trace()
+            copy_session(session, data)
+            sid = session.id
+        async with Host.open(data) as second:
+            resumed = await second.resume(sid, tools=load_tools(str(pay_tools)))
+            with trio.fail_after(TIMEOUT_S):
+                await resumed.wait_idle()
+            assert resumed.busy  # parked on the question
+        key = trace_of(data, sid)[-1]["arguments"]["idempotency_key"]
+
+        listed = await greenroom(tmp_path, "approvals", "--data-dir", str(data))
+        assert listed.returncode == 0, listed.stderr
+        assert f"session {sid} · call toolu_1 · pay in doubt" in listed.stdout
+        assert "A call is in doubt: The host running this call of pay was lost" in listed.stdout
+        assert "    3) run again" in listed.stdout and '"amount": 7' in listed.stdout
+        assert f"idempotency key: {key}" in listed.stdout
+        assert f"greenroom answer --data-dir {data} {sid} toolu_1 done" in listed.stdout
+
+        decided = await greenroom(tmp_path, "approve", sid, "toolu_1", "allow",
+                                  "--data-dir", str(data))  # fmt: skip
+        assert decided.returncode == 2 and "is in doubt" in decided.stderr
+        assert len(server.requests) == 1
+
+        answered = await greenroom(tmp_path, "answer", sid, "toolu_1", "3", "--data-dir",
+                                   str(data), "--tools", str(pay_tools))  # fmt: skip
+        assert answered.returncode == 0, answered.stderr
+        assert "has it run again" in answered.stdout and "Paid 7 after all." in answered.stdout
+        assert tool_results(server.requests[1]) == {"toolu_1": "paid 7"}
+    assert (workspace / "payments.txt").read_text() == "7\n"
+    lines = trace_of(data, sid)
+    (resolved,) = [line for line in lines if line["type"] == "call_resolved"]
+    assert (resolved["by"], resolved["outcome"], resolved["principal"]) == (
+        "person", "rerun", getpass.getuser()
+    )
+    assert lines[-1]["type"] == "task_end" and lines[-1]["status"] == "completed"
 
 
 async def test_approve_on_a_terminal_asks_the_next_request_at_once(

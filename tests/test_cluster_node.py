@@ -1,9 +1,10 @@
 """What a host does with a session it takes over (R-CLUSTER-2, R-HITL-4), without NATS: the
 trace as JetStream holds it is written into the new owner's data dir and the open task is
 taken up by the runtime's resume, the path a restarted host takes. Each call that was
-running gets its host-lost result and is not run again (an idempotent tool's result says a
-new call is safe), seq goes on without a gap and the task ends once; a finished task gets
-nothing."""
+running is in doubt (R-EFFECT-2); with no check and nobody to ask (the host decides by
+callback) it gets its host-lost result and is not run again (an idempotent tool's result
+says a new call is safe), seq goes on without a gap and the task ends once; a finished
+task gets nothing."""
 
 from __future__ import annotations
 
@@ -112,12 +113,14 @@ async def test_running_calls_get_host_lost_results_and_the_task_goes_on_once(
         await trio.to_thread.run_sync(
             _materialize, owner / "sessions" / sid, meta, _read(records)
         )
-        session = await host.resume(sid, tools=again.tools, provider=model)
+        session = await host.resume(sid, tools=again.tools, provider=model, approve=allow_all)
         with trio.fail_after(RUN_TIMEOUT_S):
             await session.wait_idle()
         lines = trace_lines(session)
 
     assert again.started == []  # neither call ran again
+    resolved = [line for line in lines if line["type"] == "call_resolved"]
+    assert [(r["call_id"], r["by"]) for r in resolved] == [("c1", "note"), ("c2", "note")]
     assert [line["seq"] for line in lines] == list(range(1, len(lines) + 1))
     types = [line["type"] for line in lines]
     assert types.count("task_start") == 1 and types.count("task_end") == 1

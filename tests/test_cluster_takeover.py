@@ -1,6 +1,7 @@
 """Takeover end to end: ``greenroom serve --nats`` hosts as subprocesses on a real
 nats-server; a host is lost while its session's tool call is in flight, another host
-finishes the session (R-CLUSTER-1..2)."""
+finishes the session (R-CLUSTER-1..2) — and resolves the call in doubt by the tool's check
+(R-EFFECT-2)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,14 @@ from greenroom.actors.cluster.connection import Connection
 from greenroom.actors.cluster.leases import LeaseTable
 from greenroom.actors.cluster.traces import TraceStream
 from greenroom.protocols.markers import HOST_LOST_TEXT as HOST_LOST
-from greenroom.protocols.outputs import Output, TaskEnd, ToolCallOutput
+from greenroom.protocols.markers import IN_DOUBT_FOUND_TEXT
+from greenroom.protocols.outputs import (
+    CallInDoubt,
+    CallResolved,
+    Output,
+    TaskEnd,
+    ToolCallOutput,
+)
 from tests.support.cluster_hosts import HostProcess, start_host
 from tests.support.mock_model_server import RecordedRequest, Reply, Text, ToolUse, open_mock_server
 from tests.support.nats import (  # the fixture is used as nats_server
@@ -172,6 +180,99 @@ def test_a_stopped_host_is_fenced_when_it_wakes(tmp_path: Path, nats_server: Nat
     assert other.logged(f"host {other.host_id} takes session")
 
 
+
+
+def _keyed_model(request: RecordedRequest) -> Reply:
+    """Calls the keyed effect once per task; answers once a tool result is in."""
+    body = request.body if isinstance(request.body, dict) else {}
+    if not body.get("tools"):
+        return Reply([Text("A title")])
+    if "tool_result" in str(request.messages):
+        return Reply([Text("done")])
+    return Reply([ToolUse(id="call-1", name="keyed_effect", input={"note": "pay"})], "tool_use")
+
+
+class KeyedEffects:
+    """The effects of ``keyed_effect`` by their key, and the keys its check asked about
+    (``? KEY`` on the same socket, answered with the effect's note or ``none``)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.made: dict[str, str] = {}
+        self.asked: list[str] = []
+        self.started = trio.Event()
+
+    async def serve(self, *, task_status: trio.TaskStatus[None]) -> None:
+        listener = trio.SocketListener(await _unix_listener(self.path))
+        task_status.started()
+        async with listener, trio.open_nursery() as nursery:
+            while True:
+                nursery.start_soon(self._one, await listener.accept())
+
+    async def _one(self, stream: trio.SocketStream) -> None:
+        line = (await stream.receive_some()).decode().strip()
+        if line.startswith("? "):
+            key = line[2:]
+            self.asked.append(key)
+            await stream.send_all(f"{self.made.get(key, 'none')}\n".encode())
+            await stream.aclose()
+            return
+        note, key = line.split()
+        self.made[key] = note
+        self.started.set()
+
+
+def test_a_killed_hosts_call_is_found_done_by_its_check_on_another_host(
+    tmp_path: Path, nats_server: NatsProcess
+) -> None:
+    """R-EFFECT-1, R-EFFECT-2, R-CLUSTER-2: the host running a keyed effect is SIGKILLed;
+    the host that takes the session over finds the call in doubt and asks the tool's check
+    by the key the lost host ran it with: the effect is found, recorded as the call's
+    result, and made only once; the task ends on the new host."""
+
+    async def body(conn: Connection) -> tuple[list[Output], dict[str, str], list[str]]:
+        effects = KeyedEffects(tmp_path / "effects.sock")
+        async with open_mock_server(fallback=_keyed_model) as model, trio.open_nursery() as nursery:
+            await nursery.start(effects.serve)
+            hosts: list[HostProcess] = []
+            try:
+                for host_id in ("a", "b"):
+                    hosts.append(
+                        await start_host(
+                            nursery, tmp_path, host_id, nats_url=nats_server.url,
+                            model_url=model.base_url, effects=effects.path,
+                            lease_ttl_s=LEASE_TTL_S,
+                        )
+                    )
+                sid = await _start_task(hosts[0])
+                await effects.started.wait()
+                owner = await (await LeaseTable.open(conn, ttl_s=LEASE_TTL_S)).holder(sid)
+                next(h for h in hosts if h.host_id == owner).process.send_signal(signal.SIGKILL)
+                records = await _records_until_task_end(conn, sid)
+                model.assert_clean()
+                return records, dict(effects.made), list(effects.asked)
+            finally:
+                for host in hosts:  # shown by pytest when the test fails
+                    print(f"--- host {host.host_id}", *host.log, sep="\n")
+                with trio.CancelScope(shield=True):
+                    await _stop(hosts)
+                nursery.cancel_scope.cancel()
+
+    records, made, asked = run_connected(
+        nats_server.url, body, prefix="greenroom", timeout_s=BOUND_S
+    )
+    ((key, note),) = made.items()  # made once
+    assert note == "pay" and asked == [key]
+    assert [r.seq for r in records] == list(range(1, len(records) + 1))
+    (doubt,) = [r for r in records if isinstance(r, CallInDoubt)]
+    assert (doubt.call_id, doubt.idempotency_key) == ("call-1", key)
+    (resolved,) = [r for r in records if isinstance(r, CallResolved)]
+    assert (resolved.by, resolved.outcome) == ("check", "done")
+    (result,) = [r for r in records if isinstance(r, ToolCallOutput)]
+    assert result.status == "ok"
+    assert [getattr(b, "text", "") for b in result.content] == [IN_DOUBT_FOUND_TEXT, "found: pay"]
+    (end,) = [r for r in records if isinstance(r, TaskEnd)]
+    assert end.status == "completed"
 
 
 def test_a_client_whose_host_died_resubscribes_on_another_without_gap(

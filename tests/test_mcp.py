@@ -15,7 +15,16 @@ from typing import Any
 
 import pytest
 import trio
-from conftest import RUN_TIMEOUT_S, Recorder, allow_all, collect, last_user, of_type, results_of
+from conftest import (
+    RUN_TIMEOUT_S,
+    Recorder,
+    allow_all,
+    collect,
+    last_user,
+    of_type,
+    results_of,
+    trace_lines,
+)
 from trio_websocket import open_websocket_url
 
 from greenroom.actors.gateway import Gateway, SessionDefaults
@@ -31,6 +40,7 @@ from greenroom.actors.runtime.host import Host
 from greenroom.actors.tools.mcp import McpConnection, load_config_files
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock
 from greenroom.protocols.context import ModelRequest
+from greenroom.protocols.effects import idempotency_key
 from greenroom.protocols.mcp_config import (
     McpConfigError,
     McpServerConfig,
@@ -253,6 +263,27 @@ async def test_tools_are_listed_with_schemas_and_called_end_to_end(
     assert [r.is_error for r in results_of(last_user(provider.requests[-1]))] == [
         False, False, False, False, True
     ]
+
+
+async def test_an_mcp_call_carries_its_idempotency_key_in_meta(
+    mcp_host: Host, workspace: Path, providers: Any
+) -> None:
+    """R-EFFECT-1: the server receives the call's key in the ``tools/call`` request's
+    ``_meta`` (``greenroom/idempotency_key``): the key the trace gives the call."""
+    provider = providers([
+        Reply(blocks=(tool_call("c1", "mcp__t__sent_key"),)),
+        Reply(blocks=(text("done"),)),
+    ])  # fmt: skip
+    session = await mcp_host.create_session(
+        provider=provider, workspace_dir=workspace, mcp_servers={"t": stdio()}
+    )
+    outputs = await collect(session.run("go", approve=allow_all))
+    (call,) = [
+        line for line in trace_lines(session)
+        if line["type"] == "model_msg" and line["block"]["type"] == "tool_call"
+    ]  # fmt: skip
+    sent = content_text(outputs_by_call(outputs)["c1"])
+    assert sent == idempotency_key(session.id, call["seq"], "c1")
 
 
 async def test_approval_decides_mcp_calls(

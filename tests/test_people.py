@@ -420,10 +420,11 @@ CRASHING_HOST = textwrap.dedent(
 async def test_a_killed_hosts_task_resumes_without_running_its_call_again(
     data_dir: Path, workspace: Path, tmp_path: Path
 ) -> None:
-    """R-HITL-4, R-CLUSTER-2: a host SIGKILLed while a side-effecting call runs leaves
-    the task open in its trace; the next host resumes that same task: the call gets its
-    host-lost result and is not run again, the model is told ([host lost]) and answers,
-    and the trace holds one task_start and one task_end."""
+    """R-HITL-4, R-CLUSTER-2, R-EFFECT-2: a host SIGKILLed while a side-effecting call
+    runs leaves the task open in its trace; the next host resumes that same task. The
+    call is in doubt, and with no check and nobody to ask (the host decides by callback)
+    it gets its host-lost result and is not run again; the model is told ([host lost])
+    and answers, and the trace holds one task_start and one task_end."""
     marks = tmp_path / "marks"
     script = tmp_path / "crash.py"
     script.write_text(CRASHING_HOST)
@@ -444,12 +445,18 @@ async def test_a_killed_hosts_task_resumes_without_running_its_call_again(
 
     again = ScriptedProvider([Reply(blocks=(text("The payment may not have gone through."),))])
     async with open_host(data_dir) as host:
-        session = await host.resume(sid, provider=again, tools=[Ledger().tool])
+        session = await host.resume(
+            sid, provider=again, tools=[Ledger().tool], approve=lambda call: "allow"
+        )
         await session.wait_idle()
         lines = trace_lines(session)
     assert marks.read_text() == "7\n"  # run once, before the kill; never again
     types = [line["type"] for line in lines]
     assert types.count("task_start") == 1 and types.count("task_end") == 1
+    (doubt,) = [line for line in lines if line["type"] == "call_in_doubt"]
+    (resolved,) = [line for line in lines if line["type"] == "call_resolved"]
+    assert doubt["call_id"] == resolved["call_id"] == "p1"
+    assert (resolved["by"], resolved["outcome"]) == ("note", "unknown")
     (lost,) = [line for line in lines if line["type"] == "tool_call_output"]
     assert lost["status"] == "interrupted" and "was not run again" in lost["content"][0]["text"]
     steering = [line for line in lines if line["type"] == "user_msg" and line["kind"] == "steering"]

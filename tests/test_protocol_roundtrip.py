@@ -64,6 +64,15 @@ EXAMPLES: dict[type[Any], dict[str, Any]] = {
         "trace_file": "trace_002.jsonl",
         "summary": "s",
     },
+    outputs.CallInDoubt: {"call_id": "t", "tool": "pay", "idempotency_key": "gr-00ff"},
+    outputs.CallResolved: {
+        "call_id": "t",
+        "tool": "pay",
+        "by": "person",
+        "outcome": "rerun",
+        "principal": "ana",
+        "check_error": "TimeoutError: no answer within 30 s",
+    },
     outputs.TaskEnd: {"status": "aborted", "turns": 2, "usage": USAGE, "wall_ms": 12},
 }
 
@@ -146,6 +155,12 @@ MESSAGE_EXAMPLES: list[Any] = [
     ),
     messages.ApproveCall(call=CALL),
     messages.RunToolCall(call=CALL, position=3),
+    messages.RunToolCall(call=CALL, position=3, idempotency_key="gr-00ff"),
+    messages.CheckToolCall(call=CALL, position=1, idempotency_key="gr-00ff"),
+    messages.ToolCallChecked(
+        call_id="t", outcome="done", content=(content.TextBlock(text="paid 7"),)
+    ),
+    messages.ToolCallChecked(call_id="t", outcome="failed", error="ValueError: down"),
     messages.SubagentOutputs(
         outputs=(
             outputs.PartialText(session_id="c", run_id="r", index=0, text="hi"),

@@ -102,9 +102,10 @@ class EditorPeople:
         session_id = request.origin[-1] if request.origin else asked.session.id
         call = ToolCallBlock(id=request.call_id, name=request.tool, arguments=request.arguments)
         try:
-            if request.kind == "question":
+            if request.kind in ("question", "in_doubt"):
+                # A call in doubt is asked as a question: done, not done or run again.
                 await self._ask_question(asked, session_id, call)
-            elif request.kind == "approval":
+            else:
                 params = asked.mapper.permission_params(asked.session.id, call)
                 response = await self._request("session/request_permission", params, None)
                 await self._restore(asked, call)
@@ -116,8 +117,6 @@ class EditorPeople:
                     # The decision is about the arguments the editor showed (R-HITL-2).
                     digest=arguments_digest(request.arguments),
                 )
-            else:
-                _log(f"call {call.id} waits for a {request.kind} answer the editor cannot give")
         except (NotPending, SessionNotFound) as exc:
             # Answered elsewhere, timed out, or its task ended meanwhile.
             _log(f"the answer about call {call.id} was not taken: {exc}")

@@ -8,7 +8,8 @@ whenever they can (R-HITL-2).
     greenroom answer SESSION_ID CALL_ID TEXT… [--data-dir D] [--json]
 
 ``approvals`` lists the requests that wait for a person in the data dir's sessions — tool
-calls to decide and the model's questions (``ask_user``) — read from their traces: it
+calls to decide, the model's questions (``ask_user``) and calls in doubt after a crash
+(R-EFFECT-2: answered ``done``, ``not done`` or ``run again``) — read from their traces: it
 starts no host, needs no model credentials and changes nothing, so it works on a data dir
 it cannot write.
 
@@ -50,7 +51,13 @@ from typing import Any, TextIO
 import attrs
 import trio
 
-from greenroom.actors.apps.asking import TerminalApprover, answer_hint, chosen_answer, question_of
+from greenroom.actors.apps.asking import (
+    TerminalApprover,
+    answer_hint,
+    asker_of,
+    chosen_answer,
+    question_of,
+)
 from greenroom.actors.apps.exits import (
     EXIT_CODES,
     EXIT_FAILED,
@@ -91,7 +98,12 @@ from greenroom.actors.runtime import (
 from greenroom.actors.tools import ask_user
 from greenroom.protocols.content import ToolCallBlock
 from greenroom.protocols.outputs import ApprovalDecision, ApprovalRequest, Output, TaskEnd
-from greenroom.protocols.people import ASK_USER, PendingApproval, waiting_requests
+from greenroom.protocols.people import (
+    ASK_USER,
+    PendingApproval,
+    answered_with_text,
+    waiting_requests,
+)
 from greenroom.protocols.task import fold
 
 __all__ = [
@@ -193,17 +205,28 @@ def approvals_command(args: argparse.Namespace) -> int:
 def describe(request: PendingApproval, data_dir: Path, *, now: float) -> str:
     """One request as ``greenroom approvals`` shows it: who asks what since when, the
     call's arguments (or the question and its choices), and the command that answers."""
-    what = "question" if request.kind == "question" else f"{request.kind} of {request.tool}"
+    what = {"question": "question", "in_doubt": f"{request.tool} in doubt"}.get(
+        request.kind, f"{request.kind} of {request.tool}"
+    )
     head = f"session {request.session_id} · call {request.call_id} · {what}"
     if request.asked_at is not None:
         head += f" · asked {_when(request.asked_at, now)}"
     lines = [head]
     if len(request.origin) > 1:
         lines.append(f"  in a subagent of session {request.origin[0]}")
-    if request.kind == "question":
+    if answered_with_text(request.kind):
         question, choices = question_of(request.arguments)
-        lines.append("  The model asks: " + "\n    ".join(question.splitlines()))
+        asker = asker_of(request.kind)
+        lines.append(f"  {asker}: " + "\n    ".join(question.splitlines()))
         lines.extend(f"    {number}) {choice}" for number, choice in enumerate(choices, 1))
+        if request.kind == "in_doubt":
+            # What the call was asked to do, and the key to look its effect up by.
+            call = request.arguments.get("arguments")
+            shown = call if isinstance(call, Mapping) else {}
+            lines.extend("  " + line for line in pretty_arguments(shown))
+            lines.append(f"  idempotency key: {request.arguments.get('idempotency_key')}")
+            if request.arguments.get("check_error"):
+                lines.append(f"  its check gave no answer: {request.arguments['check_error']}")
     else:
         lines.extend("  " + line for line in pretty_arguments(request.arguments))
     lines.append("  answer: " + how_to_answer(request, data_dir))
@@ -252,6 +275,8 @@ def how_to_answer(request: PendingApproval, data_dir: Path) -> str:
     if data_dir.absolute() != default_data_dir().absolute():
         where = f"--data-dir {shlex.quote(str(data_dir))} "
     ids = f"{shlex.quote(request.session_id)} {shlex.quote(request.call_id)}"
+    if request.kind == "in_doubt":
+        return f"greenroom answer {where}{ids} done  (or 'not done', 'run again')"
     if request.kind == "question":
         return f"greenroom answer {where}{ids} TEXT"
     return f"greenroom approve {where}{ids} allow  (or deny, allow_session)"
@@ -341,12 +366,14 @@ def _checked_answer(
     """The answer's text as it will be given (a choice named by its number becomes the
     choice); raises :class:`UsageError` for an answer of the wrong kind or outside the
     question's choices."""
-    question = request.kind == "question"
+    question = answered_with_text(request.kind)
     if verdict is not None and question:
-        raise UsageError(
-            f"call {request.call_id} is a question of the model, answered with text: "
-            + how_to_answer(request, data_dir)
+        what = (
+            "is in doubt: say whether it took effect"
+            if request.kind == "in_doubt"
+            else "is a question of the model, answered with text"
         )
+        raise UsageError(f"call {request.call_id} {what}: " + how_to_answer(request, data_dir))
     if text is None:
         return None
     if not question:
@@ -568,7 +595,7 @@ class Follower:
 
     def _asked(self, request: ApprovalRequest) -> None:
         assert self._nursery is not None
-        if self._asker is not None and request.kind in ("approval", "question"):
+        if self._asker is not None:
             self._asking += 1
             self._nursery.start_soon(self._ask, self._asker, request)
         elif request.origin is not None:
@@ -585,8 +612,8 @@ class Follower:
         call = ToolCallBlock(id=request.call_id, name=request.tool, arguments=request.arguments)
         host, by = self._host, self._by
         try:
-            if request.kind == "question":
-                text = await asker.answer_question(call)
+            if answered_with_text(request.kind):
+                text = await asker.answer_question(call, asker_of(request.kind))
                 if text is not None:
                     await host.answer_question(request.session_id, call.id, text, by)
             else:
@@ -630,7 +657,9 @@ class Follower:
                 origin=request.origin or (request.session_id,),
                 kind=request.kind,
             )
-            what = "a question" if request.kind == "question" else f"{request.tool}"
+            what = {"question": "a question", "in_doubt": f"{request.tool} in doubt"}.get(
+                request.kind, request.tool
+            )
             print_error(
                 f"waiting for a person: {what} (call {request.call_id}); answer with: "
                 + how_to_answer(pending, self._data_dir)

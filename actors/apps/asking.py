@@ -22,6 +22,13 @@ from greenroom.protocols.wording import (
     INTERRUPTED_APPROVAL,
 )
 
+MODEL_ASKS = "The model asks"
+"""What heads the model's question (``ask_user``)."""
+
+IN_DOUBT_ASKS = "A call is in doubt"
+"""What heads the question about a call in doubt (R-EFFECT-2), which the runtime asks."""
+
+
 # -- approval ---------------------------------------------------------------------------
 
 
@@ -138,17 +145,20 @@ class TerminalApprover:
             # Also when the question is cancelled: Ctrl-C (see interrupt) or the task ending.
             self._asking = None
 
-    async def answer_question(self, call: ToolCallBlock) -> str | None:
+    async def answer_question(
+        self, call: ToolCallBlock, asker: str = MODEL_ASKS
+    ) -> str | None:
         """``ask_user`` on the terminal (R-HITL-5): the model's question and its numbered
         choices on stderr, then the next line is the answer — a choice by its number or
         its text; anything else gets a hint and the question again. End of input gives
-        no answer (None). One question at a time, among the approval questions."""
+        no answer (None). One question at a time, among the approval questions.
+        ``asker`` heads the question (:data:`IN_DOUBT_ASKS` for a call in doubt)."""
         async with self._lock:
             with trio.move_on_after(1.0):  # bounded, as for an approval question
                 await self._renderer.wait_shown(f"call:{call.id}")
             self._renderer.break_line()
             question, choices = question_of(call.arguments)
-            sys.stderr.write(question_block(question, choices))
+            sys.stderr.write(question_block(question, choices, asker))
             self._asking = call
             try:
                 return await self._answer(choices)
@@ -205,6 +215,11 @@ ANSWER_PROMPT = "answer: "
 """The prompt of the model's question (``ask_user``) on a terminal."""
 
 
+def asker_of(kind: str) -> str:
+    """What heads a question of ``kind`` (``question`` or ``in_doubt``)."""
+    return IN_DOUBT_ASKS if kind == "in_doubt" else MODEL_ASKS
+
+
 def question_of(arguments: Mapping[str, Any]) -> tuple[str, list[str]]:
     """The question and its choices from ``ask_user``'s arguments, as the person reads
     them (arguments are the model's: anything missing or malformed is shown as such)."""
@@ -214,10 +229,10 @@ def question_of(arguments: Mapping[str, Any]) -> tuple[str, list[str]]:
     return question, choices
 
 
-def question_block(question: str, choices: Sequence[str]) -> str:
-    """The model's question as a terminal shows it — its own lines indented under the
-    first — then one numbered line per choice."""
-    lines = ["The model asks: " + "\n  ".join(question.splitlines())]
+def question_block(question: str, choices: Sequence[str], asker: str = MODEL_ASKS) -> str:
+    """The model's question (or ``asker``'s) as a terminal shows it — its own lines
+    indented under the first — then one numbered line per choice."""
+    lines = [f"{asker}: " + "\n  ".join(question.splitlines())]
     lines.extend(f"  {number}) {choice}" for number, choice in enumerate(choices, 1))
     return "\n".join(lines) + "\n"
 

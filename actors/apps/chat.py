@@ -111,6 +111,8 @@ from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
     ApprovalRequest,
+    CallInDoubt,
+    CallResolved,
     CompactionBegin,
     CompactionEnd,
     ModelMsg,
@@ -1109,6 +1111,8 @@ class ChatRenderer(HumanRenderer):
                 | Abort()
                 | CompactionBegin()
                 | CompactionEnd()
+                | CallInDoubt()
+                | CallResolved()
                 | TaskEnd()
             ):
                 pass  # nothing of the REPL's own: shown as ``greenroom run`` shows it

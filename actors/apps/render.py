@@ -25,6 +25,8 @@ from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
     ApprovalRequest,
+    CallInDoubt,
+    CallResolved,
     CompactionBegin,
     CompactionEnd,
     ModelMsg,
@@ -48,6 +50,8 @@ from greenroom.protocols.wording import (
     INTERRUPTED_APPROVAL,
     allowed_without_asking,
     decision_words,
+    in_doubt_words,
+    resolved_words,
 )
 
 # -- rendering --------------------------------------------------------------------------
@@ -109,6 +113,8 @@ class Renderer:
                 | Abort()
                 | CompactionBegin()
                 | CompactionEnd()
+                | CallInDoubt()
+                | CallResolved()
                 | TaskEnd()
             ):
                 pass  # only tool calls and their decisions are waited for
@@ -273,6 +279,10 @@ class HumanRenderer(Renderer):
                     f"now in {output.trace_file}" if output.status == "ok" else output.error_message
                 )
                 self._note(self._err_style.dim(f"compaction {output.status}: {detail or ''}"))
+            case CallInDoubt():
+                self._line(f"  {self._style.yellow('?')} {in_doubt_words(output)}")
+            case CallResolved():
+                self._line(f"  {self._style.yellow('?')} {resolved_words(output)}")
             case TaskEnd():
                 self.break_line()
                 if output.message and output.status not in ("completed", "aborted"):
@@ -414,6 +424,10 @@ class HumanRenderer(Renderer):
                 self._line(self._style.dim(f"  [{who}] ◂ {output.tool} {output.status}"))
             case TaskEnd():
                 self._line(self._style.dim(f"  [{who}] subagent {output.status}"))
+            case CallInDoubt():
+                self._line(self._style.dim(f"  [{who}] {in_doubt_words(output)}"))
+            case CallResolved():
+                self._line(self._style.dim(f"  [{who}] {resolved_words(output)}"))
             case (
                 ModelMsg()
                 | UserMsg()
@@ -519,6 +533,14 @@ def _record_detail(record: Output) -> str:
             return f"{record.reason} ({state}, {_plural(len(record.partial), 'partial block')})"
         case CompactionBegin():
             return f"reason={record.reason}"
+        case CallInDoubt():
+            return f"{record.call_id} {record.tool} key={record.idempotency_key}"
+        case CallResolved():
+            who = f" ({record.principal})" if record.principal else ""
+            text = f"{record.call_id} {record.tool} by {record.by}{who}: {record.outcome}"
+            if record.check_error:
+                text += f"; check: {clip(_one_line(record.check_error), 100)}"
+            return text
         case CompactionEnd():
             parts = [f"{record.status} attempt {record.attempt}"]
             if record.trace_file:

@@ -25,10 +25,12 @@ after that reaches the cluster's trace — and is closed on this host.
 Takeover of an orphan: claim the lease, fence the trace, read it, write it into this host's
 data dir as the session's trace files (with its ``session.json`` from the directory), then
 take it up as a restarted host takes up its own sessions (``Host.resume``, R-HITL-4): a
-task that was in flight goes on — every tool call whose result is missing gets its
-host-lost result and is not run again, the model is told, the task ends with one
-``task_end`` (R-CLUSTER-2) — and a task that waited for a person keeps waiting, asked again
-of whoever can answer, never denied because its host was lost (R-HITL-1). An idle session
+task that was in flight goes on — every tool call whose result is missing is in doubt and
+is resolved by its tool's check, a person or the host-lost note; it runs again only when
+the check found it not done or a person says so, with its idempotency key (R-EFFECT-2); the
+model is told, the task ends with one ``task_end`` (R-CLUSTER-2) — and a task that waited
+for a person keeps waiting, asked again of whoever can answer, never denied because its
+host was lost (R-HITL-1). An idle session
 is taken over too (loaded, nothing run), so no session is left without a host.
 A session deleted through any host leaves the cluster (metadata, trace and lease). Usage rows are
 not written again: each host's ledger holds the requests it made.

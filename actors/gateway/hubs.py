@@ -53,6 +53,8 @@ from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
     ApprovalRequest,
+    CallInDoubt,
+    CallResolved,
     CompactionBegin,
     CompactionEnd,
     ModelMsg,
@@ -242,7 +244,9 @@ class SessionHub:
                     self.finishing = False
                 case ApprovalRequest():
                     self.open_approvals.add(("/".join(output.origin or ()), output.call_id))
-                case ApprovalDecision():
+                case ApprovalDecision() | CallResolved() | ToolCallOutput():
+                    # A request ends with its decision, an in-doubt question with the
+                    # call's resolution, any of them with the call's result.
                     self.open_approvals.discard(("/".join(output.origin or ()), output.call_id))
                 case TaskEnd() | CompactionEnd() | UserMsg() | CompactionBegin():
                     pass  # a subagent's: the root session's state is unchanged
@@ -252,8 +256,8 @@ class SessionHub:
                     | ModelMsg()
                     | TokenUsageOutput()
                     | RequestEnd()
-                    | ToolCallOutput()
                     | Abort()
+                    | CallInDoubt()
                 ):
                     pass  # forwarded to the subscriptions, nothing more
                 case _:

@@ -59,6 +59,8 @@ from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
     ApprovalRequest,
+    CallInDoubt,
+    CallResolved,
     CompactionBegin,
     CompactionEnd,
     ModelMsg,
@@ -279,8 +281,12 @@ class GenAIObserver:
                 | PartialToolCall()
                 | ApprovalRequest()
                 | ToolProgress()
+                | CallInDoubt()
+                | CallResolved()
             ):
-                pass  # live text, progress and a wait for a person: no span of their own
+                # Live text, progress, a wait for a person, a call found in doubt after a
+                # restart: no span of their own (the call's result ends its span).
+                pass
             case _:
                 assert_never(output)
 

@@ -515,7 +515,8 @@ class Host:
         self, session_id: str, call_id: str, text: str, by: str | None = None
     ) -> None:
         """Answer the model's question of ``call_id`` (the ``ask_user`` tool, R-HITL-5):
-        ``text`` is the call's result. Raises as :meth:`answer_approval` does."""
+        ``text`` is the call's result; or say what became of a call in doubt (R-EFFECT-2):
+        ``done``, ``not done`` or ``run again``. Raises as :meth:`answer_approval` does."""
         port = self._ports[(await self.load_session(session_id)).id]
         await answer(port, PersonAnswered(call_id=call_id, text=text, principal=by))
 

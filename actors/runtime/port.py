@@ -385,8 +385,12 @@ class SessionPort:
             return False
         record = machine.record
         # A question of a call that was running (allowed, no result) went with the host
-        # that ran the call: resuming settles the call; it is nobody's to answer.
-        return any(r.call_id not in record.allowed for r in record.pending_people)
+        # that ran the call: resuming settles the call; it is nobody's to answer. A
+        # call in doubt asks what became of it, and that question waits (R-EFFECT-2).
+        return any(
+            r.call_id not in record.allowed or record.waits_for_person(r.call_id)
+            for r in record.pending_people
+        )
 
     @property
     def busy(self) -> bool:

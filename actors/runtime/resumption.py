@@ -7,7 +7,9 @@ takes the task up where the trace left it, through :func:`take_up`:
 
 - a compaction in flight is over: ``compaction_end(failed)``;
 - the attempt in flight is rebuilt (:meth:`TurnRunner.resume`): a call that was running
-  gets its host-lost result and is not run again; a stream that was cut ends its attempt
+  is in doubt and is resolved — by its tool's check, a person or the host-lost note; it
+  runs again only when the check found it not done or a person says so (R-EFFECT-2:
+  :mod:`~greenroom.actors.runtime.in_doubt`); a stream that was cut ends its attempt
   failed, to be tried again (R-RETRY-4); a call being decided is asked again unless a
   person has it;
 - every request waiting for a person keeps waiting, held to the session's timeout policy
@@ -74,8 +76,7 @@ def take_up(
             )
         )
     elif record.turn and record.phase in _OPEN_ATTEMPT:
-        idempotent = {t.name for t in port.tool_by_name.values() if t.idempotent}
-        cut, lost = turns.resume(record, idempotent)
+        cut, lost = turns.resume(record)
         if cut:
             lost = True
             error = ModelError(kind="timeout", message=markers.HOST_LOST_STREAM)

@@ -52,6 +52,7 @@ from greenroom.protocols.messages import (
     StreamBatch,
     StreamerCommand,
     SupervisorMessage,
+    ToolCallChecked,
     ToolCallFinished,
     ToolProgressed,
 )
@@ -238,6 +239,7 @@ class RunningTask:
             run_id=self.run_id,
             approvals=work.approvals,
             pool=work.pool,
+            people=self.task is not None and self.task.approve == PEOPLE,
         )
 
     def _actors(self) -> tuple[TurnRunner, TaskWork]:
@@ -383,7 +385,7 @@ class RunningTask:
     def on_turn_message(
         self,
         message: ToolCallFinished | ToolProgressed | ApprovalDecided | ApprovalAsked
-        | QuestionAsked,
+        | QuestionAsked | ToolCallChecked,
     ) -> None:
         """What the pool or the broker reported."""
         if self.turns is not None:

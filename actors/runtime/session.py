@@ -50,6 +50,8 @@ from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
     ApprovalRequest,
+    CallInDoubt,
+    CallResolved,
     CompactionBegin,
     CompactionEnd,
     ModelMsg,
@@ -211,6 +213,8 @@ class RunStream:
                 | Abort()
                 | CompactionBegin()
                 | CompactionEnd()
+                | CallInDoubt()
+                | CallResolved()
             ):
                 pass
             case _:

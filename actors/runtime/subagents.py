@@ -69,6 +69,8 @@ from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
     ApprovalRequest,
+    CallInDoubt,
+    CallResolved,
     CompactionBegin,
     CompactionEnd,
     ModelMsg,
@@ -359,6 +361,8 @@ class ChildWatch:
                     | Abort()
                     | CompactionBegin()
                     | CompactionEnd()
+                    | CallInDoubt()
+                    | CallResolved()
                 ):
                     pass  # neither the answer nor the budget needs them
                 case _:

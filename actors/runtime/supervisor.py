@@ -71,6 +71,7 @@ from greenroom.protocols.messages import (
     SubagentOutputs,
     SupervisorMessage,
     TaskQueued,
+    ToolCallChecked,
     ToolCallFinished,
     ToolProgressed,
     TraceFailed,
@@ -267,7 +268,13 @@ class SessionSupervisor:
                 # The hot path: one batch per network read.
                 if task is not None:
                     task.on_batch(message)
-            case ToolCallFinished() | ToolProgressed() | ApprovalDecided() | ApprovalAsked():
+            case (
+                ToolCallFinished()
+                | ToolProgressed()
+                | ApprovalDecided()
+                | ApprovalAsked()
+                | ToolCallChecked()
+            ):
                 if task is not None:
                     task.on_turn_message(message)
             case QuestionAsked():

@@ -10,7 +10,13 @@ A tool that takes ``ctx`` gets the supervisor's ``spawn`` callback there (subage
 R-HOST-4); the subagent then runs in the call's task, under this pool's cancellation.
 Where people answer the task's requests, ``ctx.ask`` puts a question to them through the
 supervisor (``QuestionAsked``: an MCP server's elicitation, R-HITL-5); the call keeps its
-slot while it waits.
+slot while it waits. Every call's context carries its idempotency key (R-EFFECT-1), the
+one its ``RunToolCall`` names.
+
+In doubt (R-EFFECT-2): ``CheckToolCall`` asks a tool's ``check`` whether a call its host
+lost took effect, in a task of its own and outside the slots (a check only looks), bounded
+by :data:`~greenroom.protocols.effects.CHECK_TIMEOUT_S` and abandoned like a tool; its
+answer — or its failure — goes to the supervisor as ``ToolCallChecked``.
 
 Abandoning (R-SEC-2, R-ABORT-1): each tool function runs in a task of its own outside the
 session's task tree (a trio system task), and the call's task waits for it. When the call
@@ -36,20 +42,25 @@ import trio
 
 from greenroom.actors.runtime.attachments import Attachments, attach
 from greenroom.protocols.content import TextBlock, ToolCallBlock, ToolContent
+from greenroom.protocols.context import ToolResult
+from greenroom.protocols.effects import CHECK_TIMEOUT_S
 from greenroom.protocols.messages import (
     BeginTurn,
+    CheckToolCall,
     PoolCommand,
     QuestionAnswered,
     QuestionAsked,
     RunToolCall,
     SkipToolCall,
     SupervisorMessage,
+    ToolCallChecked,
     ToolCallFinished,
     ToolProgressed,
 )
 from greenroom.protocols.outputs import ToolStatus
 from greenroom.protocols.text import repair_text
 from greenroom.protocols.tools import (
+    InDoubtCheck,
     Spawn,
     Tool,
     ToolContext,
@@ -153,6 +164,8 @@ class ToolPool:
                         case RunToolCall():
                             self._admit(command)
                             nursery.start_soon(self._execute, command)
+                        case CheckToolCall():
+                            nursery.start_soon(self._check, command)
                         case _:
                             assert_never(command)
 
@@ -180,7 +193,7 @@ class ToolPool:
                     await self._terminal[earlier].wait()
             async with self._limiter:
                 try:
-                    status, content = await self._run(call)
+                    status, content = await self._run(call, command.idempotency_key)
                 except Exception as exc:
                     # Whatever fails around the tool itself (the trace sync before a side
                     # effect, the scratchpad write of a long result) is still an error
@@ -194,7 +207,9 @@ class ToolPool:
             )
         )
 
-    async def _run(self, call: ToolCallBlock) -> tuple[ToolStatus, tuple[ToolContent, ...]]:
+    async def _run(
+        self, call: ToolCallBlock, idempotency_key: str
+    ) -> tuple[ToolStatus, tuple[ToolContent, ...]]:
         tool = self._tools.get(call.name)
         if tool is None:
             known = ", ".join(sorted(self._tools)) or "none"
@@ -232,6 +247,7 @@ class ToolPool:
                 private_dirs=self._private_dirs,
                 workspace_identity=self._workspace_identity,
                 ask=_asker(inbox, call.id) if self._people else None,
+                idempotency_key=idempotency_key or call.id,
             )
         running.start(tool.function, kwargs, name=f"tool {call.name} ({call.id})")
         finished = await running.wait(tool.timeout_s)
@@ -242,7 +258,10 @@ class ToolPool:
             if isinstance(exc, ToolFailure):
                 return "error", _text(str(exc) or f"{call.name} failed")
             return "error", _text(f"{type(exc).__name__}: {exc}")
-        value = running.value
+        return "ok", await self._content(call, running.value)
+
+    async def _content(self, call: ToolCallBlock, value: Any) -> tuple[ToolContent, ...]:
+        """What a tool (or its check) returned, as the content the model sees."""
         # Outside text (R-SEC-1): repaired before it is measured, stored or traced.
         content = tuple(
             TextBlock(text=repair_text(b.text)) if isinstance(b, TextBlock) else b
@@ -252,7 +271,50 @@ class ToolPool:
             # R-SEC-8: a returned image is read now, once; one that cannot be is a line
             # saying why, which the model sees with the rest of the result.
             content = await attach(content, self._attachments, fold=True)
-        return "ok", await self._fit_budget(call, content)
+        return await self._fit_budget(call, content)
+
+    async def _check(self, command: CheckToolCall) -> None:
+        """Ask the tool's check about in-doubt ``command.call`` and report the answer."""
+        call = command.call
+        tool = self._tools.get(call.name)
+        if tool is None or tool.check is None:
+            answer = ToolCallChecked(
+                call_id=call.id, outcome="failed", error=f"{call.name} has no check"
+            )
+        else:
+            try:
+                answer = await self._ask_check(call, tool, tool.check, command.idempotency_key)
+            except Exception as exc:  # around the check (its result's scratchpad file)
+                answer = ToolCallChecked(call_id=call.id, outcome="failed", error=repr(exc))
+        self._inbox.send_nowait(answer)
+
+    async def _ask_check(
+        self, call: ToolCallBlock, tool: Tool, check: InDoubtCheck, key: str
+    ) -> ToolCallChecked:
+        timeout_s = min(CHECK_TIMEOUT_S, tool.timeout_s or math.inf)
+        running = _Detached()
+
+        async def ask() -> Any:
+            return await check(key)
+
+        running.start(ask, {}, name=f"check of {call.name} ({call.id})")
+        if not await running.wait(timeout_s):
+            error = f"the check gave no answer within {timeout_s:g} s"
+            return ToolCallChecked(call_id=call.id, outcome="failed", error=error)
+        if running.error is not None:
+            exc = running.error
+            error = f"the check raised {type(exc).__name__}: {exc}"
+            return ToolCallChecked(call_id=call.id, outcome="failed", error=error)
+        value = running.value
+        if value is None:
+            return ToolCallChecked(call_id=call.id, outcome="not_done")
+        if isinstance(value, ToolResult):
+            status: ToolStatus = "error" if value.is_error else "ok"
+            value = value.content
+        else:
+            status = "ok"
+        content = await self._content(call, value)
+        return ToolCallChecked(call_id=call.id, outcome="done", status=status, content=content)
 
     async def _fit_budget(
         self, call: ToolCallBlock, content: tuple[ToolContent, ...]

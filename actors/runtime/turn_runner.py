@@ -17,22 +17,26 @@ R-HITL-5). The runner records it as an ``approval_request`` of kind ``question``
 call's id and keeps the call's reply channel until a person answers (the answer is
 recorded as the request's ``approval_decision``), the wait runs out, or the call ends —
 its result settles the request in the trace, as any result settles its call's requests.
+
+Every call it sends to the pool carries the call's idempotency key (R-EFFECT-1); the calls
+a take-up finds in doubt are resolved by its
+:class:`~greenroom.actors.runtime.in_doubt.CallsInDoubt` (R-EFFECT-2).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Collection
 from typing import Any
 
 import attrs
 import trio
 
 from greenroom.actors.runtime.emitter import OutputEmitter, repaired_blocks
+from greenroom.actors.runtime.in_doubt import CallsInDoubt
 from greenroom.actors.runtime.port import SessionPort
 from greenroom.protocols import markers
-from greenroom.protocols.content import TextBlock
+from greenroom.protocols.effects import idempotency_key
 from greenroom.protocols.messages import (
     ApprovalAsked,
     ApprovalDecided,
@@ -44,6 +48,7 @@ from greenroom.protocols.messages import (
     QuestionAsked,
     RunToolCall,
     SkipToolCall,
+    ToolCallChecked,
     ToolCallFinished,
     ToolProgressed,
 )
@@ -79,7 +84,16 @@ def _reply(reply: Any, answer: QuestionAnswered) -> None:
 class TurnRunner:
     """The turns of one task of ``port`` (see the module docstring)."""
 
-    __slots__ = ("_approvals", "_emitter", "_pool", "_port", "_questions", "machine", "run_id")
+    __slots__ = (
+        "_approvals",
+        "_doubts",
+        "_emitter",
+        "_pool",
+        "_port",
+        "_questions",
+        "machine",
+        "run_id",
+    )
 
     def __init__(
         self,
@@ -89,7 +103,10 @@ class TurnRunner:
         run_id: str,
         approvals: trio.MemorySendChannel[ApproveCall],
         pool: trio.MemorySendChannel[PoolCommand],
+        people: bool = False,
     ) -> None:
+        """``people``: the task's requests go to people (``approve="people"``), who are
+        then asked about calls in doubt too."""
         self._port = port
         self._emitter = emitter
         self._approvals = approvals
@@ -99,6 +116,9 @@ class TurnRunner:
         self.run_id = run_id
         self.machine = TurnMachine(session_id=port.id, run_id=run_id, turn=0)
         """The current turn's machine (a new one per turn)."""
+        self._doubts = CallsInDoubt(
+            turns=self, port=port, emitter=emitter, pool=pool, run_id=run_id, people=people
+        )
 
     @property
     def turn(self) -> int:
@@ -142,11 +162,13 @@ class TurnRunner:
     def handle(
         self,
         message: ToolCallFinished | ToolProgressed | ApprovalDecided | ApprovalAsked
-        | QuestionAsked,
+        | QuestionAsked | ToolCallChecked,
     ) -> None:
         """What the pool or the broker reported."""
         machine = self.machine
         match message:
+            case ToolCallChecked():
+                self._doubts.checked(message)
             case ToolCallFinished():
                 # A question still open ends with its call (the result settles it).
                 self._end_question(message.call_id)
@@ -238,6 +260,8 @@ class TurnRunner:
         port = self._port
         call_id = answer.call_id
         request = port.machine.record.pending(call_id)
+        if request is not None and request.kind == "in_doubt":
+            return self._doubts.answer(request, answer)
         if request is not None and call_id in (self._questions or ()):
             return self._answer_question(request, answer)
         if request is None or self.machine.call_state(call_id) is not CallState.APPROVING:
@@ -310,14 +334,14 @@ class TurnRunner:
         self._end_question(call_id, reply)
         return None
 
-    def resume(self, record: TaskRecord, idempotent: Collection[str]) -> tuple[bool, bool]:
+    def resume(self, record: TaskRecord) -> tuple[bool, bool]:
         """Take up the attempt the trace left open (a task woken from parking, or loaded
         after its host stopped: R-HITL-4): the machine is rebuilt from the record and the
         transcript; the new pool learns which calls are terminal; a call that was running
-        when the host stopped gets its host-lost result and is not run again
-        (R-CLUSTER-2); the call that was being decided is asked again unless a person
-        has it (R-HITL-1). Returns whether the attempt's stream was cut (the supervisor
-        ends it failed, to be retried) and whether a running call was lost."""
+        when the host stopped is in doubt and is resolved (R-EFFECT-2, R-CLUSTER-2); the
+        call that was being decided is asked again unless a person has it (R-HITL-1).
+        Returns whether the attempt's stream was cut (the supervisor ends it failed, to
+        be retried) and whether a call is in doubt."""
         transcript = self._port.transcript
         results = {c.id: r for c in record.calls if (r := transcript.result_of(c.id))}
         cut = record.phase is Phase.MODEL
@@ -331,20 +355,10 @@ class TurnRunner:
             allowed=record.allowed,
             stream_ended=not cut,
         )
-        lost_any = False
         for position, call in enumerate(machine.calls()):
-            if call.id in record.allowed and call.id not in results:
-                lost_any = True
-                lost = (
-                    markers.HOST_LOST_IDEMPOTENT_TEXT
-                    if call.name in idempotent
-                    else markers.HOST_LOST_TEXT
-                )
-                self.apply(
-                    machine.finish(call.id, status="interrupted", content=(TextBlock(text=lost),))
-                )
             if machine.call_state(call.id) is CallState.DONE:
                 self._pool.send_nowait(SkipToolCall(position=position))
+        lost_any = self._doubts.take_up(record)
         asking = machine.asking
         if asking is not None and record.pending(asking) is None:
             (call,) = (c for c in machine.calls() if c.id == asking)
@@ -353,12 +367,14 @@ class TurnRunner:
 
     def abort(self, reason: str) -> None:
         """Settle every call and record the ``abort`` (R-ABORT-1..3, R-APPROVE-5)."""
+        self._doubts.settle()
         self._end_questions()
         complete = self._port.transcript.message_complete
         self.apply(self.machine.abort(reason, message_complete=complete))
 
     def fail(self, message: str) -> None:
         """Settle every call of a task that fails on its own (a bug, the trace)."""
+        self._doubts.settle()
         self._end_questions()
         complete = self._port.transcript.message_complete
         self.apply(self.machine.fail(message, message_complete=complete))
@@ -375,7 +391,10 @@ class TurnRunner:
             match effect:
                 case ApproveCall():
                     self._ask(effect)
-                case RunToolCall() | SkipToolCall():
+                case RunToolCall():
+                    key = self.idempotency_key(effect.call.id)
+                    self._pool.send_nowait(attrs.evolve(effect, idempotency_key=key))
+                case SkipToolCall():
                     self._pool.send_nowait(effect)
                 case RecordUsage():
                     self._port.record_usage(self.run_id, self.machine.turn, effect.usage)
@@ -387,6 +406,13 @@ class TurnRunner:
                     emitter.emit(effect)
                 case _:
                     emitter.emit_live(effect)
+
+    def idempotency_key(self, call_id: str) -> str:
+        """The key of the current attempt's call ``call_id`` (R-EFFECT-1): from the
+        session, the ``seq`` of the call's ``model_msg`` and the call id, so every host
+        that reads the trace derives the same one."""
+        port = self._port
+        return idempotency_key(port.id, port.machine.record.call_seq(call_id), call_id)
 
     def _ask(self, command: ApproveCall) -> None:
         call = command.call

@@ -31,8 +31,12 @@ elicitation belongs to, so it is put to the one call in flight on its connection
 call or several in flight, with nobody to ask (the task's calls are not decided by people),
 and for URL mode, it is declined. The time a person takes does not count against the call's
 ``timeout_s``. A question lasts only as long as its call: a call cannot outlive the host
-that runs it, so a host that stops while a question waits leaves the call to be settled as
-lost when the task resumes (it is not run again), and the question with it.
+that runs it, so a host that stops while a question waits leaves the call in doubt when the
+task resumes (R-EFFECT-2), and the question is settled with it.
+
+Exactly once (R-EFFECT-1): every ``tools/call`` carries the call's idempotency key in its
+``_meta`` as ``greenroom/idempotency_key`` — the same key each time the call is sent, on
+any host — so a server that makes an effect can make it once.
 
 Failures are error outputs, never failed tasks (R-MCP-4): a server that cannot start, exits
 or stops answering makes its calls raise :class:`McpServerError`, which the pool turns into
@@ -52,7 +56,7 @@ import math
 import mimetypes
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 import attrs
@@ -67,6 +71,7 @@ from mcp.shared.exceptions import MCPError
 from greenroom.actors.tools.mcp_config import as_configs, load_config_files
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolContent
 from greenroom.protocols.context import ToolSchema
+from greenroom.protocols.effects import MCP_META_KEY
 from greenroom.protocols.hooks import Hooks
 from greenroom.protocols.mcp_config import (
     McpConfigError,
@@ -547,7 +552,7 @@ class McpConnection:
             with entry.scope:
                 with trio.move_on_after(timeout) as entry.timeout:
                     result = await session.call_tool(
-                        tool, arguments, progress_callback=progress
+                        tool, arguments, progress_callback=progress, meta=_meta(ctx)
                     )
                     return await _result_content(result, ctx)
                 self._suspect = True
@@ -597,6 +602,17 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
     return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _meta(ctx: ToolContext | None) -> mcp_types.RequestParamsMeta | None:
+    """The ``_meta`` of a ``tools/call`` request: the call's idempotency key
+    (R-EFFECT-1), so a server that makes an effect can make it once however often the
+    call is sent; None for a tool whose own ``ctx`` argument leaves it no context. (The
+    SDK's type names only the keys the protocol defines; it sends the others as given.)"""
+    if ctx is None:
+        return None
+    meta: dict[str, Any] = {MCP_META_KEY: ctx.idempotency_key}
+    return cast(mcp_types.RequestParamsMeta, meta)
 
 
 def _progress_reporter(ctx: ToolContext) -> Any:

@@ -11,7 +11,8 @@ forever; records its key in ``cancelled`` when the client cancels it), ``cancell
 ``calls`` (the names called so far), ``add_tool`` (adds a tool and sends
 ``notifications/tools/list_changed``), ``bad_schema`` (listed with an unusable schema) and
 ``order`` (asks the client which size and how many, by elicitation, and says what it was
-told; a cancellation is recorded in ``cancelled`` as ``order:<item>``).
+told; a cancellation is recorded in ``cancelled`` as ``order:<item>``) and ``sent_key``
+(the idempotency key the call's ``_meta`` carried, as the server received it).
 """
 
 from __future__ import annotations
@@ -155,6 +156,14 @@ async def order(item: str, ctx: Context) -> str:
     if isinstance(answer, AcceptedElicitation):
         return f"ordered {answer.data.quantity} {answer.data.size} {item}"
     return "declined" if isinstance(answer, DeclinedElicitation) else "cancelled"
+
+
+@server.tool()
+def sent_key(ctx: Context) -> str:
+    """The ``greenroom/idempotency_key`` that this call's ``_meta`` carried."""
+    called.append("sent_key")
+    meta: Any = ctx.request_context.meta or {}
+    return str(meta.get("greenroom/idempotency_key"))
 
 
 @server.tool(annotations=READ_ONLY)
