@@ -98,6 +98,16 @@ class Mode(enum.Enum):
     """This host, for itself alone: NATS is out of reach."""
 
 
+class _Answer(enum.Enum):
+    """What became of one ask of the owner."""
+
+    GRANTED = "granted"
+    LATE = "late"
+    """No answer within a lease TTL: a long queue, or an owner that stalled."""
+    NOBODY = "nobody"
+    """Nobody serves the endpoint's subject, or NATS is out of reach."""
+
+
 class _Waiting:
     """An admit of another host's that waits at the owner."""
 
@@ -313,6 +323,7 @@ class SharedEndpoint:
         self._numbers = itertools.count(1)
         self._run = uuid.uuid4().hex[:12]
         self._lease: Lease | None = None
+        self._closing = False
         # Unbounded: reports come from permits, which cannot wait; each is a few bytes and
         # a request makes at most four, so the outbox holds what the requests in flight
         # said since the sender's last turn.
@@ -384,13 +395,20 @@ class SharedEndpoint:
             with scope:
                 while self.mode is Mode.REMOTE:
                     changed = self._changed
-                    if await self._request(message):
+                    answer = await self._request(message)
+                    if answer is _Answer.GRANTED:
                         granted = True
                         self.asked += 1
                         return RequestPermit(_RemoteGrant(self, number))
-                    # Nobody answered: the run loop looks at the lease, this ask waits
-                    # for what it decides (or asks again a little later).
+                    # The run loop looks at the lease (is the owner gone?).
                     self._suspect.set()
+                    if answer is _Answer.LATE:
+                        # The owner may just have a long queue: asked again at once, the
+                        # request keeps its place (and gets it at once if it was granted
+                        # as the first ask gave up).
+                        continue
+                    # Nobody serves the endpoint: wait for the run loop's decision (or
+                    # ask again a little later).
                     with trio.move_on_after(RETRY_S):
                         await changed.wait()
             return None
@@ -400,23 +418,26 @@ class SharedEndpoint:
                 # The owner may have granted it as the ask ended: give it back.
                 self.report("release", number)
 
-    async def _request(self, message: bytes) -> bool:
-        """Whether the owner granted ``message`` within a lease TTL."""
+    async def _request(self, message: bytes) -> _Answer:
+        """Ask the owner to admit ``message``, for at most a lease TTL."""
         timeout = self._leases.ttl_s
         client = self._conn.client
 
-        async def ask() -> Msg | None:
+        async def ask() -> _Answer:
             # Caught here: nats' TimeoutError is an OSError, which ``call`` would take
             # for a lost connection.
             try:
-                return await client.request(self._subject, message, timeout=timeout)
-            except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
-                return None
+                await client.request(self._subject, message, timeout=timeout)
+            except nats.errors.NoRespondersError:
+                return _Answer.NOBODY
+            except nats.errors.TimeoutError:
+                return _Answer.LATE
+            return _Answer.GRANTED
 
         try:
-            return await self._conn.call(ask()) is not None
+            return await self._conn.call(ask())
         except (ClusterUnavailable, nats.errors.Error):
-            return False
+            return _Answer.NOBODY
 
     def report(self, op: str, number: int, **fields: Any) -> None:
         """Tell the owner what became of request ``number`` (a :class:`RequestPermit`
@@ -450,6 +471,9 @@ class SharedEndpoint:
                 await self._find_owner()
 
     async def _find_owner(self) -> None:
+        if self._closing:
+            # The host closes: it does not take the endpoint back after giving it up.
+            await trio.sleep_forever()
         if not self._conn.connected:
             self._enter(Mode.LOCAL, "NATS is out of reach")
             await trio.sleep(RETRY_S)
@@ -489,6 +513,12 @@ class SharedEndpoint:
         )
         await self.release_lease()
         return bool(served)
+
+    async def close(self) -> None:
+        """The host closes: give the endpoint's lease up (see :meth:`release_lease`) and
+        claim it no more."""
+        self._closing = True
+        await self.release_lease()
 
     async def release_lease(self) -> None:
         """Give the endpoint's lease up, if this host holds it (best effort), so that

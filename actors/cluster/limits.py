@@ -104,4 +104,4 @@ class ClusterLimits:
         if self._spending is not None:
             await self._spending.flushed()
         for endpoint in self.endpoints.values():
-            await endpoint.release_lease()
+            await endpoint.close()
