@@ -107,9 +107,13 @@ class Book:
 
     def __init__(self) -> None:
         self.queued: list[tuple[str, float]] = []
+        self.heard: dict[str, float] = {}
 
     def add(self, limit: SharedSpendLimit, cost_usd: float) -> None:
         self.queued.append((limit.key, cost_usd))
+
+    def total(self, key: str) -> float:
+        return self.heard.get(key, 0.0)
 
 
 def test_a_principals_limit_counts_the_cluster_total_and_its_own_unsent_spending() -> None:
@@ -136,11 +140,18 @@ def test_a_principals_limit_counts_the_cluster_total_and_its_own_unsent_spending
     assert limit.refusal(0.2, now) is None
     assert limit.refusal(0.31, now) is not None
 
+    # A new day: the count starts again from what was heard of it (another host spent
+    # 0.05 after midnight, while this one was idle).
     tomorrow = now + 86_400
-    assert limit.refusal(0.9, tomorrow) is None  # a new day: the count starts again
+    next_key = spending_key("alice", "day", since + 86_400)
+    limit.heard(next_key, 0.05)  # not the current period's yet here: kept by the book
+    book.heard[next_key] = 0.05
+    assert limit.spent_usd == pytest.approx(0.7)
+    assert limit.refusal(0.95, tomorrow) is None
+    assert limit.refusal(0.96, tomorrow) is not None
     limit.spend(0.3, tomorrow)
-    assert book.queued[-1] == (spending_key("alice", "day", since + 86_400), 0.3)
-    assert (limit.cluster_usd, limit.spent_usd) == (0.0, pytest.approx(0.3))
+    assert book.queued[-1] == (next_key, 0.3)
+    assert (limit.cluster_usd, limit.spent_usd) == (0.05, pytest.approx(0.35))
 
 
 async def test_wait_spent_returns_once_the_spending_is_heard() -> None:

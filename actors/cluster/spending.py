@@ -67,8 +67,8 @@ def spending_key(principal: str, period: str, since: float) -> str:
 class SharedSpendLimit(SpendLimit):
     """A principal's budget as the cluster spends it: the counter's total as last heard
     (:attr:`cluster_usd`) plus what this host spent since and has not yet added to it
-    (:attr:`unsent_usd`); ``spent_usd`` is their sum. In a new period both start again
-    from zero, as a host's own limit does."""
+    (:attr:`unsent_usd`); ``spent_usd`` is their sum. In a new period it counts that
+    period's counter, from what was heard of it."""
 
     __slots__ = ("_book", "_changed", "cluster_usd", "principal", "unsent_usd")
 
@@ -99,8 +99,8 @@ class SharedSpendLimit(SpendLimit):
         """A priced request of this host cost ``cost_usd``: counted at once here, and
         added to the cluster's counter by the sender."""
         self._follow_period(now)
-        super().spend(cost_usd, now)
         self.unsent_usd += cost_usd
+        self.spent_usd = self.cluster_usd + self.unsent_usd
         self._book.add(self, cost_usd)
         self._wake()
 
@@ -110,12 +110,17 @@ class SharedSpendLimit(SpendLimit):
         return super().refusal(bound_usd, now)
 
     def _follow_period(self, now: float) -> None:
-        if self.period is None or self.since is None:
+        """In a new period, count its counter as last heard (another host may have spent
+        in it already) and nothing of this host's yet."""
+        if self.period is None:
             return
-        if period_start(self.period, now) > self.since:
-            # SpendLimit starts its own count again; so do the cluster's parts.
-            self.cluster_usd = 0.0
+        start = period_start(self.period, now)
+        if self.since is None or start > self.since:
+            # Set here, so SpendLimit finds its period current and counts nothing again.
+            self.since = start
+            self.cluster_usd = self._book.total(self.key)
             self.unsent_usd = 0.0
+            self.spent_usd = self.cluster_usd
 
     def heard(self, key: str, total_usd: float) -> None:
         """The counter ``key`` holds ``total_usd`` (the bucket's watch). Counted when it
@@ -158,6 +163,7 @@ class ClusterSpending:
         self.host_id = host_id
         self._limits: dict[str, SharedSpendLimit] = {}
         self._by_digest: dict[str, SharedSpendLimit] = {}
+        self._totals: dict[str, float] = {}
         self._pending: dict[str, tuple[SharedSpendLimit, float]] = {}
         self._due = trio.Event()
         self._idle = trio.Event()
@@ -195,6 +201,11 @@ class ClusterSpending:
         self._limits[principal] = limit
         self._by_digest[key.split(".", 1)[0]] = limit
         return limit
+
+    def total(self, key: str) -> float:
+        """The last total heard of counter ``key`` (of a principal with a limit on this
+        host); 0 when none was."""
+        return self._totals.get(key, 0.0)
 
     def add(self, limit: SharedSpendLimit, cost_usd: float) -> None:
         """Queue ``cost_usd`` for ``limit``'s current counter. Never blocks."""
@@ -309,6 +320,8 @@ class ClusterSpending:
     def _hear(self, key: str, total: float) -> None:
         limit = self._by_digest.get(key.split(".", 1)[0])
         if limit is not None:
+            # Kept for a limit that enters this period later (its host was idle at midnight).
+            self._totals[key] = max(total, self._totals.get(key, 0.0))
             limit.heard(key, total)
 
     def _out_of_reach(self, exc: Exception) -> None:
