@@ -5,7 +5,9 @@ key). The first host to send to the endpoint admits for both; the other asks it.
 
 * with ``max_concurrent_requests=2`` on each host, the model server never has more than
   2 requests in flight from the two hosts together;
-* a 429 with ``retry-after`` seen by one host pauses the other host's requests;
+* a 429 with ``retry-after`` seen by one host pauses the other host's requests (the
+  other direction, a host's report of its 429 to the host that admits, is
+  ``test_cluster_limits``'s);
 * a principal's budget spent on one host stops the principal's next task on the other.
 """
 
@@ -145,13 +147,15 @@ def test_two_hosts_never_have_more_requests_in_flight_than_the_limit_together(
 def test_a_429_seen_by_one_host_pauses_the_other_hosts_requests(
     tmp_path: Path, nats_server: NatsProcess
 ) -> None:
-    """No limits configured. Host b's first request gets a 429 with ``retry-after: 2``;
-    host a starts a task once b has seen it. a's request reaches the model server only
-    when the endpoint's pause ends, and b's retry is announced with that wait."""
+    """No limits configured. Host a's first request gets a 429 with ``retry-after: 2``;
+    host b starts a task once a has seen it. b's request reaches the model server only
+    when the endpoint's pause ends (as does a's retry), and b's wait is no failed attempt
+    of its own. (a admits for both: the pause is learned where b's request is admitted,
+    before a's session hears of the 429, so b's request cannot slip in ahead of it.)"""
     retry_after_s = 2.0
 
     def model_answer(request: RecordedRequest) -> Reply | WireError:
-        if "from b" in str(request.messages) and not refused:
+        if "from a" in str(request.messages) and not refused:
             refused.append(request.received_at)
             return WireError(
                 429, "rate_limit_error", "slow down", headers={"retry-after": f"{retry_after_s:g}"}
@@ -169,20 +173,20 @@ def test_a_429_seen_by_one_host_pauses_the_other_hosts_requests(
         ):
             on_a, endpoint_a = await session_on(*a, model.base_url, tmp_path)
             on_b, endpoint_b = await session_on(*b, model.base_url, tmp_path)
-            watch_b = Recorder(on_b)
+            watch_a = Recorder(on_a)
             ran: dict[str, Any] = {}
 
             async def run_task(name: str, session: Session, prompt: str) -> None:
                 ran[name] = await collect(session.run(prompt), BOUND_S)
 
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(run_task, "b", on_b, "from b")
-                await watch_b.wait_for("request_end", attempt=1, bound_s=BOUND_S)
                 nursery.start_soon(run_task, "a", on_a, "from a")
+                await watch_a.wait_for("request_end", attempt=1, bound_s=BOUND_S)
+                nursery.start_soon(run_task, "b", on_b, "from b")
             return {
                 "modes": (endpoint_a.mode, endpoint_b.mode),
+                "asked": endpoint_b.asked,
                 "ran": ran,
-                "limited": model.rate_limited,
             }
 
     found = in_cluster(body)
@@ -191,15 +195,13 @@ def test_a_429_seen_by_one_host_pauses_the_other_hosts_requests(
     from_b = [at for text, at in arrived if "from b" in text]
     assert len(from_a) == 1 and len(from_b) == 1
     # Not before the pause ends (minus the clock's grain), on either host.
-    assert from_a[0] >= refused_at + retry_after_s - 0.05
     assert from_b[0] >= refused_at + retry_after_s - 0.05
-    attempts = [(e.attempt, e.status) for e in of_type(found["ran"]["b"], RequestEnd)]
+    assert from_a[0] >= refused_at + retry_after_s - 0.05
+    # b's wait was no failed attempt of its own.
+    assert [(e.attempt, e.status) for e in of_type(found["ran"]["b"], RequestEnd)] == [(1, "ok")]
+    attempts = [(e.attempt, e.status) for e in of_type(found["ran"]["a"], RequestEnd)]
     assert attempts == [(1, "timeout"), (2, "ok")]
-    (first,) = [e for e in of_type(found["ran"]["b"], RequestEnd) if e.attempt == 1]
-    assert first.retry_in_ms is not None and first.retry_in_ms >= 1900
-    # a's wait was no failed attempt of its own.
-    assert [(e.attempt, e.status) for e in of_type(found["ran"]["a"], RequestEnd)] == [(1, "ok")]
-    assert found["modes"] == (Mode.OWNER, Mode.REMOTE)  # the 429 was b's, the pause a's
+    assert found["modes"] == (Mode.OWNER, Mode.REMOTE) and found["asked"] == 1
 
 
 def test_a_principal_budget_spent_on_one_host_stops_its_next_task_on_another(
