@@ -412,3 +412,26 @@ async def test_an_exhausted_quota_teaches_the_endpoint_nothing(
     assert admission.window == INITIAL_WINDOW and admission.pause_remaining() == 0.0
     for permit in permits:
         permit.release()
+
+
+async def test_another_hosts_pause_holds_here_and_a_learned_pause_is_told(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """R-SHARE-1 across a cluster's hosts: ``pause_for`` (a pause another host learned)
+    holds the requests that wait here, without teaching a window; a pause learned here is
+    handed to ``on_pause`` (for the other hosts), a 429 without ``retry-after`` is not."""
+    admission = EndpointAdmission()
+    told: list[float] = []
+    admission.on_pause = told.append
+    start = trio.current_time()
+    admission.pause_for(3.0)
+    admission.pause_for(1.0)  # a shorter pause does not shorten the longer one
+    assert admission.window == INITIAL_WINDOW
+    permit = await admission.admit("", "a")
+    assert trio.current_time() - start == 3.0
+    assert told == []
+    permit.rate_limited(None)
+    permit.rate_limited(2.0)
+    permit.release()
+    assert told == [2.0]
+    assert admission.pause_remaining() == 2.0

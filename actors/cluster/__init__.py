@@ -8,6 +8,9 @@
     traces      the fenced trace stream: one subject per session, replay, follow
     registry    live hosts and their load (placement), session metadata
     routing     requests that only a session's owner answers
+    admission   one admission point per provider endpoint for every host: a lease holder
+    spending    principals' spending per period over every host: KV counters
+    limits      both, as the host's SharedLimits
     store       the TraceStore backend that replicates a host's records to JetStream
     node        one host of the cluster: adoption, loss, takeover; open_cluster_host
     serve       ``greenroom serve --nats``

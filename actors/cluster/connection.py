@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
 import attrs
@@ -19,9 +19,10 @@ import nats.errors
 import nats.js.errors
 import trio
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from greenroom.actors.cluster.bridge import Bridge
+from greenroom.actors.cluster.bridge import Bridge, Messages
 from greenroom.actors.cluster.errors import ClusterUnavailable
 
 __all__ = ["ClusterNames", "Connection", "check_session_id", "connect"]
@@ -93,6 +94,27 @@ class ClusterNames:
         """The subject of ``session_id``'s live-only outputs (not stored)."""
         return f"{self.prefix}.live.{check_session_id(session_id)}"
 
+    @property
+    def admission_leases(self) -> str:
+        """The KV bucket provider endpoint → the host that admits its requests for the
+        whole cluster (with the lease TTL)."""
+        return f"{self.prefix}_admission"
+
+    def admission_subject(self, endpoint_key: str) -> str:
+        """The subject on which the host that admits for an endpoint answers the others."""
+        return f"{self.prefix}.admission.{check_session_id(endpoint_key)}"
+
+    def pause_subject(self, endpoint_key: str) -> str:
+        """The subject on which an endpoint's pauses (a 429's ``retry-after``) reach every
+        host that sends to it."""
+        return f"{self.prefix}.admission.{check_session_id(endpoint_key)}.pause"
+
+    @property
+    def spending(self) -> str:
+        """The KV bucket principal and period → what the principal spent in it, over
+        every host."""
+        return f"{self.prefix}_spending"
+
 
 @attrs.define
 class Connection:
@@ -123,6 +145,37 @@ class Connection:
             OSError,
         ) as exc:
             raise ClusterUnavailable(f"NATS is unavailable: {_describe(exc)}") from exc
+
+    @property
+    def connected(self) -> bool:
+        """Whether the client is connected now (not reconnecting, not closed)."""
+        return bool(self.client.is_connected)
+
+    @contextlib.asynccontextmanager
+    async def subscription(self, subject: str) -> AsyncIterator[Messages[Msg]]:
+        """Subscribe to ``subject`` for the block; yields its messages as a trio async
+        iterator, which ends when the connection closes. Messages published from the
+        moment the block starts reach it (the subscription is confirmed by the server
+        first). Unsubscribed on exit, within a bound. Raises :class:`ClusterUnavailable`
+        when the subscription cannot be made."""
+        try:
+            sub = await self.call(self.client.subscribe(subject))
+            await self.call(self.client.flush())
+        except nats.errors.Error as exc:
+            raise ClusterUnavailable(f"cannot subscribe to {subject}: {exc}") from exc
+
+        async def next_message() -> Msg:
+            try:
+                return await sub.next_msg(timeout=None)
+            except nats.errors.ConnectionClosedError:
+                raise StopAsyncIteration from None
+
+        try:
+            yield self.bridge.messages(next_message)
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_S):
+                with contextlib.suppress(ClusterUnavailable, nats.errors.Error):
+                    await self.call(sub.unsubscribe())
 
     async def aclose(self) -> None:
         """Close the client (idempotent; errors while closing are ignored). Bounded: with

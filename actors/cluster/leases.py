@@ -48,13 +48,17 @@ class LeaseTable:
         self.ttl_s = ttl_s
 
     @classmethod
-    async def open(cls, conn: Connection, *, ttl_s: float) -> LeaseTable:
-        """Bind the cluster's lease bucket, creating it with TTL ``ttl_s`` if it does not
-        exist. Every host of a cluster must use the same TTL; a bucket that exists with
-        another TTL keeps its own (it is the bucket's TTL that expires leases)."""
+    async def open(
+        cls, conn: Connection, *, ttl_s: float, bucket: str | None = None
+    ) -> LeaseTable:
+        """Bind the cluster's lease bucket (or ``bucket``: leases on something else than
+        sessions, such as a provider endpoint's admission), creating it with TTL ``ttl_s``
+        if it does not exist. Every host of a cluster must use the same TTL; a bucket that
+        exists with another TTL keeps its own (it is the bucket's TTL that expires
+        leases)."""
         if not ttl_s > 0 or not math.isfinite(ttl_s):
             raise ValueError(f"the lease TTL must be a positive number of seconds, not {ttl_s}")
-        kv = await open_bucket(conn, conn.names.leases, ttl_s=ttl_s)
+        kv = await open_bucket(conn, bucket or conn.names.leases, ttl_s=ttl_s)
         status = await conn.call(kv.status())
         bucket_ttl = status.stream_info.config.max_age
         return cls(conn, kv, float(bucket_ttl) if bucket_ttl else ttl_s)

@@ -7,6 +7,8 @@
     ├── trace streams            one task per owned session: its records, fenced, to JetStream
     │                    and one request server per owned session (its calls from other
     │                    gateways, :mod:`.router`)
+    ├── ClusterLimits            the provider limits and principals' budgets every host
+    │                            holds together (:mod:`.limits`): the host's SharedLimits
     └── Host (ReplicatingTraceStore)
         └── ClusterNode.run
             ├── LeaseKeeper      renews this host's leases; a lost one stops its session
@@ -33,7 +35,9 @@ for a person keeps waiting, asked again of whoever can answer, never denied beca
 host was lost (R-HITL-1). An idle session
 is taken over too (loaded, nothing run), so no session is left without a host.
 A session deleted through any host leaves the cluster (metadata, trace and lease). Usage rows are
-not written again: each host's ledger holds the requests it made.
+not written again: each host's ledger holds the requests it made; what a principal spends
+is also added to the cluster's counter of its period (:mod:`.spending`), which its budget
+counts on every host.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from greenroom.actors.cluster.connection import ClusterNames, Connection, connec
 from greenroom.actors.cluster.errors import ClusterError, ClusterUnavailable
 from greenroom.actors.cluster.handover import hand_over
 from greenroom.actors.cluster.leases import LeaseKeeper, LeaseTable
+from greenroom.actors.cluster.limits import ClusterLimits
 from greenroom.actors.cluster.registry import HostRecord, HostRegistry, SessionDirectory, assign
 from greenroom.actors.cluster.router import ClusterRouter, OwnerDesk
 from greenroom.actors.cluster.routing import SessionRequests
@@ -609,11 +614,15 @@ async def open_cluster_host(
     prices: Mapping[str, Any] | None = None,
     principal_budget: PrincipalBudget | None = None,
     limits: ProviderLimits | None = None,
+    on_limits: Callable[[ClusterLimits], None] | None = None,
 ) -> AsyncIterator[Host]:
     """A :class:`Host` on ``data_dir`` that is one host of the cluster at ``config.url``.
     Raises :class:`ClusterUnavailable` when NATS cannot be reached. On exit the host closes
     as in single-host mode (its last records reach the cluster's trace) and its leases are
-    released. ``limits``: the host's ``Host.open(limits=…)`` (this host's requests only)."""
+    released. ``limits`` (the host's ``Host.open(limits=…)``) and the limits learned from
+    429s hold for every host of the cluster together, per endpoint and credential, and
+    ``principal_budget`` over every host's spending (:mod:`.limits`; give every host the
+    same). ``on_limits`` is called with them before the host opens."""
     conn = await connect(
         bridge,
         config.url,
@@ -623,8 +632,12 @@ async def open_cluster_host(
     node = ClusterNode(conn, config, tools=tools, approve=approve, provider=provider)
     if on_node is not None:
         on_node(node)
+    shared = ClusterLimits(conn, config.host_id, lease_ttl_s=config.lease_ttl_s)
+    if on_limits is not None:
+        on_limits(shared)
     try:
         async with trio.open_nursery() as streams:
+            await streams.start(shared.run)
             async with (
                 Host.open(
                     data_dir,
@@ -633,6 +646,7 @@ async def open_cluster_host(
                     prices=prices,
                     principal_budget=principal_budget,
                     limits=limits,
+                    shared=shared,
                 ) as host,
                 trio.open_nursery() as nursery,
             ):
@@ -643,6 +657,7 @@ async def open_cluster_host(
                     nursery.cancel_scope.cancel()
             with trio.CancelScope(shield=True), trio.move_on_after(config.lease_ttl_s):
                 await node.release_all()
+                await shared.aclose()
             streams.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True):

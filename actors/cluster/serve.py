@@ -48,10 +48,10 @@ def serve_in_cluster(
 ) -> None:
     """Run ``serve(open_host=…, **serve_kwargs)`` (the gateway's ``run_serve``) on a host
     of the cluster ``config`` names; sessions taken over get ``tools`` and a provider from
-    ``provider()`` (else the one their settings name). ``prices`` and ``principal_budget``
-    are the host's (R-SHARE; each host counts its own ledger); ``provider_limits`` hold for
-    this host's requests to each endpoint (not yet for the cluster's together). Raises
-    ClusterUnavailable when NATS is unreachable."""
+    ``provider()`` (else the one their settings name). ``prices`` are the host's;
+    ``principal_budget`` holds over every host's spending and ``provider_limits`` for
+    every host's requests to each endpoint together (R-SHARE, :mod:`.limits`: give every
+    host the same). Raises ClusterUnavailable when NATS is unreachable."""
     tool_list = tuple(tools)
 
     async def main(bridge: Bridge) -> None:

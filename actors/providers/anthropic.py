@@ -28,6 +28,7 @@ from greenroom.actors.providers.base import (
     Deliver,
     connect_failure,
     cut_short,
+    endpoint_identity,
     transport_failure,
 )
 from greenroom.actors.providers.lean_http import LeanTransport, RawBody, raw_body
@@ -46,6 +47,9 @@ from greenroom.protocols.content import ImageBlock
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.errors import ConfigurationError
 from greenroom.protocols.stream import ModelError, StreamFailed
+
+DEFAULT_BASE_URL = "https://api.anthropic.com"
+"""Where the SDK sends requests when neither ``base_url`` nor ``ANTHROPIC_BASE_URL`` says."""
 
 DEFAULT_TIMEOUT = httpx2.Timeout(connect=15.0, read=180.0, write=60.0, pool=60.0)
 """``read`` bounds the silence between two chunks of a stream, and how long a stream may
@@ -129,6 +133,14 @@ class AnthropicProvider:
         self._per_shard = per_shard
         self._shards: list[_Shard] = []
         self._add_shard()
+
+    @property
+    def endpoint_identity(self) -> str:
+        """``anthropic``, the base URL (the SDK's: ``ANTHROPIC_BASE_URL``, else Anthropic's
+        API) and a hash of the key or token (:func:`~greenroom.actors.providers.base.
+        endpoint_identity`)."""
+        base_url = self._base_url or os.environ.get("ANTHROPIC_BASE_URL") or DEFAULT_BASE_URL
+        return endpoint_identity(self.name, base_url, self._key or self._token)
 
     @property
     def read_timeout(self) -> float | None:

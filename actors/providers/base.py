@@ -9,10 +9,11 @@ and ``protocols/`` — never the runtime, which drives them through these two pr
 
 from __future__ import annotations
 
+import hashlib
 import re
 import urllib.parse
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import attrs
 
@@ -21,10 +22,12 @@ from greenroom.protocols.stream import StreamEvent, StreamFailed
 
 __all__ = [
     "Deliver",
+    "IdentifiedEndpoint",
     "ModelProvider",
     "ProviderTask",
     "connect_failure",
     "cut_short",
+    "endpoint_identity",
     "exception_words",
     "transport_failure",
 ]
@@ -164,5 +167,29 @@ class ModelProvider(Protocol):
 
     async def aclose(self) -> None:
         """Close the provider's clients; the host does when it shuts down."""
+
+
+@runtime_checkable
+class IdentifiedEndpoint(Protocol):
+    """An adapter that can say which endpoint and credential it sends to, so that hosts
+    which share limits (a cluster's, R-SHARE-1) know their clients meet at one endpoint.
+    An adapter without it (the scripted model, a program's own) is admitted by its host
+    alone."""
+
+    @property
+    def endpoint_identity(self) -> str:
+        """The provider's name, its base URL and a hash of its credential
+        (:func:`endpoint_identity`): the same for every client of one endpoint and key,
+        on any host; never the credential itself."""
+        ...
+
+
+def endpoint_identity(provider: str, base_url: str, credential: str | None) -> str:
+    """``provider``, ``base_url`` (without a trailing slash) and the first 16 hex digits
+    of the SHA-256 of ``credential`` ("-" without one), space-separated. The hash tells
+    two keys apart without letting the key be read back from a log line or a NATS
+    subject."""
+    digest = hashlib.sha256(credential.encode()).hexdigest()[:16] if credential else "-"
+    return f"{provider} {base_url.rstrip('/')} {digest}"
 
 

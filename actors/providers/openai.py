@@ -21,6 +21,7 @@ from greenroom.actors.providers.base import (
     Deliver,
     connect_failure,
     cut_short,
+    endpoint_identity,
     transport_failure,
 )
 from greenroom.actors.providers.media import LoadedImage, TaskImages, read_image
@@ -76,6 +77,7 @@ class OpenAIProvider:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         root = (base_url or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
         self._url = root + self.endpoint
+        self._identity = endpoint_identity(self.name, root, key)
         self._client = httpx.AsyncClient(
             headers=headers,
             timeout=timeout,
@@ -83,6 +85,12 @@ class OpenAIProvider:
                 max_connections=max_connections, max_keepalive_connections=max_connections
             ),
         )
+
+    @property
+    def endpoint_identity(self) -> str:
+        """The provider's name, its ``/v1`` root and a hash of its key
+        (:func:`~greenroom.actors.providers.base.endpoint_identity`)."""
+        return self._identity
 
     def open_task(self) -> HTTPStreamTask:
         """Per-task state: the request encoder that reuses earlier turns' encodings."""

@@ -18,15 +18,20 @@ requests count against, shared with the sessions they cover:
 Spending already recorded comes from the usage ledger, once: a stored root's limit starts
 at what its tree spent, a principal's at what it spent since its period began. From then
 on every priced request adds its cost to its account's limits as it is recorded, so a
-check before a request (:meth:`Account.refusal`) reads memory only. The ledger of one host
-is what is counted: a cluster's hosts each count the requests they made.
+check before a request (:meth:`Account.refusal`) reads memory only.
+
+A principal's budget holds for the hosts that share its spending (a cluster's,
+:class:`SharedSpending`): its limit, seeded from this host's ledger, is handed to the
+shared spending, which returns the limit to count against instead — one that adds what the
+principal spends on the other hosts as they record it. Sessions' and trees' budgets are
+one host's: a tree runs on the host of its root.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import trio
@@ -42,7 +47,14 @@ from greenroom.protocols.trace import UsageQuery
 if TYPE_CHECKING:
     from greenroom.actors.runtime.trace_store import UsageLedger
 
-__all__ = ["NO_ACCOUNT", "Account", "Accounting", "PrincipalBudget", "price_overrides"]
+__all__ = [
+    "NO_ACCOUNT",
+    "Account",
+    "Accounting",
+    "PrincipalBudget",
+    "SharedSpending",
+    "price_overrides",
+]
 
 
 @attrs.frozen(kw_only=True)
@@ -61,6 +73,17 @@ class PrincipalBudget:
             raise ConfigurationError(
                 f"principal budget: period must be day or month, got {self.period!r}"
             )
+
+
+class SharedSpending(Protocol):
+    """Principals' spending that several hosts count together (a cluster's, R-SHARE-4)."""
+
+    async def share_principal(self, principal: str, local: SpendLimit) -> SpendLimit:
+        """The limit this host's sessions of ``principal`` count against, given ``local``:
+        the principal's budget for its current period with what this host's ledger holds
+        for it. Never raises for the other hosts being out of reach: it then returns a
+        limit that counts what it can (at worst this host's own spending)."""
+        ...
 
 
 def price_overrides(prices: Mapping[str, Any] | None) -> dict[str, Price]:
@@ -134,7 +157,7 @@ class Accounting:
     """A host's prices and principals' budgets; makes each session's :class:`Account`
     (see the module docstring)."""
 
-    __slots__ = ("_ledger", "_principals", "prices", "principal_budget")
+    __slots__ = ("_ledger", "_principals", "prices", "principal_budget", "shared")
 
     def __init__(
         self,
@@ -142,11 +165,15 @@ class Accounting:
         *,
         prices: Mapping[str, Any] | None = None,
         principal_budget: PrincipalBudget | None = None,
+        shared: SharedSpending | None = None,
     ) -> None:
         self._ledger = ledger
         self.prices = PriceTable(price_overrides(prices))
         """The built-in prices with the host's overrides."""
         self.principal_budget = principal_budget
+        self.shared = shared
+        """Where the principals' spending is counted with other hosts' (None: this host's
+        alone)."""
         self._principals: dict[str, tuple[SpendLimit, trio.Event]] = {}
 
     async def account(
@@ -188,9 +215,9 @@ class Accounting:
     async def _principal_limit(self, principal: str, budget: PrincipalBudget) -> SpendLimit:
         known = self._principals.get(principal)
         if known is not None:
-            limit, seeded = known
-            await seeded.wait()
-            return limit
+            await known[1].wait()
+            # The limit shared with other hosts, once it is (the same one when not).
+            return self._principals.get(principal, known)[0]
         now = time.time()
         since = period_start(budget.period, now)
         name = f"budget of principal {principal!r} ({budget.usd:g} USD per UTC {budget.period})"
@@ -201,6 +228,9 @@ class Accounting:
             # Rows from before ``now`` are the ledger's to count; later ones are spent live.
             limit.spend(await self._spent(UsageQuery(by=None, principal=principal,
                                                      since=since, until=now)), now)
+            if self.shared is not None:
+                limit = await self.shared.share_principal(principal, limit)
+                self._principals[principal] = (limit, seeded)
         except BaseException:
             del self._principals[principal]
             raise

@@ -38,6 +38,11 @@ at once) and nothing is left behind — a request admitted just as its caller wa
 gives its place back. Waiting never fails; the streamer's own rules decide what a failed
 attempt is (R-RETRY).
 
+Hosts that share limits (a cluster's, R-SHARE-1 across hosts) give
+:class:`ProviderAdmissions` a :class:`SharedEndpoints`: each endpoint's admission point is
+then theirs (an :class:`AdmissionPoint`), with this module's :class:`EndpointAdmission` as
+the host's own part of it. Without one — a single host — nothing here changes.
+
 Invariants: ``in_flight`` counts the permits not yet released; a permit is admitted only
 while ``in_flight`` is below the window and the configured cap, no pause is in force, and
 every configured window has room; the learned window is never below one. The module reads
@@ -48,7 +53,8 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from typing import Any, Final
+from collections.abc import Callable
+from typing import Any, Final, Protocol
 
 import attrs
 import trio
@@ -69,11 +75,14 @@ __all__ = [
     "LEARNED_FOR_S",
     "RATE_LIMIT_STATUSES",
     "WINDOW_S",
+    "AdmissionPoint",
     "EndpointAdmission",
+    "PermitReports",
     "ProviderAdmissions",
     "ProviderLimits",
     "RequestPermit",
     "Requester",
+    "SharedEndpoints",
     "estimate_input_tokens",
 ]
 
@@ -214,6 +223,28 @@ class _Waiter:
         self.scope = trio.CancelScope()
 
 
+class PermitReports(Protocol):
+    """Whom a :class:`RequestPermit` tells what became of its request: the admission point
+    that granted it (:class:`EndpointAdmission`, or a cluster's, which passes the reports
+    on to the host that admits for the whole cluster)."""
+
+    def accepted(self) -> None:
+        """The provider accepted a request of this grantor's (its response began)."""
+
+    def settle(self, permit: RequestPermit, input_tokens: int, output_tokens: int) -> None:
+        """``permit``'s real token counts replace its estimates."""
+
+    def rate_limited(self, permit: RequestPermit, retry_after_s: float | None) -> None:
+        """``permit``'s request got a 429 or 529 asking for ``retry_after_s``."""
+
+    def release(self, permit: RequestPermit) -> None:
+        """``permit``'s request has ended."""
+
+    def pause_remaining(self) -> float:
+        """Seconds until the endpoint's pause ends; 0 when none is in force."""
+        ...
+
+
 class RequestPermit:
     """An admitted request's place at its endpoint, held until :meth:`release`.
 
@@ -225,7 +256,7 @@ class RequestPermit:
     __slots__ = ("_admission", "_released", "input_counted", "is_accepted", "output_counted",
                  "past_pause", "watching")
 
-    def __init__(self, admission: EndpointAdmission) -> None:
+    def __init__(self, admission: PermitReports) -> None:
         self._admission = admission
         self._released = False
         self.is_accepted = False
@@ -325,6 +356,7 @@ class EndpointAdmission:
         "_waiting",
         "_window",
         "limits",
+        "on_pause",
         "rate_limit_answers",
     )
 
@@ -348,6 +380,9 @@ class EndpointAdmission:
         self._ready_at = math.inf
         self.rate_limit_answers = 0
         """How many 429 / 529 answers the endpoint has given."""
+        self.on_pause: Callable[[float], None] | None = None
+        """Called with the seconds a rate-limit answer pauses the endpoint for, when one
+        does (a cluster tells its other hosts); must not block or raise."""
 
     # -- what it is like now ---------------------------------------------------------------
 
@@ -574,6 +609,18 @@ class EndpointAdmission:
         if retry_after_s is not None and retry_after_s > 0:
             self._paused_until = max(self._paused_until, now + retry_after_s)
             self._timed = True
+            if self.on_pause is not None:
+                self.on_pause(retry_after_s)
+
+    def pause_for(self, seconds: float) -> None:
+        """Pause the endpoint for ``seconds`` from now (unless a longer pause is in force),
+        as a rate-limit answer would, without learning a window from it: another host of
+        a cluster got the answer."""
+        if seconds > 0:
+            self._paused_until = max(self._paused_until, trio.current_time() + seconds)
+            self._timed = True
+            if self._waiting:
+                self._dispatch()
 
     def release(self, permit: RequestPermit) -> None:
         """``permit``'s request has ended (use :meth:`RequestPermit.release`)."""
@@ -591,13 +638,45 @@ def _window_of(limit: int | None) -> _MinuteWindow | None:
     return None if limit is None else _MinuteWindow(limit)
 
 
+class AdmissionPoint(Protocol):
+    """Where one endpoint's requests are admitted, as a session sees it: a host's
+    :class:`EndpointAdmission`, or a cluster's point that holds for every host."""
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether requests' tokens are counted (a token limit is configured)."""
+        ...
+
+    def admit_now(self) -> RequestPermit | None:
+        """A place at once, without waiting, or None (then :meth:`admit`)."""
+
+    async def admit(
+        self, principal: str, session: str, *, input_tokens: int = 0, output_tokens: int = 0
+    ) -> RequestPermit:
+        """A place for one request, when its turn comes (see
+        :meth:`EndpointAdmission.admit`)."""
+        ...
+
+
+class SharedEndpoints(Protocol):
+    """Admission points that several hosts share (a cluster's, R-SHARE-1): one for each
+    endpoint and credential, whichever host's client sends to it."""
+
+    def admission(self, client: object, local: EndpointAdmission) -> AdmissionPoint:
+        """The admission point of provider client ``client`` on this host; ``local`` is
+        the host's own admission for it under the host's limits (what the shared point
+        admits with when it cannot reach the others, and what it returns for a client
+        whose endpoint it cannot tell)."""
+        ...
+
+
 class Requester:
     """Who asks an endpoint's admission: a session (``session_id``) of a principal ("" for
-    none), bound to the :class:`EndpointAdmission` of its provider client."""
+    none), bound to the :class:`AdmissionPoint` of its provider client."""
 
     __slots__ = ("admission", "principal", "session_id")
 
-    def __init__(self, admission: EndpointAdmission, principal: str, session_id: str) -> None:
+    def __init__(self, admission: AdmissionPoint, principal: str, session_id: str) -> None:
         self.admission = admission
         self.principal = principal
         self.session_id = session_id
@@ -622,20 +701,25 @@ class Requester:
 
 
 class ProviderAdmissions:
-    """A host's admission points, one per provider client, all under ``limits``."""
+    """A host's admission points, one per provider client, all under ``limits``; with
+    ``shared``, the points that hold for the hosts that share them (a cluster's)."""
 
-    __slots__ = ("_by_client", "limits")
+    __slots__ = ("_by_client", "limits", "shared")
 
-    def __init__(self, limits: ProviderLimits | None = None) -> None:
+    def __init__(
+        self, limits: ProviderLimits | None = None, shared: SharedEndpoints | None = None
+    ) -> None:
         self.limits = limits or NO_LIMITS
-        self._by_client: dict[int, tuple[object, EndpointAdmission]] = {}
+        self.shared = shared
+        self._by_client: dict[int, tuple[object, AdmissionPoint]] = {}
 
-    def of(self, client: object) -> EndpointAdmission:
+    def of(self, client: object) -> AdmissionPoint:
         """The admission point of ``client`` (a provider object), made on first use."""
         found = self._by_client.get(id(client))
         if found is not None and found[0] is client:
             return found[1]
-        admission = EndpointAdmission(self.limits)
+        local = EndpointAdmission(self.limits)
+        admission = local if self.shared is None else self.shared.admission(client, local)
         # The client is kept with its admission so that its id cannot be reused meanwhile.
         self._by_client[id(client)] = (client, admission)
         return admission

@@ -37,7 +37,7 @@ import trio
 
 from greenroom.actors.providers.registry import default_model, provider_for, require_credentials
 from greenroom.actors.runtime.accounting import Accounting, PrincipalBudget, price_overrides
-from greenroom.actors.runtime.admission import ProviderLimits
+from greenroom.actors.runtime.admission import ProviderAdmissions, ProviderLimits
 from greenroom.actors.runtime.child_index import ChildIndex
 from greenroom.actors.runtime.child_reports import ChildReports
 from greenroom.actors.runtime.drain import HandOver, drain_sessions
@@ -49,6 +49,7 @@ from greenroom.actors.runtime.people import People, answer, pending_of
 from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput
 from greenroom.actors.runtime.port_builder import PortBuilder
 from greenroom.actors.runtime.session import Session, require_trio
+from greenroom.actors.runtime.shared_limits import SharedLimits
 from greenroom.actors.runtime.storage import (
     PRIVATE_DIR_MODE,
     SESSIONS_DIR,
@@ -135,7 +136,7 @@ class Host:
         observers: Iterable[SessionObserver] = (),
         tools: Iterable[Tool] = (),
         accounting: Accounting | None = None,
-        limits: ProviderLimits | None = None,
+        admissions: ProviderAdmissions | None = None,
     ) -> None:
         self.data_dir = data_dir
         self._observers = tuple(observers)
@@ -148,7 +149,8 @@ class Host:
         self._sessions: dict[str, Session] = {}
         self._ports: dict[str, SessionPort] = {}
         self._children = ChildIndex(store.catalog, self.load_session)
-        self._builder = PortBuilder(self, data_dir, store, nursery.start_soon, accounting, limits)
+        self._builder = PortBuilder(self, data_dir, store, nursery.start_soon, accounting,
+                                    admissions)
         self.child_reports = ChildReports(self)
         """Reports of background subagents taken up by this host (R-TREE-2, R-TREE-4)."""
         self._closed = False
@@ -174,6 +176,7 @@ class Host:
         prices: Mapping[str, Any] | None = None,
         principal_budget: PrincipalBudget | None = None,
         limits: ProviderLimits | None = None,
+        shared: SharedLimits | None = None,
     ) -> AsyncIterator[Host]:
         """Start the host's actor tree; on exit close every session (interrupting running
         tasks and waiting for their last records; a task that waits only for people stays
@@ -197,21 +200,20 @@ class Host:
         restored on exit): less CPU per streamed event for a host serving many sessions,
         cyclic garbage kept a little longer. Off by default.
 
-        Costs (R-SHARE-3, :mod:`~greenroom.actors.runtime.accounting`): ``prices`` gives
-        model prices over the built-in table (``{model: {input, output, cache_read,
-        cache_write}}`` in USD per million tokens, or :class:`~greenroom.protocols.prices.
-        Price` values; a bad one raises :class:`ConfigurationError`); ``principal_budget``
-        is what each principal may spend per UTC day or month (R-SHARE-4).
-        ``limits`` (:class:`~greenroom.actors.runtime.admission.ProviderLimits`) hold for
-        each provider endpoint across every session of the host (R-SHARE-1); limits the
-        provider makes known (a 429 or 529 with ``retry-after``) hold without them.
+        Costs and limits (R-SHARE): ``prices`` over the built-in table (``{model: {input,
+        output, cache_read, cache_write}}`` in USD per million tokens, or ``Price`` values;
+        a bad one raises :class:`ConfigurationError`); ``principal_budget``, what each
+        principal may spend per UTC day or month; ``limits`` (:class:`ProviderLimits`), for
+        each provider endpoint across the host's sessions, with those the provider makes
+        known (429 / 529 with ``retry-after``); ``shared`` (a cluster's ``SharedLimits``)
+        makes limits and budgets hold for all the hosts that share it.
 
         Raises ``RuntimeError`` when entered outside trio (under ``asyncio.run``, say)."""
         require_trio()
-        costs = {"prices": price_overrides(prices), "principal_budget": principal_budget}
+        costs = _Costs(price_overrides(prices), principal_budget, limits, shared)
         path = await trio.to_thread.run_sync(_prepare_data_dir, data_dir)
         with tuned_gc(gc_tuning):
-            async with _host_tree(cls, path, observers, trace_store, tools, costs, limits) as host:
+            async with _host_tree(cls, path, observers, trace_store, tools, costs) as host:
                 if resume_tasks:
                     await host.resume_tasks()
                 yield host
@@ -574,6 +576,16 @@ class Host:
         await self._builder.clients.load(provider, model=model, base_url=base_url)
 
 
+@attrs.frozen
+class _Costs:
+    """What ``Host.open`` was given of prices, budgets and limits (R-SHARE)."""
+
+    prices: Mapping[str, Any]
+    principal_budget: PrincipalBudget | None
+    limits: ProviderLimits | None
+    shared: SharedLimits | None
+
+
 @asynccontextmanager
 async def _host_tree(
     cls: type[Host],
@@ -581,17 +593,22 @@ async def _host_tree(
     observers: Iterable[SessionObserver],
     trace_store: TraceStoreFactory | None,
     tools: Iterable[Tool],
-    costs: Mapping[str, Any],
-    limits: ProviderLimits | None,
+    costs: _Costs,
 ) -> AsyncIterator[Host]:
     """The host's actor tree while it is open: its nursery, its store and its people's
     clock; on exit every session is closed and the store flushed (``Host.open``).
-    ``costs`` are the :class:`Accounting` options, checked already."""
+    ``costs`` are the host's prices, budgets and limits, checked already."""
     async with trio.open_nursery() as nursery:
         store = (trace_store or FileTraceStore)(path)
-        accounting = Accounting(store.ledger, **costs)
+        accounting = Accounting(
+            store.ledger,
+            prices=costs.prices,
+            principal_budget=costs.principal_budget,
+            shared=costs.shared,
+        )
         await nursery.start(store.run)
-        host = cls(path, nursery, store, observers, tools, accounting, limits)
+        admissions = ProviderAdmissions(costs.limits, costs.shared)
+        host = cls(path, nursery, store, observers, tools, accounting, admissions)
         await nursery.start(host.serve_people)
         try:
             yield host

@@ -34,7 +34,7 @@ import attrs
 import trio
 
 from greenroom.actors.runtime.accounting import NO_ACCOUNT, Account
-from greenroom.actors.runtime.admission import EndpointAdmission, Requester
+from greenroom.actors.runtime.admission import AdmissionPoint, EndpointAdmission, Requester
 from greenroom.actors.runtime.attachments import Attachments
 from greenroom.actors.runtime.storage import ATTACHMENTS_DIR
 from greenroom.actors.runtime.trace_sink import TraceSinkClosed, TraceWriteError
@@ -238,7 +238,7 @@ class SessionPort:
         workspace_identity: WorkspaceIdentity | None = None,
         origin: tuple[str, ...] | None = None,
         account: Account = NO_ACCOUNT,
-        admission: EndpointAdmission | None = None,
+        admission: AdmissionPoint | None = None,
         principal: str = "",
     ) -> None:
         self.id = session_id
@@ -255,9 +255,10 @@ class SessionPort:
         self.account = account
         """The price of the session's model, its principal and the cost budgets its
         requests count against (R-SHARE-3, R-SHARE-4)."""
-        self.admission = admission or EndpointAdmission()
+        self.admission: AdmissionPoint = admission or EndpointAdmission()
         """The admission point of the provider's endpoint, shared with every session of
-        the host that uses it (R-SHARE-1); a port built by hand has one of its own."""
+        the host (and, in a cluster, of every host) that uses it (R-SHARE-1); a port built
+        by hand has one of its own."""
         self.principal = principal
         """Who the session's requests are admitted for, in turn with other principals
         (R-SHARE-2): the gateway client that owns it, its root's for a subagent; "" for

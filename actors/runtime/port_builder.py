@@ -20,7 +20,7 @@ import attrs
 import trio
 
 from greenroom.actors.runtime.accounting import Accounting
-from greenroom.actors.runtime.admission import ProviderAdmissions, ProviderLimits
+from greenroom.actors.runtime.admission import ProviderAdmissions
 from greenroom.actors.runtime.errors import ConfigurationError, SessionNotFound
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.mcp_servers import McpServers
@@ -70,15 +70,16 @@ class PortBuilder:
         store: TraceStore,
         start_soon: Callable[..., Any],
         accounting: Accounting | None = None,
-        limits: ProviderLimits | None = None,
+        admissions: ProviderAdmissions | None = None,
     ) -> None:
         self._host = host
         self._data_dir = data_dir
         self._store = store
         self.clients = ProviderClients()
         """The host's provider clients, one per provider and endpoint."""
-        self.admissions = ProviderAdmissions(limits)
-        """The admission point of each provider client, under the host's limits."""
+        self.admissions = admissions or ProviderAdmissions()
+        """The admission point of each provider client, under the host's limits (and
+        shared with other hosts when the host's are, R-SHARE-1)."""
         self._shared = SharedTables()
         self.mcp = McpServers(data_dir / "mcp", start_soon)
         """The MCP server connections of the host's sessions."""

@@ -1,0 +1,652 @@
+"""One admission point per provider endpoint and credential for every host of a cluster
+(R-SHARE-1 across hosts): the host that holds the endpoint's lease admits for all of them.
+
+An endpoint is known by its key: the first 24 hex digits of the SHA-256 of the client's
+:attr:`~greenroom.actors.providers.base.IdentifiedEndpoint.endpoint_identity` (provider,
+base URL, a hash of the credential), so the same endpoint and key meet on every host and
+neither the key nor its hash is in a subject. Each host that sends to the endpoint has a
+:class:`SharedEndpoint`, the point its sessions ask, in one of three modes:
+
+* **owner** — this host holds the endpoint's lease (KV ``<prefix>_admission``, claimed
+  with ``create``, renewed every TTL/3 with compare-and-set, as a session's lease). Its own
+  :class:`~greenroom.actors.runtime.admission.EndpointAdmission` admits for the whole
+  cluster: its own sessions' requests at no cost (no NATS on their path), the other
+  hosts' through an :class:`AdmissionDesk` on the endpoint's subject — one queue, so the
+  configured limits, the windows learned from 429s and the fair turns across principals
+  and sessions are the cluster's. The owner's limits are the ones that hold: give every
+  host the same.
+* **remote** — another host holds the lease. A request is admitted by one NATS request to
+  the owner (answered when the owner grants it); what then becomes of it — accepted, its
+  usage (only when tokens are counted), a 429, its end — follows as messages, none waited
+  for.
+* **local** — NATS is out of reach: the host admits its own requests alone, under its own
+  limits, and logs it once; when NATS answers again it claims the lease or follows the
+  owner again. Admitting never stops for want of NATS.
+
+A 429 or 529 pauses the endpoint where it is learned (the owner's admission, which every
+request of the cluster passes) and the owner publishes the pause on the endpoint's pause
+subject; every host that sends to the endpoint mirrors it in its own admission, so a
+session's retry is announced with the endpoint's wait and a host that falls back to local
+admission still honours it.
+
+When the owner's host is lost or stops, its lease expires (or is released) and the next
+host whose request finds no owner claims it. Requests admitted before and still running
+are not counted by the new owner: for as long as they last, the endpoint may get more
+than its limit (and its 429s pause it as usual).
+
+Wire messages (JSON objects) on ``<prefix>.admission.<key>``: ``admit`` (a request; the
+reply ``{"owner": host}`` grants it) and, published, ``accepted``, ``settle``, ``limited``
+and ``release`` (which also withdraws an admit still waiting), each with the asking host's
+id, the run of its admission point and its number for the request. On
+``<prefix>.admission.<key>.pause``: ``{"for_s", "host"}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import hashlib
+import itertools
+import json
+import math
+import sys
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import nats.errors
+import trio
+from nats.aio.msg import Msg
+
+from greenroom.actors.cluster.connection import Connection
+from greenroom.actors.cluster.errors import ClusterError, ClusterUnavailable, LeaseLost
+from greenroom.actors.cluster.leases import Lease, LeaseTable
+from greenroom.actors.runtime.admission import EndpointAdmission, RequestPermit
+
+__all__ = ["AdmissionDesk", "Mode", "SharedEndpoint", "endpoint_key"]
+
+RETRY_S = 1.0
+"""How long a host that cannot reach NATS (or find an owner) waits before trying again."""
+
+_KEY_DIGITS = 24
+
+LiveHosts = Callable[[], Awaitable[set[str]]]
+"""The ids of the cluster's live hosts (the host registry's)."""
+
+
+def endpoint_key(identity: str) -> str:
+    """The key of the endpoint an adapter names (``endpoint_identity``): hex digits, a
+    token of a NATS subject and a KV key."""
+    return hashlib.sha256(identity.encode()).hexdigest()[:_KEY_DIGITS]
+
+
+def log(message: str) -> None:
+    """One line on stderr (the serve process's log)."""
+    print(f"greenroom cluster: {message}", file=sys.stderr, flush=True)
+
+
+class Mode(enum.Enum):
+    """Who admits a :class:`SharedEndpoint`'s requests now."""
+
+    STARTING = "starting"
+    """Not known yet: requests wait until it is."""
+    OWNER = "owner"
+    """This host, for the whole cluster."""
+    REMOTE = "remote"
+    """Another host, asked over NATS."""
+    LOCAL = "local"
+    """This host, for itself alone: NATS is out of reach."""
+
+
+class _Answer(enum.Enum):
+    """What became of one ask of the owner."""
+
+    GRANTED = "granted"
+    LATE = "late"
+    """No answer within a lease TTL: a long queue, or an owner that stalled."""
+    NOBODY = "nobody"
+    """Nobody serves the endpoint's subject, or NATS is out of reach."""
+
+
+class _Waiting:
+    """An admit of another host's that waits at the owner."""
+
+    __slots__ = ("done", "scope")
+
+    def __init__(self) -> None:
+        self.scope = trio.CancelScope()
+        self.done = trio.Event()
+
+
+Reply = Callable[[dict[str, Any]], Awaitable[None]]
+
+_Key = tuple[str, str, int]
+"""A request at the owner: the asking host, the run of its admission point, its number."""
+
+
+class AdmissionDesk:
+    """The owner's side: other hosts' requests admitted at this host's admission, in turn
+    with its own sessions'. Lives while this host holds the endpoint's lease; its
+    :meth:`close` gives every place of theirs back.
+
+    A request is known by the asking host's id, the run of its admission point (a host
+    that restarted under the same id numbers its requests from 1 again: the places of its
+    earlier run are given back when its new run is first heard of) and its number for
+    it; an admit sent again (its answer was late or lost) waits for, or gets, the same
+    place."""
+
+    def __init__(self, admission: EndpointAdmission, nursery: trio.Nursery) -> None:
+        self._admission = admission
+        self._nursery = nursery
+        self._granted: dict[_Key, RequestPermit] = {}
+        self._waiting: dict[_Key, _Waiting] = {}
+        self._runs: dict[str, str] = {}
+        self._missing: set[str] = set()
+
+    @property
+    def holds(self) -> int:
+        """Other hosts' requests that hold a place or wait for one now."""
+        return len(self._granted) + len(self._waiting)
+
+    def take(self, message: dict[str, Any], reply: Reply | None) -> None:
+        """One message from another host (``reply`` answers an admit). Synchronous, so
+        that the messages of one host are taken in the order it sent them."""
+        try:
+            key = (str(message["host"]), str(message["run"]), int(message["id"]))
+            op = message["op"]
+        except (KeyError, TypeError, ValueError):
+            return
+        self._follow_run(key[0], key[1])
+        if op == "admit" and reply is not None:
+            self._admit(key, message, reply)
+            return
+        permit = self._granted.get(key)
+        if op == "release":
+            waiting = self._waiting.get(key)
+            if waiting is not None:
+                waiting.scope.cancel()
+            if permit is not None:
+                del self._granted[key]
+                permit.release()
+        elif permit is None:
+            return  # a place granted by an earlier owner, or already given back
+        elif op == "accepted":
+            permit.accepted()
+        elif op == "settle":
+            with contextlib.suppress(KeyError, TypeError, ValueError):
+                self._admission.settle(permit, int(message["input"]), int(message["output"]))
+        elif op == "limited":
+            retry = message.get("retry_after")
+            permit.rate_limited(float(retry) if isinstance(retry, int | float) else None)
+
+    def _follow_run(self, host: str, run: str) -> None:
+        earlier = self._runs.get(host)
+        if earlier == run:
+            return
+        self._runs[host] = run
+        if earlier is not None:
+            self._give_back(lambda key: key[0] == host and key[1] != run)
+
+    def _give_back(self, whose: Callable[[_Key], bool]) -> None:
+        for key in [k for k in self._waiting if whose(k)]:
+            self._waiting[key].scope.cancel()
+        for key in [k for k in self._granted if whose(k)]:
+            self._granted.pop(key).release()
+
+    def _admit(self, key: _Key, message: dict[str, Any], reply: Reply) -> None:
+        if key in self._granted:
+            self._nursery.start_soon(reply, {})
+            return
+        waiting = self._waiting.get(key)
+        if waiting is not None:
+            self._nursery.start_soon(self._answer_when_granted, key, waiting, reply)
+            return
+        waiting = self._waiting[key] = _Waiting()
+        self._nursery.start_soon(self._grant, key, waiting, message, reply)
+
+    async def _grant(
+        self, key: _Key, waiting: _Waiting, message: dict[str, Any], reply: Reply
+    ) -> None:
+        permit: RequestPermit | None = None
+        try:
+            with waiting.scope:
+                permit = await self._admission.admit(
+                    str(message.get("principal", "")),
+                    str(message.get("session", "")),
+                    input_tokens=_whole(message.get("input")),
+                    output_tokens=_whole(message.get("output")),
+                )
+        finally:
+            del self._waiting[key]
+            if permit is not None:
+                self._granted[key] = permit
+            waiting.done.set()
+        if permit is not None:
+            await reply({})
+
+    async def _answer_when_granted(self, key: _Key, waiting: _Waiting, reply: Reply) -> None:
+        await waiting.done.wait()
+        if key in self._granted:
+            await reply({})
+
+    def drop_lost_hosts(self, live: set[str]) -> None:
+        """Give back the places of hosts missing from ``live`` twice in a row (a host
+        that died holding them; once may be a late announcement)."""
+        hosts = {key[0] for key in (*self._granted, *self._waiting)}
+        missing = hosts - live
+        lost = missing & self._missing
+        self._missing = missing
+        if lost:
+            self._give_back(lambda key: key[0] in lost)
+
+    def close(self) -> None:
+        """This host no longer admits for the others: their waits end (they ask the next
+        owner) and their places are given back."""
+        for waiting in self._waiting.values():
+            waiting.scope.cancel()
+        granted, self._granted = self._granted, {}
+        for permit in granted.values():
+            permit.release()
+
+
+def _whole(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+class _RemoteGrant:
+    """A place granted by the owner: what becomes of its request goes to the owner."""
+
+    __slots__ = ("_endpoint", "number")
+
+    def __init__(self, endpoint: SharedEndpoint, number: int) -> None:
+        self._endpoint = endpoint
+        self.number = number
+
+    def accepted(self) -> None:
+        """The request was accepted: the owner's window may grow."""
+        self._endpoint.report("accepted", self.number)
+
+    def settle(self, permit: RequestPermit, input_tokens: int, output_tokens: int) -> None:
+        """The request's real usage, for the owner's token windows."""
+        if self._endpoint.counts_tokens:
+            self._endpoint.report("settle", self.number, input=input_tokens, output=output_tokens)
+
+    def rate_limited(self, permit: RequestPermit, retry_after_s: float | None) -> None:
+        """A 429 or 529: the owner learns from it and pauses the cluster; this host
+        pauses at once, so its session's retry is planned after the pause."""
+        if retry_after_s is not None:
+            self._endpoint.local.pause_for(retry_after_s)
+        self._endpoint.report("limited", self.number, retry_after=retry_after_s)
+
+    def release(self, permit: RequestPermit) -> None:
+        """The request ended: its place at the owner is free."""
+        self._endpoint.report("release", self.number)
+
+    def pause_remaining(self) -> float:
+        """The endpoint's pause as this host mirrors it."""
+        return self._endpoint.local.pause_remaining()
+
+
+class SharedEndpoint:
+    """The admission point of one endpoint and credential on one host of a cluster (see
+    the module docstring): an :class:`~greenroom.actors.runtime.admission.AdmissionPoint`
+    for the host's sessions. Start :meth:`run` in a nursery; until it knows who admits,
+    requests wait."""
+
+    def __init__(
+        self,
+        conn: Connection,
+        leases: LeaseTable,
+        live_hosts: LiveHosts,
+        *,
+        host_id: str,
+        key: str,
+        identity: str,
+        local: EndpointAdmission,
+    ) -> None:
+        self._conn = conn
+        self._leases = leases
+        self._live_hosts = live_hosts
+        self.host_id = host_id
+        self.key = key
+        self.identity = identity
+        """The adapter's ``endpoint_identity`` (provider, base URL, a hash of the key)."""
+        self.local = local
+        """This host's admission for the endpoint: the cluster's while this host owns it,
+        its own alone while NATS is out of reach, a mirror of the pauses otherwise."""
+        self._subject = conn.names.admission_subject(key)
+        self._pauses = conn.names.pause_subject(key)
+        self.mode = Mode.STARTING
+        self._changed = trio.Event()
+        self._suspect = trio.Event()
+        self._asking: set[trio.CancelScope] = set()
+        self._numbers = itertools.count(1)
+        self._run = uuid.uuid4().hex[:12]
+        self._lease: Lease | None = None
+        self._closing = False
+        # Unbounded: reports come from permits, which cannot wait; each is a few bytes and
+        # a request makes at most four, so the outbox holds what the requests in flight
+        # said since the sender's last turn.
+        self._outbox_send, self._outbox = trio.open_memory_channel[tuple[str, bytes]](math.inf)
+        self.asked = 0
+        """Requests admitted by asking another host (a NATS round trip each)."""
+
+    async def known(self) -> Mode:
+        """The mode, once it is known (not :attr:`Mode.STARTING`)."""
+        while self.mode is Mode.STARTING:
+            await self._changed.wait()
+        return self.mode
+
+    # -- the AdmissionPoint of the host's sessions ----------------------------------------
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether requests' tokens are counted (a token limit is configured)."""
+        return self.local.counts_tokens
+
+    def admit_now(self) -> RequestPermit | None:
+        """A place at once when this host admits (it owns the endpoint, or NATS is out of
+        reach) and it fits; else None."""
+        mode = self.mode
+        if mode is Mode.OWNER or mode is Mode.LOCAL:
+            return self.local.admit_now()
+        return None
+
+    async def admit(
+        self, principal: str, session: str, *, input_tokens: int = 0, output_tokens: int = 0
+    ) -> RequestPermit:
+        """A place for one request (as :meth:`EndpointAdmission.admit
+        <greenroom.actors.runtime.admission.EndpointAdmission.admit>`), wherever the
+        endpoint is admitted now. Cancel-safe: a place granted meanwhile is given back."""
+        while True:
+            mode = self.mode
+            if mode is Mode.STARTING:
+                await self._changed.wait()
+            elif mode is Mode.OWNER or mode is Mode.LOCAL:
+                return await self.local.admit(
+                    principal, session, input_tokens=input_tokens, output_tokens=output_tokens
+                )
+            else:
+                permit = await self._ask_owner(principal, session, input_tokens, output_tokens)
+                if permit is not None:
+                    return permit
+
+    async def _ask_owner(
+        self, principal: str, session: str, input_tokens: int, output_tokens: int
+    ) -> RequestPermit | None:
+        """A place from the owner, or None when the mode changed meanwhile (ask again)."""
+        number = next(self._numbers)
+        message = json.dumps(
+            {
+                "op": "admit",
+                "host": self.host_id,
+                "run": self._run,
+                "id": number,
+                "principal": principal,
+                "session": session,
+                "input": input_tokens,
+                "output": output_tokens,
+            }
+        ).encode()
+        granted = False
+        scope = trio.CancelScope()
+        self._asking.add(scope)
+        try:
+            with scope:
+                while self.mode is Mode.REMOTE:
+                    changed = self._changed
+                    answer = await self._request(message)
+                    if answer is _Answer.GRANTED:
+                        granted = True
+                        self.asked += 1
+                        return RequestPermit(_RemoteGrant(self, number))
+                    # The run loop looks at the lease (is the owner gone?).
+                    self._suspect.set()
+                    if answer is _Answer.LATE:
+                        # The owner may just have a long queue: asked again at once, the
+                        # request keeps its place (and gets it at once if it was granted
+                        # as the first ask gave up).
+                        continue
+                    # Nobody serves the endpoint: wait for the run loop's decision (or
+                    # ask again a little later).
+                    with trio.move_on_after(RETRY_S):
+                        await changed.wait()
+            return None
+        finally:
+            self._asking.discard(scope)
+            if not granted:
+                # The owner may have granted it as the ask ended: give it back.
+                self.report("release", number)
+
+    async def _request(self, message: bytes) -> _Answer:
+        """Ask the owner to admit ``message``, for at most a lease TTL."""
+        timeout = self._leases.ttl_s
+        client = self._conn.client
+
+        async def ask() -> _Answer:
+            # Caught here: nats' TimeoutError is an OSError, which ``call`` would take
+            # for a lost connection.
+            try:
+                await client.request(self._subject, message, timeout=timeout)
+            except nats.errors.NoRespondersError:
+                return _Answer.NOBODY
+            except nats.errors.TimeoutError:
+                return _Answer.LATE
+            return _Answer.GRANTED
+
+        try:
+            return await self._conn.call(ask())
+        except (ClusterUnavailable, nats.errors.Error):
+            return _Answer.NOBODY
+
+    def report(self, op: str, number: int, **fields: Any) -> None:
+        """Tell the owner what became of request ``number`` (a :class:`RequestPermit`
+        granted by it, through its grant). Never blocks. Sent in any mode: while NATS is
+        out of reach the client keeps what it publishes for when it is back (or drops it
+        past its buffer)."""
+        payload = json.dumps(
+            {"op": op, "host": self.host_id, "run": self._run, "id": number, **fields}
+        )
+        with contextlib.suppress(trio.ClosedResourceError):
+            self._outbox_send.send_nowait((self._subject, payload.encode()))
+
+    def _publish_pause(self, seconds: float) -> None:
+        with contextlib.suppress(trio.ClosedResourceError):
+            self._outbox_send.send_nowait(
+                (self._pauses, json.dumps({"for_s": seconds, "host": self.host_id}).encode())
+            )
+
+    # -- who admits -----------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Find who admits for the endpoint and keep finding out, until cancelled: claim
+        its lease (owner), follow its owner (remote), or admit alone while NATS is out of
+        reach (local). Sends the reports of this host's requests and mirrors the
+        endpoint's pauses meanwhile."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._send_reports)
+            nursery.start_soon(self._mirror_pauses)
+            task_status.started()
+            while True:
+                await self._find_owner()
+
+    async def _find_owner(self) -> None:
+        if self._closing:
+            # The host closes: it does not take the endpoint back after giving it up.
+            await trio.sleep_forever()
+        if not self._conn.connected:
+            self._enter(Mode.LOCAL, "NATS is out of reach")
+            await trio.sleep(RETRY_S)
+            return
+        try:
+            lease = await self._leases.claim(self.key, self.host_id)
+        except ClusterUnavailable as exc:
+            self._enter(Mode.LOCAL, str(exc))
+            await trio.sleep(RETRY_S)
+            return
+        if lease is not None:
+            if not await self._own(lease):
+                await trio.sleep(RETRY_S)
+            return
+        self._enter(Mode.REMOTE)
+        await self._follow_owner()
+
+    async def _own(self, lease: Lease) -> bool:
+        """Admit for the cluster until the lease is lost (refused, or not renewed for a
+        TTL) or the endpoint's subject can no longer be served; False when it could not
+        be served at all."""
+        self._lease = lease
+        ended: list[str] = []
+        async with trio.open_nursery() as nursery:
+            desk = AdmissionDesk(self.local, nursery)
+            if served := await nursery.start(self._serve, desk, nursery.cancel_scope, ended):
+                self.local.on_pause = self._publish_pause
+                self._enter(Mode.OWNER)
+                nursery.start_soon(self._drop_lost_hosts, desk)
+                ended.append(await self._keep())
+            nursery.cancel_scope.cancel()
+        self.local.on_pause = None
+        desk.close()
+        log(
+            f"host {self.host_id} no longer admits for {self.identity} ({ended[0]}); "
+            "looking for who does"
+        )
+        await self.release_lease()
+        return bool(served)
+
+    async def close(self) -> None:
+        """The host closes: give the endpoint's lease up (see :meth:`release_lease`) and
+        claim it no more."""
+        self._closing = True
+        await self.release_lease()
+
+    async def release_lease(self) -> None:
+        """Give the endpoint's lease up, if this host holds it (best effort), so that
+        another host need not wait for its TTL."""
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            with contextlib.suppress(ClusterError):
+                await self._leases.release(lease)
+
+    async def _serve(
+        self,
+        desk: AdmissionDesk,
+        stop: trio.CancelScope,
+        ended: list[str],
+        *,
+        task_status: trio.TaskStatus[bool] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Take the other hosts' messages to ``desk``; started with True once they reach
+        it, or with False when the subject cannot be served. When serving ends, says why
+        in ``ended`` and cancels ``stop``."""
+        started = False
+        try:
+            async with self._conn.subscription(self._subject) as messages:
+                task_status.started(True)
+                started = True
+                async for msg in messages:
+                    try:
+                        message = json.loads(msg.data)
+                    except ValueError:
+                        continue
+                    if isinstance(message, dict):
+                        desk.take(message, self._replier(msg) if msg.reply else None)
+            ended.append("the connection to NATS closed")
+        except ClusterUnavailable as exc:
+            ended.append(str(exc))
+        if not started:
+            task_status.started(False)
+        stop.cancel()
+
+    def _replier(self, msg: Msg) -> Reply:
+        async def reply(answer: dict[str, Any]) -> None:
+            data = json.dumps({"owner": self.host_id, **answer}).encode()
+            with contextlib.suppress(ClusterUnavailable, nats.errors.Error):
+                await self._conn.call(msg.respond(data))
+
+        return reply
+
+    async def _keep(self) -> str:
+        """Renew the lease every TTL/3; return why it was lost."""
+        ttl = self._leases.ttl_s
+        renewed_at = trio.current_time()
+        while self._lease is not None:
+            await trio.sleep(ttl / 3)
+            try:
+                self._lease = await self._leases.renew(self._lease)
+                renewed_at = trio.current_time()
+            except LeaseLost:
+                self._lease = None
+                return "another host holds its lease"
+            except ClusterUnavailable as exc:
+                if trio.current_time() - renewed_at >= ttl:
+                    self._lease = None
+                    return f"its lease was not renewed for a TTL: {exc}"
+        return "its lease was given up"
+
+    async def _drop_lost_hosts(self, desk: AdmissionDesk) -> None:
+        while True:
+            await trio.sleep(self._leases.ttl_s)
+            if desk.holds:
+                with contextlib.suppress(ClusterError):
+                    desk.drop_lost_hosts(await self._live_hosts())
+
+    async def _follow_owner(self) -> None:
+        """Return when the owner seems gone: an ask found nobody and the lease is free,
+        or NATS is out of reach."""
+        while True:
+            await self._suspect.wait()
+            self._suspect = trio.Event()
+            if not self._conn.connected:
+                return
+            try:
+                holder = await self._leases.holder(self.key)
+            except ClusterUnavailable:
+                return
+            if holder is None:
+                return
+
+    def _enter(self, mode: Mode, reason: str = "") -> None:
+        if mode is self.mode:
+            return
+        if mode is Mode.LOCAL:
+            log(
+                f"host {self.host_id} admits its own requests to {self.identity} alone, under "
+                f"its own limits, until NATS answers ({reason})"
+            )
+        elif self.mode is Mode.LOCAL:
+            log(f"host {self.host_id} admits requests to {self.identity} with the cluster again")
+        self.mode = mode
+        for scope in self._asking:
+            scope.cancel()
+        changed, self._changed = self._changed, trio.Event()
+        changed.set()
+
+    async def _send_reports(self) -> None:
+        """Publish the outbox, a batch per crossing of the bridge."""
+        client = self._conn.client
+        async with self._outbox:
+            async for first in self._outbox:
+                batch = [first]
+                with contextlib.suppress(trio.WouldBlock):
+                    while len(batch) < 256:
+                        batch.append(self._outbox.receive_nowait())
+
+                async def publish(batch: list[tuple[str, bytes]] = batch) -> None:
+                    for subject, payload in batch:
+                        await client.publish(subject, payload)
+
+                with contextlib.suppress(ClusterUnavailable, nats.errors.Error):
+                    await self._conn.call(publish())
+
+    async def _mirror_pauses(self) -> None:
+        """Pause this host's admission as the owner says (its own included: no harm)."""
+        while True:
+            try:
+                async with self._conn.subscription(self._pauses) as messages:
+                    async for msg in messages:
+                        with contextlib.suppress(ValueError, TypeError, KeyError):
+                            self.local.pause_for(float(json.loads(msg.data)["for_s"]))
+            except ClusterUnavailable:
+                pass
+            await trio.sleep(RETRY_S)

@@ -1,0 +1,251 @@
+"""The limits hold for every host of a cluster together (R-SHARE-1, R-SHARE-4 across
+hosts): two in-process hosts (``open_cluster_host``) on a real nats-server, their sessions
+sending to one loopback model server through the anthropic provider (one endpoint, one
+key). The first host to send to the endpoint admits for both; the other asks it.
+
+* with ``max_concurrent_requests=2`` on each host, the model server never has more than
+  2 requests in flight from the two hosts together;
+* a 429 with ``retry-after`` seen by one host pauses the other host's requests (the
+  other direction, a host's report of its 429 to the host that admits, is
+  ``test_cluster_limits``'s);
+* a principal's budget spent on one host stops the principal's next task on the other.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import trio
+from conftest import Recorder, collect, of_type
+
+from greenroom import ProviderLimits
+from greenroom.actors.cluster.admission import Mode, SharedEndpoint
+from greenroom.actors.cluster.bridge import Bridge, run
+from greenroom.actors.cluster.limits import ClusterLimits
+from greenroom.actors.cluster.node import ClusterConfig, open_cluster_host
+from greenroom.actors.cluster.spending import SharedSpendLimit
+from greenroom.actors.runtime.accounting import PrincipalBudget
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.session import Session
+from greenroom.protocols.outputs import RequestEnd, TaskEnd
+from tests.support.mock_model_server import RecordedRequest, Reply, Text, WireError
+from tests.support.mock_model_server import open_mock_server as open_model
+from tests.support.nats import (  # the fixture is used as nats_server
+    NatsProcess,
+    module_nats_server,  # noqa: F401
+)
+
+LEASE_TTL_S = 2.0
+BOUND_S = 60.0
+MODEL = "mock-model"
+
+T = TypeVar("T")
+
+
+@pytest.fixture(autouse=True)
+def _anthropic_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One key for both hosts: the same endpoint and credential.
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "cluster-test-key")
+    monkeypatch.delenv("ANTHROPIC_BASE_URL", raising=False)
+
+
+def in_cluster(body: Callable[[Bridge], Awaitable[T]]) -> T:
+    """Run ``body`` under trio as the NATS bridge's guest, bounded."""
+
+    async def main(bridge: Bridge) -> T:
+        with trio.fail_after(BOUND_S):
+            return await body(bridge)
+
+    return run(main)
+
+
+@asynccontextmanager
+async def two_hosts(
+    bridge: Bridge, url: str, tmp_path: Path, **options: Any
+) -> AsyncIterator[tuple[tuple[Host, ClusterLimits], tuple[Host, ClusterLimits]]]:
+    """Hosts ``a`` and ``b`` of a cluster of their own (a fresh prefix), each with
+    ``options`` (``open_cluster_host``'s), and their shared limits."""
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    found: list[tuple[Host, ClusterLimits]] = []
+    async with AsyncExitStack() as stack:
+        for host_id in ("a", "b"):
+            limits: list[ClusterLimits] = []
+            config = ClusterConfig(
+                url=url, host_id=host_id, lease_ttl_s=LEASE_TTL_S, prefix=prefix
+            )
+            host = await stack.enter_async_context(
+                open_cluster_host(
+                    bridge, config, tmp_path / host_id, on_limits=limits.append, **options
+                )
+            )
+            found.append((host, limits[0]))
+        yield found[0], found[1]
+
+
+async def session_on(
+    host: Host, limits: ClusterLimits, base_url: str, workspace: Path, **options: Any
+) -> tuple[Session, SharedEndpoint]:
+    """A session of ``host`` on the model server, and its endpoint's admission point
+    once it knows who admits."""
+    session = await host.create_session(
+        provider="anthropic", base_url=base_url, model=MODEL, workspace_dir=workspace,
+        max_tokens=100, **options,
+    )
+    endpoint = host.port(session.id).admission
+    assert isinstance(endpoint, SharedEndpoint)
+    await endpoint.known()
+    return session, endpoint
+
+
+def test_two_hosts_never_have_more_requests_in_flight_than_the_limit_together(
+    tmp_path: Path, nats_server: NatsProcess
+) -> None:
+    """Three sessions on each host run at once, each request streaming for 150 ms. Each
+    host alone would send its three together; the cluster sends 2 at a time."""
+
+    async def body(bridge: Bridge) -> dict[str, Any]:
+        limits = ProviderLimits(max_concurrent_requests=2)
+        async with (
+            open_model(fallback=lambda _: Reply([Text("done")]), first_token_ms=150) as model,
+            two_hosts(bridge, nats_server.url, tmp_path, limits=limits) as (a, b),
+        ):
+            sessions: list[Session] = []
+            endpoints: list[SharedEndpoint] = []
+            for host, shared in (a, a, a, b, b, b):
+                session, endpoint = await session_on(host, shared, model.base_url, tmp_path)
+                sessions.append(session)
+                endpoints.append(endpoint)
+            ends: list[TaskEnd] = []
+
+            async def one(session: Session) -> None:
+                ends.extend(of_type(await collect(session.run("hello"), BOUND_S), TaskEnd))
+
+            async with trio.open_nursery() as nursery:
+                for session in sessions:
+                    nursery.start_soon(one, session)
+            return {
+                "modes": sorted({e.mode for e in endpoints}, key=str),
+                "asked": endpoints[-1].asked,
+                "statuses": [end.status for end in ends],
+                "peak": model.peak_streams,
+                "requests": model.request_count,
+            }
+
+    found = in_cluster(body)
+    assert found["peak"] == 2  # never 3 or 4: the two hosts' 2 at once are one 2
+    assert found["statuses"] == ["completed"] * 6
+    assert found["requests"] == 6
+    assert found["modes"] == [Mode.OWNER, Mode.REMOTE]  # a admits for both
+    assert found["asked"] == 3  # b's requests were admitted by a
+
+
+def test_a_429_seen_by_one_host_pauses_the_other_hosts_requests(
+    tmp_path: Path, nats_server: NatsProcess
+) -> None:
+    """No limits configured. Host a's first request gets a 429 with ``retry-after: 2``;
+    host b starts a task once a has seen it. b's request reaches the model server only
+    when the endpoint's pause ends (as does a's retry), and b's wait is no failed attempt
+    of its own. (a admits for both: the pause is learned where b's request is admitted,
+    before a's session hears of the 429, so b's request cannot slip in ahead of it.)"""
+    retry_after_s = 2.0
+
+    def model_answer(request: RecordedRequest) -> Reply | WireError:
+        if "from a" in str(request.messages) and not refused:
+            refused.append(request.received_at)
+            return WireError(
+                429, "rate_limit_error", "slow down", headers={"retry-after": f"{retry_after_s:g}"}
+            )
+        arrived.append((str(request.messages), request.received_at))
+        return Reply([Text("ok")])
+
+    refused: list[float] = []
+    arrived: list[tuple[str, float]] = []
+
+    async def body(bridge: Bridge) -> dict[str, Any]:
+        async with (
+            open_model(fallback=model_answer) as model,
+            two_hosts(bridge, nats_server.url, tmp_path) as (a, b),
+        ):
+            on_a, endpoint_a = await session_on(*a, model.base_url, tmp_path)
+            on_b, endpoint_b = await session_on(*b, model.base_url, tmp_path)
+            watch_a = Recorder(on_a)
+            ran: dict[str, Any] = {}
+
+            async def run_task(name: str, session: Session, prompt: str) -> None:
+                ran[name] = await collect(session.run(prompt), BOUND_S)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run_task, "a", on_a, "from a")
+                await watch_a.wait_for("request_end", attempt=1, bound_s=BOUND_S)
+                nursery.start_soon(run_task, "b", on_b, "from b")
+            return {
+                "modes": (endpoint_a.mode, endpoint_b.mode),
+                "asked": endpoint_b.asked,
+                "ran": ran,
+            }
+
+    found = in_cluster(body)
+    (refused_at,) = refused
+    from_a = [at for text, at in arrived if "from a" in text]
+    from_b = [at for text, at in arrived if "from b" in text]
+    assert len(from_a) == 1 and len(from_b) == 1
+    # Not before the pause ends (minus the clock's grain), on either host.
+    assert from_b[0] >= refused_at + retry_after_s - 0.05
+    assert from_a[0] >= refused_at + retry_after_s - 0.05
+    # b's wait was no failed attempt of its own.
+    assert [(e.attempt, e.status) for e in of_type(found["ran"]["b"], RequestEnd)] == [(1, "ok")]
+    attempts = [(e.attempt, e.status) for e in of_type(found["ran"]["a"], RequestEnd)]
+    assert attempts == [(1, "timeout"), (2, "ok")]
+    assert found["modes"] == (Mode.OWNER, Mode.REMOTE) and found["asked"] == 1
+
+
+def test_a_principal_budget_spent_on_one_host_stops_its_next_task_on_another(
+    tmp_path: Path, nats_server: NatsProcess
+) -> None:
+    """Alice may spend $0.005 a day. Her task on host a costs $0.01 (10,000 input tokens
+    at $1 per million); her next task, on host b, where she had spent nothing, ends
+    ``budget_exceeded`` before its first request. Bob, on b, is not stopped."""
+    budget = PrincipalBudget(usd=0.005, period="day")
+    prices = {MODEL: {"input": 1.0, "output": 1.0}}
+
+    async def body(bridge: Bridge) -> dict[str, Any]:
+        async with (
+            open_model(fallback=lambda _: Reply([Text("ok")], usage=(10_000, 1))) as model,
+            two_hosts(
+                bridge, nats_server.url, tmp_path, principal_budget=budget, prices=prices
+            ) as (a, b),
+        ):
+            alice_a, _ = await session_on(*a, model.base_url, tmp_path, principal="alice")
+            # Her limit on b starts before she spends anything (its later total is heard).
+            alice_b, _ = await session_on(*b, model.base_url, tmp_path, principal="alice")
+            bob_b, _ = await session_on(*b, model.base_url, tmp_path, principal="bob")
+            limit = b[0].port(alice_b.id).account.limits[-1]
+            assert isinstance(limit, SharedSpendLimit)
+            spent_before = limit.spent_usd
+            first = of_type(await collect(alice_a.run("spend"), BOUND_S), TaskEnd)
+            # What a spent reaches b through the counter's watch.
+            await limit.wait_spent(0.01)
+            second = of_type(await collect(alice_b.run("spend again"), BOUND_S), TaskEnd)
+            bob = of_type(await collect(bob_b.run("hello"), BOUND_S), TaskEnd)
+            return {
+                "first": first,
+                "second": second,
+                "bob": bob,
+                "before": spent_before,
+                "requests": model.request_count,
+            }
+
+    found = in_cluster(body)
+    assert [end.status for end in found["first"]] == ["completed"]
+    assert found["before"] == 0.0
+    (second,) = found["second"]
+    assert second.status == "budget_exceeded"
+    assert second.turns == 0
+    assert "budget of principal 'alice'" in (second.message or ""), second
+    assert [end.status for end in found["bob"]] == ["completed"]
+    assert found["requests"] == 2  # alice on a, bob on b: none for alice on b
