@@ -286,6 +286,11 @@ class _RemoteGrant:
         """The endpoint's pause as this host mirrors it."""
         return self._endpoint.local.pause_remaining()
 
+    def lift_pause(self) -> None:
+        """A request sent past the pause was accepted: this host's mirror of the pause
+        ends (the owner's ends with its own time, or with its own retry-now)."""
+        self._endpoint.local.lift_pause()
+
 
 class SharedEndpoint:
     """The admission point of one endpoint and credential on one host of a cluster (see
@@ -350,6 +355,15 @@ class SharedEndpoint:
         mode = self.mode
         if mode is Mode.OWNER or mode is Mode.LOCAL:
             return self.local.admit_now()
+        return None
+
+    def admit_past_pause(self) -> RequestPermit | None:
+        """A person's "retry now" (R-RETRY-5) goes past the pause when this host admits
+        (it owns the endpoint, or NATS is out of reach); else None: the owner admits it
+        in its turn."""
+        mode = self.mode
+        if mode is Mode.OWNER or mode is Mode.LOCAL:
+            return self.local.admit_past_pause()
         return None
 
     async def admit(

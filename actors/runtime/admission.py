@@ -244,6 +244,9 @@ class PermitReports(Protocol):
         """Seconds until the endpoint's pause ends; 0 when none is in force."""
         ...
 
+    def lift_pause(self) -> None:
+        """A request sent past the pause was accepted: the pause is over."""
+
 
 class RequestPermit:
     """An admitted request's place at its endpoint, held until :meth:`release`.
@@ -649,6 +652,10 @@ class AdmissionPoint(Protocol):
 
     def admit_now(self) -> RequestPermit | None:
         """A place at once, without waiting, or None (then :meth:`admit`)."""
+
+    def admit_past_pause(self) -> RequestPermit | None:
+        """A place at once for a request a person asked to send now, whatever pause the
+        provider asked for (R-RETRY-5), or None (then :meth:`admit`)."""
 
     async def admit(
         self, principal: str, session: str, *, input_tokens: int = 0, output_tokens: int = 0
