@@ -38,6 +38,7 @@ from greenroom.protocols.outputs import (
 )
 from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.stream import TokenUsage
+from greenroom.protocols.structured import OutputSchemaError
 from greenroom.protocols.tools import Tool, ToolContext, tool
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "ModelBlock",
     "ModelMsg",
     "Output",
+    "OutputSchemaError",
     "PartialText",
     "PartialThinking",
     "PartialToolCall",

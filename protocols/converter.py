@@ -55,6 +55,8 @@ def _make_tagged_unstructure(cls: type[Any]) -> Callable[[Any], dict[str, Any]]:
         "error_kind",
         "principal",
         "asked_at",
+        "output_schema",
+        "output",
     ):
         if name in field_names:
             overrides[name] = override(omit_if_default=True)

@@ -104,11 +104,15 @@ class TaskStart(Envelope):
     Fields:
         input_seq: the ``seq`` of the ``user_msg`` that started the task (None when the
             prompt was not traced).
+        output_schema: the JSON Schema the task's answer must match (R-OUT-1), when the
+            run asked for one; recorded so that whoever takes the task up holds its
+            answer to it. Left out when None.
     """
 
     TYPE: ClassVar[str] = "task_start"
     TRACED: ClassVar[bool] = True
     input_seq: int | None
+    output_schema: dict[str, Any] | None = None
 
 
 @_documented
@@ -425,7 +429,10 @@ class TaskEnd(Envelope):
             (a :class:`~greenroom.protocols.stream.TokenUsage`), with their ``cost_usd``
             (null when one request's price is unknown).
         wall_ms: how long it ran, in milliseconds.
-        message: why it ended other than ``completed``, in words (else None).
+        message: why it ended other than ``completed``, in words (else None); for a
+            task whose answer did not match its ``output_schema``, the problems.
+        output: the validated answer, for a ``completed`` task that had an
+            ``output_schema`` (R-OUT-1). Left out when None.
     """
 
     TYPE: ClassVar[str] = "task_end"
@@ -435,6 +442,7 @@ class TaskEnd(Envelope):
     usage: TokenUsage
     wall_ms: int
     message: str | None = None
+    output: dict[str, Any] | None = None
 
 
 Output: TypeAlias = (

@@ -432,6 +432,7 @@ class RunningTask:
     def task_end(self, status: TaskStatus, message: str | None) -> TaskEnd:
         """The task's one ``task_end``."""
         machine = self._port.machine
+        answers = machine.record.answers
         return TaskEnd(
             session_id=self._port.id,
             run_id=self.run_id,
@@ -440,6 +441,7 @@ class RunningTask:
             usage=machine.usage,
             wall_ms=round((trio.current_time() - self.started_at) * 1000),
             message=message,
+            output=answers.answer if answers is not None and status == "completed" else None,
         )
 
     async def park(
@@ -457,9 +459,11 @@ class RunningTask:
 
 def build_request(port: SessionPort, task: TaskInput | None) -> ModelRequest:
     """The next request of the session: the transcript's context (with the
-    ``[turn_retried]`` note on a retry: R-RETRY-4), the system prompt and tools, and the
-    task's thinking level."""
+    ``[turn_retried]`` note on a retry: R-RETRY-4), the system prompt and tools, the
+    task's thinking level, and the answer it requires (R-OUT-1: as its trace records it,
+    so a task taken up elsewhere asks for the same)."""
     settings = port.settings
+    answers = port.machine.record.answers
     return ModelRequest(
         model=settings.model,
         system=settings.system,
@@ -469,6 +473,7 @@ def build_request(port: SessionPort, task: TaskInput | None) -> ModelRequest:
         thinking_level=task.thinking_level if task is not None else None,
         supports_vision=settings.supports_vision,
         images=port.attachments.source,
+        output=answers.format if answers is not None else None,
     )
 
 

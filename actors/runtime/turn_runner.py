@@ -17,6 +17,11 @@ R-HITL-5). The runner records it as an ``approval_request`` of kind ``question``
 call's id and keeps the call's reply channel until a person answers (the answer is
 recorded as the request's ``approval_decision``), the wait runs out, or the call ends —
 its result settles the request in the trace, as any result settles its call's requests.
+
+A task that requires an output schema (R-OUT-1) may answer through the synthetic
+``final_answer`` call: the runner decides it itself — allowed by ``default``, never sent
+to the broker or the pool, for it runs nothing — and gives it its result at once: taken,
+or the schema's problems for the model to correct.
 """
 
 from __future__ import annotations
@@ -57,6 +62,12 @@ from greenroom.protocols.outputs import (
 )
 from greenroom.protocols.people import answer_problem, arguments_digest
 from greenroom.protocols.stream import ModelError, StreamEvent
+from greenroom.protocols.structured import (
+    ANSWER_ACCEPTED_TEXT,
+    FINAL_ANSWER,
+    answer_rejected_text,
+    check_call,
+)
 from greenroom.protocols.task import Phase, TaskRecord
 from greenroom.protocols.text import repair_json, repair_text
 from greenroom.protocols.turn import CallState, Effect, RecordUsage, TurnMachine, resume_turn
@@ -375,6 +386,8 @@ class TurnRunner:
             match effect:
                 case ApproveCall():
                     self._ask(effect)
+                case RunToolCall() if self._is_answer(effect.call.name):
+                    self._take_answer(effect)
                 case RunToolCall() | SkipToolCall():
                     self._pool.send_nowait(effect)
                 case RecordUsage():
@@ -388,8 +401,34 @@ class TurnRunner:
                 case _:
                     emitter.emit_live(effect)
 
+    def _is_answer(self, tool: str) -> bool:
+        return tool == FINAL_ANSWER and self._port.machine.record.answers is not None
+
+    def _take_answer(self, command: RunToolCall) -> None:
+        """A ``final_answer`` call's result (R-OUT-1): taken when its arguments match the
+        task's schema, else the problems, for the model to answer again."""
+        answers = self._port.machine.record.answers
+        assert answers is not None
+        problems = check_call(command.call, answers.schema)
+        self._pool.send_nowait(SkipToolCall(position=command.position))
+        text = answer_rejected_text(problems) if problems else ANSWER_ACCEPTED_TEXT
+        self.apply(
+            self.machine.finish(
+                command.call.id,
+                status="error" if problems else "ok",
+                content=(TextBlock(text=text),),
+            )
+        )
+
     def _ask(self, command: ApproveCall) -> None:
         call = command.call
+        if self._is_answer(call.name):
+            # The answer, not a tool: nobody is asked and no hook sees it (R-OUT-1).
+            stopping = self._port.machine.stopping
+            self.apply(
+                self.machine.decide(call.id, allowed=True, by="default", interrupted=stopping)
+            )
+            return
         if self._port.machine.allowed_for_session(call.name):
             # R-APPROVE-4: an earlier allow_session decides it at once.
             self.apply(self.machine.decide(call.id, allowed=True, by="session_rule"))
