@@ -38,7 +38,6 @@ from greenroom.protocols.outputs import (
 )
 from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.stream import TokenUsage
-from greenroom.protocols.structured import OutputSchemaError
 from greenroom.protocols.tools import Tool, ToolContext, tool
 
 __all__ = [
@@ -51,7 +50,6 @@ __all__ = [
     "ModelBlock",
     "ModelMsg",
     "Output",
-    "OutputSchemaError",
     "PartialText",
     "PartialThinking",
     "PartialToolCall",

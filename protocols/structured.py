@@ -60,6 +60,7 @@ import cattrs
 
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import OutputFormat, ToolSchema
+from greenroom.protocols.errors import OutputSchemaError
 
 __all__ = [
     "ANSWER_ACCEPTED_TEXT",
@@ -72,6 +73,7 @@ __all__ = [
     "anthropic_native_model",
     "anthropic_schema",
     "check_call",
+    "example_value",
     "final_answer_tool",
     "openai_strict",
     "output_spec",
@@ -95,11 +97,6 @@ ANSWER_ACCEPTED_TEXT = "Answer recorded."
 MAX_PROBLEMS = 20
 """At most this many problems are reported for one answer (the model and the person
 reading the failure need the first few, not thousands)."""
-
-
-class OutputSchemaError(ValueError):
-    """What ``output_schema`` was given cannot be used: not a JSON Schema object, an
-    annotation with no JSON form, a root that is not an object."""
 
 
 # -- the spec ---------------------------------------------------------------------------
@@ -132,8 +129,10 @@ class OutputSpec:
 
 def output_spec(schema: Any) -> OutputSpec:
     """The :class:`OutputSpec` of ``schema``: a JSON Schema dict (its root an object), an
-    attrs class or a ``TypedDict``. Raises :class:`OutputSchemaError` saying why one
-    cannot be used."""
+    attrs class, a ``TypedDict``, or an :class:`OutputSpec` already. Raises
+    :class:`OutputSchemaError` saying why one cannot be used."""
+    if isinstance(schema, OutputSpec):
+        return schema
     if isinstance(schema, Mapping):
         checked = _checked_dict(schema)
         return OutputSpec(name=schema_name(checked), schema=checked)
@@ -355,7 +354,7 @@ class _Validator:
     def _check(self, value: Any, schema: Mapping[str, Any], path: str) -> None:
         ref = schema.get("$ref")
         if isinstance(ref, str):
-            target = self._resolve(ref)
+            target = self.resolve(ref)
             if target is None:
                 self.problems.append(f"{path}: the schema's $ref {ref!r} names nothing")
                 return
@@ -378,7 +377,8 @@ class _Validator:
         elif isinstance(value, int | float) and not isinstance(value, bool):
             self._number(value, schema, path)
 
-    def _resolve(self, ref: str) -> Any:
+    def resolve(self, ref: str) -> Any:
+        """The sub-schema a local ``$ref`` names (``#/$defs/Point``), or None."""
         if not ref.startswith("#"):
             return None
         node: Any = self.root
@@ -529,6 +529,50 @@ def parse_text_answer(text: str) -> tuple[Any, list[str]]:
         reason = f"{exc.msg} at character {exc.pos}" if isinstance(
             exc, json.JSONDecodeError) else "not valid JSON"
         return None, [f"$: the answer is not JSON ({reason})"]
+
+
+def example_value(schema: Any, root: Mapping[str, Any] | None = None, depth: int = 0) -> Any:
+    """A value of ``schema``'s simplest form: its ``const`` or first ``enum`` value,
+    ``""``/``0``/``false`` (raised to a ``minimum`` or ``minLength``), the fewest items an
+    array may have, every required property of an object. The scripted model answers
+    with it; ``pattern`` and ``format`` are not honoured."""
+    root = root if root is not None else (schema if isinstance(schema, Mapping) else {})
+    if not isinstance(schema, Mapping) or depth > 32:
+        return None
+    ref = schema.get("$ref")
+    if isinstance(ref, str):
+        return example_value(_Validator(root, []).resolve(ref), root, depth + 1)
+    if "const" in schema:
+        return schema["const"]
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        return schema["enum"][0]
+    for key in ("anyOf", "oneOf", "allOf"):
+        if isinstance(schema.get(key), list) and schema[key]:
+            return example_value(schema[key][0], root, depth + 1)
+    kind = schema.get("type")
+    kind = kind[0] if isinstance(kind, list) and kind else kind
+    if kind == "object" or "properties" in schema:
+        properties = schema.get("properties") or {}
+        return {
+            name: example_value(properties.get(name, {}), root, depth + 1)
+            for name in schema.get("required") or ()
+        }
+    if kind == "array":
+        count = schema.get("minItems", 0)
+        count = count if isinstance(count, int) else 0
+        return [example_value(schema.get("items", {}), root, depth + 1) for _ in range(count)]
+    if kind == "string":
+        low = schema.get("minLength", 0)
+        low = low if isinstance(low, int) else 0
+        return "example" + "x" * max(0, low - 7)
+    if kind in ("integer", "number"):
+        low = schema.get("minimum", schema.get("exclusiveMinimum", 0))
+        value = low if isinstance(low, int | float) else 0
+        value = value + 1 if "exclusiveMinimum" in schema else value
+        return math.ceil(value) if kind == "integer" else value
+    if kind == "boolean":
+        return False
+    return None
 
 
 def final_answer_tool(spec_schema: Mapping[str, Any]) -> ToolSchema:

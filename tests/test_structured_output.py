@@ -14,7 +14,7 @@ import pytest
 import trio
 from conftest import RUN_TIMEOUT_S, allow_all, collect, last_user, of_type, texts_of
 
-from greenroom import Host, tool
+from greenroom import Host, OutputSchemaError, tool
 from greenroom.actors.scripted import Reply, text, tool_call
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import ModelRequest
@@ -28,7 +28,7 @@ from greenroom.protocols.outputs import (
     ToolCallOutput,
     UserMsg,
 )
-from greenroom.protocols.structured import FINAL_ANSWER, OutputSchemaError
+from greenroom.protocols.structured import FINAL_ANSWER
 from greenroom.protocols.task import fold
 
 
@@ -196,3 +196,33 @@ async def test_a_session_tool_named_final_answer_is_refused_with_a_schema(
     with pytest.raises(OutputSchemaError, match="must describe an object"):
         session.run("hi", output_schema={"type": "string"})
     assert not session.busy
+
+
+async def test_the_gateway_runs_with_an_output_schema_and_refuses_a_bad_one(
+    tmp_path: Path,
+) -> None:
+    """``run {…, output_schema}``: the answer reaches the subscriber in ``task_end.output``;
+    a schema that is not an object's is -32602 naming it, and nothing starts."""
+    from test_gateway import BOUND_S, connect, serving
+
+    from greenroom.protocols import jsonrpc
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}},
+              "required": ["city"]}
+    with trio.fail_after(BOUND_S):
+        async with serving(
+            tmp_path, lambda: [Reply(blocks=(text('{"city": "Lyon"}'),))]
+        ) as server, connect(server) as client:
+            sid = (await client.result("session.create"))["session_id"]
+            refused = await client.error(
+                "run", {"session_id": sid, "input": "x", "output_schema": {"type": "array"}}
+            )
+            assert refused["code"] == jsonrpc.INVALID_PARAMS
+            assert refused["message"].startswith("$.output_schema: output_schema must describe")
+            await client.result("session.subscribe", {"session_id": sid})
+            await client.result("run", {"session_id": sid, "input": "city?",
+                                        "output_schema": schema})
+            outputs = client.take_outputs() + await client.outputs_until("task_end")
+    start = next(o for o in outputs if o["type"] == "task_start")
+    assert start["output_schema"] == schema
+    assert outputs[-1]["status"] == "completed" and outputs[-1]["output"] == {"city": "Lyon"}

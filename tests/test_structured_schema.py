@@ -15,6 +15,7 @@ from greenroom.protocols.structured import (
     OutputSchemaError,
     anthropic_native_model,
     anthropic_schema,
+    example_value,
     openai_strict,
     output_spec,
     parse_text_answer,
@@ -228,3 +229,17 @@ def test_openai_strict_only_for_closed_objects_with_every_property_required() ->
     assert openai_strict(output_spec(Line).schema)
     assert not openai_strict(output_spec(Invoice).schema)  # note and tags have defaults
     assert not openai_strict({"type": "object", "properties": {}})
+
+
+def test_the_example_value_of_a_schema_matches_it() -> None:
+    """What the scripted model answers a structured task with."""
+    for schema in (output_spec(Invoice).schema, output_spec(Person).schema,
+                   {"type": "object", "properties": {"n": {"type": "integer", "minimum": 3},
+                                                     "s": {"type": "string", "minLength": 9},
+                                                     "a": {"type": "array", "minItems": 2,
+                                                           "items": {"$ref": "#/$defs/P"}}},
+                    "required": ["n", "s", "a"],
+                    "$defs": {"P": {"type": "object", "properties": {"x": {"const": 1}},
+                                    "required": ["x"]}}}):
+        value = example_value(schema)
+        assert validate(value, schema) == [], (schema, value)

@@ -314,6 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--session", metavar="ID", help="continue a stored session")
     run.add_argument(
+        "--output-schema",
+        metavar="FILE",
+        help="a JSON Schema file (of an object): the answer must match it, and only its "
+        "JSON is printed on stdout (the conversation goes to stderr)",
+    )
+    run.add_argument(
         "--approve",
         choices=APPROVE_MODES,
         help="tool call approval: ask on the terminal, allow all, or deny all "

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         HostClosed,
         ImageRefused,
         NotPending,
+        OutputSchemaError,
         SessionClosed,
         SessionNotFound,
     )
@@ -72,6 +73,7 @@ _MODULE_OF = {
     "HostClosed": "greenroom.actors.runtime.errors",
     "ImageRefused": "greenroom.actors.runtime.errors",
     "NotPending": "greenroom.actors.runtime.errors",
+    "OutputSchemaError": "greenroom.actors.runtime.errors",
     "SessionClosed": "greenroom.actors.runtime.errors",
     "SessionNotFound": "greenroom.actors.runtime.errors",
     "Host": "greenroom.actors.runtime.host",
@@ -111,6 +113,7 @@ __all__ = [
     "ImageRefused",
     "ModelProvider",
     "NotPending",
+    "OutputSchemaError",
     "PrincipalBudget",
     "ProviderLimits",
     "RunResult",

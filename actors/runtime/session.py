@@ -33,6 +33,7 @@ from greenroom.actors.runtime.tree import end_subtree
 from greenroom.protocols import markers
 from greenroom.protocols.content import ImageBlock, TextBlock, UserContent
 from greenroom.protocols.context import ModelRequest, UserMessage
+from greenroom.protocols.errors import OutputSchemaError
 from greenroom.protocols.hooks import Hooks
 from greenroom.protocols.messages import (
     AuthRetried,
@@ -69,7 +70,7 @@ from greenroom.protocols.outputs import (
 )
 from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.stream import ResponseCollector
-from greenroom.protocols.structured import FINAL_ANSWER, OutputSchemaError, OutputSpec, output_spec
+from greenroom.protocols.structured import FINAL_ANSWER, OutputSpec, output_spec
 from greenroom.protocols.tools import Tool, WorkspaceIdentity
 from greenroom.protocols.transcript import Transcript
 from greenroom.protocols.wording import clip_words
