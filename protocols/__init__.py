@@ -33,6 +33,7 @@ from greenroom.protocols.outputs import (
     TaskStart,
     TokenUsageOutput,
     ToolCallOutput,
+    ToolHook,
     ToolProgress,
     UserMsg,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "ToolCallBlock",
     "ToolCallOutput",
     "ToolContext",
+    "ToolHook",
     "ToolProgress",
     "UserContent",
     "UserMsg",

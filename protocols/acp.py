@@ -63,6 +63,7 @@ from greenroom.protocols.outputs import (
     TaskStart,
     TokenUsageOutput,
     ToolCallOutput,
+    ToolHook,
     ToolProgress,
     UserMsg,
 )
@@ -675,9 +676,11 @@ class UpdateMapper:
                 | ApprovalRequest()
                 | CompactionBegin()
                 | CompactionEnd()
+                | ToolHook()
             ):
                 # The editor learns of a call from its block, is asked to approve by the
-                # agent's own request, and sees no request, usage or compaction events.
+                # agent's own request, and sees no request, usage or compaction events;
+                # what a tool hook did shows in the call's decision and result.
                 return []
             case _:
                 assert_never(output)

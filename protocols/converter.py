@@ -62,6 +62,9 @@ def _make_tagged_unstructure(cls: type[Any]) -> Callable[[Any], dict[str, Any]]:
             overrides[name] = override(omit_if_default=True)
     if cls is outputs.ApprovalRequest:
         overrides["kind"] = override(omit_if_default=True)
+    if cls is outputs.ToolHook:
+        overrides["arguments"] = override(omit_if_default=True)
+        overrides["reason"] = override(omit_if_default=True)
     inner = make_dict_unstructure_fn(cls, converter, **overrides)
     tag = cls.TYPE
 

@@ -29,7 +29,9 @@ TaskStatus = Literal[
 ]
 ToolStatus = Literal["ok", "error", "denied", "interrupted", "truncated"]
 Decision = Literal["allow", "deny"]
-DecidedBy = Literal["host", "client", "session_rule", "default"]
+DecidedBy = Literal["host", "client", "session_rule", "default", "hook"]
+ToolHookName = Literal["before_tool", "after_tool"]
+ToolHookActionKind = Literal["deny", "rewrite", "replace", "error"]
 PeopleKind = Literal["approval", "question", "in_doubt"]
 CompactionReason = Literal["context", "turns", "manual", "overflow"]
 
@@ -289,8 +291,10 @@ class ApprovalDecision(Envelope):
         decision: ``allow`` or ``deny``.
         by: who decided: ``host`` (the approve callback), ``client`` (a person, through
             the gateway, the API, the CLI or an editor: ``principal`` names them),
-            ``session_rule`` (an earlier ``allow_session``) or ``default`` (no one could
-            answer, or the wait ran out: deny).
+            ``session_rule`` (an earlier ``allow_session``), ``default`` (no one could
+            answer, or the wait ran out: deny; or a structured task's ``final_answer``,
+            which runs nothing: allow) or ``hook`` (a ``before_tool`` hook denied it, or
+            failed: the ``tool_hook`` record before says which).
         remember: the decision was ``allow_session``: the tool is allowed without asking
             for the rest of the session (R-APPROVE-4). Left out of the JSON when false.
         principal: who answered, for ``by: client`` (R-HITL-2). Left out when None.
@@ -304,6 +308,39 @@ class ApprovalDecision(Envelope):
     by: DecidedBy
     remember: bool = False
     principal: str | None = None
+
+
+@_documented
+@attrs.frozen(kw_only=True, slots=True)
+class ToolHook(Envelope):
+    """What a tool hook did to a call (R-HOOK-2); nothing is recorded for a hook that let
+    the call (or its result) be.
+
+    Fields:
+        call_id: the tool call's id.
+        tool: the tool's name.
+        hook: ``before_tool`` (before the call is decided) or ``after_tool`` (after it ran,
+            before the model sees the result).
+        action: ``deny`` (the ``approval_decision`` ``deny`` by ``hook`` follows),
+            ``rewrite`` (the call is approved and run with ``arguments``: the
+            ``approval_request``, if any, shows them), ``replace`` (the
+            ``tool_call_output`` that follows is the hook's content, not the tool's; what
+            it replaced is not recorded) or ``error`` (the hook raised, answered nonsense
+            or timed out; ``before_tool`` then denied the call, ``after_tool`` kept the
+            result).
+        arguments: for ``rewrite``, the arguments the call goes on with. Left out when None.
+        reason: for ``deny``, the hook's reason; for ``error``, what went wrong. Left out
+            when None.
+    """
+
+    TYPE: ClassVar[str] = "tool_hook"
+    TRACED: ClassVar[bool] = True
+    call_id: str
+    tool: str
+    hook: ToolHookName
+    action: ToolHookActionKind
+    arguments: dict[str, Any] | None = None
+    reason: str | None = None
 
 
 @_documented
@@ -457,6 +494,7 @@ Output: TypeAlias = (
     | RequestEnd
     | ApprovalRequest
     | ApprovalDecision
+    | ToolHook
     | ToolProgress
     | ToolCallOutput
     | Abort

@@ -75,6 +75,7 @@ from greenroom.protocols.outputs import (
     TaskStatus,
     TokenUsageOutput,
     ToolCallOutput,
+    ToolHook,
     ToolProgress,
     UserMsg,
 )
@@ -425,6 +426,8 @@ class TaskRecord:
                 self.end(output.status)
             case UserMsg() | Abort():
                 pass  # a prompt's task_start, steering's request_begin, an abort's task_end follow
+            case ToolHook():
+                pass  # what it did shows in the decision and the result that follow
             case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():
                 pass  # live only
             case _:

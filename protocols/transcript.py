@@ -45,6 +45,7 @@ from greenroom.protocols.outputs import (
     TaskStart,
     TokenUsageOutput,
     ToolCallOutput,
+    ToolHook,
     ToolProgress,
     UserMsg,
 )
@@ -171,7 +172,7 @@ class Transcript:
                 self._retry_note = None
             case CompactionEnd() | CompactionBegin():
                 pass  # the context changes only when a compaction succeeds
-            case TaskStart() | ApprovalRequest() | ApprovalDecision():
+            case TaskStart() | ApprovalRequest() | ApprovalDecision() | ToolHook():
                 pass  # the model sees the prompt and the calls' results, not these
             case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():
                 pass  # live only: the complete block or result follows
@@ -374,6 +375,7 @@ def rebuild(
                 | RequestEnd()
                 | ApprovalRequest()
                 | ApprovalDecision()
+                | ToolHook()
                 | ToolCallOutput()
                 | Abort()
                 | CompactionBegin()

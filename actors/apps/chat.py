@@ -124,6 +124,7 @@ from greenroom.protocols.outputs import (
     TaskStart,
     TokenUsageOutput,
     ToolCallOutput,
+    ToolHook,
     ToolProgress,
     UserMsg,
 )
@@ -1105,6 +1106,7 @@ class ChatRenderer(HumanRenderer):
                 | TokenUsageOutput()
                 | ApprovalRequest()
                 | ApprovalDecision()
+                | ToolHook()
                 | ToolCallOutput()
                 | Abort()
                 | CompactionBegin()

@@ -38,6 +38,7 @@ from greenroom.protocols.outputs import (
     TaskStart,
     TokenUsageOutput,
     ToolCallOutput,
+    ToolHook,
     ToolProgress,
     UserMsg,
 )
@@ -48,6 +49,7 @@ from greenroom.protocols.wording import (
     INTERRUPTED_APPROVAL,
     allowed_without_asking,
     decision_words,
+    tool_hook_words,
 )
 
 # -- rendering --------------------------------------------------------------------------
@@ -105,6 +107,7 @@ class Renderer:
                 | TokenUsageOutput()
                 | RequestEnd()
                 | ApprovalRequest()
+                | ToolHook()
                 | ToolCallOutput()
                 | Abort()
                 | CompactionBegin()
@@ -252,6 +255,9 @@ class HumanRenderer(Renderer):
                 self._show_tool_output(output)
             case ToolProgress():
                 self._line(self._style.dim(f"  … {output.tool}: {output.message}"))
+            case ToolHook():
+                self._line(f"  {self._style.yellow('⚑')} {output.tool} "
+                           + self._style.yellow(tool_hook_words(output)))
             case RequestBegin():
                 if output.attempt > 1:
                     self._note(
@@ -423,6 +429,7 @@ class HumanRenderer(Renderer):
                 | RequestEnd()
                 | ApprovalRequest()
                 | ApprovalDecision()
+                | ToolHook()
                 | Abort()
                 | CompactionBegin()
                 | CompactionEnd()
@@ -511,6 +518,8 @@ def _record_detail(record: Output) -> str:
             return f"{record.call_id} {record.tool} {clip(json.dumps(record.arguments), 120)}"
         case ApprovalDecision():
             return f"{record.call_id} {record.tool} {decision_words(record.decision, record.by)}"
+        case ToolHook():
+            return f"{record.call_id} {record.tool} {clip(tool_hook_words(record), 160)}"
         case ToolCallOutput():
             text = clip(_one_line(_content_text(record.content)), 100)
             return f"{record.call_id} {record.tool} {record.status}: {text}"

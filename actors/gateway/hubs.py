@@ -66,6 +66,7 @@ from greenroom.protocols.outputs import (
     TaskStart,
     TokenUsageOutput,
     ToolCallOutput,
+    ToolHook,
     ToolProgress,
     UserMsg,
 )
@@ -252,6 +253,7 @@ class SessionHub:
                     | ModelMsg()
                     | TokenUsageOutput()
                     | RequestEnd()
+                    | ToolHook()
                     | ToolCallOutput()
                     | Abort()
                 ):

@@ -72,6 +72,7 @@ from greenroom.protocols.outputs import (
     TaskStart,
     TokenUsageOutput,
     ToolCallOutput,
+    ToolHook,
     ToolProgress,
     UserMsg,
 )
@@ -279,8 +280,11 @@ class GenAIObserver:
                 | PartialToolCall()
                 | ApprovalRequest()
                 | ToolProgress()
+                | ToolHook()
             ):
-                pass  # live text, progress and a wait for a person: no span of their own
+                # Live text, progress and a wait for a person: no span of their own; what
+                # a tool hook did shows as the call's decision (by hook) and result.
+                pass
             case _:
                 assert_never(output)
 

@@ -33,6 +33,7 @@ from greenroom.actors.runtime.llm_streamer import LLMStreamer
 from greenroom.actors.runtime.port import Parked, SessionPort, TaskInput
 from greenroom.actors.runtime.resumption import take_up
 from greenroom.actors.runtime.subagents import RunChild, Subagents
+from greenroom.actors.runtime.tool_hooks import tool_hook_calls
 from greenroom.actors.runtime.tool_pool import ToolPool
 from greenroom.actors.runtime.turn_runner import TurnRunner
 from greenroom.protocols.content import UserContent
@@ -83,6 +84,7 @@ class TaskWork:
         "pool",
         "scope",
         "streamer",
+        "tool_hooks",
     )
 
     def __init__(
@@ -104,12 +106,16 @@ class TaskWork:
         self.pool, self._pool = trio.open_memory_channel[PoolCommand](math.inf)
         self.streamer, self._streamer = trio.open_memory_channel[StreamerCommand](math.inf)
         self.nursery: trio.Nursery | None = None
+        self.tool_hooks = tool_hook_calls(port.hooks)
+        """The session's tool hooks as the task starts (R-HOOK-2), for the broker and the
+        pool; None without any."""
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Start the actors; ready once they serve. Returns after :meth:`stop`."""
         port = self._port
         settings = port.settings
         approve = self._task.approve if self._task is not None else None
+        hooks = self.tool_hooks
         try:
             with self.scope:
                 async with trio.open_nursery() as nursery:
@@ -118,6 +124,7 @@ class TaskWork:
                         timeout_s=settings.approval_timeout_s,
                         inbox=self._inbox,
                         origin=port.origin_path,
+                        hooks=hooks,
                     )
                     await nursery.start(broker.run, self._approvals)
                     subagents = Subagents(port, approve=approve, run_child=self._run_child)
@@ -135,6 +142,7 @@ class TaskWork:
                         workspace_identity=port.workspace_identity,
                         attachments=port.attachments,
                         people=approve == PEOPLE,
+                        hooks=hooks,
                     )
                     await nursery.start(pool.run, self._pool)
                     streamer = LLMStreamer(
@@ -238,6 +246,7 @@ class RunningTask:
             run_id=self.run_id,
             approvals=work.approvals,
             pool=work.pool,
+            before_tool=work.tool_hooks is not None and work.tool_hooks.has_before,
         )
 
     def _actors(self) -> tuple[TurnRunner, TaskWork]:

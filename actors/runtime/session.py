@@ -65,6 +65,7 @@ from greenroom.protocols.outputs import (
     TaskStatus,
     TokenUsageOutput,
     ToolCallOutput,
+    ToolHook,
     ToolProgress,
     UserMsg,
 )
@@ -228,6 +229,7 @@ class RunStream:
                 | RequestEnd()
                 | ApprovalRequest()
                 | ApprovalDecision()
+                | ToolHook()
                 | ToolProgress()
                 | ToolCallOutput()
                 | Abort()

@@ -82,6 +82,7 @@ from greenroom.protocols.outputs import (
     TaskStart,
     TokenUsageOutput,
     ToolCallOutput,
+    ToolHook,
     ToolProgress,
     UserMsg,
 )
@@ -355,6 +356,7 @@ class ChildWatch:
                     | RequestEnd()
                     | ApprovalRequest()
                     | ApprovalDecision()
+                    | ToolHook()
                     | ToolCallOutput()
                     | Abort()
                     | CompactionBegin()

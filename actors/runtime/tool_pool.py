@@ -11,6 +11,8 @@ R-HOST-4); the subagent then runs in the call's task, under this pool's cancella
 Where people answer the task's requests, ``ctx.ask`` puts a question to them through the
 supervisor (``QuestionAsked``: an MCP server's elicitation, R-HITL-5); the call keeps its
 slot while it waits.
+A session's ``after_tool`` hook (R-HOOK-2) sees each result before it is reported, while
+the call still holds its slot; a replaced result is cut to the budget like a tool's.
 
 Abandoning (R-SEC-2, R-ABORT-1): each tool function runs in a task of its own outside the
 session's task tree (a trio system task), and the call's task waits for it. When the call
@@ -35,7 +37,9 @@ from typing import Any, Literal, assert_never
 import trio
 
 from greenroom.actors.runtime.attachments import Attachments, attach
+from greenroom.actors.runtime.tool_hooks import ToolHookCalls
 from greenroom.protocols.content import TextBlock, ToolCallBlock, ToolContent
+from greenroom.protocols.hooks import ToolHookAction
 from greenroom.protocols.messages import (
     BeginTurn,
     PoolCommand,
@@ -79,6 +83,7 @@ class ToolPool:
     __slots__ = (
         "_attachments",
         "_exclusive",
+        "_hooks",
         "_inbox",
         "_limiter",
         "_people",
@@ -112,8 +117,10 @@ class ToolPool:
         attachments: Attachments | None = None,
         workspace_identity: WorkspaceIdentity | None = None,
         people: bool = False,
+        hooks: ToolHookCalls | None = None,
     ) -> None:
         self._tools = tools
+        self._hooks = hooks
         self._people = people
         self._attachments = attachments
         self._inbox = inbox
@@ -179,8 +186,13 @@ class ToolPool:
                 if exclusive or self._exclusive[earlier]:
                     await self._terminal[earlier].wait()
             async with self._limiter:
+                hooked: ToolHookAction | None = None
                 try:
                     status, content = await self._run(call)
+                    if self._hooks is not None:
+                        content, hooked = await self._hooks.after(call, status, content)
+                        if hooked is not None and hooked.action == "replace":
+                            content = await self._fit_budget(call, content)
                 except Exception as exc:
                     # Whatever fails around the tool itself (the trace sync before a side
                     # effect, the scratchpad write of a long result) is still an error
@@ -190,7 +202,8 @@ class ToolPool:
             done.set()
         self._inbox.send_nowait(
             ToolCallFinished(
-                call_id=call.id, status=status, is_error=status != "ok", content=content
+                call_id=call.id, status=status, is_error=status != "ok", content=content,
+                hook=hooked,
             )
         )
 

@@ -18,6 +18,14 @@ call's id and keeps the call's reply channel until a person answers (the answer 
 recorded as the request's ``approval_decision``), the wait runs out, or the call ends —
 its result settles the request in the trace, as any result settles its call's requests.
 
+Tool hooks (R-HOOK-2): what a ``before_tool`` hook did reaches the runner with the broker's
+decision, what an ``after_tool`` hook did with the pool's result; each is recorded as a
+``tool_hook`` before the record it explains. A call the hook rewrote runs as rewritten —
+and so does one a person approved, from the arguments of the ``approval_request`` they
+saw (a task taken up after a restart knows no other). A call an earlier ``allow_session``
+covers still goes to the broker while there is a ``before_tool`` hook, so that the hook
+sees it.
+
 A task that requires an output schema (R-OUT-1) may answer through the synthetic
 ``final_answer`` call: the runner decides it itself — allowed by ``default``, never sent
 to the broker or the pool, for it runs nothing — and gives it its result at once: taken,
@@ -37,7 +45,8 @@ import trio
 from greenroom.actors.runtime.emitter import OutputEmitter, repaired_blocks
 from greenroom.actors.runtime.port import SessionPort
 from greenroom.protocols import markers
-from greenroom.protocols.content import TextBlock
+from greenroom.protocols.content import TextBlock, ToolCallBlock
+from greenroom.protocols.hooks import ToolHookAction, hook_denied_text
 from greenroom.protocols.messages import (
     ApprovalAsked,
     ApprovalDecided,
@@ -59,6 +68,7 @@ from greenroom.protocols.outputs import (
     PartialThinking,
     PartialToolCall,
     TokenUsageOutput,
+    ToolHook,
 )
 from greenroom.protocols.people import answer_problem, arguments_digest
 from greenroom.protocols.stream import ModelError, StreamEvent
@@ -90,7 +100,17 @@ def _reply(reply: Any, answer: QuestionAnswered) -> None:
 class TurnRunner:
     """The turns of one task of ``port`` (see the module docstring)."""
 
-    __slots__ = ("_approvals", "_emitter", "_pool", "_port", "_questions", "machine", "run_id")
+    __slots__ = (
+        "_approvals",
+        "_before_tool",
+        "_emitter",
+        "_pool",
+        "_port",
+        "_questions",
+        "_rewritten",
+        "machine",
+        "run_id",
+    )
 
     def __init__(
         self,
@@ -100,8 +120,12 @@ class TurnRunner:
         run_id: str,
         approvals: trio.MemorySendChannel[ApproveCall],
         pool: trio.MemorySendChannel[PoolCommand],
+        before_tool: bool = False,
     ) -> None:
         self._port = port
+        self._before_tool = before_tool
+        self._rewritten: dict[str, ToolCallBlock] | None = None
+        """The calls that run with other arguments than the model's (R-HOOK-2), by id."""
         self._emitter = emitter
         self._approvals = approvals
         self._pool = pool
@@ -161,6 +185,7 @@ class TurnRunner:
             case ToolCallFinished():
                 # A question still open ends with its call (the result settles it).
                 self._end_question(message.call_id)
+                self._hooked(message.call_id, message.hook)
                 # Tool output is outside text (R-SEC-1): repaired before anyone encodes it.
                 self.apply(
                     machine.finish(
@@ -170,6 +195,8 @@ class TurnRunner:
                     )
                 )
             case ApprovalDecided():
+                hook = message.hook
+                self._hooked(message.call.id, hook, message.call)
                 self.apply(
                     machine.decide(
                         message.call.id,
@@ -179,12 +206,16 @@ class TurnRunner:
                         # the call never starts, and the abort reports it interrupted.
                         interrupted=self._port.machine.stopping,
                         remember=message.verdict == "allow_session",
+                        denied_text=hook_denied_text(hook)
+                        if hook is not None and message.by == "hook"
+                        else markers.DENIED_TEXT,
                     )
                 )
             case ApprovalAsked():
                 # The request is the pending state (R-HITL-1): the answer comes back as
                 # PersonAnswered, from whichever surface a person uses.
                 asked = message.call
+                self._hooked(asked.id, message.hook, asked)
                 request = self._emitter.emit(
                     ApprovalRequest(
                         session_id=self._port.id,
@@ -202,6 +233,34 @@ class TurnRunner:
                 self.apply(machine.progress(message.call_id, repair_text(message.message)))
             case QuestionAsked():
                 self._question(message)
+
+    def _hooked(
+        self, call_id: str, action: ToolHookAction | None, call: ToolCallBlock | None = None
+    ) -> None:
+        """Record what a tool hook did to ``call_id`` (R-HOOK-2); a rewritten ``call`` is
+        the one that runs."""
+        if action is None:
+            return
+        tool = next((c.name for c in self.machine.calls() if c.id == call_id), "")
+        self._emitter.emit(
+            ToolHook(
+                session_id=self._port.id,
+                run_id=self.run_id,
+                call_id=call_id,
+                tool=tool,
+                hook=action.hook,
+                action=action.action,
+                arguments=action.arguments,
+                reason=action.reason,
+            )
+        )
+        if action.action == "rewrite" and call is not None:
+            self._run_as(call)
+
+    def _run_as(self, call: ToolCallBlock) -> None:
+        if self._rewritten is None:
+            self._rewritten = {}
+        self._rewritten[call.id] = call
 
     def _question(self, asked: QuestionAsked) -> None:
         """A running call asks people a question: recorded (the pending state), its
@@ -273,6 +332,10 @@ class TurnRunner:
         verdict = answer.verdict or ("deny" if answer.by == "default" else None)
         if verdict is None:
             return f"call {call_id!r} asks for a decision: allow, deny or allow_session"
+        (call,) = (c for c in self.machine.calls() if c.id == call_id)
+        if request.arguments != call.arguments:
+            # What the person approved (a before_tool hook's rewrite, R-HOOK-2) is what runs.
+            self._run_as(attrs.evolve(call, arguments=request.arguments, invalid_arguments=None))
         self.apply(
             self.machine.decide(
                 call_id,
@@ -388,7 +451,12 @@ class TurnRunner:
                     self._ask(effect)
                 case RunToolCall() if self._is_answer(effect.call.name):
                     self._take_answer(effect)
-                case RunToolCall() | SkipToolCall():
+                case RunToolCall():
+                    rewritten = (self._rewritten or {}).get(effect.call.id)
+                    self._pool.send_nowait(
+                        effect if rewritten is None else attrs.evolve(effect, call=rewritten)
+                    )
+                case SkipToolCall():
                     self._pool.send_nowait(effect)
                 case RecordUsage():
                     self._port.record_usage(self.run_id, self.machine.turn, effect.usage)
@@ -430,6 +498,10 @@ class TurnRunner:
             )
             return
         if self._port.machine.allowed_for_session(call.name):
+            if self._before_tool:
+                # R-HOOK-2: the hook sees it first; the broker then allows it by the rule.
+                self._approvals.send_nowait(ApproveCall(call=call, session_rule=True))
+                return
             # R-APPROVE-4: an earlier allow_session decides it at once.
             self.apply(self.machine.decide(call.id, allowed=True, by="session_rule"))
             return
