@@ -9,7 +9,8 @@
     ├── SessionClosed      the session was closed or deleted
     ├── HostClosed         the host is shut down
     ├── ConfigurationError bad settings, unknown provider, missing key…
-    │   └── OutputSchemaError  an output_schema that cannot be used (R-OUT-1) (400)
+    │   ├── OutputSchemaError  an output_schema that cannot be used (R-OUT-1) (400)
+    │   └── HooksFileError     a command hooks settings file that cannot be used (R-HOOK-2)
     ├── ImageRefused       an image file that cannot be attached, and why (400)
     └── NotPending         an answer for a request no person is asked (any more) (409)
 
@@ -68,6 +69,11 @@ class OutputSchemaError(ConfigurationError, ValueError):
     of the final answer's name. Nothing was started."""
 
     code = 400
+
+
+class HooksFileError(ConfigurationError):
+    """A command hooks settings file (``--hooks FILE``, R-HOOK-2) that cannot be read or
+    used; the message names the file and the place (``$.before_tool[0].command``)."""
 
 
 class ImageRefused(GreenroomError):

@@ -315,7 +315,8 @@ def _failure(result: ToolResult | None) -> str:
     if result is None:
         return "no result came back"
     if result.status == "denied":
-        return f'the call was denied ("{markers.DENIED_TEXT}")'
+        # The result says who denied it, and why (a hook gives its reason: R-HOOK-2).
+        return f'the call was denied ("{_one_line(_result_text(result))}")'
     if result.status == "interrupted":
         return "the call was interrupted before it finished"
     return f"the tool failed ({result.status}: {_one_line(_result_text(result))})"
