@@ -196,3 +196,30 @@ def test_a_bad_settings_file_names_the_file_and_the_place(text: str, problem: st
 def test_a_missing_settings_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(HooksFileError, match=r"nope\.json: cannot read it: No such file"):
         load_hooks_file(tmp_path / "nope.json")
+
+
+async def test_the_gateways_sessions_meet_the_hooks_installed_on_its_host(
+    tmp_path: Path,
+) -> None:
+    """``serve --hooks FILE`` installs the hooks as a host observer: a session a client
+    creates over the websocket has them, and its subscriber sees what they did."""
+    from test_gateway import BOUND_S, connect, serving
+
+    from greenroom.actors.runtime import install_tool_hooks
+
+    hooks = load_hooks_file(hooks_file(tmp_path, {"before_tool": [
+        {"match": "run_shell", "command": "echo 'not over the websocket' >&2; exit 2"}
+    ]}))
+    ran.clear()
+    with trio.fail_after(BOUND_S * 2):
+        async with serving(
+            tmp_path, lambda: script(sh("c1", "ls")), tools=[run_shell], approve="all",
+            host_options={"observers": [install_tool_hooks(hooks)]},
+        ) as server, connect(server) as client:
+            sid = (await client.result("session.create"))["session_id"]
+            await client.result("session.subscribe", {"session_id": sid})
+            await client.result("run", {"session_id": sid, "input": "go"})
+            outputs = client.take_outputs() + await client.outputs_until("task_end")
+    hooked = next(o for o in outputs if o["type"] == "tool_hook")
+    assert (hooked["action"], hooked["reason"]) == ("deny", "not over the websocket")
+    assert ran == [] and outputs[-1]["status"] == "completed"

@@ -412,8 +412,8 @@ class Session:
 
     @property
     def hooks(self) -> Hooks:
-        """Host hooks at the loop's checkpoints (R-HOOK-1); assign to change them (a task
-        takes them when it starts)."""
+        """Host hooks at the loop's checkpoints (R-HOOK-1) and around tool calls (R-HOOK-2);
+        assign to change them (a task takes them when it starts)."""
         return self._port.hooks
 
     @hooks.setter
