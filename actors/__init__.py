@@ -15,6 +15,7 @@ from greenroom.actors.runtime.errors import (
     GreenroomError,
     HostClosed,
     ImageRefused,
+    OutputSchemaError,
     SessionClosed,
     SessionNotFound,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "Host",
     "HostClosed",
     "ImageRefused",
+    "OutputSchemaError",
     "PrincipalBudget",
     "ProviderLimits",
     "Reply",

@@ -35,6 +35,7 @@ from greenroom.protocols.outputs import (
     TaskStart,
     TokenUsageOutput,
     ToolCallOutput,
+    ToolHook,
     ToolProgress,
     UserMsg,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "ToolCallBlock",
     "ToolCallOutput",
     "ToolContext",
+    "ToolHook",
     "ToolProgress",
     "UserContent",
     "UserMsg",

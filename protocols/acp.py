@@ -65,6 +65,7 @@ from greenroom.protocols.outputs import (
     TaskStart,
     TokenUsageOutput,
     ToolCallOutput,
+    ToolHook,
     ToolProgress,
     UserMsg,
 )
@@ -679,10 +680,12 @@ class UpdateMapper:
                 | CompactionEnd()
                 | CallInDoubt()
                 | CallResolved()
+                | ToolHook()
             ):
                 # The editor learns of a call from its block, is asked to approve by the
                 # agent's own request, and sees no request, usage or compaction events;
-                # a call in doubt ends with its result as any call does.
+                # a call in doubt ends with its result as any call does, and what a tool
+                # hook did shows in the call's decision and result.
                 return []
             case _:
                 assert_never(output)

@@ -71,6 +71,12 @@ from greenroom.protocols.stream import (
     ToolCallTruncated,
     UsageReported,
 )
+from greenroom.protocols.structured import (
+    FINAL_ANSWER,
+    anthropic_native_model,
+    anthropic_schema,
+    final_answer_tool,
+)
 from greenroom.protocols.text import repair_text
 from greenroom.protocols.tools import (
     MAX_ARGUMENT_DEPTH,
@@ -138,7 +144,14 @@ class RequestEncoder:
     this cache: treat it as read-only (serialize it, don't edit it).
     """
 
-    __slots__ = ("_entries", "_image_loader", "_tools_enc", "_tools_key", "_vision")
+    __slots__ = (
+        "_answer",
+        "_entries",
+        "_image_loader",
+        "_tools_enc",
+        "_tools_key",
+        "_vision",
+    )
 
     def __init__(self, image_loader: ImageLoader | None = None) -> None:
         self._image_loader = image_loader
@@ -146,6 +159,10 @@ class RequestEncoder:
         self._vision = image_loader is not None
         self._tools_key: tuple[ToolSchema, ...] | None = None
         self._tools_enc: list[dict[str, Any]] = []
+        self._answer: tuple[Any, ...] | None = None
+        """``(output, tools, model, native schema, tools with final_answer)`` of the
+        last structured request: the same objects every turn of a task, so the encoding
+        (and the tools' identity the tool cache goes by) is worked out once."""
 
     def build(self, request: ModelRequest) -> dict[str, Any]:
         """The Messages API body for ``request`` (see the module docstring for the cache
@@ -154,9 +171,10 @@ class RequestEncoder:
         Keys, in this order: ``model``, ``max_tokens``, ``stream`` (always true),
         ``thinking`` (only with a thinking level; ``max_tokens`` is then raised to
         ``max_tokens + budget`` unless it already exceeds the budget), ``system`` (only when
-        non-empty), ``tools`` (only when any), ``messages``. Consecutive messages of one
-        role are merged; tool results come first in a user message, in their order; empty
-        text is dropped. Raises ``ValueError`` for an unknown thinking level.
+        non-empty), ``tools`` (only when any), ``output_config`` or ``tool_choice`` (a
+        structured answer, see :meth:`_answer_form`), ``messages``. Consecutive messages of
+        one role are merged; tool results come first in a user message, in their order;
+        empty text is dropped. Raises ``ValueError`` for an unknown thinking level.
         """
         budget = _thinking_config(request.thinking_level)
         max_tokens = request.max_tokens
@@ -169,10 +187,49 @@ class RequestEncoder:
             body["system"] = [
                 {"type": "text", "text": request.system, "cache_control": _ephemeral()}
             ]
-        if request.tools:
-            body["tools"] = self._tools(request.tools)
+        tools = request.tools
+        native: dict[str, Any] | None = None
+        if request.output is not None:
+            native, tools = self._answer_form(request)
+        if tools:
+            body["tools"] = self._tools(tools)
+        if native is not None:
+            body["output_config"] = {"format": {"type": "json_schema", "schema": native}}
+        elif request.output is not None and budget is None:
+            # Anthropic refuses a forced tool choice with extended thinking: with thinking
+            # on the model is only offered the tool, and an answer given as text is taken
+            # (or sent back) as any is.
+            only_answer = len(tools) == 1
+            body["tool_choice"] = (
+                {"type": "tool", "name": FINAL_ANSWER} if only_answer else {"type": "any"}
+            )
         body["messages"] = self._messages(request, thinking=budget is not None)
         return body
+
+    def _answer_form(
+        self, request: ModelRequest
+    ) -> tuple[dict[str, Any] | None, tuple[ToolSchema, ...]]:
+        """How a structured answer is asked for (R-OUT-1): the native
+        ``output_config.format`` schema for the models that have it and a schema it can
+        say (every object closed), else None and the tools with the synthetic
+        ``final_answer`` tool last: ``tool_choice`` names it when it is the only tool,
+        and asks for any tool otherwise, so the model may call the others first."""
+        output = request.output
+        assert output is not None
+        memo = self._answer
+        if (
+            memo is not None
+            and memo[0] is output
+            and memo[1] is request.tools
+            and memo[2] == request.model
+        ):
+            return memo[3], memo[4]
+        native = anthropic_schema(output.schema) if anthropic_native_model(request.model) else None
+        tools = request.tools if native is not None else (
+            *request.tools, final_answer_tool(output.schema)
+        )
+        self._answer = (output, request.tools, request.model, native, tools)
+        return native, tools
 
     def _tools(self, tools: tuple[ToolSchema, ...]) -> list[dict[str, Any]]:
         if tools is not self._tools_key:

@@ -72,13 +72,25 @@ class ImageSource:
 
 
 @attrs.frozen(kw_only=True, slots=True)
+class OutputFormat:
+    """The answer a request must end with (R-OUT-1): JSON matching ``schema`` (an object
+    root), named ``name`` for the provider. Each codec asks for it its own way: natively,
+    or through the synthetic ``final_answer`` tool
+    (:mod:`greenroom.protocols.structured`)."""
+
+    name: str
+    schema: dict[str, Any] = attrs.field(eq=False)
+
+
+@attrs.frozen(kw_only=True, slots=True)
 class ModelRequest:
     """Everything a provider codec needs to build one request body.
 
     ``messages`` is shared, not copied, between the session and the request for speed; it
     must not be mutated while the request is in flight (the supervisor only appends
     between requests). ``images`` says where its images are read from; without it they
-    are read from their paths with the default limit.
+    are read from their paths with the default limit. ``output``: the structured answer
+    the task requires, if any (compaction and title requests never carry one).
     """
 
     model: str
@@ -89,3 +101,4 @@ class ModelRequest:
     thinking_level: str | None = None
     supports_vision: bool = True
     images: ImageSource | None = None
+    output: OutputFormat | None = None

@@ -56,11 +56,16 @@ def _make_tagged_unstructure(cls: type[Any]) -> Callable[[Any], dict[str, Any]]:
         "principal",
         "asked_at",
         "check_error",
+        "output_schema",
+        "output",
     ):
         if name in field_names:
             overrides[name] = override(omit_if_default=True)
     if cls is outputs.ApprovalRequest:
         overrides["kind"] = override(omit_if_default=True)
+    if cls is outputs.ToolHook:
+        overrides["arguments"] = override(omit_if_default=True)
+        overrides["reason"] = override(omit_if_default=True)
     inner = make_dict_unstructure_fn(cls, converter, **overrides)
     tag = cls.TYPE
 

@@ -9,6 +9,8 @@
     ├── SessionClosed      the session was closed or deleted
     ├── HostClosed         the host is shut down
     ├── ConfigurationError bad settings, unknown provider, missing key…
+    │   ├── OutputSchemaError  an output_schema that cannot be used (R-OUT-1) (400)
+    │   └── HooksFileError     a command hooks settings file that cannot be used (R-HOOK-2)
     ├── ImageRefused       an image file that cannot be attached, and why (400)
     └── NotPending         an answer for a request no person is asked (any more) (409)
 
@@ -59,6 +61,19 @@ class ConfigurationError(GreenroomError):
     """Settings that cannot work: unknown provider, missing credentials, bad values."""
 
     code = 400
+
+
+class OutputSchemaError(ConfigurationError, ValueError):
+    """What ``output_schema`` was given cannot be used (R-OUT-1): not a JSON Schema of an
+    object, an annotation with no JSON form, a recursive class, or a session with a tool
+    of the final answer's name. Nothing was started."""
+
+    code = 400
+
+
+class HooksFileError(ConfigurationError):
+    """A command hooks settings file (``--hooks FILE``, R-HOOK-2) that cannot be read or
+    used; the message names the file and the place (``$.before_tool[0].command``)."""
 
 
 class ImageRefused(GreenroomError):

@@ -40,7 +40,9 @@ from typing import Any, Literal, get_args, get_origin
 import attrs
 
 from greenroom.protocols.content import ImageBlock, TextBlock, UserContent
+from greenroom.protocols.errors import OutputSchemaError
 from greenroom.protocols.settings import SessionSettings
+from greenroom.protocols.structured import OutputSpec, output_spec
 from greenroom.protocols.text import repair_json, repair_text
 from greenroom.protocols.tools import value_too_deep
 
@@ -395,7 +397,13 @@ METHODS: dict[str, Method] = {
         ),
         Method(
             name="run",
-            params=(_session_id(), _INPUT),
+            params=(
+                _session_id(),
+                _INPUT,
+                Param(name="output_schema", type="object", required=False,
+                      doc="a JSON Schema of an object: the answer must match it (R-OUT-1); "
+                      "the `task_end` carries it as `output`"),
+            ),
             result="`{run_id}`",
             doc="Start a task (409 while one runs).",
         ),
@@ -594,6 +602,21 @@ def optional_object(params: Mapping[str, Any], name: str) -> dict[str, Any] | No
     if not isinstance(value, dict):
         raise invalid(f"$.{name}", f"expected an object, got {json_type(value)}")
     return value
+
+
+def optional_output_schema(params: Mapping[str, Any]) -> OutputSpec | None:
+    """Parameter ``output_schema`` of ``run`` as the answer it requires (R-OUT-1), or
+    None when absent or null. Raises an :class:`RpcError` (-32602) naming why a schema
+    cannot be used."""
+    if params.get("output_schema") is None:
+        return None
+    schema = params["output_schema"]
+    if not isinstance(schema, dict):
+        raise invalid("$.output_schema", f"expected a JSON Schema object, got {json_type(schema)}")
+    try:
+        return output_spec(schema)
+    except OutputSchemaError as exc:
+        raise invalid("$.output_schema", str(exc)) from None
 
 
 def require_choice(params: Mapping[str, Any], name: str, choices: Iterable[str]) -> str:

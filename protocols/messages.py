@@ -12,6 +12,7 @@ import attrs
 
 from greenroom.protocols.content import ToolCallBlock, ToolContent, UserContent
 from greenroom.protocols.context import ModelRequest
+from greenroom.protocols.hooks import ToolHookAction
 from greenroom.protocols.outputs import Output, ToolStatus
 from greenroom.protocols.stream import StreamEvent
 from greenroom.protocols.trace import UsageRow
@@ -33,11 +34,14 @@ class StreamBatch:
 class ApprovalDecided:
     """Broker → supervisor: the verdict on ``call``. ``by`` is ``host`` for the host's callback or
     a client, ``session_rule`` for an earlier "allow for this session", ``default`` for the deny
-    given when no one decided (callback raised or timed out, no one to ask)."""
+    given when no one decided (callback raised or timed out, no one to ask), ``hook`` for a
+    ``before_tool`` hook's deny (R-HOOK-2). ``hook`` is what that hook did, to be recorded
+    first; after a rewrite ``call`` carries the arguments it was decided with (and runs with)."""
 
     call: ToolCallBlock
     verdict: Verdict
-    by: Literal["host", "session_rule", "default"]
+    by: Literal["host", "session_rule", "default", "hook"]
+    hook: ToolHookAction | None = None
 
 
 @attrs.frozen(kw_only=True, slots=True)
@@ -48,16 +52,20 @@ class ApprovalAsked:
 
     call: ToolCallBlock
     kind: Literal["approval", "question"] = "approval"
+    hook: ToolHookAction | None = None
+    """What a ``before_tool`` hook did first (R-HOOK-2): ``call`` is then as rewritten."""
 
 
 @attrs.frozen(kw_only=True, slots=True)
 class ToolCallFinished:
-    """Pool → supervisor: call ``call_id`` is terminal; ``content`` is the result the model sees."""
+    """Pool → supervisor: call ``call_id`` is terminal; ``content`` is the result the model sees.
+    ``hook`` is what an ``after_tool`` hook did to it, if anything (R-HOOK-2)."""
 
     call_id: str
     status: ToolStatus
     is_error: bool
     content: tuple[ToolContent, ...]
+    hook: ToolHookAction | None = None
 
 
 @attrs.frozen(kw_only=True, slots=True)
@@ -246,9 +254,12 @@ SupervisorMessage = (
 
 @attrs.frozen(kw_only=True, slots=True)
 class ApproveCall:
-    """Command to the approval broker: decide on this call (one at a time, in order)."""
+    """Command to the approval broker: decide on this call (one at a time, in order).
+    ``session_rule``: an earlier ``allow_session`` covers its tool, so nobody is asked; it
+    comes to the broker only for the ``before_tool`` hook to see it first (R-HOOK-2)."""
 
     call: ToolCallBlock
+    session_rule: bool = False
 
 
 @attrs.frozen(kw_only=True, slots=True)

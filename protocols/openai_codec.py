@@ -52,6 +52,7 @@ from greenroom.protocols.context import (
     AssistantMessage,
     Message,
     ModelRequest,
+    OutputFormat,
     ToolResult,
     ToolSchema,
     UserMessage,
@@ -77,6 +78,7 @@ from greenroom.protocols.stream import (
     ToolCallTruncated,
     UsageReported,
 )
+from greenroom.protocols.structured import openai_strict
 from greenroom.protocols.text import repair_text
 from greenroom.protocols.tools import json_error_reason, parse_tool_arguments
 
@@ -271,7 +273,23 @@ class RequestEncoder:
             body["tools"] = self._tools
         if request.thinking_level in REASONING_EFFORTS:
             body["reasoning_effort"] = request.thinking_level
+        if request.output is not None:
+            body["response_format"] = response_format(request.output)
         return body
+
+
+def response_format(output: OutputFormat) -> dict[str, Any]:
+    """The chat completions ``response_format`` of a structured answer (R-OUT-1): a JSON
+    Schema, ``strict`` when OpenAI's strict mode can hold it (else the runtime's own
+    validation does). The model may still call tools first: the format binds its answer."""
+    return {
+        "type": "json_schema",
+        "json_schema": {
+            "name": output.name,
+            "schema": output.schema,
+            "strict": openai_strict(output.schema),
+        },
+    }
 
 
 def build_request(

@@ -84,6 +84,7 @@ from greenroom.protocols.stream import (
     ToolCallTruncated,
     UsageReported,
 )
+from greenroom.protocols.structured import openai_strict
 from greenroom.protocols.text import repair_text
 from greenroom.protocols.tools import json_error_reason, parse_tool_arguments
 
@@ -301,6 +302,18 @@ class RequestEncoder:
             body["tools"] = self._tools
         if request.thinking_level in REASONING_EFFORTS:
             body["reasoning"] = {"effort": request.thinking_level, "summary": "auto"}
+        output = request.output
+        if output is not None:
+            # R-OUT-1: the Responses API's native structured output binds the answer;
+            # tools may still be called before it.
+            body["text"] = {
+                "format": {
+                    "type": "json_schema",
+                    "name": output.name,
+                    "schema": output.schema,
+                    "strict": openai_strict(output.schema),
+                }
+            }
         return body
 
     def _cache_key(self, request: ModelRequest, items: list[dict[str, Any]]) -> str:

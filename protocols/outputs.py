@@ -29,7 +29,9 @@ TaskStatus = Literal[
 ]
 ToolStatus = Literal["ok", "error", "denied", "interrupted", "truncated"]
 Decision = Literal["allow", "deny"]
-DecidedBy = Literal["host", "client", "session_rule", "default"]
+DecidedBy = Literal["host", "client", "session_rule", "default", "hook"]
+ToolHookName = Literal["before_tool", "after_tool"]
+ToolHookActionKind = Literal["deny", "rewrite", "replace", "error"]
 PeopleKind = Literal["approval", "question", "in_doubt"]
 CompactionReason = Literal["context", "turns", "manual", "overflow"]
 ResolvedBy = Literal["check", "person", "note"]
@@ -106,11 +108,15 @@ class TaskStart(Envelope):
     Fields:
         input_seq: the ``seq`` of the ``user_msg`` that started the task (None when the
             prompt was not traced).
+        output_schema: the JSON Schema the task's answer must match (R-OUT-1), when the
+            run asked for one; recorded so that whoever takes the task up holds its
+            answer to it. Left out when None.
     """
 
     TYPE: ClassVar[str] = "task_start"
     TRACED: ClassVar[bool] = True
     input_seq: int | None
+    output_schema: dict[str, Any] | None = None
 
 
 @_documented
@@ -289,8 +295,10 @@ class ApprovalDecision(Envelope):
         decision: ``allow`` or ``deny``.
         by: who decided: ``host`` (the approve callback), ``client`` (a person, through
             the gateway, the API, the CLI or an editor: ``principal`` names them),
-            ``session_rule`` (an earlier ``allow_session``) or ``default`` (no one could
-            answer, or the wait ran out: deny).
+            ``session_rule`` (an earlier ``allow_session``), ``default`` (no one could
+            answer, or the wait ran out: deny; or a structured task's ``final_answer``,
+            which runs nothing: allow) or ``hook`` (a ``before_tool`` hook denied it, or
+            failed: the ``tool_hook`` record before says which).
         remember: the decision was ``allow_session``: the tool is allowed without asking
             for the rest of the session (R-APPROVE-4). Left out of the JSON when false.
         principal: who answered, for ``by: client`` (R-HITL-2). Left out when None.
@@ -304,6 +312,39 @@ class ApprovalDecision(Envelope):
     by: DecidedBy
     remember: bool = False
     principal: str | None = None
+
+
+@_documented
+@attrs.frozen(kw_only=True, slots=True)
+class ToolHook(Envelope):
+    """What a tool hook did to a call (R-HOOK-2); nothing is recorded for a hook that let
+    the call (or its result) be.
+
+    Fields:
+        call_id: the tool call's id.
+        tool: the tool's name.
+        hook: ``before_tool`` (before the call is decided) or ``after_tool`` (after it ran,
+            before the model sees the result).
+        action: ``deny`` (the ``approval_decision`` ``deny`` by ``hook`` follows),
+            ``rewrite`` (the call is approved and run with ``arguments``: the
+            ``approval_request``, if any, shows them), ``replace`` (the
+            ``tool_call_output`` that follows is the hook's content, not the tool's; what
+            it replaced is not recorded) or ``error`` (the hook raised, answered nonsense
+            or timed out; ``before_tool`` then denied the call, ``after_tool`` kept the
+            result).
+        arguments: for ``rewrite``, the arguments the call goes on with. Left out when None.
+        reason: for ``deny``, the hook's reason; for ``error``, what went wrong. Left out
+            when None.
+    """
+
+    TYPE: ClassVar[str] = "tool_hook"
+    TRACED: ClassVar[bool] = True
+    call_id: str
+    tool: str
+    hook: ToolHookName
+    action: ToolHookActionKind
+    arguments: dict[str, Any] | None = None
+    reason: str | None = None
 
 
 @_documented
@@ -481,7 +522,10 @@ class TaskEnd(Envelope):
             (a :class:`~greenroom.protocols.stream.TokenUsage`), with their ``cost_usd``
             (null when one request's price is unknown).
         wall_ms: how long it ran, in milliseconds.
-        message: why it ended other than ``completed``, in words (else None).
+        message: why it ended other than ``completed``, in words (else None); for a
+            task whose answer did not match its ``output_schema``, the problems.
+        output: the validated answer, for a ``completed`` task that had an
+            ``output_schema`` (R-OUT-1). Left out when None.
     """
 
     TYPE: ClassVar[str] = "task_end"
@@ -491,6 +535,7 @@ class TaskEnd(Envelope):
     usage: TokenUsage
     wall_ms: int
     message: str | None = None
+    output: dict[str, Any] | None = None
 
 
 Output: TypeAlias = (
@@ -505,6 +550,7 @@ Output: TypeAlias = (
     | RequestEnd
     | ApprovalRequest
     | ApprovalDecision
+    | ToolHook
     | ToolProgress
     | ToolCallOutput
     | Abort

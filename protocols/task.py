@@ -7,7 +7,8 @@ decisions this machine makes, and nothing else makes them: retry an attempt or g
 (R-RETRY), compact before a request or after an overflow (R-COMPACT-2, R-COMPACT-9), deliver
 steering (R-STEER-2..5), ask the stop hook (R-HOOK-1), stop at ``max_turns`` (R-RUN-6), on
 a loop (R-GUARD-1) or at a cost budget (R-SHARE-4), lock the session after an auth failure
-(R-RETRY-6), and end with exactly one ``task_end`` (R-RUN-7). The turn's own mechanics —
+(R-RETRY-6), hold the answer to the task's output schema and send an invalid one back once
+(R-OUT-1), and end with exactly one ``task_end`` (R-RUN-7). The turn's own mechanics —
 blocks, tool calls, approvals — are the turn machine's (:mod:`greenroom.protocols.turn`).
 
 Two kinds of input, kept apart on purpose:
@@ -76,11 +77,13 @@ from greenroom.protocols.outputs import (
     TaskStatus,
     TokenUsageOutput,
     ToolCallOutput,
+    ToolHook,
     ToolProgress,
     UserMsg,
 )
 from greenroom.protocols.retry import decide_retry
 from greenroom.protocols.stream import ModelError, TokenUsage
+from greenroom.protocols.structured import FINAL_ANSWER, AnswerCheck, repair_note
 
 __all__ = [
     "BeginAttempt",
@@ -273,6 +276,8 @@ class RecordedState:
     auth_locked: str | None
     session_rules: frozenset[str]
     last_status: TaskStatus | None
+    answer: dict[str, Any] | None
+    answer_failures: int
 
 
 
@@ -286,6 +291,7 @@ class TaskRecord:
         "_limits",
         "_results",
         "allowed",
+        "answers",
         "attempt",
         "auth_locked",
         "call_seqs",
@@ -344,6 +350,8 @@ class TaskRecord:
         self.auth_locked: str | None = None
         self.session_rules: frozenset[str] = frozenset()
         self.last_status: TaskStatus | None = None
+        self.answers: AnswerCheck | None = None
+        """The answers of an open task that requires an output schema (R-OUT-1)."""
 
     def configure(self, limits: TaskLimits) -> None:
         """Decide the loop guard of the next task by ``limits``."""
@@ -406,6 +414,8 @@ class TaskRecord:
             auth_locked=self.auth_locked,
             session_rules=frozenset(self.session_rules),
             last_status=self.last_status,
+            answer=self.answers.answer if self.answers is not None else None,
+            answer_failures=self.answers.failures if self.answers is not None else 0,
         )
 
     def observe(self, output: Output) -> None:
@@ -418,6 +428,8 @@ class TaskRecord:
                 if isinstance(block, ToolCallBlock) and self.phase is Phase.MODEL:
                     self.calls = (*self.calls, block)
                     self.call_seqs = (*self.call_seqs, output.seq)
+                elif self.answers is not None and isinstance(block, TextBlock):
+                    self.answers.text(block)
             case TokenUsageOutput():
                 self.usage = self.usage + output.request
                 self.last_request_total = output.request.total
@@ -443,7 +455,7 @@ class TaskRecord:
                 self._answered(output.call_id)
                 self.in_doubt = self.in_doubt - {output.call_id}
             case TaskStart():
-                self.start(output.run_id, "task")
+                self.start(output.run_id, "task", output.output_schema)
             case CompactionBegin():
                 self._compaction_begun(output)
             case CompactionEnd():
@@ -454,13 +466,18 @@ class TaskRecord:
                 self.end(output.status)
             case UserMsg() | Abort():
                 pass  # a prompt's task_start, steering's request_begin, an abort's task_end follow
+            case ToolHook():
+                pass  # what it did shows in the decision and the result that follow
             case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():
                 pass  # live only
             case _:
                 assert_never(output)
 
-    def start(self, run_id: str, kind: TaskKind) -> None:
-        """A task opens (its ``task_start``, or a manual compaction's begin)."""
+    def start(
+        self, run_id: str, kind: TaskKind, output_schema: dict[str, Any] | None = None
+    ) -> None:
+        """A task opens (its ``task_start``, or a manual compaction's begin); its answers
+        are held to ``output_schema`` when it has one (R-OUT-1)."""
         self.phase = Phase.STARTED
         self.run_id = run_id
         self.kind = kind
@@ -482,6 +499,7 @@ class TaskRecord:
         self.loop_reason = None
         self._guard = None
         self.last_status = None
+        self.answers = AnswerCheck(output_schema) if output_schema is not None else None
 
     def end(self, status: TaskStatus | None) -> None:
         """The open task is over (``task_end``, or a manual compaction's end)."""
@@ -502,6 +520,7 @@ class TaskRecord:
         self.compaction_reason = None
         self.compacted_before_turn = False
         self.rerun_turn = False
+        self.answers = None
 
     def _request_begun(self, output: RequestBegin) -> None:
         if output.turn != self.turn:
@@ -521,11 +540,15 @@ class TaskRecord:
         self.allowed = frozenset()
         self.in_doubt = frozenset()
         self.pending_people = ()
+        if self.answers is not None:
+            self.answers.begin_attempt()
 
     def _request_ended(self, output: RequestEnd) -> None:
         if output.status == "ok":
             self.request_ok = True
             self.session_turns += 1
+            if self.answers is not None:
+                self.answers.message_ended(with_calls=bool(self.calls))
         elif output.status == "aborted":
             return  # the abort's task_end follows
         elif output.retry_in_ms is not None:
@@ -548,6 +571,12 @@ class TaskRecord:
 
     def _call_finished(self, output: ToolCallOutput) -> None:
         self._answered(output.call_id)
+        if self.answers is not None and output.tool == FINAL_ANSWER and output.status in (
+            "ok", "error"
+        ):
+            for call in self.calls:
+                if call.id == output.call_id:
+                    self.answers.call_result(call, ok=output.status == "ok")
         if output.call_id in self.allowed:
             self.allowed = self.allowed - {output.call_id}
             self.in_doubt = self.in_doubt - {output.call_id}
@@ -929,12 +958,20 @@ class TaskMachine:
     def _after_turn(self) -> Step:
         limits = self._limits
         record = self.record
+        answers = record.answers
         if record.calls:
             if limits.has_results_hook and not self._turn_hooked:
                 return self._call_hook("after_tool_results")
-            if record.loop_reason is not None:
-                return self._issue(EndTask(status="loop_detected", message=record.loop_reason))
-            return self._next_turn()
+            # A final_answer call that was taken ends the turn as an answer does (R-OUT-1).
+            if answers is None or not answers.answered:
+                if record.loop_reason is not None:
+                    return self._issue(
+                        EndTask(status="loop_detected", message=record.loop_reason)
+                    )
+                if answers is not None and answers.exhausted:
+                    return self._issue(EndTask(status="failed",
+                                               message=answers.failure_message()))
+                return self._next_turn()
         if self._hook_answer is not None:
             self.queue_steering((TextBlock(text=self._hook_answer),))
             self._hook_answer = None
@@ -949,7 +986,19 @@ class TaskMachine:
             and self._stop_continuations < limits.max_stop_continuations
         ):
             return self._call_hook("on_stop")
-        return self._issue(EndTask(status="completed", message=None))
+        return self._answered()
+
+    def _answered(self) -> Step:
+        """The model has answered: the task is complete — unless it requires an output
+        schema (R-OUT-1) and the answer does not match. The first such answer is sent back
+        with its problems (steering, recorded as such); the next one fails the task."""
+        answers = self.record.answers
+        if answers is None or answers.answered:
+            return self._issue(EndTask(status="completed", message=None))
+        if answers.exhausted:
+            return self._issue(EndTask(status="failed", message=answers.failure_message()))
+        self.queue_steering((TextBlock(text=repair_note(answers.problems)),))
+        return self._next_turn()
 
     def _call_hook(self, hook: HookName) -> Step:
         self._turn_hooked = True

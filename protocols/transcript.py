@@ -47,6 +47,7 @@ from greenroom.protocols.outputs import (
     TaskStart,
     TokenUsageOutput,
     ToolCallOutput,
+    ToolHook,
     ToolProgress,
     UserMsg,
 )
@@ -175,7 +176,7 @@ class Transcript:
                 pass  # the context changes only when a compaction succeeds
             case (
                 TaskStart() | ApprovalRequest() | ApprovalDecision() | CallInDoubt()
-                | CallResolved()
+                | CallResolved() | ToolHook()
             ):
                 pass  # the model sees the prompt and the calls' results, not these
             case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():
@@ -379,6 +380,7 @@ def rebuild(
                 | RequestEnd()
                 | ApprovalRequest()
                 | ApprovalDecision()
+                | ToolHook()
                 | ToolCallOutput()
                 | Abort()
                 | CompactionBegin()

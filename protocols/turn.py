@@ -386,13 +386,15 @@ class TurnMachine:
         remember: bool = False,
         principal: str | None = None,
         answer: str | None = None,
+        denied_text: str = markers.DENIED_TEXT,
     ) -> list[Effect]:
         """The decision on the call being asked about. ``interrupted`` says the interrupt
         was already requested: an allowed call then never starts, and :meth:`abort`
         reports it interrupted; a deny then sends the pool nothing (it may be gone already).
         ``remember``: it was ``allow_session`` (R-APPROVE-4). ``answer``: a person answered
-        the call's question (R-HITL-5): that text is its result and no tool runs. The next
-        call waiting is asked at once (rule 3)."""
+        the call's question (R-HITL-5): that text is its result and no tool runs. A deny's
+        result is ``denied_text`` (a hook's says why). The next call waiting is asked at
+        once (rule 3)."""
         call = self._known(call_id)
         if call is None:
             return []
@@ -413,7 +415,7 @@ class TurnMachine:
         if not allowed:
             if not interrupted:
                 out.append(SkipToolCall(position=call.position))
-            out.append(self._result(call, "denied", markers.DENIED_TEXT))  # R-APPROVE-3
+            out.append(self._result(call, "denied", denied_text))  # R-APPROVE-3
         elif answer is not None:
             self._move(call, CallEvent.FINISHED)
             out.append(SkipToolCall(position=call.position))

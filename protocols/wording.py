@@ -1,14 +1,16 @@
 """The words people read for runtime facts, one vocabulary for the CLI, chat and console.
 
-The JSON keeps its values (``by: host | client | session_rule | default``); screens show
-these.
+The JSON keeps its values (``by: host | client | session_rule | default | hook``); screens
+show these.
 The web console carries the same table in its script (``DECISION_WORDS``), checked
 against this one by a test.
 """
 
 from __future__ import annotations
 
-from greenroom.protocols.outputs import CallInDoubt, CallResolved, DecidedBy, Decision
+import json
+
+from greenroom.protocols.outputs import CallInDoubt, CallResolved, DecidedBy, Decision, ToolHook
 
 DECISION_WORDS: dict[tuple[Decision, DecidedBy], str] = {
     ("allow", "host"): "allowed by you",
@@ -19,8 +21,26 @@ DECISION_WORDS: dict[tuple[Decision, DecidedBy], str] = {
     ("deny", "client"): "denied by a person",
     ("deny", "session_rule"): "denied by a session rule",
     ("deny", "default"): "denied: no one to ask",
+    ("allow", "hook"): "allowed by a hook",
+    ("deny", "hook"): "denied by a hook",
 }
 """An ``approval_decision``'s ``(decision, by)`` in plain words."""
+
+
+def tool_hook_words(record: ToolHook) -> str:
+    """What a tool hook did, in words (R-HOOK-2): ``before_tool hook denied it: <reason>``,
+    ``before_tool hook rewrote its arguments: {…}``, ``after_tool hook replaced its result``,
+    ``after_tool hook failed (<reason>): result kept``."""
+    hook = f"{record.hook} hook"
+    if record.action == "deny":
+        return f"{hook} denied it: {record.reason}"
+    if record.action == "rewrite":
+        return f"{hook} rewrote its arguments: {json.dumps(record.arguments, ensure_ascii=False)}"
+    if record.action == "replace":
+        return f"{hook} replaced its result"
+    kept = "call denied" if record.hook == "before_tool" else "result kept"
+    return f"{hook} failed ({record.reason}): {kept}"
+
 
 INTERRUPTED_APPROVAL = "denied: interrupted"
 """What a terminal shows when Ctrl-C answers an approval prompt (recorded as a deny)."""

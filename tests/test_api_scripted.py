@@ -3,6 +3,7 @@ one-call answer of a run (``RunStream.result``, ``final_text``, ``task_end``).""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -147,3 +148,19 @@ def test_the_orchestrator_example_merges_three_background_researchers() -> None:
         "orchestrator: - glaciers: they flow, a few metres a day",
         "orchestrator: - monsoons: seasonal winds that bring the rain",
     ]
+
+
+def test_the_structured_output_example_corrects_its_answer_once() -> None:
+    """examples/structured_output.py (the README's structured output example, R-OUT-1)
+    works as shipped: a tool first, an answer sent back with its problem, the corrected
+    one built into the attrs class."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "structured_output.py"
+    result = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "tool call   read_document {'document': 'invoice-17.txt'}"
+    assert lines[2] == "sent back   - $.lines[0].quantity: expected integer, got string"
+    assert lines[4:6] == ["task_end: completed after 3 turns", "ACME Tools invoice 17: 159.98 EUR"]
+    assert json.loads(lines[6])["lines"][0]["quantity"] == 2

@@ -35,6 +35,8 @@ def test_an_unknown_parameter_error_lists_the_accepted_ones() -> None:
         jsonrpc.check_params({"session_id": "s", "prompt": "x"}, "run")
     except jsonrpc.RpcError as error:
         assert error.code == jsonrpc.INVALID_PARAMS
-        assert error.message == "$.prompt: unknown parameter; run takes session_id, input"
+        assert error.message == (
+            "$.prompt: unknown parameter; run takes session_id, input, output_schema"
+        )
     else:
         raise AssertionError("an unknown parameter passed")

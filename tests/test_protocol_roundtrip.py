@@ -26,7 +26,10 @@ COMMON = {"session_id": "s1", "run_id": "r1", "seq": 3, "origin": ("root", "chil
 
 EXAMPLES: dict[type[Any], dict[str, Any]] = {
     outputs.UserMsg: {"kind": "steering", "content": (BLOCKS[0], BLOCKS[1])},
-    outputs.TaskStart: {"input_seq": 2},
+    outputs.TaskStart: {
+        "input_seq": 2,
+        "output_schema": {"type": "object", "properties": {"n": {"type": "integer"}}},
+    },
     outputs.RequestBegin: {"turn": 1, "attempt": 2},
     outputs.PartialText: {"index": 0, "text": "he"},
     outputs.PartialThinking: {"index": 1, "text": "h"},
@@ -47,6 +50,13 @@ EXAMPLES: dict[type[Any], dict[str, Any]] = {
         "tool": "lookup",
         "decision": "deny",
         "by": "default",
+    },
+    outputs.ToolHook: {
+        "call_id": "t",
+        "tool": "run_shell",
+        "hook": "before_tool",
+        "action": "rewrite",
+        "arguments": {"command": "ls -l"},
     },
     outputs.ToolProgress: {"call_id": "t", "tool": "lookup", "message": "50%"},
     outputs.ToolCallOutput: {
@@ -90,6 +100,24 @@ def test_output_round_trips(cls: type[Any]) -> None:
     assert output_from_dict(data) == value
     bare = cls(session_id="s", run_id="r", **EXAMPLES[cls])
     assert "seq" not in json.loads(to_json(bare)) and "origin" not in json.loads(to_json(bare))
+
+
+def test_optional_structured_and_hook_fields_are_left_out_when_none() -> None:
+    """``task_start.output_schema``, ``task_end.output`` (R-OUT-1) and ``tool_hook``'s
+    ``arguments`` and ``reason`` (R-HOOK-2) are written only when they hold something, so
+    the records of runs without them are as before; each reads back."""
+    start = json.loads(to_json(outputs.TaskStart(session_id="s", run_id="r", input_seq=1)))
+    assert "output_schema" not in start
+    end = outputs.TaskEnd(session_id="s", run_id="r", status="completed", turns=1, usage=USAGE,
+                          wall_ms=3, output={"n": 1})
+    data = json.loads(to_json(end))
+    assert data["output"] == {"n": 1} and output_from_dict(data) == end
+    assert "output" not in json.loads(to_json(attrs.evolve(end, output=None)))
+    denied = outputs.ToolHook(session_id="s", run_id="r", call_id="t", tool="x",
+                              hook="after_tool", action="replace")
+    assert set(json.loads(to_json(denied))) == {
+        "type", "session_id", "run_id", "call_id", "tool", "hook", "action"
+    }
 
 
 def test_usage_carries_total_and_ignores_it_when_read() -> None:

@@ -126,6 +126,7 @@ from greenroom.protocols.outputs import (
     TaskStart,
     TokenUsageOutput,
     ToolCallOutput,
+    ToolHook,
     ToolProgress,
     UserMsg,
 )
@@ -1107,6 +1108,7 @@ class ChatRenderer(HumanRenderer):
                 | TokenUsageOutput()
                 | ApprovalRequest()
                 | ApprovalDecision()
+                | ToolHook()
                 | ToolCallOutput()
                 | Abort()
                 | CompactionBegin()

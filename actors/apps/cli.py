@@ -75,7 +75,10 @@ from greenroom.actors.providers import (
 )
 from greenroom.actors.runtime import (
     ConfigurationError,
+    HooksFileError,
     SessionObserver,
+    install_tool_hooks,
+    load_hooks_file,
 )
 
 # -- entry point ------------------------------------------------------------------------
@@ -117,8 +120,21 @@ def main(argv: Sequence[str] | None = None, *, restore_sigint: bool = False) -> 
 
 def _dispatch(args: argparse.Namespace) -> int:
     with _telemetry(args) as observers:
-        args.observers = observers
+        args.observers = (*observers, *_tool_hooks(args))
         return _dispatch_command(args)
+
+
+def _tool_hooks(args: argparse.Namespace) -> tuple[SessionObserver, ...]:
+    """``--hooks FILE`` (R-HOOK-2) as a host observer that gives every session the command
+    opens the file's tool hooks; a file that cannot be read or used is a usage error
+    naming it and the place."""
+    path = getattr(args, "hooks", None)
+    if path is None:
+        return ()
+    try:
+        return (install_tool_hooks(load_hooks_file(path)),)
+    except HooksFileError as exc:
+        raise UsageError(f"--hooks: {exc}") from None
 
 
 OTLP_ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")

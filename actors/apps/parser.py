@@ -163,6 +163,18 @@ def _add_provider_limit_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_hooks_flag(parser: argparse.ArgumentParser) -> None:
+    """``--hooks FILE``: the command hooks of a settings file (R-HOOK-2), for every session
+    the command opens (``run``, ``chat``, ``serve``, and ``approve``/``answer``, which run a
+    task on)."""
+    parser.add_argument(
+        "--hooks",
+        metavar="FILE",
+        help='command hooks: a JSON file {"before_tool": [{"match", "command", "timeout"}], '
+        '"after_tool": [...]} of programs run before and after tool calls (default: none)',
+    )
+
+
 def _add_session_flags(parser: argparse.ArgumentParser) -> None:
     """The flags ``run``, ``chat`` and ``serve`` share: model, workspace, data dir, tools,
     limits, the shell sandbox."""
@@ -314,12 +326,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--session", metavar="ID", help="continue a stored session")
     run.add_argument(
+        "--output-schema",
+        metavar="FILE",
+        help="a JSON Schema file (of an object): the answer must match it, and only its "
+        "JSON is printed on stdout (the conversation goes to stderr)",
+    )
+    run.add_argument(
         "--approve",
         choices=APPROVE_MODES,
         help="tool call approval: ask on the terminal, allow all, or deny all "
         "(default: ask when stdin is a terminal, else none)",
     )
     _add_session_flags(run)
+    _add_hooks_flag(run)
 
     chat = commands.add_parser(
         "chat",
@@ -336,6 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: ask when stdin is a terminal, else none)",
     )
     _add_session_flags(chat)
+    _add_hooks_flag(chat)
 
     acp = commands.add_parser(
         "acp",
@@ -510,6 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds after which a silent host's sessions move to another host (default: 5)",
     )
     _add_session_flags(serve)
+    _add_hooks_flag(serve)
 
     sessions = commands.add_parser(
         "sessions",
@@ -620,9 +641,10 @@ def _add_people_commands(commands: Any) -> None:
 
 
 def _add_answer_flags(parser: argparse.ArgumentParser) -> None:
-    """What ``approve`` and ``answer`` share: the data dir, JSON output, and the tools the
-    session is opened with."""
+    """What ``approve`` and ``answer`` share: the data dir, JSON output, and the tools and
+    hooks the session is opened with."""
     _add_data_dir(parser)
+    _add_hooks_flag(parser)
     parser.add_argument(
         "--json", action="store_true", help="every output as one JSON line on stdout, only that"
     )

@@ -40,6 +40,7 @@ from greenroom.protocols.outputs import (
     TaskStart,
     TokenUsageOutput,
     ToolCallOutput,
+    ToolHook,
     ToolProgress,
     UserMsg,
 )
@@ -52,6 +53,7 @@ from greenroom.protocols.wording import (
     decision_words,
     in_doubt_words,
     resolved_words,
+    tool_hook_words,
 )
 
 # -- rendering --------------------------------------------------------------------------
@@ -109,6 +111,7 @@ class Renderer:
                 | TokenUsageOutput()
                 | RequestEnd()
                 | ApprovalRequest()
+                | ToolHook()
                 | ToolCallOutput()
                 | Abort()
                 | CompactionBegin()
@@ -258,6 +261,9 @@ class HumanRenderer(Renderer):
                 self._show_tool_output(output)
             case ToolProgress():
                 self._line(self._style.dim(f"  … {output.tool}: {output.message}"))
+            case ToolHook():
+                self._line(f"  {self._style.yellow('⚑')} {output.tool} "
+                           + self._style.yellow(tool_hook_words(output)))
             case RequestBegin():
                 if output.attempt > 1:
                     self._note(
@@ -437,6 +443,7 @@ class HumanRenderer(Renderer):
                 | RequestEnd()
                 | ApprovalRequest()
                 | ApprovalDecision()
+                | ToolHook()
                 | Abort()
                 | CompactionBegin()
                 | CompactionEnd()
@@ -525,6 +532,8 @@ def _record_detail(record: Output) -> str:
             return f"{record.call_id} {record.tool} {clip(json.dumps(record.arguments), 120)}"
         case ApprovalDecision():
             return f"{record.call_id} {record.tool} {decision_words(record.decision, record.by)}"
+        case ToolHook():
+            return f"{record.call_id} {record.tool} {clip(tool_hook_words(record), 160)}"
         case ToolCallOutput():
             text = clip(_one_line(_content_text(record.content)), 100)
             return f"{record.call_id} {record.tool} {record.status}: {text}"

@@ -63,10 +63,12 @@ from greenroom.actors.tools import (
     load_config_files,
     load_tools,
 )
+from greenroom.protocols.errors import OutputSchemaError
 from greenroom.protocols.outputs import (
     TaskEnd,
 )
 from greenroom.protocols.prices import Price, PriceError, parse_prices
+from greenroom.protocols.structured import OutputSpec, output_spec
 from greenroom.protocols.tools import Tool
 
 
@@ -108,6 +110,9 @@ class RunOptions:
     prices: Mapping[str, Price] | None = None
     max_cost_usd: float | None = None
     provider_limits: ProviderLimits | None = None
+    output_schema: OutputSpec | None = None
+    """``--output-schema``: the answer must match it (R-OUT-1); stdout then carries only
+    the answer's JSON, and the conversation goes to stderr."""
 
 
 @attrs.frozen(kw_only=True)
@@ -139,6 +144,12 @@ def run_options(args: argparse.Namespace, prompt: str) -> RunOptions:
     if args.session is not None:
         check_session_id(args.session)
     approve = args.approve or ("ask" if sys.stdin.isatty() else "none")
+    schema_file = getattr(args, "output_schema", None)
+    if schema_file is not None and getattr(args, "json", False):
+        raise UsageError(
+            "--output-schema prints the answer's JSON alone on stdout and --json every "
+            "output: give one of them (with --json, task_end.output holds the answer)"
+        )
     return RunOptions(
         prompt=prompt,
         data_dir=data_dir_from(args.data_dir),
@@ -166,7 +177,26 @@ def run_options(args: argparse.Namespace, prompt: str) -> RunOptions:
         prices=prices_file(args.prices),
         max_cost_usd=args.max_cost_usd,
         provider_limits=provider_limits(args),
+        output_schema=None if schema_file is None else output_schema_file(schema_file),
     )
+
+
+def output_schema_file(path: str) -> OutputSpec:
+    """The answer a ``--output-schema`` file requires (R-OUT-1); a file that cannot be
+    read or used is a :class:`UsageError` naming it and the problem."""
+    try:
+        raw = Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise UsageError(f"--output-schema: {path}: cannot read it: {reason}") from None
+    try:
+        schema = json.loads(raw)
+    except ValueError as exc:
+        raise UsageError(f"--output-schema: {path}: not JSON: {exc}") from None
+    try:
+        return output_spec(schema)
+    except OutputSchemaError as exc:
+        raise UsageError(f"--output-schema: {path}: {exc}") from None
 
 
 def prices_file(path: str | None) -> dict[str, Price] | None:
@@ -446,19 +476,25 @@ async def _run_task(options: RunOptions, out: TextIO) -> RunResult:
         session = await open_reported_session(host, options)
         if session is None:
             return RunResult(exit_code=EXIT_USAGE, session_id=options.session_id)
+        structured = options.output_schema
+        # With --output-schema stdout is the answer's alone: the conversation is stderr's.
+        shown = sys.stderr if structured is not None else out
         renderer: Renderer = (
             JsonRenderer(out)
             if options.json
-            else HumanRenderer(out, sys.stderr, tools=session.tools)
+            else HumanRenderer(shown, sys.stderr, tools=session.tools)
         )
         approve = approver_for(
             options.approve, renderer, allow_all_source=options.allow_all_source
         )
         try:
-            stream = session.run(options.prompt, approve=approve)
+            stream = session.run(options.prompt, approve=approve, output_schema=structured)
         except AuthLocked as exc:
             print_error(str(exc))
             return RunResult(exit_code=EXIT_AUTH, session_id=session.id)
+        except OutputSchemaError as exc:
+            print_error(f"greenroom: --output-schema: {exc}")
+            return RunResult(exit_code=EXIT_USAGE, session_id=session.id)
         except GreenroomError as exc:
             print_error(refusal_words(exc, session.id, options.data_dir))
             return RunResult(exit_code=EXIT_FAILED, session_id=session.id)
@@ -480,6 +516,8 @@ async def _run_task(options: RunOptions, out: TextIO) -> RunResult:
             nursery.cancel_scope.cancel()
         if reader_gone is not None:
             raise reader_gone  # main() ends quietly
+        if structured is not None and end is not None and end.output is not None:
+            out.write(json.dumps(end.output, ensure_ascii=False) + "\n")
         trace_path = session.trace_path
         print_error(summary_line(end, trace_path, color=color_enabled(sys.stderr)))
         code = EXIT_CODES.get(end.status, EXIT_FAILED) if end is not None else EXIT_FAILED

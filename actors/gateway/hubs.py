@@ -68,6 +68,7 @@ from greenroom.protocols.outputs import (
     TaskStart,
     TokenUsageOutput,
     ToolCallOutput,
+    ToolHook,
     ToolProgress,
     UserMsg,
 )
@@ -256,6 +257,7 @@ class SessionHub:
                     | ModelMsg()
                     | TokenUsageOutput()
                     | RequestEnd()
+                    | ToolHook()
                     | Abort()
                     | CallInDoubt()
                 ):

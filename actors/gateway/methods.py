@@ -445,11 +445,12 @@ class Methods:
         """Start a task on the session; its outputs reach the client through its subscription.
         Returns ``{run_id}`` at once; a busy (409) or auth-locked (423) session refuses."""
         jsonrpc.check_params(params, "run")
+        output = jsonrpc.optional_output_schema(params)
         session = await self._hubs.settled(
             await self._owned_session(connection, params, node=False)
         )
         content = await self._input(session, params)
-        stream = session.run(content, approve=self._run_approver())
+        stream = session.run(content, approve=self._run_approver(), output_schema=output)
         stream.detach()  # clients read the outputs through their subscriptions
         return {"run_id": stream.run_id}
 

@@ -74,6 +74,7 @@ from greenroom.protocols.outputs import (
     TaskStart,
     TokenUsageOutput,
     ToolCallOutput,
+    ToolHook,
     ToolProgress,
     UserMsg,
 )
@@ -283,9 +284,11 @@ class GenAIObserver:
                 | ToolProgress()
                 | CallInDoubt()
                 | CallResolved()
+                | ToolHook()
             ):
                 # Live text, progress, a wait for a person, a call found in doubt after a
-                # restart: no span of their own (the call's result ends its span).
+                # restart: no span of their own (the call's result ends its span); what a
+                # tool hook did shows as the call's decision (by hook) and result.
                 pass
             case _:
                 assert_never(output)

@@ -208,6 +208,11 @@ class _AnthropicTask:
     async def stream(self, request: ModelRequest, deliver: Deliver) -> None:
         await self._images.prepare(request)
         body = self._encoder.build(request)
+        native_format = body.pop("output_config", None)
+        if native_format is not None:
+            # Sent as it is: SDK releases older than structured outputs (>=0.40 is
+            # allowed) do not take the keyword.
+            body["extra_body"] = {"output_config": native_format}
         decoder = AnthropicStreamDecoder()
         provider = self._provider
         timeout = provider.read_timeout

@@ -16,6 +16,8 @@ any workspace and in any session (continued, interrupted, denied):
   A denied or failed tool call is reported as such, never papered over.
 * anything else: a reply that echoes the prompt and explains that this is the scripted
   model (no API key), without tools.
+* a task that requires an output schema (R-OUT-1) gets, where it would answer, the JSON of
+  the schema's simplest value instead (:func:`~greenroom.protocols.structured.example_value`).
 
 Deterministic: the same request gives the same reply. Text streams word by word with a
 small delay so a terminal shows it arriving; the whole demo takes well under three seconds.
@@ -24,6 +26,7 @@ small delay so a terminal shows it arriving; the whole demo takes well under thr
 from __future__ import annotations
 
 import csv
+import json
 import re
 from collections.abc import Awaitable, Callable
 from decimal import Decimal, InvalidOperation
@@ -34,6 +37,7 @@ from greenroom.actors.providers.scripted import ScriptedStream
 from greenroom.protocols import markers
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import AssistantMessage, Message, ModelRequest, ToolResult
+from greenroom.protocols.structured import example_value
 
 DEMO_PROMPT = "Summarize the sales CSV files in this workspace: total revenue per region."
 """The task ``greenroom demo`` runs (on this script, or on a real model with a key)."""
@@ -90,6 +94,10 @@ async def _respond(request: ModelRequest, stream: ScriptedStream, delay: float) 
         await stream.end()
         return
     situation = _read_situation(request.messages)
+    if request.output is not None and not _TASK_WORDS.search(situation.prompt):
+        await stream.text(json.dumps(example_value(request.output.schema)), chunk_delay_s=delay)
+        await stream.end()
+        return
     steering = _steering(request.messages)
     if steering:
         # A real model would take steering into account; this one at least shows it read it.
@@ -119,7 +127,10 @@ async def _respond(request: ModelRequest, stream: ScriptedStream, delay: float) 
     if not reads:
         await _after_listing(situation, listings[-1], tool_names, stream, delay)
         return
-    await stream.text(_final_answer(situation, reads), chunk_delay_s=delay)
+    answer = _final_answer(situation, reads)
+    if request.output is not None:
+        answer = json.dumps(example_value(request.output.schema))
+    await stream.text(answer, chunk_delay_s=delay)
     await stream.end()
 
 
@@ -304,7 +315,8 @@ def _failure(result: ToolResult | None) -> str:
     if result is None:
         return "no result came back"
     if result.status == "denied":
-        return f'the call was denied ("{markers.DENIED_TEXT}")'
+        # The result says who denied it, and why (a hook gives its reason: R-HOOK-2).
+        return f'the call was denied ("{_one_line(_result_text(result))}")'
     if result.status == "interrupted":
         return "the call was interrupted before it finished"
     return f"the tool failed ({result.status}: {_one_line(_result_text(result))})"

@@ -16,15 +16,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from greenroom.actors.runtime.accounting import PrincipalBudget
     from greenroom.actors.runtime.admission import ProviderLimits
+    from greenroom.actors.runtime.command_hooks import install_tool_hooks, load_hooks_file
     from greenroom.actors.runtime.disk import Disk
     from greenroom.actors.runtime.errors import (
         AuthLocked,
         Busy,
         ConfigurationError,
         GreenroomError,
+        HooksFileError,
         HostClosed,
         ImageRefused,
         NotPending,
+        OutputSchemaError,
         SessionClosed,
         SessionNotFound,
     )
@@ -69,9 +72,11 @@ _MODULE_OF = {
     "Busy": "greenroom.actors.runtime.errors",
     "ConfigurationError": "greenroom.actors.runtime.errors",
     "GreenroomError": "greenroom.actors.runtime.errors",
+    "HooksFileError": "greenroom.actors.runtime.errors",
     "HostClosed": "greenroom.actors.runtime.errors",
     "ImageRefused": "greenroom.actors.runtime.errors",
     "NotPending": "greenroom.actors.runtime.errors",
+    "OutputSchemaError": "greenroom.actors.runtime.errors",
     "SessionClosed": "greenroom.actors.runtime.errors",
     "SessionNotFound": "greenroom.actors.runtime.errors",
     "Host": "greenroom.actors.runtime.host",
@@ -84,6 +89,8 @@ _MODULE_OF = {
     "Session": "greenroom.actors.runtime.session",
     "SessionStore": "greenroom.actors.runtime.storage",
     "spawn_subagent": "greenroom.actors.runtime.subagents",
+    "install_tool_hooks": "greenroom.actors.runtime.command_hooks",
+    "load_hooks_file": "greenroom.actors.runtime.command_hooks",
     "latest_trace_file": "greenroom.actors.runtime.trace_sink",
     "read_trace": "greenroom.actors.runtime.trace_sink",
     "LEDGER_FILE_NAME": "greenroom.actors.runtime.trace_sink",
@@ -106,11 +113,13 @@ __all__ = [
     "Disk",
     "FileTraceStore",
     "GreenroomError",
+    "HooksFileError",
     "Host",
     "HostClosed",
     "ImageRefused",
     "ModelProvider",
     "NotPending",
+    "OutputSchemaError",
     "PrincipalBudget",
     "ProviderLimits",
     "RunResult",
@@ -127,7 +136,9 @@ __all__ = [
     "TraceStore",
     "UsageLedger",
     "default_data_dir",
+    "install_tool_hooks",
     "latest_trace_file",
+    "load_hooks_file",
     "read_trace",
     "spawn_subagent",
     "usage_report",

@@ -14,6 +14,11 @@ they wait in the trace like any request; with a callback that has an
 :data:`ANSWER_QUESTION` method (a terminal that can ask the person in front of it), the
 question is recorded as an ``approval_request`` of kind ``question`` and the callback's
 text is the person's answer; otherwise nobody can answer and the tool's own body says so.
+
+A session's ``before_tool`` hook (R-HOOK-2) sees each call first
+(:mod:`~greenroom.actors.runtime.tool_hooks`): its deny settles the call (``by: hook``), and
+a rewritten call is the one asked about and decided — by a person, the callback or a
+session rule, which the turn runner then sends here too, so the hook is never skipped.
 """
 
 from __future__ import annotations
@@ -22,10 +27,13 @@ import inspect
 import math
 from typing import Any
 
+import attrs
 import trio
 
 from greenroom.actors.runtime.port import Approval, ApproveFn
+from greenroom.actors.runtime.tool_hooks import ToolHookCalls
 from greenroom.protocols.content import ToolCallBlock
+from greenroom.protocols.hooks import ToolHookAction
 from greenroom.protocols.messages import (
     ApprovalAsked,
     ApprovalDecided,
@@ -68,7 +76,7 @@ def _as_verdict(answer: Any) -> Verdict:
 class ApprovalBroker:
     """Decides on tool calls for one task."""
 
-    __slots__ = ("_approve", "_inbox", "_origin", "_timeout_s")
+    __slots__ = ("_approve", "_hooks", "_inbox", "_origin", "_timeout_s")
 
     def __init__(
         self,
@@ -77,8 +85,10 @@ class ApprovalBroker:
         timeout_s: float | None,
         inbox: trio.MemorySendChannel[SupervisorMessage],
         origin: tuple[str, ...] = (),
+        hooks: ToolHookCalls | None = None,
     ) -> None:
         self._approve = approve
+        self._hooks = hooks
         self._origin = origin
         self._timeout_s = math.inf if timeout_s is None else timeout_s
         self._inbox = inbox
@@ -96,13 +106,28 @@ class ApprovalBroker:
         task_status.started()
         async with requests:
             async for request in requests:
-                decided = await self._decide(request.call)
+                decided = await self._decide(request)
                 if decided is not None:
                     self._inbox.send_nowait(decided)
 
-    async def _decide(self, call: ToolCallBlock) -> ApprovalDecided | ApprovalAsked | None:
-        """The message that settles ``call`` for now; None when the broker sent what
-        settles it itself (a question the callback answered)."""
+    async def _decide(self, request: ApproveCall) -> ApprovalDecided | ApprovalAsked | None:
+        """The message that settles the call for now; None when the broker sent what
+        settles it itself (a question the callback answered). The ``before_tool`` hook
+        sees the call first: its deny settles it, its rewrite is what is decided."""
+        call, action = request.call, None
+        if self._hooks is not None:
+            hooked, action = await self._hooks.before(call)
+            if hooked is None:
+                return ApprovalDecided(call=call, verdict="deny", by="hook", hook=action)
+            call = hooked
+        if request.session_rule:
+            return ApprovalDecided(call=call, verdict="allow", by="session_rule", hook=action)
+        decided = await self._verdict(call, action)
+        return decided if decided is None or action is None else attrs.evolve(decided, hook=action)
+
+    async def _verdict(
+        self, call: ToolCallBlock, action: ToolHookAction | None
+    ) -> ApprovalDecided | ApprovalAsked | None:
         question = call.name == ASK_USER
         if self._approve == PEOPLE:
             # A person decides (or answers the question), from any surface, whenever they
@@ -111,7 +136,7 @@ class ApprovalBroker:
         if question:
             ask = getattr(self._approve, ANSWER_QUESTION, None)
             if callable(self._approve) and callable(ask):
-                await self._ask_person(call, ask)
+                await self._ask_person(call, ask, action)
                 return None
             # Nobody can answer here: the tool's own body tells the model so.
             return ApprovalDecided(call=call, verdict="allow", by="default")
@@ -134,14 +159,16 @@ class ApprovalBroker:
             return ApprovalDecided(call=call, verdict="deny", by="default")
         return ApprovalDecided(call=call, verdict="deny", by="default")
 
-    async def _ask_person(self, call: ToolCallBlock, ask: Any) -> None:
+    async def _ask_person(
+        self, call: ToolCallBlock, ask: Any, action: ToolHookAction | None
+    ) -> None:
         """Ask the callback's person ``call``'s question. The question is recorded first,
         so that it waits in the trace like any (R-HITL-5: a process that dies meanwhile
         leaves it pending); the answer then reaches the task as any person's does. No
         answer (end of input, a callback that raised, the wait ran out) is the default's:
         the call gets the no-answer text; so is an answer outside the question's choices
         (a callback offers them to its person and takes only those)."""
-        self._inbox.send_nowait(ApprovalAsked(call=call, kind="question"))
+        self._inbox.send_nowait(ApprovalAsked(call=call, kind="question", hook=action))
         choices = call.arguments.get("choices")
         text: str | None = None
         with trio.move_on_after(self._timeout_s):

@@ -110,9 +110,10 @@ class CompactionRun:
         assert self._requests is not None and self._streamer is not None
         messages = self._requests.next_messages()
         self.request = self._number()
+        # The summary is text: a structured task's answer format is not asked of it.
         self._streamer.send_nowait(
             StartAttempt(
-                request=attrs.evolve(self._template, messages=messages),
+                request=attrs.evolve(self._template, messages=messages, output=None),
                 attempt=self._requests.attempt,
                 delay_ms=delay_ms,
                 number=self.request,

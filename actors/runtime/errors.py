@@ -9,9 +9,11 @@ from greenroom.protocols.errors import (
     Busy,
     ConfigurationError,
     GreenroomError,
+    HooksFileError,
     HostClosed,
     ImageRefused,
     NotPending,
+    OutputSchemaError,
     SessionClosed,
     SessionNotFound,
 )
@@ -21,9 +23,11 @@ __all__ = [
     "Busy",
     "ConfigurationError",
     "GreenroomError",
+    "HooksFileError",
     "HostClosed",
     "ImageRefused",
     "NotPending",
+    "OutputSchemaError",
     "SessionClosed",
     "SessionNotFound",
 ]

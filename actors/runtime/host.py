@@ -239,7 +239,7 @@ class Host:
     ) -> Session:
         """Create a session. ``provider`` is ``anthropic``, ``openai``, ``scripted`` or a
         provider object; ``settings`` and keyword overrides (any
-        :class:`SessionSettings` field) fill the rest; ``hooks`` are its R-HOOK-1 hooks.
+        :class:`SessionSettings` field) fill the rest; ``hooks`` are its R-HOOK-1/2 hooks.
         ``parent_id`` names the session that spawned this one as a subagent (R-HOST-4);
         it is stored in ``session.json`` with ``root_id``, ``origin`` (the ids from the
         root, R-TREE-1) and ``name`` (a subagent's). ``mcp_servers`` adds the tools of MCP servers

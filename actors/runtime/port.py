@@ -46,6 +46,7 @@ from greenroom.protocols.outputs import Output
 from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.stream import TokenUsage
+from greenroom.protocols.structured import OutputSpec
 from greenroom.protocols.task import TaskLimits, TaskMachine
 from greenroom.protocols.tools import Tool, WorkspaceIdentity
 from greenroom.protocols.trace import UsageKind, UsageRow, encode_record
@@ -84,11 +85,14 @@ NO_HOOKS = Hooks()
 @attrs.frozen(kw_only=True, slots=True)
 class TaskInput:
     """One task to run: the prompt and the run options that apply to it. ``approve`` is a
-    callback, ``"people"`` (calls wait for a person: R-HITL) or None (denied by default)."""
+    callback, ``"people"`` (calls wait for a person: R-HITL) or None (denied by default);
+    ``output`` the answer it requires (R-OUT-1), if any: its schema is recorded in the
+    task's ``task_start``."""
 
     content: tuple[UserContent, ...]
     approve: Approval
     thinking_level: str | None
+    output: OutputSpec | None = None
 
 
 @attrs.frozen(kw_only=True, slots=True)

@@ -159,7 +159,11 @@ class PortBuilder:
         background: bool,
     ) -> SessionPort:
         """A subagent's new port under ``parent`` (R-HOST-4, R-TREE-1): the parent's
-        provider and workspace; ``background`` is recorded in its ``session.json``."""
+        provider, workspace and tool hooks (a subagent's calls meet the same policy as
+        its parent's: R-HOOK-2); ``background`` is recorded in its ``session.json``."""
+        tool_hooks = parent.hooks.tool_hooks
+        has_any = tool_hooks.before_tool is not None or tool_hooks.after_tool is not None
+        inherited = tool_hooks if has_any else None
         return await self.new(
             session_id,
             parent=parent,
@@ -170,7 +174,7 @@ class PortBuilder:
             # The parent's workspace as fixed (R-SEC-7), never what its path names now.
             workspace_dir=parent.workspace_identity or parent.workspace_dir,
             name=name,
-            hooks=None,
+            hooks=inherited,
             mcp_servers=None,
             background=background,
         )

@@ -33,6 +33,7 @@ from greenroom.actors.runtime.llm_streamer import LLMStreamer
 from greenroom.actors.runtime.port import Parked, SessionPort, TaskInput
 from greenroom.actors.runtime.resumption import take_up
 from greenroom.actors.runtime.subagents import RunChild, Subagents
+from greenroom.actors.runtime.tool_hooks import tool_hook_calls
 from greenroom.actors.runtime.tool_pool import ToolPool
 from greenroom.actors.runtime.turn_runner import TurnRunner
 from greenroom.protocols.content import UserContent
@@ -84,6 +85,7 @@ class TaskWork:
         "pool",
         "scope",
         "streamer",
+        "tool_hooks",
     )
 
     def __init__(
@@ -105,12 +107,16 @@ class TaskWork:
         self.pool, self._pool = trio.open_memory_channel[PoolCommand](math.inf)
         self.streamer, self._streamer = trio.open_memory_channel[StreamerCommand](math.inf)
         self.nursery: trio.Nursery | None = None
+        self.tool_hooks = tool_hook_calls(port.hooks)
+        """The session's tool hooks as the task starts (R-HOOK-2), for the broker and the
+        pool; None without any."""
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Start the actors; ready once they serve. Returns after :meth:`stop`."""
         port = self._port
         settings = port.settings
         approve = self._task.approve if self._task is not None else None
+        hooks = self.tool_hooks
         try:
             with self.scope:
                 async with trio.open_nursery() as nursery:
@@ -119,6 +125,7 @@ class TaskWork:
                         timeout_s=settings.approval_timeout_s,
                         inbox=self._inbox,
                         origin=port.origin_path,
+                        hooks=hooks,
                     )
                     await nursery.start(broker.run, self._approvals)
                     subagents = Subagents(port, approve=approve, run_child=self._run_child)
@@ -136,6 +143,7 @@ class TaskWork:
                         workspace_identity=port.workspace_identity,
                         attachments=port.attachments,
                         people=approve == PEOPLE,
+                        hooks=hooks,
                     )
                     await nursery.start(pool.run, self._pool)
                     streamer = LLMStreamer(
@@ -240,6 +248,7 @@ class RunningTask:
             approvals=work.approvals,
             pool=work.pool,
             people=self.task is not None and self.task.approve == PEOPLE,
+            before_tool=work.tool_hooks is not None and work.tool_hooks.has_before,
         )
 
     def _actors(self) -> tuple[TurnRunner, TaskWork]:
@@ -434,6 +443,7 @@ class RunningTask:
     def task_end(self, status: TaskStatus, message: str | None) -> TaskEnd:
         """The task's one ``task_end``."""
         machine = self._port.machine
+        answers = machine.record.answers
         return TaskEnd(
             session_id=self._port.id,
             run_id=self.run_id,
@@ -442,6 +452,7 @@ class RunningTask:
             usage=machine.usage,
             wall_ms=round((trio.current_time() - self.started_at) * 1000),
             message=message,
+            output=answers.answer if answers is not None and status == "completed" else None,
         )
 
     async def park(
@@ -459,9 +470,11 @@ class RunningTask:
 
 def build_request(port: SessionPort, task: TaskInput | None) -> ModelRequest:
     """The next request of the session: the transcript's context (with the
-    ``[turn_retried]`` note on a retry: R-RETRY-4), the system prompt and tools, and the
-    task's thinking level."""
+    ``[turn_retried]`` note on a retry: R-RETRY-4), the system prompt and tools, the
+    task's thinking level, and the answer it requires (R-OUT-1: as its trace records it,
+    so a task taken up elsewhere asks for the same)."""
     settings = port.settings
+    answers = port.machine.record.answers
     return ModelRequest(
         model=settings.model,
         system=settings.system,
@@ -471,6 +484,7 @@ def build_request(port: SessionPort, task: TaskInput | None) -> ModelRequest:
         thinking_level=task.thinking_level if task is not None else None,
         supports_vision=settings.supports_vision,
         images=port.attachments.source,
+        output=answers.format if answers is not None else None,
     )
 
 

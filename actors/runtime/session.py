@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, assert_never, cast
+from typing import TYPE_CHECKING, Any, Literal, assert_never, cast
 
 import attrs
 import trio
@@ -33,6 +33,7 @@ from greenroom.actors.runtime.tree import end_subtree
 from greenroom.protocols import markers
 from greenroom.protocols.content import ImageBlock, TextBlock, UserContent
 from greenroom.protocols.context import ModelRequest, UserMessage
+from greenroom.protocols.errors import OutputSchemaError
 from greenroom.protocols.hooks import Hooks
 from greenroom.protocols.messages import (
     AuthRetried,
@@ -66,11 +67,13 @@ from greenroom.protocols.outputs import (
     TaskStatus,
     TokenUsageOutput,
     ToolCallOutput,
+    ToolHook,
     ToolProgress,
     UserMsg,
 )
 from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.stream import ResponseCollector
+from greenroom.protocols.structured import FINAL_ANSWER, OutputSpec, output_spec
 from greenroom.protocols.tools import Tool, WorkspaceIdentity
 from greenroom.protocols.transcript import Transcript
 from greenroom.protocols.wording import clip_words
@@ -100,6 +103,20 @@ def _title_material(transcript: Transcript, limit: int = 2000) -> str:
     return "\n".join(texts)[:limit]
 
 
+def _output_spec(port: SessionPort, schema: Any) -> OutputSpec | None:
+    """The answer a run requires (R-OUT-1), or None; :class:`OutputSchemaError` when
+    ``schema`` cannot be one, or the session has a tool of the final answer's name."""
+    if schema is None:
+        return None
+    spec = output_spec(schema)
+    if FINAL_ANSWER in port.tool_by_name:
+        raise OutputSchemaError(
+            f"the session has a tool named {FINAL_ANSWER!r}, the name structured answers "
+            "are given through: rename it to run with an output_schema"
+        )
+    return spec
+
+
 TRIO_REQUIRED = "greenroom runs on trio: use trio.run(...)"
 
 
@@ -120,10 +137,13 @@ class RunResult:
             ``""`` when that message had none, e.g. a task that ended on tool calls).
         task_end: the run's last ``task_end`` (of the last follow-up, when there were
             any): its ``status``, ``turns``, ``usage`` and ``wall_ms``.
+        output: for a run with an ``output_schema`` that completed, the validated answer
+            (R-OUT-1): a dict, or an instance of the attrs class given; else None.
     """
 
     text: str
     task_end: TaskEnd
+    output: Any = None
 
     @property
     def status(self) -> TaskStatus:
@@ -150,6 +170,7 @@ class RunStream:
         "_batch",
         "_deliver",
         "_index",
+        "_output",
         "_receive",
         "_run_id",
         "_task_end",
@@ -161,8 +182,10 @@ class RunStream:
         receive: trio.MemoryReceiveChannel[list[Output]],
         deliver: Callable[[SupervisorMessage], bool],
         first_run_id: str = "",
+        output: OutputSpec | None = None,
     ) -> None:
         self._receive = receive
+        self._output = output
         # The session's way to its work (``SessionPort.deliver``), not one supervisor's
         # inbox: a run that parks on people is taken up by another supervisor (R-HITL-3),
         # and a reader holding the first one's inbox would keep that dead channel alive
@@ -208,6 +231,7 @@ class RunStream:
                 | RequestEnd()
                 | ApprovalRequest()
                 | ApprovalDecision()
+                | ToolHook()
                 | ToolProgress()
                 | ToolCallOutput()
                 | Abort()
@@ -243,16 +267,22 @@ class RunStream:
         The outputs read here are not returned (they are in the trace, and subscribers
         saw them); iterate instead to watch them. Raises ``RuntimeError`` when the
         stream ended without a ``task_end``: after :meth:`detach`, or when the session
-        closed while the task waited for people (the task stays pending in its trace).
+        closed while the task waited for people (the task stays pending in its trace);
+        :class:`OutputSchemaError` when the attrs class of ``output_schema`` refuses an
+        answer that matches its schema (its own validators are stricter).
         """
         async for _ in self:
             pass
-        if self._task_end is None:
+        end = self._task_end
+        if end is None:
             raise RuntimeError(
                 "the run's outputs ended without a task_end (detached, or the session "
                 "closed while the task waited for people)"
             )
-        return RunResult(text=self.final_text, task_end=self._task_end)
+        output: Any = end.output
+        if output is not None and self._output is not None:
+            output = self._output.build(output)
+        return RunResult(text=self.final_text, task_end=end, output=output)
 
     async def collect(self) -> list[Output]:
         """Every remaining output, once the run has ended."""
@@ -386,8 +416,8 @@ class Session:
 
     @property
     def hooks(self) -> Hooks:
-        """Host hooks at the loop's checkpoints (R-HOOK-1); assign to change them (a task
-        takes them when it starts)."""
+        """Host hooks at the loop's checkpoints (R-HOOK-1) and around tool calls (R-HOOK-2);
+        assign to change them (a task takes them when it starts)."""
         return self._port.hooks
 
     @hooks.setter
@@ -455,6 +485,7 @@ class Session:
         approve: Approval = None,
         cancel: trio.Event | None = None,
         thinking_level: str | None = None,
+        output_schema: Any = None,
     ) -> RunStream:
         """Start a task on ``new_messages`` (R-RUN-1) and return its outputs.
 
@@ -471,6 +502,10 @@ class Session:
         ``task_end`` message naming the file and why, with nothing recorded or sent. The
         same holds for :meth:`follow_up`; in :meth:`steer` input a refused image becomes
         the text ``[image refused: <path>: <reason>]``.
+
+        ``output_schema`` (a JSON Schema dict, an attrs class or a ``TypedDict``) makes the
+        answer structured (R-OUT-1): ``result().output`` and ``task_end.output``; an
+        unusable one raises :class:`OutputSchemaError` (a ``ValueError``).
         """
         require_trio()
         self._check_takes_tasks()
@@ -488,12 +523,12 @@ class Session:
             )
         if self.busy:
             raise Busy(f"session {self.id} is already running a task; use follow_up()")
+        output = _output_spec(port, output_schema)
         port.recover_open_task()
-        task = TaskInput(
-            content=_as_content(new_messages), approve=approve, thinking_level=thinking_level
-        )
+        task = TaskInput(content=_as_content(new_messages), approve=approve,
+                         thinking_level=thinking_level, output=output)
         receive, run_id = self._start(task, cancel)
-        return RunStream(receive, self._port.deliver, run_id)
+        return RunStream(receive, self._port.deliver, run_id, output)
 
     async def attach(
         self, messages: Sequence[UserContent] | str, *, confine: bool = False

@@ -84,6 +84,7 @@ from greenroom.protocols.outputs import (
     TaskStart,
     TokenUsageOutput,
     ToolCallOutput,
+    ToolHook,
     ToolProgress,
     UserMsg,
 )
@@ -357,6 +358,7 @@ class ChildWatch:
                     | RequestEnd()
                     | ApprovalRequest()
                     | ApprovalDecision()
+                    | ToolHook()
                     | ToolCallOutput()
                     | Abort()
                     | CompactionBegin()

@@ -358,7 +358,9 @@ class SessionSupervisor:
             )
         )
         await self._sync()
-        self._out.emit(TaskStart(session_id=port.id, run_id=task.run_id, input_seq=prompt.seq))
+        schema = input_.output.schema if input_.output is not None else None
+        self._out.emit(TaskStart(session_id=port.id, run_id=task.run_id, input_seq=prompt.seq,
+                                 output_schema=schema))
         self._out.flush()
         await self._open(task)
 

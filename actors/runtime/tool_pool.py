@@ -17,6 +17,8 @@ In doubt (R-EFFECT-2): ``CheckToolCall`` asks a tool's ``check`` whether a call 
 lost took effect, in a task of its own and outside the slots (a check only looks), bounded
 by :data:`~greenroom.protocols.effects.CHECK_TIMEOUT_S` and abandoned like a tool; its
 answer — or its failure — goes to the supervisor as ``ToolCallChecked``.
+A session's ``after_tool`` hook (R-HOOK-2) sees each result before it is reported, while
+the call still holds its slot; a replaced result is cut to the budget like a tool's.
 
 Abandoning (R-SEC-2, R-ABORT-1): each tool function runs in a task of its own outside the
 session's task tree (a trio system task), and the call's task waits for it. When the call
@@ -41,9 +43,11 @@ from typing import Any, Literal, assert_never
 import trio
 
 from greenroom.actors.runtime.attachments import Attachments, attach
+from greenroom.actors.runtime.tool_hooks import ToolHookCalls
 from greenroom.protocols.content import TextBlock, ToolCallBlock, ToolContent
 from greenroom.protocols.context import ToolResult
 from greenroom.protocols.effects import CHECK_TIMEOUT_S
+from greenroom.protocols.hooks import ToolHookAction
 from greenroom.protocols.messages import (
     BeginTurn,
     CheckToolCall,
@@ -90,6 +94,7 @@ class ToolPool:
     __slots__ = (
         "_attachments",
         "_exclusive",
+        "_hooks",
         "_inbox",
         "_limiter",
         "_people",
@@ -123,8 +128,10 @@ class ToolPool:
         attachments: Attachments | None = None,
         workspace_identity: WorkspaceIdentity | None = None,
         people: bool = False,
+        hooks: ToolHookCalls | None = None,
     ) -> None:
         self._tools = tools
+        self._hooks = hooks
         self._people = people
         self._attachments = attachments
         self._inbox = inbox
@@ -192,8 +199,13 @@ class ToolPool:
                 if exclusive or self._exclusive[earlier]:
                     await self._terminal[earlier].wait()
             async with self._limiter:
+                hooked: ToolHookAction | None = None
                 try:
                     status, content = await self._run(call, command.idempotency_key)
+                    if self._hooks is not None:
+                        content, hooked = await self._hooks.after(call, status, content)
+                        if hooked is not None and hooked.action == "replace":
+                            content = await self._fit_budget(call, content)
                 except Exception as exc:
                     # Whatever fails around the tool itself (the trace sync before a side
                     # effect, the scratchpad write of a long result) is still an error
@@ -203,7 +215,11 @@ class ToolPool:
             done.set()
         self._inbox.send_nowait(
             ToolCallFinished(
-                call_id=call.id, status=status, is_error=status != "ok", content=content
+                call_id=call.id,
+                status=status,
+                is_error=status != "ok",
+                content=content,
+                hook=hooked,
             )
         )
 
@@ -217,8 +233,7 @@ class ToolPool:
         if call.invalid_arguments is not None:
             raw = call.invalid_arguments
             return "error", _text(
-                f"Invalid arguments for {call.name}: {invalid_arguments_reason(raw)}: "
-                f"{raw[:500]}"
+                f"Invalid arguments for {call.name}: {invalid_arguments_reason(raw)}: {raw[:500]}"
             )
         problems = tool.validate(call.arguments)
         if problems:
@@ -370,9 +385,7 @@ class _Detached:
     def track_spawn(self, spawn: Spawn) -> Spawn:
         """``spawn`` that marks this call as running a subagent while it runs."""
 
-        async def tracked(
-            task: str, *, background: bool = False, name: str | None = None
-        ) -> str:
+        async def tracked(task: str, *, background: bool = False, name: str | None = None) -> str:
             self._spawning += 1
             try:
                 return await spawn(task, background=background, name=name)
@@ -438,8 +451,7 @@ def _asker(
         # One slot: the supervisor's one reply never waits for this reader.
         reply_send, reply = trio.open_memory_channel[QuestionAnswered](1)
         try:
-            inbox.send_nowait(QuestionAsked(call_id=call_id, arguments=arguments,
-                                            reply=reply_send))
+            inbox.send_nowait(QuestionAsked(call_id=call_id, arguments=arguments, reply=reply_send))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return _UNANSWERED
         try:

@@ -21,6 +21,19 @@ its result settles the request in the trace, as any result settles its call's re
 Every call it sends to the pool carries the call's idempotency key (R-EFFECT-1); the calls
 a take-up finds in doubt are resolved by its
 :class:`~greenroom.actors.runtime.in_doubt.CallsInDoubt` (R-EFFECT-2).
+
+Tool hooks (R-HOOK-2): what a ``before_tool`` hook did reaches the runner with the broker's
+decision, what an ``after_tool`` hook did with the pool's result; each is recorded as a
+``tool_hook`` before the record it explains. A call the hook rewrote runs as rewritten —
+and so does one a person approved, from the arguments of the ``approval_request`` they
+saw (a task taken up after a restart knows no other). A call an earlier ``allow_session``
+covers still goes to the broker while there is a ``before_tool`` hook, so that the hook
+sees it.
+
+A task that requires an output schema (R-OUT-1) may answer through the synthetic
+``final_answer`` call: the runner decides it itself — allowed by ``default``, never sent
+to the broker or the pool, for it runs nothing — and gives it its result at once: taken,
+or the schema's problems for the model to correct.
 """
 
 from __future__ import annotations
@@ -36,7 +49,9 @@ from greenroom.actors.runtime.emitter import OutputEmitter, repaired_blocks
 from greenroom.actors.runtime.in_doubt import CallsInDoubt
 from greenroom.actors.runtime.port import SessionPort
 from greenroom.protocols import markers
+from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.effects import idempotency_key
+from greenroom.protocols.hooks import ToolHookAction, hook_denied_text
 from greenroom.protocols.messages import (
     ApprovalAsked,
     ApprovalDecided,
@@ -59,9 +74,16 @@ from greenroom.protocols.outputs import (
     PartialThinking,
     PartialToolCall,
     TokenUsageOutput,
+    ToolHook,
 )
 from greenroom.protocols.people import answer_problem, arguments_digest
 from greenroom.protocols.stream import ModelError, StreamEvent
+from greenroom.protocols.structured import (
+    ANSWER_ACCEPTED_TEXT,
+    FINAL_ANSWER,
+    answer_rejected_text,
+    check_call,
+)
 from greenroom.protocols.task import Phase, TaskRecord
 from greenroom.protocols.text import repair_json, repair_text
 from greenroom.protocols.turn import CallState, Effect, RecordUsage, TurnMachine, resume_turn
@@ -86,11 +108,13 @@ class TurnRunner:
 
     __slots__ = (
         "_approvals",
+        "_before_tool",
         "_doubts",
         "_emitter",
         "_pool",
         "_port",
         "_questions",
+        "_rewritten",
         "machine",
         "run_id",
     )
@@ -104,10 +128,14 @@ class TurnRunner:
         approvals: trio.MemorySendChannel[ApproveCall],
         pool: trio.MemorySendChannel[PoolCommand],
         people: bool = False,
+        before_tool: bool = False,
     ) -> None:
         """``people``: the task's requests go to people (``approve="people"``), who are
         then asked about calls in doubt too."""
         self._port = port
+        self._before_tool = before_tool
+        self._rewritten: dict[str, ToolCallBlock] | None = None
+        """The calls that run with other arguments than the model's (R-HOOK-2), by id."""
         self._emitter = emitter
         self._approvals = approvals
         self._pool = pool
@@ -161,8 +189,12 @@ class TurnRunner:
 
     def handle(
         self,
-        message: ToolCallFinished | ToolProgressed | ApprovalDecided | ApprovalAsked
-        | QuestionAsked | ToolCallChecked,
+        message: ToolCallFinished
+        | ToolProgressed
+        | ApprovalDecided
+        | ApprovalAsked
+        | QuestionAsked
+        | ToolCallChecked,
     ) -> None:
         """What the pool or the broker reported."""
         machine = self.machine
@@ -172,6 +204,7 @@ class TurnRunner:
             case ToolCallFinished():
                 # A question still open ends with its call (the result settles it).
                 self._end_question(message.call_id)
+                self._hooked(message.call_id, message.hook)
                 # Tool output is outside text (R-SEC-1): repaired before anyone encodes it.
                 self.apply(
                     machine.finish(
@@ -181,6 +214,8 @@ class TurnRunner:
                     )
                 )
             case ApprovalDecided():
+                hook = message.hook
+                self._hooked(message.call.id, hook, message.call)
                 self.apply(
                     machine.decide(
                         message.call.id,
@@ -190,12 +225,16 @@ class TurnRunner:
                         # the call never starts, and the abort reports it interrupted.
                         interrupted=self._port.machine.stopping,
                         remember=message.verdict == "allow_session",
+                        denied_text=hook_denied_text(hook)
+                        if hook is not None and message.by == "hook"
+                        else markers.DENIED_TEXT,
                     )
                 )
             case ApprovalAsked():
                 # The request is the pending state (R-HITL-1): the answer comes back as
                 # PersonAnswered, from whichever surface a person uses.
                 asked = message.call
+                self._hooked(asked.id, message.hook, asked)
                 request = self._emitter.emit(
                     ApprovalRequest(
                         session_id=self._port.id,
@@ -213,6 +252,34 @@ class TurnRunner:
                 self.apply(machine.progress(message.call_id, repair_text(message.message)))
             case QuestionAsked():
                 self._question(message)
+
+    def _hooked(
+        self, call_id: str, action: ToolHookAction | None, call: ToolCallBlock | None = None
+    ) -> None:
+        """Record what a tool hook did to ``call_id`` (R-HOOK-2); a rewritten ``call`` is
+        the one that runs."""
+        if action is None:
+            return
+        tool = next((c.name for c in self.machine.calls() if c.id == call_id), "")
+        self._emitter.emit(
+            ToolHook(
+                session_id=self._port.id,
+                run_id=self.run_id,
+                call_id=call_id,
+                tool=tool,
+                hook=action.hook,
+                action=action.action,
+                arguments=action.arguments,
+                reason=action.reason,
+            )
+        )
+        if action.action == "rewrite" and call is not None:
+            self._run_as(call)
+
+    def _run_as(self, call: ToolCallBlock) -> None:
+        if self._rewritten is None:
+            self._rewritten = {}
+        self._rewritten[call.id] = call
 
     def _question(self, asked: QuestionAsked) -> None:
         """A running call asks people a question: recorded (the pending state), its
@@ -286,6 +353,10 @@ class TurnRunner:
         verdict = answer.verdict or ("deny" if answer.by == "default" else None)
         if verdict is None:
             return f"call {call_id!r} asks for a decision: allow, deny or allow_session"
+        (call,) = (c for c in self.machine.calls() if c.id == call_id)
+        if request.arguments != call.arguments:
+            # What the person approved (a before_tool hook's rewrite, R-HOOK-2) is what runs.
+            self._run_as(attrs.evolve(call, arguments=request.arguments, invalid_arguments=None))
         self.apply(
             self.machine.decide(
                 call_id,
@@ -391,9 +462,13 @@ class TurnRunner:
             match effect:
                 case ApproveCall():
                     self._ask(effect)
+                case RunToolCall() if self._is_answer(effect.call.name):
+                    self._take_answer(effect)
                 case RunToolCall():
+                    rewritten = (self._rewritten or {}).get(effect.call.id)
+                    call = effect.call if rewritten is None else rewritten
                     key = self.idempotency_key(effect.call.id)
-                    self._pool.send_nowait(attrs.evolve(effect, idempotency_key=key))
+                    self._pool.send_nowait(attrs.evolve(effect, call=call, idempotency_key=key))
                 case SkipToolCall():
                     self._pool.send_nowait(effect)
                 case RecordUsage():
@@ -414,9 +489,39 @@ class TurnRunner:
         port = self._port
         return idempotency_key(port.id, port.machine.record.call_seq(call_id), call_id)
 
+    def _is_answer(self, tool: str) -> bool:
+        return tool == FINAL_ANSWER and self._port.machine.record.answers is not None
+
+    def _take_answer(self, command: RunToolCall) -> None:
+        """A ``final_answer`` call's result (R-OUT-1): taken when its arguments match the
+        task's schema, else the problems, for the model to answer again."""
+        answers = self._port.machine.record.answers
+        assert answers is not None
+        problems = check_call(command.call, answers.schema)
+        self._pool.send_nowait(SkipToolCall(position=command.position))
+        text = answer_rejected_text(problems) if problems else ANSWER_ACCEPTED_TEXT
+        self.apply(
+            self.machine.finish(
+                command.call.id,
+                status="error" if problems else "ok",
+                content=(TextBlock(text=text),),
+            )
+        )
+
     def _ask(self, command: ApproveCall) -> None:
         call = command.call
+        if self._is_answer(call.name):
+            # The answer, not a tool: nobody is asked and no hook sees it (R-OUT-1).
+            stopping = self._port.machine.stopping
+            self.apply(
+                self.machine.decide(call.id, allowed=True, by="default", interrupted=stopping)
+            )
+            return
         if self._port.machine.allowed_for_session(call.name):
+            if self._before_tool:
+                # R-HOOK-2: the hook sees it first; the broker then allows it by the rule.
+                self._approvals.send_nowait(ApproveCall(call=call, session_rule=True))
+                return
             # R-APPROVE-4: an earlier allow_session decides it at once.
             self.apply(self.machine.decide(call.id, allowed=True, by="session_rule"))
             return

@@ -31,8 +31,10 @@ Checking
 --------
 Every model request is recorded in ``server.requests`` (:class:`RecordedRequest`, arrival
 order) and checked for the tool-pairing invariant (:func:`check_anthropic_messages`,
-:func:`check_openai_messages`). A violation is appended to ``server.violations`` and the request
-is answered 400 naming it (the FIFO is not popped); tests call ``server.assert_clean()``.
+:func:`check_openai_messages`) and for what the provider refuses in a structured-output
+request (:func:`~tests.support.mock_structured.check_structured_request`). A violation is
+appended to ``server.violations`` and the request is answered 400 naming it (the FIFO is
+not popped); tests call ``server.assert_clean()``.
 
 In-process use (a trio test)::
 
@@ -86,6 +88,7 @@ from tests.support.mock_responses import (
     render_responses,
     responses_error_event,
 )
+from tests.support.mock_structured import check_structured_request
 
 __all__ = [
     "ANTHROPIC_PATH",
@@ -1403,7 +1406,7 @@ class MockModelServer:
             if self.check_invariants:
                 check = {"anthropic": check_anthropic_messages, "openai": check_openai_messages,
                          "responses": check_responses_input}[wire]
-                problems = check(parsed)
+                problems = check(parsed) + check_structured_request(wire, parsed)
             if problems:
                 text = f"request #{index} ({path}) violates invariants: " + "; ".join(problems)
                 self._problem(self.violations, text)

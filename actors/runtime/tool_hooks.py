@@ -1,0 +1,162 @@
+"""Calling a session's tool hooks (R-HOOK-2) for one task's broker and pool.
+
+:class:`ToolHookCalls` turns what a ``before_tool`` or ``after_tool`` hook did into the
+call to decide, the result to give and the :class:`~greenroom.protocols.hooks.ToolHookAction`
+to record. It never raises into its caller: a hook that raises, answers anything but what
+it may answer, or runs past ``Hooks.tool_hook_timeout_s`` is a hook error, and the error's
+words say which (:class:`ToolHookError` carries a hook's own words — a command hook's exit
+status and stderr). On such an error ``before_tool`` denies the call: a policy hook that
+cannot answer must not let calls through. ``after_tool`` keeps the result: the tool has
+run, and its result is the truth of what happened.
+
+The approval broker calls :meth:`ToolHookCalls.before` for each call before anyone decides
+it, and the tool pool :meth:`ToolHookCalls.after` for each result before it is reported;
+both run in the task's cancel scope, so an interrupt ends a hook with the task.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+from typing import Any
+
+import attrs
+import trio
+
+from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock, ToolContent
+from greenroom.protocols.context import ToolResult
+from greenroom.protocols.hooks import (
+    Deny,
+    Hooks,
+    Replace,
+    Rewrite,
+    ToolHookAction,
+)
+from greenroom.protocols.outputs import ToolHookName, ToolStatus
+
+__all__ = ["ToolHookCalls", "ToolHookError", "tool_hook_calls"]
+
+
+class ToolHookError(Exception):
+    """A tool hook could not answer; its message says why, in words a person reads in the
+    trace (``exited 1: <stderr>``). Raised by a hook (a command hook does); any other
+    exception of a hook is reported with its type and message."""
+
+
+class ToolHookCalls:
+    """The ``before_tool`` and ``after_tool`` hooks of one task (see the module docstring)."""
+
+    __slots__ = ("_after", "_before", "_timeout_s")
+
+    def __init__(self, hooks: Hooks) -> None:
+        self._before = hooks.before_tool
+        self._after = hooks.after_tool
+        self._timeout_s = math.inf if hooks.tool_hook_timeout_s is None else (
+            hooks.tool_hook_timeout_s
+        )
+
+    @property
+    def has_before(self) -> bool:
+        """Whether a ``before_tool`` hook sees each call before it is decided."""
+        return self._before is not None
+
+    async def before(
+        self, call: ToolCallBlock
+    ) -> tuple[ToolCallBlock | None, ToolHookAction | None]:
+        """The call to decide — ``call`` itself, or rewritten — or None when it is denied;
+        and what the hook did (None: nothing). Never raises but Cancelled."""
+        if self._before is None:
+            return call, None
+        answer, error = await self._call("before_tool", self._before, call)
+        if error is None:
+            if answer is None:
+                return call, None
+            if isinstance(answer, Deny) and isinstance(answer.reason, str):
+                return None, _action("before_tool", "deny", reason=answer.reason)
+            if isinstance(answer, Rewrite):
+                arguments = _json_object(answer.arguments)
+                if arguments is not None:
+                    return attrs.evolve(call, arguments=arguments, invalid_arguments=None), (
+                        _action("before_tool", "rewrite", arguments=arguments)
+                    )
+                error = "Rewrite(arguments) must hold a JSON object"
+            else:
+                error = (
+                    f"answered {_what(answer)}; expected None, Deny(reason) or "
+                    "Rewrite(arguments)"
+                )
+        return None, _action("before_tool", "error", reason=error)
+
+    async def after(
+        self, call: ToolCallBlock, status: ToolStatus, content: tuple[ToolContent, ...]
+    ) -> tuple[tuple[ToolContent, ...], ToolHookAction | None]:
+        """The content the model gets for ``call``'s result — the tool's, or the hook's
+        replacement — and what the hook did. Never raises but Cancelled."""
+        if self._after is None:
+            return content, None
+        result = ToolResult(
+            call_id=call.id, tool=call.name, status=status, is_error=status != "ok",
+            content=content,
+        )
+        answer, error = await self._call("after_tool", self._after, call, result)
+        if error is None:
+            if answer is None:
+                return content, None
+            if isinstance(answer, Replace) and _is_content(answer.content):
+                return answer.blocks(), _action("after_tool", "replace")
+            error = f"answered {_what(answer)}; expected None or Replace(content)"
+        return content, _action("after_tool", "error", reason=error)
+
+    async def _call(self, name: ToolHookName, hook: Any, *args: Any) -> tuple[Any, str | None]:
+        """The hook's answer, or None and why it has none."""
+        with trio.move_on_after(self._timeout_s):
+            try:
+                answer = hook(*args)
+                if inspect.isawaitable(answer):
+                    answer = await answer
+            except ToolHookError as exc:
+                return None, str(exc) or f"the {name} hook failed"
+            except Exception as exc:
+                return None, f"the hook raised {type(exc).__name__}: {exc}"
+            return answer, None
+        return None, f"no answer within {self._timeout_s:g} s"
+
+
+def tool_hook_calls(hooks: Hooks) -> ToolHookCalls | None:
+    """The tool hook calls of a task of a session with ``hooks``; None without any."""
+    if hooks.before_tool is None and hooks.after_tool is None:
+        return None
+    return ToolHookCalls(hooks)
+
+
+def _action(
+    hook: ToolHookName,
+    action: Any,
+    *,
+    arguments: dict[str, Any] | None = None,
+    reason: str | None = None,
+) -> ToolHookAction:
+    return ToolHookAction(hook=hook, action=action, arguments=arguments, reason=reason)
+
+
+def _json_object(value: Any) -> dict[str, Any] | None:
+    """``value`` as a JSON object (a copy that holds JSON values only), or None."""
+    if not isinstance(value, dict):
+        return None
+    try:
+        copied = json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError):
+        return None
+    return copied if isinstance(copied, dict) else None
+
+
+def _is_content(value: Any) -> bool:
+    if isinstance(value, str):
+        return True
+    return isinstance(value, tuple) and all(isinstance(b, TextBlock | ImageBlock) for b in value)
+
+
+def _what(answer: Any) -> str:
+    text = repr(answer)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,225 @@
+"""Command hooks (R-HOOK-2): programs from a settings file, run as real processes through
+``trio.run_process`` for a run on the scripted model — the call as JSON on stdin, exit 2 to
+deny (stderr the reason), a JSON object on stdout to rewrite, ``{"content"}`` to replace a
+result — and what a misbehaving one (another exit, other output, too slow) does; and the
+settings file's problems, named by file and place."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from conftest import RUN_TIMEOUT_S, allow_all, collect, of_type, result_text, results_of
+
+from greenroom import Host, tool
+from greenroom.actors.runtime import HooksFileError
+from greenroom.actors.runtime.command_hooks import load_hooks_file
+from greenroom.actors.scripted import Reply, text, tool_call
+from greenroom.protocols.content import ToolCallBlock
+from greenroom.protocols.context import ModelRequest
+from greenroom.protocols.hooks_file import parse_hooks_settings
+from greenroom.protocols.outputs import ApprovalDecision, ToolCallOutput, ToolHook
+
+ran: list[str] = []
+
+PY = shlex.quote(sys.executable)
+
+
+@tool(parallel=False)
+async def run_shell(command: str) -> str:
+    """Run a shell command (a stand-in: it records what it was asked)."""
+    ran.append(command)
+    return f"output of {command}"
+
+
+def script(*calls: ToolCallBlock) -> Any:
+    def step(request: ModelRequest) -> Reply:
+        last = request.messages[-1]
+        if results_of(last):
+            return Reply(blocks=(text("done"),))
+        return Reply(blocks=calls)
+
+    return step
+
+
+def hooks_file(tmp_path: Path, settings: dict[str, Any]) -> Path:
+    path = tmp_path / "hooks.json"
+    path.write_text(json.dumps(settings))
+    return path
+
+
+def py(code: str) -> str:
+    """A command that runs ``code`` with this Python (no shell quoting worries)."""
+    return f"{PY} -c {shlex.quote(code)}"
+
+
+async def run(
+    host: Host, tmp_path: Path, providers: Any, settings: dict[str, Any], *calls: ToolCallBlock
+) -> list[Any]:
+    ran.clear()
+    workspace = tmp_path / "ws"
+    workspace.mkdir(exist_ok=True)
+    session = await host.create_session(
+        provider=providers(script(*calls)), tools=[run_shell], workspace_dir=workspace,
+        hooks=load_hooks_file(hooks_file(tmp_path, settings)),
+    )
+    return await collect(session.run("go", approve=allow_all), RUN_TIMEOUT_S * 2)
+
+
+def sh(call_id: str, command: str) -> ToolCallBlock:
+    return tool_call(call_id, "run_shell", command=command)
+
+
+async def test_the_call_on_stdin_exit_2_denies_and_match_picks_the_tools(
+    host: Host, tmp_path: Path, providers: Any
+) -> None:
+    seen = tmp_path / "stdin.json"
+    settings = {
+        "before_tool": [
+            {"match": "read_*|run_shell",
+             "command": f"cat > {shlex.quote(str(seen))}; echo 'rm is not allowed' >&2; exit 2"},
+            {"match": "write_file", "command": "exit 2"},
+        ]
+    }
+    outputs = await run(host, tmp_path, providers, settings, sh("c1", "rm -rf /"))
+    assert json.loads(seen.read_text()) == {
+        "hook": "before_tool", "tool": "run_shell", "call_id": "c1",
+        "arguments": {"command": "rm -rf /"},
+    }
+    assert ran == []
+    (hooked,) = of_type(outputs, ToolHook)
+    assert (hooked.action, hooked.reason) == ("deny", "rm is not allowed")
+    (decision,) = of_type(outputs, ApprovalDecision)
+    assert (decision.decision, decision.by) == ("deny", "hook")
+
+
+async def test_a_json_object_on_stdout_rewrites_and_the_next_hook_sees_it(
+    host: Host, tmp_path: Path, providers: Any
+) -> None:
+    prefix = py(
+        "import json,sys; c=json.load(sys.stdin); "
+        "print(json.dumps({'command': 'timeout 5 ' + c['arguments']['command']}))"
+    )
+    quiet = py(
+        "import json,sys; c=json.load(sys.stdin); "
+        "print(json.dumps({'command': c['arguments']['command'] + ' >/dev/null'}))"
+    )
+    settings = {"before_tool": [{"command": prefix}, {"match": "run_shell", "command": quiet}]}
+    outputs = await run(host, tmp_path, providers, settings, sh("c1", "make"))
+    assert ran == ["timeout 5 make >/dev/null"]
+    (hooked,) = of_type(outputs, ToolHook)
+    assert hooked.action == "rewrite" and hooked.arguments == {
+        "command": "timeout 5 make >/dev/null"
+    }
+
+
+async def test_after_tool_replaces_with_content_or_with_stderr_on_exit_2(
+    host: Host, tmp_path: Path, providers: Any
+) -> None:
+    upper = py(
+        "import json,sys; r=json.load(sys.stdin)['result']; "
+        "print(json.dumps({'content': r['text'].upper()}))"
+    )
+    settings = {"after_tool": [{"command": upper},
+                               {"match": "other", "command": "exit 2"}]}
+    outputs = await run(host, tmp_path, providers, settings, sh("c1", "ls"))
+    (result,) = of_type(outputs, ToolCallOutput)
+    assert result_text(result) == "OUTPUT OF LS"  # type: ignore[arg-type]
+    assert [h.action for h in of_type(outputs, ToolHook)] == ["replace"]
+    settings = {"after_tool": [{"command": "echo 'output withheld' >&2; exit 2"}]}
+    outputs = await run(host, tmp_path, providers, settings, sh("c1", "ls"))
+    (result,) = of_type(outputs, ToolCallOutput)
+    assert result_text(result) == "output withheld" and result.status == "ok"  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("command", "reason"),
+    [
+        ("echo 'policy server down' >&2; exit 1",
+         "hook `echo 'policy server down' >&2; exit 1` exited 1: policy server down"),
+        ("echo allowed", 'hook `echo allowed` printed "allowed": expected nothing, or a '
+                         "JSON object"),
+        ("/nonexistent/hook", "hook `/nonexistent/hook` exited 127: "),
+    ],
+)
+async def test_a_misbehaving_before_tool_command_denies_the_call_naming_it(
+    host: Host, tmp_path: Path, providers: Any, command: str, reason: str
+) -> None:
+    outputs = await run(host, tmp_path, providers, {"before_tool": [{"command": command}]},
+                        sh("c1", "ls"))
+    assert ran == []
+    (hooked,) = of_type(outputs, ToolHook)
+    assert hooked.action == "error" and (hooked.reason or "").startswith(reason)
+    (result,) = of_type(outputs, ToolCallOutput)
+    assert result.status == "denied" and "the before_tool hook failed" in result_text(result)  # type: ignore[arg-type]
+
+
+async def test_a_command_past_its_timeout_is_killed_and_the_result_kept(
+    host: Host, tmp_path: Path, providers: Any
+) -> None:
+    """An ``after_tool`` command that hangs is killed at its timeout (not waited for):
+    the task goes on with the tool's own result."""
+    settings = {"after_tool": [{"command": "sleep 30", "timeout": 0.2}]}
+    with trio.fail_after(RUN_TIMEOUT_S):
+        outputs = await run(host, tmp_path, providers, settings, sh("c1", "ls"))
+    (hooked,) = of_type(outputs, ToolHook)
+    assert hooked.reason == "hook `sleep 30` did not finish within 0.2 s (killed)"
+    (result,) = of_type(outputs, ToolCallOutput)
+    assert result_text(result) == "output of ls"  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("{", "hooks.json: not JSON: line 1 column 2: Expecting property name"),
+        ("[]", "hooks.json: $: expected an object with before_tool and after_tool"),
+        ('{"before_tools": []}', "hooks.json: $.before_tools: unknown key"),
+        ('{"before_tool": {}}', "hooks.json: $.before_tool: expected a list of hooks"),
+        ('{"after_tool": [{"match": "x"}]}', "hooks.json: $.after_tool[0].command: required"),
+        ('{"before_tool": [{"command": "x", "timeout": "5"}]}',
+         'hooks.json: $.before_tool[0].timeout: expected a number of seconds above 0, got "5"'),
+        ('{"before_tool": [{"command": "x", "matcher": "y"}]}',
+         "hooks.json: $.before_tool[0].matcher: unknown key"),
+    ],
+)
+def test_a_bad_settings_file_names_the_file_and_the_place(text: str, problem: str) -> None:
+    with pytest.raises(HooksFileError) as raised:
+        parse_hooks_settings(text, "hooks.json")
+    assert str(raised.value).startswith(problem)
+
+
+def test_a_missing_settings_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(HooksFileError, match=r"nope\.json: cannot read it: No such file"):
+        load_hooks_file(tmp_path / "nope.json")
+
+
+async def test_the_gateways_sessions_meet_the_hooks_installed_on_its_host(
+    tmp_path: Path,
+) -> None:
+    """``serve --hooks FILE`` installs the hooks as a host observer: a session a client
+    creates over the websocket has them, and its subscriber sees what they did."""
+    from test_gateway import BOUND_S, connect, serving
+
+    from greenroom.actors.runtime import install_tool_hooks
+
+    hooks = load_hooks_file(hooks_file(tmp_path, {"before_tool": [
+        {"match": "run_shell", "command": "echo 'not over the websocket' >&2; exit 2"}
+    ]}))
+    ran.clear()
+    with trio.fail_after(BOUND_S * 2):
+        async with serving(
+            tmp_path, lambda: script(sh("c1", "ls")), tools=[run_shell], approve="all",
+            host_options={"observers": [install_tool_hooks(hooks)]},
+        ) as server, connect(server) as client:
+            sid = (await client.result("session.create"))["session_id"]
+            await client.result("session.subscribe", {"session_id": sid})
+            await client.result("run", {"session_id": sid, "input": "go"})
+            outputs = client.take_outputs() + await client.outputs_until("task_end")
+    hooked = next(o for o in outputs if o["type"] == "tool_hook")
+    assert (hooked["action"], hooked["reason"]) == ("deny", "not over the websocket")
+    assert ran == [] and outputs[-1]["status"] == "completed"
