@@ -380,7 +380,7 @@ async def test_an_unknown_parameter_names_the_accepted_ones(tmp_path: Path) -> N
             sid = (await client.result("session.create"))["session_id"]
             error = await client.error("run", {"session_id": sid, "prompt": "hi"})
             assert error["message"] == (
-                "$.prompt: unknown parameter; run takes session_id, input"
+                "$.prompt: unknown parameter; run takes session_id, input, output_schema"
             )
             none = await client.error("session.list", {"x": 1})
             assert none["message"] == "$.x: unknown parameter; session.list takes no parameters"
