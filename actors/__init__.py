@@ -15,6 +15,7 @@ from greenroom.actors.runtime.errors import (
     GreenroomError,
     HostClosed,
     ImageRefused,
+    SeqRefused,
     SessionClosed,
     SessionNotFound,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "RunStream",
     "ScriptedProvider",
     "ScriptedStream",
+    "SeqRefused",
     "Session",
     "SessionClosed",
     "SessionInfo",

@@ -59,6 +59,7 @@ from greenroom.protocols.outputs import (
     PartialToolCall,
     RequestBegin,
     RequestEnd,
+    Rewind,
     TaskEnd,
     TaskStart,
     TokenUsageOutput,
@@ -675,9 +676,12 @@ class UpdateMapper:
                 | ApprovalRequest()
                 | CompactionBegin()
                 | CompactionEnd()
+                | Rewind()
             ):
                 # The editor learns of a call from its block, is asked to approve by the
-                # agent's own request, and sees no request, usage or compaction events.
+                # agent's own request, and sees no request, usage, compaction or rewind
+                # events (an editor cannot take back what it shows; session/load replays
+                # the rewound history).
                 return []
             case _:
                 assert_never(output)

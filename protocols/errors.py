@@ -10,7 +10,8 @@
     ├── HostClosed         the host is shut down
     ├── ConfigurationError bad settings, unknown provider, missing key…
     ├── ImageRefused       an image file that cannot be attached, and why (400)
-    └── NotPending         an answer for a request no person is asked (any more) (409)
+    ├── NotPending         an answer for a request no person is asked (any more) (409)
+    └── SeqRefused         a fork or rewind point the session's history does not have (400)
 
 Model and tool failures are not exceptions: they are outputs (``request_end`` with a
 status, ``tool_call_output`` with ``is_error``).
@@ -85,3 +86,12 @@ class NotPending(GreenroomError):
     ended, or its arguments are not the ones the person saw (R-HITL-2)."""
 
     code = 409
+
+
+class SeqRefused(GreenroomError):
+    """A ``seq`` to fork at or rewind to that the session's history does not allow
+    (R-FORK-1, R-FORK-2): out of range, cut by an earlier rewind, or (a rewind) before
+    the compaction that started the current context. The message says which, and what
+    to do instead."""
+
+    code = 400

@@ -72,6 +72,90 @@ def encode_record(output: Output) -> str:
 
 
 @attrs.frozen(kw_only=True, slots=True)
+class CopiedTrace:
+    """What :func:`copy_records` took from one trace file: ``data``, the lines it keeps
+    (each a whole record, moved to the new session), and the ``seq`` of the file's first
+    and last complete records (None for a file without any)."""
+
+    data: bytes
+    first_seq: int | None
+    last_seq: int | None
+
+
+def copy_records(
+    data: bytes, *, source_id: str, session_id: str, through_seq: int
+) -> CopiedTrace:
+    """The records of one trace file (its bytes) with ``seq <= through_seq``, each moved
+    from session ``source_id`` to ``session_id``, as the lines of a trace file of that
+    session (a fork: R-FORK-1). Lines are copied as they are but for the id, so a fork
+    costs about what reading and writing its bytes costs; a line not in the shape
+    :func:`encode_record` writes is decoded and encoded again. A torn final line (no
+    newline) is left out; a line whose ``seq`` cannot be found is dropped (it would not
+    be read either)."""
+    old = b'"session_id":' + json.dumps(source_id, ensure_ascii=False).encode()
+    new = b'"session_id":' + json.dumps(session_id, ensure_ascii=False).encode()
+    kept: list[bytes] = []
+    first: int | None = None
+    last: int | None = None
+    lines = data.split(b"\n")
+    for line in lines[:-1]:  # the part after the last newline is torn (or empty)
+        seq = record_seq(line)
+        if seq is None:
+            continue
+        first = seq if first is None else first
+        last = seq
+        if seq > through_seq:
+            continue
+        kept.append(_moved(line, old, new, session_id))
+    return CopiedTrace(
+        data=b"".join(line + b"\n" for line in kept), first_seq=first, last_seq=last
+    )
+
+
+_SEQ_KEY = b'"seq":'
+
+
+def record_seq(line: bytes) -> int | None:
+    """The ``seq`` of one trace line (without its newline), or None when it has none.
+
+    :func:`encode_record` puts the envelope's ``seq`` after every field of the record, only
+    ``origin`` (a list of ids) after it, so its last ``"seq":`` key is the envelope's: read
+    without decoding the line. Anything else is decoded."""
+    at = line.rfind(_SEQ_KEY)
+    if at != -1:
+        end = start = at + len(_SEQ_KEY)
+        while end < len(line) and 48 <= line[end] <= 57:
+            end += 1
+        if end > start and line[end : end + 1] in (b"}", b","):
+            tail = line[end:]
+            if tail == b"}" or tail.startswith(b',"origin":'):
+                return int(line[start:end])
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None
+    seq = value.get("seq") if isinstance(value, dict) else None
+    return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
+
+
+def _moved(line: bytes, old: bytes, new: bytes, session_id: str) -> bytes:
+    """``line`` with its envelope's ``session_id`` replaced: in place where it stands
+    right after ``type`` (as :func:`encode_record` writes it), else decoded and encoded
+    again (so a ``"session_id"`` inside a tool's arguments is never touched)."""
+    if line.startswith(b'{"type":"'):
+        after_type = line.find(b'",', 9) + 2
+        if line.startswith(old, after_type):
+            return line[:after_type] + new + line[after_type + len(old) :]
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return line
+    if isinstance(value, dict):
+        value["session_id"] = session_id
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+@attrs.frozen(kw_only=True, slots=True)
 class TraceLineError:
     """A problem found at one line of one trace file (``line`` is 1-based)."""
 

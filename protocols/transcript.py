@@ -28,6 +28,7 @@ from greenroom.protocols.content import (
     UserContent,
 )
 from greenroom.protocols.context import AssistantMessage, Message, ToolResult, UserMessage
+from greenroom.protocols.history import live_records
 from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
@@ -41,6 +42,7 @@ from greenroom.protocols.outputs import (
     PartialToolCall,
     RequestBegin,
     RequestEnd,
+    Rewind,
     TaskEnd,
     TaskStart,
     TokenUsageOutput,
@@ -173,6 +175,10 @@ class Transcript:
                 pass  # the context changes only when a compaction succeeds
             case TaskStart() | ApprovalRequest() | ApprovalDecision():
                 pass  # the model sees the prompt and the calls' results, not these
+            case Rewind():
+                # The records a rewind cut are left out before they get here (rebuild, and
+                # a rewinding session rebuilds its transcript): nothing to undo.
+                pass
             case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():
                 pass  # live only: the complete block or result follows
             case _:
@@ -349,11 +355,14 @@ def rebuild(
     last task has no ``task_end`` (its ``task_start`` may be in the previous file, before
     the compaction that started this one) is recovered as interrupted — unless
     ``recover`` is False: the task is then left open, for the runtime to take up
-    (R-HITL-4) or to recover when a new task starts (:meth:`Transcript.recover`)."""
+    (R-HITL-4) or to recover when a new task starts (:meth:`Transcript.recover`).
+
+    What a ``rewind`` cut is left out (:func:`~greenroom.protocols.history.live_records`):
+    the context is the one the session continued from (R-FORK-2)."""
     transcript = Transcript(supports_vision=supports_vision)
     open_run: str | None = None
     session_id = ""
-    for record in records:
+    for record in live_records(records):
         transcript.apply(record)
         session_id = record.session_id
         match record:
@@ -377,6 +386,7 @@ def rebuild(
                 | ToolCallOutput()
                 | Abort()
                 | CompactionBegin()
+                | Rewind()
                 | PartialText()
                 | PartialThinking()
                 | PartialToolCall()

@@ -64,6 +64,7 @@ EXAMPLES: dict[type[Any], dict[str, Any]] = {
         "trace_file": "trace_002.jsonl",
         "summary": "s",
     },
+    outputs.Rewind: {"to_seq": 2, "reason": "rewound by a client"},
     outputs.TaskEnd: {"status": "aborted", "turns": 2, "usage": USAGE, "wall_ms": 12},
 }
 

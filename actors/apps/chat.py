@@ -120,6 +120,7 @@ from greenroom.protocols.outputs import (
     PartialToolCall,
     RequestBegin,
     RequestEnd,
+    Rewind,
     TaskEnd,
     TaskStart,
     TokenUsageOutput,
@@ -1109,6 +1110,7 @@ class ChatRenderer(HumanRenderer):
                 | Abort()
                 | CompactionBegin()
                 | CompactionEnd()
+                | Rewind()
                 | TaskEnd()
             ):
                 pass  # nothing of the REPL's own: shown as ``greenroom run`` shows it

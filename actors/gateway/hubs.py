@@ -62,6 +62,7 @@ from greenroom.protocols.outputs import (
     PartialToolCall,
     RequestBegin,
     RequestEnd,
+    Rewind,
     TaskEnd,
     TaskStart,
     TokenUsageOutput,
@@ -254,6 +255,7 @@ class SessionHub:
                     | RequestEnd()
                     | ToolCallOutput()
                     | Abort()
+                    | Rewind()
                 ):
                     pass  # forwarded to the subscriptions, nothing more
                 case _:

@@ -68,6 +68,7 @@ from greenroom.protocols.outputs import (
     PartialToolCall,
     RequestBegin,
     RequestEnd,
+    Rewind,
     TaskEnd,
     TaskStart,
     TokenUsageOutput,
@@ -279,8 +280,11 @@ class GenAIObserver:
                 | PartialToolCall()
                 | ApprovalRequest()
                 | ToolProgress()
+                | Rewind()
             ):
-                pass  # live text, progress and a wait for a person: no span of their own
+                # Live text, progress, a wait for a person and a rewind (between tasks):
+                # no span of their own.
+                pass
             case _:
                 assert_never(output)
 

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         HostClosed,
         ImageRefused,
         NotPending,
+        SeqRefused,
         SessionClosed,
         SessionNotFound,
     )
@@ -72,6 +73,7 @@ _MODULE_OF = {
     "HostClosed": "greenroom.actors.runtime.errors",
     "ImageRefused": "greenroom.actors.runtime.errors",
     "NotPending": "greenroom.actors.runtime.errors",
+    "SeqRefused": "greenroom.actors.runtime.errors",
     "SessionClosed": "greenroom.actors.runtime.errors",
     "SessionNotFound": "greenroom.actors.runtime.errors",
     "Host": "greenroom.actors.runtime.host",
@@ -115,6 +117,7 @@ __all__ = [
     "ProviderLimits",
     "RunResult",
     "RunStream",
+    "SeqRefused",
     "Session",
     "SessionCatalog",
     "SessionClosed",

@@ -12,6 +12,7 @@ from greenroom.protocols.errors import (
     HostClosed,
     ImageRefused,
     NotPending,
+    SeqRefused,
     SessionClosed,
     SessionNotFound,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "HostClosed",
     "ImageRefused",
     "NotPending",
+    "SeqRefused",
     "SessionClosed",
     "SessionNotFound",
 ]

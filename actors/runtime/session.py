@@ -59,6 +59,7 @@ from greenroom.protocols.outputs import (
     PartialToolCall,
     RequestBegin,
     RequestEnd,
+    Rewind,
     TaskEnd,
     TaskStart,
     TaskStatus,
@@ -211,6 +212,7 @@ class RunStream:
                 | Abort()
                 | CompactionBegin()
                 | CompactionEnd()
+                | Rewind()
             ):
                 pass
             case _:

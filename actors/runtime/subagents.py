@@ -78,6 +78,7 @@ from greenroom.protocols.outputs import (
     PartialToolCall,
     RequestBegin,
     RequestEnd,
+    Rewind,
     TaskEnd,
     TaskStart,
     TokenUsageOutput,
@@ -359,6 +360,7 @@ class ChildWatch:
                     | Abort()
                     | CompactionBegin()
                     | CompactionEnd()
+                    | Rewind()
                 ):
                     pass  # neither the answer nor the budget needs them
                 case _:
