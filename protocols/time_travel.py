@@ -22,29 +22,29 @@ from collections.abc import Sequence
 
 from greenroom.protocols import markers
 from greenroom.protocols.content import ModelBlock, TextBlock
-from greenroom.protocols.history import cut_by, live_records
+from greenroom.protocols.history import cut_by
 from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
     CompactionEnd,
-    ModelMsg,
     Output,
-    RequestBegin,
     RequestEnd,
     TaskEnd,
     ToolCallOutput,
 )
-from greenroom.protocols.task import Phase, fold
+from greenroom.protocols.task import Phase, TaskRecord
 
 __all__ = ["rewind_problem", "settlement"]
 
 
-def settlement(records: Sequence[Output], *, session_id: str, reason: str) -> list[Output]:
-    """The records (without ``seq``) that close the task ``records`` leave open, as an
-    interrupt with ``reason`` would; none when no task is open. ``records`` are a trace
-    (one model context) in ``seq`` order, rewinds applied or not."""
-    live = live_records(records)
-    record = fold(live).record
+def settlement(
+    record: TaskRecord, partial: Sequence[ModelBlock], *, session_id: str, reason: str
+) -> list[Output]:
+    """The records (without ``seq``) that close the task a history leaves open, as an
+    interrupt with ``reason`` would; none when no task is open. ``record`` is the task
+    state folded from that history (:func:`~greenroom.protocols.task.fold`), ``partial``
+    what the model request in flight had produced
+    (:attr:`~greenroom.protocols.transcript.Transcript.attempt_blocks`)."""
     run_id = record.run_id
     if run_id is None:
         return []
@@ -105,7 +105,7 @@ def settlement(records: Sequence[Output], *, session_id: str, reason: str) -> li
             session_id=session_id,
             run_id=run_id,
             reason=reason,
-            partial=_attempt_blocks(live) if streaming else (),
+            partial=tuple(partial) if streaming else (),
             message_complete=not streaming,
         )
     )
@@ -121,17 +121,6 @@ def settlement(records: Sequence[Output], *, session_id: str, reason: str) -> li
         )
     )
     return out
-
-
-def _attempt_blocks(records: Sequence[Output]) -> tuple[ModelBlock, ...]:
-    """The blocks the attempt in flight has produced (after its ``request_begin``)."""
-    blocks: list[ModelBlock] = []
-    for record in reversed(records):
-        if isinstance(record, RequestBegin):
-            break
-        if isinstance(record, ModelMsg):
-            blocks.append(record.block)
-    return tuple(reversed(blocks))
 
 
 def rewind_problem(

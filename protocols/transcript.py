@@ -112,6 +112,12 @@ class Transcript:
         return not self._attempt_active
 
     @property
+    def attempt_blocks(self) -> tuple[ModelBlock, ...]:
+        """What the model request in flight has produced so far (empty when none is):
+        the partial output an interrupt records (R-ABORT-2 case B)."""
+        return tuple(self._attempt_blocks) if self._attempt_active else ()
+
+    @property
     def open_calls(self) -> tuple[ToolCallBlock, ...]:
         """Tool calls of the last committed model message still owed a result."""
         return tuple(self._open_calls)

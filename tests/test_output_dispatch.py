@@ -30,8 +30,8 @@ from greenroom.actors.apps.render import HumanRenderer, JsonRenderer, format_rec
 from greenroom.actors.gateway import hubs
 from greenroom.actors.runtime import subagents, tree
 from greenroom.protocols import outputs
-from greenroom.protocols.messages import SubagentOutputs, SupervisorMessage
 from greenroom.protocols.history import live_records
+from greenroom.protocols.messages import SubagentOutputs, SupervisorMessage
 from greenroom.protocols.transcript import Transcript, rebuild
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -270,8 +270,8 @@ def test_a_fork_copies_the_prefix_and_shares_nothing(backend: Runner) -> None:
         await append_all(b, "src", [4, 5, 6])
         await log.sync("src")
         before = (await b.written("src"), await log.read_after("src"))
+        assert await log.fork("src", "fork", 5) == 5
         await b.store.catalog.create("fork", meta_of("fork"))
-        await log.fork("src", "fork", 5)
         loaded = await load(b, "fork")
         assert (seqs_of(loaded.records), loaded.number, loaded.last_seq) == ([4, 5], 2, 5)
         assert {r.session_id for r in loaded.records} == {"fork"}
@@ -285,12 +285,15 @@ def test_a_fork_copies_the_prefix_and_shares_nothing(backend: Runner) -> None:
         assert [r.session_id for r in copied] == ["fork"] * 7
         assert copied[:5] == [attrs.evolve(r, session_id="fork") for r in before[1][:5]]
         assert (await b.written("src"), await log.read_after("src")) == before
+        assert await log.fork("src", "empty", 0) == 0
         await b.store.catalog.create("empty", meta_of("empty"))
-        await log.fork("src", "empty", 0)
         assert (await load(b, "empty")).last_seq == 0
-        await b.store.catalog.create("bad", meta_of("bad"))
-        with pytest.raises(SeqRefused):
-            await log.fork("src", "bad", 7)
+        assert await log.fork("src", "whole", None) == 6
+        await b.store.catalog.create("whole", meta_of("whole"))
+        assert seqs_of(await log.read_after("whole")) == [1, 2, 3, 4, 5, 6]
+        for bad in (7, -1):
+            with pytest.raises(SeqRefused):
+                await log.fork("src", "bad", bad)
         with pytest.raises(StoredSessionMissing):
             await log.fork("nobody", "bad", 0)
         assert await log.read_after("bad") == []

@@ -72,6 +72,7 @@ from greenroom.actors.runtime import (
 )
 from greenroom.protocols import acp
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock, UserContent
+from greenroom.protocols.history import live_records
 from greenroom.protocols.jsonrpc import (
     BUSY,
     INTERNAL_ERROR,
@@ -750,8 +751,9 @@ async def _replay(
 ) -> list[Output]:
     """Show a loaded session's trace again (``session/load``), each update through
     ``notify``, with a mapper of its own that knows the trace is no live task; the
-    records read."""
-    records = await session.host.trace_store.log.read_after(session.id)
+    records read. What a rewind cut is not shown: the editor sees the history the
+    session continues from (R-FORK-2)."""
+    records = live_records(await session.host.trace_store.log.read_after(session.id))
     images = _OutputImages(session)
     replay = acp.UpdateMapper(
         live=False, workspace=str(session.workspace_dir), load_image=images.get

@@ -350,16 +350,17 @@ class ReplicatingTraceLog:
         self._pending[ticket] += 1
         replica.wakeup.set()
 
-    async def fork(self, source_id: str, session_id: str, through_seq: int) -> None:
+    async def fork(self, source_id: str, session_id: str, through_seq: int | None) -> int:
         """As the file log; the copied records wait for the session to be replicated
         (:meth:`replicate`), then go to JetStream before any later one."""
-        copies = await self.files.copy_prefix(source_id, session_id, through_seq)
+        copied = await self.files.copy_prefix(source_id, session_id, through_seq)
         self._forked[session_id] = [
             (number, line)
-            for number, data in copies
+            for number, data in copied.files
             # Split on "\n" only: a record may hold U+2028 and friends.
             for line in _lines(data.decode("utf-8", "replace"))
         ]
+        return copied.seq
 
     def commit(self, session_id: str) -> bool:
         """As the file log, and False while JetStream has not acknowledged every record

@@ -55,6 +55,7 @@ from greenroom.actors.runtime.storage import (
     tighten,
 )
 from greenroom.actors.runtime.supervisor import start, wake
+from greenroom.actors.runtime.time_travel import fork
 from greenroom.actors.runtime.trace_store import (
     FileTraceStore,
     StoredSession,
@@ -261,7 +262,7 @@ class Host:
         never runs another model silently."""
         self.check_open()
         port = await self._builder.new(
-            self._fresh_id(session_id),
+            _fresh_id(self._sessions, session_id),
             parent=None if parent_id is None else self._ports.get(parent_id),
             parent_id=parent_id,
             settings=_new_settings(settings, provider, model, system, overrides),
@@ -275,14 +276,6 @@ class Host:
         )
         return self._add(port, created=True)
 
-    def _fresh_id(self, session_id: str | None) -> str:
-        """``session_id``, else a new id no open session has (many sessions created
-        within one second can draw the same)."""
-        sid = session_id or _new_session_id()
-        while session_id is None and sid in self._sessions:
-            sid = _new_session_id()
-        return sid
-
     def _add(self, port: SessionPort, *, created: bool = False) -> Session:
         """Open ``port``'s session here and show it to the observers (every node of a
         tree: in a cluster a child is a session like any other, R-TREE-4)."""
@@ -291,7 +284,8 @@ class Host:
         self._ports[port.id] = port
         if created:
             self._children.created(port.id, port.parent_id)
-        self._observe(session)
+        for observe in self._observers:
+            observe(session)
         return session
 
     async def load_session(
@@ -330,6 +324,19 @@ class Host:
             # ends, whoever takes it up (R-TREE-4).
             self.child_reports.follow(port)
         return self._add(port)
+
+    async def fork_session(
+        self, session_id: str, at_seq: int | None = None, **options: Any
+    ) -> Session:
+        """A new session, open here, whose history is ``session_id``'s up to ``at_seq``
+        (default: its last record), ``session.json`` naming it in ``forked_from``
+        (R-FORK-1). ``options`` and what raises: :func:`~greenroom.actors.runtime.
+        time_travel.fork` (``tools`` default to the host's)."""
+        self.check_open()
+        new_id = _fresh_id(self._sessions, None)
+        tools = self._default_tools
+        port = await fork(self._builder, self._store, session_id, at_seq, new_id, tools, **options)
+        return self._add(port, created=True)
 
     def get_session(self, session_id: str) -> Session:
         """An open session of this host; raises :class:`SessionNotFound`."""
@@ -430,10 +437,6 @@ class Host:
         except KeyError:
             raise SessionNotFound(f"session {session_id!r} is not open in this host") from None
 
-    def _observe(self, session: Session) -> None:
-        for observe in self._observers:
-            observe(session)
-
     async def create_child(
         self,
         parent: SessionPort,
@@ -448,7 +451,7 @@ class Host:
         recorded in its ``session.json`` (R-TREE-2)."""
         self.check_open()
         port = await self._builder.child(
-            self._fresh_id(None), parent, settings, list(tools), name, background
+            _fresh_id(self._sessions, None), parent, settings, list(tools), name, background
         )
         self._add(port, created=True)
         return port
@@ -667,6 +670,15 @@ def stored_root(meta: Mapping[str, Any], session_id: str) -> str:
 
 def _new_session_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+
+
+def _fresh_id(open_sessions: Mapping[str, object], session_id: str | None) -> str:
+    """``session_id``, else a new id no open session has (many sessions created within
+    one second can draw the same)."""
+    sid = session_id or _new_session_id()
+    while session_id is None and sid in open_sessions:
+        sid = _new_session_id()
+    return sid
 
 
 def _session_scan(stored: list[StoredSession]) -> SessionScan:

@@ -85,6 +85,11 @@ class PortBuilder:
         self.accounting = accounting or Accounting(store.ledger)
         """The host's prices and the principals' budgets (R-SHARE-3, R-SHARE-4)."""
 
+    @property
+    def data_dir(self) -> Path:
+        """The host's data dir (where the sessions' directories are)."""
+        return self._data_dir
+
     async def new(
         self,
         session_id: str,

@@ -29,6 +29,7 @@ from greenroom.actors.runtime.port import (
     TaskInput,
 )
 from greenroom.actors.runtime.supervisor import start
+from greenroom.actors.runtime.time_travel import rewind_to
 from greenroom.actors.runtime.tree import end_subtree
 from greenroom.protocols import markers
 from greenroom.protocols.content import ImageBlock, TextBlock, UserContent
@@ -604,6 +605,19 @@ class Session:
             if isinstance(output, CompactionEnd) and output.origin is None and end is None:
                 end = output
         return end
+
+    async def rewind(self, to_seq: int, *, reason: str | None = None) -> Rewind:
+        """Rewind the session to ``to_seq`` (R-FORK-2): it continues from the history it
+        had at that record (0: an empty one); the later records stay in the trace behind
+        the ``rewind`` record returned, which subscribers see like any output. A task the
+        point leaves open ends aborted, as an interrupt ends it. Workspace files are not
+        rewound. Raises :class:`Busy` while a task runs, and :class:`SeqRefused` for a
+        point the history does not have (out of range, cut by an earlier rewind, before
+        the compaction that started the current context: fork there instead)."""
+        self._check_takes_tasks()
+        if self.busy:
+            raise Busy(f"session {self.id} is running a task; rewind it once the task has ended")
+        return await rewind_to(self._port, to_seq, reason)
 
     async def generate_title(self, *, max_chars: int = 60) -> str:
         """A short title for the conversation from a separate one-shot model call: no

@@ -187,11 +187,13 @@ class MemoryTraceLog:
         if failed:
             raise next(iter(failed.values()))
 
-    async def fork(self, source_id: str, session_id: str, through_seq: int) -> None:
+    async def fork(self, source_id: str, session_id: str, through_seq: int | None) -> int:
         await trio.lowlevel.checkpoint()
         source = self.traces.get(source_id)
         if source is None:
             raise StoredSessionMissing(f"no session {source_id!r} in memory")
+        if through_seq is None:
+            through_seq = (await self.read_latest(source_id)).last_seq
         copies: list[list[str]] = []
         last_seq = 0
         for lines in source:
@@ -206,11 +208,12 @@ class MemoryTraceLog:
             if copied.last_seq is not None:
                 last_seq = copied.last_seq
                 copies.append([line + "\n" for line in copied.data.decode().split("\n")[:-1]])
-        if through_seq > last_seq:
+        if not 0 <= through_seq <= last_seq:
             raise SeqRefused(f"seq {through_seq} is out of range: records 0..{last_seq}")
         self.traces[session_id] = copies or [[]]
         self.durable[session_id] = sum(len(lines) for lines in copies)
         self.updated[session_id] = time.time()
+        return through_seq
 
     def rotate(self, session_id: str) -> str:
         self.traces[session_id].append([])
