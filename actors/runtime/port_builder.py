@@ -231,6 +231,7 @@ class PortBuilder:
             principal=account.principal or "",
         )
         port.load_errors = list(loaded.errors)
+        port.forked_from = _forked_from(meta)
         if meta.get("background") is True and port.parent_id is not None:
             name = meta.get("name")
             port.report_as = name if isinstance(name, str) and name else session_id
@@ -353,3 +354,14 @@ async def _stored_settings(
             f"session {session_id!r} is unreadable: {directory / SESSION_FILE}: bad "
             f"settings: {one_line(exc)}"
         ) from None
+
+
+def _forked_from(meta: Mapping[str, Any]) -> tuple[str, int] | None:
+    """``forked_from`` of a ``session.json`` (R-FORK-1), when it is one."""
+    forked = meta.get("forked_from")
+    if not isinstance(forked, dict):
+        return None
+    source, seq = forked.get("session_id"), forked.get("seq")
+    if isinstance(source, str) and isinstance(seq, int) and not isinstance(seq, bool):
+        return source, seq
+    return None

@@ -323,6 +323,11 @@ class Session:
         outputs carry in its ancestors' streams)."""
         return self._port.origin_path
 
+    @property
+    def forked_from(self) -> tuple[str, int] | None:
+        """The session and the seq this one was forked from (R-FORK-1), else None."""
+        return self._port.forked_from
+
     async def children(self) -> list[Session]:
         """The subagents this session spawned, running and finished, oldest first
         (R-TREE-1): each a session of its own — steer, interrupt, watch or answer it like
