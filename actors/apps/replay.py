@@ -25,10 +25,7 @@ from typing import Any
 import attrs
 
 from greenroom.actors.apps.exits import UsageError
-from greenroom.actors.runtime.errors import SessionNotFound
-from greenroom.actors.runtime.host import Host
-from greenroom.actors.runtime.llm_streamer import ModelProvider
-from greenroom.actors.runtime.session import Session
+from greenroom.actors.runtime import Host, ModelProvider, Session, SessionNotFound
 from greenroom.protocols.content import TextBlock, ToolCallBlock, UserContent
 from greenroom.protocols.outputs import ModelMsg, RequestBegin, TaskStart
 from greenroom.protocols.replay import (
