@@ -23,6 +23,8 @@ is kept.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import re
 from collections.abc import Iterable
@@ -87,29 +89,53 @@ def copy_records(
 ) -> CopiedTrace:
     """The records of one trace file (its bytes) with ``seq <= through_seq``, each moved
     from session ``source_id`` to ``session_id``, as the lines of a trace file of that
-    session (a fork: R-FORK-1). Lines are copied as they are but for the id, so a fork
-    costs about what reading and writing its bytes costs; a line not in the shape
-    :func:`encode_record` writes is decoded and encoded again. A torn final line (no
-    newline) is left out; a line whose ``seq`` cannot be found is dropped (it would not
-    be read either)."""
+    session (a fork: R-FORK-1). No record is decoded: a file whose lines are in the shape
+    :func:`encode_record` writes is cut and renamed in whole-file passes (regular
+    expressions, a replace), so a fork costs about what reading and writing its bytes
+    costs; any other file is copied line by line, a line of another shape decoded and
+    encoded again.
+    A torn final line (no newline) is left out; a line whose ``seq`` cannot be found is
+    dropped (it would not be read either)."""
     old = b'"session_id":' + json.dumps(source_id, ensure_ascii=False).encode()
     new = b'"session_id":' + json.dumps(session_id, ensure_ascii=False).encode()
+    complete = data[: data.rfind(b"\n") + 1]
+    ends = list(_ENVELOPE_END.finditer(complete))
+    if len(ends) == complete.count(b"\n"):  # every line ends as encode_record ends it
+        seqs = [int(m.group(1)) for m in ends]
+        if all(a < b for a, b in itertools.pairwise(seqs)):
+            kept = bisect.bisect_right(seqs, through_seq)
+            prefix = complete[: ends[kept - 1].end()] if kept else b""
+            # Each kept line starts with the envelope naming the source, and the source's
+            # id appears nowhere else: then replacing every occurrence renames exactly the
+            # envelopes (an id inside a tool's arguments sends the file line by line).
+            starts = re.compile(rb'\n\{"type":"[a-z_]+",' + re.escape(old))
+            if len(starts.findall(b"\n" + prefix)) == kept == prefix.count(old):
+                first, last = (seqs[0], seqs[-1]) if seqs else (None, None)
+                return CopiedTrace(data=prefix.replace(old, new), first_seq=first, last_seq=last)
+    return _copy_line_by_line(complete, old, new, session_id, through_seq)
+
+
+_ENVELOPE_END = re.compile(rb'"seq":(\d+)(?:,"origin":\[[^\]\n]*\])?\}\n')
+"""The end of a line :func:`encode_record` wrote: the envelope's ``seq`` (then ``origin``)
+closes it. A ``"seq"`` inside a record's fields is followed by more of the record, never by
+the line's end."""
+
+
+def _copy_line_by_line(
+    complete: bytes, old: bytes, new: bytes, session_id: str, through_seq: int
+) -> CopiedTrace:
     kept: list[bytes] = []
     first: int | None = None
     last: int | None = None
-    lines = data.split(b"\n")
-    for line in lines[:-1]:  # the part after the last newline is torn (or empty)
+    for line in complete.split(b"\n")[:-1]:
         seq = record_seq(line)
         if seq is None:
             continue
         first = seq if first is None else first
         last = seq
-        if seq > through_seq:
-            continue
-        kept.append(_moved(line, old, new, session_id))
-    return CopiedTrace(
-        data=b"".join(line + b"\n" for line in kept), first_seq=first, last_seq=last
-    )
+        if seq <= through_seq:
+            kept.append(_moved(line, old, new, session_id) + b"\n")
+    return CopiedTrace(data=b"".join(kept), first_seq=first, last_seq=last)
 
 
 _SEQ_KEY = b'"seq":'

@@ -135,3 +135,22 @@ def test_a_streaming_attempt_is_settled_as_a_cut_message() -> None:
 
 def _numbered(outputs: list[Output], first: int) -> list[Output]:
     return [attrs.evolve(o, seq=first + i) for i, o in enumerate(outputs)]
+
+
+def test_copy_records_takes_whole_file_passes_and_lines_alike() -> None:
+    """A file in encode_record's shape is renamed in whole-file passes; the same file with
+    one line in another shape goes line by line; both give the same records."""
+    records: list[Output] = [msg(seq, "src") for seq in range(1, 6)]
+    standard = "".join(encode_record(r) for r in records).encode()
+    odd = standard.replace(
+        b'{"type":"user_msg","session_id":"src",', b'{"session_id":"src","type":"user_msg",', 1
+    )
+    for data in (standard, odd):
+        copied = copy_records(data, source_id="src", session_id="new", through_seq=3)
+        assert (copied.first_seq, copied.last_seq) == (1, 5)
+        assert parse_trace(copied.data, file="copy").records == [
+            attrs.evolve(r, session_id="new") for r in records[:3]
+        ]
+    fast = copy_records(standard, source_id="src", session_id="new", through_seq=3)
+    moved = [attrs.evolve(r, session_id="new") for r in records[:3]]
+    assert fast.data == "".join(encode_record(r) for r in moved).encode()

@@ -18,7 +18,8 @@ while it runs (``get_session`` finds it: it is steered, interrupted and answered
 R-TREE-1) and forgotten when it ends (its files stay). Its ``session.json`` names its
 ``parent_id``, its ``root_id`` and its ``origin`` (the ids from the root), and the host
 keeps each open session's children's ids, so ``children_of`` reads the store only for a
-session loaded from it.
+session loaded from it. ``fork_session`` makes a new session of a stored one's history up to
+a record (R-FORK-1: :mod:`~greenroom.actors.runtime.time_travel`).
 """
 
 from __future__ import annotations
