@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 from conftest import (
     Gates,
     Recorder,
@@ -26,6 +27,7 @@ from greenroom.actors.providers.scripted import Reply, text, tool_call
 from greenroom.actors.runtime.errors import Busy, SeqRefused, SessionNotFound
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session import Session
+from greenroom.actors.runtime.trace_store import FileTraceLog, FileTraceStore
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import AssistantMessage, ModelRequest, UserMessage
 from greenroom.protocols.outputs import Rewind
@@ -243,3 +245,51 @@ async def test_a_rewind_while_a_task_runs_is_refused(
     await stream.result()
     await session.rewind(0)
     assert not session.busy and session.transcript.messages == []
+
+
+class _HeldReads(FileTraceLog):
+    """A file log whose ``read_latest`` waits until the test lets it return."""
+
+    def __init__(self, store: FileTraceStore) -> None:
+        super().__init__(store.paths, store.sink)
+        self.reading = trio.Event()
+        self.go_on = trio.Event()
+
+    async def read_latest(self, session_id: str) -> Any:
+        self.reading.set()
+        await self.go_on.wait()
+        return await super().read_latest(session_id)
+
+
+async def test_a_task_started_while_a_rewind_reads_the_trace_is_not_rewound(
+    tmp_path: Path, workspace: Path, providers: Any, lookup: Any
+) -> None:
+    """R-FORK-2, R-HOST-2: a rewind reads the trace before it cuts; a task that starts
+    meanwhile owns the session, and the rewind is refused rather than done under it."""
+    logs: list[_HeldReads] = []
+
+    def store(data_dir: Path) -> FileTraceStore:
+        files = FileTraceStore(data_dir)
+        files.log = _HeldReads(files)
+        logs.append(files.log)
+        return files
+
+    async with Host.open(tmp_path / "data", trace_store=store) as host:
+        session = await two_tasks(host, workspace, providers, lookup)
+        (log,) = logs
+        refused: list[BaseException] = []
+
+        async def rewind() -> None:
+            try:
+                await session.rewind(0)
+            except Busy as exc:
+                refused.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rewind)
+            await log.reading.wait()
+            stream = session.run("third question", approve=allow_all)
+            log.go_on.set()
+        assert [type(e) for e in refused] == [Busy]
+        await stream.result()
+        assert [line["type"] for line in trace_lines(session)].count("rewind") == 0

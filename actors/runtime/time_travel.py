@@ -33,7 +33,12 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from greenroom.actors.runtime.errors import ConfigurationError, SeqRefused, SessionNotFound
+from greenroom.actors.runtime.errors import (
+    Busy,
+    ConfigurationError,
+    SeqRefused,
+    SessionNotFound,
+)
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.port import SessionPort
 from greenroom.actors.runtime.shared_tables import fixed_workspace
@@ -148,6 +153,11 @@ async def rewind_to(port: SessionPort, to_seq: int, reason: str | None = None) -
     what to do instead)."""
     log = port.host.trace_log
     loaded = await log.read_latest(port.id)
+    if port.busy:
+        # A task started while the trace was read: its supervisor owns the session's
+        # state now, and it is not rewound under it. From here to the append nothing
+        # waits, so no task starts before the rewound state is in place.
+        raise Busy(f"session {port.id} started a task; rewind it once the task has ended")
     problem = rewind_problem(
         loaded.records, to_seq, last_seq=port.last_seq, first_file=loaded.number == 1
     )
