@@ -90,8 +90,7 @@ class NotPending(GreenroomError):
 
 class SeqRefused(GreenroomError):
     """A ``seq`` to fork at or rewind to that the session's history does not allow
-    (R-FORK-1, R-FORK-2): out of range, cut by an earlier rewind, or (a rewind) before
-    the compaction that started the current context. The message says which, and what
-    to do instead."""
+    (R-FORK-1, R-FORK-2): out of range, or (a rewind) cut by an earlier rewind. The
+    message says which, and what to do instead."""
 
     code = 400

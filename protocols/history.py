@@ -13,15 +13,20 @@ Invariants:
   rewind itself;
 * a record is live or cut for good: a later rewind never brings back what an earlier one
   cut (fork at such a seq to go back to it: R-FORK-1).
+
+A trace file is one model context (R-COMPACT-8): a successful ``compaction_end`` starts
+the next. A rewind to a record of an earlier context starts the next file too, as its first
+record: that file's context is the one the session had at ``to_seq``, which
+:func:`context_at` folds from the session's whole trace.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from greenroom.protocols.outputs import Output, Rewind
+from greenroom.protocols.outputs import CompactionEnd, Output, Rewind
 
-__all__ = ["cut_by", "live_records"]
+__all__ = ["context_at", "cut_by", "live_records"]
 
 
 def live_records(records: Sequence[Output]) -> list[Output]:
@@ -49,3 +54,21 @@ def cut_by(records: Sequence[Output], seq: int) -> Rewind | None:
             if any(r.seq == seq for r in live_records(earlier)):
                 return record
     return None
+
+
+def context_at(records: Sequence[Output], seq: int | None = None) -> list[Output]:
+    """The records of the model context the session had at record ``seq`` (None: its
+    last), from ``records``, the session's trace across its files in ``seq`` order: the
+    records since the last successful compaction, or since the last rewind (then the
+    context it went back to, and the rewind), without what a rewind cut."""
+    context: list[Output] = []
+    for record in records:
+        if seq is not None and (record.seq or 0) > seq:
+            break
+        if isinstance(record, CompactionEnd) and record.status == "ok":
+            context = [record]
+        elif isinstance(record, Rewind):
+            context = [*context_at(records, record.to_seq), record]
+        else:
+            context.append(record)
+    return context

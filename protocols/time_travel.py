@@ -11,9 +11,7 @@ is denied by default first, R-APPROVE-5), a cut stream ends ``aborted``, then on
 them. A manual compaction in flight ends ``failed``.
 
 :func:`rewind_problem` says why a rewind cannot go to a ``seq``, in words for the person who
-asked: out of range, cut by an earlier rewind, or before the compaction that started the
-session's current context (a trace file is one model context, R-COMPACT-8: a rewind reaches
-back to its start, a fork reaches anywhere).
+asked: out of range, or cut by an earlier rewind (a fork reaches those too).
 """
 
 from __future__ import annotations
@@ -123,21 +121,12 @@ def settlement(
     return out
 
 
-def rewind_problem(
-    records: Sequence[Output], to_seq: int, *, last_seq: int, first_file: bool
-) -> str | None:
-    """Why the session whose current trace holds ``records`` cannot rewind to ``to_seq``,
-    or None when it can. ``last_seq`` is the session's last ``seq``; ``first_file``
-    whether the current trace is its first (no compaction started it)."""
+def rewind_problem(records: Sequence[Output], to_seq: int, *, last_seq: int) -> str | None:
+    """Why the session whose trace holds ``records`` (every file, or the current one when
+    ``to_seq`` lies in it) cannot rewind to ``to_seq``, or None when it can. ``last_seq``
+    is the session's last ``seq``."""
     if not 0 <= to_seq <= last_seq:
         return f"seq {to_seq} is out of range: the session's records are 0..{last_seq}"
-    start = 0 if first_file or not records else records[0].seq or 0
-    if to_seq < start:
-        return (
-            f"seq {to_seq} is before the compaction (seq {start}) that started the "
-            f"session's current context: a rewind reaches back to seq {start}; fork at "
-            f"seq {to_seq} to continue from there"
-        )
     cut = cut_by(records, to_seq)
     if cut is not None:
         return (

@@ -293,3 +293,41 @@ async def test_a_task_started_while_a_rewind_reads_the_trace_is_not_rewound(
         assert [type(e) for e in refused] == [Busy]
         await stream.result()
         assert [line["type"] for line in trace_lines(session)].count("rewind") == 0
+
+
+async def test_a_rewind_past_a_compaction_goes_back_to_the_earlier_context(
+    data_dir: Path, workspace: Path, providers: Any
+) -> None:
+    """R-FORK-2, R-COMPACT-8: a rewind to a record before a compaction starts the next
+    trace file (one file, one context) with the rewind; the session, live and reloaded,
+    continues from the full context it had there, not from the summary."""
+    provider = providers(
+        [
+            Reply(blocks=(text("first answer"),)),
+            Reply(blocks=(text("[summary]they asked once[/summary]"),)),
+            Reply(blocks=(text("second answer"),)),
+            Reply(blocks=(text("after the rewind"),)),
+        ]
+    )
+    async with open_host(data_dir) as host:
+        session = await host.create_session(provider=provider, workspace_dir=workspace)
+        await collect(session.run("first question"))
+        first_end = trace_lines(session)[-1]["seq"]
+        assert (await session.compact()) is not None
+        await collect(session.run("second question"))
+        assert session.trace_path.name == "trace_002.jsonl"
+        await session.rewind(first_end)
+        assert session.trace_path.name == "trace_003.jsonl"
+        assert trace_lines(session)[0]["type"] == "rewind"
+        live = list(session.transcript.messages)
+        session_id = session.id
+    again = providers([Reply(blocks=(text("again"),))])
+    async with open_host(data_dir) as host:
+        loaded = await host.load_session(session_id, provider=again)
+        assert loaded.transcript.messages == live
+        await collect(loaded.run("another question"))
+        (request,) = again.requests
+        assert prompts_of(request) == ["first question", "another question"]
+        answer = request.messages[1]
+        assert isinstance(answer, AssistantMessage)
+        assert answer.content == (TextBlock(text="first answer"),)

@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 
 from greenroom.protocols.content import TextBlock, ToolCallBlock
-from greenroom.protocols.history import cut_by, live_records
+from greenroom.protocols.history import context_at, cut_by, live_records
 from greenroom.protocols.outputs import (
     Abort,
     CompactionEnd,
@@ -98,15 +98,21 @@ def test_copy_records_takes_a_line_of_another_shape_by_decoding_it() -> None:
     assert record.session_id == "new"
 
 
-def test_a_rewind_reaches_back_to_the_start_of_the_current_context() -> None:
-    start = CompactionEnd(session_id="s1", run_id="r1", seq=10, status="ok", attempt=1)
-    records: list[Output] = [start, msg(11), msg(12)]
-    assert rewind_problem(records, 10, last_seq=12, first_file=False) is None
-    problem = rewind_problem(records, 9, last_seq=12, first_file=False)
-    assert problem is not None and "before the compaction (seq 10)" in problem
-    assert "fork at seq 9" in problem
-    assert rewind_problem(records, 13, last_seq=12, first_file=False) is not None
-    assert rewind_problem([msg(1)], 0, last_seq=1, first_file=True) is None
+def test_the_context_at_a_record_spans_compactions_and_rewinds() -> None:
+    """A compaction starts a context; a rewind goes back to the context of its point, in
+    this file or an earlier one."""
+    start = CompactionEnd(session_id="s1", run_id="r1", seq=3, status="ok", attempt=1)
+    records: list[Output] = [msg(1), msg(2), start, msg(4), rewind(5, 1), msg(6)]
+    assert seqs(context_at(records)) == [1, 5, 6]
+    assert seqs(context_at(records, 4)) == [3, 4]
+    assert seqs(context_at(records, 2)) == [1, 2]
+    assert seqs(context_at([*records, rewind(7, 4)])) == [3, 4, 7]
+    assert rewind_problem(records, 2, last_seq=6) is not None  # cut by the rewind at 5
+    assert rewind_problem(records, 4, last_seq=6) is not None
+    assert rewind_problem(records, 3, last_seq=6) is not None
+    assert rewind_problem(records, 1, last_seq=6) is None
+    assert rewind_problem(records, 7, last_seq=6) is not None
+    assert rewind_problem([msg(1)], 0, last_seq=1) is None
 
 
 def test_a_streaming_attempt_is_settled_as_a_cut_message() -> None:

@@ -573,8 +573,8 @@ def _add_time_travel_commands(commands: Any) -> None:
         description="Rewind SESSION_ID to the record --to SEQ: its next task continues from "
         "the history it had there. The later records stay in its trace, behind a rewind "
         "record. Workspace files are NOT rewound. Refused while a task runs or waits for a "
-        "person, and for a record before the compaction that started the session's current "
-        "context (fork there instead). No model key needed.",
+        "person, and for a record an earlier rewind cut (fork there instead). No model key "
+        "needed.",
     )
     rewind.add_argument("session_id", metavar="SESSION_ID")
     rewind.add_argument(

@@ -37,7 +37,9 @@ from greenroom.actors.runtime.trace_store import (
 from greenroom.actors.tools.mcp_config import McpConfigError, as_configs
 from greenroom.actors.tools.workspace import current_boot
 from greenroom.protocols.converter import converter
+from greenroom.protocols.history import context_at
 from greenroom.protocols.hooks import Hooks
+from greenroom.protocols.outputs import Rewind
 from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.task import fold
 from greenroom.protocols.tools import Tool, WorkspaceIdentity
@@ -211,6 +213,10 @@ class PortBuilder:
         )
         loaded = await self._store.log.load(session_id)
         records = list(loaded.records)
+        if records and isinstance(records[0], Rewind):
+            # A rewind into an earlier context started this trace: its context begins
+            # there (R-FORK-2).
+            records = context_at(await self._store.log.read_after(session_id))
         identity = self._shared.identity(await trio.to_thread.run_sync(_stored_workspace, meta))
         port = SessionPort(
             host=self._host,

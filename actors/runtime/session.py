@@ -617,8 +617,9 @@ class Session:
         the ``rewind`` record returned, which subscribers see like any output. A task the
         point leaves open ends aborted, as an interrupt ends it. Workspace files are not
         rewound. Raises :class:`Busy` while a task runs, and :class:`SeqRefused` for a
-        point the history does not have (out of range, cut by an earlier rewind, before
-        the compaction that started the current context: fork there instead)."""
+        point the history does not have (out of range, or cut by an earlier rewind: fork
+        there instead). A point before a compaction brings back the full context the
+        session had there, not the summary."""
         self._check_takes_tasks()
         if self.busy:
             raise Busy(f"session {self.id} is running a task; rewind it once the task has ended")

@@ -11,10 +11,14 @@ in the fork's own trace. The source is only read. The fork keeps the source's wo
 (or takes one of its own): workspace files are never copied.
 
 **Rewind** (:func:`rewind_to`, ``Session.rewind``): an idle session's current trace is read
-back, the point is checked (:func:`~greenroom.protocols.time_travel.rewind_problem`), the
-model context and task state are folded again from what the rewind keeps, and the
-``rewind`` record (with the settlement of a task the point leaves open) is written and
-published like any output: subscribers see it. Workspace files are not rewound.
+back (all of its trace when the point lies in an earlier context), the point is checked
+(:func:`~greenroom.protocols.time_travel.rewind_problem`), the model context and task state
+are folded again from what the rewind keeps
+(:func:`~greenroom.protocols.history.context_at`), and the ``rewind`` record (with the
+settlement of a task the point leaves open) is written and published like any output:
+subscribers see it. A rewind into an earlier context (before a compaction) starts the next
+trace file, as a compaction does, so that a trace file stays one context. Workspace files
+are not rewound.
 
 Records written here are written as a task's are (R-TRACE-3): numbered, appended, fed to
 the transcript and the task machine, published once written, then made durable.
@@ -49,7 +53,7 @@ from greenroom.actors.runtime.trace_store import (
     TraceStore,
 )
 from greenroom.protocols.converter import converter
-from greenroom.protocols.history import live_records
+from greenroom.protocols.history import context_at
 from greenroom.protocols.messages import TraceWritten
 from greenroom.protocols.outputs import Output, Rewind
 from greenroom.protocols.settings import SessionSettings
@@ -153,17 +157,20 @@ async def rewind_to(port: SessionPort, to_seq: int, reason: str | None = None) -
     what to do instead)."""
     log = port.host.trace_log
     loaded = await log.read_latest(port.id)
+    records = list(loaded.records)
+    start = (records[0].seq or 0) if loaded.number > 1 and records else 0
+    crossing = to_seq < start  # into an earlier context: the rewind starts the next file
+    if crossing or (records and isinstance(records[0], Rewind)):
+        records = await log.read_after(port.id)  # the context begins in an earlier file
     if port.busy:
         # A task started while the trace was read: its supervisor owns the session's
         # state now, and it is not rewound under it. From here to the append nothing
         # waits, so no task starts before the rewound state is in place.
         raise Busy(f"session {port.id} started a task; rewind it once the task has ended")
-    problem = rewind_problem(
-        loaded.records, to_seq, last_seq=port.last_seq, first_file=loaded.number == 1
-    )
+    problem = rewind_problem(records, to_seq, last_seq=port.last_seq)
     if problem is not None:
         raise SeqRefused(f"cannot rewind session {port.id}: {problem}")
-    kept = [r for r in live_records(loaded.records) if (r.seq or 0) <= to_seq]
+    kept = context_at(records, to_seq)
     transcript = rebuild(kept, supports_vision=port.settings.supports_vision, recover=False)
     machine = fold(kept)
     note = Rewind(session_id=port.id, run_id=port.new_run_id(), to_seq=to_seq, reason=reason)
@@ -175,6 +182,8 @@ async def rewind_to(port: SessionPort, to_seq: int, reason: str | None = None) -
     )
     port.transcript = transcript
     port.machine = machine
+    if crossing:
+        port.rotate_trace()
     traced = await record(port, [note, *settled])
     first = traced[0]
     assert isinstance(first, Rewind)
