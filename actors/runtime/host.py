@@ -56,7 +56,7 @@ from greenroom.actors.runtime.storage import (
     tighten,
 )
 from greenroom.actors.runtime.supervisor import start, wake
-from greenroom.actors.runtime.time_travel import fork
+from greenroom.actors.runtime.time_travel import fork, settle_fork
 from greenroom.actors.runtime.trace_store import (
     FileTraceStore,
     StoredSession,
@@ -329,15 +329,16 @@ class Host:
     async def fork_session(
         self, session_id: str, at_seq: int | None = None, **options: Any
     ) -> Session:
-        """A new session, open here, whose history is ``session_id``'s up to ``at_seq``
-        (default: its last record), ``session.json`` naming it in ``forked_from``
-        (R-FORK-1). ``options`` and what raises: :func:`~greenroom.actors.runtime.
-        time_travel.fork` (``tools`` default to the host's)."""
+        """A new session, open here, with ``session_id``'s history up to ``at_seq`` (default:
+        its last record: R-FORK-1); ``options`` (``tools`` default to the host's) and what
+        raises: :func:`~greenroom.actors.runtime.time_travel.fork`."""
         self.check_open()
         new_id = _fresh_id(self._sessions, None)
         tools = self._default_tools
         port = await fork(self._builder, self._store, session_id, at_seq, new_id, tools, **options)
-        return self._add(port, created=True)
+        session = self._add(port, created=True)
+        await settle_fork(port)  # after the observers: a cluster replicates the copy first
+        return session
 
     def get_session(self, session_id: str) -> Session:
         """An open session of this host; raises :class:`SessionNotFound`."""

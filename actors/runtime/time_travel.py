@@ -65,7 +65,7 @@ from greenroom.protocols.transcript import rebuild
 if TYPE_CHECKING:
     from greenroom.actors.runtime.port_builder import PortBuilder
 
-__all__ = ["fork", "record", "rewind_to"]
+__all__ = ["fork", "record", "rewind_to", "settle_fork"]
 
 _NOT_INHERITED = ("parent_id", "root_id", "origin", "name", "background", "forked_from")
 """What a fork does not take from its source's ``session.json``: a fork is a root session
@@ -88,7 +88,9 @@ async def fork(
     **overrides: Any,
 ) -> SessionPort:
     """Fork ``source_id`` at ``at_seq`` (None: its last record) into the new session
-    ``session_id`` and return its port, loaded and settled (see the module docstring).
+    ``session_id`` and return its port, loaded; :func:`settle_fork` then closes a task
+    the fork point leaves open, once the host shows the session to its observers (see the
+    module docstring).
 
     ``tools`` (default: ``default_tools``), ``provider`` and ``mcp_servers`` are the new
     session's, as for ``Host.load_session``; ``overrides`` change its settings (any
@@ -131,7 +133,7 @@ async def fork(
             _share_attachments, paths.session_dir(source_id), paths.session_dir(session_id)
         )
         await store.catalog.create(session_id, new_meta)
-        port = await builder.stored(
+        return await builder.stored(
             session_id,
             tools=default_tools if tools is None else tools,
             provider=provider if not isinstance(provider, str) else None,
@@ -139,15 +141,22 @@ async def fork(
             overrides={},
             principal=principal,
         )
-        why = f"forked from session {source_id} at seq {seq}"
-        blocks = port.transcript.attempt_blocks
-        await record(port, settlement(port.machine.record, blocks, session_id=port.id, reason=why))
     except BaseException:
         with trio.CancelScope(shield=True), contextlib.suppress(Exception):
             store.log.release(session_id)
             await store.catalog.delete(session_id)
         raise
-    return port
+
+
+async def settle_fork(port: SessionPort) -> None:
+    """Close the task the fork point of ``port``'s new session leaves open, if any, as an
+    interrupt closes it (R-ABORT), then make its trace durable — the copy too, where the
+    store is durable (a cluster: once the host's observers have it replicated)."""
+    source, seq = port.forked_from or ("?", 0)
+    why = f"forked from session {source} at seq {seq}"
+    blocks = port.transcript.attempt_blocks
+    await record(port, settlement(port.machine.record, blocks, session_id=port.id, reason=why))
+    await port.sync_trace()
 
 
 async def rewind_to(port: SessionPort, to_seq: int, reason: str | None = None) -> Rewind:
