@@ -16,6 +16,7 @@ from greenroom.actors.runtime.errors import (
     HostClosed,
     ImageRefused,
     OutputSchemaError,
+    SeqRefused,
     SessionClosed,
     SessionNotFound,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "RunStream",
     "ScriptedProvider",
     "ScriptedStream",
+    "SeqRefused",
     "Session",
     "SessionClosed",
     "SessionInfo",

@@ -61,6 +61,7 @@ from greenroom.protocols.outputs import (
     PartialToolCall,
     RequestBegin,
     RequestEnd,
+    Rewind,
     TaskEnd,
     TaskStart,
     TokenUsageOutput,
@@ -280,6 +281,7 @@ def initialize_result(version: str) -> dict[str, Any]:
         "protocolVersion": PROTOCOL_VERSION,
         "agentCapabilities": {
             "loadSession": True,
+            "sessionCapabilities": {"fork": {}},
             "promptCapabilities": {"image": True, "audio": False, "embeddedContext": True},
             "mcpCapabilities": {"http": True, "sse": False},
         },
@@ -321,6 +323,31 @@ def parse_new_session(params: Mapping[str, Any]) -> NewSession:
     if not posixpath.isabs(cwd):
         raise invalid("$.cwd", f"must be an absolute path, got {cwd!r}")
     return NewSession(cwd=cwd, mcp_servers=_mcp_servers(params.get("mcpServers", [])))
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ForkSession:
+    """``session/fork``: the session to fork, where (``_meta.greenroom.atSeq``, greenroom's
+    extension: the last record the fork keeps; None: the last), and the new session's
+    ``cwd`` and ``mcpServers`` as for ``session/new``."""
+
+    session_id: str
+    at_seq: int | None
+    new: NewSession
+
+
+def parse_fork_session(params: Mapping[str, Any]) -> ForkSession:
+    """The checked parameters of ``session/fork`` (R-FORK-1). Raises an :class:`RpcError`
+    naming the first bad field."""
+    session_id = session_id_of(params)
+    meta = params.get("_meta")
+    ours = meta.get(META_KEY) if isinstance(meta, Mapping) else None
+    at_seq = ours.get("atSeq") if isinstance(ours, Mapping) else None
+    if at_seq is not None and (
+        not isinstance(at_seq, int) or isinstance(at_seq, bool) or at_seq < 0
+    ):
+        raise invalid(f"$._meta.{META_KEY}.atSeq", "expected an integer of at least 0")
+    return ForkSession(session_id=session_id, at_seq=at_seq, new=parse_new_session(params))
 
 
 def _mcp_servers(value: Any) -> tuple[dict[str, Any], ...]:
@@ -681,11 +708,13 @@ class UpdateMapper:
                 | CallInDoubt()
                 | CallResolved()
                 | ToolHook()
+                | Rewind()
             ):
                 # The editor learns of a call from its block, is asked to approve by the
-                # agent's own request, and sees no request, usage or compaction events;
-                # a call in doubt ends with its result as any call does, and what a tool
-                # hook did shows in the call's decision and result.
+                # agent's own request, and sees no request, usage, compaction or rewind
+                # events (an editor cannot take back what it shows; session/load replays
+                # the rewound history); a call in doubt ends with its result as any call
+                # does, and what a tool hook did shows in the call's decision and result.
                 return []
             case _:
                 assert_never(output)

@@ -12,7 +12,8 @@
     │   ├── OutputSchemaError  an output_schema that cannot be used (R-OUT-1) (400)
     │   └── HooksFileError     a command hooks settings file that cannot be used (R-HOOK-2)
     ├── ImageRefused       an image file that cannot be attached, and why (400)
-    └── NotPending         an answer for a request no person is asked (any more) (409)
+    ├── NotPending         an answer for a request no person is asked (any more) (409)
+    └── SeqRefused         a fork or rewind point the session's history does not have (400)
 
 Model and tool failures are not exceptions: they are outputs (``request_end`` with a
 status, ``tool_call_output`` with ``is_error``).
@@ -100,3 +101,11 @@ class NotPending(GreenroomError):
     ended, or its arguments are not the ones the person saw (R-HITL-2)."""
 
     code = 409
+
+
+class SeqRefused(GreenroomError):
+    """A ``seq`` to fork at or rewind to that the session's history does not allow
+    (R-FORK-1, R-FORK-2): out of range, or (a rewind) cut by an earlier rewind. The
+    message says which, and what to do instead."""
+
+    code = 400

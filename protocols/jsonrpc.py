@@ -396,6 +396,30 @@ METHODS: dict[str, Method] = {
             doc="Stop the session's `output` notifications.",
         ),
         Method(
+            name="session.fork",
+            params=(
+                _session_id(_NODE),
+                Param(name="at_seq", type="integer", required=False,
+                      doc="the last record the fork keeps (default: the session's last; "
+                      "0: none)"),
+            ),
+            result="`{session_id, seq}`",
+            doc="A new session of the caller's whose history is this one's up to `at_seq` "
+            "(R-FORK-1): `seq` is the fork point; a task open there ends aborted in the fork.",
+        ),
+        Method(
+            name="session.rewind",
+            params=(
+                _session_id(),
+                Param(name="to_seq", type="integer", required=True,
+                      doc="the last record the session keeps (0: none)"),
+            ),
+            result="`{seq}`",
+            doc="Continue the idle session from its history at `to_seq` (R-FORK-2); later "
+            "records stay in the trace behind the `rewind` output (its `seq`); 409 while a "
+            "task runs. Workspace files are not rewound.",
+        ),
+        Method(
             name="run",
             params=(
                 _session_id(),

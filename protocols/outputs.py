@@ -538,6 +538,26 @@ class TaskEnd(Envelope):
     output: dict[str, Any] | None = None
 
 
+@_documented
+@attrs.frozen(kw_only=True, slots=True)
+class Rewind(Envelope):
+    """The session was rewound to ``to_seq`` (R-FORK-2): its history is again what it
+    was at that record, and the records between ``to_seq`` and this one stay in the trace
+    behind it, cut from the history (the model context and the task state are folded
+    without them). Workspace files are not rewound.
+
+    Fields:
+        to_seq: the last record of the history the session continues from (0: none,
+            an empty history).
+        reason: why, in words (who asked), when given.
+    """
+
+    TYPE: ClassVar[str] = "rewind"
+    TRACED: ClassVar[bool] = True
+    to_seq: int
+    reason: str | None = None
+
+
 Output: TypeAlias = (
     UserMsg
     | TaskStart
@@ -558,6 +578,7 @@ Output: TypeAlias = (
     | CompactionEnd
     | CallInDoubt
     | CallResolved
+    | Rewind
     | TaskEnd
 )
 """Every output: the closed union to ``match`` on (exhaustively, ending with

@@ -35,7 +35,9 @@ the machine learns the result by observing them, exactly as :func:`fold` would.
 Invariants, each kept on every path (``tests/test_task_machine.py`` checks them):
 
 1. Recorded state changes only in :meth:`TaskMachine.observe`; ``fold(trace[:k])`` equals the
-   live machine's :meth:`~TaskMachine.recorded` state after the record with ``seq`` k.
+   live machine's :meth:`~TaskMachine.recorded` state after the record with ``seq`` k (a
+   ``rewind`` is folded by leaving out what it cut, and a session that rewinds replaces
+   its live machine with that fold: R-FORK-2).
 2. A task ends with exactly one ``task_end``; after it no step of that task is issued.
 3. A new attempt or turn is issued only once every tool call of the current attempt has its
    result (R-RUN-4, R-RETRY-4).
@@ -56,6 +58,7 @@ import attrs
 
 from greenroom.protocols.content import TextBlock, ToolCallBlock, UserContent
 from greenroom.protocols.guards import LoopGuard
+from greenroom.protocols.history import live_records
 from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
@@ -72,6 +75,7 @@ from greenroom.protocols.outputs import (
     PartialToolCall,
     RequestBegin,
     RequestEnd,
+    Rewind,
     TaskEnd,
     TaskStart,
     TaskStatus,
@@ -468,6 +472,8 @@ class TaskRecord:
                 pass  # a prompt's task_start, steering's request_begin, an abort's task_end follow
             case ToolHook():
                 pass  # what it did shows in the decision and the result that follow
+            case Rewind():
+                pass  # fold() leaves out what a rewind cut (history.live_records)
             case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():
                 pass  # live only
             case _:
@@ -1068,8 +1074,9 @@ class TaskMachine:
 def fold(records: Iterable[Output], limits: TaskLimits | None = None) -> TaskMachine:
     """A machine that has observed ``records`` (a session's trace, in ``seq`` order):
     its :meth:`~TaskMachine.recorded` state is the live run's at the last record
-    (invariant 1)."""
+    (invariant 1). What a ``rewind`` cut is left out
+    (:func:`~greenroom.protocols.history.live_records`, R-FORK-2)."""
     machine = TaskMachine(limits)
-    for record in records:
+    for record in live_records(list(records)):
         machine.observe(record)
     return machine

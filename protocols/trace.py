@@ -23,6 +23,8 @@ is kept.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import re
 from collections.abc import Iterable
@@ -69,6 +71,114 @@ def encode_record(output: Output) -> str:
     if output.seq is None:
         raise ValueError(f"a traced {type(output).TYPE!r} output needs a seq")
     return converter.to_json(output) + "\n"
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class CopiedTrace:
+    """What :func:`copy_records` took from one trace file: ``data``, the lines it keeps
+    (each a whole record, moved to the new session), and the ``seq`` of the file's first
+    and last complete records (None for a file without any)."""
+
+    data: bytes
+    first_seq: int | None
+    last_seq: int | None
+
+
+def copy_records(
+    data: bytes, *, source_id: str, session_id: str, through_seq: int
+) -> CopiedTrace:
+    """The records of one trace file (its bytes) with ``seq <= through_seq``, each moved
+    from session ``source_id`` to ``session_id``, as the lines of a trace file of that
+    session (a fork: R-FORK-1). No record is decoded: a file whose lines are in the shape
+    :func:`encode_record` writes is cut and renamed in whole-file passes (regular
+    expressions, a replace), so a fork costs about what reading and writing its bytes
+    costs; any other file is copied line by line, a line of another shape decoded and
+    encoded again.
+    A torn final line (no newline) is left out; a line whose ``seq`` cannot be found is
+    dropped (it would not be read either)."""
+    old = b'"session_id":' + json.dumps(source_id, ensure_ascii=False).encode()
+    new = b'"session_id":' + json.dumps(session_id, ensure_ascii=False).encode()
+    complete = data[: data.rfind(b"\n") + 1]
+    ends = list(_ENVELOPE_END.finditer(complete))
+    if len(ends) == complete.count(b"\n"):  # every line ends as encode_record ends it
+        seqs = [int(m.group(1)) for m in ends]
+        if all(a < b for a, b in itertools.pairwise(seqs)):
+            kept = bisect.bisect_right(seqs, through_seq)
+            prefix = complete[: ends[kept - 1].end()] if kept else b""
+            # Each kept line starts with the envelope naming the source, and the source's
+            # id appears nowhere else: then replacing every occurrence renames exactly the
+            # envelopes (an id inside a tool's arguments sends the file line by line).
+            starts = re.compile(rb'\n\{"type":"[a-z_]+",' + re.escape(old))
+            if len(starts.findall(b"\n" + prefix)) == kept == prefix.count(old):
+                first, last = (seqs[0], seqs[-1]) if seqs else (None, None)
+                return CopiedTrace(data=prefix.replace(old, new), first_seq=first, last_seq=last)
+    return _copy_line_by_line(complete, old, new, session_id, through_seq)
+
+
+_ENVELOPE_END = re.compile(rb'"seq":(\d+)(?:,"origin":\[[^\]\n]*\])?\}\n')
+"""The end of a line :func:`encode_record` wrote: the envelope's ``seq`` (then ``origin``)
+closes it. A ``"seq"`` inside a record's fields is followed by more of the record, never by
+the line's end."""
+
+
+def _copy_line_by_line(
+    complete: bytes, old: bytes, new: bytes, session_id: str, through_seq: int
+) -> CopiedTrace:
+    kept: list[bytes] = []
+    first: int | None = None
+    last: int | None = None
+    for line in complete.split(b"\n")[:-1]:
+        seq = record_seq(line)
+        if seq is None:
+            continue
+        first = seq if first is None else first
+        last = seq
+        if seq <= through_seq:
+            kept.append(_moved(line, old, new, session_id) + b"\n")
+    return CopiedTrace(data=b"".join(kept), first_seq=first, last_seq=last)
+
+
+_SEQ_KEY = b'"seq":'
+
+
+def record_seq(line: bytes) -> int | None:
+    """The ``seq`` of one trace line (without its newline), or None when it has none.
+
+    :func:`encode_record` puts the envelope's ``seq`` after every field of the record, only
+    ``origin`` (a list of ids) after it, so its last ``"seq":`` key is the envelope's: read
+    without decoding the line. Anything else is decoded."""
+    at = line.rfind(_SEQ_KEY)
+    if at != -1:
+        end = start = at + len(_SEQ_KEY)
+        while end < len(line) and 48 <= line[end] <= 57:
+            end += 1
+        if end > start and line[end : end + 1] in (b"}", b","):
+            tail = line[end:]
+            if tail == b"}" or tail.startswith(b',"origin":'):
+                return int(line[start:end])
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None
+    seq = value.get("seq") if isinstance(value, dict) else None
+    return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
+
+
+def _moved(line: bytes, old: bytes, new: bytes, session_id: str) -> bytes:
+    """``line`` with its envelope's ``session_id`` replaced: in place where it stands
+    right after ``type`` (as :func:`encode_record` writes it), else decoded and encoded
+    again (so a ``"session_id"`` inside a tool's arguments is never touched)."""
+    if line.startswith(b'{"type":"'):
+        after_type = line.find(b'",', 9) + 2
+        if line.startswith(old, after_type):
+            return line[:after_type] + new + line[after_type + len(old) :]
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return line
+    if isinstance(value, dict):
+        value["session_id"] = session_id
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 @attrs.frozen(kw_only=True, slots=True)

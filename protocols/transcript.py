@@ -28,6 +28,7 @@ from greenroom.protocols.content import (
     UserContent,
 )
 from greenroom.protocols.context import AssistantMessage, Message, ToolResult, UserMessage
+from greenroom.protocols.history import live_records
 from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
@@ -43,6 +44,7 @@ from greenroom.protocols.outputs import (
     PartialToolCall,
     RequestBegin,
     RequestEnd,
+    Rewind,
     TaskEnd,
     TaskStart,
     TokenUsageOutput,
@@ -113,6 +115,12 @@ class Transcript:
         return not self._attempt_active
 
     @property
+    def attempt_blocks(self) -> tuple[ModelBlock, ...]:
+        """What the model request in flight has produced so far (empty when none is):
+        the partial output an interrupt records (R-ABORT-2 case B)."""
+        return tuple(self._attempt_blocks) if self._attempt_active else ()
+
+    @property
     def open_calls(self) -> tuple[ToolCallBlock, ...]:
         """Tool calls of the last committed model message still owed a result."""
         return tuple(self._open_calls)
@@ -179,6 +187,10 @@ class Transcript:
                 | CallResolved() | ToolHook()
             ):
                 pass  # the model sees the prompt and the calls' results, not these
+            case Rewind():
+                # The records a rewind cut are left out before they get here (rebuild, and
+                # a rewinding session rebuilds its transcript): nothing to undo.
+                pass
             case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():
                 pass  # live only: the complete block or result follows
             case _:
@@ -355,11 +367,14 @@ def rebuild(
     last task has no ``task_end`` (its ``task_start`` may be in the previous file, before
     the compaction that started this one) is recovered as interrupted — unless
     ``recover`` is False: the task is then left open, for the runtime to take up
-    (R-HITL-4) or to recover when a new task starts (:meth:`Transcript.recover`)."""
+    (R-HITL-4) or to recover when a new task starts (:meth:`Transcript.recover`).
+
+    What a ``rewind`` cut is left out (:func:`~greenroom.protocols.history.live_records`):
+    the context is the one the session continued from (R-FORK-2)."""
     transcript = Transcript(supports_vision=supports_vision)
     open_run: str | None = None
     session_id = ""
-    for record in records:
+    for record in live_records(records):
         transcript.apply(record)
         session_id = record.session_id
         match record:
@@ -386,6 +401,7 @@ def rebuild(
                 | CompactionBegin()
                 | CallInDoubt()
                 | CallResolved()
+                | Rewind()
                 | PartialText()
                 | PartialThinking()
                 | PartialToolCall()

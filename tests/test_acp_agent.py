@@ -15,6 +15,8 @@ import trio
 import trio.testing
 from acp.schema import (
     Error,
+    ForkSessionResponse,
+    InitializeResponse,
     NewSessionResponse,
     PromptResponse,
     RequestPermissionRequest,
@@ -245,3 +247,52 @@ async def test_an_image_prompt_reaches_the_model_as_a_stored_image(tmp_path: Pat
     assert skip["result"] == {"skipped": False}
     assert steer["result"] == {"queued": False}
     assert unknown["error"]["code"] == -32601
+
+
+async def test_session_fork_continues_a_copy_of_the_history(tmp_path: Path) -> None:
+    """R-FORK-1 over ACP: ``session/fork`` (advertised in ``sessionCapabilities``) makes a
+    new session with the source's history — up to ``_meta.greenroom.atSeq`` when given —
+    that the editor prompts like any; a seq out of range or an unknown session is an error
+    naming it (the SDK's ForkSessionResponse shape)."""
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    provider = ScriptedProvider(
+        [Reply(blocks=(text("first answer"),)), Reply(blocks=(text("forked answer"),))]
+    )
+    to_agent, agent_in = trio.testing.memory_stream_one_way_pair()
+    agent_out, from_agent = trio.testing.memory_stream_one_way_pair()
+    client = Client(to_agent, from_agent)
+    with trio.fail_after(TIMEOUT_S):
+        async with Host.open(data_dir=tmp_path / "data") as host, trio.open_nursery() as nursery:
+            agent = AcpAgent(host, AcpConfig(provider=provider), agent_out)
+            nursery.start_soon(agent.serve, agent_in)
+            init = await client.call("initialize", {"protocolVersion": 1})
+            strict(InitializeResponse, init["result"])
+            assert init["result"]["agentCapabilities"]["sessionCapabilities"] == {"fork": {}}
+            created = await client.call("session/new", {"cwd": str(workspace), "mcpServers": []})
+            sid = created["result"]["sessionId"]
+            prompt = {"sessionId": sid, "prompt": [{"type": "text", "text": "first"}]}
+            await client.call("session/prompt", prompt)
+            forked = await client.call("session/fork", {"sessionId": sid, "cwd": str(workspace)})
+            strict(ForkSessionResponse, forked["result"])
+            fork_id = forked["result"]["sessionId"]
+            assert fork_id != sid and host.get_session(fork_id).forked_from is not None
+            prompt = {"sessionId": fork_id, "prompt": [{"type": "text", "text": "second"}]}
+            answer = await client.call("session/prompt", prompt)
+            assert answer["result"]["stopReason"] == "end_turn"
+            (_, second) = provider.requests
+            assert [m.content[0].text for m in second.messages] == [
+                "first", "first answer", "second"
+            ]
+            past = await client.call(
+                "session/fork",
+                {"sessionId": sid, "cwd": str(workspace), "_meta": {"greenroom": {"atSeq": 999}}},
+            )
+            assert past["error"]["message"].startswith("$._meta.greenroom.atSeq: seq 999 is out")
+            strict(Error, past["error"])
+            unknown = await client.call(
+                "session/fork", {"sessionId": "20990101-000000-abcdef", "cwd": str(workspace)}
+            )
+            assert "no session" in unknown["error"]["message"]
+            await to_agent.aclose()
+    assert provider.violations == []

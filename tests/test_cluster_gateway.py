@@ -120,6 +120,21 @@ def test_a_client_of_one_host_works_a_session_that_runs_on_another(
                     found["traced"] = [
                         r.seq for r in (await (await TraceStream.open(conn)).read(sid)).records
                     ]
+                    # R-FORK-1, R-FORK-2 through b: the fork is made on a (the source's
+                    # host), in the cluster's trace once answered; a rewind is seen live.
+                    forked = await alice.result("session.fork", {"session_id": sid})
+                    found["fork"] = forked
+                    found["fork_traced"] = [
+                        r.seq
+                        for r in (await (await TraceStream.open(conn)).read(
+                            forked["session_id"]
+                        )).records
+                    ]
+                    found["fork_owner"] = await leases.holder(forked["session_id"])
+                    found["rewound"] = await alice.result(
+                        "session.rewind", {"session_id": sid, "to_seq": 1}
+                    )
+                    found["rewind_note"] = (await alice.outputs_until("rewind"))[-1]
                     async with _client(b, "mallory-token-0123456789") as mallory:
                         found["refused"] = [
                             await mallory.error(method, {"session_id": sid, **params})
@@ -154,6 +169,11 @@ def test_a_client_of_one_host_works_a_session_that_runs_on_another(
     seqs = [o["seq"] for o in outputs]
     assert seqs == list(range(1, len(seqs) + 1)), seqs
     assert found["traced"][: len(seqs)] == seqs
+    assert found["fork"]["seq"] == seqs[-1]
+    assert found["fork_traced"] == seqs  # the copied prefix reached JetStream
+    assert found["fork_owner"] == "a"
+    assert found["rewind_note"]["to_seq"] == 1
+    assert found["rewound"] == {"seq": found["rewind_note"]["seq"]}
     joined, late_seqs = found["late"]
     assert late_seqs == seqs[1:]  # no gap, no duplicate across replay and live
     assert joined["replayed"] == joined["last_seq"] - 1 > 0

@@ -30,6 +30,7 @@ from greenroom.actors.apps.render import HumanRenderer, JsonRenderer, format_rec
 from greenroom.actors.gateway import hubs
 from greenroom.actors.runtime import subagents, tree
 from greenroom.protocols import outputs
+from greenroom.protocols.history import live_records
 from greenroom.protocols.messages import SubagentOutputs, SupervisorMessage
 from greenroom.protocols.transcript import Transcript, rebuild
 
@@ -93,12 +94,21 @@ def test_gateway_hub_follows_every_output() -> None:
 
 
 def test_transcript_takes_every_output() -> None:
+    """Fed every output (what a rewind cut left out, as a rewinding session rebuilds its
+    transcript from what the rewind keeps: R-FORK-2), the live transcript is the rebuilt
+    one; the example rewind cuts the records after seq 2."""
     own = [o for o in every_output() if o.origin is None]
     transcript = Transcript()
-    for output in own:
+    for output in live_records(own):
         transcript.apply(output)
     rebuilt = rebuild(own)
     assert rebuilt.messages == transcript.messages
+    last = max(o.seq for o in own if o.seq is not None)  # the rewind's and what follows it
+    assert [o.seq for o in live_records(own) if o.seq is not None] == [1, 2, last - 1, last]
+    cut = Transcript()
+    for output in own:
+        cut.apply(output)
+    assert cut.messages != rebuilt.messages  # the compaction after seq 2 was cut
 
 
 async def test_subagent_watch_follows_every_output() -> None:

@@ -83,6 +83,7 @@ EXAMPLES: dict[type[Any], dict[str, Any]] = {
         "principal": "ana",
         "check_error": "TimeoutError: no answer within 30 s",
     },
+    outputs.Rewind: {"to_seq": 2, "reason": "rewound by a client"},
     outputs.TaskEnd: {"status": "aborted", "turns": 2, "usage": USAGE, "wall_ms": 12},
 }
 

@@ -21,9 +21,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
 
+from greenroom.actors.runtime.errors import SeqRefused
 from greenroom.actors.runtime.trace_sink import TraceSinkClosed, TraceWriteError
 from greenroom.actors.runtime.trace_store import (
     StaleTraceWriter,
@@ -250,6 +252,51 @@ def test_rotation_starts_a_new_numbered_trace(backend: Runner) -> None:
         assert await b.written("s1") == [1, 2, 3, 4, 5, 6]
         listed = {s.session_id: s for s in await b.store.catalog.list_sessions()}
         assert listed["s1"].traces == 3
+
+    backend.run(contract)
+
+
+def test_a_fork_copies_the_prefix_and_shares_nothing(backend: Runner) -> None:
+    """R-FORK-1: a fork holds the source's records up to its seq, in the same numbered
+    traces, moved to its own id, durable; it loads like any session and appends after the
+    fork point; the source reads back as before; a seq past the source's last, or an
+    unknown source, is refused and stores nothing."""
+
+    async def contract(b: Backend) -> None:
+        log = b.store.log
+        await new_session(b, "src")
+        await append_all(b, "src", [1, 2, 3])
+        log.rotate("src")
+        await append_all(b, "src", [4, 5, 6])
+        await log.sync("src")
+        before = (await b.written("src"), await log.read_after("src"))
+        assert await log.fork("src", "fork", 5) == 5
+        await b.store.catalog.create("fork", meta_of("fork"))
+        loaded = await load(b, "fork")
+        assert (seqs_of(loaded.records), loaded.number, loaded.last_seq) == ([4, 5], 2, 5)
+        assert {r.session_id for r in loaded.records} == {"fork"}
+        with pytest.raises(StaleTraceWriter):
+            log.append("fork", 5, record("fork", 5))
+        await append_all(b, "fork", [6, 7])
+        await log.sync("fork")
+        assert await b.written("fork") == [1, 2, 3, 4, 5, 6, 7]
+        assert await b.durable("fork") == [1, 2, 3, 4, 5, 6, 7]
+        copied = await log.read_after("fork")
+        assert [r.session_id for r in copied] == ["fork"] * 7
+        assert copied[:5] == [attrs.evolve(r, session_id="fork") for r in before[1][:5]]
+        assert (await b.written("src"), await log.read_after("src")) == before
+        assert await log.fork("src", "empty", 0) == 0
+        await b.store.catalog.create("empty", meta_of("empty"))
+        assert (await load(b, "empty")).last_seq == 0
+        assert await log.fork("src", "whole", None) == 6
+        await b.store.catalog.create("whole", meta_of("whole"))
+        assert seqs_of(await log.read_after("whole")) == [1, 2, 3, 4, 5, 6]
+        for bad in (7, -1):
+            with pytest.raises(SeqRefused):
+                await log.fork("src", "bad", bad)
+        with pytest.raises(StoredSessionMissing):
+            await log.fork("nobody", "bad", 0)
+        assert await log.read_after("bad") == []
 
     backend.run(contract)
 

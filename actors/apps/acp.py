@@ -67,11 +67,13 @@ from greenroom.actors.runtime import (
     Host,
     ImageRefused,
     RunStream,
+    SeqRefused,
     Session,
     SessionNotFound,
 )
 from greenroom.protocols import acp
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock, UserContent
+from greenroom.protocols.history import live_records
 from greenroom.protocols.jsonrpc import (
     BUSY,
     INTERNAL_ERROR,
@@ -132,6 +134,20 @@ class AcpConfig:
     mcp_config: dict[str, dict[str, Any]] = attrs.Factory(dict)
     prices: Mapping[str, Price] | None = None
     """Model prices over the built-in table (``--prices``: R-SHARE-3)."""
+
+    def mcp_servers_with(self, servers: tuple[dict[str, Any], ...]) -> dict[str, dict[str, Any]]:
+        """The MCP servers of a session: those of ``--mcp-config``, then the client's
+        ``servers`` (a client's server replaces a configured one of the same name)."""
+        return {**self.mcp_config, **acp.mcp_servers_config(servers)}
+
+    def stored_overrides(self) -> dict[str, Any]:
+        """The settings a loaded or forked session is given: the flags' over its own."""
+        overrides: dict[str, Any] = dict(self.settings)
+        if self.model is not None:
+            overrides["model"] = self.model
+        if self.system is not None:
+            overrides["system"] = self.system
+        return overrides
 
 
 class _Answer:
@@ -478,6 +494,7 @@ class AcpAgent:
             "initialize": self._initialize,
             "session/new": self._new_session,
             "session/load": self._load_session,
+            "session/fork": self._fork_session,
             "session/prompt": self._prompt,
             "_greenroom/steer": self._steer,
             "_greenroom/follow_up": self._follow_up,
@@ -508,7 +525,7 @@ class AcpAgent:
         if not await trio.to_thread.run_sync(os.path.isdir, request.cwd):
             raise acp.invalid("$.cwd", f"{request.cwd} is not a directory")
         config = self._config
-        mcp_servers = self._mcp_servers(request.mcp_servers)
+        mcp_servers = self._config.mcp_servers_with(request.mcp_servers)
         try:
             session = await self._host.create_session(
                 model=config.model,
@@ -525,11 +542,6 @@ class AcpAgent:
         _log(f"session {session.id} in {session.workspace_dir}")
         return {"sessionId": session.id, **_mcp_meta(entry)}
 
-    def _mcp_servers(self, servers: tuple[dict[str, Any], ...]) -> dict[str, dict[str, Any]]:
-        """The MCP servers of a session: those of ``--mcp-config``, then the client's (a
-        client's server replaces a configured one of the same name)."""
-        return {**self._config.mcp_config, **acp.mcp_servers_config(servers)}
-
     def _add_session(self, session: Session, mcp_servers: dict[str, dict[str, Any]]) -> _AcpSession:
         existing = self._sessions.get(session.id)
         if existing is not None:
@@ -543,17 +555,13 @@ class AcpAgent:
     async def _load_session(self, params: dict[str, Any]) -> _Then:
         session_id = acp.session_id_of(params)
         request = acp.parse_new_session(params)
-        overrides: dict[str, Any] = dict(self._config.settings)
-        if self._config.model is not None:
-            overrides["model"] = self._config.model
-        if self._config.system is not None:
-            overrides["system"] = self._config.system
+        overrides = self._config.stored_overrides()
         try:
             session = await self._host.load_session(
                 session_id,
                 tools=self._config.tools,
                 provider=self._config.provider,
-                mcp_servers=self._mcp_servers(request.mcp_servers),
+                mcp_servers=self._config.mcp_servers_with(request.mcp_servers),
                 **overrides,
             )
         except SessionNotFound as exc:
@@ -567,7 +575,7 @@ class AcpAgent:
                 f"session {session_id} works in {session.workspace_dir}, not in the cwd "
                 f"{request.cwd} the client gave"
             )
-        entry = self._add_session(session, self._mcp_servers(request.mcp_servers))
+        entry = self._add_session(session, self._config.mcp_servers_with(request.mcp_servers))
         records = await _replay(session, self._notify)
         if not entry.pumping and fold(records).run_id is not None:
             await self._take_up(entry)
@@ -580,6 +588,14 @@ class AcpAgent:
                 self._people.ask_soon(self._nursery, entry.asked, request)
 
         return _Then(dict(_mcp_meta(entry)), ask_again)
+
+    async def _fork_session(self, params: dict[str, Any]) -> dict[str, Any]:
+        request = acp.parse_fork_session(params)
+        servers = self._config.mcp_servers_with(request.new.mcp_servers)
+        session = await _forked(self._host, self._config, request, servers)
+        entry = self._add_session(session, servers)
+        _log(f"session {session.id} forked from {request.session_id} in {request.new.cwd}")
+        return {"sessionId": session.id, **_mcp_meta(entry)}
 
     async def _take_up(self, entry: _AcpSession) -> None:
         """Take up the open task the loaded session's trace leaves (R-HITL-4) and stream
@@ -750,8 +766,9 @@ async def _replay(
 ) -> list[Output]:
     """Show a loaded session's trace again (``session/load``), each update through
     ``notify``, with a mapper of its own that knows the trace is no live task; the
-    records read."""
-    records = await session.host.trace_store.log.read_after(session.id)
+    records read. What a rewind cut is not shown: the editor sees the history the
+    session continues from (R-FORK-2)."""
+    records = live_records(await session.host.trace_store.log.read_after(session.id))
     images = _OutputImages(session)
     replay = acp.UpdateMapper(
         live=False, workspace=str(session.workspace_dir), load_image=images.get
@@ -761,6 +778,33 @@ async def _replay(
         for update in replay.map(record):
             await notify(session.id, update)
     return records
+
+
+async def _forked(
+    host: Host, config: AcpConfig, request: acp.ForkSession, servers: dict[str, dict[str, Any]]
+) -> Session:
+    """``session/fork`` (R-FORK-1): a new session with the history of
+    ``request.session_id`` up to ``atSeq``, working in the editor's ``cwd``, with the
+    connection's tools, provider and settings (as a loaded session gets them)."""
+    cwd = request.new.cwd
+    if not await trio.to_thread.run_sync(os.path.isdir, cwd):
+        raise acp.invalid("$.cwd", f"{cwd} is not a directory")
+    try:
+        return await host.fork_session(
+            request.session_id,
+            request.at_seq,
+            tools=config.tools,
+            provider=config.provider,
+            mcp_servers=servers,
+            workspace_dir=cwd,
+            **config.stored_overrides(),
+        )
+    except SessionNotFound as exc:
+        raise RpcError(acp.RESOURCE_NOT_FOUND, str(exc)) from None
+    except SeqRefused as exc:
+        raise acp.invalid(f"$._meta.{acp.META_KEY}.atSeq", str(exc)) from None
+    except ConfigurationError as exc:
+        raise RpcError(INTERNAL_ERROR, f"cannot set up the session: {exc}") from None
 
 
 def _approval(mode: str) -> Approval:

@@ -122,6 +122,7 @@ from greenroom.protocols.outputs import (
     PartialToolCall,
     RequestBegin,
     RequestEnd,
+    Rewind,
     TaskEnd,
     TaskStart,
     TokenUsageOutput,
@@ -1115,6 +1116,7 @@ class ChatRenderer(HumanRenderer):
                 | CompactionEnd()
                 | CallInDoubt()
                 | CallResolved()
+                | Rewind()
                 | TaskEnd()
             ):
                 pass  # nothing of the REPL's own: shown as ``greenroom run`` shows it

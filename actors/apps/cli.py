@@ -19,6 +19,11 @@
     greenroom approve SESSION_ID CALL_ID allow|deny|allow_session
     greenroom answer SESSION_ID CALL_ID TEXT
                                         answer one, then run its task on to its end
+    greenroom fork SESSION_ID [--at SEQ] a new session with the history up to a record
+    greenroom rewind SESSION_ID --to SEQ continue a session from its history at a record
+    greenroom replay SESSION_ID --provider P [--model M] [--json] [--run-tools]
+                                        run its prompts again on another model, compare
+                                        (actors/apps/time_travel_command.py)
 
 Exit codes (CONTRACT.md): 0 completed, 1 failed / max_turns / loop_detected / budget_exceeded
 (a limit stopped the task, as max_turns does), 2 usage error
@@ -191,6 +196,15 @@ def _dispatch_command(args: argparse.Namespace) -> int:
         from greenroom.actors.apps.usage_command import usage_command
 
         return usage_command(args)
+    if args.command in ("fork", "rewind", "replay"):
+        from greenroom.actors.apps import time_travel_command
+
+        command = {
+            "fork": time_travel_command.fork_command,
+            "rewind": time_travel_command.rewind_command,
+            "replay": time_travel_command.replay_command,
+        }[args.command]
+        return command(args)
     if args.command in ("approvals", "approve", "answer"):
         from greenroom.actors.apps import approvals
 
@@ -298,7 +312,7 @@ def _check_data_dir_of(args: argparse.Namespace) -> None:
     it and what is wrong, not a traceback from deep inside the host."""
     if args.command not in (
         "run", "chat", "acp", "serve", "sessions", "trace", "demo", "approvals", "approve",
-        "answer", "usage",
+        "answer", "usage", "fork", "rewind", "replay",
     ):  # fmt: skip
         return
     if args.command == "demo" and args.data_dir is None:

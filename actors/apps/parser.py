@@ -115,9 +115,10 @@ def _add_data_dir(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+def _add_model_flags(parser: argparse.ArgumentParser, *, provider_required: bool = False) -> None:
     parser.add_argument(
         "--provider",
+        required=provider_required,
         choices=tuple(PROVIDERS),
         help="model provider: "
         + "; ".join(f"{spec.name}: {spec.help}" for spec in PROVIDERS.values())
@@ -582,7 +583,92 @@ def build_parser() -> argparse.ArgumentParser:
         "cache_write, total, cost_usd, unpriced}",
     )
     _add_people_commands(commands)
+    _add_time_travel_commands(commands)
     return parser
+
+
+def _seq(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a seq is 0 or more, got {value}")
+    return value
+
+
+def _add_time_travel_commands(commands: Any) -> None:
+    """``fork``, ``rewind`` and ``replay`` (R-FORK-1..3: actors/apps/time_travel_command.py)."""
+    fork = commands.add_parser(
+        "fork",
+        help="copy a session's history up to a record into a new session",
+        description="Create a new session whose history is SESSION_ID's up to the record "
+        "--at SEQ (default: its last; 0: none), and print its id. The source is not "
+        "changed; a task open at that record ends aborted in the new session. The new "
+        "session works in the same workspace: workspace files are not copied. No model "
+        "key needed.",
+    )
+    fork.add_argument("session_id", metavar="SESSION_ID")
+    fork.add_argument(
+        "--at", metavar="SEQ", type=_seq, help="the last record the fork keeps (default: the last)"
+    )
+    _add_data_dir(fork)
+    fork.add_argument(
+        "--json", action="store_true", help="print {session_id, forked_from: {session_id, seq}}"
+    )
+
+    rewind = commands.add_parser(
+        "rewind",
+        help="make a session continue from its history at a record",
+        description="Rewind SESSION_ID to the record --to SEQ: its next task continues from "
+        "the history it had there. The later records stay in its trace, behind a rewind "
+        "record. Workspace files are NOT rewound. Refused while a task runs or waits for a "
+        "person, and for a record an earlier rewind cut (fork there instead). No model key "
+        "needed.",
+    )
+    rewind.add_argument("session_id", metavar="SESSION_ID")
+    rewind.add_argument(
+        "--to", metavar="SEQ", type=_seq, required=True, help="the last record the session keeps"
+    )
+    _add_data_dir(rewind)
+    rewind.add_argument("--json", action="store_true", help="print {session_id, to_seq, seq}")
+
+    replay = commands.add_parser(
+        "replay",
+        help="run a recorded session's prompts again on another model and compare",
+        description="Fork SESSION_ID before its first prompt and run its recorded prompts, "
+        "steering and follow-ups again on the model of --provider/--model. A tool call equal "
+        "to a recorded one (name and arguments) gets the recorded result without running; "
+        "any other call of a tool that may have side effects is denied with a note unless "
+        "--run-tools; read-only (parallel-safe) tools run. Prints the two sides next to each "
+        "other: answers, tool calls, tokens, cost, time.",
+    )
+    replay.add_argument("session_id", metavar="SESSION_ID")
+    _add_model_flags(replay, provider_required=True)
+    replay.add_argument(
+        "--run-tools",
+        action="store_true",
+        help="run the calls of tools that may have side effects even when no recorded call "
+        "matches them (default: deny them)",
+    )
+    replay.add_argument("--json", action="store_true", help="the report as one JSON object")
+    _add_data_dir(replay)
+    replay.add_argument(
+        "--tools",
+        metavar="FILE_OR_MODULE",
+        action="append",
+        default=[],
+        help="the tools of a .py file or module the session had (repeatable)",
+    )
+    replay.add_argument(
+        "--mcp-config",
+        metavar="FILE",
+        action="append",
+        default=[],
+        help="the MCP servers' tools the session had (repeatable)",
+    )
+    replay.add_argument(
+        "--no-builtin-tools",
+        action="store_true",
+        help="the session was created without the built-in tools",
+    )
 
 
 def _add_people_commands(commands: Any) -> None:

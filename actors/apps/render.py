@@ -36,6 +36,7 @@ from greenroom.protocols.outputs import (
     PartialToolCall,
     RequestBegin,
     RequestEnd,
+    Rewind,
     TaskEnd,
     TaskStart,
     TokenUsageOutput,
@@ -118,6 +119,7 @@ class Renderer:
                 | CompactionEnd()
                 | CallInDoubt()
                 | CallResolved()
+                | Rewind()
                 | TaskEnd()
             ):
                 pass  # only tool calls and their decisions are waited for
@@ -280,6 +282,8 @@ class HumanRenderer(Renderer):
                 self._note(self._err_style.yellow(f"aborted: {output.reason}"))
             case CompactionBegin():
                 self._note(self._err_style.dim(f"compacting the context ({output.reason})…"))
+            case Rewind():
+                self._note(self._err_style.yellow(f"rewound to seq {output.to_seq}"))
             case CompactionEnd():
                 detail = (
                     f"now in {output.trace_file}" if output.status == "ok" else output.error_message
@@ -447,6 +451,7 @@ class HumanRenderer(Renderer):
                 | Abort()
                 | CompactionBegin()
                 | CompactionEnd()
+                | Rewind()
             ):
                 pass  # a subagent shows its words, its tool calls and its end, nothing more
             case _:
@@ -550,6 +555,9 @@ def _record_detail(record: Output) -> str:
             if record.check_error:
                 text += f"; check: {clip(_one_line(record.check_error), 100)}"
             return text
+        case Rewind():
+            cut = f"to seq {record.to_seq}: later records are cut from the history"
+            return f"{cut} ({record.reason})" if record.reason else cut
         case CompactionEnd():
             parts = [f"{record.status} attempt {record.attempt}"]
             if record.trace_file:

@@ -364,7 +364,14 @@ class ClusterRouter:
                 subscription.close()
             return {"unsubscribed": subscription is not None}
         timeout = max(self._timeout_s, COMPACT_TIMEOUT_S) if method == "compact" else None
-        return _raise_reply(await self._forward(session_id, method, params, principal, timeout))
+        result = _raise_reply(await self._forward(session_id, method, params, principal, timeout))
+        if method == "session.fork" and isinstance(result, dict):
+            fork_id = result.get("session_id")
+            if isinstance(fork_id, str):
+                # The fork lives on its source's host (R-FORK-1), the caller's: known here
+                # before that host's directory entry is, like a placed session.
+                self._gateway.grant(principal, fork_id)
+        return result
 
     async def _forward(
         self,

@@ -19,6 +19,12 @@ session), nothing more of that session is appended, :meth:`~ReplicatingTraceLog.
 reports a :class:`~greenroom.actors.runtime.trace_store.StaleTraceWriter`, and
 ``on_fenced(session_id)`` is called so the host stops the session. Sessions that are not
 replicated (subagents) are stored in files only.
+
+A fork (R-FORK-1) is copied in files as the file log copies it; its records go to JetStream
+when the session is replicated, first in its stream, as if they had been appended then.
+Lines queued together go as one message of at most :data:`MAX_MESSAGE_BYTES` (a fork's
+prefix can be megabytes; NATS refuses a message over its ``max_payload``, 1 MiB by
+default).
 """
 
 from __future__ import annotations
@@ -51,6 +57,13 @@ __all__ = ["ClusterCatalog", "ReplicatingTraceLog", "ReplicatingTraceStore"]
 
 _RETRY_S = 0.5
 """Wait before appending again after NATS was unreachable."""
+
+_COPIED_TICKET = 1
+"""The ticket of a fork's copied records: the file log's, whose every ticket is done as
+soon as its records are written (the copy is, before the fork is opened)."""
+
+MAX_MESSAGE_BYTES = 256 * 1024
+"""The most trace lines one JetStream message carries (a longer line goes alone)."""
 
 
 class _Replica:
@@ -160,14 +173,21 @@ class ReplicatingTraceLog:
         self.data_dir = data_dir
         self._on_fenced = on_fenced
         self._replicas: dict[str, _Replica] = {}
+        self._forked: dict[str, list[tuple[int, str]]] = {}
+        """The copied records of forks not replicated yet: (trace number, line)."""
         self._pending: Counter[int] = Counter()
         self._waiters: list[tuple[int, trio.MemorySendChannel[TraceWritten]]] = []
 
     # -- replication --------------------------------------------------------------------
 
     def replicate(self, session_id: str) -> None:
-        """Queue every later record of ``session_id`` for JetStream."""
-        self._replicas.setdefault(session_id, _Replica(session_id))
+        """Queue every later record of ``session_id`` for JetStream (after the records a
+        fork copied into it, if it is one)."""
+        if session_id in self._replicas:
+            return
+        replica = self._replicas[session_id] = _Replica(session_id)
+        for number, line in self._forked.pop(session_id, ()):
+            self._queue(replica, _COPIED_TICKET, number, line)
 
     def replicated(self, session_id: str) -> bool:
         """Whether ``session_id``'s records go to JetStream too."""
@@ -176,6 +196,7 @@ class ReplicatingTraceLog:
     def forget(self, session_id: str) -> None:
         """Stop replicating ``session_id``; records still queued are given up (their
         tickets count as done, and the session reports the error)."""
+        self._forked.pop(session_id, None)
         replica = self._replicas.pop(session_id, None)
         if replica is not None:
             self._give_up(replica, replica.error or self._lost(session_id))
@@ -227,14 +248,19 @@ class ReplicatingTraceLog:
 
     async def _append(self, writer: TraceWriter, replica: _Replica) -> None:
         lines: list[str] = []
+        size = 0
         for _, number, line in replica.in_flight:
             if replica.number is not None and number != replica.number:
                 if lines:
                     await writer.append(lines)
-                    lines = []
+                    lines, size = [], 0
                 await writer.rotate(number)
+            elif lines and size + len(line) > MAX_MESSAGE_BYTES:
+                await writer.append(lines)
+                lines, size = [], 0
             replica.number = number
             lines.append(line)
+            size += len(line)
         if lines:
             await writer.append(lines)
 
@@ -314,12 +340,27 @@ class ReplicatingTraceLog:
             raise replica.error
         ticket = self.files.append(session_id, seq, line)
         if replica is not None and replica.error is None:
-            replica.queue.append((ticket, self.files.trace_number(session_id), line))
-            if replica.idle.is_set():
-                replica.idle = trio.Event()
-            self._pending[ticket] += 1
-            replica.wakeup.set()
+            self._queue(replica, ticket, self.files.trace_number(session_id), line)
         return ticket
+
+    def _queue(self, replica: _Replica, ticket: int, number: int, line: str) -> None:
+        replica.queue.append((ticket, number, line))
+        if replica.idle.is_set():
+            replica.idle = trio.Event()
+        self._pending[ticket] += 1
+        replica.wakeup.set()
+
+    async def fork(self, source_id: str, session_id: str, through_seq: int | None) -> int:
+        """As the file log; the copied records wait for the session to be replicated
+        (:meth:`replicate`), then go to JetStream before any later one."""
+        copied = await self.files.copy_prefix(source_id, session_id, through_seq)
+        self._forked[session_id] = [
+            (number, line)
+            for number, data in copied.files
+            # Split on "\n" only: a record may hold U+2028 and friends.
+            for line in _lines(data.decode("utf-8", "replace"))
+        ]
+        return copied.seq
 
     def commit(self, session_id: str) -> bool:
         """As the file log, and False while JetStream has not acknowledged every record
@@ -374,3 +415,7 @@ def _tell(reply: trio.MemorySendChannel[TraceWritten], ticket: int) -> None:
     # An emitter whose task has ended closed its inbox: nobody waits for the ticket.
     with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
         reply.send_nowait(TraceWritten(ticket=ticket))
+
+
+def _lines(text: str) -> list[str]:
+    return [line + "\n" for line in text.split("\n")[:-1]]

@@ -106,6 +106,13 @@ class SessionDefaults:
     """Where a client's ``session.create {workspace}`` must resolve; None: under
     ``workspace_dir``."""
 
+    def session_provider(self) -> str | ModelProvider | None:
+        """The provider of a session the gateway creates or loads now: the factory's new
+        object when there is a factory, else the provider's name (None: the default)."""
+        if self.provider_factory is not None:
+            return self.provider_factory()
+        return self.provider
+
 
 @attrs.frozen(kw_only=True)
 class GatewayLimits:

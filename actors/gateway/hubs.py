@@ -64,6 +64,7 @@ from greenroom.protocols.outputs import (
     PartialToolCall,
     RequestBegin,
     RequestEnd,
+    Rewind,
     TaskEnd,
     TaskStart,
     TokenUsageOutput,
@@ -260,6 +261,7 @@ class SessionHub:
                     | ToolHook()
                     | Abort()
                     | CallInDoubt()
+                    | Rewind()
                 ):
                     pass  # forwarded to the subscriptions, nothing more
                 case _:

@@ -48,10 +48,10 @@ from greenroom.actors.gateway.config import (
 from greenroom.actors.gateway.connection import Connection, Handler
 from greenroom.actors.gateway.hubs import Hubs, session_state
 from greenroom.actors.gateway.nodes import Nodes
+from greenroom.actors.gateway.time_travel import TimeTravelMethods
 from greenroom.actors.gateway.titles import Titles
 from greenroom.actors.runtime.errors import ImageRefused, SessionNotFound
 from greenroom.actors.runtime.host import Host
-from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.port import Approval
 from greenroom.actors.runtime.session import Session
 from greenroom.actors.runtime.storage import SessionStore
@@ -72,6 +72,8 @@ ROUTED = frozenset(
     {
         "session.subscribe",
         "session.unsubscribe",
+        "session.fork",
+        "session.rewind",
         "run",
         "steer",
         "follow_up",
@@ -151,13 +153,14 @@ class Methods:
         """Sessions each principal is creating now (they count against its cap)."""
         self.router: Router | None = None
         """Serves the sessions of other hosts (cluster mode)."""
+        self._time_travel = TimeTravelMethods(
+            host, defaults, self._owned_session, self._check_room, self._take_new
+        )
 
     def table(self) -> dict[str, Handler]:
         """The dispatch table, in the order of ``jsonrpc.METHODS``."""
-        table = {
-            name: cast(Handler, getattr(self, "rpc_" + name.replace(".", "_")))
-            for name in jsonrpc.METHODS
-        }
+        owners = (self, self._time_travel)
+        table = {name: _handler(owners, name) for name in jsonrpc.METHODS}
         for name in ROUTED & table.keys():
             table[name] = self._routed(name, table[name])
         return table
@@ -208,25 +211,13 @@ class Methods:
             session = await self.host.load_session(
                 session_id,
                 tools=self.defaults.tools,
-                provider=self._provider(),
+                provider=self.defaults.session_provider(),
                 mcp_servers=self.defaults.mcp_servers,
                 # Its requests are admitted in turn as this client's (R-SHARE-2).
                 principal=_identity(connection),
             )
         await self._hubs.adopt(session)
         return session
-
-    def _provider(self) -> str | ModelProvider | None:
-        if self.defaults.provider_factory is not None:
-            return self.defaults.provider_factory()
-        return self.defaults.provider
-
-    def _run_approver(self) -> Approval:
-        approve = self.defaults.approve
-        if approve == "all":
-            return _allow_all
-        # "none": no callback and nobody asked, so every call is denied by default.
-        return PEOPLE if approve == "ask" else None
 
     async def _input(self, session: Session, params: Mapping[str, Any]) -> tuple[UserContent, ...]:
         """The call's ``input`` with its images attached (R-SEC-8): read once, now, off the
@@ -300,14 +291,7 @@ class Methods:
             if placed is not None:
                 return placed
         principal = _identity(connection)
-        held = self._sessions_held(principal)
-        cap = self._limits.max_sessions_per_principal
-        if held >= cap:
-            raise RpcError(
-                jsonrpc.TOO_MANY_REQUESTS,
-                f"too many sessions: client {principal!r} holds {held} open sessions "
-                f"(at most {cap}, --max-sessions-per-principal)",
-            )
+        self._check_room(principal)
         self._creating[principal] += 1
         try:
             return await self._create_session(connection, params)
@@ -316,12 +300,18 @@ class Methods:
             if not self._creating[principal]:
                 del self._creating[principal]
 
-    def _sessions_held(self, principal: str) -> int:
-        """The sessions open in this host that ``principal`` created or was granted, and
-        those it is creating now."""
+    def _check_room(self, principal: str) -> None:
+        """429 when ``principal`` holds its cap of open sessions in this host (created or
+        granted, or being created now: R-SEC-9)."""
         owned = self._grants.owned(principal)
-        held = sum(1 for session in self.host.sessions if session.id in owned)
-        return held + self._creating[principal]
+        held = sum(1 for s in self.host.sessions if s.id in owned) + self._creating[principal]
+        cap = self._limits.max_sessions_per_principal
+        if held >= cap:
+            raise RpcError(
+                jsonrpc.TOO_MANY_REQUESTS,
+                f"too many sessions: client {principal!r} holds {held} open sessions "
+                f"(at most {cap}, --max-sessions-per-principal)",
+            )
 
     async def _create_session(self, connection: Connection, params: dict[str, Any]) -> Any:
         workspace_param = jsonrpc.optional_str(params, "workspace", max_len=4096)
@@ -357,13 +347,18 @@ class Methods:
             model=model,
             tools=defaults.tools,
             workspace_dir=workspace,
-            provider=self._provider(),
+            provider=self.defaults.session_provider(),
             system=system,
             mcp_servers=defaults.mcp_servers,
             # Its costs count against the caller's budget (R-SHARE-4).
             principal=principal,
             **overrides,
         )
+        await self._take_new(principal, session)
+        return {"session_id": session.id}
+
+    async def _take_new(self, principal: str, session: Session) -> None:
+        """A session created for ``principal`` is its own (stored with it: R-SEC-4)."""
         self._grants.grant(principal, session.id)
         try:
             await trio.to_thread.run_sync(store_owner, session.directory, principal)
@@ -371,7 +366,6 @@ class Methods:
             # The session works; only a gateway started later will not know its owner.
             logger.warning("gateway: cannot store the owner of session %s: %s", session.id, exc)
         await self._hubs.adopt(session)
-        return {"session_id": session.id}
 
     async def rpc_session_list(self, connection: Connection, params: dict[str, Any]) -> Any:
         """The caller's stored sessions with their live state (open, busy, auth lock, title, last
@@ -450,7 +444,9 @@ class Methods:
             await self._owned_session(connection, params, node=False)
         )
         content = await self._input(session, params)
-        stream = session.run(content, approve=self._run_approver(), output_schema=output)
+        stream = session.run(
+            content, approve=_run_approver(self.defaults), output_schema=output
+        )
         stream.detach()  # clients read the outputs through their subscriptions
         return {"run_id": stream.run_id}
 
@@ -469,7 +465,7 @@ class Methods:
             await self._owned_session(connection, params, node=False)
         )
         content = await self._input(session, params)
-        return {"queued": session.follow_up(content, approve=self._run_approver())}
+        return {"queued": session.follow_up(content, approve=_run_approver(self.defaults))}
 
     async def rpc_approvals_list(self, connection: Connection, params: dict[str, Any]) -> Any:
         """The requests waiting for a person (approvals and questions) in the caller's
@@ -561,6 +557,22 @@ def _identity(connection: Connection) -> str:
 
 def _allow_all(call: ToolCallBlock) -> str:
     return "allow"
+
+
+def _run_approver(defaults: SessionDefaults) -> Approval:
+    approve = defaults.approve
+    if approve == "all":
+        return _allow_all
+    # "none": no callback and nobody asked, so every call is denied by default.
+    return PEOPLE if approve == "ask" else None
+
+
+def _handler(owners: tuple[object, ...], method: str) -> Handler:
+    """The handler of ``method``: ``rpc_<name>`` (dots as underscores) of the first of
+    ``owners`` that has one (a method without one fails when the gateway is built)."""
+    name = "rpc_" + method.replace(".", "_")
+    owner = next((o for o in owners if hasattr(o, name)), owners[0])
+    return cast(Handler, getattr(owner, name))
 
 
 def _root(request: PendingApproval) -> str:

@@ -70,6 +70,7 @@ from greenroom.protocols.outputs import (
     PartialToolCall,
     RequestBegin,
     RequestEnd,
+    Rewind,
     TaskEnd,
     TaskStart,
     TokenUsageOutput,
@@ -285,10 +286,12 @@ class GenAIObserver:
                 | CallInDoubt()
                 | CallResolved()
                 | ToolHook()
+                | Rewind()
             ):
                 # Live text, progress, a wait for a person, a call found in doubt after a
                 # restart: no span of their own (the call's result ends its span); what a
-                # tool hook did shows as the call's decision (by hook) and result.
+                # tool hook did shows as the call's decision (by hook) and result; a rewind
+                # comes between tasks.
                 pass
             case _:
                 assert_never(output)

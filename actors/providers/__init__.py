@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from greenroom.actors.providers.registry import (
         LEAN_HTTP_VARIABLE,
         PROVIDERS,
+        default_model,
         default_provider_name,
         lean_http_enabled,
         provider_spec,
@@ -23,6 +24,7 @@ _MODULE_OF = {
     "LEAN_HTTP_VARIABLE": "greenroom.actors.providers.registry",
     "PROVIDERS": "greenroom.actors.providers.registry",
     "lean_http_enabled": "greenroom.actors.providers.registry",
+    "default_model": "greenroom.actors.providers.registry",
     "default_provider_name": "greenroom.actors.providers.registry",
     "provider_spec": "greenroom.actors.providers.registry",
     "DEMO_PROMPT": "greenroom.actors.providers.scripted_brain",
@@ -32,6 +34,7 @@ __all__ = [
     "DEMO_PROMPT",
     "LEAN_HTTP_VARIABLE",
     "PROVIDERS",
+    "default_model",
     "default_provider_name",
     "lean_http_enabled",
     "provider_spec",

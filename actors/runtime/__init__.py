@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         ImageRefused,
         NotPending,
         OutputSchemaError,
+        SeqRefused,
         SessionClosed,
         SessionNotFound,
     )
@@ -77,6 +78,7 @@ _MODULE_OF = {
     "ImageRefused": "greenroom.actors.runtime.errors",
     "NotPending": "greenroom.actors.runtime.errors",
     "OutputSchemaError": "greenroom.actors.runtime.errors",
+    "SeqRefused": "greenroom.actors.runtime.errors",
     "SessionClosed": "greenroom.actors.runtime.errors",
     "SessionNotFound": "greenroom.actors.runtime.errors",
     "Host": "greenroom.actors.runtime.host",
@@ -124,6 +126,7 @@ __all__ = [
     "ProviderLimits",
     "RunResult",
     "RunStream",
+    "SeqRefused",
     "Session",
     "SessionCatalog",
     "SessionClosed",

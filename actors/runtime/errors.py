@@ -14,6 +14,7 @@ from greenroom.protocols.errors import (
     ImageRefused,
     NotPending,
     OutputSchemaError,
+    SeqRefused,
     SessionClosed,
     SessionNotFound,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "ImageRefused",
     "NotPending",
     "OutputSchemaError",
+    "SeqRefused",
     "SessionClosed",
     "SessionNotFound",
 ]

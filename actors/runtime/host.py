@@ -18,7 +18,8 @@ while it runs (``get_session`` finds it: it is steered, interrupted and answered
 R-TREE-1) and forgotten when it ends (its files stay). Its ``session.json`` names its
 ``parent_id``, its ``root_id`` and its ``origin`` (the ids from the root), and the host
 keeps each open session's children's ids, so ``children_of`` reads the store only for a
-session loaded from it.
+session loaded from it. ``fork_session`` makes a new session of a stored one's history up to
+a record (R-FORK-1: :mod:`~greenroom.actors.runtime.time_travel`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from greenroom.actors.runtime.storage import (
     tighten,
 )
 from greenroom.actors.runtime.supervisor import start, wake
+from greenroom.actors.runtime.time_travel import fork, settle_fork
 from greenroom.actors.runtime.trace_store import (
     FileTraceStore,
     StoredSession,
@@ -263,7 +265,7 @@ class Host:
         never runs another model silently."""
         self.check_open()
         port = await self._builder.new(
-            self._fresh_id(session_id),
+            _fresh_id(self._sessions, session_id),
             parent=None if parent_id is None else self._ports.get(parent_id),
             parent_id=parent_id,
             settings=_new_settings(settings, provider, model, system, overrides),
@@ -277,14 +279,6 @@ class Host:
         )
         return self._add(port, created=True)
 
-    def _fresh_id(self, session_id: str | None) -> str:
-        """``session_id``, else a new id no open session has (many sessions created
-        within one second can draw the same)."""
-        sid = session_id or _new_session_id()
-        while session_id is None and sid in self._sessions:
-            sid = _new_session_id()
-        return sid
-
     def _add(self, port: SessionPort, *, created: bool = False) -> Session:
         """Open ``port``'s session here and show it to the observers (every node of a
         tree: in a cluster a child is a session like any other, R-TREE-4)."""
@@ -293,7 +287,8 @@ class Host:
         self._ports[port.id] = port
         if created:
             self._children.created(port.id, port.parent_id)
-        self._observe(session)
+        for observe in self._observers:
+            observe(session)
         return session
 
     async def load_session(
@@ -332,6 +327,19 @@ class Host:
             # ends, whoever takes it up (R-TREE-4).
             self.child_reports.follow(port)
         return self._add(port)
+
+    async def fork_session(
+        self, session_id: str, at_seq: int | None = None, **options: Any
+    ) -> Session:
+        """A new session, open here, with ``session_id``'s history up to ``at_seq`` (default:
+        its last record: R-FORK-1); ``options`` and what raises: :func:`~greenroom.actors.
+        runtime.time_travel.fork` (``tools`` default to the host's)."""
+        self.check_open()
+        new_id, tools = _fresh_id(self._sessions, None), self._default_tools
+        port = await fork(self._builder, self._store, session_id, at_seq, new_id, tools, **options)
+        session = self._add(port, created=True)
+        await settle_fork(port)  # after the observers: a cluster replicates the copy first
+        return session
 
     def get_session(self, session_id: str) -> Session:
         """An open session of this host; raises :class:`SessionNotFound`."""
@@ -432,10 +440,6 @@ class Host:
         except KeyError:
             raise SessionNotFound(f"session {session_id!r} is not open in this host") from None
 
-    def _observe(self, session: Session) -> None:
-        for observe in self._observers:
-            observe(session)
-
     async def create_child(
         self,
         parent: SessionPort,
@@ -450,7 +454,7 @@ class Host:
         recorded in its ``session.json`` (R-TREE-2)."""
         self.check_open()
         port = await self._builder.child(
-            self._fresh_id(None), parent, settings, list(tools), name, background
+            _fresh_id(self._sessions, None), parent, settings, list(tools), name, background
         )
         self._add(port, created=True)
         return port
@@ -560,8 +564,7 @@ class Host:
         self._people.watch(port, call_id, asked_at)
 
     def start_task(self, fn: Callable[[], Awaitable[None]]) -> None:
-        """Run ``fn`` as a task of the host's nursery, so that it outlives its caller. It must
-        not raise: an exception would end the host and every session with it."""
+        """Run ``fn`` in the host's nursery, past its caller; it must not raise (ends host)."""
         self._nursery.start_soon(fn)
 
     async def load_provider(
@@ -685,6 +688,15 @@ def stored_root(meta: Mapping[str, Any], session_id: str) -> str:
 
 def _new_session_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+
+
+def _fresh_id(open_sessions: Mapping[str, object], session_id: str | None) -> str:
+    """``session_id``, else a new id no open session has (many sessions created within
+    one second can draw the same)."""
+    sid = session_id or _new_session_id()
+    while session_id is None and sid in open_sessions:
+        sid = _new_session_id()
+    return sid
 
 
 def _session_scan(stored: list[StoredSession]) -> SessionScan:

@@ -206,6 +206,7 @@ class SessionPort:
         "children",
         "closed",
         "directory",
+        "forked_from",
         "held",
         "hooks",
         "id",
@@ -296,6 +297,8 @@ class SessionPort:
         self.children: Children | None = None
         """The subagents running now and the slots they share (R-TREE); None until the
         session first spawns."""
+        self.forked_from: tuple[str, int] | None = None
+        """The session and seq this one was forked from (R-FORK-1), else None."""
         self._host = host
         self._tools, self._tool_schemas = tools
         self._seq = last_seq

@@ -37,7 +37,9 @@ from greenroom.actors.runtime.trace_store import (
 from greenroom.actors.tools.mcp_config import McpConfigError, as_configs
 from greenroom.actors.tools.workspace import current_boot
 from greenroom.protocols.converter import converter
+from greenroom.protocols.history import context_at
 from greenroom.protocols.hooks import Hooks
+from greenroom.protocols.outputs import Rewind
 from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.task import fold
 from greenroom.protocols.tools import Tool, WorkspaceIdentity
@@ -85,6 +87,11 @@ class PortBuilder:
         """The MCP server connections of the host's sessions."""
         self.accounting = accounting or Accounting(store.ledger)
         """The host's prices and the principals' budgets (R-SHARE-3, R-SHARE-4)."""
+
+    @property
+    def data_dir(self) -> Path:
+        """The host's data dir (where the sessions' directories are)."""
+        return self._data_dir
 
     async def new(
         self,
@@ -211,6 +218,10 @@ class PortBuilder:
         )
         loaded = await self._store.log.load(session_id)
         records = list(loaded.records)
+        if records and isinstance(records[0], Rewind):
+            # A rewind into an earlier context started this trace: its context begins
+            # there (R-FORK-2).
+            records = context_at(await self._store.log.read_after(session_id))
         identity = self._shared.identity(await trio.to_thread.run_sync(_stored_workspace, meta))
         port = SessionPort(
             host=self._host,
@@ -231,6 +242,7 @@ class PortBuilder:
             principal=account.principal or "",
         )
         port.load_errors = list(loaded.errors)
+        port.forked_from = _forked_from(meta)
         if meta.get("background") is True and port.parent_id is not None:
             name = meta.get("name")
             port.report_as = name if isinstance(name, str) and name else session_id
@@ -353,3 +365,14 @@ async def _stored_settings(
             f"session {session_id!r} is unreadable: {directory / SESSION_FILE}: bad "
             f"settings: {one_line(exc)}"
         ) from None
+
+
+def _forked_from(meta: Mapping[str, Any]) -> tuple[str, int] | None:
+    """``forked_from`` of a ``session.json`` (R-FORK-1), when it is one."""
+    forked = meta.get("forked_from")
+    if not isinstance(forked, dict):
+        return None
+    source, seq = forked.get("session_id"), forked.get("seq")
+    if isinstance(source, str) and isinstance(seq, int) and not isinstance(seq, bool):
+        return source, seq
+    return None

@@ -29,6 +29,7 @@ from greenroom.actors.runtime.port import (
     TaskInput,
 )
 from greenroom.actors.runtime.supervisor import start
+from greenroom.actors.runtime.time_travel import rewind_to
 from greenroom.actors.runtime.tree import end_subtree
 from greenroom.protocols import markers
 from greenroom.protocols.content import ImageBlock, TextBlock, UserContent
@@ -62,6 +63,7 @@ from greenroom.protocols.outputs import (
     PartialToolCall,
     RequestBegin,
     RequestEnd,
+    Rewind,
     TaskEnd,
     TaskStart,
     TaskStatus,
@@ -239,6 +241,7 @@ class RunStream:
                 | CompactionEnd()
                 | CallInDoubt()
                 | CallResolved()
+                | Rewind()
             ):
                 pass
             case _:
@@ -353,6 +356,11 @@ class Session:
         """The session ids from the root of its tree to this session (the ``origin`` its
         outputs carry in its ancestors' streams)."""
         return self._port.origin_path
+
+    @property
+    def forked_from(self) -> tuple[str, int] | None:
+        """The session and the seq this one was forked from (R-FORK-1), else None."""
+        return self._port.forked_from
 
     async def children(self) -> list[Session]:
         """The subagents this session spawned, running and finished, oldest first
@@ -641,6 +649,20 @@ class Session:
             if isinstance(output, CompactionEnd) and output.origin is None and end is None:
                 end = output
         return end
+
+    async def rewind(self, to_seq: int, *, reason: str | None = None) -> Rewind:
+        """Rewind the session to ``to_seq`` (R-FORK-2): it continues from the history it
+        had at that record (0: an empty one); the later records stay in the trace behind
+        the ``rewind`` record returned, which subscribers see like any output. A task the
+        point leaves open ends aborted, as an interrupt ends it. Workspace files are not
+        rewound. Raises :class:`Busy` while a task runs, and :class:`SeqRefused` for a
+        point the history does not have (out of range, or cut by an earlier rewind: fork
+        there instead). A point before a compaction brings back the full context the
+        session had there, not the summary."""
+        self._check_takes_tasks()
+        if self.busy:
+            raise Busy(f"session {self.id} is running a task; rewind it once the task has ended")
+        return await rewind_to(self._port, to_seq, reason)
 
     async def generate_title(self, *, max_chars: int = 60) -> str:
         """A short title for the conversation from a separate one-shot model call: no

@@ -80,6 +80,7 @@ from greenroom.protocols.outputs import (
     PartialToolCall,
     RequestBegin,
     RequestEnd,
+    Rewind,
     TaskEnd,
     TaskStart,
     TokenUsageOutput,
@@ -365,6 +366,7 @@ class ChildWatch:
                     | CompactionEnd()
                     | CallInDoubt()
                     | CallResolved()
+                    | Rewind()
                 ):
                     pass  # neither the answer nor the budget needs them
                 case _:

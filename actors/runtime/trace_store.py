@@ -44,6 +44,10 @@ file, memory and JetStream backends):
 - **A trace is one model context.** :meth:`TraceLog.rotate` starts the session's next
   numbered trace; :meth:`TraceLog.load` returns the latest one, :meth:`TraceLog.read_after`
   reads across all of them.
+- **A fork is a copy.** :meth:`TraceLog.fork` gives a new session the records of another
+  up to a ``seq``, in the same numbered traces, each moved to the new session's id
+  (R-FORK-1); the source is not touched (its bytes stay the same) and the two share
+  nothing afterwards. A ``seq`` past the source's last is refused with ``SeqRefused``.
 - **Metadata is checked.** :meth:`SessionCatalog.read_meta` raises
   :class:`StoredSessionMissing` for a session the store does not hold and
   :class:`StoredSessionUnreadable` for metadata that cannot be used; deleting a session
@@ -73,7 +77,7 @@ import attrs
 import trio
 
 from greenroom.actors.runtime.disk import DISK, Disk
-from greenroom.actors.runtime.errors import GreenroomError
+from greenroom.actors.runtime.errors import GreenroomError, SeqRefused
 from greenroom.actors.runtime.storage import (
     PRIVATE_DIR_MODE,
     PRIVATE_FILE_MODE,
@@ -97,6 +101,7 @@ from greenroom.protocols.trace import (
     UsageLine,
     UsageQuery,
     UsageRow,
+    copy_records,
     trace_file_name,
     trace_file_number,
 )
@@ -263,6 +268,17 @@ class TraceLog(Protocol):
 
     def rotate(self, session_id: str) -> str:
         """Start the session's next trace (after a compaction); returns its name."""
+        ...
+
+    async def fork(self, source_id: str, session_id: str, through_seq: int | None) -> int:
+        """Store, as the trace of the new session ``session_id`` (no records yet; its
+        metadata may come after: a host stores it last, so that a fork whose copy failed
+        is no session), the records of ``source_id`` with ``seq <= through_seq`` (None:
+        all of them; 0: none): the same numbered traces, each record moved to
+        ``session_id``, made durable. Returns the seq the fork ends at. Appending for it
+        then needs :meth:`load`, which continues after it. Raises ``StoredSessionMissing``
+        for an unknown source and ``SeqRefused`` when ``through_seq`` is past its last
+        record; nothing is stored then."""
         ...
 
     def location(self, session_id: str) -> Path:
@@ -516,6 +532,23 @@ class FileTraceLog:
         position.path = self.paths.trace_path(session_id, position.number)
         return trace_file_name(position.number)
 
+    async def fork(self, source_id: str, session_id: str, through_seq: int | None) -> int:
+        """Copy the source's trace files up to ``through_seq`` (see :meth:`copy_prefix`)."""
+        return (await self.copy_prefix(source_id, session_id, through_seq)).seq
+
+    async def copy_prefix(
+        self, source_id: str, session_id: str, through_seq: int | None
+    ) -> CopiedPrefix:
+        """:meth:`TraceLog.fork` for files: each of the source's trace files that starts
+        at or before ``through_seq`` is copied under the same number, the last one cut
+        after ``through_seq``, its lines moved to ``session_id`` as they are
+        (:func:`~greenroom.protocols.trace.copy_records`: no record is decoded), then
+        fsynced with the directory (made 0700 if new), in a worker thread. Returns the
+        files written, for a log that also replicates them."""
+        return await trio.to_thread.run_sync(
+            _copy_prefix, self.paths, self.disk, source_id, session_id, through_seq
+        )
+
     def location(self, session_id: str) -> Path:
         """The current trace file (of a session not open here: the latest one on disk)."""
         position = self._positions.get(session_id)
@@ -615,6 +648,58 @@ def _scan(root: Path, disk: Disk) -> list[StoredSession]:
             )
         )
     return found
+
+
+@attrs.frozen(kw_only=True)
+class CopiedPrefix:
+    """What :meth:`FileTraceLog.copy_prefix` wrote: the fork's ``seq`` (its last record) and
+    its trace files, each as (number, bytes)."""
+
+    seq: int
+    files: tuple[tuple[int, bytes], ...]
+
+
+def _copy_prefix(
+    paths: SessionStore, disk: Disk, source_id: str, session_id: str, through_seq: int | None
+) -> CopiedPrefix:
+    source = paths.session_dir(source_id)
+    if not (source / SESSION_FILE).is_file():
+        raise StoredSessionMissing(f"no session {source_id!r} in {paths.data_dir}")
+    numbered = sorted(
+        (number, entry)
+        for entry in source.iterdir()
+        if (number := trace_file_number(entry.name))
+    )
+    limit = through_seq if through_seq is not None else float("inf")
+    copies: list[tuple[int, bytes]] = []
+    last_seq = 0
+    for number, path in numbered:
+        copied = copy_records(
+            disk.read(path),
+            source_id=source_id,
+            session_id=session_id,
+            through_seq=through_seq if through_seq is not None else 1 << 62,
+        )
+        if copied.first_seq is not None and copied.first_seq > limit:
+            break  # this trace and the later ones start after the fork point
+        if copied.last_seq is not None:
+            last_seq = copied.last_seq
+            copies.append((number, copied.data))
+    seq = last_seq if through_seq is None else through_seq
+    if seq > last_seq or seq < 0:
+        raise SeqRefused(
+            f"seq {seq} is out of range: session {source_id!r} has records 0..{last_seq}"
+        )
+    target = paths.session_dir(session_id)
+    disk.make_dir(target)
+    tighten(target, PRIVATE_DIR_MODE)
+    for number, data in copies:
+        path = target / trace_file_name(number)
+        disk.write(path, data)
+        disk.fsync(path)
+    disk.fsync(target)
+    disk.fsync(target.parent)
+    return CopiedPrefix(seq=seq, files=tuple(copies))
 
 
 def _write_meta(disk: Disk, directory: Path, meta: dict[str, Any]) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import trio
 
+from greenroom.actors.runtime.errors import SeqRefused
 from greenroom.actors.runtime.trace_sink import TraceSinkClosed, TraceWriteError
 from greenroom.actors.runtime.trace_store import (
     LoadedTrace,
@@ -39,6 +40,7 @@ from greenroom.protocols.trace import (
     UsageLine,
     UsageQuery,
     UsageRow,
+    copy_records,
     parse_trace,
     summarize_usage,
 )
@@ -184,6 +186,34 @@ class MemoryTraceLog:
         }
         if failed:
             raise next(iter(failed.values()))
+
+    async def fork(self, source_id: str, session_id: str, through_seq: int | None) -> int:
+        await trio.lowlevel.checkpoint()
+        source = self.traces.get(source_id)
+        if source is None:
+            raise StoredSessionMissing(f"no session {source_id!r} in memory")
+        if through_seq is None:
+            through_seq = (await self.read_latest(source_id)).last_seq
+        copies: list[list[str]] = []
+        last_seq = 0
+        for lines in source:
+            copied = copy_records(
+                "".join(lines).encode(),
+                source_id=source_id,
+                session_id=session_id,
+                through_seq=through_seq,
+            )
+            if copied.first_seq is not None and copied.first_seq > through_seq:
+                break
+            if copied.last_seq is not None:
+                last_seq = copied.last_seq
+                copies.append([line + "\n" for line in copied.data.decode().split("\n")[:-1]])
+        if not 0 <= through_seq <= last_seq:
+            raise SeqRefused(f"seq {through_seq} is out of range: records 0..{last_seq}")
+        self.traces[session_id] = copies or [[]]
+        self.durable[session_id] = sum(len(lines) for lines in copies)
+        self.updated[session_id] = time.time()
+        return through_seq
 
     def rotate(self, session_id: str) -> str:
         self.traces[session_id].append([])

@@ -1,0 +1,169 @@
+"""Replay a recorded session on another model (R-FORK-3): the runtime's part of
+``greenroom replay``.
+
+:func:`replay_session` forks the session just before its first prompt (so the replay has
+its own trace and the recorded one is only read), gives the fork the tools wrapped by
+:func:`replaying`, and runs the recorded tasks in order: each prompt as a task of its own
+(follow-ups were), each steering input queued while the turn before the one that took it
+runs (so the same turn takes it, R-STEER-2). Every call is approved: the wrapper decides
+what runs —
+
+* a call equal to a recorded one (:func:`~greenroom.protocols.replay.call_key`) gets the
+  recorded result and does not run (``same``);
+* another call of a parallel-safe (read-only) tool runs (``different``);
+* another call of a tool that may have side effects (``parallel=False``) is refused with a
+  note the model reads (``denied``) — unless ``run_tools``: then it runs (``different``).
+
+It returns the :class:`~greenroom.protocols.replay.ReplayReport`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+
+from greenroom.actors.apps.exits import UsageError
+from greenroom.actors.runtime import Host, ModelProvider, Session, SessionNotFound
+from greenroom.protocols.content import TextBlock, ToolCallBlock, UserContent
+from greenroom.protocols.outputs import ModelMsg, RequestBegin, TaskStart
+from greenroom.protocols.replay import (
+    CallLine,
+    Outcome,
+    RecordedResults,
+    RecordedTask,
+    ReplayedTask,
+    ReplayReport,
+    Side,
+    recorded_tasks,
+)
+from greenroom.protocols.tools import Tool, ToolContext, ToolFailure
+
+__all__ = ["replay_session", "replaying"]
+
+
+def denied_note(name: str) -> str:
+    """What the model reads for a call a replay did not run."""
+    return (
+        f"[replay: {name} was not run: the tool may have side effects and the recorded "
+        "session made no call of it with these arguments; `greenroom replay --run-tools` "
+        "runs such calls]"
+    )
+
+
+def replaying(
+    tool: Tool, recorded: RecordedResults, outcomes: dict[str, Outcome], *, run_tools: bool
+) -> Tool:
+    """``tool`` as a replay offers it (see the module docstring); the outcome of each call
+    is kept in ``outcomes`` by call id."""
+    original = tool.function
+
+    async def replay_call(ctx: ToolContext, **arguments: Any) -> Any:
+        result = recorded.take(tool.name, arguments)
+        if result is not None:
+            outcomes[ctx.call_id] = "same"
+            if result.is_error:
+                texts = (b.text for b in result.content if isinstance(b, TextBlock))
+                raise ToolFailure(" ".join(texts) or f"{tool.name} failed")
+            return result.content
+        if not (tool.parallel or run_tools):
+            outcomes[ctx.call_id] = "denied"
+            raise ToolFailure(denied_note(tool.name))
+        outcomes[ctx.call_id] = "different"
+        if tool.takes_ctx:
+            return await original(ctx=ctx, **arguments)
+        return await original(**arguments)
+
+    return attrs.evolve(tool, function=replay_call, takes_ctx=True)
+
+
+async def replay_session(
+    host: Host,
+    source_id: str,
+    *,
+    tools: Iterable[Tool],
+    provider: str | ModelProvider | None,
+    run_tools: bool = False,
+    **overrides: Any,
+) -> ReplayReport:
+    """Replay the recorded tasks of ``source_id`` in a fork of it on ``provider`` (a
+    name, or a provider object) with ``tools``; ``overrides`` are the fork's settings
+    (``model``, ``base_url``…). Raises :class:`SessionNotFound` for an unknown session and
+    :class:`UsageError` for one that has no recorded prompt."""
+    if not await host.trace_store.catalog.exists(source_id):
+        raise SessionNotFound(f"no session {source_id!r} in {host.data_dir}")
+    source_meta = await host.trace_store.catalog.read_meta(source_id)
+    tasks = recorded_tasks(await host.trace_store.log.read_after(source_id))
+    if not tasks:
+        raise UsageError(f"session {source_id} has no recorded prompt to replay")
+    recorded = RecordedResults(call for task in tasks for call in task.calls)
+    outcomes: dict[str, Outcome] = {}
+    wrapped = [replaying(t, recorded, outcomes, run_tools=run_tools) for t in tools]
+    fork = await host.fork_session(
+        source_id, tasks[0].prompt_seq - 1, tools=wrapped, provider=provider, **overrides
+    )
+    replayed = [await _replay_task(fork, task, outcomes) for task in tasks]
+    settings = source_meta.get("settings", {})
+    return ReplayReport(
+        source_id=source_id,
+        replay_id=fork.id,
+        original_model=f"{settings.get('provider', '?')}/{settings.get('model', '?')}",
+        replay_model=f"{fork.settings.provider}/{fork.settings.model}",
+        tasks=tuple(replayed),
+    )
+
+
+async def _replay_task(
+    session: Session, task: RecordedTask, outcomes: Mapping[str, Outcome]
+) -> ReplayedTask:
+    steering = list(task.steering)
+    calls: list[ToolCallBlock] = []
+    stream = session.run(task.prompt, approve=_allow)
+    async with stream:
+        async for output in stream:
+            if output.origin is not None:
+                continue
+            # The recorded steering for turn t is queued while turn t - 1 runs: the
+            # request that begins now has taken its input already (R-STEER-2).
+            if isinstance(output, TaskStart | RequestBegin):
+                running = output.turn if isinstance(output, RequestBegin) else 0
+                due = [content for turn, content in steering if turn <= running + 1]
+                steering = [(turn, c) for turn, c in steering if turn > running + 1]
+                for content in due:
+                    session.steer(content)
+            elif isinstance(output, ModelMsg) and isinstance(output.block, ToolCallBlock):
+                calls.append(output.block)
+    end = stream.task_end
+    original = Side(
+        answer=task.answer,
+        calls=tuple(CallLine(name=c.name, arguments=c.arguments) for c in task.calls),
+        tokens=task.usage.total,
+        cost_usd=task.usage.cost_usd,
+        wall_ms=task.wall_ms,
+        status=task.status,
+    )
+    replay = Side(
+        answer=stream.final_text,
+        calls=tuple(
+            CallLine(name=c.name, arguments=c.arguments, outcome=outcomes.get(c.id, "different"))
+            for c in calls
+        ),
+        tokens=0 if end is None else end.usage.total,
+        cost_usd=None if end is None else end.usage.cost_usd,
+        wall_ms=0 if end is None else end.wall_ms,
+        status=None if end is None else end.status,
+    )
+    return ReplayedTask(
+        prompt=_text_of(task.prompt), original=original, replay=replay, undelivered=len(steering)
+    )
+
+
+def _allow(call: ToolCallBlock) -> str:
+    # Every call is allowed here: the replay's tool wrappers decide what runs.
+    return "allow"
+
+
+def _text_of(content: tuple[UserContent, ...]) -> str:
+    return " ".join(b.text for b in content if isinstance(b, TextBlock))
+

@@ -1,0 +1,136 @@
+"""Fork and rewind, the pure parts (R-FORK-1, R-FORK-2): where a history may be cut, and
+what closes a task the cut leaves open.
+
+A fork copies a session's trace up to a ``seq``; a rewind cuts the history back to one. Either
+way the history may end inside a task — a request streaming, calls running or waiting for a
+person. Such a task is settled exactly as an interrupt settles it (R-ABORT-1..3): every call
+without a result gets ``[interrupted: tool aborted by user]`` (a request waiting for a person
+is denied by default first, R-APPROVE-5), a cut stream ends ``aborted``, then one ``abort``
+(with the partial output, so carry-over is rebuilt from the trace) and one
+``task_end(aborted)``. :func:`settlement` gives those records; the caller numbers and writes
+them. A manual compaction in flight ends ``failed``.
+
+:func:`rewind_problem` says why a rewind cannot go to a ``seq``, in words for the person who
+asked: out of range, or cut by an earlier rewind (a fork reaches those too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from greenroom.protocols import markers
+from greenroom.protocols.content import ModelBlock, TextBlock
+from greenroom.protocols.history import cut_by
+from greenroom.protocols.outputs import (
+    Abort,
+    ApprovalDecision,
+    CompactionEnd,
+    Output,
+    RequestEnd,
+    TaskEnd,
+    ToolCallOutput,
+)
+from greenroom.protocols.task import Phase, TaskRecord
+
+__all__ = ["rewind_problem", "settlement"]
+
+
+def settlement(
+    record: TaskRecord, partial: Sequence[ModelBlock], *, session_id: str, reason: str
+) -> list[Output]:
+    """The records (without ``seq``) that close the task a history leaves open, as an
+    interrupt with ``reason`` would; none when no task is open. ``record`` is the task
+    state folded from that history (:func:`~greenroom.protocols.task.fold`), ``partial``
+    what the model request in flight had produced
+    (:attr:`~greenroom.protocols.transcript.Transcript.attempt_blocks`)."""
+    run_id = record.run_id
+    if run_id is None:
+        return []
+    out: list[Output] = []
+    if record.phase is Phase.COMPACTING:
+        out.append(
+            CompactionEnd(
+                session_id=session_id,
+                run_id=run_id,
+                status="failed",
+                attempt=1,
+                error_message=reason,
+            )
+        )
+        if record.kind == "compaction":
+            return out  # a manual compaction has no task records
+    streaming = record.phase is Phase.MODEL
+    asked = {r.call_id for r in record.pending_people if r.call_id not in record.allowed}
+    unfinished = set(record.unfinished_calls())
+    for call in record.calls:
+        if call.id not in unfinished:
+            continue
+        if call.id in asked:
+            out.append(
+                ApprovalDecision(
+                    session_id=session_id,
+                    run_id=run_id,
+                    call_id=call.id,
+                    tool=call.name,
+                    decision="deny",
+                    by="default",
+                )
+            )
+        out.append(
+            ToolCallOutput(
+                session_id=session_id,
+                run_id=run_id,
+                call_id=call.id,
+                tool=call.name,
+                status="interrupted",
+                is_error=True,
+                content=(TextBlock(text=markers.INTERRUPTED_TEXT),),
+            )
+        )
+    if streaming:
+        out.append(
+            RequestEnd(
+                session_id=session_id,
+                run_id=run_id,
+                turn=record.turn,
+                status="aborted",
+                attempt=record.attempt,
+                error_message=reason,
+            )
+        )
+    out.append(
+        Abort(
+            session_id=session_id,
+            run_id=run_id,
+            reason=reason,
+            partial=tuple(partial) if streaming else (),
+            message_complete=not streaming,
+        )
+    )
+    out.append(
+        TaskEnd(
+            session_id=session_id,
+            run_id=run_id,
+            status="aborted",
+            turns=record.turn,
+            usage=record.usage,
+            wall_ms=0,
+            message=reason,
+        )
+    )
+    return out
+
+
+def rewind_problem(records: Sequence[Output], to_seq: int, *, last_seq: int) -> str | None:
+    """Why the session whose trace holds ``records`` (every file, or the current one when
+    ``to_seq`` lies in it) cannot rewind to ``to_seq``, or None when it can. ``last_seq``
+    is the session's last ``seq``."""
+    if not 0 <= to_seq <= last_seq:
+        return f"seq {to_seq} is out of range: the session's records are 0..{last_seq}"
+    cut = cut_by(records, to_seq)
+    if cut is not None:
+        return (
+            f"seq {to_seq} was cut from the history by the rewind at seq {cut.seq}; fork "
+            f"at seq {to_seq} to continue from there"
+        )
+    return None
