@@ -202,10 +202,15 @@ def provider_limits(args: argparse.Namespace) -> ProviderLimits | None:
 
 
 def mcp_servers(paths: Sequence[str]) -> Mapping[str, Any]:
-    """The servers of the ``--mcp-config`` files; :class:`UsageError` naming the file and
-    the JSON path of a problem."""
+    """The servers of the ``--mcp-config`` files. A bad entry is a warning on stderr naming
+    the file, the JSON path and why, and is skipped (R-MCP-6); a file that cannot be read or
+    is not JSON is a :class:`UsageError` naming it."""
+
+    def warn(message: str) -> None:
+        print_error(f"warning: --mcp-config: {message}")
+
     try:
-        return load_config_files(paths)
+        return load_config_files(paths, warn)
     except McpConfigError as exc:
         raise UsageError(f"--mcp-config: {exc}") from None
 

@@ -64,6 +64,7 @@ import mcp_types
 import trio
 from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.client import ClientRequestContext
+from mcp.client.sse import sse_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
@@ -357,6 +358,13 @@ class McpConnection:
                 yield streams
             return
         assert config.url is not None
+        if config.transport == "sse":
+            # The legacy HTTP+SSE transport (R-MCP-6): a server that has not moved to
+            # streamable HTTP. An idle stream the SDK drops after its read timeout ends
+            # this run; the next use connects again (R-MCP-4).
+            async with sse_client(config.url, headers=dict(config.headers) or None) as streams:
+                yield streams
+            return
         client = create_mcp_http_client(headers=dict(config.headers) or None)
         async with client, streamable_http_client(config.url, http_client=client) as streams:
             yield streams

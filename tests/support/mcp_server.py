@@ -3,6 +3,7 @@
     python tests/support/mcp_server.py            # stdio
     python tests/support/mcp_server.py --http     # streamable HTTP on 127.0.0.1, port 0:
                                                   # prints "PORT <n>" first on stdout
+    python tests/support/mcp_server.py --sse      # the legacy HTTP+SSE transport, likewise
 
 Tools: ``echo`` (read-only), ``structured``, ``image``, ``resource``, ``fail`` (isError),
 ``crash`` (the process exits mid-call), ``pid``, ``block``/``ro_block`` (block until
@@ -203,7 +204,7 @@ server._tool_manager.get_tool("bad_schema").parameters = {  # type: ignore[union
 
 
 def main() -> None:
-    if "--http" not in sys.argv:
+    if "--http" not in sys.argv and "--sse" not in sys.argv:
         server.run()
         return
     import uvicorn
@@ -212,7 +213,8 @@ def main() -> None:
     sock.bind(("127.0.0.1", 0))
     sock.listen()
     print(f"PORT {sock.getsockname()[1]}", flush=True)
-    config = uvicorn.Config(server.streamable_http_app(), log_level="warning")
+    app = server.sse_app() if "--sse" in sys.argv else server.streamable_http_app()
+    config = uvicorn.Config(app, log_level="warning")
     uvicorn.Server(config).run(sockets=[sock])
 
 
