@@ -216,6 +216,8 @@ class McpConnection:
         self.refreshing: trio.Event | None = None
         """Set while a changed tool list is being fetched; a turn boundary waits for it
         (bounded), so a change the server announced during a turn is in the next one."""
+        self._workspaces: dict[str, Path] = {}
+        """The workspace of each session using the connection, by session id: its roots."""
 
     def start_soon(self, fn: Callable[[], Awaitable[None]]) -> None:
         """Run ``fn`` in the server manager's nursery (work that outlives a call)."""
@@ -230,6 +232,47 @@ class McpConnection:
     def log_path(self) -> Path:
         """Where a stdio server's stderr goes."""
         return self._log_dir / f"{self.name}.stderr.log"
+
+    # -- roots ----------------------------------------------------------------------------
+
+    def add_workspace(self, session_id: str, workspace: Path) -> None:
+        """A session using this connection works in ``workspace``: it is one of the roots
+        the server is given (R-MCP-5), and a running server is told the list changed."""
+        before = self.roots()
+        self._workspaces[session_id] = workspace
+        self._roots_changed(before)
+
+    def drop_workspace(self, session_id: str) -> None:
+        """The session no longer uses this connection: its workspace stops being a root
+        (unless another session works there too)."""
+        before = self.roots()
+        self._workspaces.pop(session_id, None)
+        self._roots_changed(before)
+
+    def roots(self) -> list[mcp_types.Root]:
+        """The roots the server is given: the workspaces of the sessions using the
+        connection, each once, as ``file://`` URIs (a shared server sees every one of
+        them; ``"scope": "session"`` keeps a session's workspace its own)."""
+        seen: dict[str, mcp_types.Root] = {}
+        for workspace in self._workspaces.values():
+            path = workspace.absolute()
+            seen.setdefault(path.as_uri(), mcp_types.Root(uri=path.as_uri(), name=path.name))
+        return list(seen.values())
+
+    def _roots_changed(self, before: list[mcp_types.Root]) -> None:
+        live = self._live
+        if self.roots() != before and live is not None and live.session is not None:
+            self._nursery.start_soon(self._send_roots_changed, live.session)
+
+    async def _send_roots_changed(self, session: ClientSession) -> None:
+        # A server that has gone meanwhile asks for the roots again when it restarts.
+        with contextlib.suppress(MCPError, anyio.ClosedResourceError, anyio.BrokenResourceError):
+            await session.send_roots_list_changed()
+
+    async def _on_list_roots(self, context: ClientRequestContext) -> mcp_types.ListRootsResult:
+        """``roots/list`` from the server: the sessions' workspaces."""
+        await trio.lowlevel.checkpoint()
+        return mcp_types.ListRootsResult(roots=self.roots())
 
     # -- starting -----------------------------------------------------------------------
 
@@ -293,6 +336,8 @@ class McpConnection:
                         write,
                         message_handler=self._on_message,
                         elicitation_callback=self._on_elicit,
+                        list_roots_callback=self._on_list_roots,
+                        client_info=_client_info(),
                     )
                 )
                 with trio.fail_after(START_TIMEOUT_S):
@@ -612,6 +657,13 @@ def _describe(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+def _client_info() -> mcp_types.Implementation:
+    """Who the client is, in ``initialize``: greenroom and its installed version."""
+    import greenroom
+
+    return mcp_types.Implementation(name="greenroom", version=greenroom.__version__)
+
+
 def _meta(ctx: ToolContext | None) -> mcp_types.RequestParamsMeta | None:
     """The ``_meta`` of a ``tools/call`` request: the call's idempotency key
     (R-EFFECT-1), so a server that makes an effect can make it once however often the
@@ -894,9 +946,11 @@ class McpBinding:
         )
 
     def detach(self) -> None:
-        """Stop listening to the servers' tool changes."""
+        """Stop listening to the servers' tool changes; the session's workspace stops
+        being one of their roots."""
         for connection in self._connections:
             connection.listeners.discard(self.changed)
+            connection.drop_workspace(self._session.id)
 
 
 def _chain(
@@ -923,6 +977,8 @@ async def attach_servers(
     logged); it is tried again, after its backoff, whenever one of its tools is listed
     again. Never raises for a server's failure."""
     connections = [manager.connection(config, session.id) for config in configs.values()]
+    for connection in connections:
+        connection.add_workspace(session.id, session.workspace_dir)
     async with trio.open_nursery() as nursery:
         for connection in connections:
             nursery.start_soon(_list_quietly, connection)

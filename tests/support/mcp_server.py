@@ -12,8 +12,10 @@ forever; records its key in ``cancelled`` when the client cancels it), ``cancell
 ``calls`` (the names called so far), ``add_tool`` (adds a tool and sends
 ``notifications/tools/list_changed``), ``bad_schema`` (listed with an unusable schema) and
 ``order`` (asks the client which size and how many, by elicitation, and says what it was
-told; a cancellation is recorded in ``cancelled`` as ``order:<item>``) and ``sent_key``
-(the idempotency key the call's ``_meta`` carried, as the server received it).
+told; a cancellation is recorded in ``cancelled`` as ``order:<item>``), ``sent_key``
+(the idempotency key the call's ``_meta`` carried, as the server received it), ``client``
+(the client's name, version and capabilities from ``initialize``) and ``roots`` (the
+client's roots, asked for with ``roots/list``).
 """
 
 from __future__ import annotations
@@ -165,6 +167,24 @@ def sent_key(ctx: Context) -> str:
     called.append("sent_key")
     meta: Any = ctx.request_context.meta or {}
     return str(meta.get("greenroom/idempotency_key"))
+
+
+@server.tool(annotations=READ_ONLY)
+def client(ctx: Context) -> str:
+    """How the client introduced itself in ``initialize``: name, version, capabilities."""
+    params: Any = ctx.session.client_params
+    return json.dumps({
+        "name": params.client_info.name,
+        "version": params.client_info.version,
+        "capabilities": params.capabilities.model_dump(by_alias=True, exclude_none=True),
+    })  # fmt: skip
+
+
+@server.tool(annotations=READ_ONLY)
+async def roots(ctx: Context) -> str:
+    """The client's roots (``roots/list``), as a JSON array of {uri, name}."""
+    result = await ctx.session.list_roots()
+    return json.dumps([{"uri": str(r.uri), "name": r.name} for r in result.roots])
 
 
 @server.tool(annotations=READ_ONLY)
