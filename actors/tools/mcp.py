@@ -256,7 +256,8 @@ class McpConnection:
         seen: dict[str, mcp_types.Root] = {}
         for workspace in self._workspaces.values():
             path = workspace.absolute()
-            seen.setdefault(path.as_uri(), mcp_types.Root(uri=path.as_uri(), name=path.name))
+            root = {"uri": path.as_uri(), "name": path.name}  # validated into the SDK's FileUrl
+            seen.setdefault(path.as_uri(), mcp_types.Root.model_validate(root))
         return list(seen.values())
 
     def _roots_changed(self, before: list[mcp_types.Root]) -> None:
