@@ -56,12 +56,16 @@ from greenroom.actors.runtime import (
     spawn_subagent,
 )
 from greenroom.actors.tools import (
+    AttachmentError,
     McpConfigError,
     ToolLoadError,
     ask_user,
     builtin_tools,
     load_config_files,
     load_tools,
+)
+from greenroom.actors.tools import (
+    attach_resources as attach_mcp_resources,
 )
 from greenroom.protocols.outputs import (
     TaskEnd,
@@ -460,7 +464,13 @@ async def _run_task(options: RunOptions, out: TextIO) -> RunResult:
             options.approve, renderer, allow_all_source=options.allow_all_source
         )
         try:
-            stream = session.run(options.prompt, approve=approve)
+            # ``@server:uri`` words attach MCP resources (R-MCP-5), read before the task.
+            prompt = await attach_mcp_resources(options.prompt, session.tools)
+        except AttachmentError as exc:
+            print_error(f"error: {exc}")
+            return RunResult(exit_code=EXIT_USAGE, session_id=session.id)
+        try:
+            stream = session.run(prompt, approve=approve)
         except AuthLocked as exc:
             print_error(str(exc))
             return RunResult(exit_code=EXIT_AUTH, session_id=session.id)

@@ -56,7 +56,7 @@ import math
 import mimetypes
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import anyio
 import attrs
@@ -69,7 +69,18 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 
+from greenroom.actors.tools.mcp_commands import READ_RESOURCE
 from greenroom.actors.tools.mcp_config import as_configs, load_config_files
+from greenroom.actors.tools.mcp_extras import (
+    McpPromptInfo,
+    McpResourceInfo,
+    WorkspaceRoots,
+    fetch_prompts,
+    fetch_resources,
+    prompt_messages,
+    read_resource_tool,
+    resource_text,
+)
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolContent
 from greenroom.protocols.context import ToolSchema
 from greenroom.protocols.effects import MCP_META_KEY
@@ -89,6 +100,8 @@ if TYPE_CHECKING:
     from greenroom.actors.runtime.port import SessionPort
 
 log = logging.getLogger("greenroom.mcp")
+
+_T = TypeVar("_T")
 
 START_TIMEOUT_S = 30.0
 """How long a server may take to start and answer ``initialize`` and ``tools/list``."""
@@ -130,6 +143,16 @@ class McpToolInfo:
 
 # -- configuration files --------------------------------------------------------------------
 
+
+_Listing = tuple[tuple[McpToolInfo, ...], tuple[McpResourceInfo, ...], tuple[McpPromptInfo, ...]]
+"""What a server offers: its tools, resources and prompts."""
+
+_LIST_CHANGED = (
+    mcp_types.ToolListChangedNotification,
+    mcp_types.ResourceListChangedNotification,
+    mcp_types.PromptListChangedNotification,
+)
+"""The notifications after which a server's listing is fetched again."""
 
 # -- the live tool table ------------------------------------------------------------------
 
@@ -216,8 +239,12 @@ class McpConnection:
         self.refreshing: trio.Event | None = None
         """Set while a changed tool list is being fetched; a turn boundary waits for it
         (bounded), so a change the server announced during a turn is in the next one."""
-        self._workspaces: dict[str, Path] = {}
-        """The workspace of each session using the connection, by session id: its roots."""
+        self.roots = WorkspaceRoots(self._roots_changed)
+        """The workspaces of the sessions using the connection: the server's roots."""
+        self.resources: tuple[McpResourceInfo, ...] = ()
+        """The server's resources at the last listing (none unless it declares them)."""
+        self.prompts: tuple[McpPromptInfo, ...] = ()
+        """The server's prompts at the last listing (none unless it declares them)."""
 
     def start_soon(self, fn: Callable[[], Awaitable[None]]) -> None:
         """Run ``fn`` in the server manager's nursery (work that outlives a call)."""
@@ -233,47 +260,37 @@ class McpConnection:
         """Where a stdio server's stderr goes."""
         return self._log_dir / f"{self.name}.stderr.log"
 
-    # -- roots ----------------------------------------------------------------------------
+    # -- roots, resources, prompts (R-MCP-5) ----------------------------------------------
 
-    def add_workspace(self, session_id: str, workspace: Path) -> None:
-        """A session using this connection works in ``workspace``: it is one of the roots
-        the server is given (R-MCP-5), and a running server is told the list changed."""
-        before = self.roots()
-        self._workspaces[session_id] = workspace
-        self._roots_changed(before)
-
-    def drop_workspace(self, session_id: str) -> None:
-        """The session no longer uses this connection: its workspace stops being a root
-        (unless another session works there too)."""
-        before = self.roots()
-        self._workspaces.pop(session_id, None)
-        self._roots_changed(before)
-
-    def roots(self) -> list[mcp_types.Root]:
-        """The roots the server is given: the workspaces of the sessions using the
-        connection, each once, as ``file://`` URIs (a shared server sees every one of
-        them; ``"scope": "session"`` keeps a session's workspace its own)."""
-        seen: dict[str, mcp_types.Root] = {}
-        for workspace in self._workspaces.values():
-            path = workspace.absolute()
-            root = {"uri": path.as_uri(), "name": path.name}  # validated into the SDK's FileUrl
-            seen.setdefault(path.as_uri(), mcp_types.Root.model_validate(root))
-        return list(seen.values())
-
-    def _roots_changed(self, before: list[mcp_types.Root]) -> None:
+    def _roots_changed(self) -> None:
         live = self._live
-        if self.roots() != before and live is not None and live.session is not None:
-            self._nursery.start_soon(self._send_roots_changed, live.session)
+        if live is not None and live.session is not None:
+            self._nursery.start_soon(_send_roots_changed, live.session)
 
-    async def _send_roots_changed(self, session: ClientSession) -> None:
-        # A server that has gone meanwhile asks for the roots again when it restarts.
-        with contextlib.suppress(MCPError, anyio.ClosedResourceError, anyio.BrokenResourceError):
-            await session.send_roots_list_changed()
+    async def read_resource(self, uri: str) -> str:
+        """The text of resource ``uri`` (``resources/read``), within the call timeout.
+        Raises :class:`McpServerError` saying why it could not be read."""
+        result = await self._request(f"reading {uri}", lambda s: s.read_resource(uri))
+        return resource_text(self.name, result)
 
-    async def _on_list_roots(self, context: ClientRequestContext) -> mcp_types.ListRootsResult:
-        """``roots/list`` from the server: the sessions' workspaces."""
-        await trio.lowlevel.checkpoint()
-        return mcp_types.ListRootsResult(roots=self.roots())
+    async def get_prompt(self, prompt: str, arguments: dict[str, str]) -> str:
+        """Prompt ``prompt`` with ``arguments`` expanded into its messages' text
+        (``prompts/get``). Raises :class:`McpServerError` saying why not."""
+        result = await self._request(
+            f"prompt {prompt}", lambda s: s.get_prompt(prompt, arguments)
+        )
+        return prompt_messages(result)
+
+    async def _request(self, what: str, send: Callable[[ClientSession], Awaitable[_T]]) -> _T:
+        _, session = await self._session()
+        with trio.move_on_after(self.config.timeout_s):
+            try:
+                return await send(session)
+            except MCPError as exc:
+                raise McpServerError(f"MCP server {self.name!r} refused {what}: "
+                                     f"{exc.message} (code {exc.code})") from None
+        raise McpServerError(f"MCP server {self.name!r} did not answer {what} "
+                             f"within {self.config.timeout_s:g} s")
 
     # -- starting -----------------------------------------------------------------------
 
@@ -337,15 +354,15 @@ class McpConnection:
                         write,
                         message_handler=self._on_message,
                         elicitation_callback=self._on_elicit,
-                        list_roots_callback=self._on_list_roots,
+                        list_roots_callback=self.roots.answer,
                         client_info=_client_info(),
                     )
                 )
                 with trio.fail_after(START_TIMEOUT_S):
                     await session.initialize()
-                    tools = await self._fetch_tools(session)
+                    listing = await self._fetch_listing(session)
                 live.session = session
-                self._set_tools(tools)
+                self._set_listing(listing)
                 self._failures = 0
                 self._suspect = False
                 live.ready.set()
@@ -430,7 +447,7 @@ class McpConnection:
         live.stop.set()
 
     async def _on_message(self, message: Any) -> None:
-        if isinstance(message, mcp_types.ToolListChangedNotification):
+        if isinstance(message, _LIST_CHANGED):
             live = self._live
             if live is not None and live.session is not None:
                 if self.refreshing is None:
@@ -492,9 +509,9 @@ class McpConnection:
         pick it up at their next turn boundary."""
         try:
             with trio.fail_after(START_TIMEOUT_S):
-                tools = await self._fetch_tools(session)
+                listing = await self._fetch_listing(session)
             if self._live is live:
-                self._set_tools(tools)
+                self._set_listing(listing)
         except BaseException as exc:
             if isinstance(exc, trio.Cancelled):
                 raise
@@ -505,31 +522,21 @@ class McpConnection:
             if refreshing is not None:
                 refreshing.set()
 
-    async def _fetch_tools(self, session: ClientSession) -> tuple[McpToolInfo, ...]:
-        tools: list[McpToolInfo] = []
-        cursor: str | None = None
-        for _ in range(1000):  # a server that pages forever is not followed forever
-            params = None if cursor is None else mcp_types.PaginatedRequestParams(cursor=cursor)
-            result = await session.list_tools(params=params)
-            for item in result.tools:
-                read_only = item.annotations.read_only_hint if item.annotations else None
-                tools.append(
-                    McpToolInfo(
-                        name=item.name,
-                        description=item.description or item.title or item.name,
-                        input_schema=item.input_schema,
-                        read_only=read_only,
-                    )
-                )
-            cursor = result.next_cursor
-            if not cursor:
-                break
-        return tuple(tools)
+    async def _fetch_listing(self, session: ClientSession) -> _Listing:
+        """Tools, and resources and prompts when the server declares those capabilities."""
+        capabilities = session.server_capabilities
+        tools = await _fetch_tools(session)
+        resources = (await fetch_resources(session)
+                     if capabilities is not None and capabilities.resources else ())
+        prompts = (await fetch_prompts(session)
+                   if capabilities is not None and capabilities.prompts else ())
+        return tools, resources, prompts
 
-    def _set_tools(self, tools: tuple[McpToolInfo, ...]) -> None:
-        if tools == self.tools:
+    def _set_listing(self, listing: _Listing) -> None:
+        tools, resources, prompts = listing
+        if (tools, resources, prompts) == (self.tools, self.resources, self.prompts):
             return
-        self.tools = tools
+        self.tools, self.resources, self.prompts = tools, resources, prompts
         self.version += 1
         for listener in tuple(self.listeners):
             with contextlib.suppress(Exception):
@@ -564,6 +571,9 @@ class McpConnection:
                 warnings.append(f"MCP server {self.name!r}: tool {info.name!r} skipped: {problem}")
                 continue
             built.append(self._tool(info))
+        listed = {info.name for info in self.tools or ()}
+        if self.resources and READ_RESOURCE not in listed:  # the server's own tool wins
+            built.append(read_resource_tool(self.name, self.resources, self.read_resource))
         for warning in warnings:
             log.warning("%s", warning)
         self.warnings = warnings
@@ -644,6 +654,29 @@ class McpConnection:
             await live.ended.wait()
 
 
+async def _fetch_tools(session: ClientSession) -> tuple[McpToolInfo, ...]:
+    """Every tool the server lists (``tools/list``, all pages)."""
+    tools: list[McpToolInfo] = []
+    cursor: str | None = None
+    for _ in range(1000):  # a server that pages forever is not followed forever
+        params = None if cursor is None else mcp_types.PaginatedRequestParams(cursor=cursor)
+        result = await session.list_tools(params=params)
+        for item in result.tools:
+            read_only = item.annotations.read_only_hint if item.annotations else None
+            tools.append(
+                McpToolInfo(
+                    name=item.name,
+                    description=item.description or item.title or item.name,
+                    input_schema=item.input_schema,
+                    read_only=read_only,
+                )
+            )
+        cursor = result.next_cursor
+        if not cursor:
+            break
+    return tuple(tools)
+
+
 def _describe(exc: BaseException) -> str:
     """One line for an exception, looking inside exception groups for the first cause.
     The line reaches the model and the user, so it says what happened in words; a class
@@ -656,6 +689,12 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
     return " ".join(str(exc).split()) or type(exc).__name__
+
+
+async def _send_roots_changed(session: ClientSession) -> None:
+    # A server that has gone meanwhile asks for the roots again when it restarts.
+    with contextlib.suppress(MCPError, anyio.ClosedResourceError, anyio.BrokenResourceError):
+        await session.send_roots_list_changed()
 
 
 def _client_info() -> mcp_types.Implementation:
@@ -951,7 +990,7 @@ class McpBinding:
         being one of their roots."""
         for connection in self._connections:
             connection.listeners.discard(self.changed)
-            connection.drop_workspace(self._session.id)
+            connection.roots.drop(self._session.id)
 
 
 def _chain(
@@ -979,7 +1018,7 @@ async def attach_servers(
     again. Never raises for a server's failure."""
     connections = [manager.connection(config, session.id) for config in configs.values()]
     for connection in connections:
-        connection.add_workspace(session.id, session.workspace_dir)
+        connection.roots.add(session.id, session.workspace_dir)
     async with trio.open_nursery() as nursery:
         for connection in connections:
             nursery.start_soon(_list_quietly, connection)

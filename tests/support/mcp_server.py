@@ -15,7 +15,8 @@ forever; records its key in ``cancelled`` when the client cancels it), ``cancell
 told; a cancellation is recorded in ``cancelled`` as ``order:<item>``), ``sent_key``
 (the idempotency key the call's ``_meta`` carried, as the server received it), ``client``
 (the client's name, version and capabilities from ``initialize``) and ``roots`` (the
-client's roots, asked for with ``roots/list``).
+client's roots, asked for with ``roots/list``). Resource ``greenroom://notes`` (text);
+prompt ``review`` (arguments ``path``, required, and ``tone``).
 """
 
 from __future__ import annotations
@@ -221,6 +222,19 @@ server._tool_manager.get_tool("bad_schema").parameters = {  # type: ignore[union
     "type": "object",
     "properties": {"x": {"type": "file"}},
 }
+
+
+@server.resource("greenroom://notes", name="notes", description="The team's notes",
+                 mime_type="text/plain")
+def notes() -> str:
+    """A text resource."""
+    return "the notes say: ship on Friday"
+
+
+@server.prompt(description="Review a file, in the given tone")
+def review(path: str, tone: str = "kind") -> str:
+    """A prompt with a required and an optional argument."""
+    return f"Review {path} in a {tone} tone."
 
 
 def main() -> None:
