@@ -1,13 +1,21 @@
-"""MCP server configuration: the ``mcpServers`` JSON that MCP clients use (R-MCP-1).
+"""MCP server configuration: the JSON that MCP clients write (R-MCP-1, R-MCP-6).
 
-A file holds ``{"mcpServers": {"NAME": SERVER, …}}`` (other top-level keys are ignored, so
-a client's whole settings file can be given). A SERVER is either stdio::
+A file holds ``{"mcpServers": {"NAME": SERVER, …}}`` (Claude Desktop, Claude Code, Cursor,
+Cline), or VS Code's ``{"servers": {"NAME": SERVER, …}, "inputs": […]}`` (also inside a
+settings file's ``"mcp"`` object); other top-level keys are ignored, so a client's whole
+settings file can be given. VS Code's ``inputs`` (prompted variables) are not supported:
+they are ignored with a note, and a ``${input:…}`` in a value stays as written. A SERVER is
+either stdio::
 
     {"command": "npx", "args": ["-y", "some-server"], "env": {"KEY": "value"}, "cwd": "/dir"}
 
 or streamable HTTP (``"type": "http"``; a ``url`` without a ``type`` means HTTP too)::
 
     {"type": "http", "url": "https://example.com/mcp", "headers": {"Authorization": "…"}}
+
+or the legacy HTTP+SSE transport (``"type": "sse"``, with ``url`` and ``headers``). Cline's
+``"transportType"`` stands for ``"type"``; ``"disabled": true`` skips the entry; Cline's
+``autoApprove`` and Roo's ``alwaysAllow`` are ignored (greenroom's approval decides, R-APPROVE).
 
 with optional keys on both: ``"parallel": true | false | ["tool", …]`` (which tools may run
 beside other calls; without it the server's ``readOnlyHint`` decides: R-MCP-2),
@@ -17,14 +25,16 @@ or one per session).
 
 Everything here is pure: the caller reads the file and passes its text. Every problem is an
 :class:`McpConfigError` whose message names the source and the JSON path
-(``servers.json: $.mcpServers.x.command: expected a string``).
+(``servers.json: $.mcpServers.x.command: expected a string``). Reading a file with a
+``report`` callback, one bad entry is reported through it and skipped, and the others load
+(R-MCP-6); without one, the first problem raises.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import attrs
@@ -36,8 +46,16 @@ MAX_TOOL_NAME = 64
 """The longest tool name every provider accepts (OpenAI's limit; Anthropic allows more)."""
 
 _NAME_PART = re.compile(r"[A-Za-z0-9_-]+")
-_KNOWN_KEYS = ("type", "command", "args", "env", "cwd", "url", "headers", "parallel",
-               "timeout_s", "scope")
+_IGNORED_KEYS = ("autoApprove", "alwaysAllow")
+"""Keys other clients write that greenroom reads past: auto-approval lists (greenroom's own
+approval decides every call, so ignoring them only asks more often, never less)."""
+_KNOWN_KEYS = ("type", "transportType", "command", "args", "env", "cwd", "url", "headers",
+               "parallel", "timeout_s", "scope", "disabled", *_IGNORED_KEYS)
+_TRANSPORTS = {"stdio": "stdio", "http": "http", "streamable-http": "http",
+               "streamableHttp": "http", "sse": "sse"}
+
+Report = Callable[[str], None]
+"""Takes one message about a skipped entry or an ignored setting (R-MCP-6)."""
 
 
 class McpConfigError(ValueError):
@@ -49,7 +67,7 @@ class McpServerConfig:
     """One configured MCP server. Hashable: servers of equal configuration are shared."""
 
     name: str
-    transport: Literal["stdio", "http"]
+    transport: Literal["stdio", "http", "sse"]
     command: str | None = None
     args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
@@ -92,8 +110,14 @@ def tool_name_problem(server: str, tool: str) -> str | None:
     return None
 
 
-def parse_config_text(text: str, source: str) -> dict[str, McpServerConfig]:
-    """The servers of a config file's text. Raises :class:`McpConfigError`."""
+def parse_config_text(
+    text: str, source: str, report: Report | None = None
+) -> dict[str, McpServerConfig]:
+    """The servers of a config file's text, in any of the shapes of the module docstring.
+    With ``report``, a bad entry is reported (naming it and why) and skipped, and so is a
+    disabled one; without it, the first problem raises :class:`McpConfigError`. A file that
+    is not JSON, or holds no servers object at all, raises either way (it has no entries to
+    keep)."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -104,22 +128,72 @@ def parse_config_text(text: str, source: str) -> dict[str, McpServerConfig]:
         raise McpConfigError(f"{source}: not JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise McpConfigError(f"{source}: $: expected an object with \"mcpServers\"")
-    if "mcpServers" not in data:
-        raise McpConfigError(f"{source}: $.mcpServers: required property missing")
-    return parse_servers(data["mcpServers"], source=source, path="$.mcpServers")
+    groups: list[tuple[str, Any]] = []
+    if "mcpServers" in data:
+        groups.append(("$.mcpServers", data["mcpServers"]))
+    if "servers" in data:  # VS Code's .vscode/mcp.json
+        groups.append(("$.servers", data["servers"]))
+    settings = data.get("mcp")
+    if isinstance(settings, Mapping) and "servers" in settings:  # VS Code's settings.json
+        groups.append(("$.mcp.servers", settings["servers"]))
+        if "inputs" in settings:
+            _note_inputs(source, "$.mcp.inputs", report)
+    if not groups:
+        raise McpConfigError(
+            f"{source}: $.mcpServers: required property missing (or VS Code's \"servers\")"
+        )
+    if "inputs" in data:
+        _note_inputs(source, "$.inputs", report)
+    servers: dict[str, McpServerConfig] = {}
+    for path, value in groups:
+        for name, config in parse_servers(value, source=source, path=path, report=report).items():
+            if name in servers:
+                problem = _error(source, f"{path}.{name}", f"server {name!r} is listed twice")
+                if report is None:
+                    raise problem
+                report(f"{problem}; skipped")
+                continue
+            servers[name] = config
+    return servers
+
+
+def _note_inputs(source: str, path: str, report: Report | None) -> None:
+    if report is not None:
+        report(f"{source}: {path}: ignored (VS Code input variables are not supported; a "
+               "${input:…} in a value is passed as written)")
 
 
 def parse_servers(
-    value: Any, *, source: str = "mcp_servers", path: str = "$"
+    value: Any, *, source: str = "mcp_servers", path: str = "$", report: Report | None = None
 ) -> dict[str, McpServerConfig]:
     """The servers of an ``mcpServers`` mapping (``{"NAME": {...}}``); ``source`` and
-    ``path`` prefix the error messages. Raises :class:`McpConfigError`."""
+    ``path`` prefix the error messages. A ``"disabled": true`` entry is left out. With
+    ``report``, a bad entry is reported and skipped (R-MCP-6); without it, it raises
+    :class:`McpConfigError`."""
     if not isinstance(value, Mapping):
         raise _error(source, path, "expected an object of servers by name")
     servers: dict[str, McpServerConfig] = {}
     for name, entry in value.items():
-        servers[name] = parse_server(name, entry, source=source, path=f"{path}.{name}")
+        where = f"{path}.{name}"
+        try:
+            if _disabled(entry, source, where):
+                continue
+            servers[name] = parse_server(name, entry, source=source, path=where)
+        except McpConfigError as exc:
+            if report is None:
+                raise
+            report(f"{exc}; server {name!r} skipped, the others load")
     return servers
+
+
+def _disabled(entry: Any, source: str, path: str) -> bool:
+    """Whether an entry says ``"disabled": true`` (Cline, Roo Code): it is not loaded."""
+    if not isinstance(entry, Mapping) or "disabled" not in entry:
+        return False
+    disabled = entry["disabled"]
+    if not isinstance(disabled, bool):
+        raise _error(source, f"{path}.disabled", f"expected true or false, got {disabled!r}")
+    return disabled
 
 
 def parse_server(name: Any, entry: Any, *, source: str, path: str) -> McpServerConfig:
@@ -138,13 +212,14 @@ def parse_server(name: Any, entry: Any, *, source: str, path: str) -> McpServerC
             raise _error(
                 source, f"{path}.{key}", f"unknown key (known: {', '.join(_KNOWN_KEYS)})"
             )
-    kind = entry.get("type")
+    type_key = "type" if "type" in entry or "transportType" not in entry else "transportType"
+    given = entry.get(type_key)
+    if given is None:
+        given = "http" if "url" in entry and "command" not in entry else "stdio"
+    kind = _TRANSPORTS.get(given) if isinstance(given, str) else None
     if kind is None:
-        kind = "http" if "url" in entry and "command" not in entry else "stdio"
-    if kind in ("streamable-http", "streamableHttp"):
-        kind = "http"
-    if kind not in ("stdio", "http"):
-        raise _error(source, f"{path}.type", f'expected "stdio" or "http", got {kind!r}')
+        raise _error(source, f"{path}.{type_key}",
+                     f'expected "stdio", "http" or "sse", got {given!r}')
     common: dict[str, Any] = {
         "name": name,
         "parallel": _parallel(entry.get("parallel"), source, f"{path}.parallel"),
@@ -154,7 +229,7 @@ def parse_server(name: Any, entry: Any, *, source: str, path: str) -> McpServerC
     if kind == "stdio":
         for key in ("url", "headers"):
             if key in entry:
-                raise _error(source, f"{path}.{key}", "only for a server of type http")
+                raise _error(source, f"{path}.{key}", "only for a server of type http or sse")
         command = entry.get("command")
         if not isinstance(command, str) or not command:
             raise _error(source, f"{path}.command", "expected a string")
@@ -178,7 +253,7 @@ def parse_server(name: Any, entry: Any, *, source: str, path: str) -> McpServerC
     if not re.match(r"https?://[^/\s]+", url):
         raise _error(source, f"{path}.url", f"expected an http:// or https:// URL, got {url!r}")
     return McpServerConfig(
-        transport="http",
+        transport="sse" if kind == "sse" else "http",
         url=url,
         headers=_string_map(entry.get("headers", {}), source, f"{path}.headers"),
         **common,
@@ -186,19 +261,24 @@ def parse_server(name: Any, entry: Any, *, source: str, path: str) -> McpServerC
 
 
 def merge_configs(
-    parts: list[tuple[str, dict[str, McpServerConfig]]],
+    parts: list[tuple[str, dict[str, McpServerConfig]]], report: Report | None = None
 ) -> dict[str, McpServerConfig]:
     """The servers of several files in order; a name given twice is an error naming both
-    files (which one should win is not obvious)."""
+    files (which one should win is not obvious). With ``report`` it is reported instead and
+    the first file's server kept (R-MCP-6)."""
     merged: dict[str, McpServerConfig] = {}
     origin: dict[str, str] = {}
     for source, servers in parts:
         for name, config in servers.items():
             if name in merged:
-                raise McpConfigError(
+                problem = McpConfigError(
                     f"{source}: $.mcpServers.{name}: server {name!r} is also configured in "
                     f"{origin[name]}"
                 )
+                if report is None:
+                    raise problem
+                report(f"{problem}; the one in {origin[name]} is used")
+                continue
             merged[name] = config
             origin[name] = source
     return merged

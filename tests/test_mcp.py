@@ -98,17 +98,19 @@ def alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def http_server() -> Iterator[str]:
-    """The test server over streamable HTTP on 127.0.0.1 (port 0); yields its URL."""
+def http_server(transport: str = "http") -> Iterator[str]:
+    """The test server over streamable HTTP (or ``"sse"``: the legacy HTTP+SSE transport)
+    on 127.0.0.1 (port 0); yields its URL."""
     process = subprocess.Popen(
-        [sys.executable, str(SERVER), "--http"],
+        [sys.executable, str(SERVER), f"--{transport}"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     try:
         assert process.stdout is not None
         line = process.stdout.readline()
         assert line.startswith("PORT "), line
-        yield f"http://127.0.0.1:{int(line.split()[1])}/mcp"
+        path = "sse" if transport == "sse" else "mcp"
+        yield f"http://127.0.0.1:{int(line.split()[1])}/{path}"
     finally:
         process.terminate()
         process.wait(timeout=10)
@@ -151,7 +153,8 @@ def test_config_parses_stdio_and_http_servers() -> None:
         ({"x": {"command": "c", "parallel": "yes"}}, "$.mcpServers.x.parallel: expected true"),
         ({"x": {"command": "c", "scope": "all"}}, "$.mcpServers.x.scope: expected"),
         ({"x": {"command": "c", "comand": "c"}}, "$.mcpServers.x.comand: unknown key"),
-        ({"x": {"type": "sse", "url": "u"}}, "$.mcpServers.x.type: expected \"stdio\" or"),
+        ({"x": {"type": "ws", "url": "u"}}, "$.mcpServers.x.type: expected \"stdio\", \"http\""),
+        ({"x": {"command": "c", "disabled": "yes"}}, "$.mcpServers.x.disabled: expected true"),
         ({"x": {"type": "http", "url": "ftp://h"}}, "$.mcpServers.x.url: expected an http"),
         ({"x": {"type": "http", "url": "http://h", "command": "c"}}, "$.mcpServers.x.command"),
         ({"a__b": {"command": "c"}}, "$.mcpServers.a__b: server name 'a__b' must be"),
@@ -176,6 +179,73 @@ def test_config_file_problems_are_named() -> None:
     one = parse_config_text('{"mcpServers": {"x": {"command": "c"}}}', "a.json")
     with pytest.raises(McpConfigError, match=r"^b\.json: .*also configured in a\.json"):
         merge_configs([("a.json", one), ("b.json", one)])
+
+
+def test_the_configurations_of_common_clients_load() -> None:
+    """R-MCP-6: Claude's ``mcpServers`` with ``"type": "sse"``, Cline's ``disabled``,
+    ``transportType`` and ``autoApprove``, VS Code's ``servers`` with ``inputs``."""
+    claude = parse_config_text(json.dumps({"mcpServers": {
+        "legacy": {"type": "sse", "url": "http://127.0.0.1:1/sse", "headers": {"A": "b"}},
+        "off": {"command": "c", "disabled": True},
+        "on": {"command": "c", "disabled": False, "autoApprove": ["x"], "alwaysAllow": []},
+        "cline": {"transportType": "sse", "url": "http://127.0.0.1:1/sse"},
+    }}), "claude.json")  # fmt: skip
+    assert claude["legacy"] == McpServerConfig(
+        name="legacy", transport="sse", url="http://127.0.0.1:1/sse", headers=(("A", "b"),)
+    )
+    assert set(claude) == {"legacy", "on", "cline"}
+    assert claude["cline"].transport == "sse"
+    notes: list[str] = []
+    vscode = parse_config_text(json.dumps({
+        "inputs": [{"type": "promptString", "id": "key"}],
+        "servers": {
+            "files": {"type": "stdio", "command": "npx", "args": ["srv"]},
+            "web": {"type": "http", "url": "https://example.test/mcp"},
+            "old": {"type": "sse", "url": "https://example.test/sse"},
+        },
+    }), "mcp.json", notes.append)  # fmt: skip
+    assert {n: c.transport for n, c in vscode.items()} == {
+        "files": "stdio", "web": "http", "old": "sse"}
+    assert notes == [
+        "mcp.json: $.inputs: ignored (VS Code input variables are not supported; a "
+        "${input:…} in a value is passed as written)"
+    ]
+    settings = parse_config_text(
+        json.dumps({"editor.fontSize": 12, "mcp": {"servers": {"a": {"command": "c"}}}}),
+        "settings.json",
+    )
+    assert set(settings) == {"a"}
+
+
+def test_one_bad_entry_is_reported_and_skipped(tmp_path: Path) -> None:
+    """R-MCP-6: with a reporter, a bad entry is named with why and skipped, the others
+    load; so is a server given again in a second file. Without one it raises."""
+    first = tmp_path / "a.json"
+    first.write_text(json.dumps({"mcpServers": {
+        "good": {"command": "c"},
+        "bad": {"command": 3},
+        "worse": {"type": "ws", "url": "u"},
+        "bad.name": {"command": "c"},
+    }}))  # fmt: skip
+    second = tmp_path / "b.json"
+    second.write_text(json.dumps({"servers": {"good": {"command": "d"}, "more": {"command": "e"}}}))
+    notes: list[str] = []
+    servers = load_config_files([first, second], notes.append)
+    assert set(servers) == {"good", "more"}
+    assert servers["good"].command == "c"
+    assert notes == [
+        f"{first}: $.mcpServers.bad.command: expected a string; server 'bad' skipped, "
+        "the others load",
+        f"{first}: $.mcpServers.worse.type: expected \"stdio\", \"http\" or \"sse\", got "
+        "'ws'; server 'worse' skipped, the others load",
+        f"{first}: $.mcpServers.bad.name: server name 'bad.name' must be letters, digits, "
+        "'_' and '-', without '__' (it becomes part of the tool names "
+        "mcp__<server>__<tool>); server 'bad.name' skipped, the others load",
+        f"{second}: $.mcpServers.good: server 'good' is also configured in {first}; the "
+        f"one in {first} is used",
+    ]
+    with pytest.raises(McpConfigError, match=r"bad\.command: expected a string"):
+        load_config_files([first])
 
 
 def test_parallel_is_declared_never_guessed() -> None:
@@ -564,6 +634,25 @@ async def test_streamable_http_server(mcp_host: Host, workspace: Path, providers
     assert by_call["c2"].is_error and "nope" in content_text(by_call["c2"])
 
 
+async def test_legacy_sse_server(mcp_host: Host, workspace: Path, providers: Any) -> None:
+    """R-MCP-6: a server on the legacy HTTP+SSE transport (``"type": "sse"``) is listed
+    and called like any other."""
+    provider = providers([
+        Reply(blocks=(tool_call("c1", "mcp__old__echo", text="over sse"),
+                      tool_call("c2", "mcp__old__fail", message="nope"))),
+        Reply(blocks=(text("done"),)),
+    ])  # fmt: skip
+    with http_server("sse") as url:
+        session = await mcp_host.create_session(
+            provider=provider, workspace_dir=workspace,
+            mcp_servers={"old": {"type": "sse", "url": url}},
+        )  # fmt: skip
+        outputs = await collect(session.run("go", approve=allow_all))
+    by_call = outputs_by_call(outputs)
+    assert content_text(by_call["c1"]) == "over sse"
+    assert by_call["c2"].is_error and "nope" in content_text(by_call["c2"])
+
+
 async def test_gateway_sessions_get_the_servers_of_its_defaults(
     mcp_host: Host, workspace: Path
 ) -> None:
@@ -611,9 +700,11 @@ def cli_env(tmp_path: Path) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("command", ["run", "chat", "serve"])
-def test_cli_bad_config_exits_2_naming_file_and_path(tmp_path: Path, command: str) -> None:
+def test_cli_unreadable_config_exits_2_naming_file_and_path(tmp_path: Path, command: str) -> None:
+    """A file that is not a configuration at all is a usage error (a bad entry is not: R-MCP-6,
+    see test_cli_run_with_stdio_and_http_servers)."""
     config = tmp_path / "servers.json"
-    config.write_text(json.dumps({"mcpServers": {"x": {"command": ["npx"]}}}))
+    config.write_text(json.dumps({"servers_typo": {"x": {"command": "npx"}}}))
     result = subprocess.run(
         [GREENROOM, command, "--mcp-config", str(config),
          *(["hi"] if command == "run" else [])],
@@ -621,13 +712,14 @@ def test_cli_bad_config_exits_2_naming_file_and_path(tmp_path: Path, command: st
         timeout=RUN_TIMEOUT_S * 3, stdin=subprocess.DEVNULL,
     )  # fmt: skip
     assert result.returncode == 2, result.stderr
-    assert f"{config}: $.mcpServers.x.command: expected a string" in result.stderr
+    assert f"{config}: $.mcpServers: required property missing" in result.stderr
     assert "Traceback" not in result.stderr
 
 
 async def test_cli_run_with_stdio_and_http_servers(tmp_path: Path, workspace: Path) -> None:
     """``greenroom run --mcp-config servers.json`` end to end: an OpenAI-compatible mock
-    model calls one tool of each server."""
+    model calls one tool of each server. A bad entry beside them is a warning naming it and
+    why, and a disabled one is left out; the run goes on (R-MCP-6)."""
     script = [
         WireReply([ToolUse("call_1", "mcp__s__echo", {"text": "from stdio"}),
                    ToolUse("call_2", "mcp__h__echo", {"text": "from http"})],
@@ -638,6 +730,7 @@ async def test_cli_run_with_stdio_and_http_servers(tmp_path: Path, workspace: Pa
         config = tmp_path / "servers.json"
         config.write_text(json.dumps({"mcpServers": {
             "s": stdio(), "h": {"type": "http", "url": url},
+            "broken": {"command": ["npx"]}, "off": {**stdio(), "disabled": True},
         }}))  # fmt: skip
         async with open_mock_server(*script) as model:
             env = {**cli_env(tmp_path), "OPENAI_API_KEY": "test-key"}
@@ -653,7 +746,10 @@ async def test_cli_run_with_stdio_and_http_servers(tmp_path: Path, workspace: Pa
             model.assert_clean()
             tool_names = {t["function"]["name"] for t in model.requests[0].body["tools"]}
     assert result.returncode == 0, result.stderr.decode()
+    assert (f"warning: --mcp-config: {config}: $.mcpServers.broken.command: expected a "
+            "string; server 'broken' skipped, the others load") in result.stderr.decode()
     assert {"mcp__s__echo", "mcp__h__echo"} <= tool_names
+    assert not any(name.startswith("mcp__off__") for name in tool_names)
     lines = [json.loads(line) for line in result.stdout.decode().splitlines()]
     outputs = {o["call_id"]: o for o in lines if o["type"] == "tool_call_output"}
     assert outputs["call_1"]["content"][0]["text"] == "from stdio"

@@ -56,12 +56,16 @@ from greenroom.actors.runtime import (
     spawn_subagent,
 )
 from greenroom.actors.tools import (
+    AttachmentError,
     McpConfigError,
     ToolLoadError,
     ask_user,
     builtin_tools,
     load_config_files,
     load_tools,
+)
+from greenroom.actors.tools import (
+    attach_resources as attach_mcp_resources,
 )
 from greenroom.protocols.errors import OutputSchemaError
 from greenroom.protocols.outputs import (
@@ -232,10 +236,15 @@ def provider_limits(args: argparse.Namespace) -> ProviderLimits | None:
 
 
 def mcp_servers(paths: Sequence[str]) -> Mapping[str, Any]:
-    """The servers of the ``--mcp-config`` files; :class:`UsageError` naming the file and
-    the JSON path of a problem."""
+    """The servers of the ``--mcp-config`` files. A bad entry is a warning on stderr naming
+    the file, the JSON path and why, and is skipped (R-MCP-6); a file that cannot be read or
+    is not JSON is a :class:`UsageError` naming it."""
+
+    def warn(message: str) -> None:
+        print_error(f"warning: --mcp-config: {message}")
+
     try:
-        return load_config_files(paths)
+        return load_config_files(paths, warn)
     except McpConfigError as exc:
         raise UsageError(f"--mcp-config: {exc}") from None
 
@@ -488,7 +497,13 @@ async def _run_task(options: RunOptions, out: TextIO) -> RunResult:
             options.approve, renderer, allow_all_source=options.allow_all_source
         )
         try:
-            stream = session.run(options.prompt, approve=approve, output_schema=structured)
+            # ``@server:uri`` words attach MCP resources (R-MCP-5), read before the task.
+            prompt = await attach_mcp_resources(options.prompt, session.tools)
+        except AttachmentError as exc:
+            print_error(f"error: {exc}")
+            return RunResult(exit_code=EXIT_USAGE, session_id=session.id)
+        try:
+            stream = session.run(prompt, approve=approve, output_schema=structured)
         except AuthLocked as exc:
             print_error(str(exc))
             return RunResult(exit_code=EXIT_AUTH, session_id=session.id)

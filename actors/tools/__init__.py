@@ -12,6 +12,11 @@ if TYPE_CHECKING:
         ToolLoadError,
         load_tools,
     )
+    from greenroom.actors.tools.mcp_commands import (
+        AttachmentError,
+        attach_resources,
+        parse_prompt_command,
+    )
     from greenroom.actors.tools.mcp_config import (
         McpConfigError,
         load_config_files,
@@ -24,17 +29,23 @@ _MODULE_OF = {
     "builtin_tools": "greenroom.actors.tools.builtin",
     "ToolLoadError": "greenroom.actors.tools.loader",
     "load_tools": "greenroom.actors.tools.loader",
+    "AttachmentError": "greenroom.actors.tools.mcp_commands",
+    "attach_resources": "greenroom.actors.tools.mcp_commands",
+    "parse_prompt_command": "greenroom.actors.tools.mcp_commands",
     "McpConfigError": "greenroom.actors.tools.mcp_config",
     "load_config_files": "greenroom.actors.tools.mcp_config",
 }
 
 __all__ = [
+    "AttachmentError",
     "McpConfigError",
     "ToolLoadError",
     "ask_user",
+    "attach_resources",
     "builtin_tools",
     "load_config_files",
     "load_tools",
+    "parse_prompt_command",
 ]
 
 

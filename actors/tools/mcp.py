@@ -56,7 +56,7 @@ import math
 import mimetypes
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import anyio
 import attrs
@@ -64,11 +64,23 @@ import mcp_types
 import trio
 from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.client import ClientRequestContext
+from mcp.client.sse import sse_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 
+from greenroom.actors.tools.mcp_commands import READ_RESOURCE
 from greenroom.actors.tools.mcp_config import as_configs, load_config_files
+from greenroom.actors.tools.mcp_extras import (
+    McpPromptInfo,
+    McpResourceInfo,
+    WorkspaceRoots,
+    fetch_prompts,
+    fetch_resources,
+    prompt_messages,
+    read_resource_tool,
+    resource_text,
+)
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolContent
 from greenroom.protocols.context import ToolSchema
 from greenroom.protocols.effects import MCP_META_KEY
@@ -88,6 +100,8 @@ if TYPE_CHECKING:
     from greenroom.actors.runtime.port import SessionPort
 
 log = logging.getLogger("greenroom.mcp")
+
+_T = TypeVar("_T")
 
 START_TIMEOUT_S = 30.0
 """How long a server may take to start and answer ``initialize`` and ``tools/list``."""
@@ -129,6 +143,16 @@ class McpToolInfo:
 
 # -- configuration files --------------------------------------------------------------------
 
+
+_Listing = tuple[tuple[McpToolInfo, ...], tuple[McpResourceInfo, ...], tuple[McpPromptInfo, ...]]
+"""What a server offers: its tools, resources and prompts."""
+
+_LIST_CHANGED = (
+    mcp_types.ToolListChangedNotification,
+    mcp_types.ResourceListChangedNotification,
+    mcp_types.PromptListChangedNotification,
+)
+"""The notifications after which a server's listing is fetched again."""
 
 # -- the live tool table ------------------------------------------------------------------
 
@@ -215,6 +239,12 @@ class McpConnection:
         self.refreshing: trio.Event | None = None
         """Set while a changed tool list is being fetched; a turn boundary waits for it
         (bounded), so a change the server announced during a turn is in the next one."""
+        self.roots = WorkspaceRoots(self._roots_changed)
+        """The workspaces of the sessions using the connection: the server's roots."""
+        self.resources: tuple[McpResourceInfo, ...] = ()
+        """The server's resources at the last listing (none unless it declares them)."""
+        self.prompts: tuple[McpPromptInfo, ...] = ()
+        """The server's prompts at the last listing (none unless it declares them)."""
 
     def start_soon(self, fn: Callable[[], Awaitable[None]]) -> None:
         """Run ``fn`` in the server manager's nursery (work that outlives a call)."""
@@ -229,6 +259,38 @@ class McpConnection:
     def log_path(self) -> Path:
         """Where a stdio server's stderr goes."""
         return self._log_dir / f"{self.name}.stderr.log"
+
+    # -- roots, resources, prompts (R-MCP-5) ----------------------------------------------
+
+    def _roots_changed(self) -> None:
+        live = self._live
+        if live is not None and live.session is not None:
+            self._nursery.start_soon(_send_roots_changed, live.session)
+
+    async def read_resource(self, uri: str) -> str:
+        """The text of resource ``uri`` (``resources/read``), within the call timeout.
+        Raises :class:`McpServerError` saying why it could not be read."""
+        result = await self._request(f"reading {uri}", lambda s: s.read_resource(uri))
+        return resource_text(self.name, result)
+
+    async def get_prompt(self, prompt: str, arguments: dict[str, str]) -> str:
+        """Prompt ``prompt`` with ``arguments`` expanded into its messages' text
+        (``prompts/get``). Raises :class:`McpServerError` saying why not."""
+        result = await self._request(
+            f"prompt {prompt}", lambda s: s.get_prompt(prompt, arguments)
+        )
+        return prompt_messages(result)
+
+    async def _request(self, what: str, send: Callable[[ClientSession], Awaitable[_T]]) -> _T:
+        _, session = await self._session()
+        with trio.move_on_after(self.config.timeout_s):
+            try:
+                return await send(session)
+            except MCPError as exc:
+                raise McpServerError(f"MCP server {self.name!r} refused {what}: "
+                                     f"{exc.message} (code {exc.code})") from None
+        raise McpServerError(f"MCP server {self.name!r} did not answer {what} "
+                             f"within {self.config.timeout_s:g} s")
 
     # -- starting -----------------------------------------------------------------------
 
@@ -292,13 +354,15 @@ class McpConnection:
                         write,
                         message_handler=self._on_message,
                         elicitation_callback=self._on_elicit,
+                        list_roots_callback=self.roots.answer,
+                        client_info=_client_info(),
                     )
                 )
                 with trio.fail_after(START_TIMEOUT_S):
                     await session.initialize()
-                    tools = await self._fetch_tools(session)
+                    listing = await self._fetch_listing(session)
                 live.session = session
-                self._set_tools(tools)
+                self._set_listing(listing)
                 self._failures = 0
                 self._suspect = False
                 live.ready.set()
@@ -357,6 +421,13 @@ class McpConnection:
                 yield streams
             return
         assert config.url is not None
+        if config.transport == "sse":
+            # The legacy HTTP+SSE transport (R-MCP-6): a server that has not moved to
+            # streamable HTTP. An idle stream the SDK drops after its read timeout ends
+            # this run; the next use connects again (R-MCP-4).
+            async with sse_client(config.url, headers=dict(config.headers) or None) as streams:
+                yield streams
+            return
         client = create_mcp_http_client(headers=dict(config.headers) or None)
         async with client, streamable_http_client(config.url, http_client=client) as streams:
             yield streams
@@ -376,7 +447,7 @@ class McpConnection:
         live.stop.set()
 
     async def _on_message(self, message: Any) -> None:
-        if isinstance(message, mcp_types.ToolListChangedNotification):
+        if isinstance(message, _LIST_CHANGED):
             live = self._live
             if live is not None and live.session is not None:
                 if self.refreshing is None:
@@ -438,9 +509,9 @@ class McpConnection:
         pick it up at their next turn boundary."""
         try:
             with trio.fail_after(START_TIMEOUT_S):
-                tools = await self._fetch_tools(session)
+                listing = await self._fetch_listing(session)
             if self._live is live:
-                self._set_tools(tools)
+                self._set_listing(listing)
         except BaseException as exc:
             if isinstance(exc, trio.Cancelled):
                 raise
@@ -451,31 +522,21 @@ class McpConnection:
             if refreshing is not None:
                 refreshing.set()
 
-    async def _fetch_tools(self, session: ClientSession) -> tuple[McpToolInfo, ...]:
-        tools: list[McpToolInfo] = []
-        cursor: str | None = None
-        for _ in range(1000):  # a server that pages forever is not followed forever
-            params = None if cursor is None else mcp_types.PaginatedRequestParams(cursor=cursor)
-            result = await session.list_tools(params=params)
-            for item in result.tools:
-                read_only = item.annotations.read_only_hint if item.annotations else None
-                tools.append(
-                    McpToolInfo(
-                        name=item.name,
-                        description=item.description or item.title or item.name,
-                        input_schema=item.input_schema,
-                        read_only=read_only,
-                    )
-                )
-            cursor = result.next_cursor
-            if not cursor:
-                break
-        return tuple(tools)
+    async def _fetch_listing(self, session: ClientSession) -> _Listing:
+        """Tools, and resources and prompts when the server declares those capabilities."""
+        capabilities = session.server_capabilities
+        tools = await _fetch_tools(session)
+        resources = (await fetch_resources(session)
+                     if capabilities is not None and capabilities.resources else ())
+        prompts = (await fetch_prompts(session)
+                   if capabilities is not None and capabilities.prompts else ())
+        return tools, resources, prompts
 
-    def _set_tools(self, tools: tuple[McpToolInfo, ...]) -> None:
-        if tools == self.tools:
+    def _set_listing(self, listing: _Listing) -> None:
+        tools, resources, prompts = listing
+        if (tools, resources, prompts) == (self.tools, self.resources, self.prompts):
             return
-        self.tools = tools
+        self.tools, self.resources, self.prompts = tools, resources, prompts
         self.version += 1
         for listener in tuple(self.listeners):
             with contextlib.suppress(Exception):
@@ -510,6 +571,9 @@ class McpConnection:
                 warnings.append(f"MCP server {self.name!r}: tool {info.name!r} skipped: {problem}")
                 continue
             built.append(self._tool(info))
+        listed = {info.name for info in self.tools or ()}
+        if self.resources and READ_RESOURCE not in listed:  # the server's own tool wins
+            built.append(read_resource_tool(self.name, self.resources, self.read_resource))
         for warning in warnings:
             log.warning("%s", warning)
         self.warnings = warnings
@@ -590,6 +654,29 @@ class McpConnection:
             await live.ended.wait()
 
 
+async def _fetch_tools(session: ClientSession) -> tuple[McpToolInfo, ...]:
+    """Every tool the server lists (``tools/list``, all pages)."""
+    tools: list[McpToolInfo] = []
+    cursor: str | None = None
+    for _ in range(1000):  # a server that pages forever is not followed forever
+        params = None if cursor is None else mcp_types.PaginatedRequestParams(cursor=cursor)
+        result = await session.list_tools(params=params)
+        for item in result.tools:
+            read_only = item.annotations.read_only_hint if item.annotations else None
+            tools.append(
+                McpToolInfo(
+                    name=item.name,
+                    description=item.description or item.title or item.name,
+                    input_schema=item.input_schema,
+                    read_only=read_only,
+                )
+            )
+        cursor = result.next_cursor
+        if not cursor:
+            break
+    return tuple(tools)
+
+
 def _describe(exc: BaseException) -> str:
     """One line for an exception, looking inside exception groups for the first cause.
     The line reaches the model and the user, so it says what happened in words; a class
@@ -602,6 +689,19 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
     return " ".join(str(exc).split()) or type(exc).__name__
+
+
+async def _send_roots_changed(session: ClientSession) -> None:
+    # A server that has gone meanwhile asks for the roots again when it restarts.
+    with contextlib.suppress(MCPError, anyio.ClosedResourceError, anyio.BrokenResourceError):
+        await session.send_roots_list_changed()
+
+
+def _client_info() -> mcp_types.Implementation:
+    """Who the client is, in ``initialize``: greenroom and its installed version."""
+    import greenroom
+
+    return mcp_types.Implementation(name="greenroom", version=greenroom.__version__)
 
 
 def _meta(ctx: ToolContext | None) -> mcp_types.RequestParamsMeta | None:
@@ -886,9 +986,11 @@ class McpBinding:
         )
 
     def detach(self) -> None:
-        """Stop listening to the servers' tool changes."""
+        """Stop listening to the servers' tool changes; the session's workspace stops
+        being one of their roots."""
         for connection in self._connections:
             connection.listeners.discard(self.changed)
+            connection.roots.drop(self._session.id)
 
 
 def _chain(
@@ -915,6 +1017,8 @@ async def attach_servers(
     logged); it is tried again, after its backoff, whenever one of its tools is listed
     again. Never raises for a server's failure."""
     connections = [manager.connection(config, session.id) for config in configs.values()]
+    for connection in connections:
+        connection.roots.add(session.id, session.workspace_dir)
     async with trio.open_nursery() as nursery:
         for connection in connections:
             nursery.start_soon(_list_quietly, connection)

@@ -14,6 +14,7 @@ from typing import Any
 from greenroom.protocols.mcp_config import (
     McpConfigError,
     McpServerConfig,
+    Report,
     merge_configs,
     parse_config_text,
     parse_servers,
@@ -22,10 +23,14 @@ from greenroom.protocols.mcp_config import (
 __all__ = ["McpConfigError", "as_configs", "load_config_files"]
 
 
-def load_config_files(paths: Iterable[str | Path]) -> dict[str, McpServerConfig]:
+def load_config_files(
+    paths: Iterable[str | Path], report: Report | None = None
+) -> dict[str, McpServerConfig]:
     """The servers of ``--mcp-config`` files, in order (blocking file reads: call it before
     the event loop starts, or in a thread). Raises :class:`McpConfigError` naming the file
-    and, for bad content, the JSON path; a server named in two files is an error too."""
+    and, for bad content, the JSON path. With ``report``, a bad or repeated server entry is
+    reported through it and skipped instead (R-MCP-6), as are ignored settings; a file that
+    cannot be read or is not JSON still raises."""
     parts: list[tuple[str, dict[str, McpServerConfig]]] = []
     for item in paths:
         path = Path(item).expanduser()
@@ -39,8 +44,8 @@ def load_config_files(paths: Iterable[str | Path]) -> dict[str, McpServerConfig]
             raise McpConfigError(f"{item}: not UTF-8 text") from None
         except OSError as exc:
             raise McpConfigError(f"{item}: cannot be read: {exc.strerror or exc}") from None
-        parts.append((str(item), parse_config_text(text, str(item))))
-    return merge_configs(parts)
+        parts.append((str(item), parse_config_text(text, str(item), report)))
+    return merge_configs(parts, report)
 
 
 def as_configs(mcp_servers: Mapping[str, Any]) -> dict[str, McpServerConfig]:

@@ -3,6 +3,7 @@
     python tests/support/mcp_server.py            # stdio
     python tests/support/mcp_server.py --http     # streamable HTTP on 127.0.0.1, port 0:
                                                   # prints "PORT <n>" first on stdout
+    python tests/support/mcp_server.py --sse      # the legacy HTTP+SSE transport, likewise
 
 Tools: ``echo`` (read-only), ``structured``, ``image``, ``resource``, ``fail`` (isError),
 ``crash`` (the process exits mid-call), ``pid``, ``block``/``ro_block`` (block until
@@ -11,8 +12,11 @@ forever; records its key in ``cancelled`` when the client cancels it), ``cancell
 ``calls`` (the names called so far), ``add_tool`` (adds a tool and sends
 ``notifications/tools/list_changed``), ``bad_schema`` (listed with an unusable schema) and
 ``order`` (asks the client which size and how many, by elicitation, and says what it was
-told; a cancellation is recorded in ``cancelled`` as ``order:<item>``) and ``sent_key``
-(the idempotency key the call's ``_meta`` carried, as the server received it).
+told; a cancellation is recorded in ``cancelled`` as ``order:<item>``), ``sent_key``
+(the idempotency key the call's ``_meta`` carried, as the server received it), ``client``
+(the client's name, version and capabilities from ``initialize``) and ``roots`` (the
+client's roots, asked for with ``roots/list``). Resource ``greenroom://notes`` (text);
+prompt ``review`` (arguments ``path``, required, and ``tone``).
 """
 
 from __future__ import annotations
@@ -167,6 +171,24 @@ def sent_key(ctx: Context) -> str:
 
 
 @server.tool(annotations=READ_ONLY)
+def client(ctx: Context) -> str:
+    """How the client introduced itself in ``initialize``: name, version, capabilities."""
+    params: Any = ctx.session.client_params
+    return json.dumps({
+        "name": params.client_info.name,
+        "version": params.client_info.version,
+        "capabilities": params.capabilities.model_dump(by_alias=True, exclude_none=True),
+    })  # fmt: skip
+
+
+@server.tool(annotations=READ_ONLY)
+async def roots(ctx: Context) -> str:
+    """The client's roots (``roots/list``), as a JSON array of {uri, name}."""
+    result = await ctx.session.list_roots()
+    return json.dumps([{"uri": str(r.uri), "name": r.name} for r in result.roots])
+
+
+@server.tool(annotations=READ_ONLY)
 def cancelled() -> str:
     """The keys of the hang calls that were cancelled (a JSON array)."""
     return json.dumps(cancelled_keys)
@@ -202,8 +224,21 @@ server._tool_manager.get_tool("bad_schema").parameters = {  # type: ignore[union
 }
 
 
+@server.resource("greenroom://notes", name="notes", description="The team's notes",
+                 mime_type="text/plain")
+def notes() -> str:
+    """A text resource."""
+    return "the notes say: ship on Friday"
+
+
+@server.prompt(description="Review a file, in the given tone")
+def review(path: str, tone: str = "kind") -> str:
+    """A prompt with a required and an optional argument."""
+    return f"Review {path} in a {tone} tone."
+
+
 def main() -> None:
-    if "--http" not in sys.argv:
+    if "--http" not in sys.argv and "--sse" not in sys.argv:
         server.run()
         return
     import uvicorn
@@ -212,7 +247,8 @@ def main() -> None:
     sock.bind(("127.0.0.1", 0))
     sock.listen()
     print(f"PORT {sock.getsockname()[1]}", flush=True)
-    config = uvicorn.Config(server.streamable_http_app(), log_level="warning")
+    app = server.sse_app() if "--sse" in sys.argv else server.streamable_http_app()
+    config = uvicorn.Config(app, log_level="warning")
     uvicorn.Server(config).run(sockets=[sock])
 
 

@@ -1,0 +1,110 @@
+"""MCP beyond tools (R-MCP-5): how greenroom introduces itself in ``initialize``, the
+roots it gives, resources and prompts, against the SDK-built test server
+(``tests/support/mcp_server.py``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import allow_all, collect
+
+import greenroom
+from greenroom.actors.providers.scripted import Reply, text, tool_call
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.tools import AttachmentError, attach_resources, parse_prompt_command
+from greenroom.actors.tools.mcp import McpServerError
+from greenroom.protocols.content import TextBlock
+from tests.test_mcp import connection, content_text, outputs_by_call, stdio
+
+
+@pytest.fixture
+async def mcp_host(data_dir: Path) -> AsyncIterator[Host]:
+    async with Host.open(data_dir) as host:
+        yield host
+
+
+async def test_initialize_names_greenroom_and_gives_the_workspace_as_root(
+    mcp_host: Host, workspace: Path, providers: Any, tmp_path: Path
+) -> None:
+    """R-MCP-5: ``clientInfo`` is greenroom and its version; the capabilities declare
+    ``roots`` and ``elicitation``; ``roots/list`` answers the sessions' workspaces, and
+    another session sharing the server adds its own."""
+    provider = providers([
+        Reply(blocks=(tool_call("c1", "mcp__t__client"), tool_call("c2", "mcp__t__roots"))),
+        Reply(blocks=(text("done"),)),
+        Reply(blocks=(tool_call("c3", "mcp__t__roots"),)),
+        Reply(blocks=(text("done"),)),
+    ])  # fmt: skip
+    session = await mcp_host.create_session(
+        provider=provider, workspace_dir=workspace, mcp_servers={"t": stdio()}
+    )
+    by_call = outputs_by_call(await collect(session.run("who", approve=allow_all)))
+    client = json.loads(content_text(by_call["c1"]))
+    assert (client["name"], client["version"]) == ("greenroom", greenroom.__version__)
+    assert client["capabilities"]["roots"] == {"listChanged": True}
+    assert "elicitation" in client["capabilities"]
+    assert json.loads(content_text(by_call["c2"])) == [
+        {"uri": workspace.as_uri(), "name": workspace.name}
+    ]
+    other_workspace = tmp_path / "other"
+    other_workspace.mkdir()
+    other = await mcp_host.create_session(
+        provider=provider, workspace_dir=other_workspace, mcp_servers={"t": stdio()}
+    )
+    by_call = outputs_by_call(await collect(other.run("roots", approve=allow_all)))
+    assert [r["uri"] for r in json.loads(content_text(by_call["c3"]))] == [
+        workspace.as_uri(), other_workspace.as_uri()
+    ]
+
+
+async def test_resources_are_read_by_the_model_and_attached_to_prompts(
+    mcp_host: Host, workspace: Path, providers: Any
+) -> None:
+    """R-MCP-5: a server with resources gets a ``read_resource`` tool naming them; the
+    model reads one by URI; ``@server:uri`` in a prompt inlines its text, delimited; an
+    unreadable one is an error naming it."""
+    provider = providers([
+        Reply(blocks=(tool_call("r1", "mcp__t__read_resource", uri="greenroom://notes"),
+                      tool_call("r2", "mcp__t__read_resource", uri="greenroom://nope"))),
+        Reply(blocks=(text("done"),)),
+    ])  # fmt: skip
+    session = await mcp_host.create_session(
+        provider=provider, workspace_dir=workspace, mcp_servers={"t": stdio()}
+    )
+    reader = {t.name: t for t in session.tools}["mcp__t__read_resource"]
+    assert "greenroom://notes (notes): The team's notes" in reader.description
+    by_call = outputs_by_call(await collect(session.run("read", approve=allow_all)))
+    assert "the notes say: ship on Friday" in content_text(by_call["r1"])
+    assert by_call["r2"].is_error and "greenroom://nope" in content_text(by_call["r2"])
+
+    blocks = await attach_resources("see @t:greenroom://notes and mail a@t:x", session.tools)
+    assert [b.text for b in blocks] == [
+        "see @t:greenroom://notes and mail a@t:x",
+        '<attachment source="@t:greenroom://notes">\n[resource greenroom://notes of MCP '
+        "server 't']\nthe notes say: ship on Friday\n</attachment>",
+    ]
+    with pytest.raises(AttachmentError, match=r"^@t:greenroom://nope: MCP server 't'"):
+        await attach_resources("@t:greenroom://nope", session.tools)
+    assert await attach_resources("@other:x", session.tools) == [TextBlock(text="@other:x")]
+
+
+async def test_prompts_are_listed_and_expanded(mcp_host: Host, workspace: Path) -> None:
+    """R-MCP-5: a server's prompts are listed with their arguments; ``/server:prompt
+    arg=value`` parses, and the prompt expands into its messages' text."""
+    await mcp_host.create_session(
+        provider="scripted", workspace_dir=workspace, mcp_servers={"t": stdio()}
+    )
+    server = connection(mcp_host, "t")
+    (review,) = [p for p in server.prompts if p.name == "review"]
+    assert review.arguments == (("path", True), ("tone", False))
+    command = parse_prompt_command('/t:review path=a.py tone="very dry"')
+    assert command == ("t", "review", {"path": "a.py", "tone": "very dry"})
+    assert await server.get_prompt("review", command[2]) == "Review a.py in a very dry tone."
+    assert parse_prompt_command("/t:review a.py") == "/t:review: 'a.py' is not arg=value"
+    assert parse_prompt_command("/help") is None
+    with pytest.raises(McpServerError, match=r"refused prompt nope"):
+        await server.get_prompt("nope", {})
