@@ -56,6 +56,8 @@ def _make_tagged_unstructure(cls: type[Any]) -> Callable[[Any], dict[str, Any]]:
         "principal",
         "asked_at",
         "check_error",
+        "response_id",
+        "http_status",
     ):
         if name in field_names:
             overrides[name] = override(omit_if_default=True)
