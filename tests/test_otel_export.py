@@ -447,3 +447,63 @@ async def test_an_openai_task_exports_what_the_genai_conventions_ask(tmp_path: P
         }
     ]
     assert attributes(task)["server.address"] == "127.0.0.1"
+
+
+def test_grpc_protocol_exports_over_grpc(tmp_path: Path) -> None:
+    """R-OBS-2: OTEL_EXPORTER_OTLP_PROTOCOL=grpc sends the spans to an OTLP/gRPC
+    receiver (the ``otel-grpc`` extra), not protobuf over HTTP."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceResponse,
+    )
+
+    received: list[ExportTraceServiceRequest] = []
+
+    class Traces(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request: Any, context: Any) -> Any:
+            received.append(request)
+            return ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Traces(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        env = cli_env(
+            tmp_path,
+            OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=f"http://127.0.0.1:{port}",
+            OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+        )
+        run_sales_task(tmp_path, env)
+    finally:
+        server.stop(None)
+    (task,) = spans_in(received)["invoke_agent"]
+    assert attributes(task)["greenroom.task.status"] == "completed"
+
+
+def test_http_json_and_unknown_protocols_are_refused_by_name(tmp_path: Path) -> None:
+    """R-OBS-2: the SDK has no OTLP/JSON exporter, so ``http/json`` is refused (exit 2,
+    the variable named) instead of posting protobuf; so is a protocol OTLP does not have.
+    Nothing is sent."""
+    with otlp_receiver() as (receiver, endpoint):
+        for variable, protocol in (
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json"),
+            ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "carrier-pigeon"),
+        ):
+            env = cli_env(tmp_path, OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, **{variable: protocol})
+            result = subprocess.run(
+                [*CLI, "run", "--provider", "scripted", "hello"],
+                cwd=tmp_path,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=TIMEOUT_S,
+            )
+            assert result.returncode == 2, result.stderr
+            assert f"{variable}={protocol}" in result.stderr.replace("'", "")
+            assert "Traceback" not in result.stderr
+        assert receiver.requests == []

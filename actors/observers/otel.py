@@ -57,6 +57,7 @@ from greenroom.protocols.content import (
     ThinkingBlock,
     ToolCallBlock,
 )
+from greenroom.protocols.errors import ConfigurationError
 from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
@@ -96,6 +97,7 @@ __all__ = [
     "capture_content_from_env",
     "export_configured",
     "exporting",
+    "otlp_protocol",
 ]
 
 CAPTURE_CONTENT_ENV = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
@@ -739,6 +741,54 @@ def _tool_result(output: ToolCallOutput) -> str:
     return "\n".join(pieces)
 
 
+PROTOCOL_ENVS = {
+    "traces": ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"),
+    "metrics": ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"),
+}
+
+
+def otlp_protocol(signal: str, environ: dict[str, str] | None = None) -> str:
+    """The OTLP protocol the standard variables ask for ``signal`` (``traces`` or
+    ``metrics``): the signal's own variable, else the general one, else
+    ``http/protobuf`` (the specification's default)."""
+    env = os.environ if environ is None else environ
+    for name in PROTOCOL_ENVS[signal]:
+        value = env.get(name, "").strip().lower()
+        if value:
+            return value
+    return "http/protobuf"
+
+
+def _exporter_module(signal: str) -> Any:
+    """The OTLP exporter module for ``signal`` in the protocol the variables ask for.
+    ``ConfigurationError`` for a protocol there is no exporter for: posting protobuf over
+    HTTP to a gRPC or JSON collector would fail at every export, silently."""
+    import importlib
+
+    protocol = otlp_protocol(signal)
+    variable = next((n for n in PROTOCOL_ENVS[signal] if os.environ.get(n)), "")
+    kind = "trace" if signal == "traces" else "metric"
+    if protocol == "http/protobuf":
+        return importlib.import_module(f"opentelemetry.exporter.otlp.proto.http.{kind}_exporter")
+    if protocol == "grpc":
+        try:
+            return importlib.import_module(
+                f"opentelemetry.exporter.otlp.proto.grpc.{kind}_exporter"
+            )
+        except ImportError:
+            raise ConfigurationError(
+                f"{variable}=grpc needs the gRPC exporter: pip install 'greenroom[otel-grpc]'"
+            ) from None
+    if protocol == "http/json":
+        raise ConfigurationError(
+            f"{variable}=http/json is not supported: the OpenTelemetry Python SDK has no "
+            "OTLP/JSON exporter; use http/protobuf (the default) or grpc"
+        )
+    raise ConfigurationError(
+        f"{variable}={protocol!r} is not an OTLP protocol: use http/protobuf or grpc"
+    )
+
+
 @contextmanager
 def exporting(*, capture_content: bool | None = None) -> Iterator[GenAIObserver]:
     """An observer exporting over OTLP/HTTP as the standard ``OTEL_*`` variables say
@@ -746,8 +796,12 @@ def exporting(*, capture_content: bool | None = None) -> Iterator[GenAIObserver]
     SDK reads them). Spans go through a batch processor; metrics are exported too when
     ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT`` is set and
     ``OTEL_METRICS_EXPORTER`` is not ``none``. On exit every open span is ended and
-    everything is flushed, within the exporter's own timeout."""
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    everything is flushed, within the exporter's own timeout.
+
+    ``OTEL_EXPORTER_OTLP_PROTOCOL`` (or its per-signal variable) picks ``http/protobuf``
+    (the default) or ``grpc`` (the ``otel-grpc`` extra); ``http/json``, which the SDK has
+    no exporter for, and unknown values raise ``ConfigurationError`` naming the variable,
+    before anything is exported."""
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -758,19 +812,23 @@ def exporting(*, capture_content: bool | None = None) -> Iterator[GenAIObserver]
     ):
         defaults["service.name"] = "greenroom"
     resource = Resource.create(defaults)
-    tracer_provider = SdkTracerProvider(resource=resource)
-    tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    meter_provider: Any = None
-    if any(os.environ.get(name) for name in METRICS_ENDPOINT_ENVS) and (
+    # Both exporters are chosen before anything starts: a refused protocol leaves nothing
+    # running.
+    traces = _exporter_module("traces")
+    metered = any(os.environ.get(name) for name in METRICS_ENDPOINT_ENVS) and (
         os.environ.get("OTEL_METRICS_EXPORTER", "").strip().lower() != "none"
-    ):
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    )
+    metrics = _exporter_module("metrics") if metered else None
+    tracer_provider = SdkTracerProvider(resource=resource)
+    tracer_provider.add_span_processor(BatchSpanProcessor(traces.OTLPSpanExporter()))
+    meter_provider: Any = None
+    if metrics is not None:
         from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
         meter_provider = SdkMeterProvider(
             resource=resource,
-            metric_readers=[PeriodicExportingMetricReader(OTLPMetricExporter())],
+            metric_readers=[PeriodicExportingMetricReader(metrics.OTLPMetricExporter())],
         )
     observer = GenAIObserver(
         tracer_provider=tracer_provider,
