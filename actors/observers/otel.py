@@ -23,8 +23,14 @@ Token counts are the conventions' ``gen_ai.usage.*`` attributes of the chat and
 invoke_agent spans; their cost in USD (R-SHARE-3), which the conventions do not define, is
 ``greenroom.usage.cost_usd`` on the same spans, absent when the model's price is unknown.
 
-Message content (prompts, model text, tool arguments and results) is exported only when
-``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT`` is ``true``.
+Finish reasons are the provider's own words (R-OBS-2): the codecs report Anthropic's, which
+an OpenAI span maps back to OpenAI's; output messages carry the conventions' own
+``finish_reason``. A failed attempt's ``error.type`` is the provider's HTTP status when it
+answered one (a 429 is ``429``, not the ``timeout`` the retry policy calls it).
+
+Message content (prompts, the history each request was sent, model text, tool arguments
+and results) is exported only when ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT``
+is ``true``.
 
 This module imports OpenTelemetry; nothing else in greenroom imports it, so without the
 ``otel`` extra (or with export off) nothing of it is loaded.
