@@ -959,7 +959,8 @@ class AnthropicStreamDecoder:
             for blk in sorted(self._blocks.values(), key=lambda b: b.index):
                 out.append(_completed(blk))
             self._blocks.clear()
-            out.append(MessageCompleted(stop_reason=self._stop_reason, usage=self._usage))
+            out.append(MessageCompleted(stop_reason=self._stop_reason, usage=self._usage,
+                                        response_id=_str_or_none(self._message_id)))
             self._done = True
         elif etype == "error":
             self._flush_deferred(out)
@@ -1030,3 +1031,8 @@ class AnthropicStreamDecoder:
             else:
                 out.append(_completed(blk))
         self._report_usage(out)
+
+
+def _str_or_none(value: Any) -> str | None:
+    """``value`` when the server sent a string there, else None."""
+    return value if isinstance(value, str) and value else None

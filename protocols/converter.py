@@ -58,6 +58,8 @@ def _make_tagged_unstructure(cls: type[Any]) -> Callable[[Any], dict[str, Any]]:
         "check_error",
         "output_schema",
         "output",
+        "response_id",
+        "http_status",
     ):
         if name in field_names:
             overrides[name] = override(omit_if_default=True)

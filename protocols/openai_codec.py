@@ -828,6 +828,10 @@ class OpenAIStreamDecoder:
                 # gpt-4o and older Ollama say "stop" after tool calls; the calls decide.
                 stop_reason = "tool_use"
         self._out.append(
-            MessageCompleted(stop_reason=stop_reason, usage=self._usage or TokenUsage())
+            MessageCompleted(
+                stop_reason=stop_reason,
+                usage=self._usage or TokenUsage(),
+                response_id=self._response_id,
+            )
         )
         self._terminal = True

@@ -405,6 +405,8 @@ class ResponsesStreamDecoder:
         self._usage: TokenUsage | None = None
         self.response_model: str | None = None
         """The model the server says answered (``response.model``), once known."""
+        self.response_id: str | None = None
+        """The response's id (``response.id``, ``resp_…``), once known."""
 
     @property
     def usage(self) -> TokenUsage:
@@ -531,6 +533,9 @@ class ResponsesStreamDecoder:
             model = response.get("model")
             if isinstance(model, str) and model:
                 self.response_model = model
+            response_id = response.get("id")
+            if isinstance(response_id, str) and response_id:
+                self.response_id = response_id
 
     def _item(self, event: dict[str, Any]) -> _Item:
         item = self._items.get(event["output_index"])
@@ -687,7 +692,11 @@ class ResponsesStreamDecoder:
             stop_reason = "refusal"
         else:
             stop_reason = incomplete_reason
-        self._out.append(MessageCompleted(stop_reason=stop_reason, usage=self.usage))
+        self._out.append(
+            MessageCompleted(
+                stop_reason=stop_reason, usage=self.usage, response_id=self.response_id
+            )
+        )
         self._terminal = True
 
     def _on_usage(self, usage: dict[str, Any]) -> None:

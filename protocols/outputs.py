@@ -243,6 +243,11 @@ class RequestEnd(Envelope):
         error_message: what went wrong, for a failed attempt.
         stop_reason: the provider's reason the message ended (``end_turn``, ``tool_use``,
             ``max_tokens``…), for a completed stream.
+        response_id: the id the provider gave the response, for a completed stream whose
+            provider gave one. Left out when None.
+        http_status: the HTTP status the provider answered a failed attempt with (``429``
+            for a rate limit that ``status`` calls ``timeout``), when there was one. Left
+            out when None.
     """
 
     TYPE: ClassVar[str] = "request_end"
@@ -253,6 +258,8 @@ class RequestEnd(Envelope):
     retry_in_ms: int | None = None
     error_message: str | None = None
     stop_reason: str | None = None
+    response_id: str | None = None
+    http_status: int | None = None
 
 
 @_documented

@@ -145,10 +145,13 @@ class UsageReported:
 class MessageCompleted:
     """The response ended properly. ``stop_reason`` is normalised to one of
     ``end_turn``, ``tool_use``, ``max_tokens``, ``stop_sequence``, ``refusal``,
-    ``pause_turn`` or the provider's own word when unknown."""
+    ``pause_turn`` or the provider's own word when unknown. ``response_id`` is the id the
+    provider gave the response (OpenAI's ``chatcmpl-…`` or ``resp_…``, Anthropic's
+    ``msg_…``), None when it gave none."""
 
     stop_reason: str
     usage: TokenUsage
+    response_id: str | None = None
 
 
 @attrs.frozen(kw_only=True, slots=True)

@@ -328,7 +328,8 @@ class TurnMachine:
                 self._close_open_blocks(out)  # e.g. text cut by max_tokens
                 self._usage(out)
                 self._stream_result = event
-                out.append(self._request_end("ok", stop_reason=event.stop_reason))  # R-RUN-3
+                out.append(self._request_end("ok", stop_reason=event.stop_reason,  # R-RUN-3
+                                             response_id=event.response_id))
                 return out
             elif kind is StreamFailed:
                 assert isinstance(event, StreamFailed)
@@ -350,6 +351,7 @@ class TurnMachine:
                 _request_status(error),
                 error_message=error.message,
                 retry_in_ms=retry_in_ms,
+                http_status=error.status_code,
             )
         ]
 
@@ -589,19 +591,15 @@ class TurnMachine:
         status: RequestStatus,
         *,
         stop_reason: str | None = None,
+        response_id: str | None = None,
         error_message: str | None = None,
         retry_in_ms: int | None = None,
+        http_status: int | None = None,
     ) -> RequestEnd:
-        return RequestEnd(
-            session_id=self.session_id,
-            run_id=self.run_id,
-            turn=self.turn,
-            status=status,
-            attempt=self._attempt,
-            retry_in_ms=retry_in_ms,
-            error_message=error_message,
-            stop_reason=stop_reason,
-        )
+        return RequestEnd(session_id=self.session_id, run_id=self.run_id, turn=self.turn,
+                          status=status, attempt=self._attempt, retry_in_ms=retry_in_ms,
+                          error_message=error_message, stop_reason=stop_reason,
+                          response_id=response_id, http_status=http_status)
 
     def _result(self, call: _Call, status: ToolStatus, content: Any) -> ToolCallOutput:
         output = _tool_output(self.session_id, self.run_id, call.block, status, content)

@@ -252,7 +252,11 @@ def test_text_only_events_exactly() -> None:
     assert tail == [
         BlockCompleted(index=0, block=TextBlock(text="Hello! Grüße 👋 How can I help?")),
         UsageReported(usage=TokenUsage(input=19, output=10)),
-        MessageCompleted(stop_reason="end_turn", usage=TokenUsage(input=19, output=10)),
+        MessageCompleted(
+            stop_reason="end_turn",
+            usage=TokenUsage(input=19, output=10),
+            response_id="chatcmpl-FixtureTextOnly0000000000001",  # the chunks' id (R-OBS-2)
+        ),
     ]
 
 

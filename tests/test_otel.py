@@ -392,6 +392,8 @@ async def test_a_loaded_session_is_observed(data_dir: Path, workspace: Path, pro
 class _Settings:
     provider = "scripted"
     model = "m"
+    base_url = None
+    max_tokens = 100
 
 
 class _Root:

@@ -361,3 +361,149 @@ async def test_serve_exports_the_tasks_of_its_clients(tmp_path: Path) -> None:
         spans = spans_of(receiver)
     (task,) = spans["invoke_agent"]
     assert attributes(task)["gen_ai.conversation.id"] == sid
+
+
+def spans_in(exports: list[ExportTraceServiceRequest]) -> dict[str, list[Any]]:
+    by_name: dict[str, list[Any]] = {}
+    for export in exports:
+        for resource_spans in export.resource_spans:
+            for scope in resource_spans.scope_spans:
+                for span in scope.spans:
+                    by_name.setdefault(span.name, []).append(span)
+    return by_name
+
+
+async def test_an_openai_task_exports_what_the_genai_conventions_ask(tmp_path: Path) -> None:
+    """R-OBS-2: ``greenroom run`` on the openai provider against a mock OpenAI server,
+    decoded from what an OTLP/HTTP receiver gets: finish reasons in OpenAI's words
+    (``tool_calls``, ``stop``), the response id, server.address/port of the base URL,
+    gen_ai.request.max_tokens; with capture on, each chat span's input messages (the
+    history so far, tool results included) and output messages with a finish_reason, the
+    invoke_agent's answer too; a 429 is ``error.type`` ``429``, not ``timeout``."""
+    import json
+
+    import trio
+
+    from tests.support.mock_model_server import ErrorReply, Text, ToolUse, open_mock_server
+    from tests.support.mock_model_server import Reply as WireReply
+
+    workspace = tmp_path / "workspace"
+    workspace.mkdir()
+    (workspace / "notes.txt").write_text("hello")
+    replies = (
+        WireReply([ToolUse("call_1", "read_file", {"path": "notes.txt"})], stop_reason="tool_use"),
+        ErrorReply.openai(429, "requests", "rate limited", headers={"retry-after": "0"}),
+        WireReply([Text("It says hello.")]),
+    )
+    with otlp_receiver() as (receiver, endpoint):
+        async with open_mock_server(*replies) as server:
+            port = int(server.base_url.rsplit(":", 1)[1])
+            env = cli_env(
+                tmp_path,
+                OTEL_EXPORTER_OTLP_ENDPOINT=endpoint,
+                OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT="true",
+                OPENAI_API_KEY="sk-test",
+            )
+            command = [
+                *CLI, "run", "--provider", "openai", "--model", "gpt-test", "--base-url",
+                f"{server.base_url}/v1", "--workspace", str(workspace), "--approve", "all",
+                "read notes.txt",
+            ]  # fmt: skip
+            with trio.fail_after(TIMEOUT_S):
+                result = await trio.run_process(
+                    command, env=env, cwd=tmp_path, capture_stdout=True, capture_stderr=True,
+                    check=False, stdin=b"",
+                )  # fmt: skip
+        assert result.returncode == 0, result.stderr.decode()
+        spans = spans_in(receiver.traces())
+    chats = spans["chat gpt-test"]
+    assert len(chats) == 3  # the call, the rate-limited attempt, the answer
+    first, limited, last = (attributes(c) for c in chats)
+    for chat in (first, limited, last):
+        assert chat["gen_ai.provider.name"] == "openai"
+        assert (chat["server.address"], chat["server.port"]) == ("127.0.0.1", port)
+        assert chat["gen_ai.request.max_tokens"] > 0
+    assert first["gen_ai.response.finish_reasons"] == ("tool_calls",)
+    assert last["gen_ai.response.finish_reasons"] == ("stop",)
+    assert first["gen_ai.response.id"].startswith("chatcmpl")
+    assert limited["error.type"] == "429"
+    assert "gen_ai.response.id" not in limited
+    output = json.loads(first["gen_ai.output.messages"])
+    assert output[0]["finish_reason"] == "tool_call"
+    history = json.loads(last["gen_ai.input.messages"])
+    assert [m["role"] for m in history] == ["user", "assistant", "tool"]
+    assert history[0]["parts"] == [{"type": "text", "content": "read notes.txt"}]
+    assert history[2]["parts"][0]["type"] == "tool_call_response"
+    assert history[2]["parts"][0]["id"] == "call_1"
+    assert "hello" in history[2]["parts"][0]["result"]
+    assert json.loads(first["gen_ai.input.messages"]) == history[:1]
+    (task,) = spans["invoke_agent"]
+    answer = json.loads(attributes(task)["gen_ai.output.messages"])
+    assert answer == [
+        {
+            "role": "assistant",
+            "parts": [{"type": "text", "content": "It says hello."}],
+            "finish_reason": "stop",
+        }
+    ]
+    assert attributes(task)["server.address"] == "127.0.0.1"
+
+
+def test_grpc_protocol_exports_over_grpc(tmp_path: Path) -> None:
+    """R-OBS-2: OTEL_EXPORTER_OTLP_PROTOCOL=grpc sends the spans to an OTLP/gRPC
+    receiver (the ``otel-grpc`` extra), not protobuf over HTTP."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceResponse,
+    )
+
+    received: list[ExportTraceServiceRequest] = []
+
+    class Traces(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request: Any, context: Any) -> Any:
+            received.append(request)
+            return ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Traces(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        env = cli_env(
+            tmp_path,
+            OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=f"http://127.0.0.1:{port}",
+            OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+        )
+        run_sales_task(tmp_path, env)
+    finally:
+        server.stop(None)
+    (task,) = spans_in(received)["invoke_agent"]
+    assert attributes(task)["greenroom.task.status"] == "completed"
+
+
+def test_http_json_and_unknown_protocols_are_refused_by_name(tmp_path: Path) -> None:
+    """R-OBS-2: the SDK has no OTLP/JSON exporter, so ``http/json`` is refused (exit 2,
+    the variable named) instead of posting protobuf; so is a protocol OTLP does not have.
+    Nothing is sent."""
+    with otlp_receiver() as (receiver, endpoint):
+        for variable, protocol in (
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json"),
+            ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "carrier-pigeon"),
+        ):
+            env = cli_env(tmp_path, OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, **{variable: protocol})
+            result = subprocess.run(
+                [*CLI, "run", "--provider", "scripted", "hello"],
+                cwd=tmp_path,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=TIMEOUT_S,
+            )
+            assert result.returncode == 2, result.stderr
+            assert f"{variable}={protocol}" in result.stderr.replace("'", "")
+            assert "Traceback" not in result.stderr
+        assert receiver.requests == []

@@ -23,8 +23,14 @@ Token counts are the conventions' ``gen_ai.usage.*`` attributes of the chat and
 invoke_agent spans; their cost in USD (R-SHARE-3), which the conventions do not define, is
 ``greenroom.usage.cost_usd`` on the same spans, absent when the model's price is unknown.
 
-Message content (prompts, model text, tool arguments and results) is exported only when
-``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT`` is ``true``.
+Finish reasons are the provider's own words (R-OBS-2): the codecs report Anthropic's, which
+an OpenAI span maps back to OpenAI's; output messages carry the conventions' own
+``finish_reason``. A failed attempt's ``error.type`` is the provider's HTTP status when it
+answered one (a 429 is ``429``, not the ``timeout`` the retry policy calls it).
+
+Message content (prompts, the history each request was sent, model text, tool arguments
+and results) is exported only when ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT``
+is ``true``.
 
 This module imports OpenTelemetry; nothing else in greenroom imports it, so without the
 ``otel`` extra (or with export off) nothing of it is loaded.
@@ -42,12 +48,14 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, assert_never
+from urllib.parse import urlsplit
 
 import trio
 from opentelemetry import trace
 from opentelemetry.metrics import Histogram, MeterProvider, NoOpMeterProvider
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, TracerProvider
 
+from greenroom.actors.providers.registry import server_url
 from greenroom.actors.runtime.subagents import SPAWN_SUBAGENT
 from greenroom.protocols.content import (
     ImageBlock,
@@ -55,6 +63,7 @@ from greenroom.protocols.content import (
     ThinkingBlock,
     ToolCallBlock,
 )
+from greenroom.protocols.errors import ConfigurationError
 from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
@@ -96,6 +105,7 @@ __all__ = [
     "capture_content_from_env",
     "export_configured",
     "exporting",
+    "otlp_protocol",
 ]
 
 CAPTURE_CONTENT_ENV = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
@@ -105,6 +115,28 @@ INSTRUMENTATION = "greenroom"
 
 # greenroom's provider names that differ from the conventions' well-known values.
 _GENAI_PROVIDERS = {"openai-responses": "openai"}
+
+# The codecs report every stop reason in one vocabulary (Anthropic's words); an OpenAI span
+# reports what OpenAI says (its chat completions finish_reason), as the conventions ask
+# for gen_ai.response.finish_reasons. Anthropic's words are already Anthropic's.
+_OPENAI_FINISH_REASONS = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "tool_use": "tool_calls",
+    "max_tokens": "length",
+    "refusal": "content_filter",
+}
+_FINISH_REASONS_OF_PROVIDER = {"openai": _OPENAI_FINISH_REASONS}
+
+# The output messages' finish_reason is the conventions' own enumeration, whatever the
+# provider: stop, length, content_filter, tool_call, error.
+_MESSAGE_FINISH_REASONS = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "tool_use": "tool_call",
+    "max_tokens": "length",
+    "refusal": "content_filter",
+}
 
 # Bucket boundaries the GenAI metric conventions advise.
 _TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304)
@@ -149,6 +181,7 @@ class _Agent:
         "child_of_call",
         "compaction",
         "compaction_began",
+        "finish_reason",
         "prompt",
         "task",
         "texts",
@@ -169,6 +202,34 @@ class _Agent:
         self.prompt = ""
         self.texts: list[str] = []
         self.child_of_call: str | None = None
+        self.finish_reason: str | None = None  # the stop reason of the task's last request
+
+
+class _Conversation:
+    """The messages a session's model has been sent, as the conventions' input messages:
+    what the observer saw since it began watching (prompts, steering, the model's
+    messages, tool results; a compaction leaves its summary). The runtime's system prompt
+    and a loaded session's earlier history are not in the outputs, so not here."""
+
+    __slots__ = ("messages",)
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+
+    def add(self, role: str, parts: list[dict[str, Any]]) -> None:
+        """Append one message of ``role`` (``user``, ``assistant``, ``tool``)."""
+        if parts:
+            self.messages.append({"role": role, "parts": parts})
+
+    def compacted(self, summary: str | None) -> None:
+        """A compaction replaced the context: what follows starts from its summary."""
+        self.messages = []
+        if summary:
+            self.add("user", [_text_part(summary)])
+
+    def as_json(self) -> str:
+        """The messages as the ``gen_ai.input.messages`` JSON string."""
+        return json.dumps(self.messages, ensure_ascii=False)
 
 
 class _ToolSpan:
@@ -216,6 +277,8 @@ class GenAIObserver:
         self._capture = capture_content_from_env() if capture_content is None else capture_content
         self._clock = clock
         self._agents: dict[str, _Agent] = {}
+        # Only with content capture: each session's messages, for its chat spans' input.
+        self._conversations: dict[str, _Conversation] = {}
 
     # -- wiring ------------------------------------------------------------------------
 
@@ -314,19 +377,27 @@ class GenAIObserver:
             agent = self._agents[session_id] = _Agent()
         return agent
 
+    def _conversation(self, session_id: str) -> _Conversation:
+        conversation = self._conversations.get(session_id)
+        if conversation is None:
+            conversation = self._conversations[session_id] = _Conversation()
+        return conversation
+
     def _common(self, session: Session, operation: str) -> dict[str, Any]:
-        provider = session.settings.provider
+        settings = session.settings
         return {
             "gen_ai.operation.name": operation,
-            "gen_ai.provider.name": _GENAI_PROVIDERS.get(provider, provider),
-            "gen_ai.request.model": session.settings.model,
+            "gen_ai.provider.name": _GENAI_PROVIDERS.get(settings.provider, settings.provider),
+            "gen_ai.request.model": settings.model,
+            **_server_attributes(settings.provider, settings.base_url),
         }
 
     def _on_user_msg(self, session: Session, output: UserMsg, now: int) -> None:
-        if output.kind != "prompt":
-            return
-        agent = self._agent(output.session_id)
-        agent.prompt = "\n".join(b.text for b in output.content if isinstance(b, TextBlock))
+        text = "\n".join(b.text for b in output.content if isinstance(b, TextBlock))
+        if self._capture:
+            self._conversation(output.session_id).add("user", [_text_part(text)])
+        if output.kind == "prompt":
+            self._agent(output.session_id).prompt = text
 
     def _on_task_start(self, session: Session, output: TaskStart, now: int) -> None:
         agent = self._agent(output.session_id)
@@ -386,6 +457,9 @@ class GenAIObserver:
         attributes["gen_ai.conversation.id"] = output.session_id
         attributes["greenroom.turn"] = output.turn
         attributes["greenroom.attempt"] = output.attempt
+        attributes["gen_ai.request.max_tokens"] = session.settings.max_tokens
+        if self._capture:
+            attributes["gen_ai.input.messages"] = self._conversation(output.session_id).as_json()
         agent.chat = self._tracer.start_span(
             f"chat {model}",
             context=self._task_context(agent),
@@ -426,25 +500,22 @@ class GenAIObserver:
             return
         agent.chat = None
         span.set_attribute("gen_ai.response.model", agent.chat_model)
+        if output.response_id:
+            span.set_attribute("gen_ai.response.id", output.response_id)
         if output.stop_reason:
-            span.set_attribute("gen_ai.response.finish_reasons", [output.stop_reason])
+            agent.finish_reason = output.stop_reason
+            reason = _provider_finish_reason(session.settings.provider, output.stop_reason)
+            span.set_attribute("gen_ai.response.finish_reasons", [reason])
         if self._capture and agent.chat_output:
-            span.set_attribute(
-                "gen_ai.output.messages",
-                json.dumps(
-                    [
-                        {
-                            "role": "assistant",
-                            "parts": agent.chat_output,
-                            "finish_reason": output.stop_reason or output.status,
-                        }
-                    ],
-                    ensure_ascii=False,
-                ),
-            )
+            ended = output.stop_reason if output.status == "ok" else None
+            span.set_attribute("gen_ai.output.messages", _output_messages(agent.chat_output, ended))
+            if output.status == "ok":
+                self._conversation(output.session_id).add("assistant", agent.chat_output)
         error_type = None
         if output.status != "ok":
-            error_type = output.status
+            # The provider's HTTP status when it answered one (a 429 is a rate limit,
+            # not the timeout the retry policy files it under), else greenroom's class.
+            error_type = str(output.http_status) if output.http_status else output.status
             span.set_attribute("error.type", error_type)
             if output.retry_in_ms is not None:
                 span.set_attribute("greenroom.retry_in_ms", output.retry_in_ms)
@@ -507,7 +578,11 @@ class GenAIObserver:
             span.set_attribute("error.type", output.status)
             span.set_status(Status(StatusCode.ERROR, output.status))
         if self._capture:
-            span.set_attribute("gen_ai.tool.call.result", _tool_result(output))
+            result = _tool_result(output)
+            span.set_attribute("gen_ai.tool.call.result", result)
+            self._conversation(output.session_id).add(
+                "tool", [{"type": "tool_call_response", "id": output.call_id, "result": result}]
+            )
         span.end(end_time=now)
 
     def _on_compaction_begin(self, session: Session, output: CompactionBegin, now: int) -> None:
@@ -533,6 +608,8 @@ class GenAIObserver:
         if span is None:
             return
         agent.compaction = None
+        if self._capture and output.status == "ok":
+            self._conversation(output.session_id).compacted(output.summary)
         span.set_attribute("greenroom.compaction.status", output.status)
         span.set_attribute("greenroom.compaction.attempt", output.attempt)
         if output.status != "ok":
@@ -557,10 +634,9 @@ class GenAIObserver:
         span.set_attribute("greenroom.task.status", output.status)
         span.set_attribute("greenroom.task.turns", output.turns)
         if self._capture and agent.texts:
-            span.set_attribute(
-                "gen_ai.output.messages",
-                _messages("assistant", [_text_part("\n".join(agent.texts))]),
-            )
+            ended = agent.finish_reason if output.status == "completed" else None
+            answer = [_text_part("\n".join(agent.texts))]
+            span.set_attribute("gen_ai.output.messages", _output_messages(answer, ended))
         if output.status != "completed":
             span.set_attribute("error.type", output.status)
             span.set_status(Status(StatusCode.ERROR, output.message or output.status))
@@ -609,6 +685,41 @@ def _usage_attributes(usage: TokenUsage) -> dict[str, int | float]:
     return attributes
 
 
+def _server_attributes(provider: str, base_url: str | None) -> dict[str, Any]:
+    """``server.address`` and ``server.port`` of where the provider's requests go; none
+    for a model that runs in process."""
+    url = server_url(provider, base_url)
+    if not url:
+        return {}
+    try:
+        parts = urlsplit(url)
+        port = parts.port or {"https": 443, "http": 80}.get(parts.scheme)
+    except ValueError:  # a malformed port: the request fails on its own, say nothing
+        return {}
+    if not parts.hostname:
+        return {}
+    attributes: dict[str, Any] = {"server.address": parts.hostname}
+    if port is not None:
+        attributes["server.port"] = port
+    return attributes
+
+
+def _provider_finish_reason(provider: str, stop_reason: str) -> str:
+    """``stop_reason`` in the provider's own words, for gen_ai.response.finish_reasons."""
+    words = _FINISH_REASONS_OF_PROVIDER.get(_GENAI_PROVIDERS.get(provider, provider), {})
+    return words.get(stop_reason, stop_reason)
+
+
+def _output_messages(parts: list[dict[str, Any]], stop_reason: str | None) -> str:
+    """One assistant message with the conventions' ``finish_reason`` (``error`` when the
+    model did not finish: a failed attempt, a task that did not complete)."""
+    reason = (
+        "error" if stop_reason is None else _MESSAGE_FINISH_REASONS.get(stop_reason, stop_reason)
+    )
+    message = {"role": "assistant", "parts": parts, "finish_reason": reason}
+    return json.dumps([message], ensure_ascii=False)
+
+
 def _text_part(text: str) -> dict[str, Any]:
     return {"type": "text", "content": text}
 
@@ -642,6 +753,54 @@ def _tool_result(output: ToolCallOutput) -> str:
     return "\n".join(pieces)
 
 
+PROTOCOL_ENVS = {
+    "traces": ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"),
+    "metrics": ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"),
+}
+
+
+def otlp_protocol(signal: str, environ: dict[str, str] | None = None) -> str:
+    """The OTLP protocol the standard variables ask for ``signal`` (``traces`` or
+    ``metrics``): the signal's own variable, else the general one, else
+    ``http/protobuf`` (the specification's default)."""
+    env = os.environ if environ is None else environ
+    for name in PROTOCOL_ENVS[signal]:
+        value = env.get(name, "").strip().lower()
+        if value:
+            return value
+    return "http/protobuf"
+
+
+def _exporter_module(signal: str) -> Any:
+    """The OTLP exporter module for ``signal`` in the protocol the variables ask for.
+    ``ConfigurationError`` for a protocol there is no exporter for: posting protobuf over
+    HTTP to a gRPC or JSON collector would fail at every export, silently."""
+    import importlib
+
+    protocol = otlp_protocol(signal)
+    variable = next((n for n in PROTOCOL_ENVS[signal] if os.environ.get(n)), "")
+    kind = "trace" if signal == "traces" else "metric"
+    if protocol == "http/protobuf":
+        return importlib.import_module(f"opentelemetry.exporter.otlp.proto.http.{kind}_exporter")
+    if protocol == "grpc":
+        try:
+            return importlib.import_module(
+                f"opentelemetry.exporter.otlp.proto.grpc.{kind}_exporter"
+            )
+        except ImportError:
+            raise ConfigurationError(
+                f"{variable}=grpc needs the gRPC exporter: pip install 'greenroom[otel-grpc]'"
+            ) from None
+    if protocol == "http/json":
+        raise ConfigurationError(
+            f"{variable}=http/json is not supported: the OpenTelemetry Python SDK has no "
+            "OTLP/JSON exporter; use http/protobuf (the default) or grpc"
+        )
+    raise ConfigurationError(
+        f"{variable}={protocol!r} is not an OTLP protocol: use http/protobuf or grpc"
+    )
+
+
 @contextmanager
 def exporting(*, capture_content: bool | None = None) -> Iterator[GenAIObserver]:
     """An observer exporting over OTLP/HTTP as the standard ``OTEL_*`` variables say
@@ -649,8 +808,12 @@ def exporting(*, capture_content: bool | None = None) -> Iterator[GenAIObserver]
     SDK reads them). Spans go through a batch processor; metrics are exported too when
     ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT`` is set and
     ``OTEL_METRICS_EXPORTER`` is not ``none``. On exit every open span is ended and
-    everything is flushed, within the exporter's own timeout."""
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    everything is flushed, within the exporter's own timeout.
+
+    ``OTEL_EXPORTER_OTLP_PROTOCOL`` (or its per-signal variable) picks ``http/protobuf``
+    (the default) or ``grpc`` (the ``otel-grpc`` extra); ``http/json``, which the SDK has
+    no exporter for, and unknown values raise ``ConfigurationError`` naming the variable,
+    before anything is exported."""
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -661,19 +824,23 @@ def exporting(*, capture_content: bool | None = None) -> Iterator[GenAIObserver]
     ):
         defaults["service.name"] = "greenroom"
     resource = Resource.create(defaults)
-    tracer_provider = SdkTracerProvider(resource=resource)
-    tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    meter_provider: Any = None
-    if any(os.environ.get(name) for name in METRICS_ENDPOINT_ENVS) and (
+    # Both exporters are chosen before anything starts: a refused protocol leaves nothing
+    # running.
+    traces = _exporter_module("traces")
+    metered = any(os.environ.get(name) for name in METRICS_ENDPOINT_ENVS) and (
         os.environ.get("OTEL_METRICS_EXPORTER", "").strip().lower() != "none"
-    ):
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    )
+    metrics = _exporter_module("metrics") if metered else None
+    tracer_provider = SdkTracerProvider(resource=resource)
+    tracer_provider.add_span_processor(BatchSpanProcessor(traces.OTLPSpanExporter()))
+    meter_provider: Any = None
+    if metrics is not None:
         from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
         meter_provider = SdkMeterProvider(
             resource=resource,
-            metric_readers=[PeriodicExportingMetricReader(OTLPMetricExporter())],
+            metric_readers=[PeriodicExportingMetricReader(metrics.OTLPMetricExporter())],
         )
     observer = GenAIObserver(
         tracer_provider=tracer_provider,

@@ -27,7 +27,8 @@ class ProviderSpec:
     ``base_url``) is enough to call the provider, else a sentence saying what to set;
     with ``credentials_required`` a session is refused without them (asking for Claude
     must never run another model silently). ``model_prefixes``: a model named with one of
-    them, and no provider, runs on this provider.
+    them, and no provider, runs on this provider. ``default_base_url`` is where its requests
+    go when the session names no ``base_url`` (None: nowhere, it runs in process).
     """
 
     name: str
@@ -37,6 +38,7 @@ class ProviderSpec:
     missing_credentials: Callable[[str | None], str | None]
     credentials_required: bool = False
     model_prefixes: tuple[str, ...] = ()
+    default_base_url: Callable[[], str | None] = lambda: None
 
 
 LEAN_HTTP_VARIABLE = "GREENROOM_LEAN_HTTP"
@@ -94,6 +96,17 @@ def anthropic_credentials() -> str | None:
     return os.environ.get("ANTHROPIC_API_KEY") or os.environ.get("ANTHROPIC_AUTH_TOKEN")
 
 
+def _anthropic_base_url() -> str:
+    # What the anthropic SDK uses when it is given no base_url.
+    return os.environ.get("ANTHROPIC_BASE_URL") or "https://api.anthropic.com"
+
+
+def _openai_base_url() -> str:
+    from greenroom.actors.providers.openai import DEFAULT_BASE_URL
+
+    return os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
+
+
 def _anthropic_missing(base_url: str | None) -> str | None:
     if anthropic_credentials():
         return None
@@ -127,6 +140,7 @@ PROVIDERS: Mapping[str, ProviderSpec] = {
             missing_credentials=_anthropic_missing,
             credentials_required=True,
             model_prefixes=("claude-",),
+            default_base_url=_anthropic_base_url,
         ),
         ProviderSpec(
             name="openai",
@@ -135,6 +149,7 @@ PROVIDERS: Mapping[str, ProviderSpec] = {
             default_model=_openai_model,
             factory=_openai,
             missing_credentials=_openai_missing,
+            default_base_url=_openai_base_url,
         ),
         ProviderSpec(
             name="openai-responses",
@@ -143,6 +158,7 @@ PROVIDERS: Mapping[str, ProviderSpec] = {
             default_model=_openai_model,
             factory=_openai_responses,
             missing_credentials=_openai_missing,
+            default_base_url=_openai_base_url,
         ),
         ProviderSpec(
             name="scripted",
@@ -181,6 +197,16 @@ def provider_for(provider: str | None, model: str | None) -> str:
             if model.startswith(spec.model_prefixes or ("\0",)):
                 return spec.name
     return default_provider_name()
+
+
+def server_url(provider: str, base_url: str | None) -> str | None:
+    """The URL a session of ``provider`` with ``base_url`` sends its requests to: its
+    ``base_url``, else the provider's default (the environment's override included); None
+    for an unknown provider or one that runs in process."""
+    spec = PROVIDERS.get(provider)
+    if spec is None:
+        return None
+    return base_url or spec.default_base_url()
 
 
 def require_credentials(provider: str, model: str | None, base_url: str | None = None) -> None:
