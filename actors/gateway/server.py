@@ -189,7 +189,7 @@ class Gateway:
                 raise ConfigurationError(
                     f"--a2a needs the a2a extra: pip install 'greenroom[a2a]' ({exc})"
                 ) from None
-            agent = A2aEndpoint(self._calls, listen_url=self._http_url, version=_version())
+            agent = A2aEndpoint(self._calls, listen_url=lambda: self.http_url, version=_version())
             routes[CARD_PATH] = Route(endpoint=agent, methods=frozenset({"GET"}))
             routes[A2A_PATH] = Route(endpoint=agent, methods=frozenset({"POST"}))
         if ag_ui:
@@ -212,9 +212,11 @@ class Gateway:
             limits=self.limits,
         )
 
-    def _http_url(self) -> str:
-        host = f"[{self.listen_host}]" if ":" in self.listen_host else self.listen_host
-        return f"http://{host}:{self.port}"
+    @property
+    def http_url(self) -> str:
+        """``http://HOST:PORT``: where the HTTP endpoints are (the websocket's port; a
+        wildcard bind is reached through loopback)."""
+        return f"http://{url_host(display_host(self.listen_host))}:{self.port}"
 
     # -- public ----------------------------------------------------------------------------
 
@@ -519,6 +521,8 @@ async def run_serve(
     principal_budget: PrincipalBudget | None = None,
     provider_limits: ProviderLimits | None = None,
     reuse_port: bool = False,
+    a2a: bool = False,
+    ag_ui: bool = False,
 ) -> None:
     """``greenroom serve``: open a host on ``data_dir``, serve the gateway on it, print
     ``listening on ws://HOST:PORT/v1`` and the token file on stderr, and serve until
@@ -554,7 +558,10 @@ async def run_serve(
     ``prices`` and ``principal_budget`` are the host's (``Host.open``: R-SHARE-3,
     R-SHARE-4); each session a client creates is charged to the client's principal.
     ``provider_limits`` hold for each provider endpoint across the host's sessions
-    (``Host.open(limits=…)``; an ``open_host`` applies its own)."""
+    (``Host.open(limits=…)``; an ``open_host`` applies its own).
+
+    ``a2a``, ``ag_ui``: also serve the A2A and AG-UI endpoints on the gateway's port
+    (:class:`Gateway`), and print their URLs."""
     if tokens_file is not None and token_file is not None:
         raise ConfigurationError("give --token-file or --tokens-file, not both")
     fd_limit = raise_fd_limit()
@@ -604,6 +611,8 @@ async def run_serve(
             max_connections=cap,
             allowed_origins=allowed_origins,
             reuse_port=reuse_port,
+            a2a=a2a,
+            ag_ui=ag_ui,
         )
         if on_gateway is not None:
             on_gateway(gateway)
@@ -612,6 +621,12 @@ async def run_serve(
             print(f"listening on {gateway.url}", file=sys.stderr, flush=True)
             kind = "tokens" if tokens else "token"
             print(f"{kind} file: {token_path}", file=sys.stderr, flush=True)
+            base = gateway.http_url
+            if a2a:
+                print(f"a2a: {base}/a2a (agent card: {base}/.well-known/agent-card.json)",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            if ag_ui:
+                print(f"ag-ui: {base}/ag-ui", file=sys.stderr, flush=True)
             if console_port is not None:
                 await _start_console(nursery, gateway, host, console_port, token, reuse_port)
             if ready is not None:
