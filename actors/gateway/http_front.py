@@ -24,9 +24,9 @@ principal's connections (429 beyond them) for as long as it is answered — an e
 stream holds its place like a websocket does.
 
 Bad input never ends more than its connection: a malformed request is 400, a head larger
-than :data:`MAX_HEAD_BYTES` 431, a body larger than the gateway's frame cap 413, an
-unknown method on a path 405; a request not complete within the handshake timeout closes
-the connection. An endpoint that fails answers 500 and is logged.
+than :data:`MAX_HEAD_BYTES` 431, a body larger than the gateway's frame cap
+(``max_frame_bytes``) 413, an unknown method on a path 405; a request not complete within
+the handshake timeout closes the connection. An endpoint that fails answers 500 and is logged.
 """
 
 from __future__ import annotations
@@ -391,7 +391,7 @@ class HttpFront:
         self, stream: CountedStream, conn: h11.Connection, reply: Reply
     ) -> bytes | None:
         """The request's body, or None once an error was answered."""
-        cap = self._limits.max_message_bytes
+        cap = self._limits.max_frame_bytes  # a request is one JSON-RPC frame (R-SEC-9)
         body = bytearray()
         with trio.move_on_after(self._limits.handshake_timeout_s) as timer:
             while True:
