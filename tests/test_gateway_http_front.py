@@ -60,6 +60,8 @@ async def test_a_front_end_that_goes_away_mid_run_picks_it_up_from_its_last_even
             body = run_input("t1", "r1", "go")
             seen = await trio.to_thread.run_sync(lambda: read_until(url, body, "TOOL_CALL_END"))
             await gates.started("a")  # the task runs on without its front end
+            busy = await posted(url, run_input("t1", "r9", "and this?"))
+            assert busy.status == 409 and "already running" in busy.body["error"]["message"]
             gates.release("a")
             last_id = seen[-1][0]
             assert last_id is not None

@@ -36,6 +36,7 @@ from greenroom.actors.gateway.feeds import SessionFeed
 from greenroom.actors.gateway.http_front import EventSink, HttpRequest, Reply
 from greenroom.actors.gateway.hubs import replay_records
 from greenroom.actors.gateway.methods import Methods
+from greenroom.actors.runtime.errors import GreenroomError
 from greenroom.actors.runtime.session import Session
 from greenroom.protocols import ag_ui, jsonrpc
 from greenroom.protocols.content import TextBlock
@@ -84,6 +85,11 @@ class AgUiEndpoint:
         except RpcError as exc:
             status = exc.code if 400 <= exc.code < 600 else 400
             await reply.error(status, exc.message)
+            return
+        except GreenroomError as exc:  # Busy (409), AuthLocked (423), NotPending (409)…
+            code = getattr(exc, "code", 400)
+            status = code if isinstance(code, int) and 400 <= code < 600 else 400
+            await reply.error(status, str(exc))
             return
         mapper = ag_ui.RunMapper(thread_id=session.id, run_id=run.run_id)
         with feed:

@@ -298,10 +298,12 @@ class HttpFront:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         read = bytearray()
         request: h11.Request | None = None
-        with trio.move_on_after(self._limits.handshake_timeout_s):
+        with trio.move_on_after(self._limits.handshake_timeout_s) as timer:
             request = await self._first_head(stream, conn, read)
-        if request is None and not read:
-            return  # nothing in time, or closed: nothing to answer
+        if timer.cancelled_caught or (request is None and not read):
+            # Nothing whole in time (the handshake timeout holds for both sides: a slow
+            # head is not given a second one), or closed: nothing to answer.
+            return
         if request is None or not self._is_http(request):
             await self._hand_over(stream, bytes(read))
             return
