@@ -378,3 +378,52 @@ def test_run_with_provider_limits_completes_its_task(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert json_lines(result.stdout)[-1]["status"] == "completed"
+
+
+async def test_serve_a2a_and_ag_ui_share_the_gateway_s_port(tmp_path: Path) -> None:
+    """``serve --a2a --ag-ui``: the start-up lines name the endpoints, which answer on the
+    gateway's port with its token (R-PROTO-1, R-PROTO-2)."""
+    import httpx
+
+    data = tmp_path / "data"
+    process = await trio.lowlevel.open_process(
+        [*CLI, "serve", "--port", "0", "--no-console", "--a2a", "--ag-ui", "--approve", "all",
+         "--data-dir", str(data)],
+        env=cli_env(tmp_path), stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert process.stderr is not None
+    try:
+        with trio.fail_after(TIMEOUT_S):
+            seen = b""
+            while b"sessions: " not in seen or not seen.endswith(b"\n"):
+                chunk = await process.stderr.receive_some()
+                assert chunk, f"serve exited early: {seen!r}"
+                seen += chunk
+            lines = seen.decode().splitlines()
+            a2a = next(li for li in lines if li.startswith("a2a: "))
+            card_url = a2a.split("agent card: ")[1].rstrip(")")
+            ag_ui = next(li for li in lines if li.startswith("ag-ui: ")).split(": ", 1)[1]
+            token = (data / "serve.token").read_text().strip()
+            headers = {"Authorization": f"Bearer {token}"}
+
+            def ask() -> tuple[int, int, str]:
+                card = httpx.get(card_url, headers=headers, timeout=TIMEOUT_S)
+                refused = httpx.post(ag_ui, json={}, timeout=TIMEOUT_S)
+                return card.status_code, refused.status_code, card.json()["url"]
+
+            card_status, refused_status, a2a_url = await trio.to_thread.run_sync(ask)
+            assert (card_status, refused_status) == (200, 401)
+            assert a2a_url == a2a.split(" ")[1]
+            process.send_signal(signal.SIGINT)
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+def test_serve_a2a_is_refused_with_a_cluster(tmp_path: Path) -> None:
+    result = greenroom(tmp_path, "serve", "--a2a", "--nats", "nats://127.0.0.1:1")
+    assert result.returncode != 0
+    assert "--a2a" in result.stderr and "--nats" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -29,7 +29,7 @@ from greenroom.actors.apps.chat import ChatRenderer
 from greenroom.actors.apps.render import HumanRenderer, JsonRenderer, format_record
 from greenroom.actors.gateway import hubs
 from greenroom.actors.runtime import subagents, tree
-from greenroom.protocols import outputs
+from greenroom.protocols import a2a, ag_ui, outputs
 from greenroom.protocols.history import live_records
 from greenroom.protocols.messages import SubagentOutputs, SupervisorMessage
 from greenroom.protocols.transcript import Transcript, rebuild
@@ -91,6 +91,19 @@ def test_gateway_hub_follows_every_output() -> None:
     hub._fan_out(batch)
     assert len(ended) == 1  # only the session's own task_end, not the subagent's
     assert hub.finishing  # task_end is the last class of the union
+
+
+def test_a2a_fold_takes_every_output() -> None:
+    fold = a2a.TaskFold(context_id="s1", run_id="r1", file_data=lambda block: ("image/png", ""))
+    for output in every_output():
+        fold.apply(output)
+    assert fold.state in a2a.END_STATES  # task_end is the last class of the union
+
+
+def test_ag_ui_mapper_takes_every_output() -> None:
+    mapper = ag_ui.RunMapper(thread_id="s1", run_id="front-1")
+    events = [event for output in every_output() for event in mapper.map(output)]
+    assert mapper.ended and events[-1]["type"] == "RUN_FINISHED"
 
 
 def test_transcript_takes_every_output() -> None:
@@ -176,6 +189,8 @@ DISPATCHERS = {
     ("protocols/acp.py", "UpdateMapper.map"),
     ("actors/observers/otel.py", "GenAIObserver._map"),
     ("actors/runtime/session.py", "RunStream._note"),
+    ("protocols/a2a.py", "TaskFold.apply"),
+    ("protocols/ag_ui.py", "RunMapper.map"),
 }
 
 EXTRA_OUTPUT = '''

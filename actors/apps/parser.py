@@ -484,6 +484,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="port of the web console; 0: any free port (default: --port + 1)",
     )
     serve.add_argument("--no-console", action="store_true", help="do not serve the web console")
+    serve.add_argument(
+        "--a2a",
+        action="store_true",
+        help="also serve A2A on the gateway's port: the agent card at "
+        "/.well-known/agent-card.json, JSON-RPC at /a2a, the gateway's tokens as "
+        "Authorization: Bearer (needs greenroom[a2a])",
+    )
+    serve.add_argument(
+        "--ag-ui",
+        action="store_true",
+        help="also serve AG-UI on the gateway's port: POST /ag-ui with a RunAgentInput "
+        "answers its events (text/event-stream), the gateway's tokens as Authorization: "
+        "Bearer (needs greenroom[ag-ui])",
+    )
     _add_provider_limit_flags(serve)
     serve.add_argument(
         "--gc-tuning",

@@ -82,7 +82,15 @@ def serve_command(args: argparse.Namespace) -> int:
         else PrincipalBudget(usd=args.principal_budget_usd, period=args.principal_budget_period),
         "ready": lambda _port: print_error(defaults_line),
         "reuse_port": args.reuse_port,
+        "a2a": args.a2a,
+        "ag_ui": args.ag_ui,
     }
+    if (args.a2a or args.ag_ui) and (args.workers is not None or args.nats):
+        flag = "--a2a" if args.a2a else "--ag-ui"
+        other = "--workers" if args.workers is not None else "--nats"
+        raise UsageError(
+            f"{flag} serves the sessions of one host: it cannot be combined with {other} yet"
+        )
     if args.workers is not None and not args.reuse_port:
         return _serve_workers(args)
     if args.nats:

@@ -191,3 +191,26 @@ class Admission:
                 del self._failures[next(iter(self._failures))]
         failures.append(now)
         self._failures[address] = failures  # last in order: counted most recently
+
+
+class Seats:
+    """The gateway's open connections against its cap (``max_connections``), websocket
+    and HTTP alike (R-SEC-4): :meth:`take` one for each connection admitted,
+    :meth:`give_back` it when the connection ends. No I/O."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.taken = 0
+
+    @property
+    def full(self) -> bool:
+        """Whether every seat is taken."""
+        return self.taken >= self.cap
+
+    def take(self) -> None:
+        """Take a seat (the caller checked :attr:`full`)."""
+        self.taken += 1
+
+    def give_back(self) -> None:
+        """Give back a seat :meth:`take` took."""
+        self.taken -= 1

@@ -26,26 +26,22 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import Counter
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Protocol, cast
 
 import attrs
 import trio
 
-from greenroom.actors.gateway.access import Admission, Grants, Principals, store_owner
+from greenroom.actors.gateway.access import Admission, Grants, Principals
 from greenroom.actors.gateway.config import (
     CLIENT_ID,
     CLIENT_SETTABLE_FORBIDDEN,
     PATH,
     GatewayLimits,
     SessionDefaults,
-    check_budgets,
-    confined_workspace,
-    directory,
 )
 from greenroom.actors.gateway.connection import Connection, Handler
+from greenroom.actors.gateway.creation import SessionCreation
 from greenroom.actors.gateway.hubs import Hubs, session_state
 from greenroom.actors.gateway.nodes import Nodes
 from greenroom.actors.gateway.time_travel import TimeTravelMethods
@@ -120,8 +116,8 @@ class Methods:
     """The handlers of the gateway's methods, over the host's sessions.
 
     Holds no channel and starts no task: each handler runs in the task of the connection
-    that called it (a detached one in the connection's nursery). ``workspace_root`` is set
-    by the gateway when it starts, before any call.
+    that called it (a detached one in the connection's nursery). ``creation.workspace_root``
+    is set by the gateway when it starts, before any call.
     """
 
     def __init__(
@@ -140,8 +136,6 @@ class Methods:
         self.host = host
         self.defaults = defaults
         self.approval_timeout_s = approval_timeout_s
-        self.workspace_root: Path | None = None
-        """Where clients' workspaces must resolve (set when the gateway starts)."""
         self._principals = principals
         self._grants = grants
         self._nodes = Nodes(host, grants)
@@ -149,12 +143,19 @@ class Methods:
         self._titles = titles
         self._limits = limits or GatewayLimits()
         self._admission = admission or Admission(self._limits)
-        self._creating: Counter[str] = Counter()
-        """Sessions each principal is creating now (they count against its cap)."""
+        self.creation = SessionCreation(
+            host,
+            defaults=defaults,
+            approval_timeout_s=approval_timeout_s,
+            grants=grants,
+            hubs=hubs,
+            limits=self._limits,
+        )
+        """Creates the sessions clients ask for (``session.create``, the HTTP endpoints)."""
         self.router: Router | None = None
         """Serves the sessions of other hosts (cluster mode)."""
         self._time_travel = TimeTravelMethods(
-            host, defaults, self._owned_session, self._check_room, self._take_new
+            host, defaults, self._owned_session, self.creation.check_room, self.creation.take_new
         )
 
     def table(self) -> dict[str, Handler]:
@@ -180,14 +181,17 @@ class Methods:
     async def _owned_session(
         self, connection: Connection, params: Mapping[str, Any], *, node: bool = True
     ) -> Session:
-        """The session ``params`` names, when the caller may use it: one it created or was
+        session_id = jsonrpc.require_str(params, "session_id", max_len=200)
+        return await self.owned_session(_identity(connection), session_id, node=node)
+
+    async def owned_session(self, principal: str, session_id: str, *, node: bool = True) -> Session:
+        """The session ``session_id``, when ``principal`` may use it: one it created or was
         granted, or (``node``) a subagent at any depth of such a tree (R-TREE-1: the root
         authorizes its nodes). A session that is not open (a finished subagent, a root the
         host closed) is loaded. 403 for another principal's, 404 for an unknown one;
         -32602 for a subagent where ``node`` is false (the call starts work: it goes to
-        the root)."""
-        session_id = jsonrpc.require_str(params, "session_id", max_len=200)
-        owned = self._grants.owned(_identity(connection))
+        the root). Its hub is running when it returns."""
+        owned = self._grants.owned(principal)
         if session_id not in owned:
             root_id = await self._nodes.root_of(session_id)
             if root_id is None or root_id == session_id or root_id not in owned:
@@ -214,10 +218,14 @@ class Methods:
                 provider=self.defaults.session_provider(),
                 mcp_servers=self.defaults.mcp_servers,
                 # Its requests are admitted in turn as this client's (R-SHARE-2).
-                principal=_identity(connection),
+                principal=principal,
             )
         await self._hubs.adopt(session)
         return session
+
+    def approver(self) -> Approval:
+        """How the tasks clients start decide their calls (the server's ``--approve``)."""
+        return _run_approver(self.defaults)
 
     async def _input(self, session: Session, params: Mapping[str, Any]) -> tuple[UserContent, ...]:
         """The call's ``input`` with its images attached (R-SEC-8): read once, now, off the
@@ -290,30 +298,6 @@ class Methods:
             placed = await self.router.place(connection, params)
             if placed is not None:
                 return placed
-        principal = _identity(connection)
-        self._check_room(principal)
-        self._creating[principal] += 1
-        try:
-            return await self._create_session(connection, params)
-        finally:
-            self._creating[principal] -= 1
-            if not self._creating[principal]:
-                del self._creating[principal]
-
-    def _check_room(self, principal: str) -> None:
-        """429 when ``principal`` holds its cap of open sessions in this host (created or
-        granted, or being created now: R-SEC-9)."""
-        owned = self._grants.owned(principal)
-        held = sum(1 for s in self.host.sessions if s.id in owned) + self._creating[principal]
-        cap = self._limits.max_sessions_per_principal
-        if held >= cap:
-            raise RpcError(
-                jsonrpc.TOO_MANY_REQUESTS,
-                f"too many sessions: client {principal!r} holds {held} open sessions "
-                f"(at most {cap}, --max-sessions-per-principal)",
-            )
-
-    async def _create_session(self, connection: Connection, params: dict[str, Any]) -> Any:
         workspace_param = jsonrpc.optional_str(params, "workspace", max_len=4096)
         model = jsonrpc.optional_str(params, "model", max_len=200)
         raw_settings = jsonrpc.optional_object(params, "settings")
@@ -322,50 +306,29 @@ class Methods:
             if raw_settings is not None
             else {}
         )
-        defaults = self.defaults
-        check_budgets(client_settings, defaults.settings)
-        if workspace_param is None:
-            workspace = await trio.to_thread.run_sync(directory, defaults.workspace_dir)
-        else:
-            root = self.workspace_root
-            assert root is not None  # set when the gateway starts
-            workspace = await trio.to_thread.run_sync(
-                confined_workspace, workspace_param, root, self.host.data_dir
-            )
-        overrides: dict[str, Any] = {
-            **defaults.settings,
-            "approval_timeout_s": self.approval_timeout_s,
-            **client_settings,
-        }
-        # create_session takes these two as arguments (its default model would override
-        # one given in the settings).
-        settings_model = overrides.pop("model", None)
-        model = model or settings_model or defaults.model
-        system = overrides.pop("system", None) or defaults.system
-        principal = _identity(connection)
-        session = await self.host.create_session(
-            model=model,
-            tools=defaults.tools,
-            workspace_dir=workspace,
-            provider=self.defaults.session_provider(),
-            system=system,
-            mcp_servers=defaults.mcp_servers,
-            # Its costs count against the caller's budget (R-SHARE-4).
-            principal=principal,
-            **overrides,
+        session = await self.create_session_for(
+            _identity(connection), workspace=workspace_param, model=model, settings=client_settings
         )
-        await self._take_new(principal, session)
         return {"session_id": session.id}
 
-    async def _take_new(self, principal: str, session: Session) -> None:
-        """A session created for ``principal`` is its own (stored with it: R-SEC-4)."""
-        self._grants.grant(principal, session.id)
-        try:
-            await trio.to_thread.run_sync(store_owner, session.directory, principal)
-        except OSError as exc:
-            # The session works; only a gateway started later will not know its owner.
-            logger.warning("gateway: cannot store the owner of session %s: %s", session.id, exc)
-        await self._hubs.adopt(session)
+    async def create_session_for(
+        self,
+        principal: str,
+        *,
+        workspace: str | None = None,
+        model: str | None = None,
+        settings: Mapping[str, Any] | None = None,
+        session_id: str | None = None,
+    ) -> Session:
+        """Create a session owned by ``principal`` (:meth:`SessionCreation.create_for`)."""
+        return await self.creation.create_for(
+            principal, workspace=workspace, model=model, settings=settings, session_id=session_id
+        )
+
+    async def settled(self, session: Session) -> Session:
+        """``session``, once a task that has emitted its ``task_end`` has finished syncing
+        its trace (:meth:`Hubs.settled`)."""
+        return await self._hubs.settled(session)
 
     async def rpc_session_list(self, connection: Connection, params: dict[str, Any]) -> Any:
         """The caller's stored sessions with their live state (open, busy, auth lock, title, last
@@ -444,9 +407,7 @@ class Methods:
             await self._owned_session(connection, params, node=False)
         )
         content = await self._input(session, params)
-        stream = session.run(
-            content, approve=_run_approver(self.defaults), output_schema=output
-        )
+        stream = session.run(content, approve=self.approver(), output_schema=output)
         stream.detach()  # clients read the outputs through their subscriptions
         return {"run_id": stream.run_id}
 
@@ -465,7 +426,7 @@ class Methods:
             await self._owned_session(connection, params, node=False)
         )
         content = await self._input(session, params)
-        return {"queued": session.follow_up(content, approve=_run_approver(self.defaults))}
+        return {"queued": session.follow_up(content, approve=self.approver())}
 
     async def rpc_approvals_list(self, connection: Connection, params: dict[str, Any]) -> Any:
         """The requests waiting for a person (approvals and questions) in the caller's

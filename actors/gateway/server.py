@@ -52,6 +52,7 @@ from greenroom.actors.gateway.access import (
     Admission,
     Grants,
     Principals,
+    Seats,
     address_key,
     stored_owners,
 )
@@ -78,9 +79,11 @@ from greenroom.actors.gateway.config import (
 )
 from greenroom.actors.gateway.connection import Connection, Handler
 from greenroom.actors.gateway.console import ConsoleServer, display_host, url_host
+from greenroom.actors.gateway.http_front import HttpFront, Route
 from greenroom.actors.gateway.hubs import Hubs
 from greenroom.actors.gateway.listeners import open_listeners
 from greenroom.actors.gateway.methods import DETACHED, Methods, Router
+from greenroom.actors.gateway.sockets import CappedListener, CountedStream, HandedOverListener
 from greenroom.actors.gateway.titles import Titles
 from greenroom.actors.runtime.accounting import PrincipalBudget
 from greenroom.actors.runtime.admission import ProviderLimits
@@ -108,6 +111,10 @@ class Gateway:
     ``allowed_origins``: browser origins (``http://host:port``) allowed besides the ones
     added with :meth:`allow_origin`.
     ``auth_timeout_s``: how long a connection may stay unauthenticated.
+    ``a2a``, ``ag_ui``: serve the A2A endpoints (``/.well-known/agent-card.json``, ``/a2a``)
+    and the AG-UI endpoint (``/ag-ui``) on the same port, with the same tokens and caps
+    (:mod:`~greenroom.actors.gateway.http_front`); ConfigurationError when their extra
+    (``greenroom[a2a]``, ``greenroom[ag-ui]``) is not installed.
     ``approval_timeout_s``: the ``approval_timeout_s`` setting of the sessions it creates
     (None: a request waits for a person without limit, R-HITL-1; a client's settings may
     say otherwise).
@@ -133,6 +140,8 @@ class Gateway:
         allowed_origins: Iterable[str] = (),
         auth_timeout_s: float = AUTH_TIMEOUT_S,
         reuse_port: bool = False,
+        a2a: bool = False,
+        ag_ui: bool = False,
     ) -> None:
         self._principals = Principals(token=token, tokens=tokens)
         self.reuse_port = reuse_port
@@ -149,7 +158,7 @@ class Gateway:
         self.auth_timeout_s = auth_timeout_s
         self.titles = titles
         self._origins = {normal_origin(origin) for origin in allowed_origins}
-        self._admitted = 0
+        self._seats = Seats(max_connections)
         self._grants = Grants()
         self._admission = Admission(self.limits)
         self._titles = Titles(enabled=titles)
@@ -167,6 +176,47 @@ class Gateway:
             admission=self._admission,
         )
         self._methods = self._calls.table()
+        self._front = self._http_front(a2a=a2a, ag_ui=ag_ui)
+
+    def _http_front(self, *, a2a: bool, ag_ui: bool) -> HttpFront | None:
+        """The HTTP side of the port, when an endpoint is served (else None: the websocket
+        server listens alone, as it always did)."""
+        routes: dict[str, Route] = {}
+        if a2a:
+            try:
+                from greenroom.actors.gateway.a2a import A2A_PATH, CARD_PATH, A2aEndpoint
+            except ImportError as exc:
+                raise ConfigurationError(
+                    f"--a2a needs the a2a extra: pip install 'greenroom[a2a]' ({exc})"
+                ) from None
+            agent = A2aEndpoint(self._calls, listen_url=lambda: self.http_url, version=_version())
+            routes[CARD_PATH] = Route(endpoint=agent, methods=frozenset({"GET"}))
+            routes[A2A_PATH] = Route(endpoint=agent, methods=frozenset({"POST"}))
+        if ag_ui:
+            try:
+                from greenroom.actors.gateway.ag_ui import AG_UI_PATH, AgUiEndpoint
+            except ImportError as exc:
+                raise ConfigurationError(
+                    f"--ag-ui needs the ag-ui extra: pip install 'greenroom[ag-ui]' ({exc})"
+                ) from None
+            page = AgUiEndpoint(self._calls)
+            routes[AG_UI_PATH] = Route(endpoint=page, methods=frozenset({"POST"}))
+        if not routes:
+            return None
+        return HttpFront(
+            routes,
+            principals=self._principals,
+            admission=self._admission,
+            seats=self._seats,
+            origin_allowed=self._origin_allowed,
+            limits=self.limits,
+        )
+
+    @property
+    def http_url(self) -> str:
+        """``http://HOST:PORT``: where the HTTP endpoints are (the websocket's port; a
+        wildcard bind is reached through loopback)."""
+        return f"http://{url_host(display_host(self.listen_host))}:{self.port}"
 
     # -- public ----------------------------------------------------------------------------
 
@@ -176,7 +226,7 @@ class Gateway:
         keep running in the host."""
         defaults = self.defaults
         root = defaults.workspace_root or defaults.workspace_dir
-        self._calls.workspace_root = await trio.to_thread.run_sync(resolved, root)
+        self._calls.creation.workspace_root = await trio.to_thread.run_sync(resolved, root)
         await trio.to_thread.run_sync(
             check_data_dir_private, self.host.data_dir, root, defaults.workspace_dir
         )
@@ -187,11 +237,16 @@ class Gateway:
             self._grants.grant(owner, session_id)
         listeners = await open_listeners(self.port, self.listen_host, reuse_port=self.reuse_port)
         sockets = trio.CapacityLimiter(self.max_connections + HANDSHAKE_SLACK)
-        capped = [_CappedListener(listener, sockets) for listener in listeners]
+        capped = [CappedListener(listener, sockets) for listener in listeners]
         limits = self.limits
+        front = self._front
+        # With HTTP endpoints the front accepts every connection and hands the websocket
+        # ones over; size 0: each waits for trio-websocket's accept loop, always there.
+        handoff, handed = trio.open_memory_channel[CountedStream](0)
+        websocket_listeners = capped if front is None else [HandedOverListener(handed)]
         server = WebSocketServer(
             self._handle,
-            cast(list[trio.SocketListener], capped),  # any trio Listener serves
+            cast(list[trio.SocketListener], websocket_listeners),  # any trio Listener serves
             max_message_size=limits.max_message_bytes,
             connect_timeout=limits.handshake_timeout_s,
             disconnect_timeout=limits.close_timeout_s,
@@ -202,6 +257,12 @@ class Gateway:
             # When the gateway stops, its hubs end and release what they hold.
             await nursery.start(self._hubs.run)
             await nursery.start(server.run)
+            if front is not None:
+                listening = cast(list[trio.abc.Listener[CountedStream]], capped)
+                await nursery.start(front.run, listening, handoff)
+            else:
+                handoff.close()
+                handed.close()
             self.port = listeners[0].socket.getsockname()[1]
             task_status.started(self.port)
 
@@ -292,7 +353,7 @@ class Gateway:
                 f"in {seconds} s\n".encode(),
             )
             return
-        if self._admitted >= self.max_connections:
+        if self._seats.full:
             await request.reject(
                 503, body=f"too many connections (at most {self.max_connections})\n".encode()
             )
@@ -329,7 +390,7 @@ class Gateway:
                 body=f"too many connections for client {identity!r} (at most {cap})\n".encode(),
             )
             return
-        self._admitted += 1
+        self._seats.take()
         connection: Connection | None = None
         try:
             ws = await request.accept()
@@ -346,7 +407,7 @@ class Gateway:
             connection.counted = identity
             await self._serve_accepted(ws, connection)
         finally:
-            self._admitted -= 1
+            self._seats.give_back()
             counted = identity if connection is None else connection.counted
             if counted is not None:
                 self._admission.release(counted)
@@ -376,75 +437,22 @@ class Gateway:
         return normal_origin(origin.decode("latin-1")) in self._origins
 
 
+def _version() -> str:
+    """greenroom's version, for the A2A agent card."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("greenroom")
+    except PackageNotFoundError:
+        return "0.0.0"
+
+
 def _address(request: WebSocketRequest) -> str:
     """The key of the handshake's remote address (:func:`address_key`)."""
     remote = request.remote
-    # Through the capped listener the stream is a _CountedStream, whose repr is the
+    # Through the capped listener the stream is a CountedStream, whose repr is the
     # peer's address; a bare socket stream gives an Endpoint.
     return address_key(str(remote.address) if isinstance(remote, Endpoint) else remote)
-
-
-class _CappedListener(trio.abc.Listener["_CountedStream"]):
-    """A listener that holds at most ``sockets.total_tokens`` accepted sockets open at once:
-    beyond that, connections wait in the kernel's backlog (no file descriptor spent)."""
-
-    def __init__(self, inner: trio.SocketListener, sockets: trio.CapacityLimiter) -> None:
-        self._inner = inner
-        self._sockets = sockets
-
-    async def accept(self) -> _CountedStream:
-        holder = object()
-        await self._sockets.acquire_on_behalf_of(holder)
-        try:
-            stream = await self._inner.accept()
-        except BaseException:
-            self._sockets.release_on_behalf_of(holder)
-            raise
-        try:
-            peer = str(stream.socket.getpeername()[0])
-        except (OSError, IndexError, TypeError):
-            peer = "unknown"  # gone already, or not an IP socket
-        return _CountedStream(stream, lambda: self._sockets.release_on_behalf_of(holder), peer=peer)
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-
-class _CountedStream(trio.abc.HalfCloseableStream):
-    """A socket stream that gives its slot back when it is closed (trio's listener loop
-    closes every stream its handler was given)."""
-
-    def __init__(self, inner: trio.SocketStream, release: Callable[[], None], *, peer: str) -> None:
-        self._inner = inner
-        self._release: Callable[[], None] | None = release
-        self.peer = peer
-        """The address of the peer (an IP address, without the port)."""
-
-    def __repr__(self) -> str:
-        # What trio-websocket reports as a request's remote end for a stream that is not a
-        # bare socket stream (``WebSocketRequest.remote``): the gateway counts wrong
-        # tokens by it.
-        return self.peer
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self._inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self._inner.wait_send_all_might_not_block()
-
-    async def send_eof(self) -> None:
-        await self._inner.send_eof()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        return await self._inner.receive_some(max_bytes)
-
-    async def aclose(self) -> None:
-        try:
-            await self._inner.aclose()
-        finally:
-            release, self._release = self._release, None
-            if release is not None:
-                release()
 
 
 # -- greenroom serve ---------------------------------------------------------------------------
@@ -513,6 +521,8 @@ async def run_serve(
     principal_budget: PrincipalBudget | None = None,
     provider_limits: ProviderLimits | None = None,
     reuse_port: bool = False,
+    a2a: bool = False,
+    ag_ui: bool = False,
 ) -> None:
     """``greenroom serve``: open a host on ``data_dir``, serve the gateway on it, print
     ``listening on ws://HOST:PORT/v1`` and the token file on stderr, and serve until
@@ -548,7 +558,10 @@ async def run_serve(
     ``prices`` and ``principal_budget`` are the host's (``Host.open``: R-SHARE-3,
     R-SHARE-4); each session a client creates is charged to the client's principal.
     ``provider_limits`` hold for each provider endpoint across the host's sessions
-    (``Host.open(limits=…)``; an ``open_host`` applies its own)."""
+    (``Host.open(limits=…)``; an ``open_host`` applies its own).
+
+    ``a2a``, ``ag_ui``: also serve the A2A and AG-UI endpoints on the gateway's port
+    (:class:`Gateway`), and print their URLs."""
     if tokens_file is not None and token_file is not None:
         raise ConfigurationError("give --token-file or --tokens-file, not both")
     fd_limit = raise_fd_limit()
@@ -598,6 +611,8 @@ async def run_serve(
             max_connections=cap,
             allowed_origins=allowed_origins,
             reuse_port=reuse_port,
+            a2a=a2a,
+            ag_ui=ag_ui,
         )
         if on_gateway is not None:
             on_gateway(gateway)
@@ -606,6 +621,12 @@ async def run_serve(
             print(f"listening on {gateway.url}", file=sys.stderr, flush=True)
             kind = "tokens" if tokens else "token"
             print(f"{kind} file: {token_path}", file=sys.stderr, flush=True)
+            base = gateway.http_url
+            if a2a:
+                print(f"a2a: {base}/a2a (agent card: {base}/.well-known/agent-card.json)",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            if ag_ui:
+                print(f"ag-ui: {base}/ag-ui", file=sys.stderr, flush=True)
             if console_port is not None:
                 await _start_console(nursery, gateway, host, console_port, token, reuse_port)
             if ready is not None:

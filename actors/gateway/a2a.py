@@ -1,0 +1,376 @@
+"""The A2A server of ``serve --a2a`` (R-PROTO-1): the agent card at
+``/.well-known/agent-card.json`` and JSON-RPC at ``/a2a`` (``message/send``,
+``message/stream``, ``tasks/get``, ``tasks/cancel``, ``tasks/resubscribe``), on the
+gateway's port and tokens (:mod:`greenroom.actors.gateway.http_front`).
+
+The mapping is :mod:`greenroom.protocols.a2a`; this module does the I/O. Requests are
+validated with the a2a-sdk's models of the protocol (its v0.3 binding, pydantic), so a
+request the SDK would not send gets ``-32602`` naming the field, never a traceback.
+
+Sessions are reached as the websocket methods reach them (:class:`Methods`): a context
+of another principal, or one that does not exist, is "not found" alike (nothing says
+which); a new context is created with the server's defaults and counts against the
+principal's sessions (R-SEC-9).
+
+A message to a context whose task waits for a person (``input-required``) answers it
+(R-HITL-2, as the caller's principal); to a running task (its ``taskId``) it steers it;
+otherwise it starts a task. A task's outputs are read from the session
+(:class:`SessionFeed`), never from the task's own channel: a stream that is cut off
+loses nothing, and ``tasks/resubscribe`` picks it up again.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pydantic
+from a2a.compat.v0_3 import types as a2a_types
+
+from greenroom.actors.gateway.feeds import SessionFeed
+from greenroom.actors.gateway.http_front import EventSink, HttpRequest, Reply
+from greenroom.actors.gateway.hubs import replay_records
+from greenroom.actors.gateway.methods import Methods
+from greenroom.actors.providers import read_image
+from greenroom.actors.runtime.errors import GreenroomError
+from greenroom.actors.runtime.session import Session
+from greenroom.protocols import a2a, jsonrpc
+from greenroom.protocols.content import ImageBlock, TextBlock
+from greenroom.protocols.jsonrpc import Request, RpcError
+
+__all__ = ["A2A_PATH", "CARD_PATH", "A2aEndpoint"]
+
+CARD_PATH = "/.well-known/agent-card.json"
+A2A_PATH = "/a2a"
+
+MAX_TEXT_CHARS = 100_000
+"""The longest text a message may carry."""
+
+_HOST = re.compile(r"(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9][A-Za-z0-9.-]{0,252})(:\d{1,5})?")
+
+_MODELS: dict[str, type[pydantic.BaseModel]] = {
+    "message/send": a2a_types.SendMessageRequest,
+    "message/stream": a2a_types.SendStreamingMessageRequest,
+    "tasks/get": a2a_types.GetTaskRequest,
+    "tasks/cancel": a2a_types.CancelTaskRequest,
+    "tasks/resubscribe": a2a_types.TaskResubscriptionRequest,
+}
+
+
+class A2aEndpoint:
+    """Answers the agent card and the JSON-RPC calls. ``listen_url`` gives the
+    ``http://HOST:PORT`` of the gateway for a request without a usable ``Host`` header.
+    Holds no channel and starts no task: each call runs in its connection's task."""
+
+    def __init__(self, methods: Methods, *, listen_url: Callable[[], str], version: str) -> None:
+        self._methods = methods
+        self._listen_url = listen_url
+        self._version = version
+
+    async def respond(self, request: HttpRequest, reply: Reply) -> None:
+        """The card (GET) or one JSON-RPC call (POST)."""
+        if request.path == CARD_PATH:
+            await reply.json(200, self._card(request.host))
+            return
+        try:
+            body = request.body.decode("utf-8")
+        except UnicodeDecodeError:
+            error = RpcError(jsonrpc.PARSE_ERROR, "the body is not UTF-8 text")
+            await reply.json(200, jsonrpc.error_frame(None, error))
+            return
+        frame = jsonrpc.parse_frame(body, max_bytes=len(request.body) + 1)
+        if not isinstance(frame, Request):
+            error = (
+                frame.error
+                if isinstance(frame, jsonrpc.FrameError)
+                else RpcError(jsonrpc.INVALID_REQUEST, "one request with an id, not a batch")
+            )
+            request_id = frame.id if isinstance(frame, jsonrpc.FrameError) else None
+            await reply.json(200, jsonrpc.error_frame(request_id, error))
+            return
+        try:
+            await self._call(frame, request.principal, reply)
+        except RpcError as exc:
+            await reply.json(200, jsonrpc.error_frame(frame.id, exc))
+        except GreenroomError as exc:
+            error = RpcError(getattr(exc, "code", jsonrpc.INTERNAL_ERROR), str(exc))
+            await reply.json(200, jsonrpc.error_frame(frame.id, error))
+
+    def _card(self, host_header: str) -> dict[str, Any]:
+        base = f"http://{host_header}" if _HOST.fullmatch(host_header) else self._listen_url()
+        defaults = self._methods.defaults
+        skills = a2a.skills_of(((t.name, t.description) for t in defaults.tools), defaults.system)
+        description = " ".join((defaults.system or "").split())[:500] or (
+            "A greenroom agent: it answers, and works in its workspace with its tools."
+        )
+        return a2a.agent_card(
+            url=base + A2A_PATH, description=description, skills=skills, version=self._version
+        )
+
+    async def _call(self, frame: Request, principal: str, reply: Reply) -> None:
+        model = _MODELS.get(frame.method)
+        if model is None:
+            raise RpcError(
+                jsonrpc.METHOD_NOT_FOUND,
+                f"unknown method {jsonrpc.echo(frame.method)}; this agent serves "
+                + ", ".join(a2a.METHODS),
+            )
+        try:
+            call = model.model_validate(
+                {"jsonrpc": "2.0", "id": frame.id, "method": frame.method, "params": frame.params}
+            )
+        except pydantic.ValidationError as exc:
+            problems = "; ".join(
+                f"$.params.{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}"
+                for e in exc.errors()[:5]
+            )
+            raise RpcError(jsonrpc.INVALID_PARAMS, problems) from None
+        params: Any = getattr(call, "params")  # noqa: B009 - each model's own params class
+        match frame.method:
+            case "message/send" | "message/stream":
+                await self._message(frame, params, principal, reply)
+            case "tasks/get":
+                fold = await self._fold(principal, params.id)
+                result = fold.task(params.history_length)
+                await reply.json(200, jsonrpc.result_frame(frame.id, result))
+            case "tasks/cancel":
+                await reply.json(
+                    200, jsonrpc.result_frame(frame.id, await self._cancel(principal, params.id))
+                )
+            case "tasks/resubscribe":
+                await self._resubscribe(frame, principal, params.id, reply)
+
+    # -- sessions and tasks ---------------------------------------------------------------
+
+    async def _session(self, principal: str, session_id: str, what: str) -> Session:
+        try:
+            return await self._methods.owned_session(principal, session_id, node=False)
+        except RpcError as exc:
+            if exc.code in (jsonrpc.FORBIDDEN, jsonrpc.NOT_FOUND, jsonrpc.INVALID_PARAMS):
+                # Another client's and a missing one alike: nothing says which.
+                code = a2a.TASK_NOT_FOUND if what == "task" else jsonrpc.INVALID_PARAMS
+                raise RpcError(
+                    code, f"no {what} {jsonrpc.echo(session_id)} of this client"
+                ) from None
+            raise
+
+    async def _task_session(self, principal: str, task: str) -> tuple[Session, str]:
+        ids = a2a.split_task_id(task)
+        if ids is None:
+            raise RpcError(a2a.TASK_NOT_FOUND, f"no task {jsonrpc.echo(task)}")
+        session_id, run_id = ids
+        return await self._session(principal, session_id, "task"), run_id
+
+    def _new_fold(self, session: Session, run_id: str, **kwargs: Any) -> a2a.TaskFold:
+        source = session.attachments.source
+
+        def file_data(block: ImageBlock) -> tuple[str, str] | None:
+            # Small and read from the session's private copy (R-SEC-8): in the
+            # event loop's thread, like the trace replay beside it.
+            return read_image(block, source)
+
+        return a2a.TaskFold(context_id=session.id, run_id=run_id, file_data=file_data, **kwargs)
+
+    async def _fold(self, principal: str, task: str) -> a2a.TaskFold:
+        session, run_id = await self._task_session(principal, task)
+        fold = self._new_fold(session, run_id)
+        for output in await replay_records(session, 0):
+            fold.apply(output)
+        if not fold.seen:
+            raise RpcError(a2a.TASK_NOT_FOUND, f"no task {jsonrpc.echo(task)}")
+        return fold
+
+    async def _cancel(self, principal: str, task: str) -> dict[str, Any]:
+        fold = await self._fold(principal, task)
+        if fold.state in a2a.END_STATES:
+            raise RpcError(a2a.TASK_NOT_CANCELABLE, f"task {jsonrpc.echo(task)} is {fold.state}")
+        session, run_id = await self._task_session(principal, task)
+        with SessionFeed(session, 0) as feed:
+            fold = self._new_fold(session, run_id)
+            session.interrupt("canceled by the A2A client")
+            while fold.state not in a2a.END_STATES:
+                batch = await feed.next_batch()
+                if batch is None:
+                    break
+                for output in batch:
+                    fold.apply(output)
+        return fold.task()
+
+    async def _resubscribe(self, frame: Request, principal: str, task: str, reply: Reply) -> None:
+        session, run_id = await self._task_session(principal, task)
+        with SessionFeed(session, 0) as feed:
+            fold = self._new_fold(session, run_id)
+            for output in await _caught_up(feed):
+                fold.apply(output)
+            if not fold.seen:
+                raise RpcError(a2a.TASK_NOT_FOUND, f"no task {jsonrpc.echo(task)}")
+
+            async def produce(sink: EventSink) -> None:
+                await sink.send(jsonrpc.encode(jsonrpc.result_frame(frame.id, fold.task())))
+                await self._follow(feed, fold, frame, sink, set())
+
+            await reply.events(produce)
+
+    async def _follow(
+        self,
+        feed: SessionFeed,
+        fold: a2a.TaskFold,
+        frame: Request,
+        sink: EventSink | None,
+        answered: set[str],
+    ) -> None:
+        """Fold the task's outputs (sending their events to ``sink``) until a stream of
+        it ends: an end state, or ``input-required`` once every call in ``answered`` was
+        decided (before, the request answered is still the one pending)."""
+        while not (
+            fold.state in a2a.END_STATES
+            or (fold.state == "input-required" and answered <= fold.decided)
+        ):
+            batch = await feed.next_batch()
+            if batch is None:
+                return
+            for output in batch:
+                for event in fold.apply(output):
+                    if sink is not None:
+                        await sink.send(jsonrpc.encode(jsonrpc.result_frame(frame.id, event)))
+
+    # -- message/send, message/stream -------------------------------------------------------
+
+    async def _message(self, frame: Request, params: Any, principal: str, reply: Reply) -> None:
+        sent = params.message
+        if sent.role != a2a_types.Role.user:
+            raise RpcError(jsonrpc.INVALID_PARAMS, "$.params.message.role: must be user")
+        texts: list[str] = []
+        data: list[dict[str, Any]] = []
+        for part in sent.parts:
+            inner = part.root
+            if isinstance(inner, a2a_types.TextPart):
+                texts.append(inner.text)
+            elif isinstance(inner, a2a_types.DataPart):
+                data.append(inner.data)
+            else:
+                raise RpcError(
+                    a2a.CONTENT_TYPE_NOT_SUPPORTED, "this agent takes text and data parts only"
+                )
+        text = "\n".join(texts)
+        if len(text) > MAX_TEXT_CHARS:
+            raise RpcError(jsonrpc.INVALID_PARAMS, f"text longer than {MAX_TEXT_CHARS} characters")
+        session, named_run = await self._target(principal, sent.context_id, sent.task_id)
+        streaming = frame.method == "message/stream"
+        blocking = params.configuration is None or params.configuration.blocking is not False
+        with SessionFeed(session, 0, replay=True) as feed:
+            fold, answered = await self._deliver(session, named_run, text, data, principal, feed)
+
+            async def produce(sink: EventSink | None) -> None:
+                if sink is not None:
+                    await sink.send(jsonrpc.encode(jsonrpc.result_frame(frame.id, fold.task())))
+                await self._follow(feed, fold, frame, sink, answered)
+
+            if streaming:
+                await reply.events(produce)
+                return
+            if blocking:
+                await produce(None)
+            await reply.json(200, jsonrpc.result_frame(frame.id, fold.task()))
+
+    async def _target(
+        self, principal: str, context_id: str | None, task: str | None
+    ) -> tuple[Session, str | None]:
+        """The session a message goes to (a new one without ids) and the run it names."""
+        if task is not None:
+            session, run_id = await self._task_session(principal, task)
+            if context_id is not None and context_id != session.id:
+                raise RpcError(jsonrpc.INVALID_PARAMS, "taskId is not a task of contextId")
+            return session, run_id
+        if context_id is not None:
+            return await self._session(principal, context_id, "context"), None
+        return await self._methods.create_session_for(principal), None
+
+    async def _deliver(
+        self,
+        session: Session,
+        named_run: str | None,
+        text: str,
+        data: list[dict[str, Any]],
+        principal: str,
+        feed: SessionFeed,
+    ) -> tuple[a2a.TaskFold, set[str]]:
+        """Answer, steer or start, as the message says; the task's fold, and the calls
+        answered. ``feed`` watches already: nothing that follows is missed."""
+        records = await _caught_up(feed)
+        running = a2a.open_run(records)
+        if running is not None:
+            fold = self._new_fold(session, running)
+            for output in records:
+                fold.apply(output)
+            if named_run is not None and named_run != running:
+                raise RpcError(
+                    jsonrpc.INVALID_PARAMS, f"task {session.id}:{named_run} is not running"
+                )
+            if fold.pending:
+                return fold, await self._answer(session, fold, text, data, principal)
+            if not session.busy:
+                raise RpcError(jsonrpc.BUSY, "the task waits; send its answer")
+            session.steer([TextBlock(text=text)])
+            return fold, set()
+        if named_run is not None:
+            raise RpcError(
+                a2a.UNSUPPORTED_OPERATION,
+                f"task {session.id}:{named_run} has ended: send the message with its "
+                "contextId alone to start another",
+            )
+        if not text.strip():
+            raise RpcError(
+                jsonrpc.INVALID_PARAMS, "$.params.message.parts: no text to start a task"
+            )
+        session = await self._methods.settled(session)
+        stream = session.run([TextBlock(text=text)], approve=self._methods.approver())
+        stream.detach()  # read through the feed, which a disconnect cannot lose
+        submitted = a2a.message(
+            "user",
+            [a2a.text_part(text)],
+            message_id=f"{stream.run_id}-prompt",
+            context_id=session.id,
+            task=a2a.task_id(session.id, stream.run_id),
+        )
+        return self._new_fold(session, stream.run_id, submitted=submitted), set()
+
+    async def _answer(
+        self,
+        session: Session,
+        fold: a2a.TaskFold,
+        text: str,
+        data: list[dict[str, Any]],
+        principal: str,
+    ) -> set[str]:
+        """Answer the task's pending requests with the message (a data part's
+        ``call_id`` picks one); the call ids answered."""
+        named = {item.get("call_id") for item in data if isinstance(item.get("call_id"), str)}
+        requests = [r for r in fold.pending.values() if not named or r.call_id in named]
+        if not requests:
+            raise RpcError(jsonrpc.INVALID_PARAMS, "no pending request has that call_id")
+        host = self._methods.host
+        answered: set[str] = set()
+        for request in requests:
+            if request.kind == "question":
+                await host.answer_question(session.id, request.call_id, text, by=principal)
+            else:
+                verdict = a2a.parse_decision(text, data)
+                if verdict is None:
+                    raise RpcError(
+                        jsonrpc.INVALID_PARAMS,
+                        "the task waits for a decision: reply allow, deny or always "
+                        '(or a data part {"decision": "allow" | "deny" | "allow_session"})',
+                    )
+                await host.answer_approval(session.id, request.call_id, verdict, by=principal)
+            answered.add(request.call_id)
+        return answered
+
+
+async def _caught_up(feed: SessionFeed) -> list[Any]:
+    """The session's own traced outputs now, read after ``feed`` began to watch; the
+    feed then gives only what follows them."""
+    records = [r for r in await replay_records(feed.session, feed.last_seq) if r.origin is None]
+    feed.skip_replay(max((r.seq or 0 for r in records), default=feed.last_seq))
+    return records

@@ -1,0 +1,245 @@
+"""The AG-UI endpoint of ``serve --ag-ui`` (R-PROTO-2): ``POST /ag-ui`` with a
+``RunAgentInput`` answers a ``text/event-stream`` of AG-UI events, on the gateway's port
+and tokens (:mod:`greenroom.actors.gateway.http_front`).
+
+The mapping is :mod:`greenroom.protocols.ag_ui`; this module does the I/O. The input is
+validated with the ``ag-ui-protocol`` package's models; a bad one is 400 naming the
+field. ``threadId`` is the session id: a thread of the caller's goes on, an unknown one is
+created (with that id, the server's defaults, counted against the caller's sessions), one
+of another principal is 403 (R-SEC-4).
+
+One request does one of three things:
+
+* **run**: the user messages at the end of ``messages`` start a task (409 while the
+  thread runs or waits for an answer);
+* **resume** (``resume`` entries): answer the interrupts the last run ended on, as the
+  caller's principal (R-HITL-2), and stream the task from where it waited;
+* **reconnect** (a ``Last-Event-ID`` header, the ``id`` of the last event received):
+  stream the thread again from there — the trace's seq replay — without starting
+  anything.
+
+Every run's events come from the session (:class:`SessionFeed`), never from the task's
+own channel: a front end that disconnects loses nothing, the task goes on, and it
+reconnects from its last event id.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pydantic
+from ag_ui.core import RunAgentInput
+
+from greenroom.actors.gateway.config import SESSION_ID
+from greenroom.actors.gateway.feeds import SessionFeed
+from greenroom.actors.gateway.http_front import EventSink, HttpRequest, Reply
+from greenroom.actors.gateway.hubs import replay_records
+from greenroom.actors.gateway.methods import Methods
+from greenroom.actors.runtime.errors import GreenroomError
+from greenroom.actors.runtime.session import Session
+from greenroom.protocols import ag_ui, jsonrpc
+from greenroom.protocols.content import TextBlock
+from greenroom.protocols.jsonrpc import RpcError
+from greenroom.protocols.outputs import ApprovalRequest
+from greenroom.protocols.people import PendingApproval
+
+__all__ = ["AG_UI_PATH", "AgUiEndpoint"]
+
+AG_UI_PATH = "/ag-ui"
+
+MAX_TEXT_CHARS = 100_000
+"""The longest text a run's new user messages may carry."""
+
+
+class _Refused(Exception):
+    """An input answered with an HTTP error before any event."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class AgUiEndpoint:
+    """Answers ``POST /ag-ui``. Holds no channel and starts no task: each run streams in
+    its connection's task."""
+
+    def __init__(self, methods: Methods) -> None:
+        self._methods = methods
+
+    async def respond(self, request: HttpRequest, reply: Reply) -> None:
+        """One run: its events, or an HTTP error when the input is refused."""
+        try:
+            run = self._input(request.body)
+            session = await self._thread(request.principal, run.thread_id)
+            last_event = request.headers.get("last-event-id")
+            if last_event is not None:
+                feed, pending = await self._reconnect(session, last_event)
+            elif run.resume:
+                feed, pending = await self._resume(session, run, request.principal)
+            else:
+                feed, pending = await self._start(session, run), []
+        except _Refused as exc:
+            await reply.error(exc.status, str(exc))
+            return
+        except RpcError as exc:
+            status = exc.code if 400 <= exc.code < 600 else 400
+            await reply.error(status, exc.message)
+            return
+        except GreenroomError as exc:  # Busy (409), AuthLocked (423), NotPending (409)…
+            code = getattr(exc, "code", 400)
+            status = code if isinstance(code, int) and 400 <= code < 600 else 400
+            await reply.error(status, str(exc))
+            return
+        mapper = ag_ui.RunMapper(thread_id=session.id, run_id=run.run_id)
+        with feed:
+
+            async def produce(sink: EventSink) -> None:
+                await _stream(feed, mapper, pending, sink)
+
+            await reply.events(produce)
+
+    def _input(self, body: bytes) -> RunAgentInput:
+        try:
+            value = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise _Refused(400, f"the body is not JSON: {exc}") from None
+        try:
+            run = RunAgentInput.model_validate(value)
+        except pydantic.ValidationError as exc:
+            problems = "; ".join(
+                f"$.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:5]
+            )
+            raise _Refused(400, f"not a RunAgentInput: {problems}") from None
+        if not SESSION_ID.fullmatch(run.thread_id):
+            raise _Refused(400, "$.threadId: letters, digits and ._- only, at most 128")
+        if len(run.run_id) > 200:
+            raise _Refused(400, "$.runId: at most 200 characters")
+        return run
+
+    async def _thread(self, principal: str, thread_id: str) -> Session:
+        try:
+            return await self._methods.owned_session(principal, thread_id, node=False)
+        except RpcError as exc:
+            if exc.code != jsonrpc.NOT_FOUND:
+                raise
+        return await self._methods.create_session_for(principal, session_id=thread_id)
+
+    async def _pending(self, session: Session) -> list[PendingApproval]:
+        return [
+            p for p in await self._methods.host.pending_approvals() if p.session_id == session.id
+        ]
+
+    async def _start(self, session: Session, run: RunAgentInput) -> SessionFeed:
+        messages = [m.model_dump(by_alias=True) for m in run.messages]
+        text = ag_ui.new_input(messages)
+        if not text.strip():
+            raise _Refused(400, "$.messages: no user message after the agent's last one")
+        if len(text) > MAX_TEXT_CHARS:
+            raise _Refused(400, f"$.messages: more than {MAX_TEXT_CHARS} characters of text")
+        if await self._pending(session):
+            raise _Refused(409, "the thread waits for answers: send them as resume entries")
+        session = await self._methods.settled(session)
+        # Live only: the session is idle, so every output of the new task follows.
+        feed = SessionFeed(session, session.host.port(session.id).last_seq, replay=False)
+        try:
+            stream = session.run([TextBlock(text=text)], approve=self._methods.approver())
+        except BaseException:
+            feed.close()
+            raise
+        stream.detach()  # read through the feed, which a disconnect cannot lose
+        return feed
+
+    async def _resume(
+        self, session: Session, run: RunAgentInput, principal: str
+    ) -> tuple[SessionFeed, list[PendingApproval]]:
+        pending = {p.call_id: p for p in await self._pending(session)}
+        entries = run.resume or []
+        unknown = [e.interrupt_id for e in entries if e.interrupt_id not in pending]
+        if unknown:
+            raise _Refused(409, f"no pending interrupt {jsonrpc.echo(unknown[0])} in this thread")
+        answers = []
+        for entry in entries:
+            request = pending[entry.interrupt_id]
+            try:
+                answers.append((request, ag_ui.parse_resume(entry.model_dump(), request.kind)))
+            except ag_ui.ResumeError as exc:
+                raise _Refused(400, f"$.resume[{entry.interrupt_id}]: {exc}") from None
+        # Where the task waited: the latest request answered.
+        records = await replay_records(session, 0)
+        answered = {request.call_id for request, _ in answers}
+        asked = [
+            r.seq or 0
+            for r in records
+            if isinstance(r, ApprovalRequest) and r.call_id in answered and r.origin is None
+        ]
+        after = max(asked) if asked else session.host.port(session.id).last_seq
+        feed = SessionFeed(session, after)
+        host = self._methods.host
+        try:
+            for request, (verdict, text) in answers:
+                if text is not None:
+                    await host.answer_question(session.id, request.call_id, text, by=principal)
+                elif verdict is not None:
+                    await host.answer_approval(session.id, request.call_id, verdict, by=principal)
+        except BaseException:
+            feed.close()
+            raise
+        still = [p for p in pending.values() if p.call_id not in answered]
+        return feed, [p for p in still if _asked_before(records, p, after)]
+
+    async def _reconnect(
+        self, session: Session, last_event: str
+    ) -> tuple[SessionFeed, list[PendingApproval]]:
+        if not last_event.isdigit() or len(last_event) > 18:
+            raise _Refused(400, "Last-Event-ID: the id of an event of this endpoint (a number)")
+        after = int(last_event)
+        records = await replay_records(session, 0)
+        return SessionFeed(session, after), [
+            p for p in await self._pending(session) if _asked_before(records, p, after)
+        ]
+
+
+def _asked_before(records: list[Any], request: PendingApproval, after: int) -> bool:
+    """Whether ``request`` was asked at or before seq ``after`` (a replay from ``after``
+    will not show it)."""
+    for record in records:
+        if isinstance(record, ApprovalRequest) and record.call_id == request.call_id:
+            return (record.seq or 0) <= after
+    return True
+
+
+async def _stream(
+    feed: SessionFeed,
+    mapper: ag_ui.RunMapper,
+    pending: list[PendingApproval],
+    sink: EventSink,
+) -> None:
+    """The run's events until it ends: its task's end, an interrupt, or the session's
+    close. Each event's id is the seq of the last output it reflects whole."""
+    cursor = feed.last_seq
+    for event in mapper.started(pending):
+        await sink.send(jsonrpc.encode(event), event_id=str(cursor))
+    while not mapper.ended:
+        if mapper.interrupts:
+            for event in mapper.interrupted():
+                await sink.send(jsonrpc.encode(event), event_id=str(cursor))
+            return
+        if not feed.session.busy and feed.caught_up:
+            # Nothing runs and nothing is left to replay: the thread is idle.
+            for event in mapper.idle():
+                await sink.send(jsonrpc.encode(event), event_id=str(cursor))
+            return
+        batch = await feed.next_batch()
+        if batch is None:
+            message = {"type": "RUN_ERROR", "message": "the session closed", "code": "closed"}
+            await sink.send(jsonrpc.encode(message), event_id=str(cursor))
+            return
+        for output in batch:
+            events = mapper.map(output)
+            for number, event in enumerate(events, start=1):
+                last = number == len(events) and output.seq is not None
+                await sink.send(
+                    jsonrpc.encode(event), event_id=str(output.seq if last else cursor)
+                )
+            cursor = output.seq or cursor

@@ -1,0 +1,494 @@
+"""Plain HTTP on the gateway's port, beside the websocket gateway: the A2A and AG-UI
+endpoints (``serve --a2a``, ``serve --ag-ui``: R-PROTO-1, R-PROTO-2).
+
+::
+
+    HttpFront.run                 the accept loop (trio.serve_listeners), until cancelled
+    └── one task per connection: read the first request's head (h11), then either
+        ├── hand the connection over to trio-websocket, every byte read given back
+        │   (HandedOverListener), and wait until it is closed; or
+        └── serve HTTP requests to the endpoints (h11, keep-alive) until it closes
+
+Routing: a request for one of the endpoints' paths that is not an upgrade is HTTP; every
+other connection — a websocket handshake, another path, bytes that are not HTTP — goes to
+trio-websocket exactly as it arrived, so the websocket gateway answers it as it always
+did. The front is in place only when an endpoint is served; the websocket path then costs
+one read of the handshake's head and one task hop, nothing per frame.
+
+Admission per request, as for a websocket handshake (R-SEC-4, R-SEC-9): a foreign
+``Origin`` is refused (403); an address that sent too many wrong tokens waits (429 with
+``Retry-After``) before its token is looked at; a missing or wrong ``Authorization:
+Bearer`` token is 401 (a wrong one counts against the address); each HTTP connection
+takes one of the gateway's seats (503 when none is left) and each request one of its
+principal's connections (429 beyond them) for as long as it is answered — an event
+stream holds its place like a websocket does.
+
+Bad input never ends more than its connection: a malformed request is 400, a head larger
+than :data:`MAX_HEAD_BYTES` 431, a body larger than the gateway's frame cap
+(``max_frame_bytes``) 413, an unknown method on a path 405; a request not complete within
+the handshake timeout closes the connection. An endpoint that fails answers 500 and is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any, Protocol
+
+import attrs
+import h11
+import trio
+
+from greenroom.actors.gateway.access import Admission, Principals, Seats, address_key
+from greenroom.actors.gateway.config import GatewayLimits
+from greenroom.actors.gateway.sockets import CountedStream
+from greenroom.protocols import jsonrpc
+
+__all__ = [
+    "MAX_HEAD_BYTES",
+    "EventSink",
+    "HttpFront",
+    "HttpRequest",
+    "Reply",
+    "Route",
+]
+
+logger = logging.getLogger(__name__)
+
+MAX_HEAD_BYTES = 64 * 1024
+"""The largest request head read (a websocket handshake's too)."""
+
+KEEPALIVE_S = 15.0
+"""How long an event stream may stay silent before a comment line keeps proxies from
+timing it out (and finds a client that went away)."""
+
+_REASONS = {
+    400: b"Bad Request",
+    401: b"Unauthorized",
+    403: b"Forbidden",
+    404: b"Not Found",
+    405: b"Method Not Allowed",
+    409: b"Conflict",
+    413: b"Content Too Large",
+    415: b"Unsupported Media Type",
+    429: b"Too Many Requests",
+    431: b"Request Header Fields Too Large",
+    500: b"Internal Server Error",
+    503: b"Service Unavailable",
+}
+
+
+@attrs.frozen(kw_only=True)
+class HttpRequest:
+    """One HTTP request to an endpoint, admitted: its ``principal`` is the bearer token's."""
+
+    method: str
+    path: str
+    headers: Mapping[str, str]
+    """Names in lower case; values decoded as latin-1."""
+    body: bytes
+    principal: str
+    host: str
+    """The ``Host`` header (empty without one)."""
+
+
+class Endpoint(Protocol):
+    """What answers the requests of a path."""
+
+    async def respond(self, request: HttpRequest, reply: Reply) -> None:
+        """Answer ``request`` through ``reply`` (once). Raises nothing but Cancelled for a
+        request it can answer; an exception is answered 500."""
+        ...
+
+
+@attrs.frozen(kw_only=True)
+class Route:
+    """A path's endpoint and the methods it takes."""
+
+    endpoint: Endpoint
+    methods: frozenset[str]
+
+
+class Gone(Exception):
+    """The client went away (or stopped reading) while it was being answered."""
+
+
+class EventSink:
+    """The events of one ``text/event-stream`` answer: :meth:`send` writes one event (it
+    waits for the client to take it, at most the write timeout). When the client has
+    gone, the stream's scope is cancelled: the producer is cancelled at its next
+    checkpoint."""
+
+    def __init__(self, stream: CountedStream, conn: h11.Connection, write_timeout_s: float) -> None:
+        self._stream = stream
+        self._conn = conn
+        self._write_timeout_s = write_timeout_s
+        self._lock = trio.Lock()
+        self.scope = trio.CancelScope()
+        self.last_write = trio.current_time()
+        self.gone = False
+
+    async def send(self, data: str, *, event_id: str | None = None) -> None:
+        """One event whose ``data`` is ``data`` (one line: JSON), with an ``id`` line."""
+        head = f"id: {event_id}\n" if event_id is not None else ""
+        await self._write(f"{head}data: {data}\n\n".encode())
+
+    async def comment(self, text: str) -> None:
+        """A comment line (ignored by clients)."""
+        await self._write(f": {text}\n\n".encode())
+
+    async def _write(self, payload: bytes) -> None:
+        if self.gone:
+            return
+        async with self._lock:
+            try:
+                with trio.fail_after(self._write_timeout_s):
+                    await self._stream.send_all(self._conn.send(h11.Data(data=payload)) or b"")
+            except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError):
+                self.gone = True
+                self.scope.cancel()
+            self.last_write = trio.current_time()
+
+
+class Reply:
+    """How an endpoint answers a request: once, with a whole body (:meth:`json`,
+    :meth:`error`) or with an event stream (:meth:`events`)."""
+
+    def __init__(self, stream: CountedStream, conn: h11.Connection, limits: GatewayLimits) -> None:
+        self._stream = stream
+        self._conn = conn
+        self._limits = limits
+        self.sent = False
+
+    async def json(self, status: int, body: Any, headers: Iterable[tuple[str, str]] = ()) -> None:
+        """A JSON answer."""
+        data = jsonrpc.encode(body).encode("utf-8")
+        await self._whole(status, b"application/json", data, headers)
+
+    async def error(
+        self, status: int, message: str, headers: Iterable[tuple[str, str]] = ()
+    ) -> None:
+        """An error answer: ``{"error": {"code": status, "message": message}}``."""
+        await self.json(status, {"error": {"code": status, "message": message}}, headers)
+
+    async def _whole(
+        self, status: int, kind: bytes, data: bytes, headers: Iterable[tuple[str, str]]
+    ) -> None:
+        self.sent = True
+        response = h11.Response(
+            status_code=status,
+            reason=_REASONS.get(status, b""),
+            headers=[
+                (b"Content-Type", kind),
+                (b"Content-Length", str(len(data)).encode()),
+                (b"Cache-Control", b"no-store"),
+                (b"X-Content-Type-Options", b"nosniff"),
+                *((name.encode("latin-1"), value.encode("latin-1")) for name, value in headers),
+            ],
+        )
+        conn = self._conn
+        payload = conn.send(response) or b""
+        payload += conn.send(h11.Data(data=data)) or b""
+        payload += conn.send(h11.EndOfMessage()) or b""
+        with trio.fail_after(self._limits.close_timeout_s + 10):
+            await self._stream.send_all(payload)
+
+    async def events(self, produce: Callable[[EventSink], Awaitable[None]]) -> None:
+        """Answer with a ``text/event-stream``: ``produce`` sends the events; the answer
+        ends when it returns. The connection closes after it. When the client goes away
+        (closes, or takes nothing for the write timeout) ``produce`` is cancelled."""
+        self.sent = True
+        conn = self._conn
+        head = conn.send(
+            h11.Response(
+                status_code=200,
+                headers=[
+                    (b"Content-Type", b"text/event-stream; charset=utf-8"),
+                    (b"Cache-Control", b"no-store"),
+                    (b"X-Accel-Buffering", b"no"),
+                    (b"Connection", b"close"),
+                ],
+            )
+        )
+        sink = EventSink(self._stream, conn, self._limits.close_timeout_s + 10)
+        await self._stream.send_all(head or b"")
+        with sink.scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._hang_up, sink)
+                nursery.start_soon(self._keep_alive, sink)
+                await produce(sink)
+                nursery.cancel_scope.cancel()
+        if not sink.gone:
+            with trio.move_on_after(self._limits.close_timeout_s):
+                await self._stream.send_all(conn.send(h11.EndOfMessage()) or b"")
+
+    async def _hang_up(self, sink: EventSink) -> None:
+        """Cancel the stream when the client closes its side (it sends nothing more)."""
+        try:
+            while await self._stream.receive_some(4096):
+                pass  # a client sends nothing on an event stream: dropped
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        sink.gone = True
+        sink.scope.cancel()
+
+    async def _keep_alive(self, sink: EventSink) -> None:
+        while True:
+            await trio.sleep_until(sink.last_write + KEEPALIVE_S)
+            if trio.current_time() >= sink.last_write + KEEPALIVE_S:
+                await sink.comment("keep-alive")
+
+
+class HttpFront:
+    """The HTTP side of the gateway's port: routes each connection (HTTP to ``routes``,
+    everything else to trio-websocket through ``handoff``) and admits each request.
+
+    ``principals``, ``admission`` and ``seats`` are the gateway's own (one set of
+    tokens, caps and wrong-token counts for both sides); ``origin_allowed`` says whether
+    a browser ``Origin`` may call.
+
+    Channels: ``handoff`` (given to :meth:`run`) carries the connections for
+    trio-websocket; it is the front's to close.
+    """
+
+    def __init__(
+        self,
+        routes: Mapping[str, Route],
+        *,
+        principals: Principals,
+        admission: Admission,
+        seats: Seats,
+        origin_allowed: Callable[[bytes], bool],
+        limits: GatewayLimits,
+    ) -> None:
+        self.routes = dict(routes)
+        self._principals = principals
+        self._admission = admission
+        self._seats = seats
+        self._origin_allowed = origin_allowed
+        self._limits = limits
+        self._handoff: trio.MemorySendChannel[CountedStream] | None = None
+
+    async def run(
+        self,
+        listeners: list[trio.abc.Listener[CountedStream]],
+        handoff: trio.MemorySendChannel[CountedStream],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Accept and route connections until cancelled; ready once accepting."""
+        self._handoff = handoff
+        async with handoff, trio.open_nursery() as nursery:
+            await nursery.start(trio.serve_listeners, self._route, listeners)
+            task_status.started()
+
+    # -- routing ---------------------------------------------------------------------------
+
+    async def _route(self, stream: CountedStream) -> None:
+        """One connection. Never raises but Cancelled (that would stop the listener)."""
+        try:
+            await self._route_connection(stream)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, Gone):
+            pass  # the client went away
+        except Exception:
+            logger.exception("gateway: HTTP connection failed")
+
+    async def _route_connection(self, stream: CountedStream) -> None:
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        read = bytearray()
+        request: h11.Request | None = None
+        with trio.move_on_after(self._limits.handshake_timeout_s) as timer:
+            request = await self._first_head(stream, conn, read)
+        if timer.cancelled_caught or (request is None and not read):
+            # Nothing whole in time (the handshake timeout holds for both sides: a slow
+            # head is not given a second one), or closed: nothing to answer.
+            return
+        if request is None or not self._is_http(request):
+            await self._hand_over(stream, bytes(read))
+            return
+        if self._seats.full:
+            await Reply(stream, conn, self._limits).error(
+                503, f"too many connections (at most {self._seats.cap})"
+            )
+            return
+        self._seats.take()
+        try:
+            await self._serve(stream, conn, request)
+        finally:
+            self._seats.give_back()
+
+    async def _first_head(
+        self, stream: CountedStream, conn: h11.Connection, read: bytearray
+    ) -> h11.Request | None:
+        """The first request's head; None when the bytes are not HTTP or the connection
+        closed first. Every byte read is kept in ``read``."""
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError:
+                return None
+            if isinstance(event, h11.Request):
+                return event
+            if event is not h11.NEED_DATA:
+                return None
+            chunk = await stream.receive_some(16384)
+            read += chunk
+            conn.receive_data(bytes(chunk))
+            if not chunk:
+                return None
+
+    def _is_http(self, request: h11.Request) -> bool:
+        path = request.target.split(b"?", 1)[0].decode("latin-1")
+        if path not in self.routes:
+            return False
+        return not any(name.lower() == b"upgrade" for name, _ in request.headers)
+
+    async def _hand_over(self, stream: CountedStream, read: bytes) -> None:
+        """Give the connection to trio-websocket and wait until it is closed (the listener
+        loop closes what its handler was given when the handler returns)."""
+        assert self._handoff is not None
+        stream.unread(read)
+        await self._handoff.send(stream)
+        await stream.closed.wait()
+
+    # -- HTTP ------------------------------------------------------------------------------
+
+    async def _serve(self, stream: CountedStream, conn: h11.Connection, first: h11.Request) -> None:
+        """Answer requests on the connection until it closes (keep-alive between them)."""
+        request: h11.Request | None = first
+        while request is not None:
+            reply = Reply(stream, conn, self._limits)
+            body = await self._body(stream, conn, reply)
+            if body is None:
+                return
+            await self._answer(request, body, reply, stream)
+            if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                return
+            try:
+                conn.start_next_cycle()
+            except h11.LocalProtocolError:
+                return
+            request = None
+            with trio.move_on_after(self._limits.handshake_timeout_s):
+                request = await self._next_head(stream, conn, reply)
+
+    async def _next_head(
+        self, stream: CountedStream, conn: h11.Connection, reply: Reply
+    ) -> h11.Request | None:
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                await reply.error(exc.error_status_hint, f"malformed request: {exc}")
+                return None
+            if isinstance(event, h11.Request):
+                return event
+            if event is not h11.NEED_DATA:
+                return None
+            chunk = await stream.receive_some(16384)
+            conn.receive_data(bytes(chunk))
+
+    async def _body(
+        self, stream: CountedStream, conn: h11.Connection, reply: Reply
+    ) -> bytes | None:
+        """The request's body, or None once an error was answered."""
+        cap = self._limits.max_frame_bytes  # a request is one JSON-RPC frame (R-SEC-9)
+        body = bytearray()
+        with trio.move_on_after(self._limits.handshake_timeout_s) as timer:
+            while True:
+                try:
+                    event = conn.next_event()
+                except h11.RemoteProtocolError as exc:
+                    await reply.error(exc.error_status_hint, f"malformed request: {exc}")
+                    return None
+                if isinstance(event, h11.Data):
+                    body += event.data
+                    if len(body) > cap:
+                        await reply.error(413, f"request body larger than {cap} bytes")
+                        return None
+                elif isinstance(event, h11.EndOfMessage):
+                    return bytes(body)
+                elif event is h11.NEED_DATA:
+                    chunk = await stream.receive_some(16384)
+                    conn.receive_data(bytes(chunk))
+                else:
+                    return None  # closed before the end of the body
+        if timer.cancelled_caught:
+            await reply.error(400, "request body not complete in time")
+        return None
+
+    async def _answer(
+        self, head: h11.Request, body: bytes, reply: Reply, stream: CountedStream
+    ) -> None:
+        headers = {
+            name.decode("latin-1").lower(): value.decode("latin-1") for name, value in head.headers
+        }
+        method = head.method.decode("latin-1")
+        path = head.target.split(b"?", 1)[0].decode("latin-1")
+        route = self.routes.get(path)
+        if route is None:
+            await reply.error(404, f"not found: the endpoints are {', '.join(sorted(self.routes))}")
+            return
+        if method not in route.methods:
+            allowed = ", ".join(sorted(route.methods))
+            await reply.error(405, f"{path} takes {allowed}", [("Allow", allowed)])
+            return
+        origin = headers.get("origin")
+        if origin is not None and not self._origin_allowed(origin.encode("latin-1")):
+            await reply.error(403, "forbidden: this origin may not call")
+            return
+        principal = await self._principal(headers, stream, reply)
+        if principal is None:
+            return
+        if not self._admission.admit(principal):
+            cap = self._limits.max_connections_per_principal
+            await reply.error(429, f"too many connections for client {principal!r} (at most {cap})")
+            return
+        request = HttpRequest(
+            method=method,
+            path=path,
+            headers=headers,
+            body=body,
+            principal=principal,
+            host=headers.get("host", ""),
+        )
+        try:
+            await route.endpoint.respond(request, reply)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
+            raise Gone from None
+        except Exception:
+            logger.exception("gateway: %s %s failed", method, path)
+            if not reply.sent:
+                await reply.error(500, "internal error")
+        finally:
+            self._admission.release(principal)
+
+    async def _principal(
+        self, headers: Mapping[str, str], stream: CountedStream, reply: Reply
+    ) -> str | None:
+        """The bearer token's principal, or None once a refusal was answered."""
+        address = address_key(stream.peer)
+        now = trio.current_time()
+        wait = self._admission.throttled(address, now)
+        if wait is not None:
+            seconds = math.ceil(wait)
+            await reply.error(
+                429,
+                f"too many failed authentication attempts from this address; retry in {seconds} s",
+                [("Retry-After", str(seconds))],
+            )
+            return None
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        principal = None
+        if scheme.lower() == "bearer" and token.strip():
+            principal = self._principals.of(token.strip().encode("latin-1"))
+            if principal is None:
+                self._admission.failed(address, now)
+        if principal is None:
+            await reply.error(
+                401,
+                "unauthorized: send the gateway's token as Authorization: Bearer TOKEN",
+                [("WWW-Authenticate", 'Bearer realm="greenroom"')],
+            )
+        return principal

@@ -1,0 +1,487 @@
+"""A2A (the Agent2Agent protocol, version 0.3, JSON-RPC binding) over greenroom's
+sessions, for ``serve --a2a`` (R-PROTO-1). No I/O.
+
+The mapping, in one place:
+
+* An A2A **context** is a greenroom session (``contextId`` = session id); an A2A **task**
+  is one greenroom task (:func:`task_id` joins the two ids: ``SESSION:RUN``, so a task is
+  found from its id alone, after a restart too).
+* :class:`TaskFold` folds the outputs of one task into the A2A ``Task`` (state, history,
+  artifacts) and gives the stream events each output causes (``status-update``,
+  ``artifact-update``), the same way live and from a stored trace.
+* States: ``submitted`` before the task starts, ``working`` while it runs,
+  ``input-required`` while a call waits for a person (R-HITL), then ``completed``,
+  ``canceled`` (interrupted) or ``failed``. A stream ends (``final: true``) at
+  ``input-required`` and at the end states.
+* A pending approval is answered by the next message: :func:`parse_decision` reads
+  ``allow``/``deny``/``always`` from its text or a ``{"decision": …}`` data part; a
+  question (``ask_user``) is answered by the message's text.
+* Artifacts are the files tool calls return (image blocks), as file parts whose bytes the
+  caller reads (``file_data``).
+
+Invariants: every object built here validates against the a2a-sdk's v0.3 models (the
+tests check each one); ids and texts the client sent are never echoed unbounded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal, assert_never
+
+from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock
+from greenroom.protocols.outputs import (
+    Abort,
+    ApprovalDecision,
+    ApprovalRequest,
+    CallInDoubt,
+    CallResolved,
+    CompactionBegin,
+    CompactionEnd,
+    ModelMsg,
+    Output,
+    PartialText,
+    PartialThinking,
+    PartialToolCall,
+    RequestBegin,
+    RequestEnd,
+    Rewind,
+    TaskEnd,
+    TaskStart,
+    TokenUsageOutput,
+    ToolCallOutput,
+    ToolHook,
+    ToolProgress,
+    UserMsg,
+)
+from greenroom.protocols.people import Verdict
+
+PROTOCOL_VERSION = "0.3.0"
+"""The A2A protocol version served (the a2a-sdk's clients speak it as its v0.3 binding)."""
+
+METHODS = ("message/send", "message/stream", "tasks/get", "tasks/cancel", "tasks/resubscribe")
+"""The JSON-RPC methods served at ``/a2a``."""
+
+TaskState = Literal["submitted", "working", "input-required", "completed", "canceled", "failed"]
+
+END_STATES: frozenset[str] = frozenset({"completed", "canceled", "failed"})
+"""States a task never leaves."""
+
+# A2A's error codes (JSON-RPC server errors), https://a2a-protocol.org, section 8.
+TASK_NOT_FOUND = -32001
+TASK_NOT_CANCELABLE = -32002
+UNSUPPORTED_OPERATION = -32004
+CONTENT_TYPE_NOT_SUPPORTED = -32005
+
+ALLOW_WORDS = frozenset({"allow", "yes", "y", "approve", "approved", "ok", "go"})
+DENY_WORDS = frozenset({"deny", "no", "n", "reject", "denied", "stop"})
+SESSION_WORDS = frozenset({"always", "allow_session", "allow for session"})
+
+FileData = Callable[[ImageBlock], tuple[str, str] | None]
+"""``(media type, base64 data)`` of an image a tool returned, or None when it cannot be
+read."""
+
+
+def task_id(session_id: str, run_id: str) -> str:
+    """The A2A task id of a greenroom task."""
+    return f"{session_id}:{run_id}"
+
+
+def split_task_id(value: str) -> tuple[str, str] | None:
+    """``(session id, run id)`` of an A2A task id, or None when it is not one of ours."""
+    session_id, colon, run_id = value.partition(":")
+    if not colon or not session_id or not run_id.startswith("run_") or len(value) > 300:
+        return None
+    return session_id, run_id
+
+
+def agent_card(
+    *, url: str, description: str, skills: Iterable[Mapping[str, Any]], version: str
+) -> dict[str, Any]:
+    """The agent card served at ``/.well-known/agent-card.json``: JSON-RPC at ``url``,
+    streaming, bearer tokens (the gateway's), the given skills."""
+    return {
+        "name": "greenroom",
+        "description": description,
+        "url": url,
+        "version": version,
+        "protocolVersion": PROTOCOL_VERSION,
+        "preferredTransport": "JSONRPC",
+        "capabilities": {"streaming": True, "pushNotifications": False},
+        "defaultInputModes": ["text/plain", "application/json"],
+        "defaultOutputModes": ["text/plain", "application/json", "image/*"],
+        "skills": [dict(s) for s in skills],
+        "securitySchemes": {
+            "bearer": {
+                "type": "http",
+                "scheme": "bearer",
+                "description": "a token of the greenroom gateway (its token files)",
+            }
+        },
+        "security": [{"bearer": []}],
+    }
+
+
+def skills_of(
+    tools: Iterable[tuple[str, str]], system: str | None, max_chars: int = 500
+) -> list[dict[str, Any]]:
+    """The card's skills: one for the agent's conversation (described by its system
+    prompt), one per tool (name, description)."""
+    about = " ".join((system or "").split())[:max_chars]
+    skills = [
+        {
+            "id": "conversation",
+            "name": "conversation",
+            "description": about or "An agent that answers and works with its tools.",
+            "tags": ["chat"],
+        }
+    ]
+    for name, description in tools:
+        skills.append(
+            {
+                "id": name,
+                "name": name,
+                "description": " ".join(description.split())[:max_chars] or name,
+                "tags": ["tool"],
+            }
+        )
+    return skills
+
+
+def message(
+    role: Literal["user", "agent"],
+    parts: list[dict[str, Any]],
+    *,
+    message_id: str,
+    context_id: str,
+    task: str,
+) -> dict[str, Any]:
+    """An A2A ``Message``."""
+    return {
+        "kind": "message",
+        "messageId": message_id,
+        "role": role,
+        "parts": parts,
+        "contextId": context_id,
+        "taskId": task,
+    }
+
+
+def text_part(text: str) -> dict[str, Any]:
+    """A text part."""
+    return {"kind": "text", "text": text}
+
+
+def data_part(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A data part (a JSON object)."""
+    return {"kind": "data", "data": dict(data)}
+
+
+def parse_decision(text: str, data: Iterable[Mapping[str, Any]]) -> Verdict | None:
+    """The verdict a message answering an approval gives: a data part's ``decision``
+    (``allow``, ``deny``, ``allow_session``), else its text (``allow``/``yes``…,
+    ``deny``/``no``…, ``always``); None when it gives none."""
+    for item in data:
+        decision = item.get("decision")
+        if decision in ("allow", "deny", "allow_session"):
+            return decision  # type: ignore[no-any-return]
+    words = " ".join(text.lower().split()).strip(" .!")
+    if words in ALLOW_WORDS:
+        return "allow"
+    if words in DENY_WORDS:
+        return "deny"
+    if words in SESSION_WORDS:
+        return "allow_session"
+    return None
+
+
+def approval_prompt(request: ApprovalRequest) -> str:
+    """What a person is asked, in words."""
+    arguments = json.dumps(request.arguments, ensure_ascii=False)[:2000]
+    match request.kind:
+        case "question":
+            question = request.arguments.get("question")
+            return question if isinstance(question, str) else f"{request.tool}: {arguments}"
+        case "in_doubt":
+            return (
+                f"The call {request.tool}({arguments}) was running when its host stopped: "
+                "did it take effect? Reply allow (run it again) or deny."
+            )
+        case "approval":
+            return (
+                f"Approve the call {request.tool}({arguments})? Reply allow, deny, or always "
+                "(allow this tool for the rest of the context)."
+            )
+        case _:
+            assert_never(request.kind)
+
+
+class TaskFold:
+    """One greenroom task as an A2A ``Task``: feed its outputs to :meth:`apply` in order
+    (those of other tasks are ignored), read :meth:`task` whenever.
+
+    ``file_data`` reads the images tool calls return (artifacts). ``submitted`` holds the
+    message that starts a task the caller is about to run (its prompt is then known
+    before the trace has it).
+    """
+
+    def __init__(
+        self,
+        *,
+        context_id: str,
+        run_id: str,
+        file_data: FileData | None = None,
+        submitted: dict[str, Any] | None = None,
+    ) -> None:
+        self.context_id = context_id
+        self.run_id = run_id
+        self.id = task_id(context_id, run_id)
+        self.state: TaskState = "submitted"
+        self.history: list[dict[str, Any]] = [submitted] if submitted is not None else []
+        self.artifacts: list[dict[str, Any]] = []
+        self.pending: dict[str, ApprovalRequest] = {}
+        """The requests waiting for a person, by call id."""
+        self.decided: set[str] = set()
+        """The calls whose request was decided."""
+        self.status_message: dict[str, Any] | None = None
+        self.seen = submitted is not None
+        """Whether any output (or the submitted message) of the task was seen."""
+        self._file_data = file_data or (lambda block: None)
+        self._prompt_seen = False
+        self._texts: list[str] = []
+        """The text blocks of the model's last message (the answer, once the task ends)."""
+
+    @property
+    def final(self) -> bool:
+        """Whether a stream of the task ends here: an end state or ``input-required``."""
+        return self.state in END_STATES or self.state == "input-required"
+
+    def task(self, history_length: int | None = None) -> dict[str, Any]:
+        """The A2A ``Task`` now; ``history_length`` keeps that many last messages."""
+        history = self.history
+        if history_length is not None:
+            history = history[-history_length:] if history_length > 0 else []
+        return {
+            "kind": "task",
+            "id": self.id,
+            "contextId": self.context_id,
+            "status": self._status(),
+            "history": list(history),
+            "artifacts": list(self.artifacts),
+        }
+
+    def status_event(self) -> dict[str, Any]:
+        """A ``status-update`` event of the state now."""
+        return {
+            "kind": "status-update",
+            "taskId": self.id,
+            "contextId": self.context_id,
+            "status": self._status(),
+            "final": self.final,
+        }
+
+    def _status(self) -> dict[str, Any]:
+        status: dict[str, Any] = {"state": self.state}
+        if self.status_message is not None:
+            status["message"] = self.status_message
+        return status
+
+    def _agent(self, message_id: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        said = message(
+            "agent", parts, message_id=message_id, context_id=self.context_id, task=self.id
+        )
+        self.history.append(said)
+        return said
+
+    def _moved(self, state: TaskState, said: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        self.state = state
+        self.status_message = said
+        return [self.status_event()]
+
+    def apply(self, output: Output) -> list[dict[str, Any]]:
+        """Fold one output in; the stream events it causes (none for most)."""
+        if output.run_id != self.run_id or output.origin is not None:
+            return []
+        self.seen = True
+        match output:
+            case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():
+                return []  # live pieces: the complete blocks follow
+            case UserMsg():
+                return self._user(output)
+            case TaskStart():
+                return self._moved("working")
+            case ModelMsg():
+                return self._model(output)
+            case ToolCallOutput():
+                return self._tool_result(output)
+            case ApprovalRequest():
+                self.pending[output.call_id] = output
+                said = self._agent(
+                    f"{self.run_id}-ask-{output.call_id}",
+                    [
+                        text_part(approval_prompt(output)),
+                        data_part(
+                            {
+                                "approval_request": {
+                                    "call_id": output.call_id,
+                                    "tool": output.tool,
+                                    "arguments": output.arguments,
+                                    "kind": output.kind,
+                                }
+                            }
+                        ),
+                    ],
+                )
+                return self._moved("input-required", said)
+            case ApprovalDecision():
+                self.pending.pop(output.call_id, None)
+                self.decided.add(output.call_id)
+                if output.by == "client":  # a person's answer: the user's turn in the history
+                    word = "always" if output.remember else output.decision
+                    decided = {"call_id": output.call_id, "decision": word}
+                    self.history.append(
+                        message(
+                            "user",
+                            [text_part(word), data_part(decided)],
+                            message_id=f"{self.run_id}-answer-{output.call_id}",
+                            context_id=self.context_id,
+                            task=self.id,
+                        )
+                    )
+                if self.pending or self.state in END_STATES:
+                    return []
+                return self._moved("working")
+            case TaskEnd():
+                return self._ended(output)
+            case RequestBegin():
+                self._texts = []
+                return []
+            case RequestEnd() | TokenUsageOutput() | Abort() | CompactionBegin() | CompactionEnd():
+                return []
+            case CallResolved():
+                # A question about a call in doubt is answered (R-EFFECT-2): no longer input.
+                self.pending.pop(output.call_id, None)
+                if self.pending or self.state in END_STATES:
+                    return []
+                return self._moved("working")
+            case CallInDoubt() | ToolHook() | Rewind():
+                return []  # what they change shows in the records that follow
+            case _:
+                assert_never(output)
+
+    def _user(self, output: UserMsg) -> list[dict[str, Any]]:
+        texts = [b.text for b in output.content if isinstance(b, TextBlock)]
+        if output.kind == "prompt" and self.history and not self._prompt_seen:
+            self._prompt_seen = True  # the submitted message: known already
+            return []
+        self._prompt_seen = True
+        self.history.append(
+            message(
+                "user",
+                [text_part("\n".join(texts))],
+                message_id=f"{self.run_id}-in-{output.seq}",
+                context_id=self.context_id,
+                task=self.id,
+            )
+        )
+        return []
+
+    def _model(self, output: ModelMsg) -> list[dict[str, Any]]:
+        block = output.block
+        if isinstance(block, TextBlock) and block.text:
+            self._texts.append(block.text)
+            said = self._agent(f"{self.run_id}-m{output.seq}", [text_part(block.text)])
+            return self._moved("working", said)
+        if isinstance(block, ToolCallBlock):
+            call = {"id": block.id, "name": block.name, "arguments": block.arguments}
+            said = self._agent(f"{self.run_id}-m{output.seq}", [data_part({"tool_call": call})])
+            return self._moved("working", said)
+        return []  # thinking is the model's own
+
+    def _tool_result(self, output: ToolCallOutput) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        text = "\n".join(b.text for b in output.content if isinstance(b, TextBlock))
+        result = {
+            "call_id": output.call_id,
+            "tool": output.tool,
+            "status": output.status,
+            "is_error": output.is_error,
+            "text": text,
+        }
+        said = self._agent(f"{self.run_id}-m{output.seq}", [data_part({"tool_result": result})])
+        images = [b for b in output.content if isinstance(b, ImageBlock)]
+        for number, image in enumerate(images):
+            loaded = self._file_data(image)
+            if loaded is None:
+                continue
+            media_type, data = loaded
+            artifact = {
+                "artifactId": f"{output.call_id}-{number}",
+                "name": image.path,
+                "description": f"returned by {output.tool} ({output.call_id})",
+                "parts": [
+                    {
+                        "kind": "file",
+                        "file": {"name": image.path, "mimeType": media_type, "bytes": data},
+                    }
+                ],
+            }
+            self.artifacts.append(artifact)
+            events.append(
+                {
+                    "kind": "artifact-update",
+                    "taskId": self.id,
+                    "contextId": self.context_id,
+                    "artifact": artifact,
+                    "lastChunk": True,
+                }
+            )
+        return [*events, *self._moved("working", said)]
+
+    def _ended(self, output: TaskEnd) -> list[dict[str, Any]]:
+        self.pending.clear()
+        match output.status:
+            case "completed":
+                answer = "\n".join(self._texts)
+                said = (
+                    None
+                    if not answer
+                    else message(
+                        "agent",
+                        [text_part(answer)],
+                        message_id=f"{self.run_id}-answer",
+                        context_id=self.context_id,
+                        task=self.id,
+                    )
+                )
+                return self._moved("completed", said)
+            case "aborted":
+                return self._moved("canceled", self._note("canceled", output))
+            case "failed" | "auth" | "max_turns" | "loop_detected" | "budget_exceeded":
+                return self._moved("failed", self._note("failed", output))
+            case _:
+                assert_never(output.status)
+
+    def _note(self, state: str, output: TaskEnd) -> dict[str, Any]:
+        words = output.message or f"the task ended: {output.status}"
+        return message(
+            "agent",
+            [text_part(words)],
+            message_id=f"{self.run_id}-{state}",
+            context_id=self.context_id,
+            task=self.id,
+        )
+
+
+def open_run(outputs: Iterable[Output]) -> str | None:
+    """The run id of the session's task that has started and not ended (the one a
+    pending approval belongs to), from its outputs in order; None when every task ended."""
+    running: str | None = None
+    for output in outputs:
+        if output.origin is not None:
+            continue
+        if isinstance(output, TaskStart):
+            running = output.run_id
+        elif isinstance(output, TaskEnd) and output.run_id == running:
+            running = None
+    return running

@@ -1,0 +1,406 @@
+"""AG-UI (the Agent-User Interaction protocol, 1.0) over greenroom's sessions, for
+``serve --ag-ui`` (R-PROTO-2). No I/O.
+
+An AG-UI run is what a front end sees of a greenroom task between its ``POST /ag-ui`` and
+the end of that response: ``threadId`` is the session id, ``runId`` the front end's own.
+:class:`RunMapper` turns the task's outputs into AG-UI events (JSON objects with the
+wire's camelCase keys):
+
+* ``RUN_STARTED`` and a ``STATE_SNAPSHOT`` open the run (:meth:`RunMapper.started`).
+* Text: ``TEXT_MESSAGE_START``, ``TEXT_MESSAGE_CONTENT`` per streamed piece,
+  ``TEXT_MESSAGE_END`` once the block is complete. Tool calls likewise
+  (``TOOL_CALL_START/ARGS/END``), then ``TOOL_CALL_RESULT`` when the call has run.
+* A call that waits for a person (R-HITL) is an interrupt: once the outputs at hand are
+  mapped, :meth:`RunMapper.interrupted` ends the run with ``RUN_FINISHED`` whose outcome
+  lists the interrupts (``id`` = the call id). The task waits on; the front end answers
+  with a new run whose ``resume`` entries carry the answers (:func:`parse_resume`).
+* ``task_end``: ``completed`` gives ``RUN_FINISHED`` (with the run's token usage),
+  ``aborted`` ``RUN_FINISHED`` with the ``cancelled`` outcome, any other ``RUN_ERROR``.
+
+Ids are derived from the trace (``RUNID-TURN-BLOCK`` for messages, the call id for tool
+calls), so the events of a block replayed after a disconnect carry the ids the front end
+saw live. Each event is given with the ``seq`` of the last traced output it reflects:
+the SSE ``id`` a front end resumes from (``Last-Event-ID``) — a message cut off in the
+middle comes again whole, under its id.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any, assert_never
+
+from greenroom.protocols.content import TextBlock, ToolCallBlock
+from greenroom.protocols.outputs import (
+    Abort,
+    ApprovalDecision,
+    ApprovalRequest,
+    CallInDoubt,
+    CallResolved,
+    CompactionBegin,
+    CompactionEnd,
+    ModelMsg,
+    Output,
+    PartialText,
+    PartialThinking,
+    PartialToolCall,
+    RequestBegin,
+    RequestEnd,
+    Rewind,
+    TaskEnd,
+    TaskStart,
+    TokenUsageOutput,
+    ToolCallOutput,
+    ToolHook,
+    ToolProgress,
+    UserMsg,
+)
+from greenroom.protocols.people import PendingApproval, Verdict
+
+PROTOCOL_VERSION = "1.0"
+"""The AG-UI protocol version spoken."""
+
+INTERRUPT_REASONS = {"approval": "tool_approval", "question": "question", "in_doubt": "in_doubt"}
+"""An interrupt's ``reason`` for each kind of request a person answers."""
+
+APPROVAL_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"decision": {"enum": ["allow", "deny", "allow_session"]}},
+    "required": ["decision"],
+}
+"""What the answer to an approval interrupt looks like (its ``responseSchema``)."""
+
+QUESTION_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"answer": {"type": "string"}},
+    "required": ["answer"],
+}
+"""What the answer to a question interrupt looks like."""
+
+Event = dict[str, Any]
+"""One AG-UI event, as its JSON object."""
+
+
+class ResumeError(ValueError):
+    """A ``resume`` entry that answers nothing greenroom can take (its message says why)."""
+
+
+def parse_resume(entry: Mapping[str, Any], kind: str) -> tuple[Verdict, None] | tuple[None, str]:
+    """The answer a ``resume`` entry gives an interrupt of ``kind``: a verdict for an
+    approval (``payload.decision``, or ``payload`` ``true``/``false``/a decision word; a
+    ``cancelled`` entry denies), the text for a question (``payload.answer`` or a string).
+    Raises :class:`ResumeError` for a payload that gives neither."""
+    status = entry.get("status")
+    payload = entry.get("payload")
+    if kind == "question":
+        if status == "cancelled":
+            return None, "(the person declined to answer)"
+        answer = payload.get("answer") if isinstance(payload, Mapping) else payload
+        if isinstance(answer, str):
+            return None, answer
+        raise ResumeError("the answer to a question is payload {answer: text} or a string")
+    if status == "cancelled":
+        return "deny", None
+    decision = payload.get("decision") if isinstance(payload, Mapping) else payload
+    if decision is True:
+        return "allow", None
+    if decision is False:
+        return "deny", None
+    if decision in ("allow", "deny", "allow_session"):
+        return decision, None
+    raise ResumeError(
+        "the answer to an approval is payload {decision: allow | deny | allow_session}"
+    )
+
+
+def new_input(messages: Iterable[Mapping[str, Any]]) -> str:
+    """The text of the user messages at the end of a run's ``messages`` (what the front
+    end added since the agent last spoke); empty when the last message is not a user's."""
+    texts: list[str] = []
+    for said in reversed(list(messages)):
+        if said.get("role") != "user":
+            break
+        texts.append(_text_of(said.get("content")))
+    return "\n\n".join(t for t in reversed(texts) if t)
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(
+            part["text"]
+            for part in content
+            if isinstance(part, Mapping)
+            and part.get("type") == "text"
+            and isinstance(part.get("text"), str)
+        )
+    return ""
+
+
+class RunMapper:
+    """The events of one AG-UI run over a session's outputs. Feed outputs to :meth:`map`
+    in order; after the outputs at hand, :attr:`interrupts` says whether the run must end
+    on them (:meth:`interrupted`); :attr:`ended` once a terminal event was given. Outputs
+    of subagents (``origin`` set) are not shown."""
+
+    def __init__(self, *, thread_id: str, run_id: str) -> None:
+        self.thread_id = thread_id
+        self.run_id = run_id
+        self.interrupts: dict[str, Event] = {}
+        """The open requests as interrupts, by call id."""
+        self.ended = False
+        self._turn = 0
+        self._block = 0
+        self._open_texts: dict[int, str] = {}
+        self._open_calls: set[str] = set()
+        self._usage = {"input": 0, "output": 0, "cached": 0}
+        self._status = "running"
+
+    def _event(self, kind: str, **fields: Any) -> Event:
+        return {"type": kind, **fields}
+
+    def state(self) -> dict[str, Any]:
+        """The run's state as the front end is shown it (``STATE_SNAPSHOT``)."""
+        return {
+            "sessionId": self.thread_id,
+            "status": self._status,
+            "pendingApprovals": sorted(self.interrupts),
+            "usage": {
+                "inputTokens": self._usage["input"],
+                "outputTokens": self._usage["output"],
+            },
+        }
+
+    def started(self, pending: Iterable[PendingApproval] = ()) -> list[Event]:
+        """``RUN_STARTED`` and the first state snapshot; ``pending``: requests already
+        waiting (the run ends on them unless they are answered)."""
+        for request in pending:
+            self._ask(request)
+        return [
+            self._event(
+                "RUN_STARTED",
+                threadId=self.thread_id,
+                runId=self.run_id,
+                protocolVersion=PROTOCOL_VERSION,
+            ),
+            self._event("STATE_SNAPSHOT", snapshot=self.state()),
+        ]
+
+    def map(self, output: Output) -> list[Event]:
+        """The events of one output (none for most)."""
+        if output.origin is not None or self.ended:
+            return []
+        match output:
+            case PartialText():
+                return self._text_piece(output)
+            case PartialToolCall():
+                return self._call_piece(output)
+            case PartialThinking() | ToolProgress() | UserMsg() | TaskStart() | Abort():
+                return []
+            case RequestBegin():
+                events = self._close_open()
+                self._turn, self._block = output.turn, 0
+                return events
+            case RequestEnd():
+                return [] if output.status == "ok" else self._close_open()
+            case ModelMsg():
+                block_index, self._block = self._block, self._block + 1
+                return self._block_done(output, block_index)
+            case ToolCallOutput():
+                text = "\n".join(b.text for b in output.content if isinstance(b, TextBlock))
+                return [
+                    self._event(
+                        "TOOL_CALL_RESULT",
+                        messageId=f"{output.call_id}-result",
+                        toolCallId=output.call_id,
+                        content=text or f"[{output.status}]",
+                        role="tool",
+                    )
+                ]
+            case ApprovalRequest():
+                self._ask(output)
+                return []
+            case ApprovalDecision():
+                self.interrupts.pop(output.call_id, None)
+                return []
+            case TokenUsageOutput():
+                self._usage["input"] += output.request.input
+                self._usage["output"] += output.request.output
+                self._usage["cached"] += output.request.cache_read
+                return []
+            case CompactionBegin() | CompactionEnd():
+                return []
+            case TaskEnd():
+                return self._ended(output)
+            case CallResolved():
+                # A question about a call in doubt is answered (R-EFFECT-2).
+                self.interrupts.pop(output.call_id, None)
+                return []
+            case CallInDoubt() | ToolHook() | Rewind():
+                return []  # what they change shows in the records that follow
+            case _:
+                assert_never(output)
+
+    def _ask(self, request: ApprovalRequest | PendingApproval) -> None:
+        interrupt: Event = {
+            "id": request.call_id,
+            "reason": INTERRUPT_REASONS[request.kind],
+            "toolCallId": request.call_id,
+            "message": _prompt(request),
+            "responseSchema": QUESTION_SCHEMA if request.kind == "question" else APPROVAL_SCHEMA,
+            "metadata": {"tool": request.tool, "arguments": request.arguments},
+        }
+        self.interrupts[request.call_id] = interrupt
+
+    def interrupted(self) -> list[Event]:
+        """End the run on its open interrupts: the task waits for their answers."""
+        self.ended = True
+        self._status = "waiting_for_approval"
+        return [
+            *self._close_open(),
+            self._event("STATE_SNAPSHOT", snapshot=self.state()),
+            self._event(
+                "RUN_FINISHED",
+                threadId=self.thread_id,
+                runId=self.run_id,
+                outcome={"type": "interrupt", "interrupts": list(self.interrupts.values())},
+            ),
+        ]
+
+    def idle(self) -> list[Event]:
+        """End a run that found nothing to show: the thread is idle."""
+        self.ended = True
+        self._status = "idle"
+        return [
+            *self._close_open(),
+            self._event("STATE_SNAPSHOT", snapshot=self.state()),
+            self._event(
+                "RUN_FINISHED",
+                threadId=self.thread_id,
+                runId=self.run_id,
+                outcome={"type": "success"},
+            ),
+        ]
+
+    def _message_id(self, run_id: str, index: int) -> str:
+        return f"{run_id}-{self._turn}-{index}"
+
+    def _text_piece(self, output: PartialText) -> list[Event]:
+        events: list[Event] = []
+        message_id = self._open_texts.get(output.index)
+        if message_id is None:
+            message_id = self._open_texts[output.index] = self._message_id(
+                output.run_id, output.index
+            )
+            events.append(self._event("TEXT_MESSAGE_START", messageId=message_id, role="assistant"))
+        if output.text:
+            events.append(
+                self._event("TEXT_MESSAGE_CONTENT", messageId=message_id, delta=output.text)
+            )
+        return events
+
+    def _call_piece(self, output: PartialToolCall) -> list[Event]:
+        events: list[Event] = []
+        if output.call_id not in self._open_calls:
+            self._open_calls.add(output.call_id)
+            events.append(
+                self._event("TOOL_CALL_START", toolCallId=output.call_id, toolCallName=output.name)
+            )
+        if output.arguments_delta:
+            events.append(
+                self._event(
+                    "TOOL_CALL_ARGS", toolCallId=output.call_id, delta=output.arguments_delta
+                )
+            )
+        return events
+
+    def _block_done(self, output: ModelMsg, index: int) -> list[Event]:
+        block = output.block
+        if isinstance(block, TextBlock):
+            message_id = self._open_texts.pop(index, None)
+            if message_id is not None:
+                return [self._event("TEXT_MESSAGE_END", messageId=message_id)]
+            if not block.text:
+                return []
+            message_id = self._message_id(output.run_id, index)
+            return [
+                self._event("TEXT_MESSAGE_START", messageId=message_id, role="assistant"),
+                self._event("TEXT_MESSAGE_CONTENT", messageId=message_id, delta=block.text),
+                self._event("TEXT_MESSAGE_END", messageId=message_id),
+            ]
+        if isinstance(block, ToolCallBlock):
+            if block.id in self._open_calls:
+                self._open_calls.discard(block.id)
+                return [self._event("TOOL_CALL_END", toolCallId=block.id)]
+            arguments = block.invalid_arguments or json.dumps(block.arguments, ensure_ascii=False)
+            return [
+                self._event("TOOL_CALL_START", toolCallId=block.id, toolCallName=block.name),
+                self._event("TOOL_CALL_ARGS", toolCallId=block.id, delta=arguments),
+                self._event("TOOL_CALL_END", toolCallId=block.id),
+            ]
+        return []  # thinking stays the model's own
+
+    def _close_open(self) -> list[Event]:
+        """End what a failed attempt (or the end of the run) left open."""
+        events = [self._event("TEXT_MESSAGE_END", messageId=m) for m in self._open_texts.values()]
+        events += [self._event("TOOL_CALL_END", toolCallId=c) for c in sorted(self._open_calls)]
+        self._open_texts.clear()
+        self._open_calls.clear()
+        return events
+
+    def _usage_entries(self) -> list[dict[str, Any]]:
+        usage = self._usage
+        return [
+            {
+                "inputTokens": usage["input"],
+                "outputTokens": usage["output"],
+                "totalTokens": usage["input"] + usage["output"],
+                "cachedInputTokens": min(usage["cached"], usage["input"]),
+            }
+        ]
+
+    def _ended(self, output: TaskEnd) -> list[Event]:
+        self.ended = True
+        self.interrupts.clear()
+        self._status = "idle"
+        events = [*self._close_open(), self._event("STATE_SNAPSHOT", snapshot=self.state())]
+        match output.status:
+            case "completed":
+                outcome: dict[str, Any] = {"type": "success"}
+            case "aborted":
+                outcome = {"type": "cancelled"}
+            case "failed" | "auth" | "max_turns" | "loop_detected" | "budget_exceeded":
+                message = output.message or f"the task ended: {output.status}"
+                events.append(
+                    self._event(
+                        "RUN_ERROR",
+                        message=message,
+                        code=output.status,
+                        usage=self._usage_entries(),
+                    )
+                )
+                return events
+            case _:
+                assert_never(output.status)
+        events.append(
+            self._event(
+                "RUN_FINISHED",
+                threadId=self.thread_id,
+                runId=self.run_id,
+                outcome=outcome,
+                usage=self._usage_entries(),
+            )
+        )
+        return events
+
+
+def _prompt(request: ApprovalRequest | PendingApproval) -> str:
+    arguments = json.dumps(request.arguments, ensure_ascii=False)[:2000]
+    if request.kind == "question":
+        question = request.arguments.get("question")
+        if isinstance(question, str):
+            return question
+    if request.kind == "in_doubt":
+        return f"Did the call {request.tool}({arguments}) take effect before its host stopped?"
+    return f"Allow the call {request.tool}({arguments})?"

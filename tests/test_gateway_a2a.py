@@ -1,0 +1,385 @@
+"""The A2A server of ``serve --a2a`` (R-PROTO-1) driven by the a2a-sdk's own client (its
+v0.3 JSON-RPC transport, asyncio in a worker thread) against a real gateway on port 0
+with scripted models: the agent card, a streamed task with a tool call that waits for an
+approval (``input-required``) answered by the next message, ``tasks/get``,
+``tasks/cancel``, ``tasks/resubscribe``; the gateway's tokens and principals (R-SEC-4).
+The pure mapping (``protocols/a2a.py``) is checked against the SDK's v0.3 models."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+import trio
+from a2a.client import A2ACardResolver, ClientConfig, ClientFactory
+from a2a.client.errors import A2AClientError
+from a2a.compat.v0_3 import types as v03
+from a2a.types import (
+    CancelTaskRequest,
+    GetTaskRequest,
+    Message,
+    Part,
+    Role,
+    SendMessageRequest,
+    StreamResponse,
+    SubscribeToTaskRequest,
+    TaskState,
+)
+from a2a.utils.errors import A2AError
+from conftest import Lookup
+from test_gateway import TOKEN, connect, lookup_script, serving
+from trio_websocket import open_websocket_url
+
+from greenroom.protocols import a2a
+from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock
+from greenroom.protocols.outputs import (
+    ApprovalDecision,
+    ApprovalRequest,
+    ModelMsg,
+    TaskEnd,
+    TaskStart,
+    ToolCallOutput,
+    UserMsg,
+)
+from greenroom.protocols.stream import TokenUsage
+
+BOUND_S = 20.0
+T = TypeVar("T")
+
+
+def in_asyncio(work: Callable[[], Awaitable[T]]) -> Callable[[], T]:
+    """``work`` run by asyncio in a worker thread (the a2a-sdk client is asyncio's)."""
+    return lambda: asyncio.run(work())  # type: ignore[arg-type]
+
+
+def base_url(server: Any) -> str:
+    return f"http://127.0.0.1:{server.gateway.port}"
+
+
+def http_client(token: str | None = TOKEN) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.AsyncClient(headers=headers, timeout=BOUND_S)
+
+
+async def collect(events: Any) -> list[StreamResponse]:
+    return [event async for event in events]
+
+
+def state_of(event: StreamResponse) -> int:
+    if event.HasField("task"):
+        return int(event.task.status.state)
+    if event.HasField("status_update"):
+        return int(event.status_update.status.state)
+    return -1
+
+
+def user_message(words: str, **ids: str) -> SendMessageRequest:
+    return SendMessageRequest(
+        message=Message(
+            role=Role.ROLE_USER, message_id=f"m-{words}", parts=[Part(text=words)], **ids
+        )
+    )
+
+
+async def test_a2a_client_drives_a_task_with_a_tool_call_and_an_approval(
+    tmp_path: Path, lookup: Lookup
+) -> None:
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, lookup_script, tools=[lookup.tool], a2a=True) as server:
+            url = base_url(server)
+
+            async def drive() -> dict[str, Any]:
+                async with http_client() as http:
+                    card = await A2ACardResolver(http, url).get_agent_card()
+                    client = ClientFactory(ClientConfig(httpx_client=http)).create(card)
+                    first = await collect(client.send_message(user_message("go")))
+                    task = first[0].task
+                    second = await collect(
+                        client.send_message(
+                            user_message("allow", task_id=task.id, context_id=task.context_id)
+                        )
+                    )
+                    got = await client.get_task(GetTaskRequest(id=task.id))
+                    return {"card": card, "first": first, "second": second, "got": got}
+
+            result = await trio.to_thread.run_sync(in_asyncio(drive))
+    card = result["card"]
+    assert {skill.id for skill in card.skills} == {"conversation", "lookup"}
+    first, second, got = result["first"], result["second"], result["got"]
+    assert first[0].HasField("task")
+    assert state_of(first[0]) == TaskState.TASK_STATE_SUBMITTED
+    assert state_of(first[-1]) == TaskState.TASK_STATE_INPUT_REQUIRED
+    asked = first[-1].status_update.status.message
+    assert "lookup" in asked.parts[0].text
+    assert state_of(second[-1]) == TaskState.TASK_STATE_COMPLETED
+    assert second[-1].status_update.status.message.parts[0].text == "Done."
+    assert lookup.calls == ["a"]
+    assert got.status.state == TaskState.TASK_STATE_COMPLETED
+    said = [part for message in got.history for part in message.parts]
+    texts = [p.text for p in said if p.text]
+    assert texts[:2] == ["go", "Checking."] and "allow" in texts and texts[-1] == "Done."
+    results = [p.data for p in said if p.HasField("data") and "tool_result" in p.data.struct_value]
+    assert results, "the tool's result is in the task's history"
+    assert got.id.startswith(got.context_id + ":run_")  # the context is the session
+
+
+async def test_message_send_blocks_until_input_required_and_tasks_get_cancel(
+    tmp_path: Path, lookup: Lookup
+) -> None:
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, lookup_script, tools=[lookup.tool], a2a=True) as server:
+            url = base_url(server)
+
+            async def drive() -> dict[str, Any]:
+                async with http_client() as http:
+                    card = await A2ACardResolver(http, url).get_agent_card()
+                    config = ClientConfig(httpx_client=http, streaming=False)
+                    client = ClientFactory(config).create(card)
+                    (sent,) = await collect(client.send_message(user_message("go")))
+                    task = sent.task
+                    streaming = ClientFactory(ClientConfig(httpx_client=http)).create(card)
+                    resubscribed = await collect(
+                        streaming.subscribe(SubscribeToTaskRequest(id=task.id))
+                    )
+                    canceled = await client.cancel_task(CancelTaskRequest(id=task.id))
+                    try:
+                        await client.cancel_task(CancelTaskRequest(id=task.id))
+                    except (A2AClientError, A2AError) as exc:
+                        again = str(exc)
+                    return {
+                        "sent": sent,
+                        "resubscribed": resubscribed,
+                        "canceled": canceled,
+                        "again": again,
+                    }
+
+            result = await trio.to_thread.run_sync(in_asyncio(drive))
+    assert result["sent"].task.status.state == TaskState.TASK_STATE_INPUT_REQUIRED
+    (snapshot,) = result["resubscribed"]
+    assert snapshot.task.status.state == TaskState.TASK_STATE_INPUT_REQUIRED
+    assert result["canceled"].status.state == TaskState.TASK_STATE_CANCELED
+    assert "canceled" in result["again"]
+    assert lookup.calls == []
+
+
+async def test_tokens_and_principals_are_the_gateway_s(tmp_path: Path, lookup: Lookup) -> None:
+    tokens = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789"}
+    with trio.fail_after(BOUND_S):
+        async with serving(
+            tmp_path, lookup_script, tools=[lookup.tool], a2a=True, tokens=tokens
+        ) as server:
+            url = base_url(server)
+            body = {
+                "jsonrpc": "2.0",
+                "id": 1,
+                "method": "message/send",
+                "params": {
+                    "message": {
+                        "kind": "message",
+                        "messageId": "m1",
+                        "role": "user",
+                        "parts": [{"kind": "text", "text": "go"}],
+                    }
+                },
+            }
+
+            async def drive() -> dict[str, Any]:
+                statuses = {}
+                async with http_client(None) as anonymous:
+                    statuses["card"] = (
+                        await anonymous.get(url + "/.well-known/agent-card.json")
+                    ).status_code
+                    statuses["none"] = (await anonymous.post(url + "/a2a", json=body)).status_code
+                async with http_client("wrong-token-0123456789") as wrong:
+                    refused = await wrong.post(url + "/a2a", json=body)
+                    statuses["wrong"] = refused.status_code
+                    statuses["www"] = refused.headers.get("www-authenticate")
+                async with http_client(tokens["alice"]) as alice:
+                    created = (await alice.post(url + "/a2a", json=body)).json()["result"]
+                async with http_client(tokens["bob"]) as bob:
+                    card = await A2ACardResolver(bob, url).get_agent_card()
+                    client = ClientFactory(ClientConfig(httpx_client=bob)).create(card)
+                    errors = []
+                    for attempt in (
+                        lambda: client.get_task(GetTaskRequest(id=created["id"])),
+                        lambda: client.cancel_task(CancelTaskRequest(id=created["id"])),
+                        lambda: collect(
+                            client.send_message(user_message("allow", task_id=created["id"]))
+                        ),
+                        lambda: collect(
+                            client.send_message(
+                                user_message("hi", context_id=created["contextId"])
+                            )
+                        ),
+                    ):
+                        try:
+                            await attempt()
+                        except (A2AClientError, A2AError) as exc:
+                            errors.append(str(exc))
+                return {"statuses": statuses, "created": created, "errors": errors}
+
+            result = await trio.to_thread.run_sync(in_asyncio(drive))
+    statuses = result["statuses"]
+    assert (statuses["card"], statuses["none"], statuses["wrong"]) == (401, 401, 401)
+    assert statuses["www"] == 'Bearer realm="greenroom"'
+    assert result["created"]["status"]["state"] == "input-required"
+    assert len(result["errors"]) == 4
+    assert all("no task" in e or "no context" in e for e in result["errors"]), result["errors"]
+    assert lookup.calls == []
+
+
+async def test_bad_requests_get_json_rpc_errors_and_the_gateway_keeps_serving(
+    tmp_path: Path,
+) -> None:
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, a2a=True) as server:
+            url = base_url(server)
+
+            async def drive() -> list[Any]:
+                answers: list[Any] = []
+                async with http_client() as http:
+                    for raw in (
+                        b"{not json",
+                        b"[]",
+                        json.dumps({"jsonrpc": "2.0", "id": 1, "method": "nope"}).encode(),
+                        json.dumps(
+                            {"jsonrpc": "2.0", "id": 2, "method": "message/send", "params": {}}
+                        ).encode(),
+                        json.dumps(
+                            {
+                                "jsonrpc": "2.0",
+                                "id": 3,
+                                "method": "tasks/get",
+                                "params": {"id": "no-such-task"},
+                            }
+                        ).encode(),
+                    ):
+                        answer = await http.post(url + "/a2a", content=raw)
+                        answers.append((answer.status_code, answer.json()))
+                    answers.append((await http.get(url + "/a2a")).status_code)
+                    answers.append((await http.get(url + "/elsewhere")).status_code)
+                return answers
+
+            answers = await trio.to_thread.run_sync(in_asyncio(drive))
+            codes = [a[1]["error"]["code"] for a in answers[:5]]
+            assert codes == [-32700, -32600, -32601, -32602, a2a.TASK_NOT_FOUND]
+            assert all(a[0] == 200 for a in answers[:5])
+            assert "$.params.message" in answers[3][1]["error"]["message"]
+            assert answers[5:] == [405, 404]
+            # The websocket gateway on the same port is untouched.
+            async with connect(server) as client:
+                assert (await client.result("session.create"))["session_id"]
+
+
+async def test_the_websocket_gateway_shares_the_port(tmp_path: Path) -> None:
+    """A websocket handshake through the HTTP front reaches the gateway whole: the
+    handshake's bytes are given back, the bad path still gets the gateway's 404."""
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, a2a=True, ag_ui=True) as server:
+            async with connect(server) as client:
+                sid = (await client.result("session.create"))["session_id"]
+                await client.result("session.subscribe", {"session_id": sid})
+                await client.result("run", {"session_id": sid, "input": "hello"})
+                outputs = await client.outputs_until("task_end")
+                assert outputs[-1]["status"] == "completed"
+            with pytest.raises(Exception, match="404"):
+                async with open_websocket_url(
+                    f"ws://127.0.0.1:{server.gateway.port}/elsewhere",
+                    extra_headers=[(b"Authorization", f"Bearer {TOKEN}".encode())],
+                ):
+                    pass
+
+
+# -- protocols/a2a.py (pure), against the SDK's v0.3 models ------------------------------------
+
+
+def _outputs() -> list[Any]:
+    common = {"session_id": "s1", "run_id": "run_1"}
+    return [
+        UserMsg(seq=1, kind="prompt", content=(TextBlock(text="go"),), **common),
+        TaskStart(seq=2, input_seq=1, **common),
+        ModelMsg(seq=3, turn=1, block=TextBlock(text="Checking."), **common),
+        ModelMsg(
+            seq=4, turn=1, block=ToolCallBlock(id="c1", name="shot", arguments={}), **common
+        ),
+        ApprovalRequest(seq=5, call_id="c1", tool="shot", arguments={}, **common),
+        ApprovalDecision(seq=6, call_id="c1", tool="shot", decision="allow", by="client", **common),
+        ToolCallOutput(
+            seq=7,
+            call_id="c1",
+            tool="shot",
+            status="ok",
+            is_error=False,
+            content=(TextBlock(text="saved"), ImageBlock(path="shot.png", media_type="image/png")),
+            **common,
+        ),
+        ModelMsg(seq=8, turn=2, block=TextBlock(text="Done."), **common),
+        TaskEnd(seq=9, status="completed", turns=2, usage=TokenUsage(), wall_ms=5, **common),
+    ]
+
+
+def test_every_event_and_the_task_validate_against_the_sdk_models() -> None:
+    fold = a2a.TaskFold(
+        context_id="s1", run_id="run_1", file_data=lambda block: ("image/png", "aGk=")
+    )
+    states = []
+    for output in _outputs():
+        for event in fold.apply(output):
+            if event["kind"] == "status-update":
+                v03.TaskStatusUpdateEvent.model_validate(event)
+                states.append(event["status"]["state"])
+            else:
+                v03.TaskArtifactUpdateEvent.model_validate(event)
+    task = v03.Task.model_validate(fold.task())
+    assert task.status.state == v03.TaskState.completed
+    assert states[0] == "working" and "input-required" in states and states[-1] == "completed"
+    (artifact,) = task.artifacts or []
+    assert artifact.name == "shot.png"
+    assert fold.task(history_length=1)["history"][-1]["parts"][0]["text"] == "Done."
+    card = a2a.agent_card(
+        url="http://h/a2a",
+        description="d",
+        skills=a2a.skills_of([("lookup", "Look up a key.")], "You help."),
+        version="1",
+    )
+    v03.AgentCard.model_validate(card)
+
+
+@pytest.mark.parametrize(
+    ("words", "data", "verdict"),
+    [
+        ("allow", [], "allow"),
+        ("Yes.", [], "allow"),
+        ("no", [], "deny"),
+        ("always", [], "allow_session"),
+        ("perhaps", [], None),
+        ("", [{"decision": "deny"}], "deny"),
+    ],
+)
+def test_parse_decision(words: str, data: list[dict[str, Any]], verdict: str | None) -> None:
+    assert a2a.parse_decision(words, data) == verdict
+
+
+def test_task_ids_join_the_session_and_the_run() -> None:
+    assert a2a.split_task_id(a2a.task_id("s1", "run_abc")) == ("s1", "run_abc")
+    assert a2a.split_task_id("nonsense") is None
+    assert a2a.split_task_id("s1:notarun") is None
+    assert a2a.open_run(_outputs()[:5]) == "run_1"
+    assert a2a.open_run(_outputs()) is None
+
+
+def test_a_failed_or_interrupted_task_ends_failed_or_canceled() -> None:
+    common = {"session_id": "s1", "run_id": "run_1"}
+    for status, state in (("aborted", "canceled"), ("max_turns", "failed")):
+        fold = a2a.TaskFold(context_id="s1", run_id="run_1")
+        fold.apply(TaskStart(seq=1, input_seq=None, **common))
+        (event,) = fold.apply(
+            TaskEnd(seq=2, status=status, turns=1, usage=TokenUsage(), wall_ms=1, **common)  # type: ignore[arg-type]
+        )
+        v03.TaskStatusUpdateEvent.model_validate(event)
+        assert (event["status"]["state"], event["final"]) == (state, True)

@@ -1,0 +1,268 @@
+"""The AG-UI endpoint of ``serve --ag-ui`` (R-PROTO-2): a front end's ``POST /ag-ui``
+against a real gateway on port 0 with scripted models, every event validated with the
+``ag-ui-protocol`` package's types: a run with a tool call that waits for an approval
+(an interrupt), the run that resumes it, a reconnect from a last event id (the trace's
+seq replay), the gateway's tokens and principals (R-SEC-4), bad input. The client is
+httpx in a worker thread."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pydantic
+import trio
+from ag_ui.core import Event, RunAgentInput
+from conftest import Lookup
+from test_gateway import TOKEN, connect, lookup_script, serving
+
+from greenroom.protocols import ag_ui
+from greenroom.protocols.content import TextBlock, ToolCallBlock
+from greenroom.protocols.outputs import (
+    ApprovalRequest,
+    ModelMsg,
+    PartialText,
+    RequestBegin,
+    TaskEnd,
+    ToolCallOutput,
+)
+from greenroom.protocols.stream import TokenUsage
+
+BOUND_S = 20.0
+EVENTS = pydantic.TypeAdapter(Event)
+
+
+def run_input(thread: str, run: str, text: str | None = None, **extra: Any) -> dict[str, Any]:
+    messages = [] if text is None else [{"id": f"u-{run}", "role": "user", "content": text}]
+    body = {
+        "threadId": thread,
+        "runId": run,
+        "messages": messages,
+        "tools": [],
+        "context": [],
+        "state": {},
+        "forwardedProps": {},
+        **extra,
+    }
+    RunAgentInput.model_validate(body)  # what a front end sends
+    return body
+
+
+class Stream:
+    """One answer of the endpoint: its status and, for an event stream, its events
+    (``(id, event)``), each validated as an AG-UI event."""
+
+    def __init__(self, status: int, events: list[tuple[str | None, dict[str, Any]]], body: Any):
+        self.status = status
+        self.events = events
+        self.body = body
+
+    @property
+    def types(self) -> list[str]:
+        return [event["type"] for _, event in self.events]
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [event for _, event in self.events if event["type"] == kind]
+
+
+def post(
+    url: str, body: Any, *, token: str | None = TOKEN, headers: dict[str, str] | None = None
+) -> Stream:
+    """POST ``body`` and read the whole answer (blocking: run in a worker thread)."""
+    sent = {"Accept": "text/event-stream", **(headers or {})}
+    if token is not None:
+        sent["Authorization"] = f"Bearer {token}"
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    with (
+        httpx.Client(timeout=BOUND_S) as client,
+        client.stream("POST", url, content=content, headers=sent) as response,
+    ):
+        if not response.headers.get("content-type", "").startswith("text/event-stream"):
+            response.read()
+            return Stream(response.status_code, [], response.json())
+        events: list[tuple[str | None, dict[str, Any]]] = []
+        event_id: str | None = None
+        for line in response.iter_lines():
+            if line.startswith("id: "):
+                event_id = line[4:]
+            elif line.startswith("data: "):
+                event = json.loads(line[6:])
+                EVENTS.validate_python(event)  # every event is an AG-UI event
+                events.append((event_id, event))
+        return Stream(response.status_code, events, None)
+
+
+async def posted(url: str, body: Any, **options: Any) -> Stream:
+    return await trio.to_thread.run_sync(lambda: post(url, body, **options))
+
+
+async def test_ag_ui_client_drives_a_run_with_a_tool_call_an_interrupt_and_a_resume(
+    tmp_path: Path, lookup: Lookup
+) -> None:
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, lookup_script, tools=[lookup.tool], ag_ui=True) as server:
+            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+            first = await posted(url, run_input("thread-1", "run-1", "go"))
+            assert first.status == 200
+            assert first.types[:2] == ["RUN_STARTED", "STATE_SNAPSHOT"]
+            assert first.of("RUN_STARTED")[0]["threadId"] == "thread-1"
+            texts = [e["delta"] for e in first.of("TEXT_MESSAGE_CONTENT")]
+            assert "".join(texts) == "Checking."
+            (start,) = first.of("TOOL_CALL_START")
+            assert (start["toolCallId"], start["toolCallName"]) == ("c1", "lookup")
+            args = "".join(e["delta"] for e in first.of("TOOL_CALL_ARGS"))
+            assert json.loads(args) == {"key": "a"}
+            assert first.of("TOOL_CALL_END")
+            finished = first.events[-1][1]
+            assert finished["type"] == "RUN_FINISHED"
+            (interrupt,) = finished["outcome"]["interrupts"]
+            assert (interrupt["id"], interrupt["toolCallId"]) == ("c1", "c1")
+            assert interrupt["reason"] == "tool_approval"
+            assert lookup.calls == []
+            # Answering nothing is refused while the thread waits.
+            busy = await posted(url, run_input("thread-1", "run-x", "hello?"))
+            assert busy.status == 409
+
+            resume = [{"interruptId": "c1", "status": "resolved", "payload": {"decision": "allow"}}]
+            second = await posted(url, run_input("thread-1", "run-2", resume=resume))
+            assert second.types[0] == "RUN_STARTED"
+            (result,) = second.of("TOOL_CALL_RESULT")
+            assert (result["toolCallId"], result["content"]) == ("c1", "value-a")
+            assert "".join(e["delta"] for e in second.of("TEXT_MESSAGE_CONTENT")) == "Done."
+            done = second.events[-1][1]
+            assert done["type"] == "RUN_FINISHED" and done["outcome"] == {"type": "success"}
+            assert done["usage"][0]["outputTokens"] >= 0
+            assert lookup.calls == ["a"]
+
+            # A front end that lost the first stream after the tool call reconnects from
+            # that event's id: the rest comes from the trace, up to the task's end.
+            end_id = next(i for i, e in first.events if e["type"] == "TOOL_CALL_END")
+            assert end_id is not None
+            again = await posted(
+                url, run_input("thread-1", "run-1"), headers={"Last-Event-ID": end_id}
+            )
+            assert again.types[0] == "RUN_STARTED"
+            assert not again.of("TOOL_CALL_START")  # seen before the id: not again
+            assert [e["toolCallId"] for e in again.of("TOOL_CALL_RESULT")] == ["c1"]
+            assert again.events[-1][1]["type"] == "RUN_FINISHED"
+            # From the last id there is nothing more: the thread is idle.
+            last_id = second.events[-1][0]
+            idle = await posted(
+                url, run_input("thread-1", "run-2"), headers={"Last-Event-ID": str(last_id)}
+            )
+            assert idle.types == ["RUN_STARTED", "STATE_SNAPSHOT", "STATE_SNAPSHOT", "RUN_FINISHED"]
+            # The thread is the session: the websocket gateway shows the same task.
+            async with connect(server) as client:
+                listed = (await client.result("session.list"))["sessions"]
+                assert [s["session_id"] for s in listed] == ["thread-1"]
+
+
+async def test_tokens_and_principals_are_the_gateway_s(tmp_path: Path, lookup: Lookup) -> None:
+    tokens = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789"}
+    with trio.fail_after(BOUND_S):
+        async with serving(
+            tmp_path, lookup_script, tools=[lookup.tool], ag_ui=True, tokens=tokens
+        ) as server:
+            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+            body = run_input("alices", "r1", "go")
+            assert (await posted(url, body, token=None)).status == 401
+            assert (await posted(url, body, token="wrong-token-0123456789")).status == 401
+            mine = await posted(url, body, token=tokens["alice"])
+            assert mine.events[-1][1]["outcome"]["type"] == "interrupt"
+            other = await posted(url, run_input("alices", "r2", "hi"), token=tokens["bob"])
+            assert other.status == 403
+            peek = await posted(
+                url, run_input("alices", "r3"), token=tokens["bob"], headers={"Last-Event-ID": "0"}
+            )
+            assert peek.status == 403
+            resume = [{"interruptId": "c1", "status": "resolved", "payload": {"decision": "allow"}}]
+            steal = await posted(url, run_input("alices", "r4", resume=resume), token=tokens["bob"])
+            assert steal.status == 403
+            assert lookup.calls == []
+
+
+async def test_bad_input_is_refused_with_a_reason(tmp_path: Path) -> None:
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, ag_ui=True) as server:
+            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+            for body, words in (
+                (b"{nope", "not JSON"),
+                ({"threadId": "t"}, "$.runId"),
+                (run_input("bad/thread", "r", "hi"), "$.threadId"),
+                (run_input("t", "r"), "no user message"),
+            ):
+                refused = await posted(url, body)
+                assert refused.status == 400, body
+                assert words in refused.body["error"]["message"]
+            answer = await trio.to_thread.run_sync(
+                lambda: httpx.get(url, headers={"Authorization": f"Bearer {TOKEN}"})
+            )
+            assert answer.status_code == 405
+            ok = await posted(url, run_input("t", "r", "hello"))
+            assert ok.events[-1][1]["type"] == "RUN_FINISHED"
+
+
+# -- protocols/ag_ui.py (pure) ------------------------------------------------------------------
+
+
+def test_partial_and_complete_blocks_give_one_message_each() -> None:
+    common = {"session_id": "s1", "run_id": "run_1"}
+    mapper = ag_ui.RunMapper(thread_id="s1", run_id="front")
+    events = mapper.started()
+    for output in (
+        RequestBegin(seq=1, turn=1, attempt=1, **common),
+        PartialText(index=0, text="Hel", **common),
+        PartialText(index=0, text="lo", **common),
+        ModelMsg(seq=2, turn=1, block=TextBlock(text="Hello"), **common),
+        ModelMsg(seq=3, turn=1, block=ToolCallBlock(id="c9", name="t", arguments={}), **common),
+        ApprovalRequest(seq=4, call_id="c9", tool="t", arguments={}, **common),
+    ):
+        events += mapper.map(output)
+    assert mapper.interrupts
+    events += mapper.interrupted()
+    for event in events:
+        EVENTS.validate_python(event)
+    starts = [e for e in events if e["type"] == "TEXT_MESSAGE_START"]
+    assert len(starts) == 1 and starts[0]["messageId"] == "run_1-1-0"
+    assert events[-1]["outcome"]["interrupts"][0]["id"] == "c9"
+
+
+def test_a_failed_task_is_run_error_and_an_aborted_one_cancelled() -> None:
+    common = {"session_id": "s1", "run_id": "run_1"}
+    for status, kind in (("failed", "RUN_ERROR"), ("aborted", "RUN_FINISHED")):
+        mapper = ag_ui.RunMapper(thread_id="s1", run_id="front")
+        events = mapper.map(
+            TaskEnd(seq=1, status=status, turns=1, usage=TokenUsage(), wall_ms=1, **common)  # type: ignore[arg-type]
+        )
+        for event in events:
+            EVENTS.validate_python(event)
+        assert events[-1]["type"] == kind
+    assert events[-1]["outcome"] == {"type": "cancelled"}
+    result = ag_ui.RunMapper(thread_id="s1", run_id="f").map(
+        ToolCallOutput(call_id="c", tool="t", status="denied", is_error=True, content=(), **common)
+    )
+    assert result[0]["content"] == "[denied]"
+
+
+def test_resume_entries_and_new_input() -> None:
+    resolved = {"status": "resolved"}
+    deny = ag_ui.parse_resume({**resolved, "payload": {"decision": "deny"}}, "approval")
+    assert deny == ("deny", None)
+    assert ag_ui.parse_resume({**resolved, "payload": True}, "approval") == ("allow", None)
+    assert ag_ui.parse_resume({"status": "cancelled"}, "approval") == ("deny", None)
+    assert ag_ui.parse_resume({**resolved, "payload": "blue"}, "question") == (None, "blue")
+    try:
+        ag_ui.parse_resume({"status": "resolved", "payload": 3}, "approval")
+    except ag_ui.ResumeError as exc:
+        assert "decision" in str(exc)
+    else:
+        raise AssertionError("a payload that decides nothing is refused")
+    said = [
+        {"role": "user", "content": "old"},
+        {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": [{"type": "text", "text": "new"}]},
+        {"role": "user", "content": "more"},
+    ]
+    assert ag_ui.new_input(said) == "new\n\nmore"

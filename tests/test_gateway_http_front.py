@@ -1,0 +1,146 @@
+"""The HTTP front of the gateway's port (``serve --a2a`` / ``--ag-ui``): a front end that
+goes away mid-run loses nothing (R-PROTO-2), and the HTTP side admits as the websocket
+side does (R-SEC-4, R-SEC-9): browser origins, wrong-token throttling, each principal's
+connections, bodies and heads that are too large or malformed — none of which ends the
+server."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+from conftest import Gates
+from test_gateway import TOKEN, connect, serving
+from test_gateway_ag_ui import post, posted, run_input
+
+from greenroom.actors.gateway import GatewayLimits
+from greenroom.actors.providers.scripted import Reply, ScriptStep, text, tool_call
+
+BOUND_S = 20.0
+
+
+def gated_script() -> list[ScriptStep]:
+    return [
+        Reply(blocks=(text("Waiting."), tool_call("c1", "wait", key="a"))),
+        Reply(blocks=(text("finished"),)),
+    ]
+
+
+def read_until(url: str, body: Any, kind: str) -> list[tuple[str | None, dict[str, Any]]]:
+    """Stream ``body``'s run until an event of ``kind``, then drop the connection."""
+    seen: list[tuple[str | None, dict[str, Any]]] = []
+    headers = {"Authorization": f"Bearer {TOKEN}", "Accept": "text/event-stream"}
+    with (
+        httpx.Client(timeout=BOUND_S) as client,
+        client.stream("POST", url, json=body, headers=headers) as response,
+    ):
+        event_id = None
+        for line in response.iter_lines():
+            if line.startswith("id: "):
+                event_id = line[4:]
+            elif line.startswith("data: "):
+                seen.append((event_id, json.loads(line[6:])))
+                if seen[-1][1]["type"] == kind:
+                    break
+    return seen
+
+
+async def test_a_front_end_that_goes_away_mid_run_picks_it_up_from_its_last_event(
+    tmp_path: Path, gates: Gates
+) -> None:
+    with trio.fail_after(BOUND_S):
+        async with serving(
+            tmp_path, gated_script, tools=[gates.tool()], approve="all", ag_ui=True
+        ) as server:
+            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+            body = run_input("t1", "r1", "go")
+            seen = await trio.to_thread.run_sync(lambda: read_until(url, body, "TOOL_CALL_END"))
+            await gates.started("a")  # the task runs on without its front end
+            busy = await posted(url, run_input("t1", "r9", "and this?"))
+            assert busy.status == 409 and "already running" in busy.body["error"]["message"]
+            gates.release("a")
+            last_id = seen[-1][0]
+            assert last_id is not None
+            again = await posted(url, body, headers={"Last-Event-ID": last_id})
+            assert again.types[0] == "RUN_STARTED"
+            (result,) = again.of("TOOL_CALL_RESULT")
+            assert result["content"] == "done a"
+            assert "".join(e["delta"] for e in again.of("TEXT_MESSAGE_CONTENT")) == "finished"
+            assert again.events[-1][1]["type"] == "RUN_FINISHED"
+            assert gates.cancelled == []
+
+
+async def test_http_admission_is_the_websocket_s(tmp_path: Path, gates: Gates) -> None:
+    limits = GatewayLimits(max_connections_per_principal=1, max_auth_failures_per_address=2)
+    with trio.fail_after(BOUND_S):
+        async with serving(
+            tmp_path, gated_script, tools=[gates.tool()], approve="all", ag_ui=True, limits=limits
+        ) as server:
+            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+            foreign = await posted(
+                url, run_input("t0", "r0", "hi"), headers={"Origin": "http://evil.example"}
+            )
+            assert foreign.status == 403
+            # An open event stream holds its principal's one place.
+            done = threading.Event()
+            results: list[Any] = []
+
+            def hold() -> None:
+                results.append(post(url, run_input("t1", "r1", "go")))
+                done.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(trio.to_thread.run_sync, hold)
+                await gates.started("a")
+                crowded = await posted(url, run_input("t2", "r2", "hi"))
+                assert crowded.status == 429
+                assert "too many connections" in crowded.body["error"]["message"]
+                gates.release("a")
+            assert results[0].events[-1][1]["type"] == "RUN_FINISHED"
+            # Wrong tokens from an address: refused, then throttled whatever the token.
+            wrong = [await posted(url, {}, token="wrong-0123456789") for _ in range(2)]
+            assert [w.status for w in wrong] == [401, 401]
+            throttled = await posted(url, run_input("t3", "r3", "hi"))
+            assert throttled.status == 429
+
+
+async def test_malformed_http_never_ends_the_server(tmp_path: Path) -> None:
+    limits = GatewayLimits(max_frame_bytes=1000)
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, ag_ui=True, a2a=True, limits=limits) as server:
+            port = server.gateway.port
+
+            async def raw(data: bytes) -> bytes:
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+                async with stream:
+                    await stream.send_all(data)
+                    answer = b""
+                    while chunk := await stream.receive_some(65536):
+                        answer += chunk
+                        if b"\r\n\r\n" in answer:
+                            break
+                    return answer
+
+            auth = f"Authorization: Bearer {TOKEN}\r\n".encode()
+            bad_length = b"POST /ag-ui HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n" + auth
+            assert (await raw(bad_length + b"\r\n")).startswith(b"HTTP/1.1 400")
+            big = b"POST /a2a HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n" + auth
+            assert (await raw(big + b"\r\n" + b"x" * 5000)).startswith(b"HTTP/1.1 413")
+            long_head = b"GET /a2a HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 70000 + b"\r\n\r\n"
+            assert (await raw(long_head)).startswith(b"HTTP/1.1 4")
+            garbage = await raw(b"\x16\x03\x01 not http at all\r\n\r\n")
+            assert not garbage or garbage.startswith(b"HTTP/1.1 4")
+            # Still serving, on both sides of the port.
+            card = await trio.to_thread.run_sync(
+                lambda: httpx.get(
+                    f"http://127.0.0.1:{port}/.well-known/agent-card.json",
+                    headers={"Authorization": f"Bearer {TOKEN}"},
+                )
+            )
+            assert card.status_code == 200
+            async with connect(server) as client:
+                assert (await client.result("session.create"))["session_id"]
