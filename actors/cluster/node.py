@@ -339,11 +339,16 @@ class ClusterNode:
                 return
             self._keeper.hold(lease)
             writer = await self._traces.fence(session_id, self.host_id)
+            # In the directory before any of its records is in the cluster: the orphan
+            # scan finds sessions there, so a host lost after its first record (a task's
+            # prompt, its task_start) never leaves a trace that no host takes over.
+            await self._publish_meta(session_id)
         except ClusterError as exc:
             log(f"cannot adopt session {session_id}: {exc}")
             self._give_up(session_id)
             return
         self._start_stream(session_id, writer)
+        # Again from the update queue: the principals the gateway grants it after this.
         self._announce_session(session_id)
 
     def _start_stream(self, session_id: str, writer: TraceWriter) -> None:
