@@ -477,6 +477,8 @@ class ClusterNode:
             except ClusterUnavailable:
                 continue
             for sid, owner in assign(orphans, hosts).items():
+                if self._host is not None and self._host.draining:
+                    return  # it began draining during this scan
                 if owner == self.host_id:
                     await self._take_entry(sid, sessions[sid])
 
@@ -510,13 +512,20 @@ class ClusterNode:
 
     async def take_over(self, session_id: str, meta: dict[str, Any]) -> bool:
         """Claim ``session_id``, rebuild it from its trace and take up its open task (see
-        the module docstring). False when another host claimed it first or it could not
-        be rebuilt."""
+        the module docstring). False when another host claimed it first, this host drains
+        or it could not be rebuilt."""
         assert self._leases is not None and self._keeper is not None
         assert self._traces is not None and self._host is not None
         try:
             lease = await self._leases.claim(session_id, self.host_id)
             if lease is None:
+                return False
+            if self._host.draining:
+                # A draining host takes nothing over (R-DRAIN-2). An orphan scan that
+                # began before the drain would take the very sessions the drain hands over
+                # (given up and released here, so orphans for a moment): the hand-over's
+                # target then found them claimed, and they waited for this host to stop.
+                await self._leases.release(lease)
                 return False
             self._keeper.hold(lease)
             writer = await self._traces.fence(session_id, self.host_id)
