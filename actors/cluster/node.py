@@ -54,7 +54,7 @@ import trio
 from greenroom.actors.cluster.bridge import Bridge
 from greenroom.actors.cluster.connection import ClusterNames, Connection, connect
 from greenroom.actors.cluster.errors import ClusterError, ClusterUnavailable
-from greenroom.actors.cluster.handover import hand_over
+from greenroom.actors.cluster.handover import HandedSince, hand_over
 from greenroom.actors.cluster.leases import LeaseKeeper, LeaseTable
 from greenroom.actors.cluster.registry import HostRecord, HostRegistry, SessionDirectory, assign
 from greenroom.actors.cluster.router import ClusterRouter, OwnerDesk
@@ -150,6 +150,7 @@ class ClusterNode:
         self._desk_ready = trio.Event()
         self._requests = SessionRequests(conn)
         self._placeable = False
+        self._handed = HandedSince()
         self._serving: dict[str, trio.Event] = {}
         # Bounded: an update only names a session (its state is read when it is sent); a
         # full channel drops one, and the next task_start or task_end sends it again.
@@ -508,7 +509,8 @@ class ClusterNode:
         assert self._registry is not None and self._keeper is not None
         if session_id in self._adopted:
             parts = (self._registry, self._keeper, self._requests, self._give_up)
-            await hand_over(session_id, self.host_id, *parts, self.config.lease_ttl_s)
+            ttl = self.config.lease_ttl_s
+            await hand_over(session_id, self.host_id, *parts, ttl, self._handed)
 
     async def take_over(self, session_id: str, meta: dict[str, Any]) -> bool:
         """Claim ``session_id``, rebuild it from its trace and take up its open task (see
