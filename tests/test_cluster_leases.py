@@ -109,6 +109,32 @@ def test_a_released_lease_is_claimable_at_once(nats_server: NatsProcess) -> None
     assert run_connected(nats_server.url, body) == "host-b"
 
 
+def test_a_release_after_a_renewal_it_did_not_wait_for_releases(
+    nats_server: NatsProcess,
+) -> None:
+    """A renewal that was on its way when the keeper released the lease lands first and
+    moves the revision on: the lease is still this host's, and goes (a drain hands the
+    session over at once instead of after the TTL)."""
+
+    async def body(conn: Connection) -> tuple[str | None, str | None]:
+        table = await LeaseTable.open(conn, ttl_s=60.0)
+        lease = await table.claim("s1", "host-a")
+        assert lease is not None
+        await table.renew(lease)  # landed before the release, which names the old revision
+        await table.release(lease)
+        again = await table.claim("s1", "host-b")
+        taken = await table.claim("s2", "host-b")
+        assert taken is not None
+        await table.release(lease_of("s2", "host-a", taken.revision))  # not host-a's
+        return (again.host_id if again else None), await table.holder("s2")
+
+    assert run_connected(nats_server.url, body) == ("host-b", "host-b")
+
+
+def lease_of(session_id: str, host_id: str, revision: int) -> Lease:
+    return Lease(session_id=session_id, host_id=host_id, revision=revision - 1)
+
+
 def test_the_keeper_renews_past_the_ttl_and_reports_a_lost_lease(
     nats_server: NatsProcess,
 ) -> None:

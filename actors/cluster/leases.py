@@ -97,23 +97,52 @@ class LeaseTable:
 
     async def release(self, lease: Lease) -> None:
         """Give ``lease`` up now (so another host need not wait for the TTL). Does nothing
-        when the lease is already gone."""
-        try:
-            await self._conn.call(self._kv.delete(lease.session_id, last=lease.revision))
-        except nats.js.errors.KeyWrongLastSequenceError:
-            return
-        except nats.js.errors.APIError as exc:
-            raise ClusterUnavailable(f"cannot release session {lease.session_id}: {exc}") from exc
+        when the lease is already gone or another host holds the session."""
+        revision = lease.revision
+        for _ in range(2):
+            try:
+                await self._conn.call(self._kv.delete(lease.session_id, last=revision))
+                return
+            except nats.js.errors.APIError as exc:
+                # A delete at a stale revision is refused as a bad request (the client
+                # does not map it to KeyWrongLastSequenceError as it does for update).
+                if not _wrong_last_sequence(exc):
+                    raise ClusterUnavailable(
+                        f"cannot release session {lease.session_id}: {exc}"
+                    ) from exc
+            # A renewal of this host's that was on its way landed first and moved the
+            # revision on: the lease is still ours, then, and stayed until its TTL (a
+            # drain's hand-over found it held and had to wait for the orphan scan).
+            found = await self._entry(lease.session_id)
+            if found is None or found.revision is None:
+                return
+            if _host_of(found.value) != lease.host_id:
+                return
+            revision = found.revision
 
-    async def holder(self, session_id: str) -> str | None:
-        """The host that holds ``session_id`` now, or None when nobody does."""
+    async def _entry(self, session_id: str) -> nats.js.kv.KeyValue.Entry | None:
         try:
-            entry = await self._conn.call(self._kv.get(check_session_id(session_id)))
+            return await self._conn.call(self._kv.get(check_session_id(session_id)))
         except nats.js.errors.KeyNotFoundError:
             return None
         except nats.js.errors.APIError as exc:
             raise ClusterUnavailable(f"cannot read the lease of {session_id}: {exc}") from exc
-        return _host_of(entry.value)
+
+    async def holder(self, session_id: str) -> str | None:
+        """The host that holds ``session_id`` now, or None when nobody does."""
+        entry = await self._entry(session_id)
+        return None if entry is None else _host_of(entry.value)
+
+
+_WRONG_LAST_SEQUENCE = (10071, 10164)
+"""JetStream's error codes for a write that names a revision that is not the last."""
+
+
+def _wrong_last_sequence(exc: nats.js.errors.APIError) -> bool:
+    return (
+        isinstance(exc, nats.js.errors.KeyWrongLastSequenceError)
+        or exc.err_code in _WRONG_LAST_SEQUENCE
+    )
 
 
 def _value(host_id: str) -> bytes:

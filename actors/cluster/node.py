@@ -58,7 +58,7 @@ import trio
 from greenroom.actors.cluster.bridge import Bridge
 from greenroom.actors.cluster.connection import ClusterNames, Connection, connect
 from greenroom.actors.cluster.errors import ClusterError, ClusterUnavailable
-from greenroom.actors.cluster.handover import hand_over
+from greenroom.actors.cluster.handover import HandedSince, hand_over
 from greenroom.actors.cluster.leases import LeaseKeeper, LeaseTable
 from greenroom.actors.cluster.limits import ClusterLimits
 from greenroom.actors.cluster.registry import HostRecord, HostRegistry, SessionDirectory, assign
@@ -155,6 +155,7 @@ class ClusterNode:
         self._desk_ready = trio.Event()
         self._requests = SessionRequests(conn)
         self._placeable = False
+        self._handed = HandedSince()
         self._serving: dict[str, trio.Event] = {}
         # Bounded: an update only names a session (its state is read when it is sent); a
         # full channel drops one, and the next task_start or task_end sends it again.
@@ -344,11 +345,16 @@ class ClusterNode:
                 return
             self._keeper.hold(lease)
             writer = await self._traces.fence(session_id, self.host_id)
+            # In the directory before any of its records is in the cluster: the orphan
+            # scan finds sessions there, so a host lost after its first record (a task's
+            # prompt, its task_start) never leaves a trace that no host takes over.
+            await self._publish_meta(session_id)
         except ClusterError as exc:
             log(f"cannot adopt session {session_id}: {exc}")
             self._give_up(session_id)
             return
         self._start_stream(session_id, writer)
+        # Again from the update queue: the principals the gateway grants it after this.
         self._announce_session(session_id)
 
     def _start_stream(self, session_id: str, writer: TraceWriter) -> None:
@@ -477,6 +483,8 @@ class ClusterNode:
             except ClusterUnavailable:
                 continue
             for sid, owner in assign(orphans, hosts).items():
+                if self._host is not None and self._host.draining:
+                    return  # it began draining during this scan
                 if owner == self.host_id:
                     await self._take_entry(sid, sessions[sid])
 
@@ -506,17 +514,25 @@ class ClusterNode:
         assert self._registry is not None and self._keeper is not None
         if session_id in self._adopted:
             parts = (self._registry, self._keeper, self._requests, self._give_up)
-            await hand_over(session_id, self.host_id, *parts, self.config.lease_ttl_s)
+            ttl = self.config.lease_ttl_s
+            await hand_over(session_id, self.host_id, *parts, ttl, self._handed)
 
     async def take_over(self, session_id: str, meta: dict[str, Any]) -> bool:
         """Claim ``session_id``, rebuild it from its trace and take up its open task (see
-        the module docstring). False when another host claimed it first or it could not
-        be rebuilt."""
+        the module docstring). False when another host claimed it first, this host drains
+        or it could not be rebuilt."""
         assert self._leases is not None and self._keeper is not None
         assert self._traces is not None and self._host is not None
         try:
             lease = await self._leases.claim(session_id, self.host_id)
             if lease is None:
+                return False
+            if self._host.draining:
+                # A draining host takes nothing over (R-DRAIN-2). An orphan scan that
+                # began before the drain would take the very sessions the drain hands over
+                # (given up and released here, so orphans for a moment): the hand-over's
+                # target then found them claimed, and they waited for this host to stop.
+                await self._leases.release(lease)
                 return False
             self._keeper.hold(lease)
             writer = await self._traces.fence(session_id, self.host_id)

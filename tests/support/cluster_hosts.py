@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,8 @@ PLACEABLE = "takes sessions placed by other hosts"
 
 @attrs.define
 class HostProcess:
-    """One host: its id, process, gateway URL, token and everything it logged."""
+    """One host: its id, process, gateway URL, token and everything it logged (``logged_at``:
+    when each line arrived, ``time.time()``)."""
 
     host_id: str
     process: trio.Process
@@ -32,6 +35,7 @@ class HostProcess:
     log: list[str]
     news: list[trio.Event]
     ended: trio.Event
+    logged_at: list[float] = attrs.Factory(list)
 
     def logged(self, text: str) -> bool:
         """Whether some line of the host's log so far contains ``text``."""
@@ -57,13 +61,17 @@ async def start_host(
     approve: str = "all",
     tokens_file: Path | None = None,
     extra_tools: tuple[str, ...] = (),
+    data_dir: Path | None = None,
+    extra_env: Mapping[str, str] | None = None,
 ) -> HostProcess:
     """Start host ``host_id`` and return once its gateway listens and, in a cluster, it
     takes placed sessions (``nats_url`` None: a single-host ``serve``, for comparisons).
     ``approve`` is ``serve --approve``; with ``tokens_file`` the host knows those
     principals (and ``token`` is empty); ``extra_tools`` are more ``serve --tools``
-    beside the side-effect tools."""
-    data = tmp_path / host_id
+    beside the side-effect tools; ``data_dir`` (default ``tmp_path / host_id``) lets a host
+    start again on the data dir of one that stopped, under a new id; ``extra_env`` is set in
+    the host's environment."""
+    data = data_dir if data_dir is not None else tmp_path / host_id
     workspace = tmp_path / "ws"
     workspace.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "OPENAI_"))}
@@ -73,6 +81,7 @@ async def start_host(
         GREENROOM_TEST_EFFECTS=str(effects),
         NO_COLOR="1",
     )
+    env.update(extra_env or {})
     cluster = (
         ["--nats", nats_url, "--host-id", host_id, "--lease-ttl", str(lease_ttl_s)]
         if nats_url is not None
@@ -112,6 +121,7 @@ async def start_host(
     )
     assert process.stderr is not None
     log: list[str] = []
+    logged_at: list[float] = []
     news = [trio.Event()]
     ready = trio.Event()
     ended = trio.Event()
@@ -126,6 +136,7 @@ async def start_host(
             for raw in lines:
                 line = raw.decode(errors="replace")
                 log.append(line)
+                logged_at.append(time.time())
                 news[0].set()
                 news[0] = trio.Event()
                 match = _URL.search(line)
@@ -148,6 +159,7 @@ async def start_host(
         log=log,
         news=news,
         ended=ended,
+        logged_at=logged_at,
     )
     if nats_url is not None:
         await host.wait_logged(PLACEABLE)

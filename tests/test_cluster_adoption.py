@@ -1,0 +1,99 @@
+"""What a cluster host adopts and takes over, found by the chaos benchmark.
+
+A session a cluster host creates is in the session directory before any of its records
+is in the cluster's trace (R-CLUSTER-2). The orphan scan finds sessions through the
+directory only: a host lost between a session's first replicated record (a task's prompt,
+its ``task_start``) and its directory entry left a trace in JetStream that no host would
+ever take over (found by the chaos benchmark: tasks SIGKILLed right after ``run`` was
+answered never ended). In-process host on a real nats-server; the directory is made slow
+for the session's first entry, the window in which the records used to reach the cluster
+first.
+
+A draining host takes nothing over (R-DRAIN-2), even when its orphan scan began before
+the drain: the sessions the drain hands over are orphans for a moment (given up, their
+leases released), and the scan took them back, so the hand-over's target found them
+claimed and they waited for the draining host to stop (20 s in the benchmark)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from conftest import RUN_TIMEOUT_S, allow_all
+
+from greenroom.actors.cluster.connection import Connection
+from greenroom.actors.cluster.leases import LeaseTable
+from greenroom.actors.cluster.node import ClusterConfig, ClusterNode, open_cluster_host
+from greenroom.actors.cluster.registry import SessionDirectory
+from greenroom.actors.cluster.traces import TraceStream
+from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
+from greenroom.protocols.outputs import TaskEnd
+from tests.support.nats import (  # the fixture is used as nats_server
+    NatsProcess,
+    module_nats_server,  # noqa: F401
+    run_connected,
+)
+
+SLOW_DIRECTORY_S = 1.0
+"""How long the session's first directory entry takes: far longer than a short task."""
+
+
+def test_a_new_session_is_in_the_directory_before_its_first_record_is_in_the_cluster(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    records_at_first_entry: list[int] = []
+    checked = trio.Event()
+    put = SessionDirectory.put
+
+    async def slow_first_put(self: SessionDirectory, session_id: str, meta: Any) -> None:
+        if not records_at_first_entry:
+            await trio.sleep(SLOW_DIRECTORY_S)  # the fault: a slow directory
+            read = await TraceStream(self._conn).read(session_id)
+            records_at_first_entry.append(len(read.records))
+            checked.set()
+        await put(self, session_id, meta)
+
+    monkeypatch.setattr(SessionDirectory, "put", slow_first_put)
+
+    async def body(conn: Connection) -> list[str]:
+        config = ClusterConfig(url=nats_server.url, host_id="a", prefix=conn.names.prefix)
+        async with open_cluster_host(
+            conn.bridge, config, tmp_path / "a", approve=allow_all
+        ) as host:
+            session = await host.create_session(
+                provider=ScriptedProvider([Reply(blocks=(text("hello"),))]),
+                workspace_dir=tmp_path,
+            )
+            with trio.fail_after(RUN_TIMEOUT_S + SLOW_DIRECTORY_S):
+                outputs = [o async for o in session.run("hi", approve=allow_all)]
+                await checked.wait()
+            assert isinstance(outputs[-1], TaskEnd) and outputs[-1].status == "completed"
+            read = await TraceStream.open(conn)
+            return [r.TYPE for r in (await read.read(session.id)).records]
+
+    types = run_connected(nats_server.url, body, timeout_s=30.0)
+    assert types[:2] == ["user_msg", "task_start"] and types[-1] == "task_end"
+    # About to be written, and nothing of the session in the cluster's trace yet.
+    assert records_at_first_entry == [0]
+
+
+def test_a_draining_host_takes_no_orphan_over(tmp_path: Path, nats_server: NatsProcess) -> None:
+    orphan = "20261204-121741-0b9825"
+
+    async def body(conn: Connection) -> tuple[bool, str | None]:
+        config = ClusterConfig(url=nats_server.url, host_id="a", prefix=conn.names.prefix)
+        nodes: list[ClusterNode] = []
+        async with open_cluster_host(
+            conn.bridge, config, tmp_path / "a", approve=allow_all, on_node=nodes.append
+        ) as host:
+            # Known to the cluster, no lease: its host has just handed it over.
+            await (await SessionDirectory.open(conn)).put(orphan, {"meta": {}, "host": "a"})
+            assert await host.drain(0.0) == []
+            taken = await nodes[0].take_over(orphan, {})
+            leases = await LeaseTable.open(conn, ttl_s=config.lease_ttl_s)
+            return taken, await leases.holder(orphan)
+
+    # Not taken, and its lease free for the host the drain hands it to.
+    assert run_connected(nats_server.url, body, timeout_s=30.0) == (False, None)
