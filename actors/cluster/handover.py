@@ -69,10 +69,12 @@ async def hand_over(
     handed = handed if handed is not None else HandedSince()
     try:
         hosts = await registry.hosts()
-    except ClusterUnavailable:
+    except ClusterUnavailable as exc:
+        _log(f"cannot hand session {session_id} over ({exc}); the next to scan for orphans will")
         return
     others = [h for h in hosts if h.host_id != own_id and h.placeable]
     if not others:
+        _log(f"no other host takes session {session_id}; the next to scan for orphans will")
         return
     give_up(session_id)
     await keeper.release(session_id)

@@ -48,6 +48,7 @@ from typing import Any
 import attrs
 import nats.errors
 import nats.js.api
+import nats.js.errors
 import trio
 from nats.aio.msg import Msg
 from trio_websocket import (
@@ -249,6 +250,7 @@ class Cluster:
     ledger: Path
     lease_ttl_s: float
     nursery: trio.Nursery
+    conn: Connection
     hosts: list[HostProcess] = attrs.Factory(list)
     started: list[HostProcess] = attrs.Factory(list)
     stopping: set[str] = attrs.Factory(set)
@@ -290,18 +292,36 @@ class Cluster:
         old.process.send_signal(signal.SIGTERM)
         code = await old.process.wait()
         exited = time.time()
+        left = await self.leases_of(old.host_id)
+        counted = time.time()
         new = await self.start(old.host_id[0], generation)
         self.hosts[index] = new
         handed = sum("handed session" in line for line in old.log)
         self.drained.append({
             "host": old.host_id, "exit_code": code, "drain_s": exited - began,
-            "restart_s": time.time() - exited, "handed_over": handed,
+            "restart_s": time.time() - counted, "handed_over": handed,
+            "leases_left": left,
             "held": next((ln for ln in old.log if "drained:" in ln), ""),
             "problems": [ln for ln in old.log if "cannot" in ln or "no host took" in ln],
         })
         print(f"  {old.host_id}: SIGTERM → exit {code} in {exited - began:.2f} s, "
-              f"{handed} sessions handed over; {new.host_id} takes sessions "
-              f"{time.time() - exited:.2f} s later", flush=True)
+              f"{handed} sessions handed over, {left} leases left; {new.host_id} takes "
+              f"sessions {time.time() - counted:.2f} s later", flush=True)
+
+    async def leases_of(self, host_id: str) -> int:
+        """How many leases still name ``host_id`` (a host that stopped cleanly releases
+        every lease it held; one left waits for its TTL, and its session for the scan)."""
+        kv = await self.conn.call(self.conn.js.key_value(self.conn.names.leases))
+        try:
+            keys = await self.conn.call(kv.keys())
+        except nats.js.errors.NoKeysError:
+            return 0
+        held = 0
+        for key in keys:
+            with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+                entry = await self.conn.call(kv.get(key))
+                held += json.loads(entry.value or b"{}").get("host") == host_id
+        return held
 
     async def kill(self, index: int, open_tasks: int) -> None:
         victim = self.hosts[index]
@@ -530,7 +550,9 @@ async def chaos(bridge: Bridge, tmp: Path, nats_url: str, args: Any) -> dict[str
             open_mock_server(fallback=model, record=False) as server,
             trio.open_nursery() as nursery,
         ):
-            cluster = Cluster(tmp, nats_url, server.base_url, ledger, args.lease_ttl, nursery)
+            cluster = Cluster(
+                tmp, nats_url, server.base_url, ledger, args.lease_ttl, nursery, conn
+            )
             cluster.hosts = [await cluster.start(slot, 1) for slot in "abc"]
             bench = Run(cluster, conn)
             began = time.time()
@@ -815,7 +837,8 @@ def report(figures: dict[str, Any]) -> None:
         spread = figures["drained_continue_s_by_host"].get(drain["host"])
         continued = f"; continued after {_fmt_spread(spread)} s" if spread else ""
         print(f"  drain of {drain['host']}: exit {drain['exit_code']} after "
-              f"{drain['drain_s']:.2f} s, {drain['handed_over']} handed over; "
+              f"{drain['drain_s']:.2f} s, {drain['handed_over']} handed over, "
+              f"{drain['leases_left']} leases left; "
               f"restarted in {drain['restart_s']:.2f} s{continued}")
         for line in drain["problems"]:
             print(f"    {line}")
