@@ -403,20 +403,11 @@ class ClusterNode:
         scope = self._stream_scopes.pop(session_id, None)
         if scope is not None:
             scope.cancel()
-        if self._work is not None:
+        if self._work is not None and self._directory is not None:
+            assert self._traces is not None and self._keeper is not None
+            parts = (self._directory, self._traces, self._keeper)
             with contextlib.suppress(RuntimeError):  # shutting down
-                self._work.start_soon(self._forget, session_id)
-
-    async def _forget(self, session_id: str) -> None:
-        """A deleted session leaves the cluster: metadata, trace and lease."""
-        assert self._directory is not None and self._traces is not None
-        assert self._keeper is not None
-        try:
-            await self._directory.delete(session_id)
-            await self._traces.purge(session_id)
-        except ClusterUnavailable as exc:
-            log(f"cannot remove session {session_id} from the cluster: {exc}")
-        await self._keeper.release(session_id)
+                self._work.start_soon(_forget, *parts, session_id)
 
     def _on_fenced(self, session_id: str) -> None:
         log(f"the trace of session {session_id} was fenced by another host; stopping it here")
@@ -440,17 +431,10 @@ class ClusterNode:
 
     async def _publish_meta(self, session_id: str) -> None:
         assert self._directory is not None and self._host is not None
-        try:
-            meta = await self._host.trace_store.catalog.read_meta(session_id)
-        except (StoredSessionMissing, StoredSessionUnreadable):
-            known = await self._directory.get(session_id)
-            meta = (known or {}).get("meta", {})
+        holders = sorted(self._grants.holders(session_id)) if self._grants else []
         running = self._running.get(session_id, False)
-        principals = sorted(self._grants.holders(session_id)) if self._grants else []
-        await self._directory.put(
-            session_id,
-            {"meta": meta, "running": running, "host": self.host_id, "principals": principals},
-        )
+        entry = await _entry(self._host, self._directory, session_id, holders, running)
+        await self._directory.put(session_id, {**entry, "host": self.host_id})
 
     async def _directory_updates(self) -> None:
         async for session_id in self._updates_receive:
@@ -583,6 +567,31 @@ class ClusterNode:
                 await self._registry.withdraw(self.host_id)
         for session_id in self._keeper.held():
             await self._keeper.release(session_id)
+
+
+async def _forget(
+    directory: SessionDirectory, traces: TraceStream, keeper: LeaseKeeper, session_id: str
+) -> None:
+    """A deleted session leaves the cluster: metadata, trace and lease."""
+    try:
+        await directory.delete(session_id)
+        await traces.purge(session_id)
+    except ClusterUnavailable as exc:
+        log(f"cannot remove session {session_id} from the cluster: {exc}")
+    await keeper.release(session_id)
+
+
+async def _entry(
+    host: Host, directory: SessionDirectory, session_id: str, principals: list[str], running: bool
+) -> dict[str, Any]:
+    """``session_id``'s directory entry: its ``session.json`` (the one the directory has
+    when this host's cannot be read), whether it runs, who may see it."""
+    try:
+        meta = await host.trace_store.catalog.read_meta(session_id)
+    except (StoredSessionMissing, StoredSessionUnreadable):
+        known = await directory.get(session_id)
+        meta = (known or {}).get("meta", {})
+    return {"meta": meta, "running": running, "principals": principals}
 
 
 async def _close_quietly(host: Host, session_id: str) -> None:
