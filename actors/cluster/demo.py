@@ -42,12 +42,7 @@ from greenroom.actors.cluster.connection import Connection, connect
 from greenroom.actors.cluster.errors import ClusterError
 from greenroom.actors.cluster.leases import LeaseTable
 from greenroom.actors.cluster.node import ClusterConfig
-from greenroom.actors.cluster.server import (
-    listening_port,
-    nats_server_args,
-    nats_server_binary,
-    server_ready,
-)
+from greenroom.actors.cluster.server import start_nats_server
 from greenroom.actors.cluster.traces import TraceStream
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
 from greenroom.protocols.content import TextBlock, ToolCallBlock
@@ -283,7 +278,7 @@ async def _demo(bridge: Bridge, tmp: Path) -> int:
     confirmations = _Confirmations(tmp / "confirm.sock")
     async with trio.open_nursery() as nursery:
         await nursery.start(confirmations.serve)
-        nats_url, nats = await _start_nats(nursery, tmp / "nats")
+        nats_url, nats = await start_nats_server(nursery, tmp / "nats")
         say(f"nats-server with JetStream at {nats_url}")
         hosts: list[_Host] = []
         conn: Connection | None = None
@@ -466,38 +461,6 @@ async def _create_and_run(host: _Host, invoice: int) -> str:
         sid = str(created["session_id"])
         await call("run", {"session_id": sid, "input": f"Pay invoice {invoice}."})
         return sid
-
-
-async def _start_nats(nursery: trio.Nursery, store: Path) -> tuple[str, trio.Process]:
-    await trio.Path(store).mkdir(parents=True)
-    process = await trio.lowlevel.open_process(
-        [str(nats_server_binary()), *nats_server_args(store)], stderr=-1
-    )
-    assert process.stderr is not None
-    ready = trio.Event()
-    found: dict[str, int] = {}
-
-    async def read() -> None:
-        assert process.stderr is not None
-        buffered = b""
-        async for chunk in process.stderr:
-            buffered += chunk
-            *lines, buffered = buffered.split(b"\n")
-            for raw in lines:
-                line = raw.decode(errors="replace")
-                port = listening_port(line)
-                if port is not None:
-                    found["port"] = port
-                if server_ready(line):
-                    ready.set()
-        ready.set()
-
-    nursery.start_soon(read)
-    with trio.fail_after(15):
-        await ready.wait()
-    if "port" not in found:
-        raise ClusterError("nats-server did not start")
-    return f"nats://127.0.0.1:{found['port']}", process
 
 
 async def _start_host(

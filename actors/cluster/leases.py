@@ -48,9 +48,7 @@ class LeaseTable:
         self.ttl_s = ttl_s
 
     @classmethod
-    async def open(
-        cls, conn: Connection, *, ttl_s: float, bucket: str | None = None
-    ) -> LeaseTable:
+    async def open(cls, conn: Connection, *, ttl_s: float, bucket: str | None = None) -> LeaseTable:
         """Bind the cluster's lease bucket (or ``bucket``: leases on something else than
         sessions, such as a provider endpoint's admission), creating it with TTL ``ttl_s``
         if it does not exist. Every host of a cluster must use the same TTL; a bucket that

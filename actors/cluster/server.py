@@ -12,13 +12,21 @@ import shutil
 import sys
 from pathlib import Path
 
+import trio
+
+from greenroom.actors.cluster.errors import ClusterError
+
 __all__ = [
     "NatsServerMissing",
     "listening_port",
     "nats_server_args",
     "nats_server_binary",
     "server_ready",
+    "start_nats_server",
 ]
+
+START_BOUND_S = 120.0
+"""How long a started nats-server may take to say it is ready."""
 
 _LISTENING = re.compile(r"Listening for client connections on [^\s]*:(\d+)")
 _READY = "Server is ready"
@@ -61,3 +69,39 @@ def listening_port(log_line: str) -> int | None:
 def server_ready(log_line: str) -> bool:
     """Whether ``log_line`` is the server's "ready" line (it accepts clients from then on)."""
     return _READY in log_line
+
+
+async def start_nats_server(nursery: trio.Nursery, store: Path) -> tuple[str, trio.Process]:
+    """Start a JetStream ``nats-server`` storing in ``store`` on a free loopback port; its
+    URL and process once it is ready (its log is read by a task of ``nursery``). Raises
+    :class:`NatsServerMissing` without the binary, :class:`ClusterError` when it does not
+    start within :data:`START_BOUND_S`."""
+    await trio.Path(store).mkdir(parents=True, exist_ok=True, mode=0o700)
+    process = await trio.lowlevel.open_process(
+        [str(nats_server_binary()), *nats_server_args(store)], stderr=-1
+    )
+    ready = trio.Event()
+    found: dict[str, int] = {}
+
+    async def read() -> None:
+        assert process.stderr is not None
+        buffered = b""
+        async for chunk in process.stderr:
+            buffered += chunk
+            *lines, buffered = buffered.split(b"\n")
+            for raw in lines:
+                line = raw.decode(errors="replace")
+                port = listening_port(line)
+                if port is not None:
+                    found["port"] = port
+                if server_ready(line):
+                    ready.set()
+        ready.set()
+
+    nursery.start_soon(read)
+    with trio.move_on_after(START_BOUND_S):
+        await ready.wait()
+    if "port" not in found:
+        process.kill()
+        raise ClusterError("nats-server did not start")
+    return f"nats://127.0.0.1:{found['port']}", process

@@ -34,16 +34,13 @@ from pathlib import Path
 import attrs
 import trio
 
+from greenroom.actors.cluster.errors import ClusterError
 from greenroom.actors.cluster.serve import default_host_id
 from greenroom.actors.cluster.server import (
-    listening_port,
-    nats_server_args,
-    nats_server_binary,
-    server_ready,
+    start_nats_server,
 )
 from greenroom.actors.gateway.config import load_or_create_token, token_file_path
 from greenroom.actors.gateway.console import console_url
-from greenroom.actors.runtime.storage import PRIVATE_DIR_MODE
 
 __all__ = ["WorkersConfig", "serve_workers", "worker_argv"]
 
@@ -242,7 +239,7 @@ class _Supervisor:
                 await worker.process.wait()
 
 
-class WorkerFailed(Exception):
+class WorkerFailed(ClusterError):
     """A worker could not start (a bad flag, an unusable data dir: its log says)."""
 
 
@@ -264,38 +261,6 @@ def _reserve_port(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     return sock
-
-
-async def _start_nats(nursery: trio.Nursery, store: Path) -> tuple[str, trio.Process]:
-    await trio.Path(store).mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
-    process = await trio.lowlevel.open_process(
-        [str(nats_server_binary()), *nats_server_args(store)], stderr=-1
-    )
-    ready = trio.Event()
-    found: dict[str, int] = {}
-
-    async def read() -> None:
-        assert process.stderr is not None
-        buffered = b""
-        async for chunk in process.stderr:
-            buffered += chunk
-            *lines, buffered = buffered.split(b"\n")
-            for raw in lines:
-                line = raw.decode(errors="replace")
-                port = listening_port(line)
-                if port is not None:
-                    found["port"] = port
-                if server_ready(line):
-                    ready.set()
-        ready.set()
-
-    nursery.start_soon(read)
-    with trio.move_on_after(START_BOUND_S):
-        await ready.wait()
-    if "port" not in found:
-        process.kill()
-        raise WorkerFailed("nats-server did not start")
-    return f"nats://127.0.0.1:{found['port']}", process
 
 
 async def serve_workers(config: WorkersConfig) -> int:
@@ -322,7 +287,7 @@ async def serve_workers(config: WorkersConfig) -> int:
                 nats = None
                 url = config.nats
                 if url is None:
-                    url, nats = await _start_nats(nursery, data / "nats")
+                    url, nats = await start_nats_server(nursery, data / "nats")
                 supervisor = _Supervisor(config, url, port, console_port)
                 with trio.open_signal_receiver(
                     signal.SIGHUP, signal.SIGTERM, signal.SIGINT
@@ -340,7 +305,7 @@ async def serve_workers(config: WorkersConfig) -> int:
                     nats.terminate()
                     await nats.wait()
                 nursery.cancel_scope.cancel()
-        except* WorkerFailed as failed:
+        except* ClusterError as failed:
             leaf: BaseException = failed
             while isinstance(leaf, BaseExceptionGroup):
                 leaf = leaf.exceptions[0]
