@@ -92,12 +92,16 @@ class UserMsg(Envelope):
             at its next request).
         content: the input blocks, text (``{type: text, text}``) and images
             (``{type: image, path}``), as the model will see them.
+        output_schema: a prompt's ``output_schema`` (R-OUT-1), as its ``task_start`` will
+            record it: a prompt whose host stopped before its task started is started by
+            whoever takes the session up, held to the same schema. Left out when None.
     """
 
     TYPE: ClassVar[str] = "user_msg"
     TRACED: ClassVar[bool] = True
     kind: Literal["prompt", "steering"]
     content: tuple[UserContent, ...]
+    output_schema: dict[str, Any] | None = None
 
 
 @_documented

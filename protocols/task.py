@@ -318,6 +318,7 @@ class TaskRecord:
         "session_rules",
         "session_turns",
         "turn",
+        "unstarted",
         "usage",
     )
 
@@ -356,6 +357,9 @@ class TaskRecord:
         self.last_status: TaskStatus | None = None
         self.answers: AnswerCheck | None = None
         """The answers of an open task that requires an output schema (R-OUT-1)."""
+        self.unstarted: UserMsg | None = None
+        """The last prompt, while no ``task_start`` (nor anything else) follows it: a run
+        accepted whose task its host had not started when it stopped."""
 
     def configure(self, limits: TaskLimits) -> None:
         """Decide the loop guard of the next task by ``limits``."""
@@ -460,7 +464,9 @@ class TaskRecord:
                 self.in_doubt = self.in_doubt - {output.call_id}
             case TaskStart():
                 self.start(output.run_id, "task", output.output_schema)
+                self.unstarted = None
             case CompactionBegin():
+                self.unstarted = None
                 self._compaction_begun(output)
             case CompactionEnd():
                 self._compaction_ended(output)
@@ -468,12 +474,17 @@ class TaskRecord:
                 if output.status == "auth":
                     self.auth_locked = output.message or "authentication failed"
                 self.end(output.status)
-            case UserMsg() | Abort():
-                pass  # a prompt's task_start, steering's request_begin, an abort's task_end follow
+                self.unstarted = None
+            case UserMsg():
+                # A prompt's task_start follows (R-TRACE-3), steering's request_begin.
+                if output.kind == "prompt" and self.run_id is None:
+                    self.unstarted = output
+            case Abort():
+                pass  # its task_end follows
             case ToolHook():
                 pass  # what it did shows in the decision and the result that follow
             case Rewind():
-                pass  # fold() leaves out what a rewind cut (history.live_records)
+                self.unstarted = None  # fold() leaves out what a rewind cut (live_records)
             case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():
                 pass  # live only
             case _:
@@ -892,6 +903,18 @@ class TaskMachine:
         next task starts afresh."""
         if self.record.run_id is not None:
             self.record.end("aborted")
+
+    def adopt_unstarted(self) -> bool:
+        """Open the task of a prompt its host recorded but stopped before starting (the
+        trace ends in it: :attr:`TaskRecord.unstarted`), so that it is taken up like any
+        task left open; its ``task_start`` is still to be written. False when there is
+        none, or a task is open."""
+        record = self.record
+        prompt = record.unstarted
+        if prompt is None or record.run_id is not None:
+            return False
+        record.start(prompt.run_id, "task", prompt.output_schema)
+        return True
 
     def plan_failure(self, error: ModelError) -> int | None:
         """The wait to announce in the ``request_end`` of the current attempt, which failed

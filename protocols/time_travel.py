@@ -8,7 +8,10 @@ without a result gets ``[interrupted: tool aborted by user]`` (a request waiting
 is denied by default first, R-APPROVE-5), a cut stream ends ``aborted``, then one ``abort``
 (with the partial output, so carry-over is rebuilt from the trace) and one
 ``task_end(aborted)``. :func:`settlement` gives those records; the caller numbers and writes
-them. A manual compaction in flight ends ``failed``.
+them. A manual compaction in flight ends ``failed``. A history that ends in a prompt whose
+task had not started (the cut fell between the two) gets the ``task_start``, then the
+``abort`` and ``task_end(aborted)``, as an interrupt that came while the prompt was made
+durable leaves it: no one takes that prompt up later as a run to start.
 
 :func:`rewind_problem` says why a rewind cannot go to a ``seq``, in words for the person who
 asked: out of range, or cut by an earlier rewind (a fork reaches those too).
@@ -28,8 +31,10 @@ from greenroom.protocols.outputs import (
     Output,
     RequestEnd,
     TaskEnd,
+    TaskStart,
     ToolCallOutput,
 )
+from greenroom.protocols.stream import TokenUsage
 from greenroom.protocols.task import Phase, TaskRecord
 
 __all__ = ["rewind_problem", "settlement"]
@@ -43,10 +48,17 @@ def settlement(
     state folded from that history (:func:`~greenroom.protocols.task.fold`), ``partial``
     what the model request in flight had produced
     (:attr:`~greenroom.protocols.transcript.Transcript.attempt_blocks`)."""
-    run_id = record.run_id
+    run_id = started = record.run_id
+    out: list[Output] = []
+    prompt = record.unstarted
+    if started is None and prompt is not None:
+        run_id = prompt.run_id
+        out.append(
+            TaskStart(session_id=session_id, run_id=run_id, input_seq=prompt.seq,
+                      output_schema=prompt.output_schema)
+        )
     if run_id is None:
         return []
-    out: list[Output] = []
     if record.phase is Phase.COMPACTING:
         out.append(
             CompactionEnd(
@@ -112,8 +124,8 @@ def settlement(
             session_id=session_id,
             run_id=run_id,
             status="aborted",
-            turns=record.turn,
-            usage=record.usage,
+            turns=record.turn if started is not None else 0,
+            usage=record.usage if started is not None else TokenUsage(),
             wall_ms=0,
             message=reason,
         )

@@ -108,6 +108,9 @@ class Router(Protocol):
 
 
 DETACHED = frozenset({"compact"})
+
+ACCEPT_WAIT_S = 10.0
+"""How long ``run`` waits for its prompt to be durable before it answers anyway."""
 """Methods a connection runs in their own task when called alone: ``compact`` waits for a
 model request, and the connection keeps reading meanwhile."""
 
@@ -400,7 +403,9 @@ class Methods:
 
     async def rpc_run(self, connection: Connection, params: dict[str, Any]) -> Any:
         """Start a task on the session; its outputs reach the client through its subscription.
-        Returns ``{run_id}`` at once; a busy (409) or auth-locked (423) session refuses."""
+        Returns ``{run_id}`` once the task's prompt is durable (the run then happens even
+        if this host dies: another takes it up); a busy (409) or auth-locked (423)
+        session refuses."""
         jsonrpc.check_params(params, "run")
         output = jsonrpc.optional_output_schema(params)
         session = await self._hubs.settled(
@@ -408,6 +413,10 @@ class Methods:
         )
         content = await self._input(session, params)
         stream = session.run(content, approve=self.approver(), output_schema=output)
+        # Answered once the prompt is durable: from then on the run is not lost with
+        # this host (R-CLUSTER-2); a disk that hangs holds the answer only so long.
+        with trio.move_on_after(ACCEPT_WAIT_S):
+            await stream.accepted()
         stream.detach()  # clients read the outputs through their subscriptions
         return {"run_id": stream.run_id}
 

@@ -56,7 +56,7 @@ from greenroom.actors.runtime.storage import (
     SESSIONS_DIR,
     tighten,
 )
-from greenroom.actors.runtime.supervisor import start, wake
+from greenroom.actors.runtime.supervisor import start, take_up_stored, wake
 from greenroom.actors.runtime.time_travel import fork, settle_fork
 from greenroom.actors.runtime.trace_store import (
     FileTraceStore,
@@ -528,7 +528,9 @@ class Host:
 
     async def resume(self, session_id: str, *, approve: Approval = PEOPLE, **load: Any) -> Session:
         """Take up the session's open task, if its trace leaves one: loaded (``load`` as
-        for :meth:`load_session`; the host's tools by default) and resumed (R-HITL-4).
+        for :meth:`load_session`; the host's tools by default) and resumed (R-HITL-4). A
+        prompt recorded without its ``task_start`` is a run its host accepted and had not
+        started: its task starts (R-CLUSTER-2).
         ``approve`` decides the calls of a task whose host stopped under it, as
         ``session.run(approve=…)`` does (the callback it ran with went with that host):
         ``"people"`` by default. A call that was already waiting for a person keeps
@@ -537,12 +539,7 @@ class Host:
         ends (:mod:`~greenroom.actors.runtime.child_reports`); a foreground subagent's is
         left to its trace (its parent's call ended with the host). Returns the session."""
         session = await self.load_session(session_id, **load)
-        port = self._ports[session_id]
-        if port.inbox is None and port.machine.run_id is not None:
-            if port.parent_id is not None and port.report_as is None:
-                return session  # a foreground subagent's call ended with its host
-            port.lost_approve = approve
-            wake(port, None)
+        take_up_stored(self._ports[session_id], approve)
         return session
 
     async def resume_tasks(self, approve: Approval = PEOPLE) -> list[str]:

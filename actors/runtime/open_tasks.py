@@ -1,5 +1,6 @@
-"""Which stored sessions a host has left with a task open — waiting for people, or cut
-off when a host stopped — so that their requests can be listed and their tasks taken up
+"""Which stored sessions a host has left with a task open — waiting for people, cut off
+when a host stopped, or accepted and not yet started (a prompt without its ``task_start``)
+— so that their requests can be listed and their tasks taken up
 (R-HITL-2, R-HITL-4) without the host holding them open.
 
 The store is read once per host (every session's latest trace, folded by the task
@@ -37,8 +38,9 @@ class OpenTaskIndex:
                     loaded = await self._store.log.read_latest(entry.session_id)
                 except OSError:
                     continue  # unreadable: listed by list_sessions, not resumed
-                if fold(list(loaded.records)).run_id is not None:
-                    found.add(entry.session_id)
+                machine = fold(list(loaded.records))
+                if machine.run_id is not None or machine.record.unstarted is not None:
+                    found.add(entry.session_id)  # a task open, or a run not yet started
             self._open |= found
             self._scanned = True
         return sorted(s for s in self._open if s not in open_here)

@@ -5,6 +5,8 @@ only for people (no supervisor, no actors: R-HITL-3), or its host stopped under 
 crash, a SIGKILL, a takeover by another host). A supervisor that starts for such a session
 takes the task up where the trace left it, through :func:`take_up`:
 
+- a prompt recorded without its ``task_start`` (the run was accepted, its host stopped
+  before starting it: ``TaskMachine.adopt_unstarted``) gets it now, and its task runs;
 - a compaction in flight is over: ``compaction_end(failed)``;
 - the attempt in flight is rebuilt (:meth:`TurnRunner.resume`): a call that was running
   is in doubt and is resolved — by its tool's check, a person or the host-lost note; it
@@ -29,7 +31,7 @@ from greenroom.actors.runtime.turn_runner import TurnRunner
 from greenroom.protocols import markers
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.messages import PlanBackoff, StreamerCommand
-from greenroom.protocols.outputs import CompactionEnd
+from greenroom.protocols.outputs import CompactionEnd, TaskStart
 from greenroom.protocols.stream import ModelError
 from greenroom.protocols.task import Phase
 
@@ -64,7 +66,13 @@ def take_up(
     machine = port.machine
     record = machine.record
     lost = False
-    if record.phase is Phase.COMPACTING:
+    prompt = record.unstarted
+    if prompt is not None and prompt.run_id == run_id:
+        out.emit(
+            TaskStart(session_id=port.id, run_id=run_id, input_seq=prompt.seq,
+                      output_schema=prompt.output_schema)
+        )
+    elif record.phase is Phase.COMPACTING:
         lost = True
         out.emit(
             CompactionEnd(

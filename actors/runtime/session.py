@@ -291,6 +291,19 @@ class RunStream:
         """Every remaining output, once the run has ended."""
         return [output async for output in self]
 
+    async def accepted(self) -> None:
+        """Return once the run's task has started — its prompt is durable, so whoever
+        takes the session up after this host stops starts the run if this host did not
+        (R-TRACE-3, R-CLUSTER-2) — or has ended without starting (a refused image, an
+        interrupt). What is read meanwhile is still handed out by iteration."""
+        ahead = self._batch = self._batch[self._index :]
+        self._index = 0
+        while not any(_opens_or_ends(output) for output in ahead):
+            try:
+                ahead.extend(await self._receive.receive())
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                return
+
     def detach(self) -> None:
         """Stop receiving without interrupting: the task (and its follow-ups) runs on,
         its outputs still reach the trace and subscribers, and none pile up here. For
@@ -311,6 +324,10 @@ class RunStream:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+def _opens_or_ends(output: Output) -> bool:
+    return output.origin is None and isinstance(output, TaskStart | TaskEnd)
 
 
 class Session:

@@ -50,7 +50,7 @@ from greenroom.actors.runtime.attachments import attach
 from greenroom.actors.runtime.drain import holds_for_drain
 from greenroom.actors.runtime.emitter import OutputEmitter, repaired_blocks
 from greenroom.actors.runtime.errors import ImageRefused
-from greenroom.actors.runtime.port import SessionPort, TaskInput
+from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput
 from greenroom.actors.runtime.resumption import parked_or_lost
 from greenroom.actors.runtime.running_task import RunningTask, build_request
 from greenroom.actors.runtime.tree import background_count, end_subtree, tell
@@ -98,6 +98,7 @@ __all__ = [
     "build_request",
     "run_child",
     "start",
+    "take_up_stored",
     "wake",
 ]
 
@@ -349,16 +350,17 @@ class SessionSupervisor:
             return
         # R-TRACE-3: the input is a fact of the session before the task starts: durable
         # before task_start exists.
+        schema = input_.output.schema if input_.output is not None else None
         prompt = self._out.emit(
             UserMsg(
                 session_id=port.id,
                 run_id=task.run_id,
                 kind="prompt",
                 content=repaired_blocks(content),
+                output_schema=schema,
             )
         )
         await self._sync()
-        schema = input_.output.schema if input_.output is not None else None
         self._out.emit(TaskStart(session_id=port.id, run_id=task.run_id, input_seq=prompt.seq,
                                  output_schema=schema))
         self._out.flush()
@@ -626,6 +628,20 @@ def wake(port: SessionPort, message: SupervisorMessage | None) -> None:
     if message is not None:
         supervisor.inbox.send_nowait(message)
     port.host.start_task(supervisor.run)
+
+
+def take_up_stored(port: SessionPort, approve: Approval) -> None:
+    """Take up the work a stopped host left in ``port``'s trace (``Host.resume``): its open
+    task, or the task of a prompt it recorded and had not started (the run was accepted:
+    :meth:`~greenroom.protocols.task.TaskMachine.adopt_unstarted`), with ``approve`` for
+    its calls. Nothing when a supervisor runs it already, or for a foreground subagent
+    (its parent's call ended with that host)."""
+    if port.inbox is not None or (port.parent_id is not None and port.report_as is None):
+        return
+    machine = port.machine
+    if machine.run_id is not None or machine.adopt_unstarted():
+        port.lost_approve = approve
+        wake(port, None)
 
 
 async def forward_cancel(
