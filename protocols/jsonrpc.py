@@ -341,6 +341,13 @@ _INPUT = Param(
     doc="text, or `[{type: text, text}, {type: image, path, media_type?}]`; images are read "
     "at the call, from the workspace or scratchpad",
 )
+_OUTPUT_SCHEMA = Param(
+    name="output_schema",
+    type="object",
+    required=False,
+    doc="a JSON Schema of an object: the answer must match it (R-OUT-1); the `task_end` "
+    "carries it as `output`",
+)
 
 METHODS: dict[str, Method] = {
     m.name: m
@@ -424,12 +431,10 @@ METHODS: dict[str, Method] = {
             params=(
                 _session_id(),
                 _INPUT,
-                Param(name="output_schema", type="object", required=False,
-                      doc="a JSON Schema of an object: the answer must match it (R-OUT-1); "
-                      "the `task_end` carries it as `output`"),
+                _OUTPUT_SCHEMA,
             ),
             result="`{run_id}`",
-            doc="Start a task (409 while one runs).",
+            doc="Start a task (409 while one runs); answered once its prompt is durable.",
         ),
         Method(
             name="steer",
@@ -439,7 +444,7 @@ METHODS: dict[str, Method] = {
         ),
         Method(
             name="follow_up",
-            params=(_session_id(), _INPUT),
+            params=(_session_id(), _INPUT, _OUTPUT_SCHEMA),
             result="`{queued}`",
             doc="Queue a task to start after the current one (false: no task runs).",
         ),

@@ -454,6 +454,9 @@ class CompactionEnd(Envelope):
             summarized, it is the first input of the new context.
         error_kind: for status ``failed`` after a model error, its kind (``auth``,
             ``timeout``…); ``auth`` locks the session (R-RETRY-6). Left out when None.
+        output_schema: the ``output_schema`` of the task that compacted (R-OUT-1), for
+            status ``ok``: the new trace file alone holds the task to it. Left out when
+            None.
     """
 
     TYPE: ClassVar[str] = "compaction_end"
@@ -465,6 +468,7 @@ class CompactionEnd(Envelope):
     summary: str | None = None
     kept_input: tuple[UserContent, ...] = ()
     error_kind: str | None = None
+    output_schema: dict[str, Any] | None = None
 
 
 @_documented

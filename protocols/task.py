@@ -633,8 +633,8 @@ class TaskRecord:
     def _compaction_ended(self, output: CompactionEnd) -> None:
         if self.run_id is None:
             # The first record of a trace file that a compaction started, read on its own
-            # (R-COMPACT-8): the task that compacted goes on here.
-            self.start(output.run_id, "task")
+            # (R-COMPACT-8): the task that compacted goes on here, held to its schema.
+            self.start(output.run_id, "task", output.output_schema)
         reason = self.compaction_reason
         self.compaction_reason = None
         if output.status == "ok":

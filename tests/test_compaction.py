@@ -9,6 +9,7 @@ context that was summarized (older files) or the live context (the current file)
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from conftest import (
     texts_of,
     types,
 )
+from test_recovery import blocking_tool, copy_session
 
 from greenroom.actors.providers.scripted import (
     Reply,
@@ -810,6 +812,45 @@ async def test_reload_after_rotation_uses_the_latest_file(
         AssistantMessage(content=(text("Done."),)),
         UserMessage(content=(TextBlock(text="continue"),)),
     )
+
+
+async def test_a_structured_task_that_compacted_keeps_its_schema_when_its_host_stops(
+    host: Host, workspace: Path, tmp_path: Path, providers, lookup: Lookup
+) -> None:
+    """R-OUT-1, R-COMPACT-8, R-HITL-4: the new trace file alone holds the task to its
+    output schema (compaction_end carries it): taken up from a copy made while its next
+    call runs, the task's requests still ask for the schema and its answer is checked."""
+    schema = {"type": "object", "properties": {"key": {"type": "string"}},
+              "required": ["key"], "additionalProperties": False}
+    hold, hold_started = blocking_tool()
+    provider = providers(
+        [
+            Reply(blocks=(tool_call("c1", "lookup", key="a"),), usage=BIG),
+            summary_step("the summary"),
+            Reply(blocks=(tool_call("c2", "hold", key="b"),)),
+        ]
+    )
+    session = await new_session(host, workspace, provider, [lookup.tool, hold])
+    session.run("go", approve=allow_all, output_schema=schema).detach()
+    with trio.fail_after(10):
+        await hold_started.wait()
+    await port_of(session).sync_trace()
+    assert session.trace_path.name == "trace_002.jsonl"
+    first = records(session.trace_path)[0]
+    assert isinstance(first, CompactionEnd) and first.output_schema == schema
+    copy_session(session, tmp_path / "crashed")
+
+    again = providers([Reply(blocks=(text(json.dumps({"key": "b"})),))])
+    async with open_host(tmp_path / "crashed") as other:
+        with trio.fail_after(10):
+            taken = await other.resume(session.id, provider=again,
+                                       tools=[lookup.tool, hold], approve=allow_all)
+            await taken.wait_idle()
+        end = records(taken.trace_path)[-1]
+    assert isinstance(end, TaskEnd)
+    assert (end.status, end.output) == ("completed", {"key": "b"})
+    (request,) = again.requests
+    assert request.output is not None and request.output.schema == schema
 
 
 # -- interrupt and steering during a compaction ------------------------------------------------

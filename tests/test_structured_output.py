@@ -76,6 +76,36 @@ async def test_a_text_answer_is_validated_and_built_into_the_class(
     assert end["type"] == "task_end" and end["output"] == GOOD
 
 
+async def test_a_follow_up_has_a_schema_of_its_own(
+    host: Host, workspace: Path, providers: Any
+) -> None:
+    """R-OUT-1, R-STEER-6: a follow-up queued with its own schema is held to it (its
+    requests ask for it, its task_start records it); the stream's result is the
+    follow-up's answer as a dict, the run's own was built into its class."""
+    count = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+             "additionalProperties": False}
+    seen: list[ModelRequest] = []
+
+    def answer(request: ModelRequest) -> Reply:
+        seen.append(request)
+        return Reply(blocks=(text(json.dumps(GOOD if len(seen) == 1 else {"n": 2})),))
+
+    session = await host.create_session(provider=providers(answer), workspace_dir=workspace)
+    stream = session.run("weather in Lyon?", output_schema=Weather)
+    assert session.follow_up("how many cities?", output_schema=count)
+    with trio.fail_after(RUN_TIMEOUT_S):
+        outputs = [output async for output in stream]
+        result = await stream.result()
+    ends = of_type(outputs, TaskEnd)
+    assert [(e.status, e.output) for e in ends] == [("completed", GOOD), ("completed", {"n": 2})]
+    starts = of_type(outputs, TaskStart)
+    assert [s.output_schema is not None for s in starts] == [True, True]
+    assert starts[0].output_schema["title"] == "Weather"  # type: ignore[index]
+    assert starts[1].output_schema == count
+    assert [r.output.schema if r.output else None for r in seen][1] == count
+    assert result.output == {"n": 2}
+
+
 async def test_tools_first_then_the_final_tool_even_when_every_call_is_denied(
     host: Host, workspace: Path, providers: Any
 ) -> None:

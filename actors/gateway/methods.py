@@ -431,11 +431,12 @@ class Methods:
         """Queue ``input`` as a task to run after the current one (R-STEER-6); ``queued`` is
         False when idle (then call ``run``)."""
         jsonrpc.check_params(params, "follow_up")
+        output = jsonrpc.optional_output_schema(params)
         session = await self._hubs.settled(
             await self._owned_session(connection, params, node=False)
         )
         content = await self._input(session, params)
-        return {"queued": session.follow_up(content, approve=self.approver())}
+        return {"queued": session.follow_up(content, approve=self.approver(), output_schema=output)}
 
     async def rpc_approvals_list(self, connection: Connection, params: dict[str, Any]) -> Any:
         """The requests waiting for a person (approvals and questions) in the caller's

@@ -156,6 +156,7 @@ class CompactionRun:
             return
         trace_file = port.rotate_trace()
         self.running = False
+        answers = port.machine.record.answers
         emitter.emit(
             CompactionEnd(
                 session_id=port.id,
@@ -165,6 +166,7 @@ class CompactionRun:
                 trace_file=trace_file,
                 summary=self.summary,
                 kept_input=self._kept,  # type: ignore[arg-type]
+                output_schema=answers.schema if answers is not None else None,
             )
         )
         emitter.flush()

@@ -171,6 +171,7 @@ class RunStream:
     __slots__ = (
         "_batch",
         "_deliver",
+        "_first_run_id",
         "_index",
         "_output",
         "_receive",
@@ -193,7 +194,7 @@ class RunStream:
         # and a reader holding the first one's inbox would keep that dead channel alive
         # and could no longer interrupt its own run.
         self._deliver = deliver
-        self._run_id = first_run_id
+        self._run_id = self._first_run_id = first_run_id
         self._batch: list[Output] = []
         self._index = 0
         self._texts: list[str] = []
@@ -283,7 +284,7 @@ class RunStream:
                 "closed while the task waited for people)"
             )
         output: Any = end.output
-        if output is not None and self._output is not None:
+        if output is not None and self._output is not None and end.run_id == self._first_run_id:
             output = self._output.build(output)
         return RunResult(text=self.final_text, task_end=end, output=output)
 
@@ -596,15 +597,19 @@ class Session:
         *,
         approve: Approval = None,
         thinking_level: str | None = None,
+        output_schema: Any = None,
     ) -> bool:
         """Queue a whole new task to run after the current one, FIFO (R-STEER-6). Its
         outputs continue the running ``RunStream``. Returns False when idle; raises
-        :class:`HostClosed` while the host drains (a queued task would be lost with it)."""
+        :class:`HostClosed` while the host drains (a queued task would be lost with it).
+        ``output_schema`` as for :meth:`run` (R-OUT-1): the follow-up's answer is its
+        ``task_end.output``, a dict (the stream's :meth:`RunStream.result` builds the
+        class of the run's own schema only for the run's own task)."""
         if self._port.host.draining:
             self._check_takes_tasks()
-        task = TaskInput(
-            content=_as_content(messages), approve=approve, thinking_level=thinking_level
-        )
+        output = _output_spec(self._port, output_schema)
+        task = TaskInput(content=_as_content(messages), approve=approve,
+                         thinking_level=thinking_level, output=output)
         return self._port.deliver(TaskQueued(task=task))
 
     def interrupt(
