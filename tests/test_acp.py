@@ -353,6 +353,34 @@ def test_a_rejected_call_fails_and_the_task_goes_on(tmp_path: Path, workspace: P
     run(scenario())
 
 
+def test_hooks_deny_calls_before_the_editor_is_asked(tmp_path: Path, workspace: Path) -> None:
+    """R-HOOK-2 through ACP: ``greenroom acp --hooks FILE`` gives every session the file's
+    command hooks: a denied call fails with the hook's reason and the editor is never
+    asked about it; the task goes on."""
+    hooks = tmp_path / "hooks.json"
+    hooks.write_text(json.dumps({"before_tool": [
+        {"match": "list_dir", "command": "echo 'no listings here' >&2; exit 2"}
+    ]}), encoding="utf-8")
+
+    async def scenario() -> None:
+        async with greenroom_acp(tmp_path, "--hooks", str(hooks)) as agent:
+            sid = await start(agent, workspace)
+            agent.editor.choose = lambda call: "allow_session"
+            answer = await agent.conn.prompt(session_id=sid, prompt=text(DEMO_PROMPT))
+            assert answer.stop_reason == "end_turn"
+            failed = await agent.editor.wait_for(
+                lambda u: u.session_update == "tool_call_update" and u.status == "failed"
+            )
+            assert failed.content[0].content.text == (
+                "Tool call denied by a hook: no listings here"
+            )
+            assert all(not (p.title or "").startswith("List") for p in agent.editor.permissions)
+            assert await agent.close_stdin() == 0
+            agent.check_frames()
+
+    run(scenario())
+
+
 def test_cancel_mid_tool_answers_cancelled_promptly(tmp_path: Path, workspace: Path) -> None:
     """R-ABORT-1 through ACP: session/cancel while a tool blocks ends the prompt with
     cancelled at once, and the call's update says failed (interrupted)."""

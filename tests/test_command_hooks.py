@@ -89,7 +89,8 @@ async def test_the_call_on_stdin_exit_2_denies_and_match_picks_the_tools(
     outputs = await run(host, tmp_path, providers, settings, sh("c1", "rm -rf /"))
     assert json.loads(seen.read_text()) == {
         "hook": "before_tool", "tool": "run_shell", "call_id": "c1",
-        "arguments": {"command": "rm -rf /"},
+        "arguments": {"command": "rm -rf /"}, "session_id": outputs[0].session_id,
+        "cwd": str((tmp_path / "ws").resolve()),
     }
     assert ran == []
     (hooked,) = of_type(outputs, ToolHook)
@@ -116,6 +117,21 @@ async def test_a_json_object_on_stdout_rewrites_and_the_next_hook_sees_it(
     assert hooked.action == "rewrite" and hooked.arguments == {
         "command": "timeout 5 make >/dev/null"
     }
+
+
+async def test_a_command_runs_in_the_sessions_workspace_and_is_told_whose_call_it_is(
+    host: Host, tmp_path: Path, providers: Any
+) -> None:
+    """R-HOOK-2, R-SEC-7: the command's working directory is the session's workspace (not
+    the process's), and its stdin names the session and that workspace."""
+    where = py(
+        "import json,os,sys; c=json.load(sys.stdin); "
+        "print(json.dumps({'command': '|'.join([os.getcwd(), c['cwd'], c['session_id']])}))"
+    )
+    outputs = await run(host, tmp_path, providers, {"before_tool": [{"command": where}]},
+                        sh("c1", "ls"))
+    workspace = str((tmp_path / "ws").resolve())
+    assert ran == [f"{workspace}|{workspace}|{outputs[0].session_id}"]
 
 
 async def test_after_tool_replaces_with_content_or_with_stderr_on_exit_2(

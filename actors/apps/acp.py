@@ -134,6 +134,8 @@ class AcpConfig:
     mcp_config: dict[str, dict[str, Any]] = attrs.Factory(dict)
     prices: Mapping[str, Price] | None = None
     """Model prices over the built-in table (``--prices``: R-SHARE-3)."""
+    observers: tuple[Callable[[Any], None], ...] = ()
+    """Host observers given every session (``--hooks``' tool hooks, ``--otel``)."""
 
     def mcp_servers_with(self, servers: tuple[dict[str, Any], ...]) -> dict[str, dict[str, Any]]:
         """The MCP servers of a session: those of ``--mcp-config``, then the client's
@@ -896,7 +898,9 @@ def serve_stdio(config: AcpConfig, data_dir: Path, stdout_fd: int) -> None:
 
 
 async def _serve_stdio(config: AcpConfig, data_dir: Path, stdin_fd: int, stdout_fd: int) -> None:
-    async with Host.open(data_dir=data_dir, prices=config.prices) as host:
+    async with Host.open(
+        data_dir=data_dir, prices=config.prices, observers=config.observers
+    ) as host:
         output = _fd_stream(os.dup(stdout_fd))
         receive = _fd_stream(os.dup(stdin_fd))
         agent = AcpAgent(host, config, output)

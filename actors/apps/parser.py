@@ -166,8 +166,8 @@ def _add_provider_limit_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_hooks_flag(parser: argparse.ArgumentParser) -> None:
     """``--hooks FILE``: the command hooks of a settings file (R-HOOK-2), for every session
-    the command opens (``run``, ``chat``, ``serve``, and ``approve``/``answer``, which run a
-    task on)."""
+    the command opens (``run``, ``chat``, ``serve``, ``acp``, and ``approve``/``answer``,
+    which run a task on)."""
     parser.add_argument(
         "--hooks",
         metavar="FILE",
@@ -374,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
         "or deny all (default: ask)",
     )
     _add_session_flags(acp)
+    _add_hooks_flag(acp)
 
     serve = commands.add_parser(
         "serve",

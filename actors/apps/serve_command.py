@@ -235,6 +235,7 @@ def acp_command(args: argparse.Namespace) -> int:
         approve=args.approve,
         mcp_config=dict(mcp_servers(args.mcp_config)),
         prices=prices_file(args.prices),
+        observers=tuple(getattr(args, "observers", ())),
     )
     with stdout_for_renderer() as out:
         serve_stdio(config, options.data_dir, out.fileno())

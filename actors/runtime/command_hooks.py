@@ -4,11 +4,13 @@
 :func:`command_hooks` makes its entries the ``before_tool`` and ``after_tool`` of a
 :class:`~greenroom.protocols.hooks.Hooks`, so they are decided, recorded and bounded as any
 tool hook is. Each matching command runs in file order, through ``/bin/sh -c``, off the
-event loop (``trio.run_process``), in the process's working directory, and is killed when
-it outlives its ``timeout``. It is given the call as JSON on stdin::
+event loop (``trio.run_process``), in the workspace of the session whose call it decides
+(:func:`~greenroom.actors.runtime.tool_hooks.hook_site`; the process's working directory
+for a hook called outside a session), and is killed when it outlives its ``timeout``. It
+is given the call as JSON on stdin, with the session and its workspace::
 
     {"hook": "before_tool", "tool": "run_shell", "call_id": "c1",
-     "arguments": {"command": "ls"}}
+     "arguments": {"command": "ls"}, "session_id": "…", "cwd": "/path/to/workspace"}
 
 (``after_tool`` adds ``"result": {"status", "is_error", "text"}``), and answers by its
 exit status and output:
@@ -37,7 +39,7 @@ from typing import Any
 import attrs
 import trio
 
-from greenroom.actors.runtime.tool_hooks import ToolHookError
+from greenroom.actors.runtime.tool_hooks import ToolHookError, hook_site
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import ToolResult
 from greenroom.protocols.errors import HooksFileError
@@ -139,14 +141,21 @@ def install_tool_hooks(hooks: Hooks) -> Callable[[Any], None]:
 
 
 async def _run(hook: CommandHook, payload: dict[str, Any]) -> tuple[int, str, str]:
-    """Run ``hook``'s command with ``payload`` on stdin: its exit status, stdout and
-    stderr (stripped). Raises :class:`ToolHookError` when it cannot start or outlives its
-    timeout (it is killed then)."""
+    """Run ``hook``'s command with ``payload`` (and the session's id and workspace) on
+    stdin, in that workspace: its exit status, stdout and stderr (stripped). Raises
+    :class:`ToolHookError` when it cannot start or outlives its timeout (it is killed
+    then)."""
+    site = hook_site()
+    cwd = None
+    if site is not None:
+        cwd = str(site.workspace)
+        payload = {**payload, "session_id": site.session_id, "cwd": cwd}
     data = json.dumps(payload, ensure_ascii=False).encode()
     with trio.move_on_after(hook.timeout_s):
         try:
             done = await trio.run_process(
                 ["/bin/sh", "-c", hook.command],
+                cwd=cwd,
                 stdin=data,
                 capture_stdout=True,
                 capture_stderr=True,

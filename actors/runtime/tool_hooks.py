@@ -12,13 +12,19 @@ run, and its result is the truth of what happened.
 The approval broker calls :meth:`ToolHookCalls.before` for each call before anyone decides
 it, and the tool pool :meth:`ToolHookCalls.after` for each result before it is reported;
 both run in the task's cancel scope, so an interrupt ends a hook with the task.
+
+While a hook runs, :func:`hook_site` says whose call it decides — the session and its
+workspace — without widening the hooks' signatures: command hooks run in that workspace
+and give both to their command.
 """
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -35,7 +41,25 @@ from greenroom.protocols.hooks import (
 )
 from greenroom.protocols.outputs import ToolHookName, ToolStatus
 
-__all__ = ["ToolHookCalls", "ToolHookError", "tool_hook_calls"]
+__all__ = ["HookSite", "ToolHookCalls", "ToolHookError", "hook_site", "tool_hook_calls"]
+
+
+@attrs.frozen
+class HookSite:
+    """Whose call a tool hook decides: the session's id and its workspace (R-SEC-7)."""
+
+    session_id: str
+    workspace: Path
+
+
+_SITE: contextvars.ContextVar[HookSite | None] = contextvars.ContextVar(
+    "greenroom_hook_site", default=None
+)
+
+
+def hook_site() -> HookSite | None:
+    """The session whose call the running tool hook decides; None outside a hook."""
+    return _SITE.get()
 
 
 class ToolHookError(Exception):
@@ -47,9 +71,10 @@ class ToolHookError(Exception):
 class ToolHookCalls:
     """The ``before_tool`` and ``after_tool`` hooks of one task (see the module docstring)."""
 
-    __slots__ = ("_after", "_before", "_timeout_s")
+    __slots__ = ("_after", "_before", "_site", "_timeout_s")
 
-    def __init__(self, hooks: Hooks) -> None:
+    def __init__(self, hooks: Hooks, site: HookSite | None = None) -> None:
+        self._site = site
         self._before = hooks.before_tool
         self._after = hooks.after_tool
         self._timeout_s = math.inf if hooks.tool_hook_timeout_s is None else (
@@ -110,24 +135,29 @@ class ToolHookCalls:
 
     async def _call(self, name: ToolHookName, hook: Any, *args: Any) -> tuple[Any, str | None]:
         """The hook's answer, or None and why it has none."""
-        with trio.move_on_after(self._timeout_s):
-            try:
-                answer = hook(*args)
-                if inspect.isawaitable(answer):
-                    answer = await answer
-            except ToolHookError as exc:
-                return None, str(exc) or f"the {name} hook failed"
-            except Exception as exc:
-                return None, f"the hook raised {type(exc).__name__}: {exc}"
-            return answer, None
-        return None, f"no answer within {self._timeout_s:g} s"
+        site = _SITE.set(self._site)
+        try:
+            with trio.move_on_after(self._timeout_s):
+                try:
+                    answer = hook(*args)
+                    if inspect.isawaitable(answer):
+                        answer = await answer
+                except ToolHookError as exc:
+                    return None, str(exc) or f"the {name} hook failed"
+                except Exception as exc:
+                    return None, f"the hook raised {type(exc).__name__}: {exc}"
+                return answer, None
+            return None, f"no answer within {self._timeout_s:g} s"
+        finally:
+            _SITE.reset(site)
 
 
-def tool_hook_calls(hooks: Hooks) -> ToolHookCalls | None:
-    """The tool hook calls of a task of a session with ``hooks``; None without any."""
+def tool_hook_calls(hooks: Hooks, session_id: str, workspace: Path) -> ToolHookCalls | None:
+    """The tool hook calls of a task of session ``session_id`` (working in ``workspace``)
+    with ``hooks``; None without any."""
     if hooks.before_tool is None and hooks.after_tool is None:
         return None
-    return ToolHookCalls(hooks)
+    return ToolHookCalls(hooks, HookSite(session_id, workspace))
 
 
 def _action(
