@@ -393,7 +393,8 @@ def _session_tools(args: argparse.Namespace, data_dir: Path, session_id: str) ->
     included) and those of ``--tools``, the ones ``session.json`` names — the session's
     own set, never a wider one; all of them when it names none. Warns about the tools
     the session had that none of these gives (MCP tools come with ``--mcp-config``)."""
-    tools = collect_tools(args.tools, builtin=not args.no_builtin_tools)
+    tools = collect_tools(args.tools, builtin=not args.no_builtin_tools,
+                          a2a_agents=args.a2a_agent)
     if not args.no_builtin_tools and all(t.name != ASK_USER for t in tools):
         tools.append(ask_user)
     names = _stored_tool_names(data_dir, session_id)

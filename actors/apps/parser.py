@@ -191,6 +191,7 @@ def _add_session_flags(parser: argparse.ArgumentParser) -> None:
         default=[],
         help="load every @tool of a .py file or an importable module (repeatable; default: none)",
     )
+    _add_a2a_agent_flag(parser)
     parser.add_argument(
         "--mcp-config",
         metavar="FILE",
@@ -741,6 +742,18 @@ def _add_people_commands(commands: Any) -> None:
     _add_answer_flags(answer)
 
 
+def _add_a2a_agent_flag(parser: argparse.ArgumentParser) -> None:
+    """``--a2a-agent URL``: a remote A2A agent as a tool (R-PROTO-1)."""
+    parser.add_argument(
+        "--a2a-agent",
+        metavar="URL",
+        action="append",
+        default=[],
+        help="a remote A2A agent the model may call as a tool, by its base URL or its agent "
+        "card's URL (repeatable; its bearer token from GREENROOM_A2A_TOKEN)",
+    )
+
+
 def _add_answer_flags(parser: argparse.ArgumentParser) -> None:
     """What ``approve`` and ``answer`` share: the data dir, JSON output, and the tools and
     hooks the session is opened with."""
@@ -763,6 +776,7 @@ def _add_answer_flags(parser: argparse.ArgumentParser) -> None:
         default=[],
         help="the MCP servers' tools the session was given (repeatable)",
     )
+    _add_a2a_agent_flag(parser)
     parser.add_argument(
         "--no-builtin-tools",
         action="store_true",

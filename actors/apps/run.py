@@ -165,7 +165,8 @@ def run_options(args: argparse.Namespace, prompt: str) -> RunOptions:
         system=args.system,
         tools=tuple(
             collect_tools(
-                args.tools, builtin=not args.no_builtin_tools, questions=approve == "ask"
+                args.tools, builtin=not args.no_builtin_tools, questions=approve == "ask",
+                a2a_agents=args.a2a_agent,
             )
         ),
         mcp_servers=mcp_servers(args.mcp_config),
@@ -250,12 +251,18 @@ def mcp_servers(paths: Sequence[str]) -> Mapping[str, Any]:
 
 
 def collect_tools(
-    specs: Sequence[str], *, builtin: bool = True, questions: bool = False
+    specs: Sequence[str],
+    *,
+    builtin: bool = True,
+    questions: bool = False,
+    a2a_agents: Sequence[str] = (),
 ) -> list[Tool]:
     """The built-in tools and ``spawn_subagent`` (unless ``builtin`` is False) — with
-    ``ask_user`` too when ``questions`` (a person can answer the model's questions) — and
-    the tools of each ``--tools`` spec; a tool from a spec replaces a built-in of the same
-    name. Raises :class:`UsageError` naming the spec when one cannot be loaded."""
+    ``ask_user`` too when ``questions`` (a person can answer the model's questions) — the
+    tools of each ``--tools`` spec, and one per ``--a2a-agent`` URL whose card can be read
+    (R-PROTO-1; one that cannot is reported on stderr and left out); a later tool replaces
+    an earlier one of the same name. Raises :class:`UsageError` naming the spec when one
+    cannot be loaded."""
     tools: dict[str, Tool] = (
         {t.name: t for t in (*builtin_tools(), spawn_subagent)} if builtin else {}
     )
@@ -268,6 +275,11 @@ def collect_tools(
             raise UsageError(f"--tools: {exc}") from None
         for loaded_tool in loaded:
             tools[loaded_tool.name] = loaded_tool
+    if a2a_agents:
+        from greenroom.actors.tools.a2a_agent import a2a_tools  # only when asked for
+
+        for remote in a2a_tools(a2a_agents):
+            tools[remote.name] = remote
     return list(tools.values())
 
 

@@ -204,7 +204,9 @@ def _service_options(
 ) -> tuple[tuple[Tool, ...], RunOptions]:
     """The tools and checked run options of a command that serves sessions to clients
     (``serve``, ``acp``): no prompt of its own, the flags' data dir, provider and sandbox."""
-    tools = tuple(collect_tools(args.tools, builtin=not args.no_builtin_tools))
+    tools = tuple(
+        collect_tools(args.tools, builtin=not args.no_builtin_tools, a2a_agents=args.a2a_agent)
+    )
     options = prepare_options(
         RunOptions(
             prompt="",
