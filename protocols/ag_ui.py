@@ -16,6 +16,14 @@ wire's camelCase keys):
   with a new run whose ``resume`` entries carry the answers (:func:`parse_resume`).
 * ``task_end``: ``completed`` gives ``RUN_FINISHED`` (with the run's token usage),
   ``aborted`` ``RUN_FINISHED`` with the ``cancelled`` outcome, any other ``RUN_ERROR``.
+* Front-end tools (the run's ``tools``, :func:`client_tools`) are the session's client
+  tools: a call of one is shown as any call (``TOOL_CALL_START/ARGS/END``) and then waits
+  for the front end, which runs it and sends its result as a ``tool`` message of the next
+  run (:func:`tool_results`). A run that waits only for such results ends with
+  ``RUN_FINISHED`` and the ``success`` outcome, as AG-UI front ends expect; one that also
+  waits for a person ends on the interrupts.
+* The run's ``context`` and a ``state`` the front end changed are given to the model with
+  the new input (:func:`front_end_notes`).
 
 Ids are derived from the trace (``RUNID-TURN-BLOCK`` for messages, the call id for tool
 calls), so the events of a block replayed after a disconnect carry the ids the front end
@@ -27,10 +35,12 @@ middle comes again whole, under its id.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any, assert_never
 
 from greenroom.protocols.content import TextBlock, ToolCallBlock
+from greenroom.protocols.mcp_config import schema_problem
 from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
@@ -138,17 +148,92 @@ def _text_of(content: Any) -> str:
     return ""
 
 
+MAX_CLIENT_TOOLS = 64
+"""The most front-end tools a run may give."""
+
+MAX_NOTES_CHARS = 20_000
+"""The longest the front end's context and state may be, as text for the model."""
+
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class ClientToolError(ValueError):
+    """A front-end tool greenroom cannot offer the model (the message says which, and why)."""
+
+
+def client_tools(tools: Iterable[Mapping[str, Any]]) -> list[tuple[str, str, dict[str, Any]]]:
+    """``(name, description, parameters)`` of a run's front-end tools. Raises
+    :class:`ClientToolError` for one whose name a provider refuses or whose parameters are
+    not an object schema, or for more than :data:`MAX_CLIENT_TOOLS`."""
+    given = list(tools)
+    if len(given) > MAX_CLIENT_TOOLS:
+        raise ClientToolError(f"$.tools: at most {MAX_CLIENT_TOOLS} tools")
+    found: list[tuple[str, str, dict[str, Any]]] = []
+    for index, tool in enumerate(given):
+        name = tool.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise ClientToolError(
+                f"$.tools[{index}].name: letters, digits, '_' and '-' only, at most 64"
+            )
+        parameters = tool.get("parameters") or {"type": "object", "properties": {}}
+        problem = schema_problem(parameters)
+        if problem is not None:
+            raise ClientToolError(f"$.tools[{index}].parameters: {problem}")
+        description = tool.get("description")
+        found.append((name, description if isinstance(description, str) else "", parameters))
+    return found
+
+
+def tool_results(messages: Iterable[Mapping[str, Any]], waiting: Iterable[str]) -> dict[str, str]:
+    """The results a run's ``tool`` messages give the front-end calls in ``waiting`` (call
+    ids), by call id. Tool messages of other calls — the history a front end sends again
+    with every run — are not answers."""
+    open_calls = set(waiting)
+    results: dict[str, str] = {}
+    for said in messages:
+        call_id = said.get("toolCallId")
+        if said.get("role") == "tool" and call_id in open_calls:
+            content = said.get("content")
+            results[call_id] = content if isinstance(content, str) else _text_of(content)
+    return results
+
+
+def front_end_notes(
+    context: Iterable[Mapping[str, Any]], state: Any, *, state_changed: bool
+) -> str:
+    """What the model is told of the front end with a new input: the run's ``context``
+    entries, and its ``state`` when it changed since the thread's last run (empty when
+    there is neither)."""
+    lines = [
+        f"- {entry.get('description')}: {entry.get('value')}"
+        for entry in context
+        if isinstance(entry.get("description"), str)
+    ]
+    parts = []
+    if lines:
+        parts.append("[front-end context]\n" + "\n".join(lines) + "\n[/front-end context]")
+    if state_changed and state not in (None, {}, []):
+        shown = json.dumps(state, ensure_ascii=False, sort_keys=True)
+        parts.append(f"[front-end state]\n{shown}\n[/front-end state]")
+    return "\n".join(parts)
+
+
 class RunMapper:
     """The events of one AG-UI run over a session's outputs. Feed outputs to :meth:`map`
     in order; after the outputs at hand, :attr:`interrupts` says whether the run must end
     on them (:meth:`interrupted`); :attr:`ended` once a terminal event was given. Outputs
     of subagents (``origin`` set) are not shown."""
 
-    def __init__(self, *, thread_id: str, run_id: str) -> None:
+    def __init__(
+        self, *, thread_id: str, run_id: str, client_tools: frozenset[str] = frozenset()
+    ) -> None:
         self.thread_id = thread_id
         self.run_id = run_id
+        self.client_tools = client_tools
         self.interrupts: dict[str, Event] = {}
         """The open requests as interrupts, by call id."""
+        self.client_calls: set[str] = set()
+        """The front-end calls waiting for their results, by call id."""
         self.ended = False
         self._turn = 0
         self._block = 0
@@ -166,6 +251,7 @@ class RunMapper:
             "sessionId": self.thread_id,
             "status": self._status,
             "pendingApprovals": sorted(self.interrupts),
+            "pendingToolCalls": sorted(self.client_calls),
             "usage": {
                 "inputTokens": self._usage["input"],
                 "outputTokens": self._usage["output"],
@@ -223,6 +309,7 @@ class RunMapper:
                 return []
             case ApprovalDecision():
                 self.interrupts.pop(output.call_id, None)
+                self.client_calls.discard(output.call_id)
                 return []
             case TokenUsageOutput():
                 self._usage["input"] += output.request.input
@@ -242,7 +329,15 @@ class RunMapper:
             case _:
                 assert_never(output)
 
+    @property
+    def waiting(self) -> bool:
+        """Whether the task waits for the front end: interrupts, or front-end calls."""
+        return bool(self.interrupts or self.client_calls)
+
     def _ask(self, request: ApprovalRequest | PendingApproval) -> None:
+        if request.kind == "question" and request.tool in self.client_tools:
+            self.client_calls.add(request.call_id)
+            return
         interrupt: Event = {
             "id": request.call_id,
             "reason": INTERRUPT_REASONS[request.kind],
@@ -254,17 +349,21 @@ class RunMapper:
         self.interrupts[request.call_id] = interrupt
 
     def interrupted(self) -> list[Event]:
-        """End the run on its open interrupts: the task waits for their answers."""
+        """End the run on what it waits for: its open interrupts (the ``interrupt``
+        outcome), or only front-end calls (``success``: the front end runs them and sends
+        their results)."""
         self.ended = True
-        self._status = "waiting_for_approval"
+        if self.interrupts:
+            self._status = "waiting_for_approval"
+            outcome = {"type": "interrupt", "interrupts": list(self.interrupts.values())}
+        else:
+            self._status = "waiting_for_tool_results"
+            outcome = {"type": "success"}
         return [
             *self._close_open(),
             self._event("STATE_SNAPSHOT", snapshot=self.state()),
             self._event(
-                "RUN_FINISHED",
-                threadId=self.thread_id,
-                runId=self.run_id,
-                outcome={"type": "interrupt", "interrupts": list(self.interrupts.values())},
+                "RUN_FINISHED", threadId=self.thread_id, runId=self.run_id, outcome=outcome
             ),
         ]
 
@@ -363,6 +462,7 @@ class RunMapper:
     def _ended(self, output: TaskEnd) -> list[Event]:
         self.ended = True
         self.interrupts.clear()
+        self.client_calls.clear()
         self._status = "idle"
         events = [*self._close_open(), self._event("STATE_SNAPSHOT", snapshot=self.state())]
         match output.status:

@@ -171,7 +171,10 @@ class Tool:
     call starts (R-TRACE-2); it defaults to ``not parallel``. ``idempotent`` — running the
     call again after its host was lost is safe (R-CLUSTER-2): the model is told so and
     may call it again. ``check`` — asks the outside world whether a call its host lost
-    took effect (:data:`InDoubtCheck`, R-EFFECT-2).
+    took effect (:data:`InDoubtCheck`, R-EFFECT-2). ``client_side`` — a client runs the
+    tool, not the runtime (an AG-UI front end's tool: :func:`client_tool`): a call is never
+    run here, it is a durable question (R-HITL-5) whose answer is its result, whoever
+    decides the session's other calls.
     """
 
     name: str
@@ -184,6 +187,7 @@ class Tool:
     timeout_s: float | None = None
     idempotent: bool = False
     check: InDoubtCheck | None = attrs.field(default=None, eq=False, repr=False)
+    client_side: bool = False
 
     @property
     def schema(self) -> ToolSchema:
@@ -198,6 +202,29 @@ class Tool:
         if value_too_deep(arguments):
             return [f"$: nested deeper than {MAX_ARGUMENT_DEPTH} levels"]
         return validate_json(arguments, self.input_schema)
+
+
+CLIENT_NOT_ANSWERING = "The client that runs this tool did not give its result."
+"""What a client-side tool's call gives should it ever be run here (nobody answered)."""
+
+
+def client_tool(name: str, description: str, parameters: dict[str, Any]) -> Tool:
+    """A tool a client runs itself (``Tool.client_side``): ``parameters`` is its JSON Schema
+    (an object schema). Its calls wait for the client's answer, given as the answer to the
+    call's question (``host.answer_question``)."""
+
+    async def not_run_here(**_: Any) -> str:
+        return CLIENT_NOT_ANSWERING
+
+    return Tool(
+        name=name,
+        description=description,
+        input_schema=parameters,
+        parallel=True,
+        side_effects=False,
+        function=not_run_here,
+        client_side=True,
+    )
 
 
 class ToolDefinitionError(TypeError):

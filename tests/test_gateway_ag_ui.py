@@ -266,3 +266,105 @@ def test_resume_entries_and_new_input() -> None:
         {"role": "user", "content": "more"},
     ]
     assert ag_ui.new_input(said) == "new\n\nmore"
+
+
+# -- front-end tools, context and state ---------------------------------------------------------
+
+COLOR_TOOL = {
+    "name": "pick_color",
+    "description": "Ask the user to pick a color in the page.",
+    "parameters": {"type": "object", "properties": {"hint": {"type": "string"}},
+                   "required": ["hint"]},
+}
+
+
+def front_end_script() -> list[Any]:
+    from greenroom.actors.providers.scripted import Reply, text, tool_call
+
+    return [
+        Reply(blocks=(text("Let me ask."), tool_call("f1", "pick_color", hint="warm"))),
+        Reply(blocks=(text("You picked it."),)),
+    ]
+
+
+async def test_a_front_end_tool_waits_for_its_result_from_the_next_run(tmp_path: Path) -> None:
+    """R-PROTO-2: the run's tools are offered to the model; a call of one is shown as a
+    call and the run ends (success) with the thread waiting for its result — under
+    --approve all too, since the front end runs it; the next run's tool message is its
+    result (the history's earlier tool messages are not), and the task goes on."""
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, front_end_script, approve="all", ag_ui=True) as server:
+            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+            first = await posted(url, run_input("thread-f", "run-1", "pick one",
+                                                tools=[COLOR_TOOL]))
+            assert first.status == 200
+            (start,) = first.of("TOOL_CALL_START")
+            assert (start["toolCallId"], start["toolCallName"]) == ("f1", "pick_color")
+            finished = first.events[-1][1]
+            assert finished["type"] == "RUN_FINISHED" and finished["outcome"] == {"type": "success"}
+            assert first.of("STATE_SNAPSHOT")[-1]["snapshot"]["pendingToolCalls"] == ["f1"]
+            (request,) = server.providers[0].requests
+            assert [t.name for t in request.tools][-1] == "pick_color"
+
+            history = [
+                {"id": "u-run-1", "role": "user", "content": "pick one"},
+                {"id": "old", "role": "tool", "toolCallId": "zz", "content": "stale"},
+                {"id": "a1", "role": "assistant", "toolCalls": [{"id": "f1", "type": "function",
+                 "function": {"name": "pick_color", "arguments": '{"hint": "warm"}'}}]},
+                {"id": "t1", "role": "tool", "toolCallId": "f1", "content": "orange"},
+            ]
+            second = await posted(url, run_input("thread-f", "run-2", messages=history,
+                                                 tools=[COLOR_TOOL]))
+            assert second.status == 200, second.body
+            (result,) = second.of("TOOL_CALL_RESULT")
+            assert (result["toolCallId"], result["content"]) == ("f1", "orange")
+            assert "".join(e["delta"] for e in second.of("TEXT_MESSAGE_CONTENT")) == (
+                "You picked it."
+            )
+            assert second.events[-1][1]["outcome"] == {"type": "success"}
+    follow = server.providers[0].requests[-1]
+    assert "orange" in repr(follow.messages[-1])
+
+
+async def test_front_end_tools_that_cannot_be_offered_are_refused(
+    tmp_path: Path, lookup: Lookup
+) -> None:
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, tools=[lookup.tool], ag_ui=True) as server:
+            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+            bad_name = {**COLOR_TOOL, "name": "pick color"}
+            refused = await posted(url, run_input("t-bad", "r1", "hi", tools=[bad_name]))
+            assert refused.status == 400 and "$.tools[0].name" in json.dumps(refused.body)
+            bad_schema = {**COLOR_TOOL, "parameters": {"type": "string"}}
+            refused = await posted(url, run_input("t-bad", "r2", "hi", tools=[bad_schema]))
+            assert refused.status == 400 and "$.tools[0].parameters" in json.dumps(refused.body)
+            taken = {**COLOR_TOOL, "name": "lookup"}
+            refused = await posted(url, run_input("t-bad", "r3", "hi", tools=[taken]))
+            assert refused.status == 400 and "lookup" in json.dumps(refused.body)
+
+
+async def test_context_and_a_changed_state_reach_the_model_with_the_input(
+    tmp_path: Path,
+) -> None:
+    """The run's context entries come with every new input; the state only when it
+    changed since the thread's last run."""
+    from greenroom.actors.providers.scripted import Reply, text
+
+    script = lambda: [Reply(blocks=(text("ok"),)), Reply(blocks=(text("ok"),)),  # noqa: E731
+                      Reply(blocks=(text("ok"),))]
+    context = [{"description": "page", "value": "checkout"}]
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, script, ag_ui=True) as server:
+            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+            for run, state in (("r1", {"cart": 2}), ("r2", {"cart": 2}), ("r3", {"cart": 3})):
+                done = await posted(url, run_input("t-ctx", run, f"go {run}", context=context,
+                                                   state=state))
+                assert done.events[-1][1]["type"] == "RUN_FINISHED"
+    prompts = [
+        "\n".join(b.text for b in request.messages[-1].content if isinstance(b, TextBlock))
+        for request in server.providers[0].requests
+    ]
+    assert all("[front-end context]\n- page: checkout" in p for p in prompts)
+    assert ['[front-end state]\n{"cart": 2}' in p for p in prompts] == [True, False, False]
+    assert '[front-end state]\n{"cart": 3}' in prompts[2]
+    assert prompts[2].endswith("go r3")

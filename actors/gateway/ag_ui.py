@@ -11,12 +11,17 @@ of another principal is 403 (R-SEC-4).
 One request does one of three things:
 
 * **run**: the user messages at the end of ``messages`` start a task (409 while the
-  thread runs or waits for an answer);
-* **resume** (``resume`` entries): answer the interrupts the last run ended on, as the
-  caller's principal (R-HITL-2), and stream the task from where it waited;
+  thread runs or waits for an answer), with the run's ``context`` and changed ``state``
+  as notes for the model;
+* **resume** (``resume`` entries, or ``tool`` messages with the results of front-end
+  calls): answer what the last run ended on, as the caller's principal (R-HITL-2), and
+  stream the task from where it waited;
 * **reconnect** (a ``Last-Event-ID`` header, the ``id`` of the last event received):
   stream the thread again from there — the trace's seq replay — without starting
   anything.
+
+The run's ``tools`` become the session's client tools (``Session.set_client_tools``) for
+its tasks; one named like a tool of the session's own is 400.
 
 Every run's events come from the session (:class:`SessionFeed`), never from the task's
 own channel: a front end that disconnects loses nothing, the task goes on, and it
@@ -36,13 +41,14 @@ from greenroom.actors.gateway.feeds import SessionFeed
 from greenroom.actors.gateway.http_front import EventSink, HttpRequest, Reply
 from greenroom.actors.gateway.hubs import replay_records
 from greenroom.actors.gateway.methods import Methods
-from greenroom.actors.runtime.errors import GreenroomError
+from greenroom.actors.runtime.errors import ConfigurationError, GreenroomError
 from greenroom.actors.runtime.session import Session
 from greenroom.protocols import ag_ui, jsonrpc
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.jsonrpc import RpcError
 from greenroom.protocols.outputs import ApprovalRequest
-from greenroom.protocols.people import PendingApproval
+from greenroom.protocols.people import PendingApproval, Verdict
+from greenroom.protocols.tools import client_tool
 
 __all__ = ["AG_UI_PATH", "AgUiEndpoint"]
 
@@ -66,16 +72,20 @@ class AgUiEndpoint:
 
     def __init__(self, methods: Methods) -> None:
         self._methods = methods
+        self._states: dict[str, str] = {}
+        """The state each thread's front end sent last (JSON), to tell the model of a
+        change only; forgotten with the process (the state is told again once)."""
 
     async def respond(self, request: HttpRequest, reply: Reply) -> None:
         """One run: its events, or an HTTP error when the input is refused."""
         try:
             run = self._input(request.body)
             session = await self._thread(request.principal, run.thread_id)
+            tools = self._client_tools(session, run)
             last_event = request.headers.get("last-event-id")
             if last_event is not None:
                 feed, pending = await self._reconnect(session, last_event)
-            elif run.resume:
+            elif run.resume or await self._tool_results(session, run):
                 feed, pending = await self._resume(session, run, request.principal)
             else:
                 feed, pending = await self._start(session, run), []
@@ -91,7 +101,7 @@ class AgUiEndpoint:
             status = code if isinstance(code, int) and 400 <= code < 600 else 400
             await reply.error(status, str(exc))
             return
-        mapper = ag_ui.RunMapper(thread_id=session.id, run_id=run.run_id)
+        mapper = ag_ui.RunMapper(thread_id=session.id, run_id=run.run_id, client_tools=tools)
         with feed:
 
             async def produce(sink: EventSink) -> None:
@@ -125,6 +135,31 @@ class AgUiEndpoint:
                 raise
         return await self._methods.create_session_for(principal, session_id=thread_id)
 
+    def _client_tools(self, session: Session, run: RunAgentInput) -> frozenset[str]:
+        """Make the run's front-end tools the session's client tools (when it gives
+        any: a run without ``tools`` keeps those of the thread's last run); their names."""
+        if run.tools:
+            try:
+                given = ag_ui.client_tools(t.model_dump() for t in run.tools)
+            except ag_ui.ClientToolError as exc:
+                raise _Refused(400, str(exc)) from None
+            try:
+                session.set_client_tools([client_tool(*tool) for tool in given])
+            except ConfigurationError as exc:
+                raise _Refused(400, f"$.tools: {exc}") from None
+        return frozenset(t.name for t in session.host.port(session.id).client_tools)
+
+    async def _tool_results(self, session: Session, run: RunAgentInput) -> dict[str, str]:
+        """The results the run's ``tool`` messages give the front-end calls that wait."""
+        client = {t.name for t in session.host.port(session.id).client_tools}
+        waiting = [
+            p.call_id for p in await self._pending(session)
+            if p.kind == "question" and p.tool in client
+        ]
+        if not waiting:
+            return {}
+        return ag_ui.tool_results((m.model_dump(by_alias=True) for m in run.messages), waiting)
+
     async def _pending(self, session: Session) -> list[PendingApproval]:
         return [
             p for p in await self._methods.host.pending_approvals() if p.session_id == session.id
@@ -137,18 +172,35 @@ class AgUiEndpoint:
             raise _Refused(400, "$.messages: no user message after the agent's last one")
         if len(text) > MAX_TEXT_CHARS:
             raise _Refused(400, f"$.messages: more than {MAX_TEXT_CHARS} characters of text")
+        notes = self._notes(session, run)
         if await self._pending(session):
             raise _Refused(409, "the thread waits for answers: send them as resume entries")
         session = await self._methods.settled(session)
         # Live only: the session is idle, so every output of the new task follows.
         feed = SessionFeed(session, session.host.port(session.id).last_seq, replay=False)
         try:
-            stream = session.run([TextBlock(text=text)], approve=self._methods.approver())
+            content = [TextBlock(text=notes), TextBlock(text=text)] if notes else [
+                TextBlock(text=text)
+            ]
+            stream = session.run(content, approve=self._methods.approver())
         except BaseException:
             feed.close()
             raise
         stream.detach()  # read through the feed, which a disconnect cannot lose
         return feed
+
+    def _notes(self, session: Session, run: RunAgentInput) -> str:
+        """The front end's context and changed state, as text for the model."""
+        state = json.dumps(run.state, sort_keys=True, default=str)
+        changed = self._states.get(session.id) != state
+        notes = ag_ui.front_end_notes(
+            (c.model_dump() for c in run.context or ()), run.state, state_changed=changed
+        )
+        if len(notes) > ag_ui.MAX_NOTES_CHARS:
+            raise _Refused(400, f"$.context and $.state: more than {ag_ui.MAX_NOTES_CHARS} "
+                                "characters as text")
+        self._states[session.id] = state
+        return notes
 
     async def _resume(
         self, session: Session, run: RunAgentInput, principal: str
@@ -158,7 +210,10 @@ class AgUiEndpoint:
         unknown = [e.interrupt_id for e in entries if e.interrupt_id not in pending]
         if unknown:
             raise _Refused(409, f"no pending interrupt {jsonrpc.echo(unknown[0])} in this thread")
-        answers = []
+        answers: list[tuple[PendingApproval, tuple[Verdict | None, str | None]]] = [
+            (pending[call_id], (None, result))
+            for call_id, result in (await self._tool_results(session, run)).items()
+        ]
         for entry in entries:
             request = pending[entry.interrupt_id]
             try:
@@ -221,7 +276,7 @@ async def _stream(
     for event in mapper.started(pending):
         await sink.send(jsonrpc.encode(event), event_id=str(cursor))
     while not mapper.ended:
-        if mapper.interrupts:
+        if mapper.waiting:
             for event in mapper.interrupted():
                 await sink.send(jsonrpc.encode(event), event_id=str(cursor))
             return

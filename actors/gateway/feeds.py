@@ -91,6 +91,13 @@ class SessionFeed:
             assert self._receive is not None
             try:
                 published = await self._receive.receive()
+                # What waits with it: a live piece (never traced) published before a
+                # record the replay gave already is stale, even in an earlier batch.
+                while True:
+                    try:
+                        published = published + self._receive.receive_nowait()
+                    except trio.WouldBlock:
+                        break
             except (trio.EndOfChannel, trio.ClosedResourceError):
                 if not self._session_open():
                     return None
@@ -103,14 +110,24 @@ class SessionFeed:
                 return batch
 
     def _fresh(self, outputs: list[Output]) -> list[Output]:
+        """``outputs`` less what was given already: traced ones up to :attr:`last_seq`,
+        and the live pieces published before the last of those (their block is whole in
+        what the replay gave)."""
+        given = self.last_seq
+        stale_before = 0
+        for position, output in enumerate(outputs):
+            if output.seq is not None and output.seq <= given:
+                stale_before = position
         fresh: list[Output] = []
-        for output in outputs:
+        for position, output in enumerate(outputs):
             if output.origin is not None:
                 continue
             if output.seq is not None:
                 if output.seq <= self.last_seq:
                     continue  # given by the replay already
                 self.last_seq = output.seq
+            elif position < stale_before:
+                continue
             fresh.append(output)
         return fresh
 

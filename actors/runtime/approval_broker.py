@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -43,6 +44,7 @@ from greenroom.protocols.messages import (
     Verdict,
 )
 from greenroom.protocols.people import ASK_USER, PEOPLE
+from greenroom.protocols.tools import Tool
 
 __all__ = ["ANSWER_QUESTION", "ApprovalBroker", "ApproveFn"]
 
@@ -76,7 +78,7 @@ def _as_verdict(answer: Any) -> Verdict:
 class ApprovalBroker:
     """Decides on tool calls for one task."""
 
-    __slots__ = ("_approve", "_hooks", "_inbox", "_origin", "_timeout_s")
+    __slots__ = ("_approve", "_hooks", "_inbox", "_origin", "_timeout_s", "_tools")
 
     def __init__(
         self,
@@ -86,9 +88,11 @@ class ApprovalBroker:
         inbox: trio.MemorySendChannel[SupervisorMessage],
         origin: tuple[str, ...] = (),
         hooks: ToolHookCalls | None = None,
+        tools: Mapping[str, Tool] | None = None,
     ) -> None:
         self._approve = approve
         self._hooks = hooks
+        self._tools: Mapping[str, Tool] = tools or {}
         self._origin = origin
         self._timeout_s = math.inf if timeout_s is None else timeout_s
         self._inbox = inbox
@@ -128,6 +132,11 @@ class ApprovalBroker:
     async def _verdict(
         self, call: ToolCallBlock, action: ToolHookAction | None
     ) -> ApprovalDecided | ApprovalAsked | None:
+        tool = self._tools.get(call.name)
+        if tool is not None and tool.client_side:
+            # Its client gives the result, as a person answers a question, whatever
+            # decides the session's other calls (never run here).
+            return ApprovalAsked(call=call, kind="question")
         question = call.name == ASK_USER
         if self._approve == PEOPLE:
             # A person decides (or answers the question), from any surface, whenever they

@@ -194,9 +194,11 @@ class SessionPort:
     """A session's data and the surface its running work uses; see the module docstring."""
 
     __slots__ = (
+        "_client_tools",
         "_host",
         "_listeners",
         "_next_run_id",
+        "_own_tools",
         "_path",
         "_seq",
         "_tool_schemas",
@@ -301,6 +303,8 @@ class SessionPort:
         """The session and seq this one was forked from (R-FORK-1), else None."""
         self._host = host
         self._tools, self._tool_schemas = tools
+        self._own_tools = tools
+        self._client_tools: tuple[Tool, ...] = ()
         self._seq = last_seq
         self._listeners: list[Listener] | None = None
         self._next_run_id: str | None = None
@@ -363,8 +367,32 @@ class SessionPort:
     def set_tool_table(self, tools: dict[str, Tool], schemas: tuple[ToolSchema, ...]) -> None:
         """Replace the session's tools (MCP servers whose tool lists changed): the next
         request describes ``schemas`` and calls run ``tools`` (R-MCP-4)."""
-        self._tools = tools
-        self._tool_schemas = schemas
+        self._own_tools = (tools, schemas)
+        self._merge_tools()
+
+    @property
+    def client_tools(self) -> tuple[Tool, ...]:
+        """The tools a client runs itself, beside the session's own (R-PROTO-2)."""
+        return self._client_tools
+
+    def set_client_tools(self, tools: tuple[Tool, ...]) -> None:
+        """Replace the client's tools; the caller has checked that none takes the name of
+        one of the session's own tools."""
+        self._client_tools = tools
+        self._merge_tools()
+
+    def _merge_tools(self) -> None:
+        own, schemas = self._own_tools
+        client = self._client_tools
+        if not client:
+            self._tools, self._tool_schemas = own, schemas  # shared, as built
+            return
+        self._tools = {**own, **{t.name: t for t in client}}
+        self._tool_schemas = (*schemas, *(t.schema for t in client))
+
+    def own_tool_names(self) -> frozenset[str]:
+        """The names of the session's own tools (not a client's)."""
+        return frozenset(self._own_tools[0])
 
     def task_limits(self) -> TaskLimits:
         """What the task machine decides by: the settings and hooks as they are now."""

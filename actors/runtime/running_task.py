@@ -126,6 +126,7 @@ class TaskWork:
                         inbox=self._inbox,
                         origin=port.origin_path,
                         hooks=hooks,
+                        tools=port.tool_by_name,
                     )
                     await nursery.start(broker.run, self._approvals)
                     subagents = Subagents(port, approve=approve, run_child=self._run_child)

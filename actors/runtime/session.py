@@ -20,7 +20,13 @@ import attrs
 import trio
 
 from greenroom.actors.runtime.attachments import Attachments, accept_data, attach
-from greenroom.actors.runtime.errors import AuthLocked, Busy, HostClosed, SessionClosed
+from greenroom.actors.runtime.errors import (
+    AuthLocked,
+    Busy,
+    ConfigurationError,
+    HostClosed,
+    SessionClosed,
+)
 from greenroom.actors.runtime.llm_streamer import LLMStreamer, ModelProvider
 from greenroom.actors.runtime.port import (
     Approval,
@@ -331,6 +337,21 @@ def _opens_or_ends(output: Output) -> bool:
     return output.origin is None and isinstance(output, TaskStart | TaskEnd)
 
 
+def _client_tools_problem(own: frozenset[str], tools: Sequence[Tool]) -> str | None:
+    """Why ``tools`` cannot be a session's client tools: one is not client-side, takes
+    the name of one of the session's own tools (``own``), or two share a name."""
+    names: set[str] = set()
+    for given in tools:
+        if not given.client_side:
+            return f"tool {given.name!r} is not a client-side tool"
+        if given.name in own:
+            return f"a client tool may not be named {given.name!r}: the session has one"
+        if given.name in names:
+            return f"two client tools are named {given.name!r}"
+        names.add(given.name)
+    return None
+
+
 class Session:
     """A conversation: model, workspace, tools, approval rules, history and trace.
 
@@ -439,6 +460,15 @@ class Session:
     def tools(self) -> tuple[Tool, ...]:
         """The session's tools, in order."""
         return tuple(self._port.tool_by_name.values())
+
+    def set_client_tools(self, tools: Sequence[Tool]) -> None:
+        """Offer the next tasks ``tools`` that a client runs (:func:`~greenroom.protocols.
+        tools.client_tool`: an AG-UI front end's, R-PROTO-2) instead of those given before;
+        a call waits for the client's result (``host.answer_question``). Raises
+        :class:`ConfigurationError` (:func:`_client_tools_problem`)."""
+        if (problem := _client_tools_problem(self._port.own_tool_names(), tools)) is not None:
+            raise ConfigurationError(problem)
+        self._port.set_client_tools(tuple(tools))
 
     @property
     def hooks(self) -> Hooks:
