@@ -1,6 +1,7 @@
-"""The garbage collector setting of a host: an explicit opt-in (``Host.open(gc_tuning=True)``,
-``greenroom serve``, on by default there) that never outlives the host and is never applied
-unasked to a library user's process."""
+"""The garbage collector setting of a host (R-PERF-1): on by default in a process that runs
+the collector as CPython starts it, never over a setting the program chose (nor with the
+collector off), forced with ``gc_tuning=True``, refused with ``False``; it never outlives
+the last host, and a change the program makes meanwhile stays."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from conftest import RUN_TIMEOUT_S
 from greenroom import Host
 from greenroom.actors.apps.parser import build_parser
 from greenroom.actors.gateway import SessionDefaults, run_serve
-from greenroom.actors.runtime.gc_tuning import GC_THRESHOLDS, tuned_gc
+from greenroom.actors.runtime.gc_tuning import CPYTHON_THRESHOLDS, GC_THRESHOLDS, tuned_gc
 
 USER_SETTING = (1234, 5, 6)
 
@@ -68,7 +69,49 @@ def test_overlapping_hosts_restore_only_when_the_last_closes(
     assert gc.get_threshold() == user_thresholds
 
 
-async def test_a_host_leaves_the_collector_alone_by_default(
+@pytest.fixture
+def cpython_thresholds() -> Iterator[None]:
+    """The process runs the collector as CPython starts it, restored after the test."""
+    saved, enabled = gc.get_threshold(), gc.isenabled()
+    gc.set_threshold(*CPYTHON_THRESHOLDS)
+    gc.enable()
+    try:
+        yield
+    finally:
+        gc.set_threshold(*saved)
+        if not enabled:
+            gc.disable()
+
+
+@pytest.mark.usefixtures("cpython_thresholds")
+async def test_a_host_tunes_an_untouched_process_by_default_and_gives_it_back(
+    tmp_path: Path,
+) -> None:
+    with trio.fail_after(RUN_TIMEOUT_S):
+        async with Host.open(tmp_path / "data") as host:
+            assert gc.get_threshold() == GC_THRESHOLDS
+            session = await host.create_session(provider="scripted", workspace_dir=tmp_path)
+            assert (await session.run("hi").result()).task_end.status == "completed"
+        assert gc.get_threshold() == CPYTHON_THRESHOLDS
+        async with Host.open(tmp_path / "data", gc_tuning=False):
+            assert gc.get_threshold() == CPYTHON_THRESHOLDS
+
+
+@pytest.mark.usefixtures("cpython_thresholds")
+def test_a_disabled_collector_is_left_alone_and_a_change_meanwhile_stays() -> None:
+    gc.disable()
+    try:
+        with tuned_gc(None):
+            assert gc.get_threshold() == CPYTHON_THRESHOLDS
+    finally:
+        gc.enable()
+    with tuned_gc(None):
+        assert gc.get_threshold() == GC_THRESHOLDS
+        gc.set_threshold(*USER_SETTING)  # the program decides while the host is open
+    assert gc.get_threshold() == USER_SETTING
+
+
+async def test_a_host_leaves_a_setting_the_program_chose_alone_by_default(
     tmp_path: Path, user_thresholds: tuple[int, int, int]
 ) -> None:
     with trio.fail_after(RUN_TIMEOUT_S):

@@ -467,7 +467,7 @@ HostOpener = Callable[[Path, Iterable[SessionObserver]], AbstractAsyncContextMan
 
 
 def _local_host_opener(
-    gc_tuning: bool,
+    gc_tuning: bool | None,
     tools: Iterable[Tool],
     approve: ApproveMode,
     costs: Mapping[str, Any],
@@ -514,7 +514,7 @@ async def run_serve(
     allowed_origins: Iterable[str] = (),
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     observers: Iterable[SessionObserver] = (),
-    gc_tuning: bool = False,
+    gc_tuning: bool | None = None,
     open_host: HostOpener | None = None,
     on_gateway: Callable[[Gateway], None] | None = None,
     prices: Mapping[str, Any] | None = None,

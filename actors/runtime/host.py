@@ -172,7 +172,7 @@ class Host:
         *,
         observers: Iterable[SessionObserver] = (),
         trace_store: TraceStoreFactory | None = None,
-        gc_tuning: bool = False,
+        gc_tuning: bool | None = None,
         resume_tasks: bool = False,
         tools: Iterable[Tool] = (),
         prices: Mapping[str, Any] | None = None,
@@ -197,10 +197,11 @@ class Host:
         the data dir; any :class:`~greenroom.actors.runtime.trace_store.TraceStore`: a
         session catalog, a trace log and a usage ledger).
 
-        ``gc_tuning=True`` runs Python's cyclic garbage collector less often while the host
-        is open (:func:`~greenroom.actors.runtime.gc_tuning.tuned_gc`: process-wide thresholds,
-        restored on exit): less CPU per streamed event for a host serving many sessions,
-        cyclic garbage kept a little longer. Off by default.
+        Python's cyclic garbage collector runs less often while the host is open (less
+        CPU per streamed event, cyclic garbage kept a little longer: process-wide
+        thresholds, restored on exit; :mod:`~greenroom.actors.runtime.gc_tuning` says why
+        that is safe): by default (``gc_tuning=None``) only in a process that runs with
+        CPython's own thresholds; ``True`` always, ``False`` never.
 
         Costs and limits (R-SHARE): ``prices`` over the built-in table (``{model: {input,
         output, cache_read, cache_write}}`` in USD per million tokens, or ``Price`` values;

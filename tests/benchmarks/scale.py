@@ -1,16 +1,18 @@
 """Scale: many concurrent paced sessions on one core, greenroom against the SDK loop.
 
     .venv/bin/python -m tests.benchmarks.scale [--quick] [--n 1000 250] [--reps 3]
-        [--variants greenroom,greenroom-gc,greenroom-lean,greenroom-gc-lean,
-                    greenroom-sdk-http,sdk]
+        [--variants greenroom,greenroom-gc,greenroom-nogc,greenroom-lean,
+                    greenroom-gc-lean,greenroom-sdk-http,sdk]
 
 The mock server paces the reference workload at 20 ms per token and 500 ms to the first
 token. For each N (1,000; quick: 200) the variants (default: greenroom, greenroom-gc-lean,
 sdk) run N tasks at once, alternately (the order rotates every repetition), ``--reps``
 times (3; quick: 1); figures are medians.
 Variants: ``greenroom`` (Host, one session per task, the defaults: the provider's
-transport as the registry makes it, lean unless ``GREENROOM_LEAN_HTTP=0``),
-``greenroom-gc`` (the same with ``Host.open(gc_tuning=True)``), ``greenroom-lean``
+transport as the registry makes it, lean unless ``GREENROOM_LEAN_HTTP=0``; the collector
+tuned, as ``Host.open()`` does in a process that kept CPython's thresholds),
+``greenroom-gc`` (``Host.open(gc_tuning=True)``), ``greenroom-nogc``
+(``gc_tuning=False``: the collector as CPython runs it), ``greenroom-lean``
 (``AnthropicProvider(lean_http=True)``), ``greenroom-gc-lean`` (both),
 ``greenroom-sdk-http`` (the SDK's own HTTP stack, the default before the lean transport
 was), ``sdk`` (the anthropic SDK's documented streaming loop by hand). Reported per variant:
@@ -61,11 +63,20 @@ TARGET_CPU_VS_SDK = 0.5
 VARIANTS = (
     "greenroom",
     "greenroom-gc",
+    "greenroom-nogc",
     "greenroom-lean",
     "greenroom-gc-lean",
     "greenroom-sdk-http",
     "sdk",
 )
+
+
+def _gc_tuning(variant: str) -> bool | None:
+    """``Host.open(gc_tuning=…)`` of ``variant``: forced (``-gc``), refused (``-nogc``),
+    else the default's (on in a process that has not chosen its own thresholds)."""
+    if "-nogc" in variant:
+        return False
+    return True if "-gc" in variant else None
 
 
 def _transport(variant: str) -> bool | None:
@@ -114,7 +125,7 @@ async def main_async(args: Any) -> dict[str, Any]:
         ) as server:
             benches = {
                 v: GreenroomBench(
-                    server.base_url, data_dir, gc_tuning="-gc" in v, lean_http=_transport(v)
+                    server.base_url, data_dir, gc_tuning=_gc_tuning(v), lean_http=_transport(v)
                 )
                 for v in VARIANTS
                 if v != "sdk"

@@ -64,7 +64,7 @@ class GreenroomBench:
         base_url: str,
         data_dir: Path,
         tools: bool = True,
-        gc_tuning: bool = False,
+        gc_tuning: bool | None = None,
         lean_http: bool | None = None,
     ) -> None:
         self.base_url = base_url
