@@ -82,6 +82,7 @@ from greenroom.protocols.wording import clip_words
 
 if TYPE_CHECKING:
     from greenroom.actors.runtime.host import Host
+    from greenroom.actors.tools.mcp_commands import McpView
 
 __all__ = ["Compactability", "RunResult", "RunStream", "Session", "require_trio"]
 
@@ -439,6 +440,11 @@ class Session:
     def tools(self) -> tuple[Tool, ...]:
         """The session's tools, in order."""
         return tuple(self._port.tool_by_name.values())
+
+    @property
+    def mcp(self) -> McpView | None:
+        """The prompts and resources of the session's MCP servers (R-MCP-5); None without."""
+        return self._port.mcp
 
     @property
     def hooks(self) -> Hooks:

@@ -15,8 +15,9 @@ forever; records its key in ``cancelled`` when the client cancels it), ``cancell
 told; a cancellation is recorded in ``cancelled`` as ``order:<item>``), ``sent_key``
 (the idempotency key the call's ``_meta`` carried, as the server received it), ``client``
 (the client's name, version and capabilities from ``initialize``) and ``roots`` (the
-client's roots, asked for with ``roots/list``). Resource ``greenroom://notes`` (text);
-prompt ``review`` (arguments ``path``, required, and ``tone``).
+client's roots, asked for with ``roots/list``). Resources ``greenroom://notes`` (text) and
+``greenroom://counter`` (counts its reads: ``read N of process PID``); prompt ``review``
+(arguments ``path``, required, and ``tone``).
 """
 
 from __future__ import annotations
@@ -229,6 +230,17 @@ server._tool_manager.get_tool("bad_schema").parameters = {  # type: ignore[union
 def notes() -> str:
     """A text resource."""
     return "the notes say: ship on Friday"
+
+
+reads: list[str] = []
+
+
+@server.resource("greenroom://counter", name="counter", description="How often it was read",
+                 mime_type="text/plain")
+def counter() -> str:
+    """A text resource that counts its reads: which server process a read reached."""
+    reads.append("counter")
+    return f"read {len(reads)} of process {os.getpid()}"
 
 
 @server.prompt(description="Review a file, in the given tone")
