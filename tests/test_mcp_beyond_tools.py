@@ -134,7 +134,9 @@ async def test_a_prompt_command_is_checked_against_the_listing_then_expanded(
     assert mcp is not None
     (review,) = mcp.prompts()["t"]
     assert prompt_usage("t", review) == "/t:review path=… [tone=…]"
-    assert {r.uri for r in mcp.resources()["t"]} == {"greenroom://notes", "greenroom://counter"}
+    assert {r.uri for r in mcp.resources()["t"]} == {
+        "greenroom://notes", "greenroom://counter", "greenroom://slow"
+    }
     assert await expand_prompt_command("/t:review path=a.py", mcp) == "Review a.py in a kind tone."
     for line, message in [
         ("/t:review", "/t:review: path=… is required (usage: /t:review path=… [tone=…])"),

@@ -19,8 +19,10 @@ if TYPE_CHECKING:
         attach_resources,
         attach_to_input,
         expand_prompt_command,
+        has_attachments,
         parse_prompt_command,
         prompt_usage,
+        read_linked_resource,
     )
     from greenroom.actors.tools.mcp_config import (
         McpConfigError,
@@ -40,8 +42,10 @@ _MODULE_OF = {
     "attach_resources": "greenroom.actors.tools.mcp_commands",
     "attach_to_input": "greenroom.actors.tools.mcp_commands",
     "expand_prompt_command": "greenroom.actors.tools.mcp_commands",
+    "has_attachments": "greenroom.actors.tools.mcp_commands",
     "parse_prompt_command": "greenroom.actors.tools.mcp_commands",
     "prompt_usage": "greenroom.actors.tools.mcp_commands",
+    "read_linked_resource": "greenroom.actors.tools.mcp_commands",
     "McpConfigError": "greenroom.actors.tools.mcp_config",
     "load_config_files": "greenroom.actors.tools.mcp_config",
 }
@@ -57,10 +61,12 @@ __all__ = [
     "attach_to_input",
     "builtin_tools",
     "expand_prompt_command",
+    "has_attachments",
     "load_config_files",
     "load_tools",
     "parse_prompt_command",
     "prompt_usage",
+    "read_linked_resource",
 ]
 
 

@@ -16,7 +16,8 @@ told; a cancellation is recorded in ``cancelled`` as ``order:<item>``), ``sent_k
 (the idempotency key the call's ``_meta`` carried, as the server received it), ``client``
 (the client's name, version and capabilities from ``initialize``) and ``roots`` (the
 client's roots, asked for with ``roots/list``). Resources ``greenroom://notes`` (text) and
-``greenroom://counter`` (counts its reads: ``read N of process PID``); prompt ``review``
+``greenroom://counter`` (counts its reads: ``read N of process PID``) and ``greenroom://slow``
+(never answers); prompt ``review``
 (arguments ``path``, required, and ``tone``).
 """
 
@@ -241,6 +242,14 @@ def counter() -> str:
     """A text resource that counts its reads: which server process a read reached."""
     reads.append("counter")
     return f"read {len(reads)} of process {os.getpid()}"
+
+
+@server.resource("greenroom://slow", name="slow", description="Never answers",
+                 mime_type="text/plain")
+async def slow() -> str:
+    """A resource whose read waits until the client gives up on it."""
+    await anyio.sleep_forever()
+    return "never"
 
 
 @server.prompt(description="Review a file, in the given tone")
