@@ -17,6 +17,8 @@ JSON-RPC 2.0 on its stdin and stdout. This module holds what does not wait for a
   tool call of its own instead (:meth:`UpdateMapper.note`, :data:`BACKGROUND_PREFIX`).
 * :func:`stop_reason` maps a ``task_end`` to the ``{stopReason}`` answer of
   ``session/prompt``, or to the JSON-RPC error of a failed task.
+* :func:`commands_update` advertises slash commands (the session's MCP prompts, R-MCP-5)
+  as an ``available_commands_update``.
 
 Invariants: every tool call the client is told about (``tool_call``) ends with one
 ``tool_call_update`` whose status is ``completed`` or ``failed`` — denied, interrupted and
@@ -402,13 +404,22 @@ class InlineImage:
     mime_type: str
 
 
-PromptPart = TextBlock | InlineImage
+@attrs.frozen(kw_only=True, slots=True)
+class LinkedResource:
+    """A ``resource_link`` of a prompt: the agent reads it when one of the session's MCP
+    servers lists ``uri`` (R-MCP-5), else gives the model ``text``, a line naming it."""
+
+    uri: str
+    text: str
+
+
+PromptPart = TextBlock | InlineImage | LinkedResource
 
 
 def parse_prompt(params: Mapping[str, Any], name: str = "prompt") -> tuple[PromptPart, ...]:
-    """The content blocks of a prompt: text, images, resource links (given to the model as
-    a line naming the resource) and embedded resources (their text; an embedded image
-    becomes an image). Audio is refused: ``promptCapabilities.audio`` is false."""
+    """The content blocks of a prompt: text, images, resource links (:class:`LinkedResource`)
+    and embedded resources (their text; an embedded image becomes an image). Audio is
+    refused: ``promptCapabilities.audio`` is false."""
     value = params.get(name)
     path = f"$.{name}"
     if not isinstance(value, list):
@@ -432,7 +443,7 @@ def parse_prompt(params: Mapping[str, Any], name: str = "prompt") -> tuple[Promp
         elif kind == "resource_link":
             uri = _field(block, "uri", item)
             label = block.get("name") if isinstance(block.get("name"), str) else uri
-            parts.append(TextBlock(text=f"[resource: {label}] {uri}"))
+            parts.append(LinkedResource(uri=uri, text=f"[resource: {label}] {uri}"))
         elif kind == "resource":
             parts.append(_embedded(block.get("resource"), f"{item}.resource"))
         elif kind == "audio":
@@ -460,6 +471,27 @@ def _embedded(resource: Any, path: str) -> PromptPart:
     if isinstance(mime, str) and mime.startswith("image/"):
         return InlineImage(data=blob, mime_type=mime)
     return TextBlock(text=f"[resource: {uri} ({mime or 'binary'}), not shown]")
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class SlashCommand:
+    """A command the editor offers as ``/name``: ``hint`` says what to type after it
+    (None: it takes no input)."""
+
+    name: str
+    description: str
+    hint: str | None = None
+
+
+def commands_update(commands: Iterable[SlashCommand]) -> dict[str, Any]:
+    """The ``available_commands_update`` of ``session/update`` that offers ``commands``."""
+    listed: list[dict[str, Any]] = []
+    for command in commands:
+        item: dict[str, Any] = {"name": command.name, "description": command.description}
+        if command.hint is not None:
+            item["input"] = {"hint": command.hint}
+        listed.append(item)
+    return {"sessionUpdate": "available_commands_update", "availableCommands": listed}
 
 
 # -- outputs → session/update ----------------------------------------------------------------

@@ -339,7 +339,8 @@ _INPUT = Param(
     type="string \\| blocks",
     required=True,
     doc="text, or `[{type: text, text}, {type: image, path, media_type?}]`; images are read "
-    "at the call, from the workspace or scratchpad",
+    "at the call, from the workspace or scratchpad, and so is each `@server:uri` of a text, "
+    "a resource of the session's MCP servers",
 )
 _OUTPUT_SCHEMA = Param(
     name="output_schema",

@@ -114,7 +114,7 @@ def test_prompt_blocks_become_user_content() -> None:
     )
     assert parts[0] == TextBlock(text="look")
     assert parts[1] == acp.InlineImage(data="aGk=", mime_type="image/png")
-    assert parts[2] == TextBlock(text="[resource: a.py] file:///w/a.py")
+    assert parts[2] == acp.LinkedResource(uri="file:///w/a.py", text="[resource: a.py] file:///w/a.py")
     assert isinstance(parts[3], TextBlock) and "x = 1" in parts[3].text
     for bad in ([], "text", [{"type": "audio", "data": "", "mimeType": "audio/wav"}], [3]):
         with pytest.raises(RpcError) as info:

@@ -20,7 +20,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -323,10 +323,12 @@ async def stack(
     tools: Sequence[Tool] = (),
     approve: str = "ask",
     titles: bool = False,
+    mcp_servers: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[Stack]:
     """A host, its gateway and the console server on free ports; each session the page
     creates plays ``script()`` on its own scripted provider. ``titles`` turns on the
-    gateway's session titles (``greenroom serve`` has them on)."""
+    gateway's session titles (``greenroom serve`` has them on); ``mcp_servers`` are every
+    session's."""
     made: list[ScriptedProvider] = []
 
     def factory() -> ScriptedProvider:
@@ -345,6 +347,7 @@ async def stack(
                 tools=tools,
                 workspace_dir=workspace,
                 approve=approve,  # type: ignore[arg-type]
+                mcp_servers=mcp_servers or {},
             ),
             titles=titles,
         )

@@ -67,12 +67,14 @@ async def serving(
     limits: GatewayLimits | None = None,
     workspace_root: Path | None = None,
     host_options: Mapping[str, Any] | None = None,
+    mcp_servers: Mapping[str, Any] | None = None,
     **gateway_options: Any,
 ) -> AsyncIterator[Server]:
     """A host and its gateway on a free port; each created session gets a new scripted
     provider playing ``script()``. At exit none of them saw a broken transcript.
     ``host_options`` go to :meth:`Host.open`, ``gateway_options`` to the :class:`Gateway`
-    (the token is ``TOKEN`` unless they give ``tokens``)."""
+    (the token is ``TOKEN`` unless they give ``tokens``); ``mcp_servers`` are every
+    session's."""
     made: list[ScriptedProvider] = []
 
     def factory() -> ScriptedProvider:
@@ -96,6 +98,7 @@ async def serving(
                 workspace_dir=workspace,
                 approve=approve,  # type: ignore[arg-type]
                 workspace_root=workspace_root,
+                mcp_servers=mcp_servers or {},
             ),
             limits=limits,
             **gateway_options,

@@ -15,9 +15,19 @@ from conftest import allow_all, collect
 import greenroom
 from greenroom.actors.providers.scripted import Reply, text, tool_call
 from greenroom.actors.runtime.host import Host
-from greenroom.actors.tools import AttachmentError, attach_resources, parse_prompt_command
+from greenroom.actors.tools import (
+    AttachmentError,
+    PromptCommandError,
+    attach_resources,
+    attach_to_input,
+    expand_prompt_command,
+    parse_prompt_command,
+    prompt_usage,
+)
 from greenroom.actors.tools.mcp import McpServerError
+from greenroom.actors.tools.mcp_commands import MAX_ATTACHMENTS
 from greenroom.protocols.content import TextBlock
+from greenroom.protocols.tools import Tool
 from tests.test_mcp import connection, content_text, outputs_by_call, stdio
 
 
@@ -108,3 +118,68 @@ async def test_prompts_are_listed_and_expanded(mcp_host: Host, workspace: Path) 
     assert parse_prompt_command("/help") is None
     with pytest.raises(McpServerError, match=r"refused prompt nope"):
         await server.get_prompt("nope", {})
+
+
+async def test_a_prompt_command_is_checked_against_the_listing_then_expanded(
+    mcp_host: Host, workspace: Path
+) -> None:
+    """R-MCP-5: ``session.mcp`` lists each server's prompts and resources; a command
+    naming an unknown server or prompt, missing a required argument or giving an unknown
+    one is a one-line error naming it (nothing asked of the server); a good one expands.
+    ``only_known`` leaves a line naming no server of the session to be ordinary text."""
+    session = await mcp_host.create_session(
+        provider="scripted", workspace_dir=workspace, mcp_servers={"t": stdio()}
+    )
+    mcp = session.mcp
+    assert mcp is not None
+    (review,) = mcp.prompts()["t"]
+    assert prompt_usage("t", review) == "/t:review path=… [tone=…]"
+    assert {r.uri for r in mcp.resources()["t"]} == {
+        "greenroom://notes", "greenroom://counter", "greenroom://slow"
+    }
+    assert await expand_prompt_command("/t:review path=a.py", mcp) == "Review a.py in a kind tone."
+    for line, message in [
+        ("/t:review", "/t:review: path=… is required (usage: /t:review path=… [tone=…])"),
+        ("/t:review path=a mood=x", "/t:review: no argument 'mood' (usage: /t:review path=… "
+                                    "[tone=…])"),
+        ("/t:nope", "/t:nope: MCP server 't' has no prompt 'nope' (its prompts: review)"),
+        ("/x:y", "/x:y: no MCP server 'x' in this session (its servers: t)"),
+        ("/t:review a.py", "/t:review: 'a.py' is not arg=value"),
+    ]:  # fmt: skip
+        with pytest.raises(PromptCommandError) as info:
+            await expand_prompt_command(line, mcp)
+        assert str(info.value) == message
+    assert await expand_prompt_command("/x:y", mcp, only_known=True) is None
+    assert await expand_prompt_command("/c:/Users/me", mcp, only_known=True) is None
+    assert await expand_prompt_command("hello /t:review", mcp) is None
+    plain = await mcp_host.create_session(provider="scripted", workspace_dir=workspace)
+    assert plain.mcp is None
+    with pytest.raises(PromptCommandError, match=r"^/t:review: no MCP server 't' in this"):
+        await expand_prompt_command("/t:review path=a", plain.mcp)
+
+
+async def test_one_input_attaches_at_most_max_attachments() -> None:
+    """R-MCP-5: every text block of an input is looked at, each attachment following its
+    block; one input reads at most ``MAX_ATTACHMENTS`` resources, and the next is an
+    error naming it and its block (nothing past the cap is read)."""
+    read: list[str] = []
+
+    async def read_resource(uri: str) -> tuple[TextBlock, ...]:
+        read.append(uri)
+        return (TextBlock(text=f"body of {uri}"),)
+
+    reader = Tool(name="mcp__f__read_resource", description="", input_schema={},
+                  parallel=True, side_effects=False, function=read_resource)  # fmt: skip
+    words = " ".join(f"@f:u{n}" for n in range(MAX_ATTACHMENTS - 1))
+    content = [TextBlock(text="@f:first"), TextBlock(text=words)]
+    blocks = await attach_to_input(content, [reader])
+    assert [b.text for b in blocks if isinstance(b, TextBlock)][:3] == [
+        "@f:first", '<attachment source="@f:first">\nbody of first\n</attachment>', words
+    ]
+    assert len(blocks) == 2 + MAX_ATTACHMENTS
+    read.clear()
+    with pytest.raises(AttachmentError) as info:
+        await attach_to_input([*content, TextBlock(text="@f:one-more")], [reader])
+    assert info.value.index == 2
+    assert str(info.value) == f"@f:one-more: one input attaches at most {MAX_ATTACHMENTS} resources"
+    assert "one-more" not in read and len(read) == MAX_ATTACHMENTS

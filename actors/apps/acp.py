@@ -71,6 +71,14 @@ from greenroom.actors.runtime import (
     Session,
     SessionNotFound,
 )
+from greenroom.actors.tools import (
+    AttachmentError,
+    PromptCommandError,
+    attach_to_input,
+    expand_prompt_command,
+    prompt_usage,
+    read_linked_resource,
+)
 from greenroom.protocols import acp
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock, UserContent
 from greenroom.protocols.history import live_records
@@ -522,7 +530,7 @@ class AcpAgent:
         self._people.configure(params)
         return acp.initialize_result(_version())
 
-    async def _new_session(self, params: dict[str, Any]) -> dict[str, Any]:
+    async def _new_session(self, params: dict[str, Any]) -> _Then:
         request = acp.parse_new_session(params)
         if not await trio.to_thread.run_sync(os.path.isdir, request.cwd):
             raise acp.invalid("$.cwd", f"{request.cwd} is not a directory")
@@ -542,7 +550,7 @@ class AcpAgent:
             raise RpcError(INTERNAL_ERROR, f"cannot set up the session: {exc}") from None
         entry = self._add_session(session, mcp_servers)
         _log(f"session {session.id} in {session.workspace_dir}")
-        return {"sessionId": session.id, **_mcp_meta(entry)}
+        return _opened(entry, {"sessionId": session.id}, self._push)
 
     def _add_session(self, session: Session, mcp_servers: dict[str, dict[str, Any]]) -> _AcpSession:
         existing = self._sessions.get(session.id)
@@ -589,15 +597,15 @@ class AcpAgent:
             for request in pending:
                 self._people.ask_soon(self._nursery, entry.asked, request)
 
-        return _Then(dict(_mcp_meta(entry)), ask_again)
+        return _opened(entry, {}, self._push, ask_again)
 
-    async def _fork_session(self, params: dict[str, Any]) -> dict[str, Any]:
+    async def _fork_session(self, params: dict[str, Any]) -> _Then:
         request = acp.parse_fork_session(params)
         servers = self._config.mcp_servers_with(request.new.mcp_servers)
         session = await _forked(self._host, self._config, request, servers)
         entry = self._add_session(session, servers)
         _log(f"session {session.id} forked from {request.session_id} in {request.new.cwd}")
-        return {"sessionId": session.id, **_mcp_meta(entry)}
+        return _opened(entry, {"sessionId": session.id}, self._push)
 
     async def _take_up(self, entry: _AcpSession) -> None:
         """Take up the open task the loaded session's trace leaves (R-HITL-4) and stream
@@ -748,12 +756,19 @@ class AcpAgent:
 async def _prompt_content(session: Session, params: dict[str, Any]) -> tuple[UserContent, ...]:
     """The prompt as session input; its inline images are attached (R-SEC-8): checked
     against the session's ``max_image_bytes`` before they are decoded, stored in its
-    private attachments off the event loop. A refused one is -32602 naming it."""
+    private attachments off the event loop. Its MCP parts (R-MCP-5): a first text block
+    ``/server:prompt …`` naming one of the session's MCP servers is that prompt, expanded
+    by the server; ``@server:uri`` in a text and a ``resource_link`` to a resource a
+    server lists are attached, read through that server. A refused image, prompt or
+    attachment is -32602 naming it, and nothing is sent."""
     parts = acp.parse_prompt(params)
     content: list[UserContent] = []
     for i, part in enumerate(parts):
-        if isinstance(part, TextBlock):
-            content.append(part)
+        if isinstance(part, TextBlock | acp.LinkedResource):
+            try:
+                content += await _mcp_input(session, part, i)
+            except (PromptCommandError, AttachmentError) as exc:
+                raise acp.invalid(f"$.prompt[{i}]", str(exc)) from None
             continue
         try:
             image = await session.attach_image_data(part.data, part.mime_type)
@@ -761,6 +776,49 @@ async def _prompt_content(session: Session, params: dict[str, Any]) -> tuple[Use
             raise RpcError(INVALID_PARAMS, f"$.prompt[{i}]: {exc.reason}") from None
         content.append(image)
     return tuple(content)
+
+
+async def _mcp_input(
+    session: Session, part: TextBlock | acp.LinkedResource, index: int
+) -> list[UserContent]:
+    """A text or linked part of a prompt with its MCP prompt or resources (R-MCP-5)."""
+    if isinstance(part, acp.LinkedResource):
+        read = await read_linked_resource(part.uri, session.mcp, session.tools, index)
+        return [read or TextBlock(text=part.text)]
+    if index == 0:
+        prompt = await expand_prompt_command(part.text, session.mcp, only_known=True)
+        if prompt is not None:
+            return [TextBlock(text=prompt)]
+    return await attach_to_input([part], session.tools)
+
+
+def _opened(
+    entry: _AcpSession,
+    result: dict[str, Any],
+    push: Callable[[dict[str, Any]], None],
+    after: Callable[[], None] | None = None,
+) -> _Then:
+    """The answer to ``session/new``, ``load`` or ``fork`` (with the session's MCP servers
+    in ``_meta``), then, once the editor knows the session, its MCP prompts offered as
+    slash commands (R-MCP-5: ``available_commands_update``), then ``after``."""
+    mcp = entry.session.mcp
+    commands = [
+        acp.SlashCommand(
+            name=f"{server}:{prompt.name}",
+            description=" ".join((prompt.description or f"MCP prompt of {server}").split()),
+            hint=prompt_usage(server, prompt).partition(" ")[2] or None,
+        )
+        for server, prompts in (mcp.prompts() if mcp is not None else {}).items()
+        for prompt in prompts
+    ]
+
+    def then() -> None:
+        if commands:
+            push(_update_frame(entry.session.id, acp.commands_update(commands)))
+        if after is not None:
+            after()
+
+    return _Then({**result, **_mcp_meta(entry)}, then)
 
 
 async def _replay(

@@ -23,8 +23,15 @@ exchange), many tasks. What a typed line does depends on the moment:
 Commands: ``/follow TEXT`` queues a whole task after the running one (``follow_up``; at
 the prompt it just runs), ``/compact`` compacts the context now (``Session.compact``, at the
 prompt only; it says so when the session cannot compact), ``/retry`` ends a reconnect
-backoff early (``skip_reconnect_wait``) and says whether a wait was skipped, ``/help``,
-``/quit``.
+backoff early (``skip_reconnect_wait``) and says whether a wait was skipped, ``/help``
+(with the MCP prompts of the session), ``/quit``.
+
+MCP (R-MCP-5): ``/server:prompt arg=value …`` gets that prompt from the session's MCP
+server and sends its text as the line would be sent (a task at the prompt, steering while
+one runs); ``@server:uri`` in a line (or after ``/follow``) attaches that resource, read
+through its server. Either is prepared before anything is sent: while a prompt line is
+prepared the REPL waits for it (Ctrl-C stops it), and a command or attachment that cannot
+be had is one line saying why, with nothing sent.
 
 Keys: Ctrl-C while a task (or a compaction) runs interrupts it — it ends ``aborted``, its
 carry-over is kept for the next task, and the prompt returns; a second Ctrl-C before it has
@@ -63,6 +70,7 @@ import contextlib
 import io
 import math
 import os
+import re
 import shlex
 import signal
 import sys
@@ -106,7 +114,17 @@ from greenroom.actors.runtime import (
     default_data_dir,
     read_trace,
 )
-from greenroom.protocols.content import TextBlock, ToolCallBlock
+from greenroom.actors.tools import (
+    AttachmentError,
+    McpView,
+    PromptCommandError,
+    attach_to_input,
+    expand_prompt_command,
+    has_attachments,
+    parse_prompt_command,
+    prompt_usage,
+)
+from greenroom.protocols.content import TextBlock, ToolCallBlock, UserContent
 from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
@@ -146,6 +164,7 @@ __all__ = [
     "TerminalScreen",
     "chat_command",
     "last_exchange",
+    "mcp_help",
 ]
 
 PROMPT = "you> "
@@ -170,11 +189,15 @@ HELP = (
     "  /follow TEXT   run TEXT as a new task after the current one\n"
     "  /compact       compact the session's context now (between tasks)\n"
     "  /retry         skip the wait before the next reconnect attempt\n"
-    "  /quit          leave (also Ctrl-D, or Ctrl-C twice at the prompt)"
+    "  /quit          leave (also Ctrl-D, or Ctrl-C twice at the prompt)\n"
+    "  /SERVER:PROMPT arg=value …   send an MCP server's prompt as your input\n"
+    "  @SERVER:URI    in a line: attach that resource of an MCP server"
 )
 
 TICK_S = 0.1
 """How often the live retry line is redrawn."""
+
+_ATTACHED = re.compile(r'<attachment source="([^"\n]*)">')
 
 RECAP_CHARS = 160
 """How much of the last prompt and the last reply a resumed chat shows."""
@@ -233,6 +256,27 @@ async def _chat(options: RunOptions) -> int:
             data_dir=options.data_dir,
         )
         return await chat.run()
+
+
+def mcp_help(mcp: McpView | None) -> str | None:
+    """The MCP part of ``/help`` (R-MCP-5): each prompt of the session's servers as the
+    command that sends it, with its arguments (optional ones in brackets) and description,
+    and the servers whose resources ``@server:uri`` attaches; None without MCP servers."""
+    if mcp is None:
+        return None
+    commands = [
+        (prompt_usage(server, prompt), prompt.description or "")
+        for server, prompts in mcp.prompts().items()
+        for prompt in prompts
+    ]
+    width = min(max((len(usage) for usage, _ in commands), default=0), 40)
+    lines = ["MCP prompts (each sent as your input):" if commands else "MCP prompts: none"]
+    lines += [f"  {usage.ljust(width)}   {' '.join(about.split())}".rstrip()
+              for usage, about in commands]  # fmt: skip
+    readable = [server for server, resources in mcp.resources().items() if resources]
+    if readable:
+        lines.append(f"@SERVER:URI attaches a resource of: {', '.join(readable)}")
+    return "\n".join(lines)
 
 
 def resume_command(session_id: str, data_dir: Path | None) -> str:
@@ -454,7 +498,15 @@ class _Compaction:
     """Identifies a running ``/compact`` as the REPL's current work."""
 
 
-_Work = RunStream | _Compaction
+class _Preparing:
+    """Input being prepared (an MCP prompt fetched, attachments read); the REPL's current
+    work when the line was typed at the prompt. Ctrl-C cancels ``scope``."""
+
+    def __init__(self) -> None:
+        self.scope = trio.CancelScope()
+
+
+_Work = RunStream | _Compaction | _Preparing
 
 
 @attrs.frozen
@@ -462,7 +514,17 @@ class _WorkDone:
     work: _Work
 
 
-_Event = _Line | _EndOfInput | _CtrlC | _WorkDone
+@attrs.frozen(eq=False)
+class _Prepared:
+    """A preparation has ended: ``content`` to send (as a line, or with ``/follow``),
+    or None when nothing is to be sent."""
+
+    token: _Preparing
+    follow: bool
+    content: tuple[UserContent, ...] | None
+
+
+_Event = _Line | _EndOfInput | _CtrlC | _WorkDone | _Prepared
 
 
 # -- the REPL -----------------------------------------------------------------------------
@@ -509,7 +571,8 @@ class Chat:
         self._interrupting = False
         self._ctrl_c_at_prompt = False
         self._leaving = False
-        self._next_prompt: str | None = None
+        self._next_prompt: list[UserContent] = []
+        self._preparing: set[_Preparing] = set()
         self._resume_hint = resume_hint
 
     async def run(self) -> int:
@@ -593,6 +656,30 @@ class Chat:
             unsubscribe()
             self._send.send_nowait(_WorkDone(token))
 
+    async def _prepare_input(self, text: str, token: _Preparing, follow: bool) -> None:
+        content: tuple[UserContent, ...] | None = None
+        with token.scope:
+            try:
+                content = await self._expanded(text)
+            except (PromptCommandError, AttachmentError) as exc:
+                self._renderer.notice(f"[not sent] {exc}")
+        if token.scope.cancelled_caught:
+            self._renderer.notice("[stopped: nothing was sent]")
+        self._send.send_nowait(_Prepared(token, follow, content))
+
+    async def _expanded(self, text: str) -> tuple[UserContent, ...]:
+        session = self._session
+        prompt = await expand_prompt_command(text, session.mcp)
+        if prompt is not None:
+            self._renderer.notice(f"[MCP prompt] {_clip_line(prompt)}")
+            return (TextBlock(text=prompt),)
+        blocks = await attach_to_input([TextBlock(text=text)], session.tools)
+        for block in blocks[1:]:
+            source = _ATTACHED.match(block.text) if isinstance(block, TextBlock) else None
+            if source is not None:
+                self._renderer.notice(f"[attached {source.group(1)}]")
+        return tuple(blocks)
+
     def _show_batch(self, batch: list[Output]) -> None:
         for output in batch:
             self._renderer.show(output)
@@ -606,6 +693,8 @@ class Chat:
             return self._on_ctrl_c()
         if isinstance(event, _EndOfInput):
             return self._on_end_of_input()
+        if isinstance(event, _Prepared):
+            return self._on_prepared(event)
         return self._on_work_done(event.work)
 
     def _on_line(self, text: str) -> int | None:
@@ -622,15 +711,24 @@ class Chat:
         if not line:
             if self._work is None:
                 self._show_prompt()
-        elif self._work is None:
-            self._start(line)
+        elif has_attachments(line, self._session.tools):
+            self._prepare(line, follow=False)
+        else:
+            self._deliver(line)
+        return None
+
+    def _deliver(self, content: str | tuple[UserContent, ...]) -> None:
+        """A line ready to send: a task at the prompt, else steering for the running one."""
+        if self._work is None:
+            self._start(content)
         elif isinstance(self._work, _Compaction):
             self._renderer.notice("[compacting: wait for it to end, or Ctrl-C to stop it]")
-        elif self._session.steer(line):
+        elif isinstance(self._work, _Preparing):
+            self._queue_next(content, "[this runs after the input being prepared]")
+        elif self._session.steer(content):
             self._renderer.notice("[steering queued]")
         else:
-            self._queue_next(line)
-        return None
+            self._queue_next(content)
 
     def _on_ctrl_c(self) -> int | None:
         if self._router.answer(INTERRUPTED):
@@ -639,6 +737,7 @@ class Chat:
             if self._interrupting:
                 raise KeyboardInterrupt  # leave now, without waiting for the task's end
             self._interrupting = True
+            self._stop_preparing()
             self._session.interrupt("interrupted by user (Ctrl-C)")
             # After the terminal's "^C" echo, on a line of its own.
             self._renderer.notice(
@@ -672,12 +771,32 @@ class Chat:
         self._interrupting = False
         if self._leaving:
             return EXIT_OK
-        if self._next_prompt is not None:
-            prompt, self._next_prompt = self._next_prompt, None
+        self._idle()
+        return None
+
+    def _on_prepared(self, event: _Prepared) -> int | None:
+        self._preparing.discard(event.token)
+        was_work = event.token is self._work
+        if was_work:
+            self._work = None
+            self._interrupting = False
+            if self._leaving:
+                return EXIT_OK
+        if event.content is not None and event.follow:
+            self._follow_content(event.content)
+        elif event.content is not None:
+            self._deliver(event.content)
+        if was_work and self._work is None:
+            self._idle()
+        return None
+
+    def _idle(self) -> None:
+        """Nothing runs: start what was queued meanwhile, else show the prompt."""
+        if self._next_prompt:
+            prompt, self._next_prompt = tuple(self._next_prompt), []
             self._start(prompt)
         else:
             self._show_prompt()
-        return None
 
     # commands
 
@@ -689,6 +808,7 @@ class Chat:
                 return EXIT_OK
             self._leaving = True
             self._interrupting = True
+            self._stop_preparing()
             self._session.interrupt("the user left the chat")
             self._renderer.leaving()
             self._renderer.notice("[leaving: interrupting the task…]")
@@ -701,6 +821,11 @@ class Chat:
             self._start_compaction()
         elif name == "/help":
             self._renderer.notice(HELP)
+            mcp = mcp_help(self._session.mcp)
+            if mcp is not None:
+                self._renderer.notice(mcp)
+        elif parse_prompt_command(line) is not None:
+            self._prepare(line, follow=False)
         else:
             self._renderer.notice(f"unknown command {name}; /help lists the commands")
         if self._work is None:
@@ -710,14 +835,41 @@ class Chat:
     def _follow(self, text: str) -> None:
         if not text:
             self._renderer.notice("usage: /follow TEXT")
-        elif self._work is None:
-            self._start(text)
+        elif parse_prompt_command(text) is not None or has_attachments(text, self._session.tools):
+            self._prepare(text, follow=True)
+        else:
+            self._follow_content(text)
+
+    def _follow_content(self, content: str | tuple[UserContent, ...]) -> None:
+        if self._work is None:
+            self._start(content)
         elif isinstance(self._work, _Compaction):
             self._renderer.notice("[compacting: wait for it to end, or Ctrl-C to stop it]")
-        elif self._session.follow_up(text, approve=self._approve):
+        elif isinstance(self._work, _Preparing):
+            self._queue_next(content, "[this runs after the input being prepared]")
+        elif self._session.follow_up(content, approve=self._approve):
             self._renderer.notice("[follow-up queued]")
         else:
-            self._queue_next(text)
+            self._queue_next(content)
+
+    def _prepare(self, text: str, *, follow: bool) -> None:
+        """Prepare ``text`` (an MCP prompt command, attachments) in a task of its own;
+        at the prompt that is the REPL's work until it is ready."""
+        if isinstance(self._work, _Compaction):
+            self._renderer.notice("[compacting: wait for it to end, or Ctrl-C to stop it]")
+            return
+        token = _Preparing()
+        self._preparing.add(token)
+        if self._work is None:
+            self._work = token
+            self._interrupting = False
+            self._renderer.working()
+        assert self._nursery is not None
+        self._nursery.start_soon(self._prepare_input, text, token, follow)
+
+    def _stop_preparing(self) -> None:
+        for token in self._preparing:
+            token.scope.cancel()
 
     def _retry(self) -> None:
         if self._work is None:
@@ -751,7 +903,7 @@ class Chat:
 
     # helpers
 
-    def _start(self, text: str) -> None:
+    def _start(self, text: str | tuple[UserContent, ...]) -> None:
         try:
             stream = self._session.run(text, approve=self._approve)
         except GreenroomError as exc:  # Busy (a task waits for a person), AuthLocked, …
@@ -764,13 +916,14 @@ class Chat:
         assert self._nursery is not None
         self._nursery.start_soon(self._consume, stream)
 
-    def _queue_next(self, text: str) -> None:
-        """The task ended as ``text`` arrived: run it as soon as the REPL is idle."""
-        if self._next_prompt is None:
-            self._next_prompt = text
-        else:
-            self._next_prompt += "\n" + text
-        self._renderer.notice("[the task has just ended: this starts the next one]")
+    def _queue_next(
+        self,
+        content: str | tuple[UserContent, ...],
+        notice: str = "[the task has just ended: this starts the next one]",
+    ) -> None:
+        """``content`` cannot go to a running task: run it as soon as the REPL is idle."""
+        self._next_prompt += [TextBlock(text=content)] if isinstance(content, str) else content
+        self._renderer.notice(notice)
 
     def _show_prompt(self) -> None:
         if not self._leaving:

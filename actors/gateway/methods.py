@@ -51,6 +51,7 @@ from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.port import Approval
 from greenroom.actors.runtime.session import Session
 from greenroom.actors.runtime.storage import SessionStore
+from greenroom.actors.tools.mcp_commands import AttachmentError, attach_to_input
 from greenroom.protocols import jsonrpc
 from greenroom.protocols.content import ToolCallBlock, UserContent
 from greenroom.protocols.converter import to_dict
@@ -231,16 +232,23 @@ class Methods:
         return _run_approver(self.defaults)
 
     async def _input(self, session: Session, params: Mapping[str, Any]) -> tuple[UserContent, ...]:
-        """The call's ``input`` with its images attached (R-SEC-8): read once, now, off the
-        event loop, from inside the workspace or scratchpad only; an image that cannot be
-        is -32602 naming the block and why, and nothing of the call is done."""
+        """The call's ``input`` with its attachments: its images (R-SEC-8), read once, now,
+        off the event loop, from inside the workspace or scratchpad only; then each
+        ``@server:uri`` of a text, a resource of one of this session's own MCP servers
+        (R-MCP-5), read through that server. One that cannot be read is -32602 naming the
+        block and why, and nothing of the call is done."""
         if "input" not in params:
             raise invalid("$.input", "required")
         blocks = jsonrpc.parse_input(params["input"])
         try:
-            return await session.attach(blocks, confine=True)
+            attached = await session.attach(blocks, confine=True)
         except ImageRefused as exc:
             raise invalid(f"$.input[{exc.index}].path", f"{exc.path!r}: {exc.reason}") from None
+        try:
+            return tuple(await attach_to_input(attached, session.tools))
+        except AttachmentError as exc:
+            where = "$.input" if isinstance(params["input"], str) else f"$.input[{exc.index}].text"
+            raise invalid(where, str(exc)) from None
 
     # -- methods ----------------------------------------------------------------------------------
 

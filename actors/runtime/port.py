@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from greenroom.actors.runtime.llm_streamer import ModelProvider
     from greenroom.actors.runtime.trace_store import TraceLog, UsageLedger
     from greenroom.actors.runtime.tree import Children
+    from greenroom.actors.tools.mcp_commands import McpView
 
 __all__ = [
     "NO_HOOKS",
@@ -217,6 +218,7 @@ class SessionPort:
         "load_errors",
         "lost_approve",
         "machine",
+        "mcp",
         "parent_id",
         "parked_task",
         "principal",
@@ -301,6 +303,9 @@ class SessionPort:
         session first spawns."""
         self.forked_from: tuple[str, int] | None = None
         """The session and seq this one was forked from (R-FORK-1), else None."""
+        self.mcp: McpView | None = None
+        """The prompts and resources of the session's MCP servers (R-MCP-5); None
+        without MCP servers."""
         self._host = host
         self._tools, self._tool_schemas = tools
         self._own_tools = tools

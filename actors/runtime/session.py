@@ -88,6 +88,7 @@ from greenroom.protocols.wording import clip_words
 
 if TYPE_CHECKING:
     from greenroom.actors.runtime.host import Host
+    from greenroom.actors.tools.mcp_commands import McpView
 
 __all__ = ["Compactability", "RunResult", "RunStream", "Session", "require_trio"]
 
@@ -469,6 +470,11 @@ class Session:
         if (problem := _client_tools_problem(self._port.own_tool_names(), tools)) is not None:
             raise ConfigurationError(problem)
         self._port.set_client_tools(tuple(tools))
+
+    @property
+    def mcp(self) -> McpView | None:
+        """The prompts and resources of the session's MCP servers (R-MCP-5); None without."""
+        return self._port.mcp
 
     @property
     def hooks(self) -> Hooks:

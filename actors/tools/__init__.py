@@ -14,8 +14,15 @@ if TYPE_CHECKING:
     )
     from greenroom.actors.tools.mcp_commands import (
         AttachmentError,
+        McpView,
+        PromptCommandError,
         attach_resources,
+        attach_to_input,
+        expand_prompt_command,
+        has_attachments,
         parse_prompt_command,
+        prompt_usage,
+        read_linked_resource,
     )
     from greenroom.actors.tools.mcp_config import (
         McpConfigError,
@@ -30,8 +37,15 @@ _MODULE_OF = {
     "ToolLoadError": "greenroom.actors.tools.loader",
     "load_tools": "greenroom.actors.tools.loader",
     "AttachmentError": "greenroom.actors.tools.mcp_commands",
+    "McpView": "greenroom.actors.tools.mcp_commands",
+    "PromptCommandError": "greenroom.actors.tools.mcp_commands",
     "attach_resources": "greenroom.actors.tools.mcp_commands",
+    "attach_to_input": "greenroom.actors.tools.mcp_commands",
+    "expand_prompt_command": "greenroom.actors.tools.mcp_commands",
+    "has_attachments": "greenroom.actors.tools.mcp_commands",
     "parse_prompt_command": "greenroom.actors.tools.mcp_commands",
+    "prompt_usage": "greenroom.actors.tools.mcp_commands",
+    "read_linked_resource": "greenroom.actors.tools.mcp_commands",
     "McpConfigError": "greenroom.actors.tools.mcp_config",
     "load_config_files": "greenroom.actors.tools.mcp_config",
 }
@@ -39,13 +53,20 @@ _MODULE_OF = {
 __all__ = [
     "AttachmentError",
     "McpConfigError",
+    "McpView",
+    "PromptCommandError",
     "ToolLoadError",
     "ask_user",
     "attach_resources",
+    "attach_to_input",
     "builtin_tools",
+    "expand_prompt_command",
+    "has_attachments",
     "load_config_files",
     "load_tools",
     "parse_prompt_command",
+    "prompt_usage",
+    "read_linked_resource",
 ]
 
 

@@ -985,6 +985,24 @@ class McpBinding:
             on_stop=_chain(self.at_turn_boundary, hooks.on_stop),
         )
 
+    # -- what a person reaches (R-MCP-5): the session's ``McpView``
+
+    def prompts(self) -> dict[str, tuple[McpPromptInfo, ...]]:
+        """Every server of the session by name, with the prompts it last listed."""
+        return {c.name: c.prompts for c in self._connections}
+
+    def resources(self) -> dict[str, tuple[McpResourceInfo, ...]]:
+        """Every server of the session by name, with the resources it last listed."""
+        return {c.name: c.resources for c in self._connections}
+
+    async def get_prompt(self, server: str, prompt: str, arguments: Mapping[str, str]) -> str:
+        """Prompt ``prompt`` of the session's server ``server`` expanded with
+        ``arguments``. Raises :class:`McpServerError` saying why not."""
+        for connection in self._connections:
+            if connection.name == server:
+                return await connection.get_prompt(prompt, dict(arguments))
+        raise McpServerError(f"no MCP server {server!r} in this session")
+
     def detach(self) -> None:
         """Stop listening to the servers' tool changes; the session's workspace stops
         being one of their roots."""
@@ -1027,6 +1045,7 @@ async def attach_servers(
     binding.table.replace(tools)
     session.set_tool_table(binding.table, schemas)
     session.hooks = binding.hooks(session.hooks)
+    session.mcp = binding
     for connection in connections:
         connection.listeners.add(binding.changed)
     manager.bind(session.id, binding)

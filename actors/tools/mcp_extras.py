@@ -19,13 +19,12 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import attrs
 import mcp_types
 import trio
 from mcp import ClientSession
 from mcp.client import ClientRequestContext
 
-from greenroom.actors.tools.mcp_commands import READ_RESOURCE
+from greenroom.actors.tools.mcp_commands import READ_RESOURCE, McpPromptInfo, McpResourceInfo
 from greenroom.protocols.content import TextBlock, ToolContent
 from greenroom.protocols.mcp_config import tool_name
 from greenroom.protocols.tools import Tool
@@ -92,16 +91,6 @@ class WorkspaceRoots:
 
 
 # -- resources -------------------------------------------------------------------------------
-
-
-@attrs.frozen(kw_only=True, slots=True)
-class McpResourceInfo:
-    """One resource as the server lists it."""
-
-    uri: str
-    name: str
-    description: str | None = None
-    mime_type: str | None = None
 
 
 async def fetch_resources(session: ClientSession) -> tuple[McpResourceInfo, ...]:
@@ -171,16 +160,6 @@ def read_resource_tool(
 
 
 # -- prompts ---------------------------------------------------------------------------------
-
-
-@attrs.frozen(kw_only=True, slots=True)
-class McpPromptInfo:
-    """One prompt as the server lists it: its name, description and arguments (name,
-    whether required)."""
-
-    name: str
-    description: str | None = None
-    arguments: tuple[tuple[str, bool], ...] = ()
 
 
 async def fetch_prompts(session: ClientSession) -> tuple[McpPromptInfo, ...]:

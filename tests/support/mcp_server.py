@@ -15,8 +15,10 @@ forever; records its key in ``cancelled`` when the client cancels it), ``cancell
 told; a cancellation is recorded in ``cancelled`` as ``order:<item>``), ``sent_key``
 (the idempotency key the call's ``_meta`` carried, as the server received it), ``client``
 (the client's name, version and capabilities from ``initialize``) and ``roots`` (the
-client's roots, asked for with ``roots/list``). Resource ``greenroom://notes`` (text);
-prompt ``review`` (arguments ``path``, required, and ``tone``).
+client's roots, asked for with ``roots/list``). Resources ``greenroom://notes`` (text) and
+``greenroom://counter`` (counts its reads: ``read N of process PID``) and ``greenroom://slow``
+(never answers); prompt ``review``
+(arguments ``path``, required, and ``tone``).
 """
 
 from __future__ import annotations
@@ -229,6 +231,25 @@ server._tool_manager.get_tool("bad_schema").parameters = {  # type: ignore[union
 def notes() -> str:
     """A text resource."""
     return "the notes say: ship on Friday"
+
+
+reads: list[str] = []
+
+
+@server.resource("greenroom://counter", name="counter", description="How often it was read",
+                 mime_type="text/plain")
+def counter() -> str:
+    """A text resource that counts its reads: which server process a read reached."""
+    reads.append("counter")
+    return f"read {len(reads)} of process {os.getpid()}"
+
+
+@server.resource("greenroom://slow", name="slow", description="Never answers",
+                 mime_type="text/plain")
+async def slow() -> str:
+    """A resource whose read waits until the client gives up on it."""
+    await anyio.sleep_forever()
+    return "never"
 
 
 @server.prompt(description="Review a file, in the given tone")
