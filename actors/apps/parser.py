@@ -750,7 +750,7 @@ def _add_a2a_agent_flag(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         help="a remote A2A agent the model may call as a tool, by its base URL or its agent "
-        "card's URL (repeatable; its bearer token from GREENROOM_A2A_TOKEN)",
+        "card's URL (repeatable; its bearer token from GREENROOM_A2A_TOKEN; default: none)",
     )
 
 

@@ -276,7 +276,7 @@ def collect_tools(
         for loaded_tool in loaded:
             tools[loaded_tool.name] = loaded_tool
     if a2a_agents:
-        from greenroom.actors.tools.a2a_agent import a2a_tools  # only when asked for
+        from greenroom.actors.tools import a2a_tools  # loaded only when asked for
 
         for remote in a2a_tools(a2a_agents):
             tools[remote.name] = remote

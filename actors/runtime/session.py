@@ -728,37 +728,7 @@ class Session:
         any running task (R-HOST-5). Its usage is recorded in the ledger as ``title``.
         Returns "" when there is nothing to title or the call fails; a title longer than
         ``max_chars`` is cut at a word and ends with ``…``."""
-        port = self._port
-        excerpt = _title_material(port.transcript)
-        if not excerpt:
-            return ""
-        request = ModelRequest(
-            model=port.settings.model,
-            system=None,
-            tools=(),
-            messages=(
-                UserMessage(content=(TextBlock(text=f"{markers.TITLE_PROMPT}\n\n{excerpt}"),)),
-            ),
-            max_tokens=64,
-        )
-        response = ResponseCollector()
-        # The one path to the model (R-ACTOR-4): a streamer of its own, so the title never
-        # waits for a task's attempts. Unbounded: both sides send with send_nowait.
-        batches_send, batches = trio.open_memory_channel[SupervisorMessage](math.inf)
-        commands_send, commands = trio.open_memory_channel[StreamerCommand](math.inf)
-        streamer = LLMStreamer(port.provider.open_task(), batches_send, port.requester())
-        async with trio.open_nursery() as nursery:
-            await nursery.start(streamer.run, commands)
-            commands_send.send_nowait(StartAttempt(request=request, attempt=1, delay_ms=0))
-            async for batch in batches:
-                assert isinstance(batch, StreamBatch)
-                if response.feed(batch.events):
-                    break
-            nursery.cancel_scope.cancel()
-        if response.usage is not None:
-            port.record_usage("", 0, response.usage, kind="title")
-        title = " ".join(response.text.split()).strip().strip("\"'")
-        return clip_words(title, max_chars)
+        return await _title(self._port, max_chars)
 
     # -- watching -------------------------------------------------------------------------------
 
@@ -808,3 +778,37 @@ class Session:
         await self.wait_idle()
         await port.sync_trace_quietly()
         port.end_watches()
+
+
+async def _title(port: SessionPort, max_chars: int) -> str:
+    """:meth:`Session.generate_title` of the session of ``port``."""
+    excerpt = _title_material(port.transcript)
+    if not excerpt:
+        return ""
+    request = ModelRequest(
+        model=port.settings.model,
+        system=None,
+        tools=(),
+        messages=(
+            UserMessage(content=(TextBlock(text=f"{markers.TITLE_PROMPT}\n\n{excerpt}"),)),
+        ),
+        max_tokens=64,
+    )
+    response = ResponseCollector()
+    # The one path to the model (R-ACTOR-4): a streamer of its own, so the title never
+    # waits for a task's attempts. Unbounded: both sides send with send_nowait.
+    batches_send, batches = trio.open_memory_channel[SupervisorMessage](math.inf)
+    commands_send, commands = trio.open_memory_channel[StreamerCommand](math.inf)
+    streamer = LLMStreamer(port.provider.open_task(), batches_send, port.requester())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(streamer.run, commands)
+        commands_send.send_nowait(StartAttempt(request=request, attempt=1, delay_ms=0))
+        async for batch in batches:
+            assert isinstance(batch, StreamBatch)
+            if response.feed(batch.events):
+                break
+        nursery.cancel_scope.cancel()
+    if response.usage is not None:
+        port.record_usage("", 0, response.usage, kind="title")
+    title = " ".join(response.text.split()).strip().strip("\"'")
+    return clip_words(title, max_chars)

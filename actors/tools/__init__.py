@@ -1,11 +1,12 @@
 """Tools: the built-in file, search and shell tools, the sandbox for ``run_shell``, loading
-``--tools`` modules, and MCP servers' tools."""
+``--tools`` modules, MCP servers' tools, and remote A2A agents as tools."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from greenroom.actors.tools.a2a_agent import A2aAgentError, a2a_tools, load_a2a_agent
     from greenroom.actors.tools.ask_user import ask_user
     from greenroom.actors.tools.builtin import builtin_tools
     from greenroom.actors.tools.loader import (
@@ -32,6 +33,9 @@ if TYPE_CHECKING:
 # Loaded on first use: the modules import each other, and importing the package must
 # not import them all (nor pay for the ones a program never uses).
 _MODULE_OF = {
+    "A2aAgentError": "greenroom.actors.tools.a2a_agent",
+    "a2a_tools": "greenroom.actors.tools.a2a_agent",
+    "load_a2a_agent": "greenroom.actors.tools.a2a_agent",
     "ask_user": "greenroom.actors.tools.ask_user",
     "builtin_tools": "greenroom.actors.tools.builtin",
     "ToolLoadError": "greenroom.actors.tools.loader",
@@ -51,17 +55,20 @@ _MODULE_OF = {
 }
 
 __all__ = [
+    "A2aAgentError",
     "AttachmentError",
     "McpConfigError",
     "McpView",
     "PromptCommandError",
     "ToolLoadError",
+    "a2a_tools",
     "ask_user",
     "attach_resources",
     "attach_to_input",
     "builtin_tools",
     "expand_prompt_command",
     "has_attachments",
+    "load_a2a_agent",
     "load_config_files",
     "load_tools",
     "parse_prompt_command",

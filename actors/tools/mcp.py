@@ -54,6 +54,7 @@ import json
 import logging
 import math
 import mimetypes
+import warnings
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -695,6 +696,12 @@ async def _send_roots_changed(session: ClientSession) -> None:
     # A server that has gone meanwhile asks for the roots again when it restarts.
     with contextlib.suppress(MCPError, anyio.ClosedResourceError, anyio.BrokenResourceError):
         await session.send_roots_list_changed()
+
+
+# The SDK warns that roots are deprecated (SEP-2577) each time they change; servers still
+# ask for them, and the warning would only reach the person at a terminal. A filter set
+# once (not catch_warnings around an await: other tasks run meanwhile).
+warnings.filterwarnings("ignore", message=r".*roots capability is deprecated")
 
 
 def _client_info() -> mcp_types.Implementation:
