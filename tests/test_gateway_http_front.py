@@ -13,8 +13,8 @@ from typing import Any
 
 import httpx
 import trio
-from conftest import Gates
-from test_gateway import TOKEN, connect, serving
+from conftest import Gates, Lookup
+from test_gateway import TOKEN, connect, lookup_script, serving
 from test_gateway_ag_ui import post, posted, run_input
 
 from greenroom.actors.gateway import GatewayLimits
@@ -144,3 +144,137 @@ async def test_malformed_http_never_ends_the_server(tmp_path: Path) -> None:
             assert card.status_code == 200
             async with connect(server) as client:
                 assert (await client.result("session.create"))["session_id"]
+
+
+APP = "http://app.example:3000"
+"""The origin of a web front end served elsewhere, allowed with ``allowed_origins``."""
+
+PREFLIGHT = {
+    "Access-Control-Request-Method": "POST",
+    "Access-Control-Request-Headers": "authorization,content-type,last-event-id",
+}
+
+
+def cors_headers(response: httpx.Response) -> dict[str, str]:
+    return {
+        name: value
+        for name, value in response.headers.items()
+        if name.startswith("access-control-") or name == "vary"
+    }
+
+
+async def test_allowed_browser_origins_get_cors_answers(tmp_path: Path, lookup: Lookup) -> None:
+    """R-SEC-4, R-PROTO-1, R-PROTO-2: a page of an allowed origin may call the endpoints
+    from another origin: its preflight is answered with what it may send, and every
+    answer — an event stream, the card, an error — names its origin, so the browser lets
+    the page read it. The console's origin is on the same list."""
+    with trio.fail_after(BOUND_S):
+        async with (
+            serving(
+                tmp_path, lookup_script, tools=[lookup.tool], ag_ui=True, a2a=True,
+                allowed_origins=[APP + "/"],
+            ) as server,
+            httpx.AsyncClient(timeout=BOUND_S) as http,
+        ):  # fmt: skip
+            base = f"http://127.0.0.1:{server.gateway.port}"
+            server.gateway.allow_origin("http://127.0.0.1:9999")
+            for path, methods in (
+                ("/ag-ui", "OPTIONS, POST"),
+                ("/a2a", "OPTIONS, POST"),
+                ("/.well-known/agent-card.json", "GET, OPTIONS"),
+            ):
+                for origin in (APP, "http://127.0.0.1:9999"):
+                    answer = await http.options(
+                        base + path, headers={"Origin": origin, **PREFLIGHT}
+                    )
+                    assert answer.status_code == 204, (path, origin)
+                    assert answer.content == b""
+                    assert cors_headers(answer) == {
+                        "access-control-allow-origin": origin,
+                        "access-control-allow-methods": methods,
+                        "access-control-allow-headers": (
+                            "Authorization, Content-Type, Accept, Last-Event-ID"
+                        ),
+                        "access-control-max-age": "600",
+                        "access-control-expose-headers": "Retry-After, WWW-Authenticate, Allow",
+                        "vary": "Origin",
+                    }
+            auth = {"Authorization": f"Bearer {TOKEN}", "Origin": APP}
+            # The event stream itself.
+            async with http.stream(
+                "POST",
+                base + "/ag-ui",
+                json=run_input("t1", "r1", "go"),
+                headers={**auth, "Accept": "text/event-stream"},
+            ) as stream:
+                assert stream.status_code == 200
+                assert stream.headers["content-type"].startswith("text/event-stream")
+                assert stream.headers["access-control-allow-origin"] == APP
+                assert stream.headers["vary"] == "Origin"
+                lines = [line async for line in stream.aiter_lines()]
+            finished = json.loads([line for line in lines if line.startswith("data: ")][-1][6:])
+            assert finished["type"] == "RUN_FINISHED"
+            assert finished["outcome"]["type"] == "interrupt"
+            card = await http.get(base + "/.well-known/agent-card.json", headers=auth)
+            assert card.status_code == 200 and card.json()["name"]
+            assert card.headers["access-control-allow-origin"] == APP
+            # Refusals are readable by the page too, with their reasons' headers exposed.
+            unauthorized = await http.post(base + "/ag-ui", json={}, headers={"Origin": APP})
+            assert unauthorized.status_code == 401
+            assert unauthorized.headers["access-control-allow-origin"] == APP
+            assert "WWW-Authenticate" in unauthorized.headers["access-control-expose-headers"]
+            busy = await http.post(base + "/ag-ui", json=run_input("t1", "r2", "hi"), headers=auth)
+            assert busy.status_code == 409
+            assert busy.headers["access-control-allow-origin"] == APP
+            wrong_method = await http.get(base + "/a2a", headers=auth)
+            assert wrong_method.status_code == 405
+            assert wrong_method.headers["access-control-allow-origin"] == APP
+            assert lookup.calls == []
+
+
+async def test_other_origins_get_no_cors_and_plain_clients_no_change(
+    tmp_path: Path, lookup: Lookup
+) -> None:
+    """R-SEC-4: a page of another origin is refused, preflight and request alike, and gets
+    no CORS header (its browser hides even the refusal); a client that sends no
+    ``Origin`` (not a browser) is answered as it always was."""
+    with trio.fail_after(BOUND_S):
+        async with (
+            serving(
+                tmp_path, lookup_script, tools=[lookup.tool], ag_ui=True, a2a=True,
+                allowed_origins=[APP],
+            ) as server,
+            httpx.AsyncClient(timeout=BOUND_S) as http,
+        ):  # fmt: skip
+            base = f"http://127.0.0.1:{server.gateway.port}"
+            for origin in ("http://evil.example", "http://app.example:3001", "null"):
+                preflight = await http.options(
+                    base + "/ag-ui", headers={"Origin": origin, **PREFLIGHT}
+                )
+                assert preflight.status_code == 403
+                assert cors_headers(preflight) == {}
+                called = await http.post(
+                    base + "/ag-ui",
+                    json=run_input("t1", "r1", "go"),
+                    headers={"Authorization": f"Bearer {TOKEN}", "Origin": origin},
+                )
+                assert called.status_code == 403
+                assert cors_headers(called) == {}
+            # No Origin: no CORS, and OPTIONS is a method the path does not take.
+            options = await http.options(base + "/ag-ui", headers=PREFLIGHT)
+            assert options.status_code == 405 and options.headers["allow"] == "POST"
+            assert cors_headers(options) == {}
+            plain = await http.post(
+                base + "/ag-ui",
+                json=run_input("t1", "r1", "go"),
+                headers={"Authorization": f"Bearer {TOKEN}"},
+            )
+            assert plain.status_code == 200
+            assert plain.headers["content-type"].startswith("text/event-stream")
+            assert cors_headers(plain) == {}
+            card = await http.get(
+                base + "/.well-known/agent-card.json",
+                headers={"Authorization": f"Bearer {TOKEN}"},
+            )
+            assert card.status_code == 200 and cors_headers(card) == {}
+            assert lookup.calls == []

@@ -430,9 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ORIGIN",
         action="append",
         default=[],
-        help="a browser origin (http://host:port) allowed to connect besides the console's; "
-        "repeatable; other browser origins are refused with HTTP 403 (default: the console's "
-        "only)",
+        help="a browser origin (http://host:port) allowed to connect besides the console's, "
+        "and to call the --a2a and --ag-ui endpoints (CORS); repeatable; other browser origins "
+        "are refused with HTTP 403 (default: the console's only)",
     )
     serve.add_argument(
         "--max-connections",

@@ -16,12 +16,22 @@ did. The front is in place only when an endpoint is served; the websocket path t
 one read of the handshake's head and one task hop, nothing per frame.
 
 Admission per request, as for a websocket handshake (R-SEC-4, R-SEC-9): a foreign
-``Origin`` is refused (403); an address that sent too many wrong tokens waits (429 with
-``Retry-After``) before its token is looked at; a missing or wrong ``Authorization:
-Bearer`` token is 401 (a wrong one counts against the address); each HTTP connection
-takes one of the gateway's seats (503 when none is left) and each request one of its
-principal's connections (429 beyond them) for as long as it is answered — an event
-stream holds its place like a websocket does.
+``Origin`` is refused (403), and so is its CORS preflight; an address that sent too many
+wrong tokens waits (429 with ``Retry-After``) before its token is looked at; a missing or
+wrong ``Authorization: Bearer`` token is 401 (a wrong one counts against the address);
+each HTTP connection takes one of the gateway's seats (503 when none is left) and each
+request one of its principal's connections (429 beyond them) for as long as it is
+answered — an event stream holds its place like a websocket does.
+
+CORS: web front ends are served from an origin of their own, so the endpoints answer a
+browser's preflight (``OPTIONS`` with an ``Origin``) for the gateway's allowed origins —
+the websocket's list, one list for both sides — and every answer to a request from such an
+origin, errors and event streams too, carries ``Access-Control-Allow-Origin`` with that
+origin. A request from any other origin gets no CORS header (the browser hides the answer
+from the page) and is refused; a request without ``Origin`` (not a browser) is answered
+exactly as before. No ``Access-Control-Allow-Credentials``: the token travels in the
+``Authorization`` header the page sets, never in a cookie, so a page can use the
+endpoints only with a token it was given.
 
 Bad input never ends more than its connection: a malformed request is 400, a head larger
 than :data:`MAX_HEAD_BYTES` 431, a body larger than the gateway's frame cap
@@ -46,6 +56,9 @@ from greenroom.actors.gateway.sockets import CountedStream
 from greenroom.protocols import jsonrpc
 
 __all__ = [
+    "CORS_ALLOW_HEADERS",
+    "CORS_EXPOSE_HEADERS",
+    "CORS_MAX_AGE_S",
     "MAX_HEAD_BYTES",
     "EventSink",
     "HttpFront",
@@ -59,11 +72,23 @@ logger = logging.getLogger(__name__)
 MAX_HEAD_BYTES = 64 * 1024
 """The largest request head read (a websocket handshake's too)."""
 
+CORS_MAX_AGE_S = 600
+"""How long a browser may reuse a preflight's answer (``Access-Control-Max-Age``)."""
+
+CORS_ALLOW_HEADERS = "Authorization, Content-Type, Accept, Last-Event-ID"
+"""The request headers a page may set (``Access-Control-Allow-Headers``): the token, the
+JSON body's type, the event stream's ``Accept`` and the AG-UI reconnect's last id."""
+
+CORS_EXPOSE_HEADERS = "Retry-After, WWW-Authenticate, Allow"
+"""The answers' headers a page may read besides the safelisted ones: why and for how long
+a request was refused."""
+
 KEEPALIVE_S = 15.0
 """How long an event stream may stay silent before a comment line keeps proxies from
 timing it out (and finds a client that went away)."""
 
 _REASONS = {
+    204: b"No Content",
     400: b"Bad Request",
     401: b"Unauthorized",
     403: b"Forbidden",
@@ -153,12 +178,21 @@ class EventSink:
 
 class Reply:
     """How an endpoint answers a request: once, with a whole body (:meth:`json`,
-    :meth:`error`) or with an event stream (:meth:`events`)."""
+    :meth:`error`), with none (:meth:`empty`) or with an event stream (:meth:`events`).
+    Every answer carries ``cors``, the request's CORS headers (none for a request that is
+    not from an allowed browser origin)."""
 
-    def __init__(self, stream: CountedStream, conn: h11.Connection, limits: GatewayLimits) -> None:
+    def __init__(
+        self,
+        stream: CountedStream,
+        conn: h11.Connection,
+        limits: GatewayLimits,
+        cors: Iterable[tuple[str, str]] = (),
+    ) -> None:
         self._stream = stream
         self._conn = conn
         self._limits = limits
+        self._cors = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in cors]
         self.sent = False
 
     async def json(self, status: int, body: Any, headers: Iterable[tuple[str, str]] = ()) -> None:
@@ -172,24 +206,37 @@ class Reply:
         """An error answer: ``{"error": {"code": status, "message": message}}``."""
         await self.json(status, {"error": {"code": status, "message": message}}, headers)
 
+    async def empty(self, headers: Iterable[tuple[str, str]] = ()) -> None:
+        """A 204 answer (no body)."""
+        await self._whole(204, None, b"", headers)
+
     async def _whole(
-        self, status: int, kind: bytes, data: bytes, headers: Iterable[tuple[str, str]]
+        self, status: int, kind: bytes | None, data: bytes, headers: Iterable[tuple[str, str]]
     ) -> None:
         self.sent = True
+        framing = (
+            []
+            if kind is None
+            else [
+                (b"Content-Type", kind),
+                (b"Content-Length", str(len(data)).encode()),
+            ]
+        )
         response = h11.Response(
             status_code=status,
             reason=_REASONS.get(status, b""),
             headers=[
-                (b"Content-Type", kind),
-                (b"Content-Length", str(len(data)).encode()),
+                *framing,
                 (b"Cache-Control", b"no-store"),
                 (b"X-Content-Type-Options", b"nosniff"),
+                *self._cors,
                 *((name.encode("latin-1"), value.encode("latin-1")) for name, value in headers),
             ],
         )
         conn = self._conn
         payload = conn.send(response) or b""
-        payload += conn.send(h11.Data(data=data)) or b""
+        if data:
+            payload += conn.send(h11.Data(data=data)) or b""
         payload += conn.send(h11.EndOfMessage()) or b""
         with trio.fail_after(self._limits.close_timeout_s + 10):
             await self._stream.send_all(payload)
@@ -208,6 +255,7 @@ class Reply:
                     (b"Cache-Control", b"no-store"),
                     (b"X-Accel-Buffering", b"no"),
                     (b"Connection", b"close"),
+                    *self._cors,
                 ],
             )
         )
@@ -308,7 +356,7 @@ class HttpFront:
             await self._hand_over(stream, bytes(read))
             return
         if self._seats.full:
-            await Reply(stream, conn, self._limits).error(
+            await Reply(stream, conn, self._limits, self._cors(_headers(request))).error(
                 503, f"too many connections (at most {self._seats.cap})"
             )
             return
@@ -358,11 +406,12 @@ class HttpFront:
         """Answer requests on the connection until it closes (keep-alive between them)."""
         request: h11.Request | None = first
         while request is not None:
-            reply = Reply(stream, conn, self._limits)
+            headers = _headers(request)
+            reply = Reply(stream, conn, self._limits, self._cors(headers))
             body = await self._body(stream, conn, reply)
             if body is None:
                 return
-            await self._answer(request, body, reply, stream)
+            await self._answer(request, headers, body, reply, stream)
             if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
                 return
             try:
@@ -371,15 +420,15 @@ class HttpFront:
                 return
             request = None
             with trio.move_on_after(self._limits.handshake_timeout_s):
-                request = await self._next_head(stream, conn, reply)
+                request = await self._next_head(stream, conn)
 
-    async def _next_head(
-        self, stream: CountedStream, conn: h11.Connection, reply: Reply
-    ) -> h11.Request | None:
+    async def _next_head(self, stream: CountedStream, conn: h11.Connection) -> h11.Request | None:
         while True:
             try:
                 event = conn.next_event()
             except h11.RemoteProtocolError as exc:
+                # No head, so no origin to answer to: no CORS headers.
+                reply = Reply(stream, conn, self._limits)
                 await reply.error(exc.error_status_hint, f"malformed request: {exc}")
                 return None
             if isinstance(event, h11.Request):
@@ -418,23 +467,56 @@ class HttpFront:
             await reply.error(400, "request body not complete in time")
         return None
 
+    def _cors(self, headers: Mapping[str, str]) -> list[tuple[str, str]]:
+        """The CORS headers of every answer to a request with ``headers``: none unless it
+        comes from an allowed browser origin, which is named back as the browser sent it
+        (the browser compares it with its own, exactly)."""
+        origin = headers.get("origin")
+        if origin is None or not self._origin_allowed(origin.encode("latin-1")):
+            return []
+        return [
+            ("Access-Control-Allow-Origin", origin),
+            ("Access-Control-Expose-Headers", CORS_EXPOSE_HEADERS),
+            ("Vary", "Origin"),
+        ]
+
+    async def _preflight(self, route: Route, origin: str, reply: Reply) -> None:
+        """A browser's CORS preflight: what a page of an allowed origin may send (the
+        answer needs no token: a preflight never carries one). The browser checks the
+        method and headers it asked for against these."""
+        if not self._origin_allowed(origin.encode("latin-1")):
+            await reply.error(403, "forbidden: this origin may not call")
+            return
+        await reply.empty(
+            [
+                ("Access-Control-Allow-Methods", ", ".join(sorted(route.methods | {"OPTIONS"}))),
+                ("Access-Control-Allow-Headers", CORS_ALLOW_HEADERS),
+                ("Access-Control-Max-Age", str(CORS_MAX_AGE_S)),
+            ]
+        )
+
     async def _answer(
-        self, head: h11.Request, body: bytes, reply: Reply, stream: CountedStream
+        self,
+        head: h11.Request,
+        headers: Mapping[str, str],
+        body: bytes,
+        reply: Reply,
+        stream: CountedStream,
     ) -> None:
-        headers = {
-            name.decode("latin-1").lower(): value.decode("latin-1") for name, value in head.headers
-        }
         method = head.method.decode("latin-1")
         path = head.target.split(b"?", 1)[0].decode("latin-1")
         route = self.routes.get(path)
         if route is None:
             await reply.error(404, f"not found: the endpoints are {', '.join(sorted(self.routes))}")
             return
+        origin = headers.get("origin")
+        if method == "OPTIONS" and origin is not None:
+            await self._preflight(route, origin, reply)
+            return
         if method not in route.methods:
             allowed = ", ".join(sorted(route.methods))
             await reply.error(405, f"{path} takes {allowed}", [("Allow", allowed)])
             return
-        origin = headers.get("origin")
         if origin is not None and not self._origin_allowed(origin.encode("latin-1")):
             await reply.error(403, "forbidden: this origin may not call")
             return
@@ -492,3 +574,11 @@ class HttpFront:
                 [("WWW-Authenticate", 'Bearer realm="greenroom"')],
             )
         return principal
+
+
+def _headers(request: h11.Request) -> dict[str, str]:
+    """A request's headers by lower-case name (the last of repeated ones), decoded as
+    latin-1."""
+    return {
+        name.decode("latin-1").lower(): value.decode("latin-1") for name, value in request.headers
+    }
