@@ -239,6 +239,8 @@ class RunMapper:
         self._block = 0
         self._open_texts: dict[int, str] = {}
         self._open_calls: set[str] = set()
+        self._said: str | None = None
+        """The id of the turn's last text message: its calls' ``parentMessageId``."""
         self._usage = {"input": 0, "output": 0, "cached": 0}
         self._status = "running"
 
@@ -287,6 +289,7 @@ class RunMapper:
             case RequestBegin():
                 events = self._close_open()
                 self._turn, self._block = output.turn, 0
+                self._said = None
                 return events
             case RequestEnd():
                 return [] if output.status == "ok" else self._close_open()
@@ -393,6 +396,7 @@ class RunMapper:
                 output.run_id, output.index
             )
             events.append(self._event("TEXT_MESSAGE_START", messageId=message_id, role="assistant"))
+            self._said = message_id
         if output.text:
             events.append(
                 self._event("TEXT_MESSAGE_CONTENT", messageId=message_id, delta=output.text)
@@ -403,9 +407,7 @@ class RunMapper:
         events: list[Event] = []
         if output.call_id not in self._open_calls:
             self._open_calls.add(output.call_id)
-            events.append(
-                self._event("TOOL_CALL_START", toolCallId=output.call_id, toolCallName=output.name)
-            )
+            events.append(self._call_start(output.call_id, output.name))
         if output.arguments_delta:
             events.append(
                 self._event(
@@ -422,7 +424,7 @@ class RunMapper:
                 return [self._event("TEXT_MESSAGE_END", messageId=message_id)]
             if not block.text:
                 return []
-            message_id = self._message_id(output.run_id, index)
+            message_id = self._said = self._message_id(output.run_id, index)
             return [
                 self._event("TEXT_MESSAGE_START", messageId=message_id, role="assistant"),
                 self._event("TEXT_MESSAGE_CONTENT", messageId=message_id, delta=block.text),
@@ -434,11 +436,20 @@ class RunMapper:
                 return [self._event("TOOL_CALL_END", toolCallId=block.id)]
             arguments = block.invalid_arguments or json.dumps(block.arguments, ensure_ascii=False)
             return [
-                self._event("TOOL_CALL_START", toolCallId=block.id, toolCallName=block.name),
+                self._call_start(block.id, block.name),
                 self._event("TOOL_CALL_ARGS", toolCallId=block.id, delta=arguments),
                 self._event("TOOL_CALL_END", toolCallId=block.id),
             ]
         return []  # thinking stays the model's own
+
+    def _call_start(self, call_id: str, name: str) -> Event:
+        """``TOOL_CALL_START``, under the turn's text message when it has one (a front end
+        shows the call with the words that led to it)."""
+        if self._said is None:
+            return self._event("TOOL_CALL_START", toolCallId=call_id, toolCallName=name)
+        return self._event(
+            "TOOL_CALL_START", toolCallId=call_id, toolCallName=name, parentMessageId=self._said
+        )
 
     def _close_open(self) -> list[Event]:
         """End what a failed attempt (or the end of the run) left open."""

@@ -112,6 +112,8 @@ async def test_ag_ui_client_drives_a_run_with_a_tool_call_an_interrupt_and_a_res
             assert "".join(texts) == "Checking."
             (start,) = first.of("TOOL_CALL_START")
             assert (start["toolCallId"], start["toolCallName"]) == ("c1", "lookup")
+            # Under the words that led to it.
+            assert start["parentMessageId"] == first.of("TEXT_MESSAGE_START")[0]["messageId"]
             args = "".join(e["delta"] for e in first.of("TOOL_CALL_ARGS"))
             assert json.loads(args) == {"key": "a"}
             assert first.of("TOOL_CALL_END")
