@@ -1037,7 +1037,8 @@ async def _list_quietly(connection: McpConnection) -> None:
     try:
         await connection.list_tools()
     except McpServerError as exc:
-        log.warning("%s", exc)
+        # A start that failed was reported as it failed (``_failed``): once is enough.
+        log.debug("%s", exc)
 
 
 __all__ = [
