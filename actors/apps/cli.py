@@ -24,6 +24,9 @@
     greenroom replay SESSION_ID --provider P [--model M] [--json] [--run-tools]
                                         run its prompts again on another model, compare
                                         (actors/apps/time_travel_command.py)
+    greenroom mcp login NAME --mcp-config FILE
+                                        authorize greenroom for an HTTP MCP server that
+                                        asks for OAuth (actors/apps/mcp_command.py)
 
 Exit codes (CONTRACT.md): 0 completed, 1 failed / max_turns / loop_detected / budget_exceeded
 (a limit stopped the task, as max_turns does), 2 usage error
@@ -205,6 +208,10 @@ def _dispatch_command(args: argparse.Namespace) -> int:
             "replay": time_travel_command.replay_command,
         }[args.command]
         return command(args)
+    if args.command == "mcp":
+        from greenroom.actors.apps.mcp_command import mcp_command
+
+        return mcp_command(args)
     if args.command in ("approvals", "approve", "answer"):
         from greenroom.actors.apps import approvals
 
@@ -312,7 +319,7 @@ def _check_data_dir_of(args: argparse.Namespace) -> None:
     it and what is wrong, not a traceback from deep inside the host."""
     if args.command not in (
         "run", "chat", "acp", "serve", "sessions", "trace", "demo", "approvals", "approve",
-        "answer", "usage", "fork", "rewind", "replay",
+        "answer", "usage", "fork", "rewind", "replay", "mcp",
     ):  # fmt: skip
         return
     if args.command == "demo" and args.data_dir is None:

@@ -600,7 +600,42 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_people_commands(commands)
     _add_time_travel_commands(commands)
+    _add_mcp_commands(commands)
     return parser
+
+
+def _add_mcp_commands(commands: Any) -> None:
+    """``mcp login``: OAuth for HTTP MCP servers (actors/apps/mcp_command.py)."""
+    mcp = commands.add_parser(
+        "mcp", help="MCP servers: log in to one that asks for OAuth",
+        description="Work with the MCP servers of --mcp-config files.",
+    )  # fmt: skip
+    actions = mcp.add_subparsers(
+        dest="mcp_command", metavar="ACTION", required=True, parser_class=_CommandParser
+    )
+    login = actions.add_parser(
+        "login",
+        help="authorize greenroom for an HTTP MCP server that asks for OAuth",
+        description="Run the OAuth authorization code flow (PKCE, dynamic client "
+        "registration) for server NAME: print the authorization URL, wait for the browser "
+        "to come back to a 127.0.0.1 redirect, and keep the tokens in the data dir "
+        "(mcp/oauth.json, mode 0600), where every session that uses the server takes them "
+        "from. NAME may be the server's URL when no --mcp-config is given.",
+    )
+    login.add_argument("name", metavar="NAME")
+    login.add_argument(
+        "--mcp-config",
+        metavar="FILE",
+        action="append",
+        default=[],
+        help="the file that configures NAME (repeatable)",
+    )
+    _add_data_dir(login)
+    login.add_argument(
+        "--no-browser",
+        action="store_true",
+        help="only print the URL (default: also open it when a desktop session is there)",
+    )
 
 
 def _seq(text: str) -> int:

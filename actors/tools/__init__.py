@@ -29,6 +29,11 @@ if TYPE_CHECKING:
         McpConfigError,
         load_config_files,
     )
+    from greenroom.actors.tools.mcp_login import (
+        McpLoginError,
+        login_to_mcp_server,
+        mcp_login_problem,
+    )
 
 # Loaded on first use: the modules import each other, and importing the package must
 # not import them all (nor pay for the ones a program never uses).
@@ -52,12 +57,16 @@ _MODULE_OF = {
     "read_linked_resource": "greenroom.actors.tools.mcp_commands",
     "McpConfigError": "greenroom.actors.tools.mcp_config",
     "load_config_files": "greenroom.actors.tools.mcp_config",
+    "McpLoginError": "greenroom.actors.tools.mcp_login",
+    "login_to_mcp_server": "greenroom.actors.tools.mcp_login",
+    "mcp_login_problem": "greenroom.actors.tools.mcp_login",
 }
 
 __all__ = [
     "A2aAgentError",
     "AttachmentError",
     "McpConfigError",
+    "McpLoginError",
     "McpView",
     "PromptCommandError",
     "ToolLoadError",
@@ -71,6 +80,8 @@ __all__ = [
     "load_a2a_agent",
     "load_config_files",
     "load_tools",
+    "login_to_mcp_server",
+    "mcp_login_problem",
     "parse_prompt_command",
     "prompt_usage",
     "read_linked_resource",

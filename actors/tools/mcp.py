@@ -34,6 +34,11 @@ and for URL mode, it is declined. The time a person takes does not count against
 that runs it, so a host that stops while a question waits leaves the call in doubt when the
 task resumes (R-EFFECT-2), and the question is settled with it.
 
+OAuth (R-MCP-5): an HTTP server that asks for authorization gets the token ``greenroom mcp
+login`` stored for its URL, refreshed when it expires or is refused
+(:mod:`~greenroom.actors.tools.mcp_auth`); without a usable one the server cannot be
+started, with a message that says to log in.
+
 Exactly once (R-EFFECT-1): every ``tools/call`` carries the call's idempotency key in its
 ``_meta`` as ``greenroom/idempotency_key`` — the same key each time the call is sent, on
 any host — so a server that makes an effect can make it once.
@@ -70,6 +75,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 
+from greenroom.actors.tools.mcp_auth import STORE_NAME, StoredTokenAuth, auth_for
 from greenroom.actors.tools.mcp_commands import READ_RESOURCE
 from greenroom.actors.tools.mcp_config import as_configs, load_config_files
 from greenroom.actors.tools.mcp_extras import (
@@ -204,7 +210,7 @@ class _Call:
 class _Live:
     """One run of a connection: from starting the server to its end."""
 
-    __slots__ = ("calls", "ended", "error", "lost", "ready", "session", "stop")
+    __slots__ = ("auth", "calls", "ended", "error", "lost", "ready", "session", "stop")
 
     def __init__(self) -> None:
         self.ready = trio.Event()  # set when started, or when starting failed
@@ -213,6 +219,7 @@ class _Live:
         self.session: ClientSession | None = None
         self.error: str | None = None  # why starting failed
         self.lost: str | None = None  # why a started run ended
+        self.auth: StoredTokenAuth | None = None  # an HTTP server's OAuth (R-MCP-5)
         self.calls: set[_Call] = set()
 
 
@@ -345,7 +352,7 @@ class McpConnection:
         error: str | None = None
         try:
             async with contextlib.AsyncExitStack() as stack:
-                read, write = await stack.enter_async_context(self._transport(stack))
+                read, write = await stack.enter_async_context(self._transport(stack, live))
                 send, receive = anyio.create_memory_object_stream[Any](0)
                 nursery = await stack.enter_async_context(trio.open_nursery())
                 nursery.start_soon(self._forward, read, send, live)
@@ -403,11 +410,11 @@ class McpConnection:
         return error
 
     @contextlib.asynccontextmanager
-    async def _transport(self, stack: contextlib.AsyncExitStack) -> Any:
+    async def _transport(self, stack: contextlib.AsyncExitStack, live: _Live) -> Any:
         config = self.config
         if config.transport == "stdio":
             assert config.command is not None
-            await trio.Path(self._log_dir).mkdir(parents=True, exist_ok=True)
+            await trio.Path(self._log_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
             errlog = await trio.to_thread.run_sync(
                 lambda: self.log_path.open("a", encoding="utf-8")
             )
@@ -422,14 +429,21 @@ class McpConnection:
                 yield streams
             return
         assert config.url is not None
+        # OAuth (R-MCP-5): the stored token of the server's URL, refreshed as needed; a
+        # server that asks for one when none is usable fails to start with McpLoginNeeded.
+        auth = live.auth = auth_for(
+            config.name, config.url, config.headers, self._log_dir / STORE_NAME
+        )
         if config.transport == "sse":
             # The legacy HTTP+SSE transport (R-MCP-6): a server that has not moved to
             # streamable HTTP. An idle stream the SDK drops after its read timeout ends
             # this run; the next use connects again (R-MCP-4).
-            async with sse_client(config.url, headers=dict(config.headers) or None) as streams:
+            async with sse_client(
+                config.url, headers=dict(config.headers) or None, auth=auth
+            ) as streams:
                 yield streams
             return
-        client = create_mcp_http_client(headers=dict(config.headers) or None)
+        client = create_mcp_http_client(headers=dict(config.headers) or None, auth=auth)
         async with client, streamable_http_client(config.url, http_client=client) as streams:
             yield streams
 
@@ -628,7 +642,9 @@ class McpConnection:
             raise McpServerError(self._lost_message(live, tool))
         except MCPError as exc:
             if exc.code == mcp_types.CONNECTION_CLOSED or live.ended.is_set():
-                live.lost = live.lost or "it closed the connection"
+                # A token refused mid-session closes the transport: say that, not the close.
+                problem = live.auth.problem if live.auth is not None else None
+                live.lost = live.lost or problem or "it closed the connection"
                 live.stop.set()
                 raise McpServerError(self._lost_message(live, tool)) from None
             raise McpServerError(
@@ -1063,7 +1079,8 @@ async def _list_quietly(connection: McpConnection) -> None:
     try:
         await connection.list_tools()
     except McpServerError as exc:
-        log.warning("%s", exc)
+        # A start that failed was reported as it failed (``_failed``): once is enough.
+        log.debug("%s", exc)
 
 
 __all__ = [
