@@ -270,21 +270,7 @@ class GenAIObserver:
         clock: Callable[[], int] = time.time_ns,
     ) -> None:
         self._tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer(INSTRUMENTATION)
-        meters = meter_provider or NoOpMeterProvider()
-        meter = meters.get_meter(INSTRUMENTATION)
-        self._metered = not isinstance(meters, NoOpMeterProvider)
-        self._tokens: Histogram = meter.create_histogram(
-            "gen_ai.client.token.usage",
-            unit="{token}",
-            description="Number of input and output tokens used",
-            explicit_bucket_boundaries_advisory=list(_TOKEN_BUCKETS),
-        )
-        self._duration: Histogram = meter.create_histogram(
-            "gen_ai.client.operation.duration",
-            unit="s",
-            description="GenAI operation duration",
-            explicit_bucket_boundaries_advisory=list(_DURATION_BUCKETS),
-        )
+        self._metrics = _Metrics(meter_provider)
         self._capture = capture_content_from_env() if capture_content is None else capture_content
         self._clock = clock
         self._agents: dict[str, _Agent] = {}
@@ -394,15 +380,6 @@ class GenAIObserver:
             conversation = self._conversations[session_id] = _Conversation()
         return conversation
 
-    def _common(self, session: Session, operation: str) -> dict[str, Any]:
-        settings = session.settings
-        return {
-            "gen_ai.operation.name": operation,
-            "gen_ai.provider.name": _GENAI_PROVIDERS.get(settings.provider, settings.provider),
-            "gen_ai.request.model": settings.model,
-            **_server_attributes(settings.provider, settings.base_url),
-        }
-
     def _on_user_msg(self, session: Session, output: UserMsg, now: int) -> None:
         text = "\n".join(b.text for b in output.content if isinstance(b, TextBlock))
         if self._capture:
@@ -412,7 +389,7 @@ class GenAIObserver:
 
     def _on_task_start(self, session: Session, output: TaskStart, now: int) -> None:
         agent = self._agent(output.session_id)
-        attributes = self._common(session, "invoke_agent")
+        attributes = _common(session, "invoke_agent")
         attributes["gen_ai.conversation.id"] = output.session_id
         attributes["greenroom.run_id"] = output.run_id
         if output.origin is not None:
@@ -422,9 +399,7 @@ class GenAIObserver:
                 attributes["gen_ai.input.messages"] = _messages(
                     "user", [_text_part(agent.prompt)]
                 )
-            instructions = self._instructions(session, agent, output.origin)
-            if instructions:
-                attributes["gen_ai.system_instructions"] = instructions
+            self._add_instructions(attributes, session, agent, output.origin)
         agent.texts = []
         agent.task = self._tracer.start_span(
             "invoke_agent",
@@ -471,16 +446,14 @@ class GenAIObserver:
             agent.chat.end(end_time=now)
             self._record_chat_tokens(session, agent, agent.chat_model)
         model = session.settings.model
-        attributes = self._common(session, "chat")
+        attributes = _common(session, "chat")
         attributes["gen_ai.conversation.id"] = output.session_id
         attributes["greenroom.turn"] = output.turn
         attributes["greenroom.attempt"] = output.attempt
         attributes["gen_ai.request.max_tokens"] = session.settings.max_tokens
         if self._capture:
             attributes["gen_ai.input.messages"] = self._conversation(output.session_id).as_json()
-            instructions = self._instructions(session, agent, output.origin)
-            if instructions:
-                attributes["gen_ai.system_instructions"] = instructions
+            self._add_instructions(attributes, session, agent, output.origin)
         agent.chat = self._tracer.start_span(
             f"chat {model}",
             context=self._task_context(agent),
@@ -494,20 +467,17 @@ class GenAIObserver:
         agent.chat_usage = None
         agent.texts = []
 
-    def _instructions(
-        self, session: Session, agent: _Agent, origin: tuple[str, ...] | None
-    ) -> str | None:
-        """The system prompt the session's requests are sent, as the conventions'
-        ``gen_ai.system_instructions`` JSON (one text part); None without one. A subagent's
-        is its root's wrapped once per level below it, as the runtime makes it."""
-        if agent.instructions is None:
-            system = session.settings.system
-            for _ in range(len(origin) - 1 if origin else 0):
-                system = subagent_system(system)
-            agent.instructions = (
-                json.dumps([_text_part(system)], ensure_ascii=False) if system else ""
-            )
-        return agent.instructions or None
+    @staticmethod
+    def _add_instructions(
+        attributes: dict[str, Any],
+        session: Session,
+        agent: _Agent,
+        origin: tuple[str, ...] | None,
+    ) -> None:
+        if agent.instructions is None:  # made once per task
+            agent.instructions = _system_instructions(session.settings.system, origin)
+        if agent.instructions:
+            attributes["gen_ai.system_instructions"] = agent.instructions
 
     def _on_model_msg(self, session: Session, output: ModelMsg, now: int) -> None:
         agent = self._agent(output.session_id)
@@ -527,18 +497,12 @@ class GenAIObserver:
             span.set_attributes(_usage_attributes(usage))
         if agent.chat is not None:
             agent.chat_usage = usage  # recorded at the attempt's end, with the model's name
-        elif self._metered:
-            self._record_tokens(session, usage, session.settings.model)
-
-    def _record_tokens(self, session: Session, usage: TokenUsage, model: str) -> None:
-        if self._metered:
-            base = self._metric_attributes(session, "chat", model)
-            self._tokens.record(usage.input, {**base, "gen_ai.token.type": "input"})
-            self._tokens.record(usage.output, {**base, "gen_ai.token.type": "output"})
+        else:
+            self._metrics.tokens(session, usage, session.settings.model)
 
     def _record_chat_tokens(self, session: Session, agent: _Agent, model: str) -> None:
         if agent.chat_usage is not None:
-            self._record_tokens(session, agent.chat_usage, model)
+            self._metrics.tokens(session, agent.chat_usage, model)
             agent.chat_usage = None
 
     def _on_request_end(self, session: Session, output: RequestEnd, now: int) -> None:
@@ -575,11 +539,8 @@ class GenAIObserver:
                 span.set_attribute("greenroom.retry_in_ms", output.retry_in_ms)
             span.set_status(Status(StatusCode.ERROR, output.error_message or output.status))
         span.end(end_time=now)
-        if self._metered:
-            attributes = self._metric_attributes(session, "chat", model)
-            if error_type is not None:
-                attributes["error.type"] = error_type
-            self._duration.record((now - agent.chat_began) / 1e9, attributes)
+        seconds = (now - agent.chat_began) / 1e9
+        self._metrics.duration(session, "chat", model, seconds, error_type)
 
     def _on_approval_decision(self, session: Session, output: ApprovalDecision, now: int) -> None:
         agent = self._agent(output.session_id)
@@ -695,13 +656,9 @@ class GenAIObserver:
             span.set_attribute("error.type", output.status)
             span.set_status(Status(StatusCode.ERROR, output.message or output.status))
         span.end(end_time=now)
-        if self._metered:
-            attributes = self._metric_attributes(
-                session, "invoke_agent", agent.response_model or session.settings.model
-            )
-            if output.status != "completed":
-                attributes["error.type"] = output.status
-            self._duration.record(output.wall_ms / 1000, attributes)
+        model = agent.response_model or session.settings.model
+        failed = output.status if output.status != "completed" else None
+        self._metrics.duration(session, "invoke_agent", model, output.wall_ms / 1000, failed)
 
     def _end_open(
         self, agent: _Agent, now: int, why: str, session: Session | None = None
@@ -726,12 +683,77 @@ class GenAIObserver:
             tool.span.end(end_time=now)
         agent.tools.clear()
 
-    def _metric_attributes(
-        self, session: Session, operation: str, response_model: str
-    ) -> dict[str, Any]:
-        attributes = self._common(session, operation)
-        attributes["gen_ai.response.model"] = response_model
-        return attributes
+
+
+class _Metrics:
+    """The GenAI client metrics, recorded only when a meter provider is configured."""
+
+    __slots__ = ("_duration", "_tokens", "metered")
+
+    def __init__(self, meter_provider: MeterProvider | None) -> None:
+        meters = meter_provider or NoOpMeterProvider()
+        meter = meters.get_meter(INSTRUMENTATION)
+        self.metered = not isinstance(meters, NoOpMeterProvider)
+        self._tokens: Histogram = meter.create_histogram(
+            "gen_ai.client.token.usage",
+            unit="{token}",
+            description="Number of input and output tokens used",
+            explicit_bucket_boundaries_advisory=list(_TOKEN_BUCKETS),
+        )
+        self._duration: Histogram = meter.create_histogram(
+            "gen_ai.client.operation.duration",
+            unit="s",
+            description="GenAI operation duration",
+            explicit_bucket_boundaries_advisory=list(_DURATION_BUCKETS),
+        )
+
+    def tokens(self, session: Session, usage: TokenUsage, response_model: str) -> None:
+        """One chat request's input and output tokens."""
+        if self.metered:
+            base = _metric_attributes(session, "chat", response_model)
+            self._tokens.record(usage.input, {**base, "gen_ai.token.type": "input"})
+            self._tokens.record(usage.output, {**base, "gen_ai.token.type": "output"})
+
+    def duration(
+        self,
+        session: Session,
+        operation: str,
+        response_model: str,
+        seconds: float,
+        error_type: str | None,
+    ) -> None:
+        """How long one ``chat`` attempt or ``invoke_agent`` task took."""
+        if self.metered:
+            attributes = _metric_attributes(session, operation, response_model)
+            if error_type is not None:
+                attributes["error.type"] = error_type
+            self._duration.record(seconds, attributes)
+
+
+def _common(session: Session, operation: str) -> dict[str, Any]:
+    settings = session.settings
+    return {
+        "gen_ai.operation.name": operation,
+        "gen_ai.provider.name": _GENAI_PROVIDERS.get(settings.provider, settings.provider),
+        "gen_ai.request.model": settings.model,
+        **_server_attributes(settings.provider, settings.base_url),
+    }
+
+
+def _metric_attributes(session: Session, operation: str, response_model: str) -> dict[str, Any]:
+    attributes = _common(session, operation)
+    attributes["gen_ai.response.model"] = response_model
+    return attributes
+
+
+def _system_instructions(system: str | None, origin: tuple[str, ...] | None) -> str:
+    """The system prompt a session's requests are sent, as the conventions'
+    ``gen_ai.system_instructions`` JSON (one text part); "" without one. ``system`` is the
+    root's: a subagent's (``origin`` deeper than the root) is it wrapped once per level
+    below the root, as the runtime makes it."""
+    for _ in range(len(origin) - 1 if origin else 0):
+        system = subagent_system(system)
+    return json.dumps([_text_part(system)], ensure_ascii=False) if system else ""
 
 
 def _usage_attributes(usage: TokenUsage) -> dict[str, int | float]:
