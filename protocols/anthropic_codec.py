@@ -662,6 +662,8 @@ class AnthropicStreamDecoder:
       ``redacted_thinking`` completes at its ``content_block_start``.
     * Usage is cumulative: ``message_delta`` values replace earlier ones.
       ``UsageReported`` is produced when usage changes.
+    * ``MessageCompleted`` carries the ``id`` and ``model`` of ``message_start``'s message
+      as ``response_id`` and ``response_model`` (None when it has none).
     * One message per stream: a second ``message_start`` with another id, a
       ``content_block_start`` at an index already started, or two ``tool_use`` blocks with
       one id (R-SEC-6) are ``StreamFailed(malformed)``. An empty ``stop_reason`` is no
@@ -671,8 +673,8 @@ class AnthropicStreamDecoder:
     """
 
     __slots__ = ("_blocks", "_cache_read", "_cache_write", "_call_ids", "_deferred", "_done",
-                 "_input", "_last_event", "_message_id", "_output", "_seen", "_skipped", "_sse",
-                 "_started", "_stop_reason", "_usage")
+                 "_input", "_last_event", "_message_id", "_model", "_output", "_seen",
+                 "_skipped", "_sse", "_started", "_stop_reason", "_usage")
 
     def __init__(self) -> None:
         self._sse = SSEDecoder()
@@ -681,6 +683,7 @@ class AnthropicStreamDecoder:
         self._seen: set[int] = set()
         self._call_ids: set[str] = set()
         self._message_id: Any = None
+        self._model: str | None = None
         self._deferred: _Block | None = None
         self._input = 0
         self._output = 0
@@ -943,6 +946,7 @@ class AnthropicStreamDecoder:
                 return
             self._started = True
             self._message_id = message_id
+            self._model = _str_or_none(message.get("model"))
             usage = message.get("usage")
             if isinstance(usage, dict):
                 self._input = _int(usage.get("input_tokens"))
@@ -960,7 +964,8 @@ class AnthropicStreamDecoder:
                 out.append(_completed(blk))
             self._blocks.clear()
             out.append(MessageCompleted(stop_reason=self._stop_reason, usage=self._usage,
-                                        response_id=_str_or_none(self._message_id)))
+                                        response_id=_str_or_none(self._message_id),
+                                        response_model=self._model))
             self._done = True
         elif etype == "error":
             self._flush_deferred(out)

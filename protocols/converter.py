@@ -59,6 +59,7 @@ def _make_tagged_unstructure(cls: type[Any]) -> Callable[[Any], dict[str, Any]]:
         "output_schema",
         "output",
         "response_id",
+        "response_model",
         "http_status",
     ):
         if name in field_names:

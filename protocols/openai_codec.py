@@ -26,6 +26,8 @@ Decoder invariants (what the supervisor may rely on):
   without any finish reason is ``StreamFailed(malformed)``: a dropped connection must never
   look like an answer, and its half-streamed tool calls are never completed.
 * An empty ``finish_reason`` (sent on every chunk by some servers) is "not finished".
+* ``MessageCompleted`` carries the chunks' ``id`` and ``model`` as ``response_id`` and
+  ``response_model`` (None when the server sends none).
 * ``delta.content`` may be a string or a list of typed parts (``text``; ``thinking``, as
   Mistral sends it); ``reasoning_content`` and ``reasoning`` are thinking; a legacy
   ``delta.function_call`` is one tool call with an id derived from the response id.
@@ -502,6 +504,7 @@ class OpenAIStreamDecoder:
         self._finish_reason: str | None = None
         self._usage: TokenUsage | None = None
         self._response_id: str | None = None
+        self._response_model: str | None = None
 
     @property
     def usage(self) -> TokenUsage:
@@ -571,9 +574,14 @@ class OpenAIStreamDecoder:
                 self._fail(_classify_stream_error(error))
                 return False
             if self._response_id is None:
+                # Every chunk repeats the response's id and model: read them until the
+                # first chunk that names the response, not on every chunk.
                 response_id = chunk.get("id")
                 if response_id and response_id.__class__ is str:
                     self._response_id = response_id
+                model = chunk.get("model")
+                if model and model.__class__ is str:
+                    self._response_model = model
             choices = chunk.get("choices")
             # Anything but usage after the finish reason is ignored: the message is complete.
             if choices and self._finish_reason is None:
@@ -832,6 +840,7 @@ class OpenAIStreamDecoder:
                 stop_reason=stop_reason,
                 usage=self._usage or TokenUsage(),
                 response_id=self._response_id,
+                response_model=self._response_model,
             )
         )
         self._terminal = True

@@ -694,7 +694,10 @@ class ResponsesStreamDecoder:
             stop_reason = incomplete_reason
         self._out.append(
             MessageCompleted(
-                stop_reason=stop_reason, usage=self.usage, response_id=self.response_id
+                stop_reason=stop_reason,
+                usage=self.usage,
+                response_id=self.response_id,
+                response_model=self.response_model,
             )
         )
         self._terminal = True

@@ -249,6 +249,9 @@ class RequestEnd(Envelope):
             ``max_tokens``…), for a completed stream.
         response_id: the id the provider gave the response, for a completed stream whose
             provider gave one. Left out when None.
+        response_model: the model the provider says answered (often a dated snapshot of
+            the one requested, ``claude-sonnet-4-5-20250929`` for ``claude-sonnet-4-5``),
+            for a completed stream whose provider named one. Left out when None.
         http_status: the HTTP status the provider answered a failed attempt with (``429``
             for a rate limit that ``status`` calls ``timeout``), when there was one. Left
             out when None.
@@ -263,6 +266,7 @@ class RequestEnd(Envelope):
     error_message: str | None = None
     stop_reason: str | None = None
     response_id: str | None = None
+    response_model: str | None = None
     http_status: int | None = None
 
 

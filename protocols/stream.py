@@ -147,11 +147,13 @@ class MessageCompleted:
     ``end_turn``, ``tool_use``, ``max_tokens``, ``stop_sequence``, ``refusal``,
     ``pause_turn`` or the provider's own word when unknown. ``response_id`` is the id the
     provider gave the response (OpenAI's ``chatcmpl-…`` or ``resp_…``, Anthropic's
-    ``msg_…``), None when it gave none."""
+    ``msg_…``), None when it gave none. ``response_model`` is the model the provider says
+    answered (often a dated snapshot of the one requested), None when it named none."""
 
     stop_reason: str
     usage: TokenUsage
     response_id: str | None = None
+    response_model: str | None = None
 
 
 @attrs.frozen(kw_only=True, slots=True)

@@ -329,7 +329,8 @@ class TurnMachine:
                 self._usage(out)
                 self._stream_result = event
                 out.append(self._request_end("ok", stop_reason=event.stop_reason,  # R-RUN-3
-                                             response_id=event.response_id))
+                                             response_id=event.response_id,
+                                             response_model=event.response_model))
                 return out
             elif kind is StreamFailed:
                 assert isinstance(event, StreamFailed)
@@ -592,6 +593,7 @@ class TurnMachine:
         *,
         stop_reason: str | None = None,
         response_id: str | None = None,
+        response_model: str | None = None,
         error_message: str | None = None,
         retry_in_ms: int | None = None,
         http_status: int | None = None,
@@ -599,7 +601,8 @@ class TurnMachine:
         return RequestEnd(session_id=self.session_id, run_id=self.run_id, turn=self.turn,
                           status=status, attempt=self._attempt, retry_in_ms=retry_in_ms,
                           error_message=error_message, stop_reason=stop_reason,
-                          response_id=response_id, http_status=http_status)
+                          response_id=response_id, response_model=response_model,
+                          http_status=http_status)
 
     def _result(self, call: _Call, status: ToolStatus, content: Any) -> ToolCallOutput:
         output = _tool_output(self.session_id, self.run_id, call.block, status, content)

@@ -322,15 +322,18 @@ def test_ping_between_tool_stop_and_max_tokens_does_not_complete_the_call() -> N
     assert isinstance(events[-1], MessageCompleted) and events[-1].stop_reason == "max_tokens"
 
 
-def test_the_message_id_is_the_response_id() -> None:
-    """R-OBS-2: the id of ``message_start`` ends the stream as its ``response_id``; a
-    message without one has None."""
+def test_the_message_id_and_model_are_the_response_id_and_model() -> None:
+    """R-OBS-2: the id and model of ``message_start``'s message end the stream as its
+    ``response_id`` and ``response_model`` (exported as gen_ai.response.id and .model); a
+    message without them has None."""
     fixture = (FIXTURES / "anthropic" / "refusal.sse").read_bytes()
     end = decode([fixture])[-1]
     assert isinstance(end, MessageCompleted)
     assert end.response_id == "msg_01FixtureRefusal000000001"
+    assert end.response_model == "claude-sonnet-4-5-20250929"
     end = decode([sse(START, text_start(0), text(0, "hi"), stop(0), delta("end_turn"), STOP)])[-1]
-    assert isinstance(end, MessageCompleted) and end.response_id is None
+    assert isinstance(end, MessageCompleted)
+    assert end.response_id is None and end.response_model is None
 
 
 def test_only_the_last_tool_call_is_truncated_at_max_tokens() -> None:

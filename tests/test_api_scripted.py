@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import trio
-from conftest import RUN_TIMEOUT_S, allow_all
+from conftest import RUN_TIMEOUT_S, allow_all, collect, of_type
 
 from greenroom import Host, RunResult, tool, user_text
 from greenroom.actors import scripted
@@ -22,7 +22,7 @@ from greenroom.actors.scripted import (
     thinking,
     tool_call,
 )
-from greenroom.protocols import ModelMsg, TaskEnd, ThinkingBlock, ToolCallOutput
+from greenroom.protocols import ModelMsg, RequestEnd, TaskEnd, ThinkingBlock, ToolCallOutput
 from greenroom.protocols.context import ModelRequest
 
 
@@ -68,6 +68,22 @@ async def test_result_is_the_last_message_and_the_task_end(
     assert result.status == "completed" and isinstance(result.task_end, TaskEnd)
     assert result.task_end.turns == 2
     assert stream.final_text == result.text and stream.task_end is result.task_end
+
+
+async def test_request_end_names_the_model_that_answered(
+    host: Host, workspace: Path, providers
+) -> None:
+    """R-OBS-2: a scripted response names the model that answered as a provider does
+    (``request_end.response_model``): the one asked for, or the one its ``Reply`` gives."""
+    provider = providers(
+        [Reply(blocks=(text("one"),)), Reply(blocks=(text("two"),), model="scripted-2026-01")]
+    )
+    session = await host.create_session(provider=provider, workspace_dir=workspace)
+    named = []
+    for prompt in ("first", "second"):
+        (end,) = of_type(await collect(session.run(prompt)), RequestEnd)
+        named.append(end.response_model)
+    assert named == [session.settings.model, "scripted-2026-01"]
 
 
 async def test_final_text_follows_the_stream_and_ignores_subagents(

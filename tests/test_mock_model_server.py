@@ -103,6 +103,7 @@ async def test_sdk_parses_text_thinking_and_tool_use() -> None:
     assert tool.input == {"key": 'a "quoted" \\ value\nnext', "n": [1, 2]}
     assert message.stop_reason == "tool_use"
     assert (message.usage.input_tokens, message.usage.output_tokens) == (12, 34)
+    assert message.model == "m"  # message_start names the model asked for, as a provider does
     (req,) = server.requests
     assert req.index == 1 and req.path == "/v1/messages" and req.wire == "anthropic"
     assert req.api_key == "k"  # SDK 2.14 sends `authorization: Bearer k`
@@ -235,6 +236,7 @@ async def test_openai_reply_with_tool_calls() -> None:
         ("call_1", "lookup", {"key": "1"}), ("call_2", "lookup", {"key": 'é"2'})]
     assert fragments == {0: 3, 1: 3}
     assert chunks[-2]["choices"][0]["finish_reason"] == "tool_calls"
+    assert {chunk["model"] for chunk in chunks} == {"gpt"}  # the model asked for
     assert chunks[-1]["choices"] == []
     assert chunks[-1]["usage"] == {"prompt_tokens": 7, "completion_tokens": 9, "total_tokens": 16}
     assert server.requests[0].api_key == "sk-test" and server.requests[0].wire == "openai"

@@ -256,6 +256,7 @@ def test_text_only_events_exactly() -> None:
             stop_reason="end_turn",
             usage=TokenUsage(input=19, output=10),
             response_id="chatcmpl-FixtureTextOnly0000000000001",  # the chunks' id (R-OBS-2)
+            response_model="gpt-4o-2024-08-06",  # the chunks' model (R-OBS-2)
         ),
     ]
 

@@ -89,6 +89,7 @@ def test_text_stream() -> None:
     assert end.stop_reason == "end_turn"
     assert end.usage.input == 20 and end.usage.cache_read == 10 and end.usage.output == 8
     assert end.response_id == "resp_Fixture0001"  # exported as gen_ai.response.id (R-OBS-2)
+    assert end.response_model == "gpt-5-mini-2026-08-07"  # and as gen_ai.response.model
 
 
 def test_reasoning_then_tool_call_keeps_the_encrypted_reasoning() -> None:

@@ -35,6 +35,7 @@ from greenroom.protocols.stream import TokenUsage
 from greenroom.protocols.tools import make_tool
 
 CONTENT_KEYS = (
+    "gen_ai.system_instructions",
     "gen_ai.input.messages",
     "gen_ai.output.messages",
     "gen_ai.tool.call.arguments",
@@ -226,6 +227,9 @@ async def test_message_content_only_when_opted_in(
     ]
     assert json.loads(attrs_of(tool)["gen_ai.tool.call.arguments"]) == {"word": "hi"}
     assert attrs_of(tool)["gen_ai.tool.call.result"] == "echo hi"
+    # R-OBS-2: a session without a system prompt has no system instructions to show.
+    for span in seen.spans():
+        assert "gen_ai.system_instructions" not in attrs_of(span), span.name
 
 
 async def test_denied_call_is_marked(data_dir: Path, workspace: Path, providers) -> None:
@@ -297,7 +301,9 @@ async def test_subagent_task_is_under_its_spawn_call(
 ) -> None:
     """R-OBS-1, R-HOST-4: each subagent's invoke_agent span is a child of the
     spawn_subagent execute_tool span that started it (two side by side, told apart by
-    their tasks); the subagent's own requests are under its task span."""
+    their tasks); the subagent's own requests are under its task span. R-OBS-2: with
+    capture on, every task and chat span carries as gen_ai.system_instructions the system
+    prompt its session's requests were sent: the root's own, a subagent's its own."""
     parent_step = tool_then_answer(
         tool_call("s1", SPAWN_SUBAGENT, task="first job"),
         tool_call("s2", SPAWN_SUBAGENT, task="second job"),
@@ -315,8 +321,16 @@ async def test_subagent_task_is_under_its_spawn_call(
             provider=provider,
             workspace_dir=workspace,
             max_subagents_concurrent=2,
+            system="Delegate what you can.",
         )
         await collect(session.run("delegate", approve=allow_all))
+    (child_system,) = {r.system for r in provider.requests if is_child(r)}
+    for span in seen.spans():
+        if span.name.startswith(("invoke_agent", "chat ")):
+            is_root = attrs_of(span)["gen_ai.conversation.id"] == session.id
+            system = "Delegate what you can." if is_root else child_system
+            instructions = json.loads(attrs_of(span)["gen_ai.system_instructions"])
+            assert instructions == [{"type": "text", "content": system}], span.name
     tasks = seen.named("invoke_agent")
     (root,) = [t for t in tasks if t.parent is None]
     spawns = {attrs_of(s)["gen_ai.tool.call.id"]: s for s in seen.named("execute_tool")}
@@ -361,10 +375,12 @@ async def test_compaction_is_its_own_span(data_dir: Path, workspace: Path, provi
 
 async def test_token_and_duration_metrics(data_dir: Path, workspace: Path, providers) -> None:
     """R-OBS-1: gen_ai.client.token.usage (input and output) and
-    gen_ai.client.operation.duration are recorded when a meter provider is configured."""
-    provider = providers(
-        [Reply(blocks=(text_block("Hello."),), usage=TokenUsage(input=7, output=3))]
+    gen_ai.client.operation.duration are recorded when a meter provider is configured.
+    R-OBS-2: their gen_ai.response.model is the model the provider named."""
+    reply = Reply(
+        blocks=(text_block("Hello."),), usage=TokenUsage(input=7, output=3), model="snapshot-1"
     )
+    provider = providers([reply])
     async with observed(data_dir) as seen:
         session = await seen.host.create_session(provider=provider, workspace_dir=workspace)
         await collect(session.run("hi"))
@@ -374,6 +390,9 @@ async def test_token_and_duration_metrics(data_dir: Path, workspace: Path, provi
     durations = seen.metric_points("gen_ai.client.operation.duration")
     operations = {dict(p.attributes)["gen_ai.operation.name"] for p in durations}
     assert operations == {"chat", "invoke_agent"}
+    for point in [*tokens, *durations]:
+        assert dict(point.attributes)["gen_ai.response.model"] == "snapshot-1"
+        assert dict(point.attributes)["gen_ai.request.model"] == session.settings.model
 
 
 async def test_a_loaded_session_is_observed(data_dir: Path, workspace: Path, providers) -> None:

@@ -363,6 +363,11 @@ async def test_serve_exports_the_tasks_of_its_clients(tmp_path: Path) -> None:
     assert attributes(task)["gen_ai.conversation.id"] == sid
 
 
+SYSTEM_PROMPT = "Answer in one short sentence."
+SYSTEM_INSTRUCTIONS = [{"type": "text", "content": SYSTEM_PROMPT}]
+"""``SYSTEM_PROMPT`` as the conventions' gen_ai.system_instructions (R-OBS-2)."""
+
+
 def spans_in(exports: list[ExportTraceServiceRequest]) -> dict[str, list[Any]]:
     by_name: dict[str, list[Any]] = {}
     for export in exports:
@@ -376,10 +381,13 @@ def spans_in(exports: list[ExportTraceServiceRequest]) -> dict[str, list[Any]]:
 async def test_an_openai_task_exports_what_the_genai_conventions_ask(tmp_path: Path) -> None:
     """R-OBS-2: ``greenroom run`` on the openai provider against a mock OpenAI server,
     decoded from what an OTLP/HTTP receiver gets: finish reasons in OpenAI's words
-    (``tool_calls``, ``stop``), the response id, server.address/port of the base URL,
-    gen_ai.request.max_tokens; with capture on, each chat span's input messages (the
-    history so far, tool results included) and output messages with a finish_reason, the
-    invoke_agent's answer too; a 429 is ``error.type`` ``429``, not ``timeout``."""
+    (``tool_calls``, ``stop``), the response id, the model the chunks named as
+    gen_ai.response.model (the requested one for the attempt that got no response),
+    server.address/port of the base URL, gen_ai.request.max_tokens; with capture on, the
+    system prompt as gen_ai.system_instructions on every chat and invoke_agent span, each
+    chat span's input messages (the history so far, tool results included) and output
+    messages with a finish_reason, the invoke_agent's answer too; a 429 is ``error.type``
+    ``429``, not ``timeout``."""
     import json
 
     import trio
@@ -390,10 +398,15 @@ async def test_an_openai_task_exports_what_the_genai_conventions_ask(tmp_path: P
     workspace = tmp_path / "workspace"
     workspace.mkdir()
     (workspace / "notes.txt").write_text("hello")
+    snapshot = "gpt-test-2026-01-15"  # the model that answered, not the alias requested
     replies = (
-        WireReply([ToolUse("call_1", "read_file", {"path": "notes.txt"})], stop_reason="tool_use"),
+        WireReply(
+            [ToolUse("call_1", "read_file", {"path": "notes.txt"})],
+            stop_reason="tool_use",
+            model=snapshot,
+        ),
         ErrorReply.openai(429, "requests", "rate limited", headers={"retry-after": "0"}),
-        WireReply([Text("It says hello.")]),
+        WireReply([Text("It says hello.")], model=snapshot),
     )
     with otlp_receiver() as (receiver, endpoint):
         async with open_mock_server(*replies) as server:
@@ -407,7 +420,7 @@ async def test_an_openai_task_exports_what_the_genai_conventions_ask(tmp_path: P
             command = [
                 *CLI, "run", "--provider", "openai", "--model", "gpt-test", "--base-url",
                 f"{server.base_url}/v1", "--workspace", str(workspace), "--approve", "all",
-                "read notes.txt",
+                "--system", SYSTEM_PROMPT, "read notes.txt",
             ]  # fmt: skip
             with trio.fail_after(TIMEOUT_S):
                 result = await trio.run_process(
@@ -428,6 +441,11 @@ async def test_an_openai_task_exports_what_the_genai_conventions_ask(tmp_path: P
     assert first["gen_ai.response.id"].startswith("chatcmpl")
     assert limited["error.type"] == "429"
     assert "gen_ai.response.id" not in limited
+    assert (first["gen_ai.response.model"], last["gen_ai.response.model"]) == (snapshot,) * 2
+    assert limited["gen_ai.response.model"] == "gpt-test"  # no response named another
+    for chat in (first, limited, last):
+        assert chat["gen_ai.request.model"] == "gpt-test"
+        assert json.loads(chat["gen_ai.system_instructions"]) == SYSTEM_INSTRUCTIONS
     output = json.loads(first["gen_ai.output.messages"])
     assert output[0]["finish_reason"] == "tool_call"
     history = json.loads(last["gen_ai.input.messages"])
@@ -447,6 +465,59 @@ async def test_an_openai_task_exports_what_the_genai_conventions_ask(tmp_path: P
         }
     ]
     assert attributes(task)["server.address"] == "127.0.0.1"
+    assert json.loads(attributes(task)["gen_ai.system_instructions"]) == SYSTEM_INSTRUCTIONS
+
+
+async def test_an_anthropic_chat_span_names_the_model_that_answered(tmp_path: Path) -> None:
+    """R-OBS-2: ``greenroom run`` on the anthropic provider against a mock Messages API
+    that answers as a dated snapshot of the model asked for: each chat span's
+    gen_ai.response.model is the model ``message_start`` named, gen_ai.request.model the
+    one requested. Without the capture opt-in the system prompt, though sent to the
+    model, is on no span."""
+    import trio
+
+    from tests.support.mock_model_server import Reply as WireReply
+    from tests.support.mock_model_server import Text, ToolUse, open_mock_server
+
+    workspace = tmp_path / "workspace"
+    workspace.mkdir()
+    (workspace / "notes.txt").write_text("hello")
+    snapshot = "claude-test-20260115"
+    replies = (
+        WireReply(
+            [ToolUse("toolu_1", "read_file", {"path": "notes.txt"})],
+            stop_reason="tool_use",
+            model=snapshot,
+        ),
+        WireReply([Text("It says hello.")], model=snapshot),
+    )
+    with otlp_receiver() as (receiver, endpoint):
+        async with open_mock_server(*replies) as server:
+            env = cli_env(tmp_path, OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, ANTHROPIC_API_KEY="k")
+            command = [
+                *CLI, "run", "--provider", "anthropic", "--model", "claude-test", "--base-url",
+                server.base_url, "--workspace", str(workspace), "--approve", "all",
+                "--system", SYSTEM_PROMPT, "read notes.txt",
+            ]  # fmt: skip
+            with trio.fail_after(TIMEOUT_S):
+                result = await trio.run_process(
+                    command, env=env, cwd=tmp_path, capture_stdout=True, capture_stderr=True,
+                    check=False, stdin=b"",
+                )  # fmt: skip
+            sent = [request.body for request in server.requests]
+        assert result.returncode == 0, result.stderr.decode()
+        spans = spans_in(receiver.traces())
+    assert [body["model"] for body in sent] == ["claude-test"] * 2
+    assert all(SYSTEM_PROMPT in str(body["system"]) for body in sent)
+    chats = spans["chat claude-test"]
+    assert len(chats) == 2
+    for chat in map(attributes, chats):
+        assert chat["gen_ai.provider.name"] == "anthropic"
+        assert chat["gen_ai.request.model"] == "claude-test"
+        assert chat["gen_ai.response.model"] == snapshot
+        assert chat["gen_ai.response.id"].startswith("msg_")
+    for span in [*chats, *spans["invoke_agent"], *spans["execute_tool read_file"]]:
+        assert "gen_ai.system_instructions" not in attributes(span), span.name
 
 
 def test_grpc_protocol_exports_over_grpc(tmp_path: Path) -> None:

@@ -121,6 +121,21 @@ def test_optional_structured_and_hook_fields_are_left_out_when_none() -> None:
     }
 
 
+def test_request_end_names_the_response_only_when_the_provider_did() -> None:
+    """``request_end.response_id`` and ``response_model`` (R-OBS-2: the id and the model
+    the provider named) are written only when known, so a record without them is as
+    before; each reads back."""
+    end = outputs.RequestEnd(session_id="s", run_id="r", turn=1, status="ok", attempt=1,
+                             stop_reason="end_turn", response_id="msg_1",
+                             response_model="claude-sonnet-4-5-20250929")
+    data = json.loads(to_json(end))
+    assert data["response_id"] == "msg_1"
+    assert data["response_model"] == "claude-sonnet-4-5-20250929"
+    assert output_from_dict(data) == end
+    bare = json.loads(to_json(attrs.evolve(end, response_id=None, response_model=None)))
+    assert "response_id" not in bare and "response_model" not in bare
+
+
 def test_usage_carries_total_and_ignores_it_when_read() -> None:
     data = converter.unstructure(USAGE)
     assert data["total"] == 122

@@ -25,12 +25,14 @@ invoke_agent spans; their cost in USD (R-SHARE-3), which the conventions do not 
 
 Finish reasons are the provider's own words (R-OBS-2): the codecs report Anthropic's, which
 an OpenAI span maps back to OpenAI's; output messages carry the conventions' own
-``finish_reason``. A failed attempt's ``error.type`` is the provider's HTTP status when it
+``finish_reason``. ``gen_ai.response.model`` is the model the provider named in its response
+(``request_end.response_model``: often a dated snapshot of the one requested), the requested
+one when it named none. A failed attempt's ``error.type`` is the provider's HTTP status when it
 answered one (a 429 is ``429``, not the ``timeout`` the retry policy calls it).
 
-Message content (prompts, the history each request was sent, model text, tool arguments
-and results) is exported only when ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT``
-is ``true``.
+Message content (the system prompt, prompts, the history each request was sent, model text,
+tool arguments and results) is exported only when
+``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT`` is ``true``.
 
 This module imports OpenTelemetry; nothing else in greenroom imports it, so without the
 ``otel`` extra (or with export off) nothing of it is loaded.
@@ -56,7 +58,7 @@ from opentelemetry.metrics import Histogram, MeterProvider, NoOpMeterProvider
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, TracerProvider
 
 from greenroom.actors.providers.registry import server_url
-from greenroom.actors.runtime.subagents import SPAWN_SUBAGENT
+from greenroom.actors.runtime.subagents import SPAWN_SUBAGENT, subagent_system
 from greenroom.protocols.content import (
     ImageBlock,
     TextBlock,
@@ -178,11 +180,14 @@ class _Agent:
         "chat_began",
         "chat_model",
         "chat_output",
+        "chat_usage",
         "child_of_call",
         "compaction",
         "compaction_began",
         "finish_reason",
+        "instructions",
         "prompt",
+        "response_model",
         "task",
         "texts",
         "tool_calls",
@@ -195,6 +200,12 @@ class _Agent:
         self.chat_began = 0
         self.chat_model = ""
         self.chat_output: list[dict[str, Any]] = []
+        # The attempt's token counts, recorded as a metric at its end, when the model that
+        # answered is known.
+        self.chat_usage: TokenUsage | None = None
+        self.response_model: str | None = None  # the model that answered the last request
+        # gen_ai.system_instructions of the session's requests, made once (with capture).
+        self.instructions: str | None = None
         self.compaction: Span | None = None
         self.compaction_began = 0
         self.tools: dict[str, _ToolSpan] = {}
@@ -208,8 +219,9 @@ class _Agent:
 class _Conversation:
     """The messages a session's model has been sent, as the conventions' input messages:
     what the observer saw since it began watching (prompts, steering, the model's
-    messages, tool results; a compaction leaves its summary). The runtime's system prompt
-    and a loaded session's earlier history are not in the outputs, so not here."""
+    messages, tool results; a compaction leaves its summary). The system prompt goes apart,
+    as ``gen_ai.system_instructions``; a loaded session's earlier history is not in the
+    outputs, so not here."""
 
     __slots__ = ("messages",)
 
@@ -247,8 +259,7 @@ class GenAIObserver:
     ``tracer_provider`` defaults to the global one (a no-op unless the application
     configured it); without ``meter_provider`` no metrics are recorded; ``capture_content``
     defaults to the environment's opt-in. Nothing here blocks or does I/O: the SDK's span
-    processor decides when and where spans go. ``gen_ai.response.model`` is the session's
-    model (the outputs do not carry the one the provider reported)."""
+    processor decides when and where spans go."""
 
     def __init__(
         self,
@@ -259,21 +270,7 @@ class GenAIObserver:
         clock: Callable[[], int] = time.time_ns,
     ) -> None:
         self._tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer(INSTRUMENTATION)
-        meters = meter_provider or NoOpMeterProvider()
-        meter = meters.get_meter(INSTRUMENTATION)
-        self._metered = not isinstance(meters, NoOpMeterProvider)
-        self._tokens: Histogram = meter.create_histogram(
-            "gen_ai.client.token.usage",
-            unit="{token}",
-            description="Number of input and output tokens used",
-            explicit_bucket_boundaries_advisory=list(_TOKEN_BUCKETS),
-        )
-        self._duration: Histogram = meter.create_histogram(
-            "gen_ai.client.operation.duration",
-            unit="s",
-            description="GenAI operation duration",
-            explicit_bucket_boundaries_advisory=list(_DURATION_BUCKETS),
-        )
+        self._metrics = _Metrics(meter_provider)
         self._capture = capture_content_from_env() if capture_content is None else capture_content
         self._clock = clock
         self._agents: dict[str, _Agent] = {}
@@ -383,15 +380,6 @@ class GenAIObserver:
             conversation = self._conversations[session_id] = _Conversation()
         return conversation
 
-    def _common(self, session: Session, operation: str) -> dict[str, Any]:
-        settings = session.settings
-        return {
-            "gen_ai.operation.name": operation,
-            "gen_ai.provider.name": _GENAI_PROVIDERS.get(settings.provider, settings.provider),
-            "gen_ai.request.model": settings.model,
-            **_server_attributes(settings.provider, settings.base_url),
-        }
-
     def _on_user_msg(self, session: Session, output: UserMsg, now: int) -> None:
         text = "\n".join(b.text for b in output.content if isinstance(b, TextBlock))
         if self._capture:
@@ -401,13 +389,17 @@ class GenAIObserver:
 
     def _on_task_start(self, session: Session, output: TaskStart, now: int) -> None:
         agent = self._agent(output.session_id)
-        attributes = self._common(session, "invoke_agent")
+        attributes = _common(session, "invoke_agent")
         attributes["gen_ai.conversation.id"] = output.session_id
         attributes["greenroom.run_id"] = output.run_id
         if output.origin is not None:
             attributes["greenroom.origin"] = list(output.origin)
-        if self._capture and agent.prompt:
-            attributes["gen_ai.input.messages"] = _messages("user", [_text_part(agent.prompt)])
+        if self._capture:
+            if agent.prompt:
+                attributes["gen_ai.input.messages"] = _messages(
+                    "user", [_text_part(agent.prompt)]
+                )
+            self._add_instructions(attributes, session, agent, output.origin)
         agent.texts = []
         agent.task = self._tracer.start_span(
             "invoke_agent",
@@ -452,14 +444,16 @@ class GenAIObserver:
         agent = self._agent(output.session_id)
         if agent.chat is not None:  # an attempt whose end never came: close it first
             agent.chat.end(end_time=now)
+            self._record_chat_tokens(session, agent, agent.chat_model)
         model = session.settings.model
-        attributes = self._common(session, "chat")
+        attributes = _common(session, "chat")
         attributes["gen_ai.conversation.id"] = output.session_id
         attributes["greenroom.turn"] = output.turn
         attributes["greenroom.attempt"] = output.attempt
         attributes["gen_ai.request.max_tokens"] = session.settings.max_tokens
         if self._capture:
             attributes["gen_ai.input.messages"] = self._conversation(output.session_id).as_json()
+            self._add_instructions(attributes, session, agent, output.origin)
         agent.chat = self._tracer.start_span(
             f"chat {model}",
             context=self._task_context(agent),
@@ -470,7 +464,20 @@ class GenAIObserver:
         agent.chat_began = now
         agent.chat_model = model
         agent.chat_output = []
+        agent.chat_usage = None
         agent.texts = []
+
+    @staticmethod
+    def _add_instructions(
+        attributes: dict[str, Any],
+        session: Session,
+        agent: _Agent,
+        origin: tuple[str, ...] | None,
+    ) -> None:
+        if agent.instructions is None:  # made once per task
+            agent.instructions = _system_instructions(session.settings.system, origin)
+        if agent.instructions:
+            attributes["gen_ai.system_instructions"] = agent.instructions
 
     def _on_model_msg(self, session: Session, output: ModelMsg, now: int) -> None:
         agent = self._agent(output.session_id)
@@ -488,10 +495,15 @@ class GenAIObserver:
         usage = output.request
         if span is not None:
             span.set_attributes(_usage_attributes(usage))
-        if self._metered:
-            base = self._metric_attributes(session, "chat")
-            self._tokens.record(usage.input, {**base, "gen_ai.token.type": "input"})
-            self._tokens.record(usage.output, {**base, "gen_ai.token.type": "output"})
+        if agent.chat is not None:
+            agent.chat_usage = usage  # recorded at the attempt's end, with the model's name
+        else:
+            self._metrics.tokens(session, usage, session.settings.model)
+
+    def _record_chat_tokens(self, session: Session, agent: _Agent, model: str) -> None:
+        if agent.chat_usage is not None:
+            self._metrics.tokens(session, agent.chat_usage, model)
+            agent.chat_usage = None
 
     def _on_request_end(self, session: Session, output: RequestEnd, now: int) -> None:
         agent = self._agent(output.session_id)
@@ -499,7 +511,13 @@ class GenAIObserver:
         if span is None:
             return
         agent.chat = None
-        span.set_attribute("gen_ai.response.model", agent.chat_model)
+        # The model the provider says answered (a dated snapshot of an alias, a gateway's
+        # routing), else the one requested.
+        model = output.response_model or agent.chat_model
+        if output.response_model:
+            agent.response_model = output.response_model
+        span.set_attribute("gen_ai.response.model", model)
+        self._record_chat_tokens(session, agent, model)
         if output.response_id:
             span.set_attribute("gen_ai.response.id", output.response_id)
         if output.stop_reason:
@@ -521,11 +539,8 @@ class GenAIObserver:
                 span.set_attribute("greenroom.retry_in_ms", output.retry_in_ms)
             span.set_status(Status(StatusCode.ERROR, output.error_message or output.status))
         span.end(end_time=now)
-        if self._metered:
-            attributes = self._metric_attributes(session, "chat")
-            if error_type is not None:
-                attributes["error.type"] = error_type
-            self._duration.record((now - agent.chat_began) / 1e9, attributes)
+        seconds = (now - agent.chat_began) / 1e9
+        self._metrics.duration(session, "chat", model, seconds, error_type)
 
     def _on_approval_decision(self, session: Session, output: ApprovalDecision, now: int) -> None:
         agent = self._agent(output.session_id)
@@ -628,7 +643,7 @@ class GenAIObserver:
         agent = self._agents.pop(output.session_id, None)
         if agent is None or agent.task is None:
             return
-        self._end_open(agent, now, "interrupted")
+        self._end_open(agent, now, "interrupted", session)
         span = agent.task
         span.set_attributes(_usage_attributes(output.usage))
         span.set_attribute("greenroom.task.status", output.status)
@@ -641,19 +656,22 @@ class GenAIObserver:
             span.set_attribute("error.type", output.status)
             span.set_status(Status(StatusCode.ERROR, output.message or output.status))
         span.end(end_time=now)
-        if self._metered:
-            attributes = self._metric_attributes(session, "invoke_agent")
-            if output.status != "completed":
-                attributes["error.type"] = output.status
-            self._duration.record(output.wall_ms / 1000, attributes)
+        model = agent.response_model or session.settings.model
+        failed = output.status if output.status != "completed" else None
+        self._metrics.duration(session, "invoke_agent", model, output.wall_ms / 1000, failed)
 
-    def _end_open(self, agent: _Agent, now: int, why: str) -> None:
-        """End the spans a task left open: an attempt or calls cut short by its end."""
+    def _end_open(
+        self, agent: _Agent, now: int, why: str, session: Session | None = None
+    ) -> None:
+        """End the spans a task left open: an attempt or calls cut short by its end (the
+        attempt's tokens are recorded when the ``session`` is known)."""
         if agent.chat is not None:
             agent.chat.set_attribute("error.type", why)
             agent.chat.set_status(Status(StatusCode.ERROR, why))
             agent.chat.end(end_time=now)
             agent.chat = None
+            if session is not None:
+                self._record_chat_tokens(session, agent, agent.chat_model)
         if agent.compaction is not None:
             agent.compaction.set_status(Status(StatusCode.ERROR, why))
             agent.compaction.end(end_time=now)
@@ -665,10 +683,77 @@ class GenAIObserver:
             tool.span.end(end_time=now)
         agent.tools.clear()
 
-    def _metric_attributes(self, session: Session, operation: str) -> dict[str, Any]:
-        attributes = self._common(session, operation)
-        attributes["gen_ai.response.model"] = session.settings.model
-        return attributes
+
+
+class _Metrics:
+    """The GenAI client metrics, recorded only when a meter provider is configured."""
+
+    __slots__ = ("_duration", "_tokens", "metered")
+
+    def __init__(self, meter_provider: MeterProvider | None) -> None:
+        meters = meter_provider or NoOpMeterProvider()
+        meter = meters.get_meter(INSTRUMENTATION)
+        self.metered = not isinstance(meters, NoOpMeterProvider)
+        self._tokens: Histogram = meter.create_histogram(
+            "gen_ai.client.token.usage",
+            unit="{token}",
+            description="Number of input and output tokens used",
+            explicit_bucket_boundaries_advisory=list(_TOKEN_BUCKETS),
+        )
+        self._duration: Histogram = meter.create_histogram(
+            "gen_ai.client.operation.duration",
+            unit="s",
+            description="GenAI operation duration",
+            explicit_bucket_boundaries_advisory=list(_DURATION_BUCKETS),
+        )
+
+    def tokens(self, session: Session, usage: TokenUsage, response_model: str) -> None:
+        """One chat request's input and output tokens."""
+        if self.metered:
+            base = _metric_attributes(session, "chat", response_model)
+            self._tokens.record(usage.input, {**base, "gen_ai.token.type": "input"})
+            self._tokens.record(usage.output, {**base, "gen_ai.token.type": "output"})
+
+    def duration(
+        self,
+        session: Session,
+        operation: str,
+        response_model: str,
+        seconds: float,
+        error_type: str | None,
+    ) -> None:
+        """How long one ``chat`` attempt or ``invoke_agent`` task took."""
+        if self.metered:
+            attributes = _metric_attributes(session, operation, response_model)
+            if error_type is not None:
+                attributes["error.type"] = error_type
+            self._duration.record(seconds, attributes)
+
+
+def _common(session: Session, operation: str) -> dict[str, Any]:
+    settings = session.settings
+    return {
+        "gen_ai.operation.name": operation,
+        "gen_ai.provider.name": _GENAI_PROVIDERS.get(settings.provider, settings.provider),
+        "gen_ai.request.model": settings.model,
+        **_server_attributes(settings.provider, settings.base_url),
+    }
+
+
+def _metric_attributes(session: Session, operation: str, response_model: str) -> dict[str, Any]:
+    attributes = _common(session, operation)
+    attributes["gen_ai.response.model"] = response_model
+    return attributes
+
+
+def _system_instructions(system: str | None, origin: tuple[str, ...] | None) -> str:
+    """The system prompt a session's requests are sent, as the conventions'
+    ``gen_ai.system_instructions`` JSON (one text part); "" without one. ``system`` is the
+    root's: a subagent's (``origin`` deeper than the root) is it wrapped once per level
+    below the root, as the runtime makes it."""
+    for _ in range(len(origin) - 1 if origin else 0):
+        system = subagent_system(system)
+    return json.dumps([_text_part(system)], ensure_ascii=False) if system else ""
 
 
 def _usage_attributes(usage: TokenUsage) -> dict[str, int | float]:

@@ -55,6 +55,8 @@ class Reply:
     ``fail`` makes the attempt fail with that error after ``fail_after_blocks`` complete
     blocks. ``truncate_last_tool_call`` cuts the last tool call as the output-token limit
     would (stop reason ``max_tokens``). ``chunk_delay_s`` paces the stream (for the demo).
+    ``model`` is the model the response says answered (a real provider's dated snapshot,
+    say); by default the one requested.
     """
 
     blocks: tuple[ModelBlock, ...] = ()
@@ -64,6 +66,7 @@ class Reply:
     fail_after_blocks: int = 0
     truncate_last_tool_call: bool = False
     chunk_delay_s: float = 0.0
+    model: str | None = None
 
 
 def text(value: str) -> TextBlock:
@@ -248,16 +251,24 @@ class ScriptedStream:
             index = self._next_index()
             await self._deliver([BlockCompleted(index=index, block=block)])
 
-    async def end(self, stop_reason: str = "end_turn", usage: TokenUsage | None = None) -> None:
-        """Finish the response (usage estimated from the text when not given). A step
-        that returns without calling ``end`` or ``fail`` is ended with ``end_turn``."""
+    async def end(
+        self,
+        stop_reason: str = "end_turn",
+        usage: TokenUsage | None = None,
+        *,
+        model: str | None = None,
+    ) -> None:
+        """Finish the response (usage estimated from the text when not given), naming
+        ``model`` as the one that answered, by default the one requested (as a provider
+        does). A step that returns without calling ``end`` or ``fail`` is ended with
+        ``end_turn``."""
         usage = usage or TokenUsage(
             input=estimate_tokens(self.request), output=max(1, self._output_chars // 4)
         )
         self.finished = True
-        await self._deliver(
-            [UsageReported(usage=usage), MessageCompleted(stop_reason=stop_reason, usage=usage)]
-        )
+        named = model or self.request.model or None
+        completed = MessageCompleted(stop_reason=stop_reason, usage=usage, response_model=named)
+        await self._deliver([UsageReported(usage=usage), completed])
 
     async def fail(self, error: ModelError) -> None:
         """End the attempt with ``error`` (see :func:`model_error`)."""
@@ -357,9 +368,9 @@ class ScriptedProvider:
             return
         if isinstance(truncated, ToolCallBlock):
             await stream.truncated_tool_call(truncated)
-            await stream.end("max_tokens", reply.usage)
+            await stream.end("max_tokens", reply.usage, model=reply.model)
             return
         stop = reply.stop_reason or (
             "tool_use" if any(isinstance(b, ToolCallBlock) for b in blocks) else "end_turn"
         )
-        await stream.end(stop, reply.usage)
+        await stream.end(stop, reply.usage, model=reply.model)

@@ -75,7 +75,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, TypeAlias
 
@@ -199,6 +199,9 @@ class ToolUse:
 Block: TypeAlias = Text | Thinking | ToolUse | str
 """A content block of a :class:`Reply`; a bare ``str`` means ``Text(str)``."""
 
+MOCK_MODEL = "mock-model"
+"""The model a :class:`Reply` names when the request named none."""
+
 
 @dataclass(frozen=True, slots=True)
 class Reply:
@@ -210,12 +213,15 @@ class Reply:
     ``refusal`` → ``content_filter``, else ``stop``; OpenAI values pass through).
     ``usage`` is ``(input_tokens, output_tokens)``; by default input is ``len(body) // 4`` and
     output the number of deltas sent. Anthropic's ``message_delta`` carries cumulative usage.
+    ``model`` is the model the response names (``message_start``'s message, each chunk, the
+    Responses ``response``): by default the one the request asked for, as a provider does;
+    give another (a dated snapshot, say) to tell the two apart.
     """
 
     blocks: Sequence[Block] = ()
     stop_reason: str = "end_turn"
     usage: tuple[int, int] | None = None
-    model: str = "mock-model"
+    model: str | None = None
     stop_sequence: str | None = None
 
 
@@ -671,6 +677,12 @@ _FINISH_REASONS = {
 }
 
 
+def _requested_model(rec: RecordedRequest) -> str:
+    """The model ``rec`` asked for, else :data:`MOCK_MODEL`."""
+    model = rec.body.get("model") if isinstance(rec.body, dict) else None
+    return model if isinstance(model, str) and model else MOCK_MODEL
+
+
 def _finish_reason(stop_reason: str) -> str:
     return _FINISH_REASONS.get(stop_reason, "stop")
 
@@ -782,7 +794,7 @@ def render_anthropic(reply: Reply, *, message_id: str, default_input_tokens: int
     """The Anthropic Messages SSE events of ``reply``."""
     blocks = [_as_block(b) for b in reply.blocks]
     inp, out = reply.usage or (default_input_tokens, _count_output(blocks))
-    events = [SSEEvent(_anthropic_message_start(message_id, reply.model, inp))]
+    events = [SSEEvent(_anthropic_message_start(message_id, reply.model or MOCK_MODEL, inp))]
     for i, b in enumerate(blocks):
         events.extend(_anthropic_block_events(i, b))
     events.extend(_anthropic_message_end(reply.stop_reason, reply.stop_sequence, inp, out))
@@ -843,7 +855,7 @@ def render_openai(reply: Reply, *, completion_id: str, default_input_tokens: int
     """The OpenAI chat-completions SSE events of ``reply`` (ending with ``[DONE]``)."""
     blocks = [_as_block(b) for b in reply.blocks]
     inp, out = reply.usage or (default_input_tokens, _count_output(blocks))
-    chunks = _OpenAIChunks(completion_id, reply.model, int(time.time()))
+    chunks = _OpenAIChunks(completion_id, reply.model or MOCK_MODEL, int(time.time()))
     has_text = any(isinstance(b, Text) for b in blocks)
     first = {"role": "assistant", "content": "" if has_text else None, "refusal": None}
     events = [SSEEvent(chunks.delta(first))]
@@ -863,8 +875,9 @@ def render_responses_reply(reply: Reply, index: int, default_input_tokens: int) 
     its last tool call cut)."""
     blocks = [_as_block(b) for b in reply.blocks]
     usage = reply.usage or (default_input_tokens, _count_output(blocks))
-    rendered = render_responses(blocks, response_id=f"resp_mock{index:08d}", model=reply.model,
-                                stop_reason=reply.stop_reason, usage=usage)
+    rendered = render_responses(blocks, response_id=f"resp_mock{index:08d}",
+                                model=reply.model or MOCK_MODEL, stop_reason=reply.stop_reason,
+                                usage=usage)
     return [SSEEvent(data, delta=delta, content=delta) for data, delta in rendered]
 
 
@@ -882,7 +895,7 @@ def _non_stream_body(reply: Reply, wire: Wire, ident: str, default_input_tokens:
                 content.append({"type": "tool_use", "id": b.id, "name": b.name,
                                 "input": dict(b.input)})
         return _dumps({
-            "id": ident, "type": "message", "role": "assistant", "model": reply.model,
+            "id": ident, "type": "message", "role": "assistant", "model": reply.model or MOCK_MODEL,
             "content": content, "stop_reason": reply.stop_reason,
             "stop_sequence": reply.stop_sequence,
             "usage": {"input_tokens": inp, "cache_creation_input_tokens": 0,
@@ -901,7 +914,7 @@ def _non_stream_body(reply: Reply, wire: Wire, ident: str, default_input_tokens:
         message["tool_calls"] = calls
     return _dumps({
         "id": ident, "object": "chat.completion", "created": int(time.time()),
-        "model": reply.model,
+        "model": reply.model or MOCK_MODEL,
         "choices": [{"index": 0, "message": message, "logprobs": None,
                      "finish_reason": _finish_reason(reply.stop_reason)}],
         "usage": {"prompt_tokens": inp, "completion_tokens": out, "total_tokens": inp + out},
@@ -1467,6 +1480,8 @@ class MockModelServer:
             raise TypeError("handler chain too deep")
         wire: Wire = rec.wire or "anthropic"
         if isinstance(response, Reply):
+            if response.model is None:
+                response = replace(response, model=_requested_model(rec))
             ident = (f"msg_mock{rec.index:08d}" if wire == "anthropic"
                      else f"chatcmpl-mock{rec.index:08d}")
             default_in = max(1, len(rec.raw_body) // 4)
