@@ -139,28 +139,34 @@ async def test_nothing_outside_the_workspace_is_asked_of_the_editor(
 ) -> None:
     """R-SEC-7: ``..``, an absolute path outside, a symlink out, the data dir inside the
     workspace, a FIFO, a file hard-linked from outside and a replaced workspace are refused
-    by the checks the disk tools make, before the editor is asked anything."""
+    by the checks the disk tools make, before the editor is asked anything; the file
+    inside is read through it."""
     data = ws / "data"
     data.mkdir()
     (data / "serve.token").write_text("t\n", encoding="utf-8")
     (ws / "out").symlink_to(tmp_path / "secret.txt")
     os.mkfifo(ws / "pipe")
     os.link(tmp_path / "secret.txt", ws / "hard.txt")
-    editor = FakeEditor()
+    notes = str(ws / "notes.txt")
+    editor = FakeEditor(buffers={notes: "buffer\n"})
     for path in ("../secret.txt", str(tmp_path / "secret.txt"), "out", "data/serve.token",
                  "pipe", "hard.txt"):  # fmt: skip
         with pytest.raises(BuiltinToolError):
             await call(read_file, ws, editor, private=(data,), path=path)
         with pytest.raises(BuiltinToolError):
             await call(write_file, ws, editor, private=(data,), path=path, content="x")
+    assert editor.asked == []
     identity = identify_workspace(ws)
+    assert await call(read_file, ws, editor, identity=identity, path="notes.txt") == (
+        "     1\tbuffer"
+    )
     os.rename(ws, tmp_path / "moved")
     os.symlink(tmp_path, ws)  # the workspace replaced by a way out
     with pytest.raises(BuiltinToolError, match="was replaced"):
         await call(read_file, ws, editor, identity=identity, path="secret.txt")
     with pytest.raises(BuiltinToolError, match="was replaced"):
         await call(write_file, ws, editor, identity=identity, path="secret.txt", content="x")
-    assert editor.asked == [] and editor.diffs == []
+    assert editor.asked == [("read", (notes, 1, 2001))] and editor.diffs == []
     assert (tmp_path / "secret.txt").read_text() == "secret\n"
 
 
