@@ -19,6 +19,12 @@ JSON-RPC 2.0 on its stdin and stdout. This module holds what does not wait for a
   ``session/prompt``, or to the JSON-RPC error of a failed task.
 * :func:`commands_update` advertises slash commands (the session's MCP prompts, R-MCP-5)
   as an ``available_commands_update``.
+* The editor's files and terminal, modes, the session list and usage (R-ACP-2):
+  :func:`editor_capabilities` reads what ``initialize`` offers, :func:`client_result` and
+  its readers check the editor's answers, :func:`diff_content` and
+  :func:`terminal_content` are what a call shows (:meth:`UpdateMapper.attach`);
+  :func:`modes_state`, :func:`parse_set_mode`; :func:`parse_list_sessions`,
+  :func:`sessions_page`, :func:`session_info`; :func:`prompt_usage`, :func:`usage_update`.
 
 Invariants: every tool call the client is told about (``tool_call``) ends with one
 ``tool_call_update`` whose status is ``completed`` or ``failed`` — denied, interrupted and

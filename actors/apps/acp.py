@@ -1,11 +1,18 @@
 """``greenroom acp``: an Agent Client Protocol agent on stdin and stdout (R-ACP-1).
 
 An editor (Zed, or any ACP client) starts ``greenroom acp`` and speaks newline-delimited
-JSON-RPC 2.0 with it: ``initialize``, ``session/new``, ``session/load``, ``session/prompt``,
-``session/cancel``; greenroom answers, streams ``session/update`` notifications and asks
-``session/request_permission`` before tool calls. The frames and the mapping of outputs to
-updates are :mod:`greenroom.protocols.acp`; this module does the I/O and drives sessions
-through their public API only.
+JSON-RPC 2.0 with it: ``initialize``, ``session/new``, ``session/load``, ``session/fork``,
+``session/prompt``, ``session/cancel``, ``session/list``, ``session/set_mode``,
+``session/close``; greenroom answers (a prompt with its task's usage), streams
+``session/update`` notifications and asks ``session/request_permission`` before tool
+calls. The frames and the mapping of outputs to updates are
+:mod:`greenroom.protocols.acp`; this module does the I/O and drives sessions through their
+public API only.
+
+An editor that offers its files and terminal (R-ACP-2) gives each session an
+:class:`~greenroom.actors.apps.acp_editor.EditorSession`, through which the built-in tools
+read, write and (sandbox ``off``) run; the session list and the modes (the approval
+policy) are :mod:`greenroom.actors.apps.acp_sessions`.
 
 People answer when they can (R-HITL): with ``--approve ask`` tasks run with
 ``approve="people"``, and each request a task records is asked of the editor by
