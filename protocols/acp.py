@@ -19,6 +19,12 @@ JSON-RPC 2.0 on its stdin and stdout. This module holds what does not wait for a
   ``session/prompt``, or to the JSON-RPC error of a failed task.
 * :func:`commands_update` advertises slash commands (the session's MCP prompts, R-MCP-5)
   as an ``available_commands_update``.
+* The editor's files and terminal, modes, the session list and usage (R-ACP-2):
+  :func:`editor_capabilities` reads what ``initialize`` offers, :func:`client_result` and
+  its readers check the editor's answers, :func:`diff_content` and
+  :func:`terminal_content` are what a call shows (:meth:`UpdateMapper.attach`);
+  :func:`modes_state`, :func:`parse_set_mode`; :func:`parse_list_sessions`,
+  :func:`sessions_page`, :func:`session_info`; :func:`prompt_usage`, :func:`usage_update`.
 
 Invariants: every tool call the client is told about (``tool_call``) ends with one
 ``tool_call_update`` whose status is ``completed`` or ``failed`` — denied, interrupted and
@@ -73,6 +79,7 @@ from greenroom.protocols.outputs import (
     UserMsg,
 )
 from greenroom.protocols.people import Verdict
+from greenroom.protocols.stream import TokenUsage
 from greenroom.protocols.text import repair_json
 from greenroom.protocols.tools import value_too_deep
 
@@ -277,13 +284,14 @@ def negotiate_version(params: Mapping[str, Any]) -> int:
 
 
 def initialize_result(version: str) -> dict[str, Any]:
-    """greenroom's answer to ``initialize``: sessions can be loaded, prompts may carry
-    images and embedded context, MCP servers may be given over stdio and HTTP."""
+    """greenroom's answer to ``initialize``: sessions can be loaded, listed, forked and
+    closed, prompts may carry images and embedded context, MCP servers may be given over
+    stdio and HTTP."""
     return {
         "protocolVersion": PROTOCOL_VERSION,
         "agentCapabilities": {
             "loadSession": True,
-            "sessionCapabilities": {"fork": {}},
+            "sessionCapabilities": {"fork": {}, "list": {}, "close": {}},
             "promptCapabilities": {"image": True, "audio": False, "embeddedContext": True},
             "mcpCapabilities": {"http": True, "sse": False},
         },
@@ -592,10 +600,17 @@ class UpdateMapper:
         self._background_spawns: dict[str, tuple[str, str]] = {}
         self._background: dict[str, _Background] = {}  # child id → its own call
         self._titles: dict[str, str] = {}
+        self._shown: dict[str, list[dict[str, Any]]] = {}  # call id → content of its own
         self._streamed_text = False
         self._streamed_thinking = False
         self.last_stop_reason: str | None = None
         """The provider's stop reason of the last completed model request (not a subagent's)."""
+
+    def attach(self, call_id: str, content: dict[str, Any]) -> None:
+        """Show ``content`` (a ``diff`` or ``terminal``: :func:`diff_content`,
+        :func:`terminal_content`) first in every later update of the call ``call_id``
+        until the call ends (R-ACP-2: an edit or a command made through the editor)."""
+        self._shown.setdefault(call_id, []).append(content)
 
     # -- lookups for approvals
 
@@ -710,7 +725,8 @@ class UpdateMapper:
                 if call is None or call.closed:
                     return []
                 update = _status(output.call_id, "in_progress")
-                update["content"] = [_text_content(output.message)]
+                update["content"] = [*self._shown.get(output.call_id, ()),
+                                     _text_content(output.message)]
                 return [update]
             case ToolCallOutput():
                 return self._tool_output(output)
@@ -728,6 +744,7 @@ class UpdateMapper:
                 self._by_id = {k: c for k, c in self._by_id.items() if self._is_bg(c.origin)}
                 self._children.clear()
                 self._titles.clear()
+                self._shown.clear()
                 return updates
             case (
                 TaskStart()
@@ -897,7 +914,8 @@ class UpdateMapper:
         call.closed = True
         self._open_spawns = [s for s in self._open_spawns if s[0] != output.call_id]
         update = _status(output.call_id, "completed" if output.status == "ok" else "failed")
-        update["content"] = [self._content(block) for block in output.content]
+        shown = self._shown.pop(output.call_id, [])
+        update["content"] = [*shown, *(self._content(block) for block in output.content)]
         update["_meta"] = {META_KEY: {"status": output.status}}
         return [update]
 
@@ -907,7 +925,10 @@ class UpdateMapper:
             if origin is None and not call.closed:
                 call.closed = True
                 update = _status(call_id, "failed")
-                update["content"] = [_text_content("[interrupted: tool aborted by user]")]
+                update["content"] = [
+                    *self._shown.pop(call_id, []),
+                    _text_content("[interrupted: tool aborted by user]"),
+                ]
                 update["_meta"] = {META_KEY: {"status": "interrupted"}}
                 updates.append(update)
         self._open_spawns = []
@@ -1132,3 +1153,255 @@ def asked_answer(response: Response | None) -> str | None:
         return None
     answer = response.result.get("answer")
     return answer if isinstance(answer, str) else None
+
+
+# -- the editor's files and terminal (R-ACP-2) ------------------------------------------------
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class EditorCapabilities:
+    """What the client's ``initialize`` offers of its own: ``fs/read_text_file``
+    (``reads``), ``fs/write_text_file`` (``writes``) and the ``terminal/*`` methods
+    (``terminal``)."""
+
+    reads: bool = False
+    writes: bool = False
+    terminal: bool = False
+
+    @property
+    def any(self) -> bool:
+        """Whether the client offers any of them."""
+        return self.reads or self.writes or self.terminal
+
+
+def editor_capabilities(params: Mapping[str, Any]) -> EditorCapabilities:
+    """The ``clientCapabilities.fs`` and ``terminal`` of ``initialize`` (each only when
+    it is exactly ``true``)."""
+    capabilities = params.get("clientCapabilities")
+    if not isinstance(capabilities, Mapping):
+        return EditorCapabilities()
+    fs = capabilities.get("fs")
+    fs = fs if isinstance(fs, Mapping) else {}
+    return EditorCapabilities(
+        reads=fs.get("readTextFile") is True,
+        writes=fs.get("writeTextFile") is True,
+        terminal=capabilities.get("terminal") is True,
+    )
+
+
+def diff_content(path: str, old_text: str | None, new_text: str) -> dict[str, Any]:
+    """The ``diff`` tool call content of an edit of ``path`` (``old_text`` None: a new
+    file)."""
+    return {"type": "diff", "path": path, "oldText": old_text, "newText": new_text}
+
+
+def terminal_content(terminal_id: str) -> dict[str, Any]:
+    """The ``terminal`` tool call content that embeds the client's terminal
+    ``terminal_id`` (its live output, shown by the client)."""
+    return {"type": "terminal", "terminalId": terminal_id}
+
+
+def client_result(response: Response, method: str) -> dict[str, Any]:
+    """The result object of the client's answer to our request ``method``. Raises
+    ``ValueError`` with the client's own message when it answered an error, or saying
+    what is wrong with its answer."""
+    if response.error is not None:
+        message = response.error.get("message")
+        said = _clip(message, 500) if isinstance(message, str) and message.strip() else "error"
+        return _refuse(f"{said} (code {response.error.get('code')})")
+    if response.result is None and method in _EMPTY_ANSWERS:
+        return {}
+    if not isinstance(response.result, dict):
+        return _refuse(f"{method} answered {json_type(response.result)}, not an object")
+    return response.result
+
+
+# Methods whose answer may be null: the schema's empty responses.
+_EMPTY_ANSWERS = frozenset({"fs/write_text_file", "terminal/kill", "terminal/release"})
+
+
+def _refuse(message: str) -> dict[str, Any]:
+    raise ValueError(message)
+
+
+def text_of(result: Mapping[str, Any]) -> str:
+    """The ``content`` of an ``fs/read_text_file`` answer; ``ValueError`` without it."""
+    content = result.get("content")
+    if not isinstance(content, str):
+        raise ValueError(f"fs/read_text_file answered no text ({json_type(content)})")
+    return content
+
+
+def terminal_id_of(result: Mapping[str, Any]) -> str:
+    """The ``terminalId`` of a ``terminal/create`` answer; ``ValueError`` without it."""
+    terminal_id = result.get("terminalId")
+    if not isinstance(terminal_id, str) or not terminal_id:
+        raise ValueError("terminal/create answered no terminalId")
+    return terminal_id
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class TerminalOutput:
+    """A ``terminal/output`` answer: the ``output`` kept, whether the client dropped its
+    start (``truncated``) and how the command ended, when it has (``exit_code`` or
+    ``signal``; ``exited`` False while it runs)."""
+
+    output: str
+    truncated: bool
+    exited: bool
+    exit_code: int | None
+    signal: str | None
+
+
+def terminal_output(result: Mapping[str, Any]) -> TerminalOutput:
+    """The checked fields of a ``terminal/output`` answer (``ValueError`` without its
+    ``output``)."""
+    output = result.get("output")
+    if not isinstance(output, str):
+        raise ValueError("terminal/output answered no output")
+    status = result.get("exitStatus")
+    code, signal = exit_status(status) if isinstance(status, Mapping) else (None, None)
+    return TerminalOutput(
+        output=output,
+        truncated=result.get("truncated") is True,
+        exited=isinstance(status, Mapping),
+        exit_code=code,
+        signal=signal,
+    )
+
+
+def exit_status(result: Mapping[str, Any]) -> tuple[int | None, str | None]:
+    """The ``exitCode`` and ``signal`` of a ``terminal/wait_for_exit`` answer or of an
+    ``exitStatus`` (None for what it does not say)."""
+    code = result.get("exitCode")
+    signal = result.get("signal")
+    return (
+        code if isinstance(code, int) and not isinstance(code, bool) else None,
+        _clip(signal, 40) if isinstance(signal, str) and signal else None,
+    )
+
+
+# -- modes: the approval policy (R-ACP-2) -----------------------------------------------------
+
+APPROVAL_MODES: tuple[tuple[str, str, str], ...] = (
+    ("ask", "Ask", "Ask before each tool call runs"),
+    ("all", "Allow all", "Run every tool call without asking"),
+    ("none", "Deny all", "Deny every tool call; the model is told it was denied"),
+)
+"""The session modes greenroom offers: its approval policies (``--approve`` values), as
+``(id, name, description)``."""
+
+
+def modes_state(current: str) -> dict[str, Any]:
+    """The ``modes`` of a ``session/new``, ``load`` or ``fork`` answer: the approval
+    policies, ``current`` the session's."""
+    return {
+        "currentModeId": current,
+        "availableModes": [
+            {"id": mode, "name": name, "description": description}
+            for mode, name, description in APPROVAL_MODES
+        ],
+    }
+
+
+def parse_set_mode(params: Mapping[str, Any]) -> str:
+    """The ``modeId`` of ``session/set_mode``: one of :data:`APPROVAL_MODES`, else -32602
+    naming them."""
+    mode = require_str(params, "modeId")
+    known = [m for m, _, _ in APPROVAL_MODES]
+    if mode not in known:
+        raise invalid("$.modeId", f"unknown mode {_clip(mode, 40)!r}; the modes are {known}")
+    return mode
+
+
+# -- session/list (R-ACP-2) -------------------------------------------------------------------
+
+SESSION_PAGE = 50
+"""How many sessions one ``session/list`` answer holds (then ``nextCursor``)."""
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ListSessions:
+    """``session/list``: only the sessions working in ``cwd`` (None: all), after
+    ``cursor`` (when the last session of the page before was created, and its id; None:
+    from the newest)."""
+
+    cwd: str | None
+    cursor: tuple[float, str] | None
+
+
+_CURSOR = re.compile(r"([0-9]+(?:\.[0-9]+)?(?:e[+-]?[0-9]+)?)~([A-Za-z0-9][A-Za-z0-9._-]*)")
+
+
+def parse_list_sessions(params: Mapping[str, Any]) -> ListSessions:
+    """The checked parameters of ``session/list``: an absolute ``cwd`` and a ``cursor``
+    this agent gave, both optional. Raises -32602 naming the bad one."""
+    cwd = params.get("cwd")
+    if cwd is not None and (not isinstance(cwd, str) or not posixpath.isabs(cwd)):
+        raise invalid("$.cwd", f"must be an absolute path, got {_clip(str(cwd), 80)!r}")
+    cursor = params.get("cursor")
+    if cursor is None:
+        return ListSessions(cwd=cwd, cursor=None)
+    found = _CURSOR.fullmatch(cursor) if isinstance(cursor, str) and len(cursor) < 300 else None
+    if found is None:
+        raise invalid("$.cursor", "not a cursor of this agent: pass nextCursor as it came")
+    return ListSessions(cwd=cwd, cursor=(float(found[1]), found[2]))
+
+
+def sessions_page(
+    sessions: Iterable[tuple[float, str]],
+    cursor: tuple[float, str] | None,
+    size: int = SESSION_PAGE,
+) -> tuple[list[str], str | None]:
+    """One page of ``sessions`` (``(created_at, session_id)``), newest first: those
+    after ``cursor``, at most ``size`` ids, and the ``nextCursor`` of the page after
+    (None on the last). A cursor stays valid while sessions come and go: a page never
+    repeats a session nor skips one that was there before."""
+    ordered = sorted(sessions, reverse=True)
+    if cursor is not None:
+        ordered = [entry for entry in ordered if entry < cursor]
+    page = ordered[:size]
+    if len(ordered) <= size:
+        return [sid for _, sid in page], None
+    created, last = page[-1]
+    return [sid for _, sid in page], f"{created!r}~{last}"
+
+
+def session_info(
+    session_id: str, cwd: str, title: str | None, updated_at: str | None
+) -> dict[str, Any]:
+    """One ``SessionInfo`` of a ``session/list`` answer."""
+    info: dict[str, Any] = {"sessionId": session_id, "cwd": cwd}
+    if title:
+        info["title"] = title
+    if updated_at is not None:
+        info["updatedAt"] = updated_at
+    return info
+
+
+# -- usage (R-ACP-2) --------------------------------------------------------------------------
+
+
+def prompt_usage(usage: TokenUsage) -> dict[str, Any]:
+    """The ``usage`` of a ``session/prompt`` answer: the tokens of the task that answers
+    it (``inputTokens`` the fresh input; cache reads and writes apart; ``totalTokens``
+    all of them), its cost in ``_meta.greenroom.costUsd`` when the price is known."""
+    answer: dict[str, Any] = {
+        "totalTokens": usage.total,
+        "inputTokens": usage.input,
+        "outputTokens": usage.output,
+        "cachedReadTokens": usage.cache_read,
+        "cachedWriteTokens": usage.cache_write,
+    }
+    if usage.cost_usd is not None:
+        answer["_meta"] = {META_KEY: {"costUsd": usage.cost_usd}}
+    return answer
+
+
+def usage_update(output: Output, context_size: int) -> list[dict[str, Any]]:
+    """The ``usage_update`` a root ``token_usage`` output gives: the tokens its request
+    occupied (``used``) of the context window (``size``: ``max_context_length``); none
+    for any other output."""
+    if not isinstance(output, TokenUsageOutput) or output.origin is not None:
+        return []
+    return [{"sessionUpdate": "usage_update", "used": output.request.total, "size": context_size}]

@@ -87,6 +87,88 @@ class Spawn(Protocol):
         ...
 
 
+class EditorError(Exception):
+    """The editor refused or failed a request of :class:`Editor` (its words, for the
+    model), or did not answer in time."""
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class TerminalRun:
+    """How a command run in the editor's terminal ended: its ``output`` (the end of it
+    when the editor kept only that: ``truncated``), its ``exit_code`` or the ``signal``
+    that ended it, and whether it was killed because it ran past its time
+    (``timed_out``)."""
+
+    output: str
+    truncated: bool = False
+    exit_code: int | None = None
+    signal: str | None = None
+    timed_out: bool = False
+
+
+class Editor(Protocol):
+    """The editor that drives a session, when it offers its files and its terminal (an
+    ACP client's ``fs`` and ``terminal`` capabilities, R-ACP-2): :attr:`ToolContext.editor`.
+
+    The built-in tools use it after their own workspace checks (R-SEC-7), with absolute
+    paths inside the workspace only: ``read_file`` reads through it when :attr:`reads`
+    (the editor's buffer, saved or not), ``write_file`` writes through it when
+    :attr:`writes` and shows the edit with :meth:`show_diff`, and ``run_shell`` runs in
+    its terminal when :attr:`runs` and the session's sandbox is ``off`` (the editor runs
+    the command: no sandbox of greenroom's applies). The methods that ask the editor raise
+    :class:`EditorError`; cancelling one stops what it asked for (a terminal's command is
+    killed)."""
+
+    @property
+    def reads(self) -> bool:
+        """Whether files are read through the editor."""
+        ...
+
+    @property
+    def writes(self) -> bool:
+        """Whether files are written through the editor."""
+        ...
+
+    @property
+    def runs(self) -> bool:
+        """Whether commands may run in the editor's terminal."""
+        ...
+
+    async def read_text(
+        self, path: str, *, line: int | None = None, limit: int | None = None
+    ) -> str:
+        """The text of ``path`` as the editor has it, from ``line`` (1-based), at most
+        ``limit`` lines; None: from the start, to the end."""
+        ...
+
+    async def write_text(self, path: str, content: str) -> None:
+        """Have the editor write ``content`` to ``path`` (its buffer and the file)."""
+        ...
+
+    def show_diff(
+        self, call_id: str, path: str, old_text: str | None, new_text: str
+    ) -> None:
+        """Show the call ``call_id`` as the edit of ``path`` from ``old_text`` (None: a
+        new file) to ``new_text``. Never raises."""
+        ...
+
+    async def run(
+        self,
+        command: str,
+        *,
+        cwd: str,
+        timeout_s: float,
+        output_limit: int,
+        call_id: str,
+        report_progress: Callable[[str], None],
+    ) -> TerminalRun:
+        """Run ``command`` with ``bash -c`` in ``cwd`` in a terminal of the editor until
+        it exits or ``timeout_s`` pass (then it is killed); the editor keeps at most the
+        last ``output_limit`` bytes of its output. The terminal is shown on the call
+        ``call_id`` from the ``report_progress`` note that says it started."""
+        ...
+
+
 @attrs.frozen(kw_only=True, slots=True)
 class ToolContext:
     """What a running tool may use besides its arguments.
@@ -116,6 +198,10 @@ class ToolContext:
     (:meth:`idempotency_headers`, an MCP call's ``_meta``). A context built by hand has
     its ``call_id``.
 
+    ``editor`` is the editor that drives the session when it offers its files and
+    terminal (:class:`Editor`, R-ACP-2): the built-in tools read, write and run through it
+    after the same workspace checks; None otherwise (they use the disk and the sandbox).
+
     ``ask`` asks the session's people a question while the call runs (an MCP server's
     elicitation: R-HITL-5), given the ``arguments`` a person is shown (``question`` at
     least), and returns their :class:`~greenroom.protocols.messages.QuestionAnswered`.
@@ -135,6 +221,7 @@ class ToolContext:
     private_dirs: tuple[Path, ...] = ()
     workspace_identity: WorkspaceIdentity | None = None
     ask: Callable[[dict[str, Any]], Awaitable[QuestionAnswered]] | None = None
+    editor: Editor | None = None
     idempotency_key: str = attrs.field(
         default=attrs.Factory(lambda ctx: ctx.call_id, takes_self=True)
     )

@@ -26,17 +26,28 @@ from acp.client.connection import ClientSideConnection
 from acp.connection import StreamDirection, StreamEvent
 from acp.schema import (
     AllowedOutcome,
+    CloseSessionResponse,
+    CreateTerminalRequest,
     DeniedOutcome,
     Error,
+    ForkSessionResponse,
     InitializeResponse,
+    KillTerminalRequest,
+    ListSessionsResponse,
     LoadSessionResponse,
     NewSessionResponse,
     PromptResponse,
+    ReadTextFileRequest,
+    ReleaseTerminalRequest,
     RequestPermissionRequest,
     RequestPermissionResponse,
     SessionNotification,
+    SetSessionModeResponse,
+    TerminalOutputRequest,
     TextContentBlock,
     ToolCallUpdate,
+    WaitForTerminalExitRequest,
+    WriteTextFileRequest,
 )
 
 from greenroom.actors.apps.demo import write_demo_workspace
@@ -76,8 +87,24 @@ RESPONSE_MODELS: dict[str, type[pydantic.BaseModel]] = {
     "session/new": NewSessionResponse,
     "session/load": LoadSessionResponse,
     "session/prompt": PromptResponse,
+    "session/fork": ForkSessionResponse,
+    "session/list": ListSessionsResponse,
+    "session/set_mode": SetSessionModeResponse,
+    "session/close": CloseSessionResponse,
     "_greenroom/follow_up": PromptResponse,
 }
+
+REQUEST_MODELS: dict[str, type[pydantic.BaseModel]] = {
+    "session/request_permission": RequestPermissionRequest,
+    "fs/read_text_file": ReadTextFileRequest,
+    "fs/write_text_file": WriteTextFileRequest,
+    "terminal/create": CreateTerminalRequest,
+    "terminal/output": TerminalOutputRequest,
+    "terminal/wait_for_exit": WaitForTerminalExitRequest,
+    "terminal/kill": KillTerminalRequest,
+    "terminal/release": ReleaseTerminalRequest,
+}
+"""The requests greenroom sends the editor, each checked against its model."""
 
 
 def strict(model: type[pydantic.BaseModel], data: Any) -> pydantic.BaseModel:
@@ -209,8 +236,9 @@ class Agent:
             assert isinstance(frame, dict) and frame.get("jsonrpc") == "2.0", line
             if frame.get("method") == "session/update":
                 strict(SessionNotification, frame["params"])
-            elif frame.get("method") == "session/request_permission":
-                strict(RequestPermissionRequest, frame["params"])
+            elif frame.get("method") in REQUEST_MODELS:
+                assert "id" in frame, line
+                strict(REQUEST_MODELS[frame["method"]], frame["params"])
             elif str(frame.get("method", "")).startswith("_greenroom/"):
                 assert "id" in frame and isinstance(frame.get("params"), dict), line
             elif "error" in frame:
@@ -552,7 +580,8 @@ def test_prompt_while_running_steers_and_follow_up_queues(tmp_path: Path, worksp
             editor.release.set()
             assert (await first).stop_reason == "end_turn"
             assert (await steer).stop_reason == "end_turn"
-            assert (await follow) == {"stopReason": "end_turn"}
+            followed = await follow
+            assert followed["stopReason"] == "end_turn" and followed["usage"]["totalTokens"] > 0
             assert "count the files too" in editor.text()  # the steering prompt reached the model
             assert 'You asked: "and now?"' in editor.text()
             assert await agent.close_stdin() == 0

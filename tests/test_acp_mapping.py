@@ -8,7 +8,13 @@ from typing import Any
 
 import pydantic
 import pytest
-from acp.schema import RequestPermissionRequest, SessionNotification
+from acp.schema import (
+    ListSessionsResponse,
+    PromptResponse,
+    RequestPermissionRequest,
+    SessionModeState,
+    SessionNotification,
+)
 
 from greenroom.protocols import acp
 from greenroom.protocols.content import ImageBlock, TextBlock, ThinkingBlock, ToolCallBlock
@@ -22,7 +28,9 @@ from greenroom.protocols.outputs import (
     PartialThinking,
     RequestEnd,
     TaskEnd,
+    TokenUsageOutput,
     ToolCallOutput,
+    ToolProgress,
     UserMsg,
 )
 from greenroom.protocols.stream import TokenUsage
@@ -335,3 +343,116 @@ def test_permission_answers() -> None:
     assert answer({"outcome": {"outcome": "cancelled"}}) == "deny"
     assert answer({"outcome": {"outcome": "selected", "optionId": "whatever"}}) == "deny"
     assert acp.verdict_of(acp.Response(id=1, error={"code": 1, "message": "x"})) == "deny"
+
+
+# -- the editor's files and terminal, modes, the session list, usage (R-ACP-2) ---------------
+
+
+def result(call_id: str, tool: str, *content: TextBlock) -> ToolCallOutput:
+    return ToolCallOutput(
+        **COMMON, call_id=call_id, tool=tool, status="ok", is_error=False, content=content
+    )
+
+
+def test_a_calls_diff_and_terminal_show_first_in_its_later_updates() -> None:
+    """What :meth:`UpdateMapper.attach` gives a call (an edit's diff, an editor's terminal)
+    leads every later update of that call — progress, its end, an interrupt — and the
+    mapper forgets it when the call ends or the task does."""
+    mapper = acp.UpdateMapper(live=True, workspace="/ws")
+    checked(mapper.map(ModelMsg(**COMMON, turn=1, block=call("w1", "write_file", path="a"))))
+    checked(mapper.map(ModelMsg(**COMMON, turn=1, block=call("r1", "run_shell", command="x"))))
+    diff = acp.diff_content("/ws/a", None, "new")
+    terminal = acp.terminal_content("term-1")
+    mapper.attach("w1", diff)
+    mapper.attach("r1", terminal)
+    (progress,) = checked(
+        mapper.map(ToolProgress(**COMMON, call_id="r1", tool="run_shell", message="running"))
+    )
+    assert progress["content"][0] == terminal
+    (wrote,) = checked(mapper.map(result("w1", "write_file", TextBlock(text="wrote 3"))))
+    assert wrote["content"][0] == {"type": "diff", "path": "/ws/a", "oldText": None,
+                                   "newText": "new"}  # fmt: skip
+    (cut,) = checked(mapper.map(Abort(**COMMON, reason="stop")))
+    assert cut["toolCallId"] == "r1" and cut["content"][0] == terminal
+    mapper.attach("late", diff)
+    checked(mapper.map(end()))
+    checked(mapper.map(ModelMsg(**COMMON, turn=1, block=call("late", "read_file", path="a"))))
+    (again,) = checked(mapper.map(result("late", "read_file")))
+    assert again["content"] == []
+
+
+def test_usage_of_a_prompt_and_of_each_request() -> None:
+    """The prompt's answer carries the task's tokens (cost in ``_meta``); a root request's
+    ``token_usage`` is a ``usage_update`` of the context window, a subagent's none."""
+    usage = TokenUsage(input=10, output=5, cache_read=100, cache_write=20, cost_usd=0.25)
+    answer = acp.prompt_usage(usage)
+    strict(PromptResponse, {"stopReason": "end_turn", "usage": answer})
+    assert answer == {
+        "totalTokens": 135, "inputTokens": 10, "outputTokens": 5, "cachedReadTokens": 100,
+        "cachedWriteTokens": 20, "_meta": {"greenroom": {"costUsd": 0.25}},
+    }  # fmt: skip
+    assert "_meta" not in acp.prompt_usage(TokenUsage(input=1))
+    used = TokenUsageOutput(**COMMON, turn=1, request=usage)
+    assert checked(acp.usage_update(used, 1000)) == [
+        {"sessionUpdate": "usage_update", "used": 135, "size": 1000}
+    ]
+    assert acp.usage_update(child(TokenUsageOutput, turn=1, request=usage), 1000) == []
+    assert acp.usage_update(end(), 1000) == []
+
+
+def test_editor_capabilities_and_its_answers() -> None:
+    assert acp.editor_capabilities({}) == acp.EditorCapabilities()
+    offered = acp.editor_capabilities(
+        {"clientCapabilities": {"fs": {"readTextFile": True, "writeTextFile": "yes"},
+                                "terminal": True}}
+    )  # fmt: skip
+    assert (offered.reads, offered.writes, offered.terminal, offered.any) == (
+        True, False, True, True
+    )
+    refused = acp.Response(id=1, error={"code": -32002, "message": "no such buffer"})
+    with pytest.raises(ValueError, match=r"no such buffer \(code -32002\)"):
+        acp.client_result(refused, "fs/read_text_file")
+    with pytest.raises(ValueError, match="not an object"):
+        acp.client_result(acp.Response(id=1, result=[]), "fs/read_text_file")
+    assert acp.client_result(acp.Response(id=1, result=None), "fs/write_text_file") == {}
+    with pytest.raises(ValueError, match="no text"):
+        acp.text_of({"content": 3})
+    with pytest.raises(ValueError, match="no terminalId"):
+        acp.terminal_id_of({})
+    ran = acp.terminal_output(
+        {"output": "x", "truncated": True, "exitStatus": {"exitCode": None, "signal": "SIGKILL"}}
+    )
+    assert (ran.exited, ran.exit_code, ran.signal, ran.truncated) == (True, None, "SIGKILL", True)
+    assert acp.terminal_output({"output": ""}).exited is False
+    assert acp.exit_status({"exitCode": True, "signal": ""}) == (None, None)
+
+
+def test_modes_are_the_approval_policies() -> None:
+    strict(SessionModeState, acp.modes_state("all"))
+    assert acp.parse_set_mode({"sessionId": SID, "modeId": "none"}) == "none"
+    with pytest.raises(RpcError) as unknown:
+        acp.parse_set_mode({"sessionId": SID, "modeId": "yolo"})
+    assert unknown.value.code == -32602 and "ask" in unknown.value.message
+
+
+def test_session_pages_are_newest_first_and_cursors_survive_new_sessions() -> None:
+    """Pages of ``session/list``: newest first by creation time (then id), each cursor
+    the place after its page's last session — sessions created in between neither repeat
+    nor hide older ones; a cursor that is not ours is -32602."""
+    sessions = [(float(i // 3), f"s{i:03d}") for i in range(7)]
+    page, cursor = acp.sessions_page(sessions, None, size=3)
+    assert page == ["s006", "s005", "s004"] and cursor is not None
+    sessions.append((99.0, "s999"))
+    parsed = acp.parse_list_sessions({"cursor": cursor}).cursor
+    page, cursor = acp.sessions_page(sessions, parsed, size=3)
+    assert page == ["s003", "s002", "s001"] and cursor is not None
+    page, cursor = acp.sessions_page(
+        sessions, acp.parse_list_sessions({"cursor": cursor}).cursor, size=3
+    )
+    assert (page, cursor) == (["s000"], None)
+    assert acp.sessions_page([], None) == ([], None)
+    for bad in ({"cursor": "s003"}, {"cursor": 3}, {"cwd": "relative"}):
+        with pytest.raises(RpcError) as refused:
+            acp.parse_list_sessions(bad)
+        assert refused.value.code == -32602
+    strict(ListSessionsResponse, {"sessions": [acp.session_info(SID, "/ws", "Hi", None)]})

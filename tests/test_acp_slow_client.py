@@ -95,7 +95,7 @@ async def test_a_client_that_reads_late_holds_up_nothing_and_loses_nothing(
                 if update["sessionUpdate"] == "agent_message_chunk":
                     chunks.append(update["content"]["text"])
             await to_agent.aclose()
-    assert frame["result"] == {"stopReason": "end_turn"}
+    assert frame["result"]["stopReason"] == "end_turn"
     assert "".join(chunks) == "".join(PIECES)
 
 

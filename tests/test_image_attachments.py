@@ -609,7 +609,7 @@ async def test_acp_inline_image_over_the_limit_is_refused(tmp_path: Path) -> Non
     assert over["error"]["message"] == f"$.prompt[0]: 1,001 bytes; {limit}"
     assert way_over["error"]["message"] == f"$.prompt[1]: 4,000 bytes; {limit}"
     assert not_image["error"]["message"] == "$.prompt[0]: 'text/plain' is not an image type"
-    assert taken["result"] == {"stopReason": "end_turn"}
+    assert taken["result"]["stopReason"] == "end_turn"
     (request,) = provider.requests
     (block,) = [p for p in request.messages[-1].content if isinstance(p, ImageBlock)]
     stored = tmp_path / "data" / "sessions" / sid / "attachments"

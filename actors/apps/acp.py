@@ -1,11 +1,18 @@
 """``greenroom acp``: an Agent Client Protocol agent on stdin and stdout (R-ACP-1).
 
 An editor (Zed, or any ACP client) starts ``greenroom acp`` and speaks newline-delimited
-JSON-RPC 2.0 with it: ``initialize``, ``session/new``, ``session/load``, ``session/prompt``,
-``session/cancel``; greenroom answers, streams ``session/update`` notifications and asks
-``session/request_permission`` before tool calls. The frames and the mapping of outputs to
-updates are :mod:`greenroom.protocols.acp`; this module does the I/O and drives sessions
-through their public API only.
+JSON-RPC 2.0 with it: ``initialize``, ``session/new``, ``session/load``, ``session/fork``,
+``session/prompt``, ``session/cancel``, ``session/list``, ``session/set_mode``,
+``session/close``; greenroom answers (a prompt with its task's usage), streams
+``session/update`` notifications and asks ``session/request_permission`` before tool
+calls. The frames and the mapping of outputs to updates are
+:mod:`greenroom.protocols.acp`; this module does the I/O and drives sessions through their
+public API only.
+
+An editor that offers its files and terminal (R-ACP-2) gives each session an
+:class:`~greenroom.actors.apps.acp_editor.EditorSession`, through which the built-in tools
+read, write and (sandbox ``off``) run; the session list and the modes (the approval
+policy) are :mod:`greenroom.actors.apps.acp_sessions`.
 
 People answer when they can (R-HITL): with ``--approve ask`` tasks run with
 ``approve="people"``, and each request a task records is asked of the editor by
@@ -56,7 +63,9 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
+from greenroom.actors.apps.acp_editor import EditorSession
 from greenroom.actors.apps.acp_people import Asked, EditorPeople, OnAnswer, WatchedTask
+from greenroom.actors.apps.acp_sessions import AskEditor, approval_of, list_sessions
 from greenroom.actors.apps.acp_tree import TreeWatch, steer
 from greenroom.actors.providers import read_image
 from greenroom.actors.runtime import (
@@ -80,7 +89,7 @@ from greenroom.actors.tools import (
     read_linked_resource,
 )
 from greenroom.protocols import acp
-from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock, UserContent
+from greenroom.protocols.content import ImageBlock, TextBlock, UserContent
 from greenroom.protocols.history import live_records
 from greenroom.protocols.jsonrpc import (
     BUSY,
@@ -104,7 +113,6 @@ from greenroom.protocols.outputs import (
     ToolCallOutput,
     UserMsg,
 )
-from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.prices import Price
 from greenroom.protocols.task import fold
 from greenroom.protocols.tools import Tool
@@ -245,6 +253,94 @@ class _Outbox:
         self.nudge()
 
 
+class _Wire:
+    """The connection's way out: the frames for the client, queued in order in one
+    :class:`_Outbox` and written by one writer (:meth:`run`), and the requests to the
+    client waiting for their answers. ``lost`` is called once when nothing more can be
+    said to the client (its stdout closed, or it reads nothing)."""
+
+    def __init__(
+        self, send: trio.abc.SendStream, max_pending_bytes: int, lost: Callable[[], None]
+    ) -> None:
+        self.outbox = _Outbox(max_pending_bytes)
+        self.gone = False
+        """Nothing more reaches the client: every frame is discarded."""
+        self._send_stream = send
+        self._lost = lost
+        self._pending: dict[int, tuple[trio.Event, list[acp.Response], OnAnswer | None]] = {}
+        self._next_id = 0
+
+    async def run(self) -> None:
+        """The writer: the one task that waits on the client."""
+        outbox = self.outbox
+        while True:
+            data = await outbox.take()
+            try:
+                await self._send_stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                self._output_lost("the client closed its end of stdout; stopping")
+                return
+            outbox.written(len(data))
+
+    def _output_lost(self, why: str) -> None:
+        # Nothing more can be said to the client: discard what waits and stop.
+        if not self.gone:
+            self.gone = True
+            self.outbox.close()
+            _log(why)
+            self._lost()
+
+    async def send(self, frame: dict[str, Any]) -> None:
+        """Queue a frame that may wait for room: an answer, a request, a replayed update."""
+        if self.gone:
+            return
+        await self.outbox.wait_for_room()
+        self.outbox.put(_frame_bytes(frame))
+
+    def push(self, frame: dict[str, Any]) -> None:
+        """Queue a frame of a pump, which never waits on the client."""
+        if self.gone:
+            return
+        if not self.outbox.put(_frame_bytes(frame)):
+            self._output_lost(
+                f"the client has left {self.outbox.limit} bytes of output unread; stopping"
+            )
+
+    async def notify(self, session_id: str, update: dict[str, Any]) -> None:
+        """Queue a ``session/update`` of ``session_id`` (waiting for room)."""
+        await self.send(_update_frame(session_id, update))
+
+    def resolve(self, response: acp.Response) -> None:
+        """The client answered one of our requests: wake it."""
+        slot = self._pending.get(response.id) if isinstance(response.id, int) else None
+        if slot is None:
+            _log(f"ignored an answer to no pending request (id {response.id!r})")
+            return
+        event, box, on_answer = slot
+        box.append(response)
+        event.set()
+        if on_answer is not None:
+            on_answer(response)
+
+    async def request(
+        self, method: str, params: dict[str, Any], on_answer: OnAnswer | None = None
+    ) -> acp.Response:
+        """Send a request to the client and wait for its answer (cancellable).
+        ``on_answer`` sees the answer as it is read, before the next frame is: what it
+        changes holds for every frame the client sent after its answer."""
+        self._next_id += 1
+        request_id = self._next_id
+        event = trio.Event()
+        box: list[acp.Response] = []
+        self._pending[request_id] = (event, box, on_answer)
+        try:
+            await self.send(acp.request_frame(request_id, method, params))
+            await event.wait()
+        finally:
+            del self._pending[request_id]
+        return box[0]
+
+
 class _AcpSession:
     """One session this connection created or loaded, and its running task. ``watch``
     starts the watch of its tree, given the session once the rest is set up."""
@@ -254,6 +350,8 @@ class _AcpSession:
         session: Session,
         mcp_servers: dict[str, dict[str, Any]],
         watch: Callable[[_AcpSession], TreeWatch],
+        mode: str,
+        ask_editor: AskEditor,
     ) -> None:
         self.session = session
         self.mcp_servers = mcp_servers
@@ -271,8 +369,9 @@ class _AcpSession:
         self.idle.set()
         self.reading: RunStream | WatchedTask | None = None
         """What the pump reads: the run of this connection, or the watched open task."""
-        self.asked = Asked(session, self.mapper)
-        """What the editor is asked about this session (R-HITL)."""
+        self.asked = Asked(session, self.mapper, mode)
+        """What the editor is asked about this session (R-HITL), and its mode (R-ACP-2)."""
+        self._ask_editor = ask_editor
         self.tree = watch(self)
         """The watch of the session's tree (R-TREE), which a pump never gets ahead of."""
 
@@ -291,6 +390,27 @@ class _AcpSession:
             self.reading.detach()
         elif self.reading is not None:
             self.reading.close()
+
+    def approval(self) -> Approval:
+        """How a task started now decides its calls: by the session's mode (R-ACP-2)."""
+        return approval_of(self.asked, self._ask_editor)
+
+    def updates(self, output: Output) -> list[dict[str, Any]]:
+        """The ``session/update`` payloads of an output of the session's task: the
+        mapper's, and a ``usage_update`` after each of its model requests (R-ACP-2)."""
+        size = self.session.settings.max_context_length
+        return [*self.mapper.map(output), *acp.usage_update(output, size)]
+
+    async def compact(self) -> dict[str, Any]:
+        """``_greenroom/compact``: a manual compaction of the session."""
+        session = self.session
+        try:
+            end = await session.compact()
+        except Busy as exc:
+            raise RpcError(BUSY, str(exc)) from None
+        if end is None:
+            return {"status": "skipped", "compactability": session.compactability()}
+        return {"status": end.status, "errorMessage": end.error_message}
 
 
 @attrs.frozen
@@ -319,17 +439,14 @@ class AcpAgent:
     ) -> None:
         self._host = host
         self._config = config
-        self._send_stream = send
-        self._outbox = _Outbox(max_pending_bytes)
+        self._wire = _Wire(send, max_pending_bytes, self.stop)
         self._answering = 0
         self._sessions: dict[str, _AcpSession] = {}
-        self._pending: dict[int, tuple[trio.Event, list[acp.Response], OnAnswer | None]] = {}
-        self._next_id = 0
         self._initialized = False
-        self._output_gone = False
+        self._editor = acp.EditorCapabilities()
         self._read_scope: trio.CancelScope | None = None
         self._nursery: trio.Nursery | None = None
-        self._people = EditorPeople(host, self._request, self._notify)
+        self._people = EditorPeople(host, self._wire.request, self._wire.notify)
 
     # -- the connection ---------------------------------------------------------------------
 
@@ -340,7 +457,7 @@ class AcpAgent:
         read, other requests concurrently."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            nursery.start_soon(self._write_frames)
+            nursery.start_soon(self._wire.run)
             with trio.CancelScope() as scope:
                 self._read_scope = scope
                 await self._read_frames(receive)
@@ -380,59 +497,20 @@ class AcpAgent:
                 entry.stop_reading()
             for entry in self._sessions.values():
                 await entry.idle.wait()
-            while self._answering or self._outbox.pending:
-                await self._outbox.changed()
-
-    async def _write_frames(self) -> None:
-        # The writer: the one task that waits on the client.
-        outbox = self._outbox
-        while True:
-            data = await outbox.take()
-            try:
-                await self._send_stream.send_all(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                self._output_lost("the client closed its end of stdout; stopping")
-                return
-            outbox.written(len(data))
-
-    def _output_lost(self, why: str) -> None:
-        # Nothing more can be said to the client: discard what waits and stop.
-        if not self._output_gone:
-            self._output_gone = True
-            self._outbox.close()
-            _log(why)
-            self.stop()
-
-    async def _send(self, frame: dict[str, Any]) -> None:
-        """Queue a frame that may wait for room: an answer, a request, a replayed update."""
-        if self._output_gone:
-            return
-        await self._outbox.wait_for_room()
-        self._outbox.put(_frame_bytes(frame))
-
-    def _push(self, frame: dict[str, Any]) -> None:
-        """Queue a frame of a pump, which never waits on the client."""
-        if self._output_gone:
-            return
-        if not self._outbox.put(_frame_bytes(frame)):
-            self._output_lost(
-                f"the client has left {self._outbox.limit} bytes of output unread; stopping"
-            )
-
-    async def _notify(self, session_id: str, update: dict[str, Any]) -> None:
-        await self._send(_update_frame(session_id, update))
+            while self._answering or self._wire.outbox.pending:
+                await self._wire.outbox.changed()
 
     async def _handle(self, piece: bytes | acp.TooLong) -> None:
         if isinstance(piece, acp.TooLong):
-            await self._send(acp.too_long_error(piece).response())
+            await self._wire.send(acp.too_long_error(piece).response())
             return
         if not piece.strip():
             return
         message = acp.parse_message(piece)
         if isinstance(message, FrameError):
-            await self._send(message.response())
+            await self._wire.send(message.response())
         elif isinstance(message, acp.Response):
-            self._resolve(message)
+            self._wire.resolve(message)
         elif isinstance(message, Notification):
             await self._notification(message)
         elif message.method == "initialize":
@@ -441,42 +519,13 @@ class AcpAgent:
             assert self._nursery is not None
             self._nursery.start_soon(self._answer, message)
 
-    def _resolve(self, response: acp.Response) -> None:
-        slot = self._pending.get(response.id) if isinstance(response.id, int) else None
-        if slot is None:
-            _log(f"ignored an answer to no pending request (id {response.id!r})")
-            return
-        event, box, on_answer = slot
-        box.append(response)
-        event.set()
-        if on_answer is not None:
-            on_answer(response)
-
-    async def _request(
-        self, method: str, params: dict[str, Any], on_answer: OnAnswer | None = None
-    ) -> acp.Response:
-        """Send a request to the client and wait for its answer (cancellable).
-        ``on_answer`` sees the answer as it is read, before the next frame is: what it
-        changes holds for every frame the client sent after its answer."""
-        self._next_id += 1
-        request_id = self._next_id
-        event = trio.Event()
-        box: list[acp.Response] = []
-        self._pending[request_id] = (event, box, on_answer)
-        try:
-            await self._send(acp.request_frame(request_id, method, params))
-            await event.wait()
-        finally:
-            del self._pending[request_id]
-        return box[0]
-
     async def _answer(self, request: Request) -> None:
         self._answering += 1
         try:
             await self._answer_request(request)
         finally:
             self._answering -= 1
-            self._outbox.nudge()
+            self._wire.outbox.nudge()
 
     async def _answer_request(self, request: Request) -> None:
         handler = self._handlers().get(request.method)
@@ -487,17 +536,17 @@ class AcpAgent:
                 raise RpcError(INVALID_REQUEST, "not initialized: call initialize first")
             result = await handler(request.params)
         except RpcError as exc:
-            await self._send(error_frame(request.id, exc))
+            await self._wire.send(error_frame(request.id, exc))
             return
         except Exception as exc:  # never let one request end the connection
             _log(f"{request.method} failed: {type(exc).__name__}: {exc}")
-            await self._send(error_frame(request.id, RpcError(INTERNAL_ERROR, str(exc))))
+            await self._wire.send(error_frame(request.id, RpcError(INTERNAL_ERROR, str(exc))))
             return
         if isinstance(result, _Then):
-            await self._send(result_frame(request.id, result.result))
+            await self._wire.send(result_frame(request.id, result.result))
             result.after()
             return
-        await self._send(result_frame(request.id, result))
+        await self._wire.send(result_frame(request.id, result))
 
     def _handlers(self) -> dict[str, Callable[[dict[str, Any]], Awaitable[Any]]]:
         return {
@@ -508,8 +557,11 @@ class AcpAgent:
             "session/prompt": self._prompt,
             "_greenroom/steer": self._steer,
             "_greenroom/follow_up": self._follow_up,
-            "_greenroom/compact": self._compact,
-            "_greenroom/skip_reconnect_wait": self._skip_reconnect_wait,
+            "session/list": lambda params: list_sessions(self._host, params),
+            "session/set_mode": self._set_mode,
+            "session/close": self._close_session,
+            "_greenroom/compact": lambda params: self._session(params).compact(),
+            "_greenroom/skip_reconnect_wait": lambda params: _skip_wait(self._session(params)),
         }
 
     async def _notification(self, note: Notification) -> None:
@@ -528,6 +580,7 @@ class AcpAgent:
         acp.negotiate_version(params)
         self._initialized = True
         self._people.configure(params)
+        self._editor = acp.editor_capabilities(params)
         return acp.initialize_result(_version())
 
     async def _new_session(self, params: dict[str, Any]) -> _Then:
@@ -550,14 +603,20 @@ class AcpAgent:
             raise RpcError(INTERNAL_ERROR, f"cannot set up the session: {exc}") from None
         entry = self._add_session(session, mcp_servers)
         _log(f"session {session.id} in {session.workspace_dir}")
-        return _opened(entry, {"sessionId": session.id}, self._push)
+        return _opened(entry, {"sessionId": session.id}, self._wire.push)
 
     def _add_session(self, session: Session, mcp_servers: dict[str, dict[str, Any]]) -> _AcpSession:
         existing = self._sessions.get(session.id)
         if existing is not None:
             existing.mcp_servers = mcp_servers
             return existing
-        entry = self._sessions[session.id] = _AcpSession(session, mcp_servers, self._watch_tree)
+        entry = self._sessions[session.id] = _AcpSession(
+            session, mcp_servers, self._watch_tree, self._config.approve, self._people.ask_now
+        )
+        if self._editor.any:  # R-ACP-2: its files and terminal are the editor's
+            session.editor = EditorSession(
+                self._editor, session.id, self._wire.request, entry.mapper
+            )
         if mcp_servers:
             _log(f"session {session.id}: MCP servers {', '.join(sorted(mcp_servers))}")
         return entry
@@ -586,7 +645,7 @@ class AcpAgent:
                 f"{request.cwd} the client gave"
             )
         entry = self._add_session(session, self._config.mcp_servers_with(request.mcp_servers))
-        records = await _replay(session, self._notify)
+        records = await _replay(session, self._wire.notify)
         if not entry.pumping and fold(records).run_id is not None:
             await self._take_up(entry)
         pending = fold(records).record.pending_people
@@ -597,7 +656,7 @@ class AcpAgent:
             for request in pending:
                 self._people.ask_soon(self._nursery, entry.asked, request)
 
-        return _opened(entry, {}, self._push, ask_again)
+        return _opened(entry, {}, self._wire.push, ask_again)
 
     async def _fork_session(self, params: dict[str, Any]) -> _Then:
         request = acp.parse_fork_session(params)
@@ -605,7 +664,22 @@ class AcpAgent:
         session = await _forked(self._host, self._config, request, servers)
         entry = self._add_session(session, servers)
         _log(f"session {session.id} forked from {request.session_id} in {request.new.cwd}")
-        return _opened(entry, {"sessionId": session.id}, self._push)
+        return _opened(entry, {"sessionId": session.id}, self._wire.push)
+
+    async def _set_mode(self, params: dict[str, Any]) -> dict[str, Any]:
+        self._session(params).asked.mode = acp.parse_set_mode(params)
+        return {}
+
+    async def _close_session(self, params: dict[str, Any]) -> dict[str, Any]:
+        # R-ACP-2: the session leaves memory as host.close_session leaves it (its task
+        # interrupted unless it waits for people); its trace stays, session/load reopens it.
+        entry = self._session(params)
+        del self._sessions[entry.session.id]
+        entry.asked.closed = True
+        await self._host.close_session(entry.session.id)
+        await entry.idle.wait()
+        _log(f"session {entry.session.id} closed")
+        return {}
 
     async def _take_up(self, entry: _AcpSession) -> None:
         """Take up the open task the loaded session's trace leaves (R-HITL-4) and stream
@@ -615,7 +689,7 @@ class AcpAgent:
         send, receive = trio.open_memory_channel[list[Output]](math.inf)
         entry.session.watch(send)
         self._pump_soon(entry, WatchedTask(receive))
-        await self._host.resume(entry.session.id, approve=_approval(self._config.approve))
+        await self._host.resume(entry.session.id, approve=entry.approval())
 
     async def _prompt(self, params: dict[str, Any]) -> dict[str, Any]:
         entry = self._session(params)
@@ -638,7 +712,7 @@ class AcpAgent:
         # A task ending right now still holds the session for a moment: wait it out.
         await entry.idle.wait()
         try:
-            stream = entry.session.run(content, approve=_approval(self._config.approve))
+            stream = entry.session.run(content, approve=entry.approval())
         except AuthLocked as exc:
             raise RpcError(acp.AUTH_REQUIRED, str(exc)) from None
         except Busy as exc:
@@ -656,9 +730,9 @@ class AcpAgent:
         tree = TreeWatch(
             entry.session,
             entry.mapper,
-            live=lambda: not self._output_gone,
+            live=lambda: not self._wire.gone,
             pumping=lambda: entry.pumping,
-            show=lambda update: self._push(_update_frame(session_id, update)),
+            show=lambda update: self._wire.push(_update_frame(session_id, update)),
             ask=lambda request: self._people.ask_soon(nursery, entry.asked, request),
             pump=lambda task: self._pump_soon(entry, task),
         )
@@ -679,24 +753,11 @@ class AcpAgent:
         entry = self._session(params)
         content = await _prompt_content(entry.session, params)
         session = entry.session
-        if entry.pumping and session.follow_up(content, approve=_approval(self._config.approve)):
+        if entry.pumping and session.follow_up(content, approve=entry.approval()):
             answer = _Answer()
             entry.follow_ups.append(answer)
             return await answer.wait()
         return await self._start(entry, content)
-
-    async def _compact(self, params: dict[str, Any]) -> dict[str, Any]:
-        session = self._session(params).session
-        try:
-            end = await session.compact()
-        except Busy as exc:
-            raise RpcError(BUSY, str(exc)) from None
-        if end is None:
-            return {"status": "skipped", "compactability": session.compactability()}
-        return {"status": end.status, "errorMessage": end.error_message}
-
-    async def _skip_reconnect_wait(self, params: dict[str, Any]) -> dict[str, Any]:
-        return {"skipped": self._session(params).session.skip_reconnect_wait()}
 
     # -- sessions and tasks -----------------------------------------------------------------
 
@@ -718,12 +779,12 @@ class AcpAgent:
                 await entry.tree.caught_up()  # the tree watch first, as inside publish
                 await entry.images.read(output)
                 try:
-                    updates = entry.mapper.map(output)
+                    updates = entry.updates(output)
                 except Exception as exc:  # one output the mapping cannot show loses no other
                     _log(f"cannot show a {output.type} output: {type(exc).__name__}: {exc}")
                     updates = []
                 for update in updates:
-                    self._push(_update_frame(session_id, update))
+                    self._wire.push(_update_frame(session_id, update))
                 if (
                     isinstance(output, ApprovalRequest)
                     and self._nursery is not None
@@ -749,7 +810,7 @@ class AcpAgent:
                 answer.give(error=error)
         else:
             for answer in entry.waiters:
-                answer.give({"stopReason": reason})
+                answer.give({"stopReason": reason, "usage": acp.prompt_usage(end.usage)})
         entry.waiters = [entry.follow_ups.pop(0)] if entry.follow_ups else []
 
 
@@ -818,7 +879,8 @@ def _opened(
         if after is not None:
             after()
 
-    return _Then({**result, **_mcp_meta(entry)}, then)
+    modes = {"modes": acp.modes_state(entry.asked.mode)}
+    return _Then({**result, **modes, **_mcp_meta(entry)}, then)
 
 
 async def _replay(
@@ -867,15 +929,8 @@ async def _forked(
         raise RpcError(INTERNAL_ERROR, f"cannot set up the session: {exc}") from None
 
 
-def _approval(mode: str) -> Approval:
-    """How the tasks of ``--approve MODE`` decide their calls."""
-    if mode == "all":
-        return _allow_all
-    if mode == "none":
-        return None  # R-APPROVE-2: every call is denied by default
-    # The editor is asked about each approval_request the task records (the pump
-    # hands them to EditorPeople); it waits in the trace, not in this process.
-    return PEOPLE
+async def _skip_wait(entry: _AcpSession) -> dict[str, Any]:
+    return {"skipped": entry.session.skip_reconnect_wait()}
 
 
 def _frame_bytes(frame: dict[str, Any]) -> bytes:
@@ -884,10 +939,6 @@ def _frame_bytes(frame: dict[str, Any]) -> bytes:
 
 def _update_frame(session_id: str, update: dict[str, Any]) -> dict[str, Any]:
     return notification_frame("session/update", {"sessionId": session_id, "update": update})
-
-
-def _allow_all(call: ToolCallBlock) -> str:
-    return "allow"
 
 
 def _mcp_meta(entry: _AcpSession) -> dict[str, Any]:

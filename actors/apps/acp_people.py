@@ -13,6 +13,10 @@ task records (``approval_request``) waits in its trace, not in the agent, and
   next ``session/prompt`` is the answer); the answer to ``host.answer_question``. "Not
   now", a cancelled request or no answer leaves the question pending.
 
+A session whose mode (R-ACP-2) was set to ``all`` or ``none`` after its task started under
+``ask`` has the calls that task records answered by the mode, not asked: allowed or denied,
+recorded as the client's answer, since its person chose the mode.
+
 Answers are recorded ``by: client`` with the client's ``clientInfo.name`` (else
 ``editor``) as ``principal``. An answer to a request settled meanwhile (an interrupt, the
 timeout policy, another surface) is refused by the host and only logged. A session loaded
@@ -32,7 +36,7 @@ from greenroom.actors.runtime import Host, NotPending, Session, SessionNotFound
 from greenroom.protocols import acp
 from greenroom.protocols.content import TextBlock, ToolCallBlock, UserContent
 from greenroom.protocols.outputs import ApprovalRequest, Output, TaskEnd
-from greenroom.protocols.people import arguments_digest
+from greenroom.protocols.people import Verdict, arguments_digest
 from greenroom.protocols.task import fold
 
 __all__ = ["Asked", "EditorPeople", "OnAnswer", "WatchedTask"]
@@ -49,13 +53,19 @@ Notify = Callable[[str, dict[str, Any]], Awaitable[None]]
 
 class Asked:
     """What the editor is asked about one session: the calls being asked (each with
-    whether it is the root task's own, not a subagent's) and the question the next prompt
-    answers."""
+    whether it is the root task's own, not a subagent's), the question the next prompt
+    answers, and the session's ``mode``: whether its calls are asked about at all."""
 
-    def __init__(self, session: Session, mapper: acp.UpdateMapper) -> None:
+    def __init__(self, session: Session, mapper: acp.UpdateMapper, mode: str) -> None:
         self.session = session
         self.mapper = mapper
+        self.mode = mode
+        """The session's approval policy, its ACP mode (R-ACP-2): ``ask`` (the editor is
+        asked), ``all`` (every call allowed) or ``none`` (every call denied)."""
         self.asking: dict[str, bool] = {}
+        self.closed = False
+        """The editor closed the session (``session/close``): answers it gives to what
+        was asked before are not taken; the requests stay pending in the trace."""
         self.answer_next: tuple[str, str] | None = None
         """The question (session id, call id) the next ``session/prompt`` answers."""
 
@@ -106,13 +116,18 @@ class EditorPeople:
                 # A call in doubt is asked as a question: done, not done or run again.
                 await self._ask_question(asked, session_id, call)
             else:
-                params = asked.mapper.permission_params(asked.session.id, call)
-                response = await self._request("session/request_permission", params, None)
-                await self._restore(asked, call)
+                # Set to allow or deny all since the task started: the mode answers.
+                verdict: Verdict = (
+                    await self.ask_now(asked, call)
+                    if asked.mode == "ask"
+                    else "allow" if asked.mode == "all" else "deny"
+                )
+                if asked.closed:
+                    return
                 await self._host.answer_approval(
                     session_id,
                     call.id,
-                    acp.verdict_of(response),
+                    verdict,
                     by=self._person,
                     # The decision is about the arguments the editor showed (R-HITL-2).
                     digest=arguments_digest(request.arguments),
@@ -142,10 +157,18 @@ class EditorPeople:
             if asked.answer_next == (session_id, call.id):
                 return
             text = acp.choice_of(acp.selected_option(response), choices)
-        if text is None:
+        if text is None or asked.closed:
             _log(f"question {call.id} of session {session_id} stays unanswered for now")
             return
         await self._host.answer_question(session_id, call.id, text, by=self._person)
+
+    async def ask_now(self, asked: Asked, call: ToolCallBlock) -> Verdict:
+        """Ask the editor about ``call`` of ``asked``'s session with
+        ``session/request_permission``, and its verdict (a cancelled request denies)."""
+        params = asked.mapper.permission_params(asked.session.id, call)
+        response = await self._request("session/request_permission", params, None)
+        await self._restore(asked, call)
+        return acp.verdict_of(response)
 
     async def _restore(self, asked: Asked, call: ToolCallBlock) -> None:
         for update in asked.mapper.restore_after_permission(call):

@@ -48,7 +48,7 @@ from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.stream import TokenUsage
 from greenroom.protocols.structured import OutputSpec
 from greenroom.protocols.task import TaskLimits, TaskMachine
-from greenroom.protocols.tools import Tool, WorkspaceIdentity
+from greenroom.protocols.tools import Editor, Tool, WorkspaceIdentity
 from greenroom.protocols.trace import UsageKind, UsageRow, encode_record
 from greenroom.protocols.transcript import Transcript
 
@@ -209,6 +209,7 @@ class SessionPort:
         "children",
         "closed",
         "directory",
+        "editor",
         "forked_from",
         "held",
         "hooks",
@@ -294,6 +295,9 @@ class SessionPort:
         """How the calls of an open task its host lost are decided once it is taken up:
         its own callback went with the process (``Host.resume(approve=…)`` sets it)."""
         self.closed = False
+        self.editor: Editor | None = None
+        """The editor that drives the session, when it offers its files and terminal
+        (R-ACP-2): its tools read, write and run through it; a subagent gets its parent's."""
         self.report_as: str | None = None
         """For a background subagent, the name its answer goes to its parent under (its
         ``name``, else its id: ``[subagent NAME finished]``, R-TREE-2); None for a root

@@ -166,12 +166,12 @@ class PortBuilder:
         background: bool,
     ) -> SessionPort:
         """A subagent's new port under ``parent`` (R-HOST-4, R-TREE-1): the parent's
-        provider, workspace and tool hooks (a subagent's calls meet the same policy as
+        provider, workspace, editor and tool hooks (a subagent's calls meet the same policy as
         its parent's: R-HOOK-2); ``background`` is recorded in its ``session.json``."""
         tool_hooks = parent.hooks.tool_hooks
         has_any = tool_hooks.before_tool is not None or tool_hooks.after_tool is not None
         inherited = tool_hooks if has_any else None
-        return await self.new(
+        port = await self.new(
             session_id,
             parent=parent,
             parent_id=parent.id,
@@ -185,6 +185,9 @@ class PortBuilder:
             mcp_servers=None,
             background=background,
         )
+        # The same files as its parent: the editor's buffers when an editor drives it.
+        port.editor = parent.editor
+        return port
 
     async def stored(
         self,

@@ -145,6 +145,7 @@ class TaskWork:
                         attachments=port.attachments,
                         people=approve == PEOPLE,
                         hooks=hooks,
+                        editor=port.editor,
                     )
                     await nursery.start(pool.run, self._pool)
                     streamer = LLMStreamer(

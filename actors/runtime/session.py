@@ -82,7 +82,7 @@ from greenroom.protocols.outputs import (
 from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.stream import ResponseCollector
 from greenroom.protocols.structured import FINAL_ANSWER, OutputSpec, output_spec
-from greenroom.protocols.tools import Tool, WorkspaceIdentity
+from greenroom.protocols.tools import Editor, Tool, WorkspaceIdentity
 from greenroom.protocols.transcript import Transcript
 from greenroom.protocols.wording import clip_words
 
@@ -486,6 +486,17 @@ class Session:
     def hooks(self, hooks: Hooks) -> None:
         """Replace the session's hooks (the next task takes them)."""
         self._port.hooks = hooks
+
+    @property
+    def editor(self) -> Editor | None:
+        """The editor that drives the session when it offers its files and terminal
+        (R-ACP-2: :attr:`~greenroom.protocols.tools.ToolContext.editor`); None: the disk."""
+        return self._port.editor
+
+    @editor.setter
+    def editor(self, editor: Editor | None) -> None:
+        """Set the session's editor (a task takes it when it starts)."""
+        self._port.editor = editor
 
     @property
     def load_errors(self) -> Sequence[str]:

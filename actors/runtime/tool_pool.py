@@ -64,6 +64,7 @@ from greenroom.protocols.messages import (
 from greenroom.protocols.outputs import ToolStatus
 from greenroom.protocols.text import repair_text
 from greenroom.protocols.tools import (
+    Editor,
     InDoubtCheck,
     Spawn,
     Tool,
@@ -93,6 +94,7 @@ class ToolPool:
 
     __slots__ = (
         "_attachments",
+        "_editor",
         "_exclusive",
         "_hooks",
         "_inbox",
@@ -129,8 +131,10 @@ class ToolPool:
         workspace_identity: WorkspaceIdentity | None = None,
         people: bool = False,
         hooks: ToolHookCalls | None = None,
+        editor: Editor | None = None,
     ) -> None:
         self._tools = tools
+        self._editor = editor
         self._hooks = hooks
         self._people = people
         self._attachments = attachments
@@ -262,6 +266,7 @@ class ToolPool:
                 private_dirs=self._private_dirs,
                 workspace_identity=self._workspace_identity,
                 ask=_asker(inbox, call.id) if self._people else None,
+                editor=self._editor,
                 idempotency_key=idempotency_key or call.id,
             )
         running.start(tool.function, kwargs, name=f"tool {call.name} ({call.id})")

@@ -66,7 +66,7 @@ from greenroom.actors.tools.workspace import (
     file_error,
     open_workspace,
 )
-from greenroom.protocols.tools import Tool, ToolContext, tool
+from greenroom.protocols.tools import Editor, EditorError, Tool, ToolContext, tool
 
 __all__ = [
     "BUILTIN_TOOLS",
@@ -401,10 +401,13 @@ def _read_file_sync(ctx: ToolContext, path: str, offset: int, limit: int) -> str
         if seen == 0:
             return f"[{shown} is empty]"
         return f"[{shown} has {seen} lines; offset {offset} is past the end]"
-    numbered = [
-        f"{number:>6}\t{_line_text(head, length)}"
-        for number, (head, length) in enumerate(lines, start=offset + 1)
-    ]
+    return _numbered([_line_text(head, length) for head, length in lines], offset, more)
+
+
+def _numbered(lines: list[str], offset: int, more: bool) -> str:
+    """``read_file``'s answer: the lines numbered from ``offset + 1``, and a note when
+    ``more`` lines remain."""
+    numbered = [f"{number:>6}\t{line}" for number, line in enumerate(lines, start=offset + 1)]
     first, last = offset + 1, offset + len(lines)
     if more:
         numbered.append(
@@ -427,6 +430,8 @@ async def read_file(path: str, offset: int = 0, limit: int = 2000, *, ctx: ToolC
         raise BuiltinToolError("offset must be 0 or more")
     if limit < 1:
         raise BuiltinToolError("limit must be 1 or more")
+    if ctx.editor is not None and ctx.editor.reads:
+        return await _read_in_editor(ctx, ctx.editor, path, offset, limit)
     return await trio.to_thread.run_sync(
         _read_file_sync, ctx, path, offset, limit, abandon_on_cancel=True
     )
@@ -824,6 +829,8 @@ async def write_file(path: str, content: str, *, ctx: ToolContext) -> str:
         path: file path, relative to the workspace root.
         content: the complete new content of the file.
     """
+    if ctx.editor is not None and ctx.editor.writes:
+        return await _write_in_editor(ctx, ctx.editor, path, content)
     # Abandoned on cancel like every file tool: an interrupt never waits for a stuck file
     # system. A write already under way may still finish after the call is reported
     # interrupted (R-ABORT-4: interrupting is not rollback).
@@ -974,6 +981,10 @@ async def run_shell(command: str, timeout_s: float = 60, *, ctx: ToolContext) ->
     # sandbox to bwrap, and bwrap to the launcher, a process that outlives no call).
     if not timeout_s > 0:
         raise BuiltinToolError("timeout_s must be more than 0")
+    if ctx.editor is not None and ctx.editor.runs and ctx.sandbox == "off":
+        # Only when the session runs commands unconfined anyway: the editor's terminal is
+        # the editor's process, which no sandbox of greenroom's reaches (R-ACP-2).
+        return await _run_in_editor(ctx, ctx.editor, command, timeout_s)
     # Not abandoned on cancel: the descriptor must be closed here, and opening a
     # directory does not hang on a working file system.
     workspace = await trio.to_thread.run_sync(_workspace, ctx)
@@ -1024,6 +1035,146 @@ async def _run_launched(argv: list[str], workspace: OpenWorkspace, timeout_s: fl
         )
     assert process is not None and process.returncode is not None
     return f"exit code: {process.returncode}\n{output.text()}"
+
+
+# --- through the editor (ACP: R-ACP-2) ---------------------------------------------------
+
+# The longest old text an edit is shown as a diff with (a longer file's edit is shown as
+# its result alone): a diff travels whole in one frame to the editor.
+_DIFF_MAX_CHARS = 1 << 20
+
+
+class _EditorTarget:
+    """A file the editor is asked about: its absolute ``path`` in the workspace, the name
+    ``shown`` to the model, whether it ``exists`` on disk, and for a write its text there
+    (``disk_text``; None when it cannot be shown in a diff: binary or too long)."""
+
+    __slots__ = ("disk_text", "exists", "path", "shown")
+
+    def __init__(self, path: str, shown: str, exists: bool, disk_text: str | None) -> None:
+        self.path = path
+        self.shown = shown
+        self.exists = exists
+        self.disk_text = disk_text
+
+
+def _editor_target(ctx: ToolContext, path: str, write: bool) -> _EditorTarget:
+    """Check ``path`` as the file tools do before the editor is asked anything (R-SEC-7):
+    walked from the verified workspace, never outside it nor into the data dir; an
+    existing file must be a regular file with no hard link outside. A write creates the
+    missing parent directories, as ``write_file`` does, and reads the file's text for its
+    diff. Blocking."""
+    with _workspace(ctx) as workspace:
+        target = workspace.locate(path, make_parents=write)
+        shown = display(target.relative)
+        if target.name is None:
+            raise BuiltinToolError(f"{path!r} is the workspace directory, not a file")
+        absolute = str(workspace.path.joinpath(*target.parts))
+        try:
+            absolute.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BuiltinToolError(
+                f"{shown}: a name that is not UTF-8 cannot be given to the editor"
+            ) from None
+        try:
+            fd = _open_regular(workspace, target, shown)
+        except FileNotFoundError:
+            return _EditorTarget(absolute, shown, False, None)
+        except OSError as exc:
+            raise file_error(exc, shown) from exc
+        try:
+            data = os.read(fd, _DIFF_MAX_CHARS * 4 + 1) if write else b""
+        except OSError as exc:
+            raise file_error(exc, shown) from exc
+        finally:
+            os.close(fd)
+    text = data.decode("utf-8", errors="replace")
+    shown_whole = write and len(data) <= _DIFF_MAX_CHARS * 4 and "\0" not in text
+    return _EditorTarget(absolute, shown, True, text if shown_whole else None)
+
+
+async def _read_in_editor(
+    ctx: ToolContext, editor: Editor, path: str, offset: int, limit: int
+) -> str:
+    """``read_file`` through the editor: its buffer, saved or not, in the same shape as a
+    read of the disk. A file missing on disk is asked for too (a buffer not saved yet)."""
+    target = await trio.to_thread.run_sync(
+        _editor_target, ctx, path, False, abandon_on_cancel=True
+    )
+    try:
+        # One line more than asked: whether more remain.
+        text = await editor.read_text(target.path, line=offset + 1, limit=limit + 1)
+    except EditorError as exc:
+        raise BuiltinToolError(f"{target.shown}: the editor could not read it: {exc}") from exc
+    if "\0" in text:
+        raise BuiltinToolError(
+            f"{target.shown} is a binary file; read_file reads text files only"
+        )
+    lines = text.split("\n") if text else []
+    if text.endswith("\n"):
+        lines.pop()
+    more = len(lines) > limit
+    lines = [_clip(line.rstrip("\r"), _MAX_LINE_CHARS) for line in lines[:limit]]
+    if not lines:
+        if offset == 0:
+            return f"[{target.shown} is empty]"
+        return f"[{target.shown} has no more than {offset} lines; offset {offset} is past the end]"
+    return _numbered(lines, offset, more)
+
+
+async def _write_in_editor(ctx: ToolContext, editor: Editor, path: str, content: str) -> str:
+    """``write_file`` through the editor: it writes the file (its buffer too) and the
+    call shows the edit as a diff of the text it replaced — the editor's buffer when the
+    editor reads files, else the disk's."""
+    target = await trio.to_thread.run_sync(_editor_target, ctx, path, True, abandon_on_cancel=True)
+    old = target.disk_text
+    if target.exists and editor.reads:
+        # What the edit replaces is what the person sees: the buffer, saved or not.
+        with contextlib.suppress(EditorError):
+            buffer = await editor.read_text(target.path)
+            old = buffer if len(buffer) <= _DIFF_MAX_CHARS and "\0" not in buffer else None
+    try:
+        await editor.write_text(target.path, content)
+    except EditorError as exc:
+        raise BuiltinToolError(f"{target.shown}: the editor could not write it: {exc}") from exc
+    if not target.exists:
+        editor.show_diff(ctx.call_id, target.path, None, content)
+    elif old is not None:
+        editor.show_diff(ctx.call_id, target.path, old, content)
+    return f"wrote {len(content.encode('utf-8'))} bytes to {target.shown}"
+
+
+async def _run_in_editor(
+    ctx: ToolContext, editor: Editor, command: str, timeout_s: float
+) -> str:
+    """``run_shell`` in the editor's terminal, shown on the call: in the verified
+    workspace (R-SEC-7), killed after ``timeout_s`` or when the call is cancelled."""
+    workspace = await trio.to_thread.run_sync(_workspace, ctx)
+    cwd = str(workspace.path)
+    workspace.close()
+    try:
+        ran = await editor.run(
+            command,
+            cwd=cwd,
+            timeout_s=timeout_s,
+            output_limit=_SHELL_OUTPUT_CAP,
+            call_id=ctx.call_id,
+            report_progress=ctx.report_progress,
+        )
+    except EditorError as exc:
+        raise BuiltinToolError(f"the editor could not run the command: {exc}") from exc
+    output = ran.output
+    if ran.truncated:
+        output = f"[… the start of the output was dropped by the editor …]\n{output}"
+    if ran.timed_out:
+        raise ShellTimeoutError(
+            f"command timed out after {timeout_s:g} s and was killed; output so far:\n{output}"
+        )
+    if ran.exit_code is not None:
+        return f"exit code: {ran.exit_code}\n{output}"
+    if ran.signal is not None:
+        return f"killed by signal {ran.signal}\n{output}"
+    return f"exit code: unknown (the editor did not say)\n{output}"
 
 
 BUILTIN_TOOLS: tuple[Tool, ...] = (read_file, list_dir, search_files, write_file, run_shell)

@@ -1,0 +1,179 @@
+"""``greenroom acp``: the editor's files and terminal, for the session's tools (R-ACP-2).
+
+An editor that says in ``initialize`` that it reads and writes files for the agent
+(``clientCapabilities.fs.readTextFile``, ``writeTextFile``) or runs its commands
+(``terminal``) gets each of its sessions an :class:`EditorSession`, the session's
+:attr:`~greenroom.protocols.tools.ToolContext.editor`: the built-in tools check every path
+against the session's workspace first (R-SEC-7), then ``read_file`` asks
+``fs/read_text_file`` (the editor's buffer, saved or not), ``write_file`` asks
+``fs/write_text_file`` and shows the edit as a ``diff`` on its call, and ``run_shell`` —
+only in a session whose sandbox is ``off`` — runs in a terminal of the editor
+(``terminal/create``, ``wait_for_exit``, ``output``, ``kill``, ``release``), embedded in
+its call as ``terminal`` content.
+
+What a call shows (the diff, the terminal) is attached to the session's mapper, which
+puts it first in every later update of the call; the terminal is shown from the
+progress note the call reports once it exists, so it reaches the editor after the call's
+own ``tool_call``, in the order the session published them.
+
+Every request waits at most :data:`EDITOR_TIMEOUT_S` for the editor's answer (a terminal's
+``wait_for_exit`` the command's own timeout): an editor that does not answer fails the
+call, it never holds it. A terminal is always released, even when the call is
+cancelled (releasing kills a command still running).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import trio
+
+from greenroom.actors.apps.acp_people import Request
+from greenroom.protocols import acp
+from greenroom.protocols.tools import EditorError, TerminalRun
+
+__all__ = ["EDITOR_TIMEOUT_S", "RELEASE_GRACE_S", "EditorSession"]
+
+EDITOR_TIMEOUT_S = 60.0
+"""How long a request of a tool to the editor (a read, a write, starting a terminal)
+waits for its answer before the call fails."""
+
+RELEASE_GRACE_S = 5.0
+"""How long releasing a terminal after its call ended (or was cancelled) may take."""
+
+
+class EditorSession:
+    """The editor of one session of the connection (a
+    :class:`~greenroom.protocols.tools.Editor`): ``capabilities`` say what it offers,
+    ``request`` is the agent's way to ask the client, ``session_id`` the session the
+    editor knows (the root's, for a subagent's calls too), ``mapper`` the session's."""
+
+    def __init__(
+        self,
+        capabilities: acp.EditorCapabilities,
+        session_id: str,
+        request: Request,
+        mapper: acp.UpdateMapper,
+    ) -> None:
+        self._capabilities = capabilities
+        self._session_id = session_id
+        self._request = request
+        self._mapper = mapper
+
+    @property
+    def reads(self) -> bool:
+        """Whether the editor answers ``fs/read_text_file``."""
+        return self._capabilities.reads
+
+    @property
+    def writes(self) -> bool:
+        """Whether the editor answers ``fs/write_text_file``."""
+        return self._capabilities.writes
+
+    @property
+    def runs(self) -> bool:
+        """Whether the editor answers ``terminal/*``."""
+        return self._capabilities.terminal
+
+    async def read_text(
+        self, path: str, *, line: int | None = None, limit: int | None = None
+    ) -> str:
+        """``fs/read_text_file``: the editor's text of ``path``."""
+        params: dict[str, Any] = {"sessionId": self._session_id, "path": path}
+        if line is not None:
+            params["line"] = line
+        if limit is not None:
+            params["limit"] = limit
+        return _checked(acp.text_of, await self._call("fs/read_text_file", params))
+
+    async def write_text(self, path: str, content: str) -> None:
+        """``fs/write_text_file``: the editor writes ``content`` to ``path``."""
+        params = {"sessionId": self._session_id, "path": path, "content": content}
+        await self._call("fs/write_text_file", params)
+
+    def show_diff(self, call_id: str, path: str, old_text: str | None, new_text: str) -> None:
+        """The call ``call_id`` shows the edit as ``diff`` content from now on."""
+        self._mapper.attach(call_id, acp.diff_content(path, old_text, new_text))
+
+    async def run(
+        self,
+        command: str,
+        *,
+        cwd: str,
+        timeout_s: float,
+        output_limit: int,
+        call_id: str,
+        report_progress: Callable[[str], None],
+    ) -> TerminalRun:
+        """``command`` in a new terminal of the editor (``bash -c``), embedded in the call
+        ``call_id``; killed after ``timeout_s``; released in every case."""
+        created = await self._call(
+            "terminal/create",
+            {
+                "sessionId": self._session_id,
+                "command": "bash",
+                "args": ["-c", command],
+                "cwd": cwd,
+                "outputByteLimit": output_limit,
+            },
+        )
+        terminal = {
+            "sessionId": self._session_id,
+            "terminalId": _checked(acp.terminal_id_of, created),
+        }
+        try:
+            self._mapper.attach(call_id, acp.terminal_content(terminal["terminalId"]))
+            report_progress("running in the editor's terminal")
+            exited: dict[str, Any] = {}
+            with trio.move_on_after(timeout_s) as waiting:
+                exited = await self._call("terminal/wait_for_exit", terminal, timeout_s=None)
+            if waiting.cancelled_caught:
+                await self._call("terminal/kill", terminal)
+            shown = _checked(acp.terminal_output, await self._call("terminal/output", terminal))
+        finally:
+            # Shielded: a cancelled call still releases its terminal, which kills the
+            # command; one the editor will not release is the editor's to end.
+            with (
+                trio.CancelScope(shield=True),
+                trio.move_on_after(RELEASE_GRACE_S),
+                contextlib.suppress(EditorError),
+            ):
+                await self._call("terminal/release", terminal)
+        # How it exited: as wait_for_exit said, else as the output's exitStatus says.
+        code, signal = acp.exit_status(exited)
+        if code is None and signal is None:
+            code, signal = shown.exit_code, shown.signal
+        return TerminalRun(
+            output=shown.output,
+            truncated=shown.truncated,
+            exit_code=code,
+            signal=signal,
+            timed_out=waiting.cancelled_caught,
+        )
+
+    async def _call(
+        self, method: str, params: dict[str, Any], *, timeout_s: float | None = EDITOR_TIMEOUT_S
+    ) -> dict[str, Any]:
+        """Ask the editor, and its answer's result; :class:`EditorError` for an error, an
+        answer that is not one, or none in ``timeout_s`` (None: no limit)."""
+        with trio.move_on_after(math.inf if timeout_s is None else timeout_s) as limit:
+            response = await self._request(method, params, None)
+        if limit.cancelled_caught:
+            raise EditorError(f"the editor did not answer {method} in {timeout_s:g} s")
+        return _checked(lambda r: acp.client_result(r, method), response)
+
+
+_T = TypeVar("_T")
+_V = TypeVar("_V")
+
+
+def _checked(read: Callable[[_V], _T], value: _V) -> _T:
+    """``read(value)``, its ``ValueError`` (the editor's answer is wrong) as an
+    :class:`EditorError`."""
+    try:
+        return read(value)
+    except ValueError as exc:
+        raise EditorError(str(exc)) from None

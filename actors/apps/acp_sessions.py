@@ -1,0 +1,146 @@
+"""``greenroom acp``: the data dir's sessions listed, and the approval policy as the
+session's mode (R-ACP-2).
+
+``session/list`` lists the root sessions of the data dir (subagents belong to their root's
+tree), newest first, :data:`~greenroom.protocols.acp.SESSION_PAGE` a page: each with the
+``cwd`` it works in, its last activity and its title — the one the gateway gave it
+(``title.txt``, R-HOST-5), else its first prompt, read from the start of its first trace
+file — never asking the model.
+
+A session's mode is its approval policy (``ask``, ``all``, ``none``: ``--approve``'s
+values), held by its :class:`~greenroom.actors.apps.acp_people.Asked`. A task takes
+:func:`approval_of` the mode when it starts, and a change applies to the calls decided
+after it, in the running task too: a task started under ``ask`` records each call for a
+person, and :class:`~greenroom.actors.apps.acp_people.EditorPeople` answers it by the mode
+of the moment; a task started under ``all`` or ``none`` decides through
+:class:`ModeApproval`, which reads the mode at each call and, set to ``ask`` meanwhile,
+asks the editor itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from greenroom.actors.apps.acp_people import Asked
+from greenroom.actors.runtime import Approval, Host, SessionStore
+from greenroom.protocols import acp
+from greenroom.protocols.content import ToolCallBlock
+from greenroom.protocols.people import PEOPLE
+from greenroom.protocols.text import repair_text
+from greenroom.protocols.wording import clip_words
+
+__all__ = ["FIRST_PROMPT_BYTES", "TITLE_CHARS", "ModeApproval", "approval_of", "list_sessions"]
+
+TITLE_CHARS = 60
+"""The longest title made from a first prompt (cut at a word, with ``…``)."""
+
+FIRST_PROMPT_BYTES = 64 * 1024
+"""How much of a session's first trace file is read for its first prompt."""
+
+AskEditor = Callable[[Asked, ToolCallBlock], Awaitable[str]]
+"""Ask the editor about a call of a session now (``session/request_permission``), and its
+verdict."""
+
+
+async def list_sessions(host: Host, params: dict[str, Any]) -> dict[str, Any]:
+    """``session/list {cwd?, cursor?}`` → ``{sessions, nextCursor?}`` (see the module
+    docstring). ``cwd`` keeps the sessions working there (as given, or resolved)."""
+    request = acp.parse_list_sessions(params)
+    roots = {info.session_id: info for info in (await host.scan_sessions()).sessions
+             if info.parent_id is None}  # fmt: skip
+    if request.cwd is not None:
+        places = {request.cwd, await trio.to_thread.run_sync(os.path.realpath, request.cwd)}
+        roots = {sid: info for sid, info in roots.items() if info.workspace_dir in places}
+    page, next_cursor = acp.sessions_page(
+        ((info.created_at, sid) for sid, info in roots.items()), request.cursor
+    )
+    titles = await trio.to_thread.run_sync(_titles, host.data_dir, page)
+    answer: dict[str, Any] = {
+        "sessions": [
+            acp.session_info(sid, roots[sid].workspace_dir, title, _iso(roots[sid].updated_at))
+            for sid, title in zip(page, titles, strict=True)
+        ]
+    }
+    if next_cursor is not None:
+        answer["nextCursor"] = next_cursor
+    return answer
+
+
+def _iso(timestamp: float) -> str | None:
+    try:
+        return datetime.datetime.fromtimestamp(timestamp, datetime.UTC).isoformat()
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
+def _titles(data_dir: Path, session_ids: list[str]) -> list[str]:
+    """The title of each session: its ``title.txt``, else its first prompt. Blocking."""
+    # Here, not at the top: the gateway package is not loaded for an editor's agent.
+    from greenroom.actors.gateway.titles import TITLE_FILE, read_titles
+
+    store = SessionStore(data_dir)
+    stored = read_titles([store.session_dir(sid) / TITLE_FILE for sid in session_ids])
+    return [
+        title or _first_prompt(store.trace_path(sid, 1))
+        for sid, title in zip(session_ids, stored, strict=True)
+    ]
+
+
+def _first_prompt(trace: Path) -> str:
+    """The text of the first prompt in the first :data:`FIRST_PROMPT_BYTES` of a trace
+    file, on one line, cut to :data:`TITLE_CHARS` ("" when there is none)."""
+    try:
+        with trace.open("rb") as handle:
+            head = handle.read(FIRST_PROMPT_BYTES)
+    except OSError:
+        return ""
+    for line in head.split(b"\n")[:-1]:  # the last piece may be cut
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(record, dict) or record.get("type") != "user_msg":
+            continue
+        content = record.get("content")
+        texts = [
+            block["text"]
+            for block in (content if isinstance(content, list) else [])
+            if isinstance(block, dict) and isinstance(block.get("text"), str)
+        ]
+        return clip_words(repair_text(" ".join(" ".join(texts).split())), TITLE_CHARS)
+    return ""
+
+
+def approval_of(asked: Asked, ask_editor: AskEditor) -> Approval:
+    """How a task started now decides its calls: ``people`` under ``ask`` (each call
+    waits in the trace for the editor's answer), a :class:`ModeApproval` otherwise."""
+    if asked.mode == "ask":
+        return PEOPLE
+    return ModeApproval(asked, ask_editor)
+
+
+class ModeApproval:
+    """The approval callback of a task started under ``all`` or ``none``: allows or
+    denies each call by the session's mode when it is decided; under ``ask`` (set since
+    the task started) it asks the editor, as a callback does — the question lasts as
+    long as this process, bounded by the session's ``approval_timeout_s``."""
+
+    def __init__(self, asked: Asked, ask_editor: AskEditor) -> None:
+        self._asked = asked
+        self._ask_editor = ask_editor
+
+    async def __call__(self, call: ToolCallBlock) -> str:
+        """The verdict on ``call``."""
+        mode = self._asked.mode
+        if mode == "all":
+            return "allow"
+        if mode == "none":
+            return "deny"
+        return await self._ask_editor(self._asked, call)
