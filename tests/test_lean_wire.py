@@ -195,7 +195,8 @@ REPORT = """
 import json, sys
 from greenroom.actors.apps.cli import main
 code = main(sys.argv[2:])
-libraries = ("anthropic", "httpx", "httpx2", "httpcore", "httpcore2", "h11", "pydantic")
+libraries = ("anthropic", "httpx", "httpx2", "httpcore", "httpcore2", "h11", "pydantic",
+             "importlib.metadata", "email.utils")
 with open(sys.argv[1], "w") as out:
     json.dump({"code": code, "loaded": [m for m in libraries if m in sys.modules]}, out)
 """
@@ -215,7 +216,9 @@ async def test_a_lean_run_imports_no_sdk_and_no_http_library(
 ) -> None:
     """``greenroom run`` answered by the mock server: on the lean path neither the
     anthropic SDK nor httpx, httpx2, httpcore, h11 or pydantic is imported (about a second
-    of a cold start); ``--no-lean-http`` loads the library path's."""
+    of a cold start), nor the package metadata (``--version`` alone reads it) or the mail
+    modules (an HTTP-date ``retry-after`` alone needs them); ``--no-lean-http`` loads the
+    library path's."""
     workspace = tmp_path / "workspace"
     workspace.mkdir()
     report = tmp_path / "report.json"
@@ -238,6 +241,20 @@ async def test_a_lean_run_imports_no_sdk_and_no_http_library(
     if not loaded:
         assert outcome["loaded"] == []
     assert b"Hello." in result.stdout
+
+
+def test_the_version_is_looked_up_only_when_asked_for(tmp_path: Path) -> None:
+    """``greenroom --version`` still prints the installed version on stdout, though the
+    parser no longer reads it to build itself."""
+    import subprocess
+    from importlib.metadata import version
+
+    result = subprocess.run(
+        [sys.executable, "-m", "greenroom", "--version"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"greenroom {version('greenroom')}\n"
 
 
 # -- proxies ------------------------------------------------------------------------------------
