@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import calendar
 import datetime
-import email.utils
 import math
 import re
 from collections.abc import Mapping
@@ -159,6 +158,8 @@ def _number(raw: str) -> float | None:
 
 def _until(raw: str, now: float) -> float | None:
     """Seconds from ``now`` to the HTTP date ``raw`` (0 when past), None when not a date."""
+    import email.utils  # rare, and a start-up's few ms: loaded when a date comes
+
     try:
         parts = email.utils.parsedate_tz(raw)
         if parts is None:

@@ -1,9 +1,13 @@
-"""The lean HTTP transport (``AnthropicProvider(lean_http=True)``) against the SDK's own
-stack: for every Anthropic wire fixture, split at the server's natural chunks, at random
-offsets and one byte per chunk, and for the failure modes the mock server can inject,
-both paths deliver the same stream events (in fewer batches on the lean one). Then what
-only the lean transport does: reusing kept-alive connections, dropping one the server
-closed, and its chunked-body errors."""
+"""The lean wire (greenroom's own HTTP client, the default of the anthropic, openai and
+openai-responses providers) against each provider's library path (the anthropic SDK on
+httpx2; httpx): for every wire fixture of the three APIs, split at the server's natural
+chunks, at random offsets and one byte per chunk, for every error fixture and for the
+failure modes the mock server can inject or a test can cause (stalls, a slow first byte,
+refused connections, connect, write and pool timeouts, compressed bodies), both paths
+deliver the same stream events — the same ModelError kinds and messages (R-RETRY-1,
+R-SEC-10, R-PERF-1) — in fewer batches on the lean one. Then what only the lean client
+does: reusing kept-alive connections, dropping one the server closed, its chunked-body
+errors, TLS, and its one read deadline per body."""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ import contextlib
 import datetime
 import gzip
 import ssl
+import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +25,11 @@ import pytest
 import trio
 import trio.testing
 
-from greenroom.actors.providers import anthropic as anthropic_provider
 from greenroom.actors.providers import lean_http
 from greenroom.actors.providers.anthropic import AnthropicProvider
-from greenroom.actors.providers.lean_http import LeanTransport
+from greenroom.actors.providers.lean_http import ConnectionPool, Timeouts, parse_url
+from greenroom.actors.providers.openai import OpenAIProvider
+from greenroom.actors.providers.openai_responses import OpenAIResponsesProvider
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import ModelRequest, UserMessage
 from greenroom.protocols.stream import StreamEvent, StreamFailed
@@ -42,21 +49,47 @@ from tests.support.mock_model_server import (
 )
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-SSE_FIXTURES = sorted(p.name for p in (FIXTURES / "anthropic").glob("*.sse"))
-ERROR_FIXTURES = sorted(p.name for p in (FIXTURES / "anthropic" / "errors").glob("*.json"))
 BOUND_S = 15.0
 SHORT = httpx2.Timeout(connect=5.0, read=0.5, write=5.0, pool=5.0)
 
+WIRES: dict[str, Callable[..., Any]] = {
+    "anthropic": lambda url, **options: AnthropicProvider(base_url=url, api_key="k", **options),
+    "openai": lambda url, **options: OpenAIProvider(base_url=url + "/v1", api_key="k", **options),
+    "openai-responses": lambda url, **options: OpenAIResponsesProvider(
+        base_url=url + "/v1", api_key="k", **options
+    ),
+}
 
-def request() -> ModelRequest:
-    hello = UserMessage(content=(TextBlock(text="hi"),))
+
+def _fixtures(wire: str, folder: str, pattern: str) -> list[tuple[str, str]]:
+    root = FIXTURES / folder
+    return [(wire, str(p.relative_to(FIXTURES))) for p in sorted(root.glob(pattern))]
+
+
+STREAM_FIXTURES = [
+    *_fixtures("anthropic", "anthropic", "*.sse"),
+    *_fixtures("openai", "openai", "*.sse"),
+    *_fixtures("openai", "openai/local", "*.sse"),
+    *_fixtures("openai-responses", "openai_responses", "*.sse"),
+]
+ERROR_FIXTURES = [
+    *_fixtures("anthropic", "anthropic/errors", "*.json"),
+    *_fixtures("openai", "openai/errors", "*.json"),
+    *_fixtures("openai", "openai/local", "*.json"),
+    *_fixtures("openai-responses", "openai/errors", "*.json"),
+]
+
+
+def request(text: str = "hi") -> ModelRequest:
+    hello = UserMessage(content=(TextBlock(text=text),))
     return ModelRequest(model="m", system=None, tools=(), messages=(hello,), max_tokens=64)
 
 
-async def stream_once(
-    response: Any, *, lean: bool, rechunk: Any = None, limits: httpx2.Timeout | None = None
+async def stream_with(
+    provider: Any, the_request: ModelRequest | None = None
 ) -> tuple[list[StreamEvent], int]:
-    """The events one request delivers, and in how many batches."""
+    """The events one request through ``provider`` delivers, and in how many batches; the
+    provider is closed afterwards."""
     events: list[StreamEvent] = []
     batches = 0
 
@@ -65,36 +98,52 @@ async def stream_once(
         batches += 1
         events.extend(batch)
 
-    async with open_mock_server(response, rechunk=rechunk, seed=7) as server:
-        options: dict[str, Any] = {} if limits is None else {"timeout": limits}
-        provider = AnthropicProvider(
-            base_url=server.base_url, api_key="k", lean_http=lean, **options
-        )
-        try:
-            with trio.fail_after(BOUND_S):
-                await provider.open_task().stream(request(), deliver)
-        finally:
-            await provider.aclose()
+    try:
+        with trio.fail_after(BOUND_S):
+            await provider.open_task().stream(the_request or request(), deliver)
+    finally:
+        await provider.aclose()
     return events, batches
 
 
-async def same_events(response: Any, **options: Any) -> list[StreamEvent]:
-    sdk, _ = await stream_once(response, lean=False, **options)
-    lean, _ = await stream_once(response, lean=True, **options)
-    assert lean == sdk
+async def stream_once(
+    response: Any,
+    *,
+    lean: bool,
+    wire: str = "anthropic",
+    rechunk: Any = None,
+    limits: Any = None,
+) -> tuple[list[StreamEvent], int]:
+    """The events one request to the mock server delivers on one path, and in how many
+    batches."""
+    async with open_mock_server(response, rechunk=rechunk, seed=7) as server:
+        options: dict[str, Any] = {} if limits is None else {"timeout": limits}
+        provider = WIRES[wire](server.base_url, lean_http=lean, **options)
+        assert provider.lean_http is lean
+        return await stream_with(provider)
+
+
+async def same_events(
+    response: Any, *, wire: str = "anthropic", **options: Any
+) -> list[StreamEvent]:
+    library, _ = await stream_once(response, lean=False, wire=wire, **options)
+    lean, _ = await stream_once(response, lean=True, wire=wire, **options)
+    assert lean == library
     return lean
 
 
 @pytest.mark.parametrize("rechunk", [None, "random", 1])
-@pytest.mark.parametrize("name", SSE_FIXTURES)
-async def test_every_stream_fixture_decodes_the_same(name: str, rechunk: Any) -> None:
-    events = await same_events(Fixture(f"anthropic/{name}"), rechunk=rechunk)
+@pytest.mark.parametrize(("wire", "name"), STREAM_FIXTURES)
+async def test_every_stream_fixture_decodes_the_same(wire: str, name: str, rechunk: Any) -> None:
+    events = await same_events(Fixture(name), wire=wire, rechunk=rechunk)
     assert events
 
 
-@pytest.mark.parametrize("name", ERROR_FIXTURES)
-async def test_every_error_fixture_fails_the_same(name: str) -> None:
-    [failure] = await same_events(error_fixture(f"anthropic/errors/{name}"))
+@pytest.mark.parametrize(("wire", "name"), ERROR_FIXTURES)
+async def test_every_error_fixture_fails_the_same(wire: str, name: str) -> None:
+    """HTTP error statuses, retry-after and retry-after-ms headers included: the codec's
+    classification of the same status, body and headers on both paths."""
+    [failure] = await same_events(error_fixture(name), wire=wire)
     assert isinstance(failure, StreamFailed)
 
 
@@ -110,8 +159,9 @@ FAULTS = {
 
 @pytest.mark.parametrize("rechunk", [None, "random"])
 @pytest.mark.parametrize("fault", sorted(FAULTS))
-async def test_injected_faults_end_the_same(fault: str, rechunk: Any) -> None:
-    events = await same_events(FAULTS[fault], rechunk=rechunk)
+@pytest.mark.parametrize("wire", sorted(WIRES))
+async def test_injected_faults_end_the_same(wire: str, fault: str, rechunk: Any) -> None:
+    events = await same_events(FAULTS[fault], wire=wire, rechunk=rechunk)
     assert events
 
 
@@ -122,101 +172,301 @@ async def test_the_benchmark_workload_decodes_the_same(rechunk: Any) -> None:
     assert lean == sdk
 
 
-async def test_a_stalled_stream_times_out_the_same() -> None:
-    [failure] = await same_events(Hang(), limits=SHORT)
+@pytest.mark.parametrize("wire", sorted(WIRES))
+async def test_a_stalled_stream_times_out_the_same(wire: str) -> None:
+    [failure] = await same_events(Hang(), wire=wire, limits=SHORT)
     assert isinstance(failure, StreamFailed) and failure.error.kind == "timeout"
 
 
-async def test_a_slow_first_byte_times_out_the_same() -> None:
-    [failure] = await same_events(SlowFirstByte(REPLY, 2.0), limits=SHORT)
+@pytest.mark.parametrize("wire", sorted(WIRES))
+async def test_a_slow_first_byte_times_out_the_same(wire: str) -> None:
+    [failure] = await same_events(SlowFirstByte(REPLY, 2.0), wire=wire, limits=SHORT)
     assert isinstance(failure, StreamFailed) and failure.error.kind == "timeout"
+    assert failure.error.message == "no response from the server within 0.5 s (read timeout)"
 
 
-async def test_a_refused_connection_fails_the_same() -> None:
+@pytest.mark.parametrize("wire", sorted(WIRES))
+async def test_a_refused_connection_fails_the_same(wire: str) -> None:
     with trio.socket.socket() as sock:
         await sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # bound, not listening: connections are refused
         results = []
         for lean in (False, True):
-            events: list[StreamEvent] = []
-
-            async def deliver(batch: list[StreamEvent], events: list[StreamEvent] = events) -> None:
-                events.extend(batch)
-
-            provider = AnthropicProvider(
-                base_url=f"http://127.0.0.1:{port}", api_key="k", lean_http=lean
-            )
-            try:
-                with trio.fail_after(BOUND_S):
-                    await provider.open_task().stream(request(), deliver)
-            finally:
-                await provider.aclose()
+            provider = WIRES[wire](f"http://127.0.0.1:{port}", lean_http=lean)
+            events, _ = await stream_with(provider)
             results.append(events)
     assert results[0] == results[1]
     [failure] = results[1]
-    assert isinstance(failure, StreamFailed)
-    assert "connection refused" in failure.error.message
+    assert isinstance(failure, StreamFailed) and failure.error.kind == "timeout"
+    assert failure.error.message.startswith(f"connection refused by 127.0.0.1:{port} (")
 
 
-async def test_the_lean_path_batches_per_read() -> None:
+CONNECT_WORDS = {
+    "anthropic": "timed out connecting to the server",
+    "openai": "timed out connecting to the server (http://127.0.0.1:9/v1/chat/completions)",
+    "openai-responses": "timed out connecting to the server (http://127.0.0.1:9/v1/responses)",
+}
+
+
+@pytest.mark.parametrize("wire", sorted(WIRES))
+async def test_a_connect_timeout_fails_the_same(
+    wire: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection that does not open within the connect timeout (every stack here opens
+    its TCP connections with ``trio.open_tcp_stream``, made to hang)."""
+
+    async def never_connects(*args: Any, **kwargs: Any) -> Any:
+        await trio.sleep_forever()
+
+    monkeypatch.setattr(trio, "open_tcp_stream", never_connects)
+    limits = httpx2.Timeout(connect=0.2, read=5.0, write=5.0, pool=5.0)
+    results = []
+    for lean in (False, True):
+        provider = WIRES[wire]("http://127.0.0.1:9", lean_http=lean, timeout=limits)
+        events, _ = await stream_with(provider)
+        results.append(events)
+    assert results[0] == results[1]
+    [failure] = results[1]
+    assert isinstance(failure, StreamFailed) and failure.error.kind == "timeout"
+    assert failure.error.message == CONNECT_WORDS[wire]
+
+
+async def _listen() -> tuple[trio.SocketListener, int]:
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    listener = listeners[0]
+    return listener, listener.socket.getsockname()[1]
+
+
+@pytest.mark.parametrize("wire", sorted(WIRES))
+async def test_a_write_timeout_fails_the_same(wire: str) -> None:
+    """A server that accepts the connection and never reads: a request larger than the
+    socket buffers cannot be sent within the write timeout."""
+    listener, port = await _listen()
+    held: list[trio.SocketStream] = []
+
+    async def accept_and_ignore() -> None:
+        while True:
+            held.append(await listener.accept())
+
+    big = request("x" * (32 << 20))
+    limits = httpx2.Timeout(connect=5.0, read=5.0, write=0.3, pool=5.0)
+    results = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(accept_and_ignore)
+        for lean in (False, True):
+            provider = WIRES[wire](f"http://127.0.0.1:{port}", lean_http=lean, timeout=limits)
+            events, _ = await stream_with(provider, big)
+            results.append(events)
+        nursery.cancel_scope.cancel()
+    for stream in held:
+        await stream.aclose()
+    await listener.aclose()
+    assert results[0] == results[1]
+    [failure] = results[1]
+    assert isinstance(failure, StreamFailed) and failure.error.kind == "timeout"
+    assert failure.error.message == "timed out sending the request"
+
+
+POOL_WORDS = {
+    "anthropic": "timed out waiting for a free connection (too many requests in flight)",
+    "openai": "timed out waiting for a free connection",
+    "openai-responses": "timed out waiting for a free connection",
+}
+
+
+@pytest.mark.parametrize("wire", sorted(WIRES))
+async def test_a_pool_timeout_fails_the_same(wire: str) -> None:
+    """One connection allowed and held by a stream that hangs: the next request waits for
+    it no longer than the pool timeout."""
+    limits = httpx2.Timeout(connect=5.0, read=30.0, write=5.0, pool=0.3)
+    results = []
+    for lean in (False, True):
+        async with open_mock_server(Hang()) as server:
+            options: dict[str, Any] = {"lean_http": lean, "timeout": limits, "max_connections": 1}
+            if wire == "anthropic":
+                options["shards"] = 1
+            provider = WIRES[wire](server.base_url, **options)
+            second: list[StreamEvent] = []
+
+            async def deliver(batch: list[StreamEvent], into: list[StreamEvent] = second) -> None:
+                into.extend(batch)
+
+            async def ignore(batch: list[StreamEvent]) -> None:
+                pass
+
+            try:
+                with trio.fail_after(BOUND_S):
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(provider.open_task().stream, request(), ignore)
+                        while server.request_count < 1:
+                            await trio.testing.wait_all_tasks_blocked()
+                        await provider.open_task().stream(request(), deliver)
+                        nursery.cancel_scope.cancel()
+            finally:
+                await provider.aclose()
+            results.append(second)
+    assert results[0] == results[1]
+    [failure] = results[1]
+    assert isinstance(failure, StreamFailed) and failure.error.kind == "timeout"
+    assert failure.error.message == POOL_WORDS[wire]
+
+
+@pytest.mark.parametrize("wire", sorted(WIRES))
+async def test_the_lean_path_batches_per_read(wire: str) -> None:
     """A body the server writes in one go, as many small HTTP chunks, reaches the decoder
-    in far fewer batches than it has chunks (the SDK's stack hands on one at a time)."""
+    in far fewer batches than it has chunks (the library stacks hand on one at a time)."""
     reply = Reply([Text(" ".join(f"w{i}" for i in range(200)))])
-    _, sdk_batches = await stream_once(reply, lean=False, rechunk=16)
-    _, lean_batches = await stream_once(reply, lean=True, rechunk=16)
-    assert lean_batches < sdk_batches / 4
+    _, library_batches = await stream_once(reply, lean=False, wire=wire, rechunk=16)
+    _, lean_batches = await stream_once(reply, lean=True, wire=wire, rechunk=16)
+    assert lean_batches < library_batches / 4
 
 
-@pytest.mark.parametrize("encoding", ["identity", "gzip"])
-async def test_a_body_is_read_raw_unless_it_is_compressed(encoding: str) -> None:
-    """The provider reads the lean transport's body directly (no httpx2 or SDK iterator
-    around it), except a compressed one, which httpx2 decodes: both give the fixture's
-    events."""
+def _compress(encoding: str, data: bytes) -> bytes:
+    if encoding == "gzip":
+        return gzip.compress(data)
+    if encoding == "deflate":
+        return zlib.compress(data)
+    if encoding == "raw-deflate":
+        packer = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+        return packer.compress(data) + packer.flush()
+    return data
+
+
+@pytest.mark.parametrize("encoding", ["identity", "gzip", "deflate", "raw-deflate"])
+async def test_a_compressed_body_is_decoded_the_same(encoding: str) -> None:
+    """A server that compresses the stream although the lean client asked for
+    ``identity``: gzip and deflate (with or without its zlib wrapper) are decoded, and both
+    paths give the fixture's events."""
     text = (FIXTURES / "anthropic" / "ping_interleaved.sse").read_bytes()
-    payload = gzip.compress(text) if encoding == "gzip" else text
+    payload = _compress(encoding, text)
+    label = "deflate" if encoding == "raw-deflate" else encoding
     head = (
         b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-        b"content-encoding: " + encoding.encode() + b"\r\n"
+        b"content-encoding: " + label.encode() + b"\r\n"
         b"content-length: " + str(len(payload)).encode() + b"\r\n\r\n"
     )
     listener, port = await _listen()
 
     async def answer() -> None:
+        while True:
+            stream = await listener.accept()
+            await stream.receive_some(65536)
+            await stream.send_all(head + payload)
+            await stream.aclose()
+
+    results = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(answer)
+        for lean in (False, True):
+            provider = AnthropicProvider(
+                base_url=f"http://127.0.0.1:{port}", api_key="k", lean_http=lean
+            )
+            events, _ = await stream_with(provider)
+            results.append(events)
+        nursery.cancel_scope.cancel()
+    await listener.aclose()
+    if encoding != "raw-deflate":  # httpx2 reads only zlib-wrapped deflate
+        assert results[1] == results[0]
+    assert results[1] == await same_events(Fixture("anthropic/ping_interleaved.sse"))
+
+
+async def _serve_raw(
+    listener: trio.SocketListener, answer: Callable[[bytes], bytes], seen: list[bytes]
+) -> None:
+    """Answer each request on ``listener`` with ``answer(request head)``, recording the
+    heads, one connection at a time."""
+    while True:
+        stream = await listener.accept()
+        with contextlib.suppress(trio.BrokenResourceError):
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += await stream.receive_some(65536)
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            while len(body) < length:
+                body += await stream.receive_some(65536)
+            seen.append(head)
+            await stream.send_all(answer(head))
+        await stream.aclose()
+
+
+def _sse_response() -> bytes:
+    body = (FIXTURES / "anthropic" / "text_only.sse").read_bytes()
+    return (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n"
+        b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+
+
+@pytest.mark.parametrize("status", [307, 308])
+async def test_a_redirect_that_keeps_the_method_is_followed_the_same(status: int) -> None:
+    """A base URL answered by a 307 or 308: both paths post again where it points (as the
+    SDK's client follows redirects) and stream the answer; the credentials do not follow
+    to another origin."""
+    moved_to, moved_port = await _listen()
+    origin, port = await _listen()
+    redirected: list[bytes] = []
+    answered: list[bytes] = []
+
+    def redirect(head: bytes) -> bytes:
+        return (
+            b"HTTP/1.1 %d Moved\r\nlocation: http://127.0.0.1:%d/v1/messages\r\n"
+            b"content-length: 0\r\nconnection: close\r\n\r\n" % (status, moved_port)
+        )
+
+    results = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_serve_raw, origin, redirect, redirected)
+        nursery.start_soon(_serve_raw, moved_to, lambda head: _sse_response(), answered)
+        for lean in (False, True):
+            provider = AnthropicProvider(
+                base_url=f"http://127.0.0.1:{port}", api_key="k", lean_http=lean
+            )
+            events, _ = await stream_with(provider)
+            results.append(events)
+        nursery.cancel_scope.cancel()
+    assert results[1] == results[0]
+    assert type(results[1][-1]).__name__ == "MessageCompleted"
+    assert len(redirected) == len(answered) == 2
+    assert all(head.startswith(b"POST /v1/messages ") for head in answered)
+    lean_head = answered[1].lower()
+    assert b"x-api-key" not in lean_head and b"authorization" not in lean_head
+
+
+async def test_an_endless_error_body_is_cut() -> None:
+    """A 500 whose body never ends: the lean path reads at most ``MAX_ERROR_BODY`` of it,
+    closes the connection and reports the failure (a server cannot make a failed request
+    hold unbounded memory, nor hang it)."""
+    from greenroom.actors.providers.lean_wire import MAX_ERROR_BODY
+
+    listener, port = await _listen()
+
+    async def answer() -> None:
         stream = await listener.accept()
         await stream.receive_some(65536)
-        await stream.send_all(head + payload)
+        await stream.send_all(b"HTTP/1.1 500 Oops\r\ntransfer-encoding: chunked\r\n\r\n")
+        piece = b"%x\r\n%s\r\n" % (65536, b"x" * 65536)
+        with contextlib.suppress(trio.BrokenResourceError):
+            while True:
+                await stream.send_all(piece)
 
-    raw_reads: list[bool] = []
-    original = lean_http.raw_body
-
-    def spy(response: httpx2.Response) -> Any:
-        body = original(response)
-        raw_reads.append(body is not None)
-        return body
-
-    events: list[StreamEvent] = []
-
-    async def deliver(batch: list[StreamEvent]) -> None:
-        events.extend(batch)
-
-    provider = AnthropicProvider(base_url=f"http://127.0.0.1:{port}", api_key="k", lean_http=True)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(anthropic_provider, "raw_body", spy)
-        try:
-            with trio.fail_after(BOUND_S):
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(answer)
-                    await provider.open_task().stream(request(), deliver)
-        finally:
-            await provider.aclose()
-            await listener.aclose()
-    assert raw_reads == [encoding == "identity"]
-    assert events == await same_events(Fixture("anthropic/ping_interleaved.sse"))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(answer)
+        provider = AnthropicProvider(
+            base_url=f"http://127.0.0.1:{port}", api_key="k", lean_http=True
+        )
+        [failure], _ = await stream_with(provider)
+        nursery.cancel_scope.cancel()
+    await listener.aclose()
+    assert isinstance(failure, StreamFailed) and failure.error.kind == "timeout"
+    assert failure.error.message.startswith("server error (HTTP 500)")
+    assert len(failure.error.message) <= MAX_ERROR_BODY + 100
 
 
-async def test_connections_are_kept_alive_and_reused() -> None:
-    async with open_mock_server(fallback=Workload(text_tokens=5, tool_calls=0)) as server:
-        provider = AnthropicProvider(base_url=server.base_url, api_key="k", lean_http=True)
+@pytest.mark.parametrize("wire", sorted(WIRES))
+async def test_connections_are_kept_alive_and_reused(wire: str) -> None:
+    async with open_mock_server(*[Reply([Text("again")])] * 5) as server:
+        provider = WIRES[wire](server.base_url, lean_http=True)
         try:
             for _ in range(5):
                 events: list[StreamEvent] = []
@@ -258,12 +508,6 @@ async def test_a_connection_the_server_closed_is_not_reused() -> None:
         assert server.connections_total == 2
 
 
-async def _listen() -> tuple[trio.SocketListener, int]:
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    listener = listeners[0]
-    return listener, listener.socket.getsockname()[1]
-
-
 CHUNKED_SSE_HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 )
@@ -289,7 +533,7 @@ async def stream_lean(
     deliver: Any,
     read_timeout: float,
 ) -> None:
-    """One request through the lean transport with ``read_timeout``, answered by the task
+    """One request through the lean client with ``read_timeout``, answered by the task
     ``answer`` on ``listener``; the server task is cancelled once the stream has ended."""
     timeout = httpx2.Timeout(connect=5.0, read=read_timeout, write=5.0, pool=5.0)
     provider = AnthropicProvider(
@@ -303,6 +547,17 @@ async def stream_lean(
     finally:
         await provider.aclose()
         await listener.aclose()
+
+
+async def post(pool: ConnectionPool, url: str, *, timeouts: Any = None) -> bytes:
+    """One POST through ``pool``; the whole body."""
+    response = await pool.request(
+        b"POST", parse_url(url), [], b"x", timeouts or Timeouts(read=5.0)
+    )
+    try:
+        return await response.aread()
+    finally:
+        await response.aclose()
 
 
 @pytest.mark.parametrize(
@@ -323,16 +578,13 @@ async def test_bad_chunked_bodies_are_protocol_errors(body: bytes, error: str) -
         await stream.send_all(head + body)
         await stream.aclose()
 
-    transport = LeanTransport()
-    async with httpx2.AsyncClient(transport=transport) as client:
-        with trio.fail_after(BOUND_S):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(answer)
-                url = f"http://127.0.0.1:{port}/"
-                with pytest.raises(httpx2.RemoteProtocolError, match=error):
-                    async with client.stream("POST", url, content=b"x") as r:
-                        async for _ in r.aiter_raw():
-                            pass
+    pool = ConnectionPool()
+    with trio.fail_after(BOUND_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(answer)
+            with pytest.raises(lean_http.RemoteProtocolError, match=error):
+                await post(pool, f"http://127.0.0.1:{port}/")
+    await pool.aclose()
     await listener.aclose()
 
 
@@ -349,12 +601,12 @@ async def test_chunk_extensions_and_trailers_are_accepted() -> None:
             await trio.testing.wait_all_tasks_blocked()
         await stream.aclose()
 
-    async with httpx2.AsyncClient(transport=LeanTransport()) as client:
-        with trio.fail_after(BOUND_S):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(answer)
-                async with client.stream("POST", f"http://127.0.0.1:{port}/", content=b"x") as r:
-                    got = b"".join([chunk async for chunk in r.aiter_raw()])
+    pool = ConnectionPool()
+    with trio.fail_after(BOUND_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(answer)
+            got = await post(pool, f"http://127.0.0.1:{port}/")
+    await pool.aclose()
     assert got == b"abcde"
     await listener.aclose()
 
@@ -393,8 +645,8 @@ def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
     return cert_path, key_path
 
 
-async def test_https_through_the_lean_transport_matches_httpx2(tmp_path: Path) -> None:
-    """TLS with the client's SSL context: the same body as httpx2's own transport, over one
+async def test_https_through_the_lean_client_matches_httpx2(tmp_path: Path) -> None:
+    """TLS with a given SSL context: the same body as httpx2's own client, over one
     kept-alive connection for two requests."""
     cert, key = _self_signed(tmp_path)
     server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -441,21 +693,63 @@ async def test_https_through_the_lean_transport_matches_httpx2(tmp_path: Path) -
     with trio.fail_after(BOUND_S):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(serve)
-            for label, client in (
-                ("httpx2", httpx2.AsyncClient(verify=client_context)),
-                ("lean", httpx2.AsyncClient(transport=LeanTransport(ssl_context=client_context))),
-            ):
-                async with client:
-                    for _ in range(2):
-                        async with client.stream("POST", url, content=b"{}") as r:
-                            assert r.status_code == 200
-                            got = b"".join([chunk async for chunk in r.aiter_bytes()])
-                        bodies.setdefault(label, []).append(got)
+            async with httpx2.AsyncClient(verify=client_context) as client:
+                for _ in range(2):
+                    async with client.stream("POST", url, content=b"{}") as r:
+                        assert r.status_code == 200
+                        got = b"".join([chunk async for chunk in r.aiter_bytes()])
+                    bodies.setdefault("httpx2", []).append(got)
+            pool = ConnectionPool(ssl_context=client_context)
+            for _ in range(2):
+                bodies.setdefault("lean", []).append(await post(pool, url))
+            await pool.aclose()
             nursery.cancel_scope.cancel()
     await listener.aclose()
     assert bodies["lean"] == bodies["httpx2"]
     assert bodies["lean"][0].replace(b"\n\n", b"") == body.replace(b"\n\n", b"")
     assert connections == 2  # one per client: each kept its connection for both requests
+
+
+async def test_the_default_tls_context_verifies_against_the_system_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a context of its own the pool makes :func:`default_ssl_context` on its first
+    https connection: a certificate the store does not know is refused (a connect error,
+    not a silent connection), and ``SSL_CERT_FILE`` naming it makes it trusted."""
+    cert, key = _self_signed(tmp_path)
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_context.load_cert_chain(cert, key)
+    ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+    listener, port = await _listen()
+
+    async def serve_one(tcp: trio.SocketStream) -> None:
+        tls = trio.SSLStream(tcp, server_context, server_side=True)
+        with contextlib.suppress(trio.BrokenResourceError, ssl.SSLError):
+            await tls.receive_some(65536)
+            await tls.send_all(ok)
+        await trio.aclose_forcefully(tls)
+
+    async def serve() -> None:
+        async with trio.open_nursery() as conns:
+            while True:
+                conns.start_soon(serve_one, await listener.accept())
+
+    url = f"https://localhost:{port}/"
+    with trio.fail_after(BOUND_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve)
+            monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+            monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+            pool = ConnectionPool()
+            with pytest.raises(lean_http.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+                await post(pool, url)
+            await pool.aclose()
+            monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+            pool = ConnectionPool()
+            assert await post(pool, url) == b"ok"
+            await pool.aclose()
+            nursery.cancel_scope.cancel()
+    await listener.aclose()
 
 
 async def test_a_raw_body_times_out_after_a_read_timeout_of_silence_only(

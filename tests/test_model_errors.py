@@ -7,8 +7,9 @@ HOST:PORT`` and ``rate limited (HTTP 429)``; a dropped or garbled connection nam
 happened, and a provider's own bug gives its message, not a repr. Model output that does not
 parse (a number past Python's digit limit, ``NaN``, a missing field) gives a clear message:
 an invalid-arguments error output for a tool call, a ``malformed`` attempt for a stream
-event. Requests go through the real ``anthropic`` SDK and httpx to the loopback mock model
-server.
+event. Requests go to the loopback mock model server through each provider's lean path
+(greenroom's own HTTP client) and its library path (the real ``anthropic`` SDK, httpx),
+which must say the same.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ from tests.support.mock_model_server import (
 )
 from tests.test_cli import greenroom_async
 
+WIRES = ["anthropic", "anthropic-sdk", "openai", "openai-httpx"]
+"""Each provider on its lean path and on its library path (the anthropic SDK, httpx)."""
 HUGE = "9" * 5000  # past Python's 4300-digit limit for reading an integer
 INTERNALS = ("Exceeds the limit", "set_int_max_str_digits", "Error(", "Error:", "Traceback")
 ran: list[str] = []
@@ -61,10 +64,11 @@ async def lookup(key: str) -> str:
 async def wire_session(
     wire: str, server: MockModelServer, tmp_path: Path
 ) -> AsyncIterator[Session]:
+    lean = wire in ("anthropic", "openai")  # "-sdk", "-httpx": the library paths
     provider: Any = (
-        AnthropicProvider(base_url=server.base_url, api_key="k")
-        if wire == "anthropic"
-        else OpenAIProvider(base_url=server.base_url + "/v1", api_key="k")
+        AnthropicProvider(base_url=server.base_url, api_key="k", lean_http=lean)
+        if wire.startswith("anthropic")
+        else OpenAIProvider(base_url=server.base_url + "/v1", api_key="k", lean_http=lean)
     )
     async with Host.open(tmp_path / "data") as host:
         yield await host.create_session(tools=[lookup], provider=provider, workspace_dir=tmp_path)
@@ -169,7 +173,7 @@ def test_a_transient_status_says_what_happened(codec: Any, status: int, words: s
     assert told.message.startswith(words + ": ") and "Slow down" in told.message
 
 
-@pytest.mark.parametrize("wire", ["anthropic", "openai"])
+@pytest.mark.parametrize("wire", WIRES)
 async def test_a_429_is_traced_as_rate_limited(tmp_path: Path, wire: str) -> None:
     """A 429 whose body names nothing: the attempt's ``request_end`` (what the trace and
     every client get) says ``rate limited (HTTP 429)``, the status stays ``timeout``, and
@@ -259,7 +263,7 @@ def oa_tool(index: int, call_id: str, arguments: str) -> dict[str, Any]:
 def two_calls(wire: str, bad_arguments: str) -> Streamed:
     """A reply with two tool calls: ``call_bad`` with ``bad_arguments``, ``call_ok`` fine."""
     good = '{"key": "fine"}'
-    if wire == "anthropic":
+    if wire.startswith("anthropic"):
         return anthropic_stream(
             A_START, *a_tool(0, "call_bad", bad_arguments), *a_tool(1, "call_ok", good), *A_END
         )
@@ -280,7 +284,7 @@ def two_calls(wire: str, bad_arguments: str) -> Streamed:
     ],
     ids=["huge-integer", "nan", "infinity", "trailing-comma", "array"],
 )
-@pytest.mark.parametrize("wire", ["anthropic", "openai"])
+@pytest.mark.parametrize("wire", WIRES)
 async def test_unreadable_arguments_are_that_calls_error(
     tmp_path: Path, wire: str, arguments: str, reason: str
 ) -> None:
@@ -305,14 +309,14 @@ async def test_unreadable_arguments_are_that_calls_error(
     assert isinstance(end, TaskEnd) and end.status == "completed"
 
 
-@pytest.mark.parametrize("wire", ["anthropic", "openai"])
+@pytest.mark.parametrize("wire", WIRES)
 async def test_a_huge_integer_in_a_stream_event_is_a_malformed_attempt(
     tmp_path: Path, wire: str
 ) -> None:
     """A stream event whose JSON holds an integer Python will not read: a ``malformed``
     attempt whose message says the number is too long, without Python's advice on its
     digit limit; the retry answers."""
-    if wire == "anthropic":
+    if wire.startswith("anthropic"):
         usage = b'{"type":"message_delta","delta":{"stop_reason":null},"usage":{"output_tokens":'
         broken = anthropic_stream(
             A_START, b"event: message_delta\ndata: " + usage + HUGE.encode() + b"}}\n\n"

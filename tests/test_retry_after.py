@@ -130,9 +130,15 @@ def request() -> ModelRequest:
 
 PROVIDERS: dict[str, Any] = {
     "anthropic": lambda url: AnthropicProvider(base_url=url, api_key="k"),
+    "anthropic-sdk": lambda url: AnthropicProvider(base_url=url, api_key="k", lean_http=False),
     "openai": lambda url: OpenAIProvider(base_url=url + "/v1", api_key="k"),
+    "openai-httpx": lambda url: OpenAIProvider(base_url=url + "/v1", api_key="k", lean_http=False),
     "openai-responses": lambda url: OpenAIResponsesProvider(base_url=url + "/v1", api_key="k"),
+    "openai-responses-httpx": lambda url: OpenAIResponsesProvider(
+        base_url=url + "/v1", api_key="k", lean_http=False
+    ),
 }
+"""Every provider on its lean path (the default) and on its library path."""
 
 
 @pytest.mark.parametrize("name", sorted(PROVIDERS))

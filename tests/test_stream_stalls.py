@@ -1,8 +1,9 @@
 """R-SEC-10: every model request has a no-progress deadline, on every provider path.
 
 Each provider reads the mock model server through its real client stack — the anthropic
-SDK on httpx2 (``sdk``), the SDK on greenroom's lean transport (``lean``), httpx for Chat
-Completions (``openai``) and for the Responses API (``openai-responses``) — while the server
+SDK on httpx2 (``sdk``), greenroom's own HTTP client for the Messages API (``lean``), for
+Chat Completions (``openai``) and for the Responses API (``openai-responses``), and httpx
+for the last two (``openai-httpx``, ``openai-responses-httpx``) — while the server
 sends a few real events and then only keep-alives (SSE comments, the wire's own idle event,
 empty lines) well inside the read timeout. The attempt must end as a ``timeout`` that says
 it saw only keep-alives, between one read timeout and ``1 + DEADLINE_SLACK`` of them after
@@ -44,7 +45,7 @@ from tests.support.mock_model_server import (
 
 READ_TIMEOUT = 10.0
 KEEPALIVE_EVERY_S = 2.0
-PATHS = ["sdk", "lean", "openai", "openai-responses"]
+PATHS = ["sdk", "lean", "openai", "openai-responses", "openai-httpx", "openai-responses-httpx"]
 STYLES = ["comment", "ping", "blank"]
 
 
@@ -55,8 +56,12 @@ def make_provider(path: str, base_url: str, read_timeout: float) -> Any:
             base_url=base_url, api_key="k", timeout=timeout2, lean_http=path == "lean"
         )
     timeout = httpx.Timeout(connect=5.0, read=read_timeout, write=5.0, pool=5.0)
-    cls = OpenAIProvider if path == "openai" else OpenAIResponsesProvider
-    return cls(base_url=base_url + "/v1", api_key="k", timeout=timeout)
+    responses = path.startswith("openai-responses")
+    cls = OpenAIResponsesProvider if responses else OpenAIProvider
+    return cls(
+        base_url=base_url + "/v1", api_key="k", timeout=timeout,
+        lean_http=not path.endswith("-httpx"),
+    )  # fmt: skip
 
 
 def request() -> ModelRequest:
@@ -133,7 +138,7 @@ async def test_a_stream_that_keeps_making_progress_is_never_cut(
     assert trio.current_time() - start > 5 * READ_TIMEOUT
 
 
-@pytest.mark.parametrize("path", ["sdk", "openai"])
+@pytest.mark.parametrize("path", ["sdk", "lean", "openai", "openai-httpx"])
 async def test_a_stalled_attempt_is_retried_and_the_retry_answers(
     tmp_path: Path, path: str
 ) -> None:

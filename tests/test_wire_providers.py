@@ -62,9 +62,9 @@ async def lookup(key: str) -> str:
 
 @asynccontextmanager
 async def anthropic_session(
-    server: MockModelServer, tmp_path: Path, **settings: Any
+    server: MockModelServer, tmp_path: Path, *, lean: bool = True, **settings: Any
 ) -> AsyncIterator[Session]:
-    provider = AnthropicProvider(base_url=server.base_url, api_key="test-key")
+    provider = AnthropicProvider(base_url=server.base_url, api_key="test-key", lean_http=lean)
     async with Host.open(tmp_path / "data") as host:
         yield await host.create_session(
             tools=[lookup],
@@ -135,15 +135,18 @@ async def test_anthropic_tool_turns_through_the_sdk(tmp_path: Path) -> None:
     assert strip(first["messages"][0]) == strip(second["messages"][0])
 
 
-async def test_overloaded_then_success_is_retried_with_turn_retried(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "sdk"])
+async def test_overloaded_then_success_is_retried_with_turn_retried(
+    tmp_path: Path, lean: bool
+) -> None:
     """R-RETRY-1..4: a 529 and a mid-stream overloaded error are retried in the same turn;
-    the retry carries the partial output in a [turn_retried] block."""
+    the retry carries the partial output in a [turn_retried] block (both HTTP paths)."""
     async with open_mock_server(
         error_fixture("anthropic/errors/529_overloaded_error.json"),
         MidStreamError(Reply([Text("Partial answer that was cut")]), after_events=4),
         Reply([Text("Complete answer.")]),
     ) as server:
-        async with anthropic_session(server, tmp_path) as session:
+        async with anthropic_session(server, tmp_path, lean=lean) as session:
             with trio.fail_after(10):
                 outputs = [o async for o in session.run("question", approve=allow)]
         server.assert_clean()
@@ -160,14 +163,17 @@ async def test_overloaded_then_success_is_retried_with_turn_retried(tmp_path: Pa
     assert "[turn_retried]" not in json.dumps(server.requests[1].body)
 
 
-async def test_auth_failure_is_not_retried_and_locks_the_session(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "sdk"])
+async def test_auth_failure_is_not_retried_and_locks_the_session(
+    tmp_path: Path, lean: bool
+) -> None:
     """R-RETRY-6: 401 ends the turn with auth, no retry; the session refuses new tasks until
-    retry_auth()."""
+    retry_auth() (both HTTP paths)."""
     async with open_mock_server(
         error_fixture("anthropic/errors/401_authentication_error.json"),
         Reply([Text("Hello again.")]),
     ) as server:
-        async with anthropic_session(server, tmp_path) as session:
+        async with anthropic_session(server, tmp_path, lean=lean) as session:
             with trio.fail_after(10):
                 outputs = [o async for o in session.run("hi", approve=allow)]
                 assert [(e.status, e.attempt) for e in of_type(outputs, RequestEnd)] == [
@@ -473,19 +479,21 @@ async def test_openai_unknown_model_ends_the_turn_at_once(tmp_path: Path) -> Non
     assert "does not exist" in (end.error_message or "") and len(server.requests) == 1
 
 
-@pytest.mark.parametrize("wire", ["anthropic", "openai"])
+@pytest.mark.parametrize("wire", ["anthropic", "anthropic-sdk", "openai", "openai-httpx"])
 async def test_unreachable_server_is_named_and_retried(tmp_path: Path, wire: str) -> None:
     """A base URL nothing listens on: `connection refused by HOST:PORT (cannot connect to
-    URL)`, a `timeout` that is retried on the usual schedule (R-RETRY-1)."""
+    URL)`, a `timeout` that is retried on the usual schedule (R-RETRY-1), on the lean and
+    the library paths."""
     listener = trio.socket.socket()
     await listener.bind(("127.0.0.1", 0))
     port = listener.getsockname()[1]
     listener.close()  # nothing listens there now: connections are refused
     base = f"http://127.0.0.1:{port}"
+    lean = wire in ("anthropic", "openai")
     provider: Any = (
-        AnthropicProvider(base_url=base, api_key="k")
-        if wire == "anthropic"
-        else OpenAIProvider(base_url=base + "/v1", api_key="k")
+        AnthropicProvider(base_url=base, api_key="k", lean_http=lean)
+        if wire.startswith("anthropic")
+        else OpenAIProvider(base_url=base + "/v1", api_key="k", lean_http=lean)
     )
     async with Host.open(tmp_path / "data") as host:
         session = await host.create_session(provider=provider, workspace_dir=tmp_path)

@@ -1,8 +1,8 @@
 """``python -m greenroom`` is the ``greenroom`` command (its console script calls :func:`main`).
 
-Loading the command line takes a few tenths of a second (trio, the providers' SDKs, the
-tools). A Ctrl-C in that time would raise ``KeyboardInterrupt`` in the middle of some
-import and end in a traceback, so a handler that leaves with exit code 130 is installed
+Loading the command line takes a few tenths of a second (trio, the runtime, the tools). A
+Ctrl-C in that time would raise ``KeyboardInterrupt`` in the middle of some import and end
+in a traceback, so a handler that leaves with exit code 130 is installed
 before anything is loaded; the command line puts the usual handler back once it is loaded
 and handles interrupts itself from then on. This module imports nothing but ``os``,
 ``signal`` and ``sys`` before the handler is in place.

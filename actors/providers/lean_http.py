@@ -1,23 +1,39 @@
-"""A lean HTTP/1.1 transport for the anthropic SDK's client: one body chunk per network read.
+"""greenroom's own HTTP/1.1 client for model streams: a connection pool on trio that hands a
+streamed body on once per network read.
 
-The SDK's own stack (httpx2 → httpcore2 → h11) hands a streamed body on one HTTP chunk at a
-time, and a model's server sends one chunk per event: every event then climbs the whole
-stack (h11's event machine, httpcore2's exception mapping and timeout scope, httpx2's and
-the SDK's iterators) before greenroom's decoder sees it. :class:`LeanTransport` sits behind
-the SDK's own seam (``DefaultAsyncHttpxClient(transport=…)``): the SDK still builds and
-authenticates requests, applies the base URL, routes proxied URLs to its own transports and
-turns HTTP statuses into its error types, while this transport reads the socket and hands
-on, per read, every body byte that read completed — all its events at once.
+A model's server sends one HTTP chunk per event. A general HTTP stack (httpx → httpcore →
+h11) hands a streamed body on one chunk at a time, so every event climbs its whole event
+machine, exception mapping, timeout scope and iterators before a decoder sees it; this
+client hands on, per read, every body byte that read completed — all its events at once —
+and imports nothing beyond trio and the standard library, so a provider that uses it loads
+no HTTP library at all.
 
-Scope: HTTP/1.1 over trio TCP streams (TLS with the client's SSL context; a plain
-connection's responses are read with ``os.read`` on its descriptor, and a streamed body's
-reads share one cancel scope, see :meth:`RawBody.read_deadline`), keep-alive connections
-reused per origin (an idle connection is dropped after
+Scope: HTTP/1.1 over trio TCP streams (TLS with :func:`default_ssl_context` or a given
+context; a plain connection's responses are read with ``os.read`` on its descriptor, and a
+streamed body's reads share one cancel scope, see :meth:`RawBody.read_deadline`),
+keep-alive connections reused per origin (an idle connection is dropped after
 :data:`KEEPALIVE_EXPIRY_S` or when the server has closed it), bodies framed by
-``transfer-encoding: chunked``, ``content-length`` or the connection's end. Failures are
-httpx2's exceptions (``ConnectError``, ``ConnectTimeout``, ``ReadTimeout``,
-``WriteTimeout``, ``PoolTimeout``, ``ReadError``, ``WriteError``, ``RemoteProtocolError``)
-with httpcore's wording, so the provider reports them as it reports the SDK stack's.
+``transfer-encoding: chunked``, ``content-length`` or the connection's end, ``gzip`` and
+``deflate`` bodies decoded. No proxies, no redirects, no HTTP/2: the providers fall back to
+their SDK or httpx when a proxy applies.
+
+Failures, each with the wording of httpcore's equivalent, so that
+:func:`~greenroom.actors.providers.base.transport_failure` (which reads class names) words
+them as it words httpx's::
+
+    TransportError
+    ├── TimeoutException
+    │   ├── ConnectTimeout    the connection was not open within the connect timeout
+    │   ├── ReadTimeout       the server was silent for the read timeout
+    │   ├── WriteTimeout      the request was not sent within the write timeout
+    │   └── PoolTimeout       no connection slot was free within the pool timeout
+    ├── NetworkError
+    │   ├── ConnectError      the connection could not be opened (the OS error is the cause)
+    │   ├── ReadError         the connection failed while reading
+    │   └── WriteError        the connection failed while sending
+    ├── ProtocolError
+    │   └── RemoteProtocolError  the server's bytes are not HTTP/1.1 (or were cut short)
+    └── UnsupportedProtocol   a URL that is not http or https
 """
 
 from __future__ import annotations
@@ -29,21 +45,22 @@ import select
 import ssl
 import sys
 import time
-from collections.abc import AsyncIterator
+import urllib.parse
+import zlib
+from collections.abc import AsyncGenerator, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
-import httpx2
+import attrs
 import trio
 
 KEEPALIVE_EXPIRY_S = 5.0
 """An idle connection older than this is closed instead of reused (httpcore's default)."""
 
 READ_SIZE = 65536
-RAW_BODY = "greenroom.raw_body"
-"""The response extension that holds this transport's body stream (see :func:`raw_body`)."""
 MAX_HEAD_BYTES = 65536
 _CRLF = b"\r\n"
+_URL_SAFE = "/%:@!$&'()*+,;=?~[]"
 # A plain TCP connection is read with os.read on its descriptor, waiting for readiness
 # only after a read that drained the socket: a streamed event then costs one system call
 # and no trio socket wrapper (Windows cannot read a socket with os.read).
@@ -54,13 +71,249 @@ _UNWAITED_READS = 16
 # A body's read deadline is moved on only once this fraction of the timeout is used up:
 # a stall still ends after between 1 and 1 + DEADLINE_SLACK read timeouts of silence.
 DEADLINE_SLACK = 0.25
+# Where Linux distributions keep their CA bundle, for a Python whose OpenSSL was built
+# with paths that do not exist on this system.
+_CA_BUNDLES = (
+    "/etc/ssl/cert.pem",
+    "/etc/pki/ca-trust/extracted/pem/tls-ca-bundle.pem",
+    "/etc/pki/tls/cert.pem",
+    "/etc/ssl/certs/ca-certificates.crt",
+    "/etc/ssl/ca-bundle.pem",
+)
+
+
+# -- failures ---------------------------------------------------------------------------
+
+
+class TransportError(Exception):
+    """A request that failed below HTTP: see the module docstring for the tree. ``url``:
+    the URL of the request that failed, when :meth:`ConnectionPool.request` raised it."""
+
+    url: str | None = None
+
+
+class TimeoutException(TransportError):
+    """A phase of the exchange ran out of time."""
+
+
+class ConnectTimeout(TimeoutException):
+    """The connection was not open within the connect timeout."""
+
+
+class ReadTimeout(TimeoutException):
+    """The server sent nothing for the read timeout (or, for a body read within
+    :meth:`RawBody.read_deadline`, made no progress for it)."""
+
+
+class WriteTimeout(TimeoutException):
+    """The request was not sent within the write timeout."""
+
+
+class PoolTimeout(TimeoutException):
+    """Every connection slot stayed taken for the pool timeout."""
+
+
+class NetworkError(TransportError):
+    """The connection failed."""
+
+
+class ConnectError(NetworkError):
+    """The connection could not be opened; the operating system's error is the cause."""
+
+
+class ReadError(NetworkError):
+    """The connection failed while the response was read."""
+
+
+class WriteError(NetworkError):
+    """The connection failed while the request was sent."""
+
+
+class ProtocolError(TransportError):
+    """The exchange broke HTTP/1.1's rules."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The server's bytes are not a valid HTTP/1.1 response, or stopped before its end."""
+
+
+class UnsupportedProtocol(TransportError):
+    """A URL whose scheme is neither http nor https, or that names no host."""
+
+
+# -- settings ---------------------------------------------------------------------------
+
+
+class TimeoutSettings(Protocol):
+    """The four timeouts of a request in seconds, None for none: :class:`Timeouts`, and
+    also httpx's and httpx2's ``Timeout`` (the same four attributes)."""
+
+    @property
+    def connect(self) -> float | None:
+        """Opening a connection (TCP and TLS)."""
+
+    @property
+    def read(self) -> float | None:
+        """The longest silence while a response is read; for a model stream, the longest
+        time without progress (R-SEC-10)."""
+
+    @property
+    def write(self) -> float | None:
+        """Sending the request."""
+
+    @property
+    def pool(self) -> float | None:
+        """Waiting for a connection slot."""
+
+
+@attrs.frozen(kw_only=True)
+class Timeouts:
+    """The four timeouts of a request (see :class:`TimeoutSettings`), seconds or None."""
+
+    connect: float | None = 15.0
+    read: float | None = 180.0
+    write: float | None = 60.0
+    pool: float | None = 60.0
+
+
+@attrs.frozen
+class URL:
+    """An ``http`` or ``https`` URL, taken apart once for every request sent to it.
+    ``text`` is the URL as given (for messages), ``target`` the request target (path and
+    query), ``authority`` the ``Host`` header's value."""
+
+    text: str
+    scheme: str
+    host: str
+    port: int
+    target: bytes
+    authority: bytes
+
+
+def parse_url(text: str) -> URL:
+    """``text`` taken apart; :class:`UnsupportedProtocol` when it is not an http or https
+    URL with a host."""
+    try:
+        parts = urllib.parse.urlsplit(text)
+        scheme = parts.scheme.lower()
+        host = parts.hostname
+        explicit = parts.port
+    except ValueError as exc:
+        raise UnsupportedProtocol(f"cannot use URL {text!r}: {exc}") from None
+    if scheme not in ("http", "https"):
+        raise UnsupportedProtocol(f"Request URL has an unsupported protocol '{scheme}://'.")
+    if not host:
+        raise UnsupportedProtocol(f"Request URL {text!r} has no host.")
+    default = 443 if scheme == "https" else 80
+    port = explicit or default
+    try:
+        name = host.encode("ascii")
+    except UnicodeEncodeError:
+        try:
+            name = host.encode("idna")
+        except UnicodeError:
+            raise UnsupportedProtocol(f"Request URL {text!r} has an invalid host.") from None
+    if ":" in host:
+        name = b"[" + name + b"]"
+    authority = name if port == default else name + b":" + str(port).encode()
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    # Percent-encoded as a URL's path and query are sent: no space, line break or other
+    # byte outside URL syntax reaches the request line.
+    target = urllib.parse.quote(target, safe=_URL_SAFE)
+    return URL(text, scheme, host, port, target.encode("ascii"), authority)
+
+
+def default_ssl_context() -> ssl.SSLContext:
+    """The system's certificate store, as the anthropic SDK's client uses it:
+    ``SSL_CERT_FILE`` or ``SSL_CERT_DIR`` when set; the operating system's store through
+    ``truststore`` on macOS and Windows; OpenSSL's own paths on Linux, else the bundle
+    file the distribution keeps. Offers HTTP/1.1 alone by ALPN."""
+    context: ssl.SSLContext | None = None
+    if cafile := os.environ.get("SSL_CERT_FILE"):
+        context = ssl.create_default_context(cafile=cafile)
+    elif capath := os.environ.get("SSL_CERT_DIR"):
+        context = ssl.create_default_context(capath=capath)
+    elif sys.platform in ("darwin", "win32"):
+        try:
+            import truststore
+        except ImportError:
+            context = ssl.create_default_context()
+        else:
+            context = truststore.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    else:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        paths = ssl.get_default_verify_paths()
+        cafile = paths.openssl_cafile if os.path.isfile(paths.openssl_cafile) else None
+        capath = paths.openssl_capath if os.path.isdir(paths.openssl_capath) else None
+        if cafile is None and capath is None:
+            cafile = next((path for path in _CA_BUNDLES if os.path.isfile(path)), None)
+        if cafile is not None or capath is not None:
+            context.load_verify_locations(cafile, capath)
+    context.set_alpn_protocols(["http/1.1"])
+    return context
+
+
+def environment_proxy(url: URL) -> str | None:
+    """The proxy the environment names for ``url``, read as httpx and the anthropic SDK
+    read it (``HTTPS_PROXY``, ``HTTP_PROXY``, ``ALL_PROXY`` in either case, the lower-case
+    one first; the system's settings too on macOS and Windows), or None when none applies
+    or ``NO_PROXY`` excludes the host. This client sends nothing through a proxy: its
+    users fall back to their library when this says one applies. ``NO_PROXY`` entries it
+    cannot match exactly (a port, an address range, a URL) exclude nothing here, so such a
+    host counts as proxied and keeps the library's own handling."""
+    settings = _proxy_settings()
+    proxy = settings.get(url.scheme) or settings.get("all")
+    if not proxy or _excluded(url.host.lower(), settings.get("no", "")):
+        return None
+    return proxy
+
+
+def _proxy_settings() -> dict[str, str]:
+    if sys.platform in ("darwin", "win32"):
+        import urllib.request  # the system's proxy settings as well as the environment's
+
+        return urllib.request.getproxies()
+    found: dict[str, str] = {}
+    for name, value in os.environ.items():
+        if value and name[-6:].lower() == "_proxy":
+            found[name[:-6].lower()] = value
+    if "REQUEST_METHOD" in os.environ:
+        # Under CGI, HTTP_PROXY may come from a request's Proxy header: not trusted.
+        found.pop("http", None)
+    for name, value in os.environ.items():
+        if name[-6:] == "_proxy":
+            if value:
+                found[name[:-6].lower()] = value
+            else:
+                found.pop(name[:-6].lower(), None)
+    return found
+
+
+def _excluded(host: str, no_proxy: str) -> bool:
+    for raw in no_proxy.split(","):
+        entry = raw.strip().lower()
+        if entry == "*":
+            return True
+        if entry.startswith("[") and entry.endswith("]"):
+            entry = entry[1:-1]
+        if not entry or "/" in entry:
+            continue
+        if entry.startswith("."):
+            if host.endswith(entry):
+                return True
+        elif host == entry or (":" not in entry and host.endswith("." + entry)):
+            return True
+    return False
+
+
+# -- the pool ---------------------------------------------------------------------------
 
 
 class _Connection:
     __slots__ = ("fd", "idle_since", "key", "socket", "stream")
 
     def __init__(
-        self, key: tuple[bytes, str, int], stream: trio.abc.Stream, sock: Any, *, direct: bool
+        self, key: tuple[str, str, int], stream: trio.abc.Stream, sock: Any, *, direct: bool
     ) -> None:
         self.key = key
         self.stream = stream
@@ -84,70 +337,73 @@ class _Connection:
             return True
 
 
-class LeanTransport(httpx2.AsyncBaseTransport):
-    """HTTP/1.1 for ``httpx2.AsyncClient(transport=…)`` on trio; see the module docstring.
-    ``max_connections`` bounds the connections in use at once (a request beyond it waits
-    up to the pool timeout); ``ssl_context`` is used for ``https`` URLs."""
+class ConnectionPool:
+    """HTTP/1.1 requests on trio with keep-alive connections per origin.
+
+    ``max_connections`` bounds the exchanges in flight at once (a request beyond it waits
+    up to the pool timeout); ``ssl_context`` is used for ``https`` URLs (default:
+    :func:`default_ssl_context`, made on the first https connection, in a worker thread).
+    One pool serves any number of tasks; :meth:`aclose` closes its idle connections."""
 
     def __init__(
         self, *, ssl_context: ssl.SSLContext | None = None, max_connections: int = 1000
     ) -> None:
         self._ssl = ssl_context
-        self._idle: dict[tuple[bytes, str, int], list[_Connection]] = {}
+        self._ssl_lock: trio.Lock | None = None
+        self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
         self._limiter = trio.CapacityLimiter(max(1, max_connections))
         self._closed = False
 
-    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-        """Send ``request`` on a kept-alive or new connection and return once the response
-        head is read; its body streams one network read at a time. Raises httpx2's
-        transport errors (connect, read and write failures and timeouts, a bad head)."""
-        timeouts = request.extensions.get("timeout", {})
-        url = request.url
-        scheme = url.raw_scheme
-        if scheme not in (b"http", b"https"):
-            raise httpx2.UnsupportedProtocol(f"unsupported URL scheme {scheme!r}", request=request)
-        port = url.port or (443 if scheme == b"https" else 80)
-        key = (scheme, url.host, port)
-        body = await request.aread()
-        head = _request_head(request, body)
+    async def request(
+        self,
+        method: bytes,
+        url: URL,
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes,
+        timeouts: TimeoutSettings,
+    ) -> Response:
+        """Send one request on a kept-alive or new connection and return once the response
+        head is read; its body streams one network read at a time (:class:`RawBody`).
+        ``headers`` are sent as given after ``Host``, then ``Content-Length``. Raises the
+        module's :class:`TransportError` kinds. The caller closes the response
+        (:meth:`Response.aclose`) unless it read the body to its end."""
+        key = (url.scheme, url.host, url.port)
+        head = _request_head(method, url, headers, body)
         limiter = self._limiter
         # The response may be closed by another task than this one: the slot is held on
         # behalf of the exchange, not of the task.
         token = object()
-        with trio.move_on_after(_seconds(timeouts.get("pool"))) as waited:
+        with trio.move_on_after(_seconds(timeouts.pool)) as waited:
             await limiter.acquire_on_behalf_of(token)
         if waited.cancelled_caught:
-            raise httpx2.PoolTimeout("timed out waiting for a connection", request=request)
+            failure = PoolTimeout()
+            failure.url = url.text
+            raise failure
+        read_timeout = _seconds(timeouts.read)
         try:
             reused = self._take_idle(key)
-            conn = reused or await self._connect(key, request, timeouts)
+            conn = reused or await self._connect(key, timeouts)
             try:
-                await _send(conn, head + body if len(body) < 65536 else head, request, timeouts)
-                if len(body) >= 65536:
-                    await _send(conn, body, request, timeouts)
-                reader = _Reader(conn, request, _seconds(timeouts.get("read")))
-                status, reason, headers = await reader.read_head()
-            except (httpx2.RemoteProtocolError, httpx2.ReadError, httpx2.WriteError):
-                await _close(conn)
+                reader, status, reason, response_headers = await _exchange(
+                    conn, head, body, timeouts, read_timeout
+                )
+            except (RemoteProtocolError, ReadError, WriteError):
                 if reused is None:
                     raise
                 # A kept-alive connection the server had closed: once more, on a new one.
-                conn = await self._connect(key, request, timeouts)
-                await _send(conn, head + body, request, timeouts)
-                reader = _Reader(conn, request, _seconds(timeouts.get("read")))
-                status, reason, headers = await reader.read_head()
-        except BaseException:
+                conn = await self._connect(key, timeouts)
+                reader, status, reason, response_headers = await _exchange(
+                    conn, head, body, timeouts, read_timeout
+                )
+        except BaseException as exc:
             limiter.release_on_behalf_of(token)
+            if isinstance(exc, TransportError):
+                exc.url = url.text
             raise
-        stream = RawBody(self, token, reader, request.method, status, headers)
-        return httpx2.Response(
-            status,
-            headers=headers,
-            stream=stream,
-            extensions={"http_version": b"HTTP/1.1", "reason_phrase": reason, RAW_BODY: stream},
-        )
+        stream = RawBody(self, token, reader, method, status, response_headers)
+        return Response(status, reason, response_headers, stream)
 
-    def _take_idle(self, key: tuple[bytes, str, int]) -> _Connection | None:
+    def _take_idle(self, key: tuple[str, str, int]) -> _Connection | None:
         idle = self._idle.get(key)
         now = time.monotonic()
         while idle:
@@ -157,23 +413,38 @@ class LeanTransport(httpx2.AsyncBaseTransport):
             _close_now(conn)
         return None
 
-    async def _connect(
-        self, key: tuple[bytes, str, int], request: httpx2.Request, timeouts: dict[str, Any]
-    ) -> _Connection:
+    async def _context(self) -> ssl.SSLContext:
+        if self._ssl is None:
+            if self._ssl_lock is None:
+                self._ssl_lock = trio.Lock()
+            async with self._ssl_lock:
+                if self._ssl is None:
+                    # Reading the certificate store takes a few ms: not on the event loop.
+                    self._ssl = await trio.to_thread.run_sync(default_ssl_context)
+        return self._ssl
+
+    async def _connect(self, key: tuple[str, str, int], timeouts: TimeoutSettings) -> _Connection:
         scheme, host, port = key
         try:
-            with trio.fail_after(_seconds(timeouts.get("connect"))):
+            with trio.fail_after(_seconds(timeouts.connect)):
+                context = await self._context() if scheme == "https" else None
                 tcp = await trio.open_tcp_stream(host, port)
                 stream: trio.abc.Stream = tcp
-                if scheme == b"https":
-                    context = self._ssl or ssl.create_default_context()
+                if context is not None:
                     tls = trio.SSLStream(tcp, context, server_hostname=host, https_compatible=True)
-                    await tls.do_handshake()
+                    try:
+                        await tls.do_handshake()
+                    except BaseException:
+                        with trio.CancelScope(shield=True):
+                            await trio.aclose_forcefully(tcp)
+                        raise
                     stream = tls
         except trio.TooSlowError:
-            raise httpx2.ConnectTimeout("timed out connecting", request=request) from None
+            raise ConnectTimeout() from None
         except (OSError, trio.BrokenResourceError, ssl.SSLError) as exc:
-            raise httpx2.ConnectError(str(exc) or type(exc).__name__, request=request) from exc
+            # A failed TLS handshake is a BrokenResourceError whose cause says why.
+            reason = exc.__cause__ if isinstance(exc, trio.BrokenResourceError) else None
+            raise ConnectError(str(reason or exc) or type(exc).__name__) from exc
         return _Connection(key, stream, tcp.socket, direct=_DIRECT_READS and stream is tcp)
 
     def release(self, token: object, conn: _Connection | None) -> None:
@@ -197,51 +468,99 @@ class LeanTransport(httpx2.AsyncBaseTransport):
                 await _close(conn)
 
 
-def raw_body(response: httpx2.Response) -> RawBody | None:
-    """The body of a response this transport read, to iterate directly: per network read,
-    the body bytes it completed, without httpx2's and the SDK's iterators around it (about
-    a fifth of a streamed event's client CPU when every read holds one event). None when
-    another transport read the response, or when its body is compressed (``content-encoding``
-    other than ``identity``: httpx2's iterators decode it). Closing the response still
-    closes the stream, and a stream read to its end has already released its connection."""
-    stream = response.extensions.get(RAW_BODY)
-    if not isinstance(stream, RawBody):
+class Response:
+    """A response whose head has been read: ``status``, ``reason``, ``headers`` (as
+    received) and ``body``, the :class:`RawBody` to iterate."""
+
+    __slots__ = ("body", "headers", "reason", "status")
+
+    def __init__(
+        self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], body: RawBody
+    ) -> None:
+        self.status = status
+        self.reason = reason
+        self.headers = headers
+        self.body = body
+
+    def header(self, name: bytes) -> bytes | None:
+        """The first header named ``name`` (lower case), None when there is none."""
+        for key, value in self.headers:
+            if key.lower() == name:
+                return value
         return None
-    encoding = response.headers.get("content-encoding", "identity").strip().lower()
-    if encoding not in ("", "identity"):
-        return None
-    return stream
+
+    def header_map(self) -> dict[str, str]:
+        """The headers by lower-cased name, repeated ones joined with ``", "`` (as httpx's
+        ``dict(response.headers)`` gives them)."""
+        merged: dict[str, str] = {}
+        for name, value in self.headers:
+            key = name.decode("latin-1").lower()
+            text = value.decode("latin-1")
+            merged[key] = f"{merged[key]}, {text}" if key in merged else text
+        return merged
+
+    async def aread(self, limit: int | None = None) -> bytes:
+        """The whole body (decoded when compressed); with ``limit``, at most that many
+        bytes: a longer body is cut there and the connection closed, not reused."""
+        pieces: list[bytes] = []
+        size = 0
+        reads = aiter(self.body)
+        try:
+            async for piece in reads:
+                pieces.append(piece)
+                size += len(piece)
+                if limit is not None and size >= limit:
+                    await self.body.aclose()
+                    return b"".join(pieces)[:limit]
+        finally:
+            await reads.aclose()
+        return b"".join(pieces)
+
+    async def aclose(self) -> None:
+        """Give the exchange up (see :meth:`RawBody.aclose`); nothing after its end."""
+        await self.body.aclose()
 
 
-def _seconds(value: Any) -> float:
-    return float("inf") if value is None else float(value)
+def _seconds(value: float | None) -> float:
+    return math.inf if value is None else float(value)
 
 
-def _request_head(request: httpx2.Request, body: bytes) -> bytes:
-    url = request.url
-    target = url.raw_path or b"/"
-    lines = [request.method.encode("ascii") + b" " + target + b" HTTP/1.1"]
-    has_length = False
-    for name, value in request.headers.raw:
-        lower = name.lower()
-        if lower == b"content-length" or lower == b"transfer-encoding":
-            has_length = True
-        lines.append(name + b": " + value)
-    if not has_length and (body or request.method not in ("GET", "HEAD")):
-        lines.append(b"Content-Length: " + str(len(body)).encode("ascii"))
+def _request_head(
+    method: bytes, url: URL, headers: Sequence[tuple[bytes, bytes]], body: bytes
+) -> bytes:
+    lines = [method + b" " + url.target + b" HTTP/1.1", b"Host: " + url.authority]
+    lines.extend(name + b": " + value for name, value in headers)
+    lines.append(b"Content-Length: " + str(len(body)).encode("ascii"))
     return _CRLF.join(lines) + _CRLF + _CRLF
 
 
-async def _send(
-    conn: _Connection, data: bytes, request: httpx2.Request, timeouts: dict[str, Any]
-) -> None:
+async def _exchange(
+    conn: _Connection, head: bytes, body: bytes, timeouts: TimeoutSettings, read_timeout: float
+) -> tuple[_Reader, int, bytes, list[tuple[bytes, bytes]]]:
+    """Send the request on ``conn`` and read the response head; ``conn`` is closed when
+    that fails or is cancelled (its state is unknown then)."""
     try:
-        with trio.fail_after(_seconds(timeouts.get("write"))):
-            await conn.stream.send_all(data)
+        await _send(conn, head, body, timeouts)
+        reader = _Reader(conn, read_timeout)
+        status, reason, headers = await reader.read_head()
+    except BaseException:
+        await _close(conn)
+        raise
+    return reader, status, reason, headers
+
+
+async def _send(conn: _Connection, head: bytes, body: bytes, timeouts: TimeoutSettings) -> None:
+    try:
+        with trio.fail_after(_seconds(timeouts.write)):
+            if len(body) < 65536:
+                await conn.stream.send_all(head + body)
+            else:
+                await conn.stream.send_all(head)
+                await conn.stream.send_all(body)
     except trio.TooSlowError:
-        raise httpx2.WriteTimeout("timed out writing the request", request=request) from None
+        raise WriteTimeout() from None
     except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-        raise httpx2.WriteError(str(exc) or type(exc).__name__, request=request) from exc
+        raise WriteError(str(exc) or type(exc).__name__) from exc
 
 
 async def _close(conn: _Connection) -> None:
@@ -261,25 +580,13 @@ class _Reader:
     Each wait for the socket has the read timeout; while a :class:`BodyDeadline` holds the
     body's reads, that one cancel scope times them instead of a scope per read."""
 
-    __slots__ = (
-        "_buffer",
-        "_conn",
-        "_deadline",
-        "_drained",
-        "_eof",
-        "_request",
-        "_timeout",
-        "_unwaited",
-        "http_11",
-    )
+    __slots__ = ("_buffer", "_conn", "_deadline", "_drained", "_timeout", "_unwaited", "http_11")
 
-    def __init__(self, conn: _Connection, request: httpx2.Request, timeout: float) -> None:
+    def __init__(self, conn: _Connection, timeout: float) -> None:
         self._conn = conn
-        self._request = request
         self._timeout = timeout
         self._deadline: BodyDeadline | None = None
         self._buffer = b""
-        self._eof = False
         self._drained = False  # the last read emptied the socket: wait before the next
         self._unwaited = 0
         self.http_11 = True
@@ -287,10 +594,6 @@ class _Reader:
     @property
     def conn(self) -> _Connection:
         return self._conn
-
-    @property
-    def request(self) -> httpx2.Request:
-        return self._request
 
     @property
     def timeout(self) -> float:
@@ -304,12 +607,9 @@ class _Reader:
         """One network read (b"" at the end of the connection)."""
         fd = self._conn.fd
         try:
-            data = await (self._receive_stream() if fd < 0 else self._receive_fd(fd))
+            return await (self._receive_stream() if fd < 0 else self._receive_fd(fd))
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            raise httpx2.ReadError(str(exc) or type(exc).__name__, request=self._request) from exc
-        if not data:
-            self._eof = True
-        return data
+            raise ReadError(str(exc) or type(exc).__name__) from exc
 
     async def _receive_fd(self, fd: int) -> bytes:
         waited = False
@@ -366,17 +666,17 @@ class _Reader:
         with trio.CancelScope(deadline=trio.current_time() + self._timeout) as own:
             return await wait(arg)
         assert own.cancelled_caught
-        raise httpx2.ReadTimeout("timed out reading", request=self._request)
+        raise ReadTimeout()
 
     async def read_head(self) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         while True:
             end = self._buffer.find(b"\r\n\r\n")
             while end < 0:
                 if len(self._buffer) > MAX_HEAD_BYTES:
-                    raise self.protocol_error("response head too long")
+                    raise RemoteProtocolError("response head too long")
                 data = await self.receive()
                 if not data:
-                    raise self.protocol_error("Server disconnected without sending a response.")
+                    raise RemoteProtocolError("Server disconnected without sending a response.")
                 self._buffer += data
                 end = self._buffer.find(b"\r\n\r\n")
             head, self._buffer = self._buffer[:end], self._buffer[end + 4 :]
@@ -388,18 +688,15 @@ class _Reader:
         lines = head.split(_CRLF)
         parts = lines[0].split(b" ", 2)
         if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-            raise self.protocol_error(f"illegal status line: {lines[0][:100]!r}")
+            raise RemoteProtocolError(f"illegal status line: {lines[0][:100]!r}")
         headers: list[tuple[bytes, bytes]] = []
         for line in lines[1:]:
             name, colon, value = line.partition(b":")
             if not colon or not name or name != name.strip():
-                raise self.protocol_error(f"illegal header line: {line[:100]!r}")
+                raise RemoteProtocolError(f"illegal header line: {line[:100]!r}")
             headers.append((name, value.strip(b" \t")))
         self.http_11 = parts[0] == b"HTTP/1.1"
         return int(parts[1]), parts[2] if len(parts) > 2 else b"", headers
-
-    def protocol_error(self, message: str) -> httpx2.RemoteProtocolError:
-        return httpx2.RemoteProtocolError(message, request=self._request)
 
     def take_buffer(self) -> bytes:
         data, self._buffer = self._buffer, b""
@@ -409,27 +706,28 @@ class _Reader:
         self._buffer = data + self._buffer
 
 
-class RawBody(httpx2.AsyncByteStream):
-    """A response body read by :class:`LeanTransport`: per network read, the body bytes it
-    completed; then the connection goes back to the pool when the body ended cleanly and
-    may be reused, else it is closed. Read it inside :meth:`read_deadline` to time all its
-    reads with one cancel scope."""
+class RawBody:
+    """A response body: iterated, per network read, the body bytes it completed (decoded
+    when the body is ``gzip`` or ``deflate``); then the connection goes back to the pool
+    when the body ended cleanly and may be reused, else it is closed. Read it inside
+    :meth:`read_deadline` to time all its reads with one cancel scope."""
 
     def __init__(
         self,
-        transport: LeanTransport,
+        pool: ConnectionPool,
         token: object,
         reader: _Reader,
-        method: str,
+        method: bytes,
         status: int,
         headers: list[tuple[bytes, bytes]],
     ) -> None:
-        self._transport = transport
+        self._pool = pool
         self._token = token
         self._reader: _Reader | None = reader
         self._keep_alive = reader.http_11
         self._length: int | None = None
         self._chunked = False
+        self._encoding = b""
         for name, value in headers:
             lower = name.lower()
             if lower == b"transfer-encoding" and b"chunked" in value.lower():
@@ -438,7 +736,9 @@ class RawBody(httpx2.AsyncByteStream):
                 self._length = int(value)
             elif lower == b"connection" and b"close" in value.lower():
                 self._keep_alive = False
-        self._empty = method == "HEAD" or status in (204, 304)
+            elif lower == b"content-encoding":
+                self._encoding = value.strip().lower()
+        self._empty = method == b"HEAD" or status in (204, 304)
         if not self._chunked and self._length is None and not self._empty:
             self._keep_alive = False  # the body ends with the connection
 
@@ -446,7 +746,7 @@ class RawBody(httpx2.AsyncByteStream):
         """A context manager that times every read of this body, inside it, with one cancel
         scope instead of one per read: ``with body.read_deadline(): async for chunk in
         body: …``. A stall still ends after the read timeout (at most ``DEADLINE_SLACK``
-        of it later), as :class:`httpx2.ReadTimeout` raised by the ``with`` statement.
+        of it later), as :class:`ReadTimeout` raised by the ``with`` statement.
 
         With ``progress=True`` only the reads its reader counts as progress keep the body
         alive: ``with body.read_deadline(progress=True) as deadline:`` and
@@ -454,7 +754,43 @@ class RawBody(httpx2.AsyncByteStream):
         reader ignores (keep-alives) then times out like a silent one (R-SEC-10)."""
         return BodyDeadline(self._reader, every_read=not progress)
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
+    def __aiter__(self) -> AsyncGenerator[bytes, None]:
+        if self._encoding in (b"", b"identity"):
+            return self._pieces()
+        return self._decoded(self._encoding)
+
+    async def _decoded(self, encoding: bytes) -> AsyncGenerator[bytes, None]:
+        # Sent only when a server ignores ``accept-encoding: identity``; an encoding zlib
+        # cannot read is handed on as it is (the decoder then finds it malformed).
+        if encoding == b"gzip":
+            inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        elif encoding == b"deflate":
+            inflate = zlib.decompressobj()
+        else:
+            async for piece in self._pieces():
+                yield piece
+            return
+        first = True
+        async for piece in self._pieces():
+            try:
+                data = inflate.decompress(piece)
+            except zlib.error as exc:
+                if not (first and encoding == b"deflate"):
+                    raise RemoteProtocolError(f"bad {encoding.decode()} body: {exc}") from None
+                # "deflate" without its zlib wrapper, as some servers send it.
+                inflate = zlib.decompressobj(-zlib.MAX_WBITS)
+                try:
+                    data = inflate.decompress(piece)
+                except zlib.error as again:
+                    raise RemoteProtocolError(f"bad deflate body: {again}") from None
+            first = False
+            if data:
+                yield data
+        rest = inflate.flush()
+        if rest:
+            yield rest
+
+    async def _pieces(self) -> AsyncGenerator[bytes, None]:
         reader = self._reader
         if reader is None:
             return
@@ -488,7 +824,7 @@ class RawBody(httpx2.AsyncByteStream):
                     break
                 data = await reader.receive()
                 if not data:
-                    raise reader.protocol_error(
+                    raise RemoteProtocolError(
                         "peer closed connection without sending complete message body "
                         f"(received {self._length - remaining} bytes, expected {self._length})"
                     )
@@ -508,10 +844,10 @@ class RawBody(httpx2.AsyncByteStream):
         if reader is None:
             return
         if reuse:
-            self._transport.release(self._token, reader.conn)
+            self._pool.release(self._token, reader.conn)
         else:
             await _close(reader.conn)
-            self._transport.release(self._token, None)
+            self._pool.release(self._token, None)
 
     async def aclose(self) -> None:
         """Give the exchange up: a body not read to its end (or that failed) leaves the
@@ -562,7 +898,7 @@ class BodyDeadline:
         scope = self.scope
         handled = scope.__exit__(kind, exc, traceback)
         if scope.cancelled_caught:
-            raise httpx2.ReadTimeout("timed out reading", request=reader.request) from None
+            raise ReadTimeout() from None
         return handled
 
 
@@ -587,7 +923,7 @@ class _ChunkedBody:
                     return data
             more = await self._reader.receive()
             if not more:
-                raise self._reader.protocol_error(
+                raise RemoteProtocolError(
                     "peer closed connection without sending complete message body "
                     "(incomplete chunked read)"
                 )
@@ -614,7 +950,7 @@ class _ChunkedBody:
                 continue
             size_text = line.split(b";", 1)[0].strip()
             if not size_text or size_text.strip(b"0123456789abcdefABCDEF"):
-                raise self._reader.protocol_error(f"illegal chunk size: {line[:100]!r}")
+                raise RemoteProtocolError(f"illegal chunk size: {line[:100]!r}")
             chunk_size = int(size_text, 16)
             if chunk_size == 0:
                 # The last chunk, then trailers (ignored) up to a blank line.
@@ -634,9 +970,27 @@ class _ChunkedBody:
 __all__ = [
     "DEADLINE_SLACK",
     "KEEPALIVE_EXPIRY_S",
-    "RAW_BODY",
+    "URL",
     "BodyDeadline",
-    "LeanTransport",
+    "ConnectError",
+    "ConnectTimeout",
+    "ConnectionPool",
+    "NetworkError",
+    "PoolTimeout",
+    "ProtocolError",
     "RawBody",
-    "raw_body",
+    "ReadError",
+    "ReadTimeout",
+    "RemoteProtocolError",
+    "Response",
+    "TimeoutException",
+    "TimeoutSettings",
+    "Timeouts",
+    "TransportError",
+    "UnsupportedProtocol",
+    "WriteError",
+    "WriteTimeout",
+    "default_ssl_context",
+    "environment_proxy",
+    "parse_url",
 ]

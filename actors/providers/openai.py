@@ -1,44 +1,64 @@
-"""The OpenAI-compatible provider: ``POST /v1/chat/completions`` streamed with httpx.
+"""The OpenAI-compatible provider: ``POST /v1/chat/completions``, streamed.
 
 Works with OpenAI and with local OpenAI-compatible servers (vLLM, llama.cpp, Ollama): the
 sans-IO :class:`~greenroom.protocols.openai_codec.OpenAIStreamDecoder` accepts their
 variations (``reasoning_content`` / ``reasoning``, whole tool calls in one chunk, usage in
-the finish chunk, errors inside a 200 stream). Library errors are translated to
-``StreamFailed`` in one place, :meth:`HTTPStreamTask.stream`, which the Responses
-provider (:mod:`greenroom.actors.providers.openai_responses`) shares with its own codec.
+the finish chunk, errors inside a 200 stream).
+
+By default the request goes through greenroom's own HTTP client
+(:class:`~greenroom.actors.providers.lean_wire.LeanEndpoint`: HTTP/1.1 on trio, the body
+handed to the codec once per network read); with ``lean_http=False``
+(``GREENROOM_LEAN_HTTP=0``, ``--no-lean-http``), or when the environment proxies the base
+URL, through httpx (:mod:`~greenroom.actors.providers.openai_httpx`, imported only then).
+Both paths report every failure as the same ``StreamFailed``. The Responses provider
+(:mod:`greenroom.actors.providers.openai_responses`) is this one with its own endpoint and
+codec.
 """
 
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import AsyncIterable, Callable, Mapping
-from typing import Any, Protocol
-
-import httpx
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from greenroom.actors.providers.base import (
     Deliver,
-    connect_failure,
-    cut_short,
+    ProviderTask,
     endpoint_identity,
     transport_failure,
 )
-from greenroom.actors.providers.media import LoadedImage, TaskImages, read_image
-from greenroom.actors.providers.stalls import (
-    ProgressDeadline,
-    no_response_message,
-    stalled_message,
+from greenroom.actors.providers.lean_http import (
+    TimeoutException,
+    Timeouts,
+    TimeoutSettings,
+    UnsupportedProtocol,
+    environment_proxy,
+    parse_url,
 )
+from greenroom.actors.providers.lean_wire import (
+    ErrorClassifier,
+    LeanEndpoint,
+    RequestBuilder,
+    StreamDecoder,
+    Wording,
+    lean_by_default,
+)
+from greenroom.actors.providers.media import LoadedImage, TaskImages, read_image
+from greenroom.actors.providers.stalls import no_response_message
 from greenroom.protocols.content import ImageBlock
 from greenroom.protocols.context import ModelRequest
+from greenroom.protocols.errors import ConfigurationError
 from greenroom.protocols.openai_codec import OpenAIStreamDecoder, RequestEncoder, classify_error
-from greenroom.protocols.stream import ModelError, StreamEvent, StreamFailed
+
+if TYPE_CHECKING:
+    import httpx
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
-DEFAULT_TIMEOUT = httpx.Timeout(connect=15.0, read=180.0, write=60.0, pool=60.0)
-"""``read`` bounds the silence between two chunks of a stream, and how long a stream may
+DEFAULT_TIMEOUT = Timeouts(connect=15.0, read=180.0, write=60.0, pool=60.0)
+"""``read`` bounds the silence between two reads of a stream, and how long a stream may
 send only keep-alives (R-SEC-10)."""
+
+USER_AGENT = "greenroom"
 
 
 def image_part(image: LoadedImage) -> dict[str, Any]:
@@ -54,37 +74,81 @@ def load_image(block: ImageBlock) -> dict[str, Any] | None:
     return None if image is None else image_part(image)
 
 
+def _timed_out(exc: TimeoutException, url: str, read_timeout: float | None) -> str:
+    # As the httpx path words them (openai_httpx.HTTPStreamTask).
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if "ConnectTimeout" in names:
+        return f"timed out connecting to the server ({url})"
+    if "ReadTimeout" in names:
+        return no_response_message(read_timeout)
+    return transport_failure(exc)
+
+
+WORDING = Wording(is_error_status=lambda status: status >= 400, timed_out=_timed_out)
+
+
 class OpenAIProvider:
-    """Chat completions over httpx; one client (connection pool) per host and endpoint.
+    """Chat completions; one connection pool per host and endpoint.
 
     ``base_url`` is the server's ``/v1`` root. The key comes from ``api_key`` or
-    ``OPENAI_API_KEY``; local servers usually need none.
+    ``OPENAI_API_KEY``; local servers usually need none. ``lean_http``: True for
+    greenroom's own HTTP client, False for httpx; None (the default) reads
+    ``GREENROOM_LEAN_HTTP`` (on when unset: R-PERF-1). ``timeout``: any object with
+    ``connect``, ``read``, ``write`` and ``pool`` seconds (:class:`Timeouts`, or an
+    ``httpx.Timeout``).
     """
 
     name = "openai"
     endpoint = "/chat/completions"
     """The path below the ``/v1`` root that this provider posts to."""
+    encoder: ClassVar[Callable[..., RequestBuilder]] = RequestEncoder
+    decoder: ClassVar[Callable[[], StreamDecoder]] = OpenAIStreamDecoder
+    classify: ClassVar[ErrorClassifier] = classify_error
 
     def __init__(
         self,
         *,
         api_key: str | None = None,
         base_url: str | None = None,
-        timeout: httpx.Timeout = DEFAULT_TIMEOUT,
+        timeout: TimeoutSettings = DEFAULT_TIMEOUT,
         max_connections: int = 2000,
+        lean_http: bool | None = None,
     ) -> None:
         key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY", "")
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        if not all(" " <= c <= "~" for c in key):
+            raise ConfigurationError(
+                "the OpenAI API key holds a character an HTTP header cannot carry "
+                "(a line break?)"
+            )
+        headers = [("Authorization", f"Bearer {key}")] if key else []
         root = (base_url or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
         self._url = root + self.endpoint
         self._identity = endpoint_identity(self.name, root, key)
-        self._client = httpx.AsyncClient(
-            headers=headers,
-            timeout=timeout,
-            limits=httpx.Limits(
-                max_connections=max_connections, max_keepalive_connections=max_connections
-            ),
-        )
+        self._timeout = timeout
+        try:
+            target = parse_url(self._url)
+        except UnsupportedProtocol:
+            raise ConfigurationError(
+                f"the {self.name} provider's base URL {root!r} is not an http or https URL"
+            ) from None
+        if lean_http is None:
+            lean_http = lean_by_default()
+        self._proxy = environment_proxy(target) if lean_http else None
+        self._lean: LeanEndpoint | None = None
+        self._client: httpx.AsyncClient | None = None
+        if lean_http and self._proxy is None:
+            self._lean = LeanEndpoint(
+                self._url,
+                [("Accept", "*/*"), ("Accept-Encoding", "identity"),
+                 ("User-Agent", USER_AGENT), *headers],
+                timeout,
+                WORDING,
+                max_connections=max(1, max_connections),
+            )  # fmt: skip
+        else:
+            from greenroom.actors.providers.openai_httpx import make_client
+
+            self._client = make_client(dict(headers), timeout, max_connections)
 
     @property
     def endpoint_identity(self) -> str:
@@ -92,148 +156,78 @@ class OpenAIProvider:
         (:func:`~greenroom.actors.providers.base.endpoint_identity`)."""
         return self._identity
 
-    def open_task(self) -> HTTPStreamTask:
+    @property
+    def lean_http(self) -> bool:
+        """Whether requests go through greenroom's own HTTP client (False: httpx, asked
+        for or because a proxy applies, see :attr:`proxy`)."""
+        return self._lean is not None
+
+    @property
+    def proxy(self) -> str | None:
+        """The environment's proxy for the base URL that sent a lean provider to httpx,
+        else None."""
+        return self._proxy
+
+    def open_task(self) -> ProviderTask:
         """Per-task state: the request encoder that reuses earlier turns' encodings."""
         images = TaskImages()
+        encoder = type(self).encoder(image_loader=images.loader(image_part))
+        if self._lean is not None:
+            return LeanStreamTask(
+                self._lean, encoder, type(self).decoder, type(self).classify, images
+            )
+        from greenroom.actors.providers.openai_httpx import HTTPStreamTask
+
+        assert self._client is not None
         return HTTPStreamTask(
-            self._client,
-            self._url,
-            RequestEncoder(image_loader=images.loader(image_part)),
-            OpenAIStreamDecoder,
-            classify_error,
-            images,
+            self._client, self._url, encoder, type(self).decoder, type(self).classify, images
         )
 
     async def aclose(self) -> None:
         """Close the connection pool."""
-        await self._client.aclose()
+        if self._lean is not None:
+            await self._lean.aclose()
+        if self._client is not None:
+            await self._client.aclose()
 
 
-class RequestBuilder(Protocol):
-    """A codec's request encoder for one task."""
+class LeanStreamTask:
+    """Streams one attempt through a :class:`LeanEndpoint` and a sans-IO codec."""
 
-    def build(self, request: ModelRequest) -> dict[str, Any]:
-        """The JSON body of the request for ``request``."""
-
-
-class StreamDecoder(Protocol):
-    """A codec's sans-IO stream decoder for one attempt."""
-
-    @property
-    def finished(self) -> bool:
-        """True once the terminal event has been returned (the rest of the body is not read)."""
-
-    def feed(self, data: bytes) -> list[StreamEvent]:
-        """The events completed by the next bytes of the body; none after the terminal event."""
-
-    def end_of_stream(self) -> list[StreamEvent]:
-        """The body ended: the remaining events, ending with the terminal event unless it
-        was already returned (a body cut short ends with a ``StreamFailed``)."""
-
-
-class ErrorClassifier(Protocol):
-    """A codec's ``classify_error``: ``now`` (the wall clock) turns an HTTP-date
-    ``retry-after`` into a wait."""
-
-    def __call__(
-        self, status: int, body: bytes, headers: Mapping[str, str], *, now: float | None = None
-    ) -> ModelError: ...
-
-
-class HTTPStreamTask:
-    """Streams one attempt over httpx through a sans-IO codec; every library error becomes
-    a ``StreamFailed`` here."""
-
-    __slots__ = (
-        "_classify", "_client", "_decoder", "_encoder", "_images", "_read_timeout", "_url"
-    )
+    __slots__ = ("_classify", "_decoder", "_encoder", "_endpoint", "_images")
 
     def __init__(
         self,
-        client: httpx.AsyncClient,
-        url: str,
+        endpoint: LeanEndpoint,
         encoder: RequestBuilder,
         decoder: Callable[[], StreamDecoder],
         classify: ErrorClassifier,
         images: TaskImages | None = None,
     ) -> None:
-        self._client = client
-        self._url = url
+        self._endpoint = endpoint
         self._encoder = encoder
         self._decoder = decoder
         self._classify = classify
         self._images = images
-        self._read_timeout: float | None = client.timeout.read
 
     async def stream(self, request: ModelRequest, deliver: Deliver) -> None:
-        """POST the encoded ``request`` and deliver the decoded events, one batch per read.
-        An HTTP error status is classified by the codec, a connection failure or timeout
-        becomes a ``StreamFailed``, a body that sends only keep-alives for longer than the
-        read timeout fails as ``timeout`` (R-SEC-10), and a body cut short ends as
-        :func:`cut_short` judges what arrived: no httpx error escapes. The request's images
-        are read first, off the event loop, when the encoder has a :class:`TaskImages`
-        loader."""
+        """POST the encoded ``request`` and deliver the decoded events, one batch per read
+        (see :meth:`LeanEndpoint.stream`). The request's images are read first, off the
+        event loop, when the encoder has a :class:`TaskImages` loader."""
         if self._images is not None:
             await self._images.prepare(request)
         body = self._encoder.build(request)
-        decoder = self._decoder()
-        timeout = self._read_timeout
-        try:
-            async with self._client.stream("POST", self._url, json=body) as response:
-                if response.status_code >= 400:
-                    content = await response.aread()
-                    error = self._classify(
-                        response.status_code, content, response.headers, now=time.time()
-                    )
-                    await deliver([StreamFailed(error=error)])
-                    return
-                if await _read_body(response.aiter_bytes(), decoder, deliver, timeout):
-                    return
-            await deliver(decoder.end_of_stream())
-        except httpx.ConnectTimeout:
-            await deliver([_failed(f"timed out connecting to the server ({self._url})")])
-        except httpx.ReadTimeout:
-            await deliver([_failed(no_response_message(timeout))])
-        except httpx.TimeoutException as exc:
-            await deliver([_failed(transport_failure(exc))])
-        except httpx.ConnectError as exc:
-            await deliver([_failed(connect_failure(self._url, exc))])
-        except httpx.TransportError as exc:
-            await deliver([_failed(transport_failure(exc))])
+        await self._endpoint.stream(body, self._decoder(), self._classify, deliver)
 
 
-async def _read_body(
-    chunks: AsyncIterable[bytes], decoder: StreamDecoder, deliver: Deliver,
-    read_timeout: float | None,
-) -> bool:
-    """Feed the body to ``decoder`` and deliver what each read completes. True when the
-    stream has ended (its terminal event, a cut or a stall delivered as such); False when
-    the body ended first. Reads that decode to nothing (keep-alives) do not keep the
-    stream alive past the read timeout (R-SEC-10)."""
-    keepalives = False
-    with ProgressDeadline(read_timeout) as deadline:
-        try:
-            async for chunk in chunks:
-                events = decoder.feed(chunk)
-                if events:
-                    deadline.progress()
-                    keepalives = False
-                    await deliver(events)
-                    if decoder.finished:
-                        return True
-                else:
-                    keepalives = True
-        except httpx.TimeoutException:
-            await deliver([_failed(stalled_message(deadline.timeout, keepalives=False))])
-            return True
-        except httpx.TransportError as exc:
-            # The body had begun: a stream cut short, judged by what arrived.
-            await deliver(cut_short(decoder.end_of_stream(), exc))
-            return True
-        return False
-    await deliver([_failed(stalled_message(deadline.timeout, keepalives=keepalives))])
-    return True
-
-
-def _failed(message: str) -> StreamFailed:
-    return StreamFailed(error=ModelError(kind="timeout", message=message))
+__all__ = [
+    "DEFAULT_BASE_URL",
+    "DEFAULT_TIMEOUT",
+    "ErrorClassifier",
+    "LeanStreamTask",
+    "OpenAIProvider",
+    "RequestBuilder",
+    "StreamDecoder",
+    "image_part",
+    "load_image",
+]

@@ -42,11 +42,12 @@ class ProviderSpec:
 
 
 LEAN_HTTP_VARIABLE = "GREENROOM_LEAN_HTTP"
-"""``1``/``on``/``true``/``yes`` or ``0``/``off``/``false``/``no``: whether the anthropic
-provider made from the registry reads its streams through greenroom's lean HTTP/1.1
-transport (``AnthropicProvider(lean_http=True)``); unset (or empty) means on: the defaults
-are the fast path (R-PERF-1). The command line's ``--lean-http`` / ``--no-lean-http`` set
-it for the process they run."""
+"""``1``/``on``/``true``/``yes`` or ``0``/``off``/``false``/``no``: whether the HTTP
+providers (``anthropic``, ``openai``, ``openai-responses``) made without an explicit
+``lean_http`` send their requests through greenroom's own HTTP/1.1 client instead of the
+anthropic SDK or httpx; unset (or empty) means on: the defaults are the fast path
+(R-PERF-1). The command line's ``--lean-http`` / ``--no-lean-http`` set it for the process
+they run."""
 
 _TRUE = ("1", "on", "true", "yes", "")
 _FALSE = ("0", "off", "false", "no")
@@ -69,7 +70,7 @@ def lean_http_enabled() -> bool:
 def _anthropic(settings: SessionSettings) -> ModelProvider:
     from greenroom.actors.providers.anthropic import AnthropicProvider
 
-    return AnthropicProvider(base_url=settings.base_url, lean_http=lean_http_enabled())
+    return AnthropicProvider(base_url=settings.base_url)
 
 
 def _openai(settings: SessionSettings) -> ModelProvider:
@@ -134,7 +135,7 @@ PROVIDERS: Mapping[str, ProviderSpec] = {
     for spec in (
         ProviderSpec(
             name="anthropic",
-            help="Claude through the official anthropic SDK (ANTHROPIC_API_KEY)",
+            help="Claude through the Messages API (ANTHROPIC_API_KEY)",
             default_model=lambda: "claude-sonnet-5-5",
             factory=_anthropic,
             missing_credentials=_anthropic_missing,

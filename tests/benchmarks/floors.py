@@ -12,14 +12,15 @@ the first token, N tasks at once, each sending the reference task's two requests
 * ``httpx-trio``: ``httpx.AsyncClient.stream`` + ``aiter_raw`` (httpx / httpcore 1.x on
   trio), the same split.
 * ``sdk-raw``: the anthropic SDK's ``messages.with_streaming_response.create`` +
-  ``iter_bytes`` (httpx2 / httpcore2, what greenroom's provider reads through), the same
-  split.
+  ``iter_bytes`` (httpx2 / httpcore2, what greenroom's provider reads through with
+  ``--no-lean-http``), the same split.
 * ``sdk-raw+codec``: the same, each chunk fed to greenroom's
   :class:`~greenroom.protocols.anthropic_codec.AnthropicStreamDecoder` (the provider's work
   without the runtime above it).
-* ``sdk-lean+codec``: the same with greenroom's
-  :class:`~greenroom.actors.providers.lean_http.LeanTransport` under the SDK's client (what
-  ``AnthropicProvider(lean_http=True)`` reads through).
+* ``lean+codec``: greenroom's own HTTP client
+  (:class:`~greenroom.actors.providers.lean_http.ConnectionPool`, what the anthropic
+  provider sends through by default) with greenroom's decoder: the provider's work without
+  the runtime above it, and without the SDK.
 
 Reported per variant: wall and its ratio to the pacing ideal, client CPU, CPU per wire
 event, wire events per socket read. The difference between two rows is the cost of the
@@ -55,7 +56,7 @@ from tests.benchmarks.common import (
 from tests.benchmarks.scale import FIRST_MS, TOKEN_MS, ideal_s
 from tests.benchmarks.workloads import POOL, TOOLS, make_raw_client, make_sdk_client
 
-VARIANTS = ("trio-h11", "httpx-trio", "sdk-raw", "sdk-raw+codec", "sdk-lean+codec")
+VARIANTS = ("trio-h11", "httpx-trio", "sdk-raw", "sdk-raw+codec", "lean+codec")
 HTTPX_MAX_N = 250
 """httpx-trio is skipped above this N: httpcore 1.x's pool scans make it quadratic (about
 135 µs per event at N = 1,000, and a minute per run)."""
@@ -165,6 +166,31 @@ async def _sdk_task(client: Any, counts: _Counts, codec: bool) -> None:
     counts.completed += 1
 
 
+async def _lean_task(pool: Any, base_url: str, counts: _Counts) -> None:
+    from greenroom.actors.providers.lean_http import Timeouts, parse_url
+    from greenroom.protocols.anthropic_codec import AnthropicStreamDecoder
+
+    url = parse_url(base_url + "/v1/messages")
+    headers = [
+        (b"x-api-key", b"bench"), (b"anthropic-version", b"2023-06-01"),
+        (b"content-type", b"application/json"),
+    ]  # fmt: skip
+    timeouts = Timeouts()
+    for body in _bodies():
+        decoder = AnthropicStreamDecoder()
+        response = await pool.request(b"POST", url, headers, json.dumps(body).encode(), timeouts)
+        try:
+            buffer = b""
+            with response.body.read_deadline():
+                async for chunk in response.body:
+                    buffer = _split(buffer, chunk, counts)
+                    decoder.feed(chunk)
+        finally:
+            await response.aclose()
+        await trio.sleep(TOOL_SLEEP_S)
+    counts.completed += 1
+
+
 async def _guarded(counts: _Counts, fn: Any, *args: Any) -> None:
     try:
         await fn(*args)
@@ -180,8 +206,10 @@ async def run_variant(variant: str, base_url: str, n: int) -> tuple[Meter, _Coun
         client = make_raw_client(base_url)
     elif variant.startswith("sdk-raw"):
         client = make_sdk_client(base_url)
-    elif variant == "sdk-lean+codec":
-        client = make_sdk_client(base_url, lean_http=True)
+    elif variant == "lean+codec":
+        from greenroom.actors.providers.lean_http import ConnectionPool
+
+        client = ConnectionPool(max_connections=POOL)
     url = urlsplit(base_url)
     meter = Meter()
     try:
@@ -192,11 +220,13 @@ async def run_variant(variant: str, base_url: str, n: int) -> tuple[Meter, _Coun
                         args: tuple[Any, ...] = (_trio_h11_task, url.hostname, url.port, counts)
                     elif variant == "httpx-trio":
                         args = (_httpx_task, client, counts)
+                    elif variant == "lean+codec":
+                        args = (_lean_task, client, base_url, counts)
                     else:
                         args = (_sdk_task, client, counts, variant.endswith("+codec"))
                     nursery.start_soon(_guarded, counts, *args)
     finally:
-        if variant == "httpx-trio":
+        if variant in ("httpx-trio", "lean+codec"):
             await client.aclose()
         elif client is not None:
             await client.close()

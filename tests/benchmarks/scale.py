@@ -8,14 +8,15 @@ The mock server paces the reference workload at 20 ms per token and 500 ms to th
 token. For each N (1,000; quick: 200) the variants (default: greenroom, greenroom-gc-lean,
 sdk) run N tasks at once, alternately (the order rotates every repetition), ``--reps``
 times (3; quick: 1); figures are medians.
-Variants: ``greenroom`` (Host, one session per task, the defaults: the provider's
-transport as the registry makes it, lean unless ``GREENROOM_LEAN_HTTP=0``; the collector
-tuned, as ``Host.open()`` does in a process that kept CPython's thresholds),
+Variants: ``greenroom`` (Host, one session per task, the defaults: the provider as the
+registry makes it, greenroom's own HTTP client unless ``GREENROOM_LEAN_HTTP=0``; the
+collector tuned, as ``Host.open()`` does in a process that kept CPython's thresholds),
 ``greenroom-gc`` (``Host.open(gc_tuning=True)``), ``greenroom-nogc``
 (``gc_tuning=False``: the collector as CPython runs it), ``greenroom-lean``
 (``AnthropicProvider(lean_http=True)``), ``greenroom-gc-lean`` (both),
-``greenroom-sdk-http`` (the SDK's own HTTP stack, the default before the lean transport
-was), ``sdk`` (the anthropic SDK's documented streaming loop by hand). Reported per variant:
+``greenroom-sdk-http`` (``lean_http=False``: the anthropic SDK's client and HTTP stack,
+what ``--no-lean-http`` gives), ``sdk`` (the anthropic SDK's documented streaming loop by
+hand). Reported per variant:
 tasks completed, wall time and its ratio to the pacing ideal,
 client CPU, CPU per task and per wire event, socket reads and wire events per read (how
 many events the client finds at each read: about one when it keeps up, more when it
@@ -80,8 +81,8 @@ def _gc_tuning(variant: str) -> bool | None:
 
 
 def _transport(variant: str) -> bool | None:
-    """The anthropic provider's transport of ``variant``: lean, the SDK's own HTTP stack
-    (``-sdk-http``), else the defaults' (the registry's)."""
+    """The anthropic provider's path of ``variant``: lean, the SDK's (``-sdk-http``), else
+    the defaults' (the registry's)."""
     if "-lean" in variant:
         return True
     if "-sdk-http" in variant:

@@ -181,13 +181,14 @@ async def run_sdk(base_url: str, n: int) -> dict[str, Any]:
     import anthropic
     import httpx2
 
-    from greenroom.actors.providers.anthropic import DEFAULT_TIMEOUT
+    from tests.benchmarks.workloads import sdk_timeout
 
+    timeout = sdk_timeout()
     client = anthropic.AsyncAnthropic(
-        base_url=base_url, api_key="bench", max_retries=SDK_MAX_RETRIES, timeout=DEFAULT_TIMEOUT,
+        base_url=base_url, api_key="bench", max_retries=SDK_MAX_RETRIES, timeout=timeout,
         http_client=anthropic.DefaultAsyncHttpxClient(
             limits=httpx2.Limits(max_connections=2000, max_keepalive_connections=2000),
-            timeout=DEFAULT_TIMEOUT,
+            timeout=timeout,
         ),
     )
     failed: list[str] = []

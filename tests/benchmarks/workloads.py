@@ -180,24 +180,30 @@ async def sdk_task(client: Any, result: Run) -> None:
         result.errors.append(f"stop_reason {message.stop_reason}")
 
 
-def make_sdk_client(base_url: str, lean_http: bool = False) -> Any:
+def sdk_timeout() -> Any:
+    """greenroom's provider timeouts as the SDK takes them (an ``httpx2.Timeout``)."""
+    import httpx2
+
+    from greenroom.actors.providers.anthropic import DEFAULT_TIMEOUT as T
+
+    return httpx2.Timeout(connect=T.connect, read=T.read, write=T.write, pool=T.pool)
+
+
+def make_sdk_client(base_url: str) -> Any:
     import anthropic
     import httpx2  # the SDK's bundled HTTP client
 
-    from greenroom.actors.providers.anthropic import DEFAULT_TIMEOUT
-    from greenroom.actors.providers.lean_http import LeanTransport
-
     # Same limits and timeouts as greenroom's provider (the SDK's default connect timeout of
     # 5 s fails when 1,000 tasks share one core).
+    timeout = sdk_timeout()
     return anthropic.AsyncAnthropic(
         base_url=base_url,
         api_key="bench",
         max_retries=0,
-        timeout=DEFAULT_TIMEOUT,
+        timeout=timeout,
         http_client=anthropic.DefaultAsyncHttpxClient(
             limits=httpx2.Limits(max_connections=POOL, max_keepalive_connections=POOL),
-            timeout=DEFAULT_TIMEOUT,
-            transport=LeanTransport(max_connections=POOL) if lean_http else None,
+            timeout=timeout,
         ),
     )
 

@@ -1,0 +1,250 @@
+"""The anthropic provider's library path: the official SDK's async client and its HTTP
+stack (httpx2 → httpcore2 → h11), parsed by greenroom's codec.
+
+Used when the lean path is turned off (``lean_http=False``, ``GREENROOM_LEAN_HTTP=0``,
+``--no-lean-http``) and when a proxy from the environment applies to the base URL (the
+SDK's client honours ``HTTPS_PROXY`` and its kin; the lean client does not). Importing this
+module imports the SDK, about a second on a busy machine: the lean path never does.
+
+The SDK builds, authenticates and routes the requests; the response body is read raw
+(``with_streaming_response``) and parsed by the sans-IO
+:class:`~greenroom.protocols.anthropic_codec.AnthropicStreamDecoder`. The SDK's own retries
+are off (``max_retries=0``): the runtime's schedule (R-RETRY-2) is the only one. Every
+library error is translated here, in :meth:`SDKTask.stream`, into a ``StreamFailed`` with
+the words the lean path uses for the same failure.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterable
+
+import anthropic
+import httpx2
+
+from greenroom.actors.providers.base import (
+    Deliver,
+    connect_failure,
+    cut_short,
+    transport_failure,
+)
+from greenroom.actors.providers.lean_http import TimeoutSettings
+from greenroom.actors.providers.media import TaskImages
+from greenroom.actors.providers.stalls import ProgressDeadline, stalled_message
+from greenroom.protocols.anthropic_codec import (
+    AnthropicStreamDecoder,
+    RequestEncoder,
+    classify_error,
+)
+from greenroom.protocols.context import ModelRequest
+from greenroom.protocols.stream import ModelError, StreamFailed
+
+POOL_SHARDS = 8
+SHARD_BUSY = 64
+"""httpcore's pool scans every connection it holds for each request it places, so one pool
+of 1,000 busy connections costs O(1,000) per request. The SDK path starts with one client
+and adds another (up to ``shards``, sharing one SSL context) only when every client has
+``SHARD_BUSY`` requests in flight; each request goes to the least busy client. A small
+host keeps one client; at N = 1,000 a request scans about 1/8 of the open connections."""
+
+
+class _Shard:
+    __slots__ = ("active", "client")
+
+    def __init__(self, client: anthropic.AsyncAnthropic) -> None:
+        self.client = client
+        self.active = 0
+
+
+class SDKClients:
+    """The SDK's clients of one provider (one to ``shards`` of them, see
+    :data:`SHARD_BUSY`), shared by every task."""
+
+    def __init__(
+        self,
+        *,
+        api_key: str | None,
+        auth_token: str | None,
+        base_url: str | None,
+        timeout: TimeoutSettings,
+        max_connections: int,
+        shards: int,
+    ) -> None:
+        self._key = api_key
+        self._token = auth_token
+        self._base_url = base_url
+        self._timeout = httpx2.Timeout(
+            connect=timeout.connect, read=timeout.read, write=timeout.write, pool=timeout.pool
+        )
+        self._max_shards = max(1, shards)
+        per_shard = max(1, -(-max_connections // self._max_shards))
+        self._limits = httpx2.Limits(max_connections=per_shard, max_keepalive_connections=per_shard)
+        self._ssl = httpx2.create_ssl_context()
+        self._shards: list[_Shard] = []
+        self._add_shard()
+
+    @property
+    def read_timeout(self) -> float | None:
+        """The read timeout in seconds (None: none)."""
+        return self._timeout.read
+
+    def _add_shard(self) -> _Shard:
+        client = anthropic.AsyncAnthropic(
+            api_key=self._key,
+            auth_token=self._token,
+            base_url=self._base_url,
+            max_retries=0,
+            timeout=self._timeout,
+            http_client=anthropic.DefaultAsyncHttpxClient(
+                limits=self._limits, timeout=self._timeout, verify=self._ssl
+            ),
+        )
+        shard = _Shard(client)
+        self._shards.append(shard)
+        return shard
+
+    def pick_shard(self) -> _Shard:
+        """The least busy client for the next request, a new one when every client has
+        ``SHARD_BUSY`` requests in flight and fewer than ``shards`` exist. The caller counts its
+        request in the shard's ``active`` while it runs."""
+        shards = self._shards
+        best = shards[0]
+        for shard in shards:
+            if shard.active < best.active:
+                best = shard
+        if best.active >= SHARD_BUSY and len(shards) < self._max_shards:
+            best = self._add_shard()
+        return best
+
+    def open_task(self, encoder: RequestEncoder, images: TaskImages) -> SDKTask:
+        """A task's adapter on these clients."""
+        return SDKTask(self, encoder, images)
+
+    async def aclose(self) -> None:
+        """Close every client and its connection pool."""
+        shards, self._shards = self._shards, []
+        for shard in shards:
+            await shard.client.close()
+
+
+class SDKTask:
+    """One task's requests through the SDK (see the module docstring)."""
+
+    __slots__ = ("_clients", "_encoder", "_images")
+
+    def __init__(self, clients: SDKClients, encoder: RequestEncoder, images: TaskImages) -> None:
+        self._clients = clients
+        self._encoder = encoder
+        self._images = images
+
+    async def stream(self, request: ModelRequest, deliver: Deliver) -> None:
+        """Send ``request`` and deliver its events, one batch per chunk the SDK hands on,
+        ending with exactly one terminal event; never raises but ``trio.Cancelled``."""
+        await self._images.prepare(request)
+        body = self._encoder.build(request)
+        native_format = body.pop("output_config", None)
+        if native_format is not None:
+            # Sent as it is: SDK releases older than structured outputs (>=0.40 is
+            # allowed) do not take the keyword.
+            body["extra_body"] = {"output_config": native_format}
+        decoder = AnthropicStreamDecoder()
+        clients = self._clients
+        timeout = clients.read_timeout
+        shard = clients.pick_shard()
+        shard.active += 1
+        try:
+            async with shard.client.messages.with_streaming_response.create(**body) as response:
+                if await _read_body(response.iter_bytes(), decoder, deliver, timeout):
+                    return
+            await deliver(decoder.end_of_stream())
+        except anthropic.APIStatusError as exc:
+            await deliver([StreamFailed(error=_status_error(exc))])
+        except anthropic.APITimeoutError as exc:
+            await deliver([_failed(_timed_out(exc, timeout))])
+        except anthropic.APIConnectionError as exc:
+            if _is_connect_error(exc):
+                url = str(exc.request.url) if exc.request is not None else "the server"
+                await deliver([_failed(connect_failure(url, exc))])
+            else:
+                await deliver([_failed(transport_failure(_cause_of(exc)))])
+        except httpx2.TimeoutException as exc:
+            await deliver([_failed(_timed_out(exc, timeout))])
+        except httpx2.TransportError as exc:
+            await deliver([_failed(transport_failure(exc))])
+        finally:
+            shard.active -= 1
+
+
+async def _read_body(
+    chunks: AsyncIterable[bytes], decoder: AnthropicStreamDecoder, deliver: Deliver,
+    read_timeout: float | None,
+) -> bool:
+    """Feed the body to ``decoder`` and deliver what each piece completes. True when the
+    stream has ended (its terminal event, a cut or a stall delivered as such); False when
+    the body ended first. Keep-alives alone end it after the read timeout (R-SEC-10)."""
+    keepalives = False
+    with ProgressDeadline(read_timeout) as deadline:
+        try:
+            async for chunk in chunks:
+                events = decoder.feed(chunk)
+                if events:
+                    deadline.progress()
+                    keepalives = False
+                    await deliver(events)
+                    if decoder.finished:
+                        return True
+                else:
+                    keepalives = True
+        except httpx2.TimeoutException:
+            await deliver([_failed(stalled_message(deadline.timeout, keepalives=False))])
+            return True
+        except httpx2.TransportError as exc:
+            # The body had begun: a stream cut short, judged by what arrived.
+            await deliver(cut_short(decoder.end_of_stream(), exc))
+            return True
+        return False
+    await deliver([_failed(stalled_message(deadline.timeout, keepalives=keepalives))])
+    return True
+
+
+def _status_error(exc: anthropic.APIStatusError) -> ModelError:
+    response = exc.response
+    try:
+        body: bytes | str = response.content
+    except Exception:  # a streamed body that was never read
+        body = str(exc.body) if exc.body is not None else exc.message
+    # The wall clock: an HTTP-date ``retry-after`` is an absolute time.
+    return classify_error(exc.status_code, body, dict(response.headers), now=time.time())
+
+
+def _failed(message: str) -> StreamFailed:
+    return StreamFailed(error=ModelError(kind="timeout", message=message))
+
+
+def _is_connect_error(exc: BaseException) -> bool:
+    """Whether the connection was never opened (as opposed to dropped mid-request)."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, httpx2.ConnectError):
+            return True
+        cause = cause.__cause__
+    return False
+
+
+def _cause_of(exc: BaseException) -> BaseException:
+    """The transport error an SDK connection error wraps, else the error itself."""
+    cause = exc.__cause__ or exc.__context__
+    return cause if isinstance(cause, httpx2.TransportError) else exc
+
+
+def _timed_out(exc: BaseException, timeout: float | None) -> str:
+    """A timeout before the response's body, in words: which phase ran out of time."""
+    from greenroom.actors.providers.anthropic import timeout_words
+
+    seen: BaseException | None = exc
+    while seen is not None and not isinstance(seen, httpx2.TimeoutException):
+        seen = seen.__cause__ or seen.__context__
+    return timeout_words(seen, timeout)
+
+
+__all__ = ["POOL_SHARDS", "SHARD_BUSY", "SDKClients", "SDKTask"]

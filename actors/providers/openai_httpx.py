@@ -1,0 +1,150 @@
+"""The OpenAI providers' library path: httpx's client (httpx → httpcore → h11), parsed by
+greenroom's codecs.
+
+Used when the lean path is turned off (``lean_http=False``, ``GREENROOM_LEAN_HTTP=0``,
+``--no-lean-http``) and when a proxy from the environment applies to the base URL (httpx
+honours ``HTTPS_PROXY`` and its kin; greenroom's own client does not). Library errors are
+translated to ``StreamFailed`` in one place, :meth:`HTTPStreamTask.stream`, in the words
+the lean path uses for the same failure.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterable, Callable
+
+import httpx
+
+from greenroom.actors.providers.base import (
+    Deliver,
+    connect_failure,
+    cut_short,
+    transport_failure,
+)
+from greenroom.actors.providers.lean_http import TimeoutSettings
+from greenroom.actors.providers.lean_wire import ErrorClassifier, RequestBuilder, StreamDecoder
+from greenroom.actors.providers.media import TaskImages
+from greenroom.actors.providers.stalls import (
+    ProgressDeadline,
+    no_response_message,
+    stalled_message,
+)
+from greenroom.protocols.context import ModelRequest
+from greenroom.protocols.stream import ModelError, StreamFailed
+
+
+def make_client(
+    headers: dict[str, str], timeout: TimeoutSettings, max_connections: int
+) -> httpx.AsyncClient:
+    """One httpx client (and connection pool) for a provider."""
+    return httpx.AsyncClient(
+        headers=headers,
+        timeout=httpx.Timeout(
+            connect=timeout.connect, read=timeout.read, write=timeout.write, pool=timeout.pool
+        ),
+        limits=httpx.Limits(
+            max_connections=max_connections, max_keepalive_connections=max_connections
+        ),
+    )
+
+
+class HTTPStreamTask:
+    """Streams one attempt over httpx through a sans-IO codec; every library error becomes
+    a ``StreamFailed`` here."""
+
+    __slots__ = (
+        "_classify", "_client", "_decoder", "_encoder", "_images", "_read_timeout", "_url"
+    )
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        url: str,
+        encoder: RequestBuilder,
+        decoder: Callable[[], StreamDecoder],
+        classify: ErrorClassifier,
+        images: TaskImages | None = None,
+    ) -> None:
+        self._client = client
+        self._url = url
+        self._encoder = encoder
+        self._decoder = decoder
+        self._classify = classify
+        self._images = images
+        self._read_timeout: float | None = client.timeout.read
+
+    async def stream(self, request: ModelRequest, deliver: Deliver) -> None:
+        """POST the encoded ``request`` and deliver the decoded events, one batch per read.
+        An HTTP error status is classified by the codec, a connection failure or timeout
+        becomes a ``StreamFailed``, a body that sends only keep-alives for longer than the
+        read timeout fails as ``timeout`` (R-SEC-10), and a body cut short ends as
+        :func:`cut_short` judges what arrived: no httpx error escapes. The request's images
+        are read first, off the event loop, when the encoder has a :class:`TaskImages`
+        loader."""
+        if self._images is not None:
+            await self._images.prepare(request)
+        body = self._encoder.build(request)
+        decoder = self._decoder()
+        timeout = self._read_timeout
+        try:
+            async with self._client.stream("POST", self._url, json=body) as response:
+                if response.status_code >= 400:
+                    content = await response.aread()
+                    error = self._classify(
+                        response.status_code, content, response.headers, now=time.time()
+                    )
+                    await deliver([StreamFailed(error=error)])
+                    return
+                if await _read_body(response.aiter_bytes(), decoder, deliver, timeout):
+                    return
+            await deliver(decoder.end_of_stream())
+        except httpx.ConnectTimeout:
+            await deliver([_failed(f"timed out connecting to the server ({self._url})")])
+        except httpx.ReadTimeout:
+            await deliver([_failed(no_response_message(timeout))])
+        except httpx.TimeoutException as exc:
+            await deliver([_failed(transport_failure(exc))])
+        except httpx.ConnectError as exc:
+            await deliver([_failed(connect_failure(self._url, exc))])
+        except httpx.TransportError as exc:
+            await deliver([_failed(transport_failure(exc))])
+
+
+async def _read_body(
+    chunks: AsyncIterable[bytes], decoder: StreamDecoder, deliver: Deliver,
+    read_timeout: float | None,
+) -> bool:
+    """Feed the body to ``decoder`` and deliver what each read completes. True when the
+    stream has ended (its terminal event, a cut or a stall delivered as such); False when
+    the body ended first. Reads that decode to nothing (keep-alives) do not keep the
+    stream alive past the read timeout (R-SEC-10)."""
+    keepalives = False
+    with ProgressDeadline(read_timeout) as deadline:
+        try:
+            async for chunk in chunks:
+                events = decoder.feed(chunk)
+                if events:
+                    deadline.progress()
+                    keepalives = False
+                    await deliver(events)
+                    if decoder.finished:
+                        return True
+                else:
+                    keepalives = True
+        except httpx.TimeoutException:
+            await deliver([_failed(stalled_message(deadline.timeout, keepalives=False))])
+            return True
+        except httpx.TransportError as exc:
+            # The body had begun: a stream cut short, judged by what arrived.
+            await deliver(cut_short(decoder.end_of_stream(), exc))
+            return True
+        return False
+    await deliver([_failed(stalled_message(deadline.timeout, keepalives=keepalives))])
+    return True
+
+
+def _failed(message: str) -> StreamFailed:
+    return StreamFailed(error=ModelError(kind="timeout", message=message))
+
+
+__all__ = ["HTTPStreamTask", "make_client"]
