@@ -263,22 +263,31 @@ def env_for(tmp_path: Path) -> dict[str, str]:
 
 
 @contextlib.asynccontextmanager
-async def greenroom_acp(tmp_path: Path, *flags: str) -> AsyncIterator[Agent]:
-    tools = tmp_path / "acp_test_tools.py"
-    tools.write_text(TOOLS, encoding="utf-8")
+async def spawned_agent(tmp_path: Path, editor: Any, *argv: str) -> AsyncIterator[Agent]:
+    """The agent process ``argv`` (run in ``tmp_path``, its home there), driven by
+    ``editor``; killed at exit if it is still running."""
     process = await asyncio.create_subprocess_exec(
-        *CLI, "acp", "--provider", "scripted", "--data-dir", str(tmp_path / "data"),
-        "--tools", str(tools), *flags,
-        cwd=tmp_path, env=env_for(tmp_path), stdin=asyncio.subprocess.PIPE,
+        *argv, cwd=tmp_path, env=env_for(tmp_path), stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
-    agent = Agent(process, Editor())
+    agent = Agent(process, editor)
     try:
         yield agent
     finally:
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+@contextlib.asynccontextmanager
+async def greenroom_acp(tmp_path: Path, *flags: str) -> AsyncIterator[Agent]:
+    tools = tmp_path / "acp_test_tools.py"
+    tools.write_text(TOOLS, encoding="utf-8")
+    async with spawned_agent(
+        tmp_path, Editor(), *CLI, "acp", "--provider", "scripted",
+        "--data-dir", str(tmp_path / "data"), "--tools", str(tools), *flags,
+    ) as agent:  # fmt: skip
+        yield agent
 
 
 async def start(agent: Agent, workspace: Path) -> str:

@@ -36,7 +36,15 @@ from acp.schema import (
     WriteTextFileResponse,
 )
 
-from tests.test_acp import PROMPT_CANCEL_S, ROOT, Agent, Editor, env_for, run, text
+from tests.test_acp import (
+    PROMPT_CANCEL_S,
+    ROOT,
+    Agent,
+    Editor,
+    run,
+    spawned_agent,
+    text,
+)
 
 AGENT = ROOT / "tests" / "support" / "acp_editor_agent.py"
 
@@ -192,18 +200,11 @@ class FilesEditor(Editor):
 async def editor_agent(
     tmp_path: Path, sandbox: str = "auto", approve: str = "all"
 ) -> AsyncIterator[Agent]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, str(AGENT), str(tmp_path / "data"), sandbox, approve,
-        cwd=tmp_path, env=env_for(tmp_path), stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    agent = Agent(process, FilesEditor())
-    try:
+    async with spawned_agent(
+        tmp_path, FilesEditor(), sys.executable, str(AGENT), str(tmp_path / "data"), sandbox,
+        approve,
+    ) as agent:  # fmt: skip
         yield agent
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
 
 
 def files_of(agent: Agent) -> FilesEditor:

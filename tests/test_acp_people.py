@@ -22,7 +22,7 @@ from typing import Any
 
 from acp.schema import ClientCapabilities, Implementation, PermissionOption, ToolCallUpdate
 
-from tests.test_acp import ROOT, Agent, Editor, env_for, run, text
+from tests.test_acp import ROOT, Agent, Editor, run, spawned_agent, text
 
 AGENT = ROOT / "tests" / "support" / "acp_people_agent.py"
 EDITOR = Implementation(name="test-editor", version="1.0")
@@ -57,18 +57,11 @@ class PeopleEditor(Editor):
 
 @contextlib.asynccontextmanager
 async def people_agent(tmp_path: Path, scenario: str) -> AsyncIterator[Agent]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, str(AGENT), scenario, str(tmp_path / "data"), str(tmp_path / "marks"),
-        cwd=tmp_path, env=env_for(tmp_path), stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    agent = Agent(process, PeopleEditor())
-    try:
+    async with spawned_agent(
+        tmp_path, PeopleEditor(), sys.executable, str(AGENT), scenario,
+        str(tmp_path / "data"), str(tmp_path / "marks"),
+    ) as agent:  # fmt: skip
         yield agent
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
 
 
 def editor_of(agent: Agent) -> PeopleEditor:

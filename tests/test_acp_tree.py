@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from acp import RequestError
 
-from tests.test_acp import ROOT, Agent, Editor, env_for, run, text
+from tests.test_acp import ROOT, Agent, Editor, run, spawned_agent, text
 
 AGENT = ROOT / "tests" / "support" / "acp_tree_agent.py"
 
@@ -31,18 +31,10 @@ AGENT = ROOT / "tests" / "support" / "acp_tree_agent.py"
 async def tree_agent(tmp_path: Path) -> AsyncIterator[Agent]:
     fifo = tmp_path / "hold"
     os.mkfifo(fifo)
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, str(AGENT), str(tmp_path / "data"), str(fifo),
-        cwd=tmp_path, env=env_for(tmp_path), stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    agent = Agent(process, Editor())
-    try:
+    async with spawned_agent(
+        tmp_path, Editor(), sys.executable, str(AGENT), str(tmp_path / "data"), str(fifo)
+    ) as agent:
         yield agent
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
 
 
 def meta(update: Any) -> dict[str, Any]:
