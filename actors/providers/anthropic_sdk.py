@@ -17,7 +17,6 @@ the words the lean path uses for the same failure.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterable
 
 import anthropic
 import httpx2
@@ -25,12 +24,11 @@ import httpx2
 from greenroom.actors.providers.base import (
     Deliver,
     connect_failure,
-    cut_short,
     transport_failure,
 )
 from greenroom.actors.providers.lean_http import TimeoutSettings
 from greenroom.actors.providers.media import TaskImages
-from greenroom.actors.providers.stalls import ProgressDeadline, stalled_message
+from greenroom.actors.providers.stalls import read_library_body
 from greenroom.protocols.anthropic_codec import (
     AnthropicStreamDecoder,
     RequestEncoder,
@@ -154,7 +152,10 @@ class SDKTask:
         shard.active += 1
         try:
             async with shard.client.messages.with_streaming_response.create(**body) as response:
-                if await _read_body(response.iter_bytes(), decoder, deliver, timeout):
+                if await read_library_body(
+                    response.iter_bytes(), decoder, deliver, timeout,
+                    timeout_error=httpx2.TimeoutException, transport_error=httpx2.TransportError,
+                ):
                     return
             await deliver(decoder.end_of_stream())
         except anthropic.APIStatusError as exc:
@@ -173,38 +174,6 @@ class SDKTask:
             await deliver([_failed(transport_failure(exc))])
         finally:
             shard.active -= 1
-
-
-async def _read_body(
-    chunks: AsyncIterable[bytes], decoder: AnthropicStreamDecoder, deliver: Deliver,
-    read_timeout: float | None,
-) -> bool:
-    """Feed the body to ``decoder`` and deliver what each piece completes. True when the
-    stream has ended (its terminal event, a cut or a stall delivered as such); False when
-    the body ended first. Keep-alives alone end it after the read timeout (R-SEC-10)."""
-    keepalives = False
-    with ProgressDeadline(read_timeout) as deadline:
-        try:
-            async for chunk in chunks:
-                events = decoder.feed(chunk)
-                if events:
-                    deadline.progress()
-                    keepalives = False
-                    await deliver(events)
-                    if decoder.finished:
-                        return True
-                else:
-                    keepalives = True
-        except httpx2.TimeoutException:
-            await deliver([_failed(stalled_message(deadline.timeout, keepalives=False))])
-            return True
-        except httpx2.TransportError as exc:
-            # The body had begun: a stream cut short, judged by what arrived.
-            await deliver(cut_short(decoder.end_of_stream(), exc))
-            return True
-        return False
-    await deliver([_failed(stalled_message(deadline.timeout, keepalives=keepalives))])
-    return True
 
 
 def _status_error(exc: anthropic.APIStatusError) -> ModelError:

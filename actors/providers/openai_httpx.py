@@ -11,23 +11,21 @@ the lean path uses for the same failure.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterable, Callable
+from collections.abc import Callable
 
 import httpx
 
 from greenroom.actors.providers.base import (
     Deliver,
     connect_failure,
-    cut_short,
     transport_failure,
 )
 from greenroom.actors.providers.lean_http import TimeoutSettings
 from greenroom.actors.providers.lean_wire import ErrorClassifier, RequestBuilder, StreamDecoder
 from greenroom.actors.providers.media import TaskImages
 from greenroom.actors.providers.stalls import (
-    ProgressDeadline,
     no_response_message,
-    stalled_message,
+    read_library_body,
 )
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.stream import ModelError, StreamFailed
@@ -95,7 +93,10 @@ class HTTPStreamTask:
                     )
                     await deliver([StreamFailed(error=error)])
                     return
-                if await _read_body(response.aiter_bytes(), decoder, deliver, timeout):
+                if await read_library_body(
+                    response.aiter_bytes(), decoder, deliver, timeout,
+                    timeout_error=httpx.TimeoutException, transport_error=httpx.TransportError,
+                ):
                     return
             await deliver(decoder.end_of_stream())
         except httpx.ConnectTimeout:
@@ -108,39 +109,6 @@ class HTTPStreamTask:
             await deliver([_failed(connect_failure(self._url, exc))])
         except httpx.TransportError as exc:
             await deliver([_failed(transport_failure(exc))])
-
-
-async def _read_body(
-    chunks: AsyncIterable[bytes], decoder: StreamDecoder, deliver: Deliver,
-    read_timeout: float | None,
-) -> bool:
-    """Feed the body to ``decoder`` and deliver what each read completes. True when the
-    stream has ended (its terminal event, a cut or a stall delivered as such); False when
-    the body ended first. Reads that decode to nothing (keep-alives) do not keep the
-    stream alive past the read timeout (R-SEC-10)."""
-    keepalives = False
-    with ProgressDeadline(read_timeout) as deadline:
-        try:
-            async for chunk in chunks:
-                events = decoder.feed(chunk)
-                if events:
-                    deadline.progress()
-                    keepalives = False
-                    await deliver(events)
-                    if decoder.finished:
-                        return True
-                else:
-                    keepalives = True
-        except httpx.TimeoutException:
-            await deliver([_failed(stalled_message(deadline.timeout, keepalives=False))])
-            return True
-        except httpx.TransportError as exc:
-            # The body had begun: a stream cut short, judged by what arrived.
-            await deliver(cut_short(decoder.end_of_stream(), exc))
-            return True
-        return False
-    await deliver([_failed(stalled_message(deadline.timeout, keepalives=keepalives))])
-    return True
 
 
 def _failed(message: str) -> StreamFailed:

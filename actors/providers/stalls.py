@@ -19,12 +19,15 @@ so progress on the hot path costs a clock read at most.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import AsyncIterable, Callable
 from types import TracebackType
+from typing import Protocol
 
 import trio
 
+from greenroom.actors.providers.base import Deliver, cut_short
 from greenroom.actors.providers.lean_http import DEADLINE_SLACK
+from greenroom.protocols.stream import ModelError, StreamEvent, StreamFailed
 
 
 def stalled_message(timeout: float, *, keepalives: bool) -> str:
@@ -95,4 +98,68 @@ class ProgressDeadline:
             self._at = self._scope.deadline = now + self._window
 
 
-__all__ = ["ProgressDeadline", "no_response_message", "stalled_message"]
+__all__ = [
+    "BodyDecoder",
+    "ProgressDeadline",
+    "no_response_message",
+    "read_library_body",
+    "stalled_message",
+]
+
+
+class BodyDecoder(Protocol):
+    """A codec's stream decoder, as :func:`read_library_body` feeds it."""
+
+    @property
+    def finished(self) -> bool:
+        """True once the terminal event has been returned."""
+
+    def feed(self, data: bytes) -> list[StreamEvent]:
+        """The events completed by the next bytes of the body."""
+
+    def end_of_stream(self) -> list[StreamEvent]:
+        """What the end of the body means for what it holds."""
+
+
+async def read_library_body(
+    chunks: AsyncIterable[bytes],
+    decoder: BodyDecoder,
+    deliver: Deliver,
+    read_timeout: float | None,
+    *,
+    timeout_error: type[Exception],
+    transport_error: type[Exception],
+) -> bool:
+    """Feed a body an HTTP library streams (the SDK's httpx2, httpx: the library paths;
+    ``timeout_error`` and ``transport_error`` are its exceptions) to ``decoder`` and
+    deliver what each piece completes. True when the stream has ended (its terminal
+    event, a cut or a stall delivered as such); False when the body ended first. Pieces
+    that decode to nothing (keep-alives) do not keep the stream alive past the read
+    timeout (R-SEC-10)."""
+    keepalives = False
+    with ProgressDeadline(read_timeout) as deadline:
+        try:
+            async for chunk in chunks:
+                events = decoder.feed(chunk)
+                if events:
+                    deadline.progress()
+                    keepalives = False
+                    await deliver(events)
+                    if decoder.finished:
+                        return True
+                else:
+                    keepalives = True
+        except timeout_error:
+            await deliver([_stalled(stalled_message(deadline.timeout, keepalives=False))])
+            return True
+        except transport_error as exc:
+            # The body had begun: a stream cut short, judged by what arrived.
+            await deliver(cut_short(decoder.end_of_stream(), exc))
+            return True
+        return False
+    await deliver([_stalled(stalled_message(deadline.timeout, keepalives=keepalives))])
+    return True
+
+
+def _stalled(message: str) -> StreamFailed:
+    return StreamFailed(error=ModelError(kind="timeout", message=message))
