@@ -97,6 +97,19 @@ def test_leading_bom_is_stripped_even_when_split() -> None:
     assert events == [ev("x")]
 
 
+def test_leading_bom_is_stripped_before_whole_events_in_the_first_chunk() -> None:
+    """A whole body in one chunk (the first): the BOM goes, every event is decoded."""
+    events, truncated = decode(b"\xef\xbb\xbfevent: a\ndata: x\n\ndata: y\n\nevent: b\ndata: z\n\n")
+    assert events == [ev("x", "a"), ev("y"), ev("z", "b")]
+    assert not truncated
+
+
+def test_a_bom_after_the_start_is_not_stripped() -> None:
+    """Only the stream's first bytes may be a BOM: later, it is part of a field name."""
+    events, _ = decode(b"data: a\n\n", b"\xef\xbb\xbfdata: b\n\ndata: c\n\n")
+    assert events == [ev("a"), ev("c")]
+
+
 def test_invalid_utf8_is_replaced() -> None:
     events, _ = decode(b"data: a\xffb\n\n")
     assert events == [ev("a\ufffdb")]
