@@ -70,6 +70,7 @@ from greenroom.protocols.stream import (
     ToolArgumentsDelta,
     ToolCallTruncated,
     UsageReported,
+    text_delta,
 )
 from greenroom.protocols.structured import (
     FINAL_ANSWER,
@@ -807,7 +808,7 @@ class AnthropicStreamDecoder:
         blk.parts.append(value)
         kind = blk.kind
         if kind == "text":
-            out.append(TextDelta(index=idx, text=value))
+            out.append(text_delta(idx, value))
         elif kind == "tool_call":
             out.append(ToolArgumentsDelta(index=idx, call_id=blk.call_id, name=blk.name,
                                           delta=value))

@@ -159,6 +159,29 @@ class PartialText(Envelope):
     text: str
 
 
+_new = object.__new__
+_set_session_id = Envelope.__dict__["session_id"].__set__
+_set_run_id = Envelope.__dict__["run_id"].__set__
+_set_seq = Envelope.__dict__["seq"].__set__
+_set_origin = Envelope.__dict__["origin"].__set__
+_set_index = PartialText.__dict__["index"].__set__
+_set_text = PartialText.__dict__["text"].__set__
+
+
+def partial_text(session_id: str, run_id: str, index: int, text: str) -> PartialText:
+    """``PartialText(session_id=..., run_id=..., index=..., text=...)`` for the hot path,
+    one per streamed token: the same object, made without attrs' ``__init__``, which sets
+    each field of a frozen class through ``object.__setattr__`` (twice the cost)."""
+    out = _new(PartialText)
+    _set_session_id(out, session_id)
+    _set_run_id(out, run_id)
+    _set_seq(out, None)
+    _set_origin(out, None)
+    _set_index(out, index)
+    _set_text(out, text)
+    return out
+
+
 @_documented
 @attrs.frozen(kw_only=True, slots=True)
 class PartialThinking(Envelope):

@@ -97,6 +97,19 @@ class TextDelta:
     text: str
 
 
+_set_delta_index = TextDelta.__dict__["index"].__set__
+_set_delta_text = TextDelta.__dict__["text"].__set__
+
+
+def text_delta(index: int, text: str) -> TextDelta:
+    """``TextDelta(index=..., text=...)`` for a decoder's hot path, one per streamed
+    token: the same object, made without attrs' ``__init__`` (see ``partial_text``)."""
+    out = object.__new__(TextDelta)
+    _set_delta_index(out, index)
+    _set_delta_text(out, text)
+    return out
+
+
 @attrs.frozen(kw_only=True, slots=True)
 class ThinkingDelta:
     """More thinking text of block ``index``."""

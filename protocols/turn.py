@@ -55,7 +55,6 @@ from greenroom.protocols.outputs import (
     DecidedBy,
     ModelMsg,
     Output,
-    PartialText,
     PartialThinking,
     PartialToolCall,
     RequestBegin,
@@ -65,6 +64,7 @@ from greenroom.protocols.outputs import (
     ToolCallOutput,
     ToolProgress,
     ToolStatus,
+    partial_text,
 )
 from greenroom.protocols.stream import (
     BlockCompleted,
@@ -290,8 +290,7 @@ class TurnMachine:
             if kind is TextDelta:
                 assert isinstance(event, TextDelta)
                 open_blocks[event.index][1].append(event.text)
-                out.append(PartialText(session_id=sid, run_id=rid, index=event.index,
-                                       text=event.text))
+                out.append(partial_text(sid, rid, event.index, event.text))
             elif kind is ToolArgumentsDelta:
                 assert isinstance(event, ToolArgumentsDelta)
                 open_blocks[event.index][1].append(event.delta)

@@ -75,3 +75,22 @@ def test_json_is_byte_for_byte_what_it_was(cls: type[Any]) -> None:
         assert value == cls(**{k: getattr(value, k) for k in ENVELOPE}, **EXAMPLES[cls])
         # Usage has said what it cost since R-SHARE-3: null for a line written before.
         assert to_json(value) == line.replace('"total":122}', '"total":122,"cost_usd":null}')
+
+
+def test_the_hot_path_constructors_make_the_same_objects() -> None:
+    """R-PERF-1's per-token constructors (``partial_text``, ``text_delta``) bypass attrs'
+    ``__init__``: they must set every field of their class (a field added later would be
+    missing), give an equal, hashable, frozen object, and encode to the same JSON."""
+    from greenroom.protocols.stream import TextDelta, text_delta
+
+    fast = outputs.partial_text("s", "r", 2, "tok")
+    slow = outputs.PartialText(session_id="s", run_id="r", index=2, text="tok")
+    assert [f.name for f in attrs.fields(outputs.PartialText)] == [*ENVELOPE, "index", "text"]
+    assert fast == slow and hash(fast) == hash(slow) and repr(fast) == repr(slow)
+    assert to_json(fast) == to_json(slow)
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        fast.text = "other"  # type: ignore[misc]
+    delta = text_delta(1, "x")
+    assert [f.name for f in attrs.fields(TextDelta)] == ["index", "text"]
+    assert delta == TextDelta(index=1, text="x")
+    assert hash(delta) == hash(TextDelta(index=1, text="x"))

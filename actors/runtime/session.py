@@ -219,7 +219,7 @@ class RunStream:
             self._index = 0
         output = self._batch[self._index]
         self._index += 1
-        if output.origin is None:
+        if output.__class__ is not PartialText and output.origin is None:
             self._note(output)
         return output
 
