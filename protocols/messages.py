@@ -173,16 +173,6 @@ class HookAnswered:
 
 
 @attrs.frozen(kw_only=True, slots=True)
-class Replan:
-    """Nothing to handle: the supervisor looks at its next step again. Its stream door
-    sends it after handling a batch in the streamer's task that may have changed the
-    task (see ``actors/runtime/stream_door.py``), with ``error`` when that handling
-    raised: the supervisor raises it in its own task."""
-
-    error: Exception | None = attrs.field(default=None, eq=False)
-
-
-@attrs.frozen(kw_only=True, slots=True)
 class WorkDone:
     """A piece of the supervisor's own work that it ran in a task of its own, so as to
     keep serving its inbox meanwhile (a trace sync, the reading of a prompt's images),
@@ -256,7 +246,6 @@ SupervisorMessage = (
     | SubagentFinished
     | HookAnswered
     | WorkDone
-    | Replan
     | TraceFailed
     | SessionControl
 )

@@ -20,7 +20,7 @@ attempt that follows no failure shows as a later first token.
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol, assert_never
+from typing import Any, assert_never
 
 import trio
 
@@ -33,21 +33,15 @@ from greenroom.protocols.messages import (
     StartAttempt,
     StreamBatch,
     StreamerCommand,
+    SupervisorMessage,
 )
 from greenroom.protocols.stream import MessageCompleted, ModelError, StreamEvent, StreamFailed
 
-__all__ = ["Backoff", "BatchSink", "LLMStreamer", "ModelProvider", "ProviderTask"]
+__all__ = ["Backoff", "LLMStreamer", "ModelProvider", "ProviderTask"]
 
 logger = logging.getLogger(__name__)
 
 _ENDINGS = frozenset({MessageCompleted, StreamFailed})
-
-
-class BatchSink(Protocol):
-    """Where a streamer's batches go: the supervisor's inbox or its stream door."""
-
-    def send_nowait(self, message: StreamBatch, /) -> None:
-        """Take ``message`` without waiting."""
 
 
 class Backoff:
@@ -110,7 +104,7 @@ class LLMStreamer:
     def __init__(
         self,
         provider: ProviderTask,
-        inbox: BatchSink,
+        inbox: trio.MemorySendChannel[SupervisorMessage],
         requester: Requester | None = None,
     ) -> None:
         self._provider = provider

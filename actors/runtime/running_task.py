@@ -29,7 +29,7 @@ import trio
 from greenroom.actors.runtime.approval_broker import ApprovalBroker
 from greenroom.actors.runtime.compactor import CompactionRun
 from greenroom.actors.runtime.emitter import OutputEmitter
-from greenroom.actors.runtime.llm_streamer import BatchSink, LLMStreamer
+from greenroom.actors.runtime.llm_streamer import LLMStreamer
 from greenroom.actors.runtime.port import Parked, SessionPort, TaskInput
 from greenroom.actors.runtime.resumption import take_up
 from greenroom.actors.runtime.subagents import RunChild, Subagents
@@ -73,7 +73,6 @@ class TaskWork:
 
     __slots__ = (
         "_approvals",
-        "_batches",
         "_done",
         "_inbox",
         "_pool",
@@ -95,12 +94,10 @@ class TaskWork:
         task: TaskInput | None,
         inbox: trio.MemorySendChannel[SupervisorMessage],
         run_child: RunChild,
-        batches: BatchSink | None = None,
     ) -> None:
         self._port = port
         self._task = task
         self._inbox = inbox
-        self._batches = batches or inbox
         self._run_child = run_child
         self._done = trio.Event()
         self.scope = trio.CancelScope()
@@ -152,7 +149,7 @@ class TaskWork:
                     )
                     await nursery.start(pool.run, self._pool)
                     streamer = LLMStreamer(
-                        port.provider.open_task(), self._batches, port.requester()
+                        port.provider.open_task(), self._inbox, port.requester()
                     )
                     await nursery.start(streamer.run, self._streamer)
                     self.nursery = nursery
@@ -241,11 +238,9 @@ class RunningTask:
         nursery: trio.Nursery,
         inbox: trio.MemorySendChannel[SupervisorMessage],
         run_child: RunChild,
-        batches: BatchSink | None = None,
     ) -> None:
-        """Start the task's actors in ``nursery`` (the supervisor's); the streamer sends
-        its batches to ``batches`` (the supervisor's stream door), else to ``inbox``."""
-        work = TaskWork(self._port, self.task, inbox, run_child, batches)
+        """Start the task's actors in ``nursery`` (the supervisor's)."""
+        work = TaskWork(self._port, self.task, inbox, run_child)
         await nursery.start(work.run)
         self.work = work
         self.turns = TurnRunner(

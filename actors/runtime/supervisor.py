@@ -53,7 +53,6 @@ from greenroom.actors.runtime.errors import ImageRefused
 from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput
 from greenroom.actors.runtime.resumption import parked_or_lost
 from greenroom.actors.runtime.running_task import RunningTask, build_request
-from greenroom.actors.runtime.stream_door import StreamDoor
 from greenroom.actors.runtime.tree import background_count, end_subtree, tell
 from greenroom.protocols.content import UserContent
 from greenroom.protocols.messages import (
@@ -66,7 +65,6 @@ from greenroom.protocols.messages import (
     PersonAnswered,
     QuestionAnswered,
     QuestionAsked,
-    Replan,
     SteeringQueued,
     StreamBatch,
     SubagentFinished,
@@ -134,7 +132,6 @@ class SessionSupervisor:
         self.inbox, self._inbox = trio.open_memory_channel[SupervisorMessage](math.inf)
         """The send side of the one inbox: the session handle's way in."""
         self._out = OutputEmitter(port, output, self._trace_failed)
-        self._door = StreamDoor(self.inbox, self._inbox, self._handle, self._out.flush, port)
         self._nursery: trio.Nursery | None = None
         self._task: RunningTask | None = None
         self._asked_token = 0
@@ -218,15 +215,10 @@ class SessionSupervisor:
                 if self._drain():
                     return False  # what was waiting may have changed the next step
                 self._out.flush()
-                if may_park(self._port, self._task):
+                if self._may_park():
                     await self._park()
                     return True
-                self._door.waiting = True
-                try:
-                    message = await self._inbox.receive()
-                finally:
-                    self._door.waiting = False
-                self._handle(message)
+                self._handle(await self._inbox.receive())
                 self._drain()
                 self._out.flush()
             case StartTask(task=input_, kind=kind):
@@ -318,9 +310,6 @@ class SessionSupervisor:
             case HookAnswered():
                 answer = message.answer
                 machine.hook_answered(answer if isinstance(answer, str) else None)
-            case Replan():
-                if message.error is not None:
-                    raise message.error
             case WorkDone():
                 self._done_token = max(self._done_token, message.token)
             case TraceFailed():
@@ -379,7 +368,7 @@ class SessionSupervisor:
 
     async def _open(self, task: RunningTask) -> None:
         assert self._nursery is not None
-        await task.open(self._nursery, self.inbox, run_child, self._door)
+        await task.open(self._nursery, self.inbox, run_child)
 
     async def _begin_turn(self, turn: int, steering: tuple[UserContent, ...]) -> None:
         attached = await self._attached(steering)
@@ -477,6 +466,24 @@ class SessionSupervisor:
 
     # -- people: parking and resuming (R-HITL) ----------------------------------------------
 
+    def _may_park(self) -> bool:
+        """A task that waits only for people (and has nothing else in flight or in its
+        inbox) holds nothing while it waits (R-HITL-3): a root's, or a background
+        subagent's (its spawning call has returned; a foreground one's runs in that call)."""
+        machine, port = self._machine, self._port
+        if machine.waiting_for != "people" or (
+            port.parent_id is not None and port.report_as is None
+        ):
+            return False
+        task = self._task
+        return (
+            not machine.stopping
+            and task is not None
+            and task.task is not None
+            and task.task.approve == PEOPLE  # a broker that asks clients itself waits
+            and task.compaction is None
+        )
+
     async def _park(self) -> None:
         task, self._task = self._running(), None
         self._port.parked_task = await task.park(self._output, self._cancel_event)
@@ -549,22 +556,6 @@ class SessionSupervisor:
     def _trace_failed(self, message: str) -> None:
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             self.inbox.send_nowait(TraceFailed(message=message))
-
-
-def may_park(port: SessionPort, task: RunningTask | None) -> bool:
-    """Whether ``task`` waits only for people (and has nothing else in flight or in its
-    inbox), so that it holds nothing while it waits (R-HITL-3): a root's, or a background
-    subagent's (its spawning call has returned; a foreground one's runs in that call)."""
-    machine = port.machine
-    if machine.waiting_for != "people" or (port.parent_id is not None and port.report_as is None):
-        return False
-    return (
-        not machine.stopping
-        and task is not None
-        and task.task is not None
-        and task.task.approve == PEOPLE  # a broker that asks clients itself waits
-        and task.compaction is None
-    )
 
 
 async def _attach_prompt(
