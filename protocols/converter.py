@@ -10,7 +10,6 @@ unknown; a record written before costs were computed reads back with None). Inva
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any, TypeVar, get_args
 
@@ -20,6 +19,7 @@ from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, overrid
 
 from greenroom.protocols import content, context, outputs
 from greenroom.protocols.stream import TokenUsage
+from greenroom.protocols.text import compact_json
 
 T = TypeVar("T")
 
@@ -161,7 +161,7 @@ def to_dict(obj: Any) -> Any:
 
 def to_json(obj: Any) -> str:
     """One compact JSON line (no newline) for any protocol value."""
-    return json.dumps(converter.unstructure(obj), ensure_ascii=False, separators=(",", ":"))
+    return compact_json(converter.unstructure(obj))
 
 
 def output_from_dict(data: Any) -> outputs.Output:

@@ -43,7 +43,7 @@ from greenroom.protocols.content import ImageBlock, TextBlock, UserContent
 from greenroom.protocols.errors import OutputSchemaError
 from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.structured import OutputSpec, output_spec
-from greenroom.protocols.text import repair_json, repair_text
+from greenroom.protocols.text import compact_json, repair_json, repair_text
 from greenroom.protocols.tools import value_too_deep
 
 JSONRPC_VERSION = "2.0"
@@ -302,7 +302,7 @@ def notification_frame(method: str, params: Any) -> dict[str, Any]:
 def encode(frame: Mapping[str, Any] | list[Any]) -> str:
     """One compact JSON text frame, always encodable as UTF-8: a lone surrogate anywhere in
     it (a session file, a tool's output) becomes U+FFFD instead of failing the send."""
-    return repair_text(json.dumps(frame, ensure_ascii=False, separators=(",", ":")))
+    return repair_text(compact_json(frame))
 
 
 # -- the methods -----------------------------------------------------------------------------

@@ -35,6 +35,7 @@ import attrs
 from greenroom.protocols import converter
 from greenroom.protocols.outputs import Output, TokenUsageOutput
 from greenroom.protocols.stream import TokenUsage
+from greenroom.protocols.text import compact_json
 
 TRACE_FILE_PATTERN = re.compile(r"trace_(\d{3,})\.jsonl")
 """Names of trace files: ``trace_`` + a number of at least three digits + ``.jsonl``."""
@@ -178,7 +179,7 @@ def _moved(line: bytes, old: bytes, new: bytes, session_id: str) -> bytes:
         return line
     if isinstance(value, dict):
         value["session_id"] = session_id
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+    return compact_json(value).encode()
 
 
 @attrs.frozen(kw_only=True, slots=True)
