@@ -54,8 +54,9 @@ prints ``PORT <n>`` as its first stdout line (flushed), serves until SIGTERM/SIG
 prints ``STATS requests=.. violations=.. errors=.. connections=.. rate_limited=..
 peak_streams=..`` on stderr. ``--max-streams K --limit-retry-after S`` make it a provider
 that takes K requests at once and answers 429 beyond; ``--tool-rounds N`` gives the
-reference workload N rounds of tool calls before its final answer. Violations are logged to
-stderr as they happen (nothing is recorded in this mode).
+reference workload N rounds of tool calls before its final answer; ``--title-tokens K``
+answers a request that offers no tools (a session title) with K text deltas. Violations
+are logged to stderr as they happen (nothing is recorded in this mode).
 """
 
 from __future__ import annotations
@@ -1014,7 +1015,12 @@ class Workload:
     Both wire
     formats. Event bytes are rendered once; per request only the message/tool ids (and, on
     OpenAI, the completion id prefix of each chunk) are filled in. Tool ids are unique per
-    request. Non-streaming requests get the equivalent JSON body."""
+    request. Non-streaming requests get the equivalent JSON body.
+
+    ``title_tokens`` (default None: off): a streamed Anthropic request that offers no tools
+    (a session title, which ``greenroom serve`` asks for after a session's first task) gets
+    that many text deltas and ``end_turn`` instead, as a model names a conversation in a
+    few words."""
 
     def __init__(
         self,
@@ -1024,8 +1030,10 @@ class Workload:
         tool_name: str = "lookup",
         model: str = "mock-model",
         rounds: int = 1,
+        title_tokens: int | None = None,
     ) -> None:
         self.rounds = rounds
+        self.title_tokens = title_tokens
         self.text_tokens = text_tokens
         self.tool_calls = tool_calls
         self.fragments = fragments
@@ -1083,6 +1091,10 @@ class Workload:
             return self._reply(n, final)
         if request.wire == "openai":
             return Streamed(self._openai(n, final))
+        if self.title_tokens is not None and not (
+            isinstance(request.body, dict) and request.body.get("tools")
+        ):
+            return Streamed(self._title(n, max(1, len(request.raw_body) // 4)))
         done = min(request.tool_rounds(), len(self._a_rounds) - 1) if self.rounds > 1 else 0
         return Streamed(self._anthropic(n, final, max(1, len(request.raw_body) // 4), done))
 
@@ -1110,6 +1122,12 @@ class Workload:
             events += rest
         events += self._a_end_tool
         return events
+
+    def _title(self, n: int, input_tokens: int) -> list[SSEEvent]:
+        tokens = [f"Title{i} " for i in range(self.title_tokens or 1)]
+        reply = Reply([Text("".join(tokens), chunks=tokens)], model=self.model)
+        return render_anthropic(reply, message_id=f"msg_mock{n:08d}",
+                                default_input_tokens=input_tokens)
 
     def _openai(self, n: int, final: bool) -> list[SSEEvent]:
         cid = f"chatcmpl-mock{n:08d}".encode()
@@ -1800,13 +1818,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--require-api-key", default=None)
     parser.add_argument("--no-invariants", action="store_true")
     parser.add_argument("--tool-rounds", type=int, default=1)
+    parser.add_argument("--title-tokens", type=int, default=None)
     parser.add_argument("--max-streams", type=int, default=None)
     parser.add_argument("--limit-retry-after", type=float, default=1.0)
     args = parser.parse_args(argv)
     fallback: Handler | None = None
     if args.workload == "reference":
         fallback = Workload(args.text_tokens, args.tool_calls, args.fragments,
-                            rounds=args.tool_rounds)
+                            rounds=args.tool_rounds, title_tokens=args.title_tokens)
     server = MockModelServer(
         fallback=fallback,
         host=args.host,
