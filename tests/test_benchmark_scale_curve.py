@@ -28,7 +28,7 @@ async def test_four_sessions_on_one_worker_all_complete_and_every_figure_is_comp
     with trio.fail_after(BOUND_S):
         row = await measure(4, 1, token_ms=0, first_ms=0, work=tmp_path)
     assert row["failures"] == [] and row["failed"] == 0
-    assert row["completed"] == 4
+    assert row["completed"] == 4 and row["leases_lost"] == 0
     assert row["events_per_task"] == wire_events_per_task() == 420 + 10
     assert 0 < row["wall_s"] < BOUND_S
     assert row["ratio"] == pytest.approx(row["wall_s"] / row["ideal_s"])

@@ -42,7 +42,10 @@ driver, and the machine's busy time from ``/proc/stat`` (what else ran is the di
 CPU per task and per wire event (the 420 SSE events of a task plus its title's). A task
 counts as completed when its ``task_end`` says ``completed`` and its final answer was
 recorded; the failures (a refused ``run``, another status, no ``task_end`` within the
-bound) are counted and the first few reasons printed. Figures are medians over
+bound) are counted and the first few reasons printed, and so are the session leases the
+workers lost (a worker too busy to renew a lease within the TTL gives the session up:
+``--lease-ttl`` passes serve's option). Each serve's log is kept in
+``bench-results/scale_curve-N<n>-w<w>-r<rep>.log``. Figures are medians over
 repetitions; worker counts alternate within each N.
 
 Cores: nothing is pinned. The machine's cores serve everything at once: the workers, the
@@ -202,11 +205,12 @@ class Serve:
     def __init__(self, process: trio.Process, data_dir: Path, log_path: Path | None) -> None:
         self.process = process
         self.data_dir = data_dir
-        self.log_file = None if log_path is None else log_path.open("w")
+        self.log_file = None if log_path is None else log_path.open("w", buffering=1)
         self.log: list[str] = []
         self.url = ""
         self.nats_url = ""
         self.worker_pids: dict[str, int] = {}
+        self.leases_lost = 0
         self.ready = trio.Event()
 
     async def read(self) -> None:
@@ -225,6 +229,8 @@ class Serve:
         self.log.append(line)
         if len(self.log) > 2000:
             del self.log[:1000]
+        if " lost the lease of session " in line:
+            self.leases_lost += 1
         if line.startswith("listening on "):
             self.url = line.removeprefix("listening on ").strip()
         marker = "greenroom serve: worker "
@@ -256,6 +262,7 @@ class Serve:
 async def start_serve(
     nursery: trio.Nursery, workers: int, model_url: str, work: Path, n: int,
     log_path: Path | None = None,
+    lease_ttl_s: float | None = None,
 ) -> Serve:
     """Start ``greenroom serve --workers`` and wait until it serves."""
     workspace = work / "ws"
@@ -285,6 +292,7 @@ async def start_serve(
             "--approve", "all",
             "--max-sessions-per-principal", room,
             "--max-connections-per-principal", str(max(64, connections_for(n) + 8)),
+            *([] if lease_ttl_s is None else ["--lease-ttl", f"{lease_ttl_s:g}"]),
         ],
         env=env,
         cwd=str(ROOT),
@@ -353,7 +361,9 @@ class TaskEnds:
             buffered = await self._parse(buffered)
             data = await self.stream.receive_some(1 << 20)
             if not data:
-                return
+                # A slow consumer is cut off by the server: every later task_end would be
+                # missed, and the tasks counted as failed for it.
+                raise RuntimeError("nats-server closed the driver's trace subscription")
             buffered += data
 
     async def _parse(self, buffered: bytes) -> bytes:
@@ -469,6 +479,7 @@ async def measure(
     title_tokens: int = TITLE_TOKENS,
     work: Path | None = None,
     log_path: Path | None = None,
+    lease_ttl_s: float | None = None,
 ) -> dict[str, Any]:
     """One point of the curve: N sessions on a fresh ``serve --workers W``; its figures.
     ``log_path``: where serve's log goes (its supervisor's and every worker's lines)."""
@@ -487,12 +498,15 @@ async def measure(
     try:
         with MockServer(*mock_args, pin=False) as mock:
             async with trio.open_nursery() as nursery:
-                serve = await start_serve(nursery, workers, mock.base_url, work, n, log_path)
+                serve = await start_serve(
+                    nursery, workers, mock.base_url, work, n, log_path, lease_ttl_s
+                )
                 try:
                     row = await _drive(serve, mock, n, per_connection, ideal, failures)
                 finally:
                     await stop_serve(serve)
                     nursery.cancel_scope.cancel()
+                row["leases_lost"] = serve.leases_lost
     finally:
         if own:
             import shutil
@@ -698,7 +712,7 @@ COLUMNS = (
     "N", "workers", "reps", "completed", "failed", "token_ms", "ideal_s", "wall_s", "ratio",
     "ratios", "task_p50_s", "task_p99_s", "workers_cpu_s", "cpu_ms_per_task", "us_per_event",
     "nats_cpu_s", "supervisor_cpu_s", "mock_cpu_s", "driver_cpu_s", "others_cpu_s",
-    "machine_busy_cores",
+    "machine_busy_cores", "leases_lost",
 )
 
 
@@ -706,10 +720,10 @@ def summarise(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Medians of the repetitions of one point (``completed``: the worst)."""
     row: dict[str, Any] = {"reps": len(samples)}
     for key, value in samples[0].items():
-        if key in ("completed", "failed"):
-            row[key] = min(s[key] for s in samples) if key == "completed" else max(
-                s[key] for s in samples
-            )
+        if key == "completed":
+            row[key] = min(s[key] for s in samples)
+        elif key in ("failed", "leases_lost"):
+            row[key] = max(s[key] for s in samples)
         elif isinstance(value, float) and key not in ("ideal_s", "token_ms"):
             row[key] = median(s[key] for s in samples)
         elif key == "failures":
@@ -738,7 +752,11 @@ async def main_async(args: Any) -> dict[str, Any]:
                 RESULTS_DIR.mkdir(exist_ok=True)
                 log_path = RESULTS_DIR / f"scale_curve-N{n}-w{workers}-r{rep + 1}.log"
                 s = await measure(
-                    n, workers, per_connection=args.per_connection, log_path=log_path
+                    n,
+                    workers,
+                    per_connection=args.per_connection,
+                    log_path=log_path,
+                    lease_ttl_s=args.lease_ttl,
                 )
                 samples[workers].append(s)
                 print(
@@ -748,7 +766,7 @@ async def main_async(args: Any) -> dict[str, Any]:
                     f"{s['us_per_event']:.1f} us/event), nats {s['nats_cpu_s']:.1f}s, "
                     f"mock {s['mock_cpu_s']:.1f}s, driver {s['driver_cpu_s']:.1f}s, "
                     f"others {s['others_cpu_s']:.1f}s, machine busy "
-                    f"{s['machine_busy_cores']:.2f} cores",
+                    f"{s['machine_busy_cores']:.2f} cores, {s['leases_lost']} leases lost",
                     flush=True,
                 )
                 for failure in s["failures"]:
@@ -776,6 +794,7 @@ async def main_async(args: Any) -> dict[str, Any]:
         "first_ms": FIRST_MS,
         "title_tokens": TITLE_TOKENS,
         "pinning": "none: workers, nats-server, mock server and driver share every core",
+        "lease_ttl_s": args.lease_ttl,
         "rows": rows,
         "headline": result,
     }
@@ -790,6 +809,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=0, help="repetitions (default 1)")
     parser.add_argument("--bound", type=float, default=BOUND,
                         help="the wall/ideal at which capacity is compared (default 1.3)")
+    parser.add_argument("--lease-ttl", type=float, default=None,
+                        help="serve's --lease-ttl (default: serve's own, 5 s)")
     parser.add_argument("--per-connection", type=int, default=PER_CONNECTION,
                         help="sessions per websocket connection (default 100)")
     args = parser.parse_args()
