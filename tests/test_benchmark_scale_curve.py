@@ -33,6 +33,7 @@ async def test_four_sessions_on_one_worker_all_complete_and_every_figure_is_comp
     assert 0 < row["wall_s"] < BOUND_S
     assert row["ratio"] == pytest.approx(row["wall_s"] / row["ideal_s"])
     assert row["workers_cpu_s"] > 0  # the worker process was found and measured
+    assert float(row["per_worker_cpu_s"]) == pytest.approx(row["workers_cpu_s"], abs=0.05)
     assert row["cpu_ms_per_task"] == pytest.approx(1000 * row["workers_cpu_s"] / 4)
     assert row["us_per_event"] == pytest.approx(1e6 * row["workers_cpu_s"] / (4 * 430))
     assert row["nats_messages"] >= 4  # at least every task_end went through NATS

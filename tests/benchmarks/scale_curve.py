@@ -44,9 +44,11 @@ counts as completed when its ``task_end`` says ``completed`` and its final answe
 recorded; the failures (a refused ``run``, another status, no ``task_end`` within the
 bound) are counted and the first few reasons printed, and so are the session leases the
 workers lost (a worker too busy to renew a lease within the TTL gives the session up:
-``--lease-ttl`` passes serve's option). Each serve's log is kept in
-``bench-results/scale_curve-N<n>-w<w>-r<rep>.log``. Figures are medians over
-repetitions; worker counts alternate within each N.
+``--lease-ttl`` passes serve's option), the ``run`` calls refused (a 503 when the
+worker that owns the session did not answer the forwarded call in time) and how many of
+those tasks ran all the same (a client that tried again would have been told busy).
+Each serve's log is kept in ``bench-results/scale_curve-N<n>-w<w>-r<rep>.log``. Figures
+are medians over repetitions; worker counts alternate within each N.
 
 Cores: nothing is pinned. The machine's cores serve everything at once: the workers, the
 nats-server, the mock model server and the driver (on a 2-core machine the mock alone takes
@@ -252,11 +254,14 @@ class Serve:
         under = descendants(pid)
         nats = [p for p in under if _comm(p) == "nats-server"]
         workers = [p for p in under if p not in nats]
-        return {
+        found = {
             "workers": sum(cpu_seconds(p) for p in workers),
             "nats": sum(cpu_seconds(p) for p in nats),
             "supervisor": cpu_seconds(pid),
         }
+        for name, worker in self.worker_pids.items():
+            found[name] = cpu_seconds(worker) + sum(cpu_seconds(p) for p in descendants(worker))
+        return found
 
 
 async def start_serve(
@@ -562,6 +567,7 @@ async def _drive(
         mock0 = mock.cpu_s()
         driver0 = time.process_time()
         started: dict[str, float] = {}
+        refused: dict[str, str] = {}
         began = time.perf_counter()
 
         async def run_all(client: Client, ids: list[str]) -> None:
@@ -569,9 +575,8 @@ async def _drive(
                 started[sid] = time.perf_counter()
                 answer = await client.call("run", {"session_id": sid, "input": PROMPT})
                 if "result" not in answer:
-                    failures.append(f"run {sid}: {answer.get('error')}")
-                    ends.ended.setdefault(sid, time.perf_counter())
-                    ends.status.setdefault(sid, "run refused")
+                    refused[sid] = str(answer.get("error"))
+                    ends.changed.set()
 
             async with trio.open_nursery() as runs:
                 for sid in ids:
@@ -583,10 +588,11 @@ async def _drive(
             async with trio.open_nursery() as running:
                 for client, ids in zip(clients, sessions, strict=True):
                     running.start_soon(run_all, client, ids)
-            while any(sid not in ends.ended for sid in all_ids):
+            # A refused run is not waited for (its task may still come: then it counts).
+            while any(sid not in ends.ended and sid not in refused for sid in all_ids):
                 await ends.changed.wait()
         finished = max(ends.ended.values(), default=time.perf_counter())
-        if any(sid not in ends.ended for sid in all_ids):
+        if any(sid not in ends.ended and sid not in refused for sid in all_ids):
             finished = time.perf_counter()
         cpu1 = serve.cpu()
         mock1 = mock.cpu_s()
@@ -602,18 +608,22 @@ async def _drive(
         if status == "completed" and sid in ends.answered:
             completed += 1
             latencies.append(ends.ended[sid] - started[sid])
+        elif sid in refused:
+            failures.append(f"run {sid} refused: {refused[sid]}")
         elif status is None:
             failures.append(f"{sid}: no task_end within {bound:.0f} s")
         elif status == "completed":
             failures.append(f"{sid}: completed without the final answer recorded")
-        elif status != "run refused":
+        else:
             failures.append(f"{sid}: {status}: {ends.reason.get(sid)}")
     missing = n - len(all_ids)
     if missing:
         failures.insert(0, f"{missing} sessions not created")
     wall = finished - began
     ours = (
-        sum(cpu1[k] - cpu0[k] for k in cpu0) + (mock1 - mock0) + (driver1 - driver0)
+        sum(cpu1[k] - cpu0[k] for k in ("workers", "nats", "supervisor"))
+        + (mock1 - mock0)
+        + (driver1 - driver0)
     )
     return {
         "completed": completed,
@@ -621,6 +631,10 @@ async def _drive(
         "task_p50_s": percentile(latencies, 50),
         "task_p99_s": percentile(latencies, 99),
         "workers_cpu_s": cpu1["workers"] - cpu0["workers"],
+        "per_worker_cpu_s": "/".join(
+            f"{cpu1[k] - cpu0.get(k, 0.0):.1f}" for k in sorted(cpu1) if k.startswith("w")
+            and k != "workers"
+        ),
         "nats_cpu_s": cpu1["nats"] - cpu0["nats"],
         "supervisor_cpu_s": cpu1["supervisor"] - cpu0["supervisor"],
         "mock_cpu_s": mock1 - mock0,
@@ -629,6 +643,8 @@ async def _drive(
         "others_cpu_s": (busy1 - busy0) - ours,
         "machine_cores": (total1 - total0) / wall if wall > 0 else float("nan"),
         "connections": count,
+        "runs_refused": len(refused),
+        "refused_yet_ran": sum(1 for sid in refused if sid in ends.ended),
         "nats_messages": ends.messages,
     }
 
@@ -710,9 +726,10 @@ def _print_headline(result: dict[str, Any]) -> None:
 
 COLUMNS = (
     "N", "workers", "reps", "completed", "failed", "token_ms", "ideal_s", "wall_s", "ratio",
-    "ratios", "task_p50_s", "task_p99_s", "workers_cpu_s", "cpu_ms_per_task", "us_per_event",
+    "ratios", "task_p50_s", "task_p99_s", "workers_cpu_s", "per_worker_cpu_s",
+    "cpu_ms_per_task", "us_per_event",
     "nats_cpu_s", "supervisor_cpu_s", "mock_cpu_s", "driver_cpu_s", "others_cpu_s",
-    "machine_busy_cores", "leases_lost",
+    "machine_busy_cores", "leases_lost", "runs_refused", "refused_yet_ran",
 )
 
 
@@ -722,7 +739,7 @@ def summarise(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for key, value in samples[0].items():
         if key == "completed":
             row[key] = min(s[key] for s in samples)
-        elif key in ("failed", "leases_lost"):
+        elif key in ("failed", "leases_lost", "runs_refused", "refused_yet_ran"):
             row[key] = max(s[key] for s in samples)
         elif isinstance(value, float) and key not in ("ideal_s", "token_ms"):
             row[key] = median(s[key] for s in samples)
@@ -762,7 +779,8 @@ async def main_async(args: Any) -> dict[str, Any]:
                 print(
                     f"    {s['completed']}/{n} completed, wall {s['wall_s']:.2f}s "
                     f"(x{s['ratio']:.2f} of {s['ideal_s']:.2f}s), workers cpu "
-                    f"{s['workers_cpu_s']:.1f}s ({s['cpu_ms_per_task']:.1f} ms/task, "
+                    f"{s['workers_cpu_s']:.1f}s [{s['per_worker_cpu_s']}] "
+                    f"({s['cpu_ms_per_task']:.1f} ms/task, "
                     f"{s['us_per_event']:.1f} us/event), nats {s['nats_cpu_s']:.1f}s, "
                     f"mock {s['mock_cpu_s']:.1f}s, driver {s['driver_cpu_s']:.1f}s, "
                     f"others {s['others_cpu_s']:.1f}s, machine busy "
