@@ -91,10 +91,12 @@ def pin_client() -> None:
 
 class MockServer:
     """``python -m tests.support.mock_model_server`` in a subprocess; use as a context
-    manager. ``args`` are its command-line options (``--token-delay-ms`` ...)."""
+    manager. ``args`` are its command-line options (``--token-delay-ms`` ...); ``pin=False``
+    leaves it unpinned (the kernel places it)."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, pin: bool = True) -> None:
         self.args = [str(a) for a in args]
+        self.pin = pin
         self.proc: subprocess.Popen[str] | None = None
         self.port = 0
         self.stats = ""
@@ -113,7 +115,7 @@ class MockServer:
             "--no-invariants",
             *self.args,
         ]
-        if shutil.which("taskset") and (os.cpu_count() or 1) >= 2:
+        if self.pin and shutil.which("taskset") and (os.cpu_count() or 1) >= 2:
             probe = subprocess.run(["taskset", "-c", str(SERVER_CPU), "true"], capture_output=True)
             if probe.returncode == 0:
                 cmd = ["taskset", "-c", str(SERVER_CPU), *cmd]
@@ -130,11 +132,8 @@ class MockServer:
             self.proc.kill()
             raise RuntimeError(f"mock server did not start: {line!r} {err}")
         self.port = int(match.group(1))
-        print(
-            f"mock server {' '.join(self.args)} on port {self.port}, "
-            f"pinned to cpu {PINNED['server']}",
-            flush=True,
-        )
+        where = f"pinned to cpu {PINNED['server']}" if self.pin else "not pinned"
+        print(f"mock server {' '.join(self.args)} on port {self.port}, {where}", flush=True)
         return self
 
     def cpu_s(self) -> float:

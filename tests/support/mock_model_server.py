@@ -54,8 +54,9 @@ prints ``PORT <n>`` as its first stdout line (flushed), serves until SIGTERM/SIG
 prints ``STATS requests=.. violations=.. errors=.. connections=.. rate_limited=..
 peak_streams=..`` on stderr. ``--max-streams K --limit-retry-after S`` make it a provider
 that takes K requests at once and answers 429 beyond; ``--tool-rounds N`` gives the
-reference workload N rounds of tool calls before its final answer. Violations are logged to
-stderr as they happen (nothing is recorded in this mode).
+reference workload N rounds of tool calls before its final answer; ``--title-tokens K``
+answers a request that offers no tools (a session title) with K text deltas. Violations
+are logged to stderr as they happen (nothing is recorded in this mode).
 """
 
 from __future__ import annotations
@@ -1014,7 +1015,12 @@ class Workload:
     Both wire
     formats. Event bytes are rendered once; per request only the message/tool ids (and, on
     OpenAI, the completion id prefix of each chunk) are filled in. Tool ids are unique per
-    request. Non-streaming requests get the equivalent JSON body."""
+    request. Non-streaming requests get the equivalent JSON body.
+
+    ``title_tokens`` (default None: off): a streamed Anthropic request that offers no tools
+    (a session title, which ``greenroom serve`` asks for after a session's first task) gets
+    that many text deltas and ``end_turn`` instead, as a model names a conversation in a
+    few words."""
 
     def __init__(
         self,
@@ -1024,8 +1030,10 @@ class Workload:
         tool_name: str = "lookup",
         model: str = "mock-model",
         rounds: int = 1,
+        title_tokens: int | None = None,
     ) -> None:
         self.rounds = rounds
+        self.title_tokens = title_tokens
         self.text_tokens = text_tokens
         self.tool_calls = tool_calls
         self.fragments = fragments
@@ -1083,6 +1091,10 @@ class Workload:
             return self._reply(n, final)
         if request.wire == "openai":
             return Streamed(self._openai(n, final))
+        if self.title_tokens is not None and not (
+            isinstance(request.body, dict) and request.body.get("tools")
+        ):
+            return Streamed(self._title(n, max(1, len(request.raw_body) // 4)))
         done = min(request.tool_rounds(), len(self._a_rounds) - 1) if self.rounds > 1 else 0
         return Streamed(self._anthropic(n, final, max(1, len(request.raw_body) // 4), done))
 
@@ -1110,6 +1122,12 @@ class Workload:
             events += rest
         events += self._a_end_tool
         return events
+
+    def _title(self, n: int, input_tokens: int) -> list[SSEEvent]:
+        tokens = [f"Title{i} " for i in range(self.title_tokens or 1)]
+        reply = Reply([Text("".join(tokens), chunks=tokens)], model=self.model)
+        return render_anthropic(reply, message_id=f"msg_mock{n:08d}",
+                                default_input_tokens=input_tokens)
 
     def _openai(self, n: int, final: bool) -> list[SSEEvent]:
         cid = f"chatcmpl-mock{n:08d}".encode()
@@ -1154,16 +1172,40 @@ class _Plan:
     pause: tuple[int, trio.Event] | None = None
 
 
+@dataclass(slots=True, eq=False)
+class _PacedBody:
+    """The rest of a paced body that the pacer writes: ``events[next:]``, each due at its
+    ``deadlines`` entry; ``tail`` goes with the last write. ``pending``: bytes the socket
+    did not take (the stream's task sends them); ``error``: the socket failed."""
+
+    raw: Any
+    events: Sequence[SSEEvent]
+    deadlines: list[float]
+    next: int
+    frame: Callable[[bytes], list[bytes]]
+    tail: bytes
+    task: trio.lowlevel.Task | None = None
+    pending: bytes = b""
+    done: bool = False
+    error: trio.BrokenResourceError | None = None
+    cancelled: bool = False
+
+
 class _Pacer:
-    """Wakes paced streams on a shared tick grid with one timer.
+    """Wakes paced streams on a shared tick grid with one timer, and writes them.
 
     A trio sleep costs a cancel scope and a Cancelled exception per call; with 1000 paced
-    streams that is tens of thousands per second. Here a stream parks its task in the bucket
-    of its deadline (rounded up to the tick) and one pacer task reschedules whole buckets."""
+    streams that is tens of thousands per second, and a task switch per stream per token
+    more. Here a paced body waits in the bucket of its next deadline (rounded up to the
+    tick) and one pacer task writes every body that is due at each tick, with one
+    non-blocking send each, its stream's task asleep until the body is written (or the
+    socket is full: then that task sends the rest and the body waits again).
+    :meth:`sleep_until` parks a task in a bucket instead (the old way, for sockets the pacer
+    cannot write)."""
 
     def __init__(self, tick: float) -> None:
         self.tick = tick
-        self._buckets: dict[int, list[trio.lowlevel.Task]] = {}
+        self._buckets: dict[int, list[trio.lowlevel.Task | _PacedBody]] = {}
         self._keys: list[int] = []
         self._scope: trio.CancelScope | None = None
 
@@ -1176,10 +1218,42 @@ class _Pacer:
             self._scope = None
             due = math.floor(trio.current_time() / self.tick + 1e-6)
             while self._keys and self._keys[0] <= due:
-                for task in self._buckets.pop(heapq.heappop(self._keys), ()):
-                    trio.lowlevel.reschedule(task)
+                for item in self._buckets.pop(heapq.heappop(self._keys), ()):
+                    if isinstance(item, _PacedBody):
+                        self._write_due(item)
+                    else:
+                        trio.lowlevel.reschedule(item)
 
-    async def sleep_until(self, deadline: float) -> None:
+    def _write_due(self, body: _PacedBody) -> None:
+        """Write what of ``body`` is due now, as the stream's own loop would have at this
+        wake: the event it waited for and every later one already due, in one write."""
+        if body.cancelled:
+            return
+        now = trio.current_time()
+        events, deadlines = body.events, body.deadlines
+        first = body.next
+        end = first + 1
+        while end < len(events) and deadlines[end] <= now:
+            end += 1
+        body.next = end
+        body.done = end == len(events)
+        data = b"".join([*body.frame(b"".join(e.data for e in events[first:end])),
+                         body.tail if body.done else b""])
+        try:
+            sent = _try_send(body.raw, data)
+        except trio.BrokenResourceError as exc:
+            body.error = exc
+            sent = len(data)
+        if sent < len(data):
+            body.pending = data[sent:]
+        if body.done or body.pending or body.error is not None:
+            assert body.task is not None
+            task, body.task = body.task, None
+            trio.lowlevel.reschedule(task)
+        else:
+            self._add(deadlines[end], body)
+
+    def _add(self, deadline: float, item: trio.lowlevel.Task | _PacedBody) -> None:
         key = math.ceil(deadline / self.tick)
         bucket = self._buckets.get(key)
         if bucket is None:
@@ -1187,8 +1261,32 @@ class _Pacer:
             heapq.heappush(self._keys, key)
             if self._scope is not None and key * self.tick < self._scope.deadline:
                 self._scope.deadline = key * self.tick
+        bucket.append(item)
+
+    async def write(self, body: _PacedBody, stream: trio.SocketStream) -> None:
+        """Have ``body`` written at its deadlines; returns once it is all sent."""
+        while True:
+            body.task = trio.lowlevel.current_task()
+            self._add(body.deadlines[body.next], body)
+
+            def abort(_: Any) -> trio.lowlevel.Abort:
+                body.cancelled = True
+                return trio.lowlevel.Abort.SUCCEEDED
+
+            await trio.lowlevel.wait_task_rescheduled(abort)
+            if body.error is not None:
+                raise body.error
+            if body.pending:
+                data, body.pending = body.pending, b""
+                await stream.send_all(data)
+            if body.done:
+                return
+
+    async def sleep_until(self, deadline: float) -> None:
         task = trio.lowlevel.current_task()
-        bucket.append(task)
+        self._add(deadline, task)
+        key = math.ceil(deadline / self.tick)
+        bucket = self._buckets[key]
 
         def abort(_: Any) -> trio.lowlevel.Abort:
             bucket.remove(task)
@@ -1692,6 +1790,10 @@ class MockModelServer:
         clock = trio.current_time
         pacer = self._pacer
         raw = getattr(stream.socket, "_sock", None)  # trio's stdlib socket, for the fast path
+        if pacer is not None and raw is not None:
+            await self._write_through_pacer(pacer, stream, raw, head, events, frame, tail,
+                                            first_s, delay_s)
+            return
         start = now = clock()
         deadline = start
         seen_content = seen_delta = False
@@ -1719,6 +1821,49 @@ class MockModelServer:
                 now = clock()
             buf.append(ev.data)
         await stream.send_all(b"".join([prefix, *frame(b"".join(buf)), tail]))
+
+
+    async def _write_through_pacer(
+        self,
+        pacer: _Pacer,
+        stream: trio.SocketStream,
+        raw: Any,
+        head: bytes,
+        events: Sequence[SSEEvent],
+        frame: Callable[[bytes], list[bytes]],
+        tail: bytes,
+        first_s: float,
+        delay_s: float,
+    ) -> None:
+        """What the loop of :meth:`_write_events` sends, with the same deadlines and the
+        same batching of the events due at each wake, written by the pacer's own task: the
+        stream's task sleeps until its body is written (or the socket is full)."""
+        start = trio.current_time()
+        deadlines: list[float] = []
+        deadline = start
+        seen_content = seen_delta = False
+        for ev in events:
+            if ev.content and not seen_content:
+                seen_content = True
+                deadline = max(deadline, start + first_s)
+            if ev.delta:
+                if seen_delta:
+                    deadline += delay_s
+                seen_delta = True
+            deadlines.append(deadline)
+        first = 0
+        while first < len(events) and deadlines[first] <= start:
+            first += 1
+        due = b"".join(e.data for e in events[:first])
+        if first == len(events):
+            await stream.send_all(b"".join([head, *frame(due), tail]))
+            return
+        data = b"".join([head, *frame(due)])
+        if data:
+            sent = _try_send(raw, data)
+            if sent < len(data):
+                await stream.send_all(data[sent:])
+        await pacer.write(_PacedBody(raw, events, deadlines, first, frame, tail), stream)
 
 
 def _keepalive_bytes(wire: Wire, style: KeepAliveStyle) -> bytes:
@@ -1800,13 +1945,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--require-api-key", default=None)
     parser.add_argument("--no-invariants", action="store_true")
     parser.add_argument("--tool-rounds", type=int, default=1)
+    parser.add_argument("--title-tokens", type=int, default=None)
     parser.add_argument("--max-streams", type=int, default=None)
     parser.add_argument("--limit-retry-after", type=float, default=1.0)
     args = parser.parse_args(argv)
     fallback: Handler | None = None
     if args.workload == "reference":
         fallback = Workload(args.text_tokens, args.tool_calls, args.fragments,
-                            rounds=args.tool_rounds)
+                            rounds=args.tool_rounds, title_tokens=args.title_tokens)
     server = MockModelServer(
         fallback=fallback,
         host=args.host,
