@@ -1795,18 +1795,9 @@ class MockModelServer:
                                             first_s, delay_s)
             return
         start = now = clock()
-        deadline = start
-        seen_content = seen_delta = False
         prefix = head
         buf: list[bytes] = []
-        for ev in events:
-            if ev.content and not seen_content:
-                seen_content = True
-                deadline = max(deadline, start + first_s)
-            if ev.delta:
-                if seen_delta:
-                    deadline += delay_s
-                seen_delta = True
+        for ev, deadline in zip(events, _deadlines(events, start, first_s, delay_s), strict=True):
             if deadline > now:
                 if buf or prefix:
                     data = b"".join([prefix, *frame(b"".join(buf))])
@@ -1839,18 +1830,7 @@ class MockModelServer:
         same batching of the events due at each wake, written by the pacer's own task: the
         stream's task sleeps until its body is written (or the socket is full)."""
         start = trio.current_time()
-        deadlines: list[float] = []
-        deadline = start
-        seen_content = seen_delta = False
-        for ev in events:
-            if ev.content and not seen_content:
-                seen_content = True
-                deadline = max(deadline, start + first_s)
-            if ev.delta:
-                if seen_delta:
-                    deadline += delay_s
-                seen_delta = True
-            deadlines.append(deadline)
+        deadlines = _deadlines(events, start, first_s, delay_s)
         first = 0
         while first < len(events) and deadlines[first] <= start:
             first += 1
@@ -1864,6 +1844,27 @@ class MockModelServer:
             if sent < len(data):
                 await stream.send_all(data[sent:])
         await pacer.write(_PacedBody(raw, events, deadlines, first, frame, tail), stream)
+
+
+def _deadlines(
+    events: Sequence[SSEEvent], start: float, first_s: float, delay_s: float
+) -> list[float]:
+    """When each event of a paced body is due: the first content event ``first_s`` after
+    ``start``, each delta after the first ``delay_s`` after the one before, every other
+    event with the event before it."""
+    deadlines: list[float] = []
+    deadline = start
+    seen_content = seen_delta = False
+    for ev in events:
+        if ev.content and not seen_content:
+            seen_content = True
+            deadline = max(deadline, start + first_s)
+        if ev.delta:
+            if seen_delta:
+                deadline += delay_s
+            seen_delta = True
+        deadlines.append(deadline)
+    return deadlines
 
 
 def _keepalive_bytes(wire: Wire, style: KeepAliveStyle) -> bytes:
