@@ -19,6 +19,7 @@ from trio_websocket import open_websocket_url
 
 from tests.support.cluster_hosts import TOOLS
 from tests.support.mock_model_server import open_mock_server
+from tests.support.process_lines import lines_of
 from tests.test_gateway import Client
 from tests.test_serve_drain import Gate, _model
 
@@ -43,20 +44,15 @@ class Supervisor:
 
     async def read(self) -> None:
         assert self.process.stderr is not None
-        buffered = b""
-        async for chunk in self.process.stderr:
-            buffered += chunk
-            *lines, buffered = buffered.split(b"\n")
-            for raw in lines:
-                line = raw.decode(errors="replace")
-                self.log.append(line)
-                started = _STARTED.search(line)
-                if started:
-                    self.pids[started.group(1)] = int(started.group(2))
-                if line.startswith("listening on "):
-                    self.url = line.removeprefix("listening on ").strip()
-                self._news.set()
-                self._news = trio.Event()
+        async for line in lines_of(self.process.stderr):
+            self.log.append(line)
+            started = _STARTED.search(line)
+            if started:
+                self.pids[started.group(1)] = int(started.group(2))
+            if line.startswith("listening on "):
+                self.url = line.removeprefix("listening on ").strip()
+            self._news.set()
+            self._news = trio.Event()
         self._news.set()
 
     def logged(self, text: str) -> int:

@@ -99,6 +99,7 @@ from tests.benchmarks.common import (
 )
 from tests.benchmarks.scale import FIRST_MS as REFERENCE_FIRST_MS
 from tests.benchmarks.scale import ideal_s
+from tests.support.process_lines import lines_of
 
 TOKEN_MS = 20.0
 TOKEN_MS_LARGE = 10.0
@@ -220,12 +221,8 @@ class Serve:
 
     async def read(self) -> None:
         assert self.process.stderr is not None
-        buffered = b""
-        async for chunk in self.process.stderr:
-            buffered += chunk
-            *lines, buffered = buffered.split(b"\n")
-            for raw in lines:
-                self._line(raw.decode(errors="replace"))
+        async for line in lines_of(self.process.stderr):
+            self._line(line)
         self.ready.set()
 
     def _line(self, line: str) -> None:
