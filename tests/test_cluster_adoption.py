@@ -24,8 +24,8 @@ import trio
 from conftest import RUN_TIMEOUT_S, allow_all
 
 from greenroom.actors.cluster.connection import Connection
-from greenroom.actors.cluster.leases import LeaseTable
 from greenroom.actors.cluster.node import ClusterConfig, ClusterNode, open_cluster_host
+from greenroom.actors.cluster.ownership import SessionOwners
 from greenroom.actors.cluster.registry import SessionDirectory
 from greenroom.actors.cluster.traces import TraceStream
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
@@ -92,7 +92,7 @@ def test_a_draining_host_takes_no_orphan_over(tmp_path: Path, nats_server: NatsP
             await (await SessionDirectory.open(conn)).put(orphan, {"meta": {}, "host": "a"})
             assert await host.drain(0.0) == []
             taken = await nodes[0].take_over(orphan, {})
-            leases = await LeaseTable.open(conn, ttl_s=config.lease_ttl_s)
+            leases = await SessionOwners.open(conn, ttl_s=config.lease_ttl_s)
             return taken, await leases.holder(orphan)
 
     # Not taken, and its lease free for the host the drain hands it to.

@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from greenroom.actors.cluster.connection import Connection
-from greenroom.actors.cluster.leases import LeaseTable
+from greenroom.actors.cluster.ownership import SessionOwners
 from greenroom.actors.cluster.traces import TraceStream
 from greenroom.protocols.outputs import Output, TaskEnd
 from tests.support.cluster_hosts import HostProcess, start_host
@@ -63,7 +63,7 @@ def test_kill_one_host_then_stall_another(
                 while len(effects.notes) < len(hosts):
                     effects.started = trio.Event()
                     await effects.started.wait()
-                leases = await LeaseTable.open(conn, ttl_s=LEASE_TTL_S)
+                leases = await SessionOwners.open(conn, ttl_s=LEASE_TTL_S)
                 for host_id, sid in sessions.items():
                     assert await leases.holder(sid) == host_id
                 killed, stalled = chance.sample(hosts, 2)

@@ -14,7 +14,7 @@ import trio
 from trio_websocket import open_websocket_url
 
 from greenroom.actors.cluster.connection import Connection
-from greenroom.actors.cluster.leases import LeaseTable
+from greenroom.actors.cluster.ownership import SessionOwners
 from greenroom.actors.cluster.traces import TraceStream
 from greenroom.protocols.outputs import Output, TaskEnd, ToolCallOutput, UserMsg
 from tests.support.cluster_hosts import HostProcess, start_host
@@ -60,7 +60,7 @@ def test_a_draining_cluster_host_hands_its_held_session_over(
                     sid = (await client.result("session.create"))["session_id"]
                     await client.result("run", {"session_id": sid, "input": "pay"})
                 await gate.started.wait()
-                leases = await LeaseTable.open(conn, ttl_s=LEASE_TTL_S)
+                leases = await SessionOwners.open(conn, ttl_s=LEASE_TTL_S)
                 owner = await leases.holder(sid)
                 draining = next(h for h in hosts if h.host_id == owner)
                 other = next(h for h in hosts if h is not draining)

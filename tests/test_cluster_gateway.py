@@ -13,7 +13,7 @@ import trio
 from trio_websocket import open_websocket_url
 
 from greenroom.actors.cluster.connection import Connection
-from greenroom.actors.cluster.leases import LeaseTable
+from greenroom.actors.cluster.ownership import SessionOwners
 from greenroom.actors.cluster.router import OWNER_UNREACHABLE
 from greenroom.actors.cluster.traces import TraceStream
 from tests.support.cluster_hosts import HostProcess, start_host
@@ -87,7 +87,7 @@ def test_a_client_of_one_host_works_a_session_that_runs_on_another(
                     # none, so the second is placed on a.
                     first = (await alice.result("session.create"))["session_id"]
                     sid = (await alice.result("session.create"))["session_id"]
-                    leases = await LeaseTable.open(conn, ttl_s=LEASE_TTL_S)
+                    leases = await SessionOwners.open(conn, ttl_s=LEASE_TTL_S)
                     found["owners"] = [await leases.holder(first)]
                     found["subscribed"] = await alice.result(
                         "session.subscribe", {"session_id": sid}

@@ -1,5 +1,5 @@
-"""Session leases in a JetStream KV bucket with a TTL, against a real nats-server
-(R-CLUSTER-1: one owner at a time; R-CLUSTER-2: a dead host's leases expire)."""
+"""Leases in a JetStream KV bucket with a TTL (a provider endpoint's admission), against a
+real nats-server: one holder at a time, a dead holder's lease expires."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import trio
 
 from greenroom.actors.cluster.connection import Connection
 from greenroom.actors.cluster.errors import LeaseLost
-from greenroom.actors.cluster.leases import Lease, LeaseKeeper, LeaseTable
+from greenroom.actors.cluster.leases import Lease, LeaseTable
 from tests.support.nats import (  # the fixture is used as nats_server
     NatsProcess,
     module_nats_server,  # noqa: F401
@@ -25,7 +25,7 @@ TTL_S = 1.0
 
 def test_one_claim_wins_and_the_holder_is_known(nats_server: NatsProcess) -> None:
     async def body(conn: Connection) -> tuple[bool, bool, str | None]:
-        table = await LeaseTable.open(conn, ttl_s=TTL_S)
+        table = await LeaseTable.open(conn, ttl_s=TTL_S, bucket=conn.names.admission_leases)
         first = await table.claim("s1", "host-a")
         second = await table.claim("s1", "host-b")
         return first is not None, second is None, await table.holder("s1")
@@ -35,7 +35,7 @@ def test_one_claim_wins_and_the_holder_is_known(nats_server: NatsProcess) -> Non
 
 def test_renewal_is_compare_and_set_on_the_revision(nats_server: NatsProcess) -> None:
     async def body(conn: Connection) -> str:
-        table = await LeaseTable.open(conn, ttl_s=TTL_S)
+        table = await LeaseTable.open(conn, ttl_s=TTL_S, bucket=conn.names.admission_leases)
         lease = await table.claim("s1", "host-a")
         assert lease is not None
         renewed = await table.renew(lease)
@@ -51,7 +51,7 @@ def test_renewal_is_compare_and_set_on_the_revision(nats_server: NatsProcess) ->
 
 def test_an_unrenewed_lease_expires_and_another_host_claims_it(nats_server: NatsProcess) -> None:
     async def body(conn: Connection) -> tuple[str | None, str | None, bool]:
-        table = await LeaseTable.open(conn, ttl_s=TTL_S)
+        table = await LeaseTable.open(conn, ttl_s=TTL_S, bucket=conn.names.admission_leases)
         lease = await table.claim("s1", "host-a")
         assert lease is not None
         # host-a dies: nobody renews. Try to claim until the TTL removes the lease.
@@ -99,7 +99,7 @@ def test_a_lease_that_expires_while_it_is_claimed_is_claimed() -> None:
 
 def test_a_released_lease_is_claimable_at_once(nats_server: NatsProcess) -> None:
     async def body(conn: Connection) -> str | None:
-        table = await LeaseTable.open(conn, ttl_s=60.0)
+        table = await LeaseTable.open(conn, ttl_s=60.0, bucket=conn.names.admission_leases)
         lease = await table.claim("s1", "host-a")
         assert lease is not None
         await table.release(lease)
@@ -117,7 +117,7 @@ def test_a_release_after_a_renewal_it_did_not_wait_for_releases(
     session over at once instead of after the TTL)."""
 
     async def body(conn: Connection) -> tuple[str | None, str | None]:
-        table = await LeaseTable.open(conn, ttl_s=60.0)
+        table = await LeaseTable.open(conn, ttl_s=60.0, bucket=conn.names.admission_leases)
         lease = await table.claim("s1", "host-a")
         assert lease is not None
         await table.renew(lease)  # landed before the release, which names the old revision
@@ -133,51 +133,3 @@ def test_a_release_after_a_renewal_it_did_not_wait_for_releases(
 
 def lease_of(session_id: str, host_id: str, revision: int) -> Lease:
     return Lease(session_id=session_id, host_id=host_id, revision=revision - 1)
-
-
-def test_the_keeper_renews_past_the_ttl_and_reports_a_lost_lease(
-    nats_server: NatsProcess,
-) -> None:
-    async def body(conn: Connection) -> tuple[list[str], str | None]:
-        table = await LeaseTable.open(conn, ttl_s=TTL_S)
-        lost: list[str] = []
-        lost_event = trio.Event()
-
-        def on_lost(session_id: str, reason: str) -> None:
-            lost.append(session_id)
-            lost_event.set()
-
-        keeper = LeaseKeeper(table, on_lost)
-        lease = await table.claim("kept", "host-a")
-        stolen = await table.claim("stolen", "host-a")
-        assert lease is not None and stolen is not None
-        keeper.hold(lease)
-        keeper.hold(stolen)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(keeper.run)
-            # Another host takes "stolen" over (as after an expiry): the next renewal fails.
-            await table.release(stolen)
-            assert await table.claim("stolen", "host-b") is not None
-            await lost_event.wait()
-            # Three TTLs later "kept" is still held: the keeper renewed it.
-            await trio.sleep(3 * TTL_S)
-            nursery.cancel_scope.cancel()
-        return lost, await table.holder("kept")
-
-    assert run_connected(nats_server.url, body) == (["stolen"], "host-a")
-
-
-def test_a_stall_longer_than_the_ttl_gives_the_lease_up(nats_server: NatsProcess) -> None:
-    async def body(conn: Connection) -> list[str]:
-        table = await LeaseTable.open(conn, ttl_s=TTL_S)
-        lost: list[str] = []
-        keeper = LeaseKeeper(table, lambda sid, _reason: lost.append(sid))
-        lease = await table.claim("s1", "host-a")
-        assert lease is not None
-        keeper.hold(lease)
-        # The host was stopped for longer than the TTL (no renewal round ran meanwhile).
-        await trio.sleep(TTL_S * 1.2)
-        await keeper.renew_all()
-        return lost
-
-    assert run_connected(nats_server.url, body) == ["s1"]

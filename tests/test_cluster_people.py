@@ -14,7 +14,7 @@ import trio
 from trio_websocket import open_websocket_url
 
 from greenroom.actors.cluster.connection import Connection
-from greenroom.actors.cluster.leases import LeaseTable
+from greenroom.actors.cluster.ownership import SessionOwners
 from greenroom.actors.cluster.traces import TraceStream
 from greenroom.protocols.outputs import ApprovalDecision, ApprovalRequest, TaskEnd, ToolCallOutput
 from tests.support.cluster_hosts import HostProcess, start_host
@@ -82,7 +82,7 @@ def test_a_pending_approval_is_answered_on_the_host_that_took_the_session_over(
                     # The owner asks this client (it watches) and waits for its answer.
                     asked = await _until(client, client.take_outputs(), "approval_request")
                     assert asked["call_id"] == "call-1"
-                    leases = await LeaseTable.open(conn, ttl_s=LEASE_TTL_S)
+                    leases = await SessionOwners.open(conn, ttl_s=LEASE_TTL_S)
                     owner = await leases.holder(sid)
                     lost = next(h for h in hosts if h.host_id == owner)
                     other = next(h for h in hosts if h is not lost)

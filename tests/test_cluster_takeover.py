@@ -13,7 +13,7 @@ import trio
 from trio_websocket import open_websocket_url
 
 from greenroom.actors.cluster.connection import Connection
-from greenroom.actors.cluster.leases import LeaseTable
+from greenroom.actors.cluster.ownership import SessionOwners
 from greenroom.actors.cluster.traces import TraceStream
 from greenroom.protocols.markers import HOST_LOST_TEXT as HOST_LOST
 from greenroom.protocols.markers import IN_DOUBT_FOUND_TEXT
@@ -136,7 +136,7 @@ def _run_scenario(
                     )
                 sid = await _start_task(hosts[0])
                 await effects.started.wait()
-                leases = await LeaseTable.open(conn, ttl_s=LEASE_TTL_S)
+                leases = await SessionOwners.open(conn, ttl_s=LEASE_TTL_S)
                 owner = await leases.holder(sid)
                 lost = next(h for h in hosts if h.host_id == owner)
                 other = next(h for h in hosts if h is not lost)
@@ -246,7 +246,7 @@ def test_a_killed_hosts_call_is_found_done_by_its_check_on_another_host(
                     )
                 sid = await _start_task(hosts[0])
                 await effects.started.wait()
-                owner = await (await LeaseTable.open(conn, ttl_s=LEASE_TTL_S)).holder(sid)
+                owner = await (await SessionOwners.open(conn, ttl_s=LEASE_TTL_S)).holder(sid)
                 next(h for h in hosts if h.host_id == owner).process.send_signal(signal.SIGKILL)
                 records = await _records_until_task_end(conn, sid)
                 model.assert_clean()

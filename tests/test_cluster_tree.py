@@ -14,7 +14,7 @@ import trio
 from trio_websocket import open_websocket_url
 
 from greenroom.actors.cluster.connection import Connection
-from greenroom.actors.cluster.leases import LeaseTable
+from greenroom.actors.cluster.ownership import SessionOwners
 from greenroom.actors.cluster.traces import TraceStream
 from greenroom.protocols.content import ToolCallBlock
 from greenroom.protocols.markers import HOST_LOST_TEXT as HOST_LOST
@@ -117,7 +117,7 @@ def test_a_background_child_survives_the_loss_of_its_host(
                     [],
                     lambda r: isinstance(r, ModelMsg) and isinstance(r.block, ToolCallBlock),
                 )
-                leases = await LeaseTable.open(conn, ttl_s=LEASE_TTL_S)
+                leases = await SessionOwners.open(conn, ttl_s=LEASE_TTL_S)
                 owner = await leases.holder(child_id)
                 assert owner == await leases.holder(sid)  # a child runs where it was spawned
                 lost = next(h for h in hosts if h.host_id == owner)

@@ -4,7 +4,9 @@
 
     bridge      trio as the guest of an asyncio loop: the only asyncio, for nats-py
     connection  one host's NATS connection; the names of the buckets, stream and subjects
-    leases      session → owning host, KV with a TTL: claim, renew, expire; LeaseKeeper
+    leases      a key → the host that holds it, KV with a TTL: claim, renew, expire
+    ownership   session → owning host, valid while that host's own lease lives;
+                OwnershipKeeper renews it and reports its sessions lost with it
     traces      the fenced trace stream: one subject per session, replay, follow
     registry    live hosts and their load (placement), session metadata
     routing     requests that only a session's owner answers

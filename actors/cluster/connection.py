@@ -53,9 +53,14 @@ class ClusterNames:
             raise ValueError(f"cluster prefix {self.prefix!r} must be letters, digits, - or _")
 
     @property
-    def leases(self) -> str:
-        """The KV bucket session id → lease (with the lease TTL)."""
-        return f"{self.prefix}_leases"
+    def host_leases(self) -> str:
+        """The KV bucket host id → its incarnation (with the lease TTL)."""
+        return f"{self.prefix}_host_leases"
+
+    @property
+    def owners(self) -> str:
+        """The KV bucket session id → the host (and incarnation) that owns it."""
+        return f"{self.prefix}_owners"
 
     @property
     def hosts(self) -> str:

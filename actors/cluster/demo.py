@@ -12,7 +12,7 @@ the demo's confirmation. Once every payment is written and none confirmed:
    confirmed, their calls finish on ``b``, each task stops at its turn boundary and ``b``
    hands its sessions to other hosts at once (R-DRAIN-1..2), then exits;
 2. host ``a`` is **killed** (SIGKILL) with its payments in flight; then every payment is
-   confirmed, and ``a``'s sessions are taken over when its leases expire (R-CLUSTER-2).
+   confirmed, and ``a``'s sessions are taken over when its lease expires (R-CLUSTER-2).
 
 A live view follows every session's trace in JetStream. Exit 0 when every session finished
 (one ``task_end``, seq 1..n without gap or duplicate), no payment is in the ledger twice,
@@ -40,8 +40,8 @@ from trio_websocket import open_websocket_url
 from greenroom.actors.cluster.bridge import Bridge, run
 from greenroom.actors.cluster.connection import Connection, connect
 from greenroom.actors.cluster.errors import ClusterError
-from greenroom.actors.cluster.leases import LeaseTable
 from greenroom.actors.cluster.node import ClusterConfig
+from greenroom.actors.cluster.ownership import SessionOwners
 from greenroom.actors.cluster.server import start_nats_server
 from greenroom.actors.cluster.traces import TraceStream
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
@@ -327,13 +327,13 @@ async def _scenario(
             sid = await _create_and_run(host, invoice)
             sessions.append(_Session(session_id=sid, invoice=invoice, created_on=host.host_id))
     stream = await TraceStream.open(conn)
-    leases = await LeaseTable.open(conn, ttl_s=LEASE_TTL_S)
+    owners = await SessionOwners.open(conn, ttl_s=LEASE_TTL_S)
     for session in sessions:
-        nursery.start_soon(_follow, stream, leases, session)
+        nursery.start_soon(_follow, stream, owners, session)
     for session in sessions:
         # A session's first record is published by the host that holds its lease.
         await session.traced.wait()
-        session.runs_on = await leases.holder(session.session_id)
+        session.runs_on = await owners.holder(session.session_id)
         say(
             f"session {session.session_id} (through host {session.created_on}) on host "
             f"{session.runs_on}: pay invoice {session.invoice}"
@@ -363,7 +363,7 @@ def _payments(count: int) -> str:
     return f"{count} payment" + ("" if count == 1 else "s")
 
 
-async def _follow(stream: TraceStream, leases: LeaseTable, session: _Session) -> None:
+async def _follow(stream: TraceStream, owners: SessionOwners, session: _Session) -> None:
     async with stream.follow(session.session_id) as records:
         async for record in records:
             session.records.append(record)
@@ -373,7 +373,7 @@ async def _follow(stream: TraceStream, leases: LeaseTable, session: _Session) ->
                 say(f"  {session.session_id} {line}")
             if isinstance(record, TaskEnd):
                 # The host that ended the task still holds the session.
-                session.finished_on = await leases.holder(session.session_id)
+                session.finished_on = await owners.holder(session.session_id)
                 session.done.set()
                 return
 

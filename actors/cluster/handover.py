@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable
 
 from greenroom.actors.cluster.errors import ClusterError, ClusterUnavailable
-from greenroom.actors.cluster.leases import LeaseKeeper
+from greenroom.actors.cluster.ownership import OwnershipKeeper
 from greenroom.actors.cluster.registry import HostRecord, HostRegistry
 from greenroom.actors.cluster.router import HAND_OVER_METHOD
 from greenroom.actors.cluster.routing import SessionRequests
@@ -56,7 +56,7 @@ async def hand_over(
     session_id: str,
     own_id: str,
     registry: HostRegistry,
-    keeper: LeaseKeeper,
+    keeper: OwnershipKeeper,
     requests: SessionRequests,
     give_up: Callable[[str], None],
     timeout_s: float,

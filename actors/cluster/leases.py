@@ -1,38 +1,35 @@
-"""Session ownership: one lease per session in a JetStream KV bucket with a TTL (R-CLUSTER-1).
+"""Leases with a TTL in a JetStream KV bucket: one host at a time holds a key (a provider
+endpoint's admission, :mod:`.admission`). Sessions are owned through the host's own lease
+instead (:mod:`.ownership`), so that a host renews one key whatever its number of sessions.
 
-The bucket maps session id → the owning host. A host *claims* a session with ``create``
+The bucket maps a key → the holding host. A host *claims* a key with ``create``
 (which succeeds only when no live lease exists), *renews* it with a compare-and-set
 ``update`` on the revision it last wrote, and *releases* it with a compare-and-set delete.
 The bucket's TTL (JetStream ``max_age``) removes a lease nobody renewed: a dead or stalled
-host's sessions become claimable after at most the TTL. A renewal after that point fails
+host's keys become claimable after at most the TTL. A renewal after that point fails
 (the revision it names is gone), so a host that wakes up from a stall learns it lost the
-lease instead of believing it still owns the session.
+lease instead of believing it still holds it.
 
-:class:`LeaseTable` is the bucket; :class:`LeaseKeeper` is the actor that renews a host's
-leases every third of the TTL and reports each one it loses (callback), so the host can stop
-that session's tasks. A lease whose renewals keep failing for a whole TTL (NATS unreachable)
-is given up too: by then the server may have expired it.
+:func:`open_bucket` binds (or creates) any of the cluster's KV buckets.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
 
 import attrs
 import nats.js.errors
-import trio
 
 from greenroom.actors.cluster.connection import Connection, check_session_id
 from greenroom.actors.cluster.errors import ClusterUnavailable, LeaseLost
 
-__all__ = ["Lease", "LeaseKeeper", "LeaseTable"]
+__all__ = ["Lease", "LeaseTable", "open_bucket", "wrong_last_sequence"]
 
 
 @attrs.frozen(kw_only=True)
 class Lease:
-    """``host_id``'s ownership of ``session_id`` as of KV revision ``revision``."""
+    """``host_id``'s hold of key ``session_id`` as of KV revision ``revision``."""
 
     session_id: str
     host_id: str
@@ -48,15 +45,14 @@ class LeaseTable:
         self.ttl_s = ttl_s
 
     @classmethod
-    async def open(cls, conn: Connection, *, ttl_s: float, bucket: str | None = None) -> LeaseTable:
-        """Bind the cluster's lease bucket (or ``bucket``: leases on something else than
-        sessions, such as a provider endpoint's admission), creating it with TTL ``ttl_s``
-        if it does not exist. Every host of a cluster must use the same TTL; a bucket that
+    async def open(cls, conn: Connection, *, ttl_s: float, bucket: str) -> LeaseTable:
+        """Bind the lease bucket ``bucket``, creating it with TTL ``ttl_s`` if it does not
+        exist. Every host of a cluster must use the same TTL; a bucket that
         exists with another TTL keeps its own (it is the bucket's TTL that expires
         leases)."""
         if not ttl_s > 0 or not math.isfinite(ttl_s):
             raise ValueError(f"the lease TTL must be a positive number of seconds, not {ttl_s}")
-        kv = await open_bucket(conn, bucket or conn.names.leases, ttl_s=ttl_s)
+        kv = await open_bucket(conn, bucket, ttl_s=ttl_s)
         status = await conn.call(kv.status())
         bucket_ttl = status.stream_info.config.max_age
         return cls(conn, kv, float(bucket_ttl) if bucket_ttl else ttl_s)
@@ -104,7 +100,7 @@ class LeaseTable:
             except nats.js.errors.APIError as exc:
                 # A delete at a stale revision is refused as a bad request (the client
                 # does not map it to KeyWrongLastSequenceError as it does for update).
-                if not _wrong_last_sequence(exc):
+                if not wrong_last_sequence(exc):
                     raise ClusterUnavailable(
                         f"cannot release session {lease.session_id}: {exc}"
                     ) from exc
@@ -136,7 +132,8 @@ _WRONG_LAST_SEQUENCE = (10071, 10164)
 """JetStream's error codes for a write that names a revision that is not the last."""
 
 
-def _wrong_last_sequence(exc: nats.js.errors.APIError) -> bool:
+def wrong_last_sequence(exc: nats.js.errors.APIError) -> bool:
+    """Whether ``exc`` refused a write for naming a revision that is not the last."""
     return (
         isinstance(exc, nats.js.errors.KeyWrongLastSequenceError)
         or exc.err_code in _WRONG_LAST_SEQUENCE
@@ -172,91 +169,3 @@ async def open_bucket(conn: Connection, bucket: str, *, ttl_s: float | None) -> 
             return await conn.call(conn.js.key_value(bucket))
         except nats.js.errors.APIError:
             raise ClusterUnavailable(f"cannot create bucket {bucket}: {exc}") from exc
-
-
-@attrs.define
-class _Held:
-    lease: Lease
-    renewed_at: float
-
-
-class LeaseKeeper:
-    """Renews a host's leases and reports the ones it loses.
-
-    ``on_lost(session_id, reason)`` is called (from the keeper's task, at most once per
-    lease) when a renewal is refused, or when no renewal succeeded for a whole TTL. Leases
-    are added with :meth:`hold` after a successful claim and dropped with :meth:`release`.
-    """
-
-    def __init__(
-        self,
-        table: LeaseTable,
-        on_lost: Callable[[str, str], None],
-        *,
-        renew_every_s: float | None = None,
-    ) -> None:
-        self._table = table
-        self._on_lost = on_lost
-        self._every = renew_every_s if renew_every_s is not None else table.ttl_s / 3
-        self._held: dict[str, _Held] = {}
-
-    def hold(self, lease: Lease) -> None:
-        """Keep ``lease`` renewed from now on."""
-        self._held[lease.session_id] = _Held(lease, trio.current_time())
-
-    def lease(self, session_id: str) -> Lease | None:
-        """The current lease on ``session_id``, if this keeper holds it."""
-        held = self._held.get(session_id)
-        return held.lease if held else None
-
-    def held(self) -> tuple[str, ...]:
-        """The sessions whose leases this keeper holds."""
-        return tuple(self._held)
-
-    async def release(self, session_id: str) -> None:
-        """Stop renewing ``session_id`` and release its lease (best effort)."""
-        held = self._held.pop(session_id, None)
-        if held is None:
-            return
-        try:
-            await self._table.release(held.lease)
-        except ClusterUnavailable:
-            return
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Renew every held lease each ``renew_every_s`` until cancelled."""
-        task_status.started()
-        while True:
-            await trio.sleep(self._every)
-            await self.renew_all()
-
-    async def renew_all(self) -> None:
-        """One round of renewals, concurrently; losses are reported before it returns."""
-        async with trio.open_nursery() as nursery:
-            for session_id in list(self._held):
-                nursery.start_soon(self._renew_one, session_id)
-
-    async def _renew_one(self, session_id: str) -> None:
-        held = self._held.get(session_id)
-        if held is None:
-            return
-        now = trio.current_time()
-        if now - held.renewed_at >= self._table.ttl_s:
-            # A stall (SIGSTOP, a blocked loop) outlived the lease: it may be someone
-            # else's by now, whatever a renewal would say.
-            self._lose(session_id, held, f"no renewal for {now - held.renewed_at:.1f} s")
-            return
-        try:
-            lease = await self._table.renew(held.lease)
-        except LeaseLost:
-            self._lose(session_id, held, "the renewal was refused")
-            return
-        except ClusterUnavailable:
-            return
-        if self._held.get(session_id) is held:
-            self._held[session_id] = _Held(lease, now)
-
-    def _lose(self, session_id: str, held: _Held, reason: str) -> None:
-        if self._held.get(session_id) is held:
-            del self._held[session_id]
-            self._on_lost(session_id, reason)

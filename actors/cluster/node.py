@@ -11,30 +11,32 @@
     │                            holds together (:mod:`.limits`): the host's SharedLimits
     └── Host (ReplicatingTraceStore)
         └── ClusterNode.run
-            ├── LeaseKeeper      renews this host's leases; a lost one stops its session
+            ├── OwnershipKeeper  renews this host's lease; its sessions are owned through
+            │                    it, and stop here when it is lost
             ├── announcer        this host's load in the host registry, when it changes and
             │                    every TTL / 3; placeable once it answers placed sessions
             ├── directory        session metadata (running or idle) to the session bucket
             ├── host requests    sessions placed on this host by other gateways
-            └── orphan scan      every TTL / 2: sessions without a lease, spread over the
+            └── orphan scan      every TTL / 2: sessions no live host owns, spread over the
                                  live hosts; this host takes over its share
 
-A session the host creates or loads is *adopted*: its lease is claimed, its trace fenced,
-its lines replicated. A session whose lease is lost (a renewal refused, a stall longer than
-the TTL) or whose append is refused (fenced) stops replicating at once — nothing it writes
-after that reaches the cluster's trace — and is closed on this host.
+A session the host creates or loads is *adopted*: it is claimed (its owner entry names
+this host's lease, :mod:`.ownership`), its trace fenced, its lines replicated. When the
+host's lease is lost (a renewal refused, a stall longer than the TTL) every session it
+owns, and a session whose append is refused (fenced), stops replicating at once — nothing
+it writes after that reaches the cluster's trace — and is closed on this host.
 
-Takeover of an orphan: claim the lease, fence the trace, read it, write it into this host's
-data dir as the session's trace files (with its ``session.json`` from the directory), then
-take it up as a restarted host takes up its own sessions (``Host.resume``, R-HITL-4): a
-task that was in flight goes on — every tool call whose result is missing is in doubt and
-is resolved by its tool's check, a person or the host-lost note; it runs again only when
-the check found it not done or a person says so, with its idempotency key (R-EFFECT-2); the
-model is told, the task ends with one ``task_end`` (R-CLUSTER-2) — and a task that waited
-for a person keeps waiting, asked again of whoever can answer, never denied because its
-host was lost (R-HITL-1). An idle session
+Takeover of an orphan (a session whose owner's lease is gone): claim it, fence the trace,
+read it, write it into this host's data dir as the session's trace files (with its
+``session.json`` from the directory), then take it up as a restarted host takes up its own
+sessions (``Host.resume``, R-HITL-4): a task that was in flight goes on — every tool call
+whose result is missing is in doubt and is resolved by its tool's check, a person or the
+host-lost note; it runs again only when the check found it not done or a person says so,
+with its idempotency key (R-EFFECT-2); the model is told, the task ends with one
+``task_end`` (R-CLUSTER-2) — and a task that waited for a person keeps waiting, asked again
+of whoever can answer, never denied because its host was lost (R-HITL-1). An idle session
 is taken over too (loaded, nothing run), so no session is left without a host.
-A session deleted through any host leaves the cluster (metadata, trace and lease). Usage rows are
+A session deleted through any host leaves the cluster (metadata, trace and owner). Usage rows are
 not written again: each host's ledger holds the requests it made; what a principal spends
 is also added to the cluster's counter of its period (:mod:`.spending`), which its budget
 counts on every host.
@@ -59,8 +61,8 @@ from greenroom.actors.cluster.bridge import Bridge
 from greenroom.actors.cluster.connection import ClusterNames, Connection, connect
 from greenroom.actors.cluster.errors import ClusterError, ClusterUnavailable
 from greenroom.actors.cluster.handover import HandedSince, hand_over
-from greenroom.actors.cluster.leases import LeaseKeeper, LeaseTable
 from greenroom.actors.cluster.limits import ClusterLimits
+from greenroom.actors.cluster.ownership import OwnershipKeeper, SessionOwners
 from greenroom.actors.cluster.registry import HostRecord, HostRegistry, SessionDirectory, assign
 from greenroom.actors.cluster.router import ClusterRouter, OwnerDesk
 from greenroom.actors.cluster.routing import SessionRequests
@@ -140,8 +142,8 @@ class ClusterNode:
         self._host: Host | None = None
         self._streams: trio.Nursery | None = None
         self._work: trio.Nursery | None = None
-        self._leases: LeaseTable | None = None
-        self._keeper: LeaseKeeper | None = None
+        self._owners: SessionOwners | None = None
+        self._keeper: OwnershipKeeper | None = None
         self._traces: TraceStream | None = None
         self._registry: HostRegistry | None = None
         self._directory: SessionDirectory | None = None
@@ -255,10 +257,10 @@ class ClusterNode:
         self._host = host
         self._streams = streams
         ttl = self.config.lease_ttl_s
-        self._leases = await LeaseTable.open(self.conn, ttl_s=ttl)
-        self._keeper = LeaseKeeper(self._leases, self._on_lost)
+        self._owners = await SessionOwners.open(self.conn, ttl_s=ttl)
+        self._keeper = OwnershipKeeper(self._owners, self.host_id, self._on_lost)
         self._traces = await TraceStream.open(self.conn)
-        self._registry = await HostRegistry.open(self.conn, ttl_s=self._leases.ttl_s)
+        self._registry = await HostRegistry.open(self.conn, ttl_s=self._owners.ttl_s)
         self._directory = await SessionDirectory.open(self.conn)
         link = ParentLink(self._requests, host, self._approve, timeout_s=ttl)
         host.child_reports.link = link.send
@@ -335,15 +337,12 @@ class ClusterNode:
     # -- adoption and loss ----------------------------------------------------------------
 
     async def _adopt(self, session_id: str) -> None:
-        assert self._leases is not None and self._keeper is not None
-        assert self._traces is not None
+        assert self._keeper is not None and self._traces is not None
         try:
-            lease = await self._leases.claim(session_id, self.host_id)
-            if lease is None:
+            if await self._keeper.claim(session_id) is None:
                 log(f"session {session_id} is owned by another host; closing it here")
                 self._give_up(session_id)
                 return
-            self._keeper.hold(lease)
             writer = await self._traces.fence(session_id, self.host_id)
             # In the directory before any of its records is in the cluster: the orphan
             # scan finds sessions there, so a host lost after its first record (a task's
@@ -448,7 +447,7 @@ class ClusterNode:
     # -- takeover -------------------------------------------------------------------------
 
     async def _scan_orphans(self) -> None:
-        assert self._directory is not None and self._leases is not None
+        assert self._directory is not None and self._owners is not None
         assert self._registry is not None
         while True:
             await trio.sleep(self.config.lease_ttl_s / 2)
@@ -456,11 +455,9 @@ class ClusterNode:
                 return  # a draining host takes nothing over (R-DRAIN-2)
             try:
                 sessions = await self._directory.all()
-                orphans = [
-                    sid
-                    for sid in sessions
-                    if sid not in self._adopted and await self._leases.holder(sid) is None
-                ]
+                orphans = await self._owners.unowned(
+                    sid for sid in sessions if sid not in self._adopted
+                )
                 if not orphans:
                     continue
                 hosts = await self._registry.hosts()
@@ -505,20 +502,18 @@ class ClusterNode:
         """Claim ``session_id``, rebuild it from its trace and take up its open task (see
         the module docstring). False when another host claimed it first, this host drains
         or it could not be rebuilt."""
-        assert self._leases is not None and self._keeper is not None
+        assert self._keeper is not None
         assert self._traces is not None and self._host is not None
         try:
-            lease = await self._leases.claim(session_id, self.host_id)
-            if lease is None:
+            if await self._keeper.claim(session_id) is None:
                 return False
             if self._host.draining:
                 # A draining host takes nothing over (R-DRAIN-2). An orphan scan that
                 # began before the drain would take the very sessions the drain hands over
                 # (given up and released here, so orphans for a moment): the hand-over's
                 # target then found them claimed, and they waited for this host to stop.
-                await self._leases.release(lease)
+                await self._keeper.release(session_id)
                 return False
-            self._keeper.hold(lease)
             writer = await self._traces.fence(session_id, self.host_id)
             read = await self._traces.read(session_id)
         except ClusterError as exc:
@@ -558,21 +553,21 @@ class ClusterNode:
         return True
 
     async def release_all(self) -> None:
-        """Give every lease up (a clean shutdown: others need not wait for the TTL)."""
+        """Give every session up (a clean shutdown: others need not wait for the TTL)."""
         if self._keeper is None:
             return
         if self._registry is not None:
             # Gone from the registry at once: no host hands it a session meanwhile.
             with contextlib.suppress(ClusterUnavailable):
                 await self._registry.withdraw(self.host_id)
-        for session_id in self._keeper.held():
-            await self._keeper.release(session_id)
+        with contextlib.suppress(ClusterUnavailable):  # then they go with the TTL
+            await self._keeper.release_all()
 
 
 async def _forget(
-    directory: SessionDirectory, traces: TraceStream, keeper: LeaseKeeper, session_id: str
+    directory: SessionDirectory, traces: TraceStream, keeper: OwnershipKeeper, session_id: str
 ) -> None:
-    """A deleted session leaves the cluster: metadata, trace and lease."""
+    """A deleted session leaves the cluster: metadata, trace and owner entry."""
     try:
         await directory.delete(session_id)
         await traces.purge(session_id)
@@ -643,11 +638,11 @@ async def open_cluster_host(
 ) -> AsyncIterator[Host]:
     """A :class:`Host` on ``data_dir`` that is one host of the cluster at ``config.url``.
     Raises :class:`ClusterUnavailable` when NATS cannot be reached. On exit the host closes
-    as in single-host mode (its last records reach the cluster's trace) and its leases are
-    released. ``limits`` (the host's ``Host.open(limits=…)``) and the limits learned from
-    429s hold for every host of the cluster together, per endpoint and credential, and
-    ``principal_budget`` over every host's spending (:mod:`.limits`; give every host the
-    same). ``on_limits`` is called with them before the host opens."""
+    as in single-host mode (its last records reach the cluster's trace) and its sessions are
+    released (its lease dropped). ``limits`` (the host's ``Host.open(limits=…)``) and the
+    limits learned from 429s hold for every host of the cluster together, per endpoint and
+    credential, and ``principal_budget`` over every host's spending (:mod:`.limits`; give
+    every host the same). ``on_limits`` is called with them before the host opens."""
     conn = await connect(
         bridge,
         config.url,

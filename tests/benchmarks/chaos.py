@@ -60,6 +60,7 @@ from trio_websocket import (
 
 from greenroom.actors.cluster.bridge import Bridge, run
 from greenroom.actors.cluster.connection import Connection, connect
+from greenroom.actors.cluster.ownership import SessionOwners
 from greenroom.actors.cluster.traces import FENCE_HEADER, ROTATE_HEADER
 from greenroom.protocols.content import ToolCallBlock
 from greenroom.protocols.converter import to_dict
@@ -309,19 +310,15 @@ class Cluster:
               f"sessions {time.time() - counted:.2f} s later", flush=True)
 
     async def leases_of(self, host_id: str) -> int:
-        """How many leases still name ``host_id`` (a host that stopped cleanly releases
-        every lease it held; one left waits for its TTL, and its session for the scan)."""
-        kv = await self.conn.call(self.conn.js.key_value(self.conn.names.leases))
+        """How many sessions ``host_id`` still owns (a host that stopped cleanly drops its
+        lease and owns none; one left waits for the TTL, and its session for the scan)."""
+        kv = await self.conn.call(self.conn.js.key_value(self.conn.names.owners))
         try:
             keys = await self.conn.call(kv.keys())
         except nats.js.errors.NoKeysError:
             return 0
-        held = 0
-        for key in keys:
-            with contextlib.suppress(nats.js.errors.KeyNotFoundError):
-                entry = await self.conn.call(kv.get(key))
-                held += json.loads(entry.value or b"{}").get("host") == host_id
-        return held
+        owners = await SessionOwners.open(self.conn, ttl_s=self.lease_ttl_s)
+        return sum([await owners.holder(key) == host_id for key in keys])
 
     async def kill(self, index: int, open_tasks: int) -> None:
         victim = self.hosts[index]

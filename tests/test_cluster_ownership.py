@@ -1,0 +1,268 @@
+"""Session ownership through each host's own lease, against a real nats-server
+(R-CLUSTER-1: one owner at a time; R-CLUSTER-2: a dead or stalled host's sessions become
+claimable within the TTL, and the host itself learns it lost them)."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from greenroom.actors.cluster.connection import Connection
+from greenroom.actors.cluster.errors import ClusterUnavailable
+from greenroom.actors.cluster.ownership import Ownership, OwnershipKeeper, SessionOwners
+from tests.support.nats import (  # the fixture is used as nats_server
+    NatsProcess,
+    module_nats_server,  # noqa: F401
+    run_connected,
+)
+
+TTL_S = 1.0
+
+
+class Losses:
+    def __init__(self) -> None:
+        self.lost: list[tuple[str, str]] = []
+        self.any = trio.Event()
+
+    def __call__(self, session_id: str, reason: str) -> None:
+        self.lost.append((session_id, reason))
+        self.any.set()
+
+
+def test_one_claim_wins_while_its_host_lives(nats_server: NatsProcess) -> None:
+    async def body(conn: Connection) -> tuple[object, ...]:
+        owners = await SessionOwners.open(conn, ttl_s=TTL_S)
+        a = OwnershipKeeper(owners, "host-a", Losses())
+        b = OwnershipKeeper(owners, "host-b", Losses())
+        await a.take_lease()
+        await b.take_lease()
+        first = await a.claim("s1")
+        second = await b.claim("s1")
+        again = await a.claim("s1")  # this host owns it already
+        return (
+            first is not None,
+            second,
+            again,
+            await owners.holder("s1"),
+            await owners.unowned(["s1", "nobody"]),
+            a.held(),
+        )
+
+    assert run_connected(nats_server.url, body) == (True, None, None, "host-a", ["nobody"], ("s1",))
+
+
+def test_a_dead_hosts_sessions_are_claimable_after_its_lease_expires(
+    nats_server: NatsProcess,
+) -> None:
+    async def body(conn: Connection) -> tuple[object, ...]:
+        owners = await SessionOwners.open(conn, ttl_s=TTL_S)
+        a = OwnershipKeeper(owners, "host-a", Losses())
+        b = OwnershipKeeper(owners, "host-b", Losses())
+        await a.take_lease()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(b.run)  # host-b lives on
+            for sid in ("s1", "s2"):
+                assert await a.claim(sid) is not None
+            # host-a dies: nobody renews its one key. Its sessions stay its own until the
+            # bucket's TTL removes that key, then both are claimable.
+            refused = 0
+            while await owners.unowned(["s1", "s2"]) != ["s1", "s2"]:
+                refused += await b.claim("s1") is None
+                await trio.sleep(TTL_S / 10)
+            claimed = await b.claim("s1")
+            holder = await owners.holder("s1")
+            nursery.cancel_scope.cancel()
+        return refused > 0, claimed is not None, holder, b.held()
+
+    assert run_connected(nats_server.url, body) == (True, True, "host-b", ("s1",))
+
+
+class CountedRenewals(SessionOwners):
+    """Counts the host's renewals and lets the test wait for the n-th."""
+
+    renewals = 0
+    wanted = 0
+    reached = trio.Event()
+
+    async def renew_host_lease(self, host_id: str, token: str, revision: int) -> int | None:
+        renewed = await super().renew_host_lease(host_id, token, revision)
+        type(self).renewals += 1
+        if type(self).renewals >= type(self).wanted:
+            type(self).reached.set()
+        return renewed
+
+
+def test_the_keeper_renews_one_key_for_all_its_sessions(nats_server: NatsProcess) -> None:
+    """Fifty sessions, one renewal a tick; four ticks are more than a TTL, so without the
+    renewals the sessions would be nobody's by then."""
+
+    async def body(conn: Connection) -> tuple[object, ...]:
+        opened = await SessionOwners.open(conn, ttl_s=TTL_S)
+        owners = CountedRenewals(conn, opened._owners, opened._host_leases, opened.ttl_s)
+        CountedRenewals.wanted, CountedRenewals.reached = 4, trio.Event()
+        losses = Losses()
+        keeper = OwnershipKeeper(owners, "host-a", losses)
+        sessions = [f"s{i}" for i in range(50)]
+        async with trio.open_nursery() as nursery:
+            await nursery.start(keeper.run)
+            for sid in sessions:
+                assert await keeper.claim(sid) is not None
+            await CountedRenewals.reached.wait()
+            nursery.cancel_scope.cancel()
+        return CountedRenewals.renewals, losses.lost, await owners.unowned(sessions)
+
+    assert run_connected(nats_server.url, body) == (4, [], [])
+
+
+def test_a_refused_renewal_loses_every_session_and_takes_a_new_lease(
+    nats_server: NatsProcess,
+) -> None:
+    """Another process took the host id's lease (a restarted worker): this one learns at
+    its next renewal that it owns nothing, and its sessions are claimable at once."""
+
+    async def body(conn: Connection) -> tuple[object, ...]:
+        owners = await SessionOwners.open(conn, ttl_s=TTL_S)
+        losses = Losses()
+        keeper = OwnershipKeeper(owners, "host-a", losses)
+        await keeper.take_lease()
+        first = keeper.incarnation
+        for sid in ("s1", "s2"):
+            assert await keeper.claim(sid) is not None
+        await owners.take_host_lease("host-a", "another-process")
+        unowned_at_once = await owners.unowned(["s1", "s2"])
+        await keeper.renew()
+        return (
+            unowned_at_once,
+            sorted(losses.lost),
+            keeper.held(),
+            keeper.incarnation not in (None, first, "another-process"),
+        )
+
+    lost = [("s1", "the renewal was refused"), ("s2", "the renewal was refused")]
+    assert run_connected(nats_server.url, body) == (["s1", "s2"], lost, (), True)
+
+
+def test_a_stall_longer_than_the_ttl_loses_every_session(nats_server: NatsProcess) -> None:
+    async def body(conn: Connection) -> tuple[object, ...]:
+        owners = await SessionOwners.open(conn, ttl_s=TTL_S)
+        losses = Losses()
+        keeper = OwnershipKeeper(owners, "host-a", losses)
+        await keeper.take_lease()
+        assert await keeper.claim("s1") is not None
+        # The host was stopped for longer than the TTL (no renewal ran meanwhile): its
+        # lease may be gone and its sessions someone else's, whatever a renewal would say.
+        await trio.sleep(TTL_S * 1.2)
+        await keeper.renew()
+        return [sid for sid, _ in losses.lost], losses.lost[0][1].startswith("no renewal for")
+
+    assert run_connected(nats_server.url, body) == (["s1"], True)
+
+
+class HeldClaims(SessionOwners):
+    """Holds every claim's answer until the test lets it through."""
+
+    gate = trio.Event()
+    sent = trio.Event()
+
+    async def claim(self, session_id: str, host_id: str, token: str) -> Ownership | None:
+        ownership = await super().claim(session_id, host_id, token)
+        type(self).sent.set()
+        await type(self).gate.wait()
+        return ownership
+
+
+def test_a_claim_that_lands_after_the_lease_was_lost_is_not_held(
+    nats_server: NatsProcess,
+) -> None:
+    """The claim names the incarnation that was lost meanwhile: the session is nobody's,
+    and the host must not believe it owns it."""
+
+    async def body(conn: Connection) -> tuple[object, ...]:
+        opened = await SessionOwners.open(conn, ttl_s=TTL_S)
+        owners = HeldClaims(conn, opened._owners, opened._host_leases, opened.ttl_s)
+        HeldClaims.gate, HeldClaims.sent = trio.Event(), trio.Event()
+        keeper = OwnershipKeeper(owners, "host-a", Losses())
+        await keeper.take_lease()
+        outcome: list[str] = []
+
+        async def claim() -> None:
+            with pytest.raises(ClusterUnavailable) as raised:
+                await keeper.claim("s1")
+            outcome.append(str(raised.value))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(claim)
+            await HeldClaims.sent.wait()
+            await owners.take_host_lease("host-a", "another-process")
+            await keeper.renew()  # refused: lost, and a new lease taken
+            HeldClaims.gate.set()
+        return outcome, keeper.held(), await owners.unowned(["s1"])
+
+    held, unowned = (), ["s1"]
+    outcome, *rest = run_connected(nats_server.url, body)
+    assert rest == [held, unowned]
+    assert outcome == ["host host-a lost its lease during the claim"]
+
+
+def test_released_sessions_are_claimable_at_once(nats_server: NatsProcess) -> None:
+    async def body(conn: Connection) -> tuple[object, ...]:
+        owners = await SessionOwners.open(conn, ttl_s=60.0)
+        a = OwnershipKeeper(owners, "host-a", Losses())
+        b = OwnershipKeeper(owners, "host-b", Losses())
+        await a.take_lease()
+        await b.take_lease()
+        for sid in ("s1", "s2", "s3"):
+            assert await a.claim(sid) is not None
+        await a.release("s1")  # a drain's hand-over: one session
+        one = await b.claim("s1")
+        await a.release_all()  # a clean shutdown: every session at once
+        rest = [await b.claim(sid) for sid in ("s2", "s3")]
+        return one is not None, all(r is not None for r in rest), a.held(), b.held()
+
+    assert run_connected(nats_server.url, body) == (True, True, (), ("s1", "s2", "s3"))
+
+
+def test_a_release_does_not_take_a_session_another_host_claimed(
+    nats_server: NatsProcess,
+) -> None:
+    async def body(conn: Connection) -> str | None:
+        owners = await SessionOwners.open(conn, ttl_s=60.0)
+        a = OwnershipKeeper(owners, "host-a", Losses())
+        b = OwnershipKeeper(owners, "host-b", Losses())
+        await a.take_lease()
+        stale = await a.claim("s1")
+        assert stale is not None
+        await a.release_all()
+        await b.take_lease()
+        assert await b.claim("s1") is not None
+        await owners.release(stale)  # names host-a's revision: refused, nothing changes
+        return await owners.holder("s1")
+
+    assert run_connected(nats_server.url, body) == "host-b"
+
+
+def test_a_claim_before_the_host_has_its_lease_waits_for_it(nats_server: NatsProcess) -> None:
+    """Sessions a host resumes as it opens are adopted while its lease is being taken:
+    they are claimed once it is, not given up."""
+
+    async def body(conn: Connection) -> tuple[object, ...]:
+        owners = await SessionOwners.open(conn, ttl_s=TTL_S)
+        keeper = OwnershipKeeper(owners, "host-a", Losses())
+        claimed: list[Ownership | None] = []
+        done = trio.Event()
+
+        async def claim() -> None:
+            claimed.append(await keeper.claim("s1"))
+            done.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(claim)
+            await trio.testing.wait_all_tasks_blocked()
+            waited = claimed == []
+            await nursery.start(keeper.run)
+            await done.wait()
+            nursery.cancel_scope.cancel()
+        return waited, claimed[0] is not None, keeper.held()
+
+    assert run_connected(nats_server.url, body) == (True, True, ("s1",))
