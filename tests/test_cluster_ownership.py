@@ -143,20 +143,80 @@ def test_a_refused_renewal_loses_every_session_and_takes_a_new_lease(
     assert run_connected(nats_server.url, body) == (["s1", "s2"], lost, (), True)
 
 
-def test_a_stall_longer_than_the_ttl_loses_every_session(nats_server: NatsProcess) -> None:
+def test_a_host_stalled_past_its_lease_learns_at_its_next_renewal(
+    nats_server: NatsProcess,
+) -> None:
+    """The host was stopped (no renewal ran) until the server expired its lease: its next
+    renewal is refused, every session it owned is reported lost, and they are claimable."""
+
     async def body(conn: Connection) -> tuple[object, ...]:
         owners = await SessionOwners.open(conn, ttl_s=TTL_S)
         losses = Losses()
         keeper = OwnershipKeeper(owners, "host-a", losses)
+        other = OwnershipKeeper(owners, "host-b", Losses())
         await keeper.take_lease()
         assert await keeper.claim("s1") is not None
-        # The host was stopped for longer than the TTL (no renewal ran meanwhile): its
-        # lease may be gone and its sessions someone else's, whatever a renewal would say.
-        await trio.sleep(TTL_S * 1.2)
+        while await owners.unowned(["s1"]) != ["s1"]:
+            await trio.sleep(TTL_S / 10)
         await keeper.renew()
-        return [sid for sid, _ in losses.lost], losses.lost[0][1].startswith("no renewal for")
+        await other.take_lease()
+        taken = await other.claim("s1")
+        return losses.lost, keeper.held(), keeper.incarnation is not None, taken is not None
 
-    assert run_connected(nats_server.url, body) == (["s1"], True)
+    lost = [("s1", "the renewal was refused")]
+    assert run_connected(nats_server.url, body) == (lost, (), True, True)
+
+
+class SlowAnswers(SessionOwners):
+    """Renewals land at once and their answers take ``delay_s``, or they fail."""
+
+    delay_s = 0.0
+    unreachable = False
+
+    async def renew_host_lease(self, host_id: str, token: str, revision: int) -> int | None:
+        if type(self).unreachable:
+            raise ClusterUnavailable("NATS is unavailable: test")
+        renewed = await super().renew_host_lease(host_id, token, revision)
+        await trio.sleep(type(self).delay_s)
+        return renewed
+
+
+def test_a_renewal_that_lands_late_loses_nothing(nats_server: NatsProcess) -> None:
+    """Its compare-and-set succeeded, so the lease never lapsed before it: the answer
+    arriving more than a TTL after the last renewal was sent is no reason to give up."""
+
+    async def body(conn: Connection) -> tuple[object, ...]:
+        opened = await SessionOwners.open(conn, ttl_s=TTL_S)
+        owners = SlowAnswers(conn, opened._owners, opened._host_leases, opened.ttl_s)
+        SlowAnswers.delay_s, SlowAnswers.unreachable = TTL_S * 1.2, False
+        losses = Losses()
+        keeper = OwnershipKeeper(owners, "host-a", losses)
+        await keeper.take_lease()
+        assert await keeper.claim("s1") is not None
+        await keeper.renew()
+        return losses.lost, keeper.held()
+
+    assert run_connected(nats_server.url, body) == ([], ("s1",))
+
+
+def test_nats_unreachable_for_a_ttl_loses_every_session(nats_server: NatsProcess) -> None:
+    async def body(conn: Connection) -> tuple[object, ...]:
+        opened = await SessionOwners.open(conn, ttl_s=TTL_S)
+        owners = SlowAnswers(conn, opened._owners, opened._host_leases, opened.ttl_s)
+        SlowAnswers.delay_s, SlowAnswers.unreachable = 0.0, True
+        losses = Losses()
+        keeper = OwnershipKeeper(owners, "host-a", losses)
+        await keeper.take_lease()
+        assert await keeper.claim("s1") is not None
+        await keeper.renew()  # fails, within the TTL: nothing lost yet
+        early = list(losses.lost)
+        await trio.sleep(TTL_S)  # NATS stays out of reach for a whole TTL
+        await keeper.renew()
+        return early, [sid for sid, _ in losses.lost], losses.lost[-1][1]
+
+    early, lost, reason = run_connected(nats_server.url, body)
+    assert (early, lost) == ([], ["s1"])
+    assert reason.startswith("no renewal for ") and reason.endswith("NATS is unavailable: test")
 
 
 class HeldClaims(SessionOwners):

@@ -22,9 +22,10 @@
 
 A session the host creates or loads is *adopted*: it is claimed (its owner entry names
 this host's lease, :mod:`.ownership`), its trace fenced, its lines replicated. When the
-host's lease is lost (a renewal refused, a stall longer than the TTL) every session it
-owns, and a session whose append is refused (fenced), stops replicating at once — nothing
-it writes after that reaches the cluster's trace — and is closed on this host.
+host's lease is lost (a renewal refused, say after a stall; NATS out of reach for a TTL)
+every session it owns, and a session whose append is refused (fenced), stops replicating
+at once — nothing it writes after that reaches the cluster's trace — and is closed on this
+host.
 
 Takeover of an orphan (a session whose owner's lease is gone): claim it, fence the trace,
 read it, write it into this host's data dir as the session's trace files (with its
@@ -131,8 +132,10 @@ class ClusterNode:
         tools: Iterable[Tool] = (),
         approve: Approval = PEOPLE,
         provider: Callable[[], ModelProvider] | None = None,
+        lease_conn: Connection | None = None,
     ) -> None:
         self.conn = conn
+        self._lease_conn = lease_conn
         self.config = config
         self.host_id = config.host_id
         self._tools = tuple(tools)
@@ -257,7 +260,7 @@ class ClusterNode:
         self._host = host
         self._streams = streams
         ttl = self.config.lease_ttl_s
-        self._owners = await SessionOwners.open(self.conn, ttl_s=ttl)
+        self._owners = await SessionOwners.open(self.conn, ttl_s=ttl, lease_conn=self._lease_conn)
         self._keeper = OwnershipKeeper(self._owners, self.host_id, self._on_lost)
         self._traces = await TraceStream.open(self.conn)
         self._registry = await HostRegistry.open(self.conn, ttl_s=self._owners.ttl_s)
@@ -643,13 +646,20 @@ async def open_cluster_host(
     limits learned from 429s hold for every host of the cluster together, per endpoint and
     credential, and ``principal_budget`` over every host's spending (:mod:`.limits`; give
     every host the same). ``on_limits`` is called with them before the host opens."""
-    conn = await connect(
-        bridge,
-        config.url,
-        name=f"greenroom-{config.host_id}",
-        names=ClusterNames(prefix=config.prefix),
+    names = ClusterNames(prefix=config.prefix)
+    conn = await connect(bridge, config.url, name=f"greenroom-{config.host_id}", names=names)
+    try:
+        # The host's lease alone: its renewals never queue behind the sessions' traffic.
+        lease_conn = await connect(
+            bridge, config.url, name=f"greenroom-{config.host_id}-lease", names=names
+        )
+    except ClusterUnavailable:
+        with trio.CancelScope(shield=True):
+            await conn.aclose()
+        raise
+    node = ClusterNode(
+        conn, config, tools=tools, approve=approve, provider=provider, lease_conn=lease_conn
     )
-    node = ClusterNode(conn, config, tools=tools, approve=approve, provider=provider)
     if on_node is not None:
         on_node(node)
     shared = ClusterLimits(conn, config.host_id, lease_ttl_s=config.lease_ttl_s)
@@ -681,4 +691,5 @@ async def open_cluster_host(
             streams.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True):
+            await lease_conn.aclose()
             await conn.aclose()

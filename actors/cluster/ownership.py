@@ -19,9 +19,17 @@ each (compare-and-set on the owner entry, so one claim wins) and fences its trac
 :class:`SessionOwners` is the table (claim, release, who holds a session, which sessions
 nobody holds); :class:`OwnershipKeeper` is the actor that holds this host's lease and the
 sessions it owns, and reports every one of them lost (callback) when the lease is: a
-renewal refused, or none succeeded within a TTL of the last one sent (NATS unreachable, or
-this process stalled) — by then the server may have expired it. It then takes a lease
-under a new incarnation, so the sessions it gave up can be claimed again, by any host.
+renewal refused (the key expired or was replaced: after a stall, or a renewal that took
+longer than the TTL), or NATS unreachable for a TTL since the last renewal that succeeded
+was sent. It then takes a lease under a new incarnation, so the sessions it gave up can be
+claimed again, by any host.
+
+A renewal that takes long is waited for, not cut off: its compare-and-set succeeds only
+if the key never expired, which proves that no other host could claim a session meanwhile;
+and while the answer is on its way the sessions' appends are fenced anyway (a host that
+claims a session fences its trace first), so nothing the host writes can count twice. The
+host's lease goes over a connection of its own (``lease_conn``), so its renewals do not
+queue behind the sessions' trace appends and claims.
 """
 
 from __future__ import annotations
@@ -83,24 +91,35 @@ class SessionOwners:
         owners: nats.js.kv.KeyValue,
         host_leases: nats.js.kv.KeyValue,
         ttl_s: float,
+        *,
+        lease_conn: tuple[Connection, nats.js.kv.KeyValue] | None = None,
     ) -> None:
         self._conn = conn
         self._owners = owners
         self._host_leases = host_leases
         self.ttl_s = ttl_s
+        self._lease_conn, self._lease_kv = lease_conn or (conn, host_leases)
 
     @classmethod
-    async def open(cls, conn: Connection, *, ttl_s: float) -> SessionOwners:
+    async def open(
+        cls, conn: Connection, *, ttl_s: float, lease_conn: Connection | None = None
+    ) -> SessionOwners:
         """Bind the cluster's two buckets, creating them when missing (the host leases with
-        TTL ``ttl_s``). Every host of a cluster must use the same TTL; a bucket that exists
-        with another TTL keeps its own (it is the bucket's TTL that expires leases)."""
+        TTL ``ttl_s``); the host's own lease is taken and renewed over ``lease_conn``
+        (default: ``conn``). Every host of a cluster must use the same TTL; a bucket that
+        exists with another TTL keeps its own (it is the bucket's TTL that expires
+        leases)."""
         if not ttl_s > 0 or not math.isfinite(ttl_s):
             raise ValueError(f"the lease TTL must be a positive number of seconds, not {ttl_s}")
         host_leases = await open_bucket(conn, conn.names.host_leases, ttl_s=ttl_s)
         owners = await open_bucket(conn, conn.names.owners, ttl_s=None)
         status = await conn.call(host_leases.status())
         bucket_ttl = status.stream_info.config.max_age
-        return cls(conn, owners, host_leases, float(bucket_ttl) if bucket_ttl else ttl_s)
+        own = None
+        if lease_conn is not None:
+            own = (lease_conn, await open_bucket(lease_conn, conn.names.host_leases, ttl_s=ttl_s))
+        ttl = float(bucket_ttl) if bucket_ttl else ttl_s
+        return cls(conn, owners, host_leases, ttl, lease_conn=own)
 
     # -- host leases ----------------------------------------------------------------------
 
@@ -110,8 +129,8 @@ class SessionOwners:
         revision written."""
         try:
             return int(
-                await self._conn.call(
-                    self._host_leases.put(check_session_id(host_id), token.encode())
+                await self._lease_conn.call(
+                    self._lease_kv.put(check_session_id(host_id), token.encode())
                 )
             )
         except nats.js.errors.APIError as exc:
@@ -122,8 +141,8 @@ class SessionOwners:
         when it expired or was replaced since."""
         try:
             return int(
-                await self._conn.call(
-                    self._host_leases.update(host_id, token.encode(), last=revision)
+                await self._lease_conn.call(
+                    self._lease_kv.update(host_id, token.encode(), last=revision)
                 )
             )
         except nats.js.errors.KeyWrongLastSequenceError:
@@ -134,7 +153,7 @@ class SessionOwners:
     async def drop_host_lease(self, host_id: str) -> None:
         """Delete ``host_id``'s lease: every session it owns is claimable at once."""
         try:
-            await self._conn.call(self._host_leases.delete(host_id))
+            await self._lease_conn.call(self._lease_kv.delete(host_id))
         except nats.js.errors.APIError as exc:
             raise ClusterUnavailable(f"cannot drop the lease of host {host_id}: {exc}") from exc
 
@@ -253,7 +272,7 @@ class OwnershipKeeper:
         self._token: str | None = None
         self._leased = trio.Event()
         self._revision = 0
-        self._valid_until = -math.inf
+        self._renewed_sent = -math.inf
 
     @property
     def incarnation(self) -> str | None:
@@ -265,7 +284,7 @@ class OwnershipKeeper:
         token = secrets.token_hex(8)
         sent = trio.current_time()
         self._revision = await self._owners.take_host_lease(self.host_id, token)
-        self._token, self._valid_until = token, sent + self._owners.ttl_s
+        self._token, self._renewed_sent = token, sent
         self._leased.set()
 
     async def claim(self, session_id: str) -> Ownership | None:
@@ -319,36 +338,27 @@ class OwnershipKeeper:
     async def renew(self) -> None:
         """One renewal: extend the lease, or report every session lost when it cannot be
         (and try to take a new lease)."""
-        if self._token is None:
-            await self._retake()
-            return
-        if trio.current_time() >= self._valid_until:
-            # A stall (SIGSTOP, a blocked loop) outlived the lease: it may be expired and
-            # the sessions someone else's by now, whatever a renewal would say.
-            since = trio.current_time() - self._valid_until + self._owners.ttl_s
-            self._lose_all(f"no renewal for {since:.1f} s")
+        token = self._token
+        if token is None:
             await self._retake()
             return
         sent = trio.current_time()
-        revision: int | None = None
-        # Never past the lease's end: a renewal that has not landed by then may land after
-        # the server expired the key.
-        with trio.move_on_at(self._valid_until):
-            try:
-                revision = await self._owners.renew_host_lease(
-                    self.host_id, self._token, self._revision
-                )
-            except ClusterUnavailable:
-                return  # again at the next tick, while the lease lasts
-            if revision is None:
-                self._lose_all("the renewal was refused")
+        try:
+            revision = await self._owners.renew_host_lease(self.host_id, token, self._revision)
+        except ClusterUnavailable as exc:
+            silent = trio.current_time() - self._renewed_sent
+            if silent >= self._owners.ttl_s:
+                # Others may have found the lease expired and claimed the sessions.
+                self._lose_all(f"no renewal for {silent:.1f} s: {exc}")
                 await self._retake()
-                return
+            return  # again at the next tick
+        if token != self._token:
+            return  # given up meanwhile (release_all)
         if revision is None:
-            self._lose_all("no renewal landed within the lease")
+            self._lose_all("the renewal was refused")
             await self._retake()
             return
-        self._revision, self._valid_until = revision, sent + self._owners.ttl_s
+        self._revision, self._renewed_sent = revision, sent
 
     def _lose_all(self, reason: str) -> None:
         self._token, self._leased = None, trio.Event()
