@@ -17,8 +17,9 @@
             │                    every TTL / 3; placeable once it answers placed sessions
             ├── directory        session metadata (running or idle) to the session bucket
             ├── host requests    sessions placed on this host by other gateways
-            └── orphan scan      every TTL / 2: sessions no live host owns, spread over the
-                                 live hosts; this host takes over its share
+            └── orphan scan      every TTL / 2: sessions no live host owns (read in full
+                                 only when a host's lease went, :mod:`.orphans`), spread
+                                 over the live hosts; this host takes over its share
 
 A session the host creates or loads is *adopted*: it is claimed (its owner entry names
 this host's lease, :mod:`.ownership`), its trace fenced, its lines replicated. When the
@@ -63,6 +64,7 @@ from greenroom.actors.cluster.connection import ClusterNames, Connection, connec
 from greenroom.actors.cluster.errors import ClusterError, ClusterUnavailable
 from greenroom.actors.cluster.handover import HandedSince, hand_over
 from greenroom.actors.cluster.limits import ClusterLimits
+from greenroom.actors.cluster.orphans import OrphanFinder
 from greenroom.actors.cluster.ownership import OwnershipKeeper, SessionOwners
 from greenroom.actors.cluster.registry import HostRecord, HostRegistry, SessionDirectory, assign
 from greenroom.actors.cluster.router import ClusterRouter, OwnerDesk
@@ -261,7 +263,7 @@ class ClusterNode:
         self._streams = streams
         ttl = self.config.lease_ttl_s
         self._owners = await SessionOwners.open(self.conn, ttl_s=ttl, lease_conn=self._lease_conn)
-        self._keeper = OwnershipKeeper(self._owners, self.host_id, self._on_lost)
+        self._keeper = OwnershipKeeper(self._owners, self.host_id, self._on_lost, warn=log)
         self._traces = await TraceStream.open(self.conn)
         self._registry = await HostRegistry.open(self.conn, ttl_s=self._owners.ttl_s)
         self._directory = await SessionDirectory.open(self.conn)
@@ -452,25 +454,23 @@ class ClusterNode:
     async def _scan_orphans(self) -> None:
         assert self._directory is not None and self._owners is not None
         assert self._registry is not None
+        finder = OrphanFinder(self._directory, self._owners, self.serves)
         while True:
             await trio.sleep(self.config.lease_ttl_s / 2)
             if self._host is not None and self._host.draining:
                 return  # a draining host takes nothing over (R-DRAIN-2)
             try:
-                sessions = await self._directory.all()
-                orphans = await self._owners.unowned(
-                    sid for sid in sessions if sid not in self._adopted
-                )
+                orphans = await finder.look()
                 if not orphans:
                     continue
                 hosts = await self._registry.hosts()
             except ClusterUnavailable:
                 continue
-            for sid, owner in assign(orphans, hosts).items():
+            for sid, owner in assign(list(orphans), hosts).items():
                 if self._host is not None and self._host.draining:
                     return  # it began draining during this scan
                 if owner == self.host_id:
-                    await self._take_entry(sid, sessions[sid])
+                    await self._take_entry(sid, orphans[sid])
 
     async def _take_entry(self, session_id: str, entry: dict[str, Any]) -> bool:
         """Take ``session_id`` over from its directory ``entry``, then grant it to the

@@ -161,7 +161,8 @@ class SessionOwners:
         entry = await _get(self._conn, self._host_leases, host_id)
         return None if entry is None or entry.value is None else entry.value.decode()
 
-    async def _incarnations(self) -> dict[str, str]:
+    async def live_hosts(self) -> dict[str, str]:
+        """Every host whose lease lives, with its incarnation."""
         try:
             hosts = await self._conn.call(self._host_leases.keys())
         except nats.js.errors.NoKeysError:
@@ -225,9 +226,12 @@ class SessionOwners:
             return None
         return owner.host_id
 
-    async def unowned(self, session_ids: Iterable[str]) -> list[str]:
-        """Those of ``session_ids`` that no live host owns (the host leases read once)."""
-        live = await self._incarnations()
+    async def unowned(
+        self, session_ids: Iterable[str], *, live: dict[str, str] | None = None
+    ) -> list[str]:
+        """Those of ``session_ids`` that no live host owns, given the ``live`` hosts
+        (:meth:`live_hosts`, read here when None)."""
+        live = await self.live_hosts() if live is None else live
         found = []
         for session_id in session_ids:
             entry = await _get(self._conn, self._owners, check_session_id(session_id))
@@ -263,10 +267,12 @@ class OwnershipKeeper:
         on_lost: Callable[[str, str], None],
         *,
         renew_every_s: float | None = None,
+        warn: Callable[[str], None] | None = None,
     ) -> None:
         self._owners = owners
         self.host_id = host_id
         self._on_lost = on_lost
+        self._warn = warn
         self._every = renew_every_s if renew_every_s is not None else owners.ttl_s / 3
         self._held: dict[str, Ownership] = {}
         self._token: str | None = None
@@ -354,10 +360,17 @@ class OwnershipKeeper:
             return  # again at the next tick
         if token != self._token:
             return  # given up meanwhile (release_all)
+        since = trio.current_time() - self._renewed_sent
         if revision is None:
-            self._lose_all("the renewal was refused")
+            self._lose_all(f"the renewal was refused, {since:.1f} s after the last one was sent")
             await self._retake()
             return
+        if since > self._owners.ttl_s * 2 / 3 and self._warn is not None:
+            # Renewed, but with little to spare: an operator should know before it is lost.
+            self._warn(
+                f"host {self.host_id} renewed its lease {since:.1f} s after the last renewal "
+                f"was sent (TTL {self._owners.ttl_s:g} s): the host is too busy to renew in time"
+            )
         self._revision, self._renewed_sent = revision, sent
 
     def _lose_all(self, reason: str) -> None:

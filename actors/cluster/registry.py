@@ -210,6 +210,15 @@ class SessionDirectory:
         except nats.js.errors.APIError as exc:
             raise ClusterUnavailable(f"cannot delete session {session_id}: {exc}") from exc
 
+    async def ids(self) -> list[str]:
+        """The id of every session the cluster knows."""
+        try:
+            return list(await self._conn.call(self._kv.keys()))
+        except nats.js.errors.NoKeysError:
+            return []
+        except nats.js.errors.APIError as exc:
+            raise ClusterUnavailable(f"cannot list the sessions: {exc}") from exc
+
     async def all(self) -> dict[str, dict[str, Any]]:
         """Every session the cluster knows, with its metadata."""
         found = await _entries(self._conn, self._kv)

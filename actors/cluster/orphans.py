@@ -1,0 +1,73 @@
+"""Finding orphans — sessions that no live host owns — at a cost that does not grow with the
+cluster's sessions while nothing happens (R-CLUSTER-2, R-PERF-2).
+
+A session becomes an orphan when its host's lease goes (the host died, stalled past its
+TTL or stopped), or when it is left without an owner entry (a hand-over that no host took,
+an adoption NATS refused). Reading every session's owner entry is one NATS request a
+session; done every half TTL on every host, that cost more than a core at 10,000 sessions.
+So each look reads the host leases only (one key a host) and reads the sessions when:
+
+* it is this finder's first look, or
+* a host's lease is gone or holds another incarnation since the last look (its sessions
+  are orphans now), or
+* the last full read found orphans (some may be left: another host's share that it could
+  not take, a claim that lost a race), or
+* ``full_every`` looks have passed since the last full read (the other causes, which no
+  lease shows).
+
+A full read lists the session directory's keys, reads the owner entry of each session this
+host does not run, and the directory entry of the orphans alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from greenroom.actors.cluster.ownership import SessionOwners
+from greenroom.actors.cluster.registry import SessionDirectory
+
+__all__ = ["OrphanFinder"]
+
+
+class OrphanFinder:
+    """Looks for orphans for one host; ``runs(session_id)`` says whether this host runs
+    the session (those are not read)."""
+
+    def __init__(
+        self,
+        directory: SessionDirectory,
+        owners: SessionOwners,
+        runs: Callable[[str], bool],
+        *,
+        full_every: int = 20,
+    ) -> None:
+        self._directory = directory
+        self._owners = owners
+        self._runs = runs
+        self._full_every = full_every
+        self._live: dict[str, str] | None = None
+        self._since_full = 0
+        self._found_last = False
+        self.full_reads = 0
+
+    async def look(self) -> dict[str, dict[str, Any]]:
+        """The orphans found by this look, with their directory entries (none when the
+        look did not need to read the sessions). Raises ``ClusterUnavailable``."""
+        live = await self._owners.live_hosts()
+        lost = self._live is None or any(live.get(h) != t for h, t in self._live.items())
+        self._since_full += 1
+        if not (lost or self._found_last or self._since_full >= self._full_every):
+            self._live = live
+            return {}
+        candidates = [sid for sid in await self._directory.ids() if not self._runs(sid)]
+        orphans = await self._owners.unowned(candidates, live=live)
+        found: dict[str, dict[str, Any]] = {}
+        for session_id in orphans:
+            entry = await self._directory.get(session_id)
+            if entry is not None:  # deleted meanwhile
+                found[session_id] = entry
+        # Only now: a look that failed half-way reads everything again next time.
+        self._live, self._since_full, self._found_last = live, 0, bool(found)
+        self.full_reads += 1
+        return found
