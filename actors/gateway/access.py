@@ -66,6 +66,15 @@ class Grants:
         """The sessions ``client_id`` created or was granted."""
         return frozenset(self._grants.get(client_id, ()))
 
+    def holds(self, client_id: str, session_id: str) -> bool:
+        """Whether ``client_id`` created or was granted ``session_id`` (without copying its
+        sessions, as :meth:`owned` does: this is asked at every call)."""
+        return session_id in self._grants.get(client_id, ())
+
+    def count(self, client_id: str) -> int:
+        """How many sessions ``client_id`` created or was granted."""
+        return len(self._grants.get(client_id, ()))
+
     def holders(self, session_id: str) -> frozenset[str]:
         """The principals that created or were granted ``session_id``."""
         return frozenset(c for c, owned in self._grants.items() if session_id in owned)

@@ -195,10 +195,13 @@ class Methods:
         host closed) is loaded. 403 for another principal's, 404 for an unknown one;
         -32602 for a subagent where ``node`` is false (the call starts work: it goes to
         the root). Its hub is running when it returns."""
-        owned = self._grants.owned(principal)
-        if session_id not in owned:
+        if not self._grants.holds(principal, session_id):
             root_id = await self._nodes.root_of(session_id)
-            if root_id is None or root_id == session_id or root_id not in owned:
+            if (
+                root_id is None
+                or root_id == session_id
+                or not self._grants.holds(principal, root_id)
+            ):
                 if root_id is not None or await self._nodes.exists(session_id):
                     raise RpcError(
                         jsonrpc.FORBIDDEN, f"session {session_id!r} belongs to another client"
