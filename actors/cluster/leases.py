@@ -24,7 +24,7 @@ import nats.js.errors
 from greenroom.actors.cluster.connection import Connection, check_session_id
 from greenroom.actors.cluster.errors import ClusterUnavailable, LeaseLost
 
-__all__ = ["Lease", "LeaseTable", "open_bucket", "wrong_last_sequence"]
+__all__ = ["Lease", "LeaseTable", "bucket_entries", "open_bucket", "wrong_last_sequence"]
 
 
 @attrs.frozen(kw_only=True)
@@ -169,3 +169,23 @@ async def open_bucket(conn: Connection, bucket: str, *, ttl_s: float | None) -> 
             return await conn.call(conn.js.key_value(bucket))
         except nats.js.errors.APIError:
             raise ClusterUnavailable(f"cannot create bucket {bucket}: {exc}") from exc
+
+
+async def bucket_entries(conn: Connection, kv: nats.js.kv.KeyValue) -> dict[str, bytes]:
+    """Every key of ``kv`` with its value (those deleted while read are left out)."""
+    try:
+        keys = await conn.call(kv.keys())
+    except nats.js.errors.NoKeysError:
+        return {}
+    except nats.js.errors.APIError as exc:
+        raise ClusterUnavailable(f"cannot list a bucket: {exc}") from exc
+    found: dict[str, bytes] = {}
+    for key in keys:
+        try:
+            entry = await conn.call(kv.get(key))
+        except nats.js.errors.KeyNotFoundError:
+            continue
+        except nats.js.errors.APIError as exc:
+            raise ClusterUnavailable(f"cannot read {key}: {exc}") from exc
+        found[key] = entry.value or b""
+    return found

@@ -46,7 +46,7 @@ import trio
 
 from greenroom.actors.cluster.connection import Connection, check_session_id
 from greenroom.actors.cluster.errors import ClusterUnavailable
-from greenroom.actors.cluster.leases import open_bucket, wrong_last_sequence
+from greenroom.actors.cluster.leases import bucket_entries, open_bucket, wrong_last_sequence
 
 __all__ = ["Ownership", "OwnershipKeeper", "SessionOwners"]
 
@@ -163,18 +163,8 @@ class SessionOwners:
 
     async def live_hosts(self) -> dict[str, str]:
         """Every host whose lease lives, with its incarnation."""
-        try:
-            hosts = await self._conn.call(self._host_leases.keys())
-        except nats.js.errors.NoKeysError:
-            return {}
-        except nats.js.errors.APIError as exc:
-            raise ClusterUnavailable(f"cannot list the host leases: {exc}") from exc
-        live: dict[str, str] = {}
-        for host_id in hosts:
-            token = await self._incarnation(host_id)
-            if token is not None:
-                live[host_id] = token
-        return live
+        found = await bucket_entries(self._conn, self._host_leases)
+        return {host_id: token.decode() for host_id, token in found.items() if token}
 
     # -- sessions -------------------------------------------------------------------------
 

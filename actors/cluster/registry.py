@@ -27,7 +27,7 @@ import trio
 
 from greenroom.actors.cluster.connection import Connection, check_session_id
 from greenroom.actors.cluster.errors import ClusterUnavailable
-from greenroom.actors.cluster.leases import open_bucket
+from greenroom.actors.cluster.leases import bucket_entries, open_bucket
 
 __all__ = ["HostRecord", "HostRegistry", "SessionDirectory", "assign", "least_loaded"]
 
@@ -93,25 +93,6 @@ def assign(session_ids: Sequence[str], hosts: Iterable[HostRecord]) -> dict[str,
     return placed
 
 
-async def _entries(conn: Connection, kv: nats.js.kv.KeyValue) -> dict[str, bytes]:
-    try:
-        keys = await conn.call(kv.keys())
-    except nats.js.errors.NoKeysError:
-        return {}
-    except nats.js.errors.APIError as exc:
-        raise ClusterUnavailable(f"cannot list a bucket: {exc}") from exc
-    found: dict[str, bytes] = {}
-    for key in keys:
-        try:
-            entry = await conn.call(kv.get(key))
-        except nats.js.errors.KeyNotFoundError:
-            continue
-        except nats.js.errors.APIError as exc:
-            raise ClusterUnavailable(f"cannot read {key}: {exc}") from exc
-        found[key] = entry.value or b""
-    return found
-
-
 class HostRegistry:
     """The live hosts. Use :meth:`open`."""
 
@@ -143,7 +124,8 @@ class HostRegistry:
 
     async def hosts(self) -> list[HostRecord]:
         """Every host that announced itself within the TTL."""
-        records = (HostRecord.from_json(v) for v in (await _entries(self._conn, self._kv)).values())
+        found = await bucket_entries(self._conn, self._kv)
+        records = (HostRecord.from_json(v) for v in found.values())
         return sorted((r for r in records if r is not None), key=lambda r: r.host_id)
 
     def changed(self) -> None:
@@ -221,7 +203,7 @@ class SessionDirectory:
 
     async def all(self) -> dict[str, dict[str, Any]]:
         """Every session the cluster knows, with its metadata."""
-        found = await _entries(self._conn, self._kv)
+        found = await bucket_entries(self._conn, self._kv)
         return {k: meta for k, v in found.items() if (meta := _object(v)) is not None}
 
 

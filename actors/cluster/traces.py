@@ -36,6 +36,7 @@ from nats.aio.msg import Msg
 from greenroom.actors.cluster.bridge import Messages
 from greenroom.actors.cluster.connection import Connection
 from greenroom.actors.cluster.errors import ClusterUnavailable, Fenced
+from greenroom.actors.cluster.leases import wrong_last_sequence
 from greenroom.protocols.outputs import Output
 from greenroom.protocols.trace import TraceLineError, parse_trace
 
@@ -44,7 +45,6 @@ __all__ = ["Records", "TraceRead", "TraceStream", "TraceWriter"]
 FENCE_HEADER = "Greenroom-Fence"
 ROTATE_HEADER = "Greenroom-Rotate"
 _EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
-_WRONG_LAST_SEQUENCE = (10071, 10164)
 _UNSUBSCRIBE_S = 2.0
 
 
@@ -277,7 +277,7 @@ class TraceWriter:
                 )
             )
         except nats.js.errors.APIError as exc:
-            if exc.err_code in _WRONG_LAST_SEQUENCE:
+            if wrong_last_sequence(exc):
                 self.fenced = True
                 raise Fenced(self.session_id, self.expected) from exc
             raise ClusterUnavailable(f"cannot append to {self.session_id}: {exc}") from exc
@@ -297,7 +297,7 @@ class TraceWriter:
                 )
             )
         except nats.js.errors.APIError as exc:
-            if exc.err_code in _WRONG_LAST_SEQUENCE:
+            if wrong_last_sequence(exc):
                 self.fenced = True
                 raise Fenced(self.session_id, self.expected) from exc
             raise ClusterUnavailable(f"cannot rotate {self.session_id}: {exc}") from exc
