@@ -174,25 +174,34 @@ class SessionOwners:
         check_session_id(session_id)
         mine = _Owner(host_id, token).to_json()
         for _ in range(3):
-            entry = await _get(self._conn, self._owners, session_id)
-            try:
+            # A new session has no entry: one request claims it.
+            revision = await self._write(session_id, mine, None)
+            if revision is None:
+                entry = await _get(self._conn, self._owners, session_id)
                 if entry is None:
-                    revision = await self._conn.call(self._owners.create(session_id, mine))
-                else:
-                    owner = _Owner.from_json(entry.value)
-                    if owner is not None and await self._incarnation(owner.host_id) == owner.token:
-                        return None
-                    revision = await self._conn.call(
-                        self._owners.update(session_id, mine, last=entry.revision)
-                    )
-            except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.KeyNotFoundError):
-                continue  # another claim (or a delete) landed between the read and the write
-            except nats.js.errors.APIError as exc:
-                raise ClusterUnavailable(f"cannot claim session {session_id}: {exc}") from exc
-            return Ownership(
-                session_id=session_id, host_id=host_id, token=token, revision=int(revision)
-            )
+                    continue  # deleted since: create it
+                owner = _Owner.from_json(entry.value)
+                if owner is not None and await self._incarnation(owner.host_id) == owner.token:
+                    return None
+                revision = await self._write(session_id, mine, entry.revision)
+            if revision is not None:
+                return Ownership(
+                    session_id=session_id, host_id=host_id, token=token, revision=revision
+                )
+            # Another claim (or a delete) landed between the read and the write.
         return None
+
+    async def _write(self, session_id: str, value: bytes, last: int | None) -> int | None:
+        """Create the owner entry (``last`` None) or replace the one at revision ``last``;
+        None when the entry is not as expected."""
+        try:
+            if last is None:
+                return int(await self._conn.call(self._owners.create(session_id, value)))
+            return int(await self._conn.call(self._owners.update(session_id, value, last=last)))
+        except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.KeyNotFoundError):
+            return None
+        except nats.js.errors.APIError as exc:
+            raise ClusterUnavailable(f"cannot claim session {session_id}: {exc}") from exc
 
     async def release(self, ownership: Ownership) -> None:
         """Give ``ownership`` up now. Does nothing when another host owns the session."""
