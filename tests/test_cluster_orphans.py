@@ -105,3 +105,20 @@ def test_a_look_that_found_orphans_is_followed_by_a_full_read(
 
     # This host runs nothing, so b1 is read too; it is owned by a live host.
     assert run_connected(nats_server.url, body) == [(["loose"], 1), ([], 2), ([], 2)]
+
+
+def test_a_suspected_orphan_is_read_at_the_next_look(nats_server: NatsProcess) -> None:
+    """An adoption NATS failed half-way leaves the session without an owner; the host
+    that gave it up says so, and its next look reads every session."""
+
+    async def body(conn: Connection) -> list[tuple[list[str], int]]:
+        directory, _, a, finder = await cluster(conn, {"b1"})
+        await directory.delete("loose")
+        looks = [(sorted(await finder.look()), finder.full_reads)]
+        await a.release("a2")
+        looks.append((sorted(await finder.look()), finder.full_reads))  # quiet: not read
+        finder.suspect()
+        looks.append((sorted(await finder.look()), finder.full_reads))
+        return looks
+
+    assert run_connected(nats_server.url, body) == [([], 1), ([], 1), (["a2"], 2)]

@@ -149,6 +149,7 @@ class ClusterNode:
         self._work: trio.Nursery | None = None
         self._owners: SessionOwners | None = None
         self._keeper: OwnershipKeeper | None = None
+        self._finder: OrphanFinder | None = None
         self._traces: TraceStream | None = None
         self._registry: HostRegistry | None = None
         self._directory: SessionDirectory | None = None
@@ -355,7 +356,7 @@ class ClusterNode:
             await self._publish_meta(session_id)
         except ClusterError as exc:
             log(f"cannot adopt session {session_id}: {exc}")
-            self._give_up(session_id)
+            await self._abandon(session_id)
             return
         self._start_stream(session_id, writer)
         # Again from the update queue: the principals the gateway grants it after this.
@@ -392,6 +393,14 @@ class ClusterNode:
     async def _until_serving(self, session_id: str) -> None:
         """Return once this host answers ``session_id``'s requests."""
         await self._serving.setdefault(session_id, trio.Event()).wait()
+
+    async def _abandon(self, session_id: str) -> None:
+        # NATS failed it half-way: its claim goes too, so that the next scan finds it
+        # (here or on another host) instead of this host owning a session it closed.
+        self._give_up(session_id)
+        if self._keeper is not None and self._finder is not None:
+            await self._keeper.release(session_id)
+            self._finder.suspect()
 
     def _on_lost(self, session_id: str, reason: str) -> None:
         log(
@@ -454,7 +463,7 @@ class ClusterNode:
     async def _scan_orphans(self) -> None:
         assert self._directory is not None and self._owners is not None
         assert self._registry is not None
-        finder = OrphanFinder(self._directory, self._owners, self.serves)
+        finder = self._finder = OrphanFinder(self._directory, self._owners, self.serves)
         while True:
             await trio.sleep(self.config.lease_ttl_s / 2)
             if self._host is not None and self._host.draining:
@@ -498,8 +507,7 @@ class ClusterNode:
         assert self._registry is not None and self._keeper is not None
         if session_id in self._adopted:
             parts = (self._registry, self._keeper, self._requests, self._give_up)
-            ttl = self.config.lease_ttl_s
-            await hand_over(session_id, self.host_id, *parts, ttl, self._handed)
+            await hand_over(session_id, self.host_id, *parts, self.config.lease_ttl_s, self._handed)
 
     async def take_over(self, session_id: str, meta: dict[str, Any]) -> bool:
         """Claim ``session_id``, rebuild it from its trace and take up its open task (see
@@ -521,7 +529,7 @@ class ClusterNode:
             read = await self._traces.read(session_id)
         except ClusterError as exc:
             log(f"cannot take session {session_id} over: {exc}")
-            self._give_up(session_id)
+            await self._abandon(session_id)
             return False
         log(f"host {self.host_id} takes session {session_id} over")
         directory = SessionStore(self._host.data_dir).session_dir(session_id)

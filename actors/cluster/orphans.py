@@ -12,6 +12,8 @@ So each look reads the host leases only (one key a host) and reads the sessions 
   are orphans now), or
 * the last full read found orphans (some may be left: another host's share that it could
   not take, a claim that lost a race), or
+* this host left a session without an owner itself (:meth:`OrphanFinder.suspect`: an
+  adoption NATS refused), or
 * ``full_every`` looks have passed since the last full read (the other causes, which no
   lease shows).
 
@@ -49,7 +51,12 @@ class OrphanFinder:
         self._live: dict[str, str] | None = None
         self._since_full = 0
         self._found_last = False
+        self._suspected = False
         self.full_reads = 0
+
+    def suspect(self) -> None:
+        """A session may have been left without an owner: read them all at the next look."""
+        self._suspected = True
 
     async def look(self) -> dict[str, dict[str, Any]]:
         """The orphans found by this look, with their directory entries (none when the
@@ -57,7 +64,8 @@ class OrphanFinder:
         live = await self._owners.live_hosts()
         lost = self._live is None or any(live.get(h) != t for h, t in self._live.items())
         self._since_full += 1
-        if not (lost or self._found_last or self._since_full >= self._full_every):
+        due = self._found_last or self._suspected or self._since_full >= self._full_every
+        if not (lost or due):
             self._live = live
             return {}
         candidates = [sid for sid in await self._directory.ids() if not self._runs(sid)]
@@ -69,5 +77,6 @@ class OrphanFinder:
                 found[session_id] = entry
         # Only now: a look that failed half-way reads everything again next time.
         self._live, self._since_full, self._found_last = live, 0, bool(found)
+        self._suspected = False
         self.full_reads += 1
         return found
