@@ -89,7 +89,7 @@ def test_session_metadata_round_trips(nats_server: NatsProcess) -> None:
         await directory.put("s1", {"workspace": "/w", "tools": ["bash"]})
         got = await directory.get("s1")
         missing = await directory.get("nope")
-        return got, missing, sorted(await directory.all())
+        return got, missing, sorted(await directory.ids())
 
     assert run_connected(nats_server.url, body) == (
         {"workspace": "/w", "tools": ["bash"]},

@@ -24,7 +24,14 @@ import nats.js.errors
 from greenroom.actors.cluster.connection import Connection, check_session_id
 from greenroom.actors.cluster.errors import ClusterUnavailable, LeaseLost
 
-__all__ = ["Lease", "LeaseTable", "bucket_entries", "open_bucket", "wrong_last_sequence"]
+__all__ = [
+    "Lease",
+    "LeaseTable",
+    "bucket_entries",
+    "bucket_keys",
+    "open_bucket",
+    "wrong_last_sequence",
+]
 
 
 @attrs.frozen(kw_only=True)
@@ -171,16 +178,20 @@ async def open_bucket(conn: Connection, bucket: str, *, ttl_s: float | None) -> 
             raise ClusterUnavailable(f"cannot create bucket {bucket}: {exc}") from exc
 
 
-async def bucket_entries(conn: Connection, kv: nats.js.kv.KeyValue) -> dict[str, bytes]:
-    """Every key of ``kv`` with its value (those deleted while read are left out)."""
+async def bucket_keys(conn: Connection, kv: nats.js.kv.KeyValue) -> list[str]:
+    """Every key of ``kv``."""
     try:
-        keys = await conn.call(kv.keys())
+        return list(await conn.call(kv.keys()))
     except nats.js.errors.NoKeysError:
-        return {}
+        return []
     except nats.js.errors.APIError as exc:
         raise ClusterUnavailable(f"cannot list a bucket: {exc}") from exc
+
+
+async def bucket_entries(conn: Connection, kv: nats.js.kv.KeyValue) -> dict[str, bytes]:
+    """Every key of ``kv`` with its value (those deleted while read are left out)."""
     found: dict[str, bytes] = {}
-    for key in keys:
+    for key in await bucket_keys(conn, kv):
         try:
             entry = await conn.call(kv.get(key))
         except nats.js.errors.KeyNotFoundError:

@@ -27,7 +27,7 @@ import trio
 
 from greenroom.actors.cluster.connection import Connection, check_session_id
 from greenroom.actors.cluster.errors import ClusterUnavailable
-from greenroom.actors.cluster.leases import bucket_entries, open_bucket
+from greenroom.actors.cluster.leases import bucket_entries, bucket_keys, open_bucket
 
 __all__ = ["HostRecord", "HostRegistry", "SessionDirectory", "assign", "least_loaded"]
 
@@ -194,17 +194,7 @@ class SessionDirectory:
 
     async def ids(self) -> list[str]:
         """The id of every session the cluster knows."""
-        try:
-            return list(await self._conn.call(self._kv.keys()))
-        except nats.js.errors.NoKeysError:
-            return []
-        except nats.js.errors.APIError as exc:
-            raise ClusterUnavailable(f"cannot list the sessions: {exc}") from exc
-
-    async def all(self) -> dict[str, dict[str, Any]]:
-        """Every session the cluster knows, with its metadata."""
-        found = await bucket_entries(self._conn, self._kv)
-        return {k: meta for k, v in found.items() if (meta := _object(v)) is not None}
+        return await bucket_keys(self._conn, self._kv)
 
 
 def _object(data: bytes | None) -> dict[str, Any] | None:

@@ -48,7 +48,6 @@ from typing import Any
 import attrs
 import nats.errors
 import nats.js.api
-import nats.js.errors
 import trio
 from nats.aio.msg import Msg
 from trio_websocket import (
@@ -60,6 +59,7 @@ from trio_websocket import (
 
 from greenroom.actors.cluster.bridge import Bridge, run
 from greenroom.actors.cluster.connection import Connection, connect
+from greenroom.actors.cluster.leases import bucket_keys
 from greenroom.actors.cluster.ownership import SessionOwners
 from greenroom.actors.cluster.traces import FENCE_HEADER, ROTATE_HEADER
 from greenroom.protocols.content import ToolCallBlock
@@ -313,10 +313,7 @@ class Cluster:
         """How many sessions ``host_id`` still owns (a host that stopped cleanly drops its
         lease and owns none; one left waits for the TTL, and its session for the scan)."""
         kv = await self.conn.call(self.conn.js.key_value(self.conn.names.owners))
-        try:
-            keys = await self.conn.call(kv.keys())
-        except nats.js.errors.NoKeysError:
-            return 0
+        keys = await bucket_keys(self.conn, kv)
         owners = await SessionOwners.open(self.conn, ttl_s=self.lease_ttl_s)
         return sum([await owners.holder(key) == host_id for key in keys])
 
