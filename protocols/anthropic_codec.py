@@ -70,6 +70,7 @@ from greenroom.protocols.stream import (
     ToolArgumentsDelta,
     ToolCallTruncated,
     UsageReported,
+    coalesce_deltas,
     text_delta,
 )
 from greenroom.protocols.structured import (
@@ -714,7 +715,7 @@ class AnthropicStreamDecoder:
         if self._sse.at_event_boundary:
             taken = self._feed_delta_events(data, out)
             if taken == len(data):
-                return out
+                return coalesce_deltas(out)
             if taken:
                 data = data[taken:]
         blocks = self._blocks
@@ -746,7 +747,7 @@ class AnthropicStreamDecoder:
             # A method call, because mypy would keep self._done narrowed to False here.
             if self._terminal():
                 break
-        return out
+        return coalesce_deltas(out)
 
     def end_of_stream(self) -> list[StreamEvent]:
         """The body ended. Without ``message_stop`` this is ``StreamFailed(malformed)``,

@@ -79,6 +79,7 @@ from greenroom.protocols.stream import (
     ToolArgumentsDelta,
     ToolCallTruncated,
     UsageReported,
+    coalesce_deltas,
 )
 from greenroom.protocols.structured import openai_strict
 from greenroom.protocols.text import repair_text
@@ -526,7 +527,7 @@ class OpenAIStreamDecoder:
         for _event, text in self._sse.feed_raw(data):
             if not self._on_data(text):
                 break
-        return out
+        return coalesce_deltas(out)
 
     def end_of_stream(self) -> list[StreamEvent]:
         """The body ended: the remaining events, always ending with the terminal event

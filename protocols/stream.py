@@ -189,6 +189,53 @@ StreamEvent = (
 )
 
 
+_Delta = TextDelta | ThinkingDelta | ToolArgumentsDelta
+
+
+def coalesce_deltas(events: list[StreamEvent]) -> list[StreamEvent]:
+    """The events one network read decoded to, each run of deltas of one block joined into
+    one delta. The text is the same and in the same order; what changes is the number of
+    ``partial_*`` outputs (R-RUN-2: a partial chunk is what arrived of a block at once),
+    and with it the work of every layer above and every reader's loop. ``events`` itself
+    when nothing joins, as on a paced stream read one delta at a time."""
+    if len(events) < 2:
+        return events
+    joined: list[StreamEvent] = []
+    head: _Delta | None = None
+    pieces: list[str] = []
+    for event in events:
+        if isinstance(event, (TextDelta, ThinkingDelta, ToolArgumentsDelta)):
+            if head is not None and head.__class__ is event.__class__ and head.index == event.index:
+                pieces.append(_delta_piece(event))
+                continue
+            _end_run(joined, head, pieces)
+            head = event
+            pieces = [_delta_piece(event)]
+        else:
+            _end_run(joined, head, pieces)
+            head = None
+        joined.append(event)
+    _end_run(joined, head, pieces)
+    return events if len(joined) == len(events) else joined
+
+
+def _delta_piece(delta: _Delta) -> str:
+    return delta.delta if isinstance(delta, ToolArgumentsDelta) else delta.text
+
+
+def _end_run(joined: list[StreamEvent], head: _Delta | None, pieces: list[str]) -> None:
+    """Put the run that ``head`` began, if it took more than one delta, in its place."""
+    if head is None or len(pieces) < 2:
+        return
+    whole = "".join(pieces)
+    if isinstance(head, TextDelta):
+        joined[-1] = text_delta(head.index, whole)
+    elif isinstance(head, ThinkingDelta):
+        joined[-1] = ThinkingDelta(index=head.index, text=whole)
+    else:
+        joined[-1] = attrs.evolve(head, delta=whole)
+
+
 class ResponseCollector:
     """One whole response gathered from its stream events, for the requests whose deltas
     nobody watches (compaction summaries, titles): its completed blocks, its text, its
