@@ -8,6 +8,7 @@ sink a :class:`FaultyDisk`, which records them.
 from __future__ import annotations
 
 import sqlite3
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,6 +20,7 @@ import trio.testing
 from greenroom.actors.runtime.disk import DISK, Disk
 from greenroom.actors.runtime.trace_sink import (
     LEDGER_FILE_NAME,
+    SYNC_THREADS,
     TraceSink,
     TraceSinkClosed,
     TraceWriteError,
@@ -441,3 +443,54 @@ async def test_a_released_file_is_still_made_durable_when_it_has_unsynced_lines(
     assert fsynced.count(pending) == 1
     assert synced not in fsynced
     assert seqs(pending) == [1]
+
+
+class CountingDisk(FaultyDisk):
+    """A :class:`FaultyDisk` that sets ``reached`` once ``target`` fsyncs are done."""
+
+    def __init__(self, target: int) -> None:
+        super().__init__()
+        self.target = target
+        self.reached = threading.Event()
+
+    def fsync(self, path: Path) -> None:
+        super().fsync(path)
+        if len(self.fsynced) >= self.target:
+            self.reached.set()
+
+
+async def test_one_batch_fsyncs_its_files_at_once(tmp_path: Path) -> None:
+    """A thousand sessions at a turn boundary are one batch: its fsyncs overlap (up to
+    SYNC_THREADS at once), so one slow file holds back only the few that share its
+    thread, not the whole batch."""
+    paths = [trace_path(tmp_path, f"s{i}") for i in range(20)]
+    stalled_share = -(-len(paths) // SYNC_THREADS)  # the files of the stalled one's thread
+    disk = CountingDisk(target=len(paths) - stalled_share)
+    disk.stall(paths[0])
+    with trio.fail_after(TIMEOUT):
+        async with running_sink(tmp_path, disk) as sink:
+            for path in paths:
+                sink.write(path, line(1, path.parent.name))
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(sink.sync)
+                # Every file outside the stalled thread's share is fsynced while it waits.
+                assert await trio.to_thread.run_sync(disk.reached.wait, TIMEOUT)
+                assert disk.stalled.is_set() and paths[0] not in disk.fsynced
+                disk.release()
+            assert sink.batches_written == 1
+    assert set(paths) <= set(disk.fsynced)
+
+
+async def test_a_directory_is_fsynced_once_for_all_its_new_files(tmp_path: Path) -> None:
+    folder = tmp_path / "sessions" / "shared"
+    paths = [folder / trace_file_name(n) for n in range(1, 21)]
+    disk = FaultyDisk()
+    with trio.fail_after(TIMEOUT):
+        async with running_sink(tmp_path, disk) as sink:
+            for path in paths:
+                sink.write(path, line(1))
+            await sink.sync()
+    assert set(paths) <= set(disk.fsynced)
+    # Each new file's entry is durable once its directory is fsynced after it was made.
+    assert disk.fsynced.count(folder) == 1
+    assert disk.fsynced.index(folder) > max(disk.fsynced.index(p) for p in paths)

@@ -57,7 +57,7 @@ import contextlib
 import math
 import os
 import sqlite3
-from collections.abc import Iterable
+import threading
 from pathlib import Path
 from typing import Any, assert_never
 
@@ -188,7 +188,7 @@ class TraceSink:
       written since their last fsync, and the new directories) to the :class:`TraceSyncer`
       actor's inbox and waits for its :class:`TraceFilesSynced`; :meth:`record_usage`
       sends a :class:`LedgerRow`. The actor groups whatever waits in its inbox into one
-      worker-thread batch (group commit).
+      worker-thread batch (group commit), whose fsyncs overlap (:data:`SYNC_THREADS`).
 
     Lifetime: ``await nursery.start(sink.run)``; the sink is ready (ledger opened) when that
     returns. It ends either by :meth:`aclose` or by cancelling ``run``; both write every
@@ -710,12 +710,19 @@ def _open_ledger(path: Path) -> sqlite3.Connection:
 
 def _run_batch(job: _BatchJob, ledger: sqlite3.Connection | None, disk: Disk) -> _BatchResult:
     errors: dict[Path, str] = {}
+    # Every file once, then every directory once (the entries of all its new files are
+    # made durable by one fsync of it, after they were all created): a directory's failure
+    # is the failure of each file that needed it.
+    needing: dict[Path, list[Path]] = {}
     for path, dirs in job.fsync.items():
-        try:
-            _fsync_file(disk, path)
-            _fsync_dirs(disk, dirs)
-        except OSError as exc:
-            errors[path] = _describe(exc)
+        # Directories cannot be opened for fsync but on POSIX; NTFS journals entries.
+        for directory in dirs if os.name == "posix" else ():
+            needing.setdefault(directory, []).append(path)
+    for path, why in _fsync_all(disk, list(job.fsync)).items():
+        errors[path] = why
+    for directory, why in _fsync_all(disk, list(needing)).items():
+        for path in needing[directory]:
+            errors.setdefault(path, why)
     ledger_error: str | None = None
     if ledger is not None:
         try:
@@ -734,11 +741,53 @@ def _run_batch(job: _BatchJob, ledger: sqlite3.Connection | None, disk: Disk) ->
     return _BatchResult(errors=errors, ledger_error=ledger_error)
 
 
-def _fsync_file(disk: Disk, path: Path) -> None:
-    # Never re-create a file that is gone (its session may have been deleted): nothing of
-    # ours is left in it to make durable.
-    with contextlib.suppress(FileNotFoundError):
-        disk.fsync(path)
+SYNC_THREADS = 8
+"""The most fsyncs of one batch that run at once. The filesystem and the device take
+concurrent fsyncs together (ext4 commits them in one journal transaction), so a thousand
+sessions at a turn boundary wait for about half the time they would one after another
+(``tests/benchmarks/README.md``)."""
+
+_SYNC_ALONE = 8
+"""Fewer paths than this are synced in the batch's own thread: starting threads would
+cost more than the overlap saves."""
+
+
+def _fsync_all(disk: Disk, paths: list[Path]) -> dict[Path, str]:
+    """fsync every path (a file or a directory), up to :data:`SYNC_THREADS` at once; why
+    each one the disk refused was refused. A path that is gone is skipped: never re-create
+    a file whose session was deleted, nothing of ours is left in it to make durable. What
+    is not an OSError (a bug below) is raised, once every thread has ended."""
+    refused: dict[Path, str] = {}
+    bugs: list[BaseException] = []
+
+    def sync(share: list[Path]) -> None:
+        for path in share:
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    disk.fsync(path)
+            except OSError as exc:
+                refused[path] = _describe(exc)
+            except BaseException as exc:
+                bugs.append(exc)
+                return
+
+    if len(paths) < _SYNC_ALONE:
+        sync(paths)
+    else:
+        # Daemon threads, like trio's own workers: a disk that hangs cannot hold the
+        # interpreter's exit, as the final batch may be abandoned on a hung disk.
+        count = min(SYNC_THREADS, len(paths))
+        threads = [
+            threading.Thread(target=sync, args=(paths[i::count],), daemon=True)
+            for i in range(count)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    if bugs:
+        raise bugs[0]
+    return refused
 
 
 def _append(disk: Disk, path: Path, lines: list[bytes]) -> frozenset[Path]:
@@ -783,14 +832,6 @@ def _tighten(path: Path, mode: int) -> None:
     current = path.stat().st_mode & 0o777
     if current & ~mode:
         os.chmod(path, current & mode)
-
-
-def _fsync_dirs(disk: Disk, directories: Iterable[Path]) -> None:
-    if os.name != "posix":
-        return  # directories cannot be opened for fsync elsewhere; NTFS journals entries
-    for directory in directories:
-        with contextlib.suppress(FileNotFoundError):
-            disk.fsync(directory)
 
 
 def _insert_usage(ledger: sqlite3.Connection, rows: list[UsageRow]) -> None:
