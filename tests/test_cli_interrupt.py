@@ -224,6 +224,15 @@ GREENROOM_SCRIPT = str(Path(sys.executable).parent / "greenroom")
 
 LOAD_ATTEMPTS = 8
 
+# Starts the command with SIGINT's default action, as a shell on a terminal does: a test
+# run that is itself a background job ignores SIGINT, its children inherit that, and the
+# command rightly leaves an ignored SIGINT alone (see ``greenroom/__main__.py``).
+DEFAULT_SIGINT_SHIM = (
+    "import os, signal, sys; "
+    "signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
+
 
 def _maps_ssl(pid: int) -> bool | None:
     """Whether the process has loaded the ssl extension (None once it is gone). trio
@@ -248,7 +257,8 @@ def test_ctrl_c_while_the_command_line_loads_exits_130_without_a_traceback(
     outcomes: list[tuple[int, str]] = []
     for attempt in range(LOAD_ATTEMPTS):
         process = subprocess.Popen(
-            [*command, "run", "--data-dir", str(tmp_path / "data"), f"hello {attempt}"],
+            [sys.executable, "-c", DEFAULT_SIGINT_SHIM,
+             *command, "run", "--data-dir", str(tmp_path / "data"), f"hello {attempt}"],
             cwd=tmp_path, env=cli_env(tmp_path), stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )  # fmt: skip
