@@ -151,6 +151,14 @@ class Connection:
         ) as exc:
             raise ClusterUnavailable(f"NATS is unavailable: {_describe(exc)}") from exc
 
+    async def call_api(self, coro: Coroutine[Any, Any, T], doing: str) -> T:
+        """:meth:`call`, with a JetStream API error turned into :class:`ClusterUnavailable`
+        saying what could not be done: ``cannot {doing}: {error}``."""
+        try:
+            return await self.call(coro)
+        except nats.js.errors.APIError as exc:
+            raise ClusterUnavailable(f"cannot {doing}: {exc}") from exc
+
     @property
     def connected(self) -> bool:
         """Whether the client is connected now (not reconnecting, not closed)."""

@@ -127,14 +127,12 @@ class SessionOwners:
         """Make ``token`` ``host_id``'s incarnation (whatever was there: a host id is one
         process, and an earlier incarnation's sessions become claimable at once); the
         revision written."""
-        try:
-            return int(
-                await self._lease_conn.call(
-                    self._lease_kv.put(check_session_id(host_id), token.encode())
-                )
+        return int(
+            await self._lease_conn.call_api(
+                self._lease_kv.put(check_session_id(host_id), token.encode()),
+                f"take the lease of host {host_id}",
             )
-        except nats.js.errors.APIError as exc:
-            raise ClusterUnavailable(f"cannot take the lease of host {host_id}: {exc}") from exc
+        )
 
     async def renew_host_lease(self, host_id: str, token: str, revision: int) -> int | None:
         """Extend ``host_id``'s lease written at ``revision``; the new revision, or None
@@ -152,10 +150,9 @@ class SessionOwners:
 
     async def drop_host_lease(self, host_id: str) -> None:
         """Delete ``host_id``'s lease: every session it owns is claimable at once."""
-        try:
-            await self._lease_conn.call(self._lease_kv.delete(host_id))
-        except nats.js.errors.APIError as exc:
-            raise ClusterUnavailable(f"cannot drop the lease of host {host_id}: {exc}") from exc
+        await self._lease_conn.call_api(
+            self._lease_kv.delete(host_id), f"drop the lease of host {host_id}"
+        )
 
     async def _incarnation(self, host_id: str) -> str | None:
         entry = await _get(self._conn, self._host_leases, host_id)

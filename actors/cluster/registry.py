@@ -110,17 +110,14 @@ class HostRegistry:
     async def announce(self, record: HostRecord) -> None:
         """Publish ``record`` (stamped with the current time)."""
         stamped = attrs.evolve(record, at=time.time())
-        try:
-            await self._conn.call(self._kv.put(check_session_id(record.host_id), stamped.to_json()))
-        except nats.js.errors.APIError as exc:
-            raise ClusterUnavailable(f"cannot announce host {record.host_id}: {exc}") from exc
+        await self._conn.call_api(
+            self._kv.put(check_session_id(record.host_id), stamped.to_json()),
+            f"announce host {record.host_id}",
+        )
 
     async def withdraw(self, host_id: str) -> None:
         """Remove ``host_id`` now (a clean shutdown)."""
-        try:
-            await self._conn.call(self._kv.delete(host_id))
-        except nats.js.errors.APIError as exc:
-            raise ClusterUnavailable(f"cannot withdraw host {host_id}: {exc}") from exc
+        await self._conn.call_api(self._kv.delete(host_id), f"withdraw host {host_id}")
 
     async def hosts(self) -> list[HostRecord]:
         """Every host that announced itself within the TTL."""
@@ -168,12 +165,10 @@ class SessionDirectory:
 
     async def put(self, session_id: str, meta: Mapping[str, Any]) -> None:
         """Store ``meta`` for ``session_id`` (replacing what was there)."""
-        try:
-            await self._conn.call(
-                self._kv.put(check_session_id(session_id), json.dumps(dict(meta)).encode())
-            )
-        except nats.js.errors.APIError as exc:
-            raise ClusterUnavailable(f"cannot store session {session_id}: {exc}") from exc
+        await self._conn.call_api(
+            self._kv.put(check_session_id(session_id), json.dumps(dict(meta)).encode()),
+            f"store session {session_id}",
+        )
 
     async def get(self, session_id: str) -> dict[str, Any] | None:
         """The metadata of ``session_id``, or None when the cluster does not know it."""
@@ -187,10 +182,9 @@ class SessionDirectory:
 
     async def delete(self, session_id: str) -> None:
         """Forget ``session_id``."""
-        try:
-            await self._conn.call(self._kv.delete(check_session_id(session_id)))
-        except nats.js.errors.APIError as exc:
-            raise ClusterUnavailable(f"cannot delete session {session_id}: {exc}") from exc
+        await self._conn.call_api(
+            self._kv.delete(check_session_id(session_id)), f"delete session {session_id}"
+        )
 
     async def ids(self) -> list[str]:
         """The id of every session the cluster knows."""

@@ -112,25 +112,21 @@ class TraceStream:
 
     async def purge(self, session_id: str) -> None:
         """Remove ``session_id``'s trace (the session was deleted)."""
-        try:
-            await self._conn.call(
-                self._conn.js.purge_stream(
-                    self._names.trace_stream, subject=self._names.trace_subject(session_id)
-                )
-            )
-        except nats.js.errors.APIError as exc:
-            raise ClusterUnavailable(f"cannot purge the trace of {session_id}: {exc}") from exc
+        await self._conn.call_api(
+            self._conn.js.purge_stream(
+                self._names.trace_stream, subject=self._names.trace_subject(session_id)
+            ),
+            f"purge the trace of {session_id}",
+        )
 
     async def fence(self, session_id: str, host_id: str) -> TraceWriter:
         """Write a fence for ``host_id`` (which must hold the session's lease) and return
         the writer that appends after it. Every writer made before is refused from now on."""
         subject = self._names.trace_subject(session_id)
-        try:
-            ack = await self._conn.call(
-                self._conn.js.publish(subject, b"", headers={FENCE_HEADER: host_id})
-            )
-        except nats.js.errors.APIError as exc:
-            raise ClusterUnavailable(f"cannot fence the trace of {session_id}: {exc}") from exc
+        ack = await self._conn.call_api(
+            self._conn.js.publish(subject, b"", headers={FENCE_HEADER: host_id}),
+            f"fence the trace of {session_id}",
+        )
         return TraceWriter(self._conn, session_id, expected=ack.seq)
 
     async def read(self, session_id: str, *, after_seq: int = 0) -> TraceRead:
@@ -155,17 +151,15 @@ class TraceStream:
     @contextlib.asynccontextmanager
     async def _subscription(self, session_id: str) -> AsyncIterator[Messages[Msg]]:
         subject = self._names.trace_subject(session_id)
-        try:
-            sub = await self._conn.call(
-                self._conn.js.subscribe(
-                    subject,
-                    stream=self._names.trace_stream,
-                    ordered_consumer=True,
-                    deliver_policy=nats.js.api.DeliverPolicy.ALL,
-                )
-            )
-        except nats.js.errors.APIError as exc:
-            raise ClusterUnavailable(f"cannot read the trace of {session_id}: {exc}") from exc
+        sub = await self._conn.call_api(
+            self._conn.js.subscribe(
+                subject,
+                stream=self._names.trace_stream,
+                ordered_consumer=True,
+                deliver_policy=nats.js.api.DeliverPolicy.ALL,
+            ),
+            f"read the trace of {session_id}",
+        )
 
         async def next_message() -> Msg:
             try:
