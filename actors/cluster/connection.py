@@ -159,6 +159,17 @@ class Connection:
         except nats.js.errors.APIError as exc:
             raise ClusterUnavailable(f"cannot {doing}: {exc}") from exc
 
+    async def close_consumer(self, sub: JetStreamContext.PushSubscription) -> None:
+        """Unsubscribe ``sub`` and delete its ephemeral consumer now; a coroutine for
+        :meth:`call`. A stream holds at most 1,000 consumers by default, and the server
+        keeps an unsubscribed one for seconds: a burst of reads (a takeover's, a thousand
+        placements) would otherwise find the stream full."""
+        await sub.unsubscribe()
+        # Only this attribute holds the consumer's current name: an ordered consumer is
+        # recreated under a new one when it misses a message.
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await self.js.delete_consumer(sub._stream, sub._consumer)
+
     @property
     def connected(self) -> bool:
         """Whether the client is connected now (not reconnecting, not closed)."""

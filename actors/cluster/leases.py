@@ -19,7 +19,10 @@ import json
 import math
 
 import attrs
+import nats.errors
+import nats.js.api
 import nats.js.errors
+from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
 from greenroom.actors.cluster.connection import Connection, check_session_id
 from greenroom.actors.cluster.errors import ClusterUnavailable, LeaseLost
@@ -178,25 +181,75 @@ async def open_bucket(conn: Connection, bucket: str, *, ttl_s: float | None) -> 
             raise ClusterUnavailable(f"cannot create bucket {bucket}: {exc}") from exc
 
 
-async def bucket_keys(conn: Connection, kv: nats.js.kv.KeyValue) -> list[str]:
-    """Every key of ``kv``."""
-    try:
-        return list(await conn.call(kv.keys()))
-    except nats.js.errors.NoKeysError:
-        return []
-    except nats.js.errors.APIError as exc:
-        raise ClusterUnavailable(f"cannot list a bucket: {exc}") from exc
+_MARKER_REASON = "Nats-Marker-Reason"
+"""The header of the marker nats-server (2.11 and later) leaves where a key expired or was
+removed; named here because older nats-py releases do not."""
+
+LIST_WAIT_S = 5.0
+"""How long a bucket listing waits for the server's next entry before giving up."""
 
 
-async def bucket_entries(conn: Connection, kv: nats.js.kv.KeyValue) -> dict[str, bytes]:
-    """Every key of ``kv`` with its value (those deleted while read are left out)."""
-    found: dict[str, bytes] = {}
-    for key in await bucket_keys(conn, kv):
+async def bucket_keys(conn: Connection, bucket: str) -> list[str]:
+    """Every live key of KV bucket ``bucket``."""
+    return list(await _last_per_key(conn, bucket, values=False))
+
+
+async def bucket_entries(conn: Connection, bucket: str) -> dict[str, bytes]:
+    """Every live key of KV bucket ``bucket`` with its value, as of one pass over it."""
+    return await _last_per_key(conn, bucket, values=True)
+
+
+async def _last_per_key(conn: Connection, bucket: str, *, values: bool) -> dict[str, bytes]:
+    """The last entry of each key of ``bucket`` that is not a delete, in one consumer pass.
+
+    nats-py's ``KeyValue.keys()`` decides that a listing is empty when the consumer reports
+    nothing pending before the client has parsed a message; the server can send that answer
+    ahead of the messages it already delivered, and the listing then comes back empty with
+    keys in the bucket. Here the end is the server's own count: the entry delivered with
+    nothing pending after it, or a consumer that has delivered nothing and has nothing to.
+    Its consumer is deleted at the end; should that fail, the server drops it once idle
+    for :data:`LIST_WAIT_S`.
+    """
+    prefix = f"$KV.{bucket}."
+
+    async def listing() -> dict[str, bytes]:
+        sub = await conn.js.subscribe(
+            f"{prefix}>",
+            stream=f"KV_{bucket}",
+            ordered_consumer=True,
+            deliver_policy=nats.js.api.DeliverPolicy.LAST_PER_SUBJECT,
+            headers_only=not values,
+            inactive_threshold=LIST_WAIT_S,
+        )
         try:
-            entry = await conn.call(kv.get(key))
-        except nats.js.errors.KeyNotFoundError:
-            continue
-        except nats.js.errors.APIError as exc:
-            raise ClusterUnavailable(f"cannot read {key}: {exc}") from exc
-        found[key] = entry.value or b""
-    return found
+            info = await sub.consumer_info()
+            found: dict[str, bytes] = {}
+            if info.num_pending == 0 and not (info.delivered and info.delivered.consumer_seq):
+                return found
+            while True:
+                msg = await sub.next_msg(timeout=LIST_WAIT_S)
+                key = msg.subject[len(prefix) :]
+                if _removed(msg.headers):
+                    found.pop(key, None)
+                else:
+                    found[key] = msg.data or b""
+                if msg.metadata.num_pending == 0:
+                    return found
+        finally:
+            await conn.close_consumer(sub)
+
+    try:
+        return await conn.call(listing())
+    except nats.errors.TimeoutError as exc:
+        raise ClusterUnavailable(
+            f"cannot list bucket {bucket}: no entry from the server in {LIST_WAIT_S:g} s"
+        ) from exc
+    except nats.js.errors.APIError as exc:
+        raise ClusterUnavailable(f"cannot list bucket {bucket}: {exc}") from exc
+
+
+def _removed(headers: dict[str, str] | None) -> bool:
+    """Whether a KV message marks its key deleted, purged or expired."""
+    if not headers:
+        return False
+    return headers.get(KV_OP) in (KV_DEL, KV_PURGE) or _MARKER_REASON in headers

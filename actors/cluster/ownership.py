@@ -160,7 +160,7 @@ class SessionOwners:
 
     async def live_hosts(self) -> dict[str, str]:
         """Every host whose lease lives, with its incarnation."""
-        found = await bucket_entries(self._conn, self._host_leases)
+        found = await bucket_entries(self._conn, self._conn.names.host_leases)
         return {host_id: token.decode() for host_id, token in found.items() if token}
 
     # -- sessions -------------------------------------------------------------------------

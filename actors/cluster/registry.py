@@ -121,7 +121,7 @@ class HostRegistry:
 
     async def hosts(self) -> list[HostRecord]:
         """Every host that announced itself within the TTL."""
-        found = await bucket_entries(self._conn, self._kv)
+        found = await bucket_entries(self._conn, self._conn.names.hosts)
         records = (HostRecord.from_json(v) for v in found.values())
         return sorted((r for r in records if r is not None), key=lambda r: r.host_id)
 
@@ -188,7 +188,7 @@ class SessionDirectory:
 
     async def ids(self) -> list[str]:
         """The id of every session the cluster knows."""
-        return await bucket_keys(self._conn, self._kv)
+        return await bucket_keys(self._conn, self._conn.names.sessions)
 
 
 def _object(data: bytes | None) -> dict[str, Any] | None:

@@ -172,7 +172,7 @@ class TraceStream:
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(_UNSUBSCRIBE_S):
                 with contextlib.suppress(ClusterUnavailable, nats.errors.Error):
-                    await self._conn.call(sub.unsubscribe())
+                    await self._conn.call(self._conn.close_consumer(sub))
 
 
 class Records:

@@ -312,8 +312,7 @@ class Cluster:
     async def leases_of(self, host_id: str) -> int:
         """How many sessions ``host_id`` still owns (a host that stopped cleanly drops its
         lease and owns none; one left waits for the TTL, and its session for the scan)."""
-        kv = await self.conn.call(self.conn.js.key_value(self.conn.names.owners))
-        keys = await bucket_keys(self.conn, kv)
+        keys = await bucket_keys(self.conn, self.conn.names.owners)
         owners = await SessionOwners.open(self.conn, ttl_s=self.lease_ttl_s)
         return sum([await owners.holder(key) == host_id for key in keys])
 
