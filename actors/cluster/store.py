@@ -30,7 +30,7 @@ default).
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,9 +58,9 @@ __all__ = ["ClusterCatalog", "ReplicatingTraceLog", "ReplicatingTraceStore"]
 _RETRY_S = 0.5
 """Wait before appending again after NATS was unreachable."""
 
-_COPIED_TICKET = 1
-"""The ticket of a fork's copied records: the file log's, whose every ticket is done as
-soon as its records are written (the copy is, before the fork is opened)."""
+_FIRST_TICKET = 2
+"""The first ticket of a replicated record; the file log's tickets (1) are below, and are
+done as soon as their records are written."""
 
 MAX_MESSAGE_BYTES = 256 * 1024
 """The most trace lines one JetStream message carries (a longer line goes alone)."""
@@ -175,8 +175,11 @@ class ReplicatingTraceLog:
         self._replicas: dict[str, _Replica] = {}
         self._forked: dict[str, list[tuple[int, str]]] = {}
         """The copied records of forks not replicated yet: (trace number, line)."""
-        self._pending: Counter[int] = Counter()
-        self._waiters: list[tuple[int, trio.MemorySendChannel[TraceWritten]]] = []
+        self._tickets = itertools.count(_FIRST_TICKET)
+        self._unacknowledged: set[int] = set()
+        """The tickets of queued records JetStream has not acknowledged: one a record, so
+        each session's tickets are done in its own order, whatever the other sessions'."""
+        self._waiters: dict[int, list[trio.MemorySendChannel[TraceWritten]]] = {}
 
     # -- replication --------------------------------------------------------------------
 
@@ -187,7 +190,7 @@ class ReplicatingTraceLog:
             return
         replica = self._replicas[session_id] = _Replica(session_id)
         for number, line in self._forked.pop(session_id, ()):
-            self._queue(replica, _COPIED_TICKET, number, line)
+            self._queue(replica, number, line)
 
     def replicated(self, session_id: str) -> bool:
         """Whether ``session_id``'s records go to JetStream too."""
@@ -265,11 +268,12 @@ class ReplicatingTraceLog:
             await writer.append(lines)
 
     def _acknowledge(self, done: list[tuple[int, int, str]]) -> None:
+        unacknowledged, waiters = self._unacknowledged, self._waiters
         for ticket, _, _ in done:
-            self._pending[ticket] -= 1
-            if self._pending[ticket] <= 0:
-                del self._pending[ticket]
-        self._run_waiters()
+            unacknowledged.discard(ticket)
+            if waiters:
+                for reply in waiters.pop(ticket, ()):
+                    _tell(reply, ticket)
 
     def _give_up(self, replica: _Replica, error: TraceWriteError) -> None:
         replica.error = error
@@ -278,17 +282,6 @@ class ReplicatingTraceLog:
         self._acknowledge(lost)
         replica.idle.set()
         replica.wakeup.set()
-
-    def _js_done(self, ticket: int) -> bool:
-        return not any(pending <= ticket for pending in self._pending)
-
-    def _run_waiters(self) -> None:
-        ready = [(t, reply) for t, reply in self._waiters if self._js_done(t)]
-        if not ready:
-            return
-        self._waiters = [(t, reply) for t, reply in self._waiters if not self._js_done(t)]
-        for ticket, reply in ready:
-            _tell(reply, ticket)
 
     def _lost(self, session_id: str) -> TraceWriteError:
         return TraceWriteError(
@@ -333,22 +326,24 @@ class ReplicatingTraceLog:
         return self.files.trace_number(session_id)
 
     def append(self, session_id: str, seq: int, line: str) -> int:
-        """As the file log; a replicated session's record is also queued for JetStream
-        under the same ticket. A fenced session's appends are refused."""
+        """As the file log; a replicated session's record is also queued for JetStream,
+        under a ticket of its own. A fenced session's appends are refused."""
         replica = self._replicas.get(session_id)
         if replica is not None and isinstance(replica.error, StaleTraceWriter):
             raise replica.error
         ticket = self.files.append(session_id, seq, line)
         if replica is not None and replica.error is None:
-            self._queue(replica, ticket, self.files.trace_number(session_id), line)
+            return self._queue(replica, self.files.trace_number(session_id), line)
         return ticket
 
-    def _queue(self, replica: _Replica, ticket: int, number: int, line: str) -> None:
+    def _queue(self, replica: _Replica, number: int, line: str) -> int:
+        ticket = next(self._tickets)
         replica.queue.append((ticket, number, line))
         if replica.idle.is_set():
             replica.idle = trio.Event()
-        self._pending[ticket] += 1
+        self._unacknowledged.add(ticket)
         replica.wakeup.set()
+        return ticket
 
     async def fork(self, source_id: str, session_id: str, through_seq: int | None) -> int:
         """As the file log; the copied records wait for the session to be replicated
@@ -370,15 +365,17 @@ class ReplicatingTraceLog:
         return written and (replica is None or not replica.busy())
 
     def batch_done(self, ticket: int) -> bool:
-        """As the file log, and JetStream acknowledged the ticket's records."""
-        return self.files.batch_done(ticket) and self._js_done(ticket)
+        """As the file log (whose records are written once committed, whatever the
+        ticket), and JetStream acknowledged the ticket's record: a replicated session's
+        records are acknowledged in its order, so its earlier ones are too."""
+        return ticket not in self._unacknowledged and self.files.batch_done(ticket)
 
     def when_batch_done(self, ticket: int, reply: trio.MemorySendChannel[TraceWritten]) -> None:
-        """As the file log, once JetStream acknowledged the ticket's records too."""
-        if self.files.batch_done(ticket) and self._js_done(ticket):
+        """As the file log, once JetStream acknowledged the ticket's record too."""
+        if self.batch_done(ticket):
             _tell(reply, ticket)
         else:
-            self._waiters.append((ticket, reply))
+            self._waiters.setdefault(ticket, []).append(reply)
 
     def error(self, session_id: str) -> TraceWriteError | None:
         """As the file log, or the fencing of a replicated session."""

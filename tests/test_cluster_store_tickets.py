@@ -1,0 +1,93 @@
+"""A replicated session's records count as written once JetStream acknowledged *them*,
+whatever the other sessions' appends are doing, against a real nats-server (R-TRACE-3,
+R-RUN-8: a client sees a record once it survives this host; R-CLUSTER-1)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import trio
+
+from greenroom.actors.cluster.connection import Connection
+from greenroom.actors.cluster.store import ReplicatingTraceStore
+from greenroom.actors.cluster.traces import TraceStream, TraceWriter
+from greenroom.protocols.content import TextBlock
+from greenroom.protocols.messages import TraceWritten
+from greenroom.protocols.outputs import UserMsg
+from greenroom.protocols.trace import encode_record
+from tests.support.nats import (  # the fixture is used as nats_server
+    NatsProcess,
+    module_nats_server,  # noqa: F401
+    run_connected,
+)
+
+
+class HeldWriter(TraceWriter):
+    """The real writer, whose appends wait until ``release`` is set."""
+
+    def __init__(self, writer: TraceWriter, release: trio.Event) -> None:
+        super().__init__(writer._conn, writer.session_id, expected=writer.expected)
+        self.release = release
+        self.waiting = trio.Event()
+
+    async def append(self, lines: Sequence[str]) -> int:
+        self.waiting.set()
+        await self.release.wait()
+        return await super().append(lines)
+
+
+def _record(session_id: str, seq: int) -> str:
+    return encode_record(
+        UserMsg(
+            session_id=session_id,
+            run_id="r1",
+            seq=seq,
+            kind="prompt",
+            content=(TextBlock(text=f"record {seq}"),),
+        )
+    )
+
+
+def test_a_session_is_not_held_back_by_another_sessions_append(
+    nats_server: NatsProcess, tmp_path: Path
+) -> None:
+    async def body(conn: Connection) -> list[str]:
+        traces = await TraceStream.open(conn)
+        store = ReplicatingTraceStore(tmp_path, on_fenced=lambda _sid: None)
+        log = store.log
+        seen: list[str] = []
+        release = trio.Event()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(store.run)
+            for sid in ("slow", "fast"):
+                await store.catalog.create(sid, {"session_id": sid})
+                log.start(sid)
+                log.replicate(sid)
+            slow = HeldWriter(await traces.fence("slow", "host-a"), release)
+            await nursery.start(log.stream_to, "slow", slow)
+            await nursery.start(log.stream_to, "fast", await traces.fence("fast", "host-a"))
+
+            slow_ticket = log.append("slow", 1, _record("slow", 1))
+            assert not log.commit("slow")
+            await slow.waiting.wait()  # its append is on its way, and held
+            fast_ticket = log.append("fast", 1, _record("fast", 1))
+            log.commit("fast")
+            send, written = trio.open_memory_channel[TraceWritten](2)
+            log.when_batch_done(slow_ticket, send)
+            log.when_batch_done(fast_ticket, send)
+
+            assert await written.receive() == TraceWritten(ticket=fast_ticket)
+            seen.append("fast acknowledged")
+            assert not log.batch_done(slow_ticket) and log.batch_done(fast_ticket)
+            release.set()
+            assert await written.receive() == TraceWritten(ticket=slow_ticket)
+            seen.append("slow acknowledged")
+            assert log.batch_done(slow_ticket) and log.commit("slow")
+            assert [r.seq for r in (await traces.read("slow")).records] == [1]
+            nursery.cancel_scope.cancel()
+        await store.aclose()
+        return seen
+
+    seen = run_connected(nats_server.url, body, timeout_s=10.0)
+    assert seen == ["fast acknowledged", "slow acknowledged"]
