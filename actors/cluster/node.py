@@ -228,7 +228,7 @@ class ClusterNode:
         # on nothing but this inbox (an announcement is queued without blocking), so the
         # inbox holds only what was published since the watcher's last turn.
         send, inbox = trio.open_memory_channel[list[Output]](math.inf)
-        session.watch(send)
+        session.watch(send, kinds=(TaskStart, TaskEnd))
         session.host.start_task(functools.partial(self._follow, sid, inbox))
         if sid not in self._taking_over:
             with contextlib.suppress(RuntimeError):  # shutting down

@@ -166,19 +166,28 @@ class HostServices(Protocol):
 
 
 class _Watch:
-    """One ``Session.watch``: forwards each batch to the watcher's inbox, never waiting
-    and never raising into the publisher; ends (closes the inbox and leaves ``watchers``)
-    when the inbox is closed, broken or full."""
+    """One ``Session.watch``: forwards each batch (or its outputs of the ``kinds`` asked
+    for, when any) to the watcher's inbox, never waiting and never raising into the
+    publisher; ends (closes the inbox and leaves ``watchers``) when the inbox is closed,
+    broken or full."""
 
-    __slots__ = ("inbox", "watchers")
+    __slots__ = ("inbox", "kinds", "watchers")
 
     def __init__(
-        self, inbox: trio.MemorySendChannel[list[Output]], watchers: list[Listener]
+        self,
+        inbox: trio.MemorySendChannel[list[Output]],
+        watchers: list[Listener],
+        kinds: tuple[type[Output], ...] | None,
     ) -> None:
         self.inbox = inbox
         self.watchers = watchers
+        self.kinds = kinds
 
     def __call__(self, batch: list[Output]) -> None:
+        if self.kinds is not None:
+            batch = [output for output in batch if isinstance(output, self.kinds)]
+            if not batch:
+                return
         try:
             self.inbox.send_nowait(batch)
         except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
@@ -610,11 +619,17 @@ class SessionPort:
 
         return unsubscribe
 
-    def watch(self, inbox: trio.MemorySendChannel[list[Output]]) -> None:
-        """Send every batch published from now on to ``inbox`` with ``send_nowait``."""
+    def watch(
+        self,
+        inbox: trio.MemorySendChannel[list[Output]],
+        *,
+        kinds: tuple[type[Output], ...] | None = None,
+    ) -> None:
+        """Send every batch published from now on to ``inbox`` with ``send_nowait`` (only
+        its outputs of ``kinds``, and only when it has some, when ``kinds`` is given)."""
         if self._listeners is None:
             self._listeners = []
-        self._listeners.append(_Watch(inbox, self._listeners))
+        self._listeners.append(_Watch(inbox, self._listeners, kinds))
 
     def end_watches(self) -> None:
         """Close the inbox of every watch: nothing more is published."""

@@ -750,7 +750,12 @@ class Session:
         :meth:`watch` instead."""
         return self._port.subscribe(listener)
 
-    def watch(self, inbox: trio.MemorySendChannel[list[Output]]) -> None:
+    def watch(
+        self,
+        inbox: trio.MemorySendChannel[list[Output]],
+        *,
+        kinds: tuple[type[Output], ...] | None = None,
+    ) -> None:
         """Send every batch published from now on to ``inbox``, in order (R-ACTOR-1): the
         watcher is a task of its own that opens the channel, hands the session its send
         side and drains the receive side. The publisher never waits: each batch is sent
@@ -762,8 +767,12 @@ class Session:
         when ``inbox`` is full (the watcher is cut off rather than grow: its receive side
         ends after the batches it holds; the trace has the rest), and when the session
         closes. The watcher may send its own markers on ``inbox`` while the watch lasts;
-        they keep their place among the batches (it is FIFO)."""
-        self._port.watch(inbox)
+        they keep their place among the batches (it is FIFO).
+
+        With ``kinds``, a batch is cut down to its outputs of those types, and one that
+        has none is not sent: a watcher that acts on a few kinds of output (a task's start
+        and end, say) is then not woken for each partial output."""
+        self._port.watch(inbox, kinds=kinds)
 
     async def wait_idle(self) -> None:
         """Return when no task is running."""
