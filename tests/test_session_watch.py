@@ -5,6 +5,7 @@ is forgotten."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from conftest import collect
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session import Session
-from greenroom.protocols.outputs import Output, TaskEnd
+from greenroom.protocols.outputs import Output, TaskEnd, TaskStart
 
 BOUND_S = 10
 
@@ -48,6 +49,31 @@ async def test_a_watch_gets_every_batch_in_publication_order(tmp_path: Path) -> 
     assert len(ends) == 2
     seqs = [o.seq for batch in seen for o in batch if o.seq is not None]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+
+
+async def test_a_watch_for_some_kinds_gets_only_those_outputs_and_no_empty_batch(
+    tmp_path: Path,
+) -> None:
+    """``kinds``: each batch cut down to the outputs asked for, in order; a batch with
+    none of them is not sent (the watcher is not woken for partial outputs)."""
+    with trio.fail_after(BOUND_S):
+        async with Host.open(tmp_path / "data") as host:
+            session = await host.create_session(provider=two_tasks(), workspace_dir=tmp_path)
+            heard: list[list[Output]] = []
+            session.subscribe(heard.append)
+            send, receive = trio.open_memory_channel[list[Output]](math.inf)
+            session.watch(send, kinds=(TaskStart, TaskEnd))
+            await collect(session.run("first"))
+            await collect(session.run("second"))
+            seen: list[list[Output]] = []
+            with contextlib.suppress(trio.WouldBlock):
+                while True:
+                    seen.append(receive.receive_nowait())
+    wanted = [o for batch in heard for o in batch if isinstance(o, TaskStart | TaskEnd)]
+    assert [type(o) for o in wanted] == [TaskStart, TaskEnd, TaskStart, TaskEnd]
+    assert [o for batch in seen for o in batch] == wanted
+    assert all(batch for batch in seen)
+    assert len(seen) < len(heard), "batches without a start or an end were not sent"
 
 
 async def test_a_watcher_that_stops_reading_blocks_neither_the_session_nor_others(

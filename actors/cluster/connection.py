@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import attrs
 import nats
 import nats.errors
+import nats.js.api
 import nats.js.errors
 import trio
 from nats.aio.client import Client
@@ -159,16 +160,21 @@ class Connection:
         except nats.js.errors.APIError as exc:
             raise ClusterUnavailable(f"cannot {doing}: {exc}") from exc
 
-    async def close_consumer(self, sub: JetStreamContext.PushSubscription) -> None:
-        """Unsubscribe ``sub`` and delete its ephemeral consumer now; a coroutine for
+    async def close_consumer(
+        self,
+        sub: JetStreamContext.PushSubscription,
+        info: nats.js.api.ConsumerInfo | None = None,
+    ) -> None:
+        """Unsubscribe ``sub`` and delete its ephemeral consumer now (``info``: its
+        consumer's, when the caller holds it; else asked for); a coroutine for
         :meth:`call`. A stream holds at most 1,000 consumers by default, and the server
         keeps an unsubscribed one for seconds: a burst of reads (a takeover's, a thousand
         placements) would otherwise find the stream full."""
         await sub.unsubscribe()
-        # Only this attribute holds the consumer's current name: an ordered consumer is
-        # recreated under a new one when it misses a message.
         with contextlib.suppress(nats.js.errors.NotFoundError):
-            await self.js.delete_consumer(sub._stream, sub._consumer)
+            if info is None:
+                info = await sub.consumer_info()
+            await self.js.delete_consumer(info.stream_name, info.name)
 
     @property
     def connected(self) -> bool:

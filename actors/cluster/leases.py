@@ -221,8 +221,8 @@ async def _last_per_key(conn: Connection, bucket: str, *, values: bool) -> dict[
             headers_only=not values,
             inactive_threshold=LIST_WAIT_S,
         )
+        info = await sub.consumer_info()
         try:
-            info = await sub.consumer_info()
             found: dict[str, bytes] = {}
             if info.num_pending == 0 and not (info.delivered and info.delivered.consumer_seq):
                 return found
@@ -236,7 +236,7 @@ async def _last_per_key(conn: Connection, bucket: str, *, values: bool) -> dict[
                 if msg.metadata.num_pending == 0:
                     return found
         finally:
-            await conn.close_consumer(sub)
+            await conn.close_consumer(sub, info)
 
     try:
         return await conn.call(listing())
