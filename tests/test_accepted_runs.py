@@ -226,3 +226,28 @@ async def test_run_answers_once_its_prompt_is_durable(tmp_path: Path) -> None:
     lines = trace_lines(session)
     assert [line["run_id"] for line in lines if line["type"] == "task_start"] == [run_id]
     assert lines[-1]["status"] == "completed"
+
+
+async def test_a_run_waiting_for_its_prompt_holds_up_no_later_call(tmp_path: Path) -> None:
+    """While the prompt's fsync is held, the connection answers the calls sent after
+    ``run``: a ``steer`` finds the task begun (the run's work was done in order) and is
+    answered first; ``run`` answers once the prompt is durable."""
+    disk = FaultyDisk()
+    options = {"trace_store": lambda d: FileTraceStore(d, disk=disk)}
+    async with serving(tmp_path, host_options=options) as server, connect(server) as client:
+        sid = (await client.result("session.create"))["session_id"]
+        session = await server.host.load_session(sid)
+        disk.stall(session.trace_path)
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await client.send({"jsonrpc": "2.0", "id": "run", "method": "run",
+                               "params": {"session_id": sid, "input": "hi"}})
+            await client.send({"jsonrpc": "2.0", "id": "steer", "method": "steer",
+                               "params": {"session_id": sid, "input": "and more"}})
+            first = await client.receive()
+            assert first == {"jsonrpc": "2.0", "id": "steer", "result": {"queued": True}}
+            await trio.to_thread.run_sync(disk.stalled.wait, RUN_TIMEOUT_S)
+            disk.release()
+            second = await client.receive()
+            assert second["id"] == "run" and isinstance(second["result"]["run_id"], str)
+            await session.wait_idle()
+    assert trace_lines(session)[-1]["status"] == "completed"

@@ -43,8 +43,8 @@ from greenroom.actors.cluster.errors import ClusterError, ClusterUnavailable, Ow
 from greenroom.actors.cluster.registry import HostRecord, HostRegistry, SessionDirectory
 from greenroom.actors.cluster.routing import SessionRequests
 from greenroom.actors.cluster.traces import TraceStream
+from greenroom.actors.gateway.connection import AnswerLater, Handler
 from greenroom.actors.gateway.connection import Connection as GatewayConnection
-from greenroom.actors.gateway.connection import Handler
 from greenroom.actors.gateway.hubs import Subscription, output_frame
 from greenroom.actors.gateway.methods import ROUTED
 from greenroom.actors.runtime.errors import (
@@ -122,6 +122,9 @@ async def _reply(call: Awaitable[Any]) -> dict[str, Any]:
     error: RpcError
     try:
         result = await call
+        if isinstance(result, AnswerLater):
+            # The caller's connection goes on meanwhile: only this reply waits.
+            result = await result.wait()
     except RpcError as exc:
         error = exc
     except (Busy, AuthLocked, SessionNotFound) as exc:

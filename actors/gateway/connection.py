@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
@@ -39,6 +40,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Handler = Callable[["Connection", dict[str, Any]], Awaitable[Any]]
+
+
+@attrs.frozen
+class AnswerLater:
+    """What a handler returns when its work is done but its answer must wait (``run``: for
+    the prompt to be durable). The connection goes on with the next call at once and sends
+    the answer when ``wait()`` returns it (or raises); in a batch, and wherever a handler's
+    result is awaited in place, ``wait()`` is awaited there."""
+
+    wait: Callable[[], Awaitable[Any]]
 """A method's handler: the connection that called and the call's params; returns the
 result (raising :class:`RpcError` or a :class:`GreenroomError` to answer an error)."""
 
@@ -362,17 +373,52 @@ class Connection:
             assert self._nursery is not None
             self._nursery.start_soon(self._answer_later, call, method)
             return None
-        return await self._call(call, method)
+        answer = await self._call(call, lambda: method(self, call.params))
+        if not isinstance(answer, AnswerLater):
+            return answer
+        if detach:
+            # The call's work is done, in the order of the calls; only its answer waits,
+            # and the calls after it are not held up by it.
+            assert self._nursery is not None
+            self._nursery.start_soon(self._send_when_ready, call, answer)
+            return None
+        return await self._settle(call, answer)
 
     async def _answer_later(self, call: Request | Notification, method: Handler) -> None:
-        answer = await self._call(call, method)
+        answer = await self._call(call, lambda: method(self, call.params))
+        if isinstance(answer, AnswerLater):
+            answer = await self._settle(call, answer)
         if answer is not None:
             self.outbox.put_nowait(jsonrpc.encode(answer))
 
-    async def _call(self, call: Request | Notification, method: Handler) -> dict[str, Any] | None:
+    async def _send_when_ready(self, call: Request | Notification, later: AnswerLater) -> None:
+        answer = await self._settle(call, later)
+        if answer is not None:
+            self.outbox.put_nowait(jsonrpc.encode(answer))
+
+    async def _settle(
+        self, call: Request | Notification, later: AnswerLater
+    ) -> dict[str, Any] | None:
+        answer = await self._call(call, later.wait, final=True)
+        assert not isinstance(answer, AnswerLater)
+        return answer
+
+    async def _call(
+        self,
+        call: Request | Notification,
+        invoke: Callable[[], Awaitable[Any]],
+        *,
+        final: bool = False,
+    ) -> dict[str, Any] | AnswerLater | None:
+        """The answer frame of ``invoke()`` (or the :class:`AnswerLater` it returned, unless
+        ``final``: an answer that waits for another is a handler's bug)."""
         error: RpcError
         try:
-            result = await method(self, call.params)
+            result = await invoke()
+            if isinstance(result, AnswerLater):
+                if not final:
+                    return result
+                raise TypeError(f"the answer of {call.method} waited for another answer")
         except RpcError as exc:
             error = exc
         except (Busy, AuthLocked, SessionNotFound) as exc:
@@ -393,3 +439,4 @@ class Connection:
         if isinstance(call, Request):
             return jsonrpc.error_frame(call.id, error)
         return None
+

@@ -40,7 +40,7 @@ from greenroom.actors.gateway.config import (
     GatewayLimits,
     SessionDefaults,
 )
-from greenroom.actors.gateway.connection import Connection, Handler
+from greenroom.actors.gateway.connection import AnswerLater, Connection, Handler
 from greenroom.actors.gateway.creation import SessionCreation
 from greenroom.actors.gateway.hubs import Hubs, session_state
 from greenroom.actors.gateway.nodes import Nodes
@@ -414,9 +414,9 @@ class Methods:
 
     async def rpc_run(self, connection: Connection, params: dict[str, Any]) -> Any:
         """Start a task on the session; its outputs reach the client through its subscription.
-        Returns ``{run_id}`` once the task's prompt is durable (the run then happens even
-        if this host dies: another takes it up); a busy (409) or auth-locked (423)
-        session refuses."""
+        Answers ``{run_id}`` once the task's prompt is durable (the run then happens even
+        if this host dies: another takes it up), without holding up the connection's
+        later calls meanwhile; a busy (409) or auth-locked (423) session refuses."""
         jsonrpc.check_params(params, "run")
         output = jsonrpc.optional_output_schema(params)
         session = await self._hubs.settled(
@@ -424,12 +424,18 @@ class Methods:
         )
         content = await self._input(session, params)
         stream = session.run(content, approve=self.approver(), output_schema=output)
-        # Answered once the prompt is durable: from then on the run is not lost with
-        # this host (R-CLUSTER-2); a disk that hangs holds the answer only so long.
-        with trio.move_on_after(ACCEPT_WAIT_S):
-            await stream.accepted()
-        stream.detach()  # clients read the outputs through their subscriptions
-        return {"run_id": stream.run_id}
+
+        async def once_accepted() -> dict[str, Any]:
+            # Answered once the prompt is durable: from then on the run is not lost with
+            # this host (R-CLUSTER-2); a disk that hangs holds the answer only so long.
+            with trio.move_on_after(ACCEPT_WAIT_S):
+                await stream.accepted()
+            stream.detach()  # clients read the outputs through their subscriptions
+            return {"run_id": stream.run_id}
+
+        # The task has started: the connection's next call (a steer, say) finds it so,
+        # and waits for no disk.
+        return AnswerLater(once_accepted)
 
     async def rpc_steer(self, connection: Connection, params: dict[str, Any]) -> Any:
         """Steer the running task with ``input`` (R-STEER-1); ``queued`` is False when idle."""

@@ -268,6 +268,7 @@ async def start_serve(
     nursery: trio.Nursery, workers: int, model_url: str, work: Path, n: int,
     log_path: Path | None = None,
     lease_ttl_s: float | None = None,
+    per_connection: int = 0,
 ) -> Serve:
     """Start ``greenroom serve --workers`` and wait until it serves."""
     workspace = work / "ws"
@@ -296,7 +297,8 @@ async def start_serve(
             "--no-builtin-tools",
             "--approve", "all",
             "--max-sessions-per-principal", room,
-            "--max-connections-per-principal", str(max(64, connections_for(n) + 8)),
+            "--max-connections-per-principal",
+            str(max(64, connections_for(n, per_connection or PER_CONNECTION) + 8)),
             *([] if lease_ttl_s is None else ["--lease-ttl", f"{lease_ttl_s:g}"]),
         ],
         env=env,
@@ -504,7 +506,8 @@ async def measure(
         with MockServer(*mock_args, pin=False) as mock:
             async with trio.open_nursery() as nursery:
                 serve = await start_serve(
-                    nursery, workers, mock.base_url, work, n, log_path, lease_ttl_s
+                    nursery, workers, mock.base_url, work, n, log_path, lease_ttl_s,
+                    per_connection,
                 )
                 try:
                     row = await _drive(serve, mock, n, per_connection, ideal, failures)
