@@ -10,9 +10,15 @@ import trio
 import trio.testing
 
 from greenroom.actors.cluster.registry import HostRecord, HostRegistry, SessionDirectory
-from greenroom.actors.cluster.router import OWNER_UNREACHABLE, ClusterRouter, OwnerDesk
+from greenroom.actors.cluster.router import (
+    ACCEPTED_METHOD,
+    OWNER_UNREACHABLE,
+    ClusterRouter,
+    OwnerDesk,
+)
 from greenroom.actors.cluster.routing import SessionRequests
 from greenroom.actors.cluster.traces import TraceStream
+from greenroom.actors.gateway.connection import AnswerLater
 from greenroom.actors.gateway.connection import Connection as GatewayConnection
 from greenroom.actors.gateway.server import Gateway
 from greenroom.actors.runtime.errors import Busy
@@ -71,6 +77,57 @@ def test_forwarded_calls_answer_like_a_gateway_connection() -> None:
     assert not_forwarded["error"]["code"] == jsonrpc.METHOD_NOT_FOUND
     assert anonymous["error"]["code"] == jsonrpc.INVALID_REQUEST
     assert elsewhere["error"]["code"] == OWNER_UNREACHABLE
+
+
+class _Host:
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self.start_task = nursery.start_soon
+
+
+def test_a_forwarded_run_is_answered_once_begun_then_once_accepted() -> None:
+    """The sender's first request is answered as soon as the task has begun (with the
+    token of the second); the second once the prompt is durable; an unknown token is the
+    503 of a session that changed hosts; a sender that asks nothing gets one answer."""
+
+    async def main() -> dict[str, Any]:
+        desk, gateway = _desk({"s1"})
+        durable = trio.Event()
+
+        async def run(connection: Any, params: dict[str, Any]) -> Any:
+            async def accepted() -> Any:
+                await durable.wait()
+                return {"run_id": "r1", "durable": True}
+
+            return AnswerLater(accepted, begun={"run_id": "r1"})
+
+        gateway.methods["run"] = run
+        found: dict[str, Any] = {}
+        async with trio.open_nursery() as nursery:
+            cast(Any, gateway).host = _Host(nursery)
+            handle = desk.for_session("s1")
+            call = {"method": "run", "params": {}, "principal": "alice"}
+            found["begun"] = await handle({**call, "answer": "begun"})
+            token = found["begun"]["accepted"]
+            asked = {"method": ACCEPTED_METHOD, "params": {"token": token}, "principal": "a"}
+
+            async def ask() -> None:
+                found["accepted"] = await handle(asked)
+
+            nursery.start_soon(ask)
+            await trio.testing.wait_all_tasks_blocked()
+            found["before_durable"] = "accepted" in found
+            durable.set()
+            await trio.testing.wait_all_tasks_blocked()
+            found["again"] = await handle(asked)  # asked once only
+            found["whole"] = await handle(call)  # an older sender: one answer, once durable
+        return found
+
+    found = trio.run(main)
+    assert found["begun"]["result"] == {"run_id": "r1"}
+    assert found["before_durable"] is False
+    assert found["accepted"] == {"result": {"run_id": "r1", "durable": True}}
+    assert found["again"]["error"]["code"] == OWNER_UNREACHABLE
+    assert found["whole"] == {"result": {"run_id": "r1", "durable": True}}
 
 
 def test_a_watch_lasts_until_withdrawn_or_not_renewed() -> None:

@@ -46,7 +46,7 @@ from greenroom.actors.cluster.traces import TraceStream
 from greenroom.actors.gateway.connection import AnswerLater, Handler
 from greenroom.actors.gateway.connection import Connection as GatewayConnection
 from greenroom.actors.gateway.hubs import Subscription, output_frame
-from greenroom.actors.gateway.methods import ROUTED
+from greenroom.actors.gateway.methods import ACCEPT_WAIT_S, ROUTED
 from greenroom.actors.runtime.errors import (
     AuthLocked,
     Busy,
@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from greenroom.actors.gateway.server import Gateway
 
 __all__ = [
+    "ACCEPTED_METHOD",
     "HAND_OVER_METHOD",
     "OWNER_UNREACHABLE",
     "REPORT_METHOD",
@@ -78,6 +79,12 @@ HAND_OVER_METHOD = "session.take"
 REPORT_METHOD = "subagent.finished"
 """The request a host sends a parent's owner with a background subagent's answer:
 params ``{"child_id", "text"}`` (R-TREE-4)."""
+
+ACCEPTED_METHOD = "run.accepted"
+"""The second request of a forwarded ``run``: params ``{"token"}`` from the first one's
+reply; answered as ``run`` is, once the prompt is durable. The first request (``run``
+with ``"answer": "begun"``) is answered as soon as the owner has started the task, so the
+forwarding connection goes on with its next call (whose effects then follow the run's)."""
 """The JSON-RPC error code of a call whose session's owner did not answer in time."""
 
 FORWARDED = ROUTED - {"session.subscribe", "session.unsubscribe"}
@@ -116,14 +123,18 @@ def _is_forwarded(connection: GatewayConnection) -> bool:
     return getattr(connection, "forwarded", False) is True
 
 
-async def _reply(call: Awaitable[Any]) -> dict[str, Any]:
+async def _reply(call: Awaitable[Any], *, later: list[AnswerLater] | None = None) -> dict[str, Any]:
     """A handler's result or error as a reply object (the errors a gateway connection
-    would answer, with the same codes)."""
+    would answer, with the same codes). A result that answers later is awaited, unless
+    ``later`` is given and it says what it has begun: then that is the result, and the
+    :class:`AnswerLater` is put in ``later``."""
     error: RpcError
     try:
         result = await call
         if isinstance(result, AnswerLater):
-            # The caller's connection goes on meanwhile: only this reply waits.
+            if later is not None and result.begun is not None:
+                later.append(result)
+                return {"result": result.begun}
             result = await result.wait()
     except RpcError as exc:
         error = exc
@@ -164,6 +175,9 @@ class OwnerDesk:
         takes: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
         self._methods = gateway.methods
+        self._gateway = gateway
+        self._accepting: dict[str, _Accepting] = {}
+        """Token → a forwarded run whose sender will ask when its prompt is durable."""
         self._reports = reports
         self._takes = takes
         self._serves = serves
@@ -212,15 +226,55 @@ class OwnerDesk:
                 if not watches:
                     del self._watchers[session_id]
                 return {"result": {}}
+            if method == ACCEPTED_METHOD:
+                return await self._accepted(params.get("token"))
             if method not in FORWARDED:
                 return _error(jsonrpc.METHOD_NOT_FOUND, f"method not found: {method!r}")
             if not self._serves(session_id):
                 # Lost between the request and now: the sender tries again later.
                 return _error(OWNER_UNREACHABLE, f"session {session_id} is moving to another host")
             params = {**params, "session_id": session_id}
-            return await _reply(self._methods[str(method)](_as_caller(principal), params))
+            call = self._methods[str(method)](_as_caller(principal), params)
+            if method != "run" or message.get("answer") != "begun":
+                return await _reply(call)
+            later: list[AnswerLater] = []
+            reply = await _reply(call, later=later)
+            if later:
+                reply["accepted"] = self._settle(later[0])
+            return reply
 
         return handle
+
+    def _settle(self, later: AnswerLater) -> str:
+        """Await ``later`` apart; the token under which its reply is asked for."""
+        token = uuid.uuid4().hex
+        accepting = self._accepting[token] = _Accepting()
+
+        async def settle() -> None:
+            try:
+                accepting.reply = await _reply(later.wait())
+            except Exception as exc:  # a task of the host's: it must not end the host
+                accepting.reply = _error(jsonrpc.INTERNAL_ERROR, f"internal error: {exc!r}")
+            accepting.done.set()
+            # Kept while the sender may still ask (a forwarded call's bound), no longer.
+            with accepting.linger:
+                await trio.sleep(self._bound_s)
+            self._accepting.pop(token, None)
+
+        self._gateway.host.start_task(settle)
+        return token
+
+    async def _accepted(self, token: object) -> dict[str, Any]:
+        accepting = self._accepting.pop(token, None) if isinstance(token, str) else None
+        if accepting is None:
+            return _error(
+                OWNER_UNREACHABLE,
+                "the session changed hosts while its run was being accepted: its trace "
+                "says whether the run was taken up",
+            )
+        await accepting.done.wait()
+        accepting.linger.cancel()
+        return accepting.reply
 
     async def for_host(self, message: dict[str, Any]) -> dict[str, Any]:
         """The handler of this host's own subject: a ``session.create`` placed here, or
@@ -244,6 +298,15 @@ class OwnerDesk:
             with trio.move_on_after(self._bound_s):
                 await self._until_serving(result["session_id"])
         return reply
+
+
+class _Accepting:
+    """A forwarded run's acceptance, awaited on the owner for its sender."""
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.reply: dict[str, Any] = {}
+        self.linger = trio.CancelScope()
 
 
 def _error(code: int, message: str) -> dict[str, Any]:
@@ -366,6 +429,8 @@ class ClusterRouter:
             if subscription is not None:
                 subscription.close()
             return {"unsubscribed": subscription is not None}
+        if method == "run":
+            return await self._forward_run(session_id, params, principal)
         timeout = max(self._timeout_s, COMPACT_TIMEOUT_S) if method == "compact" else None
         result = _raise_reply(await self._forward(session_id, method, params, principal, timeout))
         if method == "session.fork" and isinstance(result, dict):
@@ -376,6 +441,24 @@ class ClusterRouter:
                 self._gateway.grant(principal, fork_id)
         return result
 
+    async def _forward_run(self, session_id: str, params: dict[str, Any], principal: str) -> Any:
+        """``run`` on another host's session: answered as soon as the owner has started
+        the task, then (:class:`AnswerLater`) once the owner says the prompt is durable."""
+        reply = await self._forward(session_id, "run", params, principal, answer="begun")
+        token = reply.get("accepted")
+        result = _raise_reply(reply)
+        if not isinstance(token, str):
+            return result  # an owner that answers once the prompt is durable
+
+        async def accepted() -> Any:
+            asked = {"token": token}
+            bound = ACCEPT_WAIT_S + self._timeout_s
+            return _raise_reply(
+                await self._forward(session_id, ACCEPTED_METHOD, asked, principal, bound)
+            )
+
+        return AnswerLater(accepted, begun=result)
+
     async def _forward(
         self,
         session_id: str,
@@ -383,8 +466,12 @@ class ClusterRouter:
         params: dict[str, Any],
         principal: str,
         timeout_s: float | None = None,
+        *,
+        answer: str | None = None,
     ) -> dict[str, Any]:
         message = {"method": method, "params": params, "principal": principal}
+        if answer is not None:
+            message["answer"] = answer
         try:
             return await self._requests.request(
                 session_id, message, timeout_s=timeout_s or self._timeout_s

@@ -50,6 +50,9 @@ class AnswerLater:
     result is awaited in place, ``wait()`` is awaited there."""
 
     wait: Callable[[], Awaitable[Any]]
+    begun: Any = None
+    """What is known already (``run``: its ``run_id``): a host that forwarded the call
+    is told this at once and asks for the answer apart."""
 """A method's handler: the connection that called and the call's params; returns the
 result (raising :class:`RpcError` or a :class:`GreenroomError` to answer an error)."""
 

@@ -435,7 +435,7 @@ class Methods:
 
         # The task has started: the connection's next call (a steer, say) finds it so,
         # and waits for no disk.
-        return AnswerLater(once_accepted)
+        return AnswerLater(once_accepted, begun={"run_id": stream.run_id})
 
     async def rpc_steer(self, connection: Connection, params: dict[str, Any]) -> Any:
         """Steer the running task with ``input`` (R-STEER-1); ``queued`` is False when idle."""
