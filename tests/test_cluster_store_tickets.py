@@ -12,15 +12,13 @@ import trio
 from greenroom.actors.cluster.connection import Connection
 from greenroom.actors.cluster.store import ReplicatingTraceStore
 from greenroom.actors.cluster.traces import TraceStream, TraceWriter
-from greenroom.protocols.content import TextBlock
 from greenroom.protocols.messages import TraceWritten
-from greenroom.protocols.outputs import UserMsg
-from greenroom.protocols.trace import encode_record
 from tests.support.nats import (  # the fixture is used as nats_server
     NatsProcess,
     module_nats_server,  # noqa: F401
     run_connected,
 )
+from tests.test_store_conformance import record
 
 
 class HeldWriter(TraceWriter):
@@ -35,18 +33,6 @@ class HeldWriter(TraceWriter):
         self.waiting.set()
         await self.release.wait()
         return await super().append(lines)
-
-
-def _record(session_id: str, seq: int) -> str:
-    return encode_record(
-        UserMsg(
-            session_id=session_id,
-            run_id="r1",
-            seq=seq,
-            kind="prompt",
-            content=(TextBlock(text=f"record {seq}"),),
-        )
-    )
 
 
 def test_a_session_is_not_held_back_by_another_sessions_append(
@@ -68,10 +54,10 @@ def test_a_session_is_not_held_back_by_another_sessions_append(
             await nursery.start(log.stream_to, "slow", slow)
             await nursery.start(log.stream_to, "fast", await traces.fence("fast", "host-a"))
 
-            slow_ticket = log.append("slow", 1, _record("slow", 1))
+            slow_ticket = log.append("slow", 1, record("slow", 1))
             assert not log.commit("slow")
             await slow.waiting.wait()  # its append is on its way, and held
-            fast_ticket = log.append("fast", 1, _record("fast", 1))
+            fast_ticket = log.append("fast", 1, record("fast", 1))
             log.commit("fast")
             send, written = trio.open_memory_channel[TraceWritten](2)
             log.when_batch_done(slow_ticket, send)

@@ -26,9 +26,10 @@ def two_tasks() -> ScriptedProvider:
     return ScriptedProvider([Reply(blocks=(text("One."),)), Reply(blocks=(text("Two."),))])
 
 
-async def test_a_watch_gets_every_batch_in_publication_order(tmp_path: Path) -> None:
-    """Across batches and across tasks the watch sees exactly what a subscriber sees, in
-    the same order, as the batches the publisher handed out."""
+async def watched_two_tasks(
+    tmp_path: Path, kinds: tuple[type[Output], ...] | None = None
+) -> tuple[list[list[Output]], list[list[Output]]]:
+    """Two tasks run with a subscriber and a watch (``kinds``): what each got."""
     with trio.fail_after(BOUND_S):
         async with Host.open(tmp_path / "data") as host:
             session = await host.create_session(provider=two_tasks(), workspace_dir=tmp_path)
@@ -36,12 +37,20 @@ async def test_a_watch_gets_every_batch_in_publication_order(tmp_path: Path) -> 
             session.subscribe(heard.append)
             # Unbounded: the test reads only after the tasks, and must lose nothing.
             send, receive = trio.open_memory_channel[list[Output]](math.inf)
-            session.watch(send)
+            session.watch(send, kinds=kinds)
             await collect(session.run("first"))
             await collect(session.run("second"))
             seen: list[list[Output]] = []
-            while len(seen) < len(heard):
-                seen.append(receive.receive_nowait())
+            with contextlib.suppress(trio.WouldBlock):
+                while True:
+                    seen.append(receive.receive_nowait())
+    return heard, seen
+
+
+async def test_a_watch_gets_every_batch_in_publication_order(tmp_path: Path) -> None:
+    """Across batches and across tasks the watch sees exactly what a subscriber sees, in
+    the same order, as the batches the publisher handed out."""
+    heard, seen = await watched_two_tasks(tmp_path)
     assert len(heard) > 2, "the tasks published several batches"
     assert seen == heard
     assert [b is h for b, h in zip(seen, heard, strict=True)] == [True] * len(heard)
@@ -56,19 +65,7 @@ async def test_a_watch_for_some_kinds_gets_only_those_outputs_and_no_empty_batch
 ) -> None:
     """``kinds``: each batch cut down to the outputs asked for, in order; a batch with
     none of them is not sent (the watcher is not woken for partial outputs)."""
-    with trio.fail_after(BOUND_S):
-        async with Host.open(tmp_path / "data") as host:
-            session = await host.create_session(provider=two_tasks(), workspace_dir=tmp_path)
-            heard: list[list[Output]] = []
-            session.subscribe(heard.append)
-            send, receive = trio.open_memory_channel[list[Output]](math.inf)
-            session.watch(send, kinds=(TaskStart, TaskEnd))
-            await collect(session.run("first"))
-            await collect(session.run("second"))
-            seen: list[list[Output]] = []
-            with contextlib.suppress(trio.WouldBlock):
-                while True:
-                    seen.append(receive.receive_nowait())
+    heard, seen = await watched_two_tasks(tmp_path, kinds=(TaskStart, TaskEnd))
     wanted = [o for batch in heard for o in batch if isinstance(o, TaskStart | TaskEnd)]
     assert [type(o) for o in wanted] == [TaskStart, TaskEnd, TaskStart, TaskEnd]
     assert [o for batch in seen for o in batch] == wanted
