@@ -71,6 +71,7 @@ __all__ = [
 ]
 
 OWNER_UNREACHABLE = 503
+"""The JSON-RPC error code of a call whose session's owner did not answer in time."""
 
 HAND_OVER_METHOD = "session.take"
 """The request a draining host sends the host it hands a session to (R-DRAIN-2): params
@@ -85,7 +86,6 @@ ACCEPTED_METHOD = "run.accepted"
 reply; answered as ``run`` is, once the prompt is durable. The first request (``run``
 with ``"answer": "begun"``) is answered as soon as the owner has started the task, so the
 forwarding connection goes on with its next call (whose effects then follow the run's)."""
-"""The JSON-RPC error code of a call whose session's owner did not answer in time."""
 
 FORWARDED = ROUTED - {"session.subscribe", "session.unsubscribe"}
 """The calls a gateway forwards to a session's owner."""

@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Handler = Callable[["Connection", dict[str, Any]], Awaitable[Any]]
+"""A method's handler: the connection that called and the call's params; returns the
+result (raising :class:`RpcError` or a :class:`GreenroomError` to answer an error)."""
 
 
 @attrs.frozen
@@ -53,8 +55,6 @@ class AnswerLater:
     begun: Any = None
     """What is known already (``run``: its ``run_id``): a host that forwarded the call
     is told this at once and asks for the answer apart."""
-"""A method's handler: the connection that called and the call's params; returns the
-result (raising :class:`RpcError` or a :class:`GreenroomError` to answer an error)."""
 
 
 class TokenBucket:
@@ -442,4 +442,3 @@ class Connection:
         if isinstance(call, Request):
             return jsonrpc.error_frame(call.id, error)
         return None
-
