@@ -26,6 +26,7 @@ cancelled too, and the caller does not wait for it to finish.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Generic, ParamSpec, TypeVar
@@ -78,12 +79,18 @@ class Bridge:
             raise BridgeClosed("the call was cancelled on the asyncio side")
         return task.result()
 
-    def messages(self, next_message: Callable[[], Awaitable[T]]) -> Messages[T]:
+    def messages(
+        self, next_message: Callable[[], Awaitable[T]], ready: Callable[[], int] | None = None
+    ) -> Messages[T]:
         """The items that ``next_message`` (a coroutine function such as a nats-py
         subscription's ``next_msg`` without timeout) gives, one call each, as a trio async
-        iterator. One item is pulled at a time, so a slow trio consumer leaves the items in
-        the client's own pending buffer (with its limits) instead of in ours."""
-        return Messages(self, next_message)
+        iterator. ``ready()``, when given, says how many items ``next_message`` has at
+        hand (a subscription's ``pending_msgs``): one crossing of the bridge then brings
+        those too, up to :data:`BATCH` — a crossing costs the trio side a scheduling
+        round, which on a busy host holds a busy subject's messages back for seconds.
+        Items are pulled only when the consumer asks for more, so a slow trio consumer
+        leaves them in the client's own pending buffer (with its limits), not in ours."""
+        return Messages(self, next_message, ready)
 
     def _wake(self, event: trio.Event) -> None:
         # A call that finishes after the trio run ended has nobody to wake.
@@ -91,22 +98,48 @@ class Bridge:
             self._token.run_sync_soon(event.set)
 
 
-class Messages(Generic[T]):
-    """An async iterator over the items of an asyncio coroutine function, called once per
-    item through the bridge; it ends when the coroutine raises StopAsyncIteration."""
+BATCH = 256
+"""The most items one crossing of :meth:`Bridge.messages` brings."""
 
-    def __init__(self, bridge: Bridge, next_message: Callable[[], Awaitable[T]]) -> None:
+
+class Messages(Generic[T]):
+    """An async iterator over the items of an asyncio coroutine function, called through
+    the bridge (with the items ``ready()`` says are at hand, in the same crossing); it ends
+    when the coroutine raises StopAsyncIteration."""
+
+    def __init__(
+        self,
+        bridge: Bridge,
+        next_message: Callable[[], Awaitable[T]],
+        ready: Callable[[], int] | None = None,
+    ) -> None:
         self._bridge = bridge
         self._next = next_message
+        self._ready = ready
+        self._taken: collections.deque[T] = collections.deque()
+        self._ended = False
 
     def __aiter__(self) -> Messages[T]:
         return self
 
     async def __anext__(self) -> T:
-        return await self._bridge.call(self._one)
+        if not self._taken:
+            if self._ended:
+                raise StopAsyncIteration
+            self._taken.extend(await self._bridge.call(self._some))
+        return self._taken.popleft()
 
-    async def _one(self) -> T:
-        return await self._next()
+    async def _some(self) -> list[T]:
+        items = [await self._next()]
+        ready = self._ready
+        if ready is not None:
+            try:
+                while len(items) < BATCH and ready() > 0:
+                    items.append(await self._next())
+            except StopAsyncIteration:
+                # The end comes after what was taken: handed out first.
+                self._ended = True
+        return items
 
 
 def _swallow(task: asyncio.Future[Any]) -> None:

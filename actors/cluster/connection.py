@@ -201,7 +201,7 @@ class Connection:
                 raise StopAsyncIteration from None
 
         try:
-            yield self.bridge.messages(next_message)
+            yield self.bridge.messages(next_message, lambda: sub.pending_msgs)
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_S):
                 with contextlib.suppress(ClusterUnavailable, nats.errors.Error):

@@ -136,7 +136,9 @@ class SessionRequests:
             await self._conn.call(self._conn.client.flush())
             task_status.started()
             async with trio.open_nursery() as handlers:
-                async for msg in self._conn.bridge.messages(next_message):
+                async for msg in self._conn.bridge.messages(
+                    next_message, lambda: sub.pending_msgs
+                ):
                     if msg.reply:
                         handlers.start_soon(answer, msg)
         finally:

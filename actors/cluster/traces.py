@@ -168,7 +168,7 @@ class TraceStream:
                 raise StopAsyncIteration from None
 
         try:
-            yield self._conn.bridge.messages(next_message)
+            yield self._conn.bridge.messages(next_message, lambda: sub.pending_msgs)
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(_UNSUBSCRIBE_S):
                 with contextlib.suppress(ClusterUnavailable, nats.errors.Error):
