@@ -86,8 +86,8 @@ class Bridge:
         subscription's ``next_msg`` without timeout) gives, one call each, as a trio async
         iterator. ``ready()``, when given, says how many items ``next_message`` has at
         hand (a subscription's ``pending_msgs``): one crossing of the bridge then brings
-        those too, up to :data:`BATCH` — a crossing costs the trio side a scheduling
-        round, which on a busy host holds a busy subject's messages back for seconds.
+        those too, up to :data:`BATCH`: each crossing costs the trio side a scheduling
+        round, and a busy subject (an admission desk's) has many messages a round.
         Items are pulled only when the consumer asks for more, so a slow trio consumer
         leaves them in the client's own pending buffer (with its limits), not in ours."""
         return Messages(self, next_message, ready)
