@@ -88,6 +88,17 @@ def _sse(events: list[tuple[str | None, dict[str, Any]]]) -> bytes:
 TOKENS = ["The ", "answer ", "is ", "forty", "-two", ".", " \u00e9t\u00e9 ", "\U0001f600"]
 
 
+def _block_deltas(
+    index: int, kind: str, field: str, pieces: list[str]
+) -> list[tuple[str | None, dict[str, Any]]]:
+    """One Anthropic content_block_delta event of block ``index`` a piece."""
+    return [
+        ("content_block_delta",
+         {"type": "content_block_delta", "index": index, "delta": {"type": kind, field: piece}})
+        for piece in pieces
+    ]
+
+
 def anthropic_body() -> bytes:
     events: list[tuple[str | None, dict[str, Any]]] = [
         ("message_start", {"type": "message_start", "message": {
@@ -96,9 +107,7 @@ def anthropic_body() -> bytes:
         ("content_block_start", {"type": "content_block_start", "index": 0,
                                  "content_block": {"type": "thinking", "thinking": ""}}),
     ]
-    events += [("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                         "delta": {"type": "thinking_delta", "thinking": t}})
-               for t in TOKENS]
+    events += _block_deltas(0, "thinking_delta", "thinking", TOKENS)
     events += [
         ("content_block_delta", {"type": "content_block_delta", "index": 0,
                                  "delta": {"type": "signature_delta", "signature": "s"}}),
@@ -106,19 +115,14 @@ def anthropic_body() -> bytes:
         ("content_block_start", {"type": "content_block_start", "index": 1,
                                  "content_block": {"type": "text", "text": ""}}),
     ]
-    events += [("content_block_delta", {"type": "content_block_delta", "index": 1,
-                                         "delta": {"type": "text_delta", "text": t}})
-               for t in TOKENS]
+    events += _block_deltas(1, "text_delta", "text", TOKENS)
     events += [
         ("ping", {"type": "ping"}),
         ("content_block_stop", {"type": "content_block_stop", "index": 1}),
         ("content_block_start", {"type": "content_block_start", "index": 2, "content_block": {
             "type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {}}}),
     ]
-    events += [("content_block_delta", {"type": "content_block_delta", "index": 2,
-                                         "delta": {"type": "input_json_delta",
-                                                   "partial_json": p}})
-               for p in ['{"ke', 'y": "', 'lyon"}']]
+    events += _block_deltas(2, "input_json_delta", "partial_json", ['{"ke', 'y": "', 'lyon"}'])
     events += [
         ("content_block_stop", {"type": "content_block_stop", "index": 2}),
         ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "tool_use"},
