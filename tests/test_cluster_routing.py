@@ -15,6 +15,7 @@ from greenroom.actors.cluster.registry import (
     SessionDirectory,
     assign,
     least_loaded,
+    place_elsewhere,
 )
 from greenroom.actors.cluster.routing import SessionRequests
 from tests.support.nats import (  # the fixture is used as nats_server
@@ -34,6 +35,21 @@ def test_placement_is_the_least_loaded_host_and_spreads_orphans() -> None:
     assert least_loaded([]) is None
     assert assign(["s3", "s1", "s2"], hosts) == {"s1": "a", "s2": "b", "s3": "a"}
     assert assign(["s1"], []) == {}
+
+
+def test_a_new_session_stays_on_the_host_asked_unless_another_is_a_quarter_lighter() -> None:
+    """R-CLUSTER-1, R-PERF-2: placement prefers the host the client asked (no NATS on its
+    calls and outputs), balances small loads exactly and large ones within a quarter."""
+    light = HostRecord(host_id="b", load=0)
+    assert place_elsewhere(0, [light]) is None
+    assert place_elsewhere(1, [light]) == light  # one session against none moves
+    assert place_elsewhere(1, [HostRecord(host_id="b", load=1)]) is None  # a tie stays
+    assert place_elsewhere(100, [HostRecord(host_id="b", load=76)]) is None
+    assert place_elsewhere(100, [HostRecord(host_id="b", load=74)]) == HostRecord(
+        host_id="b", load=74
+    )
+    assert place_elsewhere(100, [HostRecord(host_id="c", load=10), light]) == light
+    assert place_elsewhere(100, []) is None
 
 
 def test_hosts_announce_themselves_and_drop_out_after_the_ttl(nats_server: NatsProcess) -> None:

@@ -29,7 +29,21 @@ from greenroom.actors.cluster.connection import Connection, check_session_id
 from greenroom.actors.cluster.errors import ClusterUnavailable
 from greenroom.actors.cluster.leases import bucket_entries, bucket_keys, open_bucket
 
-__all__ = ["HostRecord", "HostRegistry", "SessionDirectory", "assign", "least_loaded"]
+__all__ = [
+    "STAY_SHARE",
+    "HostRecord",
+    "HostRegistry",
+    "SessionDirectory",
+    "assign",
+    "least_loaded",
+    "place_elsewhere",
+]
+
+STAY_SHARE = 4
+"""A new session stays on the host its client asked unless another host carries fewer
+sessions by more than this host's load divided by this (a quarter): its client's calls and
+outputs then cross no NATS, and hosts that share one port (``serve --workers``) are given
+clients evenly already."""
 
 
 @attrs.frozen(kw_only=True)
@@ -77,6 +91,17 @@ class HostRecord:
 def least_loaded(hosts: Iterable[HostRecord]) -> HostRecord | None:
     """The host with the lowest load (ties: the lowest id), or None when there is none."""
     return min(hosts, key=lambda h: (h.load, h.host_id), default=None)
+
+
+def place_elsewhere(own_load: int, others: Iterable[HostRecord]) -> HostRecord | None:
+    """The host to place a new session on instead of the one asked (whose load is
+    ``own_load``), or None to keep it there: the least loaded of ``others`` when it carries
+    fewer than ``own_load - own_load // STAY_SHARE`` sessions. Small loads are balanced
+    exactly (one session against none moves); large ones within a quarter."""
+    best = least_loaded(others)
+    if best is None or best.load >= own_load - own_load // STAY_SHARE:
+        return None
+    return best
 
 
 def assign(session_ids: Sequence[str], hosts: Iterable[HostRecord]) -> dict[str, str]:

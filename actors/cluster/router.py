@@ -37,10 +37,16 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, cast
 
+import attrs
 import trio
 
 from greenroom.actors.cluster.errors import ClusterError, ClusterUnavailable, OwnerUnreachable
-from greenroom.actors.cluster.registry import HostRecord, HostRegistry, SessionDirectory
+from greenroom.actors.cluster.registry import (
+    HostRecord,
+    HostRegistry,
+    SessionDirectory,
+    place_elsewhere,
+)
 from greenroom.actors.cluster.routing import SessionRequests
 from greenroom.actors.cluster.traces import TraceStream
 from greenroom.actors.gateway.connection import AnswerLater, Handler
@@ -512,16 +518,19 @@ class ClusterRouter:
 
     def _least_loaded(self, hosts: list[HostRecord]) -> HostRecord | None:
         """The host to place a new session on, None for this one."""
-        own = self._own_load()
-        loads = [
-            (record.load + self._placed_since(record), record.host_id, record)
+        others = {
+            record.host_id: record
             for record in hosts
             if record.host_id != self._host_id and record.placeable
-        ]
-        best = min(loads, key=lambda entry: entry[:2], default=None)
-        if best is None or best[0] >= own:
-            return None
-        return best[2]
+        }
+        best = place_elsewhere(
+            self._own_load(),
+            (
+                attrs.evolve(record, load=record.load + self._placed_since(record))
+                for record in others.values()
+            ),
+        )
+        return None if best is None else others[best.host_id]
 
     def _placed_since(self, record: HostRecord) -> int:
         """How many sessions this gateway placed on ``record``'s host since it announced."""
