@@ -8,7 +8,9 @@ key). The first host to send to the endpoint admits for both; the other asks it.
 * a 429 with ``retry-after`` seen by one host pauses the other host's requests (the
   other direction, a host's report of its 429 to the host that admits, is
   ``test_cluster_limits``'s);
-* a principal's budget spent on one host stops the principal's next task on the other.
+* a principal's budget spent on one host stops the principal's next task on the other;
+* a place granted while nobody waits is kept by the host that asked, for its next request
+  (no round trip), and given back once idle; with a per-minute limit nothing is kept.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import trio
 from conftest import Recorder, collect, of_type
 
 from greenroom import ProviderLimits
+from greenroom.actors.cluster import admission
 from greenroom.actors.cluster.admission import Mode, SharedEndpoint
 from greenroom.actors.cluster.bridge import Bridge, run
 from greenroom.actors.cluster.limits import ClusterLimits
@@ -249,3 +252,99 @@ def test_a_principal_budget_spent_on_one_host_stops_its_next_task_on_another(
     assert "budget of principal 'alice'" in (second.message or ""), second
     assert [end.status for end in found["bob"]] == ["completed"]
     assert found["requests"] == 2  # alice on a, bob on b: none for alice on b
+
+
+async def observed(condition: Callable[[], bool]) -> None:
+    """Return once ``condition`` holds: it is a state another host changes through NATS,
+    looked at every 20 ms (bounded by the test's own bound)."""
+    while not condition():  # noqa: ASYNC110 (another host changes it: no event here)
+        await trio.sleep(0.02)
+
+
+def test_a_remote_host_keeps_a_place_for_its_next_request(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-SHARE-1, R-PERF-2. No limits configured: a admits for both. The places b asks a
+    for are kept when their requests end (a still counts them in flight), and b's next
+    task takes them without asking. (Kept here for as long as the test runs.)"""
+    monkeypatch.setattr(admission, "KEEP_IDLE_S", 600.0)
+    monkeypatch.setattr(admission, "KEEP_FOR_S", 600.0)
+
+    async def body(bridge: Bridge) -> dict[str, Any]:
+        async with (
+            open_model(fallback=lambda _: Reply([Text("ok")])) as model,
+            two_hosts(bridge, nats_server.url, tmp_path) as (a, b),
+        ):
+            _, owner = await session_on(*a, model.base_url, tmp_path)
+            on_b, endpoint = await session_on(*b, model.base_url, tmp_path)
+            found: dict[str, Any] = {"modes": (owner.mode, endpoint.mode)}
+            ends = of_type(await collect(on_b.run("one"), BOUND_S), TaskEnd)
+            found["first"] = (model.request_count, endpoint.asked, endpoint.kept_taken)
+            found["kept"] = (endpoint.kept, owner.local.in_flight)
+            ends += of_type(await collect(on_b.run("two"), BOUND_S), TaskEnd)
+            found["second"] = (model.request_count, endpoint.asked, endpoint.kept_taken)
+            found["statuses"] = [end.status for end in ends]
+            return found
+
+    found = in_cluster(body)
+    assert found["modes"] == (Mode.OWNER, Mode.REMOTE)
+    assert found["statuses"] == ["completed", "completed"]
+    requests, asked, taken = found["first"]
+    assert asked >= 1 and requests == asked + taken
+    assert found["kept"] == (asked, asked)  # every place kept, and counted by a
+    requests_after, asked_after, taken_after = found["second"]
+    assert requests_after > requests
+    assert asked_after == asked  # the second task asked a nothing
+    assert taken_after - taken == requests_after - requests
+
+
+def test_a_kept_place_goes_back_to_the_owner_once_idle(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-SHARE-1: a kept place idle for ``KEEP_IDLE_S`` is given back, and the owner no
+    longer counts it."""
+    monkeypatch.setattr(admission, "KEEP_IDLE_S", 0.3)
+
+    async def body(bridge: Bridge) -> dict[str, Any]:
+        async with (
+            open_model(fallback=lambda _: Reply([Text("ok")])) as model,
+            two_hosts(bridge, nats_server.url, tmp_path) as (a, b),
+        ):
+            _, owner = await session_on(*a, model.base_url, tmp_path)
+            on_b, endpoint = await session_on(*b, model.base_url, tmp_path)
+            await collect(on_b.run("one"), BOUND_S)
+            await observed(lambda: endpoint.kept == 0 and owner.local.in_flight == 0)
+            return {"asked": endpoint.asked, "mode": endpoint.mode}
+
+    found = in_cluster(body)
+    assert found["asked"] >= 1 and found["mode"] is Mode.REMOTE
+
+
+def test_nothing_is_kept_under_a_per_minute_limit(
+    tmp_path: Path, nats_server: NatsProcess
+) -> None:
+    """R-SHARE-1: with ``requests_per_minute`` every request is counted where it is
+    admitted, so each of b's requests asks a and its place goes back at its end."""
+
+    async def body(bridge: Bridge) -> dict[str, Any]:
+        limits = ProviderLimits(requests_per_minute=1000)
+        async with (
+            open_model(fallback=lambda _: Reply([Text("ok")])) as model,
+            two_hosts(bridge, nats_server.url, tmp_path, limits=limits) as (a, b),
+        ):
+            _, owner = await session_on(*a, model.base_url, tmp_path)
+            on_b, endpoint = await session_on(*b, model.base_url, tmp_path)
+            for prompt in ("one", "two"):
+                await collect(on_b.run(prompt), BOUND_S)
+            found = {
+                "asked": endpoint.asked,
+                "kept": endpoint.kept,
+                "taken": endpoint.kept_taken,
+                "requests": model.request_count,
+            }
+            await observed(lambda: owner.local.in_flight == 0)
+            return found
+
+    found = in_cluster(body)
+    assert found["kept"] == 0 and found["taken"] == 0
+    assert found["asked"] == found["requests"] >= 2

@@ -409,6 +409,12 @@ class EndpointAdmission:
         """Whether requests' tokens are counted (a token limit is configured)."""
         return self._input is not None or self._output is not None
 
+    @property
+    def counts_minutes(self) -> bool:
+        """Whether a per-minute limit is configured (requests or tokens): then every
+        request must be counted here as it is admitted."""
+        return self._has_windows()
+
     def pause_remaining(self) -> float:
         """Seconds until the pause the provider asked for ends; 0 when none is in force."""
         until = self._paused_until
