@@ -10,7 +10,7 @@ import pytest
 import trio
 import trio.lowlevel
 
-from greenroom.actors.cluster.bridge import Bridge, BridgeClosed, run
+from greenroom.actors.cluster.bridge import Bridge, BridgeClosed, Inbox, run
 
 BOUND_S = 10.0
 
@@ -135,6 +135,65 @@ def test_items_at_hand_cross_together_in_order_and_the_end_after_them() -> None:
 
     assert run(main) == list(range(600))
     assert len(set(map(id, tasks))) == 3  # 256 + 256 + 88 and the end
+
+
+def test_an_inbox_hands_items_to_trio_in_order_and_ends_after_them() -> None:
+    """What an asyncio callback puts reaches trio in order, however many come between two
+    looks of the trio side, and the end comes after the items put before it."""
+    loop_put: list[int] = []
+
+    async def main(bridge: Bridge) -> list[int]:
+        inbox: Inbox[int] = bridge.inbox()
+
+        async def producer() -> None:
+            for item in range(1000):
+                await inbox.put(item)
+                loop_put.append(item)
+            inbox.end()
+            await inbox.put(-1)  # dropped: the inbox has ended
+
+        with trio.fail_after(BOUND_S):
+            await bridge.call(producer)
+            return [item async for item in inbox]
+
+    assert run(main) == list(range(1000))
+    assert loop_put == list(range(1000))  # never held up: below the limit
+
+
+def test_a_full_inbox_holds_the_callback_until_trio_has_taken_half() -> None:
+    """With a limit of 4 the put of the fourth item waits (the client keeps the next
+    messages in its own buffer) until the trio side has left no more than 2."""
+    putting: list[int] = []
+
+    async def main(bridge: Bridge) -> tuple[list[int], list[int], list[int], list[int]]:
+        inbox: Inbox[int] = bridge.inbox(limit=4)
+
+        async def producer() -> None:
+            for item in range(6):
+                putting.append(item)
+                await inbox.put(item)
+            inbox.end()
+
+        with trio.fail_after(BOUND_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(bridge.call, producer)
+                while len(putting) < 4:
+                    await trio.lowlevel.checkpoint()
+                for _ in range(10):  # turns of both loops: the producer stays held
+                    await trio.lowlevel.checkpoint()
+                held = list(putting)
+                taken = [await inbox.__anext__(), await inbox.__anext__()]
+                while len(putting) < 6:  # room again: it goes on
+                    await trio.lowlevel.checkpoint()
+                after = list(putting)
+                rest = [item async for item in inbox]
+            return held, taken, after, rest
+
+    held, taken, after, rest = run(main)
+    assert held == [0, 1, 2, 3]
+    assert taken == [0, 1]
+    assert after == list(range(6))
+    assert rest == [2, 3, 4, 5]
 
 
 def test_trio_errors_come_out_of_run() -> None:

@@ -9,7 +9,8 @@ only drives the NATS client. No other module of the cluster touches asyncio.
 
 :func:`run` is the entry point (in place of :func:`trio.run`); the trio code it runs gets a
 :class:`Bridge`, which awaits an asyncio coroutine from trio (:meth:`Bridge.call`) and turns
-a NATS subscription into an async iterator for trio (:meth:`Bridge.messages`).
+a NATS subscription into an async iterator for trio (:meth:`Bridge.inbox`, fed by the
+subscription's callback; :meth:`Bridge.messages`, pulled through a coroutine).
 
 Exceptions::
 
@@ -34,7 +35,7 @@ from typing import Any, Generic, ParamSpec, TypeVar
 import outcome
 import trio
 
-__all__ = ["Bridge", "BridgeClosed", "Messages", "run"]
+__all__ = ["Bridge", "BridgeClosed", "Inbox", "Messages", "run"]
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -92,6 +93,16 @@ class Bridge:
         leaves them in the client's own pending buffer (with its limits), not in ours."""
         return Messages(self, next_message, ready)
 
+    def inbox(self, limit: int = 4 * 1024) -> Inbox[T]:
+        """An :class:`Inbox`: items an asyncio callback puts (a nats-py subscription's
+        ``cb``), taken by trio as an async iterator. The cheap way for a busy subject: a
+        callback takes each message as the client parses it, where ``next_msg`` costs an
+        asyncio task and two turns of the loop a message, and each turn waits for trio's
+        own (a desk with hundreds of messages at hand took seconds to drain). ``limit``:
+        the most items held; a callback that finds it full waits, leaving the next messages
+        in the client's own pending buffer (with its limits)."""
+        return Inbox(self, limit)
+
     def _wake(self, event: trio.Event) -> None:
         # A call that finishes after the trio run ended has nobody to wake.
         with contextlib.suppress(trio.RunFinishedError):
@@ -140,6 +151,62 @@ class Messages(Generic[T]):
                 # The end comes after what was taken: handed out first.
                 self._ended = True
         return items
+
+
+class Inbox(Generic[T]):
+    """Items handed from asyncio to trio, in order (see :meth:`Bridge.inbox`).
+    :meth:`put` and :meth:`end` are for the asyncio side, iteration for trio; the
+    iterator ends after the items put before :meth:`end`."""
+
+    def __init__(self, bridge: Bridge, limit: int) -> None:
+        self._bridge = bridge
+        self._limit = max(1, limit)
+        self._items: collections.deque[T] = collections.deque()
+        self._ended = False
+        self._taker: trio.Event | None = None
+        self._room: asyncio.Event | None = None
+
+    async def put(self, item: T) -> None:
+        """Hand ``item`` to trio (an asyncio coroutine); waits while the inbox is full.
+        Dropped once the inbox has ended."""
+        if self._ended:
+            return
+        self._items.append(item)
+        self._wake_taker()
+        if len(self._items) >= self._limit:
+            room = self._room = asyncio.Event()
+            await room.wait()
+
+    def end(self) -> None:
+        """No more items (asyncio side): the iterator ends after those held."""
+        self._ended = True
+        self._wake_taker()
+        self._make_room()
+
+    def __aiter__(self) -> Inbox[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        while not self._items:
+            if self._ended:
+                raise StopAsyncIteration
+            taker = self._taker = trio.Event()
+            await taker.wait()
+        item = self._items.popleft()
+        if self._room is not None and len(self._items) <= self._limit // 2:
+            self._make_room()
+        return item
+
+    def _wake_taker(self) -> None:
+        # Once per wait of the trio side, however many items come meanwhile.
+        taker, self._taker = self._taker, None
+        if taker is not None:
+            self._bridge._wake(taker)
+
+    def _make_room(self) -> None:
+        room, self._room = self._room, None
+        if room is not None:
+            room.set()
 
 
 def _swallow(task: asyncio.Future[Any]) -> None:

@@ -23,7 +23,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from greenroom.actors.cluster.bridge import Bridge, Messages
+from greenroom.actors.cluster.bridge import Bridge, Inbox
 from greenroom.actors.cluster.errors import ClusterUnavailable
 
 __all__ = ["ClusterNames", "Connection", "check_session_id", "connect"]
@@ -131,6 +131,8 @@ class Connection:
     client: Client
     js: JetStreamContext
     names: ClusterNames
+    inboxes: set[Inbox[Any]] = attrs.field(factory=set)
+    """The inboxes of the subscriptions open now: ended when the client closes."""
 
     async def call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await ``coro`` (built from :attr:`client` or :attr:`js`) on the asyncio side.
@@ -182,30 +184,30 @@ class Connection:
         return bool(self.client.is_connected)
 
     @contextlib.asynccontextmanager
-    async def subscription(self, subject: str) -> AsyncIterator[Messages[Msg]]:
+    async def subscription(self, subject: str) -> AsyncIterator[Inbox[Msg]]:
         """Subscribe to ``subject`` for the block; yields its messages as a trio async
-        iterator, which ends when the connection closes. Messages published from the
-        moment the block starts reach it (the subscription is confirmed by the server
-        first). Unsubscribed on exit, within a bound. Raises :class:`ClusterUnavailable`
-        when the subscription cannot be made."""
+        iterator (an :class:`~greenroom.actors.cluster.bridge.Inbox`), which ends when
+        the connection closes. Messages published from the moment the block starts reach
+        it (the subscription is confirmed by the server first). Unsubscribed on exit,
+        within a bound. Raises :class:`ClusterUnavailable` when the subscription cannot
+        be made."""
+        inbox: Inbox[Msg] = self.bridge.inbox()
+        self.inboxes.add(inbox)
         try:
-            sub = await self.call(self.client.subscribe(subject))
-            await self.call(self.client.flush())
-        except nats.errors.Error as exc:
-            raise ClusterUnavailable(f"cannot subscribe to {subject}: {exc}") from exc
-
-        async def next_message() -> Msg:
             try:
-                return await sub.next_msg(timeout=None)
-            except nats.errors.ConnectionClosedError:
-                raise StopAsyncIteration from None
-
-        try:
-            yield self.bridge.messages(next_message, lambda: sub.pending_msgs)
+                sub = await self.call(self.client.subscribe(subject, cb=inbox.put))
+                await self.call(self.client.flush())
+            except nats.errors.Error as exc:
+                raise ClusterUnavailable(f"cannot subscribe to {subject}: {exc}") from exc
+            try:
+                yield inbox
+            finally:
+                with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_S):
+                    with contextlib.suppress(ClusterUnavailable, nats.errors.Error):
+                        await self.call(sub.unsubscribe())
         finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_S):
-                with contextlib.suppress(ClusterUnavailable, nats.errors.Error):
-                    await self.call(sub.unsubscribe())
+            self.inboxes.discard(inbox)
+            inbox.end()
 
     async def aclose(self) -> None:
         """Close the client (idempotent; errors while closing are ignored). Bounded: with
@@ -233,6 +235,12 @@ async def connect(
     :class:`ClusterUnavailable` when none can be reached within ``connect_timeout_s``."""
     servers = [part.strip() for part in url.split(",") if part.strip()]
 
+    inboxes: set[Inbox[Any]] = set()
+
+    async def closed() -> None:
+        for inbox in list(inboxes):
+            inbox.end()
+
     async def attempt() -> Client:
         return await nats.connect(
             servers=servers,
@@ -243,6 +251,7 @@ async def connect(
             reconnect_time_wait=1,
             # Without this the client retries the first connection forever.
             error_cb=_ignore_error,
+            closed_cb=closed,
         )
 
     # Bounded here: once connected the client reconnects forever, and so it would
@@ -256,7 +265,11 @@ async def connect(
     if client is None:
         raise ClusterUnavailable(f"cannot reach NATS at {url} within {connect_timeout_s:g} s")
     return Connection(
-        bridge=bridge, client=client, js=client.jetstream(), names=names or ClusterNames()
+        bridge=bridge,
+        client=client,
+        js=client.jetstream(),
+        names=names or ClusterNames(),
+        inboxes=inboxes,
     )
 
 

@@ -116,35 +116,24 @@ class SessionRequests:
     async def _serve(
         self, subject: str, what: str, handler: Handler, task_status: trio.TaskStatus[None]
     ) -> None:
-        try:
-            sub = await self._conn.call(self._conn.client.subscribe(subject))
-        except nats.errors.Error as exc:
-            raise ClusterUnavailable(f"cannot serve {what}: {exc}") from exc
-
-        async def next_message() -> Msg:
-            try:
-                return await sub.next_msg(timeout=None)
-            except nats.errors.ConnectionClosedError:
-                raise StopAsyncIteration from None
-
         async def answer(msg: Msg) -> None:
             reply = await _handle(handler, msg.data)
             with contextlib.suppress(ClusterUnavailable, nats.errors.Error):
                 await self._conn.call(msg.respond(json.dumps(reply).encode()))
 
+        started = False
         try:
-            await self._conn.call(self._conn.client.flush())
-            task_status.started()
-            async with trio.open_nursery() as handlers:
-                async for msg in self._conn.bridge.messages(
-                    next_message, lambda: sub.pending_msgs
-                ):
-                    if msg.reply:
-                        handlers.start_soon(answer, msg)
-        finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(2.0):
-                with contextlib.suppress(ClusterUnavailable, nats.errors.Error):
-                    await self._conn.call(sub.unsubscribe())
+            async with self._conn.subscription(subject) as messages:
+                task_status.started()
+                started = True
+                async with trio.open_nursery() as handlers:
+                    async for msg in messages:
+                        if msg.reply:
+                            handlers.start_soon(answer, msg)
+        except ClusterUnavailable as exc:
+            if started:
+                raise
+            raise ClusterUnavailable(f"cannot serve {what}: {exc}") from exc
 
 
 async def _handle(handler: Handler, data: bytes) -> dict[str, Any]:

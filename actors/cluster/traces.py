@@ -33,7 +33,7 @@ import nats.js.errors
 import trio
 from nats.aio.msg import Msg
 
-from greenroom.actors.cluster.bridge import Messages
+from greenroom.actors.cluster.bridge import Inbox
 from greenroom.actors.cluster.connection import Connection
 from greenroom.actors.cluster.errors import ClusterUnavailable, Fenced
 from greenroom.actors.cluster.leases import wrong_last_sequence
@@ -149,36 +149,36 @@ class TraceStream:
             yield Records(messages, _Fold(after_seq))
 
     @contextlib.asynccontextmanager
-    async def _subscription(self, session_id: str) -> AsyncIterator[Messages[Msg]]:
+    async def _subscription(self, session_id: str) -> AsyncIterator[Inbox[Msg]]:
         subject = self._names.trace_subject(session_id)
-        sub = await self._conn.call_api(
-            self._conn.js.subscribe(
-                subject,
-                stream=self._names.trace_stream,
-                ordered_consumer=True,
-                deliver_policy=nats.js.api.DeliverPolicy.ALL,
-            ),
-            f"read the trace of {session_id}",
-        )
-
-        async def next_message() -> Msg:
-            try:
-                return await sub.next_msg(timeout=None)
-            except nats.errors.ConnectionClosedError:
-                raise StopAsyncIteration from None
-
+        inbox: Inbox[Msg] = self._conn.bridge.inbox()
+        self._conn.inboxes.add(inbox)
         try:
-            yield self._conn.bridge.messages(next_message, lambda: sub.pending_msgs)
+            sub = await self._conn.call_api(
+                self._conn.js.subscribe(
+                    subject,
+                    stream=self._names.trace_stream,
+                    ordered_consumer=True,
+                    deliver_policy=nats.js.api.DeliverPolicy.ALL,
+                    cb=inbox.put,
+                ),
+                f"read the trace of {session_id}",
+            )
+            try:
+                yield inbox
+            finally:
+                with trio.CancelScope(shield=True), trio.move_on_after(_UNSUBSCRIBE_S):
+                    with contextlib.suppress(ClusterUnavailable, nats.errors.Error):
+                        await self._conn.call(self._conn.close_consumer(sub))
         finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(_UNSUBSCRIBE_S):
-                with contextlib.suppress(ClusterUnavailable, nats.errors.Error):
-                    await self._conn.call(self._conn.close_consumer(sub))
+            self._conn.inboxes.discard(inbox)
+            inbox.end()
 
 
 class Records:
     """The records of a :meth:`TraceStream.follow`, as an async iterator."""
 
-    def __init__(self, messages: Messages[Msg], fold: _Fold) -> None:
+    def __init__(self, messages: Inbox[Msg], fold: _Fold) -> None:
         self._messages = messages
         self._fold = fold
         self._ready: list[Output] = []
