@@ -5,7 +5,7 @@ without naming its key."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -31,8 +31,8 @@ def report(op: str, host: str, number: int, run: str = "r1") -> dict[str, Any]:
     return {"op": op, "host": host, "run": run, "id": number}
 
 
-def answers(log: list[str], name: str) -> Callable[[dict[str, Any]], Awaitable[None]]:
-    async def reply(answer: dict[str, Any]) -> None:
+def answers(log: list[str], name: str) -> Callable[[dict[str, Any]], None]:
+    def reply(answer: dict[str, Any]) -> None:
         log.append(name)
 
     return reply
@@ -82,6 +82,38 @@ async def test_the_owners_desk_admits_other_hosts_in_turn_and_gives_their_places
         desk.close()
         assert admission.in_flight == 0
         assert "c1" not in replies
+
+
+async def test_the_owners_answer_says_whether_a_place_may_be_kept_and_who_waits() -> None:
+    """R-SHARE-1, R-SHARE-2: a grant's answer lets the asking host keep the place unless a
+    per-minute limit is configured, and says how many wait at the owner (the asking host
+    keeps nothing while some do). The common grant needs no task of the desk's own."""
+    answered: list[dict[str, Any]] = []
+
+    def record(answer: dict[str, Any]) -> None:
+        answered.append(answer)
+
+    admission = EndpointAdmission(ProviderLimits(max_concurrent_requests=1))
+    async with trio.open_nursery() as nursery:
+        desk = AdmissionDesk(admission, nursery)
+        desk.take(admit("b", 1), record)
+        assert answered == [{"keep": True, "waiting": 0}]  # at once, no task
+        desk.take(admit("b", 2), record)
+        desk.take(admit("c", 1), record)
+        await trio.testing.wait_all_tasks_blocked()
+        desk.take(report("release", "b", 1), None)
+        await trio.testing.wait_all_tasks_blocked()
+        assert answered[1:] == [{"keep": True, "waiting": 1}]  # c still waits
+        desk.close()
+
+    answered.clear()
+    by_minute = EndpointAdmission(ProviderLimits(requests_per_minute=10))
+    async with trio.open_nursery() as nursery:
+        desk = AdmissionDesk(by_minute, nursery)
+        desk.take(admit("b", 1), record)
+        await trio.testing.wait_all_tasks_blocked()
+        assert answered == [{"keep": False, "waiting": 0}]
+        desk.close()
 
 
 async def test_a_report_of_another_host_teaches_the_owners_admission() -> None:

@@ -30,15 +30,16 @@ subject; every host that sends to the endpoint mirrors it in its own admission, 
 session's retry is announced with the endpoint's wait and a host that falls back to local
 admission still honours it.
 
-A place the owner grants while nobody waits at it and no per-minute limit is configured
-is granted to be kept: when its request ends, the host that asked keeps the place for
-:data:`KEEP_IDLE_S`, and its next request takes it at once, with no message either way
-(the owner still counts it in flight, so the limits and the learned window hold as
+Without a per-minute limit, a place the owner grants may be kept: when its request ends
+and the owner's last answer said nobody waits there, the host that asked keeps the place
+for :data:`KEEP_IDLE_S`, and its next request takes it at once, with no message either
+way (the owner still counts it in flight, so the limits and the learned window hold as
 before; only its first request teaches the window). A kept place goes back to the owner
-when it has been idle that long, :data:`KEEP_FOR_S` after it was granted, when a 429 is
-answered to it or a pause is announced, when an ask of the owner is late or answered by
-another owner, and when the mode changes. A per-minute limit counts every request, and a
-waiting request is owed the next place in the owner's fair turn: neither is kept from.
+when it has been idle that long, :data:`KEEP_FOR_S` after it was granted, when an answer
+of the owner says requests wait there, when a 429 is answered to it or a pause is
+announced, when an ask of the owner is late or answered by another owner, and when the
+mode changes. A per-minute limit counts every request, and a waiting request is owed the
+next place in the owner's fair turn: neither is kept from.
 (Within the asking host, a request may take a kept place while another of the same host
 waits for the owner's answer.) Under steady load this spares most requests the round
 trip to the owner, which two hosts on one machine pay in CPU and, under load, in latency.
@@ -49,7 +50,8 @@ are not counted by the new owner: for as long as they last, the endpoint may get
 than its limit (and its 429s pause it as usual).
 
 Wire messages (JSON objects) on ``<prefix>.admission.<key>``: ``admit`` (a request; the
-reply ``{"owner": host, "keep": bool}`` grants it; an owner that does not know ``keep``
+reply ``{"owner": host, "keep": bool, "waiting": n}`` grants it: whether its place may be
+kept, and how many requests wait at the owner; an owner that does not send ``keep``
 grants places that are not kept) and, published, ``accepted``, ``settle``, ``limited``
 and ``release`` (which also withdraws an admit still waiting), each with the asking host's
 id, the run of its admission point and its number for the request. On
@@ -153,7 +155,8 @@ class _Waiting:
         self.done = trio.Event()
 
 
-Reply = Callable[[dict[str, Any]], Awaitable[None]]
+Reply = Callable[[dict[str, Any]], None]
+"""Answers one admit (queues the answer: never blocks)."""
 
 _Key = tuple[str, str, int]
 """A request at the owner: the asking host, the run of its admission point, its number."""
@@ -229,18 +232,26 @@ class AdmissionDesk:
             self._granted.pop(key).release()
 
     def _keep(self) -> dict[str, Any]:
-        """The grant's answer: whether its place may be kept by the host that asked."""
+        """The grant's answer: whether its place may be kept by the host that asked, and
+        how many wait here (the asking host keeps none while some do)."""
         admission = self._admission
-        return {"keep": not admission.counts_minutes and not admission.waiting}
+        return {"keep": not admission.counts_minutes, "waiting": admission.waiting}
 
     def _admit(self, key: _Key, message: dict[str, Any], reply: Reply) -> None:
         if key in self._granted:
-            self._nursery.start_soon(reply, self._keep())
+            reply(self._keep())
             return
         waiting = self._waiting.get(key)
         if waiting is not None:
             self._nursery.start_soon(self._answer_when_granted, key, waiting, reply)
             return
+        if not self._admission.counts_tokens:
+            # The common case (nobody waits, it fits) needs no task of its own.
+            permit = self._admission.admit_now()
+            if permit is not None:
+                self._granted[key] = permit
+                reply(self._keep())
+                return
         waiting = self._waiting[key] = _Waiting()
         self._nursery.start_soon(self._grant, key, waiting, message, reply)
 
@@ -262,12 +273,12 @@ class AdmissionDesk:
                 self._granted[key] = permit
             waiting.done.set()
         if permit is not None:
-            await reply(self._keep())
+            reply(self._keep())
 
     async def _answer_when_granted(self, key: _Key, waiting: _Waiting, reply: Reply) -> None:
         await waiting.done.wait()
         if key in self._granted:
-            await reply(self._keep())
+            reply(self._keep())
 
     def drop_lost_hosts(self, live: set[str]) -> None:
         """Give back the places of hosts missing from ``live`` twice in a row (a host
@@ -396,6 +407,8 @@ class SharedEndpoint:
         self._kept: collections.deque[_Kept] = collections.deque()
         self._kept_from = ""
         """The owner that granted the places kept now."""
+        self._owner_busy = False
+        """The owner's last answer said requests wait there: keep no place."""
         self._kept_added = trio.Event()
 
     async def known(self) -> Mode:
@@ -479,6 +492,7 @@ class SharedEndpoint:
             until is not None
             and now < until
             and grant.owner == self._kept_from
+            and not self._owner_busy
             and self.mode is Mode.REMOTE
             and not self._closing
             and self.local.pause_remaining() == 0
@@ -568,6 +582,11 @@ class SharedEndpoint:
             # Kept from an owner before this one, which does not count them.
             self.give_back_kept()
             self._kept_from = owner
+        waiting = reply.get("waiting")
+        self._owner_busy = not isinstance(waiting, int) or waiting > 0
+        if self._owner_busy:
+            # Those who wait there are owed the places kept here.
+            self.give_back_kept()
         keep = reply.get("keep") is True
         until = trio.current_time() + KEEP_FOR_S if keep else None
         return _RemoteGrant(self, number, owner=owner, keep_until=until)
@@ -720,10 +739,13 @@ class SharedEndpoint:
         stop.cancel()
 
     def _replier(self, msg: Msg) -> Reply:
-        async def reply(answer: dict[str, Any]) -> None:
+        subject = msg.reply
+
+        def reply(answer: dict[str, Any]) -> None:
+            # Sent with the reports, many in one crossing of the bridge.
             data = json.dumps({"owner": self.host_id, **answer}).encode()
-            with contextlib.suppress(ClusterUnavailable, nats.errors.Error):
-                await self._conn.call(msg.respond(data))
+            with contextlib.suppress(trio.ClosedResourceError):
+                self._outbox_send.send_nowait((subject, data))
 
         return reply
 

@@ -10,9 +10,13 @@ the response begun (``accepted``), release. Measured, one request at a time:
 
 * **single host**: ``EndpointAdmission.admit_now`` + release, no cluster (the baseline);
 * **owner host**: the same through host a's ``SharedEndpoint`` (no NATS on the path);
-* **other host**: through host b's, which asks a: latency of the admit (median, p99), and
-  the NATS messages per request from both connections' counters (``client.stats``);
-* **other host, 32 at once**: requests per second the owner admits for b;
+* **other host, place kept** (the default without a per-minute limit): through host b's,
+  whose requests take the place its first one was granted: latency of the admit (median,
+  p99), and the NATS messages per request from both connections' counters
+  (``client.stats``);
+* **other host, asks the owner**: the same with a requests-per-minute limit (set far
+  above what is sent), under which b asks a for every request;
+* **other host, 32 at once**: requests per second the owner admits for b when b asks;
 * **counters in KV instead** (the design not chosen): a compare-and-set increment of a KV
   counter to admit (read, write with the revision) and a decrement to release, one host
   alone and two hosts on one counter (their conflicts retried).
@@ -46,18 +50,21 @@ from tests.benchmarks.common import arg_parser, p99, print_machine, print_table,
 from tests.support.nats import start_nats
 
 IDENTITY = "anthropic http://127.0.0.1:9 0123456789abcdef"
+BY_MINUTE = "anthropic http://127.0.0.1:9 fedcba9876543210"
 LEASE_TTL_S = 5.0
 
 
-async def endpoint(conn: Connection, host_id: str) -> SharedEndpoint:
+async def endpoint(
+    conn: Connection, host_id: str, identity: str = IDENTITY, limits: ProviderLimits | None = None
+) -> SharedEndpoint:
     leases = await LeaseTable.open(conn, ttl_s=LEASE_TTL_S, bucket=conn.names.admission_leases)
 
     async def live_hosts() -> set[str]:
         return {"a", "b"}
 
     return SharedEndpoint(
-        conn, leases, live_hosts, host_id=host_id, key=endpoint_key(IDENTITY),
-        identity=IDENTITY, local=EndpointAdmission(ProviderLimits()),
+        conn, leases, live_hosts, host_id=host_id, key=endpoint_key(identity),
+        identity=identity, local=EndpointAdmission(limits or ProviderLimits()),
     )
 
 
@@ -137,27 +144,36 @@ async def measure(bridge: Bridge, url: str, n: int) -> dict[str, Any]:
         await timed_requests(alone, 1000)
         rows.append(row("single host (no cluster)", await timed_requests(alone, n), 0, 0))
 
+        by_minute = ProviderLimits(requests_per_minute=10**9)
         a = await endpoint(conn_a, "a")
         b = await endpoint(conn_b, "b")
+        a_asked = await endpoint(conn_a, "a", BY_MINUTE, by_minute)
+        b_asks = await endpoint(conn_b, "b", BY_MINUTE, by_minute)
         async with trio.open_nursery() as nursery:
-            await nursery.start(a.run)
-            assert await a.known() is Mode.OWNER
-            await nursery.start(b.run)
-            assert await b.known() is Mode.REMOTE
+            for owner, other in ((a, b), (a_asked, b_asks)):
+                await nursery.start(owner.run)
+                assert await owner.known() is Mode.OWNER
+                await nursery.start(other.run)
+                assert await other.known() is Mode.REMOTE
             await timed_requests(a, 1000)
             rows.append(row("owner host", await timed_requests(a, n), 0, 0))
 
-            await timed_requests(b, 200)  # warm: the owner's window opens
-            await settle(conn_b)
-            before = messages(conn_a) + messages(conn_b)
-            took = await timed_requests(b, n)
-            await settle(conn_b)
-            await settle(conn_a)
-            # Each connection counts a message once sent and once received, and a flush
-            # is a PING the server answers: neither is a message.
-            per_request = (messages(conn_a) + messages(conn_b) - before) / n / 2
-            rows.append(row("other host (asks the owner)", took, per_request, 1))
+            for point, name, trips in (
+                (b, "other host, place kept (the default)", 0),
+                (b_asks, "other host, asks the owner (a per-minute limit)", 1),
+            ):
+                await timed_requests(point, 200)  # warm: the owner's window opens
+                await settle(conn_b)
+                before = messages(conn_a) + messages(conn_b)
+                took = await timed_requests(point, n)
+                await settle(conn_b)
+                await settle(conn_a)
+                # Each connection counts a message once sent and once received, and a
+                # flush is a PING the server answers: neither is a message.
+                per_request = (messages(conn_a) + messages(conn_b) - before) / n / 2
+                rows.append(row(name, took, per_request, trips))
 
+            b = b_asks
             began = time.perf_counter()
             async with trio.open_nursery() as many:
                 for _ in range(32):
