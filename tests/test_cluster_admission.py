@@ -36,7 +36,13 @@ from greenroom.actors.runtime.accounting import PrincipalBudget
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session import Session
 from greenroom.protocols.outputs import RequestEnd, TaskEnd
-from tests.support.mock_model_server import RecordedRequest, Reply, Text, WireError
+from tests.support.mock_model_server import (
+    MockModelServer,
+    RecordedRequest,
+    Reply,
+    Text,
+    WireError,
+)
 from tests.support.mock_model_server import open_mock_server as open_model
 from tests.support.nats import (  # the fixture is used as nats_server
     NatsProcess,
@@ -254,6 +260,22 @@ def test_a_principal_budget_spent_on_one_host_stops_its_next_task_on_another(
     assert found["requests"] == 2  # alice on a, bob on b: none for alice on b
 
 
+@asynccontextmanager
+async def b_asks_a(
+    bridge: Bridge, url: str, tmp_path: Path, **options: Any
+) -> AsyncIterator[tuple[SharedEndpoint, Session, SharedEndpoint, MockModelServer]]:
+    """Hosts a and b (``options`` as :func:`two_hosts`') on a model server that answers
+    "ok": a admits for the endpoint (its session knew first); b's session asks a. Yields
+    a's admission point, b's session, b's admission point and the model server."""
+    async with (
+        open_model(fallback=lambda _: Reply([Text("ok")])) as model,
+        two_hosts(bridge, url, tmp_path, **options) as (a, b),
+    ):
+        _, owner = await session_on(*a, model.base_url, tmp_path)
+        on_b, endpoint = await session_on(*b, model.base_url, tmp_path)
+        yield owner, on_b, endpoint, model
+
+
 async def observed(condition: Callable[[], bool]) -> None:
     """Return once ``condition`` holds: it is a state another host changes through NATS,
     looked at every 20 ms (bounded by the test's own bound)."""
@@ -271,12 +293,7 @@ def test_a_remote_host_keeps_a_place_for_its_next_request(
     monkeypatch.setattr(admission, "KEEP_FOR_S", 600.0)
 
     async def body(bridge: Bridge) -> dict[str, Any]:
-        async with (
-            open_model(fallback=lambda _: Reply([Text("ok")])) as model,
-            two_hosts(bridge, nats_server.url, tmp_path) as (a, b),
-        ):
-            _, owner = await session_on(*a, model.base_url, tmp_path)
-            on_b, endpoint = await session_on(*b, model.base_url, tmp_path)
+        async with b_asks_a(bridge, nats_server.url, tmp_path) as (owner, on_b, endpoint, model):
             found: dict[str, Any] = {"modes": (owner.mode, endpoint.mode)}
             ends = of_type(await collect(on_b.run("one"), BOUND_S), TaskEnd)
             found["first"] = (model.request_count, endpoint.asked, endpoint.kept_taken)
@@ -306,12 +323,7 @@ def test_a_kept_place_goes_back_to_the_owner_once_idle(
     monkeypatch.setattr(admission, "KEEP_IDLE_S", 0.3)
 
     async def body(bridge: Bridge) -> dict[str, Any]:
-        async with (
-            open_model(fallback=lambda _: Reply([Text("ok")])) as model,
-            two_hosts(bridge, nats_server.url, tmp_path) as (a, b),
-        ):
-            _, owner = await session_on(*a, model.base_url, tmp_path)
-            on_b, endpoint = await session_on(*b, model.base_url, tmp_path)
+        async with b_asks_a(bridge, nats_server.url, tmp_path) as (owner, on_b, endpoint, _):
             await collect(on_b.run("one"), BOUND_S)
             await observed(lambda: endpoint.kept == 0 and owner.local.in_flight == 0)
             return {"asked": endpoint.asked, "mode": endpoint.mode}
@@ -328,12 +340,9 @@ def test_nothing_is_kept_under_a_per_minute_limit(
 
     async def body(bridge: Bridge) -> dict[str, Any]:
         limits = ProviderLimits(requests_per_minute=1000)
-        async with (
-            open_model(fallback=lambda _: Reply([Text("ok")])) as model,
-            two_hosts(bridge, nats_server.url, tmp_path, limits=limits) as (a, b),
+        async with b_asks_a(bridge, nats_server.url, tmp_path, limits=limits) as (
+            owner, on_b, endpoint, model
         ):
-            _, owner = await session_on(*a, model.base_url, tmp_path)
-            on_b, endpoint = await session_on(*b, model.base_url, tmp_path)
             for prompt in ("one", "two"):
                 await collect(on_b.run(prompt), BOUND_S)
             found = {

@@ -145,6 +145,74 @@ class _Kept:
         self.idle_since = idle_since
 
 
+class _KeptPlaces:
+    """The places a remote host keeps between its requests (see the module docstring),
+    the most recently used last; ``give_back(number)`` returns one to the owner."""
+
+    def __init__(self, give_back: Callable[[int], None]) -> None:
+        self._give_back = give_back
+        self._places: collections.deque[_Kept] = collections.deque()
+        self._added = trio.Event()
+        self.owner = ""
+        """The owner that granted the places kept now."""
+        self.owner_busy = False
+        """The owner's last answer said requests wait there: keep no place."""
+        self.taken = 0
+        """Requests admitted on a kept place."""
+
+    def __len__(self) -> int:
+        return len(self._places)
+
+    def take(self) -> _Kept | None:
+        """The most recently used place whose time is not up (giving back those whose
+        time is), or None."""
+        now = trio.current_time()
+        while self._places:
+            kept = self._places.pop()
+            if now < kept.until:
+                self.taken += 1
+                return kept
+            self._give_back(kept.number)
+        return None
+
+    def keep(self, number: int, until: float) -> None:
+        """Keep place ``number`` (its request just ended) until ``until`` at the latest."""
+        self._places.append(_Kept(number, until, trio.current_time()))
+        self._added.set()
+
+    def heard(self, owner: str, waiting: object) -> None:
+        """An answer of ``owner`` that says ``waiting`` requests wait there: the places of
+        an owner before it, which does not count them, and every place while requests
+        wait there (they are owed them) go back."""
+        if owner != self.owner:
+            self.give_back_all()
+            self.owner = owner
+        self.owner_busy = not isinstance(waiting, int) or waiting > 0
+        if self.owner_busy:
+            self.give_back_all()
+
+    def give_back_all(self) -> None:
+        """Every kept place goes back to the owner."""
+        while self._places:
+            self._give_back(self._places.popleft().number)
+
+    async def give_back_idle(self) -> None:
+        """Give back each kept place once it has been idle :data:`KEEP_IDLE_S` or its
+        time is up; until cancelled."""
+        while True:
+            if not self._places:
+                self._added = trio.Event()
+                await self._added.wait()
+                continue
+            oldest = self._places[0]
+            await trio.sleep_until(min(oldest.idle_since + KEEP_IDLE_S, oldest.until))
+            now = trio.current_time()
+            while self._places and (
+                self._places[0].idle_since + KEEP_IDLE_S <= now or self._places[0].until <= now
+            ):
+                self._give_back(self._places.popleft().number)
+
+
 class _Waiting:
     """An admit of another host's that waits at the owner."""
 
@@ -402,14 +470,7 @@ class SharedEndpoint:
         self._outbox_send, self._outbox = trio.open_memory_channel[tuple[str, bytes]](math.inf)
         self.asked = 0
         """Requests admitted by asking another host (a NATS round trip each)."""
-        self.kept_taken = 0
-        """Requests admitted on a place kept from an earlier request (no NATS)."""
-        self._kept: collections.deque[_Kept] = collections.deque()
-        self._kept_from = ""
-        """The owner that granted the places kept now."""
-        self._owner_busy = False
-        """The owner's last answer said requests wait there: keep no place."""
-        self._kept_added = trio.Event()
+        self._kept = _KeptPlaces(lambda number: self.report("release", number))
 
     async def known(self) -> Mode:
         """The mode, once it is known (not :attr:`Mode.STARTING`)."""
@@ -471,62 +532,40 @@ class SharedEndpoint:
         in force; else None."""
         if not self._kept or self.local.pause_remaining() > 0:
             return None
-        now = trio.current_time()
-        while self._kept:
-            kept = self._kept.pop()
-            if now < kept.until:
-                self.kept_taken += 1
-                grant = _RemoteGrant(
-                    self, kept.number, owner=self._kept_from, keep_until=kept.until, again=True
-                )
-                return RequestPermit(grant)
-            self.report("release", kept.number)
-        return None
+        kept = self._kept.take()
+        if kept is None:
+            return None
+        owner = self._kept.owner
+        return RequestPermit(
+            _RemoteGrant(self, kept.number, owner=owner, keep_until=kept.until, again=True)
+        )
 
     def place_ended(self, grant: _RemoteGrant) -> None:
         """``grant``'s request ended: keep its place for the next request when it may be
         kept, else give it back to the owner."""
-        now = trio.current_time()
         until = grant.keep_until
         if (
             until is not None
-            and now < until
-            and grant.owner == self._kept_from
-            and not self._owner_busy
+            and trio.current_time() < until
+            and grant.owner == self._kept.owner
+            and not self._kept.owner_busy
             and self.mode is Mode.REMOTE
             and not self._closing
             and self.local.pause_remaining() == 0
         ):
-            self._kept.append(_Kept(grant.number, until, now))
-            self._kept_added.set()
+            self._kept.keep(grant.number, until)
         else:
             self.report("release", grant.number)
-
-    def give_back_kept(self) -> None:
-        """Every kept place goes back to the owner."""
-        while self._kept:
-            self.report("release", self._kept.popleft().number)
 
     @property
     def kept(self) -> int:
         """Places this host keeps now."""
         return len(self._kept)
 
-    async def _give_back_idle(self) -> None:
-        """Give back each kept place once it has been idle :data:`KEEP_IDLE_S` or its
-        time is up."""
-        while True:
-            if not self._kept:
-                self._kept_added = trio.Event()
-                await self._kept_added.wait()
-                continue
-            oldest = self._kept[0]
-            await trio.sleep_until(min(oldest.idle_since + KEEP_IDLE_S, oldest.until))
-            now = trio.current_time()
-            while self._kept and (
-                self._kept[0].idle_since + KEEP_IDLE_S <= now or self._kept[0].until <= now
-            ):
-                self.report("release", self._kept.popleft().number)
+    @property
+    def kept_taken(self) -> int:
+        """Requests admitted on a place kept from an earlier request (no NATS)."""
+        return self._kept.taken
 
     async def _ask_owner(
         self, principal: str, session: str, input_tokens: int, output_tokens: int
@@ -559,7 +598,7 @@ class SharedEndpoint:
                         return RequestPermit(self._granted(number, reply))
                     # The run loop looks at the lease (is the owner gone?).
                     self._suspect.set()
-                    self.give_back_kept()
+                    self._kept.give_back_all()
                     if answer is _Answer.LATE:
                         # The owner may just have a long queue: asked again at once, the
                         # request keeps its place (and gets it at once if it was granted
@@ -578,15 +617,7 @@ class SharedEndpoint:
 
     def _granted(self, number: int, reply: dict[str, Any]) -> _RemoteGrant:
         owner = str(reply.get("owner", ""))
-        if owner != self._kept_from:
-            # Kept from an owner before this one, which does not count them.
-            self.give_back_kept()
-            self._kept_from = owner
-        waiting = reply.get("waiting")
-        self._owner_busy = not isinstance(waiting, int) or waiting > 0
-        if self._owner_busy:
-            # Those who wait there are owed the places kept here.
-            self.give_back_kept()
+        self._kept.heard(owner, reply.get("waiting"))
         keep = reply.get("keep") is True
         until = trio.current_time() + KEEP_FOR_S if keep else None
         return _RemoteGrant(self, number, owner=owner, keep_until=until)
@@ -644,7 +675,7 @@ class SharedEndpoint:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._send_reports)
             nursery.start_soon(self._mirror_pauses)
-            nursery.start_soon(self._give_back_idle)
+            nursery.start_soon(self._kept.give_back_idle)
             task_status.started()
             while True:
                 await self._find_owner()
@@ -697,7 +728,7 @@ class SharedEndpoint:
         """The host closes: give the endpoint's lease up (see :meth:`release_lease`) and
         claim it no more."""
         self._closing = True
-        self.give_back_kept()
+        self._kept.give_back_all()
         await self.release_lease()
 
     async def release_lease(self) -> None:
@@ -800,7 +831,7 @@ class SharedEndpoint:
         elif self.mode is Mode.LOCAL:
             log(f"host {self.host_id} admits requests to {self.identity} with the cluster again")
         self.mode = mode
-        self.give_back_kept()
+        self._kept.give_back_all()
         for scope in self._asking:
             scope.cancel()
         changed, self._changed = self._changed, trio.Event()
@@ -832,7 +863,7 @@ class SharedEndpoint:
                         with contextlib.suppress(ValueError, TypeError, KeyError):
                             self.local.pause_for(float(json.loads(msg.data)["for_s"]))
                         # The owner learns a window anew: it gets its places back.
-                        self.give_back_kept()
+                        self._kept.give_back_all()
             except ClusterUnavailable:
                 pass
             await trio.sleep(RETRY_S)

@@ -67,7 +67,7 @@ class Bridge:
             raise BridgeClosed("the asyncio loop is closed")
         task = self._loop.create_task(fn(*args, **kwargs))
         done = trio.Event()
-        task.add_done_callback(lambda _: self._wake(done))
+        task.add_done_callback(lambda _: self.wake(done))
         try:
             await done.wait()
         finally:
@@ -103,7 +103,8 @@ class Bridge:
         in the client's own pending buffer (with its limits)."""
         return Inbox(self, limit)
 
-    def _wake(self, event: trio.Event) -> None:
+    def wake(self, event: trio.Event) -> None:
+        """Set ``event`` of the trio run from the asyncio side (through the run's token)."""
         # A call that finishes after the trio run ended has nobody to wake.
         with contextlib.suppress(trio.RunFinishedError):
             self._token.run_sync_soon(event.set)
@@ -201,7 +202,7 @@ class Inbox(Generic[T]):
         # Once per wait of the trio side, however many items come meanwhile.
         taker, self._taker = self._taker, None
         if taker is not None:
-            self._bridge._wake(taker)
+            self._bridge.wake(taker)
 
     def _make_room(self) -> None:
         room, self._room = self._room, None
