@@ -52,6 +52,39 @@ def test_a_new_session_stays_on_the_host_asked_unless_another_is_a_quarter_light
     assert place_elsewhere(100, []) is None
 
 
+def test_a_subscription_brings_a_burst_in_order_and_ends_when_the_client_closes(
+    nats_server: NatsProcess,
+) -> None:
+    """R-CLUSTER-1: 6,000 messages published at once (more than the inbox holds, so its
+    callback waits for trio) all arrive in order; closing the client ends the iteration."""
+
+    async def body(conn: Connection) -> tuple[list[int], list[int]]:
+        subject = f"{conn.names.prefix}.burst"
+        got: list[int] = []
+        after_close: list[int] = []
+        async with conn.subscription(subject) as messages:
+
+            async def publish() -> None:
+                for n in range(6000):
+                    await conn.client.publish(subject, str(n).encode())
+                await conn.client.flush()
+
+            await conn.call(publish())
+            async for msg in messages:
+                got.append(int(msg.data))
+                if len(got) == 6000:
+                    break
+            await conn.call(conn.client.publish(subject, b"-1"))
+            await conn.aclose()
+            async for msg in messages:
+                after_close.append(int(msg.data))
+        return got, after_close
+
+    got, after_close = run_connected(nats_server.url, body)
+    assert got == list(range(6000))
+    assert after_close in ([], [-1])  # ended: at most the message sent before the close
+
+
 def test_hosts_announce_themselves_and_drop_out_after_the_ttl(nats_server: NatsProcess) -> None:
     async def body(conn: Connection) -> tuple[list[str], list[str]]:
         registry = await HostRegistry.open(conn, ttl_s=1.0)
