@@ -13,7 +13,13 @@ import trio
 import trio.testing
 
 from greenroom import ProviderLimits
-from greenroom.actors.cluster.admission import AdmissionDesk, endpoint_key
+from greenroom.actors.cluster.admission import (
+    KEEP_FOR_S,
+    KEEP_IDLE_S,
+    AdmissionDesk,
+    KeptPlaces,
+    endpoint_key,
+)
 from greenroom.actors.cluster.spending import SharedSpendLimit, spending_key
 from greenroom.actors.providers.anthropic import AnthropicProvider
 from greenroom.actors.providers.base import IdentifiedEndpoint
@@ -114,6 +120,51 @@ async def test_the_owners_answer_says_whether_a_place_may_be_kept_and_who_waits(
         await trio.testing.wait_all_tasks_blocked()
         assert answered == [{"keep": False, "waiting": 0}]
         desk.close()
+
+
+async def test_kept_places_go_back_idle_when_the_owner_is_busy_or_another_owner_answers(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """R-SHARE-1, R-SHARE-2: the asking host's kept places (no NATS here: ``give_back``
+    records what would be reported). The most recently used is taken first; an answer
+    saying requests wait at the owner, or an answer of another owner, gives every kept
+    place back; one idle for ``KEEP_IDLE_S`` goes back by itself, and one whose time is
+    up goes back when it is next looked at."""
+    back: list[int] = []
+    kept = KeptPlaces(back.append)
+    kept.heard("a", 0)
+    now = trio.current_time()
+    kept.keep(1, now + KEEP_FOR_S)
+    kept.keep(2, now + KEEP_FOR_S)
+    taken = kept.take()
+    assert taken is not None and taken.number == 2 and kept.taken == 1
+    kept.keep(2, now + KEEP_FOR_S)
+
+    kept.heard("a", 0)  # nobody waits: kept
+    assert (len(kept), back) == (2, [])
+    kept.heard("a", 3)  # three wait at the owner: they are owed these places
+    assert (len(kept), back, kept.owner_busy) == (0, [1, 2], True)
+
+    kept.heard("a", 0)
+    kept.keep(3, trio.current_time() + KEEP_FOR_S)
+    kept.heard("b", 0)  # a new owner does not count a's places
+    assert (len(kept), back, kept.owner) == (0, [1, 2, 3], "b")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(kept.give_back_idle)
+        kept.keep(4, trio.current_time() + KEEP_FOR_S)
+        # 5's time is up first, but 4 is looked at first (oldest): both go when 4 has
+        # been idle for KEEP_IDLE_S.
+        kept.keep(5, trio.current_time() + KEEP_IDLE_S / 2)
+        await trio.sleep(KEEP_IDLE_S * 0.9)
+        assert back[3:] == [] and len(kept) == 2
+        await trio.sleep(KEEP_IDLE_S * 0.1 + 0.01)
+        assert sorted(back[3:]) == [4, 5] and len(kept) == 0
+        kept.keep(6, trio.current_time() + 0.1)
+        assert kept.take() is not None  # within its time
+        kept.keep(6, trio.current_time())
+        assert kept.take() is None and back[-1] == 6  # its time is up: given back
+        nursery.cancel_scope.cancel()
 
 
 async def test_a_report_of_another_host_teaches_the_owners_admission() -> None:

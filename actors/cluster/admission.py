@@ -81,7 +81,7 @@ from greenroom.actors.cluster.errors import ClusterError, ClusterUnavailable, Le
 from greenroom.actors.cluster.leases import Lease, LeaseTable
 from greenroom.actors.runtime.admission import EndpointAdmission, RequestPermit
 
-__all__ = ["AdmissionDesk", "Mode", "SharedEndpoint", "endpoint_key"]
+__all__ = ["AdmissionDesk", "KeptPlaces", "Mode", "SharedEndpoint", "endpoint_key"]
 
 RETRY_S = 1.0
 """How long a host that cannot reach NATS (or find an owner) waits before trying again."""
@@ -145,7 +145,7 @@ class _Kept:
         self.idle_since = idle_since
 
 
-class _KeptPlaces:
+class KeptPlaces:
     """The places a remote host keeps between its requests (see the module docstring),
     the most recently used last; ``give_back(number)`` returns one to the owner."""
 
@@ -470,7 +470,7 @@ class SharedEndpoint:
         self._outbox_send, self._outbox = trio.open_memory_channel[tuple[str, bytes]](math.inf)
         self.asked = 0
         """Requests admitted by asking another host (a NATS round trip each)."""
-        self._kept = _KeptPlaces(lambda number: self.report("release", number))
+        self._kept = KeptPlaces(lambda number: self.report("release", number))
 
     async def known(self) -> Mode:
         """The mode, once it is known (not :attr:`Mode.STARTING`)."""
