@@ -4,7 +4,6 @@ only place asyncio runs (R-CLUSTER-1's hosts talk to NATS through it)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import pytest
 import trio
@@ -111,30 +110,6 @@ def test_messages_are_pulled_one_at_a_time_and_end() -> None:
             return [item async for item in bridge.messages(next_item)]
 
     assert run(main) == [1, 2, 3]
-
-
-def test_items_at_hand_cross_together_in_order_and_the_end_after_them() -> None:
-    """With ``ready``, one crossing brings what the source has at hand (up to BATCH):
-    600 items queued at once cross in three asyncio tasks, in order; the end queued
-    behind them still ends the iteration after the last of them."""
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    tasks: list[asyncio.Task[Any] | None] = []
-
-    async def next_item() -> int:
-        item = await queue.get()
-        tasks.append(asyncio.current_task())
-        if item < 0:
-            raise StopAsyncIteration
-        return item
-
-    async def main(bridge: Bridge) -> list[int]:
-        with trio.fail_after(BOUND_S):
-            for item in [*range(600), -1]:
-                queue.put_nowait(item)
-            return [item async for item in bridge.messages(next_item, queue.qsize)]
-
-    assert run(main) == list(range(600))
-    assert len(set(map(id, tasks))) == 3  # 256 + 256 + 88 and the end
 
 
 def test_an_inbox_hands_items_to_trio_in_order_and_ends_after_them() -> None:

@@ -80,18 +80,12 @@ class Bridge:
             raise BridgeClosed("the call was cancelled on the asyncio side")
         return task.result()
 
-    def messages(
-        self, next_message: Callable[[], Awaitable[T]], ready: Callable[[], int] | None = None
-    ) -> Messages[T]:
-        """The items that ``next_message`` (a coroutine function such as a nats-py
-        subscription's ``next_msg`` without timeout) gives, one call each, as a trio async
-        iterator. ``ready()``, when given, says how many items ``next_message`` has at
-        hand (a subscription's ``pending_msgs``): one crossing of the bridge then brings
-        those too, up to :data:`BATCH`: each crossing costs the trio side a scheduling
-        round, and a busy subject (an admission desk's) has many messages a round.
-        Items are pulled only when the consumer asks for more, so a slow trio consumer
-        leaves them in the client's own pending buffer (with its limits), not in ours."""
-        return Messages(self, next_message, ready)
+    def messages(self, next_message: Callable[[], Awaitable[T]]) -> Messages[T]:
+        """The items that ``next_message`` (a coroutine function such as a KV watcher's
+        ``__anext__``) gives, one crossing of the bridge each, as a trio async iterator.
+        Items are pulled only when the consumer asks for more. A subscription uses
+        :meth:`inbox` instead."""
+        return Messages(self, next_message)
 
     def inbox(self, limit: int = 4 * 1024) -> Inbox[T]:
         """An :class:`Inbox`: items an asyncio callback puts (a nats-py subscription's
@@ -110,48 +104,22 @@ class Bridge:
             self._token.run_sync_soon(event.set)
 
 
-BATCH = 256
-"""The most items one crossing of :meth:`Bridge.messages` brings."""
-
-
 class Messages(Generic[T]):
     """An async iterator over the items of an asyncio coroutine function, called through
-    the bridge (with the items ``ready()`` says are at hand, in the same crossing); it ends
-    when the coroutine raises StopAsyncIteration."""
+    the bridge; it ends when the coroutine raises StopAsyncIteration."""
 
-    def __init__(
-        self,
-        bridge: Bridge,
-        next_message: Callable[[], Awaitable[T]],
-        ready: Callable[[], int] | None = None,
-    ) -> None:
+    def __init__(self, bridge: Bridge, next_message: Callable[[], Awaitable[T]]) -> None:
         self._bridge = bridge
         self._next = next_message
-        self._ready = ready
-        self._taken: collections.deque[T] = collections.deque()
-        self._ended = False
 
     def __aiter__(self) -> Messages[T]:
         return self
 
     async def __anext__(self) -> T:
-        if not self._taken:
-            if self._ended:
-                raise StopAsyncIteration
-            self._taken.extend(await self._bridge.call(self._some))
-        return self._taken.popleft()
+        return await self._bridge.call(self._one)
 
-    async def _some(self) -> list[T]:
-        items = [await self._next()]
-        ready = self._ready
-        if ready is not None:
-            try:
-                while len(items) < BATCH and ready() > 0:
-                    items.append(await self._next())
-            except StopAsyncIteration:
-                # The end comes after what was taken: handed out first.
-                self._ended = True
-        return items
+    async def _one(self) -> T:
+        return await self._next()
 
 
 class Inbox(Generic[T]):
