@@ -78,7 +78,15 @@ def _as_verdict(answer: Any) -> Verdict:
 class ApprovalBroker:
     """Decides on tool calls for one task."""
 
-    __slots__ = ("_approve", "_hooks", "_inbox", "_origin", "_timeout_s", "_tools")
+    __slots__ = (
+        "_approve",
+        "_hooks",
+        "_inbox",
+        "_origin",
+        "_takes_origin",
+        "_timeout_s",
+        "_tools",
+    )
 
     def __init__(
         self,
@@ -96,6 +104,7 @@ class ApprovalBroker:
         self._origin = origin
         self._timeout_s = math.inf if timeout_s is None else timeout_s
         self._inbox = inbox
+        self._takes_origin: bool | None = None  # the callback's signature, read once
 
     async def run(
         self,
@@ -108,7 +117,7 @@ class ApprovalBroker:
         A cancellation while a decision is pending leaves that call undecided; the
         supervisor resolves it as deny when it aborts (R-APPROVE-5)."""
         task_status.started()
-        async with requests:
+        with requests:
             async for request in requests:
                 decided = await self._decide(request)
                 if decided is not None:
@@ -155,7 +164,9 @@ class ApprovalBroker:
             # the default's (R-APPROVE-2, R-APPROVE-4), not the host's.
             with trio.move_on_after(self._timeout_s):
                 try:
-                    if _takes_origin(approve):
+                    if self._takes_origin is None:
+                        self._takes_origin = _takes_origin(approve)
+                    if self._takes_origin:
                         takes_origin: Any = approve
                         answer = takes_origin(call, origin=self._origin)
                     else:

@@ -136,6 +136,12 @@ def accept_data(data: bytes | str, media_type: str, attachments: Attachments) ->
     return ImageBlock(path=f"inline-{digest[:12]}{suffix}", media_type=media_type, sha256=digest)
 
 
+def has_images(blocks: Sequence[UserContent]) -> bool:
+    """Whether ``blocks`` hold an image, which :func:`attach` reads in a worker thread;
+    without one it has nothing to do."""
+    return any(isinstance(b, ImageBlock) for b in blocks)
+
+
 async def attach(
     blocks: Sequence[UserContent],
     attachments: Attachments,
@@ -145,7 +151,7 @@ async def attach(
 ) -> tuple[UserContent, ...]:
     """:func:`accept` in a worker thread (R-SEC-8: never on the event loop); cancelling
     abandons the thread. Input without images is returned as it is, at once."""
-    if not any(isinstance(b, ImageBlock) for b in blocks):
+    if not has_images(blocks):
         return tuple(blocks)
     return await trio.to_thread.run_sync(
         functools.partial(accept, blocks, attachments, confine=confine, fold=fold),

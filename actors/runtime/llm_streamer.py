@@ -119,10 +119,11 @@ class LLMStreamer:
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve commands: each attempt in a task of its own, so that a skip reaches a
-        wait while it runs. Cancel-safe."""
+        wait while it runs. Cancel-safe. Once ``commands`` is closed an attempt still
+        running is stale: it is cancelled."""
         async with trio.open_nursery() as nursery:
             task_status.started()
-            async with commands:
+            with commands:
                 async for command in commands:
                     match command:
                         case StartAttempt():
@@ -140,6 +141,7 @@ class LLMStreamer:
                             self._backoff.skip()
                         case _:
                             assert_never(command)
+            nursery.cancel_scope.cancel()
 
     async def _stream_attempt(
         self, request: ModelRequest, attempt: int, delay_ms: int, number: int, inbox: Any

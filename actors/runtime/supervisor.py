@@ -46,7 +46,7 @@ from typing import TypeVar, assert_never
 
 import trio
 
-from greenroom.actors.runtime.attachments import attach
+from greenroom.actors.runtime.attachments import attach, has_images
 from greenroom.actors.runtime.drain import holds_for_drain
 from greenroom.actors.runtime.emitter import OutputEmitter, repaired_blocks
 from greenroom.actors.runtime.errors import ImageRefused
@@ -341,8 +341,10 @@ class SessionSupervisor:
             return
         # R-SEC-8: the prompt's images are read now, once, before anything is recorded;
         # one that is refused (or an interrupt meanwhile) ends the task with nothing else.
-        read = await self._serving(lambda: _attach_prompt(port, input_.content))
-        content = read[0] if read is not None else None
+        content: tuple[UserContent, ...] | str | None = tuple(input_.content)
+        if has_images(input_.content):
+            read = await self._serving(lambda: _attach_prompt(port, input_.content))
+            content = read[0] if read is not None else None
         if not isinstance(content, tuple):
             refused: TaskStatus = "aborted" if content is None else "failed"
             self._out.emit(task.task_end(refused, content or self._machine.stop_reason))
@@ -419,7 +421,7 @@ class SessionSupervisor:
         settled, and its one ``task_end`` is written (R-RUN-7)."""
         machine = self._machine
         task = self._running()
-        await task.stop_work()
+        await task.stop_work(finished=status == "completed")
         # Results that arrived before the actors stopped still count.
         with contextlib.suppress(*((Exception,) if crashed else ())):
             self._drain()

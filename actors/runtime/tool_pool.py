@@ -164,7 +164,7 @@ class ToolPool:
         nothing more is reported (the supervisor settles unfinished calls)."""
         async with trio.open_nursery() as nursery:
             task_status.started()
-            async with commands:
+            with commands:
                 async for command in commands:
                     match command:
                         case BeginTurn():
@@ -179,6 +179,7 @@ class ToolPool:
                             nursery.start_soon(self._check, command)
                         case _:
                             assert_never(command)
+            nursery.cancel_scope.cancel()  # closed: a call still running ends
 
     def _slot(self, position: int) -> trio.Event:
         while len(self._terminal) <= position:
