@@ -510,6 +510,31 @@ async def test_a_connection_the_server_closed_is_not_reused() -> None:
         assert server.connections_total == 2
 
 
+
+@pytest.mark.parametrize("socket_takes", ["seven bytes", "nothing"])
+async def test_a_request_the_socket_takes_in_part_is_sent_whole(
+    socket_takes: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plain TCP connection is written straight to its descriptor; what the socket does
+    not take at once (part of the request, or nothing: it would block) follows through
+    the stream, and the server reads one whole request."""
+    original = lean_http._write
+
+    def write(fd: int, data: bytes) -> int:
+        if socket_takes == "nothing":
+            raise BlockingIOError
+        return original(fd, data[:7])
+
+    monkeypatch.setattr(lean_http, "_write", write)
+    async with open_mock_server(Reply([Text("whole")])) as server:
+        provider = AnthropicProvider(base_url=server.base_url, api_key="k", lean_http=True)
+        with trio.fail_after(BOUND_S):
+            events, _ = await stream_with(provider, request("a prompt of some length"))
+    assert server.request_count == 1
+    assert not isinstance(events[-1], StreamFailed)
+    texts = [e for e in coalesce_deltas(events) if getattr(e, "text", None)]
+    assert "whole" in "".join(getattr(e, "text", "") for e in texts)
+
 CHUNKED_SSE_HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 )

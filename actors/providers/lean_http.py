@@ -66,6 +66,7 @@ _URL_SAFE = "/%:@!$&'()*+,;=?~[]"
 # and no trio socket wrapper (Windows cannot read a socket with os.read).
 _DIRECT_READS = sys.platform != "win32"
 _read = os.read
+_write = os.write
 # Reads in a row that found data without waiting before the reader yields anyway.
 _UNWAITED_READS = 16
 # A body's read deadline is moved on only once this fraction of the timeout is used up:
@@ -373,12 +374,15 @@ class ConnectionPool:
         # The response may be closed by another task than this one: the slot is held on
         # behalf of the exchange, not of the task.
         token = object()
-        with trio.move_on_after(_seconds(timeouts.pool)) as waited:
-            await limiter.acquire_on_behalf_of(token)
-        if waited.cancelled_caught:
-            failure = PoolTimeout()
-            failure.url = url.text
-            raise failure
+        try:
+            limiter.acquire_on_behalf_of_nowait(token)  # the usual case: a slot is free
+        except trio.WouldBlock:
+            with trio.move_on_after(_seconds(timeouts.pool)) as waited:
+                await limiter.acquire_on_behalf_of(token)
+            if waited.cancelled_caught:
+                failure = PoolTimeout()
+                failure.url = url.text
+                raise failure from None
         read_timeout = _seconds(timeouts.read)
         try:
             reused = self._take_idle(key)
@@ -551,10 +555,23 @@ async def _exchange(
 
 async def _send(conn: _Connection, head: bytes, body: bytes, timeouts: TimeoutSettings) -> None:
     try:
-        with trio.fail_after(_seconds(timeouts.write)):
-            if len(body) < 65536:
-                await conn.stream.send_all(head + body)
-            else:
+        if len(body) < 65536:
+            data = head + body
+            if conn.fd >= 0:
+                # A plain TCP connection takes a request this size at once, in the usual
+                # case: written straight to its descriptor, with no timeout scope and no
+                # task step; what the socket does not take goes the stream's way.
+                try:
+                    written = _write(conn.fd, data)
+                except BlockingIOError:
+                    written = 0
+                data = data[written:]
+                if not data:
+                    return
+            with trio.fail_after(_seconds(timeouts.write)):
+                await conn.stream.send_all(data)
+        else:
+            with trio.fail_after(_seconds(timeouts.write)):
                 await conn.stream.send_all(head)
                 await conn.stream.send_all(body)
     except trio.TooSlowError:
