@@ -291,6 +291,23 @@ def test_without_bwrap_start_up_says_once_that_run_shell_is_not_confined(
     assert "run_shell will refuse every command" in required.stderr
 
 
+
+@pytest.mark.parametrize("command", [["run", "hi"], ["serve", "--port", "0", "--no-console"]])
+def test_without_bwrap_a_mistake_in_the_setup_is_still_one_line(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """The warning about run_shell comes once a command starts its work: a usage error
+    found before that is the one line on stderr, bubblewrap or not (R-SEC-4)."""
+    bad = tmp_path / "prices.json"
+    bad.write_text("[1]")
+    data = ["--data-dir", str(tmp_path / "data")]
+    result = run_with_env(
+        tmp_path, env_with_path(tmp_path, bwrap=False), *command, *data, "--prices", str(bad)
+    )
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert "--prices" in line and UNCONFINED not in line
+
 async def test_serve_gives_its_sessions_the_sandbox_flags(tmp_path: Path) -> None:
     from trio_websocket import open_websocket_url
 

@@ -83,6 +83,7 @@ from greenroom.actors.apps.run import (
     interrupt_on_sigint,
     mcp_servers,
     prepare_options,
+    report_shell_confinement,
     stdout_for_renderer,
 )
 from greenroom.actors.runtime import (
@@ -448,6 +449,7 @@ async def _answer_and_follow(
         except (ConfigurationError, ImportError) as exc:
             print_error(f"greenroom {command}: cannot set up the session: {exc}")
             return EXIT_USAGE
+        report_shell_confinement(options)
         print_error(f"session: {session.id}")
         renderer: Renderer = (
             JsonRenderer(out)

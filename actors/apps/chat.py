@@ -103,6 +103,7 @@ from greenroom.actors.apps.run import (
     open_reported_session,
     prepare_options,
     refusal_words,
+    report_shell_confinement,
     run_options,
 )
 from greenroom.actors.runtime import (
@@ -235,6 +236,7 @@ async def _chat(options: RunOptions) -> int:
         session = await open_reported_session(host, options)
         if session is None:
             return EXIT_USAGE
+        report_shell_confinement(options)
         screen = (
             TerminalScreen(sys.stdout, sys.stderr)
             if all(_is_terminal(s) for s in (sys.stdin, sys.stdout, sys.stderr))

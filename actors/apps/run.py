@@ -333,15 +333,15 @@ def stdout_for_renderer() -> Iterator[TextIO]:
 
 def prepare_options(options: RunOptions) -> RunOptions:
     """``options`` with the workspace resolved, after checking it and the credentials;
-    raises :class:`UsageError` when either is missing. Says on stderr when ``run_shell``
-    will run commands unconfined (or refuse them) for want of bubblewrap."""
+    raises :class:`UsageError` when either is missing. A command that goes on to work says
+    what :func:`report_shell_confinement` says once its setup is complete, so that a
+    mistake in the setup stays one line."""
     if options.workspace is not None:
         workspace = Path(options.workspace).expanduser()
         if not workspace.is_dir():
             raise UsageError(f"--workspace: {options.workspace} is not a directory")
         options = attrs.evolve(options, workspace=str(workspace.resolve()))
     check_credentials(options)
-    _report_shell_confinement(options)
     return options
 
 
@@ -387,9 +387,10 @@ def bubblewrap_available() -> bool:
     return shutil.which("bwrap") is not None
 
 
-def _report_shell_confinement(options: RunOptions) -> None:
-    """One line on stderr at start-up when ``run_shell`` is offered and bubblewrap is
-    missing: with ``auto`` its commands run unconfined, with ``required`` they are refused."""
+def report_shell_confinement(options: RunOptions) -> None:
+    """One line on stderr as a command starts its work when ``run_shell`` is offered and
+    bubblewrap is missing: with ``auto`` its commands run unconfined, with ``required``
+    they are refused."""
     if not any(t.name == "run_shell" for t in options.tools) or bubblewrap_available():
         return
     sandbox = options.sandbox
@@ -497,6 +498,7 @@ async def _run_task(options: RunOptions, out: TextIO) -> RunResult:
         session = await open_reported_session(host, options)
         if session is None:
             return RunResult(exit_code=EXIT_USAGE, session_id=options.session_id)
+        report_shell_confinement(options)
         structured = options.output_schema
         # With --output-schema stdout is the answer's alone: the conversation is stderr's.
         shown = sys.stderr if structured is not None else out

@@ -21,6 +21,7 @@ from greenroom.actors.apps.run import (
     prices_file,
     provider_for,
     provider_limits,
+    report_shell_confinement,
     stdout_for_renderer,
 )
 from greenroom.actors.providers import (
@@ -80,7 +81,7 @@ def serve_command(args: argparse.Namespace) -> int:
         "principal_budget": None
         if args.principal_budget_usd is None
         else PrincipalBudget(usd=args.principal_budget_usd, period=args.principal_budget_period),
-        "ready": lambda _port: print_error(defaults_line),
+        "ready": lambda _port: _say_ready(options, defaults_line),
         "reuse_port": args.reuse_port,
         "a2a": args.a2a,
         "ag_ui": args.ag_ui,
@@ -177,6 +178,12 @@ def _serve_workers(args: argparse.Namespace) -> int:
     return trio.run(serve_workers, config)
 
 
+def _say_ready(options: RunOptions, defaults_line: str) -> None:
+    """What ``serve`` says on stderr once it listens (its setup is complete then)."""
+    report_shell_confinement(options)
+    print_error(defaults_line)
+
+
 def _with_builtin(tools: tuple[Tool, ...], extra: Tool) -> tuple[Tool, ...]:
     """``tools`` and ``extra``, unless a tool of that name is given (a ``--tools`` tool
     replaces a built-in of its name)."""
@@ -239,6 +246,7 @@ def acp_command(args: argparse.Namespace) -> int:
         prices=prices_file(args.prices),
         observers=tuple(getattr(args, "observers", ())),
     )
+    report_shell_confinement(options)
     with stdout_for_renderer() as out:
         serve_stdio(config, options.data_dir, out.fileno())
     return EXIT_OK
