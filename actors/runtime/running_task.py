@@ -30,10 +30,10 @@ from greenroom.actors.runtime.approval_broker import ApprovalBroker
 from greenroom.actors.runtime.compactor import CompactionRun
 from greenroom.actors.runtime.emitter import OutputEmitter
 from greenroom.actors.runtime.llm_streamer import LLMStreamer
-from greenroom.actors.runtime.port import Parked, SessionPort, TaskInput
+from greenroom.actors.runtime.port import Approval, Parked, SessionPort, TaskInput
 from greenroom.actors.runtime.resumption import take_up
 from greenroom.actors.runtime.subagents import RunChild, Subagents
-from greenroom.actors.runtime.tool_hooks import tool_hook_calls
+from greenroom.actors.runtime.tool_hooks import ToolHookCalls, tool_hook_calls
 from greenroom.actors.runtime.tool_pool import ToolPool
 from greenroom.actors.runtime.turn_runner import TurnRunner
 from greenroom.protocols.content import UserContent
@@ -135,8 +135,14 @@ class TaskWork:
             self._done.set()
 
     async def _start_actors(
-        self, nursery: trio.Nursery, port: SessionPort, approve: Any, hooks: Any
+        self,
+        nursery: trio.Nursery,
+        port: SessionPort,
+        approve: Approval,
+        hooks: ToolHookCalls | None,
     ) -> None:
+        """Start the broker, the pool and the streamer in ``nursery``, each ready to serve
+        (R-ACTOR-2)."""
         settings = port.settings
         broker = ApprovalBroker(
             approve=approve,
