@@ -19,11 +19,14 @@ from greenroom.actors.providers.scripted import Reply, ScriptedStream, text, too
 from greenroom.actors.runtime.llm_streamer import LLMStreamer
 from greenroom.actors.runtime.port import TaskInput
 from greenroom.actors.runtime.running_task import FINISHED_GRACE_S, TaskWork
+from greenroom.actors.runtime.tool_pool import ToolPool
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.messages import (
     ApprovalDecided,
     ApproveCall,
+    PoolCommand,
+    RunToolCall,
     StartAttempt,
     StreamerCommand,
     SupervisorMessage,
@@ -175,3 +178,48 @@ async def test_the_streamer_ends_when_its_inbox_closes_cancelling_a_stale_attemp
             await provider.started.wait()
             commands_send.close()
     assert provider.cancelled
+
+
+async def test_the_pool_ends_when_its_inbox_closes_ending_a_call_still_running(
+    tmp_path: Path,
+) -> None:
+    """R-ACTOR-2: closing the pool's inbox ends it; a call still running is ended with it
+    (cancelled) rather than waited for, and reports nothing more."""
+    started = trio.Event()
+    ended: list[str] = []
+
+    @tool
+    async def forever() -> str:
+        """Never returns."""
+        started.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            ended.append("cancelled")
+        return "never"  # pragma: no cover - never reached
+
+    async def nothing_to_sync() -> None:
+        await trio.lowlevel.checkpoint()
+
+    inbox_send, inbox = trio.open_memory_channel[SupervisorMessage](math.inf)
+    commands_send, commands = trio.open_memory_channel[PoolCommand](math.inf)
+    pool = ToolPool(
+        tools={"forever": forever},
+        inbox=inbox_send,
+        workspace_dir=tmp_path,
+        scratchpad_dir=tmp_path,
+        sync_trace=nothing_to_sync,
+        result_budget=10_000,
+    )
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(pool.run, commands)
+            commands_send.send_nowait(
+                RunToolCall(call=ToolCallBlock(id="call_1", name="forever", arguments={}),
+                            position=0)
+            )
+            await started.wait()
+            commands_send.close()
+    assert ended == ["cancelled"]
+    with inbox:
+        assert iter_ready(inbox) == []

@@ -30,10 +30,10 @@ from greenroom.actors.runtime.approval_broker import ApprovalBroker
 from greenroom.actors.runtime.compactor import CompactionRun
 from greenroom.actors.runtime.emitter import OutputEmitter
 from greenroom.actors.runtime.llm_streamer import LLMStreamer
-from greenroom.actors.runtime.port import Approval, Parked, SessionPort, TaskInput
+from greenroom.actors.runtime.port import Parked, SessionPort, TaskInput
 from greenroom.actors.runtime.resumption import take_up
 from greenroom.actors.runtime.subagents import RunChild, Subagents
-from greenroom.actors.runtime.tool_hooks import ToolHookCalls, tool_hook_calls
+from greenroom.actors.runtime.tool_hooks import tool_hook_calls
 from greenroom.actors.runtime.tool_pool import ToolPool
 from greenroom.actors.runtime.turn_runner import TurnRunner
 from greenroom.protocols.content import UserContent
@@ -117,9 +117,6 @@ class TaskWork:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Start the actors; ready once they serve. Returns after :meth:`stop`."""
-        port = self._port
-        approve = self._task.approve if self._task is not None else None
-        hooks = self.tool_hooks
         try:
             with self.scope:
                 async with trio.open_nursery() as nursery:
@@ -128,22 +125,19 @@ class TaskWork:
                     # the scope cancelled (any other).
                     self.nursery = nursery
                     async with trio.open_nursery() as actors:
-                        await self._start_actors(actors, port, approve, hooks)
+                        await self._start_actors(actors)
                         task_status.started()
                     nursery.cancel_scope.cancel()  # a hook call still out ends with them
         finally:
             self._done.set()
 
-    async def _start_actors(
-        self,
-        nursery: trio.Nursery,
-        port: SessionPort,
-        approve: Approval,
-        hooks: ToolHookCalls | None,
-    ) -> None:
+    async def _start_actors(self, nursery: trio.Nursery) -> None:
         """Start the broker, the pool and the streamer in ``nursery``, each ready to serve
         (R-ACTOR-2)."""
+        port = self._port
         settings = port.settings
+        approve = self._task.approve if self._task is not None else None
+        hooks = self.tool_hooks
         broker = ApprovalBroker(
             approve=approve,
             timeout_s=settings.approval_timeout_s,
