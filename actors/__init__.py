@@ -18,6 +18,7 @@ from greenroom.actors.runtime.errors import (
     OutputSchemaError,
     SeqRefused,
     SessionClosed,
+    SessionExists,
     SessionNotFound,
 )
 from greenroom.actors.runtime.host import Host, SessionInfo
@@ -42,6 +43,7 @@ __all__ = [
     "SeqRefused",
     "Session",
     "SessionClosed",
+    "SessionExists",
     "SessionInfo",
     "SessionNotFound",
 ]

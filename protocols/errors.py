@@ -6,6 +6,7 @@
     ├── Busy               the session already runs a task or compaction (409 on the wire)
     ├── AuthLocked         the session's credentials failed; call retry_auth() (423)
     ├── SessionNotFound    no session with that id in the data dir (404)
+    ├── SessionExists      a new session named with the id of one that exists (409)
     ├── SessionClosed      the session was closed or deleted
     ├── HostClosed         the host is shut down
     ├── ConfigurationError bad settings, unknown provider, missing key…
@@ -44,6 +45,13 @@ class SessionNotFound(GreenroomError):
     """No session with this id exists in the host's data dir."""
 
     code = 404
+
+
+class SessionExists(GreenroomError):
+    """A session was to be created with an id an existing session has (open in this host,
+    being created, or stored in its data dir); nothing was written."""
+
+    code = 409
 
 
 class SessionClosed(GreenroomError):

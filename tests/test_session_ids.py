@@ -1,6 +1,8 @@
 """Session ids are unique within a host even when many sessions are created in one second
 (R-HOST-1: each session has its own files). The generated id is a timestamp and 24 random
-bits: a thousand sessions created within a second collide about once in thirty runs."""
+bits: a thousand sessions created within a second collide about once in thirty runs. A new
+session is never written over a stored one, and a stored one is opened once however many
+ask for it at once."""
 
 from __future__ import annotations
 
@@ -8,17 +10,17 @@ from pathlib import Path
 
 import pytest
 import trio
-from conftest import RUN_TIMEOUT_S
+from conftest import RUN_TIMEOUT_S, trace_lines
 
-from greenroom import Host
-from greenroom.actors.runtime import host as host_module
+from greenroom import Host, Session, SessionExists
+from greenroom.actors.runtime import session_ids
 
 
 async def test_a_generated_id_already_open_in_the_host_is_drawn_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     drawn = iter(["20260101-000000-aaaaaa", "20260101-000000-aaaaaa", "20260101-000000-bbbbbb"])
-    monkeypatch.setattr(host_module, "_new_session_id", lambda: next(drawn))
+    monkeypatch.setattr(session_ids, "new_session_id", lambda: next(drawn))
     with trio.fail_after(RUN_TIMEOUT_S):
         async with Host.open(tmp_path / "data") as host:
             first = await host.create_session(provider="scripted", workspace_dir=tmp_path)
@@ -28,3 +30,108 @@ async def test_a_generated_id_already_open_in_the_host_is_drawn_again(
             for session in (first, second):
                 result = await session.run("hi").result()
                 assert result.task_end.status == "completed"
+
+
+def _trace_bytes(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+async def test_two_creations_at_once_drawing_the_same_id_get_two_sessions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The id was checked against the open sessions only, and a creation awaits (the
+    # workspace, session.json) before it is open: both took the first id and shared its
+    # files (R-HOST-1).
+    drawn = iter(["20260101-000000-aaaaaa", "20260101-000000-aaaaaa", "20260101-000000-bbbbbb"])
+    monkeypatch.setattr(session_ids, "new_session_id", lambda: next(drawn))
+    created: list[Session] = []
+    with trio.fail_after(RUN_TIMEOUT_S):
+        async with Host.open(tmp_path / "data") as host:
+
+            async def create() -> None:
+                created.append(
+                    await host.create_session(provider="scripted", workspace_dir=tmp_path)
+                )
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(create)
+                nursery.start_soon(create)
+            assert sorted(s.id for s in created) == [
+                "20260101-000000-aaaaaa",
+                "20260101-000000-bbbbbb",
+            ]
+            for session in created:
+                result = await session.run(f"hi from {session.id}").result()
+                assert result.task_end.status == "completed"
+            for session in created:
+                prompts = [
+                    line["content"][0]["text"]
+                    for line in trace_lines(session)
+                    if line["type"] == "user_msg"
+                ]
+                assert prompts == [f"hi from {session.id}"]
+
+
+async def test_a_new_session_is_never_written_over_a_stored_one(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    with trio.fail_after(RUN_TIMEOUT_S):
+        async with Host.open(data_dir) as host:
+            first = await host.create_session(provider="scripted", workspace_dir=tmp_path)
+            await first.run("remember this").result()
+            kept = _trace_bytes(first.directory)
+            with pytest.raises(SessionExists, match="is open in this host"):
+                await host.create_session(
+                    provider="scripted", workspace_dir=tmp_path, session_id=first.id
+                )
+            await host.close_session(first.id)
+            with pytest.raises(SessionExists, match="is stored in"):
+                await host.create_session(
+                    provider="scripted", workspace_dir=tmp_path, session_id=first.id
+                )
+            assert _trace_bytes(first.directory) == kept
+            again = await host.load_session(first.id)
+            assert again.transcript.messages[0].content[0].text == "remember this"  # type: ignore[union-attr]
+
+
+async def test_a_drawn_id_a_stored_session_has_is_drawn_again_for_a_new_session_and_a_fork(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data_dir = tmp_path / "data"
+    with trio.fail_after(RUN_TIMEOUT_S):
+        async with Host.open(data_dir) as host:
+            stored = await host.create_session(provider="scripted", workspace_dir=tmp_path)
+            await stored.run("the stored one").result()
+            other = await host.create_session(provider="scripted", workspace_dir=tmp_path)
+            await other.run("the source of the fork").result()
+        kept = _trace_bytes(stored.directory)
+        drawn = iter([stored.id, "20260101-000000-cccccc", stored.id, "20260101-000000-dddddd"])
+        monkeypatch.setattr(session_ids, "new_session_id", lambda: next(drawn))
+        async with Host.open(data_dir) as host:
+            new = await host.create_session(provider="scripted", workspace_dir=tmp_path)
+            fork = await host.fork_session(other.id)
+            assert (new.id, fork.id) == ("20260101-000000-cccccc", "20260101-000000-dddddd")
+            assert fork.transcript.messages[0].content[0].text == "the source of the fork"  # type: ignore[union-attr]
+            assert _trace_bytes(stored.directory) == kept
+            loaded = await host.load_session(stored.id)
+            assert loaded.transcript.messages[0].content[0].text == "the stored one"  # type: ignore[union-attr]
+
+
+async def test_two_loads_of_one_stored_session_at_once_open_it_once(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    with trio.fail_after(RUN_TIMEOUT_S):
+        async with Host.open(data_dir) as host:
+            session = await host.create_session(provider="scripted", workspace_dir=tmp_path)
+            await session.run("hi").result()
+            await host.close_session(session.id)
+            loaded: list[Session] = []
+
+            async def load() -> None:
+                loaded.append(await host.load_session(session.id))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(load)
+                nursery.start_soon(load)
+            assert loaded[0] is loaded[1]
+            assert host.get_session(session.id) is loaded[0]
+            result = await loaded[0].run("again").result()
+            assert result.task_end.status == "completed"

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         RunStream,
         Session,
         SessionClosed,
+        SessionExists,
         SessionNotFound,
     )
     from greenroom.protocols import (
@@ -61,6 +62,7 @@ _LAYER_OF = {
     "RunStream": "greenroom.actors",
     "Session": "greenroom.actors",
     "SessionClosed": "greenroom.actors",
+    "SessionExists": "greenroom.actors",
     "SessionNotFound": "greenroom.actors",
     "Output": "greenroom.protocols",
     "TaskEnd": "greenroom.protocols",
@@ -88,6 +90,7 @@ __all__ = [
     "RunStream",
     "Session",
     "SessionClosed",
+    "SessionExists",
     "SessionNotFound",
     "TaskEnd",
     "Tool",

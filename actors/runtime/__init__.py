@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         OutputSchemaError,
         SeqRefused,
         SessionClosed,
+        SessionExists,
         SessionNotFound,
     )
     from greenroom.actors.runtime.host import (
@@ -80,6 +81,7 @@ _MODULE_OF = {
     "OutputSchemaError": "greenroom.actors.runtime.errors",
     "SeqRefused": "greenroom.actors.runtime.errors",
     "SessionClosed": "greenroom.actors.runtime.errors",
+    "SessionExists": "greenroom.actors.runtime.errors",
     "SessionNotFound": "greenroom.actors.runtime.errors",
     "Host": "greenroom.actors.runtime.host",
     "SessionInfo": "greenroom.actors.runtime.host",
@@ -130,6 +132,7 @@ __all__ = [
     "Session",
     "SessionCatalog",
     "SessionClosed",
+    "SessionExists",
     "SessionInfo",
     "SessionNotFound",
     "SessionObserver",

@@ -16,6 +16,7 @@ from greenroom.protocols.errors import (
     OutputSchemaError,
     SeqRefused,
     SessionClosed,
+    SessionExists,
     SessionNotFound,
 )
 
@@ -31,5 +32,6 @@ __all__ = [
     "OutputSchemaError",
     "SeqRefused",
     "SessionClosed",
+    "SessionExists",
     "SessionNotFound",
 ]

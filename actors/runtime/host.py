@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -50,6 +48,7 @@ from greenroom.actors.runtime.people import People, answer, pending_of
 from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput
 from greenroom.actors.runtime.port_builder import PortBuilder
 from greenroom.actors.runtime.session import Session, require_trio
+from greenroom.actors.runtime.session_ids import OpeningSessions
 from greenroom.actors.runtime.shared_limits import SharedLimits
 from greenroom.actors.runtime.storage import (
     PRIVATE_DIR_MODE,
@@ -150,6 +149,7 @@ class Host:
         """The store's usage ledger (R-TRACE-5)."""
         self._sessions: dict[str, Session] = {}
         self._ports: dict[str, SessionPort] = {}
+        self._opening = OpeningSessions(self._sessions)
         self._children = ChildIndex(store.catalog, self.load_session)
         self._builder = PortBuilder(self, data_dir, store, nursery.start_soon, accounting,
                                     admissions)
@@ -263,10 +263,12 @@ class Host:
         otherwise the provider is ``anthropic`` when ``ANTHROPIC_API_KEY`` is set, else
         the scripted model. The ``anthropic`` provider without ``ANTHROPIC_API_KEY`` or
         ``ANTHROPIC_AUTH_TOKEN`` raises :class:`ConfigurationError`: asking for Claude
-        never runs another model silently."""
+        never runs another model silently. A ``session_id`` in use (open, being created or
+        stored) raises :class:`SessionExists`; without it, an unused id is drawn."""
         self.check_open()
-        port = await self._builder.new(
-            _fresh_id(self._sessions, session_id),
+        port = await self._opening.create(
+            session_id,
+            self._builder.new,
             parent=None if parent_id is None else self._ports.get(parent_id),
             parent_id=parent_id,
             settings=_new_settings(settings, provider, model, system, overrides),
@@ -313,21 +315,22 @@ class Host:
         up by :meth:`resume` (R-HITL-4), or recovered as interrupted when a new task starts
         (R-TRACE-4)."""
         self.check_open()
-        if session_id in self._sessions:
-            return self._sessions[session_id]
-        port = await self._builder.stored(
-            session_id,
-            tools=self._default_tools if tools is None else tools,
-            provider=provider,
-            mcp_servers=mcp_servers,
-            overrides=overrides,
-            principal=principal,
-        )
-        if port.report_as is not None and port.machine.run_id is not None:
-            # A background subagent's open task: its answer reaches its parent when it
-            # ends, whoever takes it up (R-TREE-4).
-            self.child_reports.follow(port)
-        return self._add(port)
+        if (open_now := await self._opening.settled(session_id)) is not None:
+            return open_now  # open, or opened by a load under way: one port a session
+        with self._opening.opening(session_id):
+            port = await self._builder.stored(
+                session_id,
+                tools=self._default_tools if tools is None else tools,
+                provider=provider,
+                mcp_servers=mcp_servers,
+                overrides=overrides,
+                principal=principal,
+            )
+            if port.report_as is not None and port.machine.run_id is not None:
+                # A background subagent's open task: its answer reaches its parent when it
+                # ends, whoever takes it up (R-TREE-4).
+                self.child_reports.follow(port)
+            return self._add(port)
 
     async def fork_session(
         self, session_id: str, at_seq: int | None = None, **options: Any
@@ -336,8 +339,8 @@ class Host:
         its last record: R-FORK-1); ``options`` and what raises: :func:`~greenroom.actors.
         runtime.time_travel.fork` (``tools`` default to the host's)."""
         self.check_open()
-        new_id, tools = _fresh_id(self._sessions, None), self._default_tools
-        port = await fork(self._builder, self._store, session_id, at_seq, new_id, tools, **options)
+        port = await self._opening.create(None, fork, self._builder, self._store, session_id,
+                                          at_seq, default_tools=self._default_tools, **options)
         session = self._add(port, created=True)
         await settle_fork(port)  # after the observers: a cluster replicates the copy first
         return session
@@ -387,12 +390,11 @@ class Host:
         """Close the session — interrupting its task and waiting until its last record is
         written (R-HOST-3) — then remove its directory: trace files, scratchpad and all.
         Raises :class:`SessionNotFound` when it is neither open nor stored."""
-        catalog = self._store.catalog
-        if session_id not in self._sessions and not await catalog.exists(session_id):
+        if session_id not in self._sessions and not await self._store.catalog.exists(session_id):
             raise SessionNotFound(f"no session {session_id!r} in {self.data_dir}")
         await self.close_session(session_id)
         self._open_tasks.deleted(session_id)
-        await catalog.delete(session_id)
+        await self._store.catalog.delete(session_id)
 
     async def drain(self, grace_s: float) -> list[str]:
         """Drain before a stop (R-DRAIN-1, :mod:`~greenroom.actors.runtime.drain`): users
@@ -454,9 +456,9 @@ class Host:
         parent's provider and workspace, ``settings`` and ``tools``; ``background`` is
         recorded in its ``session.json`` (R-TREE-2)."""
         self.check_open()
-        port = await self._builder.child(
-            _fresh_id(self._sessions, None), parent, settings, list(tools), name, background
-        )
+        port = await self._opening.create(None, self._builder.child, parent=parent,
+                                          settings=settings, tools=list(tools), name=name,
+                                          background=background)
         self._add(port, created=True)
         return port
 
@@ -528,17 +530,16 @@ class Host:
         await answer(port, PersonAnswered(call_id=call_id, text=text, principal=by))
 
     async def resume(self, session_id: str, *, approve: Approval = PEOPLE, **load: Any) -> Session:
-        """Take up the session's open task, if its trace leaves one: loaded (``load`` as
-        for :meth:`load_session`; the host's tools by default) and resumed (R-HITL-4). A
-        prompt recorded without its ``task_start`` is a run its host accepted and had not
-        started: its task starts (R-CLUSTER-2).
-        ``approve`` decides the calls of a task whose host stopped under it, as
-        ``session.run(approve=…)`` does (the callback it ran with went with that host):
-        ``"people"`` by default. A call that was already waiting for a person keeps
-        waiting for one, whatever ``approve`` is (R-HITL-1); a parked task keeps its own.
-        A background subagent's task goes on and its answer reaches its parent when it
-        ends (:mod:`~greenroom.actors.runtime.child_reports`); a foreground subagent's is
-        left to its trace (its parent's call ended with the host). Returns the session."""
+        """Take up the session's open task, if its trace leaves one: loaded (``load`` as for
+        :meth:`load_session`; the host's tools by default) and resumed (R-HITL-4). A prompt
+        recorded without its ``task_start`` is a run its host accepted and had not started: its
+        task starts (R-CLUSTER-2). ``approve`` decides the calls of a task whose host stopped
+        under it, as ``session.run(approve=…)`` does (the callback it ran with went with that
+        host): ``"people"`` by default. A call that was already waiting for a person keeps
+        waiting for one, whatever ``approve`` is (R-HITL-1); a parked task keeps its own. A
+        background subagent's task goes on and its answer reaches its parent when it ends
+        (:mod:`~greenroom.actors.runtime.child_reports`); a foreground subagent's is left to its
+        trace (its parent's call ended with the host). Returns the session."""
         session = await self.load_session(session_id, **load)
         take_up_stored(self._ports[session_id], approve)
         return session
@@ -682,19 +683,6 @@ def stored_root(meta: Mapping[str, Any], session_id: str) -> str:
         return root_id
     parent_id = meta.get("parent_id")
     return parent_id if isinstance(parent_id, str) else session_id
-
-
-def _new_session_id() -> str:
-    return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-
-
-def _fresh_id(open_sessions: Mapping[str, object], session_id: str | None) -> str:
-    """``session_id``, else a new id no open session has (many sessions created within
-    one second can draw the same)."""
-    sid = session_id or _new_session_id()
-    while session_id is None and sid in open_sessions:
-        sid = _new_session_id()
-    return sid
 
 
 def _session_scan(stored: list[StoredSession]) -> SessionScan:

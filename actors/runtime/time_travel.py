@@ -41,6 +41,7 @@ from greenroom.actors.runtime.errors import (
     Busy,
     ConfigurationError,
     SeqRefused,
+    SessionExists,
     SessionNotFound,
 )
 from greenroom.actors.runtime.llm_streamer import ModelProvider
@@ -107,6 +108,9 @@ async def fork(
     identity = None
     if workspace_dir is not None:
         identity = await trio.to_thread.run_sync(fixed_workspace, workspace_dir, data_dir)
+    if await store.catalog.exists(session_id):
+        # Before anything is copied: the failure path below removes the new session.
+        raise SessionExists(f"a session {session_id!r} is stored already")
     try:
         seq = await store.log.fork(source_id, session_id, at_seq)
     except StoredSessionMissing as exc:

@@ -77,7 +77,7 @@ import attrs
 import trio
 
 from greenroom.actors.runtime.disk import DISK, Disk
-from greenroom.actors.runtime.errors import GreenroomError, SeqRefused
+from greenroom.actors.runtime.errors import GreenroomError, SeqRefused, SessionExists
 from greenroom.actors.runtime.storage import (
     PRIVATE_DIR_MODE,
     PRIVATE_FILE_MODE,
@@ -177,7 +177,8 @@ class SessionCatalog(Protocol):
     """The sessions a store holds and their metadata; see the module docstring."""
 
     async def create(self, session_id: str, meta: dict[str, Any]) -> None:
-        """Store a new session's metadata (a JSON object)."""
+        """Store a new session's metadata (a JSON object); :class:`SessionExists` when the
+        catalog holds a session of that id."""
         ...
 
     async def read_meta(self, session_id: str) -> dict[str, Any]:
@@ -393,9 +394,11 @@ class FileSessionCatalog:
         self._disk = log.disk
 
     async def create(self, session_id: str, meta: dict[str, Any]) -> None:
-        """Write ``session.json`` in a new 0700 session directory."""
+        """Write ``session.json`` in a new 0700 session directory; :class:`SessionExists`
+        when the directory already holds one (a stored session is never written over)."""
         directory = self.paths.session_dir(session_id)
-        await trio.to_thread.run_sync(_write_meta, self._disk, directory, meta)
+        if not await trio.to_thread.run_sync(_write_new_meta, self._disk, directory, meta):
+            raise SessionExists(f"a session {session_id!r} is stored in {self.paths.data_dir}")
 
     async def read_meta(self, session_id: str) -> dict[str, Any]:
         """``session.json``, checked (see :func:`read_meta_file`)."""
@@ -702,14 +705,19 @@ def _copy_prefix(
     return CopiedPrefix(seq=seq, files=tuple(copies))
 
 
-def _write_meta(disk: Disk, directory: Path, meta: dict[str, Any]) -> None:
+def _write_new_meta(disk: Disk, directory: Path, meta: dict[str, Any]) -> bool:
+    """Write a new session's ``session.json``; false, writing nothing, when there is one
+    (a directory without it is what a creation that failed left, and is used)."""
     directory.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
+    if (directory / SESSION_FILE).exists():
+        return False
     tighten(directory, PRIVATE_DIR_MODE)
     disk.make_dir(directory / "scratch")
     tmp = directory / (SESSION_FILE + ".tmp")
     disk.write(tmp, json.dumps(meta, indent=2).encode("utf-8"))
     tighten(tmp, PRIVATE_FILE_MODE)
     disk.replace(tmp, directory / SESSION_FILE)
+    return True
 
 
 def _tighten_session_dir(directory: Path) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import trio
 
-from greenroom.actors.runtime.errors import SeqRefused
+from greenroom.actors.runtime.errors import SeqRefused, SessionExists
 from greenroom.actors.runtime.trace_sink import TraceSinkClosed, TraceWriteError
 from greenroom.actors.runtime.trace_store import (
     LoadedTrace,
@@ -252,8 +252,10 @@ class MemoryCatalog:
         self._log = log
 
     async def create(self, session_id: str, meta: dict[str, Any]) -> None:
-        self.meta[session_id] = json.dumps(meta).encode("utf-8")
         await trio.lowlevel.checkpoint()
+        if session_id in self.meta:
+            raise SessionExists(f"a session {session_id!r} is stored in memory")
+        self.meta[session_id] = json.dumps(meta).encode("utf-8")
 
     async def read_meta(self, session_id: str) -> dict[str, Any]:
         await trio.lowlevel.checkpoint()
