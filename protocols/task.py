@@ -234,6 +234,9 @@ _WAIT = Wait()
 _FINISH = Finish()
 _NO_USAGE = TokenUsage()
 _NOTHING_SPENT = TokenUsage(cost_usd=0.0)
+# One shared empty set: every ``frozenset()`` call makes a new 216-byte object, and an idle
+# session's record holds three of them.
+_NO_NAMES: frozenset[str] = frozenset()
 """A new task's usage: no tokens yet, and no cost (its first unpriced request makes the
 sum unknown)."""
 
@@ -344,8 +347,8 @@ class TaskRecord:
         """The ``seq`` of each call's ``model_msg``, in the order of :attr:`calls`."""
         self._results: dict[str, bool] | None = None
         self.request_ok = False
-        self.allowed: frozenset[str] = frozenset()
-        self.in_doubt: frozenset[str] = frozenset()
+        self.allowed: frozenset[str] = _NO_NAMES
+        self.in_doubt: frozenset[str] = _NO_NAMES
         """Allowed calls recorded in doubt (``call_in_doubt``) and not resolved yet."""
         self.pending_people: tuple[ApprovalRequest, ...] = ()
         self.loop_reason: str | None = None
@@ -353,7 +356,7 @@ class TaskRecord:
         self.session_turns = 0
         self.last_request_total: int | None = None
         self.auth_locked: str | None = None
-        self.session_rules: frozenset[str] = frozenset()
+        self.session_rules: frozenset[str] = _NO_NAMES
         self.last_status: TaskStatus | None = None
         self.answers: AnswerCheck | None = None
         """The answers of an open task that requires an output schema (R-OUT-1)."""
@@ -510,8 +513,8 @@ class TaskRecord:
         self.call_seqs = ()
         self._results = None
         self.request_ok = False
-        self.allowed = frozenset()
-        self.in_doubt = frozenset()
+        self.allowed = _NO_NAMES
+        self.in_doubt = _NO_NAMES
         self.pending_people = ()
         self.loop_reason = None
         self._guard = None
@@ -529,8 +532,8 @@ class TaskRecord:
         self._results = None
         self._guard = None
         self.request_ok = False
-        self.allowed = frozenset()
-        self.in_doubt = frozenset()
+        self.allowed = _NO_NAMES
+        self.in_doubt = _NO_NAMES
         self.pending_people = ()
         self.retry_in_ms = None
         self.failure = None
@@ -554,8 +557,8 @@ class TaskRecord:
         self.call_seqs = ()
         self._results = {}
         self.request_ok = False
-        self.allowed = frozenset()
-        self.in_doubt = frozenset()
+        self.allowed = _NO_NAMES
+        self.in_doubt = _NO_NAMES
         self.pending_people = ()
         if self.answers is not None:
             self.answers.begin_attempt()

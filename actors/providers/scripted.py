@@ -292,13 +292,16 @@ class ScriptedProvider:
     """A model that answers each request with the next step of its script.
 
     ``script`` is a sequence of steps, or one function called for every request. Every
-    request is kept in ``requests``. When the script runs out the request fails with a
-    clear message (a test then fails instead of hanging).
+    request is kept in ``requests`` unless ``keep_requests`` is false (a long-lived host,
+    or a benchmark of what sessions hold, has no use for them). When the script runs out
+    the request fails with a clear message (a test then fails instead of hanging).
     """
 
     name = "scripted"
 
-    def __init__(self, script: Sequence[ScriptStep] | ScriptStep) -> None:
+    def __init__(
+        self, script: Sequence[ScriptStep] | ScriptStep, *, keep_requests: bool = True
+    ) -> None:
         if isinstance(script, Reply) or callable(script):
             self._steps: list[ScriptStep] | None = None
             self._function: ScriptStep | None = script
@@ -307,6 +310,8 @@ class ScriptedProvider:
             self._function = None
         self.requests: list[ModelRequest] = []
         self.violations: list[str] = []
+        self._keep_requests = keep_requests
+        self._requests_seen = 0
 
     def open_task(self) -> ScriptedProvider:
         """The provider itself: the script is shared by every task."""
@@ -327,8 +332,10 @@ class ScriptedProvider:
         """Record ``request``, check the transcript invariants and play the next step. A request
         that breaks an invariant (kept in ``violations``) or finds the script exhausted fails
         with a ``failed`` error instead."""
-        number = len(self.requests) + 1
-        self.requests.append(request)
+        self._requests_seen += 1
+        number = self._requests_seen
+        if self._keep_requests:
+            self.requests.append(request)
         problems = check_invariants(request)
         stream = ScriptedStream(deliver, request)
         if problems:

@@ -242,7 +242,7 @@ async def main_async(args: Any) -> dict[str, Any]:
         rows = []
 
         def scripted() -> Any:
-            return ScriptedProvider(reference_script())
+            return ScriptedProvider(reference_script(), keep_requests=False)
 
         rows.append(await measure_idle("scripted", scripted, n, False, data_dir))
         print(
