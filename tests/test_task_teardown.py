@@ -6,6 +6,7 @@ closed (the attempt's late batches are stale)."""
 
 from __future__ import annotations
 
+import gc
 import math
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,13 @@ import trio.testing
 from conftest import allow_all, collect, of_type, open_host, port_of
 
 import greenroom.actors.runtime.running_task as running_task_module
-from greenroom.actors.providers.scripted import Reply, ScriptedStream, text, tool_call
+from greenroom.actors.providers.scripted import (
+    Reply,
+    ScriptedProvider,
+    ScriptedStream,
+    text,
+    tool_call,
+)
 from greenroom.actors.runtime.llm_streamer import LLMStreamer
 from greenroom.actors.runtime.port import TaskInput
 from greenroom.actors.runtime.running_task import FINISHED_GRACE_S, TaskWork
@@ -223,3 +230,48 @@ async def test_the_pool_ends_when_its_inbox_closes_ending_a_call_still_running(
     assert ended == ["cancelled"]
     with inbox:
         assert iter_ready(inbox) == []
+
+
+def _lookup_then_answer() -> ScriptedProvider:
+    return ScriptedProvider(
+        [
+            Reply(blocks=(text("looking"), tool_call("c1", "lookup", key="a"))),
+            Reply(blocks=(text("a is found"),)),
+        ],
+        keep_requests=False,
+    )
+
+
+async def test_a_session_created_and_run_to_completion_leaves_no_cyclic_garbage(
+    tmp_path: Path,
+) -> None:
+    # R-PERF-1: what a finished task and a new session leave is freed by reference counting.
+    # A cycle (the supervisor and its emitter, the turn runner and its calls in doubt,
+    # session.json's pure-Python encoder) kept the run's channels, machines and trio task
+    # until a full collection, and the memory they held pinned in the allocator's pools.
+    async with open_host(tmp_path / "data") as host:
+
+        async def one_session() -> str:
+            session = await host.create_session(
+                provider=_lookup_then_answer(), tools=[lookup], workspace_dir=tmp_path
+            )
+            outputs = await collect(session.run("look a up", approve=allow_all))
+            return of_type(outputs, TaskEnd)[-1].status
+
+        assert await one_session() == "completed"  # imports, caches, pools
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            assert await one_session() == "completed"
+            await trio.testing.wait_all_tasks_blocked()
+            gc.collect()
+            left = [type(o).__qualname__ for o in gc.garbage]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            if was_enabled:
+                gc.enable()
+    assert left == []
+

@@ -40,6 +40,7 @@ the session's running children too (:func:`~greenroom.actors.runtime.tree.end_su
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Awaitable, Callable
 from typing import TypeVar, assert_never
@@ -131,7 +132,11 @@ class SessionSupervisor:
         # supervisor, which drains the inbox whenever it is not carrying out a step.
         self.inbox, self._inbox = trio.open_memory_channel[SupervisorMessage](math.inf)
         """The send side of the one inbox: the session handle's way in."""
-        self._out = OutputEmitter(port, output, self._trace_failed)
+        # The inbox's own method, not one of the supervisor: the emitter holding the
+        # supervisor would make a cycle that only the cyclic collector frees, and with it
+        # the channels and machines of every finished run (R-PERF-1).
+        trace_failed = functools.partial(_report_trace_failure, self.inbox)
+        self._out = OutputEmitter(port, output, trace_failed)
         self._nursery: trio.Nursery | None = None
         self._task: RunningTask | None = None
         self._asked_token = 0
@@ -555,9 +560,11 @@ class SessionSupervisor:
             raise failure[0]
         return (result[0],) if result else None
 
-    def _trace_failed(self, message: str) -> None:
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            self.inbox.send_nowait(TraceFailed(message=message))
+
+
+def _report_trace_failure(inbox: trio.MemorySendChannel[SupervisorMessage], message: str) -> None:
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        inbox.send_nowait(TraceFailed(message=message))
 
 
 async def _attach_prompt(

@@ -705,6 +705,14 @@ def _copy_prefix(
     return CopiedPrefix(seq=seq, files=tuple(copies))
 
 
+def _meta_text(meta: dict[str, Any]) -> str:
+    """``session.json``'s text: a key a line. ``json.dumps(indent=…)`` would do it with the
+    pure-Python encoder, whose closures are a cycle left to the cyclic collector for every
+    session created."""
+    rows = ",\n".join(f"  {json.dumps(key)}: {json.dumps(value)}" for key, value in meta.items())
+    return "{\n" + rows + "\n}\n"
+
+
 def _write_new_meta(disk: Disk, directory: Path, meta: dict[str, Any]) -> bool:
     """Write a new session's ``session.json``; false, writing nothing, when there is one
     (a directory without it is what a creation that failed left, and is used)."""
@@ -714,7 +722,7 @@ def _write_new_meta(disk: Disk, directory: Path, meta: dict[str, Any]) -> bool:
     tighten(directory, PRIVATE_DIR_MODE)
     disk.make_dir(directory / "scratch")
     tmp = directory / (SESSION_FILE + ".tmp")
-    disk.write(tmp, json.dumps(meta, indent=2).encode("utf-8"))
+    disk.write(tmp, _meta_text(meta).encode("utf-8"))
     tighten(tmp, PRIVATE_FILE_MODE)
     disk.replace(tmp, directory / SESSION_FILE)
     return True

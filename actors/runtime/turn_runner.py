@@ -109,8 +109,8 @@ class TurnRunner:
     __slots__ = (
         "_approvals",
         "_before_tool",
-        "_doubts",
         "_emitter",
+        "_people",
         "_pool",
         "_port",
         "_questions",
@@ -144,8 +144,19 @@ class TurnRunner:
         self.run_id = run_id
         self.machine = TurnMachine(session_id=port.id, run_id=run_id, turn=0)
         """The current turn's machine (a new one per turn)."""
-        self._doubts = CallsInDoubt(
-            turns=self, port=port, emitter=emitter, pool=pool, run_id=run_id, people=people
+        self._people = people
+
+    @property
+    def _doubts(self) -> CallsInDoubt:
+        # Made when used, not kept: kept, it and the runner would hold each other, a cycle
+        # only the cyclic collector frees (R-PERF-1).
+        return CallsInDoubt(
+            turns=self,
+            port=self._port,
+            emitter=self._emitter,
+            pool=self._pool,
+            run_id=self.run_id,
+            people=self._people,
         )
 
     @property
