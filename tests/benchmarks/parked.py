@@ -250,7 +250,7 @@ async def measure_rss(n: int, k: int, sample: int, data_dir: Path) -> dict[str, 
     from greenroom.actors.providers.scripted import ScriptedProvider
     from greenroom.actors.runtime.host import Host
 
-    provider = ScriptedProvider(reference_script())
+    provider = ScriptedProvider(reference_script(), keep_requests=False)
     run_dir = Path(tempfile.mkdtemp(prefix="rss-", dir=data_dir))
     async with Host.open(run_dir) as host:
         build = Builder(host, provider, data_dir)
@@ -291,7 +291,7 @@ async def measure_traced(m: int, data_dir: Path) -> list[dict[str, Any]]:
     from greenroom.actors.providers.scripted import ScriptedProvider
     from greenroom.actors.runtime.host import Host
 
-    provider = ScriptedProvider(reference_script())
+    provider = ScriptedProvider(reference_script(), keep_requests=False)
     run_dir = Path(tempfile.mkdtemp(prefix="traced-", dir=data_dir))
     rows: list[dict[str, Any]] = []
     async with Host.open(run_dir) as host:
