@@ -132,9 +132,9 @@ class SessionSupervisor:
         # supervisor, which drains the inbox whenever it is not carrying out a step.
         self.inbox, self._inbox = trio.open_memory_channel[SupervisorMessage](math.inf)
         """The send side of the one inbox: the session handle's way in."""
-        # The inbox's own method, not one of the supervisor: the emitter holding the
-        # supervisor would make a cycle that only the cyclic collector frees, and with it
-        # the channels and machines of every finished run (R-PERF-1).
+        # A function of the inbox alone, not a method of the supervisor: the emitter
+        # holding the supervisor would make a cycle that only the cyclic collector frees,
+        # and with it the channels and machines of every finished run (R-PERF-1).
         trace_failed = functools.partial(_report_trace_failure, self.inbox)
         self._out = OutputEmitter(port, output, trace_failed)
         self._nursery: trio.Nursery | None = None
@@ -559,7 +559,6 @@ class SessionSupervisor:
         if failure:
             raise failure[0]
         return (result[0],) if result else None
-
 
 
 def _report_trace_failure(inbox: trio.MemorySendChannel[SupervisorMessage], message: str) -> None:
