@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 from conftest import RUN_TIMEOUT_S, trace_lines
 
 from greenroom import Host, Session, SessionExists
@@ -135,3 +136,40 @@ async def test_two_loads_of_one_stored_session_at_once_open_it_once(tmp_path: Pa
             assert host.get_session(session.id) is loaded[0]
             result = await loaded[0].run("again").result()
             assert result.task_end.status == "completed"
+
+
+async def test_a_session_deleted_while_it_loads_is_deleted_after_the_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The delete found the session not open and removed its files under the load, which
+    # then opened a session without them (or failed).
+    data_dir = tmp_path / "data"
+    with trio.fail_after(RUN_TIMEOUT_S):
+        async with Host.open(data_dir) as host:
+            session = await host.create_session(provider="scripted", workspace_dir=tmp_path)
+            await session.run("hi").result()
+            await host.close_session(session.id)
+            catalog = host.trace_store.catalog
+            read_meta = catalog.read_meta
+            reading, go_on, deleted = trio.Event(), trio.Event(), trio.Event()
+
+            async def held_read_meta(session_id: str) -> dict[str, object]:
+                reading.set()
+                await go_on.wait()
+                return await read_meta(session_id)
+
+            monkeypatch.setattr(catalog, "read_meta", held_read_meta)
+
+            async def delete() -> None:
+                await host.delete_session(session.id)
+                deleted.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(host.load_session, session.id)
+                await reading.wait()
+                nursery.start_soon(delete)
+                await trio.testing.wait_all_tasks_blocked()
+                assert not deleted.is_set()  # it waits for the load
+                go_on.set()
+            assert session.id not in {s.id for s in host.sessions}
+            assert not session.directory.exists()

@@ -374,8 +374,8 @@ class Host:
 
     async def close_session(self, session_id: str) -> None:
         """Interrupt the session's task, wait for its last record, forget it (R-HOST-3)."""
-        session = self._sessions.pop(session_id, None)
-        port = self._ports.pop(session_id, None)
+        await self._opening.settled(session_id)  # a creation or load under way ends first
+        session, port = self._sessions.pop(session_id, None), self._ports.pop(session_id, None)
         self._children.closed(session_id)
         if session is not None:
             # A task that waits only for people is not interrupted: its request stays
