@@ -33,6 +33,20 @@ async def test_a_generated_id_already_open_in_the_host_is_drawn_again(
                 assert result.task_end.status == "completed"
 
 
+async def _finished(host: Host, workspace: Path, prompt: str) -> Session:
+    """A new session of the scripted model that has answered ``prompt``."""
+    session = await host.create_session(provider="scripted", workspace_dir=workspace)
+    assert (await session.run(prompt).result()).task_end.status == "completed"
+    return session
+
+
+async def _stored(host: Host, workspace: Path) -> Session:
+    """A session that answered once and was closed: stored, not open."""
+    session = await _finished(host, workspace, "hi")
+    await host.close_session(session.id)
+    return session
+
+
 def _trace_bytes(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
 
@@ -77,8 +91,7 @@ async def test_a_new_session_is_never_written_over_a_stored_one(tmp_path: Path) 
     data_dir = tmp_path / "data"
     with trio.fail_after(RUN_TIMEOUT_S):
         async with Host.open(data_dir) as host:
-            first = await host.create_session(provider="scripted", workspace_dir=tmp_path)
-            await first.run("remember this").result()
+            first = await _finished(host, tmp_path, "remember this")
             kept = _trace_bytes(first.directory)
             with pytest.raises(SessionExists, match="is open in this host"):
                 await host.create_session(
@@ -100,10 +113,8 @@ async def test_a_drawn_id_a_stored_session_has_is_drawn_again_for_a_new_session_
     data_dir = tmp_path / "data"
     with trio.fail_after(RUN_TIMEOUT_S):
         async with Host.open(data_dir) as host:
-            stored = await host.create_session(provider="scripted", workspace_dir=tmp_path)
-            await stored.run("the stored one").result()
-            other = await host.create_session(provider="scripted", workspace_dir=tmp_path)
-            await other.run("the source of the fork").result()
+            stored = await _finished(host, tmp_path, "the stored one")
+            other = await _finished(host, tmp_path, "the source of the fork")
         kept = _trace_bytes(stored.directory)
         drawn = iter([stored.id, "20260101-000000-cccccc", stored.id, "20260101-000000-dddddd"])
         monkeypatch.setattr(session_ids, "new_session_id", lambda: next(drawn))
@@ -121,9 +132,7 @@ async def test_two_loads_of_one_stored_session_at_once_open_it_once(tmp_path: Pa
     data_dir = tmp_path / "data"
     with trio.fail_after(RUN_TIMEOUT_S):
         async with Host.open(data_dir) as host:
-            session = await host.create_session(provider="scripted", workspace_dir=tmp_path)
-            await session.run("hi").result()
-            await host.close_session(session.id)
+            session = await _stored(host, tmp_path)
             loaded: list[Session] = []
 
             async def load() -> None:
@@ -146,9 +155,7 @@ async def test_a_session_deleted_while_it_loads_is_deleted_after_the_load(
     data_dir = tmp_path / "data"
     with trio.fail_after(RUN_TIMEOUT_S):
         async with Host.open(data_dir) as host:
-            session = await host.create_session(provider="scripted", workspace_dir=tmp_path)
-            await session.run("hi").result()
-            await host.close_session(session.id)
+            session = await _stored(host, tmp_path)
             catalog = host.trace_store.catalog
             read_meta = catalog.read_meta
             reading, go_on, deleted = trio.Event(), trio.Event(), trio.Event()
