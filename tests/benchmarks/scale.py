@@ -59,8 +59,9 @@ FIRST_MS = 500.0
 TEXT_TOKENS = 200
 TOOL_CALLS = 2
 FRAGMENTS = 3
-TARGET_RATIO = 1.5
-TARGET_CPU_VS_SDK = 0.5
+# R-PERF-1's paced targets for the defaults at N = 1,000 (issue "Fast by default").
+TARGET_RATIO = 1.3
+TARGET_CPU_VS_SDK = 0.35
 VARIANTS = (
     "greenroom",
     "greenroom-gc",
@@ -218,13 +219,16 @@ async def main_async(args: Any) -> dict[str, Any]:
     verdict = {}
     for r in rows:
         if r["variant"] != "sdk":
+            cpu_vs_sdk = r.get("cpu_vs_sdk")
             met = (
                 r["completed"] == r["N"]
                 and r["ratio"] <= TARGET_RATIO
-                and r.get("cpu_vs_sdk", 0.0) <= TARGET_CPU_VS_SDK
+                and cpu_vs_sdk is not None
+                and cpu_vs_sdk <= TARGET_CPU_VS_SDK
             )
             verdict[f"{r['variant']} N={r['N']}"] = met
-            print(f"  {r['variant']} N={r['N']}: target {'met' if met else 'not met'}")
+            unmeasured = " (CPU against the SDK loop not measured)" if cpu_vs_sdk is None else ""
+            print(f"  {r['variant']} N={r['N']}: target {'met' if met else 'not met'}{unmeasured}")
     return {
         "quick": args.quick,
         "variants": variants,
