@@ -87,6 +87,7 @@ from greenroom.protocols.tools import json_error_reason, parse_tool_arguments
 
 __all__ = [
     "ImageLoader",
+    "JsonEventDecoder",
     "OpenAIStreamDecoder",
     "RequestEncoder",
     "build_request",
@@ -481,31 +482,20 @@ _LEGACY_FUNCTION_CALL = -1
 ``tool_calls`` entry."""
 
 
-class OpenAIStreamDecoder:
-    """Turns a Chat Completions SSE body into :data:`StreamEvent` values.
+class JsonEventDecoder:
+    """What the OpenAI-compatible stream decoders share: the body's SSE framing, one JSON
+    object an event, the usage reported so far, and a terminal event returned once.
 
-    Feed raw body bytes in any chunking; each call returns the events those bytes completed,
-    in stream order. Call :meth:`end_of_stream` once when the body ends (cleanly or not).
-    Never raises on any input; see the module docstring for the guarantees. One decoder per
-    attempt.
+    A subclass handles each event's data in ``_on_data`` (False once its terminal event is
+    out) and says in ``_body_ended`` how a body that ended without one ends: completed
+    from what arrived, or failed.
     """
 
     def __init__(self) -> None:
         self._sse = SSEDecoder()
         self._out: list[StreamEvent] = []
         self._terminal = False
-        self._next_block = 0
-        self._text_block: int | None = None
-        self._text_parts: list[str] = []
-        self._thinking_block: int | None = None
-        self._thinking_parts: list[str] = []
-        self._tools: dict[int, _ToolCall] = {}
-        self._last_wire_index: int | None = None
-        self._completed_tool_calls = 0
-        self._finish_reason: str | None = None
         self._usage: TokenUsage | None = None
-        self._response_id: str | None = None
-        self._response_model: str | None = None
 
     @property
     def usage(self) -> TokenUsage:
@@ -539,18 +529,65 @@ class OpenAIStreamDecoder:
         for event in self._sse.close():
             if not self._on_data(event.data):
                 return out
-        if self._finish_reason is not None:
-            self._complete_message()
-        else:
-            reason = "connection closed mid-event" if self._sse.truncated else "no finish_reason"
-            self._fail(ModelError(kind="malformed", message=f"stream ended early ({reason})"))
+        self._body_ended()
         return out
 
-    # -- internals --------------------------------------------------------------------------
+    def _on_data(self, data: str) -> bool:
+        raise NotImplementedError
+
+    def _body_ended(self) -> None:
+        raise NotImplementedError
+
+    def _ended_early(self, missing: str) -> None:
+        """Fail the stream: it ended before ``missing`` came."""
+        reason = "connection closed mid-event" if self._sse.truncated else missing
+        self._fail(ModelError(kind="malformed", message=f"stream ended early ({reason})"))
 
     def _fail(self, error: ModelError) -> None:
         self._out.append(StreamFailed(error=error))
         self._terminal = True
+
+    def _decoded(self, data: str) -> Any:
+        """The event's JSON value. When ``data`` is not JSON the stream fails here (the
+        decoder is then ``finished``) and the value is None."""
+        try:
+            return _decode_json(data)
+        except (ValueError, RecursionError) as exc:
+            message = f"malformed JSON in the model stream: {json_error_reason(exc)}"
+            self._fail(ModelError(kind="malformed", message=f"{message} (data: {data[:100]})"))
+            return None
+
+
+class OpenAIStreamDecoder(JsonEventDecoder):
+    """Turns a Chat Completions SSE body into :data:`StreamEvent` values.
+
+    Feed raw body bytes in any chunking; each call returns the events those bytes completed,
+    in stream order. Call :meth:`end_of_stream` once when the body ends (cleanly or not).
+    Never raises on any input; see the module docstring for the guarantees. One decoder per
+    attempt.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._next_block = 0
+        self._text_block: int | None = None
+        self._text_parts: list[str] = []
+        self._thinking_block: int | None = None
+        self._thinking_parts: list[str] = []
+        self._tools: dict[int, _ToolCall] = {}
+        self._last_wire_index: int | None = None
+        self._completed_tool_calls = 0
+        self._finish_reason: str | None = None
+        self._response_id: str | None = None
+        self._response_model: str | None = None
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _body_ended(self) -> None:
+        if self._finish_reason is not None:
+            self._complete_message()
+        else:
+            self._ended_early("no finish_reason")
 
     def _on_data(self, data: str) -> bool:
         """Handle one SSE event's data; False once the terminal event is out."""
@@ -561,11 +598,8 @@ class OpenAIStreamDecoder:
                 return False
             if not stripped:
                 return True
-        try:
-            chunk = _decode_json(data)
-        except (ValueError, RecursionError) as exc:
-            message = f"malformed JSON in the model stream: {json_error_reason(exc)}"
-            self._fail(ModelError(kind="malformed", message=f"{message} (data: {data[:100]})"))
+        chunk = self._decoded(data)
+        if self._terminal:
             return False
         try:
             if chunk.__class__ is not dict:

@@ -64,30 +64,27 @@ from greenroom.protocols.context import (
 from greenroom.protocols.openai_codec import (
     REASONING_EFFORTS,
     ImageLoader,
+    JsonEventDecoder,
     image_as_text,
     tool_result_text,
 )
 from greenroom.protocols.openai_codec import classify_error as classify_error
-from greenroom.protocols.sse import SSEDecoder
 from greenroom.protocols.stream import (
     BlockCompleted,
     BlockStarted,
     ErrorKind,
     MessageCompleted,
     ModelError,
-    StreamEvent,
-    StreamFailed,
     TextDelta,
     ThinkingDelta,
     TokenUsage,
     ToolArgumentsDelta,
     ToolCallTruncated,
     UsageReported,
-    coalesce_deltas,
 )
 from greenroom.protocols.structured import openai_strict
 from greenroom.protocols.text import repair_text
-from greenroom.protocols.tools import json_error_reason, parse_tool_arguments
+from greenroom.protocols.tools import parse_tool_arguments
 
 __all__ = [
     "REASONING_EFFORTS",
@@ -340,8 +337,6 @@ def build_request(
 # Stream decoding
 # ---------------------------------------------------------------------------------------------
 
-_decode_json = json.JSONDecoder().decode
-
 _OVERFLOW_CODES = frozenset({"context_length_exceeded"})
 _TRANSIENT_CODES = frozenset(
     {"server_error", "rate_limit_exceeded", "server_is_overloaded", "service_unavailable"}
@@ -387,7 +382,7 @@ def _classify_failure(error: Any, *, status: int | None = None) -> ModelError:
     return ModelError(kind=kind, message=text, status_code=status)
 
 
-class ResponsesStreamDecoder:
+class ResponsesStreamDecoder(JsonEventDecoder):
     """Turns a Responses API SSE body into :data:`StreamEvent` values.
 
     Feed raw body bytes in any chunking; each call returns the events those bytes completed,
@@ -396,70 +391,28 @@ class ResponsesStreamDecoder:
     """
 
     def __init__(self) -> None:
-        self._sse = SSEDecoder()
-        self._out: list[StreamEvent] = []
-        self._terminal = False
+        super().__init__()
         self._next_block = 0
         self._items: dict[int, _Item] = {}
         self._call_ids: set[str] = set()
         self._completed_calls = 0
-        self._usage: TokenUsage | None = None
         self.response_model: str | None = None
         """The model the server says answered (``response.model``), once known."""
         self.response_id: str | None = None
         """The response's id (``response.id``, ``resp_…``), once known."""
 
-    @property
-    def usage(self) -> TokenUsage:
-        """The latest usage the server reported (zeros until it reports any)."""
-        return self._usage or TokenUsage()
-
-    @property
-    def finished(self) -> bool:
-        """True once the terminal event has been returned."""
-        return self._terminal
-
-    def feed(self, data: bytes) -> list[StreamEvent]:
-        """Events completed by ``data`` (possibly none). Empty after the terminal event."""
-        if self._terminal:
-            return []
-        out: list[StreamEvent] = []
-        self._out = out
-        for _event, text in self._sse.feed_raw(data):
-            if not self._on_data(text):
-                break
-        return coalesce_deltas(out)
-
-    def end_of_stream(self) -> list[StreamEvent]:
-        """The body ended: the remaining events, always ending with the terminal event
-        (unless it was already returned)."""
-        if self._terminal:
-            return []
-        out: list[StreamEvent] = []
-        self._out = out
-        for event in self._sse.close():
-            if not self._on_data(event.data):
-                return out
-        reason = "connection closed mid-event" if self._sse.truncated else "no response.completed"
-        self._fail(ModelError(kind="malformed", message=f"stream ended early ({reason})"))
-        return out
-
     # -- internals --------------------------------------------------------------------------
 
-    def _fail(self, error: ModelError) -> None:
-        self._out.append(StreamFailed(error=error))
-        self._terminal = True
+    def _body_ended(self) -> None:
+        self._ended_early("no response.completed")
 
     def _on_data(self, data: str) -> bool:
         """Handle one SSE event's data; False once the terminal event is out."""
         stripped = data.strip()
         if not stripped or stripped == "[DONE]":
             return True
-        try:
-            event = _decode_json(data)
-        except (ValueError, RecursionError) as exc:
-            message = f"malformed JSON in the model stream: {json_error_reason(exc)}"
-            self._fail(ModelError(kind="malformed", message=f"{message} (data: {data[:100]})"))
+        event = self._decoded(data)
+        if self._terminal:
             return False
         try:
             if event.__class__ is not dict:
