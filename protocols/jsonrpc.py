@@ -43,7 +43,7 @@ from greenroom.protocols.content import ImageBlock, TextBlock, UserContent
 from greenroom.protocols.errors import OutputSchemaError
 from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.structured import OutputSpec, output_spec
-from greenroom.protocols.text import compact_json, repair_json, repair_text
+from greenroom.protocols.text import compact_json, json_type_name, repair_json, repair_text
 from greenroom.protocols.tools import value_too_deep
 
 JSONRPC_VERSION = "2.0"
@@ -553,20 +553,9 @@ def methods_markdown() -> str:
 
 
 def json_type(value: Any) -> str:
-    """The JSON name of a decoded value's type, for messages."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
+    """The JSON name of a decoded value's type, for messages (a whole number is a
+    ``number`` here, as the protocol's documentation names it)."""
+    return json_type_name(value, integers=False)
 
 
 def invalid(path: str, message: str) -> RpcError:

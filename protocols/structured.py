@@ -61,6 +61,7 @@ import cattrs
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import OutputFormat, ToolSchema
 from greenroom.protocols.errors import OutputSchemaError
+from greenroom.protocols.text import json_type_name
 
 __all__ = [
     "ANSWER_ACCEPTED_TEXT",
@@ -282,24 +283,6 @@ _TYPE_CHECKS: dict[str, Callable[[Any], bool]] = {
 }
 
 
-def _type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
-
-
 def _same(a: Any, b: Any) -> bool:
     """JSON equality: ``true`` is not ``1``, ``1`` is ``1.0``, objects ignore key order."""
     if isinstance(a, bool) or isinstance(b, bool):
@@ -397,7 +380,7 @@ class _Validator:
         if any(_TYPE_CHECKS.get(k, lambda _: True)(value) for k in kinds):
             return True
         wanted = " or ".join(kinds)
-        self.problems.append(f"{path}: expected {wanted}, got {_type_name(value)}")
+        self.problems.append(f"{path}: expected {wanted}, got {json_type_name(value)}")
         return False
 
     def _fails(self, value: Any, schema: Any, path: str) -> list[str]:

@@ -20,6 +20,27 @@ compact_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encod
 of trace records and gateway frames, with its encoder made once (``json.dumps`` makes one
 per call when given options, a microsecond of every record and frame)."""
 
+def json_type_name(value: Any, *, integers: bool = True) -> str:
+    """The JSON name of a decoded value's type, for messages: ``integer`` for a whole
+    number (JSON Schema's word) — ``number`` with ``integers=False`` — and the Python type's
+    name for what JSON cannot hold."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer" if integers else "number"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
 REPLACEMENT = "\ufffd"
 """What a lone surrogate becomes: the Unicode replacement character."""
 

@@ -56,7 +56,7 @@ import attrs
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolContent
 from greenroom.protocols.context import ToolSchema
 from greenroom.protocols.messages import QuestionAnswered
-from greenroom.protocols.text import has_surrogates, repair_json
+from greenroom.protocols.text import has_surrogates, json_type_name, repair_json
 
 
 @attrs.frozen(kw_only=True, slots=True)
@@ -615,7 +615,7 @@ def invalid_arguments_reason(raw: str) -> str:
     except (ValueError, RecursionError) as exc:
         return f"malformed JSON: {json_error_reason(exc)}"
     if value.__class__ is not dict:
-        return f"not a JSON object (got {_json_type_name(value)})"
+        return f"not a JSON object (got {json_type_name(value)})"
     return "not usable as arguments"
 
 
@@ -658,7 +658,7 @@ def validate_json(value: Any, schema: Mapping[str, Any], path: str = "$") -> lis
         return errors
     expected = schema.get("type")
     if isinstance(expected, str) and not _JSON_TYPES[expected](value):
-        return [f"{path}: expected {expected}, got {_json_type_name(value)}"]
+        return [f"{path}: expected {expected}, got {json_type_name(value)}"]
     if "enum" in schema and value not in schema["enum"]:
         return [f"{path}: expected one of {schema['enum']!r}, got {value!r}"]
     if isinstance(value, dict):
@@ -685,13 +685,6 @@ def validate_json(value: Any, schema: Mapping[str, Any], path: str = "$") -> lis
             for i, item in enumerate(value):
                 errors.extend(validate_json(item, schema["items"], f"{path}[{i}]"))
     return errors
-
-
-def _json_type_name(value: Any) -> str:
-    for name, check in _JSON_TYPES.items():
-        if name != "number" and check(value):
-            return name
-    return "number" if isinstance(value, float) else type(value).__name__
 
 
 def normalize_result(value: Any) -> tuple[ToolContent, ...]:
