@@ -185,6 +185,29 @@ async def profile(base_url: str, data_dir: Path, n: int) -> dict[str, Any]:
     return out
 
 
+TARGET_CPU_VS_SDK = 0.35
+"""R-PERF-1 for the defaults: unpaced N = 100 and 1,000, CPU per task at most this multiple
+of the SDK loop's."""
+
+
+def unpaced_verdicts(rows: list[dict[str, Any]]) -> dict[str, bool]:
+    """Print and return, for the defaults (``greenroom``) at N = 100 and 1,000, whether the
+    run met R-PERF-1's unpaced target: every task completed, CPU within the bound."""
+    verdict = {}
+    for r in rows:
+        if r["variant"] != "greenroom" or r["N"] not in (100, 1000):
+            continue
+        ratio = r.get("ratio_vs_sdk")
+        met = r["completed"] == r["N"] and ratio is not None and ratio <= TARGET_CPU_VS_SDK
+        verdict[f"greenroom N={r['N']}"] = met
+        unmeasured = " (CPU against the SDK loop not measured)" if ratio is None else ""
+        print(
+            f"  greenroom N={r['N']}: target cpu <= {TARGET_CPU_VS_SDK}x sdk "
+            f"{'met' if met else 'not met'}{unmeasured}"
+        )
+    return verdict
+
+
 async def main_async(args: Any) -> dict[str, Any]:
     variants = tuple(v for v in VARIANTS if v not in (args.skip or []))
     ns = [1, 100] if args.quick else [1, 100, 1000]
@@ -220,6 +243,7 @@ async def main_async(args: Any) -> dict[str, Any]:
                         "setup_ms_per_task",
                     ],
                 )
+                result["target_met"] = unpaced_verdicts(rows)
             if args.profile:
                 result["profiles"] = await profile(server.base_url, data_dir, 100)
         if not args.no_long:
