@@ -243,6 +243,11 @@ def _flood(port: int, count: int) -> list[socket.socket]:
     return sockets
 
 
+async def _read_all(stream: trio.abc.ReceiveStream, into: bytearray) -> None:
+    while chunk := await stream.receive_some():
+        into += chunk
+
+
 async def test_a_connection_flood_never_starves_a_session_of_descriptors(tmp_path: Path) -> None:
     """R-SEC-4: under a descriptor limit of 320 the server caps its connections below it
     (and says so); 600 half-open connections then wait in the kernel's backlog, and a
@@ -259,6 +264,7 @@ async def test_a_connection_flood_never_starves_a_session_of_descriptors(tmp_pat
     )
     assert process.stderr is not None
     flood: list[socket.socket] = []
+    said = bytearray()
     try:
         with trio.fail_after(TIMEOUT_S):
             seen = b""
@@ -272,19 +278,22 @@ async def test_a_connection_flood_never_starves_a_session_of_descriptors(tmp_pat
             url, port = match.group().decode(), int(match.group(1))
             token = (tmp_path / "data" / "serve.token").read_text().strip()
             headers = [(b"Authorization", f"Bearer {token}".encode())]
-            async with open_websocket_url(url, extra_headers=headers) as ws:
-                client = Client(ws)
-                flood = await trio.to_thread.run_sync(_flood, port, 600)
-                for _ in range(3):
-                    sid = (await client.result("session.create"))["session_id"]
-                    await client.result("session.subscribe", {"session_id": sid})
-                    await client.result("run", {"session_id": sid, "input": "hello"})
-                    outputs = client.take_outputs() + await client.outputs_until("task_end")
-                    assert outputs[-1]["status"] == "completed", outputs[-1]
-                    traces = list((tmp_path / "data" / "sessions" / sid).glob("trace_*.jsonl"))
-                    assert traces and traces[0].read_text().count("\n") >= 2
-            process.send_signal(signal.SIGINT)
-            assert await process.wait() == 0
+            async with trio.open_nursery() as nursery:
+                # Read stderr to its end: what serve says under the flood is in the failure.
+                nursery.start_soon(_read_all, process.stderr, said)
+                async with open_websocket_url(url, extra_headers=headers) as ws:
+                    client = Client(ws)
+                    flood = await trio.to_thread.run_sync(_flood, port, 600)
+                    for _ in range(3):
+                        sid = (await client.result("session.create"))["session_id"]
+                        await client.result("session.subscribe", {"session_id": sid})
+                        await client.result("run", {"session_id": sid, "input": "hello"})
+                        outputs = client.take_outputs() + await client.outputs_until("task_end")
+                        assert outputs[-1]["status"] == "completed", outputs[-1]
+                        traces = list((tmp_path / "data" / "sessions" / sid).glob("trace_*.jsonl"))
+                        assert traces and traces[0].read_text().count("\n") >= 2
+                process.send_signal(signal.SIGINT)
+                assert await process.wait() == 0, bytes(said).decode(errors="replace")
     finally:
         for sock in flood:
             sock.close()
