@@ -10,7 +10,7 @@ import json
 import os
 import stat
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ from greenroom.actors.gateway import (
     load_or_create_token,
     run_serve,
 )
+from greenroom.actors.gateway.http_front import HttpFront
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, ScriptStep, text, tool_call
 from greenroom.actors.runtime.host import Host
 from greenroom.protocols import jsonrpc
@@ -763,6 +764,47 @@ async def test_gateway_stop_closes_connections_with_a_reason(tmp_path: Path) -> 
                     assert reason is not None and reason.code == 1001
                     assert reason.reason == "server shutting down"
 
+
+
+@pytest.mark.parametrize("listener", ["websocket", "http"])
+async def test_a_connection_failing_while_the_gateway_stops_does_not_end_it(
+    listener: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """R-SEC-4: a connection whose clean-up fails while the gateway is being cancelled
+    raises the failure and the cancellation together (an exception group with both); the
+    failure is logged and only the cancellation goes on, so the stopping listener, and
+    ``serve``, end quietly instead of with a traceback. For the websocket listener's
+    connections and for the HTTP front's."""
+
+    async def fails_while_cancelled(request: object) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.sleep_forever)
+            try:
+                await trio.sleep_forever()
+            finally:
+                raise RuntimeError("clean-up failed")
+
+    handle: Callable[[Any], Awaitable[None]]
+    if listener == "websocket":
+        gateway = Gateway(host=None, token=TOKEN)  # type: ignore[arg-type]
+        monkeypatch.setattr(gateway, "_handshake_and_serve", fails_while_cancelled)
+        handle = gateway._handle
+    else:
+        front = HttpFront(
+            {},
+            principals=None,  # type: ignore[arg-type]
+            admission=None,  # type: ignore[arg-type]
+            seats=None,  # type: ignore[arg-type]
+            origin_allowed=lambda origin: True,
+            limits=GatewayLimits(),
+        )
+        monkeypatch.setattr(front, "_route_connection", fails_while_cancelled)
+        handle = front._route
+    with trio.CancelScope() as stopping:
+        stopping.cancel()
+        await handle(None)
+    assert stopping.cancelled_caught
+    assert "clean-up failed" in caplog.text
 
 # -- token file and run_serve ---------------------------------------------------------------------
 

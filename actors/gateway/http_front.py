@@ -337,9 +337,11 @@ class HttpFront:
         """One connection. Never raises but Cancelled (that would stop the listener)."""
         try:
             await self._route_connection(stream)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, Gone):
+        # except*: a failure that comes grouped with a cancellation (the gateway stopping)
+        # is logged; only the cancellation goes on.
+        except* (trio.BrokenResourceError, trio.ClosedResourceError, Gone):
             pass  # the client went away
-        except Exception:
+        except* Exception:
             logger.exception("gateway: HTTP connection failed")
 
     async def _route_connection(self, stream: CountedStream) -> None:

@@ -327,9 +327,11 @@ class Gateway:
         exception here would end the listener and every other connection."""
         try:
             await self._handshake_and_serve(request)
-        except ConnectionClosed:
+        # except*: a failure in a connection's clean-up while the gateway stops comes in
+        # one group with the cancellation; only the cancellation may go on.
+        except* ConnectionClosed:
             pass
-        except Exception:
+        except* Exception:
             logger.exception("gateway: connection failed")
 
     async def _handshake_and_serve(self, request: WebSocketRequest) -> None:
