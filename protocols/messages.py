@@ -189,6 +189,15 @@ class TraceFailed:
     message: str
 
 
+@attrs.frozen(kw_only=True, slots=True)
+class ActorFailed:
+    """An actor of the running task failed (a bug, its own or in code it called, such as
+    a provider, a callback or a hook): the task ends ``failed`` with ``message``; the
+    session and the host go on (R-SEC-1)."""
+
+    message: str
+
+
 InterruptScope = Literal["tree", "node"]
 """What an interrupt ends (R-TREE-2): ``tree`` the node's task and its whole subtree,
 background children included; ``node`` the node's task and its foreground children (whose
@@ -247,6 +256,7 @@ SupervisorMessage = (
     | HookAnswered
     | WorkDone
     | TraceFailed
+    | ActorFailed
     | SessionControl
 )
 """What the supervisor's one inbox carries."""

@@ -13,7 +13,7 @@ import hashlib
 import re
 import urllib.parse
 from collections.abc import Awaitable, Callable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
@@ -29,6 +29,7 @@ __all__ = [
     "cut_short",
     "endpoint_identity",
     "exception_words",
+    "sole_exception",
     "transport_failure",
 ]
 
@@ -65,6 +66,16 @@ _DROPPED = ("peer closed connection", "Server disconnected")
 def exception_words(exc: BaseException) -> str:
     """An exception's own words, without an ``[Errno N]`` prefix; "" when it has none."""
     return _ERRNO_PREFIX.sub("", " ".join(str(exc).split()))
+
+
+def sole_exception(group: BaseExceptionGroup[Any]) -> BaseException:
+    """The one exception ``group`` holds, out of nested groups of one (``except*``
+    wraps even a lone exception, and each nursery adds a level); ``group`` itself when
+    it holds several. What a reader is told about names the failure, not its wrapping."""
+    found: BaseException = group
+    while isinstance(found, BaseExceptionGroup) and len(found.exceptions) == 1:
+        found = found.exceptions[0]
+    return found
 
 
 def transport_failure(exc: BaseException) -> str:

@@ -24,6 +24,7 @@ session rule, which the turn runner then sends here too, so the hook is never sk
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -47,6 +48,8 @@ from greenroom.protocols.people import ASK_USER, PEOPLE
 from greenroom.protocols.tools import Tool
 
 __all__ = ["ANSWER_QUESTION", "ApprovalBroker", "ApproveFn"]
+
+logger = logging.getLogger(__name__)
 
 ANSWER_QUESTION = "answer_question"
 """The method by which an ``approve`` callback answers the model's questions: called with
@@ -163,6 +166,10 @@ class ApprovalBroker:
             # A callback that raises or runs out of time decided nothing: the deny is
             # the default's (R-APPROVE-2, R-APPROVE-4), not the host's.
             with trio.move_on_after(self._timeout_s):
+                failed = False
+                # except*: a callback whose clean-up fails as its wait runs out (or as an
+                # interrupt ends it) raises both in one group; the failure is the
+                # callback's, the cancellation goes on.
                 try:
                     if self._takes_origin is None:
                         self._takes_origin = _takes_origin(approve)
@@ -173,9 +180,13 @@ class ApprovalBroker:
                         answer = approve(call)
                     if inspect.isawaitable(answer):
                         answer = await answer
-                except Exception:
-                    return ApprovalDecided(call=call, verdict="deny", by="default")
-                return ApprovalDecided(call=call, verdict=_as_verdict(answer), by="host")
+                except* Exception as group:
+                    logger.warning(
+                        "the approval callback raised: call %s is denied", call.id, exc_info=group
+                    )
+                    failed = True
+                if not failed:
+                    return ApprovalDecided(call=call, verdict=_as_verdict(answer), by="host")
             return ApprovalDecided(call=call, verdict="deny", by="default")
         return ApprovalDecided(call=call, verdict="deny", by="default")
 
@@ -192,11 +203,14 @@ class ApprovalBroker:
         choices = call.arguments.get("choices")
         text: str | None = None
         with trio.move_on_after(self._timeout_s):
-            try:
+            try:  # except*: as the approval callback's, above
                 answer = ask(call)
                 if inspect.isawaitable(answer):
                     answer = await answer
-            except Exception:
+            except* Exception as group:
+                logger.warning(
+                    "the question callback raised: call %s has no answer", call.id, exc_info=group
+                )
                 answer = None
             if isinstance(answer, str) and (
                 not isinstance(choices, list) or not choices or answer in choices

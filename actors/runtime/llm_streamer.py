@@ -24,7 +24,12 @@ from typing import Any, assert_never
 
 import trio
 
-from greenroom.actors.providers.base import ModelProvider, ProviderTask, exception_words
+from greenroom.actors.providers.base import (
+    ModelProvider,
+    ProviderTask,
+    exception_words,
+    sole_exception,
+)
 from greenroom.actors.runtime.admission import EndpointAdmission, Requester
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.messages import (
@@ -166,21 +171,26 @@ class LLMStreamer:
                 events = observe(events)
             inbox.send_nowait(StreamBatch(attempt=attempt, events=events, request=number))
 
+        failed: BaseException | None = None
         try:
-            await self._provider.stream(request, deliver)
-        except trio.Cancelled:
-            raise
-        except Exception as exc:  # a provider bug must not take the session down
-            # The traceback goes to the log for whoever fixes the bug; the request's reader
-            # gets words, not a repr.
-            logger.exception("provider failed unexpectedly")
-            detail = "" if isinstance(exc, LookupError) else exception_words(exc)
-            failure = ModelError(
-                kind="failed",
-                message="the provider failed unexpectedly"
-                + (f": {detail}" if detail else "")
-                + " (the traceback is in the log)",
-            )
-            await deliver([StreamFailed(error=failure)])
+            try:
+                await self._provider.stream(request, deliver)
+            # except*: a provider whose clean-up fails as a cancellation ends the attempt
+            # raises both in one group; the failure is logged here and the cancellation
+            # goes on (nothing is delivered then: the attempt is stale).
+            except* Exception as group:  # a provider bug must not take the session down
+                # The traceback goes to the log for whoever fixes the bug; the request's
+                # reader gets words, not a repr.
+                logger.error("provider failed unexpectedly", exc_info=group)
+                failed = sole_exception(group)
+            if failed is not None:
+                detail = "" if isinstance(failed, LookupError) else exception_words(failed)
+                failure = ModelError(
+                    kind="failed",
+                    message="the provider failed unexpectedly"
+                    + (f": {detail}" if detail else "")
+                    + " (the traceback is in the log)",
+                )
+                await deliver([StreamFailed(error=failure)])
         finally:
             permit.release()

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
 
 import trio
 
+from greenroom.actors.providers.base import sole_exception
 from greenroom.actors.runtime.approval_broker import ApprovalBroker
 from greenroom.actors.runtime.compactor import CompactionRun
 from greenroom.actors.runtime.emitter import OutputEmitter
@@ -40,6 +42,7 @@ from greenroom.protocols.content import UserContent
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.hooks import RequestInfo, StopInfo, ToolResultsInfo
 from greenroom.protocols.messages import (
+    ActorFailed,
     ApprovalAsked,
     ApprovalDecided,
     ApproveCall,
@@ -64,6 +67,8 @@ from greenroom.protocols.task import CallHook
 
 __all__ = ["FINISHED_GRACE_S", "RunningTask", "TaskWork", "build_request"]
 
+logger = logging.getLogger(__name__)
+
 FINISHED_GRACE_S = 2.0
 """How long a finished task's actors may take to end once their inboxes are closed
 before they are cancelled (they have nothing left to do: this only bounds a bug)."""
@@ -73,7 +78,9 @@ class TaskWork:
     """The actors of one task: the approval broker, the tool pool and the LLM streamer,
     with the hook calls, in one nursery whose cancel scope ends them together (interrupt
     = cancellation). Start it with ``nursery.start(work.run)``; it serves until
-    :meth:`stop`. Each reports to the supervisor's inbox only."""
+    :meth:`stop`. Each reports to the supervisor's inbox only. An actor that fails
+    (a bug, here or in code it calls) ends the task ``failed``, never the session's
+    supervisor or the host (R-SEC-1)."""
 
     __slots__ = (
         "_approvals",
@@ -82,6 +89,7 @@ class TaskWork:
         "_pool",
         "_port",
         "_run_child",
+        "_stopping",
         "_streamer",
         "_task",
         "approvals",
@@ -104,6 +112,7 @@ class TaskWork:
         self._inbox = inbox
         self._run_child = run_child
         self._done = trio.Event()
+        self._stopping = False
         self.scope = trio.CancelScope()
         # Unbounded, all three: the supervisor commands with send_nowait and never waits
         # for its actors; at most a turn's calls (or a handful of stream commands) queue.
@@ -116,7 +125,9 @@ class TaskWork:
         pool; None without any."""
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Start the actors; ready once they serve. Returns after :meth:`stop`."""
+        """Start the actors; ready once they serve. Returns after :meth:`stop`, or once
+        an actor has failed (the task is then told to end ``failed``)."""
+        serving = False
         try:
             with self.scope:
                 async with trio.open_nursery() as nursery:
@@ -127,9 +138,27 @@ class TaskWork:
                     async with trio.open_nursery() as actors:
                         await self._start_actors(actors)
                         task_status.started()
+                        serving = True
                     nursery.cancel_scope.cancel()  # a hook call still out ends with them
+        # except*: a failure can come grouped with a cancellation (an actor's clean-up
+        # failing as an interrupt ends it); the failure stays here, a cancellation of the
+        # host goes on. Before the actors serve, the supervisor's start sees it.
+        except* Exception as failed:
+            if not serving:
+                raise
+            self._actor_failed(failed)
         finally:
             self._done.set()
+
+    def _actor_failed(self, failed: BaseExceptionGroup[Exception]) -> None:
+        """An actor (or a hook call of the task) raised: logged, and the task told to end
+        ``failed`` unless it is ending already."""
+        logger.error("an actor of session %s failed", self._port.id, exc_info=failed)
+        if self._stopping:
+            return  # the task ends anyway: its end says why
+        message = f"internal error: {sole_exception(failed)!r}"
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            self._inbox.send_nowait(ActorFailed(message=message))
 
     async def _start_actors(self, nursery: trio.Nursery) -> None:
         """Start the broker, the pool and the streamer in ``nursery``, each ready to serve
@@ -177,6 +206,7 @@ class TaskWork:
         actors' inboxes ends them (R-ACTOR-2) without a cancellation unwinding through
         each, about four times cheaper; an actor still busy past
         :data:`FINISHED_GRACE_S` is cancelled after all."""
+        self._stopping = True
         if finished:
             for channel in (self.approvals, self.pool, self.streamer):
                 channel.close()
@@ -522,13 +552,18 @@ def _best_effort(ignore_errors: bool) -> contextlib.AbstractContextManager[objec
 
 
 async def call_hook(hook: Callable[[Any], Any] | None, info: Any) -> Any:
-    """Call a host hook; a hook that raises is ignored (hooks never end a task)."""
+    """Call a host hook; a hook that raises is ignored (hooks never end a task), its
+    failure logged."""
     if hook is None:
         return None
+    failed = False
+    # except*: a hook whose clean-up fails as an interrupt ends it raises both in one
+    # group; the failure is ignored as any, the cancellation goes on.
     try:
         result = hook(info)
         if inspect.isawaitable(result):
             result = await result
-    except Exception:
-        return None
-    return result
+    except* Exception as group:
+        logger.warning("a host hook raised (ignored)", exc_info=group)
+        failed = True
+    return None if failed else result

@@ -57,6 +57,7 @@ from greenroom.actors.runtime.running_task import RunningTask, build_request
 from greenroom.actors.runtime.tree import background_count, end_subtree, tell
 from greenroom.protocols.content import UserContent
 from greenroom.protocols.messages import (
+    ActorFailed,
     ApprovalAsked,
     ApprovalDecided,
     AuthRetried,
@@ -317,7 +318,7 @@ class SessionSupervisor:
                 machine.hook_answered(answer if isinstance(answer, str) else None)
             case WorkDone():
                 self._done_token = max(self._done_token, message.token)
-            case TraceFailed():
+            case TraceFailed() | ActorFailed():
                 machine.fail(message.message)
             case PersonAnswered():
                 refused = (

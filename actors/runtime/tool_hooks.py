@@ -30,6 +30,7 @@ from typing import Any
 import attrs
 import trio
 
+from greenroom.actors.providers.base import sole_exception
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock, ToolContent
 from greenroom.protocols.context import ToolResult
 from greenroom.protocols.hooks import (
@@ -138,18 +139,30 @@ class ToolHookCalls:
         site = _SITE.set(self._site)
         try:
             with trio.move_on_after(self._timeout_s):
+                error: str | None = None
+                # except*: a hook whose clean-up fails as its time runs out (or as an
+                # interrupt ends it) raises both in one group; the failure is the hook's
+                # error, the cancellation goes on.
                 try:
                     answer = hook(*args)
                     if inspect.isawaitable(answer):
                         answer = await answer
-                except ToolHookError as exc:
-                    return None, str(exc) or f"the {name} hook failed"
-                except Exception as exc:
-                    return None, f"the hook raised {type(exc).__name__}: {exc}"
-                return answer, None
+                except* Exception as group:
+                    error = _hook_error(name, sole_exception(group))
+                if error is None:
+                    return answer, None
+                return None, error
             return None, f"no answer within {self._timeout_s:g} s"
         finally:
             _SITE.reset(site)
+
+
+def _hook_error(name: ToolHookName, exc: BaseException) -> str:
+    """What a hook's failure is recorded as: a ``ToolHookError``'s own words, else the
+    exception's class and message."""
+    if isinstance(exc, ToolHookError):
+        return str(exc) or f"the {name} hook failed"
+    return f"the hook raised {type(exc).__name__}: {exc}"
 
 
 def tool_hook_calls(hooks: Hooks, session_id: str, workspace: Path) -> ToolHookCalls | None:
