@@ -479,6 +479,8 @@ class RunningTask:
         if work is not None:
             with trio.CancelScope(shield=True):
                 await work.stop(finished=finished)
+            if self.turns is not None:
+                self.turns.actors_stopped()
 
     def settle(self, status: TaskStatus, message: str | None, *, best_effort: bool) -> None:
         """Settle what is in flight for ``status``: a compaction ends failed, an aborted

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 from collections.abc import Awaitable, Callable
 from typing import TypeVar, assert_never
@@ -105,6 +106,8 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 CANCELLED_BY_HOST = "cancelled by host"
 """The interrupt reason of a run whose ``cancel`` event was set."""
@@ -194,6 +197,7 @@ class SessionSupervisor:
             except Exception as exc:  # a bug must end the task visibly, not hang the host
                 if self._machine.run_id is None:
                     raise
+                logger.error("session %s: its task failed", self._port.id, exc_info=exc)
                 await self._end_task("failed", f"internal error: {exc!r}", crashed=True)
 
     async def _step(self) -> bool:

@@ -39,6 +39,7 @@ or the schema's problems for the model to correct.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Any
 
@@ -115,6 +116,7 @@ class TurnRunner:
         "_port",
         "_questions",
         "_rewritten",
+        "_unserved",
         "machine",
         "run_id",
     )
@@ -141,6 +143,7 @@ class TurnRunner:
         self._pool = pool
         self._questions: dict[str, Any] | None = None
         """The reply channels of running calls' open questions, by call id."""
+        self._unserved: tuple[Any, ...] = ()
         self.run_id = run_id
         self.machine = TurnMachine(session_id=port.id, run_id=run_id, turn=0)
         """The current turn's machine (a new one per turn)."""
@@ -158,6 +161,16 @@ class TurnRunner:
             run_id=self.run_id,
             people=self._people,
         )
+
+    def actors_stopped(self) -> None:
+        """The task's actors have stopped: its end drains what they reported before, and a
+        report can still move the turn on (a decision, then the next call asked). The
+        commands that follow go to inboxes nobody serves — the sent ones raised at a
+        stopped actor's closed inbox, which made an interrupt end the task as an internal
+        error — and the task's end settles every call in flight."""
+        self._approvals, approvals = trio.open_memory_channel[ApproveCall](math.inf)
+        self._pool, pool = trio.open_memory_channel[PoolCommand](math.inf)
+        self._unserved = (approvals, pool)
 
     @property
     def turn(self) -> int:

@@ -1,0 +1,301 @@
+"""A seeded storm on one host (R-SEC-1, R-SEC-2, R-ABORT-1, R-STEER-1, R-TRACE-1, R-TOOL-7).
+
+Several sessions run task after task at once, each task against a model that answers at
+random: text at any pace, tool calls (quick, slow, failing, hanging until cancelled, or
+whose clean-up fails as it is cancelled), a transient failure that is retried, a stream
+that stalls until it is interrupted and then fails its own clean-up, a provider bug. The
+approval callback allows, denies, raises, takes its time, or waits past its bound and
+fails its clean-up. Steering and interrupts come at random points of each run (after a
+drawn number of its outputs); a run stuck on something that only an interrupt ends (a
+hanging call, a stalled stream) is interrupted then.
+
+Whatever happens, every run ends with exactly one ``task_end`` and nothing after it, no
+task ends on an internal error, each session's next task completes, every request the
+model sees pairs each tool call with its result, each trace's ``seq`` has no gap, and the
+host closes without an error. Bounded: a few sessions and tasks per seed, on an autojump
+clock.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from conftest import assert_trace_seq_without_gaps, collect, of_type
+
+from greenroom.actors.providers.scripted import (
+    Reply,
+    ScriptedProvider,
+    ScriptedStream,
+    text,
+    tool_call,
+)
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.session import Session
+from greenroom.protocols.content import ToolCallBlock
+from greenroom.protocols.context import ModelRequest
+from greenroom.protocols.outputs import Abort, Output, TaskEnd
+from greenroom.protocols.stream import ModelError
+from greenroom.protocols.tools import make_tool
+
+SESSIONS = 6
+TASKS = 8
+TOOL_KEYS = ("quick", "quick", "slow", "fail", "hang", "clean-up")
+ENDINGS = {"completed", "aborted", "failed", "loop_detected"}
+
+
+async def _wait_then_fail_clean_up() -> None:
+    """Wait until cancelled; the clean-up then fails, grouped with the cancellation."""
+
+    async def clean_up_fails() -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            raise RuntimeError("the clean-up failed")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(clean_up_fails)
+        await trio.sleep_forever()
+
+
+def storm_tool(stuck: list[trio.Event]) -> Any:
+    """The ``work`` tool of one session; a call that waits until it is cancelled sets the
+    session's current ``stuck[0]`` first."""
+
+    async def work(key: str) -> str:
+        """Do the work named by ``key``."""
+        kind, _, arg = key.partition(":")
+        if kind == "slow":
+            await trio.sleep(float(arg))
+        elif kind == "fail":
+            raise ValueError("the work failed")
+        elif kind == "hang":
+            stuck[0].set()
+            await trio.sleep_forever()
+        elif kind == "clean-up":
+            stuck[0].set()
+            await _wait_then_fail_clean_up()
+        return f"done {key}"
+
+    return make_tool(work, parallel=True)
+
+
+class StormModel:
+    """The model's answers, drawn from one seeded generator; ``calm`` answers text only."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.calm = False
+        self.requests = 0
+        self.stuck = [trio.Event()]
+        """Set when the run waits on something only an interrupt ends."""
+
+    async def __call__(self, request: ModelRequest, stream: ScriptedStream) -> None:
+        self.requests += 1
+        number = self.requests
+        rng = self.rng
+        if self.calm:
+            await stream.text("All calm now.")
+            return
+        draw = rng.random()
+        if draw < 0.35:
+            await stream.text(
+                "Here is " + "some text " * rng.randint(1, 6),
+                chunk_delay_s=rng.choice((0.0, 0.05, 0.3)),
+            )
+        elif draw < 0.7:
+            if rng.random() < 0.5:
+                await stream.text("Working on it.")
+            for i in range(rng.randint(1, 3)):
+                key = rng.choice(TOOL_KEYS)
+                if key == "slow":
+                    key = f"slow:{rng.uniform(0.1, 3):.2f}"
+                await stream.tool_call(tool_call(f"r{number}c{i}", "work", key=key))
+            await stream.end("tool_use")
+        elif draw < 0.8:
+            await stream.text_delta("Par")
+            await stream.fail(ModelError(kind="timeout", message="overloaded (HTTP 529)"))
+        elif draw < 0.9:
+            await stream.text_delta("Thinking aloud")
+            self.stuck[0].set()
+            await _wait_then_fail_clean_up()
+        elif draw < 0.95:
+            raise RuntimeError("a provider bug")
+        else:
+            await trio.sleep(rng.uniform(0, 2))
+            await stream.text("Late but here.")
+
+
+class StormApprovals:
+    """The approval callback: its answer for each call drawn from ``rng``."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+
+    async def __call__(self, call: Any) -> str:
+        draw = self.rng.random()
+        if draw < 0.6:
+            return "allow"
+        if draw < 0.7:
+            return "deny"
+        if draw < 0.8:
+            raise RuntimeError("the approval callback failed")
+        if draw < 0.9:
+            await trio.sleep(self.rng.uniform(0.1, 2))
+            return "allow"
+        await _wait_then_fail_clean_up()
+        return "allow"  # pragma: no cover - never reached
+
+
+async def _one_task(
+    session: Session,
+    model: StormModel,
+    prompt: str,
+    approve: StormApprovals,
+    rng: random.Random,
+) -> list[Output]:
+    """Run one task, steered and interrupted at random points; its outputs. The points
+    are counted in outputs, not in time: an autojump clock jumps to the next deadline
+    whenever every task waits on a thread (the trace's fsyncs)."""
+    outputs: list[Output] = []
+    ended = trio.Event()
+    wake = trio.Event()
+    stuck = model.stuck[0] = trio.Event()
+    steer_after = rng.randint(1, 30) if rng.random() < 0.3 else None
+    interrupt_after = rng.randint(1, 60) if rng.random() < 0.5 else None
+    seen = 0
+
+    def listen(batch: list[Output]) -> None:
+        nonlocal seen
+        seen += len(batch)
+        if (interrupt_after is not None and seen >= interrupt_after) or (
+            steer_after is not None and seen >= steer_after
+        ):
+            wake.set()
+
+    unsubscribe = session.subscribe(listen)
+    stream = session.run(prompt, approve=approve)
+
+    async def read() -> None:
+        outputs.extend(await collect(stream, bound_s=None))
+        ended.set()
+        wake.set()
+
+    async def stuck_wakes() -> None:
+        await stuck.wait()
+        wake.set()
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            nursery.start_soon(stuck_wakes)
+            while not ended.is_set():
+                await wake.wait()
+                wake = trio.Event()
+                if steer_after is not None and seen >= steer_after:
+                    steer_after = None
+                    session.steer("and keep it short")
+                if stuck.is_set() or (interrupt_after is not None and seen >= interrupt_after):
+                    interrupt_after = None
+                    session.interrupt("interrupted by the storm")
+                    await ended.wait()
+            nursery.cancel_scope.cancel()
+    finally:
+        unsubscribe()
+    return outputs
+
+
+def _check_run(outputs: list[Output]) -> str:
+    """R-ABORT-1, R-RUN-7: one ``task_end``, the last output; an aborted one follows its
+    ``abort``. Its status."""
+    ends = of_type(outputs, TaskEnd)
+    assert len(ends) == 1, [o.TYPE for o in outputs]
+    (end,) = ends
+    assert outputs[-1] is end
+    assert end.status in ENDINGS, end
+    assert not (end.message or "").startswith("internal error"), end.message
+    if end.status == "aborted":
+        assert len(of_type(outputs, Abort)) == 1
+    return end.status
+
+
+@pytest.mark.parametrize("seed", range(1, 17))
+async def test_a_storm_of_interrupts_and_failures_leaves_every_session_sound(
+    data_dir: Path, workspace: Path, seed: int, mock_clock: trio.testing.MockClock
+) -> None:
+    mock_clock.autojump_threshold = 0
+    rng = random.Random(seed)
+    models = [StormModel(seed * 100 + i) for i in range(SESSIONS)]
+    providers = [ScriptedProvider(model, keep_requests=True) for model in models]
+    statuses: list[str] = []
+    async with Host.open(data_dir) as host:
+        sessions = [
+            await host.create_session(
+                provider=provider,
+                workspace_dir=workspace,
+                tools=[storm_tool(model.stuck)],
+                approval_timeout_s=5,
+            )
+            for model, provider in zip(models, providers, strict=True)
+        ]
+
+        async def storm(session: Session, model: StormModel, session_rng: random.Random) -> None:
+            approve = StormApprovals(session_rng)
+            for k in range(TASKS):
+                outputs = await _one_task(session, model, f"task {k}", approve, session_rng)
+                statuses.append(_check_run(outputs))
+
+        async with trio.open_nursery() as nursery:
+            for session, model in zip(sessions, models, strict=True):
+                nursery.start_soon(storm, session, model, random.Random(rng.random()))
+
+        for model in models:
+            model.calm = True
+        for session in sessions:
+            final = await collect(
+                session.run("are we fine?", approve=StormApprovals(rng)), bound_s=None
+            )
+            assert _check_run(final) == "completed"
+            await assert_trace_seq_without_gaps(session)
+    for provider in providers:
+        assert provider.violations == []  # R-TOOL-7: every call paired, every request
+    # The storm did what it is for: tasks that ended, and tasks that were interrupted.
+    assert "aborted" in statuses and ("completed" in statuses or "failed" in statuses)
+
+
+async def test_a_decision_drained_as_an_interrupt_ends_the_task_asks_nobody(
+    data_dir: Path, workspace: Path
+) -> None:
+    """Found by the storm: the approval of a turn's first call is sent after an interrupt
+    has stopped the task's actors (the callback interrupts, then, shielded, lets the
+    supervisor begin the task's end before it answers). The task's end drains the
+    decision, and the turn moves on to ask about the second call: that ask went to the
+    stopped broker's closed inbox and ended the task ``failed`` with ``internal error:
+    BrokenResourceError()``. It ends ``aborted``, both calls settled."""
+    stuck: list[trio.Event] = [trio.Event()]
+    calls = (tool_call("c1", "work", key="quick"), tool_call("c2", "work", key="quick"))
+    provider = ScriptedProvider([Reply(blocks=calls), Reply(blocks=(text("Fine."),))])
+    async with Host.open(data_dir) as host:
+        session = await host.create_session(
+            provider=provider, workspace_dir=workspace, tools=[storm_tool(stuck)]
+        )
+
+        async def interrupt_then_allow(call: ToolCallBlock) -> str:
+            session.interrupt("interrupted while approving")
+            # Shielded: the supervisor takes the interrupt and stops the actors meanwhile;
+            # the answer below is then sent by a broker already told to stop.
+            with trio.CancelScope(shield=True):
+                for _ in range(50):
+                    await trio.lowlevel.checkpoint()
+            return "allow"
+
+        outputs = await collect(session.run("go", approve=interrupt_then_allow))
+        assert _check_run(outputs) == "aborted"
+        again = await collect(session.run("again", approve=lambda call: "allow"))
+        assert _check_run(again) == "completed"
+        await assert_trace_seq_without_gaps(session)
+    assert provider.violations == []
