@@ -679,6 +679,9 @@ def resume_turn(
     is reached through the machine's own events, replayed, so it is one the machine can
     be in; what the replay returned is dropped (it is in the trace already)."""
     machine = TurnMachine(session_id=session_id, run_id=run_id, turn=turn, attempt=attempt - 1)
+    if attempt > 1:
+        # The attempts before it failed and were retried: over, as the trace says.
+        machine.feed([StreamFailed(error=ModelError(kind="timeout", message="retried"))])
     machine.begin_attempt(attempt)
     events: list[StreamEvent] = []
     for index, call in enumerate(calls):

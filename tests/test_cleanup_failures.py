@@ -24,8 +24,10 @@ from greenroom.actors.providers.scripted import (
     text,
     tool_call,
 )
+from greenroom.actors.runtime.errors import NotPending
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.llm_streamer import LLMStreamer
+from greenroom.actors.runtime.running_task import RunningTask
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.hooks import Hooks
 from greenroom.protocols.outputs import (
@@ -35,6 +37,7 @@ from greenroom.protocols.outputs import (
     ToolCallOutput,
     ToolHook,
 )
+from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.tools import make_tool
 
 CLEAN_UP_FAILED = "the clean-up failed"
@@ -254,3 +257,36 @@ async def test_an_actor_that_fails_ends_its_task_failed_and_nothing_else(
             assert [e.status for e in of_type(again, TaskEnd)] == ["completed"]
             beside_outputs = await collect(beside.run("hello"))
             assert [e.status for e in of_type(beside_outputs, TaskEnd)] == ["completed"]
+
+
+async def test_a_task_that_cannot_be_taken_up_ends_failed_and_nothing_else(
+    data_dir: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A parked task woken by a person's answer, whose taking up fails (a bug, as the
+    turn refused at a retried attempt was): the task ends ``failed`` with the error, its
+    run's reader gets that end, the person is told the answer was not taken, and the
+    session and the host go on."""
+
+    def bug(self: RunningTask, *, lost_host: bool) -> None:
+        raise RuntimeError("cannot take it up")
+
+    monkeypatch.setattr(RunningTask, "take_up", bug)
+    calls = Reply(blocks=(tool_call("c1", "echo", word="hi"),))
+    provider = ScriptedProvider([calls, Reply(blocks=(text("Fine."),))])
+    with trio.fail_after(60):
+        async with Host.open(data_dir) as host:
+            session = await host.create_session(
+                provider=provider, workspace_dir=workspace, tools=[make_tool(echo, parallel=True)]
+            )
+            stream = session.run("go", approve=PEOPLE)
+            await session.wait_idle()  # parked: its supervisor has ended
+            with pytest.raises(NotPending, match="its task ended"):  # the answer not taken
+                await host.answer_approval(session.id, "c1", "allow")
+            outputs = await collect(stream)
+            (end,) = of_type(outputs, TaskEnd)
+            assert (end.status, end.message) == (
+                "failed",
+                "internal error: RuntimeError('cannot take it up')",
+            )
+            again = await collect(session.run("again"))
+            assert [e.status for e in of_type(again, TaskEnd)] == ["completed"]

@@ -18,6 +18,7 @@ clock.
 
 from __future__ import annotations
 
+import contextlib
 import random
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from conftest import assert_trace_seq_without_gaps, collect, of_type
+from conftest import assert_trace_seq_without_gaps, collect, of_type, port_of, trace_lines
 
 from greenroom.actors.providers.scripted import (
     Reply,
@@ -34,11 +35,13 @@ from greenroom.actors.providers.scripted import (
     text,
     tool_call,
 )
+from greenroom.actors.runtime.errors import NotPending
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session import Session
 from greenroom.protocols.content import ToolCallBlock
 from greenroom.protocols.context import ModelRequest
-from greenroom.protocols.outputs import Abort, Output, TaskEnd
+from greenroom.protocols.outputs import Abort, Output, TaskEnd, TaskStart
+from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.stream import ModelError
 from greenroom.protocols.tools import make_tool
 
@@ -87,8 +90,10 @@ def storm_tool(stuck: list[trio.Event]) -> Any:
 class StormModel:
     """The model's answers, drawn from one seeded generator; ``calm`` answers text only."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, *, asks: bool = False) -> None:
         self.rng = random.Random(seed)
+        self.asks = asks
+        """Whether it asks people questions (``ask_user``) among its calls."""
         self.calm = False
         self.requests = 0
         self.stuck = [trio.Event()]
@@ -111,6 +116,10 @@ class StormModel:
             if rng.random() < 0.5:
                 await stream.text("Working on it.")
             for i in range(rng.randint(1, 3)):
+                if self.asks and rng.random() < 0.2:
+                    question = tool_call(f"r{number}c{i}", "ask_user", question="Which one?")
+                    await stream.tool_call(question)
+                    continue
                 key = rng.choice(TOOL_KEYS)
                 if key == "slow":
                     key = f"slow:{rng.uniform(0.1, 3):.2f}"
@@ -155,8 +164,10 @@ async def _one_task(
     session: Session,
     model: StormModel,
     prompt: str,
-    approve: StormApprovals,
+    approve: Any,
     rng: random.Random,
+    *,
+    follow_ups: bool = False,
 ) -> list[Output]:
     """Run one task, steered and interrupted at random points; its outputs. The points
     are counted in outputs, not in time: an autojump clock jumps to the next deadline
@@ -166,14 +177,17 @@ async def _one_task(
     wake = trio.Event()
     stuck = model.stuck[0] = trio.Event()
     steer_after = rng.randint(1, 30) if rng.random() < 0.3 else None
+    follow_after = rng.randint(1, 30) if follow_ups and rng.random() < 0.3 else None
     interrupt_after = rng.randint(1, 60) if rng.random() < 0.5 else None
     seen = 0
 
     def listen(batch: list[Output]) -> None:
         nonlocal seen
         seen += len(batch)
-        if (interrupt_after is not None and seen >= interrupt_after) or (
-            steer_after is not None and seen >= steer_after
+        if (
+            (interrupt_after is not None and seen >= interrupt_after)
+            or (steer_after is not None and seen >= steer_after)
+            or (follow_after is not None and seen >= follow_after)
         ):
             wake.set()
 
@@ -199,6 +213,9 @@ async def _one_task(
                 if steer_after is not None and seen >= steer_after:
                     steer_after = None
                     session.steer("and keep it short")
+                if follow_after is not None and seen >= follow_after:
+                    follow_after = None
+                    session.follow_up("then one more thing", approve=approve)
                 if stuck.is_set() or (interrupt_after is not None and seen >= interrupt_after):
                     interrupt_after = None
                     session.interrupt("interrupted by the storm")
@@ -209,18 +226,21 @@ async def _one_task(
     return outputs
 
 
-def _check_run(outputs: list[Output]) -> str:
-    """R-ABORT-1, R-RUN-7: one ``task_end``, the last output; an aborted one follows its
-    ``abort``. Its status."""
+def _check_run(outputs: list[Output], *, follow_ups: bool = False) -> str:
+    """R-ABORT-1, R-RUN-7: one ``task_end`` per ``task_start`` (one task, or with
+    ``follow_ups`` the run's task and those queued after it), the last output ends the
+    last task; each aborted one follows its ``abort``. The last task's status."""
     ends = of_type(outputs, TaskEnd)
-    assert len(ends) == 1, [o.TYPE for o in outputs]
-    (end,) = ends
-    assert outputs[-1] is end
-    assert end.status in ENDINGS, end
-    assert not (end.message or "").startswith("internal error"), end.message
-    if end.status == "aborted":
-        assert len(of_type(outputs, Abort)) == 1
-    return end.status
+    starts = of_type(outputs, TaskStart)
+    assert ends and len(ends) == max(1, len(starts)), [o.TYPE for o in outputs]
+    assert follow_ups or len(ends) == 1, [o.TYPE for o in outputs]
+    assert outputs[-1] is ends[-1]
+    for end in ends:
+        assert end.status in ENDINGS, end
+        assert not (end.message or "").startswith("internal error"), end.message
+    aborted = [end for end in ends if end.status == "aborted"]
+    assert len(of_type(outputs, Abort)) == len(aborted)
+    return ends[-1].status
 
 
 @pytest.mark.parametrize("seed", range(1, 17))
@@ -299,3 +319,83 @@ async def test_a_decision_drained_as_an_interrupt_ends_the_task_asks_nobody(
         assert _check_run(again) == "completed"
         await assert_trace_seq_without_gaps(session)
     assert provider.violations == []
+
+
+async def _assert_seq_contiguous(session: Session) -> None:
+    """R-TRACE-1 across compactions: the current trace file (a compaction starts a new
+    one, its ``seq`` going on from the last) runs without a gap."""
+    await port_of(session).sync_trace()
+    seqs = [line["seq"] for line in trace_lines(session)]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+
+
+async def _person(host: Host, rng: random.Random, answered: list[str]) -> None:
+    """A person who answers when they can: every pending request, now and then, with a
+    drawn answer (some left for a later round); an answer the task no longer waits for
+    (interrupted meanwhile) is refused with ``NotPending``, which is theirs to see."""
+    while True:
+        await trio.sleep(rng.uniform(0.1, 3))
+        for pending in await host.pending_approvals():
+            if rng.random() < 0.3:
+                continue
+            with contextlib.suppress(NotPending):
+                if pending.kind == "question":
+                    await host.answer_question(pending.session_id, pending.call_id, "blue")
+                else:
+                    verdict = rng.choice(("allow", "allow", "deny", "allow_session"))
+                    await host.answer_approval(pending.session_id, pending.call_id, verdict)
+                answered.append(pending.call_id)
+
+
+@pytest.mark.parametrize("seed", range(1, 9))
+async def test_a_storm_with_people_follow_ups_and_compactions(
+    data_dir: Path, workspace: Path, seed: int, mock_clock: trio.testing.MockClock
+) -> None:
+    """The storm with people deciding the calls and answering the model's questions when
+    they can (R-HITL-1..5), follow-ups queued during runs (R-STEER-6), and a manual
+    compaction now and then between tasks (R-COMPACT-2)."""
+    mock_clock.autojump_threshold = 0
+    rng = random.Random(seed)
+    models = [StormModel(seed * 100 + i, asks=True) for i in range(SESSIONS)]
+    providers = [ScriptedProvider(model, keep_requests=True) for model in models]
+    statuses: list[str] = []
+    answered: list[str] = []
+    async with Host.open(data_dir) as host:
+        sessions = [
+            await host.create_session(
+                provider=provider,
+                workspace_dir=workspace,
+                tools=[storm_tool(model.stuck)],
+            )
+            for model, provider in zip(models, providers, strict=True)
+        ]
+
+        async def storm(session: Session, model: StormModel, session_rng: random.Random) -> None:
+            for k in range(TASKS):
+                outputs = await _one_task(
+                    session, model, f"task {k}", PEOPLE, session_rng, follow_ups=True
+                )
+                statuses.append(_check_run(outputs, follow_ups=True))
+                if session_rng.random() < 0.2 and session.compactability() == "ok":
+                    model.calm = True
+                    ended = await session.compact()
+                    model.calm = False
+                    assert ended is not None and ended.status in ("ok", "failed"), ended
+
+        async with trio.open_nursery() as people:
+            people.start_soon(_person, host, random.Random(rng.random()), answered)
+            async with trio.open_nursery() as nursery:
+                for session, model in zip(sessions, models, strict=True):
+                    nursery.start_soon(storm, session, model, random.Random(rng.random()))
+            people.cancel_scope.cancel()
+
+        for model in models:
+            model.calm = True
+        for session in sessions:
+            final = await collect(session.run("are we fine?", approve=PEOPLE), bound_s=None)
+            assert _check_run(final) == "completed"
+            await _assert_seq_contiguous(session)
+            assert not session.busy
+    for provider in providers:
+        assert provider.violations == []
+    assert "aborted" in statuses and "completed" in statuses and answered

@@ -16,7 +16,15 @@ from pathlib import Path
 import pytest
 import trio
 import trio.testing
-from conftest import RUN_TIMEOUT_S, collect, of_type, open_host, port_of, trace_lines
+from conftest import (
+    RUN_TIMEOUT_S,
+    collect,
+    model_error,
+    of_type,
+    open_host,
+    port_of,
+    trace_lines,
+)
 
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
 from greenroom.actors.runtime.errors import Busy, NotPending
@@ -28,6 +36,7 @@ from greenroom.protocols.context import ModelRequest, ToolResult, UserMessage
 from greenroom.protocols.outputs import (
     ApprovalDecision,
     ApprovalRequest,
+    RequestEnd,
     TaskEnd,
     ToolCallOutput,
 )
@@ -103,6 +112,31 @@ async def test_a_call_waits_parked_for_a_person_and_runs_once_when_allowed(
     assert of_type(outputs, TaskEnd)[-1].status == "completed"
     assert await host.pending_approvals() == []
     assert not session.busy
+
+
+async def test_a_call_of_a_retried_attempt_wakes_its_parked_task(
+    host: Host, workspace: Path
+) -> None:
+    """R-HITL-3, R-RETRY-4: the turn's first attempt fails and is retried; the second one
+    asks for a call and the task parks. The answer wakes the task, whose turn is taken up
+    at attempt 2 — it used to be refused there ("a new attempt while the current one is
+    streaming"), which ended the host."""
+    ledger = Ledger()
+    overloaded = model_error("timeout", "overloaded (HTTP 529)")
+    provider = ScriptedProvider([Reply(fail=overloaded), *pay_then_answer()])
+    session = await host.create_session(provider=provider, tools=[ledger.tool],
+                                        workspace_dir=workspace)
+    stream = session.run("pay 7", approve=PEOPLE)
+    await until_parked(host, session.id)
+    (pending,) = await host.pending_approvals()
+    assert pending.call_id == "p1"
+
+    await host.answer_approval(session.id, "p1", "allow", by="alice")
+    outputs = await collect(stream)
+    assert ledger.paid == [7]
+    assert [e.status for e in of_type(outputs, RequestEnd)] == ["timeout", "ok", "ok"]
+    assert [e.status for e in of_type(outputs, TaskEnd)] == ["completed"]
+    assert provider.violations == []
 
 
 async def test_a_parked_task_holds_no_task_beyond_an_idle_sessions(
