@@ -35,7 +35,7 @@ from greenroom.actors.providers.scripted import (
     text,
     tool_call,
 )
-from greenroom.actors.runtime.errors import NotPending
+from greenroom.actors.runtime.errors import HostClosed, NotPending, SessionClosed
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session import Session
 from greenroom.protocols.content import ToolCallBlock
@@ -215,7 +215,9 @@ async def _one_task(
                     session.steer("and keep it short")
                 if follow_after is not None and seen >= follow_after:
                     follow_after = None
-                    session.follow_up("then one more thing", approve=approve)
+                    # Refused while the host drains or once it has closed the session.
+                    with contextlib.suppress(HostClosed, SessionClosed):
+                        session.follow_up("then one more thing", approve=approve)
                 if stuck.is_set() or (interrupt_after is not None and seen >= interrupt_after):
                     interrupt_after = None
                     session.interrupt("interrupted by the storm")
@@ -332,7 +334,13 @@ async def _assert_seq_contiguous(session: Session) -> None:
 async def _person(host: Host, rng: random.Random, answered: list[str]) -> None:
     """A person who answers when they can: every pending request, now and then, with a
     drawn answer (some left for a later round); an answer the task no longer waits for
-    (interrupted meanwhile) is refused with ``NotPending``, which is theirs to see."""
+    (interrupted meanwhile) is refused with ``NotPending``, which is theirs to see; a
+    host that is closing refuses them all (``HostClosed``), and they go."""
+    with contextlib.suppress(HostClosed):
+        await _answer_when_they_can(host, rng, answered)
+
+
+async def _answer_when_they_can(host: Host, rng: random.Random, answered: list[str]) -> None:
     while True:
         await trio.sleep(rng.uniform(0.1, 3))
         for pending in await host.pending_approvals():
@@ -399,3 +407,146 @@ async def test_a_storm_with_people_follow_ups_and_compactions(
     for provider in providers:
         assert provider.violations == []
     assert "aborted" in statuses and "completed" in statuses and answered
+
+
+async def _person_in_doubt_too(host: Host, rng: random.Random, answered: list[str]) -> None:
+    """:func:`_person`, who also says what became of a call in doubt (its host stopped
+    while it ran: R-EFFECT-2)."""
+    while True:
+        await trio.sleep(rng.uniform(0.1, 3))
+        for pending in await host.pending_approvals():
+            if rng.random() < 0.3:
+                continue
+            with contextlib.suppress(NotPending):
+                if pending.kind == "question":
+                    await host.answer_question(pending.session_id, pending.call_id, "blue")
+                elif pending.kind == "in_doubt":
+                    said = rng.choice(("done", "not done"))
+                    await host.answer_question(pending.session_id, pending.call_id, said)
+                else:
+                    verdict = rng.choice(("allow", "allow", "deny", "allow_session"))
+                    await host.answer_approval(pending.session_id, pending.call_id, verdict)
+                answered.append(pending.call_id)
+
+
+def _traced_tasks(session: Session) -> list[dict[str, Any]]:
+    """The session's ``task_end`` records, once each ``task_start`` of its trace has one
+    (R-RUN-7) and its ``seq`` runs without a gap (R-TRACE-1)."""
+    lines = trace_lines(session)
+    seqs = [line["seq"] for line in lines]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    starts = [line for line in lines if line["type"] == "task_start"]
+    ends = [line for line in lines if line["type"] == "task_end"]
+    assert len(starts) == len(ends), (len(starts), len(ends))
+    return ends
+
+
+@pytest.mark.parametrize("seed", range(1, 7))
+async def test_a_storm_across_a_host_stop_and_its_successor(
+    data_dir: Path, workspace: Path, seed: int, mock_clock: trio.testing.MockClock
+) -> None:
+    """The storm with people, stopped part-way: the host drains (running tasks stop at
+    their turn boundary, R-DRAIN-1) or simply closes (running tasks are interrupted,
+    parked ones stay pending, R-HITL-1). A second host on the same data dir takes up every
+    open task (R-HITL-4) with people answering, calls in doubt included; a task stuck on a
+    call is interrupted. Then every session answers a last task, every traced task has
+    its end, none an internal error, and nothing waits for anyone."""
+    mock_clock.autojump_threshold = 0
+    rng = random.Random(seed)
+    models = [StormModel(seed * 100 + i, asks=True) for i in range(SESSIONS)]
+    answered: list[str] = []
+    stop_after = rng.randint(50, 400)
+    seen = 0
+    stopping = trio.Event()
+
+    def count(batch: list[Output]) -> None:
+        nonlocal seen
+        seen += len(batch)
+        if seen >= stop_after:
+            stopping.set()
+
+    async with Host.open(data_dir) as host:
+        sessions = [
+            await host.create_session(
+                provider=ScriptedProvider(model, keep_requests=False),
+                workspace_dir=workspace,
+                tools=[storm_tool(model.stuck)],
+            )
+            for model in models
+        ]
+        ids = [session.id for session in sessions]
+        for session in sessions:
+            session.subscribe(count)
+
+        async def storm(session: Session, model: StormModel, session_rng: random.Random) -> None:
+            for k in range(TASKS):
+                if stopping.is_set():
+                    return
+                outputs = await _one_task(
+                    session, model, f"task {k}", PEOPLE, session_rng, follow_ups=True
+                )
+                if not stopping.is_set():
+                    _check_run(outputs, follow_ups=True)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_person, host, random.Random(rng.random()), answered)
+            for session, model in zip(sessions, models, strict=True):
+                nursery.start_soon(storm, session, model, random.Random(rng.random()))
+            await stopping.wait()
+            if rng.random() < 0.5:
+                await host.drain(rng.uniform(0.5, 5))
+            await host.aclose()
+            nursery.cancel_scope.cancel()
+
+    async with Host.open(data_dir) as host:
+        resumed = [
+            await host.resume(
+                sid,
+                approve=PEOPLE,
+                provider=ScriptedProvider(model, keep_requests=True),
+                tools=[storm_tool(model.stuck)],
+            )
+            for sid, model in zip(ids, models, strict=True)
+        ]
+
+        async def interrupt_when_stuck(session: Session, model: StormModel) -> None:
+            while True:
+                await model.stuck[0].wait()
+                model.stuck[0] = trio.Event()
+                session.interrupt("stuck after the restart")
+
+        async def settle(session: Session, model: StormModel) -> None:
+            """Until the session's task has ended: a parked one waits for the person,
+            whose answer wakes it (its outputs wake this wait)."""
+            wake = [trio.Event()]
+            unsubscribe = session.subscribe(lambda batch: wake[0].set())
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(interrupt_when_stuck, session, model)
+                    while True:
+                        await session.wait_idle()
+                        if not session.busy:
+                            break
+                        await wake[0].wait()
+                        wake[0] = trio.Event()
+                    nursery.cancel_scope.cancel()
+            finally:
+                unsubscribe()
+
+        async with trio.open_nursery() as people:
+            people.start_soon(_person_in_doubt_too, host, random.Random(rng.random()), answered)
+            async with trio.open_nursery() as nursery:
+                for session, model in zip(resumed, models, strict=True):
+                    nursery.start_soon(settle, session, model)
+            people.cancel_scope.cancel()
+
+        assert await host.pending_approvals() == []
+        for session, model in zip(resumed, models, strict=True):
+            model.calm = True
+            final = await collect(session.run("are we fine?", approve=PEOPLE), bound_s=None)
+            assert _check_run(final) == "completed"
+            await port_of(session).sync_trace()
+            for end in _traced_tasks(session):
+                assert end["status"] in ENDINGS, end
+                assert not (end.get("message") or "").startswith("internal error"), end
+            assert port_of(session).provider.violations == []  # type: ignore[attr-defined]

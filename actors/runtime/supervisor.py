@@ -180,33 +180,27 @@ class SessionSupervisor:
                 nursery.cancel_scope.cancel()
 
     async def _loop(self) -> None:
-        try:
-            if self._machine.run_id is not None:
-                # The open task of a woken or reloaded session: taken up before anything
-                # in the inbox (an answer, an interrupt) is read.
-                await self._resume()
-            else:
-                # The run's own task comes first (its handle sent it before anything else
-                # could be sent): it is started before later messages are read, so an
-                # interrupt that follows at once ends it aborted rather than dropping it.
-                with contextlib.suppress(trio.WouldBlock):
-                    self._handle(self._inbox.receive_nowait())
-        except Exception as exc:
-            await self._crashed(exc)
+        step = self._first_step
         while True:
             try:
-                if await self._step():
+                if await step():
                     return
-            except Exception as exc:
-                await self._crashed(exc)
+            except Exception as exc:  # a bug ends the task visibly, never the host (R-SEC-1)
+                if self._machine.run_id is None or self._task is None:
+                    raise
+                logger.error("session %s: its task failed", self._port.id, exc_info=True)
+                await self._end_task("failed", f"internal error: {exc!r}", crashed=True)
+            step = self._step
 
-    async def _crashed(self, exc: Exception) -> None:
-        """A bug must end the task visibly, never hang the host or end it: the open task
-        ends ``failed`` with the error, logged with its traceback (R-SEC-1)."""
-        if self._machine.run_id is None or self._task is None:
-            raise exc
-        logger.error("session %s: its task failed", self._port.id, exc_info=exc)
-        await self._end_task("failed", f"internal error: {exc!r}", crashed=True)
+    async def _first_step(self) -> bool:
+        if self._machine.run_id is not None:
+            await self._resume()  # a woken or reloaded task: taken up before its inbox is read
+        else:
+            # The run's own task (its handle sent it first) starts before later messages
+            # are read: an interrupt that follows at once ends it aborted, not dropped.
+            with contextlib.suppress(trio.WouldBlock):
+                self._handle(self._inbox.receive_nowait())
+        return False
 
     async def _step(self) -> bool:
         """Carry out one step; True once the session has no work (or it is parked)."""

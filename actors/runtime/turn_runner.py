@@ -168,6 +168,7 @@ class TurnRunner:
         commands that follow go to inboxes nobody serves — the sent ones raised at a
         stopped actor's closed inbox, which made an interrupt end the task as an internal
         error — and the task's end settles every call in flight."""
+        # Unbounded: nothing reads them; what a task's end drains sends a handful at most.
         self._approvals, approvals = trio.open_memory_channel[ApproveCall](math.inf)
         self._pool, pool = trio.open_memory_channel[PoolCommand](math.inf)
         self._unserved = (approvals, pool)
