@@ -297,6 +297,7 @@ class TaskRecord:
         "_guard",
         "_limits",
         "_results",
+        "aborting",
         "allowed",
         "answers",
         "attempt",
@@ -347,6 +348,8 @@ class TaskRecord:
         """The ``seq`` of each call's ``model_msg``, in the order of :attr:`calls`."""
         self._results: dict[str, bool] | None = None
         self.request_ok = False
+        self.aborting = False
+        """The open task's ``abort`` is recorded; its ``task_end`` is not yet."""
         self.allowed: frozenset[str] = _NO_NAMES
         self.in_doubt: frozenset[str] = _NO_NAMES
         """Allowed calls recorded in doubt (``call_in_doubt``) and not resolved yet."""
@@ -483,7 +486,7 @@ class TaskRecord:
                 if output.kind == "prompt" and self.run_id is None:
                     self.unstarted = output
             case Abort():
-                pass  # its task_end follows
+                self.aborting = True  # its task_end follows
             case ToolHook():
                 pass  # what it did shows in the decision and the result that follow
             case Rewind():
@@ -532,6 +535,7 @@ class TaskRecord:
         self._results = None
         self._guard = None
         self.request_ok = False
+        self.aborting = False
         self.allowed = _NO_NAMES
         self.in_doubt = _NO_NAMES
         self.pending_people = ()

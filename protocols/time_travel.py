@@ -7,8 +7,9 @@ person. Such a task is settled exactly as an interrupt settles it (R-ABORT-1..3)
 without a result gets ``[interrupted: tool aborted by user]`` (a request waiting for a person
 is denied by default first, R-APPROVE-5), a cut stream ends ``aborted``, then one ``abort``
 (with the partial output, so carry-over is rebuilt from the trace) and one
-``task_end(aborted)``. :func:`settlement` gives those records; the caller numbers and writes
-them. A manual compaction in flight ends ``failed``. A history that ends in a prompt whose
+``task_end(aborted)``. A history cut between a task's ``abort`` and its ``task_end`` gets
+the ``task_end`` alone: its calls are settled and its carry-over is the abort's.
+:func:`settlement` gives those records; the caller numbers and writes them. A manual compaction in flight ends ``failed``. A history that ends in a prompt whose
 task had not started (the cut fell between the two) gets the ``task_start``, then the
 ``abort`` and ``task_end(aborted)``, as an interrupt that came while the prompt was made
 durable leaves it: no one takes that prompt up later as a run to start.
@@ -71,6 +72,20 @@ def settlement(
         )
         if record.kind == "compaction":
             return out  # a manual compaction has no task records
+    task_end = TaskEnd(
+        session_id=session_id,
+        run_id=run_id,
+        status="aborted",
+        turns=record.turn if started is not None else 0,
+        usage=record.usage if started is not None else TokenUsage(),
+        wall_ms=0,
+        message=reason,
+    )
+    if record.aborting:
+        # The cut fell between the task's abort and its task_end: everything is settled
+        # already. A second abort would replace the first one's carry-over (the calls'
+        # results) with nothing, and the next request would leave the calls unpaired.
+        return [*out, task_end]
     streaming = record.phase is Phase.MODEL
     asked = {r.call_id for r in record.pending_people if r.call_id not in record.allowed}
     unfinished = set(record.unfinished_calls())
@@ -119,17 +134,7 @@ def settlement(
             message_complete=not streaming,
         )
     )
-    out.append(
-        TaskEnd(
-            session_id=session_id,
-            run_id=run_id,
-            status="aborted",
-            turns=record.turn if started is not None else 0,
-            usage=record.usage if started is not None else TokenUsage(),
-            wall_ms=0,
-            message=reason,
-        )
-    )
+    out.append(task_end)
     return out
 
 

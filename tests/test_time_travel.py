@@ -115,6 +115,49 @@ async def test_a_fork_point_inside_a_task_is_settled_as_an_interrupt(
     assert "second question" not in prompts_of(request)
 
 
+@pytest.mark.parametrize("how", ["fork", "rewind"])
+async def test_a_cut_between_an_abort_and_its_task_end_keeps_the_carried_results(
+    host: Host, workspace: Path, providers: Any, lookup: Any, how: str
+) -> None:
+    """R-FORK-1, R-FORK-2, R-ABORT-2 case A: a task interrupted after its model message,
+    one call done and one denied, records both results and its ``abort``; they go to
+    the next request as carry-over. A fork or a rewind at that ``abort`` gets only the
+    missing ``task_end``: a second ``abort`` (as a cut inside a running task gets) used
+    to replace the carry-over with nothing, and the next request left both calls
+    unpaired. Found by the storm (tests/test_interrupt_storm.py)."""
+    calls = (tool_call("c1", "lookup", key="a"), tool_call("c2", "lookup", key="b"))
+    source_provider = providers([Reply(blocks=calls), Reply(blocks=(text("next"),))])
+    source = await host.create_session(
+        provider=source_provider, tools=[lookup.tool], workspace_dir=workspace
+    )
+
+    def allow_then_interrupt(call: Any) -> str:
+        if call.id == "c2":
+            source.interrupt("enough")
+            return "deny"
+        return "allow"
+
+    first = await collect(source.run("look both up", approve=allow_then_interrupt))
+    assert first[-1].TYPE == "task_end" and first[-1].status == "aborted"  # type: ignore[attr-defined]
+    abort_seq = next(line["seq"] for line in trace_lines(source) if line["type"] == "abort")
+    after = providers([Reply(blocks=(text("going on"),))])
+    if how == "fork":
+        session = await host.fork_session(source.id, at_seq=abort_seq, provider=after)
+    else:
+        await source.rewind(abort_seq)
+        session = source
+        session.host.port(session.id).provider = after
+    tail = [line["type"] for line in trace_lines(session)[-3:]]
+    assert tail[-2:] == (["abort", "task_end"] if how == "fork" else ["rewind", "task_end"])
+    assert [line["type"] for line in trace_lines(session)].count("abort") == 1
+    ended = await collect(session.run("go on"))
+    assert ended[-1].status == "completed"  # type: ignore[attr-defined]
+    (request,) = after.requests
+    carried = results_of(last_user(request))
+    assert [r.call_id for r in carried] == ["c1", "c2"]
+    assert [r.status for r in carried][1] == "denied"
+
+
 async def test_a_fork_of_a_fork_point_that_is_missing_is_refused(
     host: Host, workspace: Path, providers: Any, lookup: Any, data_dir: Path
 ) -> None:
