@@ -26,7 +26,14 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from conftest import assert_trace_seq_without_gaps, collect, of_type, port_of, trace_lines
+from conftest import (
+    allow_all,
+    assert_trace_seq_without_gaps,
+    collect,
+    of_type,
+    port_of,
+    trace_lines,
+)
 
 from greenroom.actors.providers.scripted import (
     Reply,
@@ -35,9 +42,10 @@ from greenroom.actors.providers.scripted import (
     text,
     tool_call,
 )
-from greenroom.actors.runtime.errors import HostClosed, NotPending, SessionClosed
+from greenroom.actors.runtime.errors import HostClosed, NotPending, SeqRefused, SessionClosed
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session import Session
+from greenroom.actors.runtime.subagents import SPAWN_SUBAGENT, spawn_subagent
 from greenroom.protocols.content import ToolCallBlock
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.outputs import Abort, Output, TaskEnd, TaskStart
@@ -90,10 +98,12 @@ def storm_tool(stuck: list[trio.Event]) -> Any:
 class StormModel:
     """The model's answers, drawn from one seeded generator; ``calm`` answers text only."""
 
-    def __init__(self, seed: int, *, asks: bool = False) -> None:
+    def __init__(self, seed: int, *, asks: bool = False, spawns: bool = False) -> None:
         self.rng = random.Random(seed)
         self.asks = asks
         """Whether it asks people questions (``ask_user``) among its calls."""
+        self.spawns = spawns
+        """Whether it hands tasks to subagents, in the foreground or the background."""
         self.calm = False
         self.requests = 0
         self.stuck = [trio.Event()]
@@ -119,6 +129,17 @@ class StormModel:
                 if self.asks and rng.random() < 0.2:
                     question = tool_call(f"r{number}c{i}", "ask_user", question="Which one?")
                     await stream.tool_call(question)
+                    continue
+                if self.spawns and rng.random() < 0.3:
+                    arguments = {
+                        "task": f"look into part {i}",
+                        "background": rng.random() < 0.4,
+                        "name": f"helper {number}.{i}",
+                    }
+                    spawn = ToolCallBlock(
+                        id=f"r{number}c{i}", name=SPAWN_SUBAGENT, arguments=arguments
+                    )
+                    await stream.tool_call(spawn)
                     continue
                 key = rng.choice(TOOL_KEYS)
                 if key == "slow":
@@ -231,7 +252,9 @@ async def _one_task(
 def _check_run(outputs: list[Output], *, follow_ups: bool = False) -> str:
     """R-ABORT-1, R-RUN-7: one ``task_end`` per ``task_start`` (one task, or with
     ``follow_ups`` the run's task and those queued after it), the last output ends the
-    last task; each aborted one follows its ``abort``. The last task's status."""
+    last task; each aborted one follows its ``abort``. The last task's status. Outputs
+    of subagents, forwarded with their ``origin``, are their own trees' to check."""
+    outputs = [output for output in outputs if output.origin is None]
     ends = of_type(outputs, TaskEnd)
     starts = of_type(outputs, TaskStart)
     assert ends and len(ends) == max(1, len(starts)), [o.TYPE for o in outputs]
@@ -243,6 +266,29 @@ def _check_run(outputs: list[Output], *, follow_ups: bool = False) -> str:
     aborted = [end for end in ends if end.status == "aborted"]
     assert len(of_type(outputs, Abort)) == len(aborted)
     return ends[-1].status
+
+
+async def _travel(host: Host, session: Session, rng: random.Random) -> None:
+    """Now and then between tasks, time travel (R-FORK-1, R-FORK-2): rewind the session
+    to a record of its trace, or fork it there and run a task on the fork, which must
+    complete. A point an earlier rewind cut is refused (``SeqRefused``), as it says."""
+    draw = rng.random()
+    if draw > 0.25:
+        return
+    await port_of(session).sync_trace()
+    seq = rng.choice([line["seq"] for line in trace_lines(session)])
+    with contextlib.suppress(SeqRefused):
+        if draw < 0.15:
+            await session.rewind(seq, reason="the storm rewinds")
+            return
+        calm = StormModel(0)
+        calm.calm = True
+        fork = await host.fork_session(
+            session.id, seq, provider=ScriptedProvider(calm), tools=[storm_tool(calm.stuck)]
+        )
+        outputs = await collect(fork.run("go on from here", approve=allow_all), bound_s=None)
+        assert _check_run(outputs) == "completed", of_type(outputs, TaskEnd)[-1].message
+        await assert_trace_seq_without_gaps(fork)
 
 
 @pytest.mark.parametrize("seed", range(1, 17))
@@ -270,6 +316,7 @@ async def test_a_storm_of_interrupts_and_failures_leaves_every_session_sound(
             for k in range(TASKS):
                 outputs = await _one_task(session, model, f"task {k}", approve, session_rng)
                 statuses.append(_check_run(outputs))
+                await _travel(host, session, session_rng)
 
         async with trio.open_nursery() as nursery:
             for session, model in zip(sessions, models, strict=True):
@@ -550,3 +597,72 @@ async def test_a_storm_across_a_host_stop_and_its_successor(
                 assert end["status"] in ENDINGS, end
                 assert not (end.get("message") or "").startswith("internal error"), end
             assert port_of(session).provider.violations == []  # type: ignore[attr-defined]
+
+
+async def _tree_ends(session: Session) -> list[dict[str, Any]]:
+    """The ``task_end`` records of ``session`` and of every subagent below it, each
+    trace checked as :func:`_traced_tasks` does."""
+    await port_of(session).sync_trace()
+    ends = _traced_tasks(session)
+    for child in await session.children():
+        ends += await _tree_ends(child)
+    return ends
+
+
+@pytest.mark.parametrize("seed", range(1, 9))
+async def test_a_storm_of_agent_trees(
+    data_dir: Path, workspace: Path, seed: int, mock_clock: trio.testing.MockClock
+) -> None:
+    """The storm where the model also hands tasks to subagents, in the foreground and in
+    the background, which may do the same (R-TREE-1..3): interrupts end a whole tree
+    (R-TREE-2), a background child's answer reaches its parent as steering or as a task
+    after the run (the next run then waits for it), and at the end every node of every
+    tree has ended each task it traced, none on an internal error."""
+    mock_clock.autojump_threshold = 0
+    rng = random.Random(seed)
+    models = [StormModel(seed * 100 + i, spawns=True) for i in range(SESSIONS)]
+    providers = [ScriptedProvider(model, keep_requests=True) for model in models]
+    statuses: list[str] = []
+    async with Host.open(data_dir) as host:
+        roots = [
+            await host.create_session(
+                provider=provider,
+                workspace_dir=workspace,
+                tools=[storm_tool(model.stuck), spawn_subagent],
+                approval_timeout_s=5,
+            )
+            for model, provider in zip(models, providers, strict=True)
+        ]
+
+        async def storm(session: Session, model: StormModel, session_rng: random.Random) -> None:
+            approve = StormApprovals(session_rng)
+            for k in range(TASKS):
+                while True:  # a background child's answer may have started a task of its own
+                    await session.wait_idle()
+                    if not session.busy:
+                        break
+                    session.interrupt("the storm goes on")
+                outputs = await _one_task(
+                    session, model, f"task {k}", approve, session_rng, follow_ups=True
+                )
+                statuses.append(_check_run(outputs, follow_ups=True))
+
+        async with trio.open_nursery() as nursery:
+            for session, model in zip(roots, models, strict=True):
+                nursery.start_soon(storm, session, model, random.Random(rng.random()))
+
+        for model in models:
+            model.calm = True
+        for session in roots:
+            session.interrupt("the storm is over")  # background children included
+            await session.wait_idle()
+            final = await collect(
+                session.run("are we fine?", approve=StormApprovals(rng)), bound_s=None
+            )
+            assert _check_run(final) == "completed"
+            for end in await _tree_ends(session):
+                assert end["status"] in ENDINGS | {"budget_exceeded", "max_turns"}, end
+                assert not (end.get("message") or "").startswith("internal error"), end
+    for provider in providers:
+        assert provider.violations == []
+    assert "aborted" in statuses and "completed" in statuses
