@@ -9,8 +9,9 @@ is denied by default first, R-APPROVE-5), a cut stream ends ``aborted``, then on
 (with the partial output, so carry-over is rebuilt from the trace) and one
 ``task_end(aborted)``. A history cut between a task's ``abort`` and its ``task_end`` gets
 the ``task_end`` alone: its calls are settled and its carry-over is the abort's.
-:func:`settlement` gives those records; the caller numbers and writes them. A manual compaction in flight ends ``failed``. A history that ends in a prompt whose
-task had not started (the cut fell between the two) gets the ``task_start``, then the
+:func:`settlement` gives those records; the caller numbers and writes them. A manual
+compaction in flight ends ``failed``. A history that ends in a prompt whose task had not
+started (the cut fell between the two) gets the ``task_start``, then the
 ``abort`` and ``task_end(aborted)``, as an interrupt that came while the prompt was made
 durable leaves it: no one takes that prompt up later as a run to start.
 
