@@ -116,6 +116,27 @@ def run_json(tmp_path: Path, workspace: Path, *args: str) -> tuple[int, list[dic
 # -- greenroom demo ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("command", ["demo", "run"])
+def test_a_damaged_usage_ledger_is_one_line_naming_it_and_exit_2(
+    tmp_path: Path, workspace: Path, command: str
+) -> None:
+    """R-SEC-1: a data dir whose usage.sqlite is not a database (cut, overwritten) stops
+    the command before anything runs, with the file, the reason and what to do on one
+    line — not a traceback."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "usage.sqlite").write_bytes(b"not a database at all, and long enough to read")
+    args = ["--workspace", str(workspace), "--data-dir", str(data)]
+    if command == "run":
+        args = [*args, "--provider", "scripted", "hello"]
+    result = greenroom(tmp_path, command, *args)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.strip()]
+    assert line.startswith(f"greenroom {command}: the usage ledger {data / 'usage.sqlite'}")
+    assert "move it aside" in line
+
+
 def test_demo_exits_0_says_scripted_and_answers_with_correct_totals(tmp_path: Path) -> None:
     started = time.monotonic()
     result = greenroom(

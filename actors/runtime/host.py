@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
+from greenroom.actors.providers.base import sole_exception
 from greenroom.actors.providers.registry import default_model, provider_for, require_credentials
 from greenroom.actors.runtime.accounting import Accounting, PrincipalBudget, price_overrides
 from greenroom.actors.runtime.admission import ProviderAdmissions, ProviderLimits
@@ -57,6 +58,7 @@ from greenroom.actors.runtime.storage import (
 )
 from greenroom.actors.runtime.supervisor import start, take_up_stored, wake
 from greenroom.actors.runtime.time_travel import fork, settle_fork
+from greenroom.actors.runtime.trace_sink import LedgerUnusable
 from greenroom.actors.runtime.trace_store import (
     FileTraceStore,
     StoredSession,
@@ -216,10 +218,15 @@ class Host:
         costs = _Costs(price_overrides(prices), principal_budget, limits, shared)
         path = await trio.to_thread.run_sync(_prepare_data_dir, data_dir)
         with tuned_gc(gc_tuning):
-            async with _host_tree(cls, path, observers, trace_store, tools, costs) as host:
-                if resume_tasks:
-                    await host.resume_tasks()
-                yield host
+            try:
+                async with _host_tree(cls, path, observers, trace_store, tools, costs) as host:
+                    if resume_tasks:
+                        await host.resume_tasks()
+                    yield host
+            # The store fails to start inside the host's nursery; its reason is the
+            # caller's to read as any error of opening, not inside an exception group.
+            except* LedgerUnusable as group:
+                raise sole_exception(group) from None
 
     # -- sessions -----------------------------------------------------------------------
 

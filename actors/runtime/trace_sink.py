@@ -65,6 +65,7 @@ import attrs
 import trio
 
 from greenroom.actors.runtime.disk import DISK, PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, Disk
+from greenroom.protocols.errors import ConfigurationError
 from greenroom.protocols.messages import (
     LedgerRow,
     SyncTraceFiles,
@@ -83,6 +84,7 @@ from greenroom.protocols.trace import (
 
 __all__ = [
     "LEDGER_FILE_NAME",
+    "LedgerUnusable",
     "TraceSink",
     "TraceSinkClosed",
     "TraceSyncer",
@@ -146,6 +148,11 @@ _INSERT_USAGE = (
 
 class TraceSinkClosed(Exception):
     """The sink was closed (by its owner) and accepts no more lines or usage rows."""
+
+
+class LedgerUnusable(ConfigurationError):
+    """The usage ledger cannot be opened — a damaged file, or one the host may not use —
+    so the host does not open; the message names the file, why, and what to do."""
 
 
 class TraceWriteError(Exception):
@@ -679,6 +686,16 @@ def _failed_batch(job: _BatchJob, message: str) -> _BatchResult:
 
 
 def _open_ledger(path: Path) -> sqlite3.Connection:
+    try:
+        return _open_ledger_file(path)
+    except (sqlite3.Error, OSError) as exc:
+        raise LedgerUnusable(
+            f"the usage ledger {path} cannot be used ({exc}): move it aside and a new one is "
+            "made (the cost history then starts empty), or restore it from a backup"
+        ) from None
+
+
+def _open_ledger_file(path: Path) -> sqlite3.Connection:
     path.parent.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
     # Created (or tightened) 0600 before SQLite opens it: its -wal and -shm files take the
     # database file's mode.
