@@ -218,15 +218,10 @@ class Host:
         costs = _Costs(price_overrides(prices), principal_budget, limits, shared)
         path = await trio.to_thread.run_sync(_prepare_data_dir, data_dir)
         with tuned_gc(gc_tuning):
-            try:
-                async with _host_tree(cls, path, observers, trace_store, tools, costs) as host:
-                    if resume_tasks:
-                        await host.resume_tasks()
-                    yield host
-            # The store fails to start inside the host's nursery; its reason is the
-            # caller's to read as any error of opening, not inside an exception group.
-            except* LedgerUnusable as group:
-                raise sole_exception(group) from None
+            async with _host_tree(cls, path, observers, trace_store, tools, costs) as host:
+                if resume_tasks:
+                    await host.resume_tasks()
+                yield host
 
     # -- sessions -----------------------------------------------------------------------
 
@@ -607,29 +602,34 @@ async def _host_tree(
     """The host's actor tree while it is open: its nursery, its store and its people's
     clock; on exit every session is closed and the store flushed (``Host.open``).
     ``costs`` are the host's prices, budgets and limits, checked already."""
-    async with trio.open_nursery() as nursery:
-        store = (trace_store or FileTraceStore)(path)
-        accounting = Accounting(
-            store.ledger,
-            prices=costs.prices,
-            principal_budget=costs.principal_budget,
-            shared=costs.shared,
-        )
-        await nursery.start(store.run)
-        admissions = ProviderAdmissions(costs.limits, costs.shared)
-        host = cls(path, nursery, store, observers, tools, accounting, admissions)
-        await nursery.start(host.serve_people)
-        try:
-            yield host
-        finally:
-            # Shielded so that the last records land even when the host is being
-            # cancelled; bounded so that a tool stuck in a thread cannot hang it.
-            with trio.CancelScope(shield=True) as teardown:
-                teardown.deadline = trio.current_time() + SHUTDOWN_GRACE_S
-                try:
-                    await host.aclose()
-                finally:
-                    await store.aclose()
+    try:
+        async with trio.open_nursery() as nursery:
+            store = (trace_store or FileTraceStore)(path)
+            accounting = Accounting(
+                store.ledger,
+                prices=costs.prices,
+                principal_budget=costs.principal_budget,
+                shared=costs.shared,
+            )
+            await nursery.start(store.run)
+            admissions = ProviderAdmissions(costs.limits, costs.shared)
+            host = cls(path, nursery, store, observers, tools, accounting, admissions)
+            await nursery.start(host.serve_people)
+            try:
+                yield host
+            finally:
+                # Shielded so that the last records land even when the host is being
+                # cancelled; bounded so that a tool stuck in a thread cannot hang it.
+                with trio.CancelScope(shield=True) as teardown:
+                    teardown.deadline = trio.current_time() + SHUTDOWN_GRACE_S
+                    try:
+                        await host.aclose()
+                    finally:
+                        await store.aclose()
+    # The store fails to start inside the host's nursery; its reason is the caller's to
+    # read as any error of opening, not inside an exception group.
+    except* LedgerUnusable as group:
+        raise sole_exception(group) from None
 
 
 def _prepare_data_dir(data_dir: str | Path | None) -> Path:
