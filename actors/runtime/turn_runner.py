@@ -39,7 +39,6 @@ or the schema's problems for the model to correct.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from typing import Any
 
@@ -95,6 +94,18 @@ _PARTIALS = frozenset({PartialText, PartialThinking, PartialToolCall})
 _CANCELLED = QuestionAnswered(action="cancel")
 
 
+class _Unserved:
+    """The inbox of an actor that has stopped: what is sent there goes nowhere."""
+
+    __slots__ = ()
+
+    def send_nowait(self, command: object) -> None:
+        return None
+
+
+_UNSERVED: Any = _Unserved()
+
+
 def _reply(reply: Any, answer: QuestionAnswered) -> None:
     """Send a question's one answer; the asker may have gone (its call ended)."""
     if reply is None:
@@ -116,7 +127,6 @@ class TurnRunner:
         "_port",
         "_questions",
         "_rewritten",
-        "_unserved",
         "machine",
         "run_id",
     )
@@ -143,7 +153,6 @@ class TurnRunner:
         self._pool = pool
         self._questions: dict[str, Any] | None = None
         """The reply channels of running calls' open questions, by call id."""
-        self._unserved: tuple[Any, ...] = ()
         self.run_id = run_id
         self.machine = TurnMachine(session_id=port.id, run_id=run_id, turn=0)
         """The current turn's machine (a new one per turn)."""
@@ -165,13 +174,10 @@ class TurnRunner:
     def actors_stopped(self) -> None:
         """The task's actors have stopped: its end drains what they reported before, and a
         report can still move the turn on (a decision, then the next call asked). The
-        commands that follow go to inboxes nobody serves — the sent ones raised at a
-        stopped actor's closed inbox, which made an interrupt end the task as an internal
-        error — and the task's end settles every call in flight."""
-        # Unbounded: nothing reads them; what a task's end drains sends a handful at most.
-        self._approvals, approvals = trio.open_memory_channel[ApproveCall](math.inf)
-        self._pool, pool = trio.open_memory_channel[PoolCommand](math.inf)
-        self._unserved = (approvals, pool)
+        commands that follow go nowhere — sent to a stopped actor's closed inbox, they
+        raised, and an interrupt ended the task as an internal error — and the task's end
+        settles every call in flight."""
+        self._approvals = self._pool = _UNSERVED
 
     @property
     def turn(self) -> int:
