@@ -16,6 +16,8 @@ from typing import Any
 
 from test_acp import greenroom_acp, run, start, text, workspace  # noqa: F401 (a fixture)
 
+from tests.support.mutation import JsonMutator
+
 FRAMES = 150
 SEED = 20261205
 FIRST_ID = 10_000
@@ -29,15 +31,7 @@ class FrameMaker:
         self.rng = rng
         self.session_id = session_id
         self.cwd = cwd
-
-    def odd(self) -> Any:
-        return self.rng.choice(
-            [
-                None, True, 0, -1, 2**70, 1.5, "", "x" * 20_000, "a\ud800b", "\udfff",
-                [], {}, [[[[["deep"]]]]], {"type": "nope"}, "../../etc", "\x00",
-                "20990101-000000-abcdef", "relative/dir",
-            ]
-        )  # fmt: skip
+        self.mutator = JsonMutator(rng, more_odd=({"type": "nope"}, "relative/dir"), max_depth=3)
 
     def params(self, method: str) -> dict[str, Any]:
         rng = self.rng
@@ -64,24 +58,6 @@ class FrameMaker:
             "_greenroom/follow_up": {"sessionId": sid, "prompt": prompt},
         }.get(method, {})
 
-    def mutate(self, value: Any, depth: int = 0) -> Any:
-        rng = self.rng
-        if isinstance(value, dict) and value and rng.random() < 0.8:
-            key = rng.choice(sorted(value))
-            draw = rng.random()
-            if draw < 0.3:
-                del value[key]
-            elif draw < 0.6 or depth > 3:
-                value[key] = self.odd()
-            else:
-                value[key] = self.mutate(value[key], depth + 1)
-            return value
-        if isinstance(value, list) and value and rng.random() < 0.8:
-            i = rng.randrange(len(value))
-            value[i] = self.mutate(value[i], depth + 1)
-            return value
-        return self.odd()
-
     def frame(self, request_id: int) -> dict[str, Any]:
         rng = self.rng
         method = rng.choice(
@@ -93,7 +69,7 @@ class FrameMaker:
         )  # fmt: skip
         params: Any = self.params(method)
         if rng.random() < 0.8:
-            params = self.mutate(params)
+            params = self.mutator.mutate(params)
         return {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
 
 

@@ -127,6 +127,24 @@ def _swap_lines(data: bytes, rng: random.Random) -> bytes:
 _ODD_VALUES: list[Any] = [None, -1, 0, 2**70, "", "x" * 300, [], {}, True, 1.5, "\ud800"]
 
 
+def _one_record(
+    data: bytes, rng: random.Random, change: Callable[[dict[str, Any]], dict[str, Any]]
+) -> bytes:
+    """One drawn line of a trace, changed as a JSON object by ``change`` (bytes flipped
+    instead when that line is not one)."""
+    lines = _lines(data)
+    i = rng.randrange(len(lines))
+    try:
+        record = json.loads(lines[i])
+    except ValueError:
+        return _flip(data, rng)
+    if not isinstance(record, dict) or not record:
+        return _flip(data, rng)
+    line = json.dumps(change(record)).encode("utf-8", "surrogatepass")
+    lines[i] = line + (b"\n" if lines[i].endswith(b"\n") else b"")
+    return b"".join(lines)
+
+
 def _edit_field(data: bytes, rng: random.Random) -> bytes:
     """A field of one JSON object (session.json, or a trace line) set to an odd value,
     removed, or one added: what a hand edit or another program's bug leaves."""
@@ -136,17 +154,7 @@ def _edit_field(data: bytes, rng: random.Random) -> bytes:
         whole = None
     if isinstance(whole, dict) and whole:  # session.json
         return json.dumps(_edited(whole, rng), indent=2).encode("utf-8", "surrogatepass")
-    lines = _lines(data)
-    i = rng.randrange(len(lines))
-    try:
-        record = json.loads(lines[i])
-    except ValueError:
-        return _flip(data, rng)
-    if not isinstance(record, dict) or not record:
-        return _flip(data, rng)
-    line = json.dumps(_edited(record, rng)).encode("utf-8", "surrogatepass")
-    lines[i] = line + (b"\n" if lines[i].endswith(b"\n") else b"")
-    return b"".join(lines)
+    return _one_record(data, rng, lambda record: _edited(record, rng))
 
 
 def _edited(record: dict[str, Any], rng: random.Random) -> dict[str, Any]:
@@ -163,18 +171,15 @@ def _edited(record: dict[str, Any], rng: random.Random) -> dict[str, Any]:
 
 def _change_type(data: bytes, rng: random.Random) -> bytes:
     """One trace record turned into another kind of record (its fields as they were)."""
-    lines = _lines(data)
-    i = rng.randrange(len(lines))
-    try:
-        record = json.loads(lines[i])
-    except ValueError:
-        return _flip(data, rng)
-    if not isinstance(record, dict):
-        return _flip(data, rng)
-    kinds = sorted({json.loads(line).get("type", "") for line in lines if line.strip()[:1] == b"{"})
-    record["type"] = rng.choice([*kinds, "no_such_record"])
-    lines[i] = json.dumps(record).encode() + b"\n"
-    return b"".join(lines)
+    kinds = ["no_such_record"]
+    for line in _lines(data):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("type"), str):
+            kinds.append(record["type"])
+    return _one_record(data, rng, lambda record: {**record, "type": rng.choice(kinds)})
 
 
 DAMAGES: list[Damage] = [

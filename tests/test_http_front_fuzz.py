@@ -21,6 +21,7 @@ from test_gateway_ag_ui import run_input
 
 from greenroom.actors.gateway import GatewayLimits
 from greenroom.actors.providers.scripted import Reply, ScriptStep, text
+from tests.support.mutation import JsonMutator
 
 REQUESTS = 240
 SEED = 20261205
@@ -41,43 +42,6 @@ def user_message_body(words: str, message_id: str) -> dict[str, Any]:
 def plenty() -> list[ScriptStep]:
     """Enough replies for every task the fuzzer can start."""
     return [Reply(blocks=(text("ok"),))] * (REQUESTS + 10)
-
-
-class Mutator:
-    """Mutations of a well-formed body: each drawn change at a drawn place."""
-
-    def __init__(self, rng: random.Random) -> None:
-        self.rng = rng
-
-    def odd(self) -> Any:
-        rng = self.rng
-        return rng.choice(
-            [
-                None, True, 0, -1, 2**70, 1.5, float("1e308"), "", "x" * 20_000,
-                "a\ud800b", "\udfff", [], {}, [[[[["deep"]]]]], {"kind": "nope"},
-                "../../etc/passwd", "\x00", "20990101-000000-abcdef",
-            ]
-        )  # fmt: skip
-
-    def mutate(self, body: Any, depth: int = 0) -> Any:
-        rng = self.rng
-        if isinstance(body, dict) and body and rng.random() < 0.8:
-            key = rng.choice(sorted(body))
-            draw = rng.random()
-            if draw < 0.3:
-                del body[key]
-            elif draw < 0.6 or depth > 4:
-                body[key] = self.odd()
-            else:
-                body[key] = self.mutate(body[key], depth + 1)
-            if rng.random() < 0.1:
-                body[rng.choice(["kind", "role", "id", "extra", "\ud800"])] = self.odd()
-            return body
-        if isinstance(body, list) and body and rng.random() < 0.8:
-            i = rng.randrange(len(body))
-            body[i] = self.mutate(body[i], depth + 1) if rng.random() < 0.6 else self.odd()
-            return body
-        return self.odd()
 
 
 def a2a_body(rng: random.Random, number: int, task_ids: list[str]) -> dict[str, Any]:
@@ -133,7 +97,9 @@ def check_ag_ui(status: int, content: bytes, content_type: str) -> None:
 
 async def test_fuzzed_http_requests_are_all_answered_and_nothing_breaks(tmp_path: Path) -> None:
     rng = random.Random(SEED)
-    mutator = Mutator(rng)
+    mutator = JsonMutator(
+        rng, more_odd=({"kind": "nope"},), extra_keys=("kind", "role", "id", "extra", "\ud800")
+    )
     limits = GatewayLimits(rate_per_s=1e9, burst=10**9, max_message_bytes=1 << 20)
     headers = {"Authorization": f"Bearer {TOKEN}", "Accept": "text/event-stream"}
     with trio.fail_after(BOUND_S * 12):

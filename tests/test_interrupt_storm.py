@@ -191,6 +191,34 @@ class StormApprovals:
         return "allow"  # pragma: no cover - never reached
 
 
+async def _storm_sessions(
+    host: Host,
+    workspace: Path,
+    seed: int,
+    *,
+    model: dict[str, bool] | None = None,
+    tools: tuple[Any, ...] = (),
+    **options: Any,
+) -> tuple[list[Session], list[StormModel], list[ScriptedProvider]]:
+    """:data:`SESSIONS` sessions on ``host``, each with its own seeded model (``model``:
+    what it may do besides text and tool calls) and its ``work`` tool; ``options`` for
+    every session (a callable value is called with the session's index)."""
+    models = [StormModel(seed * 100 + i, **(model or {})) for i in range(SESSIONS)]
+    providers = [ScriptedProvider(storm, keep_requests=True) for storm in models]
+    sessions = []
+    for i, (storm, provider) in enumerate(zip(models, providers, strict=True)):
+        given = {k: v(i) if callable(v) else v for k, v in options.items()}
+        sessions.append(
+            await host.create_session(
+                provider=provider,
+                workspace_dir=workspace,
+                tools=[storm_tool(storm.stuck), *tools],
+                **given,
+            )
+        )
+    return sessions, models, providers
+
+
 async def _one_task(
     session: Session,
     model: StormModel,
@@ -311,20 +339,15 @@ async def test_a_storm_of_interrupts_and_failures_leaves_every_session_sound(
 ) -> None:
     mock_clock.autojump_threshold = 0
     rng = random.Random(seed)
-    models = [StormModel(seed * 100 + i) for i in range(SESSIONS)]
-    providers = [ScriptedProvider(model, keep_requests=True) for model in models]
     statuses: list[str] = []
     async with Host.open(data_dir) as host:
-        sessions = [
-            await host.create_session(
-                provider=provider,
-                workspace_dir=workspace,
-                tools=[storm_tool(model.stuck)],
-                approval_timeout_s=5,
-                max_turns=-1 if i % 2 else 3,
-            )
-            for i, (model, provider) in enumerate(zip(models, providers, strict=True))
-        ]
+        sessions, models, providers = await _storm_sessions(
+            host,
+            workspace,
+            seed,
+            approval_timeout_s=5,
+            max_turns=lambda i: -1 if i % 2 else 3,
+        )
 
         async def storm(session: Session, model: StormModel, session_rng: random.Random) -> None:
             approve = StormApprovals(session_rng)
@@ -404,9 +427,10 @@ async def _assert_seq_contiguous(session: Session, *, from_one: bool = True) -> 
 
 async def _person(host: Host, rng: random.Random, answered: list[str]) -> None:
     """A person who answers when they can: every pending request, now and then, with a
-    drawn answer (some left for a later round); an answer the task no longer waits for
-    (interrupted meanwhile) is refused with ``NotPending``, which is theirs to see; a
-    host that is closing refuses them all (``HostClosed``), and they go."""
+    drawn answer (some left for a later round; a call in doubt: done, or not done). An
+    answer the task no longer waits for (interrupted meanwhile) is refused with
+    ``NotPending``, which is theirs to see; a host that is closing refuses them all
+    (``HostClosed``), and they go."""
     with contextlib.suppress(HostClosed):
         await _answer_when_they_can(host, rng, answered)
 
@@ -420,6 +444,9 @@ async def _answer_when_they_can(host: Host, rng: random.Random, answered: list[s
             with contextlib.suppress(NotPending):
                 if pending.kind == "question":
                     await host.answer_question(pending.session_id, pending.call_id, "blue")
+                elif pending.kind == "in_doubt":  # its host stopped while it ran: R-EFFECT-2
+                    said = rng.choice(("done", "not done"))
+                    await host.answer_question(pending.session_id, pending.call_id, said)
                 else:
                     verdict = rng.choice(("allow", "allow", "deny", "allow_session"))
                     await host.answer_approval(pending.session_id, pending.call_id, verdict)
@@ -435,19 +462,12 @@ async def test_a_storm_with_people_follow_ups_and_compactions(
     compaction now and then between tasks (R-COMPACT-2)."""
     mock_clock.autojump_threshold = 0
     rng = random.Random(seed)
-    models = [StormModel(seed * 100 + i, asks=True) for i in range(SESSIONS)]
-    providers = [ScriptedProvider(model, keep_requests=True) for model in models]
     statuses: list[str] = []
     answered: list[str] = []
     async with Host.open(data_dir) as host:
-        sessions = [
-            await host.create_session(
-                provider=provider,
-                workspace_dir=workspace,
-                tools=[storm_tool(model.stuck)],
-            )
-            for model, provider in zip(models, providers, strict=True)
-        ]
+        sessions, models, providers = await _storm_sessions(
+            host, workspace, seed, model={"asks": True}
+        )
 
         async def storm(session: Session, model: StormModel, session_rng: random.Random) -> None:
             for k in range(TASKS):
@@ -478,26 +498,6 @@ async def test_a_storm_with_people_follow_ups_and_compactions(
     for provider in providers:
         assert provider.violations == []
     assert "aborted" in statuses and "completed" in statuses and answered
-
-
-async def _person_in_doubt_too(host: Host, rng: random.Random, answered: list[str]) -> None:
-    """:func:`_person`, who also says what became of a call in doubt (its host stopped
-    while it ran: R-EFFECT-2)."""
-    while True:
-        await trio.sleep(rng.uniform(0.1, 3))
-        for pending in await host.pending_approvals():
-            if rng.random() < 0.3:
-                continue
-            with contextlib.suppress(NotPending):
-                if pending.kind == "question":
-                    await host.answer_question(pending.session_id, pending.call_id, "blue")
-                elif pending.kind == "in_doubt":
-                    said = rng.choice(("done", "not done"))
-                    await host.answer_question(pending.session_id, pending.call_id, said)
-                else:
-                    verdict = rng.choice(("allow", "allow", "deny", "allow_session"))
-                    await host.answer_approval(pending.session_id, pending.call_id, verdict)
-                answered.append(pending.call_id)
 
 
 def _traced_tasks(session: Session) -> list[dict[str, Any]]:
@@ -605,7 +605,7 @@ async def test_a_storm_across_a_host_stop_and_its_successor(
                 unsubscribe()
 
         async with trio.open_nursery() as people:
-            people.start_soon(_person_in_doubt_too, host, random.Random(rng.random()), answered)
+            people.start_soon(_person, host, random.Random(rng.random()), answered)
             async with trio.open_nursery() as nursery:
                 for session, model in zip(resumed, models, strict=True):
                     nursery.start_soon(settle, session, model)
@@ -644,19 +644,16 @@ async def test_a_storm_of_agent_trees(
     tree has ended each task it traced, none on an internal error."""
     mock_clock.autojump_threshold = 0
     rng = random.Random(seed)
-    models = [StormModel(seed * 100 + i, spawns=True) for i in range(SESSIONS)]
-    providers = [ScriptedProvider(model, keep_requests=True) for model in models]
     statuses: list[str] = []
     async with Host.open(data_dir) as host:
-        roots = [
-            await host.create_session(
-                provider=provider,
-                workspace_dir=workspace,
-                tools=[storm_tool(model.stuck), spawn_subagent],
-                approval_timeout_s=5,
-            )
-            for model, provider in zip(models, providers, strict=True)
-        ]
+        roots, models, providers = await _storm_sessions(
+            host,
+            workspace,
+            seed,
+            model={"spawns": True},
+            tools=(spawn_subagent,),
+            approval_timeout_s=5,
+        )
 
         async def storm(session: Session, model: StormModel, session_rng: random.Random) -> None:
             approve = StormApprovals(session_rng)
