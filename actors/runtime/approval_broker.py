@@ -34,6 +34,7 @@ import trio
 
 from greenroom.actors.runtime.port import Approval, ApproveFn
 from greenroom.actors.runtime.tool_hooks import ToolHookCalls
+from greenroom.actors.runtime.user_code import call_user_code
 from greenroom.protocols.content import ToolCallBlock
 from greenroom.protocols.hooks import ToolHookAction
 from greenroom.protocols.messages import (
@@ -166,29 +167,23 @@ class ApprovalBroker:
             # A callback that raises or runs out of time decided nothing: the deny is
             # the default's (R-APPROVE-2, R-APPROVE-4), not the host's.
             with trio.move_on_after(self._timeout_s):
-                failed = False
-                # except*: a callback whose clean-up fails as its wait runs out (or as an
-                # interrupt ends it) raises both in one group; the failure is the
-                # callback's, the cancellation goes on.
-                try:
-                    if self._takes_origin is None:
-                        self._takes_origin = _takes_origin(approve)
-                    if self._takes_origin:
-                        takes_origin: Any = approve
-                        answer = takes_origin(call, origin=self._origin)
-                    else:
-                        answer = approve(call)
-                    if inspect.isawaitable(answer):
-                        answer = await answer
-                except* Exception as group:
-                    logger.warning(
-                        "the approval callback raised: call %s is denied", call.id, exc_info=group
-                    )
-                    failed = True
-                if not failed:
+                answer, failure = await call_user_code(self._call_approve, approve, call)
+                if failure is None:
                     return ApprovalDecided(call=call, verdict=_as_verdict(answer), by="host")
+                logger.warning(
+                    "the approval callback raised: call %s is denied", call.id, exc_info=failure
+                )
             return ApprovalDecided(call=call, verdict="deny", by="default")
         return ApprovalDecided(call=call, verdict="deny", by="default")
+
+    def _call_approve(self, approve: Any, call: ToolCallBlock) -> Any:
+        """The approve callback's answer for ``call`` (an awaitable for an async one),
+        given the host's ``origin`` when it takes one."""
+        if self._takes_origin is None:
+            self._takes_origin = _takes_origin(approve)
+        if self._takes_origin:
+            return approve(call, origin=self._origin)
+        return approve(call)
 
     async def _ask_person(
         self, call: ToolCallBlock, ask: Any, action: ToolHookAction | None
@@ -203,15 +198,11 @@ class ApprovalBroker:
         choices = call.arguments.get("choices")
         text: str | None = None
         with trio.move_on_after(self._timeout_s):
-            try:  # except*: as the approval callback's, above
-                answer = ask(call)
-                if inspect.isawaitable(answer):
-                    answer = await answer
-            except* Exception as group:
+            answer, failure = await call_user_code(ask, call)
+            if failure is not None:
                 logger.warning(
-                    "the question callback raised: call %s has no answer", call.id, exc_info=group
+                    "the question callback raised: call %s has no answer", call.id, exc_info=failure
                 )
-                answer = None
             if isinstance(answer, str) and (
                 not isinstance(choices, list) or not choices or answer in choices
             ):

@@ -24,13 +24,9 @@ from typing import Any, assert_never
 
 import trio
 
-from greenroom.actors.providers.base import (
-    ModelProvider,
-    ProviderTask,
-    exception_words,
-    sole_exception,
-)
+from greenroom.actors.providers.base import ModelProvider, ProviderTask, exception_words
 from greenroom.actors.runtime.admission import EndpointAdmission, Requester
+from greenroom.actors.runtime.user_code import call_user_code
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.messages import (
     PlanBackoff,
@@ -171,19 +167,13 @@ class LLMStreamer:
                 events = observe(events)
             inbox.send_nowait(StreamBatch(attempt=attempt, events=events, request=number))
 
-        failed: BaseException | None = None
         try:
-            try:
-                await self._provider.stream(request, deliver)
-            # except*: a provider whose clean-up fails as a cancellation ends the attempt
-            # raises both in one group; the failure is logged here and the cancellation
-            # goes on (nothing is delivered then: the attempt is stale).
-            except* Exception as group:  # a provider bug must not take the session down
+            _, failed = await call_user_code(self._provider.stream, request, deliver)
+            if failed is not None:  # a provider bug must not take the session down
                 # The traceback goes to the log for whoever fixes the bug; the request's
-                # reader gets words, not a repr.
-                logger.error("provider failed unexpectedly", exc_info=group)
-                failed = sole_exception(group)
-            if failed is not None:
+                # reader gets words, not a repr. (A failure that came with a cancellation
+                # is not returned: the attempt is stale, nothing more is delivered.)
+                logger.error("provider failed unexpectedly", exc_info=failed)
                 detail = "" if isinstance(failed, LookupError) else exception_words(failed)
                 failure = ModelError(
                     kind="failed",

@@ -19,7 +19,6 @@ told, which ends the task ``budget_exceeded``.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import math
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from greenroom.actors.runtime.subagents import RunChild, Subagents
 from greenroom.actors.runtime.tool_hooks import tool_hook_calls
 from greenroom.actors.runtime.tool_pool import ToolPool
 from greenroom.actors.runtime.turn_runner import TurnRunner
+from greenroom.actors.runtime.user_code import call_user_code
 from greenroom.protocols.content import UserContent
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.hooks import RequestInfo, StopInfo, ToolResultsInfo
@@ -558,14 +558,7 @@ async def call_hook(hook: Callable[[Any], Any] | None, info: Any) -> Any:
     failure logged."""
     if hook is None:
         return None
-    failed = False
-    # except*: a hook whose clean-up fails as an interrupt ends it raises both in one
-    # group; the failure is ignored as any, the cancellation goes on.
-    try:
-        result = hook(info)
-        if inspect.isawaitable(result):
-            result = await result
-    except* Exception as group:
-        logger.warning("a host hook raised (ignored)", exc_info=group)
-        failed = True
-    return None if failed else result
+    result, failure = await call_user_code(hook, info)
+    if failure is not None:
+        logger.warning("a host hook raised (ignored)", exc_info=failure)
+    return result

@@ -21,7 +21,6 @@ and give both to their command.
 from __future__ import annotations
 
 import contextvars
-import inspect
 import json
 import math
 from pathlib import Path
@@ -30,7 +29,7 @@ from typing import Any
 import attrs
 import trio
 
-from greenroom.actors.providers.base import sole_exception
+from greenroom.actors.runtime.user_code import call_user_code
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock, ToolContent
 from greenroom.protocols.context import ToolResult
 from greenroom.protocols.hooks import (
@@ -139,19 +138,10 @@ class ToolHookCalls:
         site = _SITE.set(self._site)
         try:
             with trio.move_on_after(self._timeout_s):
-                error: str | None = None
-                # except*: a hook whose clean-up fails as its time runs out (or as an
-                # interrupt ends it) raises both in one group; the failure is the hook's
-                # error, the cancellation goes on.
-                try:
-                    answer = hook(*args)
-                    if inspect.isawaitable(answer):
-                        answer = await answer
-                except* Exception as group:
-                    error = _hook_error(name, sole_exception(group))
-                if error is None:
-                    return answer, None
-                return None, error
+                answer, failure = await call_user_code(hook, *args)
+                if failure is not None:
+                    return None, _hook_error(name, failure)
+                return answer, None
             return None, f"no answer within {self._timeout_s:g} s"
         finally:
             _SITE.reset(site)
