@@ -72,6 +72,86 @@ _UNWAITED_READS = 16
 # A body's read deadline is moved on only once this fraction of the timeout is used up:
 # a stall still ends after between 1 and 1 + DEADLINE_SLACK read timeouts of silence.
 DEADLINE_SLACK = 0.25
+READS_PER_SECOND = 10_000
+"""The process's budget of body reads a second once many bodies stream at once: each
+body then waits ``streams / READS_PER_SECOND`` after a read that emptied its socket
+before it reads again, so that one read carries several events instead of one."""
+PACED_FROM_STREAMS = 64
+"""Below this many bodies streaming in the process every read is made as its data comes."""
+MAX_READ_PAUSE = 0.25
+"""The longest a body waits for its next read, however many stream (past about 2,500 the
+budget is exceeded rather than a token held longer)."""
+
+
+class _StreamCount:
+    """How many response bodies the process is reading now (one core serves them all)."""
+
+    __slots__ = ("open",)
+
+    def __init__(self) -> None:
+        self.open = 0
+
+    def pause(self) -> float:
+        # A read with its events costs tens of microseconds (the wakes of the streamer,
+        # the supervisor and the run's reader), most of it per read, not per event. With
+        # a thousand bodies at 50 tokens a second that is more than one core can do: it
+        # saturates, every token waits its turn in the run queue anyway, and the CPU goes
+        # on reads of two or three events. Spacing each body's reads keeps the total under
+        # the budget, so the core keeps up, at the price of a token held at most one pause
+        # (0.1 s with a thousand bodies).
+        streams = self.open
+        if streams < PACED_FROM_STREAMS:
+            return 0.0
+        return min(streams / READS_PER_SECOND, MAX_READ_PAUSE)
+
+
+_streams = _StreamCount()
+
+
+class _ReadTicks:
+    """One timer for every paced body of a trio run: the bodies that wait for their next
+    read park here and one system task wakes them all every pause. A sleep per body
+    would cost each read a cancel scope, a deadline and a raised ``Cancelled``."""
+
+    __slots__ = ("_lot", "_ticking")
+
+    def __init__(self) -> None:
+        self._lot = trio.lowlevel.ParkingLot()
+        self._ticking = False
+
+    async def wait(self) -> bool:
+        """Park until the next tick; False at once when the run is ending and no tick
+        can be started any more (the caller then waits for its socket instead)."""
+        if not self._ticking:
+            try:
+                trio.lowlevel.spawn_system_task(self._tick, name="greenroom read ticks")
+            except RuntimeError:
+                return False
+            self._ticking = True
+        await self._lot.park()
+        return True
+
+    async def _tick(self) -> None:
+        try:
+            while self._lot:
+                await trio.sleep(_streams.pause() or 1 / READS_PER_SECOND)
+                self._lot.unpark_all()
+        finally:
+            self._ticking = False
+
+
+_read_ticks: trio.lowlevel.RunVar[_ReadTicks] = trio.lowlevel.RunVar("greenroom_read_ticks")
+
+
+def _ticks() -> _ReadTicks:
+    try:
+        return _read_ticks.get()
+    except LookupError:
+        ticks = _ReadTicks()
+        _read_ticks.set(ticks)
+        return ticks
+
+
 # Where Linux distributions keep their CA bundle, for a Python whose OpenSSL was built
 # with paths that do not exist on this system.
 _CA_BUNDLES = (
@@ -631,7 +711,10 @@ class _Reader:
     async def _receive_fd(self, fd: int) -> bytes:
         waited = False
         if self._drained:
-            await self._timed(trio.lowlevel.wait_readable, fd)
+            # Past PACED_FROM_STREAMS what came until the tick is read at once, and a
+            # wait for the socket follows only if nothing did.
+            if _streams.open < PACED_FROM_STREAMS or not await self._next_tick():
+                await self._timed(trio.lowlevel.wait_readable, fd)
             waited = True
         while True:
             try:
@@ -653,6 +736,10 @@ class _Reader:
                 self._move_deadline()
                 await trio.lowlevel.checkpoint()
         return data
+
+    async def _next_tick(self) -> bool:
+        self._move_deadline()  # the tick's wait is a point where the deadline can strike
+        return await _ticks().wait()
 
     async def _receive_stream(self) -> bytes:
         data = await self._timed(self._conn.stream.receive_some, READ_SIZE)
@@ -811,50 +898,54 @@ class RawBody:
         reader = self._reader
         if reader is None:
             return
-        if self._empty:
-            await self._finish(reuse=self._keep_alive)
-            return
-        if self._chunked:
-            body = _ChunkedBody(reader)
-            while True:
-                data = await body.next_bytes()
-                last = body.done
-                if last:
-                    # Back to the pool before the last bytes are handed on: a reader
-                    # that stops at its own end of message leaves a reusable connection.
-                    await self._finish(reuse=self._keep_alive)
-                if data:
-                    yield data
-                if last:
-                    break
-        elif self._length is not None:
-            remaining = self._length
-            data = reader.take_buffer()
-            while True:
-                if data:
-                    data = data[:remaining]
-                    remaining -= len(data)
-                    if remaining == 0:
+        _streams.open += 1
+        try:
+            if self._empty:
+                await self._finish(reuse=self._keep_alive)
+                return
+            if self._chunked:
+                body = _ChunkedBody(reader)
+                while True:
+                    data = await body.next_bytes()
+                    last = body.done
+                    if last:
+                        # Back to the pool before the last bytes are handed on: a reader
+                        # that stops at its own end of message leaves a reusable connection.
                         await self._finish(reuse=self._keep_alive)
-                    yield data
-                if remaining == 0:
-                    break
-                data = await reader.receive()
-                if not data:
-                    raise RemoteProtocolError(
-                        "peer closed connection without sending complete message body "
-                        f"(received {self._length - remaining} bytes, expected {self._length})"
-                    )
-            await self._finish(reuse=self._keep_alive)
-        else:
-            data = reader.take_buffer()
-            while True:
-                if data:
-                    yield data
-                data = await reader.receive()
-                if not data:
-                    break
-            await self._finish(reuse=False)
+                    if data:
+                        yield data
+                    if last:
+                        break
+            elif self._length is not None:
+                remaining = self._length
+                data = reader.take_buffer()
+                while True:
+                    if data:
+                        data = data[:remaining]
+                        remaining -= len(data)
+                        if remaining == 0:
+                            await self._finish(reuse=self._keep_alive)
+                        yield data
+                    if remaining == 0:
+                        break
+                    data = await reader.receive()
+                    if not data:
+                        raise RemoteProtocolError(
+                            "peer closed connection without sending complete message body "
+                            f"(received {self._length - remaining} bytes, expected {self._length})"
+                        )
+                await self._finish(reuse=self._keep_alive)
+            else:
+                data = reader.take_buffer()
+                while True:
+                    if data:
+                        yield data
+                    data = await reader.receive()
+                    if not data:
+                        break
+                await self._finish(reuse=False)
+        finally:
+            _streams.open -= 1
 
     async def _finish(self, *, reuse: bool) -> None:
         reader, self._reader = self._reader, None
