@@ -12,7 +12,6 @@ errors, TLS, and its one read deadline per body."""
 from __future__ import annotations
 
 import contextlib
-import datetime
 import gzip
 import ssl
 import zlib
@@ -47,6 +46,7 @@ from tests.support.mock_model_server import (
     error_fixture,
     open_mock_server,
 )
+from tests.support.tls import self_signed
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 BOUND_S = 15.0
@@ -211,9 +211,7 @@ CONNECT_WORDS = {
 
 
 @pytest.mark.parametrize("wire", sorted(WIRES))
-async def test_a_connect_timeout_fails_the_same(
-    wire: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_connect_timeout_fails_the_same(wire: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A connection that does not open within the connect timeout (every stack here opens
     its TCP connections with ``trio.open_tcp_stream``, made to hang)."""
 
@@ -510,7 +508,6 @@ async def test_a_connection_the_server_closed_is_not_reused() -> None:
         assert server.connections_total == 2
 
 
-
 @pytest.mark.parametrize("socket_takes", ["seven bytes", "nothing"])
 async def test_a_request_the_socket_takes_in_part_is_sent_whole(
     socket_takes: str, monkeypatch: pytest.MonkeyPatch
@@ -534,6 +531,7 @@ async def test_a_request_the_socket_takes_in_part_is_sent_whole(
     assert not isinstance(events[-1], StreamFailed)
     texts = [e for e in coalesce_deltas(events) if getattr(e, "text", None)]
     assert "whole" in "".join(getattr(e, "text", "") for e in texts)
+
 
 CHUNKED_SSE_HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -578,9 +576,7 @@ async def stream_lean(
 
 async def post(pool: ConnectionPool, url: str, *, timeouts: Any = None) -> bytes:
     """One POST through ``pool``; the whole body."""
-    response = await pool.request(
-        b"POST", parse_url(url), [], b"x", timeouts or Timeouts(read=5.0)
-    )
+    response = await pool.request(b"POST", parse_url(url), [], b"x", timeouts or Timeouts(read=5.0))
     try:
         return await response.aread()
     finally:
@@ -638,44 +634,10 @@ async def test_chunk_extensions_and_trailers_are_accepted() -> None:
     await listener.aclose()
 
 
-def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
-    """A certificate for ``localhost`` and its key, written to ``tmp_path``."""
-    x509 = pytest.importorskip("cryptography.x509")
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(days=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert_path, key_path
-
-
 async def test_https_through_the_lean_client_matches_httpx2(tmp_path: Path) -> None:
     """TLS with a given SSL context: the same body as httpx2's own client, over one
     kept-alive connection for two requests."""
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_context.load_cert_chain(cert, key)
     client_context = ssl.create_default_context(cafile=str(cert))
@@ -743,7 +705,7 @@ async def test_the_default_tls_context_verifies_against_the_system_store(
     """Without a context of its own the pool makes :func:`default_ssl_context` on its first
     https connection: a certificate the store does not know is refused (a connect error,
     not a silent connection), and ``SSL_CERT_FILE`` naming it makes it trusted."""
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_context.load_cert_chain(cert, key)
     ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"

@@ -8,12 +8,16 @@ at time zero."""
 
 from __future__ import annotations
 
+import ssl
+from pathlib import Path
+
 import pytest
 import trio
 import trio.testing
 
 from greenroom.actors.providers import lean_http
 from greenroom.actors.providers.lean_http import ConnectionPool, Timeouts, parse_url
+from tests.support.tls import self_signed
 
 HEAD = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
 JUMPS = 1000  # far more ticks than a three-chunk body can need
@@ -25,9 +29,10 @@ def _chunk(data: bytes) -> bytes:
 
 class _Exchange:
     """One chunked body, sent a chunk at a time as the test says, read through the pool
-    with the time of each read."""
+    with the time of each read; over TLS when given the two sides' contexts."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: tuple[ssl.SSLContext, ssl.SSLContext] | None = None) -> None:
+        self.tls = tls
         self.pieces: list[tuple[float, bytes]] = []
         self.first_read = trio.Event()
         self.second_read = trio.Event()
@@ -36,7 +41,9 @@ class _Exchange:
         self.done = trio.Event()
 
     async def serve(self, listener: trio.SocketListener) -> None:
-        stream = await listener.accept()
+        stream: trio.abc.Stream = await listener.accept()
+        if self.tls is not None:
+            stream = trio.SSLStream(stream, self.tls[0], server_side=True)
         await stream.receive_some(65536)
         await stream.send_all(HEAD + _chunk(b"one"))
         await self.first_read.wait()
@@ -47,8 +54,11 @@ class _Exchange:
         await stream.aclose()
 
     async def read(self, port: int) -> None:
-        pool = ConnectionPool()
-        url = parse_url(f"http://127.0.0.1:{port}/")
+        if self.tls is None:
+            pool, url = ConnectionPool(), parse_url(f"http://127.0.0.1:{port}/")
+        else:
+            pool = ConnectionPool(ssl_context=self.tls[1])
+            url = parse_url(f"https://localhost:{port}/")
         response = await pool.request(b"POST", url, [], b"x", Timeouts(read=60.0))
         async for piece in response.body:
             self.pieces.append((trio.current_time(), piece))
@@ -85,14 +95,27 @@ async def test_with_few_bodies_every_read_is_made_as_its_data_arrives(
     assert lean_http._streams.open == 0
 
 
+def _tls_contexts(tmp_path: Path) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    cert, key = self_signed(tmp_path)
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(cert, key)
+    return server, ssl.create_default_context(cafile=str(cert))
+
+
+@pytest.mark.parametrize("transport", ["tcp", "tls"])
 async def test_with_many_bodies_a_drained_body_reads_again_on_the_next_tick(
-    mock_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+    mock_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    transport: str,
 ) -> None:
+    """Over TLS too: its records are read from the socket directly, so a TLS body waits
+    for the tick like a plain one."""
     # This body makes the count PACED_FROM_STREAMS.
     others = lean_http.PACED_FROM_STREAMS - 1
     monkeypatch.setattr(lean_http._streams, "open", others)
     pause = lean_http.PACED_FROM_STREAMS / lean_http.READS_PER_SECOND
-    exchange = _Exchange()
+    exchange = _Exchange(_tls_contexts(tmp_path) if transport == "tls" else None)
     listener, port = await _listen()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(exchange.serve, listener)

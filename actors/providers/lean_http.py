@@ -9,8 +9,10 @@ and imports nothing beyond trio and the standard library, so a provider that use
 no HTTP library at all.
 
 Scope: HTTP/1.1 over trio TCP streams (TLS with :func:`default_ssl_context` or a given
-context; a plain connection's responses are read with ``os.read`` on its descriptor, and a
-streamed body's reads share one cancel scope, see :meth:`RawBody.read_deadline`),
+context; a connection's responses are read with ``os.read`` on its descriptor, TLS through
+memory BIOs so that one read hands on every record that arrived, and a streamed body's
+reads share one cancel scope, see :meth:`RawBody.read_deadline`; many bodies at once read
+on one shared tick, see :data:`READS_PER_SECOND`),
 keep-alive connections reused per origin (an idle connection is dropped after
 :data:`KEEPALIVE_EXPIRY_S` or when the server has closed it), bodies framed by
 ``transfer-encoding: chunked``, ``content-length`` or the connection's end, ``gzip`` and
@@ -390,17 +392,100 @@ def _excluded(host: str, no_proxy: str) -> bool:
 # -- the pool ---------------------------------------------------------------------------
 
 
+class _Tls:
+    """TLS on a plain connection whose descriptor is read directly: the records go
+    through memory BIOs. One read of the socket takes every record that has arrived and
+    hands on their plaintext joined, where a TLS stream hands on one record (one
+    streamed event) a read; and a TLS body is paced like a plain one (the read tick).
+    Like trio's ``https_compatible`` streams it accepts an end without ``close_notify``
+    and sends none (HTTP frames its own bodies)."""
+
+    __slots__ = ("_incoming", "_object", "_outgoing", "closed")
+
+    def __init__(self, context: ssl.SSLContext, host: str) -> None:
+        self._incoming = ssl.MemoryBIO()
+        self._outgoing = ssl.MemoryBIO()
+        self._object = context.wrap_bio(self._incoming, self._outgoing, server_hostname=host)
+        self.closed = False
+
+    async def handshake(self, tcp: trio.SocketStream) -> None:
+        """Negotiate on ``tcp``; a refusal is the ``ssl.SSLError`` (an OSError) that says
+        why, an end of the connection a :class:`ConnectError`."""
+        while True:
+            try:
+                self._object.do_handshake()
+            except ssl.SSLWantReadError:
+                await self._flush(tcp)
+                data = await tcp.receive_some(READ_SIZE)
+                if not data:
+                    raise ConnectError(
+                        "the server closed the connection during the TLS handshake"
+                    ) from None
+                self._incoming.write(data)
+                continue
+            await self._flush(tcp)
+            return
+
+    async def _flush(self, tcp: trio.SocketStream) -> None:
+        data = self._outgoing.read()
+        if data:
+            await tcp.send_all(data)
+
+    def encrypt(self, data: bytes) -> bytes:
+        """``data`` as the records to send."""
+        self._object.write(data)
+        return self._outgoing.read()
+
+    def decrypt(self, raw: bytes) -> bytes:
+        """The plaintext of every whole record in what was received so far plus ``raw``
+        (b"" for the end of the connection, after which :attr:`closed` is set). An
+        ``ssl.SSLError`` (an OSError) for a record that does not decrypt."""
+        if raw:
+            self._incoming.write(raw)
+        else:
+            self._incoming.write_eof()
+        pieces: list[bytes] = []
+        read = self._object.read
+        while True:
+            try:
+                piece = read(READ_SIZE)
+            except ssl.SSLWantReadError:
+                break
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                self.closed = True
+                break
+            if not piece:
+                self.closed = True
+                break
+            pieces.append(piece)
+        if not raw:
+            self.closed = True
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+    def pending_output(self) -> bytes:
+        """What TLS itself has to send after a read (a key update's answer), if anything."""
+        return self._outgoing.read() if self._outgoing.pending else b""
+
+
 class _Connection:
-    __slots__ = ("fd", "idle_since", "key", "socket", "stream")
+    __slots__ = ("fd", "idle_since", "key", "socket", "stream", "tls")
 
     def __init__(
-        self, key: tuple[str, str, int], stream: trio.abc.Stream, sock: Any, *, direct: bool
+        self,
+        key: tuple[str, str, int],
+        stream: trio.abc.Stream,
+        sock: Any,
+        *,
+        direct: bool,
+        tls: _Tls | None = None,
     ) -> None:
         self.key = key
         self.stream = stream
         self.socket = sock
-        # The descriptor to read directly, or -1 to read through ``stream`` (TLS).
+        # The descriptor to read directly, or -1 to read through ``stream`` (trio's TLS,
+        # where reads cannot be direct).
         self.fd: int = sock.fileno() if direct else -1
+        self.tls = tls
         self.idle_since = 0.0
 
     def is_readable(self) -> bool:
@@ -514,22 +599,31 @@ class ConnectionPool:
                 context = await self._context() if scheme == "https" else None
                 tcp = await trio.open_tcp_stream(host, port)
                 stream: trio.abc.Stream = tcp
+                direct_tls: _Tls | None = None
                 if context is not None:
-                    tls = trio.SSLStream(tcp, context, server_hostname=host, https_compatible=True)
                     try:
-                        await tls.do_handshake()
+                        if _DIRECT_READS:
+                            direct_tls = _Tls(context, host)
+                            await direct_tls.handshake(tcp)
+                        else:
+                            tls = trio.SSLStream(
+                                tcp, context, server_hostname=host, https_compatible=True
+                            )
+                            await tls.do_handshake()
+                            stream = tls
                     except BaseException:
                         with trio.CancelScope(shield=True):
                             await trio.aclose_forcefully(tcp)
                         raise
-                    stream = tls
         except trio.TooSlowError:
             raise ConnectTimeout() from None
         except (OSError, trio.BrokenResourceError, ssl.SSLError) as exc:
             # A failed TLS handshake is a BrokenResourceError whose cause says why.
             reason = exc.__cause__ if isinstance(exc, trio.BrokenResourceError) else None
             raise ConnectError(str(reason or exc) or type(exc).__name__) from exc
-        return _Connection(key, stream, tcp.socket, direct=_DIRECT_READS and stream is tcp)
+        return _Connection(
+            key, stream, tcp.socket, direct=_DIRECT_READS and stream is tcp, tls=direct_tls
+        )
 
     def release(self, token: object, conn: _Connection | None) -> None:
         """Called by a response's body stream when it is done: the exchange's slot is freed
@@ -635,6 +729,8 @@ async def _exchange(
 
 async def _send(conn: _Connection, head: bytes, body: bytes, timeouts: TimeoutSettings) -> None:
     try:
+        if conn.tls is not None:
+            head, body = conn.tls.encrypt(head + body), b""
         if len(body) < 65536:
             data = head + body
             if conn.fd >= 0:
@@ -702,7 +798,10 @@ class _Reader:
 
     async def receive(self) -> bytes:
         """One network read (b"" at the end of the connection)."""
-        fd = self._conn.fd
+        conn = self._conn
+        fd = conn.fd
+        if conn.tls is not None and conn.tls.closed:
+            return b""  # the server ended TLS; what follows on the socket is not ours
         try:
             return await (self._receive_stream() if fd < 0 else self._receive_fd(fd))
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
@@ -716,15 +815,25 @@ class _Reader:
             if _streams.open < PACED_FROM_STREAMS or not await self._next_tick():
                 await self._timed(trio.lowlevel.wait_readable, fd)
             waited = True
+        tls = self._conn.tls
         while True:
             try:
-                data = _read(fd, READ_SIZE)
+                raw = _read(fd, READ_SIZE)
             except BlockingIOError:
                 await self._timed(trio.lowlevel.wait_readable, fd)
                 waited = True
                 continue
+            if tls is None:
+                data = raw
+            else:
+                data = tls.decrypt(raw)
+                answer = tls.pending_output()
+                if answer:
+                    await self._conn.stream.send_all(answer)
+                if not data and raw:
+                    continue  # part of a record, or only TLS's own messages
             break
-        self._drained = len(data) < READ_SIZE
+        self._drained = len(raw) < READ_SIZE
         if waited:
             self._unwaited = 0
         else:

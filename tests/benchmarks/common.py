@@ -92,17 +92,21 @@ def pin_client() -> None:
 class MockServer:
     """``python -m tests.support.mock_model_server`` in a subprocess; use as a context
     manager. ``args`` are its command-line options (``--token-delay-ms`` ...); ``pin=False``
-    leaves it unpinned (the kernel places it)."""
+    leaves it unpinned (the kernel places it); with ``--tls CERT KEY`` among them it serves
+    HTTPS and ``base_url`` is ``https://localhost:PORT``."""
 
     def __init__(self, *args: str, pin: bool = True) -> None:
         self.args = [str(a) for a in args]
         self.pin = pin
+        self.tls = "--tls" in self.args
         self.proc: subprocess.Popen[str] | None = None
         self.port = 0
         self.stats = ""
 
     @property
     def base_url(self) -> str:
+        if self.tls:
+            return f"https://localhost:{self.port}"
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> MockServer:

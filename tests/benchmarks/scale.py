@@ -2,7 +2,7 @@
 
     .venv/bin/python -m tests.benchmarks.scale [--quick] [--n 1000 250] [--reps 3]
         [--variants greenroom,greenroom-gc,greenroom-nogc,greenroom-lean,
-                    greenroom-gc-lean,greenroom-sdk-http,sdk]
+                    greenroom-gc-lean,greenroom-sdk-http,sdk] [--tls]
 
 The mock server paces the reference workload at 20 ms per token and 500 ms to the first
 token. For each N (1,000; quick: 200) the variants (default: greenroom, greenroom-gc-lean,
@@ -21,6 +21,8 @@ tasks completed, wall time and its ratio to the pacing ideal,
 client CPU, CPU per task and per wire event, socket reads and wire events per read (how
 many events the client finds at each read: about one when it keeps up, more when it
 saturates), peak RSS; then each variant's CPU as a multiple of the SDK loop's.
+``--tls``: the mock serves HTTPS with a certificate made for the run (greenroom's variants
+only: the SDK loop's client does not read ``SSL_CERT_FILE``).
 
 The ideal is the pacing alone, computed from the workload the mock sends: request 1 is
 500 ms to the first content event plus 205 gaps of 20 ms between its 206 deltas (200 text
@@ -31,6 +33,7 @@ tokens, 2 calls x 3 argument fragments); the tools sleep 10 ms (concurrently); r
 from __future__ import annotations
 
 import gc
+import os
 import shutil
 import tempfile
 import time
@@ -116,6 +119,15 @@ async def main_async(args: Any) -> dict[str, Any]:
     data_dir = Path(tempfile.mkdtemp(prefix="greenroom-scale-"))
     reads = ReadCounter.install()
     rows: list[dict[str, Any]] = []
+    tls: list[str] = []
+    if args.tls:
+        if "sdk" in variants:
+            raise SystemExit("--tls: the sdk variant cannot be run over the run's certificate")
+        from tests.support.tls import self_signed
+
+        cert, key = self_signed(data_dir)
+        os.environ["SSL_CERT_FILE"] = str(cert)
+        tls = ["--tls", str(cert), str(key)]
     try:
         with MockServer(
             "--workload",
@@ -124,6 +136,7 @@ async def main_async(args: Any) -> dict[str, Any]:
             str(args.token_ms),
             "--first-token-ms",
             str(args.first_ms),
+            *tls,
         ) as server:
             benches = {
                 v: GreenroomBench(
@@ -252,6 +265,12 @@ def main() -> None:
     )
     parser.add_argument("--token-ms", type=float, default=TOKEN_MS)
     parser.add_argument("--first-ms", type=float, default=FIRST_MS)
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="the mock serves HTTPS with a certificate made for the run (trusted through "
+        "SSL_CERT_FILE; greenroom variants only: the SDK loop's client does not read it)",
+    )
     args = parser.parse_args()
     pin_client()
     print_machine()

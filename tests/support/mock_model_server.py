@@ -55,8 +55,9 @@ prints ``STATS requests=.. violations=.. errors=.. connections=.. rate_limited=.
 peak_streams=..`` on stderr. ``--max-streams K --limit-retry-after S`` make it a provider
 that takes K requests at once and answers 429 beyond; ``--tool-rounds N`` gives the
 reference workload N rounds of tool calls before its final answer; ``--title-tokens K``
-answers a request that offers no tools (a session title) with K text deltas. Violations
-are logged to stderr as they happen (nothing is recorded in this mode).
+answers a request that offers no tools (a session title) with K text deltas; ``--tls CERT
+KEY`` serves HTTPS. Violations are logged to stderr as they happen (nothing is recorded
+in this mode).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ import os
 import random
 import re
 import signal
+import ssl
 import sys
 import time
 from collections import deque
@@ -1263,7 +1265,7 @@ class _Pacer:
                 self._scope.deadline = key * self.tick
         bucket.append(item)
 
-    async def write(self, body: _PacedBody, stream: trio.SocketStream) -> None:
+    async def write(self, body: _PacedBody, stream: trio.abc.Stream) -> None:
         """Have ``body`` written at its deadlines; returns once it is all sent."""
         while True:
             body.task = trio.lowlevel.current_task()
@@ -1350,7 +1352,9 @@ class MockModelServer:
         pacing_tick_ms: float = 1.0,
         max_streams: int | None = None,
         limit_retry_after: float = 1.0,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        self.tls = tls
         self.max_streams = max_streams
         self.limit_retry_after = limit_retry_after
         self.rate_limited = 0
@@ -1406,8 +1410,11 @@ class MockModelServer:
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen on ``host:port`` (port 0 picks one, stored in ``self.port``), report the port
         through ``task_status.started`` and serve until cancelled."""
-        listeners = await trio.open_tcp_listeners(self.port, host=self.host)
-        self.port = listeners[0].socket.getsockname()[1]
+        tcp = await trio.open_tcp_listeners(self.port, host=self.host)
+        self.port = tcp[0].socket.getsockname()[1]
+        listeners: list[trio.abc.Listener[Any]] = list(tcp)
+        if self.tls is not None:
+            listeners = [trio.SSLListener(t, self.tls, https_compatible=True) for t in tcp]
         async with trio.open_nursery() as nursery:
             if self.pacing_tick_ms > 0:
                 self._pacer = _Pacer(self.pacing_tick_ms / 1000)
@@ -1416,7 +1423,7 @@ class MockModelServer:
             await trio.serve_listeners(self._handle_connection, listeners,
                                        handler_nursery=nursery)
 
-    async def _handle_connection(self, stream: trio.SocketStream) -> None:
+    async def _handle_connection(self, stream: trio.abc.Stream) -> None:
         self.connections_total += 1
         self.connections_open += 1
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=1 << 20)
@@ -1437,7 +1444,7 @@ class MockModelServer:
             await trio.aclose_forcefully(stream)
 
     async def _receive_request(
-        self, conn: h11.Connection, stream: trio.SocketStream
+        self, conn: h11.Connection, stream: trio.abc.Stream
     ) -> tuple[h11.Request, bytes] | None:
         request: h11.Request | None = None
         body: list[bytes] = []
@@ -1461,7 +1468,7 @@ class MockModelServer:
             print(f"mock model server: {text}", file=sys.stderr, flush=True)
 
     async def _respond(
-        self, conn: h11.Connection, stream: trio.SocketStream, req: h11.Request, raw: bytes
+        self, conn: h11.Connection, stream: trio.abc.Stream, req: h11.Request, raw: bytes
     ) -> bool:
         method = req.method.decode()
         path = req.target.decode("latin-1").split("?", 1)[0]
@@ -1717,7 +1724,7 @@ class MockModelServer:
         return frame
 
     async def _send(
-        self, conn: h11.Connection, stream: trio.SocketStream, plan: _Plan,
+        self, conn: h11.Connection, stream: trio.abc.Stream, plan: _Plan,
         rec: RecordedRequest | None,
     ) -> bool:
         """Write one response; True if the connection may be reused."""
@@ -1773,7 +1780,7 @@ class MockModelServer:
 
     async def _write_events(
         self,
-        stream: trio.SocketStream,
+        stream: trio.abc.Stream,
         head: bytes,
         events: Sequence[SSEEvent],
         frame: Callable[[bytes], list[bytes]],
@@ -1789,7 +1796,8 @@ class MockModelServer:
         # Absolute deadlines; events already due when we wake are batched into one write.
         clock = trio.current_time
         pacer = self._pacer
-        raw = getattr(stream.socket, "_sock", None)  # trio's stdlib socket, for the fast path
+        # trio's stdlib socket, for the fast path (none under TLS: writes go through it)
+        raw = getattr(getattr(stream, "socket", None), "_sock", None)
         if pacer is not None and raw is not None:
             await self._write_through_pacer(pacer, stream, raw, head, events, frame, tail,
                                             first_s, delay_s)
@@ -1817,7 +1825,7 @@ class MockModelServer:
     async def _write_through_pacer(
         self,
         pacer: _Pacer,
-        stream: trio.SocketStream,
+        stream: trio.abc.Stream,
         raw: Any,
         head: bytes,
         events: Sequence[SSEEvent],
@@ -1949,7 +1957,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--title-tokens", type=int, default=None)
     parser.add_argument("--max-streams", type=int, default=None)
     parser.add_argument("--limit-retry-after", type=float, default=1.0)
+    parser.add_argument(
+        "--tls", nargs=2, metavar=("CERT", "KEY"), default=None, help="serve HTTPS"
+    )
     args = parser.parse_args(argv)
+    tls: ssl.SSLContext | None = None
+    if args.tls:
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(*args.tls)
     fallback: Handler | None = None
     if args.workload == "reference":
         fallback = Workload(args.text_tokens, args.tool_calls, args.fragments,
@@ -1968,6 +1983,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_problems=True,
         max_streams=args.max_streams,
         limit_retry_after=args.limit_retry_after,
+        tls=tls,
     )
     trio.run(_run_cli, server)
     print(
