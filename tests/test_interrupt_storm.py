@@ -234,7 +234,9 @@ async def _one_task(
     outputs: list[Output] = []
     ended = trio.Event()
     wake = trio.Event()
-    stuck = model.stuck[0] = trio.Event()
+    # Not replaced: a task that a background child's answer started may have got stuck
+    # before this run began (it then waits behind that task), and that must be answered.
+    stuck = model.stuck[0]
     steer_after = rng.randint(1, 30) if rng.random() < 0.3 else None
     follow_after = rng.randint(1, 30) if follow_ups and rng.random() < 0.3 else None
     interrupt_after = rng.randint(1, 60) if rng.random() < 0.5 else None
@@ -282,6 +284,8 @@ async def _one_task(
                         session.follow_up("then one more thing", approve=approve)
                 if stuck.is_set() or (interrupt_after is not None and seen >= interrupt_after):
                     interrupt_after = None
+                    if stuck.is_set():
+                        model.stuck[0] = trio.Event()  # answered
                     session.interrupt("interrupted by the storm")
                     await ended.wait()
             nursery.cancel_scope.cancel()
@@ -633,6 +637,31 @@ async def _tree_ends(session: Session) -> list[dict[str, Any]]:
     return ends
 
 
+async def _settle(session: Session, model: StormModel) -> None:
+    """Wait until ``session`` is idle between the storm's tasks. A background child's answer
+    may have started a task of its own, and that task may wait on what only an interrupt
+    ends: it is interrupted when it gets stuck, and so is one that starts as the session
+    goes idle."""
+    while True:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_idle_then_cancel, session, nursery.cancel_scope)
+            nursery.start_soon(_interrupt_when_stuck, session, model, model.stuck[0])
+        if not session.busy:
+            return
+        session.interrupt("the storm goes on")
+
+
+async def _idle_then_cancel(session: Session, scope: trio.CancelScope) -> None:
+    await session.wait_idle()
+    scope.cancel()
+
+
+async def _interrupt_when_stuck(session: Session, model: StormModel, stuck: trio.Event) -> None:
+    await stuck.wait()
+    model.stuck[0] = trio.Event()  # answered
+    session.interrupt("the storm goes on")
+
+
 @pytest.mark.parametrize("seed", range(1, 9))
 async def test_a_storm_of_agent_trees(
     data_dir: Path, workspace: Path, seed: int, mock_clock: trio.testing.MockClock
@@ -658,11 +687,7 @@ async def test_a_storm_of_agent_trees(
         async def storm(session: Session, model: StormModel, session_rng: random.Random) -> None:
             approve = StormApprovals(session_rng)
             for k in range(TASKS):
-                while True:  # a background child's answer may have started a task of its own
-                    await session.wait_idle()
-                    if not session.busy:
-                        break
-                    session.interrupt("the storm goes on")
+                await _settle(session, model)
                 outputs = await _one_task(
                     session, model, f"task {k}", approve, session_rng, follow_ups=True
                 )
