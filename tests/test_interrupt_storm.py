@@ -586,9 +586,7 @@ async def test_a_storm_across_a_host_stop_and_its_successor(
 
         async def interrupt_when_stuck(session: Session, model: StormModel) -> None:
             while True:
-                await model.stuck[0].wait()
-                model.stuck[0] = trio.Event()
-                session.interrupt("stuck after the restart")
+                await _interrupt_when_stuck(session, model, "stuck after the restart")
 
         async def settle(session: Session, model: StormModel) -> None:
             """Until the session's task has ended: a parked one waits for the person,
@@ -645,7 +643,7 @@ async def _settle(session: Session, model: StormModel) -> None:
     while True:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_idle_then_cancel, session, nursery.cancel_scope)
-            nursery.start_soon(_interrupt_when_stuck, session, model, model.stuck[0])
+            nursery.start_soon(_interrupt_when_stuck, session, model, "the storm goes on")
         if not session.busy:
             return
         session.interrupt("the storm goes on")
@@ -656,10 +654,11 @@ async def _idle_then_cancel(session: Session, scope: trio.CancelScope) -> None:
     scope.cancel()
 
 
-async def _interrupt_when_stuck(session: Session, model: StormModel, stuck: trio.Event) -> None:
-    await stuck.wait()
+async def _interrupt_when_stuck(session: Session, model: StormModel, reason: str) -> None:
+    """Once the model's current stuck request is reported: answered with an interrupt."""
+    await model.stuck[0].wait()
     model.stuck[0] = trio.Event()  # answered
-    session.interrupt("the storm goes on")
+    session.interrupt(reason)
 
 
 @pytest.mark.parametrize("seed", range(1, 9))

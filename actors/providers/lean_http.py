@@ -458,8 +458,6 @@ class _Tls:
                 self.closed = True
                 break
             pieces.append(piece)
-        if not raw:
-            self.closed = True
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     def pending_output(self) -> bytes:
