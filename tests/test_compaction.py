@@ -445,6 +445,55 @@ async def test_only_one_task_or_compaction_at_a_time(
     assert not session.busy
 
 
+async def test_compact_returns_when_a_follow_up_queued_meanwhile_starts(
+    host: Host, workspace: Path, providers, lookup: Lookup
+) -> None:
+    """R-COMPACT-10, R-STEER-6, R-HITL-3: a follow-up queued during a manual compaction runs
+    after it as a task of its own; compact() returns its compaction_end when that task
+    starts, not when it ends — here it parks on a person's answer, and compact() used to
+    wait for that answer. The follow-up then goes on to its answer."""
+    release = trio.Event()
+    entered = trio.Event()
+
+    async def slow_summary(request: ModelRequest, stream: ScriptedStream) -> None:
+        entered.set()
+        await release.wait()
+        await stream.text("[summary]held[/summary]")
+
+    provider = providers(
+        [
+            Reply(blocks=(text("Hello."),)),
+            slow_summary,
+            Reply(blocks=(tool_call("c1", "lookup", key="k"),)),
+            Reply(blocks=(text("looked up"),)),
+        ]
+    )
+    session = await new_session(host, workspace, provider, [lookup.tool])
+    recorder = Recorder(session)
+    await collect(session.run("hi"))
+    ends: list[CompactionEnd | None] = []
+
+    async def compact() -> None:
+        ends.append(await session.compact())
+
+    with trio.fail_after(5):  # compact() is back while the follow-up waits for a person
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(compact)
+            await entered.wait()
+            assert session.follow_up("then look it up", approve="people")
+            release.set()
+    (end,) = ends
+    assert end is not None and end.status == "ok"
+    await recorder.wait_for("approval_request", call_id="c1")
+    assert [p.call_id for p in await host.pending_approvals()] == ["c1"]
+    assert session.busy
+    await host.answer_approval(session.id, "c1", "allow")
+    await session.wait_idle()
+    task_end = of_type(recorder.outputs, TaskEnd)[-1]
+    assert task_end.status == "completed" and task_end.run_id != end.run_id
+    assert lookup.calls == ["k"]
+
+
 async def test_manual_compaction_folds_in_carry_over(
     host: Host, workspace: Path, providers, gates: Gates
 ) -> None:
@@ -820,8 +869,12 @@ async def test_a_structured_task_that_compacted_keeps_its_schema_when_its_host_s
     """R-OUT-1, R-COMPACT-8, R-HITL-4: the new trace file alone holds the task to its
     output schema (compaction_end carries it): taken up from a copy made while its next
     call runs, the task's requests still ask for the schema and its answer is checked."""
-    schema = {"type": "object", "properties": {"key": {"type": "string"}},
-              "required": ["key"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"key": {"type": "string"}},
+        "required": ["key"],
+        "additionalProperties": False,
+    }
     hold, hold_started = blocking_tool()
     provider = providers(
         [
@@ -843,8 +896,9 @@ async def test_a_structured_task_that_compacted_keeps_its_schema_when_its_host_s
     again = providers([Reply(blocks=(text(json.dumps({"key": "b"})),))])
     async with open_host(tmp_path / "crashed") as other:
         with trio.fail_after(10):
-            taken = await other.resume(session.id, provider=again,
-                                       tools=[lookup.tool, hold], approve=allow_all)
+            taken = await other.resume(
+                session.id, provider=again, tools=[lookup.tool, hold], approve=allow_all
+            )
             await taken.wait_idle()
         end = records(taken.trace_path)[-1]
     assert isinstance(end, TaskEnd)

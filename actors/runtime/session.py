@@ -598,8 +598,12 @@ class Session:
             raise Busy(f"session {self.id} is already running a task; use follow_up()")
         output = _output_spec(port, output_schema)
         port.recover_open_task()
-        task = TaskInput(content=_as_content(new_messages), approve=approve,
-                         thinking_level=thinking_level, output=output)
+        task = TaskInput(
+            content=_as_content(new_messages),
+            approve=approve,
+            thinking_level=thinking_level,
+            output=output,
+        )
         receive, run_id = self._start(task, cancel)
         return RunStream(receive, self._port.deliver, run_id, output)
 
@@ -655,8 +659,12 @@ class Session:
         if self._port.host.draining:
             self._check_takes_tasks()
         output = _output_spec(self._port, output_schema)
-        task = TaskInput(content=_as_content(messages), approve=approve,
-                         thinking_level=thinking_level, output=output)
+        task = TaskInput(
+            content=_as_content(messages),
+            approve=approve,
+            thinking_level=thinking_level,
+            output=output,
+        )
         return self._port.deliver(TaskQueued(task=task))
 
     def interrupt(
@@ -705,18 +713,28 @@ class Session:
     async def compact(self) -> CompactionEnd | None:
         """Compact the context now (R-COMPACT-2 ``manual``) and return the
         ``compaction_end`` output; None when :meth:`compactability` is not ``ok``. Its
-        outputs also reach subscribers and the trace. Raises :class:`Busy` while a task
-        or another compaction runs (R-COMPACT-11)."""
+        outputs also reach subscribers and the trace. Returns once the session is idle
+        again, or once a task queued meanwhile (:meth:`follow_up`) starts: that task runs
+        on without this caller. Raises :class:`Busy` while a task or another compaction
+        runs (R-COMPACT-11)."""
         self._check_takes_tasks()
         if self.busy:
             raise Busy(f"session {self.id} is busy; compact when the task has ended")
         if self.compactability() != "ok":
             return None
         receive, _ = self._start(None, None)
+        stream = RunStream(receive, self._port.deliver)
         end: CompactionEnd | None = None
-        async for output in RunStream(receive, self._port.deliver):
-            if isinstance(output, CompactionEnd) and output.origin is None and end is None:
+        async for output in stream:
+            if output.origin is not None:
+                continue
+            if isinstance(output, CompactionEnd) and end is None:
                 end = output
+            elif isinstance(output, TaskStart) and end is not None:
+                # A follow-up queued meanwhile is a task of its own, which may wait long
+                # (for a person's answer); the compaction's caller does not wait for it.
+                stream.detach()
+                break
         return end
 
     async def rewind(self, to_seq: int, *, reason: str | None = None) -> Rewind:
@@ -809,9 +827,7 @@ async def _title(port: SessionPort, max_chars: int) -> str:
         model=port.settings.model,
         system=None,
         tools=(),
-        messages=(
-            UserMessage(content=(TextBlock(text=f"{markers.TITLE_PROMPT}\n\n{excerpt}"),)),
-        ),
+        messages=(UserMessage(content=(TextBlock(text=f"{markers.TITLE_PROMPT}\n\n{excerpt}"),)),),
         max_tokens=64,
     )
     response = ResponseCollector()
