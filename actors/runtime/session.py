@@ -353,6 +353,23 @@ def _client_tools_problem(own: frozenset[str], tools: Sequence[Tool]) -> str | N
     return None
 
 
+async def _compaction_end(stream: RunStream) -> CompactionEnd | None:
+    """The ``compaction_end`` of a manual compaction's ``stream``, read until the session
+    is idle again or a task queued meanwhile starts."""
+    end: CompactionEnd | None = None
+    async for output in stream:
+        if output.origin is not None:
+            continue
+        if isinstance(output, CompactionEnd) and end is None:
+            end = output
+        elif isinstance(output, TaskStart) and end is not None:
+            # A follow-up queued meanwhile is a task of its own, which may wait long (for
+            # a person's answer); the compaction's caller does not wait for it.
+            stream.detach()
+            break
+    return end
+
+
 class Session:
     """A conversation: model, workspace, tools, approval rules, history and trace.
 
@@ -713,29 +730,16 @@ class Session:
     async def compact(self) -> CompactionEnd | None:
         """Compact the context now (R-COMPACT-2 ``manual``) and return the
         ``compaction_end`` output; None when :meth:`compactability` is not ``ok``. Its
-        outputs also reach subscribers and the trace. Returns once the session is idle
-        again, or once a task queued meanwhile (:meth:`follow_up`) starts: that task runs
-        on without this caller. Raises :class:`Busy` while a task or another compaction
-        runs (R-COMPACT-11)."""
+        outputs also reach subscribers and the trace. Returns when it ends, or once a
+        task queued meanwhile (:meth:`follow_up`) starts: that task runs on. Raises
+        :class:`Busy` while a task or another compaction runs (R-COMPACT-11)."""
         self._check_takes_tasks()
         if self.busy:
             raise Busy(f"session {self.id} is busy; compact when the task has ended")
         if self.compactability() != "ok":
             return None
         receive, _ = self._start(None, None)
-        stream = RunStream(receive, self._port.deliver)
-        end: CompactionEnd | None = None
-        async for output in stream:
-            if output.origin is not None:
-                continue
-            if isinstance(output, CompactionEnd) and end is None:
-                end = output
-            elif isinstance(output, TaskStart) and end is not None:
-                # A follow-up queued meanwhile is a task of its own, which may wait long
-                # (for a person's answer); the compaction's caller does not wait for it.
-                stream.detach()
-                break
-        return end
+        return await _compaction_end(RunStream(receive, self._port.deliver))
 
     async def rewind(self, to_seq: int, *, reason: str | None = None) -> Rewind:
         """Rewind the session to ``to_seq`` (R-FORK-2): it continues from the history it
