@@ -40,6 +40,12 @@ async def test_four_sessions_on_one_worker_all_complete_and_every_figure_is_comp
     for key in ("nats_cpu_s", "mock_cpu_s", "driver_cpu_s", "machine_busy_cores"):
         assert math.isfinite(row[key]) and row[key] >= 0, key
     assert row["task_p50_s"] <= row["task_p99_s"] <= row["wall_s"]
+    # Every task's two requests were seen in NATS: each phase is a median of four spans,
+    # in order within the task, so none is negative and together they fit in its time.
+    spans = row["phases"]
+    assert list(spans) == ["start", "request 1", "boundary", "request 2", "end"]
+    assert all(math.isfinite(v) and v >= 0 for v in spans.values()), spans
+    assert sum(spans.values()) <= row["task_p99_s"] * 5
 
 
 def test_capacity_is_interpolated_in_log_n_and_bounded_where_the_curve_says_nothing() -> None:

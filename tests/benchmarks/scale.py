@@ -94,10 +94,15 @@ def _transport(variant: str) -> bool | None:
     return None
 
 
-def ideal_s(token_ms: float = TOKEN_MS, first_ms: float = FIRST_MS) -> float:
+def paced_requests_s(token_ms: float = TOKEN_MS, first_ms: float = FIRST_MS) -> tuple[float, float]:
+    """The pacing of the reference workload's two requests, in seconds."""
     first = first_ms + (TEXT_TOKENS + TOOL_CALLS * FRAGMENTS - 1) * token_ms
     second = first_ms + (TEXT_TOKENS - 1) * token_ms
-    return (first + second) / 1000 + TOOL_SLEEP_S
+    return first / 1000, second / 1000
+
+
+def ideal_s(token_ms: float = TOKEN_MS, first_ms: float = FIRST_MS) -> float:
+    return sum(paced_requests_s(token_ms, first_ms)) + TOOL_SLEEP_S
 
 
 async def _run(variant: str, benches: dict[str, GreenroomBench], url: str, n: int) -> Run:

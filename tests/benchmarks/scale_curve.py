@@ -50,8 +50,13 @@ workers lost (a worker too busy to renew a lease within the TTL gives the sessio
 ``--lease-ttl`` passes serve's option), the ``run`` calls refused (a 503 when the
 worker that owns the session did not answer the forwarded call in time) and how many of
 those tasks ran all the same (a client that tried again would have been told busy).
-Each serve's log is kept in ``bench-results/scale_curve-N<n>-w<w>-r<rep>.log``. Figures
-are medians over repetitions; worker counts alternate within each N.
+Where a task's time goes, medians over the tasks (the same subscription sees each
+``request_begin`` and ``request_end``): ``start`` (``run`` sent to the first request
+begun), what each of the two requests took beyond its pacing, ``boundary`` (the first
+request's end to the second's begin: the tools, their approval, the turn made durable) and
+``end`` (the second request's end to ``task_end``). Each serve's log is kept in
+``bench-results/scale_curve-N<n>-w<w>-r<rep>.log``. Figures are medians over
+repetitions; worker counts alternate within each N.
 
 Cores: nothing is pinned. The machine's cores serve everything at once: the workers, the
 nats-server, the mock model server and the driver (on a 2-core machine the mock alone takes
@@ -98,7 +103,7 @@ from tests.benchmarks.common import (
     write_json,
 )
 from tests.benchmarks.scale import FIRST_MS as REFERENCE_FIRST_MS
-from tests.benchmarks.scale import ideal_s
+from tests.benchmarks.scale import ideal_s, paced_requests_s
 from tests.support.process_lines import lines_of
 
 TOKEN_MS = 20.0
@@ -341,6 +346,9 @@ class TaskEnds:
         self.status: dict[str, str] = {}
         self.reason: dict[str, str] = {}
         self.answered: set[str] = set()
+        self.requests: dict[str, dict[str, float]] = {}
+        """Per session: when each ``request_begin``/``request_end`` of turn 1 and 2 was
+        seen (keys ``begin1``, ``end1``, ``begin2``, ``end2``), for :func:`phases`."""
         self.messages = 0
         self.changed = trio.Event()
         self.stream: trio.SocketStream | None = None
@@ -406,6 +414,14 @@ class TaskEnds:
                 block = record.get("block") or {}
                 if record.get("type") == "model_msg" and block.get("text") == ANSWER_TEXT:
                     self.answered.add(session)
+        if b'"request_' in body:
+            seen = self.requests.setdefault(session, {})
+            now = time.perf_counter()
+            for raw in body.splitlines():
+                record = json.loads(raw)
+                kind = {"request_begin": "begin", "request_end": "end"}.get(record["type"])
+                if kind is not None:
+                    seen.setdefault(f"{kind}{record.get('turn')}", now)
         if b'"task_end"' in body:
             for raw in body.splitlines():
                 record = json.loads(raw)
@@ -510,7 +526,10 @@ async def measure(
                     per_connection,
                 )
                 try:
-                    row = await _drive(serve, mock, n, per_connection, ideal, failures)
+                    row = await _drive(
+                        serve, mock, n, per_connection, ideal, failures,
+                        paced_requests_s(token_ms, first_ms),
+                    )
                 finally:
                     await stop_serve(serve)
                     nursery.cancel_scope.cancel()
@@ -539,7 +558,7 @@ async def measure(
 
 async def _drive(
     serve: Serve, mock: MockServer, n: int, per_connection: int, ideal: float,
-    failures: list[str],
+    failures: list[str], paced: tuple[float, float],
 ) -> dict[str, Any]:
     headers = [(b"Authorization", f"Bearer {serve.token}".encode())]
     ends = TaskEnds()
@@ -649,7 +668,41 @@ async def _drive(
         "runs_refused": len(refused),
         "refused_yet_ran": sum(1 for sid in refused if sid in ends.ended),
         "nats_messages": ends.messages,
+        "phases": phases(ends, started, paced),
     }
+
+
+PHASES = ("start", "request 1", "boundary", "request 2", "end")
+
+
+def phases(
+    ends: TaskEnds, started: dict[str, float], paced: tuple[float, float]
+) -> dict[str, float]:
+    """Where a task's time goes, medians over the tasks that ended, in seconds: ``start``
+    (``run`` sent to its first ``request_begin`` seen), ``request 1`` and ``request 2``
+    (``request_begin`` to ``request_end`` seen, less the ``paced`` time of that request:
+    what the request lost), ``boundary`` (``request_end`` 1 to ``request_begin`` 2: the
+    tools, their approval and the turn's durability) and ``end`` (``request_end`` 2 to
+    ``task_end``). Times are when the records reach JetStream, as a client following
+    the session sees them."""
+    paced_1, paced_2 = paced
+    spans: dict[str, list[float]] = {name: [] for name in PHASES}
+    for sid, seen in ends.requests.items():
+        if not {"begin1", "end1", "begin2", "end2"} <= seen.keys() or sid not in ends.ended:
+            continue
+        spans["start"].append(seen["begin1"] - started[sid])
+        spans["request 1"].append(seen["end1"] - seen["begin1"] - paced_1)
+        spans["boundary"].append(seen["begin2"] - seen["end1"])
+        spans["request 2"].append(seen["end2"] - seen["begin2"] - paced_2)
+        spans["end"].append(ends.ended[sid] - seen["end2"])
+    return {name: median(values) if values else float("nan") for name, values in spans.items()}
+
+
+def _phases_text(spans: dict[str, float]) -> str:
+    return ", ".join(
+        f"{name} {'+' if name.startswith('request') else ''}{value:.2f}"
+        for name, value in spans.items()
+    )
 
 
 # -- the headline ----------------------------------------------------------------------------
@@ -746,6 +799,8 @@ def summarise(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
             row[key] = max(s[key] for s in samples)
         elif isinstance(value, float) and key not in ("ideal_s", "token_ms"):
             row[key] = median(s[key] for s in samples)
+        elif key == "phases":
+            row[key] = {name: median(p[key][name] for p in samples) for name in value}
         elif key == "failures":
             row[key] = [f for s in samples for f in s[key]][:SHOWN_FAILURES]
         else:
@@ -790,6 +845,7 @@ async def main_async(args: Any) -> dict[str, Any]:
                     f"{s['machine_busy_cores']:.2f} cores, {s['leases_lost']} leases lost",
                     flush=True,
                 )
+                print(f"    where a task's time goes: {_phases_text(s['phases'])}", flush=True)
                 for failure in s["failures"]:
                     print(f"    failure: {failure}", flush=True)
         for workers in worker_counts:
@@ -804,6 +860,10 @@ async def main_async(args: Any) -> dict[str, Any]:
     for r in rows:
         for failure in r.get("failures", []):
             print(f"  N={r['N']} --workers {r['workers']}: {failure}")
+    print("\nWhere a task's time goes (medians, seconds; a request's figure is what it took "
+          "beyond its pacing):")
+    for r in rows:
+        print(f"  N={r['N']} --workers {r['workers']}: {_phases_text(r['phases'])}")
     result = headline(rows, args.bound)
     _print_headline(result)
     return {
