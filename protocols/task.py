@@ -911,6 +911,15 @@ class TaskMachine:
         if self.record.run_id is not None:
             self.record.end("aborted")
 
+    def abandon(self) -> None:
+        """The session's work ended on a failure outside any task's records (a bug in a
+        manual compaction, say): nothing issued is awaited any more, and a compaction left
+        open is over. A task left open stays so, as in a trace its host stopped in."""
+        record = self.record
+        if record.run_id is not None and record.kind == "compaction":
+            record.end(None)
+        self._closed()
+
     def adopt_unstarted(self) -> bool:
         """Open the task of a prompt its host recorded but stopped before starting (the
         trace ends in it: :attr:`TaskRecord.unstarted`), so that it is taken up like any

@@ -290,3 +290,30 @@ async def test_a_task_that_cannot_be_taken_up_ends_failed_and_nothing_else(
             )
             again = await collect(session.run("again"))
             assert [e.status for e in of_type(again, TaskEnd)] == ["completed"]
+
+
+async def test_a_manual_compaction_that_fails_ends_it_and_nothing_else(
+    data_dir: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A manual compaction whose start fails (a bug) has no task to end failed: compact()
+    returns None, the session is idle again and its next task and another session run; the
+    host goes on (it used to end with every session on it)."""
+
+    def bug(self: RunningTask, reason: str) -> None:
+        raise RuntimeError("a compaction bug")
+
+    provider = ScriptedProvider([Reply(blocks=(text("Hello."),)), Reply(blocks=(text("Fine."),))])
+    beside_provider = ScriptedProvider([Reply(blocks=(text("Beside."),))])
+    with trio.fail_after(60):
+        async with Host.open(data_dir) as host:
+            session = await host.create_session(provider=provider, workspace_dir=workspace)
+            beside = await host.create_session(provider=beside_provider, workspace_dir=workspace)
+            await collect(session.run("hi"))
+            monkeypatch.setattr(RunningTask, "start_compaction", bug)
+            assert await session.compact() is None
+            assert not session.busy
+            monkeypatch.undo()
+            again = await collect(session.run("again"))
+            assert [e.status for e in of_type(again, TaskEnd)] == ["completed"]
+            beside_outputs = await collect(beside.run("hello"))
+            assert [e.status for e in of_type(beside_outputs, TaskEnd)] == ["completed"]

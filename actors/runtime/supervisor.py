@@ -187,7 +187,7 @@ class SessionSupervisor:
                     return
             except Exception as exc:  # a bug ends the task visibly, never the host (R-SEC-1)
                 if self._machine.run_id is None or self._task is None:
-                    raise
+                    return _abandon(self._port)
                 logger.error("session %s: its task failed", self._port.id, exc_info=True)
                 await self._end_task("failed", f"internal error: {exc!r}", crashed=True)
             step = self._step
@@ -582,6 +582,13 @@ async def _attach_prompt(
         return await attach(content, port.attachments)
     except ImageRefused as exc:
         return str(exc)
+
+
+def _abandon(port: SessionPort) -> None:
+    """Work that failed outside any task's records (a manual compaction, say) ends: the
+    session is idle again, and the host goes on (R-SEC-1)."""
+    logger.error("session %s: its work failed", port.id, exc_info=True)
+    port.machine.abandon()
 
 
 def start(
