@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from tests.benchmarks.common import phase_medians
 from tests.benchmarks.scale_curve import capacity_at, headline, measure, wire_events_per_task
 
 BOUND_S = 120.0
@@ -63,3 +64,18 @@ def test_capacity_is_interpolated_in_log_n_and_bounded_where_the_curve_says_noth
     assert result["ratio"]["value"] == pytest.approx(10.0)
     assert result["ratio"]["qualifier"] == ""
     assert result["throughput_ratio"] == pytest.approx(2.0)
+
+
+def test_where_a_task_s_time_goes_is_the_median_of_each_span() -> None:
+    """``phase_medians``: each phase's median over the tasks, a request's figure net of its
+    pacing; a task missing a record is left out."""
+    tasks = [
+        {"sent": 0.0, "begin1": 0.5, "end1": 5.5, "begin2": 6.0, "end2": 10.5, "ended": 10.7},
+        {"sent": 1.0, "begin1": 1.1, "end1": 5.7, "begin2": 5.8, "end2": 10.3, "ended": 10.4},
+        {"sent": 0.0, "begin1": 9.0},  # never got further: not counted
+    ]
+    spans = phase_medians(tasks, (4.5, 4.4))
+    assert spans == pytest.approx(
+        {"start": 0.3, "request 1": 0.3, "boundary": 0.3, "request 2": 0.1, "end": 0.15}
+    )
+    assert all(math.isnan(v) for v in phase_medians([], (1.0, 1.0)).values())

@@ -332,6 +332,39 @@ def p99(values: Iterable[float]) -> float:
     return percentile(values, 99)
 
 
+PHASES = ("start", "request 1", "boundary", "request 2", "end")
+
+
+def phase_medians(
+    tasks: Iterable[dict[str, float]], paced: tuple[float, float]
+) -> dict[str, float]:
+    """Where a reference task's time goes, medians over ``tasks``, in seconds. Each task
+    gives times on one clock: ``sent`` (its run asked for), ``begin1``, ``end1``,
+    ``begin2``, ``end2`` (its two requests) and ``ended``; a task missing one is left
+    out. ``start`` is sent to begin1; ``request 1`` and ``request 2`` are what each
+    request took beyond its ``paced`` time; ``boundary`` is end1 to begin2 (the tools,
+    their approval, the turn made durable); ``end`` is end2 to ended."""
+    keys = {"sent", "begin1", "end1", "begin2", "end2", "ended"}
+    spans: dict[str, list[float]] = {name: [] for name in PHASES}
+    for t in tasks:
+        if not keys <= t.keys():
+            continue
+        spans["start"].append(t["begin1"] - t["sent"])
+        spans["request 1"].append(t["end1"] - t["begin1"] - paced[0])
+        spans["boundary"].append(t["begin2"] - t["end1"])
+        spans["request 2"].append(t["end2"] - t["begin2"] - paced[1])
+        spans["end"].append(t["ended"] - t["end2"])
+    return {name: median(v) if v else float("nan") for name, v in spans.items()}
+
+
+def phases_text(spans: dict[str, float]) -> str:
+    """``phase_medians`` on one line."""
+    return ", ".join(
+        f"{name} {'+' if name.startswith('request') else ''}{value:.2f}"
+        for name, value in spans.items()
+    )
+
+
 def mib(n: float) -> float:
     return n / (1024 * 1024)
 

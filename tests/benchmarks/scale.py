@@ -49,6 +49,8 @@ from tests.benchmarks.common import (
     ReadCounter,
     arg_parser,
     median,
+    phase_medians,
+    phases_text,
     pin_client,
     print_machine,
     print_table,
@@ -190,6 +192,12 @@ async def main_async(args: Any) -> dict[str, Any]:
                             f"peak rss {s['peak_rss_mib']:.0f} MiB, server cpu {server_cpu:.1f}s",
                             flush=True,
                         )
+                        if run.timings:
+                            spans = phase_medians(
+                                run.timings, paced_requests_s(args.token_ms, args.first_ms)
+                            )
+                            s["phases"] = spans
+                            print(f"    where a task's time goes: {phases_text(spans)}")
                         if run.errors:
                             print(f"    errors: {run.errors[:2]}")
                 for v in variants:
@@ -197,7 +205,9 @@ async def main_async(args: Any) -> dict[str, Any]:
                     row: dict[str, Any] = {"N": n, "variant": v, "reps": len(ss)}
                     row["completed"] = min(s["completed"] for s in ss)
                     for key in ss[0]:
-                        if key != "completed":
+                        if key == "phases":
+                            row[key] = {p: median(s[key][p] for s in ss) for p in ss[0][key]}
+                        elif key != "completed":
                             row[key] = median(s[key] for s in ss)
                     row["ratios"] = [round(s["ratio"], 2) for s in ss]
                     rows.append(row)
@@ -234,6 +244,13 @@ async def main_async(args: Any) -> dict[str, Any]:
             "server_cpu_s",
         ],
     )
+    print(
+        "\nWhere a greenroom task's time goes (medians, seconds; a request's figure is what "
+        "it took beyond its pacing; as its run's reader sees the outputs):"
+    )
+    for r in rows:
+        if "phases" in r:
+            print(f"  N={r['N']} {r['variant']}: {phases_text(r['phases'])}")
     verdict = {}
     for r in rows:
         if r["variant"] != "sdk":

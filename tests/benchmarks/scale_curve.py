@@ -98,6 +98,8 @@ from tests.benchmarks.common import (
     arg_parser,
     median,
     percentile,
+    phase_medians,
+    phases_text,
     print_machine,
     print_table,
     write_json,
@@ -672,36 +674,18 @@ async def _drive(
     }
 
 
-PHASES = ("start", "request 1", "boundary", "request 2", "end")
-
-
 def phases(
     ends: TaskEnds, started: dict[str, float], paced: tuple[float, float]
 ) -> dict[str, float]:
-    """Where a task's time goes, medians over the tasks that ended, in seconds: ``start``
-    (``run`` sent to its first ``request_begin`` seen), ``request 1`` and ``request 2``
-    (``request_begin`` to ``request_end`` seen, less the ``paced`` time of that request:
-    what the request lost), ``boundary`` (``request_end`` 1 to ``request_begin`` 2: the
-    tools, their approval and the turn's durability) and ``end`` (``request_end`` 2 to
-    ``task_end``). Times are when the records reach JetStream, as a client following
-    the session sees them."""
-    paced_1, paced_2 = paced
-    spans: dict[str, list[float]] = {name: [] for name in PHASES}
-    for sid, seen in ends.requests.items():
-        if not {"begin1", "end1", "begin2", "end2"} <= seen.keys() or sid not in ends.ended:
-            continue
-        spans["start"].append(seen["begin1"] - started[sid])
-        spans["request 1"].append(seen["end1"] - seen["begin1"] - paced_1)
-        spans["boundary"].append(seen["begin2"] - seen["end1"])
-        spans["request 2"].append(seen["end2"] - seen["begin2"] - paced_2)
-        spans["end"].append(ends.ended[sid] - seen["end2"])
-    return {name: median(values) if values else float("nan") for name, values in spans.items()}
-
-
-def _phases_text(spans: dict[str, float]) -> str:
-    return ", ".join(
-        f"{name} {'+' if name.startswith('request') else ''}{value:.2f}"
-        for name, value in spans.items()
+    """:func:`phase_medians` of the tasks, from the records seen in JetStream (as a
+    client following the session sees them)."""
+    return phase_medians(
+        (
+            {**seen, "sent": started[sid], "ended": ends.ended[sid]}
+            for sid, seen in ends.requests.items()
+            if sid in started and sid in ends.ended
+        ),
+        paced,
     )
 
 
@@ -845,7 +829,7 @@ async def main_async(args: Any) -> dict[str, Any]:
                     f"{s['machine_busy_cores']:.2f} cores, {s['leases_lost']} leases lost",
                     flush=True,
                 )
-                print(f"    where a task's time goes: {_phases_text(s['phases'])}", flush=True)
+                print(f"    where a task's time goes: {phases_text(s['phases'])}", flush=True)
                 for failure in s["failures"]:
                     print(f"    failure: {failure}", flush=True)
         for workers in worker_counts:
@@ -863,7 +847,7 @@ async def main_async(args: Any) -> dict[str, Any]:
     print("\nWhere a task's time goes (medians, seconds; a request's figure is what it took "
           "beyond its pacing):")
     for r in rows:
-        print(f"  N={r['N']} --workers {r['workers']}: {_phases_text(r['phases'])}")
+        print(f"  N={r['N']} --workers {r['workers']}: {phases_text(r['phases'])}")
     result = headline(rows, args.bound)
     _print_headline(result)
     return {

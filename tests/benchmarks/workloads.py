@@ -51,6 +51,9 @@ class Run:
     errors: list[str] = field(default_factory=list)
     meter: Meter | None = None
     setup_cpu_s: float = 0.0
+    timings: list[dict[str, float]] = field(default_factory=list)
+    """Per task (greenroom's): when its run began and its requests' records came, for
+    :func:`~tests.benchmarks.common.phase_medians`."""
 
 
 # -- greenroom --------------------------------------------------------------------------------
@@ -79,7 +82,7 @@ class GreenroomBench:
         from greenroom.actors.providers.anthropic import AnthropicProvider
         from greenroom.actors.providers.registry import lean_http_enabled
         from greenroom.actors.runtime.host import Host
-        from greenroom.protocols.outputs import PartialText, TaskEnd
+        from greenroom.protocols.outputs import PartialText, RequestBegin, RequestEnd, TaskEnd
 
         result = Run("greenroom", n)
         # None: what a session of Host.open() gets from the provider registry (the defaults).
@@ -106,11 +109,17 @@ class GreenroomBench:
                 async def one(session: Any) -> None:
                     outputs = tokens = 0
                     last = None
+                    times = {"sent": time.perf_counter()}
                     async for out in session.run(PROMPT, approve=approve_all):
                         outputs += 1
                         if type(out) is PartialText:
                             tokens += 1
+                        elif type(out) is RequestBegin or type(out) is RequestEnd:
+                            kind = "begin" if type(out) is RequestBegin else "end"
+                            times.setdefault(f"{kind}{out.turn}", time.perf_counter())
                         last = out
+                    times["ended"] = time.perf_counter()
+                    result.timings.append(times)
                     result.outputs += outputs
                     result.text_tokens += tokens
                     if isinstance(last, TaskEnd) and last.status == "completed":
