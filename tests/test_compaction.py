@@ -110,6 +110,19 @@ def summary_step(
     return answer
 
 
+def held_summary() -> tuple[trio.Event, trio.Event, Any]:
+    """``(entered, release, step)``: a summary step that sets ``entered`` and answers once
+    ``release`` is set."""
+    entered, release = trio.Event(), trio.Event()
+
+    async def step(request: ModelRequest, stream: ScriptedStream) -> None:
+        entered.set()
+        await release.wait()
+        await stream.text("[summary]held[/summary]")
+
+    return entered, release, step
+
+
 def timed(step: Reply | Callable[[ModelRequest], Reply], arrivals: list[float]) -> Any:
     def answer(request: ModelRequest) -> Reply:
         arrivals.append(trio.current_time())
@@ -402,14 +415,7 @@ async def test_only_one_task_or_compaction_at_a_time(
 ) -> None:
     """R-COMPACT-11 / R-HOST-2: compact() while a task runs raises Busy; run() and a
     second compact() while a manual compaction runs raise Busy."""
-    release = trio.Event()
-    entered = trio.Event()
-
-    async def slow_summary(request: ModelRequest, stream: ScriptedStream) -> None:
-        entered.set()
-        await release.wait()
-        await stream.text("[summary]held[/summary]")
-
+    entered, release, slow_summary = held_summary()
     provider = providers(
         [
             Reply(blocks=(tool_call("c1", "wait", key="k"),)),
@@ -452,14 +458,7 @@ async def test_compact_returns_when_a_follow_up_queued_meanwhile_starts(
     after it as a task of its own; compact() returns its compaction_end when that task
     starts, not when it ends — here it parks on a person's answer, and compact() used to
     wait for that answer. The follow-up then goes on to its answer."""
-    release = trio.Event()
-    entered = trio.Event()
-
-    async def slow_summary(request: ModelRequest, stream: ScriptedStream) -> None:
-        entered.set()
-        await release.wait()
-        await stream.text("[summary]held[/summary]")
-
+    entered, release, slow_summary = held_summary()
     provider = providers(
         [
             Reply(blocks=(text("Hello."),)),
