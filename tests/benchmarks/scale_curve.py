@@ -420,6 +420,8 @@ class TaskEnds:
             seen = self.requests.setdefault(session, {})
             now = time.perf_counter()
             for raw in body.splitlines():
+                if b'"request_' not in raw:
+                    continue  # a batch holds many records: parse only the requests'
                 record = json.loads(raw)
                 kind = {"request_begin": "begin", "request_end": "end"}.get(record["type"])
                 if kind is not None:
