@@ -57,6 +57,7 @@ from greenroom.protocols.outputs import (
     ToolCallOutput,
     UserMsg,
 )
+from greenroom.protocols.stream import ModelError
 from greenroom.protocols.text import REPLACEMENT
 from greenroom.protocols.tools import make_tool
 from greenroom.protocols.trace import encode_record, trace_file_name
@@ -330,9 +331,7 @@ async def test_a_side_effect_does_not_start_when_its_call_cannot_be_made_durable
     assert end.message is not None and "cannot write the trace" in end.message
 
 
-async def test_sync_raises_once_the_writer_has_stopped(
-    tmp_path: Path, disk: FaultyDisk
-) -> None:
+async def test_sync_raises_once_the_writer_has_stopped(tmp_path: Path, disk: FaultyDisk) -> None:
     """R-TRACE-2: a bug that stops the writer loop (here: an fsync that raises something
     the disk would never refuse with, not an OSError) closes the sink instead of ending its
     nursery (the host), and from then on no sync returns as if lines were durable."""
@@ -504,6 +503,86 @@ async def test_task_start_waits_for_the_fsync_of_its_input(
     assert [o.TYPE for o in outputs][:3] == ["user_msg", "task_start", "request_begin"]
     assert recorder.outputs == outputs
     assert task_end(outputs).status == "completed"
+
+
+def fsynced_sizes(disk: FaultyDisk, path: Path) -> list[int]:
+    return [size for synced, size in disk.fsyncs if synced == path]
+
+
+async def test_a_completed_task_end_is_written_and_its_fsync_is_the_next_one(
+    data_dir: Path, workspace: Path, disk: FaultyDisk
+) -> None:
+    """R-TRACE-2: a completed task's last turn boundary is made durable, and its
+    ``task_end`` then only written (it is in the file when the run yields it, R-RUN-8):
+    its fsync is the session's next one — the next prompt's — or the host's close. One
+    fsync less for each task; the end is not held for the disk."""
+    provider = echo_provider("first answer", "second answer")
+    async with Host.open(data_dir, trace_store=lambda d: FileTraceStore(d, disk=disk)) as host:
+        session = await host.create_session(provider=provider, workspace_dir=workspace)
+        path = session.trace_path
+        with trio.fail_after(RUN_TIMEOUT_S):
+            first = await run_all(session, "one")
+        assert task_end(first).status == "completed"
+        end_line = path.read_bytes().splitlines(keepends=True)[-1]
+        assert json.loads(end_line)["type"] == "task_end"
+        after_first = path.stat().st_size
+        assert max(fsynced_sizes(disk, path)) == after_first - len(end_line)
+        with trio.fail_after(RUN_TIMEOUT_S):
+            second = await run_all(session, "two")
+        assert task_end(second).status == "completed"
+        # The second prompt's fsync came before its task_start: the first task_end with it.
+        prompt_syncs = [s for s in fsynced_sizes(disk, path) if s > after_first - len(end_line)]
+        assert prompt_syncs and prompt_syncs[0] > after_first
+        final = path.stat().st_size
+        assert max(fsynced_sizes(disk, path)) < final
+    assert max(fsynced_sizes(disk, path)) == final  # the host's close
+
+
+async def test_a_task_end_that_follows_what_was_not_synced_is_fsynced(
+    host: Host, workspace: Path, disk: FaultyDisk
+) -> None:
+    """A task that does not complete (here: the model's request fails) has no synced
+    last boundary to follow: its ``task_end`` is fsynced before the run ends."""
+    refused = ModelError(kind="failed", message="no such model", permanent=True)
+    provider = ScriptedProvider([Reply(fail=refused)])
+    session = await host.create_session(provider=provider, workspace_dir=workspace)
+    with trio.fail_after(RUN_TIMEOUT_S):
+        outputs = await run_all(session, "one")
+    assert task_end(outputs).status == "failed"
+    path = session.trace_path
+    assert max(fsynced_sizes(disk, path)) == path.stat().st_size
+
+
+async def test_a_power_cut_before_the_task_end_is_fsynced_loses_no_answer(
+    data_dir: Path, workspace: Path, disk: FaultyDisk
+) -> None:
+    """R-TRACE-2, R-TRACE-4: the file cut back to what was fsynced when a completed task
+    ended (a power cut before its ``task_end`` reached the disk) still holds the whole
+    answer; the next host's ``resume`` ends the task completed without a model request."""
+    async with Host.open(data_dir, trace_store=lambda d: FileTraceStore(d, disk=disk)) as host:
+        session = await host.create_session(
+            provider=echo_provider("the answer"), workspace_dir=workspace
+        )
+        sid, path = session.id, session.trace_path
+        with trio.fail_after(RUN_TIMEOUT_S):
+            outputs = await run_all(session, "one")
+        durable = max(fsynced_sizes(disk, path))
+    run_id = task_end(outputs).run_id
+    with path.open("r+b") as f:
+        f.truncate(durable)
+    assert json.loads(path.read_bytes().splitlines()[-1])["type"] == "request_end"
+    again = ScriptedProvider([])
+    async with Host.open(data_dir) as host:
+        resumed = await host.resume(sid, provider=again)
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await resumed.wait_idle()
+        lines = trace_lines(resumed)
+    assert again.requests == []
+    assert [line["block"]["text"] for line in lines if line["type"] == "model_msg"] == [
+        "the answer"
+    ]
+    assert lines[-1]["type"] == "task_end"
+    assert (lines[-1]["run_id"], lines[-1]["status"]) == (run_id, "completed")
 
 
 # -- 4. private files ------------------------------------------------------------------------

@@ -58,6 +58,8 @@ class OutputEmitter:
         # so a session on files pays for neither the channel nor the task.
         self._nursery: trio.Nursery | None = None
         self._written: trio.MemorySendChannel[TraceWritten] | None = None
+        self._durable_seq = 0  # every record up to this seq is known durable
+        self._written_at_once = False  # the last commit() was written, not acknowledged late
         self.trace_error: str | None = None
         """Why the current task could not write its trace, once it could not."""
 
@@ -87,7 +89,7 @@ class OutputEmitter:
 
     def commit(self) -> None:
         """Write the session's buffered records to its trace file now (no fsync)."""
-        self._port.commit()
+        self._written_at_once = self._port.commit()
 
     async def sync_quietly(self) -> None:
         """Fsync for teardown: a failure stays reported by the task's ``task_end`` and the
@@ -96,6 +98,27 @@ class OutputEmitter:
         if failure is not None or self.trace_error is not None:
             self._port.clear_trace_error()
 
+    async def sync_task_end(self, *, completed: bool) -> None:
+        """After a task's ``task_end`` is committed: fsync it as :meth:`sync_quietly` does
+        — unless the task completed, the trace store wrote it at once (the file store),
+        and every record before it is durable already (its last turn boundary was synced:
+        R-TRACE-2). That ``task_end`` is then only written (it survives the host's
+        crash), and its fsync is the session's next one (its next prompt's) or the host's
+        close: one fsync less for every task, and its end is not held for the disk. A
+        power cut before then leaves the task open at its last turn boundary with all it
+        said durable: :meth:`Host.resume` ends it completed without a request, and a new
+        task recovers it as interrupted with its context whole (R-TRACE-4)."""
+        port = self._port
+        if (
+            completed
+            and self._durable_seq == port.last_seq - 1
+            and self._written_at_once
+            and not self._unpublished
+            and self.trace_error is None
+            and port.trace_error() is None
+        ):
+            return
+        await self.sync_quietly()
 
     def emit_live(self, output: Output) -> None:
         """Add a live-only output (no seq, never traced) to the current batch."""
@@ -153,10 +176,13 @@ class OutputEmitter:
         """R-TRACE-2 for the task: a sync that fails ends the task (failed) — inside its
         scope at once, before it at the first checkpoint inside."""
         self.flush()
+        through = self._port.last_seq
         try:
             await self._port.sync_trace()
         except (TraceWriteError, TraceSinkClosed) as exc:
             self.trace_failed(f"cannot write the trace: {exc}")
+        else:
+            self._durable_seq = max(self._durable_seq, through)
 
     def forward(self, outputs: Iterable[Output], origin: tuple[str, ...]) -> None:
         """Emit a subagent's outputs as live outputs of this run (R-HOST-4): its own get

@@ -451,10 +451,10 @@ class SessionSupervisor:
                 # task, as the trace would have told it.
                 machine.observe(end)
             # Written now, published once the session is idle or the next task runs;
-            # the sync below only fsyncs it. A trace that cannot be written must not cost
-            # the host: task_end still reaches its readers.
+            # the sync below only fsyncs it (if anything). A trace that cannot be written
+            # must not cost the host: task_end still reaches its readers.
             self._out.commit()
-            await self._out.sync_quietly()
+            await self._out.sync_task_end(completed=status == "completed")
         if machine.has_queued_tasks:
             self._out.flush()
 
