@@ -538,6 +538,21 @@ async def test_a_completed_task_end_is_written_and_its_fsync_is_the_next_one(
     assert max(fsynced_sizes(disk, path)) == final  # the host's close
 
 
+async def test_closing_a_session_fsyncs_its_last_task_end(
+    host: Host, workspace: Path, disk: FaultyDisk
+) -> None:
+    """R-TRACE-2: a closed session has no next prompt to fsync its completed task's
+    ``task_end`` with: closing it does, not the host's close."""
+    session = await host.create_session(provider=echo_provider("bye"), workspace_dir=workspace)
+    path = session.trace_path
+    with trio.fail_after(RUN_TIMEOUT_S):
+        outputs = await run_all(session, "one")
+        assert task_end(outputs).status == "completed"
+        assert max(fsynced_sizes(disk, path)) < path.stat().st_size
+        await host.close_session(session.id)
+    assert max(fsynced_sizes(disk, path)) == path.stat().st_size
+
+
 async def test_a_task_end_that_follows_what_was_not_synced_is_fsynced(
     host: Host, workspace: Path, disk: FaultyDisk
 ) -> None:
