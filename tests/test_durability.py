@@ -568,27 +568,33 @@ async def test_a_task_end_that_follows_what_was_not_synced_is_fsynced(
     assert max(fsynced_sizes(disk, path)) == path.stat().st_size
 
 
-async def test_a_power_cut_before_the_task_end_is_fsynced_loses_no_answer(
-    data_dir: Path, workspace: Path, disk: FaultyDisk
-) -> None:
-    """R-TRACE-2, R-TRACE-4: the file cut back to what was fsynced when a completed task
-    ended (a power cut before its ``task_end`` reached the disk) still holds the whole
-    answer; the next host's ``resume`` ends the task completed without a model request."""
+async def completed_then_cut(data_dir: Path, workspace: Path, disk: FaultyDisk) -> TaskEnd:
+    """Complete a task answering "the answer", then cut its trace back to what was
+    fsynced when it ended (a power cut before its ``task_end`` reached the disk)."""
     async with Host.open(data_dir, trace_store=lambda d: FileTraceStore(d, disk=disk)) as host:
         session = await host.create_session(
             provider=echo_provider("the answer"), workspace_dir=workspace
         )
-        sid, path = session.id, session.trace_path
+        path = session.trace_path
         with trio.fail_after(RUN_TIMEOUT_S):
             outputs = await run_all(session, "one")
         durable = max(fsynced_sizes(disk, path))
-    run_id = task_end(outputs).run_id
     with path.open("r+b") as f:
         f.truncate(durable)
     assert json.loads(path.read_bytes().splitlines()[-1])["type"] == "request_end"
+    return task_end(outputs)
+
+
+async def test_a_power_cut_before_the_task_end_is_fsynced_loses_no_answer(
+    data_dir: Path, workspace: Path, disk: FaultyDisk
+) -> None:
+    """R-TRACE-2, R-TRACE-4: the file cut back to what was fsynced when a completed task
+    ended still holds the whole answer; the next host's ``resume`` ends the task
+    completed without a model request."""
+    end = await completed_then_cut(data_dir, workspace, disk)
     again = ScriptedProvider([])
     async with Host.open(data_dir) as host:
-        resumed = await host.resume(sid, provider=again)
+        resumed = await host.resume(end.session_id, provider=again)
         with trio.fail_after(RUN_TIMEOUT_S):
             await resumed.wait_idle()
         lines = trace_lines(resumed)
@@ -597,7 +603,33 @@ async def test_a_power_cut_before_the_task_end_is_fsynced_loses_no_answer(
         "the answer"
     ]
     assert lines[-1]["type"] == "task_end"
-    assert (lines[-1]["run_id"], lines[-1]["status"]) == (run_id, "completed")
+    assert (lines[-1]["run_id"], lines[-1]["status"]) == (end.run_id, "completed")
+
+
+async def test_a_new_task_after_such_a_power_cut_has_the_answer_in_its_context(
+    data_dir: Path, workspace: Path, disk: FaultyDisk
+) -> None:
+    """R-TRACE-4: without ``resume``, a new task recovers the open one as interrupted:
+    nothing is aborted (its turn had ended), and the model is sent the whole exchange."""
+    end = await completed_then_cut(data_dir, workspace, disk)
+    again = echo_provider("the second answer")
+    async with Host.open(data_dir) as host:
+        session = await host.load_session(end.session_id, provider=again)
+        with trio.fail_after(RUN_TIMEOUT_S):
+            outputs = await run_all(session, "two")
+        lines = trace_lines(session)
+    assert task_end(outputs).status == "completed"
+    (request,) = again.requests
+    sent = [
+        (type(m).__name__, [b.text for b in m.content if isinstance(b, TextBlock)])
+        for m in request.messages
+    ]
+    assert sent == [
+        ("UserMessage", ["one"]),
+        ("AssistantMessage", ["the answer"]),
+        ("UserMessage", ["two"]),
+    ]
+    assert "abort" not in [line["type"] for line in lines]
 
 
 # -- 4. private files ------------------------------------------------------------------------
