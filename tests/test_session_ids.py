@@ -6,6 +6,8 @@ ask for it at once."""
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,8 @@ from conftest import RUN_TIMEOUT_S, trace_lines
 
 from greenroom import Host, Session, SessionExists
 from greenroom.actors.runtime import session_ids
+from greenroom.actors.runtime.disk import Disk
+from greenroom.actors.runtime.trace_store import FileTraceStore
 
 
 async def test_a_generated_id_already_open_in_the_host_is_drawn_again(
@@ -105,6 +109,65 @@ async def test_a_new_session_is_never_written_over_a_stored_one(tmp_path: Path) 
             assert _trace_bytes(first.directory) == kept
             again = await host.load_session(first.id)
             assert again.transcript.messages[0].content[0].text == "remember this"  # type: ignore[union-attr]
+
+
+class SecondCreatorDisk(Disk):
+    """A disk on which another process creates a session of the same id, its
+    ``session.json`` in place, just after this host found none there and before it puts
+    its own in place."""
+
+    THEIRS = b'{"id": "theirs"}\n'
+
+    def __init__(self) -> None:
+        self.raced = False
+
+    def write(self, path: Path, data: bytes) -> None:
+        if not self.raced and path.name.startswith("session.json.") and path.suffix == ".tmp":
+            self.raced = True
+            super().write(path.with_name("session.json"), self.THEIRS)
+        super().write(path, data)
+
+
+async def test_a_session_another_process_creates_at_the_same_moment_is_not_written_over(
+    tmp_path: Path,
+) -> None:
+    # Before, the check and the rename were two steps: the second creator's rename replaced
+    # the first one's session.json, and both believed they had created the session.
+    disk = SecondCreatorDisk()
+    session_id = "20260101-000000-eeeeee"
+    with trio.fail_after(RUN_TIMEOUT_S):
+        async with Host.open(
+            tmp_path / "data", trace_store=lambda d: FileTraceStore(d, disk=disk)
+        ) as host:
+            with pytest.raises(SessionExists, match="is stored in"):
+                await host.create_session(
+                    provider="scripted", workspace_dir=tmp_path, session_id=session_id
+                )
+    assert disk.raced
+    directory = tmp_path / "data" / "sessions" / session_id
+    assert (directory / "session.json").read_bytes() == SecondCreatorDisk.THEIRS
+    assert not [entry.name for entry in directory.iterdir() if entry.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("hard_links", [True, False])
+def test_a_new_file_is_placed_only_where_there_is_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hard_links: bool
+) -> None:
+    if not hard_links:
+
+        def no_link(source: object, target: object) -> None:
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+
+        monkeypatch.setattr(os, "link", no_link)
+    disk = Disk()
+    source, target = tmp_path / "new.tmp", tmp_path / "session.json"
+    source.write_bytes(b"ours")
+    assert disk.place_new(source, target)
+    assert target.read_bytes() == b"ours"
+    another = tmp_path / "another.tmp"
+    another.write_bytes(b"another")
+    assert not disk.place_new(another, target)
+    assert target.read_bytes() == b"ours"
 
 
 async def test_a_drawn_id_a_stored_session_has_is_drawn_again_for_a_new_session_and_a_fork(

@@ -2,12 +2,12 @@
 
 :class:`Disk` holds the blocking calls through which the trace sink and the file store
 write, make durable and read what they keep: appending records to a trace file, fsyncing a
-file or a directory, writing a file whole and putting it in place (``session.json``),
-reading one back. (The usage ledger is SQLite's own I/O; modes and directory listings are
-plain calls: they hold no record.) The default is the operating system itself
-(:data:`DISK`). A test passes a disk of its own — one that refuses or stalls on a given
-path, or records what was fsynced — to ``FileTraceStore(data_dir, disk=…)`` or
-``TraceSink(data_dir, disk=…)``, instead of patching the backend's functions.
+file or a directory, writing a file whole and putting it in place (``session.json``: a new
+session's only where none is), reading one back. (The usage ledger is SQLite's own I/O;
+modes and directory listings are plain calls: they hold no record.) The default is the
+operating system itself (:data:`DISK`). A test passes a disk of its own — one that refuses
+or stalls on a given path, or records what was fsynced — to ``FileTraceStore(data_dir,
+disk=…)`` or ``TraceSink(data_dir, disk=…)``, instead of patching the backend's functions.
 
 The contract of every method: it blocks (the trace sink calls :meth:`Disk.append` from the
 session's own task — one small append to the page cache — and everything else from a worker
@@ -21,6 +21,7 @@ Files the backend creates are private to the user that runs the host: 0600, dire
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -31,6 +32,11 @@ PRIVATE_DIR_MODE = 0o700
 
 PRIVATE_FILE_MODE = 0o600
 """Files the host creates (metadata, traces, the ledger)."""
+
+
+# What link(2) answers on a file system without hard links (FAT, some network and FUSE
+# mounts), where placing a new file falls back to a check and rename(2).
+_NO_HARD_LINKS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK})
 
 
 class Disk:
@@ -86,6 +92,24 @@ class Disk:
     def replace(self, source: Path, target: Path) -> None:
         """Put the file ``source`` in the place of ``target`` in one step (``rename(2)``)."""
         os.replace(source, target)
+
+    def place_new(self, source: Path, target: Path) -> bool:
+        """Put the file ``source`` at ``target`` in one step unless ``target`` exists:
+        False, changing nothing, when it does. ``link(2)`` refuses an existing name even
+        when another process made it a moment ago (a check, then ``rename(2)``, would
+        overwrite it); ``source`` stays, for the caller to remove. On a file system
+        without hard links: the check and ``rename(2)``."""
+        try:
+            os.link(source, target)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            if exc.errno not in _NO_HARD_LINKS:
+                raise
+            if os.path.lexists(target):
+                return False
+            os.replace(source, target)
+        return True
 
     def read(self, path: Path) -> bytes:
         """The content of the file ``path``."""

@@ -68,6 +68,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import secrets
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -715,17 +717,24 @@ def _meta_text(meta: dict[str, Any]) -> str:
 
 def _write_new_meta(disk: Disk, directory: Path, meta: dict[str, Any]) -> bool:
     """Write a new session's ``session.json``; false, writing nothing, when there is one
-    (a directory without it is what a creation that failed left, and is used)."""
+    (a directory without it is what a creation that failed left, and is used). Two
+    creators of one id, in two processes, cannot both succeed: the file is put in place
+    only where there is none, in one step."""
     directory.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
-    if (directory / SESSION_FILE).exists():
+    target = directory / SESSION_FILE
+    if target.exists():
         return False
     tighten(directory, PRIVATE_DIR_MODE)
     disk.make_dir(directory / "scratch")
-    tmp = directory / (SESSION_FILE + ".tmp")
-    disk.write(tmp, _meta_text(meta).encode("utf-8"))
-    tighten(tmp, PRIVATE_FILE_MODE)
-    disk.replace(tmp, directory / SESSION_FILE)
-    return True
+    # A name of its own, so that another creator of the same id never writes into it.
+    tmp = directory / f"{SESSION_FILE}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        disk.write(tmp, _meta_text(meta).encode("utf-8"))
+        tighten(tmp, PRIVATE_FILE_MODE)
+        return disk.place_new(tmp, target)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
 
 
 def _tighten_session_dir(directory: Path) -> None:
