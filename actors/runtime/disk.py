@@ -89,10 +89,6 @@ class Disk:
         finally:
             os.close(fd)
 
-    def replace(self, source: Path, target: Path) -> None:
-        """Put the file ``source`` in the place of ``target`` in one step (``rename(2)``)."""
-        os.replace(source, target)
-
     def place_new(self, source: Path, target: Path) -> bool:
         """Put the file ``source`` at ``target`` in one step unless ``target`` exists:
         False, changing nothing, when it does. ``link(2)`` refuses an existing name even
