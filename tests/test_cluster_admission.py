@@ -19,20 +19,26 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, TypeVar
 
+import attrs
 import pytest
 import trio
+import trio.testing
 from conftest import Recorder, collect, of_type
 
 from greenroom import ProviderLimits
 from greenroom.actors.cluster import admission
 from greenroom.actors.cluster.admission import Mode, SharedEndpoint
 from greenroom.actors.cluster.bridge import Bridge, run
+from greenroom.actors.cluster.connection import ClusterNames
+from greenroom.actors.cluster.leases import Lease
 from greenroom.actors.cluster.limits import ClusterLimits
 from greenroom.actors.cluster.node import ClusterConfig, open_cluster_host
 from greenroom.actors.cluster.spending import SharedSpendLimit
 from greenroom.actors.runtime.accounting import PrincipalBudget
+from greenroom.actors.runtime.admission import EndpointAdmission
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session import Session
 from greenroom.protocols.outputs import RequestEnd, TaskEnd
@@ -357,3 +363,92 @@ def test_nothing_is_kept_under_a_per_minute_limit(
     found = in_cluster(body)
     assert found["kept"] == 0 and found["taken"] == 0
     assert found["asked"] == found["requests"] >= 2
+
+
+class _LeasesRenewedBy:
+    """A lease table whose renewals wait for ``renewal_may_land`` (when given), so that a
+    test can give the lease up while one is on its way; it records what was released."""
+
+    def __init__(self, renewal_may_land: trio.Event | None = None) -> None:
+        self.ttl_s = LEASE_TTL_S
+        self.renewal_may_land = renewal_may_land
+        self.renewing = trio.Event()
+        self.released: list[Lease] = []
+
+    async def renew(self, lease: Lease) -> Lease:
+        revision = lease.revision + 1  # as the table does: the lease's own fields
+        self.renewing.set()
+        if self.renewal_may_land is not None:
+            await self.renewal_may_land.wait()
+        return Lease(session_id=lease.session_id, host_id=lease.host_id, revision=revision)
+
+    async def release(self, lease: Lease) -> None:
+        self.released.append(lease)
+
+
+def _endpoint_on(leases: _LeasesRenewedBy) -> SharedEndpoint:
+    return SharedEndpoint(
+        SimpleNamespace(names=ClusterNames()),  # type: ignore[arg-type]
+        leases,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        host_id="a", key="endpoint", identity="anthropic", local=EndpointAdmission(),
+    )
+
+
+def test_a_lease_given_up_while_its_owner_waits_to_renew_it_is_not_renewed() -> None:
+    # The host closes (close() gives the lease up) while the owner's keeper sleeps
+    # between renewals: the keeper wakes to no lease and ends, renewing nothing. It
+    # renewed "None" before, and the host's close failed with an AttributeError
+    # (R-SHARE-1).
+    leases = _LeasesRenewedBy()
+    endpoint = _endpoint_on(leases)
+    held = Lease(session_id="endpoint", host_id="a", revision=1)
+    endpoint._lease = held
+    why: list[str] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+
+            async def keep() -> None:
+                why.append(await endpoint._keep())
+
+            nursery.start_soon(keep)
+            await trio.testing.wait_all_tasks_blocked()
+            await endpoint.close()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert why == ["its lease was given up"]
+    assert leases.released == [held]
+    assert not leases.renewing.is_set()
+
+
+def test_a_lease_given_up_while_a_renewal_is_on_its_way_stays_given_up() -> None:
+    # The lease is given up while a renewal is in flight: when the renewal lands, the
+    # keeper does not take the renewed lease back as its own (the host would go on
+    # admitting after its close); it gives the renewed revision up too, and ends.
+    land = trio.Event()
+    leases = _LeasesRenewedBy(land)
+    endpoint = _endpoint_on(leases)
+    held = Lease(session_id="endpoint", host_id="a", revision=1)
+    endpoint._lease = held
+    why: list[str] = []
+
+    async def main() -> None:
+        # Bounded: a keeper that takes the renewed lease back renews it for ever.
+        with trio.fail_after(10 * LEASE_TTL_S), trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+
+                async def keep() -> None:
+                    why.append(await endpoint._keep())
+                    scope.cancel()
+
+                nursery.start_soon(keep)
+                await leases.renewing.wait()
+                await endpoint.close()
+                land.set()
+                await trio.sleep_forever()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert why == ["its lease was given up"]
+    assert endpoint._lease is None
+    assert leases.released == [held, attrs.evolve(held, revision=2)]

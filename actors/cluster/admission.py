@@ -784,11 +784,14 @@ class SharedEndpoint:
         """Renew the lease every TTL/3; return why it was lost."""
         ttl = self._leases.ttl_s
         renewed_at = trio.current_time()
-        while self._lease is not None:
+        while True:
             await trio.sleep(ttl / 3)
+            # Read after the sleep: the host's close may have given the lease up meanwhile.
+            lease = self._lease
+            if lease is None:
+                return "its lease was given up"
             try:
-                self._lease = await self._leases.renew(self._lease)
-                renewed_at = trio.current_time()
+                renewed = await self._leases.renew(lease)
             except LeaseLost:
                 self._lease = None
                 return "another host holds its lease"
@@ -796,7 +799,15 @@ class SharedEndpoint:
                 if trio.current_time() - renewed_at >= ttl:
                     self._lease = None
                     return f"its lease was not renewed for a TTL: {exc}"
-        return "its lease was given up"
+                continue
+            if self._lease is not lease:
+                # Given up while the renewal was on its way: taking the renewed lease as
+                # ours would keep a closed host admitting, so give that revision up too.
+                with contextlib.suppress(ClusterError):
+                    await self._leases.release(renewed)
+                return "its lease was given up"
+            self._lease = renewed
+            renewed_at = trio.current_time()
 
     async def _drop_lost_hosts(self, desk: AdmissionDesk) -> None:
         while True:
