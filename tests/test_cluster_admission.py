@@ -374,6 +374,8 @@ class _LeasesRenewedBy:
         self.renewal_may_land = renewal_may_land
         self.renewing = trio.Event()
         self.released: list[Lease] = []
+        self.claiming = trio.Event()
+        self.claim_may_land = trio.Event()
 
     async def renew(self, lease: Lease) -> Lease:
         revision = lease.revision + 1  # as the table does: the lease's own fields
@@ -385,10 +387,30 @@ class _LeasesRenewedBy:
     async def release(self, lease: Lease) -> None:
         self.released.append(lease)
 
+    async def claim(self, session_id: str, host_id: str) -> Lease | None:
+        self.claiming.set()
+        await self.claim_may_land.wait()
+        return Lease(session_id=session_id, host_id=host_id, revision=1)
+
+
+
+@asynccontextmanager
+async def _quiet_subscription(subject: str) -> AsyncIterator[AsyncIterator[Any]]:
+    """A subscription on which no other host ever asks."""
+
+    async def nothing() -> AsyncIterator[Any]:
+        await trio.sleep_forever()
+        yield
+
+    yield nothing()
+
 
 def _endpoint_on(leases: _LeasesRenewedBy) -> SharedEndpoint:
+    conn = SimpleNamespace(
+        names=ClusterNames(), connected=True, subscription=_quiet_subscription
+    )
     return SharedEndpoint(
-        SimpleNamespace(names=ClusterNames()),  # type: ignore[arg-type]
+        conn,  # type: ignore[arg-type]
         leases,  # type: ignore[arg-type]
         None,  # type: ignore[arg-type]
         host_id="a", key="endpoint", identity="anthropic", local=EndpointAdmission(),
@@ -452,3 +474,51 @@ def test_a_lease_given_up_while_a_renewal_is_on_its_way_stays_given_up() -> None
     assert why == ["its lease was given up"]
     assert endpoint._lease is None
     assert leases.released == [held, attrs.evolve(held, revision=2)]
+
+
+def test_a_lease_claimed_while_the_host_closes_is_given_up_at_once() -> None:
+    # The host's close runs while its claim of the endpoint's lease is on its way: the
+    # lease it then gets is given up at once, and the closed host does not start to
+    # admit for the others (they would wait a TTL for it).
+    leases = _LeasesRenewedBy()
+    endpoint = _endpoint_on(leases)
+
+    async def main() -> None:
+        # Bounded: a closed host that admits for the others does so for ever.
+        with trio.fail_after(10 * LEASE_TTL_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(endpoint._find_owner)
+                await leases.claiming.wait()
+                await endpoint.close()
+                leases.claim_may_land.set()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert leases.released == [Lease(session_id="endpoint", host_id="a", revision=1)]
+    assert endpoint.mode is not Mode.OWNER
+    assert endpoint._lease is None
+
+
+def test_a_host_that_closes_stops_admitting_for_the_others_at_once() -> None:
+    # Closing while this host admits for the cluster ends its admitting then, not when
+    # its keeper next wakes to renew the lease (a third of a TTL later).
+    leases = _LeasesRenewedBy()
+    endpoint = _endpoint_on(leases)
+    held = Lease(session_id="endpoint", host_id="a", revision=1)
+    ended_after: list[float] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+
+            async def own() -> None:
+                await endpoint._own(held)
+                ended_after.append(trio.current_time() - closed_at)
+
+            nursery.start_soon(own)
+            assert await endpoint.known() is Mode.OWNER
+            closed_at = trio.current_time()
+            await endpoint.close()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert ended_after == [0.0]
+    assert leases.released == [held]
+    assert not leases.renewing.is_set()

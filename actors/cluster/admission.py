@@ -463,6 +463,8 @@ class SharedEndpoint:
         self._numbers = itertools.count(1)
         self._run = uuid.uuid4().hex[:12]
         self._lease: Lease | None = None
+        self._owning: trio.CancelScope | None = None
+        """The scope of :meth:`_own` while this host admits for the cluster."""
         self._closing = False
         # Unbounded: reports come from permits, which cannot wait; each is a few bytes and
         # a request makes at most four, so the outbox holds what the requests in flight
@@ -694,6 +696,12 @@ class SharedEndpoint:
             self._enter(Mode.LOCAL, str(exc))
             await trio.sleep(RETRY_S)
             return
+        if lease is not None and self.closing:
+            # Claimed while the host's close gave the endpoint up: give this lease up too,
+            # or the other hosts wait a TTL for a host that no longer admits.
+            with contextlib.suppress(ClusterError):
+                await self._leases.release(lease)
+            return
         if lease is not None:
             if not await self._own(lease):
                 await trio.sleep(RETRY_S)
@@ -707,7 +715,9 @@ class SharedEndpoint:
         be served at all."""
         self._lease = lease
         ended: list[str] = []
+        served = False  # the host's close may cancel the start
         async with trio.open_nursery() as nursery:
+            self._owning = nursery.cancel_scope
             desk = AdmissionDesk(self.local, nursery)
             if served := await nursery.start(self._serve, desk, nursery.cancel_scope, ended):
                 self.local.on_pause = self._publish_pause
@@ -715,20 +725,31 @@ class SharedEndpoint:
                 nursery.start_soon(self._drop_lost_hosts, desk)
                 ended.append(await self._keep())
             nursery.cancel_scope.cancel()
+        self._owning = None
         self.local.on_pause = None
         desk.close()
         log(
-            f"host {self.host_id} no longer admits for {self.identity} ({ended[0]}); "
+            f"host {self.host_id} no longer admits for {self.identity} "
+            f"({ended[0] if ended else 'the host closes'}); "
             "looking for who does"
         )
         await self.release_lease()
         return bool(served)
+
+    @property
+    def closing(self) -> bool:
+        """Whether the host closes (:meth:`close` was called): it claims the lease no
+        more."""
+        return self._closing
 
     async def close(self) -> None:
         """The host closes: give the endpoint's lease up (see :meth:`release_lease`) and
         claim it no more."""
         self._closing = True
         self._kept.give_back_all()
+        if self._owning is not None:
+            # Stop admitting for the others now, not when the keeper next wakes.
+            self._owning.cancel()
         await self.release_lease()
 
     async def release_lease(self) -> None:
