@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from trio_websocket import open_websocket_url
 
 from tests.support.cluster_hosts import TOOLS
@@ -202,3 +203,58 @@ def test_sighup_restarts_the_workers_one_by_one_and_a_task_in_flight_goes_on(
     assert not any("[host lost]" in str(o) for o in outputs)
     assert [o["status"] for o in outputs if o["type"] == "task_end"] == ["completed"]
     assert any("handed session" in line for line in log)
+
+
+def test_a_stop_during_a_workers_spawn_ends_that_worker_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SIGTERM reaches the supervisor while a worker's restart is spawning its process: the
+    # stop waits for that spawn and signals the new process with the others, instead of
+    # waiting for ever on a process nobody signalled (or leaving it running on the port).
+    from greenroom.actors.cluster import workers
+
+    config = workers.WorkersConfig(
+        workers=1, argv=(), host="127.0.0.1", port=0, data_dir=tmp_path, nats=None,
+        token_file=None, tokens_file=None, console_port=None, lease_ttl_s=2.0,
+    )
+    supervisor = workers._Supervisor(config, "nats://127.0.0.1:1", 0, None)
+    # A worker that runs until signalled, and never serves.
+    monkeypatch.setattr(
+        supervisor, "command",
+        lambda worker: [sys.executable, "-c", "import time; time.sleep(600)", "--host-id", "x"],
+    )
+    spawning, spawn_may_end = trio.Event(), trio.Event()
+    open_process = trio.lowlevel.open_process
+
+    async def slow_spawn(command: list[str], **options: Any) -> trio.Process:
+        spawning.set()
+        await spawn_may_end.wait()
+        return await open_process(command, **options)
+
+    monkeypatch.setattr(trio.lowlevel, "open_process", slow_spawn)
+    (worker,) = supervisor.workers
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            supervisor._nursery = nursery
+            nursery.start_soon(supervisor.start, worker)
+            await spawning.wait()
+            stopped = trio.Event()
+
+            async def stop() -> None:
+                await supervisor.stop(signal.SIGTERM)
+                stopped.set()
+
+            nursery.start_soon(stop)
+            await trio.testing.wait_all_tasks_blocked()
+            spawn_may_end.set()
+            with trio.fail_after(60):  # a bound: the stop never ended before
+                await stopped.wait()
+            assert worker.process is not None, "the stop ended before the spawn on its way"
+            assert worker.process.returncode == -signal.SIGTERM
+
+    try:
+        trio.run(main)
+    finally:
+        if worker.process is not None and worker.process.returncode is None:
+            worker.process.kill()

@@ -124,6 +124,9 @@ class _Supervisor:
         self.workers = [_Worker(name=f"w{k}") for k in range(1, config.workers + 1)]
         self._prefix = default_host_id()
         self._nursery: trio.Nursery | None = None
+        # Held while a worker's process is spawned, so that a stop waits for a spawn on its
+        # way (and signals that process) rather than leaving it running unsignalled.
+        self._spawning = trio.Lock()
 
     def command(self, worker: _Worker) -> list[str]:
         config = self.config
@@ -151,13 +154,16 @@ class _Supervisor:
         """Start ``worker``'s next incarnation; True once it serves, False when it ended
         or did not become ready in time."""
         assert self._nursery is not None
-        worker.incarnation += 1
-        worker.ready = trio.Event()
-        worker.exited = trio.Event()
-        worker.planned = False
-        command = self.command(worker)
-        process = await trio.lowlevel.open_process(command, stderr=-1)
-        worker.process = process
+        async with self._spawning:
+            if self.stopping:
+                return False
+            worker.incarnation += 1
+            worker.ready = trio.Event()
+            worker.exited = trio.Event()
+            worker.planned = False
+            command = self.command(worker)
+            process = await trio.lowlevel.open_process(command, stderr=-1)
+            worker.process = process
         host_id = command[command.index("--host-id") + 1]
         say(f"worker {worker.name} started: pid {process.pid}, host {host_id}")
         self._nursery.start_soon(self._follow, worker, process)
@@ -231,6 +237,8 @@ class _Supervisor:
     async def stop(self, signum: int) -> None:
         """Pass ``signum`` to every worker and wait for them all."""
         self.stopping = True
+        async with self._spawning:
+            pass  # a start on its way has its process now; later ones start none
         for worker in self.workers:
             if worker.process is not None and worker.process.returncode is None:
                 worker.process.send_signal(signum)
