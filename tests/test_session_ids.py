@@ -243,3 +243,79 @@ async def test_a_session_deleted_while_it_loads_is_deleted_after_the_load(
                 go_on.set()
             assert session.id not in {s.id for s in host.sessions}
             assert not session.directory.exists()
+
+
+async def test_a_session_loaded_while_it_closes_is_loaded_after_the_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The load found the session no longer open and opened it beside the closing one;
+    # the close then forgot the new one's trace position, and its next record failed
+    # (a lease lost and won back in a cluster closes and takes a session over so).
+    data_dir = tmp_path / "data"
+    with trio.fail_after(RUN_TIMEOUT_S):
+        async with Host.open(data_dir) as host:
+            session = await _finished(host, tmp_path, "hi")
+            aclose = Session.aclose
+            closing, go_on, loaded = trio.Event(), trio.Event(), trio.Event()
+
+            async def held_aclose(self: Session) -> None:
+                closing.set()
+                await go_on.wait()
+                await aclose(self)
+
+            monkeypatch.setattr(Session, "aclose", held_aclose)
+            again: list[Session] = []
+
+            async def load() -> None:
+                again.append(await host.load_session(session.id))
+                loaded.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(host.close_session, session.id)
+                await closing.wait()
+                nursery.start_soon(load)
+                await trio.testing.wait_all_tasks_blocked()
+                assert not loaded.is_set()  # it waits for the close
+                go_on.set()
+            (reloaded,) = again
+            assert reloaded is not session
+            assert host.get_session(session.id) is reloaded
+            result = await reloaded.run("again").result()
+            assert result.task_end.status == "completed"
+
+
+async def test_a_session_loaded_while_it_is_deleted_is_not_found(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A load that came while the delete closed the session opened it again just before
+    # its directory was removed under it.
+    data_dir = tmp_path / "data"
+    with trio.fail_after(RUN_TIMEOUT_S):
+        async with Host.open(data_dir) as host:
+            session = await _finished(host, tmp_path, "hi")
+            aclose = Session.aclose
+            closing, go_on = trio.Event(), trio.Event()
+
+            async def held_aclose(self: Session) -> None:
+                closing.set()
+                await go_on.wait()
+                await aclose(self)
+
+            monkeypatch.setattr(Session, "aclose", held_aclose)
+            found: list[BaseException] = []
+
+            async def load() -> None:
+                try:
+                    await host.load_session(session.id)
+                except Exception as exc:
+                    found.append(exc)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(host.delete_session, session.id)
+                await closing.wait()
+                nursery.start_soon(load)
+                await trio.testing.wait_all_tasks_blocked()
+                go_on.set()
+            assert [type(exc).__name__ for exc in found] == ["SessionNotFound"]
+            assert session.id not in {s.id for s in host.sessions}
+            assert not session.directory.exists()

@@ -377,6 +377,10 @@ class Host:
     async def close_session(self, session_id: str) -> None:
         """Interrupt the session's task, wait for its last record, forget it (R-HOST-3)."""
         await self._opening.settled(session_id)  # a creation or load under way ends first
+        with self._opening.opening(session_id):  # and a load meanwhile waits for the close
+            await self._close(session_id)
+
+    async def _close(self, session_id: str) -> None:
         session, port = self._sessions.pop(session_id, None), self._ports.pop(session_id, None)
         self._children.closed(session_id)
         if session is not None:
@@ -394,9 +398,12 @@ class Host:
         Raises :class:`SessionNotFound` when it is neither open nor stored."""
         if session_id not in self._sessions and not await self._store.catalog.exists(session_id):
             raise SessionNotFound(f"no session {session_id!r} in {self.data_dir}")
-        await self.close_session(session_id)
-        self._open_tasks.deleted(session_id)
-        await self._store.catalog.delete(session_id)
+        await self._opening.settled(session_id)
+        # Held to the end: a load meanwhile finds the session gone, not half deleted.
+        with self._opening.opening(session_id):
+            await self._close(session_id)
+            self._open_tasks.deleted(session_id)
+            await self._store.catalog.delete(session_id)
 
     async def drain(self, grace_s: float) -> list[str]:
         """Drain before a stop (R-DRAIN-1, :mod:`~greenroom.actors.runtime.drain`): users

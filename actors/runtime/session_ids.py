@@ -71,7 +71,8 @@ class OpeningSessions(Generic[S]):
 
     @contextlib.contextmanager
     def opening(self, session_id: str) -> Iterator[None]:
-        """``session_id`` is being opened until the block ends."""
+        """``session_id`` is being opened (or closed: :meth:`settled` waits for it too)
+        until the block ends."""
         done = self._opening[session_id] = trio.Event()
         try:
             yield
