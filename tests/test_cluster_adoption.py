@@ -12,7 +12,10 @@ first.
 A draining host takes nothing over (R-DRAIN-2), even when its orphan scan began before
 the drain: the sessions the drain hands over are orphans for a moment (given up, their
 leases released), and the scan took them back, so the hand-over's target found them
-claimed and they waited for the draining host to stop (20 s in the benchmark)."""
+claimed and they waited for the draining host to stop (20 s in the benchmark).
+
+A session whose ownership is lost (the host's lease) while it is adopted or taken over is
+neither replicated nor taken up: the loss gave it up, and nothing would stop it after."""
 
 from __future__ import annotations
 
@@ -97,3 +100,95 @@ def test_a_draining_host_takes_no_orphan_over(tmp_path: Path, nats_server: NatsP
 
     # Not taken, and its lease free for the host the drain hands it to.
     assert run_connected(nats_server.url, body, timeout_s=30.0) == (False, None)
+
+
+def _losing_the_lease_once_fenced(
+    monkeypatch: pytest.MonkeyPatch, nodes: list[ClusterNode]
+) -> list[str]:
+    """Make the host lose its lease (every session it owns) right after its next fence of
+    a session's trace: the window between a claim and the replication. The fenced ids."""
+    fence = TraceStream.fence
+    fenced: list[str] = []
+
+    async def fence_then_lose(self: TraceStream, session_id: str, host_id: str) -> Any:
+        writer = await fence(self, session_id, host_id)
+        if not fenced:
+            fenced.append(session_id)
+            keeper = nodes[0]._keeper
+            assert keeper is not None
+            keeper._lose_all("the test's stall")
+        return writer
+
+    monkeypatch.setattr(TraceStream, "fence", fence_then_lose)
+    return fenced
+
+
+def test_a_session_lost_while_it_is_adopted_is_not_replicated(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The host's lease was lost between its claim of a new session and the start of its
+    # replication: the adoption went on and replicated a session it no longer owned (the
+    # loss had given it up and closed it), with a stream nothing would stop.
+    adopted = trio.Event()
+    adopt = ClusterNode._adopt
+
+    async def adopt_then_tell(self: ClusterNode, session_id: str) -> None:
+        await adopt(self, session_id)
+        adopted.set()
+
+    monkeypatch.setattr(ClusterNode, "_adopt", adopt_then_tell)
+
+    async def body(conn: Connection) -> tuple[int, bool, bool]:
+        config = ClusterConfig(url=nats_server.url, host_id="a", prefix=conn.names.prefix)
+        nodes: list[ClusterNode] = []
+        fenced = _losing_the_lease_once_fenced(monkeypatch, nodes)
+        async with open_cluster_host(
+            conn.bridge, config, tmp_path / "a", approve=allow_all, on_node=nodes.append
+        ) as host:
+            session = await host.create_session(
+                provider=ScriptedProvider([Reply(blocks=(text("hello"),))]),
+                workspace_dir=tmp_path,
+            )
+            with trio.fail_after(RUN_TIMEOUT_S):
+                await adopted.wait()
+            node = nodes[0]
+            assert node.store is not None
+            streaming = session.id in node._stream_scopes
+            return fenced.count(session.id), node.store.log.replicated(session.id), streaming
+
+    assert run_connected(nats_server.url, body, timeout_s=30.0) == (1, False, False)
+
+
+def test_a_session_lost_while_it_is_taken_over_is_not_taken_up(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The host's lease was lost while it took a session over (after its claim): the
+    # takeover went on and took the session's task up unowned (nobody's claim, the host
+    # that lost it had given it up), running it until another host fenced it.
+    async def body(conn: Connection) -> tuple[bool, bool, bool]:
+        config = ClusterConfig(url=nats_server.url, host_id="a", prefix=conn.names.prefix)
+        nodes: list[ClusterNode] = []
+        async with open_cluster_host(
+            conn.bridge, config, tmp_path / "a", approve=allow_all, on_node=nodes.append
+        ) as host:
+            session = await host.create_session(
+                provider=ScriptedProvider([Reply(blocks=(text("hello"),))]),
+                workspace_dir=tmp_path,
+            )
+            with trio.fail_after(RUN_TIMEOUT_S):
+                outputs = [o async for o in session.run("hi", approve=allow_all)]
+            assert isinstance(outputs[-1], TaskEnd) and outputs[-1].status == "completed"
+            node = nodes[0]
+            assert node._keeper is not None and node.store is not None
+            # An orphan: closed here, its claim given up.
+            await host.close_session(session.id)
+            await node._keeper.release(session.id)
+            entry = await (await SessionDirectory.open(conn)).get(session.id)
+            assert entry is not None
+            fenced = _losing_the_lease_once_fenced(monkeypatch, nodes)
+            taken = await node.take_over(session.id, entry["meta"])
+            assert fenced == [session.id]
+            opened = session.id in {s.id for s in host.sessions}
+            return taken, opened, node.store.log.replicated(session.id)
+
+    assert run_connected(nats_server.url, body, timeout_s=30.0) == (False, False, False)

@@ -345,7 +345,8 @@ class ClusterNode:
     async def _adopt(self, session_id: str) -> None:
         assert self._keeper is not None and self._traces is not None
         try:
-            if await self._keeper.claim(session_id) is None:
+            ownership = await self._keeper.claim(session_id)
+            if ownership is None:
                 log(f"session {session_id} is owned by another host; closing it here")
                 self._give_up(session_id)
                 return
@@ -357,6 +358,11 @@ class ClusterNode:
         except ClusterError as exc:
             log(f"cannot adopt session {session_id}: {exc}")
             await self._abandon(session_id)
+            return
+        if not self._keeper.holds(ownership):
+            # Lost meanwhile (and given up then): replicating it now would write to the
+            # cluster's trace for a session this host no longer owns.
+            log(f"session {session_id} was lost while this host adopted it")
             return
         self._start_stream(session_id, writer)
         # Again from the update queue: the principals the gateway grants it after this.
@@ -516,7 +522,8 @@ class ClusterNode:
         assert self._keeper is not None
         assert self._traces is not None and self._host is not None
         try:
-            if await self._keeper.claim(session_id) is None:
+            ownership = await self._keeper.claim(session_id)
+            if ownership is None:
                 return False
             if self._host.draining:
                 # A draining host takes nothing over (R-DRAIN-2). An orphan scan that
@@ -538,6 +545,10 @@ class ClusterNode:
         self._taking_over.add(session_id)
         try:
             await trio.to_thread.run_sync(_materialize, directory, meta, read)
+            if not self._keeper.holds(ownership):
+                # Lost meanwhile (the host's lease): taken up now, it would run unowned.
+                log(f"session {session_id} was lost while this host took it over")
+                return False
             assert self.store is not None
             # Replicated before it is taken up: the host-lost results and everything the
             # task writes from here on reach the cluster's trace, fenced by this host.

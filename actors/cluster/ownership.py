@@ -308,6 +308,11 @@ class OwnershipKeeper:
         self._held[session_id] = ownership
         return ownership
 
+    def holds(self, ownership: Ownership) -> bool:
+        """Whether ``ownership`` (what :meth:`claim` returned) is still this host's: not
+        released, nor lost with the host's lease since."""
+        return self._held.get(ownership.session_id) is ownership
+
     def held(self) -> tuple[str, ...]:
         """The sessions this host owns."""
         return tuple(self._held)
