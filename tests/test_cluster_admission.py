@@ -425,14 +425,14 @@ def test_a_lease_given_up_while_its_owner_waits_to_renew_it_is_not_renewed() -> 
     leases = _LeasesRenewedBy()
     endpoint = _endpoint_on(leases)
     held = Lease(session_id="endpoint", host_id="a", revision=1)
-    endpoint._lease = held
+    endpoint._held.lease = held
     why: list[str] = []
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
 
             async def keep() -> None:
-                why.append(await endpoint._keep())
+                why.append(await endpoint._held.keep())
 
             nursery.start_soon(keep)
             await trio.testing.wait_all_tasks_blocked()
@@ -452,7 +452,7 @@ def test_a_lease_given_up_while_a_renewal_is_on_its_way_stays_given_up() -> None
     leases = _LeasesRenewedBy(land)
     endpoint = _endpoint_on(leases)
     held = Lease(session_id="endpoint", host_id="a", revision=1)
-    endpoint._lease = held
+    endpoint._held.lease = held
     why: list[str] = []
 
     async def main() -> None:
@@ -461,7 +461,7 @@ def test_a_lease_given_up_while_a_renewal_is_on_its_way_stays_given_up() -> None
             async with trio.open_nursery() as nursery:
 
                 async def keep() -> None:
-                    why.append(await endpoint._keep())
+                    why.append(await endpoint._held.keep())
                     scope.cancel()
 
                 nursery.start_soon(keep)
@@ -472,7 +472,7 @@ def test_a_lease_given_up_while_a_renewal_is_on_its_way_stays_given_up() -> None
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert why == ["its lease was given up"]
-    assert endpoint._lease is None
+    assert endpoint._held.lease is None
     assert leases.released == [held, attrs.evolve(held, revision=2)]
 
 
@@ -495,7 +495,7 @@ def test_a_lease_claimed_while_the_host_closes_is_given_up_at_once() -> None:
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert leases.released == [Lease(session_id="endpoint", host_id="a", revision=1)]
     assert endpoint.mode is not Mode.OWNER
-    assert endpoint._lease is None
+    assert endpoint._held.lease is None
 
 
 def test_a_host_that_closes_stops_admitting_for_the_others_at_once() -> None:

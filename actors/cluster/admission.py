@@ -427,6 +427,51 @@ class _RemoteGrant:
         self._endpoint.local.lift_pause()
 
 
+class HeldLease:
+    """This host's hold of an endpoint's lease while it admits for the cluster: renewed
+    by :meth:`keep`, given up by :meth:`release` (the host's close, from another task)."""
+
+    def __init__(self, leases: LeaseTable) -> None:
+        self._leases = leases
+        self.lease: Lease | None = None
+
+    async def keep(self) -> str:
+        """Renew the lease every TTL/3; return why it was lost."""
+        ttl = self._leases.ttl_s
+        renewed_at = trio.current_time()
+        while True:
+            await trio.sleep(ttl / 3)
+            # Read after the sleep: the host's close may have given the lease up meanwhile.
+            lease = self.lease
+            if lease is None:
+                return "its lease was given up"
+            try:
+                renewed = await self._leases.renew(lease)
+            except LeaseLost:
+                self.lease = None
+                return "another host holds its lease"
+            except ClusterUnavailable as exc:
+                if trio.current_time() - renewed_at >= ttl:
+                    self.lease = None
+                    return f"its lease was not renewed for a TTL: {exc}"
+                continue
+            if self.lease is not lease:
+                # Given up while the renewal was on its way: taking the renewed lease as
+                # ours would keep a closed host admitting, so give that revision up too.
+                with contextlib.suppress(ClusterError):
+                    await self._leases.release(renewed)
+                return "its lease was given up"
+            self.lease = renewed
+            renewed_at = trio.current_time()
+
+    async def release(self) -> None:
+        """Give the lease up, if held (best effort)."""
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            with contextlib.suppress(ClusterError):
+                await self._leases.release(lease)
+
+
 class SharedEndpoint:
     """The admission point of one endpoint and credential on one host of a cluster (see
     the module docstring): an :class:`~greenroom.actors.runtime.admission.AdmissionPoint`
@@ -462,7 +507,7 @@ class SharedEndpoint:
         self._asking: set[trio.CancelScope] = set()
         self._numbers = itertools.count(1)
         self._run = uuid.uuid4().hex[:12]
-        self._lease: Lease | None = None
+        self._held = HeldLease(leases)
         self._owning: trio.CancelScope | None = None
         """The scope of :meth:`_own` while this host admits for the cluster."""
         self._closing = False
@@ -713,7 +758,7 @@ class SharedEndpoint:
         """Admit for the cluster until the lease is lost (refused, or not renewed for a
         TTL) or the endpoint's subject can no longer be served; False when it could not
         be served at all."""
-        self._lease = lease
+        self._held.lease = lease
         ended: list[str] = []
         served = False  # the host's close may cancel the start
         async with trio.open_nursery() as nursery:
@@ -723,7 +768,7 @@ class SharedEndpoint:
                 self.local.on_pause = self._publish_pause
                 self._enter(Mode.OWNER)
                 nursery.start_soon(self._drop_lost_hosts, desk)
-                ended.append(await self._keep())
+                ended.append(await self._held.keep())
             nursery.cancel_scope.cancel()
         self._owning = None
         self.local.on_pause = None
@@ -755,10 +800,7 @@ class SharedEndpoint:
     async def release_lease(self) -> None:
         """Give the endpoint's lease up, if this host holds it (best effort), so that
         another host need not wait for its TTL."""
-        lease, self._lease = self._lease, None
-        if lease is not None:
-            with contextlib.suppress(ClusterError):
-                await self._leases.release(lease)
+        await self._held.release()
 
     async def _serve(
         self,
@@ -800,35 +842,6 @@ class SharedEndpoint:
                 self._outbox_send.send_nowait((subject, data))
 
         return reply
-
-    async def _keep(self) -> str:
-        """Renew the lease every TTL/3; return why it was lost."""
-        ttl = self._leases.ttl_s
-        renewed_at = trio.current_time()
-        while True:
-            await trio.sleep(ttl / 3)
-            # Read after the sleep: the host's close may have given the lease up meanwhile.
-            lease = self._lease
-            if lease is None:
-                return "its lease was given up"
-            try:
-                renewed = await self._leases.renew(lease)
-            except LeaseLost:
-                self._lease = None
-                return "another host holds its lease"
-            except ClusterUnavailable as exc:
-                if trio.current_time() - renewed_at >= ttl:
-                    self._lease = None
-                    return f"its lease was not renewed for a TTL: {exc}"
-                continue
-            if self._lease is not lease:
-                # Given up while the renewal was on its way: taking the renewed lease as
-                # ours would keep a closed host admitting, so give that revision up too.
-                with contextlib.suppress(ClusterError):
-                    await self._leases.release(renewed)
-                return "its lease was given up"
-            self._lease = renewed
-            renewed_at = trio.current_time()
 
     async def _drop_lost_hosts(self, desk: AdmissionDesk) -> None:
         while True:

@@ -54,13 +54,14 @@ import os
 import sys
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
 from greenroom.actors.cluster.bridge import Bridge
 from greenroom.actors.cluster.connection import ClusterNames, Connection, connect
+from greenroom.actors.cluster.directory_entries import DirectoryEntries, Grantor
 from greenroom.actors.cluster.errors import ClusterError, ClusterUnavailable
 from greenroom.actors.cluster.handover import HandedSince, hand_over
 from greenroom.actors.cluster.limits import ClusterLimits
@@ -80,7 +81,6 @@ from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.port import Approval
 from greenroom.actors.runtime.session import Session
 from greenroom.actors.runtime.storage import SessionStore
-from greenroom.actors.runtime.trace_store import StoredSessionMissing, StoredSessionUnreadable
 from greenroom.protocols.outputs import Output, TaskEnd, TaskStart
 from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.tools import Tool
@@ -90,17 +90,6 @@ if TYPE_CHECKING:
     from greenroom.actors.gateway.server import Gateway
 
 __all__ = ["ClusterConfig", "ClusterNode", "open_cluster_host"]
-
-
-class Grantor(Protocol):
-    """Who may see a session, at one gateway (the gateway's grants, R-SEC-4)."""
-
-    def grant(self, client_id: str, session_id: str) -> None:
-        """Let principal ``client_id`` see and steer session ``session_id``."""
-
-    def holders(self, session_id: str) -> frozenset[str]:
-        """The principals that may see session ``session_id``."""
-        ...
 
 
 @attrs.frozen(kw_only=True)
@@ -156,8 +145,7 @@ class ClusterNode:
         self._stream_scopes: dict[str, trio.CancelScope] = {}
         self._taking_over: set[str] = set()
         self._adopted: set[str] = set()
-        self._running: dict[str, bool] = {}
-        self._grants: Grantor | None = None
+        self._entries = DirectoryEntries(self.host_id, self._adopted.__contains__, log)
         self._gateway: Gateway | None = None
         self._desk: OwnerDesk | None = None
         self._desk_ready = trio.Event()
@@ -165,11 +153,6 @@ class ClusterNode:
         self._placeable = False
         self._handed = HandedSince()
         self._serving: dict[str, trio.Event] = {}
-        # Bounded: an update only names a session (its state is read when it is sent); a
-        # full channel drops one, and the next task_start or task_end sends it again.
-        send, receive = trio.open_memory_channel[str](1000)
-        self._updates_send = send
-        self._updates_receive = receive
 
     # -- wiring ---------------------------------------------------------------------------
 
@@ -183,7 +166,7 @@ class ClusterNode:
     def bind_grants(self, grants: Grantor) -> None:
         """Share the gateway's grants through the session directory: the principals that
         may see a session here may see it on whichever host takes it over."""
-        self._grants = grants
+        self._entries.grants = grants
 
     def bind_gateway(self, gateway: Gateway) -> None:
         """Serve every session through ``gateway`` (R-CLUSTER-1): its calls on sessions
@@ -229,31 +212,10 @@ class ClusterNode:
         # inbox holds only what was published since the watcher's last turn.
         send, inbox = trio.open_memory_channel[list[Output]](math.inf)
         session.watch(send, kinds=(TaskStart, TaskEnd))
-        session.host.start_task(functools.partial(self._follow, sid, inbox))
+        session.host.start_task(functools.partial(self._entries.follow, sid, inbox))
         if sid not in self._taking_over:
             with contextlib.suppress(RuntimeError):  # shutting down
                 self._work.start_soon(self._adopt, sid)
-
-    async def _follow(
-        self, session_id: str, inbox: trio.MemoryReceiveChannel[list[Output]]
-    ) -> None:
-        # The session's watcher, a task of the host's (R-ACTOR-1); ends when the session
-        # closes. Its work cannot fail: it records a flag and queues an update.
-        with inbox:
-            async for batch in inbox:
-                self._watch(session_id, batch)
-
-    def _watch(self, session_id: str, batch: list[Output]) -> None:
-        for output in batch:
-            if isinstance(output, TaskStart | TaskEnd):
-                self._running[session_id] = isinstance(output, TaskStart)
-                self._announce_session(session_id)
-
-    def _announce_session(self, session_id: str) -> None:
-        """Queue a directory update; one task sends them in order, so the last one sent
-        holds the session's latest state."""
-        with contextlib.suppress(trio.WouldBlock):
-            self._updates_send.send_nowait(session_id)
 
     async def run(
         self, host: Host, streams: trio.Nursery, *, task_status: trio.TaskStatus[None]
@@ -268,6 +230,7 @@ class ClusterNode:
         self._traces = await TraceStream.open(self.conn)
         self._registry = await HostRegistry.open(self.conn, ttl_s=self._owners.ttl_s)
         self._directory = await SessionDirectory.open(self.conn)
+        self._entries.bind(host, self._directory)
         link = ParentLink(self._requests, host, self._approve, timeout_s=ttl)
         host.child_reports.link = link.send
         host.child_reports.retry_s = ttl / 2
@@ -278,7 +241,7 @@ class ClusterNode:
                 self._route(self._gateway, nursery)
             await nursery.start(self._keeper.run)
             await nursery.start(self._registry.announce_every, self._record)
-            nursery.start_soon(self._directory_updates)
+            nursery.start_soon(self._entries.send_updates)
             nursery.start_soon(self._scan_orphans)
             log(f"host {self.host_id} joined the cluster at {self.config.url}")
             task_status.started()
@@ -354,7 +317,7 @@ class ClusterNode:
             # In the directory before any of its records is in the cluster: the orphan
             # scan finds sessions there, so a host lost after its first record (a task's
             # prompt, its task_start) never leaves a trace that no host takes over.
-            await self._publish_meta(session_id)
+            await self._entries.publish(session_id)
         except ClusterError as exc:
             log(f"cannot adopt session {session_id}: {exc}")
             await self._abandon(session_id)
@@ -366,7 +329,7 @@ class ClusterNode:
             return
         self._start_stream(session_id, writer)
         # Again from the update queue: the principals the gateway grants it after this.
-        self._announce_session(session_id)
+        self._entries.announce(session_id)
 
     def _start_stream(self, session_id: str, writer: TraceWriter) -> None:
         assert self._streams is not None and self.store is not None
@@ -448,22 +411,6 @@ class ClusterNode:
             with contextlib.suppress(RuntimeError):
                 self._work.start_soon(_close_quietly, self._host, session_id)
 
-    async def _publish_meta(self, session_id: str) -> None:
-        assert self._directory is not None and self._host is not None
-        holders = sorted(self._grants.holders(session_id)) if self._grants else []
-        running = self._running.get(session_id, False)
-        entry = await _entry(self._host, self._directory, session_id, holders, running)
-        await self._directory.put(session_id, {**entry, "host": self.host_id})
-
-    async def _directory_updates(self) -> None:
-        async for session_id in self._updates_receive:
-            if session_id not in self._adopted:
-                continue
-            try:
-                await self._publish_meta(session_id)
-            except ClusterUnavailable as exc:
-                log(f"cannot update session {session_id} in the directory: {exc}")
-
     # -- takeover -------------------------------------------------------------------------
 
     async def _scan_orphans(self) -> None:
@@ -494,8 +441,8 @@ class ClusterNode:
         if not await self.take_over(session_id, entry.get("meta") or {}):
             return False
         for principal in entry.get("principals") or ():
-            if self._grants is not None and isinstance(principal, str):
-                self._grants.grant(principal, session_id)
+            if self._entries.grants is not None and isinstance(principal, str):
+                self._entries.grants.grant(principal, session_id)
         log(f"host {self.host_id} serves session {session_id} now")
         return True
 
@@ -570,8 +517,8 @@ class ClusterNode:
             self._taking_over.discard(session_id)
         # The task goes on without a task_start of its own: the directory learns here
         # that it runs.
-        self._running[session_id] = session.busy
-        self._announce_session(session_id)
+        self._entries.running[session_id] = session.busy
+        self._entries.announce(session_id)
         return True
 
     async def release_all(self) -> None:
@@ -596,19 +543,6 @@ async def _forget(
     except ClusterUnavailable as exc:
         log(f"cannot remove session {session_id} from the cluster: {exc}")
     await keeper.release(session_id)
-
-
-async def _entry(
-    host: Host, directory: SessionDirectory, session_id: str, principals: list[str], running: bool
-) -> dict[str, Any]:
-    """``session_id``'s directory entry: its ``session.json`` (the one the directory has
-    when this host's cannot be read), whether it runs, who may see it."""
-    try:
-        meta = await host.trace_store.catalog.read_meta(session_id)
-    except (StoredSessionMissing, StoredSessionUnreadable):
-        known = await directory.get(session_id)
-        meta = (known or {}).get("meta", {})
-    return {"meta": meta, "running": running, "principals": principals}
 
 
 async def _close_quietly(host: Host, session_id: str) -> None:

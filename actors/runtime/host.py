@@ -376,21 +376,7 @@ class Host:
 
     async def close_session(self, session_id: str) -> None:
         """Interrupt the session's task, wait for its last record, forget it (R-HOST-3)."""
-        await self._opening.settled(session_id)  # a creation or load under way ends first
-        with self._opening.opening(session_id):  # and a load meanwhile waits for the close
-            await self._close(session_id)
-
-    async def _close(self, session_id: str) -> None:
-        session, port = self._sessions.pop(session_id, None), self._ports.pop(session_id, None)
-        self._children.closed(session_id)
-        if session is not None:
-            # A task that waits only for people is not interrupted: its request stays
-            # pending in the trace, and loading the session asks it again (R-HITL-1).
-            await session.aclose()
-            task_open = port is not None and port.machine.run_id is not None
-            self._open_tasks.closed(session_id, task_open=task_open)
-            self.trace_log.release(session_id)
-            await self._builder.release(session_id)
+        await self._close(session_id, delete=False)
 
     async def delete_session(self, session_id: str) -> None:
         """Close the session — interrupting its task and waiting until its last record is
@@ -398,12 +384,24 @@ class Host:
         Raises :class:`SessionNotFound` when it is neither open nor stored."""
         if session_id not in self._sessions and not await self._store.catalog.exists(session_id):
             raise SessionNotFound(f"no session {session_id!r} in {self.data_dir}")
-        await self._opening.settled(session_id)
-        # Held to the end: a load meanwhile finds the session gone, not half deleted.
-        with self._opening.opening(session_id):
-            await self._close(session_id)
-            self._open_tasks.deleted(session_id)
-            await self._store.catalog.delete(session_id)
+        await self._close(session_id, delete=True)
+
+    async def _close(self, session_id: str, *, delete: bool) -> None:
+        # After a creation or load under way; a load meanwhile waits for the close (and
+        # finds a deleted session gone, not half deleted).
+        async with self._opening.held(session_id):
+            session, port = self._sessions.pop(session_id, None), self._ports.pop(session_id, None)
+            self._children.closed(session_id)
+            if session is not None:
+                # A task that waits only for people is not interrupted: its request stays
+                # pending in the trace, and loading the session asks it again (R-HITL-1).
+                await session.aclose()
+                task_open = port is not None and port.machine.run_id is not None
+                self._open_tasks.closed(session_id, task_open=task_open)
+                await self._builder.release(session_id)
+            if delete:
+                self._open_tasks.deleted(session_id)
+                await self._store.catalog.delete(session_id)
 
     async def drain(self, grace_s: float) -> list[str]:
         """Drain before a stop (R-DRAIN-1, :mod:`~greenroom.actors.runtime.drain`): users
@@ -482,9 +480,7 @@ class Host:
         child.end_watches()
 
     def start_work(
-        self,
-        port: SessionPort,
-        task: TaskInput | None,
+        self, port: SessionPort, task: TaskInput | None,
         output: trio.MemorySendChannel[list[Output]],
     ) -> None:
         """Start ``port``'s work in the host's nursery (R-TREE-2; see HostServices)."""
@@ -509,12 +505,7 @@ class Host:
         return [p for port in list(self._ports.values()) for p in pending_of(port)]
 
     async def answer_approval(
-        self,
-        session_id: str,
-        call_id: str,
-        decision: Verdict,
-        by: str | None = None,
-        *,
+        self, session_id: str, call_id: str, decision: Verdict, by: str | None = None, *,
         digest: str | None = None,
     ) -> None:
         """Answer the pending approval of ``call_id``: ``allow``, ``deny`` or

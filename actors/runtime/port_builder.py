@@ -254,7 +254,9 @@ class PortBuilder:
         return port
 
     async def release(self, session_id: str) -> None:
-        """``session_id`` closed: its private MCP connections close."""
+        """``session_id`` closed: the trace log forgets it and its private MCP connections
+        close."""
+        self._store.log.release(session_id)
         await self.mcp.release(session_id)
 
     async def aclose(self) -> None:

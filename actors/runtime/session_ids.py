@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
 import trio
@@ -68,6 +68,14 @@ class OpeningSessions(Generic[S]):
         while (opening := self._opening.get(session_id)) is not None:
             await opening.wait()
         return self._open.get(session_id)
+
+    @contextlib.asynccontextmanager
+    async def held(self, session_id: str) -> AsyncIterator[None]:
+        """``session_id`` held (as :meth:`opening`) until the block ends, once no creation,
+        load or close of it is under way."""
+        await self.settled(session_id)
+        with self.opening(session_id):
+            yield
 
     @contextlib.contextmanager
     def opening(self, session_id: str) -> Iterator[None]:

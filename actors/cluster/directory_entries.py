@@ -1,0 +1,107 @@
+"""The session directory's entries of the sessions one host owns, kept up to date: the
+host that runs each, whether its task runs, the principals that may see it (the gateway's
+grants, R-SEC-4) and its ``session.json``. Another host that takes a session over, or
+routes a call to it, reads them (R-CLUSTER-1, R-CLUSTER-2).
+
+Updates are queued without blocking and one task sends them in order, so the last one
+sent holds the session's latest state."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import trio
+
+from greenroom.actors.cluster.errors import ClusterUnavailable
+from greenroom.actors.cluster.registry import SessionDirectory
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.trace_store import StoredSessionMissing, StoredSessionUnreadable
+from greenroom.protocols.outputs import Output, TaskEnd, TaskStart
+
+__all__ = ["DirectoryEntries", "Grantor"]
+
+
+class Grantor(Protocol):
+    """Who may see a session, at one gateway (the gateway's grants, R-SEC-4)."""
+
+    def grant(self, client_id: str, session_id: str) -> None:
+        """Let principal ``client_id`` see and steer session ``session_id``."""
+
+    def holders(self, session_id: str) -> frozenset[str]:
+        """The principals that may see session ``session_id``."""
+        ...
+
+
+class DirectoryEntries:
+    """The entries of host ``host_id``'s sessions. ``owns`` says whether the host still
+    owns a session (an update of one it gave up is dropped); ``warn`` hears of an update
+    that could not be sent. :meth:`bind` before :meth:`publish`, then run
+    :meth:`send_updates`."""
+
+    def __init__(
+        self, host_id: str, owns: Callable[[str], bool], warn: Callable[[str], None]
+    ) -> None:
+        self.host_id = host_id
+        self._owns = owns
+        self._warn = warn
+        self.grants: Grantor | None = None
+        self.running: dict[str, bool] = {}
+        """Whether each session's task runs, as its last task_start or task_end said."""
+        self._host: Host | None = None
+        self._directory: SessionDirectory | None = None
+        # Bounded: an update only names a session (its state is read when it is sent); a
+        # full channel drops one, and the next task_start or task_end sends it again.
+        self._send, self._receive = trio.open_memory_channel[str](1000)
+
+    def bind(self, host: Host, directory: SessionDirectory) -> None:
+        """The host whose sessions these are, and the directory to write to."""
+        self._host, self._directory = host, directory
+
+    async def follow(self, session_id: str, inbox: trio.MemoryReceiveChannel[list[Output]]) -> None:
+        """Announce each task_start and task_end of ``session_id`` read from ``inbox``."""
+        # The session's watcher, a task of the host's (R-ACTOR-1); ends when the session
+        # closes. Its work cannot fail: it records a flag and queues an update.
+        with inbox:
+            async for batch in inbox:
+                for output in batch:
+                    if isinstance(output, TaskStart | TaskEnd):
+                        self.running[session_id] = isinstance(output, TaskStart)
+                        self.announce(session_id)
+
+    def announce(self, session_id: str) -> None:
+        """Queue an update of ``session_id``'s entry."""
+        with contextlib.suppress(trio.WouldBlock):
+            self._send.send_nowait(session_id)
+
+    async def publish(self, session_id: str) -> None:
+        """Write ``session_id``'s entry now. Raises :class:`ClusterUnavailable`."""
+        assert self._directory is not None and self._host is not None
+        holders = sorted(self.grants.holders(session_id)) if self.grants else []
+        running = self.running.get(session_id, False)
+        entry = await _entry(self._host, self._directory, session_id, holders, running)
+        await self._directory.put(session_id, {**entry, "host": self.host_id})
+
+    async def send_updates(self) -> None:
+        """Send the queued updates in order, until cancelled."""
+        async for session_id in self._receive:
+            if not self._owns(session_id):
+                continue
+            try:
+                await self.publish(session_id)
+            except ClusterUnavailable as exc:
+                self._warn(f"cannot update session {session_id} in the directory: {exc}")
+
+
+async def _entry(
+    host: Host, directory: SessionDirectory, session_id: str, principals: list[str], running: bool
+) -> dict[str, Any]:
+    """``session_id``'s directory entry: its ``session.json`` (the one the directory has
+    when this host's cannot be read), whether it runs, who may see it."""
+    try:
+        meta = await host.trace_store.catalog.read_meta(session_id)
+    except (StoredSessionMissing, StoredSessionUnreadable):
+        known = await directory.get(session_id)
+        meta = (known or {}).get("meta", {})
+    return {"meta": meta, "running": running, "principals": principals}
