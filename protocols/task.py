@@ -771,6 +771,11 @@ class TaskMachine:
         )
 
     @property
+    def steering_queued(self) -> bool:
+        """Whether steering waits for the open task's next input assembly."""
+        return bool(self._steering)
+
+    @property
     def stop_reason(self) -> str | None:
         """Why the open task was told to stop, if it was."""
         return self._interrupt or self._fail_message or self._budget_message

@@ -14,9 +14,11 @@ import trio.testing
 from conftest import RUN_TIMEOUT_S, allow_all, open_host, trace_lines
 
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
+from greenroom.actors.runtime.emitter import OutputEmitter
 from greenroom.actors.runtime.errors import HostClosed
 from greenroom.protocols import markers
 from greenroom.protocols.context import ModelRequest, UserMessage
+from greenroom.protocols.task import TaskMachine
 from greenroom.protocols.tools import make_tool
 
 
@@ -101,3 +103,105 @@ async def test_a_drain_leaves_idle_and_parked_sessions_as_they_are(
         await session.run("hello", approve=allow_all).result()
         with trio.fail_after(RUN_TIMEOUT_S):
             assert await host.drain(grace_s=RUN_TIMEOUT_S) == []
+
+
+def _hold_sync_waits(monkeypatch: pytest.MonkeyPatch) -> tuple[trio.Event, trio.Event]:
+    """Make the drain hold's sync of the trace wait: set the first event once it waits,
+    the second to let it go on."""
+    holding, syncing, synced = trio.Event(), trio.Event(), trio.Event()
+    hold, sync = TaskMachine.hold, OutputEmitter.sync
+
+    def hold_and_tell(self: TaskMachine) -> None:
+        hold(self)
+        holding.set()
+
+    async def held_sync(self: OutputEmitter) -> None:
+        if holding.is_set() and not syncing.is_set():  # the hold's own sync
+            syncing.set()
+            with trio.CancelScope(shield=True):  # ends when the test says, even cancelled
+                await synced.wait()
+        await sync(self)
+
+    monkeypatch.setattr(TaskMachine, "hold", hold_and_tell)
+    monkeypatch.setattr(OutputEmitter, "sync", held_sync)
+    return syncing, synced
+
+
+async def test_an_interrupt_while_the_drain_holds_a_task_ends_it(
+    data_dir: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The user interrupts while the held task's trace is made durable at its boundary:
+    # the task ends aborted. The hold went on and parked it, the interrupt only in
+    # memory, and the next host took the task up as if it had never come.
+    slow = SlowTool()
+    first = ScriptedProvider([Reply(blocks=(text("Working."), tool_call("c1", "slow", x=1)))])
+    syncing, synced = _hold_sync_waits(monkeypatch)
+    async with open_host(data_dir) as host:
+        session = await host.create_session(
+            provider=first, tools=[slow.tool], workspace_dir=workspace
+        )
+        session.run("work on 1", approve=allow_all)
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await slow.started.wait()
+            async with trio.open_nursery() as nursery:
+                held: list[str] = []
+
+                async def drain() -> None:
+                    held.extend(await host.drain(grace_s=RUN_TIMEOUT_S))
+
+                nursery.start_soon(drain)
+                await trio.testing.wait_all_tasks_blocked()
+                slow.release.set()
+                await syncing.wait()
+                session.interrupt()
+            synced.set()  # after the drain: the cancelled sync ends after the hold's step
+            await session.wait_idle()
+        lines = trace_lines(session)
+    assert held == []
+    assert len(first.requests) == 1
+    ends = [line for line in lines if line["type"] == "task_end"]
+    assert [end["status"] for end in ends] == ["aborted"]
+
+
+async def test_steering_while_the_drain_holds_a_task_is_recorded_for_the_next_host(
+    data_dir: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Steering given while the held task's trace is made durable reaches the next host:
+    # it was kept only in the memory of the host that stopped.
+    slow = SlowTool()
+    first = ScriptedProvider([Reply(blocks=(text("Working."), tool_call("c1", "slow", x=1)))])
+    syncing, synced = _hold_sync_waits(monkeypatch)
+    async with open_host(data_dir) as host:
+        session = await host.create_session(
+            provider=first, tools=[slow.tool], workspace_dir=workspace
+        )
+        session.run("work on 1", approve=allow_all)
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await slow.started.wait()
+            async with trio.open_nursery() as nursery:
+                held: list[str] = []
+
+                async def drain() -> None:
+                    held.extend(await host.drain(grace_s=RUN_TIMEOUT_S))
+
+                nursery.start_soon(drain)
+                await trio.testing.wait_all_tasks_blocked()
+                assert session.steer("mind the edges")
+                slow.release.set()
+                await syncing.wait()
+                assert session.steer("and the corners")
+                synced.set()
+        assert held == [session.id]
+        sid = session.id
+
+    again = ScriptedProvider([Reply(blocks=(text("Done."),))])
+    async with open_host(data_dir) as host:
+        session = await host.resume(sid, provider=again, tools=[slow.tool])
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await session.wait_idle()
+        lines = trace_lines(session)
+    assert lines[-1]["type"] == "task_end" and lines[-1]["status"] == "completed"
+    steering = [line for line in lines if line["type"] == "user_msg" and line["kind"] == "steering"]
+    assert [s["content"][0]["text"] for s in steering] == ["mind the edges", "and the corners"]
+    (request,) = again.requests
+    assert "and the corners" in str(request.messages)

@@ -419,7 +419,10 @@ class SessionSupervisor:
                     content=attached,
                 )
             )
-        await self._sync()
+        if not await self._sync() or machine.steering_queued:
+            # An interrupt came while the trace was made durable (the task ends at its
+            # next step), or steering (it holds again, with that steering recorded).
+            return False
         task, self._task = self._running(), None
         port.parked_task = await task.park(self._output, self._cancel_event)
         port.held = True
