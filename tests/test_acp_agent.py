@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pydantic
+import pytest
 import trio
 import trio.testing
 from acp.schema import (
@@ -25,6 +26,7 @@ from acp.schema import (
 from conftest import port_of
 
 from greenroom.actors.apps.acp import AcpAgent, AcpConfig
+from greenroom.actors.apps.acp_people import Asked
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.subagents import spawn_subagent
 from greenroom.actors.scripted import (
@@ -296,3 +298,49 @@ async def test_session_fork_continues_a_copy_of_the_history(tmp_path: Path) -> N
             assert "no session" in unknown["error"]["message"]
             await to_agent.aclose()
     assert provider.violations == []
+
+
+async def test_a_session_opened_while_the_agent_shuts_down_leaves_it_cleanly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The editor went away while its session/new was on its way: the session that opened
+    # during the shutdown ended the agent with "dictionary changed size during iteration".
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    to_agent, agent_in = trio.testing.memory_stream_one_way_pair()
+    agent_out, from_agent = trio.testing.memory_stream_one_way_pair()
+    client = Client(to_agent, from_agent)
+    config = AcpConfig(provider=ScriptedProvider([]), tools=())
+    creating, may_create = trio.Event(), trio.Event()
+    asking, may_answer = trio.Event(), trio.Event()
+    create, waits = Host.create_session, Asked.waits_for_people
+
+    async def held_create(self: Host, **options: Any) -> Any:
+        creating.set()
+        await may_create.wait()
+        return await create(self, **options)
+
+    async def held_waits(self: Asked) -> bool:
+        asking.set()
+        await may_answer.wait()
+        return await waits(self)
+
+    with trio.fail_after(TIMEOUT_S):
+        async with Host.open(data_dir=tmp_path / "data") as host, trio.open_nursery() as nursery:
+            agent = AcpAgent(host, config, agent_out)
+            nursery.start_soon(agent.serve, agent_in)
+            await client.call("initialize", {"protocolVersion": 1})
+            await client.call("session/new", {"cwd": str(workspace), "mcpServers": []})
+            monkeypatch.setattr(Host, "create_session", held_create)
+            monkeypatch.setattr(Asked, "waits_for_people", held_waits)
+            await client._write(
+                {"jsonrpc": "2.0", "id": 1, "method": "session/new",
+                 "params": {"cwd": str(workspace), "mcpServers": []}}
+            )
+            await creating.wait()
+            await to_agent.aclose()  # the editor goes away
+            await asking.wait()  # the shutdown looks at the first session
+            may_create.set()
+            await trio.testing.wait_all_tasks_blocked()  # the second one opens
+            may_answer.set()
+    assert len(host.sessions) == 0

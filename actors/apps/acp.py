@@ -487,15 +487,17 @@ class AcpAgent:
         the requests to be answered and for the answers to be written. A task that waits
         for the editor's answer is not interrupted: once it is parked its request waits in
         the trace, asked again when the session is loaded (R-HITL-1)."""
-        waiting = [e for e in self._sessions.values() if await e.asked.waits_for_people()]
-        for entry in self._sessions.values():
+        # Copies: requests still being answered open and close sessions meanwhile.
+        entries = list(self._sessions.values())
+        waiting = [e for e in entries if await e.asked.waits_for_people()]
+        for entry in list(self._sessions.values()):
             if entry not in waiting:
                 entry.session.interrupt("the ACP client went away")
         with trio.move_on_after(SHUTDOWN_GRACE_S):
             for entry in waiting:
                 await entry.session.wait_idle()  # parked
                 entry.stop_reading()
-            for entry in self._sessions.values():
+            for entry in list(self._sessions.values()):
                 await entry.idle.wait()
             while self._answering or self._wire.outbox.pending:
                 await self._wire.outbox.changed()
