@@ -6,18 +6,21 @@ budget, a subtree's budget or a principal's; and spending that outlives the host
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from conftest import allow_all, collect, ledger_rows, of_type
 
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
-from greenroom.actors.runtime.accounting import PrincipalBudget
+from greenroom.actors.runtime.accounting import Accounting, PrincipalBudget
 from greenroom.actors.runtime.errors import ConfigurationError
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.subagents import spawn_subagent
 from greenroom.protocols.outputs import RequestBegin, TaskEnd, TokenUsageOutput, ToolCallOutput
+from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.stream import TokenUsage
 from greenroom.protocols.tools import tool
 
@@ -236,3 +239,44 @@ async def test_an_automatic_compaction_is_a_request_the_budget_checks_too(
     assert end.status == "budget_exceeded" and "max_cost_usd=1.5" in (end.message or "")
     assert not [o for o in outputs if o.TYPE.startswith("compaction")]
     assert len(provider.requests) == 1
+
+
+async def test_a_principals_budget_a_failed_session_was_reading_is_read_for_the_next() -> None:
+    # Two sessions of one principal open at once, and the first one's reading of the
+    # ledger fails: the second took that session's half-made limit, counting from
+    # nothing and shared with nobody (R-SHARE-4).
+    reading, fail = trio.Event(), trio.Event()
+
+    class Ledger:
+        calls = 0
+
+        async def report(self, query: Any) -> list[Any]:
+            self.calls += 1
+            if self.calls == 1:
+                reading.set()
+                await fail.wait()
+                raise OSError("the ledger cannot be read")
+            return [SimpleNamespace(cost_usd=4.0)]
+
+    ledger: Any = Ledger()
+    accounting = Accounting(ledger, principal_budget=PrincipalBudget(usd=5.0))
+    settings = SessionSettings(model="claude-sonnet-4-5")
+    opened: list[Any] = []
+
+    async def first() -> None:
+        with pytest.raises(OSError, match="cannot be read"):
+            await accounting.account("s1", settings, principal="ada")
+
+    async def second() -> None:
+        opened.append(await accounting.account("s2", settings, principal="ada"))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(first)
+        await reading.wait()
+        nursery.start_soon(second)
+        await trio.testing.wait_all_tasks_blocked()
+        fail.set()
+    (limit,) = opened[0].limits
+    assert limit.spent_usd == 4.0  # what the ledger holds
+    third = await accounting.account("s3", settings, principal="ada")
+    assert third.limits == (limit,)  # one limit for the principal's sessions

@@ -213,11 +213,13 @@ class Accounting:
         return Account(price, principal, limits)
 
     async def _principal_limit(self, principal: str, budget: PrincipalBudget) -> SpendLimit:
-        known = self._principals.get(principal)
-        if known is not None:
+        while (known := self._principals.get(principal)) is not None:
+            if known[1].is_set():
+                # The limit shared with other hosts, once it is (the same one when not).
+                return known[0]
+            # Another session seeds it. When that fails (its entry goes), seed it here:
+            # a limit of one's own would count from nothing and for nobody else.
             await known[1].wait()
-            # The limit shared with other hosts, once it is (the same one when not).
-            return self._principals.get(principal, known)[0]
         now = time.time()
         since = period_start(budget.period, now)
         name = f"budget of principal {principal!r} ({budget.usd:g} USD per UTC {budget.period})"
