@@ -16,6 +16,7 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -731,3 +732,43 @@ async def test_a_token_budget_holds_for_a_whole_subtree(
         assert lines[-1]["status"] == "aborted"
     assert "budget" in child_trace(data_dir, child)[-2]["reason"]
     assert child_trace(data_dir, grandchild)[-2]["reason"] == "parent task interrupted"
+
+
+async def test_a_child_created_while_a_loaded_sessions_children_are_read_is_among_them(
+    data_dir: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # R-TREE-1: the children of a session loaded from the store are read from the
+    # catalog once, then kept. A child created while they were read was missed, by that
+    # answer and by every later one while the session stayed open.
+    async with open_host(data_dir) as host:
+        parent = await host.create_session(provider="scripted", workspace_dir=workspace)
+        parent_id = parent.id
+        await host.close_session(parent_id)
+        parent = await host.load_session(parent_id)
+        catalog = host.trace_store.catalog
+        list_sessions = catalog.list_sessions
+        listed, may_answer = trio.Event(), trio.Event()
+
+        async def listed_then_wait() -> Any:
+            found = await list_sessions()
+            listed.set()
+            await may_answer.wait()
+            return found
+
+        monkeypatch.setattr(catalog, "list_sessions", listed_then_wait)
+        answers: list[list[str]] = []
+
+        async def children() -> None:
+            answers.append([c.id for c in await parent.children()])
+
+        with trio.fail_after(RUN_TIMEOUT_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(children)
+                await listed.wait()
+                child = await host.create_session(
+                    provider="scripted", workspace_dir=workspace, parent_id=parent_id
+                )
+                may_answer.set()
+            monkeypatch.undo()
+            answers.append([c.id for c in await parent.children()])
+        assert answers == [[child.id], [child.id]]

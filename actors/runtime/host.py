@@ -152,7 +152,7 @@ class Host:
         self._sessions: dict[str, Session] = {}
         self._ports: dict[str, SessionPort] = {}
         self._opening = OpeningSessions(self._sessions)
-        self._children = ChildIndex(store.catalog, self.load_session)
+        self._children = ChildIndex(store.catalog, self.load_session, self._sessions.__contains__)
         self._builder = PortBuilder(self, data_dir, store, nursery.start_soon, accounting,
                                     admissions)
         self.child_reports = ChildReports(self)
@@ -362,7 +362,7 @@ class Host:
     async def children_of(self, session_id: str) -> list[Session]:
         """The subagents of ``session_id``, running and finished (loaded), oldest first:
         ``Session.children`` (R-TREE-1)."""
-        return await self._children.sessions(session_id, keep=session_id in self._sessions)
+        return await self._children.sessions(session_id)
 
     async def list_sessions(self) -> list[SessionInfo]:
         """Every readable session stored in the data dir, newest first."""
