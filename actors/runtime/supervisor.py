@@ -411,14 +411,8 @@ class SessionSupervisor:
             return False
         machine.hold()
         if attached:
-            self._out.emit(
-                UserMsg(
-                    session_id=port.id,
-                    run_id=machine.run_id or "",
-                    kind="steering",
-                    content=attached,
-                )
-            )
+            self._out.emit(UserMsg(session_id=port.id, run_id=machine.run_id or "",
+                                   kind="steering", content=attached))
         if not await self._sync() or machine.steering_queued:
             # An interrupt came while the trace was made durable (the task ends at its
             # next step), or steering (it holds again, with that steering recorded).
