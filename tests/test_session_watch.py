@@ -172,3 +172,16 @@ async def test_the_otel_observer_maps_outputs_in_its_own_task(tmp_path: Path) ->
             await collect(session.run("first"))
     assert mapped == heard and len(heard) > 2
     assert not set(mappers) & set(publishers)
+
+
+async def test_a_watch_of_a_closed_session_ends_at_once(tmp_path: Path) -> None:
+    # Nothing is published after the session closed: a watch begun then (a hub or feed
+    # that adopted the session just as it closed) waited for ever.
+    async with Host.open(tmp_path / "data") as host:
+        session = await host.create_session(provider="scripted", workspace_dir=tmp_path)
+        await host.close_session(session.id)
+        # Unbounded: the test only looks at whether the channel ended.
+        send, receive = trio.open_memory_channel[list[Output]](math.inf)
+        session.watch(send)
+        with pytest.raises(trio.EndOfChannel):
+            receive.receive_nowait()

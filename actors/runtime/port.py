@@ -213,6 +213,7 @@ class SessionPort:
         "_seq",
         "_tool_schemas",
         "_tools",
+        "_watches_ended",
         "account",
         "admission",
         "children",
@@ -325,6 +326,7 @@ class SessionPort:
         self._client_tools: tuple[Tool, ...] = ()
         self._seq = last_seq
         self._listeners: list[Listener] | None = None
+        self._watches_ended = False
         self._next_run_id: str | None = None
         self._path = origin
 
@@ -626,13 +628,18 @@ class SessionPort:
         kinds: tuple[type[Output], ...] | None = None,
     ) -> None:
         """Send every batch published from now on to ``inbox`` with ``send_nowait`` (only
-        its outputs of ``kinds``, and only when it has some, when ``kinds`` is given)."""
+        its outputs of ``kinds``, and only when it has some, when ``kinds`` is given).
+        After :meth:`end_watches` the inbox is closed at once: nothing is published."""
+        if self._watches_ended:
+            inbox.close()
+            return
         if self._listeners is None:
             self._listeners = []
         self._listeners.append(_Watch(inbox, self._listeners, kinds))
 
     def end_watches(self) -> None:
         """Close the inbox of every watch: nothing more is published."""
+        self._watches_ended = True
         for listener in tuple(self._listeners or ()):
             if isinstance(listener, _Watch):
                 listener.end()
