@@ -185,3 +185,21 @@ async def test_a_watch_of_a_closed_session_ends_at_once(tmp_path: Path) -> None:
         session.watch(send)
         with pytest.raises(trio.EndOfChannel):
             receive.receive_nowait()
+
+
+async def test_a_closed_feed_leaves_no_watch_on_an_idle_session(tmp_path: Path) -> None:
+    # An A2A or AG-UI reader that comes and goes (a front end reconnecting) on an idle
+    # session: each feed's watch stayed on the session until it next published, and the
+    # next publish removed them one by one (quadratic in their number).
+    from greenroom.actors.gateway.feeds import SessionFeed
+
+    async with Host.open(tmp_path / "data") as host:
+        session = await host.create_session(provider="scripted", workspace_dir=tmp_path)
+        watching = session._port._listeners
+        before = len(watching or ())
+        for _ in range(50):
+            with SessionFeed(session) as feed:
+                assert await feed.next_batch() == []  # the replay: nothing yet
+        assert len(session._port._listeners or ()) == before
+        result = await session.run("hi").result()  # and the session publishes as before
+        assert result.task_end.status == "completed"

@@ -17,6 +17,8 @@ Invariants (those of the hubs' subscriptions, :mod:`greenroom.actors.gateway.hub
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import trio
 
 from greenroom.actors.gateway.hubs import replay_records
@@ -46,6 +48,7 @@ class SessionFeed:
         self._replay = replay
         self._pending: list[Output] = []
         self._receive: trio.MemoryReceiveChannel[list[Output]] | None = None
+        self._unwatch: Callable[[], None] | None = None
         self._watch()
 
     def __enter__(self) -> SessionFeed:
@@ -55,7 +58,9 @@ class SessionFeed:
         self.close()
 
     def close(self) -> None:
-        """End the watch (the session notices at its next batch)."""
+        """End the watch now: the session keeps nothing of it."""
+        if self._unwatch is not None:
+            self._unwatch()
         if self._receive is not None:
             self._receive.close()
 
@@ -78,7 +83,7 @@ class SessionFeed:
         # Bounded (FEED_BATCHES): the session sends with send_nowait and cuts a full
         # watch off; the feed then reads what it missed from the trace.
         send, self._receive = trio.open_memory_channel[list[Output]](FEED_BATCHES)
-        self.session.watch(send)
+        self._unwatch = self.session.watch(send)
 
     async def next_batch(self) -> list[Output] | None:
         """The next outputs, in order (waits for them; the replay's may be none); None

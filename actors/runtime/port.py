@@ -626,16 +626,19 @@ class SessionPort:
         inbox: trio.MemorySendChannel[list[Output]],
         *,
         kinds: tuple[type[Output], ...] | None = None,
-    ) -> None:
+    ) -> Callable[[], None]:
         """Send every batch published from now on to ``inbox`` with ``send_nowait`` (only
         its outputs of ``kinds``, and only when it has some, when ``kinds`` is given).
-        After :meth:`end_watches` the inbox is closed at once: nothing is published."""
+        After :meth:`end_watches` the inbox is closed at once: nothing is published.
+        Returns what ends the watch now (closing ``inbox``)."""
         if self._watches_ended:
             inbox.close()
-            return
+            return inbox.close
         if self._listeners is None:
             self._listeners = []
-        self._listeners.append(_Watch(inbox, self._listeners, kinds))
+        watch = _Watch(inbox, self._listeners, kinds)
+        self._listeners.append(watch)
+        return watch.end
 
     def end_watches(self) -> None:
         """Close the inbox of every watch: nothing more is published."""

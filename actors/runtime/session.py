@@ -773,11 +773,9 @@ class Session:
         return self._port.subscribe(listener)
 
     def watch(
-        self,
-        inbox: trio.MemorySendChannel[list[Output]],
-        *,
+        self, inbox: trio.MemorySendChannel[list[Output]], *,
         kinds: tuple[type[Output], ...] | None = None,
-    ) -> None:
+    ) -> Callable[[], None]:
         """Send every batch published from now on to ``inbox``, in order (R-ACTOR-1): the
         watcher is a task of its own that opens the channel, hands the session its send
         side and drains the receive side. The publisher never waits: each batch is sent
@@ -793,8 +791,9 @@ class Session:
 
         With ``kinds``, a batch is cut down to its outputs of those types, and one that
         has none is not sent: a watcher that acts on a few kinds of output (a task's start
-        and end, say) is then not woken for each partial output."""
-        self._port.watch(inbox, kinds=kinds)
+        and end, say) is then not woken for each partial output. Returns what ends the
+        watch at once (closing ``inbox``): a watcher that stops leaves nothing behind."""
+        return self._port.watch(inbox, kinds=kinds)
 
     async def wait_idle(self) -> None:
         """Return when no task is running."""
