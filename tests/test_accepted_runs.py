@@ -251,3 +251,37 @@ async def test_a_run_waiting_for_its_prompt_holds_up_no_later_call(tmp_path: Pat
             assert second["id"] == "run" and isinstance(second["result"]["run_id"], str)
             await session.wait_idle()
     assert trace_lines(session)[-1]["status"] == "completed"
+
+
+async def test_a_run_whose_client_left_before_its_answer_keeps_no_outputs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that sends ``run`` and goes away before the prompt is durable: the run
+    goes on (its outputs in the trace and to subscribers) and its stream is let go. It was
+    kept open, unread, and held every output of the run and its follow-ups."""
+    disk = FaultyDisk()
+    options = {"trace_store": lambda d: FileTraceStore(d, disk=disk)}
+    streams: list[Any] = []
+    run = Session.run
+
+    def run_and_keep(self: Session, *args: Any, **kwargs: Any) -> Any:
+        streams.append(run(self, *args, **kwargs))
+        return streams[-1]
+
+    monkeypatch.setattr(Session, "run", run_and_keep)
+    async with serving(tmp_path, host_options=options) as server:
+        async with connect(server) as client:
+            sid = (await client.result("session.create"))["session_id"]
+            session = await server.host.load_session(sid)
+            disk.stall(session.trace_path)
+            with trio.fail_after(RUN_TIMEOUT_S):
+                await client.send({"jsonrpc": "2.0", "id": "run", "method": "run",
+                                   "params": {"session_id": sid, "input": "hi"}})
+                await trio.to_thread.run_sync(disk.stalled.wait, RUN_TIMEOUT_S)
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await trio.testing.wait_all_tasks_blocked()
+            (stream,) = streams
+            assert stream._receive.statistics().open_receive_channels == 0
+            disk.release()
+            await session.wait_idle()
+    assert trace_lines(session)[-1]["status"] == "completed"

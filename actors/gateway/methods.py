@@ -428,9 +428,13 @@ class Methods:
         async def once_accepted() -> dict[str, Any]:
             # Answered once the prompt is durable: from then on the run is not lost with
             # this host (R-CLUSTER-2); a disk that hangs holds the answer only so long.
-            with trio.move_on_after(ACCEPT_WAIT_S):
-                await stream.accepted()
-            stream.detach()  # clients read the outputs through their subscriptions
+            try:
+                with trio.move_on_after(ACCEPT_WAIT_S):
+                    await stream.accepted()
+            finally:
+                # Clients read the outputs through their subscriptions; and one that went
+                # away meanwhile leaves none piling up here for the run's whole life.
+                stream.detach()
             return {"run_id": stream.run_id}
 
         # The task has started: the connection's next call (a steer, say) finds it so,

@@ -357,16 +357,19 @@ async def _compaction_end(stream: RunStream) -> CompactionEnd | None:
     """The ``compaction_end`` of a manual compaction's ``stream``, read until the session
     is idle again or a task queued meanwhile starts."""
     end: CompactionEnd | None = None
-    async for output in stream:
-        if output.origin is not None:
-            continue
-        if isinstance(output, CompactionEnd) and end is None:
-            end = output
-        elif isinstance(output, TaskStart) and end is not None:
-            # A follow-up queued meanwhile is a task of its own, which may wait long (for
-            # a person's answer); the compaction's caller does not wait for it.
-            stream.detach()
-            break
+    try:
+        async for output in stream:
+            if output.origin is not None:
+                continue
+            if isinstance(output, CompactionEnd) and end is None:
+                end = output
+            elif isinstance(output, TaskStart) and end is not None:
+                # A follow-up queued meanwhile is a task of its own, which may wait long
+                # (for a person's answer); the compaction's caller does not wait for it.
+                break
+    finally:
+        # Also when the caller is cancelled: the outputs of what runs on pile up nowhere.
+        stream.detach()
     return end
 
 
