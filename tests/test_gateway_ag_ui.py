@@ -191,6 +191,8 @@ async def test_bad_input_is_refused_with_a_reason(tmp_path: Path) -> None:
             url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
             for body, words in (
                 (b"{nope", "not JSON"),
+                (b"[" * 5000 + b"]" * 5000, "not JSON"),
+                (b"[" * 100 + b"]" * 100, "nested deeper than 64"),
                 ({"threadId": "t"}, "$.runId"),
                 (run_input("bad/thread", "r", "hi"), "$.threadId"),
                 (run_input("t", "r"), "no user message"),
@@ -198,6 +200,12 @@ async def test_bad_input_is_refused_with_a_reason(tmp_path: Path) -> None:
                 refused = await posted(url, body)
                 assert refused.status == 400, body
                 assert words in refused.body["error"]["message"]
+            for last_event in (b"\xb2", b"-1", b"1" * 19):  # "²" (latin-1): its isdigit() is true
+                refused = await posted(
+                    url, run_input("t", "r", "hi"), headers={"Last-Event-ID": last_event}
+                )
+                assert refused.status == 400, last_event
+                assert "Last-Event-ID" in refused.body["error"]["message"]
             answer = await trio.to_thread.run_sync(
                 lambda: httpx.get(url, headers={"Authorization": f"Bearer {TOKEN}"})
             )

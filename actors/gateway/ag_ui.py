@@ -31,6 +31,7 @@ reconnects from its last event id.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pydantic
@@ -48,12 +49,14 @@ from greenroom.protocols.content import TextBlock
 from greenroom.protocols.jsonrpc import RpcError
 from greenroom.protocols.outputs import ApprovalRequest
 from greenroom.protocols.people import PendingApproval, Verdict
-from greenroom.protocols.tools import client_tool
+from greenroom.protocols.tools import client_tool, value_too_deep
 
 __all__ = ["AG_UI_PATH", "AgUiEndpoint"]
 
 AG_UI_PATH = "/ag-ui"
 
+LAST_EVENT_ID = re.compile(r"[0-9]{1,18}")
+"""An event id this endpoint gives: ASCII digits (``str.isdigit`` takes ``²`` too)."""
 MAX_TEXT_CHARS = 100_000
 """The longest text a run's new user messages may carry."""
 
@@ -112,8 +115,10 @@ class AgUiEndpoint:
     def _input(self, body: bytes) -> RunAgentInput:
         try:
             value = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise _Refused(400, f"the body is not JSON: {exc}") from None
+        if value_too_deep(value, jsonrpc.MAX_DEPTH):
+            raise _Refused(400, f"the body is nested deeper than {jsonrpc.MAX_DEPTH} levels")
         try:
             run = RunAgentInput.model_validate(value)
         except pydantic.ValidationError as exc:
@@ -246,7 +251,7 @@ class AgUiEndpoint:
     async def _reconnect(
         self, session: Session, last_event: str
     ) -> tuple[SessionFeed, list[PendingApproval]]:
-        if not last_event.isdigit() or len(last_event) > 18:
+        if not LAST_EVENT_ID.fullmatch(last_event):
             raise _Refused(400, "Last-Event-ID: the id of an event of this endpoint (a number)")
         after = int(last_event)
         records = await replay_records(session, 0)
