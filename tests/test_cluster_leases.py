@@ -6,12 +6,14 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Any, cast
 
+import nats.errors
 import nats.js.errors
 import nats.js.kv
+import pytest
 import trio
 
 from greenroom.actors.cluster.connection import Connection
-from greenroom.actors.cluster.errors import LeaseLost
+from greenroom.actors.cluster.errors import ClusterUnavailable, LeaseLost
 from greenroom.actors.cluster.leases import Lease, LeaseTable
 from tests.support.nats import (  # the fixture is used as nats_server
     NatsProcess,
@@ -133,3 +135,30 @@ def test_a_release_after_a_renewal_it_did_not_wait_for_releases(
 
 def lease_of(session_id: str, host_id: str, revision: int) -> Lease:
     return Lease(session_id=session_id, host_id=host_id, revision=revision - 1)
+
+
+def test_a_subscription_that_cannot_be_confirmed_leaves_no_subscriber(
+    nats_server: NatsProcess,
+) -> None:
+    # The flush that confirms a subscription failed (or was cancelled): the subscription
+    # stayed, taking the subject's requests and answering none, so that an asker waited
+    # out its whole timeout instead of hearing at once that nobody serves it.
+    async def body(conn: Connection) -> tuple[int, int]:
+        before = len(conn.client._subs)
+        client: Any = conn.client
+        flush = client.flush
+
+        async def failing_flush(*args: Any, **kwargs: Any) -> None:
+            raise nats.errors.TimeoutError
+
+        client.flush = failing_flush
+        try:
+            with pytest.raises(ClusterUnavailable):
+                async with conn.subscription(conn.names.admission_subject("endpoint")):
+                    pass
+        finally:
+            client.flush = flush
+        return before, len(conn.client._subs)
+
+    before, after = run_connected(nats_server.url, body)
+    assert after == before

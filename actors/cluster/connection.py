@@ -21,6 +21,7 @@ import nats.js.errors
 import trio
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
 from greenroom.actors.cluster.bridge import Bridge, Inbox
@@ -193,19 +194,21 @@ class Connection:
         be made."""
         inbox: Inbox[Msg] = self.bridge.inbox()
         self.inboxes.add(inbox)
+        sub: Subscription | None = None
         try:
             try:
                 sub = await self.call(self.client.subscribe(subject, cb=inbox.put))
                 await self.call(self.client.flush())
             except nats.errors.Error as exc:
                 raise ClusterUnavailable(f"cannot subscribe to {subject}: {exc}") from exc
-            try:
-                yield inbox
-            finally:
+            yield inbox
+        finally:
+            # Also when the confirming flush failed or was cancelled: a subscriber left
+            # behind would take the subject's requests and answer none.
+            if sub is not None:
                 with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_S):
                     with contextlib.suppress(ClusterUnavailable, nats.errors.Error):
                         await self.call(sub.unsubscribe())
-        finally:
             self.inboxes.discard(inbox)
             inbox.end()
 
