@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 from conftest import allow_all, collect
 
 import greenroom
@@ -24,7 +25,7 @@ from greenroom.actors.tools import (
     parse_prompt_command,
     prompt_usage,
 )
-from greenroom.actors.tools.mcp import McpServerError
+from greenroom.actors.tools.mcp import McpConnection, McpServerError
 from greenroom.actors.tools.mcp_commands import MAX_ATTACHMENTS
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.tools import Tool
@@ -183,3 +184,44 @@ async def test_one_input_attaches_at_most_max_attachments() -> None:
     assert info.value.index == 2
     assert str(info.value) == f"@f:one-more: one input attaches at most {MAX_ATTACHMENTS} resources"
     assert "one-more" not in read and len(read) == MAX_ATTACHMENTS
+
+
+async def test_a_session_whose_creation_was_cancelled_is_no_root_of_a_shared_server(
+    mcp_host: Host, workspace: Path, providers: Any, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """R-MCP-5, R-SEC-4: a creation cancelled while its servers' tools were listed (a
+    client that went away) left its workspace among the roots a shared server is told,
+    for the other sessions' (and principals') servers to see."""
+    provider = providers([
+        Reply(blocks=(tool_call("c1", "mcp__t__roots"),)),
+        Reply(blocks=(text("done"),)),
+    ])  # fmt: skip
+    session = await mcp_host.create_session(
+        provider=provider, workspace_dir=workspace, mcp_servers={"t": stdio()}
+    )
+    listing = trio.Event()
+
+    async def list_for_ever(self: Any) -> Any:
+        listing.set()
+        await trio.sleep_forever()
+
+    monkeypatch.setattr(McpConnection, "list_tools", list_for_ever)
+    other_workspace = tmp_path / "other"
+    other_workspace.mkdir()
+    positions: Any = mcp_host.trace_log
+    traced = set(positions._positions)
+    async with trio.open_nursery() as nursery:
+
+        async def create() -> None:
+            await mcp_host.create_session(
+                provider=provider, workspace_dir=other_workspace, mcp_servers={"t": stdio()}
+            )
+
+        nursery.start_soon(create)
+        await listing.wait()
+        nursery.cancel_scope.cancel()
+    monkeypatch.undo()
+    assert set(positions._positions) == traced  # nor does the trace log keep it
+    by_call = outputs_by_call(await collect(session.run("roots", approve=allow_all)))
+    assert [r["uri"] for r in json.loads(content_text(by_call["c1"]))] == [workspace.as_uri()]

@@ -9,10 +9,11 @@ MCP connections and the accounting."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -153,7 +154,8 @@ class PortBuilder:
         if hooks is not None:
             port.hooks = hooks
         if mcp_configs:
-            await self.mcp.attach(port, mcp_configs)
+            with self._forgotten_unless_opened(session_id):
+                await self.mcp.attach(port, mcp_configs)
         return port
 
     async def child(
@@ -220,38 +222,52 @@ class PortBuilder:
             stored=True,
         )
         loaded = await self._store.log.load(session_id)
-        records = list(loaded.records)
-        if records and isinstance(records[0], Rewind):
-            # A rewind into an earlier context started this trace: its context begins
-            # there (R-FORK-2).
-            records = context_at(await self._store.log.read_after(session_id))
-        identity = self._shared.identity(await trio.to_thread.run_sync(_stored_workspace, meta))
-        port = SessionPort(
-            host=self._host,
-            session_id=session_id,
-            directory=directory,
-            settings=settings,
-            workspace_dir=identity.path,
-            tools=self._shared.tool_table(list(tools)),
-            provider=model_provider,
-            transcript=rebuild(records, supports_vision=settings.supports_vision, recover=False),
-            machine=fold(records),
-            last_seq=loaded.last_seq,
-            parent_id=meta.get("parent_id"),
-            workspace_identity=identity,
-            origin=_stored_origin(meta, session_id),
-            account=account,
-            admission=self.admissions.of(model_provider),
-            principal=account.principal or "",
-        )
-        port.load_errors = list(loaded.errors)
-        port.forked_from = _forked_from(meta)
-        if meta.get("background") is True and port.parent_id is not None:
-            name = meta.get("name")
-            port.report_as = name if isinstance(name, str) and name else session_id
-        if mcp_configs:
-            await self.mcp.attach(port, mcp_configs)
-        return port
+        with self._forgotten_unless_opened(session_id):
+            records = list(loaded.records)
+            if records and isinstance(records[0], Rewind):
+                # A rewind into an earlier context started this trace: its context begins
+                # there (R-FORK-2).
+                records = context_at(await self._store.log.read_after(session_id))
+            stored_at = await trio.to_thread.run_sync(_stored_workspace, meta)
+            identity = self._shared.identity(stored_at)
+            port = SessionPort(
+                host=self._host,
+                session_id=session_id,
+                directory=directory,
+                settings=settings,
+                workspace_dir=identity.path,
+                tools=self._shared.tool_table(list(tools)),
+                provider=model_provider,
+                transcript=rebuild(
+                    records, supports_vision=settings.supports_vision, recover=False
+                ),
+                machine=fold(records),
+                last_seq=loaded.last_seq,
+                parent_id=meta.get("parent_id"),
+                workspace_identity=identity,
+                origin=_stored_origin(meta, session_id),
+                account=account,
+                admission=self.admissions.of(model_provider),
+                principal=account.principal or "",
+            )
+            port.load_errors = list(loaded.errors)
+            port.forked_from = _forked_from(meta)
+            if meta.get("background") is True and port.parent_id is not None:
+                name = meta.get("name")
+                port.report_as = name if isinstance(name, str) and name else session_id
+            if mcp_configs:
+                await self.mcp.attach(port, mcp_configs)
+            return port
+
+    @contextlib.contextmanager
+    def _forgotten_unless_opened(self, session_id: str) -> Iterator[None]:
+        """Past the trace's start or load: when the port is not made (its creation was
+        cancelled, a client that went away), the trace log forgets the session."""
+        try:
+            yield
+        except BaseException:
+            self._store.log.release(session_id)
+            raise
 
     async def release(self, session_id: str) -> None:
         """``session_id`` closed: the trace log forgets it and its private MCP connections

@@ -1060,9 +1060,18 @@ async def attach_servers(
     connections = [manager.connection(config, session.id) for config in configs.values()]
     for connection in connections:
         connection.roots.add(session.id, session.workspace_dir)
-    async with trio.open_nursery() as nursery:
+    try:
+        async with trio.open_nursery() as nursery:
+            for connection in connections:
+                nursery.start_soon(_list_quietly, connection)
+    except BaseException:
+        # The session will not open (its creation was cancelled: a client that went
+        # away): its workspace is no root of a shared server, its own servers stop.
         for connection in connections:
-            nursery.start_soon(_list_quietly, connection)
+            connection.roots.drop(session.id)
+        with trio.CancelScope(shield=True):
+            await manager.release(session.id)
+        raise
     binding = McpBinding(session, tuple(session.tool_by_name.values()), connections)
     tools, schemas = binding.build()
     binding.table.replace(tools)
