@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import trio
 import trio.lowlevel
+import trio.testing
 from conftest import collect
 
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
@@ -203,3 +204,39 @@ async def test_a_closed_feed_leaves_no_watch_on_an_idle_session(tmp_path: Path) 
         assert len(session._port._listeners or ()) == before
         result = await session.run("hi").result()  # and the session publishes as before
         assert result.task_end.status == "completed"
+
+
+async def test_a_close_the_shutdown_bound_cuts_short_still_ends_the_watches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+) -> None:
+    # A session whose last sync hangs past the host's shutdown bound: its close was cut
+    # short before the watches ended, and the provider clients and MCP servers were never
+    # closed; a watcher, or the MCP servers' manager, then held the host open for ever.
+    from greenroom.actors.runtime.port import SessionPort
+    from greenroom.actors.runtime.port_builder import PortBuilder
+
+    async def hangs(self: SessionPort) -> None:
+        await trio.sleep_forever()
+
+    closed: list[str] = []
+    builder_aclose = PortBuilder.aclose
+
+    async def aclose_and_tell(self: PortBuilder) -> None:
+        closed.append("clients")
+        await builder_aclose(self)
+
+    monkeypatch.setattr(PortBuilder, "aclose", aclose_and_tell)
+    # Unbounded: the test only looks at whether the watch ended.
+    send, receive = trio.open_memory_channel[list[Output]](math.inf)
+    async with Host.open(tmp_path / "data") as host:
+        session = await host.create_session(provider="scripted", workspace_dir=tmp_path)
+        session.watch(send)
+        monkeypatch.setattr(SessionPort, "sync_trace_quietly", hangs)
+    assert closed == ["clients"]
+    while True:
+        try:
+            receive.receive_nowait()
+        except trio.WouldBlock:
+            pytest.fail("the watch did not end")
+        except trio.EndOfChannel:
+            break

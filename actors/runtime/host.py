@@ -76,6 +76,8 @@ from greenroom.protocols.tools import Tool, WorkspaceIdentity
 
 SHUTDOWN_GRACE_S = 30.0
 """Bound on closing a host: interrupting every running task and flushing the traces."""
+CLOSE_CLIENTS_S = 10.0
+"""Bound on closing the provider clients and the MCP servers, past the one above."""
 
 if TYPE_CHECKING:
     pass
@@ -420,9 +422,11 @@ class Host:
                 for sid in list(self._sessions):
                     nursery.start_soon(self.close_session, sid)
         finally:
-            # Even past the shutdown bound: the desk must end for the host's nursery to.
+            # Even past the shutdown bound: the desk, the provider clients and the MCP
+            # servers' manager must end for the host's nursery to.
             self._people.close()
-        await self._builder.aclose()
+            with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_CLIENTS_S):
+                await self._builder.aclose()
 
     # -- internals ---------------------------------------------------------------------
 

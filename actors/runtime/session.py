@@ -819,8 +819,17 @@ class Session:
             # follower) stops here: the task goes on only where the session is loaded again.
             port.parked_task.output.close()
         port.closed = True
-        await self.wait_idle()
+        await _settle_then_end_watches(port)
+
+
+async def _settle_then_end_watches(port: SessionPort) -> None:
+    """A closing session's last step: once its task is idle and its trace synced, its
+    watches end — also when the host's shutdown bound cuts that short, or a watcher (a
+    task of the host's) would hold the host's nursery open."""
+    try:
+        await port.wait_idle()
         await port.sync_trace_quietly()
+    finally:
         port.end_watches()
 
 
