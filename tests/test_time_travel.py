@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import trio
+import trio.lowlevel
+import trio.testing
 from conftest import (
     Gates,
     Recorder,
@@ -27,9 +30,11 @@ from greenroom.actors.providers.scripted import Reply, text, tool_call
 from greenroom.actors.runtime.errors import Busy, SeqRefused, SessionNotFound
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session import Session
+from greenroom.actors.runtime.time_travel import record
 from greenroom.actors.runtime.trace_store import FileTraceLog, FileTraceStore
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import AssistantMessage, ModelRequest, UserMessage
+from greenroom.protocols.messages import TraceWritten
 from greenroom.protocols.outputs import Rewind
 
 INTERRUPTED = "[interrupted: tool aborted by user]"
@@ -374,3 +379,57 @@ async def test_a_rewind_past_a_compaction_goes_back_to_the_earlier_context(
         answer = request.messages[1]
         assert isinstance(answer, AssistantMessage)
         assert answer.content == (TextBlock(text="first answer"),)
+
+
+class _LateAckPort:
+    """What ``record`` uses of a port whose store acknowledges late (the cluster's)."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.acks: list[trio.MemorySendChannel[Any]] = []
+        self.asked = trio.Event()
+        self.published: list[list[Any]] = []
+        self.transcript = SimpleNamespace(apply=lambda output: None)
+        self.machine = SimpleNamespace(observe=lambda output: None)
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def append(self, output: Any) -> int:
+        return output.seq
+
+    def commit(self) -> bool:
+        return False
+
+    def when_batch_done(self, ticket: int, inbox: trio.MemorySendChannel[Any]) -> None:
+        self.acks.append(inbox)
+        self.asked.set()
+
+    def publish(self, batch: list[Any]) -> None:
+        self.published.append(batch)
+
+    async def sync_trace(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+async def test_a_rewind_whose_caller_left_while_the_cluster_acked_it_is_published() -> None:
+    # R-FORK-2: the rewind's records are applied before the cluster's store acknowledges
+    # them; a caller that went away meanwhile (its request cancelled) left them
+    # unpublished: live subscribers never saw the rewind and saw the seqs jump.
+    port = _LateAckPort()
+    note = Rewind(session_id="s1", run_id="", to_seq=3, seq=0)
+
+    async with trio.open_nursery() as nursery:
+        scope = trio.CancelScope()
+
+        async def rewind() -> None:
+            with scope:
+                await record(port, [note])  # type: ignore[arg-type]
+
+        nursery.start_soon(rewind)
+        await port.asked.wait()
+        scope.cancel()  # the caller goes away
+        await trio.testing.wait_all_tasks_blocked()
+        port.acks[0].send_nowait(TraceWritten(ticket=1))
+    assert [[output.seq for output in batch] for batch in port.published] == [[1]]

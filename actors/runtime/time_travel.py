@@ -68,6 +68,10 @@ if TYPE_CHECKING:
 
 __all__ = ["fork", "record", "rewind_to", "settle_fork"]
 
+ACK_WAIT_S = 30.0
+"""How long a rewind waits for a store that acknowledges late (the cluster's) to have its
+records, past a cancellation, before it publishes them."""
+
 _NOT_INHERITED = ("parent_id", "root_id", "origin", "name", "background", "forked_from")
 """What a fork does not take from its source's ``session.json``: a fork is a root session
 of its own, whatever its source was."""
@@ -222,7 +226,11 @@ async def record(port: SessionPort, outputs: list[Output]) -> list[Output]:
         # Room for the one answer: when_batch_done never waits.
         send, written = trio.open_memory_channel[TraceWritten](1)
         port.when_batch_done(ticket, send)
-        await written.receive()
+        # Shielded: the records are applied already, so a caller that went away must not
+        # leave them unpublished (subscribers would miss them and see seqs jump); bounded,
+        # as the store may never answer.
+        with trio.CancelScope(shield=True), trio.move_on_after(ACK_WAIT_S):
+            await written.receive()
     port.publish(traced)
     await port.sync_trace()
     return traced
