@@ -258,3 +258,19 @@ def test_a_stop_during_a_workers_spawn_ends_that_worker_too(
     finally:
         if worker.process is not None and worker.process.returncode is None:
             worker.process.kill()
+
+
+def test_a_worker_serves_once_it_is_placeable_and_its_gateway_listens() -> None:
+    # A worker said it takes placed sessions before its gateway listened (the placement
+    # was ready first on a busy machine): the supervisor announced the port, and a client
+    # that connected at once was refused.
+    from greenroom.actors.cluster.workers import READY_LINE, ReadyLines
+
+    for lines in (
+        [f"greenroom cluster: host h-w1 {READY_LINE}", "listening on ws://127.0.0.1:1/v1"],
+        ["listening on ws://127.0.0.1:1/v1", f"greenroom cluster: host h-w1 {READY_LINE}"],
+    ):
+        ready = ReadyLines()
+        assert [ready.take(line) for line in ["greenroom cluster: joined", *lines]] == [
+            False, False, True,
+        ]

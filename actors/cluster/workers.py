@@ -45,6 +45,7 @@ from greenroom.actors.gateway.console import console_url
 __all__ = ["WorkersConfig", "serve_workers", "worker_argv"]
 
 READY_LINE = "takes sessions placed by other hosts"
+LISTENING_LINE = "listening on "
 """What a cluster host logs once it serves (``actors/cluster/node.py``)."""
 START_BOUND_S = 120.0
 """How long a worker (or the NATS server) may take to be ready before it counts as failed."""
@@ -114,6 +115,22 @@ class _Worker:
     """Its exit is asked for (a rolling restart or the stop): it is not restarted."""
 
 
+@attrs.define
+class ReadyLines:
+    """What of a worker's log says it serves: it takes the sessions other hosts place,
+    and its gateway listens. The two come in either order (the placement may be ready
+    before the listener is open, on a busy machine)."""
+
+    placeable: bool = False
+    listening: bool = False
+
+    def take(self, line: str) -> bool:
+        """Note ``line``; whether the worker serves now."""
+        self.placeable = self.placeable or READY_LINE in line
+        self.listening = self.listening or line.startswith(LISTENING_LINE)
+        return self.placeable and self.listening
+
+
 class _Supervisor:
     def __init__(self, config: WorkersConfig, nats_url: str, port: int, console: int | None):
         self.config = config
@@ -177,14 +194,15 @@ class _Supervisor:
         """Forward the incarnation's log, then restart it if it ended unasked."""
         assert process.stderr is not None
         buffered = b""
+        ready = ReadyLines()
         async for chunk in process.stderr:
             buffered += chunk
             *lines, buffered = buffered.split(b"\n")
             for raw in lines:
                 line = raw.decode(errors="replace")
-                if READY_LINE in line:
+                if ready.take(line):
                     worker.ready.set()
-                if not line.startswith("listening on "):
+                if not line.startswith(LISTENING_LINE):
                     print(f"[{worker.name}] {line}", file=sys.stderr, flush=True)
         code = await process.wait()
         worker.exited.set()
