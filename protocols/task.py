@@ -953,6 +953,7 @@ class TaskMachine:
             if self._queued:
                 task, kind = self._queued.pop(0)
                 self._interrupt = self._fail_message = self._budget_message = None
+                self._steering = None  # the steering of a task that ended is not this one's
                 return self._issue(StartTask(task=task, kind=kind))
             return _FINISH
         if isinstance(self._issued, EndTask):

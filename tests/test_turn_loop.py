@@ -19,6 +19,7 @@ from conftest import (
     is_output,
     last_user,
     of_type,
+    open_host,
     result_text,
     results_of,
     texts_of,
@@ -484,3 +485,30 @@ async def test_steering_images_follow_the_block_or_fold_into_it(
                 text="[user_steering]look at this\n[attached image: shot.png][/user_steering]"
             ),
         )
+
+
+async def test_steering_that_comes_as_a_task_ends_is_not_given_to_the_next_task(
+    data_dir: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # R-STEER-5: the steering queue goes with its task. Steering that came while the
+    # task's end was made durable (a Ctrl-C, then words typed at once) waited in the
+    # session and was given to the next task, hours later perhaps, as [user_steering].
+    from greenroom.actors.providers.scripted import ScriptedProvider
+    from greenroom.actors.runtime.emitter import OutputEmitter
+
+    provider = ScriptedProvider([Reply(blocks=(text("One."),)), Reply(blocks=(text("Two."),))])
+    sync_task_end = OutputEmitter.sync_task_end
+    steered: list[bool] = []
+
+    async def steered_while_ending(self: OutputEmitter, *, completed: bool) -> None:
+        steered.append(session.steer("LATE STEER"))
+        await sync_task_end(self, completed=completed)
+
+    async with open_host(data_dir) as host:
+        session = await host.create_session(provider=provider, workspace_dir=workspace)
+        monkeypatch.setattr(OutputEmitter, "sync_task_end", steered_while_ending)
+        await collect(session.run("one", approve=allow_all))
+        monkeypatch.undo()
+        await collect(session.run("two", approve=allow_all))
+    assert steered == [True]  # delivered: the task's supervisor still ran
+    assert "LATE STEER" not in str(provider.requests[1].messages)

@@ -299,8 +299,10 @@ class SessionSupervisor:
             case SubagentOutputs():
                 # Live outputs of this run, already in the subagent's trace (R-HOST-4).
                 self._out.forward(message.outputs, message.origin)
-            case SteeringQueued():
+            case SteeringQueued() if machine.takes_steering:
                 machine.queue_steering(repaired_blocks(message.content))
+            case SteeringQueued():
+                pass  # its task has ended: discarded with its queue (R-STEER-5)
             case SubagentFinished():
                 # A background child's end (R-TREE-2): steering of a task that goes on,
                 # else a task of its own after the one that ends (never dropped with it).
