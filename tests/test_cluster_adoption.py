@@ -24,13 +24,14 @@ from typing import Any
 
 import pytest
 import trio
-from conftest import RUN_TIMEOUT_S, allow_all
+from conftest import RUN_TIMEOUT_S, allow_all, collect
 
 from greenroom.actors.cluster.connection import Connection
+from greenroom.actors.cluster.errors import ClusterUnavailable
 from greenroom.actors.cluster.node import ClusterConfig, ClusterNode, open_cluster_host
 from greenroom.actors.cluster.ownership import SessionOwners
 from greenroom.actors.cluster.registry import SessionDirectory
-from greenroom.actors.cluster.traces import TraceStream
+from greenroom.actors.cluster.traces import TraceStream, TraceWriter
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
 from greenroom.protocols.outputs import TaskEnd
 from tests.support.nats import (  # the fixture is used as nats_server
@@ -192,3 +193,65 @@ def test_a_session_lost_while_it_is_taken_over_is_not_taken_up(
             return taken, opened, node.store.log.replicated(session.id)
 
     assert run_connected(nats_server.url, body, timeout_s=30.0) == (False, False, False)
+
+
+def test_a_session_whose_append_ack_was_lost_is_not_left_served_by_nobody(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An append reached the stream but its acknowledgement was lost (a reconnect): the
+    # retry found the stream moved on and took it for a fence by another host. The
+    # session was closed here and its claim kept, so it stayed owned by this host and
+    # served by none: every call to it failed, and no scan would take it over.
+    append = TraceWriter.append
+    lost: list[str] = []
+
+    async def ack_lost_once(self: TraceWriter, lines: Any) -> int:
+        expected = self.expected
+        sequence = await append(self, lines)
+        if armed and not lost:
+            lost.append(self.session_id)
+            self.expected = expected  # the writer never heard of the new sequence
+            raise ClusterUnavailable("the acknowledgement was lost")
+        return sequence
+
+    armed = False
+    monkeypatch.setattr(TraceWriter, "append", ack_lost_once)
+    taken_over = trio.Event()
+    take_over = ClusterNode.take_over
+
+    async def take_over_and_tell(self: ClusterNode, session_id: str, meta: Any) -> bool:
+        taken = await take_over(self, session_id, meta)
+        if taken:
+            taken_over.set()
+        return taken
+
+    monkeypatch.setattr(ClusterNode, "take_over", take_over_and_tell)
+
+    async def body(conn: Connection) -> tuple[bool, str | None]:
+        nonlocal armed
+        config = ClusterConfig(
+            url=nats_server.url, host_id="a", prefix=conn.names.prefix, lease_ttl_s=1.0
+        )
+        nodes: list[ClusterNode] = []
+        async with open_cluster_host(
+            conn.bridge, config, tmp_path / "a", approve=allow_all, on_node=nodes.append
+        ) as host:
+            session = await host.create_session(
+                provider=ScriptedProvider(
+                    [Reply(blocks=(text("one"),)), Reply(blocks=(text("two"),))]
+                ),
+                workspace_dir=tmp_path,
+            )
+            with trio.fail_after(RUN_TIMEOUT_S):
+                await collect(session.run("hi", approve=allow_all))
+            node = nodes[0]
+            armed = True
+            session.run("again", approve=allow_all)
+            owners = await SessionOwners.open(conn, ttl_s=config.lease_ttl_s)
+            # The orphan scan takes the session over again (the first time it looks).
+            with trio.fail_after(RUN_TIMEOUT_S):
+                await taken_over.wait()
+            assert lost == [session.id]
+            return node.serves(session.id), await owners.holder(session.id)
+
+    assert run_connected(nats_server.url, body, timeout_s=60.0) == (True, "a")

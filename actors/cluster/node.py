@@ -393,7 +393,16 @@ class ClusterNode:
 
     def _on_fenced(self, session_id: str) -> None:
         log(f"the trace of session {session_id} was fenced by another host; stopping it here")
-        self._give_up(session_id)
+        if self._work is None:
+            self._give_up(session_id)
+            return
+        # Its claim goes too (a no-op when another host holds it): a "fence" that was an
+        # append of this host's whose acknowledgement was lost would otherwise leave the
+        # session owned here and served nowhere, and no scan would ever take it over.
+        try:
+            self._work.start_soon(self._abandon, session_id)
+        except RuntimeError:  # shutting down
+            self._give_up(session_id)
 
     def _give_up(self, session_id: str) -> None:
         """Stop replicating first (nothing more reaches the cluster's trace), then close
