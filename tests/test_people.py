@@ -622,3 +622,32 @@ def test_an_answer_is_checked_against_the_form_a_question_asks_for(
     else:
         assert content == expected
         assert answer_problem({"requested_schema": schema}, text) is None
+
+
+def test_a_calls_earlier_request_running_out_does_not_expire_its_later_one() -> None:
+    """R-HITL-1: one call can be asked about twice — its approval, then (running) a
+    question. The approval's deadline, which ran on after it was answered, expired the
+    question (cancelled, or the task aborted) long before the question's own time."""
+    from types import SimpleNamespace
+
+    from greenroom.actors.runtime.people import People
+    from greenroom.actors.runtime.people_desk import WatchRequest
+
+    question = SimpleNamespace(call_id="c1", tool="confirm", asked_at=1_000_010.0)
+    delivered: list[object] = []
+    port = SimpleNamespace(
+        machine=SimpleNamespace(record=SimpleNamespace(pending=lambda call_id: question)),
+        settings=SimpleNamespace(approval_timeout_action="deny", approval_timeout_s=1.0),
+        deliver=delivered.append,
+    )
+    people = People(lambda session_id: port)  # type: ignore[arg-type, return-value]
+    approval_ran_out = WatchRequest(
+        session_id="s1", call_id="c1", deadline=1.0, asked_at=1_000_000.0
+    )
+    people._expire(approval_ran_out)
+    assert delivered == []
+    question_ran_out = WatchRequest(
+        session_id="s1", call_id="c1", deadline=11.0, asked_at=1_000_010.0
+    )
+    people._expire(question_ran_out)
+    assert [(m.call_id, m.by) for m in delivered] == [("c1", "default")]  # type: ignore[attr-defined]

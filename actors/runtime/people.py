@@ -64,16 +64,21 @@ class People:
         deadline = trio.current_time() + max(0.0, timeout - max(0.0, since))
         with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
             self._desk.send_nowait(
-                WatchRequest(session_id=port.id, call_id=call_id, deadline=deadline)
+                WatchRequest(
+                    session_id=port.id, call_id=call_id, deadline=deadline, asked_at=asked_at
+                )
             )
 
-    def _expire(self, session_id: str, call_id: str) -> None:
-        port = self._port_of(session_id)
+    def _expire(self, watched: WatchRequest) -> None:
+        port = self._port_of(watched.session_id)
         if port is None:
             return
+        call_id = watched.call_id
         request = port.machine.record.pending(call_id)
         if request is None:
             return
+        if watched.asked_at is not None and request.asked_at != watched.asked_at:
+            return  # answered, and the call asked again since: that wait has its own
         settings = port.settings
         if settings.approval_timeout_action == "abort":
             port.deliver(

@@ -24,12 +24,15 @@ __all__ = ["PeopleDesk", "WatchRequest"]
 
 @attrs.frozen(kw_only=True, slots=True)
 class WatchRequest:
-    """Command to the desk: call ``expire`` for ``call_id`` of ``session_id`` at
-    ``deadline`` (trio time)."""
+    """Command to the desk: call ``expire`` with this request at ``deadline`` (trio time)
+    for the request about ``call_id`` of ``session_id`` asked at ``asked_at`` (wall time;
+    None: whichever is asked then). One call can be asked about twice, an approval then a
+    question: each wait has its own deadline."""
 
     session_id: str
     call_id: str
     deadline: float
+    asked_at: float | None = None
 
 
 class PeopleDesk:
@@ -39,7 +42,7 @@ class PeopleDesk:
 
     __slots__ = ("_expire",)
 
-    def __init__(self, expire: Callable[[str, str], None]) -> None:
+    def __init__(self, expire: Callable[[WatchRequest], None]) -> None:
         self._expire = expire
 
     async def run(
@@ -50,7 +53,7 @@ class PeopleDesk:
     ) -> None:
         """Serve watch requests; expire each at its deadline. Cancel-safe."""
         task_status.started()
-        heap: list[tuple[float, int, str, str]] = []
+        heap: list[tuple[float, int, WatchRequest]] = []
         order = itertools.count()
         async with inbox:
             while True:
@@ -60,12 +63,8 @@ class PeopleDesk:
                         request = await inbox.receive()
                     except trio.EndOfChannel:
                         return
-                    heapq.heappush(
-                        heap,
-                        (request.deadline, next(order), request.session_id, request.call_id),
-                    )
+                    heapq.heappush(heap, (request.deadline, next(order), request))
                     continue
                 now = trio.current_time()
                 while heap and heap[0][0] <= now:
-                    _, _, session_id, call_id = heapq.heappop(heap)
-                    self._expire(session_id, call_id)
+                    self._expire(heapq.heappop(heap)[2])
