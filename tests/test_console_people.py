@@ -29,7 +29,7 @@ from test_gateway import Client
 from trio_websocket import open_websocket_url
 
 from greenroom.actors.providers.scripted import Reply, text, tool_call
-from greenroom.actors.tools.ask_user import ask_user
+from greenroom.actors.tools.questions import ask_user
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import ModelRequest, ToolResult, UserMessage
 

@@ -32,7 +32,7 @@ from greenroom.actors.gateway import Gateway, SessionDefaults
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, ScriptStep, text, tool_call
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.subagents import SPAWN_SUBAGENT, SUBAGENT_SYSTEM, spawn_subagent
-from greenroom.actors.tools.ask_user import ask_user
+from greenroom.actors.tools.questions import ask_user
 from greenroom.protocols.context import ModelRequest, ToolResult
 from greenroom.protocols.people import arguments_digest
 

@@ -29,7 +29,7 @@ from conftest import (
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
 from greenroom.actors.runtime.errors import Busy, NotPending
 from greenroom.actors.runtime.host import Host
-from greenroom.actors.tools.ask_user import NOBODY_TO_ASK, ask_user
+from greenroom.actors.tools.questions import NOBODY_TO_ASK, ask_user
 from greenroom.protocols import markers
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import ModelRequest, ToolResult, UserMessage

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -401,3 +402,17 @@ def test_provider_adapters_import_nothing_from_the_runtime() -> None:
     ]
     assert found == []
 
+
+
+@pytest.mark.parametrize("package", ["runtime", "providers", "tools"])
+def test_no_name_a_package_exports_is_also_one_of_its_modules(package: str) -> None:
+    # Importing a module sets the package's attribute of its name to the module: a
+    # package that also exports an object under that name (``tools.ask_user``, the tool,
+    # from ``tools/ask_user.py``) then gives the module to ``from package import name``
+    # once anything has imported the module first.
+    folder = ROOT / "actors" / package
+    exported = importlib.import_module(f"greenroom.actors.{package}").__all__
+    modules = {path.stem for path in folder.glob("*.py")} | {
+        path.name for path in folder.iterdir() if (path / "__init__.py").exists()
+    }
+    assert sorted(set(exported) & modules) == []

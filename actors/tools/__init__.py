@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from greenroom.actors.tools.a2a_agent import A2aAgentError, a2a_tools, load_a2a_agent
-    from greenroom.actors.tools.ask_user import ask_user
     from greenroom.actors.tools.builtin import builtin_tools
     from greenroom.actors.tools.loader import (
         ToolLoadError,
@@ -34,6 +33,7 @@ if TYPE_CHECKING:
         login_to_mcp_server,
         mcp_login_problem,
     )
+    from greenroom.actors.tools.questions import ask_user
 
 # Loaded on first use: the modules import each other, and importing the package must
 # not import them all (nor pay for the ones a program never uses).
@@ -41,7 +41,7 @@ _MODULE_OF = {
     "A2aAgentError": "greenroom.actors.tools.a2a_agent",
     "a2a_tools": "greenroom.actors.tools.a2a_agent",
     "load_a2a_agent": "greenroom.actors.tools.a2a_agent",
-    "ask_user": "greenroom.actors.tools.ask_user",
+    "ask_user": "greenroom.actors.tools.questions",
     "builtin_tools": "greenroom.actors.tools.builtin",
     "ToolLoadError": "greenroom.actors.tools.loader",
     "load_tools": "greenroom.actors.tools.loader",

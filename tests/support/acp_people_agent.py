@@ -19,7 +19,7 @@ from pathlib import Path
 
 from greenroom.actors.apps.acp import AcpConfig, serve_stdio
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
-from greenroom.actors.tools.ask_user import ask_user
+from greenroom.actors.tools.questions import ask_user
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import ModelRequest, ToolResult, UserMessage
 from greenroom.protocols.tools import make_tool
