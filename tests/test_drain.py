@@ -205,3 +205,48 @@ async def test_steering_while_the_drain_holds_a_task_is_recorded_for_the_next_ho
     assert [s["content"][0]["text"] for s in steering] == ["mind the edges", "and the corners"]
     (request,) = again.requests
     assert "and the corners" in str(request.messages)
+
+
+async def test_a_task_with_a_follow_up_queued_runs_on_and_the_follow_up_is_held(
+    data_dir: Path, workspace: Path
+) -> None:
+    # A follow-up queued before the drain lives in this host's memory alone: the task it
+    # waited behind was held, and the next host took that task up without it (lost,
+    # though follow_up had answered True). Now the task runs on to its end, and the
+    # follow-up is held at its first boundary, its prompt in the trace.
+    slow = SlowTool()
+    first = ScriptedProvider([
+        Reply(blocks=(text("Working."), tool_call("c1", "slow", x=1))),
+        Reply(blocks=(text("Done with 1."),)),
+    ])  # fmt: skip
+    async with open_host(data_dir) as host:
+        session = await host.create_session(
+            provider=first, tools=[slow.tool], workspace_dir=workspace
+        )
+        session.run("work on 1", approve=allow_all)
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await slow.started.wait()
+            assert session.follow_up("then do 2")
+            async with trio.open_nursery() as nursery:
+                held: list[str] = []
+
+                async def drain() -> None:
+                    held.extend(await host.drain(grace_s=RUN_TIMEOUT_S))
+
+                nursery.start_soon(drain)
+                await trio.testing.wait_all_tasks_blocked()
+                slow.release.set()
+        assert held == [session.id]
+        sid = session.id
+
+    again = ScriptedProvider([Reply(blocks=(text("Done with 2."),))])
+    async with open_host(data_dir) as host:
+        session = await host.resume(sid, provider=again, tools=[slow.tool])
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await session.wait_idle()
+        lines = trace_lines(session)
+    assert [line["status"] for line in lines if line["type"] == "task_end"] == [
+        "completed", "completed",
+    ]
+    (request,) = again.requests
+    assert "then do 2" in str(request.messages)

@@ -24,9 +24,15 @@ HandOver = Callable[[str], Awaitable[None]]
 
 
 def holds_for_drain(port: SessionPort) -> bool:
-    """Whether ``port``'s task stops at its next turn boundary: its host drains and it is
-    no foreground subagent (whose parent's call must finish)."""
-    return port.host.draining and (port.parent_id is None or port.report_as is not None)
+    """Whether ``port``'s task stops at its next turn boundary: its host drains, it is no
+    foreground subagent (whose parent's call must finish), and no follow-up waits behind
+    it — queued tasks are in this host's memory alone, so such a task runs on (within the
+    drain's grace) and the follow-up after it is held once its prompt is in the trace."""
+    return (
+        port.host.draining
+        and (port.parent_id is None or port.report_as is not None)
+        and not port.machine.has_queued_tasks
+    )
 
 
 async def drain_sessions(
