@@ -30,7 +30,7 @@ from greenroom.actors.cluster.connection import Connection
 from greenroom.actors.cluster.errors import ClusterUnavailable
 from greenroom.actors.cluster.node import ClusterConfig, ClusterNode, open_cluster_host
 from greenroom.actors.cluster.ownership import SessionOwners
-from greenroom.actors.cluster.registry import SessionDirectory
+from greenroom.actors.cluster.registry import HostRecord, HostRegistry, SessionDirectory
 from greenroom.actors.cluster.traces import TraceStream, TraceWriter
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
 from greenroom.protocols.outputs import TaskEnd
@@ -255,3 +255,29 @@ def test_a_session_whose_append_ack_was_lost_is_not_left_served_by_nobody(
             return node.serves(session.id), await owners.holder(session.id)
 
     assert run_connected(nats_server.url, body, timeout_s=60.0) == (True, "a")
+
+
+def test_a_draining_host_announces_itself_so_and_is_placed_nothing(
+    tmp_path: Path, nats_server: NatsProcess
+) -> None:
+    # R-DRAIN-2: as a draining host hands its sessions over its load falls, and it was
+    # announced as the least loaded placeable host: new sessions were placed on it (and
+    # refused, it drains), orphans assigned to it (and never taken, its scan has ended).
+    async def body(conn: Connection) -> tuple[HostRecord, HostRecord, HostRecord | None]:
+        config = ClusterConfig(url=nats_server.url, host_id="a", prefix=conn.names.prefix)
+        nodes: list[ClusterNode] = []
+        async with open_cluster_host(
+            conn.bridge, config, tmp_path / "a", approve=allow_all, on_node=nodes.append
+        ) as host:
+            before = nodes[0]._record()
+            assert await host.drain(0.0) == []
+            after = nodes[0]._record()
+            registry = await HostRegistry.open(conn, ttl_s=config.lease_ttl_s)
+            await registry.announce(after)
+            (announced,) = await registry.hosts()
+            return before, after, HostRecord.from_json(announced.to_json())
+
+    before, after, read_back = run_connected(nats_server.url, body, timeout_s=30.0)
+    assert not before.draining
+    assert after.draining and not after.placeable
+    assert read_back is not None and read_back.draining and not read_back.placeable

@@ -296,11 +296,16 @@ class ClusterNode:
             self._registry.changed()
 
     def _record(self) -> HostRecord:
+        # A draining host's load falls as it hands its sessions over: announced as it is,
+        # it would be the least loaded, given new sessions it refuses and orphans it
+        # never takes (its scan has stopped).
+        draining = self._host is not None and self._host.draining
         return HostRecord(
             host_id=self.host_id,
             load=self.load,
             gateway=self.config.gateway,
-            placeable=self._placeable,
+            placeable=self._placeable and not draining,
+            draining=draining,
         )
 
     # -- adoption and loss ----------------------------------------------------------------
@@ -434,7 +439,7 @@ class ClusterNode:
                 orphans = await finder.look()
                 if not orphans:
                     continue
-                hosts = await self._registry.hosts()
+                hosts = [h for h in await self._registry.hosts() if not h.draining]
             except ClusterUnavailable:
                 continue
             for sid, owner in assign(list(orphans), hosts).items():
@@ -467,6 +472,7 @@ class ClusterNode:
         """Hand a session held for a drain (or parked) to another host now (R-DRAIN-2:
         :func:`~greenroom.actors.cluster.handover.hand_over`)."""
         assert self._registry is not None and self._keeper is not None
+        self._load_changed()  # announced as draining now, not at the next tick
         if session_id in self._adopted:
             parts = (self._registry, self._keeper, self._requests, self._give_up)
             await hand_over(session_id, self.host_id, *parts, self.config.lease_ttl_s, self._handed)

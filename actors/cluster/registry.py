@@ -52,13 +52,15 @@ class HostRecord:
     (None when it serves none), ``at`` when it last announced itself (epoch seconds).
     ``placeable``: it takes the sessions other gateways place on it (it answers on its
     host subject and has loaded its provider); a host that has just joined, or serves no
-    gateway, is not, and placement passes it by instead of waiting for it."""
+    gateway, is not, and placement passes it by instead of waiting for it. ``draining``: it
+    stops (R-DRAIN-2): it is not placeable, and no orphan is assigned to it."""
 
     host_id: str
     load: int
     gateway: str | None = None
     at: float = 0.0
     placeable: bool = False
+    draining: bool = False
 
     def to_json(self) -> bytes:
         """The record as stored in the bucket."""
@@ -69,6 +71,7 @@ class HostRecord:
                 "gateway": self.gateway,
                 "at": self.at,
                 "placeable": self.placeable,
+                "draining": self.draining,
             }
         ).encode()
 
@@ -83,6 +86,7 @@ class HostRecord:
                 gateway=raw.get("gateway") if isinstance(raw.get("gateway"), str) else None,
                 at=float(raw.get("at", 0.0)),
                 placeable=raw.get("placeable") is True,
+                draining=raw.get("draining") is True,
             )
         except (ValueError, KeyError, TypeError):
             return None
