@@ -4,7 +4,7 @@ R-RUN-8: a client sees a record once it survives this host; R-CLUSTER-1)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import trio
@@ -77,3 +77,55 @@ def test_a_session_is_not_held_back_by_another_sessions_append(
 
     seen = run_connected(nats_server.url, body, timeout_s=10.0)
     assert seen == ["fast acknowledged", "slow acknowledged"]
+
+
+def test_a_session_no_longer_replicated_says_so_instead_of_passing_records_for_durable(
+    nats_server: NatsProcess, tmp_path: Path
+) -> None:
+    # A session fenced by another host (or given up with its lease): the store forgot
+    # why with the replica, so its later records went to the file alone, committed and
+    # synced as if durable, and were published to this host's subscribers as the
+    # session's, while the new owner went on from an earlier seq.
+    def raised(call: Callable[[], object]) -> str:
+        try:
+            call()
+        except Exception as exc:
+            return type(exc).__name__
+        return "nothing"
+
+    async def body(conn: Connection) -> dict[str, object]:
+        traces = await TraceStream.open(conn)
+        store = ReplicatingTraceStore(tmp_path, on_fenced=lambda _sid: None)
+        log = store.log
+        found: dict[str, object] = {}
+        async with trio.open_nursery() as nursery:
+            await nursery.start(store.run)
+            for sid in ("fenced", "lost"):
+                await store.catalog.create(sid, {"session_id": sid})
+                log.start(sid)
+                log.replicate(sid)
+                await nursery.start(log.stream_to, sid, await traces.fence(sid, "host-a"))
+            await traces.fence("fenced", "host-b")  # another host takes it over
+            log.append("fenced", 1, record("fenced", 1))
+            found["sync"] = "nothing"
+            with trio.fail_after(10):
+                try:
+                    await log.sync("fenced")
+                except Exception as exc:
+                    found["sync"] = type(exc).__name__
+            found["append"] = raised(lambda: log.append("fenced", 2, record("fenced", 2)))
+            log.forget("lost")  # its lease was lost
+            log.append("lost", 1, record("lost", 1))
+            error = log.error("lost")
+            found["lost"] = "nothing" if error is None else type(error).__name__
+            nursery.cancel_scope.cancel()
+        await store.aclose()
+        found["in_cluster"] = [r.seq for r in (await traces.read("fenced")).records]
+        return found
+
+    assert run_connected(nats_server.url, body, timeout_s=20.0) == {
+        "sync": "StaleTraceWriter",
+        "append": "StaleTraceWriter",
+        "lost": "TraceWriteError",
+        "in_cluster": [],
+    }

@@ -173,6 +173,10 @@ class ReplicatingTraceLog:
         self.data_dir = data_dir
         self._on_fenced = on_fenced
         self._replicas: dict[str, _Replica] = {}
+        self._stopped: dict[str, TraceWriteError] = {}
+        """Why each session stopped being replicated here (fenced, or given up), until it
+        is replicated again: its later records reach no cluster, and the session says so
+        instead of passing them for durable."""
         self._forked: dict[str, list[tuple[int, str]]] = {}
         """The copied records of forks not replicated yet: (trace number, line)."""
         self._tickets = itertools.count(_FIRST_TICKET)
@@ -188,6 +192,7 @@ class ReplicatingTraceLog:
         fork copied into it, if it is one)."""
         if session_id in self._replicas:
             return
+        self._stopped.pop(session_id, None)
         replica = self._replicas[session_id] = _Replica(session_id)
         for number, line in self._forked.pop(session_id, ()):
             self._queue(replica, number, line)
@@ -203,6 +208,8 @@ class ReplicatingTraceLog:
         replica = self._replicas.pop(session_id, None)
         if replica is not None:
             self._give_up(replica, replica.error or self._lost(session_id))
+            assert replica.error is not None
+            self._stopped[session_id] = replica.error
 
     def give_up_all(self) -> None:
         """The store is closed: records JetStream has not acknowledged are given up (their
@@ -238,6 +245,7 @@ class ReplicatingTraceLog:
                 )
                 self._replicas.pop(session_id, None)
                 self._give_up(replica, error)
+                self._stopped[session_id] = error
                 self._on_fenced(session_id)
                 return
             except ClusterUnavailable:
@@ -315,6 +323,7 @@ class ReplicatingTraceLog:
 
     def release(self, session_id: str) -> None:
         """Forget the closed session's file position (its replication is the node's)."""
+        self._stopped.pop(session_id, None)
         self.files.release(session_id)
 
     def location(self, session_id: str) -> Path:
@@ -331,6 +340,9 @@ class ReplicatingTraceLog:
         replica = self._replicas.get(session_id)
         if replica is not None and isinstance(replica.error, StaleTraceWriter):
             raise replica.error
+        stopped = self._stopped.get(session_id)
+        if isinstance(stopped, StaleTraceWriter):
+            raise stopped
         ticket = self.files.append(session_id, seq, line)
         if replica is not None and replica.error is None:
             return self._queue(replica, self.files.trace_number(session_id), line)
@@ -383,7 +395,9 @@ class ReplicatingTraceLog:
         if local is not None:
             return local
         replica = self._replicas.get(session_id)
-        return replica.error if replica is not None else None
+        if replica is not None:
+            return replica.error
+        return self._stopped.get(session_id)
 
     def clear_error(self, session_id: str) -> None:
         """As the file log (a fencing stays: the session is someone else's)."""
@@ -402,6 +416,8 @@ class ReplicatingTraceLog:
             await replica.idle.wait()
             if replica.error is not None:
                 raise replica.error
+        if session_id is not None and (stopped := self._stopped.get(session_id)) is not None:
+            raise stopped
 
     def rotate(self, session_id: str) -> str:
         """As the file log; the next records go to JetStream after a rotation marker."""
