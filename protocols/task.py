@@ -689,6 +689,7 @@ class TaskMachine:
         "_steering",
         "_stop_continuations",
         "_turn_hooked",
+        "_untaken",
         "record",
     )
 
@@ -698,6 +699,7 @@ class TaskMachine:
         """The recorded state (invariant 1)."""
         self._queued: list[tuple[Any, TaskKind]] | None = None
         self._steering: list[UserContent] | None = None
+        self._untaken: list[Any] = []  # children's answers in the steering, as tasks
         self._interrupt: str | None = None
         self._fail_message: str | None = None
         self._budget_message: str | None = None
@@ -866,15 +868,20 @@ class TaskMachine:
         if isinstance(self._issued, BeginTurn | BeginAttempt):
             self._issued = None
 
-    def queue_steering(self, content: Iterable[UserContent]) -> None:
-        """Queue steering for the next input assembly of the open task (R-STEER-1)."""
+    def queue_steering(self, content: Iterable[UserContent], follow_up: Any = None) -> None:
+        """Queue steering for the next input assembly of the open task (R-STEER-1). A
+        background child's answer gives its ``follow_up`` too: queued as a task of its own
+        if the task ends without taking the steering (an interrupt: R-TREE-2)."""
         if self._steering is None:
             self._steering = []
         self._steering.extend(content)
+        if follow_up is not None:
+            self._untaken.append(follow_up)
 
-    def interrupt(self, reason: str) -> None:
-        """Interrupt the open task and drop the queued ones (R-ABORT-1, R-STEER-6)."""
-        self._queued = None
+    def interrupt(self, reason: str, *, keep_answers: bool = False) -> None:
+        """Interrupt the open task and drop the queued ones (R-ABORT-1, R-STEER-6), and
+        the children's answers in its steering unless ``keep_answers`` (a node's own)."""
+        self._queued, self._untaken = None, self._untaken if keep_answers else []
         if self._open_or_starting() and not self.stopping:
             self._interrupt = reason
 
@@ -1003,7 +1010,7 @@ class TaskMachine:
 
     def _take_steering(self) -> tuple[UserContent, ...]:
         steering = tuple(self._steering or ())
-        self._steering = None
+        self._steering, self._untaken = None, []
         return steering
 
     def _after_turn(self) -> Step:
@@ -1107,13 +1114,12 @@ class TaskMachine:
         self._hook_answer = None
 
     def _closed(self) -> None:
-        self._issued = None
-        self._steering = None
-        self._interrupt = None
-        self._fail_message = None
-        self._budget_message = None
+        self._issued = self._steering = self._hook_answer = None
+        self._interrupt = self._fail_message = self._budget_message = None
         self._hook_pending = False
-        self._hook_answer = None
+        for follow_up in self._untaken:
+            self.queue_task(follow_up)
+        self._untaken = []
 
 
 def fold(records: Iterable[Output], limits: TaskLimits | None = None) -> TaskMachine:

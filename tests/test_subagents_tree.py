@@ -34,6 +34,7 @@ from conftest import (
     result_text,
     results_of,
     texts_of,
+    trace_lines,
 )
 from test_subagents import (
     child_ids,
@@ -47,7 +48,13 @@ from test_subagents import (
 )
 
 from greenroom.actors.apps.asking import TerminalApprover
-from greenroom.actors.providers.scripted import Reply, ScriptedStream, text, tool_call
+from greenroom.actors.providers.scripted import (
+    Reply,
+    ScriptedProvider,
+    ScriptedStream,
+    text,
+    tool_call,
+)
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session import Session
 from greenroom.actors.runtime.subagents import SPAWN_SUBAGENT, spawn_subagent
@@ -772,3 +779,55 @@ async def test_a_child_created_while_a_loaded_sessions_children_are_read_is_amon
             monkeypatch.undo()
             answers.append([c.id for c in await parent.children()])
         assert answers == [[child.id], [child.id]]
+
+
+@pytest.mark.parametrize("scope", ["node", "tree"])
+async def test_a_childs_answer_waiting_as_steering_survives_an_interrupt_of_its_parent(
+    data_dir: Path, workspace: Path, scope: str
+) -> None:
+    # R-TREE-2: a background child's answer that came while its parent's turn ran waits
+    # as steering for the parent's next turn. An interrupt of the parent alone (scope
+    # node: its background children go on, their answers still reach it) dropped it with
+    # the task's steering; the child had reported once, and its answer was lost.
+    from greenroom.actors.runtime.port import TaskInput
+    from greenroom.actors.runtime.tree import tell
+    from greenroom.protocols.content import TextBlock
+    from greenroom.protocols.messages import SubagentFinished
+    from greenroom.protocols.tools import make_tool
+
+    started = trio.Event()
+
+    async def slow(x: int) -> str:
+        """Work for ever on x."""
+        started.set()
+        await trio.sleep_forever()
+        return "never"
+
+    provider = ScriptedProvider([
+        Reply(blocks=(text("Working."), tool_call("c1", "slow", x=1))),
+        Reply(blocks=(text("Noted what the child found."),)),
+    ])  # fmt: skip
+    async with open_host(data_dir) as host:
+        session = await host.create_session(
+            provider=provider, tools=[make_tool(slow, parallel=False)], workspace_dir=workspace
+        )
+        stream = session.run("work", approve=allow_all)
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await started.wait()
+            content = (TextBlock(text="[subagent kid finished] CHILD ANSWER"),)
+            answer = TaskInput(content=content, approve=allow_all, thinking_level=None)
+            assert tell(
+                host.port(session.id),
+                SubagentFinished(session_id="kid", content=content, follow_up=answer),
+            )
+            await trio.testing.wait_all_tasks_blocked()
+            assert session.interrupt("stop", scope=scope)  # type: ignore[arg-type]
+            await collect(stream)
+            await session.wait_idle()
+        lines = trace_lines(session)
+    ends = [line["status"] for line in lines if line["type"] == "task_end"]
+    if scope == "tree":  # the whole tree stops: nothing is taken up
+        assert ends == ["aborted"] and len(provider.requests) == 1
+        return
+    assert ends == ["aborted", "completed"]
+    assert "CHILD ANSWER" in str(provider.requests[-1].messages)

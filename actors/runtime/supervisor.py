@@ -307,13 +307,16 @@ class SessionSupervisor:
                 # A background child's end (R-TREE-2): steering of a task that goes on,
                 # else a task of its own after the one that ends (never dropped with it).
                 if machine.takes_steering:
-                    machine.queue_steering(repaired_blocks(message.content))
+                    machine.queue_steering(repaired_blocks(message.content), message.follow_up)
                 else:
                     machine.queue_task(message.follow_up)
             case TaskQueued():
                 machine.queue_task(message.task, message.kind)
             case InterruptTask():
-                machine.interrupt(message.reason)
+                # A node's own interrupt leaves its background children running: their
+                # answers still reach it, as follow-ups (not when the session closes).
+                node = message.scope == "node" and not self._port.closed
+                machine.interrupt(message.reason, keep_answers=node)
                 if message.scope == "tree":
                     end_subtree(self._port, "parent task interrupted")
             case BackoffSkipped():
