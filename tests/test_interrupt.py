@@ -5,10 +5,12 @@ from the trace after a restart (R-ABORT-1..4, R-TRACE-4)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 from conftest import (
+    RUN_TIMEOUT_S,
     Gates,
     Recorder,
     allow_all,
@@ -26,7 +28,7 @@ from conftest import (
 from greenroom.actors.providers.scripted import Reply, ScriptedStream, text, tool_call
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import AssistantMessage, ModelRequest, UserMessage
-from greenroom.protocols.outputs import Abort, RequestEnd, TaskEnd, ToolCallOutput
+from greenroom.protocols.outputs import Abort, RequestBegin, RequestEnd, TaskEnd, ToolCallOutput
 
 INTERRUPTED = "[interrupted: tool aborted by user]"
 
@@ -290,3 +292,47 @@ async def test_interrupt_while_an_allow_decision_waits_in_the_inbox(
     assert output.status == "interrupted"
     again = await collect(session.run("next", approve=allow_all))
     assert of_type(again, TaskEnd)[-1].status == "completed"
+
+
+async def test_an_interrupt_that_comes_as_a_turns_steering_is_read_sends_no_request(
+    data_dir: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # R-ABORT-1: the steering of the next turn is read (its images attached) off the
+    # supervisor's task; an interrupt handled together with that work's end was ignored
+    # by the turn, which began all the same and sent its request before ending aborted.
+    from greenroom.actors.providers.scripted import ScriptedProvider
+    from greenroom.actors.runtime import supervisor
+    from greenroom.protocols.tools import make_tool
+
+    started, release = trio.Event(), trio.Event()
+
+    async def slow(x: int) -> str:
+        """Work slowly on x."""
+        started.set()
+        await release.wait()
+        return "worked"
+
+    attach = supervisor.attach
+
+    async def attach_as_interrupted(*args: Any, **kwargs: Any) -> Any:
+        assert session.interrupt("stop")  # delivered before the work's end
+        return await attach(*args, **kwargs)
+
+    provider = ScriptedProvider([
+        Reply(blocks=(text("Working."), tool_call("c1", "slow", x=1))),
+        Reply(blocks=(text("Never sent."),)),
+    ])  # fmt: skip
+    async with open_host(data_dir) as host:
+        session = await host.create_session(
+            provider=provider, tools=[make_tool(slow, parallel=False)], workspace_dir=workspace
+        )
+        stream = session.run("work", approve=allow_all)
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await started.wait()
+            assert session.steer("and mind the edges")
+            monkeypatch.setattr(supervisor, "attach", attach_as_interrupted)
+            release.set()
+            outputs = await collect(stream)
+    assert [o.status for o in outputs if isinstance(o, TaskEnd)] == ["aborted"]
+    assert len(provider.requests) == 1
+    assert sum(isinstance(o, RequestBegin) for o in outputs) == 1

@@ -538,8 +538,8 @@ class SessionSupervisor:
     async def _serving(self, work: Callable[[], Awaitable[T]]) -> tuple[T] | None:
         """Run ``work`` in a task of its own while the supervisor keeps serving its inbox,
         so that neither an interrupt nor a steer waits for it. Returns its result, or
-        None when the task was told to stop first (the work is then cancelled, and a
-        thread it waits on abandoned)."""
+        None when the task was told to stop first, or as it ended (the work is cancelled,
+        a thread it waits on abandoned): nothing more is done for a stopped task."""
         assert self._nursery is not None
         self._asked_token += 1
         token = self._asked_token
@@ -567,7 +567,7 @@ class SessionSupervisor:
             self._out.flush()
         if failure:
             raise failure[0]
-        return (result[0],) if result else None
+        return (result[0],) if result and not self._machine.stopping else None
 
 
 def _report_trace_failure(inbox: trio.MemorySendChannel[SupervisorMessage], message: str) -> None:
