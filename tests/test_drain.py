@@ -16,6 +16,8 @@ from conftest import RUN_TIMEOUT_S, allow_all, open_host, trace_lines
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
 from greenroom.actors.runtime.emitter import OutputEmitter
 from greenroom.actors.runtime.errors import HostClosed
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.session import Session
 from greenroom.protocols import markers
 from greenroom.protocols.context import ModelRequest, UserMessage
 from greenroom.protocols.task import TaskMachine
@@ -40,6 +42,30 @@ class SlowTool:
         self.tool = make_tool(slow, parallel=False)
 
 
+def _start_drain(nursery: trio.Nursery, host: Host) -> list[str]:
+    """Drain ``host`` in ``nursery``; the list returned gets the ids of the held sessions."""
+    held: list[str] = []
+
+    async def drain() -> None:
+        held.extend(await host.drain(grace_s=RUN_TIMEOUT_S))
+
+    nursery.start_soon(drain)
+    return held
+
+
+async def _working(
+    host: Host, workspace: Path, provider: ScriptedProvider, slow: SlowTool
+) -> Session:
+    """A session whose task ``work on 1`` runs ``slow`` (started, not released)."""
+    session = await host.create_session(
+        provider=provider, tools=[slow.tool], workspace_dir=workspace
+    )
+    session.run("work on 1", approve=allow_all)
+    with trio.fail_after(RUN_TIMEOUT_S):
+        await slow.started.wait()
+    return session
+
+
 def _said(request: ModelRequest) -> str:
     last = request.messages[-1]
     return str(last.content) if isinstance(last, UserMessage) else ""
@@ -51,19 +77,10 @@ async def test_a_drained_task_stops_at_its_turn_boundary_and_the_next_host_finis
     slow = SlowTool()
     first = ScriptedProvider([Reply(blocks=(text("Working."), tool_call("c1", "slow", x=1)))])
     async with open_host(data_dir) as host:
-        session = await host.create_session(
-            provider=first, tools=[slow.tool], workspace_dir=workspace
-        )
-        session.run("work on 1", approve=allow_all)
+        session = await _working(host, workspace, first, slow)
         with trio.fail_after(RUN_TIMEOUT_S):
-            await slow.started.wait()
             async with trio.open_nursery() as nursery:
-                held: list[str] = []
-
-                async def drain() -> None:
-                    held.extend(await host.drain(grace_s=RUN_TIMEOUT_S))
-
-                nursery.start_soon(drain)
+                held = _start_drain(nursery, host)
                 await trio.testing.wait_all_tasks_blocked()
                 assert host.draining
                 with pytest.raises(HostClosed, match="draining"):
@@ -137,19 +154,10 @@ async def test_an_interrupt_while_the_drain_holds_a_task_ends_it(
     first = ScriptedProvider([Reply(blocks=(text("Working."), tool_call("c1", "slow", x=1)))])
     syncing, synced = _hold_sync_waits(monkeypatch)
     async with open_host(data_dir) as host:
-        session = await host.create_session(
-            provider=first, tools=[slow.tool], workspace_dir=workspace
-        )
-        session.run("work on 1", approve=allow_all)
+        session = await _working(host, workspace, first, slow)
         with trio.fail_after(RUN_TIMEOUT_S):
-            await slow.started.wait()
             async with trio.open_nursery() as nursery:
-                held: list[str] = []
-
-                async def drain() -> None:
-                    held.extend(await host.drain(grace_s=RUN_TIMEOUT_S))
-
-                nursery.start_soon(drain)
+                held = _start_drain(nursery, host)
                 await trio.testing.wait_all_tasks_blocked()
                 slow.release.set()
                 await syncing.wait()
@@ -172,19 +180,10 @@ async def test_steering_while_the_drain_holds_a_task_is_recorded_for_the_next_ho
     first = ScriptedProvider([Reply(blocks=(text("Working."), tool_call("c1", "slow", x=1)))])
     syncing, synced = _hold_sync_waits(monkeypatch)
     async with open_host(data_dir) as host:
-        session = await host.create_session(
-            provider=first, tools=[slow.tool], workspace_dir=workspace
-        )
-        session.run("work on 1", approve=allow_all)
+        session = await _working(host, workspace, first, slow)
         with trio.fail_after(RUN_TIMEOUT_S):
-            await slow.started.wait()
             async with trio.open_nursery() as nursery:
-                held: list[str] = []
-
-                async def drain() -> None:
-                    held.extend(await host.drain(grace_s=RUN_TIMEOUT_S))
-
-                nursery.start_soon(drain)
+                held = _start_drain(nursery, host)
                 await trio.testing.wait_all_tasks_blocked()
                 assert session.steer("mind the edges")
                 slow.release.set()
@@ -220,20 +219,11 @@ async def test_a_task_with_a_follow_up_queued_runs_on_and_the_follow_up_is_held(
         Reply(blocks=(text("Done with 1."),)),
     ])  # fmt: skip
     async with open_host(data_dir) as host:
-        session = await host.create_session(
-            provider=first, tools=[slow.tool], workspace_dir=workspace
-        )
-        session.run("work on 1", approve=allow_all)
+        session = await _working(host, workspace, first, slow)
         with trio.fail_after(RUN_TIMEOUT_S):
-            await slow.started.wait()
             assert session.follow_up("then do 2")
             async with trio.open_nursery() as nursery:
-                held: list[str] = []
-
-                async def drain() -> None:
-                    held.extend(await host.drain(grace_s=RUN_TIMEOUT_S))
-
-                nursery.start_soon(drain)
+                held = _start_drain(nursery, host)
                 await trio.testing.wait_all_tasks_blocked()
                 slow.release.set()
         assert held == [session.id]

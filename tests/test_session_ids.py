@@ -245,6 +245,21 @@ async def test_a_session_deleted_while_it_loads_is_deleted_after_the_load(
             assert not session.directory.exists()
 
 
+def _held_close(monkeypatch: pytest.MonkeyPatch) -> tuple[trio.Event, trio.Event]:
+    """Make closing a session wait: the first event is set once a close waits, the
+    second lets it go on."""
+    aclose = Session.aclose
+    closing, go_on = trio.Event(), trio.Event()
+
+    async def held_aclose(self: Session) -> None:
+        closing.set()
+        await go_on.wait()
+        await aclose(self)
+
+    monkeypatch.setattr(Session, "aclose", held_aclose)
+    return closing, go_on
+
+
 async def test_a_session_loaded_while_it_closes_is_loaded_after_the_close(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -255,15 +270,8 @@ async def test_a_session_loaded_while_it_closes_is_loaded_after_the_close(
     with trio.fail_after(RUN_TIMEOUT_S):
         async with Host.open(data_dir) as host:
             session = await _finished(host, tmp_path, "hi")
-            aclose = Session.aclose
-            closing, go_on, loaded = trio.Event(), trio.Event(), trio.Event()
-
-            async def held_aclose(self: Session) -> None:
-                closing.set()
-                await go_on.wait()
-                await aclose(self)
-
-            monkeypatch.setattr(Session, "aclose", held_aclose)
+            closing, go_on = _held_close(monkeypatch)
+            loaded = trio.Event()
             again: list[Session] = []
 
             async def load() -> None:
@@ -293,15 +301,7 @@ async def test_a_session_loaded_while_it_is_deleted_is_not_found(
     with trio.fail_after(RUN_TIMEOUT_S):
         async with Host.open(data_dir) as host:
             session = await _finished(host, tmp_path, "hi")
-            aclose = Session.aclose
-            closing, go_on = trio.Event(), trio.Event()
-
-            async def held_aclose(self: Session) -> None:
-                closing.set()
-                await go_on.wait()
-                await aclose(self)
-
-            monkeypatch.setattr(Session, "aclose", held_aclose)
+            closing, go_on = _held_close(monkeypatch)
             found: list[BaseException] = []
 
             async def load() -> None:
