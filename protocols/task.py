@@ -764,7 +764,9 @@ class TaskMachine:
     @property
     def takes_steering(self) -> bool:
         """Whether steering queued now reaches the open task: a task (not a manual
-        compaction) is open, and it is neither told to stop nor ending."""
+        compaction) is open or starting, and it is neither told to stop nor ending."""
+        if isinstance(self._issued, StartTask):
+            return self._issued.kind == "task"  # its first input assembly takes it
         return (
             self.record.run_id is not None
             and self.record.kind == "task"
@@ -843,9 +845,7 @@ class TaskMachine:
 
     def queue_task(self, task: Any, kind: TaskKind = "task") -> None:
         """Queue a task to start once the open one has ended (FIFO: R-STEER-6)."""
-        if self._queued is None:
-            self._queued = []
-        self._queued.append((task, kind))
+        self._queued = [*(self._queued or ()), (task, kind)]
 
     def children_running(self, count: int) -> None:
         """How many background subagents of the session run now (R-TREE-2); the

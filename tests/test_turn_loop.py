@@ -10,6 +10,7 @@ import pytest
 import trio
 import trio.testing
 from conftest import (
+    RUN_TIMEOUT_S,
     Gates,
     Lookup,
     Recorder,
@@ -512,3 +513,35 @@ async def test_steering_that_comes_as_a_task_ends_is_not_given_to_the_next_task(
         await collect(session.run("two", approve=allow_all))
     assert steered == [True]  # delivered: the task's supervisor still ran
     assert "LATE STEER" not in str(provider.requests[1].messages)
+
+
+async def test_steering_given_while_a_task_starts_reaches_its_first_request(
+    data_dir: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # R-STEER-1: a task starting (its prompt being made durable, before its task_start)
+    # takes steering: its first input assembly has it. Read then, it was taken for
+    # steering of no task and dropped.
+    from greenroom.actors.providers.scripted import ScriptedProvider
+    from greenroom.actors.runtime.emitter import OutputEmitter
+
+    syncing, may_go_on = trio.Event(), trio.Event()
+    sync = OutputEmitter.sync
+
+    async def prompt_sync_waits(self: OutputEmitter) -> None:
+        if not syncing.is_set():  # the first: the prompt's
+            syncing.set()
+            await may_go_on.wait()
+        await sync(self)
+
+    monkeypatch.setattr(OutputEmitter, "sync", prompt_sync_waits)
+    provider = ScriptedProvider([Reply(blocks=(text("Noted."),))])
+    async with open_host(data_dir) as host:
+        session = await host.create_session(provider=provider, workspace_dir=workspace)
+        with trio.fail_after(RUN_TIMEOUT_S):
+            stream = session.run("one", approve=allow_all)
+            await syncing.wait()
+            assert session.steer("North only")
+            await trio.testing.wait_all_tasks_blocked()
+            may_go_on.set()
+            await collect(stream)
+    assert "North only" in str(provider.requests[0].messages)
