@@ -7,6 +7,7 @@ host-lost note and no request wasted."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -240,3 +241,32 @@ async def test_a_task_with_a_follow_up_queued_runs_on_and_the_follow_up_is_held(
     ]
     (request,) = again.requests
     assert "then do 2" in str(request.messages)
+
+
+async def test_a_drain_during_a_retrys_wait_with_steering_queued_holds_the_task(
+    data_dir: Path, workspace: Path
+) -> None:
+    # The hold at a retry's boundary saw the steering queued meanwhile and let the task
+    # go on to record it — but a retry takes no steering (its turn's next input assembly
+    # does), so the task came back to the same hold for ever, the host's loop spinning.
+    from conftest import model_error
+
+    from greenroom.protocols.outputs import RequestEnd
+
+    first = ScriptedProvider([Reply(fail=model_error("timeout"))])
+    retrying = trio.Event()
+
+    def on_output(batch: list[Any]) -> None:
+        if any(isinstance(o, RequestEnd) and o.retry_in_ms is not None for o in batch):
+            retrying.set()
+
+    async with open_host(data_dir) as host:
+        session = await host.create_session(provider=first, workspace_dir=workspace)
+        session.subscribe(on_output)
+        session.run("hi", approve=allow_all)
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await retrying.wait()
+            assert session.steer("mind the edges")
+            async with trio.open_nursery() as nursery:
+                held = _start_drain(nursery, host)
+    assert held == [session.id]  # held at its next attempt, which it does not send

@@ -243,7 +243,7 @@ class SessionSupervisor:
                 await self._begin_turn(turn, steering)
             case BeginAttempt(attempt=attempt, delay_ms=delay_ms):
                 if holds_for_drain(self._port):
-                    return await self._hold(())
+                    return await self._hold((), retry=True)
                 self._running().begin_attempt(attempt, delay_ms)
             case CallHook():
                 self._running().call_hook(step)
@@ -404,7 +404,7 @@ class SessionSupervisor:
         read = await self._serving(lambda: attach(steering, self._port.attachments, fold=True))
         return None if read is None else read[0]
 
-    async def _hold(self, steering: tuple[UserContent, ...]) -> bool:
+    async def _hold(self, steering: tuple[UserContent, ...], *, retry: bool = False) -> bool:
         """The host drains (R-DRAIN-1): the task stops at this boundary instead of sending
         its next request, open in its trace with the steering the turn took recorded, and
         holds nothing — like a parked task, a message wakes it. The next host (or this
@@ -418,9 +418,9 @@ class SessionSupervisor:
         if attached:
             self._out.emit(UserMsg(session_id=port.id, run_id=machine.run_id or "",
                                    kind="steering", content=attached))
-        if not await self._sync() or machine.steering_queued:
+        if not await self._sync() or (machine.steering_queued and not retry):
             # An interrupt came while the trace was made durable (the task ends at its
-            # next step), or steering (it holds again, with that steering recorded).
+            # next step), or steering (a turn holds again, with it; a retry takes none).
             return False
         task, self._task = self._running(), None
         port.parked_task = await task.park(self._output, self._cancel_event)
