@@ -488,31 +488,65 @@ async def test_steering_images_follow_the_block_or_fold_into_it(
         )
 
 
-async def test_steering_that_comes_as_a_task_ends_is_not_given_to_the_next_task(
+async def test_steering_that_comes_as_a_task_ends_runs_as_a_task_of_its_own(
     data_dir: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # R-STEER-5: the steering queue goes with its task. Steering that came while the
-    # task's end was made durable (a Ctrl-C, then words typed at once) waited in the
-    # session and was given to the next task, hours later perhaps, as [user_steering].
+    # R-STEER-1, R-STEER-5: steering that came while the task's end was made durable was
+    # accepted (steer() answered True) and then discarded: the person's words were lost.
+    # Given to the next task as [user_steering] (hours later perhaps) it would be wrong
+    # too. It runs as a task of its own right after, as if steer() had found no task.
     from greenroom.actors.providers.scripted import ScriptedProvider
     from greenroom.actors.runtime.emitter import OutputEmitter
 
-    provider = ScriptedProvider([Reply(blocks=(text("One."),)), Reply(blocks=(text("Two."),))])
+    provider = ScriptedProvider(
+        [Reply(blocks=(text("One."),)), Reply(blocks=(text("Late."),)),
+         Reply(blocks=(text("Two."),))]
+    )
     sync_task_end = OutputEmitter.sync_task_end
     steered: list[bool] = []
 
     async def steered_while_ending(self: OutputEmitter, *, completed: bool) -> None:
-        steered.append(session.steer("LATE STEER"))
+        if not steered:
+            steered.append(session.steer("LATE STEER"))
         await sync_task_end(self, completed=completed)
 
     async with open_host(data_dir) as host:
         session = await host.create_session(provider=provider, workspace_dir=workspace)
         monkeypatch.setattr(OutputEmitter, "sync_task_end", steered_while_ending)
-        await collect(session.run("one", approve=allow_all))
+        first = await collect(session.run("one", approve=allow_all))
         monkeypatch.undo()
         await collect(session.run("two", approve=allow_all))
     assert steered == [True]  # delivered: the task's supervisor still ran
-    assert "LATE STEER" not in str(provider.requests[1].messages)
+    assert [e.status for e in of_type(first, TaskEnd)] == ["completed", "completed"]
+    assert last_user(provider.requests[1]).content == (TextBlock(text="LATE STEER"),)
+    assert "user_steering" not in str(provider.requests[2].messages)
+    assert last_user(provider.requests[2]).content == (TextBlock(text="two"),)
+
+
+async def test_steering_right_after_an_interrupt_runs_after_the_aborted_task(
+    data_dir: Path, workspace: Path, gates: Gates
+) -> None:
+    # R-STEER-1, R-ABORT-1: Ctrl-C, then words typed at once: the interrupt is handled
+    # first, so the words come to a stopping task. They were discarded although steer()
+    # had answered True; they run as the next task.
+    from greenroom.actors.providers.scripted import ScriptedProvider
+
+    provider = ScriptedProvider(
+        [Reply(blocks=(tool_call("c1", "wait", key="a"),)),
+         Reply(blocks=(text("Heard you."),))]
+    )
+    async with open_host(data_dir) as host:
+        session = await host.create_session(
+            provider=provider, workspace_dir=workspace, tools=[gates.tool()]
+        )
+        stream = session.run("work", approve=allow_all)
+        await gates.started("a")
+        assert session.interrupt() is True
+        assert session.steer("AFTER CTRL-C") is True
+        outputs = await collect(stream)
+    assert [e.status for e in of_type(outputs, TaskEnd)] == ["aborted", "completed"]
+    # The aborted call's result is carried over before the new task's input (R-ABORT-3).
+    assert last_user(provider.requests[1]).content[-1] == TextBlock(text="AFTER CTRL-C")
 
 
 async def test_steering_given_while_a_task_starts_reaches_its_first_request(

@@ -92,6 +92,7 @@ from greenroom.protocols.task import (
     Phase,
     StartTask,
     TaskKind,
+    TaskMachine,
     Wait,
 )
 
@@ -301,8 +302,8 @@ class SessionSupervisor:
                 self._out.forward(message.outputs, message.origin)
             case SteeringQueued() if machine.takes_steering:
                 machine.queue_steering(repaired_blocks(message.content))
-            case SteeringQueued():
-                pass  # its task has ended: discarded with its queue (R-STEER-5)
+            case SteeringQueued():  # late: its task was ending or interrupted
+                _run_late_steering(self._port, machine, message, task)
             case SubagentFinished():
                 # A background child's end (R-TREE-2): steering of a task that goes on,
                 # else a task of its own after the one that ends (never dropped with it).
@@ -612,6 +613,25 @@ def start(
     port.idle = trio.Event()
     port.host.start_task(supervisor.run)
     return supervisor.inbox
+
+
+def _run_late_steering(
+    port: SessionPort, machine: TaskMachine, message: SteeringQueued, task: RunningTask | None
+) -> None:
+    """Steering its task no longer takes, after steer() said yes (the task was ending, or
+    interrupted): the words run as a task of their own, with the options of the task they
+    came for, as the host would have run them had steer() found no task (R-STEER-1). The
+    task's own queue went with it (R-STEER-5). Once the session closes nothing runs."""
+    if port.closed:
+        return
+    came_for = task.task if task is not None else None
+    machine.queue_task(
+        TaskInput(
+            content=repaired_blocks(message.content),
+            approve=came_for.approve if came_for is not None else None,
+            thinking_level=came_for.thinking_level if came_for is not None else None,
+        )
+    )
 
 
 def _pass_on_leftovers(
