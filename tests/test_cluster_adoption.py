@@ -15,7 +15,11 @@ leases released), and the scan took them back, so the hand-over's target found t
 claimed and they waited for the draining host to stop (20 s in the benchmark).
 
 A session whose ownership is lost (the host's lease) while it is adopted or taken over is
-neither replicated nor taken up: the loss gave it up, and nothing would stop it after."""
+neither replicated nor taken up: the loss gave it up, and nothing would stop it after.
+
+A session one of whose appends was stored but not acknowledged goes on where it is: the
+retry is no fence (R-CLUSTER-2). A session fenced while this host still holds its claim is
+given up, so the orphan scan takes it over."""
 
 from __future__ import annotations
 
@@ -195,13 +199,13 @@ def test_a_session_lost_while_it_is_taken_over_is_not_taken_up(
     assert run_connected(nats_server.url, body, timeout_s=30.0) == (False, False, False)
 
 
-def test_a_session_whose_append_ack_was_lost_is_not_left_served_by_nobody(
+def test_a_session_whose_append_ack_was_lost_goes_on_here(
     tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # An append reached the stream but its acknowledgement was lost (a reconnect): the
-    # retry found the stream moved on and took it for a fence by another host. The
-    # session was closed here and its claim kept, so it stayed owned by this host and
-    # served by none: every call to it failed, and no scan would take it over.
+    # retry found the stream moved on and took it for a fence by another host, so the
+    # session was closed here and taken over, its task interrupted, though nobody else
+    # wrote. The retry now finds its own message and the task goes on.
     append = TraceWriter.append
     lost: list[str] = []
 
@@ -216,18 +220,8 @@ def test_a_session_whose_append_ack_was_lost_is_not_left_served_by_nobody(
 
     armed = False
     monkeypatch.setattr(TraceWriter, "append", ack_lost_once)
-    taken_over = trio.Event()
-    take_over = ClusterNode.take_over
 
-    async def take_over_and_tell(self: ClusterNode, session_id: str, meta: Any) -> bool:
-        taken = await take_over(self, session_id, meta)
-        if taken:
-            taken_over.set()
-        return taken
-
-    monkeypatch.setattr(ClusterNode, "take_over", take_over_and_tell)
-
-    async def body(conn: Connection) -> tuple[bool, str | None]:
+    async def body(conn: Connection) -> dict[str, object]:
         nonlocal armed
         config = ClusterConfig(
             url=nats_server.url, host_id="a", prefix=conn.names.prefix, lease_ttl_s=1.0
@@ -244,14 +238,70 @@ def test_a_session_whose_append_ack_was_lost_is_not_left_served_by_nobody(
             )
             with trio.fail_after(RUN_TIMEOUT_S):
                 await collect(session.run("hi", approve=allow_all))
-            node = nodes[0]
             armed = True
+            with trio.fail_after(RUN_TIMEOUT_S):
+                outputs = await collect(session.run("again", approve=allow_all))
+            owners = await SessionOwners.open(conn, ttl_s=config.lease_ttl_s)
+            seqs = [r.seq for r in (await TraceStream(conn).read(session.id)).records]
+            end = outputs[-1]  # the task goes on to its end, not interrupted
+            return {
+                "lost": lost == [session.id],
+                "end": end.status if isinstance(end, TaskEnd) else type(end).__name__,
+                "served": nodes[0].serves(session.id),
+                "holder": await owners.holder(session.id),
+                "seqs once": sorted(set(seqs)) == seqs,
+            }
+
+    assert run_connected(nats_server.url, body, timeout_s=60.0) == {
+        "lost": True,
+        "end": "completed",
+        "served": True,
+        "holder": "a",
+        "seqs once": True,
+    }
+
+
+def test_a_session_fenced_while_its_claim_is_this_hosts_is_not_left_served_by_nobody(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The trace was fenced while this host still held the session's claim (a host that
+    # fenced it and lost its own claim before taking it up): the session was closed here
+    # and its claim kept, so it stayed owned by this host and served by none, and no scan
+    # would take it over. A fenced session's claim is given up as an abandoned one's is.
+    taken_over = trio.Event()
+    take_over = ClusterNode.take_over
+
+    async def take_over_and_tell(self: ClusterNode, session_id: str, meta: Any) -> bool:
+        taken = await take_over(self, session_id, meta)
+        if taken:
+            taken_over.set()
+        return taken
+
+    monkeypatch.setattr(ClusterNode, "take_over", take_over_and_tell)
+
+    async def body(conn: Connection) -> tuple[bool, str | None]:
+        config = ClusterConfig(
+            url=nats_server.url, host_id="a", prefix=conn.names.prefix, lease_ttl_s=1.0
+        )
+        nodes: list[ClusterNode] = []
+        async with open_cluster_host(
+            conn.bridge, config, tmp_path / "a", approve=allow_all, on_node=nodes.append
+        ) as host:
+            session = await host.create_session(
+                provider=ScriptedProvider(
+                    [Reply(blocks=(text("one"),)), Reply(blocks=(text("two"),))]
+                ),
+                workspace_dir=tmp_path,
+            )
+            with trio.fail_after(RUN_TIMEOUT_S):
+                await collect(session.run("hi", approve=allow_all))
+            node = nodes[0]
+            await (await TraceStream.open(conn)).fence(session.id, "b")
             session.run("again", approve=allow_all)
             owners = await SessionOwners.open(conn, ttl_s=config.lease_ttl_s)
             # The orphan scan takes the session over again (the first time it looks).
             with trio.fail_after(RUN_TIMEOUT_S):
                 await taken_over.wait()
-            assert lost == [session.id]
             return node.serves(session.id), await owners.holder(session.id)
 
     assert run_connected(nats_server.url, body, timeout_s=60.0) == (True, "a")

@@ -1,18 +1,28 @@
 """A replicated session's records count as written once JetStream acknowledged *them*,
 whatever the other sessions' appends are doing, against a real nats-server (R-TRACE-3,
-R-RUN-8: a client sees a record once it survives this host; R-CLUSTER-1)."""
+R-RUN-8: a client sees a record once it survives this host; R-CLUSTER-1).
+
+An append retried after NATS failed it reaches the stream once, and is no fence when the
+failed attempt was stored (R-CLUSTER-2: no record duplicated, no session lost)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
+from typing import Any
 
+import nats.errors
+import nats.js.api
+import pytest
 import trio
 
+from greenroom.actors.cluster import store as store_module
 from greenroom.actors.cluster.connection import Connection
 from greenroom.actors.cluster.store import ReplicatingTraceStore
-from greenroom.actors.cluster.traces import TraceStream, TraceWriter
+from greenroom.actors.cluster.traces import FENCE_HEADER, ROTATE_HEADER, TraceStream, TraceWriter
+from greenroom.actors.runtime.trace_sink import TraceWriteError
 from greenroom.protocols.messages import TraceWritten
+from greenroom.protocols.trace import parse_trace
 from tests.support.nats import (  # the fixture is used as nats_server
     NatsProcess,
     module_nats_server,  # noqa: F401
@@ -128,4 +138,101 @@ def test_a_session_no_longer_replicated_says_so_instead_of_passing_records_for_d
         "append": "StaleTraceWriter",
         "lost": "TraceWriteError",
         "in_cluster": [],
+    }
+
+
+class FaultyPublishes:
+    """Replaces ``conn.js.publish`` for the appends after a fence (numbered from 0):
+    those in ``lost`` reach the stream but their acknowledgement is lost (the client's
+    request times out), those in ``unsent`` never reach it; the others go through."""
+
+    def __init__(
+        self, conn: Connection, *, lost: Collection[int] = (), unsent: Collection[int] = ()
+    ) -> None:
+        self._publish = conn.js.publish
+        self._lost, self._unsent = lost, unsent
+        self.appends = 0
+        conn.js.publish = self.publish  # type: ignore[method-assign]
+
+    async def publish(
+        self, subject: str, payload: bytes = b"", **kwargs: Any
+    ) -> nats.js.api.PubAck:
+        """The real publish, or a fault."""
+        if FENCE_HEADER in (kwargs.get("headers") or {}):
+            return await self._publish(subject, payload, **kwargs)
+        attempt, self.appends = self.appends, self.appends + 1
+        if attempt in self._unsent:
+            raise nats.errors.TimeoutError
+        ack = await self._publish(subject, payload, **kwargs)
+        if attempt in self._lost:
+            raise nats.errors.TimeoutError
+        return ack
+
+
+async def stored_messages(conn: Connection, session_id: str) -> list[str]:
+    """The session's messages as the stream holds them: each record's seq, ``R<n>`` for
+    a rotation to file ``n`` (fences left out)."""
+    stream, subject = conn.names.trace_stream, conn.names.trace_subject(session_id)
+    last = await TraceStream(conn).last_sequence(session_id)
+    found: list[str] = []
+    for sequence in range(1, last + 1):
+        msg = await conn.call(conn.js.get_msg(stream, sequence, direct=True))
+        headers = msg.headers or {}
+        if msg.subject != subject or FENCE_HEADER in headers:
+            continue
+        if ROTATE_HEADER in headers:
+            found.append(f"R{headers[ROTATE_HEADER]}")
+        found.extend(str(r.seq) for r in parse_trace(msg.data or b"", file="stream").records)
+    return found
+
+
+def test_an_append_whose_acknowledgement_was_lost_is_no_fence(
+    nats_server: NatsProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The append was stored but its acknowledgement lost (a timeout, a reconnect): the
+    # retry, after the same sequence, was refused as "wrong last sequence" and taken for
+    # another host's fence, so the session was stopped here and taken over, its task
+    # interrupted, though nobody else wrote.
+    monkeypatch.setattr(store_module, "_RETRY_S", 0.0)
+    sid = "acklost"
+
+    async def body(conn: Connection) -> dict[str, object]:
+        traces = await TraceStream.open(conn)
+        fenced: list[str] = []
+        store = ReplicatingTraceStore(tmp_path, on_fenced=fenced.append)
+        log = store.log
+        found: dict[str, object] = {}
+        async with trio.open_nursery() as nursery:
+            await nursery.start(store.run)
+            await store.catalog.create(sid, {"session_id": sid})
+            log.start(sid)
+            log.replicate(sid)
+            writer = await traces.fence(sid, "host-a")
+            faults = FaultyPublishes(conn, lost={0})
+            await nursery.start(log.stream_to, sid, writer)
+            found["synced"] = []
+            for seq in (1, 2):
+                try:
+                    log.append(sid, seq, record(sid, seq))
+                    await log.sync(sid)
+                except TraceWriteError as exc:
+                    found["synced"] = type(exc).__name__
+                    break
+                found["synced"].append(seq)
+            found["attempts"] = faults.appends
+            found["fenced"] = fenced
+            found["error"] = log.error(sid)
+            nursery.cancel_scope.cancel()
+        await store.aclose()
+        found["read"] = [r.seq for r in (await traces.read(sid)).records]
+        found["stored"] = await stored_messages(conn, sid)
+        return found
+
+    assert run_connected(nats_server.url, body, timeout_s=20.0) == {
+        "synced": [1, 2],
+        "attempts": 3,
+        "fenced": [],
+        "error": None,
+        "read": [1, 2],
+        "stored": ["1", "2"],
     }

@@ -8,7 +8,7 @@ import trio
 
 from greenroom.actors.cluster.connection import Connection
 from greenroom.actors.cluster.errors import Fenced
-from greenroom.actors.cluster.traces import TraceStream
+from greenroom.actors.cluster.traces import TraceStream, TraceWriter
 from greenroom.protocols.outputs import Output, TaskStart
 from greenroom.protocols.trace import encode_record
 from tests.support.nats import (  # the fixture is used as nats_server
@@ -18,7 +18,6 @@ from tests.support.nats import (  # the fixture is used as nats_server
 )
 
 SID = "20260101-120000-abcdef"
-
 
 
 def _line(seq: int) -> str:
@@ -64,6 +63,50 @@ def test_a_stale_writer_is_fenced_by_the_new_owner(nats_server: NatsProcess) -> 
         return _seqs((await stream.read(SID)).records), refused, again
 
     assert run_connected(nats_server.url, body) == ([1, 2], True, True)
+
+
+def test_a_retry_of_a_message_stored_unacknowledged_is_no_fence(
+    nats_server: NatsProcess,
+) -> None:
+    # The server stored an append but its acknowledgement was lost: the writer's retry
+    # (the same message after the same sequence) was refused as "wrong last sequence"
+    # and taken for a fence, though nobody else wrote. A message the server has as the
+    # subject's last is now recognised as the retried one; anything else still fences.
+    async def body(conn: Connection) -> dict[str, object]:
+        stream = await TraceStream.open(conn)
+        writer = await stream.fence(SID, "host-a")
+        await writer.append([_line(1)])
+        found: dict[str, object] = {}
+        # What the server stored of the attempt whose acknowledgement was lost: the same
+        # writer's message, published by a copy of it the writer never hears from.
+        stored = await TraceWriter(conn, SID, expected=writer.expected).append([_line(2)])
+        found["retry"] = await writer.append([_line(2)]) == stored
+        await writer.append([_line(3)])
+        found["records"] = _seqs((await stream.read(SID)).records)
+        # A different message after the same sequence is someone else's write.
+        await TraceWriter(conn, SID, expected=writer.expected).append([_line(4)])
+        try:
+            await writer.append([_line(5)])
+            found["other message"] = "accepted"
+        except Fenced:
+            found["other message"] = "fenced"
+        # The retried message stored, then a new owner's fence: fenced all the same.
+        writer = await stream.fence(SID, "host-b")
+        await TraceWriter(conn, SID, expected=writer.expected).append([_line(5)])
+        await stream.fence(SID, "host-c")
+        try:
+            await writer.append([_line(5)])
+            found["fenced after"] = "accepted"
+        except Fenced:
+            found["fenced after"] = "fenced"
+        return found
+
+    assert run_connected(nats_server.url, body) == {
+        "retry": True,
+        "records": [1, 2, 3],
+        "other message": "fenced",
+        "fenced after": "fenced",
+    }
 
 
 def test_replay_after_seq_across_a_rotation(nats_server: NatsProcess) -> None:

@@ -401,9 +401,10 @@ class ClusterNode:
         if self._work is None:
             self._give_up(session_id)
             return
-        # Its claim goes too (a no-op when another host holds it): a "fence" that was an
-        # append of this host's whose acknowledgement was lost would otherwise leave the
-        # session owned here and served nowhere, and no scan would ever take it over.
+        # Its claim goes too (a no-op when another host holds it): a fence written while
+        # the claim is still this host's (by a host that lost its own claim before taking
+        # the session up) would otherwise leave the session owned here and served
+        # nowhere, and no scan would ever take it over.
         try:
             self._work.start_soon(self._abandon, session_id)
         except RuntimeError:  # shutting down

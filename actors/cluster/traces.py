@@ -16,6 +16,13 @@ fence moves that sequence on, so every later append of the previous owner (which
 lease, perhaps while stopped) is refused with :class:`~.errors.Fenced`, and the records the
 new owner read up to its fence are the whole trace as far as anyone can have written it.
 
+A retried append is no fence: every append carries a ``Nats-Msg-Id`` that is the same
+for each attempt of one message and different for any other (the session, the sequence
+it is appended after, a digest of its headers and payload). When an attempt was stored
+but its acknowledgement lost, the server refuses the retry for its expected sequence (it
+checks that before the message id); the writer then finds its message as the subject's
+last and goes on after it. If anything else is last, the writer was fenced.
+
 Reading: :meth:`TraceStream.read` gives the records with ``seq`` greater than ``after_seq``
 that exist now; :meth:`TraceStream.follow` gives the same and then every record appended
 later, in order, without gap or duplicate (one ordered consumer does both).
@@ -24,6 +31,7 @@ later, in order, without gap or duplicate (one ordered consumer does both).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import AsyncIterator, Sequence
 
 import attrs
@@ -45,6 +53,7 @@ __all__ = ["Records", "TraceRead", "TraceStream", "TraceWriter"]
 FENCE_HEADER = "Greenroom-Fence"
 ROTATE_HEADER = "Greenroom-Rotate"
 _EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
+_MESSAGE_ID = "Nats-Msg-Id"
 _UNSUBSCRIBE_S = 2.0
 
 
@@ -260,40 +269,66 @@ class TraceWriter:
     async def append(self, lines: Sequence[str]) -> int:
         """Append ``lines`` (finished trace lines, each ending in ``"\\n"``) as one message;
         return its stream sequence. Raises :class:`Fenced` when this writer is stale (and
-        from then on, without asking the server again)."""
+        from then on, without asking the server again). After :class:`ClusterUnavailable`,
+        retry with the same ``lines``: the attempt may have been stored, and only the same
+        message is recognised as it."""
+        return await self._publish("".join(lines).encode(), {}, "append to")
+
+    async def rotate(self, file_number: int) -> int:
+        """Mark the start of trace file ``file_number`` (fenced and retried like
+        :meth:`append`)."""
+        return await self._publish(b"", {ROTATE_HEADER: str(file_number)}, "rotate")
+
+    async def _publish(self, payload: bytes, marks: dict[str, str], doing: str) -> int:
         if self.fenced:
             raise Fenced(self.session_id, self.expected)
-        payload = "".join(lines).encode()
+        message_id = self._message_id(payload, marks)
+        headers = {**marks, _EXPECTED_LAST: str(self.expected), _MESSAGE_ID: message_id}
         try:
             ack = await self._conn.call(
-                self._conn.js.publish(
-                    self._subject, payload, headers={_EXPECTED_LAST: str(self.expected)}
-                )
+                self._conn.js.publish(self._subject, payload, headers=headers)
             )
         except nats.js.errors.APIError as exc:
-            if wrong_last_sequence(exc):
+            if not wrong_last_sequence(exc):
+                raise ClusterUnavailable(f"cannot {doing} {self.session_id}: {exc}") from exc
+            # The server checks the expected sequence before the message id, so a retry
+            # of a message stored unacknowledged is refused like a stale writer's: it is
+            # no fence when that message is still the subject's last.
+            stored = await self._stored_last(message_id)
+            if stored is None:
                 self.fenced = True
                 raise Fenced(self.session_id, self.expected) from exc
-            raise ClusterUnavailable(f"cannot append to {self.session_id}: {exc}") from exc
+            self.expected = stored
+            return stored
         self.expected = ack.seq
         return ack.seq
 
-    async def rotate(self, file_number: int) -> int:
-        """Mark the start of trace file ``file_number`` (fenced like :meth:`append`)."""
-        if self.fenced:
-            raise Fenced(self.session_id, self.expected)
+    def _message_id(self, payload: bytes, marks: dict[str, str]) -> str:
+        # The same for every attempt of one message, different for any other message in
+        # the stream: a writer appends after a given sequence once, no other writer
+        # appends after it (each starts after its own fence), and the digest tells this
+        # message from a different one tried after the same sequence. So finding it as
+        # the subject's last proves the retried attempt stored, and JetStream's duplicate
+        # window, where it is consulted first, can only answer a retry with its own ack.
+        digest = hashlib.blake2b(digest_size=16)
+        for name, value in sorted(marks.items()):
+            digest.update(f"{name}: {value}\n".encode())
+        digest.update(b"\n")
+        digest.update(payload)
+        return f"{self.session_id}.{self.expected}.{digest.hexdigest()}"
+
+    async def _stored_last(self, message_id: str) -> int | None:
+        """The stream sequence of the subject's last message if it is ``message_id``."""
         try:
-            ack = await self._conn.call(
-                self._conn.js.publish(
-                    self._subject,
-                    b"",
-                    headers={_EXPECTED_LAST: str(self.expected), ROTATE_HEADER: str(file_number)},
+            last = await self._conn.call(
+                self._conn.js.get_last_msg(
+                    self._conn.names.trace_stream, self._subject, direct=True
                 )
             )
+        except nats.js.errors.NotFoundError:
+            return None
         except nats.js.errors.APIError as exc:
-            if wrong_last_sequence(exc):
-                self.fenced = True
-                raise Fenced(self.session_id, self.expected) from exc
-            raise ClusterUnavailable(f"cannot rotate {self.session_id}: {exc}") from exc
-        self.expected = ack.seq
-        return ack.seq
+            raise ClusterUnavailable(f"cannot read the trace of {self.session_id}: {exc}") from exc
+        if (last.headers or {}).get(_MESSAGE_ID) != message_id:
+            return None
+        return int(last.seq or 0)
