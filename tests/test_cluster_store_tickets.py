@@ -236,3 +236,56 @@ def test_an_append_whose_acknowledgement_was_lost_is_no_fence(
         "read": [1, 2],
         "stored": ["1", "2"],
     }
+
+
+@pytest.mark.parametrize("fault", ["unsent", "lost"])
+@pytest.mark.parametrize("split", ["rotation", "size"])
+def test_a_retry_sends_again_only_what_was_not_acknowledged(
+    nats_server: NatsProcess,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    split: str,
+    fault: str,
+) -> None:
+    # The records queued together went as several messages (a rotation between them,
+    # or more than a message holds); when a later one failed, the retry sent them all
+    # again: the stream took the ones already acknowledged twice (and a rotation back to
+    # the first file), or, when the failed one was stored, refused the retry as a fence.
+    monkeypatch.setattr(store_module, "_RETRY_S", 0.0)
+    if split == "size":
+        monkeypatch.setattr(store_module, "MAX_MESSAGE_BYTES", 1)  # a line a message
+    sid = f"split-{split}-{fault}"
+
+    async def body(conn: Connection) -> tuple[list[str], list[int | None], int]:
+        traces = await TraceStream.open(conn)
+        store = ReplicatingTraceStore(tmp_path, on_fenced=lambda _sid: None)
+        log = store.log
+        async with trio.open_nursery() as nursery:
+            await nursery.start(store.run)
+            await store.catalog.create(sid, {"session_id": sid})
+            log.start(sid)
+            log.replicate(sid)
+            await nursery.start(log.stream_to, sid, await traces.fence(sid, "host-a"))
+            log.append(sid, 1, record(sid, 1))
+            await log.sync(sid)
+            # The last of the three messages below.
+            FaultyPublishes(conn, **{fault: {2}})
+            # Queued together: one batch for the writer.
+            log.append(sid, 2, record(sid, 2))
+            if split == "rotation":
+                log.rotate(sid)
+            else:
+                log.append(sid, 3, record(sid, 3))
+            log.append(sid, 4, record(sid, 4))
+            await log.sync(sid)
+            nursery.cancel_scope.cancel()
+        await store.aclose()
+        read = await traces.read(sid)
+        return await stored_messages(conn, sid), [r.seq for r in read.current], read.file
+
+    expected = (
+        (["1", "2", "R2", "4"], [4], 2)
+        if split == "rotation"
+        else (["1", "2", "3", "4"], [1, 2, 3, 4], 1)
+    )
+    assert run_connected(nats_server.url, body, timeout_s=20.0) == expected

@@ -24,7 +24,10 @@ A fork (R-FORK-1) is copied in files as the file log copies it; its records go t
 when the session is replicated, first in its stream, as if they had been appended then.
 Lines queued together go as one message of at most :data:`MAX_MESSAGE_BYTES` (a fork's
 prefix can be megabytes; NATS refuses a message over its ``max_payload``, 1 MiB by
-default).
+default). A message NATS failed (unreachable, or its acknowledgement lost) is sent again
+exactly as it was, and only it and those after it: the writer recognises a retried message
+that was stored (:class:`~greenroom.actors.cluster.traces.TraceWriter`), so no record
+reaches the stream twice and a lost acknowledgement is no fence (R-CLUSTER-2).
 """
 
 from __future__ import annotations
@@ -66,21 +69,38 @@ MAX_MESSAGE_BYTES = 256 * 1024
 """The most trace lines one JetStream message carries (a longer line goes alone)."""
 
 
+class _Message:
+    """One JetStream message planned from queued records: a rotation to trace file
+    ``rotate``, or the lines of ``records`` (ticket, trace number, line)."""
+
+    def __init__(self, records: list[tuple[int, int, str]], rotate: int | None = None) -> None:
+        self.records = records
+        self.rotate = rotate
+
+
 class _Replica:
     """The records of one session waiting for JetStream, in order."""
 
     def __init__(self, session_id: str) -> None:
         self.session_id = session_id
         self.queue: list[tuple[int, int, str]] = []  # (ticket, trace number, line)
-        self.in_flight: list[tuple[int, int, str]] = []
+        self.unsent: list[_Message] = []
+        """The messages planned from the records taken off the queue that JetStream has
+        not acknowledged yet, first to go first. Kept as they are until acknowledged: a
+        failed one may have been stored, and only the same message is recognised."""
         self.number: int | None = None
+        """The trace file of the last record planned into a message."""
         self.error: TraceWriteError | None = None
         self.wakeup = trio.Event()
         self.idle = trio.Event()
         self.idle.set()
 
     def busy(self) -> bool:
-        return bool(self.queue or self.in_flight)
+        return bool(self.queue or self.unsent)
+
+    def in_flight(self) -> list[tuple[int, int, str]]:
+        """The records of the unsent messages."""
+        return [record for message in self.unsent for record in message.records]
 
 
 class ReplicatingTraceStore:
@@ -225,19 +245,22 @@ class ReplicatingTraceLog:
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Append ``session_id``'s queued records with ``writer`` (all that are queued at
-        once, as one message) until cancelled or fenced."""
+        once, in as few messages as rotations and :data:`MAX_MESSAGE_BYTES` allow) until
+        cancelled or fenced. When NATS fails a message, the ones acknowledged before it
+        are done and the rest go again, unchanged, once it can be reached."""
         self.replicate(session_id)
         replica = self._replicas[session_id]
         task_status.started()
         while self._replicas.get(session_id) is replica:
-            if not replica.queue:
-                replica.idle.set()
-                replica.wakeup = trio.Event()
-                await replica.wakeup.wait()
-                continue
-            replica.in_flight, replica.queue = replica.queue, []
+            if not replica.unsent:
+                if not replica.queue:
+                    replica.idle.set()
+                    replica.wakeup = trio.Event()
+                    await replica.wakeup.wait()
+                    continue
+                replica.unsent = _plan(replica)
             try:
-                await self._append(writer, replica)
+                await self._send(writer, replica)
             except Fenced:
                 error = StaleTraceWriter(
                     self._where(session_id),
@@ -249,31 +272,24 @@ class ReplicatingTraceLog:
                 self._on_fenced(session_id)
                 return
             except ClusterUnavailable:
-                # Keep the records and their order; try again shortly.
-                replica.queue = replica.in_flight + replica.queue
-                replica.in_flight = []
+                # The unacknowledged messages stay as they are, to go again unchanged
+                # (after the same sequence, with the same id): the one that failed may
+                # be stored, and the writer recognises it only so.
                 await trio.sleep(_RETRY_S)
-                continue
-            done, replica.in_flight = replica.in_flight, []
-            self._acknowledge(done)
 
-    async def _append(self, writer: TraceWriter, replica: _Replica) -> None:
-        lines: list[str] = []
-        size = 0
-        for _, number, line in replica.in_flight:
-            if replica.number is not None and number != replica.number:
-                if lines:
-                    await writer.append(lines)
-                    lines, size = [], 0
-                await writer.rotate(number)
-            elif lines and size + len(line) > MAX_MESSAGE_BYTES:
-                await writer.append(lines)
-                lines, size = [], 0
-            replica.number = number
-            lines.append(line)
-            size += len(line)
-        if lines:
-            await writer.append(lines)
+    async def _send(self, writer: TraceWriter, replica: _Replica) -> None:
+        """Send the replica's unsent messages, acknowledging each one's records as soon
+        as JetStream has it, so that a retry sends only the rest."""
+        while replica.unsent:
+            message = replica.unsent[0]
+            if message.rotate is not None:
+                await writer.rotate(message.rotate)
+            else:
+                await writer.append([line for _, _, line in message.records])
+            # Given up meanwhile (forgotten, the store closed): its records were done then.
+            if replica.unsent and replica.unsent[0] is message:
+                replica.unsent.pop(0)
+                self._acknowledge(message.records)
 
     def _acknowledge(self, done: list[tuple[int, int, str]]) -> None:
         unacknowledged, waiters = self._unacknowledged, self._waiters
@@ -285,8 +301,8 @@ class ReplicatingTraceLog:
 
     def _give_up(self, replica: _Replica, error: TraceWriteError) -> None:
         replica.error = error
-        lost = replica.in_flight + replica.queue
-        replica.in_flight, replica.queue = [], []
+        lost = replica.in_flight() + replica.queue
+        replica.unsent, replica.queue = [], []
         self._acknowledge(lost)
         replica.idle.set()
         replica.wakeup.set()
@@ -422,6 +438,31 @@ class ReplicatingTraceLog:
     def rotate(self, session_id: str) -> str:
         """As the file log; the next records go to JetStream after a rotation marker."""
         return self.files.rotate(session_id)
+
+
+def _plan(replica: _Replica) -> list[_Message]:
+    """Take the replica's queued records off its queue as messages: a rotation before the
+    first record of each new trace file, lines together up to :data:`MAX_MESSAGE_BYTES`."""
+    messages: list[_Message] = []
+    lines: list[tuple[int, int, str]] = []
+    size = 0
+    for record in replica.queue:
+        _, number, line = record
+        if replica.number is not None and number != replica.number:
+            if lines:
+                messages.append(_Message(lines))
+                lines, size = [], 0
+            messages.append(_Message([], rotate=number))
+        elif lines and size + len(line) > MAX_MESSAGE_BYTES:
+            messages.append(_Message(lines))
+            lines, size = [], 0
+        replica.number = number
+        lines.append(record)
+        size += len(line)
+    if lines:
+        messages.append(_Message(lines))
+    replica.queue = []
+    return messages
 
 
 def _tell(reply: trio.MemorySendChannel[TraceWritten], ticket: int) -> None:
