@@ -23,6 +23,8 @@ given up, so the orphan scan takes it over."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,7 @@ from greenroom.actors.cluster.ownership import SessionOwners
 from greenroom.actors.cluster.registry import HostRecord, HostRegistry, SessionDirectory
 from greenroom.actors.cluster.traces import TraceStream, TraceWriter
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
+from greenroom.actors.runtime.session import Session
 from greenroom.protocols.outputs import TaskEnd
 from tests.support.nats import (  # the fixture is used as nats_server
     NatsProcess,
@@ -199,6 +202,30 @@ def test_a_session_lost_while_it_is_taken_over_is_not_taken_up(
     assert run_connected(nats_server.url, body, timeout_s=30.0) == (False, False, False)
 
 
+LEASE_TTL_S = 1.0
+
+
+@contextlib.asynccontextmanager
+async def _host_a_after_a_task(
+    conn: Connection, nats_server: NatsProcess, tmp_path: Path
+) -> AsyncIterator[tuple[ClusterNode, Session]]:
+    """Host ``a`` with one session whose first task has run; its node and the session."""
+    config = ClusterConfig(
+        url=nats_server.url, host_id="a", prefix=conn.names.prefix, lease_ttl_s=LEASE_TTL_S
+    )
+    nodes: list[ClusterNode] = []
+    async with open_cluster_host(
+        conn.bridge, config, tmp_path / "a", approve=allow_all, on_node=nodes.append
+    ) as host:
+        session = await host.create_session(
+            provider=ScriptedProvider([Reply(blocks=(text("one"),)), Reply(blocks=(text("two"),))]),
+            workspace_dir=tmp_path,
+        )
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await collect(session.run("hi", approve=allow_all))
+        yield nodes[0], session
+
+
 def test_a_session_whose_append_ack_was_lost_goes_on_here(
     tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -223,31 +250,17 @@ def test_a_session_whose_append_ack_was_lost_goes_on_here(
 
     async def body(conn: Connection) -> dict[str, object]:
         nonlocal armed
-        config = ClusterConfig(
-            url=nats_server.url, host_id="a", prefix=conn.names.prefix, lease_ttl_s=1.0
-        )
-        nodes: list[ClusterNode] = []
-        async with open_cluster_host(
-            conn.bridge, config, tmp_path / "a", approve=allow_all, on_node=nodes.append
-        ) as host:
-            session = await host.create_session(
-                provider=ScriptedProvider(
-                    [Reply(blocks=(text("one"),)), Reply(blocks=(text("two"),))]
-                ),
-                workspace_dir=tmp_path,
-            )
-            with trio.fail_after(RUN_TIMEOUT_S):
-                await collect(session.run("hi", approve=allow_all))
+        async with _host_a_after_a_task(conn, nats_server, tmp_path) as (node, session):
             armed = True
             with trio.fail_after(RUN_TIMEOUT_S):
                 outputs = await collect(session.run("again", approve=allow_all))
-            owners = await SessionOwners.open(conn, ttl_s=config.lease_ttl_s)
+            owners = await SessionOwners.open(conn, ttl_s=LEASE_TTL_S)
             seqs = [r.seq for r in (await TraceStream(conn).read(session.id)).records]
             end = outputs[-1]  # the task goes on to its end, not interrupted
             return {
                 "lost": lost == [session.id],
                 "end": end.status if isinstance(end, TaskEnd) else type(end).__name__,
-                "served": nodes[0].serves(session.id),
+                "served": node.serves(session.id),
                 "holder": await owners.holder(session.id),
                 "seqs once": sorted(set(seqs)) == seqs,
             }
@@ -280,25 +293,10 @@ def test_a_session_fenced_while_its_claim_is_this_hosts_is_not_left_served_by_no
     monkeypatch.setattr(ClusterNode, "take_over", take_over_and_tell)
 
     async def body(conn: Connection) -> tuple[bool, str | None]:
-        config = ClusterConfig(
-            url=nats_server.url, host_id="a", prefix=conn.names.prefix, lease_ttl_s=1.0
-        )
-        nodes: list[ClusterNode] = []
-        async with open_cluster_host(
-            conn.bridge, config, tmp_path / "a", approve=allow_all, on_node=nodes.append
-        ) as host:
-            session = await host.create_session(
-                provider=ScriptedProvider(
-                    [Reply(blocks=(text("one"),)), Reply(blocks=(text("two"),))]
-                ),
-                workspace_dir=tmp_path,
-            )
-            with trio.fail_after(RUN_TIMEOUT_S):
-                await collect(session.run("hi", approve=allow_all))
-            node = nodes[0]
+        async with _host_a_after_a_task(conn, nats_server, tmp_path) as (node, session):
             await (await TraceStream.open(conn)).fence(session.id, "b")
             session.run("again", approve=allow_all)
-            owners = await SessionOwners.open(conn, ttl_s=config.lease_ttl_s)
+            owners = await SessionOwners.open(conn, ttl_s=LEASE_TTL_S)
             # The orphan scan takes the session over again (the first time it looks).
             with trio.fail_after(RUN_TIMEOUT_S):
                 await taken_over.wait()

@@ -295,22 +295,13 @@ async def test_interrupt_while_an_allow_decision_waits_in_the_inbox(
 
 
 async def test_an_interrupt_that_comes_as_a_turns_steering_is_read_sends_no_request(
-    data_dir: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+    data_dir: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch, gates: Gates
 ) -> None:
     # R-ABORT-1: the steering of the next turn is read (its images attached) off the
     # supervisor's task; an interrupt handled together with that work's end was ignored
     # by the turn, which began all the same and sent its request before ending aborted.
     from greenroom.actors.providers.scripted import ScriptedProvider
     from greenroom.actors.runtime import supervisor
-    from greenroom.protocols.tools import make_tool
-
-    started, release = trio.Event(), trio.Event()
-
-    async def slow(x: int) -> str:
-        """Work slowly on x."""
-        started.set()
-        await release.wait()
-        return "worked"
 
     attach = supervisor.attach
 
@@ -319,19 +310,19 @@ async def test_an_interrupt_that_comes_as_a_turns_steering_is_read_sends_no_requ
         return await attach(*args, **kwargs)
 
     provider = ScriptedProvider([
-        Reply(blocks=(text("Working."), tool_call("c1", "slow", x=1))),
+        Reply(blocks=(text("Working."), tool_call("c1", "wait", key="a"))),
         Reply(blocks=(text("Never sent."),)),
     ])  # fmt: skip
     async with open_host(data_dir) as host:
         session = await host.create_session(
-            provider=provider, tools=[make_tool(slow, parallel=False)], workspace_dir=workspace
+            provider=provider, tools=[gates.tool()], workspace_dir=workspace
         )
         stream = session.run("work", approve=allow_all)
         with trio.fail_after(RUN_TIMEOUT_S):
-            await started.wait()
+            await gates.started("a")
             assert session.steer("and mind the edges")
             monkeypatch.setattr(supervisor, "attach", attach_as_interrupted)
-            release.set()
+            gates.release("a")
             outputs = await collect(stream)
     assert [o.status for o in outputs if isinstance(o, TaskEnd)] == ["aborted"]
     assert len(provider.requests) == 1

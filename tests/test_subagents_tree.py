@@ -783,7 +783,7 @@ async def test_a_child_created_while_a_loaded_sessions_children_are_read_is_amon
 
 @pytest.mark.parametrize("scope", ["node", "tree"])
 async def test_a_childs_answer_waiting_as_steering_survives_an_interrupt_of_its_parent(
-    data_dir: Path, workspace: Path, scope: str
+    data_dir: Path, workspace: Path, scope: str, gates: Gates
 ) -> None:
     # R-TREE-2: a background child's answer that came while its parent's turn ran waits
     # as steering for the parent's next turn. An interrupt of the parent alone (scope
@@ -793,27 +793,18 @@ async def test_a_childs_answer_waiting_as_steering_survives_an_interrupt_of_its_
     from greenroom.actors.runtime.tree import tell
     from greenroom.protocols.content import TextBlock
     from greenroom.protocols.messages import SubagentFinished
-    from greenroom.protocols.tools import make_tool
-
-    started = trio.Event()
-
-    async def slow(x: int) -> str:
-        """Work for ever on x."""
-        started.set()
-        await trio.sleep_forever()
-        return "never"
 
     provider = ScriptedProvider([
-        Reply(blocks=(text("Working."), tool_call("c1", "slow", x=1))),
+        Reply(blocks=(text("Working."), tool_call("c1", "wait", key="a"))),
         Reply(blocks=(text("Noted what the child found."),)),
     ])  # fmt: skip
     async with open_host(data_dir) as host:
         session = await host.create_session(
-            provider=provider, tools=[make_tool(slow, parallel=False)], workspace_dir=workspace
+            provider=provider, tools=[gates.tool()], workspace_dir=workspace
         )
         stream = session.run("work", approve=allow_all)
         with trio.fail_after(RUN_TIMEOUT_S):
-            await started.wait()
+            await gates.started("a")  # and never released
             content = (TextBlock(text="[subagent kid finished] CHILD ANSWER"),)
             answer = TaskInput(content=content, approve=allow_all, thinking_level=None)
             assert tell(
