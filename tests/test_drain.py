@@ -7,7 +7,6 @@ host-lost note and no request wasted."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
@@ -243,30 +242,40 @@ async def test_a_task_with_a_follow_up_queued_runs_on_and_the_follow_up_is_held(
     assert "then do 2" in str(request.messages)
 
 
-async def test_a_drain_during_a_retrys_wait_with_steering_queued_holds_the_task(
+async def test_a_task_whose_request_fails_during_a_drain_with_steering_queued_holds_it_recorded(
     data_dir: Path, workspace: Path
 ) -> None:
-    # The hold at a retry's boundary saw the steering queued meanwhile and let the task
-    # go on to record it — but a retry takes no steering (its turn's next input assembly
-    # does), so the task came back to the same hold for ever, the host's loop spinning.
+    # Steering came while a request streamed, then the host began to drain, then the
+    # request failed: held at its retry (which takes no steering: the turn's next input
+    # assembly does), the task left the steering in this host's memory alone, and the
+    # next host took the task up without it. (A hold that let the task go on to record
+    # it came back to the same retry for ever, the host's loop spinning.) Now the retry is
+    # sent and the boundary after it holds, the steering recorded.
     from conftest import model_error
 
-    from greenroom.protocols.outputs import RequestEnd
+    from greenroom.actors.providers.scripted import ScriptedStream
 
-    first = ScriptedProvider([Reply(fail=model_error("timeout"))])
-    retrying = trio.Event()
+    streaming, fail_now = trio.Event(), trio.Event()
 
-    def on_output(batch: list[Any]) -> None:
-        if any(isinstance(o, RequestEnd) and o.retry_in_ms is not None for o in batch):
-            retrying.set()
+    async def fails_when_told(request: ModelRequest, stream: ScriptedStream) -> None:
+        streaming.set()
+        await fail_now.wait()
+        await stream.fail(model_error("timeout"))
 
+    first = ScriptedProvider([fails_when_told, Reply(blocks=(text("Hi."),))])
     async with open_host(data_dir) as host:
         session = await host.create_session(provider=first, workspace_dir=workspace)
-        session.subscribe(on_output)
         session.run("hi", approve=allow_all)
         with trio.fail_after(RUN_TIMEOUT_S):
-            await retrying.wait()
+            await streaming.wait()
             assert session.steer("mind the edges")
             async with trio.open_nursery() as nursery:
                 held = _start_drain(nursery, host)
-    assert held == [session.id]  # held at its next attempt, which it does not send
+                await trio.testing.wait_all_tasks_blocked()
+                fail_now.set()
+        lines = trace_lines(session)
+    assert held == [session.id]
+    assert len(first.requests) == 2  # the retry was sent, nothing after it
+    steering = [line for line in lines if line.get("kind") == "steering"]
+    assert [line["content"][0]["text"] for line in steering] == ["mind the edges"]
+    assert not [line for line in lines if line["type"] == "task_end"]

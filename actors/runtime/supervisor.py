@@ -243,8 +243,9 @@ class SessionSupervisor:
                     return await self._hold(steering)
                 await self._begin_turn(turn, steering)
             case BeginAttempt(attempt=attempt, delay_ms=delay_ms):
-                if holds_for_drain(self._port):
-                    return await self._hold((), retry=True)
+                # A retry takes no steering: with some queued, a later boundary records it.
+                if holds_for_drain(self._port) and not machine.steering_queued:
+                    return await self._hold(())
                 self._running().begin_attempt(attempt, delay_ms)
             case CallHook():
                 self._running().call_hook(step)
@@ -405,12 +406,11 @@ class SessionSupervisor:
         read = await self._serving(lambda: attach(steering, self._port.attachments, fold=True))
         return None if read is None else read[0]
 
-    async def _hold(self, steering: tuple[UserContent, ...], *, retry: bool = False) -> bool:
+    async def _hold(self, steering: tuple[UserContent, ...]) -> bool:
         """The host drains (R-DRAIN-1): the task stops at this boundary instead of sending
         its next request, open in its trace with the steering the turn took recorded, and
         holds nothing — like a parked task, a message wakes it. The next host (or this
-        one, woken) takes it up with nothing lost and nothing re-run. False when an
-        interrupt came meanwhile (the task ends at the next step)."""
+        one, woken) takes it up with nothing lost and nothing re-run. False if not held."""
         attached = await self._attached(steering)
         machine, port = self._machine, self._port
         if attached is None:
@@ -419,9 +419,9 @@ class SessionSupervisor:
         if attached:
             self._out.emit(UserMsg(session_id=port.id, run_id=machine.run_id or "",
                                    kind="steering", content=attached))
-        if not await self._sync() or (machine.steering_queued and not retry):
-            # An interrupt came while the trace was made durable (the task ends at its
-            # next step), or steering (a turn holds again, with it; a retry takes none).
+        if not await self._sync() or machine.steering_queued:
+            # An interrupt came during the sync (the task ends at its next step), or
+            # steering (a later boundary holds, with it recorded).
             return False
         task, self._task = self._running(), None
         port.parked_task = await task.park(self._output, self._cancel_event)
