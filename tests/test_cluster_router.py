@@ -16,7 +16,7 @@ from greenroom.actors.cluster.router import (
     ClusterRouter,
     OwnerDesk,
 )
-from greenroom.actors.cluster.routing import SessionRequests
+from greenroom.actors.cluster.routing import IN_DOUBT, NOT_DONE, Answering, SessionRequests
 from greenroom.actors.cluster.traces import TraceStream
 from greenroom.actors.gateway.connection import AnswerLater
 from greenroom.actors.gateway.connection import Connection as GatewayConnection
@@ -215,3 +215,160 @@ def test_placement_passes_by_a_host_that_does_not_take_placed_sessions_yet() -> 
 
     assert trio.run(place, False) == (None, [])
     assert trio.run(place, True) == ({"session_id": "made-on-b"}, ["b"])
+
+
+def test_a_call_cut_short_says_whether_it_may_have_been_done() -> None:
+    """What the owner reports for a forwarded call cut short by its giving the session up
+    (the sender is told so, :mod:`.routing`): a ``run`` whose method has not returned has
+    not started its task (nothing done: it may be sent again), another call whose method
+    was called may have been carried out (in doubt); a session no longer served here is
+    answered as moving, nothing done."""
+
+    async def main() -> dict[str, bool | dict[str, Any]]:
+        desk, gateway = _desk({"s1"})
+        called = trio.Event()
+
+        async def held(connection: Any, params: dict[str, Any]) -> Any:
+            called.set()
+            await trio.sleep_forever()
+
+        gateway.methods["run"] = gateway.methods["steer"] = held
+        handle = desk.for_session("s1")
+        found: dict[str, bool | dict[str, Any]] = {}
+        for method, answer in (("run", "begun"), ("steer", None)):
+            answering = Answering()
+            message: dict[str, Any] = {"method": method, "params": {}, "principal": "alice"}
+            if answer is not None:
+                message["answer"] = answer
+            called = trio.Event()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(handle, message, answering)
+                await called.wait()
+                nursery.cancel_scope.cancel()
+            found[method] = answering.in_doubt
+        found["moving"] = await desk.for_session("s2")(
+            {"method": "steer", "params": {}, "principal": "alice"}, Answering()
+        )
+        return found
+
+    found = trio.run(main)
+    assert found["run"] is False
+    assert found["steer"] is True
+    moving = found["moving"]
+    assert isinstance(moving, dict)
+    assert moving["error"]["code"] == OWNER_UNREACHABLE
+    assert moving["error"]["data"] == {"outcome": NOT_DONE}
+
+
+class _PlacedHost:
+    """The host of a desk that takes placed creates: its sessions, as deletes leave them."""
+
+    def __init__(self) -> None:
+        self.sessions = {"new-1"}
+
+    async def delete_session(self, session_id: str) -> None:
+        self.sessions.discard(session_id)
+
+
+def test_a_placed_create_is_answered_within_its_bound_or_undone() -> None:
+    """The placed host answers a placed ``session.create`` only within the ``within_s``
+    the placing gateway gave it (at most its own bound), once the session is served
+    here; a session made or served later is deleted and the answer says nothing was
+    kept — the gateway, which waits a margin longer, creates the session itself."""
+
+    async def place(create_s: float, serve_s: float, within_s: float) -> tuple[Any, set[str]]:
+        gateway = _Gateway()
+        host = _PlacedHost()
+        cast(Any, gateway).host = host
+
+        async def create(connection: Any, params: dict[str, Any]) -> Any:
+            await trio.sleep(create_s)
+            return {"session_id": "new-1"}
+
+        async def until_serving(_session_id: str) -> None:
+            await trio.sleep(serve_s)
+
+        gateway.methods["session.create"] = create
+        desk = OwnerDesk(
+            cast(Gateway, gateway), {"s1"}.__contains__, until_serving, bound_s=BOUND_S
+        )
+        message = {"method": "session.create", "params": {}, "principal": "alice"}
+        reply = await desk.for_host({**message, "within_s": within_s}, Answering())
+        return reply, host.sessions
+
+    def run(create_s: float, serve_s: float, within_s: float = BOUND_S) -> tuple[Any, set[str]]:
+        return trio.run(
+            place, create_s, serve_s, within_s, clock=trio.testing.MockClock(autojump_threshold=0)
+        )
+
+    made = ({"result": {"session_id": "new-1"}}, {"new-1"})
+    assert run(create_s=0.5, serve_s=0.5) == made
+    assert run(create_s=0.5, serve_s=0.4, within_s=1.0) == made
+    for late in (
+        run(create_s=BOUND_S + 1, serve_s=0.0),  # made too late
+        run(create_s=1.0, serve_s=BOUND_S),  # not served in time
+        run(create_s=1.5, serve_s=0.0, within_s=1.0),  # the gateway's bound, below the TTL
+    ):
+        reply, kept = late
+        assert reply["error"]["code"] == OWNER_UNREACHABLE, reply
+        assert reply["error"]["data"] == {"outcome": NOT_DONE}, reply
+        assert kept == set()
+
+
+class _PlacingRequests:
+    """A placed host's answer, and the bound the gateway waited for it with."""
+
+    def __init__(self, reply: dict[str, Any]) -> None:
+        self.reply = reply
+        self.asked: list[tuple[float, float]] = []
+
+    async def request_host(
+        self, host_id: str, message: dict[str, Any], *, timeout_s: float
+    ) -> dict[str, Any]:
+        self.asked.append((message["within_s"], timeout_s))
+        return self.reply
+
+
+def test_a_gateway_waits_longer_than_the_placed_host_may_take_and_heeds_its_outcome() -> None:
+    """The gateway gives the placed host ``within_s`` (its own bound on a forwarded call)
+    and waits a margin longer, so the placed host's answer is heard. Nothing kept
+    there: the session is created here (None). In doubt (the placed host stopped while
+    it created it): a 503 in doubt, not a second session here."""
+
+    async def place(reply: dict[str, Any]) -> tuple[Any, list[tuple[float, float]]]:
+        requests = _PlacingRequests(reply)
+        registry = _Registry(
+            [HostRecord(host_id="a", load=1), HostRecord(host_id="b", load=0, placeable=True)]
+        )
+        async with trio.open_nursery() as nursery:
+            router = ClusterRouter(
+                host_id="a",
+                gateway=cast(Gateway, _Grants()),
+                requests=cast(SessionRequests, requests),
+                directory=cast(SessionDirectory, None),
+                registry=cast(HostRegistry, registry),
+                traces=cast(TraceStream, None),
+                serves=lambda _sid: False,
+                own_load=lambda: 1,
+                nursery=nursery,
+                timeout_s=BOUND_S,
+                watch_ttl_s=BOUND_S,
+            )
+            try:
+                placed = await router.place(cast(GatewayConnection, _Caller()), {})
+            except jsonrpc.RpcError as exc:
+                placed = {"code": exc.code, "data": exc.data}
+        return placed, requests.asked
+
+    def cut(outcome: str) -> dict[str, Any]:
+        return {"error": {"code": OWNER_UNREACHABLE, "message": "m", "data": {"outcome": outcome}}}
+
+    placed, asked = trio.run(place, {"result": {"session_id": "made-on-b"}})
+    assert placed == {"session_id": "made-on-b"}
+    ((within_s, waited_s),) = asked
+    assert within_s == BOUND_S and waited_s > within_s
+    assert trio.run(place, cut(NOT_DONE))[0] is None
+    assert trio.run(place, cut(IN_DOUBT))[0] == {
+        "code": OWNER_UNREACHABLE,
+        "data": {"outcome": IN_DOUBT},
+    }

@@ -17,7 +17,13 @@ from greenroom.actors.cluster.registry import (
     least_loaded,
     place_elsewhere,
 )
-from greenroom.actors.cluster.routing import SessionRequests
+from greenroom.actors.cluster.routing import (
+    IN_DOUBT,
+    NOT_DONE,
+    OWNER_UNREACHABLE,
+    Answering,
+    SessionRequests,
+)
 from tests.support.nats import (  # the fixture is used as nats_server
     NatsProcess,
     module_nats_server,  # noqa: F401
@@ -151,7 +157,7 @@ def test_requests_reach_the_owner_and_time_out_without_one(nats_server: NatsProc
     async def body(conn: Connection) -> tuple[dict[str, Any], dict[str, Any], str]:
         requests = SessionRequests(conn)
 
-        async def owner(message: dict[str, Any]) -> dict[str, Any]:
+        async def owner(message: dict[str, Any], _answering: Answering) -> dict[str, Any]:
             if message.get("method") == "fail":
                 raise RuntimeError("broken tool table")
             return {"result": {"echo": message["params"]}}
@@ -173,3 +179,117 @@ def test_requests_reach_the_owner_and_time_out_without_one(nats_server: NatsProc
     assert failed["error"]["code"] == -32603
     assert "broken tool table" in failed["error"]["message"]
     assert "no host answered for session s1" in unreachable
+
+
+CUT_SHORT_BOUND_S = 5.0
+"""Far below the senders' timeout: an answer within it is the cut-short one."""
+
+
+def test_requests_cut_short_by_the_owner_giving_the_session_up_are_answered_at_once(
+    nats_server: NatsProcess,
+) -> None:
+    """R-CLUSTER-1: the owner stops serving a session (hand-over, drain, lease lost, close)
+    while it answers two requests, one that has done nothing yet and one that has begun
+    what it asks. Each sender hears so at once, with a 503 whose ``data.outcome`` says
+    whether the call may have been carried out, instead of waiting out its timeout (60 s
+    here). A reply made as the owner stops (the third request's handler stops serving,
+    then answers) is sent all the same."""
+
+    async def body(conn: Connection) -> dict[str, Any]:
+        requests = SessionRequests(conn)
+        entered = {"waiting": trio.Event(), "begun": trio.Event()}
+        never = trio.Event()
+        serving = trio.CancelScope()
+
+        async def owner(message: dict[str, Any], answering: Answering) -> dict[str, Any]:
+            method = message["method"]
+            if method == "replied":
+                serving.cancel()
+                return {"result": {"made": True}}
+            answering.in_doubt = method == "begun"
+            entered[method].set()
+            await never.wait()
+            return {"result": {}}
+
+        replies: dict[str, Any] = {}
+
+        async def serve(task_status: trio.TaskStatus[None]) -> None:
+            with serving:
+                await requests.serve("s1", owner, task_status=task_status)
+
+        async def ask(method: str) -> None:
+            replies[method] = await requests.request(
+                "s1", {"method": method, "params": {}}, timeout_s=60.0
+            )
+
+        with trio.fail_after(CUT_SHORT_BOUND_S):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(serve)
+                nursery.start_soon(ask, "waiting")
+                nursery.start_soon(ask, "begun")
+                await entered["waiting"].wait()
+                await entered["begun"].wait()
+                nursery.start_soon(ask, "replied")
+        return replies
+
+    replies = run_connected(nats_server.url, body)
+    assert replies["replied"] == {"result": {"made": True}}
+    waiting, begun = replies["waiting"]["error"], replies["begun"]["error"]
+    assert waiting["code"] == begun["code"] == OWNER_UNREACHABLE
+    assert waiting["data"] == {"outcome": NOT_DONE}
+    assert "nothing was done" in waiting["message"]
+    assert begun["data"] == {"outcome": IN_DOUBT}
+    assert "may have been done" in begun["message"]
+
+
+def test_requests_that_arrive_as_the_owner_stops_serving_are_turned_away_at_once(
+    nats_server: NatsProcess,
+) -> None:
+    """A request that reaches the owner after it began to stop serving the session (while
+    a handler still finishes) is never handled: its sender is told at once that nothing
+    was done, instead of waiting out its timeout (60 s here)."""
+
+    async def body(conn: Connection) -> dict[str, Any]:
+        requests = SessionRequests(conn)
+        entered, finish = trio.Event(), trio.Event()
+        serving = trio.CancelScope()
+        handled: list[str] = []
+
+        async def owner(message: dict[str, Any], answering: Answering) -> dict[str, Any]:
+            handled.append(message["method"])
+            entered.set()
+            with trio.CancelScope(shield=True):  # a handler that ends its work first
+                await finish.wait()
+            return {"result": {}}
+
+        replies: dict[str, Any] = {}
+
+        async def serve(task_status: trio.TaskStatus[None]) -> None:
+            with serving:
+                await requests.serve("s1", owner, task_status=task_status)
+
+        async def ask(method: str) -> None:
+            replies[method] = await requests.request(
+                "s1", {"method": method, "params": {}}, timeout_s=60.0
+            )
+
+        with trio.fail_after(CUT_SHORT_BOUND_S):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(serve)
+                nursery.start_soon(ask, "first")
+                await entered.wait()
+                serving.cancel()
+                nursery.start_soon(ask, "late")
+                (inbox,) = conn.inboxes
+                while not inbox._items:  # noqa: ASYNC110 (put there from asyncio: no event)
+                    await trio.sleep(0.01)
+                finish.set()
+        replies["handled"] = handled
+        return replies
+
+    replies = run_connected(nats_server.url, body)
+    assert replies["handled"] == ["first"]
+    assert replies["first"] == {"result": {}}
+    late = replies["late"]["error"]
+    assert late["code"] == OWNER_UNREACHABLE
+    assert late["data"] == {"outcome": NOT_DONE}

@@ -49,12 +49,20 @@ class Fenced(ClusterError):
 
 class OwnerUnreachable(ClusterError):
     """No host answered a request for ``session_id`` within the timeout (its owner is gone
-    and no other host has taken it over yet)."""
+    and no other host has taken it over yet). ``in_doubt``: a host took the request and
+    may have carried it out before it stopped answering (else no host served the session
+    when it was sent)."""
 
-    def __init__(self, session_id: str, timeout_s: float) -> None:
+    def __init__(self, session_id: str, timeout_s: float, *, in_doubt: bool = True) -> None:
+        doubt = (
+            ": the call may have been carried out, look before sending it again"
+            if in_doubt
+            else ", try again shortly"
+        )
         super().__init__(
             f"no host answered for session {session_id} within {timeout_s:g} s; "
-            "it is being moved to another host, try again shortly"
+            f"it is being moved to another host{doubt}"
         )
         self.session_id = session_id
         self.timeout_s = timeout_s
+        self.in_doubt = in_doubt

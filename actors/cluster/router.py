@@ -13,8 +13,10 @@ cluster, and the owner's side of the requests it forwards.
   ``interrupt``, ``compact``, ``skip_reconnect_wait``, ``retry_auth``) is checked against the
   principals the session directory records (and this gateway's own grants), then sent to
   the owner, which runs it through its own gateway method code as the same principal; its
-  result or JSON-RPC error is the client's answer, unchanged. No answer in time: a
-  ``503`` error saying so.
+  result or JSON-RPC error is the client's answer, unchanged. No answer in time, or an
+  owner that gave the session up while it answered: a ``503`` error saying so, whose
+  ``data.outcome`` says whether the call may have been carried out (a ``run`` that may
+  have started is never reported as one that did not: sending it again could run it twice).
 * ``session.subscribe`` replays the session's trace subject after ``after_seq`` and then
   follows it: the same ``output`` notifications as a local subscription, each traced seq
   once. The subscription tells the owner it watches (``watch``, renewed every third of the
@@ -26,7 +28,9 @@ cluster, and the owner's side of the requests it forwards.
   others' as last announced plus what this gateway placed on them since (ties: this host,
   then the lowest id), among the hosts that announce themselves placeable (ready to answer
   on their subject). On another host it is created there by a request to that host's
-  subject; a host that does not answer leaves the session here.
+  subject, which gives it ``within_s`` to answer and waits a margin longer: a host that
+  cannot create it in time undoes what it made and says so, and one that does not answer
+  at all leaves the session here (one create, one session).
 """
 
 from __future__ import annotations
@@ -47,7 +51,15 @@ from greenroom.actors.cluster.registry import (
     SessionDirectory,
     place_elsewhere,
 )
-from greenroom.actors.cluster.routing import SessionRequests
+from greenroom.actors.cluster.routing import (
+    IN_DOUBT,
+    NOT_DONE,
+    OWNER_UNREACHABLE,
+    Answering,
+    SessionRequests,
+    outcome_of,
+    unreachable,
+)
 from greenroom.actors.cluster.traces import TraceStream
 from greenroom.actors.gateway.connection import AnswerLater, Handler
 from greenroom.actors.gateway.connection import Connection as GatewayConnection
@@ -76,9 +88,6 @@ __all__ = [
     "RemoteSubscription",
 ]
 
-OWNER_UNREACHABLE = 503
-"""The JSON-RPC error code of a call whose session's owner did not answer in time."""
-
 HAND_OVER_METHOD = "session.take"
 """The request a draining host sends the host it hands a session to (R-DRAIN-2): params
 ``{"session_id"}``; the reply's ``taken`` says whether that host took it over."""
@@ -98,6 +107,12 @@ FORWARDED = ROUTED - {"session.subscribe", "session.unsubscribe"}
 
 COMPACT_TIMEOUT_S = 300.0
 """How long a forwarded ``compact`` may take (it waits for a model request)."""
+
+PLACE_MARGIN_S = 1.0
+"""How much longer a gateway waits for the answer of a ``session.create`` it placed on
+another host than that host may take (the ``within_s`` it is given): the time the answer
+takes to arrive. A placed host past its ``within_s`` undoes the session it made, so a
+gateway that gives up and creates the session itself never leaves a second one there."""
 
 _UNWATCH_S = 2.0
 
@@ -152,17 +167,28 @@ async def _reply(call: Awaitable[Any], *, later: list[AnswerLater] | None = None
         error = RpcError(getattr(exc, "code", jsonrpc.INTERNAL_ERROR), str(exc))
     else:
         return {"result": result}
-    return {"error": {"code": error.code, "message": error.message}}
+    body: dict[str, Any] = {"code": error.code, "message": error.message}
+    if error.data is not None:
+        body["data"] = error.data
+    return {"error": body}
 
 
 def _raise_reply(reply: dict[str, Any]) -> Any:
-    """The result of a reply object, or its error raised as the client's answer."""
+    """The result of a reply object, or its error (with its ``data``) raised as the
+    client's answer."""
     if "result" in reply:
         return reply["result"]
     error = reply.get("error")
     if isinstance(error, dict) and isinstance(error.get("code"), int):
-        raise RpcError(error["code"], str(error.get("message", "")))
+        raise RpcError(error["code"], str(error.get("message", "")), error.get("data"))
     raise RpcError(jsonrpc.INTERNAL_ERROR, "the owner sent an unreadable reply")
+
+
+def _outcome(error: RpcError) -> str | None:
+    """An :data:`OWNER_UNREACHABLE` error's ``data.outcome``, None for any other error."""
+    if error.code != OWNER_UNREACHABLE:
+        return None
+    return outcome_of({"error": {"data": error.data}})
 
 
 class OwnerDesk:
@@ -205,10 +231,21 @@ class OwnerDesk:
             del self._watchers[session_id]
         return bool(watches)
 
-    def for_session(self, session_id: str) -> Callable[[dict[str, Any]], Awaitable[Any]]:
-        """The handler of ``session_id``'s request subject."""
+    def for_session(
+        self, session_id: str
+    ) -> Callable[[dict[str, Any], Answering], Awaitable[dict[str, Any]]]:
+        """The handler of ``session_id``'s request subject. What it reports on its
+        :class:`Answering`, for a request cut short by this host giving the session up: a
+        call is in doubt once its gateway method has been called, except ``run``, whose
+        task starts in the very step its method returns (``rpc_run`` starts it and returns
+        with no checkpoint between), so a ``run`` cut short has not started; a ``run``
+        whose method returned is answered with what it began, even as the host stops."""
 
-        async def handle(message: dict[str, Any]) -> dict[str, Any]:
+        async def handle(
+            message: dict[str, Any], answering: Answering | None = None
+        ) -> dict[str, Any]:
+            answering = answering or Answering()
+            answering.in_doubt = False
             method = message.get("method")
             params = message.get("params")
             principal = message.get("principal")
@@ -221,6 +258,7 @@ class OwnerDesk:
                 # subagent's answer for this session, its parent (R-TREE-4).
                 if self._reports is None or not self._serves(session_id):
                     return _error(OWNER_UNREACHABLE, f"session {session_id} takes no reports here")
+                answering.in_doubt = True
                 return await self._reports(session_id, params)
             if method == "watch":
                 watch_id = str(params.get("watch_id", ""))[:100]
@@ -233,15 +271,24 @@ class OwnerDesk:
                     del self._watchers[session_id]
                 return {"result": {}}
             if method == ACCEPTED_METHOD:
+                answering.in_doubt = True  # its run has begun here
                 return await self._accepted(params.get("token"))
             if method not in FORWARDED:
                 return _error(jsonrpc.METHOD_NOT_FOUND, f"method not found: {method!r}")
             if not self._serves(session_id):
                 # Lost between the request and now: the sender tries again later.
-                return _error(OWNER_UNREACHABLE, f"session {session_id} is moving to another host")
+                return unreachable(
+                    f"session {session_id} is moving to another host: nothing was done, "
+                    "try again shortly",
+                    NOT_DONE,
+                )
             params = {**params, "session_id": session_id}
+            # Cut short before its method is called (the handler's first checkpoint), a
+            # call has done nothing.
+            await trio.lowlevel.checkpoint_if_cancelled()
             call = self._methods[str(method)](_as_caller(principal), params)
             if method != "run" or message.get("answer") != "begun":
+                answering.in_doubt = True
                 return await _reply(call)
             later: list[AnswerLater] = []
             reply = await _reply(call, later=later)
@@ -273,37 +320,76 @@ class OwnerDesk:
     async def _accepted(self, token: object) -> dict[str, Any]:
         accepting = self._accepting.pop(token, None) if isinstance(token, str) else None
         if accepting is None:
-            return _error(
-                OWNER_UNREACHABLE,
+            return unreachable(
                 "the session changed hosts while its run was being accepted: its trace "
                 "says whether the run was taken up",
+                IN_DOUBT,
             )
         await accepting.done.wait()
         accepting.linger.cancel()
         return accepting.reply
 
-    async def for_host(self, message: dict[str, Any]) -> dict[str, Any]:
+    async def for_host(
+        self, message: dict[str, Any], answering: Answering | None = None
+    ) -> dict[str, Any]:
         """The handler of this host's own subject: a ``session.create`` placed here, or
-        a session another host hands over as it drains (``session.take``, R-DRAIN-2)."""
+        a session another host hands over as it drains (``session.take``, R-DRAIN-2).
+
+        A placed create is answered with the new session's id only within its
+        ``within_s`` (at most the lease TTL), once the session's calls reach this host;
+        the gateway that placed it waits :data:`PLACE_MARGIN_S` longer, then creates the
+        session itself. So a session made too late is undone here (deleted: it leaves the
+        cluster) and the answer says nothing was kept: one create never leaves two
+        sessions. Cut short (this host stopping) while it creates, it is in doubt."""
+        answering = answering or Answering()
+        answering.in_doubt = False
         params = message.get("params")
         principal = message.get("principal")
         if message.get("method") == HAND_OVER_METHOD and isinstance(params, dict):
             session_id = params.get("session_id")
             if self._takes is None or not isinstance(session_id, str):
                 return _error(jsonrpc.INVALID_REQUEST, "session.take needs a session_id")
+            answering.in_doubt = True
             return {"result": {"taken": await self._takes(session_id)}}
         if message.get("method") != "session.create":
             return _error(jsonrpc.METHOD_NOT_FOUND, f"method not found: {message.get('method')!r}")
         if not isinstance(params, dict) or not isinstance(principal, str):
             return _error(jsonrpc.INVALID_REQUEST, "a forwarded call needs params and a principal")
+        within_s = self._bound_s
+        asked = message.get("within_s")
+        if isinstance(asked, int | float) and not isinstance(asked, bool) and asked > 0:
+            within_s = min(within_s, float(asked))
+        deadline = trio.current_time() + within_s
+        await trio.lowlevel.checkpoint_if_cancelled()
+        answering.in_doubt = True
         reply = await _reply(self._methods["session.create"](_as_caller(principal), params))
         result = reply.get("result")
-        if isinstance(result, dict) and isinstance(result.get("session_id"), str):
-            # Answered once the new session's calls reach this host: the creator's next
-            # call is not refused for want of an owner.
-            with trio.move_on_after(self._bound_s):
-                await self._until_serving(result["session_id"])
-        return reply
+        if not isinstance(result, dict) or not isinstance(result.get("session_id"), str):
+            return reply  # refused: nothing made
+        session_id = result["session_id"]
+        # Answered once the new session's calls reach this host: the creator's next call
+        # is not refused for want of an owner.
+        with trio.move_on_at(deadline) as waiting:
+            await self._until_serving(session_id)
+        if not waiting.cancelled_caught:
+            return reply
+        await self._undo(session_id)
+        return unreachable(
+            f"the host the session was placed on could not create it within {within_s:g} s; "
+            "nothing was kept there",
+            NOT_DONE,
+        )
+
+    async def _undo(self, session_id: str) -> None:
+        """Delete a session this host created for a placed create it gave up on. After its
+        adoption (bounded): a deletion while its claim and directory entry are being
+        written would leave an entry that an orphan scan takes over."""
+        with trio.move_on_after(self._bound_s):
+            await self._until_serving(session_id)
+        try:
+            await self._gateway.host.delete_session(session_id)
+        except Exception as exc:
+            log(f"cannot undo session {session_id}, created too late for its placement: {exc!r}")
 
 
 class _Accepting:
@@ -449,19 +535,52 @@ class ClusterRouter:
 
     async def _forward_run(self, session_id: str, params: dict[str, Any], principal: str) -> Any:
         """``run`` on another host's session: answered as soon as the owner has started
-        the task, then (:class:`AnswerLater`) once the owner says the prompt is durable."""
-        reply = await self._forward(session_id, "run", params, principal, answer="begun")
-        token = reply.get("accepted")
-        result = _raise_reply(reply)
+        the task, then (:class:`AnswerLater`) once the owner says the prompt is durable.
+
+        A run the owner did not start (it gave the session up first, or no host served
+        it) is a 503 whose ``data.outcome`` is ``not_done``: the client may run it again.
+        One that may have started is never reported so (R-CLUSTER-2: running it again
+        could run the task twice): a 503 with ``data.outcome`` ``unknown`` (and the
+        ``run_id`` when the task is known to have begun) whose message says to look at
+        the session's trace, where a run taken up by the next owner goes on."""
+        try:
+            reply = await self._forward(session_id, "run", params, principal, answer="begun")
+            token = reply.get("accepted")
+            result = _raise_reply(reply)
+        except RpcError as exc:
+            if _outcome(exc) != IN_DOUBT:
+                raise
+            raise RpcError(
+                OWNER_UNREACHABLE,
+                f"the run may have started on session {session_id}: its host stopped "
+                f"answering first ({exc.message}). The session's trace (session.subscribe) "
+                "shows whether it did; running it again may run it twice",
+                {"outcome": IN_DOUBT},
+            ) from exc
         if not isinstance(token, str):
             return result  # an owner that answers once the prompt is durable
+        run_id = result.get("run_id") if isinstance(result, dict) else None
 
         async def accepted() -> Any:
             asked = {"token": token}
             bound = ACCEPT_WAIT_S + self._timeout_s
-            return _raise_reply(
-                await self._forward(session_id, ACCEPTED_METHOD, asked, principal, bound)
-            )
+            try:
+                return _raise_reply(
+                    await self._forward(session_id, ACCEPTED_METHOD, asked, principal, bound)
+                )
+            except RpcError as exc:
+                if exc.code != OWNER_UNREACHABLE:
+                    raise
+                # The task began: whether its prompt was durable before its host gave the
+                # session up (and the next owner took the run up) only the trace says.
+                raise RpcError(
+                    OWNER_UNREACHABLE,
+                    f"run {run_id} began on session {session_id}, whose host gave the session "
+                    f"up before its prompt was known to be durable ({exc.message}). The "
+                    "session's trace (session.subscribe) shows whether the run was taken up; "
+                    "running it again may run it twice",
+                    {"outcome": IN_DOUBT, "run_id": run_id},
+                ) from exc
 
         return AnswerLater(accepted, begun=result)
 
@@ -483,14 +602,21 @@ class ClusterRouter:
                 session_id, message, timeout_s=timeout_s or self._timeout_s
             )
         except OwnerUnreachable as exc:
-            raise RpcError(OWNER_UNREACHABLE, str(exc)) from exc
+            outcome = IN_DOUBT if exc.in_doubt else NOT_DONE
+            raise RpcError(OWNER_UNREACHABLE, str(exc), {"outcome": outcome}) from exc
         except ClusterUnavailable as exc:
-            raise RpcError(OWNER_UNREACHABLE, f"the cluster cannot be reached: {exc}") from exc
+            raise RpcError(
+                OWNER_UNREACHABLE,
+                f"the cluster cannot be reached: {exc}; the call may have been carried out",
+                {"outcome": IN_DOUBT},
+            ) from exc
 
     async def place(self, connection: GatewayConnection, params: dict[str, Any]) -> Any | None:
         """Create the session on the least loaded host: None when that is this host (or
         this call was itself placed here); else the answer of the host that created it.
-        A host that does not answer leaves the session to this host."""
+        A host that does not answer in time, or says it kept nothing, leaves the session
+        to this host; one that stopped while it created it is a 503 in doubt (the session
+        may exist there: creating it here too would make two)."""
         if _is_forwarded(connection):
             return None
         principal = connection.identity
@@ -501,14 +627,32 @@ class ClusterRouter:
             return None
         if target is None:
             return None
-        message = {"method": "session.create", "params": params, "principal": principal}
+        message = {
+            "method": "session.create",
+            "params": params,
+            "principal": principal,
+            "within_s": self._timeout_s,
+        }
         try:
+            # Longer than the placed host may take: its answer is heard, and one that
+            # never comes means the host kept nothing (or is gone with what it made).
             reply = await self._requests.request_host(
-                target.host_id, message, timeout_s=self._timeout_s
+                target.host_id, message, timeout_s=self._timeout_s + PLACE_MARGIN_S
             )
         except ClusterError as exc:
             log(f"cannot place a session on host {target.host_id} ({exc}); creating it here")
             return None
+        outcome = outcome_of(reply)
+        if outcome == NOT_DONE:
+            log(f"host {target.host_id} did not create a session placed on it; creating it here")
+            return None
+        if outcome == IN_DOUBT:
+            raise RpcError(
+                OWNER_UNREACHABLE,
+                f"host {target.host_id} stopped while it created the session: it may have "
+                "been created there, its id unknown; create another if you need one",
+                {"outcome": IN_DOUBT},
+            )
         result = _raise_reply(reply)
         self._count_placed(target)
         if isinstance(result, dict) and isinstance(result.get("session_id"), str):

@@ -438,7 +438,9 @@ class Methods:
             return {"run_id": stream.run_id}
 
         # The task has started: the connection's next call (a steer, say) finds it so,
-        # and waits for no disk.
+        # and waits for no disk. No checkpoint between ``session.run`` and here: a call
+        # cancelled before it returns has not started its task (a forwarded run cut short
+        # is answered so, and may be sent again: cluster ``OwnerDesk``).
         return AnswerLater(once_accepted, begun={"run_id": stream.run_id})
 
     async def rpc_steer(self, connection: Connection, params: dict[str, Any]) -> Any:

@@ -32,7 +32,7 @@ from trio_websocket import open_websocket_url
 
 from greenroom.actors.cluster.bridge import Bridge, run
 from greenroom.actors.cluster.connection import ClusterNames, connect
-from greenroom.actors.cluster.routing import SessionRequests
+from greenroom.actors.cluster.routing import Answering, SessionRequests
 from greenroom.actors.cluster.traces import TraceStream
 from greenroom.protocols.outputs import ToolCallOutput
 from tests.benchmarks.common import arg_parser, p99, print_machine, print_table, write_json
@@ -190,7 +190,7 @@ async def _round_trip(bridge: Bridge, nats_url: str, count: int) -> list[float]:
     times: list[float] = []
     try:
 
-        async def answer(message: dict[str, Any]) -> dict[str, Any]:
+        async def answer(message: dict[str, Any], _answering: Answering) -> dict[str, Any]:
             return {"result": message.get("params")}
 
         async with trio.open_nursery() as nursery:

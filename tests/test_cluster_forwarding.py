@@ -1,0 +1,289 @@
+"""Calls one gateway forwards to another host, cut short or late (R-CLUSTER-1..2): two
+in-process cluster hosts, each with its gateway, on a real nats-server; the other host's
+work is held with events, and the test lets it go or takes the session away.
+
+* A call forwarded to a session's owner that gives the session up meanwhile (here: its
+  lease lost) is answered at once — a 503 whose ``data.outcome`` says whether the call may
+  have been carried out — not after the forwarding gateway's whole timeout. A ``run`` that
+  had not started says so (the client may run it again); one whose task began is never
+  reported as not started (running it again could run it twice).
+* A ``session.create`` placed on a host that creates the session only after the placing
+  gateway gave up and created it itself leaves one session, the one the client was told
+  of: the late one is undone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import trio
+from conftest import allow_all
+from trio_websocket import open_websocket_url
+
+from greenroom.actors.cluster.connection import Connection
+from greenroom.actors.cluster.node import ClusterConfig, ClusterNode, open_cluster_host
+from greenroom.actors.cluster.registry import HostRegistry, SessionDirectory
+from greenroom.actors.cluster.router import OwnerDesk
+from greenroom.actors.cluster.routing import IN_DOUBT, NOT_DONE, OWNER_UNREACHABLE
+from greenroom.actors.gateway import Gateway, SessionDefaults
+from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
+from greenroom.actors.runtime.host import Host
+from tests.support.nats import (  # the fixture is used as nats_server
+    NatsProcess,
+    module_nats_server,  # noqa: F401
+    run_connected,
+)
+from tests.test_gateway import TOKEN, Client
+
+LEASE_TTL_S = 3.0
+ANSWERED_S = 5.0
+"""Far below the forwarding gateway's timeout: an answer within it is not a timeout."""
+BOUND_S = 60.0
+PRINCIPAL = "default"  # the principal of ``TOKEN``
+
+
+@attrs.define
+class Member:
+    """One host of the test's cluster: its host, node and gateway."""
+
+    host: Host
+    node: ClusterNode
+    gateway: Gateway
+
+
+@asynccontextmanager
+async def _member(
+    conn: Connection, url: str, tmp_path: Path, host_id: str, *, request_timeout_s: float
+) -> AsyncIterator[Member]:
+    config = ClusterConfig(
+        url=url,
+        host_id=host_id,
+        prefix=conn.names.prefix,
+        lease_ttl_s=LEASE_TTL_S,
+        request_timeout_s=request_timeout_s,
+    )
+    workspace = tmp_path / "ws"
+    workspace.mkdir(exist_ok=True)
+    nodes: list[ClusterNode] = []
+    async with (
+        open_cluster_host(
+            conn.bridge, config, tmp_path / host_id, approve=allow_all, on_node=nodes.append
+        ) as host,
+        trio.open_nursery() as nursery,
+    ):
+        gateway = Gateway(
+            host,
+            token=TOKEN,
+            listen_host="127.0.0.1",
+            port=0,
+            defaults=SessionDefaults(
+                provider_factory=lambda: ScriptedProvider([Reply(blocks=(text("hi"),))]),
+                workspace_dir=workspace,
+                approve="all",
+            ),
+        )
+        nodes[0].bind_gateway(gateway)
+        await nursery.start(gateway.run)
+        yield Member(host=host, node=nodes[0], gateway=gateway)
+        nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def _client(member: Member) -> AsyncIterator[Client]:
+    headers = [(b"Authorization", f"Bearer {TOKEN}".encode())]
+    async with open_websocket_url(member.gateway.url, extra_headers=headers) as ws:
+        yield Client(ws)
+
+
+async def _until(check: Callable[[], Awaitable[bool]]) -> None:
+    """Return once ``check()`` holds (the cluster's buckets are written apart from the
+    calls that cause it: read until they are)."""
+    while not await check():  # noqa: ASYNC110 (another host writes them: no event here)
+        await trio.sleep(0.05)
+
+
+async def _session_on(owner: Member, conn: Connection) -> str:
+    """A new session of ``owner``'s, known to the cluster as ``PRINCIPAL``'s."""
+    async with _client(owner) as client:
+        sid: str = (await client.result("session.create"))["session_id"]
+    assert owner.node.serves(sid)
+    directory = await SessionDirectory.open(conn)
+
+    async def listed() -> bool:
+        entry = await directory.get(sid)
+        return entry is not None and PRINCIPAL in (entry.get("principals") or ())
+
+    await _until(listed)
+    return sid
+
+
+def test_a_forwarded_run_cut_short_by_the_owner_losing_the_session_is_answered_at_once(
+    tmp_path: Path, nats_server: NatsProcess
+) -> None:
+    """Before its method starts the task, b loses the session (its lease): a's client
+    is told at once that nothing was done, instead of after a's 30 s timeout."""
+
+    async def body(conn: Connection) -> dict[str, Any]:
+        never = trio.Event()
+        async with (
+            _member(conn, nats_server.url, tmp_path, "a", request_timeout_s=30.0) as a,
+            _member(conn, nats_server.url, tmp_path, "b", request_timeout_s=30.0) as b,
+        ):
+            sid = await _session_on(b, conn)
+            entered = trio.Event()
+            run = b.gateway.methods["run"]
+
+            async def held_run(connection: Any, params: dict[str, Any]) -> Any:
+                entered.set()
+                await never.wait()  # cut short here, before the task starts
+                return await run(connection, params)
+
+            b.gateway._methods["run"] = held_run
+            async with _client(a) as client, trio.open_nursery() as nursery:
+                answer: dict[str, Any] = {}
+                answered = trio.Event()
+
+                async def ask() -> None:
+                    answer.update(await client.error("run", {"session_id": sid, "input": "go"}))
+                    answered.set()
+
+                nursery.start_soon(ask)
+                await entered.wait()
+                b.node._on_lost(sid, "the test took it")
+                with trio.fail_after(ANSWERED_S):
+                    await answered.wait()
+                return answer
+
+    answer = run_connected(nats_server.url, body, timeout_s=BOUND_S)
+    assert answer["code"] == OWNER_UNREACHABLE, answer
+    assert answer["data"] == {"outcome": NOT_DONE}, answer
+    assert "nothing was done" in answer["message"]
+
+
+def test_a_forwarded_run_whose_task_began_is_never_reported_as_not_started(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """b starts the task and answers that it began; a asks whether its prompt is durable
+    (``run.accepted``) and b loses the session while that is asked. a's client is told
+    at once that the run (its id) may have started and that the trace says whether it
+    was taken up — not a plain "try again" that could run the task twice."""
+    asked, never = trio.Event(), trio.Event()
+    accepted = OwnerDesk._accepted
+
+    async def held_accepted(self: OwnerDesk, token: object) -> dict[str, Any]:
+        asked.set()
+        await never.wait()  # cut short here, the task begun
+        return await accepted(self, token)
+
+    monkeypatch.setattr(OwnerDesk, "_accepted", held_accepted)
+
+    async def body(conn: Connection) -> dict[str, Any]:
+        async with (
+            _member(conn, nats_server.url, tmp_path, "a", request_timeout_s=30.0) as a,
+            _member(conn, nats_server.url, tmp_path, "b", request_timeout_s=30.0) as b,
+        ):
+            sid = await _session_on(b, conn)
+            async with _client(a) as client, trio.open_nursery() as nursery:
+                answer: dict[str, Any] = {}
+                answered = trio.Event()
+
+                async def ask() -> None:
+                    answer.update(await client.error("run", {"session_id": sid, "input": "go"}))
+                    answered.set()
+
+                nursery.start_soon(ask)
+                await asked.wait()
+                b.node._on_lost(sid, "the test took it")
+                with trio.fail_after(ANSWERED_S):
+                    await answered.wait()
+                return answer
+
+    answer = run_connected(nats_server.url, body, timeout_s=BOUND_S)
+    assert answer["code"] == OWNER_UNREACHABLE, answer
+    assert answer["data"]["outcome"] == IN_DOUBT, answer
+    run_id = answer["data"]["run_id"]
+    assert isinstance(run_id, str) and run_id
+    assert f"run {run_id} began" in answer["message"]
+    assert "running it again may run it twice" in answer["message"]
+
+
+PLACED_TIMEOUT_S = 1.0
+"""The placing gateway's bound on a forwarded call (``request_timeout_s``)."""
+
+
+def test_a_placed_create_finished_after_the_gateway_gave_up_leaves_one_session(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """a carries one session and b none: a's gateway places a new session on b. b's
+    creation is held until a's gateway has given up on b and answered its client with a
+    session of its own; then b creates it. The session the client was told of is the
+    only one its create made: b undoes its late one, here and in the cluster."""
+    placed: list[Any] = []
+    b_done = trio.Event()
+    for_host = OwnerDesk.for_host
+
+    async def watched_for_host(self: OwnerDesk, *args: Any) -> dict[str, Any]:
+        reply = await for_host(self, *args)
+        placed.append(reply)
+        b_done.set()
+        return reply
+
+    monkeypatch.setattr(OwnerDesk, "for_host", watched_for_host)
+
+    async def body(conn: Connection) -> dict[str, Any]:
+        async with (
+            _member(conn, nats_server.url, tmp_path, "a", request_timeout_s=PLACED_TIMEOUT_S) as a,
+            _member(conn, nats_server.url, tmp_path, "b", request_timeout_s=PLACED_TIMEOUT_S) as b,
+        ):
+            loaded = await a.host.create_session(
+                provider=ScriptedProvider([]), workspace_dir=tmp_path / "ws"
+            )
+            registry = await HostRegistry.open(conn, ttl_s=LEASE_TTL_S)
+
+            async def b_placeable() -> bool:
+                return any(h.host_id == "b" and h.placeable for h in await registry.hosts())
+
+            await _until(b_placeable)
+            asked, release = trio.Event(), trio.Event()
+            create = b.host.create_session
+
+            async def held_create(**kwargs: Any) -> Any:
+                asked.set()
+                await release.wait()
+                return await create(**kwargs)
+
+            monkeypatch.setattr(b.host, "create_session", held_create)
+            async with _client(a) as client:
+                told = (await client.result("session.create"))["session_id"]
+            assert asked.is_set()  # it was placed on b first
+            release.set()
+            await b_done.wait()
+            found: dict[str, Any] = {
+                "told": told,
+                "told_on_a": a.node.serves(told),
+                "on_b": [s.id for s in b.host.sessions],
+                "stored_on_b": [s.session_id for s in await b.host.list_sessions()],
+            }
+            directory = await SessionDirectory.open(conn)
+            expected = {loaded.id, told}
+
+            async def settled() -> bool:
+                return set(await directory.ids()) == expected
+
+            with trio.move_on_after(LEASE_TTL_S):
+                await _until(settled)
+            found["in_cluster"] = set(await directory.ids()) - {loaded.id}
+            return found
+
+    found = run_connected(nats_server.url, body, timeout_s=BOUND_S)
+    assert found["told_on_a"], found
+    assert found["on_b"] == [] and found["stored_on_b"] == [], found
+    assert found["in_cluster"] == {found["told"]}, found
+    (reply,) = placed
+    assert reply["error"]["code"] == OWNER_UNREACHABLE, reply
+    assert reply["error"]["data"] == {"outcome": NOT_DONE}, reply
