@@ -4,7 +4,14 @@ grants, R-SEC-4) and its ``session.json``. Another host that takes a session ove
 routes a call to it, reads them (R-CLUSTER-1, R-CLUSTER-2).
 
 Updates are queued without blocking and one task sends them in order, so the last one
-sent holds the session's latest state."""
+sent holds the session's latest state.
+
+A session closed on its host with no task open (a finished subagent, a session its user
+closed) leaves the host: its entry is written a last time with ``"closed": true`` (the
+host it was last on stays named), through the same queue, so no update sent before it
+lands after it. No host runs a closed session and the orphan scan leaves it alone; a call
+on it through any gateway opens it again there (:mod:`.router`), and a host that opens it
+again writes its entry anew."""
 
 from __future__ import annotations
 
@@ -54,6 +61,8 @@ class DirectoryEntries:
         # Bounded: an update only names a session (its state is read when it is sent); a
         # full channel drops one, and the next task_start or task_end sends it again.
         self._send, self._receive = trio.open_memory_channel[str](1000)
+        self._closing: dict[str, trio.Event] = {}
+        """The sessions whose closed entry is queued, and the event set once it is sent."""
 
     def bind(self, host: Host, directory: SessionDirectory) -> None:
         """The host whose sessions these are, and the directory to write to."""
@@ -75,23 +84,38 @@ class DirectoryEntries:
         with contextlib.suppress(trio.WouldBlock):
             self._send.send_nowait(session_id)
 
-    async def publish(self, session_id: str) -> None:
-        """Write ``session_id``'s entry now. Raises :class:`ClusterUnavailable`."""
+    async def publish(self, session_id: str, *, closed: bool = False) -> None:
+        """Write ``session_id``'s entry now (``closed``: as a closed session's). Raises
+        :class:`ClusterUnavailable`."""
         assert self._directory is not None and self._host is not None
         holders = sorted(self.grants.holders(session_id)) if self.grants else []
-        running = self.running.get(session_id, False)
+        running = self.running.get(session_id, False) and not closed
         entry = await _entry(self._host, self._directory, session_id, holders, running)
-        await self._directory.put(session_id, {**entry, "host": self.host_id})
+        closing = {"closed": True} if closed else {}
+        await self._directory.put(session_id, {**entry, "host": self.host_id, **closing})
+
+    async def close(self, session_id: str) -> None:
+        """Write ``session_id``'s entry as a closed session's, after the updates queued
+        before (the host gave it up: later ones are dropped); return once it is sent, or
+        could not be (warned)."""
+        sent = self._closing.setdefault(session_id, trio.Event())
+        await self._send.send(session_id)
+        await sent.wait()
 
     async def send_updates(self) -> None:
         """Send the queued updates in order, until cancelled."""
         async for session_id in self._receive:
-            if not self._owns(session_id):
+            closing = self._closing.pop(session_id, None)
+            if closing is None and not self._owns(session_id):
                 continue
             try:
-                await self.publish(session_id)
+                await self.publish(session_id, closed=closing is not None)
             except ClusterUnavailable as exc:
                 self._warn(f"cannot update session {session_id} in the directory: {exc}")
+            finally:
+                if closing is not None:
+                    closing.set()
+                    self.running.pop(session_id, None)
 
 
 async def _entry(

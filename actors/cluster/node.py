@@ -38,6 +38,13 @@ with its idempotency key (R-EFFECT-2); the model is told, the task ends with one
 ``task_end`` (R-CLUSTER-2) — and a task that waited for a person keeps waiting, asked again
 of whoever can answer, never denied because its host was lost (R-HITL-1). An idle session
 is taken over too (loaded, nothing run), so no session is left without a host.
+A session the host closes with no task open (a subagent whose task ended, which its host
+forgets; a session its user closed: ``Host.on_closed``) leaves the host: out of its load at
+once; then, in its lane after its adoption (:mod:`.lanes`) and once JetStream holds its
+last record, its stream and request server stop, its directory entry is written closed
+(:mod:`.directory_entries`: no orphan) and its claim is released. Opened again here it is
+adopted again; a call through any gateway opens it on that gateway's host (:mod:`.router`).
+A session closed while its task waits for people stays this host's (R-HITL-1).
 A session deleted through any host leaves the cluster (metadata, trace and owner). Usage rows are
 not written again: each host's ledger holds the requests it made; what a principal spends
 is also added to the cluster's counter of its period (:mod:`.spending`), which its budget
@@ -64,13 +71,14 @@ from greenroom.actors.cluster.connection import ClusterNames, Connection, connec
 from greenroom.actors.cluster.directory_entries import DirectoryEntries, Grantor
 from greenroom.actors.cluster.errors import ClusterError, ClusterUnavailable
 from greenroom.actors.cluster.handover import HandedSince, hand_over
+from greenroom.actors.cluster.lanes import SessionLanes
 from greenroom.actors.cluster.limits import ClusterLimits
 from greenroom.actors.cluster.orphans import OrphanFinder
 from greenroom.actors.cluster.ownership import OwnershipKeeper, SessionOwners
-from greenroom.actors.cluster.registry import HostRecord, HostRegistry, SessionDirectory, assign
+from greenroom.actors.cluster.registry import HostRecord, HostRegistry, SessionDirectory
 from greenroom.actors.cluster.router import ClusterRouter, OwnerDesk
 from greenroom.actors.cluster.routing import SessionRequests
-from greenroom.actors.cluster.store import ReplicatingTraceStore
+from greenroom.actors.cluster.store import ReplicatingTraceLog, ReplicatingTraceStore
 from greenroom.actors.cluster.traces import TraceRead, TraceStream, TraceWriter
 from greenroom.actors.cluster.tree_link import ParentLink
 from greenroom.actors.runtime.accounting import PrincipalBudget
@@ -145,6 +153,7 @@ class ClusterNode:
         self._stream_scopes: dict[str, trio.CancelScope] = {}
         self._taking_over: set[str] = set()
         self._adopted: set[str] = set()
+        self._lanes = SessionLanes()
         self._entries = DirectoryEntries(self.host_id, self._adopted.__contains__, log)
         self._gateway: Gateway | None = None
         self._desk: OwnerDesk | None = None
@@ -215,7 +224,7 @@ class ClusterNode:
         session.host.start_task(functools.partial(self._entries.follow, sid, inbox))
         if sid not in self._taking_over:
             with contextlib.suppress(RuntimeError):  # shutting down
-                self._work.start_soon(self._adopt, sid)
+                self._lanes.start_soon(self._work, sid, functools.partial(self._adopt, sid))
 
     async def run(
         self, host: Host, streams: trio.Nursery, *, task_status: trio.TaskStatus[None]
@@ -235,6 +244,7 @@ class ClusterNode:
         host.child_reports.link = link.send
         host.child_reports.retry_s = ttl / 2
         host.hand_over = self.hand_over
+        host.on_closed = self._on_closed
         async with trio.open_nursery() as nursery:
             self._work = nursery
             if self._gateway is not None:
@@ -242,7 +252,9 @@ class ClusterNode:
             await nursery.start(self._keeper.run)
             await nursery.start(self._registry.announce_every, self._record)
             nursery.start_soon(self._entries.send_updates)
-            nursery.start_soon(self._scan_orphans)
+            self._finder = OrphanFinder(self._directory, self._owners, self.serves)
+            scan = (self._registry, self.host_id, ttl / 2, self._take_entry, lambda: host.draining)
+            nursery.start_soon(self._finder.scan, *scan)
             log(f"host {self.host_id} joined the cluster at {self.config.url}")
             task_status.started()
 
@@ -262,6 +274,7 @@ class ClusterNode:
             nursery=nursery,
             timeout_s=self.config.request_timeout_s or ttl,
             watch_ttl_s=ttl,
+            reopen=self._take_entry,
         )
         gateway.route_through(router)
         nursery.start_soon(self._serve_host, gateway, self._desk)
@@ -312,6 +325,10 @@ class ClusterNode:
 
     async def _adopt(self, session_id: str) -> None:
         assert self._keeper is not None and self._traces is not None
+        if session_id in self._stream_scopes:
+            # Opened again while its close was released: still owned and replicated here.
+            self._entries.announce(session_id)
+            return
         try:
             ownership = await self._keeper.claim(session_id)
             if ownership is None:
@@ -383,7 +400,33 @@ class ClusterNode:
         )
         self._give_up(session_id)
 
+    def _on_closed(self, session_id: str) -> None:
+        """The host closed ``session_id`` with no task open: it leaves this host's load at
+        once, and the cluster's hands once its trace is in JetStream (the module
+        docstring; :func:`_release_closed`, in its lane: after its adoption)."""
+        if session_id not in self._adopted or self._work is None or self.store is None:
+            return  # given up already
+        assert self._keeper is not None
+        parts = (self.store.log, self._stop_closed, self._entries, self._keeper)
+        release = functools.partial(_release_closed, session_id, *parts)
+        try:
+            self._lanes.start_soon(self._work, session_id, release)
+        except RuntimeError:  # shutting down: released with the host's lease
+            return
+        self._adopted.discard(session_id)
+        self._load_changed()
+
+    def _stop_closed(self, session_id: str) -> bool:
+        """Stop streaming and serving ``session_id``, closed here; False when it was opened
+        again (it stays this host's) or given up meanwhile."""
+        scope = None if session_id in self._adopted else self._stream_scopes.pop(session_id, None)
+        if scope is not None:
+            scope.cancel()
+            self._serving.pop(session_id, None)
+        return scope is not None
+
     def _on_deleted(self, session_id: str) -> None:
+        released = session_id not in self._adopted  # claimed first: see _forget
         self._adopted.discard(session_id)
         self._load_changed()
         self._serving.pop(session_id, None)
@@ -393,8 +436,9 @@ class ClusterNode:
         if self._work is not None and self._directory is not None:
             assert self._traces is not None and self._keeper is not None
             parts = (self._directory, self._traces, self._keeper)
+            forget = functools.partial(_forget, *parts, session_id, claim=released)
             with contextlib.suppress(RuntimeError):  # shutting down
-                self._work.start_soon(_forget, *parts, session_id)
+                self._lanes.start_soon(self._work, session_id, forget)
 
     def _on_fenced(self, session_id: str) -> None:
         log(f"the trace of session {session_id} was fenced by another host; stopping it here")
@@ -427,27 +471,6 @@ class ClusterNode:
                 self._work.start_soon(_close_quietly, self._host, session_id)
 
     # -- takeover -------------------------------------------------------------------------
-
-    async def _scan_orphans(self) -> None:
-        assert self._directory is not None and self._owners is not None
-        assert self._registry is not None
-        finder = self._finder = OrphanFinder(self._directory, self._owners, self.serves)
-        while True:
-            await trio.sleep(self.config.lease_ttl_s / 2)
-            if self._host is not None and self._host.draining:
-                return  # a draining host takes nothing over (R-DRAIN-2)
-            try:
-                orphans = await finder.look()
-                if not orphans:
-                    continue
-                hosts = [h for h in await self._registry.hosts() if not h.draining]
-            except ClusterUnavailable:
-                continue
-            for sid, owner in assign(list(orphans), hosts).items():
-                if self._host is not None and self._host.draining:
-                    return  # it began draining during this scan
-                if owner == self.host_id:
-                    await self._take_entry(sid, orphans[sid])
 
     async def _take_entry(self, session_id: str, entry: dict[str, Any]) -> bool:
         """Take ``session_id`` over from its directory ``entry``, then grant it to the
@@ -549,11 +572,37 @@ class ClusterNode:
             await self._keeper.release_all()
 
 
-async def _forget(
-    directory: SessionDirectory, traces: TraceStream, keeper: OwnershipKeeper, session_id: str
+async def _release_closed(
+    session_id: str,
+    log: ReplicatingTraceLog,
+    stop: Callable[[str], bool],
+    entries: DirectoryEntries,
+    keeper: OwnershipKeeper,
 ) -> None:
-    """A deleted session leaves the cluster: metadata, trace and owner entry."""
+    """A session closed here leaves the cluster's hands once JetStream holds its every
+    record: no longer replicated (``stop``: nor streamed or served), its directory entry
+    closed, then its claim released — never an orphan for the scan to take over."""
+    # Not replicated any more (fenced, given up): stopped on that path.
+    if await log.settled(session_id) and stop(session_id):
+        log.stop(session_id)
+        await entries.close(session_id)
+        await keeper.release(session_id)
+
+
+async def _forget(
+    directory: SessionDirectory,
+    traces: TraceStream,
+    keeper: OwnershipKeeper,
+    session_id: str,
+    *,
+    claim: bool = False,
+) -> None:
+    """A deleted session leaves the cluster: metadata, trace and owner entry. ``claim`` (a
+    session released when it was closed here): unless another host opened it since."""
     try:
+        if claim and await keeper.claim(session_id) is None:
+            log(f"session {session_id} is open on another host: deleted on this host only")
+            return
         await directory.delete(session_id)
         await traces.purge(session_id)
     except ClusterUnavailable as exc:

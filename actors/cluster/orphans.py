@@ -18,16 +18,25 @@ So each look reads the host leases only (one key a host) and reads the sessions 
   lease shows).
 
 A full read lists the session directory's keys, reads the owner entry of each session this
-host does not run, and the directory entry of the orphans alone.
+host does not run, and the directory entry of the orphans alone. A session whose entry says
+it was closed (``"closed": true``: closed on its host with no task open, a finished subagent
+say, :mod:`.directory_entries`) has no owner and needs none: it is no orphan.
+
+:meth:`OrphanFinder.scan` looks every half TTL and takes over this host's share of the
+orphans (:func:`~.registry.assign`: each to the least loaded host, the same answer on
+every host).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import trio
+
+from greenroom.actors.cluster.errors import ClusterUnavailable
 from greenroom.actors.cluster.ownership import SessionOwners
-from greenroom.actors.cluster.registry import SessionDirectory
+from greenroom.actors.cluster.registry import HostRegistry, SessionDirectory, assign
 
 __all__ = ["OrphanFinder"]
 
@@ -73,10 +82,38 @@ class OrphanFinder:
         found: dict[str, dict[str, Any]] = {}
         for session_id in orphans:
             entry = await self._directory.get(session_id)
-            if entry is not None:  # deleted meanwhile
+            if entry is not None and not entry.get("closed"):  # deleted, closed meanwhile
                 found[session_id] = entry
         # Only now: a look that failed half-way reads everything again next time.
         self._live, self._since_full, self._found_last = live, 0, bool(found)
         self._suspected = False
         self.full_reads += 1
         return found
+
+    async def scan(
+        self,
+        registry: HostRegistry,
+        host_id: str,
+        every_s: float,
+        take: Callable[[str, dict[str, Any]], Awaitable[bool]],
+        draining: Callable[[], bool],
+    ) -> None:
+        """Look every ``every_s`` seconds and ``take`` over (its id, its directory entry)
+        each orphan assigned to host ``host_id``, until cancelled; return once the host is
+        ``draining`` (a draining host takes nothing over, R-DRAIN-2)."""
+        while True:
+            await trio.sleep(every_s)
+            if draining():
+                return
+            try:
+                orphans = await self.look()
+                if not orphans:
+                    continue
+                hosts = [h for h in await registry.hosts() if not h.draining]
+            except ClusterUnavailable:
+                continue
+            for session_id, owner in assign(list(orphans), hosts).items():
+                if draining():
+                    return  # it began draining during this scan
+                if owner == host_id:
+                    await take(session_id, orphans[session_id])

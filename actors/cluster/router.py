@@ -11,12 +11,18 @@ cluster, and the owner's side of the requests it forwards.
 
 * A call on a session this host does not run (``run``, ``steer``, ``follow_up``, ``approve``,
   ``interrupt``, ``compact``, ``skip_reconnect_wait``, ``retry_auth``) is checked against the
-  principals the session directory records (and this gateway's own grants), then sent to
-  the owner, which runs it through its own gateway method code as the same principal; its
-  result or JSON-RPC error is the client's answer, unchanged. No answer in time, or an
-  owner that gave the session up while it answered: a ``503`` error saying so, whose
-  ``data.outcome`` says whether the call may have been carried out (a ``run`` that may
-  have started is never reported as one that did not: sending it again could run it twice).
+  principals the session directory records (and this gateway's own grants) — for a
+  subagent, those of its tree's root too, as on one host (R-TREE-1) — then sent to the
+  owner, which runs it through its own gateway method code as the same principal (and
+  checks it so again: :meth:`ClusterRouter.holds`); its result or JSON-RPC error is the
+  client's answer, unchanged. No answer in time, or an owner that gave the session up
+  while it answered: a ``503`` error saying so, whose ``data.outcome`` says whether the
+  call may have been carried out (a ``run`` that may have started is never reported as
+  one that did not: sending it again could run it twice).
+* Such a call on a session closed on its host (its entry says ``closed``: a finished
+  subagent, a session its user closed; no host runs it) opens it here first, from its
+  trace in JetStream (``reopen``, a takeover), and is answered here, as one host loads a
+  closed session for a call on it.
 * ``session.subscribe`` replays the session's trace subject after ``after_seq`` and then
   follows it: the same ``output`` notifications as a local subscription, each traced seq
   once. The subscription tells the owner it watches (``watch``, renewed every third of the
@@ -72,6 +78,7 @@ from greenroom.actors.runtime.errors import (
     GreenroomError,
     SessionNotFound,
 )
+from greenroom.actors.runtime.host import stored_root
 from greenroom.protocols import jsonrpc
 from greenroom.protocols.jsonrpc import RpcError
 
@@ -453,7 +460,8 @@ class ClusterRouter:
     """The gateway's :class:`~greenroom.actors.gateway.methods.Router` on one host of a
     cluster. ``serves`` says which sessions this host runs; ``nursery`` holds the followers
     of remote subscriptions; ``timeout_s`` bounds a forwarded call; a watch is renewed
-    every third of ``watch_ttl_s`` (the owner's expiry of one)."""
+    every third of ``watch_ttl_s`` (the owner's expiry of one); ``reopen(session_id,
+    entry)`` opens a closed session here (True once it runs here)."""
 
     def __init__(
         self,
@@ -469,8 +477,10 @@ class ClusterRouter:
         nursery: trio.Nursery,
         timeout_s: float,
         watch_ttl_s: float,
+        reopen: Callable[[str, dict[str, Any]], Awaitable[bool]] | None = None,
     ) -> None:
         self._host_id = host_id
+        self._reopen = reopen
         self._gateway = gateway
         self._requests = requests
         self._directory = directory
@@ -499,18 +509,19 @@ class ClusterRouter:
         session_id = str(params["session_id"])
         principal = connection.identity
         assert principal is not None  # authenticated before any session method
-        try:
-            entry = await self._directory.get(session_id)
-        except ValueError:
-            entry = None  # not an id the cluster can hold
-        except ClusterUnavailable as exc:
-            raise RpcError(OWNER_UNREACHABLE, f"the cluster cannot be reached: {exc}") from exc
+        entry = await self._entry(session_id)
         granted_here = session_id in self._gateway.owned(principal)
         if entry is None and not granted_here:
             return await local(connection, params)
-        principals = (entry or {}).get("principals") or ()
-        if principal not in principals and not granted_here:
+        if not granted_here and not await self._may_use(principal, session_id, entry or {}):
             raise RpcError(jsonrpc.FORBIDDEN, f"session {session_id!r} belongs to another client")
+        if (
+            method in FORWARDED
+            and (entry or {}).get("closed")
+            and self._reopen is not None
+            and await self._reopen(session_id, entry or {})
+        ):
+            return await local(connection, params)
         if method == "session.subscribe":
             jsonrpc.check_params(params, "session.subscribe")
             after_seq = jsonrpc.optional_int(params, "after_seq", minimum=0) or 0
@@ -532,6 +543,34 @@ class ClusterRouter:
                 # before that host's directory entry is, like a placed session.
                 self._gateway.grant(principal, fork_id)
         return result
+
+    async def holds(self, principal: str, session_id: str) -> bool:
+        """Whether ``principal`` was granted ``session_id``: by this gateway, or by the
+        gateway of a host that ran it (the principals of its directory entry). The root of
+        a tree authorizes its nodes (R-TREE-1) on whichever hosts they run."""
+        if session_id in self._gateway.owned(principal):
+            return True
+        return principal in ((await self._entry(session_id) or {}).get("principals") or ())
+
+    async def _may_use(self, principal: str, session_id: str, entry: dict[str, Any]) -> bool:
+        """Whether ``principal`` may use ``session_id`` (not granted here), from its
+        directory ``entry``: among its principals, or those of its tree's root."""
+        if principal in (entry.get("principals") or ()):
+            return True
+        meta = entry.get("meta")
+        root_id = stored_root(meta if isinstance(meta, dict) else {}, session_id)
+        return root_id != session_id and await self.holds(principal, root_id)
+
+    async def _entry(self, session_id: str) -> dict[str, Any] | None:
+        try:
+            return await self._directory.get(session_id)
+        except ValueError:
+            return None  # not an id the cluster can hold
+        except ClusterUnavailable as exc:
+            # Read before anything is sent: the call was not carried out.
+            raise RpcError(
+                OWNER_UNREACHABLE, f"the cluster cannot be reached: {exc}", {"outcome": NOT_DONE}
+            ) from exc
 
     async def _forward_run(self, session_id: str, params: dict[str, Any], principal: str) -> Any:
         """``run`` on another host's session: answered as soon as the owner has started

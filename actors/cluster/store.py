@@ -4,7 +4,8 @@ session also appended, fenced, to the session's JetStream subject (R-CLUSTER-1, 
 :class:`ReplicatingTraceStore` is a :class:`~greenroom.actors.runtime.trace_store.TraceStore`
 that keeps the host's files as in single-host mode (a :class:`FileTraceStore` inside) and
 replaces one of its three parts: its session catalog and usage ledger are the file store's
-(deleting a session also tells the node, ``on_deleted``), its trace log is a
+(deleting a session it replicates, or replicated until it was closed here, also tells the
+node, ``on_deleted``), its trace log is a
 :class:`ReplicatingTraceLog`. That log writes the files as the file log does (the gateway's
 replay and loading work as they do there) and queues each record of a *replicated* session
 for the session's :class:`~greenroom.actors.cluster.traces.TraceWriter`. A ticket is done
@@ -17,8 +18,9 @@ with side effects never starts, before the record is in the cluster and survives
 When JetStream refuses an append (another host fenced the trace: this host lost the
 session), nothing more of that session is appended, :meth:`~ReplicatingTraceLog.error`
 reports a :class:`~greenroom.actors.runtime.trace_store.StaleTraceWriter`, and
-``on_fenced(session_id)`` is called so the host stops the session. Sessions that are not
-replicated (subagents) are stored in files only.
+``on_fenced(session_id)`` is called so the host stops the session. A session that is not
+replicated (yet, or any more: closed here, :meth:`~ReplicatingTraceLog.stop`) is stored in
+files only.
 
 A fork (R-FORK-1) is copied in files as the file log copies it; its records go to JetStream
 when the session is replicated, first in its stream, as if they had been appended then.
@@ -137,8 +139,9 @@ class ReplicatingTraceStore:
 
 
 class ClusterCatalog:
-    """The file store's session catalog; deleting a replicated session also stops its
-    replication and tells the node (``on_deleted``), which removes it from the cluster."""
+    """The file store's session catalog; deleting a replicated session (or one replicated
+    until it was closed here, :meth:`ReplicatingTraceLog.stop`) also stops its replication
+    and tells the node (``on_deleted``), which removes it from the cluster."""
 
     def __init__(
         self,
@@ -170,7 +173,7 @@ class ClusterCatalog:
     async def delete(self, session_id: str) -> None:
         """As the file catalog; the session stops being replicated and the cluster forgets
         it (``on_deleted``)."""
-        replicated = self._log.replicated(session_id)
+        replicated = self._log.replicated(session_id) or self._log.closed_here(session_id)
         await self._files.delete(session_id)
         self._log.forget(session_id)
         if replicated:
@@ -197,6 +200,8 @@ class ReplicatingTraceLog:
         """Why each session stopped being replicated here (fenced, or given up), until it
         is replicated again: its later records reach no cluster, and the session says so
         instead of passing them for durable."""
+        self._closed: set[str] = set()
+        """The sessions replicated until they were closed here (:meth:`stop`)."""
         self._forked: dict[str, list[tuple[int, str]]] = {}
         """The copied records of forks not replicated yet: (trace number, line)."""
         self._tickets = itertools.count(_FIRST_TICKET)
@@ -213,6 +218,7 @@ class ReplicatingTraceLog:
         if session_id in self._replicas:
             return
         self._stopped.pop(session_id, None)
+        self._closed.discard(session_id)
         replica = self._replicas[session_id] = _Replica(session_id)
         for number, line in self._forked.pop(session_id, ()):
             self._queue(replica, number, line)
@@ -221,15 +227,45 @@ class ReplicatingTraceLog:
         """Whether ``session_id``'s records go to JetStream too."""
         return session_id in self._replicas
 
+    def closed_here(self, session_id: str) -> bool:
+        """Whether ``session_id`` was replicated until it was closed here (:meth:`stop`)."""
+        return session_id in self._closed
+
     def forget(self, session_id: str) -> None:
         """Stop replicating ``session_id``; records still queued are given up (their
         tickets count as done, and the session reports the error)."""
         self._forked.pop(session_id, None)
+        self._closed.discard(session_id)
         replica = self._replicas.pop(session_id, None)
         if replica is not None:
             self._give_up(replica, replica.error or self._lost(session_id))
             assert replica.error is not None
             self._stopped[session_id] = replica.error
+
+    async def settled(self, session_id: str) -> bool:
+        """Return once JetStream has acknowledged every record of ``session_id`` queued so
+        far: True, or False when it is not replicated, or was fenced or given up meanwhile
+        (:meth:`sync` without the file log, which may have forgotten a closed session)."""
+        replica = self._replicas.get(session_id)
+        if replica is None:
+            return False
+        await replica.idle.wait()
+        return replica.error is None and self._replicas.get(session_id) is replica
+
+    def stop(self, session_id: str) -> None:
+        """Stop replicating ``session_id``, closed here once JetStream acknowledged all its
+        records (:meth:`settled`): its stream ends and nothing is reported. A record queued
+        since is given up as by :meth:`forget` (the session reports it)."""
+        self._forked.pop(session_id, None)
+        replica = self._replicas.get(session_id)
+        if replica is None:
+            return
+        if replica.busy():
+            self.forget(session_id)
+        else:
+            del self._replicas[session_id]
+            self._closed.add(session_id)
+            replica.wakeup.set()  # its stream_to loop ends
 
     def give_up_all(self) -> None:
         """The store is closed: records JetStream has not acknowledged are given up (their

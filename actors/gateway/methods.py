@@ -107,6 +107,11 @@ class Router(Protocol):
         session here."""
         ...
 
+    async def holds(self, principal: str, session_id: str) -> bool:
+        """Whether ``principal`` was granted ``session_id`` here or on another host (the
+        root of a tree whose node runs here may run on another host)."""
+        ...
+
 
 DETACHED = frozenset({"compact"})
 
@@ -200,7 +205,7 @@ class Methods:
             if (
                 root_id is None
                 or root_id == session_id
-                or not self._grants.holds(principal, root_id)
+                or not await self._holds(principal, root_id)
             ):
                 if root_id is not None or await self._nodes.exists(session_id):
                     raise RpcError(
@@ -229,6 +234,13 @@ class Methods:
             )
         await self._hubs.adopt(session)
         return session
+
+    async def _holds(self, principal: str, session_id: str) -> bool:
+        """Whether ``principal`` created or was granted ``session_id``: at this gateway or,
+        in a cluster, at the gateway of a host that ran it (``Router.holds``)."""
+        if self._grants.holds(principal, session_id):
+            return True
+        return self.router is not None and await self.router.holds(principal, session_id)
 
     def approver(self) -> Approval:
         """How the tasks clients start decide their calls (the server's ``--approve``)."""

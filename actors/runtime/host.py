@@ -125,9 +125,14 @@ class SessionScan:
 ProviderFactory = Callable[[SessionSettings], ModelProvider]
 
 SessionObserver = Callable[[Session], None]
-"""Called with each session a host creates or loads, before it runs (it may subscribe).
-Subagents are not passed: their outputs reach their parent's subscribers with ``origin``.
-Must not block or raise."""
+"""Called with each session a host creates or loads, before it runs (it may subscribe):
+every node of a tree (a subagent's outputs also reach its parent's subscribers with
+``origin``). Must not block or raise."""
+
+SessionCloser = Callable[[str], None]
+"""Told the id of a session that leaves a host's open sessions with no task open, not
+deleted: closed (``close_session``) or a finished subagent forgotten. Must not block or
+raise."""
 
 
 class Host:
@@ -164,6 +169,8 @@ class Host:
         """Whether the host drains (:meth:`drain`, R-DRAIN-1)."""
         self.hand_over: HandOver | None = None
         """Where :meth:`drain` hands held sessions (a cluster host's: R-DRAIN-2)."""
+        self.on_closed: SessionCloser | None = None
+        """Told of each session closed here with no task open (a cluster's node)."""
         self._people = People(self._ports.get)
         self._open_tasks = OpenTaskIndex(store)
         self._default_tools = tuple(tools)
@@ -351,10 +358,9 @@ class Host:
 
     def get_session(self, session_id: str) -> Session:
         """An open session of this host; raises :class:`SessionNotFound`."""
-        try:
-            return self._sessions[session_id]
-        except KeyError:
-            raise SessionNotFound(f"session {session_id!r} is not open in this host") from None
+        if (session := self._sessions.get(session_id)) is None:
+            raise SessionNotFound(f"session {session_id!r} is not open in this host")
+        return session
 
     @property
     def sessions(self) -> tuple[Session, ...]:
@@ -401,6 +407,8 @@ class Host:
                 task_open = port is not None and port.machine.run_id is not None
                 self._open_tasks.closed(session_id, task_open=task_open)
                 await self._builder.release(session_id)
+                if not (delete or task_open) and self.on_closed is not None:
+                    self.on_closed(session_id)
             if delete:
                 self._open_tasks.deleted(session_id)
                 await self._store.catalog.delete(session_id)
@@ -449,19 +457,13 @@ class Host:
         """The runtime seam of an open session (:class:`SessionPort`): what its running
         work uses. For integrations and tests that stand in for part of the runtime; its
         methods are not the user API. Raises :class:`SessionNotFound`."""
-        try:
-            return self._ports[session_id]
-        except KeyError:
-            raise SessionNotFound(f"session {session_id!r} is not open in this host") from None
+        if (port := self._ports.get(session_id)) is None:
+            raise SessionNotFound(f"session {session_id!r} is not open in this host")
+        return port
 
     async def create_child(
-        self,
-        parent: SessionPort,
-        *,
-        settings: SessionSettings,
-        tools: Iterable[Tool],
-        name: str | None = None,
-        background: bool = False,
+        self, parent: SessionPort, *, settings: SessionSettings, tools: Iterable[Tool],
+        name: str | None = None, background: bool = False,
     ) -> SessionPort:
         """Create a subagent's session ``name`` under ``parent`` (R-HOST-4, R-TREE-1): the
         parent's provider and workspace, ``settings`` and ``tools``; ``background`` is
@@ -475,11 +477,14 @@ class Host:
 
     def forget_child(self, child: SessionPort) -> None:
         """Drop a finished subagent session from the open sessions; it accepts no more
-        work (its files stay: ``load_session`` opens it again)."""
+        work (its files stay: ``load_session`` opens it again); told to ``on_closed`` as a
+        closed session is, unless its task stays open (the host closes as it waits)."""
         if self._ports.get(child.id) is child:
             del self._ports[child.id]
             self._sessions.pop(child.id, None)
             self._children.closed(child.id)
+            if self.on_closed is not None and child.machine.run_id is None:
+                self.on_closed(child.id)
         child.closed = True
         child.end_watches()
 

@@ -1,0 +1,471 @@
+"""The nodes of an agent tree in a cluster (R-TREE-1, R-TREE-4, R-CLUSTER-1..2): in-process
+hosts (``open_cluster_host``, each with its gateway bound to the cluster as ``serve --nats``
+binds it) on a real nats-server, one scripted brain for every node.
+
+* A finished subagent leaves its host as a closed session does: out of the host's load at
+  once; once its trace is in JetStream, no longer replicated nor served there, its
+  directory entry closed and its claim released; no orphan scan takes it over. Opened
+  again (``session.children()``) it is adopted again; deleted while closed it leaves the
+  cluster; a root its user closed leaves its host the same way. Before, a finished child
+  stayed owned, counted and replicated by its host for ever, and opening it again wedged
+  it: "owned by another host", closed, owned by its host and served by none.
+* Every node of a tree is reached by its root's principal through any host's gateway,
+  whichever hosts run the root and the node — on the root's host, or after a takeover on
+  two others — as on one host: steer, approve, subscribe; ``run`` stays on the root; another
+  principal is refused. Before, 403: the gateway read only the node's own directory entry,
+  and the node's owner only its own grants.
+* A finished subagent reached through another host's gateway is opened there, from its
+  trace in JetStream, and answered as one host answers for a closed session.
+
+Takeovers are driven by hand (``_take_entry``, what the orphan scan calls), with a lease
+TTL so long that no scan runs meanwhile: which host takes which session over is the test's
+choice, not a race. Waits are on outputs and, for the cluster's state, on bounded reads of
+NATS.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+from conftest import allow_all, collect
+from trio_websocket import open_websocket_url
+
+from greenroom.actors.cluster.bridge import Bridge, run
+from greenroom.actors.cluster.connection import ClusterNames, Connection, connect
+from greenroom.actors.cluster.node import ClusterConfig, ClusterNode, open_cluster_host
+from greenroom.actors.cluster.orphans import OrphanFinder
+from greenroom.actors.cluster.ownership import SessionOwners
+from greenroom.actors.cluster.registry import SessionDirectory
+from greenroom.actors.cluster.traces import TraceStream
+from greenroom.actors.gateway.config import SessionDefaults
+from greenroom.actors.gateway.server import Gateway
+from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.session import Session
+from greenroom.actors.runtime.subagents import SUBAGENT_SYSTEM, spawn_subagent
+from greenroom.protocols import jsonrpc
+from greenroom.protocols.content import ToolCallBlock
+from greenroom.protocols.context import ModelRequest, ToolResult, UserMessage
+from greenroom.protocols.outputs import TaskEnd
+from greenroom.protocols.tools import Tool, make_tool
+from greenroom.protocols.trace import parse_trace
+from tests.support.nats import (  # the fixture is used as nats_server
+    NatsProcess,
+    module_nats_server,  # noqa: F401
+)
+from tests.test_gateway import Client
+
+LONG_TTL_S = 60.0
+"""No orphan scan runs within a test (every TTL / 2): takeovers are the test's."""
+BOUND_S = 15.0
+POLL_S = 0.02
+TOKENS = {"alice": "alice-token-0123456789", "mallory": "mallory-token-0123456789"}
+FINISHED = "[subagent payer finished]"
+
+
+def _brain(request: ModelRequest) -> Reply:
+    """The root spawns a child: ``pay`` in the background (the payer pays, once allowed),
+    ``quick`` in the foreground (the child answers at once); the root merges a background
+    child's answer when it comes in as input."""
+    last = request.messages[-1]
+    results = isinstance(last, UserMessage) and any(
+        isinstance(b, ToolResult) for b in last.content
+    )
+    if (request.system or "").startswith(SUBAGENT_SYSTEM):
+        if results:
+            return Reply(blocks=(text("paid, as far as I know"),))
+        if "pay" in str(request.messages[0].content):
+            return Reply(blocks=(tool_call("p1", "pay", amount=7),))
+        return Reply(blocks=(text("the child is done"),))
+    if FINISHED in str(last.content):
+        return Reply(blocks=(text("merged: the payer is done"),))
+    if results:
+        return Reply(blocks=(text("the root is done"),))
+    if "pay" in str(last.content):
+        spawn = {"task": "pay 7", "background": True, "name": "payer"}
+        return Reply(blocks=(ToolCallBlock(id="s1", name="spawn_subagent", arguments=spawn),))
+    return Reply(blocks=(tool_call("s1", "spawn_subagent", task="answer at once"),))
+
+
+async def _pay(amount: int) -> str:
+    """Pay an amount."""
+    return f"paid {amount}"
+
+
+TOOLS: tuple[Tool, ...] = (make_tool(_pay, parallel=False, name="pay"), spawn_subagent)
+
+
+@attrs.define
+class Member:
+    """One host of the cluster: its host, node and gateway; ``stop`` ends it (a clean
+    stop: its lease is dropped, every session it owned is an orphan at once)."""
+
+    host_id: str
+    host: Host
+    node: ClusterNode
+    gateway: Gateway
+    stop: trio.Event
+    stopped: trio.Event
+
+
+async def _member(
+    bridge: Bridge,
+    url: str,
+    prefix: str,
+    data: Path,
+    host_id: str,
+    *,
+    task_status: trio.TaskStatus[Member],
+) -> None:
+    config = ClusterConfig(url=url, host_id=host_id, lease_ttl_s=LONG_TTL_S, prefix=prefix)
+    nodes: list[ClusterNode] = []
+    stop, stopped = trio.Event(), trio.Event()
+    workspace = data / "ws"
+    workspace.mkdir(parents=True, exist_ok=True)
+    try:
+        async with (
+            open_cluster_host(
+                bridge,
+                config,
+                data / host_id,
+                tools=TOOLS,
+                provider=lambda: ScriptedProvider(_brain),
+                on_node=nodes.append,
+            ) as host,
+            trio.open_nursery() as nursery,
+        ):
+            defaults = SessionDefaults(
+                provider_factory=lambda: ScriptedProvider(_brain),
+                tools=TOOLS,
+                workspace_dir=workspace,
+                approve="ask",
+            )
+            gateway = Gateway(host, tokens=TOKENS, port=0, defaults=defaults)
+            nodes[0].bind_gateway(gateway)
+            await nursery.start(gateway.run)
+            task_status.started(Member(host_id, host, nodes[0], gateway, stop, stopped))
+            await stop.wait()
+            nursery.cancel_scope.cancel()  # the gateway; then the host closes cleanly
+    finally:
+        stopped.set()
+
+
+@attrs.define
+class Cluster:
+    """The hosts of one test, and a NATS connection of its own to read the cluster."""
+
+    members: dict[str, Member]
+    conn: Connection
+    owners: SessionOwners
+    directory: SessionDirectory
+    traces: TraceStream
+
+    async def holder(self, session_id: str) -> str | None:
+        return await self.owners.holder(session_id)
+
+    async def entry(self, session_id: str) -> dict[str, Any] | None:
+        return await self.directory.get(session_id)
+
+    async def closed(self, session_id: str) -> bool:
+        return bool((await self.entry(session_id) or {}).get("closed"))
+
+
+def in_cluster(
+    nats_server: NatsProcess,
+    tmp_path: Path,
+    host_ids: tuple[str, ...],
+    body: Callable[[Cluster], Awaitable[Any]],
+) -> Any:
+    """Run ``body`` with hosts ``host_ids`` of a cluster of its own, bounded."""
+    names = ClusterNames(prefix=f"t{uuid.uuid4().hex[:10]}")
+
+    async def main(bridge: Bridge) -> Any:
+        with trio.fail_after(BOUND_S):
+            conn = await connect(bridge, nats_server.url, name="test", names=names)
+            try:
+                async with trio.open_nursery() as nursery:
+                    members = {}
+                    for host_id in host_ids:
+                        members[host_id] = await nursery.start(
+                            _member, bridge, nats_server.url, names.prefix, tmp_path, host_id
+                        )
+                    cluster = Cluster(
+                        members,
+                        conn,
+                        await SessionOwners.open(conn, ttl_s=LONG_TTL_S),
+                        await SessionDirectory.open(conn),
+                        await TraceStream.open(conn),
+                    )
+                    try:
+                        return await body(cluster)
+                    finally:
+                        nursery.cancel_scope.cancel()
+            finally:
+                with trio.CancelScope(shield=True):
+                    await conn.aclose()
+
+    return run(main)
+
+
+async def until(check: Callable[[], Awaitable[bool]]) -> None:
+    """Return once ``check()`` holds: the cluster's state, read again and again (bounded by
+    the test's deadline)."""
+    # NATS tells nobody when a key changes here: the state is read until it holds.
+    while not await check():  # noqa: ASYNC110
+        await trio.sleep(POLL_S)
+
+
+@asynccontextmanager
+async def client(member: Member, principal: str) -> AsyncIterator[Client]:
+    headers = [(b"Authorization", f"Bearer {TOKENS[principal]}".encode())]
+    url = member.gateway.url
+    async with open_websocket_url(url, extra_headers=headers) as ws:
+        yield Client(ws)
+
+
+def _trace_file_records(member: Member, session_id: str) -> list[str]:
+    directory = member.host.data_dir / "sessions" / session_id
+    records = []
+    for path in sorted(directory.glob("trace_*.jsonl")):
+        records += parse_trace(path.read_text(), file=str(path)).records
+    return [f"{r.seq}:{r.TYPE}" for r in records]
+
+
+# -- a finished subagent leaves its host ----------------------------------------------------------
+
+
+def test_a_finished_subagent_leaves_its_host_and_is_taken_up_again_when_opened(
+    tmp_path: Path, nats_server: NatsProcess
+) -> None:
+    async def body(cluster: Cluster) -> None:
+        a = cluster.members["a"]
+        root = await a.host.create_session(
+            provider=ScriptedProvider(_brain), tools=TOOLS, workspace_dir=tmp_path
+        )
+        first = await _child_of_a_run(root, "quick")
+        second = await _child_of_a_run(root, "quick, again")
+
+        # Out of the host's load and no longer run there, at once.
+        node = a.node
+        assert node.load == 1 and node.serves(root.id)
+        assert not node.serves(first) and not node.serves(second)
+        # Once its trace is in JetStream: closed in the directory, its claim released,
+        # no longer replicated; its whole trace is in the cluster.
+        await until(lambda: cluster.closed(second))
+        assert node.store is not None and not node.store.log.replicated(second)
+        assert await cluster.holder(second) is None
+        entry = await cluster.entry(second)
+        assert entry is not None and entry["host"] == "a" and entry["running"] is False
+        traced = (await cluster.traces.read(second)).records
+        assert [f"{r.seq}:{r.TYPE}" for r in traced] == _trace_file_records(a, second)
+        assert traced[-1].TYPE == "task_end"
+        # No orphan: no host is to take a closed session over.
+        finder = OrphanFinder(cluster.directory, cluster.owners, lambda _sid: False)
+        assert await finder.look() == {}
+
+        # Opened again (children() loads the finished ones): adopted again.
+        await until(lambda: cluster.closed(first))
+        assert {c.id for c in await root.children()} == {first, second}
+        assert node.load == 3 and node.serves(first) and node.store.log.replicated(first)
+        for child in (first, second):
+            await until(lambda: _open_entry(cluster, child))  # noqa: B023
+            assert await cluster.holder(child) == "a"
+
+        # Deleted while closed: it leaves the cluster (its trace and its entries).
+        await a.host.close_session(second)
+        await until(lambda: cluster.closed(second))
+        await a.host.delete_session(second)
+        await until(lambda: _gone(cluster, second))
+        assert (await cluster.traces.read(second)).records == ()
+        assert await cluster.holder(second) is None
+
+        # A root its user closed leaves the host the same way.
+        await a.host.close_session(root.id)
+        await until(lambda: cluster.closed(root.id))
+        assert await cluster.holder(root.id) is None and not node.serves(root.id)
+        # Opened, closed and opened again at once (its adoption, release and adoption in
+        # flight together): it is this host's, and what it records reaches the cluster.
+        await a.host.load_session(root.id)
+        await a.host.close_session(root.id)
+        again = await a.host.load_session(
+            root.id, tools=TOOLS, provider=ScriptedProvider(_brain)
+        )
+        await _child_of_a_run(again, "quick, once more")
+        await until(lambda: _open_entry(cluster, root.id))
+        assert await cluster.holder(root.id) == "a" and node.serves(root.id)
+        traced = (await cluster.traces.read(root.id)).records
+        assert [f"{r.seq}:{r.TYPE}" for r in traced] == _trace_file_records(a, root.id)
+
+    in_cluster(nats_server, tmp_path, ("a",), body)
+
+
+async def _child_of_a_run(root: Session, prompt: str) -> str:
+    """Run ``prompt`` on ``root`` (which spawns a foreground child); the child's id."""
+    outputs = await collect(root.run(prompt, approve=allow_all))
+    assert isinstance(outputs[-1], TaskEnd) and outputs[-1].status == "completed"
+    (child,) = {o.session_id for o in outputs if o.session_id != root.id}
+    return child
+
+
+async def _open_entry(cluster: Cluster, session_id: str) -> bool:
+    entry = await cluster.entry(session_id)
+    return entry is not None and not entry.get("closed")
+
+
+async def _gone(cluster: Cluster, session_id: str) -> bool:
+    return await cluster.entry(session_id) is None
+
+
+# -- every node through any host ------------------------------------------------------------------
+
+
+async def _run_root(alice: Client, prompt: str) -> str:
+    """Create a root through ``alice``'s host (subscribed), run ``prompt`` and allow its
+    spawn (``serve --approve ask``: people decide); the root's id."""
+    root: str = (await alice.result("session.create"))["session_id"]
+    await alice.result("session.subscribe", {"session_id": root})
+    await alice.result("run", {"session_id": root, "input": prompt})
+    outputs = await alice.outputs_until("approval_request", tool="spawn_subagent")
+    spawn = {"session_id": root, "call_id": outputs[-1]["call_id"], "decision": "allow"}
+    assert await alice.result("approve", spawn) == {}
+    return root
+
+
+def _of(outputs: list[dict[str, Any]], type_name: str) -> list[dict[str, Any]]:
+    return [o for o in outputs if o["type"] == type_name]
+
+
+def test_every_node_of_a_tree_is_reached_through_any_host_by_its_roots_principal(
+    tmp_path: Path, nats_server: NatsProcess
+) -> None:
+    async def body(cluster: Cluster) -> dict[str, Any]:
+        a, b, c = (cluster.members[h] for h in ("a", "b", "c"))
+        found: dict[str, Any] = {}
+        async with client(a, "alice") as alice_a:
+            root = await _run_root(alice_a, "pay through a subagent")
+            # The root's task ends (its child works in the background) and the payer asks.
+            outputs: list[dict[str, Any]] = []
+            while not (_of(outputs, "approval_request") and _of(outputs, "task_end")):
+                outputs.append(await alice_a.output())
+            (asked,) = _of(outputs, "approval_request")
+            assert asked["tool"] == "pay" and _of(outputs, "task_end")[0]["session_id"] == root
+            child, call_id = asked["session_id"], asked["call_id"]
+            assert asked["origin"] == [root, child]
+            root_done = _of(outputs, "task_end")[0]["seq"]
+            # The payer waits for a person; host a runs the root and the payer. Through
+            # host b, as through a.
+            async with client(b, "alice") as alice_b, client(b, "mallory") as mallory_b:
+                listed = await alice_b.result("approvals.list", {"session_id": child})
+                found["listed_via_b"] = [p["call_id"] for p in listed["approvals"]]
+                found["run_child_via_b"] = await alice_b.error(
+                    "run", {"session_id": child, "input": "hi"}
+                )
+                found["mallory_via_b"] = await mallory_b.error(
+                    "approvals.list", {"session_id": child}
+                )
+        # Host a stops: the root goes to b, the payer to c.
+        a.stop.set()
+        await a.stopped.wait()
+        for member, session_id in ((b, root), (c, child)):
+            entry = await cluster.entry(session_id)
+            assert entry is not None
+            assert await member.node._take_entry(session_id, entry)
+        assert (await cluster.holder(root), await cluster.holder(child)) == ("b", "c")
+        async with (
+            client(b, "alice") as alice_b,
+            client(c, "alice") as alice_c,
+            client(b, "mallory") as mallory_b,
+            client(c, "mallory") as mallory_c,
+        ):
+            await alice_b.result("session.subscribe", {"session_id": root, "after_seq": root_done})
+            # Through c, which runs the payer but was granted nothing of the tree.
+            subscribed = await alice_c.result("session.subscribe", {"session_id": child})
+            found["replayed"] = subscribed["replayed"] > 0
+            alice_c.take_outputs()
+            listed = await alice_c.result("approvals.list", {"session_id": child})
+            found["listed_via_c"] = [p["call_id"] for p in listed["approvals"]]
+            found["mallory_refused"] = [
+                await mallory_c.error("steer", {"session_id": child, "input": "mine"}),
+                await mallory_b.error(
+                    "approve", {"session_id": child, "call_id": call_id, "decision": "allow"}
+                ),
+            ]
+            # Through b, which runs the root: forwarded to c.
+            allow = {"session_id": child, "call_id": call_id, "decision": "allow"}
+            found["approved_via_b"] = await alice_b.result("approve", allow)
+            ended = (await alice_c.outputs_until("task_end", session_id=child))[-1]
+            found["child_end"] = ended["status"]
+            found["steer_via_c"] = await alice_c.result(
+                "steer", {"session_id": child, "input": "anything else?"}
+            )
+            found["run_child_via_c"] = await alice_c.error(
+                "run", {"session_id": child, "input": "hi"}
+            )
+            # The payer's answer reached the root, on b.
+            merged = await alice_b.outputs_until("task_end", session_id=root)
+            found["root_follow_up"] = [
+                o["block"]["text"]
+                for o in merged
+                if o["type"] == "model_msg" and o["block"]["type"] == "text"
+            ]
+        return found
+
+    found = in_cluster(nats_server, tmp_path, ("a", "b", "c"), body)
+    assert found["listed_via_b"] == ["p1"]
+    assert found["run_child_via_b"]["code"] == jsonrpc.INVALID_PARAMS  # run is the root's
+    assert found["mallory_via_b"]["code"] == jsonrpc.FORBIDDEN
+    assert found["replayed"]
+    assert found["listed_via_c"] == ["p1"]
+    assert [e["code"] for e in found["mallory_refused"]] == [jsonrpc.FORBIDDEN] * 2
+    assert found["approved_via_b"] == {}
+    assert found["child_end"] == "completed"
+    assert found["steer_via_c"] == {"queued": False}
+    assert found["run_child_via_c"]["code"] == jsonrpc.INVALID_PARAMS
+    assert found["root_follow_up"] == ["merged: the payer is done"]
+
+
+def test_a_finished_subagent_is_opened_where_a_call_reaches_it(
+    tmp_path: Path, nats_server: NatsProcess
+) -> None:
+    async def body(cluster: Cluster) -> dict[str, Any]:
+        a, b = cluster.members["a"], cluster.members["b"]
+        found: dict[str, Any] = {}
+        async with client(a, "alice") as alice_a:
+            root = await _run_root(alice_a, "quick")
+            outputs = await alice_a.outputs_until("task_end", session_id=root)
+            (child,) = {o["session_id"] for o in outputs if o["session_id"] != root}
+        await until(lambda: cluster.closed(child))
+        async with client(b, "alice") as alice_b, client(b, "mallory") as mallory_b:
+            found["mallory"] = await mallory_b.error(
+                "steer", {"session_id": child, "input": "mine"}
+            )
+            found["steer"] = await alice_b.result(
+                "steer", {"session_id": child, "input": "anything else?"}
+            )
+            found["holder"] = await cluster.holder(child)
+            found["serves"] = (a.node.serves(child), b.node.serves(child))
+            found["interrupt"] = await alice_b.result("interrupt", {"session_id": child})
+            subscribed = await alice_b.result("session.subscribe", {"session_id": child})
+            found["replayed"] = [o["type"] for o in alice_b.take_outputs()]
+            found["subscribed"] = subscribed
+        async with client(a, "alice") as alice_a:
+            # Through a, its first host: forwarded to b, which runs it now.
+            found["steer_via_a"] = await alice_a.result(
+                "steer", {"session_id": child, "input": "and now?"}
+            )
+        return found
+
+    found = in_cluster(nats_server, tmp_path, ("a", "b"), body)
+    assert found["mallory"]["code"] == jsonrpc.FORBIDDEN
+    assert found["steer"] == {"queued": False}
+    assert found["holder"] == "b" and found["serves"] == (False, True)
+    assert found["interrupt"] == {"interrupted": False}
+    assert found["replayed"][-1] == "task_end"
+    assert found["subscribed"]["replayed"] == len(found["replayed"])
+    assert found["steer_via_a"] == {"queued": False}
