@@ -29,6 +29,7 @@ import attrs
 import httpx
 import pytest
 import trio
+import trio.testing
 from conftest import Gates, Lookup, last_user, texts_of
 from trio_websocket import WebSocketConnection, open_websocket_url
 
@@ -36,6 +37,7 @@ from greenroom.actors.apps.parser import build_parser
 from greenroom.actors.apps.serve_command import console_port
 from greenroom.actors.gateway import Gateway, SessionDefaults, run_serve
 from greenroom.actors.gateway.console import (
+    CONSOLE_SLACK,
     PAGE_PATH,
     ConsoleServer,
     console_url,
@@ -758,3 +760,33 @@ async def test_browser_counts_down_a_retry_and_retries_now_or_stops(tmp_path: Pa
             )
             await page.wait_for(f"!!document.querySelector('{task_end_rows('aborted')}')")
             assert len(server.providers[0].requests) == 3
+
+
+async def test_connections_beyond_the_cap_wait_in_the_backlog() -> None:
+    """The console holds at most ``max_connections`` connections, and a few more it
+    answers 503 (``CONSOLE_SLACK``); further connections are not accepted at all (they
+    wait in the kernel's backlog, spending no file descriptor) until a place is free.
+    No sleeps: after ``wait_all_tasks_blocked`` the server has accepted what it will."""
+    cap = 2
+    with trio.fail_after(BOUND_S):
+        async with console_server(max_connections=cap, read_timeout_s=BOUND_S) as server:
+            idle = [await trio.open_tcp_stream("127.0.0.1", server.port) for _ in range(cap)]
+            await trio.testing.wait_all_tasks_blocked()
+            crowd = [
+                await trio.open_tcp_stream("127.0.0.1", server.port)
+                for _ in range(CONSOLE_SLACK + 20)
+            ]
+            await trio.testing.wait_all_tasks_blocked()
+            assert server.open_connections == cap + CONSOLE_SLACK
+            # Refused cleanly: the first of the crowd is answered 503 and closed.
+            answer = b""
+            while chunk := await crowd[0].receive_some(65536):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 503 ") and b"too many connections" in answer
+            for stream in crowd + idle:
+                await stream.aclose()
+            # Every place is given back (the crowd's waiting connections are accepted,
+            # answered and closed in turn), and the page is served again.
+            await trio.testing.wait_all_tasks_blocked()
+            assert server.open_connections == 0
+            assert (await raw_request(server.port, get())).status == 200

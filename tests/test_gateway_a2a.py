@@ -8,7 +8,9 @@ The pure mapping (``protocols/a2a.py``) is checked against the SDK's v0.3 models
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,10 +33,15 @@ from a2a.types import (
     TaskState,
 )
 from a2a.utils.errors import A2AError
-from conftest import Lookup
+from conftest import Gates, Lookup
 from test_gateway import TOKEN, connect, lookup_script, serving
 from trio_websocket import open_websocket_url
 
+from greenroom.actors.gateway import GatewayLimits
+from greenroom.actors.gateway import a2a as a2a_endpoint
+from greenroom.actors.gateway.hubs import replay_records
+from greenroom.actors.providers import read_image
+from greenroom.actors.providers.scripted import Reply, ScriptStep, text, tool_call
 from greenroom.protocols import a2a
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock
 from greenroom.protocols.outputs import (
@@ -47,9 +54,13 @@ from greenroom.protocols.outputs import (
     UserMsg,
 )
 from greenroom.protocols.stream import TokenUsage
+from greenroom.protocols.tools import ToolContext, tool
 
 BOUND_S = 20.0
 T = TypeVar("T")
+PNG = base64.b64decode(
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8DwHwAFBQIAX8jx0gAAAABJRU5ErkJggg=="
+)
 
 
 def in_asyncio(work: Callable[[], Awaitable[T]]) -> Callable[[], T]:
@@ -293,6 +304,123 @@ async def test_the_websocket_gateway_shares_the_port(tmp_path: Path) -> None:
                     extra_headers=[(b"Authorization", f"Bearer {TOKEN}".encode())],
                 ):
                     pass
+
+
+def gated_script() -> list[ScriptStep]:
+    return [
+        Reply(blocks=(text("Waiting."), tool_call("c1", "wait", key="a"))),
+        Reply(blocks=(text("Done."),)),
+    ]
+
+
+def raw_post(port: int, body: dict[str, Any], token: str = TOKEN) -> bytes:
+    """``body`` as a whole HTTP request to ``/a2a``."""
+    content = json.dumps(body).encode()
+    return (
+        f"POST /a2a HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(content)}\r\n\r\n"
+    ).encode() + content
+
+
+async def test_a_blocking_send_whose_client_goes_away_stops_waiting_and_the_task_goes_on(
+    tmp_path: Path, gates: Gates
+) -> None:
+    """A blocking ``message/send`` waits for its task to end; when its HTTP client closes
+    the connection meanwhile, the server stops waiting at once (the request's place among
+    its principal's connections is given back), as a ``message/stream`` whose client goes
+    away does. The task goes on, and ``tasks/get`` finds it completed."""
+    limits = GatewayLimits(max_connections_per_principal=1)
+    with trio.fail_after(BOUND_S):
+        async with serving(
+            tmp_path, gated_script, tools=[gates.tool()], approve="all", a2a=True, limits=limits
+        ) as server:
+            port = server.gateway.port
+            admission = server.gateway._admission
+            async with connect(server) as client:
+                sid = (await client.result("session.create"))["session_id"]
+            send = {
+                "jsonrpc": "2.0",
+                "id": 1,
+                "method": "message/send",
+                "params": {
+                    "message": {
+                        "kind": "message",
+                        "messageId": "m1",
+                        "role": "user",
+                        "contextId": sid,
+                        "parts": [{"kind": "text", "text": "go"}],
+                    }
+                },
+            }
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(raw_post(port, send))
+            await gates.started("a")
+            assert admission.connections_of("default") == 1  # the send waits for its task
+            await stream.aclose()
+            await trio.testing.wait_all_tasks_blocked()
+            assert admission.connections_of("default") == 0
+            session = server.host.get_session(sid)
+            assert session.busy and not gates.cancelled  # the task was not touched
+            gates.release("a")
+            await session.wait_idle()
+            [run_id] = {o.run_id for o in await replay_records(session, 0)}
+
+            async def get() -> Any:
+                async with http_client() as http:
+                    card = await A2ACardResolver(http, base_url(server)).get_agent_card()
+                    client = ClientFactory(ClientConfig(httpx_client=http)).create(card)
+                    return await client.get_task(GetTaskRequest(id=f"{sid}:{run_id}"))
+
+            got = await trio.to_thread.run_sync(in_asyncio(get))
+    assert got.status.state == TaskState.TASK_STATE_COMPLETED
+    assert got.status.message.parts[0].text == "Done."
+
+
+async def test_tool_images_are_read_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The images a task's tools returned become artifacts of ``tasks/get`` (and of the
+    send that waited for the task), read from the session's private copies in a worker
+    thread, never in the event loop's (R-SEC-8)."""
+    loop_thread = threading.get_ident()
+    readers: list[int] = []
+
+    def reading(block: ImageBlock, source: Any) -> Any:
+        readers.append(threading.get_ident())
+        return read_image(block, source)
+
+    monkeypatch.setattr(a2a_endpoint, "read_image", reading)
+
+    @tool
+    async def shot(ctx: ToolContext) -> list[TextBlock | ImageBlock]:
+        """Take a screenshot."""
+        (ctx.workspace_dir / "shot.png").write_bytes(PNG)
+        return [TextBlock(text="saved"), ImageBlock(path="shot.png", media_type="image/png")]
+
+    def script() -> list[ScriptStep]:
+        return [Reply(blocks=(tool_call("c1", "shot"),)), Reply(blocks=(text("Done."),))]
+
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, script, tools=[shot], approve="all", a2a=True) as server:
+            url = base_url(server)
+
+            async def drive() -> tuple[Any, Any]:
+                async with http_client() as http:
+                    card = await A2ACardResolver(http, url).get_agent_card()
+                    config = ClientConfig(httpx_client=http, streaming=False)
+                    client = ClientFactory(config).create(card)
+                    (sent,) = await collect(client.send_message(user_message("shoot")))
+                    got = await client.get_task(GetTaskRequest(id=sent.task.id))
+                    return sent.task, got
+
+            sent, got = await trio.to_thread.run_sync(in_asyncio(drive))
+    for task in (sent, got):
+        assert task.status.state == TaskState.TASK_STATE_COMPLETED
+        (artifact,) = task.artifacts
+        assert artifact.name == "shot.png"
+        assert artifact.parts[0].raw == PNG
+    assert len(readers) >= 2 and loop_thread not in readers
 
 
 # -- protocols/a2a.py (pure), against the SDK's v0.3 models ------------------------------------

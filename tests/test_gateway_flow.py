@@ -68,8 +68,9 @@ async def test_a_client_that_stops_reading_is_dropped(
     """One client stops reading: once its socket refuses bytes its writer is stuck, and
     when it stays stuck for ``stall_timeout_s`` with more than ``max_pending_frames``
     frames waiting, the subscription is dropped with a notice. A prompt client of the
-    same session keeps its subscription. The clock is virtual: nothing waits on time."""
-    limits = GatewayLimits(max_pending_frames=5, stall_timeout_s=30.0)
+    same session keeps its subscription. The clock is virtual: nothing waits on time (and
+    the client reads again before ``send_timeout_s`` would cut it off)."""
+    limits = GatewayLimits(max_pending_frames=5, stall_timeout_s=30.0, send_timeout_s=60.0)
     big = 256 * 1024
     async with serving(tmp_path, limits=limits) as server, AsyncExitStack() as stack:
         reader = await stack.enter_async_context(connect(server))
@@ -110,3 +111,57 @@ async def test_a_client_that_stops_reading_is_dropped(
         assert note["params"]["session_id"] == sid
         assert note["params"]["reason"] == "client too slow: outputs not read"
         assert note["params"]["last_seq"] == 0
+
+
+async def test_a_client_that_reads_nothing_for_the_send_timeout_is_cut_off(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    """A client that stops reading for good does not keep what the server queued for it
+    until it leaves: once its writer has been stuck in one send for ``send_timeout_s``
+    the connection is cut off (1008, naming the bound) and what waited for it is let go.
+    The session and a prompt client of it go on; the client that was cut off comes back
+    on a new connection and subscribes again. The clock is virtual."""
+    limits = GatewayLimits(max_pending_frames=5, stall_timeout_s=30.0, send_timeout_s=60.0)
+    big = 256 * 1024
+    async with serving(tmp_path, limits=limits) as server, AsyncExitStack() as stack:
+        reader = await stack.enter_async_context(connect(server))
+        sid = (await reader.result("session.create"))["session_id"]
+        session = server.host.get_session(sid)
+        stalled = await stack.enter_async_context(connect(server))
+        await stalled.result("session.subscribe", {"session_id": sid})
+        [slow] = [c for c in server.gateway._connections if sid in c.subscriptions]
+        await reader.result("session.subscribe", {"session_id": sid})
+        outbox = slow.outbox
+        rounds = 0
+        while outbox.pending == 0 or outbox._send_began is None:
+            burst(session, 4, big, run_id=f"run_fill_{rounds}")
+            for _ in range(4):
+                await reader.notification()
+            await trio.testing.wait_all_tasks_blocked()
+            rounds += 1
+            assert rounds < 400, "the socket never filled"
+        burst(session, 10, run_id="run_wait")
+        await trio.testing.wait_all_tasks_blocked()
+        # Stuck for less than the bound: still connected, still subscribed.
+        mock_clock.jump(limits.send_timeout_s / 2)
+        await trio.testing.wait_all_tasks_blocked()
+        assert slow in server.gateway._connections and slow.close_with is None
+        mock_clock.jump(limits.send_timeout_s / 2)
+        await trio.testing.wait_all_tasks_blocked()
+        assert slow.close_with == (1008, "client too slow: nothing read for 60 s")
+        assert slow not in server.gateway._connections
+        assert outbox.closed and outbox.pending == 0 and outbox.size == 0
+        assert slow.subscriptions == {}
+        # The close frame cannot reach a client that reads nothing: it waits at most
+        # close_timeout_s, then the socket is closed.
+        mock_clock.jump(limits.close_timeout_s)
+        await trio.testing.wait_all_tasks_blocked()
+        # The session and its prompt client went on.
+        burst(session, 1, run_id="run_late")
+        notes = await notes_until_run(reader, "run_late")
+        assert [n["params"]["run_id"] for n in notes] == ["run_wait"] * 10 + ["run_late"]
+        # The client cut off comes back and subscribes again.
+        again = await stack.enter_async_context(connect(server))
+        await again.result("session.subscribe", {"session_id": sid})
+        burst(session, 1, run_id="run_back")
+        assert (await again.output())["run_id"] == "run_back"

@@ -6,13 +6,17 @@ server."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import threading
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import trio
+import trio.testing
 from conftest import Gates, Lookup
 from test_gateway import TOKEN, connect, lookup_script, serving
 from test_gateway_ag_ui import post, posted, run_input
@@ -278,3 +282,39 @@ async def test_other_origins_get_no_cors_and_plain_clients_no_change(
             )
             assert card.status_code == 200 and cors_headers(card) == {}
             assert lookup.calls == []
+
+
+async def test_a_client_too_slow_to_take_its_answers_is_logged_in_one_line(
+    tmp_path: Path, mock_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that sends requests on one keep-alive connection and reads none of the
+    answers fills the socket; the answer that cannot be written within the write timeout
+    ends that connection. A client's slowness is the client's doing: it is logged in one
+    line, without a traceback, and the server serves the next client. The clock is
+    virtual."""
+    caplog.set_level(logging.DEBUG, logger="greenroom.actors.gateway")
+    async with serving(tmp_path, a2a=True) as server:
+        port = server.gateway.port
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        # GET /a2a is answered 405 before any token is looked at.
+        requests = b"GET /a2a HTTP/1.1\r\nHost: x\r\n\r\n" * 100_000
+
+        async def send_all() -> None:
+            with contextlib.suppress(trio.BrokenResourceError):
+                await stream.send_all(requests)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_all)
+            # Both sides are stuck: the server writing the answers nobody reads, the
+            # client writing the requests the server no longer reads.
+            await trio.testing.wait_all_tasks_blocked()
+            mock_clock.jump(server.gateway.limits.close_timeout_s + 10)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()
+        await stream.aclose()
+        async with connect(server) as client:
+            assert (await client.result("session.create"))["session_id"]
+    records = [r for r in caplog.records if r.name.startswith("greenroom.actors.gateway")]
+    assert not [r for r in records if r.exc_info], [r.getMessage() for r in records]
+    [slow] = [r for r in records if "too slow" in r.getMessage()]
+    assert "\n" not in slow.getMessage()

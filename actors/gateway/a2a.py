@@ -16,16 +16,23 @@ A message to a context whose task waits for a person (``input-required``) answer
 (R-HITL-2, as the caller's principal); to a running task (its ``taskId``) it steers it;
 otherwise it starts a task. A task's outputs are read from the session
 (:class:`SessionFeed`), never from the task's own channel: a stream that is cut off
-loses nothing, and ``tasks/resubscribe`` picks it up again.
+loses nothing, and ``tasks/resubscribe`` picks it up again. A client that goes away ends
+its wait, never the task: a stream's producer is cancelled, and so is the wait of a
+blocking ``message/send`` (:meth:`Reply.unless_gone`), which then answers nothing.
+
+The images a task's tools returned (its artifacts) are read from the session's private
+copies (R-SEC-8) in a worker thread before the task's fold meets them (:class:`_TaskFold`),
+never in the event loop's thread.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pydantic
+import trio
 from a2a.compat.v0_3 import types as a2a_types
 
 from greenroom.actors.gateway.feeds import SessionFeed
@@ -37,7 +44,9 @@ from greenroom.actors.runtime.errors import GreenroomError
 from greenroom.actors.runtime.session import Session
 from greenroom.protocols import a2a, jsonrpc
 from greenroom.protocols.content import ImageBlock, TextBlock
+from greenroom.protocols.context import ImageSource
 from greenroom.protocols.jsonrpc import Request, RpcError
+from greenroom.protocols.outputs import Output, ToolCallOutput
 
 __all__ = ["A2A_PATH", "CARD_PATH", "A2aEndpoint"]
 
@@ -162,21 +171,13 @@ class A2aEndpoint:
         session_id, run_id = ids
         return await self._session(principal, session_id, "task"), run_id
 
-    def _new_fold(self, session: Session, run_id: str, **kwargs: Any) -> a2a.TaskFold:
-        source = session.attachments.source
+    def _new_fold(self, session: Session, run_id: str, **kwargs: Any) -> _TaskFold:
+        return _TaskFold(session.attachments.source, context_id=session.id, run_id=run_id, **kwargs)
 
-        def file_data(block: ImageBlock) -> tuple[str, str] | None:
-            # Small and read from the session's private copy (R-SEC-8): in the
-            # event loop's thread, like the trace replay beside it.
-            return read_image(block, source)
-
-        return a2a.TaskFold(context_id=session.id, run_id=run_id, file_data=file_data, **kwargs)
-
-    async def _fold(self, principal: str, task: str) -> a2a.TaskFold:
+    async def _fold(self, principal: str, task: str) -> _TaskFold:
         session, run_id = await self._task_session(principal, task)
         fold = self._new_fold(session, run_id)
-        for output in await replay_records(session, 0):
-            fold.apply(output)
+        await fold.take(await replay_records(session, 0))
         if not fold.seen:
             raise RpcError(a2a.TASK_NOT_FOUND, f"no task {jsonrpc.echo(task)}")
         return fold
@@ -193,16 +194,14 @@ class A2aEndpoint:
                 batch = await feed.next_batch()
                 if batch is None:
                     break
-                for output in batch:
-                    fold.apply(output)
+                await fold.take(batch)
         return fold.task()
 
     async def _resubscribe(self, frame: Request, principal: str, task: str, reply: Reply) -> None:
         session, run_id = await self._task_session(principal, task)
         with SessionFeed(session, 0) as feed:
             fold = self._new_fold(session, run_id)
-            for output in await _caught_up(feed):
-                fold.apply(output)
+            await fold.take(await _caught_up(feed))
             if not fold.seen:
                 raise RpcError(a2a.TASK_NOT_FOUND, f"no task {jsonrpc.echo(task)}")
 
@@ -215,7 +214,7 @@ class A2aEndpoint:
     async def _follow(
         self,
         feed: SessionFeed,
-        fold: a2a.TaskFold,
+        fold: _TaskFold,
         frame: Request,
         sink: EventSink | None,
         answered: set[str],
@@ -230,10 +229,9 @@ class A2aEndpoint:
             batch = await feed.next_batch()
             if batch is None:
                 return
-            for output in batch:
-                for event in fold.apply(output):
-                    if sink is not None:
-                        await sink.send(jsonrpc.encode(jsonrpc.result_frame(frame.id, event)))
+            for event in await fold.take(batch):
+                if sink is not None:
+                    await sink.send(jsonrpc.encode(jsonrpc.result_frame(frame.id, event)))
 
     # -- message/send, message/stream -------------------------------------------------------
 
@@ -270,8 +268,10 @@ class A2aEndpoint:
             if streaming:
                 await reply.events(produce)
                 return
-            if blocking:
-                await produce(None)
+            # A client that goes away stops the wait, as a stream's does: the task goes
+            # on (tasks/get and tasks/resubscribe find it), nothing is answered.
+            if blocking and not await reply.unless_gone(lambda: produce(None)):
+                return
             await reply.json(200, jsonrpc.result_frame(frame.id, fold.task()))
 
     async def _target(
@@ -295,15 +295,14 @@ class A2aEndpoint:
         data: list[dict[str, Any]],
         principal: str,
         feed: SessionFeed,
-    ) -> tuple[a2a.TaskFold, set[str]]:
+    ) -> tuple[_TaskFold, set[str]]:
         """Answer, steer or start, as the message says; the task's fold, and the calls
         answered. ``feed`` watches already: nothing that follows is missed."""
         records = await _caught_up(feed)
         running = a2a.open_run(records)
         if running is not None:
             fold = self._new_fold(session, running)
-            for output in records:
-                fold.apply(output)
+            await fold.take(records)
             if named_run is not None and named_run != running:
                 raise RpcError(
                     jsonrpc.INVALID_PARAMS, f"task {session.id}:{named_run} is not running"
@@ -366,6 +365,42 @@ class A2aEndpoint:
                 await host.answer_approval(session.id, request.call_id, verdict, by=principal)
             answered.add(request.call_id)
         return answered
+
+
+class _TaskFold(a2a.TaskFold):
+    """A task's fold that reads the images its tools returned (its artifacts) before it
+    folds them: from the session's private copies (R-SEC-8), in a worker thread, so no
+    file is read in the event loop's thread. Fed with :meth:`take`, never ``apply``."""
+
+    def __init__(self, source: ImageSource, **kwargs: Any) -> None:
+        self._source = source
+        self._images: dict[ImageBlock, tuple[str, str] | None] = {}
+        super().__init__(file_data=self._images.get, **kwargs)
+
+    async def take(self, outputs: Sequence[Output]) -> list[dict[str, Any]]:
+        """Fold ``outputs`` in, in order; the stream events they cause. Reads the images
+        not read yet first, all in one worker thread call (cancelling abandons it)."""
+        missing = list(
+            dict.fromkeys(
+                block
+                for output in outputs
+                if isinstance(output, ToolCallOutput)
+                and output.run_id == self.run_id
+                and output.origin is None
+                for block in output.content
+                if isinstance(block, ImageBlock) and block not in self._images
+            )
+        )
+        if missing:
+            source = self._source
+            loaded = await trio.to_thread.run_sync(
+                lambda: [read_image(block, source) for block in missing], abandon_on_cancel=True
+            )
+            self._images.update(zip(missing, loaded, strict=True))
+        events: list[dict[str, Any]] = []
+        for output in outputs:
+            events += self.apply(output)
+        return events
 
 
 async def _caught_up(feed: SessionFeed) -> list[Any]:

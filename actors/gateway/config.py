@@ -125,7 +125,10 @@ class GatewayLimits:
     dropped; ``max_pending_bytes``: the bound on everything that waits for one connection
     (counted in characters of JSON text), stuck or not (R-SEC-9): an output that would pass
     it drops its subscription, and any other frame (an answer, an error, a notice) that
-    would pass it closes the connection (1008).
+    would pass it closes the connection (1008). ``send_timeout_s``: how long the writer may
+    be stuck in one send (the client reads nothing) before the connection is closed
+    (1008, ``client too slow: nothing read for N s``) and what waits for it is let go: the
+    bound in time on what a client that stopped reading holds.
     ``settle_timeout_s``: how long ``run`` waits for a session that has emitted
     ``task_end`` to turn idle.
 
@@ -147,6 +150,7 @@ class GatewayLimits:
     max_pending_frames: int = 1000
     max_pending_bytes: int = 64 << 20
     stall_timeout_s: float = 2.0
+    send_timeout_s: float = 30.0
     max_replay_buffer: int = 10_000
     max_auth_failures: int = 5
     max_connections_per_principal: int = 64

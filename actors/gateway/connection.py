@@ -92,12 +92,17 @@ class Outbox:
     * :meth:`offer` (a subscription's output) returns False, and the subscription is
       dropped with a notice the client can resume from;
     * :meth:`put_nowait` (an answer, an error, a notice: frames the client cannot do
-      without) cuts the client off instead: the outbox closes, discarding what waits, and
-      ``on_overflow`` is called with the reason, once. A client that never reads is
+      without) cuts the client off instead (:meth:`cut_off`). A client that never reads is
       disconnected rather than grow the server.
 
+    Beside the bound on bytes, a bound on time: a client whose writer has been stuck in
+    one send for ``send_timeout_s`` reads nothing, and is cut off too (the writer's
+    rule), so what waits for a client that stopped reading for good is let go without
+    waiting for it to leave.
+
     A replay waits for room (:meth:`wait_below`). The writer takes every queued frame at
-    once (:meth:`take_all`) and reports each send (:meth:`sending`, :meth:`sent`).
+    once (:meth:`take_all`) and reports each send (:meth:`sending`, :meth:`sent`), and
+    the frames it took and will not send (:meth:`let_go`).
     :meth:`behind` is the slow-client rule for subscriptions: frames the writer has not
     taken count only while the writer is stuck in one send, because a burst queued while
     the writer merely waits to be scheduled is sent as soon as it runs. After
@@ -117,7 +122,8 @@ class Outbox:
         self.peak = 0
         """The largest :attr:`size` so far."""
         self.overflowed: str | None = None
-        """Why the client was cut off (a frame that had to be sent did not fit), or None."""
+        """Why the client was cut off (a frame that had to be sent did not fit, or the
+        client read nothing for ``send_timeout_s``), or None."""
         self._closed = False
         self._send_began: float | None = None
         self._arrived = trio.Event()
@@ -149,10 +155,18 @@ class Outbox:
         the client off (see the class). Never blocks or raises."""
         if self.offer(frame) or self._closed:
             return
-        self.overflowed = f"client too slow: more than {self.max_bytes} bytes not read"
+        self.cut_off(f"client too slow: more than {self.max_bytes} bytes not read")
+
+    def cut_off(self, reason: str) -> None:
+        """The client is cut off for ``reason``: the outbox closes, letting go of what
+        waits, and ``on_overflow`` is called with the reason (once: nothing after the
+        first)."""
+        if self._closed:
+            return
+        self.overflowed = reason
         self.close()
         if self._on_overflow is not None:
-            self._on_overflow(self.overflowed)
+            self._on_overflow(reason)
 
     async def take_all(self) -> list[str]:
         """Every queued frame, once there is one (the writer's side)."""
@@ -186,8 +200,9 @@ class Outbox:
 
     async def wait_below(self, limit: int) -> None:
         """Return once fewer than ``limit`` frames are pending and at most half of
-        ``max_bytes`` waits: room for a replayed output and for the answers that follow."""
-        while self.pending >= limit or self.size > self.max_bytes // 2:
+        ``max_bytes`` waits: room for a replayed output and for the answers that follow;
+        or once the outbox is closed (nothing will be sent)."""
+        while not self._closed and (self.pending >= limit or self.size > self.max_bytes // 2):
             await self._progress.wait()
 
     def close(self) -> None:
@@ -195,18 +210,27 @@ class Outbox:
         self._closed = True
         self.size -= sum(len(frame) for frame in self._queue)
         self._queue.clear()
+        self._progress.set()
+
+    def let_go(self, frames: list[str]) -> None:
+        """The writer will not send ``frames`` (taken, not sent yet): the client is cut
+        off, or the outbox closed."""
+        self._taken -= len(frames)
+        self.size -= sum(len(frame) for frame in frames)
+        self._send_began = None
 
 
 class Connection:
     """One websocket client: its identity, limits, outbox and subscriptions, and the
     tasks that serve it (:meth:`run`).
 
-    Channels: the :class:`Outbox` (unbounded, see there) is the only way frames reach the
-    client; ``after_answer`` holds actions to run once the current frame's answer is
-    queued (a subscription goes live there, so that its first live output follows the
-    answer). Requests are answered in arrival order by the reader itself, so a ``steer``
-    sent after a ``run`` lands in that run; a method in ``detached`` runs in its own task
-    when it is called alone (inside a batch it runs in line).
+    Channels: the :class:`Outbox` (never waits; bounded in bytes and in time, see there)
+    is the only way frames reach the client; ``after_answer`` holds actions to run once
+    the current frame's answer is queued (a subscription goes live there, so that its
+    first live output follows the answer). Requests are answered in arrival order by the
+    reader itself, so a ``steer`` sent after a ``run`` lands in that run; a method in
+    ``detached`` runs in its own task when it is called alone (inside a batch it runs in
+    line).
     """
 
     def __init__(
@@ -254,8 +278,9 @@ class Connection:
 
     async def run(self) -> None:
         """Read and answer frames until the client closes, :attr:`close_with` is set, the
-        auth deadline passes or the client is cut off (its outbox overflowed); then let
-        the last answer out (briefly; not to a client cut off) and stop the writer.
+        auth deadline passes or the client is cut off (its outbox overflowed, or it read
+        nothing for ``send_timeout_s``); then let the last answer out (briefly; not to a
+        client cut off) and stop the writer.
         Raises what a handler's unexpected failure or the socket raise, but never
         :class:`ConnectionClosed` from reading."""
         async with trio.open_nursery() as nursery:
@@ -288,8 +313,8 @@ class Connection:
         self.outbox.close()
 
     def _cut_off(self, reason: str) -> None:
-        """The outbox overflowed: close (1008) with ``reason`` as soon as the current
-        frame, if any, is handled."""
+        """The client was cut off (:meth:`Outbox.cut_off`): close (1008) with ``reason``
+        as soon as the current frame, if any, is handled."""
         if self.close_with is None:
             self.close_with = (1008, reason)
         self._reading.cancel()
@@ -308,14 +333,26 @@ class Connection:
         scope.cancel()
 
     async def _write_loop(self, scope: trio.CancelScope) -> None:
+        """Send what the outbox holds, in order. A send that does not finish within
+        ``send_timeout_s`` (the client reads nothing) cuts the client off."""
         outbox = self.outbox
+        timeout = self.limits.send_timeout_s
         try:
             while True:
                 # Everything queued is taken at once: frames a prompt reader will get as
                 # soon as this task runs do not count against the slow-client rule.
-                for frame in await outbox.take_all():
+                frames = await outbox.take_all()
+                for number, frame in enumerate(frames):
+                    if outbox.closed:  # cut off meanwhile: the rest is not sent
+                        outbox.let_go(frames[number:])
+                        return
                     outbox.sending(trio.current_time())
-                    await self.ws.send_message(frame)
+                    with trio.move_on_after(timeout) as timer:
+                        await self.ws.send_message(frame)
+                    if timer.cancelled_caught:
+                        outbox.let_go(frames[number:])
+                        outbox.cut_off(f"client too slow: nothing read for {timeout:g} s")
+                        return
                     outbox.sent(frame)
         except ConnectionClosed:
             scope.cancel()

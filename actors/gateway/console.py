@@ -17,6 +17,10 @@ Invariants:
   another path answers 404, another method 405, a request that is not HTTP/1.x 400, a
   head larger than ``max_request_bytes`` 431, a head not complete within
   ``read_timeout_s`` 408; beyond ``max_connections`` at once a connection gets 503.
+* At most ``max_connections + CONSOLE_SLACK`` sockets are open at once (the slack: room to
+  answer 503): the listener accepts no more until one closes, so a flood of connections
+  waits in the kernel's backlog instead of taking the process's file descriptors, as the
+  gateway's listener does (R-SEC-4).
 * A connection's failure (reset, timeout, garbage) ends that connection only: the handler
   never raises anything but ``Cancelled``, so the listener keeps serving.
 * The page is served with ``Cache-Control: no-store`` and a Content-Security-Policy that
@@ -35,6 +39,7 @@ from pathlib import Path
 import trio
 
 from greenroom.actors.gateway.listeners import open_listeners
+from greenroom.actors.gateway.sockets import CappedListener, CountedStream
 
 __all__ = [
     "PAGE_PATH",
@@ -59,6 +64,9 @@ _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 _NONE = "'none'"
 _LINGER_S = 1.0
 _LINGER_BYTES = 1 << 16
+CONSOLE_SLACK = 8
+"""Connections the console accepts beyond ``max_connections``, to answer them 503; beyond
+those, connections wait in the kernel's backlog until a place is free."""
 
 _REASONS = {
     200: "OK",
@@ -131,7 +139,8 @@ class ConsoleServer:
 
     Channels: none. Each connection is one task of ``trio.serve_listeners`` that reads one
     request head (at most ``max_request_bytes``), answers it and closes; beyond
-    ``max_connections`` at once a connection is answered 503 at once.
+    ``max_connections`` at once a connection is answered 503 at once, and beyond
+    ``max_connections + CONSOLE_SLACK`` none is accepted until one closes.
     """
 
     def __init__(
@@ -157,6 +166,11 @@ class ConsoleServer:
         self.max_connections = max_connections
         self._active = 0
 
+    @property
+    def open_connections(self) -> int:
+        """The connections accepted and not closed yet."""
+        return self._active
+
     def url(self, ws_url: str, token: str | None = None) -> str:
         """The page's URL for a gateway at ``ws_url`` (:func:`console_url`)."""
         return console_url(self.listen_host, self.port, ws_url, token)
@@ -169,13 +183,15 @@ class ConsoleServer:
             self.port, self.listen_host or None, reuse_port=self.reuse_port
         )
         self.port = listeners[0].socket.getsockname()[1]
+        sockets = trio.CapacityLimiter(self.max_connections + CONSOLE_SLACK)
+        capped = [CappedListener(listener, sockets) for listener in listeners]
         async with trio.open_nursery() as nursery:
-            await nursery.start(trio.serve_listeners, self._handle, listeners)
+            await nursery.start(trio.serve_listeners, self._handle, capped)
             task_status.started(self.port)
 
     # -- one connection --------------------------------------------------------------------
 
-    async def _handle(self, stream: trio.SocketStream) -> None:
+    async def _handle(self, stream: CountedStream) -> None:
         """One connection: never raises but Cancelled (that would stop the listener)."""
         self._active += 1
         try:
@@ -199,7 +215,7 @@ class ConsoleServer:
             self._active -= 1
             await trio.aclose_forcefully(stream)
 
-    async def _read_head(self, stream: trio.SocketStream) -> bytes:
+    async def _read_head(self, stream: CountedStream) -> bytes:
         """The request head without its final blank line; the rest is never read."""
         data = bytearray()
         while True:
@@ -293,7 +309,7 @@ class ConsoleServer:
         head = ("\r\n".join(headers) + "\r\n\r\n").encode("latin-1")
         return head if head_only else head + body
 
-    async def _send(self, stream: trio.SocketStream, response: bytes) -> None:
+    async def _send(self, stream: CountedStream, response: bytes) -> None:
         with trio.move_on_after(self.write_timeout_s):
             await stream.send_all(response)
             await stream.send_eof()

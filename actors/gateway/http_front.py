@@ -37,6 +37,10 @@ Bad input never ends more than its connection: a malformed request is 400, a hea
 than :data:`MAX_HEAD_BYTES` 431, a body larger than the gateway's frame cap
 (``max_frame_bytes``) 413, an unknown method on a path 405; a request not complete within
 the handshake timeout closes the connection. An endpoint that fails answers 500 and is logged.
+A client that takes no answer (or event) within the write timeout (``close_timeout_s`` +
+10 s) loses its connection: its doing, logged in one line without a traceback
+(:class:`TooSlow`). An answer that waits for work (a blocking A2A send waits for its task:
+:meth:`Reply.unless_gone`) stops waiting when the client closes the connection.
 """
 
 from __future__ import annotations
@@ -139,6 +143,11 @@ class Gone(Exception):
     """The client went away (or stopped reading) while it was being answered."""
 
 
+class TooSlow(Gone):
+    """The client took no answer within the write timeout: its doing, not the server's
+    (logged in one line, without a traceback)."""
+
+
 class EventSink:
     """The events of one ``text/event-stream`` answer: :meth:`send` writes one event (it
     waits for the client to take it, at most the write timeout). When the client has
@@ -170,7 +179,15 @@ class EventSink:
             try:
                 with trio.fail_after(self._write_timeout_s):
                     await self._stream.send_all(self._conn.send(h11.Data(data=payload)) or b"")
-            except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError):
+            except trio.TooSlowError:
+                logger.info(
+                    "gateway: HTTP client %s too slow: took no event for %g s; stream ended",
+                    self._stream.peer,
+                    self._write_timeout_s,
+                )
+                self.gone = True
+                self.scope.cancel()
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self.gone = True
                 self.scope.cancel()
             self.last_write = trio.current_time()
@@ -238,8 +255,12 @@ class Reply:
         if data:
             payload += conn.send(h11.Data(data=data)) or b""
         payload += conn.send(h11.EndOfMessage()) or b""
-        with trio.fail_after(self._limits.close_timeout_s + 10):
-            await self._stream.send_all(payload)
+        timeout = self._limits.close_timeout_s + 10
+        try:
+            with trio.fail_after(timeout):
+                await self._stream.send_all(payload)
+        except trio.TooSlowError:
+            raise TooSlow(f"took no answer for {timeout:g} s") from None
 
     async def events(self, produce: Callable[[EventSink], Awaitable[None]]) -> None:
         """Answer with a ``text/event-stream``: ``produce`` sends the events; the answer
@@ -270,6 +291,30 @@ class Reply:
         if not sink.gone:
             with trio.move_on_after(self._limits.close_timeout_s):
                 await self._stream.send_all(conn.send(h11.EndOfMessage()) or b"")
+
+    async def unless_gone(self, work: Callable[[], Awaitable[None]]) -> bool:
+        """Run ``work`` (what a whole answer waits for: a blocking A2A send waits for its
+        task) while watching the connection: when the client closes it first, ``work`` is
+        cancelled and False is returned, and nothing is to be answered. Bytes the client
+        sends meanwhile (a pipelined request) are given back for the next request; the
+        watch ends there."""
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_for_close, scope)
+                await work()
+                nursery.cancel_scope.cancel()
+        return not scope.cancelled_caught
+
+    async def _watch_for_close(self, scope: trio.CancelScope) -> None:
+        """Cancel ``scope`` when the client closes the connection (or it breaks)."""
+        try:
+            data = await self._stream.receive_some(16384)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            data = b""
+        if data:
+            self._stream.unread(bytes(data))  # the next request's: not a hang-up
+            return
+        scope.cancel()
 
     async def _hang_up(self, sink: EventSink) -> None:
         """Cancel the stream when the client closes its side (it sends nothing more)."""
@@ -339,6 +384,13 @@ class HttpFront:
             await self._route_connection(stream)
         # except*: a failure that comes grouped with a cancellation (the gateway stopping)
         # is logged; only the cancellation goes on.
+        except* TooSlow as slow:
+            # The client's doing: one line, no traceback.
+            logger.info(
+                "gateway: HTTP client %s too slow: %s; connection closed",
+                stream.peer,
+                slow.exceptions[0],
+            )
         except* (trio.BrokenResourceError, trio.ClosedResourceError, Gone):
             pass  # the client went away
         except* Exception:
@@ -539,7 +591,9 @@ class HttpFront:
         )
         try:
             await route.endpoint.respond(request, reply)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
+        except Gone:
+            raise
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
             raise Gone from None
         except Exception:
             logger.exception("gateway: %s %s failed", method, path)
