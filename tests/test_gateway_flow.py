@@ -148,6 +148,9 @@ async def test_a_client_that_reads_nothing_for_the_send_timeout_is_cut_off(
         assert slow in server.gateway._connections and slow.close_with is None
         mock_clock.jump(limits.send_timeout_s / 2)
         await trio.testing.wait_all_tasks_blocked()
+        # The gateway looks every quarter of the bound: cut off by the next look.
+        mock_clock.jump(limits.send_timeout_s / 4)
+        await trio.testing.wait_all_tasks_blocked()
         assert slow.close_with == (1008, "client too slow: nothing read for 60 s")
         assert slow not in server.gateway._connections
         assert outbox.closed and outbox.pending == 0 and outbox.size == 0

@@ -45,9 +45,10 @@ Invariants:
 * Every frame counts against ``max_pending_bytes`` (R-SEC-9): an answer, error or notice
   that would pass it closes the connection (1008, ``client too slow: …``) instead of
   being queued, so a client that sends and never reads is cut off rather than grow the
-  server. A writer stuck in one send for ``send_timeout_s`` (the client reads nothing)
-  closes the connection too, letting go of what waits: a client that stopped reading
-  holds nothing for longer than that, and comes back by resubscribing with ``after_seq``.
+  server. A writer stuck in one send for ``send_timeout_s`` (the client reads nothing;
+  looked at every quarter of it) closes the connection too, letting go of what waits: a
+  client that stopped reading holds nothing for much longer than that, and comes back by
+  resubscribing with ``after_seq``.
 * Runs are not read through their ``RunStream``: the gateway detaches it at once
   (``RunStream.detach``) and every output reaches clients through the subscription, so
   nothing piles up for a run nobody reads.

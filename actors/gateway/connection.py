@@ -96,9 +96,9 @@ class Outbox:
       disconnected rather than grow the server.
 
     Beside the bound on bytes, a bound on time: a client whose writer has been stuck in
-    one send for ``send_timeout_s`` reads nothing, and is cut off too (the writer's
-    rule), so what waits for a client that stopped reading for good is let go without
-    waiting for it to leave.
+    one send for ``send_timeout_s`` reads nothing, and is cut off too (the gateway looks
+    at every connection each quarter of it: :meth:`cut_off_if_stuck`), so what waits for
+    a client that stopped reading for good is let go without waiting for it to leave.
 
     A replay waits for room (:meth:`wait_below`). The writer takes every queued frame at
     once (:meth:`take_all`) and reports each send (:meth:`sending`, :meth:`sent`), and
@@ -197,6 +197,15 @@ class Outbox:
         if stuck and len(self._queue) > limits.max_pending_frames:
             return "client too slow: outputs not read"
         return None
+
+    def cut_off_if_stuck(self, now: float, timeout_s: float) -> bool:
+        """Cut the client off if the writer has been stuck in one send since ``timeout_s``
+        before ``now`` (the client reads nothing); whether it was."""
+        began = self._send_began
+        if began is None or now - began < timeout_s or self._closed:
+            return False
+        self.cut_off(f"client too slow: nothing read for {timeout_s:g} s")
+        return True
 
     async def wait_below(self, limit: int) -> None:
         """Return once fewer than ``limit`` frames are pending and at most half of
@@ -333,27 +342,28 @@ class Connection:
         scope.cancel()
 
     async def _write_loop(self, scope: trio.CancelScope) -> None:
-        """Send what the outbox holds, in order. A send that does not finish within
-        ``send_timeout_s`` (the client reads nothing) cuts the client off."""
+        """Send what the outbox holds, in order; frames taken and not sent (the client cut
+        off, the writer stopped) are let go. A send stuck for good is the gateway's to
+        cut off (:meth:`Outbox.cut_off_if_stuck`): a timer around every frame would cost
+        more than the send itself."""
         outbox = self.outbox
-        timeout = self.limits.send_timeout_s
         try:
             while True:
                 # Everything queued is taken at once: frames a prompt reader will get as
                 # soon as this task runs do not count against the slow-client rule.
                 frames = await outbox.take_all()
-                for number, frame in enumerate(frames):
-                    if outbox.closed:  # cut off meanwhile: the rest is not sent
-                        outbox.let_go(frames[number:])
-                        return
-                    outbox.sending(trio.current_time())
-                    with trio.move_on_after(timeout) as timer:
+                done = 0
+                try:
+                    for frame in frames:
+                        if outbox.closed:  # cut off meanwhile: the rest is not sent
+                            return
+                        outbox.sending(trio.current_time())
                         await self.ws.send_message(frame)
-                    if timer.cancelled_caught:
-                        outbox.let_go(frames[number:])
-                        outbox.cut_off(f"client too slow: nothing read for {timeout:g} s")
-                        return
-                    outbox.sent(frame)
+                        outbox.sent(frame)
+                        done += 1
+                finally:
+                    if done < len(frames):
+                        outbox.let_go(frames[done:])
         except ConnectionClosed:
             scope.cancel()
 

@@ -257,6 +257,7 @@ class Gateway:
             # When the gateway stops, its hubs end and release what they hold.
             await nursery.start(self._hubs.run)
             await nursery.start(server.run)
+            nursery.start_soon(self._cut_off_stuck_clients)
             if front is not None:
                 listening = cast(list[trio.abc.Listener[CountedStream]], capped)
                 await nursery.start(front.run, listening, handoff)
@@ -265,6 +266,17 @@ class Gateway:
                 handed.close()
             self.port = listeners[0].socket.getsockname()[1]
             task_status.started(self.port)
+
+    async def _cut_off_stuck_clients(self) -> None:
+        """Cut off each client whose writer has been stuck in one send for the limits'
+        ``send_timeout_s`` (it reads nothing), within a quarter of it more: one look at
+        every connection each quarter, not a timer around each frame sent."""
+        timeout = self.limits.send_timeout_s
+        while True:
+            await trio.sleep(timeout / 4)
+            now = trio.current_time()
+            for connection in list(self._connections):
+                connection.outbox.cut_off_if_stuck(now, timeout)
 
     @property
     def url(self) -> str:
