@@ -144,25 +144,31 @@ def test_a_forwarded_run_cut_short_by_the_owner_losing_the_session_is_answered_a
                 return await run(connection, params)
 
             b.gateway._methods["run"] = held_run
-            async with _client(a) as client, trio.open_nursery() as nursery:
-                answer: dict[str, Any] = {}
-                answered = trio.Event()
-
-                async def ask() -> None:
-                    answer.update(await client.error("run", {"session_id": sid, "input": "go"}))
-                    answered.set()
-
-                nursery.start_soon(ask)
-                await entered.wait()
-                b.node._on_lost(sid, "the test took it")
-                with trio.fail_after(ANSWERED_S):
-                    await answered.wait()
-                return answer
+            return await _run_cut_short(a, b, sid, entered)
 
     answer = run_connected(nats_server.url, body, timeout_s=BOUND_S)
     assert answer["code"] == OWNER_UNREACHABLE, answer
     assert answer["data"] == {"outcome": NOT_DONE}, answer
     assert "nothing was done" in answer["message"]
+
+
+async def _run_cut_short(a: Any, b: Any, sid: str, held: trio.Event) -> dict[str, Any]:
+    """A client of a's gateway runs ``sid``, b's session; once b is ``held`` in the run,
+    b loses the session. The error the client is answered (at once)."""
+    async with _client(a) as client, trio.open_nursery() as nursery:
+        answer: dict[str, Any] = {}
+        answered = trio.Event()
+
+        async def ask() -> None:
+            answer.update(await client.error("run", {"session_id": sid, "input": "go"}))
+            answered.set()
+
+        nursery.start_soon(ask)
+        await held.wait()
+        b.node._on_lost(sid, "the test took it")
+        with trio.fail_after(ANSWERED_S):
+            await answered.wait()
+        return answer
 
 
 def test_a_forwarded_run_whose_task_began_is_never_reported_as_not_started(
@@ -188,20 +194,7 @@ def test_a_forwarded_run_whose_task_began_is_never_reported_as_not_started(
             _member(conn, nats_server.url, tmp_path, "b", request_timeout_s=30.0) as b,
         ):
             sid = await _session_on(b, conn)
-            async with _client(a) as client, trio.open_nursery() as nursery:
-                answer: dict[str, Any] = {}
-                answered = trio.Event()
-
-                async def ask() -> None:
-                    answer.update(await client.error("run", {"session_id": sid, "input": "go"}))
-                    answered.set()
-
-                nursery.start_soon(ask)
-                await asked.wait()
-                b.node._on_lost(sid, "the test took it")
-                with trio.fail_after(ANSWERED_S):
-                    await answered.wait()
-                return answer
+            return await _run_cut_short(a, b, sid, asked)
 
     answer = run_connected(nats_server.url, body, timeout_s=BOUND_S)
     assert answer["code"] == OWNER_UNREACHABLE, answer

@@ -185,6 +185,23 @@ class _Caller:
     identity = "alice"
 
 
+def _placing_router(nursery: trio.Nursery, requests: Any, registry: Any) -> ClusterRouter:
+    """Host a's router, placing sessions through ``requests`` among ``registry``'s hosts."""
+    return ClusterRouter(
+        host_id="a",
+        gateway=cast(Gateway, _Grants()),
+        requests=cast(SessionRequests, requests),
+        directory=cast(SessionDirectory, None),
+        registry=cast(HostRegistry, registry),
+        traces=cast(TraceStream, None),
+        serves=lambda _sid: False,
+        own_load=lambda: 1,
+        nursery=nursery,
+        timeout_s=BOUND_S,
+        watch_ttl_s=BOUND_S,
+    )
+
+
 def test_placement_passes_by_a_host_that_does_not_take_placed_sessions_yet() -> None:
     """A host that has just joined is in the registry before it answers on its subject
     and has loaded its provider; asked then, it would not answer in time and the session
@@ -197,19 +214,7 @@ def test_placement_passes_by_a_host_that_does_not_take_placed_sessions_yet() -> 
             [HostRecord(host_id="a", load=1), HostRecord(host_id="b", load=0, placeable=placeable)]
         )
         async with trio.open_nursery() as nursery:
-            router = ClusterRouter(
-                host_id="a",
-                gateway=cast(Gateway, _Grants()),
-                requests=cast(SessionRequests, requests),
-                directory=cast(SessionDirectory, None),
-                registry=cast(HostRegistry, registry),
-                traces=cast(TraceStream, None),
-                serves=lambda _sid: False,
-                own_load=lambda: 1,
-                nursery=nursery,
-                timeout_s=BOUND_S,
-                watch_ttl_s=BOUND_S,
-            )
+            router = _placing_router(nursery, requests, registry)
             placed = await router.place(cast(GatewayConnection, _Caller()), {})
         return placed, requests.asked
 
@@ -341,19 +346,7 @@ def test_a_gateway_waits_longer_than_the_placed_host_may_take_and_heeds_its_outc
             [HostRecord(host_id="a", load=1), HostRecord(host_id="b", load=0, placeable=True)]
         )
         async with trio.open_nursery() as nursery:
-            router = ClusterRouter(
-                host_id="a",
-                gateway=cast(Gateway, _Grants()),
-                requests=cast(SessionRequests, requests),
-                directory=cast(SessionDirectory, None),
-                registry=cast(HostRegistry, registry),
-                traces=cast(TraceStream, None),
-                serves=lambda _sid: False,
-                own_load=lambda: 1,
-                nursery=nursery,
-                timeout_s=BOUND_S,
-                watch_ttl_s=BOUND_S,
-            )
+            router = _placing_router(nursery, requests, registry)
             try:
                 placed = await router.place(cast(GatewayConnection, _Caller()), {})
             except jsonrpc.RpcError as exc:

@@ -185,6 +185,24 @@ CUT_SHORT_BOUND_S = 5.0
 """Far below the senders' timeout: an answer within it is the cut-short one."""
 
 
+def _serving_s1(
+    requests: SessionRequests, serving: trio.CancelScope, owner: Any, replies: dict[str, Any]
+) -> tuple[Any, Any]:
+    """``serve`` (session s1's requests, answered by ``owner``, until ``serving`` is
+    cancelled) and ``ask(method)`` (its reply put in ``replies``, asked with 60 s to wait)."""
+
+    async def serve(task_status: trio.TaskStatus[None]) -> None:
+        with serving:
+            await requests.serve("s1", owner, task_status=task_status)
+
+    async def ask(method: str) -> None:
+        replies[method] = await requests.request(
+            "s1", {"method": method, "params": {}}, timeout_s=60.0
+        )
+
+    return serve, ask
+
+
 def test_requests_cut_short_by_the_owner_giving_the_session_up_are_answered_at_once(
     nats_server: NatsProcess,
 ) -> None:
@@ -212,15 +230,7 @@ def test_requests_cut_short_by_the_owner_giving_the_session_up_are_answered_at_o
             return {"result": {}}
 
         replies: dict[str, Any] = {}
-
-        async def serve(task_status: trio.TaskStatus[None]) -> None:
-            with serving:
-                await requests.serve("s1", owner, task_status=task_status)
-
-        async def ask(method: str) -> None:
-            replies[method] = await requests.request(
-                "s1", {"method": method, "params": {}}, timeout_s=60.0
-            )
+        serve, ask = _serving_s1(requests, serving, owner, replies)
 
         with trio.fail_after(CUT_SHORT_BOUND_S):
             async with trio.open_nursery() as nursery:
@@ -263,15 +273,7 @@ def test_requests_that_arrive_as_the_owner_stops_serving_are_turned_away_at_once
             return {"result": {}}
 
         replies: dict[str, Any] = {}
-
-        async def serve(task_status: trio.TaskStatus[None]) -> None:
-            with serving:
-                await requests.serve("s1", owner, task_status=task_status)
-
-        async def ask(method: str) -> None:
-            replies[method] = await requests.request(
-                "s1", {"method": method, "params": {}}, timeout_s=60.0
-            )
+        serve, ask = _serving_s1(requests, serving, owner, replies)
 
         with trio.fail_after(CUT_SHORT_BOUND_S):
             async with trio.open_nursery() as nursery:

@@ -185,19 +185,7 @@ async def test_tokens_and_principals_are_the_gateway_s(tmp_path: Path, lookup: L
             tmp_path, lookup_script, tools=[lookup.tool], a2a=True, tokens=tokens
         ) as server:
             url = base_url(server)
-            body = {
-                "jsonrpc": "2.0",
-                "id": 1,
-                "method": "message/send",
-                "params": {
-                    "message": {
-                        "kind": "message",
-                        "messageId": "m1",
-                        "role": "user",
-                        "parts": [{"kind": "text", "text": "go"}],
-                    }
-                },
-            }
+            body = message_send("go")
 
             async def drive() -> dict[str, Any]:
                 statuses = {}
@@ -313,6 +301,13 @@ def gated_script() -> list[ScriptStep]:
     ]
 
 
+def message_send(text: str, **ids: str) -> dict[str, Any]:
+    """A raw JSON-RPC ``message/send`` of a user's ``text`` (``ids``: ``contextId``…)."""
+    message = {"kind": "message", "messageId": "m1", "role": "user", **ids}
+    message["parts"] = [{"kind": "text", "text": text}]
+    return {"jsonrpc": "2.0", "id": 1, "method": "message/send", "params": {"message": message}}
+
+
 def raw_post(port: int, body: dict[str, Any], token: str = TOKEN) -> bytes:
     """``body`` as a whole HTTP request to ``/a2a``."""
     content = json.dumps(body).encode()
@@ -339,20 +334,7 @@ async def test_a_blocking_send_whose_client_goes_away_stops_waiting_and_the_task
             admission = server.gateway._admission
             async with connect(server) as client:
                 sid = (await client.result("session.create"))["session_id"]
-            send = {
-                "jsonrpc": "2.0",
-                "id": 1,
-                "method": "message/send",
-                "params": {
-                    "message": {
-                        "kind": "message",
-                        "messageId": "m1",
-                        "role": "user",
-                        "contextId": sid,
-                        "parts": [{"kind": "text", "text": "go"}],
-                    }
-                },
-            }
+            send = message_send("go", contextId=sid)
             stream = await trio.open_tcp_stream("127.0.0.1", port)
             await stream.send_all(raw_post(port, send))
             await gates.started("a")

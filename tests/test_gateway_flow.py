@@ -62,6 +62,33 @@ async def test_prompt_readers_of_a_busy_server_are_not_dropped(tmp_path: Path) -
                 assert texts == [f"{i:08d}".ljust(10, "x") for i in range(600)]
 
 
+async def _with_a_stuck_client(server: Any, stack: AsyncExitStack) -> tuple[Any, ...]:
+    """A session with two subscribed clients: a prompt ``reader``, and one that reads
+    nothing, its socket full and its writer stuck in one send, ten more outputs queued for
+    it. Returns the two clients, the session and the stuck client's connection."""
+    big = 256 * 1024
+    reader = await stack.enter_async_context(connect(server))
+    sid = (await reader.result("session.create"))["session_id"]
+    session = server.host.get_session(sid)
+    stalled = await stack.enter_async_context(connect(server))
+    await stalled.result("session.subscribe", {"session_id": sid})
+    [slow] = [c for c in server.gateway._connections if sid in c.subscriptions]
+    await reader.result("session.subscribe", {"session_id": sid})
+    outbox = slow.outbox
+    rounds = 0
+    # Until the socket refuses bytes, the writer takes whatever is queued.
+    while outbox.pending == 0 or outbox._send_began is None:
+        burst(session, 4, big, run_id=f"run_fill_{rounds}")
+        for _ in range(4):
+            await reader.notification()
+        await trio.testing.wait_all_tasks_blocked()
+        rounds += 1
+        assert rounds < 400, "the socket never filled"
+    burst(session, 10, run_id="run_wait")
+    await trio.testing.wait_all_tasks_blocked()  # the session's hub has fanned them out
+    return reader, stalled, session, slow
+
+
 async def test_a_client_that_stops_reading_is_dropped(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
@@ -71,28 +98,10 @@ async def test_a_client_that_stops_reading_is_dropped(
     same session keeps its subscription. The clock is virtual: nothing waits on time (and
     the client reads again before ``send_timeout_s`` would cut it off)."""
     limits = GatewayLimits(max_pending_frames=5, stall_timeout_s=30.0, send_timeout_s=60.0)
-    big = 256 * 1024
     async with serving(tmp_path, limits=limits) as server, AsyncExitStack() as stack:
-        reader = await stack.enter_async_context(connect(server))
-        sid = (await reader.result("session.create"))["session_id"]
-        session = server.host.get_session(sid)
-        stalled = await stack.enter_async_context(connect(server))
-        await stalled.result("session.subscribe", {"session_id": sid})
-        [slow] = [c for c in server.gateway._connections if sid in c.subscriptions]
-        await reader.result("session.subscribe", {"session_id": sid})
-        outbox = slow.outbox
-        rounds = 0
-        # Until the socket refuses bytes, the writer takes whatever is queued.
-        while outbox.pending == 0 or outbox._send_began is None:
-            burst(session, 4, big, run_id=f"run_fill_{rounds}")
-            for _ in range(4):
-                await reader.notification()
-            await trio.testing.wait_all_tasks_blocked()
-            rounds += 1
-            assert rounds < 400, "the socket never filled"
+        reader, stalled, session, slow = await _with_a_stuck_client(server, stack)
+        sid = session.id
         # Stuck, but not for long: frames queue up, nobody is dropped yet.
-        burst(session, 10, run_id="run_wait")
-        await trio.testing.wait_all_tasks_blocked()  # the session's hub has fanned them out
         assert sid in slow.subscriptions
         mock_clock.jump(limits.stall_timeout_s)
         burst(session, 1, run_id="run_late")
@@ -122,26 +131,9 @@ async def test_a_client_that_reads_nothing_for_the_send_timeout_is_cut_off(
     The session and a prompt client of it go on; the client that was cut off comes back
     on a new connection and subscribes again. The clock is virtual."""
     limits = GatewayLimits(max_pending_frames=5, stall_timeout_s=30.0, send_timeout_s=60.0)
-    big = 256 * 1024
     async with serving(tmp_path, limits=limits) as server, AsyncExitStack() as stack:
-        reader = await stack.enter_async_context(connect(server))
-        sid = (await reader.result("session.create"))["session_id"]
-        session = server.host.get_session(sid)
-        stalled = await stack.enter_async_context(connect(server))
-        await stalled.result("session.subscribe", {"session_id": sid})
-        [slow] = [c for c in server.gateway._connections if sid in c.subscriptions]
-        await reader.result("session.subscribe", {"session_id": sid})
-        outbox = slow.outbox
-        rounds = 0
-        while outbox.pending == 0 or outbox._send_began is None:
-            burst(session, 4, big, run_id=f"run_fill_{rounds}")
-            for _ in range(4):
-                await reader.notification()
-            await trio.testing.wait_all_tasks_blocked()
-            rounds += 1
-            assert rounds < 400, "the socket never filled"
-        burst(session, 10, run_id="run_wait")
-        await trio.testing.wait_all_tasks_blocked()
+        reader, _, session, slow = await _with_a_stuck_client(server, stack)
+        sid, outbox = session.id, slow.outbox
         # Stuck for less than the bound: still connected, still subscribed.
         mock_clock.jump(limits.send_timeout_s / 2)
         await trio.testing.wait_all_tasks_blocked()
