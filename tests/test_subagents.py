@@ -201,6 +201,33 @@ async def test_child_answer_is_the_result_and_its_outputs_are_forwarded_with_ori
     assert (loaded.root_id, loaded.origin) == (session.id, (session.id, child_id))
 
 
+async def test_a_finished_child_leaves_no_trace_position_in_its_host(
+    host: Host, workspace: Path, providers
+) -> None:
+    """A host keeps the trace position (where its file log writes) of its open sessions
+    only. A finished subagent's was kept for the host's life: one more for every subagent
+    it ever ran. Loaded again, the child appends after its last record."""
+    parent_step = parent_then_done(spawn("s1", "count the files"))
+
+    def brain(request: ModelRequest) -> Reply:
+        if is_child(request):
+            return Reply(blocks=(text("three"),))
+        return parent_step(request)
+
+    session = await host.create_session(
+        tools=[spawn_subagent], provider=providers(brain), workspace_dir=workspace
+    )
+    positions: Any = host.trace_log
+    outputs = await collect(session.run("delegate it", approve=allow_all))
+    (child_id,) = child_ids(outputs, session.id)
+    assert session.id in positions._positions
+    assert child_id not in positions._positions
+    await host.load_session(child_id)
+    assert child_id in positions._positions
+    traced = [o.seq for o in outputs_from(outputs, child_id) if type(o).TRACED]
+    assert host.port(child_id).last_seq == traced[-1] == len(traced)
+
+
 async def test_two_children_of_one_turn_run_side_by_side(
     host: Host, workspace: Path, providers
 ) -> None:

@@ -476,13 +476,14 @@ class Host:
         return port
 
     def forget_child(self, child: SessionPort) -> None:
-        """Drop a finished subagent session from the open sessions; it accepts no more
-        work (its files stay: ``load_session`` opens it again); told to ``on_closed`` as a
-        closed session is, unless its task stays open (the host closes as it waits)."""
+        """Drop a finished subagent session from the open sessions and its trace position
+        (it has no MCP connections); ``load_session`` opens it again. Told to ``on_closed``
+        as a closed session is, unless its task stays open (the host closes as it waits)."""
         if self._ports.get(child.id) is child:
             del self._ports[child.id]
             self._sessions.pop(child.id, None)
             self._children.closed(child.id)
+            self._store.log.release(child.id)
             if self.on_closed is not None and child.machine.run_id is None:
                 self.on_closed(child.id)
         child.closed = True
@@ -546,9 +547,8 @@ class Host:
         under it, as ``session.run(approve=…)`` does (the callback it ran with went with that
         host): ``"people"`` by default. A call that was already waiting for a person keeps
         waiting for one, whatever ``approve`` is (R-HITL-1); a parked task keeps its own. A
-        background subagent's task goes on and its answer reaches its parent when it ends
-        (:mod:`~greenroom.actors.runtime.child_reports`); a foreground subagent's is left to its
-        trace (its parent's call ended with the host). Returns the session."""
+        background subagent's task goes on, its answer reaching its parent (``child_reports``);
+        a foreground one's is left to its trace (its parent's call ended). Returns the session."""
         session = await self.load_session(session_id, **load)
         take_up_stored(self._ports[session_id], approve)
         return session
