@@ -243,8 +243,10 @@ class HeldClaims(SessionOwners):
     gate = trio.Event()
     sent = trio.Event()
 
-    async def claim(self, session_id: str, host_id: str, token: str) -> Ownership | None:
-        ownership = await super().claim(session_id, host_id, token)
+    async def claim(
+        self, session_id: str, host_id: str, token: str, *, left: Ownership | None = None
+    ) -> Ownership | None:
+        ownership = await super().claim(session_id, host_id, token, left=left)
         type(self).sent.set()
         await type(self).gate.wait()
         return ownership
@@ -299,6 +301,36 @@ def test_released_sessions_are_claimable_at_once(nats_server: NatsProcess) -> No
         return one is not None, all(r is not None for r in rest), a.held(), b.held()
 
     assert run_connected(nats_server.url, body) == (True, True, (), ("s1", "s2", "s3"))
+
+
+def test_a_release_nats_did_not_take_is_taken_back_here_or_made_at_the_next_renewal(
+    nats_server: NatsProcess,
+) -> None:
+    # A release NATS did not take (unreachable for a moment) left the owner entry naming
+    # this host's live incarnation: no host could claim the session again, this one
+    # included ("owned by a live host"), until its lease changed: owned, served by none.
+    async def body(conn: Connection) -> tuple[object, ...]:
+        owners = await SessionOwners.open(conn, ttl_s=60.0)
+        a = OwnershipKeeper(owners, "host-a", Losses())
+        b = OwnershipKeeper(owners, "host-b", Losses())
+        await a.take_lease()
+        await b.take_lease()
+        assert await a.claim("s1") is not None and await a.claim("s2") is not None
+        release = owners.release
+
+        async def unreachable(ownership: Ownership) -> None:
+            raise ClusterUnavailable("NATS away for a moment")
+
+        owners.release = unreachable  # type: ignore[method-assign]
+        await a.release("s1")
+        await a.release("s2")
+        owners.release = release  # type: ignore[method-assign]
+        again = await a.claim("s1")  # its own entry, still as it left it: taken back
+        await a.renew()  # s2's release is made now
+        other = await b.claim("s2")
+        return again is not None, a.held(), other is not None, await owners.holder("s2")
+
+    assert run_connected(nats_server.url, body) == (True, ("s1",), True, "host-b")
 
 
 def test_a_release_does_not_take_a_session_another_host_claimed(

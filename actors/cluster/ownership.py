@@ -165,9 +165,12 @@ class SessionOwners:
 
     # -- sessions -------------------------------------------------------------------------
 
-    async def claim(self, session_id: str, host_id: str, token: str) -> Ownership | None:
+    async def claim(
+        self, session_id: str, host_id: str, token: str, *, left: Ownership | None = None
+    ) -> Ownership | None:
         """Take ``session_id`` for ``host_id`` in incarnation ``token`` if no live host owns
-        it; None when one does (this one included)."""
+        it; None when one does (this one included) — unless the entry is still ``left``,
+        this host's own ownership that it gave up but could not release: taken back."""
         check_session_id(session_id)
         mine = _Owner(host_id, token).to_json()
         for _ in range(3):
@@ -178,7 +181,12 @@ class SessionOwners:
                 if entry is None:
                     continue  # deleted since: create it
                 owner = _Owner.from_json(entry.value)
-                if owner is not None and await self._incarnation(owner.host_id) == owner.token:
+                ours = left is not None and entry.revision == left.revision
+                if (
+                    not ours
+                    and owner is not None
+                    and await self._incarnation(owner.host_id) == owner.token
+                ):
                     return None
                 revision = await self._write(session_id, mine, entry.revision)
             if revision is not None:
@@ -271,6 +279,10 @@ class OwnershipKeeper:
         self._warn = warn
         self._every = renew_every_s if renew_every_s is not None else owners.ttl_s / 3
         self._held: dict[str, Ownership] = {}
+        self._unreleased: dict[str, Ownership] = {}
+        """Sessions given up whose release NATS did not take: their entries still name this
+        incarnation (nobody else may claim them), so they are released again at each
+        renewal, and taken back by a claim here."""
         self._token: str | None = None
         self._leased = trio.Event()
         self._revision = 0
@@ -298,7 +310,8 @@ class OwnershipKeeper:
         token = self._token
         if token is None:
             raise ClusterUnavailable(f"host {self.host_id} holds no lease now")
-        ownership = await self._owners.claim(session_id, self.host_id, token)
+        left = self._unreleased.pop(session_id, None)
+        ownership = await self._owners.claim(session_id, self.host_id, token, left=left)
         if ownership is None:
             return None
         if token != self._token:
@@ -318,18 +331,28 @@ class OwnershipKeeper:
         return tuple(self._held)
 
     async def release(self, session_id: str) -> None:
-        """Give ``session_id`` up (best effort)."""
+        """Give ``session_id`` up; when NATS cannot be reached, again at each renewal."""
         ownership = self._held.pop(session_id, None)
         if ownership is None:
             return
         try:
             await self._owners.release(ownership)
         except ClusterUnavailable:
-            return
+            self._unreleased[session_id] = ownership
+
+    async def _release_again(self) -> None:
+        for session_id, ownership in list(self._unreleased.items()):
+            try:
+                await self._owners.release(ownership)
+            except ClusterUnavailable:
+                return  # at the next renewal
+            if self._unreleased.get(session_id) is ownership:
+                del self._unreleased[session_id]
 
     async def release_all(self) -> None:
         """Give every session up at once by dropping the host's lease (a clean shutdown)."""
         self._held.clear()
+        self._unreleased.clear()
         self._token, self._leased = None, trio.Event()
         await self._owners.drop_host_lease(self.host_id)
 
@@ -373,9 +396,12 @@ class OwnershipKeeper:
                 f"was sent (TTL {self._owners.ttl_s:g} s): the host is too busy to renew in time"
             )
         self._revision, self._renewed_sent = revision, sent
+        if self._unreleased:
+            await self._release_again()
 
     def _lose_all(self, reason: str) -> None:
-        self._token, self._leased = None, trio.Event()
+        # Entries that name a lost incarnation are nobody's: nothing is left to release.
+        self._token, self._leased, self._unreleased = None, trio.Event(), {}
         lost, self._held = self._held, {}
         for session_id in lost:
             self._on_lost(session_id, reason)
