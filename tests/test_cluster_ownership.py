@@ -285,13 +285,21 @@ def test_a_claim_that_lands_after_the_lease_was_lost_is_not_held(
     assert outcome == ["host host-a lost its lease during the claim"]
 
 
+async def _two_leased_hosts(
+    conn: Connection,
+) -> tuple[SessionOwners, OwnershipKeeper, OwnershipKeeper]:
+    """Hosts a and b, each with its lease (60 s: none expires during a test)."""
+    owners = await SessionOwners.open(conn, ttl_s=60.0)
+    a = OwnershipKeeper(owners, "host-a", Losses())
+    b = OwnershipKeeper(owners, "host-b", Losses())
+    await a.take_lease()
+    await b.take_lease()
+    return owners, a, b
+
+
 def test_released_sessions_are_claimable_at_once(nats_server: NatsProcess) -> None:
     async def body(conn: Connection) -> tuple[object, ...]:
-        owners = await SessionOwners.open(conn, ttl_s=60.0)
-        a = OwnershipKeeper(owners, "host-a", Losses())
-        b = OwnershipKeeper(owners, "host-b", Losses())
-        await a.take_lease()
-        await b.take_lease()
+        _, a, b = await _two_leased_hosts(conn)
         for sid in ("s1", "s2", "s3"):
             assert await a.claim(sid) is not None
         await a.release("s1")  # a drain's hand-over: one session
@@ -310,11 +318,7 @@ def test_a_release_nats_did_not_take_is_taken_back_here_or_made_at_the_next_rene
     # this host's live incarnation: no host could claim the session again, this one
     # included ("owned by a live host"), until its lease changed: owned, served by none.
     async def body(conn: Connection) -> tuple[object, ...]:
-        owners = await SessionOwners.open(conn, ttl_s=60.0)
-        a = OwnershipKeeper(owners, "host-a", Losses())
-        b = OwnershipKeeper(owners, "host-b", Losses())
-        await a.take_lease()
-        await b.take_lease()
+        owners, a, b = await _two_leased_hosts(conn)
         assert await a.claim("s1") is not None and await a.claim("s2") is not None
         release = owners.release
 
