@@ -59,7 +59,9 @@ LEASE_TTL_S = 2.0
 BOUND_S = 90.0
 LEDGER_ENV = "GREENROOM_DEMO_LEDGER"
 CONFIRM_ENV = "GREENROOM_DEMO_CONFIRMATIONS"
-"""The unix socket on which ``record_payment`` waits for the demo to confirm a payment."""
+"""The loopback port on which ``record_payment`` waits for the demo to confirm a payment (a
+port, not a unix socket: a socket's path under a long ``$TMPDIR`` passes the system's 108
+bytes)."""
 _INVOICE = re.compile(r"invoice (\d+)", re.IGNORECASE)
 _URL = re.compile(r"listening on (ws://[\w.:]+/v1)")
 
@@ -77,7 +79,8 @@ async def record_payment(invoice: int) -> str:
     ledger = Path(os.environ[LEDGER_ENV])
     line = f"invoice {invoice} paid by host {os.environ.get('GREENROOM_DEMO_HOST', '?')}\n"
     await trio.to_thread.run_sync(_append_line, ledger, line)
-    async with await trio.open_unix_socket(os.environ[CONFIRM_ENV]) as confirmations:
+    port = int(os.environ[CONFIRM_ENV])
+    async with await trio.open_tcp_stream("127.0.0.1", port) as confirmations:
         await confirmations.send_all(f"{invoice}\n".encode())
         confirmed = await confirmations.receive_some()
     return f"invoice {invoice} paid" if confirmed else f"invoice {invoice} not confirmed"
@@ -215,23 +218,24 @@ def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
 
 
 class _Confirmations:
-    """The payments ``record_payment`` wrote (one unix-socket connection each, naming the
+    """The payments ``record_payment`` wrote (one loopback connection each, naming the
     invoice), each held unconfirmed until :meth:`confirm_all`."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self) -> None:
+        self.port = 0
+        """The port it listens on, once :meth:`serve` has started."""
         self.written: set[int] = set()
         self._news = trio.Event()
         self._confirmed = trio.Event()
         self._confirmed_one: dict[int, trio.Event] = {}
 
     async def serve(self, *, task_status: trio.TaskStatus[None]) -> None:
-        """Listen on :attr:`path` until cancelled; started once it accepts connections."""
-        sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
-        await sock.bind(str(self.path))
-        sock.listen()
+        """Listen on a loopback port (:attr:`port`) until cancelled; started once it
+        accepts connections."""
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = listeners[0].socket.getsockname()[1]
         task_status.started()
-        await trio.serve_listeners(self._answer, [trio.SocketListener(sock)])
+        await trio.serve_listeners(self._answer, listeners)
 
     async def _answer(self, stream: trio.SocketStream) -> None:
         # A host killed mid-payment leaves its connection broken: nothing to confirm there.
@@ -275,7 +279,7 @@ async def _set_then_cancel(event: trio.Event, scope: trio.CancelScope) -> None:
 async def _demo(bridge: Bridge, tmp: Path) -> int:
     ledger = tmp / "ledger.txt"
     ledger.touch()
-    confirmations = _Confirmations(tmp / "confirm.sock")
+    confirmations = _Confirmations()
     async with trio.open_nursery() as nursery:
         await nursery.start(confirmations.serve)
         nats_url, nats = await start_nats_server(nursery, tmp / "nats")
@@ -285,7 +289,7 @@ async def _demo(bridge: Bridge, tmp: Path) -> int:
         try:
             for host_id in HOSTS:
                 hosts.append(
-                    await _start_host(nursery, tmp, host_id, nats_url, ledger, confirmations.path)
+                    await _start_host(nursery, tmp, host_id, nats_url, ledger, confirmations.port)
                 )
             conn = await connect(bridge, nats_url, name="cluster-demo")
             with trio.fail_after(BOUND_S):
@@ -469,7 +473,7 @@ async def _start_host(
     host_id: str,
     nats_url: str,
     ledger: Path,
-    confirmations: Path,
+    confirmations_port: int,
 ) -> _Host:
     data = tmp / host_id
     workspace = tmp / "workspace"
@@ -477,7 +481,7 @@ async def _start_host(
     env = {
         **os.environ,
         LEDGER_ENV: str(ledger),
-        CONFIRM_ENV: str(confirmations),
+        CONFIRM_ENV: str(confirmations_port),
         "GREENROOM_HOME": str(tmp / "home"),
     }
     process = await trio.lowlevel.open_process(
