@@ -6,6 +6,11 @@
     python3 tasks.py check    # ruff + mypy only
 
 Extra arguments after the command go to `greenroom demo` or to pytest.
+
+pytest runs in two worker processes (pytest-xdist): most tests wait on subprocesses, sockets
+and files rather than on the CPU, so two workers halve the time even on two cores.
+`GREENROOM_TEST_WORKERS=N` sets another count (0: one process); so does `-n N` given to
+pytest here.
 """
 
 from __future__ import annotations
@@ -73,6 +78,17 @@ def check() -> None:
         sys.exit(result.returncode)
 
 
+def worker_options(pytest_args: list[str]) -> list[str]:
+    """``-n N`` for pytest-xdist, unless the arguments choose already."""
+    if any(a in ("-n", "--numprocesses", "no:xdist") or a.startswith(("-n", "--numprocesses="))
+           for a in pytest_args):
+        return []
+    workers = os.environ.get("GREENROOM_TEST_WORKERS", "2").strip()
+    if not workers.isdigit():
+        sys.exit(f"GREENROOM_TEST_WORKERS must be a number of processes, not {workers!r}")
+    return ["-n", workers]
+
+
 def main() -> None:
     command, *rest = sys.argv[1:] or ["help"]
     if command == "demo":
@@ -81,7 +97,7 @@ def main() -> None:
     elif command == "test":
         ensure_venv("dev")
         check()
-        sh(PY, "-m", "pytest", *rest)
+        sh(PY, "-m", "pytest", *worker_options(rest), *rest)
     elif command == "check":
         ensure_venv("dev")
         check()
