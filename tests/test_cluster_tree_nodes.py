@@ -50,9 +50,9 @@ from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session import Session
 from greenroom.actors.runtime.subagents import SUBAGENT_SYSTEM, spawn_subagent
 from greenroom.protocols import jsonrpc
-from greenroom.protocols.content import ToolCallBlock
+from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import ModelRequest, ToolResult, UserMessage
-from greenroom.protocols.outputs import TaskEnd
+from greenroom.protocols.outputs import ModelMsg, TaskEnd, UserMsg
 from greenroom.protocols.tools import Tool, make_tool
 from greenroom.protocols.trace import parse_trace
 from tests.support.nats import (  # the fixture is used as nats_server
@@ -469,3 +469,56 @@ def test_a_finished_subagent_is_opened_where_a_call_reaches_it(
     assert found["replayed"][-1] == "task_end"
     assert found["subscribed"]["replayed"] == len(found["replayed"])
     assert found["steer_via_a"] == {"queued": False}
+
+
+# -- a taken-up child's answer for a closed parent ------------------------------------------------
+
+
+def test_a_taken_up_childs_answer_opens_its_closed_parent(
+    tmp_path: Path, nats_server: NatsProcess
+) -> None:
+    """R-TREE-4: host a stops while its payer waits for a person; b takes the root and the
+    payer over, and the root's user closes the root there (it leaves b: closed, no owner).
+    Answered, the payer reports: the closed root is opened again for the answer, as one
+    host loads a closed parent for a taken-up child's report, and merges it. Before, the
+    report was offered to a root no host owned, again and again, then given up."""
+
+    async def body(cluster: Cluster) -> str | None:
+        a, b = cluster.members["a"], cluster.members["b"]
+        async with client(a, "alice") as alice_a:
+            root = await _run_root(alice_a, "pay through a subagent")
+            outputs: list[dict[str, Any]] = []
+            while not (_of(outputs, "approval_request") and _of(outputs, "task_end")):
+                outputs.append(await alice_a.output())
+            (asked,) = _of(outputs, "approval_request")
+            child, call_id = asked["session_id"], asked["call_id"]
+        a.stop.set()
+        await a.stopped.wait()
+        for session_id in (root, child):
+            entry = await cluster.entry(session_id)
+            assert entry is not None
+            assert await b.node._take_entry(session_id, entry)
+        await b.host.close_session(root)
+        await until(lambda: cluster.closed(root))
+        assert await cluster.holder(root) is None and not b.node.serves(root)
+
+        await b.host.answer_approval(child, call_id, "allow")
+        await until(lambda: _merged(cluster, root))
+        return await cluster.holder(root)
+
+    assert in_cluster(nats_server, tmp_path, ("a", "b"), body) == "b"
+
+
+async def _merged(cluster: Cluster, root: str) -> bool:
+    """Whether ``root``'s trace in JetStream holds a completed task that merged the payer's
+    answer, which came in as its prompt."""
+    records = (await cluster.traces.read(root)).records
+    prompts = [r for r in records if isinstance(r, UserMsg) and r.kind == "prompt"]
+    blocks = [r.block for r in records if isinstance(r, ModelMsg)]
+    texts = [b.text for b in blocks if isinstance(b, TextBlock)]
+    ends = [r.status for r in records if isinstance(r, TaskEnd)]
+    return (
+        any(FINISHED in str(p.content) for p in prompts)
+        and "merged: the payer is done" in texts
+        and ends[-1:] == ["completed"]
+    )

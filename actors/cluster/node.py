@@ -80,7 +80,7 @@ from greenroom.actors.cluster.router import ClusterRouter, OwnerDesk
 from greenroom.actors.cluster.routing import SessionRequests
 from greenroom.actors.cluster.store import ReplicatingTraceLog, ReplicatingTraceStore
 from greenroom.actors.cluster.traces import TraceRead, TraceStream, TraceWriter
-from greenroom.actors.cluster.tree_link import ParentLink
+from greenroom.actors.cluster.tree_link import ParentLink, reopen_if_closed
 from greenroom.actors.runtime.accounting import PrincipalBudget
 from greenroom.actors.runtime.admission import ProviderLimits
 from greenroom.actors.runtime.errors import ConfigurationError
@@ -240,7 +240,8 @@ class ClusterNode:
         self._registry = await HostRegistry.open(self.conn, ttl_s=self._owners.ttl_s)
         self._directory = await SessionDirectory.open(self.conn)
         self._entries.bind(host, self._directory)
-        link = ParentLink(self._requests, host, self._approve, timeout_s=ttl)
+        reopen = functools.partial(reopen_if_closed, self._directory, self._take_entry)
+        link = ParentLink(self._requests, host, self._approve, timeout_s=ttl, reopen=reopen)
         host.child_reports.link = link.send
         host.child_reports.retry_s = ttl / 2
         host.hand_over = self.hand_over
@@ -455,8 +456,7 @@ class ClusterNode:
             self._give_up(session_id)
 
     def _give_up(self, session_id: str) -> None:
-        """Stop replicating first (nothing more reaches the cluster's trace), then close
-        the session on this host."""
+        """Stop replicating (nothing more reaches the cluster's trace), then close it here."""
         if self.store is not None:
             self.store.log.forget(session_id)
         scope = self._stream_scopes.pop(session_id, None)
