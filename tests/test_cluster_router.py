@@ -9,6 +9,7 @@ from typing import Any, cast
 import trio
 import trio.testing
 
+from greenroom.actors.cluster.errors import OwnerUnreachable
 from greenroom.actors.cluster.registry import HostRecord, HostRegistry, SessionDirectory
 from greenroom.actors.cluster.router import (
     ACCEPTED_METHOD,
@@ -365,3 +366,81 @@ def test_a_gateway_waits_longer_than_the_placed_host_may_take_and_heeds_its_outc
         "code": OWNER_UNREACHABLE,
         "data": {"outcome": IN_DOUBT},
     }
+
+
+class _ClosingDirectory:
+    """A session's directory entry, read once as its owner's and then as closed (its owner
+    closed and released it between the reads)."""
+
+    def __init__(self, *, closes: bool) -> None:
+        self.reads = 0
+        self.closes = closes
+
+    async def get(self, session_id: str) -> dict[str, Any]:
+        self.reads += 1
+        entry: dict[str, Any] = {"host": "c", "principals": ["alice"]}
+        if self.closes and self.reads > 1:
+            entry["closed"] = True
+        return entry
+
+
+class _NoResponders:
+    async def request(
+        self, session_id: str, message: dict[str, Any], *, timeout_s: float
+    ) -> dict[str, Any]:
+        raise OwnerUnreachable(session_id, timeout_s, in_doubt=False)
+
+
+class _Owned:
+    def owned(self, client_id: str) -> frozenset[str]:
+        return frozenset()
+
+
+def test_a_call_whose_owner_released_the_session_meanwhile_opens_it_here() -> None:
+    """R-CLUSTER-1, R-TREE-4: a call routed by an entry that named its owner reaches no
+    host, the owner having closed the session (a subagent that just finished) and
+    released it meanwhile: read again, the entry says closed, and the session is opened
+    here and answered as a closed session is (before: a 503 ``try again shortly``). When
+    the entry is still not closed, the 503 stands, nothing done."""
+
+    async def call(closes: bool) -> tuple[Any, list[str], int]:
+        directory = _ClosingDirectory(closes=closes)
+        reopened: list[str] = []
+
+        async def reopen(session_id: str, entry: dict[str, Any]) -> bool:
+            reopened.append(session_id)
+            return True
+
+        async def local(connection: Any, params: dict[str, Any]) -> Any:
+            return {"queued": False, "here": True}
+
+        async with trio.open_nursery() as nursery:
+            router = ClusterRouter(
+                host_id="a",
+                gateway=cast(Gateway, _Owned()),
+                requests=cast(SessionRequests, _NoResponders()),
+                directory=cast(SessionDirectory, directory),
+                registry=cast(HostRegistry, None),
+                traces=cast(TraceStream, None),
+                serves=lambda _sid: False,
+                own_load=lambda: 1,
+                nursery=nursery,
+                timeout_s=BOUND_S,
+                watch_ttl_s=BOUND_S,
+                reopen=reopen,
+            )
+            params = {"session_id": "s1", "input": "anything else?"}
+            try:
+                answer = await router.handle(
+                    cast(GatewayConnection, _Caller()), "steer", params, local
+                )
+            except jsonrpc.RpcError as exc:
+                answer = {"code": exc.code, "data": exc.data}
+        return answer, reopened, directory.reads
+
+    assert trio.run(call, True) == ({"queued": False, "here": True}, ["s1"], 2)
+    assert trio.run(call, False) == (
+        {"code": OWNER_UNREACHABLE, "data": {"outcome": NOT_DONE}},
+        [],
+        2,
+    )

@@ -481,7 +481,8 @@ def test_a_taken_up_childs_answer_opens_its_closed_parent(
     payer over, and the root's user closes the root there (it leaves b: closed, no owner).
     Answered, the payer reports: the closed root is opened again for the answer, as one
     host loads a closed parent for a taken-up child's report, and merges it. Before, the
-    report was offered to a root no host owned, again and again, then given up."""
+    report was offered to a root no host owned, again and again, then given up. The payer
+    then leaves b, as a live child leaves its host; before, it stayed open there."""
 
     async def body(cluster: Cluster) -> str | None:
         a, b = cluster.members["a"], cluster.members["b"]
@@ -504,6 +505,9 @@ def test_a_taken_up_childs_answer_opens_its_closed_parent(
 
         await b.host.answer_approval(child, call_id, "allow")
         await until(lambda: _merged(cluster, root))
+        # Reported, the payer leaves b as a live child does: closed, released.
+        await until(lambda: cluster.closed(child))
+        assert not b.node.serves(child) and await cluster.holder(child) is None
         return await cluster.holder(root)
 
     assert in_cluster(nats_server, tmp_path, ("a", "b"), body) == "b"

@@ -164,8 +164,8 @@ async def test_a_background_child_taken_up_after_a_crash_reports_to_its_parent(
 ) -> None:
     """R-TREE-2, R-TREE-4: the host dies while a background child's side-effecting call
     runs (its root's task has ended). The next host takes the child up: its call gets the
-    host-lost result and is not run again, the child answers, and the answer reaches the
-    root as a follow-up task that the root answers."""
+    host-lost result and is not run again, the child answers, leaves the host's open
+    sessions, and its answer reaches the root as a follow-up task that the root answers."""
     root_id = await _crash_mid_child_call(data_dir, workspace, tmp_path, background=True)
     paid: list[int] = []
     model = ScriptedProvider(_after_takeup)
@@ -180,6 +180,8 @@ async def test_a_background_child_taken_up_after_a_crash_reports_to_its_parent(
         await host.resume(child_id, provider=model, tools=tools, approve=lambda call: "allow")
         with trio.fail_after(RUN_TIMEOUT_S):
             seen = await _until_task_end(inbox)
+        # Reported, it left the host's open sessions, as a live child does.
+        assert child_id not in {s.id for s in host.sessions}
         child_lines = trace_lines(await host.load_session(child_id))
         root_lines = trace_lines(root)
     assert paid == [] and (tmp_path / "marks").read_text() == "7\n"  # run once, never again

@@ -42,6 +42,10 @@ class SessionLanes:
         nursery.start_soon(self._run, session_id)
         self._waiting[session_id] = deque([work])
 
+    def has(self, session_id: str) -> bool:
+        """Whether work on ``session_id`` is queued or running."""
+        return session_id in self._waiting
+
     async def _run(self, session_id: str) -> None:
         queued = self._waiting[session_id]
         try:

@@ -185,7 +185,7 @@ class ClusterNode:
         self.bind_grants(gateway)
         self._desk = OwnerDesk(
             gateway,
-            self.serves,
+            functools.partial(_answers, self.serves, self._lanes),
             self._until_serving,
             bound_s=self.config.lease_ttl_s,
             reports=self._take_report,
@@ -408,7 +408,7 @@ class ClusterNode:
         if session_id not in self._adopted or self._work is None or self.store is None:
             return  # given up already
         assert self._keeper is not None
-        parts = (self.store.log, self._stop_closed, self._entries, self._keeper)
+        parts = (self.store.log, self._stop_closed, self._entries, self._keeper, self._adopted)
         release = functools.partial(_release_closed, session_id, *parts)
         try:
             self._lanes.start_soon(self._work, session_id, release)
@@ -572,20 +572,39 @@ class ClusterNode:
             await self._keeper.release_all()
 
 
+def _answers(serves: Callable[[str], bool], lanes: SessionLanes, session_id: str) -> bool:
+    """Whether this host answers the calls forwarded for ``session_id``: it runs it, or it
+    closed it and its release is under way. Such a call opens it here again (adopted after
+    the release, in its lane, or kept if the release has not stopped it yet), as a call
+    on a closed session opens it where it arrives; before, it was told to try again while
+    no host ran the session."""
+    return serves(session_id) or lanes.has(session_id)
+
+
 async def _release_closed(
     session_id: str,
     log: ReplicatingTraceLog,
     stop: Callable[[str], bool],
     entries: DirectoryEntries,
     keeper: OwnershipKeeper,
+    adopted: set[str],
 ) -> None:
     """A session closed here leaves the cluster's hands once JetStream holds its every
-    record: no longer replicated (``stop``: nor streamed or served), its directory entry
-    closed, then its claim released — never an orphan for the scan to take over."""
-    # Not replicated any more (fenced, given up): stopped on that path.
-    if await log.settled(session_id) and stop(session_id):
+    record: its directory entry closed, then no longer replicated (``stop``: nor streamed
+    or served), then its claim released — never an orphan for the scan to take over.
+
+    The entry is closed while this host still answers the session's calls: a gateway that
+    reads it opens the session where its call arrives, one that read it before reaches
+    this host, which opens it here again (:func:`_answers`). Stopped first, the session
+    was served by no host and named by an entry that was not closed yet, and a call then
+    was told to try again. Opened here again before ``stop``, it stays this host's: its
+    adoption, next in its lane, announces its entry open again."""
+    # Not replicated any more (fenced, given up), or opened again: nothing to release.
+    if not await log.settled(session_id) or session_id in adopted:
+        return
+    await entries.close(session_id)
+    if stop(session_id):
         log.stop(session_id)
-        await entries.close(session_id)
         await keeper.release(session_id)
 
 

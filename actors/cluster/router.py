@@ -535,7 +535,14 @@ class ClusterRouter:
         if method == "run":
             return await self._forward_run(session_id, params, principal)
         timeout = max(self._timeout_s, COMPACT_TIMEOUT_S) if method == "compact" else None
-        result = _raise_reply(await self._forward(session_id, method, params, principal, timeout))
+        try:
+            result = _raise_reply(
+                await self._forward(session_id, method, params, principal, timeout)
+            )
+        except RpcError as exc:
+            if not await self._reopened_since(exc, method, session_id):
+                raise
+            return await local(connection, params)
         if method == "session.fork" and isinstance(result, dict):
             fork_id = result.get("session_id")
             if isinstance(fork_id, str):
@@ -543,6 +550,21 @@ class ClusterRouter:
                 # before that host's directory entry is, like a placed session.
                 self._gateway.grant(principal, fork_id)
         return result
+
+    async def _reopened_since(self, exc: RpcError, method: str, session_id: str) -> bool:
+        """Whether a call no host carried out (``not_done``) finds its session closed since
+        its entry was read, and opened here: its owner closed it and released it as the
+        call went there (a subagent that just finished), and stopped answering for it."""
+        data = exc.data if isinstance(exc.data, dict) else {}
+        if exc.code != OWNER_UNREACHABLE or data.get("outcome") != NOT_DONE:
+            return False
+        entry = await self._entry(session_id)
+        return (
+            method in FORWARDED
+            and bool((entry or {}).get("closed"))
+            and self._reopen is not None
+            and await self._reopen(session_id, entry or {})
+        )
 
     async def holds(self, principal: str, session_id: str) -> bool:
         """Whether ``principal`` was granted ``session_id``: by this gateway, or by the
