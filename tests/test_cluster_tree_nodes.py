@@ -526,3 +526,35 @@ async def _merged(cluster: Cluster, root: str) -> bool:
         and "merged: the payer is done" in texts
         and ends[-1:] == ["completed"]
     )
+
+
+def test_a_session_deleted_while_it_is_adopted_leaves_nothing_running(
+    tmp_path: Path, nats_server: NatsProcess
+) -> None:
+    """R-CLUSTER-1, R-HOST-3: a session deleted at once after its creation, its adoption
+    (claim, fence, entry, replication) still under way: once its lane is done, nothing of
+    it is replicated, streamed or served on its host, and the cluster holds nothing of it.
+    Before, the adoption started its trace stream after the deletion, and it ran on."""
+
+    async def body(cluster: Cluster) -> tuple[bool, bool, bool, bool]:
+        a = cluster.members["a"]
+        node = a.node
+        session = await a.host.create_session(
+            provider=ScriptedProvider(_brain), tools=TOOLS, workspace_dir=tmp_path
+        )
+        sid = session.id
+        await a.host.delete_session(sid)
+
+        async def lane_done() -> bool:
+            return not node._lanes.has(sid)
+
+        await until(lane_done)
+        assert node.store is not None
+        return (
+            sid in node._stream_scopes,
+            node.store.log.replicated(sid),
+            await cluster.entry(sid) is not None,
+            await cluster.holder(sid) is not None,
+        )
+
+    assert in_cluster(nats_server, tmp_path, ("a",), body) == (False, False, False, False)

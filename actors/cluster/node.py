@@ -325,7 +325,7 @@ class ClusterNode:
     # -- adoption and loss ----------------------------------------------------------------
 
     async def _adopt(self, session_id: str) -> None:
-        assert self._keeper is not None and self._traces is not None
+        assert self._keeper is not None and self._traces is not None and self.store is not None
         if session_id in self._stream_scopes:
             # Opened again while its close was released: still owned and replicated here.
             self._entries.announce(session_id)
@@ -345,10 +345,10 @@ class ClusterNode:
             log(f"cannot adopt session {session_id}: {exc}")
             await self._abandon(session_id)
             return
-        if not self._keeper.holds(ownership):
-            # Lost meanwhile (and given up then): replicating it now would write to the
-            # cluster's trace for a session this host no longer owns.
-            log(f"session {session_id} was lost while this host adopted it")
+        if not (self._keeper.holds(ownership) and self.store.log.replicated(session_id)):
+            # Lost (and given up) or deleted meanwhile: streaming it now would replicate a
+            # session this host no longer owns, or has no more (its lane forgets it next).
+            log(f"session {session_id} was lost or deleted while this host adopted it")
             return
         self._start_stream(session_id, writer)
         # Again from the update queue: the principals the gateway grants it after this.
