@@ -186,13 +186,22 @@ class _Caller:
     identity = "alice"
 
 
-def _placing_router(nursery: trio.Nursery, requests: Any, registry: Any) -> ClusterRouter:
-    """Host a's router, placing sessions through ``requests`` among ``registry``'s hosts."""
+def _placing_router(
+    nursery: trio.Nursery,
+    requests: Any,
+    registry: Any,
+    *,
+    gateway: Any = None,
+    directory: Any = None,
+    reopen: Any = None,
+) -> ClusterRouter:
+    """Host a's router, placing sessions through ``requests`` among ``registry``'s hosts
+    (and forwarding calls through them, routed by ``directory``)."""
     return ClusterRouter(
         host_id="a",
-        gateway=cast(Gateway, _Grants()),
+        gateway=cast(Gateway, gateway or _Grants()),
         requests=cast(SessionRequests, requests),
-        directory=cast(SessionDirectory, None),
+        directory=cast(SessionDirectory, directory),
         registry=cast(HostRegistry, registry),
         traces=cast(TraceStream, None),
         serves=lambda _sid: False,
@@ -200,6 +209,7 @@ def _placing_router(nursery: trio.Nursery, requests: Any, registry: Any) -> Clus
         nursery=nursery,
         timeout_s=BOUND_S,
         watch_ttl_s=BOUND_S,
+        reopen=reopen,
     )
 
 
@@ -415,18 +425,12 @@ def test_a_call_whose_owner_released_the_session_meanwhile_opens_it_here() -> No
             return {"queued": False, "here": True}
 
         async with trio.open_nursery() as nursery:
-            router = ClusterRouter(
-                host_id="a",
-                gateway=cast(Gateway, _Owned()),
-                requests=cast(SessionRequests, _NoResponders()),
-                directory=cast(SessionDirectory, directory),
-                registry=cast(HostRegistry, None),
-                traces=cast(TraceStream, None),
-                serves=lambda _sid: False,
-                own_load=lambda: 1,
-                nursery=nursery,
-                timeout_s=BOUND_S,
-                watch_ttl_s=BOUND_S,
+            router = _placing_router(
+                nursery,
+                _NoResponders(),
+                None,
+                gateway=_Owned(),
+                directory=directory,
                 reopen=reopen,
             )
             params = {"session_id": "s1", "input": "anything else?"}

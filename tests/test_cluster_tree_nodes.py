@@ -337,6 +337,20 @@ async def _run_root(alice: Client, prompt: str) -> str:
     return root
 
 
+async def _until_the_payer_asks(alice: Client) -> tuple[str, dict[str, Any], int]:
+    """Run a root that spawns the payer in the background, through ``alice``'s host, until
+    the root's task has ended and the payer asks for a person: the root's id, the payer's
+    ``approval_request`` and the ``seq`` of the root's ``task_end``."""
+    root = await _run_root(alice, "pay through a subagent")
+    outputs: list[dict[str, Any]] = []
+    while not (_of(outputs, "approval_request") and _of(outputs, "task_end")):
+        outputs.append(await alice.output())
+    (asked,) = _of(outputs, "approval_request")
+    ended = _of(outputs, "task_end")[0]
+    assert asked["tool"] == "pay" and ended["session_id"] == root
+    return root, asked, ended["seq"]
+
+
 def _of(outputs: list[dict[str, Any]], type_name: str) -> list[dict[str, Any]]:
     return [o for o in outputs if o["type"] == type_name]
 
@@ -348,16 +362,9 @@ def test_every_node_of_a_tree_is_reached_through_any_host_by_its_roots_principal
         a, b, c = (cluster.members[h] for h in ("a", "b", "c"))
         found: dict[str, Any] = {}
         async with client(a, "alice") as alice_a:
-            root = await _run_root(alice_a, "pay through a subagent")
-            # The root's task ends (its child works in the background) and the payer asks.
-            outputs: list[dict[str, Any]] = []
-            while not (_of(outputs, "approval_request") and _of(outputs, "task_end")):
-                outputs.append(await alice_a.output())
-            (asked,) = _of(outputs, "approval_request")
-            assert asked["tool"] == "pay" and _of(outputs, "task_end")[0]["session_id"] == root
+            root, asked, root_done = await _until_the_payer_asks(alice_a)
             child, call_id = asked["session_id"], asked["call_id"]
             assert asked["origin"] == [root, child]
-            root_done = _of(outputs, "task_end")[0]["seq"]
             # The payer waits for a person; host a runs the root and the payer. Through
             # host b, as through a.
             async with client(b, "alice") as alice_b, client(b, "mallory") as mallory_b:
@@ -487,11 +494,7 @@ def test_a_taken_up_childs_answer_opens_its_closed_parent(
     async def body(cluster: Cluster) -> str | None:
         a, b = cluster.members["a"], cluster.members["b"]
         async with client(a, "alice") as alice_a:
-            root = await _run_root(alice_a, "pay through a subagent")
-            outputs: list[dict[str, Any]] = []
-            while not (_of(outputs, "approval_request") and _of(outputs, "task_end")):
-                outputs.append(await alice_a.output())
-            (asked,) = _of(outputs, "approval_request")
+            root, asked, _ = await _until_the_payer_asks(alice_a)
             child, call_id = asked["session_id"], asked["call_id"]
         a.stop.set()
         await a.stopped.wait()
