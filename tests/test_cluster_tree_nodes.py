@@ -175,6 +175,11 @@ class Cluster:
     async def closed(self, session_id: str) -> bool:
         return bool((await self.entry(session_id) or {}).get("closed"))
 
+    async def released(self, session_id: str) -> bool:
+        """Whether its host has released the session it closed: its entry closed first,
+        then its claim released (the host answers for it until then)."""
+        return await self.closed(session_id) and await self.holder(session_id) is None
+
 
 def in_cluster(
     nats_server: NatsProcess,
@@ -257,7 +262,7 @@ def test_a_finished_subagent_leaves_its_host_and_is_taken_up_again_when_opened(
         assert not node.serves(first) and not node.serves(second)
         # Once its trace is in JetStream: closed in the directory, its claim released,
         # no longer replicated; its whole trace is in the cluster.
-        await until(lambda: cluster.closed(second))
+        await until(lambda: cluster.released(second))
         assert node.store is not None and not node.store.log.replicated(second)
         assert await cluster.holder(second) is None
         entry = await cluster.entry(second)
@@ -270,7 +275,7 @@ def test_a_finished_subagent_leaves_its_host_and_is_taken_up_again_when_opened(
         assert await finder.look() == {}
 
         # Opened again (children() loads the finished ones): adopted again.
-        await until(lambda: cluster.closed(first))
+        await until(lambda: cluster.released(first))
         assert {c.id for c in await root.children()} == {first, second}
         assert node.load == 3 and node.serves(first) and node.store.log.replicated(first)
         for child in (first, second):
@@ -279,7 +284,7 @@ def test_a_finished_subagent_leaves_its_host_and_is_taken_up_again_when_opened(
 
         # Deleted while closed: it leaves the cluster (its trace and its entries).
         await a.host.close_session(second)
-        await until(lambda: cluster.closed(second))
+        await until(lambda: cluster.released(second))
         await a.host.delete_session(second)
         await until(lambda: _gone(cluster, second))
         assert (await cluster.traces.read(second)).records == ()
@@ -287,7 +292,7 @@ def test_a_finished_subagent_leaves_its_host_and_is_taken_up_again_when_opened(
 
         # A root its user closed leaves the host the same way.
         await a.host.close_session(root.id)
-        await until(lambda: cluster.closed(root.id))
+        await until(lambda: cluster.released(root.id))
         assert await cluster.holder(root.id) is None and not node.serves(root.id)
         # Opened, closed and opened again at once (its adoption, release and adoption in
         # flight together): it is this host's, and what it records reaches the cluster.
@@ -447,7 +452,7 @@ def test_a_finished_subagent_is_opened_where_a_call_reaches_it(
             root = await _run_root(alice_a, "quick")
             outputs = await alice_a.outputs_until("task_end", session_id=root)
             (child,) = {o["session_id"] for o in outputs if o["session_id"] != root}
-        await until(lambda: cluster.closed(child))
+        await until(lambda: cluster.released(child))
         async with client(b, "alice") as alice_b, client(b, "mallory") as mallory_b:
             found["mallory"] = await mallory_b.error(
                 "steer", {"session_id": child, "input": "mine"}
@@ -503,13 +508,13 @@ def test_a_taken_up_childs_answer_opens_its_closed_parent(
             assert entry is not None
             assert await b.node._take_entry(session_id, entry)
         await b.host.close_session(root)
-        await until(lambda: cluster.closed(root))
+        await until(lambda: cluster.released(root))
         assert await cluster.holder(root) is None and not b.node.serves(root)
 
         await b.host.answer_approval(child, call_id, "allow")
         await until(lambda: _merged(cluster, root))
         # Reported, the payer leaves b as a live child does: closed, released.
-        await until(lambda: cluster.closed(child))
+        await until(lambda: cluster.released(child))
         assert not b.node.serves(child) and await cluster.holder(child) is None
         return await cluster.holder(root)
 
