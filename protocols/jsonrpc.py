@@ -383,9 +383,10 @@ METHODS: dict[str, Method] = {
             result="`{sessions: [{session_id, created_at, updated_at, workspace_dir, "
             "provider, model, trace_files, parent_id, root_id, open, busy, auth_locked, "
             "title, last_activity_at, state, usage: {tokens, cost_usd}}], "
-            "unreadable?: [{session_id, reason}]}`",
+            "unreadable?: [{session_id, reason}], cluster?}`",
             doc="The caller's sessions and the subagents of their trees, newest first; "
-            "stored ones that cannot be read are listed apart.",
+            "stored ones that cannot be read are listed apart. In a cluster, then those "
+            "other hosts hold, with their `host` (`cluster`: why some may be missing).",
         ),
         Method(
             name="session.subscribe",

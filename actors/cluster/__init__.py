@@ -9,6 +9,7 @@
                 OwnershipKeeper renews it and reports its sessions lost with it
     traces      the fenced trace stream: one subject per session, replay, follow
     registry    live hosts and their load (placement), session metadata
+    listing     ``session.list`` over the whole cluster, from the session directory
     routing     requests that only a session's owner answers
     admission   one admission point per provider endpoint for every host: a lease holder
     spending    principals' spending per period over every host: KV counters

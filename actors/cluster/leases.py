@@ -32,6 +32,7 @@ __all__ = [
     "LeaseTable",
     "bucket_entries",
     "bucket_keys",
+    "bucket_prefix",
     "open_bucket",
     "wrong_last_sequence",
 ]
@@ -191,16 +192,26 @@ LIST_WAIT_S = 5.0
 
 async def bucket_keys(conn: Connection, bucket: str) -> list[str]:
     """Every live key of KV bucket ``bucket``."""
-    return list(await _last_per_key(conn, bucket, values=False))
+    return list((await _last_per_key(conn, bucket, values=False))[0])
 
 
 async def bucket_entries(conn: Connection, bucket: str) -> dict[str, bytes]:
     """Every live key of KV bucket ``bucket`` with its value, as of one pass over it."""
-    return await _last_per_key(conn, bucket, values=True)
+    return (await _last_per_key(conn, bucket, values=True))[0]
 
 
-async def _last_per_key(conn: Connection, bucket: str, *, values: bool) -> dict[str, bytes]:
-    """The last entry of each key of ``bucket`` that is not a delete, in one consumer pass.
+async def bucket_prefix(conn: Connection, bucket: str, limit: int) -> tuple[dict[str, bytes], bool]:
+    """:func:`bucket_entries` from the first ``limit`` entries of the pass (oldest writes
+    first), and whether that was all of the bucket: a listing a caller asks for on
+    demand holds no more than it can send."""
+    return await _last_per_key(conn, bucket, values=True, limit=limit)
+
+
+async def _last_per_key(
+    conn: Connection, bucket: str, *, values: bool, limit: int | None = None
+) -> tuple[dict[str, bytes], bool]:
+    """The last entry of each key of ``bucket`` that is not a delete, in one consumer pass
+    (stopped after ``limit`` entries, if given); and whether the pass read them all.
 
     nats-py's ``KeyValue.keys()`` decides that a listing is empty when the consumer reports
     nothing pending before the client has parsed a message; the server can send that answer
@@ -212,7 +223,7 @@ async def _last_per_key(conn: Connection, bucket: str, *, values: bool) -> dict[
     """
     prefix = f"$KV.{bucket}."
 
-    async def listing() -> dict[str, bytes]:
+    async def listing() -> tuple[dict[str, bytes], bool]:
         sub = await conn.js.subscribe(
             f"{prefix}>",
             stream=f"KV_{bucket}",
@@ -225,7 +236,8 @@ async def _last_per_key(conn: Connection, bucket: str, *, values: bool) -> dict[
         try:
             found: dict[str, bytes] = {}
             if info.num_pending == 0 and not (info.delivered and info.delivered.consumer_seq):
-                return found
+                return found, True
+            read = 0
             while True:
                 msg = await sub.next_msg(timeout=LIST_WAIT_S)
                 key = msg.subject[len(prefix) :]
@@ -234,7 +246,10 @@ async def _last_per_key(conn: Connection, bucket: str, *, values: bool) -> dict[
                 else:
                     found[key] = msg.data or b""
                 if msg.metadata.num_pending == 0:
-                    return found
+                    return found, True
+                read += 1
+                if limit is not None and read >= limit:
+                    return found, False
         finally:
             await conn.close_consumer(sub, info)
 

@@ -27,7 +27,12 @@ import trio
 
 from greenroom.actors.cluster.connection import Connection, check_session_id
 from greenroom.actors.cluster.errors import ClusterUnavailable
-from greenroom.actors.cluster.leases import bucket_entries, bucket_keys, open_bucket
+from greenroom.actors.cluster.leases import (
+    bucket_entries,
+    bucket_keys,
+    bucket_prefix,
+    open_bucket,
+)
 
 __all__ = [
     "STAY_SHARE",
@@ -218,6 +223,24 @@ class SessionDirectory:
     async def ids(self) -> list[str]:
         """The id of every session the cluster knows."""
         return await bucket_keys(self._conn, self._conn.names.sessions)
+
+    async def entries(self, *, limit: int) -> tuple[dict[str, dict[str, Any]], bool]:
+        """The metadata of every session the cluster knows, as of one pass over the bucket
+        that reads at most ``limit`` entries; and whether it read them all. Raises
+        :class:`ClusterUnavailable`."""
+        found, whole = await bucket_prefix(self._conn, self._conn.names.sessions, limit)
+        decoded: dict[str, dict[str, Any]] = {}
+        for count, (session_id, data) in enumerate(found.items(), start=1):
+            if count % _DECODED_PER_CHECKPOINT == 0:
+                # Thousands of entries are decoded in steps: the host's other tasks run.
+                await trio.lowlevel.checkpoint()
+            entry = _object(data)
+            if entry is not None:
+                decoded[session_id] = entry
+        return decoded, whole
+
+
+_DECODED_PER_CHECKPOINT = 200
 
 
 def _object(data: bytes | None) -> dict[str, Any] | None:

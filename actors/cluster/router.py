@@ -30,6 +30,8 @@ cluster, and the owner's side of the requests it forwards.
   forgotten after a TTL), so the owner asks this client's approvals too; the
   ``approval_request`` arrives through the trace and the ``approve`` is forwarded like any
   call. Live-only outputs (partial text, tool progress) stay on the owner.
+* ``session.list`` adds the caller's sessions this host does not hold, from the session
+  directory (:mod:`.listing`).
 * ``session.create`` is placed on the least loaded host: this host's own load as it is, the
   others' as last announced plus what this gateway placed on them since (ties: this host,
   then the lowest id), among the hosts that announce themselves placeable (ready to answer
@@ -51,6 +53,7 @@ import attrs
 import trio
 
 from greenroom.actors.cluster.errors import ClusterError, ClusterUnavailable, OwnerUnreachable
+from greenroom.actors.cluster.listing import sessions_elsewhere
 from greenroom.actors.cluster.registry import (
     HostRecord,
     HostRegistry,
@@ -573,6 +576,20 @@ class ClusterRouter:
         if session_id in self._gateway.owned(principal):
             return True
         return principal in ((await self._entry(session_id) or {}).get("principals") or ())
+
+    async def sessions_elsewhere(
+        self, principal: str, listed: frozenset[str]
+    ) -> tuple[list[dict[str, Any]], str | None]:
+        """The sessions of the cluster ``principal`` may see that ``listed`` (this host's
+        listing) leaves out, with their ``host``; and a note when the directory could not
+        be read whole (:mod:`.listing`)."""
+        return await sessions_elsewhere(
+            self._directory,
+            principal,
+            self._gateway.owned(principal),
+            listed,
+            bound_s=self._timeout_s,
+        )
 
     async def _may_use(self, principal: str, session_id: str, entry: dict[str, Any]) -> bool:
         """Whether ``principal`` may use ``session_id`` (not granted here), from its

@@ -112,6 +112,14 @@ class Router(Protocol):
         root of a tree whose node runs here may run on another host)."""
         ...
 
+    async def sessions_elsewhere(
+        self, principal: str, listed: frozenset[str]
+    ) -> tuple[list[dict[str, Any]], str | None]:
+        """``session.list``'s entries of the sessions ``principal`` may see on other hosts
+        (none of ``listed``, which this host lists), each with its ``host``; and a note
+        for the answer's ``cluster`` when they could not all be read (else None)."""
+        ...
+
 
 DETACHED = frozenset({"compact"})
 
@@ -360,50 +368,20 @@ class Methods:
         """The caller's stored sessions with their live state (open, busy, auth lock, title, last
         activity) and ``usage`` (``tokens`` and ``cost_usd`` of its requests), and the subagents of
         their trees (``parent_id``, ``root_id``: R-TREE-1); those that cannot be read are
-        listed apart, by id with the reason."""
+        listed apart, by id with the reason. In a cluster, then those of other hosts
+        (``Router.sessions_elsewhere``), and ``cluster`` says why some may be missing."""
         jsonrpc.check_params(params, "session.list")
-        owned = self._grants.owned(_identity(connection))
-        if not owned:
-            return {"sessions": []}
-        open_sessions = {s.id: s for s in self.host.sessions}
-        scan = await self.host.scan_sessions()
-        titles = await self._titles.of(
-            (i.session_id for i in scan.sessions if i.session_id in owned),
-            SessionStore(self.host.data_dir).sessions_dir,
-        )
-        usage = {
-            line.key: line for line in await self.host.usage_ledger.report(UsageQuery(by="session"))
-        }
-        sessions: list[dict[str, Any]] = []
-        for info in scan.sessions:
-            # A subagent is listed with its tree (R-TREE-1): the caller owns its root.
-            if info.session_id not in owned and info.root_id not in owned:
-                continue
-            session = open_sessions.get(info.session_id)
-            hub = self._hubs.get(info.session_id)
-            sessions.append(
-                {
-                    **attrs.asdict(info),
-                    "open": session is not None,
-                    "busy": session is not None and session.busy,
-                    "auth_locked": session is not None and session.auth_locked is not None,
-                    "title": titles.get(info.session_id, ""),
-                    "last_activity_at": max(
-                        info.updated_at, hub.last_output_at if hub is not None else 0.0
-                    ),
-                    "state": session_state(session, hub),
-                    "usage": _usage_entry(usage.get(info.session_id)),
-                }
-            )
-        # The reason names a path of the server's data dir: the session id is enough.
-        unreadable = [
-            {"session_id": bad.session_id, "reason": bad.reason.removeprefix(f"{bad.path}: ")}
-            for bad in scan.unreadable
-            if bad.session_id in owned
-        ]
-        if unreadable:
-            return {"sessions": sessions, "unreadable": unreadable}
-        return {"sessions": sessions}
+        principal = _identity(connection)
+        owned = self._grants.owned(principal)
+        listing: dict[str, Any] = {"sessions": []}
+        if owned:
+            listing = await _stored_listing(self.host, self._hubs, self._titles, owned)
+        if self.router is None:
+            return listing
+        listed = {s["session_id"] for s in [*listing["sessions"], *listing.get("unreadable", ())]}
+        elsewhere, note = await self.router.sessions_elsewhere(principal, frozenset(listed))
+        listing["sessions"] += elsewhere
+        return listing if note is None else {**listing, "cluster": note}
 
     async def rpc_session_subscribe(self, connection: Connection, params: dict[str, Any]) -> Any:
         """Subscribe the connection to a session it owns: the traced outputs after ``after_seq``
@@ -598,6 +576,50 @@ def _listed(request: PendingApproval) -> dict[str, Any]:
         "kind": request.kind,
         "digest": request.digest,
     }
+
+
+async def _stored_listing(
+    host: Host, hubs: Hubs, titles: Titles, owned: frozenset[str]
+) -> dict[str, Any]:
+    """``session.list``'s answer from this host's data dir: the sessions of ``owned``
+    and of their trees, and those of them that cannot be read."""
+    open_sessions = {s.id: s for s in host.sessions}
+    scan = await host.scan_sessions()
+    named = await titles.of(
+        (i.session_id for i in scan.sessions if i.session_id in owned),
+        SessionStore(host.data_dir).sessions_dir,
+    )
+    usage = {line.key: line for line in await host.usage_ledger.report(UsageQuery(by="session"))}
+    sessions: list[dict[str, Any]] = []
+    for info in scan.sessions:
+        # A subagent is listed with its tree (R-TREE-1): the caller owns its root.
+        if info.session_id not in owned and info.root_id not in owned:
+            continue
+        session = open_sessions.get(info.session_id)
+        hub = hubs.get(info.session_id)
+        sessions.append(
+            {
+                **attrs.asdict(info),
+                "open": session is not None,
+                "busy": session is not None and session.busy,
+                "auth_locked": session is not None and session.auth_locked is not None,
+                "title": named.get(info.session_id, ""),
+                "last_activity_at": max(
+                    info.updated_at, hub.last_output_at if hub is not None else 0.0
+                ),
+                "state": session_state(session, hub),
+                "usage": _usage_entry(usage.get(info.session_id)),
+            }
+        )
+    # The reason names a path of the server's data dir: the session id is enough.
+    unreadable = [
+        {"session_id": bad.session_id, "reason": bad.reason.removeprefix(f"{bad.path}: ")}
+        for bad in scan.unreadable
+        if bad.session_id in owned
+    ]
+    if unreadable:
+        return {"sessions": sessions, "unreadable": unreadable}
+    return {"sessions": sessions}
 
 
 def _usage_entry(line: UsageLine | None) -> dict[str, Any]:

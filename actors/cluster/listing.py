@@ -1,0 +1,128 @@
+"""``session.list`` over the whole cluster (R-CLUSTER-1): the caller's sessions that this
+host's data dir does not list, from the session directory.
+
+A gateway lists the sessions its own data dir holds as on one host; in a cluster it adds,
+from one pass over the directory bucket (:meth:`SessionDirectory.entries`), every other
+session the caller may see — one whose entry names the caller among its principals, or
+granted at this gateway, or a node of a tree whose root is so (R-TREE-1), the rule calls
+on it are checked by (:meth:`ClusterRouter.holds`). Such an entry carries what the
+directory knows (:func:`listed_from_entry`) and ``host``, the host that runs or last ran it;
+a closed session is listed too (it is still its user's).
+
+Bounded: the pass reads at most :data:`MAX_DIRECTORY_ENTRIES` entries within ``bound_s``;
+a directory that cannot be read leaves the local listing as it is, with a note saying why
+(``cluster``), and a longer one is listed in part, with a note saying so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import trio
+
+from greenroom.actors.cluster.errors import ClusterUnavailable
+from greenroom.actors.cluster.registry import SessionDirectory
+from greenroom.actors.runtime.host import stored_root
+
+__all__ = ["MAX_DIRECTORY_ENTRIES", "listed_from_entry", "sessions_elsewhere", "visible"]
+
+MAX_DIRECTORY_ENTRIES = 10_000
+"""How many directory entries one ``session.list`` reads at most (the oldest written first):
+past that, the sessions written last are left out and the answer's ``cluster`` says so."""
+
+
+async def sessions_elsewhere(
+    directory: SessionDirectory,
+    principal: str,
+    granted: frozenset[str],
+    listed: frozenset[str],
+    *,
+    bound_s: float,
+) -> tuple[list[dict[str, Any]], str | None]:
+    """The sessions of the directory ``principal`` may see (``granted``: those granted to it
+    at this gateway) but ``listed`` leaves out (those this host lists already), newest
+    first; and a note when the directory was not read whole (None when it was)."""
+    try:
+        with trio.fail_after(bound_s):
+            entries, whole = await directory.entries(limit=MAX_DIRECTORY_ENTRIES)
+    except ClusterUnavailable as exc:
+        return [], f"unavailable: {exc}"
+    except trio.TooSlowError:
+        return [], f"unavailable: the session directory was not read within {bound_s:g} s"
+    found = [
+        listed_from_entry(session_id, entry)
+        for session_id, entry in entries.items()
+        if session_id not in listed and visible(principal, session_id, entry, entries, granted)
+    ]
+    found.sort(key=lambda s: s.get("created_at", 0.0), reverse=True)
+    if whole:
+        return found, None
+    return found, (
+        f"partial: only the first {MAX_DIRECTORY_ENTRIES} entries of the session directory "
+        "were read; sessions written to it later are not listed"
+    )
+
+
+def visible(
+    principal: str,
+    session_id: str,
+    entry: Mapping[str, Any],
+    entries: Mapping[str, Mapping[str, Any]],
+    granted: frozenset[str],
+) -> bool:
+    """Whether ``principal`` may see ``session_id`` (directory ``entry``; ``entries``: the
+    directory read, for its tree's root): granted here, among its principals, or so for
+    the root of its tree."""
+    if session_id in granted or principal in _principals(entry):
+        return True
+    meta = entry.get("meta")
+    root_id = stored_root(meta if isinstance(meta, dict) else {}, session_id)
+    if root_id == session_id:
+        return False
+    return root_id in granted or principal in _principals(entries.get(root_id) or {})
+
+
+def listed_from_entry(session_id: str, entry: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``session.list`` entry of a session known only from its directory ``entry``:
+    what its ``session.json`` says (``created_at``, ``workspace_dir``, ``provider``,
+    ``model``, ``parent_id``, ``root_id``), ``open`` false (not open here), ``busy`` and
+    ``state`` (``running`` or ``idle``: whether a person is awaited is known on its host
+    only) from whether its task runs, ``usage`` null (its ledger is its host's) and
+    ``host``. What only its host knows (``updated_at``, ``trace_files``, ``auth_locked``,
+    ``title``, ``last_activity_at``) is left out."""
+    raw_meta = entry.get("meta")
+    meta: Mapping[str, Any] = raw_meta if isinstance(raw_meta, dict) else {}
+    raw_settings = meta.get("settings")
+    settings: Mapping[str, Any] = raw_settings if isinstance(raw_settings, dict) else {}
+    parent_id = meta.get("parent_id")
+    running = entry.get("running") is True and not entry.get("closed")
+    listed: dict[str, Any] = {"session_id": session_id}
+    created_at = meta.get("created_at")
+    if isinstance(created_at, int | float) and not isinstance(created_at, bool):
+        listed["created_at"] = float(created_at)
+    for field, source in (
+        ("workspace_dir", meta.get("workspace_dir")),
+        ("provider", settings.get("provider")),
+        ("model", settings.get("model")),
+    ):
+        if isinstance(source, str):
+            listed[field] = source
+    host = entry.get("host")
+    return {
+        **listed,
+        "parent_id": parent_id if isinstance(parent_id, str) else None,
+        "root_id": stored_root(meta, session_id),
+        "open": False,
+        "busy": running,
+        "state": "running" if running else "idle",
+        "usage": None,
+        "host": host if isinstance(host, str) else None,
+    }
+
+
+def _principals(entry: Mapping[str, Any]) -> tuple[str, ...]:
+    principals = entry.get("principals")
+    if not isinstance(principals, list):
+        return ()
+    return tuple(p for p in principals if isinstance(p, str))
