@@ -15,11 +15,14 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
+import trio
+import trio.testing
 
 from greenroom.actors.cluster import listing
+from greenroom.actors.cluster.registry import SessionDirectory
 from tests.support.nats import (  # the fixture is used as nats_server
     NatsProcess,
     module_nats_server,  # noqa: F401
@@ -120,9 +123,10 @@ def test_session_list_says_when_the_cluster_was_not_read_whole(
             for session_id in made:
                 await until(lambda: _granted_to(cluster, session_id, "alice"))  # noqa: B023
             found["made"] = made
+            monkeypatch.setattr(listing, "PASS_REUSE_S", 0.0)  # each call its own pass
             monkeypatch.setattr(listing, "MAX_DIRECTORY_ENTRIES", 1)
             found["capped"] = await alice_b.result("session.list")
-            monkeypatch.undo()
+            monkeypatch.setattr(listing, "MAX_DIRECTORY_ENTRIES", 10_000)
             names = cluster.conn.names
             await cluster.conn.call(cluster.conn.js.delete_key_value(names.sessions))
             found["unavailable"] = await alice_b.result("session.list")
@@ -135,3 +139,45 @@ def test_session_list_says_when_the_cluster_was_not_read_whole(
         assert all(set(s) == LOCAL_FIELDS for s in listed["sessions"])
     assert found["capped"]["cluster"].startswith("partial: only the first 1 entries")
     assert found["unavailable"]["cluster"].startswith("unavailable: cannot list bucket")
+
+
+class _CountedDirectory:
+    """A directory whose every pass is counted, and held until the test lets it end."""
+
+    def __init__(self) -> None:
+        self.passes = 0
+        self.release = trio.Event()
+
+    async def entries(self, *, limit: int) -> tuple[dict[str, dict[str, Any]], bool]:
+        self.passes += 1
+        await self.release.wait()
+        return {f"s{self.passes}": {"principals": ["alice"]}}, True
+
+
+def test_one_directory_pass_answers_a_gateways_calls_for_a_second() -> None:
+    """A console asks for its list at each burst of outputs, and each pass over the
+    directory reads every entry of the cluster: the calls during a pass wait for it, a
+    pass answers the calls of the next :data:`PASS_REUSE_S`, then a new one is made."""
+
+    async def main() -> list[Any]:
+        directory = _CountedDirectory()
+        passes = listing.DirectoryPasses(cast(SessionDirectory, directory))
+        read: list[Any] = []
+
+        async def one() -> None:
+            entries, _ = await passes.read()
+            read.append(sorted(entries))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(one)
+            await trio.testing.wait_all_tasks_blocked()
+            directory.release.set()
+        await trio.sleep(listing.PASS_REUSE_S / 2)
+        await one()
+        await trio.sleep(listing.PASS_REUSE_S)
+        await one()
+        return [*read, directory.passes]
+
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    assert trio.run(main, clock=clock) == [["s1"], ["s1"], ["s1"], ["s1"], ["s2"], 2]

@@ -9,7 +9,8 @@ on it are checked by (:meth:`ClusterRouter.holds`). Such an entry carries what t
 directory knows (:func:`listed_from_entry`) and ``host``, the host that runs or last ran it;
 a closed session is listed too (it is still its user's).
 
-Bounded: the pass reads at most :data:`MAX_DIRECTORY_ENTRIES` entries within ``bound_s``;
+Bounded: the pass reads at most :data:`MAX_DIRECTORY_ENTRIES` entries within ``bound_s``,
+and one pass answers a gateway's calls for :data:`PASS_REUSE_S` (:class:`DirectoryPasses`);
 a directory that cannot be read leaves the local listing as it is, with a note saying why
 (``cluster``), and a longer one is listed in part, with a note saying so.
 """
@@ -25,15 +26,51 @@ from greenroom.actors.cluster.errors import ClusterUnavailable
 from greenroom.actors.cluster.registry import SessionDirectory
 from greenroom.actors.runtime.host import stored_root
 
-__all__ = ["MAX_DIRECTORY_ENTRIES", "listed_from_entry", "sessions_elsewhere", "visible"]
+__all__ = [
+    "MAX_DIRECTORY_ENTRIES",
+    "PASS_REUSE_S",
+    "DirectoryPasses",
+    "listed_from_entry",
+    "sessions_elsewhere",
+    "visible",
+]
 
 MAX_DIRECTORY_ENTRIES = 10_000
 """How many directory entries one ``session.list`` reads at most (the oldest written first):
 past that, the sessions written last are left out and the answer's ``cluster`` says so."""
 
 
+PASS_REUSE_S = 1.0
+"""How long one pass over the directory answers every ``session.list`` of a gateway: a
+console asks for its list at each burst of outputs, and a pass reads every entry of the
+cluster. A session another host made shows up that much later at most."""
+
+
+class DirectoryPasses:
+    """One gateway's passes over the session directory: a pass younger than
+    :data:`PASS_REUSE_S` answers the calls that come meanwhile, and calls that come during
+    a pass wait for it rather than make their own."""
+
+    __slots__ = ("_directory", "_last", "_last_at", "_lock")
+
+    def __init__(self, directory: SessionDirectory) -> None:
+        self._directory = directory
+        self._lock = trio.Lock()
+        self._last: tuple[dict[str, dict[str, Any]], bool] | None = None
+        self._last_at = 0.0
+
+    async def read(self) -> tuple[dict[str, dict[str, Any]], bool]:
+        """The entries of the last pass, or of a new one (see
+        :meth:`SessionDirectory.entries`). Raises :class:`ClusterUnavailable`."""
+        async with self._lock:
+            if self._last is None or trio.current_time() - self._last_at >= PASS_REUSE_S:
+                self._last = await self._directory.entries(limit=MAX_DIRECTORY_ENTRIES)
+                self._last_at = trio.current_time()
+            return self._last
+
+
 async def sessions_elsewhere(
-    directory: SessionDirectory,
+    passes: DirectoryPasses,
     principal: str,
     granted: frozenset[str],
     listed: frozenset[str],
@@ -45,7 +82,7 @@ async def sessions_elsewhere(
     first; and a note when the directory was not read whole (None when it was)."""
     try:
         with trio.fail_after(bound_s):
-            entries, whole = await directory.entries(limit=MAX_DIRECTORY_ENTRIES)
+            entries, whole = await passes.read()
     except ClusterUnavailable as exc:
         return [], f"unavailable: {exc}"
     except trio.TooSlowError:

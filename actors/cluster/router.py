@@ -53,7 +53,7 @@ import attrs
 import trio
 
 from greenroom.actors.cluster.errors import ClusterError, ClusterUnavailable, OwnerUnreachable
-from greenroom.actors.cluster.listing import sessions_elsewhere
+from greenroom.actors.cluster.listing import DirectoryPasses, sessions_elsewhere
 from greenroom.actors.cluster.registry import (
     HostRecord,
     HostRegistry,
@@ -487,6 +487,7 @@ class ClusterRouter:
         self._gateway = gateway
         self._requests = requests
         self._directory = directory
+        self._passes = DirectoryPasses(directory)
         self._registry = registry
         self._traces = traces
         self._serves = serves
@@ -584,7 +585,7 @@ class ClusterRouter:
         listing) leaves out, with their ``host``; and a note when the directory could not
         be read whole (:mod:`.listing`)."""
         return await sessions_elsewhere(
-            self._directory,
+            self._passes,
             principal,
             self._gateway.owned(principal),
             listed,
