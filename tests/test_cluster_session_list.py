@@ -27,7 +27,7 @@ from tests.support.nats import (  # the fixture is used as nats_server
     NatsProcess,
     module_nats_server,  # noqa: F401
 )
-from tests.test_cluster_tree_nodes import Cluster, _run_root, client, in_cluster, until
+from tests.test_cluster_tree_nodes import Cluster, client, finished_tree, in_cluster, until
 
 LOCAL_FIELDS = {
     "session_id",
@@ -65,12 +65,8 @@ def test_session_list_through_any_host_lists_the_callers_sessions_of_the_cluster
     async def body(cluster: Cluster) -> dict[str, Any]:
         a, b = cluster.members["a"], cluster.members["b"]
         found: dict[str, Any] = {}
-        async with client(a, "alice") as alice_a:
-            root = await _run_root(alice_a, "quick")
-            outputs = await alice_a.outputs_until("task_end", session_id=root)
-            (child,) = {o["session_id"] for o in outputs if o["session_id"] != root}
+        root, child = await finished_tree(cluster, a)
         await until(lambda: _granted_to(cluster, root, "alice"))
-        await until(lambda: cluster.closed(child))
         found["ids"] = {"root": root, "child": child}
         async with client(b, "alice") as alice_b, client(b, "mallory") as mallory_b:
             # Host a carries the root: a session created through b stays on b.

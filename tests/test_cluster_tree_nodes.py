@@ -356,6 +356,18 @@ async def _until_the_payer_asks(alice: Client) -> tuple[str, dict[str, Any], int
     return root, asked, ended["seq"]
 
 
+async def finished_tree(cluster: Cluster, member: Member) -> tuple[str, str]:
+    """Through ``member``'s gateway, alice's root runs a foreground child to its end; once
+    the child's host has released it (closed, its claim given up): the root's id and the
+    child's."""
+    async with client(member, "alice") as alice:
+        root = await _run_root(alice, "quick")
+        outputs = await alice.outputs_until("task_end", session_id=root)
+        (child,) = {o["session_id"] for o in outputs if o["session_id"] != root}
+    await until(lambda: cluster.released(child))
+    return root, child
+
+
 def _of(outputs: list[dict[str, Any]], type_name: str) -> list[dict[str, Any]]:
     return [o for o in outputs if o["type"] == type_name]
 
@@ -448,11 +460,7 @@ def test_a_finished_subagent_is_opened_where_a_call_reaches_it(
     async def body(cluster: Cluster) -> dict[str, Any]:
         a, b = cluster.members["a"], cluster.members["b"]
         found: dict[str, Any] = {}
-        async with client(a, "alice") as alice_a:
-            root = await _run_root(alice_a, "quick")
-            outputs = await alice_a.outputs_until("task_end", session_id=root)
-            (child,) = {o["session_id"] for o in outputs if o["session_id"] != root}
-        await until(lambda: cluster.released(child))
+        _, child = await finished_tree(cluster, a)
         async with client(b, "alice") as alice_b, client(b, "mallory") as mallory_b:
             found["mallory"] = await mallory_b.error(
                 "steer", {"session_id": child, "input": "mine"}
