@@ -501,8 +501,7 @@ def test_a_taken_up_childs_answer_opens_its_closed_parent(
     payer over, and the root's user closes the root there (it leaves b: closed, no owner).
     Answered, the payer reports: the closed root is opened again for the answer, as one
     host loads a closed parent for a taken-up child's report, and merges it. Before, the
-    report was offered to a root no host owned, again and again, then given up. The payer
-    then leaves b, as a live child leaves its host; before, it stayed open there."""
+    report was offered to a root no host owned, again and again, then given up."""
 
     async def body(cluster: Cluster) -> str | None:
         a, b = cluster.members["a"], cluster.members["b"]
@@ -521,9 +520,6 @@ def test_a_taken_up_childs_answer_opens_its_closed_parent(
 
         await b.host.answer_approval(child, call_id, "allow")
         await until(lambda: _merged(cluster, root))
-        # Reported, the payer leaves b as a live child does: closed, released.
-        await until(lambda: cluster.released(child))
-        assert not b.node.serves(child) and await cluster.holder(child) is None
         return await cluster.holder(root)
 
     assert in_cluster(nats_server, tmp_path, ("a", "b"), body) == "b"
@@ -574,3 +570,42 @@ def test_a_session_deleted_while_it_is_adopted_leaves_nothing_running(
         )
 
     assert in_cluster(nats_server, tmp_path, ("a",), body) == (False, False, False, False)
+
+
+def test_a_session_taken_over_here_while_its_release_runs_stays_this_hosts(
+    tmp_path: Path, nats_server: NatsProcess
+) -> None:
+    """R-CLUSTER-1: a session closed here is released in its lane, its entry closed first;
+    a call that reads that entry takes the session over — on this host too — while the
+    release still runs. The takeover waits for the release: the session is then this
+    host's, claimed, streamed and replicated, its entry open again. Before, the takeover
+    ran beside the release, which stopped the new stream or released the new claim."""
+
+    async def body(cluster: Cluster) -> tuple[bool, bool, str | None, bool]:
+        a = cluster.members["a"]
+        node = a.node
+        session = await a.host.create_session(
+            provider=ScriptedProvider(_brain), tools=TOOLS, workspace_dir=tmp_path
+        )
+        sid = session.id
+        await until(lambda: _open_entry(cluster, sid))
+        entry = await cluster.entry(sid)
+        assert entry is not None
+        await a.host.close_session(sid)
+        assert node._lanes.has(sid)  # its release is under way
+        assert await node._take_entry(sid, entry)
+
+        async def lane_done() -> bool:
+            return not node._lanes.has(sid)
+
+        await until(lane_done)
+        await until(lambda: _open_entry(cluster, sid))
+        assert node.store is not None
+        return (
+            node.serves(sid),
+            node.store.log.replicated(sid),
+            await cluster.holder(sid),
+            sid in node._stream_scopes,
+        )
+
+    assert in_cluster(nats_server, tmp_path, ("a",), body) == (True, True, "a", True)

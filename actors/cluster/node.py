@@ -473,10 +473,10 @@ class ClusterNode:
     # -- takeover -------------------------------------------------------------------------
 
     async def _take_entry(self, session_id: str, entry: dict[str, Any]) -> bool:
-        """Take ``session_id`` over from its directory ``entry``, then grant it to the
-        principals it had: granted once the session is rebuilt, so a client's request
-        cannot load it here while the takeover does."""
-        if not await self.take_over(session_id, entry.get("meta") or {}):
+        """Take ``session_id`` over from ``entry`` once its lane is done (:func:`_lane_done`),
+        then grant it to its principals, once rebuilt (a request loads none here meanwhile)."""
+        served = await _lane_done(self._lanes, self._work, session_id, self.serves)
+        if not served and not await self.take_over(session_id, entry.get("meta") or {}):
             return False
         for principal in entry.get("principals") or ():
             if self._entries.grants is not None and isinstance(principal, str):
@@ -570,6 +570,30 @@ class ClusterNode:
                 await self._registry.withdraw(self.host_id)
         with contextlib.suppress(ClusterUnavailable):  # then they go with the TTL
             await self._keeper.release_all()
+
+
+async def _lane_done(
+    lanes: SessionLanes,
+    nursery: trio.Nursery | None,
+    session_id: str,
+    serves: Callable[[str], bool],
+) -> bool:
+    """Wait until the work queued in ``session_id``'s lane before this call is done; then
+    whether this host runs the session (``serves``: opened here again meanwhile, nothing
+    to take over). A session this host closed is released in its lane, its entry closed
+    first: a call that reads that entry reopens it (:meth:`ClusterNode._take_entry`) —
+    on this host too — and a takeover beside the release would fence the release's own
+    stream, and have its claim released under it."""
+    if nursery is not None and lanes.has(session_id):
+        done = trio.Event()
+
+        async def mark() -> None:
+            done.set()
+
+        with contextlib.suppress(RuntimeError):  # shutting down: nothing waits
+            lanes.start_soon(nursery, session_id, mark)
+            await done.wait()
+    return serves(session_id)
 
 
 def _answers(serves: Callable[[str], bool], lanes: SessionLanes, session_id: str) -> bool:

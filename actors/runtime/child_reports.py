@@ -16,8 +16,8 @@ rest of its parent's task (R-CLUSTER-2), so its answer would reach nobody. Its t
 open in its trace, recovered as interrupted when the session is next used (R-TRACE-4).
 
 A report is sent once, when the child's taken-up task ends; the child then leaves the
-host's open sessions (in a cluster: its host, once its trace is in JetStream) as a live
-child does. A child whose task ended on the
+host's open sessions as a live child does, except in a cluster, where it stays open on
+the host that took it over. A child whose task ended on the
 lost host a moment before that host could send the report sends none: the answer is in
 the child's trace (``session.children()`` finds it), not in the parent's input.
 """
@@ -95,9 +95,12 @@ class ChildReports:
             except SubagentError as exc:
                 answer = str(exc)
             # Its work done, it leaves the host's open sessions before its parent hears of
-            # it, as a live child does (``load_session`` opens it again).
-            await port.wait_idle()
-            self._host.forget_child(port)
+            # it, as a live child does (``load_session`` opens it again). Not in a cluster:
+            # released, it would stop answering calls that may be on their way to it, and
+            # a request sent as its host unsubscribes waits out its whole timeout.
+            if self.link is None:
+                await port.wait_idle()
+                self._host.forget_child(port)
             text = finished_text(label, answer)
             try:
                 await self.deliver(parent_id, port.id, text, port.lost_approve)
