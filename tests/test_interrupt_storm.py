@@ -627,7 +627,10 @@ async def test_a_storm_across_a_host_stop_and_its_successor(
 
 async def _tree_ends(session: Session) -> list[dict[str, Any]]:
     """The ``task_end`` records of ``session`` and of every subagent below it, each
-    trace checked as :func:`_traced_tasks` does."""
+    trace checked as :func:`_traced_tasks` does once the node is idle: an interrupt of
+    the tree ends a background node's task as its own supervisor gets to it, which may
+    be after its parent is idle."""
+    await session.wait_idle()
     await port_of(session).sync_trace()
     ends = _traced_tasks(session)
     for child in await session.children():
