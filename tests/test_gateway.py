@@ -5,6 +5,7 @@ never sleeps. The pure frame code (``protocols/jsonrpc.py``) is tested at the en
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -33,6 +34,7 @@ from greenroom.actors.gateway import (
     load_or_create_token,
     run_serve,
 )
+from greenroom.actors.gateway.connection import OpenConnections
 from greenroom.actors.gateway.http_front import HttpFront
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, ScriptStep, text, tool_call
 from greenroom.actors.runtime.host import Host
@@ -462,9 +464,7 @@ async def test_client_approves_a_tool_call(tmp_path: Path, lookup: Lookup) -> No
             assert lookup.calls == ["a"]
 
 
-async def test_a_request_nobody_watches_waits_for_a_person(
-    tmp_path: Path, lookup: Lookup
-) -> None:
+async def test_a_request_nobody_watches_waits_for_a_person(tmp_path: Path, lookup: Lookup) -> None:
     """R-HITL-1: with no client subscribed the request is still asked and waits in the
     trace (it used to be denied at once); a client that subscribes later finds it and
     answers it."""
@@ -765,6 +765,45 @@ async def test_gateway_stop_closes_connections_with_a_reason(tmp_path: Path) -> 
                     assert reason.reason == "server shutting down"
 
 
+async def test_a_gateway_stop_waits_for_the_close_handshakes_not_the_close_timeout(
+    tmp_path: Path,
+) -> None:
+    """R-DRAIN-1 (a deploy's SIGTERM ends serve once drained): a stop closes each
+    connection with its client's close handshake and is done once the clients have
+    answered. The websocket readers used to be cancelled with the gateway, so no answer
+    could be read and every stop with a client connected waited the whole close timeout
+    (5 s by default; here far beyond the test's bound), and a client whose reader went
+    first was told 1000 "bye"."""
+    limits = GatewayLimits(close_timeout_s=BOUND_S * 10)
+    with trio.fail_after(BOUND_S):
+        async with Host.open(tmp_path / "data") as host:
+            gateway = Gateway(host, token=TOKEN, port=0, limits=limits)
+            server = Server(host=host, gateway=gateway, providers=[])
+            stop = trio.Event()
+            stopped = trio.Event()
+
+            async def run_gateway(*, task_status: trio.TaskStatus[None]) -> None:
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(gateway.run)
+                    task_status.started()
+                    await stop.wait()
+                    nursery.cancel_scope.cancel()
+                stopped.set()
+
+            async with trio.open_nursery() as outer:
+                await outer.start(run_gateway)
+                async with connect(server) as first, connect(server) as second:
+                    await first.result("session.list")
+                    await second.result("session.list")
+                    stop.set()
+                    for client in (first, second):
+                        with pytest.raises(ConnectionClosed) as closed:
+                            await client.ws.get_message()
+                        reason = closed.value.reason
+                        assert reason is not None
+                        assert (reason.code, reason.reason) == (1001, "server shutting down")
+                    await stopped.wait()
+
 
 @pytest.mark.parametrize("listener", ["websocket", "http"])
 async def test_a_connection_failing_while_the_gateway_stops_does_not_end_it(
@@ -776,7 +815,7 @@ async def test_a_connection_failing_while_the_gateway_stops_does_not_end_it(
     ``serve``, end quietly instead of with a traceback. For the websocket listener's
     connections and for the HTTP front's."""
 
-    async def fails_while_cancelled(request: object) -> None:
+    async def fails_while_cancelled(*args: object) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(trio.sleep_forever)
             try:
@@ -788,7 +827,7 @@ async def test_a_connection_failing_while_the_gateway_stops_does_not_end_it(
     if listener == "websocket":
         gateway = Gateway(host=None, token=TOKEN)  # type: ignore[arg-type]
         monkeypatch.setattr(gateway, "_handshake_and_serve", fails_while_cancelled)
-        handle = gateway._handle
+        handle = functools.partial(gateway._handle, OpenConnections())
     else:
         front = HttpFront(
             {},
@@ -805,6 +844,7 @@ async def test_a_connection_failing_while_the_gateway_stops_does_not_end_it(
         await handle(None)
     assert stopping.cancelled_caught
     assert "clean-up failed" in caplog.text
+
 
 # -- token file and run_serve ---------------------------------------------------------------------
 

@@ -72,7 +72,7 @@ async def _with_a_stuck_client(server: Any, stack: AsyncExitStack) -> tuple[Any,
     session = server.host.get_session(sid)
     stalled = await stack.enter_async_context(connect(server))
     await stalled.result("session.subscribe", {"session_id": sid})
-    [slow] = [c for c in server.gateway._connections if sid in c.subscriptions]
+    [slow] = [c for c in server.gateway.connections if sid in c.subscriptions]
     await reader.result("session.subscribe", {"session_id": sid})
     outbox = slow.outbox
     rounds = 0
@@ -110,7 +110,7 @@ async def test_a_client_that_stops_reading_is_dropped(
         # The prompt client got everything and keeps its subscription.
         notes = await notes_until_run(reader, "run_late")
         assert [n["method"] for n in notes] == ["output"] * 11
-        assert any(sid in c.subscriptions for c in server.gateway._connections)
+        assert any(sid in c.subscriptions for c in server.gateway.connections)
         # The stalled client, reading again, finds the notice after what was queued.
         while True:
             note = await stalled.notification()
@@ -137,14 +137,14 @@ async def test_a_client_that_reads_nothing_for_the_send_timeout_is_cut_off(
         # Stuck for less than the bound: still connected, still subscribed.
         mock_clock.jump(limits.send_timeout_s / 2)
         await trio.testing.wait_all_tasks_blocked()
-        assert slow in server.gateway._connections and slow.close_with is None
+        assert slow in server.gateway.connections and slow.close_with is None
         mock_clock.jump(limits.send_timeout_s / 2)
         await trio.testing.wait_all_tasks_blocked()
         # The gateway looks every quarter of the bound: cut off by the next look.
         mock_clock.jump(limits.send_timeout_s / 4)
         await trio.testing.wait_all_tasks_blocked()
         assert slow.close_with == (1008, "client too slow: nothing read for 60 s")
-        assert slow not in server.gateway._connections
+        assert slow not in server.gateway.connections
         assert outbox.closed and outbox.pending == 0 and outbox.size == 0
         assert slow.subscriptions == {}
         # The close frame cannot reach a client that reads nothing: it waits at most

@@ -89,7 +89,7 @@ async def test_a_client_that_never_reads_is_cut_off_before_its_replies_pass_the_
     with trio.fail_after(BOUND_S * 3):
         async with serving(tmp_path, limits=limits) as server, connect(server) as client:
             await client.result("session.list")
-            [connection] = server.gateway._connections
+            [connection] = server.gateway.connections
             outbox = connection.outbox
             sent = 0
             with pytest.raises(ConnectionClosed):
@@ -110,7 +110,7 @@ async def test_a_client_that_never_reads_is_cut_off_before_its_replies_pass_the_
             )
             assert outbox.overflowed is not None
             assert 0 < outbox.peak <= cap
-            assert connection not in server.gateway._connections
+            assert connection not in server.gateway.connections
             # The server serves the next client as before.
             async with connect(server) as again:
                 assert await again.result("session.list") == {"sessions": []}
@@ -129,7 +129,7 @@ async def test_outputs_that_would_pass_the_cap_drop_the_subscription_not_the_con
         async with serving(tmp_path, limits=limits) as server, connect(server) as client:
             sid = (await client.result("session.create"))["session_id"]
             await client.result("session.subscribe", {"session_id": sid})
-            [connection] = server.gateway._connections
+            [connection] = server.gateway.connections
             session = server.host.get_session(sid)
             for i in range(40):  # 160 KiB
                 text = f"{i:04d}".ljust(4096, "x")

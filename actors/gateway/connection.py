@@ -15,8 +15,9 @@ the handler the gateway's dispatch table names (:mod:`greenroom.actors.gateway.m
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -321,12 +322,16 @@ class Connection:
             subscription.close()
         self.outbox.close()
 
-    def _cut_off(self, reason: str) -> None:
-        """The client was cut off (:meth:`Outbox.cut_off`): close (1008) with ``reason``
-        as soon as the current frame, if any, is handled."""
+    def close_soon(self, code: int, reason: str) -> None:
+        """Close with ``code`` and ``reason`` as soon as the current frame, if any, is
+        handled (a close already decided keeps its own)."""
         if self.close_with is None:
-            self.close_with = (1008, reason)
+            self.close_with = (code, reason)
         self._reading.cancel()
+
+    def _cut_off(self, reason: str) -> None:
+        """The client was cut off (:meth:`Outbox.cut_off`): close (1008) with ``reason``."""
+        self.close_soon(1008, reason)
 
     def failed_auth(self) -> None:
         """Count a wrong token; after ``max_auth_failures`` the connection closes (1008)."""
@@ -489,3 +494,54 @@ class Connection:
         if isinstance(call, Request):
             return jsonrpc.error_frame(call.id, error)
         return None
+
+
+SHUTTING_DOWN = (1001, "server shutting down")
+"""The close code and reason of every connection when the gateway stops."""
+
+
+class OpenConnections:
+    """The websocket connections one run of a gateway serves, those whose close is under
+    way, and their close when the gateway stops."""
+
+    def __init__(self) -> None:
+        self._open: set[Connection] = set()
+        self._closing: set[Connection] = set()
+        self._closed = trio.lowlevel.ParkingLot()
+        self.closed_by = math.inf
+        """When the connections must be closed by: set as the gateway stops."""
+
+    def __iter__(self) -> Iterator[Connection]:
+        return iter(list(self._open))
+
+    def __contains__(self, connection: object) -> bool:
+        return connection in self._open
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def add(self, connection: Connection) -> None:
+        """A connection accepted; closed at once if the gateway is stopping."""
+        self._open.add(connection)
+        if self.closed_by < math.inf:
+            connection.close_soon(*SHUTTING_DOWN)
+
+    def discard(self, connection: Connection) -> None:
+        """A connection no longer served: its close handshake begins."""
+        self._open.discard(connection)
+        self._closing.add(connection)
+
+    def closed(self, connection: Connection) -> None:
+        """A connection's close is over (its handshake done, or given up)."""
+        self._closing.discard(connection)
+        self._closed.unpark_all()
+
+    async def close_all(self, timeout_s: float) -> None:
+        """Close every connection (1001) once the frame it handles is answered, and return
+        when all are closed or ``timeout_s`` has passed."""
+        self.closed_by = trio.current_time() + timeout_s
+        with trio.move_on_at(self.closed_by):
+            for connection in self:
+                connection.close_soon(*SHUTTING_DOWN)
+            while self._open or self._closing:
+                await self._closed.park()

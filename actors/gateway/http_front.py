@@ -45,6 +45,7 @@ A client that takes no answer (or event) within the write timeout (``close_timeo
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -367,13 +368,18 @@ class HttpFront:
         self,
         listeners: list[trio.abc.Listener[CountedStream]],
         handoff: trio.MemorySendChannel[CountedStream],
+        handlers: trio.Nursery | None = None,
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Accept and route connections until cancelled; ready once accepting."""
+        """Accept and route connections until cancelled; ready once accepting. Each
+        connection is served in ``handlers`` (default: this task's own nursery), which may
+        outlive the accepting: a stopping gateway stops accepting first, then closes the
+        connections it handed over to trio-websocket."""
         self._handoff = handoff
+        serve = functools.partial(trio.serve_listeners, handler_nursery=handlers)
         async with handoff, trio.open_nursery() as nursery:
-            await nursery.start(trio.serve_listeners, self._route, listeners)
+            await nursery.start(serve, self._route, listeners)
             task_status.started()
 
     # -- routing ---------------------------------------------------------------------------

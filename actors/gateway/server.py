@@ -30,6 +30,7 @@ without a token on its handshake authenticates with ``initialize`` within
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import signal
@@ -77,7 +78,12 @@ from greenroom.actors.gateway.config import (
     resolved,
     token_file_path,
 )
-from greenroom.actors.gateway.connection import Connection, Handler
+from greenroom.actors.gateway.connection import (
+    SHUTTING_DOWN,
+    Connection,
+    Handler,
+    OpenConnections,
+)
 from greenroom.actors.gateway.console import ConsoleServer, display_host, url_host
 from greenroom.actors.gateway.http_front import HttpFront, Route
 from greenroom.actors.gateway.hubs import Hubs
@@ -163,7 +169,8 @@ class Gateway:
         self._admission = Admission(self.limits)
         self._titles = Titles(enabled=titles)
         self._hubs = Hubs(on_task_end=self._titles.title_once, limits=self.limits)
-        self._connections: set[Connection] = set()
+        self.connections = OpenConnections()
+        """The websocket connections the gateway serves (in its latest run)."""
         self._calls = Methods(
             host,
             defaults=self.defaults,
@@ -244,30 +251,59 @@ class Gateway:
         # ones over; size 0: each waits for trio-websocket's accept loop, always there.
         handoff, handed = trio.open_memory_channel[CountedStream](0)
         websocket_listeners = capped if front is None else [HandedOverListener(handed)]
-        server = WebSocketServer(
-            self._handle,
-            cast(list[trio.SocketListener], websocket_listeners),  # any trio Listener serves
-            max_message_size=limits.max_message_bytes,
-            connect_timeout=limits.handshake_timeout_s,
-            disconnect_timeout=limits.close_timeout_s,
-        )
-        async with trio.open_nursery() as nursery:
-            await nursery.start(self._titles.run)
-            # Before the listener: a session is adopted only by a hub that is running.
-            # When the gateway stops, its hubs end and release what they hold.
-            await nursery.start(self._hubs.run)
-            await nursery.start(server.run)
-            nursery.start_soon(self._cut_off_stuck_clients)
-            if front is not None:
-                listening = cast(list[trio.abc.Listener[CountedStream]], capped)
-                await nursery.start(front.run, listening, handoff)
-            else:
-                handoff.close()
-                handed.close()
-            self.port = listeners[0].socket.getsockname()[1]
-            task_status.started(self.port)
+        connections = self.connections = OpenConnections()
+        # What serves the connections is shielded from the gateway's cancellation: a stop
+        # stops accepting, then closes each connection with its client's close handshake,
+        # which needs the connection's reader (cancelled with the rest, the reader was
+        # gone and every close waited its whole timeout), then ends what is left.
+        serving = trio.CancelScope(shield=True)
+        accepting = trio.CancelScope()
 
-    async def _cut_off_stuck_clients(self) -> None:
+        async def serve(*, task_status: trio.TaskStatus[None]) -> None:
+            with serving:
+                async with trio.open_nursery() as handlers:
+                    await handlers.start(self._titles.run)
+                    # Before the listener: a session is adopted only by a hub that is
+                    # running. When the gateway stops, its hubs end and release what
+                    # they hold.
+                    await handlers.start(self._hubs.run)
+                    handlers.start_soon(self._cut_off_stuck_clients, connections)
+                    await handlers.start(accept, handlers)
+                    task_status.started()
+
+        async def accept(handlers: trio.Nursery, *, task_status: trio.TaskStatus[None]) -> None:
+            server = WebSocketServer(
+                functools.partial(self._handle, connections),
+                cast(list[trio.SocketListener], websocket_listeners),  # any trio Listener
+                handler_nursery=handlers,
+                max_message_size=limits.max_message_bytes,
+                connect_timeout=limits.handshake_timeout_s,
+                disconnect_timeout=limits.close_timeout_s,
+            )
+            with accepting:
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(server.run)
+                    if front is not None:
+                        listening = cast(list[trio.abc.Listener[CountedStream]], capped)
+                        await nursery.start(front.run, listening, handoff, handlers)
+                    else:
+                        handoff.close()
+                        handed.close()
+                    task_status.started()
+
+        async with trio.open_nursery() as nursery:
+            try:
+                await nursery.start(serve)
+                self.port = listeners[0].socket.getsockname()[1]
+                task_status.started(self.port)
+                await trio.sleep_forever()
+            finally:
+                accepting.cancel()
+                with trio.CancelScope(shield=True):
+                    await connections.close_all(limits.close_timeout_s)
+                serving.cancel()
+
+    async def _cut_off_stuck_clients(self, connections: OpenConnections) -> None:
         """Cut off each client whose writer has been stuck in one send for the limits'
         ``send_timeout_s`` (it reads nothing), within a quarter of it more: one look at
         every connection each quarter, not a timer around each frame sent."""
@@ -275,7 +311,7 @@ class Gateway:
         while True:
             await trio.sleep(timeout / 4)
             now = trio.current_time()
-            for connection in list(self._connections):
+            for connection in connections:
                 connection.outbox.cut_off_if_stuck(now, timeout)
 
     @property
@@ -334,11 +370,11 @@ class Gateway:
 
     # -- connections ---------------------------------------------------------------------------
 
-    async def _handle(self, request: WebSocketRequest) -> None:
+    async def _handle(self, connections: OpenConnections, request: WebSocketRequest) -> None:
         """One connection, from handshake to close. Never raises but Cancelled: an
         exception here would end the listener and every other connection."""
         try:
-            await self._handshake_and_serve(request)
+            await self._handshake_and_serve(connections, request)
         # except*: a failure in a connection's clean-up while the gateway stops comes in
         # one group with the cancellation; only the cancellation may go on.
         except* ConnectionClosed:
@@ -346,7 +382,9 @@ class Gateway:
         except* Exception:
             logger.exception("gateway: connection failed")
 
-    async def _handshake_and_serve(self, request: WebSocketRequest) -> None:
+    async def _handshake_and_serve(
+        self, connections: OpenConnections, request: WebSocketRequest
+    ) -> None:
         if request.path.split("?", 1)[0] != PATH:
             await request.reject(404, body=f"not found: the endpoint is {PATH}\n".encode())
             return
@@ -419,33 +457,42 @@ class Gateway:
                 address=address,
             )
             connection.counted = identity
-            await self._serve_accepted(ws, connection)
+            await self._serve_accepted(connections, ws, connection)
         finally:
             self._seats.give_back()
             counted = identity if connection is None else connection.counted
             if counted is not None:
                 self._admission.release(counted)
 
-    async def _serve_accepted(self, ws: WebSocketConnection, connection: Connection) -> None:
-        self._connections.add(connection)
+    async def _serve_accepted(
+        self, connections: OpenConnections, ws: WebSocketConnection, connection: Connection
+    ) -> None:
+        connections.add(connection)
         close_code, close_reason = 1000, "bye"
         try:
             await connection.run()
             if connection.close_with is not None:
                 close_code, close_reason = connection.close_with
         except trio.Cancelled:
-            close_code, close_reason = 1001, "server shutting down"
+            close_code, close_reason = SHUTTING_DOWN
             raise
         except Exception:
             close_code, close_reason = 1011, "internal error"
             raise
         finally:
-            self._connections.discard(connection)
+            connections.discard(connection)
             connection.drop_subscriptions()
-            with trio.CancelScope(shield=True) as scope:
-                scope.deadline = trio.current_time() + self.limits.close_timeout_s
-                with contextlib.suppress(ConnectionClosed, trio.BrokenResourceError):
-                    await ws.aclose(close_code, close_reason)
+            try:
+                with trio.CancelScope(shield=True) as scope:
+                    # Cut off by the stop, its close timeout is spent already.
+                    scope.deadline = min(
+                        trio.current_time() + self.limits.close_timeout_s, connections.closed_by
+                    )
+                    with contextlib.suppress(ConnectionClosed, trio.BrokenResourceError):
+                        await ws.aclose(close_code, close_reason)
+            finally:
+                # A stopping gateway keeps the readers the close needs until then.
+                connections.closed(connection)
 
     def _origin_allowed(self, origin: bytes) -> bool:
         return normal_origin(origin.decode("latin-1")) in self._origins
