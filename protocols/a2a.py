@@ -47,6 +47,8 @@ from greenroom.protocols.outputs import (
     RequestEnd,
     Rewind,
     TaskEnd,
+    TaskQueuedOutput,
+    TaskQueueDropped,
     TaskStart,
     TokenUsageOutput,
     ToolCallOutput,
@@ -364,7 +366,7 @@ class TaskFold:
                 if self.pending or self.state in END_STATES:
                     return []
                 return self._moved("working")
-            case CallInDoubt() | ToolHook() | Rewind():
+            case CallInDoubt() | ToolHook() | Rewind() | TaskQueuedOutput() | TaskQueueDropped():
                 return []  # what they change shows in the records that follow
             case _:
                 assert_never(output)

@@ -71,6 +71,8 @@ from greenroom.protocols.outputs import (
     RequestEnd,
     Rewind,
     TaskEnd,
+    TaskQueuedOutput,
+    TaskQueueDropped,
     TaskStart,
     TokenUsageOutput,
     ToolCallOutput,
@@ -758,6 +760,8 @@ class UpdateMapper:
                 | CallResolved()
                 | ToolHook()
                 | Rewind()
+                | TaskQueuedOutput()
+                | TaskQueueDropped()
             ):
                 # The editor learns of a call from its block, is asked to approve by the
                 # agent's own request, and sees no request, usage, compaction or rewind

@@ -58,6 +58,8 @@ from greenroom.protocols.outputs import (
     RequestEnd,
     Rewind,
     TaskEnd,
+    TaskQueuedOutput,
+    TaskQueueDropped,
     TaskStart,
     TokenUsageOutput,
     ToolCallOutput,
@@ -327,7 +329,7 @@ class RunMapper:
                 # A question about a call in doubt is answered (R-EFFECT-2).
                 self.interrupts.pop(output.call_id, None)
                 return []
-            case CallInDoubt() | ToolHook() | Rewind():
+            case CallInDoubt() | ToolHook() | Rewind() | TaskQueuedOutput() | TaskQueueDropped():
                 return []  # what they change shows in the records that follow
             case _:
                 assert_never(output)

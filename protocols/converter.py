@@ -61,6 +61,7 @@ def _make_tagged_unstructure(cls: type[Any]) -> Callable[[Any], dict[str, Any]]:
         "response_id",
         "response_model",
         "http_status",
+        "queued_id",
     ):
         if name in field_names:
             overrides[name] = override(omit_if_default=True)

@@ -107,10 +107,12 @@ class BackoffSkipped:
 class TaskQueued:
     """Command to the supervisor: run ``task`` (a ``TaskInput``; None for a manual
     compaction) after the running one, FIFO (R-STEER-6). The first task of a run reaches
-    the supervisor this way too."""
+    the supervisor this way too. ``follow_up``: a user's follow-up (``Session.follow_up``),
+    which the supervisor records (``task_queued``) so that it survives its host."""
 
     task: Any = attrs.field(eq=False)
     kind: Literal["task", "compaction"] = "task"
+    follow_up: bool = False
 
 
 @attrs.frozen(kw_only=True, slots=True)

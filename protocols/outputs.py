@@ -95,6 +95,8 @@ class UserMsg(Envelope):
         output_schema: a prompt's ``output_schema`` (R-OUT-1), as its ``task_start`` will
             record it: a prompt whose host stopped before its task started is started by
             whoever takes the session up, held to the same schema. Left out when None.
+        queued_id: the ``queue_id`` of the ``task_queued`` follow-up this prompt starts
+            (R-STEER-6): it is no longer queued. Left out when None.
     """
 
     TYPE: ClassVar[str] = "user_msg"
@@ -102,6 +104,57 @@ class UserMsg(Envelope):
     kind: Literal["prompt", "steering"]
     content: tuple[UserContent, ...]
     output_schema: dict[str, Any] | None = None
+    queued_id: str | None = None
+
+
+QueuedApproval = Literal["people", "deny", "host"]
+"""How a queued follow-up's tool calls are decided: by ``people`` (R-HITL), denied
+(``deny``: no ``approve`` was given), or by the ``host``'s callback — which a process
+that takes the follow-up up after its host stopped does not have: it decides as for a
+task whose host stopped (``Host.resume(approve=…)``)."""
+
+
+@_documented
+@attrs.frozen(kw_only=True, slots=True)
+class TaskQueuedOutput(Envelope):
+    """A follow-up was queued behind the running task (R-STEER-6): recorded so that it
+    survives its host. It runs once its ``user_msg`` (naming ``queue_id``) starts it,
+    and not at all once a ``task_queue_dropped`` names it. ``run_id`` is the task it was
+    queued behind.
+
+    Fields:
+        queue_id: names the follow-up in the records that start or drop it.
+        content: its input blocks, as for ``user_msg``.
+        approve: how its tool calls are decided: ``people``, ``deny`` or ``host``.
+        thinking_level: its thinking level, when given.
+        output_schema: the JSON Schema its answer must match (R-OUT-1). Left out when None.
+    """
+
+    TYPE: ClassVar[str] = "task_queued"
+    TRACED: ClassVar[bool] = True
+    queue_id: str
+    content: tuple[UserContent, ...]
+    approve: QueuedApproval = "deny"
+    thinking_level: str | None = None
+    output_schema: dict[str, Any] | None = None
+
+
+@_documented
+@attrs.frozen(kw_only=True, slots=True)
+class TaskQueueDropped(Envelope):
+    """Queued follow-ups will not run (R-ABORT-1, R-STEER-6): an interrupt dropped the
+    queue, a follow-up's image was refused, a fork or rewind cut the history, or a new
+    task started on a session whose stopped host left them and nobody took them up.
+
+    Fields:
+        queue_ids: the ``queue_id`` of each ``task_queued`` dropped.
+        reason: why, in words.
+    """
+
+    TYPE: ClassVar[str] = "task_queue_dropped"
+    TRACED: ClassVar[bool] = True
+    queue_ids: tuple[str, ...]
+    reason: str | None = None
 
 
 @_documented
@@ -621,6 +674,8 @@ Output: TypeAlias = (
     | CallInDoubt
     | CallResolved
     | Rewind
+    | TaskQueuedOutput
+    | TaskQueueDropped
     | TaskEnd
 )
 """Every output: the closed union to ``match`` on (exhaustively, ending with

@@ -77,6 +77,8 @@ from greenroom.protocols.outputs import (
     RequestEnd,
     Rewind,
     TaskEnd,
+    TaskQueuedOutput,
+    TaskQueueDropped,
     TaskStart,
     TaskStatus,
     TokenUsageOutput,
@@ -285,6 +287,7 @@ class RecordedState:
     last_status: TaskStatus | None
     answer: dict[str, Any] | None
     answer_failures: int
+    queued: tuple[str, ...]
 
 
 
@@ -315,6 +318,7 @@ class TaskRecord:
         "overflow_compacted",
         "pending_people",
         "phase",
+        "queued",
         "request_ok",
         "rerun_turn",
         "retry_in_ms",
@@ -366,6 +370,11 @@ class TaskRecord:
         self.unstarted: UserMsg | None = None
         """The last prompt, while no ``task_start`` (nor anything else) follows it: a run
         accepted whose task its host had not started when it stopped."""
+        self.queued: tuple[TaskQueuedOutput, ...] = ()
+        """The follow-ups recorded as queued (``task_queued``) that no prompt has started
+        and nothing has dropped, in order: what a host that takes the session up queues
+        again (R-STEER-6). A task that ends on an auth failure drops them, as the live
+        queue is dropped (R-RETRY-6)."""
 
     def configure(self, limits: TaskLimits) -> None:
         """Decide the loop guard of the next task by ``limits``."""
@@ -430,6 +439,7 @@ class TaskRecord:
             last_status=self.last_status,
             answer=self.answers.answer if self.answers is not None else None,
             answer_failures=self.answers.failures if self.answers is not None else 0,
+            queued=tuple(q.queue_id for q in self.queued),
         )
 
     def observe(self, output: Output) -> None:
@@ -479,12 +489,22 @@ class TaskRecord:
             case TaskEnd():
                 if output.status == "auth":
                     self.auth_locked = output.message or "authentication failed"
+                    self.queued = ()
                 self.end(output.status)
                 self.unstarted = None
             case UserMsg():
                 # A prompt's task_start follows (R-TRACE-3), steering's request_begin.
                 if output.kind == "prompt" and self.run_id is None:
                     self.unstarted = output
+                if output.queued_id is not None:
+                    self._unqueue((output.queued_id,))
+            case TaskQueuedOutput():
+                # Recorded again after a compaction started the next trace file (one id,
+                # one follow-up): it keeps its place among those recorded again.
+                self._unqueue((output.queue_id,))
+                self.queued = (*self.queued, output)
+            case TaskQueueDropped():
+                self._unqueue(output.queue_ids)
             case Abort():
                 self.aborting = True  # its task_end follows
             case ToolHook():
@@ -495,6 +515,10 @@ class TaskRecord:
                 pass  # live only
             case _:
                 assert_never(output)
+
+    def _unqueue(self, queue_ids: tuple[str, ...]) -> None:
+        if self.queued:
+            self.queued = tuple(q for q in self.queued if q.queue_id not in queue_ids)
 
     def start(
         self, run_id: str, kind: TaskKind, output_schema: dict[str, Any] | None = None

@@ -13,7 +13,9 @@ the ``task_end`` alone: its calls are settled and its carry-over is the abort's.
 compaction in flight ends ``failed``. A history that ends in a prompt whose task had not
 started (the cut fell between the two) gets the ``task_start``, then the
 ``abort`` and ``task_end(aborted)``, as an interrupt that came while the prompt was made
-durable leaves it: no one takes that prompt up later as a run to start.
+durable leaves it: no one takes that prompt up later as a run to start. Follow-ups the
+history leaves queued (``task_queued`` not yet started) are dropped
+(``task_queue_dropped``): a fork or a rewound session carries no queue.
 
 :func:`rewind_problem` says why a rewind cannot go to a ``seq``, in words for the person who
 asked: out of range, or cut by an earlier rewind (a fork reaches those too).
@@ -33,6 +35,7 @@ from greenroom.protocols.outputs import (
     Output,
     RequestEnd,
     TaskEnd,
+    TaskQueueDropped,
     TaskStart,
     ToolCallOutput,
 )
@@ -46,10 +49,24 @@ def settlement(
     record: TaskRecord, partial: Sequence[ModelBlock], *, session_id: str, reason: str
 ) -> list[Output]:
     """The records (without ``seq``) that close the task a history leaves open, as an
-    interrupt with ``reason`` would; none when no task is open. ``record`` is the task
-    state folded from that history (:func:`~greenroom.protocols.task.fold`), ``partial``
-    what the model request in flight had produced
+    interrupt with ``reason`` would, and drop the follow-ups it leaves queued (an
+    interrupt drops the queue: R-ABORT-1; a fork or rewind carries no queue, so no host
+    runs them later); none when nothing is open or queued. ``record`` is the task state
+    folded from that history (:func:`~greenroom.protocols.task.fold`), ``partial`` what
+    the model request in flight had produced
     (:attr:`~greenroom.protocols.transcript.Transcript.attempt_blocks`)."""
+    out = _settled_task(record, partial, session_id=session_id, reason=reason)
+    if record.queued:
+        out.append(
+            TaskQueueDropped(session_id=session_id, run_id=record.run_id or "",
+                             queue_ids=tuple(q.queue_id for q in record.queued), reason=reason)
+        )
+    return out
+
+
+def _settled_task(
+    record: TaskRecord, partial: Sequence[ModelBlock], *, session_id: str, reason: str
+) -> list[Output]:
     run_id = started = record.run_id
     out: list[Output] = []
     prompt = record.unstarted

@@ -46,6 +46,8 @@ from greenroom.protocols.outputs import (
     RequestEnd,
     Rewind,
     TaskEnd,
+    TaskQueuedOutput,
+    TaskQueueDropped,
     TaskStart,
     TokenUsageOutput,
     ToolCallOutput,
@@ -191,6 +193,8 @@ class Transcript:
                 # The records a rewind cut are left out before they get here (rebuild, and
                 # a rewinding session rebuilds its transcript): nothing to undo.
                 pass
+            case TaskQueuedOutput() | TaskQueueDropped():
+                pass  # a queued follow-up reaches the context as its own prompt, once started
             case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():
                 pass  # live only: the complete block or result follows
             case _:
@@ -402,6 +406,8 @@ def rebuild(
                 | CallInDoubt()
                 | CallResolved()
                 | Rewind()
+                | TaskQueuedOutput()
+                | TaskQueueDropped()
                 | PartialText()
                 | PartialThinking()
                 | PartialToolCall()

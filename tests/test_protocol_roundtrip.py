@@ -84,6 +84,14 @@ EXAMPLES: dict[type[Any], dict[str, Any]] = {
         "check_error": "TimeoutError: no answer within 30 s",
     },
     outputs.Rewind: {"to_seq": 2, "reason": "rewound by a client"},
+    outputs.TaskQueuedOutput: {
+        "queue_id": "queued_1",
+        "content": (content.TextBlock(text="then this"),),
+        "approve": "people",
+        "thinking_level": "low",
+        "output_schema": {"type": "object"},
+    },
+    outputs.TaskQueueDropped: {"queue_ids": ("queued_1",), "reason": "interrupted: stop"},
     outputs.TaskEnd: {"status": "aborted", "turns": 2, "usage": USAGE, "wall_ms": 12},
 }
 

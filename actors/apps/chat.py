@@ -143,6 +143,8 @@ from greenroom.protocols.outputs import (
     RequestEnd,
     Rewind,
     TaskEnd,
+    TaskQueuedOutput,
+    TaskQueueDropped,
     TaskStart,
     TokenUsageOutput,
     ToolCallOutput,
@@ -1272,6 +1274,8 @@ class ChatRenderer(HumanRenderer):
                 | CallInDoubt()
                 | CallResolved()
                 | Rewind()
+                | TaskQueuedOutput()
+                | TaskQueueDropped()
                 | TaskEnd()
             ):
                 pass  # nothing of the REPL's own: shown as ``greenroom run`` shows it

@@ -38,6 +38,8 @@ from greenroom.protocols.outputs import (
     RequestEnd,
     Rewind,
     TaskEnd,
+    TaskQueuedOutput,
+    TaskQueueDropped,
     TaskStart,
     TokenUsageOutput,
     ToolCallOutput,
@@ -120,6 +122,8 @@ class Renderer:
                 | CallInDoubt()
                 | CallResolved()
                 | Rewind()
+                | TaskQueuedOutput()
+                | TaskQueueDropped()
                 | TaskEnd()
             ):
                 pass  # only tool calls and their decisions are waited for
@@ -297,10 +301,13 @@ class HumanRenderer(Renderer):
                 self.break_line()
                 if output.message and output.status not in ("completed", "aborted"):
                     self._note(self._err_style.yellow(output.message))
-            case TaskStart() | TokenUsageOutput() | PartialToolCall() | ApprovalRequest():
+            case (
+                TaskStart() | TokenUsageOutput() | PartialToolCall() | ApprovalRequest()
+                | TaskQueuedOutput() | TaskQueueDropped()
+            ):
                 # A streaming call shows once complete, an approval request by its
-                # decision; the start of a task and its token counts add nothing a
-                # reader needs.
+                # decision, a follow-up by its prompt once it starts; the start of a task
+                # and its token counts add nothing a reader needs.
                 pass
             case _:
                 assert_never(output)
@@ -452,6 +459,8 @@ class HumanRenderer(Renderer):
                 | CompactionBegin()
                 | CompactionEnd()
                 | Rewind()
+                | TaskQueuedOutput()
+                | TaskQueueDropped()
             ):
                 pass  # a subagent shows its words, its tool calls and its end, nothing more
             case _:
@@ -572,6 +581,11 @@ def _record_detail(record: Output) -> str:
                 f"wall={record.wall_ms}ms"
             )
             return f"{text} {record.message}" if record.message else text
+        case TaskQueuedOutput():
+            return f"{record.queue_id}: {clip(_one_line(_content_text(record.content)), 120)}"
+        case TaskQueueDropped():
+            dropped = " ".join(record.queue_ids)
+            return f"{dropped} {clip(_one_line(record.reason), 120)}" if record.reason else dropped
         case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():
             return ""  # live only: never in a trace
         case _:

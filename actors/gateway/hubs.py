@@ -66,6 +66,8 @@ from greenroom.protocols.outputs import (
     RequestEnd,
     Rewind,
     TaskEnd,
+    TaskQueuedOutput,
+    TaskQueueDropped,
     TaskStart,
     TokenUsageOutput,
     ToolCallOutput,
@@ -262,6 +264,8 @@ class SessionHub:
                     | Abort()
                     | CallInDoubt()
                     | Rewind()
+                    | TaskQueuedOutput()
+                    | TaskQueueDropped()
                 ):
                     pass  # forwarded to the subscriptions, nothing more
                 case _:

@@ -83,6 +83,8 @@ from greenroom.protocols.outputs import (
     RequestEnd,
     Rewind,
     TaskEnd,
+    TaskQueuedOutput,
+    TaskQueueDropped,
     TaskStart,
     TokenUsageOutput,
     ToolCallOutput,
@@ -347,6 +349,8 @@ class GenAIObserver:
                 | CallResolved()
                 | ToolHook()
                 | Rewind()
+                | TaskQueuedOutput()
+                | TaskQueueDropped()
             ):
                 # Live text, progress, a wait for a person, a call found in doubt after a
                 # restart: no span of their own (the call's result ends its span); what a

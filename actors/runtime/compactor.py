@@ -169,6 +169,10 @@ class CompactionRun:
                 output_schema=answers.schema if answers is not None else None,
             )
         )
+        # The new file is read on its own when the session is loaded: the follow-ups
+        # queued so far are recorded in it again (R-STEER-6).
+        for queued in port.machine.record.queued:
+            emitter.emit(attrs.evolve(queued, seq=None))
         emitter.flush()
         await sync()
 

@@ -39,8 +39,10 @@ class OpenTaskIndex:
                 except OSError:
                     continue  # unreadable: listed by list_sessions, not resumed
                 machine = fold(list(loaded.records))
-                if machine.run_id is not None or machine.record.unstarted is not None:
-                    found.add(entry.session_id)  # a task open, or a run not yet started
+                record = machine.record
+                if machine.run_id is not None or record.unstarted is not None or record.queued:
+                    # A task open, a run not yet started, or follow-ups queued (R-STEER-6).
+                    found.add(entry.session_id)
             self._open |= found
             self._scanned = True
         return sorted(s for s in self._open if s not in open_here)

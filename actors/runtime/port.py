@@ -88,12 +88,14 @@ class TaskInput:
     """One task to run: the prompt and the run options that apply to it. ``approve`` is a
     callback, ``"people"`` (calls wait for a person: R-HITL) or None (denied by default);
     ``output`` the answer it requires (R-OUT-1), if any: its schema is recorded in the
-    task's ``task_start``."""
+    task's ``task_start``. ``queued_id`` names the ``task_queued`` record of a follow-up
+    (R-STEER-6): its prompt says it started it."""
 
     content: tuple[UserContent, ...]
     approve: Approval
     thinking_level: str | None
     output: OutputSpec | None = None
+    queued_id: str | None = None
 
 
 @attrs.frozen(kw_only=True, slots=True)

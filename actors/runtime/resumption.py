@@ -15,7 +15,10 @@ takes the task up where the trace left it, through :func:`take_up`:
   failed, to be tried again (R-RETRY-4); a call being decided is asked again unless a
   person has it;
 - every request waiting for a person keeps waiting, held to the session's timeout policy
-  from the moment it was first asked (R-HITL-1).
+  from the moment it was first asked (R-HITL-1);
+- the follow-ups the trace holds as queued (``task_queued``, neither started nor dropped)
+  are queued again, in order, behind the task (:func:`requeue_recorded`, R-STEER-6); with
+  no task open the first of them starts.
 
 Nothing is ever lost for a parked task (nothing was in flight); for the others the task
 goes on with the host-lost note as steering, so the model knows what happened.
@@ -23,19 +26,24 @@ goes on with the host-lost note as steering, so the model knows what happened.
 
 from __future__ import annotations
 
+import uuid
+
+import attrs
 import trio
 
-from greenroom.actors.runtime.emitter import OutputEmitter
+from greenroom.actors.runtime.emitter import OutputEmitter, repaired_blocks
 from greenroom.actors.runtime.port import Parked, SessionPort, TaskInput
 from greenroom.actors.runtime.turn_runner import TurnRunner
 from greenroom.protocols import markers
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.messages import PlanBackoff, StreamerCommand
-from greenroom.protocols.outputs import CompactionEnd, TaskStart
+from greenroom.protocols.outputs import CompactionEnd, TaskQueuedOutput, TaskStart
+from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.stream import ModelError
+from greenroom.protocols.structured import output_spec
 from greenroom.protocols.task import Phase
 
-__all__ = ["parked_or_lost", "take_up"]
+__all__ = ["parked_or_lost", "queued_record", "requeue_recorded", "take_up"]
 
 _OPEN_ATTEMPT = frozenset({Phase.MODEL, Phase.TOOLS, Phase.RETRY, Phase.FAILED})
 """Phases in which the trace leaves an attempt whose calls the task must know again."""
@@ -50,6 +58,42 @@ def parked_or_lost(port: SessionPort) -> tuple[TaskInput, Parked | None]:
     if parked is not None:
         return parked.task, parked
     return TaskInput(content=(), approve=port.lost_approve, thinking_level=None), None
+
+
+def queued_record(port: SessionPort, task: TaskInput) -> tuple[TaskInput, TaskQueuedOutput]:
+    """A user's follow-up ``task`` with the id it is queued under, and its ``task_queued``
+    record (R-STEER-6): what a host that takes the session up needs to run it."""
+    queue_id = "queued_" + uuid.uuid4().hex[:12]
+    approve = task.approve
+    record = TaskQueuedOutput(
+        session_id=port.id,
+        run_id=port.machine.run_id or "",
+        queue_id=queue_id,
+        content=repaired_blocks(task.content),  # a lone surrogate must not fail the task
+        approve="deny" if approve is None else "people" if approve == PEOPLE else "host",
+        thinking_level=task.thinking_level,
+        output_schema=task.output.schema if task.output is not None else None,
+    )
+    return attrs.evolve(task, queued_id=queue_id), record
+
+
+def requeue_recorded(port: SessionPort) -> None:
+    """Queue again the follow-ups ``port``'s trace holds as queued (a fresh load's machine
+    has none in memory): each with its recorded options, a host's callback replaced by the
+    port's ``lost_approve`` as for the task its host stopped under."""
+    machine = port.machine
+    for record in machine.record.queued:
+        approve = record.approve
+        machine.queue_task(
+            TaskInput(
+                content=record.content,
+                approve=PEOPLE if approve == "people" else None if approve == "deny"
+                else port.lost_approve,
+                thinking_level=record.thinking_level,
+                output=output_spec(record.output_schema) if record.output_schema else None,
+                queued_id=record.queue_id,
+            )
+        )
 
 
 def take_up(

@@ -71,6 +71,8 @@ from greenroom.protocols.outputs import (
     RequestEnd,
     Rewind,
     TaskEnd,
+    TaskQueuedOutput,
+    TaskQueueDropped,
     TaskStart,
     TaskStatus,
     TokenUsageOutput,
@@ -250,6 +252,8 @@ class RunStream:
                 | CallInDoubt()
                 | CallResolved()
                 | Rewind()
+                | TaskQueuedOutput()
+                | TaskQueueDropped()
             ):
                 pass
             case _:
@@ -671,7 +675,9 @@ class Session:
         output_schema: Any = None,
     ) -> bool:
         """Queue a whole new task to run after the current one, FIFO (R-STEER-6). Its
-        outputs continue the running ``RunStream``. Returns False when idle; raises
+        outputs continue the running ``RunStream``. The trace records it (``task_queued``):
+        a host that takes the session up after this one stopped runs it, in its place in
+        the queue (``Host.resume``); an interrupt drops it. Returns False when idle; raises
         :class:`HostClosed` while the host drains (a queued task would be lost with it).
         ``output_schema`` as for :meth:`run` (R-OUT-1): the follow-up's answer is its
         ``task_end.output``, a dict (the stream's :meth:`RunStream.result` builds the
@@ -685,7 +691,7 @@ class Session:
             thinking_level=thinking_level,
             output=output,
         )
-        return self._port.deliver(TaskQueued(task=task))
+        return self._port.deliver(TaskQueued(task=task, follow_up=True))
 
     def interrupt(
         self, reason: str = "interrupted by host", *, scope: InterruptScope = "tree"

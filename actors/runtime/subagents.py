@@ -82,6 +82,8 @@ from greenroom.protocols.outputs import (
     RequestEnd,
     Rewind,
     TaskEnd,
+    TaskQueuedOutput,
+    TaskQueueDropped,
     TaskStart,
     TokenUsageOutput,
     ToolCallOutput,
@@ -367,6 +369,8 @@ class ChildWatch:
                     | CallInDoubt()
                     | CallResolved()
                     | Rewind()
+                    | TaskQueuedOutput()
+                    | TaskQueueDropped()
                 ):
                     pass  # neither the answer nor the budget needs them
                 case _:

@@ -44,7 +44,7 @@ import functools
 import logging
 import math
 from collections.abc import Awaitable, Callable
-from typing import TypeVar, assert_never
+from typing import Any, TypeVar, assert_never
 
 import trio
 
@@ -53,7 +53,7 @@ from greenroom.actors.runtime.drain import holds_for_drain
 from greenroom.actors.runtime.emitter import OutputEmitter, repaired_blocks
 from greenroom.actors.runtime.errors import ImageRefused
 from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput
-from greenroom.actors.runtime.resumption import parked_or_lost
+from greenroom.actors.runtime.resumption import parked_or_lost, queued_record, requeue_recorded
 from greenroom.actors.runtime.running_task import RunningTask, build_request
 from greenroom.actors.runtime.tree import background_count, end_subtree, tell
 from greenroom.protocols.content import UserContent
@@ -80,7 +80,7 @@ from greenroom.protocols.messages import (
     TraceFailed,
     WorkDone,
 )
-from greenroom.protocols.outputs import Output, TaskStart, TaskStatus, UserMsg
+from greenroom.protocols.outputs import Output, TaskQueueDropped, TaskStart, TaskStatus, UserMsg
 from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.task import (
     BeginAttempt,
@@ -112,6 +112,11 @@ logger = logging.getLogger(__name__)
 
 CANCELLED_BY_HOST = "cancelled by host"
 """The interrupt reason of a run whose ``cancel`` event was set."""
+
+STALE_QUEUE = "not taken up after the session's host stopped; new work started"
+"""Why follow-ups a stopped host left recorded as queued are dropped when the session's
+next work starts without them (nobody took them up: ``Host.resume`` would have queued
+them), as its open task is then recovered as interrupted (R-TRACE-4)."""
 
 ABORT_GRACE_S = 2.0
 """Bound on the shielded teardown after a task: writing its last records (``abort``,
@@ -199,6 +204,8 @@ class SessionSupervisor:
         else:
             # The run's own task (its handle sent it first) starts before later messages
             # are read: an interrupt that follows at once ends it aborted, not dropped.
+            if not self._machine.has_queued_tasks:  # else taken up: Host.resume queued them
+                _drop_recorded(self._out, self._port, STALE_QUEUE)
             with contextlib.suppress(trio.WouldBlock):
                 self._handle(self._inbox.receive_nowait())
         return False
@@ -313,12 +320,12 @@ class SessionSupervisor:
                 else:
                     machine.queue_task(message.follow_up)
             case TaskQueued():
-                machine.queue_task(message.task, message.kind)
+                machine.queue_task(_queued(self._out, self._port, message), message.kind)
             case InterruptTask():
                 # A node's own interrupt leaves its background children running: their
                 # answers still reach it, as follow-ups (not when the session closes).
                 node = message.scope == "node" and not self._port.closed
-                machine.interrupt(message.reason, keep_answers=node)
+                _interrupt(self._out, self._port, message.reason, keep_answers=node)
                 if message.scope == "tree":
                     end_subtree(self._port, "parent task interrupted")
             case BackoffSkipped():
@@ -365,20 +372,16 @@ class SessionSupervisor:
             read = await self._serving(lambda: _attach_prompt(port, input_.content))
             content = read[0] if read is not None else None
         if not isinstance(content, tuple):
-            refused: TaskStatus = "aborted" if content is None else "failed"
-            self._out.emit(task.task_end(refused, content or self._machine.stop_reason))
-            self._out.commit()
+            _refused(self._out, port, task, input_, content)
             return
         # R-TRACE-3: the input is a fact of the session before the task starts: durable
         # before task_start exists.
         schema = input_.output.schema if input_.output is not None else None
         prompt = self._out.emit(
             UserMsg(
-                session_id=port.id,
-                run_id=task.run_id,
-                kind="prompt",
-                content=repaired_blocks(content),
-                output_schema=schema,
+                session_id=port.id, run_id=task.run_id, kind="prompt",
+                content=repaired_blocks(content), output_schema=schema,
+                queued_id=input_.queued_id,
             )
         )
         await self._sync()
@@ -571,6 +574,53 @@ class SessionSupervisor:
         return (result[0],) if result and not self._machine.stopping else None
 
 
+def _queued(out: OutputEmitter, port: SessionPort, message: TaskQueued) -> Any:
+    """The task ``message`` queues. A user's follow-up is recorded first (``task_queued``,
+    written with the next batch and durable with the trace's next sync), so that a host
+    that takes the session up runs it (R-STEER-6). A background child's report is not:
+    its parent gets it from the child's own trace when the child is taken up
+    (``child_reports``), and recording it here too would deliver it twice."""
+    if not message.follow_up or not isinstance(message.task, TaskInput):
+        return message.task
+    task, record = queued_record(port, message.task)
+    out.emit(record)
+    out.flush()
+    return task
+
+
+def _drop_recorded(
+    out: OutputEmitter, port: SessionPort, reason: str, only: str | None = None
+) -> None:
+    """Record that the follow-ups recorded as queued (or just ``only``) will not run."""
+    machine = port.machine
+    ids = tuple(q.queue_id for q in machine.record.queued if only in (None, q.queue_id))
+    if ids:
+        out.emit(TaskQueueDropped(session_id=port.id, run_id=machine.run_id or "",
+                                  queue_ids=ids, reason=reason))
+
+
+def _interrupt(out: OutputEmitter, port: SessionPort, reason: str, *, keep_answers: bool) -> None:
+    """Interrupt the open task and drop the queue (R-ABORT-1), the recorded follow-ups with
+    it: a host that takes the session up later does not run them."""
+    _drop_recorded(out, port, f"interrupted: {reason}")
+    port.machine.interrupt(reason, keep_answers=keep_answers)
+
+
+def _refused(
+    out: OutputEmitter, port: SessionPort, task: RunningTask, input_: TaskInput,
+    refused: str | None,
+) -> None:
+    """A task whose input was refused (an image: ``refused`` says why) or interrupted
+    (``refused`` None) before its prompt was recorded ends at once (R-SEC-8); a
+    follow-up's recorded queue entry goes with it, so that nobody runs it later (an
+    interrupt has dropped it already)."""
+    if refused is not None and input_.queued_id is not None:
+        _drop_recorded(out, port, refused, only=input_.queued_id)
+    status: TaskStatus = "aborted" if refused is None else "failed"
+    out.emit(task.task_end(status, refused or port.machine.stop_reason))
+    out.commit()
+
+
 def _report_trace_failure(inbox: trio.MemorySendChannel[SupervisorMessage], message: str) -> None:
     with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
         inbox.send_nowait(TraceFailed(message=message))
@@ -678,13 +728,17 @@ def take_up_stored(port: SessionPort, approve: Approval) -> None:
     """Take up the work a stopped host left in ``port``'s trace (``Host.resume``): its open
     task, or the task of a prompt it recorded and had not started (the run was accepted:
     :meth:`~greenroom.protocols.task.TaskMachine.adopt_unstarted`), with ``approve`` for
-    its calls. Nothing when a supervisor runs it already, or for a foreground subagent
-    (its parent's call ended with that host)."""
+    its calls, then the follow-ups it recorded as queued (R-STEER-6). Nothing when a
+    supervisor runs it already, or for a foreground subagent (its parent's call ended
+    with that host)."""
     if port.inbox is not None or (port.parent_id is not None and port.report_as is None):
         return
     machine = port.machine
-    if machine.run_id is not None or machine.adopt_unstarted():
-        port.lost_approve = approve
+    port.lost_approve = approve
+    if port.parked_task is None:
+        # Loaded, not parked here: the queue it had is the one its trace records.
+        requeue_recorded(port)
+    if machine.run_id is not None or machine.adopt_unstarted() or machine.has_queued_tasks:
         wake(port, None)
 
 
