@@ -777,13 +777,15 @@ class TaskMachine:
         return bool(self._queued)
 
     @property
+    def queued_tasks(self) -> tuple[Any, ...]:
+        """The tasks that wait behind the open one, in order (R-STEER-6)."""
+        return tuple(task for task, _ in self._queued or ())
+
+    @property
     def stopping(self) -> bool:
         """Whether the open task was told to stop (an interrupt, a failure or a budget)."""
-        return (
-            self._interrupt is not None
-            or self._fail_message is not None
-            or self._budget_message is not None
-        )
+        stops = (self._interrupt, self._fail_message, self._budget_message)
+        return stops != (None, None, None)
 
     @property
     def takes_steering(self) -> bool:
@@ -877,12 +879,8 @@ class TaskMachine:
         self._children = count
 
     def _holds_for_children(self) -> bool:
-        return (
-            self._limits.wait_for_children
-            and self._children > 0
-            and not self.record.calls
-            and not self._steering
-        )
+        waits = self._limits.wait_for_children and self._children > 0
+        return waits and not self.record.calls and not self._steering
 
     def hold(self) -> None:
         """The host drains (R-DRAIN-1): the step just issued — a turn's first request,

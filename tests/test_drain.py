@@ -206,18 +206,14 @@ async def test_steering_while_the_drain_holds_a_task_is_recorded_for_the_next_ho
     assert "and the corners" in str(request.messages)
 
 
-async def test_a_task_with_a_follow_up_queued_runs_on_and_the_follow_up_is_held(
+async def test_a_task_with_a_follow_up_queued_is_held_and_the_next_host_runs_both(
     data_dir: Path, workspace: Path
 ) -> None:
-    # A follow-up queued before the drain lives in this host's memory alone: the task it
-    # waited behind was held, and the next host took that task up without it (lost,
-    # though follow_up had answered True). Now the task runs on to its end, and the
-    # follow-up is held at its first boundary, its prompt in the trace.
+    """R-DRAIN-1, R-STEER-6: the follow-up is in the trace (``task_queued``), so the task
+    it waits behind is held at its boundary like any other, sending no request; the next
+    host takes the task up, then runs the follow-up, each once."""
     slow = SlowTool()
-    first = ScriptedProvider([
-        Reply(blocks=(text("Working."), tool_call("c1", "slow", x=1))),
-        Reply(blocks=(text("Done with 1."),)),
-    ])  # fmt: skip
+    first = ScriptedProvider([Reply(blocks=(text("Working."), tool_call("c1", "slow", x=1)))])
     async with open_host(data_dir) as host:
         session = await _working(host, workspace, first, slow)
         with trio.fail_after(RUN_TIMEOUT_S):
@@ -227,19 +223,26 @@ async def test_a_task_with_a_follow_up_queued_runs_on_and_the_follow_up_is_held(
                 await trio.testing.wait_all_tasks_blocked()
                 slow.release.set()
         assert held == [session.id]
+        assert len(first.requests) == 1  # the boundary sent no request
         sid = session.id
 
-    again = ScriptedProvider([Reply(blocks=(text("Done with 2."),))])
+    again = ScriptedProvider([
+        Reply(blocks=(text("Done with 1."),)),
+        Reply(blocks=(text("Done with 2."),)),
+    ])  # fmt: skip
     async with open_host(data_dir) as host:
         session = await host.resume(sid, provider=again, tools=[slow.tool])
         with trio.fail_after(RUN_TIMEOUT_S):
             await session.wait_idle()
         lines = trace_lines(session)
+    assert slow.ran == [1]  # not run again
     assert [line["status"] for line in lines if line["type"] == "task_end"] == [
         "completed", "completed",
     ]
-    (request,) = again.requests
-    assert "then do 2" in str(request.messages)
+    first_turn, follow_up = again.requests
+    assert "worked on 1" in str(first_turn.messages) and "then do 2" not in str(first_turn.messages)
+    assert "then do 2" in _said(follow_up)
+    assert not any(markers.HOST_LOST_CONTINUATION in str(line) for line in lines)
 
 
 async def test_a_task_whose_request_fails_during_a_drain_with_steering_queued_holds_it_recorded(

@@ -7,7 +7,8 @@ the steering it took recorded, and holds nothing; see ``SessionSupervisor._hold`
 foreground subagent is not held: it is part of its parent's tool call, which finishes. A
 session whose task is held, or parked on people, is then handed over when a hand-over is
 given (a cluster host hands it to another host at once: R-DRAIN-2); else the next host
-to open the data dir takes it up (``resume_tasks``)."""
+to open the data dir takes it up (``resume_tasks``), with the follow-ups queued behind it
+(recorded as ``task_queued``: R-STEER-6)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import trio
 
-from greenroom.actors.runtime.port import SessionPort
+from greenroom.actors.runtime.port import SessionPort, TaskInput
 
 __all__ = ["HandOver", "drain_sessions", "holds_for_drain"]
 
@@ -25,13 +26,15 @@ HandOver = Callable[[str], Awaitable[None]]
 
 def holds_for_drain(port: SessionPort) -> bool:
     """Whether ``port``'s task stops at its next turn boundary: its host drains, it is no
-    foreground subagent (whose parent's call must finish), and no follow-up waits behind
-    it — queued tasks are in this host's memory alone, so such a task runs on (within the
-    drain's grace) and the follow-up after it is held once its prompt is in the trace."""
+    foreground subagent (whose parent's call must finish), and every task queued behind it
+    is a user's follow-up, which the trace holds (``task_queued``): the host that takes
+    the task up runs them after it (R-STEER-6). A background child's report queued as a
+    task (or steering that came too late, or a compaction) is in this host's memory
+    alone: such a task runs on, within the drain's grace, and a later boundary holds."""
     return (
         port.host.draining
         and (port.parent_id is None or port.report_as is not None)
-        and not port.machine.has_queued_tasks
+        and all(isinstance(t, TaskInput) and t.queued_id for t in port.machine.queued_tasks)
     )
 
 

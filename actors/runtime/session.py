@@ -678,7 +678,7 @@ class Session:
         outputs continue the running ``RunStream``. The trace records it (``task_queued``):
         a host that takes the session up after this one stopped runs it, in its place in
         the queue (``Host.resume``); an interrupt drops it. Returns False when idle; raises
-        :class:`HostClosed` while the host drains (a queued task would be lost with it).
+        :class:`HostClosed` while the host drains (it takes no new task: R-DRAIN-1).
         ``output_schema`` as for :meth:`run` (R-OUT-1): the follow-up's answer is its
         ``task_end.output``, a dict (the stream's :meth:`RunStream.result` builds the
         class of the run's own schema only for the run's own task)."""
