@@ -196,6 +196,38 @@ async def test_a_background_child_taken_up_after_a_crash_reports_to_its_parent(
     assert [line["type"] for line in root_lines].count("task_start") == 2
 
 
+async def test_a_childs_report_taken_up_after_a_crash_is_delivered_once_across_restarts(
+    data_dir: Path, workspace: Path, tmp_path: Path
+) -> None:
+    """R-TREE-2, R-STEER-6: a report reaches its parent as a follow-up that is not
+    recorded as ``task_queued`` (the child's own trace makes it durable: recording it too
+    would deliver it twice), so a host opened after the report ran finds no work left and
+    runs it no second time."""
+    root_id = await _crash_mid_child_call(data_dir, workspace, tmp_path, background=True)
+    model = ScriptedProvider(_after_takeup)
+    tools = [_pay_tool([]), spawn_subagent]
+    async with open_host(data_dir) as host:
+        root = await host.load_session(root_id, provider=model, tools=tools)
+        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
+        root.watch(send)
+        child_id = await _child_of(host, root_id)
+        await host.resume(child_id, provider=model, tools=tools, approve=lambda call: "allow")
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await _until_task_end(inbox)
+        reported = trace_lines(root)
+    assert "task_queued" not in [line["type"] for line in reported]
+    asked = len(model.requests)
+
+    async with Host.open(data_dir, resume_tasks=True, tools=tools) as host:
+        assert await host.resume_tasks() == []
+        root = await host.load_session(root_id, provider=model, tools=tools)
+        assert not root.busy
+        assert trace_lines(root) == reported
+    assert len(model.requests) == asked
+    prompts = [line for line in reported if line["type"] == "user_msg"]
+    assert sum("[subagent payer finished]" in str(p["content"]) for p in prompts) == 1
+
+
 async def test_a_foreground_child_is_not_taken_up_after_a_crash(
     data_dir: Path, workspace: Path, tmp_path: Path
 ) -> None:

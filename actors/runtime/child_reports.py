@@ -15,6 +15,11 @@ A foreground child is not taken up: the call that ran it got its host-lost resul
 rest of its parent's task (R-CLUSTER-2), so its answer would reach nobody. Its task stays
 open in its trace, recovered as interrupted when the session is next used (R-TRACE-4).
 
+A report queued in its parent as a follow-up task is not recorded there (``task_queued``,
+R-STEER-6, is for a user's follow-ups): the child's trace is what makes it durable, and a
+child whose task its host had not ended is taken up and reports again; recorded in the
+parent too, it would be delivered twice.
+
 A report is sent once, when the child's taken-up task ends; the child then leaves the
 host's open sessions as a live child does, except in a cluster, where it stays open on
 the host that took it over. A child whose task ended on the
