@@ -673,9 +673,9 @@ Output: TypeAlias = (
     | CompactionEnd
     | CallInDoubt
     | CallResolved
-    | Rewind
     | TaskQueuedOutput
     | TaskQueueDropped
+    | Rewind
     | TaskEnd
 )
 """Every output: the closed union to ``match`` on (exhaustively, ending with

@@ -33,8 +33,10 @@ from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import ModelRequest, UserMessage
 from greenroom.protocols.converter import output_from_dict
 from greenroom.protocols.outputs import TaskQueuedOutput, TaskQueueDropped, UserMsg
+from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.task import fold
 from greenroom.protocols.time_travel import settlement
+from greenroom.protocols.tools import make_tool
 
 
 def streaming_forever() -> tuple[Any, trio.Event]:
@@ -226,3 +228,40 @@ async def test_follow_ups_nobody_took_up_are_dropped_when_a_new_task_starts(
     assert [last_words(r) for r in after.requests][-1][-1] == "something else"
     async with Host.open(crash_dir, resume_tasks=True) as third:
         assert await third.resume_tasks() == []
+
+
+async def test_follow_ups_behind_a_task_parked_on_a_person_run_once_it_is_answered(
+    data_dir: Path, workspace: Path
+) -> None:
+    """R-STEER-6, R-HITL-4: a host closes with a task parked on a person and a follow-up
+    queued behind it; the next host, without taking anything up, gets the person's answer:
+    the task goes on to its end, then the follow-up runs."""
+    paid: list[int] = []
+
+    async def pay(amount: int) -> str:
+        """Pay an amount."""
+        paid.append(amount)
+        return f"paid {amount}"
+
+    tools = [make_tool(pay, parallel=False)]
+    ask = ScriptedProvider([Reply(blocks=(text("Paying."), tool_call("p1", "pay", amount=7)))])
+    async with open_host(data_dir) as host:
+        session = await host.create_session(provider=ask, tools=tools, workspace_dir=workspace)
+        session.run("pay 7", approve=PEOPLE).detach()
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await session.wait_idle()  # parked (R-HITL-3)
+            assert session.follow_up("then say thanks")
+            await session.wait_idle()  # woken by the follow-up, parked again
+        sid = session.id
+
+    after = ScriptedProvider([Reply(blocks=(text("Paid."),)), Reply(blocks=(text("Thanks!"),))])
+    async with open_host(data_dir) as host:
+        session = await host.load_session(sid, provider=after, tools=tools)
+        (pending,) = await host.pending_approvals()
+        await host.answer_approval(sid, "p1", "allow", digest=pending.digest)
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await session.wait_idle()
+        lines = trace_lines(session)
+    assert paid == [7]
+    assert [line["status"] for line in lines if line["type"] == "task_end"] == ["completed"] * 2
+    assert last_words(after.requests[-1]) == ["then say thanks"]

@@ -711,6 +711,10 @@ def wake(port: SessionPort, message: SupervisorMessage | None) -> None:
     reader, when a parked task has one, reads on; otherwise the outputs reach the trace
     and the session's watchers only."""
     parked = port.parked_task
+    if parked is None:
+        # Loaded, not parked here (an answer or Host.resume wakes it): the queue it had is
+        # the one its trace records (R-STEER-6).
+        requeue_recorded(port)
     output = parked.output if parked is not None else None
     if output is None:
         # Unbounded and unread: nothing waits on it; the trace and watchers get all.
@@ -734,11 +738,8 @@ def take_up_stored(port: SessionPort, approve: Approval) -> None:
     if port.inbox is not None or (port.parent_id is not None and port.report_as is None):
         return
     machine = port.machine
-    port.lost_approve = approve
-    if port.parked_task is None:
-        # Loaded, not parked here: the queue it had is the one its trace records.
-        requeue_recorded(port)
-    if machine.run_id is not None or machine.adopt_unstarted() or machine.has_queued_tasks:
+    if machine.run_id is not None or machine.adopt_unstarted() or machine.record.queued:
+        port.lost_approve = approve
         wake(port, None)
 
 
