@@ -5,6 +5,7 @@ never sleeps. The pure frame code (``protocols/jsonrpc.py``) is tested at the en
 
 from __future__ import annotations
 
+import base64
 import functools
 import hashlib
 import json
@@ -803,6 +804,71 @@ async def test_a_gateway_stop_waits_for_the_close_handshakes_not_the_close_timeo
                         assert reason is not None
                         assert (reason.code, reason.reason) == (1001, "server shutting down")
                     await stopped.wait()
+
+
+async def silent_websocket_client(port: int) -> trio.SocketStream:
+    """A client that completes the websocket handshake and then reads nothing: it never
+    answers a close frame, so the gateway's stop waits the close timeout for it."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    key = base64.b64encode(os.urandom(16)).decode()
+    await stream.send_all(
+        (
+            f"GET /v1 HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+            f"Sec-WebSocket-Version: 13\r\nAuthorization: Bearer {TOKEN}\r\n\r\n"
+        ).encode()
+    )
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        chunk = await stream.receive_some(4096)
+        assert chunk, f"the gateway closed during the handshake: {answer!r}"
+        answer += chunk
+    assert answer.startswith(b"HTTP/1.1 101"), answer
+    return stream
+
+
+async def test_a_gateway_started_again_while_its_last_run_closes_serves_its_sessions(
+    tmp_path: Path,
+) -> None:
+    """R-DRAIN-1, R-HITL-2: a gateway stopped and started again (the console's reconnect,
+    a host that restarts its gateway) serves subscriptions even while its last run still
+    waits for a client's close handshake. The two runs shared the gateway's hubs and
+    titles, and the ending run cleared them under the new one: every subscribe then failed
+    with "the gateway has stopped"."""
+    limits = GatewayLimits(close_timeout_s=1.0)  # how long the silent client holds the stop
+    (tmp_path / "workspace").mkdir()
+    with trio.fail_after(BOUND_S):
+        async with Host.open(tmp_path / "data") as host, trio.open_nursery() as nursery:
+            defaults = SessionDefaults(
+                provider_factory=lambda: ScriptedProvider([Reply(blocks=(text("hi"),))]),
+                workspace_dir=tmp_path / "workspace",
+            )
+            gateway = Gateway(host, token=TOKEN, port=0, defaults=defaults, limits=limits)
+            server = Server(host=host, gateway=gateway, providers=[])
+            old_run_ended = trio.Event()
+
+            async def run_gateway(
+                scope: trio.CancelScope, ended: trio.Event, *, task_status: trio.TaskStatus[int]
+            ) -> None:
+                with scope:
+                    await gateway.run(task_status=task_status)
+                ended.set()
+
+            first = trio.CancelScope()
+            await nursery.start(run_gateway, first, old_run_ended)
+            async with connect(server) as client:
+                sid = (await client.result("session.create"))["session_id"]
+            silent = await silent_websocket_client(gateway.port)
+            first.cancel()
+            await nursery.start(run_gateway, trio.CancelScope(), trio.Event())
+            await silent.aclose()
+            await old_run_ended.wait()
+            async with connect(server) as client:
+                await client.result("session.subscribe", {"session_id": sid})
+                await client.result("run", {"session_id": sid, "input": "go"})
+                outputs = await client.outputs_until("task_end")
+                assert outputs[-1]["status"] == "completed"
+            nursery.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize("listener", ["websocket", "http"])

@@ -171,6 +171,7 @@ class Gateway:
         self._hubs = Hubs(on_task_end=self._titles.title_once, limits=self.limits)
         self.connections = OpenConnections()
         """The websocket connections the gateway serves (in its latest run)."""
+        self._one_run = trio.Lock()
         self._calls = Methods(
             host,
             defaults=self.defaults,
@@ -230,7 +231,14 @@ class Gateway:
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen and serve until cancelled; reports the bound port when it accepts
         connections. Cancelling closes every connection (1001, with a reason); sessions
-        keep running in the host."""
+        keep running in the host. The gateway may be run again once stopped; a run
+        started while the last one still closes its connections waits for it to end."""
+        # The runs share the hubs and titles, which an ending run clears: one started
+        # beside it would lose them and answer every subscribe "the gateway has stopped".
+        async with self._one_run:
+            await self._serve(task_status)
+
+    async def _serve(self, task_status: trio.TaskStatus[int]) -> None:
         defaults = self.defaults
         root = defaults.workspace_root or defaults.workspace_dir
         self._calls.creation.workspace_root = await trio.to_thread.run_sync(resolved, root)
