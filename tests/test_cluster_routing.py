@@ -7,7 +7,7 @@ from typing import Any
 
 import trio
 
-from greenroom.actors.cluster.connection import Connection
+from greenroom.actors.cluster.connection import Connection, connect
 from greenroom.actors.cluster.errors import OwnerUnreachable
 from greenroom.actors.cluster.registry import (
     HostRecord,
@@ -295,3 +295,91 @@ def test_requests_that_arrive_as_the_owner_stops_serving_are_turned_away_at_once
     late = replies["late"]["error"]
     assert late["code"] == OWNER_UNREACHABLE
     assert late["data"] == {"outcome": NOT_DONE}
+
+
+IN_FLIGHT_BOUND_S = 15.0
+"""Far below the senders' timeout (60 s): a call answered within it was not lost."""
+
+
+def test_calls_forwarded_as_the_owner_stops_serving_all_hear_at_once(
+    nats_server: NatsProcess,
+) -> None:
+    """R-CLUSTER-1: another host's gateway forwards a stream of calls to a session (64 at a
+    time) while its owner stops serving it. Every call hears at once — its reply, a 503
+    saying it was cut short or turned away, or no host serving the session — and none
+    waits out its timeout (60 s here): the owner takes in the calls the server sent it
+    before it stopped, which an unsubscription alone would drop on arrival."""
+    lanes = 64
+
+    async def body(conn: Connection) -> tuple[set[int], dict[str, int]]:
+        gateway_conn = await connect(conn.bridge, nats_server.url, name="gw", names=conn.names)
+        gateway = SessionRequests(gateway_conn)
+        serving = trio.CancelScope()
+        heard = {"result": 0, "cut short": 0, "no host": 0}
+        unanswered: set[int] = set()
+        flowing = trio.Event()
+        sent = 0
+
+        async def owner(_message: dict[str, Any], _answering: Answering) -> dict[str, Any]:
+            return {"result": {}}
+
+        async def serve(task_status: trio.TaskStatus[None]) -> None:
+            with serving:
+                await SessionRequests(conn).serve("s1", owner, task_status=task_status)
+
+        async def lane() -> None:
+            nonlocal sent
+            while True:
+                call, sent = sent, sent + 1
+                unanswered.add(call)
+                try:
+                    reply = await gateway.request("s1", {"method": "run"}, timeout_s=60.0)
+                except OwnerUnreachable:
+                    heard["no host"] += 1
+                    unanswered.discard(call)
+                    return  # the owner has stopped serving: the stream ends
+                unanswered.discard(call)
+                heard["result" if "result" in reply else "cut short"] += 1
+                if heard["result"] >= 4 * lanes:
+                    flowing.set()
+
+        try:
+            with trio.move_on_after(IN_FLIGHT_BOUND_S):
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(serve)
+                    for _ in range(lanes):
+                        nursery.start_soon(lane)
+                    await flowing.wait()
+                    serving.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await gateway_conn.aclose()
+        return unanswered, heard
+
+    unanswered, heard = run_connected(nats_server.url, body, timeout_s=IN_FLIGHT_BOUND_S + 15)
+    assert unanswered == set(), heard
+    assert heard["no host"] == lanes
+
+
+def test_messages_left_in_a_subscription_as_it_ends_are_all_there_after_it(
+    nats_server: NatsProcess,
+) -> None:
+    """R-CLUSTER-1: the messages the server sent a subscription before its block ended and
+    that nobody took yet — more than its inbox holds — are all in the inbox after the
+    block, in order, and the block ends at once (a host that stops serving a session
+    answers the requests among them)."""
+
+    async def body(conn: Connection) -> list[int]:
+        subject = f"{conn.names.prefix}.left"
+        with trio.fail_after(CUT_SHORT_BOUND_S):
+            async with conn.subscription(subject) as messages:
+
+                async def publish() -> None:
+                    for n in range(6000):
+                        await conn.client.publish(subject, str(n).encode())
+                    await conn.client.flush()
+
+                await conn.call(publish())
+        return [int(msg.data) async for msg in messages]
+
+    assert run_connected(nats_server.url, body) == list(range(6000))

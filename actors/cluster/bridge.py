@@ -134,6 +134,7 @@ class Inbox(Generic[T]):
         self._ended = False
         self._taker: trio.Event | None = None
         self._room: asyncio.Event | None = None
+        self._holding_all = False
 
     async def put(self, item: T) -> None:
         """Hand ``item`` to trio (an asyncio coroutine); waits while the inbox is full.
@@ -142,9 +143,16 @@ class Inbox(Generic[T]):
             return
         self._items.append(item)
         self._wake_taker()
-        if len(self._items) >= self._limit:
+        if len(self._items) >= self._limit and not self._holding_all:
             room = self._room = asyncio.Event()
             await room.wait()
+
+    def hold_all(self) -> None:
+        """Hold every item put from now on, however many: trio takes none until the
+        inbox has ended (a subscription being drained, whose last messages are few and
+        must all be put before the drain is done)."""
+        self._holding_all = True
+        self._make_room()
 
     def end(self) -> None:
         """No more items (asyncio side): the iterator ends after those held."""

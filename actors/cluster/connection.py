@@ -189,28 +189,51 @@ class Connection:
         """Subscribe to ``subject`` for the block; yields its messages as a trio async
         iterator (an :class:`~greenroom.actors.cluster.bridge.Inbox`), which ends when
         the connection closes. Messages published from the moment the block starts reach
-        it (the subscription is confirmed by the server first). Unsubscribed on exit,
-        within a bound. Raises :class:`ClusterUnavailable` when the subscription cannot
-        be made."""
+        it (the subscription is confirmed by the server first). Drained on exit, within a
+        bound: the messages the server sent before it stopped are in the inbox when the
+        block ends, for the caller to take after it. Raises :class:`ClusterUnavailable`
+        when the subscription cannot be made."""
         inbox: Inbox[Msg] = self.bridge.inbox()
         self.inboxes.add(inbox)
         sub: Subscription | None = None
+        confirmed = False
         try:
             try:
                 sub = await self.call(self.client.subscribe(subject, cb=inbox.put))
                 await self.call(self.client.flush())
             except nats.errors.Error as exc:
                 raise ClusterUnavailable(f"cannot subscribe to {subject}: {exc}") from exc
+            confirmed = True
             yield inbox
         finally:
             # Also when the confirming flush failed or was cancelled: a subscriber left
             # behind would take the subject's requests and answer none.
             if sub is not None:
                 with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_S):
-                    with contextlib.suppress(ClusterUnavailable, nats.errors.Error):
-                        await self.call(sub.unsubscribe())
+                    await self._end_subscription(sub, inbox, drain=confirmed)
             self.inboxes.discard(inbox)
             inbox.end()
+
+    async def _end_subscription(self, sub: Subscription, inbox: Inbox[Msg], *, drain: bool) -> None:
+        # Drained, not merely unsubscribed: nats-py forgets an unsubscribed subscription
+        # at once and drops what the server sent it before reading the UNSUB, so a
+        # request forwarded to a host as it stops serving a session would wait out its
+        # whole timeout. A drain sends the UNSUB, waits for the server's PONG (all it
+        # sent before has arrived) and for every message to be in the inbox; trio takes
+        # none until the block has ended, so the inbox must hold them all.
+        inbox.hold_all()
+        # Not drained while the connection is down (the drain's round trip would wait for
+        # the server) nor when the subscription was never confirmed (nobody was told it
+        # serves): a drain that fails half way leaves the subscription to the client, which
+        # takes no unsubscription of it any more and subscribes it again when it reconnects.
+        if drain and self.connected:
+            try:
+                await self.call(sub.drain())  # type: ignore[no-untyped-call]
+                return
+            except (ClusterUnavailable, nats.errors.Error):
+                pass
+        with contextlib.suppress(ClusterUnavailable, nats.errors.Error):
+            await self.call(sub.unsubscribe())
 
     async def aclose(self) -> None:
         """Close the client (idempotent; errors while closing are ignored). Bounded: with

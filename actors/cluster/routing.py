@@ -226,8 +226,9 @@ class SessionRequests:
             raise ClusterUnavailable(f"cannot serve {what}: {exc}") from exc
         finally:
             if inbox is not None:
-                # Requests that came while this stopped (unsubscribed now, the inbox
-                # ended) were never handled: their senders may send them again at once.
+                # Requests that came while this stopped (the subscription drained, its
+                # last messages in the inbox) were never handled: their senders may send
+                # them again at once.
                 turned_away = _cut_short(gone, Answering(in_doubt=False))
                 with trio.CancelScope(shield=True), trio.move_on_after(ANSWER_BOUND_S):
                     async for msg in inbox:
