@@ -317,6 +317,26 @@ async def test_cancelling_run_flushes_unsynced_lines(
         sink.write(path, line(4))
 
 
+async def test_a_sync_asked_as_the_actor_is_cancelled_is_answered(
+    tmp_path: Path, disk: FaultyDisk, fsynced: list[Path]
+) -> None:
+    """R-TRACE-2: the actor, waiting for its inbox, is cancelled with its host, and before
+    it runs again a session closing (shielded) asks for a sync. The actor's last batch
+    serves it: the sync returns, its line on disk. Before, the request went with the
+    inbox and the sync waited for ever (a cluster host's shutdown hung on it)."""
+    path = trace_path(tmp_path, "s1")
+    sink = TraceSink(tmp_path, disk=disk)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+        sink.write(path, line(1))
+        with trio.CancelScope(shield=True), trio.fail_after(TIMEOUT):
+            await sink.sync(path)
+    assert seqs(path) == [1]
+    assert path in fsynced
+
+
 async def test_write_after_close_raises(tmp_path: Path) -> None:
     path = trace_path(tmp_path, "s1")
     with trio.fail_after(TIMEOUT):

@@ -572,24 +572,27 @@ class TraceSyncer:
         failure: str | None = None
         try:
             async with inbox:
-                async for message in inbox:
-                    self._take(message)
-                    while True:
+                try:
+                    async for message in inbox:
+                        self._take_queued(message, inbox)
                         try:
-                            self._take(inbox.receive_nowait())
-                        except (trio.WouldBlock, trio.EndOfChannel):
+                            await self._serve(final=False)
+                        except Exception as exc:
+                            # Only a bug gets here, in the writer or the disk below it (what
+                            # the disk refuses is answered, not raised). It must not end the
+                            # host with every session in it: the actor stops, so every later
+                            # sync raises TraceSinkClosed and no waiting sync may pretend its
+                            # lines are durable.
+                            failure = f"the trace writer failed: {exc!r}"
+                            self._answer_all(failure)
                             break
-                    try:
-                        await self._serve(final=False)
-                    except Exception as exc:
-                        # Only a bug gets here, in the writer or the disk below it (what the
-                        # disk refuses is answered, not raised). It must not end the host
-                        # with every session in it: the actor stops, so every later sync
-                        # raises TraceSinkClosed and no waiting sync may pretend its lines
-                        # are durable.
-                        failure = f"the trace writer failed: {exc!r}"
+                finally:
+                    # Requests still queued as the actor stops (cancelled with its host while
+                    # a session's close asks for a sync) would go with the inbox, and their
+                    # callers would wait for an answer for ever: the last batch serves them.
+                    self._take_queued(None, inbox)
+                    if failure is not None:
                         self._answer_all(failure)
-                        break
         finally:
             with trio.CancelScope(shield=True):
                 try:
@@ -600,6 +603,18 @@ class TraceSyncer:
                 finally:
                     self._ledger = None
         return failure
+
+    def _take_queued(
+        self, first: TraceSinkMessage | None, inbox: trio.MemoryReceiveChannel[TraceSinkMessage]
+    ) -> None:
+        """Take ``first`` and every message waiting in ``inbox`` now: one batch for all."""
+        if first is not None:
+            self._take(first)
+        while True:
+            try:
+                self._take(inbox.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
 
     def _take(self, message: TraceSinkMessage) -> None:
         match message:
