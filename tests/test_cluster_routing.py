@@ -3,6 +3,7 @@ owner, against a real nats-server (R-CLUSTER-1)."""
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 import trio
@@ -383,3 +384,37 @@ def test_messages_left_in_a_subscription_as_it_ends_are_all_there_after_it(
         return [int(msg.data) async for msg in messages]
 
     assert run_connected(nats_server.url, body) == list(range(6000))
+
+
+SUBSCRIPTION_END_BOUND_S = 2.5
+"""A subscription's end is bounded at 2 s: a little more on a busy machine."""
+
+
+def test_a_shutdown_during_a_drain_the_server_leaves_unanswered_leaves_no_subscription(
+    nats_server: NatsProcess,
+) -> None:
+    """R-CLUSTER-1: a host shuts down while the server does not answer (stopped): the drain
+    that ends its subscription waits for a round trip that does not come. The block ends
+    within its bound, and the client holds the subscription no more: held, it would be
+    subscribed again when the client reconnects and drop what came to it, every request
+    waiting out its timeout. Before, the drain cut short left it to the client."""
+
+    async def body(conn: Connection) -> tuple[float, set[int]]:
+        subject = f"{conn.names.prefix}.stalled"
+        before = set(conn.client._subs)
+        with trio.CancelScope() as shutdown:
+            async with conn.subscription(subject):
+                made = set(conn.client._subs) - before
+                nats_server.process.send_signal(signal.SIGSTOP)
+                started = trio.current_time()
+                shutdown.cancel()
+                await trio.sleep_forever()
+        took = trio.current_time() - started
+        return took, made & set(conn.client._subs)
+
+    try:
+        took, left = run_connected(nats_server.url, body)
+    finally:
+        nats_server.process.send_signal(signal.SIGCONT)
+    assert took < SUBSCRIPTION_END_BOUND_S
+    assert left == set()

@@ -35,7 +35,7 @@ from typing import Any, Generic, ParamSpec, TypeVar
 import outcome
 import trio
 
-__all__ = ["Bridge", "BridgeClosed", "Inbox", "Messages", "run"]
+__all__ = ["Bridge", "BridgeClosed", "Inbox", "Messages", "run", "within"]
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -184,6 +184,31 @@ class Inbox(Generic[T]):
         room, self._room = self._room, None
         if room is not None:
             room.set()
+
+
+async def within(
+    work: Coroutine[Any, Any, T], bound_s: float, cut_short: Callable[[], Awaitable[object]]
+) -> T:
+    """An asyncio coroutine (for :meth:`Bridge.call`): ``work``'s result, when it is done
+    within ``bound_s``. When it is not (the bound, or this coroutine cancelled: its trio
+    caller's own bound ran out first), ``cut_short()`` is awaited while ``work`` is still
+    under way, then ``work`` is cancelled, and TimeoutError (or the cancellation) raised.
+    For work whose cancellation half way leaves something behind that only an undo made
+    before it is cancelled can clear (a nats-py drain)."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait({task}, timeout=bound_s)
+    finally:
+        if not task.done():
+            try:
+                # Shielded from a second cancellation: the undo runs to its end.
+                await asyncio.shield(asyncio.ensure_future(cut_short()))
+            finally:
+                task.cancel()
+                task.add_done_callback(_swallow)
+    if not task.done():
+        raise TimeoutError(f"not done within {bound_s:g} s")
+    return task.result()
 
 
 def _swallow(task: asyncio.Future[Any]) -> None:

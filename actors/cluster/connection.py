@@ -24,7 +24,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
-from greenroom.actors.cluster.bridge import Bridge, Inbox
+from greenroom.actors.cluster.bridge import Bridge, Inbox, within
 from greenroom.actors.cluster.errors import ClusterUnavailable
 
 __all__ = ["ClusterNames", "Connection", "check_session_id", "connect"]
@@ -33,6 +33,8 @@ T = TypeVar("T")
 
 _TOKEN = re.compile(r"[A-Za-z0-9_-]+")
 _CLOSE_S = 2.0
+_DRAIN_S = 1.0
+"""Within _CLOSE_S: a drain cut short leaves time for the unsubscription after it."""
 
 
 def check_session_id(session_id: str) -> str:
@@ -224,13 +226,22 @@ class Connection:
         inbox.hold_all()
         # Not drained while the connection is down (the drain's round trip would wait for
         # the server) nor when the subscription was never confirmed (nobody was told it
-        # serves): a drain that fails half way leaves the subscription to the client, which
-        # takes no unsubscription of it any more and subscribes it again when it reconnects.
+        # serves). A drain cut short (its bound; the server slow, gone, or reconnecting,
+        # which drops the round trip's PONG; a host's shutdown) is unsubscribed while it
+        # is still under way: nats-py marks a drained subscription closed, refusing any
+        # unsubscription, but forgets it only when the drain ends, so a drain cancelled
+        # half way would leave it to the client, which subscribes it again when it
+        # reconnects and drops what comes to it, each request waiting out its timeout.
         if drain and self.connected:
+
+            async def unsubscribe() -> None:
+                with contextlib.suppress(nats.errors.Error):
+                    await sub.unsubscribe()
+
             try:
-                await self.call(sub.drain())  # type: ignore[no-untyped-call]
+                await self.call(within(sub.drain(), _DRAIN_S, unsubscribe))  # type: ignore[no-untyped-call]
                 return
-            except (ClusterUnavailable, nats.errors.Error):
+            except (ClusterUnavailable, nats.errors.Error, TimeoutError):
                 pass
         with contextlib.suppress(ClusterUnavailable, nats.errors.Error):
             await self.call(sub.unsubscribe())
