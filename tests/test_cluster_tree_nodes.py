@@ -29,9 +29,10 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
+import pytest
 import trio
 from conftest import allow_all, collect
 from trio_websocket import open_websocket_url
@@ -489,6 +490,77 @@ def test_a_finished_subagent_is_opened_where_a_call_reaches_it(
     assert found["replayed"][-1] == "task_end"
     assert found["subscribed"]["replayed"] == len(found["replayed"])
     assert found["steer_via_a"] == {"queued": False}
+
+
+def test_a_call_forwarded_as_its_host_releases_the_session_is_carried_out(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-CLUSTER-1, R-TREE-4: a ``steer`` forwarded through b to a session's host a (its
+    entry names a) is under way there when a begins releasing the session it closed (a
+    subagent that has just reported, say): the release waits for it, the call opens the
+    session on a again and is answered, and the release then ends with the session kept
+    on a. Before, the release's stop cut the call short: a 503 whose ``data.outcome`` said
+    it may have been done. The release is held as it closes the entry, the call as a's
+    gateway method begins: which comes first is the test's, not a race."""
+
+    async def body(cluster: Cluster) -> dict[str, Any]:
+        a, b = cluster.members["a"], cluster.members["b"]
+        found: dict[str, Any] = {}
+        async with client(a, "alice") as alice_a:
+            session_id = (await alice_a.result("session.create"))["session_id"]
+        await until(lambda: _named(cluster, session_id, "alice"))
+        assert a.node.serves(session_id)
+
+        closing, close_now = trio.Event(), trio.Event()
+        close = a.node._entries.close
+
+        async def close_when_told(closed_id: str) -> None:
+            closing.set()
+            await close_now.wait()
+            await close(closed_id)
+
+        monkeypatch.setattr(a.node._entries, "close", close_when_told)
+        methods = cast(dict[str, Any], a.gateway.methods)
+        steer = methods["steer"]
+        serving, serve_now = trio.Event(), trio.Event()
+
+        async def steer_when_told(connection: Any, params: dict[str, Any]) -> Any:
+            serving.set()
+            await serve_now.wait()
+            return await steer(connection, params)
+
+        monkeypatch.setitem(methods, "steer", steer_when_told)
+        await a.host.close_session(session_id)
+        await closing.wait()
+        async with client(b, "alice") as alice_b, trio.open_nursery() as nursery:
+
+            async def steer_through_b() -> None:
+                params = {"session_id": session_id, "input": "anything else?"}
+                found["steer"] = await alice_b.call("steer", params)
+
+            nursery.start_soon(steer_through_b)
+            await serving.wait()  # on a, forwarded: the release begins now
+            close_now.set()
+            await until(lambda: cluster.closed(session_id))
+            # The release waits for the call: a still holds the session.
+            found["holder_meanwhile"] = await cluster.holder(session_id)
+            serve_now.set()
+        if "result" not in found["steer"]:
+            return found  # cut short: nothing opened it again
+        # Opened on a again by the call, the release leaves it there.
+        await until(lambda: _open_entry(cluster, session_id))
+        found["after"] = (await cluster.holder(session_id), a.node.serves(session_id))
+        return found
+
+    found = in_cluster(nats_server, tmp_path, ("a", "b"), body)
+    assert found["steer"].get("result") == {"queued": False}, found["steer"]
+    assert found["holder_meanwhile"] == "a"
+    assert found["after"] == ("a", True)
+
+
+async def _named(cluster: Cluster, session_id: str, principal: str) -> bool:
+    """Whether the directory entry of ``session_id`` lists ``principal``."""
+    return principal in ((await cluster.entry(session_id) or {}).get("principals") or ())
 
 
 # -- a taken-up child's answer for a closed parent ------------------------------------------------

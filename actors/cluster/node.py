@@ -41,9 +41,10 @@ is taken over too (loaded, nothing run), so no session is left without a host.
 A session the host closes with no task open (a subagent whose task ended, which its host
 forgets; a session its user closed: ``Host.on_closed``) leaves the host: out of its load at
 once; then, in its lane after its adoption (:mod:`.lanes`) and once JetStream holds its
-last record, its stream and request server stop, its directory entry is written closed
-(:mod:`.directory_entries`: no orphan) and its claim is released. Opened again here it is
-adopted again; a call through any gateway opens it on that gateway's host (:mod:`.router`).
+last record, its directory entry is written closed (:mod:`.directory_entries`: no orphan),
+its stream and request server stop (once the calls forwarded to it are done:
+:mod:`.in_flight`) and its claim is released. Opened again here it is adopted again; a
+call through any gateway opens it on that gateway's host (:mod:`.router`).
 A session closed while its task waits for people stays this host's (R-HITL-1).
 A session deleted through any host leaves the cluster (metadata, trace and owner). Usage rows are
 not written again: each host's ledger holds the requests it made; what a principal spends
@@ -71,6 +72,7 @@ from greenroom.actors.cluster.connection import ClusterNames, Connection, connec
 from greenroom.actors.cluster.directory_entries import DirectoryEntries, Grantor
 from greenroom.actors.cluster.errors import ClusterError, ClusterUnavailable
 from greenroom.actors.cluster.handover import HandedSince, hand_over
+from greenroom.actors.cluster.in_flight import CallsInFlight
 from greenroom.actors.cluster.lanes import SessionLanes
 from greenroom.actors.cluster.limits import ClusterLimits
 from greenroom.actors.cluster.orphans import OrphanFinder
@@ -162,6 +164,7 @@ class ClusterNode:
         self._placeable = False
         self._handed = HandedSince()
         self._serving: dict[str, trio.Event] = {}
+        self._calls = CallsInFlight(config.lease_ttl_s)
 
     # -- wiring ---------------------------------------------------------------------------
 
@@ -374,7 +377,7 @@ class ClusterNode:
         it (once a gateway is bound: a host without one answers none)."""
         await self._desk_ready.wait()
         assert self._desk is not None
-        handler = self._desk.for_session(session_id)
+        handler = self._calls.counted(session_id, self._desk.for_session(session_id))
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(functools.partial(self._requests.serve, session_id, handler))
@@ -409,7 +412,7 @@ class ClusterNode:
             return  # given up already
         assert self._keeper is not None
         parts = (self.store.log, self._stop_closed, self._entries, self._keeper, self._adopted)
-        release = functools.partial(_release_closed, session_id, *parts)
+        release = functools.partial(_release_closed, session_id, *parts, self._calls)
         try:
             self._lanes.start_soon(self._work, session_id, release)
         except RuntimeError:  # shutting down: released with the host's lease
@@ -431,9 +434,7 @@ class ClusterNode:
         self._adopted.discard(session_id)
         self._load_changed()
         self._serving.pop(session_id, None)
-        scope = self._stream_scopes.pop(session_id, None)
-        if scope is not None:
-            scope.cancel()
+        _stop_stream(self._stream_scopes, session_id)
         if self._work is not None and self._directory is not None:
             assert self._traces is not None and self._keeper is not None
             parts = (self._directory, self._traces, self._keeper)
@@ -459,9 +460,7 @@ class ClusterNode:
         """Stop replicating (nothing more reaches the cluster's trace), then close it here."""
         if self.store is not None:
             self.store.log.forget(session_id)
-        scope = self._stream_scopes.pop(session_id, None)
-        if scope is not None:
-            scope.cancel()
+        _stop_stream(self._stream_scopes, session_id)
         self._adopted.discard(session_id)
         self._load_changed()
         self._serving.pop(session_id, None)
@@ -572,6 +571,13 @@ class ClusterNode:
             await self._keeper.release_all()
 
 
+def _stop_stream(scopes: dict[str, trio.CancelScope], session_id: str) -> None:
+    """Stop ``session_id``'s trace stream and request server, when it has them here."""
+    scope = scopes.pop(session_id, None)
+    if scope is not None:
+        scope.cancel()
+
+
 async def _lane_done(
     lanes: SessionLanes,
     nursery: trio.Nursery | None,
@@ -612,6 +618,7 @@ async def _release_closed(
     entries: DirectoryEntries,
     keeper: OwnershipKeeper,
     adopted: set[str],
+    calls: CallsInFlight,
 ) -> None:
     """A session closed here leaves the cluster's hands once JetStream holds its every
     record: its directory entry closed, then no longer replicated (``stop``: nor streamed
@@ -621,15 +628,20 @@ async def _release_closed(
     reads it opens the session where its call arrives, one that read it before reaches
     this host, which opens it here again (:func:`_answers`). Stopped first, the session
     was served by no host and named by an entry that was not closed yet, and a call then
-    was told to try again. Opened here again before ``stop``, it stays this host's: its
+    was told to try again. ``stop`` waits for the calls forwarded here that are under way
+    (``calls``: bounded), and those that come meanwhile wait for the release's end
+    (:mod:`.in_flight`): stopped under it, a call opening the session here again was cut
+    short, in doubt. Opened here again before ``stop``, it stays this host's: its
     adoption, next in its lane, announces its entry open again."""
     # Not replicated any more (fenced, given up), or opened again: nothing to release.
     if not await log.settled(session_id) or session_id in adopted:
         return
     await entries.close(session_id)
-    if stop(session_id):
-        log.stop(session_id)
-        await keeper.release(session_id)
+    async with calls.releasing(session_id) as release:
+        release.left = stop(session_id)
+        if release.left:
+            log.stop(session_id)
+            await keeper.release(session_id)
 
 
 async def _forget(

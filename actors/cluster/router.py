@@ -510,6 +510,12 @@ class ClusterRouter:
     ) -> Any:
         """Serve ``method`` on a session another host runs (a session the cluster does not
         know is answered by ``local``: 404, as on one host)."""
+        if _is_forwarded(connection):
+            # Its owner's desk took it: this host runs the session, or releases it and opens
+            # it here again (:mod:`.in_flight`). Routed, it came back here (the entry still
+            # named this host) or waited for the release to end, and the release's stop then
+            # cut it short, in doubt.
+            return await local(connection, params)
         session_id = str(params["session_id"])
         principal = connection.identity
         assert principal is not None  # authenticated before any session method
