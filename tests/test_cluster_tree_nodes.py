@@ -572,8 +572,9 @@ def test_a_taken_up_childs_answer_opens_its_closed_parent(
     """R-TREE-4: host a stops while its payer waits for a person; b takes the root and the
     payer over, and the root's user closes the root there (it leaves b: closed, no owner).
     Answered, the payer reports: the closed root is opened again for the answer, as one
-    host loads a closed parent for a taken-up child's report, and merges it. Before, the
-    report was offered to a root no host owned, again and again, then given up."""
+    host loads a closed parent for a taken-up child's report, and merges it; the payer
+    then leaves b (R-TREE-4: a child is a session like any other). Before, the report was
+    offered to a root no host owned, again and again, then given up."""
 
     async def body(cluster: Cluster) -> str | None:
         a, b = cluster.members["a"], cluster.members["b"]
@@ -592,6 +593,10 @@ def test_a_taken_up_childs_answer_opens_its_closed_parent(
 
         await b.host.answer_approval(child, call_id, "allow")
         await until(lambda: _merged(cluster, root))
+        # Its report made, the taken-up payer leaves b as a live child leaves its host:
+        # released in the cluster, no longer open there (it stayed open before).
+        await until(lambda: cluster.released(child))
+        assert not b.node.serves(child) and child not in [s.id for s in b.host.sessions]
         return await cluster.holder(root)
 
     assert in_cluster(nats_server, tmp_path, ("a", "b"), body) == "b"

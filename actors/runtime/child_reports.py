@@ -21,8 +21,8 @@ child whose task its host had not ended is taken up and reports again; recorded 
 parent too, it would be delivered twice.
 
 A report is sent once, when the child's taken-up task ends; the child then leaves the
-host's open sessions as a live child does, except in a cluster, where it stays open on
-the host that took it over. A child whose task ended on the
+host's open sessions as a live child does (in a cluster its host releases it, as it
+releases any session it closes). A child whose task ended on the
 lost host a moment before that host could send the report sends none: the answer is in
 the child's trace (``session.children()`` finds it), not in the parent's input.
 """
@@ -100,12 +100,10 @@ class ChildReports:
             except SubagentError as exc:
                 answer = str(exc)
             # Its work done, it leaves the host's open sessions before its parent hears of
-            # it, as a live child does (``load_session`` opens it again). Not in a cluster:
-            # released, it would stop answering calls that may be on their way to it, and
-            # a request sent as its host unsubscribes waits out its whole timeout.
-            if self.link is None:
-                await port.wait_idle()
-                self._host.forget_child(port)
+            # it, as a live child does (``load_session`` opens it again). In a cluster too:
+            # its host releases it, and answers the calls on their way to it meanwhile.
+            await port.wait_idle()
+            self._host.forget_child(port)
             text = finished_text(label, answer)
             try:
                 await self.deliver(parent_id, port.id, text, port.lost_approve)
