@@ -46,6 +46,7 @@ from greenroom.protocols.outputs import (
     RequestBegin,
     RequestEnd,
     Rewind,
+    SteeringQueuedOutput,
     TaskEnd,
     TaskQueuedOutput,
     TaskQueueDropped,
@@ -366,7 +367,10 @@ class TaskFold:
                 if self.pending or self.state in END_STATES:
                     return []
                 return self._moved("working")
-            case CallInDoubt() | ToolHook() | Rewind() | TaskQueuedOutput() | TaskQueueDropped():
+            case (
+                CallInDoubt() | ToolHook() | Rewind() | TaskQueuedOutput() | TaskQueueDropped()
+                | SteeringQueuedOutput()
+            ):
                 return []  # what they change shows in the records that follow
             case _:
                 assert_never(output)

@@ -70,6 +70,7 @@ from greenroom.protocols.outputs import (
     RequestBegin,
     RequestEnd,
     Rewind,
+    SteeringQueuedOutput,
     TaskEnd,
     TaskQueuedOutput,
     TaskQueueDropped,
@@ -762,6 +763,7 @@ class UpdateMapper:
                 | Rewind()
                 | TaskQueuedOutput()
                 | TaskQueueDropped()
+                | SteeringQueuedOutput()
             ):
                 # The editor learns of a call from its block, is asked to approve by the
                 # agent's own request, and sees no request, usage, compaction or rewind

@@ -57,6 +57,7 @@ from greenroom.protocols.outputs import (
     RequestBegin,
     RequestEnd,
     Rewind,
+    SteeringQueuedOutput,
     TaskEnd,
     TaskQueuedOutput,
     TaskQueueDropped,
@@ -329,7 +330,10 @@ class RunMapper:
                 # A question about a call in doubt is answered (R-EFFECT-2).
                 self.interrupts.pop(output.call_id, None)
                 return []
-            case CallInDoubt() | ToolHook() | Rewind() | TaskQueuedOutput() | TaskQueueDropped():
+            case (
+                CallInDoubt() | ToolHook() | Rewind() | TaskQueuedOutput() | TaskQueueDropped()
+                | SteeringQueuedOutput()
+            ):
                 return []  # what they change shows in the records that follow
             case _:
                 assert_never(output)

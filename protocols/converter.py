@@ -62,6 +62,7 @@ def _make_tagged_unstructure(cls: type[Any]) -> Callable[[Any], dict[str, Any]]:
         "response_model",
         "http_status",
         "queued_id",
+        "steering_ids",
     ):
         if name in field_names:
             overrides[name] = override(omit_if_default=True)

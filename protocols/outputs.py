@@ -97,6 +97,9 @@ class UserMsg(Envelope):
             whoever takes the session up, held to the same schema. Left out when None.
         queued_id: the ``queue_id`` of the ``task_queued`` follow-up this prompt starts
             (R-STEER-6): it is no longer queued. Left out when None.
+        steering_ids: the ``steering_id`` of each ``steering_queued`` this steering
+            delivers (R-STEER-2): they are no longer queued. Left out when empty (input
+            of the host's own, a background child's answer, or a trace written before).
     """
 
     TYPE: ClassVar[str] = "user_msg"
@@ -105,6 +108,7 @@ class UserMsg(Envelope):
     content: tuple[UserContent, ...]
     output_schema: dict[str, Any] | None = None
     queued_id: str | None = None
+    steering_ids: tuple[str, ...] = ()
 
 
 QueuedApproval = Literal["people", "deny", "host"]
@@ -137,6 +141,24 @@ class TaskQueuedOutput(Envelope):
     approve: QueuedApproval = "deny"
     thinking_level: str | None = None
     output_schema: dict[str, Any] | None = None
+
+
+@_documented
+@attrs.frozen(kw_only=True, slots=True)
+class SteeringQueuedOutput(Envelope):
+    """A user's steering was queued for the running task ``run_id`` (R-STEER-1): recorded
+    so that it survives its host. The ``user_msg`` of kind ``steering`` that delivers it
+    names ``steering_id``; the task's end (``task_end``) drops it undelivered (R-STEER-5).
+
+    Fields:
+        steering_id: names the steering in the ``user_msg`` that delivers it.
+        content: its input blocks, as for ``user_msg``.
+    """
+
+    TYPE: ClassVar[str] = "steering_queued"
+    TRACED: ClassVar[bool] = True
+    steering_id: str
+    content: tuple[UserContent, ...]
 
 
 @_documented
@@ -675,6 +697,7 @@ Output: TypeAlias = (
     | CallResolved
     | TaskQueuedOutput
     | TaskQueueDropped
+    | SteeringQueuedOutput
     | Rewind
     | TaskEnd
 )

@@ -24,7 +24,10 @@ Two kinds of input, kept apart on purpose:
   the next input assembly, tasks queued behind the running one, an interrupt, a failure to
   write the trace, a cost budget the next request would pass, a hook's answer, how many
   background subagents of the session run. They
-  live in memory and are lost with the process, as the rules allow (R-STEER-5, R-STEER-6).
+  live in memory and are lost with the process, as the rules allow (R-STEER-5, R-STEER-6)
+  — except a user's steering and follow-ups, which the supervisor records as it queues
+  them (``steering_queued``, ``task_queued``): the record keeps those not yet taken, and a
+  host that takes the session up queues them again.
 
 :meth:`TaskMachine.next_step` answers "what now?" with one :data:`Step`. A step that starts
 something (a task, a turn, an attempt, a compaction, the end) is issued once: until the
@@ -76,6 +79,7 @@ from greenroom.protocols.outputs import (
     RequestBegin,
     RequestEnd,
     Rewind,
+    SteeringQueuedOutput,
     TaskEnd,
     TaskQueuedOutput,
     TaskQueueDropped,
@@ -184,11 +188,13 @@ class Compact:
 class BeginTurn:
     """Begin turn ``turn`` (attempt 1). ``steering`` is the input queued since the last
     input assembly: record it as one ``user_msg`` of kind ``steering`` first (R-STEER-2),
-    unless it is empty. ``turn`` repeats the current turn after an overflow compaction
-    (R-COMPACT-9)."""
+    unless it is empty; that ``user_msg`` names ``steering_ids``, the recorded
+    ``steering_queued`` it delivers. ``turn`` repeats the current turn after an overflow
+    compaction (R-COMPACT-9)."""
 
     turn: int
     steering: tuple[UserContent, ...]
+    steering_ids: tuple[str, ...] = ()
 
 
 @attrs.frozen(kw_only=True, slots=True)
@@ -288,6 +294,7 @@ class RecordedState:
     answer: dict[str, Any] | None
     answer_failures: int
     queued: tuple[str, ...]
+    steering: tuple[str, ...]
 
 
 
@@ -325,6 +332,7 @@ class TaskRecord:
         "run_id",
         "session_rules",
         "session_turns",
+        "steering",
         "turn",
         "unstarted",
         "usage",
@@ -375,6 +383,10 @@ class TaskRecord:
         and nothing has dropped, in order: what a host that takes the session up queues
         again (R-STEER-6). A task that ends on an auth failure drops them, as the live
         queue is dropped (R-RETRY-6)."""
+        self.steering: tuple[SteeringQueuedOutput, ...] = ()
+        """The user's steering recorded as queued (``steering_queued``) for the open (or
+        starting) task that no ``user_msg`` has delivered yet, in order: what a host that
+        takes the task up queues again (R-STEER-1). The task's end drops it (R-STEER-5)."""
 
     def configure(self, limits: TaskLimits) -> None:
         """Decide the loop guard of the next task by ``limits``."""
@@ -440,6 +452,7 @@ class TaskRecord:
             answer=self.answers.answer if self.answers is not None else None,
             answer_failures=self.answers.failures if self.answers is not None else 0,
             queued=tuple(q.queue_id for q in self.queued),
+            steering=tuple(s.steering_id for s in self.steering),
         )
 
     def observe(self, output: Output) -> None:
@@ -498,6 +511,9 @@ class TaskRecord:
                     self.unstarted = output
                 if output.queued_id is not None:
                     self._unqueue((output.queued_id,))
+                if output.steering_ids and self.steering:
+                    taken = output.steering_ids
+                    self.steering = tuple(s for s in self.steering if s.steering_id not in taken)
             case TaskQueuedOutput():
                 # Recorded again after a compaction started the next trace file (one id,
                 # one follow-up): it keeps its place among those recorded again.
@@ -505,6 +521,11 @@ class TaskRecord:
                 self.queued = (*self.queued, output)
             case TaskQueueDropped():
                 self._unqueue(output.queue_ids)
+            case SteeringQueuedOutput():
+                # Recorded again after a compaction started the next trace file: one id,
+                # one steering, in its place among those recorded again.
+                kept = tuple(s for s in self.steering if s.steering_id != output.steering_id)
+                self.steering = (*kept, output)
             case Abort():
                 self.aborting = True  # its task_end follows
             case ToolHook():
@@ -524,7 +545,11 @@ class TaskRecord:
         self, run_id: str, kind: TaskKind, output_schema: dict[str, Any] | None = None
     ) -> None:
         """A task opens (its ``task_start``, or a manual compaction's begin); its answers
-        are held to ``output_schema`` when it has one (R-OUT-1)."""
+        are held to ``output_schema`` when it has one (R-OUT-1). Steering recorded for
+        another task is not this one's: its host stopped before that task started, and
+        the task went with it."""
+        if self.steering:
+            self.steering = tuple(s for s in self.steering if s.run_id == run_id)
         self.phase = Phase.STARTED
         self.run_id = run_id
         self.kind = kind
@@ -549,7 +574,9 @@ class TaskRecord:
         self.answers = AnswerCheck(output_schema) if output_schema is not None else None
 
     def end(self, status: TaskStatus | None) -> None:
-        """The open task is over (``task_end``, or a manual compaction's end)."""
+        """The open task is over (``task_end``, or a manual compaction's end): steering
+        it had not taken goes with it (R-STEER-5)."""
+        self.steering = ()
         self.phase = Phase.IDLE
         self.run_id = None
         self.kind = None
@@ -1015,7 +1042,7 @@ class TaskMachine:
         record = self.record
         if record.rerun_turn:
             # R-COMPACT-9: the turn that overflowed runs again, from attempt 1.
-            return self._issue(BeginTurn(turn=record.turn, steering=self._take_steering()))
+            return self._issue(self._turn(record.turn))
         limits = self._limits
         if limits.max_turns >= 0 and record.turn >= limits.max_turns:
             return self._issue(
@@ -1028,12 +1055,14 @@ class TaskMachine:
             reason = self.compaction_due()
             if reason is not None:
                 return self._issue(Compact(reason=reason))
-        return self._issue(BeginTurn(turn=record.turn + 1, steering=self._take_steering()))
+        return self._issue(self._turn(record.turn + 1))
 
-    def _take_steering(self) -> tuple[UserContent, ...]:
-        steering = tuple(self._steering or ())
+    def _turn(self, turn: int) -> BeginTurn:
+        # All recorded steering not yet delivered is queued (again, on a host taking it up).
+        taken = tuple(s.steering_id for s in self.record.steering)
+        step = BeginTurn(turn=turn, steering=tuple(self._steering or ()), steering_ids=taken)
         self._steering, self._untaken = None, []
-        return steering
+        return step
 
     def _after_turn(self) -> Step:
         limits = self._limits

@@ -45,6 +45,7 @@ from greenroom.protocols.outputs import (
     RequestBegin,
     RequestEnd,
     Rewind,
+    SteeringQueuedOutput,
     TaskEnd,
     TaskQueuedOutput,
     TaskQueueDropped,
@@ -193,8 +194,10 @@ class Transcript:
                 # The records a rewind cut are left out before they get here (rebuild, and
                 # a rewinding session rebuilds its transcript): nothing to undo.
                 pass
-            case TaskQueuedOutput() | TaskQueueDropped():
-                pass  # a queued follow-up reaches the context as its own prompt, once started
+            case TaskQueuedOutput() | TaskQueueDropped() | SteeringQueuedOutput():
+                # A queued follow-up reaches the context as its own prompt, once started;
+                # queued steering as the user_msg that delivers it.
+                pass
             case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():
                 pass  # live only: the complete block or result follows
             case _:
@@ -408,6 +411,7 @@ def rebuild(
                 | Rewind()
                 | TaskQueuedOutput()
                 | TaskQueueDropped()
+                | SteeringQueuedOutput()
                 | PartialText()
                 | PartialThinking()
                 | PartialToolCall()

@@ -199,8 +199,9 @@ async def test_an_unencodable_record_past_the_repairs_fails_only_its_task(
     host: Host, workspace: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """R-SEC-1: with the supervisor's input repair out of the way, a steering message with
-    a surrogate reaches the trace writer. The task ends failed naming the record; the
-    trace holds it repaired (no seq gap); a second session runs on meanwhile and after."""
+    a surrogate reaches the trace writer (its ``steering_queued``, recorded as it is
+    queued). The task ends failed naming the record; the trace holds it repaired (no seq
+    gap), and nothing delivers it; a second session runs on meanwhile and after."""
     monkeypatch.setattr(supervisor_module, "repaired_blocks", lambda blocks: blocks)
     gates = Gates()
     bad = await host.create_session(
@@ -234,13 +235,14 @@ async def test_an_unencodable_record_past_the_repairs_fails_only_its_task(
     end = task_end(outputs)
     assert end.status == "failed"
     assert end.message is not None
-    assert "user_msg record" in end.message and "could not be encoded" in end.message
+    assert "steering_queued record" in end.message and "could not be encoded" in end.message
     assert task_end(other_outputs).status == "completed"
     await port_of(bad).sync_trace()
     lines = trace_lines(bad)
     assert [line["seq"] for line in lines] == list(range(1, len(lines) + 1))
-    steering = [line for line in lines if line.get("kind") == "steering"]
+    steering = [line for line in lines if line["type"] == "steering_queued"]
     assert [s["content"][0]["text"] for s in steering] == [f"steer {REPLACEMENT}"]
+    assert not [line for line in lines if line.get("kind") == "steering"]
     assert lines[-1]["type"] == "task_end" and lines[-1]["status"] == "failed"
     assert not sink_of(host).closed
     assert task_end(await run_all(other, "more")).status == "completed"

@@ -25,7 +25,9 @@ USAGE = stream.TokenUsage(input=10, output=5, cache_read=100, cache_write=7)
 COMMON = {"session_id": "s1", "run_id": "r1", "seq": 3, "origin": ("root", "child")}
 
 EXAMPLES: dict[type[Any], dict[str, Any]] = {
-    outputs.UserMsg: {"kind": "steering", "content": (BLOCKS[0], BLOCKS[1])},
+    outputs.UserMsg: {
+        "kind": "steering", "content": (BLOCKS[0], BLOCKS[1]), "steering_ids": ("steer_1",)
+    },
     outputs.TaskStart: {
         "input_seq": 2,
         "output_schema": {"type": "object", "properties": {"n": {"type": "integer"}}},
@@ -92,6 +94,10 @@ EXAMPLES: dict[type[Any], dict[str, Any]] = {
         "output_schema": {"type": "object"},
     },
     outputs.TaskQueueDropped: {"queue_ids": ("queued_1",), "reason": "interrupted: stop"},
+    outputs.SteeringQueuedOutput: {
+        "steering_id": "steer_1",
+        "content": (content.TextBlock(text="also check the logs"),),
+    },
     outputs.TaskEnd: {"status": "aborted", "turns": 2, "usage": USAGE, "wall_ms": 12},
 }
 

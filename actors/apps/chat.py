@@ -142,6 +142,7 @@ from greenroom.protocols.outputs import (
     RequestBegin,
     RequestEnd,
     Rewind,
+    SteeringQueuedOutput,
     TaskEnd,
     TaskQueuedOutput,
     TaskQueueDropped,
@@ -1276,6 +1277,7 @@ class ChatRenderer(HumanRenderer):
                 | Rewind()
                 | TaskQueuedOutput()
                 | TaskQueueDropped()
+                | SteeringQueuedOutput()
                 | TaskEnd()
             ):
                 pass  # nothing of the REPL's own: shown as ``greenroom run`` shows it

@@ -37,6 +37,7 @@ from greenroom.protocols.outputs import (
     RequestBegin,
     RequestEnd,
     Rewind,
+    SteeringQueuedOutput,
     TaskEnd,
     TaskQueuedOutput,
     TaskQueueDropped,
@@ -124,6 +125,7 @@ class Renderer:
                 | Rewind()
                 | TaskQueuedOutput()
                 | TaskQueueDropped()
+                | SteeringQueuedOutput()
                 | TaskEnd()
             ):
                 pass  # only tool calls and their decisions are waited for
@@ -303,11 +305,12 @@ class HumanRenderer(Renderer):
                     self._note(self._err_style.yellow(output.message))
             case (
                 TaskStart() | TokenUsageOutput() | PartialToolCall() | ApprovalRequest()
-                | TaskQueuedOutput() | TaskQueueDropped()
+                | TaskQueuedOutput() | TaskQueueDropped() | SteeringQueuedOutput()
             ):
                 # A streaming call shows once complete, an approval request by its
-                # decision, a follow-up by its prompt once it starts; the start of a task
-                # and its token counts add nothing a reader needs.
+                # decision, a follow-up by its prompt once it starts, steering once
+                # delivered; the start of a task and its token counts add nothing a reader
+                # needs.
                 pass
             case _:
                 assert_never(output)
@@ -461,6 +464,7 @@ class HumanRenderer(Renderer):
                 | Rewind()
                 | TaskQueuedOutput()
                 | TaskQueueDropped()
+                | SteeringQueuedOutput()
             ):
                 pass  # a subagent shows its words, its tool calls and its end, nothing more
             case _:
@@ -586,6 +590,8 @@ def _record_detail(record: Output) -> str:
         case TaskQueueDropped():
             dropped = " ".join(record.queue_ids)
             return f"{dropped} {clip(_one_line(record.reason), 120)}" if record.reason else dropped
+        case SteeringQueuedOutput():
+            return f"{record.steering_id}: {clip(_one_line(_content_text(record.content)), 120)}"
         case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():
             return ""  # live only: never in a trace
         case _:

@@ -65,6 +65,7 @@ from greenroom.protocols.outputs import (
     RequestBegin,
     RequestEnd,
     Rewind,
+    SteeringQueuedOutput,
     TaskEnd,
     TaskQueuedOutput,
     TaskQueueDropped,
@@ -266,6 +267,7 @@ class SessionHub:
                     | Rewind()
                     | TaskQueuedOutput()
                     | TaskQueueDropped()
+                    | SteeringQueuedOutput()
                 ):
                     pass  # forwarded to the subscriptions, nothing more
                 case _:

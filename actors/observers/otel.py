@@ -82,6 +82,7 @@ from greenroom.protocols.outputs import (
     RequestBegin,
     RequestEnd,
     Rewind,
+    SteeringQueuedOutput,
     TaskEnd,
     TaskQueuedOutput,
     TaskQueueDropped,
@@ -351,6 +352,7 @@ class GenAIObserver:
                 | Rewind()
                 | TaskQueuedOutput()
                 | TaskQueueDropped()
+                | SteeringQueuedOutput()
             ):
                 # Live text, progress, a wait for a person, a call found in doubt after a
                 # restart: no span of their own (the call's result ends its span); what a

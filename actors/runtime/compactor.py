@@ -170,8 +170,9 @@ class CompactionRun:
             )
         )
         # The new file is read on its own when the session is loaded: the follow-ups
-        # queued so far are recorded in it again (R-STEER-6).
-        for queued in port.machine.record.queued:
+        # and the steering queued so far are recorded in it again (R-STEER-6, R-STEER-1).
+        record = port.machine.record
+        for queued in (*record.queued, *record.steering):
             emitter.emit(attrs.evolve(queued, seq=None))
         emitter.flush()
         await sync()

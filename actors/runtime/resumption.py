@@ -18,7 +18,10 @@ takes the task up where the trace left it, through :func:`take_up`:
   from the moment it was first asked (R-HITL-1);
 - the follow-ups the trace holds as queued (``task_queued``, neither started nor dropped)
   are queued again, in order, behind the task (:func:`requeue_recorded`, R-STEER-6); with
-  no task open the first of them starts.
+  no task open the first of them starts;
+- the user's steering the trace holds as queued for the open task (``steering_queued``,
+  not yet delivered by a ``user_msg``) is queued again as its steering, in order: its next
+  input assembly delivers it, once (R-STEER-1, R-STEER-2).
 
 Nothing is ever lost for a parked task (nothing was in flight); for the others the task
 goes on with the host-lost note as steering, so the model knows what happened.
@@ -78,10 +81,15 @@ def queued_record(port: SessionPort, task: TaskInput) -> tuple[TaskInput, TaskQu
 
 
 def requeue_recorded(port: SessionPort) -> None:
-    """Queue again the follow-ups ``port``'s trace holds as queued (a fresh load's machine
-    has none in memory): each with its recorded options, a host's callback replaced by the
-    port's ``lost_approve`` as for the task its host stopped under."""
+    """Queue again the steering and the follow-ups ``port``'s trace holds as queued (a
+    fresh load's machine has none in memory): the steering as the open task's (none is
+    open: it was for a task whose host stopped before starting it, which went with it),
+    each follow-up with its recorded options, a host's callback replaced by the port's
+    ``lost_approve`` as for the task its host stopped under."""
     machine = port.machine
+    if machine.run_id is not None:
+        for steering in machine.record.steering:
+            machine.queue_steering(steering.content)
     for record in machine.record.queued:
         approve = record.approve
         machine.queue_task(

@@ -311,9 +311,12 @@ class RunningTask:
 
     # -- steps --------------------------------------------------------------------------------
 
-    def begin_turn(self, turn: int, steering: tuple[UserContent, ...]) -> None:
+    def begin_turn(
+        self, turn: int, steering: tuple[UserContent, ...], steering_ids: tuple[str, ...] = ()
+    ) -> None:
         """Begin turn ``turn``: the steering (its images attached already) recorded as one
-        input (R-STEER-2), then attempt 1 — unless its request could pass a budget."""
+        input (R-STEER-2) that names the recorded ``steering_queued`` it delivers
+        (``steering_ids``), then attempt 1 — unless its request could pass a budget."""
         turns, _ = self._actors()
         if self._over_budget():
             return
@@ -321,7 +324,7 @@ class RunningTask:
         if steering:
             self._out.emit(
                 UserMsg(session_id=self._port.id, run_id=self.run_id, kind="steering",
-                        content=steering)
+                        content=steering, steering_ids=steering_ids)
             )
         self._send_attempt(1, 0)
 

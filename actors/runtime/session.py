@@ -70,6 +70,7 @@ from greenroom.protocols.outputs import (
     RequestBegin,
     RequestEnd,
     Rewind,
+    SteeringQueuedOutput,
     TaskEnd,
     TaskQueuedOutput,
     TaskQueueDropped,
@@ -254,6 +255,7 @@ class RunStream:
                 | Rewind()
                 | TaskQueuedOutput()
                 | TaskQueueDropped()
+                | SteeringQueuedOutput()
             ):
                 pass
             case _:
@@ -662,7 +664,8 @@ class Session:
         return await trio.to_thread.run_sync(accept_data, data, media_type, self._port.attachments)
 
     def steer(self, messages: Sequence[UserContent] | str) -> bool:
-        """Queue user input for the running task without interrupting it (R-STEER-1).
+        """Queue user input for the running task without interrupting it (R-STEER-1);
+        recorded (``steering_queued``), it reaches the task on a host that takes it up.
         Returns False when no task is running (start a normal task instead)."""
         return self._port.deliver(SteeringQueued(content=_as_content(messages)))
 

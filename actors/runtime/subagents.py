@@ -81,6 +81,7 @@ from greenroom.protocols.outputs import (
     RequestBegin,
     RequestEnd,
     Rewind,
+    SteeringQueuedOutput,
     TaskEnd,
     TaskQueuedOutput,
     TaskQueueDropped,
@@ -371,6 +372,7 @@ class ChildWatch:
                     | Rewind()
                     | TaskQueuedOutput()
                     | TaskQueueDropped()
+                    | SteeringQueuedOutput()
                 ):
                     pass  # neither the answer nor the budget needs them
                 case _:

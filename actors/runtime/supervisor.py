@@ -43,6 +43,7 @@ import contextlib
 import functools
 import logging
 import math
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, assert_never
 
@@ -80,7 +81,14 @@ from greenroom.protocols.messages import (
     TraceFailed,
     WorkDone,
 )
-from greenroom.protocols.outputs import Output, TaskQueueDropped, TaskStart, TaskStatus, UserMsg
+from greenroom.protocols.outputs import (
+    Output,
+    SteeringQueuedOutput,
+    TaskQueueDropped,
+    TaskStart,
+    TaskStatus,
+    UserMsg,
+)
 from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.task import (
     BeginAttempt,
@@ -245,14 +253,14 @@ class SessionSupervisor:
                 await self._start_task(input_, kind)
             case Compact(reason=reason):
                 self._running().start_compaction(reason)
-            case BeginTurn(turn=turn, steering=steering):
+            case BeginTurn(turn=turn, steering=steering, steering_ids=ids):
                 if holds_for_drain(self._port):
-                    return await self._hold(steering)
-                await self._begin_turn(turn, steering)
+                    return await self._hold(steering, ids)
+                await self._begin_turn(turn, steering, ids)
             case BeginAttempt(attempt=attempt, delay_ms=delay_ms):
                 # A retry takes no steering: with some queued, a later boundary records it.
                 if holds_for_drain(self._port) and not machine.steering_queued:
-                    return await self._hold(())
+                    return await self._hold((), ())
                 self._running().begin_attempt(attempt, delay_ms)
             case CallHook():
                 self._running().call_hook(step)
@@ -309,7 +317,7 @@ class SessionSupervisor:
                 # Live outputs of this run, already in the subagent's trace (R-HOST-4).
                 self._out.forward(message.outputs, message.origin)
             case SteeringQueued() if machine.takes_steering:
-                machine.queue_steering(repaired_blocks(message.content))
+                _queue_steering(self._out, self._port, message, task)
             case SteeringQueued():  # late: its task was ending or interrupted
                 _run_late_steering(self._port, machine, message, task)
             case SubagentFinished():
@@ -394,10 +402,12 @@ class SessionSupervisor:
         assert self._nursery is not None
         await task.open(self._nursery, self.inbox, run_child)
 
-    async def _begin_turn(self, turn: int, steering: tuple[UserContent, ...]) -> None:
+    async def _begin_turn(
+        self, turn: int, steering: tuple[UserContent, ...], ids: tuple[str, ...]
+    ) -> None:
         attached = await self._attached(steering)
         if attached is not None:
-            self._running().begin_turn(turn, attached)
+            self._running().begin_turn(turn, attached, ids)
 
     async def _attached(self, steering: tuple[UserContent, ...]) -> tuple[UserContent, ...] | None:
         """``steering`` with its images attached; None when interrupted meanwhile (the
@@ -409,7 +419,7 @@ class SessionSupervisor:
         read = await self._serving(lambda: attach(steering, self._port.attachments, fold=True))
         return None if read is None else read[0]
 
-    async def _hold(self, steering: tuple[UserContent, ...]) -> bool:
+    async def _hold(self, steering: tuple[UserContent, ...], ids: tuple[str, ...]) -> bool:
         """The host drains (R-DRAIN-1): the task stops at this boundary instead of sending
         its next request, open in its trace with the steering the turn took recorded, and
         holds nothing — like a parked task, a message wakes it. The next host (or this
@@ -421,7 +431,7 @@ class SessionSupervisor:
         machine.hold()
         if attached:
             self._out.emit(UserMsg(session_id=port.id, run_id=machine.run_id or "",
-                                   kind="steering", content=attached))
+                                   kind="steering", content=attached, steering_ids=ids))
         if not await self._sync() or machine.steering_queued:
             # An interrupt came during the sync (the task ends at its next step), or
             # steering (a later boundary holds, with it recorded).
@@ -586,6 +596,22 @@ def _queued(out: OutputEmitter, port: SessionPort, message: TaskQueued) -> Any:
     out.emit(record)
     out.flush()
     return task
+
+
+def _queue_steering(
+    out: OutputEmitter, port: SessionPort, message: SteeringQueued, task: RunningTask | None
+) -> None:
+    """Queue a user's steering for the open (or starting) task, recorded first
+    (``steering_queued``, written with the next batch and durable with the trace's next
+    sync) so that a host that takes the task up delivers it (R-STEER-1, R-STEER-2)."""
+    content = repaired_blocks(message.content)  # a lone surrogate must not fail the task
+    steering_id = "steer_" + uuid.uuid4().hex[:12]
+    # A task that is starting has no run id in the record yet: its own is the one to name.
+    run_id = task.run_id if task is not None else port.machine.run_id or ""
+    out.emit(SteeringQueuedOutput(session_id=port.id, run_id=run_id,
+                                  steering_id=steering_id, content=content))
+    out.flush()
+    port.machine.queue_steering(content)
 
 
 def _drop_recorded(
