@@ -32,6 +32,15 @@ from tests.support.nats import (  # the fixture is used as nats_server
 )
 
 
+async def publish_numbers(conn: Connection, subject: str, count: int) -> None:
+    """Publish 0 … ``count - 1`` on ``subject`` (an asyncio coroutine, for ``conn.call``),
+    then flush: the server holds them all once it returns."""
+    for n in range(count):
+        await conn.client.publish(subject, str(n).encode())
+    await conn.client.flush()
+
+
+
 def test_placement_is_the_least_loaded_host_and_spreads_orphans() -> None:
     hosts = [
         HostRecord(host_id="b", load=2),
@@ -71,12 +80,7 @@ def test_a_subscription_brings_a_burst_in_order_and_ends_when_the_client_closes(
         after_close: list[int] = []
         async with conn.subscription(subject) as messages:
 
-            async def publish() -> None:
-                for n in range(6000):
-                    await conn.client.publish(subject, str(n).encode())
-                await conn.client.flush()
-
-            await conn.call(publish())
+            await conn.call(publish_numbers(conn, subject, 6000))
             async for msg in messages:
                 got.append(int(msg.data))
                 if len(got) == 6000:
@@ -375,12 +379,7 @@ def test_messages_left_in_a_subscription_as_it_ends_are_all_there_after_it(
         with trio.fail_after(CUT_SHORT_BOUND_S):
             async with conn.subscription(subject) as messages:
 
-                async def publish() -> None:
-                    for n in range(6000):
-                        await conn.client.publish(subject, str(n).encode())
-                    await conn.client.flush()
-
-                await conn.call(publish())
+                await conn.call(publish_numbers(conn, subject, 6000))
         return [int(msg.data) async for msg in messages]
 
     assert run_connected(nats_server.url, body) == list(range(6000))

@@ -12,6 +12,7 @@ while the task streams, and the copy is taken up by a second host.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from greenroom.protocols.outputs import TaskQueuedOutput, TaskQueueDropped, User
 from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.task import fold
 from greenroom.protocols.time_travel import settlement
-from greenroom.protocols.tools import make_tool
+from greenroom.protocols.tools import Tool, make_tool
 
 
 def streaming_forever() -> tuple[Any, trio.Event]:
@@ -140,13 +141,24 @@ async def test_an_interrupt_drops_the_queue_and_nothing_runs_after_a_restart(
 
 
 def queued(seq: int, queue_id: str) -> TaskQueuedOutput:
-    return TaskQueuedOutput(session_id="s", run_id="run_a", seq=seq, queue_id=queue_id,
-                            content=(TextBlock(text=queue_id),))
+    return TaskQueuedOutput(
+        session_id="s",
+        run_id="run_a",
+        seq=seq,
+        queue_id=queue_id,
+        content=(TextBlock(text=queue_id),),
+    )
 
 
 def started(seq: int, queue_id: str) -> UserMsg:
-    return UserMsg(session_id="s", run_id="run_b", seq=seq, kind="prompt",
-                   content=(TextBlock(text=queue_id),), queued_id=queue_id)
+    return UserMsg(
+        session_id="s",
+        run_id="run_b",
+        seq=seq,
+        kind="prompt",
+        content=(TextBlock(text=queue_id),),
+        queued_id=queue_id,
+    )
 
 
 def test_the_fold_holds_what_is_queued_until_its_prompt_or_a_drop() -> None:
@@ -237,22 +249,8 @@ async def test_follow_ups_behind_a_task_parked_on_a_person_run_once_it_is_answer
     queued behind it; the next host, without taking anything up, gets the person's answer:
     the task goes on to its end, then the follow-up runs."""
     paid: list[int] = []
-
-    async def pay(amount: int) -> str:
-        """Pay an amount."""
-        paid.append(amount)
-        return f"paid {amount}"
-
-    tools = [make_tool(pay, parallel=False)]
-    ask = ScriptedProvider([Reply(blocks=(text("Paying."), tool_call("p1", "pay", amount=7)))])
-    async with open_host(data_dir) as host:
-        session = await host.create_session(provider=ask, tools=tools, workspace_dir=workspace)
-        session.run("pay 7", approve=PEOPLE).detach()
-        with trio.fail_after(RUN_TIMEOUT_S):
-            await session.wait_idle()  # parked (R-HITL-3)
-            assert session.follow_up("then say thanks")
-            await session.wait_idle()  # woken by the follow-up, parked again
-        sid = session.id
+    tools = [paying_tool(paid)]
+    sid = await parked_on_pay(data_dir, workspace, tools, lambda s: s.follow_up("then say thanks"))
 
     after = ScriptedProvider([Reply(blocks=(text("Paid."),)), Reply(blocks=(text("Thanks!"),))])
     async with open_host(data_dir) as host:
@@ -265,3 +263,30 @@ async def test_follow_ups_behind_a_task_parked_on_a_person_run_once_it_is_answer
     assert paid == [7]
     assert [line["status"] for line in lines if line["type"] == "task_end"] == ["completed"] * 2
     assert last_words(after.requests[-1]) == ["then say thanks"]
+
+
+def paying_tool(paid: list[int]) -> Tool:
+    """A tool that pays an amount, noting it in ``paid``."""
+
+    async def pay(amount: int) -> str:
+        """Pay an amount."""
+        paid.append(amount)
+        return f"paid {amount}"
+
+    return make_tool(pay, parallel=False)
+
+
+async def parked_on_pay(
+    data_dir: Path, workspace: Path, tools: list[Tool], give: Callable[[Session], bool]
+) -> str:
+    """A host closes with a task parked on a person (its call pays 7) after ``give`` gave
+    the parked task more input (it must be taken); the session's id."""
+    ask = ScriptedProvider([Reply(blocks=(text("Paying."), tool_call("p1", "pay", amount=7)))])
+    async with open_host(data_dir) as host:
+        session = await host.create_session(provider=ask, tools=tools, workspace_dir=workspace)
+        session.run("pay 7", approve=PEOPLE).detach()
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await session.wait_idle()  # parked (R-HITL-3)
+            assert give(session)
+            await session.wait_idle()  # woken by the input, parked again
+        return session.id

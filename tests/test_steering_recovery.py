@@ -20,7 +20,7 @@ from typing import Any
 import trio
 from conftest import RUN_TIMEOUT_S, Gates, Recorder, allow_all, open_host, port_of, trace_lines
 from test_compaction import BIG, new_session, summary_step
-from test_follow_up_recovery import records_of, streaming_forever
+from test_follow_up_recovery import parked_on_pay, paying_tool, records_of, streaming_forever
 from test_recovery import copy_session, records
 
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
@@ -30,11 +30,9 @@ from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import ModelRequest, UserMessage
 from greenroom.protocols.converter import output_from_dict
 from greenroom.protocols.outputs import SteeringQueuedOutput, TaskEnd, TaskStart, UserMsg
-from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.stream import TokenUsage
 from greenroom.protocols.task import fold
 from greenroom.protocols.time_travel import settlement
-from greenroom.protocols.tools import make_tool
 
 STEER = "also check the logs"
 OPENING = f"[{markers.USER_STEERING}]"
@@ -58,8 +56,9 @@ async def steer_during_a_long_tool_call(
     recorded; returns it and its trace as copied to ``crash_dir`` then."""
     checking = Reply(blocks=(text("Checking."), tool_call("c1", "wait", key="k")))
     provider = ScriptedProvider([checking])
-    session = await host.create_session(provider=provider, tools=[gates.tool()],
-                                        workspace_dir=workspace)
+    session = await host.create_session(
+        provider=provider, tools=[gates.tool()], workspace_dir=workspace
+    )
     recorder = Recorder(session)
     session.run("work", approve=allow_all).detach()
     await gates.started("k")
@@ -176,22 +175,8 @@ async def test_steering_given_to_a_parked_task_is_delivered_once_its_answer_wake
     a host that closes then leaves it with the parked task, and the answer that wakes the
     task on the next host (nothing taken up) sends it with the call's result, once."""
     paid: list[int] = []
-
-    async def pay(amount: int) -> str:
-        """Pay an amount."""
-        paid.append(amount)
-        return f"paid {amount}"
-
-    tools = [make_tool(pay, parallel=False)]
-    ask = ScriptedProvider([Reply(blocks=(text("Paying."), tool_call("p1", "pay", amount=7)))])
-    async with open_host(data_dir) as host:
-        session = await host.create_session(provider=ask, tools=tools, workspace_dir=workspace)
-        session.run("pay 7", approve=PEOPLE).detach()
-        with trio.fail_after(RUN_TIMEOUT_S):
-            await session.wait_idle()  # parked (R-HITL-3)
-            assert session.steer(STEER)
-            await session.wait_idle()  # woken by the steering, parked again
-        sid = session.id
+    tools = [paying_tool(paid)]
+    sid = await parked_on_pay(data_dir, workspace, tools, lambda s: s.steer(STEER))
 
     after = ScriptedProvider([Reply(blocks=(text("Paid, logs checked."),))])
     async with open_host(data_dir) as host:
@@ -209,8 +194,13 @@ async def test_steering_given_to_a_parked_task_is_delivered_once_its_answer_wake
 
 
 def steered(seq: int, steering_id: str, run_id: str = "run_a") -> SteeringQueuedOutput:
-    return SteeringQueuedOutput(session_id="s", run_id=run_id, seq=seq, steering_id=steering_id,
-                                content=(TextBlock(text=steering_id),))
+    return SteeringQueuedOutput(
+        session_id="s",
+        run_id=run_id,
+        seq=seq,
+        steering_id=steering_id,
+        content=(TextBlock(text=steering_id),),
+    )
 
 
 def started(seq: int, run_id: str = "run_a") -> TaskStart:
@@ -220,13 +210,30 @@ def started(seq: int, run_id: str = "run_a") -> TaskStart:
 def test_the_fold_holds_steering_until_a_user_msg_delivers_it_or_the_task_ends() -> None:
     machine = fold([started(2), steered(3, "s1"), steered(4, "s2"), steered(5, "s3")])
     assert machine.recorded().steering == ("s1", "s2", "s3")
-    machine.observe(UserMsg(session_id="s", run_id="run_a", seq=6, kind="steering",
-                            content=(TextBlock(text="s1 s2"),), steering_ids=("s1", "s2")))
+    machine.observe(
+        UserMsg(
+            session_id="s",
+            run_id="run_a",
+            seq=6,
+            kind="steering",
+            content=(TextBlock(text="s1 s2"),),
+            steering_ids=("s1", "s2"),
+        )
+    )
     assert machine.recorded().steering == ("s3",)
     machine.observe(steered(7, "s3"))  # recorded again after a compaction: still one
     assert machine.recorded().steering == ("s3",)
-    machine.observe(TaskEnd(session_id="s", run_id="run_a", seq=8, status="aborted",
-                            turns=1, usage=TokenUsage(), wall_ms=1))
+    machine.observe(
+        TaskEnd(
+            session_id="s",
+            run_id="run_a",
+            seq=8,
+            status="aborted",
+            turns=1,
+            usage=TokenUsage(),
+            wall_ms=1,
+        )
+    )
     assert machine.recorded().steering == ()
 
 
@@ -240,8 +247,19 @@ def test_steering_for_a_task_that_never_started_is_not_the_next_ones() -> None:
 def test_a_cut_carries_no_steering() -> None:
     """R-FORK-1, R-FORK-2: a fork or rewind ends the task its history leaves open, and the
     steering it had not taken with it."""
-    machine = fold([UserMsg(session_id="s", run_id="run_a", seq=1, kind="prompt",
-                            content=(TextBlock(text="go"),)), started(2), steered(3, "s1")])
+    machine = fold(
+        [
+            UserMsg(
+                session_id="s",
+                run_id="run_a",
+                seq=1,
+                kind="prompt",
+                content=(TextBlock(text="go"),),
+            ),
+            started(2),
+            steered(3, "s1"),
+        ]
+    )
     for output in settlement(machine.record, (), session_id="s", reason="forked"):
         machine.observe(output)
     assert machine.record.steering == () and machine.run_id is None
@@ -250,8 +268,16 @@ def test_a_cut_carries_no_steering() -> None:
 def test_a_trace_written_before_steering_was_recorded_loads() -> None:
     """An old ``user_msg`` of kind ``steering`` has no ``steering_ids``: it loads, and
     delivers nothing recorded."""
-    old = output_from_dict({"type": "user_msg", "session_id": "s", "run_id": "run_a", "seq": 3,
-                            "kind": "steering", "content": [{"type": "text", "text": "hi"}]})
+    old = output_from_dict(
+        {
+            "type": "user_msg",
+            "session_id": "s",
+            "run_id": "run_a",
+            "seq": 3,
+            "kind": "steering",
+            "content": [{"type": "text", "text": "hi"}],
+        }
+    )
     assert isinstance(old, UserMsg) and old.steering_ids == ()
     machine = fold([started(2), steered(3, "s1"), old])
     assert machine.recorded().steering == ("s1",)
