@@ -18,7 +18,7 @@ from ag_ui.core import Event, RunAgentInput
 from conftest import Lookup
 from test_gateway import TOKEN, connect, lookup_script, serving
 
-from greenroom.protocols import ag_ui
+from greenroom.protocols import ag_ui, jsonrpc
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.outputs import (
     ApprovalRequest,
@@ -212,6 +212,21 @@ async def test_bad_input_is_refused_with_a_reason(tmp_path: Path) -> None:
             assert answer.status_code == 405
             ok = await posted(url, run_input("t", "r", "hello"))
             assert ok.events[-1][1]["type"] == "RUN_FINISHED"
+
+
+async def test_a_refusal_quotes_a_bounded_part_of_the_input(tmp_path: Path) -> None:
+    """R-SEC-9: echoed values are truncated. A message role of 0.5 MB is named by the
+    input model's error (its union's tag): the 400 answer is cut to ``MAX_ERROR_CHARS``."""
+    role = "x" * 500_000
+    body = {**run_input("t", "r"), "messages": [{"id": "m1", "role": role, "content": "hi"}]}
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, ag_ui=True) as server:
+            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+            refused = await posted(url, body)
+            assert refused.status == 400
+            message = refused.body["error"]["message"]
+            assert message.startswith("not a RunAgentInput: $.messages.0")
+            assert len(message) < jsonrpc.MAX_ERROR_CHARS + 40, len(message)
 
 
 # -- protocols/ag_ui.py (pure) ------------------------------------------------------------------

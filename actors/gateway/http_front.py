@@ -221,8 +221,11 @@ class Reply:
     async def error(
         self, status: int, message: str, headers: Iterable[tuple[str, str]] = ()
     ) -> None:
-        """An error answer: ``{"error": {"code": status, "message": message}}``."""
-        await self.json(status, {"error": {"code": status, "message": message}}, headers)
+        """An error answer: ``{"error": {"code": status, "message": message}}``, the
+        message cut to :data:`~greenroom.protocols.jsonrpc.MAX_ERROR_CHARS` (it may quote
+        what the client sent: R-SEC-9)."""
+        body = {"code": status, "message": jsonrpc.clip(message, jsonrpc.MAX_ERROR_CHARS)}
+        await self.json(status, {"error": body}, headers)
 
     async def empty(self, headers: Iterable[tuple[str, str]] = ()) -> None:
         """A 204 answer (no body)."""
