@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from conftest import port_of
-from test_gateway import BOUND_S, TOKEN, Client, Server, connect, serving
+from conftest import Lookup, port_of
+from test_gateway import BOUND_S, TOKEN, Client, Server, connect, lookup_script, serving
+from test_gateway_people import until_asked
 from trio_websocket import ConnectionClosed, ConnectionRejected, wrap_client_stream
 
 from greenroom.actors.gateway import GatewayLimits
@@ -274,6 +275,36 @@ async def test_a_principal_at_its_session_cap_gets_429_naming_the_cap(tmp_path: 
                 assert len(server.host.sessions) == 2
                 await bob.result("session.create")
                 assert len((await bob.result("session.list"))["sessions"]) == 1
+
+
+async def test_steering_and_follow_ups_queued_in_a_session_are_capped(
+    tmp_path: Any, lookup: Lookup
+) -> None:
+    """R-SEC-9: a task that waits for a person takes no steering and starts no follow-up,
+    so what a client queues meanwhile stays in memory: at most ``max_queued_inputs`` of
+    each (0.9 MB apiece here); beyond, ``steer`` and ``follow_up`` answer 429 and queue
+    nothing."""
+    limits = GatewayLimits(max_queued_inputs=3)
+    with trio.fail_after(BOUND_S):
+        async with (
+            serving(tmp_path, lookup_script, tools=[lookup.tool], limits=limits) as server,
+            connect(server) as client,
+        ):
+            sid = (await client.result("session.create"))["session_id"]
+            await until_asked(client, sid)
+            big = "x" * HUGE
+            for method, kind in (("steer", "steering"), ("follow_up", "follow-ups")):
+                for _ in range(3):
+                    queued = await client.result(method, {"session_id": sid, "input": big})
+                    assert queued == {"queued": True}
+                refused = await client.error(method, {"session_id": sid, "input": big})
+                assert refused["code"] == jsonrpc.TOO_MANY_REQUESTS, refused
+                assert f"too many {kind} queued in session {sid!r} (at most 3)" in (
+                    refused["message"]
+                )
+            machine = server.host.port(sid).machine
+            assert (len(machine.record.steering), len(machine.queued_tasks)) == (3, 3)
+            assert lookup.calls == []
 
 
 # -- wrong tokens are throttled per address ----------------------------------------------------

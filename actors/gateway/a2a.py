@@ -311,6 +311,7 @@ class A2aEndpoint:
                 return fold, await self._answer(session, fold, text, data, principal)
             if not session.busy:
                 raise RpcError(jsonrpc.BUSY, "the task waits; send its answer")
+            self._methods.check_queue_room(session, "steering")
             session.steer([TextBlock(text=text)])
             return fold, set()
         if named_run is not None:

@@ -130,7 +130,10 @@ class GatewayLimits:
     (1008, ``client too slow: nothing read for N s``) and what waits for it is let go: the
     bound in time on what a client that stopped reading holds.
     ``settle_timeout_s``: how long ``run`` waits for a session that has emitted
-    ``task_end`` to turn idle.
+    ``task_end`` to turn idle. ``max_queued_inputs``: per session, the steering its open
+    task has not taken yet, and the follow-ups behind it, that clients may queue (each
+    apart); ``steer`` and ``follow_up`` beyond it answer 429 (R-SEC-9: a task that waits
+    for a person takes none meanwhile).
 
     Per principal (R-SEC-9), so that one principal cannot lock out another:
     ``max_connections_per_principal`` open connections (a handshake beyond it is refused
@@ -161,6 +164,7 @@ class GatewayLimits:
     handshake_timeout_s: float = 10.0
     close_timeout_s: float = 5.0
     settle_timeout_s: float = 2.0
+    max_queued_inputs: int = 100
 
 
 # -- the token -----------------------------------------------------------------------------------

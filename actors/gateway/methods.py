@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from typing import Any, Protocol, cast
+from typing import Any, Literal, Protocol, cast
 
 import attrs
 import trio
@@ -120,6 +120,9 @@ class Router(Protocol):
         for the answer's ``cluster`` when they could not all be read (else None)."""
         ...
 
+
+QueuedKind = Literal["steering", "follow-ups"]
+"""What clients queue in a session (:meth:`Methods.check_queue_room`)."""
 
 DETACHED = frozenset({"compact"})
 
@@ -249,6 +252,21 @@ class Methods:
         if self._grants.holds(principal, session_id):
             return True
         return self.router is not None and await self.router.holds(principal, session_id)
+
+    def check_queue_room(self, session: Session, kind: QueuedKind) -> None:
+        """429 when ``session`` holds ``max_queued_inputs`` of ``kind`` queued by clients
+        already: its open task takes steering at its next model request and follow-ups
+        when it ends, and one that waits for a person does neither, so a client that
+        queues faster would grow the server's memory without bound (R-SEC-9)."""
+        machine = session.host.port(session.id).machine
+        held = len(machine.record.steering) if kind == "steering" else len(machine.queued_tasks)
+        cap = self._limits.max_queued_inputs
+        if held >= cap:
+            raise RpcError(
+                jsonrpc.TOO_MANY_REQUESTS,
+                f"too many {kind} queued in session {session.id!r} (at most {cap}): "
+                "wait until its task takes them, or interrupt it",
+            )
 
     def approver(self) -> Approval:
         """How the tasks clients start decide their calls (the server's ``--approve``)."""
@@ -437,6 +455,7 @@ class Methods:
         """Steer the running task with ``input`` (R-STEER-1); ``queued`` is False when idle."""
         jsonrpc.check_params(params, "steer")
         session = await self._hubs.settled(await self._owned_session(connection, params))
+        self.check_queue_room(session, "steering")
         content = await self._input(session, params)
         return {"queued": session.steer(content)}
 
@@ -448,6 +467,7 @@ class Methods:
         session = await self._hubs.settled(
             await self._owned_session(connection, params, node=False)
         )
+        self.check_queue_room(session, "follow-ups")
         content = await self._input(session, params)
         return {"queued": session.follow_up(content, approve=self.approver(), output_schema=output)}
 
