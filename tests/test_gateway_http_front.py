@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import h11
 import httpx
 import pytest
 import trio
@@ -25,6 +26,7 @@ from greenroom.actors.gateway import GatewayLimits
 from greenroom.actors.providers.scripted import Reply, ScriptStep, text, tool_call
 
 BOUND_S = 20.0
+BEARER = f"Authorization: Bearer {TOKEN}"
 
 
 def gated_script() -> list[ScriptStep]:
@@ -110,6 +112,59 @@ async def test_http_admission_is_the_websocket_s(tmp_path: Path, gates: Gates) -
             assert [w.status for w in wrong] == [401, 401]
             throttled = await posted(url, run_input("t3", "r3", "hi"))
             assert throttled.status == 429
+
+
+async def keep_alive_request(stream: trio.SocketStream, request: bytes) -> int | None:
+    """Send one request on a kept-alive connection and read its whole answer: its status,
+    or None when the server closed the connection instead."""
+    client = h11.Connection(h11.CLIENT)
+    try:
+        await stream.send_all(request)
+    except trio.BrokenResourceError:
+        return None
+    status = None
+    while True:
+        event = client.next_event()
+        if event is h11.NEED_DATA:
+            try:
+                client.receive_data(await stream.receive_some(65536))
+            except trio.BrokenResourceError:
+                return None
+        elif isinstance(event, h11.Response):
+            status = event.status_code
+        elif isinstance(event, h11.EndOfMessage):
+            return status
+        elif isinstance(event, h11.ConnectionClosed):
+            return None
+
+
+async def test_a_connection_that_never_authenticates_is_closed_after_the_deadline(
+    tmp_path: Path,
+) -> None:
+    """R-SEC-4, R-SEC-9: requests without a token (each answered) do not keep an HTTP
+    connection, and the seat it holds, past the deadline, as a websocket that does not
+    authenticate is closed; one whose request carried the token keeps going. The
+    authenticated one connects first, so once the other is closed its deadline is over."""
+    limits = GatewayLimits(handshake_timeout_s=1.0)
+    untokened = b"GET /a2a HTTP/1.1\r\nHost: gw\r\n\r\n"
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tasks/get", "params": {"id": "x"}})
+    tokened = (
+        f"POST /a2a HTTP/1.1\r\nHost: gw\r\n{BEARER}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+    ).encode()
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, a2a=True, limits=limits) as server:
+            port = server.gateway.port
+            async with await trio.open_tcp_stream("127.0.0.1", port) as known:
+                assert await keep_alive_request(known, tokened) == 200
+                async with await trio.open_tcp_stream("127.0.0.1", port) as stranger:
+                    answered = 0
+                    while await keep_alive_request(stranger, untokened) == 405:
+                        answered += 1
+                        # Never idle for the keep-alive timeout, which is the deadline here.
+                        assert await keep_alive_request(known, tokened) == 200
+                    assert answered >= 1
+                assert await keep_alive_request(known, tokened) == 200
 
 
 async def test_malformed_http_never_ends_the_server(tmp_path: Path) -> None:
@@ -296,8 +351,10 @@ async def test_a_client_too_slow_to_take_its_answers_is_logged_in_one_line(
     async with serving(tmp_path, a2a=True) as server:
         port = server.gateway.port
         stream = await trio.open_tcp_stream("127.0.0.1", port)
-        # GET /a2a is answered 405 before any token is looked at.
-        requests = b"GET /a2a HTTP/1.1\r\nHost: x\r\n\r\n" * 100_000
+        # With the token: a connection that never authenticates is closed at the
+        # handshake deadline, before the write timeout.
+        card = f"GET /.well-known/agent-card.json HTTP/1.1\r\nHost: x\r\n{BEARER}\r\n\r\n"
+        requests = card.encode() * 20_000
 
         async def send_all() -> None:
             with contextlib.suppress(trio.BrokenResourceError):

@@ -21,7 +21,9 @@ wrong tokens waits (429 with ``Retry-After``) before its token is looked at; a m
 wrong ``Authorization: Bearer`` token is 401 (a wrong one counts against the address);
 each HTTP connection takes one of the gateway's seats (503 when none is left) and each
 request one of its principal's connections (429 beyond them) for as long as it is
-answered — an event stream holds its place like a websocket does.
+answered — an event stream holds its place like a websocket does. A connection none of
+whose requests brought a valid token by the handshake timeout (from its start) is closed
+then, whatever it was answered meanwhile, as a websocket that does not authenticate is.
 
 CORS: web front ends are served from an origin of their own, so the endpoints answer a
 browser's preflight (``OPTIONS`` with an ``Origin``) for the gateway's allowed origins —
@@ -409,6 +411,7 @@ class HttpFront:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         read = bytearray()
         request: h11.Request | None = None
+        started = trio.current_time()
         with trio.move_on_after(self._limits.handshake_timeout_s) as timer:
             request = await self._first_head(stream, conn, read)
         if timer.cancelled_caught or (request is None and not read):
@@ -425,7 +428,11 @@ class HttpFront:
             return
         self._seats.take()
         try:
-            await self._serve(stream, conn, request)
+            # Until a request brings a valid token the connection holds a seat as a
+            # stranger: closed at the deadline whatever else it sends and is answered
+            # (a 401, a 405), as a websocket that does not authenticate is (R-SEC-4).
+            with trio.CancelScope(deadline=started + self._limits.handshake_timeout_s) as until:
+                await self._serve(stream, conn, request, until)
         finally:
             self._seats.give_back()
 
@@ -465,8 +472,16 @@ class HttpFront:
 
     # -- HTTP ------------------------------------------------------------------------------
 
-    async def _serve(self, stream: CountedStream, conn: h11.Connection, first: h11.Request) -> None:
-        """Answer requests on the connection until it closes (keep-alive between them)."""
+    async def _serve(
+        self,
+        stream: CountedStream,
+        conn: h11.Connection,
+        first: h11.Request,
+        unauthenticated: trio.CancelScope,
+    ) -> None:
+        """Answer requests on the connection until it closes (keep-alive between them).
+        ``unauthenticated`` ends it at its deadline unless a request brings a valid token
+        first (then its deadline is lifted)."""
         request: h11.Request | None = first
         while request is not None:
             headers = _headers(request)
@@ -474,7 +489,7 @@ class HttpFront:
             body = await self._body(stream, conn, reply)
             if body is None:
                 return
-            await self._answer(request, headers, body, reply, stream)
+            await self._answer(request, headers, body, reply, stream, unauthenticated)
             if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
                 return
             try:
@@ -565,6 +580,7 @@ class HttpFront:
         body: bytes,
         reply: Reply,
         stream: CountedStream,
+        unauthenticated: trio.CancelScope,
     ) -> None:
         method = head.method.decode("latin-1")
         path = head.target.split(b"?", 1)[0].decode("latin-1")
@@ -586,6 +602,7 @@ class HttpFront:
         principal = await self._principal(headers, stream, reply)
         if principal is None:
             return
+        unauthenticated.deadline = math.inf
         if not self._admission.admit(principal):
             cap = self._limits.max_connections_per_principal
             await reply.error(429, f"too many connections for client {principal!r} (at most {cap})")
