@@ -167,6 +167,40 @@ async def test_a_connection_that_never_authenticates_is_closed_after_the_deadlin
                 assert await keep_alive_request(known, tokened) == 200
 
 
+async def test_idle_kept_alive_connections_count_against_their_principal(
+    tmp_path: Path,
+) -> None:
+    """R-SEC-9: a kept-alive connection that waits for its next request holds a place of
+    the principal its requests came from, so a principal cannot hold the gateway's seats
+    with idle connections beyond its cap (locking other principals out): at its cap, its
+    next request is served and its longest-idle connection is closed for it. Another
+    principal's idle connection is left alone."""
+    limits = GatewayLimits(max_connections_per_principal=1)
+    tokens = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789"}
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tasks/get", "params": {"id": "x"}})
+
+    def tasks_get(token: str) -> bytes:
+        return (
+            f"POST /a2a HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer {token}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+        ).encode()
+
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, a2a=True, limits=limits, tokens=tokens) as server:
+            port = server.gateway.port
+            async with (
+                await trio.open_tcp_stream("127.0.0.1", port) as first,
+                await trio.open_tcp_stream("127.0.0.1", port) as second,
+                await trio.open_tcp_stream("127.0.0.1", port) as bobs,
+            ):
+                assert await keep_alive_request(bobs, tasks_get(tokens["bob"])) == 200
+                assert await keep_alive_request(first, tasks_get(tokens["alice"])) == 200
+                assert await keep_alive_request(second, tasks_get(tokens["alice"])) == 200
+                assert await keep_alive_request(first, tasks_get(tokens["alice"])) is None
+                assert await keep_alive_request(second, tasks_get(tokens["alice"])) == 200
+                assert await keep_alive_request(bobs, tasks_get(tokens["bob"])) == 200
+
+
 async def test_malformed_http_never_ends_the_server(tmp_path: Path) -> None:
     limits = GatewayLimits(max_frame_bytes=1000)
     with trio.fail_after(BOUND_S):

@@ -21,7 +21,10 @@ wrong tokens waits (429 with ``Retry-After``) before its token is looked at; a m
 wrong ``Authorization: Bearer`` token is 401 (a wrong one counts against the address);
 each HTTP connection takes one of the gateway's seats (503 when none is left) and each
 request one of its principal's connections (429 beyond them) for as long as it is
-answered — an event stream holds its place like a websocket does. A connection none of
+answered — an event stream holds its place like a websocket does — and a kept-alive
+connection one while it waits for its next request (:class:`IdlePlaces`: at its cap, a
+principal's request closes its longest-idle connection instead of being refused), so
+that idle connections cannot hold the seats beyond the cap either. A connection none of
 whose requests brought a valid token by the handshake timeout (from its start) is closed
 then, whatever it was answered meanwhile, as a websocket that does not authenticate is.
 
@@ -339,6 +342,54 @@ class Reply:
                 await sink.comment("keep-alive")
 
 
+class IdlePlaces:
+    """The kept-alive HTTP connections that wait for their next request, each holding a
+    place of the principal its requests came from (R-SEC-9): a principal's idle
+    connections count against its connections as its requests do, so it cannot keep the
+    gateway's seats with them and lock other principals out. A request of a principal
+    with no place left closes its longest-idle connection to take that place
+    (:meth:`evict`). No I/O."""
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+        self._waiting: dict[str, dict[trio.CancelScope, None]] = {}
+
+    def hold(self, principal: str, deadline: float) -> trio.CancelScope | None:
+        """A place of ``principal`` for a connection's wait until ``deadline``: the scope
+        to wait in (:meth:`evict` cancels it), or None when it has no place left (the
+        connection is then not kept alive). Give it back with :meth:`end`."""
+        if not self._admission.admit(principal):
+            return None
+        scope = trio.CancelScope(deadline=deadline)
+        self._waiting.setdefault(principal, {})[scope] = None
+        return scope
+
+    def end(self, principal: str, scope: trio.CancelScope) -> None:
+        """The wait in ``scope`` is over: its place is given back (unless evicted)."""
+        waiting = self._waiting.get(principal, {})
+        if scope in waiting:
+            self._forget(principal, scope)
+            self._admission.release(principal)
+
+    def evict(self, principal: str) -> bool:
+        """Close ``principal``'s longest-idle connection and give its place back at once;
+        False when none of its connections waits."""
+        waiting = self._waiting.get(principal)
+        if not waiting:
+            return False
+        scope = next(iter(waiting))
+        self._forget(principal, scope)
+        scope.cancel()
+        self._admission.release(principal)
+        return True
+
+    def _forget(self, principal: str, scope: trio.CancelScope) -> None:
+        waiting = self._waiting[principal]
+        del waiting[scope]
+        if not waiting:
+            del self._waiting[principal]
+
+
 class HttpFront:
     """The HTTP side of the gateway's port: routes each connection (HTTP to ``routes``,
     everything else to trio-websocket through ``handoff``) and admits each request.
@@ -367,6 +418,7 @@ class HttpFront:
         self._seats = seats
         self._origin_allowed = origin_allowed
         self._limits = limits
+        self._idle = IdlePlaces(admission)
         self._handoff: trio.MemorySendChannel[CountedStream] | None = None
 
     async def run(
@@ -483,13 +535,15 @@ class HttpFront:
         ``unauthenticated`` ends it at its deadline unless a request brings a valid token
         first (then its deadline is lifted)."""
         request: h11.Request | None = first
+        principal: str | None = None  # whose requests the connection carried last
         while request is not None:
             headers = _headers(request)
             reply = Reply(stream, conn, self._limits, self._cors(headers))
             body = await self._body(stream, conn, reply)
             if body is None:
                 return
-            await self._answer(request, headers, body, reply, stream, unauthenticated)
+            answered = await self._answer(request, headers, body, reply, stream, unauthenticated)
+            principal = answered or principal
             if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
                 return
             try:
@@ -497,8 +551,19 @@ class HttpFront:
             except h11.LocalProtocolError:
                 return
             request = None
-            with trio.move_on_after(self._limits.handshake_timeout_s):
-                request = await self._next_head(stream, conn)
+            deadline = trio.current_time() + self._limits.handshake_timeout_s
+            if principal is None:
+                with trio.move_on_at(deadline):
+                    request = await self._next_head(stream, conn)
+                continue
+            idle = self._idle.hold(principal, deadline)
+            if idle is None:
+                return  # its principal has no place left: not kept alive
+            try:
+                with idle:
+                    request = await self._next_head(stream, conn)
+            finally:
+                self._idle.end(principal, idle)
 
     async def _next_head(self, stream: CountedStream, conn: h11.Connection) -> h11.Request | None:
         while True:
@@ -581,32 +646,35 @@ class HttpFront:
         reply: Reply,
         stream: CountedStream,
         unauthenticated: trio.CancelScope,
-    ) -> None:
+    ) -> str | None:
+        """Answer one request; the principal it was admitted as (None: refused first)."""
         method = head.method.decode("latin-1")
         path = head.target.split(b"?", 1)[0].decode("latin-1")
         route = self.routes.get(path)
         if route is None:
             await reply.error(404, f"not found: the endpoints are {', '.join(sorted(self.routes))}")
-            return
+            return None
         origin = headers.get("origin")
         if method == "OPTIONS" and origin is not None:
             await self._preflight(route, origin, reply)
-            return
+            return None
         if method not in route.methods:
             allowed = ", ".join(sorted(route.methods))
             await reply.error(405, f"{path} takes {allowed}", [("Allow", allowed)])
-            return
+            return None
         if origin is not None and not self._origin_allowed(origin.encode("latin-1")):
             await reply.error(403, "forbidden: this origin may not call")
-            return
+            return None
         principal = await self._principal(headers, stream, reply)
         if principal is None:
-            return
+            return None
         unauthenticated.deadline = math.inf
-        if not self._admission.admit(principal):
+        if not self._admission.admit(principal) and not (
+            self._idle.evict(principal) and self._admission.admit(principal)
+        ):
             cap = self._limits.max_connections_per_principal
             await reply.error(429, f"too many connections for client {principal!r} (at most {cap})")
-            return
+            return None
         request = HttpRequest(
             method=method,
             path=path,
@@ -627,6 +695,7 @@ class HttpFront:
                 await reply.error(500, "internal error")
         finally:
             self._admission.release(principal)
+        return principal
 
     async def _principal(
         self, headers: Mapping[str, str], stream: CountedStream, reply: Reply
