@@ -277,6 +277,51 @@ async def test_a_principal_at_its_session_cap_gets_429_naming_the_cap(tmp_path: 
                 assert len((await bob.result("session.list"))["sessions"]) == 1
 
 
+async def test_forks_made_at_once_do_not_pass_the_session_cap(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-SEC-9: a fork counts against its principal's sessions from the moment it is
+    asked, as a ``session.create`` does: alice holds one of her two sessions, and while
+    a fork of hers is being made, another (from another connection) answers 429."""
+    limits = GatewayLimits(max_sessions_per_principal=2)
+    with trio.fail_after(BOUND_S):
+        async with (
+            serving(tmp_path, limits=limits) as server,
+            connect(server) as first,
+            connect(server) as second,
+        ):
+            sid = (await first.result("session.create"))["session_id"]
+            real_fork = server.host.fork_session
+            first_in, decided, release = trio.Event(), trio.Event(), trio.Event()
+            entered = 0
+
+            async def held_fork(*args: Any, **options: Any) -> Any:
+                nonlocal entered
+                entered += 1
+                (first_in if entered == 1 else decided).set()
+                await release.wait()
+                return await real_fork(*args, **options)
+
+            monkeypatch.setattr(server.host, "fork_session", held_fork)
+            await first.send(call(1, "session.fork", session_id=sid))
+            await first_in.wait()
+            answers: dict[int, dict[str, Any]] = {}
+
+            async def second_fork() -> None:
+                await second.send(call(2, "session.fork", session_id=sid))
+                answers[2] = await second.response(2)
+                decided.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(second_fork)
+                await decided.wait()  # answered, or let through to be made as well
+                release.set()
+            answers[1] = await first.response(1)
+            assert "result" in answers[1], answers[1]
+            assert answers[2]["error"]["code"] == jsonrpc.TOO_MANY_REQUESTS, answers[2]
+            assert len((await first.result("session.list"))["sessions"]) == 2
+
+
 async def test_steering_and_follow_ups_queued_in_a_session_are_capped(
     tmp_path: Any, lookup: Lookup
 ) -> None:

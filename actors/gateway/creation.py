@@ -5,9 +5,10 @@ endpoints (A2A, AG-UI) create sessions here alike."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -77,10 +78,18 @@ class SessionCreation:
         ``workspace`` must resolve under the workspace root (R-SEC-5); ``session_id``
         chooses its id. 429 beyond the principal's cap on open sessions (R-SEC-9). Its hub
         is running when it returns."""
+        with self.reserve(principal):
+            return await self._create(principal, workspace, model, dict(settings or {}), session_id)
+
+    @contextlib.contextmanager
+    def reserve(self, principal: str) -> Iterator[None]:
+        """A place among ``principal``'s sessions for one being made (created or forked)
+        meanwhile: 429 when it has none left (:meth:`check_room`). Made at once, several
+        cannot all find the same last place (R-SEC-9)."""
         self.check_room(principal)
         self._creating[principal] += 1
         try:
-            return await self._create(principal, workspace, model, dict(settings or {}), session_id)
+            yield
         finally:
             self._creating[principal] -= 1
             if not self._creating[principal]:

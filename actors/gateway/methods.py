@@ -175,7 +175,7 @@ class Methods:
         self.router: Router | None = None
         """Serves the sessions of other hosts (cluster mode)."""
         self._time_travel = TimeTravelMethods(
-            host, defaults, self._owned_session, self.creation.check_room, self.creation.take_new
+            host, defaults, self._owned_session, self.creation.reserve, self.creation.take_new
         )
 
     def table(self) -> dict[str, Handler]:

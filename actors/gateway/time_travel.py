@@ -2,7 +2,8 @@
 
 Authorized as every method on a session is (R-SEC-4): the caller must own the session, or
 the root of its tree. A fork is a new session of the caller's — it counts against the
-caller's cap of open sessions (R-SEC-9) and is stored as the caller's — whoever owned the
+caller's cap of open sessions from the moment it is asked (R-SEC-9: forks made at once
+cannot all take the last place) and is stored as the caller's — whoever owned the
 source. A rewind of a session whose task runs is 409 (``Busy``); a point the history does
 not have is -32602 on the parameter, with the reason.
 
@@ -14,6 +15,7 @@ authorization, its cap, its way of taking a new session) and dispatches to it.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from greenroom.actors.gateway.config import SessionDefaults
@@ -35,20 +37,20 @@ Owned = Callable[..., Awaitable[Session]]
 class TimeTravelMethods:
     """``rpc_session_fork`` and ``rpc_session_rewind``; see the module docstring."""
 
-    __slots__ = ("_check_room", "_defaults", "_host", "_owned", "_take_new")
+    __slots__ = ("_defaults", "_host", "_owned", "_reserve", "_take_new")
 
     def __init__(
         self,
         host: Host,
         defaults: SessionDefaults,
         owned: Owned,
-        check_room: Callable[[str], None],
+        reserve: Callable[[str], AbstractContextManager[None]],
         take_new: Callable[[str, Session], Awaitable[None]],
     ) -> None:
         self._host = host
         self._defaults = defaults
         self._owned = owned
-        self._check_room = check_room
+        self._reserve = reserve
         self._take_new = take_new
 
     async def rpc_session_fork(self, connection: Connection, params: dict[str, Any]) -> Any:
@@ -59,20 +61,20 @@ class TimeTravelMethods:
         at_seq = jsonrpc.optional_int(params, "at_seq", minimum=0)
         source = await self._owned(connection, params)
         principal = _identity(connection)
-        self._check_room(principal)
         defaults = self._defaults
-        try:
-            fork = await self._host.fork_session(
-                source.id,
-                at_seq,
-                tools=defaults.tools,
-                provider=defaults.session_provider(),
-                mcp_servers=defaults.mcp_servers,
-                principal=principal,
-            )
-        except SeqRefused as exc:
-            raise invalid("$.at_seq", str(exc)) from None
-        await self._take_new(principal, fork)
+        with self._reserve(principal):
+            try:
+                fork = await self._host.fork_session(
+                    source.id,
+                    at_seq,
+                    tools=defaults.tools,
+                    provider=defaults.session_provider(),
+                    mcp_servers=defaults.mcp_servers,
+                    principal=principal,
+                )
+            except SeqRefused as exc:
+                raise invalid("$.at_seq", str(exc)) from None
+            await self._take_new(principal, fork)
         return {"session_id": fork.id, "seq": _forked_at(fork)}
 
     async def rpc_session_rewind(self, connection: Connection, params: dict[str, Any]) -> Any:
