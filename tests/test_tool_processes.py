@@ -292,3 +292,83 @@ async def test_measure_what_the_launcher_adds(tmp_path: Path, workspace: Path) -
     calls.sort()
     bare.sort()
     print(f"\nrun_shell(true): {calls[20] * 1000:.1f} ms; bash -c true: {bare[20] * 1000:.1f} ms")
+
+
+SEARCH_HOST_SCRIPT = """\
+import sys
+from pathlib import Path
+
+import trio
+
+from greenroom.actors.tools.builtin import search_files
+from greenroom.protocols.tools import ToolContext
+
+
+def progress(message):
+    print(message, flush=True)
+
+
+async def main(workspace):
+    ctx = ToolContext(call_id="c1", workspace_dir=Path(workspace),
+                      scratchpad_dir=Path(workspace) / ".scratch", report_progress=progress)
+    await search_files.function(pattern=r"(a+)+$", ctx=ctx)
+
+
+trio.run(main, sys.argv[1])
+"""
+
+
+def search_workers_in(directory: Path) -> list[int]:
+    """Live search workers whose working directory is ``directory`` (the host's: each
+    test's host starts in a directory of its own)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
+            cwd = os.readlink(f"/proc/{name}/cwd")
+        except OSError:
+            continue
+        if b"search_worker.py" in cmdline and cwd == str(directory):
+            found.append(int(name))
+    return found
+
+
+async def test_a_host_killed_during_a_search_leaves_no_worker(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """R-SEC-11: ``search_files``' worker process ends with its call when the host is
+    killed with SIGKILL in the middle of a match that backtracks for ever (it ran on,
+    reparented to init, before)."""
+    (workspace / "a-first.txt").write_text("aaaa\n")
+    (workspace / "b-long.txt").write_text("a" * 60 + "!\n")
+    script = tmp_path / "search_host.py"
+    script.write_text(SEARCH_HOST_SCRIPT)
+    home = (tmp_path / "host-home").resolve()
+    home.mkdir()
+    host = await trio.lowlevel.open_process(
+        [sys.executable, str(script), str(workspace)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        cwd=home,
+    )
+    try:
+        assert host.stdout is not None
+        seen = b""
+        with trio.fail_after(RUN_TIMEOUT_S):
+            # The first file's match is reported: the worker is in the second one's.
+            while b"1 match so far" not in seen:
+                chunk = await host.stdout.receive_some()
+                assert chunk, seen
+                seen += chunk
+        assert search_workers_in(home)
+        host.send_signal(signal.SIGKILL)
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await host.wait()
+        await until(lambda: not search_workers_in(home))
+    finally:
+        host.kill()
+        await host.wait()
+        for pid in search_workers_in(home):
+            os.kill(pid, signal.SIGKILL)
