@@ -131,6 +131,30 @@ async def test_list_dir_sorted_with_markers_and_sizes(workspace: Path) -> None:
         await call(list_dir, workspace, path="zeta.txt")
 
 
+async def test_list_dir_does_not_stat_through_symlinks_outside(
+    workspace: Path, outside: Path
+) -> None:
+    """R-SEC-7: a symlink in the workspace is shown as what it points at only inside it;
+    one to a file or a directory outside was followed by the host, telling the model
+    that the file exists, its kind and its size."""
+    (workspace / "real").mkdir()
+    (workspace / "real" / "f.txt").write_text("inside")
+    (workspace / "alias").symlink_to("real/f.txt")
+    (workspace / "here").symlink_to("real")
+    (workspace / "leak").symlink_to(outside / "secret.txt")
+    (workspace / "there").symlink_to(outside)
+    outside_line = "  (a symlink that leads outside the workspace)"
+    assert await call(list_dir, workspace) == "\n".join(
+        [
+            "alias  (6 bytes)",
+            "here/",
+            f"leak{outside_line}",
+            "real/",
+            f"there{outside_line}",
+        ]
+    )
+
+
 # --- search_files --------------------------------------------------------------------
 
 

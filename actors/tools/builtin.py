@@ -458,22 +458,45 @@ def _list_dir_sync(ctx: ToolContext, path: str) -> str:
             raise file_error(exc, shown) from exc
         if not entries:
             return f"[{shown} is empty]"
-        lines: list[str] = []
-        for entry in entries[:_MAX_LIST_ENTRIES]:
-            name = display(entry.name)
-            try:
-                # Follows symlinks: an entry is shown as what it points at.
-                if entry.is_dir():
-                    lines.append(f"{name}/")
-                elif entry.is_file():
-                    lines.append(f"{name}  ({entry.stat().st_size} bytes)")
-                else:
-                    lines.append(name)
-            except OSError:
-                lines.append(name)
+        lines = [
+            _listed(workspace, entry, target.parts) for entry in entries[:_MAX_LIST_ENTRIES]
+        ]
     if len(entries) > _MAX_LIST_ENTRIES:
         lines.append(f"[{len(entries) - _MAX_LIST_ENTRIES} more entries not shown]")
     return "\n".join(lines)
+
+
+def _listed(workspace: OpenWorkspace, entry: os.DirEntry[str], parts: tuple[str, ...]) -> str:
+    """``list_dir``'s line for ``entry`` of the directory at ``parts``: a symlink is shown
+    as what it points at only when that lies inside the workspace (walked from the root
+    like a path argument), never by asking the kernel to follow it: the size or kind of a
+    file outside, or in the data dir, is not shown (R-SEC-7)."""
+    name = display(entry.name)
+    try:
+        if not entry.is_symlink():
+            info = entry.stat(follow_symlinks=False)
+        else:
+            try:
+                target = workspace.locate("/".join((*parts, entry.name)))
+            except OutsideWorkspaceError:
+                return f"{name}  (a symlink that leads outside the workspace)"
+            except BuiltinToolError:
+                return name  # a loop, a component that is not a directory
+            try:
+                if target.name is None:
+                    return f"{name}/"
+                info = os.stat(target.name, dir_fd=target.dir_fd, follow_symlinks=False)
+                if stat.S_ISDIR(info.st_mode) and (info.st_dev, info.st_ino) in workspace.hidden:
+                    return f"{name}  (a symlink that leads outside the workspace)"
+            finally:
+                workspace.release(target)
+    except OSError:
+        return name
+    if stat.S_ISDIR(info.st_mode):
+        return f"{name}/"
+    if stat.S_ISREG(info.st_mode):
+        return f"{name}  ({info.st_size} bytes)"
+    return name
 
 
 @tool(parallel=True)
