@@ -28,6 +28,7 @@ from greenroom.actors.runtime.storage import SessionStore
 from greenroom.actors.runtime.subagents import spawn_subagent
 from greenroom.actors.tools.builtin import BUILTIN_TOOLS
 from greenroom.actors.tools.sandbox import sandbox_status, workspace_guard
+from greenroom.actors.tools.workspace import WorkspaceError, identify_workspace
 from greenroom.protocols import jsonrpc
 from greenroom.protocols.outputs import ToolCallOutput
 from greenroom.protocols.settings import SessionSettings
@@ -414,3 +415,24 @@ async def test_gateway_images_are_not_confined_to_a_replaced_workspace(tmp_path:
             refused = await client.error("run", {"session_id": sid, "input": [image]})
     assert refused["code"] == jsonrpc.INVALID_PARAMS
     assert "$.input" in refused["message"] and REPLACED in refused["message"]
+
+
+def test_a_workspace_swapped_while_it_is_identified_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-SEC-7: the identity is taken from the directory the resolved path names; it
+    was taken by opening that path again, through a symlink swapped in meanwhile, so a
+    path checked under a root came with the numbers of a directory outside it."""
+    place = Place(tmp_path)
+    real_resolve = Path.resolve
+
+    def resolve_then_swap(self: Path, strict: bool = False) -> Path:
+        monkeypatch.setattr(Path, "resolve", real_resolve)
+        resolved = real_resolve(self, strict=strict)
+        place.sub.rename(place.root / "moved-away")
+        place.sub.symlink_to(place.outside, target_is_directory=True)
+        return resolved
+
+    monkeypatch.setattr(Path, "resolve", resolve_then_swap)
+    with pytest.raises(WorkspaceError, match="was replaced while it was opened"):
+        identify_workspace(place.sub)

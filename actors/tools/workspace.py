@@ -70,6 +70,7 @@ DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 """How every directory below the workspace root is opened: never through a symlink."""
 
 _ROOT_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_PASS_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # As many symlinks as Linux follows in one path before it says ELOOP.
 _MAX_LINKS = 40
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
@@ -125,7 +126,7 @@ def identify_workspace(
     opened, or is or lies inside one of ``private_dirs``."""
     try:
         path = Path(directory).expanduser().resolve(strict=True)
-        fd = os.open(path, _ROOT_FLAGS)
+        fd = _open_unlinked(path)
     except FileNotFoundError:
         raise WorkspaceError(f"the workspace {directory} does not exist") from None
     except NotADirectoryError:
@@ -146,6 +147,34 @@ def identify_workspace(
     return WorkspaceIdentity(
         path=path, device=info.st_dev, inode=info.st_ino, boot=current_boot()
     )
+
+
+def _open_unlinked(path: Path) -> int:
+    """The directory at the resolved ``path``, opened one component at a time without
+    following a symlink: the identity taken from it is that of the directory the path
+    names, even when a component is swapped for a symlink meanwhile (then
+    :class:`WorkspaceError`). Raises OSError as ``os.open`` does."""
+    fd = os.open(path.anchor, _ROOT_FLAGS)
+    try:
+        for index, name in enumerate(path.parts[1:], start=1):
+            last = index == len(path.parts) - 1
+            # Search permission is enough on the way (O_PATH), as for a whole path.
+            flags = DIR_FLAGS if last else _PASS_FLAGS
+            try:
+                inner = os.open(name, flags, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise WorkspaceError(
+                        f"the workspace {path} was replaced while it was opened (a symlink "
+                        "stands on its path now); try again"
+                    ) from None
+                raise
+            os.close(fd)
+            fd = inner
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def open_workspace(
