@@ -22,6 +22,7 @@ import trio
 from conftest import RUN_TIMEOUT_S, allow_all, collect, of_type, open_host
 from test_gateway import connect, serving
 
+import greenroom.actors.gateway.creation as creation
 from greenroom.actors.providers.scripted import Reply, text, tool_call
 from greenroom.actors.runtime.errors import ConfigurationError
 from greenroom.actors.runtime.storage import SessionStore
@@ -415,6 +416,38 @@ async def test_gateway_images_are_not_confined_to_a_replaced_workspace(tmp_path:
             refused = await client.error("run", {"session_id": sid, "input": [image]})
     assert refused["code"] == jsonrpc.INVALID_PARAMS
     assert "$.input" in refused["message"] and REPLACED in refused["message"]
+
+
+async def test_a_client_workspace_swapped_after_its_check_is_not_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-SEC-7 (R-SEC-5): ``session.create {workspace}`` checked the client's directory
+    under the workspace root, then the session fixed whatever the path named a moment
+    later: a directory swapped for a symlink in between (another session's command
+    flipping it) gave the client a session working outside the root. The gateway now
+    checks the identity it fixes, and a swap after the check fails the call."""
+    place = Place(tmp_path / "p")
+    real_check = creation.confined_workspace
+
+    def check_then_swap(*args: Any) -> Any:
+        checked = real_check(*args)
+        sub = place.root / "sub"
+        sub.rename(place.root / "moved-away")
+        sub.symlink_to(place.outside, target_is_directory=True)
+        return checked
+
+    monkeypatch.setattr(creation, "confined_workspace", check_then_swap)
+    with trio.fail_after(RUN_TIMEOUT_S):
+        async with (
+            serving(tmp_path, workspace_root=place.root) as server,
+            connect(server) as client,
+        ):
+            refused = await client.error("session.create", {"workspace": "sub"})
+            assert not [
+                s for s in server.host.sessions if s.workspace_dir.is_relative_to(place.outside)
+            ]
+    assert refused["code"] == jsonrpc.INVALID_PARAMS
+    assert REPLACED in refused["message"]
 
 
 def test_a_workspace_swapped_while_it_is_identified_is_refused(

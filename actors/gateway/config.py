@@ -22,9 +22,10 @@ import attrs
 from greenroom.actors.runtime.errors import ConfigurationError
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.port import Approval
+from greenroom.actors.tools.workspace import WorkspaceError, identify_workspace
 from greenroom.protocols.jsonrpc import invalid
 from greenroom.protocols.people import PEOPLE
-from greenroom.protocols.tools import Tool
+from greenroom.protocols.tools import Tool, WorkspaceIdentity
 
 PATH = "/v1"
 TOKEN_FILE_NAME = "serve.token"
@@ -304,10 +305,13 @@ def resolved(value: str | Path) -> Path:
     return Path(value).expanduser().resolve()
 
 
-def confined_workspace(value: str, root: Path, data_dir: Path) -> Path:
-    """A client's workspace: a directory that resolves (symlinks followed) under ``root``,
-    is not the file system root and does not hold the data dir (R-SEC-5). Relative paths
-    are taken from ``root``. Raises -32602 naming ``$.workspace``; never OSError."""
+def confined_workspace(value: str, root: Path, data_dir: Path) -> WorkspaceIdentity:
+    """A client's workspace, fixed (R-SEC-7): a directory that resolves (symlinks
+    followed) under ``root``, is not the file system root and does not hold the data dir
+    (R-SEC-5). Relative paths are taken from ``root``. The checks hold for the identity
+    returned, which the session is created with: a directory swapped for a symlink after
+    them makes the creation fail rather than fix what the path names then. Raises -32602
+    naming ``$.workspace``; never OSError."""
     try:
         path = (root / Path(value).expanduser()).resolve(strict=True)
         is_dir = path.is_dir()
@@ -325,7 +329,17 @@ def confined_workspace(value: str, root: Path, data_dir: Path) -> Path:
         raise invalid("$.workspace", f"outside the server's workspace root {root}")
     if data.is_relative_to(path):
         raise invalid("$.workspace", "holds the server's data dir")
-    return path
+    try:
+        identity = identify_workspace(path, (data_dir,))
+    except WorkspaceError as exc:
+        raise invalid("$.workspace", str(exc)) from None
+    if identity.path != path:
+        raise invalid(
+            "$.workspace",
+            f"{path} was replaced while it was checked (a symlink stands on its path now); "
+            "the session was not created",
+        )
+    return identity
 
 
 def normal_origin(origin: str) -> str:

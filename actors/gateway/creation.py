@@ -28,6 +28,7 @@ from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.session import Session
 from greenroom.protocols import jsonrpc
 from greenroom.protocols.jsonrpc import RpcError
+from greenroom.protocols.tools import WorkspaceIdentity
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +140,7 @@ class SessionCreation:
     ) -> Session:
         defaults = self.defaults
         check_budgets(client_settings, defaults.settings)
+        workspace: Path | WorkspaceIdentity
         if workspace_param is None:
             workspace = await trio.to_thread.run_sync(directory, defaults.workspace_dir)
         else:
