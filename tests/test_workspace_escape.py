@@ -469,3 +469,28 @@ def test_a_workspace_swapped_while_it_is_identified_is_refused(
     monkeypatch.setattr(Path, "resolve", resolve_then_swap)
     with pytest.raises(WorkspaceError, match="was replaced while it was opened"):
         identify_workspace(place.sub)
+
+
+async def test_a_stored_workspace_path_through_a_new_symlink_is_not_taken_at_load(
+    tmp_path: Path,
+) -> None:
+    """R-SEC-7: a session loaded without a usable identity (an old ``session.json``, or
+    another boot) takes the directory at its stored path only when no component of that
+    path is a symlink now; only the last one was looked at, so a parent directory
+    swapped for a symlink fixed the session to a directory outside."""
+    place = Place(tmp_path)
+    workspace = place.sub / "inner"
+    workspace.mkdir()
+    (place.outside / "inner").mkdir()
+    async with open_host(place.data) as host:
+        sid = (await host.create_session(provider="scripted", workspace_dir=workspace)).id
+    meta_path = SessionStore(place.data).meta_path(sid)
+    meta = json.loads(meta_path.read_text("utf-8"))
+    del meta["workspace_identity"]
+    meta_path.write_text(json.dumps(meta), "utf-8")
+    place.sub.rename(place.root / "moved-away")
+    place.sub.symlink_to(place.outside, target_is_directory=True)
+    async with open_host(place.data) as host:
+        loaded = await host.load_session(sid, tools=BUILTIN_TOOLS, provider="scripted")
+        assert loaded.workspace_identity is not None
+        assert loaded.workspace_identity.inode != (place.outside / "inner").stat().st_ino

@@ -36,7 +36,7 @@ from greenroom.actors.runtime.trace_store import (
     one_line,
 )
 from greenroom.actors.tools.mcp_config import McpConfigError, as_configs
-from greenroom.actors.tools.workspace import current_boot
+from greenroom.actors.tools.workspace import WorkspaceError, current_boot, open_unlinked
 from greenroom.protocols.converter import converter
 from greenroom.protocols.history import context_at
 from greenroom.protocols.hooks import Hooks
@@ -306,10 +306,14 @@ def _stored_workspace(meta: Mapping[str, Any]) -> WorkspaceIdentity:
         if isinstance(device, int) and isinstance(inode, int) and stored.get("boot") == boot:
             return WorkspaceIdentity(path=path, device=device, inode=inode, boot=boot)
     try:
-        # The stored path was resolved when the session was created: a symlink there now
-        # stands in the workspace's place.
-        info = None if os.path.islink(path) else os.stat(path)
-    except (OSError, ValueError):
+        # The stored path was resolved when the session was created: a symlink on it now
+        # (the last component or any other) stands in the workspace's place.
+        fd = open_unlinked(Path(os.path.abspath(path)))
+        try:
+            info: os.stat_result | None = os.fstat(fd)
+        finally:
+            os.close(fd)
+    except (OSError, ValueError, WorkspaceError):
         info = None
     if info is None or not stat.S_ISDIR(info.st_mode):
         return WorkspaceIdentity(

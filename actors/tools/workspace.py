@@ -48,6 +48,7 @@ __all__ = [
     "display",
     "file_error",
     "identify_workspace",
+    "open_unlinked",
     "open_workspace",
     "private_relation",
 ]
@@ -126,7 +127,7 @@ def identify_workspace(
     opened, or is or lies inside one of ``private_dirs``."""
     try:
         path = Path(directory).expanduser().resolve(strict=True)
-        fd = _open_unlinked(path)
+        fd = open_unlinked(path)
     except FileNotFoundError:
         raise WorkspaceError(f"the workspace {directory} does not exist") from None
     except NotADirectoryError:
@@ -149,7 +150,7 @@ def identify_workspace(
     )
 
 
-def _open_unlinked(path: Path) -> int:
+def open_unlinked(path: Path) -> int:
     """The directory at the resolved ``path``, opened one component at a time without
     following a symlink: the identity taken from it is that of the directory the path
     names, even when a component is swapped for a symlink meanwhile (then
