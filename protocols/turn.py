@@ -492,6 +492,7 @@ class TurnMachine:
         model message was cut, and record the ``abort`` with the partial output (R-ABORT-2;
         during a backoff the failed attempt's output is the turn's partial output)."""
         out = self.settle()
+        self._usage(out)  # a cut stream's usage so far is billed: counted (R-SHARE-3, -4)
         if not message_complete:
             out.append(self._request_end("aborted", error_message=reason))
         partial = () if message_complete else tuple(self.partial_blocks() or self._retried_blocks)
@@ -510,6 +511,7 @@ class TurnMachine:
         """The task ends on an internal failure: settle every call and, when the model
         message was cut, end the attempt ``failed``."""
         out = self.settle()
+        self._usage(out)  # as for an abort
         if not message_complete:
             out.append(self._request_end("failed", error_message=message))
         return out
@@ -585,6 +587,7 @@ class TurnMachine:
         out.append(TokenUsageOutput(session_id=self.session_id, run_id=self.run_id,
                                     turn=self.turn, request=usage))
         out.append(RecordUsage(usage=usage))
+        self._last_usage = None  # recorded once, at the stream's end or at its cut
 
     def _request_end(
         self,

@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 import trio
+from conftest import ledger_rows
 
 from greenroom.actors.providers.anthropic import AnthropicProvider
 from greenroom.actors.providers.openai import OpenAIProvider
 from greenroom.actors.providers.openai_responses import OpenAIResponsesProvider
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.llm_streamer import ModelProvider
-from greenroom.protocols.outputs import Output, TaskEnd, TokenUsageOutput
-from tests.support.mock_model_server import Fixture, open_mock_server
+from greenroom.protocols.outputs import Output, PartialText, TaskEnd, TokenUsageOutput
+from tests.support.mock_model_server import Fixture, Paused, Reply, Text, open_mock_server
 
 SSE = {"content-type": "text/event-stream"}
 
@@ -89,3 +90,42 @@ async def test_a_recorded_task_costs_its_tokens_at_the_list_price(
     assert isinstance(end, TaskEnd) and end.turns == 2, end
     assert end.usage.cost_usd == pytest.approx(sum(expected), rel=1e-12)
 
+
+
+async def test_an_interrupted_request_costs_the_input_its_stream_reported(tmp_path: Path) -> None:
+    """R-SHARE-3, R-SHARE-4: message_start said 100,000 input tokens ($0.30 on Sonnet 4.5)
+    and the task is interrupted mid-answer. The provider bills them, so they are in
+    token_usage, task_end, the ledger, and the session's budget: the next task's first
+    request could pass max_cost_usd=0.5 and is not sent."""
+    resume = trio.Event()
+    held = Paused(
+        Reply([Text("one two three", chunks=["one ", "two three"])], usage=(100_000, 10)),
+        after_events=3,  # message_start, content_block_start and the first delta
+        resume=resume,
+    )
+    data = tmp_path / "data"
+    async with open_mock_server(held) as server, Host.open(data) as host:
+        session = await host.create_session(
+            provider=AnthropicProvider(base_url=server.base_url, api_key="test-key"),
+            model="claude-sonnet-4-5", workspace_dir=tmp_path, max_cost_usd=0.5,
+            max_tokens=100,
+        )
+        outputs: list[Output] = []
+        with trio.fail_after(10):
+            async for output in session.run("go"):
+                outputs.append(output)
+                if isinstance(output, PartialText):
+                    session.interrupt("enough")
+            resume.set()
+            second = [o async for o in session.run("again")]
+    cost = per_million((100_000, 3.0), (1, 15.0))  # one output delta so far
+    assert [o.request.cost_usd for o in outputs if isinstance(o, TokenUsageOutput)] == [
+        pytest.approx(cost)
+    ]
+    end = outputs[-1]
+    assert isinstance(end, TaskEnd) and end.status == "aborted", end
+    assert end.usage.cost_usd == pytest.approx(cost)
+    assert [r["cost_usd"] for r in ledger_rows(data)] == [pytest.approx(cost)]
+    end = second[-1]
+    assert isinstance(end, TaskEnd) and end.status == "budget_exceeded", end
+    assert len(server.requests) == 1
