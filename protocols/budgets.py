@@ -14,6 +14,10 @@ request's whole context and a count of the request's characters, plus ``max_toke
 output at the output rate. A request is refused when what was spent plus that bound would
 pass the budget, so a budget is never passed by more than the input estimate's error —
 and a task may stop while some money is left (the bound assumes the longest answer).
+Requests under way count too: a request that is sent holds its bound against every budget
+it counts against (:meth:`SpendLimit.hold`) until its cost is known or it ends without
+one (:meth:`SpendLimit.release`), so requests that run at the same time — background
+subagents, a principal's sessions — cannot together pass a budget each would not.
 
 A request whose model has no price has no bound and no cost: it is neither refused nor
 counted (its cost is unknown, never guessed). Give the model a price to have budgets count
@@ -108,7 +112,7 @@ class SpendLimit:
     the start of the current UTC day or month: a spend or a check in a later period starts
     it again from zero."""
 
-    __slots__ = ("limit_usd", "name", "period", "since", "spent_usd")
+    __slots__ = ("held_usd", "limit_usd", "name", "period", "since", "spent_usd")
 
     def __init__(
         self,
@@ -125,6 +129,8 @@ class SpendLimit:
         self.period = period
         self.since = since
         """The start of the period counted (unix seconds); None without a period."""
+        self.held_usd = 0.0
+        """The bounds of the requests under way (sent, their cost not yet known)."""
 
     def _roll(self, now: float) -> None:
         period = self.period
@@ -140,13 +146,25 @@ class SpendLimit:
         self._roll(now)
         self.spent_usd += cost_usd
 
+    def hold(self, bound_usd: float) -> None:
+        """A request that can cost up to ``bound_usd`` is under way."""
+        self.held_usd += bound_usd
+
+    def release(self, bound_usd: float) -> None:
+        """A request :meth:`hold` counted is no longer under way (its cost, if any, is
+        spent)."""
+        self.held_usd = max(0.0, self.held_usd - bound_usd)
+
     def refusal(self, bound_usd: float, now: float) -> str | None:
         """Why a request that can cost up to ``bound_usd`` may not be sent (it could pass
-        the budget), naming the budget; None when it may."""
+        the budget with what was spent and what the requests under way may cost), naming
+        the budget; None when it may."""
         self._roll(now)
-        if self.spent_usd + bound_usd <= self.limit_usd:
+        if self.spent_usd + self.held_usd + bound_usd <= self.limit_usd:
             return None
+        held = f", {usd(self.held_usd)} held by requests under way" if self.held_usd else ""
         return (
             f"budget exceeded: {self.name}: {usd(self.spent_usd)} spent of "
-            f"{usd(self.limit_usd)}, and the next request could cost up to {usd(bound_usd)}"
+            f"{usd(self.limit_usd)}{held}, and the next request could cost up to "
+            f"{usd(bound_usd)}"
         )

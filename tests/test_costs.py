@@ -14,12 +14,25 @@ import trio
 import trio.testing
 from conftest import allow_all, collect, ledger_rows, of_type
 
-from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
+from greenroom.actors.providers.scripted import (
+    Reply,
+    ScriptedProvider,
+    ScriptedStream,
+    text,
+    tool_call,
+)
 from greenroom.actors.runtime.accounting import Accounting, PrincipalBudget
 from greenroom.actors.runtime.errors import ConfigurationError
 from greenroom.actors.runtime.host import Host
-from greenroom.actors.runtime.subagents import spawn_subagent
-from greenroom.protocols.outputs import RequestBegin, TaskEnd, TokenUsageOutput, ToolCallOutput
+from greenroom.actors.runtime.subagents import SUBAGENT_SYSTEM, spawn_subagent
+from greenroom.protocols.context import ModelRequest
+from greenroom.protocols.outputs import (
+    Output,
+    RequestBegin,
+    TaskEnd,
+    TokenUsageOutput,
+    ToolCallOutput,
+)
 from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.stream import TokenUsage
 from greenroom.protocols.tools import tool
@@ -179,6 +192,63 @@ async def test_a_tree_budget_stops_a_subagent_and_its_spawning_call_fails_naming
     end = the_end(outputs)
     assert end.status == "completed"
     assert len(provider.requests) == 3  # the child's second request was never sent
+
+
+async def test_background_children_under_way_together_cannot_pass_their_trees_budget(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """R-TREE-3, R-SHARE-4: three background children start at once under the root's
+    max_cost_usd=2.5, each request bound to $1.00 (up to 100,000 output tokens) and
+    costing $0.90. A request under way holds its bound: the first two are sent, the
+    third child's would pass the budget with them and ends budget_exceeded, so the tree
+    spends $1.80 and not $2.70 (each child was checked against $0 spent before)."""
+    go = trio.Event()
+    sent_by_children: list[ModelRequest] = []
+    child_ends: list[TaskEnd] = []
+
+    async def model(request: ModelRequest, stream: ScriptedStream) -> None:
+        if (request.system or "").startswith(SUBAGENT_SYSTEM):
+            sent_by_children.append(request)
+            if len(sent_by_children) == 3:
+                go.set()  # all three under way at once: nothing held them back
+            await go.wait()
+            await stream.text("found it")
+            await stream.end(usage=TokenUsage(output=90_000))
+        elif len(request.messages) == 1:
+            for n in range(3):
+                call = tool_call(f"s{n}", "spawn_subagent", task=f"look {n}", background=True)
+                await stream.block(call)
+            await stream.end("tool_use", usage=TokenUsage(input=10))
+        else:
+            await stream.text("noted")
+            await stream.end(usage=TokenUsage(input=10))
+
+    def on_batch(batch: list[Output]) -> None:
+        for output in batch:
+            if isinstance(output, TaskEnd) and output.origin is not None:
+                child_ends.append(output)
+                if output.status == "budget_exceeded":
+                    go.set()  # the third was refused: the two under way may answer
+
+    data = tmp_path / "data"
+    async with Host.open(data, prices=PRICES) as host:
+        session = await host.create_session(
+            provider=ScriptedProvider(model), tools=[spawn_subagent], workspace_dir=workspace,
+            max_cost_usd=2.5, max_tokens=100_000,
+        )
+        session.subscribe(on_batch)
+        with trio.fail_after(10):
+            await collect(session.run("research", approve=allow_all))
+            while len(child_ends) < 3:
+                await trio.testing.wait_all_tasks_blocked()
+    assert sorted(end.status for end in child_ends) == [
+        "budget_exceeded", "completed", "completed"
+    ]
+    (refused,) = [end for end in child_ends if end.status == "budget_exceeded"]
+    assert "held by requests under way" in (refused.message or "")
+    assert len(sent_by_children) == 2
+    spent = sum(row["cost_usd"] for row in ledger_rows(data))
+    assert spent == pytest.approx(1.8, abs=0.01)
 
 
 async def test_a_principal_budget_spans_its_sessions_and_outlives_the_host(

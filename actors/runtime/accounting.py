@@ -103,7 +103,7 @@ def price_overrides(prices: Mapping[str, Any] | None) -> dict[str, Price]:
 class Account:
     """One session's price, principal and budgets (see the module docstring)."""
 
-    __slots__ = ("limits", "price", "principal")
+    __slots__ = ("_held_usd", "limits", "price", "principal")
 
     def __init__(
         self,
@@ -117,6 +117,7 @@ class Account:
         """The gateway client the session's requests are charged to, if any."""
         self.limits = limits
         """The budgets the session's requests count against, broadest last."""
+        self._held_usd = 0.0
 
     def priced(self, usage: TokenUsage) -> TokenUsage:
         """``usage`` with its cost at the session's price (unchanged when it has one, or
@@ -126,17 +127,33 @@ class Account:
             return usage
         return attrs.evolve(usage, cost_usd=price.cost(usage))
 
-    def spend(self, cost_usd: float | None) -> None:
-        """A request of the session cost ``cost_usd`` (None: unknown, not counted)."""
+    def spend(self, cost_usd: float | None, *, settles: bool = True) -> None:
+        """A request of the session cost ``cost_usd`` (None: unknown, not counted);
+        ``settles``: it is the request under way, whose bound is held no longer."""
+        if settles:
+            self.release()
         if cost_usd is None or not self.limits:
             return
         now = time.time()
         for limit in self.limits:
             limit.spend(cost_usd, now)
 
+    def release(self) -> None:
+        """The session's request under way, if any, is over: its bound is held no longer
+        (its cost, if it had one, is spent)."""
+        held, self._held_usd = self._held_usd, 0.0
+        if held:
+            for limit in self.limits:
+                limit.release(held)
+
     def refusal(self, request: ModelRequest, last_context: int | None) -> str | None:
         """Why ``request`` may not be sent — it could pass one of the budgets, named in
-        the words — or None. Never refuses a request of unknown price."""
+        the words — or None; then it is the session's request under way, and its bound
+        is held against the budgets until its cost is spent or :meth:`release` (R-SHARE-4:
+        requests running at once cannot together pass a budget). Never refuses a request
+        of unknown price. A session sends one request at a time: the previous one's hold
+        ends here."""
+        self.release()
         price = self.price
         if not self.limits or price is None:
             return None
@@ -146,6 +163,9 @@ class Account:
             refusal = limit.refusal(bound, now)
             if refusal is not None:
                 return refusal
+        for limit in self.limits:
+            limit.hold(bound)
+        self._held_usd = bound
         return None
 
 

@@ -581,7 +581,7 @@ class SessionPort:
         session's budgets (R-SHARE-3, R-SHARE-4)."""
         account = self.account
         usage = account.priced(usage)
-        account.spend(usage.cost_usd)
+        account.spend(usage.cost_usd, settles=kind != "title")  # a title runs beside a task
         self._host.usage_ledger.record_usage(
             UsageRow(
                 at=time.time(),

@@ -484,6 +484,9 @@ class RunningTask:
                 await work.stop(finished=finished)
             if self.turns is not None:
                 self.turns.actors_stopped()
+        # No request of the task is under way any more: its bound holds no budget (what a
+        # cut stream reported is spent as the task settles).
+        self._port.account.release()
 
     def settle(self, status: TaskStatus, message: str | None, *, best_effort: bool) -> None:
         """Settle what is in flight for ``status``: a compaction ends failed, an aborted
