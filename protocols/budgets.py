@@ -112,7 +112,7 @@ class SpendLimit:
     the start of the current UTC day or month: a spend or a check in a later period starts
     it again from zero."""
 
-    __slots__ = ("held_usd", "limit_usd", "name", "period", "since", "spent_usd")
+    __slots__ = ("__weakref__", "held_usd", "limit_usd", "name", "period", "since", "spent_usd")
 
     def __init__(
         self,

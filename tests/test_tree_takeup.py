@@ -25,6 +25,7 @@ from greenroom.protocols.content import ToolCallBlock
 from greenroom.protocols.context import ModelRequest, ToolResult, UserMessage
 from greenroom.protocols.outputs import ApprovalRequest, Output, TaskEnd, UserMsg
 from greenroom.protocols.people import PEOPLE
+from greenroom.protocols.stream import TokenUsage
 from greenroom.protocols.tools import make_tool
 
 MODEL = textwrap.dedent(
@@ -344,3 +345,47 @@ async def test_a_parked_background_child_answered_after_a_restart_reports_once(
     assert _reports(seen) == ["[subagent payer finished] paid 7"]
     prompts = [line for line in root_lines if line["type"] == "user_msg"]
     assert len(prompts) == 2  # the first task's prompt and the one report
+
+
+def _dear_payer_model(request: ModelRequest) -> Reply:
+    """As :func:`_payer_model`, and the payer's first request costs $0.40 at $10 per
+    million tokens (the others $0.0001)."""
+    reply = _payer_model(request)
+    child = (request.system or "").startswith(SUBAGENT_SYSTEM)
+    tokens = 40_000 if child and not _results(request) else 10
+    return Reply(blocks=reply.blocks, usage=TokenUsage(input=tokens))
+
+
+async def test_a_subtree_budget_holds_for_a_background_child_answered_after_a_restart(
+    data_dir: Path, workspace: Path
+) -> None:
+    """R-TREE-3, R-SHARE-4: the payer may spend tree_cost_budget_usd=0.5 with its
+    subagents; it spent $0.40 and parked, and the host restarted. Answered on the next
+    host, its call runs, and its next request — bound to $0.501 by its context of 40,000
+    tokens — could pass the budget: it is not sent, the payer ends budget_exceeded and
+    its report says why (the loaded child counted against no tree budget before)."""
+    paid: list[int] = []
+    model = ScriptedProvider(_dear_payer_model)
+    tools = [_pay_tool(paid), spawn_subagent]
+    prices = {"scripted": {"input": 10.0, "output": 10.0, "cache_write": 12.5}}
+    async with Host.open(data_dir, prices=prices) as host:
+        root = await host.create_session(
+            provider=model, tools=tools, workspace_dir=workspace, tree_cost_budget_usd=0.5,
+            max_tokens=100,
+        )
+        root_id, child_id = root.id, await _run_until_child_parked(host, root)
+    requests = len(model.requests)
+    async with Host.open(data_dir, prices=prices) as host:
+        root = await host.load_session(root_id, provider=model, tools=tools)
+        await host.load_session(child_id, provider=model, tools=tools)
+        (pending,) = await host.pending_approvals()
+        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
+        root.watch(send)
+        await host.answer_approval(child_id, pending.call_id, "allow")
+        with trio.fail_after(RUN_TIMEOUT_S):
+            seen = await _until_task_end(inbox)
+    assert paid == [7]
+    (report,) = _reports(seen)
+    assert report.startswith("[subagent payer finished]"), report
+    assert "budget_exceeded" in report and "tree_cost_budget_usd=0.5" in report, report
+    assert len(model.requests) == requests + 1  # the root's merge, not the payer's answer

@@ -15,8 +15,16 @@ requests count against, shared with the sessions they cover:
 * the principal's budget over its current UTC day or month, one object per principal
   for every session of the host.
 
+A tree's limits are one object each in the host, found by the session whose subtree they
+cover: a stored session takes the one open already, so a subagent loaded after a restart
+(a background child taken up, or answered once its host came back) counts against its
+root's ``max_cost_usd`` and the ``tree_cost_budget_usd`` of each subagent on its path, as
+it did before the restart, with the sessions of its tree open here.
+
 Spending already recorded comes from the usage ledger, once: a stored root's limit starts
-at what its tree spent, a principal's at what it spent since its period began. From then
+at what its tree spent, a stored subagent's subtree limit at what the subagent itself spent
+(its own subagents' spending before the host started is not counted: the ledger keeps the
+root of each row, not its path), a principal's at what it spent since its period began. From then
 on every priced request adds its cost to its account's limits as it is recorded, so a
 check before a request (:meth:`Account.refusal`) reads memory only.
 
@@ -30,6 +38,7 @@ one host's: a tree runs on the host of its root.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -177,7 +186,7 @@ class Accounting:
     """A host's prices and principals' budgets; makes each session's :class:`Account`
     (see the module docstring)."""
 
-    __slots__ = ("_ledger", "_principals", "prices", "principal_budget", "shared")
+    __slots__ = ("_ledger", "_principals", "_trees", "prices", "principal_budget", "shared")
 
     def __init__(
         self,
@@ -195,6 +204,11 @@ class Accounting:
         """Where the principals' spending is counted with other hosts' (None: this host's
         alone)."""
         self._principals: dict[str, tuple[SpendLimit, trio.Event]] = {}
+        # The limit of each subtree that has one, by the session at its top, while a
+        # session of the subtree holds it (R-TREE-3).
+        self._trees: weakref.WeakValueDictionary[str, SpendLimit] = (
+            weakref.WeakValueDictionary()
+        )
 
     async def account(
         self,
@@ -204,33 +218,50 @@ class Accounting:
         principal: str | None,
         parent: tuple[SessionSettings, Account] | None = None,
         stored: bool = False,
+        origin: tuple[str, ...] | None = None,
     ) -> Account:
-        """The account of session ``session_id``: new, or ``stored`` (its root's spending
-        is read from the ledger); ``parent`` gives a subagent's parent's settings and
-        account (the subagent inherits its limits and its principal)."""
+        """The account of session ``session_id``: new, or ``stored`` (its tree's spending
+        is read from the ledger); ``parent`` gives a new subagent's parent's settings and
+        account (the subagent inherits its limits and its principal); ``origin``, a stored
+        subagent's path from its root (its settings, its parent's copy, give the budgets
+        of the tree)."""
         price = self.prices.price_of(settings.model)
         if parent is not None:
             parent_settings, parent_account = parent
             limits = parent_account.limits
             tree_budget = parent_settings.tree_cost_budget_usd
             if tree_budget is not None:
-                name = (
-                    f"tree_cost_budget_usd={tree_budget:g} of subagent {session_id} "
-                    "and its subagents"
-                )
-                limits = (SpendLimit(name, tree_budget), *limits)
+                subtree = await self._tree_limit(session_id, tree_budget, stored=False)
+                limits = (subtree, *limits)
             return Account(price, parent_account.principal, limits)
+        path = origin or (session_id,)
         limits = ()
+        if settings.tree_cost_budget_usd is not None:
+            for node in reversed(path[1:]):
+                limits = (*limits, await self._tree_limit(
+                    node, settings.tree_cost_budget_usd, stored=stored))
         if settings.max_cost_usd is not None:
-            name = (
-                f"max_cost_usd={settings.max_cost_usd:g} of session {session_id} "
-                "and its subagents"
-            )
-            spent = await self._spent(UsageQuery(by=None, tree=session_id)) if stored else 0.0
-            limits = (SpendLimit(name, settings.max_cost_usd, spent_usd=spent),)
+            limits = (*limits, await self._tree_limit(
+                path[0], settings.max_cost_usd, stored=stored, root=True))
         if principal is not None and self.principal_budget is not None:
             limits = (*limits, await self._principal_limit(principal, self.principal_budget))
         return Account(price, principal, limits)
+
+    async def _tree_limit(
+        self, top: str, usd: float, *, stored: bool, root: bool = False
+    ) -> SpendLimit:
+        """The limit of the subtree under ``top`` (a root's ``max_cost_usd``, else a
+        subagent's ``tree_cost_budget_usd``): the one open here, else a new one, which
+        starts at what the ledger holds for ``top`` when it is ``stored``."""
+        if (known := self._trees.get(top)) is not None:
+            return known
+        if root:
+            name = f"max_cost_usd={usd:g} of session {top} and its subagents"
+        else:
+            name = f"tree_cost_budget_usd={usd:g} of subagent {top} and its subagents"
+        spent = await self._spent(UsageQuery(by=None, tree=top)) if stored else 0.0
+        # Another session of the tree may have made it while the ledger was read.
+        return self._trees.setdefault(top, SpendLimit(name, usd, spent_usd=spent))
 
     async def _principal_limit(self, principal: str, budget: PrincipalBudget) -> SpendLimit:
         while (known := self._principals.get(principal)) is not None:

@@ -220,6 +220,7 @@ class PortBuilder:
             settings,
             principal=stored_principal if isinstance(stored_principal, str) else principal,
             stored=True,
+            origin=_stored_origin(meta, session_id),
         )
         loaded = await self._store.log.load(session_id)
         with self._forgotten_unless_opened(session_id):
