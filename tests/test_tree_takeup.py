@@ -348,11 +348,10 @@ async def test_a_parked_background_child_answered_after_a_restart_reports_once(
 
 
 def _dear_payer_model(request: ModelRequest) -> Reply:
-    """As :func:`_payer_model`, and the payer's first request costs $0.40 at $10 per
-    million tokens (the others $0.0001)."""
+    """As :func:`_payer_model`, and each request of the payer uses 40,000 tokens ($0.40
+    at $10 per million), the root's 10."""
     reply = _payer_model(request)
-    child = (request.system or "").startswith(SUBAGENT_SYSTEM)
-    tokens = 40_000 if child and not _results(request) else 10
+    tokens = 40_000 if (request.system or "").startswith(SUBAGENT_SYSTEM) else 10
     return Reply(blocks=reply.blocks, usage=TokenUsage(input=tokens))
 
 
@@ -389,3 +388,34 @@ async def test_a_subtree_budget_holds_for_a_background_child_answered_after_a_re
     assert report.startswith("[subagent payer finished]"), report
     assert "budget_exceeded" in report and "tree_cost_budget_usd=0.5" in report, report
     assert len(model.requests) == requests + 1  # the root's merge, not the payer's answer
+
+
+async def test_a_token_budget_holds_for_a_background_child_answered_after_a_restart(
+    data_dir: Path, workspace: Path
+) -> None:
+    """R-TREE-3: the payer may use subagent_token_budget=50,000 tokens; it used 40,000
+    and parked, and the host restarted. Answered on the next host, its next request uses
+    40,000 more: past the budget, counted from what its task used before the restart, so
+    its report is the budget's error (the taken-up child had no token budget before)."""
+    paid: list[int] = []
+    model = ScriptedProvider(_dear_payer_model)
+    tools = [_pay_tool(paid), spawn_subagent]
+    async with open_host(data_dir) as host:
+        root = await host.create_session(
+            provider=model, tools=tools, workspace_dir=workspace,
+            subagent_token_budget=50_000,
+        )
+        root_id, child_id = root.id, await _run_until_child_parked(host, root)
+    async with open_host(data_dir) as host:
+        root = await host.load_session(root_id, provider=model, tools=tools)
+        await host.load_session(child_id, provider=model, tools=tools)
+        (pending,) = await host.pending_approvals()
+        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
+        root.watch(send)
+        await host.answer_approval(child_id, pending.call_id, "allow")
+        with trio.fail_after(RUN_TIMEOUT_S):
+            seen = await _until_task_end(inbox)
+    assert paid == [7]
+    (report,) = _reports(seen)
+    assert report.startswith("[subagent payer finished]"), report
+    assert "over its budget of 50000 (subagent_token_budget)" in report, report

@@ -85,7 +85,11 @@ class ChildReports:
         # the child's task ends.
         send, outputs = trio.open_memory_channel[list[Output]](math.inf)
         port.watch(send)
-        watch = ChildWatch(port, budget=-1)
+        # Its subtree's token budget holds as it did before (R-TREE-3), counted from what
+        # its task used then: its parent's setting, which it inherited.
+        watch = ChildWatch(
+            port, budget=port.settings.subagent_token_budget, used=port.machine.usage.total
+        )
 
         async def report() -> None:
             with outputs:

@@ -308,11 +308,13 @@ class ChildWatch:
 
     __slots__ = ("_budget", "_child", "_texts", "end", "exceeded", "used")
 
-    def __init__(self, child: SessionPort, budget: int) -> None:
+    def __init__(self, child: SessionPort, budget: int, *, used: int = 0) -> None:
         self._child = child
         self._budget = budget
         self._texts: list[str] = []
-        self.used = 0
+        self.used = used
+        """The tokens the child's subtree used, from ``used`` (what it used before this
+        watch began: a child taken up after a restart)."""
         self.exceeded = False
         self.end: TaskEnd | None = None
 
