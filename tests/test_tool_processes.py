@@ -18,7 +18,7 @@ import sys
 import textwrap
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,20 @@ MODES = [
     ),
 ]
 KINDS = 4  # &, nohup, setsid, double fork
+
+
+def command_lines() -> Iterator[tuple[int, bytes]]:
+    """Each process's id and command line, from ``/proc``; a process gone meanwhile, or a
+    zombie (its command line is empty), is left out."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if cmdline:
+            yield int(name), cmdline
 
 
 class Leftovers:
@@ -80,17 +94,7 @@ class Leftovers:
 
     def running(self) -> list[int]:
         """Live (not zombie) processes that carry the marker."""
-        found = []
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
-            except OSError:
-                continue  # gone, or a zombie's cmdline (empty) is all there is
-            if self.marker.encode() in cmdline:
-                found.append(int(name))
-        return found
+        return [pid for pid, cmdline in command_lines() if self.marker.encode() in cmdline]
 
     def alive(self, pid: int) -> bool:
         try:
@@ -322,16 +326,14 @@ def search_workers_in(directory: Path) -> list[int]:
     """Live search workers whose working directory is ``directory`` (the host's: each
     test's host starts in a directory of its own)."""
     found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
+    for pid, cmdline in command_lines():
+        if b"search_worker.py" not in cmdline:
             continue
         try:
-            cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
-            cwd = os.readlink(f"/proc/{name}/cwd")
+            if os.readlink(f"/proc/{pid}/cwd") == str(directory):
+                found.append(pid)
         except OSError:
-            continue
-        if b"search_worker.py" in cmdline and cwd == str(directory):
-            found.append(int(name))
+            continue  # gone meanwhile
     return found
 
 

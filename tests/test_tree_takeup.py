@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import trio
 from conftest import RUN_TIMEOUT_S, open_host, trace_lines
@@ -287,6 +288,21 @@ async def _collect(run: RunStream) -> None:
     await run.collect()
 
 
+async def _answer_the_parked_child(
+    host: Host, model: ScriptedProvider, tools: list[Any], root_id: str, child_id: str
+) -> tuple[Session, list[Output]]:
+    """Load the root and its parked child in ``host`` (started again), allow the child's
+    pending call, and return the root with its outputs up to its task's end."""
+    root = await host.load_session(root_id, provider=model, tools=tools)
+    await host.load_session(child_id, provider=model, tools=tools)
+    (pending,) = await host.pending_approvals()
+    send, inbox = trio.open_memory_channel[list[Output]](math.inf)
+    root.watch(send)
+    await host.answer_approval(child_id, pending.call_id, "allow")
+    with trio.fail_after(RUN_TIMEOUT_S):
+        return root, await _until_task_end(inbox)
+
+
 def _reports(seen: list[Output]) -> list[str]:
     return [
         o.content[0].text  # type: ignore[union-attr]
@@ -332,14 +348,7 @@ async def test_a_parked_background_child_answered_after_a_restart_reports_once(
         root = await host.create_session(provider=model, tools=tools, workspace_dir=workspace)
         root_id, child_id = root.id, await _run_until_child_parked(host, root)
     async with open_host(data_dir) as host:
-        root = await host.load_session(root_id, provider=model, tools=tools)
-        await host.load_session(child_id, provider=model, tools=tools)
-        (pending,) = await host.pending_approvals()
-        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
-        root.watch(send)
-        await host.answer_approval(child_id, pending.call_id, "allow")
-        with trio.fail_after(RUN_TIMEOUT_S):
-            seen = await _until_task_end(inbox)
+        root, seen = await _answer_the_parked_child(host, model, tools, root_id, child_id)
         root_lines = trace_lines(root)
     assert paid == [7]
     assert _reports(seen) == ["[subagent payer finished] paid 7"]
@@ -375,14 +384,7 @@ async def test_a_subtree_budget_holds_for_a_background_child_answered_after_a_re
         root_id, child_id = root.id, await _run_until_child_parked(host, root)
     requests = len(model.requests)
     async with Host.open(data_dir, prices=prices) as host:
-        root = await host.load_session(root_id, provider=model, tools=tools)
-        await host.load_session(child_id, provider=model, tools=tools)
-        (pending,) = await host.pending_approvals()
-        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
-        root.watch(send)
-        await host.answer_approval(child_id, pending.call_id, "allow")
-        with trio.fail_after(RUN_TIMEOUT_S):
-            seen = await _until_task_end(inbox)
+        root, seen = await _answer_the_parked_child(host, model, tools, root_id, child_id)
     assert paid == [7]
     (report,) = _reports(seen)
     assert report.startswith("[subagent payer finished]"), report
@@ -407,14 +409,7 @@ async def test_a_token_budget_holds_for_a_background_child_answered_after_a_rest
         )
         root_id, child_id = root.id, await _run_until_child_parked(host, root)
     async with open_host(data_dir) as host:
-        root = await host.load_session(root_id, provider=model, tools=tools)
-        await host.load_session(child_id, provider=model, tools=tools)
-        (pending,) = await host.pending_approvals()
-        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
-        root.watch(send)
-        await host.answer_approval(child_id, pending.call_id, "allow")
-        with trio.fail_after(RUN_TIMEOUT_S):
-            seen = await _until_task_end(inbox)
+        root, seen = await _answer_the_parked_child(host, model, tools, root_id, child_id)
     assert paid == [7]
     (report,) = _reports(seen)
     assert report.startswith("[subagent payer finished]"), report
