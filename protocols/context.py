@@ -63,12 +63,14 @@ class ImageSource:
     still have that hash. An image from an older trace (no ``sha256``) is read from its
     path as any named file is: beneath ``roots`` (the workspace, the scratchpad) without
     following a link out of them, never through a link as its last component, regular
-    files only, at most ``max_bytes``. An image that cannot be read so is sent as its
+    files only, at most ``max_bytes``, never inside ``private_dirs`` (the host's data dir,
+    which the workspace may hold: R-SEC-7). An image that cannot be read so is sent as its
     ``[attached image: <path>]`` line."""
 
     attachments_dir: str
     roots: tuple[str, ...] = ()
     max_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    private_dirs: tuple[str, ...] = ()
 
 
 @attrs.frozen(kw_only=True, slots=True)

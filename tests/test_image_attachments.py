@@ -199,6 +199,93 @@ async def test_links_on_the_way_may_not_lead_out_of_the_workspace(
         await session.attach([user_image("../elsewhere/pic.png")], confine=True)
 
 
+async def test_a_client_cannot_name_an_image_in_the_data_dir_the_workspace_holds(
+    tmp_path: Path,
+) -> None:
+    """R-SEC-7: a workspace may hold the host's data dir (a home directory holding
+    ``~/.greenroom``); an image path into it — by name, absolute, through a symlink, in
+    ``attach`` confined or not and in a prompt — is refused as the file tools refuse it,
+    whereas the same bytes elsewhere in the workspace are taken."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "pic.png").write_bytes(PNG)
+    (home / "peek").symlink_to("data")
+    provider = ScriptedProvider([ScriptedReply(blocks=(text("never"),))])
+    async with Host.open(home / "data") as host:
+        session = await host.create_session(provider=provider, workspace_dir=home)
+        (taken,) = await session.attach([user_image("pic.png")])
+        assert isinstance(taken, ImageBlock) and taken.sha256 is not None
+        private = f"sessions/{session.id}/attachments/{taken.sha256}"
+        assert (home / "data" / private).read_bytes() == PNG
+        for name in (f"data/{private}", str(home / "data" / private), f"peek/{private}"):
+            for confine in (False, True):
+                with pytest.raises(ImageRefused) as refused:
+                    await session.attach([user_image(name)], confine=confine)
+                assert refused.value.path == name
+                assert "the host's data dir, which no session may use" in refused.value.reason
+        outputs = await collect(session.run([user_text("look"), user_image(f"data/{private}")]))
+    (end,) = outputs
+    assert isinstance(end, TaskEnd) and end.status == "failed" and end.message is not None
+    assert "the host's data dir, which no session may use" in end.message
+    assert provider.requests == []
+
+
+async def test_a_model_named_image_in_the_data_dir_the_workspace_holds_is_refused(
+    tmp_path: Path,
+) -> None:
+    """R-SEC-7: an image a tool returns (a path the model chose) or a steering image that
+    leads into the data dir the workspace holds becomes a line saying it is refused; the
+    session's own scratchpad, which lies in the data dir, still serves the tool's
+    screenshots."""
+    home = tmp_path / "home"
+    home.mkdir()
+    started = trio.Event()
+    release = trio.Event()
+
+    @tool
+    async def show(path: str, ctx: ToolContext) -> Sequence[ImageBlock]:
+        """Show the image at ``path`` and a screenshot."""
+        started.set()
+        await release.wait()
+        shot = ctx.scratchpad_dir / "shot.png"
+        shot.parent.mkdir(parents=True, exist_ok=True)
+        shot.write_bytes(SHOT)
+        return [ImageBlock(path=str(ctx.workspace_dir / path)), ImageBlock(path=str(shot))]
+
+    meta = "data/sessions/s-shown/session.json"
+    provider = ScriptedProvider(
+        [
+            ScriptedReply(blocks=(tool_call("c1", "show", path=meta),)),
+            ScriptedReply(blocks=(text("ok"),)),
+        ]
+    )
+    async with Host.open(home / "data") as host:
+        session = await host.create_session(
+            tools=[show], provider=provider, workspace_dir=home, session_id="s-shown"
+        )
+        stream = session.run("look", approve=allow)
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await started.wait()
+        assert session.steer([user_text("and this"), user_image(meta)])
+        release.set()
+        outputs = await collect(stream)
+    assert of_type(outputs, TaskEnd)[-1].status == "completed"
+    why = "data is the host's data dir, which no session may use"
+    steering = [o for o in of_type(outputs, UserMsg) if o.kind == "steering"]
+    assert [o.content for o in steering] == [
+        (TextBlock(text="and this"), TextBlock(text=f"[image refused: {meta}: {why}]"))
+    ]
+    (result,) = [
+        part
+        for message in provider.requests[1].messages
+        for part in getattr(message, "content", ())
+        if isinstance(part, ToolResult)
+    ]
+    refused, shot = result.content
+    assert refused == TextBlock(text=f"[image refused: {home / meta}: {why}]")
+    assert isinstance(shot, ImageBlock) and shot.sha256 == hashlib.sha256(SHOT).hexdigest()
+
+
 class _Watchdog:
     """Opens the write end of a FIFO after a while, from a thread: the rescue of a reader
     blocked in open(2) (what the event loop would be without O_NONBLOCK). ``fired`` says
@@ -527,6 +614,37 @@ async def test_an_old_trace_without_the_hash_reads_the_file_the_safe_way(
     assert sent_images(server.requests[1]) == [b64(PNG)]
     assert b"[attached image: b.png]" in server.requests[1].raw_body
     assert_no_secret(server)
+
+
+async def test_an_old_trace_naming_the_data_dir_the_workspace_holds_sends_no_image(
+    tmp_path: Path,
+) -> None:
+    """R-SEC-7, R-TRACE-4: an image of an old trace (a path, no hash) that leads into the
+    data dir the workspace holds is not read for a request either: it goes as its
+    ``[attached image: <path>]`` line."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "pic.png").write_bytes(PNG)
+    async with open_mock_server(Reply([Text("One.")]), Reply([Text("Two.")])) as server:
+        async with Host.open(home / "data") as host:
+            session = await host.create_session(
+                provider=anthropic(server), workspace_dir=home, model="claude-x"
+            )
+            await collect(session.run([user_text("look"), user_image("pic.png")]))
+            await host.close_session(session.id)
+        private = f"data/sessions/{session.id}/attachments/{hashlib.sha256(PNG).hexdigest()}"
+        trace = home / "data" / "sessions" / session.id / "trace_001.jsonl"
+        records = [json.loads(line) for line in trace.read_text().splitlines()]
+        image = records[0]["content"][1]
+        image.pop("sha256")
+        image["path"] = private
+        trace.write_text("".join(json.dumps(r) + "\n" for r in records))
+        async with Host.open(home / "data") as host:
+            loaded = await host.load_session(session.id, provider=anthropic(server))
+            await collect(loaded.run("and now?"))
+        server.assert_clean()
+    assert sent_images(server.requests[1]) == []
+    assert f"[attached image: {private}]".encode() in server.requests[1].raw_body
 
 
 async def test_gateway_run_refuses_an_image_it_cannot_take_with_invalid_params(

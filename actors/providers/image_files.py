@@ -30,6 +30,13 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
+from greenroom.actors.tools.workspace import (
+    OutsideWorkspaceError,
+    hidden_in,
+    private_relation,
+    refuse_hidden,
+    resolved_dirs,
+)
 from greenroom.protocols.content import ImageBlock
 from greenroom.protocols.context import ImageSource
 from greenroom.protocols.settings import DEFAULT_MAX_IMAGE_BYTES
@@ -76,19 +83,29 @@ def read_named(
     max_bytes: int,
     confine: bool = False,
     workspace: tuple[int, int] | None = None,
+    private_dirs: Sequence[Path] = (),
 ) -> bytes:
     """The bytes of the file named ``path``, read as the module docstring says; ``roots[0]``
     (the workspace) is where a relative path starts, and, with ``workspace`` (its device and
-    inode numbers), it must still be that directory. Raises :class:`Refused` naming the
-    reason; never another exception for what the file system holds. Blocking."""
+    inode numbers), it must still be that directory. A path beneath several roots is walked
+    from the innermost (the scratchpad, in a data dir the workspace holds). The walk from
+    the workspace never enters one of ``private_dirs`` (the data dir: R-SEC-7), as the file
+    tools' walk does not. Raises :class:`Refused` naming the reason; never another exception
+    for what the file system holds. Blocking."""
     try:
         start = roots[0] if roots else Path.cwd()
         absolute = os.path.normpath(os.path.join(start, os.path.expanduser(path)))
-        for index, root in enumerate(roots):
-            parts = _beneath(absolute, _root_names(root))
-            if parts is not None:
-                expected = workspace if index == 0 else None
-                return _read_fd(_walk(root, parts, expected), max_bytes)
+        beneath = [
+            (parts, index)
+            for index, root in enumerate(roots)
+            if (parts := _beneath(absolute, _root_names(root))) is not None
+        ]
+        if beneath:
+            parts, index = min(beneath, key=lambda found: len(found[0]))
+            if index != 0:
+                return _read_fd(_walk(roots[index], parts), max_bytes)
+            hidden = _private_in_workspace(roots[0], private_dirs)
+            return _read_fd(_walk(roots[0], parts, workspace, hidden), max_bytes)
         if confine:
             raise Refused("outside the session's workspace")
         parent, name = os.path.split(absolute)
@@ -102,6 +119,21 @@ def read_named(
         raise Refused(describe_os_error(exc)) from None
     except ValueError:  # a NUL, a lone surrogate: no file has such a name
         raise Refused("not a name the file system can hold") from None
+
+
+def _private_in_workspace(
+    workspace: Path, private_dirs: Sequence[Path]
+) -> frozenset[tuple[int, int]]:
+    """The private directories the workspace holds (refused when it is or lies inside
+    one), as the file tools judge them (:mod:`greenroom.actors.tools.workspace`)."""
+    if not private_dirs:
+        return frozenset()
+    resolved = Path(os.path.realpath(workspace))
+    private = resolved_dirs(private_dirs)
+    relation = private_relation(resolved, private)
+    if relation is not None:
+        raise Refused(f"the session's workspace {resolved} {relation}")
+    return hidden_in(resolved, private)
 
 
 def _root_names(root: Path) -> tuple[str, ...]:
@@ -123,10 +155,16 @@ def _beneath(absolute: str, root_names: tuple[str, ...]) -> list[str] | None:
     return None
 
 
-def _walk(root: Path, parts: list[str], expected: tuple[int, int] | None = None) -> int:
+def _walk(
+    root: Path,
+    parts: list[str],
+    expected: tuple[int, int] | None = None,
+    hidden: frozenset[tuple[int, int]] = frozenset(),
+) -> int:
     """Open the file ``parts`` below ``root`` without letting the kernel follow a link
     (see the module docstring); returns its descriptor. ``expected``: the root's device
-    and inode numbers, when known. Raises :class:`Refused` or OSError."""
+    and inode numbers, when known; ``hidden``: those of the directories not to enter.
+    Raises :class:`Refused` or OSError."""
     names = _root_names(root)
     links = 0
     while True:
@@ -168,6 +206,10 @@ def _walk(root: Path, parts: list[str], expected: tuple[int, int] | None = None)
                 os.close(directory)
                 directory = inner
                 walked.append(name)
+                try:
+                    refuse_hidden(directory, hidden, "/".join(walked))
+                except OutsideWorkspaceError as exc:
+                    raise Refused(str(exc)) from None
         finally:
             os.close(directory)
 
@@ -297,7 +339,8 @@ def image_bytes(block: ImageBlock, source: ImageSource | None) -> bytes | None:
             return None
         return stored(source.attachments_dir, block.sha256, max_bytes)
     roots = tuple(Path(r) for r in source.roots) if source is not None else ()
+    private = tuple(Path(p) for p in source.private_dirs) if source is not None else ()
     try:
-        return read_named(block.path, roots=roots, max_bytes=max_bytes)
+        return read_named(block.path, roots=roots, max_bytes=max_bytes, private_dirs=private)
     except Refused:
         return None

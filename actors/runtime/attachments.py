@@ -62,6 +62,8 @@ class Attachments:
     """The device and inode numbers the first root (the workspace) had when the session
     was created (R-SEC-7): a directory found at its path later with other numbers — a
     symlink put there, say — is not walked."""
+    private_dirs: tuple[Path, ...] = ()
+    """The host's data dir: never read through the workspace, which may hold it (R-SEC-7)."""
 
     @property
     def source(self) -> ImageSource:
@@ -70,6 +72,7 @@ class Attachments:
             attachments_dir=str(self.directory),
             roots=tuple(str(r) for r in self.roots),
             max_bytes=self.max_bytes,
+            private_dirs=tuple(str(p) for p in self.private_dirs),
         )
 
 
@@ -176,6 +179,7 @@ def _accept_one(block: ImageBlock, attachments: Attachments, *, confine: bool) -
         max_bytes=attachments.max_bytes,
         confine=confine,
         workspace=attachments.workspace,
+        private_dirs=attachments.private_dirs,
     )
     try:
         digest = store(attachments.directory, data)

@@ -355,6 +355,7 @@ class SessionPort:
             workspace=None
             if (identity := self.workspace_identity) is None
             else (identity.device, identity.inode),
+            private_dirs=(self.host.data_dir,),
         )
 
     @property

@@ -47,10 +47,13 @@ __all__ = [
     "current_boot",
     "display",
     "file_error",
+    "hidden_in",
     "identify_workspace",
     "open_unlinked",
     "open_workspace",
     "private_relation",
+    "refuse_hidden",
+    "resolved_dirs",
 ]
 
 
@@ -115,8 +118,35 @@ def private_relation(workspace: Path, private_dirs: Iterable[Path]) -> str | Non
     return None
 
 
-def _resolved(private_dirs: Iterable[Path]) -> list[Path]:
+def resolved_dirs(private_dirs: Iterable[Path]) -> list[Path]:
+    """``private_dirs`` with symlinks resolved, as :func:`private_relation` compares them."""
     return [Path(os.path.realpath(p)) for p in private_dirs]
+
+
+def hidden_in(workspace: Path, private_dirs: Iterable[Path]) -> frozenset[tuple[int, int]]:
+    """The device and inode numbers of the resolved ``private_dirs`` that the resolved
+    ``workspace`` holds: the directories no walk below it may enter (:func:`refuse_hidden`).
+    One that cannot be stat'ed now (not created yet) is left out. Blocking."""
+    hidden: set[tuple[int, int]] = set()
+    for directory in private_dirs:
+        if directory.is_relative_to(workspace):
+            with contextlib.suppress(OSError):
+                inner = os.stat(directory)
+                hidden.add((inner.st_dev, inner.st_ino))
+    return frozenset(hidden)
+
+
+def refuse_hidden(fd: int, hidden: frozenset[tuple[int, int]], shown: str) -> None:
+    """Raise :class:`OutsideWorkspaceError`, naming the directory ``shown``, when the
+    directory open as ``fd`` is one of the ``hidden`` private ones (:func:`hidden_in`):
+    compared on the descriptor, so no name or symlink that leads there gets in. The
+    caller keeps ``fd`` either way."""
+    if hidden:
+        info = os.fstat(fd)
+        if (info.st_dev, info.st_ino) in hidden:
+            raise OutsideWorkspaceError(
+                f"{shown} is the host's data dir, which no session may use"
+            )
 
 
 def identify_workspace(
@@ -139,7 +169,7 @@ def identify_workspace(
         info = os.fstat(fd)
     finally:
         os.close(fd)
-    relation = private_relation(path, _resolved(private_dirs))
+    relation = private_relation(path, resolved_dirs(private_dirs))
     if relation is not None:
         raise WorkspaceError(
             f"the workspace {path} {relation}; no session may work there: choose another "
@@ -191,7 +221,7 @@ def open_workspace(
     if identity is None:
         identity = identify_workspace(directory, private_dirs)
     path = identity.path
-    private = _resolved(private_dirs)
+    private = resolved_dirs(private_dirs)
     relation = private_relation(path, private)
     if relation is not None:
         raise WorkspaceError(
@@ -217,13 +247,7 @@ def open_workspace(
             "stands there now); the call was not run, and the session's tools will not "
             "work anywhere else"
         )
-    hidden: set[tuple[int, int]] = set()
-    for directory in private:
-        if directory.is_relative_to(path):
-            with contextlib.suppress(OSError):
-                inner = os.stat(directory)
-                hidden.add((inner.st_dev, inner.st_ino))
-    return OpenWorkspace(fd, path, frozenset(hidden))
+    return OpenWorkspace(fd, path, hidden_in(path, private))
 
 
 class Target:
@@ -292,13 +316,11 @@ class OpenWorkspace:
         directory the workspace holds (checked on the descriptor). The caller closes
         it."""
         fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
-        if self.hidden:
-            info = os.fstat(fd)
-            if (info.st_dev, info.st_ino) in self.hidden:
-                os.close(fd)
-                raise OutsideWorkspaceError(
-                    f"{shown} is the host's data dir, which no session may use"
-                )
+        try:
+            refuse_hidden(fd, self.hidden, shown)
+        except BaseException:
+            os.close(fd)
+            raise
         return fd
 
     def is_hidden(self, entry: os.DirEntry[str]) -> bool:
