@@ -18,7 +18,8 @@ import trio
 from conftest import RUN_TIMEOUT_S, Recorder, allow_all, collect, of_type
 
 import greenroom.actors.tools.builtin as builtin
-from greenroom.actors.providers.scripted import Reply, text, tool_call
+from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
+from greenroom.actors.runtime.errors import ImageRefused
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.tools.builtin import (
     BuiltinToolError,
@@ -27,6 +28,7 @@ from greenroom.actors.tools.builtin import (
     search_files,
     write_file,
 )
+from greenroom.protocols.content import user_image
 from greenroom.protocols.outputs import TaskEnd, ToolCallOutput
 from greenroom.protocols.tools import Tool, ToolContext
 
@@ -220,6 +222,38 @@ async def test_list_dir_shows_names_that_are_not_utf8_escaped(ws: Path) -> None:
     listing = await call(list_dir, ws)
     listing.encode("utf-8")  # nothing unencodable reaches the model or the trace
     assert listing.splitlines() == ["bad-\\xff\\xfe.txt  (0 bytes)", "good.txt  (4 bytes)"]
+
+
+async def test_a_path_with_a_lone_surrogate_is_refused_in_words(ws: Path) -> None:
+    """R-SEC-1: a path no file system can hold (a lone surrogate, as JSON can spell one)
+    is a clear refusal from every file tool, wherever it stands in the path, and never a
+    raw UnicodeEncodeError."""
+    (ws / "dir").mkdir()
+    for path in ("\ud800", "dir/\ud800.txt", f"{ws}/\udfff", "/elsewhere/\ud800"):
+        shown = repr(path)
+        for some_tool, extra in (
+            (read_file, {}),
+            (write_file, {"content": "x"}),
+            (list_dir, {}),
+            (search_files, {"pattern": "x"}),
+        ):
+            with pytest.raises(BuiltinToolError) as refused:
+                await call(some_tool, ws, path=path, **extra)
+            assert str(refused.value) == (
+                f"path {shown} is not valid text (it holds a lone surrogate)"
+            ), some_tool.name
+    assert sorted(os.listdir(ws)) == ["dir"]
+
+
+async def test_an_image_path_with_a_lone_surrogate_is_refused_in_the_same_words(
+    tmp_path: Path, ws: Path
+) -> None:
+    """R-SEC-1, R-SEC-8: the image reader judges a path as the file tools do."""
+    async with Host.open(tmp_path / "data") as host:
+        session = await host.create_session(provider=ScriptedProvider([]), workspace_dir=ws)
+        with pytest.raises(ImageRefused) as refused:
+            await session.attach([user_image("shot-\ud800.png")])
+    assert refused.value.reason == "the path is not valid text (it holds a lone surrogate)"
 
 
 # --- hard links (R-SEC-1) -------------------------------------------------------------

@@ -36,6 +36,7 @@ from greenroom.actors.tools.workspace import (
     private_relation,
     refuse_hidden,
     resolved_dirs,
+    unusable_path,
 )
 from greenroom.protocols.content import ImageBlock
 from greenroom.protocols.context import ImageSource
@@ -92,6 +93,9 @@ def read_named(
     the workspace never enters one of ``private_dirs`` (the data dir: R-SEC-7), as the file
     tools' walk does not. Raises :class:`Refused` naming the reason; never another exception
     for what the file system holds. Blocking."""
+    unusable = unusable_path(path)
+    if unusable is not None:
+        raise Refused(f"the path {unusable}")
     try:
         start = roots[0] if roots else Path.cwd()
         absolute = os.path.normpath(os.path.join(start, os.path.expanduser(path)))
@@ -117,7 +121,7 @@ def read_named(
         return _read_fd(fd, max_bytes)
     except OSError as exc:
         raise Refused(describe_os_error(exc)) from None
-    except ValueError:  # a NUL, a lone surrogate: no file has such a name
+    except ValueError:  # unusable_path's words should have come first; never a traceback
         raise Refused("not a name the file system can hold") from None
 
 

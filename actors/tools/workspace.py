@@ -54,6 +54,7 @@ __all__ = [
     "private_relation",
     "refuse_hidden",
     "resolved_dirs",
+    "unusable_path",
 ]
 
 
@@ -91,6 +92,19 @@ def current_boot() -> str | None:
 def display(name: str) -> str:
     """A file name as text the model can read: bytes that are not UTF-8 as ``\\xNN``."""
     return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def unusable_path(path: str) -> str | None:
+    """Why no file system can hold ``path``, in words after the path (``"holds a NUL
+    character"``), or None. A name read from disk that is not UTF-8 (surrogate-escaped
+    bytes) is fine; a lone surrogate, which JSON can spell, is not."""
+    if "\0" in path:
+        return "holds a NUL character"
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError:
+        return "is not valid text (it holds a lone surrogate)"
+    return None
 
 
 def file_error(exc: OSError, shown: str) -> BuiltinToolError:
@@ -420,8 +434,9 @@ class OpenWorkspace:
     def _parts(self, path: str, argument: str) -> tuple[str, ...]:
         """The components of ``path`` to walk from the root (an absolute path must lie in
         the workspace, spelled as its resolved path or through symlinks to it)."""
-        if "\0" in path:
-            raise BuiltinToolError(f"path {argument!r} holds a NUL character")
+        unusable = unusable_path(path)
+        if unusable is not None:
+            raise BuiltinToolError(f"path {argument!r} {unusable}")
         pure = PurePath(path)
         if not pure.is_absolute():
             return pure.parts
