@@ -141,6 +141,53 @@ def test_a_session_no_longer_replicated_says_so_instead_of_passing_records_for_d
     }
 
 
+def test_a_record_larger_than_nats_takes_stops_its_session_not_the_host(
+    nats_server: NatsProcess, tmp_path: Path
+) -> None:
+    # A client's input of a megabyte (one frame) made a trace line over NATS'
+    # max_payload: the client refused it, the error escaped the session's replication
+    # task and ended the host with every session on it. Now only that session stops
+    # here, as a fenced one does (its trace in the cluster goes on without the record),
+    # and the others replicate on (R-SEC-9, R-CLUSTER-2).
+    async def body(conn: Connection) -> dict[str, object]:
+        traces = await TraceStream.open(conn)
+        stopped: list[str] = []
+        store = ReplicatingTraceStore(tmp_path, on_fenced=stopped.append)
+        log = store.log
+        found: dict[str, object] = {}
+        async with trio.open_nursery() as nursery:
+            await nursery.start(store.run)
+            for sid in ("huge", "other"):
+                await store.catalog.create(sid, {"session_id": sid})
+                log.start(sid)
+                log.replicate(sid)
+                await nursery.start(log.stream_to, sid, await traces.fence(sid, "host-a"))
+            log.append("huge", 1, record("huge", 1))
+            padded = record("huge", 2).rstrip("\n") + " " * conn.client.max_payload + "\n"
+            log.append("huge", 2, padded)
+            try:
+                await log.sync("huge")
+            except TraceWriteError as exc:
+                found["sync"] = type(exc).__name__
+                found["why"] = "max_payload" in str(exc)
+            log.append("other", 1, record("other", 1))
+            await log.sync("other")
+            nursery.cancel_scope.cancel()
+        await store.aclose()
+        found["stopped"] = stopped
+        found["in_cluster"] = {
+            sid: [r.seq for r in (await traces.read(sid)).records] for sid in ("huge", "other")
+        }
+        return found
+
+    assert run_connected(nats_server.url, body, timeout_s=20.0) == {
+        "sync": "UnreplicableRecord",
+        "why": True,
+        "stopped": ["huge"],
+        "in_cluster": {"huge": [1], "other": [1]},
+    }
+
+
 class FaultyPublishes:
     """Replaces ``conn.js.publish`` for the appends after a fence (numbered from 0):
     those in ``lost`` reach the stream but their acknowledgement is lost (the client's

@@ -10,12 +10,20 @@ module that makes each kind of call (:mod:`.connection`, :mod:`.leases`, :mod:`.
         ├── LeaseLost           this host no longer owns the session (expired or taken over)
         ├── Fenced              a trace append was refused: another host wrote the session
         │                       since (its lease is gone); the writer must stop the session
+        ├── RecordTooLarge      a trace record is larger than NATS carries in one message
         └── OwnerUnreachable    no host answered a request for the session in time
 """
 
 from __future__ import annotations
 
-__all__ = ["ClusterError", "ClusterUnavailable", "Fenced", "LeaseLost", "OwnerUnreachable"]
+__all__ = [
+    "ClusterError",
+    "ClusterUnavailable",
+    "Fenced",
+    "LeaseLost",
+    "OwnerUnreachable",
+    "RecordTooLarge",
+]
 
 
 class ClusterError(Exception):
@@ -45,6 +53,20 @@ class Fenced(ClusterError):
         )
         self.session_id = session_id
         self.expected = expected
+
+
+class RecordTooLarge(ClusterError):
+    """A trace record of ``session_id`` (``size`` bytes, with its message's headers) is
+    larger than the NATS server takes in one message (its ``max_payload``): it can never
+    reach the cluster's trace."""
+
+    def __init__(self, session_id: str, size: int, most: int) -> None:
+        super().__init__(
+            f"a record of session {session_id} ({size} bytes) is larger than the NATS "
+            f"server takes in one message ({most} bytes, its max_payload)"
+        )
+        self.session_id = session_id
+        self.size = size
 
 
 class OwnerUnreachable(ClusterError):

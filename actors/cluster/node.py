@@ -80,7 +80,11 @@ from greenroom.actors.cluster.ownership import OwnershipKeeper, SessionOwners
 from greenroom.actors.cluster.registry import HostRecord, HostRegistry, SessionDirectory
 from greenroom.actors.cluster.router import ClusterRouter, OwnerDesk
 from greenroom.actors.cluster.routing import SessionRequests
-from greenroom.actors.cluster.store import ReplicatingTraceLog, ReplicatingTraceStore
+from greenroom.actors.cluster.store import (
+    ReplicatingTraceLog,
+    ReplicatingTraceStore,
+    UnreplicableRecord,
+)
 from greenroom.actors.cluster.traces import TraceRead, TraceStream, TraceWriter
 from greenroom.actors.cluster.tree_link import ParentLink, reopen_if_closed
 from greenroom.actors.runtime.accounting import PrincipalBudget
@@ -443,7 +447,7 @@ class ClusterNode:
                 self._lanes.start_soon(self._work, session_id, forget)
 
     def _on_fenced(self, session_id: str) -> None:
-        log(f"the trace of session {session_id} was fenced by another host; stopping it here")
+        log(_stopping(session_id, self.store.log.error(session_id) if self.store else None))
         if self._work is None:
             self._give_up(session_id)
             return
@@ -569,6 +573,14 @@ class ClusterNode:
                 await self._registry.withdraw(self.host_id)
         with contextlib.suppress(ClusterUnavailable):  # then they go with the TTL
             await self._keeper.release_all()
+
+
+def _stopping(session_id: str, error: Exception | None) -> str:
+    """The log line of a session whose trace cannot go on from this host (``error``: the
+    store's reason)."""
+    if isinstance(error, UnreplicableRecord):
+        return f"session {session_id} stops here: {error.message}"
+    return f"the trace of session {session_id} was fenced by another host; stopping it here"
 
 
 def _stop_stream(scopes: dict[str, trio.CancelScope], session_id: str) -> None:

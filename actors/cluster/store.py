@@ -18,9 +18,10 @@ with side effects never starts, before the record is in the cluster and survives
 When JetStream refuses an append (another host fenced the trace: this host lost the
 session), nothing more of that session is appended, :meth:`~ReplicatingTraceLog.error`
 reports a :class:`~greenroom.actors.runtime.trace_store.StaleTraceWriter`, and
-``on_fenced(session_id)`` is called so the host stops the session. A session that is not
-replicated (yet, or any more: closed here, :meth:`~ReplicatingTraceLog.stop`) is stored in
-files only.
+``on_fenced(session_id)`` is called so the host stops the session. So too for a record
+NATS cannot carry in one message (over its ``max_payload``: :class:`UnreplicableRecord`).
+A session that is not replicated (yet, or any more: closed here,
+:meth:`~ReplicatingTraceLog.stop`) is stored in files only.
 
 A fork (R-FORK-1) is copied in files as the file log copies it; its records go to JetStream
 when the session is replicated, first in its stream, as if they had been appended then.
@@ -42,7 +43,7 @@ from typing import Any
 
 import trio
 
-from greenroom.actors.cluster.errors import ClusterUnavailable, Fenced
+from greenroom.actors.cluster.errors import ClusterUnavailable, Fenced, RecordTooLarge
 from greenroom.actors.cluster.traces import TraceWriter
 from greenroom.actors.runtime.disk import DISK, Disk
 from greenroom.actors.runtime.trace_sink import TraceWriteError
@@ -58,7 +59,12 @@ from greenroom.actors.runtime.trace_store import (
 from greenroom.protocols.messages import TraceWritten
 from greenroom.protocols.outputs import Output
 
-__all__ = ["ClusterCatalog", "ReplicatingTraceLog", "ReplicatingTraceStore"]
+__all__ = [
+    "ClusterCatalog",
+    "ReplicatingTraceLog",
+    "ReplicatingTraceStore",
+    "UnreplicableRecord",
+]
 
 _RETRY_S = 0.5
 """Wait before appending again after NATS was unreachable."""
@@ -103,6 +109,11 @@ class _Replica:
     def in_flight(self) -> list[tuple[int, int, str]]:
         """The records of the unsent messages."""
         return [record for message in self.unsent for record in message.records]
+
+
+class UnreplicableRecord(StaleTraceWriter):
+    """A record of the session is larger than NATS takes in one message: it never reaches
+    the cluster, and the session stops on this host as a fenced one does."""
 
 
 class ReplicatingTraceStore:
@@ -297,10 +308,20 @@ class ReplicatingTraceLog:
                 replica.unsent = _plan(replica)
             try:
                 await self._send(writer, replica)
-            except Fenced:
-                error = StaleTraceWriter(
-                    self._where(session_id),
-                    "another host took this session over: its trace is fenced",
+            except (Fenced, RecordTooLarge) as exc:
+                # A record NATS cannot carry (a client's input of a megabyte) can never be
+                # in the cluster: the session stops here as a fenced one does, and goes on
+                # from its trace in the cluster, without it. Raised on, it ended the host.
+                error = (
+                    StaleTraceWriter(
+                        self._where(session_id),
+                        "another host took this session over: its trace is fenced",
+                    )
+                    if isinstance(exc, Fenced)
+                    else UnreplicableRecord(
+                        self._where(session_id),
+                        f"{exc}; the session goes on from its trace in the cluster",
+                    )
                 )
                 self._replicas.pop(session_id, None)
                 self._give_up(replica, error)

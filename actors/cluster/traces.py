@@ -43,7 +43,7 @@ from nats.aio.msg import Msg
 
 from greenroom.actors.cluster.bridge import Inbox
 from greenroom.actors.cluster.connection import Connection
-from greenroom.actors.cluster.errors import ClusterUnavailable, Fenced
+from greenroom.actors.cluster.errors import ClusterUnavailable, Fenced, RecordTooLarge
 from greenroom.actors.cluster.leases import wrong_last_sequence
 from greenroom.protocols.outputs import Output
 from greenroom.protocols.trace import TraceLineError, parse_trace
@@ -271,7 +271,8 @@ class TraceWriter:
         return its stream sequence. Raises :class:`Fenced` when this writer is stale (and
         from then on, without asking the server again). After :class:`ClusterUnavailable`,
         retry with the same ``lines``: the attempt may have been stored, and only the same
-        message is recognised as it."""
+        message is recognised as it. Raises :class:`RecordTooLarge` for a message larger
+        than NATS takes (nothing was sent)."""
         return await self._publish("".join(lines).encode(), {}, "append to")
 
     async def rotate(self, file_number: int) -> int:
@@ -288,6 +289,11 @@ class TraceWriter:
             ack = await self._conn.call(
                 self._conn.js.publish(self._subject, payload, headers=headers)
             )
+        except nats.errors.MaxPayloadError as exc:
+            # Refused by the client before anything is sent; sending it again would be
+            # refused the same way.
+            most = self._conn.client.max_payload
+            raise RecordTooLarge(self.session_id, len(payload), most) from exc
         except nats.js.errors.APIError as exc:
             if not wrong_last_sequence(exc):
                 raise ClusterUnavailable(f"cannot {doing} {self.session_id}: {exc}") from exc
