@@ -7,6 +7,9 @@ work is held with events, and the test lets it go or takes the session away.
   have been carried out — not after the forwarding gateway's whole timeout. A ``run`` that
   had not started says so (the client may run it again); one whose task began is never
   reported as not started (running it again could run it twice).
+* A call of non-Latin text forwarded to its session's owner travels as the UTF-8 its
+  client sent, not six times that as ASCII escapes; one larger than NATS carries is
+  refused with a clear error saying nothing was done. Before, both were internal errors.
 * A ``session.create`` placed on a host that creates the session only after the placing
   gateway gave up and created it itself leaves one session, the one the client was told
   of: the late one is undone.
@@ -14,6 +17,7 @@ work is held with events, and the test lets it go or takes the session away.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -207,6 +211,44 @@ def test_a_forwarded_run_whose_task_began_is_never_reported_as_not_started(
 
 PLACED_TIMEOUT_S = 1.0
 """The placing gateway's bound on a forwarded call (``request_timeout_s``)."""
+
+
+def test_a_large_forwarded_call_is_carried_or_refused_clearly(
+    tmp_path: Path, nats_server: NatsProcess
+) -> None:
+    """A steer of 400,000 non-Latin characters (an 800 KB frame) through a reaches b's
+    session; one larger than the NATS server carries is a -32600 saying why, not done.
+    Before, both answered ``internal error: MaxPayloadError()`` (R-CLUSTER-1, R-SEC-9)."""
+
+    async def body(conn: Connection) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        async with (
+            _member(conn, nats_server.url, tmp_path, "a", request_timeout_s=30.0) as a,
+            _member(conn, nats_server.url, tmp_path, "b", request_timeout_s=30.0) as b,
+            _client(a) as client,
+        ):
+            sid = await _session_on(b, conn)
+            frame = {
+                "jsonrpc": "2.0",
+                "id": 1,
+                "method": "steer",
+                "params": {"session_id": sid, "input": "é" * 400_000},
+            }
+            await client.send(json.dumps(frame, ensure_ascii=False))
+            found["non_latin"] = await client.response(1)
+            # A NATS server configured to carry less than a gateway frame.
+            a.node.conn.client._max_payload = 64 * 1024
+            found["too_large"] = await client.error(
+                "steer", {"session_id": sid, "input": "x" * 100_000}
+            )
+        return found
+
+    found = run_connected(nats_server.url, body, timeout_s=BOUND_S)
+    assert found["non_latin"].get("result") == {"queued": False}, found["non_latin"]
+    too_large = found["too_large"]
+    assert too_large["code"] == -32600, too_large
+    assert "max_payload" in too_large["message"], too_large
+    assert too_large["data"] == {"outcome": NOT_DONE}
 
 
 def test_a_placed_create_finished_after_the_gateway_gave_up_leaves_one_session(

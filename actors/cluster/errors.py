@@ -11,12 +11,14 @@ module that makes each kind of call (:mod:`.connection`, :mod:`.leases`, :mod:`.
         ├── Fenced              a trace append was refused: another host wrote the session
         │                       since (its lease is gone); the writer must stop the session
         ├── RecordTooLarge      a trace record is larger than NATS carries in one message
+        ├── CallTooLarge        a request to another host is larger than NATS carries
         └── OwnerUnreachable    no host answered a request for the session in time
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "CallTooLarge",
     "ClusterError",
     "ClusterUnavailable",
     "Fenced",
@@ -66,6 +68,18 @@ class RecordTooLarge(ClusterError):
             f"server takes in one message ({most} bytes, its max_payload)"
         )
         self.session_id = session_id
+        self.size = size
+
+
+class CallTooLarge(ClusterError):
+    """A request to another host (``size`` bytes) is larger than the NATS server takes in
+    one message (its ``max_payload``): nothing was sent."""
+
+    def __init__(self, size: int, most: int) -> None:
+        super().__init__(
+            f"the call ({size} bytes as forwarded) is larger than the NATS server carries "
+            f"between hosts ({most} bytes, its max_payload); nothing was done"
+        )
         self.size = size
 
 

@@ -52,7 +52,12 @@ from typing import TYPE_CHECKING, Any, cast
 import attrs
 import trio
 
-from greenroom.actors.cluster.errors import ClusterError, ClusterUnavailable, OwnerUnreachable
+from greenroom.actors.cluster.errors import (
+    CallTooLarge,
+    ClusterError,
+    ClusterUnavailable,
+    OwnerUnreachable,
+)
 from greenroom.actors.cluster.listing import DirectoryPasses, sessions_elsewhere
 from greenroom.actors.cluster.registry import (
     HostRecord,
@@ -689,6 +694,13 @@ class ClusterRouter:
         except OwnerUnreachable as exc:
             outcome = IN_DOUBT if exc.in_doubt else NOT_DONE
             raise RpcError(OWNER_UNREACHABLE, str(exc), {"outcome": outcome}) from exc
+        except CallTooLarge as exc:
+            raise RpcError(
+                jsonrpc.INVALID_REQUEST,
+                f"session {session_id} runs on another host: {exc}; send less, or send it "
+                "through that host's gateway",
+                {"outcome": NOT_DONE},
+            ) from exc
         except ClusterUnavailable as exc:
             raise RpcError(
                 OWNER_UNREACHABLE,

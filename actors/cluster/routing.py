@@ -31,7 +31,7 @@ from nats.aio.msg import Msg
 
 from greenroom.actors.cluster.bridge import Inbox
 from greenroom.actors.cluster.connection import Connection
-from greenroom.actors.cluster.errors import ClusterUnavailable, OwnerUnreachable
+from greenroom.actors.cluster.errors import CallTooLarge, ClusterUnavailable, OwnerUnreachable
 
 __all__ = [
     "IN_DOUBT",
@@ -112,7 +112,8 @@ class SessionRequests:
     ) -> dict[str, Any]:
         """Send ``message`` to ``session_id``'s owner and return its reply. Raises
         :class:`OwnerUnreachable` when no host answers within ``timeout_s`` (in doubt
-        unless no host served the session when it was sent)."""
+        unless no host served the session when it was sent); :class:`CallTooLarge` when
+        ``message`` is larger than NATS carries (nothing was sent)."""
         subject = self._conn.names.request_subject(session_id)
         try:
             return await self._request(subject, message, timeout_s)
@@ -137,7 +138,9 @@ class SessionRequests:
     async def _request(
         self, subject: str, message: dict[str, Any], timeout_s: float
     ) -> dict[str, Any]:
-        payload = json.dumps(message).encode()
+        # As UTF-8, as the client's frame came (its text has no lone surrogate: R-SEC-1);
+        # ASCII escapes made a call of non-Latin text up to six times its frame's size.
+        payload = json.dumps(message, ensure_ascii=False).encode()
 
         async def ask() -> Msg | nats.errors.Error:
             # Caught here: nats' TimeoutError is an OSError, which ``call`` takes for a
@@ -147,7 +150,12 @@ class SessionRequests:
             except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
                 return exc
 
-        reply = await self._conn.call(ask())
+        try:
+            reply = await self._conn.call(ask())
+        except nats.errors.MaxPayloadError as exc:
+            # Refused by the client before anything was sent: it escaped as an internal
+            # error before.
+            raise CallTooLarge(len(payload), self._conn.client.max_payload) from exc
         if isinstance(reply, nats.errors.Error):
             raise reply
         try:
