@@ -18,6 +18,10 @@ import trio
 import trio.testing
 from trio_websocket import open_websocket_url
 
+from greenroom.actors.cluster.bridge import Bridge, run
+from greenroom.actors.cluster.connection import connect, shown_url
+from greenroom.actors.cluster.errors import ClusterUnavailable
+from greenroom.actors.cluster.server import start_nats_server
 from tests.support.cluster_hosts import TOOLS
 from tests.support.mock_model_server import open_mock_server
 from tests.support.process_lines import lines_of
@@ -274,3 +278,42 @@ def test_a_worker_serves_once_it_is_placeable_and_its_gateway_listens() -> None:
         assert [ready.take(line) for line in ["greenroom cluster: joined", *lines]] == [
             False, False, True,
         ]
+
+
+def test_the_supervisors_nats_server_takes_only_clients_with_its_token(tmp_path: Path) -> None:
+    """Whoever can publish on the cluster's NATS server acts as any principal on any
+    session (a forwarded call names its principal) and reads every trace; the server the
+    supervisor started listened on loopback for anyone, and a session's sandboxed command
+    with the network (``--shell-network``) shares the host's loopback. It now takes only
+    clients that give its token, which is on no command line and in no log (R-SEC-4)."""
+
+    async def main(bridge: Bridge) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        with trio.fail_after(BOUND_S):
+            async with trio.open_nursery() as nursery:
+                url, process = await start_nats_server(nursery, tmp_path / "nats")
+                try:
+                    worker = await connect(bridge, url, name="worker")
+                    found["worker"] = worker.connected
+                    await worker.aclose()
+                    try:
+                        stranger = await connect(bridge, shown_url(url), name="stranger")
+                    except ClusterUnavailable:
+                        found["stranger"] = "refused"
+                    else:
+                        found["stranger"] = "connected"
+                        await stranger.aclose()
+                    found["argv"] = await trio.Path(f"/proc/{process.pid}/cmdline").read_bytes()
+                    found["url"] = url
+                finally:
+                    process.kill()
+                    nursery.cancel_scope.cancel()
+        return found
+
+    found = run(main)
+    assert found["worker"] is True
+    assert found["stranger"] == "refused"
+    token = found["url"].removeprefix("nats://").split("@")[0]
+    assert len(token) >= 32
+    assert token.encode() not in found["argv"]
+    assert token not in shown_url(found["url"])

@@ -27,7 +27,7 @@ from nats.js import JetStreamContext
 from greenroom.actors.cluster.bridge import Bridge, Inbox, within
 from greenroom.actors.cluster.errors import ClusterUnavailable
 
-__all__ = ["ClusterNames", "Connection", "check_session_id", "connect"]
+__all__ = ["ClusterNames", "Connection", "check_session_id", "connect", "shown_url"]
 
 T = TypeVar("T")
 
@@ -35,6 +35,15 @@ _TOKEN = re.compile(r"[A-Za-z0-9_-]+")
 _CLOSE_S = 2.0
 _DRAIN_S = 1.0
 """Within _CLOSE_S: a drain cut short leaves time for the unsubscription after it."""
+
+
+def shown_url(url: str) -> str:
+    """``url`` (NATS servers, comma-separated) without the credentials any of them carries,
+    for a log or an error message."""
+    return ",".join(_CREDENTIALS.sub(r"\1", part) for part in url.split(","))
+
+
+_CREDENTIALS = re.compile(r"^(\s*(?:[A-Za-z][A-Za-z0-9+.-]*://)?)[^/@]*@")
 
 
 def check_session_id(session_id: str) -> str:
@@ -298,9 +307,13 @@ async def connect(
         try:
             client = await bridge.call(attempt)
         except Exception as exc:
-            raise ClusterUnavailable(f"cannot reach NATS at {url}: {_describe(exc)}") from exc
+            raise ClusterUnavailable(
+                f"cannot reach NATS at {shown_url(url)}: {_describe(exc)}"
+            ) from exc
     if client is None:
-        raise ClusterUnavailable(f"cannot reach NATS at {url} within {connect_timeout_s:g} s")
+        raise ClusterUnavailable(
+            f"cannot reach NATS at {shown_url(url)} within {connect_timeout_s:g} s"
+        )
     return Connection(
         bridge=bridge,
         client=client,

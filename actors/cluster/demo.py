@@ -38,7 +38,7 @@ import trio
 from trio_websocket import open_websocket_url
 
 from greenroom.actors.cluster.bridge import Bridge, run
-from greenroom.actors.cluster.connection import Connection, connect
+from greenroom.actors.cluster.connection import Connection, connect, shown_url
 from greenroom.actors.cluster.errors import ClusterError
 from greenroom.actors.cluster.node import ClusterConfig
 from greenroom.actors.cluster.ownership import SessionOwners
@@ -283,7 +283,7 @@ async def _demo(bridge: Bridge, tmp: Path) -> int:
     async with trio.open_nursery() as nursery:
         await nursery.start(confirmations.serve)
         nats_url, nats = await start_nats_server(nursery, tmp / "nats")
-        say(f"nats-server with JetStream at {nats_url}")
+        say(f"nats-server with JetStream at {shown_url(nats_url)}")
         hosts: list[_Host] = []
         conn: Connection | None = None
         try:

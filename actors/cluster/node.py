@@ -68,7 +68,7 @@ import attrs
 import trio
 
 from greenroom.actors.cluster.bridge import Bridge
-from greenroom.actors.cluster.connection import ClusterNames, Connection, connect
+from greenroom.actors.cluster.connection import ClusterNames, Connection, connect, shown_url
 from greenroom.actors.cluster.directory_entries import DirectoryEntries, Grantor
 from greenroom.actors.cluster.errors import ClusterError, ClusterUnavailable
 from greenroom.actors.cluster.handover import HandedSince, hand_over
@@ -263,7 +263,7 @@ class ClusterNode:
             self._finder = OrphanFinder(self._directory, self._owners, self.serves)
             scan = (self._registry, self.host_id, ttl / 2, self._take_entry, lambda: host.draining)
             nursery.start_soon(self._finder.scan, *scan)
-            log(f"host {self.host_id} joined the cluster at {self.config.url}")
+            log(f"host {self.host_id} joined the cluster at {shown_url(self.config.url)}")
             task_status.started()
 
     def _route(self, gateway: Gateway, nursery: trio.Nursery) -> None:

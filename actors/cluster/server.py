@@ -7,7 +7,9 @@ with JetStream in a given directory, and how to read the port it chose from its 
 
 from __future__ import annotations
 
+import os
 import re
+import secrets
 import shutil
 import sys
 from pathlib import Path
@@ -71,14 +73,33 @@ def server_ready(log_line: str) -> bool:
     return _READY in log_line
 
 
+def _write_token_config(store: Path) -> str:
+    """A new secret token in a configuration file of ``store`` only this user reads; the
+    token."""
+    token = secrets.token_hex(32)
+    path = store / "auth.conf"
+    path.unlink(missing_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        file.write(f'authorization {{ token: "{token}" }}\n')
+    return token
+
+
 async def start_nats_server(nursery: trio.Nursery, store: Path) -> tuple[str, trio.Process]:
     """Start a JetStream ``nats-server`` storing in ``store`` on a free loopback port; its
     URL and process once it is ready (its log is read by a task of ``nursery``). Raises
     :class:`NatsServerMissing` without the binary, :class:`ClusterError` when it does not
-    start within :data:`START_BOUND_S`."""
+    start within :data:`START_BOUND_S`.
+
+    The server takes only clients that give a token of its own (in the URL; in a file of
+    ``store``, not on its command line): whoever publishes on it acts as any principal and
+    reads every trace, and a session's sandboxed command with the network shares the
+    host's loopback (R-SEC-4)."""
     await trio.Path(store).mkdir(parents=True, exist_ok=True, mode=0o700)
+    token = await trio.to_thread.run_sync(_write_token_config, store)
+    config = ["-c", str(store / "auth.conf")]
     process = await trio.lowlevel.open_process(
-        [str(nats_server_binary()), *nats_server_args(store)], stderr=-1
+        [str(nats_server_binary()), *config, *nats_server_args(store)], stderr=-1
     )
     ready = trio.Event()
     found: dict[str, int] = {}
@@ -104,4 +125,4 @@ async def start_nats_server(nursery: trio.Nursery, store: Path) -> tuple[str, tr
     if "port" not in found:
         process.kill()
         raise ClusterError("nats-server did not start")
-    return f"nats://127.0.0.1:{found['port']}", process
+    return f"nats://{token}@127.0.0.1:{found['port']}", process

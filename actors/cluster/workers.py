@@ -34,6 +34,7 @@ from pathlib import Path
 import attrs
 import trio
 
+from greenroom.actors.cluster.connection import shown_url
 from greenroom.actors.cluster.errors import ClusterError
 from greenroom.actors.cluster.serve import default_host_id
 from greenroom.actors.cluster.server import (
@@ -351,7 +352,8 @@ def _announce(
     where = config.tokens_file or token_file_path(config.data_dir, config.token_file)
     kind = "tokens" if config.tokens_file else "token"
     print(f"{kind} file: {where}", file=sys.stderr, flush=True)
-    say(f"{config.workers} workers (pid {os.getpid()} supervises), cluster on {nats_url}")
+    cluster = shown_url(nats_url)
+    say(f"{config.workers} workers (pid {os.getpid()} supervises), cluster on {cluster}")
     if console_port is not None:
         print(
             f"console: {console_url(config.host, console_port, ws_url, token)}",

@@ -247,7 +247,11 @@ class Serve:
             name = line.removeprefix(marker).split()[0]
             self.worker_pids[name] = int(line.split(" started: pid ")[1].split(",")[0])
         if " supervises), cluster on " in line:
-            self.nats_url = line.split(" cluster on ")[1].strip()
+            # Logged without the server's token, which is in its configuration file.
+            shown = line.split(" cluster on ")[1].strip()
+            config = (self.data_dir / "nats" / "auth.conf").read_text()
+            token = config.split('token: "')[1].split('"')[0]
+            self.nats_url = shown.replace("://", f"://{token}@", 1)
             self.ready.set()
 
     @property
