@@ -33,7 +33,12 @@ from greenroom.actors.cluster.connection import Connection
 from greenroom.actors.cluster.node import ClusterConfig, ClusterNode, open_cluster_host
 from greenroom.actors.cluster.registry import HostRegistry, SessionDirectory
 from greenroom.actors.cluster.router import OwnerDesk
-from greenroom.actors.cluster.routing import IN_DOUBT, NOT_DONE, OWNER_UNREACHABLE
+from greenroom.actors.cluster.routing import (
+    IN_DOUBT,
+    NOT_DONE,
+    OWNER_UNREACHABLE,
+    forwarded_payload,
+)
 from greenroom.actors.gateway import Gateway, SessionDefaults
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
 from greenroom.actors.runtime.host import Host
@@ -249,6 +254,17 @@ def test_a_large_forwarded_call_is_carried_or_refused_clearly(
     assert too_large["code"] == -32600, too_large
     assert "max_payload" in too_large["message"], too_large
     assert too_large["data"] == {"outcome": NOT_DONE}
+
+
+def test_a_forwarded_call_keeps_its_text_and_a_lone_surrogate_as_an_escape() -> None:
+    """A forwarded call is UTF-8, non-Latin text as it came (2 bytes for "é", not the 6 of
+    an escape); a lone surrogate, which an internal message may carry, is sent as its JSON
+    escape rather than failing the call with an encoding error (R-CLUSTER-1)."""
+    message = {"params": {"input": "é" * 10, "note": "a\ud800b"}}
+    payload = forwarded_payload(message)
+    assert payload.count("é".encode()) == 10
+    assert b"\\ud800" in payload
+    assert json.loads(payload) == message
 
 
 def test_a_placed_create_finished_after_the_gateway_gave_up_leaves_one_session(

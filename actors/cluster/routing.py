@@ -40,6 +40,7 @@ __all__ = [
     "Answering",
     "Handler",
     "SessionRequests",
+    "forwarded_payload",
     "outcome_of",
     "unreachable",
 ]
@@ -101,6 +102,14 @@ def unreachable(message: str, outcome: str, **data: Any) -> dict[str, Any]:
     }
 
 
+def forwarded_payload(message: dict[str, Any]) -> bytes:
+    """``message`` as a request to another host carries it: JSON in UTF-8, as the client's
+    frame came (ASCII escapes made a call of non-Latin text up to six times its frame's
+    size); a lone surrogate (none comes from a client's frame: R-SEC-1) is sent as its
+    JSON escape, never an encoding error."""
+    return json.dumps(message, ensure_ascii=False).encode("utf-8", "backslashreplace")
+
+
 class SessionRequests:
     """Per-session request subjects on one connection."""
 
@@ -138,9 +147,7 @@ class SessionRequests:
     async def _request(
         self, subject: str, message: dict[str, Any], timeout_s: float
     ) -> dict[str, Any]:
-        # As UTF-8, as the client's frame came (its text has no lone surrogate: R-SEC-1);
-        # ASCII escapes made a call of non-Latin text up to six times its frame's size.
-        payload = json.dumps(message, ensure_ascii=False).encode()
+        payload = forwarded_payload(message)
 
         async def ask() -> Msg | nats.errors.Error:
             # Caught here: nats' TimeoutError is an OSError, which ``call`` takes for a
