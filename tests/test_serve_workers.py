@@ -295,6 +295,7 @@ def test_the_supervisors_nats_server_takes_only_clients_with_its_token(tmp_path:
                 try:
                     worker = await connect(bridge, url, name="worker")
                     found["worker"] = worker.connected
+                    found["max_payload"] = worker.client.max_payload
                     await worker.aclose()
                     try:
                         stranger = await connect(bridge, shown_url(url), name="stranger")
@@ -312,6 +313,8 @@ def test_the_supervisors_nats_server_takes_only_clients_with_its_token(tmp_path:
 
     found = run(main)
     assert found["worker"] is True
+    # More than the largest record a gateway frame of 1 MiB makes (NATS's default: 1 MiB).
+    assert found["max_payload"] == 8 * 1024 * 1024
     assert found["stranger"] == "refused"
     token = found["url"].removeprefix("nats://").split("@")[0]
     assert len(token) >= 32

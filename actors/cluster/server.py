@@ -19,6 +19,7 @@ import trio
 from greenroom.actors.cluster.errors import ClusterError
 
 __all__ = [
+    "MAX_PAYLOAD",
     "NatsServerMissing",
     "listening_port",
     "nats_server_args",
@@ -73,15 +74,20 @@ def server_ready(log_line: str) -> bool:
     return _READY in log_line
 
 
+MAX_PAYLOAD = "8MB"
+"""The largest message the servers greenroom starts take: NATS's default, 1 MiB, is less
+than a trace record a gateway frame of 1 MiB can make (its text escaped in the record)."""
+
+
 def _write_token_config(store: Path) -> str:
-    """A new secret token in a configuration file of ``store`` only this user reads; the
-    token."""
+    """A new secret token in a configuration file of ``store`` only this user reads (with
+    :data:`MAX_PAYLOAD`); the token."""
     token = secrets.token_hex(32)
     path = store / "auth.conf"
     path.unlink(missing_ok=True)
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(descriptor, "w") as file:
-        file.write(f'authorization {{ token: "{token}" }}\n')
+        file.write(f'authorization {{ token: "{token}" }}\nmax_payload: {MAX_PAYLOAD}\n')
     return token
 
 
