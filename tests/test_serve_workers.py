@@ -150,6 +150,18 @@ async def _run_task(url: str, token: str) -> str:
     return sid
 
 
+def _check_no_nats_token_in_argv(tmp_path: Path, supervisor: Supervisor) -> None:
+    """R-SEC-4: the workers reach the supervisor's NATS server with its token, which is on
+    none of their command lines (any user of the machine reads those)."""
+    conf = (tmp_path / "data" / "nats" / "auth.conf").read_text()
+    (nats_token,) = re.findall(r'token: "([0-9a-f]+)"', conf)
+    assert len(supervisor.pids) == 2
+    for pid in supervisor.pids.values():
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert b"--nats" in argv
+        assert nats_token.encode() not in argv
+
+
 def _scenario(tmp_path: Path, hiccup: str) -> tuple[list[dict[str, Any]], list[str], list[str]]:
     async def body() -> tuple[list[dict[str, Any]], list[str], list[str]]:
         gate = Gate(tmp_path / "gate.sock")
@@ -157,6 +169,7 @@ def _scenario(tmp_path: Path, hiccup: str) -> tuple[list[dict[str, Any]], list[s
             await nursery.start(gate.serve)
             supervisor = await _start(nursery, tmp_path, model.base_url, gate.path)
             try:
+                _check_no_nats_token_in_argv(tmp_path, supervisor)
                 token = _token(tmp_path)
                 sid = await _run_task(supervisor.url, token)
                 await gate.started.wait()

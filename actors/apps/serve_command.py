@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -129,6 +130,7 @@ def _serve_in_cluster(
     """``greenroom serve --nats``: the same gateway on a host that joins a cluster
     (``serve_options``: the single host's ``run_serve`` arguments)."""
     try:
+        from greenroom.actors.cluster.connection import NATS_URL_ENV, credentialed_url
         from greenroom.actors.cluster.node import ClusterConfig
         from greenroom.actors.cluster.serve import approve_for, default_host_id, serve_in_cluster
     except ImportError as exc:
@@ -140,7 +142,8 @@ def _serve_in_cluster(
     host_id = args.host_id or default_host_id()
     if not re.fullmatch(r"[A-Za-z0-9_-]+", host_id):
         raise UsageError(f"--host-id: {host_id!r}: use letters, digits, '-' and '_' only")
-    config = ClusterConfig(url=args.nats, host_id=host_id, lease_ttl_s=args.lease_ttl)
+    url = credentialed_url(args.nats, os.environ.get(NATS_URL_ENV))
+    config = ClusterConfig(url=url, host_id=host_id, lease_ttl_s=args.lease_ttl)
     try:
         serve_in_cluster(
             config,

@@ -27,7 +27,15 @@ from nats.js import JetStreamContext
 from greenroom.actors.cluster.bridge import Bridge, Inbox, within
 from greenroom.actors.cluster.errors import ClusterUnavailable
 
-__all__ = ["ClusterNames", "Connection", "check_session_id", "connect", "shown_url"]
+__all__ = [
+    "NATS_URL_ENV",
+    "ClusterNames",
+    "Connection",
+    "check_session_id",
+    "connect",
+    "credentialed_url",
+    "shown_url",
+]
 
 T = TypeVar("T")
 
@@ -35,6 +43,20 @@ _TOKEN = re.compile(r"[A-Za-z0-9_-]+")
 _CLOSE_S = 2.0
 _DRAIN_S = 1.0
 """Within _CLOSE_S: a drain cut short leaves time for the unsubscription after it."""
+
+
+NATS_URL_ENV = "GREENROOM_NATS_URL"
+"""The environment variable that may give ``--nats``'s URL with its credentials, so that
+they are on no command line (``serve --workers`` passes its own server's to its workers
+so): used when it names the same servers as ``--nats`` (:func:`credentialed_url`)."""
+
+
+def credentialed_url(given: str, from_env: str | None) -> str:
+    """``from_env`` when it names the servers ``given`` names (their credentials aside),
+    else ``given``."""
+    if from_env and shown_url(from_env) == shown_url(given):
+        return from_env
+    return given
 
 
 def shown_url(url: str) -> str:

@@ -34,7 +34,7 @@ from pathlib import Path
 import attrs
 import trio
 
-from greenroom.actors.cluster.connection import shown_url
+from greenroom.actors.cluster.connection import NATS_URL_ENV, shown_url
 from greenroom.actors.cluster.errors import ClusterError
 from greenroom.actors.cluster.serve import default_host_id
 from greenroom.actors.cluster.server import (
@@ -151,7 +151,7 @@ class _Supervisor:
         data = config.data_dir / "workers" / worker.name
         own = [
             "--nats",
-            self.nats_url,
+            shown_url(self.nats_url),  # its credentials in the environment: see start
             "--host-id",
             f"{self._prefix}-{worker.name}-{worker.incarnation}",
             "--port",
@@ -180,7 +180,10 @@ class _Supervisor:
             worker.exited = trio.Event()
             worker.planned = False
             command = self.command(worker)
-            process = await trio.lowlevel.open_process(command, stderr=-1)
+            # The URL's credentials (the token of the server started here) on no command
+            # line, where any user of the machine reads them.
+            env = {**os.environ, NATS_URL_ENV: self.nats_url}
+            process = await trio.lowlevel.open_process(command, stderr=-1, env=env)
             worker.process = process
         host_id = command[command.index("--host-id") + 1]
         say(f"worker {worker.name} started: pid {process.pid}, host {host_id}")
