@@ -37,6 +37,7 @@ from greenroom.actors.cluster.routing import (
     IN_DOUBT,
     NOT_DONE,
     OWNER_UNREACHABLE,
+    answer_payload,
     forwarded_payload,
 )
 from greenroom.actors.gateway import Gateway, SessionDefaults
@@ -265,6 +266,20 @@ def test_a_forwarded_call_keeps_its_text_and_a_lone_surrogate_as_an_escape() -> 
     assert payload.count("é".encode()) == 10
     assert b"\\ud800" in payload
     assert json.loads(payload) == message
+
+
+def test_an_answer_larger_than_nats_carries_is_an_error_saying_so() -> None:
+    """An owner's answer NATS cannot carry (a list of approvals with large arguments, on a
+    server at 1 MiB) is replaced by an error that says the call was carried out and why its
+    answer did not come; it was dropped before, and the caller waited out its timeout for a
+    "no host answered" (R-CLUSTER-1, R-SEC-9)."""
+    small = {"result": {"queued": True}}
+    assert json.loads(answer_payload(small, 1024)) == small
+    large = {"result": {"approvals": [{"arguments": "x" * 4096}]}}
+    payload = answer_payload(large, 1024)
+    assert len(payload) <= 1024
+    error = json.loads(payload)["error"]
+    assert "carried out" in error["message"] and "max_payload" in error["message"]
 
 
 def test_a_placed_create_finished_after_the_gateway_gave_up_leaves_one_session(

@@ -40,6 +40,7 @@ __all__ = [
     "Answering",
     "Handler",
     "SessionRequests",
+    "answer_payload",
     "forwarded_payload",
     "outcome_of",
     "unreachable",
@@ -108,6 +109,25 @@ def forwarded_payload(message: dict[str, Any]) -> bytes:
     size); a lone surrogate (none comes from a client's frame: R-SEC-1) is sent as its
     JSON escape, never an encoding error."""
     return json.dumps(message, ensure_ascii=False).encode("utf-8", "backslashreplace")
+
+
+def answer_payload(reply: dict[str, Any], most: int) -> bytes:
+    """``reply`` as the owner sends it back (:func:`forwarded_payload`), or, when it is
+    larger than ``most`` bytes (the NATS server's ``max_payload``), an error saying so: NATS
+    refused the answer, and its caller waited out its whole timeout for a "no host
+    answered" that was not so."""
+    payload = forwarded_payload(reply)
+    if len(payload) <= most:
+        return payload
+    too_large = {
+        "error": {
+            "code": _INTERNAL,
+            "message": f"the call was carried out on the session's host, but its answer "
+            f"({len(payload)} bytes) is larger than the NATS server carries between hosts "
+            f"({most} bytes, its max_payload); ask through that host's gateway",
+        }
+    }
+    return forwarded_payload(too_large)
 
 
 class SessionRequests:
@@ -251,8 +271,9 @@ class SessionRequests:
                             await self._respond(msg, turned_away)
 
     async def _respond(self, msg: Msg, reply: dict[str, Any]) -> None:
+        payload = answer_payload(reply, self._conn.client.max_payload)
         with contextlib.suppress(ClusterUnavailable, nats.errors.Error):
-            await self._conn.call(msg.respond(json.dumps(reply).encode()))
+            await self._conn.call(msg.respond(payload))
 
 
 async def _handle(handler: Handler, data: bytes, answering: Answering) -> dict[str, Any]:
