@@ -72,6 +72,7 @@ from greenroom.protocols.stream import (
     UsageReported,
     coalesce_deltas,
     text_delta,
+    token_count,
 )
 from greenroom.protocols.structured import (
     FINAL_ANSWER,
@@ -556,7 +557,7 @@ def _text_field(delta: Any, key: str) -> str:
 
 
 def _int(value: Any) -> int:
-    return value if isinstance(value, int) else 0
+    return token_count(value) or 0
 
 
 # The hot path. json.loads costs four Python calls and two regex matches per event before
@@ -997,17 +998,17 @@ class AnthropicStreamDecoder:
         usage = payload.get("usage")
         if isinstance(usage, dict):
             # Cumulative counts: replace, never add. Absent/null input fields keep theirs.
-            value = usage.get("output_tokens")
-            if isinstance(value, int):
+            value = token_count(usage.get("output_tokens"))
+            if value is not None:
                 self._output = value
-            value = usage.get("input_tokens")
-            if isinstance(value, int):
+            value = token_count(usage.get("input_tokens"))
+            if value is not None:
                 self._input = value
-            value = usage.get("cache_creation_input_tokens")
-            if isinstance(value, int):
+            value = token_count(usage.get("cache_creation_input_tokens"))
+            if value is not None:
                 self._cache_write = value
-            value = usage.get("cache_read_input_tokens")
-            if isinstance(value, int):
+            value = token_count(usage.get("cache_read_input_tokens"))
+            if value is not None:
                 self._cache_read = value
         delta = payload.get("delta")
         stop = delta.get("stop_reason") if isinstance(delta, dict) else None

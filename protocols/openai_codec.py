@@ -80,6 +80,7 @@ from greenroom.protocols.stream import (
     ToolCallTruncated,
     UsageReported,
     coalesce_deltas,
+    token_count,
 )
 from greenroom.protocols.structured import openai_strict
 from greenroom.protocols.text import repair_text
@@ -848,12 +849,12 @@ class OpenAIStreamDecoder(JsonEventDecoder):
         self._close_thinking()
 
     def _on_usage(self, usage: dict[str, Any]) -> None:
-        prompt = usage.get("prompt_tokens") or 0
+        prompt = token_count(usage.get("prompt_tokens")) or 0
         details = usage.get("prompt_tokens_details")
-        cached = (details.get("cached_tokens") or 0) if details else 0
+        cached = (token_count(details.get("cached_tokens")) or 0) if details else 0
         reported = TokenUsage(
             input=max(prompt - cached, 0),
-            output=usage.get("completion_tokens") or 0,
+            output=token_count(usage.get("completion_tokens")) or 0,
             cache_read=cached,
         )
         if reported != self._usage:

@@ -81,6 +81,7 @@ from greenroom.protocols.stream import (
     ToolArgumentsDelta,
     ToolCallTruncated,
     UsageReported,
+    token_count,
 )
 from greenroom.protocols.structured import openai_strict
 from greenroom.protocols.text import repair_text
@@ -657,12 +658,13 @@ class ResponsesStreamDecoder(JsonEventDecoder):
         self._terminal = True
 
     def _on_usage(self, usage: dict[str, Any]) -> None:
-        total_input = usage.get("input_tokens") or 0
+        total_input = token_count(usage.get("input_tokens")) or 0
         details = usage.get("input_tokens_details")
-        cached = (details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+        cached = token_count(details.get("cached_tokens")) if isinstance(details, dict) else 0
+        cached = cached or 0
         reported = TokenUsage(
             input=max(total_input - cached, 0),
-            output=usage.get("output_tokens") or 0,
+            output=token_count(usage.get("output_tokens")) or 0,
             cache_read=cached,
         )
         if reported != self._usage:

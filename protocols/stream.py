@@ -15,7 +15,7 @@ for one response, in stream order:
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 
@@ -25,6 +25,22 @@ ErrorKind = Literal["auth", "timeout", "malformed", "failed", "context_overflow"
 """Classification of a model-side failure (R-RETRY-1)."""
 
 BlockKind = Literal["text", "thinking", "redacted_thinking", "tool_call"]
+
+
+MAX_TOKEN_COUNT = 10**15
+"""The largest token count a provider's report is taken at: far beyond any context, and
+small enough that its cost is a finite float."""
+
+
+def token_count(value: Any) -> int | None:
+    """A token count as a provider reported it, fit for pricing and budgets: a whole
+    number of at least 0 (one past :data:`MAX_TOKEN_COUNT` counts as that), else None (the
+    report is ignored). A negative count would price a request below zero and give its
+    cost back to every budget it was spent against; a count too large for a float would
+    fail the pricing (R-SHARE-3)."""
+    if value.__class__ is not int or value < 0:
+        return None
+    return value if value <= MAX_TOKEN_COUNT else MAX_TOKEN_COUNT
 
 
 @attrs.frozen(kw_only=True, slots=True)

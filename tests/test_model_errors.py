@@ -36,6 +36,7 @@ from greenroom.protocols.outputs import Output, RequestEnd, TaskEnd, ToolCallOut
 from greenroom.protocols.stream import StreamFailed
 from greenroom.protocols.tools import tool
 from tests.support.mock_model_server import (
+    MOCK_MODEL,
     MockModelServer,
     Reply,
     SSEEvent,
@@ -62,7 +63,7 @@ async def lookup(key: str) -> str:
 
 @asynccontextmanager
 async def wire_session(
-    wire: str, server: MockModelServer, tmp_path: Path
+    wire: str, server: MockModelServer, tmp_path: Path, prices: dict[str, Any] | None = None
 ) -> AsyncIterator[Session]:
     lean = wire in ("anthropic", "openai")  # "-sdk", "-httpx": the library paths
     provider: Any = (
@@ -70,8 +71,10 @@ async def wire_session(
         if wire.startswith("anthropic")
         else OpenAIProvider(base_url=server.base_url + "/v1", api_key="k", lean_http=lean)
     )
-    async with Host.open(tmp_path / "data") as host:
-        yield await host.create_session(tools=[lookup], provider=provider, workspace_dir=tmp_path)
+    async with Host.open(tmp_path / "data", prices=prices) as host:
+        yield await host.create_session(
+            tools=[lookup], provider=provider, workspace_dir=tmp_path, model=MOCK_MODEL
+        )
 
 
 async def run(session: Session, prompt: str = "go") -> list[Output]:
@@ -335,6 +338,28 @@ async def test_a_huge_integer_in_a_stream_event_is_a_malformed_attempt(
     message = first.error_message or ""
     assert message.startswith("malformed JSON in the model stream: number too long")
     assert without_internals(message), message
+
+
+@pytest.mark.parametrize("wire", WIRES)
+@pytest.mark.parametrize("reported", [-(10**9), 10**400], ids=["negative", "past-a-float"])
+async def test_a_token_count_no_request_can_use_costs_nothing_odd(
+    tmp_path: Path, wire: str, reported: int
+) -> None:
+    """R-SHARE-3: a usage report is priced only as a count a request can have. A negative
+    output count priced the request below zero (minus $10,000 here), which every budget
+    it was spent against took back; one past a float's range failed the task with
+    Python's ``OverflowError``. The negative one is ignored, the huge one counts as the
+    largest count taken (a cost that stops any budget), and the task completes."""
+    prices = {MOCK_MODEL: {"input": 10.0, "output": 10.0}}
+    async with open_mock_server(Reply([Text("Hello.")], usage=(5, reported))) as server:
+        async with wire_session(wire, server, tmp_path, prices) as session:
+            outputs = await run(session)
+    end = outputs[-1]
+    assert isinstance(end, TaskEnd) and end.status == "completed", end
+    assert [e.status for e in request_ends(outputs)] == ["ok"]
+    cost = end.usage.cost_usd
+    assert cost is not None
+    assert 0 < cost < 1 if reported < 0 else cost >= 1e9
 
 
 @pytest.mark.parametrize(
