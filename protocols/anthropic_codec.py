@@ -55,7 +55,7 @@ from greenroom.protocols.retry import (
     parse_retry_after,
     transient_status_text,
 )
-from greenroom.protocols.sse import SSEDecoder
+from greenroom.protocols.sse import EventTooLarge, SSEDecoder
 from greenroom.protocols.stream import (
     BlockCompleted,
     BlockStarted,
@@ -720,7 +720,11 @@ class AnthropicStreamDecoder:
             if taken:
                 data = data[taken:]
         blocks = self._blocks
-        names, texts = self._sse.feed_columns(data)
+        try:
+            names, texts = self._sse.feed_columns(data)
+        except EventTooLarge as exc:
+            self._fail(out, "malformed", str(exc))
+            return out
         for name, text in zip(names, texts, strict=True):
             # Fast path for the bulk of a stream: a delta of an open block, in the compact
             # shape the API sends. Anything else (or any surprise) takes the full parse.

@@ -64,7 +64,7 @@ from greenroom.protocols.retry import (
     parse_retry_after,
     transient_status_text,
 )
-from greenroom.protocols.sse import SSEDecoder
+from greenroom.protocols.sse import EventTooLarge, SSEDecoder
 from greenroom.protocols.stream import (
     BlockCompleted,
     BlockStarted,
@@ -515,7 +515,12 @@ class JsonEventDecoder:
         out: list[StreamEvent] = []
         self._out = out
         # feed_raw gives (event, data) tuples: one object less per chunk on the hot path.
-        for _event, text in self._sse.feed_raw(data):
+        try:
+            events = self._sse.feed_raw(data)
+        except EventTooLarge as exc:
+            self._fail(ModelError(kind="malformed", message=str(exc)))
+            return out
+        for _event, text in events:
             if not self._on_data(text):
                 break
         return coalesce_deltas(out)

@@ -10,6 +10,10 @@ Supported: LF, CRLF and CR line endings (mixed), ``:`` comment lines, the ``even
 colon, a field line without a colon (the whole line is the field name), the ``id`` field
 (kept as :attr:`SSEDecoder.last_event_id`), a leading UTF-8 BOM. ``retry`` and unknown
 fields are ignored. Invalid UTF-8 is replaced with U+FFFD, as the standard says.
+
+An event larger than :data:`MAX_EVENT_BYTES` (its lines so far, and the line under way)
+raises :class:`EventTooLarge`: a server cannot make the decoder hold an event without end
+while it waits for that end.
 """
 
 from __future__ import annotations
@@ -27,6 +31,20 @@ _EVENT_NAMES: dict[bytes, str] = {
         "message_delta", "message_stop", "ping", "error", "message",
     )
 }
+
+
+MAX_EVENT_BYTES = 16 << 20
+"""The most bytes one event may take: a model's events are deltas of a few bytes to a few
+kilobytes, a whole tool call's arguments in one event at most some hundred kilobytes."""
+
+
+class EventTooLarge(ValueError):
+    """An event grew past :data:`MAX_EVENT_BYTES` before its end came."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            f"an event of the stream grew past {MAX_EVENT_BYTES >> 20} MiB without ending"
+        )
 
 
 @attrs.frozen(kw_only=True, slots=True)
@@ -49,15 +67,21 @@ class SSEDecoder:
       line is discarded (the standard's rule), and :attr:`truncated` tells whether
       anything that could have belonged to an event was discarded.
     * Feeding after :meth:`close` is a programming error (``RuntimeError``).
+    * An event that grows past :data:`MAX_EVENT_BYTES` raises :class:`EventTooLarge`
+      from :meth:`feed` (and its variants); the decoder is then of no further use.
     """
 
-    __slots__ = ("_closed", "_data", "_event", "_pending", "_skip_lf", "_started",
-                 "last_event_id", "truncated")
+    __slots__ = ("_closed", "_data", "_event", "_held", "_pending", "_pending_size",
+                 "_skip_lf", "_started", "last_event_id", "truncated")
 
     def __init__(self) -> None:
         # Unterminated line fragments; joined only once a line end arrives, so a long line
         # fed in many small chunks costs linear, not quadratic, time.
         self._pending: list[bytes] = []
+        self._pending_size = 0
+        # Bytes of the data lines of the event under way: with the pending fragments, what
+        # the event holds; past MAX_EVENT_BYTES the decoder gives up (EventTooLarge).
+        self._held = 0
         # The previous chunk ended with CR: a LF at the start of the next chunk belongs to
         # that CRLF and must not count as a second (blank) line.
         self._skip_lf = False
@@ -114,18 +138,19 @@ class SSEDecoder:
                 self._skip_lf = True
             data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         if b"\n" not in data:
-            self._pending.append(data)
+            self._hold(data)
             return names, texts
         if self._pending:
             self._pending.append(data)
             data = b"".join(self._pending)
             self._pending.clear()
+            self._pending_size = 0
         if not self._started or b"\n\n" not in data:
             lines = data.split(b"\n")
             tail = lines.pop()
-            if tail:
-                self._pending.append(tail)
             self._lines(lines, names, texts)
+            if tail:
+                self._hold(tail)
             return names, texts
         # Whole events: the common shapes (``event: X`` + one ``data:`` line, or one
         # ``data:`` line) are cut out with two searches each; anything else, or an event
@@ -159,13 +184,22 @@ class SSEDecoder:
             lines = block.split(b"\n")
             lines.append(b"")
             self._lines(lines, names, texts)
+        # The last block ended with a blank line: no event is under way.
+        self._held = 0
         lines = rest.split(b"\n")
         tail = lines.pop()
-        if tail:
-            self._pending.append(tail)
         if lines:
             self._lines(lines, names, texts)
+        if tail:
+            self._hold(tail)
         return names, texts
+
+    def _hold(self, fragment: bytes) -> None:
+        """Keep ``fragment`` of an unfinished line for the next chunk."""
+        self._pending_size += len(fragment)
+        if self._held + self._pending_size > MAX_EVENT_BYTES:
+            raise EventTooLarge()
+        self._pending.append(fragment)
 
     def close(self) -> list[SSEEvent]:
         """End of stream. Always returns ``[]`` (an unterminated event is never
@@ -179,6 +213,7 @@ class SSEDecoder:
         partial_counts = bool(partial) and partial[0] != _COLON
         self.truncated = partial_counts or bool(self._data) or self._event is not None
         self._pending.clear()
+        self._pending_size = self._held = 0
         self._data = []
         self._event = None
         return []
@@ -190,8 +225,10 @@ class SSEDecoder:
                 lines[0] = lines[0][3:]
         data = self._data
         event = self._event
+        held = self._held
         for line in lines:
             if not line:
+                held = 0
                 if data:
                     if len(data) == 1:
                         text = data[0].decode("utf-8", "replace")
@@ -202,6 +239,7 @@ class SSEDecoder:
                     data = []
                 event = None
             elif line.startswith(b"data:"):
+                held += len(line) + 1
                 value = line[5:]
                 if value[:1] == b" ":
                     value = value[1:]
@@ -218,6 +256,7 @@ class SSEDecoder:
                 if colon and value[:1] == b" ":
                     value = value[1:]
                 if name == b"data":
+                    held += len(line) + 1
                     data.append(value)
                 elif name == b"event":
                     event = value.decode("utf-8", "replace") or None
@@ -225,3 +264,6 @@ class SSEDecoder:
                     self.last_event_id = value.decode("utf-8", "replace")
         self._data = data
         self._event = event
+        self._held = held
+        if held > MAX_EVENT_BYTES:
+            raise EventTooLarge()

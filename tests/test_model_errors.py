@@ -33,6 +33,7 @@ from greenroom.protocols import anthropic_codec, openai_codec
 from greenroom.protocols.anthropic_codec import AnthropicStreamDecoder
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.outputs import Output, RequestEnd, TaskEnd, ToolCallOutput
+from greenroom.protocols.sse import MAX_EVENT_BYTES
 from greenroom.protocols.stream import StreamFailed
 from greenroom.protocols.tools import tool
 from tests.support.mock_model_server import (
@@ -360,6 +361,27 @@ async def test_a_token_count_no_request_can_use_costs_nothing_odd(
     cost = end.usage.cost_usd
     assert cost is not None
     assert 0 < cost < 1 if reported < 0 else cost >= 1e9
+
+
+@pytest.mark.parametrize("wire", WIRES)
+async def test_an_event_without_end_is_given_up_at_its_size_cap(
+    tmp_path: Path, wire: str
+) -> None:
+    """R-SEC-9: an SSE line that never ends was held whole for as long as the server sent
+    it (the read timeout allows minutes of it): the stream's memory had no bound. The
+    decoder gives the event up past ``MAX_EVENT_BYTES`` — a ``malformed`` attempt saying
+    so — and the retry answers."""
+    endless = b"data: " + b"x" * (MAX_EVENT_BYTES + (1 << 20))
+    if wire.startswith("anthropic"):
+        broken = anthropic_stream(A_START, b"event: content_block_start\n" + endless)
+    else:
+        broken = openai_stream(oa_chunk({"content": "Hel"}, None), endless)
+    async with open_mock_server(broken, Reply([Text("Hello.")])) as server:
+        async with wire_session(wire, server, tmp_path) as session:
+            outputs = await run(session)
+    first, second = request_ends(outputs)
+    assert (first.status, second.status) == ("malformed", "ok")
+    assert first.error_message == "an event of the stream grew past 16 MiB without ending"
 
 
 @pytest.mark.parametrize(
