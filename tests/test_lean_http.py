@@ -611,6 +611,37 @@ async def test_bad_chunked_bodies_are_protocol_errors(body: bytes, error: str) -
     await listener.aclose()
 
 
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [(b"f" * 65536, "chunk size line too long"), (b"0\r\nx: " + b"y" * 65536, "trailers too long")],
+    ids=["size-line", "trailers"],
+)
+async def test_a_chunk_line_without_end_is_a_protocol_error(body: bytes, error: str) -> None:
+    """R-SEC-9: a chunk size line (or trailers) that never ended was held for as long as
+    the server sent it, growing with every read until the read timeout: past the bound of
+    a response head it is a protocol error at once."""
+    head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+    listener, port = await _listen()
+    served = trio.Event()
+
+    async def answer() -> None:
+        stream = await listener.accept()
+        await stream.receive_some(65536)
+        await stream.send_all(head + body + b"x")
+        await served.wait()  # the connection stays open: only the bound ends the read
+        await stream.aclose()
+
+    pool = ConnectionPool()
+    with trio.fail_after(BOUND_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(answer)
+            with pytest.raises(lean_http.RemoteProtocolError, match=error):
+                await post(pool, f"http://127.0.0.1:{port}/", timeouts=Timeouts(read=BOUND_S))
+            served.set()
+    await pool.aclose()
+    await listener.aclose()
+
+
 async def test_chunk_extensions_and_trailers_are_accepted() -> None:
     body = b"3;ext=1\r\nabc\r\n2\r\nde\r\n0\r\nx-trailer: y\r\n\r\n"
     head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"

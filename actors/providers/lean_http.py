@@ -1158,6 +1158,9 @@ class _ChunkedBody:
                 continue
             line_end = buffer.find(_CRLF, pos)
             if line_end < 0:
+                # A size line without end would be held for as long as the server sends it.
+                if size - pos > MAX_HEAD_BYTES:
+                    raise RemoteProtocolError("chunk size line too long")
                 break
             line = buffer[pos:line_end]
             if not line:  # the CRLF that ends a chunk's payload
@@ -1171,6 +1174,8 @@ class _ChunkedBody:
                 # The last chunk, then trailers (ignored) up to a blank line.
                 end = buffer.find(b"\r\n\r\n", line_end)
                 if end < 0:
+                    if size - pos > MAX_HEAD_BYTES:
+                        raise RemoteProtocolError("chunked trailers too long")
                     break
                 self.done = True
                 self._buffer = b""
