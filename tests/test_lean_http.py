@@ -370,6 +370,43 @@ async def test_a_compressed_body_is_decoded_the_same(encoding: str) -> None:
     assert results[1] == await same_events(Fixture("anthropic/ping_interleaved.sse"))
 
 
+async def test_a_compressed_body_is_inflated_a_bounded_piece_at_a_time() -> None:
+    """R-SEC-9: a gzip body inflates a thousandfold, and one read of it was inflated whole
+    and handed on as one piece (64 MiB from a read of 64 KiB, its lines then all held at
+    once by the decoder: a 256 KiB body took 600 MiB). Each piece is now at most
+    ``MAX_INFLATED``; the body is all there."""
+    inflated = b"\n" * (16 << 20)
+    payload = gzip.compress(inflated, compresslevel=9)
+    head = (
+        b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\n"
+        b"content-length: " + str(len(payload)).encode() + b"\r\n\r\n"
+    )
+    listener, port = await _listen()
+
+    async def answer() -> None:
+        stream = await listener.accept()
+        await stream.receive_some(65536)
+        await stream.send_all(head + payload)
+        await stream.aclose()
+
+    pool = ConnectionPool()
+    sizes: list[int] = []
+    with trio.fail_after(BOUND_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(answer)
+            target = parse_url(f"http://127.0.0.1:{port}/")
+            response = await pool.request(b"POST", target, [], b"x", Timeouts(read=5.0))
+            try:
+                async for piece in response.body:
+                    sizes.append(len(piece))
+            finally:
+                await response.aclose()
+    await pool.aclose()
+    await listener.aclose()
+    assert sum(sizes) == len(inflated)
+    assert max(sizes) <= lean_http.MAX_INFLATED
+
+
 async def _serve_raw(
     listener: trio.SocketListener, answer: Callable[[bytes], bytes], seen: list[bytes]
 ) -> None:

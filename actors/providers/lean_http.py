@@ -61,6 +61,9 @@ KEEPALIVE_EXPIRY_S = 5.0
 
 READ_SIZE = 65536
 MAX_HEAD_BYTES = 65536
+MAX_INFLATED = 1 << 20
+"""The most bytes of a compressed body one piece hands on: a read of a few kilobytes can
+inflate a thousandfold, and the decoder's lines of a piece would all be held at once."""
 _CRLF = b"\r\n"
 _URL_SAFE = "/%:@!$&'()*+,;=?~[]"
 # A plain TCP connection is read with os.read on its descriptor, waiting for readiness
@@ -984,19 +987,26 @@ class RawBody:
         first = True
         async for piece in self._pieces():
             try:
-                data = inflate.decompress(piece)
+                data = inflate.decompress(piece, MAX_INFLATED)
             except zlib.error as exc:
                 if not (first and encoding == b"deflate"):
                     raise RemoteProtocolError(f"bad {encoding.decode()} body: {exc}") from None
                 # "deflate" without its zlib wrapper, as some servers send it.
                 inflate = zlib.decompressobj(-zlib.MAX_WBITS)
                 try:
-                    data = inflate.decompress(piece)
+                    data = inflate.decompress(piece, MAX_INFLATED)
                 except zlib.error as again:
                     raise RemoteProtocolError(f"bad deflate body: {again}") from None
             first = False
             if data:
                 yield data
+            while inflate.unconsumed_tail:
+                try:
+                    data = inflate.decompress(inflate.unconsumed_tail, MAX_INFLATED)
+                except zlib.error as exc:
+                    raise RemoteProtocolError(f"bad {encoding.decode()} body: {exc}") from None
+                if data:
+                    yield data
         rest = inflate.flush()
         if rest:
             yield rest
