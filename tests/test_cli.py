@@ -604,6 +604,33 @@ async def test_run_json_against_a_model_server(
     assert lines[-1]["turns"] == 2
 
 
+async def test_terminal_controls_from_the_model_never_reach_the_terminal(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """R-SEC-1: a model's text, tool name, call id and arguments, and a tool's output, went
+    to the terminal as they came, so a hostile model service could write the user's
+    clipboard (OSC 52), retitle or clear the screen. Control characters now show as
+    ``\\xNN`` escapes, the text's line ends kept."""
+    osc52 = "\x1b]52;c;aGk=\x07"
+    script = (
+        Reply([Text(f"Look{osc52}\x1b[2J here.\n"),
+               ToolUse(f"toolu_{osc52}", f"list_dir{osc52}", {"path": f".{osc52}"})],
+              stop_reason="tool_use"),
+        Reply([Text("Done\x9b2J.")]),
+    )  # fmt: skip
+    async with open_mock_server(*script) as server:
+        result = await greenroom_async(
+            tmp_path, "run", "--provider", "anthropic", "--model", "mock-model",
+            "--base-url", server.base_url, "--approve", "all", "--workspace", str(workspace),
+            "What is here?", env={"ANTHROPIC_API_KEY": "test-key"},
+        )  # fmt: skip
+    shown = result.stdout.decode() + result.stderr.decode()
+    assert result.returncode == 0, shown
+    assert not any(c in shown for c in "\x1b\x07\x9b"), repr(shown)
+    assert "Look\\x1b]52;c;aGk=\\x07\\x1b[2J here." in shown
+    assert "list_dir\\x1b]52" in shown
+
+
 async def test_auth_failure_exits_3(tmp_path: Path) -> None:
     bad_key = ErrorReply.anthropic(401, "authentication_error", "invalid x-api-key")
     async with open_mock_server(bad_key) as server:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO, assert_never
@@ -184,6 +185,26 @@ def color_enabled(stream: TextIO) -> bool:
     return stream.isatty() and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
 
 
+# What a terminal would act on rather than show: C0 and C1 controls but the line end and
+# tab, and every escape sequence but the colours (SGR) this renderer itself adds.
+_TERMINAL_CONTROLS = re.compile(r"\x1b\[[0-9;]*m|[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _shown_control(match: re.Match[str]) -> str:
+    found = match.group()
+    return found if len(found) > 1 else f"\\x{ord(found):02x}"
+
+
+def terminal_text(text: str) -> str:
+    """``text`` as a terminal shows it without acting on it: a control character (an
+    escape sequence's start, a bell, a carriage return) becomes its ``\\xNN`` escape, so
+    model, tool and server text cannot write the clipboard, retitle or clear the screen
+    (colours pass). Line ends and tabs are kept."""
+    if "\r\n" in text:
+        text = text.replace("\r\n", "\n")
+    return _TERMINAL_CONTROLS.sub(_shown_control, text)
+
+
 class HumanRenderer(Renderer):
     """Terminal output: text streams as it arrives, thinking is dimmed (or prefixed with
     ``thinking:`` without colour), each tool call is shown with its arguments, then its
@@ -215,7 +236,7 @@ class HumanRenderer(Renderer):
     def _write(self, text: str) -> None:
         if not text:
             return
-        self._out.write(text)
+        self._out.write(terminal_text(text))
         self._out.flush()
         self._line_open = not text.endswith("\n")
 
@@ -226,7 +247,7 @@ class HumanRenderer(Renderer):
     def _note(self, text: str) -> None:
         """A line on stderr, after ending any open stdout line."""
         self.break_line()
-        self._err.write(text + "\n")
+        self._err.write(terminal_text(text) + "\n")
         self._err.flush()
 
     def break_line(self) -> None:
