@@ -397,6 +397,8 @@ def schema_problem(schema: Any) -> str | None:
             stack.extend((item, f"{path}[{i}]", depth + 1, True) for i, item in enumerate(node))
             continue
         if not isinstance(node, Mapping):
+            if is_schema and not isinstance(node, bool):
+                return f"its input schema has {node!r:.40} where a schema belongs, at {path}"
             continue
         if not is_schema:
             stack.extend((child, f"{path}.{key}", depth + 1, True) for key, child in node.items())
@@ -406,6 +408,12 @@ def schema_problem(schema: Any) -> str | None:
         for item in kinds:
             if not isinstance(item, str) or item not in _SCHEMA_TYPES:
                 return f"its input schema has an unknown type {item!r} at {path}"
+        for key in _LISTS:
+            if key in node and not isinstance(node[key], list):
+                return f"its input schema's {key} at {path} is not a list"
+        required = node.get("required", ())
+        if not all(isinstance(name, str) for name in required):
+            return f"its input schema's required at {path} names a property by a non-string"
         for key, child in node.items():
             if key in _NAMED_SCHEMAS:
                 stack.append((child, f"{path}.{key}", depth + 1, False))
@@ -414,6 +422,8 @@ def schema_problem(schema: Any) -> str | None:
     return None
 
 
+_LISTS = ("enum", "required", "anyOf", "oneOf", "allOf", "prefixItems")
+"""Keywords whose value is a list (the argument check of R-TOOL-5 iterates them)."""
 _NAMED_SCHEMAS = frozenset(
     ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 )

@@ -646,10 +646,15 @@ def parse_tool_arguments(raw: str) -> tuple[dict[str, Any], str | None]:
     return value, None
 
 
-def validate_json(value: Any, schema: Mapping[str, Any], path: str = "$") -> list[str]:
+def validate_json(value: Any, schema: Mapping[str, Any] | bool, path: str = "$") -> list[str]:
     """Validate ``value`` against the subset of JSON Schema that :func:`json_schema_for`
     produces (type, enum, anyOf, properties/required/additionalProperties, items,
-    prefixItems). Returns ``$.path: message`` strings."""
+    prefixItems), and the boolean schemas (``true`` allows any value, ``false`` none).
+    Returns ``$.path: message`` strings."""
+    if schema is True:
+        return []
+    if schema is False:
+        return [f"{path}: no value is allowed here"]
     errors: list[str] = []
     if "anyOf" in schema:
         if not any(not validate_json(value, sub, path) for sub in schema["anyOf"]):

@@ -57,6 +57,7 @@ from greenroom.protocols.outputs import (
     ToolProgress,
 )
 from greenroom.protocols.people import PEOPLE, PendingApproval
+from greenroom.protocols.tools import validate_json
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `tests` is not a package on pytest's default sys.path
@@ -270,6 +271,26 @@ def test_schema_problems() -> None:
     )
     assert "not 'object'" in (schema_problem({"type": "string"}) or "")
     assert schema_problem([]) is not None
+
+
+def test_a_server_schema_the_argument_check_cannot_read_is_a_schema_problem() -> None:
+    """R-TOOL-5, R-MCP-1: boolean subschemas (``true``: any value) are JSON Schema a server
+    may list, and every call of such a tool failed with ``TypeError("argument of type
+    'bool' is not iterable")`` from the argument check; they are checked now. A keyword
+    the check iterates that is not a list (``enum: 5``, ``required`` naming a property by
+    an object, a schema ``5``) failed each call alike; the tool is skipped when listed."""
+    any_value = {"type": "object", "properties": {"a": True, "b": {"type": "array",
+                 "items": True, "prefixItems": [True, False]}}}  # fmt: skip
+    assert schema_problem(any_value) is None
+    assert validate_json({"a": {"x": 1}}, any_value) == []
+    assert validate_json({"b": [1, 2]}, any_value) == ["$.b[1]: no value is allowed here"]
+    unreadable = {
+        "enum": {"type": "object", "properties": {"a": {"enum": 5}}},
+        "required": {"type": "object", "properties": {}, "required": ["a", {"x": 1}]},
+        "anyOf[0]": {"type": "object", "properties": {"a": {"anyOf": [5]}}},
+    }
+    for key, schema in unreadable.items():
+        assert key in (schema_problem(schema) or ""), key
 
 
 def test_acp_server_list_converts() -> None:
