@@ -57,6 +57,7 @@ from greenroom.protocols.retry import (
 )
 from greenroom.protocols.sse import EventTooLarge, SSEDecoder
 from greenroom.protocols.stream import (
+    MAX_TOOL_CALLS,
     BlockCompleted,
     BlockStarted,
     ErrorKind,
@@ -898,6 +899,8 @@ class AnthropicStreamDecoder:
                 call_id = cb["id"]
                 if not call_id or call_id.__class__ is not str:
                     raise _Malformed("tool_use block without an id")
+                if len(self._call_ids) >= MAX_TOOL_CALLS:
+                    raise _Malformed(f"more than {MAX_TOOL_CALLS} tool calls in one message")
                 if call_id in self._call_ids:
                     # Two calls sharing an id cannot both be answered (R-SEC-6).
                     raise _Malformed(f"tool_use id {call_id[:100]!r} repeated in one message")

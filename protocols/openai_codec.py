@@ -66,6 +66,7 @@ from greenroom.protocols.retry import (
 )
 from greenroom.protocols.sse import EventTooLarge, SSEDecoder
 from greenroom.protocols.stream import (
+    MAX_TOOL_CALLS,
     BlockCompleted,
     BlockStarted,
     ErrorKind,
@@ -774,6 +775,8 @@ class OpenAIStreamDecoder(JsonEventDecoder):
         function = fragment.get("function") or {}
         call = self._tools.get(wire_index)
         if call is None:
+            if len(self._tools) >= MAX_TOOL_CALLS:
+                raise _Malformed(f"more than {MAX_TOOL_CALLS} tool calls in one message")
             self._close_text()
             self._close_thinking()
             name = function.get("name") or ""

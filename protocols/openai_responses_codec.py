@@ -70,6 +70,7 @@ from greenroom.protocols.openai_codec import (
 )
 from greenroom.protocols.openai_codec import classify_error as classify_error
 from greenroom.protocols.stream import (
+    MAX_TOOL_CALLS,
     BlockCompleted,
     BlockStarted,
     ErrorKind,
@@ -534,6 +535,8 @@ class ResponsesStreamDecoder(JsonEventDecoder):
             name = raw.get("name") or ""
             if call_id.__class__ is not str or name.__class__ is not str:
                 raise _Malformed
+            if len(self._call_ids) >= MAX_TOOL_CALLS:
+                raise _Malformed(f"more than {MAX_TOOL_CALLS} tool calls in one response")
             if call_id in self._call_ids:
                 raise _Malformed(f"tool call id {call_id!r} repeated in one response")
             self._call_ids.add(call_id)

@@ -27,6 +27,11 @@ ErrorKind = Literal["auth", "timeout", "malformed", "failed", "context_overflow"
 BlockKind = Literal["text", "thinking", "redacted_thinking", "tool_call"]
 
 
+MAX_TOOL_CALLS = 1000
+"""The most tool calls one model message may make; a message with more is a malformed
+attempt. Models make a few, rarely dozens; each call costs the runtime work in proportion to
+the calls before it, so a stream of hundreds of thousands would hold the session for hours."""
+
 MAX_TOKEN_COUNT = 10**15
 """The largest token count a provider's report is taken at: far beyond any context, and
 small enough that its cost is a finite float."""

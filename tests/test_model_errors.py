@@ -34,7 +34,7 @@ from greenroom.protocols.anthropic_codec import AnthropicStreamDecoder
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.outputs import Output, RequestEnd, TaskEnd, ToolCallOutput
 from greenroom.protocols.sse import MAX_EVENT_BYTES
-from greenroom.protocols.stream import StreamFailed
+from greenroom.protocols.stream import MAX_TOOL_CALLS, StreamFailed
 from greenroom.protocols.tools import tool
 from tests.support.mock_model_server import (
     MOCK_MODEL,
@@ -43,6 +43,7 @@ from tests.support.mock_model_server import (
     SSEEvent,
     Streamed,
     Text,
+    ToolUse,
     WireError,
     open_mock_server,
 )
@@ -382,6 +383,27 @@ async def test_an_event_without_end_is_given_up_at_its_size_cap(
     first, second = request_ends(outputs)
     assert (first.status, second.status) == ("malformed", "ok")
     assert first.error_message == "an event of the stream grew past 16 MiB without ending"
+
+
+@pytest.mark.parametrize("wire", WIRES)
+async def test_a_message_with_too_many_tool_calls_is_a_malformed_attempt(
+    tmp_path: Path, wire: str
+) -> None:
+    """R-SEC-1, R-SEC-6: every call of a message costs the runtime work in proportion to
+    the calls before it (2,000 calls took 2 s, 8,000 took 20 s), so a stream of tiny
+    tool_use blocks held the session, and its core, for hours. A message with more than
+    ``MAX_TOOL_CALLS`` is a ``malformed`` attempt saying so; no call past the cap runs
+    (those before it may have run while the message streamed, R-TOOL-1)."""
+    ran.clear()
+    calls = [ToolUse(f"toolu_{i}", "lookup", {"key": str(i)}) for i in range(MAX_TOOL_CALLS + 1)]
+    script = (Reply(calls, stop_reason="tool_use"), Reply([Text("Hello.")]))
+    async with open_mock_server(*script) as server:
+        async with wire_session(wire, server, tmp_path) as session:
+            outputs = await run(session)
+    first, second = request_ends(outputs)
+    assert (first.status, second.status) == ("malformed", "ok")
+    assert f"more than {MAX_TOOL_CALLS} tool calls in one message" in (first.error_message or "")
+    assert len(ran) <= MAX_TOOL_CALLS
 
 
 @pytest.mark.parametrize(
