@@ -610,6 +610,27 @@ async def test_a_change_while_idle_is_applied_at_once(
     assert "mcp__t__later" in {t.name for t in provider.requests[0].tools}
 
 
+async def test_a_flood_of_list_changes_is_one_fetch_at_a_time(
+    mcp_host: Host, workspace: Path, providers: Any
+) -> None:
+    """R-MCP-4, R-SEC-1: every ``notifications/tools/list_changed`` started a fetch of the
+    whole list of its own, so a server that sent a flood of them had the host run as many
+    fetches at once (tasks, requests, listings held) as it sent notifications. Fetches now
+    run one at a time, one more after a change announced during one (about 15 here)."""
+    await mcp_host.create_session(
+        provider=providers([]), workspace_dir=workspace, mcp_servers={"t": stdio()}
+    )
+    server = connection(mcp_host, "t")
+    with trio.fail_after(RUN_TIMEOUT_S):
+        [before] = await server.call("listings", {}, None)
+        await server.call("flood", {"count": 200}, None)
+        while server.refreshing is not None:
+            await server.refreshing.wait()
+        [after] = await server.call("listings", {}, None)
+    assert isinstance(before, TextBlock) and isinstance(after, TextBlock)
+    assert int(after.text) - int(before.text) <= 50  # 200 before: one per notification
+
+
 async def test_sessions_share_one_process_and_close_leaves_no_orphans(
     data_dir: Path, workspace: Path, providers: Any
 ) -> None:

@@ -465,9 +465,11 @@ class McpConnection:
         if isinstance(message, _LIST_CHANGED):
             live = self._live
             if live is not None and live.session is not None:
+                # One fetch at a time, one more for a change during it (not one per notice).
+                self._refresh_again = self.refreshing is not None
                 if self.refreshing is None:
                     self.refreshing = trio.Event()
-                self._nursery.start_soon(self._refresh, live, live.session)
+                    self._nursery.start_soon(self._refresh, live, live.session)
         await trio.lowlevel.checkpoint()
 
     async def _on_elicit(
@@ -523,15 +525,17 @@ class McpConnection:
         """Fetch the changed tool list (``notifications/tools/list_changed``); sessions
         pick it up at their next turn boundary."""
         try:
-            with trio.fail_after(START_TIMEOUT_S):
-                listing = await self._fetch_listing(session)
-            if self._live is live:
-                self._set_listing(listing)
+            self._refresh_again = True
+            while self._refresh_again:
+                self._refresh_again = False
+                with trio.fail_after(START_TIMEOUT_S):
+                    listing = await self._fetch_listing(session)
+                if self._live is live:
+                    self._set_listing(listing)
         except BaseException as exc:
             if isinstance(exc, trio.Cancelled):
                 raise
-            log.warning("MCP server %r: listing its changed tools failed: %s",
-                        self.name, _describe(exc))
+            log.warning("MCP server %r: relisting its tools failed: %s", self.name, _describe(exc))
         finally:
             refreshing, self.refreshing = self.refreshing, None
             if refreshing is not None:

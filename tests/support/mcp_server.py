@@ -11,6 +11,8 @@ Tools: ``echo`` (read-only), ``structured``, ``image``, ``resource``, ``fail`` (
 forever; records its key in ``cancelled`` when the client cancels it), ``cancelled``,
 ``calls`` (the names called so far), ``add_tool`` (adds a tool and sends
 ``notifications/tools/list_changed``), ``bad_schema`` (listed with an unusable schema) and
+``flood`` (sends ``notifications/tools/list_changed`` a given number of times),
+``listings`` (how many ``tools/list`` requests it has answered),
 ``order`` (asks the client which size and how many, by elicitation, and says what it was
 told; a cancellation is recorded in ``cancelled`` as ``order:<item>``), ``sent_key``
 (the idempotency key the call's ``_meta`` carried, as the server received it), ``client``
@@ -212,6 +214,32 @@ async def add_tool(tool: str, ctx: Context) -> str:
     server.add_tool(added, name=tool, description=f"the added tool {tool}")
     await ctx.session.send_tool_list_changed()
     return f"added {tool}"
+
+
+@server.tool()
+async def flood(count: int, ctx: Context) -> str:
+    """Tell the client ``count`` times that the tool list changed."""
+    for _ in range(count):
+        await ctx.session.send_tool_list_changed()
+    return f"sent {count}"
+
+
+listed = [0]
+_list_tools = server._tool_manager.list_tools
+
+
+def _counted_list_tools() -> Any:
+    listed[0] += 1
+    return _list_tools()
+
+
+server._tool_manager.list_tools = _counted_list_tools  # type: ignore[method-assign]
+
+
+@server.tool(annotations=READ_ONLY)
+def listings() -> str:
+    """How many tools/list requests the server has answered."""
+    return str(listed[0])
 
 
 @server.tool()
