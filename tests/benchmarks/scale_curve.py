@@ -360,9 +360,13 @@ class TaskEnds:
         self.stream: trio.SocketStream | None = None
 
     async def connect(self, url: str) -> None:
-        host, port = url.removeprefix("nats://").split(",")[0].rsplit(":", 1)
+        server = url.removeprefix("nats://").split(",")[0]
+        token, _, server = server.rpartition("@")  # the server started here takes a token
+        host, port = server.rsplit(":", 1)
         self.stream = await trio.open_tcp_stream(host, int(port))
         connect = {"verbose": False, "pedantic": False, "headers": True, "name": "scale-curve"}
+        if token:
+            connect["auth_token"] = token
         await self.stream.send_all(
             f"CONNECT {json.dumps(connect)}\r\nSUB {TRACE_SUBJECTS} 1\r\nPING\r\n".encode()
         )
