@@ -950,3 +950,39 @@ async def test_a_body_read_without_waiting_never_times_out(
     assert not any(isinstance(e, StreamFailed) for e in got), got[-1]
     assert type(got[-1]).__name__ == "MessageCompleted"
     assert trio.current_time() - start > 2 * read_timeout * (1 + lean_http.DEADLINE_SLACK)
+
+
+async def test_informational_responses_alone_time_out_like_silence(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """R-SEC-10 on the lean path: a server that answers only ``100 Continue``, one every
+    2 s, never the response, fails the attempt within a read timeout and a read of the
+    request's start (it was read on for as long as the server went on before)."""
+    read_timeout = 10.0
+    gap = 2.0
+    listener, port = await _listen()
+    asked_at = 0.0
+
+    async def answer() -> None:
+        nonlocal asked_at
+        stream = await listener.accept()
+        await stream.receive_some(65536)
+        asked_at = trio.current_time()
+        with contextlib.suppress(trio.BrokenResourceError):
+            for _ in range(int(10 * read_timeout / gap)):
+                await stream.send_all(b"HTTP/1.1 100 Continue\r\n\r\n")
+                await trio.sleep(gap)
+        await stream.aclose()
+
+    failed_at: list[float] = []
+    events: list[StreamEvent] = []
+
+    async def deliver(batch: list[StreamEvent]) -> None:
+        events.extend(batch)
+        if any(isinstance(e, StreamFailed) for e in batch):
+            failed_at.append(trio.current_time())
+
+    await stream_lean(listener, port, answer, deliver, read_timeout)
+    failure = events[-1]
+    assert isinstance(failure, StreamFailed) and failure.error.kind == "timeout", failure
+    assert failed_at[0] - asked_at <= read_timeout + gap + 0.1

@@ -883,6 +883,9 @@ class _Reader:
         raise ReadTimeout()
 
     async def read_head(self) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        # Informational responses (100 Continue) are no answer: like keep-alives, they
+        # never hold a request beyond its read timeout (R-SEC-10).
+        given_up_at = trio.current_time() + self._timeout
         while True:
             end = self._buffer.find(b"\r\n\r\n")
             while end < 0:
@@ -897,6 +900,8 @@ class _Reader:
             status, reason, headers = self._parse_head(head)
             if not 100 <= status < 200 or status == 101:
                 return status, reason, headers
+            if trio.current_time() > given_up_at:
+                raise ReadTimeout()
 
     def _parse_head(self, head: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         lines = head.split(_CRLF)
