@@ -199,9 +199,12 @@ async def test_background_children_under_way_together_cannot_pass_their_trees_bu
 ) -> None:
     """R-TREE-3, R-SHARE-4: three background children start at once under the root's
     max_cost_usd=2.5, each request bound to $1.00 (up to 100,000 output tokens) and
-    costing $0.90. A request under way holds its bound: the first two are sent, the
-    third child's would pass the budget with them and ends budget_exceeded, so the tree
-    spends $1.80 and not $2.70 (each child was checked against $0 spent before)."""
+    costing $0.90. A request under way holds its bound, so at most two requests of the
+    tree — the children's, or the root's own next one — are under way at once: a child
+    whose request would pass the budget with them ends budget_exceeded, saying what is
+    held, and the tree spends at most the budget (all three were sent, $2.70, when each
+    child was checked against $0 spent). Which requests go first is the scheduler's
+    choice; the bound holds whatever it is."""
     go = trio.Event()
     sent_by_children: list[ModelRequest] = []
     child_ends: list[TaskEnd] = []
@@ -241,14 +244,15 @@ async def test_background_children_under_way_together_cannot_pass_their_trees_bu
             await collect(session.run("research", approve=allow_all))
             while len(child_ends) < 3:
                 await trio.testing.wait_all_tasks_blocked()
-    assert sorted(end.status for end in child_ends) == [
-        "budget_exceeded", "completed", "completed"
-    ]
-    (refused,) = [end for end in child_ends if end.status == "budget_exceeded"]
-    assert "held by requests under way" in (refused.message or "")
-    assert len(sent_by_children) == 2
+    statuses = sorted(end.status for end in child_ends)
+    assert set(statuses) <= {"budget_exceeded", "completed"}, statuses
+    refused = [end for end in child_ends if end.status == "budget_exceeded"]
+    # The first refusal comes while requests are under way (nothing is spent before).
+    assert any("held by requests under way" in (r.message or "") for r in refused)
+    assert 1 <= len(sent_by_children) == statuses.count("completed") <= 2
     spent = sum(row["cost_usd"] for row in ledger_rows(data))
-    assert spent == pytest.approx(1.8, abs=0.01)
+    assert spent <= 2.5
+    assert spent == pytest.approx(0.9 * len(sent_by_children), abs=0.01)
 
 
 async def test_a_principal_budget_spans_its_sessions_and_outlives_the_host(
