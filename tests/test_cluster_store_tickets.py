@@ -45,6 +45,22 @@ class HeldWriter(TraceWriter):
         return await super().append(lines)
 
 
+
+async def _replicated(store: ReplicatingTraceStore, sid: str) -> None:
+    """A new session ``sid`` in ``store``, started and replicated (no writer yet)."""
+    await store.catalog.create(sid, {"session_id": sid})
+    store.log.start(sid)
+    store.log.replicate(sid)
+
+
+async def _replicated_from_host_a(
+    store: ReplicatingTraceStore, traces: TraceStream, nursery: trio.Nursery, *sids: str
+) -> None:
+    """New sessions ``sids`` in ``store``, each streamed to the cluster by host-a."""
+    for sid in sids:
+        await _replicated(store, sid)
+        await nursery.start(store.log.stream_to, sid, await traces.fence(sid, "host-a"))
+
 def test_a_session_is_not_held_back_by_another_sessions_append(
     nats_server: NatsProcess, tmp_path: Path
 ) -> None:
@@ -57,9 +73,7 @@ def test_a_session_is_not_held_back_by_another_sessions_append(
         async with trio.open_nursery() as nursery:
             await nursery.start(store.run)
             for sid in ("slow", "fast"):
-                await store.catalog.create(sid, {"session_id": sid})
-                log.start(sid)
-                log.replicate(sid)
+                await _replicated(store, sid)
             slow = HeldWriter(await traces.fence("slow", "host-a"), release)
             await nursery.start(log.stream_to, "slow", slow)
             await nursery.start(log.stream_to, "fast", await traces.fence("fast", "host-a"))
@@ -110,11 +124,7 @@ def test_a_session_no_longer_replicated_says_so_instead_of_passing_records_for_d
         found: dict[str, object] = {}
         async with trio.open_nursery() as nursery:
             await nursery.start(store.run)
-            for sid in ("fenced", "lost"):
-                await store.catalog.create(sid, {"session_id": sid})
-                log.start(sid)
-                log.replicate(sid)
-                await nursery.start(log.stream_to, sid, await traces.fence(sid, "host-a"))
+            await _replicated_from_host_a(store, traces, nursery, "fenced", "lost")
             await traces.fence("fenced", "host-b")  # another host takes it over
             log.append("fenced", 1, record("fenced", 1))
             found["sync"] = "nothing"
@@ -157,11 +167,7 @@ def test_a_record_larger_than_nats_takes_stops_its_session_not_the_host(
         found: dict[str, object] = {}
         async with trio.open_nursery() as nursery:
             await nursery.start(store.run)
-            for sid in ("huge", "other"):
-                await store.catalog.create(sid, {"session_id": sid})
-                log.start(sid)
-                log.replicate(sid)
-                await nursery.start(log.stream_to, sid, await traces.fence(sid, "host-a"))
+            await _replicated_from_host_a(store, traces, nursery, "huge", "other")
             log.append("huge", 1, record("huge", 1))
             padded = record("huge", 2).rstrip("\n") + " " * conn.client.max_payload + "\n"
             log.append("huge", 2, padded)

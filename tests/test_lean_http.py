@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import math
 import ssl
 import zlib
 from collections.abc import Callable
@@ -611,6 +612,24 @@ async def stream_lean(
         await listener.aclose()
 
 
+async def stream_until_failed(
+    listener: trio.SocketListener, port: int, answer: Any, read_timeout: float
+) -> tuple[StreamEvent, float]:
+    """:func:`stream_lean`: the stream's last event (its failure, when it failed) and
+    when the failure was delivered (``inf`` if it was not)."""
+    failed_at = math.inf
+    events: list[StreamEvent] = []
+
+    async def deliver(batch: list[StreamEvent]) -> None:
+        nonlocal failed_at
+        events.extend(batch)
+        if failed_at == math.inf and any(isinstance(e, StreamFailed) for e in batch):
+            failed_at = trio.current_time()
+
+    await stream_lean(listener, port, answer, deliver, read_timeout)
+    return events[-1], failed_at
+
+
 async def post(pool: ConnectionPool, url: str, *, timeouts: Any = None) -> bytes:
     """One POST through ``pool``; the whole body."""
     response = await pool.request(b"POST", parse_url(url), [], b"x", timeouts or Timeouts(read=5.0))
@@ -836,19 +855,10 @@ async def test_a_raw_body_times_out_after_a_read_timeout_of_silence_only(
         with contextlib.suppress(trio.BrokenResourceError):
             await stream.receive_some(65536)  # until the client gives up
 
-    failed_at: list[float] = []
-    events: list[StreamEvent] = []
-
-    async def deliver(batch: list[StreamEvent]) -> None:
-        events.extend(batch)
-        if any(isinstance(e, StreamFailed) for e in batch):
-            failed_at.append(trio.current_time())
-
-    await stream_lean(listener, port, answer, deliver, read_timeout)
-    failure = events[-1]
+    failure, failed_at = await stream_until_failed(listener, port, answer, read_timeout)
     assert isinstance(failure, StreamFailed) and failure.error.kind == "timeout"
     assert "read timed out" in failure.error.message
-    silence = failed_at[0] - last_sent
+    silence = failed_at - last_sent
     assert last_sent >= 8 * gap > 4 * read_timeout
     assert read_timeout <= silence <= read_timeout * (1 + lean_http.DEADLINE_SLACK) + 0.1
 
@@ -887,19 +897,10 @@ async def test_a_raw_body_of_keepalives_times_out_like_a_silent_one(
                 await stream.send_all(chunk(keepalive))
         await stream.aclose()
 
-    failed_at: list[float] = []
-    events: list[StreamEvent] = []
-
-    async def deliver(batch: list[StreamEvent]) -> None:
-        events.extend(batch)
-        if any(isinstance(e, StreamFailed) for e in batch):
-            failed_at.append(trio.current_time())
-
-    await stream_lean(listener, port, answer, deliver, read_timeout)
-    failure = events[-1]
+    failure, failed_at = await stream_until_failed(listener, port, answer, read_timeout)
     assert isinstance(failure, StreamFailed) and failure.error.kind == "timeout"
     assert failure.error.message == "stream stalled: no progress for 10 s (only keep-alives)"
-    stalled = failed_at[0] - progress_at
+    stalled = failed_at - progress_at
     assert read_timeout <= stalled <= read_timeout * (1 + lean_http.DEADLINE_SLACK) + 0.1
 
 
@@ -974,15 +975,6 @@ async def test_informational_responses_alone_time_out_like_silence(
                 await trio.sleep(gap)
         await stream.aclose()
 
-    failed_at: list[float] = []
-    events: list[StreamEvent] = []
-
-    async def deliver(batch: list[StreamEvent]) -> None:
-        events.extend(batch)
-        if any(isinstance(e, StreamFailed) for e in batch):
-            failed_at.append(trio.current_time())
-
-    await stream_lean(listener, port, answer, deliver, read_timeout)
-    failure = events[-1]
+    failure, failed_at = await stream_until_failed(listener, port, answer, read_timeout)
     assert isinstance(failure, StreamFailed) and failure.error.kind == "timeout", failure
-    assert failed_at[0] - asked_at <= read_timeout + gap + 0.1
+    assert failed_at - asked_at <= read_timeout + gap + 0.1
