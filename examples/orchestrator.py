@@ -122,7 +122,9 @@ def show(output: Output) -> None:
     pad = "    " * depth
     who = "orchestrator" if depth == 0 else f"researcher {output.session_id[-6:]}"
     if isinstance(output, UserMsg) and depth == 0:
-        said = "".join(b.text for b in output.content if isinstance(b, TextBlock))
+        # Each block is one input: answers that arrive together, as one steering, each
+        # keep a line of their own.
+        said = "\n".join(b.text for b in output.content if isinstance(b, TextBlock))
         for line in said.splitlines():
             print(f"{pad}{who} <- {line}")
     elif isinstance(output, ModelMsg) and isinstance(output.block, TextBlock):

@@ -3,11 +3,13 @@ one-call answer of a run (``RunStream.result``, ``final_text``, ``task_end``).""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import trio
 from conftest import RUN_TIMEOUT_S, allow_all, collect, of_type
 
@@ -22,7 +24,15 @@ from greenroom.actors.scripted import (
     thinking,
     tool_call,
 )
-from greenroom.protocols import ModelMsg, RequestEnd, TaskEnd, ThinkingBlock, ToolCallOutput
+from greenroom.protocols import (
+    ModelMsg,
+    RequestEnd,
+    TaskEnd,
+    TextBlock,
+    ThinkingBlock,
+    ToolCallOutput,
+    UserMsg,
+)
 from greenroom.protocols.context import ModelRequest
 
 
@@ -163,6 +173,34 @@ def test_the_orchestrator_example_merges_three_background_researchers() -> None:
         "orchestrator: - tides: two highs a day, pulled by the moon",
         "orchestrator: - glaciers: they flow, a few metres a day",
         "orchestrator: - monsoons: seasonal winds that bring the rain",
+    ]
+
+
+def test_the_orchestrator_example_shows_answers_delivered_together_one_a_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Two researchers that finish during the same turn reach the orchestrator as one
+    steering input of two blocks (R-STEER-2): the example shows each on a line of its own,
+    as the test above reads them, whatever order a busy machine gives."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "orchestrator.py"
+    spec = importlib.util.spec_from_file_location("orchestrator_example", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.show(
+        UserMsg(
+            session_id="s",
+            run_id="r",
+            kind="steering",
+            content=(
+                TextBlock(text="[subagent researcher-2 finished] glaciers: they flow"),
+                TextBlock(text="[subagent researcher-3 finished] monsoons: winds"),
+            ),
+        )
+    )
+    assert capsys.readouterr().out.splitlines() == [
+        "orchestrator <- [subagent researcher-2 finished] glaciers: they flow",
+        "orchestrator <- [subagent researcher-3 finished] monsoons: winds",
     ]
 
 
