@@ -264,18 +264,21 @@ def _payer_model(request: ModelRequest) -> Reply:
 
 
 async def _run_until_child_parked(host: Host, root: Session) -> str:
-    """Run the root's first task with ``approve="people"`` (a person allows its spawn);
-    return its one child's id once the root's task has ended and the child's call waits
-    for a person with no supervisor left."""
+    """Run the root's first task with ``approve="people"`` (a person allows each spawn in
+    the tree); return its one child's id once the root's task has ended and the child's
+    ``pay`` call waits for a person with no supervisor left."""
     send, inbox = trio.open_memory_channel[list[Output]](math.inf)
     root.watch(send)
     with trio.fail_after(RUN_TIMEOUT_S):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_collect, root.run("pay 7 through a subagent", approve=PEOPLE))
             async for batch in inbox:
-                if any(isinstance(o, ApprovalRequest) and o.origin is None for o in batch):
+                asked = [o for o in batch if isinstance(o, ApprovalRequest)]
+                for spawn in (o for o in asked if o.tool == "spawn_subagent"):
+                    node = root.id if spawn.origin is None else spawn.origin[-1]
+                    await host.answer_approval(node, spawn.call_id, "allow")
+                if any(o.tool == "pay" for o in asked):
                     break
-            await host.answer_approval(root.id, "s1", "allow")
         (child,) = await root.children()
         await child.wait_idle()
     inbox.close()
@@ -414,3 +417,85 @@ async def test_a_token_budget_holds_for_a_background_child_answered_after_a_rest
     (report,) = _reports(seen)
     assert report.startswith("[subagent payer finished]"), report
     assert "over its budget of 50000 (subagent_token_budget)" in report, report
+
+
+def _scouting_payer_model(request: ModelRequest) -> Reply:
+    """As :func:`_payer_model`, and the payer first has a foreground subagent, the scout,
+    look around: the scout's request uses 30,000 tokens ($0.30 at $10 per million); the
+    payer's use 10 (its spawn), then 10,000 (its pay call), then 15,000 (its answer); the
+    root's 10."""
+    results = _results(request)
+    if (request.system or "").startswith(SUBAGENT_SYSTEM):
+        if "look around" in str(request.messages[0].content):
+            return Reply(blocks=(text("all clear"),), usage=TokenUsage(input=30_000))
+        if not results:
+            scout = {"task": "look around", "name": "scout"}
+            call = ToolCallBlock(id="s2", name="spawn_subagent", arguments=scout)
+            return Reply(blocks=(call,), usage=TokenUsage(input=10))
+        if len(results) == 1:
+            return Reply(blocks=(tool_call("p1", "pay", amount=7),), usage=TokenUsage(input=10_000))
+        return Reply(blocks=(text("paid 7"),), usage=TokenUsage(input=15_000))
+    return Reply(blocks=_payer_model(request).blocks, usage=TokenUsage(input=10))
+
+
+async def _scout_then_park(
+    host: Host, model: ScriptedProvider, tools: list[Any], workspace: Path, **settings: Any
+) -> tuple[str, str]:
+    """A root whose background payer had its scout spend, then parked on its pay call;
+    the ids of the root and the payer."""
+    root = await host.create_session(
+        provider=model, tools=tools, workspace_dir=workspace, **settings
+    )
+    child_id = await _run_until_child_parked(host, root)
+    (scout,) = await host.get_session(child_id).children()
+    assert scout.root_id == root.id and not scout.busy
+    return root.id, child_id
+
+
+async def test_a_subtree_budget_counts_a_reloaded_childs_subagents_from_before_a_restart(
+    data_dir: Path, workspace: Path
+) -> None:
+    """R-TREE-3, R-SHARE-4: the payer may spend tree_cost_budget_usd=0.5 with its
+    subagents; its scout spent $0.30 and it $0.1001, then it parked and the host
+    restarted. Answered on the next host, its next request — bound to $0.126 by its
+    context of 10,000 tokens — could pass the budget with the scout's spending: it is not
+    sent and the payer reports budget_exceeded (the loaded payer's subtree counted only
+    what it spent itself, $0.1001, before: it answered, paid 7)."""
+    paid: list[int] = []
+    model = ScriptedProvider(_scouting_payer_model)
+    tools = [_pay_tool(paid), spawn_subagent]
+    prices = {"scripted": {"input": 10.0, "output": 10.0, "cache_write": 12.5}}
+    async with Host.open(data_dir, prices=prices) as host:
+        root_id, child_id = await _scout_then_park(
+            host, model, tools, workspace, tree_cost_budget_usd=0.5, max_tokens=100
+        )
+    requests = len(model.requests)
+    async with Host.open(data_dir, prices=prices) as host:
+        _, seen = await _answer_the_parked_child(host, model, tools, root_id, child_id)
+    assert paid == [7]
+    (report,) = _reports(seen)
+    assert report.startswith("[subagent payer finished]"), report
+    assert "budget_exceeded" in report and "tree_cost_budget_usd=0.5" in report, report
+    assert len(model.requests) == requests + 1  # the root's merge, not the payer's answer
+
+
+async def test_a_token_budget_counts_a_reloaded_childs_subagents_from_before_a_restart(
+    data_dir: Path, workspace: Path
+) -> None:
+    """R-TREE-3: the payer may use subagent_token_budget=50,000 tokens with its subagents;
+    its scout used 30,000 and it 10,010, then it parked and the host restarted. Answered
+    on the next host, its answer uses 15,000 more: 55,010, past the budget, so its report
+    is the budget's error (counted from its own 10,010 alone, it reported paid 7 before)."""
+    paid: list[int] = []
+    model = ScriptedProvider(_scouting_payer_model)
+    tools = [_pay_tool(paid), spawn_subagent]
+    async with open_host(data_dir) as host:
+        root_id, child_id = await _scout_then_park(
+            host, model, tools, workspace, subagent_token_budget=50_000
+        )
+    async with open_host(data_dir) as host:
+        _, seen = await _answer_the_parked_child(host, model, tools, root_id, child_id)
+    assert paid == [7]
+    (report,) = _reports(seen)
+    assert report.startswith("[subagent payer finished]"), report
+    assert "used 55010 tokens, over its budget of 50000" in report, report

@@ -22,11 +22,11 @@ root's ``max_cost_usd`` and the ``tree_cost_budget_usd`` of each subagent on its
 it did before the restart, with the sessions of its tree open here.
 
 Spending already recorded comes from the usage ledger, once: a stored root's limit starts
-at what its tree spent, a stored subagent's subtree limit at what the subagent itself spent
-(its own subagents' spending before the host started is not counted: the ledger keeps the
-root of each row, not its path), a principal's at what it spent since its period began. From then
-on every priced request adds its cost to its account's limits as it is recorded, so a
-check before a request (:meth:`Account.refusal`) reads memory only.
+at what its tree spent, a stored subagent's subtree limit at what the subagent and its
+descendants spent (:func:`tree_usage`: the ledger keeps the root of each row, and each
+session's ``session.json`` its path from the root), a principal's at what it spent since its
+period began. From then on every priced request adds its cost to its account's limits as it
+is recorded, so a check before a request (:meth:`Account.refusal`) reads memory only.
 
 A principal's budget holds for the hosts that share its spending (a cluster's,
 :class:`SharedSpending`): its limit, seeded from this host's ledger, is handed to the
@@ -39,22 +39,23 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import trio
 
 from greenroom.actors.runtime.errors import ConfigurationError
+from greenroom.actors.runtime.trace_store import StoredSessionMissing, StoredSessionUnreadable
 from greenroom.protocols.budgets import BudgetPeriod, SpendLimit, period_start, request_bound
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.prices import Price, PriceError, PriceTable, parse_prices
 from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.stream import TokenUsage
-from greenroom.protocols.trace import UsageQuery
+from greenroom.protocols.trace import UsageLine, UsageQuery
 
 if TYPE_CHECKING:
-    from greenroom.actors.runtime.trace_store import UsageLedger
+    from greenroom.actors.runtime.trace_store import SessionCatalog, UsageLedger
 
 __all__ = [
     "NO_ACCOUNT",
@@ -63,6 +64,8 @@ __all__ = [
     "PrincipalBudget",
     "SharedSpending",
     "price_overrides",
+    "stored_origin",
+    "tree_usage",
 ]
 
 
@@ -107,6 +110,53 @@ def price_overrides(prices: Mapping[str, Any] | None) -> dict[str, Price]:
         return parse_prices(prices)
     except PriceError as exc:
         raise ConfigurationError(f"prices: {exc}") from None
+
+
+def stored_origin(meta: Mapping[str, Any], session_id: str) -> tuple[str, ...] | None:
+    """A stored subagent's path from its root (``origin`` in its ``session.json``), when
+    it is one that ends with the session; else ``(parent_id, session_id)`` for a subagent
+    stored without it, None for a root."""
+    origin = meta.get("origin")
+    if (
+        isinstance(origin, list)
+        and len(origin) >= 2
+        and all(isinstance(i, str) for i in origin)
+        and origin[-1] == session_id
+    ):
+        return tuple(origin)
+    parent_id = meta.get("parent_id")
+    return (parent_id, session_id) if isinstance(parent_id, str) else None
+
+
+async def tree_usage(
+    ledger: UsageLedger, catalog: SessionCatalog, root: str, *, until: float | None = None
+) -> list[tuple[tuple[str, ...], UsageLine]]:
+    """What each session of ``root``'s tree used (before ``until``, when given), as the
+    ledger holds it, with the session's path from the root (its ``session.json``'s,
+    :func:`stored_origin`): what a stored subagent's subtree used before it was loaded is
+    the lines whose path holds it (R-TREE-3). A session whose metadata is gone or
+    unreadable is left out, as its place in the tree is unknown."""
+    found: list[tuple[tuple[str, ...], UsageLine]] = []
+    for line in await ledger.report(UsageQuery(tree=root, until=until, by="session")):
+        session_id = line.key
+        if session_id is None:
+            continue
+        if session_id == root:
+            found.append(((root,), line))
+            continue
+        try:
+            meta = await catalog.read_meta(session_id)
+        except (StoredSessionMissing, StoredSessionUnreadable):
+            continue
+        path = stored_origin(meta, session_id)
+        if path is not None:
+            found.append((path, line))
+    return found
+
+
+def _spent_under(top: str, usage: Sequence[tuple[tuple[str, ...], UsageLine]]) -> float:
+    """What the subtree under ``top`` spent in ``usage`` (:func:`tree_usage`)."""
+    return sum(line.cost_usd for path, line in usage if top in path)
 
 
 class Account:
@@ -186,17 +236,23 @@ class Accounting:
     """A host's prices and principals' budgets; makes each session's :class:`Account`
     (see the module docstring)."""
 
-    __slots__ = ("_ledger", "_principals", "_trees", "prices", "principal_budget", "shared")
+    __slots__ = (
+        "_catalog", "_ledger", "_principals", "_trees", "prices", "principal_budget", "shared"
+    )
 
     def __init__(
         self,
         ledger: UsageLedger,
         *,
+        catalog: SessionCatalog | None = None,
         prices: Mapping[str, Any] | None = None,
         principal_budget: PrincipalBudget | None = None,
         shared: SharedSpending | None = None,
     ) -> None:
         self._ledger = ledger
+        # Where a stored subagent's descendants are found (None: a stored subtree's limit
+        # starts at what its top session spent itself).
+        self._catalog = catalog
         self.prices = PriceTable(price_overrides(prices))
         """The built-in prices with the host's overrides."""
         self.principal_budget = principal_budget
@@ -231,37 +287,54 @@ class Accounting:
             limits = parent_account.limits
             tree_budget = parent_settings.tree_cost_budget_usd
             if tree_budget is not None:
-                subtree = await self._tree_limit(session_id, tree_budget, stored=False)
-                limits = (subtree, *limits)
+                limits = (self._tree_limit(session_id, tree_budget, 0.0), *limits)
             return Account(price, parent_account.principal, limits)
         path = origin or (session_id,)
         limits = ()
-        if settings.tree_cost_budget_usd is not None:
-            for node in reversed(path[1:]):
-                limits = (*limits, await self._tree_limit(
-                    node, settings.tree_cost_budget_usd, stored=stored))
+        if (tree_budget := settings.tree_cost_budget_usd) is not None:
+            subtrees = path[:0:-1]
+            usage: Sequence[tuple[tuple[str, ...], UsageLine]] = ()
+            if stored and any(node not in self._trees for node in subtrees):
+                usage = await self._tree_usage(path[0], subtrees)
+            for node in subtrees:
+                limits = (*limits, self._tree_limit(node, tree_budget, _spent_under(node, usage)))
         if settings.max_cost_usd is not None:
-            limits = (*limits, await self._tree_limit(
-                path[0], settings.max_cost_usd, stored=stored, root=True))
+            root, usd = path[0], settings.max_cost_usd
+            spent = 0.0
+            if stored and root not in self._trees:
+                spent = await self._spent(UsageQuery(by=None, tree=root))
+            limits = (*limits, self._tree_limit(root, usd, spent, root=True))
         if principal is not None and self.principal_budget is not None:
             limits = (*limits, await self._principal_limit(principal, self.principal_budget))
         return Account(price, principal, limits)
 
-    async def _tree_limit(
-        self, top: str, usd: float, *, stored: bool, root: bool = False
-    ) -> SpendLimit:
+    def _tree_limit(self, top: str, usd: float, spent: float, *, root: bool = False) -> SpendLimit:
         """The limit of the subtree under ``top`` (a root's ``max_cost_usd``, else a
         subagent's ``tree_cost_budget_usd``): the one open here, else a new one, which
-        starts at what the ledger holds for ``top`` when it is ``stored``."""
+        starts at ``spent`` (what the ledger holds for the subtree, for a stored one)."""
         if (known := self._trees.get(top)) is not None:
+            # Another session of the tree may have made it while the ledger was read: it
+            # counts that spending already, and what was spent since.
             return known
         if root:
             name = f"max_cost_usd={usd:g} of session {top} and its subagents"
         else:
             name = f"tree_cost_budget_usd={usd:g} of subagent {top} and its subagents"
-        spent = await self._spent(UsageQuery(by=None, tree=top)) if stored else 0.0
-        # Another session of the tree may have made it while the ledger was read.
-        return self._trees.setdefault(top, SpendLimit(name, usd, spent_usd=spent))
+        limit = SpendLimit(name, usd, spent_usd=spent)
+        self._trees[top] = limit
+        return limit
+
+    async def _tree_usage(
+        self, root: str, subtrees: Sequence[str]
+    ) -> Sequence[tuple[tuple[str, ...], UsageLine]]:
+        """:func:`tree_usage` of ``root``'s tree; without a catalog, what each top of
+        ``subtrees`` spent itself."""
+        if self._catalog is not None:
+            return await tree_usage(self._ledger, self._catalog, root)
+        return [
+            ((top,), (await self._ledger.report(UsageQuery(by=None, tree=top)))[0])
+            for top in subtrees
+        ]
 
     async def _principal_limit(self, principal: str, budget: PrincipalBudget) -> SpendLimit:
         while (known := self._principals.get(principal)) is not None:

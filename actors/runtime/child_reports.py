@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import trio
 
+from greenroom.actors.runtime.accounting import tree_usage
 from greenroom.actors.runtime.errors import SessionNotFound
 from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput
 from greenroom.actors.runtime.subagents import ChildWatch, SubagentError, finished_text
@@ -86,12 +88,16 @@ class ChildReports:
         send, outputs = trio.open_memory_channel[list[Output]](math.inf)
         port.watch(send)
         # Its subtree's token budget holds as it did before (R-TREE-3), counted from what
-        # its task used then: its parent's setting, which it inherited.
+        # its task used then and what its descendants had used: its parent's setting,
+        # which it inherited.
         watch = ChildWatch(
             port, budget=port.settings.subagent_token_budget, used=port.machine.usage.total
         )
+        followed_at = time.time()
 
         async def report() -> None:
+            if watch.budget >= 0:
+                watch.used += await self._descendants_used(port, followed_at)
             with outputs:
                 async for batch in outputs:
                     watch.on_batch(batch)
@@ -115,6 +121,18 @@ class ChildReports:
                 logger.exception("the answer of subagent %s could not reach %s", port.id, parent_id)
 
         self._host.start_task(report)
+
+    async def _descendants_used(self, port: SessionPort, until: float) -> int:
+        """The tokens ``port``'s descendants used before ``until``, as the ledger holds them
+        (their requests are in their own traces): those of the subagents it spawns from
+        then on reach its watch (0, logged, when the ledger cannot be read)."""
+        store = self._host.trace_store
+        try:
+            usage = await tree_usage(store.ledger, store.catalog, port.root_id, until=until)
+        except Exception:  # a task of the host's: it must not end the host
+            logger.exception("what the subagents of %s used could not be read", port.id)
+            return 0
+        return sum(line.total for path, line in usage if port.id in path[:-1])
 
     async def deliver(self, parent_id: str, child_id: str, text: str, approve: Approval) -> None:
         """Hand child ``child_id``'s report ``text`` to ``parent_id`` (see the module

@@ -614,6 +614,7 @@ async def _host_tree(
             store = (trace_store or FileTraceStore)(path)
             accounting = Accounting(
                 store.ledger,
+                catalog=store.catalog,
                 prices=costs.prices,
                 principal_budget=costs.principal_budget,
                 shared=costs.shared,

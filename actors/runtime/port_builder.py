@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from greenroom.actors.runtime.accounting import Accounting
+from greenroom.actors.runtime.accounting import Accounting, stored_origin
 from greenroom.actors.runtime.admission import ProviderAdmissions
 from greenroom.actors.runtime.errors import ConfigurationError, SessionNotFound
 from greenroom.actors.runtime.llm_streamer import ModelProvider
@@ -86,7 +86,7 @@ class PortBuilder:
         self._shared = SharedTables()
         self.mcp = McpServers(data_dir / "mcp", start_soon)
         """The MCP server connections of the host's sessions."""
-        self.accounting = accounting or Accounting(store.ledger)
+        self.accounting = accounting or Accounting(store.ledger, catalog=store.catalog)
         """The host's prices and the principals' budgets (R-SHARE-3, R-SHARE-4)."""
 
     @property
@@ -220,7 +220,7 @@ class PortBuilder:
             settings,
             principal=stored_principal if isinstance(stored_principal, str) else principal,
             stored=True,
-            origin=_stored_origin(meta, session_id),
+            origin=stored_origin(meta, session_id),
         )
         loaded = await self._store.log.load(session_id)
         with self._forgotten_unless_opened(session_id):
@@ -246,7 +246,7 @@ class PortBuilder:
                 last_seq=loaded.last_seq,
                 parent_id=meta.get("parent_id"),
                 workspace_identity=identity,
-                origin=_stored_origin(meta, session_id),
+                origin=stored_origin(meta, session_id),
                 account=account,
                 admission=self.admissions.of(model_provider),
                 principal=account.principal or "",
@@ -357,22 +357,6 @@ def _child_origin(parent: SessionPort | None, parent_id: str, session_id: str) -
     """A new subagent's path from its root: its parent's (just the parent's id when the
     parent is not open here), then its own id."""
     return (*(parent.origin_path if parent is not None else (parent_id,)), session_id)
-
-
-def _stored_origin(meta: Mapping[str, Any], session_id: str) -> tuple[str, ...] | None:
-    """A stored subagent's path from its root (``origin`` in its ``session.json``), when
-    it is one that ends with the session; else ``(parent_id, session_id)`` for a subagent
-    stored without it, None for a root."""
-    origin = meta.get("origin")
-    if (
-        isinstance(origin, list)
-        and len(origin) >= 2
-        and all(isinstance(i, str) for i in origin)
-        and origin[-1] == session_id
-    ):
-        return tuple(origin)
-    parent_id = meta.get("parent_id")
-    return (parent_id, session_id) if isinstance(parent_id, str) else None
 
 
 async def _stored_settings(

@@ -306,11 +306,12 @@ class ChildWatch:
     and its descendants', forwarded through it) against the budget, and keeps its final
     answer and ``task_end``."""
 
-    __slots__ = ("_budget", "_child", "_texts", "end", "exceeded", "used")
+    __slots__ = ("_child", "_texts", "budget", "end", "exceeded", "used")
 
     def __init__(self, child: SessionPort, budget: int, *, used: int = 0) -> None:
         self._child = child
-        self._budget = budget
+        self.budget = budget
+        """The tokens the child's subtree may use (-1: no limit)."""
         self._texts: list[str] = []
         self.used = used
         """The tokens the child's subtree used, from ``used`` (what it used before this
@@ -340,12 +341,12 @@ class ChildWatch:
                         continue  # counted up to the request that passed the budget
                     # R-TREE-3: a descendant's requests count against this child's budget.
                     self.used += output.request.total
-                    if 0 <= self._budget < self.used:
+                    if 0 <= self.budget < self.used:
                         self.exceeded = True
                         self._child.send(
                             InterruptTask(
                                 reason=f"subagent token budget exceeded: {self.used} tokens "
-                                f"used, the budget is {self._budget}",
+                                f"used, the budget is {self.budget}",
                                 scope="tree",
                             )
                         )
@@ -387,7 +388,7 @@ class ChildWatch:
         if self.exceeded:
             raise SubagentError(
                 f"subagent {child_id} was interrupted: it and its subagents used {self.used} "
-                f"tokens, over its budget of {self._budget} (subagent_token_budget)"
+                f"tokens, over its budget of {self.budget} (subagent_token_budget)"
             )
         end = self.end
         if end is None:
