@@ -10,6 +10,8 @@ work is held with events, and the test lets it go or takes the session away.
 * A call of non-Latin text forwarded to its session's owner travels as the UTF-8 its
   client sent, not six times that as ASCII escapes; one larger than NATS carries is
   refused with a clear error saying nothing was done. Before, both were internal errors.
+* A ``run`` whose prompt's trace record would be larger than NATS carries is refused by
+  the session's host, before anything is recorded, and the session goes on there.
 * A ``session.create`` placed on a host that creates the session only after the placing
   gateway gave up and created it itself leaves one session, the one the client was told
   of: the late one is undone.
@@ -40,13 +42,17 @@ from greenroom.actors.cluster.routing import (
     answer_payload,
     forwarded_payload,
 )
+from greenroom.actors.cluster.traces import TraceStream
 from greenroom.actors.gateway import Gateway, SessionDefaults
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
 from greenroom.actors.runtime.host import Host
+from greenroom.protocols.content import TextBlock
+from greenroom.protocols.outputs import UserMsg
 from tests.support.nats import (  # the fixture is used as nats_server
     NatsProcess,
     module_nats_server,  # noqa: F401
     run_connected,
+    running_nats,
 )
 from tests.test_gateway import TOKEN, Client
 
@@ -353,3 +359,57 @@ def test_a_placed_create_finished_after_the_gateway_gave_up_leaves_one_session(
     (reply,) = placed
     assert reply["error"]["code"] == OWNER_UNREACHABLE, reply
     assert reply["error"]["data"] == {"outcome": NOT_DONE}, reply
+
+
+SMALL_PAYLOAD = 128 * 1024
+"""The max_payload of a NATS server that carries less than a trace record a gateway frame
+can make (greenroom's own servers take 8 MiB)."""
+
+
+def test_a_run_whose_record_the_cluster_cannot_carry_is_refused_and_the_session_goes_on(
+    tmp_path: Path,
+) -> None:
+    """On a NATS server that carries 128 KiB, a run whose prompt's trace record would be
+    larger — through a, a call just as large as NATS carries to b (its record holds more);
+    through b, its owner, 200,000 characters — is a -32602 saying the input is too large,
+    and nothing of it is recorded: the session goes on on b and runs the next prompt.
+    Before, both were answered as accepted and the session stopped on b (R-SEC-9,
+    R-CLUSTER-2)."""
+
+    async def body(conn: Connection, url: str) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        async with (
+            _member(conn, url, tmp_path, "a", request_timeout_s=30.0) as a,
+            _member(conn, url, tmp_path, "b", request_timeout_s=30.0) as b,
+        ):
+            sid = await _session_on(b, conn)
+            call = {
+                "method": "run",
+                "params": {"session_id": sid, "input": ""},
+                "principal": PRINCIPAL,
+                "answer": "begun",
+            }
+            fits = "x" * (SMALL_PAYLOAD - len(forwarded_payload(call)))
+            async with _client(a) as via_a, _client(b) as via_b:
+                found["forwarded"] = await via_a.error("run", {"session_id": sid, "input": fits})
+                found["local"] = await via_b.error(
+                    "run", {"session_id": sid, "input": "x" * 200_000}
+                )
+                found["next"] = await via_a.result("run", {"session_id": sid, "input": "go"})
+            found["on_b"] = b.node.serves(sid)
+            read = await (await TraceStream.open(conn)).read(sid)
+            found["prompts"] = [
+                [block.text for block in r.content if isinstance(block, TextBlock)]
+                for r in read.records
+                if isinstance(r, UserMsg)
+            ]
+        return found
+
+    with running_nats(tmp_path / "nats", max_payload=SMALL_PAYLOAD) as server:
+        found = run_connected(server.url, lambda conn: body(conn, server.url), timeout_s=BOUND_S)
+    for refused in (found["forwarded"], found["local"]):
+        assert refused["code"] == -32602, refused
+        assert "too large" in refused["message"] and "max_payload" in refused["message"]
+    assert isinstance(found["next"]["run_id"], str), found
+    assert found["on_b"], found
+    assert found["prompts"] == [["go"]], found

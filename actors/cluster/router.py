@@ -506,6 +506,10 @@ class ClusterRouter:
         """Whether this host runs ``session_id``."""
         return self._serves(session_id)
 
+    def largest_input(self) -> int:
+        """The most bytes of input the cluster's trace carries in one record."""
+        return self._traces.largest_input()
+
     async def handle(
         self,
         connection: GatewayConnection,

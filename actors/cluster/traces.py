@@ -56,6 +56,11 @@ _EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
 _MESSAGE_ID = "Nats-Msg-Id"
 _UNSUBSCRIBE_S = 2.0
 
+RECORD_HEADROOM = 4096
+"""Bytes of a trace message left to all but a client's input: the message's headers (its
+expected sequence and id) and the other fields of the input's record (its envelope, a
+run's output schema is counted with the input)."""
+
 
 @attrs.frozen(kw_only=True)
 class TraceRead:
@@ -105,6 +110,12 @@ class TraceStream:
         except nats.js.errors.APIError as exc:
             raise ClusterUnavailable(f"cannot open the trace stream: {exc}") from exc
         return cls(conn)
+
+    def largest_input(self) -> int:
+        """The most bytes a client's input may take in its trace record: a record NATS
+        cannot carry in one message (its ``max_payload``) never reaches the cluster, and
+        its session would stop on its host (:class:`~.errors.RecordTooLarge`)."""
+        return self._conn.client.max_payload - RECORD_HEADROOM
 
     async def last_sequence(self, session_id: str) -> int:
         """The stream sequence of the last message on ``session_id``'s subject (0: none)."""

@@ -54,7 +54,7 @@ from greenroom.actors.runtime.storage import SessionStore
 from greenroom.actors.tools.mcp_commands import AttachmentError, attach_to_input
 from greenroom.protocols import jsonrpc
 from greenroom.protocols.content import ToolCallBlock, UserContent
-from greenroom.protocols.converter import to_dict
+from greenroom.protocols.converter import to_dict, to_json
 from greenroom.protocols.jsonrpc import RpcError, invalid
 from greenroom.protocols.messages import InterruptScope
 from greenroom.protocols.people import PEOPLE, PendingApproval, Verdict
@@ -93,6 +93,11 @@ class Router(Protocol):
 
     def serves(self, session_id: str) -> bool:
         """Whether this host runs ``session_id`` (its calls are handled here as usual)."""
+        ...
+
+    def largest_input(self) -> int:
+        """The most bytes a call's input (its blocks and output schema, as its trace
+        record holds them) may take: the cluster's trace carries no larger record."""
         ...
 
     async def handle(
@@ -286,10 +291,13 @@ class Methods:
         except ImageRefused as exc:
             raise invalid(f"$.input[{exc.index}].path", f"{exc.path!r}: {exc.reason}") from None
         try:
-            return tuple(await attach_to_input(attached, session.tools))
+            content = tuple(await attach_to_input(attached, session.tools))
         except AttachmentError as exc:
             where = "$.input" if isinstance(params["input"], str) else f"$.input[{exc.index}].text"
             raise invalid(where, str(exc)) from None
+        if self.router is not None:
+            _check_recordable(content, params.get("output_schema"), self.router.largest_input())
+        return content
 
     # -- methods ----------------------------------------------------------------------------------
 
@@ -552,6 +560,23 @@ class Methods:
         session = await self._owned_session(connection, params)
         session.retry_auth()
         return {}
+
+
+def _check_recordable(content: tuple[UserContent, ...], output_schema: object, most: int) -> None:
+    """Refuse input whose trace record the cluster cannot carry (``most`` bytes of input
+    and output schema, as the record holds them): recorded, it stopped its session on its
+    host after the call was answered as accepted (R-SEC-9, R-CLUSTER-2); refused here,
+    nothing of the call is done."""
+    size = len(to_json(content).encode("utf-8", "backslashreplace"))
+    if output_schema is not None:
+        size += len(to_json(output_schema).encode("utf-8", "backslashreplace"))
+    if size > most:
+        raise invalid(
+            "$.input",
+            f"too large: its trace record would hold {size} bytes of input, more than the "
+            f"cluster's NATS server carries in one message ({most} bytes with its "
+            "max_payload); nothing was done, send less",
+        )
 
 
 def _identity(connection: Connection) -> str:

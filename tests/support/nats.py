@@ -52,11 +52,17 @@ class NatsProcess:
         self.process.wait(timeout=READY_TIMEOUT_S)
 
 
-def start_nats(store_dir: Path) -> NatsProcess:
-    """Start ``nats-server -js`` with its store in ``store_dir``; return once it is ready."""
+def start_nats(store_dir: Path, *, max_payload: int | None = None) -> NatsProcess:
+    """Start ``nats-server -js`` with its store in ``store_dir``; return once it is ready.
+    ``max_payload``: the largest message it takes (bytes), else NATS's default (1 MiB)."""
     store_dir.mkdir(parents=True, exist_ok=True)
+    config: list[str] = []
+    if max_payload is not None:
+        path = store_dir / "payload.conf"
+        path.write_text(f"max_payload: {max_payload}\n")
+        config = ["-c", str(path)]
     process = subprocess.Popen(
-        [str(nats_server_binary()), *nats_server_args(store_dir)],
+        [str(nats_server_binary()), *config, *nats_server_args(store_dir)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -84,9 +90,7 @@ def start_nats(store_dir: Path) -> NatsProcess:
                 port = listening_port(line) or port
                 if server_ready(line) and port is not None:
                     # Keep draining the log so a chatty server never blocks on a full pipe.
-                    threading.Thread(
-                        target=_drain, args=(process, log), daemon=True
-                    ).start()
+                    threading.Thread(target=_drain, args=(process, log), daemon=True).start()
                     return NatsProcess(
                         url=f"nats://127.0.0.1:{port}", port=port, process=process, log=log
                     )
@@ -105,9 +109,9 @@ def _drain(process: subprocess.Popen[bytes], log: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def running_nats(store_dir: Path) -> Iterator[NatsProcess]:
+def running_nats(store_dir: Path, *, max_payload: int | None = None) -> Iterator[NatsProcess]:
     """:func:`start_nats` for the length of a ``with`` block."""
-    server = start_nats(store_dir)
+    server = start_nats(store_dir, max_payload=max_payload)
     try:
         yield server
     finally:
