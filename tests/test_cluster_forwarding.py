@@ -12,6 +12,8 @@ work is held with events, and the test lets it go or takes the session away.
   refused with a clear error saying nothing was done. Before, both were internal errors.
 * A ``run`` whose prompt's trace record would be larger than NATS carries is refused by
   the session's host, before anything is recorded, and the session goes on there.
+* A client of one host subscribing to a session another host runs has its trace replayed
+  a stream message at a time, never the whole trace held at once.
 * A ``session.create`` placed on a host that creates the session only after the placing
   gateway gave up and created it itself leaves one session, the one the client was told
   of: the late one is undone.
@@ -28,9 +30,11 @@ from typing import Any
 import attrs
 import pytest
 import trio
-from conftest import allow_all
+from conftest import allow_all, port_of
 from trio_websocket import open_websocket_url
 
+from greenroom.actors.cluster import router as router_module
+from greenroom.actors.cluster import traces as traces_module
 from greenroom.actors.cluster.connection import Connection
 from greenroom.actors.cluster.node import ClusterConfig, ClusterNode, open_cluster_host
 from greenroom.actors.cluster.registry import HostRegistry, SessionDirectory
@@ -47,7 +51,7 @@ from greenroom.actors.gateway import Gateway, SessionDefaults
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
 from greenroom.actors.runtime.host import Host
 from greenroom.protocols.content import TextBlock
-from greenroom.protocols.outputs import UserMsg
+from greenroom.protocols.outputs import Output, UserMsg
 from tests.support.nats import (  # the fixture is used as nats_server
     NatsProcess,
     module_nats_server,  # noqa: F401
@@ -413,3 +417,72 @@ def test_a_run_whose_record_the_cluster_cannot_carry_is_refused_and_the_session_
     assert isinstance(found["next"]["run_id"], str), found
     assert found["on_b"], found
     assert found["prompts"] == [["go"]], found
+
+
+LONG_TRACE = 200
+"""Records of the session a remote subscription replays, each its own stream message."""
+
+
+def test_a_remote_subscribe_replays_a_long_trace_a_message_at_a_time(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """b's session has 200 records, each acknowledged before the next (one stream
+    message each); a client of a subscribes to it. a replays every record of the trace,
+    in order, as its own read gives them, and holds at most one message's records at once
+    between reading them from the stream and queueing their frames. Before, it read the
+    whole trace first: its memory grew with the trace, per subscriber (R-SEC-9)."""
+    counts = {"read": 0, "framed": 0, "held": 0}
+    fold = traces_module._Fold.add
+
+    def counting_fold(self: Any, msg: Any) -> list[Output]:
+        fresh = fold(self, msg)
+        counts["read"] += len(fresh)
+        return fresh
+
+    frame = router_module.output_frame
+
+    def counting_frame(record: Output) -> str:
+        counts["held"] = max(counts["held"], counts["read"] - counts["framed"])
+        counts["framed"] += 1
+        return frame(record)
+
+    async def body(conn: Connection) -> dict[str, Any]:
+        async with (
+            _member(conn, nats_server.url, tmp_path, "a", request_timeout_s=30.0) as a,
+            _member(conn, nats_server.url, tmp_path, "b", request_timeout_s=30.0) as b,
+        ):
+            sid = await _session_on(b, conn)
+            (session,) = [s for s in b.host.sessions if s.id == sid]
+            port = port_of(session)
+            for n in range(LONG_TRACE):
+                note = (TextBlock(text=f"note {n}"),)
+                port.append(
+                    UserMsg(
+                        session_id=sid,
+                        run_id="run_notes",
+                        seq=port.next_seq(),
+                        kind="steering",
+                        content=note,
+                    )
+                )
+                port.commit()
+                await port.sync_trace()
+            expected = (await (await TraceStream.open(conn)).read(sid)).records
+            monkeypatch.setattr(traces_module._Fold, "add", counting_fold)
+            monkeypatch.setattr(router_module, "output_frame", counting_frame)
+            async with _client(a) as client:
+                answer = await client.result("session.subscribe", {"session_id": sid})
+                replayed = client.take_outputs()
+            return {
+                "answer": answer,
+                "replayed": [(o["seq"], o["type"]) for o in replayed],
+                "expected": [(r.seq, r.type) for r in expected],
+                "held": counts["held"],
+            }
+
+    found = run_connected(nats_server.url, body, timeout_s=BOUND_S)
+    assert len(found["expected"]) == LONG_TRACE
+    assert found["replayed"] == found["expected"]
+    assert found["answer"]["replayed"] == len(found["expected"])
+    assert found["answer"]["last_seq"] == found["expected"][-1][0]
+    assert found["held"] == 1, found["held"]

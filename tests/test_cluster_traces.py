@@ -122,6 +122,33 @@ def test_replay_after_seq_across_a_rotation(nats_server: NatsProcess) -> None:
     assert run_connected(nats_server.url, body) == ([3, 4, 5], [4, 5], 2)
 
 
+def test_pages_give_what_read_gives_a_message_at_a_time(nats_server: NatsProcess) -> None:
+    """A replay's pages: the records read gives, each message's new ones as one page (a
+    fence, a rotation, records at or before ``after_seq`` make none), up to the last
+    message there was when asked; an empty trace has none (R-SEC-9)."""
+
+    async def body(conn: Connection) -> dict[str, object]:
+        stream = await TraceStream.open(conn)
+        async with stream.pages("20260101-120000-nopage") as pages:
+            empty = [page async for page in pages]
+        writer = await stream.fence(SID, "host-a")
+        await writer.append([_line(1), _line(2), _line(3)])
+        await writer.rotate(2)
+        await writer.append([_line(4)])
+        await writer.append([_line(5), _line(6)])
+        async with stream.pages(SID, after_seq=2) as pages:
+            await writer.append([_line(7)])  # after it was asked: not in it
+            paged = [_seqs(page) async for page in pages]
+        read = await stream.read(SID, after_seq=2)
+        return {"empty": empty, "pages": paged, "read": _seqs(read.records)}
+
+    assert run_connected(nats_server.url, body) == {
+        "empty": [],
+        "pages": [[3], [4], [5, 6]],
+        "read": [3, 4, 5, 6, 7],
+    }
+
+
 def test_an_empty_trace_reads_as_nothing(nats_server: NatsProcess) -> None:
     async def body(conn: Connection) -> tuple[int, int]:
         stream = await TraceStream.open(conn)

@@ -790,14 +790,16 @@ class ClusterRouter:
     ) -> dict[str, Any]:
         subscription = RemoteSubscription(connection, session_id, after_seq)
         try:
-            read = await self._traces.read(session_id, after_seq=after_seq)
             room = max(1, connection.limits.max_pending_frames // 2)
             replayed = 0
-            for record in read.records:
-                await connection.outbox.wait_below(room)
-                connection.outbox.put_nowait(output_frame(record))
-                subscription.last_seq = record.seq or subscription.last_seq
-                replayed += 1
+            # A page at a time: a long trace read whole cost each subscriber its size.
+            async with self._traces.pages(session_id, after_seq=after_seq) as pages:
+                async for page in pages:
+                    for record in page:
+                        await connection.outbox.wait_below(room)
+                        connection.outbox.put_nowait(output_frame(record))
+                        subscription.last_seq = record.seq or subscription.last_seq
+                        replayed += 1
             # Before the answer: a ``run`` the client sends next finds the owner knowing
             # that someone can answer its approvals.
             await self._watch(subscription, principal, watching=True)

@@ -24,8 +24,10 @@ checks that before the message id); the writer then finds its message as the sub
 last and goes on after it. If anything else is last, the writer was fenced.
 
 Reading: :meth:`TraceStream.read` gives the records with ``seq`` greater than ``after_seq``
-that exist now; :meth:`TraceStream.follow` gives the same and then every record appended
-later, in order, without gap or duplicate (one ordered consumer does both).
+that exist now, all at once; :meth:`TraceStream.pages` gives the same a stream message at a
+time, keeping none (a replay to a client); :meth:`TraceStream.follow` gives the same and
+then every record appended later, in order, without gap or duplicate (one ordered consumer
+does both).
 """
 
 from __future__ import annotations
@@ -48,13 +50,16 @@ from greenroom.actors.cluster.leases import wrong_last_sequence
 from greenroom.protocols.outputs import Output
 from greenroom.protocols.trace import TraceLineError, parse_trace
 
-__all__ = ["Records", "TraceRead", "TraceStream", "TraceWriter"]
+__all__ = ["Pages", "Records", "TraceRead", "TraceStream", "TraceWriter"]
 
 FENCE_HEADER = "Greenroom-Fence"
 ROTATE_HEADER = "Greenroom-Rotate"
 _EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
 _MESSAGE_ID = "Nats-Msg-Id"
 _UNSUBSCRIBE_S = 2.0
+_PAGES_HELD = 16
+"""The most stream messages a reader of :meth:`TraceStream.pages` is handed ahead of what
+it took (each one record, or lines of at most a message's bytes)."""
 
 RECORD_HEADROOM = 4096
 """Bytes of a trace message left to all but a client's input: the message's headers (its
@@ -164,14 +169,33 @@ class TraceStream:
     @contextlib.asynccontextmanager
     async def follow(self, session_id: str, *, after_seq: int = 0) -> AsyncIterator[Records]:
         """An iterator over the records with ``seq > after_seq``: those written so far and
-        then each one appended later, in order, for as long as the ``async with`` lasts."""
+        then each one appended later, in order, for as long as the ``async with`` lasts.
+        Each record is handed on and not kept."""
         async with self._subscription(session_id) as messages:
-            yield Records(messages, _Fold(after_seq))
+            yield Records(messages, _Fold(after_seq, keep=False))
 
     @contextlib.asynccontextmanager
-    async def _subscription(self, session_id: str) -> AsyncIterator[Inbox[Msg]]:
+    async def pages(self, session_id: str, *, after_seq: int = 0) -> AsyncIterator[Pages]:
+        """An iterator over the records with ``seq > after_seq`` written so far (as
+        :meth:`read` gives them), a page at a time: the records of one stream message
+        (at most the NATS server's ``max_payload``), none kept once handed on, at most
+        :data:`_PAGES_HELD` messages read ahead. A trace of any length costs its reader
+        that much memory, where :meth:`read` holds it whole (R-SEC-9)."""
+        last = await self.last_sequence(session_id)
+        if not last:
+            yield Pages(None, _Fold(after_seq, keep=False), last)
+            return
+        async with self._subscription(session_id, limit=_PAGES_HELD) as messages:
+            yield Pages(messages, _Fold(after_seq, keep=False), last)
+
+    @contextlib.asynccontextmanager
+    async def _subscription(
+        self, session_id: str, *, limit: int | None = None
+    ) -> AsyncIterator[Inbox[Msg]]:
         subject = self._names.trace_subject(session_id)
-        inbox: Inbox[Msg] = self._conn.bridge.inbox()
+        inbox: Inbox[Msg] = (
+            self._conn.bridge.inbox() if limit is None else self._conn.bridge.inbox(limit)
+        )
         self._conn.inboxes.add(inbox)
         try:
             sub = await self._conn.call_api(
@@ -213,11 +237,36 @@ class Records:
         return self._ready.pop(0)
 
 
-class _Fold:
-    """Folds stream messages into records, files and rotations."""
+class Pages:
+    """The records of a :meth:`TraceStream.pages`, as an async iterator of lists (each
+    the new records of one stream message), up to the stream sequence ``last``."""
 
-    def __init__(self, after_seq: int) -> None:
+    def __init__(self, messages: Inbox[Msg] | None, fold: _Fold, last: int) -> None:
+        self._messages = messages
+        self._fold = fold
+        self._last = last
+
+    def __aiter__(self) -> Pages:
+        return self
+
+    async def __anext__(self) -> list[Output]:
+        while self._messages is not None:
+            msg = await self._messages.__anext__()
+            if msg.metadata.sequence.stream >= self._last:
+                self._messages = None  # read through the last message there was
+            page = self._fold.add(msg)
+            if page:
+                return page
+        raise StopAsyncIteration
+
+
+class _Fold:
+    """Folds stream messages into records, files and rotations; ``keep``: holds every
+    record for :meth:`result` (else only hands each message's new records on)."""
+
+    def __init__(self, after_seq: int, *, keep: bool = True) -> None:
         self._after = after_seq
+        self._keep = keep
         self.records: list[Output] = []
         self.current: list[Output] = []
         self.file = 1
@@ -238,7 +287,8 @@ class _Fold:
         if FENCE_HEADER in headers or not msg.data:
             return []
         parsed = parse_trace(msg.data, file=f"{msg.subject}@{msg.metadata.sequence.stream}")
-        self.errors.extend(parsed.errors)
+        if self._keep:
+            self.errors.extend(parsed.errors)
         fresh: list[Output] = []
         for record in parsed.records:
             seq = record.seq or 0
@@ -247,11 +297,13 @@ class _Fold:
             if seq <= self._last_seq:
                 continue
             self._last_seq = seq
-            self.current.append(record)
-            self.files.setdefault(self.file, []).append(record)
+            if self._keep:
+                self.current.append(record)
+                self.files.setdefault(self.file, []).append(record)
             if seq > self._after:
                 fresh.append(record)
-        self.records.extend(fresh)
+        if self._keep:
+            self.records.extend(fresh)
         return fresh
 
     def result(self, last_sequence: int) -> TraceRead:
