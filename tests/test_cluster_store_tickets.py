@@ -21,12 +21,15 @@ from greenroom.actors.cluster.connection import Connection
 from greenroom.actors.cluster.store import ReplicatingTraceStore
 from greenroom.actors.cluster.traces import FENCE_HEADER, ROTATE_HEADER, TraceStream, TraceWriter
 from greenroom.actors.runtime.trace_sink import TraceWriteError
+from greenroom.protocols.content import TextBlock
 from greenroom.protocols.messages import TraceWritten
-from greenroom.protocols.trace import parse_trace
+from greenroom.protocols.outputs import UserMsg
+from greenroom.protocols.trace import encode_record, parse_trace
 from tests.support.nats import (  # the fixture is used as nats_server
     NatsProcess,
     module_nats_server,  # noqa: F401
     run_connected,
+    running_nats,
 )
 from tests.test_store_conformance import record
 
@@ -45,7 +48,6 @@ class HeldWriter(TraceWriter):
         return await super().append(lines)
 
 
-
 async def _replicated(store: ReplicatingTraceStore, sid: str) -> None:
     """A new session ``sid`` in ``store``, started and replicated (no writer yet)."""
     await store.catalog.create(sid, {"session_id": sid})
@@ -60,6 +62,7 @@ async def _replicated_from_host_a(
     for sid in sids:
         await _replicated(store, sid)
         await nursery.start(store.log.stream_to, sid, await traces.fence(sid, "host-a"))
+
 
 def test_a_session_is_not_held_back_by_another_sessions_append(
     nats_server: NatsProcess, tmp_path: Path
@@ -192,6 +195,74 @@ def test_a_record_larger_than_nats_takes_stops_its_session_not_the_host(
         "stopped": ["huge"],
         "in_cluster": {"huge": [1], "other": [1]},
     }
+
+
+SMALL_PAYLOAD = 64 * 1024
+"""The max_payload of a small NATS server."""
+
+
+def record_of(session_id: str, seq: int, size: int, fill: str = "x") -> str:
+    """A trace line of ``session_id`` whose UTF-8 encoding is ``size`` bytes: its text is
+    ``fill`` repeated, and ``x`` for the bytes a whole ``fill`` does not take."""
+    empty = record(session_id, seq).replace(f"record {seq}", "")
+    count, rest = divmod(size - len(empty.encode()), len(fill.encode()))
+    assert count > 0, (size, fill)
+    line = encode_record(
+        UserMsg(
+            session_id=session_id,
+            run_id="r1",
+            seq=seq,
+            kind="prompt",
+            content=(TextBlock(text=fill * count + "x" * rest),),
+        )
+    )
+    assert len(line.encode()) == size
+    return line
+
+
+def test_a_record_that_fits_nats_only_without_its_headers_stops_its_session_not_the_host(
+    tmp_path: Path,
+) -> None:
+    # The client compares only the payload with max_payload, the server the payload and
+    # the headers (the expected sequence, the message id): a record just under
+    # max_payload was sent, the server closed the host's connection for it (Maximum
+    # Payload Violation), and the append went again after each reconnect, for ever, every
+    # session of the host losing its connection each time. Such a record is now too
+    # large before it is sent: only its session stops (R-SEC-9, R-CLUSTER-2).
+    async def body(conn: Connection) -> dict[str, object]:
+        traces = await TraceStream.open(conn)
+        stopped: list[str] = []
+        store = ReplicatingTraceStore(tmp_path / "data", on_fenced=stopped.append)
+        log = store.log
+        found: dict[str, object] = {}
+        async with trio.open_nursery() as nursery:
+            await nursery.start(store.run)
+            await _replicated_from_host_a(store, traces, nursery, "huge", "other")
+            log.append("huge", 1, record("huge", 1))
+            await log.sync("huge")
+            log.append("huge", 2, record_of("huge", 2, conn.client.max_payload - 8))
+            try:
+                await log.sync("huge")
+            except TraceWriteError as exc:
+                found["sync"] = type(exc).__name__
+                found["why"] = "max_payload" in str(exc)
+            log.append("other", 1, record("other", 1))
+            await log.sync("other")
+            nursery.cancel_scope.cancel()
+        await store.aclose()
+        found["stopped"] = stopped
+        found["in_cluster"] = {
+            sid: [r.seq for r in (await traces.read(sid)).records] for sid in ("huge", "other")
+        }
+        return found
+
+    with running_nats(tmp_path / "nats", max_payload=SMALL_PAYLOAD) as server:
+        assert run_connected(server.url, body, timeout_s=20.0) == {
+            "sync": "UnreplicableRecord",
+            "why": True,
+            "stopped": ["huge"],
+            "in_cluster": {"huge": [1], "other": [1]},
+        }
 
 
 class FaultyPublishes:

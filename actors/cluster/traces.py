@@ -56,6 +56,8 @@ FENCE_HEADER = "Greenroom-Fence"
 ROTATE_HEADER = "Greenroom-Rotate"
 _EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
 _MESSAGE_ID = "Nats-Msg-Id"
+_HEADER_FRAME = len(b"NATS/1.0\r\n\r\n")
+_HEADER_LINE = len(b": \r\n")
 _UNSUBSCRIBE_S = 2.0
 _PAGES_HELD = 16
 """The most stream messages a reader of :meth:`TraceStream.pages` is handed ahead of what
@@ -334,8 +336,8 @@ class TraceWriter:
         return its stream sequence. Raises :class:`Fenced` when this writer is stale (and
         from then on, without asking the server again). After :class:`ClusterUnavailable`,
         retry with the same ``lines``: the attempt may have been stored, and only the same
-        message is recognised as it. Raises :class:`RecordTooLarge` for a message larger
-        than NATS takes (nothing was sent)."""
+        message is recognised as it. Raises :class:`RecordTooLarge` for a message larger,
+        with its headers, than NATS takes (nothing was sent)."""
         return await self._publish("".join(lines).encode(), {}, "append to")
 
     async def rotate(self, file_number: int) -> int:
@@ -346,8 +348,15 @@ class TraceWriter:
     async def _publish(self, payload: bytes, marks: dict[str, str], doing: str) -> int:
         if self.fenced:
             raise Fenced(self.session_id, self.expected)
-        message_id = self._message_id(payload, marks)
-        headers = {**marks, _EXPECTED_LAST: str(self.expected), _MESSAGE_ID: message_id}
+        expected = str(self.expected)
+        message_id = self._message_id(payload, marks, after=expected)
+        headers = self._headers(marks, expected, message_id)
+        # The client compares only the payload with max_payload, the server the headers
+        # too: a message over it there closes the host's connection, and goes again after
+        # each reconnect, for ever.
+        size = len(payload) + _headers_size(headers)
+        if size > self._conn.client.max_payload:
+            raise RecordTooLarge(self.session_id, size, self._conn.client.max_payload)
         try:
             ack = await self._conn.call(
                 self._conn.js.publish(self._subject, payload, headers=headers)
@@ -372,7 +381,11 @@ class TraceWriter:
         self.expected = ack.seq
         return ack.seq
 
-    def _message_id(self, payload: bytes, marks: dict[str, str]) -> str:
+    @staticmethod
+    def _headers(marks: dict[str, str], expected: str, message_id: str) -> dict[str, str]:
+        return {**marks, _EXPECTED_LAST: expected, _MESSAGE_ID: message_id}
+
+    def _message_id(self, payload: bytes, marks: dict[str, str], *, after: str) -> str:
         # The same for every attempt of one message, different for any other message in
         # the stream: a writer appends after a given sequence once, no other writer
         # appends after it (each starts after its own fence), and the digest tells this
@@ -384,7 +397,7 @@ class TraceWriter:
             digest.update(f"{name}: {value}\n".encode())
         digest.update(b"\n")
         digest.update(payload)
-        return f"{self.session_id}.{self.expected}.{digest.hexdigest()}"
+        return f"{self.session_id}.{after}.{digest.hexdigest()}"
 
     async def _stored_last(self, message_id: str) -> int | None:
         """The stream sequence of the subject's last message if it is ``message_id``."""
@@ -401,3 +414,11 @@ class TraceWriter:
         if (last.headers or {}).get(_MESSAGE_ID) != message_id:
             return None
         return int(last.seq or 0)
+
+
+def _headers_size(headers: dict[str, str]) -> int:
+    """The bytes ``headers`` take in a message as the client writes them and the server
+    counts them against its ``max_payload``: a status line, a line each, a blank line."""
+    return _HEADER_FRAME + sum(
+        len(name.encode()) + len(value.encode()) + _HEADER_LINE for name, value in headers.items()
+    )
