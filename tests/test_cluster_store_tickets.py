@@ -198,7 +198,7 @@ def test_a_record_larger_than_nats_takes_stops_its_session_not_the_host(
 
 
 SMALL_PAYLOAD = 64 * 1024
-"""The max_payload of a small NATS server."""
+"""The max_payload of a NATS server that takes less than a batch of trace lines."""
 
 
 def record_of(session_id: str, seq: int, size: int, fill: str = "x") -> str:
@@ -262,6 +262,59 @@ def test_a_record_that_fits_nats_only_without_its_headers_stops_its_session_not_
             "why": True,
             "stopped": ["huge"],
             "in_cluster": {"huge": [1], "other": [1]},
+        }
+
+
+@pytest.mark.parametrize(
+    ("max_payload", "size", "fill", "messages"),
+    [
+        # Under the 256 KiB a message held: three records of 30 KB, two a message.
+        (SMALL_PAYLOAD, 30_000, "x", 2),
+        # Over 256 KiB, but 256 Ki characters are 1 MiB in UTF-8: one record a message.
+        (512 * 1024, 300_000, "\U0001f600", 3),
+    ],
+    ids=["small-max-payload", "non-ascii"],
+)
+def test_records_that_each_fit_nats_are_never_batched_past_it(
+    tmp_path: Path, max_payload: int, size: int, fill: str, messages: int
+) -> None:
+    # The records queued together went as one message of up to 256 Ki *characters*,
+    # whatever the server takes: on a server of a smaller max_payload, or in text that
+    # is more bytes than characters, a batch of records that each fit was refused as too
+    # large, and the session stopped here (R-SEC-9, R-CLUSTER-2).
+    sid = "batched"
+
+    async def body(conn: Connection) -> dict[str, object]:
+        traces = await TraceStream.open(conn)
+        stopped: list[str] = []
+        store = ReplicatingTraceStore(tmp_path / "data", on_fenced=stopped.append)
+        log = store.log
+        found: dict[str, object] = {}
+        async with trio.open_nursery() as nursery:
+            await nursery.start(store.run)
+            await _replicated_from_host_a(store, traces, nursery, sid)
+            fenced_at = await traces.last_sequence(sid)
+            # Queued together: one batch for the writer.
+            for seq in (1, 2, 3):
+                log.append(sid, seq, record_of(sid, seq, size, fill))
+            try:
+                await log.sync(sid)
+                found["sync"] = "done"
+            except TraceWriteError as exc:
+                found["sync"] = str(exc)
+            found["messages"] = await traces.last_sequence(sid) - fenced_at
+            nursery.cancel_scope.cancel()
+        await store.aclose()
+        found["stopped"] = stopped
+        found["in_cluster"] = [r.seq for r in (await traces.read(sid)).records]
+        return found
+
+    with running_nats(tmp_path / "nats", max_payload=max_payload) as server:
+        assert run_connected(server.url, body, timeout_s=20.0) == {
+            "sync": "done",
+            "messages": messages,
+            "stopped": [],
+            "in_cluster": [1, 2, 3],
         }
 
 

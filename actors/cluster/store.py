@@ -25,12 +25,14 @@ A session that is not replicated (yet, or any more: closed here,
 
 A fork (R-FORK-1) is copied in files as the file log copies it; its records go to JetStream
 when the session is replicated, first in its stream, as if they had been appended then.
-Lines queued together go as one message of at most :data:`MAX_MESSAGE_BYTES` (a fork's
-prefix can be megabytes; NATS refuses a message over its ``max_payload``, 1 MiB by
-default). A message NATS failed (unreachable, or its acknowledgement lost) is sent again
-exactly as it was, and only it and those after it: the writer recognises a retried message
-that was stored (:class:`~greenroom.actors.cluster.traces.TraceWriter`), so no record
-reaches the stream twice and a lost acknowledgement is no fence (R-CLUSTER-2).
+Lines queued together go as one message of at most :data:`MAX_MESSAGE_BYTES` in UTF-8,
+and never more than the NATS server takes with the message's headers (a fork's prefix can
+be megabytes; NATS refuses a message over its ``max_payload``, 1 MiB by default), so
+records that each fit in a message are never refused together. A message NATS failed
+(unreachable, or its acknowledgement lost) is sent again exactly as it was, and only it
+and those after it: the writer recognises a retried message that was stored
+(:class:`~greenroom.actors.cluster.traces.TraceWriter`), so no record reaches the stream
+twice and a lost acknowledgement is no fence (R-CLUSTER-2).
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ _FIRST_TICKET = 2
 done as soon as their records are written."""
 
 MAX_MESSAGE_BYTES = 256 * 1024
-"""The most trace lines one JetStream message carries (a longer line goes alone)."""
+"""The most bytes of trace lines one JetStream message carries (a longer line goes alone),
+when the NATS server takes that many (:meth:`TraceWriter.largest_append`)."""
 
 
 class _Message:
@@ -305,7 +308,7 @@ class ReplicatingTraceLog:
                     replica.wakeup = trio.Event()
                     await replica.wakeup.wait()
                     continue
-                replica.unsent = _plan(replica)
+                replica.unsent = _plan(replica, min(MAX_MESSAGE_BYTES, writer.largest_append()))
             try:
                 await self._send(writer, replica)
             except (Fenced, RecordTooLarge) as exc:
@@ -497,25 +500,28 @@ class ReplicatingTraceLog:
         return self.files.rotate(session_id)
 
 
-def _plan(replica: _Replica) -> list[_Message]:
+def _plan(replica: _Replica, most: int) -> list[_Message]:
     """Take the replica's queued records off its queue as messages: a rotation before the
-    first record of each new trace file, lines together up to :data:`MAX_MESSAGE_BYTES`."""
+    first record of each new trace file, lines together up to ``most`` bytes in UTF-8 (a
+    longer line alone)."""
     messages: list[_Message] = []
     lines: list[tuple[int, int, str]] = []
     size = 0
     for record in replica.queue:
         _, number, line = record
+        # Sent as UTF-8; isascii() is a flag on the string, so text costs no encoding here.
+        length = len(line) if line.isascii() else len(line.encode())
         if replica.number is not None and number != replica.number:
             if lines:
                 messages.append(_Message(lines))
                 lines, size = [], 0
             messages.append(_Message([], rotate=number))
-        elif lines and size + len(line) > MAX_MESSAGE_BYTES:
+        elif lines and size + length > most:
             messages.append(_Message(lines))
             lines, size = [], 0
         replica.number = number
         lines.append(record)
-        size += len(line)
+        size += length
     if lines:
         messages.append(_Message(lines))
     replica.queue = []

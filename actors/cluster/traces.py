@@ -58,6 +58,8 @@ _EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
 _MESSAGE_ID = "Nats-Msg-Id"
 _HEADER_FRAME = len(b"NATS/1.0\r\n\r\n")
 _HEADER_LINE = len(b": \r\n")
+_LARGEST_SEQUENCE = "9" * 20
+"""A stream sequence of the most digits (a uint64)."""
 _UNSUBSCRIBE_S = 2.0
 _PAGES_HELD = 16
 """The most stream messages a reader of :meth:`TraceStream.pages` is handed ahead of what
@@ -330,6 +332,10 @@ class TraceWriter:
         self._subject = conn.names.trace_subject(session_id)
         self.expected = expected
         self.fenced = False
+        largest = self._message_id(b"", {}, after=_LARGEST_SEQUENCE)
+        self._append_headers = _headers_size(self._headers({}, _LARGEST_SEQUENCE, largest))
+        """The most bytes the headers of an append take (the session's, whatever sequence
+        it follows)."""
 
     async def append(self, lines: Sequence[str]) -> int:
         """Append ``lines`` (finished trace lines, each ending in ``"\\n"``) as one message;
@@ -339,6 +345,11 @@ class TraceWriter:
         message is recognised as it. Raises :class:`RecordTooLarge` for a message larger,
         with its headers, than NATS takes (nothing was sent)."""
         return await self._publish("".join(lines).encode(), {}, "append to")
+
+    def largest_append(self) -> int:
+        """The most bytes of lines one :meth:`append` carries whatever sequence it follows:
+        the NATS server's ``max_payload`` less the headers of an append."""
+        return self._conn.client.max_payload - self._append_headers
 
     async def rotate(self, file_number: int) -> int:
         """Mark the start of trace file ``file_number`` (fenced and retried like
