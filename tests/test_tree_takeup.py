@@ -22,9 +22,9 @@ from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, t
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session import RunStream, Session
 from greenroom.actors.runtime.subagents import SUBAGENT_SYSTEM, spawn_subagent
-from greenroom.protocols.content import ToolCallBlock
+from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import ModelRequest, ToolResult, UserMessage
-from greenroom.protocols.outputs import ApprovalRequest, Output, TaskEnd, UserMsg
+from greenroom.protocols.outputs import ApprovalRequest, ModelMsg, Output, TaskEnd, UserMsg
 from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.stream import TokenUsage
 from greenroom.protocols.tools import make_tool
@@ -263,10 +263,11 @@ def _payer_model(request: ModelRequest) -> Reply:
     return Reply(blocks=(ToolCallBlock(id="s1", name="spawn_subagent", arguments=spawn),))
 
 
-async def _run_until_child_parked(host: Host, root: Session) -> str:
+async def _run_until_child_parked(host: Host, root: Session, *, pays: int = 1) -> str:
     """Run the root's first task with ``approve="people"`` (a person allows each spawn in
-    the tree); return its one child's id once the root's task has ended and the child's
-    ``pay`` call waits for a person with no supervisor left."""
+    the tree); return its one child's id once the root's task has ended, ``pays`` ``pay``
+    calls of the tree were asked about, and the child's waits for a person with no
+    supervisor left."""
     send, inbox = trio.open_memory_channel[list[Output]](math.inf)
     root.watch(send)
     with trio.fail_after(RUN_TIMEOUT_S):
@@ -277,7 +278,8 @@ async def _run_until_child_parked(host: Host, root: Session) -> str:
                 for spawn in (o for o in asked if o.tool == "spawn_subagent"):
                     node = root.id if spawn.origin is None else spawn.origin[-1]
                     await host.answer_approval(node, spawn.call_id, "allow")
-                if any(o.tool == "pay" for o in asked):
+                pays -= sum(o.tool == "pay" for o in asked)
+                if pays <= 0:
                     break
         (child,) = await root.children()
         await child.wait_idle()
@@ -499,3 +501,113 @@ async def test_a_token_budget_counts_a_reloaded_childs_subagents_from_before_a_r
     (report,) = _reports(seen)
     assert report.startswith("[subagent payer finished]"), report
     assert "used 55010 tokens, over its budget of 50000" in report, report
+
+
+def _collecting_payer_model(request: ModelRequest) -> Reply:
+    """As :func:`_payer_model`, and the payer first spawns a background subagent of its
+    own, the collector, then pays: its requests use 10 (the spawn), 20,000 (its pay call),
+    then 10 (its answer). The collector pays too (a person allows it) and says so: 10
+    tokens, then 35,000. The root's requests use 10."""
+    results = _results(request)
+    if (request.system or "").startswith(SUBAGENT_SYSTEM):
+        if "collect 7" in str(request.messages[0].content):
+            if results:
+                return Reply(blocks=(text("collected 7"),), usage=TokenUsage(input=35_000))
+            return Reply(blocks=(tool_call("c1", "pay", amount=3),), usage=TokenUsage(input=10))
+        if not results:
+            collect = {"task": "collect 7", "background": True, "name": "collector"}
+            call = ToolCallBlock(id="s2", name="spawn_subagent", arguments=collect)
+            return Reply(blocks=(call,), usage=TokenUsage(input=10))
+        if len(results) == 1:
+            return Reply(blocks=(tool_call("p1", "pay", amount=7),), usage=TokenUsage(input=20_000))
+        return Reply(blocks=(text("paid 7"),), usage=TokenUsage(input=10))
+    return Reply(blocks=_payer_model(request).blocks, usage=TokenUsage(input=10))
+
+
+async def _collector_then_park(
+    host: Host, model: ScriptedProvider, tools: list[Any], workspace: Path, **settings: Any
+) -> tuple[str, str, str]:
+    """A root whose background payer spawned its background collector, both parked on
+    their pay calls; the ids of the root, the payer and the collector."""
+    root = await host.create_session(
+        provider=model, tools=tools, workspace_dir=workspace, **settings
+    )
+    payer_id = await _run_until_child_parked(host, root, pays=2)
+    (collector,) = await host.get_session(payer_id).children()
+    with trio.fail_after(RUN_TIMEOUT_S):
+        await collector.wait_idle()
+    assert host.port(collector.id).parked
+    return root.id, payer_id, collector.id
+
+
+async def _answer_the_parked_grandchild(
+    host: Host, model: ScriptedProvider, tools: list[Any], ids: tuple[str, str, str]
+) -> list[Output]:
+    """Load the tree of :func:`_collector_then_park` in ``host`` (started again), allow
+    the collector's pay call, then once its task has ended the payer's; the root's outputs
+    up to its task's end."""
+    root_id, payer_id, collector_id = ids
+    root = await host.load_session(root_id, provider=model, tools=tools)
+    await host.load_session(payer_id, provider=model, tools=tools)
+    collector = await host.load_session(collector_id, provider=model, tools=tools)
+    asked = {p.session_id: p.call_id for p in await host.pending_approvals()}
+    send, inbox = trio.open_memory_channel[list[Output]](math.inf)
+    root.watch(send)
+    collected, collector_outputs = trio.open_memory_channel[list[Output]](math.inf)
+    collector.watch(collected)
+    with trio.fail_after(RUN_TIMEOUT_S):
+        await host.answer_approval(collector_id, asked[collector_id], "allow")
+        await _until_task_end(collector_outputs)
+        await host.answer_approval(payer_id, asked[payer_id], "allow")
+        return await _until_task_end(inbox)
+
+
+async def test_a_token_budget_counts_a_grandchild_taken_up_after_a_restart(
+    data_dir: Path, workspace: Path
+) -> None:
+    """R-TREE-3: the payer may use subagent_token_budget=50,000 tokens with its
+    subagents; it used 20,010 and its background collector 10, both parked, and the host
+    restarted. Answered on the next host, the collector uses 35,000 more (35,010: within
+    its own budget), which brings the payer's subtree to 55,020, past the payer's: the
+    payer's report is the budget's error (the taken-up collector's requests did not reach
+    the payer before, which reported paid 7 at 20,030)."""
+    paid: list[int] = []
+    model = ScriptedProvider(_collecting_payer_model)
+    tools = [_pay_tool(paid), spawn_subagent]
+    async with open_host(data_dir) as host:
+        ids = await _collector_then_park(
+            host, model, tools, workspace, subagent_token_budget=50_000
+        )
+    async with open_host(data_dir) as host:
+        seen = await _answer_the_parked_grandchild(host, model, tools, ids)
+    assert paid[0] == 3
+    (report,) = _reports(seen)
+    assert report.startswith("[subagent payer finished]"), report
+    assert "used 55020 tokens, over its budget of 50000" in report, report
+
+
+async def test_the_roots_watch_sees_a_grandchild_taken_up_after_a_restart_once(
+    data_dir: Path, workspace: Path
+) -> None:
+    """R-TREE-1: the payer and its background collector parked, and the host restarted.
+    Answered on the next host, the collector's outputs reach the root's watchers with the
+    collector's origin, and the payer's with the payer's, each once (no forwarder took a
+    loaded subagent's outputs to its parent before)."""
+    model = ScriptedProvider(_collecting_payer_model)
+    tools = [_pay_tool([]), spawn_subagent]
+    async with open_host(data_dir) as host:
+        ids = await _collector_then_park(host, model, tools, workspace)
+    async with open_host(data_dir) as host:
+        seen = await _answer_the_parked_grandchild(host, model, tools, ids)
+    root_id, payer_id, collector_id = ids
+    ends = [o.origin for o in seen if isinstance(o, TaskEnd) and o.origin is not None]
+    assert ends == [(root_id, payer_id, collector_id), (root_id, payer_id)]
+    answers = [
+        (o.origin, o.block.text)  # type: ignore[union-attr]
+        for o in seen
+        if isinstance(o, ModelMsg) and o.origin is not None and isinstance(o.block, TextBlock)
+    ]
+    assert answers == [
+        ((root_id, payer_id, collector_id), "collected 7"),
+        ((root_id, payer_id), "paid 7"),
+    ]

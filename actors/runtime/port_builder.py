@@ -35,6 +35,7 @@ from greenroom.actors.runtime.trace_store import (
     TraceStore,
     one_line,
 )
+from greenroom.actors.runtime.tree import forward_up_while_open
 from greenroom.actors.tools.mcp_config import McpConfigError, as_configs
 from greenroom.actors.tools.workspace import WorkspaceError, current_boot, open_unlinked
 from greenroom.protocols.converter import converter
@@ -256,9 +257,19 @@ class PortBuilder:
             if meta.get("background") is True and port.parent_id is not None:
                 name = meta.get("name")
                 port.report_as = name if isinstance(name, str) and name else session_id
+            if port.parent_id is not None:
+                # Its outputs reach its parent as they did before the restart: the root's
+                # watchers, and each ancestor's token budget (R-TREE-1, R-TREE-3).
+                port.subscribe(forward_up_while_open(port, self._open_port))
             if mcp_configs:
                 await self.mcp.attach(port, mcp_configs)
             return port
+
+    def _open_port(self, session_id: str) -> SessionPort | None:
+        try:
+            return self._host.port(session_id)
+        except SessionNotFound:
+            return None
 
     @contextlib.contextmanager
     def _forgotten_unless_opened(self, session_id: str) -> Iterator[None]:

@@ -12,7 +12,10 @@ What crosses an edge:
   (emitted as live outputs of the parent's run, with ``origin``) while the parent has
   work, and straight to the parent's own subscribers, tagged with ``origin``, while it has
   none. The parent's own forwarder takes them on up, so the root's watchers see every
-  node's outputs, whatever each node is doing (R-TREE-1, R-HOST-4).
+  node's outputs, whatever each node is doing (R-TREE-1, R-HOST-4). A subagent loaded
+  again (taken up after a restart, at any depth) has :func:`forward_up_while_open`
+  instead, from its load: the same, to its parent while that is open in the host — so its
+  requests still count against every ancestor's ``subagent_token_budget`` (R-TREE-3).
 * **Answers, up.** A background child's end reaches its parent as input (R-TREE-2):
   :func:`tell` hands ``SubagentFinished`` to the parent's work — steering of its open task —
   or, when it is idle, starts a follow-up task through the host.
@@ -26,6 +29,7 @@ What crosses an edge:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import attrs
 import trio
@@ -34,7 +38,15 @@ from greenroom.actors.runtime.port import Listener, SessionPort
 from greenroom.protocols.messages import InterruptTask, SubagentFinished, SubagentOutputs
 from greenroom.protocols.outputs import Output
 
-__all__ = ["Children", "LiveChild", "children_of", "end_subtree", "forward_up", "tell"]
+__all__ = [
+    "Children",
+    "LiveChild",
+    "children_of",
+    "end_subtree",
+    "forward_up",
+    "forward_up_while_open",
+    "tell",
+]
 
 
 class LiveChild:
@@ -100,15 +112,35 @@ def forward_up(child: SessionPort, parent: SessionPort) -> Listener:
     origin = child.origin_path
 
     def forward(batch: list[Output]) -> None:
-        if parent.send(SubagentOutputs(outputs=tuple(batch), origin=origin)):
-            return
-        # No supervisor reads the parent's inbox (it is idle, or parked): its watchers
-        # still see the child, tagged as the supervisor's emitter would have tagged it.
-        parent.publish(
-            [o if o.origin is not None else attrs.evolve(o, origin=origin) for o in batch]
-        )
+        _hand_up(parent, origin, batch)
 
     return forward
+
+
+def forward_up_while_open(
+    child: SessionPort, parent_open: Callable[[str], SessionPort | None]
+) -> Listener:
+    """The subscriber that takes a loaded subagent's outputs to its parent, as
+    :func:`forward_up` does a new one's, whenever ``parent_open`` (the host's open session
+    of that id, or None) finds the parent: the parent may be loaded after the child, or
+    closed and loaded again, so it is looked up at each batch. One per loaded port, and a
+    loaded port never gets :func:`forward_up`, so each batch goes up once."""
+    parent_id, origin = child.parent_id, child.origin_path
+
+    def forward(batch: list[Output]) -> None:
+        parent = None if parent_id is None else parent_open(parent_id)
+        if parent is not None and not parent.closed:
+            _hand_up(parent, origin, batch)
+
+    return forward
+
+
+def _hand_up(parent: SessionPort, origin: tuple[str, ...], batch: list[Output]) -> None:
+    if parent.send(SubagentOutputs(outputs=tuple(batch), origin=origin)):
+        return
+    # No supervisor reads the parent's inbox (it is idle, or parked): its watchers still
+    # see the child, tagged as the supervisor's emitter would have tagged it.
+    parent.publish([o if o.origin is not None else attrs.evolve(o, origin=origin) for o in batch])
 
 
 def end_subtree(port: SessionPort, reason: str) -> bool:
