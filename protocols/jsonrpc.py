@@ -442,13 +442,19 @@ METHODS: dict[str, Method] = {
             name="steer",
             params=(_session_id(_NODE), _INPUT),
             result="`{queued}`",
-            doc="Steer the running task (false: no task runs).",
+            doc=(
+                "Steer the running task (false: no task runs); true is answered once its "
+                "record survives the host."
+            ),
         ),
         Method(
             name="follow_up",
             params=(_session_id(), _INPUT, _OUTPUT_SCHEMA),
             result="`{queued}`",
-            doc="Queue a task to start after the current one (false: no task runs).",
+            doc=(
+                "Queue a task to start after the current one (false: no task runs); true is "
+                "answered once its record survives the host."
+            ),
         ),
         Method(
             name="approvals.list",

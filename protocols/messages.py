@@ -93,9 +93,11 @@ class ToolProgressed:
 @attrs.frozen(kw_only=True, slots=True)
 class SteeringQueued:
     """Command to the supervisor: user input for the running task, taken into the next request
-    without interrupting it (R-STEER-1)."""
+    without interrupting it (R-STEER-1). ``recorded`` (a ``trio.Event``, or None) is set
+    once its record survives the host (see :class:`TaskQueued`)."""
 
     content: tuple[UserContent, ...]
+    recorded: Any = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen(kw_only=True, slots=True)
@@ -108,11 +110,15 @@ class TaskQueued:
     """Command to the supervisor: run ``task`` (a ``TaskInput``; None for a manual
     compaction) after the running one, FIFO (R-STEER-6). The first task of a run reaches
     the supervisor this way too. ``follow_up``: a user's follow-up (``Session.follow_up``),
-    which the supervisor records (``task_queued``) so that it survives its host."""
+    which the supervisor records (``task_queued``) so that it survives its host.
+    ``recorded`` (a ``trio.Event``, or None) is set once the trace store is done with that
+    record — written, and in a cluster acknowledged by JetStream — or at once when the
+    input is not recorded."""
 
     task: Any = attrs.field(eq=False)
     kind: Literal["task", "compaction"] = "task"
     follow_up: bool = False
+    recorded: Any = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen(kw_only=True, slots=True)

@@ -17,12 +17,15 @@ work is held with events, and the test lets it go or takes the session away.
 * A ``session.create`` placed on a host that creates the session only after the placing
   gateway gave up and created it itself leaves one session, the one the client was told
   of: the late one is undone.
+* A ``steer`` or ``follow_up`` is answered ``queued: true`` only once JetStream holds its
+  record (``steering_queued``, ``task_queued``), so the host that takes the session up
+  after this one dies delivers it; the connection's other calls are answered meanwhile.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -30,7 +33,7 @@ from typing import Any
 import attrs
 import pytest
 import trio
-from conftest import allow_all, port_of
+from conftest import Gates, allow_all, port_of
 from trio_websocket import open_websocket_url
 
 from greenroom.actors.cluster import router as router_module
@@ -46,12 +49,13 @@ from greenroom.actors.cluster.routing import (
     answer_payload,
     forwarded_payload,
 )
-from greenroom.actors.cluster.traces import TraceStream
+from greenroom.actors.cluster.traces import TraceStream, TraceWriter
 from greenroom.actors.gateway import Gateway, SessionDefaults
-from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
+from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
 from greenroom.actors.runtime.host import Host
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.outputs import Output, UserMsg
+from greenroom.protocols.tools import Tool
 from tests.support.nats import (  # the fixture is used as nats_server
     NatsProcess,
     module_nats_server,  # noqa: F401
@@ -78,8 +82,17 @@ class Member:
 
 @asynccontextmanager
 async def _member(
-    conn: Connection, url: str, tmp_path: Path, host_id: str, *, request_timeout_s: float
+    conn: Connection,
+    url: str,
+    tmp_path: Path,
+    host_id: str,
+    *,
+    request_timeout_s: float,
+    script: Callable[[], list[Reply]] = lambda: [Reply(blocks=(text("hi"),))],
+    tools: Sequence[Tool] = (),
 ) -> AsyncIterator[Member]:
+    """Host ``host_id`` of the cluster with its gateway; each session it makes plays
+    ``script()`` and has ``tools``."""
     config = ClusterConfig(
         url=url,
         host_id=host_id,
@@ -102,8 +115,9 @@ async def _member(
             listen_host="127.0.0.1",
             port=0,
             defaults=SessionDefaults(
-                provider_factory=lambda: ScriptedProvider([Reply(blocks=(text("hi"),))]),
+                provider_factory=lambda: ScriptedProvider(script()),
                 workspace_dir=workspace,
+                tools=tools,
                 approve="all",
             ),
         )
@@ -486,3 +500,72 @@ def test_a_remote_subscribe_replays_a_long_trace_a_message_at_a_time(
     assert found["answer"]["replayed"] == len(found["expected"])
     assert found["answer"]["last_seq"] == found["expected"][-1][0]
     assert found["held"] == 1, found["held"]
+
+
+@pytest.mark.parametrize(
+    ("method", "record"), [("steer", "steering_queued"), ("follow_up", "task_queued")]
+)
+def test_queued_input_is_answered_once_jetstream_holds_its_record(
+    tmp_path: Path,
+    nats_server: NatsProcess,
+    monkeypatch: pytest.MonkeyPatch,
+    gates: Gates,
+    method: str,
+    record: str,
+) -> None:
+    """R-STEER-1, R-STEER-6, R-CLUSTER-2: the owner's task is in a long tool call; the
+    JetStream append of the input's record is held. The client's next call is answered
+    meanwhile, the ``queued: true`` only once the record is in the stream — where the host
+    that takes the session up reads it (before: answered at once, while a host dying then
+    lost the input)."""
+    held, release = trio.Event(), trio.Event()
+    append = TraceWriter.append
+
+    async def held_append(self: TraceWriter, lines: Sequence[str]) -> int:
+        if any(f'"{record}"' in line for line in lines):
+            held.set()
+            await release.wait()
+        return await append(self, lines)
+
+    monkeypatch.setattr(TraceWriter, "append", held_append)
+
+    def script() -> list[Reply]:
+        return [Reply(blocks=(tool_call("c1", "wait", key="a"),)), Reply(blocks=(text("ok"),))]
+
+    async def body(conn: Connection) -> tuple[list[int], dict[str, Any], list[str], list[str]]:
+        async with (
+            _member(conn, nats_server.url, tmp_path, "a", request_timeout_s=30.0,
+                    script=script, tools=[gates.tool()]) as owner,
+            _client(owner) as client,
+        ):
+            sid = await _session_on(owner, conn)
+            await client.result("run", {"session_id": sid, "input": "start"})
+            await gates.started("a")
+            await client.send({"jsonrpc": "2.0", "id": 100, "method": method,
+                               "params": {"session_id": sid, "input": "also this"}})
+            await client.send({"jsonrpc": "2.0", "id": 101, "method": "session.unsubscribe",
+                               "params": {"session_id": sid}})
+            try:
+                await held.wait()  # the record is on its way to JetStream, and held
+                first = await client.receive()
+                stored = await _types_stored(conn, sid)
+            finally:
+                release.set()
+            second = await client.receive()
+            order = [first["id"], second["id"]]
+            answer = first if first["id"] == 100 else second
+            after = await _types_stored(conn, sid)
+            gates.release("a")
+            await owner.host.get_session(sid).wait_idle()
+            return order, answer, stored, after
+
+    order, answer, stored, after = run_connected(nats_server.url, body, timeout_s=BOUND_S)
+    assert record not in stored
+    assert order == [101, 100], f"{method} answered while JetStream lacked its {record}"
+    assert answer["result"] == {"queued": True}, answer
+    assert record in after
+
+
+async def _types_stored(conn: Connection, sid: str) -> list[str]:
+    """The types of the session's records in JetStream, in order."""
+    return [r.TYPE for r in (await (await TraceStream.open(conn)).read(sid)).records]

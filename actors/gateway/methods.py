@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
+from functools import partial
 from typing import Any, Literal, Protocol, cast
 
 import attrs
@@ -130,11 +131,23 @@ QueuedKind = Literal["steering", "follow-ups"]
 """What clients queue in a session (:meth:`Methods.check_queue_room`)."""
 
 DETACHED = frozenset({"compact"})
-
-ACCEPT_WAIT_S = 10.0
-"""How long ``run`` waits for its prompt to be durable before it answers anyway."""
 """Methods a connection runs in their own task when called alone: ``compact`` waits for a
 model request, and the connection keeps reading meanwhile."""
+
+ACCEPT_WAIT_S = 10.0
+"""How long ``run`` waits for its prompt to be durable, and ``steer`` and ``follow_up`` for
+their input's record, before they answer anyway."""
+
+
+async def once_recorded(recorded: trio.Event) -> dict[str, Any]:
+    """``{queued: true}`` once ``recorded`` (of ``Session.steer`` or ``follow_up``) is set:
+    the input's record survives this host — written, and in a cluster acknowledged by
+    JetStream — so a host that takes the session up delivers it (R-STEER-1, R-STEER-6,
+    R-CLUSTER-2). A store that hangs holds the answer only :data:`ACCEPT_WAIT_S`, as
+    ``run``'s."""
+    with trio.move_on_after(ACCEPT_WAIT_S):
+        await recorded.wait()
+    return {"queued": True}
 
 
 class Methods:
@@ -460,16 +473,21 @@ class Methods:
         return AnswerLater(once_accepted, begun={"run_id": stream.run_id})
 
     async def rpc_steer(self, connection: Connection, params: dict[str, Any]) -> Any:
-        """Steer the running task with ``input`` (R-STEER-1); ``queued`` is False when idle."""
+        """Steer the running task with ``input`` (R-STEER-1); ``queued`` is False when idle.
+        ``queued: true`` is answered once the steering's record survives this host (see
+        :func:`once_recorded`), without holding up the connection's later calls."""
         jsonrpc.check_params(params, "steer")
         session = await self._hubs.settled(await self._owned_session(connection, params))
         self.check_queue_room(session, "steering")
         content = await self._input(session, params)
-        return {"queued": session.steer(content)}
+        recorded = trio.Event()
+        if not session.steer(content, recorded=recorded):
+            return {"queued": False}
+        return AnswerLater(partial(once_recorded, recorded))
 
     async def rpc_follow_up(self, connection: Connection, params: dict[str, Any]) -> Any:
         """Queue ``input`` as a task to run after the current one (R-STEER-6); ``queued`` is
-        False when idle (then call ``run``)."""
+        False when idle (then call ``run``). Answered as ``steer`` is."""
         jsonrpc.check_params(params, "follow_up")
         output = jsonrpc.optional_output_schema(params)
         session = await self._hubs.settled(
@@ -477,7 +495,11 @@ class Methods:
         )
         self.check_queue_room(session, "follow-ups")
         content = await self._input(session, params)
-        return {"queued": session.follow_up(content, approve=self.approver(), output_schema=output)}
+        recorded = trio.Event()
+        approve = self.approver()
+        if not session.follow_up(content, approve=approve, output_schema=output, recorded=recorded):
+            return {"queued": False}
+        return AnswerLater(partial(once_recorded, recorded))
 
     async def rpc_approvals_list(self, connection: Connection, params: dict[str, Any]) -> Any:
         """The requests waiting for a person (approvals and questions) in the caller's

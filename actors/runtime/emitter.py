@@ -52,6 +52,8 @@ class OutputEmitter:
         # the batches flushed but not yet published, in order, with theirs.
         self._batch_ticket = 0
         self._unpublished: deque[tuple[int, list[Output]]] = deque()
+        # Events to set once a batch of ``_unpublished`` is published (see set_when_written).
+        self._written_events: deque[tuple[list[Output], trio.Event]] = deque()
         self._awaiting_store = False
         self._published: trio.Event | None = None
         # Made when a store first answers late (the cluster's): the file store never does,
@@ -216,6 +218,22 @@ class OutputEmitter:
             self._awaiting_store = True
             self._when_written(ticket)
 
+    def set_when_written(self, event: trio.Event) -> None:
+        """Set ``event`` once every record flushed so far survives this host: the trace
+        store is done with it (written; in a cluster, acknowledged by JetStream), as when
+        it is published. At once when it is already (the file store's every flush)."""
+        if self._unpublished:
+            self._written_events.append((self._unpublished[-1][1], event))
+        else:
+            event.set()
+
+    def _publish_first_unpublished(self) -> None:
+        batch = self._unpublished.popleft()[1]
+        self._publish(batch)
+        waiting = self._written_events
+        while waiting and waiting[0][0] is batch:
+            waiting.popleft()[1].set()
+
     def _on_trace_written(self) -> None:
         # The store's answer came: publish what it covers, and wait for the next ticket.
         self._awaiting_store = False
@@ -226,7 +244,7 @@ class OutputEmitter:
         unpublished = self._unpublished
         batch_done = self._port.batch_done
         while unpublished and (written or batch_done(unpublished[0][0])):
-            self._publish(unpublished.popleft()[1])
+            self._publish_first_unpublished()
         if unpublished:
             self._awaiting_store = True
             self._when_written(unpublished[0][0])
@@ -252,6 +270,8 @@ class OutputEmitter:
         """Publish at once the flushed batches still waiting for the trace, in order: teardown
         uses it when the trace store does not answer within the bound, so readers still get
         every output (the task's ``task_end`` above all)."""
+        # Not written: who waits for them (set_when_written) keeps to their own bound.
+        self._written_events.clear()
         while self._unpublished:
             self._publish(self._unpublished.popleft()[1])
 

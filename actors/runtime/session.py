@@ -132,6 +132,27 @@ def _output_spec(port: SessionPort, schema: Any) -> OutputSpec | None:
 TRIO_REQUIRED = "greenroom runs on trio: use trio.run(...)"
 
 
+Recorded = trio.Event | None
+"""What ``Session.steer`` and ``follow_up`` set once their input's record survives the host."""
+
+
+def _follow_up_task(
+    port: SessionPort,
+    messages: Sequence[UserContent] | str,
+    approve: Approval,
+    thinking_level: str | None,
+    output_schema: Any,
+) -> TaskInput:
+    """The task a follow-up queues (its ``output_schema`` checked: R-OUT-1)."""
+    output = _output_spec(port, output_schema)
+    return TaskInput(
+        content=_as_content(messages),
+        approve=approve,
+        thinking_level=thinking_level,
+        output=output,
+    )
+
+
 def require_trio() -> None:
     """Raise ``RuntimeError(TRIO_REQUIRED)`` unless called from a trio task: under
     asyncio (or any other event loop) the actor tree cannot run, and failing at the entry
@@ -663,11 +684,14 @@ class Session:
         self.check_open()
         return await trio.to_thread.run_sync(accept_data, data, media_type, self._port.attachments)
 
-    def steer(self, messages: Sequence[UserContent] | str) -> bool:
+    def steer(self, messages: Sequence[UserContent] | str, *, recorded: Recorded = None) -> bool:
         """Queue user input for the running task without interrupting it (R-STEER-1);
-        recorded (``steering_queued``), it reaches the task on a host that takes it up.
-        Returns False when no task is running (start a normal task instead)."""
-        return self._port.deliver(SteeringQueued(content=_as_content(messages)))
+        recorded (``steering_queued``), it reaches the task on a host that takes it up:
+        the ``trio.Event`` ``recorded`` is set once that record survives this host (written;
+        in a cluster, acknowledged by JetStream). Returns False when no task is running
+        (start a normal task instead)."""
+        message = SteeringQueued(content=_as_content(messages), recorded=recorded)
+        return self._port.deliver(message)
 
     def follow_up(
         self,
@@ -676,25 +700,21 @@ class Session:
         approve: Approval = None,
         thinking_level: str | None = None,
         output_schema: Any = None,
+        recorded: Recorded = None,
     ) -> bool:
         """Queue a whole new task to run after the current one, FIFO (R-STEER-6). Its
-        outputs continue the running ``RunStream``. The trace records it (``task_queued``):
-        a host that takes the session up after this one stopped runs it, in its place in
-        the queue (``Host.resume``); an interrupt drops it. Returns False when idle; raises
-        :class:`HostClosed` while the host drains (it takes no new task: R-DRAIN-1).
-        ``output_schema`` as for :meth:`run` (R-OUT-1): the follow-up's answer is its
-        ``task_end.output``, a dict (the stream's :meth:`RunStream.result` builds the
-        class of the run's own schema only for the run's own task)."""
+        outputs continue the running ``RunStream``. The trace records it (``task_queued``;
+        ``recorded`` as for :meth:`steer`): a host that takes the session up after this
+        one stopped runs it, in its place in the queue (``Host.resume``); an interrupt
+        drops it. Returns False when idle; raises :class:`HostClosed` while the host
+        drains (it takes no new task: R-DRAIN-1). ``output_schema`` as for :meth:`run`
+        (R-OUT-1): the follow-up's answer is its ``task_end.output``, a dict (the stream's
+        :meth:`RunStream.result` builds the class of the run's own schema only for the
+        run's own task)."""
         if self._port.host.draining:
             self._check_takes_tasks()
-        output = _output_spec(self._port, output_schema)
-        task = TaskInput(
-            content=_as_content(messages),
-            approve=approve,
-            thinking_level=thinking_level,
-            output=output,
-        )
-        return self._port.deliver(TaskQueued(task=task, follow_up=True))
+        task = _follow_up_task(self._port, messages, approve, thinking_level, output_schema)
+        return self._port.deliver(TaskQueued(task=task, follow_up=True, recorded=recorded))
 
     def interrupt(
         self, reason: str = "interrupted by host", *, scope: InterruptScope = "tree"

@@ -586,24 +586,34 @@ class SessionSupervisor:
 
 def _queued(out: OutputEmitter, port: SessionPort, message: TaskQueued) -> Any:
     """The task ``message`` queues. A user's follow-up is recorded first (``task_queued``,
-    written with the next batch and durable with the trace's next sync), so that a host
-    that takes the session up runs it (R-STEER-6). A background child's report is not:
-    its parent gets it from the child's own trace when the child is taken up
-    (``child_reports``), and recording it here too would deliver it twice."""
+    written at once, its ``recorded`` set once the store is done with it, fsynced with the
+    trace's next sync), so that a host that takes the session up runs it (R-STEER-6). A
+    background child's report is not: its parent gets it from the child's own trace when
+    the child is taken up (``child_reports``), and recording it here too would deliver it
+    twice."""
     if not message.follow_up or not isinstance(message.task, TaskInput):
+        _set(message.recorded)
         return message.task
     task, record = queued_record(port, message.task)
     out.emit(record)
     out.flush()
+    if message.recorded is not None:
+        out.set_when_written(message.recorded)
     return task
+
+
+def _set(event: trio.Event | None) -> None:
+    if event is not None:
+        event.set()
 
 
 def _queue_steering(
     out: OutputEmitter, port: SessionPort, message: SteeringQueued, task: RunningTask | None
 ) -> None:
     """Queue a user's steering for the open (or starting) task, recorded first
-    (``steering_queued``, written with the next batch and durable with the trace's next
-    sync) so that a host that takes the task up delivers it (R-STEER-1, R-STEER-2)."""
+    (``steering_queued``, written at once, its ``recorded`` set once the store is done with
+    it, fsynced with the trace's next sync) so that a host that takes the task up delivers
+    it (R-STEER-1, R-STEER-2)."""
     content = repaired_blocks(message.content)  # a lone surrogate must not fail the task
     steering_id = "steer_" + uuid.uuid4().hex[:12]
     # A task that is starting has no run id in the record yet: its own is the one to name.
@@ -611,6 +621,8 @@ def _queue_steering(
     out.emit(SteeringQueuedOutput(session_id=port.id, run_id=run_id,
                                   steering_id=steering_id, content=content))
     out.flush()
+    if message.recorded is not None:
+        out.set_when_written(message.recorded)
     port.machine.queue_steering(content)
 
 
@@ -697,7 +709,9 @@ def _run_late_steering(
     """Steering its task no longer takes, after steer() said yes (the task was ending, or
     interrupted): the words run as a task of their own, with the options of the task they
     came for, as the host would have run them had steer() found no task (R-STEER-1). The
-    task's own queue went with it (R-STEER-5). Once the session closes nothing runs."""
+    task's own queue went with it (R-STEER-5). Once the session closes nothing runs. No
+    record is made: whoever waits for one (``recorded``) waits no longer."""
+    _set(message.recorded)
     if port.closed:
         return
     came_for = task.task if task is not None else None
@@ -726,6 +740,8 @@ def _pass_on_leftovers(
         if isinstance(message, SubagentFinished):
             tell(port, message)  # the session is idle now: a follow-up of its own
             continue
+        if isinstance(message, SteeringQueued | TaskQueued):
+            _set(message.recorded)  # never recorded: whoever waits for it, waits no longer
         if isinstance(message, PersonAnswered) and message.reply is not None:
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 message.reply.send_nowait(f"session {port.id} has no task waiting for an answer")
