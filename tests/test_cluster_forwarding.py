@@ -20,6 +20,7 @@ work is held with events, and the test lets it go or takes the session away.
 * A ``steer`` or ``follow_up`` is answered ``queued: true`` only once JetStream holds its
   record (``steering_queued``, ``task_queued``), so the host that takes the session up
   after this one dies delivers it; the connection's other calls are answered meanwhile.
+  An A2A message that steers is answered so too.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 import attrs
 import pytest
 import trio
+import trio.testing
 from conftest import Gates, allow_all, port_of
 from trio_websocket import open_websocket_url
 
@@ -63,6 +65,7 @@ from tests.support.nats import (  # the fixture is used as nats_server
     running_nats,
 )
 from tests.test_gateway import TOKEN, Client
+from tests.test_gateway_a2a import message_send, raw_post
 
 LEASE_TTL_S = 3.0
 ANSWERED_S = 5.0
@@ -90,9 +93,10 @@ async def _member(
     request_timeout_s: float,
     script: Callable[[], list[Reply]] = lambda: [Reply(blocks=(text("hi"),))],
     tools: Sequence[Tool] = (),
+    a2a: bool = False,
 ) -> AsyncIterator[Member]:
-    """Host ``host_id`` of the cluster with its gateway; each session it makes plays
-    ``script()`` and has ``tools``."""
+    """Host ``host_id`` of the cluster with its gateway (serving A2A too with ``a2a``);
+    each session it makes plays ``script()`` and has ``tools``."""
     config = ClusterConfig(
         url=url,
         host_id=host_id,
@@ -114,6 +118,7 @@ async def _member(
             token=TOKEN,
             listen_host="127.0.0.1",
             port=0,
+            a2a=a2a,
             defaults=SessionDefaults(
                 provider_factory=lambda: ScriptedProvider(script()),
                 workspace_dir=workspace,
@@ -502,6 +507,51 @@ def test_a_remote_subscribe_replays_a_long_trace_a_message_at_a_time(
     assert found["held"] == 1, found["held"]
 
 
+def _hold_appends_of(record: str, monkeypatch: pytest.MonkeyPatch) -> tuple[trio.Event, trio.Event]:
+    """Hold every JetStream append that carries a ``record`` record until the second event
+    returned is set; the first is set once one is held."""
+    held, release = trio.Event(), trio.Event()
+    append = TraceWriter.append
+
+    async def held_append(self: TraceWriter, lines: Sequence[str]) -> int:
+        if any(f'"{record}"' in line for line in lines):
+            held.set()
+            await release.wait()
+        return await append(self, lines)
+
+    monkeypatch.setattr(TraceWriter, "append", held_append)
+    return held, release
+
+
+def _in_a_tool_call() -> list[Reply]:
+    return [Reply(blocks=(tool_call("c1", "wait", key="a"),)), Reply(blocks=(text("ok"),))]
+
+
+@asynccontextmanager
+async def _owner_in_a_tool_call(
+    conn: Connection, url: str, tmp_path: Path, gates: Gates, *, a2a: bool = False
+) -> AsyncIterator[tuple[Member, Client, str]]:
+    """A cluster host, a client of its gateway, and its session whose task waits in the
+    tool call ``wait`` (key ``a``) of ``gates``."""
+    async with (
+        _member(
+            conn,
+            url,
+            tmp_path,
+            "a",
+            request_timeout_s=30.0,
+            script=_in_a_tool_call,
+            tools=[gates.tool()],
+            a2a=a2a,
+        ) as owner,
+        _client(owner) as client,
+    ):
+        sid = await _session_on(owner, conn)
+        await client.result("run", {"session_id": sid, "input": "start"})
+        await gates.started("a")
+        yield owner, client, sid
+
+
 @pytest.mark.parametrize(
     ("method", "record"), [("steer", "steering_queued"), ("follow_up", "task_queued")]
 )
@@ -518,33 +568,30 @@ def test_queued_input_is_answered_once_jetstream_holds_its_record(
     meanwhile, the ``queued: true`` only once the record is in the stream — where the host
     that takes the session up reads it (before: answered at once, while a host dying then
     lost the input)."""
-    held, release = trio.Event(), trio.Event()
-    append = TraceWriter.append
-
-    async def held_append(self: TraceWriter, lines: Sequence[str]) -> int:
-        if any(f'"{record}"' in line for line in lines):
-            held.set()
-            await release.wait()
-        return await append(self, lines)
-
-    monkeypatch.setattr(TraceWriter, "append", held_append)
-
-    def script() -> list[Reply]:
-        return [Reply(blocks=(tool_call("c1", "wait", key="a"),)), Reply(blocks=(text("ok"),))]
+    held, release = _hold_appends_of(record, monkeypatch)
 
     async def body(conn: Connection) -> tuple[list[int], dict[str, Any], list[str], list[str]]:
-        async with (
-            _member(conn, nats_server.url, tmp_path, "a", request_timeout_s=30.0,
-                    script=script, tools=[gates.tool()]) as owner,
-            _client(owner) as client,
+        async with _owner_in_a_tool_call(conn, nats_server.url, tmp_path, gates) as (
+            owner,
+            client,
+            sid,
         ):
-            sid = await _session_on(owner, conn)
-            await client.result("run", {"session_id": sid, "input": "start"})
-            await gates.started("a")
-            await client.send({"jsonrpc": "2.0", "id": 100, "method": method,
-                               "params": {"session_id": sid, "input": "also this"}})
-            await client.send({"jsonrpc": "2.0", "id": 101, "method": "session.unsubscribe",
-                               "params": {"session_id": sid}})
+            await client.send(
+                {
+                    "jsonrpc": "2.0",
+                    "id": 100,
+                    "method": method,
+                    "params": {"session_id": sid, "input": "also this"},
+                }
+            )
+            await client.send(
+                {
+                    "jsonrpc": "2.0",
+                    "id": 101,
+                    "method": "session.unsubscribe",
+                    "params": {"session_id": sid},
+                }
+            )
             try:
                 await held.wait()  # the record is on its way to JetStream, and held
                 first = await client.receive()
@@ -569,3 +616,53 @@ def test_queued_input_is_answered_once_jetstream_holds_its_record(
 async def _types_stored(conn: Connection, sid: str) -> list[str]:
     """The types of the session's records in JetStream, in order."""
     return [r.TYPE for r in (await (await TraceStream.open(conn)).read(sid)).records]
+
+
+def test_an_a2a_message_that_steers_is_answered_once_jetstream_holds_its_record(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch, gates: Gates
+) -> None:
+    """R-STEER-1, R-CLUSTER-2: an A2A ``message/send`` (not blocking) to the context whose
+    task is in a long tool call steers it; with the JetStream append of its
+    ``steering_queued`` held, nothing is answered until the stream holds it (before: the
+    task was answered at once)."""
+    held, release = _hold_appends_of("steering_queued", monkeypatch)
+
+    async def body(conn: Connection) -> tuple[bool, list[str], bytes, list[str]]:
+        async with _owner_in_a_tool_call(conn, nats_server.url, tmp_path, gates, a2a=True) as (
+            owner,
+            _,
+            sid,
+        ):
+            send = message_send("also this", contextId=sid)
+            send["params"]["configuration"] = {"blocking": False}
+            answer = bytearray()
+            answered = trio.Event()
+
+            async def ask() -> None:
+                stream = await trio.open_tcp_stream("127.0.0.1", owner.gateway.port)
+                async with stream:
+                    await stream.send_all(raw_post(owner.gateway.port, send))
+                    while b"\r\n\r\n" not in answer:
+                        answer.extend(await stream.receive_some())
+                answered.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ask)
+                try:
+                    await held.wait()  # the record is on its way to JetStream, and held
+                    await trio.testing.wait_all_tasks_blocked()
+                    early = answered.is_set()
+                    stored = await _types_stored(conn, sid)
+                finally:
+                    release.set()
+                await answered.wait()
+            after = await _types_stored(conn, sid)
+            gates.release("a")
+            await owner.host.get_session(sid).wait_idle()
+            return early, stored, bytes(answer), after
+
+    early, stored, answer, after = run_connected(nats_server.url, body, timeout_s=BOUND_S)
+    assert "steering_queued" not in stored
+    assert not early, "the steering was answered while JetStream lacked its record"
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+    assert "steering_queued" in after

@@ -38,7 +38,7 @@ from a2a.compat.v0_3 import types as a2a_types
 from greenroom.actors.gateway.feeds import SessionFeed
 from greenroom.actors.gateway.http_front import EventSink, HttpRequest, Reply
 from greenroom.actors.gateway.hubs import replay_records
-from greenroom.actors.gateway.methods import Methods
+from greenroom.actors.gateway.methods import Methods, once_recorded
 from greenroom.actors.providers import read_image
 from greenroom.actors.runtime.errors import GreenroomError
 from greenroom.actors.runtime.session import Session
@@ -312,7 +312,10 @@ class A2aEndpoint:
             if not session.busy:
                 raise RpcError(jsonrpc.BUSY, "the task waits; send its answer")
             self._methods.check_queue_room(session, "steering")
-            session.steer([TextBlock(text=text)])
+            recorded = trio.Event()
+            if session.steer([TextBlock(text=text)], recorded=recorded):
+                # Answered once the steering survives this host, as the gateway's steer.
+                await once_recorded(recorded)
             return fold, set()
         if named_run is not None:
             raise RpcError(
