@@ -49,7 +49,7 @@ import sys
 import time
 import urllib.parse
 import zlib
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterable, Callable, Sequence
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -981,40 +981,14 @@ class RawBody:
     async def _decoded(self, encoding: bytes) -> AsyncGenerator[bytes, None]:
         # Sent only when a server ignores ``accept-encoding: identity``; an encoding zlib
         # cannot read is handed on as it is (the decoder then finds it malformed).
-        if encoding == b"gzip":
-            inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
-        elif encoding == b"deflate":
-            inflate = zlib.decompressobj()
-        else:
+        if encoding not in (b"gzip", b"deflate"):
             async for piece in self._pieces():
                 yield piece
             return
-        first = True
-        async for piece in self._pieces():
-            try:
-                data = inflate.decompress(piece, MAX_INFLATED)
-            except zlib.error as exc:
-                if not (first and encoding == b"deflate"):
-                    raise RemoteProtocolError(f"bad {encoding.decode()} body: {exc}") from None
-                # "deflate" without its zlib wrapper, as some servers send it.
-                inflate = zlib.decompressobj(-zlib.MAX_WBITS)
-                try:
-                    data = inflate.decompress(piece, MAX_INFLATED)
-                except zlib.error as again:
-                    raise RemoteProtocolError(f"bad deflate body: {again}") from None
-            first = False
-            if data:
+        pieces = inflated(self._pieces(), encoding.decode(), RemoteProtocolError)
+        async with contextlib.aclosing(pieces):
+            async for data in pieces:
                 yield data
-            while inflate.unconsumed_tail:
-                try:
-                    data = inflate.decompress(inflate.unconsumed_tail, MAX_INFLATED)
-                except zlib.error as exc:
-                    raise RemoteProtocolError(f"bad {encoding.decode()} body: {exc}") from None
-                if data:
-                    yield data
-        rest = inflate.flush()
-        if rest:
-            yield rest
 
     async def _pieces(self) -> AsyncGenerator[bytes, None]:
         reader = self._reader
@@ -1202,6 +1176,46 @@ class _ChunkedBody:
         return b"".join(pieces)
 
 
+async def inflated(
+    pieces: AsyncIterable[bytes], encoding: str, error: Callable[[str], Exception]
+) -> AsyncGenerator[bytes, None]:
+    """The pieces of a ``gzip`` or ``deflate`` body (``encoding``), inflated at most
+    :data:`MAX_INFLATED` bytes at a time: a read of a few kilobytes can inflate a
+    thousandfold, so one read may become many pieces. A body zlib cannot read raises
+    ``error(message)``. ``deflate`` without its zlib wrapper, as some servers send it, is
+    read too. Also used by the library paths (:mod:`~greenroom.actors.providers.
+    library_bodies`)."""
+    if encoding == "gzip":
+        inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    else:
+        inflate = zlib.decompressobj()
+    first = True
+    async for piece in pieces:
+        try:
+            data = inflate.decompress(piece, MAX_INFLATED)
+        except zlib.error as exc:
+            if not (first and encoding == "deflate"):
+                raise error(f"bad {encoding} body: {exc}") from None
+            inflate = zlib.decompressobj(-zlib.MAX_WBITS)
+            try:
+                data = inflate.decompress(piece, MAX_INFLATED)
+            except zlib.error as again:
+                raise error(f"bad deflate body: {again}") from None
+        first = False
+        if data:
+            yield data
+        while inflate.unconsumed_tail:
+            try:
+                data = inflate.decompress(inflate.unconsumed_tail, MAX_INFLATED)
+            except zlib.error as exc:
+                raise error(f"bad {encoding} body: {exc}") from None
+            if data:
+                yield data
+    rest = inflate.flush()
+    if rest:
+        yield rest
+
+
 __all__ = [
     "DEADLINE_SLACK",
     "KEEPALIVE_EXPIRY_S",
@@ -1227,5 +1241,6 @@ __all__ = [
     "WriteTimeout",
     "default_ssl_context",
     "environment_proxy",
+    "inflated",
     "parse_url",
 ]

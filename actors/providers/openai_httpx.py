@@ -11,7 +11,7 @@ the lean path uses for the same failure.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import httpx
 
@@ -22,6 +22,7 @@ from greenroom.actors.providers.base import (
 )
 from greenroom.actors.providers.lean_http import TimeoutSettings
 from greenroom.actors.providers.lean_wire import ErrorClassifier, RequestBuilder, StreamDecoder
+from greenroom.actors.providers.library_bodies import BodyBounds
 from greenroom.actors.providers.media import TaskImages
 from greenroom.actors.providers.stalls import (
     no_response_message,
@@ -34,9 +35,12 @@ from greenroom.protocols.stream import ModelError, StreamFailed
 def make_client(
     headers: dict[str, str], timeout: TimeoutSettings, max_connections: int
 ) -> httpx.AsyncClient:
-    """One httpx client (and connection pool) for a provider."""
+    """One httpx client (and connection pool) for a provider; its response bodies are read
+    within bounds (:mod:`~greenroom.actors.providers.library_bodies`)."""
+    bounds = BodyBounds(BoundedStream, httpx.RemoteProtocolError)
     return httpx.AsyncClient(
         headers=headers,
+        event_hooks={"response": [bounds]},
         timeout=httpx.Timeout(
             connect=timeout.connect, read=timeout.read, write=timeout.write, pool=timeout.pool
         ),
@@ -44,6 +48,24 @@ def make_client(
             max_connections=max_connections, max_keepalive_connections=max_connections
         ),
     )
+
+
+class BoundedStream(httpx.AsyncByteStream):
+    """A response body read through :func:`~greenroom.actors.providers.library_bodies.
+    bounded_body`: yields ``pieces``, and closing it closes the library's own ``inner``."""
+
+    def __init__(self, inner: httpx.AsyncByteStream, pieces: AsyncGenerator[bytes, None]) -> None:
+        self._inner = inner
+        self._pieces = pieces
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for piece in self._pieces:
+            yield piece
+
+    async def aclose(self) -> None:
+        """Stop reading and give the connection back (closed when the body was cut)."""
+        await self._pieces.aclose()
+        await self._inner.aclose()
 
 
 class HTTPStreamTask:
