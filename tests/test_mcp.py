@@ -99,11 +99,11 @@ def alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def http_server(transport: str = "http") -> Iterator[str]:
+def http_server(transport: str = "http", *options: str) -> Iterator[str]:
     """The test server over streamable HTTP (or ``"sse"``: the legacy HTTP+SSE transport)
-    on 127.0.0.1 (port 0); yields its URL."""
+    on 127.0.0.1 (port 0), with the server's ``options`` (``--json``); yields its URL."""
     process = subprocess.Popen(
-        [sys.executable, str(SERVER), f"--{transport}"],
+        [sys.executable, str(SERVER), f"--{transport}", *options],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     try:
@@ -674,6 +674,34 @@ async def test_streamable_http_server(mcp_host: Host, workspace: Path, providers
     by_call = outputs_by_call(outputs)
     assert content_text(by_call["c1"]) == "over http"
     assert by_call["c2"].is_error and "nope" in content_text(by_call["c2"])
+
+
+@pytest.mark.parametrize("options", [(), ("--json",)], ids=["sse", "json"])
+async def test_an_oversized_http_message_fails_its_call_and_the_session_goes_on(
+    mcp_host: Host, workspace: Path, providers: Any, options: tuple[str, ...]
+) -> None:
+    """R-SEC-1, R-MCP-4: a tool result of 64 MiB over streamable HTTP. As an SSE event the
+    SDK stops reading it at its event bound; as a JSON body the SDK read it whole, however
+    large, before greenroom cut it: now reading stops at the same bound
+    (``mcp_bounds.MAX_MESSAGE_BYTES``) and that call gets an error naming it. The next
+    call on the same connection works."""
+    provider = providers([
+        Reply(blocks=(tool_call("c1", "mcp__h__big", mebibytes=64),)),
+        Reply(blocks=(tool_call("c2", "mcp__h__echo", text="still here"),)),
+        Reply(blocks=(text("done"),)),
+    ])  # fmt: skip
+    with http_server("http", *options) as url:
+        session = await mcp_host.create_session(
+            provider=provider, workspace_dir=workspace,
+            mcp_servers={"h": {"type": "http", "url": url}},
+        )  # fmt: skip
+        outputs = await collect(session.run("go", approve=allow_all))
+    by_call = outputs_by_call(outputs)
+    assert by_call["c1"].is_error, content_text(by_call["c1"])[:200]
+    assert "xxxx" not in content_text(by_call["c1"])
+    if options:
+        assert "larger than 1 MiB" in content_text(by_call["c1"])
+    assert content_text(by_call["c2"]) == "still here"
 
 
 async def test_legacy_sse_server(mcp_host: Host, workspace: Path, providers: Any) -> None:

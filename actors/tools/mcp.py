@@ -72,10 +72,10 @@ from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.client import ClientRequestContext
 from mcp.client.sse import sse_client
 from mcp.client.streamable_http import streamable_http_client
-from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 
 from greenroom.actors.tools.mcp_auth import STORE_NAME, StoredTokenAuth, auth_for
+from greenroom.actors.tools.mcp_bounds import bounded_http_client
 from greenroom.actors.tools.mcp_commands import READ_RESOURCE
 from greenroom.actors.tools.mcp_config import as_configs, load_config_files
 from greenroom.actors.tools.mcp_extras import (
@@ -443,7 +443,7 @@ class McpConnection:
             ) as streams:
                 yield streams
             return
-        client = create_mcp_http_client(headers=dict(config.headers) or None, auth=auth)
+        client = bounded_http_client(headers=dict(config.headers) or None, auth=auth)
         async with client, streamable_http_client(config.url, http_client=client) as streams:
             yield streams
 

@@ -4,6 +4,7 @@
     python tests/support/mcp_server.py --http     # streamable HTTP on 127.0.0.1, port 0:
                                                   # prints "PORT <n>" first on stdout
     python tests/support/mcp_server.py --sse      # the legacy HTTP+SSE transport, likewise
+    python tests/support/mcp_server.py --http --json  # JSON bodies instead of SSE
 
 Tools: ``echo`` (read-only), ``structured``, ``image``, ``resource``, ``fail`` (isError),
 ``crash`` (the process exits mid-call), ``pid``, ``block``/``ro_block`` (block until
@@ -12,6 +13,7 @@ forever; records its key in ``cancelled`` when the client cancels it), ``cancell
 ``calls`` (the names called so far), ``add_tool`` (adds a tool and sends
 ``notifications/tools/list_changed``), ``bad_schema`` (listed with an unusable schema) and
 ``flood`` (sends ``notifications/tools/list_changed`` a given number of times),
+``big`` (a text of the given number of MiB),
 ``listings`` (how many ``tools/list`` requests it has answered),
 ``order`` (asks the client which size and how many, by elicitation, and says what it was
 told; a cancellation is recorded in ``cancelled`` as ``order:<item>``), ``sent_key``
@@ -64,6 +66,13 @@ def echo(text: str) -> str:
     """Echo the text back."""
     called.append("echo")
     return text
+
+
+@server.tool()
+def big(mebibytes: int) -> str:
+    """A text of ``mebibytes`` MiB: an oversized message for the client's bound."""
+    called.append("big")
+    return "x" * (mebibytes << 20)
 
 
 @server.tool()
@@ -296,7 +305,10 @@ def main() -> None:
     sock.bind(("127.0.0.1", 0))
     sock.listen()
     print(f"PORT {sock.getsockname()[1]}", flush=True)
-    app = server.sse_app() if "--sse" in sys.argv else server.streamable_http_app()
+    if "--sse" in sys.argv:
+        app = server.sse_app()
+    else:
+        app = server.streamable_http_app(json_response="--json" in sys.argv)
     config = uvicorn.Config(app, log_level="warning")
     uvicorn.Server(config).run(sockets=[sock])
 
