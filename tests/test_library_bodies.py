@@ -83,11 +83,12 @@ def text_of(events: list[StreamEvent]) -> str:
 
 @pytest.mark.parametrize("wire", sorted(MAKERS))
 async def test_a_compressed_stream_is_inflated_in_bounded_pieces(wire: str) -> None:
-    """A gzip stream of 32 MiB of blank lines, then a reply, compressed to about 32 KiB:
-    httpx inflated a network read of it whole and the codec held its lines at once (over
-    200 MiB); it is now read a bounded piece at a time, and the reply still comes through."""
+    """A gzip stream of 32 MiB of SSE comment lines, then a reply, compressed to about
+    32 KiB: httpx inflated a network read of it whole and the codec held it all at once;
+    it is now read a bounded piece at a time, and the reply still comes through."""
     sse = b"".join(event.data for event in RENDER[wire](Reply([Text("still here")])))
-    body = gzip.compress(b"\n" * INFLATED + sse, compresslevel=9)
+    comment = b": " + b"k" * 1021 + b"\n"
+    body = gzip.compress(comment * (INFLATED // len(comment)) + sse, compresslevel=9)
     answer = Streamed(
         events=[SSEEvent(body)],
         headers=[("content-type", "text/event-stream"), ("content-encoding", "gzip")],
