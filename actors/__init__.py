@@ -22,6 +22,7 @@ from greenroom.actors.runtime.errors import (
     SessionNotFound,
 )
 from greenroom.actors.runtime.host import Host, SessionInfo
+from greenroom.actors.runtime.receipts import InputReceipt
 from greenroom.actors.runtime.session import RunResult, RunStream, Session
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "Host",
     "HostClosed",
     "ImageRefused",
+    "InputReceipt",
     "OutputSchemaError",
     "PrincipalBudget",
     "ProviderLimits",

@@ -64,6 +64,9 @@ NOT_FOUND = 404
 BUSY = 409
 """The session already runs a task or a compaction (R-HOST-2); or an answer names a call
 that waits for no answer (any more), or other arguments than the call's (R-HITL-2)."""
+GONE = 410
+"""A ``steer`` or ``follow_up`` whose input was dropped unrun: its session closed (or its
+work stopped) before the input was recorded (R-STEER-1, R-STEER-6)."""
 AUTH_LOCKED = 423
 """The session is locked by a model auth failure until ``retry_auth`` (R-RETRY-6)."""
 TOO_MANY_REQUESTS = 429
@@ -81,6 +84,7 @@ ERROR_MESSAGES: dict[int, str] = {
     FORBIDDEN: "forbidden",
     NOT_FOUND: "no such session",
     BUSY: "busy",
+    GONE: "gone",
     AUTH_LOCKED: "locked by auth failure",
     TOO_MANY_REQUESTS: "too many requests",
 }

@@ -93,8 +93,8 @@ class ToolProgressed:
 @attrs.frozen(kw_only=True, slots=True)
 class SteeringQueued:
     """Command to the supervisor: user input for the running task, taken into the next request
-    without interrupting it (R-STEER-1). ``recorded`` (a ``trio.Event``, or None) is set
-    once its record survives the host (see :class:`TaskQueued`)."""
+    without interrupting it (R-STEER-1). ``recorded`` (an ``InputReceipt``, or None) is
+    settled once its record survives the host, or as dropped (see :class:`TaskQueued`)."""
 
     content: tuple[UserContent, ...]
     recorded: Any = attrs.field(default=None, eq=False, repr=False)
@@ -111,9 +111,9 @@ class TaskQueued:
     compaction) after the running one, FIFO (R-STEER-6). The first task of a run reaches
     the supervisor this way too. ``follow_up``: a user's follow-up (``Session.follow_up``),
     which the supervisor records (``task_queued``) so that it survives its host.
-    ``recorded`` (a ``trio.Event``, or None) is set once the trace store is done with that
-    record — written, and in a cluster acknowledged by JetStream — or at once when the
-    input is not recorded."""
+    ``recorded`` (an ``InputReceipt``, or None) is settled once the trace store is done
+    with that record — written, and in a cluster acknowledged by JetStream — or as
+    dropped when the input will never run (its session closed before it was recorded)."""
 
     task: Any = attrs.field(eq=False)
     kind: Literal["task", "compaction"] = "task"

@@ -41,6 +41,7 @@ from greenroom.actors.gateway.hubs import replay_records
 from greenroom.actors.gateway.methods import Methods, once_recorded
 from greenroom.actors.providers import read_image
 from greenroom.actors.runtime.errors import GreenroomError
+from greenroom.actors.runtime.receipts import InputReceipt
 from greenroom.actors.runtime.session import Session
 from greenroom.protocols import a2a, jsonrpc
 from greenroom.protocols.content import ImageBlock, TextBlock
@@ -312,7 +313,7 @@ class A2aEndpoint:
             if not session.busy:
                 raise RpcError(jsonrpc.BUSY, "the task waits; send its answer")
             self._methods.check_queue_room(session, "steering")
-            recorded = trio.Event()
+            recorded = InputReceipt()
             if session.steer([TextBlock(text=text)], recorded=recorded):
                 # Answered once the steering survives this host, as the gateway's steer.
                 await once_recorded(recorded)

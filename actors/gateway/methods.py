@@ -50,6 +50,7 @@ from greenroom.actors.gateway.titles import Titles
 from greenroom.actors.runtime.errors import ImageRefused, SessionNotFound
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.port import Approval
+from greenroom.actors.runtime.receipts import InputReceipt
 from greenroom.actors.runtime.session import Session
 from greenroom.actors.runtime.storage import SessionStore
 from greenroom.actors.tools.mcp_commands import AttachmentError, attach_to_input
@@ -139,14 +140,16 @@ ACCEPT_WAIT_S = 10.0
 their input's record, before they answer anyway."""
 
 
-async def once_recorded(recorded: trio.Event) -> dict[str, Any]:
-    """``{queued: true}`` once ``recorded`` (of ``Session.steer`` or ``follow_up``) is set:
+async def once_recorded(recorded: InputReceipt) -> dict[str, Any]:
+    """``{queued: true}`` once ``recorded`` (of ``Session.steer`` or ``follow_up``) says
     the input's record survives this host — written, and in a cluster acknowledged by
     JetStream — so a host that takes the session up delivers it (R-STEER-1, R-STEER-6,
-    R-CLUSTER-2). A store that hangs holds the answer only :data:`ACCEPT_WAIT_S`, as
-    ``run``'s."""
+    R-CLUSTER-2); error 410 when it says the input was dropped unrun (its session closed
+    first). A store that hangs holds the answer only :data:`ACCEPT_WAIT_S`, as ``run``'s."""
     with trio.move_on_after(ACCEPT_WAIT_S):
-        await recorded.wait()
+        await recorded.settled.wait()
+    if recorded.dropped is not None:
+        raise RpcError(jsonrpc.GONE, f"{recorded.dropped}: the input was dropped, not queued")
     return {"queued": True}
 
 
@@ -480,7 +483,7 @@ class Methods:
         session = await self._hubs.settled(await self._owned_session(connection, params))
         self.check_queue_room(session, "steering")
         content = await self._input(session, params)
-        recorded = trio.Event()
+        recorded = InputReceipt()
         if not session.steer(content, recorded=recorded):
             return {"queued": False}
         return AnswerLater(partial(once_recorded, recorded))
@@ -495,7 +498,7 @@ class Methods:
         )
         self.check_queue_room(session, "follow-ups")
         content = await self._input(session, params)
-        recorded = trio.Event()
+        recorded = InputReceipt()
         approve = self.approver()
         if not session.follow_up(content, approve=approve, output_schema=output, recorded=recorded):
             return {"queued": False}

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     )
     from greenroom.actors.runtime.llm_streamer import ModelProvider
     from greenroom.actors.runtime.port import Approval, ApproveFn, SessionPort
+    from greenroom.actors.runtime.receipts import InputReceipt
     from greenroom.actors.runtime.session import (
         RunResult,
         RunStream,
@@ -88,6 +89,7 @@ _MODULE_OF = {
     "SessionObserver": "greenroom.actors.runtime.host",
     "default_data_dir": "greenroom.actors.runtime.host",
     "ModelProvider": "greenroom.actors.runtime.llm_streamer",
+    "InputReceipt": "greenroom.actors.runtime.receipts",
     "RunResult": "greenroom.actors.runtime.session",
     "RunStream": "greenroom.actors.runtime.session",
     "Session": "greenroom.actors.runtime.session",
@@ -121,6 +123,7 @@ __all__ = [
     "Host",
     "HostClosed",
     "ImageRefused",
+    "InputReceipt",
     "ModelProvider",
     "NotPending",
     "OutputSchemaError",

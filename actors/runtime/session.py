@@ -34,6 +34,7 @@ from greenroom.actors.runtime.port import (
     SessionPort,
     TaskInput,
 )
+from greenroom.actors.runtime.receipts import InputReceipt
 from greenroom.actors.runtime.supervisor import start
 from greenroom.actors.runtime.time_travel import rewind_to
 from greenroom.actors.runtime.tree import end_subtree
@@ -132,8 +133,9 @@ def _output_spec(port: SessionPort, schema: Any) -> OutputSpec | None:
 TRIO_REQUIRED = "greenroom runs on trio: use trio.run(...)"
 
 
-Recorded = trio.Event | None
-"""What ``Session.steer`` and ``follow_up`` set once their input's record survives the host."""
+Recorded = InputReceipt | None
+"""What ``Session.steer`` and ``follow_up`` fill in once their input's record survives the
+host, or it is dropped unrun."""
 
 
 def _follow_up_task(
@@ -687,9 +689,9 @@ class Session:
     def steer(self, messages: Sequence[UserContent] | str, *, recorded: Recorded = None) -> bool:
         """Queue user input for the running task without interrupting it (R-STEER-1);
         recorded (``steering_queued``), it reaches the task on a host that takes it up:
-        the ``trio.Event`` ``recorded`` is set once that record survives this host (written;
-        in a cluster, acknowledged by JetStream). Returns False when no task is running
-        (start a normal task instead)."""
+        ``recorded``, an :class:`InputReceipt`, settles once that record survives this host
+        (written; in a cluster, acknowledged by JetStream), or as dropped if it never runs.
+        Returns False when no task is running (start a normal task instead)."""
         message = SteeringQueued(content=_as_content(messages), recorded=recorded)
         return self._port.deliver(message)
 

@@ -54,6 +54,7 @@ from greenroom.actors.runtime.drain import holds_for_drain
 from greenroom.actors.runtime.emitter import OutputEmitter, repaired_blocks
 from greenroom.actors.runtime.errors import ImageRefused
 from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput
+from greenroom.actors.runtime.receipts import InputReceipt, drop_unrun
 from greenroom.actors.runtime.resumption import parked_or_lost, queued_record, requeue_recorded
 from greenroom.actors.runtime.running_task import RunningTask, build_request
 from greenroom.actors.runtime.tree import background_count, end_subtree, tell
@@ -100,7 +101,6 @@ from greenroom.protocols.task import (
     Phase,
     StartTask,
     TaskKind,
-    TaskMachine,
     Wait,
 )
 
@@ -319,7 +319,7 @@ class SessionSupervisor:
             case SteeringQueued() if machine.takes_steering:
                 _queue_steering(self._out, self._port, message, task)
             case SteeringQueued():  # late: its task was ending or interrupted
-                _run_late_steering(self._port, machine, message, task)
+                _run_late_steering(self._out, self._port, message, task)
             case SubagentFinished():
                 # A background child's end (R-TREE-2): steering of a task that goes on,
                 # else a task of its own after the one that ends (never dropped with it).
@@ -592,19 +592,21 @@ def _queued(out: OutputEmitter, port: SessionPort, message: TaskQueued) -> Any:
     the child is taken up (``child_reports``), and recording it here too would deliver it
     twice."""
     if not message.follow_up or not isinstance(message.task, TaskInput):
-        _set(message.recorded)
         return message.task
-    task, record = queued_record(port, message.task)
+    return _record_follow_up(out, port, message.task, message.recorded)
+
+
+def _record_follow_up(
+    out: OutputEmitter, port: SessionPort, task: TaskInput, recorded: InputReceipt | None
+) -> TaskInput:
+    """``task`` recorded as queued (``task_queued``, written at once), under the id its
+    prompt will name; ``recorded`` settles once the store is done with the record."""
+    task, record = queued_record(port, task)
     out.emit(record)
     out.flush()
-    if message.recorded is not None:
-        out.set_when_written(message.recorded)
+    if recorded is not None:
+        out.set_when_written(recorded.settled)
     return task
-
-
-def _set(event: trio.Event | None) -> None:
-    if event is not None:
-        event.set()
 
 
 def _queue_steering(
@@ -622,7 +624,7 @@ def _queue_steering(
                                   steering_id=steering_id, content=content))
     out.flush()
     if message.recorded is not None:
-        out.set_when_written(message.recorded)
+        out.set_when_written(message.recorded.settled)
     port.machine.queue_steering(content)
 
 
@@ -704,18 +706,21 @@ def start(
 
 
 def _run_late_steering(
-    port: SessionPort, machine: TaskMachine, message: SteeringQueued, task: RunningTask | None
+    out: OutputEmitter, port: SessionPort, message: SteeringQueued, task: RunningTask | None
 ) -> None:
     """Steering its task no longer takes, after steer() said yes (the task was ending, or
     interrupted): the words run as a task of their own, with the options of the task they
     came for, as the host would have run them had steer() found no task (R-STEER-1). The
-    task's own queue went with it (R-STEER-5). Once the session closes nothing runs. No
-    record is made: whoever waits for one (``recorded``) waits no longer."""
-    _set(message.recorded)
+    task's own queue went with it (R-STEER-5). No record is made: whoever waits for one
+    (``recorded``) waits no longer. Once the session closes nothing runs, and ``recorded``
+    says the words were dropped."""
     if port.closed:
+        drop_unrun(message.recorded, f"session {port.id} closed before the steering ran")
         return
+    if message.recorded is not None:
+        message.recorded.settled.set()
     came_for = task.task if task is not None else None
-    machine.queue_task(
+    port.machine.queue_task(
         TaskInput(
             content=repaired_blocks(message.content),
             approve=came_for.approve if came_for is not None else None,
@@ -741,7 +746,8 @@ def _pass_on_leftovers(
             tell(port, message)  # the session is idle now: a follow-up of its own
             continue
         if isinstance(message, SteeringQueued | TaskQueued):
-            _set(message.recorded)  # never recorded: whoever waits for it, waits no longer
+            # Never recorded, and nothing runs it: whoever waits for it is told so.
+            drop_unrun(message.recorded, f"session {port.id} stopped before its input was recorded")
         if isinstance(message, PersonAnswered) and message.reply is not None:
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 message.reply.send_nowait(f"session {port.id} has no task waiting for an answer")

@@ -1,0 +1,39 @@
+"""What became of the input a caller queued in a running session: the receipt that
+``Session.steer`` and ``Session.follow_up`` fill in (their ``recorded=``), so that whoever
+answers a client for that input — the gateway's ``steer`` and ``follow_up``, an A2A message
+that steers — tells the truth: ``queued`` only for input that survives the host (R-STEER-1,
+R-STEER-6, R-CLUSTER-2), an error for input that was dropped unrun."""
+
+from __future__ import annotations
+
+import attrs
+import trio
+
+
+@attrs.define(eq=False, slots=True)
+class InputReceipt:
+    """Filled in once what became of queued input is known; ``settled`` is set then.
+
+    Either its record (``steering_queued``, ``task_queued``) survives the host — written,
+    and in a cluster acknowledged by JetStream — so that a host that takes the session up
+    after this one stopped still delivers it, and ``dropped`` stays None; or it never
+    runs (its session closed, or its work stopped, before it was recorded) and
+    ``dropped`` says why."""
+
+    settled: trio.Event = attrs.field(factory=trio.Event)
+    """Set once the input's record survives the host, or it was dropped."""
+
+    dropped: str | None = None
+    """Why the input will not run, when it was dropped; None otherwise."""
+
+    def drop(self, reason: str) -> None:
+        """The input will not run: settle with ``reason``, unless settled already."""
+        if not self.settled.is_set():
+            self.dropped = reason
+            self.settled.set()
+
+
+def drop_unrun(receipt: InputReceipt | None, reason: str) -> None:
+    """:meth:`InputReceipt.drop` when there is a receipt (callers may give none)."""
+    if receipt is not None:
+        receipt.drop(reason)
