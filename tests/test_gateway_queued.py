@@ -10,13 +10,16 @@ from typing import Any
 
 import pytest
 import trio
-from conftest import Gates
+from conftest import Gates, trace_lines
 from test_gateway import BOUND_S, connect, serving
 
 from greenroom.actors.providers.scripted import Reply, ScriptStep, text, tool_call
+from greenroom.actors.runtime import supervisor
 from greenroom.actors.runtime.emitter import OutputEmitter
 from greenroom.actors.runtime.session import Session
 from greenroom.protocols import jsonrpc
+
+PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 8
 
 
 def steered_event(monkeypatch: pytest.MonkeyPatch) -> trio.Event:
@@ -48,6 +51,58 @@ def hold_task_end(monkeypatch: pytest.MonkeyPatch) -> tuple[trio.Event, trio.Eve
 
     monkeypatch.setattr(OutputEmitter, "sync_task_end", held)
     return ending, let_end
+
+
+async def test_late_steering_is_answered_queued_once_recorded_not_when_its_task_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # R-STEER-1, R-STEER-6: steering that reaches a task as it ends runs as a task of its
+    # own. Nothing recorded it: the client was answered queued: true at once, and a host
+    # that died before that task's prompt was written (its image still being read, say)
+    # lost the words. It is recorded as that task (task_queued) before the answer now.
+    ending, let_end = hold_task_end(monkeypatch)
+    steered = steered_event(monkeypatch)
+    reading, let_read = trio.Event(), trio.Event()
+    attach_prompt = supervisor._attach_prompt
+
+    async def slow_image(port: Any, content: Any) -> Any:
+        reading.set()
+        await let_read.wait()
+        return await attach_prompt(port, content)
+
+    monkeypatch.setattr(supervisor, "_attach_prompt", slow_image)
+
+    def script() -> list[ScriptStep]:
+        return [Reply(blocks=(text("One."),)), Reply(blocks=(text("Late."),))]
+
+    late = [{"type": "text", "text": "LATE WORDS"}, {"type": "image", "path": "pic.png"}]
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, script) as server, connect(server) as client:
+            sid = (await client.result("session.create"))["session_id"]
+            session = server.host.get_session(sid)
+            (session.workspace_dir / "pic.png").write_bytes(PNG)
+            await client.result("session.subscribe", {"session_id": sid})
+            await client.result("run", {"session_id": sid, "input": "one"})
+            await ending.wait()
+            await client.send(
+                {"jsonrpc": "2.0", "id": "late", "method": "steer",
+                 "params": {"session_id": sid, "input": late}}
+            )
+            # The steering waits in the inbox of the supervisor whose task is ending.
+            await steered.wait()
+            let_end.set()
+            answer = await client.response("late")
+            assert answer["result"] == {"queued": True}
+            # What a host that died now would leave: the words, recorded to run.
+            queued = [r for r in trace_lines(session) if r["type"] == "task_queued"]
+            assert [q["content"][0]["text"] for q in queued] == ["LATE WORDS"]
+            await reading.wait()  # the late task has begun: its prompt is not written yet
+            let_read.set()
+            outputs = await client.outputs_until("task_end", status="completed")
+            outputs += await client.outputs_until("task_end", status="completed")
+            prompts = [o for o in outputs if o["type"] == "user_msg"]
+            assert prompts[-1]["queued_id"] == queued[0]["queue_id"]
+            assert prompts[-1]["content"][0]["text"] == "LATE WORDS"
 
 
 async def test_steering_a_closing_session_is_told_it_was_dropped(

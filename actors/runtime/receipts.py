@@ -18,7 +18,8 @@ class InputReceipt:
     and in a cluster acknowledged by JetStream — so that a host that takes the session up
     after this one stopped still delivers it, and ``dropped`` stays None; or it never
     runs (its session closed, or its work stopped, before it was recorded) and
-    ``dropped`` says why."""
+    ``dropped`` says why. Steering that comes too late for its task is recorded as the
+    task of its own it becomes (``task_queued``)."""
 
     settled: trio.Event = attrs.field(factory=trio.Event)
     """Set once the input's record survives the host, or it was dropped."""

@@ -711,22 +711,20 @@ def _run_late_steering(
     """Steering its task no longer takes, after steer() said yes (the task was ending, or
     interrupted): the words run as a task of their own, with the options of the task they
     came for, as the host would have run them had steer() found no task (R-STEER-1). The
-    task's own queue went with it (R-STEER-5). No record is made: whoever waits for one
-    (``recorded``) waits no longer. Once the session closes nothing runs, and ``recorded``
-    says the words were dropped."""
+    task's own queue went with it (R-STEER-5). That task is recorded as a follow-up's is
+    (``task_queued``), so that ``recorded`` settles only once the words survive the host
+    (R-STEER-6): a host that takes the session up runs them. Once the session closes
+    nothing runs, and ``recorded`` says they were dropped."""
     if port.closed:
         drop_unrun(message.recorded, f"session {port.id} closed before the steering ran")
         return
-    if message.recorded is not None:
-        message.recorded.settled.set()
     came_for = task.task if task is not None else None
-    port.machine.queue_task(
-        TaskInput(
-            content=repaired_blocks(message.content),
-            approve=came_for.approve if came_for is not None else None,
-            thinking_level=came_for.thinking_level if came_for is not None else None,
-        )
+    late = TaskInput(
+        content=repaired_blocks(message.content),
+        approve=came_for.approve if came_for is not None else None,
+        thinking_level=came_for.thinking_level if came_for is not None else None,
     )
+    port.machine.queue_task(_record_follow_up(out, port, late, message.recorded))
 
 
 def _pass_on_leftovers(
