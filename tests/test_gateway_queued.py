@@ -22,18 +22,19 @@ from greenroom.protocols import jsonrpc
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 8
 
 
-def steered_event(monkeypatch: pytest.MonkeyPatch) -> trio.Event:
-    """Set once ``Session.steer`` has handed its input to the session (or refused it)."""
+def steered_event(monkeypatch: pytest.MonkeyPatch, method: str = "steer") -> trio.Event:
+    """Set once ``Session.steer`` (or ``follow_up``) has handed its input to the session
+    (or refused it)."""
     steered = trio.Event()
-    steer = Session.steer
+    queue = getattr(Session, method)
 
     def handed_over(self: Session, messages: Any, **options: Any) -> bool:
         try:
-            return steer(self, messages, **options)
+            return bool(queue(self, messages, **options))
         finally:
             steered.set()
 
-    monkeypatch.setattr(Session, "steer", handed_over)
+    monkeypatch.setattr(Session, method, handed_over)
     return steered
 
 
@@ -105,14 +106,16 @@ async def test_late_steering_is_answered_queued_once_recorded_not_when_its_task_
             assert prompts[-1]["content"][0]["text"] == "LATE WORDS"
 
 
-async def test_steering_a_closing_session_is_told_it_was_dropped(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gates: Gates
+@pytest.mark.parametrize("method", ["steer", "follow_up"])
+async def test_input_for_a_closing_session_is_told_it_was_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gates: Gates, method: str
 ) -> None:
-    # R-STEER-1: steering that reaches a session being closed never runs (its task is
-    # interrupted, and a closed session starts none). The client was answered queued:
-    # true all the same; it now gets error 410 saying the input was dropped.
+    # R-STEER-1, R-STEER-6, R-HOST-3: input that reaches a session being closed never
+    # runs: its task is interrupted, and a closed session starts none. The client was
+    # answered queued: true all the same (a follow-up even ran, in the closed session);
+    # it now gets error 410 saying the input was dropped.
     ending, let_end = hold_task_end(monkeypatch)
-    steered = steered_event(monkeypatch)
+    steered = steered_event(monkeypatch, method)
     read, let_input_go = trio.Event(), trio.Event()
     attach: Callable[..., Awaitable[Any]] = Session.attach
 
@@ -138,7 +141,7 @@ async def test_steering_a_closing_session_is_told_it_was_dropped(
             await gates.started("a")
             monkeypatch.setattr(Session, "attach", read_then_wait)
             await client.send(
-                {"jsonrpc": "2.0", "id": "dropped", "method": "steer",
+                {"jsonrpc": "2.0", "id": "dropped", "method": method,
                  "params": {"session_id": sid, "input": "TOO LATE"}}
             )
             await read.wait()
@@ -152,4 +155,5 @@ async def test_steering_a_closing_session_is_told_it_was_dropped(
             answer = await client.response("dropped")
             assert answer["error"]["code"] == jsonrpc.GONE == 410, answer
             assert "dropped" in answer["error"]["message"]
+            await server.host.close_session(sid)  # waits for the session's work to end
             assert len(server.providers[0].requests) == 1  # the words reached no model

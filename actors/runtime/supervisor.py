@@ -45,7 +45,7 @@ import logging
 import math
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar, assert_never
+from typing import TypeVar, assert_never
 
 import trio
 
@@ -328,7 +328,7 @@ class SessionSupervisor:
                 else:
                     machine.queue_task(message.follow_up)
             case TaskQueued():
-                machine.queue_task(_queued(self._out, self._port, message), message.kind)
+                _queue_task(self._out, self._port, message)
             case InterruptTask():
                 # A node's own interrupt leaves its background children running: their
                 # answers still reach it, as follow-ups (not when the session closes).
@@ -584,16 +584,21 @@ class SessionSupervisor:
         return (result[0],) if result and not self._machine.stopping else None
 
 
-def _queued(out: OutputEmitter, port: SessionPort, message: TaskQueued) -> Any:
-    """The task ``message`` queues. A user's follow-up is recorded first (``task_queued``,
-    written at once, its ``recorded`` set once the store is done with it, fsynced with the
-    trace's next sync), so that a host that takes the session up runs it (R-STEER-6). A
-    background child's report is not: its parent gets it from the child's own trace when
-    the child is taken up (``child_reports``), and recording it here too would deliver it
-    twice."""
-    if not message.follow_up or not isinstance(message.task, TaskInput):
-        return message.task
-    return _record_follow_up(out, port, message.task, message.recorded)
+def _queue_task(out: OutputEmitter, port: SessionPort, message: TaskQueued) -> None:
+    """Queue the task ``message`` brings. A user's follow-up is recorded first
+    (``task_queued``, written at once, its ``recorded`` settled once the store is done with
+    it, fsynced with the trace's next sync), so that a host that takes the session up runs
+    it (R-STEER-6); a closing session takes none (it accepts no more work: R-HOST-3), and
+    ``recorded`` says it was dropped. A background child's report is not recorded: its
+    parent gets it from the child's own trace when the child is taken up
+    (``child_reports``), and recording it here too would deliver it twice."""
+    task = message.task
+    if message.follow_up and isinstance(task, TaskInput):
+        if port.closed:
+            drop_unrun(message.recorded, f"session {port.id} closed before the follow-up ran")
+            return
+        task = _record_follow_up(out, port, task, message.recorded)
+    port.machine.queue_task(task, message.kind)
 
 
 def _record_follow_up(
