@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
+from typing import Any
 
+import pytest
 import trio
 from conftest import collect
 
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, ScriptedStream, text
 from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.llm_streamer import LLMStreamer
 from greenroom.protocols.context import ModelRequest, UserMessage
 from greenroom.protocols.tools import tool
 
@@ -107,3 +110,30 @@ async def test_a_title_too_long_is_cut_at_a_word_and_says_so(tmp_path: Path) -> 
     assert title == "Revenue, costs and margins per region: an overview of the…"
     assert len(title) <= 60
     assert word == "Supercalifr…"
+
+
+async def test_a_title_whose_streamer_stops_as_it_starts_is_no_title_and_no_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-HOST-5, R-HOST-3: a title asked for as the host shuts down can find its streamer
+    stopped as soon as it started (cancelled before it took the request; trio may run it
+    before the caller resumes). That is no title, not a BrokenResourceError raised into
+    the gateway's title task, which ended `greenroom serve` on its SIGINT with a
+    traceback."""
+    provider = ScriptedProvider([Reply(blocks=(text("Sure."),)), Reply(blocks=(text("T"),))])
+    async with Host.open(tmp_path / "data") as host:
+        session = await host.create_session(provider=provider, workspace_dir=tmp_path)
+        await collect(session.run("Summarize the sales per region"))
+
+        async def stops_at_once(
+            self: LLMStreamer,
+            commands: trio.MemoryReceiveChannel[Any],
+            *,
+            task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+        ) -> None:
+            task_status.started()
+            commands.close()  # as its cancelled loop leaves it
+
+        monkeypatch.setattr(LLMStreamer, "run", stops_at_once)
+        with trio.fail_after(10):
+            assert await session.generate_title() == ""

@@ -884,7 +884,12 @@ async def _title(port: SessionPort, max_chars: int) -> str:
     streamer = LLMStreamer(port.provider.open_task(), batches_send, port.requester())
     async with trio.open_nursery() as nursery:
         await nursery.start(streamer.run, commands)
-        commands_send.send_nowait(StartAttempt(request=request, attempt=1, delay_ms=0))
+        try:
+            commands_send.send_nowait(StartAttempt(request=request, attempt=1, delay_ms=0))
+        except trio.BrokenResourceError:
+            # The streamer stopped as soon as it started (cancelled with its host's
+            # shutdown): no title, and nothing to raise into whoever asked for one.
+            batches_send.close()
         async for batch in batches:
             assert isinstance(batch, StreamBatch)
             if response.feed(batch.events):
