@@ -160,6 +160,7 @@ class _FakeParent:
     def __init__(self) -> None:
         self.inbox: trio.MemorySendChannel[SupervisorMessage] | None = None
         self.published: list[list[outputs.Output]] = []
+        self.parked_task = None  # not parked: no run's reader besides its subscribers
 
     def send(self, message: SupervisorMessage) -> bool:
         assert self.inbox is not None

@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 from conftest import RUN_TIMEOUT_S, open_host, trace_lines
 
@@ -541,11 +542,16 @@ async def _collector_then_park(
 
 
 async def _answer_the_parked_grandchild(
-    host: Host, model: ScriptedProvider, tools: list[Any], ids: tuple[str, str, str]
+    host: Host,
+    model: ScriptedProvider,
+    tools: list[Any],
+    ids: tuple[str, str, str],
+    *,
+    answer_payer: bool = True,
 ) -> list[Output]:
-    """Load the tree of :func:`_collector_then_park` in ``host`` (started again), allow
-    the collector's pay call, then once its task has ended the payer's; the root's outputs
-    up to its task's end."""
+    """Load the tree of :func:`_collector_then_park` in ``host`` (started again, or the
+    same), allow the collector's pay call, then once its task has ended the payer's (unless
+    not ``answer_payer``); the root's outputs up to its task's end."""
     root_id, payer_id, collector_id = ids
     root = await host.load_session(root_id, provider=model, tools=tools)
     await host.load_session(payer_id, provider=model, tools=tools)
@@ -558,32 +564,54 @@ async def _answer_the_parked_grandchild(
     with trio.fail_after(RUN_TIMEOUT_S):
         await host.answer_approval(collector_id, asked[collector_id], "allow")
         await _until_task_end(collector_outputs)
-        await host.answer_approval(payer_id, asked[payer_id], "allow")
+        if answer_payer:
+            await host.answer_approval(payer_id, asked[payer_id], "allow")
         return await _until_task_end(inbox)
 
 
-async def test_a_token_budget_counts_a_grandchild_taken_up_after_a_restart(
-    data_dir: Path, workspace: Path
+@pytest.mark.parametrize("restart", [True, False], ids=["after_a_restart", "same_host"])
+async def test_a_parked_node_is_interrupted_when_its_subtree_passes_its_token_budget(
+    data_dir: Path, workspace: Path, restart: bool
 ) -> None:
-    """R-TREE-3: the payer may use subagent_token_budget=50,000 tokens with its
-    subagents; it used 20,010 and its background collector 10, both parked, and the host
-    restarted. Answered on the next host, the collector uses 35,000 more (35,010: within
-    its own budget), which brings the payer's subtree to 55,020, past the payer's: the
-    payer's report is the budget's error (the taken-up collector's requests did not reach
-    the payer before, which reported paid 7 at 20,030)."""
+    """R-TREE-3, R-HITL-3: the payer may use subagent_token_budget=50,000 tokens with its
+    subagents; it used 20,010 and its background collector 10, both parked (and the host
+    restarted, or not). The collector, answered, uses 35,000 more, which brings the
+    payer's subtree to 55,020 while the payer still waits for a person: the payer is
+    interrupted there — its pay call is not run and nobody is asked about it any more —
+    and its report names the budget. Before, the payer waited on and would have paid 7
+    once allowed: after a restart its watch's interrupt reached no supervisor and was
+    lost; in the same host its watch did not even see the collector's tokens (a parked
+    run's reader got none of its subtree's outputs)."""
     paid: list[int] = []
     model = ScriptedProvider(_collecting_payer_model)
     tools = [_pay_tool(paid), spawn_subagent]
+
+    async def answer_the_collector(host: Host, ids: tuple[str, str, str]) -> list[Output]:
+        seen = await _answer_the_parked_grandchild(host, model, tools, ids, answer_payer=False)
+        assert await host.pending_approvals() == []
+        return seen
+
     async with open_host(data_dir) as host:
         ids = await _collector_then_park(
             host, model, tools, workspace, subagent_token_budget=50_000
         )
+        if not restart:
+            seen = await answer_the_collector(host, ids)
     async with open_host(data_dir) as host:
-        seen = await _answer_the_parked_grandchild(host, model, tools, ids)
-    assert paid[0] == 3
+        if restart:
+            seen = await answer_the_collector(host, ids)
+        payer_lines = trace_lines(await host.load_session(ids[1]))
+    assert paid == [3]
     (report,) = _reports(seen)
     assert report.startswith("[subagent payer finished]"), report
     assert "used 55020 tokens, over its budget of 50000" in report, report
+    end = next(line for line in payer_lines if line["type"] == "task_end")
+    assert end["status"] == "aborted" and "subagent token budget exceeded" in end["message"], end
+    (pay,) = [
+        line for line in payer_lines
+        if line["type"] == "tool_call_output" and line["call_id"] == "p1"
+    ]
+    assert pay["status"] == "interrupted", pay
 
 
 async def test_the_roots_watch_sees_a_grandchild_taken_up_after_a_restart_once(

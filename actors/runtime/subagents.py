@@ -343,7 +343,9 @@ class ChildWatch:
                     self.used += output.request.total
                     if 0 <= self.budget < self.used:
                         self.exceeded = True
-                        self._child.send(
+                        # Delivered, not sent: a child parked on a person's answer has no
+                        # supervisor to read it; it wakes for it (R-HITL-3).
+                        self._child.deliver(
                             InterruptTask(
                                 reason=f"subagent token budget exceeded: {self.used} tokens "
                                 f"used, the budget is {self.budget}",

@@ -10,12 +10,13 @@ What crosses an edge:
 * **Outputs, up.** A child's port has :func:`forward_up` among its subscribers from its
   creation: each batch it publishes goes to its parent's supervisor as ``SubagentOutputs``
   (emitted as live outputs of the parent's run, with ``origin``) while the parent has
-  work, and straight to the parent's own subscribers, tagged with ``origin``, while it has
-  none. The parent's own forwarder takes them on up, so the root's watchers see every
-  node's outputs, whatever each node is doing (R-TREE-1, R-HOST-4). A subagent loaded
-  again (taken up after a restart, at any depth) has :func:`forward_up_while_open`
-  instead, from its load: the same, to its parent while that is open in the host — so its
-  requests still count against every ancestor's ``subagent_token_budget`` (R-TREE-3).
+  work, and straight to the parent's own subscribers (and the reader of its parked run),
+  tagged with ``origin``, while it has none. The parent's own forwarder takes them on
+  up, so the root's watchers see every node's outputs, whatever each node is doing
+  (R-TREE-1, R-HOST-4). A subagent loaded again (taken up after a restart, at any depth)
+  has :func:`forward_up_while_open` instead, from its load: the same, to its parent while
+  that is open in the host — so its requests still count against every ancestor's
+  ``subagent_token_budget`` (R-TREE-3).
 * **Answers, up.** A background child's end reaches its parent as input (R-TREE-2):
   :func:`tell` hands ``SubagentFinished`` to the parent's work — steering of its open task —
   or, when it is idle, starts a follow-up task through the host.
@@ -28,6 +29,7 @@ What crosses an edge:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -140,7 +142,14 @@ def _hand_up(parent: SessionPort, origin: tuple[str, ...], batch: list[Output]) 
         return
     # No supervisor reads the parent's inbox (it is idle, or parked): its watchers still
     # see the child, tagged as the supervisor's emitter would have tagged it.
-    parent.publish([o if o.origin is not None else attrs.evolve(o, origin=origin) for o in batch])
+    tagged = [o if o.origin is not None else attrs.evolve(o, origin=origin) for o in batch]
+    parent.publish(tagged)
+    parked = parent.parked_task
+    if parked is not None and parked.output is not None:
+        # And so does the reader of its parked run, as the emitter's would: the follower
+        # of a parked background child counts its subtree's tokens (R-TREE-3).
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            parked.output.send_nowait(tagged)
 
 
 def end_subtree(port: SessionPort, reason: str) -> bool:
