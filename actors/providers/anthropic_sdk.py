@@ -16,9 +16,7 @@ the words the lean path uses for the same failure.
 
 from __future__ import annotations
 
-import datetime
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
 
 import anthropic
 import httpx2
@@ -28,6 +26,7 @@ from greenroom.actors.providers.base import (
     connect_failure,
     transport_failure,
 )
+from greenroom.actors.providers.httpx2_bodies import BoundedStream
 from greenroom.actors.providers.lean_http import TimeoutSettings
 from greenroom.actors.providers.library_bodies import BodyBounds
 from greenroom.actors.providers.media import TaskImages
@@ -130,30 +129,6 @@ class SDKClients:
         shards, self._shards = self._shards, []
         for shard in shards:
             await shard.client.close()
-
-
-class BoundedStream(httpx2.AsyncByteStream):
-    """A response body read through :func:`~greenroom.actors.providers.library_bodies.
-    bounded_body`: yields ``pieces``, and closing it closes the library's own ``inner``."""
-
-    def __init__(self, inner: httpx2.AsyncByteStream, pieces: AsyncGenerator[bytes, None]) -> None:
-        self._inner = inner
-        self._pieces = pieces
-
-    @property
-    def elapsed(self) -> datetime.timedelta | None:
-        """The library's own body's ``elapsed``, which ``httpx2.Response.elapsed`` reads."""
-        elapsed: datetime.timedelta | None = getattr(self._inner, "elapsed", None)
-        return elapsed
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for piece in self._pieces:
-            yield piece
-
-    async def aclose(self) -> None:
-        """Stop reading and give the connection back (closed when the body was cut)."""
-        await self._pieces.aclose()
-        await self._inner.aclose()
 
 
 class SDKTask:

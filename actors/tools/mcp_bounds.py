@@ -15,50 +15,37 @@ newline, with no limit and no place to put one short of a transport of greenroom
 
 from __future__ import annotations
 
-import datetime
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import httpx2
 from mcp.client.streamable_http import DEFAULT_MAX_SSE_EVENT_SIZE
 from mcp.shared._httpx_utils import create_mcp_http_client
 
+from greenroom.actors.providers.httpx2_bodies import BoundedStream
 from greenroom.actors.providers.library_bodies import body_encoding, bounded_body
 
 MAX_MESSAGE_BYTES = DEFAULT_MAX_SSE_EVENT_SIZE
 """The most of one JSON message body that is read: the SDK's own bound for an SSE event."""
 
 
-class _BoundedMessage(httpx2.AsyncByteStream):
-    """A JSON message body that fails once it has given ``limit`` bytes and more follow."""
-
-    def __init__(self, inner: httpx2.AsyncByteStream, encoding: str, limit: int) -> None:
-        self._inner = inner
-        self._pieces = bounded_body(inner, encoding, limit + 1, httpx2.RemoteProtocolError)
-        self._limit = limit
-
-    @property
-    def elapsed(self) -> datetime.timedelta | None:
-        """The library's own body's ``elapsed``, which ``httpx2.Response.elapsed`` reads."""
-        elapsed: datetime.timedelta | None = getattr(self._inner, "elapsed", None)
-        return elapsed
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        size = 0
-        async for piece in self._pieces:
+async def _message_pieces(
+    pieces: AsyncGenerator[bytes, None], limit: int
+) -> AsyncGenerator[bytes, None]:
+    """``pieces`` of a JSON message body, failing once they pass ``limit`` bytes."""
+    size = 0
+    try:
+        async for piece in pieces:
             size += len(piece)
-            if size > self._limit:
+            if size > limit:
                 # The SDK answers the request with this error (a StreamError is what it
                 # catches around reading a JSON body); nothing more of it is read.
                 raise httpx2.StreamError(
-                    f"the MCP server's message is larger than {self._limit >> 20} MiB "
+                    f"the MCP server's message is larger than {limit >> 20} MiB "
                     "(greenroom reads no more of one message)"
                 )
             yield piece
-
-    async def aclose(self) -> None:
-        """Stop reading and give the connection back (closed when the body was cut)."""
-        await self._pieces.aclose()
-        await self._inner.aclose()
+    finally:
+        await pieces.aclose()
 
 
 async def bound_messages(response: httpx2.Response) -> None:
@@ -71,7 +58,8 @@ async def bound_messages(response: httpx2.Response) -> None:
     encoding = body_encoding(response)
     if "content-encoding" in response.headers:
         del response.headers["content-encoding"]
-    response.stream = _BoundedMessage(stream, encoding, MAX_MESSAGE_BYTES)
+    pieces = bounded_body(stream, encoding, MAX_MESSAGE_BYTES + 1, httpx2.RemoteProtocolError)
+    response.stream = BoundedStream(stream, _message_pieces(pieces, MAX_MESSAGE_BYTES))
 
 
 def bounded_http_client(
