@@ -154,6 +154,40 @@ def test_a_session_no_longer_replicated_says_so_instead_of_passing_records_for_d
     }
 
 
+async def _after_a_record_too_large(
+    conn: Connection, data_dir: Path, huge: str, *, sync_first: bool
+) -> dict[str, object]:
+    """Sessions "huge" and "other" replicated; record 1 of "huge" (synced alone when
+    ``sync_first``), then its record 2 ``huge``, then record 1 of "other": what the sync of
+    "huge" raised, which sessions stopped here, and the seqs each has in the cluster."""
+    traces = await TraceStream.open(conn)
+    stopped: list[str] = []
+    store = ReplicatingTraceStore(data_dir, on_fenced=stopped.append)
+    log = store.log
+    found: dict[str, object] = {}
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        await _replicated_from_host_a(store, traces, nursery, "huge", "other")
+        log.append("huge", 1, record("huge", 1))
+        if sync_first:
+            await log.sync("huge")
+        log.append("huge", 2, huge)
+        try:
+            await log.sync("huge")
+        except TraceWriteError as exc:
+            found["sync"] = type(exc).__name__
+            found["why"] = "max_payload" in str(exc)
+        log.append("other", 1, record("other", 1))
+        await log.sync("other")
+        nursery.cancel_scope.cancel()
+    await store.aclose()
+    found["stopped"] = stopped
+    found["in_cluster"] = {
+        sid: [r.seq for r in (await traces.read(sid)).records] for sid in ("huge", "other")
+    }
+    return found
+
+
 def test_a_record_larger_than_nats_takes_stops_its_session_not_the_host(
     nats_server: NatsProcess, tmp_path: Path
 ) -> None:
@@ -163,31 +197,8 @@ def test_a_record_larger_than_nats_takes_stops_its_session_not_the_host(
     # here, as a fenced one does (its trace in the cluster goes on without the record),
     # and the others replicate on (R-SEC-9, R-CLUSTER-2).
     async def body(conn: Connection) -> dict[str, object]:
-        traces = await TraceStream.open(conn)
-        stopped: list[str] = []
-        store = ReplicatingTraceStore(tmp_path, on_fenced=stopped.append)
-        log = store.log
-        found: dict[str, object] = {}
-        async with trio.open_nursery() as nursery:
-            await nursery.start(store.run)
-            await _replicated_from_host_a(store, traces, nursery, "huge", "other")
-            log.append("huge", 1, record("huge", 1))
-            padded = record("huge", 2).rstrip("\n") + " " * conn.client.max_payload + "\n"
-            log.append("huge", 2, padded)
-            try:
-                await log.sync("huge")
-            except TraceWriteError as exc:
-                found["sync"] = type(exc).__name__
-                found["why"] = "max_payload" in str(exc)
-            log.append("other", 1, record("other", 1))
-            await log.sync("other")
-            nursery.cancel_scope.cancel()
-        await store.aclose()
-        found["stopped"] = stopped
-        found["in_cluster"] = {
-            sid: [r.seq for r in (await traces.read(sid)).records] for sid in ("huge", "other")
-        }
-        return found
+        padded = record("huge", 2).rstrip("\n") + " " * conn.client.max_payload + "\n"
+        return await _after_a_record_too_large(conn, tmp_path, padded, sync_first=False)
 
     assert run_connected(nats_server.url, body, timeout_s=20.0) == {
         "sync": "UnreplicableRecord",
@@ -230,31 +241,8 @@ def test_a_record_that_fits_nats_only_without_its_headers_stops_its_session_not_
     # session of the host losing its connection each time. Such a record is now too
     # large before it is sent: only its session stops (R-SEC-9, R-CLUSTER-2).
     async def body(conn: Connection) -> dict[str, object]:
-        traces = await TraceStream.open(conn)
-        stopped: list[str] = []
-        store = ReplicatingTraceStore(tmp_path / "data", on_fenced=stopped.append)
-        log = store.log
-        found: dict[str, object] = {}
-        async with trio.open_nursery() as nursery:
-            await nursery.start(store.run)
-            await _replicated_from_host_a(store, traces, nursery, "huge", "other")
-            log.append("huge", 1, record("huge", 1))
-            await log.sync("huge")
-            log.append("huge", 2, record_of("huge", 2, conn.client.max_payload - 8))
-            try:
-                await log.sync("huge")
-            except TraceWriteError as exc:
-                found["sync"] = type(exc).__name__
-                found["why"] = "max_payload" in str(exc)
-            log.append("other", 1, record("other", 1))
-            await log.sync("other")
-            nursery.cancel_scope.cancel()
-        await store.aclose()
-        found["stopped"] = stopped
-        found["in_cluster"] = {
-            sid: [r.seq for r in (await traces.read(sid)).records] for sid in ("huge", "other")
-        }
-        return found
+        huge = record_of("huge", 2, conn.client.max_payload - 8)
+        return await _after_a_record_too_large(conn, tmp_path / "data", huge, sync_first=True)
 
     with running_nats(tmp_path / "nats", max_payload=SMALL_PAYLOAD) as server:
         assert run_connected(server.url, body, timeout_s=20.0) == {
