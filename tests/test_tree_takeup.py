@@ -309,6 +309,19 @@ async def _answer_the_parked_child(
         return root, await _until_task_end(inbox)
 
 
+def _assert_the_payer_stopped_by_its_tree_budget(
+    seen: list[Output], paid: list[int], requests_since: int
+) -> None:
+    """The payer, answered on the next host, paid once and then was refused by
+    ``tree_cost_budget_usd=0.5``: its one report names it, and the only request after the
+    restart is the root's merge, not the payer's answer."""
+    assert paid == [7]
+    (report,) = _reports(seen)
+    assert report.startswith("[subagent payer finished]"), report
+    assert "budget_exceeded" in report and "tree_cost_budget_usd=0.5" in report, report
+    assert requests_since == 1
+
+
 def _reports(seen: list[Output]) -> list[str]:
     return [
         o.content[0].text  # type: ignore[union-attr]
@@ -391,11 +404,7 @@ async def test_a_subtree_budget_holds_for_a_background_child_answered_after_a_re
     requests = len(model.requests)
     async with Host.open(data_dir, prices=prices) as host:
         root, seen = await _answer_the_parked_child(host, model, tools, root_id, child_id)
-    assert paid == [7]
-    (report,) = _reports(seen)
-    assert report.startswith("[subagent payer finished]"), report
-    assert "budget_exceeded" in report and "tree_cost_budget_usd=0.5" in report, report
-    assert len(model.requests) == requests + 1  # the root's merge, not the payer's answer
+    _assert_the_payer_stopped_by_its_tree_budget(seen, paid, len(model.requests) - requests)
 
 
 async def test_a_token_budget_holds_for_a_background_child_answered_after_a_restart(
@@ -475,11 +484,7 @@ async def test_a_subtree_budget_counts_a_reloaded_childs_subagents_from_before_a
     requests = len(model.requests)
     async with Host.open(data_dir, prices=prices) as host:
         _, seen = await _answer_the_parked_child(host, model, tools, root_id, child_id)
-    assert paid == [7]
-    (report,) = _reports(seen)
-    assert report.startswith("[subagent payer finished]"), report
-    assert "budget_exceeded" in report and "tree_cost_budget_usd=0.5" in report, report
-    assert len(model.requests) == requests + 1  # the root's merge, not the payer's answer
+    _assert_the_payer_stopped_by_its_tree_budget(seen, paid, len(model.requests) - requests)
 
 
 async def test_a_token_budget_counts_a_reloaded_childs_subagents_from_before_a_restart(
