@@ -17,6 +17,7 @@ import math
 import ssl
 import zlib
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -238,6 +239,14 @@ async def _listen() -> tuple[trio.SocketListener, int]:
     return listener, listener.socket.getsockname()[1]
 
 
+async def _answer_once(listener: trio.SocketListener, response: bytes) -> None:
+    """Accept one connection, read its request, send ``response`` whole and close."""
+    stream = await listener.accept()
+    await stream.receive_some(65536)
+    await stream.send_all(response)
+    await stream.aclose()
+
+
 @pytest.mark.parametrize("wire", sorted(WIRES))
 async def test_a_write_timeout_fails_the_same(wire: str) -> None:
     """A server that accepts the connection and never reads: a request larger than the
@@ -384,12 +393,7 @@ async def test_a_compressed_body_is_inflated_a_bounded_piece_at_a_time() -> None
     )
     listener, port = await _listen()
 
-    async def answer() -> None:
-        stream = await listener.accept()
-        await stream.receive_some(65536)
-        await stream.send_all(head + payload)
-        await stream.aclose()
-
+    answer = partial(_answer_once, listener, head + payload)
     pool = ConnectionPool()
     sizes: list[int] = []
     with trio.fail_after(BOUND_S):
@@ -651,12 +655,7 @@ async def test_bad_chunked_bodies_are_protocol_errors(body: bytes, error: str) -
     head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
     listener, port = await _listen()
 
-    async def answer() -> None:
-        stream = await listener.accept()
-        await stream.receive_some(65536)
-        await stream.send_all(head + body)
-        await stream.aclose()
-
+    answer = partial(_answer_once, listener, head + body)
     pool = ConnectionPool()
     with trio.fail_after(BOUND_S):
         async with trio.open_nursery() as nursery:
