@@ -246,6 +246,9 @@ def test_a_forwarded_run_whose_task_began_is_never_reported_as_not_started(
 
 PLACED_TIMEOUT_S = 1.0
 """The placing gateway's bound on a forwarded call (``request_timeout_s``)."""
+IN_TIME_TIMEOUT_S = LEASE_TTL_S
+"""A placing gateway's bound long enough for a placed host to make a session within it on
+a loaded machine."""
 
 
 def test_a_large_forwarded_call_is_carried_or_refused_clearly(
@@ -311,6 +314,55 @@ def test_an_answer_larger_than_nats_carries_is_an_error_saying_so() -> None:
     assert "carried out" in error["message"] and "max_payload" in error["message"]
 
 
+@asynccontextmanager
+async def _placing_on_b(
+    conn: Connection, url: str, tmp_path: Path, *, request_timeout_s: float
+) -> AsyncIterator[tuple[Member, Member, str]]:
+    """Hosts a and b (each forwarding with ``request_timeout_s``), a carrying one session
+    (its id) and b none, b taking placed sessions: a's gateway places the next one on b."""
+    async with (
+        _member(conn, url, tmp_path, "a", request_timeout_s=request_timeout_s) as a,
+        _member(conn, url, tmp_path, "b", request_timeout_s=request_timeout_s) as b,
+    ):
+        loaded = await a.host.create_session(
+            provider=ScriptedProvider([]), workspace_dir=tmp_path / "ws"
+        )
+        registry = await HostRegistry.open(conn, ttl_s=LEASE_TTL_S)
+
+        async def b_placeable() -> bool:
+            return any(h.host_id == "b" and h.placeable for h in await registry.hosts())
+
+        await _until(b_placeable)
+        yield a, b, loaded.id
+
+
+async def _left_after_placing(
+    conn: Connection, a: Member, b: Member, loaded: str, told: str
+) -> dict[str, Any]:
+    """What a placement left once the cluster settles (bounded): whether a serves ``told``
+    (the session its client was told of), b's sessions in memory and stored, and the
+    sessions of the cluster's directory besides a's ``loaded`` one."""
+    directory = await SessionDirectory.open(conn)
+    expected = {loaded, told}
+
+    async def settled() -> bool:
+        return (
+            set(await directory.ids()) == expected
+            and not b.host.sessions
+            and not await b.host.list_sessions()
+        )
+
+    with trio.move_on_after(LEASE_TTL_S):
+        await _until(settled)
+    return {
+        "told": told,
+        "told_on_a": a.node.serves(told),
+        "on_b": [s.id for s in b.host.sessions],
+        "stored_on_b": [s.session_id for s in await b.host.list_sessions()],
+        "in_cluster": set(await directory.ids()) - {loaded},
+    }
+
+
 def test_a_placed_create_finished_after_the_gateway_gave_up_leaves_one_session(
     tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -322,28 +374,21 @@ def test_a_placed_create_finished_after_the_gateway_gave_up_leaves_one_session(
     b_done = trio.Event()
     for_host = OwnerDesk.for_host
 
-    async def watched_for_host(self: OwnerDesk, *args: Any) -> dict[str, Any]:
-        reply = await for_host(self, *args)
-        placed.append(reply)
-        b_done.set()
+    async def watched_for_host(
+        self: OwnerDesk, message: dict[str, Any], *args: Any
+    ) -> dict[str, Any]:
+        reply = await for_host(self, message, *args)
+        if message.get("method") == "session.create":
+            placed.append(reply)
+            b_done.set()
         return reply
 
     monkeypatch.setattr(OwnerDesk, "for_host", watched_for_host)
 
     async def body(conn: Connection) -> dict[str, Any]:
-        async with (
-            _member(conn, nats_server.url, tmp_path, "a", request_timeout_s=PLACED_TIMEOUT_S) as a,
-            _member(conn, nats_server.url, tmp_path, "b", request_timeout_s=PLACED_TIMEOUT_S) as b,
-        ):
-            loaded = await a.host.create_session(
-                provider=ScriptedProvider([]), workspace_dir=tmp_path / "ws"
-            )
-            registry = await HostRegistry.open(conn, ttl_s=LEASE_TTL_S)
-
-            async def b_placeable() -> bool:
-                return any(h.host_id == "b" and h.placeable for h in await registry.hosts())
-
-            await _until(b_placeable)
+        async with _placing_on_b(
+            conn, nats_server.url, tmp_path, request_timeout_s=PLACED_TIMEOUT_S
+        ) as (a, b, loaded):
             asked, release = trio.Event(), trio.Event()
             create = b.host.create_session
 
@@ -358,22 +403,7 @@ def test_a_placed_create_finished_after_the_gateway_gave_up_leaves_one_session(
             assert asked.is_set()  # it was placed on b first
             release.set()
             await b_done.wait()
-            found: dict[str, Any] = {
-                "told": told,
-                "told_on_a": a.node.serves(told),
-                "on_b": [s.id for s in b.host.sessions],
-                "stored_on_b": [s.session_id for s in await b.host.list_sessions()],
-            }
-            directory = await SessionDirectory.open(conn)
-            expected = {loaded.id, told}
-
-            async def settled() -> bool:
-                return set(await directory.ids()) == expected
-
-            with trio.move_on_after(LEASE_TTL_S):
-                await _until(settled)
-            found["in_cluster"] = set(await directory.ids()) - {loaded.id}
-            return found
+            return await _left_after_placing(conn, a, b, loaded, told)
 
     found = run_connected(nats_server.url, body, timeout_s=BOUND_S)
     assert found["told_on_a"], found
@@ -382,6 +412,50 @@ def test_a_placed_create_finished_after_the_gateway_gave_up_leaves_one_session(
     (reply,) = placed
     assert reply["error"]["code"] == OWNER_UNREACHABLE, reply
     assert reply["error"]["data"] == {"outcome": NOT_DONE}, reply
+
+
+def test_a_placed_create_answered_after_the_gateway_gave_up_leaves_one_session(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """b makes the placed session well within its bound and then stalls: its answer is
+    held until a's gateway has given up on b (a second past that bound) and answered its
+    client with a session of its own. The session the client was told of is the only one
+    its create made: a withdraws the placement and b deletes the session it made, here
+    and in the cluster (before: b's empty session stayed, listed and counted against the
+    principal's cap)."""
+    answered: list[dict[str, Any]] = []
+    made, release = trio.Event(), trio.Event()
+    for_host = OwnerDesk.for_host
+
+    async def stalled_for_host(
+        self: OwnerDesk, message: dict[str, Any], *args: Any
+    ) -> dict[str, Any]:
+        reply = await for_host(self, message, *args)
+        if message.get("method") == "session.create":
+            answered.append(reply)
+            made.set()
+            await release.wait()  # b stalls between its answer and NATS
+        return reply
+
+    monkeypatch.setattr(OwnerDesk, "for_host", stalled_for_host)
+
+    async def body(conn: Connection) -> dict[str, Any]:
+        async with _placing_on_b(
+            conn, nats_server.url, tmp_path, request_timeout_s=IN_TIME_TIMEOUT_S
+        ) as (a, b, loaded):
+            async with _client(a) as client:
+                told = (await client.result("session.create"))["session_id"]
+            assert made.is_set()  # it was placed on b first
+            release.set()
+            return await _left_after_placing(conn, a, b, loaded, told)
+
+    found = run_connected(nats_server.url, body, timeout_s=BOUND_S)
+    (reply,) = answered
+    assert isinstance(reply.get("result", {}).get("session_id"), str), reply  # made in time
+    assert reply["result"]["session_id"] != found["told"]
+    assert found["told_on_a"], found
+    assert found["on_b"] == [] and found["stored_on_b"] == [], found
+    assert found["in_cluster"] == {found["told"]}, found
 
 
 SMALL_PAYLOAD = 128 * 1024

@@ -14,6 +14,7 @@ from greenroom.actors.cluster.registry import HostRecord, HostRegistry, SessionD
 from greenroom.actors.cluster.router import (
     ACCEPTED_METHOD,
     OWNER_UNREACHABLE,
+    WITHDRAWN_METHOD,
     ClusterRouter,
     OwnerDesk,
 )
@@ -47,9 +48,7 @@ def _desk(serving: set[str]) -> tuple[OwnerDesk, _Gateway]:
     async def until_serving(_session_id: str) -> None:
         return None
 
-    desk = OwnerDesk(
-        cast(Gateway, gateway), serving.__contains__, until_serving, bound_s=BOUND_S
-    )
+    desk = OwnerDesk(cast(Gateway, gateway), serving.__contains__, until_serving, bound_s=BOUND_S)
     return desk, gateway
 
 
@@ -60,14 +59,10 @@ def test_forwarded_calls_answer_like_a_gateway_connection() -> None:
         replies = [
             # The session id is the subject's, whatever the params say.
             await handle({"method": "run", "params": {"session_id": "x"}, "principal": "alice"}),
-            await handle(
-                {"method": "run", "params": {"input": "busy"}, "principal": "alice"}
-            ),
+            await handle({"method": "run", "params": {"input": "busy"}, "principal": "alice"}),
             await handle({"method": "initialize", "params": {}, "principal": "alice"}),
             await handle({"method": "run", "params": {}}),
-            await desk.for_session("s2")(
-                {"method": "run", "params": {}, "principal": "alice"}
-            ),
+            await desk.for_session("s2")({"method": "run", "params": {}, "principal": "alice"}),
         ]
         assert gateway.callers == ["alice", "alice"]
         return replies
@@ -281,8 +276,10 @@ class _PlacedHost:
 
     def __init__(self) -> None:
         self.sessions = {"new-1"}
+        self.deleted: list[str] = []
 
     async def delete_session(self, session_id: str) -> None:
+        self.deleted.append(session_id)
         self.sessions.discard(session_id)
 
 
@@ -329,6 +326,76 @@ def test_a_placed_create_is_answered_within_its_bound_or_undone() -> None:
         assert reply["error"]["code"] == OWNER_UNREACHABLE, reply
         assert reply["error"]["data"] == {"outcome": NOT_DONE}, reply
         assert kept == set()
+
+
+def test_a_withdrawn_placement_leaves_no_session_whichever_comes_first() -> None:
+    """The gateway withdraws a placed create it gave up on (``session.create.withdrawn``
+    with the create's ``placement``), and the two may be taken up here in either order:
+    withdrawn first, nothing is made; withdrawn while the session is being made, or after
+    it was answered (the answer late: this host stalled), the session is deleted, once.
+    Before, a session answered in time stayed however late its answer arrived."""
+
+    async def place(withdrawn: str) -> tuple[Any, list[str], bool, bool]:
+        gateway = _Gateway()
+        host = _PlacedHost()
+        cast(Any, gateway).host = host
+        creating, release = trio.Event(), trio.Event()
+
+        async def create(connection: Any, params: dict[str, Any]) -> Any:
+            creating.set()
+            await release.wait()
+            return {"session_id": "new-1"}
+
+        gateway.methods["session.create"] = create
+        desk = OwnerDesk(
+            cast(Gateway, gateway), {"s1"}.__contains__, _served_at_once, bound_s=BOUND_S
+        )
+        placed = {
+            "method": "session.create",
+            "params": {},
+            "principal": "alice",
+            "within_s": 1.0,
+            "placement": "p1",
+        }
+        withdrawal = {"method": WITHDRAWN_METHOD, "params": {"placement": "p1"}, "principal": "a"}
+        found: dict[str, Any] = {}
+
+        async def create_it() -> None:
+            found["reply"] = await desk.for_host(placed, Answering())
+
+        async def withdraw() -> None:
+            found["withdrawn"] = await desk.for_host(withdrawal, Answering())
+
+        async with trio.open_nursery() as nursery:
+            if withdrawn == "first":
+                await withdraw()
+            nursery.start_soon(create_it)
+            if withdrawn == "while made":
+                await creating.wait()
+                await withdraw()
+            release.set()
+        if withdrawn == "after":
+            await withdraw()
+            await withdraw()  # again: nothing more to undo
+        return found["reply"], host.deleted, creating.is_set(), found["withdrawn"]
+
+    def run(withdrawn: str) -> tuple[Any, list[str], bool, bool]:
+        return trio.run(place, withdrawn, clock=trio.testing.MockClock(autojump_threshold=0))
+
+    reply, deleted, created, withdrawn = run("first")
+    assert reply["error"]["data"] == {"outcome": NOT_DONE}, reply
+    assert (deleted, created) == ([], False)
+    reply, deleted, created, withdrawn = run("while made")
+    assert reply["error"]["data"] == {"outcome": NOT_DONE}, reply
+    assert deleted == ["new-1"]
+    reply, deleted, created, withdrawn = run("after")
+    assert reply == {"result": {"session_id": "new-1"}}  # answered in time, arrived late
+    assert deleted == ["new-1"]
+    assert withdrawn == {"result": {"withdrawn": True}}
+
+
+async def _served_at_once(_session_id: str) -> None:
+    await trio.lowlevel.checkpoint()
 
 
 class _PlacingRequests:

@@ -38,11 +38,14 @@ cluster, and the owner's side of the requests it forwards.
   on their subject). On another host it is created there by a request to that host's
   subject, which gives it ``within_s`` to answer and waits a margin longer: a host that
   cannot create it in time undoes what it made and says so, and one that does not answer
-  at all leaves the session here (one create, one session).
+  at all leaves the session here (one create, one session). Giving up on that host, the
+  gateway withdraws the placement (``session.create.withdrawn``), so a host that made the
+  session in time but stalled before its answer arrived deletes it when it wakes.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import sys
 import uuid
@@ -98,6 +101,7 @@ __all__ = [
     "HAND_OVER_METHOD",
     "OWNER_UNREACHABLE",
     "REPORT_METHOD",
+    "WITHDRAWN_METHOD",
     "ClusterRouter",
     "OwnerDesk",
     "RemoteSubscription",
@@ -106,6 +110,11 @@ __all__ = [
 HAND_OVER_METHOD = "session.take"
 """The request a draining host sends the host it hands a session to (R-DRAIN-2): params
 ``{"session_id"}``; the reply's ``taken`` says whether that host took it over."""
+
+WITHDRAWN_METHOD = "session.create.withdrawn"
+"""The request a gateway sends the host it placed a ``session.create`` on once it gave up
+waiting for its answer: params ``{"placement"}``, the id the create carried. That host
+makes no session for it, or deletes the one it made (the gateway made the client's own)."""
 
 REPORT_METHOD = "subagent.finished"
 """The request a host sends a parent's owner with a background subagent's answer:
@@ -128,6 +137,10 @@ PLACE_MARGIN_S = 1.0
 another host than that host may take (the ``within_s`` it is given): the time the answer
 takes to arrive. A placed host past its ``within_s`` undoes the session it made, so a
 gateway that gives up and creates the session itself never leaves a second one there."""
+
+_PLACEMENTS_KEPT = 1024
+"""How many placed creates a host remembers for a withdrawal: far more than can be under
+way between a create and its withdrawal, which follows it within a few seconds."""
 
 _UNWATCH_S = 2.0
 
@@ -232,6 +245,7 @@ class OwnerDesk:
         self._bound_s = bound_s
         self._watchers: dict[str, dict[str, float]] = {}
         """Session id → watch id → when that watch expires unless renewed."""
+        self._placements = _Placements()
 
     def watched(self, session_id: str) -> bool:
         """Whether a client of another host's gateway subscribes to ``session_id``."""
@@ -348,14 +362,17 @@ class OwnerDesk:
         self, message: dict[str, Any], answering: Answering | None = None
     ) -> dict[str, Any]:
         """The handler of this host's own subject: a ``session.create`` placed here, or
-        a session another host hands over as it drains (``session.take``, R-DRAIN-2).
+        a session another host hands over as it drains (``session.take``, R-DRAIN-2), or
+        the withdrawal of a placed create whose gateway gave up (:data:`WITHDRAWN_METHOD`).
 
         A placed create is answered with the new session's id only within its
         ``within_s`` (at most the lease TTL), once the session's calls reach this host;
         the gateway that placed it waits :data:`PLACE_MARGIN_S` longer, then creates the
         session itself. So a session made too late is undone here (deleted: it leaves the
         cluster) and the answer says nothing was kept: one create never leaves two
-        sessions. Cut short (this host stopping) while it creates, it is in doubt."""
+        sessions. An answer made in time can still arrive late (this host stalled): the
+        gateway then withdraws the placement, and the session is deleted here too.
+        Cut short (this host stopping) while it creates, it is in doubt."""
         answering = answering or Answering()
         answering.in_doubt = False
         params = message.get("params")
@@ -366,10 +383,27 @@ class OwnerDesk:
                 return _error(jsonrpc.INVALID_REQUEST, "session.take needs a session_id")
             answering.in_doubt = True
             return {"result": {"taken": await self._takes(session_id)}}
+        if message.get("method") == WITHDRAWN_METHOD and isinstance(params, dict):
+            placement = params.get("placement")
+            if not isinstance(placement, str):
+                return _error(jsonrpc.INVALID_REQUEST, f"{WITHDRAWN_METHOD} needs a placement")
+            made = self._placements.withdraw(placement)
+            if made is not None:
+                await self._undo(made)
+            return {"result": {"withdrawn": True}}
         if message.get("method") != "session.create":
             return _error(jsonrpc.METHOD_NOT_FOUND, f"method not found: {message.get('method')!r}")
         if not isinstance(params, dict) or not isinstance(principal, str):
             return _error(jsonrpc.INVALID_REQUEST, "a forwarded call needs params and a principal")
+        placement = message.get("placement")
+        if not isinstance(placement, str):
+            placement = None  # a gateway that never withdraws
+        if placement is not None and not self._placements.begin(placement):
+            return unreachable(
+                "the gateway that placed the session here gave up waiting and created it "
+                "itself; nothing was made here",
+                NOT_DONE,
+            )
         within_s = self._bound_s
         asked = message.get("within_s")
         if isinstance(asked, int | float) and not isinstance(asked, bool) and asked > 0:
@@ -384,11 +418,16 @@ class OwnerDesk:
         session_id = result["session_id"]
         # Answered once the new session's calls reach this host: the creator's next call
         # is not refused for want of an owner.
-        with trio.move_on_at(deadline) as waiting:
-            await self._until_serving(session_id)
-        if not waiting.cancelled_caught:
-            return reply
-        await self._undo(session_id)
+        if placement is None or self._placements.made(placement, session_id):
+            with trio.move_on_at(deadline) as waiting:
+                await self._until_serving(session_id)
+            if not waiting.cancelled_caught:
+                return reply
+            # Too late: undone here, unless a withdrawal meanwhile took it to undo.
+            if placement is None or self._placements.withdraw(placement) is not None:
+                await self._undo(session_id)
+        else:
+            await self._undo(session_id)  # withdrawn while it was being made
         return unreachable(
             f"the host the session was placed on could not create it within {within_s:g} s; "
             "nothing was kept there",
@@ -405,6 +444,47 @@ class OwnerDesk:
             await self._gateway.host.delete_session(session_id)
         except Exception as exc:
             log(f"cannot undo session {session_id}, created too late for its placement: {exc!r}")
+
+
+class _Placements:
+    """The placed creates a host made or is making, by the id each carried, and the ones
+    their gateways withdrew: whichever of a create and its withdrawal comes first, exactly
+    one of them undoes the session (the most recent :data:`_PLACEMENTS_KEPT`)."""
+
+    _WITHDRAWN = ""
+
+    def __init__(self) -> None:
+        self._states: collections.OrderedDict[str, str | None] = collections.OrderedDict()
+        """Placement → the session made for it, None while it is being made, or
+        ``_WITHDRAWN``."""
+
+    def begin(self, placement: str) -> bool:
+        """Whether a create may make a session for ``placement`` (not withdrawn yet)."""
+        if self._states.get(placement, None) == self._WITHDRAWN:
+            return False
+        self._set(placement, None)
+        return True
+
+    def made(self, placement: str, session_id: str) -> bool:
+        """Record ``session_id`` as made for ``placement``; False when it was withdrawn
+        meanwhile (the caller undoes the session)."""
+        if self._states.get(placement) == self._WITHDRAWN:
+            return False
+        self._set(placement, session_id)
+        return True
+
+    def withdraw(self, placement: str) -> str | None:
+        """Withdraw ``placement``: the session made for it, which the caller undoes, or
+        None (none made yet, or already withdrawn)."""
+        made = self._states.get(placement)
+        self._set(placement, self._WITHDRAWN)
+        return made or None
+
+    def _set(self, placement: str, state: str | None) -> None:
+        self._states[placement] = state
+        self._states.move_to_end(placement)
+        while len(self._states) > _PLACEMENTS_KEPT:
+            self._states.popitem(last=False)
 
 
 class _Accepting:
@@ -716,8 +796,9 @@ class ClusterRouter:
         """Create the session on the least loaded host: None when that is this host (or
         this call was itself placed here); else the answer of the host that created it.
         A host that does not answer in time, or says it kept nothing, leaves the session
-        to this host; one that stopped while it created it is a 503 in doubt (the session
-        may exist there: creating it here too would make two)."""
+        to this host (the placement withdrawn there: a late answer's session is deleted);
+        one that stopped while it created it is a 503 in doubt (the session may exist
+        there: creating it here too would make two)."""
         if _is_forwarded(connection):
             return None
         principal = connection.identity
@@ -728,11 +809,13 @@ class ClusterRouter:
             return None
         if target is None:
             return None
+        placement = uuid.uuid4().hex
         message = {
             "method": "session.create",
             "params": params,
             "principal": principal,
             "within_s": self._timeout_s,
+            "placement": placement,
         }
         try:
             # Longer than the placed host may take: its answer is heard, and one that
@@ -742,6 +825,9 @@ class ClusterRouter:
             )
         except ClusterError as exc:
             log(f"cannot place a session on host {target.host_id} ({exc}); creating it here")
+            # Its answer may only be late (the host stalled after it made the session):
+            # NATS delivers the withdrawal when it wakes, and the session made there goes.
+            self._nursery.start_soon(self._withdraw, target.host_id, placement, principal)
             return None
         outcome = outcome_of(reply)
         if outcome == NOT_DONE:
@@ -760,6 +846,18 @@ class ClusterRouter:
             # Known here before the owner's directory entry is: the next call finds it.
             self._gateway.grant(principal, result["session_id"])
         return result
+
+    async def _withdraw(self, host_id: str, placement: str, principal: str) -> None:
+        """Tell host ``host_id`` that the create ``placement`` was given up on: what it
+        made for it is deleted. Sent once; a host that does not answer is not waited for
+        past a forwarded call's bound (the request reaches it all the same)."""
+        message = {
+            "method": WITHDRAWN_METHOD,
+            "params": {"placement": placement},
+            "principal": principal,
+        }
+        with contextlib.suppress(ClusterError):
+            await self._requests.request_host(host_id, message, timeout_s=self._timeout_s)
 
     def _least_loaded(self, hosts: list[HostRecord]) -> HostRecord | None:
         """The host to place a new session on, None for this one."""
