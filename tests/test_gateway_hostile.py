@@ -22,6 +22,7 @@ from trio_websocket import ConnectionClosed, ConnectionRejected, wrap_client_str
 
 from greenroom.actors.gateway import GatewayLimits
 from greenroom.actors.gateway.access import Admission, address_key
+from greenroom.actors.runtime.session import Session
 from greenroom.protocols import jsonrpc
 from greenroom.protocols.outputs import PartialText
 
@@ -350,6 +351,154 @@ async def test_steering_and_follow_ups_queued_in_a_session_are_capped(
             machine = server.host.port(sid).machine
             assert (len(machine.record.steering), len(machine.queued_tasks)) == (3, 3)
             assert lookup.calls == []
+
+
+def held_reading(monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, trio.Event], trio.Event]:
+    """From now on, every call's input waits, read, until the test sets the event returned
+    second; as each one starts waiting, ``entered["now"]`` is set (the test puts a new
+    event there for each call it sends), and ``entered["left"]`` as it stops waiting (let
+    go, or cancelled)."""
+    entered = {"now": trio.Event(), "left": trio.Event()}
+    let_go = trio.Event()
+    attach = Session.attach
+
+    async def read_then_wait(self: Session, blocks: Any, *, confine: bool = False) -> Any:
+        attached = await attach(self, blocks, confine=confine)
+        entered["now"].set()
+        try:
+            await let_go.wait()
+        finally:
+            entered["left"].set()
+        return attached
+
+    monkeypatch.setattr(Session, "attach", read_then_wait)
+    return entered, let_go
+
+
+def queued_in(server: Server, session_id: str, kind: str) -> int:
+    """How many of ``kind`` the session's task machine holds."""
+    machine = server.host.port(session_id).machine
+    return len(machine.record.steering) if kind == "steering" else len(machine.queued_tasks)
+
+
+@pytest.mark.parametrize(("method", "kind"), [("steer", "steering"), ("follow_up", "follow-ups")])
+async def test_calls_racing_from_several_connections_never_pass_the_queue_cap(
+    tmp_path: Any, lookup: Lookup, monkeypatch: pytest.MonkeyPatch, method: str, kind: str
+) -> None:
+    """R-SEC-9, R-STEER-1, R-STEER-6: the cap counted only what the session's task machine
+    held, so calls from four connections, each of them checked while the others' input was
+    still being read, all passed it: four queued where the cap is two. Input accepted and
+    not yet held by the machine counts now: the first two are queued, the other two
+    answered 429 at once, and the machine holds exactly two."""
+    limits = GatewayLimits(max_queued_inputs=2)
+    with trio.fail_after(BOUND_S):
+        async with (
+            serving(tmp_path, lookup_script, tools=[lookup.tool], limits=limits) as server,
+            connect(server) as owner,
+            connect(server) as a,
+            connect(server) as b,
+            connect(server) as c,
+            connect(server) as d,
+        ):
+            sid = (await owner.result("session.create"))["session_id"]
+            await until_asked(owner, sid)
+            entered, let_go = held_reading(monkeypatch)
+            answers: dict[int, dict[str, Any]] = {}
+
+            async def send(index: int, client: Client, decided: trio.Event) -> None:
+                answers[index] = await client.call(method, {"session_id": sid, "input": "more"})
+                decided.set()
+
+            async with trio.open_nursery() as nursery:
+                for index, client in enumerate((a, b, c, d)):
+                    # Each call is checked before the next is sent: its input is being
+                    # read (past the check), or it was answered.
+                    decided = entered["now"] = trio.Event()
+                    nursery.start_soon(send, index, client, decided)
+                    await decided.wait()
+                let_go.set()
+            assert [answers[i].get("result") for i in range(2)] == [{"queued": True}] * 2
+            for i in (2, 3):
+                assert answers[i]["error"]["code"] == jsonrpc.TOO_MANY_REQUESTS, answers[i]
+                assert f"too many {kind} queued in session {sid!r} (at most 2)" in (
+                    answers[i]["error"]["message"]
+                )
+            assert queued_in(server, sid, kind) == 2
+            assert server.gateway._calls.queue_room.pending(sid, kind) == 0
+            assert lookup.calls == []
+
+
+@pytest.mark.parametrize(("method", "kind"), [("steer", "steering"), ("follow_up", "follow-ups")])
+async def test_a_call_that_queues_nothing_leaves_no_place_taken(
+    tmp_path: Any, lookup: Lookup, monkeypatch: pytest.MonkeyPatch, method: str, kind: str
+) -> None:
+    """R-SEC-9: a call holds a place in the session's queue from its check until the
+    session's task machine takes its input. One that hands nothing over gives its place
+    back: answered ``queued: false`` (no task), refused for its input (-32602), or cut off
+    by its connection closing while its input is read. With a cap of one, the next call
+    is queued after all three, and the one after it refused."""
+    limits = GatewayLimits(max_queued_inputs=1)
+    with trio.fail_after(BOUND_S):
+        async with (
+            serving(tmp_path, lookup_script, tools=[lookup.tool], limits=limits) as server,
+            connect(server) as client,
+        ):
+            room = server.gateway._calls.queue_room
+            sid = (await client.result("session.create"))["session_id"]
+            params = {"session_id": sid, "input": "more"}
+            assert await client.result(method, params) == {"queued": False}
+            assert room.pending(sid, kind) == 0
+            await until_asked(client, sid)
+            bad = {"session_id": sid, "input": [{"type": "image", "path": "../outside.png"}]}
+            assert (await client.error(method, bad))["code"] == jsonrpc.INVALID_PARAMS
+            assert room.pending(sid, kind) == 0
+            entered, _ = held_reading(monkeypatch)
+            async with connect(server) as leaving:
+                await leaving.result("session.subscribe", {"session_id": sid})
+                await leaving.send(call("cut", method, **params))
+                await entered["now"].wait()
+            # The next output for the closed connection finds it gone: its call is cut off.
+            port_of(server.host.get_session(sid)).publish(
+                [PartialText(session_id=sid, run_id="run_x", index=0, text="x")]
+            )
+            await entered["left"].wait()
+            monkeypatch.undo()
+            assert room.pending(sid, kind) == 0
+            assert await client.result(method, params) == {"queued": True}
+            refused = await client.error(method, params)
+            assert refused["code"] == jsonrpc.TOO_MANY_REQUESTS, refused
+            assert (queued_in(server, sid, kind), room.pending(sid, kind)) == (1, 0)
+
+
+@pytest.mark.parametrize(("method", "kind"), [("steer", "steering"), ("follow_up", "follow-ups")])
+async def test_calls_pipelined_on_one_connection_never_pass_the_queue_cap(
+    tmp_path: Any, lookup: Lookup, method: str, kind: str
+) -> None:
+    """R-SEC-9: a client sends four calls, a frame each, without waiting for their
+    answers, to a session whose task is parked, waiting for a person. Each call handed
+    its input to the session's inbox and the next was checked before the session (woken
+    by the first) had taken any of it: four were queued where the cap is two. Now two are
+    queued and two answered 429."""
+    limits = GatewayLimits(max_queued_inputs=2)
+    with trio.fail_after(BOUND_S):
+        async with (
+            serving(tmp_path, lookup_script, tools=[lookup.tool], limits=limits) as server,
+            connect(server) as client,
+        ):
+            sid = (await client.result("session.create"))["session_id"]
+            await until_asked(client, sid)
+            for i in range(4):
+                await client.send(call(f"q{i}", method, session_id=sid, input="more"))
+            answers: dict[str, dict[str, Any]] = {}
+            while len(answers) < 4:
+                message = await client.receive()
+                if "id" in message:  # not an output of the subscription
+                    answers[message["id"]] = message
+            assert [answers[f"q{i}"].get("result") for i in range(2)] == [{"queued": True}] * 2
+            for i in (2, 3):
+                assert answers[f"q{i}"]["error"]["code"] == jsonrpc.TOO_MANY_REQUESTS
+            assert queued_in(server, sid, kind) == 2
+            assert server.gateway._calls.queue_room.pending(sid, kind) == 0
 
 
 # -- wrong tokens are throttled per address ----------------------------------------------------

@@ -155,5 +155,7 @@ async def test_input_for_a_closing_session_is_told_it_was_dropped(
             answer = await client.response("dropped")
             assert answer["error"]["code"] == jsonrpc.GONE == 410, answer
             assert "dropped" in answer["error"]["message"]
+            kind = "steering" if method == "steer" else "follow-ups"
+            assert server.gateway._calls.queue_room.pending(sid, kind) == 0  # R-SEC-9
             await server.host.close_session(sid)  # waits for the session's work to end
             assert len(server.providers[0].requests) == 1  # the words reached no model

@@ -39,9 +39,9 @@ from greenroom.actors.gateway.feeds import SessionFeed
 from greenroom.actors.gateway.http_front import EventSink, HttpRequest, Reply
 from greenroom.actors.gateway.hubs import replay_records
 from greenroom.actors.gateway.methods import Methods, once_recorded
+from greenroom.actors.gateway.queue_room import NOT_HANDED_OVER
 from greenroom.actors.providers import read_image
 from greenroom.actors.runtime.errors import GreenroomError
-from greenroom.actors.runtime.receipts import InputReceipt
 from greenroom.actors.runtime.session import Session
 from greenroom.protocols import a2a, jsonrpc
 from greenroom.protocols.content import ImageBlock, TextBlock
@@ -312,9 +312,14 @@ class A2aEndpoint:
                 return fold, await self._answer(session, fold, text, data, principal)
             if not session.busy:
                 raise RpcError(jsonrpc.BUSY, "the task waits; send its answer")
-            self._methods.check_queue_room(session, "steering")
-            recorded = InputReceipt()
-            if session.steer([TextBlock(text=text)], recorded=recorded):
+            recorded = self._methods.queue_room.reserve(session, "steering")
+            queued = False
+            try:
+                queued = session.steer([TextBlock(text=text)], recorded=recorded)
+            finally:
+                if not queued:
+                    recorded.drop(NOT_HANDED_OVER)  # its place is free again
+            if queued:
                 # Answered once the steering survives this host, as the gateway's steer.
                 await once_recorded(recorded)
             return fold, set()

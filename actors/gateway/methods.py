@@ -28,7 +28,7 @@ import logging
 import math
 from collections.abc import Mapping
 from functools import partial
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Protocol, cast
 
 import attrs
 import trio
@@ -45,6 +45,7 @@ from greenroom.actors.gateway.connection import AnswerLater, Connection, Handler
 from greenroom.actors.gateway.creation import SessionCreation
 from greenroom.actors.gateway.hubs import Hubs, session_state
 from greenroom.actors.gateway.nodes import Nodes
+from greenroom.actors.gateway.queue_room import NOT_HANDED_OVER, QueueRoom
 from greenroom.actors.gateway.time_travel import TimeTravelMethods
 from greenroom.actors.gateway.titles import Titles
 from greenroom.actors.runtime.errors import ImageRefused, SessionNotFound
@@ -128,9 +129,6 @@ class Router(Protocol):
         ...
 
 
-QueuedKind = Literal["steering", "follow-ups"]
-"""What clients queue in a session (:meth:`Methods.check_queue_room`)."""
-
 DETACHED = frozenset({"compact"})
 """Methods a connection runs in their own task when called alone: ``compact`` waits for a
 model request, and the connection keeps reading meanwhile."""
@@ -184,6 +182,8 @@ class Methods:
         self._titles = titles
         self._limits = limits or GatewayLimits()
         self._admission = admission or Admission(self._limits)
+        self.queue_room = QueueRoom(self._limits.max_queued_inputs)
+        """The places left for the steering and follow-ups clients queue (R-SEC-9)."""
         self.creation = SessionCreation(
             host,
             defaults=defaults,
@@ -273,21 +273,6 @@ class Methods:
         if self._grants.holds(principal, session_id):
             return True
         return self.router is not None and await self.router.holds(principal, session_id)
-
-    def check_queue_room(self, session: Session, kind: QueuedKind) -> None:
-        """429 when ``session`` holds ``max_queued_inputs`` of ``kind`` queued by clients
-        already: its open task takes steering at its next model request and follow-ups
-        when it ends, and one that waits for a person does neither, so a client that
-        queues faster would grow the server's memory without bound (R-SEC-9)."""
-        machine = session.host.port(session.id).machine
-        held = len(machine.record.steering) if kind == "steering" else len(machine.queued_tasks)
-        cap = self._limits.max_queued_inputs
-        if held >= cap:
-            raise RpcError(
-                jsonrpc.TOO_MANY_REQUESTS,
-                f"too many {kind} queued in session {session.id!r} (at most {cap}): "
-                "wait until its task takes them, or interrupt it",
-            )
 
     def approver(self) -> Approval:
         """How the tasks clients start decide their calls (the server's ``--approve``)."""
@@ -481,10 +466,16 @@ class Methods:
         :func:`once_recorded`), without holding up the connection's later calls."""
         jsonrpc.check_params(params, "steer")
         session = await self._hubs.settled(await self._owned_session(connection, params))
-        self.check_queue_room(session, "steering")
-        content = await self._input(session, params)
-        recorded = InputReceipt()
-        if not session.steer(content, recorded=recorded):
+        # Before the input is read: a full queue costs no attachment read.
+        recorded = self.queue_room.reserve(session, "steering")
+        queued = False
+        try:
+            content = await self._input(session, params)
+            queued = session.steer(content, recorded=recorded)
+        finally:
+            if not queued:
+                recorded.drop(NOT_HANDED_OVER)  # its place is free again
+        if not queued:
             return {"queued": False}
         return AnswerLater(partial(once_recorded, recorded))
 
@@ -496,11 +487,18 @@ class Methods:
         session = await self._hubs.settled(
             await self._owned_session(connection, params, node=False)
         )
-        self.check_queue_room(session, "follow-ups")
-        content = await self._input(session, params)
-        recorded = InputReceipt()
-        approve = self.approver()
-        if not session.follow_up(content, approve=approve, output_schema=output, recorded=recorded):
+        recorded = self.queue_room.reserve(session, "follow-ups")
+        queued = False
+        try:
+            content = await self._input(session, params)
+            approve = self.approver()
+            queued = session.follow_up(
+                content, approve=approve, output_schema=output, recorded=recorded
+            )
+        finally:
+            if not queued:
+                recorded.drop(NOT_HANDED_OVER)  # its place is free again
+        if not queued:
             return {"queued": False}
         return AnswerLater(partial(once_recorded, recorded))
 

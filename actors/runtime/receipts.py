@@ -6,6 +6,8 @@ R-STEER-6, R-CLUSTER-2), an error for input that was dropped unrun."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 import trio
 
@@ -27,14 +29,34 @@ class InputReceipt:
     dropped: str | None = None
     """Why the input will not run, when it was dropped; None otherwise."""
 
+    on_taken: Callable[[], object] | None = None
+    """Called once, when the session's task machine has taken the input (into the steering
+    of its open task, or its queue of tasks) or the input was dropped: whoever counts the
+    input queued in a session (the gateway's cap, R-SEC-9) counts it from the machine from
+    then on, and until then must count it itself. Never called for input that was not
+    handed to a session (``steer`` answered False): its caller drops the receipt then."""
+
+    def taken(self) -> None:
+        """The session's task machine holds the input now: :attr:`on_taken`, once."""
+        on_taken, self.on_taken = self.on_taken, None
+        if on_taken is not None:
+            on_taken()
+
     def drop(self, reason: str) -> None:
         """The input will not run: settle with ``reason``, unless settled already."""
         if not self.settled.is_set():
             self.dropped = reason
             self.settled.set()
+        self.taken()  # nothing will hold it: it counts nowhere
 
 
 def drop_unrun(receipt: InputReceipt | None, reason: str) -> None:
     """:meth:`InputReceipt.drop` when there is a receipt (callers may give none)."""
     if receipt is not None:
         receipt.drop(reason)
+
+
+def taken(receipt: InputReceipt | None) -> None:
+    """:meth:`InputReceipt.taken` when there is a receipt (callers may give none)."""
+    if receipt is not None:
+        receipt.taken()

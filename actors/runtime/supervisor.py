@@ -44,7 +44,7 @@ import functools
 import logging
 import math
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar, assert_never
 
 import trio
@@ -54,7 +54,7 @@ from greenroom.actors.runtime.drain import holds_for_drain
 from greenroom.actors.runtime.emitter import OutputEmitter, repaired_blocks
 from greenroom.actors.runtime.errors import ImageRefused
 from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput
-from greenroom.actors.runtime.receipts import InputReceipt, drop_unrun
+from greenroom.actors.runtime.receipts import InputReceipt, drop_unrun, taken
 from greenroom.actors.runtime.resumption import parked_or_lost, queued_record, requeue_recorded
 from greenroom.actors.runtime.running_task import RunningTask, build_request
 from greenroom.actors.runtime.tree import background_count, end_subtree, tell
@@ -593,12 +593,25 @@ def _queue_task(out: OutputEmitter, port: SessionPort, message: TaskQueued) -> N
     parent gets it from the child's own trace when the child is taken up
     (``child_reports``), and recording it here too would deliver it twice."""
     task = message.task
-    if message.follow_up and isinstance(task, TaskInput):
-        if port.closed:
-            drop_unrun(message.recorded, f"session {port.id} closed before the follow-up ran")
-            return
-        task = _record_follow_up(out, port, task, message.recorded)
-    port.machine.queue_task(task, message.kind)
+    with _handed_to_machine(message.recorded):
+        if message.follow_up and isinstance(task, TaskInput):
+            if port.closed:
+                closed = f"session {port.id} closed before the follow-up ran"
+                drop_unrun(message.recorded, closed)
+                return
+            task = _record_follow_up(out, port, task, message.recorded)
+        port.machine.queue_task(task, message.kind)
+
+
+@contextlib.contextmanager
+def _handed_to_machine(recorded: InputReceipt | None) -> Iterator[None]:
+    """Queued input, once the block has put it in the task machine or dropped it (or
+    failed on a bug, which fails the task): whoever counted it apart until the machine
+    took it (``InputReceipt.on_taken``, the gateway's cap: R-SEC-9) stops now."""
+    try:
+        yield
+    finally:
+        taken(recorded)
 
 
 def _record_follow_up(
@@ -621,16 +634,17 @@ def _queue_steering(
     (``steering_queued``, written at once, its ``recorded`` set once the store is done with
     it, fsynced with the trace's next sync) so that a host that takes the task up delivers
     it (R-STEER-1, R-STEER-2)."""
-    content = repaired_blocks(message.content)  # a lone surrogate must not fail the task
-    steering_id = "steer_" + uuid.uuid4().hex[:12]
-    # A task that is starting has no run id in the record yet: its own is the one to name.
-    run_id = task.run_id if task is not None else port.machine.run_id or ""
-    out.emit(SteeringQueuedOutput(session_id=port.id, run_id=run_id,
-                                  steering_id=steering_id, content=content))
-    out.flush()
-    if message.recorded is not None:
-        out.set_when_written(message.recorded.settled)
-    port.machine.queue_steering(content)
+    with _handed_to_machine(message.recorded):
+        content = repaired_blocks(message.content)  # a lone surrogate must not fail the task
+        steering_id = "steer_" + uuid.uuid4().hex[:12]
+        # A task that is starting has no run id in the record yet: its own is the one to name.
+        run_id = task.run_id if task is not None else port.machine.run_id or ""
+        out.emit(SteeringQueuedOutput(session_id=port.id, run_id=run_id,
+                                      steering_id=steering_id, content=content))
+        out.flush()
+        if message.recorded is not None:
+            out.set_when_written(message.recorded.settled)
+        port.machine.queue_steering(content)
 
 
 def _drop_recorded(
@@ -724,12 +738,13 @@ def _run_late_steering(
         drop_unrun(message.recorded, f"session {port.id} closed before the steering ran")
         return
     came_for = task.task if task is not None else None
-    late = TaskInput(
-        content=repaired_blocks(message.content),
-        approve=came_for.approve if came_for is not None else None,
-        thinking_level=came_for.thinking_level if came_for is not None else None,
-    )
-    port.machine.queue_task(_record_follow_up(out, port, late, message.recorded))
+    with _handed_to_machine(message.recorded):
+        late = TaskInput(
+            content=repaired_blocks(message.content),
+            approve=came_for.approve if came_for is not None else None,
+            thinking_level=came_for.thinking_level if came_for is not None else None,
+        )
+        port.machine.queue_task(_record_follow_up(out, port, late, message.recorded))
 
 
 def _pass_on_leftovers(

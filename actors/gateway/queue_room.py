@@ -1,0 +1,74 @@
+"""The cap on what clients queue in a session (R-SEC-9): a session's open task takes
+steering at its next model request and follow-ups when it ends, and one that waits for a
+person does neither, so a client that queued faster would grow the server's memory without
+bound. Each session holds at most ``GatewayLimits.max_queued_inputs`` steering inputs and
+as many follow-ups; ``steer``, ``follow_up`` and an A2A message that steers answer 429
+beyond.
+
+The count is exact: what the session's task machine holds, and the input accepted and not
+held by it yet — its call still reading the input's attachments, or the input in the
+session's inbox. Counting only the machine's let calls from several connections (or
+pipelined on one) all pass the check before any of their input reached the machine. Each
+accepted call holds a place until the machine takes its input or it is dropped
+(:attr:`InputReceipt.on_taken`), or its call gives the place back, never having handed
+its input over (an error, a cancelled call, a session that had no task)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from functools import partial
+from typing import Literal
+
+from greenroom.actors.runtime.receipts import InputReceipt
+from greenroom.actors.runtime.session import Session
+from greenroom.protocols import jsonrpc
+from greenroom.protocols.jsonrpc import RpcError
+
+QueuedKind = Literal["steering", "follow-ups"]
+"""What clients queue in a session."""
+
+NOT_HANDED_OVER = "the input was not handed to the session"
+"""Why a receipt whose input its call never handed over is dropped (nobody reads it)."""
+
+
+class QueueRoom:
+    """The places left in each session's queues of client input (see the module)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        """At most this many of each kind per session."""
+        self._pending: Counter[tuple[str, QueuedKind]] = Counter()
+
+    def reserve(self, session: Session, kind: QueuedKind) -> InputReceipt:
+        """A place for one more ``kind`` in ``session``, or 429 when it holds :attr:`cap`
+        already, counting input accepted and not yet taken by its task machine. The place
+        is the receipt to give ``Session.steer`` or ``follow_up``: it is freed once the
+        machine takes the input or drops it. A call that does not hand its input over
+        (``steer`` answered False, or it failed or was cancelled first) drops the receipt
+        (:meth:`InputReceipt.drop`) to free it."""
+        key = (session.id, kind)
+        if held(session, kind) + self._pending[key] >= self.cap:
+            raise RpcError(
+                jsonrpc.TOO_MANY_REQUESTS,
+                f"too many {kind} queued in session {session.id!r} (at most {self.cap}): "
+                "wait until its task takes them, or interrupt it",
+            )
+        self._pending[key] += 1
+        return InputReceipt(on_taken=partial(self._free, key))
+
+    def pending(self, session_id: str, kind: QueuedKind) -> int:
+        """How many ``kind`` of ``session_id`` were accepted and not yet taken by its task
+        machine (nor dropped)."""
+        return self._pending[(session_id, kind)]
+
+    def _free(self, key: tuple[str, QueuedKind]) -> None:
+        self._pending[key] -= 1
+        if self._pending[key] <= 0:
+            del self._pending[key]  # a session's places leave nothing behind
+
+
+def held(session: Session, kind: QueuedKind) -> int:
+    """How many ``kind`` the task machine of ``session`` holds: steering its open task has
+    not taken, or tasks queued behind it."""
+    machine = session.host.port(session.id).machine
+    return len(machine.record.steering) if kind == "steering" else len(machine.queued_tasks)
