@@ -10,25 +10,35 @@ from typing import Any
 
 import pytest
 import trio
-from conftest import Gates, trace_lines
-from test_gateway import BOUND_S, connect, serving
+import trio.testing
+from conftest import Gates, Lookup, port_of, trace_lines
+from test_gateway import BOUND_S, connect, lookup_script, serving
+from test_gateway_people import until_asked
 
 from greenroom.actors.providers.scripted import Reply, ScriptStep, text, tool_call
 from greenroom.actors.runtime import supervisor
 from greenroom.actors.runtime.emitter import OutputEmitter
+from greenroom.actors.runtime.receipts import InputReceipt
+from greenroom.actors.runtime.running_task import RunningTask
 from greenroom.actors.runtime.session import Session
 from greenroom.protocols import jsonrpc
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 8
 
 
-def steered_event(monkeypatch: pytest.MonkeyPatch, method: str = "steer") -> trio.Event:
+def steered_event(
+    monkeypatch: pytest.MonkeyPatch,
+    method: str = "steer",
+    receipts: list[InputReceipt] | None = None,
+) -> trio.Event:
     """Set once ``Session.steer`` (or ``follow_up``) has handed its input to the session
-    (or refused it)."""
+    (or refused it); the receipts it was given are added to ``receipts``."""
     steered = trio.Event()
     queue = getattr(Session, method)
 
     def handed_over(self: Session, messages: Any, **options: Any) -> bool:
+        if receipts is not None:
+            receipts.append(options["recorded"])
         try:
             return bool(queue(self, messages, **options))
         finally:
@@ -159,3 +169,59 @@ async def test_input_for_a_closing_session_is_told_it_was_dropped(
             assert server.gateway._calls.queue_room.pending(sid, kind) == 0  # R-SEC-9
             await server.host.close_session(sid)  # waits for the session's work to end
             assert len(server.providers[0].requests) == 1  # the words reached no model
+
+
+@pytest.mark.parametrize("method", ["steer", "follow_up"])
+async def test_input_left_in_the_inbox_of_a_closing_session_is_told_it_was_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lookup: Lookup, method: str
+) -> None:
+    # R-STEER-1, R-STEER-6, R-HOST-3: input that reaches a supervisor after its last look
+    # at its inbox (its task parking, waiting for a person) is passed on to the session's
+    # next supervisor; when the session closed meanwhile there is none, the input never
+    # runs, and its client is answered 410 (not queued: true) at once.
+    parking, let_park = trio.Event(), trio.Event()
+    park = RunningTask.park
+
+    async def held_park(self: RunningTask, *args: Any) -> Any:
+        parking.set()
+        await let_park.wait()
+        return await park(self, *args)
+
+    monkeypatch.setattr(RunningTask, "park", held_park)
+    receipts: list[InputReceipt] = []
+    steered = steered_event(monkeypatch, method, receipts)
+    with trio.fail_after(BOUND_S):
+        async with (
+            serving(tmp_path, lookup_script, tools=[lookup.tool]) as server,
+            connect(server) as client,
+            trio.open_nursery() as nursery,
+        ):
+            sid = (await client.result("session.create"))["session_id"]
+            await until_asked(client, sid)
+            await parking.wait()  # the supervisor has looked at its inbox for the last time
+            await client.send(
+                {"jsonrpc": "2.0", "id": "left", "method": method,
+                 "params": {"session_id": sid, "input": "TOO LATE"}}
+            )
+            await steered.wait()  # in the inbox, which nobody reads any more
+            closed = trio.Event()
+
+            async def close() -> None:
+                await server.host.close_session(sid)
+                closed.set()
+
+            port = port_of(server.host.get_session(sid))
+            nursery.start_soon(close)
+            await trio.testing.wait_all_tasks_blocked()
+            assert port.closed and not closed.is_set()  # closed, not yet idle
+            let_park.set()
+            await closed.wait()
+            [receipt] = receipts
+            assert receipt.dropped == f"session {sid} stopped before its input was recorded"
+            answer = await client.response("left")
+            assert answer["error"]["code"] == jsonrpc.GONE == 410, answer
+            assert "the input was dropped, not queued" in answer["error"]["message"]
+            kind = "steering" if method == "steer" else "follow-ups"
+            assert server.gateway._calls.queue_room.pending(sid, kind) == 0
+            assert len(server.providers[0].requests) == 1  # the words reached no model
+            assert lookup.calls == []
