@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 import trio
+import trio.testing
 from a2a.client import A2ACardResolver, ClientConfig, ClientFactory
 from a2a.client.errors import A2AClientError
 from a2a.compat.v0_3 import types as v03
@@ -33,8 +34,9 @@ from a2a.types import (
     TaskState,
 )
 from a2a.utils.errors import A2AError
-from conftest import Gates, Lookup
+from conftest import Gates, Lookup, port_of
 from test_gateway import TOKEN, connect, lookup_script, serving
+from test_gateway_queued import hold_task_end, steered_event
 from trio_websocket import open_websocket_url
 
 from greenroom.actors.gateway import GatewayLimits
@@ -42,7 +44,7 @@ from greenroom.actors.gateway import a2a as a2a_endpoint
 from greenroom.actors.gateway.hubs import replay_records
 from greenroom.actors.providers import read_image
 from greenroom.actors.providers.scripted import Reply, ScriptStep, text, tool_call
-from greenroom.protocols import a2a
+from greenroom.protocols import a2a, jsonrpc
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock
 from greenroom.protocols.outputs import (
     ApprovalDecision,
@@ -357,6 +359,78 @@ async def test_a_blocking_send_whose_client_goes_away_stops_waiting_and_the_task
             got = await trio.to_thread.run_sync(in_asyncio(get))
     assert got.status.state == TaskState.TASK_STATE_COMPLETED
     assert got.status.message.parts[0].text == "Done."
+
+
+async def test_steering_that_a_closing_session_drops_is_answered_410(
+    tmp_path: Path, gates: Gates, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-STEER-1, R-HOST-3: a message for a running task steers it. One that reaches the
+    session as its task ends runs as a task of its own; but when the host closes the
+    session before the supervisor takes it up, it never runs: the a2a-sdk client gets
+    error 410 saying the input was dropped, and the model is not asked again."""
+    ending, let_end = hold_task_end(monkeypatch)
+    steered = steered_event(monkeypatch)
+    found, let_steer = trio.Event(), trio.Event()
+    caught_up = a2a_endpoint._caught_up
+
+    async def found_then_wait(feed: Any) -> list[Any]:
+        records = await caught_up(feed)
+        found.set()
+        await let_steer.wait()
+        return records
+
+    with trio.fail_after(BOUND_S):
+        async with serving(
+            tmp_path, gated_script, tools=[gates.tool()], approve="all", a2a=True
+        ) as server:
+            async with connect(server) as client:
+                sid = (await client.result("session.create"))["session_id"]
+                started = await client.result("run", {"session_id": sid, "input": "go"})
+            await gates.started("a")
+            monkeypatch.setattr(a2a_endpoint, "_caught_up", found_then_wait)
+            task_id = a2a.task_id(sid, started["run_id"])
+
+            answered: list[Any] = []  # the JSON-RPC frames, as the server sent them
+
+            async def keep(response: httpx.Response) -> None:
+                if response.request.method == "POST":
+                    answered.append(json.loads(await response.aread()))
+
+            async def drive() -> str:
+                async with http_client() as http:
+                    http.event_hooks["response"] = [keep]
+                    card = await A2ACardResolver(http, base_url(server)).get_agent_card()
+                    config = ClientConfig(httpx_client=http, streaming=False)
+                    sdk = ClientFactory(config).create(card)
+                    steer = user_message("STEER LATE", task_id=task_id, context_id=sid)
+                    try:
+                        await collect(sdk.send_message(steer))
+                    except (A2AClientError, A2AError) as exc:
+                        return str(exc)
+                return "answered without an error"
+
+            refusal: list[str] = []
+
+            async def send() -> None:
+                refusal.append(await trio.to_thread.run_sync(in_asyncio(drive)))
+
+            port = port_of(server.host.get_session(sid))
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send)
+                await found.wait()  # the task was found running: the message steers it
+                gates.release("a")
+                await ending.wait()  # its task_end is written; its supervisor waits
+                let_steer.set()
+                await steered.wait()  # in the inbox of the supervisor whose task ends
+                nursery.start_soon(server.host.close_session, sid)
+                await trio.testing.wait_all_tasks_blocked()
+                assert port.closed
+                let_end.set()
+            assert refusal == [f"session {sid} closed before the steering ran: the input was "
+                               "dropped, not queued"]
+            [frame] = answered
+            assert frame["error"]["code"] == jsonrpc.GONE == 410, frame
+            assert len(server.providers[0].requests) == 2  # the words reached no model
 
 
 async def test_tool_images_are_read_off_the_event_loop(
