@@ -230,8 +230,9 @@ async def test_run_answers_once_its_prompt_is_durable(tmp_path: Path) -> None:
 
 async def test_a_run_waiting_for_its_prompt_holds_up_no_later_call(tmp_path: Path) -> None:
     """While the prompt's fsync is held, the connection answers the calls sent after
-    ``run``: a ``steer`` finds the task begun (the run's work was done in order) and is
-    answered first; ``run`` answers once the prompt is durable."""
+    ``run``: one that needs no fsync is answered first; a ``steer`` finds the task begun
+    (the run's work was done in order) and is answered ``queued: true`` once its record is
+    fsynced too (R-STEER-1), and ``run`` once the prompt is durable."""
     disk = FaultyDisk()
     options = {"trace_store": lambda d: FileTraceStore(d, disk=disk)}
     async with serving(tmp_path, host_options=options) as server, connect(server) as client:
@@ -243,12 +244,15 @@ async def test_a_run_waiting_for_its_prompt_holds_up_no_later_call(tmp_path: Pat
                                "params": {"session_id": sid, "input": "hi"}})
             await client.send({"jsonrpc": "2.0", "id": "steer", "method": "steer",
                                "params": {"session_id": sid, "input": "and more"}})
+            await client.send({"jsonrpc": "2.0", "id": "list", "method": "approvals.list",
+                               "params": {"session_id": sid}})
             first = await client.receive()
-            assert first == {"jsonrpc": "2.0", "id": "steer", "result": {"queued": True}}
+            assert first["id"] == "list" and "result" in first
             await trio.to_thread.run_sync(disk.stalled.wait, RUN_TIMEOUT_S)
             disk.release()
-            second = await client.receive()
-            assert second["id"] == "run" and isinstance(second["result"]["run_id"], str)
+            answers = {a["id"]: a for a in [await client.receive(), await client.receive()]}
+            assert answers["steer"] == {"jsonrpc": "2.0", "id": "steer", "result": {"queued": True}}
+            assert isinstance(answers["run"]["result"]["run_id"], str)
             await session.wait_idle()
     assert trace_lines(session)[-1]["status"] == "completed"
 

@@ -40,6 +40,7 @@ from conftest import (
 import greenroom.actors.runtime.supervisor as supervisor_module
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
 from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.receipts import InputReceipt
 from greenroom.actors.runtime.session import Session
 from greenroom.actors.runtime.trace_sink import (
     TraceSink,
@@ -632,6 +633,56 @@ async def test_a_new_task_after_such_a_power_cut_has_the_answer_in_its_context(
         ("UserMessage", ["two"]),
     ]
     assert "abort" not in [line["type"] for line in lines]
+
+
+@pytest.mark.parametrize("kind", ["steer", "follow_up"])
+async def test_queued_input_is_settled_only_once_an_fsync_covers_its_record(
+    host: Host, workspace: Path, disk: FaultyDisk, kind: str
+) -> None:
+    """R-STEER-1, R-STEER-6, R-TRACE-2: the receipt of steering or a follow-up (the
+    gateway answers ``queued: true`` on it) settles only once an fsync covers its record,
+    so a power cut after the answer cannot take the input: while that fsync hangs the
+    record is written, and the receipt still waits. Before, it settled as the record was
+    written, before any fsync."""
+    gates = Gates()
+    provider = ScriptedProvider(
+        [
+            Reply(blocks=(tool_call("c1", "wait", key="k"),)),
+            Reply(blocks=(text("done"),)),
+            Reply(blocks=(text("the follow-up is done"),)),
+        ]
+    )
+    session = await host.create_session(
+        provider=provider, workspace_dir=workspace, tools=[gates.tool()]
+    )
+    path = session.trace_path
+    recorded = InputReceipt()
+    with trio.fail_after(RUN_TIMEOUT_S):
+        stream = session.run("go", approve=allow_all)
+        await gates.started("k")  # no sync is due until the tool's result
+        disk.stall(path)
+        if kind == "steer":
+            assert session.steer("mind the gap", recorded=recorded)
+        else:
+            assert session.follow_up("and then", approve=allow_all, recorded=recorded)
+        await trio.testing.wait_all_tasks_blocked()
+        assert trace_lines(session)[-1]["type"] == (
+            "steering_queued" if kind == "steer" else "task_queued"
+        )
+        record_end = path.stat().st_size
+        assert not recorded.settled.is_set()
+        await trio.to_thread.run_sync(disk.stalled.wait, RUN_TIMEOUT_S)
+        assert not recorded.settled.is_set()
+        assert max(fsynced_sizes(disk, path), default=0) < record_end
+        disk.release()
+        await recorded.settled.wait()
+        assert max(fsynced_sizes(disk, path)) >= record_end
+        assert recorded.dropped is None
+        gates.release("k")
+        outputs = await collect(stream)
+    assert [e.status for e in of_type(outputs, TaskEnd)] == ["completed"] * (
+        1 if kind == "steer" else 2
+    )
 
 
 # -- 4. private files ------------------------------------------------------------------------

@@ -140,7 +140,7 @@ their input's record, before they answer anyway."""
 
 async def once_recorded(recorded: InputReceipt) -> dict[str, Any]:
     """``{queued: true}`` once ``recorded`` (of ``Session.steer`` or ``follow_up``) says
-    the input's record survives this host — written, and in a cluster acknowledged by
+    the input's record survives this host — fsynced, or in a cluster acknowledged by
     JetStream — so a host that takes the session up delivers it (R-STEER-1, R-STEER-6,
     R-CLUSTER-2); error 410 when it says the input was dropped unrun (its session closed
     first). A store that hangs holds the answer only :data:`ACCEPT_WAIT_S`, as ``run``'s."""

@@ -14,6 +14,7 @@ go on (R-SEC-1).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -52,7 +53,7 @@ class OutputEmitter:
         # the batches flushed but not yet published, in order, with theirs.
         self._batch_ticket = 0
         self._unpublished: deque[tuple[int, list[Output]]] = deque()
-        # Events to set once a batch of ``_unpublished`` is published (see set_when_written).
+        # Events to set once a batch of ``_unpublished`` is published (see set_when_durable).
         self._written_events: deque[tuple[list[Output], trio.Event]] = deque()
         self._awaiting_store = False
         self._published: trio.Event | None = None
@@ -218,14 +219,18 @@ class OutputEmitter:
             self._awaiting_store = True
             self._when_written(ticket)
 
-    def set_when_written(self, event: trio.Event) -> None:
-        """Set ``event`` once every record flushed so far survives this host: the trace
-        store is done with it (written; in a cluster, acknowledged by JetStream), as when
-        it is published. At once when it is already (the file store's every flush)."""
+    def set_when_durable(self, event: trio.Event) -> None:
+        """Set ``event`` once every record flushed so far survives this host, a power cut
+        included. A store that acknowledges late (the cluster's JetStream) has that once
+        it is done with them, as when they are published. A store that writes them at
+        once (the file store) has them only written then: ``event`` waits for the fsync
+        that covers them, asked of the store's group-committed sync in a task of the
+        host's, so a supervisor that ends meanwhile does not cancel it. Only a receipt
+        (steering, a follow-up: rare) pays that fsync; publication waits for none."""
         if self._unpublished:
             self._written_events.append((self._unpublished[-1][1], event))
         else:
-            event.set()
+            self._port.host.start_task(functools.partial(_set_once_synced, self._port, event))
 
     def _publish_first_unpublished(self) -> None:
         batch = self._unpublished.popleft()[1]
@@ -270,7 +275,7 @@ class OutputEmitter:
         """Publish at once the flushed batches still waiting for the trace, in order: teardown
         uses it when the trace store does not answer within the bound, so readers still get
         every output (the task's ``task_end`` above all)."""
-        # Not written: who waits for them (set_when_written) keeps to their own bound.
+        # Not written: who waits for them (set_when_durable) keeps to their own bound.
         self._written_events.clear()
         while self._unpublished:
             self._publish(self._unpublished.popleft()[1])
@@ -281,6 +286,13 @@ class OutputEmitter:
         # still get every output.
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             self._output.send_nowait(batch)
+
+
+async def _set_once_synced(port: SessionPort, event: trio.Event) -> None:
+    # A sync that fails leaves the failure sticky in the store: the task's next sync
+    # raises it and the task ends failed naming it, as after a prompt's failed sync.
+    await port.sync_trace_quietly()
+    event.set()
 
 
 def repaired_blocks(blocks: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -16,8 +16,8 @@ import trio
 class InputReceipt:
     """Filled in once what became of queued input is known; ``settled`` is set then.
 
-    Either its record (``steering_queued``, ``task_queued``) survives the host — written,
-    and in a cluster acknowledged by JetStream — so that a host that takes the session up
+    Either its record (``steering_queued``, ``task_queued``) survives the host — fsynced,
+    or in a cluster acknowledged by JetStream — so that a host that takes the session up
     after this one stopped still delivers it, and ``dropped`` stays None; or it never
     runs (its session closed, or its work stopped, before it was recorded) and
     ``dropped`` says why. Steering that comes too late for its task is recorded as the

@@ -690,7 +690,7 @@ class Session:
         """Queue user input for the running task without interrupting it (R-STEER-1);
         recorded (``steering_queued``), it reaches the task on a host that takes it up:
         ``recorded``, an :class:`InputReceipt`, settles once that record survives this host
-        (written; in a cluster, acknowledged by JetStream), or as dropped if it never runs.
+        (fsynced; in a cluster, acknowledged by JetStream), or as dropped if it never runs.
         Returns False when no task is running (start a normal task instead)."""
         message = SteeringQueued(content=_as_content(messages), recorded=recorded)
         return self._port.deliver(message)

@@ -586,11 +586,11 @@ class SessionSupervisor:
 
 def _queue_task(out: OutputEmitter, port: SessionPort, message: TaskQueued) -> None:
     """Queue the task ``message`` brings. A user's follow-up is recorded first
-    (``task_queued``, written at once, its ``recorded`` settled once the store is done with
-    it, fsynced with the trace's next sync), so that a host that takes the session up runs
-    it (R-STEER-6); a closing session takes none (it accepts no more work: R-HOST-3), and
-    ``recorded`` says it was dropped. A background child's report is not recorded: its
-    parent gets it from the child's own trace when the child is taken up
+    (``task_queued``, written at once, its ``recorded`` settled once the record is
+    durable: fsynced, or in a cluster acknowledged by JetStream), so that a host that takes
+    the session up runs it (R-STEER-6); a closing session takes none (it accepts no more
+    work: R-HOST-3), and ``recorded`` says it was dropped. A background child's report is
+    not recorded: its parent gets it from the child's own trace when the child is taken up
     (``child_reports``), and recording it here too would deliver it twice."""
     task = message.task
     with _handed_to_machine(message.recorded):
@@ -618,12 +618,12 @@ def _record_follow_up(
     out: OutputEmitter, port: SessionPort, task: TaskInput, recorded: InputReceipt | None
 ) -> TaskInput:
     """``task`` recorded as queued (``task_queued``, written at once), under the id its
-    prompt will name; ``recorded`` settles once the store is done with the record."""
+    prompt will name; ``recorded`` settles once the record is durable (set_when_durable)."""
     task, record = queued_record(port, task)
     out.emit(record)
     out.flush()
     if recorded is not None:
-        out.set_when_written(recorded.settled)
+        out.set_when_durable(recorded.settled)
     return task
 
 
@@ -631,9 +631,9 @@ def _queue_steering(
     out: OutputEmitter, port: SessionPort, message: SteeringQueued, task: RunningTask | None
 ) -> None:
     """Queue a user's steering for the open (or starting) task, recorded first
-    (``steering_queued``, written at once, its ``recorded`` set once the store is done with
-    it, fsynced with the trace's next sync) so that a host that takes the task up delivers
-    it (R-STEER-1, R-STEER-2)."""
+    (``steering_queued``, written at once, its ``recorded`` set once the record is durable:
+    fsynced, or in a cluster acknowledged by JetStream) so that a host that takes the task
+    up delivers it (R-STEER-1, R-STEER-2)."""
     with _handed_to_machine(message.recorded):
         content = repaired_blocks(message.content)  # a lone surrogate must not fail the task
         steering_id = "steer_" + uuid.uuid4().hex[:12]
@@ -643,7 +643,7 @@ def _queue_steering(
                                       steering_id=steering_id, content=content))
         out.flush()
         if message.recorded is not None:
-            out.set_when_written(message.recorded.settled)
+            out.set_when_durable(message.recorded.settled)
         port.machine.queue_steering(content)
 
 
