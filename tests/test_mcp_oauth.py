@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+import h11
 import httpx
 import pytest
 import trio
@@ -27,6 +28,7 @@ from greenroom.actors.providers.scripted import Reply, text, tool_call
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.tools.mcp import McpServerError
 from greenroom.actors.tools.mcp_auth import store_path
+from greenroom.actors.tools.mcp_bounds import MAX_MESSAGE_BYTES
 from greenroom.actors.tools.mcp_login import McpLoginError, login_to_mcp_server
 from greenroom.protocols.mcp_config import McpServerConfig
 from tests.support.mock_model_server import Reply as WireReply
@@ -253,6 +255,106 @@ async def test_a_server_that_asks_for_nothing_needs_no_login(tmp_path: Path) -> 
         config = McpServerConfig(name="h", transport="http", url=url)
         result = await login_to_mcp_server(config, tmp_path / "data", show)
     assert not result.stored and result.tools is not None and result.tools > 5
+    assert not store_path(tmp_path / "data").exists()
+
+
+HOSTILE_BODY_BYTES = 64 << 20
+"""The metadata body the hostile authorization server offers: 64 times the bound."""
+
+
+class HostileAuthorizationServer:
+    """An MCP server on 127.0.0.1 that asks for OAuth (401, then its protected resource
+    metadata naming itself as the authorization server), whose authorization server
+    metadata is a body of :data:`HOSTILE_BODY_BYTES` of ``content_type``. ``sent`` counts
+    what of that body the client took before it closed the connection; ``done`` is set
+    then, or once all was sent."""
+
+    def __init__(self, content_type: str) -> None:
+        self.content_type = content_type
+        self.sent = 0
+        self.done = trio.Event()
+        self.url = ""
+
+    async def serve(self, *, task_status: trio.TaskStatus[str]) -> None:
+        (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.url = f"http://127.0.0.1:{listener.socket.getsockname()[1]}/mcp"
+        task_status.started(self.url)
+        await trio.serve_listeners(self._answer, [listener])
+
+    async def _answer(self, stream: trio.SocketStream) -> None:
+        async with stream:
+            connection = h11.Connection(h11.SERVER)
+            while (event := connection.next_event()) is h11.NEED_DATA:
+                connection.receive_data(await stream.receive_some(65536))
+            assert isinstance(event, h11.Request)
+            path = event.target.decode()
+            if path == "/.well-known/oauth-authorization-server":
+                return await self._flood(stream, connection)
+            status, headers, body = 404, [], b""
+            if path == "/mcp":
+                metadata = origin(self.url) + "/.well-known/oauth-protected-resource"
+                status = 401
+                headers = [("WWW-Authenticate", f'Bearer resource_metadata="{metadata}"')]
+            elif path == "/.well-known/oauth-protected-resource":
+                body = json.dumps({"resource": self.url,
+                                   "authorization_servers": [origin(self.url) + "/"]}).encode()
+                status, headers = 200, [("Content-Type", "application/json")]
+            headers += [("Content-Length", str(len(body))), ("Connection", "close")]
+            await _send_head(stream, connection, status, headers)
+            await stream.send_all(connection.send(h11.Data(data=body)) or b"")
+
+    async def _flood(self, stream: trio.SocketStream, connection: h11.Connection) -> None:
+        headers = [("Content-Type", self.content_type), ("Connection", "close"),
+                   ("Content-Length", str(HOSTILE_BODY_BYTES))]
+        await _send_head(stream, connection, 200, headers)
+        piece = b" " * 65536
+        try:
+            while self.sent < HOSTILE_BODY_BYTES:
+                await stream.send_all(piece)
+                self.sent += len(piece)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            self.done.set()
+
+
+async def _send_head(
+    stream: trio.SocketStream, connection: h11.Connection, status: int,
+    headers: list[tuple[str, str]],
+) -> None:
+    await stream.send_all(connection.send(h11.Response(status_code=status, headers=headers)) or b"")
+
+
+@pytest.mark.parametrize(
+    ("transport", "content_type"),
+    [("http", "application/json"), ("http", "text/html"), ("sse", "text/html")],
+)
+async def test_an_authorization_server_that_answers_without_end_is_read_only_to_the_bound(
+    tmp_path: Path, transport: str, content_type: str
+) -> None:
+    """R-SEC-1, R-MCP-5: the login's client read each answer of the authorization server
+    whole, however large: metadata of 64 MiB was taken in full (and held) before the flow
+    looked at it. The login's client now bounds every answer as a session's messages are
+    (``mcp_bounds.MAX_MESSAGE_BYTES``, 1 MiB): reading stops there, the connection is
+    closed, and the login fails saying so; nothing is stored. Over either transport."""
+    hostile = HostileAuthorizationServer(content_type)
+
+    async def show(url: str, redirect_uri: str) -> None:
+        raise AssertionError(f"asked to open {url}")
+
+    with trio.fail_after(LOGIN_BOUND_S):
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(hostile.serve)
+            config = McpServerConfig(name="o", transport=transport, url=url)
+            with pytest.raises(McpLoginError) as caught:
+                await login_to_mcp_server(config, tmp_path / "data", show)
+            await hostile.done.wait()
+            nursery.cancel_scope.cancel()
+    assert str(caught.value) == (
+        "127.0.0.1 answered with more than 1 MiB (greenroom reads no more of one answer)"
+    )
+    # What the socket buffers took on the way is all that left the server past the bound.
+    assert MAX_MESSAGE_BYTES <= hostile.sent < HOSTILE_BODY_BYTES // 4
     assert not store_path(tmp_path / "data").exists()
 
 

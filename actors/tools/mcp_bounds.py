@@ -9,13 +9,18 @@ the same bound: reading stops there and the SDK answers that request with an err
 it; the connection and its other calls go on. A gzip or deflate body is inflated a bounded
 piece at a time on the way (:func:`~greenroom.actors.providers.library_bodies.bounded_body`).
 
+The client of a login (:func:`login_http_client`, R-MCP-5) bounds more: the SDK's OAuth
+flow reads each answer of the authorization server whole, whatever its type (metadata,
+registration, token, and their errors), so :func:`bound_answers` gives every body but an
+event stream's (whose events the SDK bounds) the same bound.
+
 stdio is not bounded here: the SDK's ``stdio_client`` joins what the server writes until a
 newline, with no limit and no place to put one short of a transport of greenroom's own.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 import httpx2
 from mcp.client.streamable_http import DEFAULT_MAX_SSE_EVENT_SIZE
@@ -29,9 +34,9 @@ MAX_MESSAGE_BYTES = DEFAULT_MAX_SSE_EVENT_SIZE
 
 
 async def _message_pieces(
-    pieces: AsyncGenerator[bytes, None], limit: int
+    pieces: AsyncGenerator[bytes, None], limit: int, too_large: str
 ) -> AsyncGenerator[bytes, None]:
-    """``pieces`` of a JSON message body, failing once they pass ``limit`` bytes."""
+    """``pieces`` of a body, failing with ``too_large`` once they pass ``limit`` bytes."""
     size = 0
     try:
         async for piece in pieces:
@@ -39,38 +44,71 @@ async def _message_pieces(
             if size > limit:
                 # The SDK answers the request with this error (a StreamError is what it
                 # catches around reading a JSON body); nothing more of it is read.
-                raise httpx2.StreamError(
-                    f"the MCP server's message is larger than {limit >> 20} MiB "
-                    "(greenroom reads no more of one message)"
-                )
+                raise httpx2.StreamError(too_large)
             yield piece
     finally:
         await pieces.aclose()
 
 
-async def bound_messages(response: httpx2.Response) -> None:
-    """A response hook (``event_hooks={"response": [bound_messages]}``): a JSON body is
-    read up to :data:`MAX_MESSAGE_BYTES`, inflated here when compressed."""
+def _bound_body(response: httpx2.Response, too_large: str) -> None:
+    """Read ``response``'s body up to :data:`MAX_MESSAGE_BYTES` (inflated here when
+    compressed), failing with ``too_large`` past it."""
     stream = response.stream
-    json = response.headers.get("content-type", "").startswith("application/json")
-    if not json or not isinstance(stream, httpx2.AsyncByteStream):
+    if not isinstance(stream, httpx2.AsyncByteStream):
         return
     encoding = body_encoding(response)
     if "content-encoding" in response.headers:
         del response.headers["content-encoding"]
     pieces = bounded_body(stream, encoding, MAX_MESSAGE_BYTES + 1, httpx2.RemoteProtocolError)
-    response.stream = BoundedStream(stream, _message_pieces(pieces, MAX_MESSAGE_BYTES))
+    response.stream = BoundedStream(stream, _message_pieces(pieces, MAX_MESSAGE_BYTES, too_large))
+
+
+async def bound_messages(response: httpx2.Response) -> None:
+    """A response hook (``event_hooks={"response": [bound_messages]}``): a JSON body is
+    read up to :data:`MAX_MESSAGE_BYTES`, inflated here when compressed."""
+    if response.headers.get("content-type", "").startswith("application/json"):
+        limit = f"{MAX_MESSAGE_BYTES >> 20} MiB"
+        too_large = f"the MCP server's message is larger than {limit}"
+        _bound_body(response, f"{too_large} (greenroom reads no more of one message)")
+
+
+async def bound_answers(response: httpx2.Response) -> None:
+    """A response hook, as :func:`bound_messages`, for every body but an event stream's
+    (the SDK bounds each of its events): the answers of an authorization server too."""
+    if not response.headers.get("content-type", "").startswith("text/event-stream"):
+        too_large = f"{response.url.host} answered with more than {MAX_MESSAGE_BYTES >> 20} MiB"
+        _bound_body(response, f"{too_large} (greenroom reads no more of one answer)")
 
 
 def bounded_http_client(
-    *, headers: dict[str, str] | None, auth: httpx2.Auth | None
+    *,
+    headers: dict[str, str] | None,
+    auth: httpx2.Auth | None,
+    timeout: httpx2.Timeout | None = None,
+    bound: Callable[[httpx2.Response], Awaitable[None]] = bound_messages,
 ) -> httpx2.AsyncClient:
-    """The SDK's client for streamable HTTP (``create_mcp_http_client``: its timeouts), with
-    :func:`bound_messages` among its response hooks."""
-    client = create_mcp_http_client(headers=headers, auth=auth)
+    """The SDK's client for streamable HTTP (``create_mcp_http_client``: its timeouts,
+    unless ``timeout``), with ``bound`` among its response hooks."""
+    client = create_mcp_http_client(headers=headers, timeout=timeout, auth=auth)
     hooks = client.event_hooks
-    client.event_hooks = {**hooks, "response": [*hooks.get("response", []), bound_messages]}
+    client.event_hooks = {**hooks, "response": [*hooks.get("response", []), bound]}
     return client
 
 
-__all__ = ["MAX_MESSAGE_BYTES", "bound_messages", "bounded_http_client"]
+def login_http_client(
+    headers: dict[str, str] | None = None,
+    timeout: httpx2.Timeout | None = None,
+    auth: httpx2.Auth | None = None,
+) -> httpx2.AsyncClient:
+    """The client of a login's connection, whatever its transport (a factory as the SDK's
+    ``sse_client`` takes one): every answer bounded by :func:`bound_answers`."""
+    return bounded_http_client(headers=headers, auth=auth, timeout=timeout, bound=bound_answers)
+
+
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "bound_answers",
+    "bound_messages",
+    "bounded_http_client",
+    "login_http_client",
+]

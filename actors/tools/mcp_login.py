@@ -38,7 +38,6 @@ from mcp.client.auth import (
 )
 from mcp.client.sse import sse_client
 from mcp.client.streamable_http import streamable_http_client
-from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.auth import OAuthClientInformationFull, OAuthClientMetadata, OAuthToken
 from mcp.shared.exceptions import MCPError
 
@@ -49,6 +48,7 @@ from greenroom.actors.tools.mcp_auth import (
     sends_own_authorization,
     store_path,
 )
+from greenroom.actors.tools.mcp_bounds import login_http_client
 from greenroom.protocols.mcp_config import McpServerConfig
 
 __all__ = [
@@ -171,13 +171,16 @@ async def _connect(
     headers = dict(config.headers) or None
     try:
         async with contextlib.AsyncExitStack() as stack:
+            # The flow reads each answer of the authorization server whole: every one is
+            # bounded, as a session's messages are (R-SEC-1).
             if config.transport == "sse":
                 streams = await stack.enter_async_context(
-                    sse_client(config.url, headers=headers, auth=provider)
-                )
+                    sse_client(config.url, headers=headers, auth=provider,
+                               httpx_client_factory=login_http_client)
+                )  # fmt: skip
             else:
                 client = await stack.enter_async_context(
-                    create_mcp_http_client(headers=headers, auth=provider)
+                    login_http_client(headers=headers, auth=provider)
                 )
                 streams = await stack.enter_async_context(
                     streamable_http_client(config.url, http_client=client)
