@@ -12,20 +12,31 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
-from conftest import RUN_TIMEOUT_S, open_host, trace_lines
+import trio.testing
+from conftest import RUN_TIMEOUT_S, open_host, port_of, trace_lines
+from test_recovery import blocking_tool, copy_session
 
+from greenroom.actors.providers import scripted_brain
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session import RunStream, Session
 from greenroom.actors.runtime.subagents import SUBAGENT_SYSTEM, spawn_subagent
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import ModelRequest, ToolResult, UserMessage
-from greenroom.protocols.outputs import ApprovalRequest, ModelMsg, Output, TaskEnd, UserMsg
+from greenroom.protocols.outputs import (
+    ApprovalRequest,
+    ModelMsg,
+    Output,
+    RequestEnd,
+    TaskEnd,
+    UserMsg,
+)
 from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.stream import TokenUsage
 from greenroom.protocols.tools import make_tool
@@ -644,3 +655,229 @@ async def test_the_roots_watch_sees_a_grandchild_taken_up_after_a_restart_once(
         ((root_id, payer_id, collector_id), "collected 7"),
         ((root_id, payer_id), "paid 7"),
     ]
+
+
+def _before_the_crash(request: ModelRequest) -> Reply:
+    """The root spawns the payer in the background (:func:`_payer_model`); the payer
+    spawns the collector in the background and says it waits for it; the collector holds
+    a call (``hold``, running until its host stops)."""
+    if not (request.system or "").startswith(SUBAGENT_SYSTEM):
+        return _payer_model(request)
+    if "collect 3" in str(request.messages[0].content):
+        return Reply(blocks=(tool_call("h1", "hold", key="collecting"),))
+    if _results(request):
+        return Reply(blocks=(text("waiting for the collector"),))
+    collect = {"task": "collect 3", "background": True, "name": "collector"}
+    return Reply(blocks=(ToolCallBlock(id="s2", name="spawn_subagent", arguments=collect),))
+
+
+async def _crash_while_the_payer_waits(
+    data_dir: Path, crash_dir: Path, workspace: Path
+) -> tuple[str, str, str]:
+    """Run the tree of :func:`_before_the_crash` until the root's task has ended, the
+    payer's has answered and waits for its background collector, and the collector's
+    ``hold`` call runs; copy the three sessions' files, durable, into ``crash_dir``: what
+    a host killed there leaves. The ids of the root, the payer and the collector."""
+    hold, holding = blocking_tool()
+    model = ScriptedProvider(_before_the_crash)
+    async with open_host(data_dir) as host:
+        root = await host.create_session(
+            provider=model, tools=[hold, spawn_subagent], workspace_dir=workspace
+        )
+        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
+        root.watch(send)
+        root.run("collect and pay through a subagent", approve=lambda call: "allow").detach()
+        root_ended = payer_answered = False
+        with trio.fail_after(RUN_TIMEOUT_S):
+            async for batch in inbox:
+                for o in batch:
+                    root_ended = root_ended or (isinstance(o, TaskEnd) and o.origin is None)
+                    if isinstance(o, RequestEnd) and o.origin is not None and o.turn == 2:
+                        payer_answered = len(o.origin) == 2
+                if root_ended and payer_answered:
+                    break
+            await holding.wait()
+        (payer,) = await root.children()
+        (collector,) = await payer.children()
+        assert port_of(payer).machine.waiting_for == "children"
+        for session in (root, payer, collector):
+            await port_of(session).sync_trace()
+            copy_session(session, crash_dir)
+    return root.id, payer.id, collector.id
+
+
+def _after_the_crash(collector: Reply) -> Callable[[ModelRequest], Reply]:
+    """The model on the next host: the collector replies ``collector`` (then, with its
+    call's result, ``collected 3``); the payer merges the collector's answer; the root
+    merges the payer's (:func:`_payer_model`)."""
+
+    def model(request: ModelRequest) -> Reply:
+        if not (request.system or "").startswith(SUBAGENT_SYSTEM):
+            return _payer_model(request)
+        if "collect 3" in str(request.messages[0].content):
+            if len(_results(request)) > 1:
+                return Reply(blocks=(text("collected 3"),))
+            return collector
+        last = request.messages[-1]
+        if isinstance(last, UserMessage) and "[subagent collector finished]" in str(last.content):
+            return Reply(blocks=(text("merged: collected 3"),))
+        return Reply(blocks=(text("unexpected request"),))
+
+    return model
+
+
+def _tools_after_the_crash(paid: list[int]) -> tuple[list[Any], trio.Event]:
+    """The tools of the next host: ``hold`` (its event set once a call runs), ``pay``
+    and ``spawn_subagent``."""
+    hold, holding = blocking_tool()
+    return [hold, _pay_tool(paid), spawn_subagent], holding
+
+
+def _task_of(lines: list[dict[str, Any]]) -> list[str]:
+    """The kinds of a trace's task records and of the subagents' reports it took."""
+    return [
+        "report" if line["type"] == "user_msg" and "[subagent" in str(line["content"])
+        else line["type"]
+        for line in lines
+        if line["type"] in ("task_start", "task_end", "user_msg")
+        and not (line["type"] == "user_msg" and line.get("kind") == "prompt")
+    ]
+
+
+async def test_a_subagent_taken_up_after_a_crash_waits_for_its_running_background_child(
+    data_dir: Path, workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-TREE-2, R-HITL-4: the host dies while the payer's task, answered, waits for its
+    background collector, whose call runs. The next host takes both up (resume_tasks):
+    the collector's call gets its host-lost result, the collector answers, and its answer
+    reaches the payer as steering of the same task, which answers with it; the root gets
+    the payer's merged answer, once. (Before, the loaded payer knew no running child: its
+    task ended at once, with its old answer, and the collector's came as a second task.)"""
+    crash_dir = tmp_path / "crashed"
+    root_id, payer_id, collector_id = await _crash_while_the_payer_waits(
+        data_dir, crash_dir, workspace
+    )
+    # The host loads the taken-up sessions with the provider their session.json names.
+    model = _after_the_crash(Reply(blocks=(text("collected 3"),)))
+    monkeypatch.setattr(scripted_brain, "demo_brain", model)
+    tools, _ = _tools_after_the_crash([])
+    async with Host.open(crash_dir, tools=tools) as host:
+        root = await host.load_session(root_id, provider=ScriptedProvider(model))
+        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
+        root.watch(send)
+        resumed = await host.resume_tasks(approve=lambda call: "allow")
+        assert sorted(resumed) == sorted([payer_id, collector_id])
+        with trio.fail_after(RUN_TIMEOUT_S):
+            seen = await _until_task_end(inbox)
+        payer_lines = trace_lines(await host.load_session(payer_id))
+    assert _reports(seen) == ["[subagent payer finished] merged: collected 3"]
+    assert _task_of(payer_lines) == ["task_start", "report", "task_end"]
+    assert payer_lines[-1]["status"] == "completed"
+
+
+async def test_a_subagent_taken_up_alone_does_not_wait_for_a_child_nobody_runs(
+    data_dir: Path, workspace: Path, tmp_path: Path
+) -> None:
+    """R-TREE-2, R-HITL-4: after the same crash, a host opened without taking tasks up
+    resumes the payer alone: its collector, left open in its trace, runs nowhere, so the
+    payer's task ends at once and reports to the root. The collector, resumed later,
+    still answers: its answer reaches the payer as a follow-up task."""
+    crash_dir = tmp_path / "crashed"
+    root_id, payer_id, collector_id = await _crash_while_the_payer_waits(
+        data_dir, crash_dir, workspace
+    )
+    model = ScriptedProvider(_after_the_crash(Reply(blocks=(text("collected 3"),))))
+    tools, _ = _tools_after_the_crash([])
+    allow = {"provider": model, "tools": tools, "approve": lambda call: "allow"}
+    async with Host.open(crash_dir, tools=tools) as host:
+        root = await host.load_session(root_id, provider=model)
+        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
+        root.watch(send)
+        await host.resume(payer_id, **allow)
+        with trio.fail_after(RUN_TIMEOUT_S):
+            seen = await _until_task_end(inbox)
+            (report,) = _reports(seen)
+            assert report.startswith("[subagent payer finished]"), report
+            payer = await host.load_session(payer_id)
+            answered, payer_outputs = trio.open_memory_channel[list[Output]](math.inf)
+            payer.watch(answered)
+            await host.resume(collector_id, **allow)
+            await _until_task_end(payer_outputs)
+        payer_lines = trace_lines(payer)
+    assert _task_of(payer_lines) == ["task_start", "task_end", "task_start", "task_end"]
+    (report_prompt,) = [line for line in payer_lines if line.get("kind") == "prompt"][1:]
+    assert "[subagent collector finished] collected 3" in str(report_prompt["content"])
+
+
+async def test_a_subagent_taken_up_stops_waiting_for_a_child_that_parks(
+    data_dir: Path, workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-TREE-2, R-HITL-3: after the same crash, the next host takes the tree up with its
+    calls decided by people: the collector goes on and asks a person to allow a pay call,
+    so it parks and runs no more. The payer's task, which waited for it, ends and reports
+    to the root (it would wait for ever, did it not hear that the collector parked).
+    Answered, the collector pays and answers the payer as a follow-up task."""
+    crash_dir = tmp_path / "crashed"
+    root_id, payer_id, collector_id = await _crash_while_the_payer_waits(
+        data_dir, crash_dir, workspace
+    )
+    model = _after_the_crash(Reply(blocks=(tool_call("c2", "pay", amount=3),)))
+    monkeypatch.setattr(scripted_brain, "demo_brain", model)
+    paid: list[int] = []
+    tools, _ = _tools_after_the_crash(paid)
+    async with Host.open(crash_dir, tools=tools) as host:
+        root = await host.load_session(root_id, provider=ScriptedProvider(model))
+        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
+        root.watch(send)
+        await host.resume_tasks()
+        with trio.fail_after(RUN_TIMEOUT_S):
+            (report,) = _reports(await _until_task_end(inbox))
+            assert report.startswith("[subagent payer finished]"), report
+            (asked,) = await host.pending_approvals()
+            assert asked.session_id == collector_id and asked.call_id == "c2"
+            payer = await host.load_session(payer_id)
+            answered, payer_outputs = trio.open_memory_channel[list[Output]](math.inf)
+            payer.watch(answered)
+            await host.answer_approval(collector_id, "c2", "allow")
+            await _until_task_end(payer_outputs)
+        payer_lines = trace_lines(payer)
+    assert paid == [3]
+    assert _task_of(payer_lines) == ["task_start", "task_end", "task_start", "task_end"]
+    (report_prompt,) = [line for line in payer_lines if line.get("kind") == "prompt"][1:]
+    assert "[subagent collector finished] collected 3" in str(report_prompt["content"])
+
+
+async def test_a_tree_interrupt_of_a_subagent_taken_up_ends_its_running_child(
+    data_dir: Path, workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-TREE-2: after the same crash, the next host takes the tree up and the collector,
+    going on, holds a new call. The payer interrupted with scope tree ends it too: its task
+    ends aborted, and its answer goes to nobody (no follow-up task of the payer). Before,
+    the taken-up payer knew no running child: the collector held on."""
+    crash_dir = tmp_path / "crashed"
+    root_id, payer_id, collector_id = await _crash_while_the_payer_waits(
+        data_dir, crash_dir, workspace
+    )
+    model = _after_the_crash(Reply(blocks=(tool_call("h2", "hold", key="again"),)))
+    monkeypatch.setattr(scripted_brain, "demo_brain", model)
+    tools, holding = _tools_after_the_crash([])
+    async with Host.open(crash_dir, tools=tools) as host:
+        await host.load_session(root_id, provider=ScriptedProvider(model))
+        await host.resume_tasks(approve=lambda call: "allow")
+        collector = host.get_session(collector_id)
+        send, collector_outputs = trio.open_memory_channel[list[Output]](math.inf)
+        collector.watch(send)
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await holding.wait()
+            assert host.get_session(payer_id).interrupt("enough", scope="tree")
+            seen = await _until_task_end(collector_outputs)
+            await trio.testing.wait_all_tasks_blocked()  # its report, dropped, is gone
+        # Told to the payer, the report would have made it busy with a follow-up task.
+        open_now = {session.id: session for session in host.sessions}
+        assert payer_id not in open_now or not open_now[payer_id].busy
+        payer_lines = trace_lines(await host.load_session(payer_id))
+    (end,) = [o for o in seen if isinstance(o, TaskEnd) and o.origin is None]
+    assert end.status == "aborted", end
+    assert _task_of(payer_lines) == ["task_start", "task_end"]
+    last = payer_lines[-1]
+    assert last["type"] == "task_end" and last["status"] == "aborted", last

@@ -20,6 +20,14 @@ R-STEER-6, is for a user's follow-ups): the child's trace is what makes it durab
 child whose task its host had not ended is taken up and reports again; recorded in the
 parent too, it would be delivered twice.
 
+While a supervisor runs a taken-up child here, its parent open here counts it among its
+running children (:meth:`ChildReports.wake`), as before its host stopped: a subagent's
+task holds for its answer (R-TREE-2), and the parent's tree interrupts reach it (cut, it
+reports to nobody). A child that parks, or whose session closes with its task open, runs
+here no more: the parent's task stops waiting for it; its answer comes later all the same
+(steering, or a follow-up task). One that nobody takes up, or whose task is taken up
+only to park again (it waits for people alone), is never waited for.
+
 A report is sent once, when the child's taken-up task ends; the child then leaves the
 host's open sessions as a live child does (in a cluster its host releases it, as it
 releases any session it closes). A child whose task ended on the
@@ -29,6 +37,7 @@ the child's trace (``session.children()`` finds it), not in the parent's input.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -41,9 +50,10 @@ from greenroom.actors.runtime.accounting import tree_usage
 from greenroom.actors.runtime.errors import SessionNotFound
 from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput
 from greenroom.actors.runtime.subagents import ChildWatch, SubagentError, finished_text
-from greenroom.actors.runtime.tree import tell
+from greenroom.actors.runtime.supervisor import wake
+from greenroom.actors.runtime.tree import LiveChild, children_of, stopped_running, tell
 from greenroom.protocols.content import TextBlock
-from greenroom.protocols.messages import SubagentFinished
+from greenroom.protocols.messages import SubagentFinished, SupervisorMessage
 from greenroom.protocols.outputs import Output
 
 if TYPE_CHECKING:
@@ -67,14 +77,70 @@ lease periods."""
 class ChildReports:
     """A host's reports of taken-up background children; see the module docstring."""
 
-    __slots__ = ("_host", "link", "retry_s")
+    __slots__ = ("_followed", "_host", "_places", "_running", "link", "retry_s")
 
     def __init__(self, host: Host) -> None:
         self._host = host
+        self._followed: set[str] = set()
+        """The taken-up children whose reports are still to come."""
+        self._running: dict[str, SessionPort] = {}
+        """Those of them a supervisor runs here now."""
+        self._places: dict[str, LiveChild] = {}
+        """The entry of each of those among its parent's running children, kept past the
+        parent's closing: its ``cut`` says that the parent's tree interrupt ended it."""
         self.link: ParentLink | None = None
         """The cluster's way to a parent owned by another host (set by a cluster host)."""
         self.retry_s = 1.0
         """How long to wait before offering a report again to a parent without owner."""
+
+    def loaded(self, port: SessionPort) -> None:
+        """``port`` was loaded here. A background child's open task: its answer reaches
+        its parent when it ends, whoever takes it up (R-TREE-4). A parent: it counts its
+        taken-up children that run here now, as it would have, open before them."""
+        if port.report_as is not None and port.machine.run_id is not None:
+            self.follow(port)
+        for child in self._running.values():
+            place = self._places.get(child.id)
+            if child.parent_id == port.id and not (place is not None and place.cut):
+                self._places[child.id] = children_of(port).take_up(child)
+
+    def wake(self, port: SessionPort, message: SupervisorMessage | None) -> None:
+        """Start a supervisor for ``port``'s open task, with ``message`` first in its inbox
+        (:func:`~greenroom.actors.runtime.supervisor.wake`). A taken-up child then runs
+        here: its parent, open here, counts it among its running children until the
+        supervisor ends (see the module docstring)."""
+        # A task that waits only for people, taken up, parks again at once: it does not
+        # run, and a parent that counted it meanwhile could end it with its subtree.
+        parks_again = message is None and port.parked
+        wake(port, message)
+        idle = port.idle
+        if parks_again or port.id not in self._followed or idle is None:
+            return
+        self._running[port.id] = port
+        parent = self._open_port(port.parent_id)
+        if parent is not None:
+            self._places[port.id] = children_of(parent).take_up(port)
+        self._host.start_task(functools.partial(self._until_idle, port, idle))
+
+    async def _until_idle(self, port: SessionPort, idle: trio.Event) -> None:
+        await idle.wait()
+        if port.inbox is not None:
+            return  # woken again meanwhile: the new supervisor is watched in its turn
+        self._running.pop(port.id, None)
+        if port.machine.run_id is None:
+            return  # its task has ended: its report, on its way, lets its parent go on
+        self._places.pop(port.id, None)
+        parent = self._open_port(port.parent_id)
+        if parent is not None:
+            stopped_running(parent, port)
+
+    def _open_port(self, session_id: str | None) -> SessionPort | None:
+        if session_id is None:
+            return None
+        try:
+            return self._host.port(session_id)
+        except SessionNotFound:
+            return None
 
     def follow(self, port: SessionPort) -> None:
         """Follow the background child ``port`` from now on and report its answer when
@@ -94,8 +160,20 @@ class ChildReports:
             port, budget=port.settings.subagent_token_budget, used=port.machine.usage.total
         )
         followed_at = time.time()
+        self._followed.add(port.id)
 
         async def report() -> None:
+            try:
+                await report_once()
+            finally:
+                self._followed.discard(port.id)
+                self._places.pop(port.id, None)
+                # Its parent's task must not wait for a report that did not reach it.
+                parent = self._open_port(parent_id)
+                if parent is not None:
+                    stopped_running(parent, port)
+
+        async def report_once() -> None:
             if watch.budget >= 0:
                 watch.used += await self._descendants_used(port, followed_at)
             with outputs:
@@ -114,6 +192,9 @@ class ChildReports:
             # its host releases it, and answers the calls on their way to it meanwhile.
             await port.wait_idle()
             self._host.forget_child(port)
+            place = self._places.pop(port.id, None)
+            if place is not None and place.cut:
+                return  # its parent's tree interrupt ended it: its answer is for nobody
             text = finished_text(label, answer)
             try:
                 await self.deliver(parent_id, port.id, text, port.lost_approve)
@@ -161,6 +242,8 @@ class ChildReports:
         :class:`SessionNotFound` when there is no such session."""
         await self._host.load_session(parent_id)
         parent = self._host.port(parent_id)
+        if parent.children is not None:
+            parent.children.let_go(child_id)  # it runs no more: its answer comes now
         content = (TextBlock(text=text),)
         follow_up = TaskInput(content=content, approve=approve, thinking_level=None)
         if not tell(

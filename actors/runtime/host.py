@@ -56,7 +56,7 @@ from greenroom.actors.runtime.storage import (
     SESSIONS_DIR,
     tighten,
 )
-from greenroom.actors.runtime.supervisor import start, take_up_stored, wake
+from greenroom.actors.runtime.supervisor import start, take_up_stored
 from greenroom.actors.runtime.time_travel import fork, settle_fork
 from greenroom.actors.runtime.trace_sink import LedgerUnusable
 from greenroom.actors.runtime.trace_store import (
@@ -337,10 +337,7 @@ class Host:
                 overrides=overrides,
                 principal=principal,
             )
-            if port.report_as is not None and port.machine.run_id is not None:
-                # A background subagent's open task: its answer reaches its parent when it
-                # ends, whoever takes it up (R-TREE-4).
-                self.child_reports.follow(port)
+            self.child_reports.loaded(port)  # R-TREE-2, R-TREE-4
             return self._add(port)
 
     async def fork_session(
@@ -556,16 +553,11 @@ class Host:
     async def resume_tasks(self, approve: Approval = PEOPLE) -> list[str]:
         """Take up every stored task left open by a host that stopped (what
         ``Host.open(resume_tasks=True)`` does; ``approve`` as for :meth:`resume`)."""
-        resumed = []
-        for session_id in await self._open_tasks.ids(self._ports):
-            with contextlib.suppress(SessionNotFound):  # unreadable, or deleted meanwhile
-                await self.resume(session_id, approve=approve)
-                resumed.append(session_id)
-        return resumed
+        return await _take_up_together(self, await self._open_tasks.ids(self._ports), approve)
 
     def wake(self, port: SessionPort, message: SupervisorMessage | None) -> None:
         """Start a supervisor for ``port``'s open task (see :data:`HostServices`)."""
-        wake(port, message)
+        self.child_reports.wake(port, message)
 
     def watch_approval(self, port: SessionPort, call_id: str, asked_at: float | None) -> None:
         """Hold the wait of ``call_id`` to ``port``'s timeout policy."""
@@ -585,6 +577,23 @@ class Host:
         :class:`ConfigurationError` as :meth:`create_session` would (an unknown provider,
         or anthropic without credentials)."""
         await self._builder.clients.load(provider, model=model, base_url=base_url)
+
+
+async def _take_up_together(host: Host, session_ids: list[str], approve: Approval) -> list[str]:
+    """Load each of ``session_ids``, then take up their open tasks (``Host.resume``); the
+    ids of those taken up."""
+    loaded = []
+    for session_id in session_ids:
+        with contextlib.suppress(SessionNotFound):  # unreadable, or deleted meanwhile
+            await host.load_session(session_id)
+            loaded.append(session_id)
+    # All are open before any supervisor starts, and all start with no pause between
+    # them: a subagent's task takes its first step knowing which of its background
+    # children run again here, and waits for them as before its host stopped (R-TREE-2).
+    for session_id in loaded:
+        with contextlib.suppress(SessionNotFound):  # closed while the others loaded
+            take_up_stored(host.port(session_id), approve)
+    return loaded
 
 
 @attrs.frozen

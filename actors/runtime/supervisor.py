@@ -806,7 +806,7 @@ def take_up_stored(port: SessionPort, approve: Approval) -> None:
     machine = port.machine
     if machine.run_id is not None or machine.adopt_unstarted() or machine.record.queued:
         port.lost_approve = approve
-        wake(port, None)
+        port.host.wake(port, None)  # the host knows the taken-up subagents (R-TREE-2)
 
 
 async def forward_cancel(

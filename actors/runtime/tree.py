@@ -20,6 +20,14 @@ What crosses an edge:
 * **Answers, up.** A background child's end reaches its parent as input (R-TREE-2):
   :func:`tell` hands ``SubagentFinished`` to the parent's work — steering of its open task —
   or, when it is idle, starts a follow-up task through the host.
+* **After a restart.** A background child whose task a host takes up again (its own
+  stopped) counts among its parent's running children, when the parent is open there,
+  while a supervisor runs it in that host (:meth:`Children.take_up`): from its waking
+  until its answer has come (:meth:`Children.let_go`), or until it parks or its session
+  closes with its task open (:func:`stopped_running`). A child that no supervisor runs
+  here — left in its trace by a host opened without taking tasks up, or parked for a
+  person — is not waited for: the parent's task would hold for as long as nobody takes
+  it up.
 * **Interrupts, down.** :func:`end_subtree` interrupts every live child with scope
   ``tree`` (each does the same for its own): what an interrupt of scope ``tree`` does
   besides ending the node's own task. A child ended so is ``cut``: its answer is for
@@ -47,6 +55,7 @@ __all__ = [
     "end_subtree",
     "forward_up",
     "forward_up_while_open",
+    "stopped_running",
     "tell",
 ]
 
@@ -54,14 +63,21 @@ __all__ = [
 class LiveChild:
     """One running subagent of a session: its port, whether it runs in the background
     (its spawning call has returned), and whether an ancestor's tree interrupt ended it
-    (``cut``: its answer goes to nobody)."""
+    (``cut``: its answer goes to nobody).
 
-    __slots__ = ("background", "cut", "port")
+    A background child ``taken_up`` by this host after its own stopped (see
+    :meth:`Children.take_up`) has no follower of this process's spawning call: the
+    host's ``child_reports`` end its entry (:meth:`Children.let_go`)."""
 
-    def __init__(self, port: SessionPort, *, background: bool) -> None:
+    __slots__ = ("background", "cut", "holds_slot", "port", "taken_up")
+
+    def __init__(self, port: SessionPort, *, background: bool, taken_up: bool = False) -> None:
         self.port = port
         self.background = background
         self.cut = False
+        self.taken_up = taken_up
+        self.holds_slot = False
+        """A taken-up child's: whether it took one of the slots (only when one was free)."""
 
 
 class Children:
@@ -90,6 +106,34 @@ class Children:
     def remove(self, session_id: str) -> LiveChild | None:
         """The child has ended; returns its entry (None when it was not running)."""
         return self.live.pop(session_id, None)
+
+    def take_up(self, port: SessionPort) -> LiveChild:
+        """``port``, a background child whose task this host took up after its own host
+        stopped, runs here now: the session's task waits for its answer, as it did before
+        (R-TREE-2), and its tree interrupts reach it. It holds a slot when one is free
+        (the limit may have been lowered since it was spawned). Returns its entry."""
+        known = self.live.get(port.id)
+        if known is not None:
+            return known
+        child = self.live[port.id] = LiveChild(port, background=True, taken_up=True)
+        try:
+            self.slots.acquire_nowait()
+        except trio.WouldBlock:
+            return child
+        child.holds_slot = True
+        return child
+
+    def let_go(self, session_id: str) -> LiveChild | None:
+        """A taken-up child runs here no more (its answer has come, or it parked, or its
+        session closed): its entry goes and its slot is freed; returns the entry, None when
+        it had none (a child spawned in this process ends through its own follower)."""
+        child = self.live.get(session_id)
+        if child is None or not child.taken_up:
+            return None
+        del self.live[session_id]
+        if child.holds_slot:
+            self.slots.release()
+        return child
 
 
 def children_of(port: SessionPort) -> Children:
@@ -163,6 +207,20 @@ def end_subtree(port: SessionPort, reason: str) -> bool:
         child.cut = True
         hit = child.port.deliver(InterruptTask(reason=reason, scope="tree")) or hit
     return hit
+
+
+def stopped_running(parent: SessionPort, child: SessionPort) -> None:
+    """``child``, taken up by this host, stopped running here without an answer: it
+    parked for a person, or its session closed with its task open. ``parent``'s task no
+    longer waits for it (R-TREE-2); once it runs and answers, its answer comes as the
+    parent's input all the same (steering, or a follow-up task)."""
+    children = parent.children
+    if children is None or children.let_go(child.id) is None:
+        return
+    # A waiting task counts its running children before each step; nothing else would
+    # make it take one now. An empty batch of the child's outputs emits nothing: a
+    # supervisor takes a step after every message, and none runs for an idle parent.
+    parent.send(SubagentOutputs(outputs=(), origin=child.origin_path))
 
 
 def tell(parent: SessionPort, message: SubagentFinished) -> bool:
