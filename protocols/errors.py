@@ -13,6 +13,7 @@
     │   ├── OutputSchemaError  an output_schema that cannot be used (R-OUT-1) (400)
     │   └── HooksFileError     a command hooks settings file that cannot be used (R-HOOK-2)
     ├── ImageRefused       an image file that cannot be attached, and why (400)
+    ├── InputTooLarge      input larger than the session's trace carries in a record (400)
     ├── NotPending         an answer for a request no person is asked (any more) (409)
     └── SeqRefused         a fork or rewind point the session's history does not have (400)
 
@@ -101,6 +102,27 @@ class ImageRefused(GreenroomError):
         self.path = path
         self.reason = reason
         self.index = index
+
+
+class InputTooLarge(GreenroomError, ValueError):
+    """Input (of ``run``, ``steer`` or ``follow_up``) whose trace record would be larger
+    than the session's trace carries in one record: a cluster's NATS server's
+    ``max_payload``, less what the record's other fields take (R-SEC-9, R-CLUSTER-2). A
+    file trace has no such limit. Nothing of the input was taken: send less.
+
+    ``size`` is the input's bytes as its record holds them (its blocks, and the output
+    schema of a task), ``most`` the most the trace carries."""
+
+    code = 400
+
+    def __init__(self, size: int, most: int) -> None:
+        super().__init__(
+            f"input too large: its trace record would hold {size} bytes of input, more than "
+            f"the cluster's NATS server carries in one message ({most} bytes with its "
+            "max_payload); nothing was done, send less"
+        )
+        self.size = size
+        self.most = most
 
 
 class NotPending(GreenroomError):

@@ -33,6 +33,7 @@ from typing import Literal
 import attrs
 
 from greenroom.protocols import converter
+from greenroom.protocols.content import ImageBlock, UserContent
 from greenroom.protocols.outputs import Output, TokenUsageOutput
 from greenroom.protocols.stream import TokenUsage
 from greenroom.protocols.text import compact_json
@@ -72,6 +73,25 @@ def encode_record(output: Output) -> str:
     if output.seq is None:
         raise ValueError(f"a traced {type(output).TYPE!r} output needs a seq")
     return converter.to_json(output) + "\n"
+
+
+IMAGE_ACCEPTANCE_BYTES = 512
+"""The most bytes an image block not accepted yet (without ``sha256``) is counted to grow
+by in its record once the session takes it: its hash and media type, or the line of
+text saying why it was refused."""
+
+
+def input_size(content: Iterable[UserContent], output_schema: object = None) -> int:
+    """The bytes a client's input takes in its trace record: its blocks (and a run's
+    output schema) as the record's UTF-8 JSON holds them, each image not accepted yet
+    counted as accepted (:data:`IMAGE_ACCEPTANCE_BYTES`). What a trace whose records
+    have a limit (a cluster's NATS server) measures input against."""
+    blocks = tuple(content)
+    size = len(converter.to_json(blocks).encode("utf-8", "backslashreplace"))
+    if output_schema is not None:
+        size += len(converter.to_json(output_schema).encode("utf-8", "backslashreplace"))
+    unaccepted = sum(isinstance(b, ImageBlock) and b.sha256 is None for b in blocks)
+    return size + unaccepted * IMAGE_ACCEPTANCE_BYTES
 
 
 @attrs.frozen(kw_only=True, slots=True)

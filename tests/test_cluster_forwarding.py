@@ -54,6 +54,7 @@ from greenroom.actors.cluster.routing import (
 from greenroom.actors.cluster.traces import TraceStream, TraceWriter
 from greenroom.actors.gateway import Gateway, SessionDefaults
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
+from greenroom.actors.runtime.errors import InputTooLarge
 from greenroom.actors.runtime.host import Host
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.outputs import Output, UserMsg
@@ -603,10 +604,16 @@ def _in_a_tool_call() -> list[Reply]:
 
 @asynccontextmanager
 async def _owner_in_a_tool_call(
-    conn: Connection, url: str, tmp_path: Path, gates: Gates, *, a2a: bool = False
+    conn: Connection,
+    url: str,
+    tmp_path: Path,
+    gates: Gates,
+    *,
+    a2a: bool = False,
+    script: Callable[[], list[Reply]] = _in_a_tool_call,
 ) -> AsyncIterator[tuple[Member, Client, str]]:
     """A cluster host, a client of its gateway, and its session whose task waits in the
-    tool call ``wait`` (key ``a``) of ``gates``."""
+    tool call ``wait`` (key ``a``) of ``gates`` (then plays the rest of ``script``)."""
     async with (
         _member(
             conn,
@@ -614,7 +621,7 @@ async def _owner_in_a_tool_call(
             tmp_path,
             "a",
             request_timeout_s=30.0,
-            script=_in_a_tool_call,
+            script=script,
             tools=[gates.tool()],
             a2a=a2a,
         ) as owner,
@@ -685,6 +692,52 @@ def test_queued_input_is_answered_once_jetstream_holds_its_record(
     assert order == [101, 100], f"{method} answered while JetStream lacked its {record}"
     assert answer["result"] == {"queued": True}, answer
     assert record in after
+
+
+def _in_a_tool_call_then_two_answers() -> list[Reply]:
+    return [*_in_a_tool_call(), Reply(blocks=(text("ok again"),))]
+
+
+def test_the_python_api_refuses_input_a_cluster_record_cannot_carry(
+    tmp_path: Path, gates: Gates
+) -> None:
+    """R-SEC-9, R-CLUSTER-2: on a cluster host (NATS at 128 KiB), ``Session.steer``,
+    ``follow_up`` and ``run`` of 200 KB raise :class:`InputTooLarge` naming the sizes, and
+    nothing is recorded; the session goes on (before: the input was recorded, and its
+    record stopped the session on its host)."""
+
+    async def body(conn: Connection, url: str) -> dict[str, Any]:
+        big = "x" * 200_000
+        refused: list[InputTooLarge] = []
+        async with _owner_in_a_tool_call(
+            conn, url, tmp_path, gates, script=_in_a_tool_call_then_two_answers
+        ) as (owner, _, sid):
+            session = owner.host.get_session(sid)
+            for call in (session.steer, session.follow_up):
+                with pytest.raises(InputTooLarge) as steered:
+                    call(big)
+                refused.append(steered.value)
+            gates.release("a")
+            await session.wait_idle()
+            with pytest.raises(InputTooLarge) as ran:
+                session.run(big)
+            refused.append(ran.value)
+            result = await session.run("go on").result()
+            settled = await owner.node.store.log.settled(sid)  # type: ignore[union-attr]
+            records = (await (await TraceStream.open(conn)).read(sid)).records
+            return {"refused": refused, "status": result.task_end.status, "settled": settled,
+                    "records": records}
+
+    with running_nats(tmp_path / "nats", max_payload=SMALL_PAYLOAD) as server:
+        found = run_connected(server.url, lambda conn: body(conn, server.url), timeout_s=BOUND_S)
+    for refused in found["refused"]:
+        assert refused.size > 200_000 and refused.most < SMALL_PAYLOAD, refused
+        assert "too large" in str(refused) and "max_payload" in str(refused)
+    assert found["settled"] and found["status"] == "completed", found["status"]
+    types = [r.TYPE for r in found["records"]]
+    assert "steering_queued" not in types and "task_queued" not in types, types
+    prompts = [r.content for r in found["records"] if isinstance(r, UserMsg)]
+    assert prompts == [(TextBlock(text="start"),), (TextBlock(text="go on"),)]
 
 
 async def _types_stored(conn: Connection, sid: str) -> list[str]:

@@ -85,7 +85,7 @@ from greenroom.actors.cluster.store import (
     ReplicatingTraceStore,
     UnreplicableRecord,
 )
-from greenroom.actors.cluster.traces import TraceRead, TraceStream, TraceWriter
+from greenroom.actors.cluster.traces import TraceRead, TraceStream, TraceWriter, largest_input
 from greenroom.actors.cluster.tree_link import ParentLink, reopen_if_closed
 from greenroom.actors.runtime.accounting import PrincipalBudget
 from greenroom.actors.runtime.admission import ProviderLimits
@@ -175,7 +175,10 @@ class ClusterNode:
     def make_store(self, data_dir: Path) -> ReplicatingTraceStore:
         """The host's trace store (``Host.open(trace_store=…)``)."""
         self.store = ReplicatingTraceStore(
-            data_dir, on_fenced=self._on_fenced, on_deleted=self._on_deleted
+            data_dir,
+            on_fenced=self._on_fenced,
+            on_deleted=self._on_deleted,
+            largest_input=functools.partial(largest_input, self.conn),
         )
         return self.store
 

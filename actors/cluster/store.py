@@ -123,7 +123,9 @@ class ReplicatingTraceStore:
     """The file store with a replicating trace log (see the module docstring).
 
     ``on_fenced(session_id)`` and ``on_deleted(session_id)`` (a session deleted through
-    this host) must not block or raise. ``disk`` is the file store's.
+    this host) must not block or raise. ``disk`` is the file store's. ``largest_input``
+    gives the log's :meth:`~ReplicatingTraceLog.largest_input` (the cluster's NATS
+    server's; none without it).
     """
 
     def __init__(
@@ -133,10 +135,13 @@ class ReplicatingTraceStore:
         on_fenced: Callable[[str], None],
         on_deleted: Callable[[str], None] = lambda _session_id: None,
         disk: Disk = DISK,
+        largest_input: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.files = FileTraceStore(data_dir, disk=disk)
         self.data_dir = data_dir
-        self.log = ReplicatingTraceLog(self.files.log, data_dir, on_fenced=on_fenced)
+        self.log = ReplicatingTraceLog(
+            self.files.log, data_dir, on_fenced=on_fenced, largest_input=largest_input
+        )
         self.catalog = ClusterCatalog(self.files.catalog, self.log, on_deleted=on_deleted)
         self.ledger: FileUsageLedger = self.files.ledger
         """The host's own ledger: each host counts the requests it made."""
@@ -204,11 +209,17 @@ class ReplicatingTraceLog:
     """
 
     def __init__(
-        self, files: FileTraceLog, data_dir: Path, *, on_fenced: Callable[[str], None]
+        self,
+        files: FileTraceLog,
+        data_dir: Path,
+        *,
+        on_fenced: Callable[[str], None],
+        largest_input: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.files = files
         self.data_dir = data_dir
         self._on_fenced = on_fenced
+        self._largest_input = largest_input
         self._replicas: dict[str, _Replica] = {}
         self._stopped: dict[str, TraceWriteError] = {}
         """Why each session stopped being replicated here (fenced, or given up), until it
@@ -409,6 +420,11 @@ class ReplicatingTraceLog:
     def trace_number(self, session_id: str) -> int:
         """As the file log."""
         return self.files.trace_number(session_id)
+
+    def largest_input(self) -> int | None:
+        """The most bytes of a client's input a record JetStream takes may hold (a larger
+        one stops its session on its host: :class:`UnreplicableRecord`)."""
+        return self._largest_input()
 
     def append(self, session_id: str, seq: int, line: str) -> int:
         """As the file log; a replicated session's record is also queued for JetStream,

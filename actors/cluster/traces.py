@@ -50,7 +50,7 @@ from greenroom.actors.cluster.leases import wrong_last_sequence
 from greenroom.protocols.outputs import Output
 from greenroom.protocols.trace import TraceLineError, parse_trace
 
-__all__ = ["Pages", "Records", "TraceRead", "TraceStream", "TraceWriter"]
+__all__ = ["Pages", "Records", "TraceRead", "TraceStream", "TraceWriter", "largest_input"]
 
 FENCE_HEADER = "Greenroom-Fence"
 ROTATE_HEADER = "Greenroom-Rotate"
@@ -69,6 +69,14 @@ RECORD_HEADROOM = 4096
 """Bytes of a trace message left to all but a client's input: the message's headers (its
 expected sequence and id) and the other fields of the input's record (its envelope, a
 run's output schema is counted with the input)."""
+
+
+def largest_input(conn: Connection) -> int:
+    """The most bytes a client's input may take in its trace record
+    (:func:`~greenroom.protocols.trace.input_size`): a record NATS cannot carry in one
+    message (its ``max_payload``) never reaches the cluster, and its session would stop on
+    its host (:class:`~.errors.RecordTooLarge`)."""
+    return conn.client.max_payload - RECORD_HEADROOM
 
 
 @attrs.frozen(kw_only=True)
@@ -121,10 +129,8 @@ class TraceStream:
         return cls(conn)
 
     def largest_input(self) -> int:
-        """The most bytes a client's input may take in its trace record: a record NATS
-        cannot carry in one message (its ``max_payload``) never reaches the cluster, and
-        its session would stop on its host (:class:`~.errors.RecordTooLarge`)."""
-        return self._conn.client.max_payload - RECORD_HEADROOM
+        """:func:`largest_input` of the stream's connection."""
+        return largest_input(self._conn)
 
     async def last_sequence(self, session_id: str) -> int:
         """The stream sequence of the last message on ``session_id``'s subject (0: none)."""

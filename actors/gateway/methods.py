@@ -57,11 +57,11 @@ from greenroom.actors.runtime.storage import SessionStore
 from greenroom.actors.tools.mcp_commands import AttachmentError, attach_to_input
 from greenroom.protocols import jsonrpc
 from greenroom.protocols.content import ToolCallBlock, UserContent
-from greenroom.protocols.converter import to_dict, to_json
+from greenroom.protocols.converter import to_dict
 from greenroom.protocols.jsonrpc import RpcError, invalid
 from greenroom.protocols.messages import InterruptScope
 from greenroom.protocols.people import PEOPLE, PendingApproval, Verdict
-from greenroom.protocols.trace import UsageLine, UsageQuery
+from greenroom.protocols.trace import UsageLine, UsageQuery, input_size
 
 logger = logging.getLogger(__name__)
 
@@ -590,9 +590,7 @@ def _check_recordable(content: tuple[UserContent, ...], output_schema: object, m
     and output schema, as the record holds them): recorded, it stopped its session on its
     host after the call was answered as accepted (R-SEC-9, R-CLUSTER-2); refused here,
     nothing of the call is done."""
-    size = len(to_json(content).encode("utf-8", "backslashreplace"))
-    if output_schema is not None:
-        size += len(to_json(output_schema).encode("utf-8", "backslashreplace"))
+    size = input_size(content, output_schema)
     if size > most:
         raise invalid(
             "$.input",

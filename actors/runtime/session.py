@@ -25,6 +25,7 @@ from greenroom.actors.runtime.errors import (
     Busy,
     ConfigurationError,
     HostClosed,
+    InputTooLarge,
     SessionClosed,
 )
 from greenroom.actors.runtime.llm_streamer import LLMStreamer, ModelProvider
@@ -87,6 +88,7 @@ from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.stream import ResponseCollector
 from greenroom.protocols.structured import FINAL_ANSWER, OutputSpec, output_spec
 from greenroom.protocols.tools import Editor, Tool, WorkspaceIdentity
+from greenroom.protocols.trace import input_size
 from greenroom.protocols.transcript import Transcript
 from greenroom.protocols.wording import clip_words
 
@@ -103,6 +105,22 @@ def _as_content(messages: Sequence[UserContent] | str) -> tuple[UserContent, ...
     if isinstance(messages, str):
         return (TextBlock(text=messages),)
     return tuple(messages)
+
+
+def _recordable(
+    port: SessionPort, messages: Sequence[UserContent] | str, output: OutputSpec | None = None
+) -> tuple[UserContent, ...]:
+    """``messages`` as input, or :class:`InputTooLarge` when their record (with the
+    task's output schema) is larger than the session's trace carries: recorded, it
+    stopped the session on its host (a cluster's); refused here, nothing is recorded
+    (R-SEC-9, R-CLUSTER-2)."""
+    content = _as_content(messages)
+    most = port.host.trace_log.largest_input()
+    if most is not None:
+        size = input_size(content, output.schema if output is not None else None)
+        if size > most:
+            raise InputTooLarge(size, most)
+    return content
 
 
 def _title_material(transcript: Transcript, limit: int = 2000) -> str:
@@ -148,7 +166,7 @@ def _follow_up_task(
     """The task a follow-up queues (its ``output_schema`` checked: R-OUT-1)."""
     output = _output_spec(port, output_schema)
     return TaskInput(
-        content=_as_content(messages),
+        content=_recordable(port, messages, output),
         approve=approve,
         thinking_level=thinking_level,
         output=output,
@@ -616,8 +634,9 @@ class Session:
         denied. Setting ``cancel`` interrupts the task, like :meth:`interrupt` — a task
         parked on people when something wakes it, since nothing watches the event
         meanwhile. Raises :class:`Busy` when a task or compaction is running (R-HOST-2),
-        :class:`AuthLocked` after an auth failure (R-RETRY-6), and ``RuntimeError`` when
-        called outside a trio task.
+        :class:`AuthLocked` after an auth failure (R-RETRY-6), :class:`InputTooLarge` for
+        input a record of the session's trace cannot carry (a cluster's: R-SEC-9; so do
+        :meth:`steer` and :meth:`follow_up`), and ``RuntimeError`` outside a trio task.
 
         Images not yet attached (:meth:`attach`) are attached by the task before its
         input is recorded; one that is refused ends the task ``failed`` at once, its
@@ -648,7 +667,7 @@ class Session:
         output = _output_spec(port, output_schema)
         port.recover_open_task()
         task = TaskInput(
-            content=_as_content(new_messages),
+            content=_recordable(port, new_messages, output),
             approve=approve,
             thinking_level=thinking_level,
             output=output,
@@ -692,7 +711,7 @@ class Session:
         ``recorded``, an :class:`InputReceipt`, settles once that record survives this host
         (fsynced; in a cluster, acknowledged by JetStream), or as dropped if it never runs.
         Returns False when no task is running (start a normal task instead)."""
-        message = SteeringQueued(content=_as_content(messages), recorded=recorded)
+        message = SteeringQueued(content=_recordable(self._port, messages), recorded=recorded)
         return self._port.deliver(message)
 
     def follow_up(

@@ -292,6 +292,13 @@ class TraceLog(Protocol):
         """The number of the session's current trace."""
         ...
 
+    def largest_input(self) -> int | None:
+        """The most bytes of a client's input
+        (:func:`~greenroom.protocols.trace.input_size`) one record may hold, or None when
+        a record has no limit (a file). The session refuses larger input when it is given
+        (:class:`~greenroom.protocols.errors.InputTooLarge`)."""
+        ...
+
     def release(self, session_id: str) -> None:
         """The host closed the session: forget what the log keeps in memory for it
         (appending again needs :meth:`load`). Its stored records stay."""
@@ -565,6 +572,10 @@ class FileTraceLog:
     def trace_number(self, session_id: str) -> int:
         """The current trace file's number."""
         return self._position(session_id).number
+
+    def largest_input(self) -> int | None:
+        """None: a trace file takes a record of any size."""
+        return None
 
     def release(self, session_id: str) -> None:
         """Drop the session's trace position (a host that opens many sessions over its

@@ -225,6 +225,9 @@ class MemoryTraceLog:
     def trace_number(self, session_id: str) -> int:
         return len(self.traces[session_id])
 
+    def largest_input(self) -> int | None:
+        return None
+
     def release(self, session_id: str) -> None:
         self.released.append(session_id)
         self._next_seq.pop(session_id, None)
