@@ -94,6 +94,7 @@ from greenroom.protocols.outputs import (
 from greenroom.protocols.retry import decide_retry
 from greenroom.protocols.stream import ModelError, TokenUsage
 from greenroom.protocols.structured import FINAL_ANSWER, AnswerCheck, repair_note
+from greenroom.protocols.trace import input_size
 
 __all__ = [
     "BeginAttempt",
@@ -163,6 +164,53 @@ class TaskLimits:
     """A subagent's task (R-TREE-2): it does not end while background children of its
     session run — their answers arrive as steering, and its answer is its last message
     after them. A root's task ends; its children's answers come as follow-ups."""
+    largest_steering: int | None = None
+    """The most bytes of input (:func:`~greenroom.protocols.trace.input_size`, with the
+    ids it names) one ``user_msg`` of steering may hold: what the session's trace carries
+    in one record (a cluster's NATS server), or None where a record has no limit."""
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class _Steering:
+    """One input queued as steering: its blocks, the ``steering_queued`` that recorded it
+    (a user's), the task a background child's answer becomes when no turn takes it
+    (R-TREE-2), and the bytes it adds to the ``user_msg`` that delivers it."""
+
+    content: tuple[UserContent, ...]
+    steering_id: str | None
+    follow_up: Any = attrs.field(eq=False)
+    size: int
+
+
+def _steering_of(
+    content: Iterable[UserContent], steering_id: str | None, follow_up: Any
+) -> _Steering:
+    blocks = tuple(content)
+    # A steering_ids entry in the record: the id, its quotes and a comma.
+    size = input_size(blocks) + (len(steering_id) + 3 if steering_id is not None else 0)
+    return _Steering(content=blocks, steering_id=steering_id, follow_up=follow_up, size=size)
+
+
+def _without_answers(queued: list[_Steering] | None) -> list[_Steering] | None:
+    """``queued`` without the tasks the children's answers in it would become."""
+    if not queued:
+        return queued
+    return [attrs.evolve(s, follow_up=None) for s in queued]
+
+
+def _fitting(queued: list[_Steering], most: int | None) -> int:
+    """How many of ``queued`` (at least one) one ``user_msg`` takes, in order, within
+    ``most`` bytes. Each input alone fits (the session refuses a larger one when it is
+    given), but several merged may not: a record the trace cannot carry stopped the
+    session on its host, so the rest wait, in order, for the next input assembly."""
+    if most is None:
+        return len(queued)
+    total = 0
+    for taken, piece in enumerate(queued):
+        total += piece.size
+        if taken and total > most:
+            return taken
+    return len(queued)
 
 
 # -- steps ------------------------------------------------------------------------------
@@ -740,7 +788,6 @@ class TaskMachine:
         "_steering",
         "_stop_continuations",
         "_turn_hooked",
-        "_untaken",
         "record",
     )
 
@@ -749,8 +796,7 @@ class TaskMachine:
         self.record = TaskRecord(self._limits)
         """The recorded state (invariant 1)."""
         self._queued: list[tuple[Any, TaskKind]] | None = None
-        self._steering: list[UserContent] | None = None
-        self._untaken: list[Any] = []  # children's answers in the steering, as tasks
+        self._steering: list[_Steering] | None = None
         self._interrupt: str | None = None
         self._fail_message: str | None = None
         self._budget_message: str | None = None
@@ -917,20 +963,21 @@ class TaskMachine:
         if isinstance(self._issued, BeginTurn | BeginAttempt):
             self._issued = None
 
-    def queue_steering(self, content: Iterable[UserContent], follow_up: Any = None) -> None:
-        """Queue steering for the next input assembly of the open task (R-STEER-1). A
-        background child's answer gives its ``follow_up`` too: queued as a task of its own
-        if the task ends without taking the steering (an interrupt: R-TREE-2)."""
-        if self._steering is None:
-            self._steering = []
-        self._steering.extend(content)
-        if follow_up is not None:
-            self._untaken.append(follow_up)
+    def queue_steering(
+        self, content: Iterable[UserContent], follow_up: Any = None, steering_id: str | None = None
+    ) -> None:
+        """Queue steering for the next input assembly of the open task (R-STEER-1); a
+        user's names the ``steering_queued`` that recorded it. A background child's answer
+        gives its ``follow_up`` too: queued as a task of its own if the task ends without
+        taking the steering (an interrupt: R-TREE-2)."""
+        self._steering = [*(self._steering or ()), _steering_of(content, steering_id, follow_up)]
 
     def interrupt(self, reason: str, *, keep_answers: bool = False) -> None:
         """Interrupt the open task and drop the queued ones (R-ABORT-1, R-STEER-6), and
         the children's answers in its steering unless ``keep_answers`` (a node's own)."""
-        self._queued, self._untaken = None, self._untaken if keep_answers else []
+        self._queued = None
+        if not keep_answers:
+            self._steering = _without_answers(self._steering)
         if self._open_or_starting() and not self.stopping:
             self._interrupt = reason
 
@@ -1058,11 +1105,12 @@ class TaskMachine:
         return self._issue(self._turn(record.turn + 1))
 
     def _turn(self, turn: int) -> BeginTurn:
-        # All recorded steering not yet delivered is queued (again, on a host taking it up).
-        taken = tuple(s.steering_id for s in self.record.steering)
-        step = BeginTurn(turn=turn, steering=tuple(self._steering or ()), steering_ids=taken)
-        self._steering, self._untaken = None, []
-        return step
+        queued = self._steering or []
+        count = _fitting(queued, self._limits.largest_steering)
+        taken, self._steering = queued[:count], queued[count:] or None
+        ids = tuple(s.steering_id for s in taken if s.steering_id is not None)
+        blocks = tuple(block for s in taken for block in s.content)
+        return BeginTurn(turn=turn, steering=blocks, steering_ids=ids)
 
     def _after_turn(self) -> Step:
         limits = self._limits
@@ -1165,12 +1213,12 @@ class TaskMachine:
         self._hook_answer = None
 
     def _closed(self) -> None:
+        untaken = [s.follow_up for s in self._steering or () if s.follow_up is not None]
         self._issued = self._steering = self._hook_answer = None
         self._interrupt = self._fail_message = self._budget_message = None
         self._hook_pending = False
-        for follow_up in self._untaken:
+        for follow_up in untaken:
             self.queue_task(follow_up)
-        self._untaken = []
 
 
 def fold(records: Iterable[Output], limits: TaskLimits | None = None) -> TaskMachine:

@@ -57,7 +57,7 @@ from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, t
 from greenroom.actors.runtime.errors import InputTooLarge
 from greenroom.actors.runtime.host import Host
 from greenroom.protocols.content import TextBlock
-from greenroom.protocols.outputs import Output, UserMsg
+from greenroom.protocols.outputs import Output, SteeringQueuedOutput, TaskEnd, UserMsg
 from greenroom.protocols.tools import Tool
 from tests.support.nats import (  # the fixture is used as nats_server
     NatsProcess,
@@ -694,8 +694,49 @@ def test_queued_input_is_answered_once_jetstream_holds_its_record(
     assert record in after
 
 
+STEER_CHARS = 50_000
+"""One steer's text: under what a record carries at ``SMALL_PAYLOAD``; three are over."""
+
+
 def _in_a_tool_call_then_two_answers() -> list[Reply]:
     return [*_in_a_tool_call(), Reply(blocks=(text("ok again"),))]
+
+
+def test_steering_merged_past_what_nats_carries_goes_over_two_requests(
+    tmp_path: Path, gates: Gates
+) -> None:
+    """R-STEER-2, R-SEC-9, R-CLUSTER-2: three steers of 50 KB, each accepted (under what
+    the cluster's NATS server, at 128 KiB, carries in a record), wait for a long tool
+    call; merged into one ``user_msg`` they would not fit. The first two are delivered by
+    one, the third by the next request's, in order, each once and named by its id; the
+    session goes on and its task completes (before: the merged record stopped the session
+    on its host)."""
+
+    async def body(conn: Connection, url: str) -> dict[str, Any]:
+        async with _owner_in_a_tool_call(
+            conn, url, tmp_path, gates, script=_in_a_tool_call_then_two_answers
+        ) as (owner, client, sid):
+            answers = [
+                await client.result("steer", {"session_id": sid, "input": c * STEER_CHARS})
+                for c in "abc"
+            ]
+            gates.release("a")
+            await owner.host.get_session(sid).wait_idle()
+            settled = await owner.node.store.log.settled(sid)  # type: ignore[union-attr]
+            records = (await (await TraceStream.open(conn)).read(sid)).records
+            return {"answers": answers, "settled": settled, "records": records}
+
+    with running_nats(tmp_path / "nats", max_payload=SMALL_PAYLOAD) as server:
+        found = run_connected(server.url, lambda conn: body(conn, server.url), timeout_s=BOUND_S)
+    assert found["answers"] == [{"queued": True}] * 3
+    assert found["settled"], "the session stopped on its host"
+    records = found["records"]
+    queued = [r.steering_id for r in records if isinstance(r, SteeringQueuedOutput)]
+    delivered = [r for r in records if isinstance(r, UserMsg) and r.kind == "steering"]
+    texts = [[b.text for b in r.content if isinstance(b, TextBlock)] for r in delivered]
+    assert texts == [["a" * STEER_CHARS, "b" * STEER_CHARS], ["c" * STEER_CHARS]]
+    assert [r.steering_ids for r in delivered] == [tuple(queued[:2]), tuple(queued[2:])]
+    assert [r.status for r in records if isinstance(r, TaskEnd)] == ["completed"]
 
 
 def test_the_python_api_refuses_input_a_cluster_record_cannot_carry(

@@ -395,6 +395,34 @@ def test_steering_after_a_final_answer_continues_the_task() -> None:
     assert ends(world) == [("completed", None)]
 
 
+def test_steering_a_record_cannot_carry_merged_goes_over_the_next_turns_in_order() -> None:
+    """R-STEER-2, R-CLUSTER-2: with a limit on a record of steering (a cluster's NATS
+    server's), the steering queued during a turn is taken in order while it fits, the rest
+    by the next turns: each input once, in order, named by the ids it delivers; an input
+    over the limit alone still goes, alone (before: all in one record, which stopped the
+    session on its host)."""
+    sizes = {"a": 1000, "b": 1000, "c": 1000, "d": 3000, "e": 10}
+
+    def steer(n: int, world: World) -> None:
+        if isinstance(world.records[-1], RequestBegin) and world.turn == 1:
+            for name, size in sizes.items():
+                blocks = (TextBlock(text=name * size),)
+                world.machine.queue_steering(blocks, steering_id=f"steer_{name}")
+
+    limits = TaskLimits(max_context_length=0, largest_steering=2500)
+    world = run_world([Attempt()], limits=limits, on_record=steer)
+    taken = [
+        (step.steering_ids, "".join(b.text for b in step.steering if isinstance(b, TextBlock)))
+        for step in world.steps
+        if isinstance(step, BeginTurn) and step.steering
+    ]
+    assert [ids for ids, _ in taken] == [
+        ("steer_a", "steer_b"), ("steer_c",), ("steer_d",), ("steer_e",)
+    ]
+    assert "".join(text for _, text in taken) == "".join(k * v for k, v in sizes.items())
+    assert ends(world) == [("completed", None)]
+
+
 def test_the_stop_hook_continues_at_most_its_limit() -> None:
     limits = TaskLimits(max_context_length=0, has_stop_hook=True, max_stop_continuations=1)
     world = run_world([Attempt(), Attempt()], limits=limits,

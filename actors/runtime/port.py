@@ -431,6 +431,7 @@ class SessionPort:
             max_stop_continuations=hooks.max_stop_continuations,
             has_results_hook=hooks.after_tool_results is not None,
             wait_for_children=self.parent_id is not None,
+            largest_steering=self._host.trace_log.largest_input(),
         )
 
     # -- runs -----------------------------------------------------------------------------

@@ -89,7 +89,7 @@ def requeue_recorded(port: SessionPort) -> None:
     machine = port.machine
     if machine.run_id is not None:
         for steering in machine.record.steering:
-            machine.queue_steering(steering.content)
+            machine.queue_steering(steering.content, steering_id=steering.steering_id)
     for record in machine.record.queued:
         approve = record.approve
         machine.queue_task(

@@ -644,7 +644,7 @@ def _queue_steering(
         out.flush()
         if message.recorded is not None:
             out.set_when_durable(message.recorded.settled)
-        port.machine.queue_steering(content)
+        port.machine.queue_steering(content, steering_id=steering_id)
 
 
 def _drop_recorded(

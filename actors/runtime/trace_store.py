@@ -296,7 +296,8 @@ class TraceLog(Protocol):
         """The most bytes of a client's input
         (:func:`~greenroom.protocols.trace.input_size`) one record may hold, or None when
         a record has no limit (a file). The session refuses larger input when it is given
-        (:class:`~greenroom.protocols.errors.InputTooLarge`)."""
+        (:class:`~greenroom.protocols.errors.InputTooLarge`) and delivers queued steering
+        a record at a time within it (R-STEER-2)."""
         ...
 
     def release(self, session_id: str) -> None:
