@@ -3,7 +3,10 @@ owner, against a real nats-server (R-CLUSTER-1)."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import signal
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -29,6 +32,7 @@ from tests.support.nats import (  # the fixture is used as nats_server
     NatsProcess,
     module_nats_server,  # noqa: F401
     run_connected,
+    running_nats,
 )
 
 
@@ -38,7 +42,6 @@ async def publish_numbers(conn: Connection, subject: str, count: int) -> None:
     for n in range(count):
         await conn.client.publish(subject, str(n).encode())
     await conn.client.flush()
-
 
 
 def test_placement_is_the_least_loaded_host_and_spreads_orphans() -> None:
@@ -79,7 +82,6 @@ def test_a_subscription_brings_a_burst_in_order_and_ends_when_the_client_closes(
         got: list[int] = []
         after_close: list[int] = []
         async with conn.subscription(subject) as messages:
-
             await conn.call(publish_numbers(conn, subject, 6000))
             async for msg in messages:
                 got.append(int(msg.data))
@@ -128,9 +130,7 @@ def test_a_changed_record_is_announced_before_the_next_tick(nats_server: NatsPro
         registry = await Registry.open(conn, ttl_s=600.0)
         load = 0
         async with trio.open_nursery() as nursery:
-            await nursery.start(
-                registry.announce_every, lambda: HostRecord(host_id="a", load=load)
-            )
+            await nursery.start(registry.announce_every, lambda: HostRecord(host_id="a", load=load))
             load = 1
             news[0] = trio.Event()
             registry.changed()
@@ -378,11 +378,17 @@ def test_messages_left_in_a_subscription_as_it_ends_are_all_there_after_it(
         subject = f"{conn.names.prefix}.left"
         with trio.fail_after(CUT_SHORT_BOUND_S):
             async with conn.subscription(subject) as messages:
-
                 await conn.call(publish_numbers(conn, subject, 6000))
         return [int(msg.data) async for msg in messages]
 
     assert run_connected(nats_server.url, body) == list(range(6000))
+
+
+async def stopped(server: NatsProcess) -> None:
+    """Stop ``server`` (SIGSTOP); return once it has stopped. The signal takes effect
+    a moment later: meanwhile the server may still answer what it is sent."""
+    server.process.send_signal(signal.SIGSTOP)
+    await trio.to_thread.run_sync(os.waitpid, server.process.pid, os.WUNTRACED)
 
 
 SUBSCRIPTION_END_BOUND_S = 2.5
@@ -394,26 +400,120 @@ def test_a_shutdown_during_a_drain_the_server_leaves_unanswered_leaves_no_subscr
 ) -> None:
     """R-CLUSTER-1: a host shuts down while the server does not answer (stopped): the drain
     that ends its subscription waits for a round trip that does not come. The block ends
-    within its bound, and the client holds the subscription no more: held, it would be
-    subscribed again when the client reconnects and drop what came to it, every request
-    waiting out its timeout. Before, the drain cut short left it to the client."""
+    within its bound, the drain going on in the background, and once the server answers
+    the client holds the subscription no more: held, it would be subscribed again when
+    the client reconnects and drop what came to it, every request waiting out its
+    timeout. (Before the drain went on in the background it was unsubscribed as it was
+    cut short, and a request the server had sent before it was lost.)"""
 
-    async def body(conn: Connection) -> tuple[float, set[int]]:
+    async def body(conn: Connection) -> tuple[float, set[int], set[int]]:
         subject = f"{conn.names.prefix}.stalled"
         before = set(conn.client._subs)
         with trio.CancelScope() as shutdown:
             async with conn.subscription(subject):
                 made = set(conn.client._subs) - before
-                nats_server.process.send_signal(signal.SIGSTOP)
+                await stopped(nats_server)
                 started = trio.current_time()
                 shutdown.cancel()
                 await trio.sleep_forever()
         took = trio.current_time() - started
-        return took, made & set(conn.client._subs)
+        draining = {sub._id for sub in conn.lingering.drains}
+        nats_server.process.send_signal(signal.SIGCONT)
+        with trio.fail_after(SUBSCRIPTION_END_BOUND_S):
+            await conn.settled()
+        return took, made - draining, made & set(conn.client._subs)
 
     try:
-        took, left = run_connected(nats_server.url, body)
+        took, not_draining, left = run_connected(nats_server.url, body)
     finally:
         nats_server.process.send_signal(signal.SIGCONT)
     assert took < SUBSCRIPTION_END_BOUND_S
+    assert not_draining == set()
+    assert left == set()
+
+
+def test_a_drain_cut_short_ends_its_subscription_when_the_connection_is_lost(
+    tmp_path: Path,
+) -> None:
+    """R-CLUSTER-1: a drain cut short goes on in the background only while the connection
+    holds: the connection lost (its server killed while it did not answer), the client
+    holds the subscription no more, at once rather than at the drain's bound. Held, it
+    would be subscribed again on the server the client reconnects to, where it would take
+    the subject's next server's requests."""
+    with running_nats(tmp_path / "nats") as server:
+
+        async def body(conn: Connection) -> set[int]:
+            subject = f"{conn.names.prefix}.lost"
+            before = set(conn.client._subs)
+            with trio.CancelScope() as shutdown:
+                async with conn.subscription(subject):
+                    made = set(conn.client._subs) - before
+                    await stopped(server)
+                    shutdown.cancel()
+                    await trio.sleep_forever()
+            assert conn.lingering.drains
+            server.stop()
+            with trio.fail_after(CONNECTION_LOSS_BOUND_S):
+                await conn.settled()
+            return made & set(conn.client._subs)
+
+        assert run_connected(server.url, body) == set()
+
+
+CONNECTION_LOSS_BOUND_S = 4.0
+"""Far below what is left of a drain's 8 s once its block has ended (1 s): a drain ended
+within it was ended by the lost connection."""
+
+
+def test_a_request_sent_before_a_drain_the_server_answers_late_is_turned_away_at_once(
+    nats_server: NatsProcess,
+) -> None:
+    """R-CLUSTER-1: the owner stops serving a session while a request the server
+    sent it before the UNSUB is held up on its way in (the client's reader stalls on it,
+    and the drain's PONG behind it): the drain is not done within its 1 s, and the
+    serving ends. When the request arrives it is turned away at once, ``not_done`` (the
+    drain goes on in the background), and the subscription is gone once the drain ends.
+    Before, the drain cut short unsubscribed, nats-py dropped the request on arrival, and
+    its sender waited out its whole timeout (60 s here)."""
+
+    async def body(conn: Connection) -> tuple[dict[str, Any], set[int]]:
+        requests = SessionRequests(conn)
+        subject = conn.names.request_subject("s1")
+        arrived = trio.Event()
+        release = asyncio.Event()
+        read = conn.client._process_msg
+
+        async def held_up(sid: int, subj: bytes, reply: bytes, data: bytes, hdr: Any) -> None:
+            if subj.decode() == subject:
+                conn.bridge.wake(arrived)
+                await release.wait()
+            await read(sid, subj, reply, data, hdr)
+
+        conn.client._process_msg = held_up  # type: ignore[method-assign]
+
+        async def owner(_message: dict[str, Any], _answering: Answering) -> dict[str, Any]:
+            return {"result": {}}
+
+        serving = trio.CancelScope()
+        replies: dict[str, Any] = {}
+        serve, ask = _serving_s1(requests, serving, owner, replies)
+
+        async def serve_then_release(task_status: trio.TaskStatus[None]) -> None:
+            await serve(task_status)
+            release.set()
+
+        before = set(conn.client._subs)
+        with trio.fail_after(CUT_SHORT_BOUND_S):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(serve_then_release)
+                made = set(conn.client._subs) - before
+                nursery.start_soon(ask, "late")
+                await arrived.wait()
+                serving.cancel()
+            await conn.settled()
+        return replies["late"], made & set(conn.client._subs)
+
+    late, left = run_connected(nats_server.url, body)
+    assert late["error"]["code"] == OWNER_UNREACHABLE
+    assert late["error"]["data"] == {"outcome": NOT_DONE}
     assert left == set()

@@ -35,7 +35,7 @@ from typing import Any, Generic, ParamSpec, TypeVar
 import outcome
 import trio
 
-__all__ = ["Bridge", "BridgeClosed", "Inbox", "Messages", "run", "within"]
+__all__ = ["Behind", "Bridge", "BridgeClosed", "Inbox", "Messages", "run", "within_else_behind"]
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -186,26 +186,81 @@ class Inbox(Generic[T]):
             room.set()
 
 
-async def within(
-    work: Coroutine[Any, Any, T], bound_s: float, cut_short: Callable[[], Awaitable[object]]
+class Behind:
+    """Work its caller stopped waiting for, going on in the asyncio loop until it ends or
+    is cut short (:func:`within_else_behind`). Its methods are for the asyncio side."""
+
+    def __init__(self, task: asyncio.Future[Any], cut_short: Callable[[], Awaitable[object]]):
+        self._task = task
+        self._cut_short = cut_short
+        self._stopping: asyncio.Future[None] | None = None
+
+    @property
+    def ended(self) -> bool:
+        """Whether the work has ended (done, failed, or cut short)."""
+        return self._task.done()
+
+    async def stop(self) -> None:
+        """Cut the work short now, unless it has ended: ``cut_short()`` is awaited while
+        it is still under way, then it is cancelled. Shielded: a cancellation of the
+        caller leaves the undo to run to its end."""
+        await asyncio.shield(self._begin_stop())
+
+    def _begin_stop(self) -> asyncio.Future[None]:
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop())
+        return self._stopping
+
+    async def _stop(self) -> None:
+        if self._task.done():
+            return
+        try:
+            await self._cut_short()
+        finally:
+            self._task.cancel()
+            self._task.add_done_callback(_swallow)
+
+    def stop_after(self, delay_s: float) -> None:
+        """:meth:`stop` once ``delay_s`` has passed, unless the work has ended by then."""
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(delay_s, self._begin_stop)
+        self._task.add_done_callback(lambda _: timer.cancel())
+
+    def on_end(self, fn: Callable[[], object]) -> None:
+        """Call ``fn()`` once the work has ended (at once if it has)."""
+        self._task.add_done_callback(lambda _: fn())
+
+    async def wait(self) -> None:
+        """Return once the work has ended, however it ended."""
+        await asyncio.wait({self._task})
+
+
+async def within_else_behind(
+    work: Coroutine[Any, Any, T],
+    bound_s: float,
+    behind_s: float,
+    cut_short: Callable[[], Awaitable[object]],
+    keep_behind: Callable[[Behind], bool],
 ) -> T:
     """An asyncio coroutine (for :meth:`Bridge.call`): ``work``'s result, when it is done
     within ``bound_s``. When it is not (the bound, or this coroutine cancelled: its trio
-    caller's own bound ran out first), ``cut_short()`` is awaited while ``work`` is still
-    under way, then ``work`` is cancelled, and TimeoutError (or the cancellation) raised.
-    For work whose cancellation half way leaves something behind that only an undo made
-    before it is cancelled can clear (a nats-py drain)."""
+    caller's own bound ran out first), ``keep_behind`` is called at once with the
+    :class:`Behind` it leaves: True leaves ``work`` going on in the background, cut short
+    (as by :meth:`Behind.stop`) when ``behind_s`` has passed since it began; False cuts it
+    short now. Then TimeoutError (or the cancellation) is raised. For work whose
+    cancellation half way leaves something behind that only an undo made before it is
+    cancelled can clear (a nats-py drain), and whose end is worth waiting for longer than
+    its caller can (the messages a drain still brings)."""
     task = asyncio.ensure_future(work)
     try:
         await asyncio.wait({task}, timeout=bound_s)
     finally:
         if not task.done():
-            try:
-                # Shielded from a second cancellation: the undo runs to its end.
-                await asyncio.shield(asyncio.ensure_future(cut_short()))
-            finally:
-                task.cancel()
-                task.add_done_callback(_swallow)
+            behind = Behind(task, cut_short)
+            if keep_behind(behind):
+                behind.stop_after(max(0.0, behind_s - bound_s))
+            else:
+                await behind.stop()
     if not task.done():
         raise TimeoutError(f"not done within {bound_s:g} s")
     return task.result()

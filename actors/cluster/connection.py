@@ -24,7 +24,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
-from greenroom.actors.cluster.bridge import Bridge, Inbox, within
+from greenroom.actors.cluster.bridge import Behind, Bridge, Inbox, within_else_behind
 from greenroom.actors.cluster.errors import ClusterUnavailable
 
 __all__ = [
@@ -42,7 +42,12 @@ T = TypeVar("T")
 _TOKEN = re.compile(r"[A-Za-z0-9_-]+")
 _CLOSE_S = 2.0
 _DRAIN_S = 1.0
-"""Within _CLOSE_S: a drain cut short leaves time for the unsubscription after it."""
+"""How long a subscription's block waits for its drain. Within _CLOSE_S: a drain cut short
+leaves time for the unsubscription after it."""
+_BEHIND_S = 8.0
+"""How long a drain cut short goes on in the background, from its start. Below nats-py's
+flush timeout (10 s), past which nats-py marks the subscription closed and refuses its
+unsubscription but keeps it, to subscribe it again when it reconnects."""
 
 
 NATS_URL_ENV = "GREENROOM_NATS_URL"
@@ -167,6 +172,9 @@ class Connection:
     names: ClusterNames
     inboxes: set[Inbox[Any]] = attrs.field(factory=set)
     """The inboxes of the subscriptions open now: ended when the client closes."""
+    lingering: _LingeringDrains = attrs.field(factory=lambda: _LingeringDrains())
+    """The drains cut short that go on in the background: stopped when the client loses
+    its connection (:func:`connect` hands it the client's ``disconnected_cb``)."""
 
     async def call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await ``coro`` (built from :attr:`client` or :attr:`js`) on the asyncio side.
@@ -217,22 +225,33 @@ class Connection:
         """Whether the client is connected now (not reconnecting, not closed)."""
         return bool(self.client.is_connected)
 
+    async def settled(self) -> None:
+        """Return once no drain cut short goes on in the background (each has ended: done,
+        or cut short by its bound or a lost connection)."""
+        await self.call(self.lingering.settled())
+
     @contextlib.asynccontextmanager
-    async def subscription(self, subject: str) -> AsyncIterator[Inbox[Msg]]:
+    async def subscription(
+        self, subject: str, *, late_reply: bytes | None = None
+    ) -> AsyncIterator[Inbox[Msg]]:
         """Subscribe to ``subject`` for the block; yields its messages as a trio async
         iterator (an :class:`~greenroom.actors.cluster.bridge.Inbox`), which ends when
         the connection closes. Messages published from the moment the block starts reach
         it (the subscription is confirmed by the server first). Drained on exit, within a
         bound: the messages the server sent before it stopped are in the inbox when the
-        block ends, for the caller to take after it. Raises :class:`ClusterUnavailable`
-        when the subscription cannot be made."""
+        block ends, for the caller to take after it. A drain the server does not answer
+        within the bound goes on in the background for a while (:data:`_BEHIND_S`): each
+        request it still brings is answered ``late_reply`` (None: not answered), since
+        nobody takes it from the inbox any more. Raises :class:`ClusterUnavailable` when
+        the subscription cannot be made."""
         inbox: Inbox[Msg] = self.bridge.inbox()
+        recipient = _Recipient(inbox, late_reply)
         self.inboxes.add(inbox)
         sub: Subscription | None = None
         confirmed = False
         try:
             try:
-                sub = await self.call(self.client.subscribe(subject, cb=inbox.put))
+                sub = await self.call(self.client.subscribe(subject, cb=recipient.put))
                 await self.call(self.client.flush())
             except nats.errors.Error as exc:
                 raise ClusterUnavailable(f"cannot subscribe to {subject}: {exc}") from exc
@@ -243,37 +262,64 @@ class Connection:
             # behind would take the subject's requests and answer none.
             if sub is not None:
                 with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_S):
-                    await self._end_subscription(sub, inbox, drain=confirmed)
+                    await self._end_subscription(sub, recipient, drain=confirmed)
             self.inboxes.discard(inbox)
             inbox.end()
 
-    async def _end_subscription(self, sub: Subscription, inbox: Inbox[Msg], *, drain: bool) -> None:
+    async def _end_subscription(
+        self, sub: Subscription, recipient: _Recipient, *, drain: bool
+    ) -> None:
         # Drained, not merely unsubscribed: nats-py forgets an unsubscribed subscription
         # at once and drops what the server sent it before reading the UNSUB, so a
         # request forwarded to a host as it stops serving a session would wait out its
         # whole timeout. A drain sends the UNSUB, waits for the server's PONG (all it
         # sent before has arrived) and for every message to be in the inbox; trio takes
         # none until the block has ended, so the inbox must hold them all.
-        inbox.hold_all()
+        recipient.inbox.hold_all()
         # Not drained while the connection is down (the drain's round trip would wait for
         # the server) nor when the subscription was never confirmed (nobody was told it
         # serves). A drain cut short (its bound; the server slow, gone, or reconnecting,
-        # which drops the round trip's PONG; a host's shutdown) is unsubscribed while it
-        # is still under way: nats-py marks a drained subscription closed, refusing any
-        # unsubscription, but forgets it only when the drain ends, so a drain cancelled
-        # half way would leave it to the client, which subscribes it again when it
-        # reconnects and drops what comes to it, each request waiting out its timeout.
+        # which drops the round trip's PONG; a host's shutdown) goes on in the background
+        # while the connection holds, its late messages given the late reply: unsubscribed
+        # instead, nats-py would drop a request the server sent before it read the UNSUB,
+        # and its sender wait out its timeout. It is unsubscribed while it is still under
+        # way (its bound, a lost connection): nats-py marks a drained subscription closed,
+        # refusing any unsubscription, but forgets it only when the drain ends, so a drain
+        # cancelled half way would leave it to the client, which subscribes it again when
+        # it reconnects (where it would take the subject's next server's requests).
+        cut_short = False
         if drain and self.connected:
+            disconnects = self.lingering.disconnects
 
             async def unsubscribe() -> None:
                 with contextlib.suppress(nats.errors.Error):
                     await sub.unsubscribe()
 
+            def keep_behind(behind: Behind) -> bool:
+                nonlocal cut_short
+                cut_short = True
+                recipient.late = True
+                # Lost since the drain began, even if back already: that connection's
+                # round trip will never be answered, and the client may have subscribed
+                # it again on the next.
+                if not self.connected or self.lingering.disconnects != disconnects:
+                    return False
+                self.lingering.keep(sub, behind)
+                return True
+
+            drained = within_else_behind(
+                sub.drain(),  # type: ignore[no-untyped-call]
+                _DRAIN_S,
+                _BEHIND_S,
+                unsubscribe,
+                keep_behind,
+            )
             try:
-                await self.call(within(sub.drain(), _DRAIN_S, unsubscribe))  # type: ignore[no-untyped-call]
+                await self.call(drained)
                 return
             except (ClusterUnavailable, nats.errors.Error, TimeoutError):
-                pass
+                if cut_short:
+                    return
         with contextlib.suppress(ClusterUnavailable, nats.errors.Error):
             await self.call(sub.unsubscribe())
 
@@ -304,6 +350,7 @@ async def connect(
     servers = [part.strip() for part in url.split(",") if part.strip()]
 
     inboxes: set[Inbox[Any]] = set()
+    lingering = _LingeringDrains()
 
     async def closed() -> None:
         for inbox in list(inboxes):
@@ -320,6 +367,7 @@ async def connect(
             # Without this the client retries the first connection forever.
             error_cb=_ignore_error,
             closed_cb=closed,
+            disconnected_cb=lingering.disconnected,
         )
 
     # Bounded here: once connected the client reconnects forever, and so it would
@@ -342,7 +390,56 @@ async def connect(
         js=client.jetstream(),
         names=names or ClusterNames(),
         inboxes=inboxes,
+        lingering=lingering,
     )
+
+
+class _Recipient:
+    """Where a subscription's messages go: its inbox until its drain is cut short, then
+    (the drain going on in the background, nobody taking from the inbox) the late reply
+    to each request, nothing to the others."""
+
+    def __init__(self, inbox: Inbox[Msg], late_reply: bytes | None) -> None:
+        self.inbox = inbox
+        self.late_reply = late_reply
+        self.late = False
+
+    async def put(self, msg: Msg) -> None:
+        """Take ``msg`` (the subscription's callback, on the asyncio side)."""
+        if not self.late:
+            await self.inbox.put(msg)
+        elif self.late_reply is not None and msg.reply:
+            with contextlib.suppress(nats.errors.Error):
+                await msg.respond(self.late_reply)
+
+
+class _LingeringDrains:
+    """The drains cut short that go on in the background, by subscription, and how many
+    times the client has lost its connection. For the asyncio side."""
+
+    def __init__(self) -> None:
+        self.drains: dict[Subscription, Behind] = {}
+        self.disconnects = 0
+
+    def keep(self, sub: Subscription, behind: Behind) -> None:
+        """Hold ``sub``'s drain, ``behind``, until it ends."""
+        self.drains[sub] = behind
+        behind.on_end(lambda: self.drains.pop(sub, None))
+
+    async def disconnected(self) -> None:
+        """The client lost its connection (its ``disconnected_cb``, called before it
+        reconnects): each drain is cut short, its subscription unsubscribed now. The
+        lost connection's round trip will not be answered, and the client would
+        subscribe it again on the server it reconnects to, where it would take the
+        subject's next server's requests."""
+        self.disconnects += 1
+        for behind in list(self.drains.values()):
+            await behind.stop()
+
+    async def settled(self) -> None:
+        """Return once every drain held now has ended."""
+        for behind in list(self.drains.values()):
+            await behind.wait()
 
 
 async def _ignore_error(exc: Exception) -> None:

@@ -246,8 +246,14 @@ class SessionRequests:
 
         started = False
         inbox: Inbox[Msg] | None = None
+        # Requests that came while this stopped (the subscription drained, its last
+        # messages in the inbox; or, a drain cut short going on in the background, after
+        # it: the late reply) were never handled: their senders may send them again at
+        # once.
+        turned_away = _cut_short(gone, Answering(in_doubt=False))
+        late_reply = answer_payload(turned_away, self._conn.client.max_payload)
         try:
-            async with self._conn.subscription(subject) as messages:
+            async with self._conn.subscription(subject, late_reply=late_reply) as messages:
                 inbox = messages
                 task_status.started()
                 started = True
@@ -261,10 +267,6 @@ class SessionRequests:
             raise ClusterUnavailable(f"cannot serve {what}: {exc}") from exc
         finally:
             if inbox is not None:
-                # Requests that came while this stopped (the subscription drained, its
-                # last messages in the inbox) were never handled: their senders may send
-                # them again at once.
-                turned_away = _cut_short(gone, Answering(in_doubt=False))
                 with trio.CancelScope(shield=True), trio.move_on_after(ANSWER_BOUND_S):
                     async for msg in inbox:
                         if msg.reply:
