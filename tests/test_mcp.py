@@ -704,6 +704,32 @@ async def test_an_oversized_http_message_fails_its_call_and_the_session_goes_on(
     assert content_text(by_call["c2"]) == "still here"
 
 
+async def test_an_oversized_stdio_message_fails_its_call_and_the_connection_goes_on(
+    mcp_host: Host, workspace: Path, providers: Any
+) -> None:
+    """R-SEC-1, R-SEC-9, R-MCP-4: a tool result of 3 MiB on one line over stdio. The SDK's
+    stdio_client joined it whole and the call succeeded with all of it; greenroom's own
+    transport keeps 1 MiB of a line (``mcp_bounds.MAX_MESSAGE_BYTES``), so that call gets
+    an error naming the bound, and the next call goes to the same server process."""
+    provider = providers([
+        Reply(blocks=(tool_call("c0", "mcp__t__pid"),)),
+        Reply(blocks=(tool_call("c1", "mcp__t__big", mebibytes=3),)),
+        Reply(blocks=(tool_call("c2", "mcp__t__echo", text="still here"),
+                      tool_call("c3", "mcp__t__pid"))),
+        Reply(blocks=(text("done"),)),
+    ])  # fmt: skip
+    session = await mcp_host.create_session(
+        provider=provider, workspace_dir=workspace, mcp_servers={"t": stdio()}
+    )
+    outputs = await collect(session.run("go", approve=allow_all))
+    by_call = outputs_by_call(outputs)
+    assert by_call["c1"].is_error, content_text(by_call["c1"])[:200]
+    assert "larger than 1 MiB" in content_text(by_call["c1"])
+    assert "xxxx" not in content_text(by_call["c1"])
+    assert content_text(by_call["c2"]) == "still here"
+    assert content_text(by_call["c3"]) == content_text(by_call["c0"])
+
+
 async def test_legacy_sse_server(mcp_host: Host, workspace: Path, providers: Any) -> None:
     """R-MCP-6: a server on the legacy HTTP+SSE transport (``"type": "sse"``) is listed
     and called like any other."""

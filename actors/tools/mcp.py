@@ -6,8 +6,8 @@ Who owns what:
 
 * :class:`McpManager` lives in the host's nursery (``Host`` starts it on the first session
   that configures a server) and owns every connection; ``aclose`` ends them all, waiting
-  for each stdio server process to exit (the SDK closes its stdin, then terminates and
-  kills its process tree, every wait bounded), so no process outlives the host.
+  for each stdio server process to exit (its transport closes its stdin, then terminates
+  and kills its process tree, every wait bounded), so no process outlives the host.
 * :class:`McpConnection` is one configured server: one process (stdio) or one HTTP session,
   shared by every session of the host that configures the same server identically
   (``"scope": "session"`` gives each session its own). One task of the manager's nursery
@@ -68,7 +68,7 @@ import anyio
 import attrs
 import mcp_types
 import trio
-from mcp import ClientSession, StdioServerParameters, stdio_client
+from mcp import ClientSession, StdioServerParameters
 from mcp.client import ClientRequestContext
 from mcp.client.sse import sse_client
 from mcp.client.streamable_http import streamable_http_client
@@ -88,6 +88,7 @@ from greenroom.actors.tools.mcp_extras import (
     read_resource_tool,
     resource_text,
 )
+from greenroom.actors.tools.mcp_stdio import bounded_stdio_client
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolContent
 from greenroom.protocols.context import ToolSchema
 from greenroom.protocols.effects import MCP_META_KEY
@@ -124,7 +125,7 @@ REFRESH_WAIT_S = 5.0
 """How long a turn boundary waits for a changed tool list being fetched."""
 
 CLOSE_GRACE_S = 10.0
-"""Bound on closing every connection (the SDK's own stdio shutdown takes at most ~6 s)."""
+"""Bound on closing every connection (a stdio transport's shutdown takes at most ~6.5 s)."""
 
 
 class McpServerError(ToolFailure):
@@ -425,7 +426,7 @@ class McpConnection:
                 env=dict(config.env) or None,
                 cwd=config.cwd,
             )
-            async with stdio_client(params, errlog=errlog) as streams:
+            async with bounded_stdio_client(params, errlog=errlog) as streams:
                 yield streams
             return
         assert config.url is not None

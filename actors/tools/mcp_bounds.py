@@ -14,8 +14,11 @@ flow reads each answer of the authorization server whole, whatever its type (met
 registration, token, and their errors), so :func:`bound_answers` gives every body but an
 event stream's (whose events the SDK bounds) the same bound.
 
-stdio is not bounded here: the SDK's ``stdio_client`` joins what the server writes until a
-newline, with no limit and no place to put one short of a transport of greenroom's own.
+Over stdio the SDK's ``stdio_client`` joins what the server writes until a newline, with no
+limit and no place to put one: greenroom's own transport
+(:func:`~greenroom.actors.tools.mcp_stdio.bounded_stdio_client`) keeps at most
+:data:`MAX_MESSAGE_BYTES` of a line, with the same outcome: that call gets an error naming
+the bound and the connection goes on.
 """
 
 from __future__ import annotations
@@ -33,10 +36,18 @@ MAX_MESSAGE_BYTES = DEFAULT_MAX_SSE_EVENT_SIZE
 """The most of one JSON message body that is read: the SDK's own bound for an SSE event."""
 
 
+def too_large(limit: int) -> str:
+    """What a call whose answer passed ``limit`` bytes is told (over HTTP and stdio)."""
+    return (
+        f"the MCP server's message is larger than {limit >> 20} MiB "
+        "(greenroom reads no more of one message)"
+    )
+
+
 async def _message_pieces(
-    pieces: AsyncGenerator[bytes, None], limit: int, too_large: str
+    pieces: AsyncGenerator[bytes, None], limit: int, refusal: str
 ) -> AsyncGenerator[bytes, None]:
-    """``pieces`` of a body, failing with ``too_large`` once they pass ``limit`` bytes."""
+    """``pieces`` of a body, failing with ``refusal`` once they pass ``limit`` bytes."""
     size = 0
     try:
         async for piece in pieces:
@@ -44,15 +55,15 @@ async def _message_pieces(
             if size > limit:
                 # The SDK answers the request with this error (a StreamError is what it
                 # catches around reading a JSON body); nothing more of it is read.
-                raise httpx2.StreamError(too_large)
+                raise httpx2.StreamError(refusal)
             yield piece
     finally:
         await pieces.aclose()
 
 
-def _bound_body(response: httpx2.Response, too_large: str) -> None:
+def _bound_body(response: httpx2.Response, refusal: str) -> None:
     """Read ``response``'s body up to :data:`MAX_MESSAGE_BYTES` (inflated here when
-    compressed), failing with ``too_large`` past it."""
+    compressed), failing with ``refusal`` past it."""
     stream = response.stream
     if not isinstance(stream, httpx2.AsyncByteStream):
         return
@@ -60,24 +71,22 @@ def _bound_body(response: httpx2.Response, too_large: str) -> None:
     if "content-encoding" in response.headers:
         del response.headers["content-encoding"]
     pieces = bounded_body(stream, encoding, MAX_MESSAGE_BYTES + 1, httpx2.RemoteProtocolError)
-    response.stream = BoundedStream(stream, _message_pieces(pieces, MAX_MESSAGE_BYTES, too_large))
+    response.stream = BoundedStream(stream, _message_pieces(pieces, MAX_MESSAGE_BYTES, refusal))
 
 
 async def bound_messages(response: httpx2.Response) -> None:
     """A response hook (``event_hooks={"response": [bound_messages]}``): a JSON body is
     read up to :data:`MAX_MESSAGE_BYTES`, inflated here when compressed."""
     if response.headers.get("content-type", "").startswith("application/json"):
-        limit = f"{MAX_MESSAGE_BYTES >> 20} MiB"
-        too_large = f"the MCP server's message is larger than {limit}"
-        _bound_body(response, f"{too_large} (greenroom reads no more of one message)")
+        _bound_body(response, too_large(MAX_MESSAGE_BYTES))
 
 
 async def bound_answers(response: httpx2.Response) -> None:
     """A response hook, as :func:`bound_messages`, for every body but an event stream's
     (the SDK bounds each of its events): the answers of an authorization server too."""
     if not response.headers.get("content-type", "").startswith("text/event-stream"):
-        too_large = f"{response.url.host} answered with more than {MAX_MESSAGE_BYTES >> 20} MiB"
-        _bound_body(response, f"{too_large} (greenroom reads no more of one answer)")
+        answered = f"{response.url.host} answered with more than {MAX_MESSAGE_BYTES >> 20} MiB"
+        _bound_body(response, f"{answered} (greenroom reads no more of one answer)")
 
 
 def bounded_http_client(
@@ -111,4 +120,5 @@ __all__ = [
     "bound_messages",
     "bounded_http_client",
     "login_http_client",
+    "too_large",
 ]

@@ -13,7 +13,10 @@ forever; records its key in ``cancelled`` when the client cancels it), ``cancell
 ``calls`` (the names called so far), ``add_tool`` (adds a tool and sends
 ``notifications/tools/list_changed``), ``bad_schema`` (listed with an unusable schema) and
 ``flood`` (sends ``notifications/tools/list_changed`` a given number of times),
-``big`` (a text of the given number of MiB),
+``big`` (a text of the given number of MiB), ``big_log`` (a log message of that many MiB before
+its result), ``noise`` (over stdio, writes a line that is not UTF-8 and one that is
+not JSON to the wire before its result), ``linger`` (starts a child process and keeps the
+server from exiting when its stdin closes; the child's pid),
 ``listings`` (how many ``tools/list`` requests it has answered),
 ``order`` (asks the client which size and how many, by elicitation, and says what it was
 told; a cancellation is recorded in ``cancelled`` as ``order:<item>``), ``sent_key``
@@ -30,7 +33,9 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import sys
+import threading
 from typing import Any, Literal
 
 import anyio
@@ -52,6 +57,8 @@ PNG_1PX = (
 )
 
 server = MCPServer("greenroom-test")
+wire: int | None = None
+"""Over stdio, a descriptor of the pipe the SDK writes its messages to (it moves fd 1 away)."""
 events: dict[str, anyio.Event] = {}
 cancelled_keys: list[str] = []
 called: list[str] = []
@@ -73,6 +80,34 @@ def big(mebibytes: int) -> str:
     """A text of ``mebibytes`` MiB: an oversized message for the client's bound."""
     called.append("big")
     return "x" * (mebibytes << 20)
+
+
+@server.tool()
+async def big_log(mebibytes: int, ctx: Context) -> str:
+    """A log message (a notification) of ``mebibytes`` MiB, then a short result."""
+    called.append("big_log")
+    await ctx.info("x" * (mebibytes << 20))
+    return "after the log"
+
+
+@server.tool()
+def linger() -> int:
+    """Start a child process, and a thread that keeps this process from exiting when its
+    stdin closes (it is never joined); the child's pid."""
+    called.append("linger")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    threading.Thread(target=threading.Event().wait).start()
+    return child.pid
+
+
+@server.tool()
+def noise() -> str:
+    """Write a line that is not UTF-8 and one that is not JSON to the client, then answer."""
+    called.append("noise")
+    if wire is None:
+        raise ToolError("noise is written over stdio only")
+    os.write(wire, b"\xff\xfe not utf-8\nnot json\n")
+    return "after the noise"
 
 
 @server.tool()
@@ -296,7 +331,9 @@ def review(path: str, tone: str = "kind") -> str:
 
 
 def main() -> None:
+    global wire
     if "--http" not in sys.argv and "--sse" not in sys.argv:
+        wire = os.dup(1)  # not inherited by children (PEP 446): they cannot hold the pipe
         server.run()
         return
     import uvicorn

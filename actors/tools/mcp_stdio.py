@@ -1,0 +1,310 @@
+"""greenroom's own stdio transport for MCP servers: one message is read up to a bound
+(R-SEC-1, R-SEC-9, R-MCP-4).
+
+The SDK's ``stdio_client`` joins what a server writes until a newline, however much that is,
+and offers no place to bound it. :func:`bounded_stdio_client` runs the server the same way
+(the SDK's :class:`~mcp.StdioServerParameters`, its ``get_default_environment()`` under the
+server's ``env``, its ``cwd``, stderr to ``errlog``, a process group of its own) and yields
+the same pair of streams for :class:`~mcp.ClientSession`, but reads raw bytes and splits the
+lines itself (:class:`MessageLines`, which does no I/O): at most
+:data:`~greenroom.actors.tools.mcp_bounds.MAX_MESSAGE_BYTES` of a line are kept, the bound
+greenroom gives a message over streamable HTTP. The rest of a longer line is discarded as it
+arrives, never held. When the line's first bytes show it is the response to one of
+greenroom's requests, that request is answered with a JSON-RPC error naming the bound, so the
+waiting call ends at once with an error output; otherwise the session gets an exception item
+(as the SDK gives it for a line that is not JSON-RPC, or not text) and ignores it. Either way
+the connection goes on.
+
+Shutdown, every step bounded and shielded from the caller's cancellation so that no server
+process outlives the transport: what the session already sent is flushed (at most
+``FLUSH_S``), stdin is closed, the server has the SDK's ``PROCESS_TERMINATION_TIMEOUT`` to
+exit, then its whole process group is terminated and killed (the SDK's
+``terminate_posix_process_tree``, ``FORCE_KILL_TIMEOUT`` between the two). Meanwhile its
+stdout is drained, so a server blocked writing can still read its stdin closing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+from collections.abc import AsyncIterator
+from typing import Any, TextIO
+
+import anyio
+import attrs
+import mcp_types
+import trio
+from anyio.abc import ByteReceiveStream, ByteSendStream, Process
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from mcp import StdioServerParameters
+from mcp.client.stdio import (
+    FORCE_KILL_TIMEOUT,
+    PROCESS_TERMINATION_TIMEOUT,
+    get_default_environment,
+)
+from mcp.os.posix.utilities import terminate_posix_process_tree
+from mcp.shared.message import SessionMessage
+
+from greenroom.actors.tools.mcp_bounds import MAX_MESSAGE_BYTES, too_large
+
+log = logging.getLogger("greenroom.mcp")
+
+HEAD_BYTES = 4096
+"""How much of a discarded line is kept to find the id of the response it was."""
+
+FLUSH_S = 0.5
+"""How long the writer may take to pass on what the session sent before stdin is closed."""
+
+REAP_S = 2.0
+"""How long a killed server may take to be seen dead; only an unkillable one runs it out."""
+
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+
+Received = SessionMessage | Exception
+"""What the session reads: a message, or an exception for a line that is none."""
+
+Streams = tuple[MemoryObjectReceiveStream[Received], MemoryObjectSendStream[SessionMessage]]
+"""The pair :class:`~mcp.ClientSession` takes: what it reads and what it sends."""
+
+
+@attrs.frozen(kw_only=True)
+class OversizedLine:
+    """A line longer than the bound, discarded: its first :data:`HEAD_BYTES` and its size."""
+
+    head: bytes
+    size: int
+
+
+class MessageLines:
+    """Splits what a server writes into lines, holding at most ``limit`` bytes of one line.
+
+    :meth:`feed` takes bytes as they arrive and gives the lines they complete: ``bytes``
+    without the newline, or an :class:`OversizedLine` for a line longer than ``limit``, of
+    which only the head was kept. A line the stream ends in the middle of is never given.
+    """
+
+    def __init__(self, limit: int = MAX_MESSAGE_BYTES) -> None:
+        self.limit = limit
+        self.most_kept = 0
+        """The most bytes of one line held at once: never more than ``limit``."""
+        self._line = bytearray()
+        self._discarded: int | None = None
+        self._head = b""
+
+    def feed(self, data: bytes) -> list[bytes | OversizedLine]:
+        """The lines ``data`` completes, in order."""
+        lines: list[bytes | OversizedLine] = []
+        start = 0
+        while (end := data.find(b"\n", start)) >= 0:
+            self._take(memoryview(data)[start:end])
+            lines.append(self._finish())
+            start = end + 1
+        self._take(memoryview(data)[start:])
+        return lines
+
+    def _take(self, piece: memoryview) -> None:
+        if self._discarded is not None:
+            self._discarded += len(piece)
+        elif len(self._line) + len(piece) > self.limit:
+            wanted = max(0, HEAD_BYTES - len(self._line))
+            self._head = bytes(self._line[:HEAD_BYTES]) + bytes(piece[:wanted])
+            self._discarded = len(self._line) + len(piece)
+            self._line = bytearray()  # not clear(): give the memory back now
+        else:
+            self._line += piece
+            self.most_kept = max(self.most_kept, len(self._line))
+
+    def _finish(self) -> bytes | OversizedLine:
+        if self._discarded is not None:
+            oversized = OversizedLine(head=self._head, size=self._discarded)
+            self._discarded, self._head = None, b""
+            return oversized
+        line, self._line = bytes(self._line), bytearray()
+        return line
+
+
+def response_id(head: str) -> int | str | None:
+    """The id of the response to one of greenroom's requests that the JSON text ``head``
+    (the start of a message) begins, when its top-level keys name it before its ``result``
+    or ``error``; else None, also for a request or notification of the server's (an id of
+    the server's own numbering)."""
+    decoder = json.JSONDecoder()
+    at = _skip_space(head, 0)
+    if not head.startswith("{", at):
+        return None
+    found: Any = None
+    at += 1
+    while True:
+        try:
+            key, at = decoder.raw_decode(head, _skip_space(head, at))
+            at = _skip_space(head, at)
+            if not isinstance(key, str) or not head.startswith(":", at):
+                return None
+            if key in ("result", "error"):
+                usable = isinstance(found, int | str) and not isinstance(found, bool)
+                return found if usable else None
+            if key == "method":
+                return None
+            value, at = decoder.raw_decode(head, _skip_space(head, at + 1))
+        except ValueError:  # the head ends inside the value (or is not JSON)
+            return None
+        if key == "id":
+            found = value
+        at = _skip_space(head, at)
+        if not head.startswith(",", at):
+            return None
+        at += 1
+
+
+def _skip_space(text: str, at: int) -> int:
+    match = _WHITESPACE.match(text, at)
+    return at if match is None else match.end()
+
+
+def _message(line: bytes | OversizedLine, params: StdioServerParameters) -> Received:
+    """What the session gets for one line: the message, a JSON-RPC error answering the
+    request an oversized response was for, or an exception (which the session ignores)."""
+    if isinstance(line, OversizedLine):
+        reason = f"{too_large(MAX_MESSAGE_BYTES)}: a line of {line.size} bytes"
+        request = response_id(line.head.decode(params.encoding, "ignore"))
+        log.warning("an MCP server's message was discarded: %s", reason)
+        if request is None:
+            return ValueError(reason)
+        error = mcp_types.ErrorData(
+            code=mcp_types.PARSE_ERROR, message=too_large(MAX_MESSAGE_BYTES)
+        )
+        return SessionMessage(mcp_types.JSONRPCError(jsonrpc="2.0", id=request, error=error))
+    try:
+        text = line.decode(params.encoding, params.encoding_error_handler)
+        return SessionMessage(mcp_types.jsonrpc_message_adapter.validate_json(text, by_name=False))
+    except ValueError as exc:  # both UnicodeDecodeError and pydantic's ValidationError
+        log.warning("an MCP server wrote a line that is not a JSON-RPC message: %.200s", exc)
+        return exc
+
+
+@contextlib.asynccontextmanager
+async def bounded_stdio_client(
+    params: StdioServerParameters, *, errlog: TextIO, lines: MessageLines | None = None
+) -> AsyncIterator[Streams]:
+    """Run the server ``params`` describes and yield ``(read_stream, write_stream)`` for a
+    :class:`~mcp.ClientSession`: anyio memory object streams of ``SessionMessage |
+    Exception`` and of ``SessionMessage``. ``lines`` splits the server's stdout (a fresh
+    :class:`MessageLines` unless given; a test reads its ``most_kept``). The read stream ends
+    when the server closes its stdout. Leaving stops the server (see the module docstring)
+    even when the caller is cancelled. Raises OSError when the server cannot be started."""
+    process = await anyio.open_process(
+        [params.command, *params.args],
+        env=get_default_environment() | (params.env or {}),
+        stderr=errlog,
+        cwd=params.cwd,
+        start_new_session=True,
+    )
+    stdin, stdout = process.stdin, process.stdout
+    assert stdin is not None and stdout is not None
+    # Buffer 0 on both: no line is read from the server before the session takes the last
+    # one, and the session's send waits for the pipe as it would for the SDK's transport.
+    to_session, read_stream = anyio.create_memory_object_stream[Received](0)
+    write_stream, from_session = anyio.create_memory_object_stream[SessionMessage](0)
+    writer_done = trio.Event()
+    # Shielded: the pipes keep draining and flushing while a cancelled caller's shutdown
+    # runs; the shutdown itself cancels them last.
+    pipes = trio.CancelScope(shield=True)
+
+    async def run_pipes() -> None:
+        with pipes:
+            async with trio.open_nursery() as nursery:
+                splitter = MessageLines() if lines is None else lines
+                nursery.start_soon(_read_lines, stdout, splitter, to_session, params)
+                nursery.start_soon(
+                    _write_messages, stdin, from_session, to_session, params, writer_done
+                )
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_pipes)
+        try:
+            yield read_stream, write_stream
+        finally:
+            with trio.CancelScope(shield=True):
+                # A reader whose delivery waits now drains instead, so that a server blocked
+                # writing its stdout can read its stdin: the flush, then its closing.
+                read_stream.close()
+                write_stream.close()
+                with trio.move_on_after(FLUSH_S):
+                    await writer_done.wait()
+                await _stop(process)
+                pipes.cancel()
+
+
+async def _read_lines(
+    stdout: ByteReceiveStream,
+    lines: MessageLines,
+    to_session: MemoryObjectSendStream[Received],
+    params: StdioServerParameters,
+) -> None:
+    """Deliver the server's messages until its stdout ends, then drain it."""
+    with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
+        async with to_session:
+            with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
+                async for data in stdout:
+                    for line in lines.feed(data):
+                        await to_session.send(_message(line, params))
+        # The session has gone (or stdout ended): what the server still writes is read and
+        # dropped, so that it is never blocked on a full pipe while it is being stopped.
+        async for _ in stdout:
+            pass
+
+
+async def _write_messages(
+    stdin: ByteSendStream,
+    from_session: MemoryObjectReceiveStream[SessionMessage],
+    to_session: MemoryObjectSendStream[Received],
+    params: StdioServerParameters,
+    done: trio.Event,
+) -> None:
+    """Write what the session sends, one line each, until it stops sending."""
+    try:
+        async with from_session:
+            async for session_message in from_session:
+                message = session_message.message
+                text = message.model_dump_json(by_alias=True, exclude_unset=True) + "\n"
+                await stdin.send(text.encode(params.encoding, params.encoding_error_handler))
+    except (anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
+        # The server stopped reading: end the session's read stream so that its waiting
+        # requests fail now instead of at their timeouts.
+        to_session.close()
+    finally:
+        done.set()
+
+
+async def _stop(process: Process) -> None:
+    """Close stdin, give the server its grace period, then end its whole process group."""
+    assert process.stdin is not None and process.stdout is not None
+    with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
+        await process.stdin.aclose()
+    if not await _exited(process, PROCESS_TERMINATION_TIMEOUT):
+        await terminate_posix_process_tree(process, FORCE_KILL_TIMEOUT)
+        if not await _exited(process, REAP_S):
+            log.warning("MCP server process %d outlived its kill; abandoning it", process.pid)
+    with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
+        await process.stdout.aclose()
+
+
+async def _exited(process: Process, within_s: float) -> bool:
+    # trio's wait is for the process alone, not for its pipes (which a child may hold open).
+    with trio.move_on_after(within_s):
+        await process.wait()
+        return True
+    return False
+
+
+__all__ = [
+    "HEAD_BYTES",
+    "MessageLines",
+    "OversizedLine",
+    "Received",
+    "Streams",
+    "bounded_stdio_client",
+    "response_id",
+]

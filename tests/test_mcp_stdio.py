@@ -1,0 +1,183 @@
+"""greenroom's stdio transport for MCP servers (R-SEC-1, R-SEC-9, R-MCP-4): the line splitter
+and the response-id scan on their own, then the transport under the SDK's ``ClientSession``
+against the SDK-built test server (``tests/support/mcp_server.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import mcp_types
+import pytest
+import trio
+from conftest import RUN_TIMEOUT_S
+from mcp import ClientSession, StdioServerParameters
+from mcp.client.stdio import FORCE_KILL_TIMEOUT, PROCESS_TERMINATION_TIMEOUT
+from mcp.shared.exceptions import MCPError
+
+from greenroom.actors.tools.mcp_bounds import MAX_MESSAGE_BYTES
+from greenroom.actors.tools.mcp_stdio import (
+    HEAD_BYTES,
+    MessageLines,
+    OversizedLine,
+    bounded_stdio_client,
+    response_id,
+)
+from tests.test_mcp import SERVER, alive
+
+PARAMS = StdioServerParameters(command=sys.executable, args=[str(SERVER)])
+
+
+@contextlib.asynccontextmanager
+async def server_session(
+    tmp_path: Path, lines: MessageLines | None = None
+) -> AsyncIterator[ClientSession]:
+    """The test server over :func:`bounded_stdio_client`, initialized; its stderr in
+    ``tmp_path``."""
+    with (tmp_path / "server.stderr.log").open("a", encoding="utf-8") as errlog:
+        async with bounded_stdio_client(PARAMS, errlog=errlog, lines=lines) as (read, write):
+            async with ClientSession(read, write) as session:
+                await session.initialize()
+                yield session
+
+
+def text_of(result: mcp_types.CallToolResult) -> str:
+    (block,) = result.content
+    assert isinstance(block, mcp_types.TextContent)
+    return block.text
+
+
+def gone(pid: int) -> bool:
+    """The process has exited: reaped, or a zombie whose reaping is its new parent's (an
+    orphan's is PID 1's, which may never do it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+# -- lines (no I/O) ------------------------------------------------------------------------
+
+
+def test_lines_are_split_across_reads_and_a_long_one_is_discarded_as_it_arrives() -> None:
+    lines = MessageLines(limit=8)
+    assert lines.feed(b'{"a"') == []
+    assert lines.feed(b":1}\nab") == [b'{"a":1}']
+    assert lines.feed(b"cdefghijkl") == []  # 12 bytes: past the limit, so no longer kept
+    assert lines.feed(b"mn\n12345678\n\n") == [
+        OversizedLine(head=b"abcdefghijkl", size=14),
+        b"12345678",  # exactly the limit is kept
+        b"",
+    ]
+    assert lines.most_kept == 8
+    assert lines.feed(b"tail without a newline") == []
+
+
+def test_the_head_of_a_discarded_line_is_bounded() -> None:
+    lines = MessageLines(limit=HEAD_BYTES * 2)
+    assert lines.feed(b"a" * HEAD_BYTES * 3) == []
+    assert lines.feed(b"b" * HEAD_BYTES + b"\n") == [
+        OversizedLine(head=b"a" * HEAD_BYTES, size=HEAD_BYTES * 4)
+    ]
+    assert lines.most_kept == 0
+
+
+@pytest.mark.parametrize(
+    ("head", "expected"),
+    [
+        ('{"jsonrpc":"2.0","id":7,"result":{"content":[{"type":"text","text":"xx', 7),
+        (' { "id" : "call-1" , "jsonrpc" : "2.0", "error" : {"message": "xx', "call-1"),
+        # The server's own request or notification: its id is not one of greenroom's.
+        ('{"jsonrpc":"2.0","id":3,"method":"sampling/createMessage","params":{"x', None),
+        ('{"jsonrpc":"2.0","method":"notifications/message","params":{"data":"xx', None),
+        ('{"result":{"content":[{"type":"text","text":"xx', None),  # the id comes after
+        ('{"jsonrpc":"2.0","id":7', None),  # cut before the result begins
+        ('{"jsonrpc":"2.0","id":true,"result":{', None),
+        ('{"jsonrpc":"2.0","id":1.5,"result":{', None),
+        ('{"jsonrpc":"2.0","id":{"a":1},"result":{', None),
+        ("xxxxxxxx", None),
+        ("[1, 2", None),
+    ],
+)
+def test_the_id_of_a_discarded_response_is_read_from_its_head(
+    head: str, expected: int | str | None
+) -> None:
+    assert response_id(head) == expected
+
+
+# -- the transport against a real server ---------------------------------------------------
+
+
+async def test_a_line_past_the_bound_fails_its_call_and_the_next_call_works(
+    tmp_path: Path,
+) -> None:
+    """A 3 MiB result (6 MiB on the wire: its text and its structured copy) is never held
+    whole: at most MAX_MESSAGE_BYTES of it is kept; that call fails naming the bound, at
+    once; the next call on the same process succeeds."""
+    lines = MessageLines()
+    with trio.fail_after(RUN_TIMEOUT_S * 2):
+        async with server_session(tmp_path, lines) as session:
+            before = text_of(await session.call_tool("pid", {}))
+            with pytest.raises(MCPError, match="larger than 1 MiB") as raised:
+                await session.call_tool("big", {"mebibytes": 3})
+            assert raised.value.code == mcp_types.PARSE_ERROR
+            assert text_of(await session.call_tool("echo", {"text": "after"})) == "after"
+            assert text_of(await session.call_tool("pid", {})) == before
+    assert 0 < lines.most_kept <= MAX_MESSAGE_BYTES
+
+
+async def test_an_oversized_notification_is_dropped_and_the_call_goes_on(
+    tmp_path: Path,
+) -> None:
+    """A message whose head names no id of greenroom's (here a log notification) is an
+    exception for the session, which ignores it: the call it came during still gets its
+    result."""
+    lines = MessageLines()
+    with trio.fail_after(RUN_TIMEOUT_S * 2):
+        async with server_session(tmp_path, lines) as session:
+            result = await session.call_tool("big_log", {"mebibytes": 2})
+            assert text_of(result) == "after the log"
+    assert lines.most_kept <= MAX_MESSAGE_BYTES
+
+
+async def test_lines_that_are_not_utf8_or_not_json_leave_the_session_going(
+    tmp_path: Path,
+) -> None:
+    """As the SDK does for a line it cannot parse, each is an exception item the session
+    ignores (the SDK's own transport gave up on a line that was not UTF-8)."""
+    with trio.fail_after(RUN_TIMEOUT_S):
+        async with server_session(tmp_path) as session:
+            assert text_of(await session.call_tool("noise", {})) == "after the noise"
+            assert text_of(await session.call_tool("echo", {"text": "after"})) == "after"
+
+
+async def test_a_cancelled_caller_still_stops_the_server(tmp_path: Path) -> None:
+    """Leaving under cancellation, with a call in flight, still ends the process."""
+    with trio.fail_after(RUN_TIMEOUT_S):
+        with trio.CancelScope() as scope:
+            async with server_session(tmp_path) as session:
+                pid = int(text_of(await session.call_tool("pid", {})))
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(session.call_tool, "hang", {"key": "k"})
+                    await trio.testing.wait_all_tasks_blocked()
+                    scope.cancel()
+    assert scope.cancelled_caught
+    assert not alive(pid)
+
+
+async def test_a_server_that_outlives_its_stdin_is_killed_with_its_children(
+    tmp_path: Path,
+) -> None:
+    """Past its grace period after stdin closes, the server's process group is terminated:
+    the server and the child it started both end."""
+    bound = PROCESS_TERMINATION_TIMEOUT + FORCE_KILL_TIMEOUT + RUN_TIMEOUT_S
+    with trio.fail_after(bound):
+        async with server_session(tmp_path) as session:
+            pid = int(text_of(await session.call_tool("pid", {})))
+            child = int(text_of(await session.call_tool("linger", {})))
+            assert alive(child)
+    assert not alive(pid)
+    assert gone(child)
