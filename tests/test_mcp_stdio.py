@@ -5,6 +5,7 @@ against the SDK-built test server (``tests/support/mcp_server.py``)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -180,4 +181,24 @@ async def test_a_server_that_outlives_its_stdin_is_killed_with_its_children(
             child = int(text_of(await session.call_tool("linger", {})))
             assert alive(child)
     assert not alive(pid)
+    assert gone(child)
+
+
+async def test_a_server_that_exits_in_its_grace_period_leaves_no_child_behind(
+    tmp_path: Path,
+) -> None:
+    """A server that exits at once when its stdin closes, leaving a child it started: the
+    rest of its process group is killed all the same, so no process outlives the
+    transport (R-MCP-4: closing stops every server)."""
+    with trio.fail_after(PROCESS_TERMINATION_TIMEOUT + RUN_TIMEOUT_S):
+        async with server_session(tmp_path) as session:
+            pid = int(text_of(await session.call_tool("pid", {})))
+            child = int(text_of(await session.call_tool("leave_child", {})))
+            ending = os.pidfd_open(child)
+        try:
+            assert not alive(pid)
+            # The kill is sent as the transport ends; the child's end is awaited, not assumed.
+            await trio.lowlevel.wait_readable(ending)
+        finally:
+            os.close(ending)
     assert gone(child)

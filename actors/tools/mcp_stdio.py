@@ -19,7 +19,8 @@ Shutdown, every step bounded and shielded from the caller's cancellation so that
 process outlives the transport: what the session already sent is flushed (at most
 ``FLUSH_S``), stdin is closed, the server has the SDK's ``PROCESS_TERMINATION_TIMEOUT`` to
 exit, then its whole process group is terminated and killed (the SDK's
-``terminate_posix_process_tree``, ``FORCE_KILL_TIMEOUT`` between the two). Meanwhile its
+``terminate_posix_process_tree``, ``FORCE_KILL_TIMEOUT`` between the two); what a server
+that exited in time left in its group is killed too. Meanwhile its
 stdout is drained, so a server blocked writing can still read its stdin closing.
 """
 
@@ -28,7 +29,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import re
+import signal
 from collections.abc import AsyncIterator
 from typing import Any, TextIO
 
@@ -287,6 +290,11 @@ async def _stop(process: Process) -> None:
         await terminate_posix_process_tree(process, FORCE_KILL_TIMEOUT)
         if not await _exited(process, REAP_S):
             log.warning("MCP server process %d outlived its kill; abandoning it", process.pid)
+    # A server that exited in its grace period may have left children in its group: they
+    # go too, or a process would outlive the transport. The group's id stays taken while
+    # any of them lives, so it names none but theirs.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
     with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
         await process.stdout.aclose()
 

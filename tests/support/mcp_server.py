@@ -16,7 +16,8 @@ forever; records its key in ``cancelled`` when the client cancels it), ``cancell
 ``big`` (a text of the given number of MiB), ``big_log`` (a log message of that many MiB before
 its result), ``noise`` (over stdio, writes a line that is not UTF-8 and one that is
 not JSON to the wire before its result), ``linger`` (starts a child process and keeps the
-server from exiting when its stdin closes; the child's pid),
+server from exiting when its stdin closes; the child's pid), ``leave_child`` (starts a child
+process that outlives this one, which exits as usual when its stdin closes; the child's pid),
 ``listings`` (how many ``tools/list`` requests it has answered),
 ``order`` (asks the client which size and how many, by elicitation, and says what it was
 told; a cancellation is recorded in ``cancelled`` as ``order:<item>``), ``sent_key``
@@ -98,6 +99,13 @@ def linger() -> int:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     threading.Thread(target=threading.Event().wait).start()
     return child.pid
+
+
+@server.tool()
+def leave_child() -> int:
+    """Start a child process that this one never waits for; the child's pid."""
+    called.append("leave_child")
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]).pid
 
 
 @server.tool()
