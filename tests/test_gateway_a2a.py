@@ -361,6 +361,48 @@ async def test_a_blocking_send_whose_client_goes_away_stops_waiting_and_the_task
     assert got.status.message.parts[0].text == "Done."
 
 
+def hold_after_catching_up(monkeypatch: pytest.MonkeyPatch) -> tuple[trio.Event, trio.Event]:
+    """The next message waits, once it has read its session's records up to now (and so
+    found whether its task runs), until the test lets it go on. Returns (found, let_go)."""
+    found, let_go = trio.Event(), trio.Event()
+    caught_up = a2a_endpoint._caught_up
+
+    async def found_then_wait(feed: Any) -> list[Any]:
+        records = await caught_up(feed)
+        if not found.is_set():
+            found.set()
+            await let_go.wait()
+        return records
+
+    monkeypatch.setattr(a2a_endpoint, "_caught_up", found_then_wait)
+    return found, let_go
+
+
+async def send_with_the_sdk(server: Any, message: SendMessageRequest) -> tuple[str, list[Any]]:
+    """``message`` sent with the a2a-sdk client (message/send, no stream), from a thread
+    of its own: the error the client raised ("answered without an error" when none), and
+    the JSON-RPC frames the server answered with."""
+    answered: list[Any] = []
+
+    async def keep(response: httpx.Response) -> None:
+        if response.request.method == "POST":
+            answered.append(json.loads(await response.aread()))
+
+    async def drive() -> str:
+        async with http_client() as http:
+            http.event_hooks["response"] = [keep]
+            card = await A2ACardResolver(http, base_url(server)).get_agent_card()
+            config = ClientConfig(httpx_client=http, streaming=False)
+            sdk = ClientFactory(config).create(card)
+            try:
+                await collect(sdk.send_message(message))
+            except (A2AClientError, A2AError) as exc:
+                return str(exc)
+        return "answered without an error"
+
+    return await trio.to_thread.run_sync(in_asyncio(drive)), answered
+
+
 async def test_steering_that_a_closing_session_drops_is_answered_410(
     tmp_path: Path, gates: Gates, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -370,15 +412,6 @@ async def test_steering_that_a_closing_session_drops_is_answered_410(
     error 410 saying the input was dropped, and the model is not asked again."""
     ending, let_end = hold_task_end(monkeypatch)
     steered = steered_event(monkeypatch)
-    found, let_steer = trio.Event(), trio.Event()
-    caught_up = a2a_endpoint._caught_up
-
-    async def found_then_wait(feed: Any) -> list[Any]:
-        records = await caught_up(feed)
-        found.set()
-        await let_steer.wait()
-        return records
-
     with trio.fail_after(BOUND_S):
         async with serving(
             tmp_path, gated_script, tools=[gates.tool()], approve="all", a2a=True
@@ -387,32 +420,14 @@ async def test_steering_that_a_closing_session_drops_is_answered_410(
                 sid = (await client.result("session.create"))["session_id"]
                 started = await client.result("run", {"session_id": sid, "input": "go"})
             await gates.started("a")
-            monkeypatch.setattr(a2a_endpoint, "_caught_up", found_then_wait)
-            task_id = a2a.task_id(sid, started["run_id"])
-
-            answered: list[Any] = []  # the JSON-RPC frames, as the server sent them
-
-            async def keep(response: httpx.Response) -> None:
-                if response.request.method == "POST":
-                    answered.append(json.loads(await response.aread()))
-
-            async def drive() -> str:
-                async with http_client() as http:
-                    http.event_hooks["response"] = [keep]
-                    card = await A2ACardResolver(http, base_url(server)).get_agent_card()
-                    config = ClientConfig(httpx_client=http, streaming=False)
-                    sdk = ClientFactory(config).create(card)
-                    steer = user_message("STEER LATE", task_id=task_id, context_id=sid)
-                    try:
-                        await collect(sdk.send_message(steer))
-                    except (A2AClientError, A2AError) as exc:
-                        return str(exc)
-                return "answered without an error"
-
-            refusal: list[str] = []
+            found, let_steer = hold_after_catching_up(monkeypatch)
+            steer = user_message(
+                "STEER LATE", task_id=a2a.task_id(sid, started["run_id"]), context_id=sid
+            )
+            sent: list[tuple[str, list[Any]]] = []
 
             async def send() -> None:
-                refusal.append(await trio.to_thread.run_sync(in_asyncio(drive)))
+                sent.append(await send_with_the_sdk(server, steer))
 
             port = port_of(server.host.get_session(sid))
             async with trio.open_nursery() as nursery:
@@ -426,11 +441,65 @@ async def test_steering_that_a_closing_session_drops_is_answered_410(
                 await trio.testing.wait_all_tasks_blocked()
                 assert port.closed
                 let_end.set()
-            assert refusal == [f"session {sid} closed before the steering ran: the input was "
-                               "dropped, not queued"]
-            [frame] = answered
+            [(refusal, [frame])] = sent
+            assert refusal == (
+                f"session {sid} closed before the steering ran: the input was dropped, not queued"
+            )
             assert frame["error"]["code"] == jsonrpc.GONE == 410, frame
             assert len(server.providers[0].requests) == 2  # the words reached no model
+
+
+@pytest.mark.parametrize("stage", ["closing", "closed"])
+async def test_steering_a_session_whose_close_began_once_it_was_found_is_answered_410(
+    tmp_path: Path, gates: Gates, monkeypatch: pytest.MonkeyPatch, stage: str
+) -> None:
+    """R-STEER-1, R-HOST-3: a message that found its task running, and came to steer it
+    once the host had begun to close the session, was answered 404 "not open in this
+    host" while the task still ended (the host lists a closing session no more), and 409
+    "the task waits; send its answer" once it had ended. The a2a-sdk client gets the 410
+    of steering the close drops now, in the same words, and no place stays taken."""
+    ending, let_end = hold_task_end(monkeypatch)
+    with trio.fail_after(BOUND_S):
+        async with serving(
+            tmp_path, gated_script, tools=[gates.tool()], approve="all", a2a=True
+        ) as server:
+            async with connect(server) as client:
+                sid = (await client.result("session.create"))["session_id"]
+                started = await client.result("run", {"session_id": sid, "input": "go"})
+            await gates.started("a")
+            found, let_steer = hold_after_catching_up(monkeypatch)
+            steer = user_message(
+                "STEER LATE", task_id=a2a.task_id(sid, started["run_id"]), context_id=sid
+            )
+            sent: list[tuple[str, list[Any]]] = []
+            answered, closed = trio.Event(), trio.Event()
+
+            async def send() -> None:
+                sent.append(await send_with_the_sdk(server, steer))
+                answered.set()
+
+            async def close() -> None:
+                await server.host.close_session(sid)
+                closed.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send)
+                await found.wait()  # the task was found running: the message steers it
+                nursery.start_soon(close)
+                await ending.wait()  # the close interrupted the task, whose end waits
+                if stage == "closed":
+                    let_end.set()
+                    await closed.wait()
+                let_steer.set()
+                await answered.wait()  # when closing: answered while the task still ends
+                let_end.set()
+            [(refusal, [frame])] = sent
+            assert refusal == (
+                f"session {sid} closed before the steering ran: the input was dropped, not queued"
+            )
+            assert frame["error"]["code"] == jsonrpc.GONE == 410, frame
+            assert server.gateway._calls.queue_room.pending(sid, "steering") == 0  # R-SEC-9
+            assert len(server.providers[0].requests) == 1  # the words reached no model
 
 
 async def test_tool_images_are_read_off_the_event_loop(

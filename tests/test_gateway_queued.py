@@ -15,6 +15,7 @@ from conftest import Gates, Lookup, port_of, trace_lines
 from test_gateway import BOUND_S, connect, lookup_script, serving
 from test_gateway_people import until_asked
 
+from greenroom.actors.gateway.hubs import Hubs
 from greenroom.actors.providers.scripted import Reply, ScriptStep, text, tool_call
 from greenroom.actors.runtime import supervisor
 from greenroom.actors.runtime.emitter import OutputEmitter
@@ -62,6 +63,53 @@ def hold_task_end(monkeypatch: pytest.MonkeyPatch) -> tuple[trio.Event, trio.Eve
 
     monkeypatch.setattr(OutputEmitter, "sync_task_end", held)
     return ending, let_end
+
+
+def hold_after_read(monkeypatch: pytest.MonkeyPatch) -> tuple[trio.Event, trio.Event]:
+    """The next call that reads its input's attachments (``Session.attach``) waits, once
+    they are read, until the test lets it go on to hand the input over. Returns (read,
+    let_go)."""
+    read, let_go = trio.Event(), trio.Event()
+    attach: Callable[..., Awaitable[Any]] = Session.attach
+
+    async def read_then_wait(self: Session, messages: Any, *, confine: bool = False) -> Any:
+        attached = await attach(self, messages, confine=confine)
+        if not read.is_set():
+            read.set()
+            await let_go.wait()
+        return attached
+
+    monkeypatch.setattr(Session, "attach", read_then_wait)
+    return read, let_go
+
+
+def hold_after_lookup(monkeypatch: pytest.MonkeyPatch) -> tuple[trio.Event, trio.Event]:
+    """The next call that looks its session up (``Hubs.settled``, which ``steer`` and
+    ``follow_up`` go through) waits, once it has the session, until the test lets it go on
+    to count its place in the session's queue. Returns (found, let_go)."""
+    found, let_go = trio.Event(), trio.Event()
+    settled = Hubs.settled
+
+    async def found_then_wait(self: Hubs, session: Session) -> Session:
+        settled_session = await settled(self, session)
+        if not found.is_set():
+            found.set()
+            await let_go.wait()
+        return settled_session
+
+    monkeypatch.setattr(Hubs, "settled", found_then_wait)
+    return found, let_go
+
+
+def gated_then_ok() -> list[ScriptStep]:
+    """A task whose first turn calls the gated ``wait`` tool (key ``a``), then answers."""
+    return [Reply(blocks=(tool_call("c1", "wait", key="a"),)), Reply(blocks=(text("ok"),))]
+
+
+def closed_before_it_ran(session_id: str, method: str) -> str:
+    """The 410 message of ``method``'s input sent to ``session_id`` as it closes."""
+    what = "steering" if method == "steer" else "follow-up"
+    return f"session {session_id} closed before the {what} ran: the input was dropped, not queued"
 
 
 async def test_late_steering_is_answered_queued_once_recorded_not_when_its_task_starts(
@@ -126,30 +174,17 @@ async def test_input_for_a_closing_session_is_told_it_was_dropped(
     # it now gets error 410 saying the input was dropped.
     ending, let_end = hold_task_end(monkeypatch)
     steered = steered_event(monkeypatch, method)
-    read, let_input_go = trio.Event(), trio.Event()
-    attach: Callable[..., Awaitable[Any]] = Session.attach
-
-    async def read_then_wait(self: Session, messages: Any, *, confine: bool = False) -> Any:
-        # The input is read before the session closes; the call goes on after.
-        attached = await attach(self, messages, confine=confine)
-        if not read.is_set():
-            read.set()
-            await let_input_go.wait()
-        return attached
-
-    def script() -> list[ScriptStep]:
-        return [Reply(blocks=(tool_call("c1", "wait", key="a"),)), Reply(blocks=(text("ok"),))]
-
     with trio.fail_after(BOUND_S):
         async with (
-            serving(tmp_path, script, tools=[gates.tool()], approve="all") as server,
+            serving(tmp_path, gated_then_ok, tools=[gates.tool()], approve="all") as server,
             connect(server) as client,
             trio.open_nursery() as nursery,
         ):
             sid = (await client.result("session.create"))["session_id"]
             await client.result("run", {"session_id": sid, "input": "work"})
             await gates.started("a")
-            monkeypatch.setattr(Session, "attach", read_then_wait)
+            # The input is read before the session closes; the call goes on after.
+            read, let_input_go = hold_after_read(monkeypatch)
             await client.send(
                 {"jsonrpc": "2.0", "id": "dropped", "method": method,
                  "params": {"session_id": sid, "input": "TOO LATE"}}
@@ -225,3 +260,51 @@ async def test_input_left_in_the_inbox_of_a_closing_session_is_told_it_was_dropp
             assert server.gateway._calls.queue_room.pending(sid, kind) == 0
             assert len(server.providers[0].requests) == 1  # the words reached no model
             assert lookup.calls == []
+
+
+@pytest.mark.parametrize("stage", ["closing", "closed"])
+@pytest.mark.parametrize("method", ["steer", "follow_up"])
+async def test_input_for_a_session_whose_close_began_once_it_was_found_is_answered_410(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gates: Gates, method: str, stage: str
+) -> None:
+    # R-STEER-1, R-STEER-6, R-HOST-3: a call that found its session open, and came to
+    # count its place once the host had begun to close the session (its task still
+    # ending, or over), was answered 404 "not open in this host": the host lists a
+    # closing session no more. The same input a moment later got 410. Now both get 410,
+    # in the words the closing supervisor drops input with, and no place stays taken.
+    ending, let_end = hold_task_end(monkeypatch)
+    with trio.fail_after(BOUND_S):
+        async with (
+            serving(tmp_path, gated_then_ok, tools=[gates.tool()], approve="all") as server,
+            connect(server) as client,
+            trio.open_nursery() as nursery,
+        ):
+            sid = (await client.result("session.create"))["session_id"]
+            await client.result("run", {"session_id": sid, "input": "work"})
+            await gates.started("a")
+            found, let_count = hold_after_lookup(monkeypatch)
+            await client.send(
+                {"jsonrpc": "2.0", "id": "late", "method": method,
+                 "params": {"session_id": sid, "input": "TOO LATE"}}
+            )
+            await found.wait()
+            closed = trio.Event()
+
+            async def close() -> None:
+                await server.host.close_session(sid)
+                closed.set()
+
+            nursery.start_soon(close)
+            await ending.wait()  # the close interrupted the task, whose end waits
+            if stage == "closed":
+                let_end.set()
+                await closed.wait()
+            let_count.set()
+            answer = await client.response("late")
+            assert answer["error"]["code"] == jsonrpc.GONE == 410, answer
+            assert answer["error"]["message"] == closed_before_it_ran(sid, method)
+            kind = "steering" if method == "steer" else "follow-ups"
+            assert server.gateway._calls.queue_room.pending(sid, kind) == 0  # R-SEC-9
+            let_end.set()
+            await closed.wait()
+            assert len(server.providers[0].requests) == 1  # the words reached no model

@@ -39,7 +39,7 @@ from greenroom.actors.gateway.feeds import SessionFeed
 from greenroom.actors.gateway.http_front import EventSink, HttpRequest, Reply
 from greenroom.actors.gateway.hubs import replay_records
 from greenroom.actors.gateway.methods import Methods, once_recorded
-from greenroom.actors.gateway.queue_room import NOT_HANDED_OVER
+from greenroom.actors.gateway.queue_room import NOT_HANDED_OVER, check_open
 from greenroom.actors.providers import read_image
 from greenroom.actors.runtime.errors import GreenroomError
 from greenroom.actors.runtime.session import Session
@@ -310,6 +310,9 @@ class A2aEndpoint:
                 )
             if fold.pending:
                 return fold, await self._answer(session, fold, text, data, principal)
+            # Closed since its task was found running, the session is not busy either:
+            # the answer is the 410 of input a closed session drops, not 409.
+            check_open(session, "steering")
             if not session.busy:
                 raise RpcError(jsonrpc.BUSY, "the task waits; send its answer")
             recorded = self._methods.queue_room.reserve(session, "steering")

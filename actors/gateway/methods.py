@@ -45,7 +45,11 @@ from greenroom.actors.gateway.connection import AnswerLater, Connection, Handler
 from greenroom.actors.gateway.creation import SessionCreation
 from greenroom.actors.gateway.hubs import Hubs, session_state
 from greenroom.actors.gateway.nodes import Nodes
-from greenroom.actors.gateway.queue_room import NOT_HANDED_OVER, QueueRoom
+from greenroom.actors.gateway.queue_room import (
+    NOT_HANDED_OVER,
+    QueueRoom,
+    dropped_answer,
+)
 from greenroom.actors.gateway.time_travel import TimeTravelMethods
 from greenroom.actors.gateway.titles import Titles
 from greenroom.actors.runtime.errors import ImageRefused, SessionNotFound
@@ -147,7 +151,7 @@ async def once_recorded(recorded: InputReceipt) -> dict[str, Any]:
     with trio.move_on_after(ACCEPT_WAIT_S):
         await recorded.settled.wait()
     if recorded.dropped is not None:
-        raise RpcError(jsonrpc.GONE, f"{recorded.dropped}: the input was dropped, not queued")
+        raise dropped_answer(recorded.dropped)
     return {"queued": True}
 
 

@@ -11,7 +11,11 @@ session's inbox. Counting only the machine's let calls from several connections 
 pipelined on one) all pass the check before any of their input reached the machine. Each
 accepted call holds a place until the machine takes its input or it is dropped
 (:attr:`InputReceipt.on_taken`), or its call gives the place back, never having handed
-its input over (an error, a cancelled call, a session that had no task)."""
+its input over (an error, a cancelled call, a session that had no task).
+
+A session whose close has begun takes no input: every call that comes to it from then on
+— even one that found it open a moment before — is answered 410, in the words its
+supervisor drops late input with (:func:`closed_answer`)."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from collections import Counter
 from functools import partial
 from typing import Literal
 
+from greenroom.actors.runtime.errors import SessionNotFound
 from greenroom.actors.runtime.receipts import InputReceipt
 from greenroom.actors.runtime.session import Session
 from greenroom.protocols import jsonrpc
@@ -45,7 +50,9 @@ class QueueRoom:
         is the receipt to give ``Session.steer`` or ``follow_up``: it is freed once the
         machine takes the input or drops it. A call that does not hand its input over
         (``steer`` answered False, or it failed or was cancelled first) drops the receipt
-        (:meth:`InputReceipt.drop`) to free it."""
+        (:meth:`InputReceipt.drop`) to free it. 410 once the session's close has begun
+        (:func:`check_open`)."""
+        check_open(session, kind)
         key = (session.id, kind)
         if held(session, kind) + self._pending[key] >= self.cap:
             raise RpcError(
@@ -72,3 +79,29 @@ def held(session: Session, kind: QueuedKind) -> int:
     not taken, or tasks queued behind it."""
     machine = session.host.port(session.id).machine
     return len(machine.record.steering) if kind == "steering" else len(machine.queued_tasks)
+
+
+def dropped_answer(reason: str) -> RpcError:
+    """Error 410 for input that will never run, ``reason`` saying why: what ``steer``,
+    ``follow_up`` and an A2A message that steers answer for it (R-STEER-1, R-STEER-6)."""
+    return RpcError(jsonrpc.GONE, f"{reason}: the input was dropped, not queued")
+
+
+def closed_answer(session_id: str, kind: QueuedKind) -> RpcError:
+    """:func:`dropped_answer` for ``kind`` sent to ``session_id`` once its close has
+    begun, in the words its supervisor drops such input with when it reaches its inbox."""
+    what = "steering" if kind == "steering" else "follow-up"
+    return dropped_answer(f"session {session_id} closed before the {what} ran")
+
+
+def check_open(session: Session, kind: QueuedKind) -> None:
+    """:func:`closed_answer` once the host has begun to close ``session``: it lists it no
+    more (or lists another, loaded since under its id). A call that found the session open
+    just before gets the answer its input would get a moment later (R-HOST-3), not the
+    host's "not open in this host"."""
+    try:
+        open_here = session.host.get_session(session.id) is session
+    except SessionNotFound:
+        open_here = False
+    if not open_here:
+        raise closed_answer(session.id, kind)
