@@ -308,3 +308,35 @@ async def test_input_for_a_session_whose_close_began_once_it_was_found_is_answer
             let_end.set()
             await closed.wait()
             assert len(server.providers[0].requests) == 1  # the words reached no model
+
+
+@pytest.mark.parametrize("method", ["steer", "follow_up"])
+async def test_input_for_a_session_closed_while_the_input_is_read_is_answered_410(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gates: Gates, method: str
+) -> None:
+    # R-STEER-1, R-STEER-6, R-HOST-3: the host closed the session, its task over, while
+    # the call read its input: the closed session had no task, and the client was told
+    # queued: false (start a task instead). It is told 410 now, as for input the
+    # session's close drops, and no place stays taken.
+    with trio.fail_after(BOUND_S):
+        async with (
+            serving(tmp_path, gated_then_ok, tools=[gates.tool()], approve="all") as server,
+            connect(server) as client,
+        ):
+            sid = (await client.result("session.create"))["session_id"]
+            await client.result("run", {"session_id": sid, "input": "work"})
+            await gates.started("a")
+            read, let_go = hold_after_read(monkeypatch)
+            await client.send(
+                {"jsonrpc": "2.0", "id": "late", "method": method,
+                 "params": {"session_id": sid, "input": "TOO LATE"}}
+            )
+            await read.wait()
+            await server.host.close_session(sid)
+            let_go.set()
+            answer = await client.response("late")
+            assert answer["error"]["code"] == jsonrpc.GONE == 410, answer
+            assert answer["error"]["message"] == closed_before_it_ran(sid, method)
+            kind = "steering" if method == "steer" else "follow-ups"
+            assert server.gateway._calls.queue_room.pending(sid, kind) == 0  # R-SEC-9
+            assert len(server.providers[0].requests) == 1  # the words reached no model

@@ -276,7 +276,8 @@ async def _one_task(
                 wake = trio.Event()
                 if steer_after is not None and seen >= steer_after:
                     steer_after = None
-                    session.steer("and keep it short")
+                    with contextlib.suppress(SessionClosed):  # the host closed the session
+                        session.steer("and keep it short")
                 if follow_after is not None and seen >= follow_after:
                     follow_after = None
                     # Refused while the host drains or once it has closed the session.

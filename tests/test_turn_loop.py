@@ -28,12 +28,14 @@ from conftest import (
 )
 
 from greenroom.actors.providers.scripted import Reply, ScriptedStream, text, tool_call
-from greenroom.actors.runtime.errors import Busy
+from greenroom.actors.runtime.errors import Busy, SessionClosed
 from greenroom.actors.runtime.host import Host
 from greenroom.protocols.content import ImageBlock, TextBlock, ThinkingBlock, ToolCallBlock
 from greenroom.protocols.context import AssistantMessage, ModelRequest
 from greenroom.protocols.outputs import (
+    Abort,
     ModelMsg,
+    Output,
     PartialText,
     PartialThinking,
     PartialToolCall,
@@ -322,6 +324,42 @@ async def test_steer_and_follow_up_return_false_when_idle(
     assert session.follow_up("hello") is False
     await collect(session.run("hi"))
     assert session.steer("after") is False
+
+
+async def test_steer_and_follow_up_raise_session_closed_once_its_close_has_begun(
+    host: Host, workspace: Path, providers, gates: Gates
+) -> None:
+    """R-STEER-1, R-STEER-6, R-HOST-3: a closed session takes no more work, and steer and
+    follow_up say so as run does, with SessionClosed: while the task the close interrupted
+    still ends, and once the session is closed. They answered False, which tells a caller
+    to start a task instead (or True, for input that reached the closing supervisor's
+    inbox, only to be dropped there)."""
+    provider = providers([Reply(blocks=(tool_call("c1", "wait", key="a"),))])
+    session = await host.create_session(
+        tools=[gates.tool()], provider=provider, workspace_dir=workspace
+    )
+    stream = session.run("start", approve=allow_all)
+    await gates.started("a")
+    while_closing: list[str] = []
+
+    def queue_as_the_task_aborts(batch: list[Output]) -> None:
+        # Published by the supervisor of the task the close interrupted: it still runs.
+        if not any(isinstance(output, Abort) for output in batch):
+            return
+        for queue in (session.steer, session.follow_up):
+            try:
+                while_closing.append(f"answered {queue('too late')}")
+            except SessionClosed as exc:
+                while_closing.append(str(exc))
+
+    session.subscribe(queue_as_the_task_aborts)
+    await host.close_session(session.id)
+    assert while_closing == [f"session {session.id} is closed"] * 2
+    assert of_type(await collect(stream), TaskEnd)[0].status == "aborted"
+    for queue in (session.steer, session.follow_up):
+        with pytest.raises(SessionClosed, match=f"^session {session.id} is closed$"):
+            queue("later")
+    assert len(provider.requests) == 1  # nothing ran the words
 
 
 async def test_steering_during_a_tool_run_joins_that_turns_results(

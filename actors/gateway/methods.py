@@ -48,11 +48,12 @@ from greenroom.actors.gateway.nodes import Nodes
 from greenroom.actors.gateway.queue_room import (
     NOT_HANDED_OVER,
     QueueRoom,
+    closed_answer,
     dropped_answer,
 )
 from greenroom.actors.gateway.time_travel import TimeTravelMethods
 from greenroom.actors.gateway.titles import Titles
-from greenroom.actors.runtime.errors import ImageRefused, SessionNotFound
+from greenroom.actors.runtime.errors import ImageRefused, SessionClosed, SessionNotFound
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.port import Approval
 from greenroom.actors.runtime.receipts import InputReceipt
@@ -476,6 +477,8 @@ class Methods:
         try:
             content = await self._input(session, params)
             queued = session.steer(content, recorded=recorded)
+        except SessionClosed:  # its close began while its input was read
+            raise closed_answer(session.id, "steering") from None
         finally:
             if not queued:
                 recorded.drop(NOT_HANDED_OVER)  # its place is free again
@@ -499,6 +502,8 @@ class Methods:
             queued = session.follow_up(
                 content, approve=approve, output_schema=output, recorded=recorded
             )
+        except SessionClosed:  # its close began while its input was read
+            raise closed_answer(session.id, "follow-ups") from None
         finally:
             if not queued:
                 recorded.drop(NOT_HANDED_OVER)  # its place is free again

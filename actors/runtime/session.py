@@ -173,6 +173,16 @@ def _follow_up_task(
     )
 
 
+def _queue_input(port: SessionPort, message: SteeringQueued | TaskQueued) -> bool:
+    """Hand a caller's steering or follow-up to the session's work (``Session.steer``,
+    ``follow_up``). :class:`SessionClosed` once the session's close has begun, also while
+    its interrupted task still ends: every caller then gets the answer a closed session
+    gives, never a False that tells it to start a task the session refuses."""
+    if port.closed:
+        raise SessionClosed(f"session {port.id} is closed")
+    return port.deliver(message)
+
+
 def require_trio() -> None:
     """Raise ``RuntimeError(TRIO_REQUIRED)`` unless called from a trio task: under
     asyncio (or any other event loop) the actor tree cannot run, and failing at the entry
@@ -710,9 +720,10 @@ class Session:
         recorded (``steering_queued``), it reaches the task on a host that takes it up:
         ``recorded``, an :class:`InputReceipt`, settles once that record survives this host
         (fsynced; in a cluster, acknowledged by JetStream), or as dropped if it never runs.
-        Returns False when no task is running (start a normal task instead)."""
+        Returns False when no task is running (start a normal task instead); raises
+        :class:`SessionClosed` once the session is closed (or closing)."""
         message = SteeringQueued(content=_recordable(self._port, messages), recorded=recorded)
-        return self._port.deliver(message)
+        return _queue_input(self._port, message)
 
     def follow_up(
         self,
@@ -727,15 +738,15 @@ class Session:
         outputs continue the running ``RunStream``. The trace records it (``task_queued``;
         ``recorded`` as for :meth:`steer`): a host that takes the session up after this
         one stopped runs it, in its place in the queue (``Host.resume``); an interrupt
-        drops it. Returns False when idle; raises :class:`HostClosed` while the host
-        drains (it takes no new task: R-DRAIN-1). ``output_schema`` as for :meth:`run`
+        drops it. Returns False when idle; raises :class:`SessionClosed` as :meth:`steer`,
+        :class:`HostClosed` while the host drains (R-DRAIN-1). ``output_schema`` as for :meth:`run`
         (R-OUT-1): the follow-up's answer is its ``task_end.output``, a dict (the stream's
         :meth:`RunStream.result` builds the class of the run's own schema only for the
         run's own task)."""
         if self._port.host.draining:
             self._check_takes_tasks()
         task = _follow_up_task(self._port, messages, approve, thinking_level, output_schema)
-        return self._port.deliver(TaskQueued(task=task, follow_up=True, recorded=recorded))
+        return _queue_input(self._port, TaskQueued(task=task, follow_up=True, recorded=recorded))
 
     def interrupt(
         self, reason: str = "interrupted by host", *, scope: InterruptScope = "tree"
