@@ -739,10 +739,9 @@ class Session:
         ``recorded`` as for :meth:`steer`): a host that takes the session up after this
         one stopped runs it, in its place in the queue (``Host.resume``); an interrupt
         drops it. Returns False when idle; raises :class:`SessionClosed` as :meth:`steer`,
-        :class:`HostClosed` while the host drains (R-DRAIN-1). ``output_schema`` as for :meth:`run`
-        (R-OUT-1): the follow-up's answer is its ``task_end.output``, a dict (the stream's
-        :meth:`RunStream.result` builds the class of the run's own schema only for the
-        run's own task)."""
+        :class:`HostClosed` while the host drains (R-DRAIN-1). ``output_schema`` as for
+        :meth:`run` (R-OUT-1): the follow-up's answer is its ``task_end.output``, a dict
+        (the stream's :meth:`RunStream.result` builds the run's own schema's class only)."""
         if self._port.host.draining:
             self._check_takes_tasks()
         task = _follow_up_task(self._port, messages, approve, thinking_level, output_schema)
