@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from conftest import RUN_TIMEOUT_S, open_host, port_of, trace_lines
+from conftest import RUN_TIMEOUT_S, Gates, open_host, port_of, trace_lines
 from test_recovery import blocking_tool, copy_session
 
 from greenroom.actors.providers import scripted_brain
@@ -796,8 +796,8 @@ async def test_a_subagent_taken_up_alone_does_not_wait_for_a_child_nobody_runs(
         await host.resume(payer_id, **allow)
         with trio.fail_after(RUN_TIMEOUT_S):
             seen = await _until_task_end(inbox)
-            (report,) = _reports(seen)
-            assert report.startswith("[subagent payer finished]"), report
+            # Its answer, given before the crash, is its report (R-TREE-4).
+            assert _reports(seen) == ["[subagent payer finished] waiting for the collector"]
             payer = await host.load_session(payer_id)
             answered, payer_outputs = trio.open_memory_channel[list[Output]](math.inf)
             payer.watch(answered)
@@ -831,8 +831,8 @@ async def test_a_subagent_taken_up_stops_waiting_for_a_child_that_parks(
         root.watch(send)
         await host.resume_tasks()
         with trio.fail_after(RUN_TIMEOUT_S):
-            (report,) = _reports(await _until_task_end(inbox))
-            assert report.startswith("[subagent payer finished]"), report
+            reports = _reports(await _until_task_end(inbox))
+            assert reports == ["[subagent payer finished] waiting for the collector"]
             (asked,) = await host.pending_approvals()
             assert asked.session_id == collector_id and asked.call_id == "c2"
             payer = await host.load_session(payer_id)
@@ -881,3 +881,74 @@ async def test_a_tree_interrupt_of_a_subagent_taken_up_ends_its_running_child(
     assert _task_of(payer_lines) == ["task_start", "task_end"]
     last = payer_lines[-1]
     assert last["type"] == "task_end" and last["status"] == "aborted", last
+
+
+def _summer_model(request: ModelRequest) -> Reply:
+    """The root spawns the summer in the background and merges its answer; the summer
+    waits for the test (``wait``), then answers ``the sum is 10``."""
+    if (request.system or "").startswith(SUBAGENT_SYSTEM):
+        if _results(request):
+            return Reply(blocks=(text("the sum is 10"),))
+        return Reply(blocks=(tool_call("w1", "wait", key="adding"),))
+    last = request.messages[-1]
+    if isinstance(last, UserMessage) and "[subagent summer finished]" in str(last.content):
+        return Reply(blocks=(text("merged: the sum is 10"),))
+    if _results(request):
+        return Reply(blocks=(text("the summer works on it"),))
+    spawn = {"task": "add 3 and 7", "background": True, "name": "summer"}
+    return Reply(blocks=(ToolCallBlock(id="s1", name="spawn_subagent", arguments=spawn),))
+
+
+async def test_a_background_child_whose_end_was_lost_reports_the_answer_it_gave(
+    data_dir: Path,
+    workspace: Path,
+    tmp_path: Path,
+    gates: Gates,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """R-TREE-4, R-TREE-2: the host dies after the summer's last model message (its
+    answer) was written and before its ``task_end`` was: the root's files as they were
+    while the summer ran, the summer's trace without its end. Taken up, the summer's task
+    ends without asking the model again, and the root gets the answer it gave before the
+    crash (before, the report said it finished without a text answer)."""
+    crash_dir = tmp_path / "crashed"
+    model = ScriptedProvider(_summer_model)
+    tools = [gates.tool(), spawn_subagent]
+    async with open_host(data_dir) as host:
+        root = await host.create_session(provider=model, tools=tools, workspace_dir=workspace)
+        await root.run("add through a subagent", approve=lambda call: "allow").collect()
+        await gates.started("adding")
+        (summer,) = await root.children()
+        await port_of(root).sync_trace()
+        copy_session(root, crash_dir)  # no report yet: it comes after the summer's end
+        send, summer_outputs = trio.open_memory_channel[list[Output]](math.inf)
+        summer.watch(send)
+        gates.release("adding")
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await _until_task_end(summer_outputs)
+        await host.trace_store.log.sync()  # the summer, ended, may have left the host
+        trace = copy_session(summer, crash_dir)
+    lines = trace.read_text(encoding="utf-8").splitlines(keepends=True)
+    (end,) = [i for i, line in enumerate(lines) if json.loads(line)["type"] == "task_end"]
+    assert json.loads(lines[end - 1])["type"] == "request_end"
+    trace.write_text("".join(lines[:end]), encoding="utf-8")  # what the crash left
+    asked: list[ModelRequest] = []
+
+    def model_after(request: ModelRequest) -> Reply:
+        asked.append(request)
+        return _summer_model(request)
+
+    # The host loads the summer with the provider its session.json names.
+    monkeypatch.setattr(scripted_brain, "demo_brain", model_after)
+    async with Host.open(crash_dir, tools=tools) as host:
+        root = await host.load_session(root.id, provider=ScriptedProvider(model_after))
+        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
+        root.watch(send)
+        assert await host.resume_tasks(approve=lambda call: "allow") == [summer.id]
+        with trio.fail_after(RUN_TIMEOUT_S):
+            seen = await _until_task_end(inbox)
+        summer_lines = trace_lines(await host.load_session(summer.id))
+    assert _reports(seen) == ["[subagent summer finished] the sum is 10"]
+    assert summer_lines[-1]["type"] == "task_end" and summer_lines[-1]["status"] == "completed"
+    # One request, the root's merge: the summer asked nothing again.
+    assert [(r.system or "").startswith(SUBAGENT_SYSTEM) for r in asked] == [False]

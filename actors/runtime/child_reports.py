@@ -9,7 +9,9 @@ failed) goes to its parent as ``[subagent NAME finished] …``: to the parent op
 host; else, in a cluster, to the parent's owner through :attr:`ChildReports.link` (tried
 again while the parent has no owner yet, as during its own takeover); else to the parent
 loaded here. The parent takes it as it takes a live child's: steering of its open task,
-else a follow-up task.
+else a follow-up task. The answer is the task's last text, as a live child's: what the
+task said before its host stopped (read from its trace: it had answered and waited for
+its own children, or its end was not written yet) holds until a new request replaces it.
 
 A foreground child is not taken up: the call that ran it got its host-lost result with the
 rest of its parent's task (R-CLUSTER-2), so its answer would reach nobody. Its task stays
@@ -53,6 +55,7 @@ from greenroom.actors.runtime.subagents import ChildWatch, SubagentError, finish
 from greenroom.actors.runtime.supervisor import wake
 from greenroom.actors.runtime.tree import LiveChild, children_of, stopped_running, tell
 from greenroom.protocols.content import TextBlock
+from greenroom.protocols.history import live_records
 from greenroom.protocols.messages import SubagentFinished, SupervisorMessage
 from greenroom.protocols.outputs import Output
 
@@ -160,6 +163,9 @@ class ChildReports:
             port, budget=port.settings.subagent_token_budget, used=port.machine.usage.total
         )
         followed_at = time.time()
+        # What its task had said before is in its trace up to here; what it says from now
+        # on reaches the watch.
+        said_through = port.last_seq
         self._followed.add(port.id)
 
         async def report() -> None:
@@ -176,6 +182,9 @@ class ChildReports:
         async def report_once() -> None:
             if watch.budget >= 0:
                 watch.used += await self._descendants_used(port, followed_at)
+            # Its answer may be given already: its task answered, then waited for its own
+            # background children, or its host stopped before the task's end was recorded.
+            watch.recall(await self._said_before(port, said_through))
             with outputs:
                 async for batch in outputs:
                     watch.on_batch(batch)
@@ -214,6 +223,17 @@ class ChildReports:
             logger.exception("what the subagents of %s used could not be read", port.id)
             return 0
         return sum(line.total for path, line in usage if port.id in path[:-1])
+
+    async def _said_before(self, port: SessionPort, through_seq: int) -> list[Output]:
+        """``port``'s traced records up to ``through_seq``, across its traces (its task
+        may have started before a compaction), without what a rewind cut; none, logged,
+        when its trace cannot be read."""
+        try:
+            records = await self._host.trace_store.log.read_after(port.id)
+        except Exception:  # a task of the host's: it must not end the host
+            logger.exception("the trace of %s could not be read for its answer", port.id)
+            return []
+        return live_records([r for r in records if r.seq is not None and r.seq <= through_seq])
 
     async def deliver(self, parent_id: str, child_id: str, text: str, approve: Approval) -> None:
         """Hand child ``child_id``'s report ``text`` to ``parent_id`` (see the module

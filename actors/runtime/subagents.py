@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import assert_never
 
 import attrs
@@ -329,6 +329,24 @@ class ChildWatch:
         with trio.CancelScope(shield=shield):
             async for batch in outputs:
                 self.on_batch(batch)
+
+    def recall(self, records: Iterable[Output]) -> None:
+        """Take the answer the child's open task had given before this watch began (a
+        child taken up after its host stopped, R-TREE-4): ``records`` are its trace's, in
+        ``seq`` order, up to the watch's start. The answer is then what :meth:`on_batch`
+        would have kept, live, from its task's start: the text of its last model message,
+        until a new request of the task replaces it. Their token usage is not counted: it
+        is the ``used`` the watch began with."""
+        for record in records:
+            match record:
+                case _ if record.origin is not None:
+                    pass
+                case TaskStart() | RequestBegin():
+                    self._texts = []  # an earlier task's answer, or an earlier request's
+                case ModelMsg(block=TextBlock() as block):
+                    self._texts.append(block.text)
+                case _:
+                    pass  # neither the answer nor its start
 
     def on_batch(self, batch: list[Output]) -> None:
         """Take one batch of the child's outputs (its own and its descendants')."""
