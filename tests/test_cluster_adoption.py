@@ -282,15 +282,15 @@ def test_a_session_fenced_while_its_claim_is_this_hosts_is_not_left_served_by_no
     # and its claim kept, so it stayed owned by this host and served by none, and no scan
     # would take it over. A fenced session's claim is given up as an abandoned one's is.
     taken_over = trio.Event()
-    take_over = ClusterNode.take_over
+    take_entries = ClusterNode._take_entries  # what the orphan scan takes its share with
 
-    async def take_over_and_tell(self: ClusterNode, session_id: str, meta: Any) -> bool:
-        taken = await take_over(self, session_id, meta)
+    async def take_over_and_tell(self: ClusterNode, entries: dict[str, Any]) -> list[str]:
+        taken = await take_entries(self, entries)
         if taken:
             taken_over.set()
         return taken
 
-    monkeypatch.setattr(ClusterNode, "take_over", take_over_and_tell)
+    monkeypatch.setattr(ClusterNode, "_take_entries", take_over_and_tell)
 
     async def body(conn: Connection) -> tuple[bool, str | None]:
         async with _host_a_after_a_task(conn, nats_server, tmp_path) as (node, session):

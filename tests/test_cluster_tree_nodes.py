@@ -25,6 +25,8 @@ NATS.
 
 from __future__ import annotations
 
+import functools
+import math
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -53,7 +55,14 @@ from greenroom.actors.runtime.subagents import SUBAGENT_SYSTEM, spawn_subagent
 from greenroom.protocols import jsonrpc
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import ModelRequest, ToolResult, UserMessage
-from greenroom.protocols.outputs import ModelMsg, TaskEnd, UserMsg
+from greenroom.protocols.outputs import (
+    ModelMsg,
+    Output,
+    RequestEnd,
+    TaskEnd,
+    TaskStart,
+    UserMsg,
+)
 from greenroom.protocols.tools import Tool, make_tool
 from greenroom.protocols.trace import parse_trace
 from tests.support.nats import (  # the fixture is used as nats_server
@@ -61,6 +70,7 @@ from tests.support.nats import (  # the fixture is used as nats_server
     module_nats_server,  # noqa: F401
 )
 from tests.test_gateway import Client
+from tests.test_recovery import blocking_tool
 
 LONG_TTL_S = 60.0
 """No orphan scan runs within a test (every TTL / 2): takeovers are the test's."""
@@ -122,6 +132,7 @@ async def _member(
     data: Path,
     host_id: str,
     *,
+    brain: Callable[[ModelRequest], Reply] = _brain,
     task_status: trio.TaskStatus[Member],
 ) -> None:
     config = ClusterConfig(url=url, host_id=host_id, lease_ttl_s=LONG_TTL_S, prefix=prefix)
@@ -136,13 +147,13 @@ async def _member(
                 config,
                 data / host_id,
                 tools=TOOLS,
-                provider=lambda: ScriptedProvider(_brain),
+                provider=lambda: ScriptedProvider(brain),
                 on_node=nodes.append,
             ) as host,
             trio.open_nursery() as nursery,
         ):
             defaults = SessionDefaults(
-                provider_factory=lambda: ScriptedProvider(_brain),
+                provider_factory=lambda: ScriptedProvider(brain),
                 tools=TOOLS,
                 workspace_dir=workspace,
                 approve="ask",
@@ -187,8 +198,11 @@ def in_cluster(
     tmp_path: Path,
     host_ids: tuple[str, ...],
     body: Callable[[Cluster], Awaitable[Any]],
+    *,
+    brain: Callable[[ModelRequest], Reply] = _brain,
 ) -> Any:
-    """Run ``body`` with hosts ``host_ids`` of a cluster of its own, bounded."""
+    """Run ``body`` with hosts ``host_ids`` of a cluster of its own, bounded; ``brain``
+    is the model of every session a host creates or takes over."""
     names = ClusterNames(prefix=f"t{uuid.uuid4().hex[:10]}")
 
     async def main(bridge: Bridge) -> Any:
@@ -198,8 +212,9 @@ def in_cluster(
                 async with trio.open_nursery() as nursery:
                     members = {}
                     for host_id in host_ids:
+                        member = functools.partial(_member, brain=brain)
                         members[host_id] = await nursery.start(
-                            _member, bridge, nats_server.url, names.prefix, tmp_path, host_id
+                            member, bridge, nats_server.url, names.prefix, tmp_path, host_id
                         )
                     cluster = Cluster(
                         members,
@@ -686,3 +701,160 @@ def test_a_session_taken_over_here_while_its_release_runs_stays_this_hosts(
         )
 
     assert in_cluster(nats_server, tmp_path, ("a",), body) == (True, True, "a", True)
+
+
+# -- a tree taken over together -------------------------------------------------------------------
+
+
+def _waiting_brain(request: ModelRequest) -> Reply:
+    """The root spawns the payer in the background; the payer spawns the collector in the
+    background and says it waits for it; the collector holds a call (``hold``) and, once
+    the call has a result, answers ``collected 3``; the payer merges the collector's
+    answer, the root the payer's."""
+    last = request.messages[-1]
+    said = str(last.content) if isinstance(last, UserMessage) else ""
+    results = any(
+        isinstance(b, ToolResult)
+        for m in request.messages
+        if isinstance(m, UserMessage)
+        for b in m.content
+    )
+    if (request.system or "").startswith(SUBAGENT_SYSTEM):
+        if "collect 3" in str(request.messages[0].content):
+            if results:
+                return Reply(blocks=(text("collected 3"),))
+            return Reply(blocks=(tool_call("h1", "hold", key="collecting"),))
+        if "[subagent collector finished]" in said:
+            return Reply(blocks=(text("merged: collected 3"),))
+        if results:
+            return Reply(blocks=(text("waiting for the collector"),))
+        collect = {"task": "collect 3", "background": True, "name": "collector"}
+        return Reply(blocks=(ToolCallBlock(id="s2", name="spawn_subagent", arguments=collect),))
+    if FINISHED in said:
+        return Reply(blocks=(text("merged: the payer is done"),))
+    if results:
+        return Reply(blocks=(text("the payer works on it"),))
+    spawn = {"task": "pay 3", "background": True, "name": "payer"}
+    return Reply(blocks=(ToolCallBlock(id="s1", name="spawn_subagent", arguments=spawn),))
+
+
+async def _until_the_payer_waits(a: Member, tmp_path: Path) -> tuple[str, str, str]:
+    """On host ``a``, run the tree of :func:`_waiting_brain` until the root's task has
+    ended, the payer's has answered and waits for its background collector, and the
+    collector's ``hold`` call runs: the ids of the root, the payer and the collector."""
+    hold, holding = blocking_tool()
+    root = await a.host.create_session(
+        provider=ScriptedProvider(_waiting_brain),
+        tools=[hold, spawn_subagent],
+        workspace_dir=tmp_path,
+    )
+    send, inbox = trio.open_memory_channel[list[Output]](math.inf)
+    root.watch(send)
+    root.run("collect and pay through a subagent", approve=allow_all).detach()
+    root_ended = payer_answered = False
+    async for batch in inbox:
+        for o in batch:
+            root_ended = root_ended or (isinstance(o, TaskEnd) and o.origin is None)
+            if isinstance(o, RequestEnd) and o.origin is not None and o.turn == 2:
+                payer_answered = payer_answered or len(o.origin) == 2
+        if root_ended and payer_answered:
+            break
+    await holding.wait()
+    (payer,) = await root.children()
+    (collector,) = await payer.children()
+    return root.id, payer.id, collector.id
+
+
+def _tasks_of(records: list[Any]) -> list[str]:
+    """The kinds of a trace's task records and of the subagents' reports it took."""
+    return [
+        "report" if isinstance(r, UserMsg) else r.TYPE
+        for r in records
+        if r.TYPE in ("task_start", "task_end")
+        or (isinstance(r, UserMsg) and "[subagent" in str(r.content))
+    ]
+
+
+def test_a_tree_taken_over_together_lets_a_subagent_wait_for_its_running_child(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-TREE-2, R-TREE-4, R-CLUSTER-2: host a is lost (its lease, every session it owns)
+    while the payer's task, answered, waits for its background collector, whose call
+    runs. Host b takes the three over as its orphan scan takes its share, the payer
+    before the collector, and the collector's takeover held until the payer's task has
+    taken its first step if it was taken up alone: all are loaded before any task is taken
+    up, so the payer waits for the collector, whose answer comes in as steering of the
+    same task, and the root gets the payer's merged answer. Before, each was taken up
+    as it was loaded: the payer's task ended at once, and the collector's answer came as a
+    second task."""
+    fence = TraceStream.fence
+
+    async def body(cluster: Cluster) -> tuple[list[str], list[str]]:
+        a, b = cluster.members["a"], cluster.members["b"]
+        root, payer, collector = await _until_the_payer_waits(a, tmp_path)
+        for session_id in (root, payer, collector):
+            last = a.host.port(session_id).last_seq
+            await until(lambda: _traced_through(cluster, session_id, last))  # noqa: B023
+        # Lost as a host whose lease went: nothing it writes from here on reaches the
+        # cluster, and its sessions' tasks stay open there.
+        keeper = a.node._keeper
+        assert keeper is not None
+        keeper._lose_all("the test's loss")
+        a.stop.set()
+        await a.stopped.wait()
+
+        async def fence_after_the_payers_step(
+            self: TraceStream, session_id: str, host_id: str
+        ) -> Any:
+            # Its task taken up already (open, or ended and gone: taken up alone, it
+            # ended at once), the payer takes its first step before the collector is
+            # loaded. Loaded only, it waits for the collector's load.
+            open_now = {s.id for s in b.host.sessions}
+            if session_id == collector and payer in open_now:
+                port = b.host.port(payer)
+                if port.idle is not None:
+                    await port.idle.wait()
+            return await fence(self, session_id, host_id)
+
+        monkeypatch.setattr(TraceStream, "fence", fence_after_the_payers_step)
+        entries = {sid: await cluster.entry(sid) for sid in (root, payer, collector)}
+        assert await b.node._take_entries(
+            {sid: entry for sid, entry in entries.items() if entry is not None}
+        ) == [root, payer, collector]
+        for session_id in (collector, payer):
+            await until(lambda: _task_ended(cluster, session_id))  # noqa: B023
+        tasks = _tasks_of(list((await cluster.traces.read(payer)).records))
+        if tasks != ["task_start", "report", "task_end"]:
+            return tasks, []
+        await until(lambda: _merged_report(cluster, root))
+        root_records = (await cluster.traces.read(root)).records
+        said = [str(r.content) for r in root_records if isinstance(r, UserMsg)]
+        return tasks, [text for text in said if FINISHED in text]
+
+    tasks, reports = in_cluster(nats_server, tmp_path, ("a", "b"), body, brain=_waiting_brain)
+    assert tasks == ["task_start", "report", "task_end"]
+    assert len(reports) == 1 and "merged: collected 3" in reports[0], reports
+
+
+async def _traced_through(cluster: Cluster, session_id: str, seq: int) -> bool:
+    """Whether JetStream holds ``session_id``'s records up to ``seq``."""
+    records = (await cluster.traces.read(session_id)).records
+    return bool(records) and (records[-1].seq or 0) >= seq
+
+
+async def _task_ended(cluster: Cluster, session_id: str) -> bool:
+    """Whether ``session_id``'s last task in JetStream has ended."""
+    records = (await cluster.traces.read(session_id)).records
+    tasks = [r for r in records if isinstance(r, TaskStart | TaskEnd)]
+    return bool(tasks) and isinstance(tasks[-1], TaskEnd)
+
+
+async def _merged_report(cluster: Cluster, root: str) -> bool:
+    """Whether ``root``'s trace in JetStream holds a completed task that took the payer's
+    report of ``merged: collected 3``."""
+    records = (await cluster.traces.read(root)).records
+    reports = [r for r in records if isinstance(r, UserMsg) and FINISHED in str(r.content)]
+    ends = [r.status for r in records if isinstance(r, TaskEnd)]
+    return any("merged: collected 3" in str(r.content) for r in reports) and ends[-1:] == [
+        "completed"
+    ]

@@ -31,7 +31,9 @@ host.
 Takeover of an orphan (a session whose owner's lease is gone): claim it, fence the trace,
 read it, write it into this host's data dir as the session's trace files (with its
 ``session.json`` from the directory), then take it up as a restarted host takes up its own
-sessions (``Host.resume``, R-HITL-4): a task that was in flight goes on — every tool call
+sessions (R-HITL-4; the orphans of one scan are all loaded before their tasks are taken
+up together, as ``Host.resume_tasks`` does: a subagent knows its running children from
+its first step, R-TREE-2): a task that was in flight goes on — every tool call
 whose result is missing is in doubt and is resolved by its tool's check, a person or the
 host-lost note; it runs again only when the check found it not done or a person says so,
 with its idempotency key (R-EFFECT-2); the model is told, the task ends with one
@@ -90,7 +92,7 @@ from greenroom.actors.cluster.tree_link import ParentLink, reopen_if_closed
 from greenroom.actors.runtime.accounting import PrincipalBudget
 from greenroom.actors.runtime.admission import ProviderLimits
 from greenroom.actors.runtime.errors import ConfigurationError
-from greenroom.actors.runtime.host import Host, SessionObserver
+from greenroom.actors.runtime.host import Host, SessionObserver, take_up_loaded
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.port import Approval
 from greenroom.actors.runtime.session import Session
@@ -264,7 +266,8 @@ class ClusterNode:
             await nursery.start(self._registry.announce_every, self._record)
             nursery.start_soon(self._entries.send_updates)
             self._finder = OrphanFinder(self._directory, self._owners, self.serves)
-            scan = (self._registry, self.host_id, ttl / 2, self._take_entry, lambda: host.draining)
+            take = self._take_entries
+            scan = (self._registry, self.host_id, ttl / 2, take, lambda: host.draining)
             nursery.start_soon(self._finder.scan, *scan)
             log(f"host {self.host_id} joined the cluster at {shown_url(self.config.url)}")
             task_status.started()
@@ -479,16 +482,22 @@ class ClusterNode:
     # -- takeover -------------------------------------------------------------------------
 
     async def _take_entry(self, session_id: str, entry: dict[str, Any]) -> bool:
-        """Take ``session_id`` over from ``entry`` once its lane is done (:func:`_lane_done`),
-        then grant it to its principals, once rebuilt (a request loads none here meanwhile)."""
-        served = await _lane_done(self._lanes, self._work, session_id, self.serves)
-        if not served and not await self.take_over(session_id, entry.get("meta") or {}):
-            return False
-        for principal in entry.get("principals") or ():
-            if self._entries.grants is not None and isinstance(principal, str):
-                self._entries.grants.grant(principal, session_id)
-        log(f"host {self.host_id} serves session {session_id} now")
-        return True
+        """Take ``session_id`` over from ``entry`` (:meth:`_take_entries`)."""
+        return session_id in await self._take_entries({session_id: entry})
+
+    async def _take_entries(self, entries: dict[str, dict[str, Any]]) -> list[str]:
+        """Take the sessions of ``entries`` (id → directory entry) over, each once its lane
+        is done (:func:`_lane_done`), their tasks together (:func:`_take_up`): served ids."""
+        assert self._host is not None
+        served, loaded = [], []
+        for session_id, entry in entries.items():
+            if await _lane_done(self._lanes, self._work, session_id, self.serves):
+                served.append(session_id)
+            elif await self._load_over(session_id, entry.get("meta") or {}):
+                loaded.append(session_id)
+        served += _take_up(self._host, self._entries, loaded, self._approve)
+        _grant(self._entries, entries, served, self.host_id)
+        return served
 
     async def _take_handed(self, session_id: str) -> bool:
         """A draining host handed ``session_id`` over (R-DRAIN-2): take it over now."""
@@ -511,6 +520,12 @@ class ClusterNode:
         """Claim ``session_id``, rebuild it from its trace and take up its open task (see
         the module docstring). False when another host claimed it first, this host drains
         or it could not be rebuilt."""
+        loaded = await self._load_over(session_id, meta)
+        assert self._host is not None
+        return loaded and _take_up(self._host, self._entries, [session_id], self._approve) != []
+
+    async def _load_over(self, session_id: str, meta: dict[str, Any]) -> bool:
+        """:meth:`take_over` up to the load of the session, its task not taken up yet."""
         assert self._keeper is not None
         assert self._traces is not None and self._host is not None
         try:
@@ -546,24 +561,14 @@ class ClusterNode:
             # task writes from here on reach the cluster's trace, fenced by this host.
             self.store.log.replicate(session_id)
             self._start_stream(session_id, writer)
-            # The path a restarted host takes (R-HITL-4): one way to take a task up, so a
-            # takeover neither re-runs a call nor denies a pending approval.
-            session = await self._host.resume(
-                session_id,
-                approve=self._approve,
-                tools=self._tools,
-                provider=self._provider() if self._provider is not None else None,
-            )
+            provider = self._provider() if self._provider is not None else None
+            await self._host.load_session(session_id, tools=self._tools, provider=provider)
         except Exception as exc:
             log(f"cannot load session {session_id}: {exc}")
             self._give_up(session_id)
             return False
         finally:
             self._taking_over.discard(session_id)
-        # The task goes on without a task_start of its own: the directory learns here
-        # that it runs.
-        self._entries.running[session_id] = session.busy
-        self._entries.announce(session_id)
         return True
 
     async def release_all(self) -> None:
@@ -576,6 +581,36 @@ class ClusterNode:
                 await self._registry.withdraw(self.host_id)
         with contextlib.suppress(ClusterUnavailable):  # then they go with the TTL
             await self._keeper.release_all()
+
+
+def _take_up(
+    host: Host, entries: DirectoryEntries, session_ids: list[str], approve: Approval
+) -> list[str]:
+    """Take up the open tasks of ``session_ids``, taken over and loaded in ``host``,
+    together; the ids of those still open there. All loaded before any is taken up, as a
+    restarted host takes its own up: a subagent's task takes its first step knowing its
+    background children that run again here (R-TREE-2, R-TREE-4)."""
+    # The path a restarted host takes (R-HITL-4): one way to take a task up, so a
+    # takeover neither re-runs a call nor denies a pending approval.
+    taken = take_up_loaded(host, session_ids, approve)
+    for session_id in taken:
+        # The task goes on without a task_start of its own: the directory learns here
+        # that it runs.
+        entries.running[session_id] = host.get_session(session_id).busy
+        entries.announce(session_id)
+    return taken
+
+
+def _grant(
+    entries: DirectoryEntries, taken: dict[str, dict[str, Any]], served: list[str], host_id: str
+) -> None:
+    """Grant each session of ``served`` to the principals its directory entry in ``taken``
+    names, once rebuilt here (a request loads none here meanwhile)."""
+    for session_id in served:
+        for principal in taken[session_id].get("principals") or ():
+            if entries.grants is not None and isinstance(principal, str):
+                entries.grants.grant(principal, session_id)
+        log(f"host {host_id} serves session {session_id} now")
 
 
 def _stopping(session_id: str, error: Exception | None) -> str:

@@ -95,11 +95,12 @@ class OrphanFinder:
         registry: HostRegistry,
         host_id: str,
         every_s: float,
-        take: Callable[[str, dict[str, Any]], Awaitable[bool]],
+        take: Callable[[dict[str, dict[str, Any]]], Awaitable[object]],
         draining: Callable[[], bool],
     ) -> None:
-        """Look every ``every_s`` seconds and ``take`` over (its id, its directory entry)
-        each orphan assigned to host ``host_id``, until cancelled; return once the host is
+        """Look every ``every_s`` seconds and ``take`` over the orphans assigned to host
+        ``host_id`` (each id → its directory entry), together: a restarted tree's nodes are
+        taken up knowing each other (R-TREE-2); until cancelled. Return once the host is
         ``draining`` (a draining host takes nothing over, R-DRAIN-2)."""
         while True:
             await trio.sleep(every_s)
@@ -112,8 +113,12 @@ class OrphanFinder:
                 hosts = [h for h in await registry.hosts() if not h.draining]
             except ClusterUnavailable:
                 continue
-            for session_id, owner in assign(list(orphans), hosts).items():
-                if draining():
-                    return  # it began draining during this scan
-                if owner == host_id:
-                    await take(session_id, orphans[session_id])
+            share = {
+                session_id: orphans[session_id]
+                for session_id, owner in assign(list(orphans), hosts).items()
+                if owner == host_id
+            }
+            if draining():
+                return  # it began draining during this scan
+            if share:
+                await take(share)

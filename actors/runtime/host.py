@@ -587,13 +587,23 @@ async def _take_up_together(host: Host, session_ids: list[str], approve: Approva
         with contextlib.suppress(SessionNotFound):  # unreadable, or deleted meanwhile
             await host.load_session(session_id)
             loaded.append(session_id)
+    return take_up_loaded(host, loaded, approve)
+
+
+def take_up_loaded(host: Host, session_ids: Iterable[str], approve: Approval) -> list[str]:
+    """Take up the open tasks of ``session_ids``, every one loaded in ``host`` already
+    (``approve`` as for :meth:`Host.resume`); the ids of those still open here. Loading
+    several sessions that a stopped host left (``Host.resume_tasks``, a cluster host's
+    takeover of another's), take them all first, then their tasks up with this."""
+    taken = []
     # All are open before any supervisor starts, and all start with no pause between
     # them: a subagent's task takes its first step knowing which of its background
     # children run again here, and waits for them as before its host stopped (R-TREE-2).
-    for session_id in loaded:
+    for session_id in session_ids:
         with contextlib.suppress(SessionNotFound):  # closed while the others loaded
             take_up_stored(host.port(session_id), approve)
-    return loaded
+            taken.append(session_id)
+    return taken
 
 
 @attrs.frozen
