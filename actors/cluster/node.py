@@ -176,11 +176,9 @@ class ClusterNode:
 
     def make_store(self, data_dir: Path) -> ReplicatingTraceStore:
         """The host's trace store (``Host.open(trace_store=…)``)."""
+        largest = functools.partial(largest_input, self.conn)
         self.store = ReplicatingTraceStore(
-            data_dir,
-            on_fenced=self._on_fenced,
-            on_deleted=self._on_deleted,
-            largest_input=functools.partial(largest_input, self.conn),
+            data_dir, on_fenced=self._on_fenced, on_deleted=self._on_deleted, largest_input=largest
         )
         return self.store
 
@@ -486,8 +484,7 @@ class ClusterNode:
         return session_id in await self._take_entries({session_id: entry})
 
     async def _take_entries(self, entries: dict[str, dict[str, Any]]) -> list[str]:
-        """Take the sessions of ``entries`` (id → directory entry) over, each once its lane
-        is done (:func:`_lane_done`), their tasks together (:func:`_take_up`): served ids."""
+        """Take ``entries`` (id → directory entry) over, their tasks up together: served ids."""
         assert self._host is not None
         served, loaded = [], []
         for session_id, entry in entries.items():
