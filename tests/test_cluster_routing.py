@@ -4,6 +4,7 @@ owner, against a real nats-server (R-CLUSTER-1)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 import trio
 
 from greenroom.actors.cluster.connection import Connection, connect
-from greenroom.actors.cluster.errors import OwnerUnreachable
+from greenroom.actors.cluster.errors import ClusterUnavailable, OwnerUnreachable
 from greenroom.actors.cluster.registry import (
     HostRecord,
     HostRegistry,
@@ -517,3 +518,36 @@ def test_a_request_sent_before_a_drain_the_server_answers_late_is_turned_away_at
     assert late["error"]["code"] == OWNER_UNREACHABLE
     assert late["error"]["data"] == {"outcome": NOT_DONE}
     assert left == set()
+
+
+ROUND_TRIP_BOUND_S = 10.0
+"""A message's round trip through a server that answers: seconds at most, on a busy
+machine; a deaf client never makes it."""
+
+
+def test_a_flush_that_timed_out_leaves_the_connection_reading_when_its_pong_comes(
+    nats_server: NatsProcess,
+) -> None:
+    """R-CLUSTER-1: a flush (a PING, waiting for its PONG) that times out while the server
+    does not answer, as a drain or a subscription's confirmation can. nats-py cancels the
+    flush's future but keeps it queued, and when the PONG comes at last it set the result
+    of that cancelled future: the read loop died on InvalidStateError and the connection,
+    still "connected", received nothing more until a reconnect, minutes later. The late
+    PONG is now taken for the flush it answers, and messages go on arriving."""
+
+    async def body(conn: Connection) -> bytes:
+        subject = f"{conn.names.prefix}.after_pong"
+        async with conn.subscription(subject) as messages:
+            await stopped(nats_server)
+            try:
+                with contextlib.suppress(ClusterUnavailable):  # its flush timed out
+                    await conn.call(conn.client.flush(timeout=1))
+            finally:
+                nats_server.process.send_signal(signal.SIGCONT)
+            with trio.fail_after(ROUND_TRIP_BOUND_S):
+                await conn.call(conn.client.publish(subject, b"still reading"))
+                async for msg in messages:
+                    return bytes(msg.data)
+        raise AssertionError("the subscription ended")
+
+    assert run_connected(nats_server.url, body) == b"still reading"

@@ -357,7 +357,8 @@ async def connect(
             inbox.end()
 
     async def attempt() -> Client:
-        return await nats.connect(
+        client = _Client()
+        await client.connect(
             servers=servers,
             name=name,
             connect_timeout=max(1, round(connect_timeout_s)),
@@ -369,6 +370,7 @@ async def connect(
             closed_cb=closed,
             disconnected_cb=lingering.disconnected,
         )
+        return client
 
     # Bounded here: once connected the client reconnects forever, and so it would
     # retry a first connection forever too.
@@ -392,6 +394,25 @@ async def connect(
         inboxes=inboxes,
         lingering=lingering,
     )
+
+
+class _Client(Client):
+    """nats-py's client, for a PONG that comes after its flush gave up.
+
+    A flush queues a future for its PING's PONG; a flush that times out (or is cancelled)
+    cancels that future but leaves it queued, and nats-py sets the result of the first
+    queued future when a PONG comes, so the late PONG raised InvalidStateError in the
+    read loop, which died: the client, still "connected", received nothing until a
+    reconnect. Each PONG still answers the oldest PING, in order; one whose flush has
+    given up is taken and dropped."""
+
+    async def _process_pong(self) -> None:
+        if self._pongs and self._pongs[0].done():
+            self._pongs.pop(0)
+            self._pongs_received += 1
+            self._pings_outstanding = 0
+            return
+        await super()._process_pong()
 
 
 class _Recipient:
