@@ -264,13 +264,18 @@ HOSTILE_BODY_BYTES = 64 << 20
 
 class HostileAuthorizationServer:
     """An MCP server on 127.0.0.1 that asks for OAuth (401, then its protected resource
-    metadata naming itself as the authorization server), whose authorization server
-    metadata is a body of :data:`HOSTILE_BODY_BYTES` of ``content_type``. ``sent`` counts
-    what of that body the client took before it closed the connection; ``done`` is set
-    then, or once all was sent."""
+    metadata naming itself as the authorization server), whose answer at ``flood_path``
+    (its authorization server metadata unless given) is a body of
+    :data:`HOSTILE_BODY_BYTES` of ``content_type``. ``sent`` counts what of that body the
+    client took before it closed the connection; ``done`` is set then, or once all was
+    sent. At ``/sse`` it is a legacy HTTP+SSE server whose message endpoint is
+    ``flood_path``."""
 
-    def __init__(self, content_type: str) -> None:
+    def __init__(
+        self, content_type: str, flood_path: str = "/.well-known/oauth-authorization-server"
+    ) -> None:
         self.content_type = content_type
+        self.flood_path = flood_path
         self.sent = 0
         self.done = trio.Event()
         self.url = ""
@@ -287,9 +292,11 @@ class HostileAuthorizationServer:
             while (event := connection.next_event()) is h11.NEED_DATA:
                 connection.receive_data(await stream.receive_some(65536))
             assert isinstance(event, h11.Request)
-            path = event.target.decode()
-            if path == "/.well-known/oauth-authorization-server":
+            path = event.target.decode().partition("?")[0]
+            if path == self.flood_path:
                 return await self._flood(stream, connection)
+            if path == "/sse":
+                return await self._events(stream, connection)
             status, headers, body = 404, [], b""
             if path == "/mcp":
                 metadata = origin(self.url) + "/.well-known/oauth-protected-resource"
@@ -302,6 +309,14 @@ class HostileAuthorizationServer:
             headers += [("Content-Length", str(len(body))), ("Connection", "close")]
             await _send_head(stream, connection, status, headers)
             await stream.send_all(connection.send(h11.Data(data=body)) or b"")
+
+    async def _events(self, stream: trio.SocketStream, connection: h11.Connection) -> None:
+        headers = [("Content-Type", "text/event-stream"), ("Cache-Control", "no-store")]
+        await _send_head(stream, connection, 200, headers)
+        endpoint = f"event: endpoint\ndata: {self.flood_path}\n\n".encode()
+        await stream.send_all(connection.send(h11.Data(data=endpoint)) or b"")
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await stream.receive_some()  # open until the client leaves
 
     async def _flood(self, stream: trio.SocketStream, connection: h11.Connection) -> None:
         headers = [("Content-Type", self.content_type), ("Connection", "close"),
@@ -356,6 +371,34 @@ async def test_an_authorization_server_that_answers_without_end_is_read_only_to_
     # What the socket buffers took on the way is all that left the server past the bound.
     assert MAX_MESSAGE_BYTES <= hostile.sent < HOSTILE_BODY_BYTES // 4
     assert not store_path(tmp_path / "data").exists()
+
+
+async def test_a_legacy_sse_server_that_answers_a_message_without_end_is_read_to_the_bound(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """R-SEC-1, R-MCP-4: over the legacy HTTP+SSE transport the SDK read the answer to a
+    POST of a message whole, however large and whatever its type (64 MiB of HTML to the
+    initialize request), then waited out the start's 30 s for an answer that never came.
+    Reading stops at the bound now (``mcp_bounds.MAX_MESSAGE_BYTES``, 1 MiB) and the
+    server cannot be started, saying why."""
+    hostile = HostileAuthorizationServer("text/html", flood_path="/messages")
+    with trio.fail_after(LOGIN_BOUND_S):
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(hostile.serve)
+            async with Host.open(tmp_path / "data") as host:
+                await host.create_session(
+                    workspace_dir=workspace,
+                    mcp_servers={"s": {"type": "sse", "url": origin(url) + "/sse"}},
+                )
+                with pytest.raises(McpServerError) as caught:
+                    await connection(host, "s").list_tools()
+            await hostile.done.wait()
+            nursery.cancel_scope.cancel()
+    assert str(caught.value).startswith(
+        "MCP server 's' could not be started: 127.0.0.1 answered with more than 1 MiB "
+        "(greenroom reads no more of one answer)"
+    )
+    assert MAX_MESSAGE_BYTES <= hostile.sent < HOSTILE_BODY_BYTES // 4
 
 
 # -- sessions use the stored tokens --------------------------------------------------------

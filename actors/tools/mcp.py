@@ -70,12 +70,11 @@ import mcp_types
 import trio
 from mcp import ClientSession, StdioServerParameters
 from mcp.client import ClientRequestContext
-from mcp.client.sse import sse_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
 from greenroom.actors.tools.mcp_auth import STORE_NAME, StoredTokenAuth, auth_for
-from greenroom.actors.tools.mcp_bounds import bounded_http_client
+from greenroom.actors.tools.mcp_bounds import bounded_http_client, bounded_sse_client
 from greenroom.actors.tools.mcp_commands import READ_RESOURCE
 from greenroom.actors.tools.mcp_config import as_configs, load_config_files
 from greenroom.actors.tools.mcp_extras import (
@@ -438,8 +437,8 @@ class McpConnection:
         if config.transport == "sse":
             # The legacy HTTP+SSE transport (R-MCP-6): a server that has not moved to
             # streamable HTTP. An idle stream the SDK drops after its read timeout ends
-            # this run; the next use connects again (R-MCP-4).
-            async with sse_client(
+            # this run, as does an answer past the bound; the next use connects again.
+            async with bounded_sse_client(
                 config.url, headers=dict(config.headers) or None, auth=auth
             ) as streams:
                 yield streams

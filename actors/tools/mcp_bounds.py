@@ -14,6 +14,12 @@ flow reads each answer of the authorization server whole, whatever its type (met
 registration, token, and their errors), so :func:`bound_answers` gives every body but an
 event stream's (whose events the SDK bounds) the same bound.
 
+Over the legacy HTTP+SSE transport the SDK's ``sse_client`` reads the answer to each POST
+of a message whole, whatever its type, and a failed POST only ends its writer, silently:
+the calls then wait out their timeouts. :func:`bounded_sse_client` gives it a client whose
+every body but the event stream is bounded by :func:`bound_answers`, and ends the whole
+connection with that refusal as its error (its later messages could no longer be sent).
+
 Over stdio the SDK's ``stdio_client`` joins what the server writes until a newline, with no
 limit and no place to put one: greenroom's own transport
 (:func:`~greenroom.actors.tools.mcp_stdio.bounded_stdio_client`) keeps at most
@@ -23,9 +29,13 @@ the bound and the connection goes on.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Awaitable, Callable
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import httpx2
+import trio
+from mcp.client.sse import sse_client
 from mcp.client.streamable_http import DEFAULT_MAX_SSE_EVENT_SIZE
 from mcp.shared._httpx_utils import create_mcp_http_client
 
@@ -44,8 +54,12 @@ def too_large(limit: int) -> str:
     )
 
 
+Refused = Callable[[str], None]
+"""Told the refusal when a body passes the bound (before the read fails with it)."""
+
+
 async def _message_pieces(
-    pieces: AsyncGenerator[bytes, None], limit: int, refusal: str
+    pieces: AsyncGenerator[bytes, None], limit: int, refusal: str, refused: Refused | None
 ) -> AsyncGenerator[bytes, None]:
     """``pieces`` of a body, failing with ``refusal`` once they pass ``limit`` bytes."""
     size = 0
@@ -53,6 +67,8 @@ async def _message_pieces(
         async for piece in pieces:
             size += len(piece)
             if size > limit:
+                if refused is not None:
+                    refused(refusal)
                 # The SDK answers the request with this error (a StreamError is what it
                 # catches around reading a JSON body); nothing more of it is read.
                 raise httpx2.StreamError(refusal)
@@ -61,9 +77,9 @@ async def _message_pieces(
         await pieces.aclose()
 
 
-def _bound_body(response: httpx2.Response, refusal: str) -> None:
+def _bound_body(response: httpx2.Response, refusal: str, refused: Refused | None = None) -> None:
     """Read ``response``'s body up to :data:`MAX_MESSAGE_BYTES` (inflated here when
-    compressed), failing with ``refusal`` past it."""
+    compressed), failing with ``refusal`` past it (told to ``refused`` first)."""
     stream = response.stream
     if not isinstance(stream, httpx2.AsyncByteStream):
         return
@@ -71,7 +87,8 @@ def _bound_body(response: httpx2.Response, refusal: str) -> None:
     if "content-encoding" in response.headers:
         del response.headers["content-encoding"]
     pieces = bounded_body(stream, encoding, MAX_MESSAGE_BYTES + 1, httpx2.RemoteProtocolError)
-    response.stream = BoundedStream(stream, _message_pieces(pieces, MAX_MESSAGE_BYTES, refusal))
+    bounded = _message_pieces(pieces, MAX_MESSAGE_BYTES, refusal, refused)
+    response.stream = BoundedStream(stream, bounded)
 
 
 async def bound_messages(response: httpx2.Response) -> None:
@@ -81,12 +98,13 @@ async def bound_messages(response: httpx2.Response) -> None:
         _bound_body(response, too_large(MAX_MESSAGE_BYTES))
 
 
-async def bound_answers(response: httpx2.Response) -> None:
+async def bound_answers(response: httpx2.Response, refused: Refused | None = None) -> None:
     """A response hook, as :func:`bound_messages`, for every body but an event stream's
-    (the SDK bounds each of its events): the answers of an authorization server too."""
+    (the SDK bounds each of its events): the answers of an authorization server too.
+    ``refused`` is told the refusal of a body that passes the bound."""
     if not response.headers.get("content-type", "").startswith("text/event-stream"):
         answered = f"{response.url.host} answered with more than {MAX_MESSAGE_BYTES >> 20} MiB"
-        _bound_body(response, f"{answered} (greenroom reads no more of one answer)")
+        _bound_body(response, f"{answered} (greenroom reads no more of one answer)", refused)
 
 
 def bounded_http_client(
@@ -114,11 +132,46 @@ def login_http_client(
     return bounded_http_client(headers=headers, auth=auth, timeout=timeout, bound=bound_answers)
 
 
+@contextlib.asynccontextmanager
+async def bounded_sse_client(
+    url: str, *, headers: dict[str, str] | None, auth: httpx2.Auth | None
+) -> AsyncIterator[Any]:
+    """The SDK's ``sse_client`` (the legacy HTTP+SSE transport) with a client whose every
+    answer but the event stream is bounded by :func:`bound_answers`: yields its
+    ``(read_stream, write_stream)``. A body past the bound ends the connection: the caller's
+    block is cancelled and leaving raises ``httpx2.StreamError`` with the refusal (the SDK's
+    writer has stopped on it, so no later message could be sent)."""
+    refusals: list[str] = []
+    with trio.CancelScope() as connection:
+
+        async def refuse(response: httpx2.Response) -> None:
+            await bound_answers(response, end)
+
+        def end(refusal: str) -> None:
+            refusals.append(refusal)
+            connection.cancel()
+
+        def client(
+            headers: dict[str, str] | None = None,
+            timeout: httpx2.Timeout | None = None,
+            auth: httpx2.Auth | None = None,
+        ) -> httpx2.AsyncClient:
+            return bounded_http_client(headers=headers, auth=auth, timeout=timeout, bound=refuse)
+
+        async with sse_client(
+            url, headers=headers, auth=auth, httpx_client_factory=client
+        ) as streams:
+            yield streams
+    if refusals:
+        raise httpx2.StreamError(refusals[0])
+
+
 __all__ = [
     "MAX_MESSAGE_BYTES",
     "bound_answers",
     "bound_messages",
     "bounded_http_client",
+    "bounded_sse_client",
     "login_http_client",
     "too_large",
 ]
