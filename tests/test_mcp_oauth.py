@@ -27,7 +27,7 @@ from conftest import RUN_TIMEOUT_S, allow_all, collect
 from greenroom.actors.providers.scripted import Reply, text, tool_call
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.tools.mcp import McpServerError
-from greenroom.actors.tools.mcp_auth import store_path
+from greenroom.actors.tools.mcp_auth import OAuthEntry, TokenStore, store_path
 from greenroom.actors.tools.mcp_bounds import MAX_MESSAGE_BYTES
 from greenroom.actors.tools.mcp_login import McpLoginError, login_to_mcp_server
 from greenroom.protocols.mcp_config import McpServerConfig
@@ -399,6 +399,43 @@ async def test_a_legacy_sse_server_that_answers_a_message_without_end_is_read_to
         "(greenroom reads no more of one answer)"
     )
     assert MAX_MESSAGE_BYTES <= hostile.sent < HOSTILE_BODY_BYTES // 4
+
+
+@pytest.mark.parametrize("transport", ["http", "sse"])
+async def test_a_refresh_answered_without_end_is_read_only_to_the_bound(
+    tmp_path: Path, workspace: Path, transport: str
+) -> None:
+    """R-SEC-1, R-MCP-5: a session's expired token is refreshed before its first request;
+    the authorization server's answer was read whole when it was not JSON (64 MiB of
+    HTML). Reading stops at the bound now, whatever its type, and the server cannot be
+    started, saying why; the stored entry is left as it was."""
+    hostile = HostileAuthorizationServer("text/html", flood_path="/token")
+    data_dir = tmp_path / "data"
+    with trio.fail_after(LOGIN_BOUND_S):
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(hostile.serve)
+            server_url = url if transport == "http" else origin(url) + "/sse"
+            entry = OAuthEntry(
+                server_url=server_url, name="o", token_endpoint=origin(url) + "/token",
+                resource=None, issuer=None, client={"client_id": "c"}, access_token="old",
+                refresh_token="r", scope=None, expires_at=time.time() - 60,
+            )  # fmt: skip
+            TokenStore(store_path(data_dir)).save(entry)
+            async with Host.open(data_dir) as host:
+                await host.create_session(
+                    workspace_dir=workspace,
+                    mcp_servers={"o": {"type": transport, "url": server_url}},
+                )
+                with pytest.raises(McpServerError) as caught:
+                    await connection(host, "o").list_tools()
+            await hostile.done.wait()
+            nursery.cancel_scope.cancel()
+    assert str(caught.value).startswith(
+        "MCP server 'o' could not be started: 127.0.0.1 answered with more than 1 MiB "
+        "(greenroom reads no more of one answer)"
+    ), str(caught.value)
+    assert MAX_MESSAGE_BYTES <= hostile.sent < HOSTILE_BODY_BYTES // 4
+    assert stored(data_dir)[server_url]["tokens"]["access_token"] == "old"
 
 
 # -- sessions use the stored tokens --------------------------------------------------------

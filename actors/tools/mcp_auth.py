@@ -43,6 +43,7 @@ import httpx2
 import trio
 
 from greenroom.actors.runtime.disk import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE
+from greenroom.actors.tools.mcp_bounds import bound_answers
 
 __all__ = [
     "STORE_NAME",
@@ -345,6 +346,8 @@ class StoredTokenAuth(httpx2.Auth):
                         entry = await self._load()  # another process may have
                     if entry is not None and stale(entry):
                         response = yield _refresh_request(entry, self._name)
+                        # Whatever its type (the client bounds only what MCP servers send).
+                        await bound_answers(response)
                         await response.aread()
                         entry = self._entry = _refreshed(entry, response, self._name)
                         try:

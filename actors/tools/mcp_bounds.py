@@ -12,7 +12,8 @@ piece at a time on the way (:func:`~greenroom.actors.providers.library_bodies.bo
 The client of a login (:func:`login_http_client`, R-MCP-5) bounds more: the SDK's OAuth
 flow reads each answer of the authorization server whole, whatever its type (metadata,
 registration, token, and their errors), so :func:`bound_answers` gives every body but an
-event stream's (whose events the SDK bounds) the same bound.
+event stream's (whose events the SDK bounds) the same bound. So does a session's token
+refresh (:class:`~greenroom.actors.tools.mcp_auth.StoredTokenAuth`), over either transport.
 
 Over the legacy HTTP+SSE transport the SDK's ``sse_client`` reads the answer to each POST
 of a message whole, whatever its type, and a failed POST only ends its writer, silently:
