@@ -407,12 +407,12 @@ class _Client(Client):
     given up is taken and dropped."""
 
     async def _process_pong(self) -> None:
-        if self._pongs and self._pongs[0].done():
-            self._pongs.pop(0)
+        if self._pongs:
+            waiting = self._pongs.pop(0)
+            if not waiting.done():
+                waiting.set_result(True)
             self._pongs_received += 1
             self._pings_outstanding = 0
-            return
-        await super()._process_pong()
 
 
 class _Recipient:
