@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any, Protocol, cast
 
@@ -47,6 +47,7 @@ from greenroom.actors.gateway.hubs import Hubs, session_state
 from greenroom.actors.gateway.nodes import Nodes
 from greenroom.actors.gateway.queue_room import (
     NOT_HANDED_OVER,
+    QueuedKind,
     QueueRoom,
     closed_answer,
     dropped_answer,
@@ -471,20 +472,11 @@ class Methods:
         :func:`once_recorded`), without holding up the connection's later calls."""
         jsonrpc.check_params(params, "steer")
         session = await self._hubs.settled(await self._owned_session(connection, params))
-        # Before the input is read: a full queue costs no attachment read.
-        recorded = self.queue_room.reserve(session, "steering")
-        queued = False
-        try:
-            content = await self._input(session, params)
-            queued = session.steer(content, recorded=recorded)
-        except SessionClosed:  # its close began while its input was read
-            raise closed_answer(session.id, "steering") from None
-        finally:
-            if not queued:
-                recorded.drop(NOT_HANDED_OVER)  # its place is free again
-        if not queued:
-            return {"queued": False}
-        return AnswerLater(partial(once_recorded, recorded))
+
+        def steer(content: tuple[UserContent, ...], recorded: InputReceipt) -> bool:
+            return session.steer(content, recorded=recorded)
+
+        return await self._queue(session, params, "steering", steer)
 
     async def rpc_follow_up(self, connection: Connection, params: dict[str, Any]) -> Any:
         """Queue ``input`` as a task to run after the current one (R-STEER-6); ``queued`` is
@@ -494,16 +486,33 @@ class Methods:
         session = await self._hubs.settled(
             await self._owned_session(connection, params, node=False)
         )
-        recorded = self.queue_room.reserve(session, "follow-ups")
-        queued = False
-        try:
-            content = await self._input(session, params)
-            approve = self.approver()
-            queued = session.follow_up(
+        approve = self.approver()
+
+        def follow_up(content: tuple[UserContent, ...], recorded: InputReceipt) -> bool:
+            return session.follow_up(
                 content, approve=approve, output_schema=output, recorded=recorded
             )
+
+        return await self._queue(session, params, "follow-ups", follow_up)
+
+    async def _queue(
+        self,
+        session: Session,
+        params: Mapping[str, Any],
+        kind: QueuedKind,
+        hand: Callable[[tuple[UserContent, ...], InputReceipt], bool],
+    ) -> Any:
+        """``steer`` and ``follow_up`` after their checks: a place in ``session``'s queue of
+        ``kind`` (429 when full), then the call's input read and ``hand``-ed to the session
+        with its receipt; ``queued: false`` when the session takes none (idle), else
+        answered once the input's record survives this host."""
+        # Before the input is read: a full queue costs no attachment read.
+        recorded = self.queue_room.reserve(session, kind)
+        queued = False
+        try:
+            queued = hand(await self._input(session, params), recorded)
         except SessionClosed:  # its close began while its input was read
-            raise closed_answer(session.id, "follow-ups") from None
+            raise closed_answer(session.id, kind) from None
         finally:
             if not queued:
                 recorded.drop(NOT_HANDED_OVER)  # its place is free again
