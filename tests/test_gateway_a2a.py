@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -403,6 +404,23 @@ async def send_with_the_sdk(server: Any, message: SendMessageRequest) -> tuple[s
     return await trio.to_thread.run_sync(in_asyncio(drive)), answered
 
 
+@contextlib.asynccontextmanager
+async def steering_a_running_task(
+    tmp_path: Path, gates: Gates
+) -> AsyncIterator[tuple[Any, str, Any]]:
+    """An A2A server whose session's task waits in its gated call ``a``: the server, the
+    session's id and a message that steers that task."""
+    async with serving(
+        tmp_path, gated_script, tools=[gates.tool()], approve="all", a2a=True
+    ) as server:
+        async with connect(server) as client:
+            sid = (await client.result("session.create"))["session_id"]
+            started = await client.result("run", {"session_id": sid, "input": "go"})
+        await gates.started("a")
+        task_id = a2a.task_id(sid, started["run_id"])
+        yield server, sid, user_message("STEER LATE", task_id=task_id, context_id=sid)
+
+
 async def test_steering_that_a_closing_session_drops_is_answered_410(
     tmp_path: Path, gates: Gates, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -413,17 +431,8 @@ async def test_steering_that_a_closing_session_drops_is_answered_410(
     ending, let_end = hold_task_end(monkeypatch)
     steered = steered_event(monkeypatch)
     with trio.fail_after(BOUND_S):
-        async with serving(
-            tmp_path, gated_script, tools=[gates.tool()], approve="all", a2a=True
-        ) as server:
-            async with connect(server) as client:
-                sid = (await client.result("session.create"))["session_id"]
-                started = await client.result("run", {"session_id": sid, "input": "go"})
-            await gates.started("a")
+        async with steering_a_running_task(tmp_path, gates) as (server, sid, steer):
             found, let_steer = hold_after_catching_up(monkeypatch)
-            steer = user_message(
-                "STEER LATE", task_id=a2a.task_id(sid, started["run_id"]), context_id=sid
-            )
             sent: list[tuple[str, list[Any]]] = []
 
             async def send() -> None:
@@ -460,17 +469,8 @@ async def test_steering_a_session_whose_close_began_once_it_was_found_is_answere
     of steering the close drops now, in the same words, and no place stays taken."""
     ending, let_end = hold_task_end(monkeypatch)
     with trio.fail_after(BOUND_S):
-        async with serving(
-            tmp_path, gated_script, tools=[gates.tool()], approve="all", a2a=True
-        ) as server:
-            async with connect(server) as client:
-                sid = (await client.result("session.create"))["session_id"]
-                started = await client.result("run", {"session_id": sid, "input": "go"})
-            await gates.started("a")
+        async with steering_a_running_task(tmp_path, gates) as (server, sid, steer):
             found, let_steer = hold_after_catching_up(monkeypatch)
-            steer = user_message(
-                "STEER LATE", task_id=a2a.task_id(sid, started["run_id"]), context_id=sid
-            )
             sent: list[tuple[str, list[Any]]] = []
             answered, closed = trio.Event(), trio.Event()
 

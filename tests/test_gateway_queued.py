@@ -4,7 +4,8 @@ and websocket clients (``test_gateway``'s harness), the orders forced with trio 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,22 @@ def steered_event(
 
     monkeypatch.setattr(Session, method, handed_over)
     return steered
+
+
+@contextlib.asynccontextmanager
+async def running_a_gated_task(
+    tmp_path: Path, gates: Gates
+) -> AsyncIterator[tuple[Any, Any, str]]:
+    """A gateway whose session's task waits in its gated call ``a``: the server, a client
+    connected to it, and the session's id."""
+    async with (
+        serving(tmp_path, gated_then_ok, tools=[gates.tool()], approve="all") as server,
+        connect(server) as client,
+    ):
+        sid = (await client.result("session.create"))["session_id"]
+        await client.result("run", {"session_id": sid, "input": "work"})
+        await gates.started("a")
+        yield server, client, sid
 
 
 def hold_task_end(monkeypatch: pytest.MonkeyPatch) -> tuple[trio.Event, trio.Event]:
@@ -176,13 +193,9 @@ async def test_input_for_a_closing_session_is_told_it_was_dropped(
     steered = steered_event(monkeypatch, method)
     with trio.fail_after(BOUND_S):
         async with (
-            serving(tmp_path, gated_then_ok, tools=[gates.tool()], approve="all") as server,
-            connect(server) as client,
+            running_a_gated_task(tmp_path, gates) as (server, client, sid),
             trio.open_nursery() as nursery,
         ):
-            sid = (await client.result("session.create"))["session_id"]
-            await client.result("run", {"session_id": sid, "input": "work"})
-            await gates.started("a")
             # The input is read before the session closes; the call goes on after.
             read, let_input_go = hold_after_read(monkeypatch)
             await client.send(
@@ -275,13 +288,9 @@ async def test_input_for_a_session_whose_close_began_once_it_was_found_is_answer
     ending, let_end = hold_task_end(monkeypatch)
     with trio.fail_after(BOUND_S):
         async with (
-            serving(tmp_path, gated_then_ok, tools=[gates.tool()], approve="all") as server,
-            connect(server) as client,
+            running_a_gated_task(tmp_path, gates) as (server, client, sid),
             trio.open_nursery() as nursery,
         ):
-            sid = (await client.result("session.create"))["session_id"]
-            await client.result("run", {"session_id": sid, "input": "work"})
-            await gates.started("a")
             found, let_count = hold_after_lookup(monkeypatch)
             await client.send(
                 {"jsonrpc": "2.0", "id": "late", "method": method,
@@ -319,13 +328,7 @@ async def test_input_for_a_session_closed_while_the_input_is_read_is_answered_41
     # queued: false (start a task instead). It is told 410 now, as for input the
     # session's close drops, and no place stays taken.
     with trio.fail_after(BOUND_S):
-        async with (
-            serving(tmp_path, gated_then_ok, tools=[gates.tool()], approve="all") as server,
-            connect(server) as client,
-        ):
-            sid = (await client.result("session.create"))["session_id"]
-            await client.result("run", {"session_id": sid, "input": "work"})
-            await gates.started("a")
+        async with running_a_gated_task(tmp_path, gates) as (server, client, sid):
             read, let_go = hold_after_read(monkeypatch)
             await client.send(
                 {"jsonrpc": "2.0", "id": "late", "method": method,
