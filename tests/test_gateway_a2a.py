@@ -37,7 +37,7 @@ from a2a.types import (
 from a2a.utils.errors import A2AError
 from conftest import Gates, Lookup, port_of
 from test_gateway import TOKEN, connect, lookup_script, serving
-from test_gateway_queued import hold_task_end, steered_event
+from test_gateway_queued import hold_after_first, hold_task_end, steered_event
 from trio_websocket import open_websocket_url
 
 from greenroom.actors.gateway import GatewayLimits
@@ -365,18 +365,7 @@ async def test_a_blocking_send_whose_client_goes_away_stops_waiting_and_the_task
 def hold_after_catching_up(monkeypatch: pytest.MonkeyPatch) -> tuple[trio.Event, trio.Event]:
     """The next message waits, once it has read its session's records up to now (and so
     found whether its task runs), until the test lets it go on. Returns (found, let_go)."""
-    found, let_go = trio.Event(), trio.Event()
-    caught_up = a2a_endpoint._caught_up
-
-    async def found_then_wait(feed: Any) -> list[Any]:
-        records = await caught_up(feed)
-        if not found.is_set():
-            found.set()
-            await let_go.wait()
-        return records
-
-    monkeypatch.setattr(a2a_endpoint, "_caught_up", found_then_wait)
-    return found, let_go
+    return hold_after_first(monkeypatch, a2a_endpoint, "_caught_up")
 
 
 async def send_with_the_sdk(server: Any, message: SendMessageRequest) -> tuple[str, list[Any]]:

@@ -86,36 +86,34 @@ def hold_after_read(monkeypatch: pytest.MonkeyPatch) -> tuple[trio.Event, trio.E
     """The next call that reads its input's attachments (``Session.attach``) waits, once
     they are read, until the test lets it go on to hand the input over. Returns (read,
     let_go)."""
-    read, let_go = trio.Event(), trio.Event()
-    attach: Callable[..., Awaitable[Any]] = Session.attach
+    return hold_after_first(monkeypatch, Session, "attach")
 
-    async def read_then_wait(self: Session, messages: Any, *, confine: bool = False) -> Any:
-        attached = await attach(self, messages, confine=confine)
-        if not read.is_set():
-            read.set()
+
+def hold_after_first(
+    monkeypatch: pytest.MonkeyPatch, owner: object, name: str
+) -> tuple[trio.Event, trio.Event]:
+    """The next call of ``owner``'s coroutine function ``name`` waits, once it has
+    returned, until the test lets it go on; later calls run as they are. Returns (done,
+    let_go)."""
+    done, let_go = trio.Event(), trio.Event()
+    original: Callable[..., Awaitable[Any]] = getattr(owner, name)
+
+    async def done_then_wait(*args: Any, **kwargs: Any) -> Any:
+        result = await original(*args, **kwargs)
+        if not done.is_set():
+            done.set()
             await let_go.wait()
-        return attached
+        return result
 
-    monkeypatch.setattr(Session, "attach", read_then_wait)
-    return read, let_go
+    monkeypatch.setattr(owner, name, done_then_wait)
+    return done, let_go
 
 
 def hold_after_lookup(monkeypatch: pytest.MonkeyPatch) -> tuple[trio.Event, trio.Event]:
     """The next call that looks its session up (``Hubs.settled``, which ``steer`` and
     ``follow_up`` go through) waits, once it has the session, until the test lets it go on
     to count its place in the session's queue. Returns (found, let_go)."""
-    found, let_go = trio.Event(), trio.Event()
-    settled = Hubs.settled
-
-    async def found_then_wait(self: Hubs, session: Session) -> Session:
-        settled_session = await settled(self, session)
-        if not found.is_set():
-            found.set()
-            await let_go.wait()
-        return settled_session
-
-    monkeypatch.setattr(Hubs, "settled", found_then_wait)
-    return found, let_go
+    return hold_after_first(monkeypatch, Hubs, "settled")
 
 
 def gated_then_ok() -> list[ScriptStep]:
