@@ -35,7 +35,7 @@ from a2a.types import (
     TaskState,
 )
 from a2a.utils.errors import A2AError
-from conftest import Gates, Lookup, port_of
+from conftest import Gates, Lookup, last_user, port_of, results_of
 from test_gateway import TOKEN, connect, lookup_script, serving
 from test_gateway_queued import hold_after_first, hold_task_end, steered_event
 from trio_websocket import open_websocket_url
@@ -45,8 +45,10 @@ from greenroom.actors.gateway import a2a as a2a_endpoint
 from greenroom.actors.gateway.hubs import replay_records
 from greenroom.actors.providers import read_image
 from greenroom.actors.providers.scripted import Reply, ScriptStep, text, tool_call
+from greenroom.actors.runtime.session import Session
 from greenroom.protocols import a2a, jsonrpc
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock
+from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.outputs import (
     ApprovalDecision,
     ApprovalRequest,
@@ -491,6 +493,73 @@ async def test_steering_a_session_whose_close_began_once_it_was_found_is_answere
             assert len(server.providers[0].requests) == 1  # the words reached no model
 
 
+def lookup_brain() -> ScriptStep:
+    """``lookup_script`` as a model that reads the conversation, so a session loaded again
+    (given a new one) goes on where it was: a call to look ``a`` up, then ``Done.``."""
+
+    def brain(request: ModelRequest) -> Reply:
+        if results_of(last_user(request)):
+            return Reply(blocks=(text("Done."),))
+        return Reply(blocks=(text("Checking."), tool_call("c1", "lookup", key="a")))
+
+    return brain
+
+
+@pytest.mark.parametrize("stage", ["closing", "closed"])
+async def test_an_answer_to_a_session_whose_close_began_once_it_was_found_is_taken_there_again(
+    tmp_path: Path, lookup: Lookup, monkeypatch: pytest.MonkeyPatch, stage: str
+) -> None:
+    """R-HITL-1, R-HOST-3: a message that found its task waiting for an approval, and came
+    to answer it once the host had begun to close the session (or had closed it), had the
+    host load the session with the host's own tools and model: the approval was recorded
+    there, the call failed as an unknown tool, and the a2a-sdk client was told the task
+    still waited for that approval. The answer goes to the session loaded as any call on
+    a closed session loads it: the tool runs once and the client gets the task completed."""
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, lookup_brain, tools=[lookup.tool], a2a=True) as server:
+            _, [asked] = await send_with_the_sdk(server, user_message("go"))
+            task = asked["result"]
+            assert task["status"]["state"] == "input-required", task
+            sid = task["contextId"]
+            allow = user_message("allow", task_id=task["id"], context_id=sid)
+            found, let_answer = hold_after_catching_up(monkeypatch)
+            closing, let_close = hold_after_first(monkeypatch, Session, "aclose")
+            sent: list[tuple[str, list[Any]]] = []
+            closed = trio.Event()
+
+            async def send() -> None:
+                sent.append(await send_with_the_sdk(server, allow))
+
+            async def close() -> None:
+                await server.host.close_session(sid)
+                closed.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send)
+                await found.wait()  # the approval was found pending: the message answers it
+                nursery.start_soon(close)
+                await closing.wait()  # the host lists the session no more
+                if stage == "closed":
+                    let_close.set()
+                    await closed.wait()
+                let_answer.set()
+                await trio.testing.wait_all_tasks_blocked()  # when closing: the answer waits
+                let_close.set()
+            [(outcome, [frame])] = sent
+            assert outcome == "answered without an error"
+            status = frame["result"]["status"]
+            assert status["state"] == "completed", frame
+            assert status["message"]["parts"][0]["text"] == "Done."
+            assert lookup.calls == ["a"]
+            records = await replay_records(server.host.get_session(sid), 0)
+            decisions = [r for r in records if isinstance(r, ApprovalDecision)]
+            assert [(d.call_id, d.decision, d.principal) for d in decisions] == [
+                ("c1", "allow", "default")
+            ]
+            [result] = [r for r in records if isinstance(r, ToolCallOutput)]
+            assert not result.is_error, result
+
+
 async def test_tool_images_are_read_off_the_event_loop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -546,9 +615,7 @@ def _outputs() -> list[Any]:
         UserMsg(seq=1, kind="prompt", content=(TextBlock(text="go"),), **common),
         TaskStart(seq=2, input_seq=1, **common),
         ModelMsg(seq=3, turn=1, block=TextBlock(text="Checking."), **common),
-        ModelMsg(
-            seq=4, turn=1, block=ToolCallBlock(id="c1", name="shot", arguments={}), **common
-        ),
+        ModelMsg(seq=4, turn=1, block=ToolCallBlock(id="c1", name="shot", arguments={}), **common),
         ApprovalRequest(seq=5, call_id="c1", tool="shot", arguments={}, **common),
         ApprovalDecision(seq=6, call_id="c1", tool="shot", decision="allow", by="client", **common),
         ToolCallOutput(

@@ -13,12 +13,14 @@ which); a new context is created with the server's defaults and counts against t
 principal's sessions (R-SEC-9).
 
 A message to a context whose task waits for a person (``input-required``) answers it
-(R-HITL-2, as the caller's principal); to a running task (its ``taskId``) it steers it;
-otherwise it starts a task. A task's outputs are read from the session
-(:class:`SessionFeed`), never from the task's own channel: a stream that is cut off
-loses nothing, and ``tasks/resubscribe`` picks it up again. A client that goes away ends
-its wait, never the task: a stream's producer is cancelled, and so is the wait of a
-blocking ``message/send`` (:meth:`Reply.unless_gone`), which then answers nothing.
+(R-HITL-2, as the caller's principal) — in the session loaded again, with the server's
+tools and model, when the host began to close it meanwhile (R-HITL-1: the request waits
+in its trace); to a running task (its ``taskId``) it steers it; otherwise it starts a
+task. A task's outputs are read from the session (:class:`SessionFeed`), never from the
+task's own channel: a stream that is cut off loses nothing, and ``tasks/resubscribe``
+picks it up again. A client that goes away ends its wait, never the task: a stream's
+producer is cancelled, and so is the wait of a blocking ``message/send``
+(:meth:`Reply.unless_gone`), which then answers nothing.
 
 The images a task's tools returned (its artifacts) are read from the session's private
 copies (R-SEC-8) in a worker thread before the task's fold meets them (:class:`_TaskFold`),
@@ -41,7 +43,7 @@ from greenroom.actors.gateway.hubs import replay_records
 from greenroom.actors.gateway.methods import Methods, once_recorded
 from greenroom.actors.gateway.queue_room import NOT_HANDED_OVER, check_open
 from greenroom.actors.providers import read_image
-from greenroom.actors.runtime.errors import GreenroomError
+from greenroom.actors.runtime.errors import GreenroomError, SessionNotFound
 from greenroom.actors.runtime.session import Session
 from greenroom.protocols import a2a, jsonrpc
 from greenroom.protocols.content import ImageBlock, TextBlock
@@ -258,8 +260,8 @@ class A2aEndpoint:
         session, named_run = await self._target(principal, sent.context_id, sent.task_id)
         streaming = frame.method == "message/stream"
         blocking = params.configuration is None or params.configuration.blocking is not False
-        with SessionFeed(session, 0, replay=True) as feed:
-            fold, answered = await self._deliver(session, named_run, text, data, principal, feed)
+        feed, fold, answered = await self._delivered(session, named_run, text, data, principal)
+        with feed:
 
             async def produce(sink: EventSink | None) -> None:
                 if sink is not None:
@@ -287,6 +289,34 @@ class A2aEndpoint:
         if context_id is not None:
             return await self._session(principal, context_id, "context"), None
         return await self._methods.create_session_for(principal), None
+
+    async def _delivered(
+        self,
+        session: Session,
+        named_run: str | None,
+        text: str,
+        data: list[dict[str, Any]],
+        principal: str,
+    ) -> tuple[SessionFeed, _TaskFold, set[str]]:
+        """:meth:`_deliver`, and the feed of the session the message went to (the caller
+        closes it): a session whose close began before its pending requests were answered
+        is loaded again and the message delivered there."""
+        while True:
+            feed = SessionFeed(session, 0, replay=True)
+            try:
+                fold, answered = await self._deliver(
+                    session, named_run, text, data, principal, feed
+                )
+            except _ClosedBeforeTheAnswer:
+                feed.close()
+                # Loaded as any call on a closed session loads it, with the server's tools
+                # and model; the host alone would load it with its own (R-HITL-1).
+                session = await self._session(principal, session.id, "context")
+                continue
+            except BaseException:
+                feed.close()
+                raise
+            return feed, fold, answered
 
     async def _deliver(
         self,
@@ -365,6 +395,10 @@ class A2aEndpoint:
         host = self._methods.host
         answered: set[str] = set()
         for request in requests:
+            # No checkpoint from here to the host's lookup: a session it lists no more
+            # would be loaded by the host, not through the gateway.
+            if not _open_here(session):
+                raise _ClosedBeforeTheAnswer
             if request.kind == "question":
                 await host.answer_question(session.id, request.call_id, text, by=principal)
             else:
@@ -378,6 +412,19 @@ class A2aEndpoint:
                 await host.answer_approval(session.id, request.call_id, verdict, by=principal)
             answered.add(request.call_id)
         return answered
+
+
+class _ClosedBeforeTheAnswer(Exception):
+    """The host began to close the session (or closed it) after its pending requests were
+    found and before they were answered: the message goes to the session loaded again."""
+
+
+def _open_here(session: Session) -> bool:
+    """Whether the host still lists ``session`` under its id: not once its close began."""
+    try:
+        return session.host.get_session(session.id) is session
+    except SessionNotFound:
+        return False
 
 
 class _TaskFold(a2a.TaskFold):
