@@ -20,6 +20,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+from acp import RequestError
 from acp.schema import ClientCapabilities, Implementation, PermissionOption, ToolCallUpdate
 
 from tests.test_acp import ROOT, Agent, Editor, run, spawned_agent, text
@@ -156,6 +158,51 @@ def test_a_pending_permission_survives_the_agent_and_is_asked_again_on_load(
     # The task that waited ended once, completed, before the next one started.
     assert [r["status"] for r in records if r["type"] == "task_end"] == ["completed"] * 2
     assert types.index("task_end") < types.index("task_start", types.index("task_start") + 1)
+
+
+def test_a_prompt_that_meets_its_session_closing_is_told_it_was_not_sent(
+    tmp_path: Path,
+) -> None:
+    """R-ACP-1, R-HOST-3: a prompt that found its session on the connection, and reached it
+    once ``session/close`` had begun, was answered -32603 "session X is closed", an internal
+    error. It is answered -32002, as a prompt after the close is, saying the prompt was not
+    sent; the trace holds nothing of it. The prompt is held by the task a load took up (a
+    permission the editor leaves unanswered): a prompt waits for that task to end."""
+
+    async def scenario() -> str:
+        async with people_agent(tmp_path, "pay") as agent:
+            sid = await open_session(agent, tmp_path)
+            editor = editor_of(agent)
+            editor.choose = lambda call: None  # held: the person is away
+            first = asyncio.create_task(agent.conn.prompt(session_id=sid, prompt=text("pay")))
+            await editor.asked.wait()
+            await agent.conn.close_session(session_id=sid)  # the task waits in the trace
+            assert (await first).stop_reason == "cancelled"
+            await agent.conn.load_session(
+                cwd=str(workspace_of(tmp_path)), session_id=sid, mcp_servers=[]
+            )
+            late = asyncio.create_task(agent.conn.prompt(session_id=sid, prompt=text("thanks")))
+            await agent.wait_sent(
+                lambda m: m.get("method") == "session/prompt" and "thanks" in str(m["params"])
+            )
+            # Answered after the prompt's request, read first, has taken its session.
+            await agent.conn.list_sessions()
+            await agent.conn.close_session(session_id=sid)
+            with pytest.raises(RequestError) as refused:
+                await late
+            assert refused.value.code == -32002
+            assert str(refused.value) == (
+                f"session {sid} is closed: its close began before the prompt reached it, so "
+                "nothing was sent; session/load opens it again"
+            )
+            editor.release.set()
+            assert await agent.close_stdin() == 0
+            agent.check_frames()
+            return sid
+
+    sid = run(scenario())
+    said = [r["content"] for r in trace_of(tmp_path, sid) if r["type"] == "user_msg"]
+    assert said == [[{"type": "text", "text": "pay"}]]
 
 
 def test_a_question_with_choices_is_asked_with_them_as_options(tmp_path: Path) -> None:

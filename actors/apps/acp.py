@@ -78,6 +78,7 @@ from greenroom.actors.runtime import (
     RunStream,
     SeqRefused,
     Session,
+    SessionClosed,
     SessionNotFound,
 )
 from greenroom.actors.tools import (
@@ -540,6 +541,9 @@ class AcpAgent:
         except RpcError as exc:
             await self._wire.send(error_frame(request.id, exc))
             return
+        except SessionClosed as exc:
+            await self._wire.send(error_frame(request.id, _closed_answer(request.method, exc)))
+            return
         except Exception as exc:  # never let one request end the connection
             _log(f"{request.method} failed: {type(exc).__name__}: {exc}")
             await self._wire.send(error_frame(request.id, RpcError(INTERNAL_ERROR, str(exc))))
@@ -814,6 +818,27 @@ class AcpAgent:
             for answer in entry.waiters:
                 answer.give({"stopReason": reason, "usage": acp.prompt_usage(end.usage)})
         entry.waiters = [entry.follow_ups.pop(0)] if entry.follow_ups else []
+
+
+_CLOSED_BEFORE = {
+    "session/prompt": "the prompt",
+    "_greenroom/steer": "the steering",
+    "_greenroom/follow_up": "the follow-up",
+    "_greenroom/compact": "the compaction",
+}
+"""What each request that starts work on a session sends it, for :func:`_closed_answer`."""
+
+
+def _closed_answer(method: str, closed: SessionClosed) -> RpcError:
+    """-32002, as for a session this connection does not have, for a request that found its
+    session open and met it closing (``session/close`` came meanwhile): the client's input
+    never ran and the session is gone from the connection, which is no internal error."""
+    what = _CLOSED_BEFORE.get(method, "the request")
+    return RpcError(
+        acp.RESOURCE_NOT_FOUND,
+        f"{closed}: its close began before {what} reached it, so nothing was sent; "
+        "session/load opens it again",
+    )
 
 
 async def _prompt_content(session: Session, params: dict[str, Any]) -> tuple[UserContent, ...]:
