@@ -16,6 +16,7 @@ fault on it), which also records every fsync.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import AsyncIterator
@@ -38,6 +39,7 @@ from conftest import (
 )
 
 import greenroom.actors.runtime.supervisor as supervisor_module
+from greenroom.actors.gateway.methods import once_recorded
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.receipts import InputReceipt
@@ -49,7 +51,9 @@ from greenroom.actors.runtime.trace_sink import (
     read_trace,
 )
 from greenroom.actors.runtime.trace_store import FileTraceStore
+from greenroom.protocols import jsonrpc
 from greenroom.protocols.content import TextBlock
+from greenroom.protocols.jsonrpc import RpcError
 from greenroom.protocols.outputs import (
     ModelMsg,
     Output,
@@ -683,6 +687,58 @@ async def test_queued_input_is_settled_only_once_an_fsync_covers_its_record(
     assert [e.status for e in of_type(outputs, TaskEnd)] == ["completed"] * (
         1 if kind == "steer" else 2
     )
+
+
+async def test_queued_input_whose_fsync_is_under_way_as_the_host_is_cancelled_settles(
+    data_dir: Path, workspace: Path, disk: FaultyDisk
+) -> None:
+    """R-STEER-1, R-STEER-6, R-HOST-3: steering whose fsync is under way (or waits behind
+    one) as the host is cancelled settles by the time the host is gone, with the truth the
+    store's last fsyncs give: the first steer, covered by the fsync in flight, is durable
+    (``queued: true``); the second, whose fsync the disk then refuses, is answered 410.
+    Before, the tasks waiting for those fsyncs were cancelled with the host and neither
+    receipt ever settled: the gateway answered each only after its whole 10 s, and
+    ``queued: true`` for the second."""
+    gates = Gates()
+    provider = ScriptedProvider([Reply(blocks=(tool_call("c1", "wait", key="k"),))])
+    first, second = InputReceipt(), InputReceipt()
+    hosting = trio.CancelScope()
+
+    async def host_until_cancelled(*, task_status: trio.TaskStatus[Host]) -> None:
+        with hosting:
+            store = functools.partial(FileTraceStore, disk=disk)
+            async with Host.open(data_dir, trace_store=store) as opened:
+                task_status.started(opened)
+                await trio.sleep_forever()
+
+    with trio.fail_after(RUN_TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            host: Host = await nursery.start(host_until_cancelled)
+            session = await host.create_session(
+                provider=provider, workspace_dir=workspace, tools=[gates.tool()]
+            )
+            path = session.trace_path
+            session.run("go", approve=allow_all)
+            await gates.started("k")  # no sync is due until the tool's result
+            disk.stall(path)
+            assert session.steer("first", recorded=first)
+            await trio.to_thread.run_sync(disk.stalled.wait, RUN_TIMEOUT_S)
+            assert session.steer("second", recorded=second)  # its fsync waits behind
+            await trio.testing.wait_all_tasks_blocked()
+            hosting.cancel()
+            await trio.testing.wait_all_tasks_blocked()  # the host's close waits for the disk
+            disk.refuse(path, appends=False)  # the fsync under way passed this check
+            disk.release()
+    # The host is gone: nothing is left that could settle them later.
+    assert first.settled.is_set() and second.settled.is_set()
+    assert await once_recorded(first) == {"queued": True}
+    with pytest.raises(RpcError) as refused:
+        await once_recorded(second)
+    assert refused.value.code == jsonrpc.GONE
+    assert refused.value.message.startswith(
+        f"session {session.id} closed before its record was durable ("
+    )
+    assert refused.value.message.endswith(": the input was dropped, not queued")
 
 
 # -- 4. private files ------------------------------------------------------------------------

@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from conftest import allow_all, collect, types
+from conftest import Gates, allow_all, collect, types
 
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
 from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.receipts import InputReceipt
 from greenroom.actors.runtime.trace_store import (
     FileTraceStore,
     StaleTraceWriter,
@@ -110,6 +111,48 @@ async def test_outputs_wait_for_the_backend_to_store_them(tmp_path: Path) -> Non
         ]
         assert isinstance(outputs[-1], TaskEnd)
         assert isinstance(outputs[0], UserMsg)
+
+
+async def test_queued_input_a_late_store_has_not_stored_as_its_host_is_cancelled_settles(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """R-STEER-1, R-HOST-3 through the seam: steering whose record a store that
+    acknowledges late has not stored when its host is cancelled settles once the store
+    is done with it (here as the host closes the store, which stores it), by the time the
+    host is gone. Before, its supervisor's teardown, done waiting for the store, forgot
+    the receipt with the batches it published unwritten: it never settled, and the
+    gateway answered only after its whole 10 s."""
+    gates = Gates()
+    store = MemoryTraceStore(tmp_path)
+    recorded = InputReceipt()
+    provider = ScriptedProvider([Reply(blocks=(tool_call("c1", "wait", key="k"),))])
+    hosting = trio.CancelScope()
+
+    async def host_until_cancelled(*, task_status: trio.TaskStatus[Host]) -> None:
+        with hosting:
+            async with Host.open(tmp_path / "data", trace_store=lambda _: store) as opened:
+                task_status.started(opened)
+                await trio.sleep_forever()
+
+    # No fail_after on the autojump clock: the host's worker threads leave the run loop
+    # idle, and the clock would jump to it (see conftest.collect). The host's own bounds
+    # end it: its supervisor's wait for the store (ABORT_GRACE_S), then the session's
+    # close (SHUTDOWN_GRACE_S), after which the host closes the store, which stores all.
+    async with trio.open_nursery() as nursery:
+        host: Host = await nursery.start(host_until_cancelled)
+        session = await host.create_session(
+            provider=provider, workspace_dir=tmp_path, tools=[gates.tool()]
+        )
+        session.run("go", approve=allow_all)
+        await gates.started("k")
+        store.log.auto_ack = False
+        assert session.steer("mind the gap", recorded=recorded)
+        await trio.testing.wait_all_tasks_blocked()
+        assert store.log.pending and not recorded.settled.is_set()  # written, not stored
+        hosting.cancel()
+    assert recorded.settled.is_set()
+    assert recorded.dropped is None
+    assert "mind the gap" in "".join(store.log.traces[session.id][-1])
 
 
 async def test_the_file_store_refuses_a_record_it_already_holds(tmp_path: Path) -> None:

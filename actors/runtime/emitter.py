@@ -24,6 +24,7 @@ import attrs
 import trio
 
 from greenroom.actors.runtime.port import SessionPort
+from greenroom.actors.runtime.receipts import InputReceipt
 from greenroom.actors.runtime.trace_sink import TraceSinkClosed, TraceWriteError
 from greenroom.actors.runtime.trace_store import StaleTraceWriter
 from greenroom.protocols import converter
@@ -53,8 +54,8 @@ class OutputEmitter:
         # the batches flushed but not yet published, in order, with theirs.
         self._batch_ticket = 0
         self._unpublished: deque[tuple[int, list[Output]]] = deque()
-        # Events to set once a batch of ``_unpublished`` is published (see set_when_durable).
-        self._written_events: deque[tuple[list[Output], trio.Event]] = deque()
+        # Receipts to settle once a batch of ``_unpublished`` is published (set_when_durable).
+        self._written_receipts: deque[tuple[list[Output], InputReceipt]] = deque()
         self._awaiting_store = False
         self._published: trio.Event | None = None
         # Made when a store first answers late (the cluster's): the file store never does,
@@ -219,25 +220,27 @@ class OutputEmitter:
             self._awaiting_store = True
             self._when_written(ticket)
 
-    def set_when_durable(self, event: trio.Event) -> None:
-        """Set ``event`` once every record flushed so far survives this host, a power cut
-        included. A store that acknowledges late (the cluster's JetStream) has that once
-        it is done with them, as when they are published. A store that writes them at
-        once (the file store) has them only written then: ``event`` waits for the fsync
+    def set_when_durable(self, receipt: InputReceipt) -> None:
+        """Settle ``receipt`` once every record flushed so far survives this host, a power
+        cut included. A store that acknowledges late (the cluster's JetStream) has that
+        once it is done with them, as when they are published. A store that writes them at
+        once (the file store) has them only written then: ``receipt`` waits for the fsync
         that covers them, asked of the store's group-committed sync in a task of the
         host's, so a supervisor that ends meanwhile does not cancel it. Only a receipt
-        (steering, a follow-up: rare) pays that fsync; publication waits for none."""
+        (steering, a follow-up: rare) pays that fsync; publication waits for none. At the
+        host's shutdown the receipt still settles, with what the store's last fsync made
+        of the records (:func:`_settle_once_durable`)."""
         if self._unpublished:
-            self._written_events.append((self._unpublished[-1][1], event))
+            self._written_receipts.append((self._unpublished[-1][1], receipt))
         else:
-            self._port.host.start_task(functools.partial(_set_once_synced, self._port, event))
+            self._port.host.start_task(functools.partial(_settle_once_durable, self._port, receipt))
 
     def _publish_first_unpublished(self) -> None:
         batch = self._unpublished.popleft()[1]
         self._publish(batch)
-        waiting = self._written_events
+        waiting = self._written_receipts
         while waiting and waiting[0][0] is batch:
-            waiting.popleft()[1].set()
+            waiting.popleft()[1].durable()
 
     def _on_trace_written(self) -> None:
         # The store's answer came: publish what it covers, and wait for the next ticket.
@@ -275,8 +278,13 @@ class OutputEmitter:
         """Publish at once the flushed batches still waiting for the trace, in order: teardown
         uses it when the trace store does not answer within the bound, so readers still get
         every output (the task's ``task_end`` above all)."""
-        # Not written: who waits for them (set_when_durable) keeps to their own bound.
-        self._written_events.clear()
+        # Their records are not acknowledged yet, and this emitter stops listening for the
+        # store: each receipt waiting for them asks the store itself, in a task of the
+        # host's, so that it settles with the truth however the store ends.
+        start_task = self._port.host.start_task
+        while self._written_receipts:
+            receipt = self._written_receipts.popleft()[1]
+            start_task(functools.partial(_settle_once_durable, self._port, receipt))
         while self._unpublished:
             self._publish(self._unpublished.popleft()[1])
 
@@ -288,11 +296,29 @@ class OutputEmitter:
             self._output.send_nowait(batch)
 
 
-async def _set_once_synced(port: SessionPort, event: trio.Event) -> None:
-    # A sync that fails leaves the failure sticky in the store: the task's next sync
-    # raises it and the task ends failed naming it, as after a prompt's failed sync.
-    await port.sync_trace_quietly()
-    event.set()
+DURABLE_WAIT_S = 30.0
+"""How long a receipt waits, at most, for the store to say whether its record is durable
+once the host shuts down (as long as the host's own shutdown may take)."""
+
+
+async def _settle_once_durable(port: SessionPort, receipt: InputReceipt) -> None:
+    # Shielded: the host's shutdown cancels its tasks, and a receipt cancelled here would
+    # never settle (its caller waiting its whole bound); the store's final fsync answers
+    # this sync with whether it covered the record. Bounded, should a store's close be
+    # cut short and never answer.
+    with trio.CancelScope(shield=True) as waiting:
+        waiting.deadline = trio.current_time() + DURABLE_WAIT_S
+        failure = await port.sync_trace_quietly()
+    if waiting.cancelled_caught:
+        receipt.drop(f"its record was not known durable within {DURABLE_WAIT_S:g} s")
+    elif failure is not None and port.closed:
+        # No next sync will report it: the session is gone, its record not durable.
+        receipt.drop(f"session {port.id} closed before its record was durable ({failure})")
+    else:
+        # A sync that fails in a running session leaves the failure sticky in the store:
+        # the task's next sync raises it and the task ends failed naming it, as after a
+        # prompt's failed sync.
+        receipt.durable()
 
 
 def repaired_blocks(blocks: tuple[Any, ...]) -> tuple[Any, ...]:

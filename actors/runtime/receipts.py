@@ -42,6 +42,10 @@ class InputReceipt:
         if on_taken is not None:
             on_taken()
 
+    def durable(self) -> None:
+        """The input's record survives the host: settle, unless settled already."""
+        self.settled.set()
+
     def drop(self, reason: str) -> None:
         """The input will not run: settle with ``reason``, unless settled already."""
         if not self.settled.is_set():

@@ -623,7 +623,7 @@ def _record_follow_up(
     out.emit(record)
     out.flush()
     if recorded is not None:
-        out.set_when_durable(recorded.settled)
+        out.set_when_durable(recorded)
     return task
 
 
@@ -643,7 +643,7 @@ def _queue_steering(
                                       steering_id=steering_id, content=content))
         out.flush()
         if message.recorded is not None:
-            out.set_when_durable(message.recorded.settled)
+            out.set_when_durable(message.recorded)
         port.machine.queue_steering(content, steering_id=steering_id)
 
 
