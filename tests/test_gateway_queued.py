@@ -16,6 +16,7 @@ from conftest import Gates, Lookup, port_of, trace_lines
 from test_gateway import BOUND_S, connect, lookup_script, serving
 from test_gateway_people import until_asked
 
+from greenroom.actors.gateway import GatewayLimits
 from greenroom.actors.gateway.hubs import Hubs
 from greenroom.actors.providers.scripted import Reply, ScriptStep, text, tool_call
 from greenroom.actors.runtime import supervisor
@@ -177,6 +178,61 @@ async def test_late_steering_is_answered_queued_once_recorded_not_when_its_task_
             prompts = [o for o in outputs if o["type"] == "user_msg"]
             assert prompts[-1]["queued_id"] == queued[0]["queue_id"]
             assert prompts[-1]["content"][0]["text"] == "LATE WORDS"
+
+
+async def test_late_steering_counts_against_the_steering_cap_while_it_waits_as_a_task(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gates: Gates
+) -> None:
+    # R-SEC-9, R-STEER-1, R-STEER-6: a steer that comes too late for its task waits as a
+    # task of its own. The cap counted it as steering until the machine took it, then as
+    # a follow-up: a client that had queued no follow-up got 429 "too many follow-ups",
+    # and a second steer passed the steering cap. It counts as the steer it was now.
+    ending, let_end = hold_task_end(monkeypatch)
+    followed = steered_event(monkeypatch, "follow_up")
+    steered = steered_event(monkeypatch, "steer")
+
+    def script() -> list[ScriptStep]:
+        return [
+            Reply(blocks=(text("One."),)),
+            Reply(blocks=(tool_call("c1", "wait", key="b"),)),
+            Reply(blocks=(text("Followed."),)),
+            Reply(blocks=(text("Late."),)),
+        ]
+
+    limits = GatewayLimits(max_queued_inputs=1)
+    with trio.fail_after(BOUND_S):
+        async with (
+            serving(tmp_path, script, tools=[gates.tool()], approve="all", limits=limits)
+            as server,
+            connect(server) as client,
+        ):
+            sid = (await client.result("session.create"))["session_id"]
+            await client.result("run", {"session_id": sid, "input": "one"})
+            await ending.wait()
+            # Both wait in the inbox of the supervisor whose task is ending: the follow-up
+            # is queued first, and the steering, too late, as a task behind it.
+            for method, done in (("follow_up", followed), ("steer", steered)):
+                await client.send(
+                    {"jsonrpc": "2.0", "id": method, "method": method,
+                     "params": {"session_id": sid, "input": method.upper()}}
+                )
+                await done.wait()
+            let_end.set()
+            answers = [await client.receive(), await client.receive()]  # in either order
+            assert {a["id"]: a["result"] for a in answers} == {
+                "follow_up": {"queued": True}, "steer": {"queued": True}
+            }
+            await gates.started("b")  # the follow-up runs; the late steering waits
+            machine = server.host.port(sid).machine
+            assert [t.content[0].text for t in machine.queued_tasks] == ["STEER"]
+            refused = await client.error("steer", {"session_id": sid, "input": "more"})
+            assert refused["code"] == jsonrpc.TOO_MANY_REQUESTS, refused
+            assert f"too many steering queued in session {sid!r} (at most 1)" in (
+                refused["message"]
+            )
+            queued = await client.result("follow_up", {"session_id": sid, "input": "next"})
+            assert queued == {"queued": True}
+            gates.release("b")
 
 
 @pytest.mark.parametrize("method", ["steer", "follow_up"])

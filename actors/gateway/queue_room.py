@@ -24,6 +24,7 @@ from functools import partial
 from typing import Literal
 
 from greenroom.actors.runtime.errors import SessionNotFound
+from greenroom.actors.runtime.port import TaskInput
 from greenroom.actors.runtime.receipts import InputReceipt
 from greenroom.actors.runtime.session import Session
 from greenroom.protocols import jsonrpc
@@ -76,9 +77,13 @@ class QueueRoom:
 
 def held(session: Session, kind: QueuedKind) -> int:
     """How many ``kind`` the task machine of ``session`` holds: steering its open task has
-    not taken, or tasks queued behind it."""
+    not taken, or tasks queued behind it. Steering that came too late for its task waits
+    as a task of its own, and counts as the steering its client sent all the same: each
+    input counts against one cap for its whole life, whatever the machine makes of it."""
     machine = session.host.port(session.id).machine
-    return len(machine.record.steering) if kind == "steering" else len(machine.queued_tasks)
+    tasks = machine.queued_tasks
+    late = sum(1 for task in tasks if isinstance(task, TaskInput) and task.late_steering)
+    return len(machine.record.steering) + late if kind == "steering" else len(tasks) - late
 
 
 def dropped_answer(reason: str) -> RpcError:

@@ -89,13 +89,16 @@ class TaskInput:
     callback, ``"people"`` (calls wait for a person: R-HITL) or None (denied by default);
     ``output`` the answer it requires (R-OUT-1), if any: its schema is recorded in the
     task's ``task_start``. ``queued_id`` names the ``task_queued`` record of a follow-up
-    (R-STEER-6): its prompt says it started it."""
+    (R-STEER-6): its prompt says it started it. ``late_steering``: the task is steering
+    that came after its task stopped taking it (R-STEER-1), which the cap on what
+    clients queue counts as the steering they sent (R-SEC-9)."""
 
     content: tuple[UserContent, ...]
     approve: Approval
     thinking_level: str | None
     output: OutputSpec | None = None
     queued_id: str | None = None
+    late_steering: bool = False
 
 
 @attrs.frozen(kw_only=True, slots=True)

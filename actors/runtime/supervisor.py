@@ -743,6 +743,7 @@ def _run_late_steering(
             content=repaired_blocks(message.content),
             approve=came_for.approve if came_for is not None else None,
             thinking_level=came_for.thinking_level if came_for is not None else None,
+            late_steering=True,
         )
         port.machine.queue_task(_record_follow_up(out, port, late, message.recorded))
 
