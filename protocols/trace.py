@@ -33,7 +33,7 @@ from typing import Literal
 import attrs
 
 from greenroom.protocols import converter
-from greenroom.protocols.content import ImageBlock, UserContent
+from greenroom.protocols.content import ImageBlock, TextBlock, UserContent
 from greenroom.protocols.outputs import Output, TokenUsageOutput
 from greenroom.protocols.stream import TokenUsage
 from greenroom.protocols.text import compact_json
@@ -92,6 +92,36 @@ def input_size(content: Iterable[UserContent], output_schema: object = None) -> 
         size += len(converter.to_json(output_schema).encode("utf-8", "backslashreplace"))
     unaccepted = sum(isinstance(b, ImageBlock) and b.sha256 is None for b in blocks)
     return size + unaccepted * IMAGE_ACCEPTANCE_BYTES
+
+
+def cut_to_fit(text: str, most: int | None, whole_at: str | None) -> str:
+    """``text``, input the runtime itself gives a session (a background child's answer,
+    a hook's), as one text block whose record holds at most ``most`` bytes of input
+    (:func:`input_size`; None: no limit, as in a file trace): whole when it fits, else
+    its start followed by a marker saying how many characters were left out and where
+    the whole text is (``whole_at``; None: nowhere). A user's input is never cut: it is
+    refused (:class:`~greenroom.protocols.errors.InputTooLarge`). Unlike a user's, this
+    input has nobody to refuse it to, and a record the trace cannot carry stops the
+    session on its host (a cluster's NATS server, R-SEC-9, R-CLUSTER-1)."""
+    if most is None or input_size((TextBlock(text=text),)) <= most:
+        return text
+
+    def kept(count: int) -> str:
+        where = f"the whole text is in {whole_at}" if whole_at else "the rest is not kept"
+        return (
+            f"{text[:count]}\n[cut: {len(text) - count} of {len(text)} characters left out "
+            f"to fit one record of this session's trace ({most} bytes); {where}]"
+        )
+
+    # The most characters kept whose block fits: escapes make a character's bytes vary.
+    low, high = 0, len(text)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if input_size((TextBlock(text=kept(middle)),)) <= most:
+            low = middle
+        else:
+            high = middle - 1
+    return kept(low)
 
 
 @attrs.frozen(kw_only=True, slots=True)

@@ -36,7 +36,7 @@ from typing import Any, cast
 import attrs
 import pytest
 import trio
-from conftest import allow_all, collect
+from conftest import Gates, allow_all, collect
 from trio_websocket import open_websocket_url
 
 from greenroom.actors.cluster.bridge import Bridge, run
@@ -49,6 +49,7 @@ from greenroom.actors.cluster.traces import TraceStream
 from greenroom.actors.gateway.config import SessionDefaults
 from greenroom.actors.gateway.server import Gateway
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
+from greenroom.actors.runtime import subagents
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session import Session
 from greenroom.actors.runtime.subagents import SUBAGENT_SYSTEM, spawn_subagent
@@ -64,10 +65,11 @@ from greenroom.protocols.outputs import (
     UserMsg,
 )
 from greenroom.protocols.tools import Tool, make_tool
-from greenroom.protocols.trace import parse_trace
+from greenroom.protocols.trace import input_size, parse_trace
 from tests.support.nats import (  # the fixture is used as nats_server
     NatsProcess,
     module_nats_server,  # noqa: F401
+    running_nats,
 )
 from tests.test_gateway import Client
 from tests.test_recovery import blocking_tool
@@ -858,3 +860,113 @@ async def _merged_report(cluster: Cluster, root: str) -> bool:
     return any("merged: collected 3" in str(r.content) for r in reports) and ends[-1:] == [
         "completed"
     ]
+
+
+# -- a background child's answer larger than a record -------------------------------------------
+
+SMALL_PAYLOAD = 128 * 1024
+"""The NATS server's max_payload of the test below: a record carries about 124 KiB."""
+ANSWER_PART = 50_000
+"""One text block of the bulky child's answer: each block's record fits, three joined do not."""
+BULKY = "[subagent bulky finished]"
+
+
+def _bulky_brain(request: ModelRequest) -> Reply:
+    """The root spawns ``bulky`` in the background and holds a call (``wait``, key ``a``);
+    the child answers in three blocks of :data:`ANSWER_PART` characters; the root merges
+    the child's answer when it comes in as steering."""
+    last = request.messages[-1]
+    if (request.system or "").startswith(SUBAGENT_SYSTEM):
+        return Reply(blocks=tuple(text(c * ANSWER_PART) for c in "abc"))
+    if BULKY in str(last.content):
+        return Reply(blocks=(text("merged the bulky answer"),))
+    spawn = {"task": "write a lot", "background": True, "name": "bulky"}
+    return Reply(
+        blocks=(
+            ToolCallBlock(id="s1", name="spawn_subagent", arguments=spawn),
+            tool_call("w1", "wait", key="a"),
+        )
+    )
+
+
+def test_a_background_childs_answer_past_what_nats_carries_is_cut_and_the_parent_goes_on(
+    tmp_path: Path, gates: Gates, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-SEC-9, R-CLUSTER-1, R-TREE-1: with NATS at 128 KiB, a background child answers
+    150 KB (three model blocks, each record of which fits); its answer reaches the root as
+    steering of the root's open task. The root's ``user_msg`` holds the answer's start and
+    a marker saying how much was cut and that the whole is in the child's trace, which
+    holds it; the root's task completes and its records reach JetStream (before: that
+    ``user_msg`` could not be replicated and the root stopped on its host). So is a report
+    another host hands over (a child taken up there), which starts a follow-up task."""
+
+    real_tell = subagents.tell
+
+    def tell_then_release(parent: Any, message: Any) -> bool:
+        told = real_tell(parent, message)
+        gates.release("a")  # the answer is in the root's inbox before the call's result
+        return told
+
+    monkeypatch.setattr(subagents, "tell", tell_then_release)
+
+    async def body(cluster: Cluster) -> dict[str, Any]:
+        a = cluster.members["a"]
+        root = await a.host.create_session(
+            provider=ScriptedProvider(_bulky_brain),
+            tools=[*TOOLS, gates.tool()],
+            workspace_dir=tmp_path,
+        )
+        outputs = await collect(root.run("spawn bulky", approve=allow_all))
+        (child,) = {o.session_id for o in outputs if o.session_id != root.id}
+        if root.id not in {s.id for s in a.host.sessions}:
+            return {"stopped": True}
+        # A report handed over by another host (a child taken up there), the root idle:
+        # it starts a follow-up task, cut the same way.
+        far = f"{BULKY} " + "d" * 3 * ANSWER_PART
+        await a.host.child_reports.take(root.id, "taken-up-elsewhere", far, allow_all)
+        await root.wait_idle()
+        if root.id not in {s.id for s in a.host.sessions}:
+            return {"stopped": True}
+        last = a.host.port(root.id).last_seq
+        await until(lambda: _traced_through(cluster, root.id, last))
+        assert a.node.store is not None
+        return {
+            "end": outputs[-1],
+            "child": child,
+            "replicated": await a.node.store.log.settled(root.id),
+            "root": (await cluster.traces.read(root.id)).records,
+            "child_records": (await cluster.traces.read(child)).records,
+            "most": a.host.trace_log.largest_input(),
+        }
+
+    with running_nats(tmp_path / "nats", max_payload=SMALL_PAYLOAD) as server:
+        found = in_cluster(server, tmp_path, ("a",), body, brain=_bulky_brain)
+    assert "stopped" not in found, "the root stopped on its host"
+    end = found["end"]
+    assert isinstance(end, TaskEnd) and end.status == "completed", end
+    assert found["replicated"], "the root stopped on its host"
+    reports = [r for r in found["root"] if isinstance(r, UserMsg) and BULKY in str(r.content)]
+    (report, far) = reports
+    assert report.kind == "steering"
+    (block,) = report.content
+    assert isinstance(block, TextBlock)
+    whole = "\n".join(c * ANSWER_PART for c in "abc")
+    assert block.text.startswith(f"{BULKY} {'a' * ANSWER_PART}\n{'b' * 1000}")
+    total = len(f"{BULKY} {whole}")
+    marker = block.text[block.text.rindex("\n[cut: ") :]
+    cut = total - (len(block.text) - len(marker))
+    assert marker == (
+        f"\n[cut: {cut} of {total} characters left out to fit one record of this session's "
+        f"trace ({found['most']} bytes); the whole text is in the trace of subagent session "
+        f"{found['child']}]"
+    )
+    assert found["most"] - 200 < input_size(report.content) <= found["most"]
+    said = [r.block.text for r in found["child_records"] if isinstance(r, ModelMsg)]
+    assert "\n".join(said) == whole  # the whole answer, where the marker says
+    (far_block,) = far.content
+    assert isinstance(far_block, TextBlock) and far_block.text.startswith(f"{BULKY} ddd")
+    assert far_block.text.endswith("the whole text is in the trace of subagent session "
+                                   "taken-up-elsewhere]")
+    assert found["most"] - 200 < input_size(far.content) <= found["most"]
+    ends = [r.status for r in found["root"] if isinstance(r, TaskEnd)]
+    assert ends == ["completed", "completed"]

@@ -21,7 +21,9 @@ from greenroom.protocols.stream import TokenUsage
 from greenroom.protocols.trace import (
     TraceLineError,
     UsageRow,
+    cut_to_fit,
     encode_record,
+    input_size,
     parse_trace,
     trace_file_name,
     trace_file_number,
@@ -204,3 +206,23 @@ def test_usage_row_for_request() -> None:
         model="m",
         usage=TokenUsage(input=3, cache_read=4),
     )
+
+
+def test_cut_to_fit_keeps_the_most_of_a_text_whose_characters_take_several_bytes() -> None:
+    """R-SEC-9: what fits is kept whole; a text of characters that take two to four bytes
+    each in the record (``é``, a quote, an emoji) is cut where its block, with the marker,
+    takes at most the limit and one more character would not fit."""
+    assert cut_to_fit("short", 1000, "elsewhere") == "short"
+    assert cut_to_fit("é" * 5000, None, None) == "é" * 5000
+    text = 'é"😀' * 2000
+    cut = cut_to_fit(text, 1000, "the trace of session s1")
+    assert input_size((TextBlock(text=cut),)) <= 1000
+    kept = cut.index("\n[cut: ")
+    assert cut[:kept] == text[:kept]
+    marker = cut[kept:]
+    assert marker == (
+        f"\n[cut: {len(text) - kept} of {len(text)} characters left out to fit one record of "
+        "this session's trace (1000 bytes); the whole text is in the trace of session s1]"
+    )
+    one_more = text[: kept + 1] + marker.replace(str(len(text) - kept), str(len(text) - kept - 1))
+    assert input_size((TextBlock(text=one_more),)) > 1000

@@ -51,7 +51,12 @@ import trio
 from greenroom.actors.runtime.accounting import tree_usage
 from greenroom.actors.runtime.errors import SessionNotFound
 from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput
-from greenroom.actors.runtime.subagents import ChildWatch, SubagentError, finished_text
+from greenroom.actors.runtime.subagents import (
+    ChildWatch,
+    SubagentError,
+    answer_fitted,
+    finished_text,
+)
 from greenroom.actors.runtime.supervisor import wake
 from greenroom.actors.runtime.tree import LiveChild, children_of, stopped_running, tell
 from greenroom.protocols.content import TextBlock
@@ -204,7 +209,8 @@ class ChildReports:
             place = self._places.pop(port.id, None)
             if place is not None and place.cut:
                 return  # its parent's tree interrupt ended it: its answer is for nobody
-            text = finished_text(label, answer)
+            most = self._host.trace_log.largest_input()  # the link's message fits too
+            text = finished_text(label, answer, child_id=port.id, most=most)
             try:
                 await self.deliver(parent_id, port.id, text, port.lost_approve)
             except Exception:  # a task of the host's: it must not end the host
@@ -258,13 +264,15 @@ class ChildReports:
 
     async def take(self, parent_id: str, child_id: str, text: str, approve: Approval) -> None:
         """The parent's side: ``parent_id`` (open here, or loaded) takes the report as
-        steering of its open task, else as a follow-up task run with ``approve``. Raises
+        steering of its open task, else as a follow-up task run with ``approve``, cut to
+        fit one record of this host's trace (:func:`~.subagents.answer_fitted`). Raises
         :class:`SessionNotFound` when there is no such session."""
         await self._host.load_session(parent_id)
         parent = self._host.port(parent_id)
         if parent.children is not None:
             parent.children.let_go(child_id)  # it runs no more: its answer comes now
-        content = (TextBlock(text=text),)
+        most = self._host.trace_log.largest_input()
+        content = (TextBlock(text=answer_fitted(text, child_id=child_id, most=most)),)
         follow_up = TaskInput(content=content, approve=approve, thinking_level=None)
         if not tell(
             parent, SubagentFinished(session_id=child_id, content=content, follow_up=follow_up)

@@ -18,8 +18,11 @@ nursery: the call returns ``{"session_id": …}`` at once and the parent goes on
 child ends, a task of the host's nursery hands its answer (or why it failed) to the parent
 as input ``[subagent NAME finished] …`` (:func:`~greenroom.actors.runtime.tree.tell`):
 steering of the parent's open task, else a follow-up task, run with the approvals of the
-task that spawned it. A subagent's own task does not end while its background children
-run (it waits for their answers); a root's does.
+task that spawned it. That input is one record of the parent's trace: where a record has
+a limit (a cluster's NATS server) a longer answer is cut, marked, to fit
+(:func:`finished_text`); the whole answer stays in the child's trace. A subagent's own
+task does not end while its background children run (it waits for their answers); a
+root's does.
 
 Every output of a subagent reaches its parent as a live output, with ``origin`` = the path
 of session ids from the root (:func:`~greenroom.actors.runtime.tree.forward_up`, a
@@ -93,6 +96,7 @@ from greenroom.protocols.outputs import (
     UserMsg,
 )
 from greenroom.protocols.tools import ToolContext, tool
+from greenroom.protocols.trace import cut_to_fit
 
 __all__ = [
     "SPAWN_SUBAGENT",
@@ -100,6 +104,7 @@ __all__ = [
     "ChildWatch",
     "SubagentError",
     "Subagents",
+    "answer_fitted",
     "finished_text",
     "spawn_subagent",
     "subagent_system",
@@ -131,10 +136,20 @@ def subagent_system(parent_system: str | None) -> str:
     return SUBAGENT_SYSTEM
 
 
-def finished_text(label: str, answer: str) -> str:
+def finished_text(label: str, answer: str, *, child_id: str, most: int | None) -> str:
     """The input a background subagent's end gives its parent (R-TREE-2):
-    ``[subagent <label> finished] <answer or why it failed>``."""
-    return f"[subagent {label} finished] {answer}"
+    ``[subagent <label> finished] <answer or why it failed>``, cut to ``most`` bytes of
+    input (the parent's :meth:`~.trace_store.TraceLog.largest_input`) with a marker naming
+    the child's trace, where the whole answer is (:func:`~.trace.cut_to_fit`)."""
+    return answer_fitted(f"[subagent {label} finished] {answer}", child_id=child_id, most=most)
+
+
+def answer_fitted(text: str, *, child_id: str, most: int | None) -> str:
+    """A background child's report ``text``, cut to fit one record of a trace that holds
+    ``most`` bytes of input: as the parent's steering or follow-up it is recorded whole
+    in one record, and in a cluster a record NATS cannot carry stopped the parent on its
+    host (R-SEC-9, R-CLUSTER-1, R-TREE-2)."""
+    return cut_to_fit(text, most, f"the trace of subagent session {child_id}")
 
 
 @tool(parallel=True, side_effects=True)
@@ -289,7 +304,9 @@ class Subagents:
                         answer = watch.result()
                     except SubagentError as exc:
                         answer = str(exc)
-                    content = (TextBlock(text=finished_text(label, answer)),)
+                    most = host.trace_log.largest_input()
+                    text = finished_text(label, answer, child_id=child.id, most=most)
+                    content = (TextBlock(text=text),)
                     # The follow-up it starts when the parent is idle runs with the
                     # approvals of the task that spawned it.
                     follow_up = TaskInput(content=content, approve=approve, thinking_level=None)
