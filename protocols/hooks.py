@@ -6,8 +6,9 @@ The loop's checkpoints (R-HOOK-1):
 * ``after_tool_results(info)`` — when every tool call of a turn is terminal;
 * ``on_stop(info)`` — when the task would end because the model answered without tool calls.
   Returning a non-empty text asks for one more turn: the text is delivered as steering
-  input (traced as ``user_msg`` of kind ``steering``). At most ``max_stop_continuations``
-  times per task.
+  input (traced as ``user_msg`` of kind ``steering``; where a record of the trace has a
+  limit, a cluster's, cut to fit it with a marker saying so). At most
+  ``max_stop_continuations`` times per task.
 
 These see frozen values only: they can observe and ask to continue, never widen the tools,
 the approval rules or the settings. A hook may be sync or async; one of these that raises

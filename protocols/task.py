@@ -94,7 +94,7 @@ from greenroom.protocols.outputs import (
 from greenroom.protocols.retry import decide_retry
 from greenroom.protocols.stream import ModelError, TokenUsage
 from greenroom.protocols.structured import FINAL_ANSWER, AnswerCheck, repair_note
-from greenroom.protocols.trace import input_size
+from greenroom.protocols.trace import cut_to_fit, input_size
 
 __all__ = [
     "BeginAttempt",
@@ -196,6 +196,13 @@ def _without_answers(queued: list[_Steering] | None) -> list[_Steering] | None:
     if not queued:
         return queued
     return [attrs.evolve(s, follow_up=None) for s in queued]
+
+
+def _hook_steering(answer: str, limits: TaskLimits) -> tuple[UserContent, ...]:
+    """An ``on_stop`` hook's answer as steering, cut (marked) to what one record of the
+    session's trace carries: it alone is one ``user_msg``, which in a cluster stopped the
+    session on its host when NATS could not carry it (R-SEC-9, R-CLUSTER-1)."""
+    return (TextBlock(text=cut_to_fit(answer, limits.largest_steering, None)),)
 
 
 def _fitting(queued: list[_Steering], most: int | None) -> int:
@@ -1130,7 +1137,7 @@ class TaskMachine:
                                                message=answers.failure_message()))
                 return self._next_turn()
         if self._hook_answer is not None:
-            self.queue_steering((TextBlock(text=self._hook_answer),))
+            self.queue_steering(_hook_steering(self._hook_answer, limits))
             self._hook_answer = None
         if self._steering:
             return self._next_turn()  # R-STEER-3

@@ -16,7 +16,7 @@ import attrs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from greenroom.protocols.content import TextBlock, ToolCallBlock
+from greenroom.protocols.content import TextBlock, ToolCallBlock, UserContent
 from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
@@ -50,6 +50,7 @@ from greenroom.protocols.task import (
     Wait,
     fold,
 )
+from greenroom.protocols.trace import input_size
 
 SID = "s"
 
@@ -432,6 +433,35 @@ def test_the_stop_hook_continues_at_most_its_limit() -> None:
     steering = [r for r in world.records if isinstance(r, UserMsg) and r.kind == "steering"]
     assert steering[0].content == (TextBlock(text="keep going"),)
     assert ends(world) == [("completed", None)]
+
+
+def test_a_stop_hooks_answer_past_what_a_record_carries_is_cut_with_a_marker() -> None:
+    """R-SEC-9, R-CLUSTER-1: an ``on_stop`` hook's answer of 5,000 characters under a
+    2,500-byte record limit is delivered as its start and a marker saying how much was
+    cut and that the rest is not kept, within the limit: alone it is one ``user_msg``,
+    which a cluster could not carry (before: all 5,000, and the session stopped on its
+    host). Without a limit (a file trace) it is delivered whole."""
+    answer = "k" * 5000
+
+    def delivered(largest: int | None) -> tuple[UserContent, ...]:
+        limits = TaskLimits(
+            max_context_length=0, has_stop_hook=True, largest_steering=largest
+        )
+        world = run_world([Attempt(), Attempt()], limits=limits, hook_answers=[answer])
+        assert ends(world) == [("completed", None)]
+        (steering,) = [r for r in world.records if isinstance(r, UserMsg) and r.kind == "steering"]
+        return steering.content
+
+    (cut,) = delivered(2500)
+    assert isinstance(cut, TextBlock)
+    kept = cut.text.index("\n[cut: ")
+    assert cut.text[:kept] == "k" * kept and kept > 2000
+    assert cut.text[kept:] == (
+        f"\n[cut: {5000 - kept} of 5000 characters left out to fit one record of this "
+        "session's trace (2500 bytes); the rest is not kept]"
+    )
+    assert 2400 < input_size((cut,)) <= 2500
+    assert delivered(None) == (TextBlock(text=answer),)
 
 
 def test_the_results_hook_runs_once_per_turn_with_calls() -> None:
