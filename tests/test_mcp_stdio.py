@@ -21,6 +21,7 @@ from mcp.shared.exceptions import MCPError
 from greenroom.actors.tools.mcp_bounds import MAX_MESSAGE_BYTES
 from greenroom.actors.tools.mcp_stdio import (
     HEAD_BYTES,
+    TAIL_BYTES,
     MessageLines,
     OversizedLine,
     bounded_stdio_client,
@@ -30,15 +31,40 @@ from tests.test_mcp import SERVER, alive
 
 PARAMS = StdioServerParameters(command=sys.executable, args=[str(SERVER)])
 
+TS_ORDER_SERVER = """
+import json, sys
+# Answers as the TypeScript SDK writes (JSON.stringify of {result, jsonrpc, id}): the id
+# last. Tool "big" answers 3 MiB of text; any other tool echoes its "text".
+for line in sys.stdin:
+    message = json.loads(line)
+    if "id" not in message:
+        continue
+    method, params = message["method"], message.get("params", {})
+    if method == "initialize":
+        result = {"protocolVersion": params["protocolVersion"], "capabilities": {"tools": {}},
+                  "serverInfo": {"name": "ts-order", "version": "1"}}
+    elif method == "tools/list":
+        result = {"tools": [{"name": name, "inputSchema": {"type": "object"}}
+                            for name in ("big", "echo")]}
+    elif params.get("name") == "big":
+        result = {"content": [{"type": "text", "text": "x" * (3 << 20)}]}
+    else:
+        result = {"content": [{"type": "text", "text": params["arguments"]["text"]}]}
+    answer = {"result": result, "jsonrpc": "2.0", "id": message["id"]}
+    sys.stdout.write(json.dumps(answer) + "\\n")
+    sys.stdout.flush()
+"""
+"""A hand-written stdio MCP server whose answers name their id after their result."""
+
 
 @contextlib.asynccontextmanager
 async def server_session(
-    tmp_path: Path, lines: MessageLines | None = None
+    tmp_path: Path, lines: MessageLines | None = None, params: StdioServerParameters = PARAMS
 ) -> AsyncIterator[ClientSession]:
-    """The test server over :func:`bounded_stdio_client`, initialized; its stderr in
-    ``tmp_path``."""
+    """The test server (or the one ``params`` names) over :func:`bounded_stdio_client`,
+    initialized; its stderr in ``tmp_path``."""
     with (tmp_path / "server.stderr.log").open("a", encoding="utf-8") as errlog:
-        async with bounded_stdio_client(PARAMS, errlog=errlog, lines=lines) as (read, write):
+        async with bounded_stdio_client(params, errlog=errlog, lines=lines) as (read, write):
             async with ClientSession(read, write) as session:
                 await session.initialize()
                 yield session
@@ -69,7 +95,7 @@ def test_lines_are_split_across_reads_and_a_long_one_is_discarded_as_it_arrives(
     assert lines.feed(b":1}\nab") == [b'{"a":1}']
     assert lines.feed(b"cdefghijkl") == []  # 12 bytes: past the limit, so no longer kept
     assert lines.feed(b"mn\n12345678\n\n") == [
-        OversizedLine(head=b"abcdefghijkl", size=14),
+        OversizedLine(head=b"abcdefghijkl", tail=b"abcdefghijklmn", size=14),
         b"12345678",  # exactly the limit is kept
         b"",
     ]
@@ -77,13 +103,30 @@ def test_lines_are_split_across_reads_and_a_long_one_is_discarded_as_it_arrives(
     assert lines.feed(b"tail without a newline") == []
 
 
-def test_the_head_of_a_discarded_line_is_bounded() -> None:
+def test_the_head_and_tail_of_a_discarded_line_are_bounded() -> None:
     lines = MessageLines(limit=HEAD_BYTES * 2)
     assert lines.feed(b"a" * HEAD_BYTES * 3) == []
-    assert lines.feed(b"b" * HEAD_BYTES + b"\n") == [
-        OversizedLine(head=b"a" * HEAD_BYTES, size=HEAD_BYTES * 4)
+    assert lines.feed(b"b" * (TAIL_BYTES - 2) + b"\n") == [
+        OversizedLine(
+            head=b"a" * HEAD_BYTES,
+            tail=b"aa" + b"b" * (TAIL_BYTES - 2),
+            size=HEAD_BYTES * 3 + TAIL_BYTES - 2,
+        )
     ]
     assert lines.most_kept == 0
+
+
+def test_the_tail_of_a_discarded_line_is_its_end_across_small_reads() -> None:
+    """The tail is kept across reads of any size, from the line kept before the bound
+    was passed too; a later line starts afresh."""
+    lines = MessageLines(limit=8)
+    assert lines.feed(b"0123456") == []
+    for digit in b"789":
+        assert lines.feed(bytes([digit])) == []
+    assert lines.feed(b"\nshort\n") == [
+        OversizedLine(head=b"012345678", tail=b"0123456789", size=10),
+        b"short",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -109,6 +152,35 @@ def test_the_id_of_a_discarded_response_is_read_from_its_head(
     assert response_id(head) == expected
 
 
+@pytest.mark.parametrize(
+    ("head", "tail", "expected"),
+    [
+        # The TypeScript SDK's order: JSON.stringify of {result, jsonrpc, id}.
+        ('{"result":{"content":[{"type":"text","text":"xx', 'xx"}]},"jsonrpc":"2.0","id":7}', 7),
+        ('{"error":{"code":1,"message":"xx', 'xx"}, "id" : "call-\\"1\\\\" } \r', 'call-"1\\'),
+        ('{"jsonrpc":"2.0","result":{"x":"xx', 'xx"},"id":7,"jsonrpc":"2.0"}', 7),
+        # An id named first wins; one named null there is none.
+        ('{"id":3,"result":{"x":"xx', 'xx"},"id":7}', 3),
+        ('{"id":null,"result":{"x":"xx', 'xx"},"id":7}', None),
+        # The server's own request: its id is not one of greenroom's.
+        ('{"method":"elicitation/create","params":{"x', 'x"},"jsonrpc":"2.0","id":3}', None),
+        # No id among the plain members that end it: one in the result is not the message's.
+        ('{"result":{"x":"xx', 'xx","id":7}}', None),
+        ('{"result":{"x":"xx', 'xx"}}', None),
+        ('{"result":{"x":"xx', 'xx"},"id":true}', None),
+        ('{"result":{"x":"xx', 'xx"},"id":1.5}', None),
+        ('{"result":{"x":"xx', 'x,"id":7', None),  # cut: not the end of an object
+        ('{"result":{"x":"xx', '"id":7}', None),  # the tail starts inside the member
+        ('{"result":{"x":"xx', 'xx"id":7}', None),
+        ('{"result":{"x":"xx', "", None),
+    ],
+)
+def test_the_id_of_a_discarded_response_is_read_from_its_tail_when_it_comes_last(
+    head: str, tail: str, expected: int | str | None
+) -> None:
+    assert response_id(head, tail) == expected
+
+
 # -- the transport against a real server ---------------------------------------------------
 
 
@@ -127,6 +199,25 @@ async def test_a_line_past_the_bound_fails_its_call_and_the_next_call_works(
             assert raised.value.code == mcp_types.PARSE_ERROR
             assert text_of(await session.call_tool("echo", {"text": "after"})) == "after"
             assert text_of(await session.call_tool("pid", {})) == before
+    assert 0 < lines.most_kept <= MAX_MESSAGE_BYTES
+
+
+async def test_a_line_past_the_bound_with_its_id_last_fails_its_call_at_once(
+    tmp_path: Path,
+) -> None:
+    """A server that names the id after the result (the TypeScript SDK's order): the
+    call of a 3 MiB result fails naming the bound at once, not at its timeout, from the
+    line's kept tail; the next call works."""
+    script = tmp_path / "ts_order_server.py"
+    script.write_text(TS_ORDER_SERVER, encoding="utf-8")
+    params = StdioServerParameters(command=sys.executable, args=[str(script)])
+    lines = MessageLines()
+    with trio.fail_after(RUN_TIMEOUT_S):
+        async with server_session(tmp_path, lines, params) as session:
+            with pytest.raises(MCPError, match="larger than 1 MiB") as raised:
+                await session.call_tool("big", {})
+            assert raised.value.code == mcp_types.PARSE_ERROR
+            assert text_of(await session.call_tool("echo", {"text": "after"})) == "after"
     assert 0 < lines.most_kept <= MAX_MESSAGE_BYTES
 
 

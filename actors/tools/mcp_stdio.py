@@ -9,8 +9,10 @@ the same pair of streams for :class:`~mcp.ClientSession`, but reads raw bytes an
 lines itself (:class:`MessageLines`, which does no I/O): at most
 :data:`~greenroom.actors.tools.mcp_bounds.MAX_MESSAGE_BYTES` of a line are kept, the bound
 greenroom gives a message over streamable HTTP. The rest of a longer line is discarded as it
-arrives, never held. When the line's first bytes show it is the response to one of
-greenroom's requests, that request is answered with a JSON-RPC error naming the bound, so the
+arrives, never held, but for its first and last few KiB. When those show it is the response
+to one of greenroom's requests (its id named before its ``result``, as the Python SDK writes
+it, or as its last member, as the TypeScript SDK's ``JSON.stringify`` writes it), that request
+is answered with a JSON-RPC error naming the bound, so the
 waiting call ends at once with an error output; otherwise the session gets an exception item
 (as the SDK gives it for a line that is not JSON-RPC, or not text) and ignores it. Either way
 the connection goes on.
@@ -55,7 +57,10 @@ from greenroom.actors.tools.mcp_bounds import MAX_MESSAGE_BYTES, too_large
 log = logging.getLogger("greenroom.mcp")
 
 HEAD_BYTES = 4096
-"""How much of a discarded line is kept to find the id of the response it was."""
+"""How much of a discarded line's start is kept to find the id of the response it was."""
+
+TAIL_BYTES = 4096
+"""How much of a discarded line's end is kept, for an id written after the ``result``."""
 
 FLUSH_S = 0.5
 """How long the writer may take to pass on what the session sent before stdin is closed."""
@@ -64,6 +69,10 @@ REAP_S = 2.0
 """How long a killed server may take to be seen dead; only an unkillable one runs it out."""
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
+_NO_ID = object()
+"""No ``id`` key seen (its value may be ``null``)."""
+_LITERAL_CHARS = frozenset("-+.0123456789eEtruefalsn")
+"""The characters of a JSON number, true, false or null."""
 
 Received = SessionMessage | Exception
 """What the session reads: a message, or an exception for a line that is none."""
@@ -74,9 +83,11 @@ Streams = tuple[MemoryObjectReceiveStream[Received], MemoryObjectSendStream[Sess
 
 @attrs.frozen(kw_only=True)
 class OversizedLine:
-    """A line longer than the bound, discarded: its first :data:`HEAD_BYTES` and its size."""
+    """A line longer than the bound, discarded: its first :data:`HEAD_BYTES`, its last
+    :data:`TAIL_BYTES` and its size."""
 
     head: bytes
+    tail: bytes
     size: int
 
 
@@ -95,6 +106,7 @@ class MessageLines:
         self._line = bytearray()
         self._discarded: int | None = None
         self._head = b""
+        self._tail = b""
 
     def feed(self, data: bytes) -> list[bytes | OversizedLine]:
         """The lines ``data`` completes, in order."""
@@ -110,34 +122,43 @@ class MessageLines:
     def _take(self, piece: memoryview) -> None:
         if self._discarded is not None:
             self._discarded += len(piece)
+            self._keep_tail(piece)
         elif len(self._line) + len(piece) > self.limit:
             wanted = max(0, HEAD_BYTES - len(self._line))
             self._head = bytes(self._line[:HEAD_BYTES]) + bytes(piece[:wanted])
+            self._tail = bytes(self._line[-TAIL_BYTES:])
+            self._keep_tail(piece)
             self._discarded = len(self._line) + len(piece)
             self._line = bytearray()  # not clear(): give the memory back now
         else:
             self._line += piece
             self.most_kept = max(self.most_kept, len(self._line))
 
+    def _keep_tail(self, piece: memoryview) -> None:
+        # Only the piece's own end is copied: a read may bring far more than the tail.
+        self._tail = (self._tail + bytes(piece[-TAIL_BYTES:]))[-TAIL_BYTES:]
+
     def _finish(self) -> bytes | OversizedLine:
         if self._discarded is not None:
-            oversized = OversizedLine(head=self._head, size=self._discarded)
-            self._discarded, self._head = None, b""
+            oversized = OversizedLine(head=self._head, tail=self._tail, size=self._discarded)
+            self._discarded, self._head, self._tail = None, b"", b""
             return oversized
         line, self._line = bytes(self._line), bytearray()
         return line
 
 
-def response_id(head: str) -> int | str | None:
-    """The id of the response to one of greenroom's requests that the JSON text ``head``
-    (the start of a message) begins, when its top-level keys name it before its ``result``
-    or ``error``; else None, also for a request or notification of the server's (an id of
-    the server's own numbering)."""
+def response_id(head: str, tail: str = "") -> int | str | None:
+    """The id of the response to one of greenroom's requests that a discarded message was,
+    from the JSON text of its start ``head`` and of its end ``tail``: named among its
+    top-level keys before its ``result`` or ``error`` (the Python SDK's order), or else
+    among the plain members that end it (the TypeScript SDK's order: ``result``, then
+    ``jsonrpc`` and ``id``). None when neither shows it, also for a request or notification
+    of the server's (an id of the server's own numbering)."""
     decoder = json.JSONDecoder()
     at = _skip_space(head, 0)
     if not head.startswith("{", at):
         return None
-    found: Any = None
+    found: Any = _NO_ID
     at += 1
     while True:
         try:
@@ -146,8 +167,8 @@ def response_id(head: str) -> int | str | None:
             if not isinstance(key, str) or not head.startswith(":", at):
                 return None
             if key in ("result", "error"):
-                usable = isinstance(found, int | str) and not isinstance(found, bool)
-                return found if usable else None
+                # Only a response has these, so the id, if not named yet, comes after.
+                return _last_id(tail) if found is _NO_ID else _usable_id(found)
             if key == "method":
                 return None
             value, at = decoder.raw_decode(head, _skip_space(head, at + 1))
@@ -161,6 +182,66 @@ def response_id(head: str) -> int | str | None:
         at += 1
 
 
+def _usable_id(value: Any) -> int | str | None:
+    return value if isinstance(value, int | str) and not isinstance(value, bool) else None
+
+
+def _last_id(tail: str) -> int | str | None:
+    """The ``id`` among the members without nested values that end the JSON object whose
+    end is ``tail``, read backwards: the line's last ``}`` closes the message itself, so
+    these members are top-level ones. None when a nested value or the tail's start comes
+    first, or the message is a request of the server's (a ``method``)."""
+    at = _space_before(tail, len(tail))
+    if not tail.endswith("}", 0, at):
+        return None
+    at -= 1
+    try:
+        while True:
+            value, at = _plain_value_before(tail, _space_before(tail, at))
+            at = _space_before(tail, at)
+            if not tail.endswith(":", 0, at):
+                return None
+            key, at = _plain_value_before(tail, _space_before(tail, at - 1))
+            at = _space_before(tail, at)
+            # A member that the tail's start may have cut counts for nothing.
+            if not isinstance(key, str) or not tail.endswith((",", "{"), 0, at):
+                return None
+            if key == "id":
+                return _usable_id(value)
+            if key == "method" or tail.endswith("{", 0, at):
+                return None
+            at -= 1
+    except ValueError:  # a nested value, the tail's start inside a value, or not JSON
+        return None
+
+
+def _plain_value_before(text: str, end: int) -> tuple[Any, int]:
+    """The JSON string, number, true, false or null that ends at ``end`` in ``text``, and
+    where it starts; ValueError when there is none (a nested value ends there)."""
+    start = end
+    if text.endswith('"', 0, end):
+        start = end - 1
+        while True:
+            start = text.rfind('"', 0, start)
+            if start < 0:
+                raise ValueError("the string starts before the text")
+            escapes = 0
+            while start - escapes > 0 and text[start - escapes - 1] == "\\":
+                escapes += 1
+            if escapes % 2 == 0:  # an escaped quote is part of the string
+                break
+    else:
+        while start > 0 and text[start - 1] in _LITERAL_CHARS:
+            start -= 1
+    return json.loads(text[start:end]), start
+
+
+def _space_before(text: str, at: int) -> int:
+    while at > 0 and text[at - 1] in " \t\n\r":
+        at -= 1
+    return at
+
+
 def _skip_space(text: str, at: int) -> int:
     match = _WHITESPACE.match(text, at)
     return at if match is None else match.end()
@@ -171,7 +252,8 @@ def _message(line: bytes | OversizedLine, params: StdioServerParameters) -> Rece
     request an oversized response was for, or an exception (which the session ignores)."""
     if isinstance(line, OversizedLine):
         reason = f"{too_large(MAX_MESSAGE_BYTES)}: a line of {line.size} bytes"
-        request = response_id(line.head.decode(params.encoding, "ignore"))
+        head, tail = (part.decode(params.encoding, "ignore") for part in (line.head, line.tail))
+        request = response_id(head, tail)
         log.warning("an MCP server's message was discarded: %s", reason)
         if request is None:
             return ValueError(reason)
@@ -309,6 +391,7 @@ async def _exited(process: Process, within_s: float) -> bool:
 
 __all__ = [
     "HEAD_BYTES",
+    "TAIL_BYTES",
     "MessageLines",
     "OversizedLine",
     "Received",
