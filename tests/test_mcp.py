@@ -37,7 +37,7 @@ from greenroom.actors.providers.scripted import (
 )
 from greenroom.actors.runtime.errors import ConfigurationError, NotPending
 from greenroom.actors.runtime.host import Host
-from greenroom.actors.tools.mcp import McpConnection, load_config_files
+from greenroom.actors.tools.mcp import McpConnection, McpServerError, load_config_files
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.effects import idempotency_key
@@ -750,6 +750,68 @@ async def test_legacy_sse_server(mcp_host: Host, workspace: Path, providers: Any
     by_call = outputs_by_call(outputs)
     assert content_text(by_call["c1"]) == "over sse"
     assert by_call["c2"].is_error and "nope" in content_text(by_call["c2"])
+
+
+async def test_a_legacy_sse_post_answered_500_fails_its_call_at_once(
+    mcp_host: Host, workspace: Path
+) -> None:
+    """R-MCP-4, R-SEC-9: over the legacy HTTP+SSE transport a message's POST answered with
+    HTTP 500 stopped the SDK's sender silently, so that call and every later one waited
+    out its timeout_s. It ends the connection now: the call fails at once naming the
+    status, and the next call connects again."""
+    with http_server("sse") as url:
+        await mcp_host.create_session(
+            workspace_dir=workspace,
+            mcp_servers={"old": {"type": "sse", "url": url, "timeout_s": 600}},
+        )
+        server = connection(mcp_host, "old")
+        with trio.fail_after(RUN_TIMEOUT_S):
+            with pytest.raises(McpServerError) as caught:
+                await server.call("http_500", {}, None)
+            (again,) = await server.call("echo", {"text": "again"}, None)
+    assert str(caught.value) == (
+        "MCP server 'old' stopped during http_500: the connection failed: 127.0.0.1 "
+        "answered a message with HTTP 500 Internal Server Error; it is started again on its "
+        "next use"
+    )
+    assert again == TextBlock(text="again")
+
+
+async def serve_events_then_refuse(*, task_status: trio.TaskStatus[str]) -> None:
+    """A legacy HTTP+SSE server that opens one event stream naming its message endpoint,
+    and stops listening first: every POST of a message is refused."""
+    (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    task_status.started(f"http://127.0.0.1:{listener.socket.getsockname()[1]}/sse")
+    stream = await listener.accept()
+    await listener.aclose()
+    request = b""
+    while b"\r\n\r\n" not in request:
+        request += await stream.receive_some()
+    await stream.send_all(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n"
+        b"event: endpoint\r\ndata: /messages\r\n\r\n"
+    )
+    with contextlib.suppress(trio.BrokenResourceError):
+        await stream.receive_some()  # open until the client leaves
+
+
+async def test_a_legacy_sse_server_whose_posts_are_refused_fails_to_start_at_once(
+    mcp_host: Host, workspace: Path
+) -> None:
+    """R-MCP-4: a POST of a message whose connection is refused stopped the SDK's sender
+    silently, and the start waited out its 30 s. It fails at once now, saying so."""
+    with trio.fail_after(RUN_TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(serve_events_then_refuse)
+            await mcp_host.create_session(
+                workspace_dir=workspace, mcp_servers={"old": {"type": "sse", "url": url}}
+            )
+            with pytest.raises(McpServerError) as caught:
+                await connection(mcp_host, "old").list_tools()
+            nursery.cancel_scope.cancel()
+    assert str(caught.value).startswith(
+        "MCP server 'old' could not be started: a message could not be sent to 127.0.0.1: "
+    )
 
 
 async def test_gateway_sessions_get_the_servers_of_its_defaults(

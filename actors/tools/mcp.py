@@ -222,6 +222,10 @@ class _Live:
         self.auth: StoredTokenAuth | None = None  # an HTTP server's OAuth (R-MCP-5)
         self.calls: set[_Call] = set()
 
+    def fail(self, failure: Exception) -> None:
+        """Say why the transport is ending the run, before its calls see it closed."""
+        self.lost = self.lost or f"the connection failed: {_describe(failure)}"
+
 
 class McpConnection:
     """One configured MCP server, shared by the sessions that use it."""
@@ -437,9 +441,9 @@ class McpConnection:
         if config.transport == "sse":
             # The legacy HTTP+SSE transport (R-MCP-6): a server that has not moved to
             # streamable HTTP. An idle stream the SDK drops after its read timeout ends
-            # this run, as does an answer past the bound; the next use connects again.
+            # this run, as does a failed POST of a message; the next use connects again.
             async with bounded_sse_client(
-                config.url, headers=dict(config.headers) or None, auth=auth
+                config.url, headers=dict(config.headers) or None, auth=auth, failed=live.fail
             ) as streams:
                 yield streams
             return

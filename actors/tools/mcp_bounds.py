@@ -16,10 +16,12 @@ event stream's (whose events the SDK bounds) the same bound. So does a session's
 refresh (:class:`~greenroom.actors.tools.mcp_auth.StoredTokenAuth`), over either transport.
 
 Over the legacy HTTP+SSE transport the SDK's ``sse_client`` reads the answer to each POST
-of a message whole, whatever its type, and a failed POST only ends its writer, silently:
-the calls then wait out their timeouts. :func:`bounded_sse_client` gives it a client whose
-every body but the event stream is bounded by :func:`bound_answers`, and ends the whole
-connection with that refusal as its error (its later messages could no longer be sent).
+of a message whole, whatever its type, and a failed POST (an HTTP error status, a refused
+connection, a body past the bound) only ends its writer, silently: the calls then wait out
+their timeouts. :func:`bounded_sse_client` gives it a client whose every body but the event
+stream is bounded by :func:`bound_answers`, and that sees each POST fail: it ends the whole
+connection with that failure as its error (its later messages could no longer be sent), so
+the calls in flight fail at once and the next use connects again.
 
 Over stdio the SDK's ``stdio_client`` joins what the server writes until a newline, with no
 limit and no place to put one: greenroom's own transport
@@ -38,7 +40,12 @@ import httpx2
 import trio
 from mcp.client.sse import sse_client
 from mcp.client.streamable_http import DEFAULT_MAX_SSE_EVENT_SIZE
-from mcp.shared._httpx_utils import create_mcp_http_client
+from mcp.shared._httpx_utils import (
+    MCP_DEFAULT_SSE_READ_TIMEOUT,
+    MCP_DEFAULT_TIMEOUT,
+    create_mcp_http_client,
+    next_request_within_origin,
+)
 
 from greenroom.actors.providers.httpx2_bodies import BoundedStream
 from greenroom.actors.providers.library_bodies import body_encoding, bounded_body
@@ -133,23 +140,66 @@ def login_http_client(
     return bounded_http_client(headers=headers, auth=auth, timeout=timeout, bound=bound_answers)
 
 
+class PostFailed(Exception):
+    """A message could not be sent over the legacy HTTP+SSE transport: its POST was
+    answered with an HTTP error status, or failed on the way (the message says which)."""
+
+
+class _WatchedPosts(httpx2.AsyncClient):
+    """A client that tells ``failed`` why a POST failed, whatever the caller then does
+    with the failure (the SDK's ``sse_client`` drops it)."""
+
+    def __init__(self, failed: Callable[[Exception], None], **options: Any) -> None:
+        super().__init__(**options)
+        self.failed = failed
+
+    async def send(self, request: httpx2.Request, **options: Any) -> httpx2.Response:
+        """``AsyncClient.send``, telling ``failed`` of a failed POST."""
+        if request.method != "POST":
+            return await super().send(request, **options)
+        try:
+            response = await super().send(request, **options)
+        except httpx2.HTTPError as exc:
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            self.failed(PostFailed(f"a message could not be sent to {request.url.host}: {reason}"))
+            raise
+        except Exception as exc:  # the OAuth flow's McpLoginNeeded: it says what to do
+            self.failed(exc)
+            raise
+        # A redirect the SDK follows is not the end; any other answer but a success is
+        # one it raises for (``raise_for_status``), which stops its writer.
+        if not response.is_success and next_request_within_origin(response) is None:
+            status = f"HTTP {response.status_code} {response.reason_phrase}".strip()
+            self.failed(PostFailed(f"{request.url.host} answered a message with {status}"))
+        return response
+
+
 @contextlib.asynccontextmanager
 async def bounded_sse_client(
-    url: str, *, headers: dict[str, str] | None, auth: httpx2.Auth | None
+    url: str,
+    *,
+    headers: dict[str, str] | None,
+    auth: httpx2.Auth | None,
+    failed: Callable[[Exception], None] | None = None,
 ) -> AsyncIterator[Any]:
     """The SDK's ``sse_client`` (the legacy HTTP+SSE transport) with a client whose every
     answer but the event stream is bounded by :func:`bound_answers`: yields its
-    ``(read_stream, write_stream)``. A body past the bound ends the connection: the caller's
-    block is cancelled and leaving raises ``httpx2.StreamError`` with the refusal (the SDK's
-    writer has stopped on it, so no later message could be sent)."""
-    refusals: list[str] = []
+    ``(read_stream, write_stream)``. A POST of a message that fails ends the connection:
+    the caller's block is cancelled and leaving raises the failure (the SDK's writer has
+    stopped on it, so no later message could be sent): ``httpx2.StreamError`` with the
+    refusal of a body past the bound, :class:`PostFailed` naming the HTTP status or what
+    failed on the way, or what the OAuth flow raised. ``failed`` is told the failure
+    first, before the caller's requests in flight see the connection closed."""
+    failures: list[Exception] = []
     with trio.CancelScope() as connection:
 
         async def refuse(response: httpx2.Response) -> None:
-            await bound_answers(response, end)
+            await bound_answers(response, lambda refusal: end(httpx2.StreamError(refusal)))
 
-        def end(refusal: str) -> None:
-            refusals.append(refusal)
+        def end(failure: Exception) -> None:
+            if not failures and failed is not None:
+                failed(failure)
+            failures.append(failure)
             connection.cancel()
 
         def client(
@@ -157,18 +207,27 @@ async def bounded_sse_client(
             timeout: httpx2.Timeout | None = None,
             auth: httpx2.Auth | None = None,
         ) -> httpx2.AsyncClient:
-            return bounded_http_client(headers=headers, auth=auth, timeout=timeout, bound=refuse)
+            # As the SDK's create_mcp_http_client builds it, with the bound and the watch.
+            default = httpx2.Timeout(MCP_DEFAULT_TIMEOUT, read=MCP_DEFAULT_SSE_READ_TIMEOUT)
+            return _WatchedPosts(
+                end,
+                headers=headers,
+                auth=auth,
+                timeout=timeout or default,
+                event_hooks={"response": [refuse]},
+            )
 
         async with sse_client(
             url, headers=headers, auth=auth, httpx_client_factory=client
         ) as streams:
             yield streams
-    if refusals:
-        raise httpx2.StreamError(refusals[0])
+    if failures:
+        raise failures[0]
 
 
 __all__ = [
     "MAX_MESSAGE_BYTES",
+    "PostFailed",
     "bound_answers",
     "bound_messages",
     "bounded_http_client",

@@ -3,7 +3,9 @@
     python tests/support/mcp_server.py            # stdio
     python tests/support/mcp_server.py --http     # streamable HTTP on 127.0.0.1, port 0:
                                                   # prints "PORT <n>" first on stdout
-    python tests/support/mcp_server.py --sse      # the legacy HTTP+SSE transport, likewise
+    python tests/support/mcp_server.py --sse      # the legacy HTTP+SSE transport, likewise;
+                                                  # a message calling tool "http_500" is
+                                                  # answered HTTP 500 before the server sees it
     python tests/support/mcp_server.py --http --json  # JSON bodies instead of SSE
 
 Tools: ``echo`` (read-only), ``structured``, ``image``, ``resource``, ``fail`` (isError),
@@ -139,6 +141,13 @@ def resource() -> list[Any]:
     called.append("resource")
     return [EmbeddedResource(type="resource", resource=TextResourceContents(
         uri="file:///notes.txt", mime_type="text/plain", text="the notes"))]
+
+
+@server.tool()
+def http_500() -> str:
+    """Over ``--sse`` never called: the POST calling it is answered HTTP 500."""
+    called.append("http_500")
+    return "not refused"
 
 
 @server.tool()
@@ -338,6 +347,32 @@ def review(path: str, tone: str = "kind") -> str:
     return f"Review {path} in a {tone} tone."
 
 
+def answer_500_to_http_500(app: Any) -> Any:
+    """``app`` (ASGI), but a POST of a message that calls the tool ``http_500`` is answered
+    HTTP 500 (as a failing server or proxy would) before the server sees it."""
+
+    async def wrapped(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await app(scope, receive, send)
+        received = [await receive()]
+        while received[-1].get("more_body"):
+            received.append(await receive())
+        message = json.loads(b"".join(part.get("body", b"") for part in received))
+        if message.get("params", {}).get("name") == "http_500":
+            await send({"type": "http.response.start", "status": 500,
+                        "headers": [(b"content-type", b"text/plain")]})  # fmt: skip
+            await send({"type": "http.response.body", "body": b"the server failed"})
+            return None
+        replay = iter(received)
+
+        async def receive_again() -> Any:
+            return next(replay, None) or await receive()
+
+        return await app(scope, receive_again, send)
+
+    return wrapped
+
+
 def main() -> None:
     global wire
     if "--http" not in sys.argv and "--sse" not in sys.argv:
@@ -351,7 +386,7 @@ def main() -> None:
     sock.listen()
     print(f"PORT {sock.getsockname()[1]}", flush=True)
     if "--sse" in sys.argv:
-        app = server.sse_app()
+        app = answer_500_to_http_500(server.sse_app())
     else:
         app = server.streamable_http_app(json_response="--json" in sys.argv)
     config = uvicorn.Config(app, log_level="warning")
