@@ -36,6 +36,7 @@ from typing import Any, cast
 import attrs
 import pytest
 import trio
+import trio.testing
 from conftest import Gates, allow_all, collect
 from trio_websocket import open_websocket_url
 
@@ -740,13 +741,20 @@ def _waiting_brain(request: ModelRequest) -> Reply:
     return Reply(blocks=(ToolCallBlock(id="s1", name="spawn_subagent", arguments=spawn),))
 
 
-async def _until_the_payer_waits(a: Member, tmp_path: Path) -> tuple[str, str, str]:
-    """On host ``a``, run the tree of :func:`_waiting_brain` until the root's task has
-    ended, the payer's has answered and waits for its background collector, and the
-    collector's ``hold`` call runs: the ids of the root, the payer and the collector."""
-    hold, holding = blocking_tool()
+async def _until_the_payer_waits(
+    a: Member,
+    tmp_path: Path,
+    held: tuple[Tool, trio.Event] | None = None,
+    brain: Callable[[ModelRequest], Reply] = _waiting_brain,
+) -> tuple[str, str, str]:
+    """On host ``a``, run the tree of ``brain`` (:func:`_waiting_brain`) until the root's
+    task has ended, the payer's has answered and waits for its background collector, and
+    the collector's ``hold`` call runs (``held``: that tool and the event it sets once
+    called; by default one that never returns): the ids of the root, the payer and the
+    collector."""
+    hold, holding = held or blocking_tool()
     root = await a.host.create_session(
-        provider=ScriptedProvider(_waiting_brain),
+        provider=ScriptedProvider(brain),
         tools=[hold, spawn_subagent],
         workspace_dir=tmp_path,
     )
@@ -970,3 +978,139 @@ def test_a_background_childs_answer_past_what_nats_carries_is_cut_and_the_parent
     assert found["most"] - 200 < input_size(far.content) <= found["most"]
     ends = [r.status for r in found["root"] if isinstance(r, TaskEnd)]
     assert ends == ["completed", "completed"]
+
+
+# -- a tree handed over by a draining host --------------------------------------------------------
+
+DRAIN_GRACE_S = 5.0
+"""Within the test's bound; the tree comes to rest at once once its calls are let go."""
+
+
+def _keyed_hold() -> tuple[Tool, dict[str, trio.Event], dict[str, trio.Event]]:
+    """A ``hold`` tool whose call of ``key`` returns ``3`` once the test sets
+    ``gates[key]``; ``started[key]`` is set once it is called."""
+    started: dict[str, trio.Event] = {}
+    gates: dict[str, trio.Event] = {}
+    for key in ("collecting", "paying"):
+        started[key], gates[key] = trio.Event(), trio.Event()
+
+    async def hold(key: str) -> str:
+        """Hold until the test lets the call go."""
+        started[key].set()
+        await gates[key].wait()
+        return "3"
+
+    return make_tool(hold, parallel=True), started, gates
+
+
+def _paying_brain(request: ModelRequest) -> Reply:
+    """:func:`_waiting_brain`, but the payer, once it has spawned the collector, pays (a
+    ``hold`` call of its own, ``paying``) before it says that it waits."""
+    if (request.system or "").startswith(SUBAGENT_SYSTEM) and "pay 3" in str(
+        request.messages[0].content
+    ):
+        results = [
+            b
+            for m in request.messages
+            if isinstance(m, UserMessage)
+            for b in m.content
+            if isinstance(b, ToolResult)
+        ]
+        if len(results) == 1:
+            return Reply(blocks=(tool_call("h2", "hold", key="paying"),))
+    return _waiting_brain(request)
+
+
+async def _drained_tree(
+    cluster: Cluster, tree: tuple[str, str, str]
+) -> tuple[list[str], list[str], dict[str, Any]]:
+    """Once host a has drained and stopped: the kinds of the payer's task records
+    (:func:`_tasks_of`) once its and the collector's tasks have ended, the payer's reports
+    that the root took once it has merged one, and the host each of the tree's sessions
+    was last run by (its directory entry's)."""
+    a = cluster.members["a"]
+    root, payer, collector = tree
+    a.stop.set()
+    await a.stopped.wait()
+    for session_id in (collector, payer):
+        await until(lambda: _task_ended(cluster, session_id))  # noqa: B023
+    tasks = _tasks_of(list((await cluster.traces.read(payer)).records))
+    hosts = {sid: (await cluster.entry(sid) or {}).get("host") for sid in tree}
+    if tasks != ["task_start", "report", "task_end"]:
+        return tasks, [], hosts
+    await until(lambda: _merged_report(cluster, root))
+    root_records = (await cluster.traces.read(root)).records
+    said = [str(r.content) for r in root_records if isinstance(r, UserMsg)]
+    return tasks, [text for text in said if FINISHED in text], hosts
+
+
+def test_a_subagent_held_while_its_child_runs_is_handed_over_with_it(
+    tmp_path: Path, nats_server: NatsProcess
+) -> None:
+    """R-TREE-2, R-TREE-4, R-DRAIN-2: host a drains while the payer's own call and its
+    background collector's call run. The payer's call is let go first: its task is held
+    at its boundary while the collector still runs; the collector's is let go only once
+    the payer's hand-over is under way (before: b had taken the payer up alone, and its
+    task, answered, had ended) or waits for the collector (the tree's hand-over). Handed
+    over with its tree, the payer is taken up on b with the collector: it waits for the
+    collector's answer, which comes as steering of the same task, and the root gets the
+    payer's merged answer once. Before, ['task_start', 'task_end', 'task_start', 'report',
+    'task_end']: the collector's answer came as a second task."""
+
+    async def body(cluster: Cluster) -> tuple[list[str], list[str], dict[str, Any]]:
+        a = cluster.members["a"]
+        hold, started, gates = _keyed_hold()
+        collecting = (hold, started["collecting"])
+        tree = await _until_the_payer_waits(a, tmp_path, collecting, _paying_brain)
+        payer = tree[1]
+        await started["paying"].wait()
+
+        async def payer_handed() -> bool:
+            gathered = bool(getattr(a.node, "_gathering", ()))
+            return gathered or await _task_ended(cluster, payer)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.host.drain, DRAIN_GRACE_S)
+            await trio.testing.wait_all_tasks_blocked()
+            assert a.host.draining
+            gates["paying"].set()
+            await until(payer_handed)
+            gates["collecting"].set()
+        return await _drained_tree(cluster, tree)
+
+    tasks, reports, hosts = in_cluster(
+        nats_server, tmp_path, ("a", "b"), body, brain=_paying_brain
+    )
+    assert tasks == ["task_start", "report", "task_end"]
+    assert len(reports) == 1 and "merged: collected 3" in reports[0], reports
+    assert list(hosts.values()) == ["b", "b", "b"]
+
+
+def test_a_subagent_that_waits_for_its_held_child_is_handed_over_with_it(
+    tmp_path: Path, nats_server: NatsProcess
+) -> None:
+    """R-TREE-2, R-TREE-4, R-DRAIN-2: host a drains while the payer's task, answered, waits
+    for its background collector, whose call runs; the call is let go, the collector is
+    held, and the tree (the idle root, the waiting payer, the held collector) is handed to
+    host b in one request: the payer's task takes the collector's answer as steering and
+    the root, on b, gets the payer's merged answer once. Before, the collector went alone,
+    its answer reached the payer on a, which was held and handed on, and the payer's
+    answer reached the root on a as a stopped: refused ("the host is closed"), lost."""
+
+    async def body(cluster: Cluster) -> tuple[list[str], list[str], dict[str, Any]]:
+        a = cluster.members["a"]
+        hold, started, gates = _keyed_hold()
+        tree = await _until_the_payer_waits(a, tmp_path, (hold, started["collecting"]))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.host.drain, DRAIN_GRACE_S)
+            await trio.testing.wait_all_tasks_blocked()
+            assert a.host.draining
+            gates["collecting"].set()
+        return await _drained_tree(cluster, tree)
+
+    tasks, reports, hosts = in_cluster(
+        nats_server, tmp_path, ("a", "b"), body, brain=_waiting_brain
+    )
+    assert tasks == ["task_start", "report", "task_end"]
+    assert len(reports) == 1 and "merged: collected 3" in reports[0], reports
+    assert list(hosts.values()) == ["b", "b", "b"]

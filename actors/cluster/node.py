@@ -73,7 +73,7 @@ from greenroom.actors.cluster.bridge import Bridge
 from greenroom.actors.cluster.connection import ClusterNames, Connection, connect, shown_url
 from greenroom.actors.cluster.directory_entries import DirectoryEntries, Grantor
 from greenroom.actors.cluster.errors import ClusterError, ClusterUnavailable
-from greenroom.actors.cluster.handover import HandedSince, hand_over
+from greenroom.actors.cluster.handover import HandedSince, gather_tree, hand_over, take_handed
 from greenroom.actors.cluster.in_flight import CallsInFlight
 from greenroom.actors.cluster.lanes import SessionLanes
 from greenroom.actors.cluster.limits import ClusterLimits
@@ -169,6 +169,7 @@ class ClusterNode:
         self._requests = SessionRequests(conn)
         self._placeable = False
         self._handed = HandedSince()
+        self._gathering: set[str] = set()
         self._serving: dict[str, trio.Event] = {}
         self._calls = CallsInFlight(config.lease_ttl_s)
 
@@ -496,22 +497,21 @@ class ClusterNode:
         _grant(self._entries, entries, served, self.host_id)
         return served
 
-    async def _take_handed(self, session_id: str) -> bool:
-        """A draining host handed ``session_id`` over (R-DRAIN-2): take it over now."""
+    async def _take_handed(self, session_id: str, with_ids: list[str]) -> bool:
+        """A draining host handed ``session_id`` over (R-DRAIN-2): :func:`take_handed`."""
         assert self._directory is not None and self._host is not None
-        with contextlib.suppress(ClusterUnavailable):  # unless this host drains too
-            entry = None if self._host.draining else await self._directory.get(session_id)
-            return entry is not None and await self._take_entry(session_id, entry)
-        return False
+        handed = [session_id, *with_ids]
+        return await take_handed(self._directory, self._host, self._take_entries, handed)
 
     async def hand_over(self, session_id: str) -> None:
-        """Hand a session held for a drain (or parked) to another host now (R-DRAIN-2:
-        :func:`~greenroom.actors.cluster.handover.hand_over`)."""
-        assert self._registry is not None and self._keeper is not None
+        """Hand a held (or parked) session and its tree to another host (R-DRAIN-2)."""
+        assert self._registry is not None and self._keeper is not None and self._host is not None
         self._load_changed()  # announced as draining now, not at the next tick
-        if session_id in self._adopted:
+        tree = await gather_tree(self._host, session_id, self._adopted, self._gathering)
+        if tree:  # else not this host's, or handed with the tree another call gathers
             parts = (self._registry, self._keeper, self._requests, self._give_up)
-            await hand_over(session_id, self.host_id, *parts, self.config.lease_ttl_s, self._handed)
+            ttl = self.config.lease_ttl_s
+            await hand_over(tree[0], self.host_id, *parts, ttl, self._handed, with_ids=tree[1:])
 
     async def take_over(self, session_id: str, meta: dict[str, Any]) -> bool:
         """Claim ``session_id``, rebuild it from its trace and take up its open task (see

@@ -232,7 +232,7 @@ class OwnerDesk:
         *,
         bound_s: float,
         reports: Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]] | None = None,
-        takes: Callable[[str], Awaitable[bool]] | None = None,
+        takes: Callable[[str, list[str]], Awaitable[bool]] | None = None,
     ) -> None:
         self._methods = gateway.methods
         self._gateway = gateway
@@ -378,11 +378,14 @@ class OwnerDesk:
         params = message.get("params")
         principal = message.get("principal")
         if message.get("method") == HAND_OVER_METHOD and isinstance(params, dict):
-            session_id = params.get("session_id")
+            session_id, with_ids = params.get("session_id"), params.get("with", [])
             if self._takes is None or not isinstance(session_id, str):
                 return _error(jsonrpc.INVALID_REQUEST, "session.take needs a session_id")
+            # The sessions of its tree handed with it, taken up together (R-TREE-2).
+            if not (isinstance(with_ids, list) and all(isinstance(i, str) for i in with_ids)):
+                return _error(jsonrpc.INVALID_REQUEST, "session.take's with is a list of ids")
             answering.in_doubt = True
-            return {"result": {"taken": await self._takes(session_id)}}
+            return {"result": {"taken": await self._takes(session_id, with_ids)}}
         if message.get("method") == WITHDRAWN_METHOD and isinstance(params, dict):
             placement = params.get("placement")
             if not isinstance(placement, str):
