@@ -42,6 +42,7 @@ class Requests:
         self.burst = burst
         self.refused_by = refused_by
         self.asked: list[str] = []
+        self.params: list[dict[str, Any]] = []
         self.taken: Counter[str] = Counter()
         self.all_asked = trio.Event()
 
@@ -49,6 +50,7 @@ class Requests:
         self, host_id: str, message: dict[str, Any], timeout_s: float
     ) -> dict[str, Any]:
         self.asked.append(host_id)
+        self.params.append(message["params"])
         if len(self.asked) >= self.burst:
             self.all_asked.set()
         await self.all_asked.wait()
@@ -79,3 +81,20 @@ async def test_a_host_that_refuses_is_not_counted() -> None:
     requests = Requests(burst=4, refused_by="b")
     await _burst(Registry({"a": 20, "b": 0, "c": 0}), requests, 4)
     assert requests.taken == {"c": 4}
+
+
+async def test_a_tree_goes_to_one_host_in_one_request() -> None:
+    """R-DRAIN-2, R-TREE-2: a session handed with the rest of its tree: every one is given
+    up here, one request names them all, and the host that takes them counts them all."""
+    registry = Registry({"a": 20, "b": 0, "c": 2})
+    requests = Requests(burst=1)
+    given_up: list[str] = []
+    handed = HandedSince()
+    tree = ("payer", "collector")
+    await hand_over(
+        "root", "a", registry, Keeper(), requests, given_up.append, 5.0, handed, with_ids=tree
+    )
+    assert given_up == ["root", "payer", "collector"]
+    assert requests.params == [{"session_id": "root", "with": ["payer", "collector"]}]
+    assert requests.taken == {"b": 1}
+    assert handed.load(registry.records[1]) == 3

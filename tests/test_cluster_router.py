@@ -13,6 +13,7 @@ from greenroom.actors.cluster.errors import OwnerUnreachable
 from greenroom.actors.cluster.registry import HostRecord, HostRegistry, SessionDirectory
 from greenroom.actors.cluster.router import (
     ACCEPTED_METHOD,
+    HAND_OVER_METHOD,
     OWNER_UNREACHABLE,
     WITHDRAWN_METHOD,
     ClusterRouter,
@@ -515,3 +516,36 @@ def test_a_call_whose_owner_released_the_session_meanwhile_opens_it_here() -> No
         [],
         2,
     )
+
+
+def test_a_handed_session_is_taken_with_the_rest_of_its_tree() -> None:
+    """R-DRAIN-2, R-TREE-2: ``session.take`` hands the taking host the session and the
+    rest of its tree (``with``, none when absent); a ``with`` that is not a list of ids is
+    refused, nothing taken."""
+    taken: list[tuple[str, list[str]]] = []
+
+    async def takes(session_id: str, with_ids: list[str]) -> bool:
+        taken.append((session_id, with_ids))
+        return True
+
+    async def main() -> list[dict[str, Any]]:
+        async def until_serving(_session_id: str) -> None:
+            pass
+
+        gateway = cast(Gateway, _Gateway())
+        desk = OwnerDesk(gateway, set().__contains__, until_serving, bound_s=BOUND_S, takes=takes)
+        replies = []
+        for params in (
+            {"session_id": "s1"},
+            {"session_id": "root", "with": ["payer", "collector"]},
+            {"session_id": "root", "with": "payer"},
+        ):
+            message = {"method": HAND_OVER_METHOD, "params": params, "principal": ""}
+            replies.append(await desk.for_host(message, Answering()))
+        return replies
+
+    alone, tree, bad = trio.run(main)
+    assert alone == tree == {"result": {"taken": True}}
+    assert taken == [("s1", []), ("root", ["payer", "collector"])]
+    assert bad["error"]["code"] == jsonrpc.INVALID_REQUEST
+    assert "with is a list of ids" in bad["error"]["message"]
