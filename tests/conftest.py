@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sqlite3
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -223,6 +223,26 @@ def ledger_rows(data_dir: Path, session_id: str | None = None) -> list[dict[str,
         return [dict(row) for row in conn.execute(query + " ORDER BY id", params)]
     finally:
         conn.close()
+
+
+def hold_after_first(
+    monkeypatch: pytest.MonkeyPatch, owner: object, name: str
+) -> tuple[trio.Event, trio.Event]:
+    """The next call of ``owner``'s coroutine function ``name`` waits, once it has
+    returned, until the test lets it go on; later calls run as they are. Returns (done,
+    let_go)."""
+    done, let_go = trio.Event(), trio.Event()
+    original: Callable[..., Awaitable[Any]] = getattr(owner, name)
+
+    async def done_then_wait(*args: Any, **kwargs: Any) -> Any:
+        result = await original(*args, **kwargs)
+        if not done.is_set():
+            done.set()
+            await let_go.wait()
+        return result
+
+    monkeypatch.setattr(owner, name, done_then_wait)
+    return done, let_go
 
 
 # -- tools -----------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 import pytest
 import trio
-from conftest import Gates, Lookup, last_user, port_of, texts_of
+from conftest import Gates, Lookup, last_user, port_of, results_of, texts_of
 from trio_websocket import (
     ConnectionClosed,
     ConnectionRejected,
@@ -215,6 +215,18 @@ def lookup_script() -> list[ScriptStep]:
         Reply(blocks=(text("Checking."), tool_call("c1", "lookup", key="a"))),
         Reply(blocks=(text("Done."),)),
     ]
+
+
+def lookup_brain() -> ScriptStep:
+    """``lookup_script`` as a model that reads the conversation, so a session loaded again
+    (given a new one) goes on where it was: a call to look ``a`` up, then ``Done.``."""
+
+    def brain(request: ModelRequest) -> Reply:
+        if results_of(last_user(request)):
+            return Reply(blocks=(text("Done."),))
+        return Reply(blocks=(text("Checking."), tool_call("c1", "lookup", key="a")))
+
+    return brain
 
 
 # -- handshake and authentication -----------------------------------------------------------------

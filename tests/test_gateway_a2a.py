@@ -35,9 +35,9 @@ from a2a.types import (
     TaskState,
 )
 from a2a.utils.errors import A2AError
-from conftest import Gates, Lookup, last_user, port_of, results_of
-from test_gateway import TOKEN, connect, lookup_script, serving
-from test_gateway_queued import hold_after_first, hold_task_end, steered_event
+from conftest import Gates, Lookup, hold_after_first, port_of
+from test_gateway import TOKEN, connect, lookup_brain, lookup_script, serving
+from test_gateway_queued import hold_task_end, steered_event
 from trio_websocket import open_websocket_url
 
 from greenroom.actors.gateway import GatewayLimits
@@ -48,7 +48,6 @@ from greenroom.actors.providers.scripted import Reply, ScriptStep, text, tool_ca
 from greenroom.actors.runtime.session import Session
 from greenroom.protocols import a2a, jsonrpc
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock
-from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.outputs import (
     ApprovalDecision,
     ApprovalRequest,
@@ -491,18 +490,6 @@ async def test_steering_a_session_whose_close_began_once_it_was_found_is_answere
             assert frame["error"]["code"] == jsonrpc.GONE == 410, frame
             assert server.gateway._calls.queue_room.pending(sid, "steering") == 0  # R-SEC-9
             assert len(server.providers[0].requests) == 1  # the words reached no model
-
-
-def lookup_brain() -> ScriptStep:
-    """``lookup_script`` as a model that reads the conversation, so a session loaded again
-    (given a new one) goes on where it was: a call to look ``a`` up, then ``Done.``."""
-
-    def brain(request: ModelRequest) -> Reply:
-        if results_of(last_user(request)):
-            return Reply(blocks=(text("Done."),))
-        return Reply(blocks=(text("Checking."), tool_call("c1", "lookup", key="a")))
-
-    return brain
 
 
 @pytest.mark.parametrize("stage", ["closing", "closed"])

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import trio
-from conftest import Lookup
+from conftest import Lookup, hold_after_first
 from test_gateway import (
     ALICE,
     BOB,
@@ -23,14 +23,17 @@ from test_gateway import (
     Client,
     Server,
     connect,
+    lookup_brain,
     lookup_script,
     serving,
 )
 
 import greenroom.actors.runtime.provider_clients as provider_clients
 from greenroom.actors.gateway import Gateway, SessionDefaults
+from greenroom.actors.gateway.nodes import Nodes
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, ScriptStep, text, tool_call
 from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.session import Session
 from greenroom.actors.runtime.subagents import SPAWN_SUBAGENT, SUBAGENT_SYSTEM, spawn_subagent
 from greenroom.actors.tools.questions import ask_user
 from greenroom.protocols.context import ModelRequest, ToolResult
@@ -231,6 +234,61 @@ async def test_approve_after_the_host_was_closed_and_opened_again(
             nursery.cancel_scope.cancel()
     assert lookup.calls == ["a"]
     assert all(p.violations == [] for p in made)
+
+
+@pytest.mark.parametrize("stage", ["closing", "closed"])
+async def test_an_approval_whose_session_began_to_close_once_it_was_found_is_taken_there_again(
+    tmp_path: Path, lookup: Lookup, monkeypatch: pytest.MonkeyPatch, stage: str
+) -> None:
+    """R-HITL-1, R-HOST-3: an ``approve`` that found its request pending, and came to the
+    host once the host had begun to close the session (or had closed it), had the host
+    load the session with the host's own tools and model: the call failed as an unknown
+    tool. The session is loaded as any call on a closed session loads it (the server's
+    tools and model): the tool runs once and the task completes."""
+    with trio.fail_after(BOUND_S):
+        async with (
+            serving(tmp_path, lookup_brain, tools=[lookup.tool]) as server,
+            connect(server) as client,
+        ):
+            sid = (await client.result("session.create"))["session_id"]
+            request = await until_asked(client, sid)
+            found, let_answer = hold_after_first(monkeypatch, Nodes, "asked_in")
+            closing, let_close = hold_after_first(monkeypatch, Session, "aclose")
+            closed = trio.Event()
+
+            async def approve() -> None:
+                allow = {"session_id": sid, "call_id": "c1", "decision": "allow"}
+                assert await client.result("approve", allow) == {}
+
+            async def close() -> None:
+                await server.host.close_session(sid)
+                closed.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(approve)
+                await found.wait()  # the request was found pending: the call answers it
+                nursery.start_soon(close)
+                await closing.wait()  # the host lists the session no more
+                if stage == "closed":
+                    let_close.set()
+                    await closed.wait()
+                let_answer.set()
+                await trio.testing.wait_all_tasks_blocked()  # when closing: the answer waits
+                let_close.set()
+            dropped = await client.notification()  # the closed session's subscription
+            assert dropped["params"]["reason"] == "session closed", dropped
+            after_seq = {"session_id": sid, "after_seq": request["seq"]}
+            await client.result("session.subscribe", after_seq)
+            after = await client.outputs_until("task_end")
+            (decision,) = [o for o in after if o["type"] == "approval_decision"]
+            assert (decision["call_id"], decision["decision"], decision["principal"]) == (
+                "c1",
+                "allow",
+                "default",
+            )
+            (result,) = [o for o in after if o["type"] == "tool_call_output"]
+            assert not result["is_error"], result
+            assert after[-1]["status"] == "completed" and lookup.calls == ["a"]
 
 
 def spawn_then_look() -> ScriptStep:

@@ -5,14 +5,14 @@ and websocket clients (``test_gateway``'s harness), the orders forced with trio 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 import trio.testing
-from conftest import Gates, Lookup, port_of, trace_lines
+from conftest import Gates, Lookup, hold_after_first, port_of, trace_lines
 from test_gateway import BOUND_S, connect, lookup_script, serving
 from test_gateway_people import until_asked
 
@@ -88,26 +88,6 @@ def hold_after_read(monkeypatch: pytest.MonkeyPatch) -> tuple[trio.Event, trio.E
     they are read, until the test lets it go on to hand the input over. Returns (read,
     let_go)."""
     return hold_after_first(monkeypatch, Session, "attach")
-
-
-def hold_after_first(
-    monkeypatch: pytest.MonkeyPatch, owner: object, name: str
-) -> tuple[trio.Event, trio.Event]:
-    """The next call of ``owner``'s coroutine function ``name`` waits, once it has
-    returned, until the test lets it go on; later calls run as they are. Returns (done,
-    let_go)."""
-    done, let_go = trio.Event(), trio.Event()
-    original: Callable[..., Awaitable[Any]] = getattr(owner, name)
-
-    async def done_then_wait(*args: Any, **kwargs: Any) -> Any:
-        result = await original(*args, **kwargs)
-        if not done.is_set():
-            done.set()
-            await let_go.wait()
-        return result
-
-    monkeypatch.setattr(owner, name, done_then_wait)
-    return done, let_go
 
 
 def hold_after_lookup(monkeypatch: pytest.MonkeyPatch) -> tuple[trio.Event, trio.Event]:

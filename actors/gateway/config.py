@@ -114,6 +114,17 @@ class SessionDefaults:
             return self.provider_factory()
         return self.provider
 
+    def loading(self, principal: str) -> dict[str, Any]:
+        """How the gateway loads a stored session for ``principal`` (the options of
+        ``Host.load_session``): the server's tools, model and MCP servers, never the
+        host's own, and its requests admitted in turn as ``principal``'s (R-SHARE-2)."""
+        return {
+            "tools": self.tools,
+            "provider": self.session_provider(),
+            "mcp_servers": self.mcp_servers,
+            "principal": principal,
+        }
+
 
 @attrs.frozen(kw_only=True)
 class GatewayLimits:

@@ -14,11 +14,13 @@ principal's session answers 403, an unknown one 404. The creator is stored with 
 People (R-HITL): under ``approve="ask"`` tasks run with ``approve="people"``: each request
 waits in the session's trace, ``approvals.list`` lists those of the caller's sessions
 (whether or not their task is in memory), and ``approve`` / ``answer`` go to the host
-(``answer_approval`` / ``answer_question``) as the caller's principal; an answer for a call
-that waits for none is 409. Workspaces (R-SEC-5): a client's
-``session.create {workspace}`` must resolve under the workspace root. Caps (R-SEC-9): a
-principal's open sessions (``session.create`` answers 429 beyond them) and, for a
-connection that authenticates with ``initialize``, its connections; a remote address
+(``answer_approval`` / ``answer_question``) as the caller's principal — to be loaded, when
+the host began to close the session once the call found the request, with the server's
+tools and model, not the host's own; an answer for a call that waits for none is 409.
+Workspaces (R-SEC-5): a client's ``session.create {workspace}`` must resolve under the
+workspace root. Caps (R-SEC-9): a principal's open sessions (``session.create`` answers
+429 beyond them) and, for a connection that authenticates with ``initialize``, its
+connections; a remote address
 that sent too many wrong tokens is refused (429) before its token is looked at.
 """
 
@@ -262,14 +264,7 @@ class Methods:
         except SessionNotFound:
             # Closed by the host since (or granted from the data dir), or a finished
             # subagent: load it again.
-            session = await self.host.load_session(
-                session_id,
-                tools=self.defaults.tools,
-                provider=self.defaults.session_provider(),
-                mcp_servers=self.defaults.mcp_servers,
-                # Its requests are admitted in turn as this client's (R-SHARE-2).
-                principal=principal,
-            )
+            session = await self.host.load_session(session_id, **self.defaults.loading(principal))
         await self._hubs.adopt(session)
         return session
 
@@ -546,12 +541,15 @@ class Methods:
             Verdict, jsonrpc.require_choice(params, "decision", ("allow", "deny", "allow_session"))
         )
         digest = jsonrpc.optional_str(params, "digest", max_len=200)
+        principal = _identity(connection)
+        asked_in = await self._nodes.asked_in(session, call_id)
         await self.host.answer_approval(
-            await self._nodes.asked_in(session, call_id),
+            asked_in,
             call_id,
             decision,
-            by=_identity(connection),
+            by=principal,
             digest=digest,
+            **_loading_unless_open(self.host, self.defaults, asked_in, principal),
         )
         return {}
 
@@ -562,8 +560,14 @@ class Methods:
         session = await self._owned_session(connection, params)
         call_id = jsonrpc.require_str(params, "call_id", max_len=500)
         text = jsonrpc.require_str(params, "text", max_len=MAX_ANSWER_CHARS)
+        principal = _identity(connection)
+        asked_in = await self._nodes.asked_in(session, call_id)
         await self.host.answer_question(
-            await self._nodes.asked_in(session, call_id), call_id, text, by=_identity(connection)
+            asked_in,
+            call_id,
+            text,
+            by=principal,
+            **_loading_unless_open(self.host, self.defaults, asked_in, principal),
         )
         return {}
 
@@ -616,6 +620,21 @@ def _check_recordable(content: tuple[UserContent, ...], output_schema: object, m
             f"cluster's NATS server carries in one message ({most} bytes with its "
             "max_payload); nothing was done, send less",
         )
+
+
+def _loading_unless_open(
+    host: Host, defaults: SessionDefaults, session_id: str, principal: str
+) -> dict[str, Any]:
+    """How the host is to load ``session_id`` for an answer: as any call on a closed
+    session loads it (the server's tools and model) when the host lists it no more — its
+    close began since the request was found, or is done — and the host alone would load it
+    with its own (R-HITL-1); nothing while it is open (it keeps its own, and no provider
+    is made for nothing). The caller hands them to the host with no checkpoint between."""
+    try:
+        host.get_session(session_id)
+    except SessionNotFound:
+        return defaults.loading(principal)
+    return {}
 
 
 def _identity(connection: Connection) -> str:

@@ -513,27 +513,29 @@ class Host:
 
     async def answer_approval(
         self, session_id: str, call_id: str, decision: Verdict, by: str | None = None, *,
-        digest: str | None = None,
+        digest: str | None = None, **load: Any,
     ) -> None:
         """Answer the pending approval of ``call_id``: ``allow``, ``deny`` or
         ``allow_session``, recorded with ``by: client`` and ``principal=by`` (R-HITL-2).
         Works whether or not the session is open or its task in memory: the task resumes
-        (a parked one wakes, a stored one is loaded). ``digest``, when given, must be the
-        arguments digest the person saw. Raises :class:`NotPending` when the call waits
-        for no decision, :class:`SessionNotFound` when there is no such session."""
-        port = self._ports[(await self.load_session(session_id)).id]
+        (a parked one wakes, a stored one is loaded, with ``load`` as for :meth:`load_session`:
+        a front's own tools and model, also when its close begins meanwhile). ``digest``,
+        when given, must be the arguments digest the person saw. Raises :class:`NotPending`
+        when the call waits for no decision, :class:`SessionNotFound` when there is none."""
+        port = self._ports[(await self.load_session(session_id, **load)).id]
         await answer(
             port,
             PersonAnswered(call_id=call_id, verdict=decision, principal=by, digest=digest),
         )
 
     async def answer_question(
-        self, session_id: str, call_id: str, text: str, by: str | None = None
+        self, session_id: str, call_id: str, text: str, by: str | None = None, **load: Any
     ) -> None:
         """Answer the model's question of ``call_id`` (the ``ask_user`` tool, R-HITL-5):
         ``text`` is the call's result; or say what became of a call in doubt (R-EFFECT-2):
-        ``done``, ``not done`` or ``run again``. Raises as :meth:`answer_approval` does."""
-        port = self._ports[(await self.load_session(session_id)).id]
+        ``done``, ``not done`` or ``run again``. ``load`` and what raises as for
+        :meth:`answer_approval`."""
+        port = self._ports[(await self.load_session(session_id, **load)).id]
         await answer(port, PersonAnswered(call_id=call_id, text=text, principal=by))
 
     async def resume(self, session_id: str, *, approve: Approval = PEOPLE, **load: Any) -> Session:
