@@ -236,18 +236,33 @@ async def test_approve_after_the_host_was_closed_and_opened_again(
     assert all(p.violations == [] for p in made)
 
 
+def question_brain() -> ScriptStep:
+    """A model that asks which color (``q1``) and, once answered, says ``Blue it is.``."""
+
+    def brain(request: ModelRequest) -> Reply:
+        if any(isinstance(p, ToolResult) for p in request.messages[-1].content):
+            return Reply(blocks=(text("Blue it is."),))
+        return Reply(blocks=(tool_call("q1", "ask_user", question="Which color?"),))
+
+    return brain
+
+
 @pytest.mark.parametrize("stage", ["closing", "closed"])
-async def test_an_approval_whose_session_began_to_close_once_it_was_found_is_taken_there_again(
-    tmp_path: Path, lookup: Lookup, monkeypatch: pytest.MonkeyPatch, stage: str
+@pytest.mark.parametrize("method", ["approve", "answer"])
+async def test_an_answer_whose_session_began_to_close_once_it_was_found_is_taken_there_again(
+    tmp_path: Path, lookup: Lookup, monkeypatch: pytest.MonkeyPatch, method: str, stage: str
 ) -> None:
-    """R-HITL-1, R-HOST-3: an ``approve`` that found its request pending, and came to the
-    host once the host had begun to close the session (or had closed it), had the host
-    load the session with the host's own tools and model: the call failed as an unknown
-    tool. The session is loaded as any call on a closed session loads it (the server's
-    tools and model): the tool runs once and the task completes."""
+    """R-HITL-1, R-HOST-3: an ``approve`` (or ``answer``) that found its request pending,
+    and came to the host once the host had begun to close the session (or had closed it),
+    had the host load the session with the host's own tools and model: the approved call
+    failed as an unknown tool (the answered question went to the host's default model).
+    The session is loaded as any call on a closed session loads it (the server's tools and
+    model): the tool runs once, the server's model answers, the task completes."""
+    approving = method == "approve"
+    brain, tool = (lookup_brain, lookup.tool) if approving else (question_brain, ask_user)
     with trio.fail_after(BOUND_S):
         async with (
-            serving(tmp_path, lookup_brain, tools=[lookup.tool]) as server,
+            serving(tmp_path, brain, tools=[tool]) as server,
             connect(server) as client,
         ):
             sid = (await client.result("session.create"))["session_id"]
@@ -256,16 +271,17 @@ async def test_an_approval_whose_session_began_to_close_once_it_was_found_is_tak
             closing, let_close = hold_after_first(monkeypatch, Session, "aclose")
             closed = trio.Event()
 
-            async def approve() -> None:
-                allow = {"session_id": sid, "call_id": "c1", "decision": "allow"}
-                assert await client.result("approve", allow) == {}
+            async def send_the_answer() -> None:
+                params = {"session_id": sid, "call_id": request["call_id"]}
+                params |= {"decision": "allow"} if approving else {"text": "blue"}
+                assert await client.result(method, params) == {}
 
             async def close() -> None:
                 await server.host.close_session(sid)
                 closed.set()
 
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(approve)
+                nursery.start_soon(send_the_answer)
                 await found.wait()  # the request was found pending: the call answers it
                 nursery.start_soon(close)
                 await closing.wait()  # the host lists the session no more
@@ -281,14 +297,13 @@ async def test_an_approval_whose_session_began_to_close_once_it_was_found_is_tak
             await client.result("session.subscribe", after_seq)
             after = await client.outputs_until("task_end")
             (decision,) = [o for o in after if o["type"] == "approval_decision"]
-            assert (decision["call_id"], decision["decision"], decision["principal"]) == (
-                "c1",
-                "allow",
-                "default",
-            )
+            assert (decision["call_id"], decision["principal"]) == (request["call_id"], "default")
             (result,) = [o for o in after if o["type"] == "tool_call_output"]
             assert not result["is_error"], result
-            assert after[-1]["status"] == "completed" and lookup.calls == ["a"]
+            said = [b["text"] for o in after if o["type"] == "model_msg" for b in [o["block"]]]
+            assert said == ["Done." if approving else "Blue it is."], said
+            assert after[-1]["status"] == "completed"
+            assert lookup.calls == (["a"] if approving else [])
 
 
 def spawn_then_look() -> ScriptStep:
