@@ -239,8 +239,8 @@ class OutputEmitter:
         batch = self._unpublished.popleft()[1]
         self._publish(batch)
         waiting = self._written_receipts
-        while waiting and waiting[0][0] is batch:
-            waiting.popleft()[1].durable()
+        if waiting and waiting[0][0] is batch:
+            _settle_published(self._port, batch, waiting)
 
     def _on_trace_written(self) -> None:
         # The store's answer came: publish what it covers, and wait for the next ticket.
@@ -294,6 +294,23 @@ class OutputEmitter:
         # still get every output.
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             self._output.send_nowait(batch)
+
+
+def _settle_published(
+    port: SessionPort, batch: list[Output], waiting: deque[tuple[list[Output], InputReceipt]]
+) -> None:
+    """Settle the receipts waiting for ``batch``, which the store is done with: durable,
+    unless the store gave its records up rather than stored them (the cluster's store,
+    once the session's trace was fenced by another host, or its replication stopped):
+    they never reached the trace a host taking the session up reads, so the input will
+    not run, and a receipt said durable would have its client told ``queued: true``."""
+    error = port.trace_error()
+    while waiting and waiting[0][0] is batch:
+        receipt = waiting.popleft()[1]
+        if error is None:
+            receipt.durable()
+        else:
+            receipt.drop(f"its record did not reach the cluster's trace ({error})")
 
 
 DURABLE_WAIT_S = 30.0

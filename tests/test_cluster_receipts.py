@@ -1,0 +1,148 @@
+"""What a steer is answered on a cluster host whose JetStream has not acknowledged its
+record (R-STEER-1, R-STEER-6, R-CLUSTER-1, R-HOST-3): ``queued: true`` only once the
+record is in the cluster, so a host that takes the session over delivers the input; a
+record the host gave up unacknowledged (its session's trace fenced by another host) is a
+dropped input, answered 410. In-process host on a real nats-server; the appends of the
+session's trace are held, so JetStream withholds the acknowledgement."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+from conftest import RUN_TIMEOUT_S, Gates, allow_all
+
+from greenroom.actors.cluster.connection import Connection
+from greenroom.actors.cluster.node import ClusterConfig, ClusterNode, open_cluster_host
+from greenroom.actors.cluster.traces import TraceStream, TraceWriter
+from greenroom.actors.gateway.methods import once_recorded
+from greenroom.actors.providers.scripted import Reply, ScriptedProvider, tool_call
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.receipts import InputReceipt
+from greenroom.actors.runtime.session import Session
+from greenroom.protocols import jsonrpc
+from greenroom.protocols.jsonrpc import RpcError
+from tests.support.nats import (  # the fixture is used as nats_server
+    NatsProcess,
+    module_nats_server,  # noqa: F401
+    run_connected,
+)
+
+
+class Withheld:
+    """JetStream withholds the acknowledgement of every append of a session's trace from
+    ``withhold.set()`` until ``release.set()``; then each goes to the server as it was."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.withhold = trio.Event()
+        self.release = trio.Event()
+        append = TraceWriter.append
+
+        async def held_append(writer: TraceWriter, lines: Sequence[str]) -> int:
+            if self.withhold.is_set():
+                await self.release.wait()
+            return await append(writer, lines)
+
+        monkeypatch.setattr(TraceWriter, "append", held_append)
+
+
+async def _steered_unacknowledged(
+    host: Host, workspace: Path, withheld: Withheld, recorded: InputReceipt
+) -> Session:
+    """A session of ``host`` whose task waits in its tool call, steered with ``recorded``
+    once every earlier record is in the cluster: the steer's record waits for JetStream."""
+    gates = Gates()
+    session = await host.create_session(
+        provider=ScriptedProvider([Reply(blocks=(tool_call("c1", "wait", key="k"),))]),
+        workspace_dir=workspace,
+        tools=[gates.tool()],
+    )
+    session.run("go", approve=allow_all)
+    await gates.started("k")  # the prompt and the call are in the cluster
+    withheld.withhold.set()
+    assert session.steer("mind the gap", recorded=recorded)
+    await trio.testing.wait_all_tasks_blocked()
+    assert not recorded.settled.is_set()  # written, not acknowledged
+    return session
+
+
+async def _answer(recorded: InputReceipt) -> str:
+    """What the gateway's steer answers for ``recorded``: its result, or its error's
+    message."""
+    try:
+        return str(await once_recorded(recorded))
+    except RpcError as refused:
+        assert refused.code == jsonrpc.GONE
+        return refused.message
+
+
+async def _cluster_lines(conn: Connection, session_id: str) -> str:
+    read = await (await TraceStream.open(conn)).read(session_id)
+    return "".join(str(record) for record in read.records)
+
+
+def test_a_steer_whose_trace_another_host_fenced_before_jetstream_had_it_is_dropped(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, the fence gave the steer's record up and counted it as done: the receipt
+    settled durable, the client was told ``queued: true``, and the host that fenced the
+    trace never saw the input."""
+    withheld = Withheld(monkeypatch)
+    recorded = InputReceipt()
+
+    async def body(conn: Connection) -> tuple[str, str]:
+        config = ClusterConfig(url=nats_server.url, host_id="a", prefix=conn.names.prefix)
+        async with open_cluster_host(
+            conn.bridge, config, tmp_path / "a", approve=allow_all
+        ) as host:
+            session = await _steered_unacknowledged(host, tmp_path, withheld, recorded)
+            await (await TraceStream.open(conn)).fence(session.id, "b")  # b takes it over
+            withheld.release.set()
+            with trio.fail_after(RUN_TIMEOUT_S):
+                await recorded.settled.wait()
+            return await _answer(recorded), await _cluster_lines(conn, session.id)
+
+    answer, in_cluster = run_connected(nats_server.url, body, timeout_s=60.0)
+    assert "mind the gap" not in in_cluster
+    assert answer.startswith("its record did not reach the cluster's trace (cannot write ")
+    assert answer.endswith(
+        "another host took this session over: its trace is fenced): the input was dropped,"
+        " not queued"
+    )
+
+
+def test_a_steer_whose_session_the_host_lost_before_jetstream_had_it_is_dropped(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host's lease lost (every session it owned given up to the orphan scan) while
+    the steer's record waits for JetStream. Before, giving the session up counted the
+    record as done: ``queued: true``, for input no host would ever run."""
+    withheld = Withheld(monkeypatch)
+    recorded = InputReceipt()
+    nodes: list[ClusterNode] = []
+
+    async def body(conn: Connection) -> tuple[str, str]:
+        config = ClusterConfig(url=nats_server.url, host_id="a", prefix=conn.names.prefix)
+        async with open_cluster_host(
+            conn.bridge, config, tmp_path / "a", approve=allow_all, on_node=nodes.append
+        ) as host:
+            session = await _steered_unacknowledged(host, tmp_path, withheld, recorded)
+            keeper = nodes[0]._keeper
+            assert keeper is not None
+            keeper._lose_all("the test's outage")
+            with trio.fail_after(RUN_TIMEOUT_S):
+                await recorded.settled.wait()
+            answer = await _answer(recorded)
+            withheld.release.set()  # too late: the record was given up
+            return answer, await _cluster_lines(conn, session.id)
+
+    answer, in_cluster = run_connected(nats_server.url, body, timeout_s=60.0)
+    assert "mind the gap" not in in_cluster
+    assert answer.startswith("its record did not reach the cluster's trace (cannot write ")
+    assert answer.endswith(
+        "the session stopped being replicated before its trace reached the cluster): the input"
+        " was dropped, not queued"
+    )
