@@ -57,8 +57,15 @@ from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, t
 from greenroom.actors.runtime.errors import InputTooLarge
 from greenroom.actors.runtime.host import Host
 from greenroom.protocols.content import TextBlock
-from greenroom.protocols.outputs import Output, SteeringQueuedOutput, TaskEnd, UserMsg
-from greenroom.protocols.tools import Tool
+from greenroom.protocols.outputs import (
+    Output,
+    SteeringQueuedOutput,
+    TaskEnd,
+    ToolCallOutput,
+    UserMsg,
+)
+from greenroom.protocols.tools import Tool, make_tool
+from greenroom.protocols.trace import input_size
 from tests.support.nats import (  # the fixture is used as nats_server
     NatsProcess,
     module_nats_server,  # noqa: F401
@@ -779,6 +786,72 @@ def test_the_python_api_refuses_input_a_cluster_record_cannot_carry(
     assert "steering_queued" not in types and "task_queued" not in types, types
     prompts = [r.content for r in found["records"] if isinstance(r, UserMsg)]
     assert prompts == [(TextBlock(text="start"),), (TextBlock(text="go on"),)]
+
+
+def _dump_tool(result: str) -> Tool:
+    """A tool ``dump`` that returns ``result``."""
+
+    async def dump() -> str:
+        """Print a lot."""
+        return result
+
+    return make_tool(dump, parallel=True)
+
+
+@pytest.mark.parametrize(
+    ("output", "budget"),
+    [
+        # Within the default budget's bytes, but each escaped as six in the record's JSON.
+        ("\x01" * 32_000, 32 * 1024),
+        # A budget larger than what NATS carries.
+        ("HEAD-" + "x" * 300_000, 512 * 1024),
+    ],
+    ids=["escaped-within-the-budget", "budget-past-the-record"],
+)
+def test_a_tool_result_past_what_nats_carries_is_cut_to_fit_and_the_session_goes_on(
+    tmp_path: Path, output: str, budget: int
+) -> None:
+    """R-TOOL-8, R-SEC-9, R-CLUSTER-1: on a cluster host whose NATS server takes 128 KiB, a
+    tool result that the session's budget leaves larger than one record of the trace (32 KB
+    of control characters, escaped to 192 KB; 300 KB under a 512 KiB budget) is cut to fit
+    that record, its start kept with a marker naming the scratchpad file that holds all of
+    it; the task completes and every record reaches JetStream (before: the session stopped
+    on its host, its ``tool_call_output`` larger than NATS takes)."""
+
+    async def body(conn: Connection, url: str) -> dict[str, Any]:
+        async with _member(conn, url, tmp_path, "a", request_timeout_s=30.0) as owner:
+            provider = ScriptedProvider(
+                [Reply(blocks=(tool_call("c1", "dump"),)), Reply(blocks=(text("Long."),))]
+            )
+            session = await owner.host.create_session(
+                provider=provider,
+                tools=[_dump_tool(output)],
+                workspace_dir=tmp_path / "ws",
+                tool_result_budget=budget,
+            )
+            result = await session.run("go", approve=allow_all).result()
+            settled = await owner.node.store.log.settled(session.id)  # type: ignore[union-attr]
+            records = (await (await TraceStream.open(conn)).read(session.id)).records
+            return {
+                "status": result.task_end.status,
+                "settled": settled,
+                "records": records,
+                "most": owner.host.trace_log.largest_input(),
+                "files": {p: p.read_text() for p in session.scratchpad_dir.iterdir()},
+            }
+
+    with running_nats(tmp_path / "nats", max_payload=SMALL_PAYLOAD) as server:
+        found = run_connected(server.url, lambda conn: body(conn, server.url), timeout_s=BOUND_S)
+    assert found["settled"], "the session stopped on its host"
+    assert found["status"] == "completed"
+    (result,) = [r for r in found["records"] if isinstance(r, ToolCallOutput)]
+    (block,) = result.content
+    assert isinstance(block, TextBlock)
+    assert found["most"] - 200 < input_size(result.content) <= found["most"]
+    ((path, whole),) = found["files"].items()
+    assert whole == output
+    assert block.text.startswith(output[:1000])
+    assert block.text.endswith(f"the whole text is in {path}]"), block.text[-300:]
 
 
 async def _types_stored(conn: Connection, sid: str) -> list[str]:

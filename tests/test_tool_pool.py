@@ -48,7 +48,7 @@ from greenroom.protocols.outputs import (
     ToolCallOutput,
     ToolProgress,
 )
-from greenroom.protocols.tools import make_tool, tool
+from greenroom.protocols.tools import ToolFailure, make_tool, tool
 
 
 def outputs_by_call(outputs: list) -> dict[str, ToolCallOutput]:
@@ -416,6 +416,36 @@ async def test_large_output_is_cut_to_head_and_tail_with_a_scratchpad_file(
     assert files[0].read_text(encoding="utf-8") == big
     (result,) = results_of(last_user(provider.requests[1]))
     assert result_text(result) == shown
+
+
+async def test_a_large_error_is_cut_to_the_budget_like_a_result(
+    host: Host, workspace: Path, providers
+) -> None:
+    """R-TOOL-8, R-SEC-9: a failure's message is a result the model gets too (an MCP
+    server's ``isError`` text, a tool's exception): 100 KB of it is cut to head and tail
+    around the marker naming the scratchpad file, which holds all of it (before: whole,
+    past the budget and, in a cluster, past what one record of the trace carries)."""
+    big = "HEAD-" + "".join(f"error {i:06d}\n" for i in range(9000)) + "-TAIL"
+
+    async def fail() -> str:
+        """Fail at length."""
+        raise ToolFailure(big)
+
+    provider = providers([Reply(blocks=(tool_call("c1", "fail"),)), Reply(blocks=(text("No."),))])
+    session = await host.create_session(
+        tools=[make_tool(fail, parallel=True)], provider=provider, workspace_dir=workspace
+    )
+    outputs = await collect(session.run("go", approve=allow_all))
+
+    (output,) = of_type(outputs, ToolCallOutput)
+    assert (output.status, output.is_error) == ("error", True)
+    shown = result_text_of(output)
+    assert len(shown.encode()) < session.settings.tool_result_budget + 1024
+    assert shown.startswith("HEAD-error 000000") and shown.endswith("error 008999\n-TAIL")
+    (file,) = session.scratchpad_dir.iterdir()
+    assert str(file) in shown
+    assert file.read_text(encoding="utf-8") == big
+    assert of_type(outputs, TaskEnd)[-1].status == "completed"
 
 
 async def test_every_call_is_paired_on_every_path(

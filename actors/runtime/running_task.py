@@ -193,6 +193,7 @@ class TaskWork:
             people=approve == PEOPLE,
             hooks=hooks,
             editor=port.editor,
+            largest_record=port.host.trace_log.largest_input(),
         )
         await nursery.start(pool.run, self._pool)
         streamer = LLMStreamer(port.provider.open_task(), self._inbox, port.requester())

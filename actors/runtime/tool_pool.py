@@ -3,8 +3,13 @@
 Parallel-safe calls share the five slots. A call to a tool that is not parallel-safe waits
 until every earlier call of the turn is terminal, and every later call waits for it
 (R-TOOL-2, R-TOOL-3). Failures never escape: an unknown tool, bad arguments, an exception or
-a timeout becomes an error result (R-TOOL-4, R-TOOL-5). Results larger than the budget are
-cut to head and tail with a marker naming the scratchpad file holding all of it (R-TOOL-8).
+a timeout becomes an error result (R-TOOL-4, R-TOOL-5). Every result the pool reports, an
+error's text as much as a tool's output, passes through :meth:`ToolPool._fit`: text larger
+than the budget is cut to head and tail with a marker naming the scratchpad file holding all
+of it (R-TOOL-8), and a result whose record is still larger than one record of the session's
+trace carries (``largest_record``: a cluster's NATS server, R-CLUSTER-1) is cut to fit it
+(:func:`~greenroom.protocols.trace.cut_to_fit`), the marker naming that file too: such a
+record stopped the session on its host (R-SEC-9).
 Progress notes go to the supervisor, which drops those of finished calls (R-TOOL-6).
 A tool that takes ``ctx`` gets the supervisor's ``spawn`` callback there (subagents,
 R-HOST-4); the subagent then runs in the call's task, under this pool's cancellation.
@@ -74,6 +79,7 @@ from greenroom.protocols.tools import (
     invalid_arguments_reason,
     normalize_result,
 )
+from greenroom.protocols.trace import cut_to_fit, input_size
 
 SLOTS = 5
 
@@ -98,6 +104,7 @@ class ToolPool:
         "_exclusive",
         "_hooks",
         "_inbox",
+        "_largest_record",
         "_limiter",
         "_people",
         "_private_dirs",
@@ -132,8 +139,10 @@ class ToolPool:
         people: bool = False,
         hooks: ToolHookCalls | None = None,
         editor: Editor | None = None,
+        largest_record: int | None = None,
     ) -> None:
         self._tools = tools
+        self._largest_record = largest_record
         self._editor = editor
         self._hooks = hooks
         self._people = people
@@ -207,10 +216,11 @@ class ToolPool:
                 hooked: ToolHookAction | None = None
                 try:
                     status, content = await self._run(call, command.idempotency_key)
+                    content = await self._fit(call, content)
                     if self._hooks is not None:
                         content, hooked = await self._hooks.after(call, status, content)
                         if hooked is not None and hooked.action == "replace":
-                            content = await self._fit_budget(call, content)
+                            content = await self._fit(call, content)
                 except Exception as exc:
                     # Whatever fails around the tool itself (the trace sync before a side
                     # effect, the scratchpad write of a long result) is still an error
@@ -292,7 +302,7 @@ class ToolPool:
             # R-SEC-8: a returned image is read now, once; one that cannot be is a line
             # saying why, which the model sees with the rest of the result.
             content = await attach(content, self._attachments, fold=True)
-        return await self._fit_budget(call, content)
+        return content
 
     async def _check(self, command: CheckToolCall) -> None:
         """Ask the tool's check about in-doubt ``command.call`` and report the answer."""
@@ -334,27 +344,41 @@ class ToolPool:
             value = value.content
         else:
             status = "ok"
-        content = await self._content(call, value)
+        content = await self._fit(call, await self._content(call, value))
         return ToolCallChecked(call_id=call.id, outcome="done", status=status, content=content)
 
-    async def _fit_budget(
+    async def _fit(
         self, call: ToolCallBlock, content: tuple[ToolContent, ...]
     ) -> tuple[ToolContent, ...]:
+        """``content``, a result of ``call``, as the model gets it and its record holds it:
+        its text over the budget cut to head and tail (R-TOOL-8), and what is left cut
+        further when its record is larger than one record of the trace carries; the whole
+        text then in a scratchpad file the marker names."""
         text = "".join(b.text for b in content if isinstance(b, TextBlock))
         size = len(text.encode())
-        if size <= self._result_budget:
+        most = self._largest_record
+        if size <= self._result_budget and (most is None or input_size(content) <= most):
             return content
         path = self._scratchpad_dir / f"tool-output-{_safe(call.id)}.txt"
         await trio.to_thread.run_sync(_write_text, path, text)
-        half = self._result_budget // 2
-        head = text.encode()[:half].decode(errors="ignore")
-        tail = text.encode()[-half:].decode(errors="ignore")
-        marker = (
-            f"\n[... output cut: {size} bytes in all, over the {self._result_budget}-byte "
-            f"budget; the whole output is in {path} ...]\n"
-        )
+        if size > self._result_budget:
+            half = self._result_budget // 2
+            head = text.encode()[:half].decode(errors="ignore")
+            tail = text.encode()[-half:].decode(errors="ignore")
+            marker = (
+                f"\n[... output cut: {size} bytes in all, over the {self._result_budget}-byte "
+                f"budget; the whole output is in {path} ...]\n"
+            )
+            text = head + marker + tail
         images = tuple(b for b in content if not isinstance(b, TextBlock))
-        return (TextBlock(text=head + marker + tail), *images)
+        if most is not None:
+            # Escapes can make the record of a text within the budget several times its
+            # bytes, and a budget may be set past what the trace carries.
+            images_size = input_size((TextBlock(text=""), *images)) - input_size(
+                (TextBlock(text=""),)
+            )
+            text = cut_to_fit(text, most - images_size, str(path))
+        return (TextBlock(text=text), *images)
 
 
 def _text(message: str) -> tuple[ToolContent, ...]:
