@@ -105,7 +105,8 @@ class ImageRefused(GreenroomError):
 
 
 class InputTooLarge(GreenroomError, ValueError):
-    """Input (of ``run``, ``steer`` or ``follow_up``) whose trace record would be larger
+    """Input (of ``run``, ``steer`` or ``follow_up``, or a person's answer to a question,
+    which becomes the call's result) whose trace record would be larger
     than the session's trace carries in one record: a cluster's NATS server's
     ``max_payload``, less what the record's other fields take (R-SEC-9, R-CLUSTER-2). A
     file trace has no such limit. Nothing of the input was taken: send less.

@@ -56,6 +56,7 @@ from greenroom.actors.gateway import Gateway, SessionDefaults
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
 from greenroom.actors.runtime.errors import InputTooLarge
 from greenroom.actors.runtime.host import Host
+from greenroom.actors.tools.questions import ask_user
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.outputs import (
     Output,
@@ -64,6 +65,7 @@ from greenroom.protocols.outputs import (
     ToolCallOutput,
     UserMsg,
 )
+from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.tools import Tool, make_tool
 from greenroom.protocols.trace import input_size
 from tests.support.nats import (  # the fixture is used as nats_server
@@ -74,6 +76,7 @@ from tests.support.nats import (  # the fixture is used as nats_server
 )
 from tests.test_gateway import TOKEN, Client
 from tests.test_gateway_a2a import message_send, raw_post
+from tests.test_people import until_parked
 
 LEASE_TTL_S = 3.0
 ANSWERED_S = 5.0
@@ -852,6 +855,50 @@ def test_a_tool_result_past_what_nats_carries_is_cut_to_fit_and_the_session_goes
     assert whole == output
     assert block.text.startswith(output[:1000])
     assert block.text.endswith(f"the whole text is in {path}]"), block.text[-300:]
+
+
+def test_a_persons_answer_past_what_nats_carries_is_refused_and_the_question_waits(
+    tmp_path: Path,
+) -> None:
+    """R-SEC-9, R-HITL-5, R-CLUSTER-1: on a cluster host whose NATS server takes 128 KiB,
+    an answer of 200 KB to the model's ``ask_user`` question (its text is the call's
+    result, one record) raises :class:`InputTooLarge` naming the sizes; nothing is recorded,
+    the question still waits, and a shorter answer completes the task (before: the answer
+    was taken, and its record stopped the session on its host)."""
+
+    async def body(conn: Connection, url: str) -> dict[str, Any]:
+        async with _member(conn, url, tmp_path, "a", request_timeout_s=30.0) as owner:
+            host = owner.host
+            provider = ScriptedProvider(
+                [
+                    Reply(blocks=(tool_call("q1", "ask_user", question="Which color?"),)),
+                    Reply(blocks=(text("Blue it is."),)),
+                ]
+            )
+            session = await host.create_session(
+                provider=provider, tools=[ask_user], workspace_dir=tmp_path / "ws"
+            )
+            stream = session.run("paint it", approve=PEOPLE)
+            await until_parked(host, session.id)
+            with pytest.raises(InputTooLarge) as refused:
+                await host.answer_question(session.id, "q1", "x" * 200_000)
+            pending = [p.call_id for p in await host.pending_approvals()]
+            await host.answer_question(session.id, "q1", "blue")
+            result = await stream.result()
+            settled = await owner.node.store.log.settled(session.id)  # type: ignore[union-attr]
+            records = (await (await TraceStream.open(conn)).read(session.id)).records
+            return {"refused": refused.value, "pending": pending, "settled": settled,
+                    "status": result.task_end.status, "records": records}
+
+    with running_nats(tmp_path / "nats", max_payload=SMALL_PAYLOAD) as server:
+        found = run_connected(server.url, lambda conn: body(conn, server.url), timeout_s=BOUND_S)
+    refused = found["refused"]
+    assert refused.size > 200_000 and refused.most < SMALL_PAYLOAD, refused
+    assert "too large" in str(refused) and "max_payload" in str(refused)
+    assert found["pending"] == ["q1"]
+    assert found["settled"] and found["status"] == "completed", found["status"]
+    (result,) = [r for r in found["records"] if isinstance(r, ToolCallOutput)]
+    assert result.content == (TextBlock(text="blue"),)
 
 
 async def _types_stored(conn: Connection, sid: str) -> list[str]:

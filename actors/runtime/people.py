@@ -7,7 +7,10 @@ runs out, resolves it by the session's
 ``approval_timeout_action`` — ``deny`` answers it with a deny by ``default``, ``abort``
 interrupts the task — if it is still pending. :func:`pending_of` lists a session's waiting
 requests; :func:`answer` hands a person's answer to the session's work (waking a parked
-task: R-HITL-3) and returns once it is taken, or raises :class:`NotPending`.
+task: R-HITL-3) and returns once it is taken, or raises :class:`NotPending` — or
+:class:`InputTooLarge` for answer text larger than one record of the session's trace carries
+(a cluster's NATS server): the text is the call's result, recorded whole, and such a record
+stopped the session on its host (R-SEC-9, R-CLUSTER-1).
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from collections.abc import Callable
 import attrs
 import trio
 
-from greenroom.actors.runtime.errors import NotPending
+from greenroom.actors.runtime.errors import InputTooLarge, NotPending
 from greenroom.actors.runtime.people_desk import PeopleDesk, WatchRequest
 from greenroom.actors.runtime.port import SessionPort
+from greenroom.protocols.content import TextBlock
 from greenroom.protocols.messages import InterruptTask, PersonAnswered
 from greenroom.protocols.people import PendingApproval, arguments_digest, waiting_requests
+from greenroom.protocols.trace import input_size
 
 __all__ = ["People", "answer", "pending_of"]
 
@@ -107,7 +112,9 @@ def pending_of(port: SessionPort) -> list[PendingApproval]:
 async def answer(port: SessionPort, message: PersonAnswered) -> None:
     """Hand ``message`` to the work of ``port`` and wait until it is taken. Raises
     :class:`NotPending` when the call waits for no answer (or no longer), when the answer
-    names other arguments than the call's, or when it is not of the request's kind."""
+    names other arguments than the call's, or when it is not of the request's kind;
+    :class:`InputTooLarge` when its text is larger than one record of the trace carries
+    (a person's input is refused, never cut: nothing is taken, the question waits)."""
     if message.verdict not in (None, "allow", "deny", "allow_session"):
         raise ValueError(f"decision must be allow, deny or allow_session, not {message.verdict!r}")
     request = port.machine.record.pending(message.call_id)
@@ -120,6 +127,11 @@ async def answer(port: SessionPort, message: PersonAnswered) -> None:
         raise NotPending(
             f"call {message.call_id!r} has other arguments than the ones that were shown"
         )
+    most = port.host.trace_log.largest_input()
+    if message.text is not None and most is not None:
+        size = input_size((TextBlock(text=message.text),))
+        if size > most:
+            raise InputTooLarge(size, most)
     # One slot: the supervisor's one reply never waits for this reader.
     reply_send, reply = trio.open_memory_channel[str | None](1)
     if not port.deliver(attrs.evolve(message, reply=reply_send)):
