@@ -309,3 +309,35 @@ async def test_the_final_answer_of_a_structured_task_meets_no_hook(
         "n?", output_schema={"type": "object", "properties": {"n": {"type": "integer"}}}
     ).result()
     assert seen == [] and result.output == {"n": 1}
+
+
+async def test_a_hooks_long_reason_is_cut_where_it_is_recorded(
+    host: Host, workspace: Path, providers: Any
+) -> None:
+    """R-HOOK-2, R-SEC-9: a Python hook's reason (a ``Deny``'s, or the message of what it
+    raised) is recorded in the ``tool_hook`` record and the denied result; one of 400 KB
+    is cut to the first 2,000 characters and a note of how many were left out, as a
+    command hook's stderr is (before: whole, in both, past what one record of a cluster's
+    trace carries)."""
+    long = "why " * 100_000
+
+    def deny(call: ToolCallBlock) -> Deny:
+        return Deny(long)
+
+    def broken(call: ToolCallBlock, result: ToolResult) -> None:
+        raise RuntimeError(long)
+
+    cut = f"{long[:2000]}… [cut: {len(long) - 2000} of {len(long)} characters left out]"
+    outputs, _ = await run_with(host, workspace, providers, Hooks(before_tool=deny),
+                                sh("c1", "ls"))
+    (hooked,) = of_type(outputs, ToolHook)
+    assert hooked.reason == cut
+    (result,) = of_type(outputs, ToolCallOutput)
+    assert result.content == (TextBlock(text=f"Tool call denied by a hook: {cut}"),)
+    outputs, _ = await run_with(host, workspace, providers, Hooks(after_tool=broken),
+                                sh("c1", "ls"))
+    (hooked,) = of_type(outputs, ToolHook)
+    raised = f"the hook raised RuntimeError: {long}"
+    assert hooked.reason == (
+        f"{raised[:2000]}… [cut: {len(raised) - 2000} of {len(raised)} characters left out]"
+    )

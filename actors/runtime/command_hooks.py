@@ -39,7 +39,7 @@ from typing import Any
 import attrs
 import trio
 
-from greenroom.actors.runtime.tool_hooks import ToolHookError, hook_site
+from greenroom.actors.runtime.tool_hooks import MAX_REASON_CHARS, ToolHookError, hook_site
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import ToolResult
 from greenroom.protocols.errors import HooksFileError
@@ -51,10 +51,6 @@ __all__ = ["command_hooks", "install_tool_hooks", "load_hooks_file"]
 DENY_EXIT = 2
 """The exit status by which a command hook denies a call (``before_tool``) or replaces a
 result with its stderr (``after_tool``)."""
-
-MAX_REASON_CHARS = 2000
-"""A hook's stderr is cut to this many characters where it becomes a reason or a result."""
-
 
 def load_hooks_file(path: str | Path) -> Hooks:
     """The command hooks of the settings file at ``path``. Raises

@@ -13,6 +13,11 @@ The approval broker calls :meth:`ToolHookCalls.before` for each call before anyo
 it, and the tool pool :meth:`ToolHookCalls.after` for each result before it is reported;
 both run in the task's cancel scope, so an interrupt ends a hook with the task.
 
+A reason (a ``Deny``'s, or what went wrong) is recorded in the ``tool_hook`` record, and a
+denial's in the call's result too: one longer than :data:`MAX_REASON_CHARS` is cut, with a
+note of how much was left out, so that neither record can grow past what one record of a
+cluster's trace carries (R-SEC-9).
+
 While a hook runs, :func:`hook_site` says whose call it decides — the session and its
 workspace — without widening the hooks' signatures: command hooks run in that workspace
 and give both to their command.
@@ -41,7 +46,17 @@ from greenroom.protocols.hooks import (
 )
 from greenroom.protocols.outputs import ToolHookName, ToolStatus
 
-__all__ = ["HookSite", "ToolHookCalls", "ToolHookError", "hook_site", "tool_hook_calls"]
+__all__ = [
+    "MAX_REASON_CHARS",
+    "HookSite",
+    "ToolHookCalls",
+    "ToolHookError",
+    "hook_site",
+    "tool_hook_calls",
+]
+
+MAX_REASON_CHARS = 2000
+"""The longest reason of a hook's action kept whole (a command hook's stderr is cut to it)."""
 
 
 @attrs.frozen
@@ -170,6 +185,11 @@ def _action(
     arguments: dict[str, Any] | None = None,
     reason: str | None = None,
 ) -> ToolHookAction:
+    if reason is not None and len(reason) > MAX_REASON_CHARS:
+        left_out = len(reason) - MAX_REASON_CHARS
+        reason = (
+            f"{reason[:MAX_REASON_CHARS]}… [cut: {left_out} of {len(reason)} characters left out]"
+        )
     return ToolHookAction(hook=hook, action=action, arguments=arguments, reason=reason)
 
 
