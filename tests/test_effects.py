@@ -328,6 +328,32 @@ async def test_a_check_that_raises_leaves_the_note_where_nobody_is_asked(
     assert lines[-1]["status"] == "completed"
 
 
+async def test_a_checks_long_failure_is_cut_where_it_is_recorded(
+    host: Host, workspace: Path, tmp_path: Path, providers: Any
+) -> None:
+    """R-EFFECT-2, R-SEC-9: what a failed check raised is recorded (``call_resolved``'s
+    ``check_error``, a person's question): a message of 500 KB is cut to its first 2,000
+    characters and a note of how many were left out (before: whole, past what one record
+    of a cluster's trace carries)."""
+    sid, crashed, _ = await crash_mid_call(host, workspace, tmp_path, providers)
+    long = "down " * 100_000
+
+    async def broken(key: str) -> str:
+        raise ConnectionError(long)
+
+    payments = Payments(check=broken)
+    after = providers([Reply(blocks=(text("It may not have gone through."),))])
+    async with open_host(crashed) as second:
+        session = await take_up(second, sid, after, payments.tool, allow_all)
+        lines = trace_lines(session)
+    (resolved,) = of(lines, "call_resolved")
+    error = f"the check raised ConnectionError: {long}"
+    assert resolved["check_error"] == (
+        f"{error[:2000]}… [cut: {len(error) - 2000} of {len(error)} characters left out]"
+    )
+    assert lines[-1]["status"] == "completed"
+
+
 async def test_a_check_that_hangs_passes_the_call_to_a_person(
     host: Host, workspace: Path, tmp_path: Path, providers: Any
 ) -> None:

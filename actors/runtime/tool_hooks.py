@@ -51,6 +51,7 @@ __all__ = [
     "HookSite",
     "ToolHookCalls",
     "ToolHookError",
+    "cut_reason",
     "hook_site",
     "tool_hook_calls",
 ]
@@ -185,12 +186,19 @@ def _action(
     arguments: dict[str, Any] | None = None,
     reason: str | None = None,
 ) -> ToolHookAction:
-    if reason is not None and len(reason) > MAX_REASON_CHARS:
-        left_out = len(reason) - MAX_REASON_CHARS
-        reason = (
-            f"{reason[:MAX_REASON_CHARS]}… [cut: {left_out} of {len(reason)} characters left out]"
-        )
+    if reason is not None:
+        reason = cut_reason(reason)
     return ToolHookAction(hook=hook, action=action, arguments=arguments, reason=reason)
+
+
+def cut_reason(reason: str) -> str:
+    """``reason`` — words that say why (a hook's, a failed check's) and are recorded —
+    whole up to :data:`MAX_REASON_CHARS`, else its start and a note of how much was left
+    out, so that its records stay within what one record of a cluster's trace carries."""
+    if len(reason) <= MAX_REASON_CHARS:
+        return reason
+    left_out = len(reason) - MAX_REASON_CHARS
+    return f"{reason[:MAX_REASON_CHARS]}… [cut: {left_out} of {len(reason)} characters left out]"
 
 
 def _json_object(value: Any) -> dict[str, Any] | None:

@@ -21,7 +21,8 @@ one its ``RunToolCall`` names.
 In doubt (R-EFFECT-2): ``CheckToolCall`` asks a tool's ``check`` whether a call its host
 lost took effect, in a task of its own and outside the slots (a check only looks), bounded
 by :data:`~greenroom.protocols.effects.CHECK_TIMEOUT_S` and abandoned like a tool; its
-answer — or its failure — goes to the supervisor as ``ToolCallChecked``.
+answer — or its failure, whose words are recorded and so cut as a hook's reason is
+(:func:`~.tool_hooks.cut_reason`) — goes to the supervisor as ``ToolCallChecked``.
 A session's ``after_tool`` hook (R-HOOK-2) sees each result before it is reported, while
 the call still holds its slot; a replaced result is cut to the budget like a tool's.
 
@@ -45,10 +46,11 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, assert_never
 
+import attrs
 import trio
 
 from greenroom.actors.runtime.attachments import Attachments, attach
-from greenroom.actors.runtime.tool_hooks import ToolHookCalls
+from greenroom.actors.runtime.tool_hooks import ToolHookCalls, cut_reason
 from greenroom.protocols.content import TextBlock, ToolCallBlock, ToolContent
 from greenroom.protocols.context import ToolResult
 from greenroom.protocols.effects import CHECK_TIMEOUT_S
@@ -317,6 +319,9 @@ class ToolPool:
                 answer = await self._ask_check(call, tool, tool.check, command.idempotency_key)
             except Exception as exc:  # around the check (its result's scratchpad file)
                 answer = ToolCallChecked(call_id=call.id, outcome="failed", error=repr(exc))
+        if answer.error is not None:
+            # Recorded (call_resolved, a person's question): bounded as a hook's reason is.
+            answer = attrs.evolve(answer, error=cut_reason(answer.error))
         self._inbox.send_nowait(answer)
 
     async def _ask_check(
