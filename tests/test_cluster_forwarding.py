@@ -57,6 +57,7 @@ from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, t
 from greenroom.actors.runtime.errors import InputTooLarge
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.tools.questions import ask_user
+from greenroom.protocols import markers
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.outputs import (
     Output,
@@ -76,7 +77,7 @@ from tests.support.nats import (  # the fixture is used as nats_server
 )
 from tests.test_gateway import TOKEN, Client
 from tests.test_gateway_a2a import message_send, raw_post
-from tests.test_people import until_parked
+from tests.test_people import TerminalLike, until_parked
 
 LEASE_TTL_S = 3.0
 ANSWERED_S = 5.0
@@ -899,6 +900,41 @@ def test_a_persons_answer_past_what_nats_carries_is_refused_and_the_question_wai
     assert found["settled"] and found["status"] == "completed", found["status"]
     (result,) = [r for r in found["records"] if isinstance(r, ToolCallOutput)]
     assert result.content == (TextBlock(text="blue"),)
+
+
+def test_a_callbacks_answer_past_what_nats_carries_is_no_answer_and_the_task_goes_on(
+    tmp_path: Path,
+) -> None:
+    """R-SEC-9, R-HITL-5, R-CLUSTER-1: on a cluster host whose NATS server takes 128 KiB,
+    an ``approve`` callback that answers questions (a terminal's) answers ``ask_user`` with
+    200 KB: there is nobody to refuse it to, so it is taken as no answer, as one outside
+    the choices is; the call gets the no-answer text and the task completes with every
+    record in JetStream (before: the answer's record stopped the session on its host)."""
+
+    async def body(conn: Connection, url: str) -> dict[str, Any]:
+        async with _member(conn, url, tmp_path, "a", request_timeout_s=30.0) as owner:
+            provider = ScriptedProvider(
+                [
+                    Reply(blocks=(tool_call("q1", "ask_user", question="Which color?"),)),
+                    Reply(blocks=(text("Noted."),)),
+                ]
+            )
+            session = await owner.host.create_session(
+                provider=provider, tools=[ask_user], workspace_dir=tmp_path / "ws"
+            )
+            terminal = TerminalLike("x" * 200_000)
+            result = await session.run("paint it", approve=terminal).result()
+            settled = await owner.node.store.log.settled(session.id)  # type: ignore[union-attr]
+            records = (await (await TraceStream.open(conn)).read(session.id)).records
+            return {"asked": terminal.asked, "settled": settled,
+                    "status": result.task_end.status, "records": records}
+
+    with running_nats(tmp_path / "nats", max_payload=SMALL_PAYLOAD) as server:
+        found = run_connected(server.url, lambda conn: body(conn, server.url), timeout_s=BOUND_S)
+    assert found["asked"] == ["Which color?"]
+    assert found["settled"] and found["status"] == "completed", found["status"]
+    (result,) = [r for r in found["records"] if isinstance(r, ToolCallOutput)]
+    assert result.content == (TextBlock(text=markers.NO_ANSWER_TEXT),)
 
 
 async def _types_stored(conn: Connection, sid: str) -> list[str]:

@@ -14,6 +14,10 @@ they wait in the trace like any request; with a callback that has an
 :data:`ANSWER_QUESTION` method (a terminal that can ask the person in front of it), the
 question is recorded as an ``approval_request`` of kind ``question`` and the callback's
 text is the person's answer; otherwise nobody can answer and the tool's own body says so.
+That answer becomes the call's result, one record: text larger than one record of the
+session's trace carries (``largest_answer``: a cluster's NATS server, R-SEC-9) is taken as
+no answer, as one outside the question's choices is, and logged; a callback has no way to
+be told it was refused, and such a record stopped the session on its host.
 
 A session's ``before_tool`` hook (R-HOOK-2) sees each call first
 (:mod:`~greenroom.actors.runtime.tool_hooks`): its deny settles the call (``by: hook``), and
@@ -35,7 +39,7 @@ import trio
 from greenroom.actors.runtime.port import Approval, ApproveFn
 from greenroom.actors.runtime.tool_hooks import ToolHookCalls
 from greenroom.actors.runtime.user_code import call_user_code
-from greenroom.protocols.content import ToolCallBlock
+from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.hooks import ToolHookAction
 from greenroom.protocols.messages import (
     ApprovalAsked,
@@ -47,6 +51,7 @@ from greenroom.protocols.messages import (
 )
 from greenroom.protocols.people import ASK_USER, PEOPLE
 from greenroom.protocols.tools import Tool
+from greenroom.protocols.trace import input_size
 
 __all__ = ["ANSWER_QUESTION", "ApprovalBroker", "ApproveFn"]
 
@@ -86,6 +91,7 @@ class ApprovalBroker:
         "_approve",
         "_hooks",
         "_inbox",
+        "_largest_answer",
         "_origin",
         "_takes_origin",
         "_timeout_s",
@@ -101,8 +107,10 @@ class ApprovalBroker:
         origin: tuple[str, ...] = (),
         hooks: ToolHookCalls | None = None,
         tools: Mapping[str, Tool] | None = None,
+        largest_answer: int | None = None,
     ) -> None:
         self._approve = approve
+        self._largest_answer = largest_answer
         self._hooks = hooks
         self._tools: Mapping[str, Tool] = tools or {}
         self._origin = origin
@@ -193,7 +201,8 @@ class ApprovalBroker:
         leaves it pending); the answer then reaches the task as any person's does. No
         answer (end of input, a callback that raised, the wait ran out) is the default's:
         the call gets the no-answer text; so is an answer outside the question's choices
-        (a callback offers them to its person and takes only those)."""
+        (a callback offers them to its person and takes only those), and one larger than
+        a record of the trace carries."""
         self._inbox.send_nowait(ApprovalAsked(call=call, kind="question", hook=action))
         choices = call.arguments.get("choices")
         text: str | None = None
@@ -207,6 +216,15 @@ class ApprovalBroker:
                 not isinstance(choices, list) or not choices or answer in choices
             ):
                 text = answer
+        most = self._largest_answer
+        if text is not None and most is not None and input_size((TextBlock(text=text),)) > most:
+            logger.warning(
+                "the question callback's answer to call %s is larger than one record of the "
+                "session's trace carries (%d bytes): taken as no answer",
+                call.id,
+                most,
+            )
+            text = None
         # Refused when the timeout policy answered first: nothing more to do then.
         self._inbox.send_nowait(
             PersonAnswered(call_id=call.id, text=text)

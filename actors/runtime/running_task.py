@@ -174,6 +174,7 @@ class TaskWork:
             origin=port.origin_path,
             hooks=hooks,
             tools=port.tool_by_name,
+            largest_answer=port.host.trace_log.largest_input(),
         )
         await nursery.start(broker.run, self._approvals)
         subagents = Subagents(port, approve=approve, run_child=self._run_child)
