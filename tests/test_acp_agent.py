@@ -23,11 +23,13 @@ from acp.schema import (
     RequestPermissionRequest,
     SessionNotification,
 )
-from conftest import port_of
+from conftest import hold_after_first, port_of, trace_lines
 
+from greenroom.actors.apps import acp as acp_app
 from greenroom.actors.apps.acp import AcpAgent, AcpConfig
 from greenroom.actors.apps.acp_people import Asked
 from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.session import Session
 from greenroom.actors.runtime.subagents import spawn_subagent
 from greenroom.actors.scripted import (
     Reply,
@@ -38,6 +40,7 @@ from greenroom.actors.scripted import (
     tool_call,
 )
 from greenroom.actors.tools.builtin import builtin_tools
+from greenroom.actors.tools.questions import ask_user
 from greenroom.protocols.content import ImageBlock
 from greenroom.protocols.context import ModelRequest
 from tests.support.ndjson import NdjsonPeer
@@ -63,30 +66,49 @@ class Client:
         self._next = 100
 
     async def call(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        return await self.answer_of(await self.send(method, params))
+
+    async def send(self, method: str, params: dict[str, Any]) -> int:
+        """Send a request without reading its answer; its id, for :meth:`answer_of`."""
         self._next += 1
-        request_id = self._next
-        await self._write({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
+        await self._write({"jsonrpc": "2.0", "id": self._next, "method": method, "params": params})
+        return self._next
+
+    async def answer_of(self, request_id: int) -> dict[str, Any]:
+        """The answer to request ``request_id`` (read already, or read now)."""
+        for frame in self.frames:
+            if frame.get("id") == request_id and "method" not in frame:
+                return frame
         while True:
             frame = await self._read()
             if frame.get("id") == request_id and "method" not in frame:
                 return frame
             if frame.get("method") == "session/request_permission":
-                strict(RequestPermissionRequest, frame["params"])
-                await self._write(
-                    {
-                        "jsonrpc": "2.0",
-                        "id": frame["id"],
-                        "result": {"outcome": {"outcome": "selected", "optionId": self.choice}},
-                    }
-                )
-            elif frame.get("method") == "session/update":
-                strict(SessionNotification, frame["params"])
+                await self._permit(frame)
+
+    async def permit_next(self) -> None:
+        """Read up to the next permission request and answer it with ``choice``."""
+        while (frame := await self._read()).get("method") != "session/request_permission":
+            pass
+        await self._permit(frame)
+
+    async def _permit(self, frame: dict[str, Any]) -> None:
+        strict(RequestPermissionRequest, frame["params"])
+        await self._write(
+            {
+                "jsonrpc": "2.0",
+                "id": frame["id"],
+                "result": {"outcome": {"outcome": "selected", "optionId": self.choice}},
+            }
+        )
 
     async def _write(self, frame: dict[str, Any]) -> None:
         await self._peer.write(frame)
 
     async def _read(self) -> dict[str, Any]:
         frame = await self._peer.read()
+        if frame.get("method") == "session/update":
+            strict(SessionNotification, frame["params"])
         self.frames.append(frame)
         return frame
 
@@ -344,3 +366,63 @@ async def test_a_session_opened_while_the_agent_shuts_down_leaves_it_cleanly(
             await trio.testing.wait_all_tasks_blocked()  # the second one opens
             may_answer.set()
     assert len(host.sessions) == 0
+
+
+@pytest.mark.parametrize("stage", ["closing", "closed"])
+async def test_a_prompt_answering_a_question_of_a_session_being_closed_is_not_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str
+) -> None:
+    """R-HITL-1, R-ACP-2, R-HOST-3: the prompt that answers a question the person chose to
+    "Answer in my next message", once its content was read, reached the session after
+    ``session/close`` had begun (or was done): the host loaded the session again, with
+    its own tools and model and off the connection, to record the answer, and the client
+    was told ``end_turn``. An answer after the close is not taken: the prompt is answered
+    -32002 saying nothing was sent, the host lists the session no more, and the question
+    stays pending in its trace (asked again on ``session/load``)."""
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    provider = ScriptedProvider(
+        [Reply(blocks=(tool_call("q1", "ask_user", question="When shall we meet?"),))]
+    )
+    to_agent, agent_in = trio.testing.memory_stream_one_way_pair()
+    agent_out, from_agent = trio.testing.memory_stream_one_way_pair()
+    client = Client(to_agent, from_agent)
+    client.choice = "answer_next"
+    config = AcpConfig(provider=provider, tools=(ask_user,))
+    with trio.fail_after(TIMEOUT_S):
+        async with Host.open(data_dir=tmp_path / "data") as host, trio.open_nursery() as nursery:
+            nursery.start_soon(AcpAgent(host, config, agent_out).serve, agent_in)
+            await client.call("initialize", {"protocolVersion": 1})
+            created = await client.call("session/new", {"cwd": str(workspace), "mcpServers": []})
+            sid = created["result"]["sessionId"]
+            session = host.get_session(sid)
+            prompt = [{"type": "text", "text": "plan a meeting"}]
+            first = await client.send("session/prompt", {"sessionId": sid, "prompt": prompt})
+            await client.permit_next()  # "Answer in my next message"
+            read, let_go = hold_after_first(monkeypatch, acp_app, "_prompt_content")
+            closing, let_close = hold_after_first(monkeypatch, Session, "aclose")
+            prompt = [{"type": "text", "text": "Friday"}]
+            answering = await client.send("session/prompt", {"sessionId": sid, "prompt": prompt})
+            await read.wait()  # the answer's content is read: it goes to the question next
+            close = await client.send("session/close", {"sessionId": sid})
+            await closing.wait()  # the close began
+            if stage == "closed":
+                let_close.set()
+                assert (await client.answer_of(close))["result"] == {}
+            let_go.set()
+            await trio.testing.wait_all_tasks_blocked()  # when closing: the answer goes on
+            let_close.set()
+            answer = await client.answer_of(answering)
+            assert (await client.answer_of(close))["result"] == {}
+            assert (await client.answer_of(first))["result"]["stopReason"] == "cancelled"
+            assert answer.get("error", {}).get("code") == -32002, answer
+            assert answer["error"]["message"] == (
+                f"session {sid} is closed: its close began before the prompt reached it, so "
+                "nothing was sent; session/load opens it again"
+            )
+            await trio.testing.wait_all_tasks_blocked()
+            assert host.sessions == ()  # not loaded again to take the answer
+            await to_agent.aclose()
+    records = trace_lines(session)
+    assert records[-1]["type"] == "approval_request" and records[-1]["kind"] == "question"
+    assert len(provider.requests) == 1 and provider.violations == []

@@ -32,7 +32,7 @@ from typing import Any
 
 import trio
 
-from greenroom.actors.runtime import Host, NotPending, Session, SessionNotFound
+from greenroom.actors.runtime import Host, NotPending, Session, SessionClosed, SessionNotFound
 from greenroom.protocols import acp
 from greenroom.protocols.content import TextBlock, ToolCallBlock, UserContent
 from greenroom.protocols.outputs import ApprovalRequest, Output, TaskEnd
@@ -177,10 +177,17 @@ class EditorPeople:
     async def answer_with(self, asked: Asked, content: tuple[UserContent, ...]) -> bool:
         """A prompt that answers the question the person chose to answer in their next
         message: True once the question took it, False when there is none or it waits no
-        more (the prompt is then an ordinary one)."""
+        more (the prompt is then an ordinary one). Raises :class:`SessionClosed` when the
+        editor closed the session since the prompt found it: the answer is not taken, and
+        the question stays pending in the trace (asked again on load)."""
         if asked.answer_next is None:
             return False
         session_id, call_id = asked.answer_next
+        if asked.closed:
+            # No checkpoint between this and the host's lookup: an answer handed on once
+            # the close began would have the host load the session again with its own
+            # tools and model, off the connection (R-HITL-1, R-HOST-3).
+            raise SessionClosed(f"session {asked.session.id} is closed")
         asked.answer_next = None
         text = "\n".join(b.text for b in content if isinstance(b, TextBlock))
         try:
