@@ -13,11 +13,15 @@ from typing import Any
 
 import httpx
 import pydantic
+import pytest
 import trio
+import trio.testing
 from ag_ui.core import Event, RunAgentInput
-from conftest import Lookup
-from test_gateway import TOKEN, connect, lookup_script, serving
+from conftest import Lookup, hold_after_first
+from test_gateway import TOKEN, connect, lookup_brain, lookup_script, serving
 
+from greenroom.actors.gateway import ag_ui as ag_ui_front
+from greenroom.actors.runtime.session import Session
 from greenroom.protocols import ag_ui, jsonrpc
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.outputs import (
@@ -159,6 +163,55 @@ async def test_ag_ui_client_drives_a_run_with_a_tool_call_an_interrupt_and_a_res
             async with connect(server) as client:
                 listed = (await client.result("session.list"))["sessions"]
                 assert [s["session_id"] for s in listed] == ["thread-1"]
+
+
+@pytest.mark.parametrize("stage", ["closing", "closed"])
+async def test_a_resume_whose_thread_began_to_close_once_it_was_found_is_taken_there_again(
+    tmp_path: Path, lookup: Lookup, monkeypatch: pytest.MonkeyPatch, stage: str
+) -> None:
+    """R-HITL-1, R-HITL-2, R-HOST-3: a resume that found its interrupt pending, and came to
+    the host once the host had begun to close the thread's session (or had closed it), had
+    the host load the session with the host's own tools and model: the approved call
+    failed as an unknown tool. The session is loaded as any call on a closed session loads
+    it (the server's tools and model), and the run streams from it: the tool runs once and
+    the run finishes."""
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, lookup_brain, tools=[lookup.tool], ag_ui=True) as server:
+            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+            first = await posted(url, run_input("thread-1", "run-1", "go"))
+            assert first.events[-1][1]["outcome"]["interrupts"][0]["id"] == "c1"
+            # The last look before the answers: the interrupt was found pending.
+            found, let_answer = hold_after_first(monkeypatch, ag_ui_front, "replay_records")
+            closing, let_close = hold_after_first(monkeypatch, Session, "aclose")
+            closed = trio.Event()
+            resumed: list[Stream] = []
+
+            async def resume() -> None:
+                allow = {"decision": "allow"}
+                entry = {"interruptId": "c1", "status": "resolved", "payload": allow}
+                resumed.append(await posted(url, run_input("thread-1", "run-2", resume=[entry])))
+
+            async def close() -> None:
+                await server.host.close_session("thread-1")
+                closed.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(resume)
+                await found.wait()
+                nursery.start_soon(close)
+                await closing.wait()  # the host lists the session no more
+                if stage == "closed":
+                    let_close.set()
+                    await closed.wait()
+                let_answer.set()
+                await trio.testing.wait_all_tasks_blocked()  # when closing: the answer waits
+                let_close.set()
+            (second,) = resumed
+            (result,) = second.of("TOOL_CALL_RESULT")
+            assert (result["toolCallId"], result["content"]) == ("c1", "value-a")
+            done = second.events[-1][1]
+            assert done["type"] == "RUN_FINISHED" and done["outcome"] == {"type": "success"}, done
+            assert lookup.calls == ["a"]
 
 
 async def test_tokens_and_principals_are_the_gateway_s(tmp_path: Path, lookup: Lookup) -> None:

@@ -15,7 +15,8 @@ One request does one of three things:
   as notes for the model;
 * **resume** (``resume`` entries, or ``tool`` messages with the results of front-end
   calls): answer what the last run ended on, as the caller's principal (R-HITL-2), and
-  stream the task from where it waited;
+  stream the task from where it waited — in the session loaded again, with the server's
+  tools and model, when the host began to close it once its interrupts were found;
 * **reconnect** (a ``Last-Event-ID`` header, the ``id`` of the last event received):
   stream the thread again from there — the trace's seq replay — without starting
   anything.
@@ -41,8 +42,8 @@ from greenroom.actors.gateway.config import SESSION_ID
 from greenroom.actors.gateway.feeds import SessionFeed
 from greenroom.actors.gateway.http_front import EventSink, HttpRequest, Reply
 from greenroom.actors.gateway.hubs import replay_records
-from greenroom.actors.gateway.methods import Methods
-from greenroom.actors.runtime.errors import ConfigurationError, GreenroomError
+from greenroom.actors.gateway.methods import Methods, loading_unless_open
+from greenroom.actors.runtime.errors import ConfigurationError, GreenroomError, SessionNotFound
 from greenroom.actors.runtime.session import Session
 from greenroom.protocols import ag_ui, jsonrpc
 from greenroom.protocols.content import TextBlock
@@ -238,10 +239,23 @@ class AgUiEndpoint:
         host = self._methods.host
         try:
             for request, (verdict, text) in answers:
+                # No checkpoint from the look at the host's sessions to its lookup: a
+                # session whose close began since its interrupts were found is loaded with
+                # the server's tools and model, not the host's own (R-HITL-1).
+                load = loading_unless_open(host, self._methods.defaults, session.id, principal)
                 if text is not None:
-                    await host.answer_question(session.id, request.call_id, text, by=principal)
+                    await host.answer_question(
+                        session.id, request.call_id, text, by=principal, **load
+                    )
                 elif verdict is not None:
-                    await host.answer_approval(session.id, request.call_id, verdict, by=principal)
+                    await host.answer_approval(
+                        session.id, request.call_id, verdict, by=principal, **load
+                    )
+            loaded = _loaded_again(session)
+            if loaded is not None:
+                # The task goes on in the session loaded again: stream that one.
+                feed.close()
+                feed = SessionFeed(loaded, after)
         except BaseException:
             feed.close()
             raise
@@ -258,6 +272,16 @@ class AgUiEndpoint:
         return SessionFeed(session, after), [
             p for p in await self._pending(session) if _asked_before(records, p, after)
         ]
+
+
+def _loaded_again(session: Session) -> Session | None:
+    """The session the host lists under ``session``'s id when that is another (``session``
+    was closed and loaded again), else None."""
+    try:
+        listed = session.host.get_session(session.id)
+    except SessionNotFound:
+        return None
+    return None if listed is session else listed
 
 
 def _asked_before(records: list[Any], request: PendingApproval, after: int) -> bool:

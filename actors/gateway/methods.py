@@ -549,7 +549,7 @@ class Methods:
             decision,
             by=principal,
             digest=digest,
-            **_loading_unless_open(self.host, self.defaults, asked_in, principal),
+            **loading_unless_open(self.host, self.defaults, asked_in, principal),
         )
         return {}
 
@@ -567,7 +567,7 @@ class Methods:
             call_id,
             text,
             by=principal,
-            **_loading_unless_open(self.host, self.defaults, asked_in, principal),
+            **loading_unless_open(self.host, self.defaults, asked_in, principal),
         )
         return {}
 
@@ -622,7 +622,7 @@ def _check_recordable(content: tuple[UserContent, ...], output_schema: object, m
         )
 
 
-def _loading_unless_open(
+def loading_unless_open(
     host: Host, defaults: SessionDefaults, session_id: str, principal: str
 ) -> dict[str, Any]:
     """How the host is to load ``session_id`` for an answer: as any call on a closed
