@@ -667,6 +667,59 @@ def test_a_session_deleted_while_it_is_adopted_leaves_nothing_running(
     assert in_cluster(nats_server, tmp_path, ("a",), body) == (False, False, False, False)
 
 
+def test_a_session_deleted_before_its_trace_stream_runs_is_not_replicated_again(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-CLUSTER-1, R-HOST-3: a session deleted once its adoption has started its trace
+    stream, before the stream's task first ran (held here until the deletion is done, the
+    order a loaded machine now and then gives): it is not replicated, streamed or served
+    on its host, and the cluster holds nothing of it. Before, the stream's task replicated
+    it again as it began, and the session stayed replicated here for ever."""
+
+    async def body(cluster: Cluster) -> tuple[bool, bool, bool, bool]:
+        a = cluster.members["a"]
+        node = a.node
+        streams = node._streams
+        assert streams is not None
+        held, deleted, ran = trio.Event(), trio.Event(), trio.Event()
+        start_soon = streams.start_soon
+
+        def start_held(fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+            async def after_the_deletion() -> None:
+                held.set()
+                await deleted.wait()
+                try:
+                    await fn(*args)
+                finally:
+                    ran.set()
+
+            start_soon(after_the_deletion)
+
+        monkeypatch.setattr(streams, "start_soon", start_held)
+        session = await a.host.create_session(
+            provider=ScriptedProvider(_brain), tools=TOOLS, workspace_dir=tmp_path
+        )
+        sid = session.id
+        await held.wait()  # adopted: its stream started, its task not run yet
+        await a.host.delete_session(sid)
+        deleted.set()
+        await ran.wait()
+
+        async def lane_done() -> bool:
+            return not node._lanes.has(sid)
+
+        await until(lane_done)
+        assert node.store is not None
+        return (
+            sid in node._stream_scopes,
+            node.store.log.replicated(sid),
+            await cluster.entry(sid) is not None,
+            await cluster.holder(sid) is not None,
+        )
+
+    assert in_cluster(nats_server, tmp_path, ("a",), body) == (False, False, False, False)
+
+
 def test_a_session_taken_over_here_while_its_release_runs_stays_this_hosts(
     tmp_path: Path, nats_server: NatsProcess
 ) -> None:

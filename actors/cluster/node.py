@@ -62,7 +62,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -368,18 +368,9 @@ class ClusterNode:
 
     def _start_stream(self, session_id: str, writer: TraceWriter) -> None:
         assert self._streams is not None and self.store is not None
-        log = self.store.log
-        scope = trio.CancelScope()
-        self._stream_scopes[session_id] = scope
-
-        async def stream() -> None:
-            with scope:
-                async with trio.open_nursery() as both:
-                    both.start_soon(self._serve_requests, session_id)
-                    await log.stream_to(session_id, writer)
-                    both.cancel_scope.cancel()
-
-        self._streams.start_soon(stream)
+        scope = self._stream_scopes[session_id] = trio.CancelScope()
+        serve = functools.partial(self._serve_requests, session_id)
+        self._streams.start_soon(_stream, scope, self.store.log, session_id, writer, serve)
 
     async def _serve_requests(self, session_id: str) -> None:
         """Answer the calls other gateways forward for ``session_id`` while this host owns
@@ -616,6 +607,26 @@ def _stopping(session_id: str, error: Exception | None) -> str:
     if isinstance(error, UnreplicableRecord):
         return f"session {session_id} stops here: {error.message}"
     return f"the trace of session {session_id} was fenced by another host; stopping it here"
+
+
+async def _stream(
+    scope: trio.CancelScope,
+    log: ReplicatingTraceLog,
+    session_id: str,
+    writer: TraceWriter,
+    serve: Callable[[], Awaitable[None]],
+) -> None:
+    """Append ``session_id``'s records to the cluster's trace and answer its forwarded
+    calls (``serve``) until ``scope`` is cancelled. Nothing when the session stopped being
+    replicated between the stream's start and this task's first step (deleted or given up
+    meanwhile): ``stream_to`` would replicate it again, and it stayed replicated here."""
+    with scope:
+        if not log.replicated(session_id):
+            return
+        async with trio.open_nursery() as both:
+            both.start_soon(serve)
+            await log.stream_to(session_id, writer)
+            both.cancel_scope.cancel()
 
 
 def _stop_stream(scopes: dict[str, trio.CancelScope], session_id: str) -> None:
