@@ -720,6 +720,66 @@ def test_a_session_deleted_before_its_trace_stream_runs_is_not_replicated_again(
     assert in_cluster(nats_server, tmp_path, ("a",), body) == (False, False, False, False)
 
 
+def test_a_session_deleted_while_its_entry_is_updated_leaves_no_entry(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-CLUSTER-1, R-HOST-3: a session deleted while the update of its directory entry
+    its adoption queued is being written (held here until the deletion has removed the
+    entry, or waits to): once its lane is done and the update written, the cluster holds
+    no entry of it. Before, the update landed after the removal and the entry of a
+    deleted session stayed in the directory."""
+
+    async def body(cluster: Cluster) -> tuple[bool, bool]:
+        a = cluster.members["a"]
+        node = a.node
+        directory = node._directory
+        assert directory is not None
+        put, delete = directory.put, directory.delete
+        remove = getattr(node._entries, "remove", None)
+        puts: list[str] = []
+        held, removed, written = trio.Event(), trio.Event(), trio.Event()
+
+        async def put_held(session_id: str, meta: Any) -> None:
+            puts.append(session_id)
+            if len(puts) != 2:  # the adoption's own write; then the update it queued
+                await put(session_id, meta)
+                return
+            held.set()
+            await removed.wait()
+            try:
+                await put(session_id, meta)
+            finally:
+                written.set()
+
+        async def delete_seen(session_id: str) -> None:
+            await delete(session_id)
+            removed.set()
+
+        async def remove_queued(session_id: str) -> None:
+            removed.set()  # it waits behind the update: the update goes first
+            assert remove is not None
+            await remove(session_id)
+
+        monkeypatch.setattr(directory, "put", put_held)
+        monkeypatch.setattr(directory, "delete", delete_seen)
+        monkeypatch.setattr(node._entries, "remove", remove_queued, raising=False)
+        session = await a.host.create_session(
+            provider=ScriptedProvider(_brain), tools=TOOLS, workspace_dir=tmp_path
+        )
+        sid = session.id
+        await held.wait()
+        await a.host.delete_session(sid)
+
+        async def lane_done() -> bool:
+            return not node._lanes.has(sid)
+
+        await until(lane_done)
+        await written.wait()
+        return (await cluster.entry(sid) is not None, await cluster.holder(sid) is not None)
+
+    assert in_cluster(nats_server, tmp_path, ("a",), body) == (False, False)
+
+
 def test_a_session_taken_over_here_while_its_release_runs_stays_this_hosts(
     tmp_path: Path, nats_server: NatsProcess
 ) -> None:

@@ -19,6 +19,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import attrs
 import trio
 
 from greenroom.actors.cluster.errors import ClusterUnavailable
@@ -63,6 +64,8 @@ class DirectoryEntries:
         self._send, self._receive = trio.open_memory_channel[str](1000)
         self._closing: dict[str, trio.Event] = {}
         """The sessions whose closed entry is queued, and the event set once it is sent."""
+        self._removing: dict[str, _Removal] = {}
+        """The deleted sessions whose entry's removal is queued."""
 
     def bind(self, host: Host, directory: SessionDirectory) -> None:
         """The host whose sessions these are, and the directory to write to."""
@@ -102,9 +105,24 @@ class DirectoryEntries:
         await self._send.send(session_id)
         await sent.wait()
 
+    async def remove(self, session_id: str) -> None:
+        """Remove ``session_id``'s entry from the directory (the session was deleted), after
+        the updates queued before: one sent meanwhile lands before the removal, never after
+        it, and later ones are dropped (the host owns it no more). Return once it is
+        removed. Raises :class:`ClusterUnavailable`."""
+        removal = self._removing.setdefault(session_id, _Removal())
+        await self._send.send(session_id)
+        await removal.done.wait()
+        if removal.error is not None:
+            raise removal.error
+
     async def send_updates(self) -> None:
         """Send the queued updates in order, until cancelled."""
         async for session_id in self._receive:
+            removal = self._removing.pop(session_id, None)
+            if removal is not None:
+                await self._remove(session_id, removal)
+                continue
             closing = self._closing.pop(session_id, None)
             if closing is None and not self._owns(session_id):
                 continue
@@ -116,6 +134,26 @@ class DirectoryEntries:
                 if closing is not None:
                     closing.set()
                     self.running.pop(session_id, None)
+
+
+    async def _remove(self, session_id: str, removal: _Removal) -> None:
+        assert self._directory is not None
+        try:
+            await self._directory.delete(session_id)
+        except ClusterUnavailable as exc:
+            removal.error = exc
+        finally:
+            removal.done.set()
+            self.running.pop(session_id, None)
+
+
+@attrs.define
+class _Removal:
+    """A queued removal of a deleted session's entry: ``done`` once tried, ``error`` when
+    NATS failed it."""
+
+    done: trio.Event = attrs.Factory(trio.Event)
+    error: ClusterUnavailable | None = None
 
 
 async def _entry(

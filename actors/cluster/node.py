@@ -437,7 +437,7 @@ class ClusterNode:
         _stop_stream(self._stream_scopes, session_id)
         if self._work is not None and self._directory is not None:
             assert self._traces is not None and self._keeper is not None
-            parts = (self._directory, self._traces, self._keeper)
+            parts = (self._entries, self._traces, self._keeper)
             forget = functools.partial(_forget, *parts, session_id, claim=released)
             with contextlib.suppress(RuntimeError):  # shutting down
                 self._lanes.start_soon(self._work, session_id, forget)
@@ -703,7 +703,7 @@ async def _release_closed(
 
 
 async def _forget(
-    directory: SessionDirectory,
+    entries: DirectoryEntries,
     traces: TraceStream,
     keeper: OwnershipKeeper,
     session_id: str,
@@ -716,7 +716,7 @@ async def _forget(
         if claim and await keeper.claim(session_id) is None:
             log(f"session {session_id} is open on another host: deleted on this host only")
             return
-        await directory.delete(session_id)
+        await entries.remove(session_id)  # after an update in flight, never under it
         await traces.purge(session_id)
     except ClusterUnavailable as exc:
         log(f"cannot remove session {session_id} from the cluster: {exc}")
