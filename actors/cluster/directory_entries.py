@@ -11,7 +11,10 @@ closed) leaves the host: its entry is written a last time with ``"closed": true`
 host it was last on stays named), through the same queue, so no update sent before it
 lands after it. No host runs a closed session and the orphan scan leaves it alone; a call
 on it through any gateway opens it again there (:mod:`.router`), and a host that opens it
-again writes its entry anew."""
+again writes its entry anew.
+
+A deleted session's entry is removed through the same queue (:meth:`DirectoryEntries.remove`):
+an update sent when the session was deleted lands before the removal, never after it."""
 
 from __future__ import annotations
 
@@ -134,7 +137,6 @@ class DirectoryEntries:
                 if closing is not None:
                     closing.set()
                     self.running.pop(session_id, None)
-
 
     async def _remove(self, session_id: str, removal: _Removal) -> None:
         assert self._directory is not None
