@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import pytest
 import trio
+import trio.testing
 
 from greenroom.actors.providers.scripted import ScriptedProvider, ScriptStep
 from greenroom.actors.runtime.host import Host
@@ -243,6 +244,40 @@ def hold_after_first(
 
     monkeypatch.setattr(owner, name, done_then_wait)
     return done, let_go
+
+
+async def answer_meeting_a_close(
+    monkeypatch: pytest.MonkeyPatch,
+    host: Host,
+    session_id: str,
+    answer: Callable[[], Awaitable[None]],
+    found: trio.Event,
+    let_answer: trio.Event,
+    *,
+    stage: str,
+) -> None:
+    """Run ``answer``, held once it found its request pending (``found``; ``let_answer``
+    lets it go on), into the host's close of ``session_id``: the close begun and held
+    (``stage`` ``"closing"``) or done (``"closed"``) before the answer goes on, then
+    let end. Returns once both have."""
+    closing, let_close = hold_after_first(monkeypatch, Session, "aclose")
+    closed = trio.Event()
+
+    async def close() -> None:
+        await host.close_session(session_id)
+        closed.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(answer)
+        await found.wait()
+        nursery.start_soon(close)
+        await closing.wait()  # the host lists the session no more
+        if stage == "closed":
+            let_close.set()
+            await closed.wait()
+        let_answer.set()
+        await trio.testing.wait_all_tasks_blocked()  # when closing: the answer waits
+        let_close.set()
 
 
 # -- tools -----------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from a2a.types import (
     TaskState,
 )
 from a2a.utils.errors import A2AError
-from conftest import Gates, Lookup, hold_after_first, port_of
+from conftest import Gates, Lookup, answer_meeting_a_close, hold_after_first, port_of
 from test_gateway import TOKEN, connect, lookup_brain, lookup_script, serving
 from test_gateway_queued import hold_task_end, steered_event
 from trio_websocket import open_websocket_url
@@ -45,7 +45,6 @@ from greenroom.actors.gateway import a2a as a2a_endpoint
 from greenroom.actors.gateway.hubs import replay_records
 from greenroom.actors.providers import read_image
 from greenroom.actors.providers.scripted import Reply, ScriptStep, text, tool_call
-from greenroom.actors.runtime.session import Session
 from greenroom.protocols import a2a, jsonrpc
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock
 from greenroom.protocols.outputs import (
@@ -509,29 +508,16 @@ async def test_an_answer_to_a_session_whose_close_began_once_it_was_found_is_tak
             assert task["status"]["state"] == "input-required", task
             sid = task["contextId"]
             allow = user_message("allow", task_id=task["id"], context_id=sid)
+            # Found once the approval was found pending: the message answers it.
             found, let_answer = hold_after_catching_up(monkeypatch)
-            closing, let_close = hold_after_first(monkeypatch, Session, "aclose")
             sent: list[tuple[str, list[Any]]] = []
-            closed = trio.Event()
 
             async def send() -> None:
                 sent.append(await send_with_the_sdk(server, allow))
 
-            async def close() -> None:
-                await server.host.close_session(sid)
-                closed.set()
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(send)
-                await found.wait()  # the approval was found pending: the message answers it
-                nursery.start_soon(close)
-                await closing.wait()  # the host lists the session no more
-                if stage == "closed":
-                    let_close.set()
-                    await closed.wait()
-                let_answer.set()
-                await trio.testing.wait_all_tasks_blocked()  # when closing: the answer waits
-                let_close.set()
+            await answer_meeting_a_close(
+                monkeypatch, server.host, sid, send, found, let_answer, stage=stage
+            )
             [(outcome, [frame])] = sent
             assert outcome == "answered without an error"
             status = frame["result"]["status"]

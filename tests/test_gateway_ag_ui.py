@@ -17,11 +17,10 @@ import pytest
 import trio
 import trio.testing
 from ag_ui.core import Event, RunAgentInput
-from conftest import Lookup, hold_after_first
+from conftest import Lookup, answer_meeting_a_close, hold_after_first
 from test_gateway import TOKEN, connect, lookup_brain, lookup_script, serving
 
 from greenroom.actors.gateway import ag_ui as ag_ui_front
-from greenroom.actors.runtime.session import Session
 from greenroom.protocols import ag_ui, jsonrpc
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.outputs import (
@@ -182,8 +181,6 @@ async def test_a_resume_whose_thread_began_to_close_once_it_was_found_is_taken_t
             assert first.events[-1][1]["outcome"]["interrupts"][0]["id"] == "c1"
             # The last look before the answers: the interrupt was found pending.
             found, let_answer = hold_after_first(monkeypatch, ag_ui_front, "replay_records")
-            closing, let_close = hold_after_first(monkeypatch, Session, "aclose")
-            closed = trio.Event()
             resumed: list[Stream] = []
 
             async def resume() -> None:
@@ -191,21 +188,9 @@ async def test_a_resume_whose_thread_began_to_close_once_it_was_found_is_taken_t
                 entry = {"interruptId": "c1", "status": "resolved", "payload": allow}
                 resumed.append(await posted(url, run_input("thread-1", "run-2", resume=[entry])))
 
-            async def close() -> None:
-                await server.host.close_session("thread-1")
-                closed.set()
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(resume)
-                await found.wait()
-                nursery.start_soon(close)
-                await closing.wait()  # the host lists the session no more
-                if stage == "closed":
-                    let_close.set()
-                    await closed.wait()
-                let_answer.set()
-                await trio.testing.wait_all_tasks_blocked()  # when closing: the answer waits
-                let_close.set()
+            await answer_meeting_a_close(
+                monkeypatch, server.host, "thread-1", resume, found, let_answer, stage=stage
+            )
             (second,) = resumed
             (result,) = second.of("TOOL_CALL_RESULT")
             assert (result["toolCallId"], result["content"]) == ("c1", "value-a")

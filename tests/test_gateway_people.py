@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import trio
-from conftest import Lookup, hold_after_first
+from conftest import Lookup, answer_meeting_a_close, hold_after_first
 from test_gateway import (
     ALICE,
     BOB,
@@ -33,7 +33,6 @@ from greenroom.actors.gateway import Gateway, SessionDefaults
 from greenroom.actors.gateway.nodes import Nodes
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, ScriptStep, text, tool_call
 from greenroom.actors.runtime.host import Host
-from greenroom.actors.runtime.session import Session
 from greenroom.actors.runtime.subagents import SPAWN_SUBAGENT, SUBAGENT_SYSTEM, spawn_subagent
 from greenroom.actors.tools.questions import ask_user
 from greenroom.protocols.context import ModelRequest, ToolResult
@@ -267,30 +266,17 @@ async def test_an_answer_whose_session_began_to_close_once_it_was_found_is_taken
         ):
             sid = (await client.result("session.create"))["session_id"]
             request = await until_asked(client, sid)
+            # Found once the request was found pending: the call answers it.
             found, let_answer = hold_after_first(monkeypatch, Nodes, "asked_in")
-            closing, let_close = hold_after_first(monkeypatch, Session, "aclose")
-            closed = trio.Event()
 
             async def send_the_answer() -> None:
                 params = {"session_id": sid, "call_id": request["call_id"]}
                 params |= {"decision": "allow"} if approving else {"text": "blue"}
                 assert await client.result(method, params) == {}
 
-            async def close() -> None:
-                await server.host.close_session(sid)
-                closed.set()
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(send_the_answer)
-                await found.wait()  # the request was found pending: the call answers it
-                nursery.start_soon(close)
-                await closing.wait()  # the host lists the session no more
-                if stage == "closed":
-                    let_close.set()
-                    await closed.wait()
-                let_answer.set()
-                await trio.testing.wait_all_tasks_blocked()  # when closing: the answer waits
-                let_close.set()
+            await answer_meeting_a_close(
+                monkeypatch, server.host, sid, send_the_answer, found, let_answer, stage=stage
+            )
             dropped = await client.notification()  # the closed session's subscription
             assert dropped["params"]["reason"] == "session closed", dropped
             after_seq = {"session_id": sid, "after_seq": request["seq"]}
