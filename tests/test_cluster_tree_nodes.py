@@ -635,6 +635,23 @@ async def _merged(cluster: Cluster, root: str) -> bool:
     )
 
 
+async def _left_behind(node: Any, cluster: Any, sid: str) -> tuple[bool, bool, bool, bool]:
+    """What a deleted session left on its host and in the cluster once its lane is done:
+    its trace stream, its replication, its directory entry, its lease holder."""
+
+    async def lane_done() -> bool:
+        return not node._lanes.has(sid)
+
+    await until(lane_done)
+    assert node.store is not None
+    return (
+        sid in node._stream_scopes,
+        node.store.log.replicated(sid),
+        await cluster.entry(sid) is not None,
+        await cluster.holder(sid) is not None,
+    )
+
+
 def test_a_session_deleted_while_it_is_adopted_leaves_nothing_running(
     tmp_path: Path, nats_server: NatsProcess
 ) -> None:
@@ -651,18 +668,7 @@ def test_a_session_deleted_while_it_is_adopted_leaves_nothing_running(
         )
         sid = session.id
         await a.host.delete_session(sid)
-
-        async def lane_done() -> bool:
-            return not node._lanes.has(sid)
-
-        await until(lane_done)
-        assert node.store is not None
-        return (
-            sid in node._stream_scopes,
-            node.store.log.replicated(sid),
-            await cluster.entry(sid) is not None,
-            await cluster.holder(sid) is not None,
-        )
+        return await _left_behind(node, cluster, sid)
 
     assert in_cluster(nats_server, tmp_path, ("a",), body) == (False, False, False, False)
 
@@ -704,18 +710,7 @@ def test_a_session_deleted_before_its_trace_stream_runs_is_not_replicated_again(
         await a.host.delete_session(sid)
         deleted.set()
         await ran.wait()
-
-        async def lane_done() -> bool:
-            return not node._lanes.has(sid)
-
-        await until(lane_done)
-        assert node.store is not None
-        return (
-            sid in node._stream_scopes,
-            node.store.log.replicated(sid),
-            await cluster.entry(sid) is not None,
-            await cluster.holder(sid) is not None,
-        )
+        return await _left_behind(node, cluster, sid)
 
     assert in_cluster(nats_server, tmp_path, ("a",), body) == (False, False, False, False)
 
