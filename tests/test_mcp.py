@@ -777,6 +777,31 @@ async def test_a_legacy_sse_post_answered_500_fails_its_call_at_once(
     assert again == TextBlock(text="again")
 
 
+async def test_a_legacy_sse_post_redirected_past_the_budget_fails_its_call_at_once(
+    mcp_host: Host, workspace: Path
+) -> None:
+    """R-MCP-4, R-SEC-9: over the legacy HTTP+SSE transport the SDK follows a redirect of a
+    message's POST within its origin at most ``max_redirects`` times, then raises for the
+    next one, which stopped its sender silently: every call waited out its timeout_s. The
+    redirect past the budget ends the connection as an error status does."""
+    with http_server("sse") as url:
+        await mcp_host.create_session(
+            workspace_dir=workspace,
+            mcp_servers={"old": {"type": "sse", "url": url, "timeout_s": 600}},
+        )
+        server = connection(mcp_host, "old")
+        with trio.fail_after(RUN_TIMEOUT_S):
+            with pytest.raises(McpServerError) as caught:
+                await server.call("redirect_loop", {}, None)
+            (again,) = await server.call("echo", {"text": "again"}, None)
+    assert str(caught.value) == (
+        "MCP server 'old' stopped during redirect_loop: the connection failed: 127.0.0.1 "
+        "answered a message with HTTP 307 Temporary Redirect after 20 redirects; it is "
+        "started again on its next use"
+    )
+    assert again == TextBlock(text="again")
+
+
 async def serve_events_then_refuse(*, task_status: trio.TaskStatus[str]) -> None:
     """A legacy HTTP+SSE server that opens one event stream naming its message endpoint,
     and stops listening first: every POST of a message is refused."""

@@ -33,6 +33,7 @@ the bound and the connection goes on.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -152,6 +153,9 @@ class _WatchedPosts(httpx2.AsyncClient):
     def __init__(self, failed: Callable[[Exception], None], **options: Any) -> None:
         super().__init__(**options)
         self.failed = failed
+        # How many redirects the SDK followed to each request it is to send next: it
+        # follows at most ``max_redirects``, and raises for the redirect after those.
+        self._followed: weakref.WeakKeyDictionary[httpx2.Request, int] = weakref.WeakKeyDictionary()
 
     async def send(self, request: httpx2.Request, **options: Any) -> httpx2.Response:
         """``AsyncClient.send``, telling ``failed`` of a failed POST."""
@@ -166,11 +170,18 @@ class _WatchedPosts(httpx2.AsyncClient):
         except Exception as exc:  # the OAuth flow's McpLoginNeeded: it says what to do
             self.failed(exc)
             raise
-        # A redirect the SDK follows is not the end; any other answer but a success is
-        # one it raises for (``raise_for_status``), which stops its writer.
-        if not response.is_success and next_request_within_origin(response) is None:
-            status = f"HTTP {response.status_code} {response.reason_phrase}".strip()
-            self.failed(PostFailed(f"{request.url.host} answered a message with {status}"))
+        followed = self._followed.pop(request, 0)
+        if response.is_success:
+            return response
+        # A redirect the SDK follows is not the end; any other answer is one it raises for
+        # (``raise_for_status``), which stops its writer: so is the redirect past its budget.
+        next_request = next_request_within_origin(response)
+        if next_request is not None and followed < self.max_redirects:
+            self._followed[next_request] = followed + 1
+            return response
+        status = f"HTTP {response.status_code} {response.reason_phrase}".strip()
+        after = f" after {followed} redirects" if followed else ""
+        self.failed(PostFailed(f"{request.url.host} answered a message with {status}{after}"))
         return response
 
 

@@ -151,6 +151,14 @@ def http_500() -> str:
 
 
 @server.tool()
+def redirect_loop() -> str:
+    """Over ``--sse`` never called: the POST calling it is redirected (307) to itself, for
+    ever."""
+    called.append("redirect_loop")
+    return "not redirected"
+
+
+@server.tool()
 def fail(message: str) -> str:
     """Fail with the message."""
     called.append("fail")
@@ -349,7 +357,8 @@ def review(path: str, tone: str = "kind") -> str:
 
 def answer_500_to_http_500(app: Any) -> Any:
     """``app`` (ASGI), but a POST of a message that calls the tool ``http_500`` is answered
-    HTTP 500 (as a failing server or proxy would) before the server sees it."""
+    HTTP 500 (as a failing server or proxy would) before the server sees it, and one that
+    calls ``redirect_loop`` is redirected to its own URL (307, which keeps the message)."""
 
     async def wrapped(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -362,6 +371,13 @@ def answer_500_to_http_500(app: Any) -> Any:
             await send({"type": "http.response.start", "status": 500,
                         "headers": [(b"content-type", b"text/plain")]})  # fmt: skip
             await send({"type": "http.response.body", "body": b"the server failed"})
+            return None
+        if message.get("params", {}).get("name") == "redirect_loop":
+            query = scope["query_string"].decode()
+            here = scope["path"] + (f"?{query}" if query else "")
+            await send({"type": "http.response.start", "status": 307,
+                        "headers": [(b"location", here.encode())]})  # fmt: skip
+            await send({"type": "http.response.body", "body": b""})
             return None
         replay = iter(received)
 
