@@ -63,6 +63,7 @@ def _make_tagged_unstructure(cls: type[Any]) -> Callable[[Any], dict[str, Any]]:
         "http_status",
         "queued_id",
         "steering_ids",
+        "late_steering",
     ):
         if name in field_names:
             overrides[name] = override(omit_if_default=True)
@@ -80,8 +81,18 @@ def _make_tagged_unstructure(cls: type[Any]) -> Callable[[Any], dict[str, Any]]:
     return unstructure
 
 
+def _strict_bool(value: Any, _: Any) -> bool:
+    # cattrs would take bool(value): a hand-edited "false" or "no" read back as true.
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
 def _make_tagged_structure(cls: type[Any]) -> Callable[[Any, Any], Any]:
-    inner = make_dict_structure_fn(cls, converter)
+    overrides: dict[str, Any] = {}
+    if "late_steering" in {f.name for f in attrs.fields(cls)}:
+        overrides["late_steering"] = override(struct_hook=_strict_bool)
+    inner = make_dict_structure_fn(cls, converter, **overrides)
 
     def structure(data: Any, _: Any) -> Any:
         return inner(data, cls)

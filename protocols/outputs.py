@@ -132,6 +132,9 @@ class TaskQueuedOutput(Envelope):
         approve: how its tool calls are decided: ``people``, ``deny`` or ``host``.
         thinking_level: its thinking level, when given.
         output_schema: the JSON Schema its answer must match (R-OUT-1). Left out when None.
+        late_steering: true when it is steering that came after its task stopped taking
+            steering (R-STEER-1), so that whoever takes the session up still counts it as
+            the steering its client sent (R-SEC-9). Left out when false.
     """
 
     TYPE: ClassVar[str] = "task_queued"
@@ -141,6 +144,7 @@ class TaskQueuedOutput(Envelope):
     approve: QueuedApproval = "deny"
     thinking_level: str | None = None
     output_schema: dict[str, Any] | None = None
+    late_steering: bool = False
 
 
 @_documented

@@ -16,11 +16,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 from conftest import RUN_TIMEOUT_S, Gates, Recorder, allow_all, open_host, port_of, trace_lines
 from test_compaction import BIG, new_session, summary_step
+from test_gateway_queued import hold_task_end
+from test_people import until_parked
 from test_recovery import copy_session, records
 
+from greenroom.actors.gateway.queue_room import held
 from greenroom.actors.providers.scripted import (
     Reply,
     ScriptedProvider,
@@ -135,6 +139,55 @@ async def test_an_interrupt_drops_the_queue_and_nothing_runs_after_a_restart(
         assert not resumed.busy
         assert fold(records_of(resumed)).record.queued == ()
     assert after.requests == []
+
+
+async def test_late_steering_is_still_steering_once_its_session_is_loaded_again(
+    host: Host, workspace: Path, gates: Gates, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-STEER-1, R-STEER-6, R-SEC-9, R-HOST-3: steering too late for its task waits as a
+    task of its own behind a follow-up that parks on a person. Its record did not say it
+    was steering: once the session was closed and loaded again it was a follow-up, and
+    the gateway's caps counted it as one. Loaded again, it counts as steering, and runs
+    as it would have: its words as a prompt naming its record, once."""
+    ending, let_end = hold_task_end(monkeypatch)
+    before = ScriptedProvider(
+        [Reply(blocks=(text("One."),)), Reply(blocks=(tool_call("c1", "wait", key="b"),))]
+    )
+    session = await host.create_session(
+        provider=before, tools=[gates.tool()], workspace_dir=workspace
+    )
+    session.run("one", approve=PEOPLE).detach()
+    with trio.fail_after(RUN_TIMEOUT_S):
+        await ending.wait()
+    # Both wait in the inbox of the supervisor whose task is ending: the follow-up is
+    # queued first, and the steering, too late, as a task behind it.
+    assert session.follow_up("FOLLOW", approve=PEOPLE)
+    assert session.steer("STEER")
+    let_end.set()
+    await until_parked(host, session.id)
+    assert (held(session, "steering"), held(session, "follow_up")) == (1, 0)
+    await host.close_session(session.id)
+
+    after = ScriptedProvider([Reply(blocks=(text("Followed."),)), Reply(blocks=(text("Late."),))])
+    loaded = await host.load_session(session.id, tools=[gates.tool()], provider=after)
+    await host.answer_approval(session.id, "c1", "allow")
+    await gates.started("b")  # the follow-up's call runs; the late steering waits
+    assert (held(loaded, "steering"), held(loaded, "follow_up")) == (1, 0)
+    gates.release("b")
+    with trio.fail_after(RUN_TIMEOUT_S):
+        await loaded.wait_idle()
+    lines = trace_lines(loaded)
+    (late,) = [
+        line
+        for line in lines
+        if line["type"] == "task_queued" and line["content"][0]["text"] == "STEER"
+    ]
+    assert late["late_steering"] is True
+    prompt = [line for line in lines if line["type"] == "user_msg"][-1]
+    assert (prompt["content"][0]["text"], prompt.get("queued_id")) == ("STEER", late["queue_id"])
+    assert len(after.requests) == 2 and last_words(after.requests[-1]) == ["STEER"]
+    ends = [line["status"] for line in lines if line["type"] == "task_end"]
+    assert ends[-2:] == ["completed", "completed"]
 
 
 # -- the fold -----------------------------------------------------------------------------------

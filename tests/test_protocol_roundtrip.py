@@ -11,6 +11,7 @@ import pytest
 
 from greenroom.protocols import content, context, messages, outputs, stream
 from greenroom.protocols.converter import converter, describe_error, output_from_dict, to_json
+from greenroom.protocols.trace import parse_trace
 
 CALL = content.ToolCallBlock(id="toolu_1", name="lookup", arguments={"key": "ä", "n": [1, 2]})
 BLOCKS: list[Any] = [
@@ -92,6 +93,7 @@ EXAMPLES: dict[type[Any], dict[str, Any]] = {
         "approve": "people",
         "thinking_level": "low",
         "output_schema": {"type": "object"},
+        "late_steering": True,
     },
     outputs.TaskQueueDropped: {"queue_ids": ("queued_1",), "reason": "interrupted: stop"},
     outputs.SteeringQueuedOutput: {
@@ -148,6 +150,32 @@ def test_request_end_names_the_response_only_when_the_provider_did() -> None:
     assert output_from_dict(data) == end
     bare = json.loads(to_json(attrs.evolve(end, response_id=None, response_model=None)))
     assert "response_id" not in bare and "response_model" not in bare
+
+
+def test_task_queued_marks_late_steering_only_when_it_is_and_reads_back_strictly() -> None:
+    """R-STEER-1, R-SEC-9: ``task_queued.late_steering`` is written only when true, so a
+    follow-up's record is as before and one without it reads as a follow-up; a value that
+    is not a JSON boolean makes the trace line a clear error, never a follow-up nor a
+    steer taken from its truthiness."""
+    queued = outputs.TaskQueuedOutput(
+        session_id="s",
+        run_id="r",
+        seq=4,
+        queue_id="queued_1",
+        content=(content.TextBlock(text="STEER"),),
+        late_steering=True,
+    )
+    data = json.loads(to_json(queued))
+    assert data["late_steering"] is True and output_from_dict(data) == queued
+    follow_up = json.loads(to_json(attrs.evolve(queued, late_steering=False)))
+    assert "late_steering" not in follow_up
+    assert output_from_dict(follow_up).late_steering is False  # type: ignore[union-attr]
+    bad = json.dumps({**data, "late_steering": "no"})
+    read = parse_trace(bad + "\n", file="trace_001.jsonl")
+    assert read.records == []
+    (error,) = read.errors
+    assert str(error).startswith("trace_001.jsonl:1: invalid 'task_queued' record: ")
+    assert "$.late_steering" in str(error)
 
 
 def test_usage_carries_total_and_ignores_it_when_read() -> None:

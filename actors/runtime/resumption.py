@@ -76,6 +76,7 @@ def queued_record(port: SessionPort, task: TaskInput) -> tuple[TaskInput, TaskQu
         approve="deny" if approve is None else "people" if approve == PEOPLE else "host",
         thinking_level=task.thinking_level,
         output_schema=task.output.schema if task.output is not None else None,
+        late_steering=task.late_steering,
     )
     return attrs.evolve(task, queued_id=queue_id), record
 
@@ -100,6 +101,7 @@ def requeue_recorded(port: SessionPort) -> None:
                 thinking_level=record.thinking_level,
                 output=output_spec(record.output_schema) if record.output_schema else None,
                 queued_id=record.queue_id,
+                late_steering=record.late_steering,
             )
         )
 
