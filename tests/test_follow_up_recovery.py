@@ -190,6 +190,32 @@ async def test_late_steering_is_still_steering_once_its_session_is_loaded_again(
     assert ends[-2:] == ["completed", "completed"]
 
 
+async def test_late_steering_runs_with_the_options_of_the_task_it_came_for(
+    host: Host, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-STEER-1: steering that reaches its task while the task's end is being written runs
+    as a task of its own, with the options of the task it came for. The supervisor let go
+    of the task before that write, so such steering ran with calls denied and no thinking
+    level."""
+    ending, let_end = hold_task_end(monkeypatch)
+    provider = ScriptedProvider([Reply(blocks=(text("One."),)), Reply(blocks=(text("Late."),))])
+    session = await host.create_session(provider=provider, workspace_dir=workspace)
+    session.run("one", approve=PEOPLE, thinking_level="low").detach()
+    with trio.fail_after(RUN_TIMEOUT_S):
+        await ending.wait()
+    assert session.steer("STEER")
+    let_end.set()
+    with trio.fail_after(RUN_TIMEOUT_S):
+        await session.wait_idle()
+    (late,) = [line for line in trace_lines(session) if line["type"] == "task_queued"]
+    assert (late["approve"], late.get("thinking_level"), late["late_steering"]) == (
+        "people",
+        "low",
+        True,
+    )
+    assert last_words(provider.requests[-1]) == ["STEER"]
+
+
 # -- the fold -----------------------------------------------------------------------------------
 
 

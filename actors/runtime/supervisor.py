@@ -157,6 +157,8 @@ class SessionSupervisor:
         self._out = OutputEmitter(port, output, trace_failed)
         self._nursery: trio.Nursery | None = None
         self._task: RunningTask | None = None
+        # What steering that comes once its task has ended runs with (R-STEER-1).
+        self._ended: TaskInput | None = None
         self._asked_token = 0
         self._done_token = 0
         self._boundary_synced: tuple[str | None, int] = (None, 0)
@@ -177,7 +179,7 @@ class SessionSupervisor:
             try:
                 await self._loop()
             finally:
-                self._make_idle()
+                _make_idle(self._port, self.inbox)
                 _pass_on_leftovers(self._port, self._inbox)
                 with trio.CancelScope(shield=True):
                     if self._task is not None:
@@ -319,7 +321,8 @@ class SessionSupervisor:
             case SteeringQueued() if machine.takes_steering:
                 _queue_steering(self._out, self._port, message, task)
             case SteeringQueued():  # late: its task was ending or interrupted
-                _run_late_steering(self._out, self._port, message, task)
+                came_for = task.task if task is not None else self._ended
+                _run_late_steering(self._out, self._port, message, came_for)
             case SubagentFinished():
                 # A background child's end (R-TREE-2): steering of a task that goes on,
                 # else a task of its own after the one that ends (never dropped with it).
@@ -455,7 +458,7 @@ class SessionSupervisor:
             self._drain()
         # The trace may be what failed: settling is then best effort.
         task.settle(status, message, best_effort=crashed or status == "failed")
-        self._task = None
+        self._task, self._ended = None, task.task
         if task.task is None:
             return  # a manual compaction has no task records
         with trio.CancelScope(shield=True) as teardown:
@@ -480,19 +483,8 @@ class SessionSupervisor:
         self._drain()
         if self._machine.busy:
             return False
-        self._make_idle()
+        _make_idle(self._port, self.inbox)
         return True
-
-    def _make_idle(self) -> None:
-        port = self._port
-        if port.inbox is self.inbox:
-            # The session is idle before its readers see the last task_end, so a host that
-            # reacts to it by starting the next task never meets Busy.
-            port.inbox = None
-            idle, port.idle = port.idle, None
-            if idle is not None:
-                idle.set()
-        self.inbox.close()  # later commands find no one: the handle ignores them
 
     # -- people: parking and resuming (R-HITL) ----------------------------------------------
 
@@ -724,12 +716,25 @@ def start(
     return supervisor.inbox
 
 
+def _make_idle(port: SessionPort, inbox: trio.MemorySendChannel[SupervisorMessage]) -> None:
+    """The session of ``port`` has no work: ``inbox`` takes no more."""
+    if port.inbox is inbox:
+        # The session is idle before its readers see the last task_end, so a host that
+        # reacts to it by starting the next task never meets Busy.
+        port.inbox = None
+        idle, port.idle = port.idle, None
+        if idle is not None:
+            idle.set()
+    inbox.close()  # later commands find no one: the handle ignores them
+
+
 def _run_late_steering(
-    out: OutputEmitter, port: SessionPort, message: SteeringQueued, task: RunningTask | None
+    out: OutputEmitter, port: SessionPort, message: SteeringQueued, came_for: TaskInput | None
 ) -> None:
     """Steering its task no longer takes, after steer() said yes (the task was ending, or
     interrupted): the words run as a task of their own, with the options of the task they
-    came for, as the host would have run them had steer() found no task (R-STEER-1). The
+    came for (``came_for``, also once it has ended), as the host would have run them had
+    steer() found no task (R-STEER-1). The
     task's own queue went with it (R-STEER-5). That task is recorded as a follow-up's is
     (``task_queued``), so that ``recorded`` settles only once the words survive the host
     (R-STEER-6): a host that takes the session up runs them. Once the session closes
@@ -737,7 +742,6 @@ def _run_late_steering(
     if port.closed:
         drop_unrun(message.recorded, f"session {port.id} closed before the steering ran")
         return
-    came_for = task.task if task is not None else None
     with _handed_to_machine(message.recorded):
         late = TaskInput(
             content=repaired_blocks(message.content),
