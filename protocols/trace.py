@@ -87,11 +87,17 @@ def input_size(content: Iterable[UserContent], output_schema: object = None) -> 
     counted as accepted (:data:`IMAGE_ACCEPTANCE_BYTES`). What a trace whose records
     have a limit (a cluster's NATS server) measures input against."""
     blocks = tuple(content)
-    size = len(converter.to_json(blocks).encode("utf-8", "backslashreplace"))
+    size = record_size(blocks)
     if output_schema is not None:
-        size += len(converter.to_json(output_schema).encode("utf-8", "backslashreplace"))
+        size += record_size(output_schema)
     unaccepted = sum(isinstance(b, ImageBlock) and b.sha256 is None for b in blocks)
     return size + unaccepted * IMAGE_ACCEPTANCE_BYTES
+
+
+def record_size(value: object) -> int:
+    """The bytes ``value`` (a protocol value, or JSON: a call's arguments) takes in a trace
+    record, as the record's UTF-8 JSON holds it."""
+    return len(converter.to_json(value).encode("utf-8", "backslashreplace"))
 
 
 def cut_to_fit(text: str, most: int | None, whole_at: str | None) -> str:
@@ -122,6 +128,71 @@ def cut_to_fit(text: str, most: int | None, whole_at: str | None) -> str:
         else:
             high = middle - 1
     return kept(low)
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ImagesFit:
+    """What :func:`fit_images` left of a result: ``content``, its blocks in their order
+    without the images left out, then ``left_out``, the line that says how many were (None:
+    none was); ``text_room``, the most bytes of input (:func:`input_size`) its text, joined
+    into one block, may take beside the images kept (None: its text fits as it is)."""
+
+    content: tuple[UserContent, ...]
+    left_out: TextBlock | None
+    text_room: int | None
+
+
+def fit_images(content: tuple[UserContent, ...], most: int) -> ImagesFit:
+    """``content``, a tool's result, made to fit one record of ``most`` bytes of input
+    (:func:`input_size`; a cluster's NATS server, R-SEC-9, R-CLUSTER-1) as far as its
+    images go. Text and images share the record so that neither crowds the other out: each
+    takes what it needs while both fit; when they do not, the text keeps what the images
+    leave, at least half of the record (the caller cuts it to ``text_room``, its whole kept
+    elsewhere), and the images, in order, the rest. The images past that are left out, the
+    last first so that the model keeps what comes first, and ``left_out`` tells it how many
+    and why."""
+    texts = [b for b in content if isinstance(b, TextBlock)]
+    images = [b for b in content if not isinstance(b, TextBlock)]
+    # A list's JSON is its brackets and its elements, each but one after a comma: 1 byte
+    # plus each element's bytes and one more.
+    room = most - 1
+    text_size = sum(_element_size(b) for b in texts)
+    sizes = [_element_size(b) for b in images]
+    images_size = sum(sizes)
+    if text_size + images_size <= room:
+        return ImagesFit(content=content, left_out=None, text_room=None)
+    text_room = min(text_size, room // 2)
+    if images_size <= room - text_room:
+        return ImagesFit(content=content, left_out=None, text_room=1 + room - images_size)
+    widest = _left_out(len(images), len(images), most)  # no count is longer
+    image_room = room - text_room - _element_size(widest)
+    kept, kept_size = 0, 0
+    while kept < len(sizes) and kept_size + sizes[kept] <= image_room:
+        kept_size += sizes[kept]
+        kept += 1
+    left_out = _left_out(len(images) - kept, len(images), most)
+    blocks: list[UserContent] = []
+    for block in content:
+        if isinstance(block, TextBlock):
+            blocks.append(block)
+        elif kept > 0:
+            blocks.append(block)
+            kept -= 1
+    left = room - kept_size - _element_size(left_out)  # for the text: at least text_room
+    cut = None if text_size <= left else 1 + left
+    return ImagesFit(content=tuple(blocks), left_out=left_out, text_room=cut)
+
+
+def _element_size(block: UserContent) -> int:
+    """The bytes ``block`` adds to a list of blocks' :func:`input_size`, its comma's too."""
+    return input_size((block,)) - 1
+
+
+def _left_out(count: int, of: int, most: int) -> TextBlock:
+    return TextBlock(
+        text=f"[images cut: {count} of {of} images left out, the last ones, to fit one "
+        f"record of this session's trace ({most} bytes)]"
+    )
 
 
 @attrs.frozen(kw_only=True, slots=True)

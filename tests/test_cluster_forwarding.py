@@ -58,7 +58,7 @@ from greenroom.actors.runtime.errors import InputTooLarge
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.tools.questions import ask_user
 from greenroom.protocols import markers
-from greenroom.protocols.content import TextBlock
+from greenroom.protocols.content import ImageBlock, TextBlock
 from greenroom.protocols.outputs import (
     Output,
     SteeringQueuedOutput,
@@ -856,6 +856,80 @@ def test_a_tool_result_past_what_nats_carries_is_cut_to_fit_and_the_session_goes
     assert whole == output
     assert block.text.startswith(output[:1000])
     assert block.text.endswith(f"the whole text is in {path}]"), block.text[-300:]
+
+
+def _screens_tool(paths: Sequence[str]) -> Tool:
+    """A tool ``screens`` that returns a line of text and an image of each of ``paths``."""
+
+    async def screens() -> list[str | ImageBlock]:
+        """Show the screens."""
+        return ["Screens of the run:", *(ImageBlock(path=p) for p in paths)]
+
+    return make_tool(screens, parallel=True)
+
+
+@pytest.mark.parametrize(
+    ("count", "dots"),
+    [
+        # Each block's record about 400 bytes: 400 of them, not one record.
+        (400, 140),
+        # Each about 4 KB (a path of nearly what a file name can be): 40 of them.
+        (40, 1900),
+    ],
+    ids=["many-small-images", "a-few-large-images"],
+)
+def test_a_tool_result_whose_images_do_not_fit_a_record_leaves_the_last_out_and_says_so(
+    tmp_path: Path, count: int, dots: int
+) -> None:
+    """R-TOOL-8, R-SEC-9, R-CLUSTER-1: on a cluster host whose NATS server takes 128 KiB, a
+    tool result of a line of text and images whose blocks take more than one record of the
+    trace (400 of about 400 bytes, 40 of about 4 KB) keeps its text and its first images,
+    leaves the last ones out and ends with a line saying how many and why, within the
+    record; the model gets that line, the task completes and every record reaches
+    JetStream (before: the session stopped on its host, its ``tool_call_output`` larger
+    than NATS takes)."""
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    paths = []
+    for i in range(count):
+        (workspace / f"screen-{i:03d}.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes([i % 256]))
+        paths.append("./" * dots + f"screen-{i:03d}.png")
+
+    async def body(conn: Connection, url: str) -> dict[str, Any]:
+        async with _member(conn, url, tmp_path, "a", request_timeout_s=30.0) as owner:
+            provider = ScriptedProvider(
+                [Reply(blocks=(tool_call("c1", "screens"),)), Reply(blocks=(text("Seen."),))]
+            )
+            session = await owner.host.create_session(
+                provider=provider, tools=[_screens_tool(paths)], workspace_dir=workspace
+            )
+            result = await session.run("go", approve=allow_all).result()
+            settled = await owner.node.store.log.settled(session.id)  # type: ignore[union-attr]
+            records = (await (await TraceStream.open(conn)).read(session.id)).records
+            return {
+                "status": result.task_end.status,
+                "settled": settled,
+                "records": records,
+                "most": owner.host.trace_log.largest_input(),
+                "seen": provider.requests[-1].messages[-1],
+            }
+
+    with running_nats(tmp_path / "nats", max_payload=SMALL_PAYLOAD) as server:
+        found = run_connected(server.url, lambda conn: body(conn, server.url), timeout_s=BOUND_S)
+    assert found["settled"], "the session stopped on its host"
+    assert found["status"] == "completed"
+    (result,) = [r for r in found["records"] if isinstance(r, ToolCallOutput)]
+    most = found["most"]
+    assert most - 5000 < input_size(result.content) <= most
+    first, *images, marker = result.content
+    assert first == TextBlock(text="Screens of the run:")
+    assert 0 < len(images) < count
+    assert [b.path for b in images if isinstance(b, ImageBlock)] == paths[: len(images)]
+    assert marker == TextBlock(
+        text=f"[images cut: {count - len(images)} of {count} images left out, the last ones, "
+        f"to fit one record of this session's trace ({most} bytes)]"
+    )
+    assert marker.text in repr(found["seen"])
 
 
 def test_a_persons_answer_past_what_nats_carries_is_refused_and_the_question_waits(

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from greenroom.protocols import converter
-from greenroom.protocols.content import TextBlock, ToolCallBlock
+from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock
 from greenroom.protocols.outputs import (
     ModelMsg,
     Output,
@@ -23,6 +23,7 @@ from greenroom.protocols.trace import (
     UsageRow,
     cut_to_fit,
     encode_record,
+    fit_images,
     input_size,
     parse_trace,
     trace_file_name,
@@ -226,3 +227,46 @@ def test_cut_to_fit_keeps_the_most_of_a_text_whose_characters_take_several_bytes
     )
     one_more = text[: kept + 1] + marker.replace(str(len(text) - kept), str(len(text) - kept - 1))
     assert input_size((TextBlock(text=one_more),)) > 1000
+
+
+def _image(i: int) -> ImageBlock:
+    return ImageBlock(path=f"shot-{i:03d}.png", media_type="image/png", sha256="0" * 64)
+
+
+def test_fit_images_shares_a_record_between_a_results_text_and_its_images() -> None:
+    """R-SEC-9, R-TOOL-8: a result that fits is kept as it is; a short text with more images
+    than fit keeps its text and its first images, in place, and a line saying how many
+    were left out, within the limit, one more image not fitting; a long text beside a few
+    images keeps them all and is given the rest to be cut to; both long, the text gets
+    half of the record and the images, in order, the rest."""
+    fits = (TextBlock(text="a"), _image(0))
+    assert fit_images(fits, 1000).content == fits
+    assert fit_images(fits, 1000).left_out is None
+
+    many = (TextBlock(text="Shots:"), *(_image(i) for i in range(100)), TextBlock(text="end"))
+    fit = fit_images(many, 4000)
+    assert fit.text_room is None and fit.left_out is not None
+    kept = fit.content[1:-1]
+    assert 0 < len(kept) < 100 and kept == many[1 : 1 + len(kept)]
+    assert (fit.content[0], fit.content[-1]) == (many[0], many[-1])
+    assert fit.left_out.text == (
+        f"[images cut: {100 - len(kept)} of 100 images left out, the last ones, to fit one "
+        "record of this session's trace (4000 bytes)]"
+    )
+    assert input_size((*fit.content, fit.left_out)) <= 4000
+    assert input_size((*fit.content, many[1 + len(kept)], fit.left_out)) > 4000
+
+    long_text = (TextBlock(text="x" * 10_000), _image(0), _image(1))
+    fit = fit_images(long_text, 4000)
+    assert (fit.content, fit.left_out) == (long_text, None)
+    assert fit.text_room is not None
+    cut = TextBlock(text=cut_to_fit("x" * 10_000, fit.text_room, "a file"))
+    assert 3900 < input_size((cut, *long_text[1:])) <= 4000
+
+    both = (TextBlock(text="x" * 10_000), *(_image(i) for i in range(100)))
+    fit = fit_images(both, 4000)
+    assert fit.left_out is not None and fit.text_room is not None
+    assert 2000 <= fit.text_room < 2200
+    images = fit.content[1:]
+    cut = TextBlock(text=cut_to_fit("x" * 10_000, fit.text_room, "a file"))
+    assert input_size((cut, *images, fit.left_out)) <= 4000

@@ -7,7 +7,9 @@ a timeout becomes an error result (R-TOOL-4, R-TOOL-5). Every result the pool re
 error's text as much as a tool's output, passes through :meth:`ToolPool._fit`: text larger
 than the budget is cut to head and tail with a marker naming the scratchpad file holding all
 of it (R-TOOL-8), and a result whose record is still larger than one record of the session's
-trace carries (``largest_record``: a cluster's NATS server, R-CLUSTER-1) is cut to fit it
+trace carries (``largest_record``: a cluster's NATS server, R-CLUSTER-1) is made to fit it:
+its images past what fits beside its text are left out, the last first, with a line saying
+how many (:func:`~greenroom.protocols.trace.fit_images`), and its text is cut
 (:func:`~greenroom.protocols.trace.cut_to_fit`), the marker naming that file too: such a
 record stopped the session on its host (R-SEC-9).
 Progress notes go to the supervisor, which drops those of finished calls (R-TOOL-6).
@@ -81,7 +83,7 @@ from greenroom.protocols.tools import (
     invalid_arguments_reason,
     normalize_result,
 )
-from greenroom.protocols.trace import cut_to_fit, input_size
+from greenroom.protocols.trace import cut_to_fit, fit_images, input_size
 
 SLOTS = 5
 
@@ -356,17 +358,19 @@ class ToolPool:
         self, call: ToolCallBlock, content: tuple[ToolContent, ...]
     ) -> tuple[ToolContent, ...]:
         """``content``, a result of ``call``, as the model gets it and its record holds it:
-        its text over the budget cut to head and tail (R-TOOL-8), and what is left cut
-        further when its record is larger than one record of the trace carries; the whole
-        text then in a scratchpad file the marker names."""
+        its text over the budget cut to head and tail (R-TOOL-8), and, when its record is
+        larger than one record of the trace carries, its images past what fits left out
+        with a line saying so (:func:`~greenroom.protocols.trace.fit_images`) and its text
+        cut further; a cut text's whole then in a scratchpad file the marker names."""
         text = "".join(b.text for b in content if isinstance(b, TextBlock))
         size = len(text.encode())
         most = self._largest_record
         if size <= self._result_budget and (most is None or input_size(content) <= most):
             return content
         path = self._scratchpad_dir / f"tool-output-{_safe(call.id)}.txt"
-        await trio.to_thread.run_sync(_write_text, path, text)
+        whole = text
         if size > self._result_budget:
+            await trio.to_thread.run_sync(_write_text, path, whole)
             half = self._result_budget // 2
             head = text.encode()[:half].decode(errors="ignore")
             tail = text.encode()[-half:].decode(errors="ignore")
@@ -375,19 +379,27 @@ class ToolPool:
                 f"budget; the whole output is in {path} ...]\n"
             )
             text = head + marker + tail
-        images = tuple(b for b in content if not isinstance(b, TextBlock))
-        if most is not None:
-            # Escapes can make the record of a text within the budget several times its
-            # bytes, and a budget may be set past what the trace carries.
-            images_size = input_size((TextBlock(text=""), *images)) - input_size(
-                (TextBlock(text=""),)
-            )
-            text = cut_to_fit(text, most - images_size, str(path))
-        return (TextBlock(text=text), *images)
+            content = (TextBlock(text=text), *_images(content))
+        if most is None:
+            return content
+        # Escapes can make the record of a text within the budget several times its bytes,
+        # a budget may be set past what the trace carries, and images take room too.
+        fit = fit_images(content, most)
+        left_out = () if fit.left_out is None else (fit.left_out,)
+        if fit.text_room is None:
+            return (*fit.content, *left_out)
+        if size <= self._result_budget:
+            await trio.to_thread.run_sync(_write_text, path, whole)
+        text = cut_to_fit(text, fit.text_room, str(path))
+        return (TextBlock(text=text), *_images(fit.content), *left_out)
 
 
 def _text(message: str) -> tuple[ToolContent, ...]:
     return (TextBlock(text=message),)
+
+
+def _images(content: tuple[ToolContent, ...]) -> tuple[ToolContent, ...]:
+    return tuple(b for b in content if not isinstance(b, TextBlock))
 
 
 def _safe(call_id: str) -> str:
