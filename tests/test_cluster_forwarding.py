@@ -54,16 +54,19 @@ from greenroom.actors.cluster.routing import (
 from greenroom.actors.cluster.traces import TraceStream, TraceWriter
 from greenroom.actors.gateway import Gateway, SessionDefaults
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
+from greenroom.actors.runtime.command_hooks import load_hooks_file
 from greenroom.actors.runtime.errors import InputTooLarge
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.tools.questions import ask_user
 from greenroom.protocols import markers
-from greenroom.protocols.content import ImageBlock, TextBlock
+from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock
+from greenroom.protocols.hooks import Hooks, Rewrite
 from greenroom.protocols.outputs import (
     Output,
     SteeringQueuedOutput,
     TaskEnd,
     ToolCallOutput,
+    ToolHook,
     UserMsg,
 )
 from greenroom.protocols.people import PEOPLE
@@ -75,6 +78,7 @@ from tests.support.nats import (  # the fixture is used as nats_server
     run_connected,
     running_nats,
 )
+from tests.test_command_hooks import hooks_file, py
 from tests.test_gateway import TOKEN, Client
 from tests.test_gateway_a2a import message_send, raw_post
 from tests.test_people import TerminalLike, until_parked
@@ -930,6 +934,79 @@ def test_a_tool_result_whose_images_do_not_fit_a_record_leaves_the_last_out_and_
         f"to fit one record of this session's trace ({most} bytes)]"
     )
     assert marker.text in repr(found["seen"])
+
+
+def _big_rewrite(kind: str, tmp_path: Path) -> Hooks:
+    """A ``before_tool`` hook that rewrites every call's ``words`` to 200,000 characters:
+    a Python hook's ``Rewrite``, or a command hook printing the arguments."""
+    if kind == "python":
+
+        async def rewrite(call: ToolCallBlock) -> Rewrite:
+            return Rewrite({"words": "x" * 200_000})
+
+        return Hooks(before_tool=rewrite)
+    command = py("import json; print(json.dumps({'words': 'x' * 200_000}))")
+    return load_hooks_file(hooks_file(tmp_path, {"before_tool": [{"command": command}]}))
+
+
+@pytest.mark.parametrize("kind", ["python", "command"])
+def test_a_hook_rewrite_larger_than_a_record_is_refused_and_the_session_goes_on(
+    tmp_path: Path, kind: str
+) -> None:
+    """R-HOOK-2, R-SEC-9, R-CLUSTER-1: on a cluster host whose NATS server takes 128 KiB, a
+    ``before_tool`` hook (Python, or a command) that rewrites a call's arguments to 200 KB
+    is refused as a rewrite that is no JSON object is: the call is denied by the hook and
+    not run, its ``tool_hook`` record an error naming the arguments' size and the limit,
+    which the model is told; the task completes and every record reaches JetStream
+    (before: the session stopped on its host, its ``tool_hook`` record larger than NATS
+    takes)."""
+    ran: list[str] = []
+
+    async def echo(words: str) -> str:
+        """Say ``words``."""
+        ran.append(words)
+        return words
+
+    async def body(conn: Connection, url: str) -> dict[str, Any]:
+        async with _member(conn, url, tmp_path, "a", request_timeout_s=30.0) as owner:
+            provider = ScriptedProvider(
+                [
+                    Reply(blocks=(tool_call("c1", "echo", words="hi"),)),
+                    Reply(blocks=(text("Denied."),)),
+                ]
+            )
+            session = await owner.host.create_session(
+                provider=provider,
+                tools=[make_tool(echo, parallel=True)],
+                workspace_dir=tmp_path / "ws",
+                hooks=_big_rewrite(kind, tmp_path),
+            )
+            result = await session.run("go", approve=allow_all).result()
+            settled = await owner.node.store.log.settled(session.id)  # type: ignore[union-attr]
+            records = (await (await TraceStream.open(conn)).read(session.id)).records
+            return {
+                "status": result.task_end.status,
+                "settled": settled,
+                "records": records,
+                "most": owner.host.trace_log.largest_input(),
+                "seen": provider.requests[-1].messages[-1],
+            }
+
+    with running_nats(tmp_path / "nats", max_payload=SMALL_PAYLOAD) as server:
+        found = run_connected(server.url, lambda conn: body(conn, server.url), timeout_s=BOUND_S)
+    assert found["settled"], "the session stopped on its host"
+    assert found["status"] == "completed"
+    assert ran == []
+    (hooked,) = [r for r in found["records"] if isinstance(r, ToolHook)]
+    reason = (
+        f"the rewritten arguments take 200012 bytes as JSON, more than the {found['most']} "
+        "bytes one record of this session's trace carries"
+    )
+    assert (hooked.action, hooked.arguments, hooked.reason) == ("error", None, reason)
+    (result,) = [r for r in found["records"] if isinstance(r, ToolCallOutput)]
+    denied = f"Tool call denied: the before_tool hook failed ({reason})."
+    assert result.content == (TextBlock(text=denied),)
+    assert reason in repr(found["seen"])
 
 
 def test_a_persons_answer_past_what_nats_carries_is_refused_and_the_question_waits(

@@ -17,8 +17,10 @@ exit status and output:
 
 * exit 0 with nothing on stdout: the call (or result) goes on as it is;
 * exit 0 with a JSON object on stdout: ``before_tool`` — the object is the call's new
-  arguments (the next hooks and the approval see them); ``after_tool`` — ``{"content":
-  "…"}`` is the result the model gets instead;
+  arguments (the next hooks and the approval see them; larger than one record of a
+  cluster's trace carries, they are a hook error as a Python hook's are); ``after_tool`` —
+  ``{"content": "…"}`` is the result the model gets instead (fit to the result budget and
+  the record as a tool's result is);
 * exit 2: ``before_tool`` denies the call, its stderr the reason; ``after_tool`` gives the
   model its stderr instead of the result;
 * anything else — another exit status, other output, no answer in time, a command that

@@ -120,7 +120,9 @@ class TaskWork:
         self.pool, self._pool = trio.open_memory_channel[PoolCommand](math.inf)
         self.streamer, self._streamer = trio.open_memory_channel[StreamerCommand](math.inf)
         self.nursery: trio.Nursery | None = None
-        self.tool_hooks = tool_hook_calls(port.hooks, port.id, port.workspace_dir)
+        self.tool_hooks = tool_hook_calls(
+            port.hooks, port.id, port.workspace_dir, port.host.trace_log.largest_input()
+        )
         """The session's tool hooks as the task starts (R-HOOK-2), for the broker and the
         pool; None without any."""
 

@@ -17,6 +17,12 @@ A reason (a ``Deny``'s, or what went wrong) is recorded in the ``tool_hook`` rec
 denial's in the call's result too: one longer than :data:`MAX_REASON_CHARS` is cut, with a
 note of how much was left out, so that neither record can grow past what one record of a
 cluster's trace carries (R-SEC-9).
+A rewrite's arguments are recorded too (the ``tool_hook`` record, a person's
+``approval_request``): arguments larger than one record of the session's trace carries
+(``largest_record``: a cluster's NATS server) cannot be cut without changing the call, so
+such a rewrite is a hook error, as one that is no JSON object is: the call is denied, its
+result saying their size and the limit, and the session goes on (a record too large would
+stop it on its host).
 
 While a hook runs, :func:`hook_site` says whose call it decides — the session and its
 workspace — without widening the hooks' signatures: command hooks run in that workspace
@@ -45,6 +51,7 @@ from greenroom.protocols.hooks import (
     ToolHookAction,
 )
 from greenroom.protocols.outputs import ToolHookName, ToolStatus
+from greenroom.protocols.trace import record_size
 
 __all__ = [
     "MAX_REASON_CHARS",
@@ -87,10 +94,13 @@ class ToolHookError(Exception):
 class ToolHookCalls:
     """The ``before_tool`` and ``after_tool`` hooks of one task (see the module docstring)."""
 
-    __slots__ = ("_after", "_before", "_site", "_timeout_s")
+    __slots__ = ("_after", "_before", "_largest_record", "_site", "_timeout_s")
 
-    def __init__(self, hooks: Hooks, site: HookSite | None = None) -> None:
+    def __init__(
+        self, hooks: Hooks, site: HookSite | None = None, largest_record: int | None = None
+    ) -> None:
         self._site = site
+        self._largest_record = largest_record
         self._before = hooks.before_tool
         self._after = hooks.after_tool
         self._timeout_s = math.inf if hooks.tool_hook_timeout_s is None else (
@@ -117,17 +127,33 @@ class ToolHookCalls:
                 return None, _action("before_tool", "deny", reason=answer.reason)
             if isinstance(answer, Rewrite):
                 arguments = _json_object(answer.arguments)
-                if arguments is not None:
+                error = self._refused(arguments)
+                if error is None and arguments is not None:
                     return attrs.evolve(call, arguments=arguments, invalid_arguments=None), (
                         _action("before_tool", "rewrite", arguments=arguments)
                     )
-                error = "Rewrite(arguments) must hold a JSON object"
             else:
                 error = (
                     f"answered {_what(answer)}; expected None, Deny(reason) or "
                     "Rewrite(arguments)"
                 )
         return None, _action("before_tool", "error", reason=error)
+
+    def _refused(self, arguments: dict[str, Any] | None) -> str | None:
+        """Why a rewrite to ``arguments`` (None: not a JSON object) is refused; None when
+        it is not."""
+        if arguments is None:
+            return "Rewrite(arguments) must hold a JSON object"
+        most = self._largest_record
+        if most is None:
+            return None
+        size = record_size(arguments)
+        if size <= most:
+            return None
+        return (
+            f"the rewritten arguments take {size} bytes as JSON, more than the {most} bytes "
+            "one record of this session's trace carries"
+        )
 
     async def after(
         self, call: ToolCallBlock, status: ToolStatus, content: tuple[ToolContent, ...]
@@ -171,12 +197,15 @@ def _hook_error(name: ToolHookName, exc: BaseException) -> str:
     return f"the hook raised {type(exc).__name__}: {exc}"
 
 
-def tool_hook_calls(hooks: Hooks, session_id: str, workspace: Path) -> ToolHookCalls | None:
+def tool_hook_calls(
+    hooks: Hooks, session_id: str, workspace: Path, largest_record: int | None = None
+) -> ToolHookCalls | None:
     """The tool hook calls of a task of session ``session_id`` (working in ``workspace``)
-    with ``hooks``; None without any."""
+    with ``hooks``, whose trace takes records of at most ``largest_record`` bytes of input
+    (None: no limit); None without any hooks."""
     if hooks.before_tool is None and hooks.after_tool is None:
         return None
-    return ToolHookCalls(hooks, HookSite(session_id, workspace))
+    return ToolHookCalls(hooks, HookSite(session_id, workspace), largest_record)
 
 
 def _action(
