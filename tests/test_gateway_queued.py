@@ -15,16 +15,27 @@ import trio.testing
 from conftest import Gates, Lookup, hold_after_first, port_of, trace_lines
 from test_gateway import BOUND_S, connect, lookup_script, serving
 from test_gateway_people import until_asked
+from test_people import until_parked
 
 from greenroom.actors.gateway import GatewayLimits
 from greenroom.actors.gateway.hubs import Hubs
-from greenroom.actors.providers.scripted import Reply, ScriptStep, text, tool_call
+from greenroom.actors.gateway.queue_room import QueueRoom
+from greenroom.actors.providers.scripted import (
+    Reply,
+    ScriptedProvider,
+    ScriptStep,
+    text,
+    tool_call,
+)
 from greenroom.actors.runtime import supervisor
 from greenroom.actors.runtime.emitter import OutputEmitter
+from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.receipts import InputReceipt
 from greenroom.actors.runtime.running_task import RunningTask
 from greenroom.actors.runtime.session import Session
 from greenroom.protocols import jsonrpc
+from greenroom.protocols.jsonrpc import RpcError
+from greenroom.protocols.people import PEOPLE
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 8
 
@@ -213,6 +224,33 @@ async def test_late_steering_counts_against_the_steering_cap_while_it_waits_as_a
             queued = await client.result("follow_up", {"session_id": sid, "input": "next"})
             assert queued == {"queued": True}
             gates.release("b")
+
+
+async def test_follow_ups_a_loaded_session_holds_in_its_trace_count_against_the_cap(
+    host: Host, workspace: Path, gates: Gates
+) -> None:
+    # R-SEC-9, R-HOST-3: a session loaded again holds the follow-ups its trace queued in
+    # its record alone until its task wakes (a parked one: until a person answers). The
+    # cap counted none of them, so every load let a client queue the cap again.
+    script = ScriptedProvider([Reply(blocks=(tool_call("c1", "wait", key="b"),))])
+    session = await host.create_session(
+        provider=script, tools=[gates.tool()], workspace_dir=workspace
+    )
+    session.run("one", approve=PEOPLE).detach()
+    await until_parked(host, session.id)
+    room = QueueRoom(cap=2)
+    for words in ("F1", "F2"):
+        place = room.reserve(session, "follow-ups")
+        assert session.follow_up(words, approve=PEOPLE, recorded=place)
+    await trio.testing.wait_all_tasks_blocked()
+    await host.close_session(session.id)
+
+    loaded = await host.load_session(session.id, tools=[gates.tool()], provider=script)
+    assert host.port(loaded.id).parked
+    with pytest.raises(RpcError) as refused:
+        room.reserve(loaded, "follow-ups")
+    assert refused.value.code == jsonrpc.TOO_MANY_REQUESTS
+    room.reserve(loaded, "steering")  # steering has its own places
 
 
 @pytest.mark.parametrize("method", ["steer", "follow_up"])

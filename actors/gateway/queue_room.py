@@ -79,11 +79,17 @@ def held(session: Session, kind: QueuedKind) -> int:
     """How many ``kind`` the task machine of ``session`` holds: steering its open task has
     not taken, or tasks queued behind it. Steering that came too late for its task waits
     as a task of its own, and counts as the steering its client sent all the same: each
-    input counts against one cap for its whole life, whatever the machine makes of it."""
+    input counts against one cap for its whole life, whatever the machine makes of it.
+    A session loaded again holds what its trace queued in its record alone until its task
+    wakes and queues it again (a parked one, until a person answers): that counts too."""
     machine = session.host.port(session.id).machine
     tasks = machine.queued_tasks
     late = sum(1 for task in tasks if isinstance(task, TaskInput) and task.late_steering)
-    return len(machine.record.steering) + late if kind == "steering" else len(tasks) - late
+    recorded = machine.record.queued
+    late_recorded = sum(1 for task in recorded if task.late_steering)
+    if kind == "steering":
+        return len(machine.record.steering) + max(late, late_recorded)
+    return max(len(tasks) - late, len(recorded) - late_recorded)
 
 
 def dropped_answer(reason: str) -> RpcError:

@@ -27,9 +27,9 @@ HandOver = Callable[[str], Awaitable[None]]
 def holds_for_drain(port: SessionPort) -> bool:
     """Whether ``port``'s task stops at its next turn boundary: its host drains, it is no
     foreground subagent (whose parent's call must finish), and every task queued behind it
-    is a user's follow-up, which the trace holds (``task_queued``): the host that takes
-    the task up runs them after it (R-STEER-6). A background child's report queued as a
-    task (or steering that came too late, or a compaction) is in this host's memory
+    is one the trace holds (``task_queued``: a user's follow-up, or steering that came too
+    late for its task): the host that takes the task up runs them after it (R-STEER-6). A
+    background child's report queued as a task (or a compaction) is in this host's memory
     alone: such a task runs on, within the drain's grace, and a later boundary holds."""
     return (
         port.host.draining
