@@ -7,7 +7,14 @@ A parent that no host owns because it was closed (its directory entry says ``clo
 user closed it while the child, taken up elsewhere, worked on) is opened by the child's
 host for the answer, as a call on a closed session opens it where the call arrives, and
 as one host loads a closed parent for a taken-up child's report. Before, the report was
-offered to no owner again and again, then given up."""
+offered to no owner again and again, then given up.
+
+An owner that refuses the answer for now — its host closes (the parent runs again where
+the orphan scan takes it), or the parent's work is ending — answers as a host that owns
+the parent no more (:data:`~.routing.OWNER_UNREACHABLE`, nothing done), and the answer is
+offered again (:meth:`~greenroom.actors.runtime.child_reports.ChildReports.deliver`), to
+the parent's next owner. Before, that refusal was logged and the answer lost. A refusal
+for good (the parent deleted, a malformed report) is logged."""
 
 from __future__ import annotations
 
@@ -18,8 +25,8 @@ from typing import Any
 from greenroom.actors.cluster.errors import ClusterError
 from greenroom.actors.cluster.registry import SessionDirectory
 from greenroom.actors.cluster.router import OWNER_UNREACHABLE, REPORT_METHOD
-from greenroom.actors.cluster.routing import SessionRequests
-from greenroom.actors.runtime.errors import SessionNotFound
+from greenroom.actors.cluster.routing import NOT_DONE, SessionRequests, unreachable
+from greenroom.actors.runtime.errors import HostClosed, SessionClosed, SessionNotFound
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.port import Approval
 
@@ -54,7 +61,8 @@ class ParentLink:
     async def send(self, parent_id: str, child_id: str, text: str) -> bool:
         """Hand ``child_id``'s answer to the host that owns ``parent_id``, or, when it is
         closed, to ``parent_id`` opened here: True once a host took it (or refused it for
-        good: logged), False while no host owns it."""
+        good: logged), False while no host owns it or its owner refuses it for now (see
+        the module docstring)."""
         message = {
             "method": REPORT_METHOD,
             "params": {"child_id": child_id, "text": text},
@@ -89,6 +97,13 @@ class ParentLink:
             }
         try:
             await self._host.child_reports.take(session_id, child_id, text, self._approve)
+        except (HostClosed, SessionClosed) as exc:
+            # The parent runs again, where it is taken over or here: offered again then.
+            return unreachable(
+                f"session {session_id} takes no report now ({exc}): nothing was done, "
+                "try again shortly",
+                NOT_DONE,
+            )
         except SessionNotFound as exc:
             return {"error": {"code": _INVALID_PARAMS, "message": str(exc)}}
         return {"result": {}}

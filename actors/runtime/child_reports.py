@@ -7,11 +7,14 @@ the host that took it over when its own was lost (R-TREE-4) — has no such foll
 :meth:`ChildReports.follow` gives it one. When the child's task ends, its answer (or why it
 failed) goes to its parent as ``[subagent NAME finished] …``: to the parent open in this
 host; else, in a cluster, to the parent's owner through :attr:`ChildReports.link` (tried
-again while the parent has no owner yet, as during its own takeover); else to the parent
-loaded here. The parent takes it as it takes a live child's: steering of its open task,
-else a follow-up task. The answer is the task's last text, as a live child's: what the
-task said before its host stopped (read from its trace: it had answered and waited for
-its own children, or its end was not written yet) holds until a new request replaces it.
+again while the parent has no owner yet, as during its own takeover, or its owner refuses
+it for now: its host closes, the parent's work is ending); else to the parent loaded here.
+Each wait before it is tried again doubles, from a share of :attr:`ChildReports.retry_s`
+up to it, :data:`LINK_ATTEMPTS` times at most. The parent takes it as it takes a live
+child's: steering of its open task, else a follow-up task. The answer is the task's last
+text, as a live child's: what the task said before its host stopped (read from its trace:
+it had answered and waited for its own children, or its end was not written yet) holds
+until a new request replaces it.
 
 A foreground child is not taken up: the call that ran it got its host-lost result with the
 rest of its parent's task (R-CLUSTER-2), so its answer would reach nobody. Its task stays
@@ -49,7 +52,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from greenroom.actors.runtime.accounting import tree_usage
-from greenroom.actors.runtime.errors import SessionNotFound
+from greenroom.actors.runtime.errors import SessionClosed, SessionNotFound
 from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput
 from greenroom.actors.runtime.subagents import (
     ChildWatch,
@@ -73,13 +76,18 @@ logger = logging.getLogger(__name__)
 
 ParentLink = Callable[[str, str, str], Awaitable[bool]]
 """Hands a report to the host that owns its parent, in a cluster: ``(parent_id, child_id,
-text)`` → True once that host has taken it, False when no host owns the parent now (the
-report is offered again later)."""
+text)`` → True once that host has taken it, False when no host owns the parent now or
+its owner refuses it for now (the report is offered again later)."""
 
 LINK_ATTEMPTS = 20
-"""How often a report is offered to a parent that has no owner, before it is given up
-(logged): a parent whose host was lost with its child's gets a new owner within a few
-lease periods."""
+"""How often a report is offered to a parent that has no owner (or whose owner refuses it
+for now), before it is given up (logged): a parent whose host was lost with its child's,
+or stopped, gets a new owner within a few lease periods."""
+
+FIRST_RETRY_SHARE = 1 / 16
+"""The first wait before a report is offered again, as a share of ``retry_s``: a parent
+being handed over has its new owner within a round trip or two; the wait doubles from
+there up to ``retry_s`` (a parent whose host stopped waits for the orphan scan)."""
 
 
 class ChildReports:
@@ -99,7 +107,8 @@ class ChildReports:
         self.link: ParentLink | None = None
         """The cluster's way to a parent owned by another host (set by a cluster host)."""
         self.retry_s = 1.0
-        """How long to wait before offering a report again to a parent without owner."""
+        """The longest wait before a report is offered again to a parent without owner
+        (the waits double up to it from :data:`FIRST_RETRY_SHARE` of it)."""
 
     def loaded(self, port: SessionPort) -> None:
         """``port`` was loaded here. A background child's open task: its answer reaches
@@ -244,16 +253,25 @@ class ChildReports:
     async def deliver(self, parent_id: str, child_id: str, text: str, approve: Approval) -> None:
         """Hand child ``child_id``'s report ``text`` to ``parent_id`` (see the module
         docstring)."""
+        wait_s = self.retry_s * FIRST_RETRY_SHARE
+        for _ in range(LINK_ATTEMPTS):
+            if await self._offer(parent_id, child_id, text, approve):
+                return
+            await trio.sleep(wait_s)
+            wait_s = min(wait_s * 2, self.retry_s)
+        logger.warning(
+            "subagent %s finished, but no host took its answer for %s", child_id, parent_id
+        )
+
+    async def _offer(self, parent_id: str, child_id: str, text: str, approve: Approval) -> bool:
+        """One offer of the report (:meth:`deliver`): False when it is to be offered again."""
         if self.link is not None and not self._is_open(parent_id):
-            for _ in range(LINK_ATTEMPTS):
-                if await self.link(parent_id, child_id, text):
-                    return
-                await trio.sleep(self.retry_s)
-            logger.warning(
-                "subagent %s finished, but no host took its answer for %s", child_id, parent_id
-            )
-            return
-        await self.take(parent_id, child_id, text, approve)
+            return await self.link(parent_id, child_id, text)
+        try:
+            await self.take(parent_id, child_id, text, approve)
+        except SessionClosed:
+            return False  # it runs again: loaded again here, or taken over
+        return True
 
     def _is_open(self, session_id: str) -> bool:
         try:
@@ -266,7 +284,10 @@ class ChildReports:
         """The parent's side: ``parent_id`` (open here, or loaded) takes the report as
         steering of its open task, else as a follow-up task run with ``approve``, cut to
         fit one record of this host's trace (:func:`~.subagents.answer_fitted`). Raises
-        :class:`SessionNotFound` when there is no such session."""
+        :class:`SessionNotFound` when there is no such session, or it is locked by an auth
+        failure; :class:`SessionClosed` when it takes nothing now, as its close or its work
+        ends (it runs again: loaded here, or taken over in a cluster);
+        :class:`~greenroom.actors.runtime.errors.HostClosed` when the host is closed."""
         await self._host.load_session(parent_id)
         parent = self._host.port(parent_id)
         if parent.children is not None:
@@ -274,7 +295,10 @@ class ChildReports:
         most = self._host.trace_log.largest_input()
         content = (TextBlock(text=answer_fitted(text, child_id=child_id, most=most)),)
         follow_up = TaskInput(content=content, approve=approve, thinking_level=None)
-        if not tell(
+        if tell(
             parent, SubagentFinished(session_id=child_id, content=content, follow_up=follow_up)
         ):
+            return
+        if parent.machine.auth_locked is not None and not parent.closed:
             raise SessionNotFound(f"session {parent_id} takes no more work")
+        raise SessionClosed(f"session {parent_id} takes no work while its close or work ends")

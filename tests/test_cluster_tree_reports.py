@@ -1,0 +1,99 @@
+"""A background subagent's answer on its way to a parent whose host closes or drains
+(R-TREE-2, R-TREE-4, R-DRAIN-2): in-process hosts on a real nats-server, as in
+:mod:`tests.test_cluster_tree_nodes` (whose cluster, brains and waits these tests share).
+
+Takeovers are driven by hand (the lease TTL is too long for an orphan scan to run within
+a test), so which host takes which session is the test's choice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from greenroom.actors.cluster.tree_link import ParentLink
+from tests.support.nats import (  # the fixture is used as nats_server
+    NatsProcess,
+    module_nats_server,  # noqa: F401
+)
+from tests.test_cluster_tree_nodes import (
+    Cluster,
+    _merged,
+    _until_the_payer_asks,
+    client,
+    in_cluster,
+    until,
+)
+
+REPORT_RETRY_S = 0.5
+"""The longest wait between two offers of a report (a cluster host's is TTL / 2): the
+offers go on for about 8 s, well past the closing host's stop and the takeover."""
+
+
+def test_an_answer_refused_by_its_parents_closing_host_reaches_the_parents_next_owner(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-TREE-2, R-TREE-4: the root (idle) runs on host c, its background payer on host b
+    (each taken over there from host a, which stopped). c stops; once c's host has closed,
+    while c still answers the root's requests (before it releases its leases), the payer
+    is answered and sends its answer to the root there: c refuses it, the host closed. c
+    then stops and b takes the root over: the answer is offered again, reaches the root
+    on b, and the root merges it. Before, c's refusal ('the owner failed: the host is
+    closed') was logged and the answer lost."""
+    take = ParentLink.take
+
+    async def body(cluster: Cluster) -> list[Any]:
+        a, b, c = (cluster.members[host_id] for host_id in ("a", "b", "c"))
+        async with client(a, "alice") as alice_a:
+            root, asked, _ = await _until_the_payer_asks(alice_a)
+        payer, call_id = asked["session_id"], asked["call_id"]
+        a.stop.set()
+        await a.stopped.wait()
+        for member, session_id in ((c, root), (b, payer)):
+            entry = await cluster.entry(session_id)
+            assert entry is not None
+            assert await member.node._take_entry(session_id, entry)
+        b.host.child_reports.retry_s = REPORT_RETRY_S
+
+        host_closed, refused = trio.Event(), trio.Event()
+        replies: list[Any] = []
+        release_all = c.node.release_all
+
+        async def release_once_refused() -> None:
+            host_closed.set()
+            await refused.wait()
+            await release_all()
+
+        async def take_on_c_recorded(
+            self: ParentLink, session_id: str, params: dict[str, Any]
+        ) -> dict[str, Any]:
+            if self._host is not c.host:
+                return await take(self, session_id, params)
+            try:
+                reply = await take(self, session_id, params)
+            except Exception as exc:  # what the request's server answers for it
+                replies.append(f"raised {exc!r}")
+                raise
+            finally:
+                refused.set()
+            replies.append(reply)
+            return reply
+
+        monkeypatch.setattr(c.node, "release_all", release_once_refused)
+        monkeypatch.setattr(ParentLink, "take", take_on_c_recorded)
+        c.stop.set()
+        await host_closed.wait()
+        assert not c.host.is_open()
+        await b.host.answer_approval(payer, call_id, "allow")
+        await c.stopped.wait()
+        entry = await cluster.entry(root)
+        assert entry is not None
+        assert await b.node._take_entry(root, entry)
+        await until(lambda: _merged(cluster, root))
+        return replies
+
+    (reply,) = in_cluster(nats_server, tmp_path, ("a", "b", "c"), body)
+    assert reply["error"]["data"] == {"outcome": "not_done"}, reply
+    assert "the host is closed" in reply["error"]["message"], reply
