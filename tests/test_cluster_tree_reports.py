@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from greenroom.actors.cluster.tree_link import ParentLink
 from tests.support.nats import (  # the fixture is used as nats_server
@@ -19,13 +20,18 @@ from tests.support.nats import (  # the fixture is used as nats_server
     module_nats_server,  # noqa: F401
 )
 from tests.test_cluster_tree_nodes import (
+    BOUND_S,
     Cluster,
+    _keyed_hold,
     _merged,
+    _paying_brain,
     _until_the_payer_asks,
+    _until_the_payer_waits,
     client,
     in_cluster,
     until,
 )
+from tests.test_subagents_tree import open_ids
 
 REPORT_RETRY_S = 0.5
 """The longest wait between two offers of a report (a cluster host's is TTL / 2): the
@@ -97,3 +103,58 @@ def test_an_answer_refused_by_its_parents_closing_host_reaches_the_parents_next_
     (reply,) = in_cluster(nats_server, tmp_path, ("a", "b", "c"), body)
     assert reply["error"]["data"] == {"outcome": "not_done"}, reply
     assert "the host is closed" in reply["error"]["message"], reply
+
+
+def test_a_tree_not_at_rest_within_the_grace_stays_until_its_host_stops(
+    tmp_path: Path, nats_server: NatsProcess
+) -> None:
+    """R-DRAIN-2, R-TREE-2: host a drains while the payer's own call and its background
+    collector's call run; the payer's call is let go and its task is held at its
+    boundary, the collector's never is. The payer's hand-over waits for its tree to come
+    to rest; the grace ends first (the drain cancelled, as its grace's end cancels it):
+    nothing is handed over, the payer alone least of all, and the three stay a's, open
+    there. Once a stops, the orphan scan of b takes the whole tree over."""
+
+    async def body(cluster: Cluster) -> tuple[dict[str, Any], dict[str, Any]]:
+        a, b = cluster.members["a"], cluster.members["b"]
+        hold, started, gates = _keyed_hold()
+        collecting = (hold, started["collecting"])
+        tree = await _until_the_payer_waits(a, tmp_path, collecting, _paying_brain)
+        root, payer, _ = tree
+        await started["paying"].wait()
+
+        async def payer_held_and_gathered() -> bool:
+            if payer not in open_ids(a.host):
+                return True  # handed over (alone): the assertions below say so
+            return a.host.port(payer).held and root in a.node._gathering
+
+        async with trio.open_nursery() as nursery:
+            grace = trio.CancelScope()
+
+            async def drain() -> None:
+                with grace:
+                    await a.host.drain(BOUND_S)
+
+            nursery.start_soon(drain)
+            await trio.testing.wait_all_tasks_blocked()
+            assert a.host.draining
+            gates["paying"].set()
+            await until(payer_held_and_gathered)
+            grace.cancel()
+        at_the_graces_end = {
+            sid: (await cluster.holder(sid), a.node.serves(sid), sid in open_ids(a.host))
+            for sid in tree
+        }
+        a.stop.set()
+        await a.stopped.wait()
+        orphans = await b.node._finder.look()
+        await b.node._take_entries(orphans)
+        after_the_scan = {sid: (await cluster.holder(sid), sorted(orphans)) for sid in tree}
+        return at_the_graces_end, after_the_scan
+
+    at_the_graces_end, after_the_scan = in_cluster(
+        nats_server, tmp_path, ("a", "b"), body, brain=_paying_brain
+    )
+    assert list(at_the_graces_end.values()) == [("a", True, True)] * 3, at_the_graces_end
+    taken = sorted(after_the_scan)
+    assert list(after_the_scan.values()) == [("b", taken)] * 3, after_the_scan
