@@ -68,6 +68,7 @@ from greenroom.protocols.outputs import (
     TaskEnd,
     UserMsg,
 )
+from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.stream import TokenUsage
 
 
@@ -433,6 +434,50 @@ async def test_a_background_answer_starts_a_follow_up_when_the_parent_is_idle(
     answer = of_type(follow_up, ModelMsg)[-1]
     assert answer.block == text("merged: [subagent researcher finished] the sources agree")
     assert [e.status for e in ended(recorder, session.id)] == ["completed", "completed"]
+
+
+async def test_a_background_answer_for_a_parent_closed_meanwhile_reaches_it_loaded_again(
+    host: Host, workspace: Path, providers, gates: Gates
+) -> None:
+    """R-TREE-2: the root's task waits for a person (parked) while its background child
+    works; the root is closed (a parked task is not interrupted, and its background child
+    goes on) and loaded again; the child's answer then reaches the root as loaded again,
+    as steering its task takes once the person has answered. Before, the answer went to
+    the closed root's port, which took nothing: lost, the root answered without it."""
+    waiting = Waiting()
+
+    async def brain(request: ModelRequest, stream: ScriptedStream) -> None:
+        if is_child(request):
+            await waiting.answer(request, stream, "k is done")
+            return
+        said = str(request.messages)
+        if "[subagent k finished] k is done" in said:
+            await stream.text("merged what k found")
+        elif "w1" in said:
+            await stream.text("nothing from k")
+        elif "b1" in said:
+            await stream.block(tool_call("w1", "wait", key="root"))
+        else:
+            await stream.block(spawn("b1", "keep going", background=True, name="k"))
+
+    provider = providers(brain)
+    tools = [gates.tool(), spawn_subagent]
+    root = await host.create_session(provider=provider, tools=tools, workspace_dir=workspace)
+    root.run("go", approve=PEOPLE).detach()
+    await until(lambda: host.port(root.id).parked)
+    await host.answer_approval(root.id, "b1", "allow")
+    await waiting.wait_started("keep going")
+    await until(lambda: host.port(root.id).parked)  # asking for w1, k still at work
+    await host.close_session(root.id)
+    again = await host.load_session(root.id, provider=provider, tools=tools)
+
+    waiting.release("keep going")
+    await until(lambda: len(open_ids(host)) == 1)  # k reported and left
+    gates.release("root")
+    await host.answer_approval(root.id, "w1", "allow")
+    await until(lambda: not host.port(root.id).busy)
+    answers = [line["block"] for line in trace_lines(again) if line["type"] == "model_msg"]
+    assert answers[-1] == {"type": "text", "text": "merged what k found"}, answers
 
 
 async def test_a_subagent_waits_for_its_background_children_before_it_answers(

@@ -57,9 +57,10 @@ Exceptions::
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Awaitable, Callable, Iterable
-from typing import assert_never
+from typing import TYPE_CHECKING, assert_never, cast
 
 import attrs
 import trio
@@ -98,6 +99,9 @@ from greenroom.protocols.outputs import (
 from greenroom.protocols.tools import ToolContext, tool
 from greenroom.protocols.trace import cut_to_fit
 
+if TYPE_CHECKING:
+    from greenroom.actors.runtime.host import Host
+
 __all__ = [
     "SPAWN_SUBAGENT",
     "SUBAGENT_SYSTEM",
@@ -109,6 +113,8 @@ __all__ = [
     "spawn_subagent",
     "subagent_system",
 ]
+
+logger = logging.getLogger(__name__)
 
 SPAWN_SUBAGENT = "spawn_subagent"
 """The name of the tool (tools of this name are withheld from a child that may not spawn)."""
@@ -310,12 +316,30 @@ class Subagents:
                     # The follow-up it starts when the parent is idle runs with the
                     # approvals of the task that spawned it.
                     follow_up = TaskInput(content=content, approve=approve, thinking_level=None)
-                    tell(
+                    told = tell(
                         parent,
                         SubagentFinished(session_id=child.id, content=content, follow_up=follow_up),
                     )
+                    if not told and parent.closed:
+                        await _to_closed_parent(parent, child.id, text, approve)
 
         host.start_task(follow)
+
+
+async def _to_closed_parent(
+    parent: SessionPort, child_id: str, text: str, approve: Approval
+) -> None:
+    """A background child's answer for ``parent`` whose close began while the child ran (a
+    parked or held parent closes with its background children running, a subagent
+    interrupted alone leaves its host with them): the parent as it opens next takes it,
+    as a taken-up child's answer reaches a closed parent (loaded once its close is done;
+    in a cluster, opened where its owner is, or here)."""
+    # The host's own reports (HostServices, the port's view of the host, leaves them out).
+    host = cast("Host", parent.host)
+    try:
+        await host.child_reports.deliver(parent.id, child_id, text, approve)
+    except Exception:  # a task of the host's: it must not end the host
+        logger.exception("the answer of subagent %s could not reach %s", child_id, parent.id)
 
 
 class ChildWatch:
