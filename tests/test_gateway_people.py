@@ -292,6 +292,39 @@ async def test_an_answer_whose_session_began_to_close_once_it_was_found_is_taken
             assert lookup.calls == (["a"] if approving else [])
 
 
+async def test_listing_loads_no_session_and_answers_run_with_the_servers_tools(
+    tmp_path: Path, lookup: Lookup
+) -> None:
+    """R-HITL-1, R-HITL-2: ``approvals.list`` loaded every stored session whose task waits
+    with the host's own tools and model (and ``approve`` looked up where its request waits
+    the same way, loading the others): an approval answered afterwards ran in that session
+    and the call failed as an unknown tool. The listing reads the traces and loads nothing;
+    each answer loads its session with the server's tools: the tool runs, no error."""
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, lookup_brain, tools=[lookup.tool]) as server:
+            async with connect(server) as first:
+                sids = [(await first.result("session.create"))["session_id"] for _ in "ab"]
+                asked = {sid: await until_asked(first, sid) for sid in sids}
+            for sid in sids:  # each task waits in its trace only
+                await server.host.close_session(sid)
+            async with connect(server) as client:
+                listed = (await client.result("approvals.list"))["approvals"]
+                assert sorted((p["session_id"], p["call_id"]) for p in listed) == sorted(
+                    (sid, "c1") for sid in sids
+                )
+                assert [s.id for s in server.host.sessions] == []  # nothing loaded to list
+                for sid in sids:
+                    allow = {"session_id": sid, "call_id": "c1", "decision": "allow"}
+                    assert await client.result("approve", allow) == {}
+                    after_seq = {"session_id": sid, "after_seq": asked[sid]["seq"]}
+                    await client.result("session.subscribe", after_seq)
+                    after = await client.outputs_until("task_end")
+                    (result,) = [o for o in after if o["type"] == "tool_call_output"]
+                    assert not result["is_error"], result
+                    assert after[-1]["status"] == "completed"
+    assert lookup.calls == ["a", "a"]
+
+
 def spawn_then_look() -> ScriptStep:
     """A parent that spawns a child, and a child that looks a key up."""
 

@@ -168,7 +168,9 @@ class AgUiEndpoint:
 
     async def _pending(self, session: Session) -> list[PendingApproval]:
         return [
-            p for p in await self._methods.host.pending_approvals() if p.session_id == session.id
+            p
+            for p in await self._methods.host.pending_approvals(read_only=True)
+            if p.session_id == session.id
         ]
 
     async def _start(self, session: Session, run: RunAgentInput) -> SessionFeed:

@@ -519,13 +519,15 @@ class Methods:
         """The requests waiting for a person (approvals and questions) in the caller's
         sessions — or in ``session_id`` and its subagents — open or stored (R-HITL-2)."""
         jsonrpc.check_params(params, "approvals.list")
+        # Read from the traces, nothing loaded: a listing is cheap, and loads no session
+        # (another principal's among them) with the host's tools and model (R-HITL-2).
         if params.get("session_id") is not None:
             session = await self._owned_session(connection, params)
-            pending = await self.host.pending_approvals()
+            pending = await self.host.pending_approvals(read_only=True)
             listed = [p for p in pending if session.id in p.origin or p.session_id == session.id]
         else:
             owned = self._grants.owned(_identity(connection))
-            pending = await self.host.pending_approvals() if owned else []
+            pending = await self.host.pending_approvals(read_only=True) if owned else []
             listed = [p for p in pending if _root(p) in owned]
         return {"approvals": [_listed(p) for p in listed]}
 

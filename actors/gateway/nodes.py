@@ -52,7 +52,8 @@ class Nodes:
         """The session of ``session``'s tree (itself or a subagent) where the request
         ``call_id`` waits for a person; ``session``'s own id when none does (the host then
         refuses the answer as not pending)."""
-        pending = await self._host.pending_approvals()
+        # Read only: a stored subagent is loaded by the answer, with the gateway's tools.
+        pending = await self._host.pending_approvals(read_only=True)
         if any(p.session_id == session.id and p.call_id == call_id for p in pending):
             return session.id
         for request in pending:

@@ -45,7 +45,7 @@ from greenroom.actors.runtime.errors import ConfigurationError, HostClosed, Sess
 from greenroom.actors.runtime.gc_tuning import tuned_gc
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.open_tasks import OpenTaskIndex
-from greenroom.actors.runtime.people import People, answer, pending_of
+from greenroom.actors.runtime.people import People, answer, pending_of, stored_pending
 from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput
 from greenroom.actors.runtime.port_builder import PortBuilder
 from greenroom.actors.runtime.session import Session, require_trio
@@ -502,14 +502,19 @@ class Host:
         (:meth:`open` starts it)."""
         await self._people.run(task_status=task_status)
 
-    async def pending_approvals(self) -> list[PendingApproval]:
+    async def pending_approvals(
+        self, *, read_only: bool = False, **load: Any
+    ) -> list[PendingApproval]:
         """Every request waiting for a person (approvals and questions) in this host's
-        sessions — the open ones and the stored ones whose trace leaves a task waiting,
-        which are loaded for it (R-HITL-2)."""
-        for session_id in await self._open_tasks.ids(self._ports):
+        sessions — the open ones and the stored ones whose trace leaves a task waiting
+        (R-HITL-2). Those are loaded for it (``load`` as for :meth:`load_session`: the host's
+        tools by default) or, ``read_only``, read from their traces: none is loaded."""
+        stored = await self._open_tasks.ids(self._ports)
+        for session_id in () if read_only else stored:
             with contextlib.suppress(SessionNotFound):
-                await self.load_session(session_id)
-        return [p for port in list(self._ports.values()) for p in pending_of(port)]
+                await self.load_session(session_id, **load)
+        listed = [p for port in list(self._ports.values()) for p in pending_of(port)]
+        return listed + (await stored_pending(self._store, stored) if read_only else [])
 
     async def answer_approval(
         self, session_id: str, call_id: str, decision: Verdict, by: str | None = None, *,

@@ -6,7 +6,8 @@ an answer delivered to the task that waits for it.
 runs out, resolves it by the session's
 ``approval_timeout_action`` — ``deny`` answers it with a deny by ``default``, ``abort``
 interrupts the task — if it is still pending. :func:`pending_of` lists a session's waiting
-requests; :func:`answer` hands a person's answer to the session's work (waking a parked
+requests and :func:`stored_pending` those of stored sessions, read from their traces
+without loading them; :func:`answer` hands a person's answer to the session's work (waking a parked
 task: R-HITL-3) and returns once it is taken, or raises :class:`NotPending` — or
 :class:`InputTooLarge` for answer text larger than one record of the session's trace carries
 (a cluster's NATS server): the text is the call's result, recorded whole, and such a record
@@ -18,20 +19,27 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import attrs
 import trio
 
+from greenroom.actors.runtime.accounting import stored_origin
 from greenroom.actors.runtime.errors import InputTooLarge, NotPending
 from greenroom.actors.runtime.people_desk import PeopleDesk, WatchRequest
 from greenroom.actors.runtime.port import SessionPort
+from greenroom.actors.runtime.trace_store import (
+    StoredSessionMissing,
+    StoredSessionUnreadable,
+    TraceStore,
+)
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.messages import InterruptTask, PersonAnswered
 from greenroom.protocols.people import PendingApproval, arguments_digest, waiting_requests
+from greenroom.protocols.task import fold
 from greenroom.protocols.trace import input_size
 
-__all__ = ["People", "answer", "pending_of"]
+__all__ = ["People", "answer", "pending_of", "stored_pending"]
 
 
 class People:
@@ -107,6 +115,33 @@ def pending_of(port: SessionPort) -> list[PendingApproval]:
         origin=port.origin_path,
         running=port.inbox is not None,
     )
+
+
+async def stored_pending(store: TraceStore, session_ids: Iterable[str]) -> list[PendingApproval]:
+    """The requests that wait for a person in the stored sessions ``session_ids``, read
+    from each one's latest trace as :func:`pending_of` would list them once loaded (with
+    no supervisor running their calls). Reads only: nothing is loaded, taken up or
+    written. A session gone or unreadable meanwhile lists nothing."""
+    found: list[PendingApproval] = []
+    for session_id in session_ids:
+        try:
+            meta = await store.catalog.read_meta(session_id)
+            trace = await store.log.read_latest(session_id)
+        except (StoredSessionMissing, StoredSessionUnreadable, OSError):
+            continue  # deleted or broken since the index saw it: nothing of it waits
+        record = fold(list(trace.records)).recorded()
+        if record.run_id is None:
+            continue
+        found.extend(
+            waiting_requests(
+                record.pending_people,
+                record.allowed,
+                session_id=session_id,
+                origin=stored_origin(meta, session_id) or (session_id,),
+                running=False,
+            )
+        )
+    return found
 
 
 async def answer(port: SessionPort, message: PersonAnswered) -> None:
