@@ -389,6 +389,111 @@ async def test_a_front_end_tool_waits_for_its_result_from_the_next_run(tmp_path:
     assert "orange" in repr(follow.messages[-1])
 
 
+def color_brain() -> Any:
+    """``front_end_script`` as a model that reads the conversation, so a session loaded
+    again (given a new one) goes on where it was; a new input ``again`` is answered
+    ``Again.``."""
+    from greenroom.actors.providers.scripted import Reply, text, tool_call
+    from greenroom.protocols.context import ModelRequest, ToolResult
+
+    def brain(request: ModelRequest) -> Reply:
+        last = request.messages[-1].content
+        if any(isinstance(p, ToolResult) for p in last):
+            return Reply(blocks=(text("You picked it."),))
+        if any(isinstance(p, TextBlock) and p.text == "again" for p in last):
+            return Reply(blocks=(text("Again."),))
+        return Reply(blocks=(text("Let me ask."), tool_call("f1", "pick_color", hint="warm")))
+
+    return brain
+
+
+COLOR_RESULT = [
+    {"id": "u-run-1", "role": "user", "content": "pick one"},
+    {"id": "a1", "role": "assistant", "toolCalls": [{"id": "f1", "type": "function",
+     "function": {"name": "pick_color", "arguments": '{"hint": "warm"}'}}]},
+    {"id": "t1", "role": "tool", "toolCallId": "f1", "content": "orange"},
+]
+"""A front end's history once it ran ``pick_color`` (call ``f1``): its result last."""
+
+
+def offered(server: Any) -> list[str]:
+    """The tools the model was offered in its last request (of the newest provider)."""
+    return [t.name for t in server.providers[-1].requests[-1].tools]
+
+
+@pytest.mark.parametrize("again", ["closed", "restarted"])
+async def test_a_threads_front_end_tools_reach_its_session_loaded_again(
+    tmp_path: Path, again: str
+) -> None:
+    """R-PROTO-2, R-HITL-1: a thread's session loaded again (after its close, or a
+    restart) had none of the front-end tools its last run gave: the next run's result of
+    the waiting front-end call (a run that gives no ``tools`` keeps the last run's) was
+    refused as no new input (400), and a new input was not offered them. The session
+    loaded again has them: the result answers the call, and the next run offers them."""
+    with trio.fail_after(BOUND_S * 2):
+        async with serving(tmp_path, color_brain, ag_ui=True) as server:
+            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+            first = await posted(url, run_input("thread-f", "run-1", "pick one",
+                                                tools=[COLOR_TOOL]))
+            assert first.events[-1][1]["outcome"] == {"type": "success"}
+            assert first.of("STATE_SNAPSHOT")[-1]["snapshot"]["pendingToolCalls"] == ["f1"]
+            if again == "closed":
+                await server.host.close_session("thread-f")
+                await resume_and_run_again(server, url)
+        if again == "restarted":
+            async with serving(tmp_path, color_brain, ag_ui=True) as server:
+                url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+                await resume_and_run_again(server, url)
+
+
+async def resume_and_run_again(server: Any, url: str) -> None:
+    """The front end's result of ``f1`` and then a new input, both runs without
+    ``tools``: each offers the model ``pick_color``."""
+    second = await posted(url, run_input("thread-f", "run-2", messages=COLOR_RESULT))
+    assert second.status == 200, second.body
+    (result,) = second.of("TOOL_CALL_RESULT")
+    assert (result["toolCallId"], result["content"]) == ("f1", "orange")
+    assert "".join(e["delta"] for e in second.of("TEXT_MESSAGE_CONTENT")) == "You picked it."
+    assert second.events[-1][1]["outcome"] == {"type": "success"}
+    assert "pick_color" in offered(server)
+    third = await posted(url, run_input("thread-f", "run-3", "again"))
+    assert "".join(e["delta"] for e in third.of("TEXT_MESSAGE_CONTENT")) == "Again."
+    assert "pick_color" in offered(server)
+
+
+@pytest.mark.parametrize("stage", ["closing", "closed"])
+async def test_a_front_end_result_whose_thread_began_to_close_is_taken_there_with_the_tools(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str
+) -> None:
+    """R-PROTO-2, R-HITL-1, R-HOST-3: a front-end call's result that found the call
+    pending, and came to the host once the host had begun to close the thread's session
+    (or had closed it), had the host load the session without the thread's front-end
+    tools: the task went on without them. The session loaded for the answer is given them
+    before its task goes on: the model's next request offers them."""
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, color_brain, ag_ui=True) as server:
+            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+            first = await posted(url, run_input("thread-f", "run-1", "pick one",
+                                                tools=[COLOR_TOOL]))
+            assert first.of("STATE_SNAPSHOT")[-1]["snapshot"]["pendingToolCalls"] == ["f1"]
+            # The last look before the answers: the call was found pending.
+            found, let_answer = hold_after_first(monkeypatch, ag_ui_front, "replay_records")
+            resumed: list[Stream] = []
+
+            async def resume() -> None:
+                body = run_input("thread-f", "run-2", messages=COLOR_RESULT)
+                resumed.append(await posted(url, body))
+
+            await answer_meeting_a_close(
+                monkeypatch, server.host, "thread-f", resume, found, let_answer, stage=stage
+            )
+            (second,) = resumed
+            (result,) = second.of("TOOL_CALL_RESULT")
+            assert (result["toolCallId"], result["content"]) == ("f1", "orange")
+            assert second.events[-1][1]["outcome"] == {"type": "success"}, second.events[-1]
+            assert len(server.providers) == 2 and "pick_color" in offered(server)
+
+
 async def test_front_end_tools_that_cannot_be_offered_are_refused(
     tmp_path: Path, lookup: Lookup
 ) -> None:

@@ -22,7 +22,10 @@ One request does one of three things:
   anything.
 
 The run's ``tools`` become the session's client tools (``Session.set_client_tools``) for
-its tasks; one named like a tool of the session's own is 400.
+its tasks; one named like a tool of the session's own is 400. They are kept next to the
+session's ``session.json`` (:data:`FRONT_END_TOOLS_FILE`), so that the thread's session
+loaded again — after its close or a restart, and for a resume whose thread began to close
+once its interrupts were found — has them for the task it takes up and the next runs.
 
 Every run's events come from the session (:class:`SessionFeed`), never from the task's
 own channel: a front end that disconnects loses nothing, the task goes on, and it
@@ -32,10 +35,16 @@ reconnects from its last event id.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
+import secrets
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pydantic
+import trio
 from ag_ui.core import RunAgentInput
 
 from greenroom.actors.gateway.config import SESSION_ID
@@ -50,9 +59,11 @@ from greenroom.protocols.content import TextBlock
 from greenroom.protocols.jsonrpc import RpcError
 from greenroom.protocols.outputs import ApprovalRequest
 from greenroom.protocols.people import PendingApproval, Verdict
-from greenroom.protocols.tools import client_tool, value_too_deep
+from greenroom.protocols.tools import Tool, client_tool, value_too_deep
 
-__all__ = ["AG_UI_PATH", "AgUiEndpoint"]
+__all__ = ["AG_UI_PATH", "FRONT_END_TOOLS_FILE", "AgUiEndpoint"]
+
+logger = logging.getLogger(__name__)
 
 AG_UI_PATH = "/ag-ui"
 
@@ -60,6 +71,9 @@ LAST_EVENT_ID = re.compile(r"[0-9]{1,18}")
 """An event id this endpoint gives: ASCII digits (``str.isdigit`` takes ``²`` too)."""
 MAX_TEXT_CHARS = 100_000
 """The longest text a run's new user messages may carry."""
+FRONT_END_TOOLS_FILE = "ag_ui_tools.json"
+"""A thread's front-end tools as its last run gave them (AG-UI's ``name``,
+``description``, ``parameters``), next to the session's ``session.json``."""
 
 
 class _Refused(Exception):
@@ -85,12 +99,12 @@ class AgUiEndpoint:
         try:
             run = self._input(request.body)
             session = await self._thread(request.principal, run.thread_id)
-            tools = self._client_tools(session, run)
+            tools = await self._client_tools(session, run)
             last_event = request.headers.get("last-event-id")
             if last_event is not None:
                 feed, pending = await self._reconnect(session, last_event)
             elif run.resume or await self._tool_results(session, run):
-                feed, pending = await self._resume(session, run, request.principal)
+                feed, pending = await self._resume(session, run, request.principal, tools)
             else:
                 feed, pending = await self._start(session, run), []
         except _Refused as exc:
@@ -105,7 +119,8 @@ class AgUiEndpoint:
             status = code if isinstance(code, int) and 400 <= code < 600 else 400
             await reply.error(status, str(exc))
             return
-        mapper = ag_ui.RunMapper(thread_id=session.id, run_id=run.run_id, client_tools=tools)
+        names = frozenset(t.name for t in tools)
+        mapper = ag_ui.RunMapper(thread_id=session.id, run_id=run.run_id, client_tools=names)
         with feed:
 
             async def produce(sink: EventSink) -> None:
@@ -141,19 +156,29 @@ class AgUiEndpoint:
                 raise
         return await self._methods.create_session_for(principal, session_id=thread_id)
 
-    def _client_tools(self, session: Session, run: RunAgentInput) -> frozenset[str]:
-        """Make the run's front-end tools the session's client tools (when it gives
-        any: a run without ``tools`` keeps those of the thread's last run); their names."""
+    async def _client_tools(self, session: Session, run: RunAgentInput) -> tuple[Tool, ...]:
+        """Make the run's front-end tools the session's client tools, and keep them for
+        the thread (when it gives any: a run without ``tools`` keeps those of the thread's
+        last run, given again to a session loaded since, which has none); the tools."""
         if run.tools:
+            dumped = [t.model_dump() for t in run.tools]
             try:
-                given = ag_ui.client_tools(t.model_dump() for t in run.tools)
+                given = ag_ui.client_tools(dumped)
             except ag_ui.ClientToolError as exc:
                 raise _Refused(400, str(exc)) from None
+            before = [t.schema for t in session.host.port(session.id).client_tools]
             try:
                 session.set_client_tools([client_tool(*tool) for tool in given])
             except ConfigurationError as exc:
                 raise _Refused(400, f"$.tools: {exc}") from None
-        return frozenset(t.name for t in session.host.port(session.id).client_tools)
+            tools = session.host.port(session.id).client_tools
+            if [t.schema for t in tools] != before:
+                # Kept once per change: a front end sends its tools with every run.
+                await _keep_front_end_tools(session.directory, json.dumps(dumped))
+            return tools
+        if tools := session.host.port(session.id).client_tools:
+            return tools
+        return _with_tools(session, await _kept_front_end_tools(session.directory))
 
     async def _tool_results(self, session: Session, run: RunAgentInput) -> dict[str, str]:
         """The results the run's ``tool`` messages give the front-end calls that wait."""
@@ -211,7 +236,7 @@ class AgUiEndpoint:
         return notes
 
     async def _resume(
-        self, session: Session, run: RunAgentInput, principal: str
+        self, session: Session, run: RunAgentInput, principal: str, tools: Sequence[Tool]
     ) -> tuple[SessionFeed, list[PendingApproval]]:
         pending = {p.call_id: p for p in await self._pending(session)}
         entries = run.resume or []
@@ -241,6 +266,11 @@ class AgUiEndpoint:
         host = self._methods.host
         try:
             for request, (verdict, text) in answers:
+                load = loading_unless_open(host, self._methods.defaults, session.id, principal)
+                if load:
+                    # Closed since its interrupts were found: loaded here, to be given the
+                    # run's front-end tools before its task goes on with the answer.
+                    _with_tools(await host.load_session(session.id, **load), tools)
                 # No checkpoint from the look at the host's sessions to its lookup: a
                 # session whose close began since its interrupts were found is loaded with
                 # the server's tools and model, not the host's own (R-HITL-1).
@@ -256,6 +286,7 @@ class AgUiEndpoint:
             loaded = _loaded_again(session)
             if loaded is not None:
                 # The task goes on in the session loaded again: stream that one.
+                _with_tools(loaded, tools)
                 feed.close()
                 feed = SessionFeed(loaded, after)
         except BaseException:
@@ -274,6 +305,62 @@ class AgUiEndpoint:
         return SessionFeed(session, after), [
             p for p in await self._pending(session) if _asked_before(records, p, after)
         ]
+
+
+def _with_tools(session: Session, tools: Sequence[Tool]) -> tuple[Tool, ...]:
+    """Give the thread's open session — loaded again — the thread's front-end ``tools``
+    when it has no client tools yet (a tool named like one of its own since is left out,
+    with a warning: its own stays); the client tools it has."""
+    try:
+        port = session.host.port(session.id)
+    except SessionNotFound:
+        return tuple(tools)  # closed meanwhile: the load that answers it gives them
+    if port.client_tools or not tools:
+        return port.client_tools
+    own = port.own_tool_names()
+    kept = tuple(t for t in tools if t.name not in own)
+    if len(kept) < len(tools):
+        logger.warning("session %s: front-end tools named like its own left out", session.id)
+    port.set_client_tools(kept)
+    return kept
+
+
+async def _keep_front_end_tools(directory: Path, tools: str) -> None:
+    """Keep ``tools`` (JSON, as the run gave them) for the thread whose session is stored in
+    ``directory``, replaced at once; a failed write is logged, the run goes on (its
+    session has them while it stays open)."""
+    try:
+        await trio.to_thread.run_sync(_replace_file, directory / FRONT_END_TOOLS_FILE, tools)
+    except OSError as exc:
+        logger.warning("cannot keep the front-end tools in %s: %s", directory, exc)
+
+
+def _replace_file(path: Path, text: str) -> None:
+    # A name of its own: two runs of the thread may keep their tools at once.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+async def _kept_front_end_tools(directory: Path) -> tuple[Tool, ...]:
+    """The front-end tools kept for the thread stored in ``directory`` (none when it has
+    none, or they cannot be read: logged)."""
+    path = directory / FRONT_END_TOOLS_FILE
+    try:
+        text = await trio.to_thread.run_sync(path.read_text, "utf-8")
+    except FileNotFoundError:
+        return ()
+    except (OSError, UnicodeDecodeError) as exc:
+        logger.warning("cannot read the front-end tools in %s: %s", path, exc)
+        return ()
+    try:
+        kept = json.loads(text)
+        entries = kept if isinstance(kept, list) else []
+        given = ag_ui.client_tools(t for t in entries if isinstance(t, dict))
+    except (ValueError, RecursionError) as exc:  # ClientToolError is a ValueError
+        logger.warning("front-end tools in %s left out: %s", path, exc)
+        return ()
+    return tuple(client_tool(*tool) for tool in given)
 
 
 def _loaded_again(session: Session) -> Session | None:
