@@ -16,7 +16,10 @@ work is held with events, and the test lets it go or takes the session away.
   a stream message at a time, never the whole trace held at once.
 * A ``session.create`` placed on a host that creates the session only after the placing
   gateway gave up and created it itself leaves one session, the one the client was told
-  of: the late one is undone.
+  of: the late one is undone. So does one whose host made the session and stalled past its
+  lease before its answer left: the host that takes that session up deletes it when the
+  gateway withdrew the placement first, and the gateway answers with it when it was taken
+  up first.
 * A ``steer`` or ``follow_up`` is answered ``queued: true`` only once JetStream holds its
   record (``steering_queued``, ``task_queued``), so the host that takes the session up
   after this one dies delivers it; the connection's other calls are answered meanwhile.
@@ -41,13 +44,16 @@ from trio_websocket import open_websocket_url
 from greenroom.actors.cluster import router as router_module
 from greenroom.actors.cluster import traces as traces_module
 from greenroom.actors.cluster.connection import Connection
+from greenroom.actors.cluster.errors import ClusterError
 from greenroom.actors.cluster.node import ClusterConfig, ClusterNode, open_cluster_host
-from greenroom.actors.cluster.registry import HostRegistry, SessionDirectory
+from greenroom.actors.cluster.ownership import OwnershipKeeper
+from greenroom.actors.cluster.registry import HostRecord, HostRegistry, SessionDirectory
 from greenroom.actors.cluster.router import OwnerDesk
 from greenroom.actors.cluster.routing import (
     IN_DOUBT,
     NOT_DONE,
     OWNER_UNREACHABLE,
+    SessionRequests,
     answer_payload,
     forwarded_payload,
 )
@@ -474,6 +480,188 @@ def test_a_placed_create_answered_after_the_gateway_gave_up_leaves_one_session(
     assert found["in_cluster"] == {found["told"]}, found
 
 
+@attrs.define
+class _StalledB:
+    """Host b stalled (as by SIGSTOP) from the moment it has made the session placed on it,
+    before its answer leaves: its answers on its host subject (the create's, and a
+    withdrawal's), its lease renewals, its announcements and its orphan scans wait for
+    ``resumed``; its lease and registry record lapse meanwhile."""
+
+    made: trio.Event = attrs.Factory(trio.Event)
+    resumed: trio.Event = attrs.Factory(trio.Event)
+    made_id: list[str] = attrs.Factory(list)
+    """The session b made."""
+
+    async def paused(self) -> None:
+        """Wait while b is stalled."""
+        if self.made.is_set():
+            await self.resumed.wait()
+
+
+def _stall_b_once_it_made_the_placed_session(monkeypatch: pytest.MonkeyPatch) -> _StalledB:
+    stalled = _StalledB()
+    for_host = OwnerDesk.for_host
+
+    async def stalling_for_host(
+        self: OwnerDesk, message: dict[str, Any], *args: Any
+    ) -> dict[str, Any]:
+        await stalled.paused()  # a withdrawal is not taken up by a stalled host
+        reply = await for_host(self, message, *args)
+        if message.get("method") == "session.create":
+            stalled.made_id.append(reply["result"]["session_id"])
+            stalled.made.set()
+            await stalled.paused()
+        return reply
+
+    renew, announce = OwnershipKeeper.renew, HostRegistry.announce
+    take_entries = ClusterNode._take_entries
+
+    async def stalling_renew(self: OwnershipKeeper) -> None:
+        if self.host_id == "b":
+            await stalled.paused()
+        await renew(self)
+
+    async def stalling_announce(self: HostRegistry, record: HostRecord) -> None:
+        if record.host_id == "b":
+            await stalled.paused()
+        await announce(self, record)
+
+    async def stalling_take_entries(self: ClusterNode, entries: dict[str, Any]) -> list[str]:
+        if self.host_id == "b":
+            await stalled.paused()
+        return await take_entries(self, entries)
+
+    monkeypatch.setattr(OwnerDesk, "for_host", stalling_for_host)
+    monkeypatch.setattr(OwnershipKeeper, "renew", stalling_renew)
+    monkeypatch.setattr(HostRegistry, "announce", stalling_announce)
+    monkeypatch.setattr(ClusterNode, "_take_entries", stalling_take_entries)
+    return stalled
+
+
+async def _sessions_in_cluster(conn: Connection, expected: set[str]) -> set[str]:
+    """The sessions of the cluster's directory once they are ``expected``, or after two
+    lease TTLs (what an orphan scan and a deletion leave is written apart from the calls
+    that cause it: read until it is there)."""
+    directory = await SessionDirectory.open(conn)
+
+    async def there() -> bool:
+        return set(await directory.ids()) == expected
+
+    with trio.move_on_after(2 * LEASE_TTL_S):
+        await _until(there)
+    return set(await directory.ids())
+
+
+def test_a_withdrawn_placement_whose_host_stalled_past_its_lease_leaves_no_session(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """b makes the session placed on it, then stalls past its lease before its answer
+    leaves. a's gateway gives up on b, withdraws the placement and answers its client with
+    a session of its own; then a's orphan scan finds b's session. a deletes it instead of
+    taking it up, and no session.list lists it meanwhile: the cluster holds only the
+    client's session, and b, resumed, keeps nothing either. Before, a took b's empty
+    session over, listed and counted against the principal's cap (R-CLUSTER-1, R-SEC-9)."""
+    stalled = _stall_b_once_it_made_the_placed_session(monkeypatch)
+    answered = trio.Event()
+    take_entries = ClusterNode._take_entries
+
+    async def taken_once_answered(self: ClusterNode, entries: dict[str, Any]) -> list[str]:
+        if self.host_id == "a":
+            await answered.wait()
+        return await take_entries(self, entries)
+
+    monkeypatch.setattr(ClusterNode, "_take_entries", taken_once_answered)
+
+    async def body(conn: Connection) -> dict[str, Any]:
+        async with _placing_on_b(
+            conn, nats_server.url, tmp_path, request_timeout_s=IN_TIME_TIMEOUT_S
+        ) as (a, b, loaded):
+            async with _client(a) as client:
+                told = (await client.result("session.create"))["session_id"]
+                assert stalled.made.is_set()  # it was placed on b first
+                listed = [
+                    s["session_id"] for s in (await client.result("session.list"))["sessions"]
+                ]
+            answered.set()
+            (made,) = stalled.made_id
+            # a's orphan scan finds b's session once b's lease has lapsed.
+            found = {"in_cluster": await _sessions_in_cluster(conn, {loaded, told})}
+            found["taken_up"] = a.node.serves(made)
+            stalled.resumed.set()
+
+            async def b_empty() -> bool:
+                return not b.host.sessions and not await b.host.list_sessions()
+
+            with trio.move_on_after(2 * LEASE_TTL_S):
+                await _until(b_empty)
+            found["left_on_b"] = await b.host.list_sessions()
+            found["in_cluster_at_last"] = await _sessions_in_cluster(conn, {loaded, told})
+            traced = (await (await TraceStream.open(conn)).read(made)).records
+            return {**found, "told": told, "made": made, "listed": listed, "traced": traced}
+
+    found = run_connected(nats_server.url, body, timeout_s=BOUND_S)
+    told, loaded_and_told = found["told"], found["in_cluster_at_last"]
+    assert found["in_cluster"] == loaded_and_told and told in loaded_and_told, found
+    assert len(loaded_and_told) == 2 and found["made"] not in loaded_and_told, found
+    assert not found["taken_up"], found
+    assert found["listed"] == [told], found
+    assert found["left_on_b"] == [], found
+    assert list(found["traced"]) == [], found
+
+
+def test_a_placement_taken_over_before_its_gateway_gave_up_is_the_clients_session(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """b makes the session placed on it, then stalls past its lease before its answer
+    leaves, and a's orphan scan takes that session over before a's gateway gives up on b.
+    The gateway answers its client with that session and makes none of its own: one create,
+    one session, on a. Before, a's gateway made a second session beside the one taken over
+    (R-CLUSTER-1, R-SEC-9)."""
+    stalled = _stall_b_once_it_made_the_placed_session(monkeypatch)
+    request_host = SessionRequests.request_host
+    nodes: list[ClusterNode] = []
+
+    async def taken_over() -> bool:
+        return nodes[0].serves(stalled.made_id[0])
+
+    async def given_up_once_taken_over(
+        self: SessionRequests, host_id: str, message: dict[str, Any], **kwargs: Any
+    ) -> dict[str, Any]:
+        try:
+            return await request_host(self, host_id, message, **kwargs)
+        except ClusterError:
+            if message.get("method") == "session.create":
+                await _until(taken_over)
+            raise
+
+    monkeypatch.setattr(SessionRequests, "request_host", given_up_once_taken_over)
+
+    async def body(conn: Connection) -> dict[str, Any]:
+        async with _placing_on_b(
+            conn, nats_server.url, tmp_path, request_timeout_s=IN_TIME_TIMEOUT_S
+        ) as (a, _, loaded):
+            nodes.append(a.node)
+            async with _client(a) as client:
+                told = (await client.result("session.create"))["session_id"]
+                ran = await client.result("run", {"session_id": told, "input": "hello"})
+            (made,) = stalled.made_id
+            stalled.resumed.set()
+            in_cluster = await _sessions_in_cluster(conn, {loaded, made})
+            return {
+                "told": told,
+                "made": made,
+                "on_a": a.node.serves(made),
+                "ran": ran,
+                "others": in_cluster - {loaded},
+            }
+
+    found = run_connected(nats_server.url, body, timeout_s=BOUND_S)
+    assert found["told"] == found["made"], found
+    assert found["others"] == {found["made"]}, found
+    assert found["on_a"], found
+    assert isinstance(found["ran"].get("run_id"), str), found
+
+
 SMALL_PAYLOAD = 128 * 1024
 """The max_payload of a NATS server that carries less than a trace record a gateway frame
 can make (greenroom's own servers take 8 MiB)."""
@@ -781,8 +969,12 @@ def test_the_python_api_refuses_input_a_cluster_record_cannot_carry(
             result = await session.run("go on").result()
             settled = await owner.node.store.log.settled(sid)  # type: ignore[union-attr]
             records = (await (await TraceStream.open(conn)).read(sid)).records
-            return {"refused": refused, "status": result.task_end.status, "settled": settled,
-                    "records": records}
+            return {
+                "refused": refused,
+                "status": result.task_end.status,
+                "settled": settled,
+                "records": records,
+            }
 
     with running_nats(tmp_path / "nats", max_payload=SMALL_PAYLOAD) as server:
         found = run_connected(server.url, lambda conn: body(conn, server.url), timeout_s=BOUND_S)
@@ -1039,8 +1231,13 @@ def test_a_persons_answer_past_what_nats_carries_is_refused_and_the_question_wai
             result = await stream.result()
             settled = await owner.node.store.log.settled(session.id)  # type: ignore[union-attr]
             records = (await (await TraceStream.open(conn)).read(session.id)).records
-            return {"refused": refused.value, "pending": pending, "settled": settled,
-                    "status": result.task_end.status, "records": records}
+            return {
+                "refused": refused.value,
+                "pending": pending,
+                "settled": settled,
+                "status": result.task_end.status,
+                "records": records,
+            }
 
     with running_nats(tmp_path / "nats", max_payload=SMALL_PAYLOAD) as server:
         found = run_connected(server.url, lambda conn: body(conn, server.url), timeout_s=BOUND_S)
@@ -1077,8 +1274,12 @@ def test_a_callbacks_answer_past_what_nats_carries_is_no_answer_and_the_task_goe
             result = await session.run("paint it", approve=terminal).result()
             settled = await owner.node.store.log.settled(session.id)  # type: ignore[union-attr]
             records = (await (await TraceStream.open(conn)).read(session.id)).records
-            return {"asked": terminal.asked, "settled": settled,
-                    "status": result.task_end.status, "records": records}
+            return {
+                "asked": terminal.asked,
+                "settled": settled,
+                "status": result.task_end.status,
+                "records": records,
+            }
 
     with running_nats(tmp_path / "nats", max_payload=SMALL_PAYLOAD) as server:
         found = run_connected(server.url, lambda conn: body(conn, server.url), timeout_s=BOUND_S)

@@ -113,6 +113,12 @@ class ClusterNames:
         return f"{self.prefix}_sessions"
 
     @property
+    def placements(self) -> str:
+        """The KV bucket placement id → whether the gateway that placed that
+        ``session.create`` withdrew it or a host kept its session (with a TTL)."""
+        return f"{self.prefix}_placements"
+
+    @property
     def trace_stream(self) -> str:
         """The JetStream stream holding every session's trace."""
         return f"{self.prefix.upper()}_TRACES"

@@ -14,7 +14,11 @@ on it through any gateway opens it again there (:mod:`.router`), and a host that
 again writes its entry anew.
 
 A deleted session's entry is removed through the same queue (:meth:`DirectoryEntries.remove`):
-an update sent when the session was deleted lands before the removal, never after it."""
+an update sent when the session was deleted lands before the removal, never after it.
+
+A session made for a ``session.create`` another gateway placed here names its placement in
+its entry (``placement``) until its first task starts, so that whichever host takes it up
+learns whether that gateway withdrew it (:mod:`.placements`)."""
 
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import attrs
 import trio
 
 from greenroom.actors.cluster.errors import ClusterUnavailable
+from greenroom.actors.cluster.placements import PLACEMENT_FIELD, placement_of
 from greenroom.actors.cluster.registry import SessionDirectory
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.trace_store import StoredSessionMissing, StoredSessionUnreadable
@@ -60,6 +65,8 @@ class DirectoryEntries:
         self.grants: Grantor | None = None
         self.running: dict[str, bool] = {}
         """Whether each session's task runs, as its last task_start or task_end said."""
+        self._placements: dict[str, str] = {}
+        """Session id → the placement it was made for, until its first task starts."""
         self._host: Host | None = None
         self._directory: SessionDirectory | None = None
         # Bounded: an update only names a session (its state is read when it is sent); a
@@ -74,6 +81,14 @@ class DirectoryEntries:
         """The host whose sessions these are, and the directory to write to."""
         self._host, self._directory = host, directory
 
+    def note_placement(self, session_id: str) -> None:
+        """Name in ``session_id``'s entries the placement it is being made for, if any
+        (:func:`~.placements.placement_of`): from its first entry on, before the session
+        is answered for."""
+        placement = placement_of(session_id)
+        if placement is not None:
+            self._placements[session_id] = placement
+
     async def follow(self, session_id: str, inbox: trio.MemoryReceiveChannel[list[Output]]) -> None:
         """Announce each task_start and task_end of ``session_id`` read from ``inbox``."""
         # The session's watcher, a task of the host's (R-ACTOR-1); ends when the session
@@ -83,6 +98,9 @@ class DirectoryEntries:
                 for output in batch:
                     if isinstance(output, TaskStart | TaskEnd):
                         self.running[session_id] = isinstance(output, TaskStart)
+                        # Its client knows it: its placement was not withdrawn, and a
+                        # host that takes it up need not ask.
+                        self._placements.pop(session_id, None)
                         self.announce(session_id)
 
     def announce(self, session_id: str) -> None:
@@ -97,8 +115,11 @@ class DirectoryEntries:
         holders = sorted(self.grants.holders(session_id)) if self.grants else []
         running = self.running.get(session_id, False) and not closed
         entry = await _entry(self._host, self._directory, session_id, holders, running)
-        closing = {"closed": True} if closed else {}
-        await self._directory.put(session_id, {**entry, "host": self.host_id, **closing})
+        marks: dict[str, Any] = {"closed": True} if closed else {}
+        placement = self._placements.get(session_id)
+        if placement is not None:
+            marks[PLACEMENT_FIELD] = placement
+        await self._directory.put(session_id, {**entry, "host": self.host_id, **marks})
 
     async def close(self, session_id: str) -> None:
         """Write ``session_id``'s entry as a closed session's, after the updates queued
@@ -137,6 +158,7 @@ class DirectoryEntries:
                 if closing is not None:
                     closing.set()
                     self.running.pop(session_id, None)
+                    self._placements.pop(session_id, None)
 
     async def _remove(self, session_id: str, removal: _Removal) -> None:
         assert self._directory is not None
@@ -147,6 +169,7 @@ class DirectoryEntries:
         finally:
             removal.done.set()
             self.running.pop(session_id, None)
+            self._placements.pop(session_id, None)
 
 
 @attrs.define

@@ -17,12 +17,13 @@ a directory that cannot be read leaves the local listing as it is, with a note s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from typing import Any
 
 import trio
 
 from greenroom.actors.cluster.errors import ClusterUnavailable
+from greenroom.actors.cluster.placements import PLACEMENT_FIELD
 from greenroom.actors.cluster.registry import SessionDirectory
 from greenroom.actors.runtime.host import stored_root
 
@@ -76,10 +77,13 @@ async def sessions_elsewhere(
     listed: frozenset[str],
     *,
     bound_s: float,
+    withdrawn: Container[str] = (),
 ) -> tuple[list[dict[str, Any]], str | None]:
     """The sessions of the directory ``principal`` may see (``granted``: those granted to it
     at this gateway) but ``listed`` leaves out (those this host lists already), newest
-    first; and a note when the directory was not read whole (None when it was)."""
+    first; and a note when the directory was not read whole (None when it was). A session
+    made for a placement of ``withdrawn`` is left out: it is on its way out of the cluster
+    (:mod:`.placements`)."""
     try:
         with trio.fail_after(bound_s):
             entries, whole = await passes.read()
@@ -90,7 +94,9 @@ async def sessions_elsewhere(
     found = [
         listed_from_entry(session_id, entry)
         for session_id, entry in entries.items()
-        if session_id not in listed and visible(principal, session_id, entry, entries, granted)
+        if session_id not in listed
+        and visible(principal, session_id, entry, entries, granted)
+        and not _withdrawn(entry, withdrawn)
     ]
     found.sort(key=lambda s: s.get("created_at", 0.0), reverse=True)
     if whole:
@@ -156,6 +162,11 @@ def listed_from_entry(session_id: str, entry: Mapping[str, Any]) -> dict[str, An
         "usage": None,
         "host": host if isinstance(host, str) else None,
     }
+
+
+def _withdrawn(entry: Mapping[str, Any], withdrawn: Container[str]) -> bool:
+    placement = entry.get(PLACEMENT_FIELD)
+    return isinstance(placement, str) and placement in withdrawn
 
 
 def _principals(entry: Mapping[str, Any]) -> tuple[str, ...]:

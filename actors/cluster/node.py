@@ -39,7 +39,10 @@ host-lost note; it runs again only when the check found it not done or a person 
 with its idempotency key (R-EFFECT-2); the model is told, the task ends with one
 ``task_end`` (R-CLUSTER-2) — and a task that waited for a person keeps waiting, asked again
 of whoever can answer, never denied because its host was lost (R-HITL-1). An idle session
-is taken over too (loaded, nothing run), so no session is left without a host.
+is taken over too (loaded, nothing run), so no session is left without a host. One made
+for a ``session.create`` a gateway placed on its host and then withdrew (that host died or
+stalled before its answer arrived) is deleted instead, by the one host that takes it up
+(:mod:`.placements`).
 A session the host closes with no task open (a subagent whose task ended, which its host
 forgets; a session its user closed: ``Host.on_closed``) leaves the host: out of its load at
 once; then, in its lane after its adoption (:mod:`.lanes`) and once JetStream holds its
@@ -79,6 +82,7 @@ from greenroom.actors.cluster.lanes import SessionLanes
 from greenroom.actors.cluster.limits import ClusterLimits
 from greenroom.actors.cluster.orphans import OrphanFinder
 from greenroom.actors.cluster.ownership import OwnershipKeeper, SessionOwners
+from greenroom.actors.cluster.placements import PlacementRecords, withdrawn
 from greenroom.actors.cluster.registry import HostRecord, HostRegistry, SessionDirectory
 from greenroom.actors.cluster.router import ClusterRouter, OwnerDesk
 from greenroom.actors.cluster.routing import SessionRequests
@@ -167,6 +171,7 @@ class ClusterNode:
         self._desk: OwnerDesk | None = None
         self._desk_ready = trio.Event()
         self._requests = SessionRequests(conn)
+        self._placements = PlacementRecords(conn)
         self._placeable = False
         self._handed = HandedSince()
         self._gathering: set[str] = set()
@@ -226,6 +231,7 @@ class ClusterNode:
         sid = session.id
         self.store.log.replicate(sid)
         self._adopted.add(sid)
+        self._entries.note_placement(sid)
         self._load_changed()
         # Unbounded: the publisher never waits on the node, and the node's watcher waits
         # on nothing but this inbox (an announcement is queued without blocking), so the
@@ -288,6 +294,7 @@ class ClusterNode:
             timeout_s=self.config.request_timeout_s or ttl,
             watch_ttl_s=ttl,
             reopen=self._take_entry,
+            placements=self._placements,
         )
         gateway.route_through(router)
         nursery.start_soon(self._serve_host, gateway, self._desk)
@@ -476,12 +483,15 @@ class ClusterNode:
         return session_id in await self._take_entries({session_id: entry})
 
     async def _take_entries(self, entries: dict[str, dict[str, Any]]) -> list[str]:
-        """Take ``entries`` (id → directory entry) over, their tasks up together: served ids."""
-        assert self._host is not None
+        """Take ``entries`` (id → directory entry) over, their tasks up together: served ids.
+        One made for a placement its gateway withdrew is deleted instead (:mod:`.placements`)."""
+        assert self._host is not None and self._traces is not None and self._keeper is not None
         served, loaded = [], []
         for session_id, entry in entries.items():
             if await _lane_done(self._lanes, self._work, session_id, self.serves):
                 served.append(session_id)
+            elif await withdrawn(self._placements, session_id, entry):
+                await _forget(self._entries, self._traces, self._keeper, session_id, claim=True)
             elif await self._load_over(session_id, entry.get("meta") or {}):
                 loaded.append(session_id)
         served += _take_up(self._host, self._entries, loaded, self._approve)

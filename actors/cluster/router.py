@@ -40,7 +40,11 @@ cluster, and the owner's side of the requests it forwards.
   cannot create it in time undoes what it made and says so, and one that does not answer
   at all leaves the session here (one create, one session). Giving up on that host, the
   gateway withdraws the placement (``session.create.withdrawn``), so a host that made the
-  session in time but stalled before its answer arrived deletes it when it wakes.
+  session in time but stalled before its answer arrived deletes it when it wakes. The
+  withdrawal is recorded in the cluster first (:mod:`.placements`): a host that takes the
+  session up after that host died or stalled past its lease deletes it instead, and one
+  that took it up before makes it the client's session. The gateway's ``session.list``
+  leaves out a session of a placement it withdrew meanwhile.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from greenroom.actors.cluster.errors import (
     OwnerUnreachable,
 )
 from greenroom.actors.cluster.listing import DirectoryPasses, sessions_elsewhere
+from greenroom.actors.cluster.placements import PlacementRecords, placing
 from greenroom.actors.cluster.registry import (
     HostRecord,
     HostRegistry,
@@ -414,7 +419,10 @@ class OwnerDesk:
         deadline = trio.current_time() + within_s
         await trio.lowlevel.checkpoint_if_cancelled()
         answering.in_doubt = True
-        reply = await _reply(self._methods["session.create"](_as_caller(principal), params))
+        # The session's directory entry names its placement from the first: a host that
+        # takes it up after this one dies learns whether its gateway withdrew it.
+        with placing(placement) if placement is not None else contextlib.nullcontext():
+            reply = await _reply(self._methods["session.create"](_as_caller(principal), params))
         result = reply.get("result")
         if not isinstance(result, dict) or not isinstance(result.get("session_id"), str):
             return reply  # refused: nothing made
@@ -569,8 +577,12 @@ class ClusterRouter:
         timeout_s: float,
         watch_ttl_s: float,
         reopen: Callable[[str, dict[str, Any]], Awaitable[bool]] | None = None,
+        placements: PlacementRecords | None = None,
     ) -> None:
         self._host_id = host_id
+        self._placements = placements
+        self._withdrawn: collections.OrderedDict[str, None] = collections.OrderedDict()
+        """The placements this gateway withdrew lately (listed by no ``session.list``)."""
         self._reopen = reopen
         self._gateway = gateway
         self._requests = requests
@@ -688,6 +700,7 @@ class ClusterRouter:
             self._gateway.owned(principal),
             listed,
             bound_s=self._timeout_s,
+            withdrawn=self._withdrawn,
         )
 
     async def _may_use(self, principal: str, session_id: str, entry: dict[str, Any]) -> bool:
@@ -827,11 +840,14 @@ class ClusterRouter:
                 target.host_id, message, timeout_s=self._timeout_s + PLACE_MARGIN_S
             )
         except ClusterError as exc:
-            log(f"cannot place a session on host {target.host_id} ({exc}); creating it here")
-            # Its answer may only be late (the host stalled after it made the session):
-            # NATS delivers the withdrawal when it wakes, and the session made there goes.
-            self._nursery.start_soon(self._withdraw, target.host_id, placement, principal)
-            return None
+            kept = await self._withdraw(target.host_id, placement, principal)
+            if kept is None:
+                log(f"cannot place a session on host {target.host_id} ({exc}); creating it here")
+                return None
+            # Made there, then that host died or stalled: another took the session up first.
+            log(f"host {target.host_id} made session {kept} and was lost; it is the client's")
+            self._gateway.grant(principal, kept)
+            return {"session_id": kept}
         outcome = outcome_of(reply)
         if outcome == NOT_DONE:
             log(f"host {target.host_id} did not create a session placed on it; creating it here")
@@ -850,7 +866,28 @@ class ClusterRouter:
             self._gateway.grant(principal, result["session_id"])
         return result
 
-    async def _withdraw(self, host_id: str, placement: str, principal: str) -> None:
+    async def _withdraw(self, host_id: str, placement: str, principal: str) -> str | None:
+        """Withdraw the create ``placement`` given up on at host ``host_id``: recorded in
+        the cluster, then told to that host. The session made for it when another host
+        took it up first (its host died): then nothing is withdrawn, it is the client's."""
+        self._withdrawn[placement] = None
+        while len(self._withdrawn) > _PLACEMENTS_KEPT:
+            self._withdrawn.popitem(last=False)
+        if self._placements is not None:
+            try:
+                kept = await self._placements.withdraw(placement)
+            except ClusterUnavailable as exc:
+                log(f"cannot record the withdrawal of a placement on host {host_id}: {exc}")
+                kept = None
+            if kept is not None:
+                self._withdrawn.pop(placement, None)
+                return kept
+        # Its answer may only be late (the host stalled after it made the session):
+        # NATS delivers the withdrawal when it wakes, and the session made there goes.
+        self._nursery.start_soon(self._tell_withdrawn, host_id, placement, principal)
+        return None
+
+    async def _tell_withdrawn(self, host_id: str, placement: str, principal: str) -> None:
         """Tell host ``host_id`` that the create ``placement`` was given up on: what it
         made for it is deleted. Sent once; a host that does not answer is not waited for
         past a forwarded call's bound (the request reaches it all the same)."""
