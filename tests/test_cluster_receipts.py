@@ -17,6 +17,7 @@ from conftest import RUN_TIMEOUT_S, Gates, allow_all
 
 from greenroom.actors.cluster.connection import Connection
 from greenroom.actors.cluster.node import ClusterConfig, ClusterNode, open_cluster_host
+from greenroom.actors.cluster.store import ReplicatingTraceStore
 from greenroom.actors.cluster.traces import TraceStream, TraceWriter
 from greenroom.actors.gateway.methods import once_recorded
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, tool_call
@@ -138,6 +139,46 @@ def test_a_steer_whose_session_the_host_lost_before_jetstream_had_it_is_dropped(
             answer = await _answer(recorded)
             withheld.release.set()  # too late: the record was given up
             return answer, await _cluster_lines(conn, session.id)
+
+    answer, in_cluster = run_connected(nats_server.url, body, timeout_s=60.0)
+    assert "mind the gap" not in in_cluster
+    assert answer.startswith("its record did not reach the cluster's trace (cannot write ")
+    assert answer.endswith(
+        "the session stopped being replicated before its trace reached the cluster): the input"
+        " was dropped, not queued"
+    )
+
+
+def test_a_steer_after_the_store_gave_the_session_up_is_dropped_while_it_is_open(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-STEER-6, R-CLUSTER-1: the store gave the session's replication up (as when the
+    host lost its lease) and the session is still open here: a steer's record reaches
+    only this host's files, never the cluster's trace. Before, the failed sync of its
+    receipt in an open session settled it durable (``queued: true``)."""
+    recorded = InputReceipt()
+
+    async def body(conn: Connection) -> tuple[str, str]:
+        config = ClusterConfig(url=nats_server.url, host_id="a", prefix=conn.names.prefix)
+        async with open_cluster_host(
+            conn.bridge, config, tmp_path / "a", approve=allow_all
+        ) as host:
+            gates = Gates()
+            session = await host.create_session(
+                provider=ScriptedProvider([Reply(blocks=(tool_call("c1", "wait", key="k"),))]),
+                workspace_dir=tmp_path,
+                tools=[gates.tool()],
+            )
+            session.run("go", approve=allow_all)
+            await gates.started("k")
+            store = host.trace_store
+            assert isinstance(store, ReplicatingTraceStore)
+            store.log.forget(session.id)  # nothing was pending: every record acknowledged
+            assert session.steer("mind the gap", recorded=recorded)
+            with trio.fail_after(RUN_TIMEOUT_S):
+                await recorded.settled.wait()
+            assert not host.port(session.id).closed  # still open here
+            return await _answer(recorded), await _cluster_lines(conn, session.id)
 
     answer, in_cluster = run_connected(nats_server.url, body, timeout_s=60.0)
     assert "mind the gap" not in in_cluster

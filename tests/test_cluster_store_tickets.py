@@ -149,7 +149,7 @@ def test_a_session_no_longer_replicated_says_so_instead_of_passing_records_for_d
     assert run_connected(nats_server.url, body, timeout_s=20.0) == {
         "sync": "StaleTraceWriter",
         "append": "StaleTraceWriter",
-        "lost": "TraceWriteError",
+        "lost": "RecordsGivenUp",
         "in_cluster": [],
     }
 

@@ -55,6 +55,7 @@ from greenroom.actors.runtime.trace_store import (
     FileTraceStore,
     FileUsageLedger,
     LoadedTrace,
+    RecordsGivenUp,
     StaleTraceWriter,
     StoredSession,
 )
@@ -379,7 +380,7 @@ class ReplicatingTraceLog:
         replica.wakeup.set()
 
     def _lost(self, session_id: str) -> TraceWriteError:
-        return TraceWriteError(
+        return RecordsGivenUp(
             self._where(session_id),
             "the session stopped being replicated before its trace reached the cluster",
         )

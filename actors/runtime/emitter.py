@@ -26,7 +26,7 @@ import trio
 from greenroom.actors.runtime.port import SessionPort
 from greenroom.actors.runtime.receipts import InputReceipt
 from greenroom.actors.runtime.trace_sink import TraceSinkClosed, TraceWriteError
-from greenroom.actors.runtime.trace_store import StaleTraceWriter
+from greenroom.actors.runtime.trace_store import RecordsGivenUp, StaleTraceWriter
 from greenroom.protocols import converter
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.messages import TraceWritten
@@ -323,11 +323,19 @@ async def _settle_once_durable(port: SessionPort, receipt: InputReceipt) -> None
     # never settle (its caller waiting its whole bound); the store's final fsync answers
     # this sync with whether it covered the record. Bounded, should a store's close be
     # cut short and never answer.
+    failure: Exception | None = None
     with trio.CancelScope(shield=True) as waiting:
         waiting.deadline = trio.current_time() + DURABLE_WAIT_S
-        failure = await port.sync_trace_quietly()
+        try:
+            await port.sync_trace()
+        except (TraceWriteError, TraceSinkClosed) as exc:
+            failure = exc
     if waiting.cancelled_caught:
         receipt.drop(f"its record was not known durable within {DURABLE_WAIT_S:g} s")
+    elif isinstance(failure, StaleTraceWriter | RecordsGivenUp):
+        # Given up unacknowledged (fenced, the session or the host's store given up): no
+        # later sync makes it durable, open session or not.
+        receipt.drop(f"its record did not reach the cluster's trace ({failure})")
     elif failure is not None and port.closed:
         # No next sync will report it: the session is gone, its record not durable.
         receipt.drop(f"session {port.id} closed before its record was durable ({failure})")

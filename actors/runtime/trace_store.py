@@ -114,6 +114,7 @@ __all__ = [
     "FileTraceStore",
     "FileUsageLedger",
     "LoadedTrace",
+    "RecordsGivenUp",
     "SessionCatalog",
     "StaleTraceWriter",
     "StoredSession",
@@ -132,6 +133,12 @@ __all__ = [
 class StaleTraceWriter(TraceWriteError):
     """An append whose ``seq`` is not the next one the store expects for the session: the
     writer's picture of the trace is stale (another host owns the session now, or a bug)."""
+
+
+class RecordsGivenUp(TraceWriteError):
+    """The store stopped keeping the session's records durable before it held them all
+    (a cluster host gave the session up, or closed, before JetStream acknowledged them):
+    those records, and any written after, never become durable, however often synced."""
 
 
 class StoredSessionMissing(GreenroomError):
