@@ -21,6 +21,9 @@ from greenroom.actors.cluster.store import ReplicatingTraceStore
 from greenroom.actors.cluster.traces import TraceStream, TraceWriter
 from greenroom.actors.gateway.methods import once_recorded
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, tool_call
+from greenroom.actors.runtime import host as host_module
+from greenroom.actors.runtime import supervisor as supervisor_module
+from greenroom.actors.runtime.emitter import DURABLE_WAIT_S
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.receipts import InputReceipt
 from greenroom.actors.runtime.session import Session
@@ -142,6 +145,42 @@ def test_a_steer_whose_session_the_host_lost_before_jetstream_had_it_is_dropped(
 
     answer, in_cluster = run_connected(nats_server.url, body, timeout_s=60.0)
     assert "mind the gap" not in in_cluster
+    assert answer.startswith("its record did not reach the cluster's trace (cannot write ")
+    assert answer.endswith(
+        "the session stopped being replicated before its trace reached the cluster): the input"
+        " was dropped, not queued"
+    )
+
+
+def test_a_steer_jetstream_never_acknowledges_is_dropped_when_the_host_close_is_cut_short(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-STEER-6, R-DRAIN-2: the host closes while JetStream holds the steer's record
+    unacknowledged, and its shutdown bound (shortened here) cuts the close of its session
+    and of its store short. Before, the cut-short store close skipped giving its records
+    up: the receipt waited its own DURABLE_WAIT_S (30 s) and held the host's close that
+    long. Now the store gives them up however its close ends: the steer is answered 410
+    at once, naming why, and the close goes on."""
+    # The receipt waits for the store from the end of its supervisor's wait for the
+    # record (ABORT_GRACE_S), well before the host's close is cut short.
+    monkeypatch.setattr(supervisor_module, "ABORT_GRACE_S", 0.2)
+    monkeypatch.setattr(host_module, "SHUTDOWN_GRACE_S", 2.0)
+    withheld = Withheld(monkeypatch)
+    recorded = InputReceipt()
+
+    async def body(conn: Connection) -> str:
+        config = ClusterConfig(url=nats_server.url, host_id="a", prefix=conn.names.prefix)
+        # Well before a receipt's own bound, which the close waited for before.
+        with trio.fail_after(DURABLE_WAIT_S / 2):
+            async with open_cluster_host(
+                conn.bridge, config, tmp_path / "a", approve=allow_all
+            ) as host:
+                await _steered_unacknowledged(host, tmp_path, withheld, recorded)
+            assert recorded.settled.is_set()
+        withheld.release.set()
+        return await _answer(recorded)
+
+    answer = run_connected(nats_server.url, body, timeout_s=60.0)
     assert answer.startswith("its record did not reach the cluster's trace (cannot write ")
     assert answer.endswith(
         "the session stopped being replicated before its trace reached the cluster): the input"

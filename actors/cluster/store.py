@@ -153,9 +153,13 @@ class ReplicatingTraceStore:
 
     async def aclose(self) -> None:
         """Close the file store; records JetStream has not acknowledged by then are given
-        up (their tickets count as done)."""
-        await self.files.aclose()
-        self.log.give_up_all()
+        up (their tickets count as done, their sessions report that they were lost) —
+        also when the close is cut short (the host's shutdown bound): whoever waits for
+        them (a receipt, a sync) is answered then, not at its own bound."""
+        try:
+            await self.files.aclose()
+        finally:
+            self.log.give_up_all()
 
 
 class ClusterCatalog:
