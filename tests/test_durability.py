@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -41,6 +42,7 @@ from conftest import (
 import greenroom.actors.runtime.supervisor as supervisor_module
 from greenroom.actors.gateway.methods import once_recorded
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
+from greenroom.actors.runtime.emitter import DURABLE_WAIT_S
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.receipts import InputReceipt
 from greenroom.actors.runtime.session import Session
@@ -742,6 +744,50 @@ async def test_queued_input_whose_fsync_is_under_way_as_the_host_is_cancelled_se
 
 
 # -- 4. private files ------------------------------------------------------------------------
+
+
+async def test_queued_input_whose_fsync_never_completes_is_dropped_after_durable_wait_s(
+    data_dir: Path, workspace: Path, disk: FaultyDisk, mock_clock: trio.testing.MockClock
+) -> None:
+    """R-STEER-6, R-SEC-9: a receipt waits at most DURABLE_WAIT_S for the fsync that
+    covers its record; the disk never finishing it, the input is dropped with the reason
+    (the gateway's 410), never answered ``queued: true`` nor left waiting for ever. The
+    clock stands still until the steer, then jumps whenever the run loop is idle: the
+    stalled fsync leaves it so, and the clock goes straight to the receipt's bound (the
+    test's own, twice as far, fails a receipt left waiting); then it stands again, so
+    that the host's close, waiting for its threads, meets none of its bounds."""
+    gates = Gates()
+    provider = ScriptedProvider([Reply(blocks=(tool_call("c1", "wait", key="k"),))])
+    recorded = InputReceipt()
+    store = functools.partial(FileTraceStore, disk=disk)
+    async with Host.open(data_dir, trace_store=store) as host:
+        session = await host.create_session(
+            provider=provider, workspace_dir=workspace, tools=[gates.tool()]
+        )
+        path = session.trace_path
+        session.run("go", approve=allow_all)
+        await gates.started("k")  # no sync is due until the tool's result
+        disk.stall(path)
+        assert session.steer("mind the gap", recorded=recorded)
+        asked = trio.current_time()
+        mock_clock.autojump_threshold = 0
+        with trio.fail_after(2 * DURABLE_WAIT_S):
+            await recorded.settled.wait()
+        mock_clock.autojump_threshold = math.inf
+        waited = trio.current_time() - asked
+        assert trace_lines(session)[-1]["type"] == "steering_queued"  # written, not fsynced
+        assert max(fsynced_sizes(disk, path), default=0) < path.stat().st_size
+        disk.release()  # the host's close fsyncs what is left
+        gates.release("k")
+    assert recorded.dropped == f"its record was not known durable within {DURABLE_WAIT_S:g} s"
+    assert waited >= DURABLE_WAIT_S  # virtual time: the receipt waited its whole bound
+    with pytest.raises(RpcError) as refused:
+        await once_recorded(recorded)
+    assert refused.value.code == jsonrpc.GONE
+    assert refused.value.message == (
+        f"its record was not known durable within {DURABLE_WAIT_S:g} s: the input was dropped,"
+        " not queued"
+    )
 
 
 def mode(path: Path) -> int:
