@@ -7,6 +7,8 @@ import base64
 import os
 from pathlib import Path
 
+import pytest
+
 from greenroom.actors.providers import anthropic as provider_anthropic
 from greenroom.actors.providers import openai as provider_openai
 from greenroom.actors.providers.media import read_image
@@ -82,3 +84,24 @@ def test_a_block_never_accepted_is_read_the_safe_way(tmp_path: Path) -> None:
     assert read_image(ImageBlock(path=str(tmp_path / "pipe.png")), source) is None
     path.write_bytes(PNG + b"!")
     assert read_image(ImageBlock(path=str(path)), source) is None
+
+
+def test_an_image_kept_already_is_not_written_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-SEC-8, R-TOOL-8: a result of hundreds of blocks of one image wrote and fsynced the
+    same private copy once per block. A copy kept already is kept as it is; another image,
+    or a copy whose size is not the image's, is written."""
+    copies = tmp_path / "copies"
+    digest = store(copies, PNG)
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    assert store(copies, PNG) == digest
+    assert synced == []
+    (copies / digest).write_bytes(PNG[:4])  # not what a whole copy is
+    assert store(copies, PNG) == digest
+    assert (copies / digest).read_bytes() == PNG
+    other = store(copies, PNG + b"!")
+    assert len(synced) == 4  # each written copy: its file and its directory
+    assert sorted(p.name for p in copies.iterdir()) == sorted([digest, other])

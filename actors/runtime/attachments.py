@@ -198,8 +198,9 @@ def _accept_one(block: ImageBlock, attachments: Attachments, *, confine: bool) -
 def store(directory: Path, data: bytes) -> str:
     """Keep ``data`` as ``directory/<sha256>`` (0600; the directory 0700, created when
     missing); returns the hash. Written under a temporary name, fsynced and renamed, so a
-    copy is whole or absent. Raises OSError (the directory is a link, the disk is full).
-    Blocking."""
+    copy is whole or absent: one already kept (the same image again, in the same result or
+    a later one) is kept as it is. Raises OSError (the directory is a link, the disk is
+    full). Blocking."""
     digest = hashlib.sha256(data).hexdigest()
     try:
         os.mkdir(directory, PRIVATE_DIR_MODE)
@@ -209,6 +210,8 @@ def store(directory: Path, data: bytes) -> str:
         os.makedirs(directory, PRIVATE_DIR_MODE, exist_ok=True)
     folder = os.open(directory, DIR_FLAGS)
     try:
+        if _kept(folder, digest, len(data)):
+            return digest
         temporary = f".{digest}.{secrets.token_hex(4)}.tmp"
         fd = os.open(
             temporary,
@@ -233,3 +236,11 @@ def store(directory: Path, data: bytes) -> str:
     return digest
 
 
+def _kept(folder: int, digest: str, size: int) -> bool:
+    """Whether ``folder`` keeps a copy named ``digest`` already: only a whole one is ever
+    renamed into place, so its name and size vouch for its content."""
+    try:
+        info = os.stat(digest, dir_fd=folder, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_size == size
