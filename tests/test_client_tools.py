@@ -5,12 +5,14 @@ whoever decides the session's other calls."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
-from conftest import RUN_TIMEOUT_S, Lookup, allow_all, of_type
+from conftest import RUN_TIMEOUT_S, Lookup, allow_all, collect, of_type, open_host, trace_lines
+from test_people import until_parked
 
 from greenroom import Host
 from greenroom.actors.runtime.errors import ConfigurationError
@@ -67,3 +69,85 @@ async def test_client_tools_are_checked_and_replaced(
     session.set_client_tools([PICK])
     session.set_client_tools([])
     assert [t.name for t in session.tools] == ["lookup"]
+
+
+def pick_then_look_up() -> list[Reply]:
+    """A call of the client tool, then (its result given) an ordinary call, then the end."""
+    return [
+        Reply(blocks=(tool_call("c1", "pick_color", hint="warm"),)),
+        Reply(blocks=(tool_call("l1", "lookup", key="orange"),)),
+        Reply(blocks=(text("orange it is"),)),
+    ]
+
+
+async def test_a_client_tools_call_under_a_callback_parks_and_the_callback_decides_the_rest(
+    host: Host, workspace: Path, lookup: Lookup
+) -> None:
+    """R-HITL-3: a task whose only wait is a client tool's call holds nothing, whatever
+    decides its other calls: under a callback that allows everything it parks too (it
+    held its supervisor and actors), and once the result wakes it the callback still
+    decides its ordinary calls (``by: host``)."""
+    session = await host.create_session(provider=ScriptedProvider(pick_then_look_up()),
+                                        tools=[lookup.tool], workspace_dir=workspace)
+    session.set_client_tools([PICK])
+    stream = session.run("pick a color", approve=allow_all)
+    await until_parked(host, session.id)
+    await host.answer_question(session.id, "c1", "orange", by="front-end")
+    outputs = await collect(stream)
+    assert [(d.call_id, d.by) for d in of_type(outputs, ApprovalDecision)] == [
+        ("c1", "client"), ("l1", "host")
+    ]
+    assert lookup.calls == ["orange"]
+    assert of_type(outputs, TaskEnd)[-1].status == "completed"
+
+
+@pytest.mark.parametrize("again", ["closed", "restarted"])
+async def test_a_client_tools_call_under_a_callback_waits_across_a_close_and_a_restart(
+    data_dir: Path, workspace: Path, again: str
+) -> None:
+    """R-HITL-1, R-HOST-3: the client's result is a durable question whoever decides the
+    session's other calls: under a callback that allows everything, closing the session
+    (or the host) aborted the task and denied the call (``by: default``), and the result
+    found nothing pending. The call waits on: the session loaded again (or the host
+    opened again) takes the result, and the task completes."""
+    script = [Reply(blocks=(tool_call("c1", "pick_color", hint="warm"),)),
+              Reply(blocks=(text("orange it is"),))]
+    async with open_host(data_dir) as host:
+        session = await host.create_session(provider=ScriptedProvider(script[:1]),
+                                            workspace_dir=workspace)
+        session.set_client_tools([PICK])
+        asked = trio.Event()
+
+        def on_batch(batch: list[Any]) -> None:
+            if any(isinstance(output, ApprovalRequest) for output in batch):
+                asked.set()
+
+        session.subscribe(on_batch)
+        session.run("pick a color", approve=allow_all).detach()
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await asked.wait()
+        if again == "closed":
+            await host.close_session(session.id)
+            await answer_loaded_again(host, session.id, ScriptedProvider(script[1:]))
+    if again == "restarted":
+        async with open_host(data_dir) as host:
+            # Taken up as serve --approve all's host takes each: it parks again.
+            await host.resume(session.id, approve=allow_all,
+                              provider=ScriptedProvider(script[1:]))
+            await until_parked(host, session.id)
+            await answer_loaded_again(host, session.id, ScriptedProvider([]))
+
+
+async def answer_loaded_again(host: Host, session_id: str, provider: ScriptedProvider) -> None:
+    """Give ``c1`` its result in ``session_id`` loaded again (with ``provider`` unless it is
+    open) with the client tool: the task takes it up and completes."""
+    loaded = await host.load_session(session_id, provider=provider)
+    loaded.set_client_tools([PICK])
+    assert [(p.call_id, p.kind) for p in await host.pending_approvals()] == [("c1", "question")]
+    await host.answer_question(session_id, "c1", "orange", by="front-end")
+    with trio.fail_after(RUN_TIMEOUT_S):
+        await loaded.wait_idle()
+    (result,) = [line for line in trace_lines(loaded) if line["type"] == "tool_call_output"]
+    assert result["call_id"] == "c1" and "orange" in json.dumps(result["content"])
+    ends = [line["status"] for line in trace_lines(loaded) if line["type"] == "task_end"]
+    assert ends == ["completed"]

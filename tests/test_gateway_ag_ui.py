@@ -461,6 +461,30 @@ async def resume_and_run_again(server: Any, url: str) -> None:
     assert "pick_color" in offered(server)
 
 
+@pytest.mark.parametrize("again", ["closed", "restarted"])
+async def test_a_front_end_call_waits_across_a_close_and_a_restart_under_approve_all(
+    tmp_path: Path, again: str
+) -> None:
+    """R-HITL-1, R-HITL-3, R-PROTO-2, R-HOST-3: a front-end call's wait is durable whatever
+    ``--approve`` says. Under ``--approve all`` closing the thread's session (or the host)
+    aborted its task and denied the call (``by: default``): the front end's result found
+    nothing pending. The call waits on: the result, after the close or a restart,
+    completes the run."""
+    with trio.fail_after(BOUND_S * 2):
+        async with serving(tmp_path, color_brain, approve="all", ag_ui=True) as server:
+            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+            first = await posted(url, run_input("thread-f", "run-1", "pick one",
+                                                tools=[COLOR_TOOL]))
+            assert first.of("STATE_SNAPSHOT")[-1]["snapshot"]["pendingToolCalls"] == ["f1"]
+            if again == "closed":
+                await server.host.close_session("thread-f")
+                await resume_and_run_again(server, url)
+        if again == "restarted":
+            async with serving(tmp_path, color_brain, approve="all", ag_ui=True) as server:
+                url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+                await resume_and_run_again(server, url)
+
+
 @pytest.mark.parametrize("stage", ["closing", "closed"])
 async def test_a_front_end_result_whose_thread_began_to_close_is_taken_there_with_the_tools(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str

@@ -90,7 +90,7 @@ from greenroom.protocols.outputs import (
     TaskStatus,
     UserMsg,
 )
-from greenroom.protocols.people import PEOPLE
+from greenroom.protocols.people import ASK_USER, PEOPLE
 from greenroom.protocols.task import (
     BeginAttempt,
     BeginTurn,
@@ -502,8 +502,8 @@ class SessionSupervisor:
             not machine.stopping
             and task is not None
             and task.task is not None
-            and task.task.approve == PEOPLE  # a broker that asks clients itself waits
             and task.compaction is None
+            and _answered_elsewhere(port, task.task.approve)
         )
 
     async def _park(self) -> None:
@@ -686,6 +686,29 @@ async def _attach_prompt(
         return await attach(content, port.attachments)
     except ImageRefused as exc:
         return str(exc)
+
+
+def _answered_elsewhere(port: SessionPort, approve: Approval) -> bool:
+    """Whether everything ``port``'s task waits for is answered from outside the task, so
+    that it may park (R-HITL-3): always under ``approve="people"``; under a callback (or
+    nobody), only when each of its unfinished calls is a client tool's call waiting for
+    its client's result (R-PROTO-2) — its broker may otherwise be asking the callback
+    about a call, or the callback's person an ``ask_user`` question (``ANSWER_QUESTION``),
+    which parking would drop. The callback stays the parked task's, for its next calls."""
+    if approve == PEOPLE:
+        return True
+    record = port.machine.record
+    # Known by its request, not by the session's tools: a session loaded again (a
+    # restart's take-up) has no client tools until its client gives them again. A running
+    # call's question (an MCP elicitation) is an allowed call's: its call holds a slot.
+    client_calls = {
+        request.call_id
+        for request in record.pending_people
+        if request.kind == "question"
+        and request.tool != ASK_USER
+        and request.call_id not in record.allowed
+    }
+    return bool(client_calls) and set(record.unfinished_calls()) <= client_calls
 
 
 def _abandon(port: SessionPort) -> None:
