@@ -11,12 +11,15 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from conftest import RUN_TIMEOUT_S, Lookup, allow_all, collect, of_type, open_host, trace_lines
 from test_people import until_parked
 
 from greenroom import Host
 from greenroom.actors.runtime.errors import ConfigurationError
 from greenroom.actors.scripted import Reply, ScriptedProvider, text, tool_call
+from greenroom.actors.tools.questions import ask_user
+from greenroom.protocols.content import ToolCallBlock
 from greenroom.protocols.outputs import ApprovalDecision, ApprovalRequest, TaskEnd, ToolCallOutput
 from greenroom.protocols.tools import client_tool
 
@@ -151,3 +154,49 @@ async def answer_loaded_again(host: Host, session_id: str, provider: ScriptedPro
     assert result["call_id"] == "c1" and "orange" in json.dumps(result["content"])
     ends = [line["status"] for line in trace_lines(loaded) if line["type"] == "task_end"]
     assert ends == ["completed"]
+
+
+class SlowTerminal:
+    """An approve callback that allows every call and answers the model's questions
+    (``answer_question``) with ``blue`` once ``let_answer`` is set."""
+
+    def __init__(self) -> None:
+        self.let_answer = trio.Event()
+
+    def __call__(self, call: object) -> str:
+        return "allow"
+
+    async def answer_question(self, call: ToolCallBlock) -> str:
+        await self.let_answer.wait()
+        return "blue"
+
+
+async def test_a_task_whose_callback_asks_its_own_person_does_not_park(
+    host: Host, workspace: Path
+) -> None:
+    """R-HITL-3, R-HITL-5: only questions answered from outside the task let a task under a
+    callback park: an ``ask_user`` question the callback asks its own person (a terminal)
+    waits in the task's broker, which parking would cancel — its answer then came to
+    nobody and the task waited for ever."""
+    provider = ScriptedProvider([Reply(blocks=(tool_call("q1", "ask_user", question="?"),)),
+                                 Reply(blocks=(text("Noted."),))])
+    session = await host.create_session(provider=provider, tools=[ask_user],
+                                        workspace_dir=workspace)
+    asked = trio.Event()
+
+    def on_batch(batch: list[Any]) -> None:
+        if any(isinstance(output, ApprovalRequest) for output in batch):
+            asked.set()
+
+    session.subscribe(on_batch)
+    terminal = SlowTerminal()
+    stream = session.run("ask me", approve=terminal)
+    with trio.fail_after(RUN_TIMEOUT_S):
+        await asked.wait()
+        await trio.testing.wait_all_tasks_blocked()  # the supervisor has settled its wait
+    assert not host.port(session.id).parked
+    terminal.let_answer.set()
+    outputs = await collect(stream)
+    (result,) = of_type(outputs, ToolCallOutput)
+    assert result.content[0].text == "blue"  # type: ignore[union-attr]
+    assert of_type(outputs, TaskEnd)[-1].status == "completed"
