@@ -752,13 +752,21 @@ async def test_legacy_sse_server(mcp_host: Host, workspace: Path, providers: Any
     assert by_call["c2"].is_error and "nope" in content_text(by_call["c2"])
 
 
-async def test_a_legacy_sse_post_answered_500_fails_its_call_at_once(
-    mcp_host: Host, workspace: Path
+@pytest.mark.parametrize(
+    ("tool", "answered"),
+    [
+        ("http_500", "HTTP 500 Internal Server Error"),
+        ("redirect_loop", "HTTP 307 Temporary Redirect after 20 redirects"),
+    ],
+)
+async def test_a_legacy_sse_post_that_fails_fails_its_call_at_once(
+    mcp_host: Host, workspace: Path, tool: str, answered: str
 ) -> None:
     """R-MCP-4, R-SEC-9: over the legacy HTTP+SSE transport a message's POST answered with
-    HTTP 500 stopped the SDK's sender silently, so that call and every later one waited
-    out its timeout_s. It ends the connection now: the call fails at once naming the
-    status, and the next call connects again."""
+    HTTP 500, or redirected within its origin past the ``max_redirects`` the SDK follows,
+    stopped the SDK's sender silently, so that call and every later one waited out its
+    timeout_s. It ends the connection now: the call fails at once naming the status, and
+    the next call connects again."""
     with http_server("sse") as url:
         await mcp_host.create_session(
             workspace_dir=workspace,
@@ -767,37 +775,11 @@ async def test_a_legacy_sse_post_answered_500_fails_its_call_at_once(
         server = connection(mcp_host, "old")
         with trio.fail_after(RUN_TIMEOUT_S):
             with pytest.raises(McpServerError) as caught:
-                await server.call("http_500", {}, None)
+                await server.call(tool, {}, None)
             (again,) = await server.call("echo", {"text": "again"}, None)
     assert str(caught.value) == (
-        "MCP server 'old' stopped during http_500: the connection failed: 127.0.0.1 "
-        "answered a message with HTTP 500 Internal Server Error; it is started again on its "
-        "next use"
-    )
-    assert again == TextBlock(text="again")
-
-
-async def test_a_legacy_sse_post_redirected_past_the_budget_fails_its_call_at_once(
-    mcp_host: Host, workspace: Path
-) -> None:
-    """R-MCP-4, R-SEC-9: over the legacy HTTP+SSE transport the SDK follows a redirect of a
-    message's POST within its origin at most ``max_redirects`` times, then raises for the
-    next one, which stopped its sender silently: every call waited out its timeout_s. The
-    redirect past the budget ends the connection as an error status does."""
-    with http_server("sse") as url:
-        await mcp_host.create_session(
-            workspace_dir=workspace,
-            mcp_servers={"old": {"type": "sse", "url": url, "timeout_s": 600}},
-        )
-        server = connection(mcp_host, "old")
-        with trio.fail_after(RUN_TIMEOUT_S):
-            with pytest.raises(McpServerError) as caught:
-                await server.call("redirect_loop", {}, None)
-            (again,) = await server.call("echo", {"text": "again"}, None)
-    assert str(caught.value) == (
-        "MCP server 'old' stopped during redirect_loop: the connection failed: 127.0.0.1 "
-        "answered a message with HTTP 307 Temporary Redirect after 20 redirects; it is "
-        "started again on its next use"
+        f"MCP server 'old' stopped during {tool}: the connection failed: 127.0.0.1 "
+        f"answered a message with {answered}; it is started again on its next use"
     )
     assert again == TextBlock(text="again")
 
