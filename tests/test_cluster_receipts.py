@@ -88,6 +88,17 @@ async def _cluster_lines(conn: Connection, session_id: str) -> str:
     return "".join(str(record) for record in read.records)
 
 
+FENCED = "another host took this session over: its trace is fenced"
+NOT_REPLICATED = "the session stopped being replicated before its trace reached the cluster"
+
+
+def assert_not_in_cluster(answer: str, why: str) -> None:
+    """``answer`` is the 410 of a steer whose record never reached the cluster's trace,
+    for ``why``."""
+    assert answer.startswith("its record did not reach the cluster's trace (cannot write ")
+    assert answer.endswith(f"{why}): the input was dropped, not queued")
+
+
 def test_a_steer_whose_trace_another_host_fenced_before_jetstream_had_it_is_dropped(
     tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -111,11 +122,7 @@ def test_a_steer_whose_trace_another_host_fenced_before_jetstream_had_it_is_drop
 
     answer, in_cluster = run_connected(nats_server.url, body, timeout_s=60.0)
     assert "mind the gap" not in in_cluster
-    assert answer.startswith("its record did not reach the cluster's trace (cannot write ")
-    assert answer.endswith(
-        "another host took this session over: its trace is fenced): the input was dropped,"
-        " not queued"
-    )
+    assert_not_in_cluster(answer, FENCED)
 
 
 def test_a_steer_whose_session_the_host_lost_before_jetstream_had_it_is_dropped(
@@ -145,11 +152,7 @@ def test_a_steer_whose_session_the_host_lost_before_jetstream_had_it_is_dropped(
 
     answer, in_cluster = run_connected(nats_server.url, body, timeout_s=60.0)
     assert "mind the gap" not in in_cluster
-    assert answer.startswith("its record did not reach the cluster's trace (cannot write ")
-    assert answer.endswith(
-        "the session stopped being replicated before its trace reached the cluster): the input"
-        " was dropped, not queued"
-    )
+    assert_not_in_cluster(answer, NOT_REPLICATED)
 
 
 def test_a_steer_jetstream_never_acknowledges_is_dropped_when_the_host_close_is_cut_short(
@@ -181,11 +184,7 @@ def test_a_steer_jetstream_never_acknowledges_is_dropped_when_the_host_close_is_
         return await _answer(recorded)
 
     answer = run_connected(nats_server.url, body, timeout_s=60.0)
-    assert answer.startswith("its record did not reach the cluster's trace (cannot write ")
-    assert answer.endswith(
-        "the session stopped being replicated before its trace reached the cluster): the input"
-        " was dropped, not queued"
-    )
+    assert_not_in_cluster(answer, NOT_REPLICATED)
 
 
 def test_a_steer_after_the_store_gave_the_session_up_is_dropped_while_it_is_open(
@@ -221,8 +220,4 @@ def test_a_steer_after_the_store_gave_the_session_up_is_dropped_while_it_is_open
 
     answer, in_cluster = run_connected(nats_server.url, body, timeout_s=60.0)
     assert "mind the gap" not in in_cluster
-    assert answer.startswith("its record did not reach the cluster's trace (cannot write ")
-    assert answer.endswith(
-        "the session stopped being replicated before its trace reached the cluster): the input"
-        " was dropped, not queued"
-    )
+    assert_not_in_cluster(answer, NOT_REPLICATED)

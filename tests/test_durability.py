@@ -691,6 +691,21 @@ async def test_queued_input_is_settled_only_once_an_fsync_covers_its_record(
     )
 
 
+async def stalled_during_a_call(
+    host: Host, workspace: Path, disk: FaultyDisk, gates: Gates
+) -> Session:
+    """A session of ``host`` whose task runs its call ``k`` (held by ``gates``; no sync is
+    due until its result), every fsync of its trace stalled from now on."""
+    provider = ScriptedProvider([Reply(blocks=(tool_call("c1", "wait", key="k"),))])
+    session = await host.create_session(
+        provider=provider, workspace_dir=workspace, tools=[gates.tool()]
+    )
+    session.run("go", approve=allow_all)
+    await gates.started("k")
+    disk.stall(session.trace_path)
+    return session
+
+
 async def test_queued_input_whose_fsync_is_under_way_as_the_host_is_cancelled_settles(
     data_dir: Path, workspace: Path, disk: FaultyDisk
 ) -> None:
@@ -702,7 +717,6 @@ async def test_queued_input_whose_fsync_is_under_way_as_the_host_is_cancelled_se
     receipt ever settled: the gateway answered each only after its whole 10 s, and
     ``queued: true`` for the second."""
     gates = Gates()
-    provider = ScriptedProvider([Reply(blocks=(tool_call("c1", "wait", key="k"),))])
     first, second = InputReceipt(), InputReceipt()
     hosting = trio.CancelScope()
 
@@ -716,13 +730,8 @@ async def test_queued_input_whose_fsync_is_under_way_as_the_host_is_cancelled_se
     with trio.fail_after(RUN_TIMEOUT_S):
         async with trio.open_nursery() as nursery:
             host: Host = await nursery.start(host_until_cancelled)
-            session = await host.create_session(
-                provider=provider, workspace_dir=workspace, tools=[gates.tool()]
-            )
+            session = await stalled_during_a_call(host, workspace, disk, gates)
             path = session.trace_path
-            session.run("go", approve=allow_all)
-            await gates.started("k")  # no sync is due until the tool's result
-            disk.stall(path)
             assert session.steer("first", recorded=first)
             await trio.to_thread.run_sync(disk.stalled.wait, RUN_TIMEOUT_S)
             assert session.steer("second", recorded=second)  # its fsync waits behind
@@ -757,17 +766,11 @@ async def test_queued_input_whose_fsync_never_completes_is_dropped_after_durable
     test's own, twice as far, fails a receipt left waiting); then it stands again, so
     that the host's close, waiting for its threads, meets none of its bounds."""
     gates = Gates()
-    provider = ScriptedProvider([Reply(blocks=(tool_call("c1", "wait", key="k"),))])
     recorded = InputReceipt()
     store = functools.partial(FileTraceStore, disk=disk)
     async with Host.open(data_dir, trace_store=store) as host:
-        session = await host.create_session(
-            provider=provider, workspace_dir=workspace, tools=[gates.tool()]
-        )
+        session = await stalled_during_a_call(host, workspace, disk, gates)
         path = session.trace_path
-        session.run("go", approve=allow_all)
-        await gates.started("k")  # no sync is due until the tool's result
-        disk.stall(path)
         assert session.steer("mind the gap", recorded=recorded)
         asked = trio.current_time()
         mock_clock.autojump_threshold = 0
