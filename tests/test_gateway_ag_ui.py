@@ -21,6 +21,7 @@ from conftest import Lookup, answer_meeting_a_close, hold_after_first
 from test_gateway import TOKEN, connect, lookup_brain, lookup_script, serving
 
 from greenroom.actors.gateway import ag_ui as ag_ui_front
+from greenroom.actors.gateway.ag_ui import FRONT_END_TOOLS_FILE
 from greenroom.protocols import ag_ui, jsonrpc
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.outputs import (
@@ -437,6 +438,9 @@ async def test_a_threads_front_end_tools_reach_its_session_loaded_again(
                                                 tools=[COLOR_TOOL]))
             assert first.events[-1][1]["outcome"] == {"type": "success"}
             assert first.of("STATE_SNAPSHOT")[-1]["snapshot"]["pendingToolCalls"] == ["f1"]
+            # Kept private, as the session's other files are (R-SEC-8).
+            session_dir = server.host.get_session("thread-f").trace_path.parent
+            assert (session_dir / FRONT_END_TOOLS_FILE).stat().st_mode & 0o777 == 0o600
             if again == "closed":
                 await server.host.close_session("thread-f")
                 await resume_and_run_again(server, url)
@@ -476,6 +480,9 @@ async def test_a_front_end_call_waits_across_a_close_and_a_restart_under_approve
             first = await posted(url, run_input("thread-f", "run-1", "pick one",
                                                 tools=[COLOR_TOOL]))
             assert first.of("STATE_SNAPSHOT")[-1]["snapshot"]["pendingToolCalls"] == ["f1"]
+            # Kept private, as the session's other files are (R-SEC-8).
+            session_dir = server.host.get_session("thread-f").trace_path.parent
+            assert (session_dir / FRONT_END_TOOLS_FILE).stat().st_mode & 0o777 == 0o600
             if again == "closed":
                 await server.host.close_session("thread-f")
                 await resume_and_run_again(server, url)

@@ -54,6 +54,7 @@ from greenroom.actors.gateway.hubs import replay_records
 from greenroom.actors.gateway.methods import Methods, loading_unless_open
 from greenroom.actors.runtime.errors import ConfigurationError, GreenroomError, SessionNotFound
 from greenroom.actors.runtime.session import Session
+from greenroom.actors.runtime.storage import PRIVATE_FILE_MODE
 from greenroom.protocols import ag_ui, jsonrpc
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.jsonrpc import RpcError
@@ -338,7 +339,10 @@ async def _keep_front_end_tools(directory: Path, tools: str) -> None:
 def _replace_file(path: Path, text: str) -> None:
     # A name of its own: two runs of the thread may keep their tools at once.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
-    tmp.write_text(text, encoding="utf-8")
+    # Private from its creation, as every file of a session is (R-SEC-8).
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    with os.fdopen(os.open(tmp, flags, PRIVATE_FILE_MODE), "w", encoding="utf-8") as file:
+        file.write(text)
     tmp.replace(path)
 
 
