@@ -7,9 +7,12 @@ httpx in a worker thread."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pydantic
@@ -448,6 +451,84 @@ async def test_a_threads_front_end_tools_reach_its_session_loaded_again(
             async with serving(tmp_path, color_brain, ag_ui=True) as server:
                 url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
                 await resume_and_run_again(server, url)
+
+
+async def test_a_kept_tools_file_that_names_a_tool_twice_offers_it_once(
+    tmp_path: Path,
+) -> None:
+    """R-PROTO-2, R-SEC-9: the thread's kept front-end tools, edited by hand to name a tool
+    twice, were given to its session loaded again as they were: every request offered the
+    model two tools of one name, which a provider refuses. The first of each name is
+    kept, with a warning."""
+    with trio.fail_after(BOUND_S * 2):
+        async with serving(tmp_path, color_brain, ag_ui=True) as server:
+            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+            first = await posted(url, run_input("thread-f", "run-1", "pick one",
+                                                tools=[COLOR_TOOL]))  # fmt: skip
+            assert first.events[-1][1]["outcome"] == {"type": "success"}
+            session_dir = server.host.get_session("thread-f").trace_path.parent
+            await server.host.close_session("thread-f")
+            (session_dir / FRONT_END_TOOLS_FILE).write_text(json.dumps([COLOR_TOOL] * 2))
+            await resume_and_run_again(server, url)
+            assert offered(server).count("pick_color") == 1
+
+
+async def test_two_runs_giving_a_thread_tools_at_once_keep_the_later_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-PROTO-2, R-HOST-3: two runs of a thread that give it tools at once wrote the kept
+    file each in its own thread: the earlier one's write, finishing last, left the tools
+    the session no longer had, and a session loaded again got those. One write at a
+    time now, and only while its tools are the session's."""
+    entered, let_go = threading.Event(), threading.Event()
+    replace_file = ag_ui_front._replace_file
+
+    def held_once(path: Path, text: str) -> None:
+        if not entered.is_set():
+            entered.set()
+            let_go.wait(BOUND_S)
+        replace_file(path, text)
+
+    with trio.fail_after(BOUND_S * 2):
+        async with serving(tmp_path, color_brain, ag_ui=True) as server:
+            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+            await posted(url, run_input("thread-f", "run-1", "pick one"))
+            session = server.host.get_session("thread-f")
+            monkeypatch.setattr(ag_ui_front, "_replace_file", held_once)
+            endpoint = ag_ui_front.AgUiEndpoint(cast(Any, None))
+            later = {**COLOR_TOOL, "name": "pick_shade"}
+            async with trio.open_nursery() as nursery:
+                for tool in (COLOR_TOOL, later):
+                    run = RunAgentInput.model_validate(run_input("thread-f", "r", tools=[tool]))
+                    nursery.start_soon(endpoint._client_tools, session, run)
+                    await trio.to_thread.run_sync(entered.wait, BOUND_S)
+                    await trio.testing.wait_all_tasks_blocked()
+                let_go.set()
+            kept = json.loads((session.trace_path.parent / FRONT_END_TOOLS_FILE).read_text())
+    assert [tool["name"] for tool in kept] == ["pick_shade"]
+
+
+def test_a_kept_tools_file_that_cannot_be_written_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-SEC-9, R-TRACE-2: a write of the kept tools that failed (a full disk) left its
+    temporary file in the session's directory, one more each run; the file is fsynced
+    before it replaces the last, so a power cut leaves the one or the other whole."""
+    kept = tmp_path / FRONT_END_TOOLS_FILE
+    ag_ui_front._replace_file(kept, "[1]")
+    synced: list[int] = []
+    monkeypatch.setattr(os, "fsync", synced.append)
+    ag_ui_front._replace_file(kept, "[2]")
+    assert len(synced) == 1 and kept.read_text() == "[2]"
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError):
+        ag_ui_front._replace_file(kept, "[3]")
+    assert [p.name for p in tmp_path.iterdir()] == [FRONT_END_TOOLS_FILE]
+    assert kept.read_text() == "[2]"
 
 
 async def resume_and_run_again(server: Any, url: str) -> None:

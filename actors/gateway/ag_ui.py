@@ -34,6 +34,7 @@ reconnects from its last event id.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -91,6 +92,8 @@ class AgUiEndpoint:
 
     def __init__(self, methods: Methods) -> None:
         self._methods = methods
+        self._keeping = trio.Lock()
+        """Held while a thread's front-end tools are written (rarely: when they change)."""
         self._states: dict[str, str] = {}
         """The state each thread's front end sent last (JSON), to tell the model of a
         change only; forgotten with the process (the state is told again once)."""
@@ -172,10 +175,15 @@ class AgUiEndpoint:
                 session.set_client_tools([client_tool(*tool) for tool in given])
             except ConfigurationError as exc:
                 raise _Refused(400, f"$.tools: {exc}") from None
-            tools = session.host.port(session.id).client_tools
+            port = session.host.port(session.id)
+            tools = port.client_tools
             if [t.schema for t in tools] != before:
-                # Kept once per change: a front end sends its tools with every run.
-                await _keep_front_end_tools(session.directory, json.dumps(dumped))
+                # Kept once per change: a front end sends its tools with every run. One
+                # write at a time, and only while they are the session's: of two runs
+                # that give a thread tools at once, the file keeps the later's.
+                async with self._keeping:
+                    if port.client_tools == tools:
+                        await _keep_front_end_tools(session.directory, json.dumps(dumped))
             return tools
         if tools := session.host.port(session.id).client_tools:
             return tools
@@ -318,12 +326,20 @@ def _with_tools(session: Session, tools: Sequence[Tool]) -> tuple[Tool, ...]:
         return tuple(tools)  # closed meanwhile: the load that answers it gives them
     if port.client_tools or not tools:
         return port.client_tools
-    own = port.own_tool_names()
-    kept = tuple(t for t in tools if t.name not in own)
+    # A file edited by hand may name a tool twice, or like one of the session's own.
+    names = set(port.own_tool_names())
+    kept: list[Tool] = []
+    for tool in tools:
+        if tool.name not in names:
+            kept.append(tool)
+            names.add(tool.name)
     if len(kept) < len(tools):
-        logger.warning("session %s: front-end tools named like its own left out", session.id)
-    port.set_client_tools(kept)
-    return kept
+        logger.warning(
+            "session %s: front-end tools named like its own or like another left out",
+            session.id,
+        )
+    port.set_client_tools(tuple(kept))
+    return tuple(kept)
 
 
 async def _keep_front_end_tools(directory: Path, tools: str) -> None:
@@ -341,9 +357,16 @@ def _replace_file(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
     # Private from its creation, as every file of a session is (R-SEC-8).
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    with os.fdopen(os.open(tmp, flags, PRIVATE_FILE_MODE), "w", encoding="utf-8") as file:
-        file.write(text)
-    tmp.replace(path)
+    try:
+        with os.fdopen(os.open(tmp, flags, PRIVATE_FILE_MODE), "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())  # whole after a power cut, or the last one kept
+        tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 async def _kept_front_end_tools(directory: Path) -> tuple[Tool, ...]:
