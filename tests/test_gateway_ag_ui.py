@@ -573,6 +573,61 @@ async def test_a_front_end_call_waits_across_a_close_and_a_restart_under_approve
                 await resume_and_run_again(server, url)
 
 
+def color_then_lookup_brain() -> Any:
+    """A model that asks the front end for a color (``f1``), looks the color up (``l1``,
+    an ordinary tool of the server's) once it has it, and ends with ``Orange it is.``."""
+    from greenroom.actors.providers.scripted import Reply, text, tool_call
+    from greenroom.protocols.context import ModelRequest, ToolResult
+
+    def brain(request: ModelRequest) -> Reply:
+        results = {p.call_id for p in request.messages[-1].content if isinstance(p, ToolResult)}
+        if "f1" in results:
+            return Reply(blocks=(tool_call("l1", "lookup", key="orange"),))
+        if "l1" in results:
+            return Reply(blocks=(text("Orange it is."),))
+        return Reply(blocks=(text("Let me ask."), tool_call("f1", "pick_color", hint="warm")))
+
+    return brain
+
+
+@pytest.mark.parametrize("again", ["closed", "restarted"])
+async def test_a_thread_loaded_again_for_a_front_end_result_runs_its_next_calls_as_approve_says(
+    tmp_path: Path, lookup: Lookup, again: str
+) -> None:
+    """R-HITL-1, R-HITL-4, R-PROTO-2, R-HOST-3: the session the endpoint loads again for a
+    front-end call's result (after its close, or a restart) takes its task up under the
+    server's ``--approve``, not ``"people"``: under ``--approve all`` the model's next
+    ordinary call (``lookup``) runs at once and the run ends in success (before: it waited
+    for a person, the run ending with a ``tool_approval`` interrupt nobody was asked)."""
+    with trio.fail_after(BOUND_S * 2):
+        async with serving(tmp_path, color_then_lookup_brain, tools=[lookup.tool],
+                           approve="all", ag_ui=True) as server:
+            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+            first = await posted(url, run_input("thread-f", "run-1", "pick one",
+                                                tools=[COLOR_TOOL]))
+            assert first.of("STATE_SNAPSHOT")[-1]["snapshot"]["pendingToolCalls"] == ["f1"]
+            if again == "closed":
+                await server.host.close_session("thread-f")
+                await result_then_lookup(url, lookup)
+        if again == "restarted":
+            async with serving(tmp_path, color_then_lookup_brain, tools=[lookup.tool],
+                               approve="all", ag_ui=True) as server:
+                url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+                await result_then_lookup(url, lookup)
+
+
+async def result_then_lookup(url: str, lookup: Lookup) -> None:
+    """The front end's result of ``f1``: the run streams ``lookup``'s call, run at once,
+    and the task's end."""
+    second = await posted(url, run_input("thread-f", "run-2", messages=COLOR_RESULT))
+    assert second.status == 200, second.body
+    assert second.events[-1][1]["outcome"] == {"type": "success"}, second.events[-1]
+    results = {e["toolCallId"]: e["content"] for e in second.of("TOOL_CALL_RESULT")}
+    assert results == {"f1": "orange", "l1": "value-orange"}
+    assert lookup.calls == ["orange"]
+    assert "".join(e["delta"] for e in second.of("TEXT_MESSAGE_CONTENT")) == "Orange it is."
+
+
 @pytest.mark.parametrize("stage", ["closing", "closed"])
 async def test_a_front_end_result_whose_thread_began_to_close_is_taken_there_with_the_tools(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str

@@ -9,12 +9,14 @@ closed and opened again is answered like one in memory.
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 from conftest import Lookup, answer_meeting_a_close, hold_after_first
+from test_client_tools import PICK
 from test_gateway import (
     ALICE,
     BOB,
@@ -27,6 +29,7 @@ from test_gateway import (
     lookup_script,
     serving,
 )
+from test_people import until_parked
 
 import greenroom.actors.runtime.provider_clients as provider_clients
 from greenroom.actors.gateway import Gateway, SessionDefaults
@@ -35,6 +38,7 @@ from greenroom.actors.providers.scripted import Reply, ScriptedProvider, ScriptS
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.subagents import SPAWN_SUBAGENT, SUBAGENT_SYSTEM, spawn_subagent
 from greenroom.actors.tools.questions import ask_user
+from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import ModelRequest, ToolResult
 from greenroom.protocols.people import arguments_digest
 
@@ -323,6 +327,79 @@ async def test_listing_loads_no_session_and_answers_run_with_the_servers_tools(
                     assert not result["is_error"], result
                     assert after[-1]["status"] == "completed"
     assert lookup.calls == ["a", "a"]
+
+
+def pick_then_look_brain(*, look_up_the_pick: bool) -> ScriptStep:
+    """A model that asks its client for a color (``f1``, a client tool's call) and, once it
+    has it, looks the color up (``l1``) or ends; a later input ``blue`` looks blue up
+    (``l2``)."""
+
+    def brain(request: ModelRequest) -> Reply:
+        last = request.messages[-1].content
+        results = {p.call_id for p in last if isinstance(p, ToolResult)}
+        if "f1" in results and look_up_the_pick:
+            return Reply(blocks=(tool_call("l1", "lookup", key="orange"),))
+        if results:
+            return Reply(blocks=(text("Found."),))
+        if any(isinstance(p, TextBlock) and p.text == "blue" for p in last):
+            return Reply(blocks=(tool_call("l2", "lookup", key="blue"),))
+        return Reply(blocks=(tool_call("f1", "pick_color", hint="warm"),))
+
+    return brain
+
+
+async def until_two_ends_or_a_wait(client: Client) -> list[dict[str, Any]]:
+    """The outputs up to the second ``task_end``, or to a request for a call other than
+    the client tool's (a call that waits for a person nobody asks)."""
+    outputs: list[dict[str, Any]] = []
+    while sum(o["type"] == "task_end" for o in outputs) < 2:
+        outputs.append(await client.output())
+        if outputs[-1]["type"] == "approval_request" and outputs[-1]["call_id"] != "f1":
+            break
+    return outputs
+
+
+@pytest.mark.parametrize("look_up_the_pick", [True, False])
+async def test_a_session_an_answer_loads_again_decides_its_calls_as_approve_says(
+    tmp_path: Path, lookup: Lookup, look_up_the_pick: bool
+) -> None:
+    """R-HITL-1, R-HITL-4, R-HOST-3: under ``--approve all``, a task parked on a client
+    tool's call with a follow-up queued behind it (recorded ``approve: host``), its session
+    closed: the ``answer`` that loads the session again took the task up under
+    ``"people"``, its next ordinary call (or, when it has none, the follow-up's) waiting
+    for a person nobody asked. Loaded as the server's tasks decide their calls, each is
+    allowed by the server (``by: host``) and both tasks complete."""
+    brain = partial(pick_then_look_brain, look_up_the_pick=look_up_the_pick)
+    with trio.fail_after(BOUND_S):
+        async with (
+            serving(tmp_path, brain, tools=[lookup.tool], approve="all") as server,
+            connect(server) as client,
+        ):
+            sid = (await client.result("session.create"))["session_id"]
+            server.host.get_session(sid).set_client_tools([PICK])
+            await client.result("session.subscribe", {"session_id": sid})
+            await client.result("run", {"session_id": sid, "input": "pick one"})
+            asked = (await client.outputs_until("approval_request"))[-1]
+            assert asked["call_id"] == "f1"
+            await until_parked(server.host, sid)
+            queued = await client.result("follow_up", {"session_id": sid, "input": "blue"})
+            assert queued == {"queued": True}
+            await server.host.close_session(sid)
+            while (note := await client.notification())["method"] == "output":
+                pass  # what the session did before its close
+            assert note["params"]["reason"] == "session closed", note
+
+            answer = {"session_id": sid, "call_id": "f1", "text": "orange"}
+            assert await client.result("answer", answer) == {}
+            await client.result("session.subscribe", {"session_id": sid, "after_seq": asked["seq"]})
+            after = await until_two_ends_or_a_wait(client)
+    waited = [o["call_id"] for o in after if o["type"] == "approval_request"]
+    assert waited == [], f"waited for a person: {waited}"
+    decided = [(o["call_id"], o["by"]) for o in after if o["type"] == "approval_decision"]
+    looked_up = [("l1", "host")] if look_up_the_pick else []
+    assert decided == [("f1", "client"), *looked_up, ("l2", "host")]
+    assert [o["status"] for o in after if o["type"] == "task_end"] == ["completed"] * 2
+    assert lookup.calls == (["orange"] if look_up_the_pick else []) + ["blue"]
 
 
 def spawn_then_look() -> ScriptStep:

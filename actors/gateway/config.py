@@ -23,6 +23,7 @@ from greenroom.actors.runtime.errors import ConfigurationError
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.port import Approval
 from greenroom.actors.tools.workspace import WorkspaceError, identify_workspace
+from greenroom.protocols.content import ToolCallBlock
 from greenroom.protocols.jsonrpc import invalid
 from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.tools import Tool, WorkspaceIdentity
@@ -114,16 +115,32 @@ class SessionDefaults:
             return self.provider_factory()
         return self.provider
 
+    def task_approval(self) -> Approval:
+        """How the gateway's tasks decide their calls (``approve``): ``all`` allows each
+        (a callback), ``none`` leaves them with nobody to decide (denied by default),
+        ``ask`` sends them to people."""
+        if self.approve == "all":
+            return _allow_all
+        return PEOPLE if self.approve == "ask" else None
+
     def loading(self, principal: str) -> dict[str, Any]:
         """How the gateway loads a stored session for ``principal`` (the options of
         ``Host.load_session``): the server's tools, model and MCP servers, never the
-        host's own, and its requests admitted in turn as ``principal``'s (R-SHARE-2)."""
+        host's own, and its requests admitted in turn as ``principal``'s (R-SHARE-2); the
+        task it takes up (its host stopped, or its callback went with its close) and the
+        follow-ups queued under a callback decide their calls as the gateway's tasks do
+        (R-HITL-4), not by people alone."""
         return {
             "tools": self.tools,
             "provider": self.session_provider(),
             "mcp_servers": self.mcp_servers,
             "principal": principal,
+            "approve": self.task_approval(),
         }
+
+
+def _allow_all(call: ToolCallBlock) -> str:
+    return "allow"
 
 
 @attrs.frozen(kw_only=True)

@@ -64,11 +64,11 @@ from greenroom.actors.runtime.session import Session
 from greenroom.actors.runtime.storage import SessionStore
 from greenroom.actors.tools.mcp_commands import AttachmentError, attach_to_input
 from greenroom.protocols import jsonrpc
-from greenroom.protocols.content import ToolCallBlock, UserContent
+from greenroom.protocols.content import UserContent
 from greenroom.protocols.converter import to_dict
 from greenroom.protocols.jsonrpc import RpcError, invalid
 from greenroom.protocols.messages import InterruptScope
-from greenroom.protocols.people import PEOPLE, PendingApproval, Verdict
+from greenroom.protocols.people import PendingApproval, Verdict
 from greenroom.protocols.trace import UsageLine, UsageQuery, input_size
 
 logger = logging.getLogger(__name__)
@@ -277,7 +277,7 @@ class Methods:
 
     def approver(self) -> Approval:
         """How the tasks clients start decide their calls (the server's ``--approve``)."""
-        return _run_approver(self.defaults)
+        return self.defaults.task_approval()
 
     async def _input(self, session: Session, params: Mapping[str, Any]) -> tuple[UserContent, ...]:
         """The call's ``input`` with its attachments: its images (R-SEC-8), read once, now,
@@ -642,18 +642,6 @@ def loading_unless_open(
 def _identity(connection: Connection) -> str:
     assert connection.identity is not None  # checked before any method but initialize
     return connection.identity
-
-
-def _allow_all(call: ToolCallBlock) -> str:
-    return "allow"
-
-
-def _run_approver(defaults: SessionDefaults) -> Approval:
-    approve = defaults.approve
-    if approve == "all":
-        return _allow_all
-    # "none": no callback and nobody asked, so every call is denied by default.
-    return PEOPLE if approve == "ask" else None
 
 
 def _handler(owners: tuple[object, ...], method: str) -> Handler:

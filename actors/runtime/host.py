@@ -313,29 +313,28 @@ class Host:
         provider: str | ModelProvider | None = None,
         mcp_servers: Mapping[str, Any] | None = None,
         principal: str | None = None,
+        approve: Approval = PEOPLE,
         **overrides: Any,
     ) -> Session:
         """Load a stored session: its model context is rebuilt from the latest trace file
         (unresolved calls interrupted, carry-over from the last abort: R-TRACE-4). Corrupt
         trace lines are skipped and listed in ``session.load_errors``. ``mcp_servers`` and
-        ``principal`` as for :meth:`create_session` (an open session keeps its own);
-        ``tools`` default to the host's (``Host.open(tools=…)``).
+        ``principal`` as for :meth:`create_session` (an open session keeps its own, and its
+        ``approve``); ``tools`` default to the host's (``Host.open(tools=…)``).
 
         A task the trace leaves open (its host stopped mid-task) stays open: a task that
-        waits only for people is parked and answered like any (R-HITL-1); another is taken
-        up by :meth:`resume` (R-HITL-4), or recovered as interrupted when a new task starts
-        (R-TRACE-4)."""
+        waits only for people is parked and answered like any (R-HITL-1), its other calls
+        and the follow-ups queued under a callback decided by ``approve`` (as for
+        :meth:`resume`); another is taken up by :meth:`resume` (R-HITL-4), or recovered as
+        interrupted when a new task starts (R-TRACE-4)."""
         self.check_open()
         if (open_now := await self._opening.settled(session_id)) is not None:
             return open_now  # open, or opened by a load under way: one port a session
         with self._opening.opening(session_id):
+            tools = self._default_tools if tools is None else tools
             port = await self._builder.stored(
-                session_id,
-                tools=self._default_tools if tools is None else tools,
-                provider=provider,
-                mcp_servers=mcp_servers,
-                overrides=overrides,
-                principal=principal,
+                session_id, tools=tools, provider=provider, mcp_servers=mcp_servers,
+                overrides=overrides, principal=principal, approve=approve,
             )
             self.child_reports.loaded(port)  # R-TREE-2, R-TREE-4
             return self._add(port)
@@ -553,7 +552,7 @@ class Host:
         waiting for one, whatever ``approve`` is (R-HITL-1); a parked task keeps its own. A
         background subagent's task goes on, its answer reaching its parent (``child_reports``);
         a foreground one's is left to its trace (its parent's call ended). Returns the session."""
-        session = await self.load_session(session_id, **load)
+        session = await self.load_session(session_id, approve=approve, **load)
         take_up_stored(self._ports[session_id], approve)
         return session
 
@@ -592,7 +591,7 @@ async def _take_up_together(host: Host, session_ids: list[str], approve: Approva
     loaded = []
     for session_id in session_ids:
         with contextlib.suppress(SessionNotFound):  # unreadable, or deleted meanwhile
-            await host.load_session(session_id)
+            await host.load_session(session_id, approve=approve)
             loaded.append(session_id)
     return take_up_loaded(host, loaded, approve)
 

@@ -25,7 +25,7 @@ from greenroom.actors.runtime.admission import ProviderAdmissions
 from greenroom.actors.runtime.errors import ConfigurationError, SessionNotFound
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.mcp_servers import McpServers
-from greenroom.actors.runtime.port import SessionPort
+from greenroom.actors.runtime.port import Approval, SessionPort
 from greenroom.actors.runtime.provider_clients import ProviderClients
 from greenroom.actors.runtime.shared_tables import SharedTables, fixed_workspace
 from greenroom.actors.runtime.storage import SESSION_FILE, SessionStore
@@ -42,6 +42,7 @@ from greenroom.protocols.converter import converter
 from greenroom.protocols.history import context_at
 from greenroom.protocols.hooks import Hooks
 from greenroom.protocols.outputs import Rewind
+from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.settings import SessionSettings
 from greenroom.protocols.task import fold
 from greenroom.protocols.tools import Tool, WorkspaceIdentity
@@ -201,10 +202,12 @@ class PortBuilder:
         mcp_servers: Mapping[str, Any] | None,
         overrides: dict[str, Any],
         principal: str | None = None,
+        approve: Approval = PEOPLE,
     ) -> SessionPort:
         """A stored session's port: settings from its ``session.json`` (``overrides``
-        applied), transcript and task state folded from its latest trace file (see
-        :meth:`Host.load_session <greenroom.actors.runtime.host.Host.load_session>`)."""
+        applied), transcript and task state folded from its latest trace file, ``approve``
+        for the calls of the task it leaves open unless a host takes that up otherwise
+        (see :meth:`Host.load_session <greenroom.actors.runtime.host.Host.load_session>`)."""
         mcp_configs = _mcp_configs(mcp_servers)
         directory = SessionStore(self._data_dir).session_dir(session_id)
         meta, settings = await _stored_settings(self._store, session_id, directory)
@@ -253,6 +256,8 @@ class PortBuilder:
                 principal=account.principal or "",
             )
             port.load_errors = list(loaded.errors)
+            # Its callback, if it ran under one, went with the host or the close (R-HITL-4).
+            port.lost_approve = approve
             port.forked_from = _forked_from(meta)
             if meta.get("background") is True and port.parent_id is not None:
                 name = meta.get("name")
