@@ -8,13 +8,19 @@ a test), so which host takes which session is the test's choice."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 import trio
 import trio.testing
 
+from greenroom.actors.cluster.errors import ClusterUnavailable
+from greenroom.actors.cluster.routing import SessionRequests
 from greenroom.actors.cluster.tree_link import ParentLink
+from greenroom.actors.runtime.errors import SessionClosed
+from greenroom.actors.runtime.host import Host
+from greenroom.protocols.people import PEOPLE
 from tests.support.nats import (  # the fixture is used as nats_server
     NatsProcess,
     module_nats_server,  # noqa: F401
@@ -36,6 +42,31 @@ from tests.test_subagents_tree import open_ids
 REPORT_RETRY_S = 0.5
 """The longest wait between two offers of a report (a cluster host's is TTL / 2): the
 offers go on for about 8 s, well past the closing host's stop and the takeover."""
+
+
+async def test_an_answer_for_a_reopened_parent_that_closes_meanwhile_is_offered_again() -> None:
+    """R-TREE-2, R-TREE-4: a parent no host owns is opened here for its child's answer;
+    when its close (or its work's end) began meanwhile, it refuses the answer for now.
+    That refusal left the link and the answer was lost, logged; the link now says the
+    answer is to be offered again, as for a parent with no owner."""
+    taken: list[str] = []
+
+    class NoOwner:
+        async def request(self, session_id: str, message: Any, *, timeout_s: float) -> Any:
+            raise ClusterUnavailable("no host owns it")
+
+    class ClosingParent:
+        async def take(self, parent_id: str, child_id: str, text: str, approve: Any) -> None:
+            taken.append(parent_id)
+            raise SessionClosed(f"session {parent_id} takes no work while its close ends")
+
+    async def reopened(session_id: str) -> bool:
+        return True
+
+    host = cast(Host, SimpleNamespace(child_reports=ClosingParent()))
+    link = ParentLink(cast(SessionRequests, NoOwner()), host, PEOPLE, reopen=reopened)
+    assert await link.send("parent", "child", "the answer") is False
+    assert taken == ["parent"]
 
 
 def test_an_answer_refused_by_its_parents_closing_host_reaches_the_parents_next_owner(

@@ -85,7 +85,10 @@ class ParentLink:
     async def _to_reopened(self, parent_id: str, child_id: str, text: str) -> bool:
         if self._reopen is None or not await self._reopen(parent_id):
             return False
-        await self._host.child_reports.take(parent_id, child_id, text, self._approve)
+        try:
+            await self._host.child_reports.take(parent_id, child_id, text, self._approve)
+        except (HostClosed, SessionClosed):
+            return False  # it runs again, reopened or taken over: offered again then
         return True
 
     async def take(self, session_id: str, params: dict[str, Any]) -> dict[str, Any]:
