@@ -33,7 +33,15 @@ from typing import Literal
 import attrs
 
 from greenroom.protocols import converter
-from greenroom.protocols.content import ImageBlock, TextBlock, UserContent
+from greenroom.protocols.content import (
+    ImageBlock,
+    ModelBlock,
+    RedactedThinkingBlock,
+    TextBlock,
+    ThinkingBlock,
+    ToolCallBlock,
+    UserContent,
+)
 from greenroom.protocols.outputs import Output, TokenUsageOutput
 from greenroom.protocols.stream import TokenUsage
 from greenroom.protocols.text import compact_json
@@ -193,6 +201,66 @@ def _left_out(count: int, of: int, most: int) -> TextBlock:
         text=f"[images cut: {count} of {of} images left out, the last ones, to fit one "
         f"record of this session's trace ({most} bytes)]"
     )
+
+
+_MOST_BYTES_A_CHARACTER = 6
+"""The most bytes a character takes in a record's UTF-8 JSON: an escape (``\\u001f``)."""
+
+
+def fit_model_block(block: ModelBlock, most: int) -> tuple[ModelBlock, ...] | str:
+    """``block``, one complete block of the model's message, as the blocks of that message
+    that records of at most ``most`` bytes (:func:`record_size`; a cluster's NATS server,
+    R-SEC-9, R-CLUSTER-1) hold: itself when it fits. Text (or thinking with no signature,
+    which no provider needs back byte for byte) too large for one is split at line breaks
+    into several blocks, each within a record, which joined by line breaks — as every
+    reader of a message's text blocks joins them, and an OpenAI-style request sends them —
+    are the whole text again. Anything else, or a line longer than a record, cannot be
+    recorded: the sentence returned says so, naming its size and the limit. A tool call is
+    never cut or split: one that runs must be recorded as the model made it."""
+    if type(block) is TextBlock and len(block.text) * _MOST_BYTES_A_CHARACTER < most - 64:
+        return (block,)  # the common case, measured without encoding it
+    size = record_size(block)
+    if size <= most:
+        return (block,)
+    if type(block) is TextBlock or (
+        isinstance(block, ThinkingBlock) and block.signature is None and block.item_id is None
+    ):
+        room = most - record_size(attrs.evolve(block, text=""))
+        pieces = _split_at_lines(block.text, room)
+        if pieces is not None:
+            return tuple(attrs.evolve(block, text=piece) for piece in pieces)
+    if isinstance(block, ToolCallBlock):
+        what = f"call of {block.name}"
+    elif isinstance(block, RedactedThinkingBlock):
+        what = "redacted thinking"
+    else:
+        what = block.TYPE
+    return (
+        f"the model's {what} takes {size} bytes in the trace, more than the {most} bytes "
+        "one record of this session's trace carries"
+    )
+
+
+def _split_at_lines(text: str, room: int) -> list[str] | None:
+    """``text`` in pieces of whole lines, each taking at most ``room`` bytes in a record's
+    JSON string, the line breaks between pieces left out; None when a line alone is
+    larger."""
+    pieces: list[str] = []
+    lines: list[str] = []
+    used = 0
+    for line in text.split("\n"):
+        # A string's JSON is its characters', each escaped alone: the quotes aside, a
+        # piece takes its lines' bytes and two (\\n) for each line break between them.
+        size = len(compact_json(line).encode("utf-8", "backslashreplace")) - 2
+        if size > room:
+            return None
+        if lines and used + 2 + size > room:
+            pieces.append("\n".join(lines))
+            lines, used = [], 0
+        used += size + (2 if lines else 0)
+        lines.append(line)
+    pieces.append("\n".join(lines))
+    return pieces
 
 
 @attrs.frozen(kw_only=True, slots=True)

@@ -80,6 +80,7 @@ from greenroom.protocols.stream import (
     ToolCallTruncated,
     UsageReported,
 )
+from greenroom.protocols.trace import fit_model_block
 
 __all__ = [
     "CALL_TRANSITIONS",
@@ -173,6 +174,7 @@ class TurnMachine:
         "_calls",
         "_discarded",
         "_done_blocks",
+        "_largest_record",
         "_last_usage",
         "_open",
         "_order",
@@ -185,8 +187,11 @@ class TurnMachine:
         "turn",
     )
 
-    def __init__(self, *, session_id: str, run_id: str, turn: int, attempt: int = 0) -> None:
+    def __init__(self, *, session_id: str, run_id: str, turn: int, attempt: int = 0,
+                 largest_record: int | None = None) -> None:
+        """``largest_record``: the most bytes a trace record holds (None: any, a file)."""
         self.session_id = session_id
+        self._largest_record = largest_record
         self.run_id = run_id
         self.turn = turn
         self._attempt = attempt  # the last one: begin_attempt(attempt + 1) starts next
@@ -315,9 +320,13 @@ class TurnMachine:
             elif kind is BlockCompleted:
                 assert isinstance(event, BlockCompleted)
                 self._complete_block(event.index, event.block, out)
+                if self.stream_result is not None:  # (mypy takes the field for None)
+                    return out  # the block could not be recorded: the attempt failed
             elif kind is ToolCallTruncated:
                 assert isinstance(event, ToolCallTruncated)
                 self._truncated_call(event, out)
+                if self.stream_result is not None:
+                    return out  # the call could not be recorded: the attempt failed
             elif kind is UsageReported:
                 assert isinstance(event, UsageReported)
                 self._last_usage = event.usage
@@ -326,10 +335,12 @@ class TurnMachine:
                 self._last_usage = event.usage
                 self._close_open_blocks(out)  # e.g. text cut by max_tokens
                 self._usage(out)
+                if self.stream_result is not None:
+                    return out  # a block it closed could not be recorded
                 self._stream_result = event
-                out.append(self._request_end("ok", stop_reason=event.stop_reason,  # R-RUN-3
-                                             response_id=event.response_id,
-                                             response_model=event.response_model))
+                out.append(_request_end(self, "ok", stop_reason=event.stop_reason,  # R-RUN-3
+                                        response_id=event.response_id,
+                                        response_model=event.response_model))
                 return out
             elif kind is StreamFailed:
                 assert isinstance(event, StreamFailed)
@@ -337,7 +348,7 @@ class TurnMachine:
                 # traced, and becomes the retry note's blocks (R-RETRY-4).
                 self._close_open_blocks(out)
                 self._usage(out)
-                self._stream_result = event
+                self._stream_result = self._stream_result or event
                 return out
         return out
 
@@ -347,7 +358,8 @@ class TurnMachine:
         if not isinstance(self._stream_result, StreamFailed):
             raise IllegalTransition("fail_attempt without a failed stream")
         return [
-            self._request_end(
+            _request_end(
+                self,
                 _request_status(error),
                 error_message=error.message,
                 retry_in_ms=retry_in_ms,
@@ -494,7 +506,7 @@ class TurnMachine:
         out = self.settle()
         self._usage(out)  # a cut stream's usage so far is billed: counted (R-SHARE-3, -4)
         if not message_complete:
-            out.append(self._request_end("aborted", error_message=reason))
+            out.append(_request_end(self, "aborted", error_message=reason))
         partial = () if message_complete else tuple(self.partial_blocks() or self._retried_blocks)
         out.append(
             Abort(
@@ -513,7 +525,7 @@ class TurnMachine:
         out = self.settle()
         self._usage(out)  # as for an abort
         if not message_complete:
-            out.append(self._request_end("failed", error_message=message))
+            out.append(_request_end(self, "failed", error_message=message))
         return out
 
     # -- internals ------------------------------------------------------------------------
@@ -547,27 +559,33 @@ class TurnMachine:
 
     def _complete_block(self, index: int, block: ModelBlock, out: list[Effect]) -> None:
         self._open.pop(index, None)
-        self._done_blocks.append(block)
-        out.append(ModelMsg(session_id=self.session_id, run_id=self.run_id, turn=self.turn,
-                            block=block))
-        if isinstance(block, ToolCallBlock):
+        if self._recorded(block, out) and isinstance(block, ToolCallBlock):
             self._add_call(block, CallState.APPROVING)
             self._to_ask.append(block)
             self._ask_next(out)  # R-TOOL-1: at once, unless an earlier call is being asked
 
     def _truncated_call(self, event: ToolCallTruncated, out: list[Effect]) -> None:
         # R-TOOL-5: never executed, but paired: it enters the context with an error result.
-        block = ToolCallBlock(
-            id=event.call_id, name=event.name, arguments={},
-            invalid_arguments=event.partial_arguments,
-        )
+        block = ToolCallBlock(id=event.call_id, name=event.name, arguments={},
+                              invalid_arguments=event.partial_arguments)
         self._open.pop(event.index, None)
-        self._done_blocks.append(block)
-        out.append(ModelMsg(session_id=self.session_id, run_id=self.run_id, turn=self.turn,
-                            block=block))
+        if not self._recorded(block, out):
+            return
         call = self._add_call(block, CallState.DONE)
         out.append(SkipToolCall(position=call.position))
         out.append(self._result(call, "truncated", TRUNCATED_TEXT))
+
+    def _recorded(self, block: ModelBlock, out: list[Effect]) -> bool:
+        """Record the model's ``block`` (:func:`_fit`); False when no record holds it."""
+        most = self._largest_record
+        blocks = (block,) if most is None else _fit(block, most, self._stream_result)
+        if isinstance(blocks, StreamFailed):
+            self._stream_result = blocks  # the attempt ends; the session goes on (R-SEC-9)
+            return False
+        self._done_blocks += blocks
+        out += [ModelMsg(session_id=self.session_id, run_id=self.run_id, turn=self.turn,
+                         block=piece) for piece in blocks]
+        return True
 
     def _close_open_blocks(self, out: list[Effect]) -> None:
         """Complete the text and thinking blocks the stream left open; an unfinished tool
@@ -589,27 +607,47 @@ class TurnMachine:
         out.append(RecordUsage(usage=usage))
         self._last_usage = None  # recorded once, at the stream's end or at its cut
 
-    def _request_end(
-        self,
-        status: RequestStatus,
-        *,
-        stop_reason: str | None = None,
-        response_id: str | None = None,
-        response_model: str | None = None,
-        error_message: str | None = None,
-        retry_in_ms: int | None = None,
-        http_status: int | None = None,
-    ) -> RequestEnd:
-        return RequestEnd(session_id=self.session_id, run_id=self.run_id, turn=self.turn,
-                          status=status, attempt=self._attempt, retry_in_ms=retry_in_ms,
-                          error_message=error_message, stop_reason=stop_reason,
-                          response_id=response_id, response_model=response_model,
-                          http_status=http_status)
-
     def _result(self, call: _Call, status: ToolStatus, content: Any) -> ToolCallOutput:
         output = _tool_output(self.session_id, self.run_id, call.block, status, content)
         self._results[call.block.id] = _as_result(output)
         return output
+
+
+def _request_end(
+    machine: TurnMachine,
+    status: RequestStatus,
+    *,
+    stop_reason: str | None = None,
+    response_id: str | None = None,
+    response_model: str | None = None,
+    error_message: str | None = None,
+    retry_in_ms: int | None = None,
+    http_status: int | None = None,
+) -> RequestEnd:
+    """The ``request_end`` of ``machine``'s current attempt."""
+    return RequestEnd(session_id=machine.session_id, run_id=machine.run_id, turn=machine.turn,
+                      status=status, attempt=machine.attempt, retry_in_ms=retry_in_ms,
+                      error_message=error_message, stop_reason=stop_reason,
+                      response_id=response_id, response_model=response_model,
+                      http_status=http_status)
+
+
+def _fit(
+    block: ModelBlock, most: int, failed: MessageCompleted | StreamFailed | None
+) -> tuple[ModelBlock, ...] | StreamFailed:
+    """The blocks that record ``block`` in a trace whose records hold at most ``most``
+    bytes (a cluster's NATS server: text split at line breaks,
+    :func:`~greenroom.protocols.trace.fit_model_block`), or the attempt's end when it
+    cannot be recorded: a failure that is not retried, for the model would answer the
+    same; written, the record would stop the session on its host and its next host would
+    meet it again (R-SEC-9, R-CLUSTER-1). A tool call never runs unrecorded. ``failed``:
+    the attempt ended so already, and the blocks still open are dropped."""
+    if isinstance(failed, StreamFailed):
+        return failed
+    fitted = fit_model_block(block, most)
+    if isinstance(fitted, str):
+        return StreamFailed(error=ModelError(kind="failed", message=fitted, permanent=True))
+    return fitted
 
 
 def _as_result(output: ToolCallOutput) -> ToolResult:
@@ -674,14 +712,17 @@ def resume_turn(
     results: Mapping[str, ToolResult],
     allowed: Collection[str],
     stream_ended: bool,
+    largest_record: int | None = None,
 ) -> TurnMachine:
     """A turn machine in the state a trace leaves attempt ``attempt`` of turn ``turn`` in:
     its tool calls (call order) with their recorded ``results``, the calls ``allowed``
     and still without a result (running when the trace stopped), and whether its stream
     ended (``request_end`` ok) or was cut (it then ends failed, to be retried). The state
     is reached through the machine's own events, replayed, so it is one the machine can
-    be in; what the replay returned is dropped (it is in the trace already)."""
-    machine = TurnMachine(session_id=session_id, run_id=run_id, turn=turn, attempt=attempt - 1)
+    be in; what the replay returned is dropped (it is in the trace already).
+    ``largest_record`` is the machine's (the calls replayed were recorded: they fit)."""
+    machine = TurnMachine(session_id=session_id, run_id=run_id, turn=turn, attempt=attempt - 1,
+                          largest_record=largest_record)
     if attempt > 1:
         # The attempts before it failed and were retried: over, as the trace says.
         machine.feed([StreamFailed(error=ModelError(kind="timeout", message="retried"))])

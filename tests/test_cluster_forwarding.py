@@ -59,15 +59,23 @@ from greenroom.actors.cluster.routing import (
 )
 from greenroom.actors.cluster.traces import TraceStream, TraceWriter
 from greenroom.actors.gateway import Gateway, SessionDefaults
-from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
+from greenroom.actors.providers.scripted import (
+    Reply,
+    ScriptedProvider,
+    text,
+    thinking,
+    tool_call,
+)
 from greenroom.actors.runtime.command_hooks import load_hooks_file
 from greenroom.actors.runtime.errors import InputTooLarge
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.tools.questions import ask_user
 from greenroom.protocols import markers
-from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock
+from greenroom.protocols.content import ImageBlock, ModelBlock, TextBlock, ToolCallBlock
+from greenroom.protocols.context import AssistantMessage
 from greenroom.protocols.hooks import Hooks, Rewrite
 from greenroom.protocols.outputs import (
+    ModelMsg,
     Output,
     SteeringQueuedOutput,
     TaskEnd,
@@ -77,7 +85,7 @@ from greenroom.protocols.outputs import (
 )
 from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.tools import Tool, make_tool
-from greenroom.protocols.trace import input_size
+from greenroom.protocols.trace import input_size, record_size
 from tests.support.nats import (  # the fixture is used as nats_server
     NatsProcess,
     module_nats_server,  # noqa: F401
@@ -1199,6 +1207,131 @@ def test_a_hook_rewrite_larger_than_a_record_is_refused_and_the_session_goes_on(
     denied = f"Tool call denied: the before_tool hook failed ({reason})."
     assert result.content == (TextBlock(text=denied),)
     assert reason in repr(found["seen"])
+
+
+def _write_file_tool(ran: list[str]) -> Tool:
+    """A tool ``write_file`` that notes each path it is called with."""
+
+    async def write_file(path: str, content: str) -> str:
+        """Write ``content`` to ``path``."""
+        ran.append(path)
+        return "written"
+
+    return make_tool(write_file, parallel=True)
+
+
+async def _two_tasks(
+    conn: Connection, url: str, tmp_path: Path, first: Reply, tools: Sequence[Tool] = ()
+) -> dict[str, Any]:
+    """On cluster host a, a session whose model answers its first task with ``first`` and
+    its second with ``Next.``: what each task ended with, and what JetStream holds."""
+    async with _member(conn, url, tmp_path, "a", request_timeout_s=30.0) as owner:
+        provider = ScriptedProvider([first, Reply(blocks=(text("Next."),))])
+        session = await owner.host.create_session(
+            provider=provider, tools=tools, workspace_dir=tmp_path / "ws"
+        )
+        ends = [(await session.run("go", approve=allow_all).result()).task_end]
+        settled = await owner.node.store.log.settled(session.id)  # type: ignore[union-attr]
+        ends.append((await session.run("go on", approve=allow_all).result()).task_end)
+        return {
+            "ends": ends,
+            "settled": settled,
+            "serves": owner.node.serves(session.id),
+            "records": (await (await TraceStream.open(conn)).read(session.id)).records,
+            "most": owner.host.trace_log.largest_input(),
+            "requests": provider.requests,
+        }
+
+
+BIG_CONTENT = "x" * 300_000
+"""A model's output of 300 KB, more than one record of a NATS server at 128 KiB holds."""
+BIG_CALL = tool_call("c1", "write_file", path="big.txt", content=BIG_CONTENT)
+
+
+@pytest.mark.parametrize(
+    ("block", "what"),
+    [
+        (BIG_CALL, "call of write_file"),
+        (BIG_CALL, "truncated call of write_file"),
+        (text(BIG_CONTENT), "text"),
+        (thinking(BIG_CONTENT, signature="sig"), "thinking"),
+    ],
+    ids=["tool-call", "tool-call-cut-by-max-tokens", "text-of-one-line", "signed-thinking"],
+)
+def test_a_model_block_no_record_holds_ends_its_task_failed_and_the_session_goes_on(
+    tmp_path: Path, block: ModelBlock, what: str
+) -> None:
+    """R-SEC-9, R-CLUSTER-1, R-RUN-7, R-TOOL-7: on a cluster host whose NATS server takes
+    128 KiB, the model answers with a block of 300 KB that cannot be split over several
+    records (a tool call's arguments — complete, or 150 KB of them cut by the token limit
+    —, a text with no line break, signed thinking): the task ends ``failed`` with a message
+    naming the block's size and the record's, a call is not run (nor recorded), the
+    records before it are kept, and the session stays on its host and runs its next task
+    (before: the session stopped on its host, the model's message larger than NATS
+    takes)."""
+    ran: list[str] = []
+    truncated = what.startswith("truncated")
+    reply = Reply(blocks=(text("Here it is."), block), truncate_last_tool_call=truncated)
+    if truncated:  # recorded as the token limit left it: half of its arguments' text
+        raw = json.dumps(BIG_CALL.arguments)
+        block = attrs.evolve(BIG_CALL, arguments={}, invalid_arguments=raw[: len(raw) // 2])
+        what = what.removeprefix("truncated ")
+
+    with running_nats(tmp_path / "nats", max_payload=SMALL_PAYLOAD) as server:
+        found = run_connected(
+            server.url,
+            lambda conn: _two_tasks(conn, server.url, tmp_path, reply, [_write_file_tool(ran)]),
+            timeout_s=BOUND_S,
+        )
+    assert found["settled"] and found["serves"], "the session stopped on its host"
+    failed, completed = found["ends"]
+    size = record_size(block)
+    assert (failed.status, failed.message) == (
+        "failed",
+        f"the model's {what} takes {size} bytes in the trace, more than the {found['most']} "
+        "bytes one record of this session's trace carries",
+    )
+    assert completed.status == "completed"
+    assert ran == []
+    records = found["records"]
+    blocks = [r.block for r in records if isinstance(r, ModelMsg)]
+    assert blocks == [TextBlock(text="Here it is."), TextBlock(text="Next.")]
+    assert not [r for r in records if isinstance(r, ToolCallOutput)]
+    assert [r.status for r in records if isinstance(r, TaskEnd)] == ["failed", "completed"]
+
+
+@pytest.mark.parametrize("kind", ["text", "thinking"])
+def test_a_model_text_no_record_holds_is_split_at_line_breaks_and_kept_whole(
+    tmp_path: Path, kind: str
+) -> None:
+    """R-SEC-9, R-CLUSTER-1: on a cluster host whose NATS server takes 128 KiB, the model
+    answers with 300 KB of text (or unsigned thinking) in lines: it is recorded as several
+    blocks of its message, each split at a line break and each within a record, which
+    joined by line breaks (as a message's text blocks are read and sent) are the whole
+    text; the task completes, the next request holds the whole answer, and the session
+    stays on its host for its next task (before: the session stopped on its host)."""
+    lines = "\n".join(f"line {i}: " + "y" * 90 for i in range(3000))
+    block = text(lines) if kind == "text" else thinking(lines)
+    reply = Reply(blocks=(block, text("Done.")))
+
+    with running_nats(tmp_path / "nats", max_payload=SMALL_PAYLOAD) as server:
+        found = run_connected(
+            server.url, lambda conn: _two_tasks(conn, server.url, tmp_path, reply),
+            timeout_s=BOUND_S,
+        )
+    assert found["settled"] and found["serves"], "the session stopped on its host"
+    assert [end.status for end in found["ends"]] == ["completed", "completed"]
+    records = found["records"]
+    split = [r.block for r in records if isinstance(r, ModelMsg) and type(r.block) is type(block)]
+    if kind == "text":
+        split = split[:-2]  # "Done." and the next task's "Next."
+    assert len(split) >= 3
+    assert all(record_size(b) <= found["most"] for b in split)
+    assert "\n".join(b.text for b in split) == lines  # type: ignore[union-attr]
+    if kind == "text":  # thinking with no signature is not sent back (R-RUN-9)
+        answer = found["requests"][-1].messages[-2]
+        assert isinstance(answer, AssistantMessage)
+        assert answer.content == (*split, TextBlock(text="Done."))
 
 
 def test_a_persons_answer_past_what_nats_carries_is_refused_and_the_question_waits(

@@ -7,7 +7,13 @@ import json
 import pytest
 
 from greenroom.protocols import converter
-from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock
+from greenroom.protocols.content import (
+    ImageBlock,
+    RedactedThinkingBlock,
+    TextBlock,
+    ThinkingBlock,
+    ToolCallBlock,
+)
 from greenroom.protocols.outputs import (
     ModelMsg,
     Output,
@@ -24,8 +30,10 @@ from greenroom.protocols.trace import (
     cut_to_fit,
     encode_record,
     fit_images,
+    fit_model_block,
     input_size,
     parse_trace,
+    record_size,
     trace_file_name,
     trace_file_number,
 )
@@ -270,3 +278,37 @@ def test_fit_images_shares_a_record_between_a_results_text_and_its_images() -> N
     images = fit.content[1:]
     cut = TextBlock(text=cut_to_fit("x" * 10_000, fit.text_room, "a file"))
     assert input_size((cut, *images, fit.left_out)) <= 4000
+
+
+def test_fit_model_block_splits_text_at_line_breaks_and_refuses_what_cannot_be_split() -> None:
+    """R-SEC-9, R-CLUSTER-1: a block of the model's message that fits one record is kept
+    as it is; text (and unsigned thinking) too large is split at line breaks, each piece
+    within the record, the pieces joined by line breaks the whole text — escapes measured
+    as the record holds them, an empty line and a last line break kept; a line longer than
+    a record, signed or redacted thinking and a tool call are refused, naming the size."""
+    fits = TextBlock(text="short")
+    assert fit_model_block(fits, 100) == (fits,)
+
+    text = "\n".join(["a" * 300, "", "\x01" * 100, "é" * 300, ""])
+    pieces = fit_model_block(TextBlock(text=text), 800)
+    assert isinstance(pieces, tuple) and len(pieces) == 3, pieces
+    assert all(isinstance(b, TextBlock) and record_size(b) <= 800 for b in pieces)
+    assert "\n".join(b.text for b in pieces if isinstance(b, TextBlock)) == text
+
+    thought = ThinkingBlock(text=text)
+    split = fit_model_block(thought, 800)
+    assert isinstance(split, tuple) and all(type(b) is ThinkingBlock for b in split)
+    assert "\n".join(b.text for b in split if isinstance(b, ThinkingBlock)) == text
+
+    limit = "bytes one record of this session's trace carries"
+    refused = {
+        "text": TextBlock(text="a" * 1000),
+        "thinking": ThinkingBlock(text=text, signature="s"),
+        "redacted thinking": RedactedThinkingBlock(data="d" * 1000),
+        "call of write": ToolCallBlock(id="c1", name="write", arguments={"text": text}),
+    }
+    for what, block in refused.items():
+        assert fit_model_block(block, 800) == (
+            f"the model's {what} takes {record_size(block)} bytes in the trace, more than "
+            f"the 800 {limit}"
+        )

@@ -317,3 +317,49 @@ def test_every_call_is_paired_exactly_once_on_every_path(
     if end == "abort":
         assert len(of(Abort, effects)) == 1
         assert all(o.status in ("ok", "denied", "interrupted", "truncated") for o in outputs)
+
+
+def test_a_block_no_record_holds_ends_the_attempt_unretried_and_nothing_after_it_runs() -> None:
+    """R-SEC-9, R-CLUSTER-1: with records of at most 400 bytes (a cluster's trace), a text
+    of many lines completed as the message ends is recorded in pieces; a call whose
+    arguments no record holds ends the attempt with a failure that is not retried, before
+    it or a call after it is asked about or recorded, and later events are ignored. With
+    no limit (a file trace) the same call is recorded and asked about. A call cut by the
+    token limit whose partial arguments no record holds ends the attempt so too."""
+    lines = "\n".join(["x" * 100] * 10)
+    m = TurnMachine(session_id="s", run_id="r", turn=1, largest_record=400)
+    m.begin_attempt(1)
+    out = m.feed(
+        [
+            BlockStarted(index=0, kind="text"),
+            TextDelta(index=0, text=lines),
+            MessageCompleted(stop_reason="end_turn", usage=TokenUsage(input=3)),
+        ]
+    )
+    texts = [e.block.text for e in of(ModelMsg, out)]
+    assert len(texts) == 4 and "\n".join(texts) == lines
+
+    big = ToolCallBlock(id="c0", name="t", arguments={"text": "y" * 500})
+    for most, recorded in ((400, False), (None, True)):
+        m = TurnMachine(session_id="s", run_id="r", turn=1, largest_record=most)
+        m.begin_attempt(1)
+        out = m.feed(
+            [BlockCompleted(index=0, block=big), BlockCompleted(index=1, block=call_block(1))]
+        )
+        out += m.feed([MessageCompleted(stop_reason="tool_use", usage=TokenUsage(input=3))])
+        if recorded:
+            assert [e.block for e in of(ModelMsg, out)] == [big, call_block(1)]
+            assert [e.call for e in of(ApproveCall, out)] == [big]
+            continue
+        assert of(ModelMsg, out) == of(ApproveCall, out) == of(RequestEnd, out) == []
+        assert m.calls() == () and m.all_calls_terminal
+        failed = m.stream_result
+        assert isinstance(failed, StreamFailed) and failed.error.permanent
+        assert failed.error.message.startswith("the model's call of t takes 565 bytes in the")
+        (end,) = m.fail_attempt(failed.error, retry_in_ms=None)
+        assert isinstance(end, RequestEnd) and end.status == "failed"
+    m = TurnMachine(session_id="s", run_id="r", turn=1, largest_record=400)
+    m.begin_attempt(1)
+    out = m.feed([ToolCallTruncated(index=0, call_id="c0", name="t", partial_arguments="z" * 500)])
+    assert out == [] and m.calls() == ()  # no record, no result: the attempt ended
+    assert isinstance(m.stream_result, StreamFailed) and m.stream_result.error.permanent

@@ -191,7 +191,14 @@ class TurnRunner:
         if turn == self.machine.turn:
             self.machine.restart()
         else:
-            self.machine = TurnMachine(session_id=self._port.id, run_id=self.run_id, turn=turn)
+            # A cluster's trace takes records of a limited size: the model's blocks are
+            # made to fit it, measured once a block is complete (None on a file trace).
+            self.machine = TurnMachine(
+                session_id=self._port.id,
+                run_id=self.run_id,
+                turn=turn,
+                largest_record=self._port.host.trace_log.largest_input(),
+            )
         self._pool.send_nowait(BeginTurn())
 
     def begin_attempt(self, attempt: int) -> None:
@@ -456,6 +463,7 @@ class TurnRunner:
             results=results,
             allowed=record.allowed,
             stream_ended=not cut,
+            largest_record=self._port.host.trace_log.largest_input(),
         )
         for position, call in enumerate(machine.calls()):
             if machine.call_state(call.id) is CallState.DONE:
