@@ -241,6 +241,42 @@ def fit_model_block(block: ModelBlock, most: int) -> tuple[ModelBlock, ...] | st
     )
 
 
+def fit_partial(partial: tuple[ModelBlock, ...], most: int) -> tuple[ModelBlock, ...]:
+    """``partial``, what an interrupted model message said (an ``abort``'s ``partial``,
+    the carry-over of R-ABORT-2), as blocks one record of ``most`` bytes holds
+    (:func:`record_size`; a cluster's NATS server, R-SEC-9, R-CLUSTER-1): whole when it
+    fits. Each of its blocks fits a record, recorded as the model made it, but together
+    they may not: the blocks are kept in order while they fit, the first that does not is
+    cut when it is text, and a last text block says what was left out."""
+    if record_size(partial) <= most:
+        return partial
+    total = len(partial)
+    # The brackets, and the marker's block with its comma (no count is longer than total).
+    room = most - 2 - record_size(TextBlock(text=_partial_marker(total, total, most))) - 1
+    kept: list[ModelBlock] = []
+    for block in partial:
+        size = record_size(block) + 1
+        if size <= room:
+            kept.append(block)
+            room -= size
+            continue
+        whole = len(kept)
+        if type(block) is TextBlock:
+            # cut_to_fit measures a list of the one block: its brackets for our comma.
+            text = cut_to_fit(block.text, max(room - 1, 0), None)
+            if record_size(TextBlock(text=text)) + 1 <= room:
+                kept.append(TextBlock(text=text))
+        return (*kept, TextBlock(text=_partial_marker(total - whole, total, most)))
+    return tuple(kept)  # not reached: the whole partial did not fit
+
+
+def _partial_marker(left_out: int, total: int, most: int) -> str:
+    return (
+        f"[cut: {left_out} of {total} blocks of the interrupted message left out or cut to "
+        f"fit one record of this session's trace ({most} bytes)]"
+    )
+
+
 def _split_at_lines(text: str, room: int) -> list[str] | None:
     """``text`` in pieces of whole lines, each taking at most ``room`` bytes in a record's
     JSON string, the line breaks between pieces left out; None when a line alone is

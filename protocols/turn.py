@@ -80,7 +80,7 @@ from greenroom.protocols.stream import (
     ToolCallTruncated,
     UsageReported,
 )
-from greenroom.protocols.trace import fit_model_block
+from greenroom.protocols.trace import fit_model_block, fit_partial, record_size
 
 __all__ = [
     "CALL_TRANSITIONS",
@@ -508,15 +508,12 @@ class TurnMachine:
         if not message_complete:
             out.append(_request_end(self, "aborted", error_message=reason))
         partial = () if message_complete else tuple(self.partial_blocks() or self._retried_blocks)
-        out.append(
-            Abort(
-                session_id=self.session_id,
-                run_id=self.run_id,
-                reason=reason,
-                partial=partial,
-                message_complete=message_complete,
-            )
-        )
+        abort = Abort(session_id=self.session_id, run_id=self.run_id, reason=reason,
+                      partial=(), message_complete=message_complete)
+        if partial and (most := self._largest_record) is not None:
+            # Each block was made to fit a record alone; all of them in one may not.
+            partial = fit_partial(partial, most - record_size(abort))
+        out.append(attrs.evolve(abort, partial=partial))
         return out
 
     def fail(self, message: str, *, message_complete: bool) -> list[Effect]:

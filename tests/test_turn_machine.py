@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -34,6 +35,7 @@ from greenroom.protocols.stream import (
     ToolCallTruncated,
     UsageReported,
 )
+from greenroom.protocols.trace import record_size
 from greenroom.protocols.turn import (
     CALL_TRANSITIONS,
     TRUNCATED_TEXT,
@@ -363,3 +365,33 @@ def test_a_block_no_record_holds_ends_the_attempt_unretried_and_nothing_after_it
     out = m.feed([ToolCallTruncated(index=0, call_id="c0", name="t", partial_arguments="z" * 500)])
     assert out == [] and m.calls() == ()  # no record, no result: the attempt ended
     assert isinstance(m.stream_result, StreamFailed) and m.stream_result.error.permanent
+
+
+def test_an_interrupted_message_whose_blocks_fit_alone_but_not_together_is_cut_to_fit() -> None:
+    """R-ABORT-2, R-SEC-9, R-CLUSTER-1: with records of at most 1,000 bytes, each of six
+    text blocks of 400 characters fits a record alone, but an interrupt before the
+    message's end recorded the ``abort`` with all of them as its partial output, which
+    one record did not hold (it would stop the session on its cluster host). The partial
+    is cut to fit: the blocks in order while they fit, the next one cut, and a line saying
+    what was left out. With no limit (a file trace) it is whole."""
+    blocks = [TextBlock(text=f"{i}" * 400) for i in range(6)]
+    for most in (1_000, None):
+        m = TurnMachine(session_id="s", run_id="r", turn=1, largest_record=most)
+        m.begin_attempt(1)
+        out = m.feed([BlockCompleted(index=i, block=b) for i, b in enumerate(blocks)])
+        assert [e.block for e in of(ModelMsg, out)] == blocks
+        (abort,) = of(Abort, m.abort("stop", message_complete=False))
+        if most is None:
+            assert abort.partial == tuple(blocks)
+            continue
+        budget = most - record_size(attrs.evolve(abort, partial=()))
+        assert record_size(abort.partial) <= budget
+        *whole, cut, marker = abort.partial
+        assert whole == blocks[: len(whole)] and whole
+        assert isinstance(cut, TextBlock)
+        assert cut.text.startswith(blocks[len(whole)].text[:10]) and "\n[cut: " in cut.text
+        assert marker == TextBlock(
+            text=f"[cut: {len(blocks) - len(whole)} of {len(blocks)} blocks of the interrupted "
+            f"message left out or cut to fit one record of this session's trace ({budget} "
+            "bytes)]"
+        )
