@@ -996,6 +996,29 @@ def test_the_python_api_refuses_input_a_cluster_record_cannot_carry(
     assert prompts == [(TextBlock(text="start"),), (TextBlock(text="go on"),)]
 
 
+async def _ran_once(
+    conn: Connection, url: str, tmp_path: Path, provider: ScriptedProvider, **options: Any
+) -> dict[str, Any]:
+    """On cluster host a, a session of ``provider`` (``options`` as for ``create_session``;
+    its workspace ``tmp_path / "ws"``) runs one task, every call allowed: how the task
+    ended, whether JetStream acknowledged every record, the records it holds, the largest
+    input a record takes, what the model was sent last, and the session's scratchpad."""
+    async with _member(conn, url, tmp_path, "a", request_timeout_s=30.0) as owner:
+        session = await owner.host.create_session(
+            provider=provider, workspace_dir=tmp_path / "ws", **options
+        )
+        result = await session.run("go", approve=allow_all).result()
+        settled = await owner.node.store.log.settled(session.id)  # type: ignore[union-attr]
+        return {
+            "status": result.task_end.status,
+            "settled": settled,
+            "records": (await (await TraceStream.open(conn)).read(session.id)).records,
+            "most": owner.host.trace_log.largest_input(),
+            "seen": provider.requests[-1].messages[-1],
+            "scratchpad": session.scratchpad_dir,
+        }
+
+
 def _dump_tool(result: str) -> Tool:
     """A tool ``dump`` that returns ``result``."""
 
@@ -1026,30 +1049,17 @@ def test_a_tool_result_past_what_nats_carries_is_cut_to_fit_and_the_session_goes
     it; the task completes and every record reaches JetStream (before: the session stopped
     on its host, its ``tool_call_output`` larger than NATS takes)."""
 
-    async def body(conn: Connection, url: str) -> dict[str, Any]:
-        async with _member(conn, url, tmp_path, "a", request_timeout_s=30.0) as owner:
-            provider = ScriptedProvider(
-                [Reply(blocks=(tool_call("c1", "dump"),)), Reply(blocks=(text("Long."),))]
-            )
-            session = await owner.host.create_session(
-                provider=provider,
-                tools=[_dump_tool(output)],
-                workspace_dir=tmp_path / "ws",
-                tool_result_budget=budget,
-            )
-            result = await session.run("go", approve=allow_all).result()
-            settled = await owner.node.store.log.settled(session.id)  # type: ignore[union-attr]
-            records = (await (await TraceStream.open(conn)).read(session.id)).records
-            return {
-                "status": result.task_end.status,
-                "settled": settled,
-                "records": records,
-                "most": owner.host.trace_log.largest_input(),
-                "files": {p: p.read_text() for p in session.scratchpad_dir.iterdir()},
-            }
-
+    provider = ScriptedProvider(
+        [Reply(blocks=(tool_call("c1", "dump"),)), Reply(blocks=(text("Long."),))]
+    )
+    options = {"tools": [_dump_tool(output)], "tool_result_budget": budget}
     with running_nats(tmp_path / "nats", max_payload=SMALL_PAYLOAD) as server:
-        found = run_connected(server.url, lambda conn: body(conn, server.url), timeout_s=BOUND_S)
+        found = run_connected(
+            server.url,
+            lambda conn: _ran_once(conn, server.url, tmp_path, provider, **options),
+            timeout_s=BOUND_S,
+        )
+    found["files"] = {p: p.read_text() for p in found["scratchpad"].iterdir()}
     assert found["settled"], "the session stopped on its host"
     assert found["status"] == "completed"
     (result,) = [r for r in found["records"] if isinstance(r, ToolCallOutput)]
@@ -1099,27 +1109,17 @@ def test_a_tool_result_whose_images_do_not_fit_a_record_leaves_the_last_out_and_
         (workspace / f"screen-{i:03d}.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes([i % 256]))
         paths.append("./" * dots + f"screen-{i:03d}.png")
 
-    async def body(conn: Connection, url: str) -> dict[str, Any]:
-        async with _member(conn, url, tmp_path, "a", request_timeout_s=30.0) as owner:
-            provider = ScriptedProvider(
-                [Reply(blocks=(tool_call("c1", "screens"),)), Reply(blocks=(text("Seen."),))]
-            )
-            session = await owner.host.create_session(
-                provider=provider, tools=[_screens_tool(paths)], workspace_dir=workspace
-            )
-            result = await session.run("go", approve=allow_all).result()
-            settled = await owner.node.store.log.settled(session.id)  # type: ignore[union-attr]
-            records = (await (await TraceStream.open(conn)).read(session.id)).records
-            return {
-                "status": result.task_end.status,
-                "settled": settled,
-                "records": records,
-                "most": owner.host.trace_log.largest_input(),
-                "seen": provider.requests[-1].messages[-1],
-            }
-
+    provider = ScriptedProvider(
+        [Reply(blocks=(tool_call("c1", "screens"),)), Reply(blocks=(text("Seen."),))]
+    )
     with running_nats(tmp_path / "nats", max_payload=SMALL_PAYLOAD) as server:
-        found = run_connected(server.url, lambda conn: body(conn, server.url), timeout_s=BOUND_S)
+        found = run_connected(
+            server.url,
+            lambda conn: _ran_once(
+                conn, server.url, tmp_path, provider, tools=[_screens_tool(paths)]
+            ),
+            timeout_s=BOUND_S,
+        )
     assert found["settled"], "the session stopped on its host"
     assert found["status"] == "completed"
     (result,) = [r for r in found["records"] if isinstance(r, ToolCallOutput)]
@@ -1167,33 +1167,16 @@ def test_a_hook_rewrite_larger_than_a_record_is_refused_and_the_session_goes_on(
         ran.append(words)
         return words
 
-    async def body(conn: Connection, url: str) -> dict[str, Any]:
-        async with _member(conn, url, tmp_path, "a", request_timeout_s=30.0) as owner:
-            provider = ScriptedProvider(
-                [
-                    Reply(blocks=(tool_call("c1", "echo", words="hi"),)),
-                    Reply(blocks=(text("Denied."),)),
-                ]
-            )
-            session = await owner.host.create_session(
-                provider=provider,
-                tools=[make_tool(echo, parallel=True)],
-                workspace_dir=tmp_path / "ws",
-                hooks=_big_rewrite(kind, tmp_path),
-            )
-            result = await session.run("go", approve=allow_all).result()
-            settled = await owner.node.store.log.settled(session.id)  # type: ignore[union-attr]
-            records = (await (await TraceStream.open(conn)).read(session.id)).records
-            return {
-                "status": result.task_end.status,
-                "settled": settled,
-                "records": records,
-                "most": owner.host.trace_log.largest_input(),
-                "seen": provider.requests[-1].messages[-1],
-            }
-
+    provider = ScriptedProvider(
+        [Reply(blocks=(tool_call("c1", "echo", words="hi"),)), Reply(blocks=(text("Denied."),))]
+    )
+    options = {"tools": [make_tool(echo, parallel=True)], "hooks": _big_rewrite(kind, tmp_path)}
     with running_nats(tmp_path / "nats", max_payload=SMALL_PAYLOAD) as server:
-        found = run_connected(server.url, lambda conn: body(conn, server.url), timeout_s=BOUND_S)
+        found = run_connected(
+            server.url,
+            lambda conn: _ran_once(conn, server.url, tmp_path, provider, **options),
+            timeout_s=BOUND_S,
+        )
     assert found["settled"], "the session stopped on its host"
     assert found["status"] == "completed"
     assert ran == []
