@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +23,14 @@ from conftest import (
     collect,
     last_user,
     of_type,
+    port_of,
     results_of,
     trace_lines,
 )
+from test_people import until_parked
 from trio_websocket import open_websocket_url
 
-from greenroom.actors.gateway import Gateway, SessionDefaults
+from greenroom.actors.gateway import Gateway, SessionDefaults, run_serve
 from greenroom.actors.providers.scripted import (
     Reply,
     ScriptedStream,
@@ -37,6 +40,7 @@ from greenroom.actors.providers.scripted import (
 )
 from greenroom.actors.runtime.errors import ConfigurationError, NotPending
 from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.session import Session
 from greenroom.actors.tools.mcp import McpConnection, McpServerError, load_config_files
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock
 from greenroom.protocols.context import ModelRequest
@@ -851,9 +855,75 @@ async def test_gateway_sessions_get_the_servers_of_its_defaults(
     assert len(mcp_host._builder.mcp.connections()) == 1
 
 
-async def test_bad_mcp_servers_argument_is_a_configuration_error(mcp_host: Host) -> None:
+async def test_bad_mcp_servers_argument_is_a_configuration_error(
+    mcp_host: Host, tmp_path: Path
+) -> None:
     with pytest.raises(ConfigurationError, match=r"\$\.x\.command: expected a string"):
         await mcp_host.create_session(provider="scripted", mcp_servers={"x": {"command": 1}})
+    with pytest.raises(ConfigurationError, match=r"\$\.x\.command: expected a string"):
+        async with Host.open(tmp_path / "other", mcp_servers={"x": {"command": 1}}):
+            pass  # pragma: no cover
+
+
+async def left_waiting_on_an_mcp_call(data_dir: Path, workspace: Path, providers: Any) -> str:
+    """A session on ``data_dir`` with the test server as ``t``, its task waiting on a person
+    for its call ``c1`` of ``mcp__t__echo`` when its host closed; its id."""
+    async with Host.open(data_dir) as first:
+        session = await first.create_session(
+            provider=providers([Reply(blocks=(tool_call("c1", "mcp__t__echo", text="again"),))]),
+            workspace_dir=workspace,
+            mcp_servers={"t": stdio()},
+        )
+        session.run("echo", approve=PEOPLE).detach()
+        await until_parked(first, session.id)
+    return session.id
+
+
+async def test_a_task_the_host_takes_up_on_its_own_keeps_its_mcp_servers(
+    data_dir: Path, workspace: Path, providers: Any
+) -> None:
+    """R-MCP-4, R-HITL-4, R-HOST-3: a task left waiting on a person for an MCP call, its host
+    stopped, is taken up by the next host (``resume_tasks``) with the MCP servers of
+    ``Host.open``: answered, the call runs on the server (before: the session was loaded
+    with none, and the call failed as an unknown tool)."""
+    session_id = await left_waiting_on_an_mcp_call(data_dir, workspace, providers)
+    async with Host.open(data_dir, resume_tasks=True, mcp_servers={"t": stdio()}) as second:
+        resumed = second.get_session(session_id)
+        assert "mcp__t__echo" in {t.name for t in resumed.tools}
+        port_of(resumed).provider = providers([Reply(blocks=(text("done"),))])
+        await second.answer_approval(session_id, "c1", "allow")
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await resumed.wait_idle()
+        lines = trace_lines(resumed)
+    (output,) = [line for line in lines if line["type"] == "tool_call_output"]
+    assert (output["status"], output["is_error"]) == ("ok", False), output
+    assert "again" in json.dumps(output["content"])
+    assert [e["status"] for e in lines if e["type"] == "task_end"] == ["completed"]
+
+
+async def test_serve_takes_up_a_task_left_open_with_the_servers_of_its_mcp_config(
+    data_dir: Path, workspace: Path, providers: Any
+) -> None:
+    """R-MCP-4, R-HITL-4: ``serve --mcp-config`` (``SessionDefaults.mcp_servers``): the task
+    its last run left open is taken up, as it opens, with those servers' tools (before:
+    with none)."""
+    session_id = await left_waiting_on_an_mcp_call(data_dir, workspace, providers)
+    loaded: list[Session] = []
+    ready = trio.Event()
+    defaults = SessionDefaults(
+        provider="scripted", workspace_dir=workspace, mcp_servers={"t": stdio()}
+    )
+    with trio.fail_after(RUN_TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(
+                run_serve, host="127.0.0.1", port=0, data_dir=data_dir, defaults=defaults,
+                observers=[loaded.append], ready=lambda _port: ready.set(),
+            ))  # fmt: skip
+            await ready.wait()
+            (resumed,) = loaded
+            assert resumed.id == session_id and resumed.busy
+            assert "mcp__t__echo" in {t.name for t in resumed.tools}
+            nursery.cancel_scope.cancel()
 
 
 # -- the command line ---------------------------------------------------------------------

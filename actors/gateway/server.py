@@ -65,7 +65,6 @@ from greenroom.actors.gateway.config import (
     FD_RESERVE,
     HANDSHAKE_SLACK,
     PATH,
-    ApproveMode,
     GatewayLimits,
     SessionDefaults,
     approve_for,
@@ -96,7 +95,6 @@ from greenroom.actors.runtime.admission import ProviderLimits
 from greenroom.actors.runtime.errors import ConfigurationError
 from greenroom.actors.runtime.host import Host, SessionObserver, default_data_dir
 from greenroom.actors.runtime.storage import SessionStore
-from greenroom.protocols.tools import Tool
 
 logger = logging.getLogger(__name__)
 
@@ -537,17 +535,16 @@ HostOpener = Callable[[Path, Iterable[SessionObserver]], AbstractAsyncContextMan
 
 def _local_host_opener(
     gc_tuning: bool | None,
-    tools: Iterable[Tool],
-    approve: ApproveMode,
+    defaults: SessionDefaults,
     costs: Mapping[str, Any],
     provider_limits: ProviderLimits | None = None,
 ) -> HostOpener:
     """The host of a single ``serve``: it takes up the tasks its last run left open (a
     crash, a SIGKILL: R-HITL-4), their further calls decided as ``--approve`` says, gives
-    the sessions it loads on its own the tools the gateway gives the sessions it creates,
-    and holds every provider endpoint to ``provider_limits`` (R-SHARE-1); ``costs`` are its
-    ``prices`` and ``principal_budget`` (R-SHARE-3, R-SHARE-4)."""
-    tool_list = tuple(tools)
+    the sessions it loads on its own the tools and MCP servers the gateway gives the
+    sessions it creates (``defaults``: R-MCP-4), and holds every provider endpoint to
+    ``provider_limits`` (R-SHARE-1); ``costs`` are its ``prices`` and ``principal_budget``
+    (R-SHARE-3, R-SHARE-4)."""
 
     @asynccontextmanager
     async def open_local(
@@ -557,11 +554,12 @@ def _local_host_opener(
             data_dir,
             observers=observers,
             gc_tuning=gc_tuning,
-            tools=tool_list,
+            tools=defaults.tools,
+            mcp_servers=defaults.mcp_servers,
             limits=provider_limits,
             **costs,
         ) as host:
-            await host.resume_tasks(approve=approve_for(approve))
+            await host.resume_tasks(approve=approve_for(defaults.approve))
             yield host
 
     return open_local
@@ -601,9 +599,10 @@ async def run_serve(
     boundary, to be taken up by the next start. ``ready`` gets the bound port.
 
     The host takes up, when it opens, the tasks left open on the data dir by a serve that
-    stopped without closing them (a crash, a SIGKILL: R-HITL-4), with the tools of
-    ``defaults``; requests waiting for a person wait on, without limit unless
-    ``approval_timeout_s`` says otherwise (R-HITL-1).
+    stopped without closing them (a crash, a SIGKILL: R-HITL-4), with the tools and MCP
+    servers of ``defaults`` (as every session it loads on its own); requests waiting for
+    a person wait on, without limit unless ``approval_timeout_s`` says otherwise
+    (R-HITL-1).
     Raises :class:`ConfigurationError` for an unusable token file and OSError when the
     address cannot be bound.
 
@@ -661,8 +660,7 @@ async def run_serve(
         token = await trio.to_thread.run_sync(load_or_create_token, data, token_path)
     opener = open_host or _local_host_opener(
         gc_tuning,
-        session_defaults.tools,
-        session_defaults.approve,
+        session_defaults,
         {"prices": prices, "principal_budget": principal_budget},
         provider_limits,
     )

@@ -47,7 +47,7 @@ from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.open_tasks import OpenTaskIndex
 from greenroom.actors.runtime.people import People, answer, pending_of, stored_pending
 from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput
-from greenroom.actors.runtime.port_builder import PortBuilder
+from greenroom.actors.runtime.port_builder import LoadDefaults, PortBuilder, load_defaults
 from greenroom.actors.runtime.session import Session, require_trio
 from greenroom.actors.runtime.session_ids import OpeningSessions
 from greenroom.actors.runtime.shared_limits import SharedLimits
@@ -144,7 +144,7 @@ class Host:
         nursery: trio.Nursery,
         store: TraceStore,
         observers: Iterable[SessionObserver] = (),
-        tools: Iterable[Tool] = (),
+        defaults: LoadDefaults | None = None,
         accounting: Accounting | None = None,
         admissions: ProviderAdmissions | None = None,
     ) -> None:
@@ -161,7 +161,7 @@ class Host:
         self._opening = OpeningSessions(self._sessions)
         self._children = ChildIndex(store.catalog, self.load_session, self._sessions.__contains__)
         self._builder = PortBuilder(self, data_dir, store, nursery.start_soon, accounting,
-                                    admissions)
+                                    admissions, defaults)
         self.child_reports = ChildReports(self)
         """Reports of background subagents taken up by this host (R-TREE-2, R-TREE-4)."""
         self._closed = False
@@ -173,7 +173,6 @@ class Host:
         """Told of each session closed here with no task open (a cluster's node)."""
         self._people = People(self._ports.get)
         self._open_tasks = OpenTaskIndex(store)
-        self._default_tools = tuple(tools)
 
     @classmethod
     @asynccontextmanager
@@ -186,6 +185,7 @@ class Host:
         gc_tuning: bool | None = None,
         resume_tasks: bool = False,
         tools: Iterable[Tool] = (),
+        mcp_servers: Mapping[str, Any] | None = None,
         prices: Mapping[str, Any] | None = None,
         principal_budget: PrincipalBudget | None = None,
         limits: ProviderLimits | None = None,
@@ -198,9 +198,10 @@ class Host:
         ``resume_tasks=True`` takes up, once the host is open, every stored task that was
         open when its host stopped (a crash, a SIGKILL): a parked task waits on for its
         answer, a running one goes on — calls that were running get host-lost results and
-        are not run again, a request in flight is sent again (R-HITL-4). ``tools`` are the
-        tools of the sessions the host loads on its own (resumed tasks, answers to
-        sessions that were not open).
+        are not run again, a request in flight is sent again (R-HITL-4). ``tools`` and
+        ``mcp_servers`` (as for :meth:`create_session`, a bad one a ConfigurationError) are
+        those of the sessions the host loads on its own (resumed tasks, answers to sessions
+        not open, cluster takeovers) and of every load that names none (R-MCP-4).
 
         ``observers`` see every session the host creates or loads (:data:`SessionObserver`:
         the OpenTelemetry export subscribes through it). ``trace_store`` builds where the
@@ -225,9 +226,10 @@ class Host:
         Raises ``RuntimeError`` when entered outside trio (under ``asyncio.run``, say)."""
         require_trio()
         costs = _Costs(price_overrides(prices), principal_budget, limits, shared)
+        defaults = load_defaults(tools, mcp_servers)
         path = await trio.to_thread.run_sync(_prepare_data_dir, data_dir)
         with tuned_gc(gc_tuning):
-            async with _host_tree(cls, path, observers, trace_store, tools, costs) as host:
+            async with _host_tree(cls, path, observers, trace_store, defaults, costs) as host:
                 if resume_tasks:
                     await host.resume_tasks()
                 yield host
@@ -320,7 +322,7 @@ class Host:
         (unresolved calls interrupted, carry-over from the last abort: R-TRACE-4). Corrupt
         trace lines are skipped and listed in ``session.load_errors``. ``mcp_servers`` and
         ``principal`` as for :meth:`create_session` (an open session keeps its own, and its
-        ``approve``); ``tools`` default to the host's (``Host.open(tools=…)``).
+        ``approve``); ``tools`` and ``mcp_servers`` default to the host's (``Host.open``).
 
         A task the trace leaves open (its host stopped mid-task) stays open: a task that
         waits only for people is parked and answered like any (R-HITL-1), its other calls
@@ -331,7 +333,6 @@ class Host:
         if (open_now := await self._opening.settled(session_id)) is not None:
             return open_now  # open, or opened by a load under way: one port a session
         with self._opening.opening(session_id):
-            tools = self._default_tools if tools is None else tools
             port = await self._builder.stored(
                 session_id, tools=tools, provider=provider, mcp_servers=mcp_servers,
                 overrides=overrides, principal=principal, approve=approve,
@@ -344,10 +345,11 @@ class Host:
     ) -> Session:
         """A new session, open here, with ``session_id``'s history up to ``at_seq`` (default:
         its last record: R-FORK-1); ``options`` and what raises: :func:`~greenroom.actors.
-        runtime.time_travel.fork` (``tools`` default to the host's)."""
+        runtime.time_travel.fork` (``tools`` and ``mcp_servers`` default to the host's)."""
         self.check_open()
         port = await self._opening.create(None, fork, self._builder, self._store, session_id,
-                                          at_seq, default_tools=self._default_tools, **options)
+                                          at_seq, default_tools=self._builder.defaults.tools,
+                                          **options)
         session = self._add(port, created=True)
         await settle_fork(port)  # after the observers: a cluster replicates the copy first
         return session
@@ -628,7 +630,7 @@ async def _host_tree(
     path: Path,
     observers: Iterable[SessionObserver],
     trace_store: TraceStoreFactory | None,
-    tools: Iterable[Tool],
+    defaults: LoadDefaults,
     costs: _Costs,
 ) -> AsyncIterator[Host]:
     """The host's actor tree while it is open: its nursery, its store and its people's
@@ -646,7 +648,7 @@ async def _host_tree(
             )
             await nursery.start(store.run)
             admissions = ProviderAdmissions(costs.limits, costs.shared)
-            host = cls(path, nursery, store, observers, tools, accounting, admissions)
+            host = cls(path, nursery, store, observers, defaults, accounting, admissions)
             await nursery.start(host.serve_people)
             try:
                 yield host

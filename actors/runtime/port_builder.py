@@ -51,7 +51,26 @@ from greenroom.protocols.transcript import Transcript, rebuild
 if TYPE_CHECKING:
     from greenroom.actors.runtime.host import Host
 
-__all__ = ["PortBuilder"]
+__all__ = ["LoadDefaults", "PortBuilder", "load_defaults"]
+
+
+@attrs.frozen
+class LoadDefaults:
+    """What a session a host loads gets when its load names none (``Host.open(tools=…,
+    mcp_servers=…)``): the sessions the host loads on its own (resumed tasks, a closed
+    parent taking its subagent's answer, a cluster's takeover) get them (R-MCP-4,
+    R-HITL-4); a load that names its own keeps its own."""
+
+    tools: tuple[Tool, ...] = ()
+    mcp_servers: Mapping[str, Any] = attrs.field(factory=dict)
+    """Checked already (:func:`load_defaults`)."""
+
+
+def load_defaults(tools: Iterable[Tool], mcp_servers: Mapping[str, Any] | None) -> LoadDefaults:
+    """``Host.open``'s defaults for the sessions it loads; a bad MCP server entry raises
+    :class:`ConfigurationError` before the host opens."""
+    _mcp_configs(mcp_servers)
+    return LoadDefaults(tuple(tools), dict(mcp_servers or {}))
 
 
 class PortBuilder:
@@ -65,6 +84,7 @@ class PortBuilder:
         "accounting",
         "admissions",
         "clients",
+        "defaults",
         "mcp",
     )
 
@@ -76,8 +96,11 @@ class PortBuilder:
         start_soon: Callable[..., Any],
         accounting: Accounting | None = None,
         admissions: ProviderAdmissions | None = None,
+        defaults: LoadDefaults | None = None,
     ) -> None:
         self._host = host
+        self.defaults = defaults or LoadDefaults()
+        """The tools and MCP servers of a loaded session whose load names none."""
         self._data_dir = data_dir
         self._store = store
         self.clients = ProviderClients()
@@ -197,7 +220,7 @@ class PortBuilder:
         self,
         session_id: str,
         *,
-        tools: Iterable[Tool],
+        tools: Iterable[Tool] | None,
         provider: str | ModelProvider | None,
         mcp_servers: Mapping[str, Any] | None,
         overrides: dict[str, Any],
@@ -207,8 +230,12 @@ class PortBuilder:
         """A stored session's port: settings from its ``session.json`` (``overrides``
         applied), transcript and task state folded from its latest trace file, ``approve``
         for the calls of the task it leaves open unless a host takes that up otherwise
-        (see :meth:`Host.load_session <greenroom.actors.runtime.host.Host.load_session>`)."""
-        mcp_configs = _mcp_configs(mcp_servers)
+        (see :meth:`Host.load_session <greenroom.actors.runtime.host.Host.load_session>`).
+        ``tools`` and ``mcp_servers`` None: the host's :attr:`defaults`."""
+        if tools is None:
+            tools = self.defaults.tools
+        servers = self.defaults.mcp_servers if mcp_servers is None else mcp_servers
+        mcp_configs = _mcp_configs(servers)
         directory = SessionStore(self._data_dir).session_dir(session_id)
         meta, settings = await _stored_settings(self._store, session_id, directory)
         if isinstance(provider, str):
