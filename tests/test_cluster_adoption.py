@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 import trio
 from conftest import RUN_TIMEOUT_S, allow_all, collect
+from test_mcp import stdio
 
 from greenroom.actors.cluster.connection import Connection
 from greenroom.actors.cluster.errors import ClusterUnavailable
@@ -200,6 +201,41 @@ def test_a_session_lost_while_it_is_taken_over_is_not_taken_up(
             return taken, opened, node.store.log.replicated(session.id)
 
     assert run_connected(nats_server.url, body, timeout_s=30.0) == (False, False, False)
+
+
+def test_a_session_taken_over_gets_the_mcp_servers_of_its_host(
+    tmp_path: Path, nats_server: NatsProcess
+) -> None:
+    """R-MCP-4, R-CLUSTER-2: ``open_cluster_host(mcp_servers=…)`` (``serve --nats
+    --mcp-config``): an orphan the host takes over is loaded with those servers' tools
+    (before: with none, its next MCP call an unknown tool)."""
+
+    async def body(conn: Connection) -> tuple[bool, bool]:
+        config = ClusterConfig(url=nats_server.url, host_id="a", prefix=conn.names.prefix)
+        nodes: list[ClusterNode] = []
+        async with open_cluster_host(
+            conn.bridge, config, tmp_path / "a", mcp_servers={"t": stdio()},
+            approve=allow_all, on_node=nodes.append,
+        ) as host:  # fmt: skip
+            session = await host.create_session(
+                provider=ScriptedProvider([Reply(blocks=(text("hello"),))]),
+                workspace_dir=tmp_path,
+                mcp_servers={"t": stdio()},
+            )
+            with trio.fail_after(RUN_TIMEOUT_S):
+                await collect(session.run("hi", approve=allow_all))
+            node = nodes[0]
+            assert node._keeper is not None
+            # An orphan: closed here, its claim given up.
+            await host.close_session(session.id)
+            await node._keeper.release(session.id)
+            entry = await (await SessionDirectory.open(conn)).get(session.id)
+            assert entry is not None
+            taken = await node.take_over(session.id, entry["meta"])
+            tools = {t.name for t in host.get_session(session.id).tools}
+            return taken, "mcp__t__echo" in tools
+
+    assert run_connected(nats_server.url, body, timeout_s=30.0) == (True, True)
 
 
 LEASE_TTL_S = 1.0

@@ -150,6 +150,7 @@ def _serve_in_cluster(
             run_serve,
             tools=tools,
             approve=approve_for(args.approve),
+            mcp_servers=serve_options["defaults"].mcp_servers,
             **serve_options,
         )
     except ClusterError as exc:

@@ -772,6 +772,7 @@ async def open_cluster_host(
     *,
     observers: Iterable[SessionObserver] = (),
     tools: Iterable[Tool] = (),
+    mcp_servers: Mapping[str, Any] | None = None,
     approve: Approval = PEOPLE,
     provider: Callable[[], ModelProvider] | None = None,
     on_node: Callable[[ClusterNode], None] | None = None,
@@ -780,13 +781,16 @@ async def open_cluster_host(
     limits: ProviderLimits | None = None,
     on_limits: Callable[[ClusterLimits], None] | None = None,
 ) -> AsyncIterator[Host]:
-    """A :class:`Host` on ``data_dir`` that is one host of the cluster at ``config.url``.
-    Raises :class:`ClusterUnavailable` when NATS cannot be reached. On exit the host closes
-    as in single-host mode (its last records reach the cluster's trace) and its sessions are
-    released (its lease dropped). ``limits`` (the host's ``Host.open(limits=…)``) and the
-    limits learned from 429s hold for every host of the cluster together, per endpoint and
-    credential, and ``principal_budget`` over every host's spending (:mod:`.limits`; give
-    every host the same). ``on_limits`` is called with them before the host opens."""
+    """A :class:`Host` on ``data_dir`` that is one host of the cluster at ``config.url``;
+    ``tools`` and ``mcp_servers`` are those of the sessions it loads on its own (takeovers,
+    a parent loaded for its subagent's answer: ``Host.open``), ``approve`` decides the calls
+    of the tasks it takes over. Raises :class:`ClusterUnavailable` when NATS cannot be
+    reached. On exit the host closes as in single-host mode (its last records reach the
+    cluster's trace) and its sessions are released (its lease dropped). ``limits`` (the
+    host's ``Host.open(limits=…)``) and the limits learned from 429s hold for every host of
+    the cluster together, per endpoint and credential, and ``principal_budget`` over every
+    host's spending (:mod:`.limits`; give every host the same). ``on_limits`` is called
+    with them before the host opens."""
     names = ClusterNames(prefix=config.prefix)
     conn = await connect(bridge, config.url, name=f"greenroom-{config.host_id}", names=names)
     try:
@@ -798,8 +802,9 @@ async def open_cluster_host(
         with trio.CancelScope(shield=True):
             await conn.aclose()
         raise
+    tool_list = tuple(tools)
     node = ClusterNode(
-        conn, config, tools=tools, approve=approve, provider=provider, lease_conn=lease_conn
+        conn, config, tools=tool_list, approve=approve, provider=provider, lease_conn=lease_conn
     )
     if on_node is not None:
         on_node(node)
@@ -814,6 +819,8 @@ async def open_cluster_host(
                     data_dir,
                     observers=(*observers, node.observe),
                     trace_store=node.make_store,
+                    tools=tool_list,
+                    mcp_servers=mcp_servers,
                     prices=prices,
                     principal_budget=principal_budget,
                     limits=limits,

@@ -40,6 +40,7 @@ def serve_in_cluster(
     *,
     tools: Iterable[Tool],
     approve: Approval,
+    mcp_servers: Mapping[str, Any] | None = None,
     provider: Callable[[], ModelProvider] | None = None,
     prices: Mapping[str, Any] | None = None,
     principal_budget: PrincipalBudget | None = None,
@@ -47,7 +48,8 @@ def serve_in_cluster(
     **serve_kwargs: Any,
 ) -> None:
     """Run ``serve(open_host=…, **serve_kwargs)`` (the gateway's ``run_serve``) on a host
-    of the cluster ``config`` names; sessions taken over get ``tools`` and a provider from
+    of the cluster ``config`` names; sessions taken over (and every session the host loads
+    on its own) get ``tools``, ``mcp_servers`` (``--mcp-config``) and a provider from
     ``provider()`` (else the one their settings name). ``prices`` are the host's;
     ``principal_budget`` holds over every host's spending and ``provider_limits`` for
     every host's requests to each endpoint together (R-SHARE, :mod:`.limits`: give every
@@ -66,6 +68,7 @@ def serve_in_cluster(
                 data_dir,
                 observers=observers,
                 tools=tool_list,
+                mcp_servers=mcp_servers,
                 approve=approve,
                 provider=provider,
                 on_node=nodes.append,
