@@ -320,13 +320,9 @@ class TurnMachine:
             elif kind is BlockCompleted:
                 assert isinstance(event, BlockCompleted)
                 self._complete_block(event.index, event.block, out)
-                if self.stream_result is not None:  # (mypy takes the field for None)
-                    return out  # the block could not be recorded: the attempt failed
             elif kind is ToolCallTruncated:
                 assert isinstance(event, ToolCallTruncated)
                 self._truncated_call(event, out)
-                if self.stream_result is not None:
-                    return out  # the call could not be recorded: the attempt failed
             elif kind is UsageReported:
                 assert isinstance(event, UsageReported)
                 self._last_usage = event.usage
@@ -350,6 +346,10 @@ class TurnMachine:
                 self._usage(out)
                 self._stream_result = self._stream_result or event
                 return out
+        if self.stream_result is not None:  # (mypy takes the field for None still)
+            # A block no record holds ended the attempt (the rest of the read was taken
+            # for its usage alone): what the request used so far is billed, so counted.
+            self._usage(out)
         return out
 
     def fail_attempt(self, error: ModelError, *, retry_in_ms: int | None) -> list[Effect]:
@@ -717,9 +717,11 @@ def resume_turn(
     ended (``request_end`` ok) or was cut (it then ends failed, to be retried). The state
     is reached through the machine's own events, replayed, so it is one the machine can
     be in; what the replay returned is dropped (it is in the trace already).
-    ``largest_record`` is the machine's (the calls replayed were recorded: they fit)."""
-    machine = TurnMachine(session_id=session_id, run_id=run_id, turn=turn, attempt=attempt - 1,
-                          largest_record=largest_record)
+    ``largest_record`` is the machine's for the attempts after (the calls replayed are
+    recorded already, and are not measured again)."""
+    # Replayed without the limit: the calls are recorded already, whatever a record holds
+    # now (a NATS server of a smaller max_payload would refuse them again).
+    machine = TurnMachine(session_id=session_id, run_id=run_id, turn=turn, attempt=attempt - 1)
     if attempt > 1:
         # The attempts before it failed and were retried: over, as the trace says.
         machine.feed([StreamFailed(error=ModelError(kind="timeout", message="retried"))])
@@ -754,4 +756,5 @@ def resume_turn(
         elif result.status != "truncated":
             machine.decide(call.id, allowed=True, by="host", interrupted=True)
             machine.finish(call.id, status=result.status, content=result.content)
+    machine._largest_record = largest_record  # for the attempts to come
     return machine

@@ -45,6 +45,7 @@ from greenroom.protocols.turn import (
     RecordUsage,
     SkipToolCall,
     TurnMachine,
+    resume_turn,
 )
 
 OK = (TextBlock(text="ok"),)
@@ -395,3 +396,42 @@ def test_an_interrupted_message_whose_blocks_fit_alone_but_not_together_is_cut_t
             f"message left out or cut to fit one record of this session's trace ({budget} "
             "bytes)]"
         )
+
+
+def test_a_request_ended_by_a_block_no_record_holds_still_counts_its_usage() -> None:
+    """R-SHARE-3, R-SHARE-4, R-SEC-9: a call no record holds ends the attempt; the usage
+    the same read carried after it (the stream's end) was dropped with the rest of the
+    read, and none was counted, though the provider bills the request. It is counted."""
+    m = TurnMachine(session_id="s", run_id="r", turn=1, largest_record=400)
+    m.begin_attempt(1)
+    big = ToolCallBlock(id="c1", name="w", arguments={"x": "a" * 1000})
+    out = m.feed(
+        [
+            UsageReported(usage=TokenUsage(input=100)),
+            BlockStarted(index=0, kind="tool_call", call_id="c1", name="w"),
+            BlockCompleted(index=0, block=big),
+            MessageCompleted(stop_reason="tool_use", usage=TokenUsage(input=100, output=5000)),
+        ]
+    )
+    assert isinstance(m.stream_result, StreamFailed) and m.stream_result.error.permanent
+    assert of(ModelMsg, out) == []
+    assert [e.usage for e in of(RecordUsage, out)] == [TokenUsage(input=100, output=5000)]
+    m = TurnMachine(session_id="s", run_id="r", turn=1, largest_record=400)
+    m.begin_attempt(1)
+    out = m.feed([UsageReported(usage=TokenUsage(input=100)), BlockCompleted(index=0, block=big)])
+    assert [e.usage for e in of(RecordUsage, out)] == [TokenUsage(input=100)]  # so far
+
+
+def test_a_turn_taken_up_replays_its_recorded_calls_whatever_a_record_holds_now() -> None:
+    """R-HITL-4, R-CLUSTER-2: the calls of a turn taken up from its trace are recorded
+    already. Replayed through the record limit of the host that takes it up (a NATS server
+    of a smaller max_payload), a call past it ended the replay, and deciding the next
+    call raised. They are replayed as recorded; the limit holds for the attempts after."""
+    c1 = ToolCallBlock(id="c1", name="w", arguments={"x": "a" * 300})
+    c2 = ToolCallBlock(id="c2", name="w", arguments={"x": "b"})
+    m = resume_turn(
+        session_id="s", run_id="r", turn=1, attempt=1, calls=[c1, c2], results={},
+        allowed={"c1", "c2"}, stream_ended=True, largest_record=200,
+    )  # fmt: skip
+    assert [c.id for c in m.calls()] == ["c1", "c2"]
+    assert m.stream_result is not None and not isinstance(m.stream_result, StreamFailed)
