@@ -246,28 +246,31 @@ def fit_partial(partial: tuple[ModelBlock, ...], most: int) -> tuple[ModelBlock,
     the carry-over of R-ABORT-2), as blocks one record of ``most`` bytes holds
     (:func:`record_size`; a cluster's NATS server, R-SEC-9, R-CLUSTER-1): whole when it
     fits. Each of its blocks fits a record, recorded as the model made it, but together
-    they may not: the blocks are kept in order while they fit, the first that does not is
-    cut when it is text, and a last text block says what was left out."""
+    they may not. Its thinking goes first (the carry-over shows none); then its text and
+    calls are kept in order while they fit, a text that does not is cut, a call that does
+    not is left out, and a last text block says how many were left out or cut."""
     if record_size(partial) <= most:
         return partial
     total = len(partial)
     # The brackets, and the marker's block with its comma (no count is longer than total).
     room = most - 2 - record_size(TextBlock(text=_partial_marker(total, total, most))) - 1
     kept: list[ModelBlock] = []
+    whole = 0
     for block in partial:
+        if isinstance(block, ThinkingBlock | RedactedThinkingBlock):
+            continue  # never shown again (markers.render_partial): it takes no room
         size = record_size(block) + 1
         if size <= room:
             kept.append(block)
             room -= size
-            continue
-        whole = len(kept)
-        if type(block) is TextBlock:
+            whole += 1
+        elif type(block) is TextBlock:
             # cut_to_fit measures a list of the one block: its brackets for our comma.
             text = cut_to_fit(block.text, max(room - 1, 0), None)
-            if record_size(TextBlock(text=text)) + 1 <= room:
+            if (size := record_size(TextBlock(text=text)) + 1) <= room:
                 kept.append(TextBlock(text=text))
-        return (*kept, TextBlock(text=_partial_marker(total - whole, total, most)))
-    return tuple(kept)  # not reached: the whole partial did not fit
+                room -= size
+    return (*kept, TextBlock(text=_partial_marker(total - whole, total, most)))
 
 
 def _partial_marker(left_out: int, total: int, most: int) -> str:

@@ -31,6 +31,7 @@ from greenroom.protocols.trace import (
     encode_record,
     fit_images,
     fit_model_block,
+    fit_partial,
     input_size,
     parse_trace,
     record_size,
@@ -312,3 +313,24 @@ def test_fit_model_block_splits_text_at_line_breaks_and_refuses_what_cannot_be_s
             f"the model's {what} takes {record_size(block)} bytes in the trace, more than "
             f"the 800 {limit}"
         )
+
+
+def test_fit_partial_leaves_thinking_out_first_and_keeps_the_text_the_carry_over_shows() -> None:
+    """R-ABORT-2, R-SEC-9: an interrupted message's partial output past one record kept its
+    blocks in order, so thinking (which the carry-over never shows) took the room and the
+    answer's text was cut, and a block past the room ended the rest. Thinking goes first
+    now; a call that does not fit is left out, and a later text that does is kept."""
+    thinking = ThinkingBlock(text="t" * 3000, signature="sig")
+    answer = TextBlock(text="a" * 1500)
+    assert fit_partial((thinking, answer), 4000) == (
+        answer,
+        TextBlock(
+            text="[cut: 1 of 2 blocks of the interrupted message left out or cut to fit one "
+            "record of this session's trace (4000 bytes)]"
+        ),
+    )
+    call = ToolCallBlock(id="c1", name="w", arguments={"x": "z" * 3000})
+    fitted = fit_partial((call, TextBlock(text="after")), 1000)
+    assert fitted[0] == TextBlock(text="after") and fitted[-1].text.startswith("[cut: 1 of 2")
+    assert record_size(fitted) <= 1000
+    assert fit_partial((answer,), 4000) == (answer,)
