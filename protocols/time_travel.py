@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import attrs
+
 from greenroom.protocols import markers
 from greenroom.protocols.content import ModelBlock, TextBlock
 from greenroom.protocols.history import cut_by
@@ -41,12 +43,18 @@ from greenroom.protocols.outputs import (
 )
 from greenroom.protocols.stream import TokenUsage
 from greenroom.protocols.task import Phase, TaskRecord
+from greenroom.protocols.trace import fit_partial, record_size
 
 __all__ = ["rewind_problem", "settlement"]
 
 
 def settlement(
-    record: TaskRecord, partial: Sequence[ModelBlock], *, session_id: str, reason: str
+    record: TaskRecord,
+    partial: Sequence[ModelBlock],
+    *,
+    session_id: str,
+    reason: str,
+    most: int | None = None,
 ) -> list[Output]:
     """The records (without ``seq``) that close the task a history leaves open, as an
     interrupt with ``reason`` would, and drop the follow-ups it leaves queued (an
@@ -54,8 +62,10 @@ def settlement(
     runs them later); none when nothing is open or queued. ``record`` is the task state
     folded from that history (:func:`~greenroom.protocols.task.fold`), ``partial`` what
     the model request in flight had produced
-    (:attr:`~greenroom.protocols.transcript.Transcript.attempt_blocks`)."""
-    out = _settled_task(record, partial, session_id=session_id, reason=reason)
+    (:attr:`~greenroom.protocols.transcript.Transcript.attempt_blocks`), fitted to one
+    record of ``most`` bytes (a cluster's trace; None: no limit) as an interrupt fits it
+    (:func:`~greenroom.protocols.trace.fit_partial`)."""
+    out = _settled_task(record, partial, session_id=session_id, reason=reason, most=most)
     if record.queued:
         out.append(
             TaskQueueDropped(session_id=session_id, run_id=record.run_id or "",
@@ -65,7 +75,12 @@ def settlement(
 
 
 def _settled_task(
-    record: TaskRecord, partial: Sequence[ModelBlock], *, session_id: str, reason: str
+    record: TaskRecord,
+    partial: Sequence[ModelBlock],
+    *,
+    session_id: str,
+    reason: str,
+    most: int | None,
 ) -> list[Output]:
     run_id = started = record.run_id
     out: list[Output] = []
@@ -143,15 +158,14 @@ def _settled_task(
                 error_message=reason,
             )
         )
-    out.append(
-        Abort(
-            session_id=session_id,
-            run_id=run_id,
-            reason=reason,
-            partial=tuple(partial) if streaming else (),
-            message_complete=not streaming,
-        )
-    )
+    abort = Abort(session_id=session_id, run_id=run_id, reason=reason, partial=(),
+                  message_complete=not streaming)  # fmt: skip
+    if streaming and partial:
+        blocks = tuple(partial)
+        if most is not None:
+            blocks = fit_partial(blocks, most - record_size(abort))
+        abort = attrs.evolve(abort, partial=blocks)
+    out.append(abort)
     out.append(task_end)
     return out
 

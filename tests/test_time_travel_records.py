@@ -22,7 +22,14 @@ from greenroom.protocols.outputs import (
 )
 from greenroom.protocols.task import fold
 from greenroom.protocols.time_travel import rewind_problem, settlement
-from greenroom.protocols.trace import copy_records, encode_record, parse_trace, record_seq
+from greenroom.protocols.trace import (
+    copy_records,
+    encode_record,
+    fit_model_block,
+    parse_trace,
+    record_seq,
+    record_size,
+)
 from greenroom.protocols.transcript import rebuild
 
 
@@ -113,6 +120,39 @@ def test_the_context_at_a_record_spans_compactions_and_rewinds() -> None:
     assert rewind_problem(records, 1, last_seq=6) is None
     assert rewind_problem(records, 7, last_seq=6) is not None
     assert rewind_problem([msg(1)], 0, last_seq=1) is None
+
+
+def test_a_fork_into_a_long_message_settles_it_in_one_record() -> None:
+    """R-FORK-1, R-ABORT-2, R-SEC-9: a fork or rewind into a model message whose text was
+    recorded in pieces (each fitting one record of a cluster's trace) settled it with an
+    ``abort`` holding every piece, larger than one record: the new session stopped on its
+    host. The partial is fitted as an interrupt's is."""
+    most = 2000
+    text = "\n".join(f"line {i:04d} " + "x" * 90 for i in range(60))
+    pieces = fit_model_block(TextBlock(text=text), most)
+    assert isinstance(pieces, tuple) and len(pieces) > 2
+    records: list[Output] = [
+        msg(1),
+        TaskStart(session_id="s1", run_id="r1", seq=2, input_seq=1),
+        RequestBegin(session_id="s1", run_id="r1", seq=3, turn=1, attempt=1),
+        *(
+            ModelMsg(session_id="s1", run_id="r1", seq=4 + i, turn=1, block=piece)
+            for i, piece in enumerate(pieces)
+        ),
+    ]
+    blocks = rebuild(records, recover=False).attempt_blocks
+    for limit in (most, None):
+        out = settlement(fold(records).record, blocks, session_id="s1", reason="x", most=limit)
+        (abort,) = [o for o in out if isinstance(o, Abort)]
+        if limit is None:
+            assert abort.partial == pieces
+            continue
+        assert record_size(abort) <= most
+        *kept, marker = abort.partial
+        assert isinstance(kept[0], TextBlock) and "\n[cut: " in kept[0].text
+        assert pieces[0].text.startswith(kept[0].text.split("\n[cut: ")[0])
+        assert isinstance(marker, TextBlock)
+        assert marker.text.startswith(f"[cut: {len(pieces)} of {len(pieces)} blocks")
 
 
 def test_a_streaming_attempt_is_settled_as_a_cut_message() -> None:

@@ -163,7 +163,9 @@ async def settle_fork(port: SessionPort) -> None:
     source, seq = port.forked_from or ("?", 0)
     why = f"forked from session {source} at seq {seq}"
     blocks = port.transcript.attempt_blocks
-    await record(port, settlement(port.machine.record, blocks, session_id=port.id, reason=why))
+    most = port.host.trace_log.largest_input()
+    settled = settlement(port.machine.record, blocks, session_id=port.id, reason=why, most=most)
+    await record(port, settled)
     await port.sync_trace()
 
 
@@ -196,6 +198,7 @@ async def rewind_to(port: SessionPort, to_seq: int, reason: str | None = None) -
         transcript.attempt_blocks,
         session_id=port.id,
         reason=f"rewound to seq {to_seq}",
+        most=log.largest_input(),
     )
     port.transcript = transcript
     port.machine = machine
