@@ -341,10 +341,12 @@ class TurnMachine:
             elif kind is StreamFailed:
                 assert isinstance(event, StreamFailed)
                 # What the model wrote before the failure is a fact of the attempt: it is
-                # traced, and becomes the retry note's blocks (R-RETRY-4).
+                # traced, and becomes the retry note's blocks (R-RETRY-4). An open block no
+                # record holds is left out, and the stream's own failure stands (retried).
+                failed = self._stream_result
                 self._close_open_blocks(out)
                 self._usage(out)
-                self._stream_result = self._stream_result or event
+                self._stream_result = failed or event
                 return out
         if self.stream_result is not None:  # (mypy takes the field for None still)
             # A block no record holds ended the attempt (the rest of the read was taken

@@ -435,3 +435,22 @@ def test_a_turn_taken_up_replays_its_recorded_calls_whatever_a_record_holds_now(
     )  # fmt: skip
     assert [c.id for c in m.calls()] == ["c1", "c2"]
     assert m.stream_result is not None and not isinstance(m.stream_result, StreamFailed)
+
+
+def test_a_stream_that_fails_with_an_open_block_no_record_holds_is_retried() -> None:
+    """R-RETRY-1, R-SEC-9: a stream failed (overloaded) while a text block of one line
+    longer than a record was open: closing the block for the trace replaced the stream's
+    retryable failure by a permanent one, and the task ended instead of being retried.
+    The block is left out and the stream's own failure stands."""
+    m = TurnMachine(session_id="s", run_id="r", turn=1, largest_record=400)
+    m.begin_attempt(1)
+    overloaded = ModelError(kind="overloaded", message="overloaded")
+    out = m.feed(
+        [
+            BlockStarted(index=0, kind="text"),
+            TextDelta(index=0, text="x" * 1000),
+            StreamFailed(error=overloaded),
+        ]
+    )
+    assert of(ModelMsg, out) == []
+    assert isinstance(m.stream_result, StreamFailed) and m.stream_result.error == overloaded
