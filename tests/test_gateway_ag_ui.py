@@ -473,13 +473,15 @@ async def test_a_kept_tools_file_that_names_a_tool_twice_offers_it_once(
             assert offered(server).count("pick_color") == 1
 
 
+@pytest.mark.parametrize("later_cancelled", [False, True])
 async def test_two_runs_giving_a_thread_tools_at_once_keep_the_later_ones(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, later_cancelled: bool
 ) -> None:
     """R-PROTO-2, R-HOST-3: two runs of a thread that give it tools at once wrote the kept
     file each in its own thread: the earlier one's write, finishing last, left the tools
     the session no longer had, and a session loaded again got those. One write at a
-    time now, and only while its tools are the session's."""
+    time now, and only while its tools are the session's; the later run's write is
+    made even when its run is cancelled (its client left) while it waits its turn."""
     entered, let_go = threading.Event(), threading.Event()
     replace_file = ag_ui_front._replace_file
 
@@ -503,6 +505,8 @@ async def test_two_runs_giving_a_thread_tools_at_once_keep_the_later_ones(
                     nursery.start_soon(endpoint._client_tools, session, run)
                     await trio.to_thread.run_sync(entered.wait, BOUND_S)
                     await trio.testing.wait_all_tasks_blocked()
+                if later_cancelled:
+                    nursery.cancel_scope.cancel()
                 let_go.set()
             kept = json.loads((session.trace_path.parent / FRONT_END_TOOLS_FILE).read_text())
     assert [tool["name"] for tool in kept] == ["pick_shade"]

@@ -180,10 +180,13 @@ class AgUiEndpoint:
             if [t.schema for t in tools] != before:
                 # Kept once per change: a front end sends its tools with every run. One
                 # write at a time, and only while they are the session's: of two runs
-                # that give a thread tools at once, the file keeps the later's.
-                async with self._keeping:
-                    if port.client_tools == tools:
-                        await _keep_front_end_tools(session.directory, json.dumps(dumped))
+                # that give a thread tools at once, the file keeps the later's. Shielded:
+                # the session has them already, and a run whose client left must keep
+                # them too (a later run giving the same finds no change to keep).
+                with trio.CancelScope(shield=True):
+                    async with self._keeping:
+                        if port.client_tools == tools:
+                            await _keep_front_end_tools(session.directory, json.dumps(dumped))
             return tools
         if tools := session.host.port(session.id).client_tools:
             return tools
