@@ -18,7 +18,7 @@ import trio.testing
 from greenroom.actors.cluster.errors import ClusterUnavailable
 from greenroom.actors.cluster.routing import SessionRequests
 from greenroom.actors.cluster.tree_link import ParentLink
-from greenroom.actors.runtime.errors import SessionClosed
+from greenroom.actors.runtime.errors import SessionClosed, SessionNotFound
 from greenroom.actors.runtime.host import Host
 from greenroom.protocols.people import PEOPLE
 from tests.support.nats import (  # the fixture is used as nats_server
@@ -67,6 +67,15 @@ async def test_an_answer_for_a_reopened_parent_that_closes_meanwhile_is_offered_
     link = ParentLink(cast(SessionRequests, NoOwner()), host, PEOPLE, reopen=reopened)
     assert await link.send("parent", "child", "the answer") is False
     assert taken == ["parent"]
+
+    class DeletedParent:
+        async def take(self, parent_id: str, child_id: str, text: str, approve: Any) -> None:
+            raise SessionNotFound(f"no session {parent_id}")
+
+    # Deleted meanwhile: refused for good, logged as its owner's refusal is (not raised).
+    host = cast(Host, SimpleNamespace(child_reports=DeletedParent()))
+    link = ParentLink(cast(SessionRequests, NoOwner()), host, PEOPLE, reopen=reopened)
+    assert await link.send("parent", "child", "the answer") is True
 
 
 def test_an_answer_refused_by_its_parents_closing_host_reaches_the_parents_next_owner(

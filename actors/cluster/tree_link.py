@@ -89,6 +89,8 @@ class ParentLink:
             await self._host.child_reports.take(parent_id, child_id, text, self._approve)
         except (HostClosed, SessionClosed):
             return False  # it runs again, reopened or taken over: offered again then
+        except SessionNotFound as exc:  # deleted meanwhile: refused for good, as its owner's
+            _log(f"session {parent_id} refused the answer of its subagent {child_id}: {exc}")
         return True
 
     async def take(self, session_id: str, params: dict[str, Any]) -> dict[str, Any]:
