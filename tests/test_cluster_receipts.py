@@ -8,7 +8,9 @@ session's trace are held, so JetStream withholds the acknowledgement."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -99,6 +101,15 @@ def assert_not_in_cluster(answer: str, why: str) -> None:
     assert answer.endswith(f"{why}): the input was dropped, not queued")
 
 
+def host_a(
+    conn: Connection, nats_server: NatsProcess, tmp_path: Path, **options: Any
+) -> AbstractAsyncContextManager[Host]:
+    """Cluster host a on ``nats_server``, its data dir in ``tmp_path``, every call allowed
+    (``options`` as for ``open_cluster_host``)."""
+    config = ClusterConfig(url=nats_server.url, host_id="a", prefix=conn.names.prefix)
+    return open_cluster_host(conn.bridge, config, tmp_path / "a", approve=allow_all, **options)
+
+
 def test_a_steer_whose_trace_another_host_fenced_before_jetstream_had_it_is_dropped(
     tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -109,10 +120,7 @@ def test_a_steer_whose_trace_another_host_fenced_before_jetstream_had_it_is_drop
     recorded = InputReceipt()
 
     async def body(conn: Connection) -> tuple[str, str]:
-        config = ClusterConfig(url=nats_server.url, host_id="a", prefix=conn.names.prefix)
-        async with open_cluster_host(
-            conn.bridge, config, tmp_path / "a", approve=allow_all
-        ) as host:
+        async with host_a(conn, nats_server, tmp_path) as host:
             session = await _steered_unacknowledged(host, tmp_path, withheld, recorded)
             await (await TraceStream.open(conn)).fence(session.id, "b")  # b takes it over
             withheld.release.set()
@@ -136,10 +144,7 @@ def test_a_steer_whose_session_the_host_lost_before_jetstream_had_it_is_dropped(
     nodes: list[ClusterNode] = []
 
     async def body(conn: Connection) -> tuple[str, str]:
-        config = ClusterConfig(url=nats_server.url, host_id="a", prefix=conn.names.prefix)
-        async with open_cluster_host(
-            conn.bridge, config, tmp_path / "a", approve=allow_all, on_node=nodes.append
-        ) as host:
+        async with host_a(conn, nats_server, tmp_path, on_node=nodes.append) as host:
             session = await _steered_unacknowledged(host, tmp_path, withheld, recorded)
             keeper = nodes[0]._keeper
             assert keeper is not None
@@ -172,12 +177,9 @@ def test_a_steer_jetstream_never_acknowledges_is_dropped_when_the_host_close_is_
     recorded = InputReceipt()
 
     async def body(conn: Connection) -> str:
-        config = ClusterConfig(url=nats_server.url, host_id="a", prefix=conn.names.prefix)
         # Well before a receipt's own bound, which the close waited for before.
         with trio.fail_after(DURABLE_WAIT_S / 2):
-            async with open_cluster_host(
-                conn.bridge, config, tmp_path / "a", approve=allow_all
-            ) as host:
+            async with host_a(conn, nats_server, tmp_path) as host:
                 await _steered_unacknowledged(host, tmp_path, withheld, recorded)
             assert recorded.settled.is_set()
         withheld.release.set()
@@ -197,10 +199,7 @@ def test_a_steer_after_the_store_gave_the_session_up_is_dropped_while_it_is_open
     recorded = InputReceipt()
 
     async def body(conn: Connection) -> tuple[str, str]:
-        config = ClusterConfig(url=nats_server.url, host_id="a", prefix=conn.names.prefix)
-        async with open_cluster_host(
-            conn.bridge, config, tmp_path / "a", approve=allow_all
-        ) as host:
+        async with host_a(conn, nats_server, tmp_path) as host:
             gates = Gates()
             session = await host.create_session(
                 provider=ScriptedProvider([Reply(blocks=(tool_call("c1", "wait", key="k"),))]),
