@@ -425,20 +425,24 @@ def offered(server: Any) -> list[str]:
     return [t.name for t in server.providers[-1].requests[-1].tools]
 
 
+@pytest.mark.parametrize("approve", ["ask", "all"])
 @pytest.mark.parametrize("again", ["closed", "restarted"])
 async def test_a_threads_front_end_tools_reach_its_session_loaded_again(
-    tmp_path: Path, again: str
+    tmp_path: Path, again: str, approve: str
 ) -> None:
-    """R-PROTO-2, R-HITL-1: a thread's session loaded again (after its close, or a
-    restart) had none of the front-end tools its last run gave: the next run's result of
-    the waiting front-end call (a run that gives no ``tools`` keeps the last run's) was
-    refused as no new input (400), and a new input was not offered them. The session
-    loaded again has them: the result answers the call, and the next run offers them."""
+    """R-PROTO-2, R-HITL-1, R-HITL-3, R-HOST-3: a thread's session loaded again (after its
+    close, or a restart) had none of the front-end tools its last run gave: the next run's
+    result of the waiting front-end call (a run that gives no ``tools`` keeps the last
+    run's) was refused as no new input (400), and a new input was not offered them. The
+    session loaded again has them: the result answers the call, and the next run offers
+    them. The wait is durable whatever ``--approve`` says: under ``--approve all`` closing
+    the thread's session (or the host) aborted its task and denied the call (``by:
+    default``), and the front end's result found nothing pending."""
     with trio.fail_after(BOUND_S * 2):
-        async with serving(tmp_path, color_brain, ag_ui=True) as server:
+        async with serving(tmp_path, color_brain, approve=approve, ag_ui=True) as server:
             url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
             first = await posted(url, run_input("thread-f", "run-1", "pick one",
-                                                tools=[COLOR_TOOL]))
+                                                tools=[COLOR_TOOL]))  # fmt: skip
             assert first.events[-1][1]["outcome"] == {"type": "success"}
             assert first.of("STATE_SNAPSHOT")[-1]["snapshot"]["pendingToolCalls"] == ["f1"]
             # Kept private, as the session's other files are (R-SEC-8).
@@ -448,7 +452,7 @@ async def test_a_threads_front_end_tools_reach_its_session_loaded_again(
                 await server.host.close_session("thread-f")
                 await resume_and_run_again(server, url)
         if again == "restarted":
-            async with serving(tmp_path, color_brain, ag_ui=True) as server:
+            async with serving(tmp_path, color_brain, approve=approve, ag_ui=True) as server:
                 url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
                 await resume_and_run_again(server, url)
 
@@ -548,33 +552,6 @@ async def resume_and_run_again(server: Any, url: str) -> None:
     third = await posted(url, run_input("thread-f", "run-3", "again"))
     assert "".join(e["delta"] for e in third.of("TEXT_MESSAGE_CONTENT")) == "Again."
     assert "pick_color" in offered(server)
-
-
-@pytest.mark.parametrize("again", ["closed", "restarted"])
-async def test_a_front_end_call_waits_across_a_close_and_a_restart_under_approve_all(
-    tmp_path: Path, again: str
-) -> None:
-    """R-HITL-1, R-HITL-3, R-PROTO-2, R-HOST-3: a front-end call's wait is durable whatever
-    ``--approve`` says. Under ``--approve all`` closing the thread's session (or the host)
-    aborted its task and denied the call (``by: default``): the front end's result found
-    nothing pending. The call waits on: the result, after the close or a restart,
-    completes the run."""
-    with trio.fail_after(BOUND_S * 2):
-        async with serving(tmp_path, color_brain, approve="all", ag_ui=True) as server:
-            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
-            first = await posted(url, run_input("thread-f", "run-1", "pick one",
-                                                tools=[COLOR_TOOL]))
-            assert first.of("STATE_SNAPSHOT")[-1]["snapshot"]["pendingToolCalls"] == ["f1"]
-            # Kept private, as the session's other files are (R-SEC-8).
-            session_dir = server.host.get_session("thread-f").trace_path.parent
-            assert (session_dir / FRONT_END_TOOLS_FILE).stat().st_mode & 0o777 == 0o600
-            if again == "closed":
-                await server.host.close_session("thread-f")
-                await resume_and_run_again(server, url)
-        if again == "restarted":
-            async with serving(tmp_path, color_brain, approve="all", ag_ui=True) as server:
-                url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
-                await resume_and_run_again(server, url)
 
 
 def color_then_lookup_brain() -> Any:
