@@ -116,12 +116,8 @@ class SessionDefaults:
         return self.provider
 
     def task_approval(self) -> Approval:
-        """How the gateway's tasks decide their calls (``approve``): ``all`` allows each
-        (a callback), ``none`` leaves them with nobody to decide (denied by default),
-        ``ask`` sends them to people."""
-        if self.approve == "all":
-            return _allow_all
-        return PEOPLE if self.approve == "ask" else None
+        """How the gateway's tasks decide their calls (``approve``, :func:`approve_for`)."""
+        return approve_for(self.approve)
 
     def loading(self, principal: str) -> dict[str, Any]:
         """How the gateway loads a stored session for ``principal`` (the options of
@@ -376,12 +372,11 @@ def normal_origin(origin: str) -> str:
 
 
 def approve_for(mode: str) -> Approval:
-    """The approval of a task that continues after a restart or a takeover, from
-    ``serve --approve``:
-    ``all`` allows and ``none`` denies every call; ``ask`` asks people (``"people"``: the
-    request waits in the trace and any authorized client answers it, R-HITL-1)."""
+    """How a task decides its calls under ``serve --approve``, whether a client started
+    it, a call loaded it again, or it continues after a restart or a takeover: ``all``
+    allows each (a callback), ``none`` leaves them with nobody to decide (denied by
+    default), ``ask`` asks people (``"people"``: the request waits in the trace and any
+    authorized client answers it, R-HITL-1)."""
     if mode == "all":
-        return lambda _call: "allow"
-    if mode == "none":
-        return lambda _call: "deny"
-    return PEOPLE
+        return _allow_all
+    return PEOPLE if mode == "ask" else None
