@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from conftest import RUN_TIMEOUT_S, Gates, open_host, port_of, trace_lines
+from conftest import RUN_TIMEOUT_S, Gates, allow_all, open_host, port_of, trace_lines
 from test_recovery import blocking_tool, copy_session
 
 from greenroom.actors.providers import scripted_brain
@@ -384,6 +384,59 @@ async def test_a_parked_background_child_answered_after_a_restart_reports_once(
     assert _reports(seen) == ["[subagent payer finished] paid 7"]
     prompts = [line for line in root_lines if line["type"] == "user_msg"]
     assert len(prompts) == 2  # the first task's prompt and the one report
+
+
+def _payer_model_paying_after_the_report(request: ModelRequest) -> Reply:
+    """As :func:`_payer_model`, but the root, told that the payer finished, pays 1 itself
+    (a call that needs a decision) before it merges."""
+    root = not (request.system or "").startswith(SUBAGENT_SYSTEM)
+    if root and any(result.call_id == "p2" for result in _results(request)):
+        return Reply(blocks=(text("merged, and paid 1"),))
+    last = request.messages[-1]
+    if root and isinstance(last, UserMessage) and "[subagent payer finished]" in str(last.content):
+        return Reply(blocks=(tool_call("p2", "pay", amount=1),))
+    return _payer_model(request)
+
+
+async def test_a_closed_parent_loaded_for_its_childs_answer_decides_as_its_host_says(
+    data_dir: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-HITL-4, R-TREE-2: the host closes while a background child waits for a person;
+    the next host is opened with ``approve`` allowing every call (as ``serve --approve
+    all`` opens its host) and a person allows the child's call. The child's answer reaches
+    the root, which the host loads on its own for it (closed: nobody opened it), and the
+    follow-up task it starts pays at once. Before, the host's own loads took ``"people"``:
+    that call waited for a person nobody was asking."""
+    paid: list[int] = []
+    model = ScriptedProvider(_payer_model_paying_after_the_report)
+    tools = [_pay_tool(paid), spawn_subagent]
+    async with open_host(data_dir) as host:
+        root = await host.create_session(provider=model, tools=tools, workspace_dir=workspace)
+        root_id, child_id = root.id, await _run_until_child_parked(host, root)
+    # The host loads the root and the child with the provider their session.json names.
+    monkeypatch.setattr(scripted_brain, "demo_brain", _payer_model_paying_after_the_report)
+    send, inbox = trio.open_memory_channel[list[Output]](math.inf)
+
+    def watch_the_root(session: Session) -> None:
+        if session.id == root_id:
+            session.watch(send)
+
+    async with Host.open(
+        data_dir, tools=tools, approve=allow_all, observers=[watch_the_root]
+    ) as host:
+        (pending,) = await host.pending_approvals(read_only=True)
+        await host.answer_approval(child_id, pending.call_id, "allow")
+        seen: list[Output] = []
+        with trio.fail_after(RUN_TIMEOUT_S):
+            async for batch in inbox:
+                seen.extend(o for o in batch if o.origin is None)
+                if any(isinstance(o, ApprovalRequest | TaskEnd) for o in seen):
+                    break
+        asked = [o.tool for o in seen if isinstance(o, ApprovalRequest)]
+    assert asked == [] and paid == [7, 1]
+    assert _reports(seen) == ["[subagent payer finished] paid 7"]
+    (end,) = [o for o in seen if isinstance(o, TaskEnd)]
+    assert end.status == "completed"
 
 
 def _dear_payer_model(request: ModelRequest) -> Reply:

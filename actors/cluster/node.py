@@ -784,7 +784,8 @@ async def open_cluster_host(
     """A :class:`Host` on ``data_dir`` that is one host of the cluster at ``config.url``;
     ``tools`` and ``mcp_servers`` are those of the sessions it loads on its own (takeovers,
     a parent loaded for its subagent's answer: ``Host.open``), ``approve`` decides the calls
-    of the tasks it takes over. Raises :class:`ClusterUnavailable` when NATS cannot be
+    of the tasks it takes over and of the sessions it loads on its own. Raises
+    :class:`ClusterUnavailable` when NATS cannot be
     reached. On exit the host closes as in single-host mode (its last records reach the
     cluster's trace) and its sessions are released (its lease dropped). ``limits`` (the
     host's ``Host.open(limits=…)``) and the limits learned from 429s hold for every host of
@@ -821,6 +822,7 @@ async def open_cluster_host(
                     trace_store=node.make_store,
                     tools=tool_list,
                     mcp_servers=mcp_servers,
+                    approve=approve,
                     prices=prices,
                     principal_budget=principal_budget,
                     limits=limits,

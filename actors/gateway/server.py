@@ -540,11 +540,11 @@ def _local_host_opener(
     provider_limits: ProviderLimits | None = None,
 ) -> HostOpener:
     """The host of a single ``serve``: it takes up the tasks its last run left open (a
-    crash, a SIGKILL: R-HITL-4), their further calls decided as ``--approve`` says, gives
-    the sessions it loads on its own the tools and MCP servers the gateway gives the
-    sessions it creates (``defaults``: R-MCP-4), and holds every provider endpoint to
-    ``provider_limits`` (R-SHARE-1); ``costs`` are its ``prices`` and ``principal_budget``
-    (R-SHARE-3, R-SHARE-4)."""
+    crash, a SIGKILL: R-HITL-4), gives the sessions it loads on its own the tools and MCP
+    servers the gateway gives the sessions it creates (``defaults``: R-MCP-4), their calls
+    (and those of the follow-ups its subagents' answers start) decided as ``--approve``
+    says (R-HITL-4), and holds every provider endpoint to ``provider_limits`` (R-SHARE-1);
+    ``costs`` are its ``prices`` and ``principal_budget`` (R-SHARE-3, R-SHARE-4)."""
 
     @asynccontextmanager
     async def open_local(
@@ -556,10 +556,11 @@ def _local_host_opener(
             gc_tuning=gc_tuning,
             tools=defaults.tools,
             mcp_servers=defaults.mcp_servers,
+            approve=approve_for(defaults.approve),
             limits=provider_limits,
             **costs,
         ) as host:
-            await host.resume_tasks(approve=approve_for(defaults.approve))
+            await host.resume_tasks()
             yield host
 
     return open_local

@@ -162,7 +162,8 @@ class ChildReports:
     def follow(self, port: SessionPort) -> None:
         """Follow the background child ``port`` from now on and report its answer when
         its task ends; the follow-up task the report may start in its parent is decided
-        as ``port.lost_approve`` says (``Host.resume(approve=…)``)."""
+        as ``port.lost_approve`` says (``Host.resume(approve=…)``, else the host's:
+        ``Host.open(approve=…)``)."""
         parent_id, label = port.parent_id, port.report_as
         if parent_id is None or label is None:
             return
@@ -281,7 +282,8 @@ class ChildReports:
         return True
 
     async def take(self, parent_id: str, child_id: str, text: str, approve: Approval) -> None:
-        """The parent's side: ``parent_id`` (open here, or loaded) takes the report as
+        """The parent's side: ``parent_id`` (open here, or loaded: its open task, taken up,
+        decides as the host says, ``Host.open(approve=…)``) takes the report as
         steering of its open task, else as a follow-up task run with ``approve``, cut to
         fit one record of this host's trace (:func:`~.subagents.answer_fitted`). Raises
         :class:`SessionNotFound` when there is no such session, or it is locked by an auth

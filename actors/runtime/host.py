@@ -47,7 +47,13 @@ from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.open_tasks import OpenTaskIndex
 from greenroom.actors.runtime.people import People, answer, pending_of, stored_pending
 from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput
-from greenroom.actors.runtime.port_builder import LoadDefaults, PortBuilder, load_defaults
+from greenroom.actors.runtime.port_builder import (
+    HOST_APPROVE,
+    LoadApproval,
+    LoadDefaults,
+    PortBuilder,
+    load_defaults,
+)
 from greenroom.actors.runtime.session import Session, require_trio
 from greenroom.actors.runtime.session_ids import OpeningSessions
 from greenroom.actors.runtime.shared_limits import SharedLimits
@@ -186,6 +192,7 @@ class Host:
         resume_tasks: bool = False,
         tools: Iterable[Tool] = (),
         mcp_servers: Mapping[str, Any] | None = None,
+        approve: Approval = PEOPLE,
         prices: Mapping[str, Any] | None = None,
         principal_budget: PrincipalBudget | None = None,
         limits: ProviderLimits | None = None,
@@ -195,13 +202,13 @@ class Host:
         tasks and waiting for their last records; a task that waits only for people stays
         pending in its trace), flush the trace and stop.
 
-        ``resume_tasks=True`` takes up, once the host is open, every stored task that was
-        open when its host stopped (a crash, a SIGKILL): a parked task waits on for its
-        answer, a running one goes on — calls that were running get host-lost results and
-        are not run again, a request in flight is sent again (R-HITL-4). ``tools`` and
-        ``mcp_servers`` (as for :meth:`create_session`, a bad one a ConfigurationError) are
-        those of the sessions the host loads on its own (resumed tasks, answers to sessions
-        not open, cluster takeovers) and of every load that names none (R-MCP-4).
+        ``resume_tasks=True`` takes up, once the host is open, every stored task that was open when
+        its host stopped (a crash, a SIGKILL): a parked task waits on for its answer, a running one
+        goes on — calls that were running get host-lost results and are not run again, a request in
+        flight is sent again (R-HITL-4). ``tools``, ``mcp_servers`` (as for :meth:`create_session`;
+        a bad one: ConfigurationError) and ``approve`` (as for :meth:`resume`) are those of the
+        sessions the host loads on its own (resumed tasks, answers to sessions not open, cluster
+        takeovers) and of every load naming none (R-MCP-4, R-HITL-4).
 
         ``observers`` see every session the host creates or loads (:data:`SessionObserver`:
         the OpenTelemetry export subscribes through it). ``trace_store`` builds where the
@@ -226,7 +233,7 @@ class Host:
         Raises ``RuntimeError`` when entered outside trio (under ``asyncio.run``, say)."""
         require_trio()
         costs = _Costs(price_overrides(prices), principal_budget, limits, shared)
-        defaults = load_defaults(tools, mcp_servers)
+        defaults = load_defaults(tools, mcp_servers, approve)
         path = await trio.to_thread.run_sync(_prepare_data_dir, data_dir)
         with tuned_gc(gc_tuning):
             async with _host_tree(cls, path, observers, trace_store, defaults, costs) as host:
@@ -265,12 +272,11 @@ class Host:
         (R-SHARE-4) and its requests admitted for, in turn with other principals
         (R-SHARE-2); kept in ``session.json``; a subagent takes its parent's.
 
-        The workspace is fixed now (R-SEC-7): ``workspace_dir`` must name a directory
-        (``~`` expanded, symlinks followed) that neither is nor lies inside the host's
-        data dir (one that holds it is fine: the data dir is hidden from the session's
-        tools); a :class:`~greenroom.protocols.tools.WorkspaceIdentity` (a subagent's,
-        its parent's) must still name the directory at its path. Else
-        :class:`ConfigurationError`.
+        The workspace is fixed now (R-SEC-7): ``workspace_dir`` must name a directory (``~``
+        expanded, symlinks followed) that neither is nor lies inside the host's data dir (one that
+        holds it is fine: the data dir is hidden from the session's tools); a
+        :class:`~greenroom.protocols.tools.WorkspaceIdentity` (a subagent's, its parent's) must
+        still name the directory at its path. Else :class:`ConfigurationError`.
 
         Without ``provider`` (or ``settings``), a ``claude-*`` model means ``anthropic``;
         otherwise the provider is ``anthropic`` when ``ANTHROPIC_API_KEY`` is set, else
@@ -315,14 +321,14 @@ class Host:
         provider: str | ModelProvider | None = None,
         mcp_servers: Mapping[str, Any] | None = None,
         principal: str | None = None,
-        approve: Approval = PEOPLE,
+        approve: LoadApproval = HOST_APPROVE,
         **overrides: Any,
     ) -> Session:
         """Load a stored session: its model context is rebuilt from the latest trace file
         (unresolved calls interrupted, carry-over from the last abort: R-TRACE-4). Corrupt
         trace lines are skipped and listed in ``session.load_errors``. ``mcp_servers`` and
         ``principal`` as for :meth:`create_session` (an open session keeps its own, and its
-        ``approve``); ``tools`` and ``mcp_servers`` default to the host's (``Host.open``).
+        ``approve``); ``tools``, ``mcp_servers`` and ``approve`` default to the host's.
 
         A task the trace leaves open (its host stopped mid-task) stays open: a task that
         waits only for people is parked and answered like any (R-HITL-1), its other calls
@@ -537,31 +543,32 @@ class Host:
     async def answer_question(
         self, session_id: str, call_id: str, text: str, by: str | None = None, **load: Any
     ) -> None:
-        """Answer the model's question of ``call_id`` (the ``ask_user`` tool, R-HITL-5):
-        ``text`` is the call's result; or say what became of a call in doubt (R-EFFECT-2):
-        ``done``, ``not done`` or ``run again``. ``load`` and what raises as for
-        :meth:`answer_approval`."""
+        """Answer the model's question of ``call_id`` (the ``ask_user`` tool, R-HITL-5): ``text`` is
+        the call's result; or say what became of a call in doubt (R-EFFECT-2): ``done``, ``not
+        done`` or ``run again``. ``load`` and what raises as for :meth:`answer_approval`."""
         port = self._ports[(await self.load_session(session_id, **load)).id]
         await answer(port, PersonAnswered(call_id=call_id, text=text, principal=by))
 
-    async def resume(self, session_id: str, *, approve: Approval = PEOPLE, **load: Any) -> Session:
+    async def resume(
+        self, session_id: str, *, approve: LoadApproval = HOST_APPROVE, **load: Any
+    ) -> Session:
         """Take up the session's open task, if its trace leaves one: loaded (``load`` as for
-        :meth:`load_session`; the host's tools by default) and resumed (R-HITL-4). A prompt
-        recorded without its ``task_start`` is a run its host accepted and had not started: its
-        task starts (R-CLUSTER-2). ``approve`` decides the calls of a task whose host stopped
-        under it, as ``session.run(approve=…)`` does (the callback it ran with went with that
-        host): ``"people"`` by default. A call that was already waiting for a person keeps
-        waiting for one, whatever ``approve`` is (R-HITL-1); a parked task keeps its own. A
-        background subagent's task goes on, its answer reaching its parent (``child_reports``);
-        a foreground one's is left to its trace (its parent's call ended). Returns the session."""
+        :meth:`load_session`) and resumed (R-HITL-4). A prompt recorded without its ``task_start``
+        is a run its host accepted and had not started: its task starts (R-CLUSTER-2). ``approve``
+        (by default the host's: ``Host.open``) decides the calls of a task whose host stopped under
+        it, as ``session.run(approve=…)`` does: the callback it ran with went with that host. A call
+        waiting for a person keeps waiting for one, whatever ``approve`` is (R-HITL-1); a parked
+        task keeps its own. A background subagent's task goes on, its answer reaching its parent
+        (``child_reports``); a foreground one's is left to its trace. Returns the session."""
         session = await self.load_session(session_id, approve=approve, **load)
-        take_up_stored(self._ports[session_id], approve)
+        take_up_stored(self._ports[session_id], self._builder.approval(approve))
         return session
 
-    async def resume_tasks(self, approve: Approval = PEOPLE) -> list[str]:
+    async def resume_tasks(self, approve: LoadApproval = HOST_APPROVE) -> list[str]:
         """Take up every stored task left open by a host that stopped (what
         ``Host.open(resume_tasks=True)`` does; ``approve`` as for :meth:`resume`)."""
-        return await _take_up_together(self, await self._open_tasks.ids(self._ports), approve)
+        ids = await self._open_tasks.ids(self._ports)
+        return await _take_up_together(self, ids, self._builder.approval(approve))
 
     def wake(self, port: SessionPort, message: SupervisorMessage | None) -> None:
         """Start a supervisor for ``port``'s open task (see :data:`HostServices`)."""
@@ -579,11 +586,10 @@ class Host:
         self, provider: str | None = None, *, model: str | None = None, base_url: str | None = None
     ) -> None:
         """Make the provider client that sessions created with ``provider``, ``model`` and
-        ``base_url`` will share (as :meth:`create_session` names it), unless it is made
-        already: a host that must answer its first session within a bound loads the
-        provider's library beforehand. Off the event loop. Raises
-        :class:`ConfigurationError` as :meth:`create_session` would (an unknown provider,
-        or anthropic without credentials)."""
+        ``base_url`` will share (as :meth:`create_session` names it), unless it is made already: a
+        host that must answer its first session within a bound loads the provider's library
+        beforehand. Off the event loop. Raises :class:`ConfigurationError` as :meth:`create_session`
+        would (an unknown provider, or anthropic without credentials)."""
         await self._builder.clients.load(provider, model=model, base_url=base_url)
 
 

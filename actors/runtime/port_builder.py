@@ -10,12 +10,13 @@ MCP connections and the accounting."""
 from __future__ import annotations
 
 import contextlib
+import enum
 import os
 import stat
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import trio
@@ -51,26 +52,53 @@ from greenroom.protocols.transcript import Transcript, rebuild
 if TYPE_CHECKING:
     from greenroom.actors.runtime.host import Host
 
-__all__ = ["LoadDefaults", "PortBuilder", "load_defaults"]
+__all__ = [
+    "HOST_APPROVE",
+    "HostApproval",
+    "LoadApproval",
+    "LoadDefaults",
+    "PortBuilder",
+    "load_defaults",
+]
+
+
+class HostApproval(enum.Enum):
+    """A load's ``approve`` left to its host (``Host.load_session``, ``Host.resume``)."""
+
+    DEFAULT = "the host's approve"
+    """The ``approve`` the host was opened with (``Host.open(approve=…)``)."""
+
+
+HOST_APPROVE: Final = HostApproval.DEFAULT
+"""A load's ``approve`` when it names none: the host's."""
+
+LoadApproval = Approval | HostApproval
+"""A load's ``approve``: its own, or :data:`HOST_APPROVE`."""
 
 
 @attrs.frozen
 class LoadDefaults:
     """What a session a host loads gets when its load names none (``Host.open(tools=…,
-    mcp_servers=…)``): the sessions the host loads on its own (resumed tasks, a closed
-    parent taking its subagent's answer, a cluster's takeover) get them (R-MCP-4,
+    mcp_servers=…, approve=…)``): the sessions the host loads on its own (resumed tasks, a
+    closed parent taking its subagent's answer, a cluster's takeover) get them (R-MCP-4,
     R-HITL-4); a load that names its own keeps its own."""
 
     tools: tuple[Tool, ...] = ()
     mcp_servers: Mapping[str, Any] = attrs.field(factory=dict)
     """Checked already (:func:`load_defaults`)."""
+    approve: Approval = PEOPLE
+    """How the task a loaded session leaves open, once taken up, decides its calls (and
+    the follow-ups its trace queued under a callback, and those its background children's
+    answers start): ``serve --approve`` says it for the host's own loads (R-HITL-4)."""
 
 
-def load_defaults(tools: Iterable[Tool], mcp_servers: Mapping[str, Any] | None) -> LoadDefaults:
+def load_defaults(
+    tools: Iterable[Tool], mcp_servers: Mapping[str, Any] | None, approve: Approval = PEOPLE
+) -> LoadDefaults:
     """``Host.open``'s defaults for the sessions it loads; a bad MCP server entry raises
     :class:`ConfigurationError` before the host opens."""
     _mcp_configs(mcp_servers)
-    return LoadDefaults(tuple(tools), dict(mcp_servers or {}))
+    return LoadDefaults(tuple(tools), dict(mcp_servers or {}), approve)
 
 
 class PortBuilder:
@@ -100,7 +128,7 @@ class PortBuilder:
     ) -> None:
         self._host = host
         self.defaults = defaults or LoadDefaults()
-        """The tools and MCP servers of a loaded session whose load names none."""
+        """The tools, MCP servers and approve of a loaded session whose load names none."""
         self._data_dir = data_dir
         self._store = store
         self.clients = ProviderClients()
@@ -113,6 +141,10 @@ class PortBuilder:
         """The MCP server connections of the host's sessions."""
         self.accounting = accounting or Accounting(store.ledger, catalog=store.catalog)
         """The host's prices and the principals' budgets (R-SHARE-3, R-SHARE-4)."""
+
+    def approval(self, approve: LoadApproval) -> Approval:
+        """``approve``, or the host's (:attr:`defaults`) when it is left to the host."""
+        return self.defaults.approve if isinstance(approve, HostApproval) else approve
 
     @property
     def data_dir(self) -> Path:
@@ -225,13 +257,15 @@ class PortBuilder:
         mcp_servers: Mapping[str, Any] | None,
         overrides: dict[str, Any],
         principal: str | None = None,
-        approve: Approval = PEOPLE,
+        approve: LoadApproval = HOST_APPROVE,
     ) -> SessionPort:
         """A stored session's port: settings from its ``session.json`` (``overrides``
         applied), transcript and task state folded from its latest trace file, ``approve``
         for the calls of the task it leaves open unless a host takes that up otherwise
         (see :meth:`Host.load_session <greenroom.actors.runtime.host.Host.load_session>`).
-        ``tools`` and ``mcp_servers`` None: the host's :attr:`defaults`."""
+        ``tools`` and ``mcp_servers`` None, ``approve`` left to the host: the host's
+        :attr:`defaults`."""
+        approve = self.approval(approve)
         if tools is None:
             tools = self.defaults.tools
         servers = self.defaults.mcp_servers if mcp_servers is None else mcp_servers
