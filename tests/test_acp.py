@@ -648,3 +648,72 @@ def test_a_command_line_that_cannot_run_exits_2_with_nothing_on_stdout(tmp_path:
         assert result.returncode == 2, result.stderr
         assert result.stdout == ""
         assert "Traceback" not in result.stderr
+
+
+def cut_after_first_task_end(trace: Path) -> list[dict[str, Any]]:
+    """Keep ``trace`` up to its first ``task_end``: the file a host that stopped right
+    after that record leaves (the file store writes every record in order, at once)."""
+    records = [json.loads(line) for line in trace.read_text("utf-8").splitlines()]
+    end = next(i for i, r in enumerate(records) if r["type"] == "task_end")
+    kept = records[: end + 1]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    return kept
+
+
+def test_follow_ups_a_stopped_host_left_queued_run_after_load(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """R-STEER-6, R-HITL-4, R-ACP-2: the host stopped after a task's end, before the two
+    follow-ups queued behind it started (no task open, both recorded as queued). Loaded in
+    a new process, both run in order and their updates reach the editor; a prompt sent
+    at once runs after them, and nothing is dropped."""
+
+    async def first() -> str:
+        async with greenroom_acp(tmp_path) as agent:
+            sid = await start(agent, workspace)
+            editor = agent.editor
+            editor.choose = lambda call: None if not editor.release.is_set() else "allow_session"
+            task = asyncio.create_task(agent.conn.prompt(session_id=sid, prompt=text(DEMO_PROMPT)))
+            await editor.asked.wait()
+            follow_ups = []
+            for words in ("and now?", "and then?"):
+                params = {"sessionId": sid, "prompt": [{"type": "text", "text": words}]}
+                follow_ups.append(
+                    asyncio.create_task(agent.conn.ext_method("greenroom/follow_up", params))
+                )
+                await agent.wait_sent(lambda m, sent=params: m.get("params") == sent)
+            # Answered after both follow-ups are read (frames are read in order).
+            await agent.conn.list_sessions()
+            editor.release.set()
+            assert (await task).stop_reason == "end_turn"
+            for follow_up in follow_ups:
+                assert (await follow_up)["stopReason"] == "end_turn"
+            assert await agent.close_stdin() == 0
+            return sid
+
+    sid = run(first())
+    trace = next((tmp_path / "data" / "sessions" / sid).glob("trace_*.jsonl"))
+    kept = cut_after_first_task_end(trace)
+    queued = [r["queue_id"] for r in kept if r["type"] == "task_queued"]
+    assert len(queued) == 2 and "task_queue_dropped" not in [r["type"] for r in kept]
+
+    async def second() -> None:
+        async with greenroom_acp(tmp_path) as agent:
+            editor = agent.editor
+            await agent.conn.initialize(protocol_version=1)
+            await agent.conn.load_session(cwd=str(workspace), session_id=sid, mcp_servers=[])
+            answer = await agent.conn.prompt(session_id=sid, prompt=text("thanks"))
+            assert answer.stop_reason == "end_turn"
+            said = editor.text()
+            asked = ("and now?", "and then?", "thanks")
+            positions = [said.find(f'You asked: "{words}"') for words in asked]
+            assert -1 not in positions and positions == sorted(positions), said
+            assert await agent.close_stdin() == 0
+            agent.check_frames()
+
+    run(second())
+    records = [json.loads(line) for line in trace.read_text("utf-8").splitlines()]
+    assert "task_queue_dropped" not in [r["type"] for r in records]
+    prompts = [r for r in records if r["type"] == "user_msg" and r["kind"] == "prompt"]
+    assert [p.get("queued_id") for p in prompts[1:]] == [*queued, None]
+    assert [r["status"] for r in records if r["type"] == "task_end"] == ["completed"] * 4

@@ -65,7 +65,7 @@ import trio
 
 from greenroom.actors.apps.acp_editor import EditorSession
 from greenroom.actors.apps.acp_people import Asked, EditorPeople, OnAnswer, WatchedTask
-from greenroom.actors.apps.acp_sessions import AskEditor, approval_of, list_sessions
+from greenroom.actors.apps.acp_sessions import AskEditor, WatchedWork, approval_of, list_sessions
 from greenroom.actors.apps.acp_tree import TreeWatch, steer
 from greenroom.actors.providers import read_image
 from greenroom.actors.runtime import (
@@ -125,6 +125,10 @@ __all__ = ["AcpAgent", "AcpConfig", "serve_stdio"]
 
 SHUTDOWN_GRACE_S = 5.0
 """How long the running tasks have to end and write their last records at shutdown."""
+
+_Outputs = RunStream | WatchedTask | WatchedWork
+"""What a session's pump reads: a run of this connection, a child's answer's task, or the
+work taken up on load."""
 
 MAX_PENDING_BYTES = 16 * 1024 * 1024
 """How many bytes of frames may wait for the client to read them: past it the client is
@@ -368,7 +372,7 @@ class _AcpSession:
         self.pumping = False
         self.idle = trio.Event()
         self.idle.set()
-        self.reading: RunStream | WatchedTask | None = None
+        self.reading: _Outputs | None = None
         """What the pump reads: the run of this connection, or the watched open task."""
         self.asked = Asked(session, self.mapper, mode)
         """What the editor is asked about this session (R-HITL), and its mode (R-ACP-2)."""
@@ -652,9 +656,13 @@ class AcpAgent:
             )
         entry = self._add_session(session, self._config.mcp_servers_with(request.mcp_servers))
         records = await _replay(session, self._wire.notify)
-        if not entry.pumping and fold(records).run_id is not None:
-            await self._take_up(entry)
-        pending = fold(records).record.pending_people
+        left = fold(records)
+        queued = tuple(follow_up.queue_id for follow_up in left.record.queued)
+        # Follow-ups queued with no task open (their host stopped between a task's end
+        # and the next start) are work too: a prompt would drop them (R-STEER-6).
+        if not entry.pumping and (left.run_id is not None or queued):
+            await self._take_up(entry, queued)
+        pending = left.record.pending_people
 
         def ask_again() -> None:
             # After the answer that ends the replay, so the editor knows the session.
@@ -687,14 +695,16 @@ class AcpAgent:
         _log(f"session {entry.session.id} closed")
         return {}
 
-    async def _take_up(self, entry: _AcpSession) -> None:
-        """Take up the open task the loaded session's trace leaves (R-HITL-4) and stream
-        its updates: a parked one waits on for its answer, one its host lost goes on (its
-        running calls get host-lost results and are not run again)."""
+    async def _take_up(self, entry: _AcpSession, follow_ups: tuple[str, ...]) -> None:
+        """Take up the work the loaded session's trace leaves (R-HITL-4) and stream its
+        updates: the open task — a parked one waits on for its answer, one its host lost
+        goes on (its running calls get host-lost results and are not run again) — then
+        the ``follow_ups`` it holds as queued, in order (R-STEER-6), their calls decided
+        by the session's mode (R-ACP-2) unless they were recorded for people."""
         # Unbounded: the pump never waits on the client, so it drains the watch at once.
         send, receive = trio.open_memory_channel[list[Output]](math.inf)
         entry.session.watch(send)
-        self._pump_soon(entry, WatchedTask(receive))
+        self._pump_soon(entry, WatchedWork(receive, follow_ups))
         await self._host.resume(entry.session.id, approve=entry.approval())
 
     async def _prompt(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -745,7 +755,7 @@ class AcpAgent:
         nursery.start_soon(tree.run)
         return tree
 
-    def _pump_soon(self, entry: _AcpSession, outputs: RunStream | WatchedTask) -> None:
+    def _pump_soon(self, entry: _AcpSession, outputs: _Outputs) -> None:
         entry.pumping = True
         entry.idle = trio.Event()
         entry.reading = outputs
@@ -778,7 +788,7 @@ class AcpAgent:
             )
         return entry
 
-    async def _pump(self, entry: _AcpSession, stream: RunStream | WatchedTask) -> None:
+    async def _pump(self, entry: _AcpSession, stream: _Outputs) -> None:
         session_id = entry.session.id
         try:
             async for output in stream:

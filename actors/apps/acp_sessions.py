@@ -15,6 +15,10 @@ person, and :class:`~greenroom.actors.apps.acp_people.EditorPeople` answers it b
 of the moment; a task started under ``all`` or ``none`` decides through
 :class:`ModeApproval`, which reads the mode at each call and, set to ``ask`` meanwhile,
 asks the editor itself.
+
+A loaded session whose trace leaves work (a task open, follow-ups queued: R-HITL-4,
+R-STEER-6) has it taken up, and :class:`WatchedWork` reads what that work outputs from the
+session's watch, task after task, as a run's own stream would be read.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +36,19 @@ from greenroom.actors.apps.acp_people import Asked
 from greenroom.actors.runtime import Approval, Host, SessionStore
 from greenroom.protocols import acp
 from greenroom.protocols.content import ToolCallBlock
+from greenroom.protocols.outputs import Output, TaskEnd, TaskQueuedOutput, TaskQueueDropped, UserMsg
 from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.text import repair_text
 from greenroom.protocols.wording import clip_words
 
-__all__ = ["FIRST_PROMPT_BYTES", "TITLE_CHARS", "ModeApproval", "approval_of", "list_sessions"]
+__all__ = [
+    "FIRST_PROMPT_BYTES",
+    "TITLE_CHARS",
+    "ModeApproval",
+    "WatchedWork",
+    "approval_of",
+    "list_sessions",
+]
 
 TITLE_CHARS = 60
 """The longest title made from a first prompt (cut at a word, with ``…``)."""
@@ -144,3 +156,60 @@ class ModeApproval:
         if mode == "none":
             return "deny"
         return await self._ask_editor(self._asked, call)
+
+
+class WatchedWork:
+    """The outputs of the work a loaded session's trace leaves, taken up with no run of
+    the connection to read it (R-HITL-4): from a watch of the session, its open task and
+    then each follow-up queued behind it — ``follow_ups``, the ids of those the trace holds
+    as queued, and those queued meanwhile — until the ``task_end`` after which none is
+    left (R-STEER-6). An async iterator, like the run's own stream."""
+
+    def __init__(
+        self, receive: trio.MemoryReceiveChannel[list[Output]], follow_ups: Iterable[str] = ()
+    ) -> None:
+        self._receive = receive
+        self._follow_ups = set(follow_ups)
+        self._batch: list[Output] = []
+        self._index = 0
+
+    def __aiter__(self) -> WatchedWork:
+        return self
+
+    async def __anext__(self) -> Output:
+        while self._index >= len(self._batch):
+            try:
+                self._batch = await self._receive.receive()
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                raise StopAsyncIteration from None
+            self._index = 0
+        output = self._batch[self._index]
+        self._index += 1
+        if output.origin is None:  # a subagent's queue is not this session's
+            self._follow(output)
+        return output
+
+    def _follow(self, output: Output) -> None:
+        """Keep count of the follow-ups still to run; stop reading after the last end."""
+        queued = self._follow_ups
+        match output:
+            case TaskQueuedOutput():
+                queued.add(output.queue_id)
+            case TaskQueueDropped():
+                queued.difference_update(output.queue_ids)
+            case UserMsg() if output.queued_id is not None:
+                queued.discard(output.queued_id)
+            case TaskEnd():
+                if output.status == "auth":
+                    queued.clear()  # a locked session runs none of them
+                if not queued:
+                    # What follows belongs to later tasks, each read by its own run; the
+                    # session forgets the watch at its next batch.
+                    self._batch = []
+                    self._receive.close()
+            case _:
+                pass
+
+    def close(self) -> None:
+        """Stop reading (the iterator ends)."""
+        self._receive.close()
