@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,44 @@ def test_placement_is_the_least_loaded_host_and_spreads_orphans() -> None:
     assert least_loaded([]) is None
     assert assign(["s3", "s1", "s2"], hosts) == {"s1": "a", "s2": "b", "s3": "a"}
     assert assign(["s1"], []) == {}
+
+
+def test_orphans_are_assigned_by_tree_each_once_and_the_load_evened() -> None:
+    """R-CLUSTER-2, R-TREE-2: 300 trees of 1 to 6 orphans over 12 hosts of unequal load:
+    every orphan goes to exactly one host, a tree's orphans to the same one, each host
+    ends within a tree's size of every other, and the answer does not depend on the
+    order the orphans and hosts are listed in (every host computes the same)."""
+    rng = random.Random(7)
+    hosts = [HostRecord(host_id=f"h{n:02}", load=rng.randrange(6)) for n in range(12)]
+    tree_of = {
+        f"t{tree:03}-{node}": f"t{tree:03}"
+        for tree in range(300)
+        for node in range(rng.randrange(1, 7))
+    }
+    orphans = list(tree_of)
+    placed = assign(orphans, hosts, tree_of=tree_of)
+    rng.shuffle(orphans)
+    rng.shuffle(hosts)
+    assert assign(orphans, hosts, tree_of=tree_of) == placed
+    assert sorted(placed) == sorted(orphans)
+    trees: dict[str, set[str]] = {}
+    for session_id, host_id in placed.items():
+        trees.setdefault(tree_of[session_id], set()).add(host_id)
+    assert all(len(owners) == 1 for owners in trees.values())
+    loads = {h.host_id: h.load for h in hosts}
+    for host_id in placed.values():
+        loads[host_id] += 1
+    assert max(loads.values()) - min(loads.values()) <= 6, loads
+
+
+def test_a_tree_goes_to_the_live_host_named_for_it() -> None:
+    """R-TREE-2: a tree whose parent runs on a live host goes there, however loaded; named
+    for a host that is not among the live ones, it goes by load."""
+    hosts = [HostRecord(host_id="a", load=0), HostRecord(host_id="b", load=9)]
+    tree_of = {"c1": "r", "c2": "r", "x1": "x", "x2": "x"}
+    preferred = {"r": "b", "x": "gone"}
+    placed = assign(list(tree_of), hosts, tree_of=tree_of, preferred=preferred)
+    assert placed == {"c1": "b", "c2": "b", "x1": "a", "x2": "a"}
 
 
 def test_a_new_session_stays_on_the_host_asked_unless_another_is_a_quarter_lighter() -> None:

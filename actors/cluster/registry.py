@@ -113,18 +113,44 @@ def place_elsewhere(own_load: int, others: Iterable[HostRecord]) -> HostRecord |
     return best
 
 
-def assign(session_ids: Sequence[str], hosts: Iterable[HostRecord]) -> dict[str, str]:
-    """Spread ``session_ids`` over ``hosts``, each to the host that is least loaded counting
-    the sessions assigned before it (deterministic: same inputs, same answer on every host)."""
-    loads = {h.host_id: h.load for h in hosts}
-    placed: dict[str, str] = {}
+def assign(
+    session_ids: Sequence[str],
+    hosts: Iterable[HostRecord],
+    *,
+    tree_of: Mapping[str, str] | None = None,
+    preferred: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """Spread ``session_ids`` over ``hosts`` by tree: the sessions ``tree_of`` names one
+    tree (absent: a tree of its own) go to one host, so that a parent taken up there knows
+    its background children (R-TREE-2). A tree goes to the host ``preferred`` names for
+    it when that host is among ``hosts`` (the one that runs the rest of the tree); the
+    others, largest first, each to the host that is least loaded counting the sessions
+    assigned before it. Deterministic: the same inputs give the same answer on every host,
+    so no two hosts take one tree and together they take every session."""
+    trees: dict[str, list[str]] = {}
     for session_id in sorted(session_ids):
+        trees.setdefault((tree_of or {}).get(session_id, session_id), []).append(session_id)
+    loads = {h.host_id: h.load for h in hosts}
+    chosen = {
+        tree: host_id
+        for tree, host_id in (preferred or {}).items()
+        if tree in trees and host_id in loads
+    }
+    for tree, host_id in chosen.items():
+        loads[host_id] += len(trees[tree])
+    # Largest first: the small trees then even out what the large ones leave uneven.
+    for tree in sorted(set(trees) - set(chosen), key=lambda t: (-len(trees[t]), t)):
         if not loads:
             break
         host_id = min(loads, key=lambda h: (loads[h], h))
-        placed[session_id] = host_id
-        loads[host_id] += 1
-    return placed
+        chosen[tree] = host_id
+        loads[host_id] += len(trees[tree])
+    return {
+        session_id: chosen[tree]
+        for tree, members in trees.items()
+        if tree in chosen
+        for session_id in members
+    }
 
 
 class HostRegistry:
