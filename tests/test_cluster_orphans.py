@@ -5,9 +5,9 @@ a session while no host is lost)."""
 from __future__ import annotations
 
 from greenroom.actors.cluster.connection import Connection
-from greenroom.actors.cluster.orphans import OrphanFinder
+from greenroom.actors.cluster.orphans import OrphanFinder, orphan_trees
 from greenroom.actors.cluster.ownership import OwnershipKeeper, SessionOwners
-from greenroom.actors.cluster.registry import SessionDirectory
+from greenroom.actors.cluster.registry import HostRecord, SessionDirectory
 from tests.support.nats import (  # the fixture is used as nats_server
     NatsProcess,
     module_nats_server,  # noqa: F401
@@ -122,3 +122,33 @@ def test_a_suspected_orphan_is_read_at_the_next_look(nats_server: NatsProcess) -
         return looks
 
     assert run_connected(nats_server.url, body) == [([], 1), ([], 1), (["a2"], 2)]
+
+
+def test_an_orphans_tree_and_the_host_that_runs_its_parent_are_named(
+    nats_server: NatsProcess,
+) -> None:
+    """R-TREE-2, R-CLUSTER-2: each orphan's tree is its root's id (a root's, its own);
+    a tree whose topmost orphan's parent is open on a live host is named for that host,
+    not for a host that is gone, nor for one its closed parent was last on."""
+
+    def child(root: str, *origin: str) -> dict[str, object]:
+        return {"meta": {"root_id": root, "parent_id": origin[-2], "origin": list(origin)}}
+
+    async def body(conn: Connection) -> tuple[dict[str, str], dict[str, str]]:
+        directory = await SessionDirectory.open(conn)
+        await directory.put("r", {"meta": {}, "host": "host-a"})
+        await directory.put("q", {"meta": {}, "host": "host-gone"})
+        await directory.put("p", {"meta": {}, "host": "host-a", "closed": True})
+        orphans = {
+            "c1": child("r", "r", "c1"),
+            "g1": child("r", "r", "c1", "g1"),
+            "d1": child("q", "q", "d1"),
+            "e1": child("p", "p", "e1"),
+            "lone": {"meta": {}},
+        }
+        hosts = [HostRecord(host_id="host-a", load=5), HostRecord(host_id="host-b", load=0)]
+        return await orphan_trees(directory, orphans, hosts)
+
+    tree_of, preferred = run_connected(nats_server.url, body)
+    assert tree_of == {"c1": "r", "g1": "r", "d1": "q", "e1": "p", "lone": "lone"}
+    assert preferred == {"r": "host-a"}

@@ -854,17 +854,19 @@ async def _until_the_payer_waits(
     tmp_path: Path,
     held: tuple[Tool, trio.Event] | None = None,
     brain: Callable[[ModelRequest], Reply] = _waiting_brain,
+    root_id: str | None = None,
 ) -> tuple[str, str, str]:
     """On host ``a``, run the tree of ``brain`` (:func:`_waiting_brain`) until the root's
     task has ended, the payer's has answered and waits for its background collector, and
     the collector's ``hold`` call runs (``held``: that tool and the event it sets once
-    called; by default one that never returns): the ids of the root, the payer and the
-    collector."""
+    called; by default one that never returns): the ids of the root (``root_id`` when
+    given), the payer and the collector."""
     hold, holding = held or blocking_tool()
     root = await a.host.create_session(
         provider=ScriptedProvider(brain),
         tools=[hold, spawn_subagent],
         workspace_dir=tmp_path,
+        session_id=root_id,
     )
     send, inbox = trio.open_memory_channel[list[Output]](math.inf)
     root.watch(send)
@@ -950,6 +952,68 @@ def test_a_tree_taken_over_together_lets_a_subagent_wait_for_its_running_child(
         return tasks, [text for text in said if FINISHED in text]
 
     tasks, reports = in_cluster(nats_server, tmp_path, ("a", "b"), body, brain=_waiting_brain)
+    assert tasks == ["task_start", "report", "task_end"]
+    assert len(reports) == 1 and "merged: collected 3" in reports[0], reports
+
+
+def test_a_lost_hosts_tree_goes_to_one_host_whose_subagent_waits_for_its_child(
+    tmp_path: Path, nats_server: NatsProcess
+) -> None:
+    """R-TREE-2, R-TREE-4, R-CLUSTER-2: of three hosts, a runs the tree (the payer's task,
+    answered, waits for its background collector, whose call runs) and is lost; b and c,
+    equally idle, each take their share of the orphans at once. The root's id sorts after
+    its children's, so that spread one by one the payer and the collector went to
+    different hosts: the payer's task ended at once, not knowing its child, and the
+    collector's answer came as a second task. Now the tree goes to one host, which takes
+    the three up together: the payer's task waits for the collector, whose answer comes in
+    as its steering, and the root gets the payer's merged answer."""
+
+    async def body(
+        cluster: Cluster,
+    ) -> tuple[tuple[str, ...], dict[str, list[str]], list[str], list[str]]:
+        a, b, c = (cluster.members[h] for h in ("a", "b", "c"))
+        tree = await _until_the_payer_waits(a, tmp_path, root_id="zzzz-root")
+        for session_id in tree:
+            last = a.host.port(session_id).last_seq
+            await until(lambda: _traced_through(cluster, session_id, last))  # noqa: B023
+        keeper = a.node._keeper
+        assert keeper is not None
+        keeper._lose_all("the test's loss")
+        a.stop.set()
+        await a.stopped.wait()
+        taken: dict[str, list[str]] = {}
+
+        async def take(member: Member, share: dict[str, dict[str, Any]]) -> None:
+            taken[member.host_id] = await member.node._take_entries(share)
+
+        async with trio.open_nursery() as nursery:
+            for member in (b, c):
+                node = member.node
+                assert node._finder is not None and node._registry is not None
+                share = functools.partial(take, member)
+                scan = (node._registry, member.host_id, share, lambda: False)
+                nursery.start_soon(node._finder.take_share, *scan)
+        if len(taken) != 1:
+            return tree, taken, [], []
+        root, payer, collector = tree
+        for session_id in (collector, payer):
+            await until(lambda: _task_ended(cluster, session_id))  # noqa: B023
+        tasks = _tasks_of(list((await cluster.traces.read(payer)).records))
+        if tasks != ["task_start", "report", "task_end"]:
+            return tree, taken, tasks, []
+        await until(lambda: _merged_report(cluster, root))
+        root_records = (await cluster.traces.read(root)).records
+        said = [str(r.content) for r in root_records if isinstance(r, UserMsg)]
+        return tree, taken, tasks, [text for text in said if FINISHED in text]
+
+    hosts = ("a", "b", "c")
+    tree, taken, tasks, reports = in_cluster(
+        nats_server, tmp_path, hosts, body, brain=_waiting_brain
+    )
+    # One host took the whole tree (the other found no share), each session once.
+    assert len(taken) == 1, taken
+    (served,) = taken.values()
+    assert sorted(served) == sorted(tree)
     assert tasks == ["task_start", "report", "task_end"]
     assert len(reports) == 1 and "merged: collected 3" in reports[0], reports
 

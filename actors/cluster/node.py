@@ -19,7 +19,7 @@
             ├── host requests    sessions placed on this host by other gateways
             └── orphan scan      every TTL / 2: sessions no live host owns (read in full
                                  only when a host's lease went, :mod:`.orphans`), spread
-                                 over the live hosts; this host takes over its share
+                                 over the live hosts by tree; this host takes over its share
 
 A session the host creates or loads is *adopted*: it is claimed (its owner entry names
 this host's lease, :mod:`.ownership`), its trace fenced, its lines replicated. When the

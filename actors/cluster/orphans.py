@@ -23,22 +23,24 @@ it was closed (``"closed": true``: closed on its host with no task open, a finis
 say, :mod:`.directory_entries`) has no owner and needs none: it is no orphan.
 
 :meth:`OrphanFinder.scan` looks every half TTL and takes over this host's share of the
-orphans (:func:`~.registry.assign`: each to the least loaded host, the same answer on
-every host).
+orphans (:func:`~.registry.assign`: by tree, each tree's orphans to one host — the host
+that runs the rest of the tree, else the least loaded — the same answer on every host).
+The host loads a tree's orphans together before it takes any task up, so a parent taken
+up knows the background children taken up beside it (R-TREE-2, R-TREE-4).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import trio
 
 from greenroom.actors.cluster.errors import ClusterUnavailable
 from greenroom.actors.cluster.ownership import SessionOwners
-from greenroom.actors.cluster.registry import HostRegistry, SessionDirectory, assign
+from greenroom.actors.cluster.registry import HostRecord, HostRegistry, SessionDirectory, assign
 
-__all__ = ["OrphanFinder"]
+__all__ = ["OrphanFinder", "orphan_trees"]
 
 
 class OrphanFinder:
@@ -98,27 +100,71 @@ class OrphanFinder:
         take: Callable[[dict[str, dict[str, Any]]], Awaitable[object]],
         draining: Callable[[], bool],
     ) -> None:
-        """Look every ``every_s`` seconds and ``take`` over the orphans assigned to host
-        ``host_id`` (each id → its directory entry), together: a restarted tree's nodes are
-        taken up knowing each other (R-TREE-2); until cancelled. Return once the host is
-        ``draining`` (a draining host takes nothing over, R-DRAIN-2)."""
+        """Look every ``every_s`` seconds and :meth:`take_share`; until cancelled. Return
+        once the host is ``draining`` (a draining host takes nothing over, R-DRAIN-2)."""
         while True:
             await trio.sleep(every_s)
             if draining():
                 return
-            try:
-                orphans = await self.look()
-                if not orphans:
-                    continue
-                hosts = [h for h in await registry.hosts() if not h.draining]
-            except ClusterUnavailable:
-                continue
-            share = {
-                session_id: orphans[session_id]
-                for session_id, owner in assign(list(orphans), hosts).items()
-                if owner == host_id
-            }
-            if draining():
-                return  # it began draining during this scan
-            if share:
-                await take(share)
+            await self.take_share(registry, host_id, take, draining)
+
+    async def take_share(
+        self,
+        registry: HostRegistry,
+        host_id: str,
+        take: Callable[[dict[str, dict[str, Any]]], Awaitable[object]],
+        draining: Callable[[], bool],
+    ) -> None:
+        """Look once and ``take`` over the orphans assigned to host ``host_id`` (each id →
+        its directory entry), together: a tree's orphans are assigned to one host
+        (:func:`orphan_trees`), which takes its nodes up knowing each other (R-TREE-2).
+        Nothing while the host is ``draining``."""
+        try:
+            orphans = await self.look()
+            if not orphans:
+                return
+            hosts = [h for h in await registry.hosts() if not h.draining]
+            tree_of, preferred = await orphan_trees(self._directory, orphans, hosts)
+        except ClusterUnavailable:
+            return
+        share = {
+            session_id: orphans[session_id]
+            for session_id, owner in assign(
+                list(orphans), hosts, tree_of=tree_of, preferred=preferred
+            ).items()
+            if owner == host_id
+        }
+        if share and not draining():  # it may have begun draining during this look
+            await take(share)
+
+
+async def orphan_trees(
+    directory: SessionDirectory, orphans: Mapping[str, Mapping[str, Any]], hosts: list[HostRecord]
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The tree of each orphan (its root's id, from its directory entry's ``meta``), and
+    the host each tree is best assigned to: the one of ``hosts`` the directory names for
+    the parent of the tree's topmost orphan (the nearest its root; ties: the lowest id)
+    when that parent is no orphan and its entry is open — the host that runs the rest of
+    the tree, so that the parent there knows its children. Raises
+    :class:`ClusterUnavailable`."""
+    tree_of: dict[str, str] = {}
+    tops: dict[str, tuple[int, str, str]] = {}
+    for session_id, entry in sorted(orphans.items()):
+        meta = entry.get("meta")
+        meta = meta if isinstance(meta, dict) else {}
+        root, parent = meta.get("root_id"), meta.get("parent_id")
+        tree = tree_of[session_id] = root if isinstance(root, str) else session_id
+        if isinstance(parent, str) and parent not in orphans:
+            origin = meta.get("origin")
+            depth = len(origin) if isinstance(origin, list) else 0
+            tops[tree] = min(
+                tops.get(tree, (depth, session_id, parent)), (depth, session_id, parent)
+            )
+    live = {h.host_id for h in hosts}
+    preferred: dict[str, str] = {}
+    for tree, (_, _, parent) in sorted(tops.items()):
+        parent_entry = await directory.get(parent) or {"closed": True}  # deleted: none
+        host_id = parent_entry.get("host")
+        if isinstance(host_id, str) and host_id in live and not parent_entry.get("closed"):
+            preferred[tree] = host_id
+    return tree_of, preferred
