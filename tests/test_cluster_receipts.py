@@ -19,7 +19,7 @@ from conftest import RUN_TIMEOUT_S, Gates, allow_all
 
 from greenroom.actors.cluster.connection import Connection
 from greenroom.actors.cluster.node import ClusterConfig, ClusterNode, open_cluster_host
-from greenroom.actors.cluster.store import ReplicatingTraceStore
+from greenroom.actors.cluster.store import ReplicatingTraceLog, ReplicatingTraceStore
 from greenroom.actors.cluster.traces import TraceStream, TraceWriter
 from greenroom.actors.gateway.methods import once_recorded
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, tool_call
@@ -220,3 +220,38 @@ def test_a_steer_after_the_store_gave_the_session_up_is_dropped_while_it_is_open
     answer, in_cluster = run_connected(nats_server.url, body, timeout_s=60.0)
     assert "mind the gap" not in in_cluster
     assert_not_in_cluster(answer, NOT_REPLICATED)
+
+
+def test_a_steer_jetstream_acknowledged_before_the_host_lost_its_session_is_queued(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-STEER-6, R-CLUSTER-1: the host's lease is lost the moment JetStream acknowledges
+    the steer's record, before the session hears of it. Before, giving the session up
+    marked its every record lost, the acknowledged one too: the steer was answered 410
+    though the cluster's trace holds it (and the host taking the session up runs it)."""
+    withheld = Withheld(monkeypatch)
+    recorded = InputReceipt()
+    nodes: list[ClusterNode] = []
+    acknowledge = ReplicatingTraceLog._acknowledge
+
+    def acknowledged_then_lost(log: ReplicatingTraceLog, done: list[tuple[int, int, str]]) -> None:
+        acknowledge(log, done)
+        # At the steer's own acknowledgement: an earlier record's may come first.
+        if any('"steering_queued"' in line for _, _, line in done):
+            keeper = nodes[0]._keeper
+            assert keeper is not None
+            keeper._lose_all("the test's outage")
+
+    monkeypatch.setattr(ReplicatingTraceLog, "_acknowledge", acknowledged_then_lost)
+
+    async def body(conn: Connection) -> tuple[str, str]:
+        async with host_a(conn, nats_server, tmp_path, on_node=nodes.append) as host:
+            session = await _steered_unacknowledged(host, tmp_path, withheld, recorded)
+            withheld.release.set()
+            with trio.fail_after(RUN_TIMEOUT_S):
+                await recorded.settled.wait()
+            return await _answer(recorded), await _cluster_lines(conn, session.id)
+
+    answer, in_cluster = run_connected(nats_server.url, body, timeout_s=60.0)
+    assert "mind the gap" in in_cluster
+    assert answer == str({"queued": True})

@@ -18,7 +18,7 @@ import trio
 
 from greenroom.actors.cluster import store as store_module
 from greenroom.actors.cluster.connection import Connection
-from greenroom.actors.cluster.store import ReplicatingTraceStore
+from greenroom.actors.cluster.store import ReplicatingTraceLog, ReplicatingTraceStore
 from greenroom.actors.cluster.traces import FENCE_HEADER, ROTATE_HEADER, TraceStream, TraceWriter
 from greenroom.actors.runtime.trace_sink import TraceWriteError
 from greenroom.protocols.content import TextBlock
@@ -151,6 +151,58 @@ def test_a_session_no_longer_replicated_says_so_instead_of_passing_records_for_d
         "append": "StaleTraceWriter",
         "lost": "RecordsGivenUp",
         "in_cluster": [],
+    }
+
+
+async def _sync_outcome(log: ReplicatingTraceLog, session_id: str) -> str:
+    """What ``log.sync(session_id)`` raised (its class's name), or "nothing"."""
+    with trio.fail_after(10):
+        try:
+            await log.sync(session_id)
+        except Exception as exc:
+            return type(exc).__name__
+    return "nothing"
+
+
+def test_records_jetstream_acknowledged_stay_acknowledged_when_their_session_is_given_up(
+    nats_server: NatsProcess, tmp_path: Path
+) -> None:
+    # R-STEER-6, R-CLUSTER-1: giving a session up (its lease lost: forget; the store
+    # closed: give_up_all) marked it lost whatever JetStream held already, so the sync of
+    # a receipt whose record JetStream had acknowledged raised RecordsGivenUp, and its
+    # steer was answered 410 for input the cluster's trace holds. Only records given up
+    # unacknowledged, and any appended after, are lost.
+    async def body(conn: Connection) -> dict[str, object]:
+        traces = await TraceStream.open(conn)
+        store = ReplicatingTraceStore(tmp_path, on_fenced=lambda _sid: None)
+        log = store.log
+        found: dict[str, object] = {}
+        async with trio.open_nursery() as nursery:
+            await nursery.start(store.run)
+            await _replicated_from_host_a(store, traces, nursery, "lost", "closed")
+            for sid in ("lost", "closed"):
+                log.append(sid, 1, record(sid, 1))
+                await log.sync(sid)  # JetStream acknowledged it
+            log.forget("lost")  # its lease was lost
+            log.give_up_all()  # as the store's close does
+            for sid in ("lost", "closed"):
+                error = log.error(sid)
+                found[f"{sid} error"] = "nothing" if error is None else type(error).__name__
+                found[f"{sid} sync"] = await _sync_outcome(log, sid)
+            log.append("lost", 2, record("lost", 2))  # reaches no cluster
+            found["lost sync after an append"] = await _sync_outcome(log, "lost")
+            nursery.cancel_scope.cancel()
+        await store.aclose()
+        found["in_cluster"] = [r.seq for r in (await traces.read("lost")).records]
+        return found
+
+    assert run_connected(nats_server.url, body, timeout_s=20.0) == {
+        "lost error": "nothing",
+        "lost sync": "nothing",
+        "closed error": "nothing",
+        "closed sync": "nothing",
+        "lost sync after an append": "RecordsGivenUp",
+        "in_cluster": [1],
     }
 
 

@@ -103,6 +103,12 @@ class _Replica:
         self.number: int | None = None
         """The trace file of the last record planned into a message."""
         self.error: TraceWriteError | None = None
+        """Why records of the session never reach JetStream, once one does not (fenced, or
+        given up unacknowledged, or appended after it was given up): its syncs raise it."""
+        self.given_up: TraceWriteError | None = None
+        """Why the store stopped replicating the session, once it did. The records
+        JetStream acknowledged before stay acknowledged: a sync that covers only them
+        succeeds, and only a record lost then or appended since sets :attr:`error`."""
         self.wakeup = trio.Event()
         self.idle = trio.Event()
         self.idle.set()
@@ -226,10 +232,10 @@ class ReplicatingTraceLog:
         self._on_fenced = on_fenced
         self._largest_input = largest_input
         self._replicas: dict[str, _Replica] = {}
-        self._stopped: dict[str, TraceWriteError] = {}
-        """Why each session stopped being replicated here (fenced, or given up), until it
-        is replicated again: its later records reach no cluster, and the session says so
-        instead of passing them for durable."""
+        self._stopped: dict[str, _Replica] = {}
+        """The replicas of the sessions that stopped being replicated here (fenced, or
+        given up), until they are replicated again: their later records reach no cluster,
+        and the session says so instead of passing them for durable."""
         self._closed: set[str] = set()
         """The sessions replicated until they were closed here (:meth:`stop`)."""
         self._forked: dict[str, list[tuple[int, str]]] = {}
@@ -268,9 +274,8 @@ class ReplicatingTraceLog:
         self._closed.discard(session_id)
         replica = self._replicas.pop(session_id, None)
         if replica is not None:
-            self._give_up(replica, replica.error or self._lost(session_id))
-            assert replica.error is not None
-            self._stopped[session_id] = replica.error
+            self._give_up(replica, replica.given_up or self._lost(session_id))
+            self._stopped[session_id] = replica
 
     async def settled(self, session_id: str) -> bool:
         """Return once JetStream has acknowledged every record of ``session_id`` queued so
@@ -280,7 +285,7 @@ class ReplicatingTraceLog:
         if replica is None:
             return False
         await replica.idle.wait()
-        return replica.error is None and self._replicas.get(session_id) is replica
+        return replica.given_up is None and self._replicas.get(session_id) is replica
 
     def stop(self, session_id: str) -> None:
         """Stop replicating ``session_id``, closed here once JetStream acknowledged all its
@@ -301,7 +306,7 @@ class ReplicatingTraceLog:
         """The store is closed: records JetStream has not acknowledged are given up (their
         tickets count as done)."""
         for replica in list(self._replicas.values()):
-            self._give_up(replica, replica.error or self._lost(replica.session_id))
+            self._give_up(replica, replica.given_up or self._lost(replica.session_id))
 
     async def stream_to(
         self,
@@ -344,7 +349,7 @@ class ReplicatingTraceLog:
                 )
                 self._replicas.pop(session_id, None)
                 self._give_up(replica, error)
-                self._stopped[session_id] = error
+                self._stopped[session_id] = replica
                 self._on_fenced(session_id)
                 return
             except ClusterUnavailable:
@@ -376,8 +381,13 @@ class ReplicatingTraceLog:
                     _tell(reply, ticket)
 
     def _give_up(self, replica: _Replica, error: TraceWriteError) -> None:
-        replica.error = error
+        """Stop replicating ``replica`` for ``error``: its records JetStream has not
+        acknowledged count as done, and lost. Given up with none lost, the session fails no
+        sync until it appends a record, which then reaches no cluster (a fence refuses it)."""
+        replica.given_up = error
         lost = replica.in_flight() + replica.queue
+        if lost or isinstance(error, StaleTraceWriter):
+            replica.error = error
         replica.unsent, replica.queue = [], []
         self._acknowledge(lost)
         replica.idle.set()
@@ -434,16 +444,16 @@ class ReplicatingTraceLog:
     def append(self, session_id: str, seq: int, line: str) -> int:
         """As the file log; a replicated session's record is also queued for JetStream,
         under a ticket of its own. A fenced session's appends are refused."""
-        replica = self._replicas.get(session_id)
+        replica = self._replicas.get(session_id) or self._stopped.get(session_id)
         if replica is not None and isinstance(replica.error, StaleTraceWriter):
             raise replica.error
-        stopped = self._stopped.get(session_id)
-        if isinstance(stopped, StaleTraceWriter):
-            raise stopped
         ticket = self.files.append(session_id, seq, line)
-        if replica is not None and replica.error is None:
-            return self._queue(replica, self.files.trace_number(session_id), line)
-        return ticket
+        if replica is None:
+            return ticket
+        if replica.given_up is not None:
+            replica.error = replica.error or replica.given_up  # it reaches no cluster
+            return ticket
+        return self._queue(replica, self.files.trace_number(session_id), line)
 
     def _queue(self, replica: _Replica, number: int, line: str) -> int:
         ticket = next(self._tickets)
@@ -491,10 +501,8 @@ class ReplicatingTraceLog:
         local = self.files.error(session_id)
         if local is not None:
             return local
-        replica = self._replicas.get(session_id)
-        if replica is not None:
-            return replica.error
-        return self._stopped.get(session_id)
+        replica = self._replicas.get(session_id) or self._stopped.get(session_id)
+        return None if replica is None else replica.error
 
     def clear_error(self, session_id: str) -> None:
         """As the file log (a fencing stays: the session is someone else's)."""
@@ -502,19 +510,24 @@ class ReplicatingTraceLog:
 
     async def sync(self, session_id: str | None = None) -> None:
         """As the file log, and every record appended before is acknowledged by
-        JetStream (R-TRACE-2 in the cluster). Raises the fencing's StaleTraceWriter."""
+        JetStream (R-TRACE-2 in the cluster). Raises the fencing's StaleTraceWriter, or
+        RecordsGivenUp when the session was given up with records JetStream had not
+        acknowledged, or appended one since; records acknowledged before it was given up
+        stay acknowledged."""
         await self.files.sync(session_id)
         replicas = (
             list(self._replicas.values())
             if session_id is None
-            else [r for r in [self._replicas.get(session_id)] if r is not None]
+            else [
+                r
+                for r in [self._replicas.get(session_id) or self._stopped.get(session_id)]
+                if r is not None
+            ]
         )
         for replica in replicas:
             await replica.idle.wait()
             if replica.error is not None:
                 raise replica.error
-        if session_id is not None and (stopped := self._stopped.get(session_id)) is not None:
-            raise stopped
 
     def rotate(self, session_id: str) -> str:
         """As the file log; the next records go to JetStream after a rotation marker."""
