@@ -97,8 +97,11 @@ NOT_REPLICATED = "the session stopped being replicated before its trace reached 
 def assert_not_in_cluster(answer: str, why: str) -> None:
     """``answer`` is the 410 of a steer whose record never reached the cluster's trace,
     for ``why``."""
-    assert answer.startswith("its record did not reach the cluster's trace (cannot write ")
-    assert answer.endswith(f"{why}): the input was dropped, not queued")
+    assert answer.startswith(
+        "the input was dropped, not queued: its record did not reach the cluster's trace"
+        " (cannot write "
+    )
+    assert answer.endswith(f"{why})")
 
 
 def host_a(

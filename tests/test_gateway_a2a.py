@@ -37,7 +37,7 @@ from a2a.types import (
 from a2a.utils.errors import A2AError
 from conftest import Gates, Lookup, answer_meeting_a_close, hold_after_first, port_of
 from test_gateway import TOKEN, connect, lookup_brain, lookup_script, serving
-from test_gateway_queued import hold_task_end, steered_event
+from test_gateway_queued import closed_before_it_ran, hold_task_end, steered_event
 from trio_websocket import open_websocket_url
 
 from greenroom.actors.gateway import GatewayLimits
@@ -440,9 +440,7 @@ async def test_steering_that_a_closing_session_drops_is_answered_410(
                 assert port.closed
                 let_end.set()
             [(refusal, [frame])] = sent
-            assert refusal == (
-                f"session {sid} closed before the steering ran: the input was dropped, not queued"
-            )
+            assert refusal == closed_before_it_ran(sid, "steer")
             assert frame["error"]["code"] == jsonrpc.GONE == 410, frame
             assert len(server.providers[0].requests) == 2  # the words reached no model
 
@@ -483,9 +481,7 @@ async def test_steering_a_session_whose_close_began_once_it_was_found_is_answere
                 await answered.wait()  # when closing: answered while the task still ends
                 let_end.set()
             [(refusal, [frame])] = sent
-            assert refusal == (
-                f"session {sid} closed before the steering ran: the input was dropped, not queued"
-            )
+            assert refusal == closed_before_it_ran(sid, "steer")
             assert frame["error"]["code"] == jsonrpc.GONE == 410, frame
             assert server.gateway._calls.queue_room.pending(sid, "steering") == 0  # R-SEC-9
             assert len(server.providers[0].requests) == 1  # the words reached no model

@@ -116,7 +116,7 @@ def gated_then_ok() -> list[ScriptStep]:
 def closed_before_it_ran(session_id: str, method: str) -> str:
     """The 410 message of ``method``'s input sent to ``session_id`` as it closes."""
     what = "steering" if method == "steer" else "follow-up"
-    return f"session {session_id} closed before the {what} ran: the input was dropped, not queued"
+    return f"the input was dropped, not queued: session {session_id} closed before the {what} ran"
 
 
 async def test_late_steering_is_answered_queued_once_recorded_not_when_its_task_starts(
