@@ -670,6 +670,60 @@ def test_a_placement_taken_over_before_its_gateway_gave_up_is_the_clients_sessio
     assert isinstance(found["ran"].get("run_id"), str), found
 
 
+def _hold_takeovers_until(released: trio.Event, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every host's takeovers (its orphan scan, a call reopening a session) wait for
+    ``released``: what a withdrawn placement leaves is seen before any host deletes it."""
+    take_entries = ClusterNode._take_entries
+
+    async def held(self: ClusterNode, entries: dict[str, Any]) -> list[str]:
+        await released.wait()
+        return await take_entries(self, entries)
+
+    monkeypatch.setattr(ClusterNode, "_take_entries", held)
+
+
+def test_a_withdrawn_placement_is_listed_by_no_other_gateway(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """b makes the session placed on it and stalls before its answer leaves; a's gateway
+    gives up, records the withdrawal and answers its client with a session of its own. No
+    host has deleted b's session yet. A third gateway, c, lists the client's session and
+    not b's, whose directory entry names a placement the cluster records withdrawn.
+    Before, every gateway but a's listed it until it was deleted (R-CLUSTER-1, R-SEC-9)."""
+    stalled = _stall_b_once_it_made_the_placed_session(monkeypatch)
+    listed = trio.Event()
+    _hold_takeovers_until(listed, monkeypatch)
+
+    async def body(conn: Connection) -> dict[str, Any]:
+        async with _placing_on_b(
+            conn, nats_server.url, tmp_path, request_timeout_s=IN_TIME_TIMEOUT_S
+        ) as (a, _, _):
+            async with _client(a) as client:
+                told = (await client.result("session.create"))["session_id"]
+            (made,) = stalled.made_id
+            directory = await SessionDirectory.open(conn)
+
+            async def made_is_the_clients() -> bool:
+                entry = await directory.get(made)
+                return entry is not None and PRINCIPAL in (entry.get("principals") or ())
+
+            await _until(made_is_the_clients)
+            entry = await directory.get(made)
+            async with (
+                _member(conn, nats_server.url, tmp_path, "c", request_timeout_s=ANSWERED_S) as c,
+                _client(c) as client,
+            ):
+                listing = await client.result("session.list")
+            listed.set()
+            stalled.resumed.set()
+            ids = [s["session_id"] for s in listing["sessions"]]
+            return {"told": told, "made": made, "entry": entry, "listed": ids}
+
+    found = run_connected(nats_server.url, body, timeout_s=BOUND_S)
+    assert isinstance(found["entry"].get("placement"), str), found  # b's, not deleted yet
+    assert found["listed"] == [found["told"]], found
+
+
 SMALL_PAYLOAD = 128 * 1024
 """The max_payload of a NATS server that carries less than a trace record a gateway frame
 can make (greenroom's own servers take 8 MiB)."""

@@ -17,13 +17,13 @@ a directory that cannot be read leaves the local listing as it is, with a note s
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping
+from collections.abc import Container, Iterable, Mapping
 from typing import Any
 
 import trio
 
 from greenroom.actors.cluster.errors import ClusterUnavailable
-from greenroom.actors.cluster.placements import PLACEMENT_FIELD
+from greenroom.actors.cluster.placements import PLACEMENT_FIELD, PlacementRecords
 from greenroom.actors.cluster.registry import SessionDirectory
 from greenroom.actors.runtime.host import stored_root
 
@@ -78,12 +78,13 @@ async def sessions_elsewhere(
     *,
     bound_s: float,
     withdrawn: Container[str] = (),
+    placements: PlacementRecords | None = None,
 ) -> tuple[list[dict[str, Any]], str | None]:
     """The sessions of the directory ``principal`` may see (``granted``: those granted to it
     at this gateway) but ``listed`` leaves out (those this host lists already), newest
     first; and a note when the directory was not read whole (None when it was). A session
-    made for a placement of ``withdrawn`` is left out: it is on its way out of the cluster
-    (:mod:`.placements`)."""
+    made for a placement of ``withdrawn``, or one ``placements`` records withdrawn, is left
+    out: it is on its way out of the cluster (:mod:`.placements`)."""
     try:
         with trio.fail_after(bound_s):
             entries, whole = await passes.read()
@@ -91,13 +92,18 @@ async def sessions_elsewhere(
         return [], f"unavailable: {exc}"
     except trio.TooSlowError:
         return [], f"unavailable: the session directory was not read within {bound_s:g} s"
-    found = [
-        listed_from_entry(session_id, entry)
+    shown = {
+        session_id: entry
         for session_id, entry in entries.items()
         if session_id not in listed
         and visible(principal, session_id, entry, entries, granted)
         and not _withdrawn(entry, withdrawn)
-    ]
+    }
+    if placements is not None:
+        # Any gateway may have withdrawn it, not only this one: the cluster's record says.
+        gone = await _withdrawn_elsewhere(placements, shown.values(), bound_s)
+        shown = {sid: entry for sid, entry in shown.items() if not _withdrawn(entry, gone)}
+    found = [listed_from_entry(session_id, entry) for session_id, entry in shown.items()]
     found.sort(key=lambda s: s.get("created_at", 0.0), reverse=True)
     if whole:
         return found, None
@@ -167,6 +173,23 @@ def listed_from_entry(session_id: str, entry: Mapping[str, Any]) -> dict[str, An
 def _withdrawn(entry: Mapping[str, Any], withdrawn: Container[str]) -> bool:
     placement = entry.get(PLACEMENT_FIELD)
     return isinstance(placement, str) and placement in withdrawn
+
+
+async def _withdrawn_elsewhere(
+    placements: PlacementRecords, entries: Iterable[Mapping[str, Any]], bound_s: float
+) -> Container[str]:
+    """The placements named by ``entries`` that the cluster records withdrawn; none when
+    the records cannot be read within ``bound_s`` (those sessions are listed, as before
+    any withdrawal). Only a placed session whose first task has not started names one."""
+    named = {e[PLACEMENT_FIELD] for e in entries if isinstance(e.get(PLACEMENT_FIELD), str)}
+    if not named:
+        return ()
+    with trio.move_on_after(bound_s):
+        try:
+            return await placements.withdrawn_among(named)
+        except ClusterUnavailable:
+            pass
+    return ()
 
 
 def _principals(entry: Mapping[str, Any]) -> tuple[str, ...]:

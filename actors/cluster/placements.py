@@ -27,7 +27,7 @@ import contextlib
 import contextvars
 import json
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -108,22 +108,45 @@ class PlacementRecords:
         :class:`ClusterUnavailable`."""
         return (await self._decide(placement, {"kept": session_id})).get("withdrawn") is not True
 
-    async def _decide(self, placement: str, record: dict[str, Any]) -> dict[str, Any]:
-        """Write ``record`` unless ``placement`` has one already: the one that holds."""
-        key = check_session_id(placement)
+    async def withdrawn_among(self, placements: Iterable[str]) -> frozenset[str]:
+        """Those of ``placements`` recorded withdrawn, read without recording anything.
+        Raises :class:`ClusterUnavailable`."""
+        found = set()
+        for placement in placements:
+            try:
+                key = check_session_id(placement)
+            except ValueError:
+                continue  # not an id a gateway makes: never recorded
+            try:
+                record = await self._conn.call((await self._bucket()).get(key))
+            except nats.js.errors.KeyNotFoundError:
+                continue
+            except nats.js.errors.APIError as exc:
+                raise ClusterUnavailable(f"cannot read placement {placement}: {exc}") from exc
+            if _record(record.value).get("withdrawn") is True:
+                found.add(placement)
+        return frozenset(found)
+
+    async def _bucket(self) -> nats.js.kv.KeyValue:
         if self._kv is None:
             self._kv = await open_bucket(
                 self._conn, self._conn.names.placements, ttl_s=PLACEMENT_RECORD_TTL_S
             )
+        return self._kv
+
+    async def _decide(self, placement: str, record: dict[str, Any]) -> dict[str, Any]:
+        """Write ``record`` unless ``placement`` has one already: the one that holds."""
+        key = check_session_id(placement)
+        kv = await self._bucket()
         try:
-            await self._conn.call(self._kv.create(key, json.dumps(record).encode()))
+            await self._conn.call(kv.create(key, json.dumps(record).encode()))
             return record
         except nats.js.errors.KeyWrongLastSequenceError:
             pass
         except nats.js.errors.APIError as exc:
             raise ClusterUnavailable(f"cannot record placement {placement}: {exc}") from exc
         try:
-            found = await self._conn.call(self._kv.get(key))
+            found = await self._conn.call(kv.get(key))
         except nats.js.errors.KeyNotFoundError:
             return record  # expired in between: long past any withdrawal
         except nats.js.errors.APIError as exc:

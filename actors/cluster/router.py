@@ -43,8 +43,8 @@ cluster, and the owner's side of the requests it forwards.
   session in time but stalled before its answer arrived deletes it when it wakes. The
   withdrawal is recorded in the cluster first (:mod:`.placements`): a host that takes the
   session up after that host died or stalled past its lease deletes it instead, and one
-  that took it up before makes it the client's session. The gateway's ``session.list``
-  leaves out a session of a placement it withdrew meanwhile.
+  that took it up before makes it the client's session. No gateway's ``session.list``
+  lists a session of a withdrawn placement meanwhile (:mod:`.listing`).
 """
 
 from __future__ import annotations
@@ -701,6 +701,7 @@ class ClusterRouter:
             listed,
             bound_s=self._timeout_s,
             withdrawn=self._withdrawn,
+            placements=self._placements,
         )
 
     async def _may_use(self, principal: str, session_id: str, entry: dict[str, Any]) -> bool:
