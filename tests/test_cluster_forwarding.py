@@ -357,13 +357,18 @@ async def _placing_on_b(
         loaded = await a.host.create_session(
             provider=ScriptedProvider([]), workspace_dir=tmp_path / "ws"
         )
-        registry = await HostRegistry.open(conn, ttl_s=LEASE_TTL_S)
-
-        async def b_placeable() -> bool:
-            return any(h.host_id == "b" and h.placeable for h in await registry.hosts())
-
-        await _until(b_placeable)
+        await _until_placeable(conn, "b")
         yield a, b, loaded.id
+
+
+async def _until_placeable(conn: Connection, host_id: str) -> None:
+    """Return once host ``host_id`` takes placed sessions."""
+    registry = await HostRegistry.open(conn, ttl_s=LEASE_TTL_S)
+
+    async def placeable() -> bool:
+        return any(h.host_id == host_id and h.placeable for h in await registry.hosts())
+
+    await _until(placeable)
 
 
 async def _left_after_placing(
@@ -722,6 +727,116 @@ def test_a_withdrawn_placement_is_listed_by_no_other_gateway(
     found = run_connected(nats_server.url, body, timeout_s=BOUND_S)
     assert isinstance(found["entry"].get("placement"), str), found  # b's, not deleted yet
     assert found["listed"] == [found["told"]], found
+
+
+
+def _silence_b_once_it_made_the_placed_session(monkeypatch: pytest.MonkeyPatch) -> _StalledB:
+    """b makes the session placed on it, and neither its answer nor its taking up of the
+    withdrawal ever leaves: it stops (cleanly) first. ``made`` is set once the withdrawal
+    has reached it."""
+    silenced = _StalledB()
+    for_host = OwnerDesk.for_host
+
+    async def silent_for_host(
+        self: OwnerDesk, message: dict[str, Any], *args: Any
+    ) -> dict[str, Any]:
+        if message.get("method") == router_module.WITHDRAWN_METHOD:
+            silenced.made.set()
+            await silenced.resumed.wait()  # never: b stops first
+        reply = await for_host(self, message, *args)
+        if message.get("method") == "session.create":
+            silenced.made_id.append(reply["result"]["session_id"])
+            await silenced.resumed.wait()
+        return reply
+
+    monkeypatch.setattr(OwnerDesk, "for_host", silent_for_host)
+    return silenced
+
+
+async def _listed_by_b_restarted(
+    conn: Connection, url: str, tmp_path: Path, expected: set[str]
+) -> dict[str, Any]:
+    """b started again on its data dir, once the cluster's sessions are ``expected`` (its
+    orphan scan took up what it found; bounded): the sessions of the cluster then, those
+    b's session.list lists and those its data dir holds."""
+    async with (
+        _member(conn, url, tmp_path, "b", request_timeout_s=ANSWERED_S) as b,
+        _client(b) as client,
+    ):
+        await _until_placeable(conn, "b")  # its gateway serves the cluster's sessions
+        in_cluster = await _sessions_in_cluster(conn, expected)
+        listing = await client.result("session.list")
+        stored = await b.host.list_sessions()
+    return {
+        "in_cluster": in_cluster,
+        "listed_by_b": [s["session_id"] for s in listing["sessions"]],
+        "stored_on_b": [s.session_id for s in stored],
+    }
+
+
+def test_a_withdrawn_placement_deleted_while_its_host_was_away_leaves_it_nothing(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """b makes the session placed on it and its answer never leaves; a's gateway gives up
+    and withdraws the placement, and b stops cleanly before it takes the withdrawal up. a's
+    orphan scan deletes b's session from the cluster. b, started again on its data dir,
+    deletes its copy: its session.list and its data dir hold none. Before, b listed the
+    deleted session as its own (R-CLUSTER-1, R-SEC-9)."""
+    silenced = _silence_b_once_it_made_the_placed_session(monkeypatch)
+
+    async def body(conn: Connection) -> dict[str, Any]:
+        url = nats_server.url
+        async with _member(conn, url, tmp_path, "a", request_timeout_s=IN_TIME_TIMEOUT_S) as a:
+            loaded = await a.host.create_session(
+                provider=ScriptedProvider([]), workspace_dir=tmp_path / "ws"
+            )
+            async with _member(conn, url, tmp_path, "b", request_timeout_s=IN_TIME_TIMEOUT_S):
+                await _until_placeable(conn, "b")
+                async with _client(a) as client:
+                    told = (await client.result("session.create"))["session_id"]
+                await silenced.made.wait()
+            (made,) = silenced.made_id
+            found = {"deleted": await _sessions_in_cluster(conn, {loaded.id, told})}
+            found["taken_up_by_a"] = a.node.serves(made)
+        restarted = await _listed_by_b_restarted(conn, url, tmp_path, {loaded.id, told})
+        return {**found, **restarted, "made": made}
+
+    found = run_connected(nats_server.url, body, timeout_s=BOUND_S)
+    assert found["made"] not in found["deleted"] and not found["taken_up_by_a"], found
+    assert found["made"] not in found["listed_by_b"], found
+    assert found["stored_on_b"] == [], found
+
+
+def test_a_withdrawn_placement_its_own_host_takes_up_again_is_deleted_there_too(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, but the whole cluster stops before any host takes b's session up. b,
+    started again on its data dir, finds it an orphan and deletes it: from the cluster,
+    and its own copy too. Before, only the cluster's part went and b listed the session
+    as its own (R-CLUSTER-1, R-SEC-9)."""
+    silenced = _silence_b_once_it_made_the_placed_session(monkeypatch)
+    hold = trio.Event()
+    _hold_takeovers_until(hold, monkeypatch)  # a deletes nothing before it stops
+
+    async def body(conn: Connection) -> dict[str, Any]:
+        async with _placing_on_b(
+            conn, nats_server.url, tmp_path, request_timeout_s=IN_TIME_TIMEOUT_S
+        ) as (a, _, loaded):
+            async with _client(a) as client:
+                told = (await client.result("session.create"))["session_id"]
+            await silenced.made.wait()
+        (made,) = silenced.made_id
+        hold.set()
+        directory = await SessionDirectory.open(conn)
+        found = {"entry_left": await directory.get(made) is not None}
+        restarted = await _listed_by_b_restarted(conn, nats_server.url, tmp_path, {loaded, told})
+        return {**found, **restarted, "made": made}
+
+    found = run_connected(nats_server.url, body, timeout_s=BOUND_S)
+    assert found["entry_left"], found  # no host had taken it up
+    assert found["made"] not in found["in_cluster"], found
+    assert found["made"] not in found["listed_by_b"], found
+    assert found["made"] not in found["stored_on_b"], found  # it took a's sessions over
 
 
 SMALL_PAYLOAD = 128 * 1024

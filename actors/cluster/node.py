@@ -95,7 +95,7 @@ from greenroom.actors.cluster.traces import TraceRead, TraceStream, TraceWriter,
 from greenroom.actors.cluster.tree_link import ParentLink, reopen_if_closed
 from greenroom.actors.runtime.accounting import PrincipalBudget
 from greenroom.actors.runtime.admission import ProviderLimits
-from greenroom.actors.runtime.errors import ConfigurationError
+from greenroom.actors.runtime.errors import ConfigurationError, SessionNotFound
 from greenroom.actors.runtime.host import Host, SessionObserver, take_up_loaded
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.port import Approval
@@ -257,6 +257,7 @@ class ClusterNode:
         self._registry = await HostRegistry.open(self.conn, ttl_s=self._owners.ttl_s)
         self._directory = await SessionDirectory.open(self.conn)
         self._entries.bind(host, self._directory)
+        await _drop_deleted_copies(self._placements, host)
         reopen = functools.partial(reopen_if_closed, self._directory, self._take_entry)
         link = ParentLink(self._requests, host, self._approve, timeout_s=ttl, reopen=reopen)
         host.child_reports.link = link.send
@@ -491,7 +492,9 @@ class ClusterNode:
             if await _lane_done(self._lanes, self._work, session_id, self.serves):
                 served.append(session_id)
             elif await withdrawn(self._placements, session_id, entry):
-                await _forget(self._entries, self._traces, self._keeper, session_id, claim=True)
+                await _delete_withdrawn(
+                    self._host, self._entries, self._traces, self._keeper, session_id
+                )
             elif await self._load_over(session_id, entry.get("meta") or {}):
                 loaded.append(session_id)
         served += _take_up(self._host, self._entries, loaded, self._approve)
@@ -731,6 +734,41 @@ async def _forget(
     except ClusterUnavailable as exc:
         log(f"cannot remove session {session_id} from the cluster: {exc}")
     await keeper.release(session_id)
+
+
+async def _delete_withdrawn(
+    host: Host,
+    entries: DirectoryEntries,
+    traces: TraceStream,
+    keeper: OwnershipKeeper,
+    session_id: str,
+) -> None:
+    """Delete ``session_id``, made for a placement its gateway withdrew, from the cluster
+    and from this host's data dir when it holds a copy (the host it was placed on,
+    started again on its data dir, takes it up)."""
+    await _forget(entries, traces, keeper, session_id, claim=True)
+    await _delete_copy(host, session_id)
+
+
+async def _drop_deleted_copies(records: PlacementRecords, host: Host) -> None:
+    """Delete the copies this host's data dir holds of sessions the cluster deleted for
+    their withdrawn placements while this host was away (:mod:`.placements`): it stopped
+    or died before it took the withdrawal up, and would list them as its own."""
+    try:
+        deleted = await records.deleted_sessions()
+    except ClusterUnavailable as exc:
+        log(f"cannot read which placed sessions were deleted ({exc}); copies of them may stay")
+        return
+    for session_id in deleted:
+        await _delete_copy(host, session_id)
+
+
+async def _delete_copy(host: Host, session_id: str) -> None:
+    """Delete ``session_id`` from this host's data dir, when it is there."""
+    with contextlib.suppress(SessionNotFound):
+        if await host.trace_store.catalog.exists(session_id):
+            await host.delete_session(session_id)
+            log(f"deleted session {session_id} here: its placement was withdrawn")
 
 
 async def _close_quietly(host: Host, session_id: str) -> None:
