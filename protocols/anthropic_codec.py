@@ -178,7 +178,10 @@ class RequestEncoder:
         non-empty), ``tools`` (only when any), ``output_config`` or ``tool_choice`` (a
         structured answer, see :meth:`_answer_form`), ``messages``. Consecutive messages of
         one role are merged; tool results come first in a user message, in their order;
-        empty text is dropped. Raises ``ValueError`` for an unknown thinking level.
+        empty text is dropped; adjacent text blocks of an assistant message are one text
+        block, joined by line breaks as every reader joins them (the model's text split to
+        fit a cluster's records is sent back whole). Raises ``ValueError`` for an unknown
+        thinking level.
         """
         budget = _thinking_config(request.thinking_level)
         max_tokens = request.max_tokens
@@ -329,14 +332,23 @@ class RequestEncoder:
             return _UserEnc(results, others)
         full: list[dict[str, Any]] = []
         plain: list[dict[str, Any]] = []
+        text: dict[str, Any] | None = None  # where the message's text blocks so far went
         for block in msg.content:
             if isinstance(block, TextBlock):
-                if block.text:
-                    d: dict[str, Any] = {"type": "text", "text": block.text}
-                    full.append(d)
-                    plain.append(d)
-            elif isinstance(block, ToolCallBlock):
-                d = {"type": "tool_use", "id": block.id, "name": block.name,
+                if text is not None and block.text:
+                    # Adjacent text blocks are one text in lines, as every reader joins
+                    # them: the model's text split to fit a cluster's records
+                    # (trace.fit_model_block) is sent back as it wrote it. Sent apart,
+                    # Anthropic would join them with nothing between (R-TRACE).
+                    text["text"] += "\n" + block.text
+                elif block.text:
+                    text = {"type": "text", "text": block.text}
+                    full.append(text)
+                    plain.append(text)
+                continue
+            text = None
+            if isinstance(block, ToolCallBlock):
+                d: dict[str, Any] = {"type": "tool_use", "id": block.id, "name": block.name,
                      "input": block.arguments}
                 full.append(d)
                 plain.append(d)

@@ -9,7 +9,8 @@ the same line of thought after a tool call. Three pieces, none of which does I/O
 * :class:`RequestEncoder` turns a :class:`ModelRequest` into the JSON body. The system
   prompt is ``instructions``; context messages become input items (user messages, then
   ``function_call_output`` items paired by ``call_id`` (R-TOOL-7); assistant messages
-  become ``reasoning``, ``message`` and ``function_call`` items in block order). The
+  become ``reasoning``, ``message`` and ``function_call`` items in block order, adjacent
+  text blocks one ``message`` joined by line breaks as every reader joins them). The
   encoding is deterministic and append-only, so the prefix of turn N+1 is byte-identical to
   turn N; ``prompt_cache_key`` is derived from the context's first item and the tools, so it
   is stable for the whole model context.
@@ -151,16 +152,20 @@ def _image_part(loader: ImageLoader, block: ImageBlock) -> dict[str, Any] | None
 
 def _encode_assistant(message: AssistantMessage, *, reasoning: bool) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
+    text: dict[str, Any] | None = None  # where the message's text blocks so far went
     for block in message.content:
         if isinstance(block, TextBlock):
-            items.append(
-                {
-                    "type": "message",
-                    "role": "assistant",
-                    "content": [{"type": "output_text", "text": block.text}],
-                }
-            )
-        elif isinstance(block, ToolCallBlock):
+            if text is None:
+                text = {"type": "output_text", "text": block.text}
+                items.append({"type": "message", "role": "assistant", "content": [text]})
+            elif block.text:
+                # Adjacent text blocks are one text in lines, as every reader joins them:
+                # the model's text split to fit a cluster's records (trace.fit_model_block)
+                # is sent back as it wrote it, not as messages apart (R-TRACE).
+                text["text"] = f"{text['text']}\n{block.text}" if text["text"] else block.text
+            continue
+        text = None
+        if isinstance(block, ToolCallBlock):
             # Invalid argument text is not resent; the paired output says what went wrong.
             items.append(
                 {

@@ -48,6 +48,7 @@ from greenroom.protocols.stream import (
     UsageReported,
     coalesce_deltas,
 )
+from greenroom.protocols.trace import fit_model_block
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 MANIFEST: dict[str, Any] = json.loads((FIXTURES / "manifest.json").read_text())
@@ -685,6 +686,24 @@ def test_empty_text_is_dropped_and_empty_messages_get_placeholder() -> None:
                        content=(TextBlock(text=""),))
     tr = build_request(request([user(empty)]))["messages"][0]["content"][0]
     assert tr["content"][0]["text"] == NO_OUTPUT
+
+
+def test_a_text_split_to_fit_records_is_sent_back_as_the_model_wrote_it() -> None:
+    """R-TRACE, R-SEC-9, R-CLUSTER-1: the model's text split at line breaks to fit a
+    cluster's records (trace.fit_model_block) is sent back as one text block, its pieces
+    joined by the line breaks left out between them (before: one block a piece, which
+    Anthropic joins with nothing between, the model's history without those breaks); a
+    text after a tool call stays a block of its own."""
+    text = "\n".join(f"line {i}: " + "y" * 90 for i in range(40))
+    pieces = fit_model_block(TextBlock(text=text), 1000)
+    assert isinstance(pieces, tuple) and len(pieces) >= 3
+    msgs = [user("go"), assistant(*pieces, call("a"), "after"), user(result("a"))]
+    content = build_request(request(msgs))["messages"][1]["content"]
+    assert content == [
+        {"type": "text", "text": text},
+        {"type": "tool_use", "id": "a", "name": "read_file", "input": {}},
+        {"type": "text", "text": "after"},
+    ]
 
 
 def test_image_fallback_and_loader() -> None:

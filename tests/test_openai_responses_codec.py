@@ -48,6 +48,7 @@ from greenroom.protocols.stream import (
     coalesce_deltas,
 )
 from greenroom.protocols.tools import MAX_ARGUMENT_DEPTH
+from greenroom.protocols.trace import fit_model_block
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "openai_responses"
 
@@ -306,6 +307,27 @@ def test_request_shape_pairs_outputs_by_call_id_and_carries_reasoning_in_the_cha
         {"type": "function_call", "call_id": "call_1", "name": "get_weather",
          "arguments": '{"city": "Oslo"}'},
         {"type": "function_call_output", "call_id": "call_1", "output": "4°C"},
+    ]
+
+
+def test_a_text_split_to_fit_records_is_sent_back_as_the_model_wrote_it() -> None:
+    """R-TRACE, R-SEC-9, R-CLUSTER-1: the model's text split at line breaks to fit a
+    cluster's records (trace.fit_model_block) is sent back as one message, its pieces
+    joined by the line breaks left out between them (before: one assistant message a
+    piece, the model's history without those breaks); a text after a call stays apart."""
+    text = "\n".join(f"line {i}: " + "y" * 90 for i in range(40))
+    pieces = fit_model_block(TextBlock(text=text), 1000)
+    assert isinstance(pieces, tuple) and len(pieces) >= 3
+    prompt = UserMessage(content=(TextBlock(text="Weather in Oslo?"),))
+    answer = AssistantMessage(content=(*pieces, CALL, TextBlock(text="after")))
+    items = build_request(request(prompt, answer, UserMessage(content=(RESULT,))))["input"]
+    assert items[1:4] == [
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": text}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Oslo"}'},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "after"}]},
     ]
 
 
