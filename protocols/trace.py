@@ -212,9 +212,11 @@ def fit_model_block(block: ModelBlock, most: int) -> tuple[ModelBlock, ...] | st
     that records of at most ``most`` bytes (:func:`record_size`; a cluster's NATS server,
     R-SEC-9, R-CLUSTER-1) hold: itself when it fits. Text (or thinking with no signature,
     which no provider needs back byte for byte) too large for one is split at line breaks
-    into several blocks, each within a record, which joined by line breaks — as every
-    reader of a message's text blocks joins them, and an OpenAI-style request sends them —
-    are the whole text again. Anything else, or a line longer than a record, cannot be
+    into several blocks, each within a record and none blank, which joined by line breaks
+    — as every reader of a message's text blocks joins them, and every codec sends
+    adjacent text blocks of the model's as one text — are the whole text again. The pieces
+    carry no line break of their own: a message's text reads the same split or not.
+    Anything else, or a line longer than a record, cannot be
     recorded: the sentence returned says so, naming its size and the limit. A tool call is
     never cut or split: one that runs must be recorded as the model made it."""
     if type(block) is TextBlock and len(block.text) * _MOST_BYTES_A_CHARACTER < most - 64:
@@ -282,23 +284,50 @@ def _partial_marker(left_out: int, total: int, most: int) -> str:
 
 def _split_at_lines(text: str, room: int) -> list[str] | None:
     """``text`` in pieces of whole lines, each taking at most ``room`` bytes in a record's
-    JSON string, the line breaks between pieces left out; None when a line alone is
-    larger."""
+    JSON string, the line breaks between pieces left out, and none blank: providers refuse
+    a text block of whitespace alone (Anthropic), and a reader that skips empty blocks
+    would lose its line breaks. None when there are no such pieces: a line alone is
+    larger, or blank lines find no room beside a line of text."""
+    lines = text.split("\n")
+    count = len(lines)
+    # A string's JSON is its characters', each escaped alone: the quotes aside, a piece
+    # takes its lines' bytes and two (\\n) for each line break between them. ``taken[i]``:
+    # the bytes of lines[:i], each with a line break.
+    taken = [0]
+    for line in lines:
+        taken.append(taken[-1] + len(compact_json(line).encode("utf-8", "backslashreplace")))
+    # next_text[i]: the first line from i on that is not blank (count: none).
+    next_text = [count] * (count + 1)
+    for i in range(count - 1, -1, -1):
+        next_text[i] = i if lines[i].strip() else next_text[i + 1]
+    # farthest[i]: the line a piece from line i ends at, at the latest (exclusive).
+    farthest = [0] * count
+    end = 0
+    for i in range(count):
+        end = max(end, i + 1)
+        while end < count and taken[end + 1] - taken[i] - 2 <= room:
+            end += 1
+        if taken[end] - taken[i] - 2 > room:
+            return None  # a line alone is larger
+        farthest[i] = end
+    # A piece from line i ends after its first line of text and within the room; the
+    # rest can be pieces too when it ends at a line the same holds for. ``rest[i]``: the
+    # lines from i on (and the text's end) that the rest of the text can start at.
+    rest = [0] * (count + 2)
+    rest[count] = 1
+    for i in range(count - 1, -1, -1):
+        low, high = next_text[i] + 1, farthest[i]
+        rest[i] = rest[i + 1] + (low <= high and rest[low] > rest[high + 1])
+    if rest[0] == rest[1]:
+        return None
     pieces: list[str] = []
-    lines: list[str] = []
-    used = 0
-    for line in text.split("\n"):
-        # A string's JSON is its characters', each escaped alone: the quotes aside, a
-        # piece takes its lines' bytes and two (\\n) for each line break between them.
-        size = len(compact_json(line).encode("utf-8", "backslashreplace")) - 2
-        if size > room:
-            return None
-        if lines and used + 2 + size > room:
-            pieces.append("\n".join(lines))
-            lines, used = [], 0
-        used += size + (2 if lines else 0)
-        lines.append(line)
-    pieces.append("\n".join(lines))
+    start = 0
+    while start < count:  # each piece as long as the rest allows: few records
+        end = farthest[start]
+        while rest[end] == rest[end + 1]:
+            end -= 1
+        pieces.append("\n".join(lines[start:end]))
+        start = end
     return pieces
 
 

@@ -334,3 +334,43 @@ def test_fit_partial_leaves_thinking_out_first_and_keeps_the_text_the_carry_over
     assert fitted[0] == TextBlock(text="after") and fitted[-1].text.startswith("[cut: 1 of 2")
     assert record_size(fitted) <= 1000
     assert fit_partial((answer,), 4000) == (answer,)
+
+
+ROOM = 800 - record_size(TextBlock(text=""))
+"""The bytes of text one record of 800 bytes holds in a text block."""
+
+
+@pytest.mark.parametrize(
+    "lines",
+    [
+        ["a" * 300, "b" * (ROOM - 305), "", "", "c" * ROOM],
+        ["a" * 300, "b" * (ROOM - 306), "  ", "\t", "c" * ROOM],
+        ["a" * 300, "b" * (ROOM - 330), *[""] * 20, "c" * (ROOM - 10)],
+    ],
+    ids=["empty-lines", "whitespace-lines", "run-of-blank-lines"],
+)
+def test_fit_model_block_makes_no_blank_piece(lines: list[str]) -> None:
+    """R-SEC-9, R-CLUSTER-1, R-TRACE: text split to fit records is never split into a
+    piece of whitespace alone (providers refuse such a text block: Anthropic's "text
+    content blocks must contain non-whitespace text"; a reader skipping empty blocks loses
+    its line break): blank lines the piece before has no room for and that leave no room
+    for the line after them make that piece end earlier; the pieces, each within a record,
+    joined by line breaks are the whole text (before: the blank lines were a piece of
+    their own)."""
+    text = "\n".join(lines)
+    pieces = fit_model_block(TextBlock(text=text), 800)
+    assert isinstance(pieces, tuple) and len(pieces) == 3, pieces
+    assert all(isinstance(b, TextBlock) and b.text.strip() for b in pieces), pieces
+    assert all(record_size(b) <= 800 for b in pieces)
+    assert "\n".join(b.text for b in pieces if isinstance(b, TextBlock)) == text
+
+
+def test_fit_model_block_refuses_blank_lines_no_piece_has_room_for() -> None:
+    """R-SEC-9: a blank line between two lines that each fill a record has no piece to go
+    in (one of its own would be whitespace alone, and pieces are joined by line breaks):
+    the text cannot be recorded, and the sentence says so (before: a piece ``""``)."""
+    block = TextBlock(text="\n".join(["a" * ROOM, "", "b" * ROOM]))
+    assert fit_model_block(block, 800) == (
+        f"the model's text takes {record_size(block)} bytes in the trace, more than the "
+        "800 bytes one record of this session's trace carries"
+    )
