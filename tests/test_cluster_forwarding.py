@@ -72,7 +72,7 @@ from greenroom.actors.runtime.host import Host
 from greenroom.actors.tools.questions import ask_user
 from greenroom.protocols import markers
 from greenroom.protocols.content import ImageBlock, ModelBlock, TextBlock, ToolCallBlock
-from greenroom.protocols.context import AssistantMessage
+from greenroom.protocols.context import AssistantMessage, UserMessage
 from greenroom.protocols.hooks import Hooks, Rewrite
 from greenroom.protocols.outputs import (
     ModelMsg,
@@ -1484,6 +1484,58 @@ def test_a_model_text_no_record_holds_is_split_at_line_breaks_and_kept_whole(
         answer = found["requests"][-1].messages[-2]
         assert isinstance(answer, AssistantMessage)
         assert answer.content == (*split, TextBlock(text="Done."))
+
+
+def test_a_compaction_summary_no_record_holds_is_cut_and_the_session_goes_on(
+    tmp_path: Path,
+) -> None:
+    """R-SEC-9, R-CLUSTER-1, R-COMPACT-8: on a cluster host whose NATS server takes 128 KiB,
+    the model summarizes the context in 300 KB: the compaction ends ``ok`` with the
+    summary's start and a marker saying what was left out, its record within what NATS
+    carries; the new context starts from that summary, and the session stays on its host
+    for its next task (before: the record was larger than NATS takes and the session
+    stopped on its host)."""
+    summary = "\n".join(f"fact {i}: " + "z" * 90 for i in range(3000))
+
+    async def compact(conn: Connection, url: str) -> dict[str, Any]:
+        async with _member(conn, url, tmp_path, "a", request_timeout_s=30.0) as owner:
+            replies = [Reply(blocks=(text(t),)) for t in ("Done.", summary, "Next.")]
+            provider = ScriptedProvider(replies)
+            session = await owner.host.create_session(
+                provider=provider, workspace_dir=tmp_path / "ws"
+            )
+            await session.run("go", approve=allow_all).result()
+            end = await session.compact()
+            settled = await owner.node.store.log.settled(session.id)  # type: ignore[union-attr]
+            then = (await session.run("go on", approve=allow_all).result()).task_end
+            return {
+                "end": end,
+                "then": then,
+                "settled": settled,
+                "serves": owner.node.serves(session.id),
+                "most": owner.host.trace_log.largest_input(),
+                "requests": provider.requests,
+            }
+
+    with running_nats(tmp_path / "nats", max_payload=SMALL_PAYLOAD) as server:
+        found = run_connected(server.url, lambda conn: compact(conn, server.url),
+                              timeout_s=BOUND_S)
+    assert found["settled"] and found["serves"], "the session stopped on its host"
+    end = found["end"]
+    assert end is not None and end.status == "ok"
+    assert record_size(end) <= SMALL_PAYLOAD
+    kept, _, marker = end.summary.rpartition("\n")
+    assert summary.startswith(kept) and len(kept) > 100_000
+    assert marker == (
+        f"[cut: {len(summary) - len(kept)} of {len(summary)} characters left out to fit one "
+        f"record of this session's trace ({found['most']} bytes); the rest is not kept]"
+    )
+    assert found["then"].status == "completed"
+    first = found["requests"][-1].messages[0]
+    assert isinstance(first, UserMessage)
+    assert first.content == (
+        TextBlock(text=markers.wrap(markers.CONTEXT_SUMMARY, end.summary)),
+    )
 
 
 def test_a_persons_answer_past_what_nats_carries_is_refused_and_the_question_waits(

@@ -13,6 +13,7 @@ awaits :meth:`CompactionRun.finish` once the summary is there.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import attrs
 import trio
@@ -34,6 +35,7 @@ from greenroom.protocols.outputs import (
     TokenUsageOutput,
 )
 from greenroom.protocols.stream import ModelError, StreamEvent, TokenUsage
+from greenroom.protocols.trace import cut_to_fit, record_size
 
 __all__ = ["CompactionRun"]
 
@@ -157,6 +159,10 @@ class CompactionRun:
         trace_file = port.rotate_trace()
         self.running = False
         answers = port.machine.record.answers
+        schema = answers.schema if answers is not None else None
+        if self.summary is not None:
+            most = port.host.trace_log.largest_input()
+            self.summary = _summary_in_a_record(self.summary, self._kept, schema, most)
         emitter.emit(
             CompactionEnd(
                 session_id=port.id,
@@ -166,7 +172,7 @@ class CompactionRun:
                 trace_file=trace_file,
                 summary=self.summary,
                 kept_input=self._kept,  # type: ignore[arg-type]
-                output_schema=answers.schema if answers is not None else None,
+                output_schema=schema,
             )
         )
         # The new file is read on its own when the session is loaded: the follow-ups
@@ -225,3 +231,21 @@ class CompactionRun:
         )
         port.record_usage(self._run_id, self._turn, usage)
         self._emitter.flush()
+
+
+def _summary_in_a_record(
+    summary: str, kept: tuple[object, ...], schema: dict[str, Any] | None, most: int | None
+) -> str:
+    """``summary`` as the ``compaction_end`` record that starts the new context carries it
+    beside the ``kept`` input and the task's output ``schema``, in a trace whose records
+    hold at most ``most`` bytes of input (None: a file, no limit): whole when it fits, else
+    its start and a marker saying what was left out. The compaction's token limit bounds a
+    summary, but a cluster's NATS server may take less, and a record it cannot carry would
+    stop the session on its host (R-SEC-9, R-CLUSTER-1, R-COMPACT-8). It is cut rather than
+    split: the one record alone must rebuild the context, and a summary is already a cut."""
+    if most is None:
+        return summary
+    # What the record carries beside it (the marker names the room left when anything).
+    beside = (record_size(kept) if kept else 0) + (record_size(schema) if schema else 0)
+    room = most - beside
+    return cut_to_fit(summary, max(room, 0), None)
