@@ -16,6 +16,7 @@ from conftest import RUN_TIMEOUT_S, Lookup, allow_all, collect, of_type, open_ho
 from test_people import until_parked
 
 from greenroom import Host
+from greenroom.actors.runtime.client_tools_file import CLIENT_TOOLS_FILE, keep_client_tools
 from greenroom.actors.runtime.errors import ConfigurationError
 from greenroom.actors.scripted import Reply, ScriptedProvider, text, tool_call
 from greenroom.actors.tools.questions import ask_user
@@ -139,6 +140,35 @@ async def test_a_client_tools_call_under_a_callback_waits_across_a_close_and_a_r
                               provider=ScriptedProvider(script[1:]))
             await until_parked(host, session.id)
             await answer_loaded_again(host, session.id, ScriptedProvider([]))
+
+
+@pytest.mark.parametrize("kept", ["whole", "unreadable"])
+async def test_kept_client_tools_reach_the_session_whatever_loads_it(
+    host: Host, workspace: Path, kept: str
+) -> None:
+    """R-PROTO-2, R-HITL-4: a session's kept client tools came back only when the AG-UI
+    endpoint loaded it; a session the host loads (``Host.load_session``, as an answer,
+    a gateway call or ``resume_tasks`` does) has them now. A kept file that cannot be
+    read leaves them out — the session loads whole — and ``load_errors`` says why."""
+    session = await host.create_session(
+        provider=ScriptedProvider([Reply(blocks=(text("hi"),))]), workspace_dir=workspace
+    )
+    await collect(session.run("hello"))
+    session.set_client_tools([PICK])
+    await keep_client_tools(host.port(session.id))
+    assert (session.directory / CLIENT_TOOLS_FILE).stat().st_mode & 0o777 == 0o600
+    await host.close_session(session.id)
+    if kept == "unreadable":
+        (session.directory / CLIENT_TOOLS_FILE).write_text("[{", encoding="utf-8")
+    loaded = await host.load_session(session.id, provider=ScriptedProvider([]))
+    assert len(loaded.transcript.messages) == 2  # its conversation, whatever the file
+    if kept == "whole":
+        assert [t.name for t in loaded.tools] == ["pick_color"]
+        assert list(loaded.load_errors) == []
+    else:
+        assert loaded.tools == ()
+        (problem,) = loaded.load_errors
+        assert CLIENT_TOOLS_FILE in problem and "left out" in problem
 
 
 async def answer_loaded_again(host: Host, session_id: str, provider: ScriptedProvider) -> None:

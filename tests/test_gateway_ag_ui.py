@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import threading
 from pathlib import Path
 from typing import Any, cast
@@ -25,6 +26,7 @@ from test_gateway import TOKEN, connect, lookup_brain, lookup_script, serving
 
 from greenroom.actors.gateway import ag_ui as ag_ui_front
 from greenroom.actors.gateway.ag_ui import FRONT_END_TOOLS_FILE
+from greenroom.actors.runtime import client_tools_file
 from greenroom.protocols import ag_ui, jsonrpc
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.outputs import (
@@ -487,7 +489,7 @@ async def test_two_runs_giving_a_thread_tools_at_once_keep_the_later_ones(
     time now, and only while its tools are the session's; the later run's write is
     made even when its run is cancelled (its client left) while it waits its turn."""
     entered, let_go = threading.Event(), threading.Event()
-    replace_file = ag_ui_front._replace_file
+    replace_file = client_tools_file.replace_private_file
 
     def held_once(path: Path, text: str) -> None:
         if not entered.is_set():
@@ -500,7 +502,7 @@ async def test_two_runs_giving_a_thread_tools_at_once_keep_the_later_ones(
             url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
             await posted(url, run_input("thread-f", "run-1", "pick one"))
             session = server.host.get_session("thread-f")
-            monkeypatch.setattr(ag_ui_front, "_replace_file", held_once)
+            monkeypatch.setattr(client_tools_file, "replace_private_file", held_once)
             endpoint = ag_ui_front.AgUiEndpoint(cast(Any, None))
             later = {**COLOR_TOOL, "name": "pick_shade"}
             async with trio.open_nursery() as nursery:
@@ -523,10 +525,10 @@ def test_a_kept_tools_file_that_cannot_be_written_leaves_nothing_behind(
     temporary file in the session's directory, one more each run; the file is fsynced
     before it replaces the last, so a power cut leaves the one or the other whole."""
     kept = tmp_path / FRONT_END_TOOLS_FILE
-    ag_ui_front._replace_file(kept, "[1]")
+    client_tools_file.replace_private_file(kept, "[1]")
     synced: list[int] = []
     monkeypatch.setattr(os, "fsync", synced.append)
-    ag_ui_front._replace_file(kept, "[2]")
+    client_tools_file.replace_private_file(kept, "[2]")
     assert len(synced) == 1 and kept.read_text() == "[2]"
 
     def full(fd: int) -> None:
@@ -534,7 +536,7 @@ def test_a_kept_tools_file_that_cannot_be_written_leaves_nothing_behind(
 
     monkeypatch.setattr(os, "fsync", full)
     with pytest.raises(OSError):
-        ag_ui_front._replace_file(kept, "[3]")
+        client_tools_file.replace_private_file(kept, "[3]")
     assert [p.name for p in tmp_path.iterdir()] == [FRONT_END_TOOLS_FILE]
     assert kept.read_text() == "[2]"
 
@@ -640,6 +642,93 @@ async def test_a_front_end_result_whose_thread_began_to_close_is_taken_there_wit
             assert (result["toolCallId"], result["content"]) == ("f1", "orange")
             assert second.events[-1][1]["outcome"] == {"type": "success"}, second.events[-1]
             assert len(server.providers) == 2 and "pick_color" in offered(server)
+
+
+async def test_front_end_tools_reach_a_session_loaded_again_by_a_websocket_answer(
+    tmp_path: Path,
+) -> None:
+    """R-PROTO-2, R-HITL-1: a thread's kept front-end tools reached its session loaded
+    again only when the AG-UI endpoint loaded it: the websocket ``answer`` of the waiting
+    front-end call, on the closed session, loaded it without them, and the task went on
+    without them. Every load gives the session its kept client tools: the model's next
+    request offers ``pick_color``."""
+    with trio.fail_after(BOUND_S * 2):
+        async with serving(tmp_path, color_brain, ag_ui=True) as server:
+            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+            first = await posted(url, run_input("thread-f", "run-1", "pick one",
+                                                tools=[COLOR_TOOL]))  # fmt: skip
+            assert first.of("STATE_SNAPSHOT")[-1]["snapshot"]["pendingToolCalls"] == ["f1"]
+            await server.host.close_session("thread-f")
+            async with connect(server) as client:
+                answer = {"session_id": "thread-f", "call_id": "f1", "text": "orange"}
+                assert await client.result("answer", answer) == {}
+                await client.result("session.subscribe", {"session_id": "thread-f",
+                                                          "after_seq": 0})  # fmt: skip
+                after = await client.outputs_until("task_end")
+            assert after[-1]["status"] == "completed", after[-1]
+            assert len(server.providers) == 2 and "pick_color" in offered(server)
+
+
+async def test_front_end_tools_reach_a_task_cut_mid_turn_taken_up_after_a_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-PROTO-2, R-HITL-4: the host died (its session's files copied as they were)
+    while the model's request after a front-end call's result streamed; the host started
+    on them takes the task up (``resume_tasks``) in a session it loads itself, which had
+    none of the thread's front-end tools: the request made again did not offer them. It
+    offers them now."""
+    from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
+    from greenroom.actors.runtime import provider_clients
+    from greenroom.protocols.context import ModelRequest, ToolResult
+
+    asked_again = trio.Event()
+
+    def cut_after_the_result() -> Any:
+        def brain(request: ModelRequest, stream: Any) -> Any:
+            if any(isinstance(p, ToolResult) for p in request.messages[-1].content):
+                return held()
+            return Reply(blocks=(text("Let me ask."), tool_call("f1", "pick_color",
+                                                                hint="warm")))  # fmt: skip
+
+        async def held() -> None:
+            asked_again.set()
+            await trio.sleep_forever()  # the host stops mid-request
+
+        return brain
+
+    with trio.fail_after(BOUND_S * 2):
+        async with serving(tmp_path, cut_after_the_result, ag_ui=True) as server:
+            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+            first = await posted(url, run_input("thread-f", "run-1", "pick one",
+                                                tools=[COLOR_TOOL]))  # fmt: skip
+            assert first.of("STATE_SNAPSHOT")[-1]["snapshot"]["pendingToolCalls"] == ["f1"]
+            async with connect(server) as client:
+                answer = {"session_id": "thread-f", "call_id": "f1", "text": "orange"}
+                assert await client.result("answer", answer) == {}
+            await asked_again.wait()
+            assert "pick_color" in offered(server)
+            # The process dies here: what its session's directory holds is what is left.
+            session = server.host.get_session("thread-f")
+            crashed = tmp_path / "crashed"
+            shutil.copytree(session.directory, crashed / "data" / "sessions" / "thread-f")
+        # The host taking the task up loads the session with its settings' provider.
+        taken_up: list[ScriptedProvider] = []
+        asked_after_the_restart = trio.Event()
+
+        def answering(request: ModelRequest) -> Reply:
+            asked_after_the_restart.set()
+            return Reply(blocks=(text("You picked it."),))
+
+        def provider(*_: Any) -> ScriptedProvider:
+            taken_up.append(ScriptedProvider(answering))
+            return taken_up[-1]
+
+        monkeypatch.setattr(provider_clients, "make_provider", provider)
+        async with serving(crashed, color_brain, ag_ui=True,
+                           host_options={"resume_tasks": True}):  # fmt: skip
+            await asked_after_the_restart.wait()
+    # The request cut by the host's death, made again.
+    assert "pick_color" in [t.name for t in taken_up[0].requests[0].tools]
 
 
 async def test_front_end_tools_that_cannot_be_offered_are_refused(

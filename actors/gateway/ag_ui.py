@@ -22,10 +22,12 @@ One request does one of three things:
   anything.
 
 The run's ``tools`` become the session's client tools (``Session.set_client_tools``) for
-its tasks; one named like a tool of the session's own is 400. They are kept next to the
-session's ``session.json`` (:data:`FRONT_END_TOOLS_FILE`), so that the thread's session
-loaded again — after its close or a restart, and for a resume whose thread began to close
-once its interrupts were found — has them for the task it takes up and the next runs.
+its tasks; one named like a tool of the session's own is 400. The runtime keeps them next
+to the session's ``session.json`` (:data:`FRONT_END_TOOLS_FILE`,
+:mod:`~greenroom.actors.runtime.client_tools_file`), and every load of the session gives
+them back: the thread's session loaded again — after its close or a restart, by this
+endpoint, a websocket ``answer``, ``serve``'s resumed tasks — has them for the task it
+takes up and the next runs.
 
 Every run's events come from the session (:class:`SessionFeed`), never from the task's
 own channel: a front end that disconnects loses nothing, the task goes on, and it
@@ -34,18 +36,12 @@ reconnects from its last event id.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
-import os
 import re
-import secrets
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import pydantic
-import trio
 from ag_ui.core import RunAgentInput
 
 from greenroom.actors.gateway.config import SESSION_ID
@@ -53,9 +49,13 @@ from greenroom.actors.gateway.feeds import SessionFeed
 from greenroom.actors.gateway.http_front import EventSink, HttpRequest, Reply
 from greenroom.actors.gateway.hubs import replay_records
 from greenroom.actors.gateway.methods import Methods, loading_unless_open
+from greenroom.actors.runtime.client_tools_file import (
+    CLIENT_TOOLS_FILE,
+    give_client_tools,
+    keep_client_tools,
+)
 from greenroom.actors.runtime.errors import ConfigurationError, GreenroomError, SessionNotFound
 from greenroom.actors.runtime.session import Session
-from greenroom.actors.runtime.storage import PRIVATE_FILE_MODE
 from greenroom.protocols import ag_ui, jsonrpc
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.jsonrpc import RpcError
@@ -65,17 +65,16 @@ from greenroom.protocols.tools import Tool, client_tool, value_too_deep
 
 __all__ = ["AG_UI_PATH", "FRONT_END_TOOLS_FILE", "AgUiEndpoint"]
 
-logger = logging.getLogger(__name__)
-
 AG_UI_PATH = "/ag-ui"
 
 LAST_EVENT_ID = re.compile(r"[0-9]{1,18}")
 """An event id this endpoint gives: ASCII digits (``str.isdigit`` takes ``²`` too)."""
 MAX_TEXT_CHARS = 100_000
 """The longest text a run's new user messages may carry."""
-FRONT_END_TOOLS_FILE = "ag_ui_tools.json"
+FRONT_END_TOOLS_FILE = CLIENT_TOOLS_FILE
 """A thread's front-end tools as its last run gave them (AG-UI's ``name``,
-``description``, ``parameters``), next to the session's ``session.json``."""
+``description``, ``parameters``), next to the session's ``session.json``: the runtime's
+kept client tools."""
 
 
 class _Refused(Exception):
@@ -92,8 +91,6 @@ class AgUiEndpoint:
 
     def __init__(self, methods: Methods) -> None:
         self._methods = methods
-        self._keeping = trio.Lock()
-        """Held while a thread's front-end tools are written (rarely: when they change)."""
         self._states: dict[str, str] = {}
         """The state each thread's front end sent last (JSON), to tell the model of a
         change only; forgotten with the process (the state is told again once)."""
@@ -163,34 +160,22 @@ class AgUiEndpoint:
     async def _client_tools(self, session: Session, run: RunAgentInput) -> tuple[Tool, ...]:
         """Make the run's front-end tools the session's client tools, and keep them for
         the thread (when it gives any: a run without ``tools`` keeps those of the thread's
-        last run, given again to a session loaded since, which has none); the tools."""
+        last run, which every load of its session gives back); the tools."""
+        port = session.host.port(session.id)
         if run.tools:
-            dumped = [t.model_dump() for t in run.tools]
             try:
-                given = ag_ui.client_tools(dumped)
+                given = ag_ui.client_tools(t.model_dump() for t in run.tools)
             except ag_ui.ClientToolError as exc:
                 raise _Refused(400, str(exc)) from None
-            before = [t.schema for t in session.host.port(session.id).client_tools]
+            before = [t.schema for t in port.client_tools]
             try:
                 session.set_client_tools([client_tool(*tool) for tool in given])
             except ConfigurationError as exc:
                 raise _Refused(400, f"$.tools: {exc}") from None
-            port = session.host.port(session.id)
-            tools = port.client_tools
-            if [t.schema for t in tools] != before:
-                # Kept once per change: a front end sends its tools with every run. One
-                # write at a time, and only while they are the session's: of two runs
-                # that give a thread tools at once, the file keeps the later's. Shielded:
-                # the session has them already, and a run whose client left must keep
-                # them too (a later run giving the same finds no change to keep).
-                with trio.CancelScope(shield=True):
-                    async with self._keeping:
-                        if port.client_tools == tools:
-                            await _keep_front_end_tools(session.directory, json.dumps(dumped))
-            return tools
-        if tools := session.host.port(session.id).client_tools:
-            return tools
-        return _with_tools(session, await _kept_front_end_tools(session.directory))
+            if [t.schema for t in port.client_tools] != before:
+                # Kept once per change: a front end sends its tools with every run.
+                await keep_client_tools(port)
+        return port.client_tools
 
     async def _tool_results(self, session: Session, run: RunAgentInput) -> dict[str, str]:
         """The results the run's ``tool`` messages give the front-end calls that wait."""
@@ -320,77 +305,14 @@ class AgUiEndpoint:
 
 
 def _with_tools(session: Session, tools: Sequence[Tool]) -> tuple[Tool, ...]:
-    """Give the thread's open session — loaded again — the thread's front-end ``tools``
-    when it has no client tools yet (a tool named like one of its own since is left out,
-    with a warning: its own stays); the client tools it has."""
+    """Give the thread's open session — loaded again — the run's front-end ``tools`` when
+    it has no client tools (its kept ones could not be read, or were not kept: a failed
+    write); the client tools it has."""
     try:
         port = session.host.port(session.id)
     except SessionNotFound:
-        return tuple(tools)  # closed meanwhile: the load that answers it gives them
-    if port.client_tools or not tools:
-        return port.client_tools
-    # A file edited by hand may name a tool twice, or like one of the session's own.
-    names = set(port.own_tool_names())
-    kept: list[Tool] = []
-    for tool in tools:
-        if tool.name not in names:
-            kept.append(tool)
-            names.add(tool.name)
-    if len(kept) < len(tools):
-        logger.warning(
-            "session %s: front-end tools named like its own or like another left out",
-            session.id,
-        )
-    port.set_client_tools(tuple(kept))
-    return tuple(kept)
-
-
-async def _keep_front_end_tools(directory: Path, tools: str) -> None:
-    """Keep ``tools`` (JSON, as the run gave them) for the thread whose session is stored in
-    ``directory``, replaced at once; a failed write is logged, the run goes on (its
-    session has them while it stays open)."""
-    try:
-        await trio.to_thread.run_sync(_replace_file, directory / FRONT_END_TOOLS_FILE, tools)
-    except OSError as exc:
-        logger.warning("cannot keep the front-end tools in %s: %s", directory, exc)
-
-
-def _replace_file(path: Path, text: str) -> None:
-    # A name of its own: two runs of the thread may keep their tools at once.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
-    # Private from its creation, as every file of a session is (R-SEC-8).
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        with os.fdopen(os.open(tmp, flags, PRIVATE_FILE_MODE), "w", encoding="utf-8") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())  # whole after a power cut, or the last one kept
-        tmp.replace(path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-
-
-async def _kept_front_end_tools(directory: Path) -> tuple[Tool, ...]:
-    """The front-end tools kept for the thread stored in ``directory`` (none when it has
-    none, or they cannot be read: logged)."""
-    path = directory / FRONT_END_TOOLS_FILE
-    try:
-        text = await trio.to_thread.run_sync(path.read_text, "utf-8")
-    except FileNotFoundError:
-        return ()
-    except (OSError, UnicodeDecodeError) as exc:
-        logger.warning("cannot read the front-end tools in %s: %s", path, exc)
-        return ()
-    try:
-        kept = json.loads(text)
-        entries = kept if isinstance(kept, list) else []
-        given = ag_ui.client_tools(t for t in entries if isinstance(t, dict))
-    except (ValueError, RecursionError) as exc:  # ClientToolError is a ValueError
-        logger.warning("front-end tools in %s left out: %s", path, exc)
-        return ()
-    return tuple(client_tool(*tool) for tool in given)
+        return tuple(tools)  # closed meanwhile: the load that answers it gives the kept
+    return give_client_tools(port, tools)
 
 
 def _loaded_again(session: Session) -> Session | None:

@@ -23,6 +23,7 @@ import trio
 
 from greenroom.actors.runtime.accounting import Accounting, stored_origin
 from greenroom.actors.runtime.admission import ProviderAdmissions
+from greenroom.actors.runtime.client_tools_file import give_kept_client_tools
 from greenroom.actors.runtime.errors import ConfigurationError, SessionNotFound
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.mcp_servers import McpServers
@@ -329,6 +330,8 @@ class PortBuilder:
                 port.subscribe(forward_up_while_open(port, self._open_port))
             if mcp_configs:
                 await self.mcp.attach(port, mcp_configs)
+            # Whatever loads it, it offers its kept client tools again (R-PROTO-2).
+            await give_kept_client_tools(port)
             return port
 
     def _open_port(self, session_id: str) -> SessionPort | None:
