@@ -206,6 +206,59 @@ def test_records_jetstream_acknowledged_stay_acknowledged_when_their_session_is_
     }
 
 
+def test_each_ticket_answers_whether_its_own_record_reached_the_cluster(
+    nats_server: NatsProcess, tmp_path: Path
+) -> None:
+    # R-STEER-6, R-CLUSTER-1: a receipt asked whether its session had lost any record,
+    # so a steer JetStream acknowledged was answered 410 once a later record of its
+    # session was given up unacknowledged. lost() answers for one ticket: JetStream
+    # acknowledged it (None), or it was given up, or appended after the session was.
+
+    def named(error: TraceWriteError | None) -> str:
+        return "nothing" if error is None else type(error).__name__
+
+    async def body(conn: Connection) -> dict[str, object]:
+        traces = await TraceStream.open(conn)
+        store = ReplicatingTraceStore(tmp_path, on_fenced=lambda _sid: None)
+        log = store.log
+        async with trio.open_nursery() as nursery:
+            await nursery.start(store.run)
+            await _replicated(store, "s")
+            held = HeldWriter(await traces.fence("s", "host-a"), trio.Event())
+            await nursery.start(log.stream_to, "s", held)
+            acknowledged = log.append("s", 1, record("s", 1))
+            held.release.set()
+            with trio.fail_after(10):
+                await log.sync("s")
+            held.release, held.waiting = trio.Event(), trio.Event()  # the next append waits
+            in_flight = log.append("s", 2, record("s", 2))
+            with trio.fail_after(10):
+                await held.waiting.wait()
+            queued = log.append("s", 3, record("s", 3))
+            log.forget("s")  # its lease was lost, records 2 and 3 unacknowledged
+            after = log.append("s", 4, record("s", 4))
+            found = {
+                "acknowledged": named(log.lost("s", acknowledged)),
+                "in flight": named(log.lost("s", in_flight)),
+                "queued": named(log.lost("s", queued)),
+                "appended after": named(log.lost("s", after)),
+                "done": [log.batch_done(t) for t in (acknowledged, in_flight, queued, after)],
+            }
+            nursery.cancel_scope.cancel()
+        await store.aclose()
+        found["in_cluster"] = [r.seq for r in (await traces.read("s")).records]
+        return found
+
+    assert run_connected(nats_server.url, body, timeout_s=20.0) == {
+        "acknowledged": "nothing",
+        "in flight": "RecordsGivenUp",
+        "queued": "RecordsGivenUp",
+        "appended after": "RecordsGivenUp",
+        "done": [True, True, True, True],
+        "in_cluster": [1],
+    }
+
+
 async def _after_a_record_too_large(
     conn: Connection, data_dir: Path, huge: str, *, sync_first: bool
 ) -> dict[str, object]:

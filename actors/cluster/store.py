@@ -109,6 +109,10 @@ class _Replica:
         """Why the store stopped replicating the session, once it did. The records
         JetStream acknowledged before stay acknowledged: a sync that covers only them
         succeeds, and only a record lost then or appended since sets :attr:`error`."""
+        self.lost_from: int | None = None
+        """The first ticket given up unacknowledged, once one was: the session's tickets
+        grow in its order, so those from it on never reached JetStream and those before
+        it did (:meth:`ReplicatingTraceLog.lost`)."""
         self.wakeup = trio.Event()
         self.idle = trio.Event()
         self.idle.set()
@@ -388,6 +392,8 @@ class ReplicatingTraceLog:
         lost = replica.in_flight() + replica.queue
         if lost or isinstance(error, StaleTraceWriter):
             replica.error = error
+        if lost and replica.lost_from is None:
+            replica.lost_from = lost[0][0]
         replica.unsent, replica.queue = [], []
         self._acknowledge(lost)
         replica.idle.set()
@@ -503,6 +509,23 @@ class ReplicatingTraceLog:
             return local
         replica = self._replicas.get(session_id) or self._stopped.get(session_id)
         return None if replica is None else replica.error
+
+    def lost(self, session_id: str, ticket: int) -> TraceWriteError | None:
+        """Why the record of ``ticket`` never reaches the cluster, or None once JetStream
+        acknowledged it (or the session is not replicated: as the file log). Its own fate,
+        whatever became of the session's other records: given up unacknowledged (fenced,
+        forgotten, the store closed), or appended once the session was given up (a file
+        log's ticket then). O(1): a replica keeps only its first lost ticket."""
+        replica = self._replicas.get(session_id) or self._stopped.get(session_id)
+        if replica is None:
+            return None
+        if ticket < _FIRST_TICKET:
+            # Appended while the session was not replicated: before it was, the file
+            # log's record; after it was given up, one that reaches no cluster.
+            return None if replica.given_up is None else replica.error or replica.given_up
+        if replica.lost_from is not None and ticket >= replica.lost_from:
+            return replica.error or replica.given_up
+        return None
 
     def clear_error(self, session_id: str) -> None:
         """As the file log (a fencing stays: the session is someone else's)."""

@@ -263,6 +263,14 @@ class TraceLog(Protocol):
         is); never blocks (``reply`` has room)."""
         ...
 
+    def lost(self, session_id: str, ticket: int) -> TraceWriteError | None:
+        """Why the record of ``ticket`` (appended for ``session_id``; asked once the
+        ticket is done) will never be durable, however often synced: a store that gives
+        records up (a cluster host's, for records JetStream never acknowledged) says so
+        of each record, whatever became of the session's others. None when the record is
+        durable, or becomes so once synced (:meth:`sync` reports its failures)."""
+        ...
+
     def error(self, session_id: str) -> TraceWriteError | None:
         """The sticky write failure of the session's current trace, if any."""
         ...
@@ -531,6 +539,11 @@ class FileTraceLog:
         """At once (see :meth:`batch_done`)."""
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             reply.send_nowait(TraceWritten(ticket=ticket))
+
+    def lost(self, session_id: str, ticket: int) -> TraceWriteError | None:
+        """None: a file gives no record up; its write and fsync failures are
+        :meth:`sync`'s to report."""
+        return None
 
     def error(self, session_id: str) -> TraceWriteError | None:
         """The sink's sticky error for the current file."""

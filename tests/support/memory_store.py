@@ -163,6 +163,9 @@ class MemoryTraceLog:
         else:
             self._waiting.append((ticket, reply))
 
+    def lost(self, session_id: str, ticket: int) -> TraceWriteError | None:
+        return None  # as the file log: a failure is the sync's to report
+
     def error(self, session_id: str) -> TraceWriteError | None:
         return self._errors.get(session_id)
 
