@@ -40,15 +40,18 @@ from tests.support.nats import (  # the fixture is used as nats_server
 
 class Withheld:
     """JetStream withholds the acknowledgement of every append of a session's trace from
-    ``withhold.set()`` until ``release.set()``; then each goes to the server as it was."""
+    ``withhold.set()`` until ``release.set()``; then each goes to the server as it was.
+    ``holding`` is set once one is held."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.withhold = trio.Event()
         self.release = trio.Event()
+        self.holding = trio.Event()
         append = TraceWriter.append
 
         async def held_append(writer: TraceWriter, lines: Sequence[str]) -> int:
             if self.withhold.is_set():
+                self.holding.set()
                 await self.release.wait()
             return await append(writer, lines)
 
@@ -258,3 +261,51 @@ def test_a_steer_jetstream_acknowledged_before_the_host_lost_its_session_is_queu
     answer, in_cluster = run_connected(nats_server.url, body, timeout_s=60.0)
     assert "mind the gap" in in_cluster
     assert answer == str({"queued": True})
+
+
+def test_a_steer_jetstream_acknowledged_is_queued_though_a_later_one_was_given_up(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-STEER-6, R-CLUSTER-1, R-CLUSTER-2: a second steer's record waits for JetStream
+    behind the first's; the host's lease is lost the moment JetStream acknowledges the
+    first, so the second is given up unacknowledged. Each receipt is settled by its own
+    record: the first is in the cluster's trace (the host taking the session up runs it),
+    ``queued: true``; the second never reached it, 410. Before, the first asked whether
+    the whole session had lost a record and was answered 410 too."""
+    withheld = Withheld(monkeypatch)
+    first, second = InputReceipt(), InputReceipt()
+    nodes: list[ClusterNode] = []
+    acknowledge = ReplicatingTraceLog._acknowledge
+
+    def acknowledged_then_lost(log: ReplicatingTraceLog, done: list[tuple[int, int, str]]) -> None:
+        acknowledge(log, done)
+        if any("mind the gap" in line for _, _, line in done):
+            keeper = nodes[0]._keeper
+            assert keeper is not None
+            keeper._lose_all("the test's outage")
+
+    monkeypatch.setattr(ReplicatingTraceLog, "_acknowledge", acknowledged_then_lost)
+
+    async def body(conn: Connection) -> tuple[str, str, str]:
+        async with host_a(conn, nats_server, tmp_path, on_node=nodes.append) as host:
+            session = await _steered_unacknowledged(host, tmp_path, withheld, first)
+            with trio.fail_after(RUN_TIMEOUT_S):
+                await withheld.holding.wait()
+            # The first's message is held at JetStream: the second queues behind it.
+            assert session.steer("and the second step", recorded=second)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not second.settled.is_set()
+            withheld.release.set()
+            with trio.fail_after(RUN_TIMEOUT_S):
+                await first.settled.wait()
+                await second.settled.wait()
+            answers = await _answer(first), await _answer(second)
+            return *answers, await _cluster_lines(conn, session.id)
+
+    first_answer, second_answer, in_cluster = run_connected(
+        nats_server.url, body, timeout_s=60.0
+    )
+    assert "mind the gap" in in_cluster
+    assert first_answer == str({"queued": True})
+    assert "and the second step" not in in_cluster
+    assert_not_in_cluster(second_answer, NOT_REPLICATED)

@@ -54,8 +54,13 @@ class OutputEmitter:
         # the batches flushed but not yet published, in order, with theirs.
         self._batch_ticket = 0
         self._unpublished: deque[tuple[int, list[Output]]] = deque()
-        # Receipts to settle once a batch of ``_unpublished`` is published (set_when_durable).
-        self._written_receipts: deque[tuple[list[Output], InputReceipt]] = deque()
+        # Receipts to settle once a batch of ``_unpublished`` is published (set_when_durable),
+        # each with the ticket of its own record.
+        self._written_receipts: deque[tuple[list[Output], InputReceipt, int | None]] = deque()
+        # The ticket of the last batch flushed with records, and the seq of the last output
+        # whose record could not be appended: a receipt asks the store about its own record.
+        self._flushed_ticket = 0
+        self._unappended_seq = 0
         self._awaiting_store = False
         self._published: trio.Event | None = None
         # Made when a store first answers late (the cluster's): the file store never does,
@@ -139,6 +144,7 @@ class OutputEmitter:
             # The host is going down under us, or the store holds a later record (another
             # writer took the session over): the output still reaches the live stream,
             # and the task ends failed.
+            self._unappended_seq = output.seq
             self.trace_failed(f"cannot write the trace: {exc}")
         except Exception as exc:
             kept = self._trace_repaired(output, exc)
@@ -159,6 +165,7 @@ class OutputEmitter:
             repaired = converter.output_from_dict(repair_json(converter.to_dict(output)))
             self._batch_ticket = self._port.append(repaired)
         except Exception:
+            self._unappended_seq = output.seq
             self.trace_failed(
                 f"cannot write the trace: the {name} record (seq {output.seq}) could not be "
                 f"encoded and was lost: {error}"
@@ -209,6 +216,8 @@ class OutputEmitter:
         ticket = self._batch_ticket
         self._batch = []
         self._batch_ticket = 0
+        if ticket:
+            self._flushed_ticket = ticket
         written = not ticket or self._port.commit()
         if not self._unpublished and (written or self._port.batch_done(ticket)):
             if ticket:
@@ -229,11 +238,20 @@ class OutputEmitter:
         host's, so a supervisor that ends meanwhile does not cancel it. Only a receipt
         (steering, a follow-up: rare) pays that fsync; publication waits for none. At the
         host's shutdown the receipt still settles, with what the store's last fsync made
-        of the records (:func:`_settle_once_durable`)."""
+        of the records (:func:`_settle_once_durable`).
+
+        The receipt is for the input's record, the last one flushed, and is settled by
+        what became of it: its ticket's :meth:`~TraceLog.lost`, not whether the session
+        lost any record (a cluster host that gives the session up keeps what JetStream
+        acknowledged: a steer's record acknowledged is in the cluster and runs, whatever
+        became of the records after it). A record that could not be appended has no
+        ticket: the session's trace failure answers for it."""
+        port = self._port
+        ticket = None if self._unappended_seq == port.last_seq else self._flushed_ticket or None
         if self._unpublished:
-            self._written_receipts.append((self._unpublished[-1][1], receipt))
+            self._written_receipts.append((self._unpublished[-1][1], receipt, ticket))
         else:
-            self._port.host.start_task(functools.partial(_settle_once_durable, self._port, receipt))
+            port.host.start_task(functools.partial(_settle_once_durable, port, receipt, ticket))
 
     def _publish_first_unpublished(self) -> None:
         batch = self._unpublished.popleft()[1]
@@ -283,8 +301,8 @@ class OutputEmitter:
         # host's, so that it settles with the truth however the store ends.
         start_task = self._port.host.start_task
         while self._written_receipts:
-            receipt = self._written_receipts.popleft()[1]
-            start_task(functools.partial(_settle_once_durable, self._port, receipt))
+            _, receipt, ticket = self._written_receipts.popleft()
+            start_task(functools.partial(_settle_once_durable, self._port, receipt, ticket))
         while self._unpublished:
             self._publish(self._unpublished.popleft()[1])
 
@@ -297,20 +315,28 @@ class OutputEmitter:
 
 
 def _settle_published(
-    port: SessionPort, batch: list[Output], waiting: deque[tuple[list[Output], InputReceipt]]
+    port: SessionPort,
+    batch: list[Output],
+    waiting: deque[tuple[list[Output], InputReceipt, int | None]],
 ) -> None:
     """Settle the receipts waiting for ``batch``, which the store is done with: durable,
-    unless the store gave its records up rather than stored them (the cluster's store,
-    once the session's trace was fenced by another host, or its replication stopped):
-    they never reached the trace a host taking the session up reads, so the input will
-    not run, and a receipt said durable would have its client told ``queued: true``."""
-    error = port.trace_error()
+    unless the store gave the receipt's record up rather than stored it (the cluster's
+    store, once the session's trace was fenced by another host, or its replication
+    stopped, before JetStream acknowledged it): it never reached the trace a host taking
+    the session up reads, so the input will not run, and a receipt said durable would
+    have its client told ``queued: true``."""
     while waiting and waiting[0][0] is batch:
-        receipt = waiting.popleft()[1]
+        _, receipt, ticket = waiting.popleft()
+        error = port.trace_error() if ticket is None else _record_lost(port, ticket)
         if error is None:
             receipt.durable()
         else:
             receipt.drop(f"its record did not reach the cluster's trace ({error})")
+
+
+def _record_lost(port: SessionPort, ticket: int) -> TraceWriteError | None:
+    """Why the record of ``ticket``, done, will never be durable (None: it is, once synced)."""
+    return port.host.trace_log.lost(port.id, ticket)
 
 
 DURABLE_WAIT_S = 30.0
@@ -318,7 +344,9 @@ DURABLE_WAIT_S = 30.0
 once the host shuts down (as long as the host's own shutdown may take)."""
 
 
-async def _settle_once_durable(port: SessionPort, receipt: InputReceipt) -> None:
+async def _settle_once_durable(
+    port: SessionPort, receipt: InputReceipt, ticket: int | None
+) -> None:
     # Shielded: the host's shutdown cancels its tasks, and a receipt cancelled here would
     # never settle (its caller waiting its whole bound); the store's final fsync answers
     # this sync with whether it covered the record. Bounded, should a store's close be
@@ -330,6 +358,10 @@ async def _settle_once_durable(port: SessionPort, receipt: InputReceipt) -> None
             await port.sync_trace()
         except (TraceWriteError, TraceSinkClosed) as exc:
             failure = exc
+    if ticket is not None and isinstance(failure, StaleTraceWriter | RecordsGivenUp):
+        # The session's records were given up: whether the receipt's own was is its
+        # ticket's to say (one JetStream acknowledged is in the cluster, and runs).
+        failure = _record_lost(port, ticket)
     if waiting.cancelled_caught:
         receipt.drop(f"its record was not known durable within {DURABLE_WAIT_S:g} s")
     elif isinstance(failure, StaleTraceWriter | RecordsGivenUp):
