@@ -650,11 +650,12 @@ def test_a_command_line_that_cannot_run_exits_2_with_nothing_on_stdout(tmp_path:
         assert "Traceback" not in result.stderr
 
 
-def cut_after_first_task_end(trace: Path) -> list[dict[str, Any]]:
-    """Keep ``trace`` up to its first ``task_end``: the file a host that stopped right
-    after that record leaves (the file store writes every record in order, at once)."""
+def cut_after(trace: Path, last: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
+    """Keep ``trace`` up to its first record for which ``last`` holds: the file a host that
+    stopped right after that record leaves (the file store writes every record in order,
+    at once)."""
     records = [json.loads(line) for line in trace.read_text("utf-8").splitlines()]
-    end = next(i for i, r in enumerate(records) if r["type"] == "task_end")
+    end = next(i for i, r in enumerate(records) if last(r))
     kept = records[: end + 1]
     trace.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
     return kept
@@ -693,7 +694,7 @@ def test_follow_ups_a_stopped_host_left_queued_run_after_load(
 
     sid = run(first())
     trace = next((tmp_path / "data" / "sessions" / sid).glob("trace_*.jsonl"))
-    kept = cut_after_first_task_end(trace)
+    kept = cut_after(trace, lambda record: record["type"] == "task_end")
     queued = [r["queue_id"] for r in kept if r["type"] == "task_queued"]
     assert len(queued) == 2 and "task_queue_dropped" not in [r["type"] for r in kept]
 
@@ -717,3 +718,52 @@ def test_follow_ups_a_stopped_host_left_queued_run_after_load(
     prompts = [r for r in records if r["type"] == "user_msg" and r["kind"] == "prompt"]
     assert [p.get("queued_id") for p in prompts[1:]] == [*queued, None]
     assert [r["status"] for r in records if r["type"] == "task_end"] == ["completed"] * 4
+
+
+def test_a_prompt_accepted_and_not_started_runs_after_load(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """R-CLUSTER-2, R-HITL-4, R-ACP-2: the host stopped after it recorded a prompt's
+    user_msg, before its task_start (the run was accepted, not started). Loaded in a new
+    process, the accepted prompt runs and its updates reach the editor; a prompt sent at
+    once runs after it, and each prompt runs once."""
+
+    async def first() -> str:
+        async with greenroom_acp(tmp_path) as agent:
+            sid = await start(agent, workspace)
+            for words in ("hello", "are you there?"):
+                answer = await agent.conn.prompt(session_id=sid, prompt=text(words))
+                assert answer.stop_reason == "end_turn"
+            assert await agent.close_stdin() == 0
+            return sid
+
+    sid = run(first())
+    trace = next((tmp_path / "data" / "sessions" / sid).glob("trace_*.jsonl"))
+    kept = cut_after(
+        trace,
+        lambda record: record["type"] == "user_msg"
+        and record["content"] == [{"type": "text", "text": "are you there?"}],
+    )
+    accepted = kept[-1]["run_id"]
+    assert [r["type"] for r in kept].count("task_start") == 1
+
+    async def second() -> None:
+        async with greenroom_acp(tmp_path) as agent:
+            await agent.conn.initialize(protocol_version=1)
+            await agent.conn.load_session(cwd=str(workspace), session_id=sid, mcp_servers=[])
+            answer = await agent.conn.prompt(session_id=sid, prompt=text("thanks"))
+            assert answer.stop_reason == "end_turn"
+            said = agent.editor.text()
+            asked = ("are you there?", "thanks")
+            positions = [said.find(f'You asked: "{words}"') for words in asked]
+            assert -1 not in positions and positions == sorted(positions), said
+            assert await agent.close_stdin() == 0
+            agent.check_frames()
+
+    run(second())
+    records = [json.loads(line) for line in trace.read_text("utf-8").splitlines()]
+    prompts = [r for r in records if r["type"] == "user_msg" and r["kind"] == "prompt"]
+    assert [p["content"][0]["text"] for p in prompts] == ["hello", "are you there?", "thanks"]
+    starts = [r["run_id"] for r in records if r["type"] == "task_start"]
+    assert starts[1] == accepted and len(starts) == 3
+    assert [r["status"] for r in records if r["type"] == "task_end"] == ["completed"] * 3

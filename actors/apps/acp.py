@@ -658,9 +658,11 @@ class AcpAgent:
         records = await _replay(session, self._wire.notify)
         left = fold(records)
         queued = tuple(follow_up.queue_id for follow_up in left.record.queued)
-        # Follow-ups queued with no task open (their host stopped between a task's end
-        # and the next start) are work too: a prompt would drop them (R-STEER-6).
-        if not entry.pumping and (left.run_id is not None or queued):
+        # Work with no task open is work too: follow-ups queued (their host stopped between
+        # a task's end and the next start), which a prompt would drop (R-STEER-6), and a
+        # prompt accepted and not started, which a prompt would swallow (R-CLUSTER-2).
+        unstarted = left.record.unstarted is not None
+        if not entry.pumping and (left.run_id is not None or unstarted or queued):
             await self._take_up(entry, queued)
         pending = left.record.pending_people
 
@@ -698,7 +700,8 @@ class AcpAgent:
     async def _take_up(self, entry: _AcpSession, follow_ups: tuple[str, ...]) -> None:
         """Take up the work the loaded session's trace leaves (R-HITL-4) and stream its
         updates: the open task — a parked one waits on for its answer, one its host lost
-        goes on (its running calls get host-lost results and are not run again) — then
+        goes on (its running calls get host-lost results and are not run again), a prompt
+        its host accepted and had not started gets its task (R-CLUSTER-2) — then
         the ``follow_ups`` it holds as queued, in order (R-STEER-6), their calls decided
         by the session's mode (R-ACP-2) unless they were recorded for people."""
         # Unbounded: the pump never waits on the client, so it drains the watch at once.

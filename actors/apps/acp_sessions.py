@@ -16,9 +16,10 @@ of the moment; a task started under ``all`` or ``none`` decides through
 :class:`ModeApproval`, which reads the mode at each call and, set to ``ask`` meanwhile,
 asks the editor itself.
 
-A loaded session whose trace leaves work (a task open, follow-ups queued: R-HITL-4,
-R-STEER-6) has it taken up, and :class:`WatchedWork` reads what that work outputs from the
-session's watch, task after task, as a run's own stream would be read.
+A loaded session whose trace leaves work (a task open, a prompt accepted and not started,
+follow-ups queued: R-HITL-4, R-CLUSTER-2, R-STEER-6) has it taken up, and
+:class:`WatchedWork` reads what that work outputs from the session's watch, task after
+task, as a run's own stream would be read.
 """
 
 from __future__ import annotations
@@ -160,10 +161,12 @@ class ModeApproval:
 
 class WatchedWork:
     """The outputs of the work a loaded session's trace leaves, taken up with no run of
-    the connection to read it (R-HITL-4): from a watch of the session, its open task and
-    then each follow-up queued behind it — ``follow_ups``, the ids of those the trace holds
-    as queued, and those queued meanwhile — until the ``task_end`` after which none is
-    left (R-STEER-6). An async iterator, like the run's own stream."""
+    the connection to read it (R-HITL-4): from a watch of the session, its open task — or
+    the task of the prompt it holds as accepted and not started (R-CLUSTER-2), which is
+    not counted as queued even when it is a follow-up's — and then each follow-up queued
+    behind it (``follow_ups``, the ids of those the trace holds as queued, and those
+    queued meanwhile) until the ``task_end`` after which none is left (R-STEER-6). An
+    async iterator, like the run's own stream."""
 
     def __init__(
         self, receive: trio.MemoryReceiveChannel[list[Output]], follow_ups: Iterable[str] = ()
