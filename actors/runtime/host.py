@@ -45,7 +45,7 @@ from greenroom.actors.runtime.errors import ConfigurationError, HostClosed, Sess
 from greenroom.actors.runtime.gc_tuning import tuned_gc
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.open_tasks import OpenTaskIndex
-from greenroom.actors.runtime.people import People, answer, pending_of, stored_pending
+from greenroom.actors.runtime.people import People, answer, pending_of
 from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput
 from greenroom.actors.runtime.port_builder import (
     HOST_APPROVE,
@@ -521,7 +521,7 @@ class Host:
             with contextlib.suppress(SessionNotFound):
                 await self.load_session(session_id, **load)
         listed = [p for port in list(self._ports.values()) for p in pending_of(port)]
-        return listed + (await stored_pending(self._store, stored) if read_only else [])
+        return listed + (await self._people.stored.read(self._store, stored) if read_only else [])
 
     async def answer_approval(
         self, session_id: str, call_id: str, decision: Verdict, by: str | None = None, *,

@@ -6,12 +6,13 @@ an answer delivered to the task that waits for it.
 runs out, resolves it by the session's
 ``approval_timeout_action`` — ``deny`` answers it with a deny by ``default``, ``abort``
 interrupts the task — if it is still pending. :func:`pending_of` lists a session's waiting
-requests and :func:`stored_pending` those of stored sessions, read from their traces
-without loading them; :func:`answer` hands a person's answer to the session's work (waking a parked
-task: R-HITL-3) and returns once it is taken, or raises :class:`NotPending` — or
-:class:`InputTooLarge` for answer text larger than one record of the session's trace carries
-(a cluster's NATS server): the text is the call's result, recorded whole, and such a record
-stopped the session on its host (R-SEC-9, R-CLUSTER-1).
+requests and :attr:`People.stored` those of stored sessions, read from their traces
+without loading them (each trace again only once it changed); :func:`answer` hands a
+person's answer to the session's work (waking a parked task: R-HITL-3) and returns once it
+is taken, or raises :class:`NotPending` — or :class:`InputTooLarge` for answer text larger
+than one record of the session's trace carries (a cluster's NATS server): the text is the
+call's result, recorded whole, and such a record stopped the session on its host
+(R-SEC-9, R-CLUSTER-1).
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from greenroom.actors.runtime.errors import InputTooLarge, NotPending
 from greenroom.actors.runtime.people_desk import PeopleDesk, WatchRequest
 from greenroom.actors.runtime.port import SessionPort
 from greenroom.actors.runtime.trace_store import (
+    FileTraceLog,
     StoredSessionMissing,
     StoredSessionUnreadable,
+    TraceLog,
     TraceStore,
 )
 from greenroom.protocols.content import TextBlock
@@ -39,7 +42,7 @@ from greenroom.protocols.people import PendingApproval, arguments_digest, waitin
 from greenroom.protocols.task import fold
 from greenroom.protocols.trace import input_size
 
-__all__ = ["People", "answer", "pending_of", "stored_pending"]
+__all__ = ["People", "StoredPending", "answer", "pending_of"]
 
 
 class People:
@@ -47,11 +50,13 @@ class People:
     (None when the session is not open: its requests wait in its trace until it is
     loaded again, which watches them anew)."""
 
-    __slots__ = ("_desk", "_port_of")
+    __slots__ = ("_desk", "_port_of", "stored")
 
     def __init__(self, port_of: Callable[[str], SessionPort | None]) -> None:
         self._port_of = port_of
         self._desk: trio.MemorySendChannel[WatchRequest] | None = None
+        self.stored = StoredPending()
+        """The requests waiting in the host's stored sessions (``pending_approvals``)."""
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the desk until :meth:`close` (or cancellation)."""
@@ -117,31 +122,104 @@ def pending_of(port: SessionPort) -> list[PendingApproval]:
     )
 
 
-async def stored_pending(store: TraceStore, session_ids: Iterable[str]) -> list[PendingApproval]:
-    """The requests that wait for a person in the stored sessions ``session_ids``, read
-    from each one's latest trace as :func:`pending_of` would list them once loaded (with
-    no supervisor running their calls). Reads only: nothing is loaded, taken up or
-    written. A session gone or unreadable meanwhile lists nothing."""
-    found: list[PendingApproval] = []
+@attrs.frozen
+class _Read:
+    """What one stored session's trace file said when it was last read."""
+
+    identity: tuple[str, int, int, int]
+    """The file's path, inode, size and modification time (ns), taken before the read."""
+    pending: tuple[PendingApproval, ...]
+
+
+class StoredPending:
+    """The requests that wait for a person in stored sessions, as :meth:`read` finds them.
+
+    The gateway lists them on each request (approvals.list, an answer's look-up, AG-UI's
+    interrupts), so each session's list is remembered with the identity of the trace file
+    it came from (path, inode, size, modification time, taken before the read) and its
+    trace is read again only when that changed: a record appended, a compaction's new
+    file, a session stored anew. A store whose traces are not the files its log's
+    ``location`` names is read every time, never remembered. Only the sessions of the last
+    :meth:`read` are remembered (a session deleted, loaded or no longer waiting leaves)."""
+
+    __slots__ = ("_read",)
+
+    def __init__(self) -> None:
+        self._read: dict[str, _Read] = {}
+
+    def __len__(self) -> int:
+        """How many sessions' lists are remembered."""
+        return len(self._read)
+
+    async def read(self, store: TraceStore, session_ids: Iterable[str]) -> list[PendingApproval]:
+        """The requests that wait for a person in the stored sessions ``session_ids``, read
+        from each one's latest trace as :func:`pending_of` would list them once loaded (with
+        no supervisor running their calls). Reads only: nothing is loaded, taken up or
+        written. A session gone or unreadable meanwhile lists nothing."""
+        wanted = list(dict.fromkeys(session_ids))
+        for gone in self._read.keys() - set(wanted):
+            del self._read[gone]
+        identities = await trio.to_thread.run_sync(_identities, store.log, wanted)
+        found: list[PendingApproval] = []
+        for session_id in wanted:
+            identity = identities.get(session_id)
+            known = self._read.get(session_id)
+            if identity is not None and known is not None and known.identity == identity:
+                found.extend(known.pending)
+                continue
+            self._read.pop(session_id, None)
+            pending = await _stored_pending_of(store, session_id)
+            if pending is None:
+                continue  # deleted or broken since the index saw it: nothing of it waits
+            if identity is not None:
+                self._read[session_id] = _Read(identity=identity, pending=pending)
+            found.extend(pending)
+        return found
+
+
+def _identities(log: TraceLog, session_ids: list[str]) -> dict[str, tuple[str, int, int, int]]:
+    """The identity of each session's latest trace file (see :class:`StoredPending`); none
+    for a session without one, and none at all for a log that does not read its traces
+    from the files ``location`` names."""
+    # The file log reads the file ``location`` names; a cluster host's log replicates
+    # appends elsewhere but reads its file log's files, which it keeps as ``files``.
+    if not isinstance(log, FileTraceLog) and not isinstance(
+        getattr(log, "files", None), FileTraceLog
+    ):
+        return {}
+    found: dict[str, tuple[str, int, int, int]] = {}
     for session_id in session_ids:
         try:
-            meta = await store.catalog.read_meta(session_id)
-            trace = await store.log.read_latest(session_id)
-        except (StoredSessionMissing, StoredSessionUnreadable, OSError):
-            continue  # deleted or broken since the index saw it: nothing of it waits
-        record = fold(list(trace.records)).recorded()
-        if record.run_id is None:
-            continue
-        found.extend(
-            waiting_requests(
-                record.pending_people,
-                record.allowed,
-                session_id=session_id,
-                origin=stored_origin(meta, session_id) or (session_id,),
-                running=False,
-            )
-        )
+            path = log.location(session_id)
+            stat = path.stat()
+        except (OSError, KeyError):
+            continue  # no trace file (yet): read, and not remembered
+        found[session_id] = (str(path), stat.st_ino, stat.st_size, stat.st_mtime_ns)
     return found
+
+
+async def _stored_pending_of(
+    store: TraceStore, session_id: str
+) -> tuple[PendingApproval, ...] | None:
+    """The requests waiting for a person in ``session_id``'s latest stored trace; None when
+    it is gone or cannot be read."""
+    try:
+        meta = await store.catalog.read_meta(session_id)
+        trace = await store.log.read_latest(session_id)
+    except (StoredSessionMissing, StoredSessionUnreadable, OSError):
+        return None
+    record = fold(list(trace.records)).recorded()
+    if record.run_id is None:
+        return ()
+    return tuple(
+        waiting_requests(
+            record.pending_people,
+            record.allowed,
+            session_id=session_id,
+            origin=stored_origin(meta, session_id) or (session_id,),
+            running=False,
+        )
+    )
 
 
 async def answer(port: SessionPort, message: PersonAnswered) -> None:
