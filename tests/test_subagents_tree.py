@@ -13,6 +13,7 @@ never for a length of time.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -478,6 +479,50 @@ async def test_a_background_answer_for_a_parent_closed_meanwhile_reaches_it_load
     await until(lambda: not host.port(root.id).busy)
     answers = [line["block"] for line in trace_lines(again) if line["type"] == "model_msg"]
     assert answers[-1] == {"type": "text", "text": "merged what k found"}, answers
+
+
+async def test_a_background_answer_for_a_parent_deleted_meanwhile_is_refused_in_one_line(
+    host: Host,
+    workspace: Path,
+    providers,
+    gates: Gates,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """R-TREE-2: the root, parked while its background child works, is deleted; the
+    child's answer then has no parent to reach: a refusal for good, logged as one line
+    that says so, with no traceback, and the host goes on. Before, the parent's
+    SessionNotFound was logged as an unexpected failure to reach it, with its traceback."""
+    waiting = Waiting()
+
+    async def brain(request: ModelRequest, stream: ScriptedStream) -> None:
+        if is_child(request):
+            await waiting.answer(request, stream, "k is done")
+        elif "b1" in str(request.messages):
+            await stream.block(tool_call("w1", "wait", key="root"))
+        else:
+            await stream.block(spawn("b1", "keep going", background=True, name="k"))
+
+    tools = [gates.tool(), spawn_subagent]
+    root = await host.create_session(
+        provider=providers(brain), tools=tools, workspace_dir=workspace
+    )
+    root.run("go", approve=PEOPLE).detach()
+    await until(lambda: host.port(root.id).parked)
+    await host.answer_approval(root.id, "b1", "allow")
+    await waiting.wait_started("keep going")
+    await until(lambda: host.port(root.id).parked)  # asking for w1, k still at work
+    (child_id,) = open_ids(host) - {root.id}
+    await host.delete_session(root.id)
+
+    caplog.set_level(logging.INFO, logger="greenroom")
+    waiting.release("keep going")
+    await until(lambda: any(child_id in r.getMessage() for r in caplog.records))
+    (line,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert line.getMessage().startswith(
+        f"session {root.id} refused the answer of its subagent {child_id}: "
+    ), line.getMessage()
+    assert line.exc_info is None and "Traceback" not in caplog.text
+    assert host.is_open() and open_ids(host) == set()
 
 
 async def test_a_subagent_waits_for_its_background_children_before_it_answers(

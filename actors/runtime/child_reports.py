@@ -265,13 +265,18 @@ class ChildReports:
         )
 
     async def _offer(self, parent_id: str, child_id: str, text: str, approve: Approval) -> bool:
-        """One offer of the report (:meth:`deliver`): False when it is to be offered again."""
+        """One offer of the report (:meth:`deliver`): False when it is to be offered again;
+        True once taken, or refused for good (no such parent: logged, one line)."""
         if self.link is not None and not self._is_open(parent_id):
             return await self.link(parent_id, child_id, text)
         try:
             await self.take(parent_id, child_id, text, approve)
         except SessionClosed:
             return False  # it runs again: loaded again here, or taken over
+        except SessionNotFound as exc:  # deleted meanwhile, or locked: refused for good
+            logger.warning(
+                "session %s refused the answer of its subagent %s: %s", parent_id, child_id, exc
+            )
         return True
 
     def _is_open(self, session_id: str) -> bool:
