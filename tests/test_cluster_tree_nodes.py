@@ -52,6 +52,7 @@ from greenroom.actors.gateway.server import Gateway
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
 from greenroom.actors.runtime import subagents
 from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.port import Approval
 from greenroom.actors.runtime.session import Session
 from greenroom.actors.runtime.subagents import SUBAGENT_SYSTEM, spawn_subagent
 from greenroom.protocols import jsonrpc
@@ -65,6 +66,7 @@ from greenroom.protocols.outputs import (
     TaskStart,
     UserMsg,
 )
+from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.tools import Tool, make_tool
 from greenroom.protocols.trace import input_size, parse_trace
 from tests.support.nats import (  # the fixture is used as nats_server
@@ -88,9 +90,7 @@ def _brain(request: ModelRequest) -> Reply:
     ``quick`` in the foreground (the child answers at once); the root merges a background
     child's answer when it comes in as input."""
     last = request.messages[-1]
-    results = isinstance(last, UserMessage) and any(
-        isinstance(b, ToolResult) for b in last.content
-    )
+    results = isinstance(last, UserMessage) and any(isinstance(b, ToolResult) for b in last.content)
     if (request.system or "").startswith(SUBAGENT_SYSTEM):
         if results:
             return Reply(blocks=(text("paid, as far as I know"),))
@@ -136,6 +136,8 @@ async def _member(
     host_id: str,
     *,
     brain: Callable[[ModelRequest], Reply] = _brain,
+    tools: tuple[Tool, ...] = TOOLS,
+    approve: Approval = PEOPLE,
     task_status: trio.TaskStatus[Member],
 ) -> None:
     config = ClusterConfig(url=url, host_id=host_id, lease_ttl_s=LONG_TTL_S, prefix=prefix)
@@ -149,7 +151,8 @@ async def _member(
                 bridge,
                 config,
                 data / host_id,
-                tools=TOOLS,
+                tools=tools,
+                approve=approve,
                 provider=lambda: ScriptedProvider(brain),
                 on_node=nodes.append,
             ) as host,
@@ -157,7 +160,7 @@ async def _member(
         ):
             defaults = SessionDefaults(
                 provider_factory=lambda: ScriptedProvider(brain),
-                tools=TOOLS,
+                tools=tools,
                 workspace_dir=workspace,
                 approve="ask",
             )
@@ -203,9 +206,12 @@ def in_cluster(
     body: Callable[[Cluster], Awaitable[Any]],
     *,
     brain: Callable[[ModelRequest], Reply] = _brain,
+    tools: tuple[Tool, ...] = TOOLS,
+    approve: Approval = PEOPLE,
 ) -> Any:
     """Run ``body`` with hosts ``host_ids`` of a cluster of its own, bounded; ``brain``
-    is the model of every session a host creates or takes over."""
+    is the model of every session a host creates or takes over, ``tools`` its tools,
+    ``approve`` what decides the calls of the tasks a host takes over."""
     names = ClusterNames(prefix=f"t{uuid.uuid4().hex[:10]}")
 
     async def main(bridge: Bridge) -> Any:
@@ -215,7 +221,9 @@ def in_cluster(
                 async with trio.open_nursery() as nursery:
                     members = {}
                     for host_id in host_ids:
-                        member = functools.partial(_member, brain=brain)
+                        member = functools.partial(
+                            _member, brain=brain, tools=tools, approve=approve
+                        )
                         members[host_id] = await nursery.start(
                             member, bridge, nats_server.url, names.prefix, tmp_path, host_id
                         )
@@ -317,9 +325,7 @@ def test_a_finished_subagent_leaves_its_host_and_is_taken_up_again_when_opened(
         # flight together): it is this host's, and what it records reaches the cluster.
         await a.host.load_session(root.id)
         await a.host.close_session(root.id)
-        again = await a.host.load_session(
-            root.id, tools=TOOLS, provider=ScriptedProvider(_brain)
-        )
+        again = await a.host.load_session(root.id, tools=TOOLS, provider=ScriptedProvider(_brain))
         await _child_of_a_run(again, "quick, once more")
         await until(lambda: _open_entry(cluster, root.id))
         assert await cluster.holder(root.id) == "a" and node.serves(root.id)
@@ -1145,8 +1151,9 @@ def test_a_background_childs_answer_past_what_nats_carries_is_cut_and_the_parent
     assert "\n".join(said) == whole  # the whole answer, where the marker says
     (far_block,) = far.content
     assert isinstance(far_block, TextBlock) and far_block.text.startswith(f"{BULKY} ddd")
-    assert far_block.text.endswith("the whole text is in the trace of subagent session "
-                                   "taken-up-elsewhere]")
+    assert far_block.text.endswith(
+        "the whole text is in the trace of subagent session taken-up-elsewhere]"
+    )
     assert found["most"] - 200 < input_size(far.content) <= found["most"]
     ends = [r.status for r in found["root"] if isinstance(r, TaskEnd)]
     assert ends == ["completed", "completed"]
@@ -1250,9 +1257,7 @@ def test_a_subagent_held_while_its_child_runs_is_handed_over_with_it(
             gates["collecting"].set()
         return await _drained_tree(cluster, tree)
 
-    tasks, reports, hosts = in_cluster(
-        nats_server, tmp_path, ("a", "b"), body, brain=_paying_brain
-    )
+    tasks, reports, hosts = in_cluster(nats_server, tmp_path, ("a", "b"), body, brain=_paying_brain)
     assert tasks == ["task_start", "report", "task_end"]
     assert len(reports) == 1 and "merged: collected 3" in reports[0], reports
     assert list(hosts.values()) == ["b", "b", "b"]
