@@ -78,14 +78,16 @@ class Holds:
         return make_tool(hold, parallel=True, check=lost)
 
 
-def _brain_holding(pays: int, collects: int) -> Callable[[ModelRequest], Reply]:
+def _brain_holding(pays: int, collects: int, counts: int = 0) -> Callable[[ModelRequest], Reply]:
     """The tree of :func:`~tests.test_cluster_tree_nodes._waiting_brain` — the root spawns
     the payer in the background, the payer the collector — whose payer first holds
     ``pays`` calls (``pay-1``, ``pay-2``, …) before it says that it waits for the
     collector, and whose collector holds ``collects`` calls (``collect-1``, …) before it
-    answers ``collected 3``. A call its host was lost in has its result all the same
-    (:class:`Holds`), so a taken-over node holds its next call, under the next key, on
-    its new host."""
+    answers ``collected 3``. With ``counts``, the collector first spawns the counter in
+    the background, which holds ``counts`` calls (``count-1``, …) before it answers, and
+    the collector answers once the counter's answer has come. A call its host was lost in
+    has its result all the same (:class:`Holds`), so a taken-over node holds its next
+    call, under the next key, on its new host."""
 
     def brain(request: ModelRequest) -> Reply:
         said = [str(m.content) for m in request.messages if isinstance(m, UserMessage)]
@@ -102,22 +104,44 @@ def _brain_holding(pays: int, collects: int) -> Callable[[ModelRequest], Reply]:
                 return Reply(blocks=(text("the payer works on it"),))
             spawn = {"task": "pay 3", "background": True, "name": "payer"}
             return Reply(blocks=(ToolCallBlock(id="s1", name="spawn_subagent", arguments=spawn),))
+        if "count 3" in said[0]:
+            return _node(said, results, ("count", counts), None, "counted 3")
         if "collect 3" in said[0]:
-            if results < collects:
-                return Reply(
-                    blocks=(tool_call(f"h{results}", "hold", key=f"collect-{results + 1}"),)
-                )
-            return Reply(blocks=(text("collected 3"),))
-        if any(COLLECTOR_FINISHED in s for s in said):
-            return Reply(blocks=(text("merged: collected 3"),))
-        if results == 0:
-            collect = {"task": "collect 3", "background": True, "name": "collector"}
-            return Reply(blocks=(ToolCallBlock(id="s2", name="spawn_subagent", arguments=collect),))
-        if results <= pays:
-            return Reply(blocks=(tool_call(f"p{results}", "hold", key=f"pay-{results}"),))
-        return Reply(blocks=(text("waiting for the collector"),))
+            counter = ("counter", "count 3") if counts else None
+            return _node(said, results, ("collect", collects), counter, "collected 3")
+        collector = ("collector", "collect 3")
+        return _node(said, results, ("pay", pays), collector, "merged: collected 3")
 
     return brain
+
+
+def _node(
+    said: list[str],
+    results: int,
+    holds: tuple[str, int],
+    child: tuple[str, str] | None,
+    answer: str,
+) -> Reply:
+    """One subagent of :func:`_brain_holding`: it spawns ``child`` (its name, its task) in
+    the background first, when it has one; it holds ``holds`` calls (their key's prefix,
+    how many: ``pay-1``, ``pay-2``…); then it says that it waits for its child, or gives
+    ``answer`` when it has none; it gives ``answer`` once its child's answer came."""
+    key, count = holds
+    spawned = 0
+    if child is not None:
+        name, task = child
+        if any(f"[subagent {name} finished]" in s for s in said):
+            return Reply(blocks=(text(answer),))
+        if results == 0:
+            spawn = {"task": task, "background": True, "name": name}
+            return Reply(blocks=(ToolCallBlock(id=name, name="spawn_subagent", arguments=spawn),))
+        spawned = 1
+    held = results - spawned
+    if held < count:
+        return Reply(blocks=(tool_call(f"{key}{held}", "hold", key=f"{key}-{held + 1}"),))
+    if child is not None:
+        return Reply(blocks=(text(f"waiting for the {child[0]}"),))
+    return Reply(blocks=(text(answer),))
 
 
 async def _lose(cluster: Cluster, member: Member, *session_ids: str) -> None:
@@ -220,54 +244,56 @@ def test_a_tree_interrupt_on_the_host_that_took_the_tree_over_ends_its_subagents
 def test_a_subagents_background_child_lost_with_its_host_is_taken_over_by_the_subagents(
     tmp_path: Path, nats_server: NatsProcess
 ) -> None:
-    """R-TREE-2, R-TREE-4, R-CLUSTER-2: a runs the tree and is lost; d takes the root and
-    the payer over, c the collector (the test's choice, as the split a takeover one by one
-    made). The payer holds a call on d, the collector one on c; c is lost. Of the live
-    hosts b (idle, its id first) and d (it runs the root and the payer), each looking once
-    for orphans, d takes the collector: the payer's host, not the least loaded one. The
-    payer, let go, answers and waits for the collector taken over beside it; the
-    collector, let go, answers into the payer's open task as its steering; the payer's
-    merged answer reaches the root once. Spread by load, the collector went to b: the
-    payer's task, let go, ended without its answer (which could come only as a second
-    task)."""
+    """R-TREE-2, R-TREE-4, R-CLUSTER-2: a runs the tree (root, payer, collector, the
+    collector's background counter) and is lost; d takes the root and the payer over, c
+    the collector and the counter (the test's choice, as the split a takeover one by one
+    made). The payer holds a call on d, the collector and the counter one each on c; c is
+    lost. Of the live hosts b (idle, its id first) and d (it runs the root and the payer),
+    each looking once for orphans, d takes the collector and the counter: the payer's
+    host, not the least loaded one. Let go in turn, the payer answers and waits for the
+    collector taken over beside it, the collector for the counter; the counter's answer
+    comes into the collector's open task, the collector's into the payer's, each as
+    steering; the payer's merged answer reaches the root once. Spread by load, both went
+    to b: the payer's task, let go, ended without the collector's answer (which could
+    come only as a second task)."""
     holds = Holds()
 
     async def body(cluster: Cluster) -> dict[str, Any]:
         a, b, c, d = (cluster.members[h] for h in ("a", "b", "c", "d"))
         held = (holds.tool(), holds.started["collect-1"])
-        tree = await _until_the_payer_waits(a, tmp_path, held, brain)
-        root, payer, collector = tree
+        root, payer, collector = await _until_the_payer_waits(a, tmp_path, held, brain)
+        (counter,) = [s.id for s in await a.host.get_session(collector).children()]
+        tree = (root, payer, collector, counter)
         await holds.started["pay-1"].wait()
+        await holds.started["count-1"].wait()
         await _lose(cluster, a, *tree)
         entries = {sid: await cluster.entry(sid) or {} for sid in tree}
         assert await d.node._take_entries({sid: entries[sid] for sid in (root, payer)})
-        assert await c.node._take_entries({collector: entries[collector]})
-        await holds.started["pay-2"].wait()
-        await holds.started["collect-2"].wait()
+        assert await c.node._take_entries({sid: entries[sid] for sid in (collector, counter)})
+        for key in ("pay-2", "collect-2", "count-2"):
+            await holds.started[key].wait()
 
         async def payer_on_d() -> bool:
             return (await cluster.entry(payer) or {}).get("host") == "d"
 
         await until(payer_on_d)
-        await _lose(cluster, c, collector)
-        found: dict[str, Any] = {"taken": await _scan_once(b, d)}
+        await _lose(cluster, c, collector, counter)
+        found: dict[str, Any] = {"taken": await _scan_once(b, d), "tree": tree}
         if not found["taken"]:
             return found
         await holds.started["collect-3"].wait()
-        holds.gates["pay-2"].set()
-
-        async def payer_waits() -> bool:
-            records = (await cluster.traces.read(payer)).records
-            said = [r.block for r in records if isinstance(r, ModelMsg)]
-            waits = any(isinstance(b, TextBlock) and "waiting" in b.text for b in said)
-            return waits or await _task_ended(cluster, payer)
-
-        await until(payer_waits)
-        holds.gates["collect-3"].set()
-        for session_id in (collector, payer):
+        await holds.started["count-3"].wait()
+        # Let go one by one, each waits for its child: the parent first.
+        for key, session_id in (("pay-2", payer), ("collect-3", collector)):
+            holds.gates[key].set()
+            await until(lambda: _waits(cluster, session_id))  # noqa: B023
+        holds.gates["count-3"].set()
+        for session_id in (counter, collector, payer):
             await until(lambda: _task_ended(cluster, session_id))  # noqa: B023
-        found["tasks"] = _tasks_of(list((await cluster.traces.read(payer)).records))
-        if found["tasks"] != ["task_start", "report", "task_end"]:
+        found["tasks"] = [
+            _tasks_of(list((await cluster.traces.read(sid)).records)) for sid in (payer, collector)
+        ]
+        if found["tasks"] != [["task_start", "report", "task_end"]] * 2:
             return found
         await until(lambda: _merged_report(cluster, root))
         root_records = (await cluster.traces.read(root)).records
@@ -275,10 +301,23 @@ def test_a_subagents_background_child_lost_with_its_host_is_taken_over_by_the_su
         found["root_reports"] = [s for s in said if FINISHED in s]
         return found
 
-    brain = _brain_holding(pays=2, collects=3)
+    brain = _brain_holding(pays=2, collects=3, counts=3)
     hosts = ("a", "b", "c", "d")
     found = in_cluster(nats_server, tmp_path, hosts, body, **_holding(brain, holds))
-    assert list(found["taken"]) == ["d"], found["taken"]
-    assert found["tasks"] == ["task_start", "report", "task_end"], found["tasks"]
+    collector, counter = found["tree"][2:]
+    assert {h: sorted(ids) for h, ids in found["taken"].items()} == {
+        "d": sorted([collector, counter])
+    }
+    # The payer's task and the collector's each took its child's answer.
+    assert found["tasks"] == [["task_start", "report", "task_end"]] * 2, found["tasks"]
     reports = found["root_reports"]
     assert len(reports) == 1 and "merged: collected 3" in reports[0], reports
+
+
+async def _waits(cluster: Cluster, session_id: str) -> bool:
+    """Whether ``session_id`` has said (JetStream holds it) that it waits for its child,
+    or its task has ended."""
+    records = (await cluster.traces.read(session_id)).records
+    said = [r.block for r in records if isinstance(r, ModelMsg)]
+    waits = any(isinstance(b, TextBlock) and "waiting for" in b.text for b in said)
+    return waits or await _task_ended(cluster, session_id)
