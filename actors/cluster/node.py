@@ -51,8 +51,9 @@ its stream and request server stop (once the calls forwarded to it are done:
 :mod:`.in_flight`) and its claim is released. Opened again here it is adopted again; a
 call through any gateway opens it on that gateway's host (:mod:`.router`).
 A session closed while its task waits for people stays this host's (R-HITL-1).
-A session deleted through any host leaves the cluster (metadata, trace and owner). Usage rows are
-not written again: each host's ledger holds the requests it made; what a principal spends
+A session deleted through any host leaves the cluster (metadata, trace and owner); a host
+that held a copy of it deletes that when it starts again (:mod:`.deleted_copies`). Usage
+rows are not written again: each host's ledger holds the requests it made; what a principal spends
 is also added to the cluster's counter of its period (:mod:`.spending`), which its budget
 counts on every host.
 """
@@ -74,6 +75,7 @@ import trio
 
 from greenroom.actors.cluster.bridge import Bridge
 from greenroom.actors.cluster.connection import ClusterNames, Connection, connect, shown_url
+from greenroom.actors.cluster.deleted_copies import delete_copy, drop_deleted_copies
 from greenroom.actors.cluster.directory_entries import DirectoryEntries, Grantor
 from greenroom.actors.cluster.errors import ClusterError, ClusterUnavailable
 from greenroom.actors.cluster.handover import HandedSince, gather_tree, hand_over, take_handed
@@ -95,7 +97,7 @@ from greenroom.actors.cluster.traces import TraceRead, TraceStream, TraceWriter,
 from greenroom.actors.cluster.tree_link import ParentLink, reopen_if_closed
 from greenroom.actors.runtime.accounting import PrincipalBudget
 from greenroom.actors.runtime.admission import ProviderLimits
-from greenroom.actors.runtime.errors import ConfigurationError, SessionNotFound
+from greenroom.actors.runtime.errors import ConfigurationError
 from greenroom.actors.runtime.host import Host, SessionObserver, take_up_loaded
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.port import Approval
@@ -253,11 +255,11 @@ class ClusterNode:
         ttl = self.config.lease_ttl_s
         self._owners = await SessionOwners.open(self.conn, ttl_s=ttl, lease_conn=self._lease_conn)
         self._keeper = OwnershipKeeper(self._owners, self.host_id, self._on_lost, warn=log)
-        self._traces = await TraceStream.open(self.conn)
+        self._traces = traces = await TraceStream.open(self.conn)
         self._registry = await HostRegistry.open(self.conn, ttl_s=self._owners.ttl_s)
         self._directory = await SessionDirectory.open(self.conn)
         self._entries.bind(host, self._directory)
-        await _drop_deleted_copies(self._placements, host)
+        await drop_deleted_copies(self.conn, traces, host)
         reopen = functools.partial(reopen_if_closed, self._directory, self._take_entry)
         link = ParentLink(self._requests, host, self._approve, timeout_s=ttl, reopen=reopen)
         host.child_reports.link = link.send
@@ -747,28 +749,7 @@ async def _delete_withdrawn(
     and from this host's data dir when it holds a copy (the host it was placed on,
     started again on its data dir, takes it up)."""
     await _forget(entries, traces, keeper, session_id, claim=True)
-    await _delete_copy(host, session_id)
-
-
-async def _drop_deleted_copies(records: PlacementRecords, host: Host) -> None:
-    """Delete the copies this host's data dir holds of sessions the cluster deleted for
-    their withdrawn placements while this host was away (:mod:`.placements`): it stopped
-    or died before it took the withdrawal up, and would list them as its own."""
-    try:
-        deleted = await records.deleted_sessions()
-    except ClusterUnavailable as exc:
-        log(f"cannot read which placed sessions were deleted ({exc}); copies of them may stay")
-        return
-    for session_id in deleted:
-        await _delete_copy(host, session_id)
-
-
-async def _delete_copy(host: Host, session_id: str) -> None:
-    """Delete ``session_id`` from this host's data dir, when it is there."""
-    with contextlib.suppress(SessionNotFound):
-        if await host.trace_store.catalog.exists(session_id):
-            await host.delete_session(session_id)
-            log(f"deleted session {session_id} here: its placement was withdrawn")
+    await delete_copy(host, session_id, "its placement was withdrawn")
 
 
 async def _close_quietly(host: Host, session_id: str) -> None:

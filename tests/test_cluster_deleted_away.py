@@ -1,0 +1,90 @@
+"""A session deleted in the cluster while a host that once ran it was away stays deleted
+(R-CLUSTER-1, R-CLUSTER-2, R-SEC-9): two in-process cluster hosts, each with its gateway,
+on a real nats-server. Host a runs the session and stops (cleanly, or dies: its leases
+left to expire), b takes it over and deletes it; a, started again on its data dir, lists
+none of it, holds no copy of it, and a client's call on it finds no session.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from greenroom.actors.cluster.connection import Connection
+from greenroom.actors.cluster.node import ClusterNode
+from greenroom.actors.cluster.registry import SessionDirectory
+from greenroom.protocols import jsonrpc
+from tests.support.nats import (  # the fixture is used as nats_server
+    NatsProcess,
+    module_nats_server,  # noqa: F401
+    run_connected,
+)
+from tests.test_cluster_forwarding import (
+    ANSWERED_S,
+    BOUND_S,
+    _client,
+    _member,
+    _session_on,
+    _sessions_in_cluster,
+    _until,
+)
+
+
+async def _no_release(self: ClusterNode) -> None:
+    """A host that dies releases nothing: its sessions wait for its lease to expire."""
+
+
+@pytest.mark.parametrize("stop", ["cleanly", "dies"])
+def test_a_session_deleted_while_its_old_host_was_away_stays_deleted(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch, stop: str
+) -> None:
+    """a runs the session and stops; b takes it over and deletes it. a, started again on
+    its data dir, deletes its copy: neither a's session.list nor b's lists it, a's data dir
+    holds none of it, a call on it through a is a 404 and the cluster does not learn of it
+    again. Before, a listed the deleted session as its own (R-CLUSTER-1, R-SEC-9)."""
+    if stop == "dies":
+        monkeypatch.setattr(ClusterNode, "release_all", _no_release)
+
+    async def body(conn: Connection) -> dict[str, Any]:
+        url = nats_server.url
+        async with _member(conn, url, tmp_path, "a", request_timeout_s=ANSWERED_S) as a:
+            sid = await _session_on(a, conn)
+            async with _client(a) as client:
+                await client.result("run", {"session_id": sid, "input": "hello"})
+        directory = await SessionDirectory.open(conn)
+        async with _member(conn, url, tmp_path, "b", request_timeout_s=ANSWERED_S) as b:
+
+            async def taken_over() -> bool:
+                # b's entry is written once the takeover is done, not while under way.
+                entry = await directory.get(sid)
+                return b.node.serves(sid) and (entry or {}).get("host") == "b"
+
+            await _until(taken_over)
+            await b.host.delete_session(sid)
+            deleted = await _sessions_in_cluster(conn, set())
+            async with _member(conn, url, tmp_path, "a", request_timeout_s=ANSWERED_S) as a:
+                async with _client(a) as client:
+                    listed_by_a = await client.result("session.list")
+                    called = await client.call("session.fork", {"session_id": sid})
+                async with _client(b) as client:
+                    listed_by_b = await client.result("session.list")
+                stored_on_a = [s.session_id for s in await a.host.list_sessions()]
+                entry = await directory.get(sid)
+        return {
+            "sid": sid,
+            "deleted": deleted,
+            "listed_by_a": [s["session_id"] for s in listed_by_a["sessions"]],
+            "listed_by_b": [s["session_id"] for s in listed_by_b["sessions"]],
+            "stored_on_a": stored_on_a,
+            "called": called,
+            "entry": entry,
+        }
+
+    found = run_connected(nats_server.url, body, timeout_s=BOUND_S)
+    assert found["sid"] not in found["deleted"], found
+    assert found["listed_by_a"] == [] and found["listed_by_b"] == [], found
+    assert found["stored_on_a"] == [], found
+    assert found["called"].get("error", {}).get("code") == jsonrpc.NOT_FOUND, found
+    assert found["entry"] is None, found
