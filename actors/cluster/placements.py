@@ -16,10 +16,10 @@ compare-and-set decides between the two, so exactly one happens:
 * kept first: the gateway's client is answered with that session (its host died after
   making it; another took it over) and no second one is made.
 
-A session deleted so is recorded deleted too: the host it was placed on, which stopped or
-died before it took the withdrawal up, deletes the copy its data dir holds when it starts
-again (it would list it as its own), and a host that takes up such a session of its own
-data dir deletes that copy with it.
+The host it was placed on, which stopped or died before it took the withdrawal up,
+deletes the copy its data dir holds of a session deleted so when it starts again, as of
+any session deleted while it was away (:mod:`.deleted_copies`); a host that takes up such
+a session of its own data dir deletes that copy with it.
 
 A session whose entry carries no placement (made here, or placed and then run) is taken
 up as before, with no request more. The records expire after
@@ -41,7 +41,7 @@ import nats.js.kv
 
 from greenroom.actors.cluster.connection import Connection, check_session_id
 from greenroom.actors.cluster.errors import ClusterUnavailable
-from greenroom.actors.cluster.leases import bucket_keys, open_bucket
+from greenroom.actors.cluster.leases import open_bucket
 
 __all__ = [
     "PLACEMENT_FIELD",
@@ -54,10 +54,6 @@ __all__ = [
 
 PLACEMENT_FIELD = "placement"
 """The directory entry's field naming the placement its session was made for."""
-
-_DELETED_PREFIX = "deleted."
-"""The records' keys of the sessions deleted for their withdrawn placements (a session id
-after it), apart from the placements' own keys (a placement id is one token)."""
 
 PLACEMENT_RECORD_TTL_S = 24 * 3600.0
 """How long a withdrawal (or a kept placement) is remembered: far longer than a session
@@ -117,25 +113,6 @@ class PlacementRecords:
         :class:`ClusterUnavailable`."""
         return (await self._decide(placement, {"kept": session_id})).get("withdrawn") is not True
 
-    async def note_deleted(self, session_id: str) -> None:
-        """Record ``session_id`` deleted for its withdrawn placement, for the host whose
-        data dir holds a copy of it (:meth:`deleted_sessions`). Raises
-        :class:`ClusterUnavailable`."""
-        key = _DELETED_PREFIX + check_session_id(session_id)
-        try:
-            await self._conn.call((await self._bucket()).put(key, b"{}"))
-        except nats.js.errors.APIError as exc:
-            raise ClusterUnavailable(f"cannot record session {session_id} deleted: {exc}") from exc
-
-    async def deleted_sessions(self) -> list[str]:
-        """The sessions recorded deleted for their withdrawn placements (within the
-        records' TTL). Raises :class:`ClusterUnavailable`."""
-        await self._bucket()
-        keys = await bucket_keys(self._conn, self._conn.names.placements)
-        return [
-            key.removeprefix(_DELETED_PREFIX) for key in keys if key.startswith(_DELETED_PREFIX)
-        ]
-
     async def withdrawn_among(self, placements: Iterable[str]) -> frozenset[str]:
         """Those of ``placements`` recorded withdrawn, read without recording anything.
         Raises :class:`ClusterUnavailable`."""
@@ -193,8 +170,7 @@ def _record(data: bytes | None) -> dict[str, Any]:
 async def withdrawn(records: PlacementRecords, session_id: str, entry: Mapping[str, Any]) -> bool:
     """Whether ``session_id`` (directory ``entry``), about to be taken up here, was made for
     a placement its gateway withdrew: then it is to be deleted instead. Taken up, it is
-    recorded kept; to be deleted, recorded deleted (:meth:`PlacementRecords.note_deleted`).
-    A record that cannot be reached leaves it taken up, as a session made
+    recorded kept. A record that cannot be reached leaves it taken up, as a session made
     for no placement is (the takeover needs NATS too: it is rarely that far)."""
     placement = entry.get(PLACEMENT_FIELD)
     if not isinstance(placement, str):
@@ -208,12 +184,6 @@ async def withdrawn(records: PlacementRecords, session_id: str, entry: Mapping[s
             "taking it up"
         )
         return False
-    try:
-        # The host it was placed on may hold a copy in its data dir (it stopped or died
-        # before it took the withdrawal up): it deletes that when it starts again.
-        await records.note_deleted(session_id)
-    except ClusterUnavailable as exc:
-        _log(f"cannot record session {session_id} deleted ({exc}); a copy of it may stay listed")
     return True
 
 
