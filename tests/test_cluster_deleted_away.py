@@ -2,7 +2,8 @@
 (R-CLUSTER-1, R-CLUSTER-2, R-SEC-9): two in-process cluster hosts, each with its gateway,
 on a real nats-server. Host a runs the session and stops (cleanly, or dies: its leases
 left to expire), b takes it over and deletes it; a, started again on its data dir, lists
-none of it, holds no copy of it, and a client's call on it finds no session.
+none of it, holds no copy of it, and a client's call on it finds no session. A session
+the cluster never knew, or whose trace JetStream still holds, is kept.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import pytest
 from greenroom.actors.cluster.connection import Connection
 from greenroom.actors.cluster.node import ClusterNode
 from greenroom.actors.cluster.registry import SessionDirectory
+from greenroom.actors.providers.scripted import ScriptedProvider
+from greenroom.actors.runtime.host import Host
 from greenroom.protocols import jsonrpc
 from tests.support.nats import (  # the fixture is used as nats_server
     NatsProcess,
@@ -88,3 +91,31 @@ def test_a_session_deleted_while_its_old_host_was_away_stays_deleted(
     assert found["stored_on_a"] == [], found
     assert found["called"].get("error", {}).get("code") == jsonrpc.NOT_FOUND, found
     assert found["entry"] is None, found
+
+
+def test_a_session_the_cluster_never_knew_or_still_traces_is_kept(
+    tmp_path: Path, nats_server: NatsProcess
+) -> None:
+    """What a starting host keeps of its data dir: a session the cluster never knew (made
+    on this data dir outside the cluster here; as one whose adoption failed before its
+    entry was written), and one whose entry is gone while its trace is still in JetStream
+    (a purge that failed). Neither is deleted on a guess (R-CLUSTER-1, R-SEC-9)."""
+
+    async def body(conn: Connection) -> dict[str, Any]:
+        url = nats_server.url
+        (tmp_path / "ws").mkdir()
+        async with Host.open(tmp_path / "a") as alone:
+            unknown = await alone.create_session(
+                provider=ScriptedProvider([]), workspace_dir=tmp_path / "ws"
+            )
+        async with _member(conn, url, tmp_path, "a", request_timeout_s=ANSWERED_S) as a:
+            traced = await _session_on(a, conn)
+            async with _client(a) as client:
+                await client.result("run", {"session_id": traced, "input": "hello"})
+        await (await SessionDirectory.open(conn)).delete(traced)
+        async with _member(conn, url, tmp_path, "a", request_timeout_s=ANSWERED_S) as a:
+            stored = {s.session_id for s in await a.host.list_sessions()}
+        return {"unknown": unknown.id, "traced": traced, "stored": stored}
+
+    found = run_connected(nats_server.url, body, timeout_s=BOUND_S)
+    assert {found["unknown"], found["traced"]} <= found["stored"], found
