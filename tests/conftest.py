@@ -211,6 +211,17 @@ def trace_lines(session: Session) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines()]
 
 
+def cut_after(trace: Path, last: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
+    """Keep ``trace`` up to its first record for which ``last`` holds: the file a host that
+    stopped right after that record leaves (the file store writes every record in order,
+    at once)."""
+    records = [json.loads(line) for line in trace.read_text("utf-8").splitlines()]
+    end = next(i for i, r in enumerate(records) if last(r))
+    kept = records[: end + 1]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    return kept
+
+
 def ledger_rows(data_dir: Path, session_id: str | None = None) -> list[dict[str, Any]]:
     """Rows of the usage ledger (table ``usage`` in ``<data_dir>/usage.sqlite``), in order."""
     conn = sqlite3.connect(data_dir / LEDGER_FILE_NAME)

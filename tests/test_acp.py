@@ -49,6 +49,7 @@ from acp.schema import (
     WaitForTerminalExitRequest,
     WriteTextFileRequest,
 )
+from conftest import cut_after
 
 from greenroom.actors.apps.demo import write_demo_workspace
 from greenroom.actors.providers.scripted_brain import DEMO_PROMPT
@@ -648,17 +649,6 @@ def test_a_command_line_that_cannot_run_exits_2_with_nothing_on_stdout(tmp_path:
         assert result.returncode == 2, result.stderr
         assert result.stdout == ""
         assert "Traceback" not in result.stderr
-
-
-def cut_after(trace: Path, last: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
-    """Keep ``trace`` up to its first record for which ``last`` holds: the file a host that
-    stopped right after that record leaves (the file store writes every record in order,
-    at once)."""
-    records = [json.loads(line) for line in trace.read_text("utf-8").splitlines()]
-    end = next(i for i, r in enumerate(records) if last(r))
-    kept = records[: end + 1]
-    trace.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-    return kept
 
 
 def test_follow_ups_a_stopped_host_left_queued_run_after_load(
