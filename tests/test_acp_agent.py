@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,12 @@ from acp.schema import (
     RequestPermissionRequest,
     SessionNotification,
 )
-from conftest import hold_after_first, port_of, trace_lines
+from conftest import cut_after, hold_after_first, port_of, trace_lines
 
 from greenroom.actors.apps import acp as acp_app
 from greenroom.actors.apps.acp import AcpAgent, AcpConfig
 from greenroom.actors.apps.acp_people import Asked
+from greenroom.actors.runtime.emitter import OutputEmitter
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session import Session
 from greenroom.actors.runtime.subagents import spawn_subagent
@@ -426,3 +428,131 @@ async def test_a_prompt_answering_a_question_of_a_session_being_closed_is_not_ta
     records = trace_lines(session)
     assert records[-1]["type"] == "approval_request" and records[-1]["kind"] == "question"
     assert len(provider.requests) == 1 and provider.violations == []
+
+
+def follow_up_accepted(monkeypatch: pytest.MonkeyPatch) -> trio.Event:
+    """Set once a session has accepted a follow-up (``Session.follow_up`` said True)."""
+    accepted = trio.Event()
+    follow_up = Session.follow_up
+
+    def noted(self: Session, *args: Any, **kwargs: Any) -> bool:
+        queued = follow_up(self, *args, **kwargs)
+        if queued:
+            accepted.set()
+        return queued
+
+    monkeypatch.setattr(Session, "follow_up", noted)
+    return accepted
+
+
+async def follow_up_as_its_task_ends(
+    client: Client, monkeypatch: pytest.MonkeyPatch, sid: str, start: Callable[[], Awaitable[Any]]
+) -> dict[str, Any]:
+    """``start`` the session's work, then send ``_greenroom/follow_up`` while that work's
+    last ``task_end`` is written and not yet published (the session still takes input,
+    its stream has not seen the end); the follow-up's answer."""
+    ending, let_end = hold_after_first(monkeypatch, OutputEmitter, "sync_task_end")
+    accepted = follow_up_accepted(monkeypatch)
+    await start()
+    await ending.wait()
+    prompt = [{"type": "text", "text": "and then?"}]
+    follow_up = await client.send("_greenroom/follow_up", {"sessionId": sid, "prompt": prompt})
+    await accepted.wait()
+    let_end.set()
+    return await client.answer_of(follow_up)
+
+
+def said(client: Client) -> str:
+    """The text of the agent's messages the client was shown."""
+    return "".join(
+        u["content"]["text"]
+        for u in client.updates()
+        if u["sessionUpdate"] == "agent_message_chunk"
+    )
+
+
+async def test_a_follow_up_accepted_as_its_run_ends_streams_and_is_answered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-STEER-6, R-ACP-2: a follow-up the session accepted while the prompt's task_end
+    was being written (before its stream saw it) runs after it on the prompt's stream:
+    the editor sees its reply and its answer is its task's end_turn."""
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    provider = ScriptedProvider(
+        [Reply(blocks=(text("Hello."),)), Reply(blocks=(text("Then this."),))]
+    )
+    to_agent, agent_in = trio.testing.memory_stream_one_way_pair()
+    agent_out, from_agent = trio.testing.memory_stream_one_way_pair()
+    client = Client(to_agent, from_agent)
+    config = AcpConfig(provider=provider, tools=())
+    with trio.fail_after(TIMEOUT_S):
+        async with Host.open(data_dir=tmp_path / "data") as host, trio.open_nursery() as nursery:
+            nursery.start_soon(AcpAgent(host, config, agent_out).serve, agent_in)
+            await client.call("initialize", {"protocolVersion": 1})
+            created = await client.call("session/new", {"cwd": str(workspace), "mcpServers": []})
+            sid = created["result"]["sessionId"]
+            session = host.get_session(sid)
+            prompted: list[int] = []
+
+            async def prompt() -> None:
+                hello = [{"type": "text", "text": "hello"}]
+                prompted.append(
+                    await client.send("session/prompt", {"sessionId": sid, "prompt": hello})
+                )
+
+            answer = await follow_up_as_its_task_ends(client, monkeypatch, sid, prompt)
+            assert answer.get("result", {}).get("stopReason") == "end_turn", answer
+            assert (await client.answer_of(prompted[0]))["result"]["stopReason"] == "end_turn"
+            assert said(client) == "Hello.Then this."
+            await to_agent.aclose()
+    ends = [r["status"] for r in trace_lines(session) if r["type"] == "task_end"]
+    assert ends == ["completed", "completed"]
+    assert provider.violations == []
+
+
+async def test_a_follow_up_accepted_as_taken_up_work_ends_streams_and_is_answered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-STEER-6, R-HITL-4, R-ACP-2: a loaded session's prompt, accepted and not started by
+    the host that stopped, is taken up; a follow-up the session accepted while that task's
+    task_end was being written (its task_queued after that end) runs after it. It was
+    answered "cancelled" and its reply never reached the editor, as the watch of the work
+    ended at the task_end with no follow-up counted; now the editor sees its reply and
+    its answer is its task's end_turn."""
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    data = tmp_path / "data"
+    with trio.fail_after(TIMEOUT_S):
+        async with Host.open(data_dir=data) as host:
+            stopped = await host.create_session(
+                provider=ScriptedProvider([Reply(blocks=(text("Hello."),))]),
+                workspace_dir=workspace,
+            )
+            await stopped.run("hello").result()
+    cut_after(stopped.trace_path, lambda record: record["type"] == "user_msg")
+    provider = ScriptedProvider(
+        [Reply(blocks=(text("Hello again."),)), Reply(blocks=(text("Then this."),))]
+    )
+    to_agent, agent_in = trio.testing.memory_stream_one_way_pair()
+    agent_out, from_agent = trio.testing.memory_stream_one_way_pair()
+    client = Client(to_agent, from_agent)
+    config = AcpConfig(provider=provider, tools=())
+    sid = stopped.id
+    with trio.fail_after(TIMEOUT_S):
+        async with Host.open(data_dir=data) as host, trio.open_nursery() as nursery:
+            nursery.start_soon(AcpAgent(host, config, agent_out).serve, agent_in)
+            await client.call("initialize", {"protocolVersion": 1})
+
+            async def load() -> None:
+                params = {"sessionId": sid, "cwd": str(workspace), "mcpServers": []}
+                assert "result" in await client.call("session/load", params)
+
+            answer = await follow_up_as_its_task_ends(client, monkeypatch, sid, load)
+            assert answer.get("result", {}).get("stopReason") == "end_turn", answer
+            assert said(client) == "Hello again.Then this."
+            session = host.get_session(sid)
+            await to_agent.aclose()
+    ends = [r["status"] for r in trace_lines(session) if r["type"] == "task_end"]
+    assert ends == ["completed", "completed"]
+    assert provider.violations == []

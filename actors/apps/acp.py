@@ -772,7 +772,13 @@ class AcpAgent:
         entry = self._session(params)
         content = await _prompt_content(entry.session, params)
         session = entry.session
-        if entry.pumping and session.follow_up(content, approve=entry.approval()):
+        reading = entry.reading
+        # Work taken up stops reading at the task_end after which it counts no follow-up:
+        # it counts this one from its acceptance, as its task_queued may follow that end.
+        receipt = reading.receipt() if isinstance(reading, WatchedWork) else None
+        if entry.pumping and session.follow_up(content, approve=entry.approval(), recorded=receipt):
+            if isinstance(reading, WatchedWork) and receipt is not None:
+                reading.accepted(receipt)
             answer = _Answer()
             entry.follow_ups.append(answer)
             return await answer.wait()

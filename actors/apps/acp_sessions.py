@@ -34,7 +34,7 @@ from typing import Any
 import trio
 
 from greenroom.actors.apps.acp_people import Asked
-from greenroom.actors.runtime import Approval, Host, SessionStore
+from greenroom.actors.runtime import Approval, Host, InputReceipt, SessionStore
 from greenroom.protocols import acp
 from greenroom.protocols.content import ToolCallBlock
 from greenroom.protocols.outputs import Output, TaskEnd, TaskQueuedOutput, TaskQueueDropped, UserMsg
@@ -165,7 +165,9 @@ class WatchedWork:
     the task of the prompt it holds as accepted and not started (R-CLUSTER-2), which is
     not counted as queued even when it is a follow-up's — and then each follow-up queued
     behind it (``follow_ups``, the ids of those the trace holds as queued, and those
-    queued meanwhile) until the ``task_end`` after which none is left (R-STEER-6). An
+    queued meanwhile) until the ``task_end`` after which none is left (R-STEER-6). A
+    follow-up the session accepted (:meth:`accepted`) counts from then on: one accepted
+    while a task's end is written has its ``task_queued`` after that ``task_end``. An
     async iterator, like the run's own stream."""
 
     def __init__(
@@ -173,8 +175,23 @@ class WatchedWork:
     ) -> None:
         self._receive = receive
         self._follow_ups = set(follow_ups)
+        self._unrecorded: list[InputReceipt] = []
+        """Follow-ups accepted whose ``task_queued`` was not read yet, oldest first."""
+        self._ended = False
+        """The last output read is a ``task_end`` after which nothing was counted."""
         self._batch: list[Output] = []
         self._index = 0
+
+    def receipt(self) -> InputReceipt:
+        """The receipt to give ``Session.follow_up``; :meth:`accepted` once it says True."""
+        receipt = InputReceipt()
+        receipt.on_taken = lambda: self._dropped(receipt) if receipt.dropped else None
+        return receipt
+
+    def accepted(self, receipt: InputReceipt) -> None:
+        """The session accepted the follow-up of ``receipt``: read on to its ``task_end``."""
+        if receipt.dropped is None:
+            self._unrecorded.append(receipt)
 
     def __aiter__(self) -> WatchedWork:
         return self
@@ -195,9 +212,12 @@ class WatchedWork:
     def _follow(self, output: Output) -> None:
         """Keep count of the follow-ups still to run; stop reading after the last end."""
         queued = self._follow_ups
+        self._ended = False
         match output:
             case TaskQueuedOutput():
                 queued.add(output.queue_id)
+                if self._unrecorded:
+                    self._unrecorded.pop(0)
             case TaskQueueDropped():
                 queued.difference_update(output.queue_ids)
             case UserMsg() if output.queued_id is not None:
@@ -205,13 +225,25 @@ class WatchedWork:
             case TaskEnd():
                 if output.status == "auth":
                     queued.clear()  # a locked session runs none of them
+                    self._unrecorded.clear()
                 if not queued:
-                    # What follows belongs to later tasks, each read by its own run; the
-                    # session forgets the watch at its next batch.
-                    self._batch = []
-                    self._receive.close()
+                    self._ended = True
+                    self._end_if_done()
             case _:
                 pass
+
+    def _dropped(self, receipt: InputReceipt) -> None:
+        """An accepted follow-up will not run (its session stopped before recording it)."""
+        if receipt in self._unrecorded:
+            self._unrecorded.remove(receipt)
+            self._end_if_done()
+
+    def _end_if_done(self) -> None:
+        if self._ended and not self._unrecorded:
+            # What follows belongs to later tasks, each read by its own run; the session
+            # forgets the watch at its next batch.
+            self._batch = []
+            self._receive.close()
 
     def close(self) -> None:
         """Stop reading (the iterator ends)."""
