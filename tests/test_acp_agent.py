@@ -556,3 +556,51 @@ async def test_a_follow_up_accepted_as_taken_up_work_ends_streams_and_is_answere
     ends = [r["status"] for r in trace_lines(session) if r["type"] == "task_end"]
     assert ends == ["completed", "completed"]
     assert provider.violations == []
+
+
+async def test_follow_ups_hand_their_input_over_in_the_order_they_were_sent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-STEER-6, R-ACP-2: requests are answered concurrently, and the first follow-up's
+    content takes longer to make (its image is stored off the event loop, held here until
+    every other task waits). The second one sent waited for nothing and ran first; each
+    now hands its input to the session in the order the editor sent it, so the first runs
+    first and the second queues behind it."""
+    asked: list[str] = []
+
+    def reply(request: ModelRequest) -> Reply:
+        asked.append(" ".join(p.text for p in request.messages[-1].content if hasattr(p, "text")))
+        return Reply(blocks=(text("Done."),))
+
+    stored = trio.Event()
+    attach = Session.attach_image_data
+
+    async def held_attach(self: Session, *args: Any, **kwargs: Any) -> Any:
+        await stored.wait()
+        return await attach(self, *args, **kwargs)
+
+    monkeypatch.setattr(Session, "attach_image_data", held_attach)
+    to_agent, agent_in = trio.testing.memory_stream_one_way_pair()
+    agent_out, from_agent = trio.testing.memory_stream_one_way_pair()
+    client = Client(to_agent, from_agent)
+    config = AcpConfig(provider=ScriptedProvider([reply, reply]), tools=())
+    with trio.fail_after(TIMEOUT_S):
+        async with Host.open(data_dir=tmp_path / "data") as host, trio.open_nursery() as nursery:
+            nursery.start_soon(AcpAgent(host, config, agent_out).serve, agent_in)
+            await client.call("initialize", {"protocolVersion": 1})
+            created = await client.call("session/new", {"cwd": str(tmp_path), "mcpServers": []})
+            sid = created["result"]["sessionId"]
+            png = base64.b64encode(b"\x89PNG\r\n\x1a\nnot really").decode()
+            image = {"type": "image", "mimeType": "image/png", "data": png}
+            first = [{"type": "text", "text": "first"}, image]
+            second = [{"type": "text", "text": "second"}]
+            sent = [
+                await client.send("_greenroom/follow_up", {"sessionId": sid, "prompt": prompt})
+                for prompt in (first, second)
+            ]
+            await trio.testing.wait_all_tasks_blocked()
+            stored.set()
+            for request_id in sent:
+                assert (await client.answer_of(request_id))["result"]["stopReason"] == "end_turn"
+            await to_agent.aclose()
+    assert asked == ["first", "second"]

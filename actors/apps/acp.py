@@ -65,7 +65,14 @@ import trio
 
 from greenroom.actors.apps.acp_editor import EditorSession
 from greenroom.actors.apps.acp_people import Asked, EditorPeople, OnAnswer, WatchedTask
-from greenroom.actors.apps.acp_sessions import AskEditor, WatchedWork, approval_of, list_sessions
+from greenroom.actors.apps.acp_sessions import (
+    AskEditor,
+    InputOrder,
+    InputTurn,
+    WatchedWork,
+    approval_of,
+    list_sessions,
+)
 from greenroom.actors.apps.acp_tree import TreeWatch, steer
 from greenroom.actors.providers import read_image
 from greenroom.actors.runtime import (
@@ -447,6 +454,7 @@ class AcpAgent:
         self._wire = _Wire(send, max_pending_bytes, self.stop)
         self._answering = 0
         self._sessions: dict[str, _AcpSession] = {}
+        self._order = InputOrder()
         self._initialized = False
         self._editor = acp.EditorCapabilities()
         self._read_scope: trio.CancelScope | None = None
@@ -521,27 +529,35 @@ class AcpAgent:
         elif isinstance(message, Notification):
             await self._notification(message)
         elif message.method == "initialize":
-            await self._answer(message)  # at once: what follows may rely on it
+            await self._answer(message, InputTurn(None, 0))  # at once: what follows may rely on it
         else:
             assert self._nursery is not None
-            self._nursery.start_soon(self._answer, message)
+            # Its place among the session's input is taken as it is read, in frame order.
+            turn = self._order.turn(_request_session(message))
+            self._nursery.start_soon(self._answer, message, turn)
 
-    async def _answer(self, request: Request) -> None:
+    async def _answer(self, request: Request, turn: InputTurn) -> None:
         self._answering += 1
         try:
-            await self._answer_request(request)
+            await self._answer_request(request, turn)
         finally:
+            turn.end()  # refused or failed, it holds up no input sent after it
             self._answering -= 1
             self._wire.outbox.nudge()
 
-    async def _answer_request(self, request: Request) -> None:
+    async def _answer_request(self, request: Request, turn: InputTurn) -> None:
+        ordered = self._input_handlers().get(request.method)
         handler = self._handlers().get(request.method)
         try:
-            if handler is None:
+            if handler is None and ordered is None:
                 raise RpcError(METHOD_NOT_FOUND, f"method not found: {request.method}")
             if not self._initialized and request.method != "initialize":
                 raise RpcError(INVALID_REQUEST, "not initialized: call initialize first")
-            result = await handler(request.params)
+            if ordered is not None:
+                result = await ordered(request.params, turn)
+            else:
+                assert handler is not None
+                result = await handler(request.params)
         except RpcError as exc:
             await self._wire.send(error_frame(request.id, exc))
             return
@@ -564,14 +580,21 @@ class AcpAgent:
             "session/new": self._new_session,
             "session/load": self._load_session,
             "session/fork": self._fork_session,
-            "session/prompt": self._prompt,
-            "_greenroom/steer": self._steer,
-            "_greenroom/follow_up": self._follow_up,
             "session/list": lambda params: list_sessions(self._host, params),
             "session/set_mode": self._set_mode,
             "session/close": self._close_session,
             "_greenroom/compact": lambda params: self._session(params).compact(),
             "_greenroom/skip_reconnect_wait": lambda params: _skip_wait(self._session(params)),
+        }
+
+    def _input_handlers(
+        self,
+    ) -> dict[str, Callable[[dict[str, Any], InputTurn], Awaitable[Any]]]:
+        # The requests that give a session input, each handing it over in its turn.
+        return {
+            "session/prompt": self._prompt,
+            "_greenroom/steer": self._steer,
+            "_greenroom/follow_up": self._follow_up,
         }
 
     async def _notification(self, note: Notification) -> None:
@@ -710,24 +733,26 @@ class AcpAgent:
         self._pump_soon(entry, WatchedWork(receive, follow_ups))
         await self._host.resume(entry.session.id, approve=entry.approval())
 
-    async def _prompt(self, params: dict[str, Any]) -> dict[str, Any]:
+    async def _prompt(self, params: dict[str, Any], turn: InputTurn) -> dict[str, Any]:
         entry = self._session(params)
         content = await _prompt_content(entry.session, params)
         session = entry.session
-        if await self._people.answer_with(entry.asked, content):
-            return await entry.joined()
-        # Only while a task of this connection runs: after its last task_end the session
-        # may still look busy for a moment, and steering would reach no task.
-        if entry.pumping and entry.waiters and session.steer(content):
-            # R-STEER: a prompt while a task runs joins it; answered when that task ends.
-            answer = _Answer()
-            entry.waiters.append(answer)
-            steered: dict[str, Any] = await answer.wait()
-            return steered
-        started: dict[str, Any] = await self._start(entry, content)
-        return started
+        async with turn:
+            if await self._people.answer_with(entry.asked, content):
+                answer = None
+            # Only while a task of this connection runs: after its last task_end the
+            # session may still look busy for a moment, and steering would reach no task.
+            elif entry.pumping and entry.waiters and session.steer(content):
+                # R-STEER: a prompt while a task runs joins it; answered when that task ends.
+                answer = _Answer()
+                entry.waiters.append(answer)
+            else:
+                answer = await self._start(entry, content)
+        answered: dict[str, Any] = await (entry.joined() if answer is None else answer.wait())
+        return answered
 
-    async def _start(self, entry: _AcpSession, content: tuple[UserContent, ...]) -> Any:
+    async def _start(self, entry: _AcpSession, content: tuple[UserContent, ...]) -> _Answer:
+        """Run ``content`` as a task of its own; its answer comes when the task ends."""
         # A task ending right now still holds the session for a moment: wait it out.
         await entry.idle.wait()
         try:
@@ -740,7 +765,7 @@ class AcpAgent:
         entry.waiters = [answer]
         entry.follow_ups = []
         self._pump_soon(entry, stream)
-        return await answer.wait()
+        return answer
 
     def _watch_tree(self, entry: _AcpSession) -> TreeWatch:
         """Watch the tree of ``entry``'s session from now on, from a task of the agent."""
@@ -765,24 +790,35 @@ class AcpAgent:
         assert self._nursery is not None
         self._nursery.start_soon(self._pump, entry, outputs)
 
-    async def _steer(self, params: dict[str, Any]) -> dict[str, Any]:
-        return await steer(self._host, self._session(params).session, params, _prompt_content)
+    async def _steer(self, params: dict[str, Any], turn: InputTurn) -> dict[str, Any]:
+        async def content_in_turn(node: Session, params: dict[str, Any]) -> Any:
+            content = await _prompt_content(node, params)
+            await turn.wait()  # handed over once returned: no checkpoint between
+            return content
 
-    async def _follow_up(self, params: dict[str, Any]) -> Any:
+        if "text" in params:
+            await turn.wait()
+        return await steer(self._host, self._session(params).session, params, content_in_turn)
+
+    async def _follow_up(self, params: dict[str, Any], turn: InputTurn) -> Any:
         entry = self._session(params)
         content = await _prompt_content(entry.session, params)
         session = entry.session
-        reading = entry.reading
-        # Work taken up stops reading at the task_end after which it counts no follow-up:
-        # it counts this one from its acceptance, as its task_queued may follow that end.
-        receipt = reading.receipt() if isinstance(reading, WatchedWork) else None
-        if entry.pumping and session.follow_up(content, approve=entry.approval(), recorded=receipt):
-            if isinstance(reading, WatchedWork) and receipt is not None:
-                reading.accepted(receipt)
-            answer = _Answer()
-            entry.follow_ups.append(answer)
-            return await answer.wait()
-        return await self._start(entry, content)
+        async with turn:
+            reading = entry.reading
+            # Work taken up stops reading at the task_end after which it counts no
+            # follow-up: it counts this one from its acceptance, as its task_queued may
+            # follow that end.
+            receipt = reading.receipt() if isinstance(reading, WatchedWork) else None
+            approve = entry.approval()
+            if entry.pumping and session.follow_up(content, approve=approve, recorded=receipt):
+                if isinstance(reading, WatchedWork) and receipt is not None:
+                    reading.accepted(receipt)
+                answer = _Answer()
+                entry.follow_ups.append(answer)
+            else:
+                answer = await self._start(entry, content)
+        return await answer.wait()
 
     # -- sessions and tasks -----------------------------------------------------------------
 
@@ -846,6 +882,11 @@ _CLOSED_BEFORE = {
     "_greenroom/compact": "the compaction",
 }
 """What each request that starts work on a session sends it, for :func:`_closed_answer`."""
+
+
+def _request_session(request: Request) -> object:
+    """The session a request names (its ``sessionId``, unchecked), for its turn."""
+    return request.params.get("sessionId") if isinstance(request.params, dict) else None
 
 
 def _closed_answer(method: str, closed: SessionClosed) -> RpcError:

@@ -45,6 +45,8 @@ from greenroom.protocols.wording import clip_words
 __all__ = [
     "FIRST_PROMPT_BYTES",
     "TITLE_CHARS",
+    "InputOrder",
+    "InputTurn",
     "ModeApproval",
     "WatchedWork",
     "approval_of",
@@ -248,3 +250,76 @@ class WatchedWork:
     def close(self) -> None:
         """Stop reading (the iterator ends)."""
         self._receive.close()
+
+
+class InputOrder:
+    """The order in which the editor sent each session its input — prompts, steering,
+    follow-ups (R-STEER-1, R-STEER-6). Requests are answered concurrently, and making one's
+    content (an image stored, an MCP prompt expanded) takes its own time, so a follow-up
+    sent second could reach the session first and run first. Each such request takes an
+    :class:`InputTurn` when it is read, in the order frames arrive, and hands its input to
+    the session only in its turn."""
+
+    def __init__(self) -> None:
+        self._lines: dict[str, _Line] = {}
+
+    def turn(self, session_id: object) -> InputTurn:
+        """The next turn of ``session_id`` (what the request names; not a string: a turn
+        that waits for nothing, the request being refused anyway)."""
+        if not isinstance(session_id, str):
+            return InputTurn(None, 0)
+        line = self._lines.get(session_id)
+        if line is None:
+            line = self._lines[session_id] = _Line(lambda: self._lines.pop(session_id, None))
+        line.issued += 1
+        return InputTurn(line, line.issued - 1)
+
+
+class _Line:
+    """One session's turns: ``served`` is the turn whose request may hand its input over."""
+
+    def __init__(self, forget: Callable[[], object]) -> None:
+        self.issued = 0
+        self.served = 0
+        self.finished: set[int] = set()
+        self.changed = trio.Event()
+        self._forget = forget
+
+    def finish(self, number: int) -> None:
+        self.finished.add(number)
+        while self.served in self.finished:
+            self.finished.discard(self.served)
+            self.served += 1
+        self.changed.set()
+        self.changed = trio.Event()
+        if self.served == self.issued:
+            self._forget()  # no turn waits: the session's line starts again when one does
+
+
+class InputTurn:
+    """A request's place in its session's :class:`InputOrder`: ``async with`` waits for
+    the requests read before it to hand their input over (or fail) and ends the turn on
+    leaving; :meth:`end` ends it however the request ends (it may never wait)."""
+
+    def __init__(self, line: _Line | None, number: int) -> None:
+        self._line = line
+        self._number = number
+        self._ended = False
+
+    async def __aenter__(self) -> None:
+        await self.wait()
+
+    async def wait(self) -> None:
+        """Return once the requests read before this one handed their input over."""
+        line = self._line
+        while line is not None and line.served != self._number:
+            await line.changed.wait()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.end()
+
+    def end(self) -> None:
+        """Let the requests read after this one hand their input over (once)."""
+        if not self._ended and self._line is not None:
+            self._ended = True
+            self._line.finish(self._number)
