@@ -604,3 +604,58 @@ async def test_follow_ups_hand_their_input_over_in_the_order_they_were_sent(
                 assert (await client.answer_of(request_id))["result"]["stopReason"] == "end_turn"
             await to_agent.aclose()
     assert asked == ["first", "second"]
+
+
+async def test_steering_reaches_the_running_task_while_an_earlier_prompt_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-STEER-1, R-ACP-2: a loaded session's taken-up task runs (no prompt of this
+    connection waits on it); a prompt sent now waits for that task to end before its own
+    starts. Steering sent after that prompt is for the running task: it is handed over at
+    once, not held behind the prompt's wait for the whole task."""
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    data = tmp_path / "data"
+    with trio.fail_after(TIMEOUT_S):
+        async with Host.open(data_dir=data) as host:
+            stopped = await host.create_session(
+                provider=ScriptedProvider([Reply(blocks=(text("Hello."),))]),
+                workspace_dir=workspace,
+            )
+            await stopped.run("hello").result()
+    cut_after(stopped.trace_path, lambda record: record["type"] == "user_msg")
+    started, release = trio.Event(), trio.Event()
+
+    async def held(request: ModelRequest, stream: Any) -> None:
+        started.set()
+        await release.wait()
+        await stream.block(text("Hello again."))
+
+    steered: list[str] = []
+    steer = Session.steer
+
+    def noted(self: Session, content: Any, *args: Any, **kwargs: Any) -> bool:
+        steered.append(" ".join(getattr(part, "text", "") for part in content))
+        return steer(self, content, *args, **kwargs)
+
+    monkeypatch.setattr(Session, "steer", noted)
+    provider = ScriptedProvider([held, Reply(blocks=(text("Next."),))])
+    to_agent, agent_in = trio.testing.memory_stream_one_way_pair()
+    agent_out, from_agent = trio.testing.memory_stream_one_way_pair()
+    client = Client(to_agent, from_agent)
+    config = AcpConfig(provider=provider, tools=())
+    with trio.fail_after(TIMEOUT_S):
+        async with Host.open(data_dir=data) as host, trio.open_nursery() as nursery:
+            nursery.start_soon(AcpAgent(host, config, agent_out).serve, agent_in)
+            await client.call("initialize", {"protocolVersion": 1})
+            load = {"sessionId": stopped.id, "cwd": str(workspace), "mcpServers": []}
+            await client.call("session/load", load)
+            await started.wait()  # the taken-up task runs, its model request held
+            prompt = [{"type": "text", "text": "next"}]
+            await client.send("session/prompt", {"sessionId": stopped.id, "prompt": prompt})
+            sent = await client.send("_greenroom/steer", {"sessionId": stopped.id, "text": "also"})
+            await trio.testing.wait_all_tasks_blocked()
+            assert steered == ["also"]  # before its task's end
+            release.set()
+            assert (await client.answer_of(sent))["result"] == {"queued": True}
+            await to_agent.aclose()

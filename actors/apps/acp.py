@@ -533,7 +533,7 @@ class AcpAgent:
         else:
             assert self._nursery is not None
             # Its place among the session's input is taken as it is read, in frame order.
-            turn = self._order.turn(_request_session(message))
+            turn = _input_turn(self._order, message)
             self._nursery.start_soon(self._answer, message, turn)
 
     async def _answer(self, request: Request, turn: InputTurn) -> None:
@@ -884,9 +884,24 @@ _CLOSED_BEFORE = {
 """What each request that starts work on a session sends it, for :func:`_closed_answer`."""
 
 
-def _request_session(request: Request) -> object:
-    """The session a request names (its ``sessionId``, unchecked), for its turn."""
-    return request.params.get("sessionId") if isinstance(request.params, dict) else None
+_INPUT_LINES = {
+    "session/prompt": "tasks",
+    "_greenroom/follow_up": "tasks",
+    "_greenroom/steer": "steering",
+}
+"""The line of a session's input each request that gives it some waits in: prompts and
+follow-ups become tasks in the order sent; steering is for the task running now, in the
+order sent too, and never waits behind a prompt that waits for that task to end."""
+
+
+def _input_turn(order: InputOrder, request: Request) -> InputTurn:
+    """``request``'s turn in its session's line (:data:`_INPUT_LINES`); for a request that
+    gives no input, or names no session (refused anyway), a turn that waits for nothing."""
+    line = _INPUT_LINES.get(request.method)
+    session_id = request.params.get("sessionId") if isinstance(request.params, dict) else None
+    if line is None or not isinstance(session_id, str):
+        return InputTurn(None, 0)
+    return order.turn(session_id, line)
 
 
 def _closed_answer(method: str, closed: SessionClosed) -> RpcError:

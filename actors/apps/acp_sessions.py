@@ -257,20 +257,21 @@ class InputOrder:
     follow-ups (R-STEER-1, R-STEER-6). Requests are answered concurrently, and making one's
     content (an image stored, an MCP prompt expanded) takes its own time, so a follow-up
     sent second could reach the session first and run first. Each such request takes an
-    :class:`InputTurn` when it is read, in the order frames arrive, and hands its input to
-    the session only in its turn."""
+    :class:`InputTurn` in its session's line of its kind (prompts and follow-ups one,
+    steering another: it is for the task running now, and waits for no prompt that waits
+    for that task's end) when it is read, in the order frames arrive, and hands its input
+    to the session only in its turn."""
 
     def __init__(self) -> None:
-        self._lines: dict[str, _Line] = {}
+        self._lines: dict[tuple[str, str], _Line] = {}
 
-    def turn(self, session_id: object) -> InputTurn:
-        """The next turn of ``session_id`` (what the request names; not a string: a turn
-        that waits for nothing, the request being refused anyway)."""
-        if not isinstance(session_id, str):
-            return InputTurn(None, 0)
-        line = self._lines.get(session_id)
+    def turn(self, session_id: str, kind: str) -> InputTurn:
+        """The next turn in ``session_id``'s line of ``kind`` (input of one kind keeps its
+        order; kinds do not wait for each other)."""
+        key = (session_id, kind)
+        line = self._lines.get(key)
         if line is None:
-            line = self._lines[session_id] = _Line(lambda: self._lines.pop(session_id, None))
+            line = self._lines[key] = _Line(lambda: self._lines.pop(key, None))
         line.issued += 1
         return InputTurn(line, line.issued - 1)
 
