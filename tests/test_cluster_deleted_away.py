@@ -9,11 +9,16 @@ the cluster never knew, or whose trace JetStream still holds, is kept.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import trio
+import trio.testing
 
+from greenroom.actors.cluster import deleted_copies
 from greenroom.actors.cluster.connection import Connection
+from greenroom.actors.cluster.errors import ClusterUnavailable
 from greenroom.actors.cluster.node import ClusterNode
 from greenroom.actors.cluster.registry import SessionDirectory
 from greenroom.actors.providers.scripted import ScriptedProvider
@@ -119,3 +124,47 @@ def test_a_session_the_cluster_never_knew_or_still_traces_is_kept(
 
     found = run_connected(nats_server.url, body, timeout_s=BOUND_S)
     assert {found["unknown"], found["traced"]} <= found["stored"], found
+
+
+def _data_dir_of(count: int) -> Any:
+    """A host whose data dir holds ``count`` sessions, for the start's pass alone."""
+    sessions = [SimpleNamespace(session_id=f"s{i:05d}") for i in range(count)]
+
+    async def list_sessions() -> list[Any]:
+        return sessions
+
+    catalog = SimpleNamespace(list_sessions=list_sessions)
+    return SimpleNamespace(trace_store=SimpleNamespace(catalog=catalog))
+
+
+@pytest.mark.parametrize("nats", ["answers slowly", "does not answer"])
+async def test_the_start_pass_over_the_data_dir_is_bounded(
+    nats: str, monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A host with 5,000 sessions in its data dir, NATS open but each read slow (a second,
+    or a read timeout of 5 s): its start waited for every read, 16 at a time (over five
+    minutes, or 26); the pass stops at the first read NATS does not answer and after
+    PASS_BOUND_S in all, keeping every copy it did not look at."""
+    reads: list[str] = []
+
+    async def opened(*args: Any, **kwargs: Any) -> object:
+        return object()
+
+    async def read(conn: Any, directory: Any, traces: Any, session_id: str) -> bool:
+        reads.append(session_id)
+        if nats == "does not answer":
+            await trio.sleep(5.0)
+            raise ClusterUnavailable("NATS is unavailable: timeout")
+        await trio.sleep(1.0)
+        return False
+
+    monkeypatch.setattr(deleted_copies, "open_bucket", opened)
+    monkeypatch.setattr(deleted_copies, "_deleted_in_cluster", read)
+    start = trio.current_time()
+    conn = SimpleNamespace(names=SimpleNamespace(sessions="greenroom_sessions"))
+    await deleted_copies.drop_deleted_copies(conn, None, _data_dir_of(5000))  # type: ignore[arg-type]
+    took = trio.current_time() - start
+    if nats == "does not answer":
+        assert took == 5.0 and len(reads) == deleted_copies.READS_AT_ONCE
+    else:
+        assert took == deleted_copies.PASS_BOUND_S and len(reads) < 5000

@@ -22,7 +22,9 @@ whose trace JetStream no longer holds. Kept:
 
 Cost: once, when the host starts, one read of the session bucket per session of its data
 dir (and one of the trace stream per removed one), :data:`READS_AT_ONCE` at a time; none
-per request.
+per request. Bounded: the pass stops at the first read NATS does not answer, and after
+:data:`PASS_BOUND_S` in all, keeping what it did not look at (the log says how many), so
+a slow NATS or a large data dir never holds the host's start for long.
 """
 
 from __future__ import annotations
@@ -41,11 +43,15 @@ from greenroom.actors.cluster.traces import TraceStream
 from greenroom.actors.runtime.errors import SessionNotFound
 from greenroom.actors.runtime.host import Host
 
-__all__ = ["READS_AT_ONCE", "delete_copy", "drop_deleted_copies"]
+__all__ = ["PASS_BOUND_S", "READS_AT_ONCE", "delete_copy", "drop_deleted_copies"]
 
 READS_AT_ONCE = 16
 """How many sessions of the data dir :func:`drop_deleted_copies` asks the cluster about at
 a time: a data dir of thousands of sessions is read in parallel, never all at once."""
+
+PASS_BOUND_S = 10.0
+"""How long a host's start looks for deleted copies at most (about 10,000 sessions' reads
+on a healthy NATS); the copies not looked at stay until a later start."""
 
 
 async def drop_deleted_copies(conn: Connection, traces: TraceStream, host: Host) -> None:
@@ -59,24 +65,30 @@ async def drop_deleted_copies(conn: Connection, traces: TraceStream, host: Host)
         return
     stored = await host.trace_store.catalog.list_sessions()
     deleted: list[str] = []
-    unknown: list[str] = []
+    looked: set[str] = set()
     limiter = trio.CapacityLimiter(READS_AT_ONCE)
+    why = f"the pass's {PASS_BOUND_S:g} s ran out"
 
-    async def check(session_id: str) -> None:
+    async def check(session_id: str, nursery: trio.Nursery) -> None:
+        nonlocal why
         async with limiter:
             try:
                 if await _deleted_in_cluster(conn, directory, traces, session_id):
                     deleted.append(session_id)
-            except ClusterUnavailable:
-                unknown.append(session_id)
+            except ClusterUnavailable as exc:
+                why = f"NATS did not answer: {exc}"
+                nursery.cancel_scope.cancel()  # the next reads would wait as long
+                return
+            looked.add(session_id)
 
-    async with trio.open_nursery() as nursery:
-        for session in stored:
-            nursery.start_soon(check, session.session_id)
-    if unknown:
+    with trio.move_on_after(PASS_BOUND_S):
+        async with trio.open_nursery() as nursery:
+            for session in stored:
+                nursery.start_soon(check, session.session_id, nursery)
+    if (left := len(stored) - len(looked)) > 0:
         _log(
-            f"cannot tell whether {len(unknown)} session(s) of this data dir were deleted "
-            f"elsewhere (NATS did not answer); kept, e.g. {unknown[0]}"
+            f"did not tell whether {left} session(s) of this data dir were deleted elsewhere "
+            f"({why}); kept until a later start"
         )
     for session_id in deleted:
         await delete_copy(host, session_id, "deleted in the cluster while this host was away")
