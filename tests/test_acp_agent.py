@@ -32,10 +32,11 @@ from greenroom.actors.apps.acp_people import Asked
 from greenroom.actors.runtime.emitter import OutputEmitter
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session import Session
-from greenroom.actors.runtime.subagents import spawn_subagent
+from greenroom.actors.runtime.subagents import SUBAGENT_SYSTEM, spawn_subagent
 from greenroom.actors.scripted import (
     Reply,
     ScriptedProvider,
+    ScriptedStream,
     model_error,
     text,
     thinking,
@@ -43,8 +44,8 @@ from greenroom.actors.scripted import (
 )
 from greenroom.actors.tools.builtin import builtin_tools
 from greenroom.actors.tools.questions import ask_user
-from greenroom.protocols.content import ImageBlock
-from greenroom.protocols.context import ModelRequest
+from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock
+from greenroom.protocols.context import ModelRequest, ToolResult, UserMessage
 from tests.support.ndjson import NdjsonPeer
 
 TIMEOUT_S = 20
@@ -659,3 +660,66 @@ async def test_steering_reaches_the_running_task_while_an_earlier_prompt_waits_f
             release.set()
             assert (await client.answer_of(sent))["result"] == {"queued": True}
             await to_agent.aclose()
+
+
+async def test_a_follow_up_during_a_background_childs_follow_up_task_streams_and_is_answered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-STEER-6, R-TREE-2, R-ACP-2: a background child's answer starts a task in its idle
+    parent, which the tree watch streams; a follow-up the editor sends during that task
+    runs after it. The watch read that task alone: the follow-up was answered "cancelled"
+    as the task ended; now the editor sees its reply and its answer is its end_turn."""
+    release, merging, merge = trio.Event(), trio.Event(), trio.Event()
+
+    async def model(request: ModelRequest, stream: ScriptedStream) -> None:
+        users = [m for m in request.messages if isinstance(m, UserMessage)]
+        said = "".join(p.text for p in users[-1].content if isinstance(p, TextBlock))
+        if (request.system or "").startswith(SUBAGENT_SYSTEM):
+            await release.wait()
+            await stream.text("Scout report.")
+        elif said.startswith("[subagent scout finished]"):
+            merging.set()
+            await merge.wait()
+            await stream.text("Merged.")
+        elif said == "and then?":
+            await stream.text("Then this.")
+        elif any(isinstance(p, ToolResult) for p in users[-1].content):
+            await stream.text("Started the scout.")
+        else:
+            arguments = {"task": "scout the notes", "background": True, "name": "scout"}
+            await stream.tool_call(
+                ToolCallBlock(id="p1", name="spawn_subagent", arguments=arguments)
+            )
+
+    accepted = follow_up_accepted(monkeypatch)
+    provider = ScriptedProvider(model)
+    to_agent, agent_in = trio.testing.memory_stream_one_way_pair()
+    agent_out, from_agent = trio.testing.memory_stream_one_way_pair()
+    client = Client(to_agent, from_agent)
+    config = AcpConfig(provider=provider, tools=(spawn_subagent,), approve="all")
+    with trio.fail_after(TIMEOUT_S):
+        async with Host.open(data_dir=tmp_path / "data") as host, trio.open_nursery() as nursery:
+            nursery.start_soon(AcpAgent(host, config, agent_out).serve, agent_in)
+            await client.call("initialize", {"protocolVersion": 1})
+            created = await client.call("session/new", {"cwd": str(tmp_path), "mcpServers": []})
+            sid = created["result"]["sessionId"]
+            research = [{"type": "text", "text": "research"}]
+            answer = await client.call("session/prompt", {"sessionId": sid, "prompt": research})
+            assert answer["result"]["stopReason"] == "end_turn"
+            release.set()
+            await merging.wait()
+            await trio.testing.wait_all_tasks_blocked()  # the watch streams the task
+            prompt = [{"type": "text", "text": "and then?"}]
+            follow_up = await client.send(
+                "_greenroom/follow_up", {"sessionId": sid, "prompt": prompt}
+            )
+            await accepted.wait()
+            merge.set()
+            answer = await client.answer_of(follow_up)
+            assert answer.get("result", {}).get("stopReason") == "end_turn", answer
+            assert said(client).endswith("Merged.Then this.")
+            session = host.get_session(sid)
+            await to_agent.aclose()
+    ends = [r["status"] for r in trace_lines(session) if r["type"] == "task_end"]
+    assert ends == ["completed", "completed", "completed"]
+    assert provider.violations == []

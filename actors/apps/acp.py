@@ -64,7 +64,7 @@ import attrs
 import trio
 
 from greenroom.actors.apps.acp_editor import EditorSession
-from greenroom.actors.apps.acp_people import Asked, EditorPeople, OnAnswer, WatchedTask
+from greenroom.actors.apps.acp_people import Asked, EditorPeople, OnAnswer
 from greenroom.actors.apps.acp_sessions import (
     AskEditor,
     InputOrder,
@@ -133,9 +133,9 @@ __all__ = ["AcpAgent", "AcpConfig", "serve_stdio"]
 SHUTDOWN_GRACE_S = 5.0
 """How long the running tasks have to end and write their last records at shutdown."""
 
-_Outputs = RunStream | WatchedTask | WatchedWork
-"""What a session's pump reads: a run of this connection, a child's answer's task, or the
-work taken up on load."""
+_Outputs = RunStream | WatchedWork
+"""What a session's pump reads: a run of this connection, or work it did not start (taken
+up on load, or the task a background child's answer started), read from its watch."""
 
 MAX_PENDING_BYTES = 16 * 1024 * 1024
 """How many bytes of frames may wait for the client to read them: past it the client is

@@ -19,9 +19,7 @@ recorded as the client's answer, since its person chose the mode.
 
 Answers are recorded ``by: client`` with the client's ``clientInfo.name`` (else
 ``editor``) as ``principal``. An answer to a request settled meanwhile (an interrupt, the
-timeout policy, another surface) is refused by the host and only logged. A session loaded
-with its task open is taken up, and :class:`WatchedTask` reads that task's outputs from
-the session's watch, as a run's own stream would be read.
+timeout policy, another surface) is refused by the host and only logged.
 """
 
 from __future__ import annotations
@@ -35,11 +33,11 @@ import trio
 from greenroom.actors.runtime import Host, NotPending, Session, SessionClosed, SessionNotFound
 from greenroom.protocols import acp
 from greenroom.protocols.content import TextBlock, ToolCallBlock, UserContent
-from greenroom.protocols.outputs import ApprovalRequest, Output, TaskEnd
+from greenroom.protocols.outputs import ApprovalRequest
 from greenroom.protocols.people import Verdict, arguments_digest
 from greenroom.protocols.task import fold
 
-__all__ = ["Asked", "EditorPeople", "OnAnswer", "WatchedTask"]
+__all__ = ["Asked", "EditorPeople", "OnAnswer"]
 
 OnAnswer = Callable[[acp.Response], None]
 """Called with the client's answer to a request as it is read, before the next frame."""
@@ -196,41 +194,6 @@ class EditorPeople:
             _log(f"the prompt does not answer question {call_id}: {exc}")
             return False
         return True
-
-
-class WatchedTask:
-    """The outputs of a session's open task that no run of the connection reads — one
-    taken up when the session is loaded (R-HITL-4), one a background child's answer
-    started — from a watch of the session, until the task's ``task_end``. An async
-    iterator, like the run's own stream."""
-
-    def __init__(self, receive: trio.MemoryReceiveChannel[list[Output]]) -> None:
-        self._receive = receive
-        self._batch: list[Output] = []
-        self._index = 0
-
-    def __aiter__(self) -> WatchedTask:
-        return self
-
-    async def __anext__(self) -> Output:
-        while self._index >= len(self._batch):
-            try:
-                self._batch = await self._receive.receive()
-            except (trio.EndOfChannel, trio.ClosedResourceError):
-                raise StopAsyncIteration from None
-            self._index = 0
-        output = self._batch[self._index]
-        self._index += 1
-        if isinstance(output, TaskEnd) and output.origin is None:
-            # What follows belongs to later tasks, each read by its own run; the session
-            # forgets the watch at its next batch.
-            self._batch = []
-            self._receive.close()
-        return output
-
-    def close(self) -> None:
-        """Stop reading (the iterator ends)."""
-        self._receive.close()
 
 
 def _log(message: str) -> None:

@@ -162,10 +162,11 @@ class ModeApproval:
 
 
 class WatchedWork:
-    """The outputs of the work a loaded session's trace leaves, taken up with no run of
-    the connection to read it (R-HITL-4): from a watch of the session, its open task — or
-    the task of the prompt it holds as accepted and not started (R-CLUSTER-2), which is
-    not counted as queued even when it is a follow-up's — and then each follow-up queued
+    """The outputs of work no run of the connection reads — what a loaded session's trace
+    leaves, taken up (R-HITL-4), or the task a background child's answer started in its
+    idle parent (R-TREE-2) — from a watch of the session: its open task — or the task of
+    the prompt the trace holds as accepted and not started (R-CLUSTER-2), which is not
+    counted as queued even when it is a follow-up's — and then each follow-up queued
     behind it (``follow_ups``, the ids of those the trace holds as queued, and those
     queued meanwhile) until the ``task_end`` after which none is left (R-STEER-6). A
     follow-up the session accepted (:meth:`accepted`) counts from then on: one accepted

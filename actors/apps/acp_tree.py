@@ -23,7 +23,7 @@ from typing import Any
 
 import trio
 
-from greenroom.actors.apps.acp_people import WatchedTask
+from greenroom.actors.apps.acp_sessions import WatchedWork
 from greenroom.actors.runtime import Host, Session, SessionNotFound
 from greenroom.protocols import acp
 from greenroom.protocols.content import TextBlock, UserContent
@@ -51,8 +51,9 @@ class TreeWatch:
     starts when it is made, so it sees every batch published from then on; :meth:`run`
     drains it. What it sees goes to the agent: ``show`` queues an update of the session
     (never waiting), ``ask`` has the editor asked about a background child's request,
-    ``pump`` streams a task nobody of the connection started; ``pumping`` says whether a
-    pump already reads the session's task, ``live`` whether the client still reads."""
+    ``pump`` streams a task nobody of the connection started, and the follow-ups queued
+    behind it; ``pumping`` says whether a pump already reads the session's task, ``live``
+    whether the client still reads."""
 
     def __init__(
         self,
@@ -63,7 +64,7 @@ class TreeWatch:
         pumping: Callable[[], bool],
         show: Callable[[dict[str, Any]], None],
         ask: Callable[[ApprovalRequest], None],
-        pump: Callable[[WatchedTask], None],
+        pump: Callable[[WatchedWork], None],
     ) -> None:
         self._mapper = mapper
         self._live = live
@@ -142,7 +143,8 @@ class TreeWatch:
             if self._forward is not None:
                 self._forward.close()
             self._forward = send
-            self._pump(WatchedTask(receive))
+            # Read on past its end to the follow-ups the editor sends meanwhile (R-STEER-6).
+            self._pump(WatchedWork(receive))
 
 
 def tree_node(host: Host, root: Session, node_id: Any) -> Session:
