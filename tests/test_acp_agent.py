@@ -723,3 +723,69 @@ async def test_a_follow_up_during_a_background_childs_follow_up_task_streams_and
     ends = [r["status"] for r in trace_lines(session) if r["type"] == "task_end"]
     assert ends == ["completed", "completed", "completed"]
     assert provider.violations == []
+
+
+async def test_a_follow_up_behind_ones_a_stopped_host_queued_is_answered_at_its_own_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-STEER-6, R-HITL-4, R-ACP-2: a loaded session runs the two follow-ups its stopped
+    host left queued, and the editor sends one during the first. The editor's was answered
+    at the end of the second queued one's task, with that task's stop reason (a refusal),
+    before its own ran; now its answer is its own task's end_turn, after its reply."""
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    data = tmp_path / "data"
+    with trio.fail_after(TIMEOUT_S):
+        async with Host.open(data_dir=data) as host:
+            stopped = await host.create_session(
+                provider=ScriptedProvider(Reply(blocks=(text("Done."),))),
+                workspace_dir=workspace,
+            )
+            stream = stopped.run("hello")
+            assert stopped.follow_up("queued one") and stopped.follow_up("queued two")
+            await stream.result()
+    kept = cut_after(stopped.trace_path, lambda record: record["type"] == "task_end")
+    assert [r["type"] for r in kept].count("task_queued") == 2
+    asked, go = trio.Event(), trio.Event()
+
+    async def model(request: ModelRequest, stream: ScriptedStream) -> None:
+        last = request.messages[-1].content
+        said = "".join(p.text for p in last if isinstance(p, TextBlock))
+        if said == "queued one":
+            asked.set()
+            await go.wait()
+            await stream.text("One.")
+        elif said == "queued two":
+            await stream.text("I can't.")
+            await stream.end("refusal")
+        else:
+            await stream.text("Then this.")
+
+    accepted = follow_up_accepted(monkeypatch)
+    provider = ScriptedProvider(model)
+    to_agent, agent_in = trio.testing.memory_stream_one_way_pair()
+    agent_out, from_agent = trio.testing.memory_stream_one_way_pair()
+    client = Client(to_agent, from_agent)
+    config = AcpConfig(provider=provider, tools=())
+    sid = stopped.id
+    with trio.fail_after(TIMEOUT_S):
+        async with Host.open(data_dir=data) as host, trio.open_nursery() as nursery:
+            nursery.start_soon(AcpAgent(host, config, agent_out).serve, agent_in)
+            await client.call("initialize", {"protocolVersion": 1})
+            params = {"sessionId": sid, "cwd": str(workspace), "mcpServers": []}
+            assert "result" in await client.call("session/load", params)
+            await asked.wait()
+            prompt = [{"type": "text", "text": "and then?"}]
+            params = {"sessionId": sid, "prompt": prompt}
+            follow_up = await client.send("_greenroom/follow_up", params)
+            await accepted.wait()
+            go.set()
+            answer = await client.answer_of(follow_up)
+            assert answer.get("result", {}).get("stopReason") == "end_turn", answer
+            assert said(client).endswith("One.I can't.Then this.")
+            session = host.get_session(sid)
+            await to_agent.aclose()
+    prompts = [r for r in trace_lines(session) if r["type"] == "user_msg"]
+    asked_in_order = ["hello", "queued one", "queued two", "and then?"]
+    assert [p["content"][0]["text"] for p in prompts] == asked_in_order
+    assert provider.violations == []

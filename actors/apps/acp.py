@@ -118,6 +118,8 @@ from greenroom.protocols.outputs import (
     ApprovalRequest,
     Output,
     TaskEnd,
+    TaskQueuedOutput,
+    TaskQueueDropped,
     ToolCallOutput,
     UserMsg,
 )
@@ -375,7 +377,12 @@ class _AcpSession:
         self.waiters: list[_Answer] = []
         """The prompts answered when the running task ends (its prompt, steering prompts)."""
         self.follow_ups: list[_Answer] = []
-        """One answer per queued follow-up task, FIFO."""
+        """The answers of the follow-ups accepted whose ``task_queued`` was not read yet,
+        FIFO (the session records them in the order it accepts them)."""
+        self.queued: dict[str, _Answer] = {}
+        """The answers of the follow-ups recorded as queued, by queue id, until their task
+        starts: other tasks may run first (queued by a host that stopped, or a background
+        child's answer), so each answer waits for its own task (R-STEER-6)."""
         self.pumping = False
         self.idle = trio.Event()
         self.idle.set()
@@ -395,6 +402,44 @@ class _AcpSession:
         self.waiters.append(answer)
         joined: dict[str, Any] = await answer.wait()
         return joined
+
+    def followed(self, output: Output) -> None:
+        """Match the editor's follow-ups to their tasks as the session's ``output`` is read:
+        a follow-up's answer waits for its ``task_queued`` (its queue id), then for the
+        ``user_msg`` that starts its task, and is given at that task's end; one dropped is
+        answered by the end that follows (its own, refused, or the interrupted task's)."""
+        match output:
+            case TaskQueuedOutput(late_steering=False) if self.follow_ups:
+                # Late steering is recorded as a task too, but no follow-up of the editor's.
+                self.queued[output.queue_id] = self.follow_ups.pop(0)
+            case TaskQueueDropped():
+                dropped = (self.queued.pop(queue_id, None) for queue_id in output.queue_ids)
+                self.waiters.extend(answer for answer in dropped if answer is not None)
+            case UserMsg() if output.queued_id in self.queued:
+                self.waiters.append(self.queued.pop(output.queued_id))
+            case TaskEnd():
+                self._ended(output)
+            case _:
+                pass
+
+    def _ended(self, end: TaskEnd) -> None:
+        """Answer the prompts of the task that ``end`` ends."""
+        waiters, self.waiters = self.waiters, []
+        try:
+            reason = acp.stop_reason(end, self.mapper.last_stop_reason)
+        except RpcError as error:
+            for answer in waiters:
+                answer.give(error=error)
+        else:
+            for answer in waiters:
+                answer.give({"stopReason": reason, "usage": acp.prompt_usage(end.usage)})
+
+    def cancel_all(self) -> None:
+        """Answer every prompt still waiting "cancelled": its task will not be read (an
+        interrupt dropped the follow-ups, or the reading stopped)."""
+        for answer in (*self.waiters, *self.follow_ups, *self.queued.values()):
+            answer.give({"stopReason": "cancelled"})
+        self.waiters, self.follow_ups, self.queued = [], [], {}
 
     def stop_reading(self) -> None:
         """End the pump without interrupting the task (it waits in the trace)."""
@@ -763,7 +808,7 @@ class AcpAgent:
             raise RpcError(BUSY, str(exc)) from None
         answer = _Answer()
         entry.waiters = [answer]
-        entry.follow_ups = []
+        entry.follow_ups, entry.queued = [], {}
         self._pump_soon(entry, stream)
         return answer
 
@@ -852,27 +897,13 @@ class AcpAgent:
                     and not entry.mapper.is_background(output)  # the tree watch asks those
                 ):
                     self._people.ask_soon(self._nursery, entry.asked, output)
-                if isinstance(output, TaskEnd) and output.origin is None:
-                    await self._task_ended(entry, output)
+                if output.origin is None:  # a subagent's tasks are not this session's
+                    entry.followed(output)
         finally:
-            # Follow-ups an interrupt dropped never run.
-            for answer in (*entry.waiters, *entry.follow_ups):
-                answer.give({"stopReason": "cancelled"})
-            entry.waiters, entry.follow_ups = [], []
+            entry.cancel_all()
             entry.pumping = False
             entry.reading = None
             entry.idle.set()
-
-    async def _task_ended(self, entry: _AcpSession, end: TaskEnd) -> None:
-        try:
-            reason = acp.stop_reason(end, entry.mapper.last_stop_reason)
-        except RpcError as error:
-            for answer in entry.waiters:
-                answer.give(error=error)
-        else:
-            for answer in entry.waiters:
-                answer.give({"stopReason": reason, "usage": acp.prompt_usage(end.usage)})
-        entry.waiters = [entry.follow_ups.pop(0)] if entry.follow_ups else []
 
 
 _CLOSED_BEFORE = {
