@@ -259,6 +259,57 @@ def test_each_ticket_answers_whether_its_own_record_reached_the_cluster(
     }
 
 
+def test_a_ticket_given_up_stays_lost_once_its_session_is_released_or_replicated_again(
+    nats_server: NatsProcess, tmp_path: Path
+) -> None:
+    # R-STEER-6, R-CLUSTER-1: lost() knew a session only until its release (closed here)
+    # or a fresh replicate(), so a receipt that asked after either was told None (durable,
+    # queued: true) for a record given up unacknowledged or appended once the session was.
+
+    def named(error: TraceWriteError | None) -> str:
+        return "nothing" if error is None else type(error).__name__
+
+    async def body(conn: Connection) -> dict[str, object]:
+        traces = await TraceStream.open(conn)
+        store = ReplicatingTraceStore(tmp_path, on_fenced=lambda _sid: None)
+        log = store.log
+        async with trio.open_nursery() as nursery:
+            await nursery.start(store.run)
+            tickets: dict[str, int] = {}
+            for sid in ("released", "again"):
+                await _replicated(store, sid)
+                held = HeldWriter(await traces.fence(sid, "host-a"), trio.Event())
+                await nursery.start(log.stream_to, sid, held)
+                tickets[f"{sid}: acknowledged"] = log.append(sid, 1, record(sid, 1))
+                held.release.set()
+                with trio.fail_after(10):
+                    await log.sync(sid)
+                held.release, held.waiting = trio.Event(), trio.Event()
+                tickets[f"{sid}: in flight"] = log.append(sid, 2, record(sid, 2))
+                with trio.fail_after(10):
+                    await held.waiting.wait()
+                log.forget(sid)  # its lease was lost, record 2 unacknowledged
+                tickets[f"{sid}: appended after"] = log.append(sid, 3, record(sid, 3))
+            log.release("released")  # closed here
+            log.replicate("again")  # taken up here again
+            found: dict[str, object] = {
+                what: named(log.lost(what.split(":")[0], ticket))
+                for what, ticket in tickets.items()
+            }
+            nursery.cancel_scope.cancel()
+        await store.aclose()
+        return found
+
+    assert run_connected(nats_server.url, body, timeout_s=20.0) == {
+        "released: acknowledged": "nothing",
+        "released: in flight": "RecordsGivenUp",
+        "released: appended after": "RecordsGivenUp",
+        "again: acknowledged": "nothing",
+        "again: in flight": "RecordsGivenUp",
+        "again: appended after": "RecordsGivenUp",
+    }
+
+
 async def _after_a_record_too_large(
     conn: Connection, data_dir: Path, huge: str, *, sync_first: bool
 ) -> dict[str, object]:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ import trio
 from greenroom.actors.cluster.errors import ClusterUnavailable, Fenced, RecordTooLarge
 from greenroom.actors.cluster.traces import TraceWriter
 from greenroom.actors.runtime.disk import DISK, Disk
+from greenroom.actors.runtime.emitter import DURABLE_WAIT_S
 from greenroom.actors.runtime.trace_sink import TraceWriteError
 from greenroom.actors.runtime.trace_store import (
     FileSessionCatalog,
@@ -76,6 +78,11 @@ _FIRST_TICKET = 2
 """The first ticket of a replicated record; the file log's tickets (1) are below, and are
 done as soon as their records are written."""
 
+_LOST_KEPT_S = 2 * DURABLE_WAIT_S
+"""How long the store still answers :meth:`ReplicatingTraceLog.lost` for a session it gave
+up once it no longer holds its replica (released, or replicated again): a receipt asks at
+most DURABLE_WAIT_S after its wait began, which was while the session was open here."""
+
 MAX_MESSAGE_BYTES = 256 * 1024
 """The most bytes of trace lines one JetStream message carries (a longer line goes alone),
 when the NATS server takes that many (:meth:`TraceWriter.largest_append`)."""
@@ -93,8 +100,11 @@ class _Message:
 class _Replica:
     """The records of one session waiting for JetStream, in order."""
 
-    def __init__(self, session_id: str) -> None:
+    def __init__(self, session_id: str, since: int) -> None:
         self.session_id = session_id
+        self.since = since
+        """A ticket below every ticket the replica gives (tickets are global and grow):
+        which replica of the session a ticket was given by."""
         self.queue: list[tuple[int, int, str]] = []  # (ticket, trace number, line)
         self.unsent: list[_Message] = []
         """The messages planned from the records taken off the queue that JetStream has
@@ -110,9 +120,10 @@ class _Replica:
         JetStream acknowledged before stay acknowledged: a sync that covers only them
         succeeds, and only a record lost then or appended since sets :attr:`error`."""
         self.lost_from: int | None = None
-        """The first ticket given up unacknowledged, once one was: the session's tickets
-        grow in its order, so those from it on never reached JetStream and those before
-        it did (:meth:`ReplicatingTraceLog.lost`)."""
+        """Once given up, its first ticket that never reaches JetStream: the first given
+        up unacknowledged, else the one after the last it gave. Its tickets grow in the
+        session's order, and a record appended since gets one above, so those from it on
+        are lost and those before it were acknowledged (:meth:`ReplicatingTraceLog.lost`)."""
         self.wakeup = trio.Event()
         self.idle = trio.Event()
         self.idle.set()
@@ -240,6 +251,10 @@ class ReplicatingTraceLog:
         """The replicas of the sessions that stopped being replicated here (fenced, or
         given up), until they are replicated again: their later records reach no cluster,
         and the session says so instead of passing them for durable."""
+        self._past: deque[tuple[float, _Replica, int]] = deque()
+        """Replicas given up that the log no longer holds (released, or replicated again),
+        when they went and the ticket above their last, kept :data:`_LOST_KEPT_S` for the
+        receipts still asking about their records (:meth:`lost`)."""
         self._closed: set[str] = set()
         """The sessions replicated until they were closed here (:meth:`stop`)."""
         self._forked: dict[str, list[tuple[int, str]]] = {}
@@ -257,9 +272,9 @@ class ReplicatingTraceLog:
         fork copied into it, if it is one)."""
         if session_id in self._replicas:
             return
-        self._stopped.pop(session_id, None)
+        self._retire(self._stopped.pop(session_id, None))
         self._closed.discard(session_id)
-        replica = self._replicas[session_id] = _Replica(session_id)
+        replica = self._replicas[session_id] = _Replica(session_id, next(self._tickets))
         for number, line in self._forked.pop(session_id, ()):
             self._queue(replica, number, line)
 
@@ -392,12 +407,23 @@ class ReplicatingTraceLog:
         lost = replica.in_flight() + replica.queue
         if lost or isinstance(error, StaleTraceWriter):
             replica.error = error
-        if lost and replica.lost_from is None:
-            replica.lost_from = lost[0][0]
+        if replica.lost_from is None:
+            replica.lost_from = lost[0][0] if lost else next(self._tickets)
         replica.unsent, replica.queue = [], []
         self._acknowledge(lost)
         replica.idle.set()
         replica.wakeup.set()
+
+    def _retire(self, replica: _Replica | None) -> None:
+        """Keep what ``replica``, given up and no longer held, lost, for :meth:`lost`."""
+        if replica is None:
+            return
+        now = trio.current_time()
+        past = self._past
+        # Bounded by the give-ups of the last _LOST_KEPT_S: no receipt asks after it.
+        while past and past[0][0] < now - _LOST_KEPT_S:
+            past.popleft()
+        past.append((now, replica, next(self._tickets)))
 
     def _lost(self, session_id: str) -> TraceWriteError:
         return RecordsGivenUp(
@@ -431,7 +457,7 @@ class ReplicatingTraceLog:
 
     def release(self, session_id: str) -> None:
         """Forget the closed session's file position (its replication is the node's)."""
-        self._stopped.pop(session_id, None)
+        self._retire(self._stopped.pop(session_id, None))
         self.files.release(session_id)
 
     def location(self, session_id: str) -> Path:
@@ -458,7 +484,8 @@ class ReplicatingTraceLog:
             return ticket
         if replica.given_up is not None:
             replica.error = replica.error or replica.given_up  # it reaches no cluster
-            return ticket
+            # A ticket of its own, above lost_from: lost() knows it after the release too.
+            return next(self._tickets)
         return self._queue(replica, self.files.trace_number(session_id), line)
 
     def _queue(self, replica: _Replica, number: int, line: str) -> int:
@@ -514,18 +541,18 @@ class ReplicatingTraceLog:
         """Why the record of ``ticket`` never reaches the cluster, or None once JetStream
         acknowledged it (or the session is not replicated: as the file log). Its own fate,
         whatever became of the session's other records: given up unacknowledged (fenced,
-        forgotten, the store closed), or appended once the session was given up (a file
-        log's ticket then). O(1): a replica keeps only its first lost ticket."""
+        forgotten, the store closed), or appended once the session was given up — also
+        once the session is released or replicated again, for :data:`_LOST_KEPT_S`, as
+        long as a receipt may ask. O(1) while the log holds the ticket's replica (it keeps
+        only its first lost ticket); after, a look through the replicas given up since."""
         replica = self._replicas.get(session_id) or self._stopped.get(session_id)
-        if replica is None:
+        if replica is None or ticket <= replica.since:
+            # A file log's ticket (appended while the session was not replicated), or
+            # one of a replica the log no longer holds.
+            replica = _giver(self._past, session_id, ticket)
+        if replica is None or replica.lost_from is None or ticket < replica.lost_from:
             return None
-        if ticket < _FIRST_TICKET:
-            # Appended while the session was not replicated: before it was, the file
-            # log's record; after it was given up, one that reaches no cluster.
-            return None if replica.given_up is None else replica.error or replica.given_up
-        if replica.lost_from is not None and ticket >= replica.lost_from:
-            return replica.error or replica.given_up
-        return None
+        return replica.error or replica.given_up
 
     def clear_error(self, session_id: str) -> None:
         """As the file log (a fencing stays: the session is someone else's)."""
@@ -583,6 +610,16 @@ def _plan(replica: _Replica, most: int) -> list[_Message]:
         messages.append(_Message(lines))
     replica.queue = []
     return messages
+
+
+def _giver(
+    past: deque[tuple[float, _Replica, int]], session_id: str, ticket: int
+) -> _Replica | None:
+    """The replica of ``session_id`` in ``past`` that gave ``ticket``, if any."""
+    for _, replica, above in reversed(past):
+        if replica.session_id == session_id and replica.since < ticket < above:
+            return replica
+    return None
 
 
 def _tell(reply: trio.MemorySendChannel[TraceWritten], ticket: int) -> None:
