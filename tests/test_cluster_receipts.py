@@ -23,12 +23,14 @@ from greenroom.actors.cluster.store import ReplicatingTraceLog, ReplicatingTrace
 from greenroom.actors.cluster.traces import TraceStream, TraceWriter
 from greenroom.actors.gateway.methods import once_recorded
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, tool_call
+from greenroom.actors.runtime import emitter as emitter_module
 from greenroom.actors.runtime import host as host_module
 from greenroom.actors.runtime import supervisor as supervisor_module
 from greenroom.actors.runtime.emitter import DURABLE_WAIT_S
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.receipts import InputReceipt
 from greenroom.actors.runtime.session import Session
+from greenroom.actors.runtime.trace_sink import TraceSink
 from greenroom.protocols import jsonrpc
 from greenroom.protocols.jsonrpc import RpcError
 from tests.support.nats import (  # the fixture is used as nats_server
@@ -309,3 +311,69 @@ def test_a_steer_jetstream_acknowledged_is_queued_though_a_later_one_was_given_u
     assert first_answer == str({"queued": True})
     assert "and the second step" not in in_cluster
     assert_not_in_cluster(second_answer, NOT_REPLICATED)
+
+
+def test_a_steer_the_host_lost_is_dropped_though_its_session_is_released_before_it_asks(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-STEER-6, R-CLUSTER-1: the host's lease is lost (the session given up, as
+    ``ClusterNode._give_up`` does: its replication forgotten, then the session closed
+    here) as a steer comes; the steer's record reaches only this host's files, and its
+    receipt's fsync is slow (held here) until the session is closed and released. Before,
+    the receipt then asked the store about a session it no longer knew: its sync raised
+    nothing, and the client was told ``queued: true`` for input no host runs."""
+    receipt_tasks: set[trio.lowlevel.Task] = set()
+    holding, released = trio.Event(), trio.Event()
+    settle, file_sync, release = (
+        emitter_module._settle_once_durable,
+        TraceSink.sync,
+        ReplicatingTraceLog.release,
+    )
+
+    async def receipt_settled(*args: Any) -> None:
+        receipt_tasks.add(trio.lowlevel.current_task())
+        await settle(*args)
+
+    async def slow_for_the_receipt(sink: TraceSink, path: Path | None = None) -> None:
+        if trio.lowlevel.current_task() in receipt_tasks:
+            holding.set()
+            await released.wait()
+        await file_sync(sink, path)
+
+    def released_here(log: ReplicatingTraceLog, session_id: str) -> None:
+        release(log, session_id)
+        released.set()
+
+    monkeypatch.setattr(emitter_module, "_settle_once_durable", receipt_settled)
+    monkeypatch.setattr(TraceSink, "sync", slow_for_the_receipt)
+    monkeypatch.setattr(ReplicatingTraceLog, "release", released_here)
+    recorded = InputReceipt()
+
+    async def body(conn: Connection) -> tuple[str, str]:
+        async with host_a(conn, nats_server, tmp_path) as host:
+            gates = Gates()
+            session = await host.create_session(
+                provider=ScriptedProvider([Reply(blocks=(tool_call("c1", "wait", key="k"),))]),
+                workspace_dir=tmp_path,
+                tools=[gates.tool()],
+            )
+            session.run("go", approve=allow_all)
+            await gates.started("k")
+            store = host.trace_store
+            assert isinstance(store, ReplicatingTraceStore)
+            # Every record so far in the cluster and published: the steer's receipt, the
+            # record done at once, waits only for its sync.
+            assert await store.log.settled(session.id)
+            await trio.testing.wait_all_tasks_blocked()
+            store.log.forget(session.id)  # the lease lost
+            assert session.steer("mind the gap", recorded=recorded)
+            with trio.fail_after(RUN_TIMEOUT_S):
+                await holding.wait()
+                await host.close_session(session.id)
+                await recorded.settled.wait()
+            assert released.is_set()
+            return await _answer(recorded), await _cluster_lines(conn, session.id)
+
+    answer, in_cluster = run_connected(nats_server.url, body, timeout_s=60.0)
+    assert "mind the gap" not in in_cluster
+    assert_not_in_cluster(answer, NOT_REPLICATED)

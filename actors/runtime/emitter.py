@@ -358,9 +358,12 @@ async def _settle_once_durable(
             await port.sync_trace()
         except (TraceWriteError, TraceSinkClosed) as exc:
             failure = exc
-    if ticket is not None and isinstance(failure, StaleTraceWriter | RecordsGivenUp):
-        # The session's records were given up: whether the receipt's own was is its
-        # ticket's to say (one JetStream acknowledged is in the cluster, and runs).
+    if ticket is not None and (
+        failure is None or isinstance(failure, StaleTraceWriter | RecordsGivenUp)
+    ):
+        # Whether the receipt's own record was given up is its ticket's to say (one
+        # JetStream acknowledged is in the cluster, and runs), whatever the sync said:
+        # released meanwhile (or replicated again), the session's sync knows nothing of it.
         failure = _record_lost(port, ticket)
     if waiting.cancelled_caught:
         receipt.drop(f"its record was not known durable within {DURABLE_WAIT_S:g} s")
