@@ -7,7 +7,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -431,6 +432,37 @@ async def test_a_prompt_answering_a_question_of_a_session_being_closed_is_not_ta
     assert len(provider.requests) == 1 and provider.violations == []
 
 
+@asynccontextmanager
+async def agent_on(data: Path, config: AcpConfig) -> AsyncIterator[tuple[Host, Client]]:
+    """An ACP agent serving ``config`` on a host of ``data``, initialized, and its client;
+    the client's input is closed on leaving, so the agent ends as a client that leaves."""
+    to_agent, agent_in = trio.testing.memory_stream_one_way_pair()
+    agent_out, from_agent = trio.testing.memory_stream_one_way_pair()
+    client = Client(to_agent, from_agent)
+    async with Host.open(data_dir=data) as host, trio.open_nursery() as nursery:
+        nursery.start_soon(AcpAgent(host, config, agent_out).serve, agent_in)
+        await client.call("initialize", {"protocolVersion": 1})
+        yield host, client
+        await to_agent.aclose()
+
+
+async def stopped_with_a_prompt_accepted(tmp_path: Path) -> tuple[Path, Path, Session]:
+    """A session (its workspace and data dir) whose host stopped after it recorded its
+    prompt's ``user_msg``, before its ``task_start``: accepted and not started."""
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    data = tmp_path / "data"
+    with trio.fail_after(TIMEOUT_S):
+        async with Host.open(data_dir=data) as host:
+            stopped = await host.create_session(
+                provider=ScriptedProvider([Reply(blocks=(text("Hello."),))]),
+                workspace_dir=workspace,
+            )
+            await stopped.run("hello").result()
+    cut_after(stopped.trace_path, lambda record: record["type"] == "user_msg")
+    return workspace, data, stopped
+
+
 def follow_up_accepted(monkeypatch: pytest.MonkeyPatch) -> trio.Event:
     """Set once a session has accepted a follow-up (``Session.follow_up`` said True)."""
     accepted = trio.Event()
@@ -483,14 +515,9 @@ async def test_a_follow_up_accepted_as_its_run_ends_streams_and_is_answered(
     provider = ScriptedProvider(
         [Reply(blocks=(text("Hello."),)), Reply(blocks=(text("Then this."),))]
     )
-    to_agent, agent_in = trio.testing.memory_stream_one_way_pair()
-    agent_out, from_agent = trio.testing.memory_stream_one_way_pair()
-    client = Client(to_agent, from_agent)
     config = AcpConfig(provider=provider, tools=())
     with trio.fail_after(TIMEOUT_S):
-        async with Host.open(data_dir=tmp_path / "data") as host, trio.open_nursery() as nursery:
-            nursery.start_soon(AcpAgent(host, config, agent_out).serve, agent_in)
-            await client.call("initialize", {"protocolVersion": 1})
+        async with agent_on(tmp_path / "data", config) as (host, client):
             created = await client.call("session/new", {"cwd": str(workspace), "mcpServers": []})
             sid = created["result"]["sessionId"]
             session = host.get_session(sid)
@@ -506,7 +533,6 @@ async def test_a_follow_up_accepted_as_its_run_ends_streams_and_is_answered(
             assert answer.get("result", {}).get("stopReason") == "end_turn", answer
             assert (await client.answer_of(prompted[0]))["result"]["stopReason"] == "end_turn"
             assert said(client) == "Hello.Then this."
-            await to_agent.aclose()
     ends = [r["status"] for r in trace_lines(session) if r["type"] == "task_end"]
     assert ends == ["completed", "completed"]
     assert provider.violations == []
@@ -521,29 +547,14 @@ async def test_a_follow_up_accepted_as_taken_up_work_ends_streams_and_is_answere
     answered "cancelled" and its reply never reached the editor, as the watch of the work
     ended at the task_end with no follow-up counted; now the editor sees its reply and
     its answer is its task's end_turn."""
-    workspace = tmp_path / "ws"
-    workspace.mkdir()
-    data = tmp_path / "data"
-    with trio.fail_after(TIMEOUT_S):
-        async with Host.open(data_dir=data) as host:
-            stopped = await host.create_session(
-                provider=ScriptedProvider([Reply(blocks=(text("Hello."),))]),
-                workspace_dir=workspace,
-            )
-            await stopped.run("hello").result()
-    cut_after(stopped.trace_path, lambda record: record["type"] == "user_msg")
+    workspace, data, stopped = await stopped_with_a_prompt_accepted(tmp_path)
     provider = ScriptedProvider(
         [Reply(blocks=(text("Hello again."),)), Reply(blocks=(text("Then this."),))]
     )
-    to_agent, agent_in = trio.testing.memory_stream_one_way_pair()
-    agent_out, from_agent = trio.testing.memory_stream_one_way_pair()
-    client = Client(to_agent, from_agent)
     config = AcpConfig(provider=provider, tools=())
     sid = stopped.id
     with trio.fail_after(TIMEOUT_S):
-        async with Host.open(data_dir=data) as host, trio.open_nursery() as nursery:
-            nursery.start_soon(AcpAgent(host, config, agent_out).serve, agent_in)
-            await client.call("initialize", {"protocolVersion": 1})
+        async with agent_on(data, config) as (host, client):
 
             async def load() -> None:
                 params = {"sessionId": sid, "cwd": str(workspace), "mcpServers": []}
@@ -553,7 +564,6 @@ async def test_a_follow_up_accepted_as_taken_up_work_ends_streams_and_is_answere
             assert answer.get("result", {}).get("stopReason") == "end_turn", answer
             assert said(client) == "Hello again.Then this."
             session = host.get_session(sid)
-            await to_agent.aclose()
     ends = [r["status"] for r in trace_lines(session) if r["type"] == "task_end"]
     assert ends == ["completed", "completed"]
     assert provider.violations == []
@@ -581,14 +591,9 @@ async def test_follow_ups_hand_their_input_over_in_the_order_they_were_sent(
         return await attach(self, *args, **kwargs)
 
     monkeypatch.setattr(Session, "attach_image_data", held_attach)
-    to_agent, agent_in = trio.testing.memory_stream_one_way_pair()
-    agent_out, from_agent = trio.testing.memory_stream_one_way_pair()
-    client = Client(to_agent, from_agent)
     config = AcpConfig(provider=ScriptedProvider([reply, reply]), tools=())
     with trio.fail_after(TIMEOUT_S):
-        async with Host.open(data_dir=tmp_path / "data") as host, trio.open_nursery() as nursery:
-            nursery.start_soon(AcpAgent(host, config, agent_out).serve, agent_in)
-            await client.call("initialize", {"protocolVersion": 1})
+        async with agent_on(tmp_path / "data", config) as (_, client):
             created = await client.call("session/new", {"cwd": str(tmp_path), "mcpServers": []})
             sid = created["result"]["sessionId"]
             png = base64.b64encode(b"\x89PNG\r\n\x1a\nnot really").decode()
@@ -603,7 +608,6 @@ async def test_follow_ups_hand_their_input_over_in_the_order_they_were_sent(
             stored.set()
             for request_id in sent:
                 assert (await client.answer_of(request_id))["result"]["stopReason"] == "end_turn"
-            await to_agent.aclose()
     assert asked == ["first", "second"]
 
 
@@ -614,17 +618,7 @@ async def test_steering_reaches_the_running_task_while_an_earlier_prompt_waits_f
     connection waits on it); a prompt sent now waits for that task to end before its own
     starts. Steering sent after that prompt is for the running task: it is handed over at
     once, not held behind the prompt's wait for the whole task."""
-    workspace = tmp_path / "ws"
-    workspace.mkdir()
-    data = tmp_path / "data"
-    with trio.fail_after(TIMEOUT_S):
-        async with Host.open(data_dir=data) as host:
-            stopped = await host.create_session(
-                provider=ScriptedProvider([Reply(blocks=(text("Hello."),))]),
-                workspace_dir=workspace,
-            )
-            await stopped.run("hello").result()
-    cut_after(stopped.trace_path, lambda record: record["type"] == "user_msg")
+    workspace, data, stopped = await stopped_with_a_prompt_accepted(tmp_path)
     started, release = trio.Event(), trio.Event()
 
     async def held(request: ModelRequest, stream: Any) -> None:
@@ -641,14 +635,9 @@ async def test_steering_reaches_the_running_task_while_an_earlier_prompt_waits_f
 
     monkeypatch.setattr(Session, "steer", noted)
     provider = ScriptedProvider([held, Reply(blocks=(text("Next."),))])
-    to_agent, agent_in = trio.testing.memory_stream_one_way_pair()
-    agent_out, from_agent = trio.testing.memory_stream_one_way_pair()
-    client = Client(to_agent, from_agent)
     config = AcpConfig(provider=provider, tools=())
     with trio.fail_after(TIMEOUT_S):
-        async with Host.open(data_dir=data) as host, trio.open_nursery() as nursery:
-            nursery.start_soon(AcpAgent(host, config, agent_out).serve, agent_in)
-            await client.call("initialize", {"protocolVersion": 1})
+        async with agent_on(data, config) as (_, client):
             load = {"sessionId": stopped.id, "cwd": str(workspace), "mcpServers": []}
             await client.call("session/load", load)
             await started.wait()  # the taken-up task runs, its model request held
@@ -659,7 +648,6 @@ async def test_steering_reaches_the_running_task_while_an_earlier_prompt_waits_f
             assert steered == ["also"]  # before its task's end
             release.set()
             assert (await client.answer_of(sent))["result"] == {"queued": True}
-            await to_agent.aclose()
 
 
 async def test_a_follow_up_during_a_background_childs_follow_up_task_streams_and_is_answered(
@@ -693,14 +681,9 @@ async def test_a_follow_up_during_a_background_childs_follow_up_task_streams_and
 
     accepted = follow_up_accepted(monkeypatch)
     provider = ScriptedProvider(model)
-    to_agent, agent_in = trio.testing.memory_stream_one_way_pair()
-    agent_out, from_agent = trio.testing.memory_stream_one_way_pair()
-    client = Client(to_agent, from_agent)
     config = AcpConfig(provider=provider, tools=(spawn_subagent,), approve="all")
     with trio.fail_after(TIMEOUT_S):
-        async with Host.open(data_dir=tmp_path / "data") as host, trio.open_nursery() as nursery:
-            nursery.start_soon(AcpAgent(host, config, agent_out).serve, agent_in)
-            await client.call("initialize", {"protocolVersion": 1})
+        async with agent_on(tmp_path / "data", config) as (host, client):
             created = await client.call("session/new", {"cwd": str(tmp_path), "mcpServers": []})
             sid = created["result"]["sessionId"]
             research = [{"type": "text", "text": "research"}]
@@ -719,7 +702,6 @@ async def test_a_follow_up_during_a_background_childs_follow_up_task_streams_and
             assert answer.get("result", {}).get("stopReason") == "end_turn", answer
             assert said(client).endswith("Merged.Then this.")
             session = host.get_session(sid)
-            await to_agent.aclose()
     ends = [r["status"] for r in trace_lines(session) if r["type"] == "task_end"]
     assert ends == ["completed", "completed", "completed"]
     assert provider.violations == []
@@ -763,15 +745,10 @@ async def test_a_follow_up_behind_ones_a_stopped_host_queued_is_answered_at_its_
 
     accepted = follow_up_accepted(monkeypatch)
     provider = ScriptedProvider(model)
-    to_agent, agent_in = trio.testing.memory_stream_one_way_pair()
-    agent_out, from_agent = trio.testing.memory_stream_one_way_pair()
-    client = Client(to_agent, from_agent)
     config = AcpConfig(provider=provider, tools=())
     sid = stopped.id
     with trio.fail_after(TIMEOUT_S):
-        async with Host.open(data_dir=data) as host, trio.open_nursery() as nursery:
-            nursery.start_soon(AcpAgent(host, config, agent_out).serve, agent_in)
-            await client.call("initialize", {"protocolVersion": 1})
+        async with agent_on(data, config) as (host, client):
             params = {"sessionId": sid, "cwd": str(workspace), "mcpServers": []}
             assert "result" in await client.call("session/load", params)
             await asked.wait()
@@ -784,7 +761,6 @@ async def test_a_follow_up_behind_ones_a_stopped_host_queued_is_answered_at_its_
             assert answer.get("result", {}).get("stopReason") == "end_turn", answer
             assert said(client).endswith("One.I can't.Then this.")
             session = host.get_session(sid)
-            await to_agent.aclose()
     prompts = [r for r in trace_lines(session) if r["type"] == "user_msg"]
     asked_in_order = ["hello", "queued one", "queued two", "and then?"]
     assert [p["content"][0]["text"] for p in prompts] == asked_in_order
