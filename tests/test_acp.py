@@ -298,6 +298,20 @@ async def start(agent: Agent, workspace: Path) -> str:
     return created.session_id
 
 
+async def held_at_its_first_call(
+    agent: Agent, workspace: Path
+) -> tuple[str, asyncio.Task[PromptResponse]]:
+    """A new session's prompt (the demo's) running and held at its first call's permission
+    request until ``agent.editor.release`` is set (then each is allowed for the session);
+    the session and the prompt's task."""
+    sid = await start(agent, workspace)
+    editor = agent.editor
+    editor.choose = lambda call: None if not editor.release.is_set() else "allow_session"
+    task = asyncio.create_task(agent.conn.prompt(session_id=sid, prompt=text(DEMO_PROMPT)))
+    await editor.asked.wait()
+    return sid, task
+
+
 def text(value: str) -> list[TextContentBlock]:
     return [TextContentBlock(type="text", text=value)]
 
@@ -567,11 +581,8 @@ def test_prompt_while_running_steers_and_follow_up_queues(tmp_path: Path, worksp
 
     async def scenario() -> None:
         async with greenroom_acp(tmp_path) as agent:
-            sid = await start(agent, workspace)
+            sid, first = await held_at_its_first_call(agent, workspace)
             editor = agent.editor
-            editor.choose = lambda call: None if not editor.release.is_set() else "allow_session"
-            first = asyncio.create_task(agent.conn.prompt(session_id=sid, prompt=text(DEMO_PROMPT)))
-            await editor.asked.wait()
             steer = asyncio.create_task(
                 agent.conn.prompt(session_id=sid, prompt=text("count the files too"))
             )
@@ -661,11 +672,8 @@ def test_follow_ups_a_stopped_host_left_queued_run_after_load(
 
     async def first() -> str:
         async with greenroom_acp(tmp_path) as agent:
-            sid = await start(agent, workspace)
+            sid, task = await held_at_its_first_call(agent, workspace)
             editor = agent.editor
-            editor.choose = lambda call: None if not editor.release.is_set() else "allow_session"
-            task = asyncio.create_task(agent.conn.prompt(session_id=sid, prompt=text(DEMO_PROMPT)))
-            await editor.asked.wait()
             follow_ups = []
             for words in ("and now?", "and then?"):
                 params = {"sessionId": sid, "prompt": [{"type": "text", "text": words}]}
