@@ -662,6 +662,24 @@ def test_a_command_line_that_cannot_run_exits_2_with_nothing_on_stdout(tmp_path:
         assert "Traceback" not in result.stderr
 
 
+async def loaded_then_thanked(
+    tmp_path: Path, workspace: Path, sid: str, left: tuple[str, ...]
+) -> None:
+    """In a new process, load ``sid`` and at once prompt "thanks": the work its trace
+    ``left`` (those prompts, in order) runs first, its updates reach the editor, and the
+    prompt is answered end_turn after them; the agent exits 0 with well-formed frames."""
+    async with greenroom_acp(tmp_path) as agent:
+        await agent.conn.initialize(protocol_version=1)
+        await agent.conn.load_session(cwd=str(workspace), session_id=sid, mcp_servers=[])
+        answer = await agent.conn.prompt(session_id=sid, prompt=text("thanks"))
+        assert answer.stop_reason == "end_turn"
+        said = agent.editor.text()
+        positions = [said.find(f'You asked: "{words}"') for words in (*left, "thanks")]
+        assert -1 not in positions and positions == sorted(positions), said
+        assert await agent.close_stdin() == 0
+        agent.check_frames()
+
+
 def test_follow_ups_a_stopped_host_left_queued_run_after_load(
     tmp_path: Path, workspace: Path
 ) -> None:
@@ -696,21 +714,7 @@ def test_follow_ups_a_stopped_host_left_queued_run_after_load(
     queued = [r["queue_id"] for r in kept if r["type"] == "task_queued"]
     assert len(queued) == 2 and "task_queue_dropped" not in [r["type"] for r in kept]
 
-    async def second() -> None:
-        async with greenroom_acp(tmp_path) as agent:
-            editor = agent.editor
-            await agent.conn.initialize(protocol_version=1)
-            await agent.conn.load_session(cwd=str(workspace), session_id=sid, mcp_servers=[])
-            answer = await agent.conn.prompt(session_id=sid, prompt=text("thanks"))
-            assert answer.stop_reason == "end_turn"
-            said = editor.text()
-            asked = ("and now?", "and then?", "thanks")
-            positions = [said.find(f'You asked: "{words}"') for words in asked]
-            assert -1 not in positions and positions == sorted(positions), said
-            assert await agent.close_stdin() == 0
-            agent.check_frames()
-
-    run(second())
+    run(loaded_then_thanked(tmp_path, workspace, sid, ("and now?", "and then?")))
     records = [json.loads(line) for line in trace.read_text("utf-8").splitlines()]
     assert "task_queue_dropped" not in [r["type"] for r in records]
     prompts = [r for r in records if r["type"] == "user_msg" and r["kind"] == "prompt"]
@@ -745,20 +749,7 @@ def test_a_prompt_accepted_and_not_started_runs_after_load(
     accepted = kept[-1]["run_id"]
     assert [r["type"] for r in kept].count("task_start") == 1
 
-    async def second() -> None:
-        async with greenroom_acp(tmp_path) as agent:
-            await agent.conn.initialize(protocol_version=1)
-            await agent.conn.load_session(cwd=str(workspace), session_id=sid, mcp_servers=[])
-            answer = await agent.conn.prompt(session_id=sid, prompt=text("thanks"))
-            assert answer.stop_reason == "end_turn"
-            said = agent.editor.text()
-            asked = ("are you there?", "thanks")
-            positions = [said.find(f'You asked: "{words}"') for words in asked]
-            assert -1 not in positions and positions == sorted(positions), said
-            assert await agent.close_stdin() == 0
-            agent.check_frames()
-
-    run(second())
+    run(loaded_then_thanked(tmp_path, workspace, sid, ("are you there?",)))
     records = [json.loads(line) for line in trace.read_text("utf-8").splitlines()]
     prompts = [r for r in records if r["type"] == "user_msg" and r["kind"] == "prompt"]
     assert [p["content"][0]["text"] for p in prompts] == ["hello", "are you there?", "thanks"]
