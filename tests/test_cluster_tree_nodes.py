@@ -918,16 +918,8 @@ def test_a_tree_taken_over_together_lets_a_subagent_wait_for_its_running_child(
     async def body(cluster: Cluster) -> tuple[list[str], list[str]]:
         a, b = cluster.members["a"], cluster.members["b"]
         root, payer, collector = await _until_the_payer_waits(a, tmp_path)
-        for session_id in (root, payer, collector):
-            last = a.host.port(session_id).last_seq
-            await until(lambda: _traced_through(cluster, session_id, last))  # noqa: B023
-        # Lost as a host whose lease went: nothing it writes from here on reaches the
-        # cluster, and its sessions' tasks stay open there.
-        keeper = a.node._keeper
-        assert keeper is not None
-        keeper._lose_all("the test's loss")
-        a.stop.set()
-        await a.stopped.wait()
+        # Its sessions' tasks stay open there.
+        await _lose(cluster, a, root, payer, collector)
 
         async def fence_after_the_payers_step(
             self: TraceStream, session_id: str, host_id: str
@@ -979,14 +971,7 @@ def test_a_lost_hosts_tree_goes_to_one_host_whose_subagent_waits_for_its_child(
     ) -> tuple[tuple[str, ...], dict[str, list[str]], list[str], list[str]]:
         a, b, c = (cluster.members[h] for h in ("a", "b", "c"))
         tree = await _until_the_payer_waits(a, tmp_path, root_id="zzzz-root")
-        for session_id in tree:
-            last = a.host.port(session_id).last_seq
-            await until(lambda: _traced_through(cluster, session_id, last))  # noqa: B023
-        keeper = a.node._keeper
-        assert keeper is not None
-        keeper._lose_all("the test's loss")
-        a.stop.set()
-        await a.stopped.wait()
+        await _lose(cluster, a, *tree)
         taken: dict[str, list[str]] = {}
 
         async def take(member: Member, share: dict[str, dict[str, Any]]) -> None:
@@ -1022,6 +1007,19 @@ def test_a_lost_hosts_tree_goes_to_one_host_whose_subagent_waits_for_its_child(
     assert sorted(served) == sorted(tree)
     assert tasks == ["task_start", "report", "task_end"]
     assert len(reports) == 1 and "merged: collected 3" in reports[0], reports
+
+
+async def _lose(cluster: Cluster, member: Member, *session_ids: str) -> None:
+    """Once JetStream holds what ``member`` recorded of ``session_ids``, lose it as a host
+    whose lease went (nothing it writes from then on reaches the cluster) and stop it."""
+    for session_id in session_ids:
+        last = member.host.port(session_id).last_seq
+        await until(lambda: _traced_through(cluster, session_id, last))  # noqa: B023
+    keeper = member.node._keeper
+    assert keeper is not None
+    keeper._lose_all("the test's loss")
+    member.stop.set()
+    await member.stopped.wait()
 
 
 async def _traced_through(cluster: Cluster, session_id: str, seq: int) -> bool:

@@ -41,6 +41,7 @@ from tests.test_cluster_tree_nodes import (
     TOOLS,
     Cluster,
     Member,
+    _lose,
     _merged_report,
     _task_ended,
     _tasks_of,
@@ -142,19 +143,6 @@ def _node(
     if child is not None:
         return Reply(blocks=(text(f"waiting for the {child[0]}"),))
     return Reply(blocks=(text(answer),))
-
-
-async def _lose(cluster: Cluster, member: Member, *session_ids: str) -> None:
-    """Once JetStream holds what ``member`` recorded of ``session_ids``, lose it as a host
-    whose lease went (nothing it writes from then on reaches the cluster) and stop it."""
-    for session_id in session_ids:
-        last = member.host.port(session_id).last_seq
-        await until(lambda: _traced_through(cluster, session_id, last))  # noqa: B023
-    keeper = member.node._keeper
-    assert keeper is not None
-    keeper._lose_all("the test's loss")
-    member.stop.set()
-    await member.stopped.wait()
 
 
 async def _scan_once(*members: Member) -> dict[str, list[str]]:
