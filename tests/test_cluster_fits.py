@@ -70,6 +70,19 @@ async def _records(conn: Connection, session_id: str) -> list[Output]:
     return list((await (await TraceStream.open(conn)).read(session_id)).records)
 
 
+async def _kept(conn: Connection, owner: Any, session_id: str, model: Any) -> dict[str, Any]:
+    """What became of ``session_id`` on its host ``owner`` once its task ended: JetStream
+    acknowledged all its records (settled), the host still serves it, the records JetStream
+    holds, the host's record limit, and the last request ``model`` was sent."""
+    return {
+        "settled": await owner.node.store.log.settled(session_id),
+        "serves": owner.node.serves(session_id),
+        "records": await _records(conn, session_id),
+        "most": owner.host.trace_log.largest_input(),
+        "request": model.requests[-1],
+    }
+
+
 def _wire_texts(message: dict[str, Any]) -> list[str]:
     """The texts of one message of a request as the provider received it."""
     content = message["content"]
@@ -111,16 +124,11 @@ def test_a_fork_or_rewind_at_a_message_in_pieces_fits_its_records_and_goes_on(
             else:
                 await source.rewind(at)
             then = (await target.run("go on").result()).task_end
-            settled = await owner.node.store.log.settled(target.id)  # type: ignore[union-attr]
             return {
                 "first": first,
                 "pieces": pieces,
                 "then": then,
-                "settled": settled,
-                "serves": owner.node.serves(target.id),
-                "records": await _records(conn, target.id),
-                "most": owner.host.trace_log.largest_input(),
-                "request": model.requests[-1],
+                **await _kept(conn, owner, target.id, model),
             }
 
     with running_nats(tmp_path / "nats", max_payload=SMALL_PAYLOAD) as server:
@@ -252,15 +260,10 @@ def test_an_interrupt_in_a_long_text_fits_its_partial_and_carries_it_over(
                     session.interrupt("enough")
             resume.set()
             then = (await session.run("go on").result()).task_end
-            settled = await owner.node.store.log.settled(session.id)  # type: ignore[union-attr]
             return {
                 "interrupted": interrupted,
                 "then": then,
-                "settled": settled,
-                "serves": owner.node.serves(session.id),
-                "records": await _records(conn, session.id),
-                "most": owner.host.trace_log.largest_input(),
-                "request": model.requests[-1],
+                **await _kept(conn, owner, session.id, model),
             }
 
     with running_nats(tmp_path / "nats", max_payload=SMALL_PAYLOAD) as server:
