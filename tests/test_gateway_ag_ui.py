@@ -107,6 +107,16 @@ async def posted(url: str, body: Any, **options: Any) -> Stream:
     return await trio.to_thread.run_sync(lambda: post(url, body, **options))
 
 
+async def waiting_on_pick_color(server: Any) -> tuple[str, Stream]:
+    """Run thread-f on ``server``'s AG-UI endpoint with the front-end tool ``pick_color``,
+    which the model calls (f1): the run ends with that call waiting for its result. The
+    endpoint's URL, and the run's stream."""
+    url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+    first = await posted(url, run_input("thread-f", "run-1", "pick one", tools=[COLOR_TOOL]))
+    assert first.of("STATE_SNAPSHOT")[-1]["snapshot"]["pendingToolCalls"] == ["f1"]
+    return url, first
+
+
 async def test_ag_ui_client_drives_a_run_with_a_tool_call_an_interrupt_and_a_resume(
     tmp_path: Path, lookup: Lookup
 ) -> None:
@@ -442,11 +452,8 @@ async def test_a_threads_front_end_tools_reach_its_session_loaded_again(
     default``), and the front end's result found nothing pending."""
     with trio.fail_after(BOUND_S * 2):
         async with serving(tmp_path, color_brain, approve=approve, ag_ui=True) as server:
-            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
-            first = await posted(url, run_input("thread-f", "run-1", "pick one",
-                                                tools=[COLOR_TOOL]))  # fmt: skip
+            url, first = await waiting_on_pick_color(server)
             assert first.events[-1][1]["outcome"] == {"type": "success"}
-            assert first.of("STATE_SNAPSHOT")[-1]["snapshot"]["pendingToolCalls"] == ["f1"]
             # Kept private, as the session's other files are (R-SEC-8).
             session_dir = server.host.get_session("thread-f").trace_path.parent
             assert (session_dir / FRONT_END_TOOLS_FILE).stat().st_mode & 0o777 == 0o600
@@ -585,10 +592,7 @@ async def test_a_thread_loaded_again_for_a_front_end_result_runs_its_next_calls_
     with trio.fail_after(BOUND_S * 2):
         async with serving(tmp_path, color_then_lookup_brain, tools=[lookup.tool],
                            approve="all", ag_ui=True) as server:
-            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
-            first = await posted(url, run_input("thread-f", "run-1", "pick one",
-                                                tools=[COLOR_TOOL]))
-            assert first.of("STATE_SNAPSHOT")[-1]["snapshot"]["pendingToolCalls"] == ["f1"]
+            url, _ = await waiting_on_pick_color(server)
             if again == "closed":
                 await server.host.close_session("thread-f")
                 await result_then_lookup(url, lookup)
@@ -622,10 +626,7 @@ async def test_a_front_end_result_whose_thread_began_to_close_is_taken_there_wit
     before its task goes on: the model's next request offers them."""
     with trio.fail_after(BOUND_S):
         async with serving(tmp_path, color_brain, ag_ui=True) as server:
-            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
-            first = await posted(url, run_input("thread-f", "run-1", "pick one",
-                                                tools=[COLOR_TOOL]))
-            assert first.of("STATE_SNAPSHOT")[-1]["snapshot"]["pendingToolCalls"] == ["f1"]
+            url, _ = await waiting_on_pick_color(server)
             # The last look before the answers: the call was found pending.
             found, let_answer = hold_after_first(monkeypatch, ag_ui_front, "replay_records")
             resumed: list[Stream] = []
@@ -654,10 +655,7 @@ async def test_front_end_tools_reach_a_session_loaded_again_by_a_websocket_answe
     request offers ``pick_color``."""
     with trio.fail_after(BOUND_S * 2):
         async with serving(tmp_path, color_brain, ag_ui=True) as server:
-            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
-            first = await posted(url, run_input("thread-f", "run-1", "pick one",
-                                                tools=[COLOR_TOOL]))  # fmt: skip
-            assert first.of("STATE_SNAPSHOT")[-1]["snapshot"]["pendingToolCalls"] == ["f1"]
+            await waiting_on_pick_color(server)
             await server.host.close_session("thread-f")
             async with connect(server) as client:
                 answer = {"session_id": "thread-f", "call_id": "f1", "text": "orange"}
@@ -698,10 +696,7 @@ async def test_front_end_tools_reach_a_task_cut_mid_turn_taken_up_after_a_restar
 
     with trio.fail_after(BOUND_S * 2):
         async with serving(tmp_path, cut_after_the_result, ag_ui=True) as server:
-            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
-            first = await posted(url, run_input("thread-f", "run-1", "pick one",
-                                                tools=[COLOR_TOOL]))  # fmt: skip
-            assert first.of("STATE_SNAPSHOT")[-1]["snapshot"]["pendingToolCalls"] == ["f1"]
+            await waiting_on_pick_color(server)
             async with connect(server) as client:
                 answer = {"session_id": "thread-f", "call_id": "f1", "text": "orange"}
                 assert await client.result("answer", answer) == {}
