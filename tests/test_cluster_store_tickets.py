@@ -64,6 +64,11 @@ async def _replicated_from_host_a(
         await nursery.start(store.log.stream_to, sid, await traces.fence(sid, "host-a"))
 
 
+def _named(error: TraceWriteError | None) -> str:
+    """The class name of ``error``, or "nothing"."""
+    return "nothing" if error is None else type(error).__name__
+
+
 def test_a_session_is_not_held_back_by_another_sessions_append(
     nats_server: NatsProcess, tmp_path: Path
 ) -> None:
@@ -139,8 +144,7 @@ def test_a_session_no_longer_replicated_says_so_instead_of_passing_records_for_d
             found["append"] = raised(lambda: log.append("fenced", 2, record("fenced", 2)))
             log.forget("lost")  # its lease was lost
             log.append("lost", 1, record("lost", 1))
-            error = log.error("lost")
-            found["lost"] = "nothing" if error is None else type(error).__name__
+            found["lost"] = _named(log.error("lost"))
             nursery.cancel_scope.cancel()
         await store.aclose()
         found["in_cluster"] = [r.seq for r in (await traces.read("fenced")).records]
@@ -186,8 +190,7 @@ def test_records_jetstream_acknowledged_stay_acknowledged_when_their_session_is_
             log.forget("lost")  # its lease was lost
             log.give_up_all()  # as the store's close does
             for sid in ("lost", "closed"):
-                error = log.error(sid)
-                found[f"{sid} error"] = "nothing" if error is None else type(error).__name__
+                found[f"{sid} error"] = _named(log.error(sid))
                 found[f"{sid} sync"] = await _sync_outcome(log, sid)
             log.append("lost", 2, record("lost", 2))  # reaches no cluster
             found["lost sync after an append"] = await _sync_outcome(log, "lost")
@@ -206,6 +209,26 @@ def test_records_jetstream_acknowledged_stay_acknowledged_when_their_session_is_
     }
 
 
+async def _acknowledged_then_held(
+    store: ReplicatingTraceStore, traces: TraceStream, nursery: trio.Nursery, sid: str
+) -> tuple[int, int]:
+    """A new session ``sid`` streamed by host-a, its record 1 acknowledged by JetStream and
+    its record 2's append held on its way: the tickets of both."""
+    log = store.log
+    await _replicated(store, sid)
+    held = HeldWriter(await traces.fence(sid, "host-a"), trio.Event())
+    await nursery.start(log.stream_to, sid, held)
+    acknowledged = log.append(sid, 1, record(sid, 1))
+    held.release.set()
+    with trio.fail_after(10):
+        await log.sync(sid)
+    held.release, held.waiting = trio.Event(), trio.Event()  # the next append waits
+    in_flight = log.append(sid, 2, record(sid, 2))
+    with trio.fail_after(10):
+        await held.waiting.wait()
+    return acknowledged, in_flight
+
+
 def test_each_ticket_answers_whether_its_own_record_reached_the_cluster(
     nats_server: NatsProcess, tmp_path: Path
 ) -> None:
@@ -214,34 +237,21 @@ def test_each_ticket_answers_whether_its_own_record_reached_the_cluster(
     # session was given up unacknowledged. lost() answers for one ticket: JetStream
     # acknowledged it (None), or it was given up, or appended after the session was.
 
-    def named(error: TraceWriteError | None) -> str:
-        return "nothing" if error is None else type(error).__name__
-
     async def body(conn: Connection) -> dict[str, object]:
         traces = await TraceStream.open(conn)
         store = ReplicatingTraceStore(tmp_path, on_fenced=lambda _sid: None)
         log = store.log
         async with trio.open_nursery() as nursery:
             await nursery.start(store.run)
-            await _replicated(store, "s")
-            held = HeldWriter(await traces.fence("s", "host-a"), trio.Event())
-            await nursery.start(log.stream_to, "s", held)
-            acknowledged = log.append("s", 1, record("s", 1))
-            held.release.set()
-            with trio.fail_after(10):
-                await log.sync("s")
-            held.release, held.waiting = trio.Event(), trio.Event()  # the next append waits
-            in_flight = log.append("s", 2, record("s", 2))
-            with trio.fail_after(10):
-                await held.waiting.wait()
+            acknowledged, in_flight = await _acknowledged_then_held(store, traces, nursery, "s")
             queued = log.append("s", 3, record("s", 3))
             log.forget("s")  # its lease was lost, records 2 and 3 unacknowledged
             after = log.append("s", 4, record("s", 4))
             found = {
-                "acknowledged": named(log.lost("s", acknowledged)),
-                "in flight": named(log.lost("s", in_flight)),
-                "queued": named(log.lost("s", queued)),
-                "appended after": named(log.lost("s", after)),
+                "acknowledged": _named(log.lost("s", acknowledged)),
+                "in flight": _named(log.lost("s", in_flight)),
+                "queued": _named(log.lost("s", queued)),
+                "appended after": _named(log.lost("s", after)),
                 "done": [log.batch_done(t) for t in (acknowledged, in_flight, queued, after)],
             }
             nursery.cancel_scope.cancel()
@@ -266,9 +276,6 @@ def test_a_ticket_given_up_stays_lost_once_its_session_is_released_or_replicated
     # or a fresh replicate(), so a receipt that asked after either was told None (durable,
     # queued: true) for a record given up unacknowledged or appended once the session was.
 
-    def named(error: TraceWriteError | None) -> str:
-        return "nothing" if error is None else type(error).__name__
-
     async def body(conn: Connection) -> dict[str, object]:
         traces = await TraceStream.open(conn)
         store = ReplicatingTraceStore(tmp_path, on_fenced=lambda _sid: None)
@@ -277,23 +284,15 @@ def test_a_ticket_given_up_stays_lost_once_its_session_is_released_or_replicated
             await nursery.start(store.run)
             tickets: dict[str, int] = {}
             for sid in ("released", "again"):
-                await _replicated(store, sid)
-                held = HeldWriter(await traces.fence(sid, "host-a"), trio.Event())
-                await nursery.start(log.stream_to, sid, held)
-                tickets[f"{sid}: acknowledged"] = log.append(sid, 1, record(sid, 1))
-                held.release.set()
-                with trio.fail_after(10):
-                    await log.sync(sid)
-                held.release, held.waiting = trio.Event(), trio.Event()
-                tickets[f"{sid}: in flight"] = log.append(sid, 2, record(sid, 2))
-                with trio.fail_after(10):
-                    await held.waiting.wait()
+                acknowledged, in_flight = await _acknowledged_then_held(store, traces, nursery, sid)
+                tickets[f"{sid}: acknowledged"] = acknowledged
+                tickets[f"{sid}: in flight"] = in_flight
                 log.forget(sid)  # its lease was lost, record 2 unacknowledged
                 tickets[f"{sid}: appended after"] = log.append(sid, 3, record(sid, 3))
             log.release("released")  # closed here
             log.replicate("again")  # taken up here again
             found: dict[str, object] = {
-                what: named(log.lost(what.split(":")[0], ticket))
+                what: _named(log.lost(what.split(":")[0], ticket))
                 for what, ticket in tickets.items()
             }
             nursery.cancel_scope.cancel()
