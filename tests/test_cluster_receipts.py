@@ -60,11 +60,9 @@ class Withheld:
         monkeypatch.setattr(TraceWriter, "append", held_append)
 
 
-async def _steered_unacknowledged(
-    host: Host, workspace: Path, withheld: Withheld, recorded: InputReceipt
-) -> Session:
-    """A session of ``host`` whose task waits in its tool call, steered with ``recorded``
-    once every earlier record is in the cluster: the steer's record waits for JetStream."""
+async def _waiting_in_its_call(host: Host, workspace: Path) -> Session:
+    """A session of ``host`` whose task waits in its tool call (the prompt and the call are
+    in the cluster)."""
     gates = Gates()
     session = await host.create_session(
         provider=ScriptedProvider([Reply(blocks=(tool_call("c1", "wait", key="k"),))]),
@@ -73,6 +71,15 @@ async def _steered_unacknowledged(
     )
     session.run("go", approve=allow_all)
     await gates.started("k")  # the prompt and the call are in the cluster
+    return session
+
+
+async def _steered_unacknowledged(
+    host: Host, workspace: Path, withheld: Withheld, recorded: InputReceipt
+) -> Session:
+    """A session of ``host`` whose task waits in its tool call, steered with ``recorded``
+    once every earlier record is in the cluster: the steer's record waits for JetStream."""
+    session = await _waiting_in_its_call(host, workspace)
     withheld.withhold.set()
     assert session.steer("mind the gap", recorded=recorded)
     await trio.testing.wait_all_tasks_blocked()
@@ -118,6 +125,13 @@ def host_a(
     return open_cluster_host(conn.bridge, config, tmp_path / "a", approve=allow_all, **options)
 
 
+def _lose_the_lease(node: ClusterNode) -> None:
+    """``node``'s lease lost in an outage: every session it owned given up."""
+    keeper = node._keeper
+    assert keeper is not None
+    keeper._lose_all("the test's outage")
+
+
 def test_a_steer_whose_trace_another_host_fenced_before_jetstream_had_it_is_dropped(
     tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -154,9 +168,7 @@ def test_a_steer_whose_session_the_host_lost_before_jetstream_had_it_is_dropped(
     async def body(conn: Connection) -> tuple[str, str]:
         async with host_a(conn, nats_server, tmp_path, on_node=nodes.append) as host:
             session = await _steered_unacknowledged(host, tmp_path, withheld, recorded)
-            keeper = nodes[0]._keeper
-            assert keeper is not None
-            keeper._lose_all("the test's outage")
+            _lose_the_lease(nodes[0])
             with trio.fail_after(RUN_TIMEOUT_S):
                 await recorded.settled.wait()
             answer = await _answer(recorded)
@@ -208,14 +220,7 @@ def test_a_steer_after_the_store_gave_the_session_up_is_dropped_while_it_is_open
 
     async def body(conn: Connection) -> tuple[str, str]:
         async with host_a(conn, nats_server, tmp_path) as host:
-            gates = Gates()
-            session = await host.create_session(
-                provider=ScriptedProvider([Reply(blocks=(tool_call("c1", "wait", key="k"),))]),
-                workspace_dir=tmp_path,
-                tools=[gates.tool()],
-            )
-            session.run("go", approve=allow_all)
-            await gates.started("k")
+            session = await _waiting_in_its_call(host, tmp_path)
             store = host.trace_store
             assert isinstance(store, ReplicatingTraceStore)
             store.log.forget(session.id)  # nothing was pending: every record acknowledged
@@ -246,9 +251,7 @@ def test_a_steer_jetstream_acknowledged_before_the_host_lost_its_session_is_queu
         acknowledge(log, done)
         # At the steer's own acknowledgement: an earlier record's may come first.
         if any('"steering_queued"' in line for _, _, line in done):
-            keeper = nodes[0]._keeper
-            assert keeper is not None
-            keeper._lose_all("the test's outage")
+            _lose_the_lease(nodes[0])
 
     monkeypatch.setattr(ReplicatingTraceLog, "_acknowledge", acknowledged_then_lost)
 
@@ -282,9 +285,7 @@ def test_a_steer_jetstream_acknowledged_is_queued_though_a_later_one_was_given_u
     def acknowledged_then_lost(log: ReplicatingTraceLog, done: list[tuple[int, int, str]]) -> None:
         acknowledge(log, done)
         if any("mind the gap" in line for _, _, line in done):
-            keeper = nodes[0]._keeper
-            assert keeper is not None
-            keeper._lose_all("the test's outage")
+            _lose_the_lease(nodes[0])
 
     monkeypatch.setattr(ReplicatingTraceLog, "_acknowledge", acknowledged_then_lost)
 
@@ -351,14 +352,7 @@ def test_a_steer_the_host_lost_is_dropped_though_its_session_is_released_before_
 
     async def body(conn: Connection) -> tuple[str, str]:
         async with host_a(conn, nats_server, tmp_path) as host:
-            gates = Gates()
-            session = await host.create_session(
-                provider=ScriptedProvider([Reply(blocks=(tool_call("c1", "wait", key="k"),))]),
-                workspace_dir=tmp_path,
-                tools=[gates.tool()],
-            )
-            session.run("go", approve=allow_all)
-            await gates.started("k")
+            session = await _waiting_in_its_call(host, tmp_path)
             store = host.trace_store
             assert isinstance(store, ReplicatingTraceStore)
             # Every record so far in the cluster and published: the steer's receipt, the
