@@ -16,7 +16,8 @@ it a :class:`~greenroom.protocols.messages.SyncTraceFiles` (the files written si
 last fsync, with the directories created for them) and waits for its answer, and
 :meth:`TraceSink.record_usage` sends a :class:`~greenroom.protocols.messages.LedgerRow`.
 The actor serves every request waiting in its inbox with one worker-thread batch (group
-commit); a file's ``write(2)`` and another file's fsync never wait for each other.
+commit), and answers each as soon as its own files are durable; a file's ``write(2)`` and
+another file's fsync never wait for each other.
 
 Exceptions (the public tree)::
 
@@ -58,6 +59,7 @@ import math
 import os
 import sqlite3
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, assert_never
 
@@ -175,6 +177,13 @@ class _BatchJob:
     """Files to fsync -> directories whose entries they changed (fsynced with them)."""
     usage: list[UsageRow]
     close_ledger: bool
+    groups: tuple[tuple[Path, ...], ...] = ()
+    """The files of each request of the batch, in the order they came (none: one group of
+    every file)."""
+    synced: Callable[[int, dict[Path, str]], None] | None = None
+    """Told, from a worker thread, as soon as ``groups[i]``'s files and their directories
+    are durable, with their failures: the caller answers that request at once instead of
+    when the whole batch ends. Never called for a group with no files."""
 
 
 @attrs.frozen(kw_only=True, slots=True)
@@ -195,7 +204,9 @@ class TraceSink:
       written since their last fsync, and the new directories) to the :class:`TraceSyncer`
       actor's inbox and waits for its :class:`TraceFilesSynced`; :meth:`record_usage`
       sends a :class:`LedgerRow`. The actor groups whatever waits in its inbox into one
-      worker-thread batch (group commit), whose fsyncs overlap (:data:`SYNC_THREADS`).
+      worker-thread batch (group commit), whose fsyncs overlap (:data:`SYNC_THREADS`);
+      each request is answered as soon as its own files are durable (one that covers the
+      ledger, once the batch has inserted its rows).
 
     Lifetime: ``await nursery.start(sink.run)``; the sink is ready (ledger opened) when that
     returns. It ends either by :meth:`aclose` or by cancelling ``run``; both write every
@@ -627,23 +638,34 @@ class TraceSyncer:
             case _:
                 assert_never(message)
 
-    def _take_batch(self, *, final: bool) -> _BatchJob:
+    def _take_batch(self, *, final: bool, early: _EarlyAnswers | None) -> _BatchJob:
         fsync: dict[Path, frozenset[Path]] = {}
         for request in self._pending:
             dirs = frozenset(Path(d) for d in request.dirs)
             for file in request.files:
                 fsync[Path(file)] = fsync.get(Path(file), frozenset()) | dirs
         usage, self._usage = self._usage, []
-        return _BatchJob(fsync=fsync, usage=usage, close_ledger=final)
+        groups = tuple(tuple(Path(file) for file in request.files) for request in self._pending)
+        synced = None if early is None else early.from_thread
+        return _BatchJob(
+            fsync=fsync, usage=usage, close_ledger=final, groups=groups, synced=synced
+        )
 
     async def _serve(self, *, final: bool) -> None:
-        job = self._take_batch(final=final)
+        # A thousand sessions reach a turn boundary together and share one batch: each is
+        # answered once its own files are durable, so that it goes on (its request out,
+        # its tools started) while the batch's other fsyncs are still under way.
+        early = None if final else _EarlyAnswers(self, list(self._pending))
+        job = self._take_batch(final=final, early=early)
         result = _BatchResult(errors={}, ledger_error=None)
         if job.fsync or job.usage or job.close_ledger:
+            # Counted as it begins: its first requests are answered before it ends.
+            self.batches_written += 1
             # Raises only for a bug; the requests stay pending then, for run to answer.
             result = await self._run(job, final=final)
-            self.batches_written += 1
         requests, self._pending = self._pending, []
+        if early is not None:
+            requests = early.close()
         for path, why in result.errors.items():
             self._errors[str(path)] = why
         if result.ledger_error is not None:
@@ -679,6 +701,16 @@ class TraceSyncer:
             result = _failed_batch(job, message)
         return result
 
+    def answer_early(self, request: SyncTraceFiles, failures: dict[Path, str]) -> None:
+        """Answer ``request``, whose files (and their directories) a batch still running
+        has made durable or failed (``failures``), with every failure known for them."""
+        for path, why in failures.items():
+            self._errors[str(path)] = why
+        covered = set(request.files)
+        answer = tuple((p, why) for p, why in self._errors.items() if p in covered)
+        with contextlib.suppress(trio.BrokenResourceError):
+            request.reply.send_nowait(TraceFilesSynced(failures=answer))
+
     def _answer_all(self, failure: str) -> None:
         requests, self._pending = self._pending, []
         for request in requests:
@@ -687,6 +719,40 @@ class TraceSyncer:
             )
             with contextlib.suppress(trio.BrokenResourceError):
                 request.reply.send_nowait(TraceFilesSynced(failures=failures))
+
+
+class _EarlyAnswers:
+    """The requests of one batch that are answered as their own files become durable,
+    from the worker threads through the run's token; what is left when the batch ends
+    (a request for the ledger, whose rows are inserted at its end, and any not yet told)
+    is answered by the batch as before."""
+
+    def __init__(self, syncer: TraceSyncer, requests: list[SyncTraceFiles]) -> None:
+        self._syncer = syncer
+        self._requests: dict[int, SyncTraceFiles] = dict(enumerate(requests))
+        self._token = trio.lowlevel.current_trio_token()
+
+    def from_thread(self, index: int, failures: dict[Path, str]) -> None:
+        """A worker thread's news that request ``index``'s files are done."""
+        with contextlib.suppress(trio.RunFinishedError):
+            self._token.run_sync_soon(self._answer, index, failures)
+
+    def _answer(self, index: int, failures: dict[Path, str]) -> None:
+        # Runs as the run's own callback, where an exception would end the host: whatever
+        # goes wrong, the request is left to the batch's end, which answers as before.
+        request = self._requests.get(index)
+        if request is None or request.ledger:
+            return
+        try:
+            self._syncer.answer_early(request, failures)
+        except Exception:
+            return
+        del self._requests[index]
+
+    def close(self) -> list[SyncTraceFiles]:
+        """The requests not answered yet; none is answered early from now on."""
+        left, self._requests = list(self._requests.values()), {}
+        return left
 
 
 def _failed_batch(job: _BatchJob, message: str) -> _BatchResult:
@@ -750,11 +816,7 @@ def _run_batch(job: _BatchJob, ledger: sqlite3.Connection | None, disk: Disk) ->
         # Directories cannot be opened for fsync but on POSIX; NTFS journals entries.
         for directory in dirs if os.name == "posix" else ():
             needing.setdefault(directory, []).append(path)
-    for path, why in _fsync_all(disk, list(job.fsync)).items():
-        errors[path] = why
-    for directory, why in _fsync_all(disk, list(needing)).items():
-        for path in needing[directory]:
-            errors.setdefault(path, why)
+    errors = _GroupSync(job, needing).run(disk)
     ledger_error: str | None = None
     if ledger is not None:
         try:
@@ -784,42 +846,90 @@ _SYNC_ALONE = 8
 cost more than the overlap saves."""
 
 
-def _fsync_all(disk: Disk, paths: list[Path]) -> dict[Path, str]:
-    """fsync every path (a file or a directory), up to :data:`SYNC_THREADS` at once; why
-    each one the disk refused was refused. A path that is gone is skipped: never re-create
-    a file whose session was deleted, nothing of ours is left in it to make durable. What
-    is not an OSError (a bug below) is raised, once every thread has ended."""
-    refused: dict[Path, str] = {}
-    bugs: list[BaseException] = []
+class _GroupSync:
+    """fsync a batch's files and directories in the order of its requests, up to
+    :data:`SYNC_THREADS` at once, and tell ``job.synced`` of each request as soon as the
+    last of its paths is done. Each path is synced once, however many requests need it:
+    a directory once for all its new files, which were all made before the batch began.
+    A directory's failure is the failure of each file that needed it; a path that is gone
+    is skipped (never re-create a file whose session was deleted: nothing of ours is left
+    in it to make durable)."""
 
-    def sync(share: list[Path]) -> None:
-        for path in share:
+    def __init__(self, job: _BatchJob, needing: dict[Path, list[Path]]) -> None:
+        self._job = job
+        self._needing = needing
+        self._groups = job.groups or (tuple(job.fsync),)
+        order: dict[Path, None] = {}
+        self._waiting: dict[Path, list[int]] = {}
+        self._left: list[int] = []
+        for index, files in enumerate(self._groups):
+            dirs = {d for file in files for d in job.fsync[file] if d in needing}
+            paths = [*dict.fromkeys(files), *sorted(dirs)]
+            for path in paths:
+                order[path] = None
+                self._waiting.setdefault(path, []).append(index)
+            self._left.append(len(paths))
+        self._order = list(order)
+        self._errors: dict[Path, str] = {}
+        self._bugs: list[BaseException] = []
+        self._lock = threading.Lock()
+
+    def run(self, disk: Disk) -> dict[Path, str]:
+        """Sync every path; the files' failures. Raises what is not an OSError (a bug
+        below), once every thread has ended."""
+        paths = iter(self._order)
+        if len(self._order) < _SYNC_ALONE:
+            self._sync(disk, paths)
+        else:
+            # Daemon threads, like trio's own workers: a disk that hangs cannot hold the
+            # interpreter's exit, as the final batch may be abandoned on a hung disk. They
+            # share one iterator, each taking the batch's next path: first come, first done.
+            threads = [
+                threading.Thread(target=self._sync, args=(disk, paths), daemon=True)
+                for _ in range(min(SYNC_THREADS, len(self._order)))
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        if self._bugs:
+            raise self._bugs[0]
+        return {path: why for path, why in self._errors.items() if path in self._job.fsync}
+
+    def _sync(self, disk: Disk, paths: Iterator[Path]) -> None:
+        while True:
+            with self._lock:
+                path = next(paths, None)
+            if path is None:
+                return
+            why: str | None = None
             try:
                 with contextlib.suppress(FileNotFoundError):
                     disk.fsync(path)
             except OSError as exc:
-                refused[path] = _describe(exc)
+                why = _describe(exc)
             except BaseException as exc:
-                bugs.append(exc)
+                self._bugs.append(exc)
                 return
+            self._done(path, why)
 
-    if len(paths) < _SYNC_ALONE:
-        sync(paths)
-    else:
-        # Daemon threads, like trio's own workers: a disk that hangs cannot hold the
-        # interpreter's exit, as the final batch may be abandoned on a hung disk.
-        count = min(SYNC_THREADS, len(paths))
-        threads = [
-            threading.Thread(target=sync, args=(paths[i::count],), daemon=True)
-            for i in range(count)
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    if bugs:
-        raise bugs[0]
-    return refused
+    def _done(self, path: Path, why: str | None) -> None:
+        told: list[tuple[int, dict[Path, str]]] = []
+        with self._lock:
+            if why is not None:
+                if path in self._job.fsync:
+                    self._errors[path] = why
+                for file in self._needing.get(path, ()):
+                    self._errors.setdefault(file, why)
+            for index in self._waiting.get(path, ()):
+                self._left[index] -= 1
+                if self._left[index] == 0:
+                    files = self._groups[index]
+                    told.append((index, {f: self._errors[f] for f in files if f in self._errors}))
+        synced = self._job.synced
+        if synced is not None:
+            for index, failures in told:
+                synced(index, failures)
 
 
 def _append(disk: Disk, path: Path, lines: list[bytes]) -> frozenset[Path]:
