@@ -182,6 +182,7 @@ class TurnMachine:
         "_retried_blocks",
         "_stream_result",
         "_to_ask",
+        "_unfit",
         "run_id",
         "session_id",
         "turn",
@@ -199,6 +200,7 @@ class TurnMachine:
         self._done_blocks: list[ModelBlock] = []
         self._retried_blocks: list[ModelBlock] = []
         self._stream_result: MessageCompleted | StreamFailed | None = None
+        self._unfit: StreamFailed | None = None  # a block no record holds ended the attempt
         self._last_usage: TokenUsage | None = None
         self._calls: dict[str, _Call] = {}
         self._order: list[str] = []
@@ -256,7 +258,7 @@ class TurnMachine:
     def partial_blocks(self) -> list[ModelBlock]:
         """What the current attempt produced so far: completed blocks, open text, and open
         tool calls with their argument text (never run)."""
-        return [*self._done_blocks, *_open_blocks(self._open)]
+        return [*self._done_blocks, *(() if self._unfit else _open_blocks(self._open))]
 
     # -- events ---------------------------------------------------------------------------
 
@@ -272,7 +274,7 @@ class TurnMachine:
         self._attempt = attempt
         self._open = {}
         self._done_blocks = []
-        self._stream_result = None
+        self._stream_result = self._unfit = None
         self._last_usage = None
         self._asking = None
         self._to_ask = []
@@ -287,6 +289,8 @@ class TurnMachine:
         out: list[Effect] = []
         if self._stream_result is not None:
             return out  # nothing after the terminal event counts
+        if unfit := self._unfit:
+            return _drain(self, unfit, events)
         sid = self.session_id
         rid = self.run_id
         open_blocks = self._open
@@ -331,8 +335,9 @@ class TurnMachine:
                 self._last_usage = event.usage
                 self._close_open_blocks(out)  # e.g. text cut by max_tokens
                 self._usage(out)
-                if self.stream_result is not None:
-                    return out  # a block it closed could not be recorded
+                if (unfit := self._unfit) is not None:
+                    self._stream_result = unfit  # a block could not be recorded
+                    return out
                 self._stream_result = event
                 out.append(_request_end(self, "ok", stop_reason=event.stop_reason,  # R-RUN-3
                                         response_id=event.response_id,
@@ -343,15 +348,11 @@ class TurnMachine:
                 # What the model wrote before the failure is a fact of the attempt: it is
                 # traced, and becomes the retry note's blocks (R-RETRY-4). An open block no
                 # record holds is left out, and the stream's own failure stands (retried).
-                failed = self._stream_result
+                failed = self._unfit
                 self._close_open_blocks(out)
                 self._usage(out)
                 self._stream_result = failed or event
                 return out
-        if self.stream_result is not None:  # (mypy takes the field for None still)
-            # A block no record holds ended the attempt (the rest of the read was taken
-            # for its usage alone): what the request used so far is billed, so counted.
-            self._usage(out)
         return out
 
     def fail_attempt(self, error: ModelError, *, retry_in_ms: int | None) -> list[Effect]:
@@ -577,9 +578,9 @@ class TurnMachine:
     def _recorded(self, block: ModelBlock, out: list[Effect]) -> bool:
         """Record the model's ``block`` (:func:`_fit`); False when no record holds it."""
         most = self._largest_record
-        blocks = (block,) if most is None else _fit(block, most, self._stream_result)
+        blocks = (block,) if most is None else _fit(block, most, self._unfit)
         if isinstance(blocks, StreamFailed):
-            self._stream_result = blocks  # the attempt ends; the session goes on (R-SEC-9)
+            self._unfit = blocks  # the attempt ends with its stream; the session goes on
             return False
         self._done_blocks += blocks
         out += [ModelMsg(session_id=self.session_id, run_id=self.run_id, turn=self.turn,
@@ -631,8 +632,28 @@ def _request_end(
                       http_status=http_status)
 
 
+def _drain(
+    machine: TurnMachine, unfit: StreamFailed, events: Sequence[StreamEvent]
+) -> list[Effect]:
+    """Events of an attempt that a block no record holds ended (``unfit``, R-SEC-9, the
+    attempt's result once its stream ends): nothing of the stream is recorded any more,
+    but it is read to its end, for the usage the provider reports there is what the
+    request is billed, its output in full (R-TRACE-5, R-SHARE-3). The stream is bounded
+    as any is, by its output-token limit and no-progress deadline (R-SEC-10); an
+    interrupt ends it at once, with the usage reported so far."""
+    out: list[Effect] = []
+    for event in events:
+        if isinstance(event, UsageReported | MessageCompleted):
+            machine._last_usage = event.usage
+        if isinstance(event, MessageCompleted | StreamFailed):
+            machine._usage(out)
+            machine._stream_result = unfit
+            break
+    return out
+
+
 def _fit(
-    block: ModelBlock, most: int, failed: MessageCompleted | StreamFailed | None
+    block: ModelBlock, most: int, failed: StreamFailed | None
 ) -> tuple[ModelBlock, ...] | StreamFailed:
     """The blocks that record ``block`` in a trace whose records hold at most ``most``
     bytes (a cluster's NATS server: text split at line breaks,

@@ -7,8 +7,9 @@ sessions sending to the loopback model server through the anthropic provider.
   whole with its line breaks; inside, the carry-over (R-ABORT-2) holds its fitted start.
   The new history's records reach JetStream and its next task completes on the host.
 * A tool call no record holds ends its task ``failed``; the usage the provider reported
-  for that request is counted (R-SHARE-3, R-SHARE-4): in the ledger, and in the
-  principal's spending, so the principal's budget stops the next task.
+  for that request at its stream's end is counted (R-TRACE-5, R-SHARE-3, R-SHARE-4): in
+  the ledger, and in the principal's spending, so the principal's budget stops the next
+  task.
 * An interrupt in the middle of a long text: the abort's partial fits one record, and the
   next task's carry-over shows it (R-ABORT-2).
 """
@@ -169,27 +170,35 @@ def _blocks_cut(count: int, abort: Abort) -> str:
 
 
 PRICES = {MODEL: {"input": 1.0, "output": 1.0}}
-"""$1 a million tokens: the 10,000 input tokens of a request cost $0.01."""
+"""$1 a million tokens: a request of 10,000 input tokens and 160,000 output costs $0.17."""
+COST = (10_000 + 160_000) / 1_000_000
 
 
 def test_a_call_no_record_holds_ends_its_task_failed_and_its_usage_is_spent(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """R-SHARE-3, R-SHARE-4, R-SEC-9, R-CLUSTER-1: Alice may spend $0.005 a day. On host a,
-    the model answers her with a call of write_file whose 300 KB of arguments no record
-    holds, reporting 10,000 input tokens ($0.01): the task ends ``failed`` naming the
-    call's size and the record's, the call not run; the request's usage is in the task's
-    end and the ledger, and reaches her spending across the cluster: her next task, on
-    host b, ends ``budget_exceeded`` before any request."""
+    """R-TRACE-5, R-SHARE-3, R-SHARE-4, R-SEC-9, R-CLUSTER-1: Alice may spend $0.005 a
+    day. On host a, the model answers her with two calls of write_file whose 300 KB of
+    arguments no record holds, reporting 10,000 input tokens as its stream starts and
+    160,000 output tokens at its end, 300 KB after the first call ($0.17): the task ends
+    ``failed`` naming the first call's size and the record's, no call run; the request's
+    whole usage is in the task's end and the ledger (the read that held the first call
+    knew its input alone: 1 output token was counted), and reaches her spending across
+    the cluster: her next task, on host b, ends ``budget_exceeded`` before any request."""
     monkeypatch.setenv("ANTHROPIC_API_KEY", "cluster-test-key")  # one credential for a and b
     ran: list[str] = []
     call = ToolUse("c1", "write_file", {"path": "big.txt", "content": "x" * 300_000})
+    second = ToolUse("c2", "write_file", {"path": "more.txt", "content": "y" * 300_000})
     budget = PrincipalBudget(usd=0.005, period="day")
 
     async def body(bridge: Bridge, url: str) -> dict[str, Any]:
         async with (
             open_mock_server(
-                Reply([Text("Here it is."), call], stop_reason="tool_use", usage=(10_000, 1))
+                Reply(
+                    [Text("Here it is."), call, second],
+                    stop_reason="tool_use",
+                    usage=(10_000, 160_000),
+                )
             ) as model,
             two_hosts(bridge, url, tmp_path, principal_budget=budget, prices=PRICES) as (a, b),
         ):
@@ -200,11 +209,12 @@ def test_a_call_no_record_holds_ends_its_task_failed_and_its_usage_is_spent(
             assert isinstance(limit, SharedSpendLimit)
             failed = (await on_a.run("write it", approve=allow_all).result()).task_end
             ledger = await a[0].usage_ledger.report(UsageQuery(by="principal"))
-            await limit.wait_spent(0.01)  # what a spent, as b hears it
+            await limit.wait_spent(0.01)  # what a spent, as b hears it: one request's cost
             then = (await on_b.run("again").result()).task_end
             return {
                 "failed": failed,
                 "ledger": ledger,
+                "heard": limit.spent_usd,
                 "then": then,
                 "requests": model.request_count,
                 "most": a[0].trace_log.largest_input(),
@@ -220,11 +230,12 @@ def test_a_call_no_record_holds_ends_its_task_failed_and_its_usage_is_spent(
         f"{found['most']} bytes one record of this session's trace carries",
     )
     assert ran == []
-    cost = (10_000 + 1) / 1_000_000
-    assert (failed.usage.input, failed.usage.cost_usd) == (10_000, pytest.approx(cost))
+    usage = (failed.usage.input, failed.usage.output, failed.usage.cost_usd)
+    assert usage == (10_000, 160_000, pytest.approx(COST))
     (line,) = found["ledger"]
-    assert (line.key, line.requests, line.input) == ("alice", 1, 10_000)
-    assert line.cost_usd == pytest.approx(cost)
+    assert (line.key, line.requests, line.input, line.output) == ("alice", 1, 10_000, 160_000)
+    assert line.cost_usd == pytest.approx(COST)
+    assert found["heard"] == pytest.approx(COST)
     then = found["then"]
     assert then.status == "budget_exceeded" and then.turns == 0, then
     assert "budget of principal 'alice'" in (then.message or "")

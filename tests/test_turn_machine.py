@@ -364,7 +364,8 @@ def test_a_block_no_record_holds_ends_the_attempt_unretried_and_nothing_after_it
     m = TurnMachine(session_id="s", run_id="r", turn=1, largest_record=400)
     m.begin_attempt(1)
     out = m.feed([ToolCallTruncated(index=0, call_id="c0", name="t", partial_arguments="z" * 500)])
-    assert out == [] and m.calls() == ()  # no record, no result: the attempt ended
+    assert out == [] and m.calls() == ()  # no record, no result: the attempt ends
+    m.feed([MessageCompleted(stop_reason="max_tokens", usage=TokenUsage())])  # with its stream
     assert isinstance(m.stream_result, StreamFailed) and m.stream_result.error.permanent
 
 
@@ -398,28 +399,47 @@ def test_an_interrupted_message_whose_blocks_fit_alone_but_not_together_is_cut_t
         )
 
 
-def test_a_request_ended_by_a_block_no_record_holds_still_counts_its_usage() -> None:
-    """R-SHARE-3, R-SHARE-4, R-SEC-9: a call no record holds ends the attempt; the usage
-    the same read carried after it (the stream's end) was dropped with the rest of the
-    read, and none was counted, though the provider bills the request. It is counted."""
-    m = TurnMachine(session_id="s", run_id="r", turn=1, largest_record=400)
-    m.begin_attempt(1)
+def test_a_request_ended_by_a_block_no_record_holds_counts_the_usage_its_stream_ends_with() -> None:
+    """R-TRACE-5, R-SHARE-3, R-SHARE-4, R-SEC-9: a call no record holds ends the attempt,
+    but its stream is read to its end, where the provider reports what the request is
+    billed: the usage of the read that held the call (input only, before the output was
+    known) was counted, the stream's end dropped. Nothing after the call is recorded or
+    shown, and the attempt's result, its failure not retried, comes with the stream's
+    end, whether in the same read or a later one. A provider's failure in the rest keeps
+    the call's failure and counts the usage so far; so does an interrupt."""
     big = ToolCallBlock(id="c1", name="w", arguments={"x": "a" * 1000})
-    out = m.feed(
-        [
-            UsageReported(usage=TokenUsage(input=100)),
-            BlockStarted(index=0, kind="tool_call", call_id="c1", name="w"),
-            BlockCompleted(index=0, block=big),
-            MessageCompleted(stop_reason="tool_use", usage=TokenUsage(input=100, output=5000)),
-        ]
-    )
-    assert isinstance(m.stream_result, StreamFailed) and m.stream_result.error.permanent
-    assert of(ModelMsg, out) == []
-    assert [e.usage for e in of(RecordUsage, out)] == [TokenUsage(input=100, output=5000)]
-    m = TurnMachine(session_id="s", run_id="r", turn=1, largest_record=400)
-    m.begin_attempt(1)
-    out = m.feed([UsageReported(usage=TokenUsage(input=100)), BlockCompleted(index=0, block=big)])
-    assert [e.usage for e in of(RecordUsage, out)] == [TokenUsage(input=100)]  # so far
+    start = [UsageReported(usage=TokenUsage(input=100)), BlockCompleted(index=0, block=big)]
+    after = [BlockStarted(index=1, kind="text"), TextDelta(index=1, text="more")]
+    whole = TokenUsage(input=100, output=5000)
+    end = MessageCompleted(stop_reason="tool_use", usage=whole)
+    for reads in ([[*start, *after, end]], [start, after, [end]], [start, [*after, end]]):
+        m = TurnMachine(session_id="s", run_id="r", turn=1, largest_record=400)
+        m.begin_attempt(1)
+        out: list[Any] = []
+        for read in reads:
+            assert m.stream_result is None  # the stream is still read
+            out += m.feed(read)
+        assert isinstance(m.stream_result, StreamFailed) and m.stream_result.error.permanent
+        assert "call of w" in m.stream_result.error.message
+        assert of(ModelMsg, out) == of(RequestEnd, out) == []
+        assert [e.usage for e in of(RecordUsage, out)] == [whole]
+        assert [e.request for e in of(TokenUsageOutput, out)] == [whole]
+        assert len(reads) > 1 or of(PartialText, out) != []  # that read's were shown
+        assert m.partial_blocks() == []
+    cut = StreamFailed(error=ModelError(kind="network", message="reset"))
+    for ending in ([cut], "interrupt"):
+        m = TurnMachine(session_id="s", run_id="r", turn=1, largest_record=400)
+        m.begin_attempt(1)
+        assert m.feed(start) == []
+        if ending == "interrupt":
+            out = m.abort("stop", message_complete=False)
+            (abort,) = of(Abort, out)
+            assert abort.partial == () and of(RequestEnd, out)[0].status == "aborted"
+        else:
+            out = m.feed([*after, *ending])
+            assert isinstance(m.stream_result, StreamFailed)
+            assert m.stream_result.error.permanent  # the call's failure, not the reset
+        assert [e.usage for e in of(RecordUsage, out)] == [TokenUsage(input=100)]  # so far
 
 
 def test_a_turn_taken_up_replays_its_recorded_calls_whatever_a_record_holds_now() -> None:
