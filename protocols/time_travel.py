@@ -163,7 +163,7 @@ def _settled_task(
     if streaming and partial:
         blocks = tuple(partial)
         if most is not None:
-            blocks = fit_partial(blocks, most - record_size(abort))
+            blocks = fit_partial(blocks, most, record_size(abort))
         abort = attrs.evolve(abort, partial=blocks)
     out.append(abort)
     out.append(task_end)

@@ -108,7 +108,9 @@ def record_size(value: object) -> int:
     return len(converter.to_json(value).encode("utf-8", "backslashreplace"))
 
 
-def cut_to_fit(text: str, most: int | None, whole_at: str | None) -> str:
+def cut_to_fit(
+    text: str, most: int | None, whole_at: str | None, *, record: int | None = None
+) -> str:
     """``text``, input the runtime itself gives a session (a background child's answer,
     a hook's), as one text block whose record holds at most ``most`` bytes of input
     (:func:`input_size`; None: no limit, as in a file trace): whole when it fits, else
@@ -116,7 +118,8 @@ def cut_to_fit(text: str, most: int | None, whole_at: str | None) -> str:
     the whole text is (``whole_at``; None: nowhere). A user's input is never cut: it is
     refused (:class:`~greenroom.protocols.errors.InputTooLarge`). Unlike a user's, this
     input has nobody to refuse it to, and a record the trace cannot carry stops the
-    session on its host (a cluster's NATS server, R-SEC-9, R-CLUSTER-1)."""
+    session on its host (a cluster's NATS server, R-SEC-9, R-CLUSTER-1). The marker names
+    the bytes of one record: ``record`` when ``most`` is only what others leave of it."""
     if most is None or input_size((TextBlock(text=text),)) <= most:
         return text
 
@@ -124,7 +127,7 @@ def cut_to_fit(text: str, most: int | None, whole_at: str | None) -> str:
         where = f"the whole text is in {whole_at}" if whole_at else "the rest is not kept"
         return (
             f"{text[:count]}\n[cut: {len(text) - count} of {len(text)} characters left out "
-            f"to fit one record of this session's trace ({most} bytes); {where}]"
+            f"to fit one record of this session's trace ({record or most} bytes); {where}]"
         )
 
     # The most characters kept whose block fits: escapes make a character's bytes vary.
@@ -243,19 +246,24 @@ def fit_model_block(block: ModelBlock, most: int) -> tuple[ModelBlock, ...] | st
     )
 
 
-def fit_partial(partial: tuple[ModelBlock, ...], most: int) -> tuple[ModelBlock, ...]:
+def fit_partial(
+    partial: tuple[ModelBlock, ...], most: int, beside: int = 0
+) -> tuple[ModelBlock, ...]:
     """``partial``, what an interrupted model message said (an ``abort``'s ``partial``,
     the carry-over of R-ABORT-2), as blocks one record of ``most`` bytes holds
-    (:func:`record_size`; a cluster's NATS server, R-SEC-9, R-CLUSTER-1): whole when it
-    fits. Each of its blocks fits a record, recorded as the model made it, but together
-    they may not. Its thinking goes first (the carry-over shows none); then its text and
-    calls are kept in order while they fit, a text that does not is cut, a call that does
-    not is left out, and a last text block says how many were left out or cut."""
-    if record_size(partial) <= most:
+    (:func:`record_size`; a cluster's NATS server, R-SEC-9, R-CLUSTER-1) beside the
+    ``beside`` bytes the rest of the record (the ``abort``) takes: whole when it fits.
+    Each of its blocks fits a record, recorded as the model made it, but together they may
+    not. Its thinking goes first (the carry-over shows none); then its text and calls are
+    kept in order while they fit, a text that does not is cut, a call that does not is
+    left out, and a last text block says how many were left out or cut. That marker and a
+    cut text's both name the record's ``most`` bytes, whatever room the rest left."""
+    if record_size(partial) <= most - beside:
         return partial
     total = len(partial)
     # The brackets, and the marker's block with its comma (no count is longer than total).
-    room = most - 2 - record_size(TextBlock(text=_partial_marker(total, total, most))) - 1
+    marker = TextBlock(text=_partial_marker(total, total, most))
+    room = most - beside - 2 - record_size(marker) - 1
     kept: list[ModelBlock] = []
     whole = 0
     for block in partial:
@@ -268,7 +276,7 @@ def fit_partial(partial: tuple[ModelBlock, ...], most: int) -> tuple[ModelBlock,
             whole += 1
         elif type(block) is TextBlock:
             # cut_to_fit measures a list of the one block: its brackets for our comma.
-            text = cut_to_fit(block.text, max(room - 1, 0), None)
+            text = cut_to_fit(block.text, max(room - 1, 0), None, record=most)
             if (size := record_size(TextBlock(text=text)) + 1) <= room:
                 kept.append(TextBlock(text=text))
                 room -= size

@@ -515,7 +515,7 @@ class TurnMachine:
                       partial=(), message_complete=message_complete)
         if partial and (most := self._largest_record) is not None:
             # Each block was made to fit a record alone; all of them in one may not.
-            partial = fit_partial(partial, most - record_size(abort))
+            partial = fit_partial(partial, most, record_size(abort))
         out.append(attrs.evolve(abort, partial=partial))
         return out
 

@@ -11,7 +11,7 @@ sessions sending to the loopback model server through the anthropic provider.
   the ledger, and in the principal's spending, so the principal's budget stops the next
   task.
 * An interrupt in the middle of a long text: the abort's partial fits one record, and the
-  next task's carry-over shows it (R-ABORT-2).
+  next task's carry-over shows it (R-ABORT-2), its two markers naming the record's size.
 """
 
 from __future__ import annotations
@@ -150,19 +150,17 @@ def test_a_fork_or_rewind_at_a_message_in_pieces_fits_its_records_and_goes_on(
         return
     assert answer == []  # an interrupted message is carried over, not answered
     assert record_size(abort.partial) <= found["most"]
-    assert abort.partial[-1] == TextBlock(text=_blocks_cut(2, abort))
+    marker = _blocks_cut(2, found["most"])
+    assert abort.partial[-1] == TextBlock(text=marker)
     (over,) = carried
     kept = over.removeprefix("[turn_aborted]").split("\n[cut: ")[0]
     assert LINES.startswith(kept) and len(kept) > 100_000
-    assert over.endswith(f"{_blocks_cut(2, abort)}[/turn_aborted]")
+    assert over.endswith(f"{marker}[/turn_aborted]")
 
 
-def _blocks_cut(count: int, abort: Abort) -> str:
-    """The marker ending ``abort``'s partial when the last of its ``count`` blocks was cut
-    (the record's bytes as it names them)."""
-    last = abort.partial[-1]
-    assert isinstance(last, TextBlock)
-    most = last.text.rpartition("(")[2].removesuffix(" bytes)]")
+def _blocks_cut(count: int, most: int) -> str:
+    """The marker ending an abort's partial when the last of its ``count`` blocks was cut
+    to fit a record of ``most`` bytes."""
     return (
         f"[cut: {count} of {count} blocks of the interrupted message left out or cut to fit "
         f"one record of this session's trace ({most} bytes)]"
@@ -248,7 +246,9 @@ def test_an_interrupt_in_a_long_text_fits_its_partial_and_carries_it_over(
     """R-ABORT-2, R-SEC-9, R-CLUSTER-1: the model has streamed 200 KB of a text in lines
     when the task is interrupted: the abort's partial, its carry-over, fits one record (the
     text's start and a marker saying it was cut), every record reaches JetStream, and the
-    next task's request shows the carry-over and completes on the same host."""
+    next task's request shows the carry-over and completes on the same host. The cut
+    text's marker and the partial's both name the record's bytes (the text's named the
+    room its block had, the partial's the room the abort left)."""
     resume = trio.Event()
     held = Paused(
         Reply([Text(LINES, chunks=[LINES[:200_000], LINES[200_000:]])]),
@@ -286,9 +286,10 @@ def test_an_interrupt_in_a_long_text_fits_its_partial_and_carries_it_over(
     (abort,) = [r for r in found["records"] if isinstance(r, Abort)]
     assert record_size(abort.partial) <= found["most"]
     cut, marker = abort.partial
-    assert marker == TextBlock(text=_blocks_cut(1, abort))
-    assert isinstance(cut, TextBlock)
-    kept = cut.text.split("\n[cut: ")[0]
+    assert marker == TextBlock(text=_blocks_cut(1, found["most"]))
+    assert isinstance(cut, TextBlock)  # its marker names the same record's bytes
+    kept, _, left_out = cut.text.partition("\n[cut: ")
+    assert left_out.endswith(f"trace ({found['most']} bytes); the rest is not kept]")
     assert LINES[:200_000].startswith(kept) and len(kept) > 100_000
     (user,) = found["request"].messages
     carried = [t for t in _wire_texts(user) if t.startswith("[turn_aborted]")]

@@ -334,6 +334,11 @@ def test_fit_partial_leaves_thinking_out_first_and_keeps_the_text_the_carry_over
     assert fitted[0] == TextBlock(text="after") and fitted[-1].text.startswith("[cut: 1 of 2")
     assert record_size(fitted) <= 1000
     assert fit_partial((answer,), 4000) == (answer,)
+    cut, marker = fit_partial((TextBlock(text="b" * 5000),), 4000, 300)  # beside an abort
+    assert record_size((cut, marker)) <= 3700
+    assert isinstance(cut, TextBlock) and isinstance(marker, TextBlock)
+    assert cut.text.endswith("(4000 bytes); the rest is not kept]")  # both name the record
+    assert marker.text.endswith("(4000 bytes)]")
 
 
 ROOM = 800 - record_size(TextBlock(text=""))

@@ -392,9 +392,10 @@ def test_an_interrupted_message_whose_blocks_fit_alone_but_not_together_is_cut_t
         assert whole == blocks[: len(whole)] and whole
         assert isinstance(cut, TextBlock)
         assert cut.text.startswith(blocks[len(whole)].text[:10]) and "\n[cut: " in cut.text
-        assert marker == TextBlock(
+        assert cut.text.endswith(f"trace ({most} bytes); the rest is not kept]")
+        assert marker == TextBlock(  # both name the record, not the room the abort left
             text=f"[cut: {len(blocks) - len(whole)} of {len(blocks)} blocks of the interrupted "
-            f"message left out or cut to fit one record of this session's trace ({budget} "
+            f"message left out or cut to fit one record of this session's trace ({most} "
             "bytes)]"
         )
 
