@@ -22,7 +22,7 @@ import trio
 import trio.testing
 
 from greenroom.actors.cluster import listing
-from greenroom.actors.cluster.registry import SessionDirectory
+from greenroom.actors.cluster.registry import DirectoryPass, SessionDirectory
 from tests.support.nats import (  # the fixture is used as nats_server
     NatsProcess,
     module_nats_server,  # noqa: F401
@@ -144,10 +144,10 @@ class _CountedDirectory:
         self.passes = 0
         self.release = trio.Event()
 
-    async def entries(self, *, limit: int) -> tuple[dict[str, dict[str, Any]], bool]:
+    async def entries(self, *, limit: int) -> DirectoryPass:
         self.passes += 1
         await self.release.wait()
-        return {f"s{self.passes}": {"principals": ["alice"]}}, True
+        return DirectoryPass(entries={f"s{self.passes}": {"principals": ["alice"]}})
 
 
 def test_one_directory_pass_answers_a_gateways_calls_for_a_second() -> None:
@@ -161,8 +161,7 @@ def test_one_directory_pass_answers_a_gateways_calls_for_a_second() -> None:
         read: list[Any] = []
 
         async def one() -> None:
-            entries, _ = await passes.read()
-            read.append(sorted(entries))
+            read.append(sorted((await passes.read()).entries))
 
         async with trio.open_nursery() as nursery:
             for _ in range(3):

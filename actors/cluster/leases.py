@@ -28,12 +28,14 @@ from greenroom.actors.cluster.connection import Connection, check_session_id
 from greenroom.actors.cluster.errors import ClusterUnavailable, LeaseLost
 
 __all__ = [
+    "BucketPass",
     "Lease",
     "LeaseTable",
     "bucket_entries",
     "bucket_keys",
     "bucket_prefix",
     "open_bucket",
+    "removed_entry",
     "wrong_last_sequence",
 ]
 
@@ -192,26 +194,37 @@ LIST_WAIT_S = 5.0
 
 async def bucket_keys(conn: Connection, bucket: str) -> list[str]:
     """Every live key of KV bucket ``bucket``."""
-    return list((await _last_per_key(conn, bucket, values=False))[0])
+    return list((await _last_per_key(conn, bucket, values=False)).live)
 
 
 async def bucket_entries(conn: Connection, bucket: str) -> dict[str, bytes]:
     """Every live key of KV bucket ``bucket`` with its value, as of one pass over it."""
-    return (await _last_per_key(conn, bucket, values=True))[0]
+    return (await _last_per_key(conn, bucket, values=True)).live
 
 
-async def bucket_prefix(conn: Connection, bucket: str, limit: int) -> tuple[dict[str, bytes], bool]:
-    """:func:`bucket_entries` from the first ``limit`` entries of the pass (oldest writes
-    first), and whether that was all of the bucket: a listing a caller asks for on
-    demand holds no more than it can send."""
+@attrs.frozen(kw_only=True)
+class BucketPass:
+    """What one pass over a KV bucket read: ``live``, each live key with its value;
+    ``removed``, each key whose last entry is a delete marker (the key was written, then
+    deleted or purged); ``whole``, whether the pass read the whole bucket."""
+
+    live: dict[str, bytes]
+    removed: frozenset[str]
+    whole: bool
+
+
+async def bucket_prefix(conn: Connection, bucket: str, limit: int) -> BucketPass:
+    """One pass over the first ``limit`` entries of ``bucket`` (oldest writes first): a
+    listing a caller asks for on demand holds no more than it can send."""
     return await _last_per_key(conn, bucket, values=True, limit=limit)
 
 
 async def _last_per_key(
     conn: Connection, bucket: str, *, values: bool, limit: int | None = None
-) -> tuple[dict[str, bytes], bool]:
-    """The last entry of each key of ``bucket`` that is not a delete, in one consumer pass
-    (stopped after ``limit`` entries, if given); and whether the pass read them all.
+) -> BucketPass:
+    """The last entry of each key of ``bucket``, in one consumer pass (stopped after
+    ``limit`` entries, if given): the live keys, the removed ones, and whether the pass
+    read them all.
 
     nats-py's ``KeyValue.keys()`` decides that a listing is empty when the consumer reports
     nothing pending before the client has parsed a message; the server can send that answer
@@ -223,7 +236,7 @@ async def _last_per_key(
     """
     prefix = f"$KV.{bucket}."
 
-    async def listing() -> tuple[dict[str, bytes], bool]:
+    async def listing() -> BucketPass:
         sub = await conn.js.subscribe(
             f"{prefix}>",
             stream=f"KV_{bucket}",
@@ -235,21 +248,24 @@ async def _last_per_key(
         info = await sub.consumer_info()
         try:
             found: dict[str, bytes] = {}
+            removed: set[str] = set()
             if info.num_pending == 0 and not (info.delivered and info.delivered.consumer_seq):
-                return found, True
+                return BucketPass(live=found, removed=frozenset(), whole=True)
             read = 0
             while True:
                 msg = await sub.next_msg(timeout=LIST_WAIT_S)
                 key = msg.subject[len(prefix) :]
-                if _removed(msg.headers):
+                if removed_entry(msg.headers):
                     found.pop(key, None)
+                    removed.add(key)
                 else:
                     found[key] = msg.data or b""
+                    removed.discard(key)
                 if msg.metadata.num_pending == 0:
-                    return found, True
+                    return BucketPass(live=found, removed=frozenset(removed), whole=True)
                 read += 1
                 if limit is not None and read >= limit:
-                    return found, False
+                    return BucketPass(live=found, removed=frozenset(removed), whole=False)
         finally:
             await conn.close_consumer(sub, info)
 
@@ -263,8 +279,9 @@ async def _last_per_key(
         raise ClusterUnavailable(f"cannot list bucket {bucket}: {exc}") from exc
 
 
-def _removed(headers: dict[str, str] | None) -> bool:
-    """Whether a KV message marks its key deleted, purged or expired."""
+def removed_entry(headers: dict[str, str] | None) -> bool:
+    """Whether a KV message (by its ``headers``) marks its key deleted, purged or
+    expired."""
     if not headers:
         return False
     return headers.get(KV_OP) in (KV_DEL, KV_PURGE) or _MARKER_REASON in headers

@@ -1,5 +1,6 @@
 """``session.list`` over the whole cluster (R-CLUSTER-1): the caller's sessions that this
-host's data dir does not list, from the session directory.
+host's data dir does not list, from the session directory, and the cluster's view of those
+it lists but no longer runs.
 
 A gateway lists the sessions its own data dir holds as on one host; in a cluster it adds,
 from one pass over the directory bucket (:meth:`SessionDirectory.entries`), every other
@@ -9,6 +10,12 @@ on it are checked by (:meth:`ClusterRouter.holds`). Such an entry carries what t
 directory knows (:func:`listed_from_entry`) and ``host``, the host that runs or last ran it;
 a closed session is listed too (it is still its user's).
 
+The data dir's copy of a session this host does not run is not the cluster's truth when
+the directory says otherwise (:func:`superseded`): a session another host took over (its
+entry names that host) is listed from its entry, as any session of another host; one the
+cluster deleted (its entry removed: the pass reads the delete marker the bucket keeps) is
+not listed at all, while the copy waits to be removed (:mod:`.deleted_copies`).
+
 Bounded: the pass reads at most :data:`MAX_DIRECTORY_ENTRIES` entries within ``bound_s``,
 and one pass answers a gateway's calls for :data:`PASS_REUSE_S` (:class:`DirectoryPasses`);
 a directory that cannot be read leaves the local listing as it is, with a note saying why
@@ -17,14 +24,14 @@ a directory that cannot be read leaves the local listing as it is, with a note s
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from typing import Any
 
 import trio
 
 from greenroom.actors.cluster.errors import ClusterUnavailable
 from greenroom.actors.cluster.placements import PLACEMENT_FIELD, PlacementRecords
-from greenroom.actors.cluster.registry import SessionDirectory
+from greenroom.actors.cluster.registry import DirectoryPass, SessionDirectory
 from greenroom.actors.runtime.host import stored_root
 
 __all__ = [
@@ -33,6 +40,7 @@ __all__ = [
     "DirectoryPasses",
     "listed_from_entry",
     "sessions_elsewhere",
+    "superseded",
     "visible",
 ]
 
@@ -57,10 +65,10 @@ class DirectoryPasses:
     def __init__(self, directory: SessionDirectory) -> None:
         self._directory = directory
         self._lock = trio.Lock()
-        self._last: tuple[dict[str, dict[str, Any]], bool] | None = None
+        self._last: DirectoryPass | None = None
         self._last_at = 0.0
 
-    async def read(self) -> tuple[dict[str, dict[str, Any]], bool]:
+    async def read(self) -> DirectoryPass:
         """The entries of the last pass, or of a new one (see
         :meth:`SessionDirectory.entries`). Raises :class:`ClusterUnavailable`."""
         async with self._lock:
@@ -77,25 +85,34 @@ async def sessions_elsewhere(
     listed: frozenset[str],
     *,
     bound_s: float,
+    host_id: str,
+    serves: Callable[[str], bool],
     withdrawn: Container[str] = (),
     placements: PlacementRecords | None = None,
-) -> tuple[list[dict[str, Any]], str | None]:
+) -> tuple[list[dict[str, Any]], frozenset[str], str | None]:
     """The sessions of the directory ``principal`` may see (``granted``: those granted to it
-    at this gateway) but ``listed`` leaves out (those this host lists already), newest
-    first; and a note when the directory was not read whole (None when it was). A session
-    made for a placement of ``withdrawn``, or one ``placements`` records withdrawn, is left
-    out: it is on its way out of the cluster (:mod:`.placements`)."""
+    at this gateway) that host ``host_id``'s own listing, ``listed``, does not answer for,
+    newest first; the sessions of ``listed`` whose copy here the cluster's view supersedes
+    (:func:`superseded`: left out of the host's listing, those still in the directory
+    listed among the first); and a note when the directory was not read whole (None when
+    it was). ``serves`` says which sessions the host runs. A session made for a placement
+    of ``withdrawn``, or one ``placements`` records withdrawn, is left out: it is on its
+    way out of the cluster (:mod:`.placements`)."""
     try:
         with trio.fail_after(bound_s):
-            entries, whole = await passes.read()
+            read = await passes.read()
     except ClusterUnavailable as exc:
-        return [], f"unavailable: {exc}"
+        return [], frozenset(), f"unavailable: {exc}"
     except trio.TooSlowError:
-        return [], f"unavailable: the session directory was not read within {bound_s:g} s"
+        why = f"unavailable: the session directory was not read within {bound_s:g} s"
+        return [], frozenset(), why
+    entries = read.entries
+    stale = superseded(listed, read, host_id, serves)
+    answered_here = listed - stale
     shown = {
         session_id: entry
         for session_id, entry in entries.items()
-        if session_id not in listed
+        if session_id not in answered_here
         and visible(principal, session_id, entry, entries, granted)
         and not _withdrawn(entry, withdrawn)
     }
@@ -105,12 +122,31 @@ async def sessions_elsewhere(
         shown = {sid: entry for sid, entry in shown.items() if not _withdrawn(entry, gone)}
     found = [listed_from_entry(session_id, entry) for session_id, entry in shown.items()]
     found.sort(key=lambda s: s.get("created_at", 0.0), reverse=True)
-    if whole:
-        return found, None
-    return found, (
+    if read.whole:
+        return found, stale, None
+    partial = (
         f"partial: only the first {MAX_DIRECTORY_ENTRIES} entries of the session directory "
         "were read; sessions written to it later are not listed"
     )
+    return found, stale, partial
+
+
+def superseded(
+    listed: Iterable[str], read: DirectoryPass, host_id: str, serves: Callable[[str], bool]
+) -> frozenset[str]:
+    """The sessions of ``listed`` (held in host ``host_id``'s data dir) whose copy there is
+    not the cluster's truth, as of directory pass ``read``: the host does not run it
+    (``serves``) and the cluster deleted it, or its entry names another host (one that took
+    it over, or opened it after this host closed it). A session the directory does not know
+    (never published, or past what the pass read) stays the host's own."""
+    stale: set[str] = set()
+    for session_id in listed:
+        if serves(session_id):
+            continue
+        host = (read.entries.get(session_id) or {}).get("host")
+        if session_id in read.deleted or (isinstance(host, str) and host != host_id):
+            stale.add(session_id)
+    return frozenset(stale)
 
 
 def visible(

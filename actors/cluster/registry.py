@@ -36,6 +36,7 @@ from greenroom.actors.cluster.leases import (
 
 __all__ = [
     "STAY_SHARE",
+    "DirectoryPass",
     "HostRecord",
     "HostRegistry",
     "SessionDirectory",
@@ -250,20 +251,32 @@ class SessionDirectory:
         """The id of every session the cluster knows."""
         return await bucket_keys(self._conn, self._conn.names.sessions)
 
-    async def entries(self, *, limit: int) -> tuple[dict[str, dict[str, Any]], bool]:
-        """The metadata of every session the cluster knows, as of one pass over the bucket
-        that reads at most ``limit`` entries; and whether it read them all. Raises
+    async def entries(self, *, limit: int) -> DirectoryPass:
+        """The metadata of every session the cluster knows and the ids of those it deleted,
+        as of one pass over the bucket that reads at most ``limit`` entries. Raises
         :class:`ClusterUnavailable`."""
-        found, whole = await bucket_prefix(self._conn, self._conn.names.sessions, limit)
+        read = await bucket_prefix(self._conn, self._conn.names.sessions, limit)
         decoded: dict[str, dict[str, Any]] = {}
-        for count, (session_id, data) in enumerate(found.items(), start=1):
+        for count, (session_id, data) in enumerate(read.live.items(), start=1):
             if count % _DECODED_PER_CHECKPOINT == 0:
                 # Thousands of entries are decoded in steps: the host's other tasks run.
                 await trio.lowlevel.checkpoint()
             entry = _object(data)
             if entry is not None:
                 decoded[session_id] = entry
-        return decoded, whole
+        return DirectoryPass(entries=decoded, deleted=read.removed, whole=read.whole)
+
+
+@attrs.frozen(kw_only=True)
+class DirectoryPass:
+    """One pass over the session directory: ``entries``, each known session's metadata;
+    ``deleted``, the sessions whose entry was removed (the bucket keeps a delete marker
+    where a key was removed: a session deleted in the cluster); ``whole``, whether the
+    pass read the whole directory."""
+
+    entries: dict[str, dict[str, Any]]
+    deleted: frozenset[str] = frozenset()
+    whole: bool = True
 
 
 _DECODED_PER_CHECKPOINT = 200

@@ -690,16 +690,19 @@ class ClusterRouter:
 
     async def sessions_elsewhere(
         self, principal: str, listed: frozenset[str]
-    ) -> tuple[list[dict[str, Any]], str | None]:
+    ) -> tuple[list[dict[str, Any]], frozenset[str], str | None]:
         """The sessions of the cluster ``principal`` may see that ``listed`` (this host's
-        listing) leaves out, with their ``host``; and a note when the directory could not
-        be read whole (:mod:`.listing`)."""
+        listing) does not answer for, with their ``host``; those of ``listed`` to leave
+        out (another host's now, or deleted in the cluster); and a note when the directory
+        could not be read whole (:mod:`.listing`)."""
         return await sessions_elsewhere(
             self._passes,
             principal,
             self._gateway.owned(principal),
             listed,
             bound_s=self._timeout_s,
+            host_id=self._host_id,
+            serves=self._serves,
             withdrawn=self._withdrawn,
             placements=self._placements,
         )

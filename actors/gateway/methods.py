@@ -130,10 +130,12 @@ class Router(Protocol):
 
     async def sessions_elsewhere(
         self, principal: str, listed: frozenset[str]
-    ) -> tuple[list[dict[str, Any]], str | None]:
-        """``session.list``'s entries of the sessions ``principal`` may see on other hosts
-        (none of ``listed``, which this host lists), each with its ``host``; and a note
-        for the answer's ``cluster`` when they could not all be read (else None)."""
+    ) -> tuple[list[dict[str, Any]], frozenset[str], str | None]:
+        """``session.list``'s entries of the sessions ``principal`` may see on other hosts,
+        each with its ``host``; the sessions of ``listed`` (this host's listing) whose copy
+        here is stale, to leave out of it (listed among the others when another host has
+        them, not at all when deleted in the cluster); and a note for the answer's
+        ``cluster`` when they could not all be read (else None)."""
         ...
 
 
@@ -396,8 +398,8 @@ class Methods:
         """The caller's stored sessions with their live state (open, busy, auth lock, title, last
         activity) and ``usage`` (``tokens`` and ``cost_usd`` of its requests), and the subagents of
         their trees (``parent_id``, ``root_id``: R-TREE-1); those that cannot be read are
-        listed apart, by id with the reason. In a cluster, then those of other hosts
-        (``Router.sessions_elsewhere``), and ``cluster`` says why some may be missing."""
+        listed apart, by id with the reason. In a cluster, those of other hosts too, and the
+        cluster's view of copies here it supersedes (``Router.sessions_elsewhere``)."""
         jsonrpc.check_params(params, "session.list")
         principal = _identity(connection)
         owned = self._grants.owned(principal)
@@ -406,10 +408,10 @@ class Methods:
             listing = await _stored_listing(self.host, self._hubs, self._titles, owned)
         if self.router is None:
             return listing
-        listed = {s["session_id"] for s in [*listing["sessions"], *listing.get("unreadable", ())]}
-        elsewhere, note = await self.router.sessions_elsewhere(principal, frozenset(listed))
-        listing["sessions"] += elsewhere
-        return listing if note is None else {**listing, "cluster": note}
+        listed = frozenset(
+            s["session_id"] for s in [*listing["sessions"], *listing.get("unreadable", ())]
+        )
+        return _with_cluster(listing, *await self.router.sessions_elsewhere(principal, listed))
 
     async def rpc_session_subscribe(self, connection: Connection, params: dict[str, Any]) -> Any:
         """Subscribe the connection to a session it owns: the traced outputs after ``after_seq``
@@ -713,6 +715,23 @@ async def _stored_listing(
     if unreadable:
         return {"sessions": sessions, "unreadable": unreadable}
     return {"sessions": sessions}
+
+
+def _with_cluster(
+    listing: dict[str, Any],
+    elsewhere: list[dict[str, Any]],
+    stale: frozenset[str],
+    note: str | None,
+) -> dict[str, Any]:
+    """``session.list``'s answer from this host's ``listing``: without the copies the
+    cluster's view supersedes (``stale``), with the sessions listed from the directory
+    (``elsewhere``) after it, and ``cluster`` saying why some may be missing (``note``)."""
+    answer = {"sessions": [s for s in listing["sessions"] if s["session_id"] not in stale]}
+    unreadable = [s for s in listing.get("unreadable", ()) if s["session_id"] not in stale]
+    if unreadable:
+        answer["unreadable"] = unreadable
+    answer["sessions"] += elsewhere
+    return answer if note is None else {**answer, "cluster": note}
 
 
 def _usage_entry(line: UsageLine | None) -> dict[str, Any]:
