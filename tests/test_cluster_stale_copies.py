@@ -2,6 +2,10 @@
 view (R-CLUSTER-1, R-CLUSTER-2, R-SEC-9): two in-process cluster hosts, each with its
 gateway, on a real nats-server.
 
+* a runs a session and closes it; a client's run through b opens it on b, and b deletes
+  it, a running all along. a's ``session.list`` leaves it out at once, and a deletes its
+  copy: ``Host.list_sessions`` and a's data dir hold none of it. Before, a listed its copy
+  until it restarted.
 * a runs a session and stops; b takes it over and runs it further. a, started again on
   its data dir, lists it once, as b's (``host``), from the directory, not from its own
   stale copy. Before, a listed its copy as its own.
@@ -12,8 +16,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+import trio
+
+from greenroom.actors.cluster import deleted_copies, listing
 from greenroom.actors.cluster.connection import Connection
 from greenroom.actors.cluster.registry import SessionDirectory
+from greenroom.actors.runtime.host import Host
 from tests.support.nats import (  # the fixture is used as nats_server
     NatsProcess,
     module_nats_server,  # noqa: F401
@@ -22,12 +31,34 @@ from tests.support.nats import (  # the fixture is used as nats_server
 from tests.test_cluster_forwarding import (
     ANSWERED_S,
     BOUND_S,
+    LEASE_TTL_S,
     Member,
     _client,
     _member,
     _session_on,
     _until,
 )
+
+
+class _HeldDeletions:
+    """Deletions of copies through :func:`deleted_copies.delete_copy`, held until the test
+    lets them go: ``asked`` once one is asked for, ``done`` once it was carried out."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.asked = trio.Event()
+        self.go = trio.Event()
+        self.done = trio.Event()
+        self.deleted: list[str] = []
+        delete_copy = deleted_copies.delete_copy
+
+        async def held(host: Host, session_id: str, why: str) -> None:
+            self.asked.set()
+            await self.go.wait()
+            await delete_copy(host, session_id, why)
+            self.deleted.append(session_id)
+            self.done.set()
+
+        monkeypatch.setattr(deleted_copies, "delete_copy", held)
 
 
 async def _entry_names(directory: SessionDirectory, sid: str, member: Member) -> None:
@@ -38,6 +69,54 @@ async def _entry_names(directory: SessionDirectory, sid: str, member: Member) ->
         return member.node.serves(sid) and (entry or {}).get("host") == member.node.host_id
 
     await _until(there)
+
+
+def test_a_session_deleted_on_another_host_leaves_the_running_host_that_held_a_copy(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(listing, "PASS_REUSE_S", 0.0)  # each listing reads the directory
+    held = _HeldDeletions(monkeypatch)
+
+    async def body(conn: Connection) -> dict[str, Any]:
+        url = nats_server.url
+        directory = await SessionDirectory.open(conn)
+        found: dict[str, Any] = {}
+        async with (
+            _member(conn, url, tmp_path, "a", request_timeout_s=ANSWERED_S) as a,
+            _member(conn, url, tmp_path, "b", request_timeout_s=ANSWERED_S) as b,
+        ):
+            sid = found["sid"] = await _session_on(a, conn)
+            async with _client(a) as client:
+                await client.result("run", {"session_id": sid, "input": "hello"})
+            await a.host.close_session(sid)
+
+            async def closed() -> bool:
+                return bool((await directory.get(sid) or {}).get("closed"))
+
+            await _until(closed)
+            async with _client(b) as client:
+                await client.result("run", {"session_id": sid, "input": "again"})
+            await _entry_names(directory, sid, b)
+            found["listed_before"] = await _listed_by(a)
+            await b.host.delete_session(sid)
+            with trio.fail_after(2 * LEASE_TTL_S):
+                await held.asked.wait()  # a heard of it: the entry is gone
+            found["listed_meanwhile"] = await _listed_by(a)
+            held.go.set()
+            with trio.fail_after(2 * LEASE_TTL_S):
+                await held.done.wait()
+            found["listed_after"] = await _listed_by(a)
+            found["stored_on_a"] = [s.session_id for s in await a.host.list_sessions()]
+            found["dir_on_a"] = (tmp_path / "a" / "sessions" / sid).exists()
+            found["entry"] = await directory.get(sid)
+        return found
+
+    found = run_connected(nats_server.url, body, timeout_s=BOUND_S)
+    sid = found["sid"]
+    assert found["listed_before"] == {sid: "b"}, found
+    assert found["listed_meanwhile"] == {} and found["listed_after"] == {}, found
+    assert sid not in found["stored_on_a"] and not found["dir_on_a"], found
+    assert found["entry"] is None, found
 
 
 def test_a_restarted_host_lists_a_session_taken_over_from_it_as_the_cluster_has_it(
@@ -73,3 +152,11 @@ def test_a_restarted_host_lists_a_session_taken_over_from_it_as_the_cluster_has_
     assert "updated_at" not in via_a[0] and "title" not in via_a[0], found
     assert via_a[0]["created_at"] == from_b["created_at"], found
     assert via_a[0]["usage"] is None and via_a[0]["open"] is False, found
+
+
+async def _listed_by(member: Member) -> dict[str, str | None]:
+    """Session id → the ``host`` of each session ``member``'s ``session.list`` lists (None:
+    its own)."""
+    async with _client(member) as client:
+        sessions = (await client.result("session.list"))["sessions"]
+    return {s["session_id"]: s.get("host") for s in sessions}

@@ -1,5 +1,5 @@
-"""The copies a host's data dir holds of sessions the cluster deleted while the host was
-away (R-CLUSTER-1, R-SEC-9).
+"""The copies a host's data dir holds of sessions the cluster deleted elsewhere: while the
+host was away, or while it runs (R-CLUSTER-1, R-SEC-9).
 
 A session leaves the cluster through the host that runs it when it is deleted: its
 directory entry removed, its trace purged (``node._forget``) — a host that took it over
@@ -25,25 +25,41 @@ dir (and one of the trace stream per removed one), :data:`READS_AT_ONCE` at a ti
 per request. Bounded: the pass stops at the first read NATS does not answer, and after
 :data:`PASS_BOUND_S` in all, keeping what it did not look at (the log says how many), so
 a slow NATS or a large data dir never holds the host's start for long.
+
+A running host deletes those copies as the cluster deletes the sessions
+(:func:`watch_deleted_copies`): it hears every delete marker written to the
+session bucket, and deletes its copy of a session it does not run once JetStream holds no
+trace of it (the deleting host removes the entry first, then purges the trace: the copy
+waits up to :data:`PURGE_WAITS_S` for that). A marker written while this host's
+connection to NATS was down is not heard: that copy waits for the next start, and its
+gateway's ``session.list`` leaves it out meanwhile (:mod:`.listing`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Callable
 
 import nats.js.errors
 import nats.js.kv
 import trio
 
 from greenroom.actors.cluster.connection import Connection, check_session_id
-from greenroom.actors.cluster.errors import ClusterUnavailable
-from greenroom.actors.cluster.leases import open_bucket
+from greenroom.actors.cluster.errors import ClusterError, ClusterUnavailable
+from greenroom.actors.cluster.leases import open_bucket, removed_entry
 from greenroom.actors.cluster.traces import TraceStream
 from greenroom.actors.runtime.errors import SessionNotFound
 from greenroom.actors.runtime.host import Host
 
-__all__ = ["PASS_BOUND_S", "READS_AT_ONCE", "delete_copy", "drop_deleted_copies"]
+__all__ = [
+    "PASS_BOUND_S",
+    "PURGE_WAITS_S",
+    "READS_AT_ONCE",
+    "delete_copy",
+    "drop_deleted_copies",
+    "watch_deleted_copies",
+]
 
 READS_AT_ONCE = 16
 """How many sessions of the data dir :func:`drop_deleted_copies` asks the cluster about at
@@ -92,6 +108,89 @@ async def drop_deleted_copies(conn: Connection, traces: TraceStream, host: Host)
         )
     for session_id in deleted:
         await delete_copy(host, session_id, "deleted in the cluster while this host was away")
+
+
+PURGE_WAITS_S = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
+"""The waits before each look at the trace of a session deleted elsewhere while this host
+runs: its host purges the trace just after it removes the entry, and a copy is deleted
+only once the trace is gone. A trace still there after the last look (a purge that
+failed) keeps the copy, as at a start."""
+
+
+async def watch_deleted_copies(
+    conn: Connection,
+    traces: TraceStream,
+    host: Host,
+    serves: Callable[[str], bool],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Delete ``host``'s copies of the sessions deleted in the cluster: those deleted while
+    it was away (:func:`drop_deleted_copies`, before it is ready), then each one another
+    host deletes, until cancelled (``serves``: the sessions this host runs, whose deletion
+    is its own). The bucket's writes are heard from before the start's pass, so none
+    falls between the two. NATS failing ends the hearing, with a line in the log (the
+    next start's pass does its work)."""
+    prefix = f"$KV.{conn.names.sessions}."
+    looking: set[str] = set()
+    started = False
+    try:
+        async with conn.subscription(f"{prefix}>") as writes, trio.open_nursery() as nursery:
+            await drop_deleted_copies(conn, traces, host)
+            task_status.started()
+            started = True
+            async for message in writes:
+                session_id = message.subject.removeprefix(prefix)
+                if not (removed_entry(message.headers) and _cluster_id(session_id)):
+                    continue
+                if serves(session_id):
+                    continue
+                # One look per session at a time, and few at once: a burst of deletions
+                # (a user clearing thousands) never piles up tasks here.
+                if session_id in looking or len(looking) >= READS_AT_ONCE * 64:
+                    continue
+                looking.add(session_id)
+                nursery.start_soon(_drop_once_purged, traces, host, session_id, serves, looking)
+    except ClusterError as exc:
+        _log(f"cannot hear of sessions deleted by other hosts ({exc}); copies may stay")
+        if not started:
+            await drop_deleted_copies(conn, traces, host)
+            task_status.started()
+
+
+async def _drop_once_purged(
+    traces: TraceStream,
+    host: Host,
+    session_id: str,
+    serves: Callable[[str], bool],
+    looking: set[str],
+) -> None:
+    """Delete ``host``'s copy of ``session_id`` once JetStream holds no trace of it."""
+    try:
+        if not await host.trace_store.catalog.exists(session_id):
+            return
+        for wait_s in PURGE_WAITS_S:
+            await trio.sleep(wait_s)
+            if serves(session_id):
+                return  # opened here again: its host's to delete
+            if await traces.last_sequence(session_id) == 0:
+                await delete_copy(host, session_id, "deleted in the cluster by another host")
+                return
+        _log(f"kept session {session_id}: deleted from the directory, its trace is still there")
+    except ClusterUnavailable as exc:
+        _log(f"cannot tell whether session {session_id} was deleted ({exc}); its copy stays")
+    except OSError as exc:
+        _log(f"cannot delete session {session_id} here ({exc}); its copy stays")
+    finally:
+        looking.discard(session_id)
+
+
+def _cluster_id(session_id: str) -> bool:
+    try:
+        check_session_id(session_id)
+    except ValueError:
+        return False  # a key no host writes: not a session of the cluster
+    return True
 
 
 async def delete_copy(host: Host, session_id: str, why: str) -> None:

@@ -52,10 +52,10 @@ its stream and request server stop (once the calls forwarded to it are done:
 call through any gateway opens it on that gateway's host (:mod:`.router`).
 A session closed while its task waits for people stays this host's (R-HITL-1).
 A session deleted through any host leaves the cluster (metadata, trace and owner); a host
-that held a copy of it deletes that when it starts again (:mod:`.deleted_copies`). Usage
-rows are not written again: each host's ledger holds the requests it made; what a principal spends
-is also added to the cluster's counter of its period (:mod:`.spending`), which its budget
-counts on every host.
+that held a copy of it deletes that once it hears of it, or when it starts again if it was
+away (:mod:`.deleted_copies`). Usage rows are not written again: each host's ledger holds
+the requests it made; what a principal spends is also added to the cluster's counter of its
+period (:mod:`.spending`), which its budget counts on every host.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ import trio
 
 from greenroom.actors.cluster.bridge import Bridge
 from greenroom.actors.cluster.connection import ClusterNames, Connection, connect, shown_url
-from greenroom.actors.cluster.deleted_copies import delete_copy, drop_deleted_copies
+from greenroom.actors.cluster.deleted_copies import delete_copy, watch_deleted_copies
 from greenroom.actors.cluster.directory_entries import DirectoryEntries, Grantor
 from greenroom.actors.cluster.errors import ClusterError, ClusterUnavailable
 from greenroom.actors.cluster.handover import HandedSince, gather_tree, hand_over, take_handed
@@ -259,7 +259,6 @@ class ClusterNode:
         self._registry = await HostRegistry.open(self.conn, ttl_s=self._owners.ttl_s)
         self._directory = await SessionDirectory.open(self.conn)
         self._entries.bind(host, self._directory)
-        await drop_deleted_copies(self.conn, traces, host)
         reopen = functools.partial(reopen_if_closed, self._directory, self._take_entry)
         link = ParentLink(self._requests, host, self._approve, timeout_s=ttl, reopen=reopen)
         host.child_reports.link = link.send
@@ -267,6 +266,7 @@ class ClusterNode:
         host.hand_over = self.hand_over
         host.on_closed = self._on_closed
         async with trio.open_nursery() as nursery:
+            await nursery.start(watch_deleted_copies, self.conn, traces, host, self.serves)
             self._work = nursery
             if self._gateway is not None:
                 self._route(self._gateway, nursery)
