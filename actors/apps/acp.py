@@ -82,6 +82,7 @@ from greenroom.actors.runtime import (
     ConfigurationError,
     Host,
     ImageRefused,
+    InputReceipt,
     RunStream,
     SeqRefused,
     Session,
@@ -117,6 +118,7 @@ from greenroom.protocols.jsonrpc import (
 from greenroom.protocols.outputs import (
     ApprovalRequest,
     Output,
+    SteeringQueuedOutput,
     TaskEnd,
     TaskQueuedOutput,
     TaskQueueDropped,
@@ -382,7 +384,14 @@ class _AcpSession:
         self.queued: dict[str, _Answer] = {}
         """The answers of the follow-ups recorded as queued, by queue id, until their task
         starts: other tasks may run first (queued by a host that stopped, or a background
-        child's answer), so each answer waits for its own task (R-STEER-6)."""
+        child's answer), so each answer waits for its own task (R-STEER-6). Steering that
+        came too late for its task waits here too, for the task of its own it became."""
+        self.steering: list[tuple[InputReceipt, _Answer | None]] = []
+        """The steering the connection gave the session whose record was not read yet, in
+        the order given (the session records it in that order): each becomes steering of
+        the task running then (``steering_queued``) or, too late for it, a task of its own
+        (``task_queued``, late steering: R-STEER-1), and a prompt's answer is given at the
+        end of that task. None for ``_greenroom/steer``, which is answered at once."""
         self.pumping = False
         self.idle = trio.Event()
         self.idle.set()
@@ -403,14 +412,71 @@ class _AcpSession:
         joined: dict[str, Any] = await answer.wait()
         return joined
 
+    def steered(self, content: tuple[UserContent, ...]) -> _Answer | None:
+        """A prompt sent while the connection reads work of the session that it answers —
+        a prompt's task, the editor's follow-ups or steering not yet ended — steers that
+        work (R-STEER-1): the answer, given at the end of the task that takes the
+        steering (the running one, the next follow-up's, or, too late for those, a task
+        of its own after them). None when there is no such work: run a task instead."""
+        # Only while a pump reads on to an end it answers: after its last task_end the
+        # session may still look busy for a moment, and steering would reach no task.
+        unanswered = self.waiters or self.follow_ups or self.queued or self.steering
+        if not (self.pumping and unanswered):
+            return None
+        answer = _Answer()
+        return answer if self.steer(content, answer) else None
+
+    def steer(self, content: tuple[UserContent, ...], answer: _Answer | None = None) -> bool:
+        """Hand ``content`` to the session as steering, ``answer`` to be given at the end
+        of the task that takes it (:attr:`steering`); False when no task runs."""
+        reading = self.reading
+        # Work taken up reads on until the steering's record, which may follow an end.
+        receipt = reading.receipt() if isinstance(reading, WatchedWork) else InputReceipt()
+        counted = receipt.on_taken
+
+        def taken() -> None:
+            if counted is not None:
+                counted()
+            if receipt.dropped is not None:
+                self._steering_dropped(receipt)
+
+        receipt.on_taken = taken
+        self.steering.append((receipt, answer))
+        if not self.session.steer(content, recorded=receipt):
+            self.steering.pop()
+            return False
+        if isinstance(reading, WatchedWork):
+            reading.accepted(receipt)
+        return True
+
+    def _steering_dropped(self, receipt: InputReceipt) -> None:
+        """Steering the session accepted will not run (it stopped or closed before
+        recording it): no task takes it, so its prompt is answered "cancelled"."""
+        for given in self.steering:
+            if given[0] is receipt:
+                self.steering.remove(given)
+                if given[1] is not None:
+                    given[1].give({"stopReason": "cancelled"})
+                return
+
     def followed(self, output: Output) -> None:
-        """Match the editor's follow-ups to their tasks as the session's ``output`` is read:
-        a follow-up's answer waits for its ``task_queued`` (its queue id), then for the
-        ``user_msg`` that starts its task, and is given at that task's end; one dropped is
-        answered by the end that follows (its own, refused, or the interrupted task's)."""
+        """Match the editor's follow-ups and steering to their tasks as the session's
+        ``output`` is read: a follow-up's answer waits for its ``task_queued`` (its queue
+        id), then for the ``user_msg`` that starts its task, and is given at that task's
+        end; one dropped is answered by the end that follows (its own, refused, or the
+        interrupted task's). A steering prompt's answer is given at the end of the task
+        its ``steering_queued`` names, or, recorded as a task of its own (late steering),
+        as a follow-up's is."""
         match output:
+            case SteeringQueuedOutput() if self.steering:
+                answer = self.steering.pop(0)[1]
+                if answer is not None:
+                    self.waiters.append(answer)
+            case TaskQueuedOutput(late_steering=True) if self.steering:
+                answer = self.steering.pop(0)[1]
+                if answer is not None:
+                    self.queued[output.queue_id] = answer
             case TaskQueuedOutput(late_steering=False) if self.follow_ups:
-                # Late steering is recorded as a task too, but no follow-up of the editor's.
                 self.queued[output.queue_id] = self.follow_ups.pop(0)
             case TaskQueueDropped():
                 dropped = (self.queued.pop(queue_id, None) for queue_id in output.queue_ids)
@@ -437,9 +503,10 @@ class _AcpSession:
     def cancel_all(self) -> None:
         """Answer every prompt still waiting "cancelled": its task will not be read (an
         interrupt dropped the follow-ups, or the reading stopped)."""
-        for answer in (*self.waiters, *self.follow_ups, *self.queued.values()):
+        steering = (answer for _, answer in self.steering if answer is not None)
+        for answer in (*self.waiters, *self.follow_ups, *self.queued.values(), *steering):
             answer.give({"stopReason": "cancelled"})
-        self.waiters, self.follow_ups, self.queued = [], [], {}
+        self.waiters, self.follow_ups, self.queued, self.steering = [], [], {}, []
 
     def stop_reading(self) -> None:
         """End the pump without interrupting the task (it waits in the trace)."""
@@ -781,18 +848,11 @@ class AcpAgent:
     async def _prompt(self, params: dict[str, Any], turn: InputTurn) -> dict[str, Any]:
         entry = self._session(params)
         content = await _prompt_content(entry.session, params)
-        session = entry.session
         async with turn:
             if await self._people.answer_with(entry.asked, content):
                 answer = None
-            # Only while a task of this connection runs: after its last task_end the
-            # session may still look busy for a moment, and steering would reach no task.
-            elif entry.pumping and entry.waiters and session.steer(content):
-                # R-STEER: a prompt while a task runs joins it; answered when that task ends.
-                answer = _Answer()
-                entry.waiters.append(answer)
             else:
-                answer = await self._start(entry, content)
+                answer = entry.steered(content) or await self._start(entry, content)
         answered: dict[str, Any] = await (entry.joined() if answer is None else answer.wait())
         return answered
 
@@ -808,7 +868,7 @@ class AcpAgent:
             raise RpcError(BUSY, str(exc)) from None
         answer = _Answer()
         entry.waiters = [answer]
-        entry.follow_ups, entry.queued = [], {}
+        entry.follow_ups, entry.queued, entry.steering = [], {}, []
         self._pump_soon(entry, stream)
         return answer
 
@@ -843,7 +903,8 @@ class AcpAgent:
 
         if "text" in params:
             await turn.wait()
-        return await steer(self._host, self._session(params).session, params, content_in_turn)
+        entry = self._session(params)
+        return await steer(self._host, entry.session, params, content_in_turn, entry.steer)
 
     async def _follow_up(self, params: dict[str, Any], turn: InputTurn) -> Any:
         entry = self._session(params)

@@ -37,7 +37,14 @@ from greenroom.actors.apps.acp_people import Asked
 from greenroom.actors.runtime import Approval, Host, InputReceipt, SessionStore
 from greenroom.protocols import acp
 from greenroom.protocols.content import ToolCallBlock
-from greenroom.protocols.outputs import Output, TaskEnd, TaskQueuedOutput, TaskQueueDropped, UserMsg
+from greenroom.protocols.outputs import (
+    Output,
+    SteeringQueuedOutput,
+    TaskEnd,
+    TaskQueuedOutput,
+    TaskQueueDropped,
+    UserMsg,
+)
 from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.text import repair_text
 from greenroom.protocols.wording import clip_words
@@ -169,9 +176,10 @@ class WatchedWork:
     counted as queued even when it is a follow-up's — and then each follow-up queued
     behind it (``follow_ups``, the ids of those the trace holds as queued, and those
     queued meanwhile) until the ``task_end`` after which none is left (R-STEER-6). A
-    follow-up the session accepted (:meth:`accepted`) counts from then on: one accepted
-    while a task's end is written has its ``task_queued`` after that ``task_end``. An
-    async iterator, like the run's own stream."""
+    follow-up or steering the session accepted (:meth:`accepted`) counts from then on
+    until its record is read: one accepted while a task's end is written has its
+    ``task_queued`` (steering too late for its task is a task of its own: R-STEER-1)
+    after that ``task_end``. An async iterator, like the run's own stream."""
 
     def __init__(
         self, receive: trio.MemoryReceiveChannel[list[Output]], follow_ups: Iterable[str] = ()
@@ -179,20 +187,23 @@ class WatchedWork:
         self._receive = receive
         self._follow_ups = set(follow_ups)
         self._unrecorded: list[InputReceipt] = []
-        """Follow-ups accepted whose ``task_queued`` was not read yet, oldest first."""
+        """Input accepted whose record (``task_queued``, ``steering_queued``) was not read
+        yet, oldest first."""
         self._ended = False
         """The last output read is a ``task_end`` after which nothing was counted."""
         self._batch: list[Output] = []
         self._index = 0
 
     def receipt(self) -> InputReceipt:
-        """The receipt to give ``Session.follow_up``; :meth:`accepted` once it says True."""
+        """The receipt to give ``Session.follow_up`` or ``steer``; :meth:`accepted` once
+        it says True."""
         receipt = InputReceipt()
         receipt.on_taken = lambda: self._dropped(receipt) if receipt.dropped else None
         return receipt
 
     def accepted(self, receipt: InputReceipt) -> None:
-        """The session accepted the follow-up of ``receipt``: read on to its ``task_end``."""
+        """The session accepted the input of ``receipt``: read on to its record, and to
+        the ``task_end`` of the task it is or joins."""
         if receipt.dropped is None:
             self._unrecorded.append(receipt)
 
@@ -219,6 +230,9 @@ class WatchedWork:
         match output:
             case TaskQueuedOutput():
                 queued.add(output.queue_id)
+                if self._unrecorded:
+                    self._unrecorded.pop(0)
+            case SteeringQueuedOutput():
                 if self._unrecorded:
                     self._unrecorded.pop(0)
             case TaskQueueDropped():

@@ -169,14 +169,20 @@ def tree_node(host: Host, root: Session, node_id: Any) -> Session:
 
 
 async def steer(
-    host: Host, root: Session, params: dict[str, Any], prompt_content: PromptContent
+    host: Host,
+    root: Session,
+    params: dict[str, Any],
+    prompt_content: PromptContent,
+    steer_root: Callable[[tuple[UserContent, ...]], bool],
 ) -> dict[str, Any]:
     """``_greenroom/steer {sessionId, nodeId?, text | prompt}`` → ``{queued}``: steering
     for the running task of ``root``, the session, or of ``nodeId``, a running node of its
-    tree (:func:`tree_node`). ``queued`` is False when that node runs no task."""
+    tree (:func:`tree_node`). ``queued`` is False when that node runs no task. The root's
+    steering goes through ``steer_root``, which keeps count of the connection's steering
+    of the session in the order the session records it."""
     node = tree_node(host, root, params.get("nodeId"))
     if "text" in params:
         content: tuple[UserContent, ...] = (TextBlock(text=acp.require_str(params, "text")),)
     else:
         content = await prompt_content(node, params)
-    return {"queued": node.steer(content)}
+    return {"queued": steer_root(content) if node is root else node.steer(content)}
