@@ -16,6 +16,8 @@ import trio
 from greenroom.actors.cluster.connection import Connection, connect
 from greenroom.actors.cluster.errors import ClusterUnavailable, OwnerUnreachable
 from greenroom.actors.cluster.registry import (
+    TREE_STAY_FACTOR,
+    TREE_STAY_SLACK,
     HostRecord,
     HostRegistry,
     SessionDirectory,
@@ -87,13 +89,51 @@ def test_orphans_are_assigned_by_tree_each_once_and_the_load_evened() -> None:
 
 
 def test_a_tree_goes_to_the_live_host_named_for_it() -> None:
-    """R-TREE-2: a tree whose parent runs on a live host goes there, however loaded; named
-    for a host that is not among the live ones, it goes by load."""
+    """R-TREE-2: a tree whose parent runs on a live host goes there, more loaded than
+    another as it is; named for a host that is not among the live ones, it goes by load."""
     hosts = [HostRecord(host_id="a", load=0), HostRecord(host_id="b", load=9)]
     tree_of = {"c1": "r", "c2": "r", "x1": "x", "x2": "x"}
     preferred = {"r": "b", "x": "gone"}
     placed = assign(list(tree_of), hosts, tree_of=tree_of, preferred=preferred)
     assert placed == {"c1": "b", "c2": "b", "x1": "a", "x2": "a"}
+
+
+def test_the_host_named_for_a_tree_takes_it_unless_far_above_the_least_loaded() -> None:
+    """R-TREE-2, R-CLUSTER-2: host a runs the parents of 120 trees whose children were on
+    a lost host, c idles. Every tree stays whole, but a does not take them all: it keeps
+    trees while it carries at most twice what c would (or 16 more), so the two end within
+    that bound, and most trees still go to the host of their parent. Small loads keep
+    every tree with its parent, and the bound holds at its edges exactly."""
+    hosts = [HostRecord(host_id="a", load=100), HostRecord(host_id="c", load=0)]
+    tree_of = {f"t{tree:03}-{node}": f"t{tree:03}" for tree in range(120) for node in range(2)}
+    preferred = {f"t{tree:03}": "a" for tree in range(120)}
+    placed = assign(list(tree_of), hosts, tree_of=tree_of, preferred=preferred)
+    assert sorted(placed) == sorted(tree_of)
+    owners: dict[str, set[str]] = {}
+    for session_id, host_id in placed.items():
+        owners.setdefault(tree_of[session_id], set()).add(host_id)
+    assert all(len(hosts_of_tree) == 1 for hosts_of_tree in owners.values())
+    loads = {"a": 100, "c": 0}
+    for host_id in placed.values():
+        loads[host_id] += 1
+    assert loads["a"] <= TREE_STAY_FACTOR * (loads["c"] + 2), loads  # 2: one tree
+    assert loads["c"] > 0
+    assert sum(1 for h in owners.values() if h == {"a"}) > 60  # most stay with their parent
+
+    small = [HostRecord(host_id="a", load=3), HostRecord(host_id="c", load=0)]
+    three = {"k1": "r", "k2": "r", "k3": "r"}
+    assert set(assign(list(three), small, tree_of=three, preferred={"r": "a"}).values()) == {"a"}
+
+    def host_for_one(load_a: int, load_c: int) -> str:
+        edge = [HostRecord(host_id="a", load=load_a), HostRecord(host_id="c", load=load_c)]
+        return assign(["k"], edge, tree_of={"k": "r"}, preferred={"r": "a"})["k"]
+
+    # Within the slack, however many times c's load: a 16 sessions above c with the tree.
+    assert host_for_one(TREE_STAY_SLACK, 0) == "a"
+    assert host_for_one(TREE_STAY_SLACK + 1, 0) == "c"
+    # Past the slack, within the factor: a carries twice c with the tree, not more.
+    assert host_for_one(41, 20) == "a"
+    assert host_for_one(42, 20) == "c"
 
 
 def test_a_new_session_stays_on_the_host_asked_unless_another_is_a_quarter_lighter() -> None:

@@ -24,7 +24,8 @@ say, :mod:`.directory_entries`) has no owner and needs none: it is no orphan.
 
 :meth:`OrphanFinder.scan` looks every half TTL and takes over this host's share of the
 orphans (:func:`~.registry.assign`: by tree, each tree's orphans to one host — the host
-that runs the rest of the tree, else the least loaded — the same answer on every host).
+that runs the rest of the tree unless it is far above the least loaded, else the least
+loaded — the same answer on every host).
 The host loads a tree's orphans together before it takes any task up, so a parent taken
 up knows the background children taken up beside it (R-TREE-2, R-TREE-4).
 """

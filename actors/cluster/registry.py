@@ -10,7 +10,8 @@
 
 :func:`least_loaded` is the placement rule: new sessions, and orphans after a host is lost,
 go to the live host with the fewest sessions (ties: the lowest id, so every host computes the
-same answer from the same registry).
+same answer from the same registry). :func:`assign` keeps an orphaned tree whole, with the
+host that runs the rest of it unless that host is far above the least loaded.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from greenroom.actors.cluster.leases import (
 __all__ = [
     "STAY_SHARE",
     "DirectoryPass",
+    "TREE_STAY_FACTOR",
+    "TREE_STAY_SLACK",
     "HostRecord",
     "HostRegistry",
     "SessionDirectory",
@@ -50,6 +53,17 @@ STAY_SHARE = 4
 sessions by more than this host's load divided by this (a quarter): its client's calls and
 outputs then cross no NATS, and hosts that share one port (``serve --workers``) are given
 clients evenly already."""
+
+
+TREE_STAY_FACTOR = 2
+TREE_STAY_SLACK = 16
+"""An orphaned tree goes to the host that runs the rest of it unless that host, with the
+tree, would carry more than ``TREE_STAY_FACTOR`` times the sessions the least loaded host
+would carry with it, and more than ``TREE_STAY_SLACK`` sessions more. Kept there, a parent
+knows its taken-up background children and its task waits for them (R-TREE-2); moved, it
+hears of them only as their answers come. So locality wins while the hosts stay within a
+factor of two of each other, and always for small loads; a host that runs many trees'
+parents is not piled with every lost host's children while another idles."""
 
 
 @attrs.frozen(kw_only=True)
@@ -123,29 +137,36 @@ def assign(
 ) -> dict[str, str]:
     """Spread ``session_ids`` over ``hosts`` by tree: the sessions ``tree_of`` names one
     tree (absent: a tree of its own) go to one host, so that a parent taken up there knows
-    its background children (R-TREE-2). A tree goes to the host ``preferred`` names for
-    it when that host is among ``hosts`` (the one that runs the rest of the tree); the
-    others, largest first, each to the host that is least loaded counting the sessions
-    assigned before it. Deterministic: the same inputs give the same answer on every host,
+    its background children (R-TREE-2); a tree is never split. A tree goes to the host
+    ``preferred`` names for it (the one that runs the rest of the tree) when that host is
+    among ``hosts`` and not far above the least loaded (:data:`TREE_STAY_FACTOR`,
+    :data:`TREE_STAY_SLACK`), counting the trees assigned before it: preferred trees
+    first, then the others, each largest first. Every other tree goes to the host that is
+    least loaded then. Deterministic: the same inputs give the same answer on every host,
     so no two hosts take one tree and together they take every session."""
     trees: dict[str, list[str]] = {}
     for session_id in sorted(session_ids):
         trees.setdefault((tree_of or {}).get(session_id, session_id), []).append(session_id)
     loads = {h.host_id: h.load for h in hosts}
-    chosen = {
+    named = {
         tree: host_id
         for tree, host_id in (preferred or {}).items()
         if tree in trees and host_id in loads
     }
-    for tree, host_id in chosen.items():
-        loads[host_id] += len(trees[tree])
-    # Largest first: the small trees then even out what the large ones leave uneven.
-    for tree in sorted(set(trees) - set(chosen), key=lambda t: (-len(trees[t]), t)):
+    chosen: dict[str, str] = {}
+    # Largest first: a large tree stays with its parent while the host is still light,
+    # and the small trees even out what the large ones leave uneven.
+    for tree in sorted(trees, key=lambda t: (t not in named, -len(trees[t]), t)):
         if not loads:
             break
-        host_id = min(loads, key=lambda h: (loads[h], h))
+        size = len(trees[tree])
+        host_id = least = min(loads, key=lambda h: (loads[h], h))
+        if tree in named:
+            stay, other = loads[named[tree]] + size, loads[least] + size
+            if stay <= TREE_STAY_FACTOR * other or stay - other <= TREE_STAY_SLACK:
+                host_id = named[tree]
         chosen[tree] = host_id
-        loads[host_id] += len(trees[tree])
+        loads[host_id] += size
     return {
         session_id: chosen[tree]
         for tree, members in trees.items()
