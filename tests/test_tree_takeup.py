@@ -710,6 +710,68 @@ async def test_the_roots_watch_sees_a_grandchild_taken_up_after_a_restart_once(
     ]
 
 
+def _merging_payer_model(request: ModelRequest) -> Reply:
+    """As :func:`_collecting_payer_model`, and the payer, told the collector's answer,
+    merges it into its own."""
+    last = request.messages[-1]
+    told = isinstance(last, UserMessage) and "[subagent collector finished]" in str(last.content)
+    if told and (request.system or "").startswith(SUBAGENT_SYSTEM):
+        return Reply(blocks=(text("paid 7, and the collector: collected 7"),))
+    return _collecting_payer_model(request)
+
+
+@pytest.mark.parametrize("restart", [True, False], ids=["after_a_restart", "same_host"])
+async def test_a_subagent_answered_first_waits_for_its_parked_background_child(
+    data_dir: Path, workspace: Path, restart: bool
+) -> None:
+    """R-TREE-2, R-HITL-3, R-HITL-4: the payer and its background collector both wait
+    for a person (parked), and the host is closed and opened again on the same data dir
+    (or not). The payer, allowed first, pays and answers, then waits for the collector,
+    still parked; the collector, allowed, answers, and its answer reaches the payer as
+    steering of the same task: the payer's answer, which reaches the root, merges it.
+    Before, after a restart the collector, loaded parked, counted among no running
+    children of the payer, whose task could end as soon as it had answered: the root got
+    the payer's answer without the collector's, which came as a second task."""
+    model = ScriptedProvider(_merging_payer_model)
+    tools = [_pay_tool([]), spawn_subagent]
+
+    async def answer_the_payer_first(
+        host: Host, ids: tuple[str, str, str]
+    ) -> tuple[list[Output], list[dict[str, Any]]]:
+        root_id, payer_id, collector_id = ids
+        root = await host.load_session(root_id, provider=model, tools=tools)
+        payer = await host.load_session(payer_id, provider=model, tools=tools)
+        await host.load_session(collector_id, provider=model, tools=tools)
+        asked = {p.session_id: p.call_id for p in await host.pending_approvals()}
+        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
+        root.watch(send)
+        said, payer_outputs = trio.open_memory_channel[list[Output]](math.inf)
+        payer.watch(said)
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await host.answer_approval(payer_id, asked[payer_id], "allow")
+            async for batch in payer_outputs:  # the payer has paid and answered
+                if any(isinstance(o, ModelMsg) and o.origin is None for o in batch):
+                    break
+            # Its task holds for the collector: it counts among its running children
+            # (when the answer below wins a race with the payer's end, that alone would
+            # not show it).
+            children = port_of(payer).children
+            assert children is not None and list(children.live) == [collector_id]
+            await host.answer_approval(collector_id, asked[collector_id], "allow")
+            return await _until_task_end(inbox), trace_lines(payer)
+
+    async with open_host(data_dir) as host:
+        ids = await _collector_then_park(host, model, tools, workspace)
+        if not restart:
+            seen, payer_lines = await answer_the_payer_first(host, ids)
+    if restart:
+        async with open_host(data_dir) as host:
+            seen, payer_lines = await answer_the_payer_first(host, ids)
+    assert _reports(seen) == ["[subagent payer finished] paid 7, and the collector: collected 7"]
+    assert _task_of(payer_lines) == ["task_start", "report", "task_end"]
+    assert payer_lines[-1]["status"] == "completed", payer_lines[-1]
+
+
 def _before_the_crash(request: ModelRequest) -> Reply:
     """The root spawns the payer in the background (:func:`_payer_model`); the payer
     spawns the collector in the background and says it waits for it; the collector holds
@@ -862,14 +924,16 @@ async def test_a_subagent_taken_up_alone_does_not_wait_for_a_child_nobody_runs(
     assert "[subagent collector finished] collected 3" in str(report_prompt["content"])
 
 
-async def test_a_subagent_taken_up_stops_waiting_for_a_child_that_parks(
+async def test_a_subagent_taken_up_waits_for_a_child_that_parks(
     data_dir: Path, workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """R-TREE-2, R-HITL-3: after the same crash, the next host takes the tree up with its
     calls decided by people: the collector goes on and asks a person to allow a pay call,
-    so it parks and runs no more. The payer's task, which waited for it, ends and reports
-    to the root (it would wait for ever, did it not hear that the collector parked).
-    Answered, the collector pays and answers the payer as a follow-up task."""
+    so it parks, holding nothing. The payer's task waits for it still, as it would for a
+    parked child spawned on this host: allowed, the collector pays and its answer reaches
+    the payer as steering of the same task, which merges it, and the root gets the merged
+    answer once. (Before, the collector parking let the payer's task end with its old
+    answer, and the collector's came as a second task of the payer.)"""
     crash_dir = tmp_path / "crashed"
     root_id, payer_id, collector_id = await _crash_while_the_payer_waits(
         data_dir, crash_dir, workspace
@@ -883,21 +947,25 @@ async def test_a_subagent_taken_up_stops_waiting_for_a_child_that_parks(
         send, inbox = trio.open_memory_channel[list[Output]](math.inf)
         root.watch(send)
         await host.resume_tasks()
+        collector = host.get_session(collector_id)
+        asking, collector_outputs = trio.open_memory_channel[list[Output]](math.inf)
+        collector.watch(asking)
         with trio.fail_after(RUN_TIMEOUT_S):
-            reports = _reports(await _until_task_end(inbox))
-            assert reports == ["[subagent payer finished] waiting for the collector"]
-            (asked,) = await host.pending_approvals()
-            assert asked.session_id == collector_id and asked.call_id == "c2"
-            payer = await host.load_session(payer_id)
-            answered, payer_outputs = trio.open_memory_channel[list[Output]](math.inf)
-            payer.watch(answered)
+            async for batch in collector_outputs:
+                if any(isinstance(o, ApprovalRequest) for o in batch):
+                    break
+            await collector.wait_idle()
+            assert host.port(collector_id).parked  # R-HITL-3: it holds nothing
+            await trio.testing.wait_all_tasks_blocked()  # what follows its parking, done
+            children = host.port(payer_id).children
+            assert children is not None and list(children.live) == [collector_id]
             await host.answer_approval(collector_id, "c2", "allow")
-            await _until_task_end(payer_outputs)
-        payer_lines = trace_lines(payer)
+            seen = await _until_task_end(inbox)
+        payer_lines = trace_lines(await host.load_session(payer_id))
     assert paid == [3]
-    assert _task_of(payer_lines) == ["task_start", "task_end", "task_start", "task_end"]
-    (report_prompt,) = [line for line in payer_lines if line.get("kind") == "prompt"][1:]
-    assert "[subagent collector finished] collected 3" in str(report_prompt["content"])
+    assert _reports(seen) == ["[subagent payer finished] merged: collected 3"]
+    assert _task_of(payer_lines) == ["task_start", "report", "task_end"]
+    assert payer_lines[-1]["status"] == "completed", payer_lines[-1]
 
 
 async def test_a_tree_interrupt_of_a_subagent_taken_up_ends_its_running_child(

@@ -25,13 +25,17 @@ R-STEER-6, is for a user's follow-ups): the child's trace is what makes it durab
 child whose task its host had not ended is taken up and reports again; recorded in the
 parent too, it would be delivered twice.
 
-While a supervisor runs a taken-up child here, its parent open here counts it among its
-running children (:meth:`ChildReports.wake`), as before its host stopped: a subagent's
-task holds for its answer (R-TREE-2), and the parent's tree interrupts reach it (cut, it
-reports to nobody). A child that parks, or whose session closes with its task open, runs
-here no more: the parent's task stops waiting for it; its answer comes later all the same
-(steering, or a follow-up task). One that nobody takes up, or whose task is taken up
-only to park again (it waits for people alone), is never waited for.
+While a taken-up child runs here — a supervisor runs it, or its task waits here for
+people (parked) — its parent open here counts it among its running children
+(:meth:`ChildReports.wake`, :meth:`ChildReports.loaded`), as before its host stopped: a
+subagent's task holds for its answer (R-TREE-2), and the parent's tree interrupts reach
+it (cut, it reports to nobody). A parked child of a subagent is waited for as a parked
+child spawned in this process is: until a person answers it here, or its approval
+timeout decides; a root's task does not wait for its background children, and its
+parked one is not counted (closing the root leaves it pending for its answer).
+A child whose session closes with its task open, or that is held for a drain's hand-over,
+runs here no more: the parent's task stops waiting for it; its answer comes later all the
+same (steering, or a follow-up task). One that nobody loads here is never waited for.
 
 A report is sent once, when the child's taken-up task ends; the child then leaves the
 host's open sessions as a live child does (in a cluster its host releases it, as it
@@ -90,17 +94,26 @@ being handed over has its new owner within a round trip or two; the wait doubles
 there up to ``retry_s`` (a parent whose host stopped waits for the orphan scan)."""
 
 
+def _parent_waits(child: SessionPort) -> bool:
+    """Whether ``child``'s parent is a subagent, whose task waits for its background
+    children (R-TREE-2); a root's does not. A parked child taken up here counts among
+    the parent's running children only then: a root's close, which ends the subtree it
+    counts, leaves it pending, as it did before the child counted parked."""
+    return child.parent_id is not None and child.parent_id != child.root_id
+
+
 class ChildReports:
     """A host's reports of taken-up background children; see the module docstring."""
 
-    __slots__ = ("_followed", "_host", "_places", "_running", "link", "retry_s")
+    __slots__ = ("_followed", "_here", "_host", "_places", "link", "retry_s")
 
     def __init__(self, host: Host) -> None:
         self._host = host
         self._followed: set[str] = set()
         """The taken-up children whose reports are still to come."""
-        self._running: dict[str, SessionPort] = {}
-        """Those of them a supervisor runs here now."""
+        self._here: dict[str, SessionPort] = {}
+        """Those of them that run here now: a supervisor runs them, or they are parked
+        here (their task waits for people)."""
         self._places: dict[str, LiveChild] = {}
         """The entry of each of those among its parent's running children, kept past the
         parent's closing: its ``cut`` says that the parent's tree interrupt ended it."""
@@ -116,7 +129,9 @@ class ChildReports:
         taken-up children that run here now, as it would have, open before them."""
         if port.report_as is not None and port.machine.run_id is not None:
             self.follow(port)
-        for child in self._running.values():
+            if port.parked and _parent_waits(port):
+                self._count(port)  # it waits here for a person: its parent waits for it
+        for child in self._here.values():
             place = self._places.get(child.id)
             if child.parent_id == port.id and not (place is not None and place.cut):
                 self._places[child.id] = children_of(port).take_up(child)
@@ -124,28 +139,40 @@ class ChildReports:
     def wake(self, port: SessionPort, message: SupervisorMessage | None) -> None:
         """Start a supervisor for ``port``'s open task, with ``message`` first in its inbox
         (:func:`~greenroom.actors.runtime.supervisor.wake`). A taken-up child then runs
-        here: its parent, open here, counts it among its running children until the
-        supervisor ends (see the module docstring)."""
-        # A task that waits only for people, taken up, parks again at once: it does not
-        # run, and a parent that counted it meanwhile could end it with its subtree.
+        here: its parent, open here, counts it among its running children while it runs
+        or waits here for people (see the module docstring)."""
+        # A task that waits only for people, taken up, parks again at once: counted
+        # parked only where its parent waits for it (see :func:`_parent_waits`).
         parks_again = message is None and port.parked
         wake(port, message)
         idle = port.idle
-        if parks_again or port.id not in self._followed or idle is None:
+        if port.id not in self._followed or idle is None:
             return
-        self._running[port.id] = port
-        parent = self._open_port(port.parent_id)
-        if parent is not None:
-            self._places[port.id] = children_of(parent).take_up(port)
+        if parks_again and not _parent_waits(port):
+            return
+        self._count(port)
         self._host.start_task(functools.partial(self._until_idle, port, idle))
+
+    def _count(self, port: SessionPort) -> None:
+        """The followed child ``port`` runs here: its parent open here counts it."""
+        self._here[port.id] = port
+        parent = self._open_port(port.parent_id)
+        place = self._places.get(port.id)
+        if parent is not None and not (place is not None and place.cut):
+            self._places[port.id] = children_of(parent).take_up(port)
 
     async def _until_idle(self, port: SessionPort, idle: trio.Event) -> None:
         await idle.wait()
         if port.inbox is not None:
             return  # woken again meanwhile: the new supervisor is watched in its turn
-        self._running.pop(port.id, None)
         if port.machine.run_id is None:
+            self._here.pop(port.id, None)
             return  # its task has ended: its report, on its way, lets its parent go on
+        if port.parked and not (port.held or port.closed) and _parent_waits(port):
+            # It waits here for a person, as a parked child spawned here does: its parent
+            # waits on (R-TREE-2); a close ends its follower, which lets the parent go.
+            return
+        self._here.pop(port.id, None)
         self._places.pop(port.id, None)
         parent = self._open_port(port.parent_id)
         if parent is not None:
@@ -188,6 +215,7 @@ class ChildReports:
                 await report_once()
             finally:
                 self._followed.discard(port.id)
+                self._here.pop(port.id, None)
                 self._places.pop(port.id, None)
                 # Its parent's task must not wait for a report that did not reach it.
                 parent = self._open_port(parent_id)

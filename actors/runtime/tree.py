@@ -22,12 +22,13 @@ What crosses an edge:
   or, when it is idle, starts a follow-up task through the host.
 * **After a restart.** A background child whose task a host takes up again (its own
   stopped) counts among its parent's running children, when the parent is open there,
-  while a supervisor runs it in that host (:meth:`Children.take_up`): from its waking
-  until its answer has come (:meth:`Children.let_go`), or until it parks or its session
-  closes with its task open (:func:`stopped_running`). A child that no supervisor runs
-  here — left in its trace by a host opened without taking tasks up, or parked for a
-  person — is not waited for: the parent's task would hold for as long as nobody takes
-  it up.
+  while it runs in that host — a supervisor runs it, or, for a parent that is a subagent
+  (whose task waits for its background children), it is parked there for a person
+  (:meth:`Children.take_up`): from its waking or its load until its answer has come
+  (:meth:`Children.let_go`), or until it is held for a hand-over or its session closes
+  with its task open (:func:`stopped_running`). A child that is not loaded here — left in
+  its trace by a host opened without taking tasks up — is not waited for: the parent's
+  task would hold for as long as nobody takes it up.
 * **Interrupts, down.** :func:`end_subtree` interrupts every live child with scope
   ``tree`` (each does the same for its own): what an interrupt of scope ``tree`` does
   besides ending the node's own task. A child ended so is ``cut``: its answer is for
@@ -124,9 +125,10 @@ class Children:
         return child
 
     def let_go(self, session_id: str) -> LiveChild | None:
-        """A taken-up child runs here no more (its answer has come, or it parked, or its
-        session closed): its entry goes and its slot is freed; returns the entry, None when
-        it had none (a child spawned in this process ends through its own follower)."""
+        """A taken-up child runs here no more (its answer has come, it was held for a
+        hand-over, it parked under a root, or its session closed): its entry goes and its
+        slot is freed; returns the entry, None when it had none (a child spawned in this
+        process ends through its own follower)."""
         child = self.live.get(session_id)
         if child is None or not child.taken_up:
             return None
@@ -211,7 +213,8 @@ def end_subtree(port: SessionPort, reason: str) -> bool:
 
 def stopped_running(parent: SessionPort, child: SessionPort) -> None:
     """``child``, taken up by this host, stopped running here without an answer: it
-    parked for a person, or its session closed with its task open. ``parent``'s task no
+    was held for a hand-over, its session closed with its task open, or it parked and
+    its parent, a root, does not wait for it. ``parent``'s task no
     longer waits for it (R-TREE-2); once it runs and answers, its answer comes as the
     parent's input all the same (steering, or a follow-up task)."""
     children = parent.children
