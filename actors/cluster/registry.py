@@ -37,9 +37,9 @@ from greenroom.actors.cluster.leases import (
 
 __all__ = [
     "STAY_SHARE",
-    "DirectoryPass",
     "TREE_STAY_FACTOR",
     "TREE_STAY_SLACK",
+    "DirectoryPass",
     "HostRecord",
     "HostRegistry",
     "SessionDirectory",
