@@ -203,3 +203,28 @@ def _json(line: str) -> dict[str, Any]:
 
     value: dict[str, Any] = json.loads(line)
     return value
+
+
+async def test_a_sync_asked_after_its_session_was_released_makes_its_file_durable(
+    tmp_path: Path,
+) -> None:
+    """A receipt's sync may start once its session was closed (released): it makes the
+    session's last file durable, as it was asked to, rather than fail for a session the
+    store no longer holds (R-STEER-6, R-TRACE-2)."""
+    from tests.support.disks import FaultyDisk
+
+    disk = FaultyDisk()
+    async with trio.open_nursery() as nursery:
+        store = FileTraceStore(tmp_path, disk=disk)
+        log = store.log
+        await nursery.start(store.run)
+        await store.catalog.create("s1", {"session_id": "s1"})
+        log.start("s1")
+        log.append("s1", 1, _line(UserMsg(session_id="s1", run_id="r", seq=1,
+                                         kind="steering", content=())))
+        log.release("s1")  # closed with its record written, not yet fsynced
+        disk.fsynced.clear()
+        await log.sync("s1")
+        assert log.location("s1") in disk.fsynced
+        assert log.lost("s1", 1) is None
+        await store.aclose()

@@ -554,8 +554,10 @@ class FileTraceLog:
         self.sink.clear_error(self._position(session_id).path)
 
     async def sync(self, session_id: str | None = None) -> None:
-        """Fsync the current file (every file, and the ledger, with None)."""
-        await self.sink.sync(None if session_id is None else self._position(session_id).path)
+        """Fsync the current file (every file, and the ledger, with None). A session closed
+        meanwhile (a receipt's sync may start after) has its last file synced: the sink
+        keeps a released file until what was written to it is durable."""
+        await self.sink.sync(None if session_id is None else self.location(session_id))
 
     def rotate(self, session_id: str) -> str:
         """The next file, ``trace_<n+1>.jsonl``; seq numbers go on across files."""
