@@ -40,7 +40,7 @@ from conftest import (
 )
 
 import greenroom.actors.runtime.supervisor as supervisor_module
-from greenroom.actors.gateway.methods import once_recorded
+from greenroom.actors.gateway.methods import ACCEPT_WAIT_S, once_durable, once_recorded
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
 from greenroom.actors.runtime.emitter import DURABLE_WAIT_S
 from greenroom.actors.runtime.host import Host
@@ -791,6 +791,29 @@ async def test_queued_input_whose_fsync_never_completes_is_dropped_after_durable
         "the input was dropped, not queued: its record was not known durable within "
         f"{DURABLE_WAIT_S:g} s"
     )
+
+
+
+async def test_input_not_known_durable_within_the_accept_wait_is_answered_so(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """R-STEER-6, R-TRACE-3: ``steer``, ``follow_up`` and ``run`` answer once their input
+    is durable; a store that has not said so within ACCEPT_WAIT_S holds the answer no
+    longer, and the answer says ``durable: false`` rather than promise what it does not
+    know. Durable in time, the answer is the plain one."""
+    mock_clock.autojump_threshold = 0
+    waiting = InputReceipt()
+    asked = trio.current_time()
+    assert await once_recorded(waiting) == {"queued": True, "durable": False}
+    assert trio.current_time() - asked == ACCEPT_WAIT_S
+    never = trio.Event()
+    assert await once_durable(never.wait, {"run_id": "r"}) == {"run_id": "r", "durable": False}
+    settled = InputReceipt()
+    settled.durable()
+    assert await once_recorded(settled) == {"queued": True}
+    done = trio.Event()
+    done.set()
+    assert await once_durable(done.wait, {"run_id": "r"}) == {"run_id": "r"}
 
 
 def mode(path: Path) -> int:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from typing import Any, Protocol, cast
 
@@ -145,7 +145,20 @@ model request, and the connection keeps reading meanwhile."""
 
 ACCEPT_WAIT_S = 10.0
 """How long ``run`` waits for its prompt to be durable, and ``steer`` and ``follow_up`` for
-their input's record, before they answer anyway."""
+their input's record, before they answer anyway (with ``durable: false``)."""
+
+
+async def once_durable(
+    durable: Callable[[], Awaitable[object]], answer: dict[str, Any]
+) -> dict[str, Any]:
+    """``answer`` once ``durable`` has returned; a store that hangs holds it only
+    :data:`ACCEPT_WAIT_S`, and ``answer`` then says ``durable: false``: this host took the
+    input and goes on with it, but it is not known to survive the host, so a client that
+    must not lose it follows the session (its trace says whether it ran) rather than
+    count on it (R-TRACE-3, R-STEER-6, R-CLUSTER-2)."""
+    with trio.move_on_after(ACCEPT_WAIT_S) as waiting:
+        await durable()
+    return {**answer, "durable": False} if waiting.cancelled_caught else answer
 
 
 async def once_recorded(recorded: InputReceipt) -> dict[str, Any]:
@@ -153,12 +166,12 @@ async def once_recorded(recorded: InputReceipt) -> dict[str, Any]:
     the input's record survives this host — fsynced, or in a cluster acknowledged by
     JetStream — so a host that takes the session up delivers it (R-STEER-1, R-STEER-6,
     R-CLUSTER-2); error 410 when it says the input was dropped unrun (its session closed
-    first). A store that hangs holds the answer only :data:`ACCEPT_WAIT_S`, as ``run``'s."""
-    with trio.move_on_after(ACCEPT_WAIT_S):
-        await recorded.settled.wait()
+    first). A store that hangs holds the answer only :data:`ACCEPT_WAIT_S`, as ``run``'s
+    (:func:`once_durable`)."""
+    answer = await once_durable(recorded.settled.wait, {"queued": True})
     if recorded.dropped is not None:
         raise dropped_answer(recorded.dropped)
-    return {"queued": True}
+    return answer
 
 
 class Methods:
@@ -449,13 +462,11 @@ class Methods:
             # Answered once the prompt is durable: from then on the run is not lost with
             # this host (R-CLUSTER-2); a disk that hangs holds the answer only so long.
             try:
-                with trio.move_on_after(ACCEPT_WAIT_S):
-                    await stream.accepted()
+                return await once_durable(stream.accepted, {"run_id": stream.run_id})
             finally:
                 # Clients read the outputs through their subscriptions; and one that went
                 # away meanwhile leaves none piling up here for the run's whole life.
                 stream.detach()
-            return {"run_id": stream.run_id}
 
         # The task has started: the connection's next call (a steer, say) finds it so,
         # and waits for no disk. No checkpoint between ``session.run`` and here: a call
