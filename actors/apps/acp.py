@@ -838,12 +838,19 @@ class AcpAgent:
         goes on (its running calls get host-lost results and are not run again), a prompt
         its host accepted and had not started gets its task (R-CLUSTER-2) — then
         the ``follow_ups`` it holds as queued, in order (R-STEER-6), their calls decided
-        by the session's mode (R-ACP-2) unless they were recorded for people."""
+        by the session's mode (R-ACP-2) unless they were recorded for people. Only what
+        the runtime takes up is waited for: a foreground subagent's open task was its
+        parent's call, which its parent's task settles (R-CLUSTER-2), so it is not taken
+        up, and the child's next task recovers it as interrupted (R-TRACE-4)."""
         # Unbounded: the pump never waits on the client, so it drains the watch at once.
         send, receive = trio.open_memory_channel[list[Output]](math.inf)
         entry.session.watch(send)
-        self._pump_soon(entry, WatchedWork(receive, follow_ups))
+        work = WatchedWork(receive, follow_ups)
+        # Pumping already, so a prompt sent meanwhile waits for the work's end.
+        self._pump_soon(entry, work)
         await self._host.resume(entry.session.id, approve=entry.approval())
+        if not entry.session.busy:
+            work.close()  # nothing runs, no task_end will come: prompts run at once
 
     async def _prompt(self, params: dict[str, Any], turn: InputTurn) -> dict[str, Any]:
         entry = self._session(params)
