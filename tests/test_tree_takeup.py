@@ -24,6 +24,7 @@ from test_recovery import blocking_tool, copy_session
 
 from greenroom.actors.providers import scripted_brain
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
+from greenroom.actors.runtime.errors import NotPending
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session import RunStream, Session
 from greenroom.actors.runtime.subagents import SUBAGENT_SYSTEM, spawn_subagent
@@ -1073,3 +1074,145 @@ async def test_a_background_child_whose_end_was_lost_reports_the_answer_it_gave(
     assert summer_lines[-1]["type"] == "task_end" and summer_lines[-1]["status"] == "completed"
     # One request, the root's merge: the summer asked nothing again.
     assert [(r.system or "").startswith(SUBAGENT_SYSTEM) for r in asked] == [False]
+
+
+async def _until_ended(
+    inbox: trio.MemoryReceiveChannel[list[Output]], *origins: tuple[str, ...]
+) -> list[Output]:
+    """The root's outputs until the task of each node of ``origins`` has ended."""
+    seen: list[Output] = []
+    waiting = set(origins)
+    async for batch in inbox:
+        seen.extend(batch)
+        waiting -= {o.origin for o in batch if isinstance(o, TaskEnd) and o.origin is not None}
+        if not waiting:
+            return seen
+    raise AssertionError("the root closed before its subtree ended")
+
+
+def _ended_aborted(lines: list[dict[str, Any]]) -> bool:
+    last = lines[-1]
+    return last["type"] == "task_end" and last["status"] == "aborted"
+
+
+@pytest.mark.parametrize("child", ["loaded", "stored"])
+async def test_a_tree_interrupt_after_a_restart_ends_a_parked_background_child(
+    data_dir: Path, workspace: Path, child: str
+) -> None:
+    """R-TREE-2, R-HITL-3, R-ABORT-1: the host closes while the root's background payer
+    waits for a person. On the next host the root, loaded (the payer loaded too, or left
+    in its trace), is interrupted with scope tree: the payer's task ends aborted, its
+    request is pending no more (answering it is refused, nothing is paid), and its end
+    starts no follow-up of the root — as the same interrupt does before a restart.
+    Before, the interrupt reached no child the root had not spawned on this host: the
+    payer stayed pending, and a person's answer later ran the call."""
+    paid: list[int] = []
+    model = ScriptedProvider(_payer_model)
+    tools = [_pay_tool(paid), spawn_subagent]
+    async with open_host(data_dir) as host:
+        root = await host.create_session(provider=model, tools=tools, workspace_dir=workspace)
+        root_id, child_id = root.id, await _run_until_child_parked(host, root)
+    async with open_host(data_dir) as host:
+        root = await host.load_session(root_id, provider=model, tools=tools)
+        if child == "loaded":
+            await host.load_session(child_id, provider=model, tools=tools)
+        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
+        root.watch(send)
+        hit = root.interrupt("enough", scope="tree")
+        with trio.fail_after(RUN_TIMEOUT_S):
+            seen = await _until_ended(inbox, (root_id, child_id))
+            await trio.testing.wait_all_tasks_blocked()  # its report, dropped, is gone
+        assert hit == (child == "loaded")  # a stored child is read first: ended later
+        assert not root.busy
+        assert await host.pending_approvals() == []
+        with pytest.raises(NotPending):
+            await host.answer_approval(child_id, "p1", "allow")
+    async with open_host(data_dir) as host:
+        assert await host.pending_approvals() == []
+        root_lines = trace_lines(await host.load_session(root_id))
+        child_lines = trace_lines(await host.load_session(child_id))
+    assert paid == []
+    (end,) = [o for o in seen if isinstance(o, TaskEnd) and o.origin is not None]
+    assert end.status == "aborted" and "enough" in (end.message or ""), end
+    assert _reports(seen) == []
+    assert [line["type"] for line in root_lines].count("task_start") == 1  # no follow-up
+    assert _ended_aborted(child_lines), child_lines[-1]
+    (pay,) = [line for line in child_lines if line.get("call_id") == "p1"
+              and line["type"] == "tool_call_output"]
+    assert pay["status"] == "interrupted", pay
+
+
+async def test_a_node_interrupt_after_a_restart_leaves_a_parked_background_child_pending(
+    data_dir: Path, workspace: Path
+) -> None:
+    """R-TREE-2: the same restart, and the root interrupted with scope node: its
+    background payer is left waiting for its person, as before a restart; answered, it
+    pays once and its answer reaches the root."""
+    paid: list[int] = []
+    model = ScriptedProvider(_payer_model)
+    tools = [_pay_tool(paid), spawn_subagent]
+    async with open_host(data_dir) as host:
+        root = await host.create_session(provider=model, tools=tools, workspace_dir=workspace)
+        root_id, child_id = root.id, await _run_until_child_parked(host, root)
+    async with open_host(data_dir) as host:
+        root = await host.load_session(root_id, provider=model, tools=tools)
+        assert not root.interrupt("only the root", scope="node")
+        await trio.testing.wait_all_tasks_blocked()
+        _, seen = await _answer_the_parked_child(host, model, tools, root_id, child_id)
+    assert paid == [7]
+    assert _reports(seen) == ["[subagent payer finished] paid 7"]
+
+
+class _TaskEnds:
+    """Subscribed to every session a host opens: an event per session id, set when its
+    task ends there."""
+
+    def __init__(self) -> None:
+        self.ended: dict[str, trio.Event] = {}
+
+    def of(self, session_id: str) -> trio.Event:
+        return self.ended.setdefault(session_id, trio.Event())
+
+    def __call__(self, session: Session) -> None:
+        def listen(batch: list[Output]) -> None:
+            if any(isinstance(o, TaskEnd) and o.origin is None for o in batch):
+                self.of(session.id).set()
+
+        session.subscribe(listen)
+
+
+@pytest.mark.parametrize("payer", ["loaded", "stored"])
+async def test_a_tree_interrupt_after_a_restart_ends_parked_nodes_at_every_depth(
+    data_dir: Path, workspace: Path, payer: str
+) -> None:
+    """R-TREE-2, R-HITL-4: the payer and its background collector both wait for a person
+    and the host restarts. The root, loaded (the payer too, or not; the collector left
+    in its trace), is interrupted with scope tree: both tasks end aborted, nobody is asked
+    any more, nothing is paid and no answer reaches the payer or the root. Before, both
+    stayed pending."""
+    paid: list[int] = []
+    model = ScriptedProvider(_collecting_payer_model)
+    tools = [_pay_tool(paid), spawn_subagent]
+    async with open_host(data_dir) as host:
+        root_id, payer_id, collector_id = await _collector_then_park(host, model, tools, workspace)
+    ends = _TaskEnds()
+    async with Host.open(data_dir, tools=tools, observers=[ends]) as host:
+        root = await host.load_session(root_id, provider=model)
+        if payer == "loaded":
+            await host.load_session(payer_id, provider=model)
+        root.interrupt("enough", scope="tree")
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await ends.of(payer_id).wait()
+            await ends.of(collector_id).wait()
+            await trio.testing.wait_all_tasks_blocked()
+        assert not root.busy and not ends.of(root_id).is_set()  # no follow-up
+        assert await host.pending_approvals() == []
+    async with open_host(data_dir) as host:
+        assert await host.pending_approvals() == []
+        root_lines = trace_lines(await host.load_session(root_id))
+        payer_lines = trace_lines(await host.load_session(payer_id))
+        collector_lines = trace_lines(await host.load_session(collector_id))
+    assert paid == []
+    assert [line["type"] for line in root_lines].count("task_start") == 1
+    assert _task_of(payer_lines) == ["task_start", "task_end"]
+    assert _ended_aborted(payer_lines) and _ended_aborted(collector_lines)

@@ -46,6 +46,7 @@ the child's trace (``session.children()`` finds it), not in the parent's input.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -55,8 +56,9 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from greenroom.actors.runtime.accounting import tree_usage
-from greenroom.actors.runtime.errors import SessionClosed, SessionNotFound
+from greenroom.actors.runtime.accounting import stored_origin, tree_usage
+from greenroom.actors.runtime.errors import HostClosed, SessionClosed, SessionNotFound
+from greenroom.actors.runtime.open_tasks import OpenTaskIndex
 from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput
 from greenroom.actors.runtime.subagents import (
     ChildWatch,
@@ -65,10 +67,16 @@ from greenroom.actors.runtime.subagents import (
     finished_text,
 )
 from greenroom.actors.runtime.supervisor import wake
-from greenroom.actors.runtime.tree import LiveChild, children_of, stopped_running, tell
+from greenroom.actors.runtime.tree import (
+    LiveChild,
+    children_of,
+    end_subtree,
+    stopped_running,
+    tell,
+)
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.history import live_records
-from greenroom.protocols.messages import SubagentFinished, SupervisorMessage
+from greenroom.protocols.messages import InterruptTask, SubagentFinished, SupervisorMessage
 from greenroom.protocols.outputs import Output
 
 if TYPE_CHECKING:
@@ -105,10 +113,16 @@ def _parent_waits(child: SessionPort) -> bool:
 class ChildReports:
     """A host's reports of taken-up background children; see the module docstring."""
 
-    __slots__ = ("_followed", "_here", "_host", "_places", "link", "retry_s")
+    __slots__ = ("_cut", "_followed", "_here", "_host", "_open_tasks", "_places", "link", "retry_s")
 
-    def __init__(self, host: Host) -> None:
+    def __init__(self, host: Host, open_tasks: OpenTaskIndex) -> None:
         self._host = host
+        self._open_tasks = open_tasks
+        """The host's stored sessions left with a task open: a tree interrupt reaches
+        those of the tree (:meth:`end_unreached`)."""
+        self._cut: set[str] = set()
+        """The background children that :meth:`end_unreached` ended: their answers are
+        for nobody."""
         self._followed: set[str] = set()
         """The taken-up children whose reports are still to come."""
         self._here: dict[str, SessionPort] = {}
@@ -215,6 +229,7 @@ class ChildReports:
                 await report_once()
             finally:
                 self._followed.discard(port.id)
+                self._cut.discard(port.id)
                 self._here.pop(port.id, None)
                 self._places.pop(port.id, None)
                 # Its parent's task must not wait for a report that did not reach it.
@@ -281,7 +296,10 @@ class ChildReports:
 
     async def deliver(self, parent_id: str, child_id: str, text: str, approve: Approval) -> None:
         """Hand child ``child_id``'s report ``text`` to ``parent_id`` (see the module
-        docstring)."""
+        docstring); none when a tree interrupt ended the child (:meth:`end_unreached`)."""
+        if child_id in self._cut:
+            self._cut.discard(child_id)
+            return
         wait_s = self.retry_s * FIRST_RETRY_SHARE
         for _ in range(LINK_ATTEMPTS):
             if await self._offer(parent_id, child_id, text, approve):
@@ -337,3 +355,72 @@ class ChildReports:
         if parent.machine.auth_locked is not None and not parent.closed:
             raise SessionNotFound(f"session {parent_id} takes no more work")
         raise SessionClosed(f"session {parent_id} takes no work while its close or work ends")
+
+    # -- tree interrupts ---------------------------------------------------------------
+
+    def end_unreached(self, node: SessionPort, reason: str) -> bool:
+        """A tree interrupt of ``node`` (R-TREE-2): besides the trees of its live children,
+        which its own interrupt ends, every descendant they leave out ends too. Those open
+        here: taken up after a restart and not counted (a root's parked child), or whose
+        parent was loaded again since it spawned them. Then, read from the store, those
+        the trace leaves running or waiting for people, background children of the tree
+        (loaded for it; a foreground child's task went with its parent's call): they end
+        a moment later. Not in a cluster, where another host may own them. Each ends as a
+        live child ends, ``cut``: its pending requests are answered interrupted, nothing
+        runs after, and its answer is for nobody. True when one open here had work to
+        interrupt."""
+        reason = f"parent interrupted: {reason}"
+        below = [p for p in self._open_ports() if node.id in p.origin_path[:-1]]
+        hit = False
+        # Shallow first: a node ended here ends the live children it counts itself.
+        for port in sorted(below, key=lambda p: len(p.origin_path)):
+            if self._place_of(port) is None:
+                hit = self._end(port, reason) or hit
+        if self.link is None:
+            self._host.start_task(functools.partial(self._end_stored, node.id, reason))
+        return hit
+
+    def _open_ports(self) -> list[SessionPort]:
+        ports = (self._open_port(session.id) for session in self._host.sessions)
+        return [port for port in ports if port is not None]
+
+    def _place_of(self, port: SessionPort) -> LiveChild | None:
+        """``port``'s entry among its parent's live children, when its parent is open here
+        and counts it: the parent's tree interrupt reaches it."""
+        parent = self._open_port(port.parent_id)
+        children = None if parent is None else parent.children
+        return None if children is None else children.live.get(port.id)
+
+    def _end(self, port: SessionPort, reason: str) -> bool:
+        if port.report_as is not None and port.machine.run_id is not None:
+            self._cut.add(port.id)
+        place = self._place_of(port)
+        if place is not None:
+            place.cut = True  # its parent's own tree interrupt leaves it to this one
+        return port.deliver(InterruptTask(reason=reason, scope="tree")) or end_subtree(port, reason)
+
+    async def _end_stored(self, node_id: str, reason: str) -> None:
+        """The stored part of :meth:`end_unreached`."""
+        host = self._host
+        try:
+            stored = await self._open_tasks.ids({session.id for session in host.sessions})
+            below: list[tuple[int, str]] = []
+            for session_id in stored:
+                try:
+                    meta = await host.trace_store.catalog.read_meta(session_id)
+                except Exception:  # unreadable or gone: nothing of it runs
+                    continue
+                origin = stored_origin(meta, session_id) or ()
+                if meta.get("background") is True and node_id in origin[:-1]:
+                    below.append((len(origin), session_id))
+            for _, session_id in sorted(below):
+                with contextlib.suppress(SessionNotFound):  # deleted, or closed meanwhile
+                    await host.load_session(session_id)
+                    port = host.port(session_id)
+                    place = self._place_of(port)
+                    if place is None or not place.cut:
+                        self._end(port, reason)
+        except HostClosed:
+            return
+        except Exception:  # a task of the host's: it must not end the host
+            logger.exception("the tree interrupt of %s could not reach its stored nodes", node_id)

@@ -168,7 +168,8 @@ class Host:
         self._children = ChildIndex(store.catalog, self.load_session, self._sessions.__contains__)
         self._builder = PortBuilder(self, data_dir, store, nursery.start_soon, accounting,
                                     admissions, defaults)
-        self.child_reports = ChildReports(self)
+        self._open_tasks = OpenTaskIndex(store)
+        self.child_reports = ChildReports(self, self._open_tasks)
         """Reports of background subagents taken up by this host (R-TREE-2, R-TREE-4)."""
         self._closed = False
         self.draining = False
@@ -178,7 +179,6 @@ class Host:
         self.on_closed: SessionCloser | None = None
         """Told of each session closed here with no task open (a cluster's node)."""
         self._people = People(self._ports.get)
-        self._open_tasks = OpenTaskIndex(store)
 
     @classmethod
     @asynccontextmanager

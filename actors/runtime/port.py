@@ -65,6 +65,7 @@ __all__ = [
     "Listener",
     "SessionPort",
     "TaskInput",
+    "TreeReach",
 ]
 
 ApproveFn = Callable[[Any], "Awaitable[Any] | Any"]
@@ -115,6 +116,17 @@ class Parked:
     cancel: trio.Event | None = None
 
 
+class TreeReach(Protocol):
+    """How a host's tree interrupt reaches the nodes below a session that no interrupt
+    of a live child reaches (the host's ``child_reports``, R-TREE-2)."""
+
+    def end_unreached(self, node: SessionPort, reason: str) -> bool:
+        """End every descendant of ``node`` that the trees of live children leave out;
+        True when one open here had work to interrupt (those read from the store end
+        later)."""
+        ...
+
+
 class HostServices(Protocol):
     """What a session's running work asks of its host."""
 
@@ -129,6 +141,11 @@ class HostServices(Protocol):
     draining: bool
     """Whether the host drains (R-DRAIN-1): running tasks stop at their next turn
     boundary, open in their traces, and no new task is taken from users."""
+
+    @property
+    def child_reports(self) -> TreeReach:
+        """The host's reports of subagents taken up here, and its reach into their trees."""
+        ...
 
     def start_task(self, fn: Callable[[], Awaitable[None]]) -> None:
         """Run ``fn`` in the host's nursery (it must not raise)."""

@@ -751,17 +751,16 @@ class Session:
         self, reason: str = "interrupted by host", *, scope: InterruptScope = "tree"
     ) -> bool:
         """Interrupt the running task and drop the queued ones (R-ABORT-1). Returns False
-        when there was nothing to interrupt.
+        when there was nothing to interrupt here and now.
 
         ``scope`` (R-TREE-2): ``tree`` (the default) also ends the session's running
         subagents and theirs, background children included — even while the session
-        itself is idle; ``node`` ends this session's task and its foreground children
-        (their calls are interrupted), and leaves its background children running: their
-        answers still reach this session, as follow-ups."""
-        port = self._port
-        if port.deliver(InterruptTask(reason=reason, scope=scope)):
-            return True  # the supervisor ends the subtree itself, for scope tree
-        return scope == "tree" and end_subtree(port, f"parent interrupted: {reason}")
+        itself is idle, and after a restart: a descendant the trace leaves running or
+        waiting for people ends too, open in this host or not (read from the store, it
+        ends a moment later); ``node`` ends this session's task and its foreground
+        children (their calls are interrupted), and leaves its background children
+        running: their answers still reach this session, as follow-ups."""
+        return _interrupt(self._port, reason, scope, whole_tree=True)
 
     def skip_reconnect_wait(self) -> bool:
         """End the current reconnect backoff early (R-RETRY-5). False when idle."""
@@ -873,13 +872,29 @@ class Session:
         if not (port.parked or port.held):
             # A closing host closes every node on its own (a parked one stays pending);
             # closing one session ends its whole subtree with it.
-            self.interrupt("session closed", scope="tree" if self._host_open() else "node")
+            _interrupt(port, "session closed", "tree" if self._host_open() else "node")
         elif port.parked_task is not None and port.parked_task.output is not None:
             # Whoever reads the parked run (a caller's RunStream, a background subagent's
             # follower) stops here: the task goes on only where the session is loaded again.
             port.parked_task.output.close()
         port.closed = True
         await _settle_then_end_watches(port)
+
+
+def _interrupt(
+    port: SessionPort, reason: str, scope: InterruptScope, *, whole_tree: bool = False
+) -> bool:
+    """Interrupt ``port``'s task (:meth:`Session.interrupt`). Scope ``tree`` ends its live
+    children's trees; with ``whole_tree`` also the descendants those leave out. A close
+    ends the live trees alone: a taken-up child that waits for people stays pending."""
+    hit = port.deliver(InterruptTask(reason=reason, scope=scope))
+    if scope != "tree":
+        return hit
+    # Its supervisor, when one took the interrupt, ends the live subtree itself.
+    hit = hit or end_subtree(port, f"parent interrupted: {reason}")
+    if whole_tree:
+        hit = port.host.child_reports.end_unreached(port, reason) or hit
+    return hit
 
 
 async def _settle_then_end_watches(port: SessionPort) -> None:

@@ -33,7 +33,9 @@ What crosses an edge:
   ``tree`` (each does the same for its own): what an interrupt of scope ``tree`` does
   besides ending the node's own task. A child ended so is ``cut``: its answer is for
   nobody. An interrupt of scope ``node`` ends the node's task alone; its foreground
-  children end with their calls, its background children run on.
+  children end with their calls, its background children run on. A user's tree
+  interrupt also reaches the descendants no live child's tree holds — taken up after a
+  restart, or left in their traces — through the host's ``child_reports``.
 """
 
 from __future__ import annotations
@@ -206,6 +208,8 @@ def end_subtree(port: SessionPort, reason: str) -> bool:
         return False
     hit = False
     for child in list(children.live.values()):
+        if child.cut:
+            continue  # reached already, by an earlier tree interrupt
         child.cut = True
         hit = child.port.deliver(InterruptTask(reason=reason, scope="tree")) or hit
     return hit
