@@ -160,3 +160,36 @@ async def _listed_by(member: Member) -> dict[str, str | None]:
     async with _client(member) as client:
         sessions = (await client.result("session.list"))["sessions"]
     return {s["session_id"]: s.get("host") for s in sessions}
+
+
+async def test_a_deletion_that_meets_the_unexpected_leaves_the_host_hearing_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each copy is deleted in a task of the node's nursery: whatever one deletion meets
+    (here a failure that is neither NATS's nor the disk's), it is logged and the copy
+    kept, never raised into the node, which would end the host (R-SEC-1, R-CLUSTER-1)."""
+
+    class _Catalog:
+        async def exists(self, session_id: str) -> bool:
+            return True
+
+    class _Store:
+        catalog = _Catalog()
+
+    class _Host:
+        trace_store = _Store()
+
+    class _Traces:
+        async def last_sequence(self, session_id: str) -> int:
+            return 0  # purged: the copy is to go
+
+    async def failing(host: Host, session_id: str, why: str) -> None:
+        raise RuntimeError("the session is busy again")
+
+    monkeypatch.setattr(deleted_copies, "delete_copy", failing)
+    monkeypatch.setattr(deleted_copies, "PURGE_WAITS_S", (0.0,))
+    looking = {"s1"}
+    await deleted_copies._drop_once_purged(
+        _Traces(), _Host(), "s1", lambda session_id: False, looking  # type: ignore[arg-type]
+    )
+    assert looking == set()

@@ -181,6 +181,10 @@ async def _drop_once_purged(
         _log(f"cannot tell whether session {session_id} was deleted ({exc}); its copy stays")
     except OSError as exc:
         _log(f"cannot delete session {session_id} here ({exc}); its copy stays")
+    except Exception as exc:
+        # A task of the node's nursery: whatever one deletion meets (the host closing, a
+        # session busy again), the host and its hearing of the others go on.
+        _log(f"cannot delete session {session_id} here ({exc!r}); its copy stays")
     finally:
         looking.discard(session_id)
 
