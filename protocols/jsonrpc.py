@@ -397,7 +397,8 @@ METHODS: dict[str, Method] = {
             params=(
                 _session_id(_NODE),
                 Param(name="after_seq", type="integer", required=False,
-                      doc="replay traced outputs after this seq (default 0: all)"),
+                      doc="replay traced outputs after this seq (default 0: all; at most "
+                          "the session's last seq)"),
             ),
             result="`{session_id, replayed, last_seq}`",
             doc="Replay, then stream live outputs as `output` notifications.",
@@ -621,6 +622,18 @@ def optional_int(params: Mapping[str, Any], name: str, *, minimum: int | None = 
     if minimum is not None and value < minimum:
         raise invalid(f"$.{name}", f"must be at least {minimum}")
     return int(value)
+
+
+def check_after_seq(after_seq: int, last_seq: int) -> None:
+    """Refuse (-32602) a ``session.subscribe`` resume point past the session's last seq:
+    no output ever carried it, and a subscription from there would skip the live outputs
+    up to it as already replayed."""
+    if after_seq > last_seq:
+        raise invalid(
+            "$.after_seq",
+            f"{after_seq} is past the session's last seq ({last_seq}): give the seq of "
+            "the last output received, or 0 for all",
+        )
 
 
 def optional_object(params: Mapping[str, Any], name: str) -> dict[str, Any] | None:

@@ -379,6 +379,37 @@ async def test_subscribe_after_seq_replays_then_continues_live(tmp_path: Path) -
             assert second[-1]["status"] == "completed"
 
 
+async def test_subscribe_after_seq_past_the_last_seq_is_refused(tmp_path: Path) -> None:
+    def script() -> list[ScriptStep]:
+        return [Reply(blocks=(text("first"),)), Reply(blocks=(text("second"),))]
+
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, script) as server, connect(server) as client:
+            sid = (await client.result("session.create"))["session_id"]
+            await client.result("session.subscribe", {"session_id": sid})
+            await client.result("run", {"session_id": sid, "input": "one"})
+            last = traced_seqs(await client.outputs_until("task_end"))[-1]
+            for past in (last + 1, 10**30):
+                error = await client.error(
+                    "session.subscribe", {"session_id": sid, "after_seq": past}
+                )
+                assert error["code"] == jsonrpc.INVALID_PARAMS
+                assert error["message"].startswith(f"$.after_seq: {past} is past")
+                assert f"last seq ({last})" in error["message"]
+            # The refused subscribe left the first one alone, and a resume point at the
+            # last seq is a subscription that misses nothing live.
+            await client.result("session.unsubscribe", {"session_id": sid})
+            answer = await client.result(
+                "session.subscribe", {"session_id": sid, "after_seq": last}
+            )
+            assert answer == {"session_id": sid, "replayed": 0, "last_seq": last}
+            await client.result("run", {"session_id": sid, "input": "two"})
+            second = await client.outputs_until("task_end")
+            seqs = traced_seqs(second)
+            assert seqs == list(range(last + 1, last + 1 + len(seqs)))
+            assert second[0]["type"] == "user_msg"
+
+
 async def test_subscribe_during_a_run_has_no_gap_and_no_duplicate(
     tmp_path: Path, gates: Gates
 ) -> None:

@@ -268,6 +268,26 @@ async def test_bad_input_is_refused_with_a_reason(tmp_path: Path) -> None:
             assert ok.events[-1][1]["type"] == "RUN_FINISHED"
 
 
+async def test_a_last_event_id_past_the_threads_last_event_is_refused(tmp_path: Path) -> None:
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, ag_ui=True) as server:
+            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+            first = await posted(url, run_input("t", "r1", "hello"))
+            assert first.events[-1][1]["type"] == "RUN_FINISHED"
+            last_id = int(first.events[-1][0])
+            refused = await posted(
+                url, run_input("t", "r2"), headers={"Last-Event-ID": str(last_id + 1)}
+            )
+            assert refused.status == 400
+            assert refused.body["error"]["message"] == (
+                f"Last-Event-ID: {last_id + 1} is past the thread's last event id ({last_id})"
+            )
+            idle = await posted(
+                url, run_input("t", "r2"), headers={"Last-Event-ID": str(last_id)}
+            )
+            assert idle.types[-1] == "RUN_FINISHED"
+
+
 async def test_a_refusal_quotes_a_bounded_part_of_the_input(tmp_path: Path) -> None:
     """R-SEC-9: echoed values are truncated. A message role of 0.5 MB is named by the
     input model's error (its union's tag): the 400 answer is cut to ``MAX_ERROR_CHARS``."""

@@ -298,6 +298,13 @@ class AgUiEndpoint:
         if not LAST_EVENT_ID.fullmatch(last_event):
             raise _Refused(400, "Last-Event-ID: the id of an event of this endpoint (a number)")
         after = int(last_event)
+        last = session.host.port(session.id).last_seq
+        if after > last:
+            # No event carried it: streaming from there would end the run at once, as if
+            # it had finished, whatever the thread does.
+            raise _Refused(
+                400, f"Last-Event-ID: {after} is past the thread's last event id ({last})"
+            )
         records = await replay_records(session, 0)
         return SessionFeed(session, after), [
             p for p in await self._pending(session) if _asked_before(records, p, after)

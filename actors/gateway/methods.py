@@ -428,10 +428,12 @@ class Methods:
 
     async def rpc_session_subscribe(self, connection: Connection, params: dict[str, Any]) -> Any:
         """Subscribe the connection to a session it owns: the traced outputs after ``after_seq``
-        are replayed, then live ones follow. Returns ``{session_id, replayed, last_seq}``."""
+        (at most the session's last seq) are replayed, then live ones follow. Returns
+        ``{session_id, replayed, last_seq}``."""
         jsonrpc.check_params(params, "session.subscribe")
         session = await self._owned_session(connection, params)
         after_seq = jsonrpc.optional_int(params, "after_seq", minimum=0) or 0
+        jsonrpc.check_after_seq(after_seq, session.host.port(session.id).last_seq)
         replayed, last_seq = await self._hubs.subscribe(connection, session, after_seq)
         return {"session_id": session.id, "replayed": replayed, "last_seq": last_seq}
 
