@@ -167,6 +167,24 @@ def test_usage_refuses_a_time_it_cannot_read(tmp_path: Path) -> None:
     assert empty.returncode == 0 and "no requests in that range" in empty.stderr
 
 
+def test_usage_names_a_damaged_ledger_and_what_to_do(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    trio.run(write_ledger, data, [row(f"s{i}", JAN_1 + i, "m", 0.1, "a") for i in range(300)])
+    ledger = data / "usage.sqlite"
+    whole = ledger.read_bytes()
+    for damaged, reason in (
+        (whole[: len(whole) // 2], "database disk image is malformed"),
+        (b"not a database" * 100, "file is not a database"),
+    ):
+        ledger.write_bytes(damaged)
+        for flags in ((), ("--json",), ("--by", "model")):
+            one_line_error(
+                greenroom(tmp_path, "usage", "--data-dir", str(data), *flags),
+                f"the usage ledger {ledger} cannot be used ({reason}): move it aside",
+            )
+
+
 def test_serve_refuses_a_negative_budget(tmp_path: Path) -> None:
     result = greenroom(tmp_path, "serve", "--principal-budget-usd", "-1")
     assert result.returncode == 2

@@ -101,6 +101,29 @@ async def test_a_client_sets_its_session_budget_through_session_create(tmp_path:
     assert f"max_cost_usd=0.5 of session {sid}" in second["message"]
 
 
+async def test_a_ledger_damaged_while_serving_is_an_error_that_hides_its_path(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """session.list reads the usage ledger: damaged under a running server, the client
+    gets an internal error without the server's paths, and the log says where and what
+    to do; the connection goes on."""
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path) as server, connect(server) as client:
+            sid = (await client.result("session.create"))["session_id"]
+            ledger = server.host.data_dir / "usage.sqlite"
+            ledger.write_bytes(b"not a database" * 100)
+            for companion in ("usage.sqlite-wal", "usage.sqlite-shm"):
+                (ledger.parent / companion).unlink(missing_ok=True)  # pages held there
+            error = await client.error("session.list")
+            assert error == {
+                "code": jsonrpc.INTERNAL_ERROR,
+                "message": "the server's usage ledger cannot be used (see its log)",
+            }
+            subscribed = await client.result("session.subscribe", {"session_id": sid})
+            assert subscribed == {"session_id": sid, "replayed": 0, "last_seq": 0}
+    assert f"the usage ledger {ledger} cannot be used (file is not a database)" in caplog.text
+
+
 def test_a_client_may_lower_the_servers_budget_but_not_lift_it() -> None:
     server = {"max_cost_usd": 2.0}
     check_budgets({"max_cost_usd": 1.0, "tree_cost_budget_usd": None}, server)

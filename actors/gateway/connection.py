@@ -32,6 +32,7 @@ from greenroom.actors.runtime.errors import (
     GreenroomError,
     SessionNotFound,
 )
+from greenroom.actors.runtime.trace_sink import LedgerUnusable
 from greenroom.protocols import jsonrpc
 from greenroom.protocols.jsonrpc import Batch, FrameError, Notification, Request, RpcError
 
@@ -478,6 +479,13 @@ class Connection:
             error = exc
         except (Busy, AuthLocked, SessionNotFound) as exc:
             error = RpcError(exc.code, str(exc))
+        except LedgerUnusable as exc:
+            # The server's file, not the call: its operator reads where it is and what to
+            # do in the log; the client is not shown the server's paths.
+            logger.error("gateway: %s: %s", call.method, exc)
+            error = RpcError(
+                jsonrpc.INTERNAL_ERROR, "the server's usage ledger cannot be used (see its log)"
+            )
         except ConfigurationError as exc:
             error = RpcError(jsonrpc.INVALID_PARAMS, str(exc))
         except GreenroomError as exc:

@@ -770,10 +770,14 @@ def _open_ledger(path: Path) -> sqlite3.Connection:
     try:
         return _open_ledger_file(path)
     except (sqlite3.Error, OSError) as exc:
-        raise LedgerUnusable(
-            f"the usage ledger {path} cannot be used ({exc}): move it aside and a new one is "
-            "made (the cost history then starts empty), or restore it from a backup"
-        ) from None
+        raise _unusable(path, exc) from None
+
+
+def _unusable(path: Path, exc: Exception) -> LedgerUnusable:
+    return LedgerUnusable(
+        f"the usage ledger {path} cannot be used ({exc}): move it aside and a new one is "
+        "made (the cost history then starts empty), or restore it from a backup"
+    )
 
 
 def _open_ledger_file(path: Path) -> sqlite3.Connection:
@@ -1049,11 +1053,30 @@ def usage_totals(db_path: Path | str, *, session_id: str | None = None) -> dict[
 
     ``requests`` counts ``request`` rows, ``compaction_failures`` and ``titles`` the other
     kinds; token sums cover every row. With ``session_id``, only that session (absent if it
-    has no rows). A missing ledger gives ``{}``. Opens the database read-only; blocking.
+    has no rows). A missing ledger gives ``{}``; a damaged one raises
+    :class:`LedgerUnusable`. Opens the database read-only; blocking.
     """
     path = Path(db_path)
     if not path.exists():
         return {}
+    try:
+        rows = _session_totals(path, session_id)
+    except sqlite3.Error as exc:
+        raise _unusable(path, exc) from None
+    keys = (
+        "input",
+        "output",
+        "cache_read",
+        "cache_write",
+        "total",
+        "requests",
+        "compaction_failures",
+        "titles",
+    )
+    return {row[0]: {k: int(v or 0) for k, v in zip(keys, row[1:], strict=True)} for row in rows}
+
+
+def _session_totals(path: Path, session_id: str | None) -> list[Any]:
     conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
     try:
         query = (
@@ -1066,20 +1089,9 @@ def usage_totals(db_path: Path | str, *, session_id: str | None = None) -> dict[
             query += " WHERE session_id = ?"
             params = (session_id,)
         query += " GROUP BY session_id ORDER BY session_id"
-        rows = conn.execute(query, params).fetchall()
+        return conn.execute(query, params).fetchall()
     finally:
         conn.close()
-    keys = (
-        "input",
-        "output",
-        "cache_read",
-        "cache_write",
-        "total",
-        "requests",
-        "compaction_failures",
-        "titles",
-    )
-    return {row[0]: {k: int(v or 0) for k, v in zip(keys, row[1:], strict=True)} for row in rows}
 
 
 def _columns(conn: sqlite3.Connection) -> set[str]:
@@ -1096,32 +1108,15 @@ def usage_report(db_path: Path | str, query: UsageQuery) -> list[UsageLine]:
     """The report of ``query`` over a usage ledger (as
     :func:`~greenroom.protocols.trace.summarize_usage` adds up rows): one line per group,
     sorted by key (NULL first). A missing ledger has no rows; one written before cost
-    accounting reads as if its rows had no cost, principal or root. Opens the database
-    read-only; blocking."""
+    accounting reads as if its rows had no cost, principal or root; a damaged one raises
+    :class:`LedgerUnusable`. Opens the database read-only; blocking."""
     path = Path(db_path)
-    conn = (
-        sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
-        if path.exists()
-        else None
-    )
     rows: list[Any] = []
-    try:
-        if conn is not None:
-            present = _columns(conn)
-            added = (name if name in present else f"NULL AS {name}" for name, _ in _ADDED_COLUMNS)
-            columns = ", ".join((*_REPORTED_COLUMNS, *added))
-            key = _GROUP_COLUMNS[query.by] if query.by is not None else "NULL"
-            where, params = _report_filter(query)
-            rows = conn.execute(
-                f"SELECT {key}, SUM(kind != 'compaction_failed'), SUM(input), SUM(output),"
-                " SUM(cache_read), SUM(cache_write), SUM(total), TOTAL(cost_usd),"
-                " SUM(kind != 'compaction_failed' AND cost_usd IS NULL)"
-                f" FROM (SELECT {columns} FROM usage) {where} GROUP BY {key} ORDER BY {key}",
-                params,
-            ).fetchall()
-    finally:
-        if conn is not None:
-            conn.close()
+    if path.exists():
+        try:
+            rows = _report_rows(path, query)
+        except sqlite3.Error as exc:
+            raise _unusable(path, exc) from None
     if query.by is None and not rows:
         return [UsageLine(key=None)]
     return [
@@ -1138,6 +1133,25 @@ def usage_report(db_path: Path | str, query: UsageQuery) -> list[UsageLine]:
         )
         for row in rows
     ]
+
+
+def _report_rows(path: Path, query: UsageQuery) -> list[Any]:
+    conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+    try:
+        present = _columns(conn)
+        added = (name if name in present else f"NULL AS {name}" for name, _ in _ADDED_COLUMNS)
+        columns = ", ".join((*_REPORTED_COLUMNS, *added))
+        key = _GROUP_COLUMNS[query.by] if query.by is not None else "NULL"
+        where, params = _report_filter(query)
+        return conn.execute(
+            f"SELECT {key}, SUM(kind != 'compaction_failed'), SUM(input), SUM(output),"
+            " SUM(cache_read), SUM(cache_write), SUM(total), TOTAL(cost_usd),"
+            " SUM(kind != 'compaction_failed' AND cost_usd IS NULL)"
+            f" FROM (SELECT {columns} FROM usage) {where} GROUP BY {key} ORDER BY {key}",
+            params,
+        ).fetchall()
+    finally:
+        conn.close()
 
 
 def _report_filter(query: UsageQuery) -> tuple[str, tuple[Any, ...]]:
