@@ -188,8 +188,11 @@ def structure(data: Any, cls: type[T]) -> T:
     return converter.structure(data, cls)
 
 
-def describe_error(exc: BaseException) -> str:
-    """A cattrs/validation error as ``$.path: message`` lines."""
+def describe_error(exc: BaseException, path: str = "$") -> str:
+    """A cattrs/validation error on one line: each problem as ``message @ $.path``
+    (``path`` the place of the structured value), joined by ``; ``."""
     if isinstance(exc, cattrs.BaseValidationError):
-        return "; ".join(cattrs.transform_error(exc))
-    return str(exc)
+        text = "; ".join(cattrs.transform_error(exc, path=path))
+    else:
+        text = str(exc)
+    return " ".join(text.split()) or type(exc).__name__

@@ -223,6 +223,9 @@ def test_sessions_lists_the_readable_ones_and_names_the_bad_one(tmp_path: Path) 
         )
         line = one_line_usage_error(resumed)
         assert "unreadable" in line, content
+    # A setting of the wrong type is named, with what is wrong with it.
+    named = "bad settings: invalid value for type, expected int @ $.settings.max_turns"
+    assert line.endswith(named), line
 
 
 def _limit_descriptors() -> None:

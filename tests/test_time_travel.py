@@ -181,6 +181,23 @@ async def test_a_fork_of_a_fork_point_that_is_missing_is_refused(
     assert empty.transcript.messages == []
 
 
+async def test_a_fork_of_a_session_with_a_bad_setting_names_the_setting(
+    host: Host, workspace: Path, providers: Any, lookup: Any
+) -> None:
+    source = await two_tasks(host, workspace, providers, lookup)
+    await host.close_session(source.id)
+    meta_path = source.directory / "session.json"
+    meta = json.loads(meta_path.read_text())
+    meta["settings"]["max_turns"] = "many"
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(SessionNotFound) as refused:
+        await host.fork_session(source.id)
+    assert str(refused.value) == (
+        f"session {source.id!r} has bad settings: "
+        "invalid value for type, expected int @ $.settings.max_turns"
+    )
+
+
 async def test_branches_run_concurrently_and_share_only_the_prefix(
     host: Host, workspace: Path, providers: Any, lookup: Any, gates: Gates
 ) -> None:

@@ -35,12 +35,11 @@ from greenroom.actors.runtime.trace_store import (
     StoredSessionMissing,
     StoredSessionUnreadable,
     TraceStore,
-    one_line,
 )
 from greenroom.actors.runtime.tree import forward_up_while_open
 from greenroom.actors.tools.mcp_config import McpConfigError, as_configs
 from greenroom.actors.tools.workspace import WorkspaceError, current_boot, open_unlinked
-from greenroom.protocols.converter import converter
+from greenroom.protocols.converter import converter, describe_error
 from greenroom.protocols.history import context_at
 from greenroom.protocols.hooks import Hooks
 from greenroom.protocols.outputs import Rewind
@@ -453,7 +452,7 @@ async def _stored_settings(
     except Exception as exc:  # cattrs: a field of the wrong type or value
         raise SessionNotFound(
             f"session {session_id!r} is unreadable: {directory / SESSION_FILE}: bad "
-            f"settings: {one_line(exc)}"
+            f"settings: {describe_error(exc, path='$.settings')}"
         ) from None
 
 

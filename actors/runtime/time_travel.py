@@ -53,7 +53,7 @@ from greenroom.actors.runtime.trace_store import (
     StoredSessionUnreadable,
     TraceStore,
 )
-from greenroom.protocols.converter import converter
+from greenroom.protocols.converter import converter, describe_error
 from greenroom.protocols.history import context_at
 from greenroom.protocols.messages import TraceWritten
 from greenroom.protocols.outputs import Output, Rewind
@@ -256,7 +256,9 @@ def _forked_settings(
         settings = converter.structure(meta.get("settings", {}), SessionSettings)
     except Exception as exc:  # cattrs: a field of the wrong type or value
         name = meta.get("session_id")
-        raise SessionNotFound(f"session {name!r} has bad settings: {exc}") from None
+        raise SessionNotFound(
+            f"session {name!r} has bad settings: {describe_error(exc, path='$.settings')}"
+        ) from None
     changes = dict(overrides)
     if isinstance(provider, str):
         changes["provider"] = provider
