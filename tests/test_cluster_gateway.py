@@ -113,6 +113,9 @@ def test_a_client_of_one_host_works_a_session_that_runs_on_another(
                         "session.subscribe", {"session_id": sid, "after_seq": 2}
                     )
                     found["replayed"] = [o["seq"] for o in alice.take_outputs()]
+                    found["past_end"] = await alice.error(
+                        "session.subscribe", {"session_id": sid, "after_seq": 10**6}
+                    )
                     found["bad_approve"] = await alice.error(
                         "approve", {"session_id": sid, "call_id": "nope", "decision": "allow"}
                     )
@@ -181,6 +184,11 @@ def test_a_client_of_one_host_works_a_session_that_runs_on_another(
     assert found["replayed"] == seqs[2:]
     assert found["resubscribed"]["last_seq"] == seqs[-1]
     assert found["resubscribed"]["replayed"] == len(seqs) - 2
+    # A resume point past the end is no point of the session's (R-PROTO-2).
+    assert found["past_end"]["code"] == -32602
+    assert found["past_end"]["message"].startswith(
+        f"$.after_seq: 1000000 is past the session's last seq ({seqs[-1]})"
+    )
     # The owner's error, unchanged.
     assert found["bad_approve"]["code"] == 409  # not pending (R-HITL-2)
     assert "call 'nope'" in found["bad_approve"]["message"]

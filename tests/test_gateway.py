@@ -398,7 +398,8 @@ async def test_subscribe_after_seq_past_the_last_seq_is_refused(tmp_path: Path) 
                 assert f"last seq ({last})" in error["message"]
             # The refused subscribe left the first one alone, and a resume point at the
             # last seq is a subscription that misses nothing live.
-            await client.result("session.unsubscribe", {"session_id": sid})
+            unsubscribed = await client.result("session.unsubscribe", {"session_id": sid})
+            assert unsubscribed == {"unsubscribed": True}
             answer = await client.result(
                 "session.subscribe", {"session_id": sid, "after_seq": last}
             )

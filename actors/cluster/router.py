@@ -525,10 +525,16 @@ class RemoteSubscription(Subscription):
         self.scope = trio.CancelScope()
         self.live = trio.Event()
         self.watch_id = uuid.uuid4().hex
-        old = connection.subscriptions.get(session_id)
-        if old is not None:
-            old.close()
-        connection.subscriptions[session_id] = self
+
+    def take_place(self) -> None:
+        """Become the connection's subscription to the session, ending the one before (if
+        any). Not done when made: a subscribe refused after reading the trace leaves the
+        connection's subscription as it was."""
+        old = self.connection.subscriptions.get(self.session_id)
+        if old is not self:
+            if old is not None:
+                old.close()
+            self.connection.subscriptions[self.session_id] = self
 
     def deliver(self, frames: list[tuple[int | None, str]]) -> None:
         """Unused: the follower task queues the frames itself."""
@@ -937,11 +943,15 @@ class ClusterRouter:
             # A page at a time: a long trace read whole cost each subscriber its size.
             async with self._traces.pages(session_id, after_seq=after_seq) as pages:
                 async for page in pages:
+                    # A record after ``after_seq``: the resume point is the session's.
+                    subscription.take_place()
                     for record in page:
                         await connection.outbox.wait_below(room)
                         connection.outbox.put_nowait(output_frame(record))
                         subscription.last_seq = record.seq or subscription.last_seq
                         replayed += 1
+                jsonrpc.check_after_seq(after_seq, pages.last_seq)
+            subscription.take_place()
             # Before the answer: a ``run`` the client sends next finds the owner knowing
             # that someone can answer its approvals.
             await self._watch(subscription, principal, watching=True)

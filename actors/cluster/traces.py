@@ -256,6 +256,12 @@ class Pages:
         self._fold = fold
         self._last = last
 
+    @property
+    def last_seq(self) -> int:
+        """The highest ``seq`` read so far, ``after_seq`` or not: once the pages are
+        through, the session's last seq as the stream held it."""
+        return self._fold.last_seq
+
     def __aiter__(self) -> Pages:
         return self
 
@@ -282,7 +288,8 @@ class _Fold:
         self.file = 1
         self.errors: list[TraceLineError] = []
         self.files: dict[int, list[Output]] = {}
-        self._last_seq = 0
+        self.last_seq = 0
+        """The highest ``seq`` folded (every record, not only those after ``after_seq``)."""
 
     def add(self, msg: Msg) -> list[Output]:
         headers = msg.headers or {}
@@ -304,9 +311,9 @@ class _Fold:
             seq = record.seq or 0
             # A record at or below the last one seen is a duplicate write; skip it so
             # readers see each seq once.
-            if seq <= self._last_seq:
+            if seq <= self.last_seq:
                 continue
-            self._last_seq = seq
+            self.last_seq = seq
             if self._keep:
                 self.current.append(record)
                 self.files.setdefault(self.file, []).append(record)
