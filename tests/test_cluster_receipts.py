@@ -180,15 +180,17 @@ def test_a_steer_whose_session_the_host_lost_before_jetstream_had_it_is_dropped(
     assert_not_in_cluster(answer, NOT_REPLICATED)
 
 
-def test_a_steer_jetstream_never_acknowledges_is_dropped_when_the_host_close_is_cut_short(
+def test_a_steer_on_its_way_when_the_host_close_is_cut_short_is_answered_at_once(
     tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """R-STEER-6, R-DRAIN-2: the host closes while JetStream holds the steer's record
-    unacknowledged, and its shutdown bound (shortened here) cuts the close of its session
-    and of its store short. Before, the cut-short store close skipped giving its records
-    up: the receipt waited its own DURABLE_WAIT_S (30 s) and held the host's close that
-    long. Now the store gives them up however its close ends: the steer is answered 410
-    at once, naming why, and the close goes on."""
+    """R-STEER-6, R-DRAIN-2, R-CLUSTER-2: the host closes while the steer's record is on
+    its way to JetStream, unacknowledged, and its shutdown bound (shortened here) cuts the
+    close of its session and of its store short. Before, the cut-short store close skipped
+    giving its records up: the receipt waited its own DURABLE_WAIT_S (30 s) and held the
+    host's close that long; then it counted the record lost without asking JetStream (a
+    410 for input the cluster's trace may hold). Now the store gives it up however its
+    close ends, and finds out at once what JetStream holds: the message that was on its
+    way goes again with its id, so it is stored once, and the steer is ``queued``."""
     # The receipt waits for the store from the end of its supervisor's wait for the
     # record (ABORT_GRACE_S), well before the host's close is cut short.
     monkeypatch.setattr(supervisor_module, "ABORT_GRACE_S", 0.2)
@@ -196,17 +198,24 @@ def test_a_steer_jetstream_never_acknowledges_is_dropped_when_the_host_close_is_
     withheld = Withheld(monkeypatch)
     recorded = InputReceipt()
 
-    async def body(conn: Connection) -> str:
+    async def body(conn: Connection) -> tuple[str, str]:
         # Well before a receipt's own bound, which the close waited for before.
         with trio.fail_after(DURABLE_WAIT_S / 2):
             async with host_a(conn, nats_server, tmp_path) as host:
-                await _steered_unacknowledged(host, tmp_path, withheld, recorded)
+                session = await _waiting_in_its_call(host, tmp_path)
+                store = host.trace_store
+                assert isinstance(store, ReplicatingTraceStore)
+                assert await store.log.settled(session.id)  # nothing else on its way
+                withheld.withhold.set()
+                assert session.steer("mind the gap", recorded=recorded)
+                await withheld.holding.wait()
             assert recorded.settled.is_set()
-        withheld.release.set()
-        return await _answer(recorded)
+        withheld.release.set()  # the held attempt, never sent
+        return await _answer(recorded), await _cluster_lines(conn, session.id)
 
-    answer = run_connected(nats_server.url, body, timeout_s=60.0)
-    assert_not_in_cluster(answer, NOT_REPLICATED)
+    answer, in_cluster = run_connected(nats_server.url, body, timeout_s=60.0)
+    assert answer == str({"queued": True})
+    assert in_cluster.count("mind the gap") == 1
 
 
 def test_a_steer_after_the_store_gave_the_session_up_is_dropped_while_it_is_open(

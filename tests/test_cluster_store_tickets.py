@@ -18,6 +18,7 @@ import trio
 
 from greenroom.actors.cluster import store as store_module
 from greenroom.actors.cluster.connection import Connection
+from greenroom.actors.cluster.errors import ClusterUnavailable
 from greenroom.actors.cluster.store import ReplicatingTraceLog, ReplicatingTraceStore
 from greenroom.actors.cluster.traces import FENCE_HEADER, ROTATE_HEADER, TraceStream, TraceWriter
 from greenroom.actors.runtime.trace_sink import TraceWriteError
@@ -209,15 +210,41 @@ def test_records_jetstream_acknowledged_stay_acknowledged_when_their_session_is_
     }
 
 
+async def _streamed(
+    log: ReplicatingTraceLog, nursery: trio.Nursery, sid: str, writer: TraceWriter
+) -> trio.CancelScope:
+    """``sid``'s records streamed with ``writer`` in a task of ``nursery``, until the
+    returned scope is cancelled (as the node stops a session's stream)."""
+    scope = trio.CancelScope()
+
+    async def streaming(task_status: trio.TaskStatus[None]) -> None:
+        with scope:
+            await log.stream_to(sid, writer, task_status=task_status)
+
+    await nursery.start(streaming)
+    return scope
+
+
+async def _done(log: ReplicatingTraceLog, *tickets: int) -> None:
+    """Return once ``tickets`` are done."""
+    send, written = trio.open_memory_channel[TraceWritten](len(tickets))
+    for ticket in tickets:
+        log.when_batch_done(ticket, send)
+    with trio.fail_after(10):
+        for _ in tickets:
+            await written.receive()
+
+
 async def _acknowledged_then_held(
     store: ReplicatingTraceStore, traces: TraceStream, nursery: trio.Nursery, sid: str
-) -> tuple[int, int]:
+) -> tuple[int, int, trio.CancelScope]:
     """A new session ``sid`` streamed by host-a, its record 1 acknowledged by JetStream and
-    its record 2's append held on its way: the tickets of both."""
+    its record 2's append held before it is sent: the tickets of both, and the scope of
+    the session's stream."""
     log = store.log
     await _replicated(store, sid)
     held = HeldWriter(await traces.fence(sid, "host-a"), trio.Event())
-    await nursery.start(log.stream_to, sid, held)
+    stream = await _streamed(log, nursery, sid, held)
     acknowledged = log.append(sid, 1, record(sid, 1))
     held.release.set()
     with trio.fail_after(10):
@@ -226,7 +253,17 @@ async def _acknowledged_then_held(
     in_flight = log.append(sid, 2, record(sid, 2))
     with trio.fail_after(10):
         await held.waiting.wait()
-    return acknowledged, in_flight
+    return acknowledged, in_flight, stream
+
+
+async def _taken_over(
+    log: ReplicatingTraceLog, traces: TraceStream, sid: str, stream: trio.CancelScope
+) -> None:
+    """Host-b takes ``sid`` over (its fence), and this host gives it up, as when its lease
+    was lost: forgotten, its stream stopped."""
+    await traces.fence(sid, "host-b")
+    log.forget(sid)
+    stream.cancel()
 
 
 def test_each_ticket_answers_whether_its_own_record_reached_the_cluster(
@@ -243,10 +280,14 @@ def test_each_ticket_answers_whether_its_own_record_reached_the_cluster(
         log = store.log
         async with trio.open_nursery() as nursery:
             await nursery.start(store.run)
-            acknowledged, in_flight = await _acknowledged_then_held(store, traces, nursery, "s")
+            acknowledged, in_flight, stream = await _acknowledged_then_held(
+                store, traces, nursery, "s"
+            )
             queued = log.append("s", 3, record("s", 3))
-            log.forget("s")  # its lease was lost, records 2 and 3 unacknowledged
+            # Records 2 (on its way, never sent) and 3 (queued) unacknowledged.
+            await _taken_over(log, traces, "s", stream)
             after = log.append("s", 4, record("s", 4))
+            await _done(log, in_flight)
             found = {
                 "acknowledged": _named(log.lost("s", acknowledged)),
                 "in flight": _named(log.lost("s", in_flight)),
@@ -269,6 +310,181 @@ def test_each_ticket_answers_whether_its_own_record_reached_the_cluster(
     }
 
 
+class AckHeldWriter(TraceWriter):
+    """The real writer, whose appends after the first reach JetStream and then wait,
+    their acknowledgement held, until ``release`` is set (never, here)."""
+
+    def __init__(self, writer: TraceWriter) -> None:
+        super().__init__(writer._conn, writer.session_id, expected=writer.expected)
+        self.stored = trio.Event()
+        self.appends = 0
+
+    async def append(self, lines: Sequence[str]) -> int:
+        sequence = await super().append(lines)
+        self.appends += 1
+        if self.appends > 1:
+            self.stored.set()
+            await trio.Event().wait()
+        return sequence
+
+
+def test_a_record_jetstream_stored_on_its_way_when_its_session_was_given_up_is_not_lost(
+    nats_server: NatsProcess, tmp_path: Path
+) -> None:
+    # R-STEER-6, R-CLUSTER-1, R-CLUSTER-2: a record whose message JetStream had stored,
+    # its acknowledgement not back yet, counted as lost when the session was given up
+    # (its lease lost), so a steer's receipt was answered 410 for input the cluster's
+    # trace holds and the host taking the session up runs. Its fate is found out first.
+    sid = "s"
+
+    async def body(conn: Connection) -> dict[str, object]:
+        traces = await TraceStream.open(conn)
+        store = ReplicatingTraceStore(tmp_path, on_fenced=lambda _sid: None)
+        log = store.log
+        async with trio.open_nursery() as nursery:
+            await nursery.start(store.run)
+            await _replicated(store, sid)
+            writer = AckHeldWriter(await traces.fence(sid, "host-a"))
+            stream = await _streamed(log, nursery, sid, writer)
+            first = log.append(sid, 1, record(sid, 1))
+            with trio.fail_after(10):
+                await log.sync(sid)
+            stored = log.append(sid, 2, record(sid, 2))
+            with trio.fail_after(10):
+                await writer.stored.wait()
+            queued = log.append(sid, 3, record(sid, 3))  # never sent
+            log.forget(sid)  # its lease was lost, with record 2 stored unacknowledged
+            stream.cancel()  # as the node stops the session's stream then
+            await _done(log, stored)
+            found: dict[str, object] = {
+                "first": _named(log.lost(sid, first)),
+                "stored": _named(log.lost(sid, stored)),
+                "queued": _named(log.lost(sid, queued)),
+            }
+            nursery.cancel_scope.cancel()
+        await store.aclose()
+        found["in_cluster"] = [r.seq for r in (await traces.read(sid)).records]
+        return found
+
+    assert run_connected(nats_server.url, body, timeout_s=20.0) == {
+        "first": "nothing",
+        "stored": "nothing",
+        "queued": "RecordsGivenUp",
+        "in_cluster": [1, 2],
+    }
+
+
+def test_a_record_whose_fate_nats_does_not_tell_is_in_doubt_not_lost(
+    nats_server: NatsProcess, tmp_path: Path
+) -> None:
+    # R-STEER-6, R-CLUSTER-2: a record given up on its way, when NATS does not answer the
+    # question whether it stored it, is neither acknowledged (its input said queued) nor
+    # lost (a 410 for input the cluster may run): it is in doubt.
+    sid = "doubt"
+
+    async def body(conn: Connection) -> dict[str, object]:
+        traces = await TraceStream.open(conn)
+        store = ReplicatingTraceStore(tmp_path, on_fenced=lambda _sid: None)
+        log = store.log
+        async with trio.open_nursery() as nursery:
+            await nursery.start(store.run)
+            await _replicated(store, sid)
+            writer = AckHeldWriter(await traces.fence(sid, "host-a"))
+            stream = await _streamed(log, nursery, sid, writer)
+            first = log.append(sid, 1, record(sid, 1))
+            with trio.fail_after(10):
+                await log.sync(sid)
+            on_its_way = log.append(sid, 2, record(sid, 2))
+            with trio.fail_after(10):
+                await writer.stored.wait()
+            reads = conn.js.get_msg
+
+            async def unanswered(*_args: object, **_kwargs: object) -> object:
+                raise nats.errors.TimeoutError
+
+            conn.js.get_msg = unanswered  # type: ignore[method-assign]
+            log.forget(sid)
+            stream.cancel()
+            await _done(log, on_its_way)
+            conn.js.get_msg = reads  # type: ignore[method-assign]
+            found: dict[str, object] = {
+                "first": _named(log.lost(sid, first)),
+                "on its way": _named(log.lost(sid, on_its_way)),
+                "sync": await _sync_outcome(log, sid),
+            }
+            nursery.cancel_scope.cancel()
+        await store.aclose()
+        found["in_cluster"] = [r.seq for r in (await traces.read(sid)).records]
+        return found
+
+    assert run_connected(nats_server.url, body, timeout_s=20.0) == {
+        "first": "nothing",
+        "on its way": "RecordInDoubt",
+        "sync": "RecordInDoubt",
+        "in_cluster": [1, 2],
+    }
+
+
+class FailingWriter(TraceWriter):
+    """The real writer, which sets ``failed`` once NATS failed an append."""
+
+    def __init__(self, writer: TraceWriter) -> None:
+        super().__init__(writer._conn, writer.session_id, expected=writer.expected)
+        self.failed = trio.Event()
+
+    async def append(self, lines: Sequence[str]) -> int:
+        try:
+            return await super().append(lines)
+        except ClusterUnavailable:
+            self.failed.set()
+            raise
+
+
+def test_a_record_sent_but_not_stored_when_its_session_was_given_up_is_settled_by_sending_it(
+    nats_server: NatsProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # R-CLUSTER-2: NATS failed the record's append (unstored), and the session was given
+    # up before the retry: nothing follows the writer's last message, so the attempt may
+    # still arrive. Sent again with the same id, it is stored once (or refused for good,
+    # had another host fenced): its ticket answers by what the stream then holds.
+    monkeypatch.setattr(store_module, "_RETRY_S", 3600.0)  # no retry but the give-up's
+    sid = "resent"
+
+    async def body(conn: Connection) -> dict[str, object]:
+        traces = await TraceStream.open(conn)
+        store = ReplicatingTraceStore(tmp_path, on_fenced=lambda _sid: None)
+        log = store.log
+        async with trio.open_nursery() as nursery:
+            await nursery.start(store.run)
+            await _replicated(store, sid)
+            faults = FaultyPublishes(conn, unsent={1})
+            writer = FailingWriter(await traces.fence(sid, "host-a"))
+            stream = await _streamed(log, nursery, sid, writer)
+            log.append(sid, 1, record(sid, 1))
+            with trio.fail_after(10):
+                await log.sync(sid)
+            failed = log.append(sid, 2, record(sid, 2))
+            with trio.fail_after(10):
+                await writer.failed.wait()
+            log.forget(sid)
+            stream.cancel()
+            await _done(log, failed)
+            found: dict[str, object] = {
+                "failed": _named(log.lost(sid, failed)),
+                "attempts": faults.appends,
+            }
+            nursery.cancel_scope.cancel()
+        await store.aclose()
+        found["stored"] = await stored_messages(conn, sid)
+        return found
+
+    assert run_connected(nats_server.url, body, timeout_s=20.0) == {
+        "failed": "nothing",
+        "attempts": 3,
+        "stored": ["1", "2"],
+    }
+
+
 def test_a_ticket_given_up_stays_lost_once_its_session_is_released_or_replicated_again(
     nats_server: NatsProcess, tmp_path: Path
 ) -> None:
@@ -284,11 +500,14 @@ def test_a_ticket_given_up_stays_lost_once_its_session_is_released_or_replicated
             await nursery.start(store.run)
             tickets: dict[str, int] = {}
             for sid in ("released", "again"):
-                acknowledged, in_flight = await _acknowledged_then_held(store, traces, nursery, sid)
+                acknowledged, in_flight, stream = await _acknowledged_then_held(
+                    store, traces, nursery, sid
+                )
                 tickets[f"{sid}: acknowledged"] = acknowledged
                 tickets[f"{sid}: in flight"] = in_flight
-                log.forget(sid)  # its lease was lost, record 2 unacknowledged
+                await _taken_over(log, traces, sid, stream)  # record 2 unacknowledged
                 tickets[f"{sid}: appended after"] = log.append(sid, 3, record(sid, 3))
+                await _done(log, in_flight)
             log.release("released")  # closed here
             log.replicate("again")  # taken up here again
             found: dict[str, object] = {

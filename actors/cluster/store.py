@@ -33,6 +33,14 @@ records that each fit in a message are never refused together. A message NATS fa
 and those after it: the writer recognises a retried message that was stored
 (:class:`~greenroom.actors.cluster.traces.TraceWriter`), so no record reaches the stream
 twice and a lost acknowledgement is no fence (R-CLUSTER-2).
+
+A session given up (its lease lost: :meth:`~ReplicatingTraceLog.forget`; the store closed)
+loses the records it never sent. The message on its way then, sent and not acknowledged,
+may be stored: the session's stream finds out, within :data:`_DOUBT_S`, before its tickets
+are done — it is the first message after the writer's last, or, when nothing follows that
+yet, it goes again with its id and is stored once now or refused for good (another host's
+fence came first). NATS silent, those records are in doubt (:class:`RecordInDoubt`),
+neither acknowledged nor lost.
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ from greenroom.actors.runtime.trace_store import (
     FileTraceStore,
     FileUsageLedger,
     LoadedTrace,
+    RecordInDoubt,
     RecordsGivenUp,
     StaleTraceWriter,
     StoredSession,
@@ -73,6 +82,10 @@ __all__ = [
 
 _RETRY_S = 0.5
 """Wait before appending again after NATS was unreachable."""
+
+_DOUBT_S = 5.0
+"""How long a session given up with a message on its way waits for NATS to say whether
+it stored it, before its records are left in doubt (:class:`RecordInDoubt`)."""
 
 _FIRST_TICKET = 2
 """The first ticket of a replicated record; the file log's tickets (1) are below, and are
@@ -95,6 +108,8 @@ class _Message:
     def __init__(self, records: list[tuple[int, int, str]], rotate: int | None = None) -> None:
         self.records = records
         self.rotate = rotate
+        self.sent = False
+        """Whether an attempt went out: JetStream may hold it, acknowledged or not."""
 
 
 class _Replica:
@@ -124,16 +139,25 @@ class _Replica:
         up unacknowledged, else the one after the last it gave. Its tickets grow in the
         session's order, and a record appended since gets one above, so those from it on
         are lost and those before it were acknowledged (:meth:`ReplicatingTraceLog.lost`)."""
+        self.in_doubt: list[tuple[int, int, str]] = []
+        """Once given up, the records of the message that was on its way then (sent, not
+        acknowledged): JetStream may hold them. Their tickets are done once the session's
+        stream finds out (:meth:`ReplicatingTraceLog.stream_to`), not before."""
+        self.unknown: RecordInDoubt | None = None
+        """Why the records given up on their way stay in doubt, when NATS did not tell in
+        time; their tickets are from :attr:`doubted_from` to :attr:`lost_from`."""
+        self.doubted_from = 0
+        self.streaming = False
+        """Whether a :meth:`ReplicatingTraceLog.stream_to` task sends its records."""
+        self.sending: trio.CancelScope | None = None
+        """The scope of the message being sent, cancelled when the session is given up:
+        the stream stops waiting for its acknowledgement and finds out instead."""
         self.wakeup = trio.Event()
         self.idle = trio.Event()
         self.idle.set()
 
     def busy(self) -> bool:
         return bool(self.queue or self.unsent)
-
-    def in_flight(self) -> list[tuple[int, int, str]]:
-        """The records of the unsent messages."""
-        return [record for message in self.unsent for record in message.records]
 
 
 class UnreplicableRecord(StaleTraceWriter):
@@ -174,7 +198,8 @@ class ReplicatingTraceStore:
 
     async def aclose(self) -> None:
         """Close the file store; records JetStream has not acknowledged by then are given
-        up (their tickets count as done, their sessions report that they were lost) —
+        up (their tickets count as done, their sessions report that they were lost, but
+        for those on their way, whose fate the sessions' streams find out first) —
         also when the close is cut short (the host's shutdown bound): whoever waits for
         them (a receipt, a sync) is answered then, not at its own bound."""
         try:
@@ -288,7 +313,8 @@ class ReplicatingTraceLog:
 
     def forget(self, session_id: str) -> None:
         """Stop replicating ``session_id``; records still queued are given up (their
-        tickets count as done, and the session reports the error)."""
+        tickets count as done, and the session reports the error), and those on their way
+        are settled by what JetStream holds (:meth:`_give_up`)."""
         self._forked.pop(session_id, None)
         self._closed.discard(session_id)
         replica = self._replicas.pop(session_id, None)
@@ -322,8 +348,8 @@ class ReplicatingTraceLog:
             replica.wakeup.set()  # its stream_to loop ends
 
     def give_up_all(self) -> None:
-        """The store is closed: records JetStream has not acknowledged are given up (their
-        tickets count as done)."""
+        """The store is closed: records JetStream has not acknowledged are given up as by
+        :meth:`forget`."""
         for replica in list(self._replicas.values()):
             self._give_up(replica, replica.given_up or self._lost(replica.session_id))
 
@@ -340,8 +366,48 @@ class ReplicatingTraceLog:
         are done and the rest go again, unchanged, once it can be reached."""
         self.replicate(session_id)
         replica = self._replicas[session_id]
+        replica.streaming = True
         task_status.started()
+        try:
+            await self._stream(replica, writer)
+        finally:
+            replica.streaming = False
+            if replica.in_doubt:
+                await self._find_out(replica, writer)
+
+    async def _find_out(self, replica: _Replica, writer: TraceWriter) -> None:
+        """Settle the records given up on their way by what JetStream holds: shielded, as
+        the session's stream is cancelled when it is given up, and bounded (:data:`_DOUBT_S`):
+        NATS silent, they stay in doubt."""
+        stored: bool | None = None
+        with trio.CancelScope(shield=True), trio.move_on_after(_DOUBT_S):
+            with contextlib.suppress(ClusterUnavailable):
+                stored = await writer.holds([line for _, _, line in replica.in_doubt])
+        self._settle_doubt(replica, stored)
+
+    def _settle_doubt(self, replica: _Replica, stored: bool | None) -> None:
+        """``replica``'s records :attr:`~_Replica.in_doubt` are done: JetStream holds them
+        (``stored``), or they are lost, or (None) nobody knows."""
+        doubtful, replica.in_doubt = replica.in_doubt, []
+        if stored is None:
+            replica.unknown = RecordInDoubt(
+                self._where(replica.session_id),
+                "the session stopped being replicated while its record was on its way to "
+                "the cluster, and NATS did not say whether it stored it",
+            )
+            replica.doubted_from = doubtful[0][0]
+            replica.error = replica.error or replica.unknown
+        elif not stored:
+            replica.lost_from = doubtful[0][0]
+            replica.error = replica.error or replica.given_up
+        self._acknowledge(doubtful)
+        replica.idle.set()
+
+    async def _stream(self, replica: _Replica, writer: TraceWriter) -> None:
+        session_id = replica.session_id
         while self._replicas.get(session_id) is replica:
+            if replica.in_doubt:  # given up (the store closed) with a message on its way
+                await self._find_out(replica, writer)
             if not replica.unsent:
                 if not replica.queue:
                     replica.idle.set()
@@ -352,6 +418,11 @@ class ReplicatingTraceLog:
             try:
                 await self._send(writer, replica)
             except (Fenced, RecordTooLarge) as exc:
+                # Refused: it is not in the stream.
+                if replica.in_doubt:
+                    self._settle_doubt(replica, stored=False)
+                elif replica.unsent:
+                    replica.unsent[0].sent = False
                 # A record NATS cannot carry (a client's input of a megabyte) can never be
                 # in the cluster: the session stops here as a fenced one does, and goes on
                 # from its trace in the cluster, without it. Raised on, it ended the host.
@@ -374,20 +445,32 @@ class ReplicatingTraceLog:
             except ClusterUnavailable:
                 # The unacknowledged messages stay as they are, to go again unchanged
                 # (after the same sequence, with the same id): the one that failed may
-                # be stored, and the writer recognises it only so.
-                await trio.sleep(_RETRY_S)
+                # be stored, and the writer recognises it only so. Given up meanwhile,
+                # it goes again at once, to find out whether it was stored.
+                if not replica.in_doubt:
+                    await trio.sleep(_RETRY_S)
 
     async def _send(self, writer: TraceWriter, replica: _Replica) -> None:
         """Send the replica's unsent messages, acknowledging each one's records as soon
         as JetStream has it, so that a retry sends only the rest."""
         while replica.unsent:
             message = replica.unsent[0]
-            if message.rotate is not None:
-                await writer.rotate(message.rotate)
-            else:
-                await writer.append([line for _, _, line in message.records])
+            message.sent = True
+            with trio.CancelScope() as sending:
+                replica.sending = sending
+                try:
+                    if message.rotate is not None:
+                        await writer.rotate(message.rotate)
+                    else:
+                        await writer.append([line for _, _, line in message.records])
+                finally:
+                    replica.sending = None
+            if sending.cancelled_caught:
+                return  # given up on its way: the stream finds out what became of it
+            if replica.in_doubt and replica.in_doubt is message.records:
+                self._settle_doubt(replica, stored=True)  # given up on its way, and stored
             # Given up meanwhile (forgotten, the store closed): its records were done then.
-            if replica.unsent and replica.unsent[0] is message:
+            elif replica.unsent and replica.unsent[0] is message:
                 replica.unsent.pop(0)
                 self._acknowledge(message.records)
 
@@ -400,18 +483,28 @@ class ReplicatingTraceLog:
                     _tell(reply, ticket)
 
     def _give_up(self, replica: _Replica, error: TraceWriteError) -> None:
-        """Stop replicating ``replica`` for ``error``: its records JetStream has not
-        acknowledged count as done, and lost. Given up with none lost, the session fails no
-        sync until it appends a record, which then reaches no cluster (a fence refuses it)."""
+        """Stop replicating ``replica`` for ``error``: its records never sent count as
+        done, and lost. Those of a message on its way (sent, not acknowledged) may be in
+        JetStream: they are done once the session's stream found out (:meth:`_find_out`),
+        lost only if they are not there. Given up with none lost, the session fails no sync
+        until it appends a record, which then reaches no cluster (a fence refuses it)."""
         replica.given_up = error
-        lost = replica.in_flight() + replica.queue
+        unsent = replica.unsent
+        if unsent and unsent[0].sent and unsent[0].records:
+            replica.in_doubt, unsent = unsent[0].records, unsent[1:]
+        lost = [record for message in unsent for record in message.records] + replica.queue
         if lost or isinstance(error, StaleTraceWriter):
             replica.error = error
         if replica.lost_from is None:
             replica.lost_from = lost[0][0] if lost else next(self._tickets)
         replica.unsent, replica.queue = [], []
         self._acknowledge(lost)
-        replica.idle.set()
+        if replica.in_doubt and not replica.streaming:
+            self._settle_doubt(replica, None)  # no stream is left to find out
+        elif not replica.in_doubt:
+            replica.idle.set()
+        if replica.sending is not None:
+            replica.sending.cancel()
         replica.wakeup.set()
 
     def _retire(self, replica: _Replica | None) -> None:
@@ -538,10 +631,11 @@ class ReplicatingTraceLog:
         return None if replica is None else replica.error
 
     def lost(self, session_id: str, ticket: int) -> TraceWriteError | None:
-        """Why the record of ``ticket`` never reaches the cluster, or None once JetStream
-        acknowledged it (or the session is not replicated: as the file log). Its own fate,
-        whatever became of the session's other records: given up unacknowledged (fenced,
-        forgotten, the store closed), or appended once the session was given up — also
+        """Why the record of ``ticket``, done, never reaches the cluster (or may not:
+        :class:`RecordInDoubt`), or None once JetStream holds it (or the session is not
+        replicated: as the file log). Its own fate, whatever became of the session's other
+        records: given up unsent or refused (fenced, forgotten, the store closed), or
+        appended once the session was given up — also
         once the session is released or replicated again, for :data:`_LOST_KEPT_S`, as
         long as a receipt may ask. O(1) while the log holds the ticket's replica (it keeps
         only its first lost ticket); after, a look through the replicas given up since."""
@@ -550,8 +644,11 @@ class ReplicatingTraceLog:
             # A file log's ticket (appended while the session was not replicated), or
             # one of a replica the log no longer holds.
             replica = _giver(self._past, session_id, ticket)
-        if replica is None or replica.lost_from is None or ticket < replica.lost_from:
+        if replica is None or replica.lost_from is None:
             return None
+        if ticket < replica.lost_from:
+            doubted = replica.unknown is not None and ticket >= replica.doubted_from
+            return replica.unknown if doubted else None
         return replica.error or replica.given_up
 
     def clear_error(self, session_id: str) -> None:

@@ -423,6 +423,42 @@ class TraceWriter:
         digest.update(payload)
         return f"{self.session_id}.{after}.{digest.hexdigest()}"
 
+    async def holds(self, lines: Sequence[str]) -> bool:
+        """Whether the stream holds the append of ``lines`` after :attr:`expected` whose
+        outcome is unknown (cut short, or its acknowledgement lost), for certain: it is the
+        subject's first message after ``expected``, or it is not and never will be. When
+        nothing follows ``expected`` yet, the attempt may still be on its way: the same
+        message goes again, as a retry would, so that it is stored once now or refused for
+        good (the first message after ``expected`` is someone else's). Raises
+        :class:`ClusterUnavailable` when NATS does not answer."""
+        payload = "".join(lines).encode()
+        message_id = self._message_id(payload, {}, after=str(self.expected))
+        first = await self._first_after()
+        if first is None:
+            try:
+                await self._publish(payload, {}, "append to")
+                return True
+            except Fenced:
+                first = await self._first_after()
+        return first is not None and (first.headers or {}).get(_MESSAGE_ID) == message_id
+
+    async def _first_after(self) -> nats.js.api.RawStreamMsg | None:
+        """The subject's first message after :attr:`expected`, if any."""
+        try:
+            return await self._conn.call(
+                self._conn.js.get_msg(
+                    self._conn.names.trace_stream,
+                    self.expected + 1,
+                    subject=self._subject,
+                    next=True,
+                    direct=True,
+                )
+            )
+        except nats.js.errors.NotFoundError:
+            return None
+        except nats.js.errors.APIError as exc:
+            raise ClusterUnavailable(f"cannot read the trace of {self.session_id}: {exc}") from exc
+
     async def _stored_last(self, message_id: str) -> int | None:
         """The stream sequence of the subject's last message if it is ``message_id``."""
         try:

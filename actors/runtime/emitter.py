@@ -26,7 +26,11 @@ import trio
 from greenroom.actors.runtime.port import SessionPort
 from greenroom.actors.runtime.receipts import InputReceipt
 from greenroom.actors.runtime.trace_sink import TraceSinkClosed, TraceWriteError
-from greenroom.actors.runtime.trace_store import RecordsGivenUp, StaleTraceWriter
+from greenroom.actors.runtime.trace_store import (
+    RecordInDoubt,
+    RecordsGivenUp,
+    StaleTraceWriter,
+)
 from greenroom.protocols import converter
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.messages import TraceWritten
@@ -359,7 +363,7 @@ async def _settle_once_durable(
         except (TraceWriteError, TraceSinkClosed) as exc:
             failure = exc
     if ticket is not None and (
-        failure is None or isinstance(failure, StaleTraceWriter | RecordsGivenUp)
+        failure is None or isinstance(failure, StaleTraceWriter | RecordsGivenUp | RecordInDoubt)
     ):
         # Whether the receipt's own record was given up is its ticket's to say (one
         # JetStream acknowledged is in the cluster, and runs), whatever the sync said:
@@ -367,7 +371,7 @@ async def _settle_once_durable(
         failure = _record_lost(port, ticket)
     if waiting.cancelled_caught:
         receipt.drop(f"its record was not known durable within {DURABLE_WAIT_S:g} s")
-    elif isinstance(failure, StaleTraceWriter | RecordsGivenUp):
+    elif isinstance(failure, StaleTraceWriter | RecordsGivenUp | RecordInDoubt):
         # Given up unacknowledged (fenced, the session or the host's store given up): no
         # later sync makes it durable, open session or not.
         receipt.drop(f"its record did not reach the cluster's trace ({failure})")

@@ -114,6 +114,7 @@ __all__ = [
     "FileTraceStore",
     "FileUsageLedger",
     "LoadedTrace",
+    "RecordInDoubt",
     "RecordsGivenUp",
     "SessionCatalog",
     "StaleTraceWriter",
@@ -139,6 +140,13 @@ class RecordsGivenUp(TraceWriteError):
     """The store stopped keeping the session's records durable before it held them all
     (a cluster host gave the session up, or closed, before JetStream acknowledged them):
     those records, and any written after, never become durable, however often synced."""
+
+
+class RecordInDoubt(TraceWriteError):
+    """The store stopped keeping the session's records durable while one was on its way
+    (a cluster host gave the session up with a message sent to JetStream and not yet
+    acknowledged), and could not find out whether it was stored: the record may survive
+    the host (and run on the one that takes the session up), or not."""
 
 
 class StoredSessionMissing(GreenroomError):
@@ -266,9 +274,10 @@ class TraceLog(Protocol):
     def lost(self, session_id: str, ticket: int) -> TraceWriteError | None:
         """Why the record of ``ticket`` (appended for ``session_id``; asked once the
         ticket is done) will never be durable, however often synced: a store that gives
-        records up (a cluster host's, for records JetStream never acknowledged) says so
-        of each record, whatever became of the session's others. None when the record is
-        durable, or becomes so once synced (:meth:`sync` reports its failures)."""
+        records up (a cluster host's, for records JetStream never stored) says so of each
+        record, whatever became of the session's others; :class:`RecordInDoubt` when it
+        could not find out. None when the record is durable, or becomes so once synced
+        (:meth:`sync` reports its failures)."""
         ...
 
     def error(self, session_id: str) -> TraceWriteError | None:
