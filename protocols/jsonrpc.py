@@ -69,6 +69,11 @@ GONE = 410
 work stopped) before the input was recorded (R-STEER-1, R-STEER-6)."""
 AUTH_LOCKED = 423
 """The session is locked by a model auth failure until ``retry_auth`` (R-RETRY-6)."""
+UNAVAILABLE = 503
+"""What a call asked may or may not have been done, or was not done for now: ``data.outcome``
+says which, ``unknown`` or ``not_done`` (a ``steer`` or ``follow_up`` whose record a cluster
+host gave up on its way to the cluster's trace, unsure whether it got there; in a cluster,
+a call whose host stopped answering)."""
 TOO_MANY_REQUESTS = 429
 """A limit was reached: the connection's request rate, the principal's open sessions
 (``session.create``) or connections (``initialize``), or the wrong tokens of the client's
@@ -87,6 +92,7 @@ ERROR_MESSAGES: dict[int, str] = {
     GONE: "gone",
     AUTH_LOCKED: "locked by auth failure",
     TOO_MANY_REQUESTS: "too many requests",
+    UNAVAILABLE: "service unavailable",
 }
 
 RequestId = str | int | None

@@ -18,6 +18,7 @@ import trio.testing
 from conftest import RUN_TIMEOUT_S, Gates, allow_all
 
 from greenroom.actors.cluster.connection import Connection
+from greenroom.actors.cluster.errors import ClusterUnavailable
 from greenroom.actors.cluster.node import ClusterConfig, ClusterNode, open_cluster_host
 from greenroom.actors.cluster.store import ReplicatingTraceLog, ReplicatingTraceStore
 from greenroom.actors.cluster.traces import TraceStream, TraceWriter
@@ -216,6 +217,49 @@ def test_a_steer_on_its_way_when_the_host_close_is_cut_short_is_answered_at_once
     answer, in_cluster = run_connected(nats_server.url, body, timeout_s=60.0)
     assert answer == str({"queued": True})
     assert in_cluster.count("mind the gap") == 1
+
+
+def test_a_steer_on_its_way_whose_fate_nats_does_not_tell_is_answered_in_doubt(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-STEER-6, R-CLUSTER-2: the host's lease is lost while the steer's record is on its
+    way to JetStream, and NATS does not answer whether it stored it. Before, the record
+    counted as lost: 410 "dropped, not queued" for input the next host may run, which a
+    client would send again. Now the answer says it may have been queued: a 503 whose
+    ``data.outcome`` is ``unknown``, as a cluster answers any call in doubt."""
+    withheld = Withheld(monkeypatch)
+
+    async def unanswered(writer: TraceWriter, lines: Sequence[str]) -> bool:
+        raise ClusterUnavailable("NATS is unavailable: the test's outage")
+
+    monkeypatch.setattr(TraceWriter, "holds", unanswered)
+    recorded = InputReceipt()
+    nodes: list[ClusterNode] = []
+
+    async def body(conn: Connection) -> RpcError:
+        async with host_a(conn, nats_server, tmp_path, on_node=nodes.append) as host:
+            session = await _waiting_in_its_call(host, tmp_path)
+            store = host.trace_store
+            assert isinstance(store, ReplicatingTraceStore)
+            assert await store.log.settled(session.id)  # nothing else on its way
+            withheld.withhold.set()
+            assert session.steer("mind the gap", recorded=recorded)
+            with trio.fail_after(RUN_TIMEOUT_S):
+                await withheld.holding.wait()
+            _lose_the_lease(nodes[0])
+            with trio.fail_after(RUN_TIMEOUT_S):
+                await recorded.settled.wait()
+            with pytest.raises(RpcError) as answered:
+                await once_recorded(recorded)
+            return answered.value
+
+    answer = run_connected(nats_server.url, body, timeout_s=60.0)
+    assert (answer.code, answer.data) == (jsonrpc.UNAVAILABLE, {"outcome": "unknown"})
+    assert answer.message.startswith(
+        "the input may have been queued: its record may or may not have reached the "
+        "cluster's trace (cannot write "
+    )
+    assert answer.message.endswith("sending it again may queue it twice")
 
 
 def test_a_steer_after_the_store_gave_the_session_up_is_dropped_while_it_is_open(

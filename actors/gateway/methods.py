@@ -53,6 +53,7 @@ from greenroom.actors.gateway.queue_room import (
     QueueRoom,
     closed_answer,
     dropped_answer,
+    in_doubt_answer,
 )
 from greenroom.actors.gateway.time_travel import TimeTravelMethods
 from greenroom.actors.gateway.titles import Titles
@@ -166,11 +167,14 @@ async def once_recorded(recorded: InputReceipt) -> dict[str, Any]:
     the input's record survives this host — fsynced, or in a cluster acknowledged by
     JetStream — so a host that takes the session up delivers it (R-STEER-1, R-STEER-6,
     R-CLUSTER-2); error 410 when it says the input was dropped unrun (its session closed
-    first). A store that hangs holds the answer only :data:`ACCEPT_WAIT_S`, as ``run``'s
-    (:func:`once_durable`)."""
+    first); error 503 (``data.outcome`` ``unknown``) when it says nobody knows whether the
+    record survived (:func:`in_doubt_answer`). A store that hangs holds the answer only
+    :data:`ACCEPT_WAIT_S`, as ``run``'s (:func:`once_durable`)."""
     answer = await once_durable(recorded.settled.wait, {"queued": True})
     if recorded.dropped is not None:
         raise dropped_answer(recorded.dropped)
+    if recorded.in_doubt is not None:
+        raise in_doubt_answer(recorded.in_doubt)
     return answer
 
 

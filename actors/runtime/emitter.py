@@ -328,14 +328,22 @@ def _settle_published(
     store, once the session's trace was fenced by another host, or its replication
     stopped, before JetStream acknowledged it): it never reached the trace a host taking
     the session up reads, so the input will not run, and a receipt said durable would
-    have its client told ``queued: true``."""
+    have its client told ``queued: true``. A record the store could not say either of
+    (:class:`RecordInDoubt`) leaves the receipt in doubt: neither ``queued`` nor 410."""
     while waiting and waiting[0][0] is batch:
         _, receipt, ticket = waiting.popleft()
         error = port.trace_error() if ticket is None else _record_lost(port, ticket)
         if error is None:
             receipt.durable()
+        elif isinstance(error, RecordInDoubt):
+            receipt.doubt(_in_doubt(error))
         else:
             receipt.drop(f"its record did not reach the cluster's trace ({error})")
+
+
+def _in_doubt(error: RecordInDoubt) -> str:
+    """A receipt's reason for a record that may or may not be in the cluster's trace."""
+    return f"its record may or may not have reached the cluster's trace ({error})"
 
 
 def _record_lost(port: SessionPort, ticket: int) -> TraceWriteError | None:
@@ -371,7 +379,9 @@ async def _settle_once_durable(
         failure = _record_lost(port, ticket)
     if waiting.cancelled_caught:
         receipt.drop(f"its record was not known durable within {DURABLE_WAIT_S:g} s")
-    elif isinstance(failure, StaleTraceWriter | RecordsGivenUp | RecordInDoubt):
+    elif isinstance(failure, RecordInDoubt):
+        receipt.doubt(_in_doubt(failure))
+    elif isinstance(failure, StaleTraceWriter | RecordsGivenUp):
         # Given up unacknowledged (fenced, the session or the host's store given up): no
         # later sync makes it durable, open session or not.
         receipt.drop(f"its record did not reach the cluster's trace ({failure})")

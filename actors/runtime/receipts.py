@@ -2,7 +2,8 @@
 ``Session.steer`` and ``Session.follow_up`` fill in (their ``recorded=``), so that whoever
 answers a client for that input — the gateway's ``steer`` and ``follow_up``, an A2A message
 that steers — tells the truth: ``queued`` only for input that survives the host (R-STEER-1,
-R-STEER-6, R-CLUSTER-2), an error for input that was dropped unrun."""
+R-STEER-6, R-CLUSTER-2), an error for input that was dropped unrun, and that it is not
+known for input whose record may or may not have survived."""
 
 from __future__ import annotations
 
@@ -20,14 +21,19 @@ class InputReceipt:
     or in a cluster acknowledged by JetStream — so that a host that takes the session up
     after this one stopped still delivers it, and ``dropped`` stays None; or it never
     runs (its session closed, or its work stopped, before it was recorded) and
-    ``dropped`` says why. Steering that comes too late for its task is recorded as the
-    task of its own it becomes (``task_queued``)."""
+    ``dropped`` says why; or nobody knows which (a cluster host gave the session up while
+    the record was on its way to JetStream, and NATS did not say whether it stored it)
+    and ``in_doubt`` says why. Steering that comes too late for its task is recorded as
+    the task of its own it becomes (``task_queued``)."""
 
     settled: trio.Event = attrs.field(factory=trio.Event)
     """Set once the input's record survives the host, or it was dropped."""
 
     dropped: str | None = None
     """Why the input will not run, when it was dropped; None otherwise."""
+
+    in_doubt: str | None = None
+    """Why it is not known whether the input runs, when it is not; None otherwise."""
 
     on_taken: Callable[[], object] | None = None
     """Called once, when the session's task machine has taken the input (into the steering
@@ -52,6 +58,14 @@ class InputReceipt:
             self.dropped = reason
             self.settled.set()
         self.taken()  # nothing will hold it: it counts nowhere
+
+    def doubt(self, reason: str) -> None:
+        """Whether the input's record survives the host is not known: settle with
+        ``reason``, unless settled already."""
+        if not self.settled.is_set():
+            self.in_doubt = reason
+            self.settled.set()
+        self.taken()  # nothing here holds it: the session was given up
 
 
 def drop_unrun(receipt: InputReceipt | None, reason: str) -> None:
