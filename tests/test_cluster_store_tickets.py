@@ -828,3 +828,76 @@ def test_a_retry_sends_again_only_what_was_not_acknowledged(
         else (["1", "2", "3", "4"], [1, 2, 3, 4], 1)
     )
     assert run_connected(nats_server.url, body, timeout_s=20.0) == expected
+
+
+class RetryHeld(TraceWriter):
+    """The real writer, whose appends after a failed one wait until ``retry`` is set."""
+
+    def __init__(self, writer: TraceWriter) -> None:
+        super().__init__(writer._conn, writer.session_id, expected=writer.expected)
+        self.failed = trio.Event()
+        self.retry = trio.Event()
+
+    async def append(self, lines: Sequence[str]) -> int:
+        if self.failed.is_set():
+            await self.retry.wait()
+        try:
+            return await super().append(lines)
+        except ClusterUnavailable:
+            self.failed.set()
+            raise
+
+
+def test_an_append_stored_unacknowledged_before_another_host_fenced_is_not_lost(
+    nats_server: NatsProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # R-CLUSTER-2, R-STEER-6: the append was stored but its acknowledgement lost, and
+    # another host fenced the trace before the retry. The retry, refused for its expected
+    # sequence, looked for its message as the subject's *last*, found the fence, and took
+    # itself for fenced: the stored record counted as lost (a steer's 410 for input the
+    # next host runs). Its message is the first after the writer's last: it was stored.
+    monkeypatch.setattr(store_module, "_RETRY_S", 0.0)
+    sid = "fenced-after"
+
+    async def body(conn: Connection) -> dict[str, object]:
+        traces = await TraceStream.open(conn)
+        fenced: list[str] = []
+        store = ReplicatingTraceStore(tmp_path, on_fenced=fenced.append)
+        log = store.log
+        async with trio.open_nursery() as nursery:
+            await nursery.start(store.run)
+            await _replicated(store, sid)
+            writer = RetryHeld(await traces.fence(sid, "host-a"))
+            FaultyPublishes(conn, lost={1})
+            await nursery.start(log.stream_to, sid, writer)
+            log.append(sid, 1, record(sid, 1))
+            with trio.fail_after(10):
+                await log.sync(sid)
+            stored = log.append(sid, 2, record(sid, 2))
+            with trio.fail_after(10):
+                await writer.failed.wait()
+            await traces.fence(sid, "host-b")
+            writer.retry.set()
+            found: dict[str, object] = {"sync": await _sync_outcome(log, sid)}
+            found["stored"] = _named(log.lost(sid, stored))
+            found["fenced"] = list(fenced)
+            try:
+                log.append(sid, 3, record(sid, 3))  # the fence refuses it
+            except TraceWriteError as exc:
+                found["sync after"] = f"append refused: {type(exc).__name__}"
+            else:
+                found["sync after"] = await _sync_outcome(log, sid)
+            found["fenced after"] = list(fenced)
+            nursery.cancel_scope.cancel()
+        await store.aclose()
+        found["in_cluster"] = await stored_messages(conn, sid)
+        return found
+
+    assert run_connected(nats_server.url, body, timeout_s=20.0) == {
+        "sync": "nothing",
+        "stored": "nothing",
+        "fenced": [],
+        "sync after": "StaleTraceWriter",
+        "fenced after": ["fenced-after"],
+        "in_cluster": ["1", "2"],
+    }

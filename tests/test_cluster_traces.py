@@ -71,7 +71,9 @@ def test_a_retry_of_a_message_stored_unacknowledged_is_no_fence(
     # The server stored an append but its acknowledgement was lost: the writer's retry
     # (the same message after the same sequence) was refused as "wrong last sequence"
     # and taken for a fence, though nobody else wrote. A message the server has as the
-    # subject's last is now recognised as the retried one; anything else still fences.
+    # subject's first after the writer's last is now recognised as the retried one, even
+    # when a new owner's fence follows it (it was stored: R-CLUSTER-2, no record given up
+    # that the cluster holds); anything else there still fences.
     async def body(conn: Connection) -> dict[str, object]:
         stream = await TraceStream.open(conn)
         writer = await stream.fence(SID, "host-a")
@@ -90,12 +92,14 @@ def test_a_retry_of_a_message_stored_unacknowledged_is_no_fence(
             found["other message"] = "accepted"
         except Fenced:
             found["other message"] = "fenced"
-        # The retried message stored, then a new owner's fence: fenced all the same.
+        # The retried message stored, then a new owner's fence: the retry finds it
+        # stored, and the writer's next append is fenced.
         writer = await stream.fence(SID, "host-b")
-        await TraceWriter(conn, SID, expected=writer.expected).append([_line(5)])
+        stored = await TraceWriter(conn, SID, expected=writer.expected).append([_line(5)])
         await stream.fence(SID, "host-c")
+        found["retry before a fence"] = await writer.append([_line(5)]) == stored
         try:
-            await writer.append([_line(5)])
+            await writer.append([_line(6)])
             found["fenced after"] = "accepted"
         except Fenced:
             found["fenced after"] = "fenced"
@@ -105,6 +109,7 @@ def test_a_retry_of_a_message_stored_unacknowledged_is_no_fence(
         "retry": True,
         "records": [1, 2, 3],
         "other message": "fenced",
+        "retry before a fence": True,
         "fenced after": "fenced",
     }
 

@@ -21,7 +21,9 @@ for each attempt of one message and different for any other (the session, the se
 it is appended after, a digest of its headers and payload). When an attempt was stored
 but its acknowledgement lost, the server refuses the retry for its expected sequence (it
 checks that before the message id); the writer then finds its message as the subject's
-last and goes on after it. If anything else is last, the writer was fenced.
+first after the sequence it appended after, and goes on after it (another host's fence
+may follow it: the next append is refused then). If anything else is first there, the
+writer was fenced.
 
 Reading: :meth:`TraceStream.read` gives the records with ``seq`` greater than ``after_seq``
 that exist now, all at once; :meth:`TraceStream.pages` gives the same a stream message at a
@@ -395,8 +397,8 @@ class TraceWriter:
                 raise ClusterUnavailable(f"cannot {doing} {self.session_id}: {exc}") from exc
             # The server checks the expected sequence before the message id, so a retry
             # of a message stored unacknowledged is refused like a stale writer's: it is
-            # no fence when that message is still the subject's last.
-            stored = await self._stored_last(message_id)
+            # no fence when that message is the subject's first after ``expected``.
+            stored = await self._stored_first(message_id)
             if stored is None:
                 self.fenced = True
                 raise Fenced(self.session_id, self.expected) from exc
@@ -414,8 +416,9 @@ class TraceWriter:
         # the stream: a writer appends after a given sequence once, no other writer
         # appends after it (each starts after its own fence), and the digest tells this
         # message from a different one tried after the same sequence. So finding it as
-        # the subject's last proves the retried attempt stored, and JetStream's duplicate
-        # window, where it is consulted first, can only answer a retry with its own ack.
+        # the subject's first after that sequence proves the attempt stored, and
+        # JetStream's duplicate window, where it is consulted first, can only answer a
+        # retry with its own ack.
         digest = hashlib.blake2b(digest_size=16)
         for name, value in sorted(marks.items()):
             digest.update(f"{name}: {value}\n".encode())
@@ -459,21 +462,13 @@ class TraceWriter:
         except nats.js.errors.APIError as exc:
             raise ClusterUnavailable(f"cannot read the trace of {self.session_id}: {exc}") from exc
 
-    async def _stored_last(self, message_id: str) -> int | None:
-        """The stream sequence of the subject's last message if it is ``message_id``."""
-        try:
-            last = await self._conn.call(
-                self._conn.js.get_last_msg(
-                    self._conn.names.trace_stream, self._subject, direct=True
-                )
-            )
-        except nats.js.errors.NotFoundError:
+    async def _stored_first(self, message_id: str) -> int | None:
+        """The stream sequence of the subject's first message after :attr:`expected` if it
+        is ``message_id`` (another host's fence may follow it: it was stored all the same)."""
+        first = await self._first_after()
+        if first is None or (first.headers or {}).get(_MESSAGE_ID) != message_id:
             return None
-        except nats.js.errors.APIError as exc:
-            raise ClusterUnavailable(f"cannot read the trace of {self.session_id}: {exc}") from exc
-        if (last.headers or {}).get(_MESSAGE_ID) != message_id:
-            return None
-        return int(last.seq or 0)
+        return int(first.seq or 0)
 
 
 def _headers_size(headers: dict[str, str]) -> int:
