@@ -75,12 +75,23 @@ async def _waiting_in_its_call(host: Host, workspace: Path) -> Session:
     return session
 
 
+async def _all_in_the_cluster(host: Host, session: Session) -> None:
+    """Return once JetStream acknowledged every record of ``session`` so far: a record
+    held from now on is the next one's alone (the tool call may start before the records
+    of the request that made it are acknowledged)."""
+    store = host.trace_store
+    assert isinstance(store, ReplicatingTraceStore)
+    with trio.fail_after(RUN_TIMEOUT_S):
+        assert await store.log.settled(session.id)
+
+
 async def _steered_unacknowledged(
     host: Host, workspace: Path, withheld: Withheld, recorded: InputReceipt
 ) -> Session:
     """A session of ``host`` whose task waits in its tool call, steered with ``recorded``
     once every earlier record is in the cluster: the steer's record waits for JetStream."""
     session = await _waiting_in_its_call(host, workspace)
+    await _all_in_the_cluster(host, session)
     withheld.withhold.set()
     assert session.steer("mind the gap", recorded=recorded)
     await trio.testing.wait_all_tasks_blocked()
@@ -207,9 +218,7 @@ def test_a_steer_on_its_way_when_the_host_close_is_cut_short_is_answered_at_once
         with trio.fail_after(DURABLE_WAIT_S / 2):
             async with host_a(conn, nats_server, tmp_path) as host:
                 session = await _waiting_in_its_call(host, tmp_path)
-                store = host.trace_store
-                assert isinstance(store, ReplicatingTraceStore)
-                assert await store.log.settled(session.id)  # nothing else on its way
+                await _all_in_the_cluster(host, session)
                 withheld.withhold.set()
                 assert session.steer("mind the gap", recorded=recorded)
                 await withheld.holding.wait()
@@ -242,9 +251,7 @@ def test_a_steer_on_its_way_whose_fate_nats_does_not_tell_is_answered_in_doubt(
     async def body(conn: Connection) -> RpcError:
         async with host_a(conn, nats_server, tmp_path, on_node=nodes.append) as host:
             session = await _waiting_in_its_call(host, tmp_path)
-            store = host.trace_store
-            assert isinstance(store, ReplicatingTraceStore)
-            assert await store.log.settled(session.id)  # nothing else on its way
+            await _all_in_the_cluster(host, session)
             withheld.withhold.set()
             assert session.steer("mind the gap", recorded=recorded)
             with trio.fail_after(RUN_TIMEOUT_S):
