@@ -755,12 +755,14 @@ async def test_queued_input_whose_fsync_is_under_way_as_the_host_is_cancelled_se
 # -- 4. private files ------------------------------------------------------------------------
 
 
-async def test_queued_input_whose_fsync_never_completes_is_dropped_after_durable_wait_s(
+async def test_queued_input_whose_fsync_never_completes_is_in_doubt_after_durable_wait_s(
     data_dir: Path, workspace: Path, disk: FaultyDisk, mock_clock: trio.testing.MockClock
 ) -> None:
     """R-STEER-6, R-SEC-9: a receipt waits at most DURABLE_WAIT_S for the fsync that
-    covers its record; the disk never finishing it, the input is dropped with the reason
-    (the gateway's 410), never answered ``queued: true`` nor left waiting for ever. The
+    covers its record; the disk never finishing it, the input is in doubt, with the reason
+    (the gateway's 503, outcome unknown): written and held by the running session, it runs
+    unless the host dies first, so it is neither answered ``queued: true``, nor 410 (a
+    client would send it again and have it run twice), nor left waiting for ever. The
     clock stands still until the steer, then jumps whenever the run loop is idle: the
     stalled fsync leaves it so, and the clock goes straight to the receipt's bound (the
     test's own, twice as far, fails a receipt left waiting); then it stands again, so
@@ -782,13 +784,15 @@ async def test_queued_input_whose_fsync_never_completes_is_dropped_after_durable
         assert max(fsynced_sizes(disk, path), default=0) < path.stat().st_size
         disk.release()  # the host's close fsyncs what is left
         gates.release("k")
-    assert recorded.dropped == f"its record was not known durable within {DURABLE_WAIT_S:g} s"
+    assert recorded.dropped is None
+    assert recorded.in_doubt == f"its record was not known durable within {DURABLE_WAIT_S:g} s"
     assert waited >= DURABLE_WAIT_S  # virtual time: the receipt waited its whole bound
     with pytest.raises(RpcError) as refused:
         await once_recorded(recorded)
-    assert refused.value.code == jsonrpc.GONE
-    assert refused.value.message == (
-        "the input was dropped, not queued: its record was not known durable within "
+    assert refused.value.code == jsonrpc.UNAVAILABLE
+    assert refused.value.data == {"outcome": "unknown"}
+    assert refused.value.message.startswith(
+        "the input may have been queued: its record was not known durable within "
         f"{DURABLE_WAIT_S:g} s"
     )
 

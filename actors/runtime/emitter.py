@@ -378,7 +378,10 @@ async def _settle_once_durable(
         # released meanwhile (or replicated again), the session's sync knows nothing of it.
         failure = _record_lost(port, ticket)
     if waiting.cancelled_caught:
-        receipt.drop(f"its record was not known durable within {DURABLE_WAIT_S:g} s")
+        # Written and handed to the running session, only not known fsynced: it runs unless
+        # the host dies first, so a client told "dropped" and sending it again would have
+        # it run twice.
+        receipt.doubt(f"its record was not known durable within {DURABLE_WAIT_S:g} s")
     elif isinstance(failure, RecordInDoubt):
         receipt.doubt(_in_doubt(failure))
     elif isinstance(failure, StaleTraceWriter | RecordsGivenUp):
