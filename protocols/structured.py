@@ -61,6 +61,7 @@ import cattrs
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import OutputFormat, ToolSchema
 from greenroom.protocols.errors import OutputSchemaError
+from greenroom.protocols.pattern import Pattern, PatternError, compile_pattern
 from greenroom.protocols.text import json_type_name
 
 __all__ = [
@@ -98,6 +99,25 @@ ANSWER_ACCEPTED_TEXT = "Answer recorded."
 MAX_PROBLEMS = 20
 """At most this many problems are reported for one answer (the model and the person
 reading the failure need the first few, not thousands)."""
+
+MAX_CHECK_WORK = 200_000
+"""The work one answer's check may take (R-SEC-1): a sub-schema checked against a value
+counts 4, a character a ``pattern`` reads counts the states it moves, an ``enum`` value or
+an item of a ``uniqueItems`` array counts 1. The check runs on the event loop that serves
+every session, so past this (a few tenths of a second) it stops, and the answer fails
+with :data:`TOO_COSTLY`."""
+
+TOO_COSTLY = (
+    f"$: the output schema is too costly to check against this answer (more than "
+    f"{MAX_CHECK_WORK} steps): simplify the schema (fewer nested anyOf/oneOf and $ref) or "
+    "ask for a smaller answer"
+)
+"""The problem of an answer whose check ran out of :data:`MAX_CHECK_WORK`."""
+
+MAX_SCHEMA_NODES = 50_000
+"""An ``output_schema`` may hold at most this many sub-schemas, counting each ``$ref`` as
+the schema it names (R-SEC-1): chained ``anyOf`` of ``$ref`` can otherwise ask for a number
+of checks that doubles with every link."""
 
 
 # -- the spec ---------------------------------------------------------------------------
@@ -155,6 +175,8 @@ def _checked_dict(schema: Mapping[str, Any]) -> dict[str, Any]:
         copied = json.loads(json.dumps(schema))
     except (TypeError, ValueError) as exc:
         raise OutputSchemaError(f"output_schema is not JSON: {exc}") from None
+    except RecursionError:
+        raise OutputSchemaError("output_schema is nested too deeply") from None
     root = copied.get("type")
     if root != "object" and not (root is None and "properties" in copied):
         raise OutputSchemaError(
@@ -162,7 +184,61 @@ def _checked_dict(schema: Mapping[str, Any]) -> dict[str, Any]:
             "take structured answers and tool inputs as objects only"
         )
     copied.setdefault("type", "object")
+    _check_cost(copied)
     return dict(copied)
+
+
+_VALUES = frozenset({"const", "enum", "default", "examples"})
+"""Keywords whose values are data, not schemas: a ``pattern`` key inside is no pattern."""
+
+
+def _check_cost(schema: dict[str, Any]) -> None:
+    """Refuse, before any answer is asked for, a schema whose checks could hold the event
+    loop (R-SEC-1): a ``pattern`` that cannot be matched in linear time, or more than
+    :data:`MAX_SCHEMA_NODES` sub-schemas once each ``$ref`` is counted as its target."""
+    sizes: dict[str, int] = {}
+    resolver = _Validator(schema, [])
+
+    def size(node: Any, refs: tuple[str, ...]) -> int:
+        # Iterative over the tree itself; recursive only through $ref, each named once per
+        # chain (a cycle counts once: the answer's own size bounds a recursive schema).
+        total = 0
+        stack = [node]
+        while stack:
+            item = stack.pop()
+            total += 1
+            if total > MAX_SCHEMA_NODES:
+                return total
+            if isinstance(item, list):
+                stack.extend(item)
+                continue
+            if not isinstance(item, dict):
+                continue
+            pattern = item.get("pattern")
+            if isinstance(pattern, str):
+                try:
+                    compile_pattern(pattern)
+                except PatternError as exc:
+                    raise OutputSchemaError(
+                        f"output_schema's pattern {pattern!r} {exc}"
+                    ) from None
+            ref = item.get("$ref")
+            if isinstance(ref, str) and ref not in refs:
+                if ref not in sizes:
+                    sizes[ref] = size(resolver.resolve(ref), (*refs, ref))
+                total += sizes[ref]
+            stack.extend(v for k, v in item.items() if k not in _VALUES)
+        return total
+
+    try:
+        total = size(schema, ())
+    except RecursionError:
+        total = MAX_SCHEMA_NODES + 1  # a chain of $ref longer than any schema needs
+    if total > MAX_SCHEMA_NODES:
+        raise OutputSchemaError(
+            f"output_schema is too large to check answers against: more than "
+            f"{MAX_SCHEMA_NODES} sub-schemas once each $ref is counted as the schema it names"
+        )
 
 
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9_-]+")
@@ -267,7 +343,10 @@ def validate(value: Any, schema: Mapping[str, Any]) -> list[str]:
     wrong`` lines, at most :data:`MAX_PROBLEMS`; empty when it matches. Never raises:
     a keyword it does not know is not checked."""
     problems: list[str] = []
-    _Validator(schema, problems).check(value, schema, "$")
+    try:
+        _Validator(schema, problems).check(value, schema, "$")
+    except _TooCostly:
+        return [*problems[: MAX_PROBLEMS - 1], TOO_COSTLY]
     return problems[:MAX_PROBLEMS]
 
 
@@ -297,8 +376,29 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _show(value: Any) -> str:
+    if isinstance(value, str) and len(value) > 60:
+        value = value[:60]  # not the whole of a long text, to show its start
+    elif isinstance(value, list | dict) and len(value) > 20:
+        members = "items" if isinstance(value, list) else "properties"
+        return f"an {json_type_name(value)} of {len(value)} {members}"
     text = json.dumps(value, ensure_ascii=False)
     return text if len(text) <= 60 else text[:57] + "…"
+
+
+def _json_key(value: Any) -> str:
+    """A text equal for two values exactly when :func:`_same` holds: uniqueness in linear
+    time, not by comparing every pair."""
+    return json.dumps(_canonical(value), sort_keys=True, ensure_ascii=False)
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_canonical(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _canonical(item) for key, item in value.items()}
+    return value
 
 
 def _key_path(path: str, key: str) -> str:
@@ -307,17 +407,56 @@ def _key_path(path: str, key: str) -> str:
     )
 
 
+class _TooCostly(Exception):
+    """The check ran out of :data:`MAX_CHECK_WORK`."""
+
+
+class _Work:
+    """The work left to one answer's check, shared by every probe of its combinators, and
+    the patterns it compiled."""
+
+    __slots__ = ("left", "patterns")
+
+    def __init__(self) -> None:
+        self.left = MAX_CHECK_WORK
+        self.patterns: dict[str, Pattern | str] = {}
+
+    def spend(self, amount: int) -> None:
+        self.left -= amount
+        if self.left < 0:
+            raise _TooCostly
+
+    def pattern(self, source: str) -> Pattern | str:
+        """The compiled pattern, or why it cannot be checked."""
+        if source not in self.patterns:
+            try:
+                self.patterns[source] = compiled = compile_pattern(source)
+                self.spend(len(compiled))
+            except PatternError as exc:
+                self.patterns[source] = str(exc)
+        return self.patterns[source]
+
+
 class _Validator:
-    """One validation: the root (for ``$ref``) and the problems found so far."""
+    """One validation: the root (for ``$ref``), the problems found so far and the work
+    left (:data:`MAX_CHECK_WORK`)."""
 
-    __slots__ = ("_depth", "problems", "root")
+    __slots__ = ("_depth", "_work", "problems", "root")
 
-    def __init__(self, root: Mapping[str, Any], problems: list[str], depth: int = 0) -> None:
+    def __init__(
+        self,
+        root: Mapping[str, Any],
+        problems: list[str],
+        depth: int = 0,
+        work: _Work | None = None,
+    ) -> None:
         self.root = root
         self.problems = problems
         self._depth = depth
+        self._work = work if work is not None else _Work()
 
     def check(self, value: Any, schema: Any, path: str) -> None:
+        self._work.spend(4)
         if schema is True or schema == {}:
             return
         if schema is False:
@@ -347,6 +486,8 @@ class _Validator:
         if "const" in schema and not _same(value, schema["const"]):
             self.problems.append(f"{path}: expected {_show(schema['const'])}, got {_show(value)}")
         enum_values = schema.get("enum")
+        if isinstance(enum_values, list):
+            self._work.spend(len(enum_values))
         if isinstance(enum_values, list) and not any(_same(value, e) for e in enum_values):
             allowed = ", ".join(_show(e) for e in enum_values)
             self.problems.append(f"{path}: expected one of {allowed}, got {_show(value)}")
@@ -385,7 +526,7 @@ class _Validator:
 
     def _fails(self, value: Any, schema: Any, path: str) -> list[str]:
         """The problems of ``value`` against a sub-schema, kept apart."""
-        probe = _Validator(self.root, [], self._depth)
+        probe = _Validator(self.root, [], self._depth, self._work)
         probe.check(value, schema, path)
         return probe.problems
 
@@ -394,7 +535,11 @@ class _Validator:
             self.check(value, sub, path)
         any_of = schema.get("anyOf")
         if isinstance(any_of, list) and any_of:
-            failures = [self._fails(value, sub, path) for sub in any_of]
+            failures: list[list[str]] = []
+            for sub in any_of:
+                failures.append(self._fails(value, sub, path))
+                if not failures[-1]:
+                    break  # one form matches: the others need no check
             if all(failures):
                 closest = min(failures, key=len)
                 self.problems.append(
@@ -403,11 +548,15 @@ class _Validator:
                 )
         one_of = schema.get("oneOf")
         if isinstance(one_of, list) and one_of:
-            matching = sum(not self._fails(value, sub, path) for sub in one_of)
+            matching = 0
+            for sub in one_of:
+                matching += not self._fails(value, sub, path)
+                if matching > 1:
+                    break  # already more than one: the rest cannot change that
             if matching != 1:
                 self.problems.append(
                     f"{path}: must match exactly one of the allowed forms (oneOf), "
-                    f"matches {matching}"
+                    f"matches {'more than one' if matching else 0}"
                 )
         if "not" in schema and not self._fails(value, schema["not"], path):
             self.problems.append(f"{path}: matches a form that is not allowed (not)")
@@ -451,10 +600,14 @@ class _Validator:
         if isinstance(high, int) and len(value) > high:
             self.problems.append(f"{path}: at most {high} items expected, got {len(value)}")
         if schema.get("uniqueItems") is True:
+            self._work.spend(len(value))
+            seen: set[str] = set()
             for i, item in enumerate(value):
-                if any(_same(item, earlier) for earlier in value[:i]):
+                key = _json_key(item)
+                if key in seen:
                     self.problems.append(f"{path}[{i}]: repeats an earlier item")
                     break
+                seen.add(key)
 
     def _string(self, value: str, schema: Mapping[str, Any], path: str) -> None:
         low, high = schema.get("minLength"), schema.get("maxLength")
@@ -464,11 +617,12 @@ class _Validator:
             self.problems.append(f"{path}: at most {high} characters expected, got {len(value)}")
         pattern = schema.get("pattern")
         if isinstance(pattern, str):
-            try:
-                matched = re.search(pattern, value) is not None
-            except re.error:
-                return  # a pattern Python cannot read is not checked
-            if not matched:
+            compiled = self._work.pattern(pattern)
+            if isinstance(compiled, str):
+                self.problems.append(
+                    f"{path}: the schema's pattern {pattern!r} cannot be checked: {compiled}"
+                )
+            elif not compiled.search(value, self._work.spend):
                 self.problems.append(f"{path}: does not match the pattern {pattern!r}")
 
     def _number(self, value: float, schema: Mapping[str, Any], path: str) -> None:
@@ -483,12 +637,23 @@ class _Validator:
             if not isinstance(bound, int | float) or isinstance(bound, bool):
                 continue
             if not holds(value, bound):
-                self.problems.append(f"{path}: expected {words} {bound}, got {value}")
+                self.problems.append(f"{path}: expected {words} {bound}, got {_show(value)}")
         step = schema.get("multipleOf")
-        if isinstance(step, int | float) and not isinstance(step, bool) and step > 0:
-            quotient = value / step
-            if not math.isclose(quotient, round(quotient), abs_tol=1e-9):
-                self.problems.append(f"{path}: expected a multiple of {step}, got {value}")
+        if not isinstance(step, int | float) or isinstance(step, bool) or step <= 0:
+            return
+        if not _multiple(value, step):
+            self.problems.append(f"{path}: expected a multiple of {step}, got {_show(value)}")
+
+
+def _multiple(value: float, step: float) -> bool:
+    if isinstance(value, int) and isinstance(step, int):
+        return value % step == 0
+    try:
+        quotient = value / step
+    except OverflowError:  # an integer too large for a float
+        return True
+    # Past 2**53 every float is whole: an infinite or huge quotient cannot be told apart.
+    return not math.isfinite(quotient) or math.isclose(quotient, round(quotient), abs_tol=1e-9)
 
 
 # -- answers ----------------------------------------------------------------------------

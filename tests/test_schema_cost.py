@@ -1,0 +1,265 @@
+"""Checking an answer against a schema is bounded work (R-SEC-1, R-OUT-1): patterns run
+without backtracking, the whole check has a budget, and schemas whose checks could hold
+the event loop are refused before any answer is asked for."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from conftest import RUN_TIMEOUT_S, collect, of_type
+
+from greenroom import Host
+from greenroom.actors.scripted import Reply, ScriptedStream, text
+from greenroom.protocols import jsonrpc
+from greenroom.protocols.context import ModelRequest
+from greenroom.protocols.errors import OutputSchemaError
+from greenroom.protocols.outputs import TaskEnd
+from greenroom.protocols.pattern import MAX_PROGRAM, PatternError, compile_pattern
+from greenroom.protocols.structured import (
+    MAX_CHECK_WORK,
+    MAX_SCHEMA_NODES,
+    TOO_COSTLY,
+    output_spec,
+    validate,
+)
+
+
+def anyof_chain(links: int) -> dict[str, Any]:
+    """Each link offers the next one twice: 2**links checks for a value none matches."""
+    defs: dict[str, Any] = {
+        f"a{i}": {"anyOf": [{"$ref": f"#/$defs/a{i + 1}"}, {"$ref": f"#/$defs/a{i + 1}"}]}
+        for i in range(links)
+    }
+    defs[f"a{links}"] = {"type": "integer"}
+    return {
+        "type": "object",
+        "$defs": defs,
+        "properties": {"v": {"$ref": "#/$defs/a0"}},
+        "required": ["v"],
+    }
+
+
+BACKTRACKING = {
+    "type": "object",
+    "properties": {"a": {"type": "string", "minLength": 34, "pattern": "(x+)+y"}},
+    "required": ["a"],
+}
+
+
+def test_a_pattern_reads_each_character_once_however_it_nests() -> None:
+    """``(x+)+y`` against ``x``s: ``re`` tries 2**n splits; here every character moves at
+    most twice the automaton's states, counted."""
+    pattern = compile_pattern("(x+)+y")
+    moves: list[int] = []
+    assert not pattern.search("x" * 5000, moves.append)
+    assert len(moves) == 5001
+    assert max(moves) <= 2 * len(pattern)
+    assert validate({"a": "x" * 40}, BACKTRACKING) == ["$.a: does not match the pattern '(x+)+y'"]
+    assert validate({"a": "x" * 40 + "y"}, BACKTRACKING) == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        r"^[a-z]+@[a-z]+\.[a-z]{2,}$",
+        r"\d{3}-\d{4}",
+        r"^$",
+        r"a|b|c",
+        r"(?i)ab[^c]",
+        r"(?i)[^a]",
+        r"\bfoo\b",
+        r"\Bo",
+        r"a$",
+        r"(?m)^b$",
+        r"(?s)a.b",
+        r"(ab)*c",
+        r"^a{2,3}$",
+        r"(a|ab)(c|bcd)(d*)",
+        r"^\S+$",
+        r"\A\d+\Z",
+        r"(a*)*b",
+        r"(?a)^\w+$",
+        r"^-?\d+(\.\d+)?$",
+        r"colou?r",
+        r"a+?b",
+    ],
+)
+def test_a_pattern_matches_where_re_matches(source: str) -> None:
+    texts = ["", "ab", "abd", "ABD", "A", "a", "foo bar", "afoo", "a\n", "a\nb\n", "a\nb",
+             "abababc", "aaa", "abcd", "abbcd", "me@x.org", "123-4567", "é", "\uff13", "-1.5",
+             "1.", "colour", "aab", "x y", "b"]  # fmt: skip
+    pattern = compile_pattern(source)
+    for sample in texts:
+        assert pattern.search(sample, lambda _: None) == (re.search(source, sample) is not None), (
+            sample
+        )
+
+
+@pytest.mark.parametrize(
+    ("source", "reason"),
+    [
+        (r"^(a+)\1$", "uses a backreference, which cannot be checked without backtracking"),
+        (r"^(?=.*\d).+$", "uses lookahead or lookbehind, which is not supported"),
+        (r"(?>a+)b", "uses an atomic group, which is not supported"),
+        (r"a++b", "uses possessive repetition, which is not supported"),
+        (r"^[a-z]{1,5000}$", f"too large to check (more than {MAX_PROGRAM} states"),
+        (r"((", "not a regular expression Python can read: missing )"),
+    ],
+)
+def test_a_pattern_that_cannot_run_without_backtracking_is_refused_up_front(
+    source: str, reason: str
+) -> None:
+    with pytest.raises(PatternError, match=re.escape(reason)):
+        compile_pattern(source)
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": source}}}
+    with pytest.raises(OutputSchemaError, match=re.escape(reason)):
+        output_spec(schema)
+    # A schema recorded before the refusal (a trace) still cannot pass an answer unchecked.
+    (problem,) = validate({"a": "aa"}, schema)
+    assert problem.startswith(f"$.a: the schema's pattern {source!r} cannot be checked: ")
+
+
+def test_a_pattern_in_data_is_no_pattern() -> None:
+    schema = {"type": "object", "properties": {"a": {"const": {"pattern": "(a)\\1"}}}}
+    assert output_spec(schema).schema["properties"]["a"]["const"] == {"pattern": "(a)\\1"}
+
+
+def test_a_chain_of_anyof_refs_is_refused_up_front_by_its_size() -> None:
+    """Each link doubles the checks; the depth limit never sees it (the chain is short)."""
+    output_spec(anyof_chain(10))
+    with pytest.raises(OutputSchemaError, match=f"more than {MAX_SCHEMA_NODES} sub-schemas"):
+        output_spec(anyof_chain(18))
+
+
+def test_a_recursive_schema_is_not_refused_for_its_cycle() -> None:
+    tree = {
+        "type": "object",
+        "$defs": {
+            "node": {
+                "type": "object",
+                "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+            }
+        },
+        "properties": {"root": {"$ref": "#/$defs/node"}},
+    }
+    assert output_spec(tree).schema == tree
+    assert validate({"root": {"kids": [{"kids": []}]}}, tree) == []
+
+
+def test_the_check_stops_at_its_work_budget_with_a_clear_problem() -> None:
+    """A schema that was never refused (one read from a trace) meets the budget: 2**16
+    checks of the chain are more than it allows."""
+    assert MAX_CHECK_WORK < 4 * 2**16
+    problems = validate({"v": "not a number"}, anyof_chain(16))
+    assert problems[-1] == TOO_COSTLY
+    assert "too costly to check" in TOO_COSTLY
+    assert validate({"v": 3}, anyof_chain(16)) == []  # the first branch matches at once
+
+
+def test_unique_items_compare_as_json_values() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}
+    assert validate({"a": [1, 1.0]}, schema) == ["$.a[1]: repeats an earlier item"]
+    assert validate({"a": [1, True, "1", [1], {"1": 1}]}, schema) == []
+    assert validate({"a": [{"x": 1, "y": [2.0]}, {"y": [2], "x": 1}]}, schema) == [
+        "$.a[1]: repeats an earlier item"
+    ]
+    assert validate({"a": list(range(20_000))}, schema) == []
+
+
+def test_a_long_value_is_shown_by_its_start() -> None:
+    schema = {"type": "object", "properties": {"a": {"const": "short"}}}
+    (problem,) = validate({"a": "x" * 100_000}, schema)
+    assert len(problem) < 120 and problem.endswith("…")
+    (problem,) = validate({"a": list(range(100_000))}, schema)
+    assert problem == '$.a: expected "short", got an array of 100000 items'
+
+
+async def test_a_backtracking_pattern_fails_the_answer_and_other_sessions_are_served(
+    host: Host, workspace: Path, providers: Any
+) -> None:
+    """The reproduction: ``(x+)+y`` against forty ``x`` (2**40 tries for ``re``). The
+    answer is checked, sent back once, and the task fails naming the pattern; between
+    the two answers (forced: the second waits for it) another session runs to its end,
+    so the first check let go of the event loop."""
+    other_done = trio.Event()
+    answer = json.dumps({"a": "x" * 40})
+
+    async def first(request: ModelRequest, stream: ScriptedStream) -> None:
+        await stream.text(answer)
+        await stream.end()
+
+    async def second(request: ModelRequest, stream: ScriptedStream) -> None:
+        await other_done.wait()
+        await stream.text(answer)
+        await stream.end()
+
+    slow = await host.create_session(provider=providers([first, second]), workspace_dir=workspace)
+    other = await host.create_session(
+        provider=providers([Reply(blocks=(text("served"),))]), workspace_dir=workspace
+    )
+    with trio.fail_after(RUN_TIMEOUT_S):
+        stream = slow.run("answer", output_schema=BACKTRACKING)
+        async with trio.open_nursery() as nursery:
+
+            async def serve_other() -> None:
+                outputs = await collect(other.run("hi"))
+                assert [e.status for e in of_type(outputs, TaskEnd)] == ["completed"]
+                other_done.set()
+
+            nursery.start_soon(serve_other)
+            result = await stream.result()
+    assert other_done.is_set()
+    assert result.status == "failed"
+    assert "$.a: does not match the pattern '(x+)+y'" in result.task_end.message
+
+
+async def test_the_gateway_refuses_a_costly_schema_and_the_session_stays_usable(
+    tmp_path: Path,
+) -> None:
+    """``run`` with the doubling ``$ref`` chain or a backreference is -32602 naming why,
+    nothing starts, and the next run of the same session completes."""
+    from test_gateway import BOUND_S, connect, serving
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    backreference = {"type": "object", "properties": {"a": {"pattern": "^(a+)\\1$"}}}
+    with trio.fail_after(BOUND_S):
+        async with (
+            serving(tmp_path, lambda: [Reply(blocks=(text('{"city": "Lyon"}'),))]) as server,
+            connect(server) as client,
+        ):
+            sid = (await client.result("session.create"))["session_id"]
+            for costly, reason in (
+                (anyof_chain(18), f"more than {MAX_SCHEMA_NODES} sub-schemas"),
+                (backreference, "uses a backreference"),
+            ):
+                refused = await client.error(
+                    "run", {"session_id": sid, "input": "x", "output_schema": costly}
+                )
+                assert refused["code"] == jsonrpc.INVALID_PARAMS
+                assert refused["message"].startswith("$.output_schema: output_schema")
+                assert reason in refused["message"]
+            await client.result("session.subscribe", {"session_id": sid})
+            await client.result(
+                "run", {"session_id": sid, "input": "city?", "output_schema": schema}
+            )
+            outputs = client.take_outputs() + await client.outputs_until("task_end")
+    assert [o["type"] for o in outputs].count("task_start") == 1
+    assert outputs[-1]["status"] == "completed" and outputs[-1]["output"] == {"city": "Lyon"}
+
+
+def test_multiple_of_past_float_range_is_a_verdict_not_an_exception() -> None:
+    """``1e308 / 1e-308`` is infinite and a 4000-digit integer has no float: the check
+    once raised ``OverflowError`` out of the task's fold."""
+    tiny = {"type": "object", "properties": {"n": {"multipleOf": 1e-308}}}
+    assert validate({"n": 1e308}, tiny) == []
+    assert validate({"n": 10**4000}, tiny) == []
+    three = {"type": "object", "properties": {"n": {"multipleOf": 3}}}
+    assert validate({"n": 3 * 10**400}, three) == []
+    (problem,) = validate({"n": 10**4000}, three)
+    assert problem.startswith("$.n: expected a multiple of 3, got 1000") and len(problem) < 120
+    assert validate({"n": 7.5}, three) == ["$.n: expected a multiple of 3, got 7.5"]
