@@ -24,7 +24,10 @@ classes and TypedDicts produce, plus the common keywords — ``type``, ``propert
 ``anyOf``, ``oneOf``, ``allOf``, ``not``, ``minimum``/``maximum`` and their exclusive forms,
 ``multipleOf``, ``minLength``/``maxLength``, ``pattern``, ``minItems``/``maxItems``,
 ``uniqueItems``, ``minProperties``/``maxProperties``, local ``$ref``; others, ``format``
-among them, are not checked). An invalid answer is sent back once with its problems
+among them, are not checked). The check is bounded work whatever the schema and the
+answer (R-SEC-1): patterns run in :mod:`greenroom.protocols.pattern`, never in ``re``,
+the whole check stops at :data:`MAX_CHECK_WORK`, and :func:`output_spec` refuses a schema
+it could not check in time. An invalid answer is sent back once with its problems
 (:data:`ANSWER_ATTEMPTS`); a second invalid one fails the task naming them.
 :class:`AnswerCheck` keeps that account for the task record: a fold of the trace, so a task
 taken up elsewhere knows how many answers it has had.
@@ -80,6 +83,7 @@ __all__ = [
     "openai_strict",
     "output_spec",
     "parse_text_answer",
+    "recorded_spec",
     "repair_note",
     "schema_name",
     "validate",
@@ -168,6 +172,14 @@ def output_spec(schema: Any) -> OutputSpec:
         f"output_schema must be a JSON Schema dict, an attrs class or a TypedDict, "
         f"not {type(schema).__name__}"
     )
+
+
+def recorded_spec(schema: Mapping[str, Any]) -> OutputSpec:
+    """The :class:`OutputSpec` of a schema read from a trace: taken as it was recorded, not
+    refused again (a host of an earlier version may have accepted a pattern this one
+    refuses, and the task must not be lost). Its answers are still checked within
+    :data:`MAX_CHECK_WORK`, and a pattern that cannot run is a problem of the answer."""
+    return OutputSpec(name=schema_name(schema), schema=dict(schema))
 
 
 def _checked_dict(schema: Mapping[str, Any]) -> dict[str, Any]:

@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 import trio
-from conftest import RUN_TIMEOUT_S, collect, of_type
+from conftest import RUN_TIMEOUT_S, Recorder, collect, of_type, open_host, port_of, trace_lines
 
 from greenroom import Host
-from greenroom.actors.scripted import Reply, ScriptedStream, text
+from greenroom.actors.runtime.host import Host as OpenedHost
+from greenroom.actors.scripted import Reply, ScriptedProvider, ScriptedStream, text
 from greenroom.protocols import jsonrpc
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.errors import OutputSchemaError
@@ -263,3 +264,44 @@ def test_multiple_of_past_float_range_is_a_verdict_not_an_exception() -> None:
     (problem,) = validate({"n": 10**4000}, three)
     assert problem.startswith("$.n: expected a multiple of 3, got 1000") and len(problem) < 120
     assert validate({"n": 7.5}, three) == ["$.n: expected a multiple of 3, got 7.5"]
+
+
+async def test_a_recorded_schema_now_refused_is_still_checked_after_a_restart(
+    data_dir: Path, workspace: Path, tmp_path: Path
+) -> None:
+    """A follow-up queued with a schema whose pattern is now refused (a trace of an
+    earlier host) is taken up, not lost, and not a failed load: its answer cannot pass
+    the pattern unchecked, so the task fails naming it."""
+    from test_follow_up_recovery import streaming_forever
+    from test_recovery import copy_session
+
+    turn, streaming = streaming_forever()
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(a)b$"}}}
+    crash_dir = tmp_path / "crashed"
+    async with open_host(data_dir) as host:
+        session = await host.create_session(
+            provider=ScriptedProvider([turn]), workspace_dir=workspace
+        )
+        session.run("work").detach()
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await streaming.wait()
+        assert session.follow_up("answer", output_schema=schema)
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await Recorder(session).wait_for("task_queued")
+        await port_of(session).sync_trace()
+        trace = copy_session(session, crash_dir)
+    text_of_trace = trace.read_text(encoding="utf-8")
+    assert text_of_trace.count('"^(a)b$"') == 1
+    trace.write_text(text_of_trace.replace('"^(a)b$"', '"^(a)\\\\1$"'), encoding="utf-8")
+
+    answers = [Reply(blocks=(text("Done."),))] * 2 + [Reply(blocks=(text('{"a": "aa"}'),))] * 2
+    async with OpenedHost.open(crash_dir) as second:
+        resumed = await second.resume(session.id, provider=ScriptedProvider(answers))
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await resumed.wait_idle()
+        ends = [line for line in trace_lines(resumed) if line["type"] == "task_end"]
+    assert [e["status"] for e in ends] == ["completed", "failed"]
+    assert (
+        "$.a: the schema's pattern '^(a)\\\\1$' cannot be checked: uses a backreference"
+        in (ends[-1]["message"])
+    )

@@ -43,7 +43,7 @@ from greenroom.protocols.messages import PlanBackoff, StreamerCommand
 from greenroom.protocols.outputs import CompactionEnd, TaskQueuedOutput, TaskStart
 from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.stream import ModelError
-from greenroom.protocols.structured import output_spec
+from greenroom.protocols.structured import recorded_spec
 from greenroom.protocols.task import Phase
 
 __all__ = ["parked_or_lost", "queued_record", "requeue_recorded", "take_up"]
@@ -99,7 +99,7 @@ def requeue_recorded(port: SessionPort) -> None:
                 approve=PEOPLE if approve == "people" else None if approve == "deny"
                 else port.lost_approve,
                 thinking_level=record.thinking_level,
-                output=output_spec(record.output_schema) if record.output_schema else None,
+                output=recorded_spec(record.output_schema) if record.output_schema else None,
                 queued_id=record.queue_id,
                 late_steering=record.late_steering,
             )
