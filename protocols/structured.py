@@ -691,48 +691,68 @@ def parse_text_answer(text: str) -> tuple[Any, list[str]]:
         return None, [f"$: the answer is not JSON ({reason})"]
 
 
+EXAMPLE_LIMITS = (10_000, 100_000)
+"""At most this many values and characters in one :func:`example_value`: a schema's
+``minItems``/``minLength`` (or an object of objects through ``$ref``) may ask for more than
+memory holds; past them arrays get fewer items and texts fewer characters (R-SEC-9)."""
+
+
 def example_value(schema: Any, root: Mapping[str, Any] | None = None, depth: int = 0) -> Any:
     """A value of ``schema``'s simplest form: its ``const`` or first ``enum`` value,
     ``""``/``0``/``false`` (raised to a ``minimum`` or ``minLength``), the fewest items an
-    array may have, every required property of an object. The scripted model answers
-    with it; ``pattern`` and ``format`` are not honoured."""
+    array may have, every required property of an object, within :data:`EXAMPLE_LIMITS`.
+    The scripted model answers with it; ``pattern`` and ``format`` are not honoured."""
     root = root if root is not None else (schema if isinstance(schema, Mapping) else {})
-    if not isinstance(schema, Mapping) or depth > 32:
+    return _Example(root).value(schema, depth)
+
+
+class _Example:
+    __slots__ = ("chars", "resolver", "values")
+
+    def __init__(self, root: Mapping[str, Any]) -> None:
+        self.resolver = _Validator(root, [])
+        self.values, self.chars = EXAMPLE_LIMITS
+
+    def value(self, schema: Any, depth: int) -> Any:
+        if not isinstance(schema, Mapping) or depth > 32 or self.values <= 0:
+            return None
+        self.values -= 1
+        ref = schema.get("$ref")
+        if isinstance(ref, str):
+            return self.value(self.resolver.resolve(ref), depth + 1)
+        if "const" in schema:
+            return schema["const"]
+        if isinstance(schema.get("enum"), list) and schema["enum"]:
+            return schema["enum"][0]
+        for key in ("anyOf", "oneOf", "allOf"):
+            if isinstance(schema.get(key), list) and schema[key]:
+                return self.value(schema[key][0], depth + 1)
+        kind = schema.get("type")
+        kind = kind[0] if isinstance(kind, list) and kind else kind
+        if kind == "object" or "properties" in schema:
+            properties = schema.get("properties") or {}
+            return {
+                name: self.value(properties.get(name, {}), depth + 1)
+                for name in schema.get("required") or ()
+                if isinstance(name, str)
+            }
+        if kind == "array":
+            count = schema.get("minItems", 0)
+            count = min(count, self.values) if isinstance(count, int) else 0
+            return [self.value(schema.get("items", {}), depth + 1) for _ in range(count)]
+        if kind == "string":
+            low = schema.get("minLength", 0)
+            low = min(low, self.chars) if isinstance(low, int) else 0
+            self.chars -= low
+            return "example" + "x" * max(0, low - 7)
+        if kind in ("integer", "number"):
+            low = schema.get("minimum", schema.get("exclusiveMinimum", 0))
+            value = low if isinstance(low, int | float) else 0
+            value = value + 1 if "exclusiveMinimum" in schema else value
+            return math.ceil(value) if kind == "integer" else value
+        if kind == "boolean":
+            return False
         return None
-    ref = schema.get("$ref")
-    if isinstance(ref, str):
-        return example_value(_Validator(root, []).resolve(ref), root, depth + 1)
-    if "const" in schema:
-        return schema["const"]
-    if isinstance(schema.get("enum"), list) and schema["enum"]:
-        return schema["enum"][0]
-    for key in ("anyOf", "oneOf", "allOf"):
-        if isinstance(schema.get(key), list) and schema[key]:
-            return example_value(schema[key][0], root, depth + 1)
-    kind = schema.get("type")
-    kind = kind[0] if isinstance(kind, list) and kind else kind
-    if kind == "object" or "properties" in schema:
-        properties = schema.get("properties") or {}
-        return {
-            name: example_value(properties.get(name, {}), root, depth + 1)
-            for name in schema.get("required") or ()
-        }
-    if kind == "array":
-        count = schema.get("minItems", 0)
-        count = count if isinstance(count, int) else 0
-        return [example_value(schema.get("items", {}), root, depth + 1) for _ in range(count)]
-    if kind == "string":
-        low = schema.get("minLength", 0)
-        low = low if isinstance(low, int) else 0
-        return "example" + "x" * max(0, low - 7)
-    if kind in ("integer", "number"):
-        low = schema.get("minimum", schema.get("exclusiveMinimum", 0))
-        value = low if isinstance(low, int | float) else 0
-        value = value + 1 if "exclusiveMinimum" in schema else value
-        return math.ceil(value) if kind == "integer" else value
-    if kind == "boolean":
-        return False
-    return None
 
 
 def final_answer_tool(spec_schema: Mapping[str, Any]) -> ToolSchema:

@@ -22,9 +22,11 @@ from greenroom.protocols.errors import OutputSchemaError
 from greenroom.protocols.outputs import TaskEnd
 from greenroom.protocols.pattern import MAX_PROGRAM, PatternError, compile_pattern
 from greenroom.protocols.structured import (
+    EXAMPLE_LIMITS,
     MAX_CHECK_WORK,
     MAX_SCHEMA_NODES,
     TOO_COSTLY,
+    example_value,
     output_spec,
     validate,
 )
@@ -305,3 +307,22 @@ async def test_a_recorded_schema_now_refused_is_still_checked_after_a_restart(
         "$.a: the schema's pattern '^(a)\\\\1$' cannot be checked: uses a backreference"
         in (ends[-1]["message"])
     )
+
+
+def test_the_scripted_example_of_a_huge_schema_stays_small() -> None:
+    """``minLength`` and ``minItems`` past any memory (the scripted model answers with the
+    example): once a MemoryError, or a list of a billion lists."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "s": {"type": "string", "minLength": 10**12},
+            "a": {"type": "array", "minItems": 10**9, "items": {"type": "array",
+                  "minItems": 10**9, "items": {"type": "integer"}}},
+        },
+        "required": ["s", "a"],
+    }  # fmt: skip
+    value = example_value(schema)
+    values, chars = EXAMPLE_LIMITS
+    assert len(value["s"]) == chars
+    inner = [len(items) for items in value["a"] if items is not None]
+    assert inner and len(value["a"]) + sum(inner) <= 2 * values
