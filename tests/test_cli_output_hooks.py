@@ -85,3 +85,23 @@ def test_a_bad_hooks_file_is_a_usage_error_naming_the_file_and_place(
     assert result.returncode == 2, result.stderr
     assert f"--hooks: {hooks}: $.before_tool[0].command: required" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_an_output_schema_too_costly_to_check_is_a_usage_error(tmp_path: Path) -> None:
+    """R-SEC-1: a pattern that needs backtracking and a chain of ``anyOf`` of ``$ref``
+    that doubles with each link are refused before anything runs, naming why."""
+    from tests.test_schema_cost import anyof_chain
+
+    backreference = {"type": "object", "properties": {"a": {"pattern": "^(a+)\\1$"}}}
+    for name, schema, reason in (
+        ("chain.json", anyof_chain(18), "more than 50000 sub-schemas"),
+        ("backreference.json", backreference, "uses a backreference"),
+    ):
+        path = tmp_path / name
+        path.write_text(json.dumps(schema))
+        result = greenroom(tmp_path, "run", "--provider", "scripted", "--output-schema",
+                           str(path), "hi")
+        assert result.returncode == 2, result.stderr
+        assert f"--output-schema: {path}: output_schema" in result.stderr
+        assert reason in result.stderr
+        assert "Traceback" not in result.stderr and result.stdout == ""
