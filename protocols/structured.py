@@ -64,7 +64,7 @@ import cattrs
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import OutputFormat, ToolSchema
 from greenroom.protocols.errors import OutputSchemaError
-from greenroom.protocols.pattern import Pattern, PatternError, compile_pattern
+from greenroom.protocols.pattern import MAX_PROGRAM, Pattern, PatternError, compile_pattern
 from greenroom.protocols.text import json_type_name
 
 __all__ = [
@@ -117,6 +117,11 @@ TOO_COSTLY = (
     "ask for a smaller answer"
 )
 """The problem of an answer whose check ran out of :data:`MAX_CHECK_WORK`."""
+
+MAX_PATTERN_WORK = 50_000
+"""The ``pattern`` keywords of one ``output_schema`` may hold at most this many characters
+and automaton states in all (each distinct pattern counted once): reading them is work
+too, done when the schema is given."""
 
 MAX_SCHEMA_NODES = 50_000
 """An ``output_schema`` may hold at most this many sub-schemas, counting each ``$ref`` as
@@ -210,6 +215,25 @@ def _check_cost(schema: dict[str, Any]) -> None:
     :data:`MAX_SCHEMA_NODES` sub-schemas once each ``$ref`` is counted as its target."""
     sizes: dict[str, int] = {}
     resolver = _Validator(schema, [])
+    patterns: set[str] = set()
+    pattern_work = 0
+
+    def check_pattern(source: str) -> None:
+        nonlocal pattern_work
+        if source in patterns:
+            return
+        patterns.add(source)
+        pattern_work += len(source)
+        if pattern_work <= MAX_PATTERN_WORK:
+            try:
+                pattern_work += len(compile_pattern(source))
+            except PatternError as exc:
+                raise OutputSchemaError(f"output_schema's pattern {source!r} {exc}") from None
+        if pattern_work > MAX_PATTERN_WORK:
+            raise OutputSchemaError(
+                f"output_schema's patterns are too large to check answers against: more "
+                f"than {MAX_PATTERN_WORK} characters and states in all"
+            )
 
     def size(node: Any, refs: tuple[str, ...]) -> int:
         # Iterative over the tree itself; recursive only through $ref, each named once per
@@ -228,12 +252,7 @@ def _check_cost(schema: dict[str, Any]) -> None:
                 continue
             pattern = item.get("pattern")
             if isinstance(pattern, str):
-                try:
-                    compile_pattern(pattern)
-                except PatternError as exc:
-                    raise OutputSchemaError(
-                        f"output_schema's pattern {pattern!r} {exc}"
-                    ) from None
+                check_pattern(pattern)
             ref = item.get("$ref")
             if isinstance(ref, str) and ref not in refs:
                 if ref not in sizes:
@@ -441,11 +460,13 @@ class _Work:
     def pattern(self, source: str) -> Pattern | str:
         """The compiled pattern, or why it cannot be checked."""
         if source not in self.patterns:
+            self.spend(len(source))  # reading it is work too, before any state is built
             try:
                 self.patterns[source] = compiled = compile_pattern(source)
                 self.spend(len(compiled))
             except PatternError as exc:
                 self.patterns[source] = str(exc)
+                self.spend(MAX_PROGRAM)
         return self.patterns[source]
 
 

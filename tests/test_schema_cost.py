@@ -24,6 +24,7 @@ from greenroom.protocols.pattern import MAX_PROGRAM, PatternError, compile_patte
 from greenroom.protocols.structured import (
     EXAMPLE_LIMITS,
     MAX_CHECK_WORK,
+    MAX_PATTERN_WORK,
     MAX_SCHEMA_NODES,
     TOO_COSTLY,
     example_value,
@@ -326,3 +327,15 @@ def test_the_scripted_example_of_a_huge_schema_stays_small() -> None:
     assert len(value["s"]) == chars
     inner = [len(items) for items in value["a"] if items is not None]
     assert inner and len(value["a"]) + sum(inner) <= 2 * values
+
+
+def test_many_large_patterns_are_refused_by_their_total() -> None:
+    """Each pattern is within its own limit; reading all of them is not (distinct, so no
+    pattern is read twice)."""
+    properties = {
+        f"p{n}": {"type": "string", "pattern": f"^[a-z]{{1,{900 + n}}}$"} for n in range(60)
+    }
+    with pytest.raises(OutputSchemaError, match=f"more than {MAX_PATTERN_WORK} characters"):
+        output_spec({"type": "object", "properties": properties})
+    same = {f"p{n}": {"type": "string", "pattern": "^[a-z]{1,900}$"} for n in range(60)}
+    output_spec({"type": "object", "properties": same})
