@@ -816,19 +816,58 @@ class AnswerCheck:
     An answer is the arguments of a :data:`FINAL_ANSWER` call with an ``ok`` result (the
     runtime validated them), or the text of a message that ended without tool calls. Each
     new attempt forgets the answer before it (a later answer supersedes); ``failures``
-    counts the invalid answers of the whole task, ``problems`` are the last one's."""
+    counts the invalid answers of the whole task, ``problems`` are the last one's.
 
-    __slots__ = ("_texts", "answer", "answered", "failures", "format", "problems", "schema")
+    The checks run when the verdict is first read, not as the answers are folded in: a
+    trace read back (a session loaded, a task taken up) does not check again the answers
+    of the tasks that ended, which nobody asks about (R-SEC-1: each check may take up to
+    :data:`MAX_CHECK_WORK`)."""
+
+    __slots__ = (
+        "_answer",
+        "_answered",
+        "_failures",
+        "_problems",
+        "_texts",
+        "_unsettled",
+        "format",
+        "schema",
+    )
 
     def __init__(self, schema: dict[str, Any]) -> None:
         self.schema = schema
         self.format = OutputFormat(name=schema_name(schema), schema=schema)
         """What the task's requests ask for."""
-        self.answer: dict[str, Any] | None = None
-        self.answered = False
-        self.failures = 0
-        self.problems: tuple[str, ...] = ()
+        self._answer: dict[str, Any] | None = None
+        self._answered = False
+        self._failures = 0
+        self._problems: tuple[str, ...] = ()
         self._texts: list[str] = []
+        self._unsettled: list[Callable[[], None]] = []
+
+    @property
+    def answer(self) -> dict[str, Any] | None:
+        """The valid answer of the current attempt, if it gave one."""
+        self._settle_all()
+        return self._answer
+
+    @property
+    def answered(self) -> bool:
+        """Whether the current attempt gave a valid answer."""
+        self._settle_all()
+        return self._answered
+
+    @property
+    def failures(self) -> int:
+        """How many invalid answers the whole task has had."""
+        self._settle_all()
+        return self._failures
+
+    @property
+    def problems(self) -> tuple[str, ...]:
+        """The problems of the last invalid answer."""
+        self._settle_all()
+        return self._problems
 
     @property
     def exhausted(self) -> bool:
@@ -837,9 +876,11 @@ class AnswerCheck:
 
     def begin_attempt(self) -> None:
         """A new attempt: what it says supersedes any earlier answer."""
-        self.answer = None
-        self.answered = False
         self._texts = []
+        if self._unsettled:
+            self._later(self._forget)  # after the checks that wait, in order
+        else:
+            self._forget()
 
     def text(self, block: TextBlock) -> None:
         """A complete text block of the attempt's message."""
@@ -850,23 +891,43 @@ class AnswerCheck:
         is the answer."""
         if with_calls:
             return
-        value, problems = parse_text_answer("\n".join(self._texts))
-        self._settle(value, problems or validate(value, self.schema))
+        text = "\n".join(self._texts)
+        self._later(lambda: self._check_text(text))
 
     def call_result(self, call: ToolCallBlock, ok: bool) -> None:
         """The result of a :data:`FINAL_ANSWER` call: ``ok`` when its arguments were taken."""
         if ok:
-            self._settle(call.arguments, [])
+            self._later(lambda: self._settle(call.arguments, []))
         else:
-            self._settle(None, check_call(call, self.schema) or ["$: the answer was refused"])
+            self._later(
+                lambda: self._settle(
+                    None, check_call(call, self.schema) or ["$: the answer was refused"]
+                )
+            )
+
+    def _later(self, step: Callable[[], None]) -> None:
+        self._unsettled.append(step)
+
+    def _settle_all(self) -> None:
+        steps, self._unsettled = self._unsettled, []
+        for step in steps:
+            step()
+
+    def _forget(self) -> None:
+        self._answer = None
+        self._answered = False
+
+    def _check_text(self, text: str) -> None:
+        value, problems = parse_text_answer(text)
+        self._settle(value, problems or validate(value, self.schema))
 
     def _settle(self, value: Any, problems: Sequence[str]) -> None:
         if problems:
-            self.failures += 1
-            self.problems = tuple(problems)
+            self._failures += 1
+            self._problems = tuple(problems)
             return
-        self.answer = value
-        self.answered = True
+        self._answer = value
+        self._answered = True
 
     def failure_message(self) -> str:
         """Why the task failed: its last answer's problems, after the repair round."""

@@ -339,3 +339,41 @@ def test_many_large_patterns_are_refused_by_their_total() -> None:
         output_spec({"type": "object", "properties": properties})
     same = {f"p{n}": {"type": "string", "pattern": "^[a-z]{1,900}$"} for n in range(60)}
     output_spec({"type": "object", "properties": same})
+
+
+async def test_reading_a_trace_back_does_not_check_the_answers_of_ended_tasks(
+    host: Host, workspace: Path, providers: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each check may take up to the work budget; a session loaded with many ended tasks
+    would pay it once per answer. The fold checks an answer only when the verdict is
+    read: for the open task, never for one that ended."""
+    from test_follow_up_recovery import records_of
+
+    from greenroom.protocols import structured
+    from greenroom.protocols.task import fold
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    session = await host.create_session(
+        provider=providers([Reply(blocks=(text(answer),)) for answer in ('{"n": 1}', "{}", "{}")]),
+        workspace_dir=workspace,
+    )
+    for _ in range(2):
+        await collect(session.run("count", output_schema=schema))
+    records = records_of(session)
+    assert [r.status for r in records if isinstance(r, TaskEnd)] == ["completed", "failed"]
+
+    checks: list[Any] = []
+    real_validate = structured.validate
+
+    def counting(value: Any, schema: Any) -> list[str]:
+        checks.append(value)
+        return real_validate(value, schema)
+
+    monkeypatch.setattr(structured, "validate", counting)
+    record = fold(records).record
+    assert checks == []
+    last_open = [r for r in records if not isinstance(r, TaskEnd)]  # the last task not ended
+    answers = fold(last_open).record.answers
+    assert answers is not None and checks == []
+    assert answers.failures == 2 and checks == [{}, {}]
+    assert record.answers is None
