@@ -204,7 +204,7 @@ class ClusterNode:
         self._desk = OwnerDesk(
             gateway,
             functools.partial(_answers, self.serves, self._lanes),
-            self._until_serving,
+            functools.partial(_until_serving, self._serving),
             bound_s=self.config.lease_ttl_s,
             reports=self._take_report,
             takes=self._take_handed,
@@ -394,10 +394,6 @@ class ClusterNode:
                 self._serving.setdefault(session_id, trio.Event()).set()
         except ClusterError as exc:
             log(f"cannot answer other gateways for session {session_id}: {exc}")
-
-    async def _until_serving(self, session_id: str) -> None:
-        """Return once this host answers ``session_id``'s requests."""
-        await self._serving.setdefault(session_id, trio.Event()).wait()
 
     async def _abandon(self, session_id: str) -> None:
         # NATS failed it half-way: its claim goes too, so that the next scan finds it
@@ -614,6 +610,12 @@ def _grant(
             if entries.grants is not None and isinstance(principal, str):
                 entries.grants.grant(principal, session_id)
         log(f"host {host_id} serves session {session_id} now")
+
+
+async def _until_serving(serving: dict[str, trio.Event], session_id: str) -> None:
+    """Return once this host answers ``session_id``'s requests (``serving`` sets its
+    event then)."""
+    await serving.setdefault(session_id, trio.Event()).wait()
 
 
 def _stopping(session_id: str, error: Exception | None) -> str:
