@@ -456,12 +456,16 @@ def test_every_node_of_a_tree_is_reached_through_any_host_by_its_roots_principal
             found["run_child_via_c"] = await alice_c.error(
                 "run", {"session_id": child, "input": "hi"}
             )
-            # The payer's answer reached the root, on b.
+            # The payer's answer reached the root, on b; so did what it wrote on c.
             merged = await alice_b.outputs_until("task_end", session_id=root)
-            found["root_follow_up"] = [
-                o["block"]["text"]
+            texts = [
+                (o["session_id"], o.get("origin"), o["block"]["text"])
                 for o in merged
                 if o["type"] == "model_msg" and o["block"]["type"] == "text"
+            ]
+            found["root_follow_up"] = [t for sid, _, t in texts if sid == root]
+            found["payer_via_b"] = [
+                (origin == [root, child], t) for sid, origin, t in texts if sid == child
             ]
         return found
 
@@ -477,6 +481,7 @@ def test_every_node_of_a_tree_is_reached_through_any_host_by_its_roots_principal
     assert found["steer_via_c"] == {"queued": False}
     assert found["run_child_via_c"]["code"] == jsonrpc.INVALID_PARAMS
     assert found["root_follow_up"] == ["merged: the payer is done"]
+    assert found["payer_via_b"] == [(True, "paid, as far as I know")]
 
 
 def test_a_finished_subagent_is_opened_where_a_call_reaches_it(

@@ -17,6 +17,8 @@
             │                    every TTL / 3; placeable once it answers placed sessions
             ├── directory        session metadata (running or idle) to the session bucket
             ├── host requests    sessions placed on this host by other gateways
+            ├── subagent relays  the records of subagents that run on other hosts, from their
+            │                    traces, to their ancestors open here (:mod:`.remote_children`)
             └── orphan scan      every TTL / 2: sessions no live host owns (read in full
                                  only when a host's lease went, :mod:`.orphans`), spread
                                  over the live hosts by tree; this host takes over its share
@@ -86,6 +88,7 @@ from greenroom.actors.cluster.orphans import OrphanFinder
 from greenroom.actors.cluster.ownership import OwnershipKeeper, SessionOwners
 from greenroom.actors.cluster.placements import PlacementRecords, withdrawn
 from greenroom.actors.cluster.registry import HostRecord, HostRegistry, SessionDirectory
+from greenroom.actors.cluster.remote_children import RemoteChildren
 from greenroom.actors.cluster.router import ClusterRouter, OwnerDesk
 from greenroom.actors.cluster.routing import SessionRequests
 from greenroom.actors.cluster.store import (
@@ -173,6 +176,7 @@ class ClusterNode:
         self._desk: OwnerDesk | None = None
         self._desk_ready = trio.Event()
         self._requests = SessionRequests(conn)
+        self._remote = RemoteChildren(self._requests, self.serves, log)
         self._placements = PlacementRecords(conn)
         self._placeable = False
         self._handed = HandedSince()
@@ -208,6 +212,7 @@ class ClusterNode:
             bound_s=self.config.lease_ttl_s,
             reports=self._take_report,
             takes=self._take_handed,
+            running=self._remote.take,
         )
         self._desk_ready.set()
         if self._work is not None:
@@ -241,6 +246,7 @@ class ClusterNode:
         send, inbox = trio.open_memory_channel[list[Output]](math.inf)
         session.watch(send, kinds=(TaskStart, TaskEnd))
         session.host.start_task(functools.partial(self._entries.follow, sid, inbox))
+        self._remote.opened(session)
         if sid not in self._taking_over:
             with contextlib.suppress(RuntimeError):  # shutting down
                 self._lanes.start_soon(self._work, sid, functools.partial(self._adopt, sid))
@@ -268,6 +274,7 @@ class ClusterNode:
         async with trio.open_nursery() as nursery:
             await nursery.start(watch_deleted_copies, self.conn, traces, host, self.serves)
             self._work = nursery
+            self._remote.bind(host, traces, nursery)
             if self._gateway is not None:
                 self._route(self._gateway, nursery)
             await nursery.start(self._keeper.run)

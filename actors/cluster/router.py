@@ -106,6 +106,7 @@ __all__ = [
     "HAND_OVER_METHOD",
     "OWNER_UNREACHABLE",
     "REPORT_METHOD",
+    "RUNNING_METHOD",
     "WITHDRAWN_METHOD",
     "ClusterRouter",
     "OwnerDesk",
@@ -124,6 +125,12 @@ makes no session for it, or deletes the one it made (the gateway made the client
 REPORT_METHOD = "subagent.finished"
 """The request a host sends a parent's owner with a background subagent's answer:
 params ``{"child_id", "text"}`` (R-TREE-4)."""
+
+RUNNING_METHOD = "subagent.running"
+"""The request a host sends the owner of a subagent's nearest ancestor that runs elsewhere
+once the subagent runs on it: params ``{"child_id", "origin", "after_seq"}``; that owner
+relays the subagent's records after ``after_seq`` from its trace to the ancestor's
+watchers (R-TREE-1, :mod:`.remote_children`)."""
 
 ACCEPTED_METHOD = "run.accepted"
 """The second request of a forwarded ``run``: params ``{"token"}`` from the first one's
@@ -238,6 +245,7 @@ class OwnerDesk:
         bound_s: float,
         reports: Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]] | None = None,
         takes: Callable[[str, list[str]], Awaitable[bool]] | None = None,
+        running: Callable[[str, dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
         self._methods = gateway.methods
         self._gateway = gateway
@@ -245,6 +253,7 @@ class OwnerDesk:
         """Token → a forwarded run whose sender will ask when its prompt is durable."""
         self._reports = reports
         self._takes = takes
+        self._running = running
         self._serves = serves
         self._until_serving = until_serving
         self._bound_s = bound_s
@@ -294,6 +303,11 @@ class OwnerDesk:
                     return _error(OWNER_UNREACHABLE, f"session {session_id} takes no reports here")
                 answering.in_doubt = True
                 return await self._reports(session_id, params)
+            if method == RUNNING_METHOD:
+                # Between hosts only: a subagent of this session runs on the sender.
+                if self._running is None or not self._serves(session_id):
+                    return _error(OWNER_UNREACHABLE, f"session {session_id} relays nothing here")
+                return self._running(session_id, params)
             if method == "watch":
                 watch_id = str(params.get("watch_id", ""))[:100]
                 watches = self._watchers.setdefault(session_id, {})

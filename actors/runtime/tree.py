@@ -58,6 +58,7 @@ __all__ = [
     "end_subtree",
     "forward_up",
     "forward_up_while_open",
+    "hand_up",
     "stopped_running",
     "tell",
 ]
@@ -162,7 +163,7 @@ def forward_up(child: SessionPort, parent: SessionPort) -> Listener:
     origin = child.origin_path
 
     def forward(batch: list[Output]) -> None:
-        _hand_up(parent, origin, batch)
+        hand_up(parent, origin, batch)
 
     return forward
 
@@ -180,12 +181,14 @@ def forward_up_while_open(
     def forward(batch: list[Output]) -> None:
         parent = None if parent_id is None else parent_open(parent_id)
         if parent is not None and not parent.closed:
-            _hand_up(parent, origin, batch)
+            hand_up(parent, origin, batch)
 
     return forward
 
 
-def _hand_up(parent: SessionPort, origin: tuple[str, ...], batch: list[Output]) -> None:
+def hand_up(parent: SessionPort, origin: tuple[str, ...], batch: list[Output]) -> None:
+    """Take ``batch``, outputs of the subagent at ``origin``, to ``parent``: into its run
+    while it has work, else to its watchers (see the module docstring). Never blocks."""
     if parent.send(SubagentOutputs(outputs=tuple(batch), origin=origin)):
         return
     # No supervisor reads the parent's inbox (it is idle, or parked): its watchers still

@@ -1,0 +1,138 @@
+"""The outputs of a subagent that runs on another host than its parent reach the
+parent's watchers, and so the root's, with their ``origin`` (R-TREE-1, R-TREE-4,
+R-CLUSTER-2): in-process hosts on a real nats-server, as in
+:mod:`tests.test_cluster_tree_takeover` (whose tree and ``hold`` tool these tests share).
+
+A lost host's tree is split by hand, as a takeover one host at a time may split it: b
+takes the root and the payer over, c the collector. A watcher of the root on b sees the
+collector's records as c writes them — each once, none of those written before the
+takeover — through b's relay of the collector's trace in JetStream. Before, it saw nothing
+of the collector until its answer came to the payer.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from greenroom.protocols.content import TextBlock, ToolCallBlock
+from greenroom.protocols.outputs import ModelMsg, Output, TaskEnd, ToolCallOutput
+from tests.support.nats import (  # the fixture is used as nats_server
+    NatsProcess,
+    module_nats_server,  # noqa: F401
+)
+from tests.test_cluster_tree_nodes import Cluster, _lose, _until_the_payer_waits, in_cluster
+from tests.test_cluster_tree_takeover import Holds, _brain_holding, _holding
+
+
+def test_a_watcher_of_the_root_sees_a_subagent_that_runs_on_another_host(
+    tmp_path: Path, nats_server: NatsProcess
+) -> None:
+    """R-TREE-1, R-TREE-4: a runs the tree (the payer and its background collector each
+    hold a call) and is lost; b takes the root and the payer over (the payer holds its
+    next call there), then c the collector, which holds its next call there and answers
+    once let go. A watcher of the root on b gets the collector's records from c, tagged
+    with the collector's path from the root: its ``hold`` call, its answer and its
+    ``task_end``, every record c wrote, in order, each once, and none it wrote on a.
+    Before, the watcher got none of them: b knew nothing of a subagent running on c, and
+    the test ran out of time waiting."""
+    holds = Holds()
+
+    async def body(cluster: Cluster) -> dict[str, Any]:
+        a, b, c = (cluster.members[h] for h in ("a", "b", "c"))
+        held = (holds.tool(), holds.started["collect-1"])
+        tree = await _until_the_payer_waits(a, tmp_path, held, brain)
+        root, payer, collector = tree
+        await _lose(cluster, a, *tree)
+        entries = {sid: await cluster.entry(sid) or {} for sid in tree}
+        assert await b.node._take_entries({sid: entries[sid] for sid in (root, payer)})
+        await holds.started["pay-2"].wait()  # the payer's task runs on b, open throughout
+        # Unbounded: the test reads it to the end, and the root's publisher never waits.
+        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
+        b.host.get_session(root).watch(send)
+        written_on_a = (await cluster.traces.read(collector)).records[-1].seq or 0
+        assert await c.node._take_entries({collector: entries[collector]})
+        await holds.started["collect-2"].wait()
+        holds.gates["collect-2"].set()
+        seen: list[Output] = []
+        async for batch in inbox:
+            seen += [o for o in batch if o.origin == tree]
+            if any(isinstance(o, TaskEnd) for o in seen):
+                break
+        traced = (await cluster.traces.read(collector, after_seq=written_on_a)).records
+        return {"seen": seen, "written_on_a": written_on_a, "traced": traced}
+
+    brain = _brain_holding(pays=2, collects=2)
+    found = in_cluster(nats_server, tmp_path, ("a", "b", "c"), body, **_holding(brain, holds))
+    seen: list[Output] = found["seen"]
+    seqs = [o.seq or 0 for o in seen]
+    assert seqs == sorted(set(seqs)), seqs  # in order, each once
+    assert min(seqs) > found["written_on_a"], (seqs, found["written_on_a"])
+    assert seqs == [r.seq for r in found["traced"]]  # every record written on c
+    blocks = [o.block for o in seen if isinstance(o, ModelMsg)]
+    calls = [b.arguments for b in blocks if isinstance(b, ToolCallBlock)]
+    assert calls == [{"key": "collect-2"}], calls
+    assert len([o for o in seen if isinstance(o, ToolCallOutput)]) == 2, seen  # both results
+    said = [b.text for b in blocks if isinstance(b, TextBlock)]
+    assert said == ["collected 3"], said
+    ends = [o.status for o in seen if isinstance(o, TaskEnd)]
+    assert ends == ["completed"], ends
+
+
+def test_a_subagent_that_comes_to_its_parents_host_is_seen_once(
+    tmp_path: Path, nats_server: NatsProcess
+) -> None:
+    """R-TREE-1, R-CLUSTER-2: as above, the collector runs on c while b runs the root and
+    the payer, and holds a call there; then c is lost too and b, the payer's host, takes
+    the collector over, where it holds a third call and answers. The root's watcher on b
+    sees every record the collector wrote on c and on b, in order, each once: b's relay
+    of its trace hands up what it wrote before it came to b, and its own forwarder what
+    it writes on b. Had the relay gone on, every record written on b came twice."""
+    holds = Holds()
+
+    async def body(cluster: Cluster) -> dict[str, Any]:
+        a, b, c = (cluster.members[h] for h in ("a", "b", "c"))
+        held = (holds.tool(), holds.started["collect-1"])
+        tree = await _until_the_payer_waits(a, tmp_path, held, brain)
+        root, payer, collector = tree
+        await _lose(cluster, a, *tree)
+        entries = {sid: await cluster.entry(sid) or {} for sid in tree}
+        assert await b.node._take_entries({sid: entries[sid] for sid in (root, payer)})
+        await holds.started["pay-2"].wait()  # the payer's task runs on b, open throughout
+        # Unbounded: the test reads it to the end, and the root's publisher never waits.
+        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
+        b.host.get_session(root).watch(send)
+        written_on_a = (await cluster.traces.read(collector)).records[-1].seq or 0
+        assert await c.node._take_entries({collector: entries[collector]})
+        await holds.started["collect-2"].wait()
+        seen: list[Output] = []
+
+        async def until_seen(key: str) -> None:
+            async for batch in inbox:
+                seen.extend(o for o in batch if o.origin == tree and o.seq is not None)
+                blocks = [o.block for o in seen if isinstance(o, ModelMsg)]
+                if {"key": key} in [b.arguments for b in blocks if isinstance(b, ToolCallBlock)]:
+                    return
+
+        await until_seen("collect-2")  # relayed from c
+        await _lose(cluster, c, collector)
+        entry = await cluster.entry(collector) or {}
+        assert await b.node._take_entries({collector: entry})
+        await holds.started["collect-3"].wait()
+        holds.gates["collect-3"].set()
+        async for batch in inbox:
+            seen.extend(o for o in batch if o.origin == tree and o.seq is not None)
+            if any(isinstance(o, TaskEnd) for o in seen):
+                break
+        traced = (await cluster.traces.read(collector, after_seq=written_on_a)).records
+        return {"seen": seen, "traced": traced}
+
+    brain = _brain_holding(pays=2, collects=3)
+    found = in_cluster(nats_server, tmp_path, ("a", "b", "c"), body, **_holding(brain, holds))
+    seqs = [o.seq for o in found["seen"]]
+    assert seqs == [r.seq for r in found["traced"]], seqs  # in order, each once, no gap
+    ends = [o.status for o in found["seen"] if isinstance(o, TaskEnd)]
+    assert ends == ["completed"], ends
