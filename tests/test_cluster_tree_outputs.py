@@ -4,10 +4,12 @@ R-CLUSTER-2): in-process hosts on a real nats-server, as in
 :mod:`tests.test_cluster_tree_takeover` (whose tree and ``hold`` tool these tests share).
 
 A lost host's tree is split by hand, as a takeover one host at a time may split it: b
-takes the root and the payer over, c the collector. A watcher of the root on b sees the
-collector's records as c writes them — each once, none of those written before the
-takeover — through b's relay of the collector's trace in JetStream. Before, it saw nothing
-of the collector until its answer came to the payer.
+takes the root and the payer over, c the collector (and its own background child). A
+watcher of the root on b sees the records of the subagents that run on c as c writes
+them — each once, none of those written before the takeover, with each one's own path
+from the root — through b's relay of their traces in JetStream; and each once still when
+the collector comes to b. Before, it saw nothing of them until the collector's answer
+came to the payer.
 """
 
 from __future__ import annotations
@@ -136,3 +138,60 @@ def test_a_subagent_that_comes_to_its_parents_host_is_seen_once(
     assert seqs == [r.seq for r in found["traced"]], seqs  # in order, each once, no gap
     ends = [o.status for o in found["seen"] if isinstance(o, TaskEnd)]
     assert ends == ["completed"], ends
+
+
+def test_a_grandchild_that_runs_on_another_host_reaches_the_root_through_its_parent(
+    tmp_path: Path, nats_server: NatsProcess
+) -> None:
+    """R-TREE-1, R-TREE-4: a runs the tree with the collector's background counter, and is
+    lost; b takes the root and the payer over, c the collector and the counter, each of
+    which holds a call there and answers once let go (the counter's answer comes into the
+    collector's task on c). The root's watcher on b gets every record both wrote on c,
+    each with its own path from the root, in order, each once: b relays each of them to
+    the payer, the node open on b whose child runs elsewhere; c's forwarding of the
+    counter's outputs to the collector is live only and never reaches b. Before, none."""
+    holds = Holds()
+
+    async def body(cluster: Cluster) -> dict[str, Any]:
+        a, b, c = (cluster.members[h] for h in ("a", "b", "c"))
+        held = (holds.tool(), holds.started["collect-1"])
+        root, payer, collector = await _until_the_payer_waits(a, tmp_path, held, brain)
+        (counter,) = [s.id for s in await a.host.get_session(collector).children()]
+        tree = (root, payer, collector, counter)
+        await holds.started["pay-1"].wait()
+        await holds.started["count-1"].wait()
+        await _lose(cluster, a, *tree)
+        entries = {sid: await cluster.entry(sid) or {} for sid in tree}
+        assert await b.node._take_entries({sid: entries[sid] for sid in (root, payer)})
+        await holds.started["pay-2"].wait()  # the payer's task runs on b, open throughout
+        # Unbounded: the test reads it to the end, and the root's publisher never waits.
+        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
+        b.host.get_session(root).watch(send)
+        written_on_a = {
+            sid: (await cluster.traces.read(sid)).records[-1].seq or 0
+            for sid in (collector, counter)
+        }
+        assert await c.node._take_entries({sid: entries[sid] for sid in (collector, counter)})
+        await holds.started["collect-2"].wait()
+        await holds.started["count-2"].wait()
+        holds.gates["count-2"].set()
+        holds.gates["collect-2"].set()
+        paths = {collector: (root, payer, collector), counter: tree}
+        seen: dict[str, list[Output]] = {collector: [], counter: []}
+        async for batch in inbox:
+            for sid, path in paths.items():
+                seen[sid] += [o for o in batch if o.origin == path]
+            if all(any(isinstance(o, TaskEnd) for o in outs) for outs in seen.values()):
+                break
+        traced = {
+            sid: (await cluster.traces.read(sid, after_seq=written_on_a[sid])).records
+            for sid in seen
+        }
+        return {"seen": seen, "traced": traced}
+
+    brain = _brain_holding(pays=2, collects=2, counts=2)
+    found = in_cluster(nats_server, tmp_path, ("a", "b", "c"), body, **_holding(brain, holds))
+    for sid, outputs in found["seen"].items():
+        seqs = [o.seq for o in outputs]
+        assert seqs == [r.seq for r in found["traced"][sid]], (sid, seqs)
+        assert [o.status for o in outputs if isinstance(o, TaskEnd)] == ["completed"]
