@@ -10,7 +10,8 @@ that runs there — has no parent on its host. So:
   sends :data:`~.router.RUNNING_METHOD` to the owner of each of its ancestors that this
   host does not run, with its ``origin`` and the ``seq`` of its last record when it was
   opened here (:meth:`RemoteChildren.opened`). Sent once and not offered again: what it
-  leads to is live outputs, not input.
+  leads to is live outputs, not input. So an ancestor with no owner then, or opened on
+  another host later while the subagent runs on, relays nothing of it.
 * **An ancestor's host relays** to that ancestor when the next node below it on the
   subagent's path is not open there (else that node's outputs go up there already, the
   subagent's among them or relayed to it). It follows the subagent's trace in JetStream
