@@ -14,20 +14,32 @@ came to the payer.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
+from greenroom.actors.cluster.errors import ClusterUnavailable
+from greenroom.actors.cluster.traces import Records, TraceStream
 from greenroom.protocols.content import TextBlock, ToolCallBlock
-from greenroom.protocols.outputs import ModelMsg, Output, TaskEnd, ToolCallOutput
+from greenroom.protocols.outputs import ModelMsg, Output, TaskEnd, ToolCallOutput, UserMsg
 from tests.support.nats import (  # the fixture is used as nats_server
     NatsProcess,
     module_nats_server,  # noqa: F401
 )
-from tests.test_cluster_tree_nodes import Cluster, _lose, _until_the_payer_waits, in_cluster
-from tests.test_cluster_tree_takeover import Holds, _brain_holding, _holding
+from tests.test_cluster_tree_nodes import (
+    Cluster,
+    _lose,
+    _task_ended,
+    _until_the_payer_waits,
+    in_cluster,
+    until,
+)
+from tests.test_cluster_tree_takeover import COLLECTOR_FINISHED, Holds, _brain_holding, _holding
 
 
 def test_a_watcher_of_the_root_sees_a_subagent_that_runs_on_another_host(
@@ -195,3 +207,57 @@ def test_a_grandchild_that_runs_on_another_host_reaches_the_root_through_its_par
         seqs = [o.seq for o in outputs]
         assert seqs == [r.seq for r in found["traced"][sid]], (sid, seqs)
         assert [o.status for o in outputs if isinstance(o, TaskEnd)] == ["completed"]
+
+
+def test_a_relay_that_nats_fails_is_logged_and_the_tree_goes_on(
+    tmp_path: Path,
+    nats_server: NatsProcess,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """R-TREE-1, R-CLUSTER-2: as in the first test, but b cannot read the collector's
+    trace (NATS fails the relay as it begins). b logs that it cannot relay the
+    collector's outputs and goes on: the collector's answer still comes into the payer's
+    task on b (taken in by its request after its held call), and the root runs on there.
+    Before, the failure left the relay in an exception group that no handler caught, and
+    b's cluster side stopped with it."""
+    holds = Holds()
+
+    @contextlib.asynccontextmanager
+    async def failing_follow(
+        self: TraceStream, session_id: str, *, after_seq: int = 0
+    ) -> AsyncIterator[Records]:
+        raise ClusterUnavailable(f"the test's failure to read {session_id}")
+        yield  # an async generator, as the real one is
+
+    async def body(cluster: Cluster) -> bool:
+        a, b, c = (cluster.members[h] for h in ("a", "b", "c"))
+        held = (holds.tool(), holds.started["collect-1"])
+        tree = await _until_the_payer_waits(a, tmp_path, held, brain)
+        root, payer, collector = tree
+        await _lose(cluster, a, *tree)
+        entries = {sid: await cluster.entry(sid) or {} for sid in tree}
+        assert await b.node._take_entries({sid: entries[sid] for sid in (root, payer)})
+        await holds.started["pay-2"].wait()
+        monkeypatch.setattr(TraceStream, "follow", failing_follow)
+        assert await c.node._take_entries({collector: entries[collector]})
+        await holds.started["collect-2"].wait()
+        holds.gates["collect-2"].set()
+        await until(lambda: _task_ended(cluster, collector))
+        holds.gates["pay-2"].set()  # the payer's next request takes the answer in
+
+        async def reported() -> bool:
+            records = (await cluster.traces.read(payer)).records
+            return any(
+                isinstance(r, UserMsg) and COLLECTOR_FINISHED in str(r.content) for r in records
+            )
+
+        await until(reported)
+        return root in {s.id for s in b.host.sessions}
+
+    brain = _brain_holding(pays=2, collects=2)
+    root_open_on_b = in_cluster(
+        nats_server, tmp_path, ("a", "b", "c"), body, **_holding(brain, holds)
+    )
+    assert root_open_on_b
+    assert "cannot relay the outputs of subagent" in capsys.readouterr().err

@@ -160,18 +160,19 @@ class RemoteChildren:
             # ancestor closes, and the relay with it.
             send, closing = trio.open_memory_channel[list[Output]](1)
             end_watch = ancestor.watch(send, kinds=())
+            # Not a nursery of its own: a NATS failure reaches the handler below as it
+            # is, not in an exception group.
+            relaying = trio.CancelScope()
+            assert self._nursery is not None
+            self._nursery.start_soon(_cancel_at_end, closing, relaying)
             try:
-                async with (
-                    trio.open_nursery() as nursery,
-                    self._traces.follow(child_id, after_seq=after_seq) as records,
-                ):
-                    nursery.start_soon(_cancel_at_end, closing, nursery.cancel_scope)
-                    async for record in records:
-                        if not self._hand_up(ancestor, child_id, origin, record):
-                            break
-                    nursery.cancel_scope.cancel()
+                with relaying:
+                    async with self._traces.follow(child_id, after_seq=after_seq) as records:
+                        async for record in records:
+                            if not self._hand_up(ancestor, child_id, origin, record):
+                                break
             finally:
-                end_watch()
+                end_watch()  # which ends _cancel_at_end too
         except SessionNotFound:
             return  # closed before its relay began
         except (ClusterError, nats.errors.Error) as exc:
