@@ -22,11 +22,16 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["MAX_PROGRAM", "Pattern", "PatternError", "compile_pattern"]
+__all__ = ["MAX_COMPILE_STEPS", "MAX_PROGRAM", "Pattern", "PatternError", "compile_pattern"]
 
 MAX_PROGRAM = 2000
 """At most this many states in one pattern's automaton (bounded repetition unrolled):
 ``[a-z]{1,5000}`` is refused, not run."""
+
+MAX_COMPILE_STEPS = 20 * MAX_PROGRAM
+"""At most this many parts of a pattern read while it is compiled, repetitions counted out:
+a part that makes no state (an empty group) costs its reading all the same, and
+``(?:(?:){65535}){65535}`` would be read four billion times."""
 
 _sre: Any = importlib.import_module("re._parser")  # re's own reader of patterns
 
@@ -127,10 +132,11 @@ def compile_pattern(source: str) -> Pattern:
 
 
 class _Compiler:
-    __slots__ = ("program",)
+    __slots__ = ("program", "steps")
 
     def __init__(self, program: list[Instruction]) -> None:
         self.program = program
+        self.steps = 0
 
     def emit(self, *instruction: Any) -> int:
         if len(self.program) >= MAX_PROGRAM:
@@ -142,6 +148,12 @@ class _Compiler:
         return len(self.program) - 1
 
     def sequence(self, items: Any, flags: int) -> None:
+        self.steps += 1 + len(items)
+        if self.steps > MAX_COMPILE_STEPS:
+            raise PatternError(
+                f"too large to check (more than {MAX_COMPILE_STEPS} parts to read once its "
+                "repetitions are counted out)"
+            )
         for op, arg in items:
             self.item(str(op), arg, flags)
 
@@ -256,11 +268,24 @@ def _char_test(op: str, arg: Any, flags: int) -> CharTest:
         literal = chr(arg)
         positive = lambda c: c == literal  # noqa: E731
     if flags & _IGNORECASE:
-        exact = positive
-        positive = lambda c: exact(c) or exact(c.lower()) or exact(c.upper())  # noqa: E731
+        positive = _either_case(positive)
     if negate:
         return lambda c: not positive(c)
     return positive
+
+
+def _either_case(exact: CharTest) -> CharTest:
+    """``exact`` taking a character's lower and upper case forms too, those of one
+    character: "ß".upper() is "SS", which a range's string comparison would take for a
+    letter between "A" and "Z"."""
+
+    def test(c: str) -> bool:
+        if exact(c):
+            return True
+        lower, upper = c.lower(), c.upper()
+        return (len(lower) == 1 and exact(lower)) or (len(upper) == 1 and exact(upper))
+
+    return test
 
 
 def _at(code: str, flags: int, text: str, pos: int) -> bool:

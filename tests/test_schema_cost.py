@@ -20,7 +20,12 @@ from greenroom.protocols import jsonrpc
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.errors import OutputSchemaError
 from greenroom.protocols.outputs import TaskEnd
-from greenroom.protocols.pattern import MAX_PROGRAM, PatternError, compile_pattern
+from greenroom.protocols.pattern import (
+    MAX_COMPILE_STEPS,
+    MAX_PROGRAM,
+    PatternError,
+    compile_pattern,
+)
 from greenroom.protocols.structured import (
     EXAMPLE_LIMITS,
     MAX_CHECK_WORK,
@@ -112,6 +117,9 @@ def test_a_pattern_matches_where_re_matches(source: str) -> None:
         (r"(?>a+)b", "uses an atomic group, which is not supported"),
         (r"a++b", "uses possessive repetition, which is not supported"),
         (r"^[a-z]{1,5000}$", f"too large to check (more than {MAX_PROGRAM} states"),
+        # Groups that make no state are read all the same, each repetition: bounded too.
+        (r"(?:){100000}", f"too large to check (more than {MAX_COMPILE_STEPS} parts"),
+        (r"(?:(?:){300}){300}", f"too large to check (more than {MAX_COMPILE_STEPS} parts"),
         (r"((", "not a regular expression Python can read: missing )"),
     ],
 )
@@ -126,6 +134,17 @@ def test_a_pattern_that_cannot_run_without_backtracking_is_refused_up_front(
     # A schema recorded before the refusal (a trace) still cannot pass an answer unchecked.
     (problem,) = validate({"a": "aa"}, schema)
     assert problem.startswith(f"$.a: the schema's pattern {source!r} cannot be checked: ")
+
+
+@pytest.mark.parametrize("sample", ["ß", "\ufb00", "k", "K", "é"])
+def test_a_case_insensitive_class_takes_a_character_as_re_does(sample: str) -> None:
+    """Under (?i) a character matches a class by its own case forms of one character:
+    "ß".upper() is "SS", no letter between A and Z (R-OUT-1)."""
+    source = "(?i)^[A-Z]+$"
+    expected = re.search(source, sample) is not None
+    assert compile_pattern(source).search(sample, lambda _: None) == expected
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": source}}}
+    assert (validate({"a": sample}, schema) == []) == expected
 
 
 def test_a_pattern_in_data_is_no_pattern() -> None:
