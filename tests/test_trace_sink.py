@@ -547,3 +547,35 @@ async def test_a_sync_is_answered_once_its_own_files_are_durable(tmp_path: Path)
             assert sink.batches_written == 1
     for path in paths:
         assert seqs(path) == [1]
+
+
+async def test_a_writer_bug_in_a_batch_answers_only_the_syncs_not_answered_early(
+    tmp_path: Path,
+) -> None:
+    """A bug below the writer (an fsync raising what the disk never refuses with) stops
+    the actor; the syncs of its batch already answered, their files durable, keep their
+    answer, and only the others are told of the failure: a second answer would not fit
+    their one-slot channels and would end the host (R-TRACE-2, R-SEC-1)."""
+    paths = [trace_path(tmp_path, f"s{i}") for i in range(20)]
+    disk = FaultyDisk()
+    disk.break_writer(paths[-1])
+    durable: list[Path] = []
+    failed: list[Path] = []
+
+    async def sync(sink: TraceSink, path: Path) -> None:
+        try:
+            await sink.sync(path)
+        except (TraceWriteError, TraceSinkClosed):
+            failed.append(path)
+        else:
+            durable.append(path)
+
+    with trio.fail_after(TIMEOUT):
+        async with running_sink(tmp_path, disk) as sink:
+            for path in paths:
+                sink.write(path, line(1, path.parent.name))
+            async with trio.open_nursery() as nursery:
+                for path in paths:
+                    nursery.start_soon(sync, sink, path)
+    assert failed == [paths[-1]]
+    assert sorted(durable) == sorted(paths[:-1])

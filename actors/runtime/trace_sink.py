@@ -661,8 +661,14 @@ class TraceSyncer:
         if job.fsync or job.usage or job.close_ledger:
             # Counted as it begins: its first requests are answered before it ends.
             self.batches_written += 1
-            # Raises only for a bug; the requests stay pending then, for run to answer.
-            result = await self._run(job, final=final)
+            try:
+                # Raises only for a bug; the requests stay pending then, for run to answer:
+                # those not answered early (a second answer would not fit their channel).
+                result = await self._run(job, final=final)
+            except BaseException:
+                if early is not None:
+                    self._pending = early.close()
+                raise
         requests, self._pending = self._pending, []
         if early is not None:
             requests = early.close()
