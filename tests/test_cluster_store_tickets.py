@@ -7,9 +7,10 @@ failed attempt was stored (R-CLUSTER-2: no record duplicated, no session lost)."
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import nats.errors
 import nats.js.api
@@ -36,16 +37,21 @@ from tests.test_store_conformance import record
 
 
 class HeldWriter(TraceWriter):
-    """The real writer, whose appends wait until ``release`` is set."""
+    """The real writer, whose appends after the first ``free`` wait, before they are sent,
+    until ``release`` is set."""
 
-    def __init__(self, writer: TraceWriter, release: trio.Event) -> None:
+    def __init__(self, writer: TraceWriter, release: trio.Event, *, free: int = 0) -> None:
         super().__init__(writer._conn, writer.session_id, expected=writer.expected)
         self.release = release
         self.waiting = trio.Event()
+        self.free = free
 
     async def append(self, lines: Sequence[str]) -> int:
-        self.waiting.set()
-        await self.release.wait()
+        if self.free:
+            self.free -= 1
+        else:
+            self.waiting.set()
+            await self.release.wait()
         return await super().append(lines)
 
 
@@ -70,17 +76,34 @@ def _named(error: TraceWriteError | None) -> str:
     return "nothing" if error is None else type(error).__name__
 
 
+def _never_fenced(_sid: str) -> None:
+    """An ``on_fenced`` for the tests that do not look at which sessions stopped."""
+
+
+@asynccontextmanager
+async def _store_running(
+    conn: Connection, data_dir: Path, on_fenced: Callable[[str], None] = _never_fenced
+) -> AsyncIterator[tuple[TraceStream, ReplicatingTraceStore, trio.Nursery]]:
+    """The cluster's trace stream and a store over ``data_dir`` running (``on_fenced``
+    told of the sessions that stop here) in a nursery, for the sessions' streams too,
+    until the block ends: the nursery is cancelled then and the store closed."""
+    traces = await TraceStream.open(conn)
+    store = ReplicatingTraceStore(data_dir, on_fenced=on_fenced)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        yield traces, store, nursery
+        nursery.cancel_scope.cancel()
+    await store.aclose()
+
+
 def test_a_session_is_not_held_back_by_another_sessions_append(
     nats_server: NatsProcess, tmp_path: Path
 ) -> None:
     async def body(conn: Connection) -> list[str]:
-        traces = await TraceStream.open(conn)
-        store = ReplicatingTraceStore(tmp_path, on_fenced=lambda _sid: None)
-        log = store.log
         seen: list[str] = []
         release = trio.Event()
-        async with trio.open_nursery() as nursery:
-            await nursery.start(store.run)
+        async with _store_running(conn, tmp_path) as (traces, store, nursery):
+            log = store.log
             for sid in ("slow", "fast"):
                 await _replicated(store, sid)
             slow = HeldWriter(await traces.fence("slow", "host-a"), release)
@@ -104,8 +127,6 @@ def test_a_session_is_not_held_back_by_another_sessions_append(
             seen.append("slow acknowledged")
             assert log.batch_done(slow_ticket) and log.commit("slow")
             assert [r.seq for r in (await traces.read("slow")).records] == [1]
-            nursery.cancel_scope.cancel()
-        await store.aclose()
         return seen
 
     seen = run_connected(nats_server.url, body, timeout_s=10.0)
@@ -127,12 +148,9 @@ def test_a_session_no_longer_replicated_says_so_instead_of_passing_records_for_d
         return "nothing"
 
     async def body(conn: Connection) -> dict[str, object]:
-        traces = await TraceStream.open(conn)
-        store = ReplicatingTraceStore(tmp_path, on_fenced=lambda _sid: None)
-        log = store.log
         found: dict[str, object] = {}
-        async with trio.open_nursery() as nursery:
-            await nursery.start(store.run)
+        async with _store_running(conn, tmp_path) as (traces, store, nursery):
+            log = store.log
             await _replicated_from_host_a(store, traces, nursery, "fenced", "lost")
             await traces.fence("fenced", "host-b")  # another host takes it over
             log.append("fenced", 1, record("fenced", 1))
@@ -146,8 +164,6 @@ def test_a_session_no_longer_replicated_says_so_instead_of_passing_records_for_d
             log.forget("lost")  # its lease was lost
             log.append("lost", 1, record("lost", 1))
             found["lost"] = _named(log.error("lost"))
-            nursery.cancel_scope.cancel()
-        await store.aclose()
         found["in_cluster"] = [r.seq for r in (await traces.read("fenced")).records]
         return found
 
@@ -178,12 +194,9 @@ def test_records_jetstream_acknowledged_stay_acknowledged_when_their_session_is_
     # steer was answered 410 for input the cluster's trace holds. Only records given up
     # unacknowledged, and any appended after, are lost.
     async def body(conn: Connection) -> dict[str, object]:
-        traces = await TraceStream.open(conn)
-        store = ReplicatingTraceStore(tmp_path, on_fenced=lambda _sid: None)
-        log = store.log
         found: dict[str, object] = {}
-        async with trio.open_nursery() as nursery:
-            await nursery.start(store.run)
+        async with _store_running(conn, tmp_path) as (traces, store, nursery):
+            log = store.log
             await _replicated_from_host_a(store, traces, nursery, "lost", "closed")
             for sid in ("lost", "closed"):
                 log.append(sid, 1, record(sid, 1))
@@ -195,8 +208,6 @@ def test_records_jetstream_acknowledged_stay_acknowledged_when_their_session_is_
                 found[f"{sid} sync"] = await _sync_outcome(log, sid)
             log.append("lost", 2, record("lost", 2))  # reaches no cluster
             found["lost sync after an append"] = await _sync_outcome(log, "lost")
-            nursery.cancel_scope.cancel()
-        await store.aclose()
         found["in_cluster"] = [r.seq for r in (await traces.read("lost")).records]
         return found
 
@@ -235,25 +246,59 @@ async def _done(log: ReplicatingTraceLog, *tickets: int) -> None:
             await written.receive()
 
 
+W = TypeVar("W", bound=TraceWriter)
+
+
+async def _record_2_on_its_way(
+    store: ReplicatingTraceStore,
+    traces: TraceStream,
+    nursery: trio.Nursery,
+    sid: str,
+    wrap: Callable[[TraceWriter], W],
+    reached: Callable[[W], trio.Event],
+) -> tuple[W, int, int, trio.CancelScope]:
+    """A new session ``sid`` streamed by host-a through ``wrap`` of its writer, its record
+    1 acknowledged by JetStream, then its record 2 appended and on its way until
+    ``reached(writer)`` is set (held, stored or failed, as the writer makes it): the
+    writer, the tickets of records 1 and 2, and the scope of the session's stream."""
+    log = store.log
+    await _replicated(store, sid)
+    writer = wrap(await traces.fence(sid, "host-a"))
+    stream = await _streamed(log, nursery, sid, writer)
+    first = log.append(sid, 1, record(sid, 1))
+    with trio.fail_after(10):
+        await log.sync(sid)
+    second = log.append(sid, 2, record(sid, 2))
+    with trio.fail_after(10):
+        await reached(writer).wait()
+    return writer, first, second, stream
+
+
 async def _acknowledged_then_held(
     store: ReplicatingTraceStore, traces: TraceStream, nursery: trio.Nursery, sid: str
 ) -> tuple[int, int, trio.CancelScope]:
     """A new session ``sid`` streamed by host-a, its record 1 acknowledged by JetStream and
     its record 2's append held before it is sent: the tickets of both, and the scope of
     the session's stream."""
-    log = store.log
-    await _replicated(store, sid)
-    held = HeldWriter(await traces.fence(sid, "host-a"), trio.Event())
-    stream = await _streamed(log, nursery, sid, held)
-    acknowledged = log.append(sid, 1, record(sid, 1))
-    held.release.set()
-    with trio.fail_after(10):
-        await log.sync(sid)
-    held.release, held.waiting = trio.Event(), trio.Event()  # the next append waits
-    in_flight = log.append(sid, 2, record(sid, 2))
-    with trio.fail_after(10):
-        await held.waiting.wait()
+    _, acknowledged, in_flight, stream = await _record_2_on_its_way(
+        store,
+        traces,
+        nursery,
+        sid,
+        lambda writer: HeldWriter(writer, trio.Event(), free=1),
+        lambda held: held.waiting,
+    )
     return acknowledged, in_flight, stream
+
+
+async def _given_up(
+    log: ReplicatingTraceLog, sid: str, stream: trio.CancelScope, *on_its_way: int
+) -> None:
+    """This host gives ``sid`` up, as when its lease was lost: forgotten, and its stream
+    stopped (as the node stops it then); return once the tickets ``on_its_way`` are done."""
+    log.forget(sid)
+    stream.cancel()
+    await _done(log, *on_its_way)
 
 
 async def _taken_over(
@@ -262,8 +307,7 @@ async def _taken_over(
     """Host-b takes ``sid`` over (its fence), and this host gives it up, as when its lease
     was lost: forgotten, its stream stopped."""
     await traces.fence(sid, "host-b")
-    log.forget(sid)
-    stream.cancel()
+    await _given_up(log, sid, stream)
 
 
 def test_each_ticket_answers_whether_its_own_record_reached_the_cluster(
@@ -275,11 +319,8 @@ def test_each_ticket_answers_whether_its_own_record_reached_the_cluster(
     # acknowledged it (None), or it was given up, or appended after the session was.
 
     async def body(conn: Connection) -> dict[str, object]:
-        traces = await TraceStream.open(conn)
-        store = ReplicatingTraceStore(tmp_path, on_fenced=lambda _sid: None)
-        log = store.log
-        async with trio.open_nursery() as nursery:
-            await nursery.start(store.run)
+        async with _store_running(conn, tmp_path) as (traces, store, nursery):
+            log = store.log
             acknowledged, in_flight, stream = await _acknowledged_then_held(
                 store, traces, nursery, "s"
             )
@@ -295,8 +336,6 @@ def test_each_ticket_answers_whether_its_own_record_reached_the_cluster(
                 "appended after": _named(log.lost("s", after)),
                 "done": [log.batch_done(t) for t in (acknowledged, in_flight, queued, after)],
             }
-            nursery.cancel_scope.cancel()
-        await store.aclose()
         found["in_cluster"] = [r.seq for r in (await traces.read("s")).records]
         return found
 
@@ -338,31 +377,18 @@ def test_a_record_jetstream_stored_on_its_way_when_its_session_was_given_up_is_n
     sid = "s"
 
     async def body(conn: Connection) -> dict[str, object]:
-        traces = await TraceStream.open(conn)
-        store = ReplicatingTraceStore(tmp_path, on_fenced=lambda _sid: None)
-        log = store.log
-        async with trio.open_nursery() as nursery:
-            await nursery.start(store.run)
-            await _replicated(store, sid)
-            writer = AckHeldWriter(await traces.fence(sid, "host-a"))
-            stream = await _streamed(log, nursery, sid, writer)
-            first = log.append(sid, 1, record(sid, 1))
-            with trio.fail_after(10):
-                await log.sync(sid)
-            stored = log.append(sid, 2, record(sid, 2))
-            with trio.fail_after(10):
-                await writer.stored.wait()
+        async with _store_running(conn, tmp_path) as (traces, store, nursery):
+            log = store.log
+            _, first, stored, stream = await _record_2_on_its_way(
+                store, traces, nursery, sid, AckHeldWriter, lambda writer: writer.stored
+            )
             queued = log.append(sid, 3, record(sid, 3))  # never sent
-            log.forget(sid)  # its lease was lost, with record 2 stored unacknowledged
-            stream.cancel()  # as the node stops the session's stream then
-            await _done(log, stored)
+            await _given_up(log, sid, stream, stored)  # record 2 stored unacknowledged
             found: dict[str, object] = {
                 "first": _named(log.lost(sid, first)),
                 "stored": _named(log.lost(sid, stored)),
                 "queued": _named(log.lost(sid, queued)),
             }
-            nursery.cancel_scope.cancel()
-        await store.aclose()
         found["in_cluster"] = [r.seq for r in (await traces.read(sid)).records]
         return found
 
@@ -383,37 +409,24 @@ def test_a_record_whose_fate_nats_does_not_tell_is_in_doubt_not_lost(
     sid = "doubt"
 
     async def body(conn: Connection) -> dict[str, object]:
-        traces = await TraceStream.open(conn)
-        store = ReplicatingTraceStore(tmp_path, on_fenced=lambda _sid: None)
-        log = store.log
-        async with trio.open_nursery() as nursery:
-            await nursery.start(store.run)
-            await _replicated(store, sid)
-            writer = AckHeldWriter(await traces.fence(sid, "host-a"))
-            stream = await _streamed(log, nursery, sid, writer)
-            first = log.append(sid, 1, record(sid, 1))
-            with trio.fail_after(10):
-                await log.sync(sid)
-            on_its_way = log.append(sid, 2, record(sid, 2))
-            with trio.fail_after(10):
-                await writer.stored.wait()
+        async with _store_running(conn, tmp_path) as (traces, store, nursery):
+            log = store.log
+            _, first, on_its_way, stream = await _record_2_on_its_way(
+                store, traces, nursery, sid, AckHeldWriter, lambda writer: writer.stored
+            )
             reads = conn.js.get_msg
 
             async def unanswered(*_args: object, **_kwargs: object) -> object:
                 raise nats.errors.TimeoutError
 
             conn.js.get_msg = unanswered  # type: ignore[method-assign]
-            log.forget(sid)
-            stream.cancel()
-            await _done(log, on_its_way)
+            await _given_up(log, sid, stream, on_its_way)
             conn.js.get_msg = reads  # type: ignore[method-assign]
             found: dict[str, object] = {
                 "first": _named(log.lost(sid, first)),
                 "on its way": _named(log.lost(sid, on_its_way)),
                 "sync": await _sync_outcome(log, sid),
             }
-            nursery.cancel_scope.cancel()
-        await store.aclose()
         found["in_cluster"] = [r.seq for r in (await traces.read(sid)).records]
         return found
 
@@ -451,30 +464,17 @@ def test_a_record_sent_but_not_stored_when_its_session_was_given_up_is_settled_b
     sid = "resent"
 
     async def body(conn: Connection) -> dict[str, object]:
-        traces = await TraceStream.open(conn)
-        store = ReplicatingTraceStore(tmp_path, on_fenced=lambda _sid: None)
-        log = store.log
-        async with trio.open_nursery() as nursery:
-            await nursery.start(store.run)
-            await _replicated(store, sid)
+        async with _store_running(conn, tmp_path) as (traces, store, nursery):
+            log = store.log
             faults = FaultyPublishes(conn, unsent={1})
-            writer = FailingWriter(await traces.fence(sid, "host-a"))
-            stream = await _streamed(log, nursery, sid, writer)
-            log.append(sid, 1, record(sid, 1))
-            with trio.fail_after(10):
-                await log.sync(sid)
-            failed = log.append(sid, 2, record(sid, 2))
-            with trio.fail_after(10):
-                await writer.failed.wait()
-            log.forget(sid)
-            stream.cancel()
-            await _done(log, failed)
+            _, _, failed, stream = await _record_2_on_its_way(
+                store, traces, nursery, sid, FailingWriter, lambda writer: writer.failed
+            )
+            await _given_up(log, sid, stream, failed)
             found: dict[str, object] = {
                 "failed": _named(log.lost(sid, failed)),
                 "attempts": faults.appends,
             }
-            nursery.cancel_scope.cancel()
-        await store.aclose()
         found["stored"] = await stored_messages(conn, sid)
         return found
 
@@ -493,11 +493,8 @@ def test_a_ticket_given_up_stays_lost_once_its_session_is_released_or_replicated
     # queued: true) for a record given up unacknowledged or appended once the session was.
 
     async def body(conn: Connection) -> dict[str, object]:
-        traces = await TraceStream.open(conn)
-        store = ReplicatingTraceStore(tmp_path, on_fenced=lambda _sid: None)
-        log = store.log
-        async with trio.open_nursery() as nursery:
-            await nursery.start(store.run)
+        async with _store_running(conn, tmp_path) as (traces, store, nursery):
+            log = store.log
             tickets: dict[str, int] = {}
             for sid in ("released", "again"):
                 acknowledged, in_flight, stream = await _acknowledged_then_held(
@@ -514,8 +511,6 @@ def test_a_ticket_given_up_stays_lost_once_its_session_is_released_or_replicated
                 what: _named(log.lost(what.split(":")[0], ticket))
                 for what, ticket in tickets.items()
             }
-            nursery.cancel_scope.cancel()
-        await store.aclose()
         return found
 
     assert run_connected(nats_server.url, body, timeout_s=20.0) == {
@@ -534,13 +529,10 @@ async def _after_a_record_too_large(
     """Sessions "huge" and "other" replicated; record 1 of "huge" (synced alone when
     ``sync_first``), then its record 2 ``huge``, then record 1 of "other": what the sync of
     "huge" raised, which sessions stopped here, and the seqs each has in the cluster."""
-    traces = await TraceStream.open(conn)
     stopped: list[str] = []
-    store = ReplicatingTraceStore(data_dir, on_fenced=stopped.append)
-    log = store.log
     found: dict[str, object] = {}
-    async with trio.open_nursery() as nursery:
-        await nursery.start(store.run)
+    async with _store_running(conn, data_dir, stopped.append) as (traces, store, nursery):
+        log = store.log
         await _replicated_from_host_a(store, traces, nursery, "huge", "other")
         log.append("huge", 1, record("huge", 1))
         if sync_first:
@@ -553,8 +545,6 @@ async def _after_a_record_too_large(
             found["why"] = "max_payload" in str(exc)
         log.append("other", 1, record("other", 1))
         await log.sync("other")
-        nursery.cancel_scope.cancel()
-    await store.aclose()
     found["stopped"] = stopped
     found["in_cluster"] = {
         sid: [r.seq for r in (await traces.read(sid)).records] for sid in ("huge", "other")
@@ -647,13 +637,11 @@ def test_records_that_each_fit_nats_are_never_batched_past_it(
     sid = "batched"
 
     async def body(conn: Connection) -> dict[str, object]:
-        traces = await TraceStream.open(conn)
         stopped: list[str] = []
-        store = ReplicatingTraceStore(tmp_path / "data", on_fenced=stopped.append)
-        log = store.log
         found: dict[str, object] = {}
-        async with trio.open_nursery() as nursery:
-            await nursery.start(store.run)
+        data_dir = tmp_path / "data"
+        async with _store_running(conn, data_dir, stopped.append) as (traces, store, nursery):
+            log = store.log
             await _replicated_from_host_a(store, traces, nursery, sid)
             fenced_at = await traces.last_sequence(sid)
             # Queued together: one batch for the writer.
@@ -665,8 +653,6 @@ def test_records_that_each_fit_nats_are_never_batched_past_it(
             except TraceWriteError as exc:
                 found["sync"] = str(exc)
             found["messages"] = await traces.last_sequence(sid) - fenced_at
-            nursery.cancel_scope.cancel()
-        await store.aclose()
         found["stopped"] = stopped
         found["in_cluster"] = [r.seq for r in (await traces.read(sid)).records]
         return found
@@ -736,19 +722,12 @@ def test_an_append_whose_acknowledgement_was_lost_is_no_fence(
     sid = "acklost"
 
     async def body(conn: Connection) -> dict[str, object]:
-        traces = await TraceStream.open(conn)
         fenced: list[str] = []
-        store = ReplicatingTraceStore(tmp_path, on_fenced=fenced.append)
-        log = store.log
         found: dict[str, object] = {}
-        async with trio.open_nursery() as nursery:
-            await nursery.start(store.run)
-            await store.catalog.create(sid, {"session_id": sid})
-            log.start(sid)
-            log.replicate(sid)
-            writer = await traces.fence(sid, "host-a")
+        async with _store_running(conn, tmp_path, fenced.append) as (traces, store, nursery):
+            log = store.log
             faults = FaultyPublishes(conn, lost={0})
-            await nursery.start(log.stream_to, sid, writer)
+            await _replicated_from_host_a(store, traces, nursery, sid)
             found["synced"] = []
             for seq in (1, 2):
                 try:
@@ -761,8 +740,6 @@ def test_an_append_whose_acknowledgement_was_lost_is_no_fence(
             found["attempts"] = faults.appends
             found["fenced"] = fenced
             found["error"] = log.error(sid)
-            nursery.cancel_scope.cancel()
-        await store.aclose()
         found["read"] = [r.seq for r in (await traces.read(sid)).records]
         found["stored"] = await stored_messages(conn, sid)
         return found
@@ -796,15 +773,9 @@ def test_a_retry_sends_again_only_what_was_not_acknowledged(
     sid = f"split-{split}-{fault}"
 
     async def body(conn: Connection) -> tuple[list[str], list[int | None], int]:
-        traces = await TraceStream.open(conn)
-        store = ReplicatingTraceStore(tmp_path, on_fenced=lambda _sid: None)
-        log = store.log
-        async with trio.open_nursery() as nursery:
-            await nursery.start(store.run)
-            await store.catalog.create(sid, {"session_id": sid})
-            log.start(sid)
-            log.replicate(sid)
-            await nursery.start(log.stream_to, sid, await traces.fence(sid, "host-a"))
+        async with _store_running(conn, tmp_path) as (traces, store, nursery):
+            log = store.log
+            await _replicated_from_host_a(store, traces, nursery, sid)
             log.append(sid, 1, record(sid, 1))
             await log.sync(sid)
             # The last of the three messages below.
@@ -817,8 +788,6 @@ def test_a_retry_sends_again_only_what_was_not_acknowledged(
                 log.append(sid, 3, record(sid, 3))
             log.append(sid, 4, record(sid, 4))
             await log.sync(sid)
-            nursery.cancel_scope.cancel()
-        await store.aclose()
         read = await traces.read(sid)
         return await stored_messages(conn, sid), [r.seq for r in read.current], read.file
 
@@ -830,22 +799,17 @@ def test_a_retry_sends_again_only_what_was_not_acknowledged(
     assert run_connected(nats_server.url, body, timeout_s=20.0) == expected
 
 
-class RetryHeld(TraceWriter):
+class RetryHeld(FailingWriter):
     """The real writer, whose appends after a failed one wait until ``retry`` is set."""
 
     def __init__(self, writer: TraceWriter) -> None:
-        super().__init__(writer._conn, writer.session_id, expected=writer.expected)
-        self.failed = trio.Event()
+        super().__init__(writer)
         self.retry = trio.Event()
 
     async def append(self, lines: Sequence[str]) -> int:
         if self.failed.is_set():
             await self.retry.wait()
-        try:
-            return await super().append(lines)
-        except ClusterUnavailable:
-            self.failed.set()
-            raise
+        return await super().append(lines)
 
 
 def test_an_append_stored_unacknowledged_before_another_host_fenced_is_not_lost(
@@ -860,22 +824,13 @@ def test_an_append_stored_unacknowledged_before_another_host_fenced_is_not_lost(
     sid = "fenced-after"
 
     async def body(conn: Connection) -> dict[str, object]:
-        traces = await TraceStream.open(conn)
         fenced: list[str] = []
-        store = ReplicatingTraceStore(tmp_path, on_fenced=fenced.append)
-        log = store.log
-        async with trio.open_nursery() as nursery:
-            await nursery.start(store.run)
-            await _replicated(store, sid)
-            writer = RetryHeld(await traces.fence(sid, "host-a"))
+        async with _store_running(conn, tmp_path, fenced.append) as (traces, store, nursery):
+            log = store.log
             FaultyPublishes(conn, lost={1})
-            await nursery.start(log.stream_to, sid, writer)
-            log.append(sid, 1, record(sid, 1))
-            with trio.fail_after(10):
-                await log.sync(sid)
-            stored = log.append(sid, 2, record(sid, 2))
-            with trio.fail_after(10):
-                await writer.failed.wait()
+            writer, _, stored, _ = await _record_2_on_its_way(
+                store, traces, nursery, sid, RetryHeld, lambda writer: writer.failed
+            )
             await traces.fence(sid, "host-b")
             writer.retry.set()
             found: dict[str, object] = {"sync": await _sync_outcome(log, sid)}
@@ -888,8 +843,6 @@ def test_an_append_stored_unacknowledged_before_another_host_fenced_is_not_lost(
             else:
                 found["sync after"] = await _sync_outcome(log, sid)
             found["fenced after"] = list(fenced)
-            nursery.cancel_scope.cancel()
-        await store.aclose()
         found["in_cluster"] = await stored_messages(conn, sid)
         return found
 
