@@ -6,6 +6,9 @@ forced with events."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,7 @@ from conftest import hold_after_first, trace_lines
 from greenroom.actors.apps import acp as acp_app
 from greenroom.actors.apps.acp import AcpConfig
 from greenroom.actors.runtime.emitter import OutputEmitter
+from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session import Session
 from greenroom.actors.scripted import Reply, ScriptedProvider, ScriptedStream, text
 from greenroom.protocols import acp
@@ -74,6 +78,49 @@ def answered_after(client: Client, request_id: int, words: str) -> bool:
     return bool(chunks) and chunks[-1] < answer
 
 
+@dataclass
+class Steered:
+    """A new session of the ACP agent in-process: its host, the editor's client, the
+    session's id, and the events of the steers it accepts (``steering_accepted``)."""
+
+    host: Host
+    client: Client
+    sid: str
+    accepted: list[trio.Event]
+
+
+@asynccontextmanager
+async def steered_session(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, provider: ScriptedProvider
+) -> AsyncIterator[Steered]:
+    """A new session of an ACP agent over ``provider`` (no tools) and a host of
+    ``tmp_path / "data"``, for the block, which fails after TIMEOUT_S."""
+    accepted = steering_accepted(monkeypatch)
+    config = AcpConfig(provider=provider, tools=())
+    with trio.fail_after(TIMEOUT_S):
+        async with agent_on(tmp_path / "data", config) as (host, client):
+            yield Steered(host, client, await new_session(client, tmp_path), accepted)
+
+
+async def too_late_for_its_task(
+    steered: Steered, monkeypatch: pytest.MonkeyPatch
+) -> tuple[int, int, trio.Event]:
+    """Prompt "hello", then "also" while that task's end is written (the session still
+    takes input), once the session accepted it as steering: the ids of the two prompts,
+    and the event that lets the first task's end go on."""
+    ending, let_end = hold_after_first(monkeypatch, OutputEmitter, "sync_task_end")
+    first = await prompt(steered.client, steered.sid, "hello")
+    await ending.wait()  # the task's end is written; the session still takes input
+    late = await prompt(steered.client, steered.sid, "also")
+    await steered.accepted[0].wait()
+    return first, late, let_end
+
+
+def late_steering_marks(session: Session) -> list[object]:
+    """The ``late_steering`` of each ``task_queued`` of ``session``'s trace."""
+    return [r.get("late_steering") for r in trace_lines(session) if r["type"] == "task_queued"]
+
+
 async def test_steering_too_late_for_its_task_is_answered_at_the_end_of_the_task_it_became(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -89,24 +136,16 @@ async def test_steering_too_late_for_its_task_is_answered_at_the_end_of_the_task
             await stream.text("Also.")
             await stream.end("refusal")
 
-    accepted = steering_accepted(monkeypatch)
     provider = ScriptedProvider(model)
-    config = AcpConfig(provider=provider, tools=())
-    with trio.fail_after(TIMEOUT_S):
-        async with agent_on(tmp_path / "data", config) as (host, client):
-            sid = await new_session(client, tmp_path)
-            ending, let_end = hold_after_first(monkeypatch, OutputEmitter, "sync_task_end")
-            first = await prompt(client, sid, "hello")
-            await ending.wait()  # the task's end is written; the session still takes input
-            late = await prompt(client, sid, "also")
-            await accepted[0].wait()
-            let_end.set()
-            assert (await client.answer_of(first))["result"]["stopReason"] == "end_turn"
-            assert (await client.answer_of(late))["result"]["stopReason"] == "refusal"
-            assert answered_after(client, late, "Also.")
-            session = host.get_session(sid)
-    queued = [r for r in trace_lines(session) if r["type"] == "task_queued"]
-    assert [r.get("late_steering") for r in queued] == [True]
+    async with steered_session(tmp_path, monkeypatch, provider) as steered:
+        client = steered.client
+        first, late, let_end = await too_late_for_its_task(steered, monkeypatch)
+        let_end.set()
+        assert (await client.answer_of(first))["result"]["stopReason"] == "end_turn"
+        assert (await client.answer_of(late))["result"]["stopReason"] == "refusal"
+        assert answered_after(client, late, "Also.")
+        session = steered.host.get_session(steered.sid)
+    assert late_steering_marks(session) == [True]
     assert provider.violations == []
 
 
@@ -133,36 +172,28 @@ async def test_a_prompt_during_a_late_steering_task_joins_it_and_both_are_answer
             await stream.text("More.")
             await stream.end("refusal")
 
-    accepted = steering_accepted(monkeypatch)
     provider = ScriptedProvider(model)
-    config = AcpConfig(provider=provider, tools=())
-    with trio.fail_after(TIMEOUT_S):
-        async with agent_on(tmp_path / "data", config) as (host, client):
-            sid = await new_session(client, tmp_path)
-            ending, let_end = hold_after_first(monkeypatch, OutputEmitter, "sync_task_end")
-            first = await prompt(client, sid, "hello")
-            await ending.wait()  # the task's end is written; the session still takes input
-            late = await prompt(client, sid, "also")
-            await accepted[0].wait()
-            let_end.set()
-            assert (await client.answer_of(first))["result"]["stopReason"] == "end_turn"
-            await late_started.wait()
-            more = await prompt(client, sid, "more")
-            await trio.testing.wait_all_tasks_blocked()
-            assert accepted[1].is_set(), "the second prompt steers the task the first became"
-            go.set()
-            answers = [(await client.answer_of(request))["result"] for request in (late, more)]
-            assert said(client) == "Hello.Also.More."
-            assert answered_after(client, late, "More.") and answered_after(client, more, "More.")
-            session = host.get_session(sid)
+    async with steered_session(tmp_path, monkeypatch, provider) as steered:
+        client = steered.client
+        first, late, let_end = await too_late_for_its_task(steered, monkeypatch)
+        let_end.set()
+        assert (await client.answer_of(first))["result"]["stopReason"] == "end_turn"
+        await late_started.wait()
+        more = await prompt(client, steered.sid, "more")
+        await trio.testing.wait_all_tasks_blocked()
+        assert steered.accepted[1].is_set(), "the second prompt steers the task the first became"
+        go.set()
+        answers = [(await client.answer_of(request))["result"] for request in (late, more)]
+        assert said(client) == "Hello.Also.More."
+        assert answered_after(client, late, "More.") and answered_after(client, more, "More.")
+        session = steered.host.get_session(steered.sid)
     ends = [r for r in trace_lines(session) if r["type"] == "task_end"]
     assert [end["status"] for end in ends] == ["completed", "completed"]
     end = output_from_dict(ends[1])
     assert isinstance(end, TaskEnd)
     usage = acp.prompt_usage(end.usage)
     assert answers == [{"stopReason": "refusal", "usage": usage}] * 2
-    queued = [r for r in trace_lines(session) if r["type"] == "task_queued"]
-    assert [r.get("late_steering") for r in queued] == [True]
+    assert late_steering_marks(session) == [True]
     assert provider.violations == []
 
 
@@ -174,24 +205,17 @@ async def test_steering_too_late_for_its_task_and_dropped_by_an_interrupt_is_can
     of the task it came for ("end_turn"), as if it had run; now it is answered
     "cancelled", and the model never sees it."""
     provider = ScriptedProvider(lambda request: _hello(request))
-    accepted = steering_accepted(monkeypatch)
-    config = AcpConfig(provider=provider, tools=())
-    with trio.fail_after(TIMEOUT_S):
-        async with agent_on(tmp_path / "data", config) as (host, client):
-            sid = await new_session(client, tmp_path)
-            ending, let_end = hold_after_first(monkeypatch, OutputEmitter, "sync_task_end")
-            first = await prompt(client, sid, "hello")
-            await ending.wait()
-            late = await prompt(client, sid, "also")
-            await accepted[0].wait()
-            await client._write(
-                {"jsonrpc": "2.0", "method": "session/cancel", "params": {"sessionId": sid}}
-            )
-            await trio.testing.wait_all_tasks_blocked()  # the interrupt reached the session
-            let_end.set()
-            assert (await client.answer_of(first))["result"]["stopReason"] == "end_turn"
-            assert (await client.answer_of(late))["result"] == {"stopReason": "cancelled"}
-            session = host.get_session(sid)
+    async with steered_session(tmp_path, monkeypatch, provider) as steered:
+        client, sid = steered.client, steered.sid
+        first, late, let_end = await too_late_for_its_task(steered, monkeypatch)
+        await client._write(
+            {"jsonrpc": "2.0", "method": "session/cancel", "params": {"sessionId": sid}}
+        )
+        await trio.testing.wait_all_tasks_blocked()  # the interrupt reached the session
+        let_end.set()
+        assert (await client.answer_of(first))["result"]["stopReason"] == "end_turn"
+        assert (await client.answer_of(late))["result"] == {"stopReason": "cancelled"}
+        session = steered.host.get_session(sid)
     assert [r["type"] for r in trace_lines(session)].count("task_queue_dropped") == 1
     assert len(provider.requests) == 1 and provider.violations == []
 
@@ -226,30 +250,25 @@ async def test_a_prompt_between_a_task_and_a_queued_follow_up_steers_the_follow_
         await read(images, output)
 
     monkeypatch.setattr(acp_app._OutputImages, "read", held_before_the_follow_up_starts)
-    accepted = steering_accepted(monkeypatch)
     provider = ScriptedProvider(model)
-    config = AcpConfig(provider=provider, tools=())
-    with trio.fail_after(TIMEOUT_S):
-        async with agent_on(tmp_path / "data", config) as (host, client):
-            sid = await new_session(client, tmp_path)
-            first = await prompt(client, sid, "hello")
-            await follow_up_asked.wait()
-            then = [{"type": "text", "text": "and then?"}]
-            follow_up = await client.send(
-                "_greenroom/follow_up", {"sessionId": sid, "prompt": then}
-            )
-            await trio.testing.wait_all_tasks_blocked()  # the follow-up is queued
-            go.set()
-            await gap.wait()
-            between = await prompt(client, sid, "by the way")
-            await trio.testing.wait_all_tasks_blocked()
-            assert accepted[0].is_set(), "the prompt steers the follow-up's task"
-            leave_gap.set()
-            assert (await client.answer_of(first))["result"]["stopReason"] == "end_turn"
-            for request in (follow_up, between):
-                assert (await client.answer_of(request))["result"]["stopReason"] == "end_turn"
-            assert answered_after(client, between, "Noted.")
-            session = host.get_session(sid)
+    async with steered_session(tmp_path, monkeypatch, provider) as steered:
+        client, sid = steered.client, steered.sid
+        first = await prompt(client, sid, "hello")
+        await follow_up_asked.wait()
+        then = [{"type": "text", "text": "and then?"}]
+        follow_up = await client.send("_greenroom/follow_up", {"sessionId": sid, "prompt": then})
+        await trio.testing.wait_all_tasks_blocked()  # the follow-up is queued
+        go.set()
+        await gap.wait()
+        between = await prompt(client, sid, "by the way")
+        await trio.testing.wait_all_tasks_blocked()
+        assert steered.accepted[0].is_set(), "the prompt steers the follow-up's task"
+        leave_gap.set()
+        assert (await client.answer_of(first))["result"]["stopReason"] == "end_turn"
+        for request in (follow_up, between):
+            assert (await client.answer_of(request))["result"]["stopReason"] == "end_turn"
+        assert answered_after(client, between, "Noted.")
+        session = steered.host.get_session(sid)
     records = trace_lines(session)
     assert [r["status"] for r in records if r["type"] == "task_end"] == ["completed"] * 2
     assert any(r["type"] == "steering_queued" for r in records)
