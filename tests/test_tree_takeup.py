@@ -14,7 +14,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import trio
@@ -321,6 +321,31 @@ async def _answer_the_parked_child(
         return root, await _until_task_end(inbox)
 
 
+class _Parked(NamedTuple):
+    """A tree left on a closed host with its background payer waiting for a person: the
+    amounts paid, the model and tools of the tree, the ids of the root and the payer."""
+
+    paid: list[int]
+    model: ScriptedProvider
+    tools: list[Any]
+    root_id: str
+    child_id: str
+
+
+async def _payer_parked_on_a_closed_host(
+    data_dir: Path, workspace: Path, reply: Callable[[ModelRequest], Reply]
+) -> _Parked:
+    """A host of ``data_dir`` runs a new root, its model ``reply``, until its background
+    payer waits for a person, and closes."""
+    paid: list[int] = []
+    model = ScriptedProvider(reply)
+    tools = [_pay_tool(paid), spawn_subagent]
+    async with open_host(data_dir) as host:
+        root = await host.create_session(provider=model, tools=tools, workspace_dir=workspace)
+        root_id, child_id = root.id, await _run_until_child_parked(host, root)
+    return _Parked(paid, model, tools, root_id, child_id)
+
+
 def _assert_the_payer_stopped_by_its_tree_budget(
     seen: list[Output], paid: list[int], requests_since: int
 ) -> None:
@@ -372,12 +397,9 @@ async def test_a_parked_background_child_answered_after_a_restart_reports_once(
     """R-HITL-1, R-TREE-4: the host closes while a background child waits for a person;
     the next host answers it: the call runs once and the child's answer reaches the root
     once (the close reported nothing)."""
-    paid: list[int] = []
-    model = ScriptedProvider(_payer_model)
-    tools = [_pay_tool(paid), spawn_subagent]
-    async with open_host(data_dir) as host:
-        root = await host.create_session(provider=model, tools=tools, workspace_dir=workspace)
-        root_id, child_id = root.id, await _run_until_child_parked(host, root)
+    paid, model, tools, root_id, child_id = await _payer_parked_on_a_closed_host(
+        data_dir, workspace, _payer_model
+    )
     async with open_host(data_dir) as host:
         root, seen = await _answer_the_parked_child(host, model, tools, root_id, child_id)
         root_lines = trace_lines(root)
@@ -408,12 +430,9 @@ async def test_a_closed_parent_loaded_for_its_childs_answer_decides_as_its_host_
     the root, which the host loads on its own for it (closed: nobody opened it), and the
     follow-up task it starts pays at once. Before, the host's own loads took ``"people"``:
     that call waited for a person nobody was asking."""
-    paid: list[int] = []
-    model = ScriptedProvider(_payer_model_paying_after_the_report)
-    tools = [_pay_tool(paid), spawn_subagent]
-    async with open_host(data_dir) as host:
-        root = await host.create_session(provider=model, tools=tools, workspace_dir=workspace)
-        root_id, child_id = root.id, await _run_until_child_parked(host, root)
+    paid, _, tools, root_id, child_id = await _payer_parked_on_a_closed_host(
+        data_dir, workspace, _payer_model_paying_after_the_report
+    )
     # The host loads the root and the child with the provider their session.json names.
     monkeypatch.setattr(scripted_brain, "demo_brain", _payer_model_paying_after_the_report)
     send, inbox = trio.open_memory_channel[list[Output]](math.inf)
@@ -611,6 +630,25 @@ async def _collector_then_park(
     return root.id, payer_id, collector.id
 
 
+async def _load_the_parked_tree(
+    host: Host, model: ScriptedProvider, tools: list[Any], ids: tuple[str, str, str]
+) -> tuple[Session, Session, Session, dict[str, str]]:
+    """Load the root, the payer and the collector of :func:`_collector_then_park` in
+    ``host``: the three sessions, and the call each parked one waits on, by session id."""
+    root, payer, collector = [
+        await host.load_session(session_id, provider=model, tools=tools) for session_id in ids
+    ]
+    asked = {p.session_id: p.call_id for p in await host.pending_approvals()}
+    return root, payer, collector, asked
+
+
+def _outputs_of(session: Session) -> trio.MemoryReceiveChannel[list[Output]]:
+    """``session``'s outputs from now on, a batch at a time."""
+    send, outputs = trio.open_memory_channel[list[Output]](math.inf)
+    session.watch(send)
+    return outputs
+
+
 async def _answer_the_parked_grandchild(
     host: Host,
     model: ScriptedProvider,
@@ -622,15 +660,9 @@ async def _answer_the_parked_grandchild(
     """Load the tree of :func:`_collector_then_park` in ``host`` (started again, or the
     same), allow the collector's pay call, then once its task has ended the payer's (unless
     not ``answer_payer``); the root's outputs up to its task's end."""
-    root_id, payer_id, collector_id = ids
-    root = await host.load_session(root_id, provider=model, tools=tools)
-    await host.load_session(payer_id, provider=model, tools=tools)
-    collector = await host.load_session(collector_id, provider=model, tools=tools)
-    asked = {p.session_id: p.call_id for p in await host.pending_approvals()}
-    send, inbox = trio.open_memory_channel[list[Output]](math.inf)
-    root.watch(send)
-    collected, collector_outputs = trio.open_memory_channel[list[Output]](math.inf)
-    collector.watch(collected)
+    _, payer_id, collector_id = ids
+    root, _, collector, asked = await _load_the_parked_tree(host, model, tools, ids)
+    inbox, collector_outputs = _outputs_of(root), _outputs_of(collector)
     with trio.fail_after(RUN_TIMEOUT_S):
         await host.answer_approval(collector_id, asked[collector_id], "allow")
         await _until_task_end(collector_outputs)
@@ -739,15 +771,9 @@ async def test_a_subagent_answered_first_waits_for_its_parked_background_child(
     async def answer_the_payer_first(
         host: Host, ids: tuple[str, str, str]
     ) -> tuple[list[Output], list[dict[str, Any]]]:
-        root_id, payer_id, collector_id = ids
-        root = await host.load_session(root_id, provider=model, tools=tools)
-        payer = await host.load_session(payer_id, provider=model, tools=tools)
-        await host.load_session(collector_id, provider=model, tools=tools)
-        asked = {p.session_id: p.call_id for p in await host.pending_approvals()}
-        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
-        root.watch(send)
-        said, payer_outputs = trio.open_memory_channel[list[Output]](math.inf)
-        payer.watch(said)
+        _, payer_id, collector_id = ids
+        root, payer, _, asked = await _load_the_parked_tree(host, model, tools, ids)
+        inbox, payer_outputs = _outputs_of(root), _outputs_of(payer)
         with trio.fail_after(RUN_TIMEOUT_S):
             await host.answer_approval(payer_id, asked[payer_id], "allow")
             async for batch in payer_outputs:  # the payer has paid and answered
@@ -1106,12 +1132,9 @@ async def test_a_tree_interrupt_after_a_restart_ends_a_parked_background_child(
     starts no follow-up of the root — as the same interrupt does before a restart.
     Before, the interrupt reached no child the root had not spawned on this host: the
     payer stayed pending, and a person's answer later ran the call."""
-    paid: list[int] = []
-    model = ScriptedProvider(_payer_model)
-    tools = [_pay_tool(paid), spawn_subagent]
-    async with open_host(data_dir) as host:
-        root = await host.create_session(provider=model, tools=tools, workspace_dir=workspace)
-        root_id, child_id = root.id, await _run_until_child_parked(host, root)
+    paid, model, tools, root_id, child_id = await _payer_parked_on_a_closed_host(
+        data_dir, workspace, _payer_model
+    )
     async with open_host(data_dir) as host:
         root = await host.load_session(root_id, provider=model, tools=tools)
         if child == "loaded":
@@ -1148,12 +1171,9 @@ async def test_a_node_interrupt_after_a_restart_leaves_a_parked_background_child
     """R-TREE-2: the same restart, and the root interrupted with scope node: its
     background payer is left waiting for its person, as before a restart; answered, it
     pays once and its answer reaches the root."""
-    paid: list[int] = []
-    model = ScriptedProvider(_payer_model)
-    tools = [_pay_tool(paid), spawn_subagent]
-    async with open_host(data_dir) as host:
-        root = await host.create_session(provider=model, tools=tools, workspace_dir=workspace)
-        root_id, child_id = root.id, await _run_until_child_parked(host, root)
+    paid, model, tools, root_id, child_id = await _payer_parked_on_a_closed_host(
+        data_dir, workspace, _payer_model
+    )
     async with open_host(data_dir) as host:
         root = await host.load_session(root_id, provider=model, tools=tools)
         assert not root.interrupt("only the root", scope="node")
