@@ -6,10 +6,12 @@ with a scripted model."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import trio
-from conftest import allow_all, cut_after, trace_lines
+from conftest import allow_all, cut_after, open_host, trace_lines
 
 from greenroom.actors.apps.acp import AcpConfig
 from greenroom.actors.runtime.host import Host
@@ -17,7 +19,7 @@ from greenroom.actors.runtime.subagents import SUBAGENT_SYSTEM, spawn_subagent
 from greenroom.actors.scripted import ScriptedProvider, ScriptedStream
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import ModelRequest, ToolResult, UserMessage
-from tests.test_acp_agent import TIMEOUT_S, agent_on, said
+from tests.test_acp_agent import TIMEOUT_S, Client, agent_on, said
 
 
 async def counting_tree(request: ModelRequest, stream: ScriptedStream) -> None:
@@ -33,15 +35,12 @@ async def counting_tree(request: ModelRequest, stream: ScriptedStream) -> None:
         await stream.tool_call(ToolCallBlock(id="p1", name="spawn_subagent", arguments=arguments))
 
 
-async def stopped_foreground_child(tmp_path: Path, *, cut: bool) -> tuple[Path, Path, str]:
-    """A root whose foreground child counted the notes (its workspace, data dir and the
-    child's id); with ``cut``, the child's trace ends after its ``task_start``: its host
-    stopped while the child worked."""
-    workspace = tmp_path / "ws"
-    workspace.mkdir()
-    data = tmp_path / "data"
+async def stopped_foreground_child(data_dir: Path, workspace: Path, *, cut: bool) -> str:
+    """A root whose foreground child counted the notes, on a host of ``data_dir`` that
+    stopped: the child's id. With ``cut``, the child's trace ends after its
+    ``task_start``: its host stopped while the child worked."""
     with trio.fail_after(TIMEOUT_S):
-        async with Host.open(data_dir=data) as host:
+        async with open_host(data_dir) as host:
             root = await host.create_session(
                 provider=ScriptedProvider(counting_tree),
                 tools=[spawn_subagent],
@@ -51,32 +50,50 @@ async def stopped_foreground_child(tmp_path: Path, *, cut: bool) -> tuple[Path, 
             (child,) = await root.children()
     if cut:
         cut_after(child.trace_path, lambda record: record["type"] == "task_start")
-    return workspace, data, child.id
+    return child.id
+
+
+@asynccontextmanager
+async def loaded_by_an_editor(
+    data_dir: Path, workspace: Path, child_id: str, provider: ScriptedProvider
+) -> AsyncIterator[tuple[Host, Client]]:
+    """The ACP agent over ``provider`` (spawn_subagent, every call allowed) on a host of
+    ``data_dir``, whose client has loaded the child, for the block, which fails after
+    TIMEOUT_S."""
+    config = AcpConfig(provider=provider, tools=(spawn_subagent,), approve="all")
+    with trio.fail_after(TIMEOUT_S):
+        async with agent_on(data_dir, config) as (host, client):
+            load = {"sessionId": child_id, "cwd": str(workspace), "mcpServers": []}
+            assert "result" in await client.call("session/load", load)
+            yield host, client
+
+
+async def prompt_to_count_again(client: Client, child_id: str) -> list[dict[str, str]]:
+    """Prompt the child to count again: it answers end_turn, the editor shown its new
+    count. The prompt's content."""
+    prompt = [{"type": "text", "text": "count again"}]
+    answer = await client.call("session/prompt", {"sessionId": child_id, "prompt": prompt})
+    assert answer.get("result", {}).get("stopReason") == "end_turn", answer
+    assert said(client).endswith("Four notes.")
+    return prompt
 
 
 async def test_a_foreground_child_its_host_stopped_in_answers_the_editors_prompt(
-    tmp_path: Path,
+    data_dir: Path, workspace: Path
 ) -> None:
     """R-TREE-1, R-HITL-4, R-ACP-1: the runtime leaves a foreground child's open task to its
     parent's call; loading the child waited for that task's end all the same, so the
     editor's prompt (and any follow-up after it) was never answered. Now each runs as a
     task of the child's."""
-    workspace, data, child_id = await stopped_foreground_child(tmp_path, cut=True)
+    child_id = await stopped_foreground_child(data_dir, workspace, cut=True)
     provider = ScriptedProvider(counting_tree)
-    config = AcpConfig(provider=provider, tools=(spawn_subagent,), approve="all")
-    with trio.fail_after(TIMEOUT_S):
-        async with agent_on(data, config) as (host, client):
-            load = {"sessionId": child_id, "cwd": str(workspace), "mcpServers": []}
-            assert "result" in await client.call("session/load", load)
-            assert not host.get_session(child_id).busy  # nothing was taken up
-            prompt = [{"type": "text", "text": "count again"}]
-            answer = await client.call("session/prompt", {"sessionId": child_id, "prompt": prompt})
-            assert answer.get("result", {}).get("stopReason") == "end_turn", answer
-            assert said(client).endswith("Four notes.")
-            params = {"sessionId": child_id, "prompt": prompt}
-            answer = await client.call("_greenroom/follow_up", params)
-            assert answer.get("result", {}).get("stopReason") == "end_turn", answer
-            child = host.get_session(child_id)
+    async with loaded_by_an_editor(data_dir, workspace, child_id, provider) as (host, client):
+        assert not host.get_session(child_id).busy  # nothing was taken up
+        prompt = await prompt_to_count_again(client, child_id)
+        params = {"sessionId": child_id, "prompt": prompt}
+        answer = await client.call("_greenroom/follow_up", params)
+        assert answer.get("result", {}).get("stopReason") == "end_turn", answer
+        child = host.get_session(child_id)
     records = trace_lines(child)
     assert [r["type"] for r in records].count("task_start") == 3
     ends = [r["status"] for r in records if r["type"] == "task_end"]
@@ -85,17 +102,10 @@ async def test_a_foreground_child_its_host_stopped_in_answers_the_editors_prompt
 
 
 async def test_a_foreground_child_whose_task_ended_answers_the_editors_prompt(
-    tmp_path: Path,
+    data_dir: Path, workspace: Path
 ) -> None:
     """R-TREE-1, R-ACP-1: the same child with its trace whole answers the prompt too."""
-    workspace, data, child_id = await stopped_foreground_child(tmp_path, cut=False)
+    child_id = await stopped_foreground_child(data_dir, workspace, cut=False)
     provider = ScriptedProvider(counting_tree)
-    config = AcpConfig(provider=provider, tools=(spawn_subagent,), approve="all")
-    with trio.fail_after(TIMEOUT_S):
-        async with agent_on(data, config) as (_, client):
-            load = {"sessionId": child_id, "cwd": str(workspace), "mcpServers": []}
-            assert "result" in await client.call("session/load", load)
-            prompt = [{"type": "text", "text": "count again"}]
-            answer = await client.call("session/prompt", {"sessionId": child_id, "prompt": prompt})
-            assert answer.get("result", {}).get("stopReason") == "end_turn", answer
-            assert said(client).endswith("Four notes.")
+    async with loaded_by_an_editor(data_dir, workspace, child_id, provider) as (_, client):
+        await prompt_to_count_again(client, child_id)
