@@ -47,6 +47,7 @@ from greenroom.protocols.jsonrpc import (
     INVALID_PARAMS,
     INVALID_REQUEST,
     PARSE_ERROR,
+    UNAVAILABLE,
     Call,
     FrameError,
     RequestId,
@@ -275,6 +276,25 @@ def request_frame(request_id: int, method: str, params: Any) -> dict[str, Any]:
 def invalid(path: str, message: str) -> RpcError:
     """An invalid-params error (-32602) whose message starts with the ``$.path`` at fault."""
     return RpcError(INVALID_PARAMS, f"{path}: {message}")
+
+
+IN_DOUBT = "the input may have been queued"
+"""How every answer for input that may or may not run begins (:func:`in_doubt`)."""
+
+
+def in_doubt(reason: str) -> RpcError:
+    """The error for a prompt, steering or follow-up whose record may or may not have
+    survived the host, ``reason`` saying why (R-STEER-6, R-CLUSTER-2): a cluster host gave
+    the session up while the record was on its way to the cluster's trace, and NATS did
+    not say whether it stored it. Not a turn's ``cancelled``: the host that takes the
+    session up may run it, and an editor that sent it again could have it run twice. Code
+    and ``data.outcome`` as the gateway's answer for such input."""
+    return RpcError(
+        UNAVAILABLE,
+        f"{IN_DOUBT}: {reason}. The session's history (session/load) shows whether it was "
+        "(a turn that runs it); sending it again may run it twice",
+        {"outcome": "unknown"},
+    )
 
 
 def negotiate_version(params: Mapping[str, Any]) -> int:

@@ -185,14 +185,16 @@ class AcpConfig:
 
 
 class _Answer:
-    """A request's answer that another task gives: a result, or an error."""
+    """A request's answer that another task gives: a result, or an error. ``receipt`` is
+    that of the input the request gave a running session (steering, a follow-up)."""
 
-    __slots__ = ("_error", "_event", "_result")
+    __slots__ = ("_error", "_event", "_result", "receipt")
 
-    def __init__(self) -> None:
+    def __init__(self, receipt: InputReceipt | None = None) -> None:
         self._event = trio.Event()
         self._result: Any = None
         self._error: RpcError | None = None
+        self.receipt = receipt
 
     def give(self, result: Any = None, error: RpcError | None = None) -> None:
         if not self._event.is_set():
@@ -200,9 +202,18 @@ class _Answer:
             self._event.set()
 
     async def wait(self) -> Any:
+        """The answer; for input not run here ("cancelled") whose record may or may not
+        have survived the host, the error that says so (R-STEER-6, R-CLUSTER-2)."""
         await self._event.wait()
         if self._error is not None:
             raise self._error
+        receipt = self.receipt
+        if receipt is not None and self._result.get("stopReason") == "cancelled":
+            # The host taking the session up may run it: "cancelled" would have the
+            # editor send it again. Its receipt settles within the emitter's own bound.
+            await receipt.settled.wait()
+            if receipt.in_doubt is not None:
+                raise acp.in_doubt(receipt.in_doubt)
         return self._result
 
 
@@ -441,6 +452,8 @@ class _AcpSession:
                 self._steering_dropped(receipt)
 
         receipt.on_taken = taken
+        if answer is not None:
+            answer.receipt = receipt
         self.steering.append((receipt, answer))
         if not self.session.steer(content, recorded=receipt):
             self.steering.pop()
@@ -922,12 +935,12 @@ class AcpAgent:
             # Work taken up stops reading at the task_end after which it counts no
             # follow-up: it counts this one from its acceptance, as its task_queued may
             # follow that end.
-            receipt = reading.receipt() if isinstance(reading, WatchedWork) else None
+            receipt = reading.receipt() if isinstance(reading, WatchedWork) else InputReceipt()
             approve = entry.approval()
             if entry.pumping and session.follow_up(content, approve=approve, recorded=receipt):
-                if isinstance(reading, WatchedWork) and receipt is not None:
+                if isinstance(reading, WatchedWork):
                     reading.accepted(receipt)
-                answer = _Answer()
+                answer = _Answer(receipt)
                 entry.follow_ups.append(answer)
             else:
                 answer = await self._start(entry, content)
