@@ -109,3 +109,16 @@ async def test_a_foreground_child_whose_task_ended_answers_the_editors_prompt(
     provider = ScriptedProvider(counting_tree)
     async with loaded_by_an_editor(data_dir, workspace, child_id, provider) as (_, client):
         await prompt_to_count_again(client, child_id)
+
+
+async def test_resume_tasks_lists_no_foreground_child_whose_task_it_leaves(
+    data_dir: Path, workspace: Path
+) -> None:
+    """R-HITL-4, R-TREE-1: a foreground child's open task is its parent's call's, and
+    taking the stored tasks up leaves it (the child is loaded, idle). Before, the child was
+    listed among the sessions resumed all the same; now only those taken up are."""
+    child_id = await stopped_foreground_child(data_dir, workspace, cut=True)
+    with trio.fail_after(TIMEOUT_S):
+        async with Host.open(data_dir=data_dir) as host:
+            assert await host.resume_tasks() == []
+            assert not host.get_session(child_id).busy  # loaded, and nothing runs it

@@ -598,7 +598,7 @@ def _take_up(
     background children that run again here (R-TREE-2, R-TREE-4)."""
     # The path a restarted host takes (R-HITL-4): one way to take a task up, so a
     # takeover neither re-runs a call nor denies a pending approval.
-    taken = take_up_loaded(host, session_ids, approve)
+    taken = take_up_loaded(host, session_ids, approve).open
     for session_id in taken:
         # The task goes on without a task_start of its own: the directory learns here
         # that it runs.

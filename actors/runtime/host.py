@@ -565,8 +565,8 @@ class Host:
         return session
 
     async def resume_tasks(self, approve: LoadApproval = HOST_APPROVE) -> list[str]:
-        """Take up every stored task left open by a host that stopped (what
-        ``Host.open(resume_tasks=True)`` does; ``approve`` as for :meth:`resume`)."""
+        """Take up every stored task stopped hosts left open (``Host.open(resume_tasks=True)``,
+        ``approve`` as for :meth:`resume`); the ids taken up: a foreground child's, not."""
         ids = await self._open_tasks.ids(self._ports)
         return await _take_up_together(self, ids, self._builder.approval(approve))
 
@@ -595,28 +595,41 @@ class Host:
 
 async def _take_up_together(host: Host, session_ids: list[str], approve: Approval) -> list[str]:
     """Load each of ``session_ids``, then take up their open tasks (``Host.resume``); the
-    ids of those taken up."""
+    ids of those whose work was taken up (a foreground subagent's is not: it stays
+    loaded, its task its parent's call's)."""
     loaded = []
     for session_id in session_ids:
         with contextlib.suppress(SessionNotFound):  # unreadable, or deleted meanwhile
             await host.load_session(session_id, approve=approve)
             loaded.append(session_id)
-    return take_up_loaded(host, loaded, approve)
+    return take_up_loaded(host, loaded, approve).resumed
 
 
-def take_up_loaded(host: Host, session_ids: Iterable[str], approve: Approval) -> list[str]:
+@attrs.frozen
+class TakenUp:
+    """What :func:`take_up_loaded` made of the sessions it was given."""
+
+    open: list[str]
+    """The ids of those still open here, work taken up or not: a cluster host announces
+    each as served here."""
+    resumed: list[str]
+    """The ids of those whose work was taken up (a supervisor runs it now)."""
+
+
+def take_up_loaded(host: Host, session_ids: Iterable[str], approve: Approval) -> TakenUp:
     """Take up the open tasks of ``session_ids``, every one loaded in ``host`` already
-    (``approve`` as for :meth:`Host.resume`); the ids of those still open here. Loading
-    several sessions that a stopped host left (``Host.resume_tasks``, a cluster host's
-    takeover of another's), take them all first, then their tasks up with this."""
-    taken = []
+    (``approve`` as for :meth:`Host.resume`). Loading several sessions that a stopped host
+    left (``Host.resume_tasks``, a cluster host's takeover of another's), take them all
+    first, then their tasks up with this."""
+    taken = TakenUp([], [])
     # All are open before any supervisor starts, and all start with no pause between
     # them: a subagent's task takes its first step knowing which of its background
     # children run again here, and waits for them as before its host stopped (R-TREE-2).
     for session_id in session_ids:
         with contextlib.suppress(SessionNotFound):  # closed while the others loaded
-            take_up_stored(host.port(session_id), approve)
-            taken.append(session_id)
+            if take_up_stored(host.port(session_id), approve):
+                taken.resumed.append(session_id)
+            taken.open.append(session_id)
     return taken
 
 

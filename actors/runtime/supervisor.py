@@ -822,19 +822,21 @@ def wake(port: SessionPort, message: SupervisorMessage | None) -> None:
     port.host.start_task(supervisor.run)
 
 
-def take_up_stored(port: SessionPort, approve: Approval) -> None:
+def take_up_stored(port: SessionPort, approve: Approval) -> bool:
     """Take up the work a stopped host left in ``port``'s trace (``Host.resume``): its open
     task, or the task of a prompt it recorded and had not started (the run was accepted:
     :meth:`~greenroom.protocols.task.TaskMachine.adopt_unstarted`), with ``approve`` for
     its calls, then the follow-ups it recorded as queued (R-STEER-6). Nothing when a
     supervisor runs it already, or for a foreground subagent (its parent's call ended
-    with that host)."""
+    with that host). Whether it took work up."""
     if port.inbox is not None or (port.parent_id is not None and port.report_as is None):
-        return
+        return False
     machine = port.machine
     if machine.run_id is not None or machine.adopt_unstarted() or machine.record.queued:
         port.lost_approve = approve
         port.host.wake(port, None)  # the host knows the taken-up subagents (R-TREE-2)
+        return True
+    return False
 
 
 async def forward_cancel(
