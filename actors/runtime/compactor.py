@@ -245,7 +245,8 @@ def _summary_in_a_record(
     split: the one record alone must rebuild the context, and a summary is already a cut."""
     if most is None:
         return summary
-    # What the record carries beside it (the marker names the room left when anything).
+    # What the record carries beside it; the marker names the record's bytes, as every
+    # cut's does, not the room those leave.
     beside = (record_size(kept) if kept else 0) + (record_size(schema) if schema else 0)
     room = most - beside
-    return cut_to_fit(summary, max(room, 0), None)
+    return cut_to_fit(summary, max(room, 0), None, record=most)

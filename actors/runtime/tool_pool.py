@@ -390,7 +390,8 @@ class ToolPool:
             return (*fit.content, *left_out)
         if size <= self._result_budget:
             await trio.to_thread.run_sync(_write_text, path, whole)
-        text = cut_to_fit(text, fit.text_room, str(path))
+        # The marker names the record's bytes, as every cut's does, not what images left.
+        text = cut_to_fit(text, fit.text_room, str(path), record=most)
         return (TextBlock(text=text), *_images(fit.content), *left_out)
 
 
