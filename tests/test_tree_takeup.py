@@ -92,6 +92,7 @@ CRASHING_HOST = MODEL + textwrap.dedent(
             )
             print(session.id, flush=True)
             await session.run("pay 7 through a subagent", approve=lambda call: "allow").collect()
+            print("answered", flush=True)
             await trio.sleep_forever()
 
     trio.run(main)
@@ -124,7 +125,8 @@ def _after_takeup(request: ModelRequest) -> Reply:
 async def _crash_mid_child_call(
     data_dir: Path, workspace: Path, tmp_path: Path, *, background: bool
 ) -> str:
-    """Run the crashing host until the child's ``pay`` runs, SIGKILL it; the root's id."""
+    """Run the crashing host until the child's ``pay`` runs (and, for a background child,
+    the root's task has ended), SIGKILL it; the root's id."""
     marks = tmp_path / "marks"
     script = tmp_path / "crash.py"
     script.write_text(CRASHING_HOST)
@@ -143,7 +145,9 @@ async def _crash_mid_child_call(
         assert process.stdout is not None
         lines = b""
         with trio.fail_after(RUN_TIMEOUT_S):
-            while b"paying" not in lines:  # the root's id, then the child's call starts
+            # The root's id, then the child's call starts; a background child's root
+            # answers meanwhile, and its task ends before the host is killed.
+            while b"paying" not in lines or (background and b"answered" not in lines):
                 lines += await process.stdout.receive_some()
         return lines.split()[0].decode()
     finally:
@@ -1236,3 +1240,96 @@ async def test_a_tree_interrupt_after_a_restart_ends_parked_nodes_at_every_depth
     assert [line["type"] for line in root_lines].count("task_start") == 1
     assert _task_of(payer_lines) == ["task_start", "task_end"]
     assert _ended_aborted(payer_lines) and _ended_aborted(collector_lines)
+
+
+def _recording(model: Callable[[ModelRequest], Reply], asked: list[ModelRequest]) -> Callable[
+    [ModelRequest], Reply
+]:
+    def recorded(request: ModelRequest) -> Reply:
+        asked.append(request)
+        return model(request)
+
+    return recorded
+
+
+def _call_output(lines: list[dict[str, Any]], call_id: str) -> dict[str, Any]:
+    (output,) = [
+        line for line in lines
+        if line["type"] == "tool_call_output" and line.get("call_id") == call_id
+    ]
+    return output
+
+
+async def test_a_tree_interrupt_after_a_crash_ends_a_background_child_left_running(
+    data_dir: Path, workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-TREE-2, R-ABORT-1, R-HITL-4: the host is killed while the root's background
+    payer runs its pay call. On the next host the root, loaded alone, is interrupted with
+    scope tree: the payer's task, left running in its trace, ends aborted there, its call
+    settled interrupted, with no model request and nothing paid, and its answer reaches
+    nobody; a host opened after finds no task to take up. Before, the interrupt ended
+    nothing: the next ``resume_tasks`` took the payer up, ran it to its end and its
+    answer reached the root as a follow-up."""
+    root_id = await _crash_mid_child_call(data_dir, workspace, tmp_path, background=True)
+    asked: list[ModelRequest] = []
+    model = _recording(_after_takeup, asked)
+    monkeypatch.setattr(scripted_brain, "demo_brain", model)
+    paid: list[int] = []
+    tools = [_pay_tool(paid), spawn_subagent]
+    ends = _TaskEnds()
+    async with Host.open(data_dir, tools=tools, observers=[ends]) as host:
+        root = await host.load_session(root_id, provider=ScriptedProvider(model))
+        child_id = await _child_of(host, root_id)
+        root.interrupt("enough", scope="tree")
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await ends.of(child_id).wait()
+            await trio.testing.wait_all_tasks_blocked()  # its report, dropped, is gone
+        assert not root.busy and not ends.of(root_id).is_set()  # no follow-up
+    async with Host.open(data_dir, tools=tools, observers=[ends]) as host:
+        assert await host.resume_tasks(approve=allow_all) == []
+        root_lines = trace_lines(await host.load_session(root_id))
+        child_lines = trace_lines(await host.load_session(child_id))
+    assert asked == [] and paid == [] and (tmp_path / "marks").read_text() == "7\n"
+    assert [line["type"] for line in root_lines].count("task_start") == 1
+    assert _task_of(child_lines) == ["task_start", "task_end"]
+    assert _ended_aborted(child_lines) and "enough" in child_lines[-1]["message"]
+    assert _call_output(child_lines, "p1")["status"] == "interrupted"
+
+
+async def test_a_tree_interrupt_after_a_crash_ends_running_nodes_at_every_depth(
+    data_dir: Path, workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-TREE-2, R-ABORT-1, R-HITL-4: the host is killed while the payer's task waits for
+    its background collector, whose call runs. On the next host the root, loaded alone,
+    is interrupted with scope tree: both tasks, left running in their traces, end aborted
+    there, the collector's call settled interrupted, with no model request and no answer
+    reaching the payer or the root; a host opened after takes nothing up. Before, both
+    stayed open, and ``resume_tasks`` ran them to their ends."""
+    crash_dir = tmp_path / "crashed"
+    root_id, payer_id, collector_id = await _crash_while_the_payer_waits(
+        data_dir, crash_dir, workspace
+    )
+    asked: list[ModelRequest] = []
+    model = _recording(_after_the_crash(Reply(blocks=(text("collected 3"),))), asked)
+    monkeypatch.setattr(scripted_brain, "demo_brain", model)
+    tools, _ = _tools_after_the_crash([])
+    ends = _TaskEnds()
+    async with Host.open(crash_dir, tools=tools, observers=[ends]) as host:
+        root = await host.load_session(root_id, provider=ScriptedProvider(model))
+        root.interrupt("enough", scope="tree")
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await ends.of(payer_id).wait()
+            await ends.of(collector_id).wait()
+            await trio.testing.wait_all_tasks_blocked()
+        assert not root.busy and not ends.of(root_id).is_set()
+    async with Host.open(crash_dir, tools=tools) as host:
+        assert await host.resume_tasks(approve=allow_all) == []
+        root_lines = trace_lines(await host.load_session(root_id))
+        payer_lines = trace_lines(await host.load_session(payer_id))
+        collector_lines = trace_lines(await host.load_session(collector_id))
+    assert asked == []
+    assert [line["type"] for line in root_lines].count("task_start") == 1
+    assert _task_of(payer_lines) == ["task_start", "task_end"]
+    assert _task_of(collector_lines) == ["task_start", "task_end"]
+    assert _ended_aborted(payer_lines) and _ended_aborted(collector_lines)
+    assert _call_output(collector_lines, "h1")["status"] == "interrupted"

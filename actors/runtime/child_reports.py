@@ -110,6 +110,13 @@ def _parent_waits(child: SessionPort) -> bool:
     return child.parent_id is not None and child.parent_id != child.root_id
 
 
+def _left_running(port: SessionPort) -> bool:
+    """Whether ``port`` is a background child whose open task nobody runs, parked or held
+    for nobody: its host stopped under it (R-HITL-4)."""
+    idle = port.inbox is None and not (port.parked or port.held or port.closed)
+    return idle and port.report_as is not None and port.machine.run_id is not None
+
+
 class ChildReports:
     """A host's reports of taken-up background children; see the module docstring."""
 
@@ -397,7 +404,16 @@ class ChildReports:
         place = self._place_of(port)
         if place is not None:
             place.cut = True  # its parent's own tree interrupt leaves it to this one
-        return port.deliver(InterruptTask(reason=reason, scope="tree")) or end_subtree(port, reason)
+        interrupt = InterruptTask(reason=reason, scope="tree")
+        if port.deliver(interrupt):
+            return True
+        if _left_running(port):
+            # Its trace leaves it running, as its host stopped under it: taken up to end
+            # at once, so that its end is in its trace; else the next host to take up
+            # the open tasks would run it on, and its answer would reach its parent.
+            self.wake(port, interrupt)
+            return True
+        return end_subtree(port, reason)
 
     async def _end_stored(self, node_id: str, reason: str) -> None:
         """The stored part of :meth:`end_unreached`."""

@@ -113,8 +113,10 @@ class CallsInDoubt:
         """Resolve the calls in doubt of the turn just rebuilt from ``record`` (a call
         running there has no result: its host was lost): recorded in doubt now unless an
         earlier take-up did, and resolved unless a person has the question already.
-        Returns whether any call is in doubt."""
+        Returns whether any call is in doubt. A task interrupted before it is taken up
+        resolves none now: it ends at once, and ending it gives each the note."""
         machine = self._turns.machine
+        stopping = self._port.machine.stopping
         in_doubt = False
         for position, call in enumerate(machine.calls()):
             if machine.call_state(call.id) is not CallState.RUNNING:
@@ -131,7 +133,7 @@ class CallsInDoubt:
                         idempotency_key=key,
                     )
                 )
-            if not record.waits_for_person(call.id):
+            if not (stopping or record.waits_for_person(call.id)):
                 self._resolve(call, position, check_error=None)
         return in_doubt
 

@@ -140,11 +140,13 @@ class SessionSupervisor:
         port: SessionPort,
         output: trio.MemorySendChannel[list[Output]],
         cancel: trio.Event | None,
+        ended_first: InterruptTask | None = None,
     ) -> None:
         self._port = port
         self._machine = port.machine
         self._output = output
         self._cancel_event = cancel
+        self._ended_first = ended_first
         # Unbounded on purpose: the session handle, the streamer, the broker, the pool,
         # subagents and hook calls all send with send_nowait and must never block on the
         # supervisor, which drains the inbox whenever it is not carrying out a step.
@@ -524,6 +526,11 @@ class SessionSupervisor:
         self._out.begin_task()
         machine.configure(port.task_limits())
         await self._open(task)
+        ended, self._ended_first = self._ended_first, None
+        if ended is not None:
+            # Before the take-up, which would resolve or ask again what its host left
+            # open: a task that ends at once runs nothing and asks nobody (R-ABORT-1).
+            self._handle(ended)
         task.take_up(lost_host=parked is None)
         cancel = self._cancel_event
         if cancel is not None and cancel.is_set():
@@ -801,9 +808,10 @@ def _pass_on_leftovers(
 
 def wake(port: SessionPort, message: SupervisorMessage | None) -> None:
     """Start a supervisor for ``port``'s open task — parked on people, or loaded after
-    its host stopped — with ``message`` first in its inbox (R-HITL-2..4). The run's
-    reader, when a parked task has one, reads on; otherwise the outputs reach the trace
-    and the session's watchers only."""
+    its host stopped — with ``message`` first in its inbox (R-HITL-2..4); an interrupt
+    ends the task before it is taken up (nothing it left in flight runs again, nobody is
+    asked). The run's reader, when a parked task has one, reads on; otherwise the outputs
+    reach the trace and the session's watchers only."""
     parked = port.parked_task
     if parked is None:
         # Loaded, not parked here (an answer or Host.resume wakes it): the queue it had is
@@ -814,10 +822,12 @@ def wake(port: SessionPort, message: SupervisorMessage | None) -> None:
         # Unbounded and unread: nothing waits on it; the trace and watchers get all.
         output, unread = trio.open_memory_channel[list[Output]](math.inf)
         unread.close()
-    supervisor = SessionSupervisor(port, output, parked.cancel if parked is not None else None)
+    ended = message if isinstance(message, InterruptTask) else None
+    cancel = parked.cancel if parked is not None else None
+    supervisor = SessionSupervisor(port, output, cancel, ended)
     port.inbox = supervisor.inbox
     port.idle = trio.Event()
-    if message is not None:
+    if message is not None and ended is None:
         supervisor.inbox.send_nowait(message)
     port.host.start_task(supervisor.run)
 

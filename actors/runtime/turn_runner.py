@@ -448,9 +448,9 @@ class TurnRunner:
         after its host stopped: R-HITL-4): the machine is rebuilt from the record and the
         transcript; the new pool learns which calls are terminal; a call that was running
         when the host stopped is in doubt and is resolved (R-EFFECT-2, R-CLUSTER-2); the
-        call that was being decided is asked again unless a person has it (R-HITL-1).
-        Returns whether the attempt's stream was cut (the supervisor ends it failed, to
-        be retried) and whether a call is in doubt."""
+        call being decided is asked again unless a person has it (R-HITL-1) or the task
+        is interrupted already. Returns whether the attempt's stream was cut (the
+        supervisor ends it failed, to be retried) and whether a call is in doubt."""
         transcript = self._port.transcript
         results = {c.id: r for c in record.calls if (r := transcript.result_of(c.id))}
         cut = record.phase is Phase.MODEL
@@ -469,7 +469,7 @@ class TurnRunner:
             if machine.call_state(call.id) is CallState.DONE:
                 self._pool.send_nowait(SkipToolCall(position=position))
         lost_any = self._doubts.take_up(record)
-        asking = machine.asking
+        asking = None if self._port.machine.stopping else machine.asking
         if asking is not None and record.pending(asking) is None:
             (call,) = (c for c in machine.calls() if c.id == asking)
             self._ask(ApproveCall(call=call))
