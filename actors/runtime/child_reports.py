@@ -59,7 +59,7 @@ import trio
 from greenroom.actors.runtime.accounting import stored_origin, tree_usage
 from greenroom.actors.runtime.errors import HostClosed, SessionClosed, SessionNotFound
 from greenroom.actors.runtime.open_tasks import OpenTaskIndex
-from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput
+from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput, left_open
 from greenroom.actors.runtime.subagents import (
     ChildWatch,
     SubagentError,
@@ -113,8 +113,7 @@ def _parent_waits(child: SessionPort) -> bool:
 def _left_running(port: SessionPort) -> bool:
     """Whether ``port`` is a background child whose open task nobody runs, parked or held
     for nobody: its host stopped under it (R-HITL-4)."""
-    idle = port.inbox is None and not (port.parked or port.held or port.closed)
-    return idle and port.report_as is not None and port.machine.run_id is not None
+    return left_open(port) and port.report_as is not None
 
 
 class ChildReports:

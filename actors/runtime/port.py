@@ -66,6 +66,7 @@ __all__ = [
     "SessionPort",
     "TaskInput",
     "TreeReach",
+    "left_open",
 ]
 
 ApproveFn = Callable[[Any], "Awaitable[Any] | Any"]
@@ -670,3 +671,12 @@ class SessionPort:
         for listener in tuple(self._listeners or ()):
             if isinstance(listener, _Watch):
                 listener.end()
+
+
+def left_open(port: SessionPort) -> bool:
+    """Whether ``port``'s task is open with nobody to run it: no supervisor runs it, it
+    is not parked, held for a drain's hand-over, or closing. Its host stopped under it
+    (R-HITL-4): only a take-up (``Host.resume``) or an interrupt that takes it up to end
+    at once (R-ABORT-1) moves it on."""
+    idle = port.inbox is None and not (port.parked or port.held or port.closed)
+    return idle and port.machine.run_id is not None

@@ -34,6 +34,7 @@ from greenroom.actors.runtime.port import (
     Listener,
     SessionPort,
     TaskInput,
+    left_open,
 )
 from greenroom.actors.runtime.receipts import InputReceipt
 from greenroom.actors.runtime.supervisor import start
@@ -750,8 +751,8 @@ class Session:
     def interrupt(
         self, reason: str = "interrupted by host", *, scope: InterruptScope = "tree"
     ) -> bool:
-        """Interrupt the running task and drop the queued ones (R-ABORT-1). Returns False
-        when there was nothing to interrupt here and now.
+        """Interrupt the task, running or left open by a host that stopped under it, and
+        drop the queued ones (R-ABORT-1). False when there was nothing to interrupt here.
 
         ``scope`` (R-TREE-2): ``tree`` (the default) also ends the session's running
         subagents and theirs, background children included — even while the session
@@ -760,7 +761,7 @@ class Session:
         ends a moment later); ``node`` ends this session's task and its foreground
         children (their calls are interrupted), and leaves its background children
         running: their answers still reach this session, as follow-ups."""
-        return _interrupt(self._port, reason, scope, whole_tree=True)
+        return _interrupt(self._port, reason, scope, asked=True)
 
     def skip_reconnect_wait(self) -> bool:
         """End the current reconnect backoff early (R-RETRY-5). False when idle."""
@@ -882,17 +883,26 @@ class Session:
 
 
 def _interrupt(
-    port: SessionPort, reason: str, scope: InterruptScope, *, whole_tree: bool = False
+    port: SessionPort, reason: str, scope: InterruptScope, *, asked: bool = False
 ) -> bool:
-    """Interrupt ``port``'s task (:meth:`Session.interrupt`). Scope ``tree`` ends its live
-    children's trees; with ``whole_tree`` also the descendants those leave out. A close
-    ends the live trees alone: a taken-up child that waits for people stays pending."""
-    hit = port.deliver(InterruptTask(reason=reason, scope=scope))
+    """Interrupt ``port``'s task. Scope ``tree`` ends its live children's trees. ``asked``
+    (:meth:`Session.interrupt`) also ends a task its host stopped under, and with scope
+    ``tree`` the descendants the live trees leave out. A close ends the live trees alone:
+    a taken-up child that waits for people stays pending, and a task its host stopped
+    under stays open in its trace."""
+    interrupt = InterruptTask(reason=reason, scope=scope)
+    hit = port.deliver(interrupt)
+    if not hit and asked and left_open(port) and port.host.is_open():
+        # Its trace leaves it running, as its host stopped under it: taken up to end at
+        # once, its end in its trace; else the next take-up would run the task the user
+        # interrupted (R-ABORT-1, R-TRACE-4).
+        port.host.wake(port, interrupt)
+        hit = True
     if scope != "tree":
         return hit
     # Its supervisor, when one took the interrupt, ends the live subtree itself.
     hit = hit or end_subtree(port, f"parent interrupted: {reason}")
-    if whole_tree:
+    if asked:
         hit = port.host.child_reports.end_unreached(port, reason) or hit
     return hit
 
