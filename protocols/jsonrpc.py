@@ -396,7 +396,8 @@ METHODS: dict[str, Method] = {
             "unreadable?: [{session_id, reason}], cluster?}`",
             doc="The caller's sessions and the subagents of their trees, newest first; "
             "stored ones that cannot be read are listed apart. In a cluster, then those "
-            "other hosts hold, with their `host` (`cluster`: why some may be missing).",
+            "other hosts hold, with their `host`, and a copy here of a session another host "
+            "took over is listed as that host's (`cluster`: why some may be missing).",
         ),
         Method(
             name="session.subscribe",
@@ -446,25 +447,27 @@ METHODS: dict[str, Method] = {
                 _INPUT,
                 _OUTPUT_SCHEMA,
             ),
-            result="`{run_id}`",
-            doc="Start a task (409 while one runs); answered once its prompt is durable.",
+            result="`{run_id, durable?}`",
+            doc="Start a task (409 while one runs); answered once its prompt is durable "
+            "(after 10 s without, with `durable: false`).",
         ),
         Method(
             name="steer",
             params=(_session_id(_NODE), _INPUT),
-            result="`{queued}`",
+            result="`{queued, durable?}`",
             doc=(
                 "Steer the running task (false: no task runs); true is answered once its "
-                "record survives the host."
+                "record survives the host (after 10 s without, with `durable: false`)."
             ),
         ),
         Method(
             name="follow_up",
             params=(_session_id(), _INPUT, _OUTPUT_SCHEMA),
-            result="`{queued}`",
+            result="`{queued, durable?}`",
             doc=(
                 "Queue a task to start after the current one (false: no task runs); true is "
-                "answered once its record survives the host."
+                "answered once its record survives the host (after 10 s without, with "
+                "`durable: false`)."
             ),
         ),
         Method(
