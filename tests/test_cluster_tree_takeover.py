@@ -168,6 +168,24 @@ def _holding(brain: Callable[[ModelRequest], Reply], holds: Holds) -> dict[str, 
     return {"brain": brain, "tools": (*TOOLS, holds.tool()), "approve": allow_all}
 
 
+async def _lost_with_the_counter(
+    cluster: Cluster, holds: Holds, brain: Callable[[ModelRequest], Reply], tmp_path: Path
+) -> tuple[tuple[str, str, str, str], dict[str, dict[str, Any]]]:
+    """Host a runs ``brain``'s tree until the payer waits for its background collector,
+    and the payer, the collector and the collector's background counter each hold their
+    first call; then a is lost. The tree (root, payer, collector, counter) and each
+    node's entry as a left it."""
+    a = cluster.members["a"]
+    held = (holds.tool(), holds.started["collect-1"])
+    root, payer, collector = await _until_the_payer_waits(a, tmp_path, held, brain)
+    (counter,) = [s.id for s in await a.host.get_session(collector).children()]
+    tree = (root, payer, collector, counter)
+    await holds.started["pay-1"].wait()
+    await holds.started["count-1"].wait()
+    await _lose(cluster, a, *tree)
+    return tree, {sid: await cluster.entry(sid) or {} for sid in tree}
+
+
 def _ends(records: list[Any]) -> list[str]:
     return [r.status for r in records if isinstance(r, TaskEnd)]
 
@@ -247,15 +265,9 @@ def test_a_subagents_background_child_lost_with_its_host_is_taken_over_by_the_su
     holds = Holds()
 
     async def body(cluster: Cluster) -> dict[str, Any]:
-        a, b, c, d = (cluster.members[h] for h in ("a", "b", "c", "d"))
-        held = (holds.tool(), holds.started["collect-1"])
-        root, payer, collector = await _until_the_payer_waits(a, tmp_path, held, brain)
-        (counter,) = [s.id for s in await a.host.get_session(collector).children()]
-        tree = (root, payer, collector, counter)
-        await holds.started["pay-1"].wait()
-        await holds.started["count-1"].wait()
-        await _lose(cluster, a, *tree)
-        entries = {sid: await cluster.entry(sid) or {} for sid in tree}
+        b, c, d = (cluster.members[h] for h in ("b", "c", "d"))
+        tree, entries = await _lost_with_the_counter(cluster, holds, brain, tmp_path)
+        root, payer, collector, counter = tree
         assert await d.node._take_entries({sid: entries[sid] for sid in (root, payer)})
         assert await c.node._take_entries({sid: entries[sid] for sid in (collector, counter)})
         for key in ("pay-2", "collect-2", "count-2"):
