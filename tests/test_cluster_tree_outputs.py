@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,9 @@ import trio
 
 from greenroom.actors.cluster.errors import ClusterUnavailable
 from greenroom.actors.cluster.traces import Records, TraceStream
+from greenroom.actors.providers.scripted import Reply
 from greenroom.protocols.content import TextBlock, ToolCallBlock
+from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.outputs import ModelMsg, Output, TaskEnd, ToolCallOutput, UserMsg
 from tests.support.nats import (  # the fixture is used as nats_server
     NatsProcess,
@@ -39,7 +41,69 @@ from tests.test_cluster_tree_nodes import (
     in_cluster,
     until,
 )
-from tests.test_cluster_tree_takeover import COLLECTOR_FINISHED, Holds, _brain_holding, _holding
+from tests.test_cluster_tree_takeover import (
+    COLLECTOR_FINISHED,
+    Holds,
+    _brain_holding,
+    _holding,
+    _lost_with_the_counter,
+)
+
+
+async def _lost_with_a(
+    cluster: Cluster, holds: Holds, brain: Callable[[ModelRequest], Reply], tmp_path: Path
+) -> tuple[tuple[str, str, str], dict[str, dict[str, Any]]]:
+    """Host a runs ``brain``'s tree until the payer waits for its background collector,
+    whose first call holds; then a is lost. The tree (root, payer, collector) and each
+    node's entry as a left it."""
+    a = cluster.members["a"]
+    held = (holds.tool(), holds.started["collect-1"])
+    tree = await _until_the_payer_waits(a, tmp_path, held, brain)
+    await _lose(cluster, a, *tree)
+    return tree, {sid: await cluster.entry(sid) or {} for sid in tree}
+
+
+async def _root_and_payer_to_b(
+    cluster: Cluster, holds: Holds, root: str, payer: str, entries: dict[str, dict[str, Any]]
+) -> None:
+    """b takes the root and the payer over from their ``entries``, and the payer's task
+    runs there, open throughout: its second call holds."""
+    b = cluster.members["b"]
+    assert await b.node._take_entries({sid: entries[sid] for sid in (root, payer)})
+    await holds.started["pay-2"].wait()
+
+
+def _watched_on_b(cluster: Cluster, root: str) -> trio.MemoryReceiveChannel[list[Output]]:
+    """What a watcher of the root on b gets."""
+    # Unbounded: the test reads it to the end, and the root's publisher never waits.
+    send, inbox = trio.open_memory_channel[list[Output]](math.inf)
+    cluster.members["b"].host.get_session(root).watch(send)
+    return inbox
+
+
+async def _collector_to_c(
+    cluster: Cluster, holds: Holds, collector: str, entries: dict[str, dict[str, Any]]
+) -> int:
+    """c takes the collector over from its ``entries``, where it holds its second call:
+    the seq of the last record it wrote on a."""
+    written_on_a = (await cluster.traces.read(collector)).records[-1].seq or 0
+    assert await cluster.members["c"].node._take_entries({collector: entries[collector]})
+    await holds.started["collect-2"].wait()
+    return written_on_a
+
+
+async def _split_and_watched(
+    cluster: Cluster, holds: Holds, brain: Callable[[ModelRequest], Reply], tmp_path: Path
+) -> tuple[tuple[str, str, str], trio.MemoryReceiveChannel[list[Output]], int]:
+    """a's tree, a lost, split as a takeover one host at a time may split it: b runs the
+    root and the payer, c the collector, each holding its second call. The tree, what a
+    watcher of the root on b gets (from before c took the collector over) and the seq of
+    the collector's last record written on a."""
+    tree, entries = await _lost_with_a(cluster, holds, brain, tmp_path)
+    root, payer, collector = tree
+    await _root_and_payer_to_b(cluster, holds, root, payer, entries)
+    inbox = _watched_on_b(cluster, root)
+    return tree, inbox, await _collector_to_c(cluster, holds, collector, entries)
 
 
 def test_a_watcher_of_the_root_sees_a_subagent_that_runs_on_another_host(
@@ -56,20 +120,8 @@ def test_a_watcher_of_the_root_sees_a_subagent_that_runs_on_another_host(
     holds = Holds()
 
     async def body(cluster: Cluster) -> dict[str, Any]:
-        a, b, c = (cluster.members[h] for h in ("a", "b", "c"))
-        held = (holds.tool(), holds.started["collect-1"])
-        tree = await _until_the_payer_waits(a, tmp_path, held, brain)
-        root, payer, collector = tree
-        await _lose(cluster, a, *tree)
-        entries = {sid: await cluster.entry(sid) or {} for sid in tree}
-        assert await b.node._take_entries({sid: entries[sid] for sid in (root, payer)})
-        await holds.started["pay-2"].wait()  # the payer's task runs on b, open throughout
-        # Unbounded: the test reads it to the end, and the root's publisher never waits.
-        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
-        b.host.get_session(root).watch(send)
-        written_on_a = (await cluster.traces.read(collector)).records[-1].seq or 0
-        assert await c.node._take_entries({collector: entries[collector]})
-        await holds.started["collect-2"].wait()
+        tree, inbox, written_on_a = await _split_and_watched(cluster, holds, brain, tmp_path)
+        collector = tree[-1]
         holds.gates["collect-2"].set()
         seen: list[Output] = []
         async for batch in inbox:
@@ -108,20 +160,8 @@ def test_a_subagent_that_comes_to_its_parents_host_is_seen_once(
     holds = Holds()
 
     async def body(cluster: Cluster) -> dict[str, Any]:
-        a, b, c = (cluster.members[h] for h in ("a", "b", "c"))
-        held = (holds.tool(), holds.started["collect-1"])
-        tree = await _until_the_payer_waits(a, tmp_path, held, brain)
-        root, payer, collector = tree
-        await _lose(cluster, a, *tree)
-        entries = {sid: await cluster.entry(sid) or {} for sid in tree}
-        assert await b.node._take_entries({sid: entries[sid] for sid in (root, payer)})
-        await holds.started["pay-2"].wait()  # the payer's task runs on b, open throughout
-        # Unbounded: the test reads it to the end, and the root's publisher never waits.
-        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
-        b.host.get_session(root).watch(send)
-        written_on_a = (await cluster.traces.read(collector)).records[-1].seq or 0
-        assert await c.node._take_entries({collector: entries[collector]})
-        await holds.started["collect-2"].wait()
+        tree, inbox, written_on_a = await _split_and_watched(cluster, holds, brain, tmp_path)
+        collector = tree[-1]
         seen: list[Output] = []
 
         async def until_seen(key: str) -> None:
@@ -132,6 +172,7 @@ def test_a_subagent_that_comes_to_its_parents_host_is_seen_once(
                     return
 
         await until_seen("collect-2")  # relayed from c
+        b, c = (cluster.members[h] for h in ("b", "c"))
         await _lose(cluster, c, collector)
         entry = await cluster.entry(collector) or {}
         assert await b.node._take_entries({collector: entry})
@@ -165,20 +206,11 @@ def test_a_grandchild_that_runs_on_another_host_reaches_the_root_through_its_par
     holds = Holds()
 
     async def body(cluster: Cluster) -> dict[str, Any]:
-        a, b, c = (cluster.members[h] for h in ("a", "b", "c"))
-        held = (holds.tool(), holds.started["collect-1"])
-        root, payer, collector = await _until_the_payer_waits(a, tmp_path, held, brain)
-        (counter,) = [s.id for s in await a.host.get_session(collector).children()]
-        tree = (root, payer, collector, counter)
-        await holds.started["pay-1"].wait()
-        await holds.started["count-1"].wait()
-        await _lose(cluster, a, *tree)
-        entries = {sid: await cluster.entry(sid) or {} for sid in tree}
-        assert await b.node._take_entries({sid: entries[sid] for sid in (root, payer)})
-        await holds.started["pay-2"].wait()  # the payer's task runs on b, open throughout
-        # Unbounded: the test reads it to the end, and the root's publisher never waits.
-        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
-        b.host.get_session(root).watch(send)
+        c = cluster.members["c"]
+        tree, entries = await _lost_with_the_counter(cluster, holds, brain, tmp_path)
+        root, payer, collector, counter = tree
+        await _root_and_payer_to_b(cluster, holds, root, payer, entries)
+        inbox = _watched_on_b(cluster, root)
         written_on_a = {
             sid: (await cluster.traces.read(sid)).records[-1].seq or 0
             for sid in (collector, counter)
@@ -231,14 +263,10 @@ def test_a_relay_that_nats_fails_is_logged_and_the_tree_goes_on(
         yield  # an async generator, as the real one is
 
     async def body(cluster: Cluster) -> bool:
-        a, b, c = (cluster.members[h] for h in ("a", "b", "c"))
-        held = (holds.tool(), holds.started["collect-1"])
-        tree = await _until_the_payer_waits(a, tmp_path, held, brain)
+        b, c = (cluster.members[h] for h in ("b", "c"))
+        tree, entries = await _lost_with_a(cluster, holds, brain, tmp_path)
         root, payer, collector = tree
-        await _lose(cluster, a, *tree)
-        entries = {sid: await cluster.entry(sid) or {} for sid in tree}
-        assert await b.node._take_entries({sid: entries[sid] for sid in (root, payer)})
-        await holds.started["pay-2"].wait()
+        await _root_and_payer_to_b(cluster, holds, root, payer, entries)
         monkeypatch.setattr(TraceStream, "follow", failing_follow)
         assert await c.node._take_entries({collector: entries[collector]})
         await holds.started["collect-2"].wait()
