@@ -1260,6 +1260,35 @@ def _call_output(lines: list[dict[str, Any]], call_id: str) -> dict[str, Any]:
     return output
 
 
+class _Crashed(NamedTuple):
+    """A tree whose host was killed mid ``pay``, and what the next host runs it with."""
+
+    root_id: str
+    asked: list[ModelRequest]  # every request of ``model``
+    model: Callable[[ModelRequest], Reply]  # the demo brain: :func:`_after_takeup`
+    paid: list[int]  # every amount ``tools`` pay
+    tools: list[object]
+    ends: _TaskEnds
+
+
+async def _crashed_mid_pay(
+    data_dir: Path,
+    workspace: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    background: bool,
+) -> _Crashed:
+    """Kill the crashing host while the root's payer (``background`` or foreground) runs
+    its ``pay`` call, and make ready the model, the tools and the task ends of the next."""
+    root_id = await _crash_mid_child_call(data_dir, workspace, tmp_path, background=background)
+    asked: list[ModelRequest] = []
+    model = _recording(_after_takeup, asked)
+    monkeypatch.setattr(scripted_brain, "demo_brain", model)
+    paid: list[int] = []
+    return _Crashed(root_id, asked, model, paid, [_pay_tool(paid), spawn_subagent], _TaskEnds())
+
+
 async def test_a_tree_interrupt_after_a_crash_ends_a_background_child_left_running(
     data_dir: Path, workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1270,13 +1299,8 @@ async def test_a_tree_interrupt_after_a_crash_ends_a_background_child_left_runni
     nobody; a host opened after finds no task to take up. Before, the interrupt ended
     nothing: the next ``resume_tasks`` took the payer up, ran it to its end and its
     answer reached the root as a follow-up."""
-    root_id = await _crash_mid_child_call(data_dir, workspace, tmp_path, background=True)
-    asked: list[ModelRequest] = []
-    model = _recording(_after_takeup, asked)
-    monkeypatch.setattr(scripted_brain, "demo_brain", model)
-    paid: list[int] = []
-    tools = [_pay_tool(paid), spawn_subagent]
-    ends = _TaskEnds()
+    crashed = await _crashed_mid_pay(data_dir, workspace, tmp_path, monkeypatch, background=True)
+    root_id, asked, model, paid, tools, ends = crashed
     async with Host.open(data_dir, tools=tools, observers=[ends]) as host:
         root = await host.load_session(root_id, provider=ScriptedProvider(model))
         child_id = await _child_of(host, root_id)
