@@ -17,23 +17,19 @@ import trio.testing
 from conftest import RUN_TIMEOUT_S, allow_all, trace_lines
 from test_gateway import connect, serving
 from test_tree_takeup import (
-    _after_takeup,
     _call_output,
     _child_of,
     _crash_mid_child_call,
+    _crashed_mid_pay,
     _ended_aborted,
     _pay_tool,
-    _recording,
     _task_of,
-    _TaskEnds,
 )
 
 from greenroom.actors.gateway.access import store_owner
-from greenroom.actors.providers import scripted_brain
 from greenroom.actors.providers.scripted import ScriptedProvider
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.subagents import spawn_subagent
-from greenroom.protocols.context import ModelRequest
 
 
 @pytest.mark.parametrize("scope", ["tree", "node"])
@@ -52,13 +48,8 @@ async def test_interrupting_a_task_its_host_stopped_under_ends_it(
     settled interrupted, no model request sent, nothing paid; a host opened after takes
     none of it up. Before, the interrupt returned False and left the task open: the next
     ``resume_tasks`` took the root up and ran it on."""
-    root_id = await _crash_mid_child_call(data_dir, workspace, tmp_path, background=False)
-    asked: list[ModelRequest] = []
-    model = _recording(_after_takeup, asked)
-    monkeypatch.setattr(scripted_brain, "demo_brain", model)
-    paid: list[int] = []
-    tools = [_pay_tool(paid), spawn_subagent]
-    ends = _TaskEnds()
+    crashed = await _crashed_mid_pay(data_dir, workspace, tmp_path, monkeypatch, background=False)
+    root_id, asked, model, paid, tools, ends = crashed
     async with Host.open(data_dir, tools=tools, observers=[ends]) as host:
         child_id = await _child_of(host, root_id)
         node_id = root_id if node == "root" else child_id
