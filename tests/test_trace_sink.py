@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -516,6 +516,20 @@ async def test_a_directory_is_fsynced_once_for_all_its_new_files(tmp_path: Path)
     assert disk.fsynced.count(folder) == 1
 
 
+@asynccontextmanager
+async def syncing_each(
+    sink: TraceSink, paths: list[Path], sync: Callable[[TraceSink, Path], Awaitable[None]]
+) -> AsyncIterator[None]:
+    """Each of ``paths`` gets its first line, all in one batch, and ``sync`` of each runs
+    in a task of its own; on leaving, every one of them has returned."""
+    for path in paths:
+        sink.write(path, line(1, path.parent.name))
+    async with trio.open_nursery() as nursery:
+        for path in paths:
+            nursery.start_soon(sync, sink, path)
+        yield
+
+
 async def test_a_sync_is_answered_once_its_own_files_are_durable(tmp_path: Path) -> None:
     """A thousand sessions reach a turn boundary in one batch; each goes on once its own
     files are durable, not once the whole batch is: a stalled fsync holds back only the
@@ -534,11 +548,7 @@ async def test_a_sync_is_answered_once_its_own_files_are_durable(tmp_path: Path)
 
     with trio.fail_after(TIMEOUT):
         async with running_sink(tmp_path, disk) as sink:
-            for path in paths:
-                sink.write(path, line(1, path.parent.name))
-            async with trio.open_nursery() as nursery:
-                for path in paths:
-                    nursery.start_soon(sync, sink, path)
+            async with syncing_each(sink, paths, sync):
                 await others_answered.wait()
                 # Its file is not durable yet: the stalled file's sync still waits.
                 assert paths[0] not in answered
@@ -571,11 +581,7 @@ async def test_a_writer_bug_in_a_batch_answers_only_the_syncs_not_answered_early
             durable.append(path)
 
     with trio.fail_after(TIMEOUT):
-        async with running_sink(tmp_path, disk) as sink:
-            for path in paths:
-                sink.write(path, line(1, path.parent.name))
-            async with trio.open_nursery() as nursery:
-                for path in paths:
-                    nursery.start_soon(sync, sink, path)
+        async with running_sink(tmp_path, disk) as sink, syncing_each(sink, paths, sync):
+            pass  # every sync returns, answered or told of the failure
     assert failed == [paths[-1]]
     assert sorted(durable) == sorted(paths[:-1])
