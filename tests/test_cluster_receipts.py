@@ -137,6 +137,23 @@ def host_a(
     return open_cluster_host(conn.bridge, config, tmp_path / "a", approve=allow_all, **options)
 
 
+def _lease_lost_once_acknowledged(
+    marker: str, monkeypatch: pytest.MonkeyPatch
+) -> list[ClusterNode]:
+    """The nodes a test's host appends to (``on_node``): the first loses its lease the
+    moment JetStream acknowledges a record whose line holds ``marker``."""
+    nodes: list[ClusterNode] = []
+    acknowledge = ReplicatingTraceLog._acknowledge
+
+    def acknowledged_then_lost(log: ReplicatingTraceLog, done: list[tuple[int, int, str]]) -> None:
+        acknowledge(log, done)
+        if any(marker in line for _, _, line in done):
+            _lose_the_lease(nodes[0])
+
+    monkeypatch.setattr(ReplicatingTraceLog, "_acknowledge", acknowledged_then_lost)
+    return nodes
+
+
 def _lose_the_lease(node: ClusterNode) -> None:
     """``node``'s lease lost in an outage: every session it owned given up."""
     keeper = node._keeper
@@ -307,16 +324,8 @@ def test_a_steer_jetstream_acknowledged_before_the_host_lost_its_session_is_queu
     though the cluster's trace holds it (and the host taking the session up runs it)."""
     withheld = Withheld(monkeypatch)
     recorded = InputReceipt()
-    nodes: list[ClusterNode] = []
-    acknowledge = ReplicatingTraceLog._acknowledge
-
-    def acknowledged_then_lost(log: ReplicatingTraceLog, done: list[tuple[int, int, str]]) -> None:
-        acknowledge(log, done)
-        # At the steer's own acknowledgement: an earlier record's may come first.
-        if any('"steering_queued"' in line for _, _, line in done):
-            _lose_the_lease(nodes[0])
-
-    monkeypatch.setattr(ReplicatingTraceLog, "_acknowledge", acknowledged_then_lost)
+    # At the steer's own acknowledgement: an earlier record's may come first.
+    nodes = _lease_lost_once_acknowledged('"steering_queued"', monkeypatch)
 
     async def body(conn: Connection) -> tuple[str, str]:
         async with host_a(conn, nats_server, tmp_path, on_node=nodes.append) as host:
@@ -342,15 +351,7 @@ def test_a_steer_jetstream_acknowledged_is_queued_though_a_later_one_was_given_u
     the whole session had lost a record and was answered 410 too."""
     withheld = Withheld(monkeypatch)
     first, second = InputReceipt(), InputReceipt()
-    nodes: list[ClusterNode] = []
-    acknowledge = ReplicatingTraceLog._acknowledge
-
-    def acknowledged_then_lost(log: ReplicatingTraceLog, done: list[tuple[int, int, str]]) -> None:
-        acknowledge(log, done)
-        if any("mind the gap" in line for _, _, line in done):
-            _lose_the_lease(nodes[0])
-
-    monkeypatch.setattr(ReplicatingTraceLog, "_acknowledge", acknowledged_then_lost)
+    nodes = _lease_lost_once_acknowledged("mind the gap", monkeypatch)
 
     async def body(conn: Connection) -> tuple[str, str, str]:
         async with host_a(conn, nats_server, tmp_path, on_node=nodes.append) as host:
