@@ -495,6 +495,14 @@ async def follow_up_as_its_task_ends(
     return await client.answer_of(follow_up)
 
 
+def assert_completed(session: Session, provider: ScriptedProvider, *, tasks: int) -> None:
+    """``session``'s trace ends ``tasks`` tasks, each completed, and ``provider`` was sent
+    a well-formed transcript every time."""
+    ends = [r["status"] for r in trace_lines(session) if r["type"] == "task_end"]
+    assert ends == ["completed"] * tasks
+    assert provider.violations == []
+
+
 def said(client: Client) -> str:
     """The text of the agent's messages the client was shown."""
     return "".join(
@@ -533,9 +541,7 @@ async def test_a_follow_up_accepted_as_its_run_ends_streams_and_is_answered(
             assert answer.get("result", {}).get("stopReason") == "end_turn", answer
             assert (await client.answer_of(prompted[0]))["result"]["stopReason"] == "end_turn"
             assert said(client) == "Hello.Then this."
-    ends = [r["status"] for r in trace_lines(session) if r["type"] == "task_end"]
-    assert ends == ["completed", "completed"]
-    assert provider.violations == []
+    assert_completed(session, provider, tasks=2)
 
 
 async def test_a_follow_up_accepted_as_taken_up_work_ends_streams_and_is_answered(
@@ -564,9 +570,7 @@ async def test_a_follow_up_accepted_as_taken_up_work_ends_streams_and_is_answere
             assert answer.get("result", {}).get("stopReason") == "end_turn", answer
             assert said(client) == "Hello again.Then this."
             session = host.get_session(sid)
-    ends = [r["status"] for r in trace_lines(session) if r["type"] == "task_end"]
-    assert ends == ["completed", "completed"]
-    assert provider.violations == []
+    assert_completed(session, provider, tasks=2)
 
 
 async def test_follow_ups_hand_their_input_over_in_the_order_they_were_sent(
@@ -702,9 +706,7 @@ async def test_a_follow_up_during_a_background_childs_follow_up_task_streams_and
             assert answer.get("result", {}).get("stopReason") == "end_turn", answer
             assert said(client).endswith("Merged.Then this.")
             session = host.get_session(sid)
-    ends = [r["status"] for r in trace_lines(session) if r["type"] == "task_end"]
-    assert ends == ["completed", "completed", "completed"]
-    assert provider.violations == []
+    assert_completed(session, provider, tasks=3)
 
 
 async def test_a_follow_up_behind_ones_a_stopped_host_queued_is_answered_at_its_own_end(
