@@ -169,6 +169,13 @@ async def _client(member: Member) -> AsyncIterator[Client]:
         yield Client(ws)
 
 
+async def _created_through(member: Member) -> str:
+    """The id ``session.create`` answers a client of ``member``'s gateway."""
+    async with _client(member) as client:
+        told: str = (await client.result("session.create"))["session_id"]
+    return told
+
+
 async def _until(check: Callable[[], Awaitable[bool]]) -> None:
     """Return once ``check()`` holds (the cluster's buckets are written apart from the
     calls that cause it: read until they are)."""
@@ -433,8 +440,7 @@ def test_a_placed_create_finished_after_the_gateway_gave_up_leaves_one_session(
                 return await create(**kwargs)
 
             monkeypatch.setattr(b.host, "create_session", held_create)
-            async with _client(a) as client:
-                told = (await client.result("session.create"))["session_id"]
+            told = await _created_through(a)
             assert asked.is_set()  # it was placed on b first
             release.set()
             await b_done.wait()
@@ -478,8 +484,7 @@ def test_a_placed_create_answered_after_the_gateway_gave_up_leaves_one_session(
         async with _placing_on_b(
             conn, nats_server.url, tmp_path, request_timeout_s=IN_TIME_TIMEOUT_S
         ) as (a, b, loaded):
-            async with _client(a) as client:
-                told = (await client.result("session.create"))["session_id"]
+            told = await _created_through(a)
             assert made.is_set()  # it was placed on b first
             release.set()
             return await _left_after_placing(conn, a, b, loaded, told)
@@ -703,8 +708,7 @@ def test_a_withdrawn_placement_is_listed_by_no_other_gateway(
         async with _placing_on_b(
             conn, nats_server.url, tmp_path, request_timeout_s=IN_TIME_TIMEOUT_S
         ) as (a, _, _):
-            async with _client(a) as client:
-                told = (await client.result("session.create"))["session_id"]
+            told = await _created_through(a)
             (made,) = stalled.made_id
             directory = await SessionDirectory.open(conn)
 
@@ -792,8 +796,7 @@ def test_a_withdrawn_placement_deleted_while_its_host_was_away_leaves_it_nothing
             )
             async with _member(conn, url, tmp_path, "b", request_timeout_s=IN_TIME_TIMEOUT_S):
                 await _until_placeable(conn, "b")
-                async with _client(a) as client:
-                    told = (await client.result("session.create"))["session_id"]
+                told = await _created_through(a)
                 await silenced.made.wait()
             (made,) = silenced.made_id
             found = {"deleted": await _sessions_in_cluster(conn, {loaded.id, told})}
@@ -822,8 +825,7 @@ def test_a_withdrawn_placement_its_own_host_takes_up_again_is_deleted_there_too(
         async with _placing_on_b(
             conn, nats_server.url, tmp_path, request_timeout_s=IN_TIME_TIMEOUT_S
         ) as (a, _, loaded):
-            async with _client(a) as client:
-                told = (await client.result("session.create"))["session_id"]
+            told = await _created_through(a)
             await silenced.made.wait()
         (made,) = silenced.made_id
         hold.set()
