@@ -43,6 +43,7 @@ import attrs
 
 from greenroom.protocols.content import ImageBlock, TextBlock, ThinkingBlock, ToolCallBlock
 from greenroom.protocols.jsonrpc import (
+    IN_DOUBT,
     INTERNAL_ERROR,
     INVALID_PARAMS,
     INVALID_REQUEST,
@@ -278,17 +279,15 @@ def invalid(path: str, message: str) -> RpcError:
     return RpcError(INVALID_PARAMS, f"{path}: {message}")
 
 
-IN_DOUBT = "the input may have been queued"
-"""How every answer for input that may or may not run begins (:func:`in_doubt`)."""
-
 
 def in_doubt(reason: str) -> RpcError:
     """The error for a prompt, steering or follow-up whose record may or may not have
     survived the host, ``reason`` saying why (R-STEER-6, R-CLUSTER-2): a cluster host gave
     the session up while the record was on its way to the cluster's trace, and NATS did
-    not say whether it stored it. Not a turn's ``cancelled``: the host that takes the
-    session up may run it, and an editor that sent it again could have it run twice. Code
-    and ``data.outcome`` as the gateway's answer for such input."""
+    not say whether it stored it, or the disk did not confirm it durable in time. Not a
+    turn's ``cancelled``: the host that takes the session up may run it, and an editor that
+    sent it again could have it run twice. Code and ``data.outcome`` as the gateway's
+    answer for such input."""
     return RpcError(
         UNAVAILABLE,
         f"{IN_DOUBT}: {reason}. The session's history (session/load) shows whether it was "

@@ -72,8 +72,11 @@ AUTH_LOCKED = 423
 UNAVAILABLE = 503
 """What a call asked may or may not have been done, or was not done for now: ``data.outcome``
 says which, ``unknown`` or ``not_done`` (a ``steer`` or ``follow_up`` whose record a cluster
-host gave up on its way to the cluster's trace, unsure whether it got there; in a cluster,
-a call whose host stopped answering)."""
+host gave up on its way to the cluster's trace, unsure whether it got there, or that the
+disk did not confirm durable in time; in a cluster, a call whose host stopped answering)."""
+IN_DOUBT = "the input may have been queued"
+"""How every answer for input that may or may not run begins, the gateway's and the ACP
+agent's alike."""
 TOO_MANY_REQUESTS = 429
 """A limit was reached: the connection's request rate, the principal's open sessions
 (``session.create``) or connections (``initialize``), or the wrong tokens of the client's

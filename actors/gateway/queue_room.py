@@ -104,21 +104,18 @@ def dropped_answer(reason: str) -> RpcError:
     return RpcError(jsonrpc.GONE, f"{DROPPED}: {reason}")
 
 
-IN_DOUBT = "the input may have been queued"
-"""How every answer for input that may or may not run begins (:func:`in_doubt_answer`)."""
-
-
 def in_doubt_answer(reason: str) -> RpcError:
     """Error 503, ``data.outcome`` ``unknown``, for input whose record may or may not have
     survived the host (R-STEER-6, R-CLUSTER-2): what ``steer``, ``follow_up`` and an A2A
     message that steers answer when a cluster host gave the session up while the record
-    was on its way to the cluster's trace, and NATS did not say whether it stored it. Not
-    a 410: the host that takes the session up may run it, and a client that sent it again
-    could have it run twice."""
+    was on its way to the cluster's trace, and NATS did not say whether it stored it, or
+    the disk did not confirm it durable in time. Not a 410: the host that takes the
+    session up may run it, and a client that sent it again could have it run twice."""
     return RpcError(
         jsonrpc.UNAVAILABLE,
-        f"{IN_DOUBT}: {reason}. The session's trace (session.subscribe) shows whether it "
-        "was (its steering_queued or task_queued); sending it again may queue it twice",
+        f"{jsonrpc.IN_DOUBT}: {reason}. The session's trace (session.subscribe) shows "
+        "whether it was (its steering_queued or task_queued); sending it again may queue it "
+        "twice",
         {"outcome": "unknown"},
     )
 
