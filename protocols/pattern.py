@@ -13,7 +13,10 @@ repetition unrolled), ``^``/``$``/``\\A``/``\\Z``/``\\b``/``\\B`` and the ``(?i)
 ``(?m)``, ``(?s)``, ``(?a)`` flags. What cannot be matched without backtracking —
 backreferences, lookahead and lookbehind, atomic groups and possessive repetition — is
 refused with :class:`PatternError`, as is a pattern ``re`` cannot read. Case-insensitive
-matching compares lower and upper case forms, close to ``re``'s simple case folding.
+matching is ``re``'s own: the test of one character against one literal or class is
+``re``'s compiled test of that item alone, which cannot backtrack (its case folding has
+exceptions no simple rule reproduces: "İ" and "K", the Kelvin sign, match ``(?i)[a-z]``;
+"ß" does not).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ a part that makes no state (an empty group) costs its reading all the same, and
 ``(?:(?:){65535}){65535}`` would be read four billion times."""
 
 _sre: Any = importlib.import_module("re._parser")  # re's own reader of patterns
+_re_compiler: Any = importlib.import_module("re._compiler")  # and its compiler, for one item
 
 _IGNORECASE, _MULTILINE, _DOTALL, _ASCII = 2, 8, 16, 256
 
@@ -155,10 +159,13 @@ class _Compiler:
                 "repetitions are counted out)"
             )
         for op, arg in items:
-            self.item(str(op), arg, flags)
+            self.item(op, arg, flags)
 
-    def item(self, op: str, arg: Any, flags: int) -> None:
-        if op in ("LITERAL", "NOT_LITERAL", "ANY", "IN"):
+    def item(self, opcode: Any, arg: Any, flags: int) -> None:
+        op = str(opcode)
+        if op in ("LITERAL", "NOT_LITERAL", "IN") and flags & _IGNORECASE:
+            self.emit("char", _re_char_test(opcode, arg, flags))
+        elif op in ("LITERAL", "NOT_LITERAL", "ANY", "IN"):
             self.emit("char", _char_test(op, arg, flags))
         elif op == "AT":
             if str(arg) not in _POSITIONS:
@@ -267,25 +274,22 @@ def _char_test(op: str, arg: Any, flags: int) -> CharTest:
     else:
         literal = chr(arg)
         positive = lambda c: c == literal  # noqa: E731
-    if flags & _IGNORECASE:
-        positive = _either_case(positive)
     if negate:
         return lambda c: not positive(c)
     return positive
 
 
-def _either_case(exact: CharTest) -> CharTest:
-    """``exact`` taking a character's lower and upper case forms too, those of one
-    character: "ß".upper() is "SS", which a range's string comparison would take for a
-    letter between "A" and "Z"."""
-
-    def test(c: str) -> bool:
-        if exact(c):
-            return True
-        lower, upper = c.lower(), c.upper()
-        return (len(lower) == 1 and exact(lower)) or (len(upper) == 1 and exact(upper))
-
-    return test
+def _re_char_test(opcode: Any, arg: Any, flags: int) -> CharTest:
+    """The test of one character against one literal or class under ``flags``, as ``re``
+    compiles that item alone: a single item consumes one character and cannot backtrack,
+    and ``re``'s case folding is the reference a pattern's author expects."""
+    state = _sre.State()
+    state.flags = flags
+    try:
+        match = _re_compiler.compile(_sre.SubPattern(state, [(opcode, arg)]), flags).match
+    except Exception as exc:  # re.error: what re read, it compiles; said plainly if not
+        raise PatternError(f"not a regular expression Python can compile: {exc}") from None
+    return lambda c: match(c) is not None
 
 
 def _at(code: str, flags: int, text: str, pos: int) -> bool:

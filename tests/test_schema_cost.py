@@ -147,6 +147,38 @@ def test_a_case_insensitive_class_takes_a_character_as_re_does(sample: str) -> N
     assert (validate({"a": sample}, schema) == []) == expected
 
 
+# Every character with another case form (and its neighbours in the tables of re's
+# exceptions: dotted and dotless i, long s, the Kelvin and Angstrom signs, Greek forms).
+_CASED = [chr(c) for c in range(0x20000) if chr(c).lower() != chr(c) or chr(c).upper() != chr(c)]
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        r"(?i)[a-z]",
+        r"(?i)[^a-z]",
+        r"(?i)k",
+        r"(?i)s",
+        r"(?i)i",
+        r"(?i)\u00e5",
+        r"(?i)[\u00e0-\u00ff]",
+        r"(?i)[\u0370-\u03ff]",
+        r"(?i)\u03c9",
+        r"(?ia)[a-z]",
+        r"(?i:[\u0400-\u04ff])",
+    ],
+)
+def test_case_insensitive_matching_is_res_own_for_every_cased_character(source: str) -> None:
+    """re's case folding has exceptions no rule of lower and upper forms reproduces: "İ"
+    and the Kelvin sign match (?i)[a-z], "ß" does not. Each character is taken as re
+    takes it (R-OUT-1)."""
+    pattern = compile_pattern(source)
+    differing = [
+        c for c in _CASED if pattern.search(c, lambda _: None) != (re.search(source, c) is not None)
+    ]
+    assert differing == []
+
+
 def test_a_pattern_in_data_is_no_pattern() -> None:
     schema = {"type": "object", "properties": {"a": {"const": {"pattern": "(a)\\1"}}}}
     assert output_spec(schema).schema["properties"]["a"]["const"] == {"pattern": "(a)\\1"}
