@@ -67,6 +67,9 @@ that waits for no answer (any more), or other arguments than the call's (R-HITL-
 GONE = 410
 """A ``steer`` or ``follow_up`` whose input was dropped unrun: its session closed (or its
 work stopped) before the input was recorded (R-STEER-1, R-STEER-6)."""
+DROPPED = "the input was dropped, not queued"
+"""How every answer for input that will never run begins, the gateway's and the ACP
+agent's alike."""
 AUTH_LOCKED = 423
 """The session is locked by a model auth failure until ``retry_auth`` (R-RETRY-6)."""
 UNAVAILABLE = 503

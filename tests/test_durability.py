@@ -40,11 +40,11 @@ from conftest import (
 )
 
 import greenroom.actors.runtime.supervisor as supervisor_module
-from greenroom.actors.gateway.methods import ACCEPT_WAIT_S, once_durable, once_recorded
+from greenroom.actors.gateway.methods import once_recorded
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
 from greenroom.actors.runtime.emitter import DURABLE_WAIT_S
 from greenroom.actors.runtime.host import Host
-from greenroom.actors.runtime.receipts import InputReceipt
+from greenroom.actors.runtime.receipts import ACCEPT_WAIT_S, InputReceipt, once_durable
 from greenroom.actors.runtime.session import Session
 from greenroom.actors.runtime.trace_sink import (
     TraceSink,

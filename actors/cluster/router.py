@@ -86,7 +86,7 @@ from greenroom.actors.cluster.traces import TraceStream
 from greenroom.actors.gateway.connection import AnswerLater, Handler
 from greenroom.actors.gateway.connection import Connection as GatewayConnection
 from greenroom.actors.gateway.hubs import Subscription, output_frame
-from greenroom.actors.gateway.methods import ACCEPT_WAIT_S, ROUTED
+from greenroom.actors.gateway.methods import ROUTED
 from greenroom.actors.runtime.errors import (
     AuthLocked,
     Busy,
@@ -95,6 +95,7 @@ from greenroom.actors.runtime.errors import (
     SessionNotFound,
 )
 from greenroom.actors.runtime.host import stored_root
+from greenroom.actors.runtime.receipts import ACCEPT_WAIT_S
 from greenroom.protocols import jsonrpc
 from greenroom.protocols.jsonrpc import RpcError
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any, Protocol, cast
 
@@ -60,7 +60,7 @@ from greenroom.actors.gateway.titles import Titles
 from greenroom.actors.runtime.errors import ImageRefused, SessionClosed, SessionNotFound
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.port import Approval
-from greenroom.actors.runtime.receipts import InputReceipt
+from greenroom.actors.runtime.receipts import InputReceipt, once_durable, queued_once_recorded
 from greenroom.actors.runtime.session import Session
 from greenroom.actors.runtime.storage import SessionStore
 from greenroom.actors.tools.mcp_commands import AttachmentError, attach_to_input
@@ -144,38 +144,14 @@ DETACHED = frozenset({"compact"})
 """Methods a connection runs in their own task when called alone: ``compact`` waits for a
 model request, and the connection keeps reading meanwhile."""
 
-ACCEPT_WAIT_S = 10.0
-"""How long ``run`` waits for its prompt to be durable, and ``steer`` and ``follow_up`` for
-their input's record, before they answer anyway (with ``durable: false``)."""
-
-
-async def once_durable(
-    durable: Callable[[], Awaitable[object]], answer: dict[str, Any]
-) -> dict[str, Any]:
-    """``answer`` once ``durable`` has returned; a store that hangs holds it only
-    :data:`ACCEPT_WAIT_S`, and ``answer`` then says ``durable: false``: this host took the
-    input and goes on with it, but it is not known to survive the host, so a client that
-    must not lose it follows the session (its trace says whether it ran) rather than
-    count on it (R-TRACE-3, R-STEER-6, R-CLUSTER-2)."""
-    with trio.move_on_after(ACCEPT_WAIT_S) as waiting:
-        await durable()
-    return {**answer, "durable": False} if waiting.cancelled_caught else answer
-
 
 async def once_recorded(recorded: InputReceipt) -> dict[str, Any]:
-    """``{queued: true}`` once ``recorded`` (of ``Session.steer`` or ``follow_up``) says
-    the input's record survives this host — fsynced, or in a cluster acknowledged by
-    JetStream — so a host that takes the session up delivers it (R-STEER-1, R-STEER-6,
-    R-CLUSTER-2); error 410 when it says the input was dropped unrun (its session closed
-    first); error 503 (``data.outcome`` ``unknown``) when it says nobody knows whether the
-    record survived (:func:`in_doubt_answer`). A store that hangs holds the answer only
-    :data:`ACCEPT_WAIT_S`, as ``run``'s (:func:`once_durable`)."""
-    answer = await once_durable(recorded.settled.wait, {"queued": True})
-    if recorded.dropped is not None:
-        raise dropped_answer(recorded.dropped)
-    if recorded.in_doubt is not None:
-        raise in_doubt_answer(recorded.in_doubt)
-    return answer
+    """The answer of ``steer``, ``follow_up`` and an A2A message that steers
+    (:func:`~greenroom.actors.runtime.receipts.queued_once_recorded`): ``{queued: true}``
+    once the input's record survives this host; error 410 when it was dropped unrun (its
+    session closed first); error 503 (``data.outcome`` ``unknown``) when nobody knows
+    whether the record survived (:func:`in_doubt_answer`)."""
+    return await queued_once_recorded(recorded, dropped=dropped_answer, in_doubt=in_doubt_answer)
 
 
 class Methods:

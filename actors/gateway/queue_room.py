@@ -92,16 +92,12 @@ def held(session: Session, kind: QueuedKind) -> int:
     return max(len(tasks) - late, len(recorded) - late_recorded)
 
 
-DROPPED = "the input was dropped, not queued"
-"""How every 410 for input that will never run begins (:func:`dropped_answer`)."""
-
-
 def dropped_answer(reason: str) -> RpcError:
     """Error 410 for input that will never run, ``reason`` saying why after
-    :data:`DROPPED`: what ``steer``, ``follow_up`` and an A2A message that steers answer
-    for it, whatever dropped it (R-STEER-1, R-STEER-6). Built here alone, so a client
-    recognises every such answer by its start."""
-    return RpcError(jsonrpc.GONE, f"{DROPPED}: {reason}")
+    :data:`~greenroom.protocols.jsonrpc.DROPPED`: what ``steer``, ``follow_up`` and an A2A
+    message that steers answer for it, whatever dropped it (R-STEER-1, R-STEER-6). Every
+    such answer begins with those words, so a client recognises it by its start."""
+    return RpcError(jsonrpc.GONE, f"{jsonrpc.DROPPED}: {reason}")
 
 
 def in_doubt_answer(reason: str) -> RpcError:

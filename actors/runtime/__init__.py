@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     )
     from greenroom.actors.runtime.llm_streamer import ModelProvider
     from greenroom.actors.runtime.port import Approval, ApproveFn, SessionPort
-    from greenroom.actors.runtime.receipts import InputReceipt
+    from greenroom.actors.runtime.receipts import InputReceipt, queued_once_recorded
     from greenroom.actors.runtime.session import (
         RunResult,
         RunStream,
@@ -90,6 +90,7 @@ _MODULE_OF = {
     "default_data_dir": "greenroom.actors.runtime.host",
     "ModelProvider": "greenroom.actors.runtime.llm_streamer",
     "InputReceipt": "greenroom.actors.runtime.receipts",
+    "queued_once_recorded": "greenroom.actors.runtime.receipts",
     "RunResult": "greenroom.actors.runtime.session",
     "RunStream": "greenroom.actors.runtime.session",
     "Session": "greenroom.actors.runtime.session",
@@ -148,6 +149,7 @@ __all__ = [
     "install_tool_hooks",
     "latest_trace_file",
     "load_hooks_file",
+    "queued_once_recorded",
     "read_trace",
     "spawn_subagent",
     "usage_report",

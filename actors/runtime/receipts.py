@@ -1,13 +1,15 @@
 """What became of the input a caller queued in a running session: the receipt that
 ``Session.steer`` and ``Session.follow_up`` fill in (their ``recorded=``), so that whoever
 answers a client for that input — the gateway's ``steer`` and ``follow_up``, an A2A message
-that steers — tells the truth: ``queued`` only for input that survives the host (R-STEER-1,
-R-STEER-6, R-CLUSTER-2), an error for input that was dropped unrun, and that it is not
-known for input whose record may or may not have survived."""
+that steers, the ACP agent's ``_greenroom/steer`` — tells the truth: ``queued`` only for
+input that survives the host (R-STEER-1, R-STEER-6, R-CLUSTER-2), an error for input that
+was dropped unrun, and that it is not known for input whose record may or may not have
+survived. :func:`queued_once_recorded` is that answer, for every front."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import attrs
 import trio
@@ -78,3 +80,43 @@ def taken(receipt: InputReceipt | None) -> None:
     """:meth:`InputReceipt.taken` when there is a receipt (callers may give none)."""
     if receipt is not None:
         receipt.taken()
+
+
+ACCEPT_WAIT_S = 10.0
+"""How long an answer for input waits for its record to be durable (the gateway's ``run``
+for its prompt, ``steer`` and ``follow_up``, the ACP agent's ``_greenroom/steer``) before
+it is given anyway, saying ``durable: false``."""
+
+
+async def once_durable(
+    durable: Callable[[], Awaitable[object]], answer: dict[str, Any]
+) -> dict[str, Any]:
+    """``answer`` once ``durable`` has returned; a store that hangs holds it only
+    :data:`ACCEPT_WAIT_S`, and ``answer`` then says ``durable: false``: this host took the
+    input and goes on with it, but it is not known to survive the host, so a client that
+    must not lose it follows the session (its trace says whether it ran) rather than
+    count on it (R-TRACE-3, R-STEER-6, R-CLUSTER-2)."""
+    with trio.move_on_after(ACCEPT_WAIT_S) as waiting:
+        await durable()
+    return {**answer, "durable": False} if waiting.cancelled_caught else answer
+
+
+async def queued_once_recorded(
+    recorded: InputReceipt,
+    *,
+    dropped: Callable[[str], Exception],
+    in_doubt: Callable[[str], Exception],
+) -> dict[str, Any]:
+    """``{queued: true}`` once ``recorded`` (of ``Session.steer`` or ``follow_up``) says
+    the input's record survives this host — fsynced, or in a cluster acknowledged by
+    JetStream — so a host that takes the session up delivers it (R-STEER-1, R-STEER-6,
+    R-CLUSTER-2). Raises ``dropped(reason)`` when it says the input was dropped unrun,
+    ``in_doubt(reason)`` when it says nobody knows whether the record survived: each
+    front builds those errors in its own words. A store that hangs holds the answer
+    only :data:`ACCEPT_WAIT_S` (:func:`once_durable`)."""
+    answer = await once_durable(recorded.settled.wait, {"queued": True})
+    if recorded.dropped is not None:
+        raise dropped(recorded.dropped)
+    if recorded.in_doubt is not None:
+        raise in_doubt(recorded.in_doubt)
+    return answer
