@@ -43,6 +43,8 @@ import attrs
 
 from greenroom.protocols.content import ImageBlock, TextBlock, ThinkingBlock, ToolCallBlock
 from greenroom.protocols.jsonrpc import (
+    DROPPED,
+    GONE,
     IN_DOUBT,
     INTERNAL_ERROR,
     INVALID_PARAMS,
@@ -278,6 +280,14 @@ def invalid(path: str, message: str) -> RpcError:
     """An invalid-params error (-32602) whose message starts with the ``$.path`` at fault."""
     return RpcError(INVALID_PARAMS, f"{path}: {message}")
 
+
+
+def dropped(reason: str) -> RpcError:
+    """The error for ``_greenroom/steer`` whose steering will never run, ``reason`` saying
+    why (R-STEER-1, R-STEER-6): its session closed, or its work stopped, before recording
+    it. Code and words as the gateway's answer for such input: nothing of it runs, so the
+    editor may send it again."""
+    return RpcError(GONE, f"{DROPPED}: {reason}")
 
 
 def in_doubt(reason: str) -> RpcError:

@@ -5,6 +5,7 @@ validated strictly against the official ACP SDK's schema."""
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,10 +31,12 @@ from conftest import cut_after, hold_after_first, port_of, trace_lines
 from greenroom.actors.apps import acp as acp_app
 from greenroom.actors.apps.acp import AcpAgent, AcpConfig
 from greenroom.actors.apps.acp_people import Asked
+from greenroom.actors.runtime.disk import Disk
 from greenroom.actors.runtime.emitter import OutputEmitter
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session import Session
 from greenroom.actors.runtime.subagents import SUBAGENT_SYSTEM, spawn_subagent
+from greenroom.actors.runtime.trace_store import FileTraceStore
 from greenroom.actors.scripted import (
     Reply,
     ScriptedProvider,
@@ -433,13 +436,17 @@ async def test_a_prompt_answering_a_question_of_a_session_being_closed_is_not_ta
 
 
 @asynccontextmanager
-async def agent_on(data: Path, config: AcpConfig) -> AsyncIterator[tuple[Host, Client]]:
-    """An ACP agent serving ``config`` on a host of ``data``, initialized, and its client;
-    the client's input is closed on leaving, so the agent ends as a client that leaves."""
+async def agent_on(
+    data: Path, config: AcpConfig, disk: Disk | None = None
+) -> AsyncIterator[tuple[Host, Client]]:
+    """An ACP agent serving ``config`` on a host of ``data`` (its traces written through
+    ``disk``, when given), initialized, and its client; the client's input is closed on
+    leaving, so the agent ends as a client that leaves."""
     to_agent, agent_in = trio.testing.memory_stream_one_way_pair()
     agent_out, from_agent = trio.testing.memory_stream_one_way_pair()
     client = Client(to_agent, from_agent)
-    async with Host.open(data_dir=data) as host, trio.open_nursery() as nursery:
+    store = None if disk is None else functools.partial(FileTraceStore, disk=disk)
+    async with Host.open(data_dir=data, trace_store=store) as host, trio.open_nursery() as nursery:
         nursery.start_soon(AcpAgent(host, config, agent_out).serve, agent_in)
         await client.call("initialize", {"protocolVersion": 1})
         yield host, client

@@ -73,7 +73,7 @@ from greenroom.actors.apps.acp_sessions import (
     approval_of,
     list_sessions,
 )
-from greenroom.actors.apps.acp_tree import TreeWatch, steer
+from greenroom.actors.apps.acp_tree import TreeWatch, steer, steer_answer
 from greenroom.actors.providers import read_image
 from greenroom.actors.runtime import (
     Approval,
@@ -402,7 +402,8 @@ class _AcpSession:
         the order given (the session records it in that order): each becomes steering of
         the task running then (``steering_queued``) or, too late for it, a task of its own
         (``task_queued``, late steering: R-STEER-1), and a prompt's answer is given at the
-        end of that task. None for ``_greenroom/steer``, which is answered at once."""
+        end of that task. None for ``_greenroom/steer``, which is answered once the
+        steering's record is durable (:func:`~greenroom.actors.apps.acp_tree.steer_answer`)."""
         self.pumping = False
         self.idle = trio.Event()
         self.idle.set()
@@ -435,11 +436,14 @@ class _AcpSession:
         if not (self.pumping and unanswered):
             return None
         answer = _Answer()
-        return answer if self.steer(content, answer) else None
+        return answer if self.steer(content, answer) is not None else None
 
-    def steer(self, content: tuple[UserContent, ...], answer: _Answer | None = None) -> bool:
+    def steer(
+        self, content: tuple[UserContent, ...], answer: _Answer | None = None
+    ) -> InputReceipt | None:
         """Hand ``content`` to the session as steering, ``answer`` to be given at the end
-        of the task that takes it (:attr:`steering`); False when no task runs."""
+        of the task that takes it (:attr:`steering`): the steering's receipt, None when no
+        task runs."""
         reading = self.reading
         # Work taken up reads on until the steering's record, which may follow an end.
         receipt = reading.receipt() if isinstance(reading, WatchedWork) else InputReceipt()
@@ -457,10 +461,10 @@ class _AcpSession:
         self.steering.append((receipt, answer))
         if not self.session.steer(content, recorded=receipt):
             self.steering.pop()
-            return False
+            return None
         if isinstance(reading, WatchedWork):
             reading.accepted(receipt)
-        return True
+        return receipt
 
     def _steering_dropped(self, receipt: InputReceipt) -> None:
         """Steering the session accepted will not run (it stopped or closed before
@@ -924,7 +928,9 @@ class AcpAgent:
         if "text" in params:
             await turn.wait()
         entry = self._session(params)
-        return await steer(self._host, entry.session, params, content_in_turn, entry.steer)
+        recorded = await steer(self._host, entry.session, params, content_in_turn, entry.steer)
+        turn.end()  # handed over: steering sent after it need not wait for its record
+        return await steer_answer(recorded)
 
     async def _follow_up(self, params: dict[str, Any], turn: InputTurn) -> Any:
         entry = self._session(params)

@@ -11,8 +11,9 @@ child's ``[subagent NAME finished]`` follow-up), hands that task to a pump like 
 The pumps map what the session published with the same mapper, which must have noted it
 first (a background child's outputs are shown by :meth:`note` alone, and its approvals
 asked by the watch alone): a pump calls :meth:`TreeWatch.caught_up` before it handles an
-output. :func:`steer` answers ``_greenroom/steer``, which steers any running node of the
-session's tree.
+output. :func:`steer` hands over the steering of ``_greenroom/steer``, which steers any
+running node of the session's tree, and :func:`steer_answer` answers it once the
+steering's record is durable.
 """
 
 from __future__ import annotations
@@ -24,13 +25,19 @@ from typing import Any
 import trio
 
 from greenroom.actors.apps.acp_sessions import WatchedWork
-from greenroom.actors.runtime import Host, Session, SessionNotFound
+from greenroom.actors.runtime import (
+    Host,
+    InputReceipt,
+    Session,
+    SessionNotFound,
+    queued_once_recorded,
+)
 from greenroom.protocols import acp
 from greenroom.protocols.content import TextBlock, UserContent
 from greenroom.protocols.jsonrpc import RpcError
 from greenroom.protocols.outputs import ApprovalRequest, Output, TaskStart
 
-__all__ = ["PromptContent", "TreeWatch", "steer", "tree_node"]
+__all__ = ["PromptContent", "TreeWatch", "steer", "steer_answer", "tree_node"]
 
 PromptContent = Callable[[Session, dict[str, Any]], Awaitable[tuple[UserContent, ...]]]
 """The agent's way to make a request's ``prompt`` input of a session (its images attached)."""
@@ -173,16 +180,31 @@ async def steer(
     root: Session,
     params: dict[str, Any],
     prompt_content: PromptContent,
-    steer_root: Callable[[tuple[UserContent, ...]], bool],
-) -> dict[str, Any]:
-    """``_greenroom/steer {sessionId, nodeId?, text | prompt}`` → ``{queued}``: steering
-    for the running task of ``root``, the session, or of ``nodeId``, a running node of its
-    tree (:func:`tree_node`). ``queued`` is False when that node runs no task. The root's
-    steering goes through ``steer_root``, which keeps count of the connection's steering
-    of the session in the order the session records it."""
+    steer_root: Callable[[tuple[UserContent, ...]], InputReceipt | None],
+) -> InputReceipt | None:
+    """Hand over the steering of ``_greenroom/steer {sessionId, nodeId?, text | prompt}``
+    to the running task of ``root``, the session, or of ``nodeId``, a running node of its
+    tree (:func:`tree_node`): the steering's receipt, None when that node runs no task.
+    The root's steering goes through ``steer_root``, which keeps count of the
+    connection's steering of the session in the order the session records it."""
     node = tree_node(host, root, params.get("nodeId"))
     if "text" in params:
         content: tuple[UserContent, ...] = (TextBlock(text=acp.require_str(params, "text")),)
     else:
         content = await prompt_content(node, params)
-    return {"queued": steer_root(content) if node is root else node.steer(content)}
+    if node is root:
+        return steer_root(content)
+    recorded = InputReceipt()
+    return recorded if node.steer(content, recorded=recorded) else None
+
+
+async def steer_answer(recorded: InputReceipt | None) -> dict[str, Any]:
+    """The answer to ``_greenroom/steer`` whose steering :func:`steer` handed over with
+    ``recorded``: ``{queued: false}`` when no task took it; ``{queued: true}`` only once
+    its record survives the host, as the gateway's ``steer`` (R-STEER-1, R-STEER-6,
+    R-CLUSTER-2) — ``durable: false`` too when the store has not said so in time, an
+    error when it was dropped unrun (:func:`~greenroom.protocols.acp.dropped`) or nobody
+    knows whether its record survived (:func:`~greenroom.protocols.acp.in_doubt`)."""
+    if recorded is None:
+        return {"queued": False}
+    return await queued_once_recorded(recorded, dropped=acp.dropped, in_doubt=acp.in_doubt)
