@@ -20,8 +20,11 @@ import pytest
 import trio
 import trio.testing
 from conftest import RUN_TIMEOUT_S, Gates, allow_all, open_host, port_of, trace_lines
+from test_gateway import ALICE, connect
 from test_recovery import blocking_tool, copy_session
 
+from greenroom.actors.gateway.config import SessionDefaults
+from greenroom.actors.gateway.server import Gateway
 from greenroom.actors.providers import scripted_brain
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
 from greenroom.actors.runtime.errors import NotPending
@@ -1167,6 +1170,35 @@ async def test_a_tree_interrupt_after_a_restart_ends_a_parked_background_child(
     (pay,) = [line for line in child_lines if line.get("call_id") == "p1"
               and line["type"] == "tool_call_output"]
     assert pay["status"] == "interrupted", pay
+
+
+async def test_the_gateways_tree_interrupt_answers_once_a_stored_nodes_end_is_written(
+    data_dir: Path, workspace: Path
+) -> None:
+    """R-TREE-2, R-ABORT-1, R-TRACE-2: the same restart, the payer left in its trace; the
+    root's ``scope: "tree"`` interrupt through the gateway answers ``interrupted: true``
+    once the payer's end, aborted, is in its trace file, and nothing is paid. Before, the
+    answer came at once, ``interrupted: false``: the payer was still open in its trace,
+    and a host lost then left it to be taken up."""
+    paid, model, tools, root_id, child_id = await _payer_parked_on_a_closed_host(
+        data_dir, workspace, _payer_model
+    )
+    defaults = SessionDefaults(
+        provider_factory=lambda: model, tools=tools, workspace_dir=workspace, approve="ask"
+    )
+    async with open_host(data_dir) as host, trio.open_nursery() as nursery:
+        gateway = Gateway(host, tokens={"alice": ALICE}, port=0, defaults=defaults)
+        await nursery.start(gateway.run)
+        gateway.grant("alice", root_id)
+        with trio.fail_after(RUN_TIMEOUT_S):
+            async with connect(gateway, token=ALICE) as alice:
+                answer = await alice.result("interrupt", {"session_id": root_id, "scope": "tree"})
+        child_trace = sorted((data_dir / "sessions" / child_id).glob("trace_*.jsonl"))[-1]
+        child_lines = [json.loads(line) for line in child_trace.read_text().splitlines()]
+        nursery.cancel_scope.cancel()
+    assert _ended_aborted(child_lines), child_lines[-1]
+    assert answer == {"interrupted": True}
+    assert paid == []
 
 
 async def test_a_node_interrupt_after_a_restart_leaves_a_parked_background_child_pending(

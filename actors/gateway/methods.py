@@ -570,14 +570,16 @@ class Methods:
 
     async def rpc_interrupt(self, connection: Connection, params: dict[str, Any]) -> Any:
         """Interrupt the session's running task; ``interrupted`` is False when it was idle.
-        ``scope`` (R-TREE-2): ``tree`` (the default) ends the whole subtree, background
-        children included; ``node`` ends the node's task and its foreground children."""
+        ``scope`` (R-TREE-2): ``tree`` (the default) ends the whole subtree (answered once
+        stored nodes have their ends written); ``node``, the task and foreground children."""
         jsonrpc.check_params(params, "interrupt")
         scope: InterruptScope = "tree"
         if params.get("scope") is not None:
             scope = cast(InterruptScope, jsonrpc.require_choice(params, "scope", ("tree", "node")))
         session = await self._owned_session(connection, params)
-        return {"interrupted": session.interrupt("interrupted by client", scope=scope)}
+        interrupted = session.interrupt("interrupted by client", scope=scope)
+        reached = scope == "tree" and await self.host.child_reports.reached(session.id)
+        return {"interrupted": interrupted or reached}
 
     async def rpc_compact(self, connection: Connection, params: dict[str, Any]) -> Any:
         """Compact the session's context now (R-COMPACT-10) and wait for it: the

@@ -82,7 +82,7 @@ from greenroom.protocols.outputs import Output
 if TYPE_CHECKING:
     from greenroom.actors.runtime.host import Host
 
-__all__ = ["ChildReports", "ParentLink"]
+__all__ = ["ChildReports", "ParentLink", "StoredBelow", "StoredNode"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,16 @@ ParentLink = Callable[[str, str, str], Awaitable[bool]]
 """Hands a report to the host that owns its parent, in a cluster: ``(parent_id, child_id,
 text)`` → True once that host has taken it, False when no host owns the parent now or
 its owner refuses it for now (the report is offered again later)."""
+
+StoredNode = tuple[str, Callable[[], Awaitable[bool]]]
+"""A stored node a tree interrupt ends (:meth:`ChildReports.end_unreached`): its id, and
+what opens it in this host to be ended (False when it is not to be ended here: another
+host took it meanwhile)."""
+
+StoredBelow = Callable[[str], Awaitable[list[StoredNode]]]
+"""Finds the stored nodes below a node (its id) that a tree interrupt of it ends, shallow
+first: its background descendants that no host runs and whose task may be open. Raises
+:class:`~greenroom.actors.runtime.errors.HostClosed` once the host is closed."""
 
 LINK_ATTEMPTS = 20
 """How often a report is offered to a parent that has no owner (or whose owner refuses it
@@ -119,13 +129,25 @@ def _left_running(port: SessionPort) -> bool:
 class ChildReports:
     """A host's reports of taken-up background children; see the module docstring."""
 
-    __slots__ = ("_cut", "_followed", "_here", "_host", "_open_tasks", "_places", "link", "retry_s")
+    __slots__ = (
+        "_cut",
+        "_followed",
+        "_here",
+        "_host",
+        "_places",
+        "_reaching",
+        "link",
+        "retry_s",
+        "stored_below",
+    )
 
     def __init__(self, host: Host, open_tasks: OpenTaskIndex) -> None:
         self._host = host
-        self._open_tasks = open_tasks
-        """The host's stored sessions left with a task open: a tree interrupt reaches
-        those of the tree (:meth:`end_unreached`)."""
+        self.stored_below: StoredBelow = functools.partial(_stored_here, host, open_tasks)
+        """Where a tree interrupt finds the stored nodes it ends (:meth:`end_unreached`):
+        the host's stored sessions left with a task open."""
+        self._reaching: dict[str, list[_StoredEnd]] = {}
+        """The stored ends under way of each node's tree interrupts (:meth:`reached`)."""
         self._cut: set[str] = set()
         """The background children that :meth:`end_unreached` ended: their answers are
         for nobody."""
@@ -368,13 +390,14 @@ class ChildReports:
         """A tree interrupt of ``node`` (R-TREE-2): besides the trees of its live children,
         which its own interrupt ends, every descendant they leave out ends too. Those open
         here: taken up after a restart and not counted (a root's parked child), or whose
-        parent was loaded again since it spawned them. Then, read from the store, those
-        the trace leaves running or waiting for people, background children of the tree
-        (loaded for it; a foreground child's task went with its parent's call): they end
-        a moment later. Not in a cluster, where another host may own them. Each ends as a
-        live child ends, ``cut``: its pending requests are answered interrupted, nothing
-        runs after, and its answer is for nobody. True when one open here had work to
-        interrupt."""
+        parent was loaded again since it spawned them. Then the stored ones no host runs
+        (:attr:`stored_below`), whose trace leaves them running or waiting for people,
+        background children of the tree (a foreground child's task went with its parent's
+        call): each is loaded for it and ends a moment later (:meth:`reached` waits for
+        their ends to be durable). Not in a cluster, where another host may own them.
+        Each ends as a live child ends, ``cut``: its pending
+        requests are answered interrupted, nothing runs after, and its answer is for
+        nobody. True when one open here had work to interrupt."""
         reason = f"parent interrupted: {reason}"
         below = [p for p in self._open_ports() if node.id in p.origin_path[:-1]]
         hit = False
@@ -383,8 +406,20 @@ class ChildReports:
             if self._place_of(port) is None:
                 hit = self._end(port, reason) or hit
         if self.link is None:
-            self._host.start_task(functools.partial(self._end_stored, node.id, reason))
+            stored_end = _StoredEnd()
+            self._host.start_task(functools.partial(self._end_stored, node.id, reason, stored_end))
+            self._reaching.setdefault(node.id, []).append(stored_end)
         return hit
+
+    async def reached(self, node_id: str) -> bool:
+        """Return once the stored nodes that the tree interrupts of ``node_id`` made so far
+        end (:meth:`end_unreached`) have ended, their ends durable in their traces (in a
+        cluster: in JetStream), or could not be reached (logged). True when one of them
+        had work to end. Never raises."""
+        ends = list(self._reaching.get(node_id, ()))
+        for stored_end in ends:
+            await stored_end.done.wait()
+        return any(stored_end.ended for stored_end in ends)
 
     def _open_ports(self) -> list[SessionPort]:
         ports = (self._open_port(session.id) for session in self._host.sessions)
@@ -414,28 +449,73 @@ class ChildReports:
             return True
         return end_subtree(port, reason)
 
-    async def _end_stored(self, node_id: str, reason: str) -> None:
-        """The stored part of :meth:`end_unreached`."""
-        host = self._host
+    async def _end_stored(self, node_id: str, reason: str, stored_end: _StoredEnd) -> None:
+        """The stored part of :meth:`end_unreached`: ``stored_end`` is done once the nodes
+        it ended have their ends written."""
+        ended: list[SessionPort] = []
         try:
-            stored = await self._open_tasks.ids({session.id for session in host.sessions})
-            below: list[tuple[int, str]] = []
-            for session_id in stored:
-                try:
-                    meta = await host.trace_store.catalog.read_meta(session_id)
-                except Exception:  # unreadable or gone: nothing of it runs
-                    continue
-                origin = stored_origin(meta, session_id) or ()
-                if meta.get("background") is True and node_id in origin[:-1]:
-                    below.append((len(origin), session_id))
-            for _, session_id in sorted(below):
+            for session_id, open_here in await self.stored_below(node_id):
                 with contextlib.suppress(SessionNotFound):  # deleted, or closed meanwhile
-                    await host.load_session(session_id)
-                    port = host.port(session_id)
+                    if not await open_here():
+                        continue
+                    port = self._host.port(session_id)
                     place = self._place_of(port)
-                    if place is None or not place.cut:
-                        self._end(port, reason)
+                    if (place is None or not place.cut) and self._end(port, reason):
+                        ended.append(port)
+            stored_end.ended = bool(ended)
+            # Ended in memory is not ended: a host lost now would leave it open in its
+            # trace, and the next to take it up would run it on.
+            for port in ended:
+                await _until_written(port)
         except HostClosed:
             return
         except Exception:  # a task of the host's: it must not end the host
             logger.exception("the tree interrupt of %s could not reach its stored nodes", node_id)
+        finally:
+            stored_end.done.set()
+            reaching = self._reaching.get(node_id, [])
+            if stored_end in reaching:
+                reaching.remove(stored_end)
+            if not reaching:
+                self._reaching.pop(node_id, None)
+
+
+class _StoredEnd:
+    """One tree interrupt's end of stored nodes (:meth:`ChildReports.end_unreached`)."""
+
+    __slots__ = ("done", "ended")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        """Set once the nodes it ended have their ends written, or it gave up."""
+        self.ended = False
+        """Whether it ended a node's work."""
+
+
+async def _stored_here(host: Host, open_tasks: OpenTaskIndex, node_id: str) -> list[StoredNode]:
+    """The stored nodes below ``node_id`` on one host (:data:`StoredBelow`): of the
+    sessions the host left with a task open, not open here, the background children of
+    the tree, read from their ``session.json``."""
+    stored = await open_tasks.ids({session.id for session in host.sessions})
+    below: list[tuple[int, str]] = []
+    for session_id in stored:
+        try:
+            meta = await host.trace_store.catalog.read_meta(session_id)
+        except Exception:  # unreadable or gone: nothing of it runs
+            continue
+        origin = stored_origin(meta, session_id) or ()
+        if meta.get("background") is True and node_id in origin[:-1]:
+            below.append((len(origin), session_id))
+    return [(sid, functools.partial(_load, host, sid)) for _, sid in sorted(below)]
+
+
+async def _load(host: Host, session_id: str) -> bool:
+    await host.load_session(session_id)
+    return True
+
+
+async def _until_written(port: SessionPort) -> None:
+    """Return once ``port``'s task, interrupted, has stopped and its trace is durable (a
+    failure to write it is the store's to report: logged there, not raised here)."""
+    await port.wait_idle()
+    await port.sync_trace_quietly()
