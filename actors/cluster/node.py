@@ -98,8 +98,10 @@ from greenroom.actors.cluster.store import (
 )
 from greenroom.actors.cluster.traces import TraceRead, TraceStream, TraceWriter, largest_input
 from greenroom.actors.cluster.tree_link import ParentLink, reopen_if_closed
+from greenroom.actors.cluster.tree_reach import unowned_below
 from greenroom.actors.runtime.accounting import PrincipalBudget
 from greenroom.actors.runtime.admission import ProviderLimits
+from greenroom.actors.runtime.child_reports import ChildReports, StoredBelow
 from greenroom.actors.runtime.errors import ConfigurationError
 from greenroom.actors.runtime.host import Host, SessionObserver, take_up_loaded
 from greenroom.actors.runtime.llm_streamer import ModelProvider
@@ -267,8 +269,8 @@ class ClusterNode:
         self._entries.bind(host, self._directory)
         reopen = functools.partial(reopen_if_closed, self._directory, self._take_entry)
         link = ParentLink(self._requests, host, self._approve, timeout_s=ttl, reopen=reopen)
-        host.child_reports.link = link.send
-        host.child_reports.retry_s = ttl / 2
+        reach = (self._directory, self._owners, self.serves, self._load_over)
+        _link_tree(host.child_reports, link, ttl, functools.partial(unowned_below, *reach))
         host.hand_over = self.hand_over
         host.on_closed = self._on_closed
         async with trio.open_nursery() as nursery:
@@ -587,6 +589,18 @@ class ClusterNode:
                 await self._registry.withdraw(self.host_id)
         with contextlib.suppress(ClusterUnavailable):  # then they go with the TTL
             await self._keeper.release_all()
+
+
+def _link_tree(
+    reports: ChildReports, link: ParentLink, ttl_s: float, stored_below: StoredBelow
+) -> None:
+    """Link the host's trees to the cluster's (R-TREE-4): a taken-up child's answer goes
+    through ``link`` to a parent another host owns (offered again within half a TTL), and
+    a tree interrupt reaches the nodes of the tree that no host runs (``stored_below``,
+    :mod:`.tree_reach`)."""
+    reports.link = link.send
+    reports.retry_s = ttl_s / 2
+    reports.stored_below = stored_below
 
 
 def _take_up(

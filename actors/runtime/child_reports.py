@@ -145,7 +145,8 @@ class ChildReports:
         self._host = host
         self.stored_below: StoredBelow = functools.partial(_stored_here, host, open_tasks)
         """Where a tree interrupt finds the stored nodes it ends (:meth:`end_unreached`):
-        the host's stored sessions left with a task open."""
+        on one host, its stored sessions left with a task open; a cluster host sets the
+        cluster's (those no host runs)."""
         self._reaching: dict[str, list[_StoredEnd]] = {}
         """The stored ends under way of each node's tree interrupts (:meth:`reached`)."""
         self._cut: set[str] = set()
@@ -394,10 +395,9 @@ class ChildReports:
         (:attr:`stored_below`), whose trace leaves them running or waiting for people,
         background children of the tree (a foreground child's task went with its parent's
         call): each is loaded for it and ends a moment later (:meth:`reached` waits for
-        their ends to be durable). Not in a cluster, where another host may own them.
-        Each ends as a live child ends, ``cut``: its pending
-        requests are answered interrupted, nothing runs after, and its answer is for
-        nobody. True when one open here had work to interrupt."""
+        their ends to be durable). Each ends as a live child ends, ``cut``: its
+        pending requests are answered interrupted, nothing runs after, and its answer is
+        for nobody. True when one open here had work to interrupt."""
         reason = f"parent interrupted: {reason}"
         below = [p for p in self._open_ports() if node.id in p.origin_path[:-1]]
         hit = False
@@ -405,10 +405,9 @@ class ChildReports:
         for port in sorted(below, key=lambda p: len(p.origin_path)):
             if self._place_of(port) is None:
                 hit = self._end(port, reason) or hit
-        if self.link is None:
-            stored_end = _StoredEnd()
-            self._host.start_task(functools.partial(self._end_stored, node.id, reason, stored_end))
-            self._reaching.setdefault(node.id, []).append(stored_end)
+        stored_end = _StoredEnd()
+        self._host.start_task(functools.partial(self._end_stored, node.id, reason, stored_end))
+        self._reaching.setdefault(node.id, []).append(stored_end)
         return hit
 
     async def reached(self, node_id: str) -> bool:

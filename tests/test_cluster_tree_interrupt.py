@@ -1,0 +1,145 @@
+"""A tree interrupt in a cluster reaches the nodes of the tree that no host runs (R-TREE-2,
+R-TREE-4, R-ABORT-1, R-CLUSTER-2): in-process hosts on a real nats-server, as in
+:mod:`tests.test_cluster_tree_nodes` (whose cluster, waits and tree these tests share).
+
+* A background subagent whose host was lost, not taken over by any host, ends ``aborted``
+  in its own trace when its root's ``scope="tree"`` interrupt is made on another host: its
+  call in flight is neither checked nor run again, no model request is sent for it, and
+  its answer reaches nobody. The gateway's answer comes once JetStream holds those ends.
+  No host that takes the tree up later (after a loss of the interrupting host too) runs
+  it on.
+
+Takeovers are the test's (a lease TTL so long that no orphan scan runs by itself): by
+hand, or one look of a live host's orphan scan.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import trio
+from conftest import allow_all
+
+from greenroom.actors.providers.scripted import Reply
+from greenroom.protocols.context import ModelRequest
+from greenroom.protocols.outputs import TaskEnd, TaskStart, UserMsg
+from greenroom.protocols.tools import Tool, make_tool
+from tests.support.nats import (  # the fixture is used as nats_server
+    NatsProcess,
+    module_nats_server,  # noqa: F401
+)
+from tests.test_cluster_tree_nodes import (
+    FINISHED,
+    TOOLS,
+    Cluster,
+    _lose,
+    _until_the_payer_waits,
+    client,
+    in_cluster,
+)
+from tests.test_cluster_tree_takeover import _brain_holding, _scan_once
+
+
+class Watched:
+    """A ``hold`` tool and a model shared by every host: each ``hold`` call sets
+    ``started[key]`` and waits for ever; each check of a call in doubt is noted in
+    ``checked``; once ``lost`` is set, every model request is noted in ``asked``."""
+
+    def __init__(self, brain: Any) -> None:
+        self.started: defaultdict[str, trio.Event] = defaultdict(trio.Event)
+        self.checked: list[str] = []
+        self.asked: list[ModelRequest] = []
+        self.lost = False
+        self._brain = brain
+
+    def tool(self) -> Tool:
+        """The ``hold`` tool."""
+
+        async def hold(key: str) -> str:
+            """Hold until cancelled."""
+            self.started[key].set()
+            await trio.sleep_forever()
+            return "3"  # pragma: no cover
+
+        async def check(idempotency_key: str) -> str:
+            self.checked.append(idempotency_key)
+            return "lost with its host"
+
+        return make_tool(hold, parallel=True, check=check)
+
+    def brain(self, request: ModelRequest) -> Reply:
+        """The tree's model (:func:`~tests.test_cluster_tree_takeover._brain_holding`)."""
+        if self.lost:
+            self.asked.append(request)
+        reply: Reply = self._brain(request)
+        return reply
+
+
+def _ends(records: Any) -> list[str]:
+    return [r.status for r in records if isinstance(r, TaskEnd)]
+
+
+def _starts(records: Any) -> int:
+    return sum(isinstance(r, TaskStart) for r in records)
+
+
+def test_a_tree_interrupt_ends_the_subagents_no_host_runs_and_none_runs_them_later(
+    tmp_path: Path, nats_server: NatsProcess
+) -> None:
+    """R-TREE-2, R-TREE-4, R-ABORT-1, R-CLUSTER-2: a runs the tree (the root idle, the
+    payer's task answered and waiting for its background collector, whose ``hold`` call
+    runs) and is lost. b takes the root over, alone: the payer and the collector are in
+    JetStream, run by no host. The root's ``scope="tree"`` interrupt through b's gateway
+    answers ``interrupted`` once JetStream holds the payer's and the collector's ends,
+    ``aborted``: the collector's call is not checked, no model request is sent, the root
+    takes no report. Then b is lost too and c takes every orphan over: nothing of the
+    tree runs again. Before, the interrupt found nothing to end (``interrupted`` false),
+    their traces left their tasks open, and the next host to take them over ran them on."""
+    watched = Watched(_brain_holding(pays=0, collects=2))
+
+    async def body(cluster: Cluster) -> dict[str, Any]:
+        a, b, c = (cluster.members[h] for h in ("a", "b", "c"))
+        held = (watched.tool(), watched.started["collect-1"])
+        tree = await _until_the_payer_waits(a, tmp_path, held, watched.brain)
+        root, payer, collector = tree
+        await _lose(cluster, a, *tree)
+        watched.lost = True
+        assert await b.node._take_entry(root, await cluster.entry(root) or {})
+        b.gateway.grant("alice", root)
+        async with client(b, "alice") as alice:
+            answer = await alice.result("interrupt", {"session_id": root, "scope": "tree"})
+        found: dict[str, Any] = {"answer": answer}
+        records = {sid: (await cluster.traces.read(sid)).records for sid in tree}
+        found["ends"] = {sid: _ends(records[sid]) for sid in tree}
+        found["tree"] = tree
+        if found["ends"] != {root: ["completed"], payer: ["aborted"], collector: ["aborted"]}:
+            return found  # taken up, they would run on
+        await _lose(cluster, b, root)
+        found["taken"] = await _scan_once(c)
+        for session_id in found["taken"].get("c", []):
+            await c.host.get_session(session_id).wait_idle()
+        records = {sid: (await cluster.traces.read(sid)).records for sid in tree}
+        found["later_ends"] = {sid: _ends(records[sid]) for sid in tree}
+        found["starts"] = {sid: _starts(records[sid]) for sid in tree}
+        found["root_reports"] = [
+            r for r in records[root] if isinstance(r, UserMsg) and FINISHED in str(r.content)
+        ]
+        return found
+
+    tools = (*TOOLS, watched.tool())
+    hosts = ("a", "b", "c")
+    found = in_cluster(
+        nats_server, tmp_path, hosts, body, brain=watched.brain, tools=tools, approve=allow_all
+    )
+    root, payer, collector = found["tree"]
+    assert found["ends"] == {root: ["completed"], payer: ["aborted"], collector: ["aborted"]}
+    assert found["answer"] == {"interrupted": True}
+    assert found["later_ends"] == found["ends"]
+    assert found["starts"] == {root: 1, payer: 1, collector: 1}
+    assert root in found["taken"].get("c", [])
+    assert not watched.started["collect-2"].is_set()
+    assert watched.checked == []
+    assert watched.asked == []
+    assert found["root_reports"] == []
