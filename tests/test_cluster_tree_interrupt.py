@@ -8,6 +8,8 @@ R-TREE-4, R-ABORT-1, R-CLUSTER-2): in-process hosts on a real nats-server, as in
   its answer reaches nobody. The gateway's answer comes once JetStream holds those ends.
   No host that takes the tree up later (after a loss of the interrupting host too) runs
   it on.
+* So does one that waits for a person: its request is pending no more, and nothing is
+  paid.
 
 Takeovers are the test's (a lease TTL so long that no orphan scan runs by itself): by
 hand, or one look of a live host's orphan scan.
@@ -23,6 +25,7 @@ import trio
 from conftest import allow_all
 
 from greenroom.actors.providers.scripted import Reply
+from greenroom.actors.runtime.subagents import spawn_subagent
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.outputs import TaskEnd, TaskStart, UserMsg
 from greenroom.protocols.tools import Tool, make_tool
@@ -35,6 +38,7 @@ from tests.test_cluster_tree_nodes import (
     TOOLS,
     Cluster,
     _lose,
+    _until_the_payer_asks,
     _until_the_payer_waits,
     client,
     in_cluster,
@@ -143,3 +147,44 @@ def test_a_tree_interrupt_ends_the_subagents_no_host_runs_and_none_runs_them_lat
     assert watched.checked == []
     assert watched.asked == []
     assert found["root_reports"] == []
+
+
+def test_a_tree_interrupt_ends_a_subagent_no_host_runs_that_waits_for_a_person(
+    tmp_path: Path, nats_server: NatsProcess
+) -> None:
+    """R-TREE-2, R-TREE-4, R-HITL-1, R-CLUSTER-2: through a's gateway alice's root spawns
+    the payer in the background, whose ``pay`` waits for a person; a is lost. b takes the
+    root over, alone. The root's ``scope="tree"`` interrupt through b's gateway answers
+    ``interrupted`` once JetStream holds the payer's end, ``aborted``: its request is
+    listed no more, answering it is refused, nothing is paid. Before, the interrupt found
+    nothing to end and the payer stayed pending, for a person's answer to run its call."""
+    paid: list[int] = []
+
+    async def pay(amount: int) -> str:
+        """Pay an amount."""
+        paid.append(amount)
+        return f"paid {amount}"
+
+    async def body(cluster: Cluster) -> dict[str, Any]:
+        a, b = cluster.members["a"], cluster.members["b"]
+        async with client(a, "alice") as alice:
+            root, asked, _ = await _until_the_payer_asks(alice)
+        payer = asked["session_id"]
+        await _lose(cluster, a, root, payer)
+        assert await b.node._take_entry(root, await cluster.entry(root) or {})
+        found: dict[str, Any] = {}
+        async with client(b, "alice") as alice:
+            found["answer"] = await alice.result("interrupt", {"session_id": root, "scope": "tree"})
+            found["ends"] = _ends((await cluster.traces.read(payer)).records)
+            found["listed"] = await alice.result("approvals.list", {"session_id": root})
+            decision = {"session_id": payer, "call_id": asked["call_id"], "decision": "allow"}
+            found["refused"] = await alice.error("approve", decision)
+        return found
+
+    tools = (make_tool(pay, parallel=False), spawn_subagent)
+    found = in_cluster(nats_server, tmp_path, ("a", "b"), body, tools=tools)
+    assert found["ends"] == ["aborted"]
+    assert found["answer"] == {"interrupted": True}
+    assert found["listed"] == {"approvals": []}
+    assert found["refused"]["code"] == 409, found["refused"]
+    assert paid == []
