@@ -11,8 +11,9 @@ task up: loaded, it is ended at once, ``aborted`` in its own trace, and its call
 end interrupted, none checked, run again or put to a person. Its trace then holds its end,
 so no host that takes it up later (after a loss of this host too) runs it on.
 
-A node that another host claims between the read and the claim (its orphan scan) is not
-reached: that host takes it up.
+Not reached: a node that another host claims between the read and the claim (its orphan
+scan takes it up); any while this host drains, as it takes nothing over (R-DRAIN-2); one
+past the :data:`~.listing.MAX_DIRECTORY_ENTRIES` entries the pass reads.
 """
 
 from __future__ import annotations
