@@ -525,7 +525,10 @@ METHODS: dict[str, Method] = {
                       "children included; `node`: the node and its foreground children"),
             ),
             result="`{interrupted}`",
-            doc="Interrupt the running task or compaction.",
+            doc=(
+                "Interrupt the running task or compaction; with `tree`, answered once the "
+                "stored nodes it ends have their ends written."
+            ),
         ),
         Method(
             name="compact",
