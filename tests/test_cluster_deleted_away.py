@@ -3,7 +3,9 @@
 on a real nats-server. Host a runs the session and stops (cleanly, or dies: its leases
 left to expire), b takes it over and deletes it; a, started again on its data dir, lists
 none of it, holds no copy of it, and a client's call on it finds no session. A session
-the cluster never knew, or whose trace JetStream still holds, is kept.
+the cluster never knew, or whose trace JetStream still holds, is kept. A running host
+whose connection to NATS was down while another deleted such a session deletes its copy
+once the connection is back.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ import trio
 import trio.testing
 
 from greenroom.actors.cluster import deleted_copies
-from greenroom.actors.cluster.connection import Connection
+from greenroom.actors.cluster.connection import Connection, connect
 from greenroom.actors.cluster.errors import ClusterUnavailable
 from greenroom.actors.cluster.node import ClusterNode
 from greenroom.actors.cluster.registry import SessionDirectory
+from greenroom.actors.cluster.traces import TraceStream
 from greenroom.actors.providers.scripted import ScriptedProvider
 from greenroom.actors.runtime.host import Host
 from greenroom.protocols import jsonrpc
+from tests.support.cut_proxy import CutProxy
 from tests.support.nats import (  # the fixture is used as nats_server
     NatsProcess,
     module_nats_server,  # noqa: F401
@@ -168,3 +172,72 @@ async def test_the_start_pass_over_the_data_dir_is_bounded(
         assert took == 5.0 and len(reads) == deleted_copies.READS_AT_ONCE
     else:
         assert took == deleted_copies.PASS_BOUND_S and len(reads) < 5000
+
+
+RECONNECTED_S = 15.0
+"""nats-py tries again every second once its connection is lost: a copy still here this
+long after the connection could be made again was never going to be deleted."""
+
+
+def test_a_deletion_made_while_the_connection_was_down_is_acted_on_once_it_is_back(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A running host's connection to NATS (through a proxy the test cuts) is down while
+    another host deletes a session the host holds a copy of: the delete marker reaches
+    no subscription of the host. Once the connection is back, the host deletes its copy,
+    and keeps a session it runs. Before, the copy stayed until the host's next start
+    (R-CLUSTER-1, R-SEC-9)."""
+    deleted = trio.Event()
+    delete_copy = deleted_copies.delete_copy
+
+    async def noted(host: Host, session_id: str, why: str) -> None:
+        await delete_copy(host, session_id, why)
+        deleted.set()
+
+    monkeypatch.setattr(deleted_copies, "delete_copy", noted)
+
+    async def body(conn: Connection) -> dict[str, Any]:
+        (tmp_path / "ws").mkdir()
+        directory = await SessionDirectory.open(conn)
+        found: dict[str, Any] = {}
+        async with trio.open_nursery() as nursery:
+            proxy = await nursery.start(CutProxy(nats_server.port).serve)
+            watched = await connect(conn.bridge, proxy.url, name="a", names=conn.names)
+            try:
+                async with Host.open(tmp_path / "a") as host, trio.open_nursery() as watching:
+                    copy, served = [
+                        await host.create_session(
+                            provider=ScriptedProvider([]), workspace_dir=tmp_path / "ws"
+                        )
+                        for _ in range(2)
+                    ]
+                    await host.close_session(copy.id)
+                    for session in (copy, served):
+                        await directory.put(session.id, {"host": "b"})  # b took it over
+                    traces = await TraceStream.open(watched)
+                    watch = deleted_copies.watch_deleted_copies
+                    await watching.start(watch, watched, traces, host, {served.id}.__contains__)
+                    reconnections = watched.reconnections
+                    await proxy.cut()
+                    for session in (copy, served):
+                        await directory.delete(session.id)  # b deleted it: no trace was replicated
+                    found["kept_meanwhile"] = await host.trace_store.catalog.exists(copy.id)
+                    proxy.mend()
+                    with trio.fail_after(RECONNECTED_S):
+                        await deleted.wait()
+                    found["reconnected"] = watched.reconnections > reconnections
+                    found["stored"] = {
+                        s.session_id for s in await host.trace_store.catalog.list_sessions()
+                    }
+                    found["copy"], found["served"] = copy.id, served.id
+                    watching.cancel_scope.cancel()
+            finally:
+                with trio.CancelScope(shield=True):
+                    await watched.aclose()
+                nursery.cancel_scope.cancel()
+        return found
+
+    found = run_connected(nats_server.url, body, timeout_s=BOUND_S)
+    assert found["kept_meanwhile"] and found["reconnected"], found
+    # The one it runs (here: says it runs) is its own to delete, not the cluster's.
+    assert found["stored"] == {found["served"]}, found

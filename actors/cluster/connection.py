@@ -181,6 +181,11 @@ class Connection:
     lingering: _LingeringDrains = attrs.field(factory=lambda: _LingeringDrains())
     """The drains cut short that go on in the background: stopped when the client loses
     its connection (:func:`connect` hands it the client's ``disconnected_cb``)."""
+    reconnects: _Reconnects = attrs.field(
+        default=attrs.Factory(lambda self: _Reconnects(self.bridge), takes_self=True)
+    )
+    """How many times the client connected again after a loss (:func:`connect` hands it
+    the client's ``reconnected_cb``)."""
 
     async def call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await ``coro`` (built from :attr:`client` or :attr:`js`) on the asyncio side.
@@ -230,6 +235,18 @@ class Connection:
     def connected(self) -> bool:
         """Whether the client is connected now (not reconnecting, not closed)."""
         return bool(self.client.is_connected)
+
+    @property
+    def reconnections(self) -> int:
+        """How many times the client has connected again since :func:`connect`."""
+        return self.reconnects.count
+
+    async def reconnected(self, after: int) -> None:
+        """Return once the client has connected again more than ``after`` times
+        (:attr:`reconnections`). By then its subscriptions are made again and confirmed by
+        the server: a message published from then on reaches them."""
+        while self.reconnects.count <= after:
+            await self.reconnects.next().wait()
 
     async def settled(self) -> None:
         """Return once no drain cut short goes on in the background (each has ended: done,
@@ -357,6 +374,7 @@ async def connect(
 
     inboxes: set[Inbox[Any]] = set()
     lingering = _LingeringDrains()
+    reconnects = _Reconnects(bridge)
 
     async def closed() -> None:
         for inbox in list(inboxes):
@@ -375,6 +393,7 @@ async def connect(
             error_cb=_ignore_error,
             closed_cb=closed,
             disconnected_cb=lingering.disconnected,
+            reconnected_cb=reconnects.reconnected,
         )
         return client
 
@@ -399,6 +418,7 @@ async def connect(
         names=names or ClusterNames(),
         inboxes=inboxes,
         lingering=lingering,
+        reconnects=reconnects,
     )
 
 
@@ -467,6 +487,30 @@ class _LingeringDrains:
         """Return once every drain held now has ended."""
         for behind in list(self.drains.values()):
             await behind.wait()
+
+
+class _Reconnects:
+    """How many times the client has connected again after losing its connection, and
+    the event the trio side waits on for the next time."""
+
+    def __init__(self, bridge: Bridge) -> None:
+        self.count = 0
+        self._bridge = bridge
+        self._next: trio.Event | None = None
+
+    async def reconnected(self) -> None:
+        """The client is connected again (its ``reconnected_cb``, on the asyncio side, once
+        its subscriptions are made again and the server has answered a round trip)."""
+        self.count += 1
+        waiting, self._next = self._next, None
+        if waiting is not None:
+            self._bridge.wake(waiting)
+
+    def next(self) -> trio.Event:
+        """The event set at the next reconnection (trio side)."""
+        if self._next is None:
+            self._next = trio.Event()
+        return self._next
 
 
 async def _ignore_error(exc: Exception) -> None:

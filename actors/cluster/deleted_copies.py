@@ -20,19 +20,22 @@ whose trace JetStream no longer holds. Kept:
 * a session whose entry was removed while its trace is still in JetStream (a purge that
   failed): it is not deleted on a guess.
 
-Cost: once, when the host starts, one read of the session bucket per session of its data
-dir (and one of the trace stream per removed one), :data:`READS_AT_ONCE` at a time; none
-per request. Bounded: the pass stops at the first read NATS does not answer, and after
-:data:`PASS_BOUND_S` in all, keeping what it did not look at (the log says how many), so
-a slow NATS or a large data dir never holds the host's start for long.
+Cost: once when the host starts (and again each time its connection to NATS is back: below),
+one read of the session bucket per session of its data dir (and one of the trace stream per
+removed one), :data:`READS_AT_ONCE` at a time; none per request. Bounded: the pass stops at
+the first read NATS does not answer, and after :data:`PASS_BOUND_S` in all, keeping what it
+did not look at (the log says how many), so a slow NATS or a large data dir never holds the
+host's start for long.
 
 A running host deletes those copies as the cluster deletes the sessions
 (:func:`watch_deleted_copies`): it hears every delete marker written to the
 session bucket, and deletes its copy of a session it does not run once JetStream holds no
 trace of it (the deleting host removes the entry first, then purges the trace: the copy
 waits up to :data:`PURGE_WAITS_S` for that). A marker written while this host's
-connection to NATS was down is not heard: that copy waits for the next start, and its
-gateway's ``session.list`` leaves it out meanwhile (:mod:`.listing`).
+connection to NATS was down is not heard: each time the connection is back, the start's
+pass runs again (over the sessions the host does not run), once the client has
+subscribed again, so no marker falls between the two. Until then its gateway's
+``session.list`` leaves the copy out (:mod:`.listing`).
 """
 
 from __future__ import annotations
@@ -70,16 +73,22 @@ PASS_BOUND_S = 10.0
 on a healthy NATS); the copies not looked at stay until a later start."""
 
 
-async def drop_deleted_copies(conn: Connection, traces: TraceStream, host: Host) -> None:
+async def drop_deleted_copies(
+    conn: Connection,
+    traces: TraceStream,
+    host: Host,
+    serves: Callable[[str], bool] = lambda session_id: False,
+) -> None:
     """Delete the copies ``host``'s data dir holds of sessions the cluster deleted while it
-    was away (the module docstring). One the cluster cannot be asked about is kept and the
-    log says so."""
+    was away (the module docstring), but for those it runs (``serves``: none at a start).
+    One the cluster cannot be asked about is kept and the log says so."""
     try:
         directory = await open_bucket(conn, conn.names.sessions, ttl_s=None)
     except ClusterUnavailable as exc:
         _log(f"cannot tell which sessions were deleted elsewhere ({exc}); copies of them may stay")
         return
-    stored = await host.trace_store.catalog.list_sessions()
+    listed = await host.trace_store.catalog.list_sessions()
+    stored = [session.session_id for session in listed if not serves(session.session_id)]
     deleted: list[str] = []
     looked: set[str] = set()
     limiter = trio.CapacityLimiter(READS_AT_ONCE)
@@ -99,15 +108,16 @@ async def drop_deleted_copies(conn: Connection, traces: TraceStream, host: Host)
 
     with trio.move_on_after(PASS_BOUND_S):
         async with trio.open_nursery() as nursery:
-            for session in stored:
-                nursery.start_soon(check, session.session_id, nursery)
+            for session_id in stored:
+                nursery.start_soon(check, session_id, nursery)
     if (left := len(stored) - len(looked)) > 0:
         _log(
             f"did not tell whether {left} session(s) of this data dir were deleted elsewhere "
-            f"({why}); kept until a later start"
+            f"({why}); kept until a later pass"
         )
     for session_id in deleted:
-        await delete_copy(host, session_id, "deleted in the cluster while this host was away")
+        if not serves(session_id):  # opened here meanwhile: its deletion is this host's
+            await delete_copy(host, session_id, "deleted in the cluster while this host was away")
 
 
 PURGE_WAITS_S = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
@@ -129,16 +139,19 @@ async def watch_deleted_copies(
     it was away (:func:`drop_deleted_copies`, before it is ready), then each one another
     host deletes, until cancelled (``serves``: the sessions this host runs, whose deletion
     is its own). The bucket's writes are heard from before the start's pass, so none
-    falls between the two. NATS failing ends the hearing, with a line in the log (the
-    next start's pass does its work)."""
+    falls between the two; after each reconnection the pass runs again, for the writes
+    made while the connection was down. NATS failing ends the hearing, with a line in the
+    log (the next start's pass does its work)."""
     prefix = f"$KV.{conn.names.sessions}."
     looking: set[str] = set()
     started = False
     try:
         async with conn.subscription(f"{prefix}>") as writes, trio.open_nursery() as nursery:
+            reconnections = conn.reconnections
             await drop_deleted_copies(conn, traces, host)
             task_status.started()
             started = True
+            nursery.start_soon(_drop_after_reconnects, conn, traces, host, serves, reconnections)
             async for message in writes:
                 session_id = message.subject.removeprefix(prefix)
                 if not (removed_entry(message.headers) and _cluster_id(session_id)):
@@ -156,6 +169,28 @@ async def watch_deleted_copies(
         if not started:
             await drop_deleted_copies(conn, traces, host)
             task_status.started()
+
+
+async def _drop_after_reconnects(
+    conn: Connection,
+    traces: TraceStream,
+    host: Host,
+    serves: Callable[[str], bool],
+    reconnections: int,
+) -> None:
+    """After each reconnection of ``conn`` past the ``reconnections`` it had made, the
+    start's pass again (:func:`drop_deleted_copies`, but for the sessions this host runs):
+    a delete marker written while the connection was down was not heard. The client has
+    subscribed again first, so a marker written during the pass is heard."""
+    while True:
+        await conn.reconnected(after=reconnections)
+        reconnections = conn.reconnections
+        try:
+            await drop_deleted_copies(conn, traces, host, serves)
+        except Exception as exc:
+            # A task of the node's nursery: whatever a pass meets (the disk, the host
+            # closing, a session busy again), the host and its hearing of deletions go on.
+            _log(f"cannot delete the copies of sessions deleted elsewhere ({exc!r}); they stay")
 
 
 async def _drop_once_purged(
