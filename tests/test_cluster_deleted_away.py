@@ -108,7 +108,8 @@ def test_a_session_the_cluster_never_knew_or_still_traces_is_kept(
     """What a starting host keeps of its data dir: a session the cluster never knew (made
     on this data dir outside the cluster here; as one whose adoption failed before its
     entry was written), and one whose entry is gone while its trace is still in JetStream
-    (a purge that failed). Neither is deleted on a guess (R-CLUSTER-1, R-SEC-9)."""
+    (a purge that failed). Neither is deleted on a guess (R-CLUSTER-1, R-SEC-9); the
+    second, deleted in the cluster, is not listed as the host's by ``Host.list_sessions``."""
 
     async def body(conn: Connection) -> dict[str, Any]:
         url = nats_server.url
@@ -123,11 +124,15 @@ def test_a_session_the_cluster_never_knew_or_still_traces_is_kept(
                 await client.result("run", {"session_id": traced, "input": "hello"})
         await (await SessionDirectory.open(conn)).delete(traced)
         async with _member(conn, url, tmp_path, "a", request_timeout_s=ANSWERED_S) as a:
-            stored = {s.session_id for s in await a.host.list_sessions()}
-        return {"unknown": unknown.id, "traced": traced, "stored": stored}
+            catalog = a.host.trace_store.catalog
+            stored = {s.session_id for s in await catalog.list_sessions()}
+            listed = {s.session_id for s in await a.host.list_sessions()}
+        return {"unknown": unknown.id, "traced": traced, "stored": stored, "listed": listed}
 
     found = run_connected(nats_server.url, body, timeout_s=BOUND_S)
     assert {found["unknown"], found["traced"]} <= found["stored"], found
+    # The one the cluster deleted is kept in the data dir, not listed as the host's own.
+    assert found["unknown"] in found["listed"] and found["traced"] not in found["listed"], found
 
 
 def _data_dir_of(count: int) -> Any:

@@ -3,12 +3,13 @@ view (R-CLUSTER-1, R-CLUSTER-2, R-SEC-9): two in-process cluster hosts, each wit
 gateway, on a real nats-server.
 
 * a runs a session and closes it; a client's run through b opens it on b, and b deletes
-  it, a running all along. a's ``session.list`` leaves it out at once, and a deletes its
-  copy: ``Host.list_sessions`` and a's data dir hold none of it. Before, a listed its copy
-  until it restarted.
+  it, a running all along. a's ``session.list`` and ``Host.list_sessions`` leave it out at
+  once, and a deletes its copy: a's data dir holds none of it. Before, a listed its copy
+  until it restarted, and ``Host.list_sessions`` until the copy was deleted.
 * a runs a session and stops; b takes it over and runs it further. a, started again on
   its data dir, lists it once, as b's (``host``), from the directory, not from its own
-  stale copy. Before, a listed its copy as its own.
+  stale copy, and its ``Host.list_sessions`` leaves it out (b's, not a's). Before, a
+  listed its copy as its own.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from greenroom.actors.cluster import deleted_copies, listing
 from greenroom.actors.cluster.connection import Connection
+from greenroom.actors.cluster.errors import ClusterUnavailable
 from greenroom.actors.cluster.registry import SessionDirectory
 from greenroom.actors.runtime.host import Host
 from tests.support.nats import (  # the fixture is used as nats_server
@@ -102,6 +105,8 @@ def test_a_session_deleted_on_another_host_leaves_the_running_host_that_held_a_c
             with trio.fail_after(2 * LEASE_TTL_S):
                 await held.asked.wait()  # a heard of it: the entry is gone
             found["listed_meanwhile"] = await _listed_by(a)
+            found["host_listed_meanwhile"] = [s.session_id for s in await a.host.list_sessions()]
+            found["stored_meanwhile"] = await a.host.trace_store.catalog.exists(sid)
             held.go.set()
             with trio.fail_after(2 * LEASE_TTL_S):
                 await held.done.wait()
@@ -115,6 +120,8 @@ def test_a_session_deleted_on_another_host_leaves_the_running_host_that_held_a_c
     sid = found["sid"]
     assert found["listed_before"] == {sid: "b"}, found
     assert found["listed_meanwhile"] == {} and found["listed_after"] == {}, found
+    # Its copy is still in a's data dir, not a's session: the cluster deleted it.
+    assert found["stored_meanwhile"] and found["host_listed_meanwhile"] == [], found
     assert sid not in found["stored_on_a"] and not found["dir_on_a"], found
     assert found["entry"] is None, found
 
@@ -135,7 +142,8 @@ def test_a_restarted_host_lists_a_session_taken_over_from_it_as_the_cluster_has_
             async with _client(b) as client:
                 await client.result("run", {"session_id": sid, "input": "again"})
             async with _member(conn, url, tmp_path, "a", request_timeout_s=ANSWERED_S) as a:
-                found["copy_on_a"] = sid in {s.session_id for s in await a.host.list_sessions()}
+                found["copy_on_a"] = await a.host.trace_store.catalog.exists(sid)
+                found["host_lists"] = [s.session_id for s in await a.host.list_sessions()]
                 async with _client(a) as client:
                     found["via_a"] = (await client.result("session.list"))["sessions"]
                 async with _client(b) as client:
@@ -145,6 +153,7 @@ def test_a_restarted_host_lists_a_session_taken_over_from_it_as_the_cluster_has_
     found = run_connected(nats_server.url, body, timeout_s=BOUND_S)
     sid = found["sid"]
     assert found["copy_on_a"], found  # the copy is kept: the session lives on
+    assert found["host_lists"] == [], found  # on b: not a's session
     via_a = [s for s in found["via_a"] if s["session_id"] == sid]
     assert len(via_a) == 1 and via_a[0].get("host") == "b", found
     from_b = next(s for s in found["via_b"] if s["session_id"] == sid)
@@ -193,3 +202,25 @@ async def test_a_deletion_that_meets_the_unexpected_leaves_the_host_hearing_the_
         _Traces(), _Host(), "s1", lambda session_id: False, looking  # type: ignore[arg-type]
     )
     assert looking == set()
+
+
+@pytest.mark.parametrize("directory", ["unreachable", "too slow"])
+async def test_a_cluster_host_that_cannot_read_the_directory_lists_its_data_dir_as_it_is(
+    directory: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    """``Host.list_sessions`` of a cluster host whose directory cannot be read (NATS down,
+    or no answer within the bound) lists every copy, as ``session.list`` then lists the
+    data dir: none is left out on a guess, and the call never hangs nor raises."""
+
+    class _Directory:
+        async def entries(self, *, limit: int) -> Any:
+            if directory == "unreachable":
+                raise ClusterUnavailable("NATS is unavailable: no servers")
+            await trio.sleep_forever()
+
+    passes = listing.DirectoryPasses(_Directory())  # type: ignore[arg-type]
+    stale = await listing.stale_copies(
+        passes, frozenset({"s1"}), bound_s=LEASE_TTL_S, host_id="a", serves=lambda sid: False
+    )
+    assert stale == frozenset()
+    assert trio.current_time() <= LEASE_TTL_S

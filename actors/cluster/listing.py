@@ -14,7 +14,9 @@ The data dir's copy of a session this host does not run is not the cluster's tru
 the directory says otherwise (:func:`superseded`): a session another host took over (its
 entry names that host) is listed from its entry, as any session of another host; one the
 cluster deleted (its entry removed: the pass reads the delete marker the bucket keeps) is
-not listed at all, while the copy waits to be removed (:mod:`.deleted_copies`).
+not listed at all, while the copy waits to be removed (:mod:`.deleted_copies`). So too
+``Host.list_sessions`` of a cluster host (:func:`stale_copies`): it lists the host's own
+sessions, not such a copy.
 
 Bounded: the pass reads at most :data:`MAX_DIRECTORY_ENTRIES` entries within ``bound_s``,
 and one pass answers a gateway's calls for :data:`PASS_REUSE_S` (:class:`DirectoryPasses`);
@@ -40,6 +42,7 @@ __all__ = [
     "DirectoryPasses",
     "listed_from_entry",
     "sessions_elsewhere",
+    "stale_copies",
     "superseded",
     "visible",
 ]
@@ -129,6 +132,26 @@ async def sessions_elsewhere(
         "were read; sessions written to it later are not listed"
     )
     return found, stale, partial
+
+
+async def stale_copies(
+    passes: DirectoryPasses,
+    listed: frozenset[str],
+    *,
+    bound_s: float,
+    host_id: str,
+    serves: Callable[[str], bool],
+) -> frozenset[str]:
+    """The sessions of ``listed`` (held in host ``host_id``'s data dir) whose copy there
+    the cluster supersedes (:func:`superseded`; ``serves``: the sessions the host runs),
+    for ``Host.list_sessions``; none when the directory cannot be read within
+    ``bound_s``: then the data dir's listing stands, as in ``session.list``."""
+    try:
+        with trio.fail_after(bound_s):
+            read = await passes.read()
+    except (ClusterUnavailable, trio.TooSlowError):
+        return frozenset()
+    return superseded(listed, read, host_id, serves)
 
 
 def superseded(

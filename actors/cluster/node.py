@@ -84,6 +84,7 @@ from greenroom.actors.cluster.handover import HandedSince, gather_tree, hand_ove
 from greenroom.actors.cluster.in_flight import CallsInFlight
 from greenroom.actors.cluster.lanes import SessionLanes
 from greenroom.actors.cluster.limits import ClusterLimits
+from greenroom.actors.cluster.listing import DirectoryPasses, stale_copies
 from greenroom.actors.cluster.orphans import OrphanFinder
 from greenroom.actors.cluster.ownership import OwnershipKeeper, SessionOwners
 from greenroom.actors.cluster.placements import PlacementRecords, withdrawn
@@ -833,7 +834,8 @@ async def open_cluster_host(
     host's ``Host.open(limits=…)``) and the limits learned from 429s hold for every host of
     the cluster together, per endpoint and credential, and ``principal_budget`` over every
     host's spending (:mod:`.limits`; give every host the same). ``on_limits`` is called
-    with them before the host opens."""
+    with them before the host opens. Its ``list_sessions`` lists its own sessions, not a
+    copy of one another host runs now or the cluster deleted (:func:`.listing.stale_copies`)."""
     names = ClusterNames(prefix=config.prefix)
     conn = await connect(bridge, config.url, name=f"greenroom-{config.host_id}", names=names)
     try:
@@ -873,6 +875,14 @@ async def open_cluster_host(
                 trio.open_nursery() as nursery,
             ):
                 await nursery.start(node.run, host, streams)
+                passes = DirectoryPasses(await SessionDirectory.open(conn))
+                host.stale_copies = functools.partial(
+                    stale_copies,
+                    passes,
+                    bound_s=config.lease_ttl_s,
+                    host_id=config.host_id,
+                    serves=node.serves,
+                )
                 try:
                     yield host
                 finally:

@@ -140,6 +140,11 @@ SessionCloser = Callable[[str], None]
 deleted: closed (``close_session``) or a finished subagent forgotten. Must not block or
 raise."""
 
+StaleCopies = Callable[[frozenset[str]], Awaitable[frozenset[str]]]
+"""Given the ids of the sessions a host's data dir holds, those whose copy there is not the
+host's own session: another host of its cluster runs it now, or the cluster deleted it.
+Must not raise (a cluster it cannot ask: none)."""
+
 
 class Host:
     """The root actor. Open it with ``async with Host.open(data_dir=…) as host``."""
@@ -178,6 +183,8 @@ class Host:
         """Where :meth:`drain` hands held sessions (a cluster host's: R-DRAIN-2)."""
         self.on_closed: SessionCloser | None = None
         """Told of each session closed here with no task open (a cluster's node)."""
+        self.stale_copies: StaleCopies | None = None
+        """What :meth:`list_sessions` leaves out (a cluster host's: :data:`StaleCopies`)."""
         self._people = People(self._ports.get)
 
     @classmethod
@@ -377,8 +384,9 @@ class Host:
         return await self._children.sessions(session_id)
 
     async def list_sessions(self) -> list[SessionInfo]:
-        """Every readable session stored in the data dir, newest first."""
-        return list((await self.scan_sessions()).sessions)
+        """Every readable session stored in the data dir, newest first; on a cluster host, but
+        for the copies of sessions another host runs now or the cluster deleted."""
+        return await _own_sessions((await self.scan_sessions()).sessions, self.stale_copies)
 
     async def scan_sessions(self) -> SessionScan:
         """Every session of the store's catalog: the readable ones newest first, and each
@@ -465,10 +473,9 @@ class Host:
             raise SessionNotFound(f"session {session_id!r} is not open in this host")
         return port
 
-    async def create_child(
-        self, parent: SessionPort, *, settings: SessionSettings, tools: Iterable[Tool],
-        name: str | None = None, background: bool = False,
-    ) -> SessionPort:
+    async def create_child(self, parent: SessionPort, *, settings: SessionSettings,
+                           tools: Iterable[Tool], name: str | None = None,
+                           background: bool = False) -> SessionPort:
         """Create a subagent's session ``name`` under ``parent`` (R-HOST-4, R-TREE-1): the
         parent's provider and workspace, ``settings`` and ``tools``; ``background`` is
         recorded in its ``session.json`` (R-TREE-2)."""
@@ -493,10 +500,8 @@ class Host:
         child.closed = True
         child.end_watches()
 
-    def start_work(
-        self, port: SessionPort, task: TaskInput | None,
-        output: trio.MemorySendChannel[list[Output]],
-    ) -> None:
+    def start_work(self, port: SessionPort, task: TaskInput | None,
+                   output: trio.MemorySendChannel[list[Output]]) -> None:
         """Start ``port``'s work in the host's nursery (R-TREE-2; see HostServices)."""
         start(port, task, output)
 
@@ -744,6 +749,17 @@ def stored_root(meta: Mapping[str, Any], session_id: str) -> str:
         return root_id
     parent_id = meta.get("parent_id")
     return parent_id if isinstance(parent_id, str) else session_id
+
+
+async def _own_sessions(
+    listed: Iterable[SessionInfo], stale_copies: StaleCopies | None
+) -> list[SessionInfo]:
+    """The sessions of ``listed`` that are the host's own (see :data:`StaleCopies`)."""
+    infos = list(listed)
+    if stale_copies is None:
+        return infos
+    stale = await stale_copies(frozenset(info.session_id for info in infos))
+    return [info for info in infos if info.session_id not in stale]
 
 
 def _session_scan(stored: list[StoredSession]) -> SessionScan:
