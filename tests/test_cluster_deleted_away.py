@@ -246,3 +246,37 @@ def test_a_deletion_made_while_the_connection_was_down_is_acted_on_once_it_is_ba
     assert found["kept_meanwhile"] and found["reconnected"], found
     # The one it runs (here: says it runs) is its own to delete, not the cluster's.
     assert found["stored"] == {found["served"]}, found
+
+
+CLOSED_S = 5.0
+"""A connection's close is bounded at 2 s: more on a busy machine."""
+
+
+def test_the_watcher_ends_when_its_connection_is_closed(
+    tmp_path: Path, nats_server: NatsProcess
+) -> None:
+    """The watcher's hearing ends when its connection is closed for good (the host's
+    shutdown), as it did before it waited for reconnections too: it does not wait for a
+    reconnection that cannot come (R-CLUSTER-1)."""
+
+    async def body(conn: Connection) -> bool:
+        watched = await connect(conn.bridge, nats_server.url, name="a", names=conn.names)
+        ended = trio.Event()
+        async with Host.open(tmp_path / "a") as host, trio.open_nursery() as nursery:
+            traces = await TraceStream.open(watched)
+
+            async def watch(task_status: trio.TaskStatus[None]) -> None:
+                serves = lambda sid: False  # noqa: E731
+                await deleted_copies.watch_deleted_copies(
+                    watched, traces, host, serves, task_status=task_status
+                )
+                ended.set()
+
+            await nursery.start(watch)
+            await watched.aclose()
+            with trio.move_on_after(CLOSED_S):
+                await ended.wait()
+            nursery.cancel_scope.cancel()
+        return ended.is_set()
+
+    assert run_connected(nats_server.url, body, timeout_s=BOUND_S)

@@ -151,7 +151,9 @@ async def watch_deleted_copies(
             await drop_deleted_copies(conn, traces, host)
             task_status.started()
             started = True
-            nursery.start_soon(_drop_after_reconnects, conn, traces, host, serves, reconnections)
+            passes = trio.CancelScope()
+            again = (conn, traces, host, serves, reconnections, passes)
+            nursery.start_soon(_drop_after_reconnects, *again)
             async for message in writes:
                 session_id = message.subject.removeprefix(prefix)
                 if not (removed_entry(message.headers) and _cluster_id(session_id)):
@@ -164,6 +166,7 @@ async def watch_deleted_copies(
                     continue
                 looking.add(session_id)
                 nursery.start_soon(_drop_once_purged, traces, host, session_id, serves, looking)
+            passes.cancel()  # the connection is closed for good: it never comes back
     except ClusterError as exc:
         _log(f"cannot hear of sessions deleted by other hosts ({exc}); copies may stay")
         if not started:
@@ -177,20 +180,23 @@ async def _drop_after_reconnects(
     host: Host,
     serves: Callable[[str], bool],
     reconnections: int,
+    scope: trio.CancelScope,
 ) -> None:
     """After each reconnection of ``conn`` past the ``reconnections`` it had made, the
     start's pass again (:func:`drop_deleted_copies`, but for the sessions this host runs):
     a delete marker written while the connection was down was not heard. The client has
-    subscribed again first, so a marker written during the pass is heard."""
-    while True:
-        await conn.reconnected(after=reconnections)
-        reconnections = conn.reconnections
-        try:
-            await drop_deleted_copies(conn, traces, host, serves)
-        except Exception as exc:
-            # A task of the node's nursery: whatever a pass meets (the disk, the host
-            # closing, a session busy again), the host and its hearing of deletions go on.
-            _log(f"cannot delete the copies of sessions deleted elsewhere ({exc!r}); they stay")
+    subscribed again first, so a marker written during the pass is heard. Until
+    ``scope`` is cancelled."""
+    with scope:
+        while True:
+            await conn.reconnected(after=reconnections)
+            reconnections = conn.reconnections
+            try:
+                await drop_deleted_copies(conn, traces, host, serves)
+            except Exception as exc:
+                # A task of the node's nursery: whatever a pass meets (the disk, the host
+                # closing, a session busy again), the host and its hearing go on.
+                _log(f"cannot delete the copies of sessions deleted elsewhere ({exc!r}); kept")
 
 
 async def _drop_once_purged(
