@@ -35,7 +35,7 @@ waits up to :data:`PURGE_WAITS_S` for that). A marker written while this host's
 connection to NATS was down is not heard: each time the connection is back, the start's
 pass runs again (over the sessions the host does not run), once the client has
 subscribed again, so no marker falls between the two. Until then its gateway's
-``session.list`` leaves the copy out (:mod:`.listing`).
+``session.list`` and its ``Host.list_sessions`` leave the copy out (:mod:`.listing`).
 """
 
 from __future__ import annotations
