@@ -180,6 +180,33 @@ async def test_ag_ui_client_drives_a_run_with_a_tool_call_an_interrupt_and_a_res
                 assert [s["session_id"] for s in listed] == ["thread-1"]
 
 
+async def test_a_resume_answering_one_interrupt_twice_is_refused_and_decides_nothing(
+    tmp_path: Path, lookup: Lookup
+) -> None:
+    """A deny then an allow for the same interrupt: refused whole, before either is given,
+    so the front end's 400 is true (the call still waits) rather than a 409 after a deny
+    it was never told of."""
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, lookup_script, tools=[lookup.tool], ag_ui=True) as server:
+            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+            first = await posted(url, run_input("thread-1", "run-1", "go"))
+            (interrupt,) = first.events[-1][1]["outcome"]["interrupts"]
+            assert interrupt["id"] == "c1"
+            twice = [
+                {"interruptId": "c1", "status": "resolved", "payload": {"decision": decision}}
+                for decision in ("deny", "allow")
+            ]
+            refused = await posted(url, run_input("thread-1", "run-2", resume=twice))
+            assert refused.status == 400
+            assert refused.body["error"]["message"] == "$.resume: interrupt 'c1' answered twice"
+            async with connect(server) as client:
+                waiting = (await client.result("approvals.list"))["approvals"]
+                assert [a["call_id"] for a in waiting] == ["c1"]
+            allowed = await posted(url, run_input("thread-1", "run-3", resume=twice[1:]))
+            assert [e["content"] for e in allowed.of("TOOL_CALL_RESULT")] == ["value-a"]
+            assert lookup.calls == ["a"]
+
+
 @pytest.mark.parametrize("stage", ["closing", "closed"])
 async def test_a_resume_whose_thread_began_to_close_once_it_was_found_is_taken_there_again(
     tmp_path: Path, lookup: Lookup, monkeypatch: pytest.MonkeyPatch, stage: str

@@ -250,6 +250,15 @@ class AgUiEndpoint:
                 answers.append((request, ag_ui.parse_resume(entry.model_dump(), request.kind)))
             except ag_ui.ResumeError as exc:
                 raise _Refused(400, f"$.resume[{entry.interrupt_id}]: {exc}") from None
+        # Checked before any answer is given: the second answer to one call would be
+        # refused only once the first had been recorded, the run answered 409 yet decided.
+        seen: set[str] = set()
+        for request, _ in answers:
+            if request.call_id in seen:
+                raise _Refused(
+                    400, f"$.resume: interrupt {jsonrpc.echo(request.call_id)} answered twice"
+                )
+            seen.add(request.call_id)
         # Where the task waited: the latest request answered.
         records = await replay_records(session, 0)
         answered = {request.call_id for request, _ in answers}
