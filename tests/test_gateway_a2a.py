@@ -278,6 +278,51 @@ async def test_bad_requests_get_json_rpc_errors_and_the_gateway_keeps_serving(
                 assert (await client.result("session.create"))["session_id"]
 
 
+async def test_a_decision_is_taken_from_the_data_part_that_names_its_call(
+    tmp_path: Path, lookup: Lookup
+) -> None:
+    """R-PROTO-1, R-HITL-2: a message whose data parts decide two calls, one of them no
+    longer waiting (a stale answer first), decided the waiting call with the first part's
+    decision: ``c1`` was denied though its own part said allow."""
+
+    def send(message: dict[str, Any]) -> dict[str, Any]:
+        params = {"message": message}
+        frame = {"jsonrpc": "2.0", "id": 1, "method": "message/send", "params": params}
+        answer = httpx.post(
+            base_url(server) + "/a2a",
+            json=frame,
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            timeout=BOUND_S,
+        )
+        result: dict[str, Any] = answer.json()["result"]
+        return result
+
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, lookup_script, tools=[lookup.tool], a2a=True) as server:
+            go = {"kind": "message", "messageId": "m1", "role": "user"}
+            task = await trio.to_thread.run_sync(
+                lambda: send({**go, "parts": [{"kind": "text", "text": "go"}]})
+            )
+            assert task["status"]["state"] == "input-required"
+            decisions = [
+                {"kind": "data", "data": {"call_id": "c0", "decision": "deny"}},
+                {"kind": "data", "data": {"call_id": "c1", "decision": "allow"}},
+            ]
+            answer = {
+                **go,
+                "messageId": "m2",
+                "taskId": task["id"],
+                "contextId": task["contextId"],
+                "parts": decisions,
+            }
+            done = await trio.to_thread.run_sync(lambda: send(answer))
+            assert done["status"]["state"] == "completed", done
+            assert lookup.calls == ["a"]
+            records = await replay_records(server.host.get_session(task["contextId"]), 0)
+            decided = [(r.call_id, r.decision) for r in records if isinstance(r, ApprovalDecision)]
+            assert decided == [("c1", "allow")]
+
+
 async def test_the_websocket_gateway_shares_the_port(tmp_path: Path) -> None:
     """A websocket handshake through the HTTP front reaches the gateway whole: the
     handshake's bytes are given back, the bad path still gets the gateway's 404."""

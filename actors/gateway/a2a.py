@@ -402,7 +402,9 @@ class A2aEndpoint:
             if request.kind == "question":
                 await host.answer_question(session.id, request.call_id, text, by=principal)
             else:
-                verdict = a2a.parse_decision(text, data)
+                # A data part naming another call says nothing of this one.
+                mine = [d for d in data if d.get("call_id") in (None, request.call_id)]
+                verdict = a2a.parse_decision(text, mine)
                 if verdict is None:
                     raise RpcError(
                         jsonrpc.INVALID_PARAMS,
