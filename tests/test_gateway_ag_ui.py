@@ -295,6 +295,31 @@ async def test_bad_input_is_refused_with_a_reason(tmp_path: Path) -> None:
             assert ok.events[-1][1]["type"] == "RUN_FINISHED"
 
 
+async def test_a_refused_run_on_an_unknown_thread_makes_no_session(tmp_path: Path) -> None:
+    """R-SEC-9: a run refused for its input made its unknown thread's session first — one
+    more of the principal's sessions, on disk and against its cap, for each thread id sent
+    with a bad body, behind a 400. Refused, it now makes none."""
+    resume = [{"interruptId": "c1", "status": "resolved", "payload": {"decision": "allow"}}]
+    bad_tool = {"name": "bad tool", "description": "", "parameters": {"type": "object"}}
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, ag_ui=True) as server:
+            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+            for thread, body, headers, status in (
+                ("t-empty", run_input("t-empty", "r"), {}, 400),
+                ("t-last", run_input("t-last", "r"), {"Last-Event-ID": "5"}, 404),
+                ("t-resume", run_input("t-resume", "r", resume=resume), {}, 409),
+                ("t-tools", run_input("t-tools", "r", "hi", tools=[bad_tool]), {}, 400),
+                ("t-long", run_input("t-long", "r", "x" * 100_001), {}, 400),
+            ):
+                refused = await posted(url, body, headers=headers)
+                assert not (server.host.data_dir / "sessions" / thread).exists(), thread
+                assert refused.status == status, (thread, refused.body)
+            async with connect(server) as client:
+                assert (await client.result("session.list"))["sessions"] == []
+            ok = await posted(url, run_input("t-empty", "r", "hello"))
+            assert ok.events[-1][1]["type"] == "RUN_FINISHED"
+
+
 async def test_a_last_event_id_past_the_threads_last_event_is_refused(tmp_path: Path) -> None:
     with trio.fail_after(BOUND_S):
         async with serving(tmp_path, ag_ui=True) as server:

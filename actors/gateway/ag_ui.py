@@ -69,6 +69,8 @@ AG_UI_PATH = "/ag-ui"
 
 LAST_EVENT_ID = re.compile(r"[0-9]{1,18}")
 """An event id this endpoint gives: ASCII digits (``str.isdigit`` takes ``²`` too)."""
+BAD_LAST_EVENT_ID = "Last-Event-ID: the id of an event of this endpoint (a number)"
+"""Why a ``Last-Event-ID`` that is not :data:`LAST_EVENT_ID` is refused."""
 MAX_TEXT_CHARS = 100_000
 """The longest text a run's new user messages may carry."""
 FRONT_END_TOOLS_FILE = CLIENT_TOOLS_FILE
@@ -99,9 +101,9 @@ class AgUiEndpoint:
         """One run: its events, or an HTTP error when the input is refused."""
         try:
             run = self._input(request.body)
-            session = await self._thread(request.principal, run.thread_id)
-            tools = await self._client_tools(session, run)
             last_event = request.headers.get("last-event-id")
+            session = await self._thread(request.principal, run, last_event)
+            tools = await self._client_tools(session, run)
             if last_event is not None:
                 feed, pending = await self._reconnect(session, last_event)
             elif run.resume or await self._tool_results(session, run):
@@ -149,13 +151,31 @@ class AgUiEndpoint:
             raise _Refused(400, "$.runId: at most 200 characters")
         return run
 
-    async def _thread(self, principal: str, thread_id: str) -> Session:
+    async def _thread(self, principal: str, run: RunAgentInput, last_event: str | None) -> Session:
+        """The thread's session: the caller's, or a new one for an unknown thread once the
+        run is found to be one that can start it (a refused run makes no session)."""
         try:
-            return await self._methods.owned_session(principal, thread_id, node=False)
+            return await self._methods.owned_session(principal, run.thread_id, node=False)
         except RpcError as exc:
             if exc.code != jsonrpc.NOT_FOUND:
                 raise
-        return await self._methods.create_session_for(principal, session_id=thread_id)
+        if last_event is not None:
+            if not LAST_EVENT_ID.fullmatch(last_event):
+                raise _Refused(400, BAD_LAST_EVENT_ID)
+            raise _Refused(
+                404, f"no thread {jsonrpc.echo(run.thread_id)} to pick up from Last-Event-ID"
+            )
+        if run.resume:
+            interrupt = jsonrpc.echo(run.resume[0].interrupt_id)
+            raise _Refused(409, f"no pending interrupt {interrupt} in this thread")
+        _new_text(run)
+        if run.tools:
+            try:
+                ag_ui.client_tools(t.model_dump() for t in run.tools)
+            except ag_ui.ClientToolError as exc:
+                raise _Refused(400, str(exc)) from None
+        _checked_notes(run, state_changed=True)
+        return await self._methods.create_session_for(principal, session_id=run.thread_id)
 
     async def _client_tools(self, session: Session, run: RunAgentInput) -> tuple[Tool, ...]:
         """Make the run's front-end tools the session's client tools, and keep them for
@@ -196,12 +216,7 @@ class AgUiEndpoint:
         ]
 
     async def _start(self, session: Session, run: RunAgentInput) -> SessionFeed:
-        messages = [m.model_dump(by_alias=True) for m in run.messages]
-        text = ag_ui.new_input(messages)
-        if not text.strip():
-            raise _Refused(400, "$.messages: no user message after the agent's last one")
-        if len(text) > MAX_TEXT_CHARS:
-            raise _Refused(400, f"$.messages: more than {MAX_TEXT_CHARS} characters of text")
+        text = _new_text(run)
         notes = self._notes(session, run)
         if await self._pending(session):
             raise _Refused(409, "the thread waits for answers: send them as resume entries")
@@ -222,13 +237,7 @@ class AgUiEndpoint:
     def _notes(self, session: Session, run: RunAgentInput) -> str:
         """The front end's context and changed state, as text for the model."""
         state = json.dumps(run.state, sort_keys=True, default=str)
-        changed = self._states.get(session.id) != state
-        notes = ag_ui.front_end_notes(
-            (c.model_dump() for c in run.context or ()), run.state, state_changed=changed
-        )
-        if len(notes) > ag_ui.MAX_NOTES_CHARS:
-            raise _Refused(400, f"$.context and $.state: more than {ag_ui.MAX_NOTES_CHARS} "
-                                "characters as text")
+        notes = _checked_notes(run, state_changed=self._states.get(session.id) != state)
         self._states[session.id] = state
         return notes
 
@@ -305,7 +314,7 @@ class AgUiEndpoint:
         self, session: Session, last_event: str
     ) -> tuple[SessionFeed, list[PendingApproval]]:
         if not LAST_EVENT_ID.fullmatch(last_event):
-            raise _Refused(400, "Last-Event-ID: the id of an event of this endpoint (a number)")
+            raise _Refused(400, BAD_LAST_EVENT_ID)
         after = int(last_event)
         last = session.host.port(session.id).last_seq
         if after > last:
@@ -318,6 +327,29 @@ class AgUiEndpoint:
         return SessionFeed(session, after), [
             p for p in await self._pending(session) if _asked_before(records, p, after)
         ]
+
+
+def _new_text(run: RunAgentInput) -> str:
+    """The user's new input of ``run`` (its last user messages), or 400."""
+    text = ag_ui.new_input([m.model_dump(by_alias=True) for m in run.messages])
+    if not text.strip():
+        raise _Refused(400, "$.messages: no user message after the agent's last one")
+    if len(text) > MAX_TEXT_CHARS:
+        raise _Refused(400, f"$.messages: more than {MAX_TEXT_CHARS} characters of text")
+    return text
+
+
+def _checked_notes(run: RunAgentInput, *, state_changed: bool) -> str:
+    """The front end's context (and its state when ``state_changed``) as text for the
+    model, or 400 when it is longer than the model is given."""
+    notes = ag_ui.front_end_notes(
+        (c.model_dump() for c in run.context or ()), run.state, state_changed=state_changed
+    )
+    if len(notes) > ag_ui.MAX_NOTES_CHARS:
+        raise _Refused(
+            400, f"$.context and $.state: more than {ag_ui.MAX_NOTES_CHARS} characters as text"
+        )
+    return notes
 
 
 def _with_tools(session: Session, tools: Sequence[Tool]) -> tuple[Tool, ...]:
