@@ -323,6 +323,39 @@ async def test_a_decision_is_taken_from_the_data_part_that_names_its_call(
             assert decided == [("c1", "allow")]
 
 
+async def test_a_message_refused_for_want_of_text_makes_no_context(tmp_path: Path) -> None:
+    """R-SEC-9: a message without ``contextId`` and without text (a data part alone, blank
+    text) was refused -32602 after its new context had been made: one more session of the
+    principal on disk and against its cap for each. Refused, it now makes none."""
+
+    def send(parts: list[dict[str, Any]]) -> dict[str, Any]:
+        message = {"kind": "message", "messageId": "m1", "role": "user", "parts": parts}
+        params = {"message": message}
+        frame = {"jsonrpc": "2.0", "id": 1, "method": "message/send", "params": params}
+        answer = httpx.post(
+            base_url(server) + "/a2a",
+            json=frame,
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            timeout=BOUND_S,
+        )
+        error: dict[str, Any] = answer.json()["error"]
+        return error
+
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, a2a=True) as server:
+            for parts in (
+                [{"kind": "data", "data": {"decision": "allow"}}],
+                [{"kind": "text", "text": "  \n "}],
+            ):
+                error = await trio.to_thread.run_sync(send, parts)
+                assert error["code"] == jsonrpc.INVALID_PARAMS
+                assert "no text to start a task" in error["message"]
+            sessions = server.host.data_dir / "sessions"
+            assert not sessions.exists() or list(sessions.iterdir()) == []
+            async with connect(server) as client:
+                assert (await client.result("session.list"))["sessions"] == []
+
+
 async def test_the_websocket_gateway_shares_the_port(tmp_path: Path) -> None:
     """A websocket handshake through the HTTP front reaches the gateway whole: the
     handshake's bytes are given back, the bad path still gets the gateway's 404."""

@@ -58,6 +58,8 @@ A2A_PATH = "/a2a"
 
 MAX_TEXT_CHARS = 100_000
 """The longest text a message may carry."""
+NO_TEXT_TO_START = "$.params.message.parts: no text to start a task"
+"""Why a message that would start a task but carries no text is refused."""
 
 _HOST = re.compile(r"(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9][A-Za-z0-9.-]{0,252})(:\d{1,5})?")
 
@@ -257,7 +259,7 @@ class A2aEndpoint:
         text = "\n".join(texts)
         if len(text) > MAX_TEXT_CHARS:
             raise RpcError(jsonrpc.INVALID_PARAMS, f"text longer than {MAX_TEXT_CHARS} characters")
-        session, named_run = await self._target(principal, sent.context_id, sent.task_id)
+        session, named_run = await self._target(principal, sent.context_id, sent.task_id, text)
         streaming = frame.method == "message/stream"
         blocking = params.configuration is None or params.configuration.blocking is not False
         feed, fold, answered = await self._delivered(session, named_run, text, data, principal)
@@ -278,9 +280,10 @@ class A2aEndpoint:
             await reply.json(200, jsonrpc.result_frame(frame.id, fold.task()))
 
     async def _target(
-        self, principal: str, context_id: str | None, task: str | None
+        self, principal: str, context_id: str | None, task: str | None, text: str
     ) -> tuple[Session, str | None]:
-        """The session a message goes to (a new one without ids) and the run it names."""
+        """The session a message goes to (a new one without ids, once ``text`` can start
+        its task) and the run it names."""
         if task is not None:
             session, run_id = await self._task_session(principal, task)
             if context_id is not None and context_id != session.id:
@@ -288,6 +291,9 @@ class A2aEndpoint:
             return session, run_id
         if context_id is not None:
             return await self._session(principal, context_id, "context"), None
+        if not text.strip():
+            # Refused before the new context is made: a refused message makes no session.
+            raise RpcError(jsonrpc.INVALID_PARAMS, NO_TEXT_TO_START)
         return await self._methods.create_session_for(principal), None
 
     async def _delivered(
@@ -363,9 +369,7 @@ class A2aEndpoint:
                 "contextId alone to start another",
             )
         if not text.strip():
-            raise RpcError(
-                jsonrpc.INVALID_PARAMS, "$.params.message.parts: no text to start a task"
-            )
+            raise RpcError(jsonrpc.INVALID_PARAMS, NO_TEXT_TO_START)
         session = await self._methods.settled(session)
         stream = session.run([TextBlock(text=text)], approve=self._methods.approver())
         stream.detach()  # read through the feed, which a disconnect cannot lose
