@@ -244,6 +244,14 @@ def test_serve_with_an_empty_token_file(tmp_path: Path) -> None:
     assert_one_line(result, "greenroom serve:", str(token_file), "no usable token")
 
 
+def test_serve_with_a_token_file_holding_a_short_token(tmp_path: Path) -> None:
+    # R-SEC-4: --tokens-file refused such a token; --token-file served with it.
+    token_file = tmp_path / "token"
+    token_file.write_text("secret\n")
+    result = serve(tmp_path, "--port", "0", "--token-file", str(token_file))
+    assert_one_line(result, "greenroom serve:", str(token_file), "shorter than 16 characters")
+
+
 # -- a Claude model without a key ------------------------------------------------------------
 
 

@@ -966,8 +966,8 @@ def test_token_file_is_created_with_mode_0600_and_reused(tmp_path: Path) -> None
     assert path.read_text().strip() == token and len(token) >= 32
     assert load_or_create_token(tmp_path) == token
     given = tmp_path / "mine"
-    given.write_text("  secret-value\n")
-    assert load_or_create_token(tmp_path, given) == "secret-value"
+    given.write_text("  secret-value-0123\n")
+    assert load_or_create_token(tmp_path, given) == "secret-value-0123"
 
 
 async def test_run_serve_prints_and_serves(

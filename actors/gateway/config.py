@@ -195,13 +195,19 @@ class GatewayLimits:
 # -- the token -----------------------------------------------------------------------------------
 
 
+MIN_TOKEN_CHARS = 16
+"""The shortest token a token file may hold: the address throttle slows guessing, it does
+not make a short token safe on a reachable port."""
+
+
 def load_or_create_token(data_dir: str | Path, token_file: str | Path | None = None) -> str:
     """The bearer token of ``greenroom serve``.
 
     With ``token_file``: its content (stripped); a missing file is created with a new token.
     Without: ``<data_dir>/serve.token``, reused when it exists, else created. A created
     file holds ``secrets.token_urlsafe(32)`` and has mode 0600. Raises
-    :class:`ConfigurationError` for an empty or unreadable file. Blocking (call it before
+    :class:`ConfigurationError` for an empty or unreadable file, or a token shorter than
+    :data:`MIN_TOKEN_CHARS`. Blocking (call it before
     ``trio.run`` or in a worker thread).
     """
     path = token_file_path(data_dir, token_file)
@@ -215,6 +221,10 @@ def load_or_create_token(data_dir: str | Path, token_file: str | Path | None = N
         raise ConfigurationError(f"cannot read the token file {path}: {exc}") from None
     if not token or any(c.isspace() for c in token):
         raise ConfigurationError(f"the token file {path} holds no usable token")
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ConfigurationError(
+            f"the token file {path} holds a token shorter than {MIN_TOKEN_CHARS} characters"
+        )
     return token
 
 
@@ -253,8 +263,8 @@ def load_tokens_file(path: str | Path) -> dict[str, str]:
             raise ConfigurationError(f"{where}: client id {client_id!r} given twice")
         if token in seen:
             raise ConfigurationError(f"{where}: this token is already another client's")
-        if len(token) < 16:
-            raise ConfigurationError(f"{where}: token shorter than 16 characters")
+        if len(token) < MIN_TOKEN_CHARS:
+            raise ConfigurationError(f"{where}: token shorter than {MIN_TOKEN_CHARS} characters")
         tokens[client_id] = token
         seen.add(token)
     if not tokens:
