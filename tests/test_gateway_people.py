@@ -33,13 +33,18 @@ from test_people import until_parked
 
 import greenroom.actors.runtime.provider_clients as provider_clients
 from greenroom.actors.gateway import Gateway, SessionDefaults
+from greenroom.actors.gateway.hubs import replay_records
 from greenroom.actors.gateway.nodes import Nodes
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, ScriptStep, text, tool_call
 from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.port import SessionPort
 from greenroom.actors.runtime.subagents import SPAWN_SUBAGENT, SUBAGENT_SYSTEM, spawn_subagent
+from greenroom.actors.runtime.supervisor import SessionSupervisor
 from greenroom.actors.tools.questions import ask_user
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import ModelRequest, ToolResult
+from greenroom.protocols.messages import PersonAnswered, SupervisorMessage
+from greenroom.protocols.outputs import ApprovalDecision, TaskEnd
 from greenroom.protocols.people import arguments_digest
 
 TWO = {"alice": ALICE, "bob": BOB}
@@ -104,6 +109,61 @@ async def test_approvals_list_approve_and_stale_answers(tmp_path: Path, lookup: 
             again = await alice.error("approve", allow)
             assert again["code"] == 409 and "waits for no answer" in again["message"]
             assert lookup.calls == ["a"]
+
+
+async def test_an_answer_after_an_interrupt_is_refused_and_records_nothing(
+    tmp_path: Path, lookup: Lookup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-HITL-2, R-ABORT-1: an approve sent right behind an interrupt (one batch, done in
+    order) was answered ``{}`` and recorded as alice's allow, though the interrupt had been
+    answered and the call was then settled as interrupted, never run. It waits for no
+    answer once its task is told to stop: 409, and no decision of hers in the trace. The
+    woken task's supervisor is held until the answer reaches it, so that it finds the
+    interrupt and the answer both in its inbox, as a busy host can."""
+    answer_sent = trio.Event()
+    deliver = SessionPort.deliver
+    run = SessionSupervisor.run
+
+    def delivering(port: SessionPort, message: SupervisorMessage) -> bool:
+        taken = deliver(port, message)
+        if isinstance(message, PersonAnswered):
+            answer_sent.set()
+        return taken
+
+    async def held(supervisor: SessionSupervisor, **kwargs: Any) -> None:
+        await answer_sent.wait()
+        await run(supervisor, **kwargs)
+
+    with trio.fail_after(BOUND_S):
+        async with (
+            serving(tmp_path, lookup_script, tools=[lookup.tool], tokens=TWO) as server,
+            connect(server, token=ALICE) as alice,
+        ):
+            sid = (await alice.result("session.create"))["session_id"]
+            await until_asked(alice, sid)
+            await until_parked(server.host, sid)
+            monkeypatch.setattr(SessionPort, "deliver", delivering)
+            monkeypatch.setattr(SessionSupervisor, "run", held)
+            allow = {"session_id": sid, "call_id": "c1", "decision": "allow"}
+            await alice.send(
+                [
+                    {"jsonrpc": "2.0", "id": 10, "method": "interrupt",
+                     "params": {"session_id": sid}},
+                    {"jsonrpc": "2.0", "id": 11, "method": "approve", "params": allow},
+                ]
+            )  # fmt: skip
+            answers = await alice.receive()
+            while isinstance(answers, dict):  # outputs before the batch's answers
+                answers = await alice.receive()
+            interrupted, approved = answers
+            assert interrupted["result"] == {"interrupted": True}
+            assert approved["error"]["code"] == 409, approved
+            assert "its task is ending (interrupted by client)" in approved["error"]["message"]
+            records = await replay_records(server.host.get_session(sid), 0)
+            decided = [r for r in records if isinstance(r, ApprovalDecision)]
+            assert [d for d in decided if d.by == "client"] == []
+            assert [r.status for r in records if isinstance(r, TaskEnd)] == ["aborted"]
+            assert lookup.calls == []
 
 
 async def test_another_principal_neither_sees_nor_answers(tmp_path: Path, lookup: Lookup) -> None:

@@ -205,7 +205,8 @@ async def test_a_runs_cancel_event_set_while_it_is_parked_ends_it_when_it_wakes(
 ) -> None:
     """session.run(cancel=event): no task watches the event while the run is parked
     (R-HITL-3); set by then, it ends the task as soon as an answer wakes it — aborted,
-    and the allowed call never runs."""
+    and the allowed call never runs. The answer that woke it is refused: its task is
+    ending, so nobody's allow is recorded for a call that does not run."""
     ledger = Ledger()
     session = await host.create_session(provider=ScriptedProvider(pay_then_answer()),
                                         tools=[ledger.tool], workspace_dir=workspace)
@@ -213,10 +214,12 @@ async def test_a_runs_cancel_event_set_while_it_is_parked_ends_it_when_it_wakes(
     stream = session.run("pay", approve=PEOPLE, cancel=cancel)
     await until_parked(host, session.id)
     cancel.set()
-    await host.answer_approval(session.id, "p1", "allow")
+    with pytest.raises(NotPending, match="its task is ending"):
+        await host.answer_approval(session.id, "p1", "allow")
     outputs = await collect(stream)
     end = of_type(outputs, TaskEnd)[-1]
     assert (end.status, end.message) == ("aborted", "cancelled by host")
+    assert [d for d in of_type(outputs, ApprovalDecision) if d.by == "client"] == []
     assert ledger.paid == []
 
 

@@ -462,9 +462,17 @@ class RunningTask:
             self.turns.handle(message)
 
     def answer(self, answer: PersonAnswered) -> str | None:
-        """A person's answer; why it was refused, or None."""
+        """A person's answer; why it was refused, or None. A task told to stop (an
+        interrupt, a failure, a budget) waits for no answer: taken, it would be recorded
+        as a person's decision for a call that is settled as interrupted instead."""
         if self.turns is None:
             return f"session {self._port.id} has no request waiting for an answer"
+        stop = self._port.machine.stop_reason
+        if stop is not None:
+            return (
+                f"call {answer.call_id!r} of session {self._port.id} waits for no answer: "
+                f"its task is ending ({stop})"
+            )
         return self.turns.answer(answer)
 
     def skip_backoff(self) -> None:
