@@ -10,6 +10,7 @@ import signal
 import socket
 from pathlib import Path
 
+import pytest
 import trio
 from test_cli import CLI, TIMEOUT_S, cli_env, greenroom
 from test_gateway import Client
@@ -76,6 +77,23 @@ def test_serve_flags_are_checked(tmp_path: Path) -> None:
         assert flag in help_text
         result = greenroom(tmp_path, "serve", flag, "0")
         assert result.returncode == 2 and "must be at least 1" in result.stderr
+
+
+@pytest.mark.parametrize("origin", ["localhost:3000", "*", "http://app.example/ui", "null"])
+def test_an_allowed_origin_that_no_browser_sends_is_a_usage_error(
+    origin: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """R-SEC-4: ``--allow-origin localhost:3000`` (no scheme), ``*``, an address with a path
+    or ``null`` matched no browser's ``Origin`` and was taken without a word: the page
+    meant to be allowed was refused 403 with nothing saying why. Each is refused at start."""
+    from greenroom.actors.apps.parser import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["serve", "--allow-origin", origin])
+    assert exited.value.code == 2
+    assert "--allow-origin: expected a browser origin" in capsys.readouterr().err
+    args = build_parser().parse_args(["serve", "--allow-origin", "http://localhost:3000"])
+    assert args.allow_origin == ["http://localhost:3000"]
 
 
 def test_the_per_principal_flags_default_to_the_gateway_limits() -> None:

@@ -51,6 +51,22 @@ def _port(text: str) -> int:
     return value
 
 
+_ORIGIN = re.compile(
+    r"[a-z][a-z0-9+.-]*://(\[[0-9a-f:.]+\]|[a-z0-9.-]+)(:[0-9]{1,5})?/?", re.IGNORECASE
+)
+
+
+def _origin(text: str) -> str:
+    """``--allow-origin``: an origin as a browser sends it in its ``Origin`` header; anything
+    else (no scheme, a path, ``*``) would match no browser and allow nothing, silently."""
+    if not _ORIGIN.fullmatch(text.strip()):
+        raise argparse.ArgumentTypeError(
+            f"expected a browser origin, scheme://host[:port] without a path "
+            f"(http://localhost:3000), got {text!r}"
+        )
+    return text
+
+
 def _usd(text: str) -> float:
     try:
         value = float(text)
@@ -450,6 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--allow-origin",
         metavar="ORIGIN",
+        type=_origin,
         action="append",
         default=[],
         help="a browser origin (http://host:port) allowed to connect besides the console's, "
