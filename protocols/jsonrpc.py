@@ -198,7 +198,7 @@ def parse_frame(data: str | bytes, *, max_bytes: int = 1 << 20, max_batch: int =
             error=RpcError(INVALID_REQUEST, f"frame larger than {max_bytes} bytes"),
         )
     try:
-        value = json.loads(data, parse_constant=_reject_constant)
+        value = json.loads(data, parse_constant=_reject_constant, parse_int=_read_int)
     except (ValueError, RecursionError) as exc:
         return FrameError(id=None, error=RpcError(PARSE_ERROR, f"parse error: {exc}"))
     if value_too_deep(value, MAX_DEPTH):
@@ -232,6 +232,17 @@ def _id_too_long(request_id: RequestId) -> bool:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+MAX_INT_DIGITS = 4300
+"""The most digits an integer in a frame may have (Python's default bound for reading one)."""
+
+
+def _read_int(text: str) -> int:
+    # Python's own refusal names sys.set_int_max_str_digits(), of no use to a client.
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of more than {MAX_INT_DIGITS} digits")
+    return int(text)
 
 
 def parse_call(value: Any) -> Call | FrameError:

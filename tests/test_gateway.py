@@ -1048,6 +1048,20 @@ def test_parse_frame_errors(frame: str | bytes, code: int, request_id: Any) -> N
     assert response["id"] == request_id and response["error"]["code"] == code
 
 
+def test_an_integer_too_long_to_read_is_named_without_pythons_advice() -> None:
+    """Python refuses to read an integer of more than 4300 digits and names
+    sys.set_int_max_str_digits(), of no use to a client: the frame's error says what is
+    wrong in its own terms (R-PROTO-1); one of 4300 digits is read."""
+    too_long = '{"jsonrpc":"2.0","id":1,"method":"run","params":{"n":-%s}}' % ("9" * 4301)
+    parsed = jsonrpc.parse_frame(too_long)
+    assert isinstance(parsed, jsonrpc.FrameError)
+    assert parsed.error.message == "parse error: an integer of more than 4300 digits"
+    longest = jsonrpc.parse_frame(
+        '{"jsonrpc":"2.0","id":1,"method":"run","params":{"n":%s}}' % ("9" * 4300)
+    )
+    assert isinstance(longest, jsonrpc.Request) and longest.params["n"] == int("9" * 4300)
+
+
 def test_batch_size_is_bounded() -> None:
     frame = json.dumps([{"jsonrpc": "2.0", "method": "m"}] * 3)
     parsed = jsonrpc.parse_frame(frame, max_batch=2)
