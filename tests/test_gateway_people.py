@@ -442,6 +442,10 @@ async def test_a_session_an_answer_loads_again_decides_its_calls_as_approve_says
             asked = (await client.outputs_until("approval_request"))[-1]
             assert asked["call_id"] == "f1"
             await until_parked(server.host, sid)
+            # The refusal points a client at what it can call, not at Python's API.
+            busy = await client.error("run", {"session_id": sid, "input": "again"})
+            assert busy["code"] == 409 and "pending approvals" in busy["message"], busy
+            assert "host." not in busy["message"], busy
             queued = await client.result("follow_up", {"session_id": sid, "input": "blue"})
             assert queued == {"queued": True}
             await server.host.close_session(sid)

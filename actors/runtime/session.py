@@ -671,7 +671,7 @@ class Session:
         if port.parked:
             raise Busy(
                 f"session {self.id} has a task waiting for a person's answer "
-                "(host.pending_approvals() lists it); answer or interrupt it first"
+                "(listed with the pending approvals); answer or interrupt it first"
             )
         if self.busy:
             raise Busy(f"session {self.id} is already running a task; use follow_up()")
