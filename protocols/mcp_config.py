@@ -397,7 +397,9 @@ def schema_problem(schema: Any) -> str | None:
             stack.extend((item, f"{path}[{i}]", depth + 1, True) for i, item in enumerate(node))
             continue
         if not isinstance(node, Mapping):
-            if is_schema and not isinstance(node, bool):
+            if not is_schema:
+                return f"its input schema has {node!r:.40} where named schemas belong, at {path}"
+            if not isinstance(node, bool):
                 return f"its input schema has {node!r:.40} where a schema belongs, at {path}"
             continue
         if not is_schema:

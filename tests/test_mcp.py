@@ -292,6 +292,9 @@ def test_a_server_schema_the_argument_check_cannot_read_is_a_schema_problem() ->
         "enum": {"type": "object", "properties": {"a": {"enum": 5}}},
         "required": {"type": "object", "properties": {}, "required": ["a", {"x": 1}]},
         "anyOf[0]": {"type": "object", "properties": {"a": {"anyOf": [5]}}},
+        # A map of named schemas that is no map: the check reads its items by name.
+        "$.properties.a.properties": {"type": "object", "properties": {"a": {"properties": 5}}},
+        "$.properties.a.$defs": {"type": "object", "properties": {"a": {"$defs": [1]}}},
     }
     for key, schema in unreadable.items():
         assert key in (schema_problem(schema) or ""), key
