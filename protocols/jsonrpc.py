@@ -538,7 +538,8 @@ METHODS: dict[str, Method] = {
             result="`{interrupted}`",
             doc=(
                 "Interrupt the running task or compaction; with `tree`, answered once the "
-                "stored nodes it ends have their ends written."
+                "stored nodes it ends, and in a cluster those other hosts run, have their "
+                "ends written."
             ),
         ),
         Method(

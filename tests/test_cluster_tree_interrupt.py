@@ -11,6 +11,11 @@ R-TREE-4, R-ABORT-1, R-CLUSTER-2): in-process hosts on a real nats-server, as in
 * So does one that waits for a person: its request is pending no more, and nothing is
   paid.
 
+* A background subagent that another live host runs ends there, ``aborted`` in its trace,
+  its held call interrupted, when its root's ``scope="tree"`` interrupt is made on the
+  root's host: the gateway's answer comes once that host has written its end, and the
+  root takes no report.
+
 Takeovers are the test's (a lease TTL so long that no orphan scan runs by itself): by
 hand, or one look of a live host's orphan scan.
 """
@@ -24,10 +29,12 @@ from typing import Any
 import trio
 from conftest import allow_all
 
-from greenroom.actors.providers.scripted import Reply
+from greenroom.actors.cluster.router import TREE_END_METHOD
+from greenroom.actors.cluster.routing import SessionRequests
+from greenroom.actors.providers.scripted import Reply, ScriptedProvider
 from greenroom.actors.runtime.subagents import spawn_subagent
 from greenroom.protocols.context import ModelRequest
-from greenroom.protocols.outputs import TaskEnd, TaskStart, UserMsg
+from greenroom.protocols.outputs import TaskEnd, TaskStart, ToolCallOutput, UserMsg
 from greenroom.protocols.tools import Tool, make_tool
 from tests.support.nats import (  # the fixture is used as nats_server
     NatsProcess,
@@ -38,12 +45,14 @@ from tests.test_cluster_tree_nodes import (
     TOOLS,
     Cluster,
     _lose,
+    _traced_through,
     _until_the_payer_asks,
     _until_the_payer_waits,
     client,
     in_cluster,
+    until,
 )
-from tests.test_cluster_tree_takeover import _brain_holding, _scan_once
+from tests.test_cluster_tree_takeover import Holds, _brain_holding, _scan_once
 
 
 class Watched:
@@ -188,3 +197,93 @@ def test_a_tree_interrupt_ends_a_subagent_no_host_runs_that_waits_for_a_person(
     assert found["listed"] == {"approvals": []}
     assert found["refused"]["code"] == 409, found["refused"]
     assert paid == []
+
+
+def test_a_tree_interrupt_ends_the_subagents_another_live_host_runs(
+    tmp_path: Path, nats_server: NatsProcess
+) -> None:
+    """R-TREE-2, R-TREE-4, R-ABORT-1, R-CLUSTER-2: a runs the tree (the root idle, the
+    payer's task answered and waiting for its background collector, whose ``hold`` call
+    runs) and is lost. b takes the root over, c the payer and the collector, which holds
+    its next call there. The root's ``scope="tree"`` interrupt through b's gateway answers
+    ``interrupted`` once c has written the payer's and the collector's ends, ``aborted``:
+    the collector's held call ends interrupted, and the root takes no report and starts no
+    task. Before, b ended only what it ran: the answer was ``interrupted`` false and the
+    subagents ran on, on c."""
+    holds = Holds()
+
+    async def body(cluster: Cluster) -> dict[str, Any]:
+        a, b, c = (cluster.members[h] for h in ("a", "b", "c"))
+        held = (holds.tool(), holds.started["collect-1"])
+        tree = await _until_the_payer_waits(a, tmp_path, held, brain)
+        root, payer, collector = tree
+        await _lose(cluster, a, *tree)
+        assert await b.node._take_entry(root, await cluster.entry(root) or {})
+        entries = {sid: await cluster.entry(sid) or {} for sid in (payer, collector)}
+        assert await c.node._take_entries(entries) == [payer, collector]
+        await holds.started["collect-2"].wait()  # the collector runs on c
+        b.gateway.grant("alice", root)
+        async with client(b, "alice") as alice:
+            answer = await alice.result("interrupt", {"session_id": root, "scope": "tree"})
+        records = {sid: (await cluster.traces.read(sid)).records for sid in tree}
+        found: dict[str, Any] = {"answer": answer, "tree": tree}
+        found["ends"] = {sid: _ends(records[sid]) for sid in tree}
+        found["held"] = [
+            r.status
+            for r in records[collector]
+            if isinstance(r, ToolCallOutput) and r.call_id == "collect1"
+        ]
+        if found["ends"] != {root: ["completed"], payer: ["aborted"], collector: ["aborted"]}:
+            return found  # running on c still
+        for session_id in (collector, payer):
+            # Its answer, had it one to give, is on its way before it leaves the host.
+            await until(lambda: cluster.released(session_id))  # noqa: B023
+        await b.host.get_session(root).wait_idle()
+        last = b.host.port(root).last_seq
+        await until(lambda: _traced_through(cluster, root, last))
+        records = {sid: (await cluster.traces.read(sid)).records for sid in tree}
+        found["later_ends"] = {sid: _ends(records[sid]) for sid in tree}
+        found["root_reports"] = [
+            r for r in records[root] if isinstance(r, UserMsg) and FINISHED in str(r.content)
+        ]
+        return found
+
+    brain = _brain_holding(pays=0, collects=2)
+    tools = (*TOOLS, holds.tool())
+    hosts = ("a", "b", "c")
+    found = in_cluster(
+        nats_server, tmp_path, hosts, body, brain=brain, tools=tools, approve=allow_all
+    )
+    root, payer, collector = found["tree"]
+    assert found["ends"] == {root: ["completed"], payer: ["aborted"], collector: ["aborted"]}
+    assert found["answer"] == {"interrupted": True}
+    assert found["held"] == ["interrupted"]
+    assert found["later_ends"] == found["ends"]  # no follow-up task at the root
+    assert found["root_reports"] == []
+    assert not holds.started["collect-3"].is_set()
+
+
+def test_a_hosts_end_of_a_node_it_runs_needs_a_reason(
+    tmp_path: Path, nats_server: NatsProcess
+) -> None:
+    """R-TREE-2, R-CLUSTER-2: the request that ends a node on its host for another host's
+    tree interrupt is refused with a clear error when it carries no reason; with one, an
+    idle node is left as it is and the answer says it had no work to end."""
+
+    async def body(cluster: Cluster) -> tuple[dict[str, Any], dict[str, Any]]:
+        a = cluster.members["a"]
+        session = await a.host.create_session(
+            provider=ScriptedProvider(watched_brain), workspace_dir=tmp_path
+        )
+        await a.node._serving.setdefault(session.id, trio.Event()).wait()
+        requests = SessionRequests(cluster.conn)
+        ask = {"method": TREE_END_METHOD, "principal": ""}
+        refused = await requests.request(session.id, {**ask, "params": {}})
+        ended = await requests.request(session.id, {**ask, "params": {"reason": "stop"}})
+        return refused, ended
+
+    watched_brain = Watched(_brain_holding(pays=0, collects=0)).brain
+    refused, ended = in_cluster(nats_server, tmp_path, ("a",), body)
+    assert refused["error"]["code"] == -32602, refused
+    assert "reason" in refused["error"]["message"]
+    assert ended == {"result": {"interrupted": False}}

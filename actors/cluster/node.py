@@ -99,10 +99,10 @@ from greenroom.actors.cluster.store import (
 )
 from greenroom.actors.cluster.traces import TraceRead, TraceStream, TraceWriter, largest_input
 from greenroom.actors.cluster.tree_link import ParentLink, reopen_if_closed
-from greenroom.actors.cluster.tree_reach import unowned_below
+from greenroom.actors.cluster.tree_reach import ReachParts, TreeReach
 from greenroom.actors.runtime.accounting import PrincipalBudget
 from greenroom.actors.runtime.admission import ProviderLimits
-from greenroom.actors.runtime.child_reports import ChildReports, StoredBelow
+from greenroom.actors.runtime.child_reports import ChildReports
 from greenroom.actors.runtime.errors import ConfigurationError
 from greenroom.actors.runtime.host import Host, SessionObserver, take_up_loaded
 from greenroom.actors.runtime.llm_streamer import ModelProvider
@@ -266,12 +266,12 @@ class ClusterNode:
         self._keeper = OwnershipKeeper(self._owners, self.host_id, self._on_lost, warn=log)
         self._traces = traces = await TraceStream.open(self.conn)
         self._registry = await HostRegistry.open(self.conn, ttl_s=self._owners.ttl_s)
-        self._directory = await SessionDirectory.open(self.conn)
+        self._directory = directory = await SessionDirectory.open(self.conn)
         self._entries.bind(host, self._directory)
         reopen = functools.partial(reopen_if_closed, self._directory, self._take_entry)
         link = ParentLink(self._requests, host, self._approve, timeout_s=ttl, reopen=reopen)
-        reach = (self._directory, self._owners, self.serves, self._load_over)
-        _link_tree(host.child_reports, link, ttl, functools.partial(unowned_below, *reach))
+        reach = (directory, self._owners, self.serves, self._load_over, self._requests)
+        _link_tree(host.child_reports, link, self.config, reach)
         host.hand_over = self.hand_over
         host.on_closed = self._on_closed
         async with trio.open_nursery() as nursery:
@@ -593,15 +593,17 @@ class ClusterNode:
 
 
 def _link_tree(
-    reports: ChildReports, link: ParentLink, ttl_s: float, stored_below: StoredBelow
+    reports: ChildReports, link: ParentLink, config: ClusterConfig, reach: ReachParts
 ) -> None:
     """Link the host's trees to the cluster's (R-TREE-4): a taken-up child's answer goes
     through ``link`` to a parent another host owns (offered again within half a TTL), and
-    a tree interrupt reaches the nodes of the tree that no host runs (``stored_below``,
-    :mod:`.tree_reach`)."""
+    a tree interrupt reaches the nodes of the tree that this host does not run (through
+    ``reach``, waiting for other hosts as long as for a forwarded call)."""
+    ttl_s = config.lease_ttl_s
     reports.link = link.send
     reports.retry_s = ttl_s / 2
-    reports.stored_below = stored_below
+    timeout_s = config.request_timeout_s or ttl_s
+    reports.stored_below = TreeReach(reach, host_id=config.host_id, timeout_s=timeout_s).below
 
 
 def _take_up(

@@ -235,13 +235,22 @@ class SessionOwners:
     ) -> list[str]:
         """Those of ``session_ids`` that no live host owns, given the ``live`` hosts
         (:meth:`live_hosts`, read here when None)."""
+        session_ids = list(session_ids)
+        owned = await self.live_owners(session_ids, live=live)
+        return [session_id for session_id in session_ids if session_id not in owned]
+
+    async def live_owners(
+        self, session_ids: Iterable[str], *, live: dict[str, str] | None = None
+    ) -> dict[str, str]:
+        """The host that owns each of ``session_ids`` that a live host owns, given the
+        ``live`` hosts (:meth:`live_hosts`, read here when None)."""
         live = await self.live_hosts() if live is None else live
-        found = []
+        found = {}
         for session_id in session_ids:
             entry = await _get(self._conn, self._owners, check_session_id(session_id))
             owner = None if entry is None else _Owner.from_json(entry.value)
-            if owner is None or live.get(owner.host_id) != owner.token:
-                found.append(session_id)
+            if owner is not None and live.get(owner.host_id) == owner.token:
+                found[session_id] = owner.host_id
         return found
 
 

@@ -92,9 +92,10 @@ from greenroom.actors.runtime.errors import (
     Busy,
     ConfigurationError,
     GreenroomError,
+    HostClosed,
     SessionNotFound,
 )
-from greenroom.actors.runtime.host import stored_root
+from greenroom.actors.runtime.host import Host, stored_root
 from greenroom.actors.runtime.receipts import ACCEPT_WAIT_S
 from greenroom.protocols import jsonrpc
 from greenroom.protocols.jsonrpc import RpcError
@@ -108,6 +109,7 @@ __all__ = [
     "OWNER_UNREACHABLE",
     "REPORT_METHOD",
     "RUNNING_METHOD",
+    "TREE_END_METHOD",
     "WITHDRAWN_METHOD",
     "ClusterRouter",
     "OwnerDesk",
@@ -132,6 +134,16 @@ RUNNING_METHOD = "subagent.running"
 once the subagent runs on it: params ``{"child_id", "origin", "after_seq"}``; that owner
 relays the subagent's records after ``after_seq`` from its trace to the ancestor's
 watchers (R-TREE-1, :mod:`.remote_children`)."""
+
+TREE_END_METHOD = "tree.end"
+"""The request a host sends the owner of a node below a session it interrupts with scope
+``tree``: params ``{"reason"}``. That owner ends the node as the interrupt would have
+ended it open there (:meth:`~greenroom.actors.runtime.child_reports.ChildReports.
+end_here`) and answers ``{"interrupted"}`` once its end is written (R-TREE-2,
+:mod:`.tree_reach`)."""
+
+MAX_REASON_CHARS = 1000
+"""The longest reason a :data:`TREE_END_METHOD` request carries into a trace."""
 
 ACCEPTED_METHOD = "run.accepted"
 """The second request of a forwarded ``run``: params ``{"token"}`` from the first one's
@@ -309,6 +321,13 @@ class OwnerDesk:
                 if self._running is None or not self._serves(session_id):
                     return _error(OWNER_UNREACHABLE, f"session {session_id} relays nothing here")
                 return self._running(session_id, params)
+            if method == TREE_END_METHOD:
+                # Between hosts only: a tree interrupt made on another host reaches this
+                # session, a node of the tree.
+                if not self._serves(session_id):
+                    return _error(OWNER_UNREACHABLE, f"session {session_id} is not open here")
+                answering.in_doubt = True
+                return await _end_node(self._gateway.host, session_id, params)
             if method == "watch":
                 watch_id = str(params.get("watch_id", ""))[:100]
                 watches = self._watchers.setdefault(session_id, {})
@@ -520,6 +539,18 @@ class _Accepting:
         self.done = trio.Event()
         self.reply: dict[str, Any] = {}
         self.linger = trio.CancelScope()
+
+
+async def _end_node(host: Host, session_id: str, params: dict[str, Any]) -> dict[str, Any]:
+    """The owner's side of :data:`TREE_END_METHOD`."""
+    reason = params.get("reason")
+    if not isinstance(reason, str):
+        return _error(jsonrpc.INVALID_PARAMS, f"{TREE_END_METHOD} needs a reason")
+    try:
+        ended = await host.child_reports.end_here(session_id, reason[:MAX_REASON_CHARS])
+    except (SessionNotFound, HostClosed) as exc:
+        return _error(OWNER_UNREACHABLE, f"session {session_id} is not open here: {exc}")
+    return {"result": {"interrupted": ended}}
 
 
 def _error(code: int, message: str) -> dict[str, Any]:

@@ -571,7 +571,7 @@ class Methods:
     async def rpc_interrupt(self, connection: Connection, params: dict[str, Any]) -> Any:
         """Interrupt the session's running task; ``interrupted`` is False when it was idle.
         ``scope`` (R-TREE-2): ``tree`` (the default) ends the whole subtree (answered once
-        stored nodes have their ends written); ``node``, the task and foreground children."""
+        ends out of this host are written); ``node``, the task and foreground children."""
         jsonrpc.check_params(params, "interrupt")
         scope: InterruptScope = "tree"
         if params.get("scope") is not None:

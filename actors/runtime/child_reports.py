@@ -54,6 +54,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+import attrs
 import trio
 
 from greenroom.actors.runtime.accounting import stored_origin, tree_usage
@@ -82,7 +83,7 @@ from greenroom.protocols.outputs import Output
 if TYPE_CHECKING:
     from greenroom.actors.runtime.host import Host
 
-__all__ = ["ChildReports", "ParentLink", "StoredBelow", "StoredNode"]
+__all__ = ["ChildReports", "NodeElsewhere", "NodesBelow", "ParentLink", "StoredBelow", "StoredNode"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,9 +97,28 @@ StoredNode = tuple[str, Callable[[], Awaitable[bool]]]
 what opens it in this host to be ended (False when it is not to be ended here: another
 host took it meanwhile)."""
 
-StoredBelow = Callable[[str], Awaitable[list[StoredNode]]]
-"""Finds the stored nodes below a node (its id) that a tree interrupt of it ends, shallow
-first: its background descendants that no host runs and whose task may be open. Raises
+NodeElsewhere = tuple[str, Callable[[str], Awaitable[bool]]]
+"""A node a tree interrupt ends that another host runs (in a cluster): its id, and what
+asks that host to end it, given the reason (:meth:`ChildReports.end_here` there). That
+returns once the node's end is written there: True when it had work to end; False when
+it had none, or its host did not answer in time or refused (logged). Never raises."""
+
+
+@attrs.frozen(kw_only=True)
+class NodesBelow:
+    """The nodes below a node that a tree interrupt of it ends, besides those open here
+    (:data:`StoredBelow`), each list shallow first."""
+
+    stored: list[StoredNode]
+    """Those that no host runs, opened here to be ended."""
+    elsewhere: list[NodeElsewhere] = attrs.field(factory=list)
+    """Those that other hosts run, ended there."""
+
+
+StoredBelow = Callable[[str], Awaitable[NodesBelow]]
+"""Finds the nodes below a node (its id) that a tree interrupt of it ends besides those
+open here: its background descendants that no host runs and whose task may be open, and
+in a cluster those other hosts run. Raises
 :class:`~greenroom.actors.runtime.errors.HostClosed` once the host is closed."""
 
 LINK_ATTEMPTS = 20
@@ -394,10 +414,11 @@ class ChildReports:
         parent was loaded again since it spawned them. Then the stored ones no host runs
         (:attr:`stored_below`), whose trace leaves them running or waiting for people,
         background children of the tree (a foreground child's task went with its parent's
-        call): each is loaded for it and ends a moment later (:meth:`reached` waits for
-        their ends to be durable). Each ends as a live child ends, ``cut``: its
-        pending requests are answered interrupted, nothing runs after, and its answer is
-        for nobody. True when one open here had work to interrupt."""
+        call): each is loaded for it and ends a moment later. In a cluster, those other
+        hosts run are ended there (:meth:`end_here`). :meth:`reached` waits for those
+        ends to be durable. Each ends as a live child ends, ``cut``: its pending requests
+        are answered interrupted, nothing runs after, and its answer is for nobody. True
+        when one open here had work to interrupt."""
         reason = f"parent interrupted: {reason}"
         below = [p for p in self._open_ports() if node.id in p.origin_path[:-1]]
         hit = False
@@ -413,12 +434,26 @@ class ChildReports:
     async def reached(self, node_id: str) -> bool:
         """Return once the stored nodes that the tree interrupts of ``node_id`` made so far
         end (:meth:`end_unreached`) have ended, their ends durable in their traces (in a
-        cluster: in JetStream), or could not be reached (logged). True when one of them
+        cluster: in JetStream, and those other hosts run once their hosts say so, or
+        did not answer in time), or could not be reached (logged). True when one of them
         had work to end. Never raises."""
         ends = list(self._reaching.get(node_id, ()))
         for stored_end in ends:
             await stored_end.done.wait()
         return any(stored_end.ended for stored_end in ends)
+
+    async def end_here(self, session_id: str, reason: str) -> bool:
+        """End ``session_id``, open here, as :meth:`end_unreached` ends a node open here
+        for a tree interrupt of one of its ancestors that runs on another host (in a
+        cluster), ``reason`` already saying so: ``cut``, its answer for nobody. Return once
+        it has stopped and its trace is durable; True when it had work to end. Raises
+        :class:`SessionNotFound` when it is not open here."""
+        port = self._host.port(session_id)
+        place = self._place_of(port)
+        # Cut already: its parent here, ended for the same interrupt, ended it.
+        ended = (place is None or not place.cut) and self._end(port, reason)
+        await _until_written(port)
+        return ended
 
     def _open_ports(self) -> list[SessionPort]:
         ports = (self._open_port(session.id) for session in self._host.sessions)
@@ -453,7 +488,8 @@ class ChildReports:
         it ended have their ends written."""
         ended: list[SessionPort] = []
         try:
-            for session_id, open_here in await self.stored_below(node_id):
+            below = await self.stored_below(node_id)
+            for session_id, open_here in below.stored:
                 with contextlib.suppress(SessionNotFound):  # deleted, or closed meanwhile
                     if not await open_here():
                         continue
@@ -461,7 +497,8 @@ class ChildReports:
                     place = self._place_of(port)
                     if (place is None or not place.cut) and self._end(port, reason):
                         ended.append(port)
-            stored_end.ended = bool(ended)
+            ended_elsewhere = await _ended_elsewhere(below.elsewhere, reason)
+            stored_end.ended = bool(ended) or ended_elsewhere
             # Ended in memory is not ended: a host lost now would leave it open in its
             # trace, and the next to take it up would run it on.
             for port in ended:
@@ -491,7 +528,21 @@ class _StoredEnd:
         """Whether it ended a node's work."""
 
 
-async def _stored_here(host: Host, open_tasks: OpenTaskIndex, node_id: str) -> list[StoredNode]:
+async def _ended_elsewhere(nodes: list[NodeElsewhere], reason: str) -> bool:
+    """Ask the hosts that run ``nodes`` to end them, all at once; whether one had work.
+    Never raises (a :data:`NodeElsewhere`'s end does not)."""
+    ended: list[bool] = []
+
+    async def end_there(end: Callable[[str], Awaitable[bool]]) -> None:
+        ended.append(await end(reason))
+
+    async with trio.open_nursery() as nursery:
+        for _, end in nodes:
+            nursery.start_soon(end_there, end)
+    return any(ended)
+
+
+async def _stored_here(host: Host, open_tasks: OpenTaskIndex, node_id: str) -> NodesBelow:
     """The stored nodes below ``node_id`` on one host (:data:`StoredBelow`): of the
     sessions the host left with a task open, not open here, the background children of
     the tree, read from their ``session.json``."""
@@ -505,7 +556,9 @@ async def _stored_here(host: Host, open_tasks: OpenTaskIndex, node_id: str) -> l
         origin = stored_origin(meta, session_id) or ()
         if meta.get("background") is True and node_id in origin[:-1]:
             below.append((len(origin), session_id))
-    return [(sid, functools.partial(_load, host, sid)) for _, sid in sorted(below)]
+    return NodesBelow(
+        stored=[(sid, functools.partial(_load, host, sid)) for _, sid in sorted(below)]
+    )
 
 
 async def _load(host: Host, session_id: str) -> bool:
