@@ -26,9 +26,13 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 from conftest import allow_all
 
+from greenroom.actors.cluster.directory_entries import DirectoryEntries
+from greenroom.actors.cluster.ownership import SessionOwners
+from greenroom.actors.cluster.registry import SessionDirectory
 from greenroom.actors.cluster.router import TREE_END_METHOD
 from greenroom.actors.cluster.routing import SessionRequests
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider
@@ -287,3 +291,79 @@ def test_a_hosts_end_of_a_node_it_runs_needs_a_reason(
     assert refused["error"]["code"] == -32602, refused
     assert "reason" in refused["error"]["message"]
     assert ended == {"result": {"interrupted": False}}
+
+
+def test_a_tree_interrupt_does_not_open_again_the_nodes_it_ended_here(
+    tmp_path: Path, nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-TREE-2, R-CLUSTER-2: b has taken the whole tree over (the collector's ``hold``
+    call runs there). The root's ``scope="tree"`` interrupt on b ends the payer and the
+    collector there; they leave b (closed, released) while the interrupt's look into the
+    directory runs: the test holds their closed entries until that look has read the
+    directory, that read until b runs them no more, and its read of their owners until
+    they are released. They are not taken for nodes no host runs: neither is claimed
+    and opened on b again. Before, both were, and stayed open on b."""
+    live_owners, entries_of, publish = (
+        SessionOwners.live_owners,
+        SessionDirectory.entries,
+        DirectoryEntries.publish,
+    )
+    read = trio.Event()
+
+    async def body(cluster: Cluster) -> dict[str, Any]:
+        a, b = cluster.members["a"], cluster.members["b"]
+        held = (watched.tool(), watched.started["collect-1"])
+        tree = await _until_the_payer_waits(a, tmp_path, held, watched.brain)
+        root, payer, collector = tree
+        await _lose(cluster, a, *tree)
+        entries = {sid: await cluster.entry(sid) or {} for sid in tree}
+        assert await b.node._take_entries(entries) == list(tree)
+        await watched.started["collect-2"].wait()  # the collector runs on b
+
+        async def after_their_release(self: SessionOwners, session_ids: Any, **kw: Any) -> Any:
+            session_ids = list(session_ids)
+            if payer in session_ids:
+                for session_id in (payer, collector):
+                    await until(lambda: cluster.released(session_id))  # noqa: B023
+            return await live_owners(self, session_ids, **kw)
+
+        async def run_nowhere() -> bool:
+            return not (b.node.serves(payer) or b.node.serves(collector))
+
+        async def entries_read(self: SessionDirectory, **kw: Any) -> Any:
+            found = await entries_of(self, **kw)
+            await until(run_nowhere)  # closed on b, their entries not yet
+            read.set()
+            return found
+
+        async def closed_after_the_read(
+            self: DirectoryEntries, session_id: str, *, closed: bool = False
+        ) -> None:
+            if closed and session_id in (payer, collector):
+                await read.wait()
+            await publish(self, session_id, closed=closed)
+
+        monkeypatch.setattr(SessionOwners, "live_owners", after_their_release)
+        monkeypatch.setattr(SessionDirectory, "entries", entries_read)
+        monkeypatch.setattr(DirectoryEntries, "publish", closed_after_the_read)
+        interrupted = b.host.get_session(root).interrupt("stop the tree", scope="tree")
+        await b.host.child_reports.reached(root)
+        records = {sid: (await cluster.traces.read(sid)).records for sid in tree}
+        return {
+            "interrupted": interrupted,
+            "tree": tree,
+            "ends": {sid: _ends(records[sid]) for sid in tree},
+            "open_on_b": sorted(s.id for s in b.host.sessions if s.id in (payer, collector)),
+            "holders": {sid: await cluster.holder(sid) for sid in (payer, collector)},
+        }
+
+    watched = Watched(_brain_holding(pays=0, collects=2))
+    tools = (*TOOLS, watched.tool())
+    found = in_cluster(
+        nats_server, tmp_path, ("a", "b"), body, brain=watched.brain, tools=tools, approve=allow_all
+    )
+    root, payer, collector = found["tree"]
+    assert found["interrupted"] is True
+    assert found["ends"] == {root: ["completed"], payer: ["aborted"], collector: ["aborted"]}
+    assert found["open_on_b"] == []
+    assert found["holders"] == {payer: None, collector: None}

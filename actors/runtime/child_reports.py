@@ -427,7 +427,10 @@ class ChildReports:
             if self._place_of(port) is None:
                 hit = self._end(port, reason) or hit
         stored_end = _StoredEnd()
-        self._host.start_task(functools.partial(self._end_stored, node.id, reason, stored_end))
+        here = frozenset(port.id for port in below)
+        self._host.start_task(
+            functools.partial(self._end_stored, node.id, reason, stored_end, here)
+        )
         self._reaching.setdefault(node.id, []).append(stored_end)
         return hit
 
@@ -483,21 +486,27 @@ class ChildReports:
             return True
         return end_subtree(port, reason)
 
-    async def _end_stored(self, node_id: str, reason: str, stored_end: _StoredEnd) -> None:
+    async def _end_stored(
+        self, node_id: str, reason: str, stored_end: _StoredEnd, here: frozenset[str]
+    ) -> None:
         """The stored part of :meth:`end_unreached`: ``stored_end`` is done once the nodes
-        it ended have their ends written."""
+        it ended have their ends written. ``here`` are the nodes open here that it ended
+        already: one of them, its work ended, may close and leave this host while the
+        stored nodes are looked for, found then as run by no host; opened again, it would
+        stay open here for nothing."""
         ended: list[SessionPort] = []
         try:
             below = await self.stored_below(node_id)
             for session_id, open_here in below.stored:
                 with contextlib.suppress(SessionNotFound):  # deleted, or closed meanwhile
-                    if not await open_here():
+                    if session_id in here or not await open_here():
                         continue
                     port = self._host.port(session_id)
                     place = self._place_of(port)
                     if (place is None or not place.cut) and self._end(port, reason):
                         ended.append(port)
-            ended_elsewhere = await _ended_elsewhere(below.elsewhere, reason)
+            elsewhere = [node for node in below.elsewhere if node[0] not in here]
+            ended_elsewhere = await _ended_elsewhere(elsewhere, reason)
             stored_end.ended = bool(ended) or ended_elsewhere
             # Ended in memory is not ended: a host lost now would leave it open in its
             # trace, and the next to take it up would run it on.
