@@ -67,6 +67,7 @@ __all__ = [
     "TaskInput",
     "TreeReach",
     "left_open",
+    "left_unstarted",
 ]
 
 ApproveFn = Callable[[Any], "Awaitable[Any] | Any"]
@@ -678,5 +679,20 @@ def left_open(port: SessionPort) -> bool:
     is not parked, held for a drain's hand-over, or closing. Its host stopped under it
     (R-HITL-4): only a take-up (``Host.resume``) or an interrupt that takes it up to end
     at once (R-ABORT-1) moves it on."""
-    idle = port.inbox is None and not (port.parked or port.held or port.closed)
-    return idle and port.machine.run_id is not None
+    return _unattended(port) and port.machine.run_id is not None
+
+
+def left_unstarted(port: SessionPort) -> bool:
+    """Whether ``port``'s trace holds input that its host recorded and stopped before
+    starting a task for, with nobody to start it (unattended as for :func:`left_open`,
+    no task open): a prompt without its ``task_start`` (R-TRACE-3), or follow-ups
+    recorded as queued (R-STEER-6). Only a take-up runs it, or an interrupt ends it."""
+    record = port.machine.record
+    left = record.unstarted is not None or bool(record.queued)
+    return left and _unattended(port) and port.machine.run_id is None
+
+
+def _unattended(port: SessionPort) -> bool:
+    """No supervisor runs ``port``'s work, and it is not parked, held for a drain's
+    hand-over, or closing."""
+    return port.inbox is None and not (port.parked or port.held or port.closed)

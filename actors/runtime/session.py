@@ -34,10 +34,9 @@ from greenroom.actors.runtime.port import (
     Listener,
     SessionPort,
     TaskInput,
-    left_open,
 )
 from greenroom.actors.runtime.receipts import InputReceipt
-from greenroom.actors.runtime.supervisor import start
+from greenroom.actors.runtime.supervisor import end_left_work, start
 from greenroom.actors.runtime.time_travel import rewind_to
 from greenroom.actors.runtime.tree import end_subtree
 from greenroom.protocols import markers
@@ -892,12 +891,10 @@ def _interrupt(
     under stays open in its trace."""
     interrupt = InterruptTask(reason=reason, scope=scope)
     hit = port.deliver(interrupt)
-    if not hit and asked and left_open(port) and port.host.is_open():
-        # Its trace leaves it running, as its host stopped under it: taken up to end at
-        # once, its end in its trace; else the next take-up would run the task the user
-        # interrupted (R-ABORT-1, R-TRACE-4).
-        port.host.wake(port, interrupt)
-        hit = True
+    if not hit and asked and port.host.is_open():
+        # Its trace leaves a task running, or input recorded and not started, as its host
+        # stopped: ended in its trace (R-ABORT-1, R-TRACE-4).
+        hit = end_left_work(port, interrupt)
     if scope != "tree":
         return hit
     # Its supervisor, when one took the interrupt, ends the live subtree itself.

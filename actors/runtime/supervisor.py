@@ -53,7 +53,13 @@ from greenroom.actors.runtime.attachments import attach, has_images
 from greenroom.actors.runtime.drain import holds_for_drain
 from greenroom.actors.runtime.emitter import OutputEmitter, repaired_blocks
 from greenroom.actors.runtime.errors import ImageRefused
-from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput
+from greenroom.actors.runtime.port import (
+    Approval,
+    SessionPort,
+    TaskInput,
+    left_open,
+    left_unstarted,
+)
 from greenroom.actors.runtime.receipts import InputReceipt, drop_unrun, taken
 from greenroom.actors.runtime.resumption import parked_or_lost, queued_record, requeue_recorded
 from greenroom.actors.runtime.running_task import RunningTask, build_request
@@ -108,6 +114,7 @@ __all__ = [
     "ABORT_GRACE_S",
     "SessionSupervisor",
     "build_request",
+    "end_left_work",
     "run_child",
     "start",
     "take_up_stored",
@@ -822,7 +829,9 @@ def wake(port: SessionPort, message: SupervisorMessage | None) -> None:
         # Unbounded and unread: nothing waits on it; the trace and watchers get all.
         output, unread = trio.open_memory_channel[list[Output]](math.inf)
         unread.close()
-    ended = message if isinstance(message, InterruptTask) else None
+    # With no task open, an interrupt is read first from the inbox: it drops the queue.
+    open_task = port.machine.run_id is not None
+    ended = message if isinstance(message, InterruptTask) and open_task else None
     cancel = parked.cancel if parked is not None else None
     supervisor = SessionSupervisor(port, output, cancel, ended)
     port.inbox = supervisor.inbox
@@ -847,6 +856,20 @@ def take_up_stored(port: SessionPort, approve: Approval) -> bool:
         port.host.wake(port, None)  # the host knows the taken-up subagents (R-TREE-2)
         return True
     return False
+
+
+def end_left_work(port: SessionPort, interrupt: InterruptTask) -> bool:
+    """End at once the work a stopped host left in ``port``'s trace with nobody to run it
+    (R-ABORT-1): its open task; the task of a prompt it recorded and had not started,
+    which starts only to end ``aborted``; the follow-ups it recorded as queued, recorded
+    dropped. A supervisor takes the work up with ``interrupt`` first, so nothing of it
+    runs and nobody is asked; else the next take-up would run what the user interrupted.
+    Whether there was any."""
+    if not (left_open(port) or left_unstarted(port)):
+        return False
+    port.machine.adopt_unstarted()
+    port.host.wake(port, interrupt)
+    return True
 
 
 async def forward_cancel(
