@@ -766,18 +766,18 @@ def check_block(item: Mapping[str, Any], path: str, allowed: Iterable[str]) -> N
         raise invalid(f"{path}.{clip(unknown[0])}", "unknown field")
 
 
+# The least value each setting's documentation gives a meaning to: -1 for "no limit";
+# none for the loop guards and max_context_length, which any value <= 0 turns off. A
+# client gains nothing by them that a huge number would not give it.
 _SETTINGS_MINIMUMS: dict[str, float] = {
     "max_tokens": 1,
     "max_turns": -1,
-    "max_context_length": 1,
     "max_session_turns": -1,
     "tool_result_budget": 1,
     "approval_timeout_s": 0,
-    "loop_repeat_threshold": 1,
-    "loop_no_progress_threshold": 1,
     "max_subagents_concurrent": 0,
-    "max_subagents_per_task": 0,
-    "subagent_token_budget": 1,
+    "max_subagents_per_task": -1,
+    "subagent_token_budget": -1,
     "max_subagent_depth": 0,
     "max_image_bytes": 1,
     "max_cost_usd": 0,
@@ -808,24 +808,50 @@ def parse_settings(
             raise invalid(field_path, "unknown setting")
         if name in blocked:
             raise invalid(field_path, "cannot be set by a client")
-        problem = _type_problem(field_value, hints[name])
+        problem = setting_problem(name, field_value)
         if problem is not None:
             raise invalid(field_path, problem)
-        number = isinstance(field_value, int | float) and not isinstance(field_value, bool)
-        if number and abs(field_value) > MAX_SETTING_NUMBER:
-            raise invalid(field_path, f"out of range (at most {MAX_SETTING_NUMBER})")
-        if isinstance(field_value, str):
-            most = MAX_SETTING_CHARS.get(name, MAX_SETTING_TEXT)
-            if len(field_value) > most:
-                raise invalid(field_path, f"longer than {most} characters")
-        minimum = _SETTINGS_MINIMUMS.get(name)
-        if minimum is not None and isinstance(field_value, int | float):
-            if name in _SETTINGS_STRICTLY_POSITIVE and field_value <= minimum:
-                raise invalid(field_path, f"must be greater than {minimum:g}")
-            if field_value < minimum:
-                raise invalid(field_path, f"must be at least {minimum:g}")
         checked[name] = field_value
     return checked
+
+
+def setting_problem(name: str, value: Any) -> str | None:
+    """What is wrong with ``value`` (decoded JSON) for the :class:`SessionSettings` field
+    ``name``, a known one: its type, a number beyond :data:`MAX_SETTING_NUMBER` or below the
+    field's minimum, a text longer than the field's most; None when it fits. The one check
+    of a setting's value, a client's (:func:`parse_settings`) or a stored session's
+    (:func:`settings_problem`)."""
+    problem = _type_problem(value, _settings_types()[name])
+    if problem is not None:
+        return problem
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if number and abs(value) > MAX_SETTING_NUMBER:
+        return f"out of range (at most {MAX_SETTING_NUMBER})"
+    if isinstance(value, str):
+        most = MAX_SETTING_CHARS.get(name, MAX_SETTING_TEXT)
+        if len(value) > most:
+            return f"longer than {most} characters"
+    minimum = _SETTINGS_MINIMUMS.get(name)
+    if minimum is not None and number:
+        if name in _SETTINGS_STRICTLY_POSITIVE and value <= minimum:
+            return f"must be greater than {minimum:g}"
+        if value < minimum:
+            return f"must be at least {minimum:g}"
+    return None
+
+
+def settings_problem(settings: Mapping[str, Any], path: str = "$.settings") -> str | None:
+    """The first of ``settings`` (decoded JSON: a ``session.json``'s, or unstructured
+    :class:`SessionSettings`) that a client could not give (:func:`setting_problem`), as
+    ``<problem> @ <path>.<name>``; None when every one fits. A name this version does not
+    know is left alone: another version may have written it, and it changes nothing here."""
+    hints = _settings_types()
+    for name, value in settings.items():
+        if name in hints:
+            problem = setting_problem(name, value)
+            if problem is not None:
+                return f"{problem} @ {path}.{clip(name)}"
+    return None
 
 
 @functools.cache

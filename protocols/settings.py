@@ -21,7 +21,8 @@ image, so an image that passes here is not refused there for its size."""
 class SessionSettings:
     """Everything that shapes a session's behaviour; stored with the session.
 
-    ``max_turns`` (R-RUN-6) and ``max_session_turns`` (R-COMPACT-1) use -1 for no limit.
+    ``max_turns`` (R-RUN-6) and ``max_session_turns`` (R-COMPACT-1) use -1 for no limit;
+    ``max_context_length`` ≤ 0 compacts on no context size (R-COMPACT-1).
     ``tool_result_budget`` is in bytes (R-TOOL-8). ``approval_timeout_s`` bounds the wait
     for an approval (R-APPROVE-4) — None waits without limit, as a person may answer the
     next day (R-HITL-1); when it runs out, ``approval_timeout_action`` ``deny`` denies the

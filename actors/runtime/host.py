@@ -41,7 +41,7 @@ from greenroom.actors.runtime.admission import ProviderAdmissions, ProviderLimit
 from greenroom.actors.runtime.child_index import ChildIndex
 from greenroom.actors.runtime.child_reports import ChildReports
 from greenroom.actors.runtime.drain import HandOver, drain_sessions
-from greenroom.actors.runtime.errors import ConfigurationError, HostClosed, SessionNotFound
+from greenroom.actors.runtime.errors import HostClosed, SessionNotFound
 from greenroom.actors.runtime.gc_tuning import tuned_gc
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.open_tasks import OpenTaskIndex
@@ -52,6 +52,7 @@ from greenroom.actors.runtime.port_builder import (
     LoadApproval,
     LoadDefaults,
     PortBuilder,
+    checked_settings,
     load_defaults,
 )
 from greenroom.actors.runtime.session import Session, require_trio
@@ -734,10 +735,7 @@ def _new_settings(
         changes["model"] = default_model(str(provider_name))
     if system is not None:
         changes["system"] = system
-    try:
-        return attrs.evolve(base, **changes)
-    except TypeError as exc:
-        raise ConfigurationError(f"bad session settings: {exc}") from None
+    return checked_settings(base, changes)
 
 
 def stored_root(meta: Mapping[str, Any], session_id: str) -> str:

@@ -42,6 +42,7 @@ from greenroom.actors.tools.workspace import WorkspaceError, current_boot, open_
 from greenroom.protocols.converter import converter, describe_error
 from greenroom.protocols.history import context_at
 from greenroom.protocols.hooks import Hooks
+from greenroom.protocols.jsonrpc import settings_problem
 from greenroom.protocols.outputs import Rewind
 from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.settings import SessionSettings
@@ -275,7 +276,7 @@ class PortBuilder:
         if isinstance(provider, str):
             overrides["provider"] = provider
         if overrides:
-            settings = attrs.evolve(settings, **overrides)
+            settings = checked_settings(settings, overrides)
         model_provider = provider if not isinstance(provider, str | None) else None
         if model_provider is None:
             model_provider = await self.clients.get(settings)
@@ -441,19 +442,40 @@ def _child_origin(parent: SessionPort | None, parent_id: str, session_id: str) -
 async def _stored_settings(
     store: TraceStore, session_id: str, directory: Path
 ) -> tuple[dict[str, Any], SessionSettings]:
-    """A stored session's metadata and settings; :class:`SessionNotFound` says why not."""
+    """A stored session's metadata and settings, each setting held to the bounds a
+    client's meets (``settings_problem``: a hand edit may have passed them);
+    :class:`SessionNotFound` says why not, naming the file and the setting."""
     try:
         meta = await store.catalog.read_meta(session_id)
-        return meta, converter.structure(meta.get("settings", {}), SessionSettings)
+        raw = meta.get("settings", {})
+        settings = converter.structure(raw, SessionSettings)
+        problem = settings_problem(raw)
+        if problem is None:
+            return meta, settings
     except StoredSessionMissing as exc:
         raise SessionNotFound(str(exc)) from None
     except StoredSessionUnreadable as exc:
         raise SessionNotFound(f"session {session_id!r} is unreadable: {exc}") from None
     except Exception as exc:  # cattrs: a field of the wrong type or value
-        raise SessionNotFound(
-            f"session {session_id!r} is unreadable: {directory / SESSION_FILE}: bad "
-            f"settings: {describe_error(exc, path='$.settings')}"
-        ) from None
+        problem = describe_error(exc, path="$.settings")
+    raise SessionNotFound(
+        f"session {session_id!r} is unreadable: {directory / SESSION_FILE}: bad "
+        f"settings: {problem}"
+    )
+
+
+def checked_settings(base: SessionSettings, changes: Mapping[str, Any]) -> SessionSettings:
+    """``base`` with ``changes``, held to the bounds a client's settings meet
+    (``settings_problem``), so that a session is never given settings it could not be
+    loaded with. :class:`ConfigurationError` names an unknown setting or one out of them."""
+    try:
+        settings = attrs.evolve(base, **changes)
+    except TypeError as exc:
+        raise ConfigurationError(f"bad session settings: {exc}") from None
+    problem = settings_problem(converter.unstructure(settings))
+    if problem is not None:
+        raise ConfigurationError(f"bad session settings: {problem}")
+    return settings
 
 
 def _forked_from(meta: Mapping[str, Any]) -> tuple[str, int] | None:

@@ -39,13 +39,13 @@ import trio
 
 from greenroom.actors.runtime.errors import (
     Busy,
-    ConfigurationError,
     SeqRefused,
     SessionExists,
     SessionNotFound,
 )
 from greenroom.actors.runtime.llm_streamer import ModelProvider
 from greenroom.actors.runtime.port import SessionPort
+from greenroom.actors.runtime.port_builder import checked_settings
 from greenroom.actors.runtime.shared_tables import fixed_workspace
 from greenroom.actors.runtime.storage import ATTACHMENTS_DIR, PRIVATE_DIR_MODE, SessionStore
 from greenroom.actors.runtime.trace_store import (
@@ -55,6 +55,7 @@ from greenroom.actors.runtime.trace_store import (
 )
 from greenroom.protocols.converter import converter, describe_error
 from greenroom.protocols.history import context_at
+from greenroom.protocols.jsonrpc import settings_problem
 from greenroom.protocols.messages import TraceWritten
 from greenroom.protocols.outputs import Output, Rewind
 from greenroom.protocols.settings import SessionSettings
@@ -252,20 +253,19 @@ def _forked_settings(
     meta: Mapping[str, Any], provider: str | ModelProvider | None, overrides: Mapping[str, Any]
 ) -> SessionSettings:
     """The fork's settings: the source's with ``overrides`` (and a provider name)."""
+    raw = meta.get("settings", {})
     try:
-        settings = converter.structure(meta.get("settings", {}), SessionSettings)
+        settings = converter.structure(raw, SessionSettings)
+        problem = settings_problem(raw)  # the bounds a client's settings meet
     except Exception as exc:  # cattrs: a field of the wrong type or value
+        problem = describe_error(exc, path="$.settings")
+    if problem is not None:
         name = meta.get("session_id")
-        raise SessionNotFound(
-            f"session {name!r} has bad settings: {describe_error(exc, path='$.settings')}"
-        ) from None
+        raise SessionNotFound(f"session {name!r} has bad settings: {problem}")
     changes = dict(overrides)
     if isinstance(provider, str):
         changes["provider"] = provider
-    try:
-        return attrs.evolve(settings, **changes)
-    except TypeError as exc:
-        raise ConfigurationError(f"bad session settings: {exc}") from None
+    return checked_settings(settings, changes)
 
 
 def _share_attachments(source: Path, target: Path) -> None:
