@@ -60,14 +60,14 @@ import trio
 from greenroom.actors.runtime.accounting import stored_origin, tree_usage
 from greenroom.actors.runtime.errors import HostClosed, SessionClosed, SessionNotFound
 from greenroom.actors.runtime.open_tasks import OpenTaskIndex
-from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput, left_open
+from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput, left_unstarted
 from greenroom.actors.runtime.subagents import (
     ChildWatch,
     SubagentError,
     answer_fitted,
     finished_text,
 )
-from greenroom.actors.runtime.supervisor import wake
+from greenroom.actors.runtime.supervisor import end_left_work, wake
 from greenroom.actors.runtime.tree import (
     LiveChild,
     children_of,
@@ -138,12 +138,6 @@ def _parent_waits(child: SessionPort) -> bool:
     the parent's running children only then: a root's close, which ends the subtree it
     counts, leaves it pending, as it did before the child counted parked."""
     return child.parent_id is not None and child.parent_id != child.root_id
-
-
-def _left_running(port: SessionPort) -> bool:
-    """Whether ``port`` is a background child whose open task nobody runs, parked or held
-    for nobody: its host stopped under it (R-HITL-4)."""
-    return left_open(port) and port.report_as is not None
 
 
 class ChildReports:
@@ -470,7 +464,8 @@ class ChildReports:
         return None if children is None else children.live.get(port.id)
 
     def _end(self, port: SessionPort, reason: str) -> bool:
-        if port.report_as is not None and port.machine.run_id is not None:
+        unstarted = left_unstarted(port)
+        if port.report_as is not None and (port.machine.run_id is not None or unstarted):
             self._cut.add(port.id)
         place = self._place_of(port)
         if place is not None:
@@ -478,11 +473,11 @@ class ChildReports:
         interrupt = InterruptTask(reason=reason, scope="tree")
         if port.deliver(interrupt):
             return True
-        if _left_running(port):
-            # Its trace leaves it running, as its host stopped under it: taken up to end
-            # at once, so that its end is in its trace; else the next host to take up
-            # the open tasks would run it on, and its answer would reach its parent.
-            self.wake(port, interrupt)
+        if port.report_as is not None and end_left_work(port, interrupt):
+            # Its trace leaves it running, or its input not started, as its host stopped:
+            # taken up to end at once, so that its end is in its trace; else the next
+            # host to take up the open tasks would run it, and its answer would reach
+            # its parent.
             return True
         return end_subtree(port, reason)
 
