@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from conftest import RUN_TIMEOUT_S, open_host, port_of, trace_lines
+from conftest import RUN_TIMEOUT_S, cut_after, open_host, port_of, trace_lines
 from support.disks import FaultyDisk
 from test_gateway import connect, serving
 from test_recovery import copy_session
@@ -289,3 +289,29 @@ async def test_a_run_whose_client_left_before_its_answer_keeps_no_outputs(
             disk.release()
             await session.wait_idle()
     assert trace_lines(session)[-1]["status"] == "completed"
+
+
+async def test_a_stopped_run_loaded_and_closed_is_still_taken_up_by_its_host(
+    data_dir: Path, workspace: Path
+) -> None:
+    """R-CLUSTER-2, R-HITL-4: the trace ends in an accepted prompt (cut after it). The
+    next host lists its requests (which loads the session), closes the session, then takes
+    up its open work: the run starts and completes. Before, the close forgot that the
+    session held work (only an open task counted), and ``resume_tasks`` found nothing
+    until another host scanned the store."""
+    provider = ScriptedProvider([Reply(blocks=(text("one"),))])
+    async with open_host(data_dir) as host:
+        session = await host.create_session(provider=provider, workspace_dir=workspace)
+        await session.run("first").collect()
+    cut_after(session.trace_path, lambda record: record["type"] == "user_msg")
+    async with open_host(data_dir) as host:
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await host.pending_approvals()  # reads the store: the session is loaded
+            await host.close_session(session.id)
+            assert await host.resume_tasks() == [session.id]
+            resumed = await host.load_session(session.id)
+            port_of(resumed).provider = ScriptedProvider([Reply(blocks=(text("two"),))])
+            await resumed.wait_idle()
+        lines = trace_lines(resumed)
+    assert [line["type"] for line in lines][:2] == ["user_msg", "task_start"]
+    assert lines[-1]["type"] == "task_end" and lines[-1]["status"] == "completed"

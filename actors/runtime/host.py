@@ -418,7 +418,7 @@ class Host:
                 # pending in the trace, and loading the session asks it again (R-HITL-1).
                 await session.aclose()
                 task_open = port is not None and port.machine.run_id is not None
-                self._open_tasks.closed(session_id, task_open=task_open)
+                self._open_tasks.closed(session_id, port.machine if port is not None else None)
                 await self._builder.release(session_id)
                 if not (delete or task_open) and self.on_closed is not None:
                     self.on_closed(session_id)

@@ -12,9 +12,17 @@ from __future__ import annotations
 from collections.abc import Container
 
 from greenroom.actors.runtime.trace_store import TraceStore
-from greenroom.protocols.task import fold
+from greenroom.protocols.task import TaskMachine, fold
 
-__all__ = ["OpenTaskIndex"]
+__all__ = ["OpenTaskIndex", "leaves_work"]
+
+
+def leaves_work(machine: TaskMachine) -> bool:
+    """Whether the session whose work ``machine`` holds leaves some for a take-up when
+    nothing runs it: a task open, a run accepted and not yet started (a prompt without its
+    ``task_start``), or follow-ups recorded as queued (R-STEER-6)."""
+    record = machine.record
+    return machine.run_id is not None or record.unstarted is not None or bool(record.queued)
 
 
 class OpenTaskIndex:
@@ -38,18 +46,15 @@ class OpenTaskIndex:
                     loaded = await self._store.log.read_latest(entry.session_id)
                 except OSError:
                     continue  # unreadable: listed by list_sessions, not resumed
-                machine = fold(list(loaded.records))
-                record = machine.record
-                if machine.run_id is not None or record.unstarted is not None or record.queued:
-                    # A task open, a run not yet started, or follow-ups queued (R-STEER-6).
+                if leaves_work(fold(list(loaded.records))):
                     found.add(entry.session_id)
             self._open |= found
             self._scanned = True
         return sorted(s for s in self._open if s not in open_here)
 
-    def closed(self, session_id: str, *, task_open: bool) -> None:
-        """The host closed ``session_id``, its task open or not."""
-        if task_open:
+    def closed(self, session_id: str, machine: TaskMachine | None) -> None:
+        """The host closed ``session_id``, whose work ``machine`` holds (None: not open)."""
+        if machine is not None and leaves_work(machine):
             self._open.add(session_id)
         else:
             self._open.discard(session_id)
