@@ -787,8 +787,10 @@ _SETTINGS_STRICTLY_POSITIVE = frozenset({"approval_timeout_s"})
 MAX_SETTING_NUMBER = 2**53
 """No setting means anything beyond this (and every float can hold it exactly)."""
 MAX_SETTING_CHARS: dict[str, int] = {"model": 200}
-MAX_SETTING_TEXT = 100_000
-"""Longest text setting (``system``, ``compact_prompt``); the frame limit bounds it too."""
+MAX_SETTING_TEXT = 1_000_000
+"""Longest text setting (``system``, ``compact_prompt``): more than any model's context
+holds, so a program's long system prompt is never refused for its length (a gateway
+client's frame limit bounds it too)."""
 
 
 def parse_settings(

@@ -82,12 +82,21 @@ async def test_stored_settings_within_bounds_load_as_they_are(
             max_turns=-1,
             max_cost_usd=0,
             approval_timeout_s=None,
+            # A long system prompt (a manual, a codebase's guide) is a program's to give.
+            system="s" * 150_000,
             a_setting_of_another_version=True,
         )
         meta_path.write_text(json.dumps(meta), "utf-8")
         async with open_host(data_dir) as host:
             session = await host.load_session(created.id, provider=_fine())
             assert (session.settings.max_image_bytes, session.settings.max_cost_usd) == (2**53, 0)
+            assert len(session.settings.system or "") == 150_000
+        async with open_host(data_dir) as host:
+            long_system = "s" * 150_000
+            made = await host.create_session(
+                provider=_fine(), workspace_dir=workspace, system=long_system
+            )
+            assert made.settings.system == long_system
 
 
 DOCUMENTED_OFF = {
