@@ -96,6 +96,32 @@ def test_an_allowed_origin_that_no_browser_sends_is_a_usage_error(
     assert args.allow_origin == ["http://localhost:3000"]
 
 
+@pytest.mark.parametrize(
+    ("command", "flag"),
+    [
+        ("run", "--max-image-bytes"),
+        ("serve", "--max-image-bytes"),
+        ("run", "--max-cost-usd"),
+        ("serve", "--principal-budget-usd"),
+    ],
+)
+def test_a_number_no_setting_can_hold_is_refused_as_the_flag_is_read(
+    command: str, flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """R-SEC-9: past 2**53 no session setting means anything, and a session's settings
+    are refused past it; such a flag was taken, then every session made with it failed
+    (``serve`` started and refused each ``session.create``). It is a usage error at once."""
+    from greenroom.actors.apps.parser import LARGEST_NUMBER, build_parser
+
+    extra = ["hi"] if command == "run" else []
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args([command, flag, str(LARGEST_NUMBER * 2), *extra])
+    assert exited.value.code == 2
+    assert f"{flag}: must be" in capsys.readouterr().err
+    args = build_parser().parse_args([command, flag, str(LARGEST_NUMBER), *extra])
+    assert LARGEST_NUMBER in vars(args).values()
+
+
 def test_the_per_principal_flags_default_to_the_gateway_limits() -> None:
     """R-SEC-9: ``serve``'s defaults are :class:`GatewayLimits`' own."""
     from greenroom.actors.apps.parser import build_parser

@@ -37,11 +37,20 @@ def _max_turns(text: str) -> int:
     raise argparse.ArgumentTypeError(f"must be -1 (no limit) or at least 1, got {value}")
 
 
+LARGEST_NUMBER = 2**53
+"""No flag's number means anything past this, the sessions' settings' bound
+(``protocols.jsonrpc.MAX_SETTING_NUMBER``, not imported here for a fast start): refused
+as the flag is read, not when the first session is made with it."""
+
+
 def _int(text: str) -> int:
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if abs(value) > LARGEST_NUMBER:
+        raise argparse.ArgumentTypeError(f"must be at most {LARGEST_NUMBER}, got {text}")
+    return value
 
 
 def _port(text: str) -> int:
@@ -72,8 +81,8 @@ def _usd(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an amount of USD, got {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    if not 0 <= value <= LARGEST_NUMBER:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, at most {LARGEST_NUMBER}, got {text}")
     return value
 
 
