@@ -788,9 +788,11 @@ MAX_SETTING_NUMBER = 2**53
 """No setting means anything beyond this (and every float can hold it exactly)."""
 MAX_SETTING_CHARS: dict[str, int] = {"model": 200}
 MAX_SETTING_TEXT = 1_000_000
-"""Longest text setting (``system``, ``compact_prompt``): more than any model's context
-holds, so a program's long system prompt is never refused for its length (a gateway
-client's frame limit bounds it too)."""
+"""Longest text setting (``system``, ``compact_prompt``) of a session: more than any
+model's context holds, so a program's long system prompt is never refused for its length."""
+MAX_CLIENT_SETTING_TEXT = 100_000
+"""Longest text setting a gateway client may give (:func:`parse_settings`): a shared
+server's sessions are held to less than a program's own."""
 
 
 def parse_settings(
@@ -810,19 +812,21 @@ def parse_settings(
             raise invalid(field_path, "unknown setting")
         if name in blocked:
             raise invalid(field_path, "cannot be set by a client")
-        problem = setting_problem(name, field_value)
+        problem = setting_problem(name, field_value, longest_text=MAX_CLIENT_SETTING_TEXT)
         if problem is not None:
             raise invalid(field_path, problem)
         checked[name] = field_value
     return checked
 
 
-def setting_problem(name: str, value: Any) -> str | None:
+def setting_problem(
+    name: str, value: Any, *, longest_text: int = MAX_SETTING_TEXT
+) -> str | None:
     """What is wrong with ``value`` (decoded JSON) for the :class:`SessionSettings` field
     ``name``, a known one: its type, a number beyond :data:`MAX_SETTING_NUMBER` or below the
-    field's minimum, a text longer than the field's most; None when it fits. The one check
-    of a setting's value, a client's (:func:`parse_settings`) or a stored session's
-    (:func:`settings_problem`)."""
+    field's minimum, a text longer than the field's most (``longest_text`` but for
+    ``model``); None when it fits. The one check of a setting's value, a client's
+    (:func:`parse_settings`) or a session's (:func:`settings_problem`)."""
     problem = _type_problem(value, _settings_types()[name])
     if problem is not None:
         return problem
@@ -830,7 +834,7 @@ def setting_problem(name: str, value: Any) -> str | None:
     if number and abs(value) > MAX_SETTING_NUMBER:
         return f"out of range (at most {MAX_SETTING_NUMBER})"
     if isinstance(value, str):
-        most = MAX_SETTING_CHARS.get(name, MAX_SETTING_TEXT)
+        most = MAX_SETTING_CHARS.get(name, longest_text)
         if len(value) > most:
             return f"longer than {most} characters"
     minimum = _SETTINGS_MINIMUMS.get(name)
