@@ -409,3 +409,52 @@ async def test_a_client_too_slow_to_take_its_answers_is_logged_in_one_line(
     assert not [r for r in records if r.exc_info], [r.getMessage() for r in records]
     [slow] = [r for r in records if "too slow" in r.getMessage()]
     assert "\n" not in slow.getMessage()
+
+
+async def test_a_client_header_naming_another_principal_is_refused_as_in_the_handshake(
+    tmp_path: Path,
+) -> None:
+    """R-SEC-4, R-PROTO-1, R-PROTO-2: ``X-Greenroom-Client`` may only repeat the token's
+    principal on the HTTP endpoints too: naming another is refused 403 with the websocket
+    handshake's words, and nothing is done for it; naming the token's own is served."""
+    tokens = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789"}
+    a2a_send = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "message/send",
+        "params": {
+            "message": {
+                "kind": "message",
+                "messageId": "m1",
+                "role": "user",
+                "parts": [{"kind": "text", "text": "go"}],
+            }
+        },
+    }
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, a2a=True, ag_ui=True, tokens=tokens) as server:
+            base = f"http://127.0.0.1:{server.gateway.port}"
+            requests = {"/a2a": a2a_send, "/ag-ui": run_input("t1", "r1", "go")}
+            for path, body in requests.items():
+                refused = await posted(
+                    base + path, body, token=tokens["alice"], headers={"X-Greenroom-Client": "bob"}
+                )
+                assert refused.status == 403, (path, refused.body)
+                assert refused.body["error"]["message"] == (
+                    "forbidden: X-Greenroom-Client names another principal"
+                )
+            assert server.gateway.owned("alice") == server.gateway.owned("bob") == frozenset()
+            served = [
+                await posted(
+                    base + path,
+                    body,
+                    token=tokens["alice"],
+                    headers={"X-Greenroom-Client": "alice"},
+                )
+                for path, body in requests.items()
+            ]
+            assert [answer.status for answer in served] == [200, 200]
+            assert served[0].body["result"]["status"]["state"] == "completed"
+            assert served[1].types[-1] == "RUN_FINISHED"
+            assert len(server.gateway.owned("alice")) == 2
+            assert server.gateway.owned("bob") == frozenset()

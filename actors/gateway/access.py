@@ -118,6 +118,34 @@ def stored_owners(sessions_dir: Path) -> dict[str, str]:
     return owners
 
 
+class ClaimRefused(Exception):
+    """An ``X-Greenroom-Client`` header refused: the answer's ``status`` and ``reason``."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+def claimed_client(named: str | None) -> str | None:
+    """The client id an ``X-Greenroom-Client`` header's value ``named`` claims (None
+    without the header). Raises :class:`ClaimRefused` (400) when it is no client id."""
+    if named is None:
+        return None
+    claimed = named.strip()
+    if not CLIENT_ID.fullmatch(claimed):
+        raise ClaimRefused(400, "bad X-Greenroom-Client header")
+    return claimed
+
+
+def check_claim(claimed: str | None, principal: str) -> None:
+    """Raises :class:`ClaimRefused` (403) when ``claimed`` (:func:`claimed_client`) names
+    another principal than the token's ``principal``: the header may only repeat it, on
+    the websocket handshake and the HTTP endpoints alike (R-SEC-4)."""
+    if claimed is not None and claimed != principal:
+        raise ClaimRefused(403, "forbidden: X-Greenroom-Client names another principal")
+
+
 def address_key(address: str) -> str:
     """The remote address wrong tokens are counted against: an IPv4 address itself (also
     when written as IPv4-mapped IPv6), an IPv6 address's /64 (one host or site usually

@@ -19,6 +19,8 @@ Admission per request, as for a websocket handshake (R-SEC-4, R-SEC-9): a foreig
 ``Origin`` is refused (403), and so is its CORS preflight; an address that sent too many
 wrong tokens waits (429 with ``Retry-After``) before its token is looked at; a missing or
 wrong ``Authorization: Bearer`` token is 401 (a wrong one counts against the address);
+an ``X-Greenroom-Client`` header may only repeat the token's principal (403 when it names
+another, 400 when it names no client id: the handshake's own check);
 each HTTP connection takes one of the gateway's seats (503 when none is left) and each
 request one of its principal's connections (429 beyond them) for as long as it is
 answered — an event stream holds its place like a websocket does — and a kept-alive
@@ -60,7 +62,15 @@ import attrs
 import h11
 import trio
 
-from greenroom.actors.gateway.access import Admission, Principals, Seats, address_key
+from greenroom.actors.gateway.access import (
+    Admission,
+    ClaimRefused,
+    Principals,
+    Seats,
+    address_key,
+    check_claim,
+    claimed_client,
+)
 from greenroom.actors.gateway.config import GatewayLimits
 from greenroom.actors.gateway.sockets import CountedStream
 from greenroom.protocols import jsonrpc
@@ -667,6 +677,11 @@ class HttpFront:
             return None
         principal = await self._principal(headers, stream, reply)
         if principal is None:
+            return None
+        try:
+            check_claim(claimed_client(headers.get("x-greenroom-client")), principal)
+        except ClaimRefused as refused:
+            await reply.error(refused.status, refused.reason)
             return None
         unauthenticated.deadline = math.inf
         if not self._admission.admit(principal) and not (

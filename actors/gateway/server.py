@@ -51,16 +51,18 @@ from trio_websocket import (
 
 from greenroom.actors.gateway.access import (
     Admission,
+    ClaimRefused,
     Grants,
     Principals,
     Seats,
     address_key,
+    check_claim,
+    claimed_client,
     stored_owners,
 )
 from greenroom.actors.gateway.config import (
     AUTH_TIMEOUT_S,
     CLIENT_HEADER,
-    CLIENT_ID,
     DEFAULT_MAX_CONNECTIONS,
     FD_RESERVE,
     HANDSHAKE_SLACK,
@@ -416,13 +418,12 @@ class Gateway:
                 503, body=f"too many connections (at most {self.max_connections})\n".encode()
             )
             return
-        claimed: str | None = None
         named = headers.get(CLIENT_HEADER)
-        if named is not None:
-            claimed = named.decode("latin-1").strip()
-            if not CLIENT_ID.fullmatch(claimed):
-                await request.reject(400, body=b"bad X-Greenroom-Client header\n")
-                return
+        try:
+            claimed = claimed_client(None if named is None else named.decode("latin-1"))
+        except ClaimRefused as refused:
+            await request.reject(refused.status, body=f"{refused.reason}\n".encode())
+            return
         identity: str | None = None
         authorization = headers.get(b"authorization")
         if authorization is not None:
@@ -436,10 +437,10 @@ class Gateway:
                     body=b"unauthorized: bad bearer token\n",
                 )
                 return
-            if claimed is not None and claimed != identity:
-                await request.reject(
-                    403, body=b"forbidden: X-Greenroom-Client names another principal\n"
-                )
+            try:
+                check_claim(claimed, identity)
+            except ClaimRefused as refused:
+                await request.reject(refused.status, body=f"{refused.reason}\n".encode())
                 return
         if identity is not None and not self._admission.admit(identity):
             cap = self.limits.max_connections_per_principal
