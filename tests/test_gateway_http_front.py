@@ -458,3 +458,58 @@ async def test_a_client_header_naming_another_principal_is_refused_as_in_the_han
             assert served[1].types[-1] == "RUN_FINISHED"
             assert len(server.gateway.owned("alice")) == 2
             assert server.gateway.owned("bob") == frozenset()
+
+
+async def test_a_body_not_complete_by_either_deadline_is_answered_before_the_close(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    """R-SEC-9, R-PROTO-1: a request whose body never completes is answered 400 before
+    its connection closes, whichever deadline ends it: the body's own (the handshake
+    timeout from its head) or, for a connection no request authenticated yet, the
+    connection's (the handshake timeout from its start), which comes first. Declared
+    lengths under and over the body cap alike. The clock is virtual."""
+    timeout = GatewayLimits().handshake_timeout_s
+    cap = GatewayLimits().max_frame_bytes
+    tasks_get = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tasks/get", "params": {}})
+    tokened = (
+        f"POST /a2a HTTP/1.1\r\nHost: gw\r\n{BEARER}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(tasks_get)}\r\n\r\n{tasks_get}"
+    ).encode()
+
+    def cut_short(length: int) -> bytes:
+        return (
+            f"POST /a2a HTTP/1.1\r\nHost: gw\r\n{BEARER}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+            '{"jsonrpc": "2.0", '
+        ).encode()
+
+    async def answer_after(stream: trio.SocketStream, request: bytes, wait_s: float) -> bytes:
+        """Send ``request``, let ``wait_s`` pass, and read until the server closes."""
+        await stream.send_all(request)
+        await trio.testing.wait_all_tasks_blocked()
+        mock_clock.jump(wait_s)
+        answer = b""
+        while chunk := await stream.receive_some(65536):
+            answer += chunk
+        return answer
+
+    def assert_refused(answer: bytes) -> None:
+        assert answer.startswith(b"HTTP/1.1 400"), answer
+        assert b"request body not complete in time" in answer
+
+    async with serving(tmp_path, a2a=True) as server:
+        port = server.gateway.port
+        for length in (1000, 2 * cap):  # on a connection's first request
+            async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+                assert_refused(await answer_after(stream, cut_short(length), timeout))
+        # Half the timeout into a connection whose first request had no token, the
+        # connection's deadline comes before the body's.
+        async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+            untokened = b"GET /a2a HTTP/1.1\r\nHost: gw\r\n\r\n"
+            assert await keep_alive_request(stream, untokened) == 405
+            mock_clock.jump(timeout / 2)
+            assert_refused(await answer_after(stream, cut_short(1000), timeout / 2))
+        # Authenticated, the connection has no deadline: the body's holds.
+        async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+            assert await keep_alive_request(stream, tokened) == 200
+            assert_refused(await answer_after(stream, cut_short(1000), timeout))

@@ -28,7 +28,8 @@ connection one while it waits for its next request (:class:`IdlePlaces`: at its 
 principal's request closes its longest-idle connection instead of being refused), so
 that idle connections cannot hold the seats beyond the cap either. A connection none of
 whose requests brought a valid token by the handshake timeout (from its start) is closed
-then, whatever it was answered meanwhile, as a websocket that does not authenticate is.
+then, whatever it was answered meanwhile, as a websocket that does not authenticate is
+(a request whose body it cuts short is answered 400 first).
 
 CORS: web front ends are served from an origin of their own, so the endpoints answer a
 browser's preflight (``OPTIONS`` with an ``Origin``) for the gateway's allowed origins —
@@ -42,11 +43,13 @@ endpoints only with a token it was given.
 
 Bad input never ends more than its connection: a malformed request is 400, a head larger
 than :data:`MAX_HEAD_BYTES` 431, a body larger than the gateway's frame cap
-(``max_frame_bytes``) 413, an unknown method on a path 405; a request not complete within
-the handshake timeout closes the connection. An endpoint that fails answers 500 and is logged.
-A client that takes no answer (or event) within the write timeout (``close_timeout_s`` +
-10 s) loses its connection: its doing, logged in one line without a traceback
-(:class:`TooSlow`). An answer that waits for work (a blocking A2A send waits for its task:
+(``max_frame_bytes``) 413, an unknown method on a path 405; a head not complete within
+the handshake timeout closes the connection, and a body not complete within it (or by the
+unauthenticated connection's deadline above, when that comes first) is answered 400
+before the close. An endpoint that fails answers 500 and is logged. A client that takes
+no answer (or event) within the write timeout (``close_timeout_s`` + 10 s) loses its
+connection: its doing, logged in one line without a traceback (:class:`TooSlow`). An
+answer that waits for work (a blocking A2A send waits for its task:
 :meth:`Reply.unless_gone`) stops waiting when the client closes the connection.
 """
 
@@ -549,7 +552,7 @@ class HttpFront:
         while request is not None:
             headers = _headers(request)
             reply = Reply(stream, conn, self._limits, self._cors(headers))
-            body = await self._body(stream, conn, reply)
+            body = await self._body(stream, conn, reply, unauthenticated)
             if body is None:
                 return
             answered = await self._answer(request, headers, body, reply, stream, unauthenticated)
@@ -592,12 +595,32 @@ class HttpFront:
             conn.receive_data(bytes(chunk))
 
     async def _body(
-        self, stream: CountedStream, conn: h11.Connection, reply: Reply
+        self,
+        stream: CountedStream,
+        conn: h11.Connection,
+        reply: Reply,
+        unauthenticated: trio.CancelScope,
     ) -> bytes | None:
-        """The request's body, or None once an error was answered."""
+        """The request's body, or None once an error was answered (or the connection
+        closed first). A body not complete within the handshake timeout, or by the
+        ``unauthenticated`` deadline when that comes first, is answered 400."""
+        closing = unauthenticated.deadline
+        # The connection's deadline is held back while the body is read and taken as the
+        # body's own when it is the earlier: the client whose body it cuts is answered
+        # before the close, not dropped mid-request.
+        unauthenticated.deadline = math.inf
+        try:
+            deadline = min(trio.current_time() + self._limits.handshake_timeout_s, closing)
+            return await self._body_until(stream, conn, reply, deadline)
+        finally:
+            unauthenticated.deadline = closing
+
+    async def _body_until(
+        self, stream: CountedStream, conn: h11.Connection, reply: Reply, deadline: float
+    ) -> bytes | None:
         cap = self._limits.max_frame_bytes  # a request is one JSON-RPC frame (R-SEC-9)
         body = bytearray()
-        with trio.move_on_after(self._limits.handshake_timeout_s) as timer:
+        with trio.move_on_at(deadline) as timer:
             while True:
                 try:
                     event = conn.next_event()
