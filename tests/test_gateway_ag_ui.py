@@ -27,6 +27,7 @@ from test_gateway import TOKEN, connect, lookup_brain, lookup_script, serving
 from greenroom.actors.gateway import ag_ui as ag_ui_front
 from greenroom.actors.gateway.ag_ui import FRONT_END_TOOLS_FILE
 from greenroom.actors.runtime import client_tools_file
+from greenroom.actors.tools.builtin import read_file
 from greenroom.protocols import ag_ui, jsonrpc
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.outputs import (
@@ -317,6 +318,29 @@ async def test_a_refused_run_on_an_unknown_thread_makes_no_session(tmp_path: Pat
             async with connect(server) as client:
                 assert (await client.result("session.list"))["sessions"] == []
             ok = await posted(url, run_input("t-empty", "r", "hello"))
+            assert ok.events[-1][1]["type"] == "RUN_FINISHED"
+
+
+async def test_a_front_end_tool_named_like_a_server_tool_makes_no_session(
+    tmp_path: Path,
+) -> None:
+    """R-SEC-9, R-PROTO-2: a run on an unknown thread whose front-end tool took the name of
+    one of the server's tools made the thread's session, then was refused — a session on
+    disk and against the caller's cap behind the 400. It is refused before any is made;
+    the thread's first good run makes it."""
+    taken = {"name": "read_file", "description": "", "parameters": {"type": "object"}}
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, tools=[read_file], ag_ui=True) as server:
+            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+            refused = await posted(url, run_input("tX", "r1", "hi", tools=[taken]))
+            assert refused.status == 400
+            assert refused.body["error"]["message"] == (
+                "$.tools: a client tool may not be named 'read_file': the session has one"
+            )
+            assert not (server.host.data_dir / "sessions" / "tX").exists()
+            async with connect(server) as client:
+                assert (await client.result("session.list"))["sessions"] == []
+            ok = await posted(url, run_input("tX", "r2", "hello"))
             assert ok.events[-1][1]["type"] == "RUN_FINISHED"
 
 

@@ -22,7 +22,8 @@ One request does one of three things:
   anything.
 
 The run's ``tools`` become the session's client tools (``Session.set_client_tools``) for
-its tasks; one named like a tool of the session's own is 400. The runtime keeps them next
+its tasks; one named like a tool of the session's own is 400 (on an unknown thread, checked
+against the server's tools before its session is made). The runtime keeps them next
 to the session's ``session.json`` (:data:`FRONT_END_TOOLS_FILE`,
 :mod:`~greenroom.actors.runtime.client_tools_file`), and every load of the session gives
 them back: the thread's session loaded again — after its close or a restart, by this
@@ -55,7 +56,7 @@ from greenroom.actors.runtime.client_tools_file import (
     keep_client_tools,
 )
 from greenroom.actors.runtime.errors import ConfigurationError, GreenroomError, SessionNotFound
-from greenroom.actors.runtime.session import Session
+from greenroom.actors.runtime.session import Session, client_tools_problem
 from greenroom.protocols import ag_ui, jsonrpc
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.jsonrpc import RpcError
@@ -171,9 +172,15 @@ class AgUiEndpoint:
         _new_text(run)
         if run.tools:
             try:
-                ag_ui.client_tools(t.model_dump() for t in run.tools)
+                given = ag_ui.client_tools(t.model_dump() for t in run.tools)
             except ag_ui.ClientToolError as exc:
                 raise _Refused(400, str(exc)) from None
+            # The server's tools a new session gets (its MCP servers' are known only once
+            # it is made).
+            own = frozenset(t.name for t in self._methods.defaults.tools)
+            problem = client_tools_problem(own, [client_tool(*tool) for tool in given])
+            if problem is not None:
+                raise _Refused(400, f"$.tools: {problem}")
         _checked_notes(run, state_changed=True)
         return await self._methods.create_session_for(principal, session_id=run.thread_id)
 

@@ -96,7 +96,14 @@ if TYPE_CHECKING:
     from greenroom.actors.runtime.host import Host
     from greenroom.actors.tools.mcp_commands import McpView
 
-__all__ = ["Compactability", "RunResult", "RunStream", "Session", "require_trio"]
+__all__ = [
+    "Compactability",
+    "RunResult",
+    "RunStream",
+    "Session",
+    "client_tools_problem",
+    "require_trio",
+]
 
 Compactability = Literal["ok", "unsupported", "empty", "just_compacted"]
 
@@ -395,7 +402,7 @@ def _opens_or_ends(output: Output) -> bool:
     return output.origin is None and isinstance(output, TaskStart | TaskEnd)
 
 
-def _client_tools_problem(own: frozenset[str], tools: Sequence[Tool]) -> str | None:
+def client_tools_problem(own: frozenset[str], tools: Sequence[Tool]) -> str | None:
     """Why ``tools`` cannot be a session's client tools: one is not client-side, takes
     the name of one of the session's own tools (``own``), or two share a name."""
     names: set[str] = set()
@@ -543,8 +550,8 @@ class Session:
         """Offer the next tasks ``tools`` that a client runs (:func:`~greenroom.protocols.
         tools.client_tool`: an AG-UI front end's, R-PROTO-2) instead of those given before;
         a call waits for the client's result (``host.answer_question``). Raises
-        :class:`ConfigurationError` (:func:`_client_tools_problem`)."""
-        if (problem := _client_tools_problem(self._port.own_tool_names(), tools)) is not None:
+        :class:`ConfigurationError` (:func:`client_tools_problem`)."""
+        if (problem := client_tools_problem(self._port.own_tool_names(), tools)) is not None:
             raise ConfigurationError(problem)
         self._port.set_client_tools(tuple(tools))
 
