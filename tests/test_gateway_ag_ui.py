@@ -23,6 +23,7 @@ import trio.testing
 from ag_ui.core import Event, RunAgentInput
 from conftest import Lookup, answer_meeting_a_close, hold_after_first
 from test_gateway import TOKEN, connect, lookup_brain, lookup_script, serving
+from test_mcp import stdio
 
 from greenroom.actors.gateway import ag_ui as ag_ui_front
 from greenroom.actors.gateway.ag_ui import FRONT_END_TOOLS_FILE
@@ -41,6 +42,7 @@ from greenroom.protocols.outputs import (
 from greenroom.protocols.stream import TokenUsage
 
 BOUND_S = 20.0
+MCP_BOUND_S = 60.0  # a session with an MCP server starts its process: slow on a busy machine
 EVENTS = pydantic.TypeAdapter(Event)
 
 
@@ -341,6 +343,31 @@ async def test_a_front_end_tool_named_like_a_server_tool_makes_no_session(
             async with connect(server) as client:
                 assert (await client.result("session.list"))["sessions"] == []
             ok = await posted(url, run_input("tX", "r2", "hello"))
+            assert ok.events[-1][1]["type"] == "RUN_FINISHED"
+
+
+async def test_a_front_end_tool_named_like_an_mcp_tool_leaves_no_session(
+    tmp_path: Path,
+) -> None:
+    """R-SEC-9, R-PROTO-2: the tools of the server's MCP servers are known once a session
+    is made; a new thread's front-end tool named like one of them left that session — on
+    disk, listed, held by the caller — behind the 400. The session is deleted again with
+    the caller's hold of it; the thread's next good run makes it anew."""
+    taken = {"name": "mcp__t__echo", "description": "", "parameters": {"type": "object"}}
+    with trio.fail_after(MCP_BOUND_S):
+        async with serving(tmp_path, ag_ui=True, mcp_servers={"t": stdio()}) as server:
+            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+            refused = await posted(url, run_input("tM", "r1", "hi", tools=[taken]))
+            assert refused.status == 400
+            assert refused.body["error"]["message"] == (
+                "$.tools: a client tool may not be named 'mcp__t__echo': the session has one"
+            )
+            assert not (server.host.data_dir / "sessions" / "tM").exists()
+            assert [s.id for s in server.host.sessions] == []
+            async with connect(server) as client:
+                assert await client.result("session.list") == {"sessions": []}
+            ok = await posted(url, run_input("tM", "r2", "hello"))
+            assert ok.status == 200, ok.body
             assert ok.events[-1][1]["type"] == "RUN_FINISHED"
 
 

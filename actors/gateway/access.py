@@ -62,6 +62,14 @@ class Grants:
         """Let ``client_id`` see and steer ``session_id``."""
         self._grants.setdefault(client_id, set()).add(session_id)
 
+    def revoke(self, client_id: str, session_id: str) -> None:
+        """Forget that ``client_id`` holds ``session_id`` (a session deleted again)."""
+        owned = self._grants.get(client_id)
+        if owned is not None:
+            owned.discard(session_id)
+            if not owned:
+                del self._grants[client_id]
+
     def owned(self, client_id: str) -> frozenset[str]:
         """The sessions ``client_id`` created or was granted."""
         return frozenset(self._grants.get(client_id, ()))

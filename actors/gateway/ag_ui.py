@@ -23,7 +23,8 @@ One request does one of three things:
 
 The run's ``tools`` become the session's client tools (``Session.set_client_tools``) for
 its tasks; one named like a tool of the session's own is 400 (on an unknown thread, checked
-against the server's tools before its session is made). The runtime keeps them next
+against the server's tools before its session is made, and that session deleted again when
+one of its MCP servers' tools takes the name). The runtime keeps them next
 to the session's ``session.json`` (:data:`FRONT_END_TOOLS_FILE`,
 :mod:`~greenroom.actors.runtime.client_tools_file`), and every load of the session gives
 them back: the thread's session loaded again — after its close or a restart, by this
@@ -103,8 +104,15 @@ class AgUiEndpoint:
         try:
             run = self._input(request.body)
             last_event = request.headers.get("last-event-id")
-            session = await self._thread(request.principal, run, last_event)
-            tools = await self._client_tools(session, run)
+            session, created = await self._thread(request.principal, run, last_event)
+            try:
+                tools = await self._client_tools(session, run)
+            except _Refused:
+                if created:
+                    # A tool of its MCP servers, known once it was made, has the name of
+                    # a front-end tool: the refused run leaves no session (R-SEC-9).
+                    await self._methods.creation.undo(request.principal, session)
+                raise
             if last_event is not None:
                 feed, pending = await self._reconnect(session, last_event)
             elif run.resume or await self._tool_results(session, run):
@@ -152,11 +160,14 @@ class AgUiEndpoint:
             raise _Refused(400, "$.runId: at most 200 characters")
         return run
 
-    async def _thread(self, principal: str, run: RunAgentInput, last_event: str | None) -> Session:
+    async def _thread(
+        self, principal: str, run: RunAgentInput, last_event: str | None
+    ) -> tuple[Session, bool]:
         """The thread's session: the caller's, or a new one for an unknown thread once the
-        run is found to be one that can start it (a refused run makes no session)."""
+        run is found to be one that can start it (a refused run makes no session); and
+        whether it was made now."""
         try:
-            return await self._methods.owned_session(principal, run.thread_id, node=False)
+            return await self._methods.owned_session(principal, run.thread_id, node=False), False
         except RpcError as exc:
             if exc.code != jsonrpc.NOT_FOUND:
                 raise
@@ -175,14 +186,14 @@ class AgUiEndpoint:
                 given = ag_ui.client_tools(t.model_dump() for t in run.tools)
             except ag_ui.ClientToolError as exc:
                 raise _Refused(400, str(exc)) from None
-            # The server's tools a new session gets (its MCP servers' are known only once
-            # it is made).
+            # The server's tools a new session gets; its MCP servers' are known only once
+            # it is made (``respond`` deletes it again when one of theirs is taken).
             own = frozenset(t.name for t in self._methods.defaults.tools)
             problem = client_tools_problem(own, [client_tool(*tool) for tool in given])
             if problem is not None:
                 raise _Refused(400, f"$.tools: {problem}")
         _checked_notes(run, state_changed=True)
-        return await self._methods.create_session_for(principal, session_id=run.thread_id)
+        return await self._methods.create_session_for(principal, session_id=run.thread_id), True
 
     async def _client_tools(self, session: Session, run: RunAgentInput) -> tuple[Tool, ...]:
         """Make the run's front-end tools the session's client tools, and keep them for

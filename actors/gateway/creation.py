@@ -123,6 +123,13 @@ class SessionCreation:
             logger.warning("gateway: cannot store the owner of session %s: %s", session.id, exc)
         await self._hubs.adopt(session)
 
+    async def undo(self, principal: str, session: Session) -> None:
+        """Delete ``session``, just created for ``principal`` by a request then refused, as
+        if it had not been made: its directory goes (the host's deletion, closing it) and
+        so does the principal's grant of it."""
+        await self.host.delete_session(session.id)
+        self._grants.revoke(principal, session.id)
+
     def _held(self, principal: str) -> int:
         """The sessions open in this host that ``principal`` created or was granted, and
         those it is creating now."""
