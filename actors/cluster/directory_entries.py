@@ -6,8 +6,9 @@ routes a call to it, reads them (R-CLUSTER-1, R-CLUSTER-2).
 Updates are queued without blocking and one task sends them in order, so the last one
 sent holds the session's latest state.
 
-A session closed on its host with no task open (a finished subagent, a session its user
-closed) leaves the host: its entry is written a last time with ``"closed": true`` (the
+A session closed on its host with no work left for a take-up (a finished subagent, a
+session its user closed: no task open, run accepted and not started, or follow-up
+queued) leaves the host: its entry is written a last time with ``"closed": true`` (the
 host it was last on stays named), through the same queue, so no update sent before it
 lands after it. No host runs a closed session and the orphan scan leaves it alone; a call
 on it through any gateway opens it again there (:mod:`.router`), and a host that opens it

@@ -45,14 +45,17 @@ is taken over too (loaded, nothing run), so no session is left without a host. O
 for a ``session.create`` a gateway placed on its host and then withdrew (that host died or
 stalled before its answer arrived) is deleted instead, by the one host that takes it up
 (:mod:`.placements`).
-A session the host closes with no task open (a subagent whose task ended, which its host
+A session the host closes leaving no work (a subagent whose task ended, which its host
 forgets; a session its user closed: ``Host.on_closed``) leaves the host: out of its load at
 once; then, in its lane after its adoption (:mod:`.lanes`) and once JetStream holds its
 last record, its directory entry is written closed (:mod:`.directory_entries`: no orphan),
 its stream and request server stop (once the calls forwarded to it are done:
 :mod:`.in_flight`) and its claim is released. Opened again here it is adopted again; a
 call through any gateway opens it on that gateway's host (:mod:`.router`).
-A session closed while its task waits for people stays this host's (R-HITL-1).
+A session closed while it leaves work for a take-up stays this host's, an orphan for
+the scan to take up once this host is lost: its task waits for
+people (R-HITL-1), or a run accepted and not started, or follow-ups queued, are in its
+trace (``open_tasks.leaves_work``: R-CLUSTER-2, R-STEER-6).
 A session deleted through any host leaves the cluster (metadata, trace and owner); a host
 that held a copy of it deletes that once it hears of it, or when it starts again if it was
 away (:mod:`.deleted_copies`). Usage rows are not written again: each host's ledger holds
@@ -421,7 +424,7 @@ class ClusterNode:
         self._give_up(session_id)
 
     def _on_closed(self, session_id: str) -> None:
-        """The host closed ``session_id`` with no task open: it leaves this host's load at
+        """The host closed ``session_id`` leaving no work: it leaves this host's load at
         once, and the cluster's hands once its trace is in JetStream (the module
         docstring; :func:`_release_closed`, in its lane: after its adoption)."""
         if session_id not in self._adopted or self._work is None or self.store is None:

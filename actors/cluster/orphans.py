@@ -19,8 +19,9 @@ So each look reads the host leases only (one key a host) and reads the sessions 
 
 A full read lists the session directory's keys, reads the owner entry of each session this
 host does not run, and the directory entry of the orphans alone. A session whose entry says
-it was closed (``"closed": true``: closed on its host with no task open, a finished subagent
-say, :mod:`.directory_entries`) has no owner and needs none: it is no orphan.
+it was closed (``"closed": true``: closed on its host with no work left for a take-up, a
+finished subagent say, :mod:`.directory_entries`) has no owner and needs none: it is no
+orphan.
 
 :meth:`OrphanFinder.scan` looks every half TTL and takes over this host's share of the
 orphans (:func:`~.registry.assign`: by tree, each tree's orphans to one host — the host

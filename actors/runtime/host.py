@@ -44,7 +44,7 @@ from greenroom.actors.runtime.drain import HandOver, drain_sessions
 from greenroom.actors.runtime.errors import HostClosed, SessionNotFound
 from greenroom.actors.runtime.gc_tuning import tuned_gc
 from greenroom.actors.runtime.llm_streamer import ModelProvider
-from greenroom.actors.runtime.open_tasks import OpenTaskIndex
+from greenroom.actors.runtime.open_tasks import OpenTaskIndex, leaves_work
 from greenroom.actors.runtime.people import People, answer, pending_of
 from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput
 from greenroom.actors.runtime.port_builder import (
@@ -137,9 +137,10 @@ every node of a tree (a subagent's outputs also reach its parent's subscribers w
 ``origin``). Must not block or raise."""
 
 SessionCloser = Callable[[str], None]
-"""Told the id of a session that leaves a host's open sessions with no task open, not
-deleted: closed (``close_session``) or a finished subagent forgotten. Must not block or
-raise."""
+"""Told the id of a session that leaves a host's open sessions, not deleted: closed
+(``close_session``) leaving no work for a take-up (``open_tasks.leaves_work``: no task
+open, no run accepted and not started, no follow-up queued), or a finished subagent
+forgotten with no task open. Must not block or raise."""
 
 StaleCopies = Callable[[frozenset[str]], Awaitable[frozenset[str]]]
 """Given the ids of the sessions a host's data dir holds, those whose copy there is not the
@@ -183,7 +184,7 @@ class Host:
         self.hand_over: HandOver | None = None
         """Where :meth:`drain` hands held sessions (a cluster host's: R-DRAIN-2)."""
         self.on_closed: SessionCloser | None = None
-        """Told of each session closed here with no task open (a cluster's node)."""
+        """Told of each session closed here with no work left (a cluster's node)."""
         self.stale_copies: StaleCopies | None = None
         """What :meth:`list_sessions` leaves out (a cluster host's: :data:`StaleCopies`)."""
         self._people = People(self._ports.get)
@@ -417,10 +418,10 @@ class Host:
                 # A task that waits only for people is not interrupted: its request stays
                 # pending in the trace, and loading the session asks it again (R-HITL-1).
                 await session.aclose()
-                task_open = port is not None and port.machine.run_id is not None
+                holds_work = port is not None and leaves_work(port.machine)
                 self._open_tasks.closed(session_id, port.machine if port is not None else None)
                 await self._builder.release(session_id)
-                if not (delete or task_open) and self.on_closed is not None:
+                if not (delete or holds_work) and self.on_closed is not None:
                     self.on_closed(session_id)
             if delete:
                 self._open_tasks.deleted(session_id)
