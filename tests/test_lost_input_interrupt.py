@@ -20,6 +20,7 @@ from typing import Any
 import trio
 import trio.testing
 from conftest import RUN_TIMEOUT_S, allow_all, cut_after, open_host, trace_lines
+from test_tree_takeup import TaskEnds
 
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
 from greenroom.actors.runtime.host import Host
@@ -137,6 +138,23 @@ async def _until_the_scout_is_merged(inbox: trio.MemoryReceiveChannel[list[Outpu
                 return
 
 
+async def _scout_left_at_its_prompt(data_dir: Path, workspace: Path) -> tuple[str, Session]:
+    """A root whose background scout was spawned, its trace then cut after its prompt (its
+    host stopped before the scout's task started): the root's id and the scout."""
+    async with open_host(data_dir) as host:
+        root = await host.create_session(
+            provider=ScriptedProvider(_scouting), tools=[spawn_subagent], workspace_dir=workspace
+        )
+        # Unbounded: the root's outputs are read only up to the scout's merge.
+        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
+        root.watch(send)
+        root.run("scout", approve=allow_all).detach()
+        await _until_the_scout_is_merged(inbox)
+        (child,) = await root.children()
+    cut_after(child.trace_path, lambda r: r["type"] == "user_msg")
+    return root.id, child
+
+
 async def test_interrupting_a_background_subagents_unstarted_prompt_ends_it(
     data_dir: Path, workspace: Path
 ) -> None:
@@ -144,39 +162,11 @@ async def test_interrupting_a_background_subagents_unstarted_prompt_ends_it(
     stopped before its task started). Loaded and interrupted, its task ends aborted with
     no model request, and a host opened after does not take it up. Before, the interrupt
     returned False and the next ``resume_tasks`` ran the subagent."""
-    model = ScriptedProvider(_scouting)
     with trio.fail_after(RUN_TIMEOUT_S):
-        async with open_host(data_dir) as host:
-            root = await host.create_session(
-                provider=model, tools=[spawn_subagent], workspace_dir=workspace
-            )
-            send, inbox = trio.open_memory_channel[list[Output]](math.inf)
-            root.watch(send)
-            root.run("scout", approve=allow_all).detach()
-            await _until_the_scout_is_merged(inbox)
-            (child,) = await root.children()
-    cut_after(child.trace_path, lambda r: r["type"] == "user_msg")
+        _root_id, child = await _scout_left_at_its_prompt(data_dir, workspace)
     lines = await _interrupt_loaded(data_dir, child.id)
     assert [line["type"] for line in lines] == ["user_msg", "task_start", "abort", "task_end"]
     assert (lines[-1]["status"], lines[-1]["message"]) == ("aborted", "enough")
-
-
-class _Ends:
-    """Subscribed to every session a host opens: an event per session id, set when a task
-    of its own ends there."""
-
-    def __init__(self) -> None:
-        self.ended: dict[str, trio.Event] = {}
-
-    def of(self, session_id: str) -> trio.Event:
-        return self.ended.setdefault(session_id, trio.Event())
-
-    def __call__(self, session: Session) -> None:
-        def listen(batch: list[Output]) -> None:
-            if any(isinstance(o, TaskEnd) and o.origin is None for o in batch):
-                self.of(session.id).set()
-
-        session.subscribe(listen)
 
 
 async def test_a_tree_interrupt_ends_a_stored_subagents_unstarted_prompt(
@@ -186,26 +176,16 @@ async def test_a_tree_interrupt_ends_a_stored_subagents_unstarted_prompt(
     scout is left in its trace: read from the store, it is loaded and its task ends
     aborted, no model request sent, no answer for the root; a host opened after takes
     nothing up. Before, the scout was left as it was and the next ``resume_tasks`` ran it."""
-    model = ScriptedProvider(_scouting)
     with trio.fail_after(RUN_TIMEOUT_S):
-        async with open_host(data_dir) as host:
-            root = await host.create_session(
-                provider=model, tools=[spawn_subagent], workspace_dir=workspace
-            )
-            send, inbox = trio.open_memory_channel[list[Output]](math.inf)
-            root.watch(send)
-            root.run("scout", approve=allow_all).detach()
-            await _until_the_scout_is_merged(inbox)
-            (child,) = await root.children()
-        cut_after(child.trace_path, lambda r: r["type"] == "user_msg")
+        root_id, child = await _scout_left_at_its_prompt(data_dir, workspace)
         never = ScriptedProvider([Reply(blocks=(text("never asked"),))])
-        ends = _Ends()
+        ends = TaskEnds()
         async with Host.open(data_dir, observers=[ends]) as host:
-            root = await host.load_session(root.id, provider=never)
+            root = await host.load_session(root_id, provider=never)
             root.interrupt("enough")
             await ends.of(child.id).wait()
             await trio.testing.wait_all_tasks_blocked()
-            assert not ends.of(root.id).is_set()  # the scout's end is for nobody
+            assert not ends.of(root_id).is_set()  # the scout's end is for nobody
         async with open_host(data_dir) as host:
             assert await host.resume_tasks(approve=allow_all) == []
             lines = trace_lines(await host.load_session(child.id, provider=never))

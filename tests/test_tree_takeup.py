@@ -1219,7 +1219,7 @@ async def test_a_node_interrupt_after_a_restart_leaves_a_parked_background_child
     assert _reports(seen) == ["[subagent payer finished] paid 7"]
 
 
-class _TaskEnds:
+class TaskEnds:
     """Subscribed to every session a host opens: an event per session id, set when its
     task ends there."""
 
@@ -1251,7 +1251,7 @@ async def test_a_tree_interrupt_after_a_restart_ends_parked_nodes_at_every_depth
     tools = [_pay_tool(paid), spawn_subagent]
     async with open_host(data_dir) as host:
         root_id, payer_id, collector_id = await _collector_then_park(host, model, tools, workspace)
-    ends = _TaskEnds()
+    ends = TaskEnds()
     async with Host.open(data_dir, tools=tools, observers=[ends]) as host:
         root = await host.load_session(root_id, provider=model)
         if payer == "loaded":
@@ -1300,7 +1300,7 @@ class _Crashed(NamedTuple):
     model: Callable[[ModelRequest], Reply]  # the demo brain: :func:`_after_takeup`
     paid: list[int]  # every amount ``tools`` pay
     tools: list[object]
-    ends: _TaskEnds
+    ends: TaskEnds
 
 
 async def _crashed_mid_pay(
@@ -1318,7 +1318,7 @@ async def _crashed_mid_pay(
     model = _recording(_after_takeup, asked)
     monkeypatch.setattr(scripted_brain, "demo_brain", model)
     paid: list[int] = []
-    return _Crashed(root_id, asked, model, paid, [_pay_tool(paid), spawn_subagent], _TaskEnds())
+    return _Crashed(root_id, asked, model, paid, [_pay_tool(paid), spawn_subagent], TaskEnds())
 
 
 async def test_a_tree_interrupt_after_a_crash_ends_a_background_child_left_running(
@@ -1369,7 +1369,7 @@ async def test_a_tree_interrupt_after_a_crash_ends_running_nodes_at_every_depth(
     model = _recording(_after_the_crash(Reply(blocks=(text("collected 3"),))), asked)
     monkeypatch.setattr(scripted_brain, "demo_brain", model)
     tools, _ = _tools_after_the_crash([])
-    ends = _TaskEnds()
+    ends = TaskEnds()
     async with Host.open(crash_dir, tools=tools, observers=[ends]) as host:
         root = await host.load_session(root_id, provider=ScriptedProvider(model))
         root.interrupt("enough", scope="tree")
