@@ -278,6 +278,21 @@ async def test_bad_requests_get_json_rpc_errors_and_the_gateway_keeps_serving(
                 assert (await client.result("session.create"))["session_id"]
 
 
+def post_message(server: Any, message: dict[str, Any]) -> dict[str, Any]:
+    """POST ``message`` as an A2A ``message/send`` with the token (blocking: from a thread);
+    the JSON-RPC answer."""
+    params = {"message": message}
+    frame = {"jsonrpc": "2.0", "id": 1, "method": "message/send", "params": params}
+    answer = httpx.post(
+        base_url(server) + "/a2a",
+        json=frame,
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=BOUND_S,
+    )
+    body: dict[str, Any] = answer.json()
+    return body
+
+
 async def test_a_decision_is_taken_from_the_data_part_that_names_its_call(
     tmp_path: Path, lookup: Lookup
 ) -> None:
@@ -286,15 +301,7 @@ async def test_a_decision_is_taken_from_the_data_part_that_names_its_call(
     decision: ``c1`` was denied though its own part said allow."""
 
     def send(message: dict[str, Any]) -> dict[str, Any]:
-        params = {"message": message}
-        frame = {"jsonrpc": "2.0", "id": 1, "method": "message/send", "params": params}
-        answer = httpx.post(
-            base_url(server) + "/a2a",
-            json=frame,
-            headers={"Authorization": f"Bearer {TOKEN}"},
-            timeout=BOUND_S,
-        )
-        result: dict[str, Any] = answer.json()["result"]
+        result: dict[str, Any] = post_message(server, message)["result"]
         return result
 
     with trio.fail_after(BOUND_S):
@@ -330,15 +337,7 @@ async def test_a_message_refused_for_want_of_text_makes_no_context(tmp_path: Pat
 
     def send(parts: list[dict[str, Any]]) -> dict[str, Any]:
         message = {"kind": "message", "messageId": "m1", "role": "user", "parts": parts}
-        params = {"message": message}
-        frame = {"jsonrpc": "2.0", "id": 1, "method": "message/send", "params": params}
-        answer = httpx.post(
-            base_url(server) + "/a2a",
-            json=frame,
-            headers={"Authorization": f"Bearer {TOKEN}"},
-            timeout=BOUND_S,
-        )
-        error: dict[str, Any] = answer.json()["error"]
+        error: dict[str, Any] = post_message(server, message)["error"]
         return error
 
     with trio.fail_after(BOUND_S):
