@@ -323,6 +323,18 @@ async def test_a_refused_run_on_an_unknown_thread_makes_no_session(tmp_path: Pat
             assert ok.events[-1][1]["type"] == "RUN_FINISHED"
 
 
+async def _no_session_until_a_good_run(server: Any, url: str, thread: str) -> None:
+    """After a refused run on ``thread``: no session of it on disk, open or listed; the
+    thread's next good run makes it and finishes."""
+    assert not (server.host.data_dir / "sessions" / thread).exists()
+    assert [s.id for s in server.host.sessions] == []
+    async with connect(server) as client:
+        assert await client.result("session.list") == {"sessions": []}
+    ok = await posted(url, run_input(thread, "r2", "hello"))
+    assert ok.status == 200, ok.body
+    assert ok.events[-1][1]["type"] == "RUN_FINISHED"
+
+
 async def test_a_front_end_tool_named_like_a_server_tool_makes_no_session(
     tmp_path: Path,
 ) -> None:
@@ -339,11 +351,7 @@ async def test_a_front_end_tool_named_like_a_server_tool_makes_no_session(
             assert refused.body["error"]["message"] == (
                 "$.tools: a client tool may not be named 'read_file': the session has one"
             )
-            assert not (server.host.data_dir / "sessions" / "tX").exists()
-            async with connect(server) as client:
-                assert (await client.result("session.list"))["sessions"] == []
-            ok = await posted(url, run_input("tX", "r2", "hello"))
-            assert ok.events[-1][1]["type"] == "RUN_FINISHED"
+            await _no_session_until_a_good_run(server, url, "tX")
 
 
 async def test_a_front_end_tool_named_like_an_mcp_tool_leaves_no_session(
@@ -362,13 +370,7 @@ async def test_a_front_end_tool_named_like_an_mcp_tool_leaves_no_session(
             assert refused.body["error"]["message"] == (
                 "$.tools: a client tool may not be named 'mcp__t__echo': the session has one"
             )
-            assert not (server.host.data_dir / "sessions" / "tM").exists()
-            assert [s.id for s in server.host.sessions] == []
-            async with connect(server) as client:
-                assert await client.result("session.list") == {"sessions": []}
-            ok = await posted(url, run_input("tM", "r2", "hello"))
-            assert ok.status == 200, ok.body
-            assert ok.events[-1][1]["type"] == "RUN_FINISHED"
+            await _no_session_until_a_good_run(server, url, "tM")
 
 
 async def test_a_last_event_id_past_the_threads_last_event_is_refused(tmp_path: Path) -> None:
