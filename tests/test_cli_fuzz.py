@@ -6,6 +6,10 @@ options with values drawn from good and bad ones (empty, negative, huge, not a n
 paths that do not exist or are files, lone surrogates, session ids that are not there),
 against a data dir that holds a real session. Each ends with an exit code the contract
 names and, when it fails, words on stderr: never a traceback.
+
+Each command line is its own process, forked from one that has loaded the command line
+(``support/forked_cli.py``): the trial pays for its cases, not for loading the command line
+33 times.
 """
 
 from __future__ import annotations
@@ -14,10 +18,10 @@ import argparse
 import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.forked_cli import ForkedCli, forked_cli
 
 from greenroom.actors.apps.cli import build_parser
 
@@ -27,7 +31,7 @@ COMMANDS = [
     "fork", "rewind", "replay",
 ]  # fmt: skip
 EXIT_CODES = {0, 1, 2, 3, 130}
-TIMEOUT_S = 120.0
+TIMEOUT_S = 120
 """A bound on one command, never waited for: each ends by itself."""
 
 
@@ -72,7 +76,7 @@ def _command_line(rng: random.Random, tmp_path: Path, data_dir: Path, session_id
     return argv
 
 
-def _run(tmp_path: Path, argv: list[str]) -> subprocess.CompletedProcess[str]:
+def _run(cli: ForkedCli, tmp_path: Path, argv: list[str]) -> subprocess.CompletedProcess[str]:
     env = {
         k: v
         for k, v in os.environ.items()
@@ -81,32 +85,27 @@ def _run(tmp_path: Path, argv: list[str]) -> subprocess.CompletedProcess[str]:
     env["GREENROOM_HOME"] = str(tmp_path / "home")
     env["TMPDIR"] = str(tmp_path)
     env["NO_COLOR"] = "1"
-    encoded = [os.fsencode(arg) if "\udcff" in arg else arg for arg in argv]
-    return subprocess.run(
-        [sys.executable, "-m", "greenroom", *encoded],
-        cwd=tmp_path,
-        env=env,
-        input="",
-        capture_output=True,
-        text=True,
-        errors="replace",
-        timeout=TIMEOUT_S,
-    )
+    return cli.run(argv, cwd=tmp_path, env=env, out_dir=tmp_path, timeout=TIMEOUT_S)
 
 
 @pytest.mark.parametrize("batch", range(2))
 def test_fuzzed_command_lines_end_in_words_never_a_traceback(tmp_path: Path, batch: int) -> None:
     data_dir = tmp_path / "data"
     (tmp_path / "a-file.txt").write_text("not a directory\n")
-    made = _run(tmp_path, ["run", "--provider", "scripted", "--data-dir", str(data_dir), "hi"])
-    assert made.returncode == 0, made.stderr
-    (session_id,) = [p.name for p in (data_dir / "sessions").iterdir()]
-    rng = random.Random(batch)
-    for case in range(CASES // 2):
-        argv = _command_line(rng, tmp_path, data_dir, session_id)
-        result = _run(tmp_path, argv)
-        what = f"case {case}: greenroom {' '.join(a[:40] for a in argv)!r}"
-        assert "Traceback" not in result.stderr, f"{what}\n{result.stderr}"
-        assert result.returncode in EXIT_CODES, f"{what}: exit {result.returncode}\n{result.stderr}"
-        if result.returncode == 2:
-            assert result.stderr.strip(), f"{what}: exit 2 without a word"
+    with forked_cli() as cli:
+        made = _run(
+            cli, tmp_path, ["run", "--provider", "scripted", "--data-dir", str(data_dir), "hi"]
+        )
+        assert made.returncode == 0, made.stderr
+        (session_id,) = [p.name for p in (data_dir / "sessions").iterdir()]
+        rng = random.Random(batch)
+        for case in range(CASES // 2):
+            argv = _command_line(rng, tmp_path, data_dir, session_id)
+            result = _run(cli, tmp_path, argv)
+            what = f"case {case}: greenroom {' '.join(a[:40] for a in argv)!r}"
+            assert "Traceback" not in result.stderr, f"{what}\n{result.stderr}"
+            assert result.returncode in EXIT_CODES, (
+                f"{what}: exit {result.returncode}\n{result.stderr}"
+            )
+            if result.returncode == 2:
+                assert result.stderr.strip(), f"{what}: exit 2 without a word"

@@ -1,0 +1,151 @@
+"""Runs many short ``greenroom`` command lines as processes forked from one that has loaded
+the command line once (POSIX only).
+
+Each command line is its own process, as ``python -m greenroom`` would be: its own argv,
+working directory, environment, empty stdin, stdout and stderr, and exit code; what it does
+not pay again is loading the command line (a few tenths of a second each, most of what a
+short command costs). A trial of many command lines (the CLI fuzz) runs through it; a test
+of start-up itself starts ``python -m greenroom``.
+
+    python tests/support/forked_cli.py     # requests on stdin, answers on stdout
+
+A request is one JSON line ``{"argv": [...], "cwd": ..., "env": {...}, "out": PATH,
+"err": PATH, "timeout": SECONDS}``; the answer is one JSON line ``{"code": N}`` once that
+process has ended (-N for a signal: -14 for one its timeout killed). The driver reads and
+writes its own stdin and stdout through the file descriptors only, so a forked child
+inherits no buffered request or answer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import runpy
+import signal
+import subprocess
+import sys
+import tempfile
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import greenroom.actors.apps.cli  # noqa: F401  (loaded once, before any fork)
+
+HERE = Path(__file__).resolve()
+
+
+def _child(request: dict[str, Any]) -> int:
+    """The forked process: becomes the command line of the request, as the interpreter
+    would run ``python -m greenroom``, and returns its exit code."""
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    tempfile.tempdir = None  # chosen again from this process's TMPDIR
+    random.seed()
+    stdin = os.open(os.devnull, os.O_RDONLY)
+    out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    err = os.open(request["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    for fd, target in ((stdin, 0), (out, 1), (err, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    sys.argv = ["greenroom", *request["argv"]]
+    sys.path[0] = request["cwd"]  # as ``-m`` puts the working directory first
+    signal.alarm(request["timeout"])  # a command that never ends fails its trial, SIGALRM
+    try:
+        runpy.run_module("greenroom", run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exit_:
+        if exit_.code is None:
+            code = 0
+        elif isinstance(exit_.code, int):
+            code = exit_.code
+        else:
+            print(exit_.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()  # as the interpreter prints what escapes
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            traceback.print_exc()
+            code = 120  # as the interpreter does when flushing fails at exit
+    return code
+
+
+def _serve() -> None:
+    pending = b""
+    while True:
+        chunk = os.read(0, 65536)
+        if not chunk:
+            return
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    code = _child(request)
+                finally:
+                    os._exit(code)
+            _, status = os.waitpid(pid, 0)
+            code = os.waitstatus_to_exitcode(status)
+            os.write(1, json.dumps({"code": code}).encode() + b"\n")
+
+
+class ForkedCli:
+    """A running driver: :meth:`run` runs one command line and returns its result."""
+
+    def __init__(self, driver: subprocess.Popen[bytes]) -> None:
+        self._driver = driver
+
+    def run(
+        self, argv: list[str], *, cwd: Path, env: dict[str, str], out_dir: Path, timeout: int
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``greenroom ARGV`` in its own forked process and return its exit code and
+        output as :func:`subprocess.run` would (text, undecodable bytes replaced). A process
+        still running after TIMEOUT seconds is killed (SIGALRM, exit code -14)."""
+        assert self._driver.stdin is not None and self._driver.stdout is not None
+        out, err = out_dir / "forked.out", out_dir / "forked.err"
+        request = {"argv": argv, "cwd": str(cwd), "env": env, "out": str(out), "err": str(err),
+                   "timeout": timeout}  # fmt: skip
+        self._driver.stdin.write(json.dumps(request).encode() + b"\n")
+        self._driver.stdin.flush()
+        answer = self._driver.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"the forked CLI driver ended (exit {self._driver.wait()})")
+        code = json.loads(answer)["code"]
+        return subprocess.CompletedProcess(
+            ["greenroom", *argv],
+            code,
+            out.read_text(errors="replace"),
+            err.read_text(errors="replace"),
+        )
+
+
+@contextmanager
+def forked_cli() -> Iterator[ForkedCli]:
+    """Start a driver for the length of the block."""
+    driver = subprocess.Popen(
+        [sys.executable, str(HERE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        yield ForkedCli(driver)
+    finally:
+        assert driver.stdin is not None
+        driver.stdin.close()
+        try:
+            driver.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            driver.kill()
+            driver.wait()
+
+
+if __name__ == "__main__":
+    _serve()
