@@ -2,6 +2,9 @@
 
 Every subprocess runs with a data dir under ``tmp_path``, without API keys (so the
 scripted model answers) and with a timeout, so a hang fails the test instead of the suite.
+Command lines that run to their end by themselves go through :func:`greenroom`, whose
+processes are forked from one that has loaded the command line; those sent signals or
+read while they run start ``python -m greenroom`` (``CLI``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `tests` is not a package on pytest's default sys.path
     sys.path.insert(0, str(ROOT))
 
+from tests.support.forked_cli import shared_forked_cli  # noqa: E402
 from tests.support.mock_model_server import (  # noqa: E402
     ErrorReply,
     Reply,
@@ -62,14 +66,10 @@ def cli_env(tmp_path: Path) -> dict[str, str]:
 def greenroom(
     tmp_path: Path, *args: str, stdin: str | None = None
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*CLI, *args],
-        cwd=tmp_path,
-        env=cli_env(tmp_path),
-        input=stdin if stdin is not None else "",
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
+    """``greenroom ARGS`` in its own process, forked from one that has loaded the command
+    line (``support/forked_cli.py``): a fresh process but for the imports."""
+    return shared_forked_cli().run(
+        list(args), cwd=tmp_path, env=cli_env(tmp_path), timeout=TIMEOUT_S, stdin=stdin or ""
     )
 
 

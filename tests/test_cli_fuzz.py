@@ -85,7 +85,7 @@ def _run(cli: ForkedCli, tmp_path: Path, argv: list[str]) -> subprocess.Complete
     env["GREENROOM_HOME"] = str(tmp_path / "home")
     env["TMPDIR"] = str(tmp_path)
     env["NO_COLOR"] = "1"
-    return cli.run(argv, cwd=tmp_path, env=env, out_dir=tmp_path, timeout=TIMEOUT_S)
+    return cli.run(argv, cwd=tmp_path, env=env, timeout=TIMEOUT_S)
 
 
 @pytest.mark.parametrize("batch", range(2))

@@ -2,30 +2,33 @@
 the command line once (POSIX only).
 
 Each command line is its own process, as ``python -m greenroom`` would be: its own argv,
-working directory, environment, empty stdin, stdout and stderr, and exit code; what it does
+working directory, environment, stdin (a file), stdout, stderr and exit code; what it does
 not pay again is loading the command line (a few tenths of a second each, most of what a
-short command costs). A trial of many command lines (the CLI fuzz) runs through it; a test
-of start-up itself starts ``python -m greenroom``.
+short command costs). The tests' ``greenroom`` helper and the CLI fuzz run through it; a
+test of start-up, of signals or of a terminal starts ``python -m greenroom``.
 
     python tests/support/forked_cli.py     # requests on stdin, answers on stdout
 
-A request is one JSON line ``{"argv": [...], "cwd": ..., "env": {...}, "out": PATH,
-"err": PATH, "timeout": SECONDS}``; the answer is one JSON line ``{"code": N}`` once that
-process has ended (-N for a signal: -14 for one its timeout killed). The driver reads and
-writes its own stdin and stdout through the file descriptors only, so a forked child
+A request is one JSON line ``{"argv": [...], "cwd": ..., "env": {...}, "in": PATH, "out":
+PATH, "err": PATH, "timeout": SECONDS}``; the answer is one JSON line ``{"code": N}`` once
+that process has ended (-N for a signal: -14 for one its timeout killed). The driver reads
+and writes its own stdin and stdout through the file descriptors only, so a forked child
 inherits no buffered request or answer.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
 import runpy
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,7 +48,7 @@ def _child(request: dict[str, Any]) -> int:
     os.environ.update(request["env"])
     tempfile.tempdir = None  # chosen again from this process's TMPDIR
     random.seed()
-    stdin = os.open(os.devnull, os.O_RDONLY)
+    stdin = os.open(request["in"], os.O_RDONLY)
     out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     err = os.open(request["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     for fd, target in ((stdin, 0), (out, 1), (err, 2)):
@@ -100,51 +103,81 @@ def _serve() -> None:
 
 
 class ForkedCli:
-    """A running driver: :meth:`run` runs one command line and returns its result."""
+    """A running driver: :meth:`run` runs one command line and returns its result. One
+    command line at a time (a lock keeps threads from sharing a request)."""
 
-    def __init__(self, driver: subprocess.Popen[bytes]) -> None:
+    def __init__(self, driver: subprocess.Popen[bytes], files: Path) -> None:
         self._driver = driver
+        self._files = files
+        self._lock = threading.Lock()
 
     def run(
-        self, argv: list[str], *, cwd: Path, env: dict[str, str], out_dir: Path, timeout: int
+        self, argv: list[str], *, cwd: Path, env: dict[str, str], timeout: int, stdin: str = ""
     ) -> subprocess.CompletedProcess[str]:
-        """Run ``greenroom ARGV`` in its own forked process and return its exit code and
-        output as :func:`subprocess.run` would (text, undecodable bytes replaced). A process
-        still running after TIMEOUT seconds is killed (SIGALRM, exit code -14)."""
+        """Run ``greenroom ARGV`` in its own forked process with STDIN as its input and return
+        its exit code and output as :func:`subprocess.run` would (text, undecodable bytes
+        replaced). A process still running after TIMEOUT seconds is killed (SIGALRM, exit
+        code -14)."""
         assert self._driver.stdin is not None and self._driver.stdout is not None
-        out, err = out_dir / "forked.out", out_dir / "forked.err"
-        request = {"argv": argv, "cwd": str(cwd), "env": env, "out": str(out), "err": str(err),
-                   "timeout": timeout}  # fmt: skip
-        self._driver.stdin.write(json.dumps(request).encode() + b"\n")
-        self._driver.stdin.flush()
-        answer = self._driver.stdout.readline()
-        if not answer:
-            raise RuntimeError(f"the forked CLI driver ended (exit {self._driver.wait()})")
-        code = json.loads(answer)["code"]
-        return subprocess.CompletedProcess(
-            ["greenroom", *argv],
-            code,
-            out.read_text(errors="replace"),
-            err.read_text(errors="replace"),
-        )
+        with self._lock:
+            given, out, err = (self._files / name for name in ("in", "out", "err"))
+            given.write_text(stdin)
+            request = {"argv": argv, "cwd": str(cwd), "env": env, "in": str(given),
+                       "out": str(out), "err": str(err), "timeout": timeout}  # fmt: skip
+            self._driver.stdin.write(json.dumps(request).encode() + b"\n")
+            self._driver.stdin.flush()
+            answer = self._driver.stdout.readline()
+            if not answer:
+                raise RuntimeError(f"the forked CLI driver ended (exit {self._driver.wait()})")
+            return subprocess.CompletedProcess(
+                ["greenroom", *argv],
+                json.loads(answer)["code"],
+                out.read_text(errors="replace"),
+                err.read_text(errors="replace"),
+            )
+
+    def close(self) -> None:
+        """End the driver (it ends when its stdin closes) and remove its files."""
+        assert self._driver.stdin is not None
+        self._driver.stdin.close()
+        try:
+            self._driver.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._driver.kill()
+            self._driver.wait()
+        shutil.rmtree(self._files, ignore_errors=True)
+
+
+def start_forked_cli() -> ForkedCli:
+    """Start a driver; :meth:`ForkedCli.close` ends it."""
+    driver = subprocess.Popen(
+        [sys.executable, str(HERE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    return ForkedCli(driver, Path(tempfile.mkdtemp(prefix="forked-cli-")))
 
 
 @contextmanager
 def forked_cli() -> Iterator[ForkedCli]:
-    """Start a driver for the length of the block."""
-    driver = subprocess.Popen(
-        [sys.executable, str(HERE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
-    )
+    """A driver for the length of the block."""
+    cli = start_forked_cli()
     try:
-        yield ForkedCli(driver)
+        yield cli
     finally:
-        assert driver.stdin is not None
-        driver.stdin.close()
-        try:
-            driver.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            driver.kill()
-            driver.wait()
+        cli.close()
+
+
+_shared: ForkedCli | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_forked_cli() -> ForkedCli:
+    """This test process's one driver, started on first use and ended at exit."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = start_forked_cli()
+            atexit.register(_shared.close)
+        return _shared
 
 
 if __name__ == "__main__":
