@@ -16,7 +16,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -138,11 +137,9 @@ def test_a_damaged_usage_ledger_is_one_line_naming_it_and_exit_2(
 
 
 def test_demo_exits_0_says_scripted_and_answers_with_correct_totals(tmp_path: Path) -> None:
-    started = time.monotonic()
     result = greenroom(
         tmp_path, "demo", "--workspace", str(tmp_path / "ws"), "--data-dir", str(tmp_path / "d")
     )
-    elapsed = time.monotonic() - started
     assert result.returncode == 0, result.stderr
     assert "No ANTHROPIC_API_KEY is set" in result.stdout
     assert "scripted model" in result.stdout
@@ -157,7 +154,6 @@ def test_demo_exits_0_says_scripted_and_answers_with_correct_totals(tmp_path: Pa
     trace = tmp_path / "d" / "sessions" / session_id.group(1) / "trace_001.jsonl"
     assert trace.is_file()
     assert "✓ completed · 3 turns" in result.stderr
-    assert elapsed < 20, f"the demo took {elapsed:.1f} s"
 
 
 def test_demo_without_arguments_uses_a_fresh_temp_dir_and_removes_it(tmp_path: Path) -> None:

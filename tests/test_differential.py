@@ -19,8 +19,6 @@ from __future__ import annotations
 import itertools
 import json
 import random
-import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -47,9 +45,8 @@ from greenroom.protocols.stream import (
 )
 
 CASES = 1500
-"""Cases per wire format (each decoded in one random chunking)."""
-
-TIME_LIMIT_S = 40.0
+"""Cases per wire format (each decoded in one random chunking): the trial's bound. No
+wall-clock limit: on a busy machine the same cases take longer, and every one still runs."""
 
 ALPHABET = (
     "abcdefghij klmnop qrstuvwxyz ABCXYZ 0123456789 .,;:!? \"'\\/ {}[] \n\t"
@@ -417,18 +414,10 @@ def compare_openai(rng: random.Random) -> None:
 # --------------------------------------------------------------------------- the runs
 
 
-def seeds(count: int) -> Iterator[int]:
-    deadline = time.monotonic() + TIME_LIMIT_S
-    for seed in range(count):
-        if time.monotonic() > deadline:
-            pytest.fail(f"only {seed} of {count} cases ran within {TIME_LIMIT_S} s")
-        yield seed
-
-
 @pytest.mark.parametrize("wire", ["anthropic", "openai"])
 def test_decoders_agree_with_the_sdk_accumulators(wire: str) -> None:
     compare = compare_anthropic if wire == "anthropic" else compare_openai
-    for seed in seeds(CASES):
+    for seed in range(CASES):
         rng = random.Random(f"{wire}-{seed}")
         try:
             compare(rng)
