@@ -471,8 +471,10 @@ async def stopped(server: NatsProcess) -> None:
     await trio.to_thread.run_sync(os.waitpid, server.process.pid, os.WUNTRACED)
 
 
-SUBSCRIPTION_END_BOUND_S = 2.5
-"""A subscription's end is bounded at 2 s: a little more on a busy machine."""
+SUBSCRIPTION_END_BOUND_S = 5.0
+"""A subscription's block is bounded at 2 s; 3 s more for a busy machine, and still below
+what is left of a drain's 8 s in the background once the block has ended (a drain that
+settled within it was settled by the server's answer)."""
 
 
 def test_a_shutdown_during_a_drain_the_server_leaves_unanswered_leaves_no_subscription(
