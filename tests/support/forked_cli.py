@@ -10,8 +10,9 @@ test of start-up, of signals or of a terminal starts ``python -m greenroom``.
     python tests/support/forked_cli.py     # requests on stdin, answers on stdout
 
 A request is one JSON line ``{"argv": [...], "cwd": ..., "env": {...}, "in": PATH, "out":
-PATH, "err": PATH, "timeout": SECONDS}``; the answer is one JSON line ``{"code": N}`` once
-that process has ended (-N for a signal: -14 for one its timeout killed). The driver reads
+PATH, "err": PATH, "timeout": SECONDS}`` (and ``"module"``, run in place of ``greenroom``:
+the tests of this driver); the answer is one JSON line ``{"code": N}`` once that process
+has ended (-N for a signal: -14 for one its timeout killed). The driver reads
 and writes its own stdin and stdout through the file descriptors only, so a forked child
 inherits no buffered request or answer.
 """
@@ -38,27 +39,32 @@ from typing import Any
 import greenroom.actors.apps.cli  # noqa: F401  (loaded once, before any fork)
 
 HERE = Path(__file__).resolve()
+SETUP_FAILED = 125
+"""The exit code of a forked process that could not become the command line (its working
+directory, input or output files): told apart from every exit code the command gives."""
 
 
 def _child(request: dict[str, Any]) -> int:
     """The forked process: becomes the command line of the request, as the interpreter
     would run ``python -m greenroom``, and returns its exit code."""
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    tempfile.tempdir = None  # chosen again from this process's TMPDIR
-    random.seed()
+    # Its output first (the driver's own files), so that a failure to become the command
+    # line is written where the caller reads.
     stdin = os.open(request["in"], os.O_RDONLY)
     out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     err = os.open(request["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     for fd, target in ((stdin, 0), (out, 1), (err, 2)):
         os.dup2(fd, target)
         os.close(fd)
-    sys.argv = ["greenroom", *request["argv"]]
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    tempfile.tempdir = None  # chosen again from this process's TMPDIR
+    random.seed()
+    sys.argv = [request.get("module", "greenroom"), *request["argv"]]
     sys.path[0] = request["cwd"]  # as ``-m`` puts the working directory first
     signal.alarm(request["timeout"])  # a command that never ends fails its trial, SIGALRM
     try:
-        runpy.run_module("greenroom", run_name="__main__", alter_sys=True)
+        runpy.run_module(request.get("module", "greenroom"), run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exit_:
         if exit_.code is None:
@@ -92,9 +98,11 @@ def _serve() -> None:
             request = json.loads(line)
             pid = os.fork()
             if pid == 0:
-                code = 1
+                code = SETUP_FAILED
                 try:
                     code = _child(request)
+                except BaseException:
+                    traceback.print_exc()
                 finally:
                     os._exit(code)
             _, status = os.waitpid(pid, 0)
@@ -112,18 +120,26 @@ class ForkedCli:
         self._lock = threading.Lock()
 
     def run(
-        self, argv: list[str], *, cwd: Path, env: dict[str, str], timeout: int, stdin: str = ""
+        self,
+        argv: list[str],
+        *,
+        cwd: Path,
+        env: dict[str, str],
+        timeout: int,
+        stdin: str = "",
+        module: str = "greenroom",
     ) -> subprocess.CompletedProcess[str]:
         """Run ``greenroom ARGV`` in its own forked process with STDIN as its input and return
         its exit code and output as :func:`subprocess.run` would (text, undecodable bytes
         replaced). A process still running after TIMEOUT seconds is killed (SIGALRM, exit
-        code -14)."""
+        code -14). ``module``: what ``python -m`` would run."""
         assert self._driver.stdin is not None and self._driver.stdout is not None
         with self._lock:
             given, out, err = (self._files / name for name in ("in", "out", "err"))
             given.write_text(stdin)
             request = {"argv": argv, "cwd": str(cwd), "env": env, "in": str(given),
-                       "out": str(out), "err": str(err), "timeout": timeout}  # fmt: skip
+                       "out": str(out), "err": str(err), "timeout": timeout,
+                       "module": module}  # fmt: skip
             self._driver.stdin.write(json.dumps(request).encode() + b"\n")
             self._driver.stdin.flush()
             answer = self._driver.stdout.readline()
