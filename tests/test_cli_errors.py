@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `tests` is not a package on pytest's default sys.path
     sys.path.insert(0, str(ROOT))
 
+from tests.support.forked_cli import shared_forked_cli  # noqa: E402
 from tests.test_cli import CLI, TIMEOUT_S, cli_env, greenroom  # noqa: E402
 
 UNKNOWN_SESSION = "20990101-000000-abcdef"
@@ -47,6 +48,12 @@ def run_cli(
     env: dict[str, str] | None = None,
     preexec_fn: Callable[[], None] | None = None,
 ) -> subprocess.CompletedProcess[str]:
+    """``greenroom ARGS`` to its end: forked from the loaded command line
+    (``support/forked_cli.py``), or started afresh when ``preexec_fn`` must run in it."""
+    if preexec_fn is None:
+        return shared_forked_cli().run(
+            args, cwd=tmp_path, env=env or cli_env(tmp_path), timeout=TIMEOUT_S
+        )
     return subprocess.run(
         [*CLI, *args], cwd=tmp_path, env=env or cli_env(tmp_path), input="",
         capture_output=True, text=True, timeout=TIMEOUT_S, preexec_fn=preexec_fn,
