@@ -335,6 +335,20 @@ async def _no_session_until_a_good_run(server: Any, url: str, thread: str) -> No
     assert ok.events[-1][1]["type"] == "RUN_FINISHED"
 
 
+async def _a_taken_name_leaves_no_session(
+    server: Any, thread: str, taken: dict[str, Any]
+) -> None:
+    """A new thread's run whose front-end tool ``taken`` has a name the session's tools
+    have is refused (400, naming it), and the thread has no session until a good run."""
+    url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+    refused = await posted(url, run_input(thread, "r1", "hi", tools=[taken]))
+    assert refused.status == 400
+    assert refused.body["error"]["message"] == (
+        f"$.tools: a client tool may not be named '{taken['name']}': the session has one"
+    )
+    await _no_session_until_a_good_run(server, url, thread)
+
+
 async def test_a_front_end_tool_named_like_a_server_tool_makes_no_session(
     tmp_path: Path,
 ) -> None:
@@ -345,13 +359,7 @@ async def test_a_front_end_tool_named_like_a_server_tool_makes_no_session(
     taken = {"name": "read_file", "description": "", "parameters": {"type": "object"}}
     with trio.fail_after(BOUND_S):
         async with serving(tmp_path, tools=[read_file], ag_ui=True) as server:
-            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
-            refused = await posted(url, run_input("tX", "r1", "hi", tools=[taken]))
-            assert refused.status == 400
-            assert refused.body["error"]["message"] == (
-                "$.tools: a client tool may not be named 'read_file': the session has one"
-            )
-            await _no_session_until_a_good_run(server, url, "tX")
+            await _a_taken_name_leaves_no_session(server, "tX", taken)
 
 
 async def test_a_front_end_tool_named_like_an_mcp_tool_leaves_no_session(
@@ -364,13 +372,7 @@ async def test_a_front_end_tool_named_like_an_mcp_tool_leaves_no_session(
     taken = {"name": "mcp__t__echo", "description": "", "parameters": {"type": "object"}}
     with trio.fail_after(MCP_BOUND_S):
         async with serving(tmp_path, ag_ui=True, mcp_servers={"t": stdio()}) as server:
-            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
-            refused = await posted(url, run_input("tM", "r1", "hi", tools=[taken]))
-            assert refused.status == 400
-            assert refused.body["error"]["message"] == (
-                "$.tools: a client tool may not be named 'mcp__t__echo': the session has one"
-            )
-            await _no_session_until_a_good_run(server, url, "tM")
+            await _a_taken_name_leaves_no_session(server, "tM", taken)
 
 
 async def test_a_last_event_id_past_the_threads_last_event_is_refused(tmp_path: Path) -> None:
