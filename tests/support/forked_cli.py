@@ -10,11 +10,11 @@ test of start-up, of signals or of a terminal starts ``python -m greenroom``.
     python tests/support/forked_cli.py     # requests on stdin, answers on stdout
 
 A request is one JSON line ``{"argv": [...], "cwd": ..., "env": {...}, "in": PATH, "out":
-PATH, "err": PATH, "timeout": SECONDS}`` (and ``"module"``, run in place of ``greenroom``:
-the tests of this driver); the answer is one JSON line ``{"code": N}`` once that process
-has ended (-N for a signal: -14 for one its timeout killed). The driver reads
-and writes its own stdin and stdout through the file descriptors only, so a forked child
-inherits no buffered request or answer.
+PATH, "err": PATH, "timeout": SECONDS, "module": NAME}`` (what ``python -m`` would run:
+``greenroom``, or a test's own module in the tests of this driver); the answer is one JSON
+line ``{"code": N}`` once that process has ended (-N for a signal: -14 for one its timeout
+killed). The driver reads and writes its own stdin and stdout through the file descriptors
+only, so a forked child inherits no buffered request or answer.
 """
 
 from __future__ import annotations
@@ -60,11 +60,12 @@ def _child(request: dict[str, Any]) -> int:
     os.environ.update(request["env"])
     tempfile.tempdir = None  # chosen again from this process's TMPDIR
     random.seed()
-    sys.argv = [request.get("module", "greenroom"), *request["argv"]]
+    module = request["module"]
+    sys.argv = [module, *request["argv"]]
     sys.path[0] = request["cwd"]  # as ``-m`` puts the working directory first
     signal.alarm(request["timeout"])  # a command that never ends fails its trial, SIGALRM
     try:
-        runpy.run_module(request.get("module", "greenroom"), run_name="__main__", alter_sys=True)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exit_:
         if exit_.code is None:
