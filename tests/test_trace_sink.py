@@ -17,14 +17,17 @@ import pytest
 import trio
 import trio.testing
 
+from greenroom.actors.runtime import trace_sink
 from greenroom.actors.runtime.disk import DISK, Disk
 from greenroom.actors.runtime.trace_sink import (
     LEDGER_FILE_NAME,
+    MOST_OPEN_TRACE_FILES,
     SYNC_THREADS,
     TraceSink,
     TraceSinkClosed,
     TraceWriteError,
     latest_trace_file,
+    most_open_trace_files,
     read_trace,
     usage_report,
     usage_totals,
@@ -585,3 +588,134 @@ async def test_a_writer_bug_in_a_batch_answers_only_the_syncs_not_answered_early
             pass  # every sync returns, answered or told of the failure
     assert failed == [paths[-1]]
     assert sorted(durable) == sorted(paths[:-1])
+
+
+# -- files kept open between commits ---------------------------------------------------------
+
+
+async def test_a_file_stays_open_between_its_commits_until_its_session_closes(
+    tmp_path: Path, disk: FaultyDisk
+) -> None:
+    """A commit to a file the sink wrote last goes through the descriptor the previous one
+    kept; releasing the file (its session closed, or moved to its next file) closes it,
+    and its lines are still made durable."""
+    path = trace_path(tmp_path, "s1")
+    with trio.fail_after(TIMEOUT):
+        async with running_sink(tmp_path, disk) as sink:
+            sink.write(path, line(1))
+            sink.commit(path)  # creates the file: opened and closed
+            assert disk.appending == {}
+            kept: set[int] = set()
+            for seq in range(2, 6):
+                sink.write(path, line(seq))
+                sink.commit(path)
+                assert list(disk.appending.values()) == [path]
+                kept |= set(disk.appending)
+            assert len(kept) == 1  # one descriptor for the four commits
+            sink.write(path, line(6))
+            sink.release(path)  # its last line written, unsynced: the file stays known
+            assert disk.appending == {}
+            assert seqs(path) == [1, 2, 3, 4, 5, 6]
+            await sink.sync(path)
+            assert disk.appending == {}
+    assert seqs(path) == [1, 2, 3, 4, 5, 6]
+    assert path in disk.fsynced
+
+
+async def test_a_deleted_sessions_file_and_a_closing_sink_leave_no_descriptor(
+    tmp_path: Path, disk: FaultyDisk
+) -> None:
+    gone, other = trace_path(tmp_path, "gone"), trace_path(tmp_path, "other")
+    with trio.fail_after(TIMEOUT):
+        async with running_sink(tmp_path, disk) as sink:
+            for path in (gone, other):
+                for seq in (1, 2):
+                    sink.write(path, line(seq, path.parent.name))
+                    sink.commit(path)
+            assert sorted(disk.appending.values()) == sorted([gone, other])
+            await sink.sync(gone)
+            sink.forget(gone)
+            assert list(disk.appending.values()) == [other]
+            sink.write(other, line(3, "other"))
+            sink.commit(other)
+        assert disk.appending == {}
+    assert seqs(other) == [1, 2, 3]
+
+
+async def test_the_sink_keeps_at_most_its_bound_of_files_open(
+    tmp_path: Path, disk: FaultyDisk, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the bound the least recently written file is closed; every line still lands,
+    in order, its file reopened when written again."""
+    monkeypatch.setattr(trace_sink, "most_open_trace_files", lambda: 2)
+    paths = [trace_path(tmp_path, f"s{i}") for i in range(5)]
+    with trio.fail_after(TIMEOUT):
+        async with running_sink(tmp_path, disk) as sink:
+            for seq in (1, 2, 3):
+                for path in paths:
+                    sink.write(path, line(seq, path.parent.name))
+                    sink.commit(path)
+                    assert len(disk.appending) <= 2
+            assert sorted(disk.appending.values()) == sorted(paths[-2:])
+            await sink.sync()
+    for path in paths:
+        assert seqs(path) == [1, 2, 3]
+
+
+async def test_with_no_bound_to_read_every_append_opens_its_file(
+    tmp_path: Path, disk: FaultyDisk, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(trace_sink, "most_open_trace_files", lambda: 0)
+    path = trace_path(tmp_path, "s1")
+    with trio.fail_after(TIMEOUT):
+        async with running_sink(tmp_path, disk) as sink:
+            for seq in (1, 2, 3):
+                sink.write(path, line(seq))
+                sink.commit(path)
+                assert disk.appending == {}
+            await sink.sync(path)
+    assert seqs(path) == [1, 2, 3]
+
+
+async def test_a_close_the_file_system_fails_is_that_files_failure(
+    tmp_path: Path, disk: FaultyDisk
+) -> None:
+    """A network file system may report a write it could not make only when the file is
+    closed: once the kept descriptor is closed, the file's syncs report it, as its
+    append's failure would have been; the other files go on."""
+    bad, good = trace_path(tmp_path, "bad"), trace_path(tmp_path, "good")
+    with trio.fail_after(TIMEOUT):
+        async with running_sink(tmp_path, disk) as sink:
+            for path in (bad, good):
+                for seq in (1, 2):
+                    sink.write(path, line(seq, path.parent.name))
+                    sink.commit(path)
+            disk.fail_close(bad)
+            await sink.sync()  # nothing failed yet: the descriptor is still open
+            sink.write(bad, line(3, "bad"))
+            sink.release(bad)
+            assert list(disk.appending.values()) == [good]
+            with pytest.raises(TraceWriteError) as info:
+                await sink.sync(bad)
+            assert info.value.path == bad
+            assert "Input/output error" in str(info.value)
+            await sink.sync(good)
+            assert set(sink.errors) == {bad}
+
+
+def test_the_bound_is_an_eighth_of_the_open_files_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    import resource
+
+    def limit(soft: int) -> None:
+        monkeypatch.setattr(resource, "getrlimit", lambda which: (soft, resource.RLIM_INFINITY))
+
+    limit(1024)
+    assert most_open_trace_files() == 128
+    limit(20_000)
+    assert most_open_trace_files() == 2_500
+    limit(10**6)
+    assert most_open_trace_files() == MOST_OPEN_TRACE_FILES
+    limit(resource.RLIM_INFINITY)
+    assert most_open_trace_files() == MOST_OPEN_TRACE_FILES
+    limit(7)
+    assert most_open_trace_files() == 0

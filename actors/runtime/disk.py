@@ -9,8 +9,8 @@ operating system itself (:data:`DISK`). A test passes a disk of its own — one 
 or stalls on a given path, or records what was fsynced — to ``FileTraceStore(data_dir,
 disk=…)`` or ``TraceSink(data_dir, disk=…)``, instead of patching the backend's functions.
 
-The contract of every method: it blocks (the trace sink calls :meth:`Disk.append` from the
-session's own task — one small append to the page cache — and everything else from a worker
+The contract of every method: it blocks (the trace sink appends from the session's own
+task — one small append to the page cache — and does everything else from a worker
 thread), and what the disk refuses is an ``OSError``. Anything else a method raises is a bug
 below the writer: the trace sink's actor stops on it rather than go on promising durability
 (see :mod:`~greenroom.actors.runtime.trace_sink`).
@@ -46,14 +46,29 @@ class Disk:
     def append(self, path: Path, data: bytes, *, create: bool = False) -> None:
         """Write all of ``data`` at the end of the file ``path`` (``O_APPEND``). A missing
         file raises FileNotFoundError, unless ``create``: then it is created (0600)."""
-        flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT if create else 0)
-        fd = os.open(path, flags, PRIVATE_FILE_MODE)
+        fd = self.open_appending(path, create=create)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            self.append_to(fd, path, data)
         finally:
-            os.close(fd)
+            self.close(fd)
+
+    def open_appending(self, path: Path, *, create: bool = False) -> int:
+        """A descriptor that writes at the end of the file ``path`` (``O_APPEND``), for
+        :meth:`append_to`; the caller closes it with :meth:`close`. A missing file raises
+        FileNotFoundError, unless ``create``: then it is created (0600)."""
+        flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT if create else 0)
+        return os.open(path, flags, PRIVATE_FILE_MODE)
+
+    def append_to(self, fd: int, path: Path, data: bytes) -> None:
+        """Write all of ``data`` through ``fd``, a descriptor :meth:`open_appending`
+        opened for ``path``."""
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+
+    def close(self, fd: int) -> None:
+        """Close a descriptor :meth:`open_appending` opened."""
+        os.close(fd)
 
     def last_byte(self, path: Path) -> bytes:
         """The last byte of the file ``path`` (``b""`` when it is empty). A missing file

@@ -41,6 +41,13 @@ nothing written after that point can be made durable.
 Every append and fsync goes through one :class:`~greenroom.actors.runtime.disk.Disk` (the
 real one unless the sink is given another: a test's disk that refuses or stalls).
 
+The sink keeps a file it appends to open between its commits (at most
+:func:`most_open_trace_files` of them, the least recently written closed first): a task's
+records are a dozen small appends, and opening and closing the file for each cost more
+than the write itself while many sessions run. A file is closed when its session is
+closed, deleted or moves to its next file, when an append to it fails, and when the sink
+closes. The fsyncs open the file by its path in their worker thread.
+
 Files and modes: trace files and the ledger are created 0600 (they hold tool output such
 as file contents), directories the sink creates 0700.
 
@@ -86,18 +93,40 @@ from greenroom.protocols.trace import (
 
 __all__ = [
     "LEDGER_FILE_NAME",
+    "MOST_OPEN_TRACE_FILES",
     "LedgerUnusable",
     "TraceSink",
     "TraceSinkClosed",
     "TraceSyncer",
     "TraceWriteError",
     "latest_trace_file",
+    "most_open_trace_files",
     "read_trace",
     "usage_report",
     "usage_totals",
 ]
 
 LEDGER_FILE_NAME = "usage.sqlite"
+
+MOST_OPEN_TRACE_FILES = 4096
+"""The most trace files a sink keeps open for appending, whatever the process may open."""
+
+
+def most_open_trace_files() -> int:
+    """How many trace files a sink keeps open: an eighth of the process's soft limit on
+    open files (the rest is the sessions' connections, tools and listeners), at most
+    :data:`MOST_OPEN_TRACE_FILES`; 0 (every append opens its file) where there is no
+    such limit to read."""
+    try:
+        import resource
+
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return 0
+    if soft == resource.RLIM_INFINITY:
+        return MOST_OPEN_TRACE_FILES
+    return max(0, min(MOST_OPEN_TRACE_FILES, soft // 8))
+
 
 _USAGE_COLUMNS = (
     "at",
@@ -244,6 +273,10 @@ class TraceSink:
         # Files whose last write was ours and whole: they end in a newline, so a commit
         # appends without the torn-tail check or the directory checks.
         self._clean_tails: set[Path] = set()
+        # Descriptors of clean-tailed files kept open between commits, least recently
+        # written first (a dict keeps its order: a write moves its file to the end).
+        self._appending: dict[Path, int] = {}
+        self._most_appending = most_open_trace_files()
         self._errors: dict[Path, TraceWriteError] = {}
         self._started = False
         self._closed = False
@@ -341,13 +374,14 @@ class TraceSink:
         if not lines:
             return True
         try:
-            if path in self._clean_tails and _append_known(self.disk, path, lines):
+            if path in self._clean_tails and self._append_known(path, lines):
                 created: frozenset[Path] = frozenset()
             else:
                 created = _append(self.disk, path, lines)
         except Exception as exc:
             self._errors[path] = TraceWriteError(path, _describe(exc))
             self._clean_tails.discard(path)
+            self._stop_appending(path)
             return True
         self._clean_tails.add(path)
         self._written[path] = self._written.get(path, 0) + 1
@@ -427,7 +461,11 @@ class TraceSink:
         """The session of ``path`` was closed: forget what is kept for the file once
         nothing of it is left to write or fsync (a host that runs many sessions over its
         life keeps only the open ones')."""
-        if path not in self._buffers and not self._unsynced(path):
+        # Its last lines go out now, through the kept descriptor, which is then closed:
+        # nothing is written to the file later to open it again.
+        self.commit(path)
+        self._stop_appending(path)
+        if not self._unsynced(path):
             self.forget(path)
 
     def forget(self, path: Path) -> None:
@@ -436,6 +474,7 @@ class TraceSink:
         for table in (self._buffers, self._written, self._durable, self._new_dirs):
             table.pop(path, None)
         self._clean_tails.discard(path)
+        self._stop_appending(path)
 
     @property
     def errors(self) -> dict[Path, TraceWriteError]:
@@ -452,6 +491,53 @@ class TraceSink:
     def _commit_all(self) -> None:
         for path in list(self._buffers):
             self.commit(path)
+
+    def _append_known(self, path: Path, lines: list[bytes]) -> bool:
+        """Append to a file this sink wrote last (it ends in a newline), through its kept
+        descriptor (opened now if it has none). False when the file is gone (then
+        :func:`_append` creates it again)."""
+        fd = self._appending.pop(path, None)
+        if fd is None:
+            try:
+                fd = self.disk.open_appending(path)
+            except FileNotFoundError:
+                return False
+        try:
+            self.disk.append_to(fd, path, b"".join(lines))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                self.disk.close(fd)
+            raise
+        if not self._most_appending:
+            self.disk.close(fd)
+            return True
+        self._appending[path] = fd
+        if len(self._appending) > self._most_appending:
+            oldest = next(iter(self._appending))
+            self._close_kept(oldest, self._appending.pop(oldest))
+        return True
+
+    def _stop_appending(self, path: Path) -> None:
+        """Close the descriptor kept for ``path``, if any."""
+        fd = self._appending.pop(path, None)
+        if fd is not None:
+            self._close_kept(path, fd)
+
+    def _close_appending(self) -> None:
+        """Close every kept descriptor (the sink is closing)."""
+        while self._appending:
+            path, fd = self._appending.popitem()
+            self._close_kept(path, fd)
+
+    def _close_kept(self, path: Path, fd: int) -> None:
+        """Close a kept descriptor. A network file system may report a failed write only
+        now: that is the file's failure, as it would have been its append's."""
+        try:
+            self.disk.close(fd)
+        except OSError as exc:
+            if path in self._written:
+                self._errors[path] = TraceWriteError(path, _describe(exc))
+                self._clean_tails.discard(path)
 
     def _unsynced(self, path: Path | None) -> dict[Path, int]:
         """Files written since their last known fsync -> the commit count to reach."""
@@ -520,6 +606,7 @@ class TraceSink:
         """Everything committed and not known durable is fsynced now (the actor has
         ended: cancellation, or a bug), bounded by ``close_timeout``."""
         self._commit_all()
+        self._close_appending()
         covered = self._unsynced(None)
         if not covered:
             return
@@ -967,16 +1054,6 @@ def _append(disk: Disk, path: Path, lines: list[bytes]) -> frozenset[Path]:
         data = b"\n" + data
     disk.append(path, data, create=True)
     return frozenset(changed)
-
-
-def _append_known(disk: Disk, path: Path, lines: list[bytes]) -> bool:
-    """Append to a file this sink wrote last (it ends in a newline): one append. False
-    when the file is gone (then :func:`_append` creates it again)."""
-    try:
-        disk.append(path, b"".join(lines))
-    except FileNotFoundError:
-        return False
-    return True
 
 
 def _tighten(path: Path, mode: int) -> None:

@@ -31,6 +31,10 @@ class FaultyDisk(Disk):
       (a bug below the trace writer); ``bug_hits`` counts them;
     * :meth:`stall` — an fsync of one file waits (``stalled`` is set) until
       :meth:`release`;
+    * :meth:`fail_close` — closing a descriptor of one file closes it and then raises
+      ``EIO`` (as a network file system reports a write it could not make);
+    * every descriptor opened for appending and not closed yet, in ``appending`` (descriptor
+      -> path);
     * every fsync, as ``(path, size of the file then)`` in ``fsyncs`` and its path in
       ``fsynced`` (the test may clear either).
     """
@@ -46,6 +50,8 @@ class FaultyDisk(Disk):
         self._refuse_appends = False
         self._broken: Path | None = None
         self._stalling: Path | None = None
+        self._failing_close: Path | None = None
+        self.appending: dict[int, Path] = {}
         self._lock = threading.Lock()
 
     # -- faults -----------------------------------------------------------------------------
@@ -71,6 +77,10 @@ class FaultyDisk(Disk):
         """Let stalled fsyncs (and later ones) through."""
         self._released.set()
 
+    def fail_close(self, path: Path) -> None:
+        """From now on closing a descriptor of ``path`` raises ``EIO`` once it is closed."""
+        self._failing_close = path
+
     # -- the disk ---------------------------------------------------------------------------
 
     def append(self, path: Path, data: bytes, *, create: bool = False) -> None:
@@ -78,6 +88,27 @@ class FaultyDisk(Disk):
         if self._refuse_appends:
             self._hit(path)
         super().append(path, data, create=create)
+
+    def open_appending(self, path: Path, *, create: bool = False) -> int:
+        """The real descriptor, remembered in ``appending`` until closed."""
+        fd = super().open_appending(path, create=create)
+        with self._lock:
+            self.appending[fd] = path
+        return fd
+
+    def append_to(self, fd: int, path: Path, data: bytes) -> None:
+        """The real append through ``fd``, unless appends to ``path`` are refused."""
+        if self._refuse_appends:
+            self._hit(path)
+        super().append_to(fd, path, data)
+
+    def close(self, fd: int) -> None:
+        """The real close; then ``EIO`` when closes of its file are to fail."""
+        with self._lock:
+            path = self.appending.pop(fd, None)
+        super().close(fd)
+        if path is not None and path == self._failing_close:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
 
     def fsync(self, path: Path) -> None:
         """The real fsync, after the faults armed for ``path``; recorded once done."""
