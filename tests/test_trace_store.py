@@ -228,3 +228,48 @@ async def test_a_sync_asked_after_its_session_was_released_makes_its_file_durabl
         assert log.location("s1") in disk.fsynced
         assert log.lost("s1", 1) is None
         await store.aclose()
+
+
+async def test_a_created_session_is_durable_before_its_creation_returns(tmp_path: Path) -> None:
+    """``session.json`` is fsynced before it takes its name, then the session directory
+    and the directories above that are new: a power cut after the creation returned
+    leaves the session, whole, whether or not it ever ran."""
+    from tests.support.disks import FaultyDisk
+
+    data_dir = tmp_path / "data"
+    sessions = data_dir / "sessions"
+    disk = FaultyDisk()
+    async with trio.open_nursery() as nursery:
+        store = FileTraceStore(data_dir, disk=disk)
+        await nursery.start(store.run)
+        disk.fsyncs.clear()
+        await store.catalog.create("s1", {"session_id": "s1"})
+        meta = (sessions / "s1" / "session.json").read_bytes()
+        written, *entries = disk.fsyncs
+        assert written[0].parent == sessions / "s1"
+        assert written[0].name.startswith("session.json.") and written[0].suffix == ".tmp"
+        assert written[1] == len(meta)  # its content, whole, before its name
+        assert [path for path, _ in entries] == [sessions / "s1", sessions, data_dir]
+        disk.fsyncs.clear()
+        await store.catalog.create("s2", {"session_id": "s2"})
+        assert [path for path, _ in disk.fsyncs[1:]] == [sessions / "s2", sessions]
+        await store.aclose()
+
+
+async def test_a_creation_whose_directory_cannot_be_made_durable_leaves_no_session(
+    tmp_path: Path,
+) -> None:
+    from tests.support.disks import FaultyDisk
+
+    disk = FaultyDisk()
+    async with trio.open_nursery() as nursery:
+        store = FileTraceStore(tmp_path, disk=disk)
+        await nursery.start(store.run)
+        disk.refuse(tmp_path / "sessions" / "s1", appends=False)
+        with pytest.raises(OSError, match="No space left"):
+            await store.catalog.create("s1", {"session_id": "s1"})
+        assert not await store.catalog.exists("s1")
+        disk.mend()
+        await store.catalog.create("s1", {"session_id": "s1"})  # the id is free
+        assert await store.catalog.exists("s1")
+        await store.aclose()

@@ -759,10 +759,12 @@ def _meta_text(meta: dict[str, Any]) -> str:
 
 
 def _write_new_meta(disk: Disk, directory: Path, meta: dict[str, Any]) -> bool:
-    """Write a new session's ``session.json``; false, writing nothing, when there is one
-    (a directory without it is what a creation that failed left, and is used). Two
+    """Write a new session's ``session.json``, durable (fsynced, with the entries of the
+    directories it is in) when this returns true; false, writing nothing, when there is
+    one (a directory without it is what a creation that failed left, and is used). Two
     creators of one id, in two processes, cannot both succeed: the file is put in place
     only where there is none, in one step."""
+    made_sessions_dir = not directory.parent.exists()
     directory.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
     target = directory / SESSION_FILE
     if target.exists():
@@ -774,10 +776,27 @@ def _write_new_meta(disk: Disk, directory: Path, meta: dict[str, Any]) -> bool:
     try:
         disk.write(tmp, _meta_text(meta).encode("utf-8"))
         tighten(tmp, PRIVATE_FILE_MODE)
-        return disk.place_new(tmp, target)
+        # Its content is durable before its name: a power cut leaves no empty session.json.
+        disk.fsync(tmp)
+        if not disk.place_new(tmp, target):
+            return False
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink()
+    # The new name (and scratch/), then the directory's own entry (and the sessions
+    # directory's, when it is new too): a created session survives a power cut, whether
+    # or not it ever runs.
+    try:
+        disk.fsync(directory)
+        disk.fsync(directory.parent)
+        if made_sessions_dir:
+            disk.fsync(directory.parent.parent)
+    except BaseException:
+        # A creation that failed leaves no session behind (the id stays free).
+        with contextlib.suppress(OSError):
+            target.unlink()
+        raise
+    return True
 
 
 def _tighten_session_dir(directory: Path) -> None:
