@@ -547,6 +547,10 @@ def _line_error(file: str, number: int, message: str, torn: bool) -> TraceLineEr
 
 UsageKind = Literal["request", "compaction_failed", "title"]
 
+STARTED = "started"
+"""The ``status`` of a request's usage row written as its stream began (see
+:class:`UsageRow`)."""
+
 
 @attrs.frozen(kw_only=True, slots=True)
 class UsageRow:
@@ -559,7 +563,11 @@ class UsageRow:
     ``usage.cost_usd`` is the request's cost (None: the model's price is unknown, or a row
     written before costs were computed); ``principal`` the gateway client the session
     belongs to (None outside the gateway); ``root_id`` the root of the session's tree
-    (R-TREE-1; None in rows written before it was recorded).
+    (R-TREE-1; None in rows written before it was recorded). ``request_key`` names one
+    request's row: a row with the key of one already in the ledger replaces it — a
+    streamed request's row is written as its stream begins (``status`` ``started``, the
+    usage reported then) and replaced by its usage at its end, so a host that dies between
+    the two leaves the request counted at its start (R-SHARE-3). None: a row of its own.
     """
 
     at: float
@@ -574,6 +582,7 @@ class UsageRow:
     error_message: str | None = None
     principal: str | None = None
     root_id: str | None = None
+    request_key: str | None = None
 
     @classmethod
     def for_request(

@@ -143,9 +143,13 @@ class IllegalTransition(Exception):
 
 @attrs.frozen(kw_only=True, slots=True)
 class RecordUsage:
-    """Command: add this request's usage to the task's total and the usage ledger."""
+    """Command: add this request's usage to the task's total and the usage ledger.
+    ``started``: the stream's first report of it (what the request is billed from its
+    start, its input): for the ledger only, so that a host that dies mid-stream still
+    counts the request (R-SHARE-3); its last report follows as the request's usage."""
 
     usage: TokenUsage
+    started: bool = False
 
 
 Command = ApproveCall | RunToolCall | SkipToolCall | RecordUsage
@@ -251,13 +255,11 @@ class TurnMachine:
         return tuple(self._calls[call_id].block for call_id in self._order)
 
     def results(self) -> tuple[ToolResult, ...]:
-        """The results in the original call order (R-RUN-4); complete once
-        :attr:`all_calls_terminal`."""
+        """The results in the original call order (R-RUN-4); all once every call has one."""
         return tuple(self._results[c] for c in self._order if c in self._results)
 
     def partial_blocks(self) -> list[ModelBlock]:
-        """What the current attempt produced so far: completed blocks, open text, and open
-        tool calls with their argument text (never run)."""
+        """The attempt's output so far: completed blocks, open text, open calls (never run)."""
         return [*self._done_blocks, *(() if self._unfit else _open_blocks(self._open))]
 
     # -- events ---------------------------------------------------------------------------
@@ -329,6 +331,8 @@ class TurnMachine:
                 self._truncated_call(event, out)
             elif kind is UsageReported:
                 assert isinstance(event, UsageReported)
+                if self._last_usage is None:
+                    out.append(RecordUsage(usage=event.usage, started=True))
                 self._last_usage = event.usage
             elif kind is MessageCompleted:
                 assert isinstance(event, MessageCompleted)

@@ -5,6 +5,7 @@ list price (its dated name found through its alias)."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -129,3 +130,61 @@ async def test_an_interrupted_request_costs_the_input_its_stream_reported(tmp_pa
     end = second[-1]
     assert isinstance(end, TaskEnd) and end.status == "budget_exceeded", end
     assert len(server.requests) == 1
+
+
+async def test_a_streamed_requests_input_is_in_the_ledger_before_its_end(tmp_path: Path) -> None:
+    """R-SHARE-3, R-TRACE-5: a streamed request's row is in the ledger as soon as its stream
+    reports its input (``message_start``) — status ``started``, that usage and its cost,
+    committed to the file while the stream is held — so that a host that dies there leaves
+    the request counted: a host opened on the data dir as it was then (the crash's state)
+    counts it against the session's ``max_cost_usd`` and sends nothing more. The request's
+    end replaces the row: one row a request, its final usage."""
+    resume = trio.Event()
+    held = Paused(
+        Reply([Text("one two three", chunks=["one ", "two three"])], usage=(100_000, 10)),
+        after_events=3,  # message_start, content_block_start and the first delta
+        resume=resume,
+    )
+    data, crashed = tmp_path / "data", tmp_path / "crashed"
+    started_cost = per_million((100_000, 3.0))
+    async with open_mock_server(held) as server, Host.open(data) as host:
+        session = await host.create_session(
+            provider=AnthropicProvider(base_url=server.base_url, api_key="test-key"),
+            model="claude-sonnet-4-5", workspace_dir=tmp_path, max_cost_usd=0.2,
+            max_tokens=100,
+        )  # fmt: skip
+        outputs: list[Output] = []
+        with trio.fail_after(10):
+            async for output in session.run("go"):
+                outputs.append(output)
+                if isinstance(output, PartialText) and not resume.is_set():
+                    # The first delta came after message_start: its row is queued; once
+                    # the ledger has taken it, the data dir is what a crash would leave.
+                    await host.usage_ledger.totals(session.id)
+                    (row,) = ledger_rows(data)
+                    assert row["status"] == "started" and row["request_key"]
+                    assert (row["input"], row["output"]) == (100_000, 1)
+                    assert row["cost_usd"] == pytest.approx(started_cost + per_million((1, 15.0)))
+                    await trio.to_thread.run_sync(shutil.copytree, data, crashed)
+                    resume.set()
+    (row_after,) = ledger_rows(data)
+    assert row_after["request_key"] == row["request_key"] and row_after["id"] == row["id"]
+    assert (row_after["status"], row_after["input"], row_after["output"]) == ("ok", 100_000, 10)
+    full = per_million((100_000, 3.0), (10, 15.0))
+    assert row_after["cost_usd"] == pytest.approx(full)
+    assert [o.request.cost_usd for o in outputs if isinstance(o, TokenUsageOutput)] == [
+        pytest.approx(full)
+    ]
+
+    async with open_mock_server(Reply([Text("never sent")])) as server:
+        async with Host.open(crashed) as host:
+            loaded = await host.load_session(
+                session.id,
+                provider=AnthropicProvider(base_url=server.base_url, api_key="test-key"),
+            )
+            with trio.fail_after(10):
+                again = [o async for o in loaded.run("again")]
+        end = again[-1]
+        assert isinstance(end, TaskEnd) and end.status == "budget_exceeded", end
+        assert server.requests == []
+    assert [r["status"] for r in ledger_rows(crashed)] == ["started"]

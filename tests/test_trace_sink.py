@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -22,6 +23,7 @@ from greenroom.actors.runtime.disk import DISK, Disk
 from greenroom.actors.runtime.trace_sink import (
     LEDGER_FILE_NAME,
     MOST_OPEN_TRACE_FILES,
+    STARTED_ROWS_WAIT_S,
     SYNC_THREADS,
     TraceSink,
     TraceSinkClosed,
@@ -36,6 +38,7 @@ from greenroom.protocols.content import TextBlock
 from greenroom.protocols.outputs import ModelMsg, TokenUsageOutput
 from greenroom.protocols.stream import TokenUsage
 from greenroom.protocols.trace import (
+    STARTED,
     UsageLine,
     UsageQuery,
     UsageRow,
@@ -233,7 +236,7 @@ async def test_usage_rows_land_in_sqlite(tmp_path: Path) -> None:
         ).fetchall()
     assert columns == ["id", "at", "session_id", "run_id", "turn", "kind", "provider", "model",
                        "input", "output", "cache_read", "cache_write", "total", "status",
-                       "error_message", "cost_usd", "principal", "root_id"]
+                       "error_message", "cost_usd", "principal", "root_id", "request_key"]
     assert failed == [("compaction_failed", "failed", "empty summary", None),
                       ("title", None, None, None)]
     assert usage_totals(tmp_path / "missing.sqlite") == {}
@@ -267,12 +270,16 @@ async def test_a_ledger_from_before_costs_is_read_and_migrated(tmp_path: Path) -
                                 unpriced=1)]  # fmt: skip
     with trio.fail_after(TIMEOUT):
         async with running_sink(tmp_path) as sink:
-            sink.record_usage(
-                UsageRow(at=20.0, session_id="new", run_id="r1", turn=1, kind="request",
-                         provider="anthropic", model="claude-sonnet-4-5",
-                         usage=TokenUsage(input=1000, output=100, cost_usd=0.0045),
-                         principal="alice", root_id="new")
-            )
+            new = UsageRow(at=20.0, session_id="new", run_id="r1", turn=1, kind="request",
+                           provider="anthropic", model="claude-sonnet-4-5",
+                           usage=TokenUsage(input=1000, output=1, cost_usd=0.003015),
+                           status="started", principal="alice", root_id="new",
+                           request_key="k")  # fmt: skip
+            sink.record_usage(new)
+            await sink.sync()
+            # The request's last row replaces its first in the migrated ledger too.
+            usage = TokenUsage(input=1000, output=100, cost_usd=0.0045)
+            sink.record_usage(attrs.evolve(new, usage=usage, status="ok"))
             await sink.sync()
     after = usage_report(ledger, UsageQuery())
     assert [(line.key, line.cost_usd, line.unpriced) for line in after] == [
@@ -719,3 +726,83 @@ def test_the_bound_is_an_eighth_of_the_open_files_limit(monkeypatch: pytest.Monk
     assert most_open_trace_files() == MOST_OPEN_TRACE_FILES
     limit(7)
     assert most_open_trace_files() == 0
+
+
+async def test_a_row_with_a_requests_key_replaces_the_one_written_as_it_started(
+    tmp_path: Path,
+) -> None:
+    """R-TRACE-5, R-SHARE-3: one row a request. The row written as a stream began (its
+    input so far) is replaced by the request's last one, in the same batch or a later one;
+    rows without a key are rows of their own, and another request's key is another row."""
+
+    def row(key: str | None, status: str, usage: TokenUsage) -> UsageRow:
+        return UsageRow(at=1.0, session_id="s1", run_id="r1", turn=1, kind="request",
+                        provider="p", model="m", usage=usage, status=status, request_key=key)
+
+    with trio.fail_after(TIMEOUT):
+        async with running_sink(tmp_path) as sink:
+            sink.record_usage(row("a", "started", TokenUsage(input=100, output=1)))
+            sink.record_usage(row(None, "ok", TokenUsage(input=7, output=3)))
+            sink.record_usage(row("b", "started", TokenUsage(input=50, output=1)))
+            await sink.sync()
+            sink.record_usage(row("a", "ok", TokenUsage(input=100, output=40)))
+            sink.record_usage(row("c", "started", TokenUsage(input=9)))
+            sink.record_usage(row("c", "error", TokenUsage(input=9, output=2)))
+            await sink.sync()
+    conn = sqlite3.connect(tmp_path / LEDGER_FILE_NAME)
+    try:
+        rows = conn.execute(
+            "SELECT request_key, status, input, output FROM usage ORDER BY id"
+        ).fetchall()
+    finally:
+        conn.close()
+    assert rows == [
+        ("a", "ok", 100, 40),
+        (None, "ok", 7, 3),
+        ("b", "started", 50, 1),  # a request whose host died mid-stream: counted as it began
+        ("c", "error", 9, 2),
+    ]
+    totals = usage_totals(tmp_path / LEDGER_FILE_NAME)
+    assert totals["s1"]["requests"] == 4
+    assert (totals["s1"]["input"], totals["s1"]["output"]) == (166, 46)
+
+
+async def test_rows_of_requests_just_started_wait_a_little_to_share_a_commit(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    """Each batch commits the ledger (an fsync): rows written as requests' streams began
+    wait up to STARTED_ROWS_WAIT_S for company, and share one batch; a sync or a row of
+    any other kind ends the wait at once (on a clock that stands still here). Worker
+    threads run for real; a batch is counted as it begins."""
+
+    def row(n: int, status: str) -> UsageRow:
+        return UsageRow(at=1.0, session_id="s1", run_id="r1", turn=n, kind="request",
+                        provider="p", model="m", usage=TokenUsage(input=n), status=status,
+                        request_key=f"k{n}")  # fmt: skip
+
+    async with running_sink(tmp_path) as sink:
+        await trio.testing.wait_all_tasks_blocked()
+        before = sink.batches_written
+        for n in (1, 2, 3):
+            sink.record_usage(row(n, STARTED))
+        await trio.testing.wait_all_tasks_blocked()
+        assert sink.batches_written == before  # waiting for company
+        mock_clock.jump(STARTED_ROWS_WAIT_S)
+        await trio.testing.wait_all_tasks_blocked()
+        assert sink.batches_written == before + 1  # the three, in one batch
+        await sink.flush_usage()  # nothing left to write: no batch
+        for n in (4, 5):
+            sink.record_usage(row(n, STARTED))
+        await trio.testing.wait_all_tasks_blocked()
+        assert sink.batches_written == before + 1
+        sink.record_usage(row(1, "ok"))  # a request's end: no waiting
+        await trio.testing.wait_all_tasks_blocked()
+        assert sink.batches_written == before + 2
+        await sink.flush_usage()
+        assert sink.batches_written == before + 2
+    conn = sqlite3.connect(tmp_path / LEDGER_FILE_NAME)
+    try:
+        rows = conn.execute("SELECT turn, status FROM usage ORDER BY id").fetchall()
+    finally:
+        conn.close()
+    assert rows == [(1, "ok"), (2, STARTED), (3, STARTED), (4, STARTED), (5, STARTED)]

@@ -131,8 +131,13 @@ def test_stream_gives_partials_blocks_usage_and_request_end_in_order() -> None:
         ]
     )
     assert [type(e) for e in effects] == [
-        PartialText, PartialText, ModelMsg, TokenUsageOutput, RecordUsage, RequestEnd
+        PartialText, PartialText, ModelMsg, RecordUsage, TokenUsageOutput, RecordUsage, RequestEnd
     ]
+    # The stream's first report is recorded as it comes (for a host that dies mid-stream:
+    # R-SHARE-3), its last as the request's usage.
+    started, last = of(RecordUsage, effects)
+    assert started == RecordUsage(usage=TokenUsage(input=5, output=2), started=True)
+    assert last == RecordUsage(usage=TokenUsage(input=5, output=2))
     end = effects[-1]
     assert end.status == "ok" and end.stop_reason == "end_turn" and end.attempt == 1
     assert m.feed([TextDelta(index=0, text="late")]) == []
@@ -423,7 +428,10 @@ def test_a_request_ended_by_a_block_no_record_holds_counts_the_usage_its_stream_
         assert isinstance(m.stream_result, StreamFailed) and m.stream_result.error.permanent
         assert "call of w" in m.stream_result.error.message
         assert of(ModelMsg, out) == of(RequestEnd, out) == []
-        assert [e.usage for e in of(RecordUsage, out)] == [whole]
+        assert [(e.usage, e.started) for e in of(RecordUsage, out)] == [
+            (TokenUsage(input=100), True),
+            (whole, False),
+        ]
         assert [e.request for e in of(TokenUsageOutput, out)] == [whole]
         assert len(reads) > 1 or of(PartialText, out) != []  # that read's were shown
         assert m.partial_blocks() == []
@@ -431,7 +439,7 @@ def test_a_request_ended_by_a_block_no_record_holds_counts_the_usage_its_stream_
     for ending in ([cut], "interrupt"):
         m = TurnMachine(session_id="s", run_id="r", turn=1, largest_record=400)
         m.begin_attempt(1)
-        assert m.feed(start) == []
+        assert m.feed(start) == [RecordUsage(usage=TokenUsage(input=100), started=True)]
         if ending == "interrupt":
             out = m.abort("stop", message_complete=False)
             (abort,) = of(Abort, out)

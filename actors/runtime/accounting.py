@@ -38,6 +38,7 @@ one host's: a tree runs on the host of its root.
 from __future__ import annotations
 
 import time
+import uuid
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -162,7 +163,7 @@ def _spent_under(top: str, usage: Sequence[tuple[tuple[str, ...], UsageLine]]) -
 class Account:
     """One session's price, principal and budgets (see the module docstring)."""
 
-    __slots__ = ("_held_usd", "limits", "price", "principal")
+    __slots__ = ("_held_usd", "_started_key", "limits", "price", "principal")
 
     def __init__(
         self,
@@ -177,6 +178,17 @@ class Account:
         self.limits = limits
         """The budgets the session's requests count against, broadest last."""
         self._held_usd = 0.0
+        self._started_key: str | None = None
+
+    def request_key(self, *, started: bool) -> str | None:
+        """The usage ledger's key of the session's request under way: a new one when its
+        stream begins to report usage (``started``), then the same one, once, for the
+        request's last row, which replaces the first (None when it had no first row)."""
+        if started:
+            self._started_key = uuid.uuid4().hex
+            return self._started_key
+        key, self._started_key = self._started_key, None
+        return key
 
     def priced(self, usage: TokenUsage) -> TokenUsage:
         """``usage`` with its cost at the session's price (unchanged when it has one, or
@@ -229,7 +241,8 @@ class Account:
 
 
 NO_ACCOUNT = Account()
-"""The account of a session built without a host's accounting: no price, no budget."""
+"""The account of a session built without a host's accounting: no price, no budget. A
+port given none makes its own (an account keeps its session's request under way)."""
 
 
 class Accounting:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import attrs
 import trio
 
-from greenroom.actors.runtime.accounting import NO_ACCOUNT, Account
+from greenroom.actors.runtime.accounting import Account
 from greenroom.actors.runtime.admission import AdmissionPoint, EndpointAdmission, Requester
 from greenroom.actors.runtime.attachments import Attachments
 from greenroom.actors.runtime.storage import ATTACHMENTS_DIR
@@ -49,7 +49,7 @@ from greenroom.protocols.stream import TokenUsage
 from greenroom.protocols.structured import OutputSpec
 from greenroom.protocols.task import TaskLimits, TaskMachine
 from greenroom.protocols.tools import Editor, Tool, WorkspaceIdentity
-from greenroom.protocols.trace import UsageKind, UsageRow, encode_record
+from greenroom.protocols.trace import STARTED, UsageKind, UsageRow, encode_record
 from greenroom.protocols.transcript import Transcript
 
 if TYPE_CHECKING:
@@ -281,7 +281,7 @@ class SessionPort:
         parent_id: str | None = None,
         workspace_identity: WorkspaceIdentity | None = None,
         origin: tuple[str, ...] | None = None,
-        account: Account = NO_ACCOUNT,
+        account: Account | None = None,
         admission: AdmissionPoint | None = None,
         principal: str = "",
     ) -> None:
@@ -296,7 +296,7 @@ class SessionPort:
         tools work only there. None only for a session built by hand."""
         self.provider = provider
         """The model provider adapter this session's requests go through."""
-        self.account = account
+        self.account = account if account is not None else Account()
         """The price of the session's model, its principal and the cost budgets its
         requests count against (R-SHARE-3, R-SHARE-4)."""
         self.admission: AdmissionPoint = admission or EndpointAdmission()
@@ -599,29 +599,22 @@ class SessionPort:
         kind: UsageKind = "request",
         status: str = "ok",
         error_message: str | None = None,
+        started: bool = False,
     ) -> None:
         """Record one request's token usage in the host's usage ledger (R-TRACE-5), priced
         at the session's model's price when it is not yet, and count its cost against the
-        session's budgets (R-SHARE-3, R-SHARE-4)."""
+        session's budgets (R-SHARE-3, R-SHARE-4). ``started``: what its stream reported
+        first, for the ledger alone (status ``started``; its bound is held against the
+        budgets already), so that a host that dies mid-stream leaves it counted; the
+        request's last row replaces it."""
         account = self.account
         usage = account.priced(usage)
-        account.spend(usage.cost_usd, settles=kind != "title")  # a title runs beside a task
-        self._host.usage_ledger.record_usage(
-            UsageRow(
-                at=time.time(),
-                session_id=self.id,
-                run_id=run_id,
-                turn=turn,
-                kind=kind,
-                provider=self.provider.name,
-                model=self.settings.model,
-                usage=usage,
-                status=status,
-                error_message=error_message,
-                principal=account.principal,
-                root_id=self.root_id,
-            )
-        )
+        if not started:
+            account.spend(usage.cost_usd, settles=kind != "title")  # a title runs beside a task
+        key = account.request_key(started=started) if kind == "request" else None
+        status = STARTED if started else status
+        row = _usage_row(self, run_id, turn, usage, kind, status, error_message, key)
+        self._host.usage_ledger.record_usage(row)
 
     # -- publication ------------------------------------------------------------------------
 
@@ -672,6 +665,34 @@ class SessionPort:
         for listener in tuple(self._listeners or ()):
             if isinstance(listener, _Watch):
                 listener.end()
+
+
+def _usage_row(
+    port: SessionPort,
+    run_id: str,
+    turn: int,
+    usage: TokenUsage,
+    kind: UsageKind,
+    status: str,
+    error_message: str | None,
+    request_key: str | None,
+) -> UsageRow:
+    """A usage-ledger row of ``port``'s session: its provider, model, principal and root."""
+    return UsageRow(
+        at=time.time(),
+        session_id=port.id,
+        run_id=run_id,
+        turn=turn,
+        kind=kind,
+        provider=port.provider.name,
+        model=port.settings.model,
+        usage=usage,
+        status=status,
+        error_message=error_message,
+        principal=port.account.principal,
+        root_id=port.root_id,
+        request_key=request_key,
+    )
 
 
 def left_open(port: SessionPort) -> bool:

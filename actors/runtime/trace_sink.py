@@ -83,6 +83,7 @@ from greenroom.protocols.messages import (
     TraceSinkMessage,
 )
 from greenroom.protocols.trace import (
+    STARTED,
     TraceReadResult,
     UsageLine,
     UsageQuery,
@@ -146,9 +147,16 @@ _USAGE_COLUMNS = (
     "cost_usd",
     "principal",
     "root_id",
+    "request_key",
 )
-_ADDED_COLUMNS = (("cost_usd", "REAL"), ("principal", "TEXT"), ("root_id", "TEXT"))
-"""Columns a ledger made before cost accounting lacks, with their types (all NULL-able)."""
+_ADDED_COLUMNS = (
+    ("cost_usd", "REAL"),
+    ("principal", "TEXT"),
+    ("root_id", "TEXT"),
+    ("request_key", "TEXT"),
+)
+"""Columns an older ledger lacks (cost accounting, then the rows written as a request
+starts), with their types (all NULL-able)."""
 _CREATE_USAGE = """
 CREATE TABLE IF NOT EXISTS usage (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -168,12 +176,17 @@ CREATE TABLE IF NOT EXISTS usage (
     error_message TEXT,
     cost_usd REAL,
     principal TEXT,
-    root_id TEXT
+    root_id TEXT,
+    request_key TEXT
 )
 """
 _INSERT_USAGE = (
     f"INSERT INTO usage ({', '.join(_USAGE_COLUMNS)}) "
-    f"VALUES ({', '.join('?' for _ in _USAGE_COLUMNS)})"
+    f"VALUES ({', '.join('?' for _ in _USAGE_COLUMNS)}) "
+    # A request's last row replaces the one written as it started (same key); rows
+    # without a key never conflict (NULLs are distinct in a unique index).
+    "ON CONFLICT (request_key) DO UPDATE SET "
+    + ", ".join(f"{c} = excluded.{c}" for c in _USAGE_COLUMNS if c != "request_key")
 )
 
 
@@ -655,6 +668,9 @@ class TraceSyncer:
         self._ledger: sqlite3.Connection | None = None
         self._pending: list[SyncTraceFiles] = []
         self._usage: list[UsageRow] = []
+        # Whether the batch being gathered holds work that may not wait: a sync, or a row
+        # other than a started request's.
+        self._urgent = False
         self._errors: dict[str, str] = {}
 
     async def run(
@@ -673,6 +689,8 @@ class TraceSyncer:
                 try:
                     async for message in inbox:
                         self._take_queued(message, inbox)
+                        if self._usage and not self._urgent:
+                            await self._gather_started(inbox)
                         try:
                             await self._serve(final=False)
                         except Exception as exc:
@@ -714,12 +732,25 @@ class TraceSyncer:
             except (trio.WouldBlock, trio.EndOfChannel):
                 break
 
+    async def _gather_started(self, inbox: trio.MemoryReceiveChannel[TraceSinkMessage]) -> None:
+        """The rows of requests whose streams just began wait up to
+        :data:`STARTED_ROWS_WAIT_S` for company: each batch is a commit of the ledger (an
+        fsync), and a thousand streams that begin together share a few instead of one
+        each. Anything else that comes ends the wait."""
+        with trio.move_on_after(STARTED_ROWS_WAIT_S):
+            async for message in inbox:
+                self._take_queued(message, inbox)
+                if self._urgent:
+                    return
+
     def _take(self, message: TraceSinkMessage) -> None:
         match message:
             case SyncTraceFiles():
                 self._pending.append(message)
+                self._urgent = True
             case LedgerRow():
                 self._usage.append(message.row)
+                self._urgent = self._urgent or message.row.status != STARTED
             case TraceErrorAcknowledged():
                 self._errors.pop(message.path, None)
             case _:
@@ -732,6 +763,7 @@ class TraceSyncer:
             for file in request.files:
                 fsync[Path(file)] = fsync.get(Path(file), frozenset()) | dirs
         usage, self._usage = self._usage, []
+        self._urgent = False
         groups = tuple(tuple(Path(file) for file in request.files) for request in self._pending)
         synced = None if early is None else early.from_thread
         return _BatchJob(
@@ -897,6 +929,7 @@ def _open_ledger_file(path: Path) -> sqlite3.Connection:
         # Reports by time, and a principal's spending since the start of its period.
         conn.execute("CREATE INDEX IF NOT EXISTS usage_at ON usage (at)")
         conn.execute("CREATE INDEX IF NOT EXISTS usage_principal ON usage (principal, at)")
+        conn.execute("CREATE UNIQUE INDEX IF NOT EXISTS usage_request ON usage (request_key)")
     except BaseException:
         conn.close()
         raise
@@ -931,6 +964,11 @@ def _run_batch(job: _BatchJob, ledger: sqlite3.Connection | None, disk: Disk) ->
         ledger_error = "the usage ledger is not open"
     return _BatchResult(errors=errors, ledger_error=ledger_error)
 
+
+STARTED_ROWS_WAIT_S = 0.25
+"""The longest a usage row written as a request's stream began waits for other work before
+the ledger commits it (a host that dies meanwhile loses that row: its request's stream was
+a quarter of a second old at most)."""
 
 SYNC_THREADS = 8
 """The most fsyncs of one batch that run at once. The filesystem and the device take
@@ -1083,6 +1121,7 @@ def _insert_usage(ledger: sqlite3.Connection, rows: list[UsageRow]) -> None:
             row.usage.cost_usd,
             row.principal,
             row.root_id,
+            row.request_key,
         )
         for row in rows
     ]

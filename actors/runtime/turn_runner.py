@@ -510,8 +510,8 @@ class TurnRunner:
                     self._pool.send_nowait(attrs.evolve(effect, call=call, idempotency_key=key))
                 case SkipToolCall():
                     self._pool.send_nowait(effect)
-                case RecordUsage():
-                    self._port.record_usage(self.run_id, self.machine.turn, effect.usage)
+                case RecordUsage(usage=used, started=started):
+                    self._port.record_usage(self.run_id, self.machine.turn, used, started=started)
                 case TokenUsageOutput():
                     priced = self._port.account.priced(effect.request)
                     same = priced is effect.request

@@ -316,6 +316,12 @@ class MemoryLedger:
     def record_usage(self, row: UsageRow) -> None:
         if self._log.closed:
             raise TraceSinkClosed("closed")
+        if row.request_key is not None:
+            # A request's last row replaces the one written as it started, as in SQLite.
+            for i, kept in enumerate(self.rows):
+                if kept.request_key == row.request_key:
+                    self.rows[i] = row
+                    return
         self.rows.append(row)
 
     async def totals(self, session_id: str | None = None) -> dict[str, dict[str, int]]:
