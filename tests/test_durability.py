@@ -851,6 +851,25 @@ async def test_data_dir_sessions_and_traces_are_private(tmp_path: Path, workspac
             assert mode(data / name) == 0o600, name
 
 
+def test_the_directories_a_host_makes_are_durable_before_its_sessions(tmp_path: Path) -> None:
+    """R-TRACE-3: a new data dir (and the missing directories above it) and its sessions/
+    have their entries fsynced before any session is created in them, so that a power cut
+    after a creation cannot take the session with the directory; a data dir that exists
+    is not fsynced again, its sessions/ only when it is new."""
+    from greenroom.actors.runtime.host import _prepare_data_dir
+
+    disk = FaultyDisk()
+    data = tmp_path / "new" / "data"
+    assert _prepare_data_dir(data, disk) == data
+    assert sorted(disk.fsynced) == sorted([tmp_path, tmp_path / "new", data])
+    disk.fsynced.clear()
+    _prepare_data_dir(data, disk)
+    assert disk.fsynced == []
+    (data / "sessions").rmdir()
+    _prepare_data_dir(data, disk)
+    assert disk.fsynced == [data]
+
+
 @pytest.mark.usefixtures("umask_022")
 async def test_an_existing_data_dir_with_wide_modes_is_tightened(
     tmp_path: Path, workspace: Path

@@ -40,6 +40,7 @@ from greenroom.actors.runtime.accounting import Accounting, PrincipalBudget, pri
 from greenroom.actors.runtime.admission import ProviderAdmissions, ProviderLimits
 from greenroom.actors.runtime.child_index import ChildIndex
 from greenroom.actors.runtime.child_reports import ChildReports
+from greenroom.actors.runtime.disk import DISK, Disk
 from greenroom.actors.runtime.drain import HandOver, drain_sessions
 from greenroom.actors.runtime.errors import HostClosed, SessionNotFound
 from greenroom.actors.runtime.gc_tuning import tuned_gc
@@ -693,20 +694,30 @@ async def _host_tree(
         raise sole_exception(group) from None
 
 
-def _prepare_data_dir(data_dir: str | Path | None) -> Path:
+def _prepare_data_dir(data_dir: str | Path | None, disk: Disk = DISK) -> Path:
     """Create the data dir and ``sessions/`` (0700), or tighten them to 0700. An existing
     data dir is tightened only when it is a greenroom data dir or empty: pointed at some
     other directory, the host changes nothing there but what it creates (``sessions/``
-    and the ledger are private all the same)."""
+    and the ledger are private all the same). The entries of the directories it creates
+    are made durable (their parents fsynced) before any session is created in them."""
     path = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
+    made: list[Path] = []
     if path.is_dir():
         if (path / SESSIONS_DIR).is_dir() or not any(path.iterdir()):
             tighten(path, PRIVATE_DIR_MODE)
     else:
+        missing = path
+        while not missing.exists() and missing != missing.parent:
+            made.append(missing)
+            missing = missing.parent
         path.mkdir(parents=True, mode=PRIVATE_DIR_MODE)
     sessions = path / SESSIONS_DIR
+    if not sessions.is_dir():
+        made.append(sessions)
     sessions.mkdir(exist_ok=True, mode=PRIVATE_DIR_MODE)
     tighten(sessions, PRIVATE_DIR_MODE)
+    for parent in sorted({directory.parent for directory in made}, reverse=True):
+        disk.fsync(parent)
     return path
 
 
