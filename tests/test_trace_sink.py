@@ -600,6 +600,15 @@ async def test_a_writer_bug_in_a_batch_answers_only_the_syncs_not_answered_early
 # -- files kept open between commits ---------------------------------------------------------
 
 
+def commit_each(sink: TraceSink, paths: tuple[Path, ...], seqs: tuple[int, ...]) -> None:
+    """Write and commit records ``seqs`` to each of ``paths``, file by file (the session
+    of a file is its directory's name)."""
+    for path in paths:
+        for seq in seqs:
+            sink.write(path, line(seq, path.parent.name))
+            sink.commit(path)
+
+
 async def test_a_file_stays_open_between_its_commits_until_its_session_closes(
     tmp_path: Path, disk: FaultyDisk
 ) -> None:
@@ -635,10 +644,7 @@ async def test_a_deleted_sessions_file_and_a_closing_sink_leave_no_descriptor(
     gone, other = trace_path(tmp_path, "gone"), trace_path(tmp_path, "other")
     with trio.fail_after(TIMEOUT):
         async with running_sink(tmp_path, disk) as sink:
-            for path in (gone, other):
-                for seq in (1, 2):
-                    sink.write(path, line(seq, path.parent.name))
-                    sink.commit(path)
+            commit_each(sink, (gone, other), (1, 2))
             assert sorted(disk.appending.values()) == sorted([gone, other])
             await sink.sync(gone)
             sink.forget(gone)
@@ -693,10 +699,7 @@ async def test_a_close_the_file_system_fails_is_that_files_failure(
     bad, good = trace_path(tmp_path, "bad"), trace_path(tmp_path, "good")
     with trio.fail_after(TIMEOUT):
         async with running_sink(tmp_path, disk) as sink:
-            for path in (bad, good):
-                for seq in (1, 2):
-                    sink.write(path, line(seq, path.parent.name))
-                    sink.commit(path)
+            commit_each(sink, (bad, good), (1, 2))
             disk.fail_close(bad)
             await sink.sync()  # nothing failed yet: the descriptor is still open
             sink.write(bad, line(3, "bad"))
