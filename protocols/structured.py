@@ -26,9 +26,10 @@ classes and TypedDicts produce, plus the common keywords — ``type``, ``propert
 ``uniqueItems``, ``minProperties``/``maxProperties``, local ``$ref``; others, ``format``
 among them, are not checked). The check is bounded work whatever the schema and the
 answer (R-SEC-1): patterns run in :mod:`greenroom.protocols.pattern`, never in ``re``,
-the whole check stops at :data:`MAX_CHECK_WORK`, and :func:`output_spec` refuses a schema
-it could not check in time. An invalid answer is sent back once with its problems
-(:data:`ANSWER_ATTEMPTS`); a second invalid one fails the task naming them.
+the whole check stops at its :func:`check_budget` (linear in the answer's length), and
+:func:`output_spec` refuses a schema it could not check in time. An invalid answer is sent
+back once with its problems (:data:`ANSWER_ATTEMPTS`); a second invalid one fails the task
+naming them.
 :class:`AnswerCheck` keeps that account for the task record: a fold of the trace, so a task
 taken up elsewhere knows how many answers it has had.
 
@@ -77,6 +78,7 @@ __all__ = [
     "answer_rejected_text",
     "anthropic_native_model",
     "anthropic_schema",
+    "check_budget",
     "check_call",
     "example_value",
     "final_answer_tool",
@@ -105,18 +107,25 @@ MAX_PROBLEMS = 20
 reading the failure need the first few, not thousands)."""
 
 MAX_CHECK_WORK = 100_000
-"""The work one answer's check may take (R-SEC-1): a sub-schema checked against a value
+"""The work any answer's check may take (R-SEC-1): a sub-schema checked against a value
 counts 4, a character a ``pattern`` reads counts the states it moves, an ``enum`` value or
-an item of a ``uniqueItems`` array counts 1. The check runs on the event loop that serves
-every session, so past this (about a tenth of a second) it stops, and the answer fails
-with :data:`TOO_COSTLY`."""
+an item of a ``uniqueItems`` array counts 1. A long answer may take
+:data:`CHECK_WORK_PER_CHAR` more for each character of its JSON (:func:`check_budget`).
+The check runs on the event loop that serves every session, so past its budget it stops,
+and the answer fails with :data:`TOO_COSTLY`."""
+
+CHECK_WORK_PER_CHAR = 2
+"""The work each character of an answer's JSON adds to its check's budget: a check grows
+with the answer (a value is a few characters and costs about 4 a schema it meets) and
+stays linear in what the model wrote whatever the schema — at most about a microsecond of
+the event loop a character (an ordinary schema takes a fifth of that)."""
 
 TOO_COSTLY = (
-    f"$: the output schema is too costly to check against this answer (more than "
-    f"{MAX_CHECK_WORK} steps): simplify the schema (fewer nested anyOf/oneOf and $ref) or "
-    "ask for a smaller answer"
+    "$: the output schema is too costly to check against this answer (more than "
+    f"{MAX_CHECK_WORK} steps and {CHECK_WORK_PER_CHAR} a character of the answer): "
+    "simplify the schema (fewer nested anyOf/oneOf and $ref) or ask for a smaller answer"
 )
-"""The problem of an answer whose check ran out of :data:`MAX_CHECK_WORK`."""
+"""The problem of an answer whose check ran out of its :func:`check_budget`."""
 
 MAX_PATTERN_WORK = 50_000
 """The ``pattern`` keywords of one ``output_schema`` may hold at most this many characters
@@ -183,7 +192,7 @@ def recorded_spec(schema: Mapping[str, Any]) -> OutputSpec:
     """The :class:`OutputSpec` of a schema read from a trace: taken as it was recorded, not
     refused again (a host of an earlier version may have accepted a pattern this one
     refuses, and the task must not be lost). Its answers are still checked within
-    :data:`MAX_CHECK_WORK`, and a pattern that cannot run is a problem of the answer."""
+    their :func:`check_budget`, and a pattern that cannot run is a problem of the answer."""
     return OutputSpec(name=schema_name(schema), schema=dict(schema))
 
 
@@ -369,13 +378,27 @@ def _annotation_schema(annotation: Any, seen: tuple[type, ...], where: str) -> d
 # -- validation -------------------------------------------------------------------------
 
 
-def validate(value: Any, schema: Mapping[str, Any]) -> list[str]:
+def check_budget(answer_chars: int) -> int:
+    """The work the check of an answer of ``answer_chars`` characters of JSON may take:
+    :data:`MAX_CHECK_WORK` and :data:`CHECK_WORK_PER_CHAR` for each character."""
+    return MAX_CHECK_WORK + CHECK_WORK_PER_CHAR * max(answer_chars, 0)
+
+
+def validate(
+    value: Any, schema: Mapping[str, Any], *, answer_chars: int | None = None
+) -> list[str]:
     """The problems of ``value`` (decoded JSON) against ``schema`` as ``$.path: what is
     wrong`` lines, at most :data:`MAX_PROBLEMS`; empty when it matches. Never raises:
-    a keyword it does not know is not checked."""
+    a keyword it does not know is not checked. ``answer_chars`` is the length of the JSON
+    ``value`` was decoded from (measured again when not given): it sets the work the check
+    may take (:func:`check_budget`)."""
     problems: list[str] = []
+    if answer_chars is None:
+        answer_chars = _json_chars(value)
     try:
-        _Validator(schema, problems).check(value, schema, "$")
+        _Validator(schema, problems, work=_Work(check_budget(answer_chars))).check(
+            value, schema, "$"
+        )
     except _TooCostly:
         return [*problems[: MAX_PROBLEMS - 1], TOO_COSTLY]
     return problems[:MAX_PROBLEMS]
@@ -432,14 +455,24 @@ def _canonical(value: Any) -> Any:
     return value
 
 
+def _json_chars(value: Any) -> int:
+    """The length of ``value`` as compact JSON; 0 when it is not JSON (the check then has
+    the least budget, and says what is wrong)."""
+    try:
+        return len(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+    except (TypeError, ValueError, RecursionError):
+        return 0
+
+
 def _key_path(path: str, key: str) -> str:
-    return f"{path}.{key}" if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key) else (
-        f"{path}[{json.dumps(key, ensure_ascii=False)}]"
-    )
+    # An ASCII identifier is exactly [A-Za-z_][A-Za-z0-9_]*, without a regex per key.
+    if key.isascii() and key.isidentifier():
+        return f"{path}.{key}"
+    return f"{path}[{json.dumps(key, ensure_ascii=False)}]"
 
 
 class _TooCostly(Exception):
-    """The check ran out of :data:`MAX_CHECK_WORK`."""
+    """The check ran out of its :func:`check_budget`."""
 
 
 class _Work:
@@ -448,8 +481,8 @@ class _Work:
 
     __slots__ = ("left", "patterns")
 
-    def __init__(self) -> None:
-        self.left = MAX_CHECK_WORK
+    def __init__(self, budget: int = MAX_CHECK_WORK) -> None:
+        self.left = budget
         self.patterns: dict[str, Pattern | str] = {}
 
     def spend(self, amount: int) -> None:
@@ -472,7 +505,7 @@ class _Work:
 
 class _Validator:
     """One validation: the root (for ``$ref``), the problems found so far and the work
-    left (:data:`MAX_CHECK_WORK`)."""
+    left (:func:`check_budget`)."""
 
     __slots__ = ("_depth", "_work", "problems", "root")
 
@@ -822,7 +855,7 @@ class AnswerCheck:
     The checks run when the verdict is first read, not as the answers are folded in: a
     trace read back (a session loaded, a task taken up) does not check again the answers
     of the tasks that ended, which nobody asks about (R-SEC-1: each check may take up to
-    :data:`MAX_CHECK_WORK`)."""
+    its :func:`check_budget`)."""
 
     __slots__ = (
         "_answer",
@@ -920,7 +953,7 @@ class AnswerCheck:
 
     def _check_text(self, text: str) -> None:
         value, problems = parse_text_answer(text)
-        self._settle(value, problems or validate(value, self.schema))
+        self._settle(value, problems or validate(value, self.schema, answer_chars=len(text)))
 
     def _settle(self, value: Any, problems: Sequence[str]) -> None:
         if problems:

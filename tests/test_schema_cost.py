@@ -16,7 +16,7 @@ from conftest import RUN_TIMEOUT_S, Recorder, collect, of_type, open_host, port_
 from greenroom import Host
 from greenroom.actors.runtime.host import Host as OpenedHost
 from greenroom.actors.scripted import Reply, ScriptedProvider, ScriptedStream, text
-from greenroom.protocols import jsonrpc
+from greenroom.protocols import jsonrpc, structured
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.errors import OutputSchemaError
 from greenroom.protocols.outputs import TaskEnd
@@ -27,11 +27,13 @@ from greenroom.protocols.pattern import (
     compile_pattern,
 )
 from greenroom.protocols.structured import (
+    CHECK_WORK_PER_CHAR,
     EXAMPLE_LIMITS,
     MAX_CHECK_WORK,
     MAX_PATTERN_WORK,
     MAX_SCHEMA_NODES,
     TOO_COSTLY,
+    check_budget,
     example_value,
     output_spec,
     validate,
@@ -214,6 +216,76 @@ def test_the_check_stops_at_its_work_budget_with_a_clear_problem() -> None:
     assert problems[-1] == TOO_COSTLY
     assert "too costly to check" in TOO_COSTLY
     assert validate({"v": 3}, anyof_chain(16)) == []  # the first branch matches at once
+
+
+ROWS = {
+    "type": "object",
+    "properties": {
+        "rows": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 100},
+                    "n": {"type": "integer", "minimum": 0},
+                    "tag": {"enum": ["a", "b", "c"]},
+                    "ok": {"type": "boolean"},
+                },
+                "required": ["name", "n"],
+                "additionalProperties": False,
+            },
+        }
+    },
+    "required": ["rows"],
+}
+
+
+def rows(count: int) -> dict[str, Any]:
+    return {"rows": [{"name": f"row {i}", "n": i, "tag": "a", "ok": True} for i in range(count)]}
+
+
+def test_a_long_answer_is_checked_to_its_end() -> None:
+    """The budget was one size for every answer: 6,000 rows of four values (120,000
+    values, about 330 KB) failed as too costly against an ordinary schema. A long answer
+    earns the work it needs: the last row's problem is found."""
+    answer = rows(6_000)
+    assert validate(answer, ROWS) == []
+    answer["rows"][-1]["n"] = -1
+    assert validate(answer, ROWS) == ["$.rows[5999].n: expected at least 0, got -1"]
+    chars = len(json.dumps(answer, separators=(",", ":")))
+    assert validate(answer, ROWS, answer_chars=chars)[0].startswith("$.rows[5999].n:")
+    assert validate(answer, ROWS, answer_chars=0) == [TOO_COSTLY]
+
+
+def test_the_budget_grows_with_the_answer_and_bounds_its_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A chain of 14 links (about 300,000 steps for a value it refuses) is too costly for
+    a short answer and fits the budget of one padded by 150,000 characters; an answer of
+    many values that each meet a longer chain stops within its budget, linear in its
+    length."""
+    assert validate({"v": "not a number"}, anyof_chain(14)) == [TOO_COSTLY]
+    padded = {"v": "not a number", "pad": "x" * 150_000}
+    problems = validate(padded, anyof_chain(14))
+    assert problems and problems[-1] != TOO_COSTLY
+    assert "matches none of the allowed forms" in problems[-1]
+
+    chain = anyof_chain(16)
+    chain["properties"] = {"v": {"type": "array", "items": {"$ref": "#/$defs/a0"}}}
+    checks = 0
+    real_check = structured._Validator.check
+
+    def counted(self: Any, value: Any, schema: Any, path: str) -> None:
+        nonlocal checks
+        checks += 1
+        real_check(self, value, schema, path)
+
+    monkeypatch.setattr(structured._Validator, "check", counted)
+    answer = {"v": ["x"] * 50_000}
+    chars = len(json.dumps(answer, separators=(",", ":")))
+    assert validate(answer, chain)[-1] == TOO_COSTLY
+    assert MAX_CHECK_WORK // 4 < checks <= check_budget(chars) // 4 + 1
+    assert CHECK_WORK_PER_CHAR * chars > MAX_CHECK_WORK  # the answer, not the base, bound it
 
 
 def test_unique_items_compare_as_json_values() -> None:
@@ -400,7 +472,6 @@ async def test_reading_a_trace_back_does_not_check_the_answers_of_ended_tasks(
     read: for the open task, never for one that ended."""
     from test_follow_up_recovery import records_of
 
-    from greenroom.protocols import structured
     from greenroom.protocols.task import fold
 
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
@@ -416,9 +487,9 @@ async def test_reading_a_trace_back_does_not_check_the_answers_of_ended_tasks(
     checks: list[Any] = []
     real_validate = structured.validate
 
-    def counting(value: Any, schema: Any) -> list[str]:
+    def counting(value: Any, schema: Any, *, answer_chars: int | None = None) -> list[str]:
         checks.append(value)
-        return real_validate(value, schema)
+        return real_validate(value, schema, answer_chars=answer_chars)
 
     monkeypatch.setattr(structured, "validate", counting)
     record = fold(records).record

@@ -182,6 +182,49 @@ async def test_a_second_invalid_answer_fails_the_task_naming_the_problems(
     assert result.output is None and result.status == "failed"
 
 
+@attrs.frozen
+class Row:
+    """One row of a long extraction."""
+
+    name: str
+    n: int
+
+
+@attrs.frozen
+class Table:
+    """A long extraction."""
+
+    rows: list[Row]
+
+
+async def test_a_long_answer_is_taken_whole_either_way(
+    host: Host, workspace: Path, providers: Any
+) -> None:
+    """Answers of 12,000 rows (24,000 values, about 480 KB), through the final tool and as
+    text: any answer whose check took more than 100,000 steps (about 25,000 checks of a
+    value) failed as too costly, whatever the schema; now each is checked to its end and
+    taken, and one bad value in the last row of the text answer is still found (R-OUT-1,
+    R-SEC-1)."""
+    table = {"rows": [{"name": f"item number {i}", "n": i} for i in range(12_000)]}
+    bad = {"rows": [*table["rows"][:-1], {"name": "item number 11999", "n": "7999"}]}
+    called = providers([Reply(blocks=(tool_call("c1", FINAL_ANSWER, **table),))])
+    session = await host.create_session(provider=called, workspace_dir=workspace)
+    with trio.fail_after(RUN_TIMEOUT_S):
+        first = await session.run("list them", output_schema=Table).result()
+    assert first.status == "completed"
+    assert first.output == Table(rows=[Row(name=f"item number {i}", n=i) for i in range(12_000)])
+    written = providers(
+        [Reply(blocks=(text(json.dumps(bad)),)), Reply(blocks=(text(json.dumps(table)),))]
+    )
+    session = await host.create_session(provider=written, workspace_dir=workspace)
+    outputs = await collect(session.run("list them, as text", output_schema=Table))
+    steering = [u for u in of_type(outputs, UserMsg) if u.kind == "steering"]
+    assert len(steering) == 1
+    assert "$.rows[11999].n: expected integer, got string" in steering[0].content[0].text  # type: ignore[union-attr]
+    end = outputs[-1]
+    assert isinstance(end, TaskEnd) and end.status == "completed" and end.output == table
+
+
 async def test_the_fold_of_the_trace_holds_the_answers(
     host: Host, workspace: Path, providers: Any
 ) -> None:
