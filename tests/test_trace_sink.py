@@ -7,6 +7,7 @@ sink a :class:`FaultyDisk`, which records them.
 
 from __future__ import annotations
 
+import shutil
 import sqlite3
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -711,6 +712,46 @@ async def test_a_close_the_file_system_fails_is_that_files_failure(
             assert "Input/output error" in str(info.value)
             await sink.sync(good)
             assert set(sink.errors) == {bad}
+
+
+async def test_a_file_removed_or_replaced_under_its_descriptor_gets_its_later_lines(
+    tmp_path: Path, disk: FaultyDisk
+) -> None:
+    """A file whose descriptor the sink keeps may lose its name behind the sink's back: its
+    directory removed (a delete that never told the sink), or the file written again by
+    another hand (a takeover rebuilding a trace). The next lines go to the file the path
+    names now — created again, or the new one — and its sync makes them durable; through
+    the kept descriptor they went to a file nobody could read, and the sync said durable."""
+    removed, replaced = trace_path(tmp_path, "removed"), trace_path(tmp_path, "replaced")
+    with trio.fail_after(TIMEOUT):
+        async with running_sink(tmp_path, disk) as sink:
+            commit_each(sink, (removed, replaced), (1, 2))
+            assert sorted(disk.appending.values()) == sorted([removed, replaced])
+            shutil.rmtree(removed.parent)
+            replaced.unlink()
+            replaced.write_bytes((line(1, "replaced") + line(2, "replaced")).encode())
+            commit_each(sink, (removed, replaced), (3,))
+            disk.fsynced.clear()
+            await sink.sync()
+            assert seqs(removed) == [3]
+            assert seqs(replaced) == [1, 2, 3]
+            assert {removed, replaced} <= set(disk.fsynced)
+            assert sorted(disk.appending.values()) == [replaced]  # the new file's, kept
+    assert disk.appending == {}
+
+
+async def test_a_sink_closed_before_it_ran_leaves_no_descriptor(
+    tmp_path: Path, disk: FaultyDisk
+) -> None:
+    """Commits need no running actor; a sink closed before it ever ran closes the
+    descriptors they kept."""
+    path = trace_path(tmp_path, "s1")
+    sink = TraceSink(tmp_path, disk=disk)
+    commit_each(sink, (path,), (1, 2))
+    assert list(disk.appending.values()) == [path]
+    await sink.aclose()
+    assert disk.appending == {}
+    assert seqs(path) == [1, 2]
 
 
 def test_the_bound_is_an_eighth_of_the_open_files_limit(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,6 +10,7 @@ stored (R-TRACE-3). The contracts each backend keeps are ``tests/test_store_conf
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -228,6 +229,56 @@ async def test_a_sync_asked_after_its_session_was_released_makes_its_file_durabl
         assert log.location("s1") in disk.fsynced
         assert log.lost("s1", 1) is None
         await store.aclose()
+
+
+async def test_a_delete_cancelled_in_its_sync_leaves_no_descriptor_to_the_next_session(
+    tmp_path: Path,
+) -> None:
+    """A delete of an open session waits for its file's fsync; cancelled there, it must
+    still forget the file in the sink. Else the sink kept its descriptor, a retried
+    delete removed the directory, and a new session of the same id wrote its records
+    through that descriptor, to the removed file (R-TRACE-2)."""
+    from tests.support.disks import FaultyDisk
+
+    disk = FaultyDisk()
+    meta = {"session_id": "s1"}
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            store = FileTraceStore(tmp_path, disk=disk)
+            log = store.log
+            path = store.paths.trace_path("s1", 1)
+            await nursery.start(store.run)
+            await store.catalog.create("s1", meta)
+            log.start("s1")
+            for seq in (1, 2):
+                log.append("s1", seq, _line(UserMsg(session_id="s1", run_id="r", seq=seq,
+                                                   kind="steering", content=())))
+                log.commit("s1")
+            assert list(disk.appending.values()) == [path]
+            disk.stall(path)
+            with trio.CancelScope() as deleting:
+
+                async def cancel_once_stalled() -> None:
+                    await trio.to_thread.run_sync(disk.stalled.wait)
+                    deleting.cancel()
+
+                nursery.start_soon(cancel_once_stalled)
+                await store.catalog.delete("s1")
+            assert deleting.cancelled_caught
+            disk.release()
+            assert disk.appending == {}
+            await store.catalog.delete("s1")
+            assert not path.parent.exists()
+            await store.catalog.create("s1", meta)
+            log.start("s1")
+            log.append("s1", 1, _line(UserMsg(session_id="s1", run_id="r2", seq=1,
+                                             kind="steering", content=())))
+            log.commit("s1")
+            await log.sync("s1")
+            assert [r["run_id"] for r in map(json.loads, path.read_text().splitlines())] == [
+                "r2"
+            ]
+            await store.aclose()
 
 
 async def test_a_created_session_is_durable_before_its_creation_returns(tmp_path: Path) -> None:

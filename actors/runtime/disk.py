@@ -70,6 +70,11 @@ class Disk:
         """Close a descriptor :meth:`open_appending` opened."""
         os.close(fd)
 
+    def still_named(self, fd: int) -> bool:
+        """Whether the file of ``fd`` still has a name: False once it was removed, or
+        replaced by another file under its path."""
+        return os.fstat(fd).st_nlink > 0
+
     def last_byte(self, path: Path) -> bytes:
         """The last byte of the file ``path`` (``b""`` when it is empty). A missing file
         raises FileNotFoundError."""

@@ -333,6 +333,7 @@ class TraceSink:
         """
         if not self._started:
             self._closed = True
+            self._close_appending()  # commits need no run: their descriptors are kept
             self._finished.set()
             await trio.lowlevel.checkpoint()
             return
@@ -510,6 +511,12 @@ class TraceSink:
         descriptor (opened now if it has none). False when the file is gone (then
         :func:`_append` creates it again)."""
         fd = self._appending.pop(path, None)
+        if fd is not None and not self.disk.still_named(fd):
+            # Removed or replaced under the sink (a delete cancelled before it forgot the
+            # file, a trace a takeover wrote again): the lines go where the path is now.
+            with contextlib.suppress(OSError):
+                self.disk.close(fd)
+            fd = None
         if fd is None:
             try:
                 fd = self.disk.open_appending(path)

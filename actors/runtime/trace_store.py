@@ -621,9 +621,12 @@ class FileTraceLog:
         is of no use any more), then forget it, in the sink too."""
         position = self._positions.pop(session_id, None)
         if position is not None:
-            with contextlib.suppress(Exception):
-                await self.sink.sync(position.path)
-            self.sink.forget(position.path)
+            try:
+                with contextlib.suppress(Exception):
+                    await self.sink.sync(position.path)
+            finally:
+                # Cancelled or not, the position is gone: so is what the sink keeps of it.
+                self.sink.forget(position.path)
 
     def _position(self, session_id: str) -> _Position:
         position = self._positions.get(session_id)
