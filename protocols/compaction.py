@@ -114,9 +114,11 @@ class SummaryRequests:
     :meth:`next_messages` gives the next request's messages (the old context, then the
     prompt, with the failed responses and their repair before a corrected prompt);
     :meth:`feed` takes the attempt's stream events and, once it has ended, returns its
-    outcome. ``usage`` of the attempt that just ended is kept for the caller to record."""
+    outcome. ``usage`` of the attempt that just ended is kept for the caller to record;
+    ``started``, what the attempt's stream reported first while it still runs (R-SHARE-3:
+    the caller records it at once, then clears it)."""
 
-    __slots__ = ("_collector", "_messages", "_prompt", "attempt", "usage")
+    __slots__ = ("_collector", "_messages", "_prompt", "attempt", "started", "usage")
 
     def __init__(self, base: tuple[Message, ...], prompt: str) -> None:
         self._prompt = prompt
@@ -124,18 +126,25 @@ class SummaryRequests:
         self._collector = ResponseCollector()
         self.attempt = 0
         self.usage: TokenUsage | None = None
+        self.started: TokenUsage | None = None
 
     def next_messages(self) -> tuple[Message, ...]:
         """Start the next attempt; the messages its request sends."""
         self.attempt += 1
         self._collector = ResponseCollector()
         self.usage = None
+        self.started = None
         return self._messages
 
     def feed(self, events: list[StreamEvent]) -> SummaryOutcome | None:
         """One batch of the current attempt; its outcome once the stream ended."""
         collector = self._collector
-        if collector.done or not collector.feed(events):
+        if collector.done:
+            return None
+        first_report = collector.usage is None
+        if not collector.feed(events):
+            if first_report:
+                self.started = collector.usage
             return None
         self.usage = collector.usage
         failure = collector.error

@@ -188,3 +188,68 @@ async def test_a_streamed_requests_input_is_in_the_ledger_before_its_end(tmp_pat
         assert isinstance(end, TaskEnd) and end.status == "budget_exceeded", end
         assert server.requests == []
     assert [r["status"] for r in ledger_rows(crashed)] == ["started"]
+
+
+def started_rows_told(monkeypatch: pytest.MonkeyPatch) -> trio.Event:
+    """An event set once a session has handed a ``started`` usage row to the ledger."""
+    from greenroom.actors.runtime.port import SessionPort
+
+    told = trio.Event()
+    record = SessionPort.record_usage
+
+    def recording(self: SessionPort, *args: object, **kwargs: object) -> None:
+        record(self, *args, **kwargs)  # type: ignore[arg-type]
+        if kwargs.get("started"):
+            told.set()
+
+    monkeypatch.setattr(SessionPort, "record_usage", recording)
+    return told
+
+
+@pytest.mark.parametrize("end", ["completed", "interrupted"])
+async def test_a_summary_requests_input_is_in_the_ledger_before_its_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, end: str
+) -> None:
+    """R-SHARE-3, R-TRACE-5: a compaction's summary request carries the whole context, so
+    its row is in the ledger once its stream reports its input, as a turn's request's is:
+    a host that dies there leaves it counted. Its end replaces the row (one row, the same
+    key); an interrupt that cuts the summary bills what it reported (its input) and
+    replaces the row too."""
+    resume = trio.Event()
+    summary = Paused(
+        Reply([Text("the summary of it all", chunks=["the ", "summary of it all"])],
+              usage=(50_000, 10)),
+        after_events=3,  # message_start, content_block_start and the first delta
+        resume=resume,
+    )  # fmt: skip
+    data = tmp_path / "data"
+    async with open_mock_server(Reply([Text("hello")], usage=(100, 5)), summary) as server:
+        async with Host.open(data) as host:
+            session = await host.create_session(
+                provider=AnthropicProvider(base_url=server.base_url, api_key="test-key"),
+                model="claude-sonnet-4-5", workspace_dir=tmp_path,
+            )  # fmt: skip
+            with trio.fail_after(10):
+                [o async for o in session.run("go")]
+                told = started_rows_told(monkeypatch)  # the summary's, not the task's
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(session.compact)
+                    await told.wait()
+                    await host.usage_ledger.totals(session.id)  # the row taken
+                    first, held = ledger_rows(data)
+                    assert (first["status"], first["input"]) == ("ok", 100)
+                    assert (held["kind"], held["status"], held["input"]) == (
+                        "request", "started", 50_000,
+                    )  # fmt: skip
+                    assert held["request_key"]
+                    if end == "interrupted":
+                        session.interrupt("enough")
+                    else:
+                        resume.set()
+                resume.set()
+                await host.usage_ledger.totals(session.id)
+    _, last = ledger_rows(data)
+    assert (last["id"], last["request_key"]) == (held["id"], held["request_key"])
+    assert last["status"] == "ok"
+    assert last["input"] == 50_000
+    assert last["output"] == (10 if end == "completed" else 1)

@@ -36,7 +36,7 @@ from greenroom.protocols.content import TextBlock
 from greenroom.protocols.messages import TraceWritten
 from greenroom.protocols.outputs import UserMsg
 from greenroom.protocols.stream import TokenUsage
-from greenroom.protocols.trace import UsageLine, UsageQuery, UsageRow, encode_record
+from greenroom.protocols.trace import STARTED, UsageLine, UsageQuery, UsageRow, encode_record
 from tests.support.store_backends import KINDS, Backend, Runner
 
 
@@ -531,6 +531,34 @@ def test_the_ledger_records_rows(backend: Runner) -> None:
         }  # fmt: skip
         assert await ledger.totals("b") == {"b": totals["b"]}
         assert await ledger.totals("nobody") == {}
+
+    backend.run(contract)
+
+
+def test_a_keyed_row_replaces_the_row_of_its_key(backend: Runner) -> None:
+    """R-SHARE-3, R-TRACE-5: a request's ``started`` row is replaced by its last row (the
+    same ``request_key``): one row a request in the totals and reports, never two; rows
+    without a key are each counted."""
+
+    async def contract(b: Backend) -> None:
+        ledger = b.store.ledger
+        started = attrs.evolve(
+            usage_row("a", "request", input=1_000, cost_usd=0.003),
+            status=STARTED, request_key="k1",
+        )  # fmt: skip
+        ledger.record_usage(started)
+        ledger.record_usage(usage_row("a", "request", input=5, output=1))
+        assert (await ledger.totals("a"))["a"]["requests"] == 2
+        ledger.record_usage(
+            attrs.evolve(
+                usage_row("a", "request", input=1_000, output=40, cost_usd=0.0036),
+                request_key="k1",
+            )
+        )
+        totals = (await ledger.totals("a"))["a"]
+        assert (totals["requests"], totals["input"], totals["output"]) == (2, 1_005, 41)
+        (line,) = await ledger.report(UsageQuery())
+        assert line.requests == 2 and line.cost_usd == pytest.approx(0.0036)
 
     backend.run(contract)
 

@@ -163,7 +163,7 @@ def _spent_under(top: str, usage: Sequence[tuple[tuple[str, ...], UsageLine]]) -
 class Account:
     """One session's price, principal and budgets (see the module docstring)."""
 
-    __slots__ = ("_held_usd", "_started_key", "limits", "price", "principal")
+    __slots__ = ("_held_usd", "_started_keys", "limits", "price", "principal")
 
     def __init__(
         self,
@@ -178,17 +178,18 @@ class Account:
         self.limits = limits
         """The budgets the session's requests count against, broadest last."""
         self._held_usd = 0.0
-        self._started_key: str | None = None
+        self._started_keys: dict[str, str] = {}
+        """The key of the request of each kind under way (a title runs beside a task)."""
 
-    def request_key(self, *, started: bool) -> str | None:
-        """The usage ledger's key of the session's request under way: a new one when its
-        stream begins to report usage (``started``), then the same one, once, for the
-        request's last row, which replaces the first (None when it had no first row)."""
+    def request_key(self, kind: str = "request", *, started: bool) -> str | None:
+        """The usage ledger's key of the session's request of ``kind`` under way (its
+        requests of one kind run one at a time): a new one when its stream begins to
+        report usage (``started``), then the same one, once, for the request's last row,
+        which replaces the first (None when it had no first row)."""
         if started:
-            self._started_key = uuid.uuid4().hex
-            return self._started_key
-        key, self._started_key = self._started_key, None
-        return key
+            key = self._started_keys[kind] = uuid.uuid4().hex
+            return key
+        return self._started_keys.pop(kind, None)
 
     def priced(self, usage: TokenUsage) -> TokenUsage:
         """``usage`` with its cost at the session's price (unchanged when it has one, or

@@ -46,6 +46,7 @@ class CompactionRun:
     numbering of model requests)."""
 
     __slots__ = (
+        "_billed",
         "_emitter",
         "_kept",
         "_number",
@@ -85,6 +86,8 @@ class CompactionRun:
         self._requests: SummaryRequests | None = None
         self._kept: tuple[object, ...] = ()
         self._reported_attempt = 1
+        self._billed: TokenUsage | None = None
+        """What the summary request in flight reported first, until its last report."""
         self.reason = reason
         self.request = 0
         """The number of the summary request in flight (0: none)."""
@@ -129,6 +132,11 @@ class CompactionRun:
         self._reported_attempt = requests.attempt
         outcome = requests.feed(events)
         if outcome is None:
+            if requests.started is not None:
+                # The summary's input is the whole context: a host that dies before its
+                # end must leave it in the ledger (R-SHARE-3), as a turn's request does.
+                self._billed, requests.started = requests.started, None
+                self._port.record_usage(self._run_id, self._turn, self._billed, started=True)
             return
         self.request = 0
         if requests.usage is not None:
@@ -189,6 +197,9 @@ class CompactionRun:
             return
         self.running = False
         self.ready = False
+        if self._billed is not None:
+            # The summary request cut: billed for what it reported (its input at least).
+            self._usage(self._billed)
         self._emitter.emit(
             CompactionEnd(
                 session_id=self._port.id,
@@ -223,6 +234,7 @@ class CompactionRun:
         self._emitter.flush()
 
     def _usage(self, usage: TokenUsage) -> None:
+        self._billed = None
         port = self._port
         usage = port.account.priced(usage)  # R-SHARE-3: a summary request costs too
         self._emitter.emit(

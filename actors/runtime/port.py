@@ -611,7 +611,7 @@ class SessionPort:
         usage = account.priced(usage)
         if not started:
             account.spend(usage.cost_usd, settles=kind != "title")  # a title runs beside a task
-        key = account.request_key(started=started) if kind == "request" else None
+        key = account.request_key(kind, started=started)
         status = STARTED if started else status
         row = _usage_row(self, run_id, turn, usage, kind, status, error_message, key)
         self._host.usage_ledger.record_usage(row)

@@ -334,9 +334,11 @@ class UsageLedger(Protocol):
     """The host's usage ledger (R-TRACE-5): the raw data for cost reports."""
 
     def record_usage(self, row: UsageRow) -> None:
-        """Add a row. Never blocks; never raises for I/O (a ledger that cannot be written
-        is reported by ``log.sync()``). Raises ``TraceSinkClosed`` once the store is
-        closed."""
+        """Add a row — or, when a row of the same ``request_key`` is stored already (the
+        ``started`` row of a request whose end this is), replace that one: one row a
+        request, its last usage (rows without a key are always added). Never blocks; never
+        raises for I/O (a ledger that cannot be written is reported by ``log.sync()``).
+        Raises ``TraceSinkClosed`` once the store is closed."""
         ...
 
     async def totals(self, session_id: str | None = None) -> dict[str, dict[str, int]]:
