@@ -53,10 +53,11 @@ as file contents), directories the sink creates 0700.
 
 Usage-ledger table ``usage`` in ``<data_dir>/usage.sqlite``: ``id, at, session_id, run_id,
 turn, kind, provider, model, input, output, cache_read, cache_write, total, status,
-error_message, cost_usd, principal, root_id`` (see :class:`greenroom.protocols.trace.UsageRow`).
-The last three came with cost accounting (R-SHARE-3): opening an older ledger adds them
-(``ALTER TABLE``; its rows keep NULL there, an unknown cost), and the readers take a
-ledger that was never opened since as having NULL in them.
+error_message, cost_usd, principal, root_id, request_key`` (see
+:class:`greenroom.protocols.trace.UsageRow`). The last four came later (cost accounting,
+R-SHARE-3; the request's key of a ``started`` row, unique where set): opening an older
+ledger adds them (``ALTER TABLE``; its rows keep NULL there, an unknown cost), and the
+readers take a ledger that was never opened since as having NULL in them.
 """
 
 from __future__ import annotations
