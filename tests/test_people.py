@@ -278,6 +278,42 @@ async def test_a_pending_approval_survives_a_restart_of_the_host(
         assert [e["status"] for e in ends] == ["completed"]
 
 
+@pytest.mark.parametrize("action", ["deny", "abort"])
+async def test_a_loaded_sessions_request_keeps_its_time_limit(
+    data_dir: Path, workspace: Path, action: str
+) -> None:
+    """R-HITL-1, R-APPROVE-4: a request's ``approval_timeout_s`` counts from when it was
+    asked, across a restart: the next host loads the session without taking its task up
+    (no ``resume_tasks``) and the limit still decides it. The limit was applied only to a
+    task taken up; a session merely loaded waited for ever. The tool never runs."""
+    ledger = Ledger()
+    async with open_host(data_dir) as host:
+        session = await host.create_session(
+            provider=ScriptedProvider(pay_then_answer()[:1]), tools=[ledger.tool],
+            workspace_dir=workspace, approval_timeout_s=0.2, approval_timeout_action=action,
+        )  # fmt: skip
+        session.run("pay", approve=PEOPLE).detach()
+        await until_parked(host, session.id)
+        sid = session.id
+
+    async with Host.open(data_dir, tools=[ledger.tool]) as host:
+        loaded = await host.load_session(sid, provider=ScriptedProvider(pay_then_answer()[1:]))
+        ended = trio.Event()
+        loaded.subscribe(lambda batch: any(isinstance(o, TaskEnd) for o in batch) and ended.set())
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await ended.wait()
+            await loaded.wait_idle()
+        lines = trace_lines(loaded)
+    decisions = [(d["decision"], d["by"]) for d in lines if d["type"] == "approval_decision"]
+    (end,) = [line for line in lines if line["type"] == "task_end"]
+    if action == "deny":
+        assert decisions == [("deny", "default")]
+        assert end["status"] == "completed"
+    else:
+        assert end["status"] == "aborted" and "within 0.2 s" in end["message"]
+    assert ledger.paid == []
+
+
 async def test_answers_for_calls_not_pending_are_refused_clearly(
     host: Host, workspace: Path
 ) -> None:
@@ -654,3 +690,26 @@ def test_a_calls_earlier_request_running_out_does_not_expire_its_later_one() -> 
     )
     people._expire(question_ran_out)
     assert [(m.call_id, m.by) for m in delivered] == [("c1", "default")]  # type: ignore[attr-defined]
+
+
+async def test_a_request_watched_twice_expires_once_at_its_earliest_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A session loaded and then taken up watches its requests twice (the load, then the
+    task's take-up): the desk expires each once, at the earliest deadline; both expiring
+    together resolved the request twice. A request asked again (another ``asked_at``) has
+    a wait of its own."""
+    from greenroom.actors.runtime.people_desk import PeopleDesk, WatchRequest
+
+    expired: list[tuple[str, float | None, float]] = []
+    desk = PeopleDesk(lambda r: expired.append((r.call_id, r.asked_at, trio.current_time())))
+    send, inbox = trio.open_memory_channel[WatchRequest](10)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(desk.run, inbox)
+        for deadline in (5.0, 5.0, 3.0, 8.0):
+            send.send_nowait(WatchRequest(session_id="s", call_id="c1", deadline=deadline,
+                                          asked_at=100.0))
+        send.send_nowait(WatchRequest(session_id="s", call_id="c1", deadline=4.0, asked_at=200.0))
+        await trio.sleep_until(10.0)
+        send.close()
+    assert expired == [("c1", 100.0, 3.0), ("c1", 200.0, 4.0)]

@@ -354,7 +354,12 @@ class Host:
                 overrides=overrides, principal=principal, approve=approve,
             )
             self.child_reports.loaded(port)  # R-TREE-2, R-TREE-4
-            return self._add(port)
+            session = self._add(port)
+            # Its waits keep their limit, counted from when each was asked (R-HITL-1): one
+            # that ran out while the session was closed is decided now.
+            for request in port.machine.record.pending_people:
+                self.watch_approval(port, request.call_id, request.asked_at)
+            return session
 
     async def fork_session(
         self, session_id: str, at_seq: int | None = None, **options: Any

@@ -6,7 +6,8 @@ desk holds the request's deadline — counted from when it was first asked, acro
 and when it passes calls ``expire(session_id, call_id)``; the host then resolves the
 request by the session's ``approval_timeout_action`` if it is still pending. One actor per
 host whatever the number of waiting requests, one heap entry each; with no limit (the
-default for ``serve``) nothing is held at all.
+default for ``serve``) nothing is held at all. A request watched twice (a session loaded,
+then its task taken up) expires once, at its earliest deadline.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ class PeopleDesk:
         task_status.started()
         heap: list[tuple[float, int, WatchRequest]] = []
         order = itertools.count()
+        # The deadline each request expires at: a second watch of it would otherwise
+        # resolve it twice (both expire before the first answer is taken).
+        deadlines: dict[tuple[str, str, float | None], float] = {}
         async with inbox:
             while True:
                 deadline = heap[0][0] if heap else math.inf
@@ -63,8 +67,15 @@ class PeopleDesk:
                         request = await inbox.receive()
                     except trio.EndOfChannel:
                         return
-                    heapq.heappush(heap, (request.deadline, next(order), request))
+                    key = (request.session_id, request.call_id, request.asked_at)
+                    if deadlines.get(key, math.inf) > request.deadline:
+                        deadlines[key] = request.deadline
+                        heapq.heappush(heap, (request.deadline, next(order), request))
                     continue
                 now = trio.current_time()
                 while heap and heap[0][0] <= now:
-                    self._expire(heapq.heappop(heap)[2])
+                    due, _, request = heapq.heappop(heap)
+                    key = (request.session_id, request.call_id, request.asked_at)
+                    if deadlines.get(key) == due:
+                        del deadlines[key]
+                        self._expire(request)
