@@ -110,6 +110,51 @@ async def test_read_file_refuses_binary_and_bad_arguments(workspace: Path) -> No
         await call(read_file, workspace, path="a.txt", limit=0)
 
 
+async def test_read_file_keeps_a_bounded_window_whatever_its_limit(workspace: Path) -> None:
+    """R-SEC-9: the model chooses ``limit``; a 2 MB file of short lines read with a limit of
+    a billion held every line at once (173 MiB at its peak). One call keeps at most 256 KiB
+    of lines, says where to read on, and the next call goes on from there."""
+    import tracemalloc
+
+    (workspace / "log.txt").write_bytes(b"x\n" * 1_000_000)
+    tracemalloc.start()
+    try:
+        text = await call(read_file, workspace, path="log.txt", limit=10**9)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 2**20, f"peak {peak / 2**20:.0f} MiB for a 2 MB file"
+    *lines, note = text.splitlines()
+    assert 10_000 < len(lines) < 20_000 and lines[-1] == f"{len(lines):>6}\tx"
+    assert f"more lines remain: read again with offset={len(lines)}" in note
+    after = await call(read_file, workspace, path="log.txt", offset=len(lines), limit=2)
+    assert after.splitlines()[0] == f"{len(lines) + 1:>6}\tx"
+
+
+async def test_a_path_that_goes_down_and_up_again_holds_no_descriptor_per_step(
+    workspace: Path,
+) -> None:
+    """``a/../`` repeated kept one open directory a step until the walk ended: one call
+    ran the host process out of descriptors (every session's trace writes and accepts
+    failed meanwhile). The directories left are closed as the walk goes; past
+    MAX_PATH_STEPS components a path is refused with a clear error."""
+    import resource
+
+    from greenroom.actors.tools.workspace import MAX_PATH_STEPS
+
+    (workspace / "a").mkdir()
+    (workspace / "x.txt").write_text("hello\n")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 1024), hard))
+    try:
+        text = await call(read_file, workspace, path="a/../" * 2000 + "x.txt")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert text == "     1\thello"
+    with pytest.raises(BuiltinToolError, match=f"more than {MAX_PATH_STEPS} components"):
+        await call(read_file, workspace, path="a/../" * MAX_PATH_STEPS + "x.txt")
+
+
 async def test_read_file_empty(workspace: Path) -> None:
     (workspace / "empty.txt").write_text("")
     assert "empty" in await call(read_file, workspace, path="empty.txt")

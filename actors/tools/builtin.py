@@ -108,6 +108,10 @@ _SEARCH_BATCH = 256
 _READ_CHUNK = 64 * 1024
 # Enough bytes for _MAX_LINE_CHARS characters of any UTF-8 text.
 _KEEP_LINE_BYTES = _MAX_LINE_CHARS * 4
+# The most one read_file keeps, whatever its limit (R-SEC-9): each line counts its bytes
+# and its number's; more than the session result budget, so the scratchpad keeps more.
+_READ_KEEP_BYTES = 256 * 1024
+_READ_LINE_OVERHEAD = 16
 # The walk that finds the other names of a hard-linked file stops here (and refuses it).
 _LINK_SCAN_ENTRIES = 100_000
 # Larger than the session result budget (R-TOOL-8, 32 KiB by default) so the scratchpad
@@ -319,9 +323,11 @@ def _check_cancelled() -> None:
 
 def _read_window(fd: int, offset: int, limit: int) -> tuple[list[tuple[bytes, int]], int, bool]:
     """Lines ``offset`` to ``offset + limit`` of the file as ``(first bytes, length)``,
-    how many lines were passed, and whether more follow. Reads in chunks: memory stays
-    within a chunk plus ``limit`` times :data:`_KEEP_LINE_BYTES` whatever the file holds."""
+    how many lines were passed, and whether more follow. Reads in chunks and stops once the
+    lines kept hold :data:`_READ_KEEP_BYTES`: memory stays within a chunk and that budget
+    whatever the file holds and the limit asks."""
     lines: list[tuple[bytes, int]] = []
+    kept = 0  # bytes of the lines kept, with their numbers'
     seen = 0  # complete lines passed so far
     head = bytearray()
     length = 0
@@ -342,7 +348,7 @@ def _read_window(fd: int, offset: int, limit: int) -> tuple[list[tuple[bytes, in
                     for _ in range(need):
                         pos = chunk.index(b"\n", pos) + 1
                     seen, pending = offset, False
-                elif len(lines) >= limit:
+                elif len(lines) >= limit or kept >= _READ_KEEP_BYTES:
                     more = True
                     break
                 else:
@@ -356,13 +362,14 @@ def _read_window(fd: int, offset: int, limit: int) -> tuple[list[tuple[bytes, in
                     if newline < 0:
                         break
                     lines.append((bytes(head), length))
+                    kept += len(head) + _READ_LINE_OVERHEAD
                     head, length, pending = bytearray(), 0, False
                     seen += 1
                     pos = newline + 1
     if pending:  # a last line without a newline
         if seen < offset:
             seen += 1
-        elif len(lines) < limit:
+        elif len(lines) < limit and kept < _READ_KEEP_BYTES:
             lines.append((bytes(head), length))
             seen += 1
         else:

@@ -39,6 +39,7 @@ from greenroom.protocols.tools import WorkspaceIdentity
 
 __all__ = [
     "DIR_FLAGS",
+    "MAX_PATH_STEPS",
     "BuiltinToolError",
     "OpenWorkspace",
     "OutsideWorkspaceError",
@@ -78,6 +79,9 @@ _ROOT_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _PASS_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # As many symlinks as Linux follows in one path before it says ELOOP.
 _MAX_LINKS = 40
+MAX_PATH_STEPS = 4096
+"""The most components a path may walk, its symlinks' included (a path the kernel takes
+holds at most 2,048): ``a/../`` repeated makes any number of them."""
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
@@ -87,6 +91,12 @@ def current_boot() -> str | None:
         return _BOOT_ID.read_text(encoding="ascii").strip() or None
     except OSError:
         return None
+
+
+def _drop(opened: list[int], fd: int) -> None:
+    """Close ``fd``, a directory a walk opened and left, and forget it."""
+    opened.remove(fd)
+    os.close(fd)
 
 
 def display(name: str) -> str:
@@ -380,15 +390,22 @@ class OpenWorkspace:
         stack = [self.fd]
         names: list[str] = []
         pending = list(reversed(self._parts(path, path)))
-        links = 0
+        links = steps = 0
         while pending:
             name = pending.pop()
+            steps += 1
+            if steps > MAX_PATH_STEPS:
+                raise BuiltinToolError(
+                    f"path {display(path[:200])!r} has more than {MAX_PATH_STEPS} components"
+                )
             if name in ("", "."):
                 continue
             if name == "..":
                 if not names:
                     raise _outside(path)
-                stack.pop()
+                # Closed now: a path that goes down and up again would hold one
+                # descriptor a step until the walk ends (and run the process out of them).
+                _drop(opened, stack.pop())
                 names.pop()
                 continue
             at = stack[-1]
@@ -413,7 +430,8 @@ class OpenWorkspace:
                         raise BuiltinToolError(f"{shown}: too many levels of symbolic links")
                     target = os.readlink(name, dir_fd=at)
                     if os.path.isabs(target):
-                        del stack[1:]
+                        while len(stack) > 1:
+                            _drop(opened, stack.pop())
                         names.clear()
                     pending.extend(reversed(self._parts(target, path)))
                     continue
