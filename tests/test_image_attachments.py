@@ -230,6 +230,30 @@ async def test_a_client_cannot_name_an_image_in_the_data_dir_the_workspace_holds
     assert provider.requests == []
 
 
+async def test_an_image_in_a_data_dir_moved_within_the_workspace_is_refused(
+    tmp_path: Path,
+) -> None:
+    """R-SEC-7: the data dir two levels down the workspace (``alice/.greenroom``), and
+    ``alice`` renamed (as a sandboxed command may): an image path into the moved data dir
+    was taken, the reader knowing the data dir by its path only. It is refused by what the
+    directory is, wherever it went."""
+    home = tmp_path / "home"
+    data = home / "alice" / ".greenroom"
+    provider = ScriptedProvider([ScriptedReply(blocks=(text("never"),))])
+    async with Host.open(data) as host:
+        session = await host.create_session(provider=provider, workspace_dir=home)
+        (data / "leak.png").write_bytes(PNG)
+        (home / "alice").rename(home / "alice2")
+        try:
+            for confine in (False, True):
+                with pytest.raises(ImageRefused) as refused:
+                    await session.attach([user_image("alice2/.greenroom/leak.png")],
+                                         confine=confine)
+                assert "the host's data dir, which no session may use" in refused.value.reason
+        finally:
+            (home / "alice2").rename(home / "alice")
+
+
 async def test_a_model_named_image_in_the_data_dir_the_workspace_holds_is_refused(
     tmp_path: Path,
 ) -> None:

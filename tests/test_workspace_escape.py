@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -327,6 +328,55 @@ async def test_the_data_dir_inside_a_workspace_is_hidden_from_the_file_tools(
         assert "project.txt" in message or message.startswith("no matches"), message
     assert not (data / "planted.txt").exists()
     assert not (data / "sessions" / "planted.txt").exists()
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_data_dir_moved_within_the_workspace_stays_hidden(
+    tmp_path: Path, providers: Any, mode: str
+) -> None:
+    """R-SEC-7: a workspace holds the data dir two levels down (``home`` holding
+    ``alice/.greenroom``). Renaming ``alice`` — which a sandboxed command may do — carried
+    the data dir out of sight: the file tools found it by its path no more, and the next
+    sandboxed command covered the empty directory made again at the old path, not it:
+    other sessions' prompts and the MCP tokens were read. The data dir is hidden by what it
+    is, wherever it goes, and no sandboxed command runs while it is not at its path."""
+    workspace = tmp_path / "home"
+    data = workspace / "alice" / ".greenroom"
+    data.mkdir(parents=True)
+    moved = workspace / "alice2" / ".greenroom"
+    calls = [
+        Reply(blocks=(tool_call("c2", "read_file", path="alice2/.greenroom/mcp/oauth.json"),)),
+        Reply(blocks=(tool_call("c3", "search_files", pattern="4711", path="alice2"),)),
+        Reply(blocks=(tool_call("c4", "list_dir", path="alice2/.greenroom"),)),
+        Reply(blocks=(text("done"),)),
+    ]
+    if mode == "required":  # the model moves it itself, and its shell tries to read it
+        calls[:0] = [Reply(blocks=(tool_call("c1", "run_shell", command="mv alice alice2"),))]
+        calls[-1:-1] = [
+            Reply(blocks=(tool_call("c5", "run_shell", command="cat alice2/.greenroom/mcp/*"),))
+        ]
+    async with open_host(data) as host:
+        (data / "mcp").mkdir()
+        (data / "mcp" / "oauth.json").write_text('{"token": "oauth-secret-999"}')
+        other = await host.create_session(provider="scripted", workspace_dir=workspace)
+        await collect(other.run(SECRET_PROMPT))
+        session = await host.create_session(
+            tools=BUILTIN_TOOLS, provider=providers(calls), workspace_dir=workspace,
+            settings=SessionSettings(sandbox=mode),
+        )  # fmt: skip
+        if mode == "off":
+            (workspace / "alice").rename(workspace / "alice2")
+        outputs = of_type(await collect(session.run("go", approve=allow_all)), ToolCallOutput)
+        assert moved.is_dir()
+        # Put back for the host's close (the scratchpads made an empty one at its path).
+        shutil.rmtree(workspace / "alice")
+        (workspace / "alice2").rename(workspace / "alice")
+    by_call = {o.call_id: shown(o) for o in outputs}
+    assert not any("oauth-secret" in m or "sessions/" in m for m in by_call.values()), by_call
+    assert "data dir" in by_call["c2"] and "data dir" in by_call["c4"], by_call
+    assert by_call["c3"].startswith("no matches"), by_call
+    if mode == "required":
+        assert "is no longer the directory the host opened" in by_call["c5"], by_call
 
 
 async def test_a_subagent_keeps_its_parent_s_workspace(tmp_path: Path, providers: Any) -> None:

@@ -75,6 +75,7 @@ from greenroom.actors.runtime.trace_store import (
     TraceStoreFactory,
     UsageLedger,
 )
+from greenroom.actors.tools.workspace import keep_private_identity
 from greenroom.protocols.hooks import Hooks
 from greenroom.protocols.messages import PersonAnswered, SupervisorMessage
 from greenroom.protocols.outputs import Output
@@ -723,6 +724,9 @@ def _prepare_data_dir(data_dir: str | Path | None, disk: Disk = DISK) -> Path:
     tighten(sessions, PRIVATE_DIR_MODE)
     for parent in sorted({directory.parent for directory in made}, reverse=True):
         disk.fsync(parent)
+    # Hidden from every session by what it is, not by its path: a sandboxed command that
+    # renames a directory above it does not carry it out of sight (R-SEC-7).
+    keep_private_identity(path)
     return path
 
 

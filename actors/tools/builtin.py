@@ -64,6 +64,7 @@ from greenroom.actors.tools.workspace import (
     WorkspaceError,
     display,
     file_error,
+    moved_private,
     open_workspace,
 )
 from greenroom.protocols.tools import Editor, EditorError, Tool, ToolContext, tool
@@ -947,6 +948,15 @@ async def _shell_command(
     bwrap = status.bwrap
 
     def sandboxed() -> list[str]:
+        hidden = tuple(private.resolve() for private in ctx.private_dirs)
+        moved = moved_private(workspace.path, hidden)
+        if moved is not None:
+            # The sandbox hides it by its path: with something else there, it would not.
+            raise BuiltinToolError(
+                f"the command was not run: the host's data dir {moved} is no longer the "
+                "directory the host opened (it was moved, or replaced), so the sandbox "
+                "cannot hide it; the host's owner must put it back"
+            )
         return bwrap_command(
             bwrap,
             workspace_guard(_SANDBOX_WORKSPACE_FD, command),
@@ -954,7 +964,7 @@ async def _shell_command(
             workspace_fd=_SANDBOX_WORKSPACE_FD,
             scratchpad=scratchpad,
             network=ctx.shell_network,
-            hidden=tuple(private.resolve() for private in ctx.private_dirs),
+            hidden=hidden,
         )
 
     argv = await trio.to_thread.run_sync(sandboxed)

@@ -50,6 +50,9 @@ __all__ = [
     "file_error",
     "hidden_in",
     "identify_workspace",
+    "keep_private_identity",
+    "kept_private_identity",
+    "moved_private",
     "open_unlinked",
     "open_workspace",
     "private_relation",
@@ -147,17 +150,60 @@ def resolved_dirs(private_dirs: Iterable[Path]) -> list[Path]:
     return [Path(os.path.realpath(p)) for p in private_dirs]
 
 
+_KEPT_PRIVATE: dict[str, tuple[int, int]] = {}
+"""The device and inode numbers each private directory had when its host opened, by its
+path (as given, and resolved then)."""
+
+
+def keep_private_identity(directory: Path) -> None:
+    """Remember which directory the private ``directory`` (a host's data dir, as the host
+    opens) is: walks hide it, and sandboxes refuse to run without it at its path, wherever
+    it is moved later (a sandboxed command may rename a directory above it). Blocking."""
+    info = os.stat(directory)
+    identity = (info.st_dev, info.st_ino)
+    _KEPT_PRIVATE[str(directory)] = identity
+    _KEPT_PRIVATE[os.path.realpath(directory)] = identity
+
+
+def kept_private_identity(directory: Path) -> tuple[int, int] | None:
+    """What :func:`keep_private_identity` remembered of ``directory``, if anything."""
+    return _KEPT_PRIVATE.get(str(directory))
+
+
 def hidden_in(workspace: Path, private_dirs: Iterable[Path]) -> frozenset[tuple[int, int]]:
     """The device and inode numbers of the resolved ``private_dirs`` that the resolved
     ``workspace`` holds: the directories no walk below it may enter (:func:`refuse_hidden`).
-    One that cannot be stat'ed now (not created yet) is left out. Blocking."""
+    A kept one (:func:`keep_private_identity`) is hidden wherever it is now; what stands
+    at a private path is hidden too, and one that cannot be stat'ed (not created yet) is
+    left out. Blocking."""
     hidden: set[tuple[int, int]] = set()
     for directory in private_dirs:
+        kept = kept_private_identity(directory)
+        if kept is not None:
+            hidden.add(kept)
         if directory.is_relative_to(workspace):
             with contextlib.suppress(OSError):
                 inner = os.stat(directory)
                 hidden.add((inner.st_dev, inner.st_ino))
     return frozenset(hidden)
+
+
+def moved_private(workspace: Path, private_dirs: Iterable[Path]) -> Path | None:
+    """The first of the resolved ``private_dirs`` inside the resolved ``workspace`` that is
+    not the directory its host opened (:func:`keep_private_identity`): moved away, or
+    something else made at its path. A sandbox hides a private directory by its path, so
+    it must not run then. Blocking."""
+    for directory in private_dirs:
+        kept = kept_private_identity(directory)
+        if kept is None or not directory.is_relative_to(workspace):
+            continue
+        try:
+            info = os.stat(directory, follow_symlinks=False)
+        except OSError:
+            return directory
+        if (info.st_dev, info.st_ino) != kept:
+            return directory
+    return None
 
 
 def refuse_hidden(fd: int, hidden: frozenset[tuple[int, int]], shown: str) -> None:
