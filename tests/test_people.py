@@ -713,3 +713,92 @@ async def test_a_request_watched_twice_expires_once_at_its_earliest_deadline(
         await trio.sleep_until(10.0)
         send.close()
     assert expired == [("c1", 100.0, 3.0), ("c1", 200.0, 4.0)]
+
+
+class AllowingHost:
+    """A host's ``approve`` callback (``Host.open(approve=…)``, ``serve --approve all``)
+    that allows every call and notes the ids of those it was asked about."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def __call__(self, call: ToolCallBlock) -> str:
+        self.asked.append(call.id)
+        return "allow"
+
+
+async def test_a_request_taken_up_under_a_callback_parks_and_survives_a_close(
+    data_dir: Path, workspace: Path
+) -> None:
+    """R-HITL-1, R-HITL-3, R-HITL-4: a request pending when a host whose ``approve`` is a
+    callback takes its task up waits on for a person, so the task waits only for people
+    and parks. It did not: it kept its supervisor and actors, and closing the session
+    aborted it, denying the call by default. The request stays pending across the close;
+    answered once the session is loaded again, the tool runs once and the task
+    completes. The callback is asked about nothing."""
+    import json
+
+    ledger = Ledger()
+    async with open_host(data_dir) as host:
+        session = await host.create_session(provider=ScriptedProvider(pay_then_answer()[:1]),
+                                            tools=[ledger.tool], workspace_dir=workspace)
+        session.run("pay", approve=PEOPLE).detach()
+        await until_parked(host, session.id)
+        sid = session.id
+
+    approve = AllowingHost()
+    async with Host.open(data_dir, tools=[ledger.tool], approve=approve,
+                         resume_tasks=True) as host:
+        await until_parked(host, sid)
+        trace = host.get_session(sid).trace_path
+        await host.close_session(sid)
+        # Nothing recorded by the close: no decision, no abort, no task_end.
+        assert json.loads(trace.read_text().splitlines()[-1])["type"] == "approval_request"
+        loaded = await host.load_session(sid, provider=ScriptedProvider(pay_then_answer()[1:]))
+        (pending,) = await host.pending_approvals()
+        assert pending.call_id == "p1"
+        await host.answer_approval(sid, "p1", "allow", by="alice", digest=pending.digest)
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await loaded.wait_idle()
+        lines = trace_lines(loaded)
+    assert ledger.paid == [7] and approve.asked == []
+    decisions = [(d["call_id"], d["decision"], d["by"])
+                 for d in lines if d["type"] == "approval_decision"]
+    assert decisions == [("p1", "allow", "client")]
+    assert [e["status"] for e in lines if e["type"] == "task_end"] == ["completed"]
+
+
+async def test_a_request_taken_up_under_a_callback_parks_and_the_callback_decides_the_rest(
+    data_dir: Path, workspace: Path
+) -> None:
+    """R-HITL-3, R-HITL-4, R-APPROVE-2: a task taken up under a callback parks on the
+    request a person has (from its first host, under ``"people"``) with the turn's next
+    call waiting behind it; the person's answer wakes it, and the callback decides that
+    next call (``by: host``), which runs — each call once."""
+    ledger = Ledger()
+    two_payments = Reply(blocks=(text("Paying."), tool_call("p1", "pay", amount=7),
+                                 tool_call("p2", "pay", amount=8)))
+    async with open_host(data_dir) as host:
+        session = await host.create_session(provider=ScriptedProvider([two_payments]),
+                                            tools=[ledger.tool], workspace_dir=workspace)
+        session.run("pay twice", approve=PEOPLE).detach()
+        await until_parked(host, session.id)
+        sid = session.id
+
+    approve = AllowingHost()
+    async with Host.open(data_dir, tools=[ledger.tool], approve=approve,
+                         resume_tasks=True) as host:
+        await until_parked(host, sid)
+        assert approve.asked == [] and ledger.paid == []
+        resumed = host.get_session(sid)
+        port_of(resumed).provider = ScriptedProvider([Reply(blocks=(text("Done."),))])
+        (pending,) = await host.pending_approvals()
+        await host.answer_approval(sid, "p1", "allow", digest=pending.digest)
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await resumed.wait_idle()
+        lines = trace_lines(resumed)
+    assert ledger.paid == [7, 8] and approve.asked == ["p2"]
+    decisions = [(d["call_id"], d["decision"], d["by"])
+                 for d in lines if d["type"] == "approval_decision"]
+    assert decisions == [("p1", "allow", "client"), ("p2", "allow", "host")]
+    assert [e["status"] for e in lines if e["type"] == "task_end"] == ["completed"]

@@ -355,12 +355,8 @@ class Host:
                 overrides=overrides, principal=principal, approve=approve,
             )
             self.child_reports.loaded(port)  # R-TREE-2, R-TREE-4
-            session = self._add(port)
-            # Its waits keep their limit, counted from when each was asked (R-HITL-1): one
-            # that ran out while the session was closed is decided now.
-            for request in port.machine.record.pending_people:
-                self.watch_approval(port, request.call_id, request.asked_at)
-            return session
+            self._people.watch_pending(port)  # R-HITL-1: a wait keeps its time limit
+            return self._add(port)
 
     async def fork_session(
         self, session_id: str, at_seq: int | None = None, **options: Any
@@ -519,8 +515,7 @@ class Host:
     async def serve_people(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """Run the host's clock for requests that wait for people until the host closes
-        (:meth:`open` starts it)."""
+        """Run the host's clock for requests that wait for people (until it closes)."""
         await self._people.run(task_status=task_status)
 
     async def pending_approvals(

@@ -87,6 +87,13 @@ class People:
                 )
             )
 
+    def watch_pending(self, port: SessionPort) -> None:
+        """Hold each request ``port``'s record leaves pending (a session loaded) to its
+        timeout policy, counted from when it was asked: one whose time ran out while the
+        session was closed is decided now."""
+        for request in port.machine.record.pending_people:
+            self.watch(port, request.call_id, request.asked_at)
+
     def _expire(self, watched: WatchRequest) -> None:
         port = self._port_of(watched.session_id)
         if port is None:

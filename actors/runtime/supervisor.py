@@ -64,6 +64,7 @@ from greenroom.actors.runtime.receipts import InputReceipt, drop_unrun, taken
 from greenroom.actors.runtime.resumption import parked_or_lost, queued_record, requeue_recorded
 from greenroom.actors.runtime.running_task import RunningTask, build_request
 from greenroom.actors.runtime.tree import background_count, end_subtree, tell
+from greenroom.actors.runtime.turn_runner import TurnRunner
 from greenroom.protocols.content import UserContent
 from greenroom.protocols.messages import (
     ActorFailed,
@@ -109,6 +110,7 @@ from greenroom.protocols.task import (
     TaskKind,
     Wait,
 )
+from greenroom.protocols.turn import CallState
 
 __all__ = [
     "ABORT_GRACE_S",
@@ -512,7 +514,7 @@ class SessionSupervisor:
             and task is not None
             and task.task is not None
             and task.compaction is None
-            and _answered_elsewhere(port, task.task.approve)
+            and _answered_elsewhere(port, task.task.approve, task.turns)
         )
 
     async def _park(self) -> None:
@@ -702,27 +704,42 @@ async def _attach_prompt(
         return str(exc)
 
 
-def _answered_elsewhere(port: SessionPort, approve: Approval) -> bool:
+def _answered_elsewhere(port: SessionPort, approve: Approval, turns: TurnRunner | None) -> bool:
     """Whether everything ``port``'s task waits for is answered from outside the task, so
     that it may park (R-HITL-3): always under ``approve="people"``; under a callback (or
-    nobody), only when each of its unfinished calls is a client tool's call waiting for
-    its client's result (R-PROTO-2) — its broker may otherwise be asking the callback
-    about a call, or the callback's person an ``ask_user`` question (``ANSWER_QUESTION``),
-    which parking would drop. The callback stays the parked task's, for its next calls."""
+    nobody), only when its broker asks nobody — each unfinished call waits for a client
+    tool's result (R-PROTO-2), for a person who held its request when the task was taken
+    up (``turns.left_for_people``: R-HITL-1, not asked again), or behind such a call, to be
+    asked once it is decided. The broker may otherwise be asking the callback about a
+    call, or the callback's person an ``ask_user`` question (``ANSWER_QUESTION``), which
+    parking would drop; and closing a task that is not parked aborts it, denying what a
+    person still had to answer. The callback stays the parked task's, for its next calls."""
     if approve == PEOPLE:
         return True
+    if turns is None:
+        return False
     record = port.machine.record
-    # Known by its request, not by the session's tools: a session loaded again (a
-    # restart's take-up) has no client tools until its client gives them again. A running
-    # call's question (an MCP elicitation) is an allowed call's: its call holds a slot.
-    client_calls = {
+    held = turns.left_for_people
+    # A client call is known by its request, not by the session's tools: a session loaded
+    # again (a restart's take-up) has no client tools until its client gives them again. A
+    # running call's question (an MCP elicitation) is an allowed call's: it holds a slot.
+    outside = {
         request.call_id
         for request in record.pending_people
-        if request.kind == "question"
-        and request.tool != ASK_USER
-        and request.call_id not in record.allowed
+        if request in held
+        or (
+            request.kind == "question"
+            and request.tool != ASK_USER
+            and request.call_id not in record.allowed
+        )
     }
-    return bool(client_calls) and set(record.unfinished_calls()) <= client_calls
+    machine = turns.machine
+    # Approvals go one at a time: only the call being asked about is the broker's.
+    return bool(outside) and all(
+        call_id in outside
+        or (call_id != machine.asking and machine.call_state(call_id) is CallState.APPROVING)
+        for call_id in record.unfinished_calls()
+    )
 
 
 def _abandon(port: SessionPort) -> None:

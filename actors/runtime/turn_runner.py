@@ -75,6 +75,7 @@ from greenroom.protocols.outputs import (
     PartialToolCall,
     TokenUsageOutput,
     ToolHook,
+    ToolStatus,
 )
 from greenroom.protocols.people import answer_problem, arguments_digest
 from greenroom.protocols.stream import ModelError, StreamEvent
@@ -106,6 +107,17 @@ class _Unserved:
 _UNSERVED: Any = _Unserved()
 
 
+def _answer_result(port: SessionPort, call: ToolCallBlock) -> tuple[ToolStatus, str]:
+    """The result of a ``final_answer`` call (R-OUT-1): taken when its arguments match the
+    task's schema, else the problems, for the model to answer again."""
+    answers = port.machine.record.answers
+    assert answers is not None
+    problems = check_call(call, answers.schema)
+    if problems:
+        return "error", answer_rejected_text(problems)
+    return "ok", ANSWER_ACCEPTED_TEXT
+
+
 def _reply(reply: Any, answer: QuestionAnswered) -> None:
     """Send a question's one answer; the asker may have gone (its call ended)."""
     if reply is None:
@@ -127,6 +139,7 @@ class TurnRunner:
         "_port",
         "_questions",
         "_rewritten",
+        "left_for_people",
         "machine",
         "run_id",
     )
@@ -157,6 +170,8 @@ class TurnRunner:
         self.machine = TurnMachine(session_id=port.id, run_id=run_id, turn=0)
         """The current turn's machine (a new one per turn)."""
         self._people = people
+        self.left_for_people: tuple[ApprovalRequest, ...] = ()
+        """The requests a person held when :meth:`resume` took the task up: asked of nobody."""
 
     @property
     def _doubts(self) -> CallsInDoubt:
@@ -468,6 +483,9 @@ class TurnRunner:
         for position, call in enumerate(machine.calls()):
             if machine.call_state(call.id) is CallState.DONE:
                 self._pool.send_nowait(SkipToolCall(position=position))
+        # Asked of nobody here, whatever decides the task's calls: waiting only for them,
+        # the task may park (R-HITL-3).
+        self.left_for_people = record.pending_people
         lost_any = self._doubts.take_up(record)
         asking = None if self._port.machine.stopping else machine.asking
         if asking is not None and record.pending(asking) is None:
@@ -502,7 +520,10 @@ class TurnRunner:
                 case ApproveCall():
                     self._ask(effect)
                 case RunToolCall() if self._is_answer(effect.call.name):
-                    self._take_answer(effect)
+                    self._pool.send_nowait(SkipToolCall(position=effect.position))
+                    status, text = _answer_result(self._port, effect.call)
+                    content = (TextBlock(text=text),)
+                    self.apply(self.machine.finish(effect.call.id, status=status, content=content))
                 case RunToolCall():
                     rewritten = (self._rewritten or {}).get(effect.call.id)
                     call = effect.call if rewritten is None else rewritten
@@ -530,22 +551,6 @@ class TurnRunner:
 
     def _is_answer(self, tool: str) -> bool:
         return tool == FINAL_ANSWER and self._port.machine.record.answers is not None
-
-    def _take_answer(self, command: RunToolCall) -> None:
-        """A ``final_answer`` call's result (R-OUT-1): taken when its arguments match the
-        task's schema, else the problems, for the model to answer again."""
-        answers = self._port.machine.record.answers
-        assert answers is not None
-        problems = check_call(command.call, answers.schema)
-        self._pool.send_nowait(SkipToolCall(position=command.position))
-        text = answer_rejected_text(problems) if problems else ANSWER_ACCEPTED_TEXT
-        self.apply(
-            self.machine.finish(
-                command.call.id,
-                status="error" if problems else "ok",
-                content=(TextBlock(text=text),),
-            )
-        )
 
     def _ask(self, command: ApproveCall) -> None:
         call = command.call
