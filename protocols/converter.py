@@ -64,6 +64,7 @@ def _make_tagged_unstructure(cls: type[Any]) -> Callable[[Any], dict[str, Any]]:
         "queued_id",
         "steering_ids",
         "late_steering",
+        "session_rules",
     ):
         if name in field_names:
             overrides[name] = override(omit_if_default=True)

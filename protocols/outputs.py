@@ -563,6 +563,9 @@ class CompactionEnd(Envelope):
         output_schema: the ``output_schema`` of the task that compacted (R-OUT-1), for
             status ``ok``: the new trace file alone holds the task to it. Left out when
             None.
+        session_rules: the tools an ``allow_session`` decision allowed for the rest of the
+            session (R-APPROVE-4), sorted, for status ``ok``: the new trace file alone
+            keeps them (a trace written before it carried them reads as empty).
     """
 
     TYPE: ClassVar[str] = "compaction_end"
@@ -575,6 +578,7 @@ class CompactionEnd(Envelope):
     kept_input: tuple[UserContent, ...] = ()
     error_kind: str | None = None
     output_schema: dict[str, Any] | None = None
+    session_rules: tuple[str, ...] = ()
 
 
 @_documented

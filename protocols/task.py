@@ -750,6 +750,10 @@ class TaskRecord:
             self.start(output.run_id, "task", output.output_schema)
         reason = self.compaction_reason
         self.compaction_reason = None
+        if output.session_rules:
+            # A file a compaction started is read on its own: the rules it carries are
+            # the session's so far (R-APPROVE-4), however long ago they were decided.
+            self.session_rules = self.session_rules | set(output.session_rules)
         if output.status == "ok":
             self.session_turns = 0
             self.last_request_total = None

@@ -17,16 +17,25 @@ from conftest import (
     is_output,
     last_user,
     of_type,
+    port_of,
     result_text,
     results_of,
     texts_of,
+    trace_lines,
     types,
 )
 
 from greenroom.actors.providers.scripted import Reply, text, tool_call
 from greenroom.actors.runtime.host import Host
 from greenroom.protocols.content import TextBlock, ToolCallBlock
-from greenroom.protocols.outputs import Abort, ApprovalDecision, TaskEnd, ToolCallOutput
+from greenroom.protocols.converter import converter
+from greenroom.protocols.outputs import (
+    Abort,
+    ApprovalDecision,
+    CompactionEnd,
+    TaskEnd,
+    ToolCallOutput,
+)
 from greenroom.protocols.tools import tool
 
 DENIED = "Tool call denied by user."
@@ -177,6 +186,55 @@ async def test_allow_session_applies_to_a_later_call_of_the_same_turn(
         ("c2", "allow", "session_rule"),
         ("c3", "allow", "session_rule"),
     ]
+
+
+async def test_allow_session_outlives_a_compaction_and_a_reload(
+    host: Host, workspace: Path, providers, lookup: Lookup
+) -> None:
+    """R-APPROVE-4, R-HITL-1, R-COMPACT-8: the rule is a fact of the trace, and a loaded
+    session reads only the file its last compaction started, so that file's first record,
+    ``compaction_end``, carries it. Allowed for the session, compacted, closed and loaded,
+    a call of the tool is allowed by session_rule without asking a callback that would
+    deny; a rewind to the compaction's record keeps the rule (decided before it). A
+    ``compaction_end`` written before it carried rules reads as carrying none."""
+    provider = providers(
+        [
+            Reply(blocks=(tool_call("c1", "lookup", key="a"),)),
+            Reply(blocks=(text("ok"),)),
+            Reply(blocks=(text("[summary]looked up a[/summary]"),)),
+        ]
+    )
+    session = await host.create_session(
+        tools=[lookup.tool], provider=provider, workspace_dir=workspace
+    )
+    outputs = await collect(session.run("go", approve=lambda call: "allow_session"))
+    assert decisions(outputs) == [("c1", "allow", "host")]
+    end = await session.compact()
+    assert end is not None and end.status == "ok"
+    await host.close_session(session.id)
+
+    asked: list[str] = []
+
+    def deny(call: ToolCallBlock) -> str:
+        asked.append(call.id)
+        return "deny"
+
+    again = providers(
+        [Reply(blocks=(tool_call("c2", "lookup", key="b"),)), Reply(blocks=(text("ok again"),))]
+    )
+    loaded = await host.load_session(session.id, tools=[lookup.tool], provider=again)
+    assert loaded.trace_path.name == "trace_002.jsonl"
+    outputs = await collect(loaded.run("more", approve=deny))
+    assert decisions(outputs) == [("c2", "allow", "session_rule")]
+    assert asked == []
+    assert lookup.calls == ["a", "b"]
+
+    first = trace_lines(loaded)[0]
+    assert (first["type"], first["session_rules"]) == ("compaction_end", ["lookup"])
+    await loaded.rewind(first["seq"])
+    assert port_of(loaded).machine.allowed_for_session("lookup")
+    del first["session_rules"]
+    assert converter.structure(first, CompactionEnd).session_rules == ()
 
 
 async def test_no_callback_denies_by_default_and_the_task_goes_on(

@@ -821,6 +821,51 @@ async def test_auth_failure_during_compaction_stops_at_once(
     assert types(outputs)[-1] == "task_end"
 
 
+async def test_a_summary_retry_that_could_pass_the_budget_is_not_sent(
+    data_dir: Path, workspace: Path, providers, lookup: Lookup, autojump_clock
+) -> None:
+    """R-SHARE-4, R-COMPACT-7: an automatic compaction's summary retry is a request the
+    budget checks too. At $10 per million tokens, turn 1 spends $0.60 (60,000 tokens of
+    input); the first summary request's bound (60,000 tokens at the cache-write rate,
+    $0.75, plus 100 output tokens) fits max_cost_usd=1.5 and it spends $0.60 on an empty
+    summary. Its retry's bound on top of $1.20 would pass the budget: it is not sent, the
+    compaction ends failed naming the budget, the old context and file are kept, and the
+    task ends budget_exceeded."""
+    sixty = TokenUsage(input=60_000)
+    prices = {"scripted": {"input": 10.0, "output": 10.0, "cache_read": 1.0, "cache_write": 12.5}}
+    provider = providers(
+        [
+            Reply(blocks=(tool_call("c1", "lookup", key="a"),), usage=sixty),
+            Reply(blocks=(), usage=sixty),
+            summary_step("never asked for"),
+            Reply(blocks=(text("Done."),)),
+        ]
+    )
+    async with Host.open(data_dir, prices=prices) as host:
+        session = await new_session(
+            host, workspace, provider, [lookup.tool], max_context_length=50_000,
+            max_cost_usd=1.5, max_tokens=100,
+        )  # fmt: skip
+        outputs = await collect(session.run("go", approve=allow_all), bound_s=None)
+        await host.trace_store.log.sync()
+        rows = ledger_rows(host.data_dir, session.id)
+
+    assert len(provider.requests) == 2
+    spent = [o.request.cost_usd for o in of_type(outputs, TokenUsageOutput)]
+    assert spent == [pytest.approx(0.6), pytest.approx(0.6)]
+    assert [r["cost_usd"] for r in rows] == [pytest.approx(0.6), pytest.approx(0.6)]
+    (begin,) = of_type(outputs, CompactionBegin)
+    (end,) = of_type(outputs, CompactionEnd)
+    assert (begin.reason, end.status, end.attempt) == ("context", "failed", 1)
+    assert f"max_cost_usd=1.5 of session {session.id}" in (end.error_message or "")
+    (task_end,) = of_type(outputs, TaskEnd)
+    assert task_end.status == "budget_exceeded"
+    assert "$1.20 spent of $1.50" in (task_end.message or "")
+    assert task_end.usage.cost_usd == pytest.approx(1.2)
+    assert [f.name for f in trace_files(session)] == ["trace_001.jsonl"]
+    assert lookup.calls == ["a"]
+
+
 # -- rotation, reload --------------------------------------------------------------------------
 
 

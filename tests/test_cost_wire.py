@@ -5,21 +5,29 @@ list price (its dated name found through its alias)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import trio
-from conftest import ledger_rows
+from conftest import Gates, ledger_rows
 
 from greenroom.actors.providers.anthropic import AnthropicProvider
 from greenroom.actors.providers.openai import OpenAIProvider
 from greenroom.actors.providers.openai_responses import OpenAIResponsesProvider
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.llm_streamer import ModelProvider
-from greenroom.protocols.outputs import Output, PartialText, TaskEnd, TokenUsageOutput
-from tests.support.mock_model_server import Fixture, Paused, Reply, Text, open_mock_server
+from greenroom.protocols.outputs import Output, PartialText, TaskEnd, TokenUsageOutput, UserMsg
+from tests.support.mock_model_server import (
+    Fixture,
+    Paused,
+    Reply,
+    Text,
+    ToolUse,
+    open_mock_server,
+)
 
 SSE = {"content-type": "text/event-stream"}
 
@@ -130,6 +138,46 @@ async def test_an_interrupted_request_costs_the_input_its_stream_reported(tmp_pa
     end = second[-1]
     assert isinstance(end, TaskEnd) and end.status == "budget_exceeded", end
     assert len(server.requests) == 1
+
+
+async def test_steering_a_turn_delivers_counts_in_its_requests_bound(
+    tmp_path: Path, gates: Gates
+) -> None:
+    """R-SHARE-4, R-STEER-2: turn 1 costs $0.12015 on Sonnet 4.5 (40,000 input tokens) and
+    calls a tool; while it runs the user steers 480,000 characters (120,000 tokens), which
+    turn 2's request carries. Its bound counts them: 120,000+ tokens at the cache-write rate
+    ($3.75/M, $0.45) plus 100 output tokens passes max_cost_usd=0.5 on top of what was spent
+    — without them, the last context's 40,010 tokens ($0.15) would fit. Turn 2 is not sent,
+    and the steering it would have delivered is not recorded as delivered."""
+    first = Reply(
+        [Text("Waiting."), ToolUse("c1", "wait", {"key": "k"})],
+        stop_reason="tool_use",
+        usage=(40_000, 10),
+    )
+    async with open_mock_server(first, Reply([Text("Done.")])) as server:
+        async with Host.open(tmp_path / "data") as host:
+            session = await host.create_session(
+                provider=AnthropicProvider(base_url=server.base_url, api_key="test-key"),
+                model="claude-sonnet-4-5", tools=[gates.tool()], workspace_dir=tmp_path,
+                max_cost_usd=0.5, max_tokens=100,
+            )  # fmt: skip
+            outputs: list[Output] = []
+            with trio.fail_after(10):
+                async with trio.open_nursery() as nursery:
+
+                    async def run() -> None:
+                        outputs.extend([o async for o in session.run("go", approve=allow)])
+
+                    nursery.start_soon(run)
+                    await gates.started("k")
+                    assert session.steer("x" * 480_000)
+                    gates.release("k")
+    assert len(server.requests) == 1
+    end = outputs[-1]
+    assert isinstance(end, TaskEnd) and end.status == "budget_exceeded", end
+    bound = re.search(r"could cost up to \$([\d.]+)", end.message or "")
+    assert bound is not None and float(bound.group(1)) > 0.45, end.message
+    assert not [o for o in outputs if isinstance(o, UserMsg) and o.kind == "steering"]
 
 
 async def test_a_streamed_requests_input_is_in_the_ledger_before_its_end(tmp_path: Path) -> None:

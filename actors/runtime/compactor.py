@@ -43,7 +43,11 @@ __all__ = ["CompactionRun"]
 class CompactionRun:
     """One compaction of ``port``'s context during run ``run_id``; see the module
     docstring. ``number`` gives each summary request its number (the supervisor's
-    numbering of model requests)."""
+    numbering of model requests). ``refused`` checks a retry of the summary request
+    against the session's cost budgets before it is sent, as the task checked the first
+    (R-SHARE-4; None: a manual compaction's, not checked): True when the request could
+    pass one, and the task was told to end ``budget_exceeded`` — the compaction then
+    stays open, without a request, until the task's end ends it failed."""
 
     __slots__ = (
         "_billed",
@@ -51,6 +55,7 @@ class CompactionRun:
         "_kept",
         "_number",
         "_port",
+        "_refused",
         "_reported_attempt",
         "_requests",
         "_run_id",
@@ -75,8 +80,10 @@ class CompactionRun:
         reason: CompactionReason,
         template: ModelRequest,
         number: Callable[[], int],
+        refused: Callable[[ModelRequest], bool] | None = None,
     ) -> None:
         self._port = port
+        self._refused = refused
         self._emitter = emitter
         self._streamer = streamer
         self._run_id = run_id
@@ -109,16 +116,20 @@ class CompactionRun:
             self.ready = True
             return
         self._requests = SummaryRequests(base, port.settings.compact_prompt)
-        self._send(delay_ms=0)
+        self._send(self._summary_request(), delay_ms=0)
 
-    def _send(self, *, delay_ms: int) -> None:
-        assert self._requests is not None and self._streamer is not None
+    def _summary_request(self) -> ModelRequest:
+        assert self._requests is not None
         messages = self._requests.next_messages()
-        self.request = self._number()
         # The summary is text: a structured task's answer format is not asked of it.
+        return attrs.evolve(self._template, messages=messages, output=None)
+
+    def _send(self, request: ModelRequest, *, delay_ms: int) -> None:
+        assert self._requests is not None and self._streamer is not None
+        self.request = self._number()
         self._streamer.send_nowait(
             StartAttempt(
-                request=attrs.evolve(self._template, messages=messages, output=None),
+                request=request,
                 attempt=self._requests.attempt,
                 delay_ms=delay_ms,
                 number=self.request,
@@ -147,9 +158,14 @@ class CompactionRun:
                 self.ready = True
             case RetrySummary(delay_ms=delay_ms):
                 assert self._streamer is not None
+                request = self._summary_request()
+                # The failed attempt's cost is spent and its bound released: the retry
+                # holds a bound of its own, or is not sent.
+                if self._refused is not None and self._refused(request):
+                    return
                 # Skippable from the moment it is decided (R-RETRY-5).
                 self._streamer.send_nowait(PlanBackoff())
-                self._send(delay_ms=delay_ms)
+                self._send(request, delay_ms=delay_ms)
             case SummaryFailed(error=error, attempt=attempt):
                 self._failed(error, attempt)
 
@@ -166,11 +182,16 @@ class CompactionRun:
             return
         trace_file = port.rotate_trace()
         self.running = False
-        answers = port.machine.record.answers
+        record = port.machine.record
+        answers = record.answers
         schema = answers.schema if answers is not None else None
+        # The new file is read on its own when the session is loaded: its first record
+        # keeps the session's allow_session rules (R-APPROVE-4), and the follow-ups and
+        # the steering queued so far are recorded in it again (R-STEER-6, R-STEER-1).
+        rules = tuple(sorted(record.session_rules))
         if self.summary is not None:
             most = port.host.trace_log.largest_input()
-            self.summary = _summary_in_a_record(self.summary, self._kept, schema, most)
+            self.summary = _summary_in_a_record(self.summary, self._kept, schema, most, rules)
         emitter.emit(
             CompactionEnd(
                 session_id=port.id,
@@ -181,11 +202,9 @@ class CompactionRun:
                 summary=self.summary,
                 kept_input=self._kept,  # type: ignore[arg-type]
                 output_schema=schema,
+                session_rules=rules,
             )
         )
-        # The new file is read on its own when the session is loaded: the follow-ups
-        # and the steering queued so far are recorded in it again (R-STEER-6, R-STEER-1).
-        record = port.machine.record
         for queued in (*record.queued, *record.steering):
             emitter.emit(attrs.evolve(queued, seq=None))
         emitter.flush()
@@ -246,19 +265,23 @@ class CompactionRun:
 
 
 def _summary_in_a_record(
-    summary: str, kept: tuple[object, ...], schema: dict[str, Any] | None, most: int | None
+    summary: str,
+    kept: tuple[object, ...],
+    schema: dict[str, Any] | None,
+    most: int | None,
+    rules: tuple[str, ...] = (),
 ) -> str:
     """``summary`` as the ``compaction_end`` record that starts the new context carries it
-    beside the ``kept`` input and the task's output ``schema``, in a trace whose records
-    hold at most ``most`` bytes of input (None: a file, no limit): whole when it fits, else
-    its start and a marker saying what was left out. The compaction's token limit bounds a
-    summary, but a cluster's NATS server may take less, and a record it cannot carry would
-    stop the session on its host (R-SEC-9, R-CLUSTER-1, R-COMPACT-8). It is cut rather than
-    split: the one record alone must rebuild the context, and a summary is already a cut."""
+    beside the ``kept`` input, the task's output ``schema`` and the session's ``rules``, in
+    a trace whose records hold at most ``most`` bytes of input (None: a file, no limit):
+    whole when it fits, else its start and a marker saying what was left out. The
+    compaction's token limit bounds a summary, but a cluster's NATS server may take less,
+    and a record it cannot carry would stop the session on its host (R-SEC-9, R-CLUSTER-1,
+    R-COMPACT-8). It is cut rather than split: the one record alone must rebuild the
+    context, and a summary is already a cut."""
     if most is None:
         return summary
     # What the record carries beside it; the marker names the record's bytes, as every
     # cut's does, not the room those leave.
-    beside = (record_size(kept) if kept else 0) + (record_size(schema) if schema else 0)
-    room = most - beside
+    room = most - sum(record_size(value) for value in (kept, schema, rules) if value)
     return cut_to_fit(summary, max(room, 0), None, record=most)

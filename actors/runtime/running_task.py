@@ -10,10 +10,10 @@ and the inbox messages that concern it, and ends it — whatever ended it — th
 teardown: :meth:`stop_work`, then :meth:`settle` and the ``task_end`` (R-RUN-7), or
 :meth:`park` when the task waits only for people (R-HITL-3).
 
-Before each model request it sends — a turn's attempt, an automatic compaction's summary —
-it asks the session's account whether the request could pass a cost budget (R-SHARE-4,
-:mod:`~greenroom.protocols.budgets`); if so the request is not sent and the task machine is
-told, which ends the task ``budget_exceeded``.
+Before each model request it sends — a turn's attempt (with the steering it delivers), an
+automatic compaction's summary and its retries — it asks the session's account whether the
+request could pass a cost budget (R-SHARE-4, :mod:`~greenroom.protocols.budgets`); if so the
+request is not sent and the task machine is told, which ends the task ``budget_exceeded``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import trio
 
 from greenroom.actors.providers.base import sole_exception
@@ -39,7 +40,7 @@ from greenroom.actors.runtime.tool_pool import ToolPool
 from greenroom.actors.runtime.turn_runner import TurnRunner
 from greenroom.actors.runtime.user_code import call_user_code
 from greenroom.protocols.content import UserContent
-from greenroom.protocols.context import ModelRequest
+from greenroom.protocols.context import ModelRequest, UserMessage
 from greenroom.protocols.hooks import RequestInfo, StopInfo, ToolResultsInfo
 from greenroom.protocols.messages import (
     ActorFailed,
@@ -322,7 +323,7 @@ class RunningTask:
         input (R-STEER-2) that names the recorded ``steering_queued`` it delivers
         (``steering_ids``), then attempt 1 — unless its request could pass a budget."""
         turns, _ = self._actors()
-        if self._over_budget():
+        if self._over_budget(steering):
             return
         turns.begin_turn(turn)
         if steering:
@@ -338,17 +339,31 @@ class RunningTask:
         if not self._over_budget():
             self._send_attempt(attempt, delay_ms)
 
-    def _over_budget(self) -> bool:
-        """Whether the session's next request could pass one of its cost budgets; if so
-        the task machine has been told (it ends the task ``budget_exceeded``)."""
+    def _over_budget(self, steering: tuple[UserContent, ...] = ()) -> bool:
+        """Whether the session's next request — the transcript's, and the ``steering``
+        a turn delivers with it — could pass one of its cost budgets (see
+        :meth:`_refused`)."""
+        port = self._port
+        if not port.account.limits:
+            return False  # the usual case: no budget, nothing to estimate
+        request = build_request(port, self.task)
+        if steering:
+            # Recorded only once the turn is sure to be sent, the steering is not in the
+            # transcript yet; the request carries it all the same.
+            messages = (*request.messages, UserMessage(content=steering))
+            request = attrs.evolve(request, messages=messages)
+        return self._refused(request)
+
+    def _refused(self, request: ModelRequest) -> bool:
+        """Whether ``request`` could pass one of the session's cost budgets; if so the task
+        machine has been told (it ends the task ``budget_exceeded``), else the request's
+        bound is held until its cost is spent (R-SHARE-4)."""
         port = self._port
         account = port.account
         if not account.limits:
-            return False  # the usual case: no budget, nothing to estimate
+            return False
         machine = port.machine
-        refusal = account.refusal(
-            build_request(port, self.task), machine.record.last_request_total
-        )
+        refusal = account.refusal(request, machine.record.last_request_total)
         if refusal is not None:
             machine.exceed_budget(refusal)
         return refusal is not None
@@ -375,8 +390,8 @@ class RunningTask:
 
     def start_compaction(self, reason: CompactionReason) -> None:
         """Compact now (R-COMPACT); after an overflow the failed attempt is history. An
-        automatic compaction's request is checked against the budgets as a turn's is (a
-        manual one is the user's own request)."""
+        automatic compaction's requests, its summary's retries too, are checked against
+        the budgets as a turn's are (a manual one's are the user's own requests)."""
         turns, work = self._actors()
         if reason != "manual" and self._over_budget():
             return
@@ -393,6 +408,7 @@ class RunningTask:
             reason=reason,
             template=build_request(self._port, self.task),
             number=self._next_request,
+            refused=None if reason == "manual" else self._refused,
         )
         self._compaction.start()
 
