@@ -481,6 +481,44 @@ async def test_a_background_answer_for_a_parent_closed_meanwhile_reaches_it_load
     assert answers[-1] == {"type": "text", "text": "merged what k found"}, answers
 
 
+async def test_a_background_childs_outputs_reach_its_parent_closed_and_loaded_again(
+    host: Host, workspace: Path, providers, gates: Gates
+) -> None:
+    """R-TREE-1: outputs of every node reach the root's watchers, with ``origin``. The
+    root, parked while its background child works, is closed and loaded again; a client
+    watching the root as loaded again sees the child's outputs, each once. Before, the
+    child's forwarder held the closed root's port, which nobody watches any more."""
+    waiting = Waiting()
+
+    async def brain(request: ModelRequest, stream: ScriptedStream) -> None:
+        if is_child(request):
+            await waiting.answer(request, stream, "k is done")
+        elif "b1" in str(request.messages):
+            await stream.block(tool_call("w1", "wait", key="root"))
+        else:
+            await stream.block(spawn("b1", "keep going", background=True, name="k"))
+
+    provider = providers(brain)
+    tools = [gates.tool(), spawn_subagent]
+    root = await host.create_session(provider=provider, tools=tools, workspace_dir=workspace)
+    root.run("go", approve=PEOPLE).detach()
+    await until(lambda: host.port(root.id).parked)
+    await host.answer_approval(root.id, "b1", "allow")
+    await waiting.wait_started("keep going")
+    await until(lambda: host.port(root.id).parked)  # asking for w1, k still at work
+    (child_id,) = open_ids(host) - {root.id}
+    await host.close_session(root.id)
+    recorder = Recorder(await host.load_session(root.id, provider=provider, tools=tools))
+
+    waiting.release("keep going")
+    await until(lambda: child_id not in open_ids(host))  # k answered and left
+    from_child = [o for o in recorder.outputs if o.session_id == child_id]
+    assert {o.origin for o in from_child} == {(root.id, child_id)}
+    assert [e.status for e in of_type(from_child, TaskEnd)] == ["completed"]
+    answers = [o.block for o in of_type(from_child, ModelMsg)]
+    assert answers == [text("k is done")]
+
+
 async def test_a_background_answer_for_a_parent_deleted_meanwhile_is_refused_in_one_line(
     host: Host,
     workspace: Path,
@@ -736,6 +774,71 @@ async def test_a_tree_scoped_interrupt_of_a_running_root_ends_its_background_chi
     assert [e.status for e in ended(recorder, session.id)] == ["aborted"]
     assert [e.status for e in ended(recorder, child_id)] == ["aborted"]
     assert not session.busy
+
+
+@pytest.mark.parametrize("background", [True, False])
+async def test_a_tree_interrupt_while_a_child_is_created_starts_no_child(
+    host: Host,
+    workspace: Path,
+    data_dir: Path,
+    providers,
+    monkeypatch: pytest.MonkeyPatch,
+    background: bool,
+) -> None:
+    """R-TREE-2: ``scope="tree"`` ends the whole subtree, a child being created included.
+    Its ``session.json`` is written in a thread no cancellation reaches; the interrupt
+    came meanwhile and found it among no live children. Before, the child started a task
+    once written; in the background it asked the model, and its answer started a
+    follow-up of the interrupted root."""
+    catalog = host.trace_store.catalog
+    create = catalog.create
+    writing, written = trio.Event(), trio.Event()
+    children: list[str] = []
+
+    async def held_for_a_child(session_id: str, meta: dict[str, Any]) -> None:
+        await create(session_id, meta)
+        if meta.get("parent_id") is not None:
+            children.append(session_id)
+            writing.set()
+            # Shielded: the write goes on, past any cancellation, until the test lets it.
+            with trio.CancelScope(shield=True), trio.fail_after(RUN_TIMEOUT_S):
+                await written.wait()
+
+    monkeypatch.setattr(catalog, "create", held_for_a_child)
+
+    async def brain(request: ModelRequest, stream: ScriptedStream) -> None:
+        if is_child(request):
+            await stream.text("beta result")
+        elif has_results(request) or "[subagent" in last_texts(request):
+            await stream.text("the root went on")
+        else:
+            await stream.block(spawn("b1", "beta", background=background, name="beta"))
+
+    provider = providers(brain)
+    session = await host.create_session(
+        tools=[spawn_subagent], provider=provider, workspace_dir=workspace
+    )
+    recorder = Recorder(session)
+    stream = session.run("go", approve=allow_all)
+    with trio.fail_after(RUN_TIMEOUT_S):
+        await writing.wait()
+    assert session.interrupt("stop everything", scope="tree")
+    await until(lambda: port_of(session).machine.stopping)  # the root took it
+    written.set()
+    await collect(stream)
+    await until(lambda: open_ids(host) == {session.id})
+    await trio.testing.wait_all_tasks_blocked()
+    await session.wait_idle()
+
+    assert [r for r in provider.requests if is_child(r)] == []
+    (child_id,) = children
+    await host.trace_store.log.sync()
+    # Its session is stored, with no record: it never had a task.
+    assert not (data_dir / "sessions" / child_id / "trace_001.jsonl").exists()
+    assert [e.status for e in ended(recorder, session.id)] == ["aborted"]  # no follow-up
+    slots = port_of(session).children
+    assert slots is not None and not slots.live
+    assert slots.slots.value == session.settings.max_subagents_concurrent
 
 
 # -- limits and budgets (R-TREE-3) -------------------------------------------------------

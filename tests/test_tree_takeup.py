@@ -416,6 +416,37 @@ async def test_a_parked_background_child_answered_after_a_restart_reports_once(
     assert len(prompts) == 2  # the first task's prompt and the one report
 
 
+async def test_the_last_level_loaded_again_is_not_offered_spawn(
+    data_dir: Path, workspace: Path
+) -> None:
+    """R-TREE-1: with ``max_subagent_depth=1`` the child is the last level, offered no
+    ``spawn_subagent``, and so it stays when the next host loads it with the tools of the
+    tree; its root, loaded alike, still is. Before, a subagent loaded again was offered
+    whatever tools it was loaded with."""
+    model = ScriptedProvider(_payer_model)
+    tools = [_pay_tool([]), spawn_subagent]
+    async with open_host(data_dir) as host:
+        root = await host.create_session(
+            provider=model, tools=tools, workspace_dir=workspace, max_subagent_depth=1
+        )
+        root_id, child_id = root.id, await _run_until_child_parked(host, root)
+    before = len(model.requests)
+    async with open_host(data_dir) as host:
+        await _answer_the_parked_child(host, model, tools, root_id, child_id)
+    offered = [
+        ("child" if (r.system or "").startswith(SUBAGENT_SYSTEM) else "root", r.tools)
+        for r in model.requests
+    ]
+    # The root and the child each ask before the restart, and after it (the child's
+    # answer, the root's merge), in no fixed order.
+    asked = [sorted(node for node, _ in part) for part in (offered[:before], offered[before:])]
+    assert asked == [["child", "root", "root"], ["child", "root"]]
+    tools_of = {"root": ["pay", "spawn_subagent"], "child": ["pay"]}
+    assert [[t.name for t in tools] for _, tools in offered] == [
+        tools_of[node] for node, _ in offered
+    ]
+
+
 def _payer_model_paying_after_the_report(request: ModelRequest) -> Reply:
     """As :func:`_payer_model`, but the root, told that the payer finished, pays 1 itself
     (a call that needs a decision) before it merges."""

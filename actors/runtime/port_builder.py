@@ -31,6 +31,7 @@ from greenroom.actors.runtime.port import Approval, SessionPort
 from greenroom.actors.runtime.provider_clients import ProviderClients
 from greenroom.actors.runtime.shared_tables import SharedTables, fixed_workspace
 from greenroom.actors.runtime.storage import SESSION_FILE, SessionStore
+from greenroom.actors.runtime.subagents import SPAWN_SUBAGENT
 from greenroom.actors.runtime.trace_store import (
     StoredSessionMissing,
     StoredSessionUnreadable,
@@ -280,13 +281,18 @@ class PortBuilder:
         model_provider = provider if not isinstance(provider, str | None) else None
         if model_provider is None:
             model_provider = await self.clients.get(settings)
+        origin = stored_origin(meta, session_id)
+        if origin is not None and len(origin) - 1 >= settings.max_subagent_depth:
+            # Whoever loads it gives it their tools: the last level is offered no spawn,
+            # loaded again as when it was spawned (R-TREE-1).
+            tools = [t for t in tools if t.name != SPAWN_SUBAGENT]
         stored_principal = meta.get("principal")
         account = await self.accounting.account(
             session_id,
             settings,
             principal=stored_principal if isinstance(stored_principal, str) else principal,
             stored=True,
-            origin=stored_origin(meta, session_id),
+            origin=origin,
         )
         loaded = await self._store.log.load(session_id)
         with self._forgotten_unless_opened(session_id):
@@ -312,7 +318,7 @@ class PortBuilder:
                 last_seq=loaded.last_seq,
                 parent_id=meta.get("parent_id"),
                 workspace_identity=identity,
-                origin=stored_origin(meta, session_id),
+                origin=origin,
                 account=account,
                 admission=self.admissions.of(model_provider),
                 principal=account.principal or "",

@@ -24,6 +24,10 @@ a limit (a cluster's NATS server) a longer answer is cut, marked, to fit
 task does not end while its background children run (it waits for their answers); a
 root's does.
 
+A child whose spawning task is told to stop (or whose call is cancelled) while the child is
+being created — its files are written in threads no cancellation reaches — is not started:
+its session is forgotten and the call is an error, so that no interrupt misses it.
+
 Every output of a subagent reaches its parent as a live output, with ``origin`` = the path
 of session ids from the root (:func:`~greenroom.actors.runtime.tree.forward_up`, a
 subscriber of the child's port): through the parent's supervisor while it has work, else
@@ -65,6 +69,7 @@ from typing import TYPE_CHECKING, assert_never, cast
 import attrs
 import trio
 
+from greenroom.actors.runtime.errors import SessionNotFound
 from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput
 from greenroom.actors.runtime.tree import Children, children_of, forward_up, tell
 from greenroom.protocols.content import TextBlock
@@ -229,6 +234,14 @@ class Subagents:
         except BaseException:
             children.slots.release()
             raise
+        cut = self._cut()
+        if cut is not None:
+            # Creating the child waits on disk work that no cancellation reaches: an
+            # interrupt that came meanwhile found it among no live children (R-TREE-2), so
+            # it must not start behind that interrupt.
+            children.slots.release()
+            parent.host.forget_child(child)
+            raise SubagentError(f"subagent {child.id} was not started: {cut} while it was created")
         if background:
             self._start_background(children, child, task, name)
             return json.dumps({"session_id": child.id})
@@ -236,6 +249,17 @@ class Subagents:
             return await self._run_foreground(children, child, task)
         finally:
             children.slots.release()
+
+    def _cut(self) -> str | None:
+        """Why a child just created may not start, None when it may: the parent's task was
+        told to stop, or this call was cancelled (interrupted, timed out: its result is
+        settled without the child's id)."""
+        machine = self._parent.machine
+        if machine.stopping:
+            return f"the task was told to stop ({machine.stop_reason or 'no reason given'})"
+        if trio.current_effective_deadline() == -math.inf:
+            return "the call was cancelled"
+        return None
 
     async def _create(self, depth: int, name: str | None, *, background: bool) -> SessionPort:
         parent = self._parent
@@ -249,7 +273,9 @@ class Subagents:
             name=name,
             background=background,
         )
-        child.subscribe(forward_up(child, parent))
+        # The parent may be closed and loaded again while the child runs (a parked or held
+        # parent): its outputs then go to the port open now (R-TREE-1).
+        child.subscribe(forward_up(child, parent, _open_in(cast("Host", parent.host))))
         return child
 
     def _task(self, task: str) -> TaskInput:
@@ -324,6 +350,18 @@ class Subagents:
                         await _to_closed_parent(parent, child.id, text, approve)
 
         host.start_task(follow)
+
+
+def _open_in(host: Host) -> Callable[[str], SessionPort | None]:
+    """The open session of an id in ``host``, None when it has none."""
+
+    def open_port(session_id: str) -> SessionPort | None:
+        try:
+            return host.port(session_id)
+        except SessionNotFound:
+            return None
+
+    return open_port
 
 
 async def _to_closed_parent(

@@ -13,7 +13,8 @@ What crosses an edge:
   work, and straight to the parent's own subscribers (and the reader of its parked run),
   tagged with ``origin``, while it has none. The parent's own forwarder takes them on
   up, so the root's watchers see every node's outputs, whatever each node is doing
-  (R-TREE-1, R-HOST-4). A subagent loaded again (taken up after a restart, at any depth)
+  (R-TREE-1, R-HOST-4); a parent closed and loaded again while the child runs gets them
+  at the port it is open at now. A subagent loaded again (taken up after a restart, at any depth)
   has :func:`forward_up_while_open` instead, from its load: the same, to its parent while
   that is open in the host — so its requests still count against every ancestor's
   ``subagent_token_budget`` (R-TREE-3).
@@ -157,13 +158,23 @@ def background_count(port: SessionPort) -> int:
     return 0 if children is None else children.background
 
 
-def forward_up(child: SessionPort, parent: SessionPort) -> Listener:
+def forward_up(
+    child: SessionPort,
+    parent: SessionPort,
+    parent_open: Callable[[str], SessionPort | None] | None = None,
+) -> Listener:
     """The subscriber that takes ``child``'s outputs to ``parent`` (see the module
-    docstring): never blocks, never raises."""
+    docstring): never blocks, never raises. Once ``parent`` is closed, each batch goes to
+    the port ``parent_open`` finds open under its id (the parent loaded again: that port
+    runs its work and forwards further up), else to ``parent`` still — one port, so each
+    batch goes up once."""
     origin = child.origin_path
 
     def forward(batch: list[Output]) -> None:
-        hand_up(parent, origin, batch)
+        target = parent
+        if parent_open is not None and parent.closed:
+            target = parent_open(parent.id) or parent
+        hand_up(target, origin, batch)
 
     return forward
 
