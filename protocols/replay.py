@@ -1,15 +1,16 @@
 """Replay a recorded session on another model (R-FORK-3): the pure parts.
 
-A replay reads what the user gave a session — each task's prompt, the steering it got and
-the turn that took it, its follow-ups (each a task of its own) — from the session's trace
-(:func:`recorded_tasks`), and runs it again in a fork on another model. The model's tool
-calls are answered by the record where it can: a call equal to a recorded one (same tool
-name, same arguments as canonical JSON: :func:`call_key`) gets that call's recorded result
-and does not run (:class:`RecordedResults`, first recorded first). What each side did is
-put side by side in a :class:`ReplayReport` — answers, tool calls (``same``: answered from
-the record; ``different``: no recorded call matched, it ran or failed; ``denied``: no
-recorded call matched and the tool may have side effects, so it was not run), tokens,
-cost and wall time — rendered for people by :func:`render_report` and for machines by
+A replay reads what the user gave a session — each task's prompt and the output schema it
+held the answer to, the steering it got and the turn that took it, its follow-ups (each a
+task of its own) — from the session's trace (:func:`recorded_tasks`), and runs it again in
+a fork on another model. The model's tool calls are answered by the record where it can:
+a call equal to a recorded one (same tool name, same arguments as canonical JSON:
+:func:`call_key`) gets that call's recorded result and does not run
+(:class:`RecordedResults`, first recorded first). What each side did is put side by side
+in a :class:`ReplayReport` — answers, tool calls (``same``: answered from the record;
+``different``: no recorded call matched, it ran or failed; ``denied``: no recorded call
+matched and the tool may have side effects, so it was not run), tokens, cost and wall
+time — rendered for people by :func:`render_report` and for machines by
 :meth:`ReplayReport.to_dict`.
 """
 
@@ -101,6 +102,8 @@ class RecordedTask:
     prompt: tuple[UserContent, ...]
     prompt_seq: int
     """The ``seq`` of its prompt (a replay forks just before the first task's)."""
+    output_schema: dict[str, Any] | None = None
+    """The schema its answer was held to (its ``task_start``'s, R-OUT-1), as recorded."""
     steering: tuple[tuple[int, tuple[UserContent, ...]], ...] = ()
     """Each steering input with the turn whose request took it."""
     answer: str = ""
@@ -126,7 +129,13 @@ def recorded_tasks(records: Sequence[Output]) -> list[RecordedTask]:
             case UserMsg(kind="prompt"):
                 prompt = record
             case TaskStart() if prompt is not None:
-                current = {"prompt": prompt, "steering": [], "texts": [], "calls": {}}
+                current = {
+                    "prompt": prompt,
+                    "output_schema": record.output_schema,
+                    "steering": [],
+                    "texts": [],
+                    "calls": {},
+                }
                 prompt = None
             case UserMsg() if current is not None:
                 waiting_steering.append(record.content)
@@ -164,6 +173,7 @@ def _task(current: Mapping[str, Any], end: TaskEnd | None) -> RecordedTask:
     return RecordedTask(
         prompt=prompt.content,
         prompt_seq=prompt.seq or 0,
+        output_schema=current["output_schema"],
         steering=tuple(current["steering"]),
         answer="\n".join(t for t in current["texts"] if t),
         calls=tuple(current["calls"].values()),

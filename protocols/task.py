@@ -366,6 +366,7 @@ class TaskRecord:
         "allowed",
         "answers",
         "attempt",
+        "attempt_aborted",
         "auth_locked",
         "call_seqs",
         "calls",
@@ -417,6 +418,9 @@ class TaskRecord:
         self.request_ok = False
         self.aborting = False
         """The open task's ``abort`` is recorded; its ``task_end`` is not yet."""
+        self.attempt_aborted = False
+        """The current attempt's ``request_end`` is recorded ``aborted``: the task's
+        ``abort`` follows (the phase stays :attr:`Phase.MODEL` until it does)."""
         self.allowed: frozenset[str] = _NO_NAMES
         self.in_doubt: frozenset[str] = _NO_NAMES
         """Allowed calls recorded in doubt (``call_in_doubt``) and not resolved yet."""
@@ -642,6 +646,7 @@ class TaskRecord:
         self._guard = None
         self.request_ok = False
         self.aborting = False
+        self.attempt_aborted = False
         self.allowed = _NO_NAMES
         self.in_doubt = _NO_NAMES
         self.pending_people = ()
@@ -667,6 +672,7 @@ class TaskRecord:
         self.call_seqs = ()
         self._results = {}
         self.request_ok = False
+        self.attempt_aborted = False
         self.allowed = _NO_NAMES
         self.in_doubt = _NO_NAMES
         self.pending_people = ()
@@ -674,6 +680,7 @@ class TaskRecord:
             self.answers.begin_attempt()
 
     def _request_ended(self, output: RequestEnd) -> None:
+        self.attempt_aborted = output.status == "aborted"
         if output.status == "ok":
             self.request_ok = True
             self.session_turns += 1

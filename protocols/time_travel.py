@@ -7,8 +7,11 @@ person. Such a task is settled exactly as an interrupt settles it (R-ABORT-1..3)
 without a result gets ``[interrupted: tool aborted by user]`` (a request waiting for a person
 is denied by default first, R-APPROVE-5), a cut stream ends ``aborted``, then one ``abort``
 (with the partial output, so carry-over is rebuilt from the trace) and one
-``task_end(aborted)``. A history cut between a task's ``abort`` and its ``task_end`` gets
-the ``task_end`` alone: its calls are settled and its carry-over is the abort's.
+``task_end(aborted)``. A history cut between a cut stream's ``request_end(aborted)`` and
+the task's ``abort`` gets that ``abort`` (with the partial output the stream had
+produced) and the ``task_end``: the stream is not ended twice. A history cut between a
+task's ``abort`` and its ``task_end`` gets the ``task_end`` alone: its calls are settled
+and its carry-over is the abort's.
 :func:`settlement` gives those records; the caller numbers and writes them. A manual
 compaction in flight ends ``failed``. A history that ends in a prompt whose task had not
 started (the cut fell between the two) gets the ``task_start``, then the
@@ -147,7 +150,9 @@ def _settled_task(
                 content=(TextBlock(text=markers.INTERRUPTED_TEXT),),
             )
         )
-    if streaming:
+    if streaming and not record.attempt_aborted:
+        # A cut after the attempt's request_end(aborted) and before its abort has the
+        # stream ended already: only the abort, with what the stream had produced, is due.
         out.append(
             RequestEnd(
                 session_id=session_id,

@@ -78,6 +78,7 @@ class Transcript:
     """Model context rebuilt from traced outputs. Not thread-safe; one owner."""
 
     __slots__ = (
+        "_attempt_aborted",
         "_attempt_active",
         "_attempt_blocks",
         "_failed_blocks",
@@ -105,6 +106,7 @@ class Transcript:
         self._results: dict[str, ToolResult] = {}
         self._attempt_blocks: list[ModelBlock] = []
         self._attempt_active = False
+        self._attempt_aborted = False
         self._fresh_context = False
         self._failed_blocks: list[ModelBlock] = []
         self._retry_note: TextBlock | None = None
@@ -120,8 +122,12 @@ class Transcript:
     @property
     def attempt_blocks(self) -> tuple[ModelBlock, ...]:
         """What the model request in flight has produced so far (empty when none is):
-        the partial output an interrupt records (R-ABORT-2 case B)."""
-        return tuple(self._attempt_blocks) if self._attempt_active else ()
+        the partial output an interrupt records (R-ABORT-2 case B). A request the interrupt
+        ended ``aborted`` keeps it until the task's ``abort`` records it, for a fork or a
+        rewind cut in between to record (R-FORK-1, R-FORK-2)."""
+        if self._attempt_active or self._attempt_aborted:
+            return tuple(self._attempt_blocks)
+        return ()
 
     @property
     def open_calls(self) -> tuple[ToolCallBlock, ...]:
@@ -169,6 +175,7 @@ class Transcript:
                 self._note_failed_attempt()
                 self._attempt_blocks = []
                 self._attempt_active = True
+                self._attempt_aborted = False
             case RequestEnd():
                 self._end_attempt(output)
             case TokenUsageOutput():
@@ -250,6 +257,7 @@ class Transcript:
         self.carry_over = []
         self._attempt_blocks = []
         self._attempt_active = False
+        self._attempt_aborted = False
         self.session_turns = 0
         self.last_request_total = None
         self._fresh_context = True
@@ -271,8 +279,13 @@ class Transcript:
 
     def _end_attempt(self, output: RequestEnd) -> None:
         self._attempt_active = False
+        # An interrupted attempt's output stays until the abort that follows records it:
+        # a history cut in between settles the task with it (R-FORK-1).
+        self._attempt_aborted = output.status == "aborted"
+        if self._attempt_aborted:
+            return
         if output.status != "ok":
-            if self._attempt_blocks and output.status != "aborted":
+            if self._attempt_blocks:
                 self._failed_blocks = self._attempt_blocks
             self._attempt_blocks = []
             return
@@ -324,6 +337,7 @@ class Transcript:
         # The record says which case applies: the supervisor ends the cut attempt with
         # request_end(aborted) before it writes the abort, so the attempt is no longer
         # active here even in case B.
+        self._attempt_aborted = False
         if self._attempt_active or not output.message_complete:
             # Case B: the model message was incomplete; the turn becomes one marked text.
             known = {
@@ -354,15 +368,17 @@ class Transcript:
     def recover(self, *, session_id: str, run_id: str) -> None:
         """Close a trace that ended without ``task_end`` (the process died mid-task):
         the turn in flight is treated as interrupted, exactly as if an ``abort`` had been
-        recorded with what the trace holds (R-TRACE-4)."""
-        if self._attempt_active or self._open_calls:
+        recorded with what the trace holds (R-TRACE-4) — also when the attempt had ended
+        ``aborted`` and the process died before the ``abort``."""
+        cut = self._attempt_active or self._attempt_aborted
+        if cut or self._open_calls:
             self._abort(
                 Abort(
                     session_id=session_id,
                     run_id=run_id,
                     reason="recovered after an unclean stop",
                     partial=tuple(self._attempt_blocks),
-                    message_complete=not self._attempt_active,
+                    message_complete=not cut,
                 )
             )
 

@@ -18,6 +18,7 @@ from conftest import (
     Recorder,
     allow_all,
     collect,
+    cut_after,
     last_user,
     open_host,
     result_text,
@@ -26,7 +27,7 @@ from conftest import (
     trace_lines,
 )
 
-from greenroom.actors.providers.scripted import Reply, text, tool_call
+from greenroom.actors.providers.scripted import Reply, ScriptedStream, text, tool_call
 from greenroom.actors.runtime.errors import Busy, SeqRefused, SessionNotFound
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session import Session
@@ -161,6 +162,82 @@ async def test_a_cut_between_an_abort_and_its_task_end_keeps_the_carried_results
     carried = results_of(last_user(request))
     assert [r.call_id for r in carried] == ["c1", "c2"]
     assert [r.status for r in carried][1] == "denied"
+
+
+async def interrupted_mid_stream(host: Host, workspace: Path, providers: Any) -> Session:
+    """A session whose one task was interrupted while the model streamed: its trace ends
+    ``model_msg`` ("the first half"), ``request_end(aborted)``, ``abort`` (with that
+    partial), ``task_end(aborted)``."""
+
+    async def half_then_hold(request: ModelRequest, stream: ScriptedStream) -> None:
+        await stream.block(text("the first half"))
+        await trio.Event().wait()  # until the interrupt cancels the stream
+
+    source = await host.create_session(
+        provider=providers([half_then_hold]), workspace_dir=workspace
+    )
+    recorder = Recorder(source)
+    stream = source.run("tell me")
+    await recorder.wait_for("model_msg")
+    source.interrupt("stop")
+    await collect(stream)
+    tail = [(line["type"], line.get("status")) for line in trace_lines(source)[-4:]]
+    assert tail == [
+        ("model_msg", None), ("request_end", "aborted"), ("abort", None), ("task_end", "aborted")
+    ]
+    return source
+
+
+CARRIED_PARTIAL = "[turn_aborted]the first half[/turn_aborted]"
+"""The carry-over of :func:`interrupted_mid_stream`'s task, as its next request reads it."""
+
+
+@pytest.mark.parametrize("how", ["fork", "rewind"])
+async def test_a_cut_between_a_cut_streams_request_end_and_its_abort_keeps_the_partial(
+    host: Host, workspace: Path, providers: Any, how: str
+) -> None:
+    """R-FORK-1, R-FORK-2, R-ABORT-2 case B: an interrupt mid-stream records
+    ``request_end(aborted)``, then the ``abort`` with what the model had streamed. A fork
+    or a rewind at that ``request_end`` wrote a second ``request_end(aborted)`` and an
+    ``abort`` with nothing in it, so the next request read ``[turn_aborted][/turn_aborted]``
+    instead of the text. Now only the ``abort`` (partial and all) and the ``task_end``
+    follow, and the next request reads what a cut one record later gives."""
+    source = await interrupted_mid_stream(host, workspace, providers)
+    request_end = trace_lines(source)[-3]["seq"]
+    after = providers([Reply(blocks=(text("going on"),))])
+    if how == "fork":
+        session = await host.fork_session(source.id, at_seq=request_end, provider=after)
+    else:
+        await source.rewind(request_end)
+        session = source
+        session.host.port(session.id).provider = after
+    settled = trace_lines(session)
+    first = "request_end" if how == "fork" else "rewind"
+    assert [line["type"] for line in settled[-3:]] == [first, "abort", "task_end"]
+    assert [line["type"] for line in settled].count("request_end") == 1
+    assert settled[-2]["partial"] == [{"type": "text", "text": "the first half"}]
+    await collect(session.run("go on"))
+    (request,) = after.requests
+    assert texts_of(last_user(request)) == [CARRIED_PARTIAL, "go on"]
+
+
+async def test_a_trace_a_host_left_at_a_cut_streams_request_end_loads_with_the_partial(
+    data_dir: Path, workspace: Path, providers: Any
+) -> None:
+    """R-TRACE-4, R-ABORT-2 case B, and the cut of R-FORK-1 left by a host that stopped
+    between a cut stream's ``request_end(aborted)`` and its ``abort``: loaded, the task is
+    over as the interrupt would have left it. It used to lose what the model had streamed
+    and send the next prompt in one message with the interrupted task's."""
+    async with open_host(data_dir) as host:
+        source = await interrupted_mid_stream(host, workspace, providers)
+        session_id, trace = source.id, source.trace_path
+    cut_after(trace, lambda line: line["type"] == "request_end")
+    after = providers([Reply(blocks=(text("going on"),))])
+    async with open_host(data_dir) as host:
+        loaded = await host.load_session(session_id, provider=after)
+        await collect(loaded.run("go on"))
+    (request,) = after.requests
+    assert [texts_of(m) for m in request.messages] == [["tell me"], [CARRIED_PARTIAL, "go on"]]
 
 
 async def test_a_fork_of_a_fork_point_that_is_missing_is_refused(

@@ -16,6 +16,7 @@ from greenroom.protocols.outputs import (
     ModelMsg,
     Output,
     RequestBegin,
+    RequestEnd,
     Rewind,
     TaskStart,
     UserMsg,
@@ -181,6 +182,34 @@ def test_a_streaming_attempt_is_settled_as_a_cut_message() -> None:
     assert settlement(fold(ended).record, (), session_id="s1", reason="x") == []
 
 
+def test_a_cut_after_a_cut_streams_request_end_records_only_its_abort() -> None:
+    """R-FORK-1, R-FORK-2, R-ABORT-2 case B: an interrupt records the cut stream's
+    ``request_end(aborted)``, then the ``abort`` with the partial output. A history cut
+    between the two got a second ``request_end`` and an ``abort`` with nothing in it (the
+    transcript had dropped the stream's output at the first), so the carry-over lost what
+    the model had said. Now the settlement is that abort, partial and all, and the task's
+    end; the carry-over is the one the interrupt gave."""
+    half = TextBlock(text="half")
+    records: list[Output] = [
+        msg(1),
+        TaskStart(session_id="s1", run_id="r1", seq=2, input_seq=1),
+        RequestBegin(session_id="s1", run_id="r1", seq=3, turn=1, attempt=1),
+        ModelMsg(session_id="s1", run_id="r1", seq=4, turn=1, block=half),
+        RequestEnd(session_id="s1", run_id="r1", seq=5, turn=1, attempt=1, status="aborted"),
+    ]
+    transcript = rebuild(records, recover=False)
+    assert transcript.attempt_blocks == (half,)
+    out = settlement(fold(records).record, transcript.attempt_blocks, session_id="s1", reason="x")
+    assert [o.TYPE for o in out] == ["abort", "task_end"]
+    abort = out[0]
+    assert isinstance(abort, Abort)
+    assert abort.partial == (half,) and not abort.message_complete
+    interrupted = [*records, Abort(session_id="s1", run_id="r1", seq=6, reason="stop",
+                                   partial=(half,))]  # fmt: skip
+    assert rebuild([*records, *_numbered(out, 6)]).carry_over == rebuild(interrupted).carry_over
+    assert rebuild(interrupted).attempt_blocks == ()
+
+
 def _numbered(outputs: list[Output], first: int) -> list[Output]:
     return [attrs.evolve(o, seq=first + i) for i, o in enumerate(outputs)]
 
@@ -202,3 +231,24 @@ def test_copy_records_takes_whole_file_passes_and_lines_alike() -> None:
     fast = copy_records(standard, source_id="src", session_id="new", through_seq=3)
     moved = [attrs.evolve(r, session_id="new") for r in records[:3]]
     assert fast.data == "".join(encode_record(r) for r in moved).encode()
+
+
+def test_a_seq_of_more_than_nineteen_digits_is_a_damaged_line() -> None:
+    """Reading a 5,000-digit ``seq`` raised ValueError out of ``record_seq`` (a fork's
+    traceback). Past :data:`MAX_SEQ_DIGITS` a line is damaged, for a fork (left out,
+    whether its envelope is read in place or decoded) as for a load (reported by line, not
+    kept)."""
+    good = "".join(encode_record(msg(seq, "src")) for seq in (1, 2)).encode()
+    for digits in (5000, 20):
+        damaged = encode_record(msg(3, "src")).replace('"seq":3}', '"seq":%s}' % ("9" * digits))
+        line = damaged.encode()
+        spaced = line.replace(b'"seq":', b'"seq": ')  # not encode_record's: decoded
+        for text in (line, spaced):
+            assert record_seq(text.rstrip(b"\n")) is None
+            copied = copy_records(good + text, source_id="src", session_id="new", through_seq=10)
+            assert (copied.first_seq, copied.last_seq) == (1, 2)
+            assert seqs(parse_trace(copied.data, file="copy").records) == [1, 2]
+        read = parse_trace(good + line, file="t.jsonl")
+        assert seqs(read.records) == [1, 2]
+        assert [e.line for e in read.errors] == [3]
+    assert record_seq(encode_record(msg(9 * 10**18, "src")).rstrip("\n").encode()) == 9 * 10**18

@@ -2,23 +2,27 @@
 ``greenroom replay``.
 
 :func:`replay_session` forks the session just before its first prompt (so the replay has
-its own trace and the recorded one is only read), gives the fork the tools wrapped by
-:func:`replaying`, and runs the recorded tasks in order: each prompt as a task of its own
-(follow-ups were), each steering input queued while the turn before the one that took it
-runs (so the same turn takes it, R-STEER-2). Every call is approved: the wrapper decides
-what runs —
+its own trace and the recorded one is only read), has the fork run every tool it has — its
+own and its MCP servers', those a server lists later too — wrapped by :func:`replaying`,
+and runs the recorded tasks in order: each prompt as a task of its own (follow-ups were),
+held to the output schema it was recorded with (R-OUT-1), each steering input queued while
+the turn before the one that took it runs (so the same turn takes it, R-STEER-2). Every
+call is approved: the wrapper decides what runs —
 
 * a call equal to a recorded one (:func:`~greenroom.protocols.replay.call_key`) gets the
   recorded result and does not run (``same``);
-* another call of a parallel-safe (read-only) tool runs (``different``);
-* another call of a tool that may have side effects (``parallel=False``) is refused with a
-  note the model reads (``denied``) — unless ``run_tools``: then it runs (``different``).
+* another call of a tool without side effects (``side_effects=False``) runs
+  (``different``);
+* another call of a tool that may have side effects (``side_effects=True``, whether or not
+  it is parallel-safe) is refused with a note the model reads (``denied``) — unless
+  ``run_tools``: then it runs (``different``).
 
 It returns the :class:`~greenroom.protocols.replay.ReplayReport`.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -38,6 +42,7 @@ from greenroom.protocols.replay import (
     Side,
     recorded_tasks,
 )
+from greenroom.protocols.structured import recorded_spec
 from greenroom.protocols.tools import Tool, ToolContext, ToolFailure
 
 __all__ = ["replay_session", "replaying"]
@@ -67,7 +72,7 @@ def replaying(
                 texts = (b.text for b in result.content if isinstance(b, TextBlock))
                 raise ToolFailure(" ".join(texts) or f"{tool.name} failed")
             return result.content
-        if not (tool.parallel or run_tools):
+        if tool.side_effects and not run_tools:
             outcomes[ctx.call_id] = "denied"
             raise ToolFailure(denied_note(tool.name))
         outcomes[ctx.call_id] = "different"
@@ -88,7 +93,8 @@ async def replay_session(
     **overrides: Any,
 ) -> ReplayReport:
     """Replay the recorded tasks of ``source_id`` in a fork of it on ``provider`` (a
-    name, or a provider object) with ``tools``; ``overrides`` are the fork's settings
+    name, or a provider object) with ``tools``; ``overrides`` are the fork's other options
+    (``mcp_servers``, whose tools the replay decides as it decides ``tools``) and settings
     (``model``, ``base_url``…). Raises :class:`SessionNotFound` for an unknown session and
     :class:`UsageError` for one that has no recorded prompt."""
     if not await host.trace_store.catalog.exists(source_id):
@@ -99,9 +105,15 @@ async def replay_session(
         raise UsageError(f"session {source_id} has no recorded prompt to replay")
     recorded = RecordedResults(call for task in tasks for call in task.calls)
     outcomes: dict[str, Outcome] = {}
-    wrapped = [replaying(t, recorded, outcomes, run_tools=run_tools) for t in tools]
     fork = await host.fork_session(
-        source_id, tasks[0].prompt_seq - 1, tools=wrapped, provider=provider, **overrides
+        source_id,
+        tasks[0].prompt_seq - 1,
+        tools=list(tools),
+        wrap_tools=functools.partial(
+            replaying, recorded=recorded, outcomes=outcomes, run_tools=run_tools
+        ),
+        provider=provider,
+        **overrides,
     )
     replayed = [await _replay_task(fork, task, outcomes) for task in tasks]
     settings = source_meta.get("settings", {})
@@ -119,7 +131,8 @@ async def _replay_task(
 ) -> ReplayedTask:
     steering = list(task.steering)
     calls: list[ToolCallBlock] = []
-    stream = session.run(task.prompt, approve=_allow)
+    schema = None if task.output_schema is None else recorded_spec(task.output_schema)
+    stream = session.run(task.prompt, approve=_allow, output_schema=schema)
     async with stream:
         async for output in stream:
             if output.origin is not None:

@@ -30,7 +30,7 @@ import contextlib
 import os
 import shutil
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +66,8 @@ from greenroom.protocols.transcript import rebuild
 
 if TYPE_CHECKING:
     from greenroom.actors.runtime.port_builder import PortBuilder
+    from greenroom.actors.tools.mcp import LiveToolTable
+    from greenroom.actors.tools.mcp_commands import McpView
 
 __all__ = ["fork", "record", "rewind_to", "settle_fork"]
 
@@ -91,6 +93,7 @@ async def fork(
     mcp_servers: Mapping[str, Any] | None = None,
     principal: str | None = None,
     workspace_dir: str | Path | None = None,
+    wrap_tools: Callable[[Tool], Tool] | None = None,
     **overrides: Any,
 ) -> SessionPort:
     """Fork ``source_id`` at ``at_seq`` (None: its last record) into the new session
@@ -103,6 +106,10 @@ async def fork(
     :class:`SessionSettings` field, ``model`` say) and are stored with it; a provider name
     is stored too. ``principal`` is whom it belongs to (default: the source's);
     ``workspace_dir`` fixes a workspace of its own (default: the source's).
+    ``wrap_tools`` gives each of its tools — its own, its MCP servers', and those a server
+    lists later (R-MCP-4) — as the new session runs it: a replay decides every call so
+    (R-FORK-3). It holds while this port is open; the session loaded again runs its tools
+    as they are.
 
     Raises :class:`SessionNotFound` (no such source, or one that cannot be read),
     :class:`SeqRefused` (``at_seq`` out of range) and :class:`ConfigurationError` (bad
@@ -142,7 +149,7 @@ async def fork(
             _share_attachments, paths.session_dir(source_id), paths.session_dir(session_id)
         )
         await store.catalog.create(session_id, new_meta)
-        return await builder.stored(
+        port = await builder.stored(
             session_id,
             tools=default_tools if tools is None else tools,
             provider=provider if not isinstance(provider, str) else None,
@@ -150,6 +157,9 @@ async def fork(
             overrides={},
             principal=principal,
         )
+        if wrap_tools is not None:
+            _run_tools_through(port, wrap_tools)
+        return port
     except BaseException:
         with trio.CancelScope(shield=True), contextlib.suppress(Exception):
             store.log.release(session_id)
@@ -238,6 +248,40 @@ async def record(port: SessionPort, outputs: list[Output]) -> list[Output]:
     port.publish(traced)
     await port.sync_trace()
     return traced
+
+
+def _run_tools_through(port: SessionPort, wrap: Callable[[Tool], Tool]) -> None:
+    """Give ``port``'s session its own tools as ``wrap`` gives them (a client's are run by
+    the client, never here). With MCP servers its table is their binding's, which puts a
+    changed list in it at a turn boundary (R-MCP-4): a table that wraps what it is given
+    keeps later tools wrapped too."""
+    own = port.own_tool_names()
+    tools = {name: tool for name, tool in port.tool_by_name.items() if name in own}
+    schemas = tuple(schema for schema in port.tool_schemas if schema.name in own)
+    if port.mcp is None:
+        port.set_tool_table({name: wrap(tool) for name, tool in tools.items()}, schemas)
+        return
+    table = _wrapping_table(port.mcp, wrap)
+    table.replace(tools)
+    port.set_tool_table(table, schemas)
+
+
+def _wrapping_table(view: McpView, wrap: Callable[[Tool], Tool]) -> LiveToolTable:
+    """A new table for the MCP binding ``view`` that holds each tool as ``wrap`` gives it;
+    the binding keeps it from now on."""
+    # Imported here: only a session that has MCP servers loads the MCP SDK.
+    from greenroom.actors.tools.mcp import LiveToolTable, McpBinding
+
+    class WrappingTable(LiveToolTable):
+        """A tool table whose tools are wrapped as they are put in it."""
+
+        def replace(self, tools: Mapping[str, Tool]) -> None:
+            """Make the table hold ``tools``, each as ``wrap`` gives it."""
+            super().replace({name: wrap(tool) for name, tool in tools.items()})
+
+    assert isinstance(view, McpBinding)  # what attaching MCP servers gives a session
+    table = view.table = WrappingTable()
+    return table
 
 
 async def _source_meta(store: TraceStore, source_id: str) -> dict[str, Any]:
