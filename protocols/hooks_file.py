@@ -112,4 +112,11 @@ def _entry(entry: Any, path: str, source: str) -> CommandHook:
             f"{source}: {path}.timeout: expected a number of seconds above 0, got "
             f"{json.dumps(timeout)}"
         )
-    return CommandHook(command=command, match=match, timeout_s=float(timeout))
+    try:
+        timeout_s = float(timeout)
+    except OverflowError:  # an integer past a float's range: 400 digits read as JSON
+        raise HooksFileError(
+            f"{source}: {path}.timeout: expected a number of seconds above 0, got one too "
+            "large"
+        ) from None
+    return CommandHook(command=command, match=match, timeout_s=timeout_s)

@@ -186,7 +186,9 @@ Frame = Call | Batch | FrameError
 
 def parse_frame(data: str | bytes, *, max_bytes: int = 1 << 20, max_batch: int = 100) -> Frame:
     """Read one websocket message. Binary frames, frames over ``max_bytes`` (counted in
-    UTF-8 bytes) and JSON that is not a request give a :class:`FrameError`."""
+    UTF-8 bytes) and JSON that is not a request give a :class:`FrameError`; so does a
+    number no answer could write back as JSON (``NaN``, ``Infinity``, ``1e999``, which
+    reads as infinity) or an integer past :data:`MAX_INT_DIGITS` (-32700)."""
     if isinstance(data, bytes | bytearray):
         return FrameError(
             id=None,
@@ -198,7 +200,7 @@ def parse_frame(data: str | bytes, *, max_bytes: int = 1 << 20, max_batch: int =
             error=RpcError(INVALID_REQUEST, f"frame larger than {max_bytes} bytes"),
         )
     try:
-        value = json.loads(data, parse_constant=_reject_constant, parse_int=_read_int)
+        value = decode_json(data)
     except (ValueError, RecursionError) as exc:
         return FrameError(id=None, error=RpcError(PARSE_ERROR, f"parse error: {exc}"))
     if value_too_deep(value, MAX_DEPTH):
@@ -234,6 +236,15 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _read_float(text: str) -> float:
+    # 1e999 is valid JSON that Python reads as inf: kept, it would be written back as
+    # Infinity, which is not JSON, to every subscriber of the session.
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{clip(text, 32)} is out of range (not finite once read)")
+    return value
+
+
 MAX_INT_DIGITS = 4300
 """The most digits an integer in a frame may have (Python's default bound for reading one)."""
 
@@ -243,6 +254,17 @@ def _read_int(text: str) -> int:
     if len(text.lstrip("-")) > MAX_INT_DIGITS:
         raise ValueError(f"an integer of more than {MAX_INT_DIGITS} digits")
     return int(text)
+
+
+def decode_json(text: str | bytes) -> Any:
+    """``text`` decoded as JSON that can be written back as JSON: ``NaN``, ``Infinity``, a
+    number that reads as infinity (``1e999``) and an integer of more than
+    :data:`MAX_INT_DIGITS` digits raise :class:`ValueError` saying so in a client's terms
+    (as malformed JSON does); deep nesting may raise :class:`RecursionError`. What a client
+    sends to the gateway, as frames or HTTP bodies, is read with it."""
+    return json.loads(
+        text, parse_constant=_reject_constant, parse_int=_read_int, parse_float=_read_float
+    )
 
 
 def parse_call(value: Any) -> Call | FrameError:

@@ -361,7 +361,12 @@ def _timeout(value: Any, source: str, path: str) -> float:
         return DEFAULT_TIMEOUT_S
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise _error(source, path, f"expected a positive number of seconds, got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer past a float's range: 400 digits read as JSON
+        raise _error(
+            source, path, "expected a positive number of seconds, got one too large"
+        ) from None
 
 
 def _scope(value: Any, source: str, path: str) -> Literal["host", "session"]:

@@ -199,9 +199,15 @@ def parse_prices(data: Any, path: str = "$") -> dict[str, Price]:
                 raise PriceError(f"{where}.{rate}: required (USD per million tokens)")
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise PriceError(f"{where}.{rate}: expected a number, got {_kind(value)}")
-            if not math.isfinite(value) or value < 0:
+            try:
+                number = float(value)
+            except OverflowError:  # an integer past a float's range: 400 digits read as JSON
+                raise PriceError(
+                    f"{where}.{rate}: expected a number >= 0, got one too large"
+                ) from None
+            if not math.isfinite(number) or number < 0:
                 raise PriceError(f"{where}.{rate}: expected a number >= 0, got {value!r}")
-            values[rate] = float(value)
+            values[rate] = number
         prices[model] = Price(**values)
     return prices
 

@@ -198,7 +198,9 @@ def recorded_spec(schema: Mapping[str, Any]) -> OutputSpec:
 
 def _checked_dict(schema: Mapping[str, Any]) -> dict[str, Any]:
     try:
-        copied = json.loads(json.dumps(schema))
+        # allow_nan=False: an infinite bound would be recorded as ``Infinity``, which no
+        # reader of the trace or of a replayed frame (a browser's JSON.parse) takes.
+        copied = json.loads(json.dumps(schema, allow_nan=False))
     except (TypeError, ValueError) as exc:
         raise OutputSchemaError(f"output_schema is not JSON: {exc}") from None
     except RecursionError:

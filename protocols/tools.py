@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import re
 import types
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -575,22 +576,31 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 class _NotANumber(ValueError):
-    """``NaN``, ``Infinity`` or ``-Infinity`` in JSON text: Python reads them, but no JSON
-    encoder the providers use writes them back, so such arguments would make every later
-    request of the session fail."""
+    """``NaN``, ``Infinity`` or ``-Infinity`` in JSON text, or a number too large for a
+    float (``1e999`` reads as infinity): Python reads them, but no JSON encoder the
+    providers use writes them back, so such arguments would make every later request of
+    the session fail."""
 
 
 def _reject_constant(name: str) -> Any:
     raise _NotANumber(f"{name} is not a JSON number")
 
 
-_decode_json = json.JSONDecoder(parse_constant=_reject_constant).decode
+def _read_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NotANumber("number too large (not finite once read)")
+    return value
+
+
+_decode_json = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_read_float).decode
 
 
 def json_error_reason(exc: BaseException) -> str:
     """Why JSON text did not decode, in words for a person, never Python's internals:
     ``expecting ',' delimiter at character 12``, ``number too long`` (an integer past
-    Python's digit limit), ``nested too deeply``, ``NaN is not a JSON number``."""
+    Python's digit limit), ``number too large (not finite once read)`` (``1e999``),
+    ``nested too deeply``, ``NaN is not a JSON number``."""
     if isinstance(exc, RecursionError):
         return "nested too deeply"
     if isinstance(exc, json.JSONDecodeError):
@@ -624,11 +634,11 @@ def parse_tool_arguments(raw: str) -> tuple[dict[str, Any], str | None]:
 
     Blank text means ``{}``. Text that is not a JSON object, nests deeper than
     :data:`MAX_ARGUMENT_DEPTH`, holds a number Python cannot read (an integer past its digit
-    limit) or ``NaN``/``Infinity`` (which no request encoder writes back) gives
-    ``({}, raw)``: the call gets an error output saying why
-    (:func:`invalid_arguments_reason`) and is not run (R-TOOL-5, R-SEC-6). Lone UTF-16
-    surrogates in the value become U+FFFD (R-SEC-1); the repair walk runs only when the
-    text can hold one. Never raises."""
+    limit) or a number that is not finite (``NaN``, ``Infinity``, or ``1e999``, which reads
+    as infinity; no request encoder writes them back) gives ``({}, raw)``: the call gets an
+    error output saying why (:func:`invalid_arguments_reason`) and is not run (R-TOOL-5,
+    R-SEC-6). Lone UTF-16 surrogates in the value become U+FFFD (R-SEC-1); the repair walk
+    runs only when the text can hold one. Never raises."""
     if not raw or raw.isspace():
         return {}, None
     if json_text_too_deep(raw):

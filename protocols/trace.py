@@ -381,7 +381,15 @@ def copy_records(
     return _copy_line_by_line(complete, old, new, session_id, through_seq)
 
 
-_ENVELOPE_END = re.compile(rb'"seq":(\d+)(?:,"origin":\[[^\]\n]*\])?\}\n')
+MAX_SEQ_DIGITS = 19
+"""The most digits a trace line's ``seq`` may have (any 64-bit count fits): a line with a
+longer one is damaged, read like any line that cannot be read, never turned into an
+integer (past 4,300 digits, Python refuses to)."""
+_SEQ_BOUND = 10**MAX_SEQ_DIGITS
+
+_ENVELOPE_END = re.compile(
+    rb'"seq":(\d{1,%d})(?:,"origin":\[[^\]\n]*\])?\}\n' % MAX_SEQ_DIGITS
+)
 """The end of a line :func:`encode_record` wrote: the envelope's ``seq`` (then ``origin``)
 closes it. A ``"seq"`` inside a record's fields is followed by more of the record, never by
 the line's end."""
@@ -408,7 +416,8 @@ _SEQ_KEY = b'"seq":'
 
 
 def record_seq(line: bytes) -> int | None:
-    """The ``seq`` of one trace line (without its newline), or None when it has none.
+    """The ``seq`` of one trace line (without its newline), or None when it has none or
+    one of more than :data:`MAX_SEQ_DIGITS` digits (a damaged line). Never raises.
 
     :func:`encode_record` puts the envelope's ``seq`` after every field of the record, only
     ``origin`` (a list of ids) after it, so its last ``"seq":`` key is the envelope's: read
@@ -421,13 +430,15 @@ def record_seq(line: bytes) -> int | None:
         if end > start and line[end : end + 1] in (b"}", b","):
             tail = line[end:]
             if tail == b"}" or tail.startswith(b',"origin":'):
-                return int(line[start:end])
+                return int(line[start:end]) if end - start <= MAX_SEQ_DIGITS else None
     try:
         value = json.loads(line)
-    except ValueError:
+    except ValueError:  # also an integer past Python's 4,300 digits
         return None
     seq = value.get("seq") if isinstance(value, dict) else None
-    return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
+    if isinstance(seq, int) and not isinstance(seq, bool) and abs(seq) < _SEQ_BOUND:
+        return seq
+    return None
 
 
 def _moved(line: bytes, old: bytes, new: bytes, session_id: str) -> bytes:
@@ -522,9 +533,15 @@ def _parse_record(text: str) -> Output:
     try:
         data = json.loads(text)
     except ValueError as exc:
+        if "integer string conversion" in str(exc):  # not Python's advice on its limit
+            raise _BadRecord("invalid JSON: an integer of more than 4300 digits") from None
         raise _BadRecord(f"invalid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise _BadRecord(f"expected a JSON object, got {type(data).__name__}")
+    seq = data.get("seq")
+    if isinstance(seq, int) and abs(seq) >= _SEQ_BOUND:
+        # As record_seq reads it: a fork drops the line, so loading must not keep it.
+        raise _BadRecord(f"seq of more than {MAX_SEQ_DIGITS} digits")
     tag = data.get("type")
     cls = converter.OUTPUT_BY_TAG.get(tag) if isinstance(tag, str) else None
     if cls is None:

@@ -287,3 +287,43 @@ def test_a_claude_model_without_a_key_is_refused_not_run_on_the_scripted_model(
     assert not (tmp_path / "data" / "sessions").exists() or not any(
         (tmp_path / "data" / "sessions").iterdir()
     )
+
+
+# -- a number too large for a float in a file a flag names --------------------------------------
+
+BIG = "1" + "0" * 400  # valid JSON, read as an int that float() cannot take
+
+
+@pytest.mark.parametrize(
+    ("flag", "content", "problem"),
+    [
+        ("--prices", '{"m": {"input": ' + BIG + ', "output": 1}}',
+         "$.m.input: expected a number >= 0, got one too large"),
+        ("--hooks", '{"before_tool": [{"command": "true", "timeout": ' + BIG + "}]}",
+         "$.before_tool[0].timeout: expected a number of seconds above 0, got one too large"),
+    ],
+    ids=["prices", "hooks"],
+)  # fmt: skip
+def test_a_number_too_large_for_a_float_in_a_flag_s_file_is_one_line(
+    tmp_path: Path, flag: str, content: str, problem: str
+) -> None:
+    """A 400-digit integer is valid JSON; turning it into seconds or a price raised
+    OverflowError, a traceback. It is the file's own error, naming the place."""
+    file = tmp_path / "file.json"
+    file.write_text(content)
+    result = run_cli(tmp_path, ["run", "--no-builtin-tools", flag, str(file), "hi"])
+    assert_one_line(result, f"{flag}: {file}: {problem}")
+
+
+def test_a_number_too_large_for_a_float_in_an_mcp_config_skips_that_server(
+    tmp_path: Path,
+) -> None:
+    """R-MCP-6: an entry that cannot be used is a warning naming it, and the run goes on
+    without that server; a 400-digit ``timeout_s`` gave a traceback instead."""
+    file = tmp_path / "servers.json"
+    file.write_text('{"mcpServers": {"x": {"command": "true", "timeout_s": ' + BIG + "}}}")
+    result = run_cli(tmp_path, ["run", "--no-builtin-tools", "--mcp-config", str(file), "hi"])
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert (f"warning: --mcp-config: {file}: $.mcpServers.x.timeout_s: expected a positive "
+            "number of seconds, got one too large; server 'x' skipped") in result.stderr

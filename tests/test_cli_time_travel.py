@@ -145,3 +145,33 @@ async def test_a_replay_on_the_wire_runs_a_recorded_payment_zero_times(
     assert "paid A" in by_id["toolu_9"]
     assert "was not run" in by_id["toolu_10"]
     assert report["source_id"] == source and report["replay_id"] != source
+
+
+def test_a_trace_line_with_a_seq_too_long_to_read_is_a_damaged_line(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """A line whose ``seq`` has 5,000 digits (past Python's 4,300 for an integer) made
+    ``fork`` print a traceback. It is a damaged line, as one of 25 digits is: ``fork``
+    leaves both out, ``trace`` names both in words, without Python's advice."""
+    data_dir = tmp_path / "home"
+    source = trio.run(two_task_session, data_dir, workspace)
+    trace = data_dir / "sessions" / source / "trace_001.jsonl"
+    last = json.loads(trace.read_text().splitlines()[-1])
+    with trace.open("a", encoding="utf-8") as file:  # as encode_record ends a line
+        for digits in (5000, 25):
+            line = json.dumps({**last, "seq": 0}, separators=(",", ":"))
+            file.write(line.replace('"seq":0}', '"seq":%s}' % ("9" * digits)) + "\n")
+
+    for args in (("--at", "3"), ("--json",)):
+        forked = greenroom(tmp_path, "fork", source, *args)
+        assert forked.returncode == 0, forked.stderr
+        assert "Traceback" not in forked.stderr
+    fork_id = json.loads(forked.stdout)["session_id"]
+    assert json.loads(forked.stdout)["forked_from"] == {"session_id": source, "seq": last["seq"]}
+    copied = (data_dir / "sessions" / fork_id / "trace_001.jsonl").read_text().splitlines()
+    assert json.loads(copied[-1])["seq"] == last["seq"]
+
+    shown = greenroom(tmp_path, "trace", source)
+    assert "invalid JSON: an integer of more than 4300 digits" in shown.stderr, shown.stderr
+    assert "seq of more than 19 digits" in shown.stderr, shown.stderr
+    assert "set_int_max_str_digits" not in shown.stderr

@@ -895,3 +895,23 @@ async def test_context_and_a_changed_state_reach_the_model_with_the_input(
     assert ['[front-end state]\n{"cart": 2}' in p for p in prompts] == [True, False, False]
     assert '[front-end state]\n{"cart": 3}' in prompts[2]
     assert prompts[2].endswith("go r3")
+
+
+@pytest.mark.parametrize("number", ["NaN", "-Infinity", "1e999"])
+async def test_a_body_holding_a_number_that_is_not_finite_is_refused(
+    tmp_path: Path, number: str
+) -> None:
+    """A front-end tool whose schema holds ``NaN``, ``Infinity`` or ``1e999`` (which reads
+    as infinity) was kept with its thread, and no request to a provider can carry it: the
+    body is refused (400) before any session or tools file is made."""
+    tool = {**COLOR_TOOL, "parameters": {"type": "object", "properties": {
+        "shade": {"type": "number", "maximum": "__N__"}}}}  # fmt: skip
+    body = json.dumps(run_input("t-num", "r1", "hi", tools=[tool]))
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, ag_ui=True) as server:
+            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+            refused = await posted(url, body.replace('"__N__"', number).encode())
+            assert refused.status == 400, refused.body
+            assert "the body is not JSON" in refused.body["error"]["message"]
+            assert not list((tmp_path / "data").rglob(FRONT_END_TOOLS_FILE))
+            await _no_session_until_a_good_run(server, url, "t-num")

@@ -347,3 +347,48 @@ async def test_a_connection_flood_never_starves_a_session_of_descriptors(tmp_pat
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+@pytest.mark.parametrize("flag", ["--approval-timeout", "--drain-grace", "--lease-ttl"])
+@pytest.mark.parametrize("value", ["inf", "nan", "1e300", "0"])
+def test_seconds_no_timer_can_hold_are_refused_as_the_flag_is_read(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """R-SEC-9: ``float`` reads ``inf`` and ``1e300``, and ``serve --approval-timeout inf``
+    started, then refused every ``session.create`` as the client's mistake. Like every
+    number flag, seconds past 2**53 (or not a number) are a usage error at once."""
+    from greenroom.actors.apps.parser import LARGEST_NUMBER, build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["serve", flag, value])
+    assert exited.value.code == 2
+    assert f"{flag}: must be more than 0, at most {LARGEST_NUMBER}, got {value}" in (
+        capsys.readouterr().err
+    )
+
+
+
+@pytest.mark.parametrize("value", ["inf", "1e300", "9007199254740992"])  # the last: 2**53
+async def test_every_approval_timeout_serve_takes_is_one_its_sessions_take(
+    tmp_path: Path, value: str
+) -> None:
+    """A value ``--approval-timeout`` accepts makes a server whose ``session.create``
+    succeeds with it; one no session can hold never starts a server."""
+    from test_gateway import BOUND_S, connect, serving
+
+    from greenroom.actors.apps.parser import build_parser
+
+    try:
+        args = build_parser().parse_args(["serve", "--approval-timeout", value])
+    except SystemExit as exited:
+        assert exited.code == 2 and value in ("inf", "1e300")
+        return
+    with trio.fail_after(BOUND_S):
+        async with (
+            serving(tmp_path, approval_timeout_s=args.approval_timeout) as server,
+            connect(server) as client,
+        ):
+            answer = await client.call("session.create")
+            assert "result" in answer, answer
+            session = server.host.get_session(answer["result"]["session_id"])
+            assert session.settings.approval_timeout_s == float(value)

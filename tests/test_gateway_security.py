@@ -319,7 +319,6 @@ async def test_a_workspace_holding_the_data_dir_is_refused(tmp_path: Path) -> No
     ("settings", "path"),
     [
         ({"approval_timeout_s": 10**400}, "$.settings.approval_timeout_s"),
-        ({"approval_timeout_s": 1e400}, "$.settings.approval_timeout_s"),
         ({"approval_timeout_s": -1}, "$.settings.approval_timeout_s"),
         ({"max_turns": 10**30}, "$.settings.max_turns"),
         ({"max_tokens": 0}, "$.settings.max_tokens"),
@@ -338,11 +337,10 @@ async def test_values_no_setting_can_hold_are_invalid_params(
 ) -> None:
     with trio.fail_after(BOUND_S):
         async with serving(tmp_path) as server, connect(server) as client:
-            # json.dumps writes 1e400 as Infinity, which is not JSON: spell it out.
             frame = json.dumps(
                 {"jsonrpc": "2.0", "id": 1, "method": "session.create",
                  "params": {"settings": settings}}
-            ).replace("Infinity", "1e400")
+            )
             answer = await raw_send(client, frame, 1)
             assert answer["error"]["code"] == jsonrpc.INVALID_PARAMS, answer
             assert answer["error"]["message"].startswith(path + ": "), answer
@@ -456,3 +454,47 @@ async def test_a_client_cannot_redirect_the_key_or_loosen_the_shell_sandbox(
             (name,) = settings
             assert answer["error"]["code"] == jsonrpc.INVALID_PARAMS, answer
             assert answer["error"]["message"] == f"$.settings.{name}: cannot be set by a client"
+
+
+def _strict_json(text: str) -> Any:
+    """``text`` read as a browser's JSON.parse reads it: ``Infinity`` and ``NaN`` refused."""
+
+    def refuse(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize(
+    ("method", "params"),
+    [
+        ("session.create", '{"settings":{"approval_timeout_s":1e400}}'),
+        ("run", '{"session_id":"SID","input":"hi","output_schema":{"type":"object",'
+                '"properties":{"a":{"type":"number","maximum":-1e999}}}}'),
+    ],
+    ids=["setting", "output-schema"],
+)
+async def test_a_number_that_reads_as_infinity_is_a_parse_error_and_never_recorded(
+    tmp_path: Path, method: str, params: str
+) -> None:
+    """``1e400`` is valid JSON that Python reads as inf. Kept, it would be written back as
+    ``Infinity`` (not JSON) in the session's records, so every replay to every subscriber
+    would fail a browser's JSON.parse: it is refused as ``NaN`` is (-32700, null id) and
+    the session's replay stays JSON."""
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path) as server, connect(server) as client:
+            sid = (await client.result("session.create"))["session_id"]
+            given = params.replace("SID", sid)
+            await client.send(f'{{"jsonrpc":"2.0","id":"r","method":"{method}","params":{given}}}')
+            answer = await client.response(None)
+            assert answer["error"]["code"] == jsonrpc.PARSE_ERROR, answer
+            assert "out of range (not finite once read)" in answer["error"]["message"], answer
+            await client.send(
+                {"jsonrpc": "2.0", "id": "s", "method": "session.subscribe",
+                 "params": {"session_id": sid, "after_seq": 0}}
+            )
+            while True:
+                message = _strict_json(await client.ws.get_message())
+                if message.get("id") == "s":
+                    break
+            assert "result" in message, message

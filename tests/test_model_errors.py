@@ -284,10 +284,12 @@ def two_calls(wire: str, bad_arguments: str) -> Streamed:
         ('{"key": ' + HUGE + "}", "malformed JSON: number too long"),
         ('{"key": NaN}', "malformed JSON: NaN is not a JSON number"),
         ('{"key": -Infinity}', "malformed JSON: -Infinity is not a JSON number"),
+        # Valid JSON that Python reads as inf: as unsendable later as Infinity itself.
+        ('{"key": [1e999]}', "malformed JSON: number too large (not finite once read)"),
         ('{"key": "x",}', "malformed JSON: expecting property name enclosed in double quotes"),
         ('["x"]', "not a JSON object (got array)"),
     ],
-    ids=["huge-integer", "nan", "infinity", "trailing-comma", "array"],
+    ids=["huge-integer", "nan", "infinity", "overflowing-float", "trailing-comma", "array"],
 )
 @pytest.mark.parametrize("wire", WIRES)
 async def test_unreadable_arguments_are_that_calls_error(

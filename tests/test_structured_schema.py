@@ -243,3 +243,12 @@ def test_the_example_value_of_a_schema_matches_it() -> None:
                                     "required": ["x"]}}}):
         value = example_value(schema)
         assert validate(value, schema) == [], (schema, value)
+
+
+@pytest.mark.parametrize("number", [float("inf"), float("-inf"), float("nan")])
+def test_a_schema_holding_a_non_finite_number_is_refused(number: float) -> None:
+    """A bound that is not finite would be recorded as ``Infinity``/``NaN``, which no JSON
+    reader of the trace or of a replay takes: the schema is refused, not copied."""
+    schema = {"type": "object", "properties": {"a": {"type": "number", "maximum": number}}}
+    with pytest.raises(OutputSchemaError, match="not JSON"):
+        output_spec(schema)

@@ -91,8 +91,12 @@ def _positive_seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    # Written so that nan fails too; inf (float reads "inf") and 1e300 are refused here
+    # rather than by every session made with them.
+    if not 0 < value <= LARGEST_NUMBER:
+        raise argparse.ArgumentTypeError(
+            f"must be more than 0, at most {LARGEST_NUMBER}, got {text}"
+        )
     return value
 
 

@@ -142,7 +142,9 @@ class AgUiEndpoint:
 
     def _input(self, body: bytes) -> RunAgentInput:
         try:
-            value = json.loads(body)
+            # Not json.loads: a NaN or 1e999 in a front-end tool's schema would be kept
+            # with the thread, and no request to a provider could carry it.
+            value = jsonrpc.decode_json(body)
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise _Refused(400, f"the body is not JSON: {exc}") from None
         if value_too_deep(value, jsonrpc.MAX_DEPTH):
