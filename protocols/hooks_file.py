@@ -64,10 +64,12 @@ def parse_hooks_settings(text: str, source: str) -> HookSettings:
     :class:`HooksFileError` naming ``source`` and the place of the first problem."""
     try:
         data = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         where = (
             f"line {exc.lineno} column {exc.colno}: {exc.msg}"
             if isinstance(exc, json.JSONDecodeError)
+            else "nested too deeply"
+            if isinstance(exc, RecursionError)
             else str(exc)
         )
         raise HooksFileError(f"{source}: not JSON: {where}") from None

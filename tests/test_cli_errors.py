@@ -315,6 +315,16 @@ def test_a_number_too_large_for_a_float_in_a_flag_s_file_is_one_line(
     assert_one_line(result, f"{flag}: {file}: {problem}")
 
 
+@pytest.mark.parametrize("flag", ["--hooks", "--prices", "--output-schema"])
+def test_a_flag_s_file_nested_too_deeply_is_one_line(tmp_path: Path, flag: str) -> None:
+    """A JSON file nested 100,000 levels deep raised RecursionError, which only a
+    ValueError handler stood before: a traceback. It is the file's usage error."""
+    file = tmp_path / "file.json"
+    file.write_text("[" * 100_000)
+    result = run_cli(tmp_path, ["run", "--no-builtin-tools", flag, str(file), "hi"])
+    assert_one_line(result, f"{flag}: {file}: not JSON: nested too deeply")
+
+
 def test_a_number_too_large_for_a_float_in_an_mcp_config_skips_that_server(
     tmp_path: Path,
 ) -> None:

@@ -73,7 +73,7 @@ from greenroom.protocols.outputs import (
 )
 from greenroom.protocols.prices import Price, PriceError, parse_prices
 from greenroom.protocols.structured import OutputSpec, output_spec
-from greenroom.protocols.tools import Tool
+from greenroom.protocols.tools import Tool, json_error_reason
 
 
 def data_dir_from(value: str | None) -> Path:
@@ -196,8 +196,8 @@ def output_schema_file(path: str) -> OutputSpec:
         raise UsageError(f"--output-schema: {path}: cannot read it: {reason}") from None
     try:
         schema = json.loads(raw)
-    except ValueError as exc:
-        raise UsageError(f"--output-schema: {path}: not JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise UsageError(f"--output-schema: {path}: not JSON: {json_error_reason(exc)}") from None
     try:
         return output_spec(schema)
     except OutputSchemaError as exc:
@@ -216,8 +216,8 @@ def prices_file(path: str | None) -> dict[str, Price] | None:
         raise UsageError(f"--prices: {path}: cannot read it: {reason}") from None
     try:
         data = json.loads(raw)
-    except ValueError as exc:
-        raise UsageError(f"--prices: {path}: not JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise UsageError(f"--prices: {path}: not JSON: {json_error_reason(exc)}") from None
     try:
         return parse_prices(data)
     except PriceError as exc:
