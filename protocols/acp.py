@@ -55,6 +55,7 @@ from greenroom.protocols.jsonrpc import (
     FrameError,
     RequestId,
     RpcError,
+    decode_json,
     json_type,
     parse_call,
 )
@@ -227,7 +228,9 @@ def parse_message(line: bytes) -> Message:
     UTF-8 JSON, -32600 for JSON that is not a message; batches are not part of ACP)."""
     try:
         text = line.decode("utf-8")
-        value = json.loads(text, parse_constant=_reject_constant)
+        # NaN, 1e999 (read as infinity) and 5,000-digit integers could not be written
+        # back as JSON, to the editor or to a provider: refused as a gateway frame is.
+        value = decode_json(text)
     except (ValueError, RecursionError) as exc:
         return FrameError(id=None, error=RpcError(PARSE_ERROR, f"parse error: {exc}"))
     if value_too_deep(value, MAX_DEPTH):
@@ -262,10 +265,6 @@ def _response(value: dict[str, Any]) -> Message:
             error=RpcError(INVALID_REQUEST, f"$.error: expected an object, got {json_type(error)}"),
         )
     return Response(id=raw_id, result=value.get("result"), error=error)
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
 
 
 def request_frame(request_id: int, method: str, params: Any) -> dict[str, Any]:

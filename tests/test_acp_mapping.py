@@ -86,6 +86,8 @@ def test_splitter_joins_pieces_and_drops_overlong_lines() -> None:
         (b"nope", -32700),
         (b"\xff", -32700),
         (b"NaN", -32700),
+        (b'{"jsonrpc":"2.0","id":1,"method":"session/new","params":{"x":1e999}}', -32700),
+        (b'{"jsonrpc":"2.0","id":1,"method":"x","params":{"n":' + b"9" * 5000 + b"}}", -32700),
         (b"[]", -32600),
         (b"[" * 100 + b"]" * 100, -32600),
         (b'{"jsonrpc":"2.0","id":true,"method":"x"}', -32600),
