@@ -173,6 +173,9 @@ class Transcript:
             case RequestBegin():
                 self._flush_results()
                 self._note_failed_attempt()
+                # A failed attempt's results are in its note now: a call of the new attempt
+                # that repeats one of their ids must not be taken for done (R-RETRY-4).
+                self._results.clear()
                 self._attempt_blocks = []
                 self._attempt_active = True
                 self._attempt_aborted = False

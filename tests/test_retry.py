@@ -8,11 +8,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 import trio.testing
 from conftest import (
+    RUN_TIMEOUT_S,
     Lookup,
     Recorder,
     Timeline,
@@ -22,7 +24,10 @@ from conftest import (
     last_user,
     model_error,
     of_type,
+    open_host,
+    port_of,
     texts_of,
+    trace_lines,
     types,
 )
 
@@ -32,6 +37,7 @@ from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.supervisor import ABORT_GRACE_S
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import ModelRequest, UserMessage
+from greenroom.protocols.effects import idempotency_key
 from greenroom.protocols.outputs import (
     Abort,
     RequestBegin,
@@ -40,6 +46,7 @@ from greenroom.protocols.outputs import (
     ToolCallOutput,
 )
 from greenroom.protocols.retry import MAX_RETRIES, should_retry
+from greenroom.protocols.tools import ToolContext, make_tool
 
 SCHEDULE_MS = [250, 500, 1000, 2000, 4000]
 
@@ -518,3 +525,55 @@ def test_should_retry_never_retries_a_permanent_failure() -> None:
     for kind in ("timeout", "malformed", "failed"):
         assert should_retry(kind, 1) and not should_retry(kind, 1, permanent=True)
     assert not should_retry("failed", MAX_RETRIES + 1)
+
+
+@pytest.mark.parametrize("retry_id", ["p1", "p2"])
+async def test_a_retry_that_repeats_a_call_id_is_a_new_call_after_a_crash(
+    host: Host, workspace: Path, tmp_path: Path, providers: Any, retry_id: str
+) -> None:
+    """R-RETRY-4, R-EFFECT-2: attempt 1's call ``p1`` ran, then its stream failed; the
+    retry's model repeats the id (models do) and the host is lost while that new call runs.
+    The transcript kept attempt 1's result under ``p1``, so the take-up took the new call
+    for done: nothing was put in doubt and the task waited for ever. The retry's call is in
+    doubt under its own key and resolved by the check (``p2``, a fresh id, the same)."""
+    from test_effects import Payments, of, take_up
+    from test_recovery import copy_session
+
+    keys: list[str] = []
+    second_started = trio.Event()
+
+    async def pay(amount: int, ctx: ToolContext) -> str:
+        """Pay an amount."""
+        keys.append(ctx.idempotency_key)
+        if len(keys) == 1:
+            return f"paid {amount} (first)"
+        second_started.set()
+        await trio.sleep_forever()  # the host is lost while the retry's call runs
+        return "never"
+
+    script = [
+        Reply(blocks=(text("Paying."), tool_call("p1", "pay", amount=7)),
+              fail=model_error("timeout", "cut"), fail_after_blocks=2),
+        Reply(blocks=(text("Paying."), tool_call(retry_id, "pay", amount=7))),
+    ]  # fmt: skip
+    session = await host.create_session(
+        provider=providers(script), tools=[make_tool(pay, parallel=False)],
+        workspace_dir=workspace,
+    )  # fmt: skip
+    session.run("pay 7", approve=allow_all)
+    with trio.fail_after(RUN_TIMEOUT_S):
+        await second_started.wait()
+    await port_of(session).sync_trace()
+    lines = trace_lines(session)
+    calls = [line for line in of(lines, "model_msg") if line["block"]["type"] == "tool_call"]
+    assert keys[1] == idempotency_key(session.id, calls[1]["seq"], retry_id) != keys[0]
+    copy_session(session, tmp_path / "crashed")
+
+    payments = Payments()  # its check finds no payment under the retry's key
+    async with open_host(tmp_path / "crashed") as second:
+        after = providers([Reply(blocks=(text("Done."),))])
+        resumed = await take_up(second, session.id, after, payments.tool, allow_all)
+        lines = trace_lines(resumed)
+    assert [d["idempotency_key"] for d in of(lines, "call_in_doubt")] == [keys[1]]
+    assert payments.asked == [keys[1]] and payments.runs == [keys[1]]
+    assert [line["status"] for line in of(lines, "task_end")] == ["completed"]
