@@ -316,7 +316,8 @@ class RecordedState:
     ``turn_call_seqs`` the ``seq`` of each one's ``model_msg`` (what its idempotency key
     is derived from: R-EFFECT-1), ``turn_errors`` whether each result so far is an error,
     by call id, ``allowed`` the calls allowed and still without a result, ``in_doubt``
-    those of them recorded in doubt and not yet resolved (R-EFFECT-2);
+    those of them recorded in doubt and not yet resolved (R-EFFECT-2), ``rewrites`` the
+    arguments a ``before_tool`` hook rewrote calls of the attempt to (R-HOOK-2), by call id;
     ``pending_people`` the ``approval_request`` records that wait for a person
     (R-HITL-1)."""
 
@@ -337,6 +338,7 @@ class RecordedState:
     turn_errors: tuple[tuple[str, bool], ...]
     allowed: frozenset[str]
     in_doubt: frozenset[str]
+    rewrites: tuple[tuple[str, dict[str, Any]], ...]
     pending_people: tuple[ApprovalRequest, ...]
     loop_reason: str | None
     loop_streaks: tuple[tuple[str, int], ...]
@@ -385,6 +387,7 @@ class TaskRecord:
         "request_ok",
         "rerun_turn",
         "retry_in_ms",
+        "rewrites",
         "run_id",
         "session_rules",
         "session_turns",
@@ -424,6 +427,9 @@ class TaskRecord:
         self.allowed: frozenset[str] = _NO_NAMES
         self.in_doubt: frozenset[str] = _NO_NAMES
         """Allowed calls recorded in doubt (``call_in_doubt``) and not resolved yet."""
+        self.rewrites: dict[str, dict[str, Any]] | None = None
+        """The arguments a ``before_tool`` hook rewrote calls of the attempt to, by call id:
+        what was approved and runs, also when a host that takes the task up runs it again."""
         self.pending_people: tuple[ApprovalRequest, ...] = ()
         self.loop_reason: str | None = None
         self._guard: LoopGuard | None = None
@@ -499,6 +505,7 @@ class TaskRecord:
             turn_errors=tuple(sorted((self._results or {}).items())),
             allowed=self.allowed,
             in_doubt=self.in_doubt,
+            rewrites=tuple((self.rewrites or {}).items()),
             pending_people=self.pending_people,
             loop_reason=self.loop_reason,
             loop_streaks=self._guard.streaks if self._guard is not None else (),
@@ -588,7 +595,10 @@ class TaskRecord:
             case Abort():
                 self.aborting = True  # its task_end follows
             case ToolHook():
-                pass  # what it did shows in the decision and the result that follow
+                # A deny or a replacement shows in the decision or the result that follows;
+                # a rewrite only here, and the call runs with it (R-HOOK-2).
+                if output.action == "rewrite" and output.arguments is not None:
+                    self.rewrites = {**(self.rewrites or {}), output.call_id: output.arguments}
             case Rewind():
                 self.unstarted = None  # fold() leaves out what a rewind cut (live_records)
             case PartialText() | PartialThinking() | PartialToolCall() | ToolProgress():
@@ -626,6 +636,7 @@ class TaskRecord:
         self.request_ok = False
         self.allowed = _NO_NAMES
         self.in_doubt = _NO_NAMES
+        self.rewrites = None
         self.pending_people = ()
         self.loop_reason = None
         self._guard = None
@@ -649,6 +660,7 @@ class TaskRecord:
         self.attempt_aborted = False
         self.allowed = _NO_NAMES
         self.in_doubt = _NO_NAMES
+        self.rewrites = None
         self.pending_people = ()
         self.retry_in_ms = None
         self.failure = None
@@ -675,6 +687,7 @@ class TaskRecord:
         self.attempt_aborted = False
         self.allowed = _NO_NAMES
         self.in_doubt = _NO_NAMES
+        self.rewrites = None
         self.pending_people = ()
         if self.answers is not None:
             self.answers.begin_attempt()

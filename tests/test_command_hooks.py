@@ -1,14 +1,17 @@
 """Command hooks (R-HOOK-2): programs from a settings file, run as real processes through
 ``trio.run_process`` for a run on the scripted model — the call as JSON on stdin, exit 2 to
 deny (stderr the reason), a JSON object on stdout to rewrite, ``{"content"}`` to replace a
-result — and what a misbehaving one (another exit, other output, too slow) does; and the
-settings file's problems, named by file and place."""
+result — and what a misbehaving one (another exit, other output, too much of it, too slow)
+does; that nothing a command started outlives it; and the settings file's problems, named
+by file and place."""
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +20,13 @@ import trio
 from conftest import RUN_TIMEOUT_S, allow_all, collect, of_type, result_text, results_of
 
 from greenroom import Host, tool
-from greenroom.actors.runtime import HooksFileError
+from greenroom.actors.runtime import HooksFileError, command_hooks
 from greenroom.actors.runtime.command_hooks import load_hooks_file
 from greenroom.actors.scripted import Reply, text, tool_call
 from greenroom.protocols.content import ToolCallBlock
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.hooks_file import parse_hooks_settings
-from greenroom.protocols.outputs import ApprovalDecision, ToolCallOutput, ToolHook
+from greenroom.protocols.outputs import ApprovalDecision, TaskEnd, ToolCallOutput, ToolHook
 
 ran: list[str] = []
 
@@ -239,3 +242,125 @@ async def test_the_gateways_sessions_meet_the_hooks_installed_on_its_host(
     hooked = next(o for o in outputs if o["type"] == "tool_hook")
     assert (hooked["action"], hooked["reason"]) == ("deny", "not over the websocket")
     assert ran == [] and outputs[-1]["status"] == "completed"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _pid_in(pidfile: Path) -> int | None:
+    """The pid a hook wrote to ``pidfile``; None before it has."""
+    text = pidfile.read_text() if pidfile.exists() else ""
+    return int(text) if text.strip() else None
+
+
+async def _until(condition: Callable[[], bool]) -> bool:
+    """Whether ``condition`` about another process holds within the tests' bound: that
+    process sends no event, so it is checked every 20 ms."""
+    with trio.move_on_after(RUN_TIMEOUT_S):
+        while not condition():  # noqa: ASYNC110 (another process: no event to wait for)
+            await trio.sleep(0.02)
+    return condition()
+
+
+def _kill_left(pidfile: Path) -> None:
+    """Whatever failed, a test leaves no process behind."""
+    pid = _pid_in(pidfile)
+    if pid is not None and _alive(pid):
+        os.kill(pid, 9)
+
+
+@pytest.mark.parametrize("end", ["timeout", "interrupt", "exit"])
+async def test_the_processes_a_command_hook_started_end_with_it(
+    host: Host, tmp_path: Path, providers: Any, end: str
+) -> None:
+    """R-SEC-11, R-HOOK-2: a command hook runs in a process group of its own, killed whole
+    however the hook ends — past its timeout, interrupted with its task, or exited with a
+    child left behind (which, holding the hook's stdout, held the hook until its
+    timeout) — so the ``sleep`` it started in the background ends with it (before: only
+    ``/bin/sh`` was killed, and the ``sleep`` lived on)."""
+    pidfile = tmp_path / "child.pid"
+    command = f"sleep 300 & echo $! > {shlex.quote(str(pidfile))}"
+    hook = {"command": command if end == "exit" else f"{command}; wait",
+            "timeout": 0.5 if end == "timeout" else 60}
+    settings = {"before_tool": [hook]}
+    try:
+        if end == "interrupt":
+            workspace = tmp_path / "ws"
+            workspace.mkdir()
+            session = await host.create_session(
+                provider=providers(script(sh("c1", "ls"))), tools=[run_shell],
+                workspace_dir=workspace, hooks=load_hooks_file(hooks_file(tmp_path, settings)),
+            )
+            stream = session.run("go", approve=allow_all)
+            assert await _until(lambda: _pid_in(pidfile) is not None)
+            session.interrupt()
+            outputs = await collect(stream, RUN_TIMEOUT_S)
+            assert of_type(outputs, TaskEnd)[-1].status == "aborted"
+        else:
+            outputs = await run(host, tmp_path, providers, settings, sh("c1", "ls"))
+            (end_of_task,) = of_type(outputs, TaskEnd)
+            assert end_of_task.status == "completed"
+            assert ran == ([] if end == "timeout" else ["ls"])
+        pid = _pid_in(pidfile)
+        assert pid is not None
+        # SIGKILL is sent before the hook returns; the dead child may wait to be reaped.
+        assert await _until(lambda: not _alive(pid)), f"the hook's child {pid} outlived it"
+    finally:
+        _kill_left(pidfile)
+
+
+async def test_a_command_hooks_long_stderr_is_cut_as_a_reason_and_whole_as_a_result(
+    host: Host, tmp_path: Path, providers: Any
+) -> None:
+    """R-HOOK-2, R-SEC-9: a command that exits 2 with 5,000 characters on stderr denies
+    with a reason cut as every reason is, ending with the note of how much was left out
+    (``before_tool``), or is the model's whole result instead (``after_tool``: fit to the
+    result budget as a tool's result is). Before: both silently cut to 2,000."""
+    loud = py("import sys; sys.stderr.write('x' * 5000); sys.exit(2)")
+    outputs = await run(host, tmp_path, providers, {"before_tool": [{"command": loud}]},
+                        sh("c1", "ls"))
+    (hooked,) = of_type(outputs, ToolHook)
+    assert hooked.reason == f"{'x' * 2000}… [cut: 3000 of 5000 characters left out]"
+    (result,) = of_type(outputs, ToolCallOutput)
+    assert result_text(result) == f"Tool call denied by a hook: {hooked.reason}"  # type: ignore[arg-type]
+    outputs = await run(host, tmp_path, providers, {"after_tool": [{"command": loud}]},
+                        sh("c1", "ls"))
+    (result,) = of_type(outputs, ToolCallOutput)
+    assert result_text(result) == "x" * 5000  # type: ignore[arg-type]
+
+
+async def test_a_command_that_prints_past_the_cap_is_a_hook_error(
+    host: Host, tmp_path: Path, providers: Any
+) -> None:
+    """R-HOOK-2: what a command prints is read up to ``OUTPUT_CAP`` bytes a stream, so a
+    runaway hook cannot fill the host's memory: past it the command is killed and it is a
+    hook error naming the stream (before: read whole, whatever its size)."""
+    cap = command_hooks.OUTPUT_CAP
+    flood = py(f"import sys; sys.stdout.write('x' * {cap + 1})")
+    outputs = await run(host, tmp_path, providers, {"before_tool": [{"command": flood}]},
+                        sh("c1", "ls"))
+    assert ran == []
+    (hooked,) = of_type(outputs, ToolHook)
+    assert (hooked.action, hooked.reason) == (
+        "error", f"hook `{flood}` printed more than {cap} bytes on stdout (killed)"
+    )
+
+
+async def test_a_command_hooks_lone_surrogate_is_repaired_and_the_task_goes_on(
+    host: Host, tmp_path: Path, providers: Any
+) -> None:
+    """R-SEC-1, R-HOOK-2: a command that prints the JSON escape of a lone surrogate
+    (``\\ud800``: a file name it echoes, say) rewrites the call with U+FFFD in its place;
+    the task completes (before: the ``tool_hook`` record could not be written and the task
+    ended ``failed``)."""
+    echo = py("print('{\"command\": \"ls \\\\ud800\"}')")
+    outputs = await run(host, tmp_path, providers, {"before_tool": [{"command": echo}]},
+                        sh("c1", "ls"))
+    assert of_type(outputs, TaskEnd)[-1].status == "completed"
+    assert ran == ["ls \ufffd"]

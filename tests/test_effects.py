@@ -29,7 +29,7 @@ from greenroom.actors.runtime.errors import NotPending
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session import Session
 from greenroom.protocols import markers
-from greenroom.protocols.content import TextBlock
+from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import ToolResult
 from greenroom.protocols.effects import (
     IN_DOUBT_CHOICES,
@@ -37,6 +37,7 @@ from greenroom.protocols.effects import (
     idempotency_key,
     outcome_of_answer,
 )
+from greenroom.protocols.hooks import Hooks, Rewrite
 from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.tools import Tool, ToolContext, ToolDefinitionError, make_tool
 
@@ -88,11 +89,11 @@ def call_key(session_id: str, lines: list[dict[str, Any]], call_id: str) -> str:
 
 
 async def crash_mid_call(
-    host: Host, workspace: Path, tmp_path: Path, providers: Any
+    host: Host, workspace: Path, tmp_path: Path, providers: Any, hooks: Hooks | None = None
 ) -> tuple[str, Path, str]:
-    """Run a payment in ``host`` whose call never ends, and take a copy of the session's
-    files once the call runs — the host as a crash leaves it. Returns the session id, the
-    data dir of the copy and the key the call ran with."""
+    """Run a payment in ``host`` (with the session's ``hooks``) whose call never ends, and
+    take a copy of the session's files once the call runs — the host as a crash leaves it.
+    Returns the session id, the data dir of the copy and the key the call ran with."""
     started = trio.Event()
     keys: list[str] = []
 
@@ -104,7 +105,8 @@ async def crash_mid_call(
         return "never"  # pragma: no cover
 
     session = await host.create_session(
-        provider=providers(PAY), tools=[make_tool(pay, parallel=False)], workspace_dir=workspace
+        provider=providers(PAY), tools=[make_tool(pay, parallel=False)], workspace_dir=workspace,
+        hooks=hooks,
     )
     session.run("pay 7", approve=allow_all)
     with trio.fail_after(RUN_TIMEOUT_S):
@@ -547,3 +549,56 @@ def test_answers_and_checks_are_checked() -> None:
 
     with pytest.raises(ToolDefinitionError, match="check must be an async function"):
         _tool(check=sync_check)
+
+
+# -- a call a hook rewrote (R-EFFECT-2, R-HOOK-2) -------------------------------------------
+
+
+def _cap_at_one(call: ToolCallBlock) -> Rewrite:
+    """A before_tool policy: every payment is of 1, whatever the model asked."""
+    return Rewrite({"amount": 1})
+
+
+async def test_a_call_a_hook_rewrote_runs_once_more_as_rewritten(
+    host: Host, workspace: Path, tmp_path: Path, providers: Any
+) -> None:
+    """R-EFFECT-2, R-HOOK-2, R-TRACE-4: a before_tool hook rewrote pay(amount=7) to amount 1,
+    which was approved and ran when the host was lost. The host that takes the task up —
+    without the hook, as a restart may — checks the call and, nothing found, runs it once
+    more as rewritten, from the ``tool_hook`` record: never with the 7 nobody approved
+    (before: ``paid 7``)."""
+    sid, crashed, key = await crash_mid_call(
+        host, workspace, tmp_path, providers, Hooks(before_tool=_cap_at_one)
+    )
+    payments = Payments()  # its check finds nothing: the call runs once more
+    after = providers([Reply(blocks=(text("Paid."),))])
+    async with open_host(crashed) as second:
+        session = await take_up(second, sid, after, payments.tool, allow_all)
+        lines = trace_lines(session)
+    assert payments.asked == [key] and payments.made == {key: 1}
+    (resolved,) = of(lines, "call_resolved")
+    assert (resolved["by"], resolved["outcome"]) == ("check", "rerun")
+    (result,) = of(lines, "tool_call_output")
+    assert result["content"][0]["text"] == "paid 1"
+    assert lines[-1]["status"] == "completed"
+
+
+async def test_a_person_is_asked_about_a_call_in_doubt_as_a_hook_rewrote_it(
+    host: Host, workspace: Path, tmp_path: Path, providers: Any
+) -> None:
+    """R-EFFECT-2, R-HOOK-2, R-HITL-1: the in-doubt question about a rewritten call shows
+    the arguments that were approved and ran (amount 1, not the model's 7: before, the
+    model's), and "run again" runs it so."""
+    sid, crashed, key = await crash_mid_call(
+        host, workspace, tmp_path, providers, Hooks(before_tool=_cap_at_one)
+    )
+    payments = Payments(check=None)
+    after = providers([Reply(blocks=(text("Paid."),))])
+    async with open_host(crashed) as second:
+        session = await take_up(second, sid, after, payments.tool, PEOPLE)
+        (pending,) = await second.pending_approvals()
+        assert (pending.kind, pending.arguments["arguments"]) == ("in_doubt", {"amount": 1})
+        await second.answer_question(sid, "p1", "run again", "ana")
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await session.wait_idle()
+    assert payments.made == {key: 1}

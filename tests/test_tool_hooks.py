@@ -341,3 +341,39 @@ async def test_a_hooks_long_reason_is_cut_where_it_is_recorded(
     assert hooked.reason == (
         f"{raised[:2000]}… [cut: {len(raised) - 2000} of {len(raised)} characters left out]"
     )
+
+
+async def test_a_hooks_lone_surrogate_is_repaired_and_the_task_goes_on(
+    host: Host, workspace: Path, providers: Any
+) -> None:
+    """R-SEC-1, R-HOOK-2: a hook's text is outside text, repaired where it enters — a
+    rewrite's arguments (keys too), a ``Deny``'s reason, the message of what a hook raised
+    — so its lone surrogate becomes U+FFFD and the task completes; a hook never ends a task
+    (before: the ``tool_hook`` record could not be written and the task ended ``failed``)."""
+
+    def rewrite(call: ToolCallBlock) -> Rewrite:
+        return Rewrite({"command": "ls \ud800", "why\udfff": 1})
+
+    def deny(call: ToolCallBlock) -> Deny:
+        return Deny("no \ud800 here")
+
+    def broken(call: ToolCallBlock, result: ToolResult) -> None:
+        raise RuntimeError("bad \udc80 byte")
+
+    outputs, _ = await run_with(host, workspace, providers, Hooks(before_tool=rewrite),
+                                sh("c1", "ls"))
+    assert of_type(outputs, TaskEnd)[-1].status == "completed"
+    (hooked,) = of_type(outputs, ToolHook)
+    assert hooked.arguments == {"command": "ls \ufffd", "why\ufffd": 1}
+    outputs, _ = await run_with(host, workspace, providers, Hooks(before_tool=deny),
+                                sh("c1", "ls"))
+    assert of_type(outputs, TaskEnd)[-1].status == "completed"
+    (hooked,) = of_type(outputs, ToolHook)
+    assert hooked.reason == "no \ufffd here"
+    (result,) = of_type(outputs, ToolCallOutput)
+    assert result_text(result) == "Tool call denied by a hook: no \ufffd here"  # type: ignore[arg-type]
+    outputs, _ = await run_with(host, workspace, providers, Hooks(after_tool=broken),
+                                sh("c1", "ls"))
+    assert of_type(outputs, TaskEnd)[-1].status == "completed"
+    (hooked,) = of_type(outputs, ToolHook)
+    assert hooked.reason == "the hook raised RuntimeError: bad \ufffd byte"

@@ -17,6 +17,10 @@ first that can (:func:`~greenroom.protocols.effects.first_resolver`):
   nobody answering within the session's timeout leaves the model the note;
 - the note: the host-lost result, not run again.
 
+A call a ``before_tool`` hook rewrote is checked, shown to a person and run once more as
+rewritten (R-HOOK-2): those arguments were approved and ran, and the task record keeps
+them from the call's ``tool_hook`` record.
+
 Every resolution is one ``call_resolved`` record, and then the call's result, or the
 call run once more with the same key: its second ``RunToolCall``, after the record that
 says why. Meanwhile the turn machine holds the call as running — it has no result yet —
@@ -70,7 +74,7 @@ __all__ = ["CallsInDoubt", "Turns"]
 
 class Turns(Protocol):
     """What resolving needs of the task's turn runner: the current turn's machine, the
-    carrying out of its effects, and the calls' keys."""
+    carrying out of its effects, the calls as they run, and the calls' keys."""
 
     @property
     def machine(self) -> TurnMachine:
@@ -79,6 +83,11 @@ class Turns(Protocol):
 
     def apply(self, effects: list[Effect]) -> None:
         """Carry out what the machine returned."""
+        ...
+
+    def running_call(self, call: ToolCallBlock) -> ToolCallBlock:
+        """``call`` as it runs: with the arguments a ``before_tool`` hook rewrote it to
+        (R-HOOK-2), which were approved, else as the model made it."""
         ...
 
     def idempotency_key(self, call_id: str) -> str:
@@ -134,19 +143,22 @@ class CallsInDoubt:
                     )
                 )
             if not (stopping or record.waits_for_person(call.id)):
-                self._resolve(call, position, check_error=None)
+                self._resolve(self._turns.running_call(call), position, check_error=None)
         return in_doubt
 
     def _record(self, output: CallInDoubt | CallResolved) -> None:
         self._turns.apply([output])
 
     def _doubted(self, call_id: str) -> tuple[int, ToolCallBlock] | None:
-        """The position and block of ``call_id`` while it is in doubt; None once it is
-        resolved (or its task settled it)."""
+        """The position of ``call_id`` and the call as it ran (a hook's rewrite: what was
+        approved) while it is in doubt; None once it is resolved (or its task settled it)."""
         if call_id not in self._port.machine.record.in_doubt:
             return None
-        machine = self._turns.machine
-        return next(((i, c) for i, c in enumerate(machine.calls()) if c.id == call_id), None)
+        turns = self._turns
+        for position, call in enumerate(turns.machine.calls()):
+            if call.id == call_id:
+                return position, turns.running_call(call)
+        return None
 
     def _resolved(
         self,

@@ -51,6 +51,7 @@ from greenroom.protocols.hooks import (
     ToolHookAction,
 )
 from greenroom.protocols.outputs import ToolHookName, ToolStatus
+from greenroom.protocols.text import repair_json, repair_text
 from greenroom.protocols.trace import record_size
 
 __all__ = [
@@ -64,7 +65,7 @@ __all__ = [
 ]
 
 MAX_REASON_CHARS = 2000
-"""The longest reason of a hook's action kept whole (a command hook's stderr is cut to it)."""
+"""The longest reason of a hook's action kept whole (:func:`cut_reason` cuts a longer one)."""
 
 
 @attrs.frozen
@@ -216,7 +217,9 @@ def _action(
     reason: str | None = None,
 ) -> ToolHookAction:
     if reason is not None:
-        reason = cut_reason(reason)
+        # Outside text (R-SEC-1): a lone surrogate would make the record unwritable and end
+        # the task, and a hook never does that.
+        reason = cut_reason(repair_text(reason))
     return ToolHookAction(hook=hook, action=action, arguments=arguments, reason=reason)
 
 
@@ -231,14 +234,17 @@ def cut_reason(reason: str) -> str:
 
 
 def _json_object(value: Any) -> dict[str, Any] | None:
-    """``value`` as a JSON object (a copy that holds JSON values only), or None."""
+    """``value`` as a JSON object (a copy that holds JSON values only, its text repaired:
+    R-SEC-1), or None."""
     if not isinstance(value, dict):
         return None
     try:
         copied = json.loads(json.dumps(value, allow_nan=False))
     except (TypeError, ValueError):
         return None
-    return copied if isinstance(copied, dict) else None
+    # A lone surrogate (a command hook printing "\ud800") would make the tool_hook record
+    # unwritable and end the task: repaired here, where the hook's text enters.
+    return repair_json(copied) if isinstance(copied, dict) else None
 
 
 def _is_content(value: Any) -> bool:

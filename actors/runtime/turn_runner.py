@@ -26,7 +26,9 @@ Tool hooks (R-HOOK-2): what a ``before_tool`` hook did reaches the runner with t
 decision, what an ``after_tool`` hook did with the pool's result; each is recorded as a
 ``tool_hook`` before the record it explains. A call the hook rewrote runs as rewritten —
 and so does one a person approved, from the arguments of the ``approval_request`` they
-saw (a task taken up after a restart knows no other). A call an earlier ``allow_session``
+saw; a task taken up after a restart knows the rewrite from its ``tool_hook`` record, so a
+call in doubt is checked, asked about and run once more as rewritten. A call an earlier
+``allow_session``
 covers still goes to the broker while there is a ``before_tool`` hook, so that the hook
 sees it.
 
@@ -116,6 +118,20 @@ def _answer_result(port: SessionPort, call: ToolCallBlock) -> tuple[ToolStatus, 
     if problems:
         return "error", answer_rejected_text(problems)
     return "ok", ANSWER_ACCEPTED_TEXT
+
+
+def _rewritten_calls(record: TaskRecord) -> dict[str, ToolCallBlock] | None:
+    """The calls of ``record``'s attempt that a ``before_tool`` hook rewrote (R-HOOK-2), as
+    they were approved and ran: a task taken up after its host stopped runs a call in doubt
+    once more with them, never with the model's arguments nobody approved."""
+    rewrites = record.rewrites
+    if not rewrites:
+        return None
+    return {
+        c.id: attrs.evolve(c, arguments=rewrites[c.id], invalid_arguments=None)
+        for c in record.calls
+        if c.id in rewrites
+    }
 
 
 def _reply(reply: Any, answer: QuestionAnswered) -> None:
@@ -486,10 +502,13 @@ class TurnRunner:
         # Asked of nobody here, whatever decides the task's calls: waiting only for them,
         # the task may park (R-HITL-3).
         self.left_for_people = record.pending_people
+        self._rewritten = _rewritten_calls(record)
         lost_any = self._doubts.take_up(record)
         asking = None if self._port.machine.stopping else machine.asking
         if asking is not None and record.pending(asking) is None:
             (call,) = (c for c in machine.calls() if c.id == asking)
+            # Asked anew: what the hooks and the approval decide now is what runs.
+            (self._rewritten or {}).pop(asking, None)
             self._ask(ApproveCall(call=call))
         return cut, lost_any
 
@@ -525,8 +544,7 @@ class TurnRunner:
                     content = (TextBlock(text=text),)
                     self.apply(self.machine.finish(effect.call.id, status=status, content=content))
                 case RunToolCall():
-                    rewritten = (self._rewritten or {}).get(effect.call.id)
-                    call = effect.call if rewritten is None else rewritten
+                    call = self.running_call(effect.call)
                     key = self.idempotency_key(effect.call.id)
                     self._pool.send_nowait(attrs.evolve(effect, call=call, idempotency_key=key))
                 case SkipToolCall():
@@ -541,6 +559,10 @@ class TurnRunner:
                     emitter.emit(effect)
                 case _:
                     emitter.emit_live(effect)
+
+    def running_call(self, call: ToolCallBlock) -> ToolCallBlock:
+        """``call`` as it runs: with the arguments a hook rewrote it to (R-HOOK-2)."""
+        return (self._rewritten or {}).get(call.id, call)
 
     def idempotency_key(self, call_id: str) -> str:
         """The key of the current attempt's call ``call_id`` (R-EFFECT-1): from the
