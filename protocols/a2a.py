@@ -15,7 +15,8 @@ The mapping, in one place:
   ``input-required`` and at the end states.
 * A pending approval is answered by the next message: :func:`parse_decision` reads
   ``allow``/``deny``/``always`` from its text or a ``{"decision": …}`` data part; a
-  question (``ask_user``) is answered by the message's text.
+  question (``ask_user``) is answered by the message's text, which the history shows as
+  the user's turn once the call has it as its result.
 * Artifacts are the files tool calls return (image blocks), as file parts whose bytes the
   caller reads (``file_data``).
 
@@ -246,6 +247,9 @@ class TaskFold:
         """The requests waiting for a person, by call id."""
         self.decided: set[str] = set()
         """The calls whose request was decided."""
+        self._answered: set[str] = set()
+        """Questions (``ask_user``) a person answered whose call has no result yet: the
+        result is the answer, the user's turn in the history."""
         self.status_message: dict[str, Any] | None = None
         self.seen = submitted is not None
         """Whether any output (or the submitted message) of the task was seen."""
@@ -337,20 +341,22 @@ class TaskFold:
                 )
                 return self._moved("input-required", said)
             case ApprovalDecision():
-                self.pending.pop(output.call_id, None)
+                request = self.pending.pop(output.call_id, None)
+                # A question asked before its call was decided is the model's (ask_user):
+                # its ``allow`` only records that it was answered; the answer's text is
+                # the call's result, written as the user's turn when it comes.
+                asked = (
+                    request is not None
+                    and request.kind == "question"
+                    and output.call_id not in self.decided
+                )
                 self.decided.add(output.call_id)
-                if output.by == "client":  # a person's answer: the user's turn in the history
+                if output.by == "client" and asked:
+                    self._answered.add(output.call_id)
+                elif output.by == "client":  # a person's answer: the user's turn
                     word = "always" if output.remember else output.decision
                     decided = {"call_id": output.call_id, "decision": word}
-                    self.history.append(
-                        message(
-                            "user",
-                            [text_part(word), data_part(decided)],
-                            message_id=f"{self.run_id}-answer-{output.call_id}",
-                            context_id=self.context_id,
-                            task=self.id,
-                        )
-                    )
+                    self._user_answer(output.call_id, [text_part(word), data_part(decided)])
                 if self.pending or self.state in END_STATES:
                     return []
                 return self._moved("working")
@@ -392,6 +398,19 @@ class TaskFold:
         )
         return []
 
+    def _user_answer(self, call_id: str, parts: list[dict[str, Any]]) -> None:
+        """A person's answer to the request of ``call_id``: the user's turn in the
+        history."""
+        self.history.append(
+            message(
+                "user",
+                parts,
+                message_id=f"{self.run_id}-answer-{call_id}",
+                context_id=self.context_id,
+                task=self.id,
+            )
+        )
+
     def _model(self, output: ModelMsg) -> list[dict[str, Any]]:
         block = output.block
         if isinstance(block, TextBlock) and block.text:
@@ -407,6 +426,10 @@ class TaskFold:
     def _tool_result(self, output: ToolCallOutput) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         text = "\n".join(b.text for b in output.content if isinstance(b, TextBlock))
+        if output.call_id in self._answered:
+            self._answered.discard(output.call_id)
+            answer = {"call_id": output.call_id, "answer": text}
+            self._user_answer(output.call_id, [text_part(text), data_part(answer)])
         result = {
             "call_id": output.call_id,
             "tool": output.tool,

@@ -28,8 +28,13 @@ wire's camelCase keys):
 Ids are derived from the trace (``RUNID-TURN-BLOCK`` for messages, the call id for tool
 calls), so the events of a block replayed after a disconnect carry the ids the front end
 saw live. Each event is given with the ``seq`` of the last traced output it reflects:
-the SSE ``id`` a front end resumes from (``Last-Event-ID``) — a message cut off in the
-middle comes again whole, under its id.
+the SSE ``id`` a front end resumes from (``Last-Event-ID``) — a message or tool call cut
+off in the middle comes again whole, under its id. The mapper of a run that takes a
+thread up midway (a reconnect, a resume) takes its turn and block count from the records
+the front end was shown (:meth:`RunMapper.join`: the replay starts after them), and
+ignores the streamed pieces of the block still open once the replay is mapped
+(:meth:`RunMapper.caught_up`): its first pieces were never given to it, so that block
+comes whole with its ``model_msg``.
 """
 
 from __future__ import annotations
@@ -244,6 +249,11 @@ class RunMapper:
         self._open_calls: set[str] = set()
         self._said: str | None = None
         """The id of the turn's last text message: its calls' ``parentMessageId``."""
+        self._joining = False
+        """Joined midway (:meth:`join`), and the replay is not mapped yet."""
+        self._unseen: int | None = None
+        """The index of the attempt's block whose first pieces this mapper never got: its
+        pieces are ignored, and it comes whole with its ``model_msg``."""
         self._usage = {"input": 0, "output": 0, "cached": 0}
         self._status = "running"
 
@@ -278,6 +288,34 @@ class RunMapper:
             self._event("STATE_SNAPSHOT", snapshot=self.state()),
         ]
 
+    def join(self, shown: Iterable[Output]) -> None:
+        """Take the thread up midway, where the front end left it: ``shown`` are the
+        traced outputs it was given (up to its ``Last-Event-ID``, or to the request a
+        resume answers), in order.
+        Sends nothing: the turn, the attempt's block count and its last text message are
+        set from them, so the blocks that follow carry the ids and ``parentMessageId`` the
+        front end saw live. Call :meth:`caught_up` once the replay is mapped."""
+        for output in shown:
+            if output.origin is not None:
+                continue
+            if isinstance(output, RequestBegin):
+                self._turn, self._block, self._said = output.turn, 0, None
+            elif isinstance(output, ModelMsg):
+                index, self._block = self._block, self._block + 1
+                if isinstance(output.block, TextBlock) and output.block.text:
+                    self._said = self._message_id(output.run_id, index)
+        self._joining = True
+
+    def caught_up(self) -> None:
+        """The outputs mapped so far were the trace's replay; those that follow are
+        published live. After :meth:`join`, the attempt's block that is open now may
+        have streamed pieces published before the live ones began, never given here: its
+        pieces are ignored until it completes, and it comes whole (``START``, all its text
+        or arguments, ``END``). Does nothing for a mapper not joined, or a second time."""
+        if self._joining:
+            self._joining = False
+            self._unseen = self._block
+
     def map(self, output: Output) -> list[Event]:
         """The events of one output (none for most)."""
         if output.origin is not None or self.ended:
@@ -292,7 +330,7 @@ class RunMapper:
             case RequestBegin():
                 events = self._close_open()
                 self._turn, self._block = output.turn, 0
-                self._said = None
+                self._said = self._unseen = None
                 return events
             case RequestEnd():
                 return [] if output.status == "ok" else self._close_open()
@@ -395,6 +433,8 @@ class RunMapper:
         return f"{run_id}-{self._turn}-{index}"
 
     def _text_piece(self, output: PartialText) -> list[Event]:
+        if output.index == self._unseen:
+            return []  # its start was never given here: it comes whole (caught_up)
         events: list[Event] = []
         message_id = self._open_texts.get(output.index)
         if message_id is None:
@@ -410,6 +450,8 @@ class RunMapper:
         return events
 
     def _call_piece(self, output: PartialToolCall) -> list[Event]:
+        if output.index == self._unseen:
+            return []  # its first fragments were never given here: it comes whole
         events: list[Event] = []
         if output.call_id not in self._open_calls:
             self._open_calls.add(output.call_id)
@@ -423,6 +465,8 @@ class RunMapper:
         return events
 
     def _block_done(self, output: ModelMsg, index: int) -> list[Event]:
+        if index == self._unseen:
+            self._unseen = None
         block = output.block
         if isinstance(block, TextBlock):
             message_id = self._open_texts.pop(index, None)

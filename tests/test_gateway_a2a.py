@@ -29,6 +29,7 @@ from a2a.types import (
     Message,
     Part,
     Role,
+    SendMessageConfiguration,
     SendMessageRequest,
     StreamResponse,
     SubscribeToTaskRequest,
@@ -738,3 +739,84 @@ def test_a_failed_or_interrupted_task_ends_failed_or_canceled() -> None:
         )
         v03.TaskStatusUpdateEvent.model_validate(event)
         assert (event["status"]["state"], event["final"]) == (state, True)
+
+
+async def test_message_send_and_stream_keep_the_history_length_the_configuration_asks(
+    tmp_path: Path, lookup: Lookup
+) -> None:
+    """R-PROTO-1: ``configuration.historyLength`` (A2A 0.3: the number of most recent
+    history messages the response carries) was honoured by ``tasks/get`` only:
+    ``message/send`` answered the whole history, and so did the Task a
+    ``message/stream`` answering a waiting task begins with."""
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, lookup_script, tools=[lookup.tool], a2a=True) as server:
+            url = base_url(server)
+
+            async def drive() -> tuple[Any, list[StreamResponse], Any]:
+                async with http_client() as http:
+                    card = await A2ACardResolver(http, url).get_agent_card()
+                    config = ClientConfig(httpx_client=http, streaming=False)
+                    sending = ClientFactory(config).create(card)
+                    streaming = ClientFactory(ClientConfig(httpx_client=http)).create(card)
+                    one = SendMessageConfiguration(history_length=1)
+                    go = SendMessageRequest(message=user_message("go").message, configuration=one)
+                    (sent,) = await collect(sending.send_message(go))
+                    task = sent.task
+                    said = user_message("allow", task_id=task.id, context_id=task.context_id)
+                    allow = SendMessageRequest(message=said.message, configuration=one)
+                    streamed = await collect(streaming.send_message(allow))
+                    return sent, streamed, await sending.get_task(GetTaskRequest(id=task.id))
+
+            sent, streamed, got = await trio.to_thread.run_sync(in_asyncio(drive))
+    assert sent.task.status.state == TaskState.TASK_STATE_INPUT_REQUIRED
+    # Of go, Checking., the call and the question about it: the question alone.
+    (asked,) = sent.task.history
+    assert asked.parts[0].text == sent.task.status.message.parts[0].text
+    assert streamed[0].HasField("task") and len(streamed[0].task.history) == 1
+    assert state_of(streamed[-1]) == TaskState.TASK_STATE_COMPLETED
+    assert len(got.history) > 2  # the task keeps its whole history
+
+
+async def test_a_question_answered_with_text_is_that_text_in_the_task_history(
+    tmp_path: Path,
+) -> None:
+    """R-PROTO-1: the model asks (``ask_user``) and the next message's text, ``blue``,
+    answers it. The task's history showed the user saying ``allow`` (the answer's
+    decision); it shows the answer, as the user's turn, before the call's result."""
+    from greenroom.actors.tools import ask_user
+
+    def script() -> list[ScriptStep]:
+        return [
+            Reply(blocks=(tool_call("q1", "ask_user", question="Which color?"),)),
+            Reply(blocks=(text("Blue it is."),)),
+        ]
+
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, script, tools=[ask_user], a2a=True) as server:
+            url = base_url(server)
+
+            async def drive() -> tuple[list[StreamResponse], list[StreamResponse], Any]:
+                async with http_client() as http:
+                    card = await A2ACardResolver(http, url).get_agent_card()
+                    client = ClientFactory(ClientConfig(httpx_client=http)).create(card)
+                    first = await collect(client.send_message(user_message("pick")))
+                    task = first[0].task
+                    answer = user_message("blue", task_id=task.id, context_id=task.context_id)
+                    second = await collect(client.send_message(answer))
+                    return first, second, await client.get_task(GetTaskRequest(id=task.id))
+
+            first, second, got = await trio.to_thread.run_sync(in_asyncio(drive))
+    assert state_of(first[-1]) == TaskState.TASK_STATE_INPUT_REQUIRED
+    assert state_of(second[-1]) == TaskState.TASK_STATE_COMPLETED
+    users = [m for m in got.history if m.role == Role.ROLE_USER]
+    assert [[p.text for p in m.parts if p.text] for m in users] == [["pick"], ["blue"]]
+    answer = users[-1]
+    assert any(
+        p.HasField("data") and p.data.struct_value["call_id"] == "q1" for p in answer.parts
+    )
+    after = list(got.history)[list(got.history).index(answer) + 1 :]
+    assert any(
+        p.HasField("data") and "tool_result" in p.data.struct_value
+        for m in after
+        for p in m.parts
+    ), "the call's result follows the answer"

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -26,7 +27,9 @@ from test_gateway import TOKEN, connect, lookup_brain, lookup_script, serving
 from test_mcp import stdio
 
 from greenroom.actors.gateway import ag_ui as ag_ui_front
+from greenroom.actors.gateway import feeds
 from greenroom.actors.gateway.ag_ui import FRONT_END_TOOLS_FILE
+from greenroom.actors.providers.scripted import ScriptedStream, ScriptStep
 from greenroom.actors.runtime import client_tools_file
 from greenroom.actors.tools.builtin import read_file
 from greenroom.protocols import ag_ui, jsonrpc
@@ -39,7 +42,13 @@ from greenroom.protocols.outputs import (
     TaskEnd,
     ToolCallOutput,
 )
-from greenroom.protocols.stream import TokenUsage
+from greenroom.protocols.stream import (
+    BlockCompleted,
+    BlockStarted,
+    TextDelta,
+    TokenUsage,
+    ToolArgumentsDelta,
+)
 
 BOUND_S = 20.0
 MCP_BOUND_S = 60.0  # a session with an MCP server starts its process: slow on a busy machine
@@ -80,9 +89,16 @@ class Stream:
 
 
 def post(
-    url: str, body: Any, *, token: str | None = TOKEN, headers: dict[str, str] | None = None
+    url: str,
+    body: Any,
+    *,
+    token: str | None = TOKEN,
+    headers: dict[str, str] | None = None,
+    until: Callable[[dict[str, Any]], bool] | None = None,
 ) -> Stream:
-    """POST ``body`` and read the whole answer (blocking: run in a worker thread)."""
+    """POST ``body`` and read the whole answer (blocking: run in a worker thread); with
+    ``until``, only up to the first event it holds true of, then close the connection (a
+    front end that loses the stream there)."""
     sent = {"Accept": "text/event-stream", **(headers or {})}
     if token is not None:
         sent["Authorization"] = f"Bearer {token}"
@@ -103,6 +119,8 @@ def post(
                 event = json.loads(line[6:])
                 EVENTS.validate_python(event)  # every event is an AG-UI event
                 events.append((event_id, event))
+                if until is not None and until(event):
+                    break
         return Stream(response.status_code, events, None)
 
 
@@ -915,3 +933,191 @@ async def test_a_body_holding_a_number_that_is_not_finite_is_refused(
             assert "the body is not JSON" in refused.body["error"]["message"]
             assert not list((tmp_path / "data").rglob(FRONT_END_TOOLS_FILE))
             await _no_session_until_a_good_run(server, url, "t-num")
+
+
+# -- reconnecting and resuming in the middle of a turn ---------------------------------------
+
+
+def held_block_script(
+    gate: trio.Event, *, text_first: bool = False, call: ToolCallBlock | None = None
+) -> Callable[[], list[ScriptStep]]:
+    """One model step that streams a block's first piece, waits for ``gate``, then the
+    rest of it: the text ``Hello`` (``Hel`` … ``lo``), or ``call`` (its arguments cut in
+    two); ``text_first`` puts a whole text block ``Checking.`` before it."""
+    from greenroom.protocols.context import ModelRequest
+
+    async def step(request: ModelRequest, stream: ScriptedStream) -> None:
+        # ScriptedStream has no call that goes on with a block it left open: the events
+        # go to its deliver, as a provider's do.
+        deliver = stream._deliver
+        index = 0
+        if text_first:
+            await stream.text("Checking.")
+            index = 1
+        if call is None:
+            opened = [BlockStarted(index=index, kind="text"), TextDelta(index=index, text="Hel")]
+            await deliver(opened)
+            await gate.wait()
+            await deliver([TextDelta(index=index, text="lo"),
+                           BlockCompleted(index=index, block=TextBlock(text="Hello"))])  # fmt: skip
+            await stream.end()
+            return
+        raw = json.dumps(call.arguments)
+        cut = len(raw) // 2
+        pieces = [
+            ToolArgumentsDelta(index=index, call_id=call.id, name=call.name, delta=part)
+            for part in (raw[:cut], raw[cut:])
+        ]
+        opened = BlockStarted(index=index, kind="tool_call", call_id=call.id, name=call.name)
+        await deliver([opened, pieces[0]])
+        await gate.wait()
+        await deliver([pieces[1], BlockCompleted(index=index, block=call)])
+        await stream.end("tool_use")
+
+    return lambda: [step]
+
+
+def message_ids(stream: Stream) -> list[str]:
+    return [e["messageId"] for e in stream.of("TEXT_MESSAGE_START")]
+
+
+def said(stream: Stream) -> str:
+    return "".join(e["delta"] for e in stream.of("TEXT_MESSAGE_CONTENT"))
+
+
+async def test_a_reconnect_gives_a_message_cut_off_mid_block_whole_under_its_id(
+    tmp_path: Path,
+) -> None:
+    """R-PROTO-2: a front end that lost the stream after ``Hel`` of ``Hello`` reconnects
+    from its last event id once the block is complete. The replay starts after the turn's
+    ``request_begin``, and the reconnect's mapper counted turns from 0: the message came
+    again under ``RUN-0-0``, not the ``RUN-1-0`` the front end was shown."""
+    gate = trio.Event()
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, held_block_script(gate), ag_ui=True) as server:
+            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+            first = await posted(
+                url, run_input("t1", "r1", "hi"),
+                until=lambda e: e["type"] == "TEXT_MESSAGE_CONTENT",
+            )  # fmt: skip
+            assert said(first) == "Hel"
+            gate.set()
+            await server.host.get_session("t1").wait_idle()
+            again = await posted(
+                url, run_input("t1", "r1"), headers={"Last-Event-ID": str(first.events[-1][0])}
+            )
+    assert said(again) == "Hello"
+    assert message_ids(again) == message_ids(first)
+    assert again.events[-1][1]["outcome"] == {"type": "success"}
+
+
+async def test_a_reconnect_while_the_model_still_writes_a_message_gives_it_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-PROTO-2: the front end reconnects after ``Hel`` while the model still writes the
+    block. ``Hel`` is not in the trace (live pieces never are) and was published before
+    the reconnect watched, so the reconnect began a message of its own with the pieces
+    that followed (``lo``). The block comes whole once complete, under its id."""
+    gate = trio.Event()
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, held_block_script(gate), ag_ui=True) as server:
+            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+            first = await posted(
+                url, run_input("t1", "r1", "hi"),
+                until=lambda e: e["type"] == "TEXT_MESSAGE_CONTENT",
+            )  # fmt: skip
+            # The model goes on only once the reconnect's replay has read the trace: its
+            # next piece is then a live one, never one the replay makes stale.
+            replayed, let_go = hold_after_first(monkeypatch, feeds, "replay_records")
+            streams: list[Stream] = []
+
+            async def reconnect() -> None:
+                last = str(first.events[-1][0])
+                streams.append(
+                    await posted(url, run_input("t1", "r1"), headers={"Last-Event-ID": last})
+                )
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(reconnect)
+                await replayed.wait()
+                gate.set()
+                let_go.set()
+    (again,) = streams
+    assert said(again) == "Hello"
+    assert message_ids(again) == message_ids(first)
+    assert again.events[-1][1]["outcome"] == {"type": "success"}
+
+
+async def test_a_reconnect_while_the_model_still_writes_a_tool_call_gives_it_whole(
+    tmp_path: Path, lookup: Lookup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-PROTO-2: the front end reconnects, from the end of ``Checking.``, while the model
+    still writes the call's arguments. The reconnect showed the call with the rest of its
+    JSON only (not JSON), and without the ``parentMessageId`` the front end was shown (its
+    mapper knew no text message of the turn). The call comes whole, under its message."""
+    gate = trio.Event()
+    call = ToolCallBlock(id="c1", name="lookup", arguments={"key": "a"})
+    script = held_block_script(gate, text_first=True, call=call)
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, script, tools=[lookup.tool], ag_ui=True) as server:
+            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+            first = await posted(
+                url, run_input("t1", "r1", "hi"), until=lambda e: e["type"] == "TOOL_CALL_ARGS"
+            )
+            (live,) = first.of("TOOL_CALL_START")
+            assert live["parentMessageId"] == message_ids(first)[0]
+            replayed, let_go = hold_after_first(monkeypatch, feeds, "replay_records")
+            streams: list[Stream] = []
+
+            async def reconnect() -> None:
+                last = str(first.events[-1][0])
+                streams.append(
+                    await posted(url, run_input("t1", "r1"), headers={"Last-Event-ID": last})
+                )
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(reconnect)
+                await replayed.wait()
+                gate.set()
+                let_go.set()
+    (again,) = streams
+    assert not again.of("TEXT_MESSAGE_START")  # seen before the id: not again
+    (start,) = again.of("TOOL_CALL_START")
+    assert start == live
+    assert json.loads("".join(e["delta"] for e in again.of("TOOL_CALL_ARGS"))) == {"key": "a"}
+    assert again.events[-1][1]["outcome"]["interrupts"][0]["id"] == "c1"
+
+
+async def test_a_resume_gives_the_rest_of_a_turn_asked_about_mid_stream_under_its_ids(
+    tmp_path: Path, lookup: Lookup
+) -> None:
+    """R-PROTO-2: a call is asked about as soon as its block is complete, while the model
+    may still write the turn. The run ends on that interrupt; the resume streams from the
+    request, after the turn's ``request_begin``, and its mapper counted from turn 0: the
+    turn's next call came without the ``parentMessageId`` of the words before it."""
+    from greenroom.protocols.context import ModelRequest
+
+    gate = trio.Event()
+
+    async def step(request: ModelRequest, stream: ScriptedStream) -> None:
+        await stream.text("Checking.")
+        await stream.tool_call(ToolCallBlock(id="c1", name="lookup", arguments={"key": "a"}))
+        await gate.wait()  # c1 is asked about meanwhile
+        await stream.tool_call(ToolCallBlock(id="c2", name="lookup", arguments={"key": "b"}))
+        await stream.end("tool_use")
+
+    with trio.fail_after(BOUND_S):
+        async with serving(tmp_path, lambda: [step], tools=[lookup.tool], ag_ui=True) as server:
+            url = f"http://127.0.0.1:{server.gateway.port}/ag-ui"
+            first = await posted(url, run_input("t1", "r1", "go"))
+            assert first.events[-1][1]["outcome"]["interrupts"][0]["id"] == "c1"
+            assert [e["toolCallId"] for e in first.of("TOOL_CALL_START")] == ["c1"]
+            gate.set()
+            allow = {"interruptId": "c1", "status": "resolved", "payload": {"decision": "allow"}}
+            second = await posted(url, run_input("t1", "r2", resume=[allow]))
+    (start,) = second.of("TOOL_CALL_START")
+    assert start["toolCallId"] == "c2"
+    assert start["parentMessageId"] == message_ids(first)[0]
+    assert json.loads("".join(e["delta"] for e in second.of("TOOL_CALL_ARGS"))) == {"key": "b"}
+    assert second.events[-1][1]["outcome"]["interrupts"][0]["id"] == "c2"
+    assert lookup.calls == ["a"]

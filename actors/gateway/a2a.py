@@ -261,13 +261,18 @@ class A2aEndpoint:
             raise RpcError(jsonrpc.INVALID_PARAMS, f"text longer than {MAX_TEXT_CHARS} characters")
         session, named_run = await self._target(principal, sent.context_id, sent.task_id, text)
         streaming = frame.method == "message/stream"
-        blocking = params.configuration is None or params.configuration.blocking is not False
+        configuration = params.configuration
+        blocking = configuration is None or configuration.blocking is not False
+        # The most recent history messages the Task answered carries (A2A 0.3), as for
+        # tasks/get; the events that follow carry no history.
+        history_length = None if configuration is None else configuration.history_length
         feed, fold, answered = await self._delivered(session, named_run, text, data, principal)
         with feed:
 
             async def produce(sink: EventSink | None) -> None:
                 if sink is not None:
-                    await sink.send(jsonrpc.encode(jsonrpc.result_frame(frame.id, fold.task())))
+                    task = fold.task(history_length)
+                    await sink.send(jsonrpc.encode(jsonrpc.result_frame(frame.id, task)))
                 await self._follow(feed, fold, frame, sink, answered)
 
             if streaming:
@@ -277,7 +282,7 @@ class A2aEndpoint:
             # on (tasks/get and tasks/resubscribe find it), nothing is answered.
             if blocking and not await reply.unless_gone(lambda: produce(None)):
                 return
-            await reply.json(200, jsonrpc.result_frame(frame.id, fold.task()))
+            await reply.json(200, jsonrpc.result_frame(frame.id, fold.task(history_length)))
 
     async def _target(
         self, principal: str, context_id: str | None, task: str | None, text: str

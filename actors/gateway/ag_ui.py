@@ -61,7 +61,7 @@ from greenroom.actors.runtime.session import Session, client_tools_problem
 from greenroom.protocols import ag_ui, jsonrpc
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.jsonrpc import RpcError
-from greenroom.protocols.outputs import ApprovalRequest
+from greenroom.protocols.outputs import ApprovalRequest, Output
 from greenroom.protocols.people import PendingApproval, Verdict
 from greenroom.protocols.tools import Tool, client_tool, value_too_deep
 
@@ -113,10 +113,13 @@ class AgUiEndpoint:
                     # a front-end tool: the refused run leaves no session (R-SEC-9).
                     await self._methods.creation.undo(request.principal, session)
                 raise
+            shown: list[Output] | None = None
             if last_event is not None:
-                feed, pending = await self._reconnect(session, last_event)
+                feed, pending, shown = await self._reconnect(session, last_event)
             elif run.resume or await self._tool_results(session, run):
-                feed, pending = await self._resume(session, run, request.principal, tools)
+                feed, pending, shown = await self._resume(
+                    session, run, request.principal, tools
+                )
             else:
                 feed, pending = await self._start(session, run), []
         except _Refused as exc:
@@ -133,6 +136,12 @@ class AgUiEndpoint:
             return
         names = frozenset(t.name for t in tools)
         mapper = ag_ui.RunMapper(thread_id=session.id, run_id=run.run_id, client_tools=names)
+        if shown is not None:
+            # The replay starts after the records the front end was shown (for a resume,
+            # those up to its request, which may have been asked while the model still
+            # wrote its turn): the mapper takes its turn and block count from them, or
+            # the turn's later blocks would get other ids than a reconnect gives them.
+            mapper.join(shown)
         with feed:
 
             async def produce(sink: EventSink) -> None:
@@ -263,7 +272,10 @@ class AgUiEndpoint:
 
     async def _resume(
         self, session: Session, run: RunAgentInput, principal: str, tools: Sequence[Tool]
-    ) -> tuple[SessionFeed, list[PendingApproval]]:
+    ) -> tuple[SessionFeed, list[PendingApproval], list[Output]]:
+        """Answer what the run's ``resume`` entries and tool messages answer; the feed
+        from the latest request answered, the requests still open that were asked before
+        it, and the records up to it (what the front end was shown)."""
         pending = {p.call_id: p for p in await self._pending(session)}
         entries = run.resume or []
         unknown = [e.interrupt_id for e in entries if e.interrupt_id not in pending]
@@ -328,11 +340,14 @@ class AgUiEndpoint:
             feed.close()
             raise
         still = [p for p in pending.values() if p.call_id not in answered]
-        return feed, [p for p in still if _asked_before(records, p, after)]
+        shown = [r for r in records if (r.seq or 0) <= after]
+        return feed, [p for p in still if _asked_before(records, p, after)], shown
 
     async def _reconnect(
         self, session: Session, last_event: str
-    ) -> tuple[SessionFeed, list[PendingApproval]]:
+    ) -> tuple[SessionFeed, list[PendingApproval], list[Output]]:
+        """The feed from ``last_event``, the requests asked before it (the replay will
+        not show them), and the records up to it (what the front end was shown)."""
         if not LAST_EVENT_ID.fullmatch(last_event):
             raise _Refused(400, BAD_LAST_EVENT_ID)
         after = int(last_event)
@@ -344,9 +359,9 @@ class AgUiEndpoint:
                 400, f"Last-Event-ID: {after} is past the thread's last event id ({last})"
             )
         records = await replay_records(session, 0)
-        return SessionFeed(session, after), [
-            p for p in await self._pending(session) if _asked_before(records, p, after)
-        ]
+        pending = [p for p in await self._pending(session) if _asked_before(records, p, after)]
+        shown = [r for r in records if (r.seq or 0) <= after]
+        return SessionFeed(session, after), pending, shown
 
 
 def _new_text(run: RunAgentInput) -> str:
@@ -436,3 +451,6 @@ async def _stream(
                     jsonrpc.encode(event), event_id=str(output.seq if last else cursor)
                 )
             cursor = output.seq or cursor
+        # A reconnect's first batch is the trace's replay: the outputs that follow are
+        # live, and the block open now may have lost its first pieces (RunMapper.join).
+        mapper.caught_up()
