@@ -21,6 +21,7 @@ from greenroom.actors.runtime.errors import (
     SessionClosed,
     SessionExists,
     SessionNotFound,
+    SessionOpenElsewhere,
 )
 from greenroom.actors.runtime.host import Host, SessionInfo
 from greenroom.actors.runtime.receipts import InputReceipt
@@ -50,4 +51,5 @@ __all__ = [
     "SessionExists",
     "SessionInfo",
     "SessionNotFound",
+    "SessionOpenElsewhere",
 ]

@@ -55,6 +55,12 @@ class SessionExists(GreenroomError):
     code = 409
 
 
+class SessionOpenElsewhere(Busy):
+    """The session is open in another host on the same data dir (another process, or
+    another :class:`Host` of this one): a trace has one writer at a time (R-TRACE-1), so
+    it is answered, steered or run through the host that has it open."""
+
+
 class SessionClosed(GreenroomError):
     """The session was closed or deleted; it accepts no more work."""
 

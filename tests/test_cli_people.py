@@ -422,3 +422,42 @@ async def test_unknown_sessions_and_bad_ids_are_usage_errors(tmp_path: Path) -> 
     bad = await greenroom(tmp_path, "answer", "../x", "c1", "yes", "--data-dir", data)
     assert bad.returncode == 2
     assert "is not a session id" in bad.stderr and "Traceback" not in bad.stderr
+
+
+async def test_approve_while_another_host_has_the_session_open_is_refused(
+    tmp_path: Path, workspace: Path, pay_tools: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-TRACE-1, R-HITL-2: a host (a server, here this test's) has the session open,
+    parked on a payment; ``greenroom approve`` from another process loaded it as well,
+    paid, and the open host then took a second answer and paid again, the trace holding
+    each seq twice. The command is refused with one line (the session is open in another
+    host) and writes nothing; the open host's answer pays once."""
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "test-key")
+    data = tmp_path / "data"
+    payments = workspace / "payments.txt"
+    script = (
+        Reply([Text("Paying 7."), ToolUse("toolu_1", "pay", {"amount": 7})],
+              stop_reason="tool_use"),
+        Reply([Text("Paid 7.")]),
+    )  # fmt: skip
+    async with open_mock_server(*script) as server:
+        sid = await leave_waiting(
+            data, workspace, server.base_url, load_tools(str(pay_tools)), "pay 7"
+        )
+        async with Host.open(data, tools=load_tools(str(pay_tools))) as host:
+            session = await host.load_session(sid)
+            before = trace_of(data, sid)
+            refused = await greenroom(
+                tmp_path, "approve", sid, "toolu_1", "allow", "--data-dir", str(data),
+                "--tools", str(pay_tools),
+            )  # fmt: skip
+            assert refused.returncode == 2, refused.stderr
+            assert refused.stderr.splitlines() == [
+                f"greenroom approve: session {sid} is open in another host on this data dir "
+                "(another process?): answer, steer or run it through that host"
+            ]
+            assert trace_of(data, sid) == before and not payments.exists()
+            await host.answer_approval(sid, "toolu_1", "allow", by="alice")
+            with trio.fail_after(TIMEOUT_S):
+                await session.wait_idle()
+    assert payments.read_text().split() == ["7"]

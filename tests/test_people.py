@@ -802,3 +802,39 @@ async def test_a_request_taken_up_under_a_callback_parks_and_the_callback_decide
                  for d in lines if d["type"] == "approval_decision"]
     assert decisions == [("p1", "allow", "client"), ("p2", "allow", "host")]
     assert [e["status"] for e in lines if e["type"] == "task_end"] == ["completed"]
+
+
+async def test_a_second_host_on_the_data_dir_cannot_answer_a_session_another_has_open(
+    data_dir: Path, workspace: Path
+) -> None:
+    """R-TRACE-1, R-HITL-2: host A has the session open, parked on a payment's approval;
+    host B on the same data dir (``greenroom approve`` while a server runs, say) loaded it
+    too and answered: the payment ran in B, A still listed the request and took a second
+    answer, the payment ran again, and the trace held each seq twice. A session's trace
+    has one writer: B is refused (``SessionOpenElsewhere``, a ``Busy``) and changes
+    nothing; once A closes the session, B answers it and the payment runs once."""
+    from greenroom.actors.runtime.errors import SessionOpenElsewhere
+
+    ledger = Ledger()
+    async with open_host(data_dir) as a:
+        session = await a.create_session(provider=ScriptedProvider(pay_then_answer()[:1]),
+                                          tools=[ledger.tool], workspace_dir=workspace)
+        session.run("pay", approve=PEOPLE).detach()
+        await until_parked(a, session.id)
+        before = session.trace_path.read_bytes()
+        async with open_host(data_dir) as b:
+            with pytest.raises(SessionOpenElsewhere, match="open in another host"):
+                await b.answer_approval(session.id, "p1", "allow", by="bob", tools=[ledger.tool])
+            with pytest.raises(SessionOpenElsewhere):
+                await b.load_session(session.id, tools=[ledger.tool])
+            assert session.trace_path.read_bytes() == before and ledger.paid == []
+            await a.close_session(session.id)
+            await b.answer_approval(session.id, "p1", "allow", by="bob", tools=[ledger.tool],
+                                    provider=ScriptedProvider(pay_then_answer()[1:]))
+            answered = b.get_session(session.id)
+            with trio.fail_after(RUN_TIMEOUT_S):
+                await answered.wait_idle()
+            lines = trace_lines(answered)
+    assert ledger.paid == [7]
+    seqs = [line["seq"] for line in lines]
+    assert seqs == list(range(1, len(seqs) + 1))

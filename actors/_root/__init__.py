@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         SessionClosed,
         SessionExists,
         SessionNotFound,
+        SessionOpenElsewhere,
     )
     from greenroom.protocols import (
         Output,
@@ -66,6 +67,7 @@ _LAYER_OF = {
     "SessionClosed": "greenroom.actors",
     "SessionExists": "greenroom.actors",
     "SessionNotFound": "greenroom.actors",
+    "SessionOpenElsewhere": "greenroom.actors",
     "Output": "greenroom.protocols",
     "TaskEnd": "greenroom.protocols",
     "Tool": "greenroom.protocols",
@@ -95,6 +97,7 @@ __all__ = [
     "SessionClosed",
     "SessionExists",
     "SessionNotFound",
+    "SessionOpenElsewhere",
     "TaskEnd",
     "Tool",
     "ToolContext",

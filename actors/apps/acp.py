@@ -797,6 +797,8 @@ class AcpAgent:
             )
         except SessionNotFound as exc:
             raise RpcError(acp.RESOURCE_NOT_FOUND, str(exc)) from None
+        except Busy as exc:  # open in another host on this data dir
+            raise RpcError(BUSY, str(exc)) from None
         except ConfigurationError as exc:
             raise RpcError(INTERNAL_ERROR, f"cannot set up the session: {exc}") from None
         for problem in session.load_errors:

@@ -93,6 +93,7 @@ from greenroom.actors.runtime import (
     NotPending,
     Session,
     SessionNotFound,
+    SessionOpenElsewhere,
     SessionStore,
     default_data_dir,
 )
@@ -443,7 +444,7 @@ async def _answer_and_follow(
     ) as host:
         try:
             session = await host.load_session(answer.session_id, mcp_servers=options.mcp_servers)
-        except SessionNotFound as exc:
+        except (SessionNotFound, SessionOpenElsewhere) as exc:
             print_error(f"greenroom {command}: {exc}")
             return EXIT_USAGE
         except (ConfigurationError, ImportError) as exc:

@@ -51,6 +51,7 @@ from greenroom.actors.runtime import (
     Session,
     SessionNotFound,
     SessionObserver,
+    SessionOpenElsewhere,
     SessionStore,
     default_data_dir,
     spawn_subagent,
@@ -476,7 +477,7 @@ async def open_reported_session(host: Host, options: RunOptions) -> Session | No
     # nursery wrapped in an ExceptionGroup.
     try:
         session = await open_session(host, options)
-    except SessionNotFound as exc:
+    except (SessionNotFound, SessionOpenElsewhere) as exc:
         print_error(f"greenroom: --session: {exc}")
         return None
     except (ConfigurationError, ImportError) as exc:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         SessionClosed,
         SessionExists,
         SessionNotFound,
+        SessionOpenElsewhere,
     )
     from greenroom.actors.runtime.host import (
         Host,
@@ -84,6 +85,7 @@ _MODULE_OF = {
     "SessionClosed": "greenroom.actors.runtime.errors",
     "SessionExists": "greenroom.actors.runtime.errors",
     "SessionNotFound": "greenroom.actors.runtime.errors",
+    "SessionOpenElsewhere": "greenroom.actors.runtime.errors",
     "Host": "greenroom.actors.runtime.host",
     "SessionInfo": "greenroom.actors.runtime.host",
     "SessionObserver": "greenroom.actors.runtime.host",
@@ -140,6 +142,7 @@ __all__ = [
     "SessionInfo",
     "SessionNotFound",
     "SessionObserver",
+    "SessionOpenElsewhere",
     "SessionPort",
     "SessionStore",
     "TraceLog",

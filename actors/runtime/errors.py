@@ -19,6 +19,7 @@ from greenroom.protocols.errors import (
     SessionClosed,
     SessionExists,
     SessionNotFound,
+    SessionOpenElsewhere,
 )
 
 __all__ = [
@@ -36,4 +37,5 @@ __all__ = [
     "SessionClosed",
     "SessionExists",
     "SessionNotFound",
+    "SessionOpenElsewhere",
 ]

@@ -67,6 +67,7 @@ Exceptions (with the trace sink's)::
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import secrets
@@ -79,7 +80,12 @@ import attrs
 import trio
 
 from greenroom.actors.runtime.disk import DISK, Disk
-from greenroom.actors.runtime.errors import GreenroomError, SeqRefused, SessionExists
+from greenroom.actors.runtime.errors import (
+    GreenroomError,
+    SeqRefused,
+    SessionExists,
+    SessionOpenElsewhere,
+)
 from greenroom.actors.runtime.storage import (
     PRIVATE_DIR_MODE,
     PRIVATE_FILE_MODE,
@@ -109,6 +115,7 @@ from greenroom.protocols.trace import (
 )
 
 __all__ = [
+    "WRITER_LOCK_FILE",
     "FileSessionCatalog",
     "FileTraceLog",
     "FileTraceStore",
@@ -129,6 +136,11 @@ __all__ = [
     "one_line",
     "read_meta_file",
 ]
+
+
+WRITER_LOCK_FILE = "writer.lock"
+"""In each session's directory: the file whose ``flock`` the host writing the session's
+trace holds while the session is open in it (:class:`FileTraceLog`)."""
 
 
 class StaleTraceWriter(TraceWriteError):
@@ -481,18 +493,28 @@ class FileTraceLog:
         self.sink = sink
         self.disk = sink.disk
         self._positions: dict[str, _Position] = {}
+        self._writing: dict[str, int] = {}
+        """The lock (:data:`WRITER_LOCK_FILE`) held on each session this log writes."""
 
     def start(self, session_id: str) -> None:
         """Appends go to ``trace_001.jsonl`` from ``seq`` 1."""
+        self._hold(session_id)
         self._positions[session_id] = _Position(
             number=1, next_seq=1, path=self.paths.trace_path(session_id, 1)
         )
 
     async def load(self, session_id: str) -> LoadedTrace:
-        """Tighten the directory's modes, read the latest trace file."""
+        """Tighten the directory's modes, read the latest trace file. Raises
+        :class:`SessionOpenElsewhere` while another log writes the session."""
         directory = self.paths.session_dir(session_id)
         await trio.to_thread.run_sync(_tighten_session_dir, directory)
-        loaded, path = await trio.to_thread.run_sync(self._latest, session_id)
+        await trio.to_thread.run_sync(self._hold, session_id)
+        try:
+            loaded, path = await trio.to_thread.run_sync(self._latest, session_id)
+        except BaseException:
+            if session_id not in self._positions:
+                self._let_go(session_id)
+            raise
         self._positions[session_id] = _Position(
             number=loaded.number, next_seq=loaded.last_seq + 1, path=path
         )
@@ -613,10 +635,11 @@ class FileTraceLog:
 
     def release(self, session_id: str) -> None:
         """Drop the session's trace position (a host that opens many sessions over its
-        life keeps only the open ones')."""
+        life keeps only the open ones'), and its writer's lock."""
         position = self._positions.pop(session_id, None)
         if position is not None:
             self.sink.release(position.path)
+        self._let_go(session_id)
 
     async def discard(self, session_id: str) -> None:
         """The session is being deleted: make what was written for it durable (a failure
@@ -629,6 +652,38 @@ class FileTraceLog:
             finally:
                 # Cancelled or not, the position is gone: so is what the sink keeps of it.
                 self.sink.forget(position.path)
+        self._let_go(session_id)
+
+    def _hold(self, session_id: str) -> None:
+        """Take the session's writer lock (an exclusive ``flock`` on
+        :data:`WRITER_LOCK_FILE` in its directory), kept until :meth:`release`: two hosts
+        on one data dir — a server and ``greenroom approve``, say — would both append
+        (one seq twice) and run a call each. Raises :class:`SessionOpenElsewhere` when
+        another one holds it. A file system without locks is written as before."""
+        if session_id in self._writing:
+            return
+        path = self.paths.session_dir(session_id) / WRITER_LOCK_FILE
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+        except OSError:
+            return  # no directory yet, or none we may write: nothing to share it with
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise SessionOpenElsewhere(
+                f"session {session_id} is open in another host on this data dir (another "
+                "process?): answer, steer or run it through that host"
+            ) from None
+        except OSError:
+            os.close(fd)  # locks not supported here (some network file systems)
+            return
+        self._writing[session_id] = fd
+
+    def _let_go(self, session_id: str) -> None:
+        fd = self._writing.pop(session_id, None)
+        if fd is not None:
+            os.close(fd)  # which drops the lock
 
     def _position(self, session_id: str) -> _Position:
         position = self._positions.get(session_id)
