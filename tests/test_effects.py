@@ -502,6 +502,33 @@ async def test_interrupting_a_task_whose_call_is_in_doubt_resolves_it_by_the_not
     assert lines[-1]["type"] == "task_end" and lines[-1]["status"] == "aborted"
 
 
+async def test_a_check_that_answers_after_an_interrupt_reruns_nothing(
+    host: Host, workspace: Path, tmp_path: Path, providers: Any
+) -> None:
+    """R-EFFECT-2, R-ABORT-1: the task is interrupted while its call in doubt is being
+    checked, and the check then finds no effect. The answer was taken as a rerun (recorded
+    ``check``/``rerun``, the run cancelled by the stop, the model told the user aborted the
+    tool); no call starts after the interrupt, so the call gets the note."""
+    sid, crashed, key = await crash_mid_call(host, workspace, tmp_path, providers)
+    opened: dict[str, Host] = {}
+
+    async def find(asked: str) -> None:
+        payments.asked.append(asked)
+        opened["host"].get_session(sid).interrupt()  # the user interrupts meanwhile
+        return None  # and the check then finds no payment
+
+    payments = Payments(check=find)
+    async with open_host(crashed) as second:
+        opened["host"] = second
+        session = await take_up(second, sid, providers([]), payments.tool, allow_all)
+        lines = trace_lines(session)
+    assert payments.asked == [key] and payments.runs == []
+    assert [(r["by"], r["outcome"]) for r in of(lines, "call_resolved")] == [("note", "unknown")]
+    (result,) = of(lines, "tool_call_output")
+    assert result["content"][0]["text"] == markers.HOST_LOST_TEXT
+    assert lines[-1]["type"] == "task_end" and lines[-1]["status"] == "aborted"
+
+
 # -- who resolves (pure) ----------------------------------------------------------------------
 
 

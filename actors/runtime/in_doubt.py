@@ -246,11 +246,16 @@ class CallsInDoubt:
 
     def checked(self, answer: ToolCallChecked) -> None:
         """The check of an in-doubt call answered: what it found is the call's result; not
-        done runs it once more; a failure passes the call to the next resolver. An answer
-        for a call settled meanwhile (the task was interrupted) is dropped."""
+        done runs it once more; a failure passes the call to the next resolver — unless the
+        task was told to stop meanwhile: then only a found effect is taken, and the end
+        gives the rest the note. An answer for a call settled meanwhile is dropped."""
         call_id = answer.call_id
         found = self._doubted(call_id)
         if found is None:
+            return
+        if answer.outcome != "done" and self._port.machine.stopping:
+            # Told to stop while the check ran: no call starts now, nor is anyone asked;
+            # the task's end gives the call the note (settle).
             return
         if answer.outcome == "done":
             content = (TextBlock(text=markers.IN_DOUBT_FOUND_TEXT), *answer.content)
