@@ -81,6 +81,7 @@ class Transcript:
         "_attempt_aborted",
         "_attempt_active",
         "_attempt_blocks",
+        "_earlier_results",
         "_failed_blocks",
         "_fresh_context",
         "_open_calls",
@@ -104,6 +105,9 @@ class Transcript:
         self._pending: list[InputPart] = []
         self._open_calls: list[ToolCallBlock] = []
         self._results: dict[str, ToolResult] = {}
+        self._earlier_results: dict[str, ToolResult] = {}
+        """The results of the calls of the task's failed attempts: what an abort renders
+        them with, apart from the current attempt's, whose call ids may repeat them."""
         self._attempt_blocks: list[ModelBlock] = []
         self._attempt_active = False
         self._attempt_aborted = False
@@ -174,7 +178,9 @@ class Transcript:
                 self._flush_results()
                 self._note_failed_attempt()
                 # A failed attempt's results are in its note now: a call of the new attempt
-                # that repeats one of their ids must not be taken for done (R-RETRY-4).
+                # that repeats one of their ids must not be taken for done (R-RETRY-4); an
+                # abort still renders the failed attempt with them.
+                self._earlier_results.update(self._results)
                 self._results.clear()
                 self._attempt_blocks = []
                 self._attempt_active = True
@@ -257,6 +263,7 @@ class Transcript:
         self._retry_note = None
         self._open_calls = []
         self._results.clear()
+        self._earlier_results.clear()
         self.carry_over = []
         self._attempt_blocks = []
         self._attempt_active = False
@@ -335,6 +342,7 @@ class Transcript:
             self._pending.append(result if result is not None else interrupted_result(call))
         self._open_calls = []
         self._results.clear()
+        self._earlier_results.clear()
 
     def _abort(self, output: Abort) -> None:
         # The record says which case applies: the supervisor ends the cut attempt with
@@ -345,7 +353,7 @@ class Transcript:
             # Case B: the model message was incomplete; the turn becomes one marked text.
             known = {
                 call_id: " ".join(b.text for b in result.content if isinstance(b, TextBlock))
-                for call_id, result in self._results.items()
+                for call_id, result in (*self._earlier_results.items(), *self._results.items())
             }
             if self._pending:
                 self.messages.append(UserMessage(content=tuple(self._pending)))
@@ -355,6 +363,7 @@ class Transcript:
             self._attempt_blocks = []
             self._attempt_active = False
             self._results.clear()
+            self._earlier_results.clear()
             self._failed_blocks = []
             self._retry_note = None
             self._prompt_parts = 0

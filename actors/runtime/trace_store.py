@@ -428,8 +428,12 @@ class FileTraceStore:
         await self.sink.run(task_status=task_status)
 
     async def aclose(self) -> None:
-        """Close the sink: flush, fsync, end ``run``."""
-        await self.sink.aclose()
+        """Close the sink: flush, fsync, end ``run``; then let go of every session's writer
+        lock (the sessions a host closes with it are written no more)."""
+        try:
+            await self.sink.aclose()
+        finally:
+            self.log.let_go_all()
 
 
 class FileSessionCatalog:
@@ -679,6 +683,11 @@ class FileTraceLog:
             os.close(fd)  # locks not supported here (some network file systems)
             return
         self._writing[session_id] = fd
+
+    def let_go_all(self) -> None:
+        """Let go of every session's writer lock: the store closes (its sink wrote all)."""
+        for session_id in list(self._writing):
+            self._let_go(session_id)
 
     def _let_go(self, session_id: str) -> None:
         fd = self._writing.pop(session_id, None)
