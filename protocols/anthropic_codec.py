@@ -46,6 +46,7 @@ from greenroom.protocols.content import (
 from greenroom.protocols.context import (
     Message,
     ModelRequest,
+    OutputFormat,
     ToolResult,
     ToolSchema,
     UserMessage,
@@ -176,7 +177,8 @@ class RequestEncoder:
         ``thinking`` (only with a thinking level; ``max_tokens`` is then raised to
         ``max_tokens + budget`` unless it already exceeds the budget), ``system`` (only when
         non-empty), ``tools`` (only when any), ``output_config`` or ``tool_choice`` (a
-        structured answer, see :meth:`_answer_form`), ``messages``. Consecutive messages of
+        structured answer, see :meth:`_answer_form`; an ``offered_output`` adds its tool
+        to ``tools`` and neither of them), ``messages``. Consecutive messages of
         one role are merged; tool results come first in a user message, in their order;
         empty text is dropped; adjacent text blocks of an assistant message are one text
         block, joined by line breaks as every reader joins them (the model's text split to
@@ -197,7 +199,11 @@ class RequestEncoder:
         tools = request.tools
         native: dict[str, Any] | None = None
         if request.output is not None:
-            native, tools = self._answer_form(request)
+            native, tools = self._answer_form(request, request.output)
+        elif request.offered_output is not None:
+            # A summary request: the turn's tools, final_answer included, and nothing
+            # that forces an answer (R-COMPACT-5).
+            _, tools = self._answer_form(request, request.offered_output)
         if tools:
             body["tools"] = self._tools(tools)
         if native is not None:
@@ -214,15 +220,13 @@ class RequestEncoder:
         return body
 
     def _answer_form(
-        self, request: ModelRequest
+        self, request: ModelRequest, output: OutputFormat
     ) -> tuple[dict[str, Any] | None, tuple[ToolSchema, ...]]:
-        """How a structured answer is asked for (R-OUT-1): the native
+        """How the structured answer ``output`` is asked for (R-OUT-1): the native
         ``output_config.format`` schema for the models that have it and a schema it can
         say (every object closed), else None and the tools with the synthetic
         ``final_answer`` tool last: ``tool_choice`` names it when it is the only tool,
         and asks for any tool otherwise, so the model may call the others first."""
-        output = request.output
-        assert output is not None
         memo = self._answer
         if (
             memo is not None

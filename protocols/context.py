@@ -93,6 +93,11 @@ class ModelRequest:
     between requests). ``images`` says where its images are read from; without it they
     are read from their paths with the default limit. ``output``: the structured answer
     the task requires, if any (compaction and title requests never carry one).
+    ``offered_output``: the answer a compaction's summary request does not ask for but
+    whose tool it keeps: a codec that asks for ``output`` through the synthetic
+    ``final_answer`` tool lists that tool still, without forcing it, so the request's
+    tools are the turn's (R-COMPACT-5) and the history's ``final_answer`` calls name a
+    tool the request defines.
     """
 
     model: str
@@ -104,3 +109,4 @@ class ModelRequest:
     supports_vision: bool = True
     images: ImageSource | None = None
     output: OutputFormat | None = None
+    offered_output: OutputFormat | None = None

@@ -65,6 +65,10 @@ def _make_tagged_unstructure(cls: type[Any]) -> Callable[[Any], dict[str, Any]]:
         "steering_ids",
         "late_steering",
         "session_rules",
+        # compaction_end's only: the other outputs' turn and usage have no default, so
+        # they are always written.
+        "turn",
+        "usage",
     ):
         if name in field_names:
             overrides[name] = override(omit_if_default=True)

@@ -566,6 +566,12 @@ class CompactionEnd(Envelope):
         session_rules: the tools an ``allow_session`` decision allowed for the rest of the
             session (R-APPROVE-4), sorted, for status ``ok``: the new trace file alone
             keeps them (a trace written before it carried them reads as empty).
+        turn: for status ``ok`` in a task, the turns the task had taken (a turn that
+            overflowed, to run again, not counted: R-COMPACT-9), and ``usage`` the tokens
+            its requests had used, the summary's included: the new trace file alone
+            keeps the task's ``max_turns`` count and its ``task_end`` usage (R-RUN-6,
+            R-RUN-7). Left out when 0 and None (a trace written before them reads so).
+        usage: see ``turn`` (a :class:`~greenroom.protocols.stream.TokenUsage`).
     """
 
     TYPE: ClassVar[str] = "compaction_end"
@@ -579,6 +585,8 @@ class CompactionEnd(Envelope):
     error_kind: str | None = None
     output_schema: dict[str, Any] | None = None
     session_rules: tuple[str, ...] = ()
+    turn: int = 0
+    usage: TokenUsage | None = None
 
 
 @_documented

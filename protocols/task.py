@@ -766,8 +766,11 @@ class TaskRecord:
     def _compaction_ended(self, output: CompactionEnd) -> None:
         if self.run_id is None:
             # The first record of a trace file that a compaction started, read on its own
-            # (R-COMPACT-8): the task that compacted goes on here, held to its schema.
+            # (R-COMPACT-8): the task that compacted goes on here, held to its schema,
+            # with the turns and tokens it had spent (R-RUN-6, R-RUN-7).
             self.start(output.run_id, "task", output.output_schema)
+            self.turn = output.turn
+            self.usage = self.usage if output.usage is None else output.usage
         reason = self.compaction_reason
         self.compaction_reason = None
         if output.session_rules:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
 from conftest import (
@@ -44,7 +45,7 @@ from greenroom.actors.providers.scripted import (
 from greenroom.actors.runtime.errors import Busy
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session import Session
-from greenroom.protocols import compaction
+from greenroom.protocols import compaction, markers
 from greenroom.protocols.compaction import CORRECTION_NOTE, STRAY_CALL_TEXT, summary_message
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.context import (
@@ -68,7 +69,7 @@ from greenroom.protocols.outputs import (
 )
 from greenroom.protocols.settings import DEFAULT_COMPACT_PROMPT
 from greenroom.protocols.stream import TokenUsage
-from greenroom.protocols.trace import parse_trace, trace_file_name
+from greenroom.protocols.trace import encode_record, parse_trace, trace_file_name
 from greenroom.protocols.transcript import DISCARDED_TEXT, rebuild
 
 LIMIT = 1000
@@ -1215,3 +1216,171 @@ async def test_crash_after_a_rotation_recovers_from_the_latest_file_alone(
     assert "[turn_aborted]Partial thought.[/turn_aborted]" in texts_of(
         UserMessage(content=tuple(recovered.carry_over))
     )
+
+
+# -- a crash around the rotation -------------------------------------------------------------
+
+
+def copy_traces(session: Session, data_dir: Path) -> Path:
+    """Copy the session's meta and every trace file as they are on disk now into
+    ``data_dir`` (a crash of the host at this point); returns the copy's directory."""
+    target = data_dir / "sessions" / session.id
+    target.mkdir(parents=True)
+    for path in session.directory.iterdir():
+        if path.name == "session.json" or path.name.startswith("trace_"):
+            target.joinpath(path.name).write_bytes(path.read_bytes())
+    return target
+
+
+async def crash_after_the_rotation(
+    session: Session, run: Any, reached: trio.Event, data_dir: Path
+) -> Path:
+    """Wait until the request after the rotation runs (``reached``), copy the session as
+    a crash now would leave it, then interrupt the live run; returns the copy."""
+    with trio.fail_after(5):
+        await reached.wait()
+    await port_of(session).sync_trace()
+    assert session.trace_path.name == "trace_002.jsonl"
+    copied = copy_traces(session, data_dir)
+    session.interrupt("stop")
+    await collect(run)
+    return copied
+
+
+@pytest.mark.parametrize("written", ["nothing", "half"])
+async def test_a_crash_before_the_new_files_first_record_keeps_the_old_context(
+    host: Host, workspace: Path, tmp_path: Path, providers, lookup: Lookup, written: str
+) -> None:
+    """R-COMPACT-8, R-TRACE-1, R-TRACE-4: the host dies once the rotation created
+    trace_002 but before its first record (compaction_end) is written whole: the file is
+    empty, or holds half of that record. The compaction did not happen: the session is
+    taken up from trace_001 — its context, seq going on after its last record, the
+    compaction ended failed as one in flight — and the task's next compaction writes
+    trace_002 again (after the torn line, which alone reads as corrupt)."""
+    reached = trio.Event()
+
+    async def hang(request: ModelRequest, stream: ScriptedStream) -> None:
+        reached.set()
+        await trio.sleep_forever()
+
+    seen: list[ModelRequest] = []
+    provider = providers(
+        [
+            Reply(blocks=(tool_call("c1", "lookup", key="a"),), usage=BIG),
+            summary_step("looked up a", seen),
+            hang,
+        ]
+    )
+    session = await new_session(host, workspace, provider, [lookup.tool])
+    run = session.run("go", approve=allow_all)
+    copied = await crash_after_the_rotation(session, run, reached, tmp_path / "crashed")
+    first, second = copied / "trace_001.jsonl", copied / "trace_002.jsonl"
+    line = second.read_bytes().splitlines(keepends=True)[0]
+    second.write_bytes(line[: len(line) // 2] if written == "half" else b"")
+    old = records(first)
+    assert isinstance(old[-1], TokenUsageOutput)  # the summary's: no compaction_end
+
+    again = providers(
+        [
+            Reply(blocks=(tool_call("c2", "lookup", key="b"),), usage=BIG),
+            summary_step("looked up a and b"),
+            Reply(blocks=(text("Done."),)),
+        ]
+    )
+    async with open_host(tmp_path / "crashed") as other:
+        with trio.fail_after(10):
+            taken = await other.resume(
+                session.id, provider=again, tools=[lookup.tool], approve=allow_all
+            )
+            # Loaded from trace_001: its last seq, not 0.
+            assert port_of(taken).last_seq == old[-1].seq
+            await taken.wait_idle()
+    # The task went on in the old context, then compacted it.
+    base = base_of(seen[0].messages)
+    assert again.requests[0].messages[: len(base) - 1] == base[:-1]
+    assert is_summary_request(again.requests[1])
+    assert again.requests[2].messages == (summary_message("looked up a and b"),)
+    ended = [r for r in records(first) if isinstance(r, CompactionEnd)]
+    assert [(e.status, e.error_message) for e in ended] == [
+        ("failed", markers.HOST_LOST_COMPACTION)
+    ]
+    result = parse_trace(second.read_bytes(), file=str(second))
+    assert len(result.errors) == (1 if written == "half" else 0)
+    new = result.records
+    assert isinstance(new[0], CompactionEnd)
+    assert (new[0].status, new[0].trace_file) == ("ok", "trace_002.jsonl")
+    assert isinstance(new[-1], TaskEnd) and new[-1].status == "completed"
+    seqs = [r.seq for r in (*records(first), *new)]
+    assert seqs == list(range(1, len(seqs) + 1))
+
+
+@pytest.mark.parametrize("reason", ["context", "overflow"])
+async def test_a_crash_right_after_the_rotation_keeps_the_tasks_turns_and_usage(
+    host: Host, workspace: Path, tmp_path: Path, providers, lookup: Lookup, reason: str
+) -> None:
+    """R-RUN-6, R-RUN-7, R-COMPACT-8, R-COMPACT-9: max_turns=2; the task compacts before
+    its second turn (``context``), or when that turn overflows (``overflow``, the turn runs
+    again). The host dies once trace_002 holds only compaction_end: taken up from that
+    file alone, the task runs its second turn — numbered 2 — and no more, and its
+    task_end counts the tokens of every request it made, before the compaction too."""
+    reached = trio.Event()
+
+    async def hang(request: ModelRequest, stream: ScriptedStream) -> None:
+        reached.set()
+        await trio.sleep_forever()
+
+    first = (
+        Reply(blocks=(tool_call("c1", "lookup", key="a"),), usage=BIG)
+        if reason == "context"
+        else Reply(blocks=(tool_call("c1", "lookup", key="a"),), usage=SMALL)
+    )
+    overflow = [Reply(fail=model_error("context_overflow", "prompt is too long"))]
+    provider = providers(
+        [first, *(overflow if reason == "overflow" else []), summary_step("gist"), hang]
+    )
+    session = await new_session(host, workspace, provider, [lookup.tool], max_turns=2)
+    run = session.run("go", approve=allow_all)
+    copied = await crash_after_the_rotation(session, run, reached, tmp_path / "crashed")
+    second = copied / "trace_002.jsonl"
+    second.write_bytes(second.read_bytes().splitlines(keepends=True)[0])
+    (begin,) = [r for r in records(copied / "trace_001.jsonl") if isinstance(r, CompactionBegin)]
+    assert begin.reason == reason
+
+    again = providers(
+        [
+            Reply(blocks=(tool_call("c2", "lookup", key="b"),), usage=SMALL),
+            Reply(blocks=(text("never"),)),
+        ]
+    )
+    async with open_host(tmp_path / "crashed") as other:
+        with trio.fail_after(10):
+            taken = await other.resume(
+                session.id, provider=again, tools=[lookup.tool], approve=allow_all, max_turns=2
+            )
+            await taken.wait_idle()
+    assert len(again.requests) == 1
+    new = records(second)
+    assert [r.turn for r in new if isinstance(r, RequestBegin)] == [2]
+    (end,) = of_type(new, TaskEnd)
+    assert (end.status, end.turns) == ("max_turns", 2)
+    spent = [
+        r.request
+        for path in sorted(copied.glob("trace_*.jsonl"))
+        for r in records(path)
+        if isinstance(r, TokenUsageOutput) and r.run_id == end.run_id
+    ]
+    assert len(spent) == 3  # the first turn's, the summary's, the taken-up turn's
+    assert end.usage == sum(spent[1:], spent[0])
+
+
+def test_compaction_end_leaves_out_the_tasks_turn_and_usage_when_it_has_none() -> None:
+    """R-COMPACT-8, R-TRACE-1: compaction_end's ``turn`` and ``usage`` are in its record
+    only when set — a trace written before them reads as before — and read back as
+    written."""
+    bare = CompactionEnd(session_id="s", run_id="r", seq=4, status="failed", attempt=1)
+    assert not {"turn", "usage"} & json.loads(encode_record(bare)).keys()
+    full = attrs.evolve(
+        bare, status="ok", turn=3, usage=TokenUsage(input=5, output=2, cost_usd=0.5)
+    )
+    (read,) = parse_trace(encode_record(full), file="t").records
+    assert read == full

@@ -492,3 +492,84 @@ async def test_fifty_turns_past_a_small_threshold_keep_going(tmp_path: Path) -> 
         )
         assert strip(rebuilt["messages"]) == strip(summary["messages"])
     assert all(records(f) for f in files)
+
+
+# -- R-COMPACT-5 for a structured task answering through the final tool ------------------------
+
+OPEN_SCHEMA = {
+    "type": "object",
+    "properties": {"key": {"type": "string"}},
+    "required": ["key"],
+    "additionalProperties": True,  # a map: no native form, the final tool carries it
+}
+
+
+async def test_summary_request_of_a_structured_task_keeps_the_final_answer_tool(
+    tmp_path: Path,
+) -> None:
+    """R-COMPACT-5, R-OUT-1: a structured task whose answer goes through the final_answer
+    tool compacts: the summary request repeats the turn's tools byte for byte, final_answer
+    included (the prompt cache still hits), and forces no answer (no tool_choice); the
+    turn after the compaction forces it again."""
+    async with open_mock_server(
+        Reply(
+            [ToolUse("toolu_1", "lookup", {"key": "a"})], stop_reason="tool_use",
+            usage=(900, 200),
+        ),
+        Reply([Text("[summary]a is known[/summary]")]),
+        Reply([ToolUse("toolu_2", "final_answer", {"key": "a"})], stop_reason="tool_use"),
+    ) as server:
+        async with anthropic_session(server, tmp_path) as (_, session):
+            outputs = await run(session, "find a", output_schema=OPEN_SCHEMA)
+        server.assert_clean()
+    assert (outputs[-1].status, outputs[-1].output) == ("completed", {"key": "a"})
+    turn, summary, after = (r.body for r in server.requests)
+    assert is_summary(server.requests[1])
+    assert [t["name"] for t in turn["tools"]] == ["lookup", "final_answer"]
+    assert_prefix(turn, summary)
+    assert turn["tool_choice"] == {"type": "any"}
+    assert "tool_choice" not in summary and "output_config" not in summary
+    assert dumps(after["tools"]) == dumps(turn["tools"])
+    assert after["tool_choice"] == {"type": "any"}
+
+
+async def test_summary_request_defines_the_final_answer_tool_its_history_calls(
+    tmp_path: Path,
+) -> None:
+    """R-COMPACT-5, R-OUT-1: a session without tools whose structured task had its first
+    final_answer refused compacts: the summary request's history holds that tool_use, so
+    it defines the tool (the turn's tools, byte for byte), without naming it in
+    tool_choice."""
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": True,
+    }
+    async with open_mock_server(
+        Reply(
+            [ToolUse("toolu_1", "final_answer", {"n": "x"})], stop_reason="tool_use",
+            usage=(900, 200),
+        ),
+        Reply([Text("[summary]n was asked for; x is no integer[/summary]")]),
+        Reply([ToolUse("toolu_2", "final_answer", {"n": 1})], stop_reason="tool_use"),
+    ) as server:
+        provider = AnthropicProvider(base_url=server.base_url, api_key="test-key")
+        async with Host.open(tmp_path / "data") as host:
+            session = await host.create_session(
+                tools=[], provider=provider, workspace_dir=tmp_path,
+                model="claude-sonnet-5-5", max_context_length=LIMIT,
+            )
+            outputs = await run(session, "give n", output_schema=schema)
+        server.assert_clean()
+    assert (outputs[-1].status, outputs[-1].output) == ("completed", {"n": 1})
+    turn, summary, _after = (r.body for r in server.requests)
+    assert is_summary(server.requests[1])
+    calls = [
+        b["name"] for m in summary["messages"] for b in m["content"] if b["type"] == "tool_use"
+    ]
+    assert calls == ["final_answer"]
+    assert [t["name"] for t in summary["tools"]] == ["final_answer"]
+    assert dumps(summary["tools"]) == dumps(turn["tools"])
+    assert turn["tool_choice"] == {"type": "tool", "name": "final_answer"}
+    assert "tool_choice" not in summary and "output_config" not in summary

@@ -121,8 +121,13 @@ class CompactionRun:
     def _summary_request(self) -> ModelRequest:
         assert self._requests is not None
         messages = self._requests.next_messages()
-        # The summary is text: a structured task's answer format is not asked of it.
-        return attrs.evolve(self._template, messages=messages, output=None)
+        # The summary is text: a structured task's answer format is not asked of it, but
+        # its final_answer tool stays offered (R-COMPACT-5: the turn's tools, byte for
+        # byte; and the history's final_answer calls need it defined).
+        template = self._template
+        return attrs.evolve(
+            template, messages=messages, output=None, offered_output=template.output
+        )
 
     def _send(self, request: ModelRequest, *, delay_ms: int) -> None:
         assert self._requests is not None and self._streamer is not None
@@ -189,6 +194,11 @@ class CompactionRun:
         # keeps the session's allow_session rules (R-APPROVE-4), and the follow-ups and
         # the steering queued so far are recorded in it again (R-STEER-6, R-STEER-1).
         rules = tuple(sorted(record.session_rules))
+        # ... and it keeps the task's count of turns and its usage (R-RUN-6, R-RUN-7); a
+        # turn that overflowed runs again after this, so it is not counted (R-COMPACT-9).
+        # A manual compaction is no task: nothing to keep.
+        in_task = record.kind == "task"
+        turn = max(0, record.turn - 1) if self.reason == "overflow" else record.turn
         if self.summary is not None:
             most = port.host.trace_log.largest_input()
             self.summary = _summary_in_a_record(self.summary, self._kept, schema, most, rules)
@@ -203,6 +213,8 @@ class CompactionRun:
                 kept_input=self._kept,  # type: ignore[arg-type]
                 output_schema=schema,
                 session_rules=rules,
+                turn=turn if in_task else 0,
+                usage=record.usage if in_task else None,
             )
         )
         for queued in (*record.queued, *record.steering):

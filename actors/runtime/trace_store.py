@@ -534,11 +534,28 @@ class FileTraceLog:
         if path is None:
             empty = LoadedTrace(records=(), errors=(), number=1, last_seq=0)
             return empty, self.paths.trace_path(session_id, 1)
+        number = trace_file_number(path.name) or 1
         result = read_trace(path, disk=self.disk)
+        errors = tuple(str(e) for e in result.errors)
+        while not result.records and number > 1:
+            # A rotation creates the new file, then writes its first record
+            # (compaction_end): a crash in between leaves it empty or holding half of
+            # that record. The compaction did not happen; the previous file, which ends
+            # in its compaction_begin, is still the context, so the open task is taken
+            # up as a compaction in flight and seq goes on after that file's last
+            # (R-TRACE-1, R-TRACE-4, R-COMPACT-8). Nothing here changes a file: the next
+            # rotation appends to the newer one again, after ending a torn line.
+            previous = self.paths.trace_path(session_id, number - 1)
+            try:
+                earlier = read_trace(previous, disk=self.disk)
+            except FileNotFoundError:
+                break  # no older context to go back to: the newest file is all there is
+            number, path, result = number - 1, previous, earlier
+            errors = (*(str(e) for e in earlier.errors), *errors)  # in file order
         loaded = LoadedTrace(
             records=tuple(result.records),
-            errors=tuple(str(e) for e in result.errors),
-            number=trace_file_number(path.name) or 1,
+            errors=errors,
+            number=number,
             last_seq=max((r.seq or 0 for r in result.records), default=0),
         )
         return loaded, path
