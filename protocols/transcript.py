@@ -355,10 +355,18 @@ class Transcript:
                 call_id: " ".join(b.text for b in result.content if isinstance(b, TextBlock))
                 for call_id, result in (*self._earlier_results.items(), *self._results.items())
             }
-            if self._pending:
-                self.messages.append(UserMessage(content=tuple(self._pending)))
-                self._pending = []
             body = markers.render_partial(output.partial, known)
+            note = self._retry_note
+            if note is not None and note.text == markers.wrap(markers.TURN_RETRIED, body):
+                # Cut before the retry wrote anything (in its backoff, say): the partial
+                # output is the failed attempt's, which the note holds — said once.
+                self._retry_note = None
+            # A retry's note stays in the history with the input it was sent with, as once a
+            # retry succeeds: the calls that ran and their results are not lost (R-RETRY-4).
+            pending = self._input()
+            if pending:
+                self.messages.append(UserMessage(content=pending))
+                self._pending = []
             self.carry_over = [TextBlock(text=markers.wrap(markers.TURN_ABORTED, body))]
             self._attempt_blocks = []
             self._attempt_active = False

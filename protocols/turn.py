@@ -328,7 +328,7 @@ class TurnMachine:
                 self._complete_block(event.index, event.block, out)
             elif kind is ToolCallTruncated:
                 assert isinstance(event, ToolCallTruncated)
-                self._truncated_call(event, out)
+                _truncated_call(self, event, out)
             elif kind is UsageReported:
                 assert isinstance(event, UsageReported)
                 if self._last_usage is None:
@@ -507,16 +507,19 @@ class TurnMachine:
         return out
 
     def abort(self, reason: str, *, message_complete: bool) -> list[Effect]:
-        """The task was interrupted: settle every call, end the attempt ``aborted`` when the
-        model message was cut, and record the ``abort`` with the partial output (R-ABORT-2;
-        during a backoff the failed attempt's output is the turn's partial output)."""
+        """The task was interrupted: settle every call, end the attempt ``aborted`` when its
+        stream was cut (``message_complete`` False: no ``request_end`` yet), and record the
+        ``abort`` with the partial output (R-ABORT-2). A failed stream cut the message too:
+        its output — or, during a backoff, the failed attempt's — is the turn's partial."""
         out = self.settle()
         self._usage(out)  # a cut stream's usage so far is billed: counted (R-SHARE-3, -4)
         if not message_complete:
             out.append(_request_end(self, "aborted", error_message=reason))
-        partial = () if message_complete else tuple(self.partial_blocks() or self._retried_blocks)
+        # A failed attempt's message is never committed: case A would carry none of its calls.
+        cut = not message_complete or isinstance(self._stream_result, StreamFailed)
+        partial = tuple(self.partial_blocks() or self._retried_blocks) if cut else ()
         abort = Abort(session_id=self.session_id, run_id=self.run_id, reason=reason,
-                      partial=(), message_complete=message_complete)
+                      partial=(), message_complete=not cut)
         if partial and (most := self._largest_record) is not None:
             # Each block was made to fit a record alone; all of them in one may not.
             partial = fit_partial(partial, most, record_size(abort))
@@ -567,17 +570,6 @@ class TurnMachine:
             self._add_call(block, CallState.APPROVING)
             self._to_ask.append(block)
             self._ask_next(out)  # R-TOOL-1: at once, unless an earlier call is being asked
-
-    def _truncated_call(self, event: ToolCallTruncated, out: list[Effect]) -> None:
-        # R-TOOL-5: never executed, but paired: it enters the context with an error result.
-        block = ToolCallBlock(id=event.call_id, name=event.name, arguments={},
-                              invalid_arguments=event.partial_arguments)
-        self._open.pop(event.index, None)
-        if not self._recorded(block, out):
-            return
-        call = self._add_call(block, CallState.DONE)
-        out.append(SkipToolCall(position=call.position))
-        out.append(self._result(call, "truncated", TRUNCATED_TEXT))
 
     def _recorded(self, block: ModelBlock, out: list[Effect]) -> bool:
         """Record the model's ``block`` (:func:`_fit`); False when no record holds it."""
@@ -634,6 +626,19 @@ def _request_end(
                       error_message=error_message, stop_reason=stop_reason,
                       response_id=response_id, response_model=response_model,
                       http_status=http_status)
+
+
+def _truncated_call(machine: TurnMachine, event: ToolCallTruncated, out: list[Effect]) -> None:
+    """A tool call cut off by the output-token limit: never executed, but paired — it
+    enters the context with an error result (R-TOOL-5)."""
+    block = ToolCallBlock(id=event.call_id, name=event.name, arguments={},
+                          invalid_arguments=event.partial_arguments)
+    machine._open.pop(event.index, None)
+    if not machine._recorded(block, out):
+        return
+    call = machine._add_call(block, CallState.DONE)
+    out.append(SkipToolCall(position=call.position))
+    out.append(machine._result(call, "truncated", TRUNCATED_TEXT))
 
 
 def _drain(

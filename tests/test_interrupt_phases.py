@@ -446,3 +446,133 @@ async def test_interrupt_during_backoff(
         "[tool result lookup: value-a][/turn_aborted]",
         "go on",
     ]
+
+
+@pytest.mark.parametrize("reload", [False, True], ids=["live", "reloaded"])
+async def test_interrupt_after_a_failed_attempt_while_its_call_runs(
+    data_dir: Path, workspace: Path, providers, autojump_clock, reload: bool
+) -> None:
+    """R-ABORT-2 case B, R-ABORT-3, R-RETRY-4: attempt 1 streams a text and a call that
+    starts running, then fails; its `request_end` is written and the retry waits for the
+    call (R-RUN-4) when the interrupt lands. The failed stream cut the message: the abort
+    records it incomplete, with the attempt's output, and writes no second `request_end`.
+    The next task's first request (live, and rebuilt from the trace) tells the model that
+    the call was made and was interrupted; nothing runs again."""
+    blocking = Blocking()
+    provider = providers(
+        [
+            Reply(
+                blocks=(text("Half."), tool_call("c1", "hold", key="b"), text("never")),
+                fail=model_error("timeout", "overloaded"),
+                fail_after_blocks=2,
+            ),
+            *([] if reload else [Reply(blocks=(text("Resumed."),))]),
+        ]
+    )
+    async with open_host(data_dir) as host:
+        session = await host.create_session(
+            tools=[blocking.tool], provider=provider, workspace_dir=workspace
+        )
+        recorder = Recorder(session)
+        stream = session.run("try", approve=allow_all)
+        await recorder.wait_for("request_end", attempt=1, bound_s=None)
+        await blocking.blocked.wait()
+        await trio.testing.wait_all_tasks_blocked()  # the retry waits for c1
+        outputs = await interrupt_and_check(session, stream, recorder)
+
+        assert len(provider.requests) == 1
+        assert blocking.cancelled == ["b"]
+        assert [(e.status, e.attempt) for e in of_type(outputs, RequestEnd)] == [("timeout", 1)]
+        assert [(o.call_id, o.status) for o in of_type(outputs, ToolCallOutput)] == [
+            ("c1", "interrupted")
+        ]
+        abort = of_type(outputs, Abort)[0]
+        assert abort.message_complete is False
+        assert abort.partial == (
+            TextBlock(text="Half."),
+            ToolCallBlock(id="c1", name="hold", arguments={"key": "b"}),
+        )
+        if not reload:
+            request = await next_task_request(session, provider, recorder)
+        session_id = session.id
+
+    if reload:
+        provider = providers([Reply(blocks=(text("Resumed."),))])
+        async with open_host(data_dir) as host:
+            session = await host.load_session(session_id, tools=[blocking.tool], provider=provider)
+            assert session.load_errors == []
+            request = await next_task_request(session, provider, Recorder(session))
+
+    assert blocking.started == ["b"]
+    assert_no_assistant_for(request, "try")
+    assert texts_of(last_user(request)) == [
+        '[turn_aborted]Half.\n[tool call hold {"key": "b"}]\n'
+        f"[tool result hold: {INTERRUPTED}][/turn_aborted]",
+        "go on",
+    ]
+
+
+@pytest.mark.parametrize("reload", [False, True], ids=["live", "reloaded"])
+async def test_interrupt_while_the_retry_streams(
+    data_dir: Path, workspace: Path, providers, lookup: Lookup, autojump_clock, reload: bool
+) -> None:
+    """R-ABORT-2 case B, R-ABORT-3, R-RETRY-4: attempt 1 runs lookup(a) and fails; the
+    retry is sent with the `[turn_retried]` note (the call and its result) and is cut
+    mid-text. The next task's first request (live, and rebuilt from the trace) keeps the
+    note with the input it was sent with, then the retry's own partial output in
+    `[turn_aborted]`: the model still knows the call ran and what it returned, and it is
+    not run again."""
+    cut = trio.Event()
+
+    async def retry(request: ModelRequest, stream: ScriptedStream) -> None:
+        await stream.text_delta("Other")
+        cut.set()
+        await trio.sleep_forever()
+
+    provider = providers(
+        [
+            Reply(
+                blocks=(text("Half."), tool_call("c1", "lookup", key="a"), text("never")),
+                fail=model_error("timeout", "overloaded"),
+                fail_after_blocks=2,
+            ),
+            retry,
+            *([] if reload else [Reply(blocks=(text("Resumed."),))]),
+        ]
+    )
+    async with open_host(data_dir) as host:
+        session = await host.create_session(
+            tools=[lookup.tool], provider=provider, workspace_dir=workspace
+        )
+        recorder = Recorder(session)
+        stream = session.run("try", approve=allow_all)
+        await cut.wait()
+        outputs = await interrupt_and_check(session, stream, recorder)
+
+        sent_with_retry = provider.requests[1].messages[-1]
+        assert [(e.status, e.attempt) for e in of_type(outputs, RequestEnd)] == [
+            ("timeout", 1),
+            ("aborted", 2),
+        ]
+        abort = of_type(outputs, Abort)[0]
+        assert (abort.message_complete, abort.partial) == (False, (TextBlock(text="Other"),))
+        if not reload:
+            request = await next_task_request(session, provider, recorder)
+        session_id = session.id
+
+    if reload:
+        provider = providers([Reply(blocks=(text("Resumed."),))])
+        async with open_host(data_dir) as host:
+            session = await host.load_session(session_id, tools=[lookup.tool], provider=provider)
+            assert session.load_errors == []
+            request = await next_task_request(session, provider, Recorder(session))
+
+    assert lookup.calls == ["a"]
+    note = (
+        '[turn_retried]Half.\n[tool call lookup {"key": "a"}]\n'
+        "[tool result lookup: value-a][/turn_retried]"
+    )
+    assert texts_of(sent_with_retry) == ["try", note]
+    assert request.messages[0] == sent_with_retry  # as the retry was sent
+    assert not any(isinstance(m, AssistantMessage) for m in request.messages)
+    assert texts_of(last_user(request)) == ["[turn_aborted]Other[/turn_aborted]", "go on"]
