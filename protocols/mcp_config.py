@@ -3,11 +3,13 @@
 A file holds ``{"mcpServers": {"NAME": SERVER, …}}`` (Claude Desktop, Claude Code, Cursor,
 Cline), or VS Code's ``{"servers": {"NAME": SERVER, …}, "inputs": […]}`` (also inside a
 settings file's ``"mcp"`` object); other top-level keys are ignored, so a client's whole
-settings file can be given. VS Code's ``inputs`` (prompted variables) are not supported:
-they are ignored with a note, and a ``${input:…}`` in a value stays as written. A SERVER is
-either stdio::
+settings file can be given; VS Code's comments and trailing commas (JSONC) are read past.
+VS Code's ``inputs`` (prompted variables) are not supported: they are ignored with a note,
+and a ``${input:…}`` in a value stays as written. A SERVER is either stdio::
 
     {"command": "npx", "args": ["-y", "some-server"], "env": {"KEY": "value"}, "cwd": "/dir"}
+
+(also with VS Code's ``"envFile": "${workspaceFolder}/.env"``, read when the server starts)
 
 or streamable HTTP (``"type": "http"``; a ``url`` without a ``type`` means HTTP too)::
 
@@ -15,7 +17,8 @@ or streamable HTTP (``"type": "http"``; a ``url`` without a ``type`` means HTTP 
 
 or the legacy HTTP+SSE transport (``"type": "sse"``, with ``url`` and ``headers``). Cline's
 ``"transportType"`` stands for ``"type"``; ``"disabled": true`` skips the entry; Cline's
-``autoApprove`` and Roo's ``alwaysAllow`` are ignored (greenroom's approval decides, R-APPROVE).
+``autoApprove`` and Roo's ``alwaysAllow`` are ignored (greenroom's approval decides, R-APPROVE),
+and so are other keys those clients write (``timeout``, ``watchPaths``, …), each with a note.
 
 with optional keys on both: ``"parallel": true | false | ["tool", …]`` (which tools may run
 beside other calls; without it the server's ``readOnlyHint`` decides: R-MCP-2),
@@ -33,6 +36,7 @@ Everything here is pure: the caller reads the file and passes its text. Every pr
 from __future__ import annotations
 
 import json
+import posixpath
 import re
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -49,8 +53,21 @@ _NAME_PART = re.compile(r"[A-Za-z0-9_-]+")
 _IGNORED_KEYS = ("autoApprove", "alwaysAllow")
 """Keys other clients write that greenroom reads past: auto-approval lists (greenroom's own
 approval decides every call, so ignoring them only asks more often, never less)."""
-_KNOWN_KEYS = ("type", "transportType", "command", "args", "env", "cwd", "url", "headers",
-               "parallel", "timeout_s", "scope", "disabled", *_IGNORED_KEYS)
+_NOTED_KEYS = {
+    "timeout": 'greenroom\'s limit on one call is "timeout_s"',
+    "networkTimeout": 'greenroom\'s limit on one call is "timeout_s"',
+    "watchPaths": "greenroom does not restart a server when files change",
+    "disabledTools": "greenroom offers every tool the server lists; its approval decides "
+                     "each call",
+    "dev": "VS Code's development mode (watch, debug) is not supported",
+}
+"""Keys other clients write (Cline, Roo Code, VS Code) that greenroom reads past with a
+note saying why: the entry loads, as the client that wrote it would load it, without what
+the key asks for."""
+_KNOWN_KEYS = ("type", "transportType", "command", "args", "env", "envFile", "cwd", "url",
+               "headers", "parallel", "timeout_s", "scope", "disabled", *_IGNORED_KEYS,
+               *_NOTED_KEYS)
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _TRANSPORTS = {"stdio": "stdio", "http": "http", "streamable-http": "http",
                "streamableHttp": "http", "sse": "sse"}
 
@@ -77,6 +94,10 @@ class McpServerConfig:
     parallel: bool | tuple[str, ...] | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
     scope: Literal["host", "session"] = "host"
+    env_file: str | None = None
+    """VS Code's ``envFile``: read when the server starts, its ``KEY=VALUE`` lines under
+    ``env`` (see :func:`env_file_values`). From a configuration file it is resolved against
+    the file's workspace (:func:`parse_config_text`); otherwise it is as written."""
 
     def is_parallel(self, tool: str, read_only_hint: bool | None) -> bool:
         """Whether ``tool`` may share the pool's slots (R-MCP-2): the configuration when
@@ -119,7 +140,7 @@ def parse_config_text(
     is not JSON, or holds no servers object at all, raises either way (it has no entries to
     keep)."""
     try:
-        data = json.loads(text)
+        data = json.loads(strip_jsonc(text))
     except json.JSONDecodeError as exc:
         raise McpConfigError(
             f"{source}: not JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
@@ -154,7 +175,72 @@ def parse_config_text(
                 report(f"{problem}; skipped")
                 continue
             servers[name] = config
-    return servers
+    return {name: _resolve_env_file(config, source) for name, config in servers.items()}
+
+
+def _resolve_env_file(config: McpServerConfig, source: str) -> McpServerConfig:
+    """``config`` with its ``envFile`` resolved as VS Code resolves it: against the
+    workspace of the file ``source`` (the folder of its ``.vscode`` folder, else its own
+    folder), for ``${workspaceFolder}`` and for a relative path. (Path text alone: no I/O.)"""
+    if config.env_file is None:
+        return config
+    folder = posixpath.dirname(source)
+    if posixpath.basename(folder) == ".vscode":
+        folder = posixpath.dirname(folder)
+    folder = folder or "."
+    resolved = config.env_file.replace("${workspaceFolder}", folder)
+    if not resolved.startswith(("/", "~", "${")):
+        resolved = posixpath.join(folder, resolved)
+    return attrs.evolve(config, env_file=resolved)
+
+
+def env_file_values(text: str) -> dict[str, str]:
+    """The variables of an env file's ``text`` when every line is simple: ``KEY=VALUE``
+    (``export`` before it allowed), the value bare or in matching quotes; blank lines and
+    ``#`` comments are skipped. Raises ValueError naming the first line that is not simple
+    (a value with an inline comment, escapes, a quote left open, several lines): such a
+    file is read by rules this does not follow, and a guess would give the server wrong
+    values."""
+    values: dict[str, str] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("export "):
+            line = line[len("export "):].lstrip()
+        key, equals, value = line.partition("=")
+        key, value = key.strip(), value.strip()
+        if not equals or not _ENV_NAME.fullmatch(key):
+            raise ValueError(f"line {number} is not KEY=VALUE")
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            inner = value[1:-1]
+            if value[0] in inner or (value[0] == '"' and "\\" in inner):
+                raise ValueError(f"line {number} has a quoted value this does not read")
+            value = inner
+        elif any(c in value for c in "'\"`#"):
+            raise ValueError(f"line {number} has a value this does not read")
+        values[key] = value
+    return values
+
+
+_JSONC_COMMENTS = re.compile(r'"(?:[^"\\\n]|\\.)*"|//[^\n]*|/\*[\s\S]*?(?:\*/|\Z)')
+_JSONC_TRAILING_COMMAS = re.compile(r'"(?:[^"\\\n]|\\.)*"|,(?=\s*[}\]])')
+
+
+def strip_jsonc(text: str) -> str:
+    """``text`` with the JSONC that VS Code writes in its settings and ``mcp.json`` made
+    JSON: ``//`` and ``/* */`` comments and commas before a closing ``}`` or ``]`` become
+    blanks (newlines stay, so an error's line and column are those of ``text``); strings
+    are left as they are. Plain JSON comes back unchanged."""
+
+    def blank(match: re.Match[str]) -> str:
+        found = match.group()
+        if found.startswith('"'):
+            return found
+        return re.sub(r"[^\n]", " ", found)
+
+    without_comments = _JSONC_COMMENTS.sub(blank, text)
+    return _JSONC_TRAILING_COMMAS.sub(blank, without_comments)
 
 
 def _note_inputs(source: str, path: str, report: Report | None) -> None:
@@ -178,7 +264,7 @@ def parse_servers(
         try:
             if _disabled(entry, source, where):
                 continue
-            servers[name] = parse_server(name, entry, source=source, path=where)
+            servers[name] = parse_server(name, entry, source=source, path=where, report=report)
         except McpConfigError as exc:
             if report is None:
                 raise
@@ -196,8 +282,21 @@ def _disabled(entry: Any, source: str, path: str) -> bool:
     return disabled
 
 
-def parse_server(name: Any, entry: Any, *, source: str, path: str) -> McpServerConfig:
-    """One server entry. Raises :class:`McpConfigError`."""
+def parse_server(
+    name: Any, entry: Any, *, source: str, path: str, report: Report | None = None
+) -> McpServerConfig:
+    """One server entry. Raises :class:`McpConfigError`. A key another client writes that
+    greenroom reads past (``timeout``, ``watchPaths``, …) is noted through ``report`` once
+    the entry has loaded."""
+    config = _parse_server(name, entry, source=source, path=path)
+    if report is not None and isinstance(entry, Mapping):
+        for key in entry:
+            if key in _NOTED_KEYS:
+                report(f"{source}: {path}.{key}: ignored ({_NOTED_KEYS[key]})")
+    return config
+
+
+def _parse_server(name: Any, entry: Any, *, source: str, path: str) -> McpServerConfig:
     if not isinstance(name, str) or not valid_name_part(name):
         raise _error(
             source, path, f"server name {name!r} must be letters, digits, '_' and '-', "
@@ -236,15 +335,19 @@ def parse_server(name: Any, entry: Any, *, source: str, path: str) -> McpServerC
         cwd = entry.get("cwd")
         if cwd is not None and not isinstance(cwd, str):
             raise _error(source, f"{path}.cwd", "expected a string")
+        env_file = entry.get("envFile")
+        if env_file is not None and (not isinstance(env_file, str) or not env_file):
+            raise _error(source, f"{path}.envFile", "expected a string")
         return McpServerConfig(
             transport="stdio",
             command=command,
             args=_strings(entry.get("args", []), source, f"{path}.args"),
             env=_string_map(entry.get("env", {}), source, f"{path}.env"),
             cwd=cwd,
+            env_file=env_file,
             **common,
         )
-    for key in ("command", "args", "env", "cwd"):
+    for key in ("command", "args", "env", "envFile", "cwd"):
         if key in entry:
             raise _error(source, f"{path}.{key}", "only for a stdio server")
     url = entry.get("url")

@@ -660,6 +660,8 @@ def validate_json(value: Any, schema: Mapping[str, Any] | bool, path: str = "$")
     """Validate ``value`` against the subset of JSON Schema that :func:`json_schema_for`
     produces (type, enum, anyOf, properties/required/additionalProperties, items,
     prefixItems), and the boolean schemas (``true`` allows any value, ``false`` none).
+    Draft-07's tuple form, a list of ``items`` with ``additionalItems`` for the rest (as
+    MCP servers built with zod-to-json-schema list them), is read too.
     Returns ``$.path: message`` strings."""
     if schema is True:
         return []
@@ -668,8 +670,10 @@ def validate_json(value: Any, schema: Mapping[str, Any] | bool, path: str = "$")
     errors: list[str] = []
     if "anyOf" in schema:
         if not any(not validate_json(value, sub, path) for sub in schema["anyOf"]):
-            kinds = ", ".join(sub.get("type", "value") for sub in schema["anyOf"])
-            errors.append(f"{path}: expected one of: {kinds}")
+            # A ``false`` choice accepts nothing: it is no kind to name.
+            kinds = [_kind_of(sub) for sub in schema["anyOf"] if sub is not False]
+            errors.append(f"{path}: expected one of: {', '.join(kinds)}" if kinds
+                          else f"{path}: no value is allowed here")
         return errors
     expected = schema.get("type")
     if isinstance(expected, str) and not _JSON_TYPES[expected](value):
@@ -691,7 +695,20 @@ def validate_json(value: Any, schema: Mapping[str, Any] | bool, path: str = "$")
                 errors.extend(validate_json(item, additional, f"{path}.{key}"))
     if isinstance(value, list):
         prefix = schema.get("prefixItems")
-        if prefix is not None:
+        if isinstance(schema.get("items"), list):
+            # Draft-07 tuple: fewer items than listed are allowed (minItems says how many
+            # are needed); more are checked against additionalItems.
+            listed: list[Any] = schema["items"]
+            rest = schema.get("additionalItems", True)
+            for i, item in enumerate(value):
+                if i < len(listed):
+                    errors.extend(validate_json(item, listed[i], f"{path}[{i}]"))
+                elif rest is False:
+                    errors.append(f"{path}: expected at most {len(listed)} items, got {len(value)}")
+                    break
+                else:
+                    errors.extend(validate_json(item, rest, f"{path}[{i}]"))
+        elif prefix is not None:
             if len(value) != len(prefix):
                 errors.append(f"{path}: expected {len(prefix)} items, got {len(value)}")
             for i, (item, sub) in enumerate(zip(value, prefix, strict=False)):
@@ -700,6 +717,19 @@ def validate_json(value: Any, schema: Mapping[str, Any] | bool, path: str = "$")
             for i, item in enumerate(value):
                 errors.extend(validate_json(item, schema["items"], f"{path}[{i}]"))
     return errors
+
+
+def _kind_of(schema: Any) -> str:
+    """What a subschema of ``anyOf`` accepts, for a message: its type (or types), else
+    "value" (also for the boolean schema ``true``, or a type given otherwise)."""
+    if not isinstance(schema, Mapping):
+        return "value"
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return kind
+    if isinstance(kind, list) and kind and all(isinstance(k, str) for k in kind):
+        return " or ".join(kind)
+    return "value"
 
 
 def normalize_result(value: Any) -> tuple[ToolContent, ...]:

@@ -41,11 +41,13 @@ from greenroom.actors.providers.scripted import (
 from greenroom.actors.runtime.errors import ConfigurationError, NotPending
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session import Session
+from greenroom.actors.tools import mcp as mcp_module
 from greenroom.actors.tools.mcp import McpConnection, McpServerError, load_config_files
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.effects import idempotency_key
 from greenroom.protocols.mcp_config import (
+    DEFAULT_TIMEOUT_S,
     McpConfigError,
     McpServerConfig,
     merge_configs,
@@ -1166,3 +1168,256 @@ async def test_an_elicitation_nobody_can_answer_is_declined_and_one_unanswered_c
     assert (result.status, content_text(result)) == ("ok", "cancelled")
     (_, unanswered) = of_type(outputs, ApprovalDecision)
     assert (unanswered.decision, unanswered.by) == ("deny", "default")
+
+
+# -- servers that misbehave as real ones do (tests/support/mcp_odd_server.py) ----------------
+
+ODD_SERVER = ROOT / "tests" / "support" / "mcp_odd_server.py"
+
+
+def odd(*options: str, **extra: Any) -> dict[str, Any]:
+    """The odd server over stdio, with its ``options`` and the entry's ``extra`` keys."""
+    return {"command": sys.executable, "args": [str(ODD_SERVER), *options], **extra}
+
+
+@contextlib.contextmanager
+def odd_sse_server_without_endpoint() -> Iterator[str]:
+    """The odd server over legacy HTTP+SSE, whose stream never names its endpoint; its URL."""
+    process = subprocess.Popen(
+        [sys.executable, str(ODD_SERVER), "--sse-no-endpoint"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert line.startswith("PORT "), line
+        yield f"http://127.0.0.1:{int(line.split()[1])}/sse"
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+async def test_a_server_stuck_in_initialize_fails_to_start_in_words(
+    mcp_host: Host, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-MCP-4, R-MCP-6: a server that never answers ``initialize`` fails its start at
+    START_TIMEOUT_S, saying so. The bound fired inside the SDK's task groups and came back
+    wrapped in an exception group, so the start was reported as ``TooSlowError``: a class
+    name, not words."""
+    monkeypatch.setattr(mcp_module, "START_TIMEOUT_S", 0.5)  # not 30 s of the test's time
+    with trio.fail_after(RUN_TIMEOUT_S):
+        await mcp_host.create_session(
+            workspace_dir=workspace, mcp_servers={"h": odd("--hang-init")}
+        )
+        with pytest.raises(McpServerError) as caught:
+            await connection(mcp_host, "h").list_tools()
+    message = str(caught.value)
+    assert message.startswith(
+        "MCP server 'h' could not be started: it did not answer initialize and tools/list "
+        "within 0.5 s"
+    ), message
+    assert "Error" not in message
+
+
+async def test_a_legacy_sse_server_that_never_names_its_endpoint_fails_to_start_in_time(
+    mcp_host: Host, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-MCP-4, R-SEC-10: a start is bounded by START_TIMEOUT_S from the connection on.
+    Over legacy HTTP+SSE the transport was entered outside that bound, and the SDK waits
+    for the ``endpoint`` event with a read timeout that each keep-alive starts again: a
+    stream that never names it held the start, and the session's creation, unbounded."""
+    monkeypatch.setattr(mcp_module, "START_TIMEOUT_S", 0.5)
+    with odd_sse_server_without_endpoint() as url, trio.fail_after(RUN_TIMEOUT_S):
+        await mcp_host.create_session(
+            workspace_dir=workspace, mcp_servers={"s": {"type": "sse", "url": url}}
+        )
+        with pytest.raises(McpServerError) as caught:
+            await connection(mcp_host, "s").list_tools()
+    assert str(caught.value).startswith(
+        "MCP server 's' could not be started: it did not answer initialize and tools/list "
+        "within 0.5 s"
+    ), caught.value
+
+
+async def test_structured_content_that_breaks_its_output_schema_is_an_error_in_words(
+    mcp_host: Host, workspace: Path, providers: Any
+) -> None:
+    """R-MCP-3, R-MCP-4: the SDK checks structured content against the tool's listed
+    output schema and raises a bare RuntimeError when it does not match, which reached the
+    model as ``RuntimeError: Invalid structured content …``. It is an error output of that
+    call starting ``MCP server 'NAME'``, saying what is wrong, and the task goes on."""
+    provider = providers([
+        Reply(blocks=(tool_call("c1", "mcp__o__total", a=2, b=3),)),
+        Reply(blocks=(text("done"),)),
+    ])  # fmt: skip
+    session = await mcp_host.create_session(
+        provider=provider, workspace_dir=workspace, mcp_servers={"o": odd()}
+    )
+    outputs = await collect(session.run("go", approve=allow_all))
+    result = outputs_by_call(outputs)["c1"]
+    assert result.is_error
+    assert content_text(result) == (
+        "MCP server 'o' gave total an invalid result: its structured content does not match "
+        "its output schema: 'total' is a required property"
+    )
+    assert outputs[-1].status == "completed"  # type: ignore[attr-defined]
+
+
+def test_the_argument_check_reads_draft07_tuples_and_boolean_choices() -> None:
+    """R-TOOL-5, R-MCP-1: draft-07's tuple form ``items: [...]`` (zod-to-json-schema's
+    ``z.tuple``) passes the schema check, and the argument check then failed every call
+    with AttributeError (``'list' object has no attribute 'get'``); so did an ``anyOf``
+    with a boolean choice when no choice matched."""
+    pair = {"type": "array", "items": [{"type": "integer"}, {"type": "string"}]}
+    assert schema_problem({"type": "object", "properties": {"p": pair}}) is None
+    assert validate_json([1, "a", None], pair) == []  # no additionalItems: more may follow
+    assert validate_json([1], pair) == []  # fewer: minItems says how many are needed
+    assert validate_json(["a", 1], pair) == [
+        "$[0]: expected integer, got string", "$[1]: expected string, got integer"
+    ]
+    assert validate_json([1, "a", 2], {**pair, "additionalItems": {"type": "string"}}) == [
+        "$[2]: expected string, got integer"
+    ]
+    assert validate_json([1, "a", 2], {**pair, "additionalItems": False}) == [
+        "$: expected at most 2 items, got 3"
+    ]
+    choice = {"anyOf": [False, {"type": ["string", "null"], "enum": ["a", None]},
+                        {"enum": [1]}, True]}  # fmt: skip
+    assert validate_json(2.5, choice) == []
+    assert validate_json(2.5, {"anyOf": choice["anyOf"][:3]}) == [
+        "$: expected one of: string or null, value"
+    ]
+    assert validate_json(2.5, {"anyOf": [False]}) == ["$: no value is allowed here"]
+
+
+async def test_a_tool_listed_with_draft07_tuple_items_is_called(
+    mcp_host: Host, workspace: Path, providers: Any
+) -> None:
+    """R-MCP-1, R-TOOL-5: a tool whose input schema uses draft-07's tuple ``items`` is
+    offered, and its calls are checked against the tuple and reach the server (each one
+    failed in the argument check before)."""
+    provider = providers([
+        Reply(blocks=(tool_call("c1", "mcp__o__span", p=[1, 4]),
+                      tool_call("c2", "mcp__o__span", p=[1, "x"]),
+                      tool_call("c3", "mcp__o__span", p=[1, 4, 9]))),
+        Reply(blocks=(text("done"),)),
+    ])  # fmt: skip
+    session = await mcp_host.create_session(
+        provider=provider, workspace_dir=workspace, mcp_servers={"o": odd()}
+    )
+    assert "mcp__o__span" in {t.name for t in session.tools}
+    by_call = outputs_by_call(await collect(session.run("go", approve=allow_all)))
+    assert (by_call["c1"].status, content_text(by_call["c1"])) == ("ok", "3")
+    assert by_call["c2"].is_error
+    assert "$.p[1]: expected number, got string" in content_text(by_call["c2"])
+    assert by_call["c3"].is_error
+    assert "$.p: expected at most 2 items, got 3" in content_text(by_call["c3"])
+
+
+def test_entries_as_cline_roo_code_and_vscode_write_them_load_with_notes() -> None:
+    """R-MCP-6: "Configurations of the common clients load". Cline writes a server's
+    ``timeout``, Roo Code ``watchPaths``, ``disabledTools`` and ``networkTimeout``, VS Code
+    ``envFile`` and ``dev``: each such entry was skipped as having an unknown key. They
+    load; a key greenroom does without is a note saying why; ``envFile`` is resolved
+    against the file's workspace; a misspelt key is still an error."""
+    notes: list[str] = []
+    cline = parse_config_text(json.dumps({"mcpServers": {
+        "git": {"command": "uvx", "args": ["mcp-server-git"], "disabled": False,
+                "autoApprove": [], "timeout": 60},
+        "roo": {"command": "c", "alwaysAllow": [], "watchPaths": ["src"],
+                "disabledTools": ["rm"], "networkTimeout": 30},
+    }}), "cline.json", notes.append)  # fmt: skip
+    assert set(cline) == {"git", "roo"}
+    assert cline["git"].timeout_s == DEFAULT_TIMEOUT_S
+    assert notes == [
+        "cline.json: $.mcpServers.git.timeout: ignored (greenroom's limit on one call is "
+        '"timeout_s")',
+        "cline.json: $.mcpServers.roo.watchPaths: ignored (greenroom does not restart a "
+        "server when files change)",
+        "cline.json: $.mcpServers.roo.disabledTools: ignored (greenroom offers every tool "
+        "the server lists; its approval decides each call)",
+        "cline.json: $.mcpServers.roo.networkTimeout: ignored (greenroom's limit on one "
+        'call is "timeout_s")',
+    ]
+    notes.clear()
+    vscode = parse_config_text(json.dumps({"servers": {
+        "files": {"type": "stdio", "command": "npx", "args": ["srv"],
+                  "envFile": "${workspaceFolder}/.env", "dev": {"watch": "src/**"}},
+        "rel": {"command": "c", "envFile": "conf/.env"},
+    }}), "/w/.vscode/mcp.json", notes.append)  # fmt: skip
+    assert (vscode["files"].env_file, vscode["rel"].env_file) == ("/w/.env", "/w/conf/.env")
+    assert notes == ["/w/.vscode/mcp.json: $.servers.files.dev: ignored (VS Code's "
+                     "development mode (watch, debug) is not supported)"]
+    with pytest.raises(McpConfigError, match=r"\$\.mcpServers\.h\.envFile: only for a stdio"):
+        parse_config_text(json.dumps({"mcpServers": {"h": {"url": "http://h/mcp",
+                                                           "envFile": ".env"}}}), "h.json")
+    with pytest.raises(McpConfigError, match=r"\$\.mcpServers\.x\.timout: unknown key"):
+        parse_config_text(json.dumps({"mcpServers": {"x": {"command": "c", "timout": 1}}}),
+                          "x.json")
+
+
+async def test_an_env_file_gives_the_server_its_variables_when_it_starts(
+    mcp_host: Host, workspace: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """R-MCP-6: VS Code's ``envFile`` of simple ``KEY=VALUE`` lines is read when the server
+    starts and put under ``env`` (which wins); one that is not simple (escapes in a quoted
+    value) is noted, and its server starts without it rather than with guessed values."""
+    project = tmp_path / "project"
+    (project / ".vscode").mkdir(parents=True)
+    (project / ".env").write_text("# secrets\nexport TOKEN='from the file'\nMODE=file\n\n")
+    (project / "odd.env").write_text('MODE=file\nMULTI="a\\nb"\n')
+    config = project / ".vscode" / "mcp.json"
+    config.write_text(json.dumps({"servers": {
+        "e": odd(envFile="${workspaceFolder}/.env", env={"MODE": "env"}),
+        "f": odd(envFile="odd.env"),
+    }}))  # fmt: skip
+    servers = load_config_files([config])
+    with trio.fail_after(RUN_TIMEOUT_S):
+        await mcp_host.create_session(workspace_dir=workspace, mcp_servers=servers)
+        e, f = connection(mcp_host, "e"), connection(mcp_host, "f")
+        assert await e.call("env", {"name": "TOKEN"}, None) == (TextBlock(text="from the file"),)
+        assert await e.call("env", {"name": "MODE"}, None) == (TextBlock(text="env"),)
+        assert await f.call("env", {"name": "MODE"}, None) == (TextBlock(text=""),)
+    assert any(
+        f"its envFile {project / 'odd.env'} is not loaded (line 2 has a quoted value" in m
+        for m in caplog.messages
+    ), caplog.messages
+
+
+def test_a_vscode_settings_file_with_comments_and_trailing_commas_loads() -> None:
+    """R-MCP-6: VS Code writes its settings file and ``mcp.json`` as JSON with comments
+    and trailing commas, and such a file was refused as not JSON. Comments and trailing
+    commas are read past outside strings; what a string holds is kept as written; an error
+    still names its line."""
+    settings = r"""{
+    // Editor
+    "editor.fontSize": 12, /* a block
+       over two lines */
+    "mcp": {
+        "servers": {
+            "files": {"command": "npx", "args": ["http://x//y", "/* kept */", "a,}",
+                                                 "say \"hi\" // too",],},
+        },
+    },
+}"""
+    servers = parse_config_text(settings, "settings.json")
+    assert servers["files"].args == ("http://x//y", "/* kept */", "a,}", 'say "hi" // too')
+    with pytest.raises(McpConfigError, match=r"^settings\.json: not JSON: .*\(line 3, column"):
+        parse_config_text('{\n  // a comment\n  "mcp": nope\n}', "settings.json")
+
+
+async def test_a_working_directory_that_does_not_exist_is_named_as_such(
+    mcp_host: Host, workspace: Path, tmp_path: Path
+) -> None:
+    """R-MCP-4: a server whose ``cwd`` does not exist was reported as ``command not found:
+    <the directory>`` (the child's chdir fails with the cwd as the missing file), pointing
+    at the wrong setting."""
+    missing = tmp_path / "no-such-dir"
+    await mcp_host.create_session(
+        workspace_dir=workspace, mcp_servers={"c": odd(cwd=str(missing))}
+    )
+    with pytest.raises(McpServerError) as caught:
+        await connection(mcp_host, "c").list_tools()
+    assert str(caught.value).startswith(
+        f"MCP server 'c' could not be started: working directory not found: {missing} ("
+    ), caught.value

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import trio
-from conftest import allow_all, collect
+from conftest import RUN_TIMEOUT_S, allow_all, collect
 
 import greenroom
 from greenroom.actors.providers.scripted import Reply, text, tool_call
@@ -22,14 +22,16 @@ from greenroom.actors.tools import (
     attach_resources,
     attach_to_input,
     expand_prompt_command,
+    mcp_stdio,
     parse_prompt_command,
     prompt_usage,
 )
+from greenroom.actors.tools import mcp as mcp_module
 from greenroom.actors.tools.mcp import McpConnection, McpServerError
 from greenroom.actors.tools.mcp_commands import MAX_ATTACHMENTS
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.tools import Tool
-from tests.test_mcp import connection, content_text, outputs_by_call, stdio
+from tests.test_mcp import connection, content_text, odd, outputs_by_call, stdio
 
 
 @pytest.fixture
@@ -225,3 +227,45 @@ async def test_a_session_whose_creation_was_cancelled_is_no_root_of_a_shared_ser
     assert set(positions._positions) == traced  # nor does the trace log keep it
     by_call = outputs_by_call(await collect(session.run("roots", approve=allow_all)))
     assert [r["uri"] for r in json.loads(content_text(by_call["c1"]))] == [workspace.as_uri()]
+
+
+async def test_a_server_that_exits_while_a_resource_is_read_stopped_and_starts_again(
+    mcp_host: Host, workspace: Path
+) -> None:
+    """R-MCP-4, R-MCP-5: a server that exits during ``resources/read`` was said to have
+    refused the read (``refused reading odd://crash: Connection closed``). It stopped, as a
+    call's server does, in those words, and the next read starts it again."""
+    await mcp_host.create_session(workspace_dir=workspace, mcp_servers={"c": odd()})
+    server = connection(mcp_host, "c")
+    with trio.fail_after(RUN_TIMEOUT_S):
+        first = await server.read_resource("odd://hello")
+        with pytest.raises(McpServerError) as caught:
+            await server.read_resource("odd://crash")
+        again = await server.read_resource("odd://hello")
+    assert str(caught.value).startswith("MCP server 'c' stopped during reading odd://crash: ")
+    assert str(caught.value).endswith("; it is started again on its next use")
+    assert "hello from" in again and again != first  # another process answered
+
+
+async def test_a_server_that_stops_answering_a_resource_read_is_pinged_then_restarted(
+    mcp_host: Host, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-MCP-4, R-MCP-5: a read past ``timeout_s`` left the server trusted, so every later
+    request waited out its own timeout on a server that answers nothing. Like a call's, it
+    marks the server to be pinged before its next use, and restarted when it does not
+    answer."""
+    # Short bounds: the frozen server answers no ping, and only its kill ends it.
+    monkeypatch.setattr(mcp_module, "PING_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(mcp_stdio, "PROCESS_TERMINATION_TIMEOUT", 0.1)
+    monkeypatch.setattr(mcp_stdio, "FORCE_KILL_TIMEOUT", 0.1)
+    await mcp_host.create_session(
+        workspace_dir=workspace, mcp_servers={"z": odd(timeout_s=0.5)}
+    )
+    server = connection(mcp_host, "z")
+    with trio.fail_after(RUN_TIMEOUT_S):
+        first = await server.read_resource("odd://hello")
+        with pytest.raises(McpServerError) as caught:
+            await server.read_resource("odd://freeze")
+        again = await server.read_resource("odd://hello")
+    assert str(caught.value) == "MCP server 'z' did not answer reading odd://freeze within 0.5 s"
+    assert "hello from" in again and again != first  # another process answered

@@ -46,8 +46,9 @@ any host — so a server that makes an effect can make it once.
 Failures are error outputs, never failed tasks (R-MCP-4): a server that cannot start, exits
 or stops answering makes its calls raise :class:`McpServerError`, which the pool turns into
 an ``is_error`` result. A server that exited is started again on its next use; one that
-failed to start is tried again after a backoff (1 s, doubling up to 60 s); one whose call
-timed out is pinged before the next call and restarted when the ping fails too.
+failed to start is tried again after a backoff (1 s, doubling up to 60 s), a start being
+bounded by ``START_TIMEOUT_S`` from connecting to the listings; one whose call (or resource
+read, prompt) timed out is pinged before the next use and restarted when the ping fails too.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ from greenroom.protocols.hooks import Hooks
 from greenroom.protocols.mcp_config import (
     McpConfigError,
     McpServerConfig,
+    env_file_values,
     schema_problem,
     tool_name,
     tool_name_problem,
@@ -294,15 +296,20 @@ class McpConnection:
         return prompt_messages(result)
 
     async def _request(self, what: str, send: Callable[[ClientSession], Awaitable[_T]]) -> _T:
-        _, session = await self._session()
-        with trio.move_on_after(self.config.timeout_s):
-            try:
+        """``send`` within the call timeout, failing as :meth:`call` does: a server that
+        exits meanwhile stopped (it did not refuse); one that does not answer in time is
+        pinged before its next use."""
+        live, session = await self._session()
+        timeout = self.config.timeout_s
+        try:
+            with trio.move_on_after(timeout):
                 return await send(session)
-            except MCPError as exc:
-                raise McpServerError(f"MCP server {self.name!r} refused {what}: "
-                                     f"{exc.message} (code {exc.code})") from None
-        raise McpServerError(f"MCP server {self.name!r} did not answer {what} "
-                             f"within {self.config.timeout_s:g} s")
+            self._suspect = True
+            raise McpServerError(
+                f"MCP server {self.name!r} did not answer {what} within {timeout:g} s"
+            )
+        except MCPError as exc:
+            raise _refusal(self.name, live, what, exc) from None
 
     # -- starting -----------------------------------------------------------------------
 
@@ -354,34 +361,37 @@ class McpConnection:
         """Hold the connection open until ``live.stop``. Never raises: every failure is
         kept on ``live`` (a task of the manager's nursery must not take the host down)."""
         error: str | None = None
+        # Bounds connecting too (a legacy SSE stream may never name its endpoint). A scope,
+        # not fail_after: its cancellation comes back out of the SDK's task groups wrapped
+        # in exception groups, which only the scope takes apart. Lifted once ready.
+        starting = trio.CancelScope(deadline=trio.current_time() + START_TIMEOUT_S)
         try:
-            async with contextlib.AsyncExitStack() as stack:
-                read, write = await stack.enter_async_context(self._transport(stack, live))
-                send, receive = anyio.create_memory_object_stream[Any](0)
-                nursery = await stack.enter_async_context(trio.open_nursery())
-                nursery.start_soon(self._forward, read, send, live)
-                session = await stack.enter_async_context(
-                    ClientSession(
-                        receive,
-                        write,
-                        message_handler=self._on_message,
-                        elicitation_callback=self._on_elicit,
-                        list_roots_callback=self.roots.answer,
-                        client_info=_client_info(),
+            with starting:
+                async with contextlib.AsyncExitStack() as stack:
+                    read, write = await stack.enter_async_context(self._transport(stack, live))
+                    send, receive = anyio.create_memory_object_stream[Any](0)
+                    nursery = await stack.enter_async_context(trio.open_nursery())
+                    nursery.start_soon(self._forward, read, send, live)
+                    session = await stack.enter_async_context(
+                        ClientSession(
+                            receive,
+                            write,
+                            message_handler=self._on_message,
+                            elicitation_callback=self._on_elicit,
+                            list_roots_callback=self.roots.answer,
+                            client_info=_client_info(),
+                        )
                     )
-                )
-                with trio.fail_after(START_TIMEOUT_S):
                     await session.initialize()
                     listing = await self._fetch_listing(session)
-                live.session = session
-                self._set_listing(listing)
-                self._failures = 0
-                self._suspect = False
-                live.ready.set()
-                await live.stop.wait()
-                nursery.cancel_scope.cancel()
-        except trio.TooSlowError:
-            error = f"it did not answer initialize and tools/list within {START_TIMEOUT_S:g} s"
+                    starting.deadline = math.inf
+                    live.session = session
+                    self._set_listing(listing)
+                    self._failures = 0
+                    self._suspect = False
+                    live.ready.set()
+                    await live.stop.wait()
+                    nursery.cancel_scope.cancel()
         except trio.Cancelled:
             error = "the host is closing"
             raise
@@ -392,6 +402,8 @@ class McpConnection:
                 raise
             error = _describe(exc)
         finally:
+            if starting.cancelled_caught and not live.ready.is_set():
+                error = _start_timeout_message()
             live.ended.set()
             if self._live is live:
                 self._live = None
@@ -423,10 +435,13 @@ class McpConnection:
                 lambda: self.log_path.open("a", encoding="utf-8")
             )
             stack.callback(errlog.close)
+            env = dict(config.env)
+            if config.env_file is not None:
+                env = {**await _env_file(self.name, config.env_file), **env}  # env wins
             params = StdioServerParameters(
                 command=config.command,
                 args=list(config.args),
-                env=dict(config.env) or None,
+                env=env or None,
                 cwd=config.cwd,
             )
             async with bounded_stdio_client(params, errlog=errlog) as streams:
@@ -638,8 +653,8 @@ class McpConnection:
         try:
             with entry.scope:
                 with trio.move_on_after(timeout) as entry.timeout:
-                    result = await session.call_tool(
-                        tool, arguments, progress_callback=progress, meta=_meta(ctx)
+                    result = await _call_tool(
+                        self.name, session, tool, arguments, progress, _meta(ctx)
                     )
                     return await _result_content(result, ctx)
                 self._suspect = True
@@ -647,27 +662,13 @@ class McpConnection:
                     f"MCP server {self.name!r} did not answer {tool} within {timeout:g} s "
                     "(the call was cancelled)"
                 )
-            raise McpServerError(self._lost_message(live, tool))
+            raise McpServerError(_lost_message(self.name, live, tool))
         except MCPError as exc:
-            if exc.code == mcp_types.CONNECTION_CLOSED or live.ended.is_set():
-                # A token refused mid-session closes the transport: say that, not the close.
-                problem = live.auth.problem if live.auth is not None else None
-                live.lost = live.lost or problem or "it closed the connection"
-                live.stop.set()
-                raise McpServerError(self._lost_message(live, tool)) from None
-            raise McpServerError(
-                f"MCP server {self.name!r} refused {tool}: {exc.message} (code {exc.code})"
-            ) from None
+            raise _refusal(self.name, live, tool, exc) from None
         finally:
             live.calls.discard(entry)
             for question in entry.questions:
                 question.cancel()  # the call is over: so is what it asked
-
-    def _lost_message(self, live: _Live, tool: str) -> str:
-        return (
-            f"MCP server {self.name!r} stopped during {tool}: {live.lost or 'it exited'}; "
-            "it is started again on its next use"
-        )
 
     async def aclose(self) -> None:
         """End the connection (stop the server process) and wait for it."""
@@ -702,6 +703,92 @@ async def _fetch_tools(session: ClientSession) -> tuple[McpToolInfo, ...]:
     return tuple(tools)
 
 
+def _lost_message(server: str, live: _Live, what: str) -> str:
+    """What a request ``what`` gets when its server's run ended under it."""
+    return (
+        f"MCP server {server!r} stopped during {what}: {live.lost or 'it exited'}; "
+        "it is started again on its next use"
+    )
+
+
+def _refusal(server: str, live: _Live, what: str, exc: MCPError) -> McpServerError:
+    """The error for an ``MCPError`` answering ``what``: the server's refusal, or, when
+    the connection closed under the request, that the server stopped (the run is ended
+    so that the next use starts it again)."""
+    if exc.code == mcp_types.CONNECTION_CLOSED or live.ended.is_set():
+        # A token refused mid-session closes the transport: say that, not the close.
+        problem = live.auth.problem if live.auth is not None else None
+        live.lost = live.lost or problem or "it closed the connection"
+        live.stop.set()
+        return McpServerError(_lost_message(server, live, what))
+    return McpServerError(
+        f"MCP server {server!r} refused {what}: {exc.message} (code {exc.code})"
+    )
+
+
+async def _call_tool(
+    server: str,
+    session: ClientSession,
+    tool: str,
+    arguments: dict[str, Any],
+    progress: Any,
+    meta: mcp_types.RequestParamsMeta | None,
+) -> mcp_types.CallToolResult:
+    """``tools/call`` on ``session``. The SDK checks the result against the tool's output
+    schema and raises a bare RuntimeError for one that breaks it (or for a result of a kind
+    it does not hand back): that is the server's answer, an :class:`McpServerError`."""
+    try:
+        result = await session.call_tool(
+            tool, arguments, progress_callback=progress, meta=meta
+        )
+    except RuntimeError as exc:
+        raise McpServerError(
+            f"MCP server {server!r} gave {tool} an invalid result: {_invalid_result(exc)}"
+        ) from None
+    return result
+
+
+async def _env_file(server: str, name: str) -> dict[str, str]:
+    """The variables of a stdio server's ``envFile`` (R-MCP-6), read at each start as VS
+    Code reads it. One that cannot be read, or is not simple ``KEY=VALUE`` lines, is
+    noted (logger ``greenroom.mcp``) and the server starts without it, as the entry
+    would load without the key."""
+    path = trio.Path(name)
+    try:
+        if "${" in name:
+            raise ValueError("its ${…} variables other than ${workspaceFolder} are "
+                             "not expanded")
+        path = await path.expanduser()
+        return env_file_values(await path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, UnicodeDecodeError):
+            why = "it is not UTF-8 text"
+        else:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        log.warning("MCP server %r: its envFile %s is not loaded (%s); it starts "
+                    "without it", server, path, why)
+        return {}
+
+
+def _invalid_result(exc: RuntimeError) -> str:
+    """Why the SDK refused a tool's result, in one line: for structured content that breaks
+    the output schema, the schema check's own sentence (its full text runs over lines,
+    quoting the schema and the instance)."""
+    cause = exc.__cause__
+    reason = getattr(cause, "message", None)
+    if isinstance(reason, str) and reason:
+        return "its structured content does not match its output schema: " + " ".join(
+            reason.split()
+        )
+    return " ".join(str(exc).split()) or "the client could not read it"
+
+
+def _start_timeout_message() -> str:
+    """Why a start failed that ran out of ``START_TIMEOUT_S`` (read when it fails, so that
+    a test's lower bound is the one named)."""
+    return f"it did not answer initialize and tools/list within {START_TIMEOUT_S:g} s"
+
+
 def _describe(exc: BaseException) -> str:
     """One line for an exception, looking inside exception groups for the first cause.
     The line reaches the model and the user, so it says what happened in words; a class
@@ -709,6 +796,8 @@ def _describe(exc: BaseException) -> str:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         leaves = [e for e in exc.exceptions if not isinstance(e, trio.Cancelled)]
         exc = (leaves or list(exc.exceptions))[0]
+    if isinstance(exc, trio.TooSlowError):  # a bound of greenroom's own, never a class name
+        return "it did not answer in time"
     if isinstance(exc, FileNotFoundError) and exc.filename:
         return f"command not found: {exc.filename}"
     if isinstance(exc, OSError) and exc.strerror:

@@ -81,6 +81,10 @@ Streams = tuple[MemoryObjectReceiveStream[Received], MemoryObjectSendStream[Sess
 """The pair :class:`~mcp.ClientSession` takes: what it reads and what it sends."""
 
 
+class WorkingDirectoryNotFound(OSError):
+    """A server's ``cwd`` does not exist; its message says so (not a missing command)."""
+
+
 @attrs.frozen(kw_only=True)
 class OversizedLine:
     """A line longer than the bound, discarded: its first :data:`HEAD_BYTES`, its last
@@ -278,14 +282,22 @@ async def bounded_stdio_client(
     Exception`` and of ``SessionMessage``. ``lines`` splits the server's stdout (a fresh
     :class:`MessageLines` unless given; a test reads its ``most_kept``). The read stream ends
     when the server closes its stdout. Leaving stops the server (see the module docstring)
-    even when the caller is cancelled. Raises OSError when the server cannot be started."""
-    process = await anyio.open_process(
-        [params.command, *params.args],
-        env=get_default_environment() | (params.env or {}),
-        stderr=errlog,
-        cwd=params.cwd,
-        start_new_session=True,
-    )
+    even when the caller is cancelled. Raises OSError when the server cannot be started
+    (:class:`WorkingDirectoryNotFound` for a ``cwd`` that does not exist)."""
+    try:
+        process = await anyio.open_process(
+            [params.command, *params.args],
+            env=get_default_environment() | (params.env or {}),
+            stderr=errlog,
+            cwd=params.cwd,
+            start_new_session=True,
+        )
+    except FileNotFoundError as exc:
+        # The child's chdir failing is reported with the cwd as the missing file, just as
+        # a command that is not found is: say which of the two it was.
+        if params.cwd is not None and exc.filename == os.fspath(params.cwd):
+            raise WorkingDirectoryNotFound(f"working directory not found: {params.cwd}") from exc
+        raise
     stdin, stdout = process.stdin, process.stdout
     assert stdin is not None and stdout is not None
     # Buffer 0 on both: no line is read from the server before the session takes the last
@@ -396,6 +408,7 @@ __all__ = [
     "OversizedLine",
     "Received",
     "Streams",
+    "WorkingDirectoryNotFound",
     "bounded_stdio_client",
     "response_id",
 ]
