@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -293,3 +294,74 @@ async def test_a_server_that_exits_in_its_grace_period_leaves_no_child_behind(
         finally:
             os.close(ending)
     assert gone(child)
+
+
+KILLED_HOST = """
+import importlib.util
+import sys
+import trio
+from mcp import ClientSession, StdioServerParameters
+
+# The transport the test imported, from its file (the checkout under test).
+spec = importlib.util.spec_from_file_location("greenroom.actors.tools.mcp_stdio", sys.argv[4])
+transport = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(transport)
+bounded_stdio_client = transport.bounded_stdio_client
+
+async def main(server, log, tool, _):
+    params = StdioServerParameters(command=sys.executable, args=[server])
+    with open(log, "a", encoding="utf-8") as errlog:
+        async with bounded_stdio_client(params, errlog=errlog) as (read, write):
+            async with ClientSession(read, write) as session:
+                await session.initialize()
+                pids = [(await session.call_tool(name, {})).content[0].text
+                        for name in ("pid", tool)]
+                print(*pids, flush=True)
+                await trio.sleep_forever()
+
+trio.run(main, *sys.argv[1:])
+"""
+"""A host holding one connection to the test server: prints the server's pid and that of
+the child ``argv[3]`` started, then waits to be killed. ``argv[4]`` is the transport's
+file."""
+
+
+@pytest.mark.parametrize("tool", ["linger", "leave_child"])
+async def test_a_server_and_its_children_end_when_the_host_is_killed(
+    tmp_path: Path, tool: str
+) -> None:
+    """R-SEC-11: the host process killed with SIGKILL (no shutdown of its own runs), the
+    server and the child it started end all the same (the launcher sees its lifeline close)."""
+    host = await trio.lowlevel.open_process(
+        [sys.executable, "-c", KILLED_HOST, str(SERVER), str(tmp_path / "err.log"), tool,
+         sys.modules[bounded_stdio_client.__module__].__file__ or ""],
+        stdout=-1,
+        cwd=Path(__file__).parent.parent,
+    )
+    left: list[int] = []
+    try:
+        assert host.stdout is not None
+        printed = b""
+        with trio.fail_after(RUN_TIMEOUT_S):
+            while not printed.endswith(b"\n"):
+                data = await host.stdout.receive_some()
+                assert data, "the host ended before it printed the pids"
+                printed += data
+        left = [int(pid) for pid in printed.split()]
+        endings = [os.pidfd_open(pid) for pid in left]
+        host.kill()
+        await host.wait()
+        try:
+            for ending in endings:
+                with trio.move_on_after(RUN_TIMEOUT_S):  # readable once the process ends
+                    await trio.lowlevel.wait_readable(ending)
+        finally:
+            for ending in endings:
+                os.close(ending)
+        assert [pid for pid in left if not gone(pid)] == []
+    finally:
+        host.kill()
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        await host.wait()

@@ -17,12 +17,18 @@ waiting call ends at once with an error output; otherwise the session gets an ex
 (as the SDK gives it for a line that is not JSON-RPC, or not text) and ignores it. Either way
 the connection goes on.
 
+The server runs under ``shell_launcher.py`` in its lifeline mode, the parent of every
+``run_shell`` command too: the launcher passes the server its stdin, stdout and stderr,
+and watches a socket whose other end only the transport holds. When the server exits, or
+that end is closed — by the transport, or by the kernel when the host dies, even by SIGKILL
+(R-SEC-11) — the launcher kills the server's process group and every process it left
+behind (a subreaper on Linux), then exits.
+
 Shutdown, every step bounded and shielded from the caller's cancellation so that no server
 process outlives the transport: what the session already sent is flushed (at most
 ``FLUSH_S``), stdin is closed, the server has the SDK's ``PROCESS_TERMINATION_TIMEOUT`` to
-exit, then its whole process group is terminated and killed (the SDK's
-``terminate_posix_process_tree``, ``FORCE_KILL_TIMEOUT`` between the two); what a server
-that exited in time left in its group is killed too. Meanwhile its
+exit, then its process group gets SIGTERM (through the launcher) and ``FORCE_KILL_TIMEOUT``
+to end, then the lifeline is closed and the launcher kills it all. Meanwhile its
 stdout is drained, so a server blocked writing can still read its stdin closing.
 """
 
@@ -34,7 +40,10 @@ import logging
 import os
 import re
 import signal
+import socket
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any, TextIO
 
 import anyio
@@ -49,7 +58,6 @@ from mcp.client.stdio import (
     PROCESS_TERMINATION_TIMEOUT,
     get_default_environment,
 )
-from mcp.os.posix.utilities import terminate_posix_process_tree
 from mcp.shared.message import SessionMessage
 
 from greenroom.actors.tools.mcp_bounds import MAX_MESSAGE_BYTES, too_large
@@ -67,6 +75,11 @@ FLUSH_S = 0.5
 
 REAP_S = 2.0
 """How long a killed server may take to be seen dead; only an unkillable one runs it out."""
+
+START_S = 10.0
+"""How long the launcher may take to report that the server runs (or why it does not)."""
+
+_LAUNCHER = Path(__file__).with_name("shell_launcher.py")
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 _NO_ID = object()
@@ -284,20 +297,7 @@ async def bounded_stdio_client(
     when the server closes its stdout. Leaving stops the server (see the module docstring)
     even when the caller is cancelled. Raises OSError when the server cannot be started
     (:class:`WorkingDirectoryNotFound` for a ``cwd`` that does not exist)."""
-    try:
-        process = await anyio.open_process(
-            [params.command, *params.args],
-            env=get_default_environment() | (params.env or {}),
-            stderr=errlog,
-            cwd=params.cwd,
-            start_new_session=True,
-        )
-    except FileNotFoundError as exc:
-        # The child's chdir failing is reported with the cwd as the missing file, just as
-        # a command that is not found is: say which of the two it was.
-        if params.cwd is not None and exc.filename == os.fspath(params.cwd):
-            raise WorkingDirectoryNotFound(f"working directory not found: {params.cwd}") from exc
-        raise
+    process, lifeline = await _start(params, errlog)
     stdin, stdout = process.stdin, process.stdout
     assert stdin is not None and stdout is not None
     # Buffer 0 on both: no line is read from the server before the session takes the last
@@ -330,8 +330,68 @@ async def bounded_stdio_client(
                 write_stream.close()
                 with trio.move_on_after(FLUSH_S):
                     await writer_done.wait()
-                await _stop(process)
+                await _stop(process, lifeline)
                 pipes.cancel()
+
+
+def _launched(params: StdioServerParameters, lifeline: int, env: dict[str, str]) -> list[str]:
+    """The server's command run by ``shell_launcher.py`` in its lifeline mode, with the
+    environment ``env`` (the launcher's own; see its docstring)."""
+    ctype = env.get("LC_CTYPE")
+    return [
+        sys.executable, "-I", "-S", str(_LAUNCHER), "--lifeline", str(lifeline), "-", "-", "-",
+        "-" if ctype is None else f"={ctype}", params.command, *params.args,
+    ]
+
+
+async def _start(
+    params: StdioServerParameters, errlog: TextIO
+) -> tuple[Process, trio.socket.SocketType]:
+    """The launcher running the server, once it reports that the server runs, and the
+    host's end of its lifeline. Raises OSError as starting the server itself would."""
+    ours, theirs = socket.socketpair()
+    env = get_default_environment() | (params.env or {})
+    try:
+        process = await anyio.open_process(
+            _launched(params, theirs.fileno(), env),
+            env=env,
+            stderr=errlog,
+            cwd=params.cwd,
+            start_new_session=True,
+            pass_fds=(theirs.fileno(),),
+        )
+    except FileNotFoundError as exc:
+        ours.close()
+        # The child's chdir failing is reported with the cwd as the missing file: say so.
+        if params.cwd is not None and exc.filename == os.fspath(params.cwd):
+            raise WorkingDirectoryNotFound(f"working directory not found: {params.cwd}") from exc
+        raise
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()  # only the host holds the lifeline's other end
+    lifeline = trio.socket.from_stdlib_socket(ours)
+    report = b""
+    try:
+        with trio.fail_after(START_S):
+            while not report.endswith(b"\n"):
+                received = await lifeline.recv(64)
+                if not received:
+                    break
+                report += received
+        code = int(report) if report.endswith(b"\n") else None
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await _stop(process, lifeline)
+        raise
+    if code != 0:
+        with trio.CancelScope(shield=True):
+            await _stop(process, lifeline)
+        if code is None:
+            raise OSError(f"{params.command}: the launcher ended before starting it")
+        raise OSError(code, os.strerror(code), params.command)
+    return process, lifeline
 
 
 async def _read_lines(
@@ -375,20 +435,27 @@ async def _write_messages(
         done.set()
 
 
-async def _stop(process: Process) -> None:
-    """Close stdin, give the server its grace period, then end its whole process group."""
+async def _stop(process: Process, lifeline: trio.socket.SocketType) -> None:
+    """Close stdin, give the server its grace period, then SIGTERM, then close the lifeline:
+    the launcher kills the server's process group and all it left behind, and exits (it
+    does that too when the server exits)."""
     assert process.stdin is not None and process.stdout is not None
     with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
         await process.stdin.aclose()
     if not await _exited(process, PROCESS_TERMINATION_TIMEOUT):
-        await terminate_posix_process_tree(process, FORCE_KILL_TIMEOUT)
-        if not await _exited(process, REAP_S):
-            log.warning("MCP server process %d outlived its kill; abandoning it", process.pid)
-    # A server that exited in its grace period may have left children in its group: they
-    # go too, or a process would outlive the transport. The group's id stays taken while
-    # any of them lives, so it names none but theirs.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
+        # The launcher leads a group of its own and passes the signal to the server's.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGTERM)
+        if not await _exited(process, FORCE_KILL_TIMEOUT):
+            lifeline.close()
+            if not await _exited(process, REAP_S):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                if not await _exited(process, REAP_S):
+                    log.warning(
+                        "MCP server process %d outlived its kill; abandoning it", process.pid
+                    )
+    lifeline.close()
     with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
         await process.stdout.aclose()
 

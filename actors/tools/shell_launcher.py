@@ -23,6 +23,18 @@ then it exits with the command's status (a command killed by a signal makes the 
 end by the same signal). Elsewhere (no subreaper) a process that leaves the command's
 process group and outlives its parent escapes.
 
+With ``--lifeline FD`` before ``CWD_FD`` (an MCP server over stdio, whose stdin and
+stdout are its channel), the launcher watches ``FD`` — its end of a socket pair whose other
+end only the host holds — for end of file instead of its stdin, and passes its stdin,
+stdout and stderr to the command untouched. ``N`` may then be ``-``: the command gets the
+launcher's own environment, with ``LC_CTYPE`` as the next argument says (``-``: none;
+``=VALUE``: that value), since Python may have set it (the environment of an MCP server can
+hold credentials, which are never put in the arguments every process can read). The
+launcher writes ``0`` and a newline to ``FD`` once the command runs, or the ``errno`` of
+its failure and exits with 127. SIGTERM, SIGINT and SIGHUP are passed to the command's
+process group, not acted on: the command has its grace period, and the host ends it all by
+closing its end of ``FD``.
+
 Standard library C modules only (no ``signal``, ``ctypes``, ``subprocess`` or even
 ``contextlib``, each one to several milliseconds to import): the launcher starts once per
 call.
@@ -124,20 +136,31 @@ def _exit_like(status: int | None) -> None:
     os._exit(128 + signum)
 
 
-def _parse(argv: list[str]) -> tuple[int | None, int | None, dict[str, str], list[str]]:
+def _parse(
+    argv: list[str],
+) -> tuple[int | None, int | None, int | None, dict[str, str], list[str]]:
+    lifeline = None
+    if argv[0] == "--lifeline":
+        lifeline, argv = int(argv[1]), argv[2:]
     cwd_fd = None if argv[0] == "-" else int(argv[0])
     keep_fd = None if argv[1] == "-" else int(argv[1])
-    count = int(argv[2])
     env: dict[str, str] = {}
+    if argv[2] == "-":
+        env.update(os.environ)
+        env.pop("LC_CTYPE", None)
+        if argv[3] != "-":
+            env["LC_CTYPE"] = argv[3][1:]
+        return lifeline, cwd_fd, keep_fd, env, argv[4:]
+    count = int(argv[2])
     for item in argv[3 : 3 + count]:
         name, _, value = item.partition("=")
         env[name] = value
-    return cwd_fd, keep_fd, env, argv[3 + count :]
+    return lifeline, cwd_fd, keep_fd, env, argv[3 + count :]
 
 
 def main(argv: list[str]) -> None:
     """Run the command ``argv`` describes (see the module docstring) and exit like it."""
-    cwd_fd, keep_fd, env, command = _parse(argv)
+    lifeline, cwd_fd, keep_fd, env, command = _parse(argv)
     _become_subreaper()
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
@@ -147,9 +170,13 @@ def main(argv: list[str]) -> None:
     if cwd_fd is not None:
         os.fchdir(cwd_fd)
         os.close(cwd_fd)
-    actions: list[tuple[int, ...] | tuple[int, int, str, int, int]] = [
-        (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)
-    ]
+    actions: list[tuple[int, ...] | tuple[int, int, str, int, int]] = []
+    if lifeline is None:
+        actions.append((os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0))
+        watched = 0
+    else:
+        os.set_inheritable(lifeline, False)
+        watched = lifeline
     if keep_fd is not None and keep_fd != _COMMAND_FD:
         os.set_inheritable(keep_fd, False)
         actions.append((os.POSIX_SPAWN_DUP2, keep_fd, _COMMAND_FD))
@@ -163,12 +190,17 @@ def main(argv: list[str]) -> None:
             setsigdef=_RESET_SIGNALS,
         )
     except OSError as exc:
-        os.write(2, f"{command[0]}: cannot run: {exc.strerror or exc}\n".encode())
+        if lifeline is None:
+            os.write(2, f"{command[0]}: cannot run: {exc.strerror or exc}\n".encode())
+        else:
+            os.write(lifeline, f"{exc.errno or 0}\n".encode())
         os._exit(127)
+    if lifeline is not None:
+        os.write(lifeline, b"0\n")
     if keep_fd is not None:
         os.close(keep_fd)  # the command has its copy
     poller = select.poll()
-    poller.register(0, select.POLLIN)
+    poller.register(watched, select.POLLIN)
     poller.register(wake_read, select.POLLIN)
     status: int | None = None
     stop = False
@@ -176,9 +208,17 @@ def main(argv: list[str]) -> None:
         for fd, events in poller.poll():
             if fd == wake_read:
                 woken = os.read(wake_read, 256)
-                stop = stop or any(signum in woken for signum in _STOP_SIGNALS)
+                signals = [signum for signum in _STOP_SIGNALS if signum in woken]
+                if lifeline is None:
+                    stop = stop or bool(signals)
+                    continue
+                for signum in signals:
+                    try:  # noqa: SIM105
+                        os.killpg(shell, signum)  # the command's grace period
+                    except OSError:
+                        pass
             elif events & select.POLLIN:
-                stop = stop or not os.read(0, 4096)  # end of file: the host is gone
+                stop = stop or not os.read(watched, 4096)  # end of file: the host is gone
             else:
                 stop = True  # POLLHUP, POLLERR: the host's end is closed
         pid, waited = os.waitpid(shell, os.WNOHANG)
