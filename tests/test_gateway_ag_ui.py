@@ -1011,6 +1011,28 @@ async def test_a_reconnect_gives_a_message_cut_off_mid_block_whole_under_its_id(
     assert again.events[-1][1]["outcome"] == {"type": "success"}
 
 
+async def reconnect_then_go_on(
+    monkeypatch: pytest.MonkeyPatch, url: str, first: Stream, gate: trio.Event
+) -> Stream:
+    """Reconnect to thread ``t1``'s run ``r1`` from the last event ``first`` read; the model
+    goes on (``gate``) only once the reconnect's replay has read the trace, so its next
+    piece is a live one, never one the replay makes stale. The reconnect's stream."""
+    replayed, let_go = hold_after_first(monkeypatch, feeds, "replay_records")
+    streams: list[Stream] = []
+
+    async def reconnect() -> None:
+        last = str(first.events[-1][0])
+        streams.append(await posted(url, run_input("t1", "r1"), headers={"Last-Event-ID": last}))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reconnect)
+        await replayed.wait()
+        gate.set()
+        let_go.set()
+    (again,) = streams
+    return again
+
+
 async def test_a_reconnect_while_the_model_still_writes_a_message_gives_it_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1026,23 +1048,7 @@ async def test_a_reconnect_while_the_model_still_writes_a_message_gives_it_whole
                 url, run_input("t1", "r1", "hi"),
                 until=lambda e: e["type"] == "TEXT_MESSAGE_CONTENT",
             )  # fmt: skip
-            # The model goes on only once the reconnect's replay has read the trace: its
-            # next piece is then a live one, never one the replay makes stale.
-            replayed, let_go = hold_after_first(monkeypatch, feeds, "replay_records")
-            streams: list[Stream] = []
-
-            async def reconnect() -> None:
-                last = str(first.events[-1][0])
-                streams.append(
-                    await posted(url, run_input("t1", "r1"), headers={"Last-Event-ID": last})
-                )
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(reconnect)
-                await replayed.wait()
-                gate.set()
-                let_go.set()
-    (again,) = streams
+            again = await reconnect_then_go_on(monkeypatch, url, first, gate)
     assert said(again) == "Hello"
     assert message_ids(again) == message_ids(first)
     assert again.events[-1][1]["outcome"] == {"type": "success"}
@@ -1066,21 +1072,7 @@ async def test_a_reconnect_while_the_model_still_writes_a_tool_call_gives_it_who
             )
             (live,) = first.of("TOOL_CALL_START")
             assert live["parentMessageId"] == message_ids(first)[0]
-            replayed, let_go = hold_after_first(monkeypatch, feeds, "replay_records")
-            streams: list[Stream] = []
-
-            async def reconnect() -> None:
-                last = str(first.events[-1][0])
-                streams.append(
-                    await posted(url, run_input("t1", "r1"), headers={"Last-Event-ID": last})
-                )
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(reconnect)
-                await replayed.wait()
-                gate.set()
-                let_go.set()
-    (again,) = streams
+            again = await reconnect_then_go_on(monkeypatch, url, first, gate)
     assert not again.of("TEXT_MESSAGE_START")  # seen before the id: not again
     (start,) = again.of("TOOL_CALL_START")
     assert start == live

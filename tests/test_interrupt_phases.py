@@ -122,6 +122,18 @@ async def next_task_request(
     return request
 
 
+async def next_task_request_reloaded(
+    data_dir: Path, session_id: str, tool: Tool, providers: Any
+) -> ModelRequest:
+    """Load the session in a new host on ``data_dir`` (its trace read back without a
+    corrupt line) and run its next task: that task's first request (:func:`next_task_request`)."""
+    provider = providers([Reply(blocks=(text("Resumed."),))])
+    async with open_host(data_dir) as host:
+        session = await host.load_session(session_id, tools=[tool], provider=provider)
+        assert session.load_errors == []
+        return await next_task_request(session, provider, Recorder(session))
+
+
 def assert_carry_over_not_traced(lines: list[dict[str, Any]]) -> None:
     """R-ABORT-3: carry-over reaches the model context only, never the trace; the abort
     record is there once."""
@@ -433,11 +445,7 @@ async def test_interrupt_during_backoff(
         session_id = session.id
 
     if reload:
-        provider = providers([Reply(blocks=(text("Resumed."),))])
-        async with open_host(data_dir) as host:
-            session = await host.load_session(session_id, tools=[lookup.tool], provider=provider)
-            assert session.load_errors == []
-            request = await next_task_request(session, provider, Recorder(session))
+        request = await next_task_request_reloaded(data_dir, session_id, lookup.tool, providers)
 
     assert lookup.calls == ["a"]
     assert_no_assistant_for(request, "try")
@@ -497,11 +505,7 @@ async def test_interrupt_after_a_failed_attempt_while_its_call_runs(
         session_id = session.id
 
     if reload:
-        provider = providers([Reply(blocks=(text("Resumed."),))])
-        async with open_host(data_dir) as host:
-            session = await host.load_session(session_id, tools=[blocking.tool], provider=provider)
-            assert session.load_errors == []
-            request = await next_task_request(session, provider, Recorder(session))
+        request = await next_task_request_reloaded(data_dir, session_id, blocking.tool, providers)
 
     assert blocking.started == ["b"]
     assert_no_assistant_for(request, "try")
@@ -561,11 +565,7 @@ async def test_interrupt_while_the_retry_streams(
         session_id = session.id
 
     if reload:
-        provider = providers([Reply(blocks=(text("Resumed."),))])
-        async with open_host(data_dir) as host:
-            session = await host.load_session(session_id, tools=[lookup.tool], provider=provider)
-            assert session.load_errors == []
-            request = await next_task_request(session, provider, Recorder(session))
+        request = await next_task_request_reloaded(data_dir, session_id, lookup.tool, providers)
 
     assert lookup.calls == ["a"]
     note = (

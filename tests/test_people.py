@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -73,6 +74,27 @@ async def until_parked(host: Host, session_id: str) -> None:
         await session.wait_idle()
     port = host.port(session_id)
     assert port.parked and port.inbox is None
+
+
+async def left_parked(
+    data_dir: Path,
+    workspace: Path,
+    ledger: Ledger,
+    replies: list[Reply] | None = None,
+    prompt: str = "pay",
+    **settings: Any,
+) -> str:
+    """Run ``prompt`` with people answering in a host on ``data_dir`` until its task parks
+    on a person (``replies``: the first of :func:`pay_then_answer`), then close that host,
+    the request left in the trace. Returns the session id."""
+    replies = pay_then_answer()[:1] if replies is None else replies
+    async with open_host(data_dir) as host:
+        session = await host.create_session(provider=ScriptedProvider(replies),
+                                            tools=[ledger.tool], workspace_dir=workspace,
+                                            **settings)
+        session.run(prompt, approve=PEOPLE).detach()
+        await until_parked(host, session.id)
+        return session.id
 
 
 def last_result(request: ModelRequest) -> ToolResult:
@@ -258,12 +280,7 @@ async def test_a_pending_approval_survives_a_restart_of_the_host(
     request pending in the trace; the next host (resume_tasks=True) asks it again; the
     answer completes the task, the tool run once in all."""
     ledger = Ledger()
-    async with open_host(data_dir) as host:
-        session = await host.create_session(provider=ScriptedProvider(pay_then_answer()[:1]),
-                                            tools=[ledger.tool], workspace_dir=workspace)
-        session.run("pay", approve=PEOPLE).detach()
-        await until_parked(host, session.id)
-        sid = session.id
+    sid = await left_parked(data_dir, workspace, ledger)
 
     async with Host.open(data_dir, resume_tasks=True, tools=[ledger.tool]) as host:
         (pending,) = await host.pending_approvals()
@@ -287,14 +304,8 @@ async def test_a_loaded_sessions_request_keeps_its_time_limit(
     (no ``resume_tasks``) and the limit still decides it. The limit was applied only to a
     task taken up; a session merely loaded waited for ever. The tool never runs."""
     ledger = Ledger()
-    async with open_host(data_dir) as host:
-        session = await host.create_session(
-            provider=ScriptedProvider(pay_then_answer()[:1]), tools=[ledger.tool],
-            workspace_dir=workspace, approval_timeout_s=0.2, approval_timeout_action=action,
-        )  # fmt: skip
-        session.run("pay", approve=PEOPLE).detach()
-        await until_parked(host, session.id)
-        sid = session.id
+    sid = await left_parked(data_dir, workspace, ledger, approval_timeout_s=0.2,
+                            approval_timeout_action=action)
 
     async with Host.open(data_dir, tools=[ledger.tool]) as host:
         loaded = await host.load_session(sid, provider=ScriptedProvider(pay_then_answer()[1:]))
@@ -739,12 +750,7 @@ async def test_a_request_taken_up_under_a_callback_parks_and_survives_a_close(
     import json
 
     ledger = Ledger()
-    async with open_host(data_dir) as host:
-        session = await host.create_session(provider=ScriptedProvider(pay_then_answer()[:1]),
-                                            tools=[ledger.tool], workspace_dir=workspace)
-        session.run("pay", approve=PEOPLE).detach()
-        await until_parked(host, session.id)
-        sid = session.id
+    sid = await left_parked(data_dir, workspace, ledger)
 
     approve = AllowingHost()
     async with Host.open(data_dir, tools=[ledger.tool], approve=approve,
@@ -778,12 +784,7 @@ async def test_a_request_taken_up_under_a_callback_parks_and_the_callback_decide
     ledger = Ledger()
     two_payments = Reply(blocks=(text("Paying."), tool_call("p1", "pay", amount=7),
                                  tool_call("p2", "pay", amount=8)))
-    async with open_host(data_dir) as host:
-        session = await host.create_session(provider=ScriptedProvider([two_payments]),
-                                            tools=[ledger.tool], workspace_dir=workspace)
-        session.run("pay twice", approve=PEOPLE).detach()
-        await until_parked(host, session.id)
-        sid = session.id
+    sid = await left_parked(data_dir, workspace, ledger, [two_payments], "pay twice")
 
     approve = AllowingHost()
     async with Host.open(data_dir, tools=[ledger.tool], approve=approve,

@@ -437,6 +437,20 @@ async def test_a_background_answer_starts_a_follow_up_when_the_parent_is_idle(
     assert [e.status for e in ended(recorder, session.id)] == ["completed", "completed"]
 
 
+async def root_parked_beside_its_child(
+    host: Host, provider: Any, tools: list[Any], workspace: Path, waiting: Waiting
+) -> Session:
+    """A root that runs ``go`` with people answering: allowed to spawn its background
+    child k (``b1``), it parks asking about ``w1`` while k still works."""
+    root = await host.create_session(provider=provider, tools=tools, workspace_dir=workspace)
+    root.run("go", approve=PEOPLE).detach()
+    await until(lambda: host.port(root.id).parked)
+    await host.answer_approval(root.id, "b1", "allow")
+    await waiting.wait_started("keep going")
+    await until(lambda: host.port(root.id).parked)  # asking for w1, k still at work
+    return root
+
+
 async def test_a_background_answer_for_a_parent_closed_meanwhile_reaches_it_loaded_again(
     host: Host, workspace: Path, providers, gates: Gates
 ) -> None:
@@ -463,12 +477,7 @@ async def test_a_background_answer_for_a_parent_closed_meanwhile_reaches_it_load
 
     provider = providers(brain)
     tools = [gates.tool(), spawn_subagent]
-    root = await host.create_session(provider=provider, tools=tools, workspace_dir=workspace)
-    root.run("go", approve=PEOPLE).detach()
-    await until(lambda: host.port(root.id).parked)
-    await host.answer_approval(root.id, "b1", "allow")
-    await waiting.wait_started("keep going")
-    await until(lambda: host.port(root.id).parked)  # asking for w1, k still at work
+    root = await root_parked_beside_its_child(host, provider, tools, workspace, waiting)
     await host.close_session(root.id)
     again = await host.load_session(root.id, provider=provider, tools=tools)
 
@@ -500,12 +509,7 @@ async def test_a_background_childs_outputs_reach_its_parent_closed_and_loaded_ag
 
     provider = providers(brain)
     tools = [gates.tool(), spawn_subagent]
-    root = await host.create_session(provider=provider, tools=tools, workspace_dir=workspace)
-    root.run("go", approve=PEOPLE).detach()
-    await until(lambda: host.port(root.id).parked)
-    await host.answer_approval(root.id, "b1", "allow")
-    await waiting.wait_started("keep going")
-    await until(lambda: host.port(root.id).parked)  # asking for w1, k still at work
+    root = await root_parked_beside_its_child(host, provider, tools, workspace, waiting)
     (child_id,) = open_ids(host) - {root.id}
     await host.close_session(root.id)
     recorder = Recorder(await host.load_session(root.id, provider=provider, tools=tools))
