@@ -553,10 +553,13 @@ async def test_overflow_compacts_once_and_reruns_the_same_turn(
     assert ends == [(1, 1, "ok", None), (2, 1, "context_overflow", None), (2, 1, "ok", None)]
     assert "prompt is too long" in (of_type(outputs, RequestEnd)[1].error_message or "")
     overflowed = provider.requests[1]
-    assert base_of(seen[0].messages) == overflowed.messages
+    # What overflowed is not sent again whole: the summary request sends it cut to fit.
+    assert base_of(seen[0].messages) == compaction.fit_base(overflowed.messages, 0)
     assert provider.requests[3].messages == (summary_message("a looked up"),)
     assert of_type(outputs, TaskEnd)[0].turns == 2
-    await assert_one_context_per_file(host, session, seen)
+    # The file before still holds the whole context that overflowed (R-COMPACT-8).
+    whole = attrs.evolve(seen[0], messages=(*overflowed.messages, prompt_msg()))
+    await assert_one_context_per_file(host, session, [whole])
 
 
 async def test_second_overflow_in_the_same_turn_fails_the_turn(

@@ -115,7 +115,13 @@ class CompactionRun:
         if port.settings.compact_mode != "summarize" or self._streamer is None:
             self.ready = True
             return
-        self._requests = SummaryRequests(base, port.settings.compact_prompt)
+        overflowed: str | None = None
+        if self.reason == "overflow":
+            # The context the turn sent did not fit: the summary request sends it cut to
+            # what the provider's error says fits (R-COMPACT-9).
+            failure = port.machine.record.failure
+            overflowed = (failure[1] if failure is not None else None) or ""
+        self._requests = SummaryRequests(base, port.settings.compact_prompt, overflowed=overflowed)
         self._send(self._summary_request(), delay_ms=0)
 
     def _summary_request(self) -> ModelRequest:
