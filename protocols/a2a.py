@@ -15,8 +15,17 @@ The mapping, in one place:
   ``input-required`` and at the end states.
 * A pending approval is answered by the next message: :func:`parse_decision` reads
   ``allow``/``deny``/``always`` from its text or a ``{"decision": …}`` data part; a
-  question (``ask_user``) is answered by the message's text, which the history shows as
-  the user's turn once the call has it as its result.
+  question (``ask_user``, or one a running call asks: an MCP elicitation) is shown as its
+  text and choices (:func:`approval_prompt`) and answered by the message's text, which
+  the history shows as the user's turn once the call has it as its result (a running
+  call's answer is not traced: the history says only that it was answered or declined).
+  Each request and each answer is a message of its own id, also when one call is asked
+  twice (its approval, then its question).
+* The runtime's own input to a task (the "host lost" note a task resumed after its host
+  stopped gets, :data:`~greenroom.protocols.markers.HOST_LOST_CONTINUATION`) is an agent
+  message of the history, never the user's words.
+* A message is delivered once: :class:`MessageIds` remembers, per context, the task each
+  ``messageId`` went to, so a client's retry is answered with that task, not run again.
 * Artifacts are the files tool calls return (image blocks), as file parts whose bytes the
   caller reads (``file_data``).
 
@@ -26,11 +35,13 @@ tests check each one); ids and texts the client sent are never echoed unbounded.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, assert_never
 
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock
+from greenroom.protocols.markers import HOST_LOST_CONTINUATION
 from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
@@ -84,6 +95,65 @@ SESSION_WORDS = frozenset({"always", "allow_session", "allow for session"})
 FileData = Callable[[ImageBlock], tuple[str, str] | None]
 """``(media type, base64 data)`` of an image a tool returned, or None when it cannot be
 read."""
+
+
+MAX_REMEMBERED_IDS = 256
+"""The most message ids remembered per context, the oldest forgotten first."""
+
+MAX_KEPT_ID_CHARS = 128
+"""The longest ``messageId`` remembered as it is; a longer one by its SHA-256."""
+
+
+def message_key(message_id: str) -> str:
+    """The key a ``messageId`` is remembered under: itself, or a long one's SHA-256 (what
+    a client sent is never kept unbounded)."""
+    if len(message_id) <= MAX_KEPT_ID_CHARS:
+        return message_id
+    return "sha256:" + hashlib.sha256(message_id.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+class MessageIds:
+    """The run each recent ``messageId`` of one context went to (keys of
+    :func:`message_key`), at most ``limit``, the oldest forgotten first. Its JSON form
+    (:meth:`dumps`, :meth:`loads`) is what a context keeps of them."""
+
+    def __init__(self, limit: int = MAX_REMEMBERED_IDS) -> None:
+        self.limit = limit
+        self._runs: dict[str, str] = {}
+
+    def run_of(self, key: str) -> str | None:
+        """The run the message of ``key`` went to, or None when it is not remembered."""
+        return self._runs.get(key)
+
+    def add(self, key: str, run_id: str) -> None:
+        """Remember that the message of ``key`` went to ``run_id`` (as the newest)."""
+        self._runs.pop(key, None)
+        self._runs[key] = run_id
+        while len(self._runs) > self.limit:
+            del self._runs[next(iter(self._runs))]
+
+    def dumps(self) -> str:
+        """The JSON form: ``{"ids": [[key, run id], …]}``, oldest first."""
+        return json.dumps({"ids": [[k, r] for k, r in self._runs.items()]}, ensure_ascii=False)
+
+    @classmethod
+    def loads(cls, text: str, limit: int = MAX_REMEMBERED_IDS) -> MessageIds:
+        """The ids of a JSON form :meth:`dumps` wrote; entries that are not pairs of
+        strings are left out. Raises ValueError when ``text`` is not such an object."""
+        value = json.loads(text)
+        pairs = value.get("ids") if isinstance(value, dict) else None
+        if not isinstance(pairs, list):
+            raise ValueError("not an object with a list of ids")
+        ids = cls(limit)
+        for pair in pairs:
+            if (
+                isinstance(pair, list)
+                and len(pair) == 2
+                and all(isinstance(item, str) for item in pair)
+                and len(pair[0]) <= MAX_KEPT_ID_CHARS + 7
+            ):
+                ids.add(pair[0], pair[1])
+        return ids
 
 
 def task_id(session_id: str, run_id: str) -> str:
@@ -199,13 +269,55 @@ def parse_decision(text: str, data: Iterable[Mapping[str, Any]]) -> Verdict | No
     return None
 
 
+HOST_LOST_NOTE = (
+    "The host running this task stopped; the task goes on from where it was. Tool calls "
+    "that had not finished say in their results what became of them."
+)
+"""What the history shows of the note a task resumed after its host stopped gets."""
+
+
+def question_choices(arguments: Mapping[str, Any]) -> list[str]:
+    """The answers a question offers: ``ask_user``'s ``choices``, or the options of the one
+    field an elicitation's ``requested_schema`` asks for; none when it offers none."""
+    choices = arguments.get("choices")
+    if isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices):
+        return list(choices)
+    schema = arguments.get("requested_schema")
+    fields = schema.get("properties") if isinstance(schema, Mapping) else None
+    if isinstance(fields, Mapping) and len(fields) == 1:
+        (field,) = fields.values()
+        options = field.get("enum") if isinstance(field, Mapping) else None
+        if isinstance(options, list) and options:
+            return [str(option) for option in options]
+    return []
+
+
+def _form_hint(arguments: Mapping[str, Any]) -> str | None:
+    """How to answer an elicitation that asks for a form of several fields."""
+    schema = arguments.get("requested_schema")
+    fields = schema.get("properties") if isinstance(schema, Mapping) else None
+    if not isinstance(fields, Mapping) or len(fields) < 2:
+        return None
+    return "Reply with a JSON object of the fields " + ", ".join(str(f) for f in fields) + "."
+
+
 def approval_prompt(request: ApprovalRequest) -> str:
-    """What a person is asked, in words."""
+    """What a person is asked, in words: a question as its text and its choices, a call
+    to decide with the words that decide it."""
     arguments = json.dumps(request.arguments, ensure_ascii=False)[:2000]
     match request.kind:
         case "question":
             question = request.arguments.get("question")
-            return question if isinstance(question, str) else f"{request.tool}: {arguments}"
+            words = (
+                question
+                if isinstance(question, str) and question.strip()
+                else f"{request.tool}: {arguments}"
+            )
+            choices = question_choices(request.arguments)
+            if choices:
+                return words + "\nChoose one of: " + ", ".join(choices)
+            hint = _form_hint(request.arguments)
+            return words if hint is None else f"{words}\n{hint}"
         case "in_doubt":
             return (
                 f"The call {request.tool}({arguments}) was running when its host stopped: "
@@ -250,6 +362,9 @@ class TaskFold:
         self._answered: set[str] = set()
         """Questions (``ask_user``) a person answered whose call has no result yet: the
         result is the answer, the user's turn in the history."""
+        self._asks: dict[str, int] = {}
+        """How many requests (and answers) each call had so far: a call asked twice (its
+        approval, then its question while it runs) gets a message id for each."""
         self.status_message: dict[str, Any] | None = None
         self.seen = submitted is not None
         """Whether any output (or the submitted message) of the task was seen."""
@@ -322,37 +437,23 @@ class TaskFold:
             case ToolCallOutput():
                 return self._tool_result(output)
             case ApprovalRequest():
-                self.pending[output.call_id] = output
-                said = self._agent(
-                    f"{self.run_id}-ask-{output.call_id}",
-                    [
-                        text_part(approval_prompt(output)),
-                        data_part(
-                            {
-                                "approval_request": {
-                                    "call_id": output.call_id,
-                                    "tool": output.tool,
-                                    "arguments": output.arguments,
-                                    "kind": output.kind,
-                                }
-                            }
-                        ),
-                    ],
-                )
-                return self._moved("input-required", said)
+                return self._asked(output)
             case ApprovalDecision():
                 request = self.pending.pop(output.call_id, None)
+                question = request is not None and request.kind == "question"
                 # A question asked before its call was decided is the model's (ask_user):
                 # its ``allow`` only records that it was answered; the answer's text is
                 # the call's result, written as the user's turn when it comes.
-                asked = (
-                    request is not None
-                    and request.kind == "question"
-                    and output.call_id not in self.decided
-                )
+                asked = question and output.call_id not in self.decided
                 self.decided.add(output.call_id)
                 if output.by == "client" and asked:
                     self._answered.add(output.call_id)
+                elif output.by == "client" and question:
+                    # A running call's question (an MCP elicitation): its ``allow`` and
+                    # ``deny`` say answered or declined; the answer went to the call alone.
+                    answer = "answered" if output.decision == "allow" else "declined"
+                    replied = {"call_id": output.call_id, "question": answer}
+                    self._user_answer(output.call_id, [data_part(replied)])
                 elif output.by == "client":  # a person's answer: the user's turn
                     word = "always" if output.remember else output.decision
                     decided = {"call_id": output.call_id, "decision": word}
@@ -381,22 +482,52 @@ class TaskFold:
             case _:
                 assert_never(output)
 
+    def _numbered(self, kind: str, call_id: str) -> str:
+        """The id of a request (``ask``) or answer (``answer``) message of ``call_id``:
+        the first of each has the call's id alone, later ones a number after it."""
+        key = f"{kind}-{call_id}"
+        count = self._asks[key] = self._asks.get(key, 0) + 1
+        return f"{self.run_id}-{key}" if count == 1 else f"{self.run_id}-{key}-{count}"
+
+    def _asked(self, output: ApprovalRequest) -> list[dict[str, Any]]:
+        self.pending[output.call_id] = output
+        request: dict[str, Any] = {
+            "call_id": output.call_id,
+            "tool": output.tool,
+            "arguments": output.arguments,
+            "kind": output.kind,
+        }
+        if output.kind == "question":
+            request["choices"] = question_choices(output.arguments)
+        said = self._agent(
+            self._numbered("ask", output.call_id),
+            [text_part(approval_prompt(output)), data_part({"approval_request": request})],
+        )
+        return self._moved("input-required", said)
+
     def _user(self, output: UserMsg) -> list[dict[str, Any]]:
-        texts = [b.text for b in output.content if isinstance(b, TextBlock)]
         if output.kind == "prompt" and self.history and not self._prompt_seen:
             self._prompt_seen = True  # the submitted message: known already
             return []
         self._prompt_seen = True
-        self.history.append(
-            message(
-                "user",
-                [text_part("\n".join(texts))],
-                message_id=f"{self.run_id}-in-{output.seq}",
-                context_id=self.context_id,
-                task=self.id,
+        # The runtime's note to a task its host lost rides as steering: it is the
+        # agent's side speaking, never the user's words.
+        lost = any(_host_lost(b) for b in output.content)
+        texts = [b.text for b in output.content if isinstance(b, TextBlock) and not _host_lost(b)]
+        if texts or not lost:
+            self.history.append(
+                message(
+                    "user",
+                    [text_part("\n".join(texts))],
+                    message_id=f"{self.run_id}-in-{output.seq}",
+                    context_id=self.context_id,
+                    task=self.id,
+                )
             )
-        )
-        return []
+        if not lost:
+            return []
+        said = self._agent(f"{self.run_id}-note-{output.seq}", [text_part(HOST_LOST_NOTE)])
+        return [] if self.state in END_STATES else self._moved("working", said)
 
     def _user_answer(self, call_id: str, parts: list[dict[str, Any]]) -> None:
         """A person's answer to the request of ``call_id``: the user's turn in the
@@ -405,7 +536,7 @@ class TaskFold:
             message(
                 "user",
                 parts,
-                message_id=f"{self.run_id}-answer-{call_id}",
+                message_id=self._numbered("answer", call_id),
                 context_id=self.context_id,
                 task=self.id,
             )
@@ -500,6 +631,10 @@ class TaskFold:
             context_id=self.context_id,
             task=self.id,
         )
+
+
+def _host_lost(block: object) -> bool:
+    return isinstance(block, TextBlock) and block.text == HOST_LOST_CONTINUATION
 
 
 def open_run(outputs: Iterable[Output]) -> str | None:

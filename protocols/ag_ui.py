@@ -24,6 +24,10 @@ wire's camelCase keys):
   waits for a person ends on the interrupts.
 * The run's ``context`` and a ``state`` the front end changed are given to the model with
   the new input (:func:`front_end_notes`).
+* The image parts of the new user messages (their bytes inline: a ``data`` source or a
+  ``data:`` URL) are images the model sees (:func:`new_images`); the legacy ``binary``
+  part is read as the media part it became in AG-UI 1.0 (:func:`upgrade_binary_parts`).
+  An image by URL or provider file handle, or audio, video and documents, are refused.
 
 Ids are derived from the trace (``RUNID-TURN-BLOCK`` for messages, the call id for tool
 calls), so the events of a block replayed after a disconnect carry the ids the front end
@@ -140,6 +144,112 @@ def new_input(messages: Iterable[Mapping[str, Any]]) -> str:
             break
         texts.append(_text_of(said.get("content")))
     return "\n\n".join(t for t in reversed(texts) if t)
+
+
+class ImageInputError(ValueError):
+    """A part of a run's new user messages greenroom cannot give the model (the message
+    names it, and says why)."""
+
+
+_DATA_URL = re.compile(r"data:([^;,]+)((?:;[^;,]*)*),(.*)", re.DOTALL)
+
+
+def _new_messages(messages: list[Mapping[str, Any]]) -> list[int]:
+    """The indexes of the user messages at the end of ``messages`` (the new input)."""
+    found: list[int] = []
+    for index in range(len(messages) - 1, -1, -1):
+        if messages[index].get("role") != "user":
+            break
+        found.append(index)
+    return found[::-1]
+
+
+def new_images(messages: Iterable[Mapping[str, Any]]) -> list[tuple[str, str, str]]:
+    """``(where, media type, base64 data)`` of each image part of the user messages at the
+    end of a run's ``messages`` (those :func:`new_input` takes the text of), in order;
+    ``where`` is the part's ``$.messages[i].content[j]``. Raises :class:`ImageInputError`
+    for an image given by a URL (other than a ``data:`` URL of base64 bytes) or by a
+    provider's file handle, one whose type is not ``image/…``, and for an audio, video or
+    document part. The bytes are checked (base64, size) when they are attached."""
+    listed = list(messages)
+    images: list[tuple[str, str, str]] = []
+    for index in _new_messages(listed):
+        content = listed[index].get("content")
+        for number, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            where = f"$.messages[{index}].content[{number}]"
+            if kind == "text":
+                continue
+            if kind != "image":
+                raise ImageInputError(f"{where}: a {kind} part; this agent takes text and images")
+            media_type, data = _image_source(part.get("source"), where)
+            if not media_type.startswith("image/"):
+                raise ImageInputError(f"{where}: {media_type[:100]!r} is not an image type")
+            images.append((where, media_type, data))
+    return images
+
+
+def _image_source(source: Any, where: str) -> tuple[str, str]:
+    """``(media type, base64 data)`` of an image part's ``source``."""
+    kind = source.get("type") if isinstance(source, Mapping) else None
+    value = source.get("value") if isinstance(source, Mapping) else None
+    if not isinstance(value, str):
+        raise ImageInputError(f"{where}.source: no value")
+    media_type = source.get("mimeType") if isinstance(source, Mapping) else None
+    if kind == "url":
+        found = _DATA_URL.fullmatch(value)
+        if found is None:
+            raise ImageInputError(
+                f"{where}.source: an image by URL is not fetched; send its bytes (a data "
+                "source, or a data: URL)"
+            )
+        if "base64" not in found.group(2).split(";"):
+            raise ImageInputError(f"{where}.source: a data: URL of base64 bytes only")
+        return found.group(1).strip().lower(), found.group(3)
+    if kind != "data":
+        raise ImageInputError(
+            f"{where}.source: a provider's file handle names no bytes this agent has; send "
+            "the image's bytes (a data source)"
+        )
+    if not isinstance(media_type, str):
+        raise ImageInputError(f"{where}.source.mimeType: required")
+    return media_type.strip().lower(), value
+
+
+_MEDIA_KINDS = {"image/": "image", "audio/": "audio", "video/": "video"}
+
+
+def upgrade_binary_parts(body: Any) -> Any:
+    """A ``RunAgentInput`` (JSON) whose user messages' legacy ``binary`` parts (AG-UI
+    0.x: ``mimeType`` and ``data``, ``url`` or ``id``) are the media parts AG-UI 1.0
+    replaced them with, as the protocol's own compatibility boundary upgrades them: by
+    their type an ``image``, ``audio``, ``video`` or ``document`` part whose source is the
+    data, the URL or the file id. Anything else is left as it is (the validation that
+    follows judges it)."""
+    messages = body.get("messages") if isinstance(body, dict) else None
+    for said in messages if isinstance(messages, list) else ():
+        content = said.get("content") if isinstance(said, dict) else None
+        if not isinstance(content, list):
+            continue
+        for number, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "binary":
+                content[number] = _upgraded(part)
+    return body
+
+
+def _upgraded(part: dict[str, Any]) -> dict[str, Any]:
+    media_type = part.get("mimeType")
+    if not isinstance(media_type, str):
+        return part
+    kind = next(
+        (k for prefix, k in _MEDIA_KINDS.items() if media_type.startswith(prefix)), "document"
+    )
+    for field, source in (("data", "data"), ("url", "url"), ("id", "file")):
+        value = part.get(field)
+        if isinstance(value, str) and value:
+            given = {"type": source, "value": value, "mimeType": media_type}
+            return {"type": kind, "source": given}
+    return part
 
 
 def _text_of(content: Any) -> str:

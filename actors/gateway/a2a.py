@@ -25,12 +25,28 @@ producer is cancelled, and so is the wait of a blocking ``message/send``
 The images a task's tools returned (its artifacts) are read from the session's private
 copies (R-SEC-8) in a worker thread before the task's fold meets them (:class:`_TaskFold`),
 never in the event loop's thread.
+
+A message is delivered once (A2A: the ``messageId`` names the message): a message whose
+id was delivered before — a client's retry after a lost answer — is answered with the task
+that first delivery went to (the ``Task`` now, followed as the first answer would have
+been), and nothing runs again (:class:`_Deliveries`). The ids of a context are kept in its
+session's directory (:data:`MESSAGE_IDS_FILE`, the last
+:data:`~greenroom.protocols.a2a.MAX_REMEMBERED_IDS`), so they outlive a restart as its
+tasks do; those of a message that made its context (no ``contextId``) are kept per
+principal in memory only (the retry's context is unknown to the client, and so to the
+files). A retry that comes while its first delivery is still being made waits for it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
 import re
-from collections.abc import Callable, Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from pathlib import Path
 from typing import Any
 
 import pydantic
@@ -43,15 +59,18 @@ from greenroom.actors.gateway.hubs import replay_records
 from greenroom.actors.gateway.methods import Methods, once_recorded
 from greenroom.actors.gateway.queue_room import NOT_HANDED_OVER, check_open
 from greenroom.actors.providers import read_image
+from greenroom.actors.runtime.client_tools_file import replace_private_file
 from greenroom.actors.runtime.errors import GreenroomError, SessionNotFound
 from greenroom.actors.runtime.session import Session
 from greenroom.protocols import a2a, jsonrpc
 from greenroom.protocols.content import ImageBlock, TextBlock
 from greenroom.protocols.context import ImageSource
 from greenroom.protocols.jsonrpc import Request, RpcError
-from greenroom.protocols.outputs import Output, ToolCallOutput
+from greenroom.protocols.outputs import ApprovalRequest, Output, ToolCallOutput
 
-__all__ = ["A2A_PATH", "CARD_PATH", "A2aEndpoint"]
+__all__ = ["A2A_PATH", "CARD_PATH", "MESSAGE_IDS_FILE", "A2aEndpoint"]
+
+logger = logging.getLogger(__name__)
 
 CARD_PATH = "/.well-known/agent-card.json"
 A2A_PATH = "/a2a"
@@ -60,6 +79,16 @@ MAX_TEXT_CHARS = 100_000
 """The longest text a message may carry."""
 NO_TEXT_TO_START = "$.params.message.parts: no text to start a task"
 """Why a message that would start a task but carries no text is refused."""
+
+MESSAGE_IDS_FILE = "a2a_messages.json"
+"""The message ids a context was sent and the task each went to (JSON, the newest
+:data:`~greenroom.protocols.a2a.MAX_REMEMBERED_IDS`), next to its session's
+``session.json``."""
+
+MAX_CACHED_CONTEXTS = 1024
+"""The most contexts whose message ids are held in memory (others are read again)."""
+MAX_MADE_IDS = 4096
+"""The most ids of messages that made their context remembered (all principals)."""
 
 _HOST = re.compile(r"(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9][A-Za-z0-9.-]{0,252})(:\d{1,5})?")
 
@@ -81,6 +110,7 @@ class A2aEndpoint:
         self._methods = methods
         self._listen_url = listen_url
         self._version = version
+        self._deliveries = _Deliveries()
 
     async def respond(self, request: HttpRequest, reply: Reply) -> None:
         """The card (GET) or one JSON-RPC call (POST)."""
@@ -212,7 +242,7 @@ class A2aEndpoint:
 
             async def produce(sink: EventSink) -> None:
                 await sink.send(jsonrpc.encode(jsonrpc.result_frame(frame.id, fold.task())))
-                await self._follow(feed, fold, frame, sink, set())
+                await self._follow(feed, fold, frame, sink, ())
 
             await reply.events(produce)
 
@@ -222,14 +252,18 @@ class A2aEndpoint:
         fold: _TaskFold,
         frame: Request,
         sink: EventSink | None,
-        answered: set[str],
+        answered: Collection[ApprovalRequest],
     ) -> None:
         """Fold the task's outputs (sending their events to ``sink``) until a stream of
-        it ends: an end state, or ``input-required`` once every call in ``answered`` was
-        decided (before, the request answered is still the one pending)."""
+        it ends: an end state, or ``input-required`` once none of the requests
+        ``answered`` is pending (before, the one answered is still the one pending; a
+        call asked again — its question once it runs — is another request)."""
         while not (
             fold.state in a2a.END_STATES
-            or (fold.state == "input-required" and answered <= fold.decided)
+            or (
+                fold.state == "input-required"
+                and not any(fold.pending.get(r.call_id) is r for r in answered)
+            )
         ):
             batch = await feed.next_batch()
             if batch is None:
@@ -259,20 +293,41 @@ class A2aEndpoint:
         text = "\n".join(texts)
         if len(text) > MAX_TEXT_CHARS:
             raise RpcError(jsonrpc.INVALID_PARAMS, f"text longer than {MAX_TEXT_CHARS} characters")
-        session, named_run = await self._target(principal, sent.context_id, sent.task_id, text)
         streaming = frame.method == "message/stream"
         configuration = params.configuration
         blocking = configuration is None or configuration.blocking is not False
         # The most recent history messages the Task answered carries (A2A 0.3), as for
         # tasks/get; the events that follow carry no history.
         history_length = None if configuration is None else configuration.history_length
-        feed, fold, answered = await self._delivered(session, named_run, text, data, principal)
+        key = a2a.message_key(sent.message_id)
+        new = sent.context_id is None and sent.task_id is None
+        async with self._deliveries.one_at_a_time(
+            (principal, sent.context_id or "", sent.task_id or "", key)
+        ):
+            session, run_id, again = await self._route(principal, sent, key, text)
+            keep: Callable[[], Awaitable[None]] = _nothing
+            if again:
+                feed, fold, answered = await self._delivered_before(session, run_id)
+            else:
+                feed, fold, answered = await self._delivered(
+                    session, run_id, text, data, principal
+                )
+                try:
+                    keep = await self._deliveries.remember(
+                        feed.session, key, fold.run_id, made_by=principal if new else None
+                    )
+                except BaseException:
+                    feed.close()
+                    raise
         with feed:
 
             async def produce(sink: EventSink | None) -> None:
                 if sink is not None:
                     task = fold.task(history_length)
                     await sink.send(jsonrpc.encode(jsonrpc.result_frame(frame.id, task)))
+                # Kept where a client that goes away stops the wait (the write goes on),
+                # once a stream's client has the task's id.
+                await keep()
                 await self._follow(feed, fold, frame, sink, answered)
 
             if streaming:
@@ -282,7 +337,48 @@ class A2aEndpoint:
             # on (tasks/get and tasks/resubscribe find it), nothing is answered.
             if blocking and not await reply.unless_gone(lambda: produce(None)):
                 return
+            if not blocking:
+                await keep()
             await reply.json(200, jsonrpc.result_frame(frame.id, fold.task(history_length)))
+
+    async def _route(
+        self, principal: str, sent: Any, key: str, text: str
+    ) -> tuple[Session, str | None, bool]:
+        """The session a message goes to, the run it names and whether it was delivered
+        before (the run is then the task that first delivery went to)."""
+        if sent.context_id is None and sent.task_id is None:
+            made = self._deliveries.made(principal, key)
+            if made is not None:
+                with contextlib.suppress(RpcError):  # its context is gone since: a new one
+                    session, run_id = await self._task_session(principal, made)
+                    return session, run_id, True
+        session, named_run = await self._target(principal, sent.context_id, sent.task_id, text)
+        if sent.context_id is not None or sent.task_id is not None:
+            went_to = (await self._deliveries.ids_of(session)).run_of(key)
+            # The same id in another task is another message (a careless client's).
+            if went_to is not None and named_run in (None, went_to):
+                return session, went_to, True
+        return session, named_run, False
+
+    async def _delivered_before(
+        self, session: Session, run_id: str | None
+    ) -> tuple[SessionFeed, _TaskFold, Collection[ApprovalRequest]]:
+        """The feed and fold of the task a message delivered before went to: answered as
+        that delivery was, from the task's state now."""
+        assert run_id is not None
+        feed = SessionFeed(session, 0)
+        try:
+            fold = self._new_fold(session, run_id)
+            await fold.take(await _caught_up(feed))
+            if not fold.seen:
+                raise RpcError(
+                    a2a.TASK_NOT_FOUND,
+                    f"the task this message went to ({session.id}:{run_id}) is gone",
+                )
+        except BaseException:
+            feed.close()
+            raise
+        return feed, fold, ()
 
     async def _target(
         self, principal: str, context_id: str | None, task: str | None, text: str
@@ -308,7 +404,7 @@ class A2aEndpoint:
         text: str,
         data: list[dict[str, Any]],
         principal: str,
-    ) -> tuple[SessionFeed, _TaskFold, set[str]]:
+    ) -> tuple[SessionFeed, _TaskFold, Collection[ApprovalRequest]]:
         """:meth:`_deliver`, and the feed of the session the message went to (the caller
         closes it): a session whose close began before its pending requests were answered
         is loaded again and the message delivered there."""
@@ -337,8 +433,8 @@ class A2aEndpoint:
         data: list[dict[str, Any]],
         principal: str,
         feed: SessionFeed,
-    ) -> tuple[_TaskFold, set[str]]:
-        """Answer, steer or start, as the message says; the task's fold, and the calls
+    ) -> tuple[_TaskFold, Collection[ApprovalRequest]]:
+        """Answer, steer or start, as the message says; the task's fold, and the requests
         answered. ``feed`` watches already: nothing that follows is missed."""
         records = await _caught_up(feed)
         running = a2a.open_run(records)
@@ -366,7 +462,7 @@ class A2aEndpoint:
             if queued:
                 # Answered once the steering survives this host, as the gateway's steer.
                 await once_recorded(recorded)
-            return fold, set()
+            return fold, ()
         if named_run is not None:
             raise RpcError(
                 a2a.UNSUPPORTED_OPERATION,
@@ -385,7 +481,7 @@ class A2aEndpoint:
             context_id=session.id,
             task=a2a.task_id(session.id, stream.run_id),
         )
-        return self._new_fold(session, stream.run_id, submitted=submitted), set()
+        return self._new_fold(session, stream.run_id, submitted=submitted), ()
 
     async def _answer(
         self,
@@ -394,15 +490,15 @@ class A2aEndpoint:
         text: str,
         data: list[dict[str, Any]],
         principal: str,
-    ) -> set[str]:
+    ) -> list[ApprovalRequest]:
         """Answer the task's pending requests with the message (a data part's
-        ``call_id`` picks one); the call ids answered."""
+        ``call_id`` picks one); the requests answered."""
         named = {item.get("call_id") for item in data if isinstance(item.get("call_id"), str)}
         requests = [r for r in fold.pending.values() if not named or r.call_id in named]
         if not requests:
             raise RpcError(jsonrpc.INVALID_PARAMS, "no pending request has that call_id")
         host = self._methods.host
-        answered: set[str] = set()
+        answered: list[ApprovalRequest] = []
         for request in requests:
             # No checkpoint from here to the host's lookup: a session it lists no more
             # would be loaded by the host, not through the gateway.
@@ -421,8 +517,112 @@ class A2aEndpoint:
                         '(or a data part {"decision": "allow" | "deny" | "allow_session"})',
                     )
                 await host.answer_approval(session.id, request.call_id, verdict, by=principal)
-            answered.add(request.call_id)
+            answered.append(request)
         return answered
+
+
+class _Deliveries:
+    """Which task each message went to, so a message delivered before is not delivered
+    again: per context (a :class:`~greenroom.protocols.a2a.MessageIds` kept in the
+    session's :data:`MESSAGE_IDS_FILE`, read once, written in a worker thread), and per
+    principal for the messages that made their context (memory only). Holds no channel."""
+
+    def __init__(self) -> None:
+        self._contexts: OrderedDict[str, a2a.MessageIds] = OrderedDict()
+        self._made: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._delivering: dict[tuple[str, ...], trio.Event] = {}
+        self._version = 0
+        """Counts the writes asked for: a later one's content is newer."""
+        self._written: OrderedDict[Path, int] = OrderedDict()
+        """The version last written to each file (guarded by ``_writing``)."""
+        self._writing = threading.Lock()
+
+    @contextlib.asynccontextmanager
+    async def one_at_a_time(self, key: tuple[str, ...]) -> AsyncIterator[None]:
+        """Deliver the message of ``key`` (principal, context, task, message key) alone:
+        a retry that comes meanwhile waits, then finds it delivered."""
+        while (busy := self._delivering.get(key)) is not None:
+            await busy.wait()
+        done = self._delivering[key] = trio.Event()
+        try:
+            yield
+        finally:
+            del self._delivering[key]
+            done.set()
+
+    def made(self, principal: str, key: str) -> str | None:
+        """The task a message of ``principal`` that made its context went to."""
+        return self._made.get((principal, key))
+
+    async def ids_of(self, session: Session) -> a2a.MessageIds:
+        """The message ids of ``session``'s context (read from its file the first time;
+        a file that cannot be read counts as none, and says so in the log)."""
+        ids = self._contexts.get(session.id)
+        if ids is None:
+            read = await trio.to_thread.run_sync(_read_ids, session.directory / MESSAGE_IDS_FILE)
+            # Read by another call meanwhile: that one is the context's (it may hold more).
+            ids = self._contexts.setdefault(session.id, read)
+        self._contexts.move_to_end(session.id)
+        while len(self._contexts) > MAX_CACHED_CONTEXTS:
+            self._contexts.popitem(last=False)
+        return ids
+
+    async def remember(
+        self, session: Session, key: str, run_id: str, *, made_by: str | None
+    ) -> Callable[[], Awaitable[None]]:
+        """The message of ``key`` went to ``run_id`` of ``session``: remembered now (and,
+        for a message that made the context, for ``made_by``). Returns what keeps it in
+        the context's file, to be awaited where a client that goes away cuts the wait
+        short: the write then completes in its worker thread all the same. A failed
+        write is logged; the id is remembered while this process runs."""
+        if made_by is not None:
+            self._made[(made_by, key)] = a2a.task_id(session.id, run_id)
+            while len(self._made) > MAX_MADE_IDS:
+                self._made.popitem(last=False)
+        ids = await self.ids_of(session)
+        ids.add(key, run_id)
+        self._version += 1
+        write = functools.partial(
+            self._write, session.directory / MESSAGE_IDS_FILE, ids.dumps(), self._version
+        )
+
+        async def keep() -> None:
+            await trio.to_thread.run_sync(write, abandon_on_cancel=True)
+
+        return keep
+
+    def _write(self, path: Path, text: str, version: int) -> None:
+        """Replace the ids kept in ``path`` with ``text``, unless a later version was
+        written there already (writes abandoned by their callers may finish in any
+        order). Blocking; called in worker threads, one at a time."""
+        with self._writing:
+            if self._written.get(path, 0) >= version:
+                return
+            try:
+                replace_private_file(path, text)
+            except OSError as exc:
+                logger.warning("A2A: cannot keep the message ids in %s: %s", path, exc)
+                return
+            self._written[path] = version
+            self._written.move_to_end(path)
+            while len(self._written) > MAX_CACHED_CONTEXTS:
+                self._written.popitem(last=False)
+
+
+async def _nothing() -> None:
+    """Nothing to keep (a message delivered before)."""
+
+
+def _read_ids(path: Path) -> a2a.MessageIds:
+    """The message ids kept in ``path`` (none when it does not exist or cannot be read).
+    Blocking."""
+    try:
+        return a2a.MessageIds.loads(path.read_text("utf-8"))
+    except FileNotFoundError:
+        return a2a.MessageIds()
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        logger.warning("A2A: the message ids in %s are left out: %s", path, exc)
+        return a2a.MessageIds()
 
 
 class _ClosedBeforeTheAnswer(Exception):

@@ -12,7 +12,10 @@ One request does one of three things:
 
 * **run**: the user messages at the end of ``messages`` start a task (409 while the
   thread runs or waits for an answer), with the run's ``context`` and changed ``state``
-  as notes for the model;
+  as notes for the model; their image parts are attached as any inline image is
+  (``Session.attach_image_data``: the session's ``max_image_bytes``, an ``image/`` type,
+  R-SEC-8), and one that cannot be is 400 naming the part (a new thread's session is
+  then deleted again);
 * **resume** (``resume`` entries, or ``tool`` messages with the results of front-end
   calls): answer what the last run ended on, as the caller's principal (R-HITL-2), and
   stream the task from where it waited — in the session loaded again, with the server's
@@ -56,10 +59,15 @@ from greenroom.actors.runtime.client_tools_file import (
     give_client_tools,
     keep_client_tools,
 )
-from greenroom.actors.runtime.errors import ConfigurationError, GreenroomError, SessionNotFound
+from greenroom.actors.runtime.errors import (
+    ConfigurationError,
+    GreenroomError,
+    ImageRefused,
+    SessionNotFound,
+)
 from greenroom.actors.runtime.session import Session, client_tools_problem
 from greenroom.protocols import ag_ui, jsonrpc
-from greenroom.protocols.content import TextBlock
+from greenroom.protocols.content import TextBlock, UserContent
 from greenroom.protocols.jsonrpc import RpcError
 from greenroom.protocols.outputs import ApprovalRequest, Output
 from greenroom.protocols.people import PendingApproval, Verdict
@@ -105,23 +113,24 @@ class AgUiEndpoint:
             run = self._input(request.body)
             last_event = request.headers.get("last-event-id")
             session, created = await self._thread(request.principal, run, last_event)
+            shown: list[Output] | None = None
             try:
                 tools = await self._client_tools(session, run)
+                if last_event is not None:
+                    feed, pending, shown = await self._reconnect(session, last_event)
+                elif run.resume or await self._tool_results(session, run):
+                    feed, pending, shown = await self._resume(
+                        session, run, request.principal, tools
+                    )
+                else:
+                    feed, pending = await self._start(session, run), []
             except _Refused:
                 if created:
                     # A tool of its MCP servers, known once it was made, has the name of
-                    # a front-end tool: the refused run leaves no session (R-SEC-9).
+                    # a front-end tool, or an image cannot be attached: the refused run
+                    # leaves no session (R-SEC-9).
                     await self._methods.creation.undo(request.principal, session)
                 raise
-            shown: list[Output] | None = None
-            if last_event is not None:
-                feed, pending, shown = await self._reconnect(session, last_event)
-            elif run.resume or await self._tool_results(session, run):
-                feed, pending, shown = await self._resume(
-                    session, run, request.principal, tools
-                )
-            else:
-                feed, pending = await self._start(session, run), []
         except _Refused as exc:
             await reply.error(exc.status, str(exc))
             return
@@ -159,7 +168,7 @@ class AgUiEndpoint:
         if value_too_deep(value, jsonrpc.MAX_DEPTH):
             raise _Refused(400, f"the body is nested deeper than {jsonrpc.MAX_DEPTH} levels")
         try:
-            run = RunAgentInput.model_validate(value)
+            run = RunAgentInput.model_validate(ag_ui.upgrade_binary_parts(value))
         except pydantic.ValidationError as exc:
             problems = "; ".join(
                 f"$.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:5]
@@ -191,7 +200,7 @@ class AgUiEndpoint:
         if run.resume:
             interrupt = jsonrpc.echo(run.resume[0].interrupt_id)
             raise _Refused(409, f"no pending interrupt {interrupt} in this thread")
-        _new_text(run)
+        _new_input(run)
         if run.tools:
             try:
                 given = ag_ui.client_tools(t.model_dump() for t in run.tools)
@@ -245,17 +254,20 @@ class AgUiEndpoint:
         ]
 
     async def _start(self, session: Session, run: RunAgentInput) -> SessionFeed:
-        text = _new_text(run)
+        text, images = _new_input(run)
         notes = self._notes(session, run)
         if await self._pending(session):
             raise _Refused(409, "the thread waits for answers: send them as resume entries")
+        content: list[UserContent] = [TextBlock(text=t) for t in (notes, text) if t]
+        for where, media_type, data in images:
+            try:
+                content.append(await session.attach_image_data(data, media_type))
+            except ImageRefused as exc:
+                raise _Refused(400, f"{where}: {exc.reason}") from None
         session = await self._methods.settled(session)
         # Live only: the session is idle, so every output of the new task follows.
         feed = SessionFeed(session, session.host.port(session.id).last_seq, replay=False)
         try:
-            content = [TextBlock(text=notes), TextBlock(text=text)] if notes else [
-                TextBlock(text=text)
-            ]
             stream = session.run(content, approve=self._methods.approver())
         except BaseException:
             feed.close()
@@ -364,14 +376,20 @@ class AgUiEndpoint:
         return SessionFeed(session, after), pending, shown
 
 
-def _new_text(run: RunAgentInput) -> str:
-    """The user's new input of ``run`` (its last user messages), or 400."""
-    text = ag_ui.new_input([m.model_dump(by_alias=True) for m in run.messages])
-    if not text.strip():
+def _new_input(run: RunAgentInput) -> tuple[str, list[tuple[str, str, str]]]:
+    """The user's new input of ``run`` (its last user messages): their text, and their
+    images (``(where, media type, base64 data)``, not attached yet); or 400."""
+    messages = [m.model_dump(by_alias=True) for m in run.messages]
+    text = ag_ui.new_input(messages)
+    try:
+        images = ag_ui.new_images(messages)
+    except ag_ui.ImageInputError as exc:
+        raise _Refused(400, str(exc)) from None
+    if not text.strip() and not images:
         raise _Refused(400, "$.messages: no user message after the agent's last one")
     if len(text) > MAX_TEXT_CHARS:
         raise _Refused(400, f"$.messages: more than {MAX_TEXT_CHARS} characters of text")
-    return text
+    return text, images
 
 
 def _checked_notes(run: RunAgentInput, *, state_changed: bool) -> str:
